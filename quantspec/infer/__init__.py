@@ -1,0 +1,1 @@
+"""quantspec.infer"""

@@ -1,0 +1,157 @@
+"""Finding and reading checkpoints: zoo name / local HF directory / hub id → a directory;
+single-file or sharded safetensors → tensors, with one-line errors for what users get wrong.
+
+Never builds transformers' modeling classes: architectures come from `llama.py` and weights are
+checked against its HF weight-name table.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+from pathlib import Path
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
+
+__all__ = [
+    "build_model",
+    "load_checkpoint_tensors",
+    "load_model",
+    "read_config",
+    "resolve_model_dir",
+    "safetensors_files",
+]
+
+# Tensors some HF checkpoints carry that are recomputed here.
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+
+
+def resolve_model_dir(model: str | os.PathLike) -> Path:
+    """A zoo name (`smollm2-135m`), a local HF directory, or a hub id (downloaded when online)."""
+    from quantspec.model_zoo import default
+
+    name = str(model)
+    if name in default.ZOO:
+        return default.ensure_zoo_model(name)
+    path = Path(name).expanduser()
+    if path.exists():
+        if not path.is_dir():
+            raise QuantSpecError(f"{path} is a file; pass the model directory that holds config.json")
+        if not (path / "config.json").exists():
+            raise QuantSpecError(f"{path} has no config.json; pass a HF model directory or a quantspec artifact")
+        return path
+    looks_like_hub_id = name.count("/") == 1 and not name.startswith((".", "/", "~"))
+    if not looks_like_hub_id:
+        raise QuantSpecError(
+            f"model path {name} does not exist; pass a local HF directory, a hub id, or one of: "
+            f"{', '.join(default.ZOO)}"
+        )
+    try:
+        from huggingface_hub import snapshot_download
+
+        return Path(snapshot_download(
+            name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
+        ))
+    except Exception as e:  # offline, gated, or a typo — all surface as one line
+        raise QuantSpecError(
+            f"could not fetch {name!r} from the hub ({type(e).__name__}); download it first and pass "
+            f"the local directory"
+        ) from None
+
+
+def read_config(model_dir: Path) -> dict:
+    path = Path(model_dir) / "config.json"
+    try:
+        return json.loads(path.read_text())
+    except FileNotFoundError:
+        raise QuantSpecError(f"{model_dir} has no config.json; pass a HF model directory") from None
+    except json.JSONDecodeError as e:
+        raise QuantSpecError(f"{path} is not valid JSON (line {e.lineno}); repair or re-create it") from None
+
+
+def safetensors_files(model_dir: Path) -> list[Path]:
+    model_dir = Path(model_dir)
+    index = model_dir / "model.safetensors.index.json"
+    if index.exists():
+        weight_map = json.loads(index.read_text())["weight_map"]
+        files = sorted({model_dir / f for f in weight_map.values()})
+        missing = [f.name for f in files if not f.exists()]
+        if missing:
+            raise QuantSpecError(
+                f"{index.name} names shard(s) that are missing: {', '.join(missing)}; re-download the checkpoint"
+            )
+        return files
+    files = sorted(model_dir.glob("*.safetensors"))
+    if not files:
+        if list(model_dir.glob("*.bin")) or list(model_dir.glob("*.pt")):
+            raise QuantSpecError(
+                f"{model_dir} holds only PyTorch pickle weights; convert them to safetensors "
+                f"(transformers: save_pretrained(safe_serialization=True))"
+            )
+        raise QuantSpecError(f"{model_dir} has no *.safetensors weights")
+    return files
+
+
+def load_checkpoint_tensors(model_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a single-file or sharded safetensors checkpoint."""
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    tensors: dict[str, torch.Tensor] = {}
+    for f in safetensors_files(model_dir):
+        try:
+            tensors.update(load_file(str(f), device=str(device)))
+        except (SafetensorError, OSError, RuntimeError) as e:
+            reason = str(e).splitlines()[0][:120]
+            raise QuantSpecError(
+                f"{f} is truncated or corrupt ({reason}); re-download or re-create it"
+            ) from None
+    return tensors
+
+
+def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transformer:
+    with torch.device(device):
+        return Transformer(args)
+
+
+def check_against_table(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]], where: str) -> None:
+    missing = [n for n in table if n not in tensors]
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the checkpoint is incomplete")
+    for name, shape in table.items():
+        if tuple(tensors[name].shape) != shape:
+            raise QuantSpecError(
+                f"{where}: {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
+            )
+
+
+def load_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[Transformer, Path]:
+    """Load an unquantized HF checkpoint into our `Transformer` (built on meta, `assign=True`)."""
+    model_dir = resolve_model_dir(model)
+    cfg = read_config(model_dir)
+    if cfg.get("quantization_config"):
+        raise QuantSpecError(
+            f"{model_dir} is a quantized artifact; load it with quantspec.infer.loader.load_for_inference"
+        )
+    args = ModelArgs.from_hf_config(cfg)
+    tensors = load_checkpoint_tensors(model_dir)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    if args.tie_word_embeddings:
+        tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
+    table = hf_weight_table(args)
+    check_against_table(tensors, table, str(model_dir))
+    unexpected = sorted(set(tensors) - set(table))
+    if unexpected:
+        raise QuantSpecError(f"{model_dir}: unexpected tensor {unexpected[0]} for a {args.arch} checkpoint")
+    net = build_model(args)
+    net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    net.to(device)
+    net.setup_rope(args.max_position_embeddings, device)
+    return net.eval(), model_dir

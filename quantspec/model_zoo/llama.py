@@ -1,0 +1,363 @@
+"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) as plain nn.Modules.
+
+This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules, rotary
+embeddings (default, linear, dynamic-free llama3 scaling) and the HF weight-name table that
+`load_state_dict` is checked against. Module attribute names mirror HF's, so a checkpoint's tensor
+names (and compressed-tensors' `...q_proj.weight_packed`) map one to one.
+
+Two things are injected rather than built in:
+- attention: the model computes q/k/v and rotary, then calls an `AttentionBackend`
+  (`backend(layer_idx, q, k, v) -> out`), so the same modules run with the paged KV cache of
+  `infer/` and with the plain causal attention (and observers) of `calib/`;
+- linears: plain `nn.Linear` at build time; `infer/` swaps quantized linears in by name.
+
+Tokens are flattened over the batch (`[T, D]`, no padding); positions come with them.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass, field
+from typing import Protocol
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantspec.errors import QuantSpecError
+
+__all__ = [
+    "ARCHITECTURES",
+    "AttentionBackend",
+    "DenseCausalAttention",
+    "ModelArgs",
+    "Transformer",
+    "hf_weight_table",
+]
+
+# HF `architectures[0]` → our family tag. Everything here shares one module tree; the tag only
+# changes biases and defaults.
+ARCHITECTURES = {
+    "LlamaForCausalLM": "llama",
+    "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+
+
+@dataclass
+class ModelArgs:
+    """Architecture hyper-parameters, from a HF config.json (`from_hf_config`)."""
+
+    arch: str = "llama"
+    vocab_size: int = 32000
+    hidden_size: int = 4096
+    intermediate_size: int = 11008
+    num_layers: int = 32
+    num_heads: int = 32
+    num_kv_heads: int = 32
+    head_dim: int = 0  # 0: hidden_size // num_heads
+    rms_norm_eps: float = 1e-5
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    qkv_bias: bool = False
+    o_bias: bool = False
+    mlp_bias: bool = False
+    bos_token_id: int | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+
+    def __post_init__(self):
+        if self.head_dim == 0:
+            self.head_dim = self.hidden_size // self.num_heads
+        if self.num_heads % self.num_kv_heads:
+            raise QuantSpecError(
+                f"num_attention_heads={self.num_heads} is not a multiple of "
+                f"num_key_value_heads={self.num_kv_heads}; fix config.json"
+            )
+        if self.rope_scaling is not None:
+            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
+            if rope_type not in _ROPE_TYPES:
+                raise QuantSpecError(
+                    f"rope_scaling type {rope_type!r} is not supported; supported: "
+                    f"{', '.join(sorted(_ROPE_TYPES))}"
+                )
+
+    @property
+    def q_size(self) -> int:
+        return self.num_heads * self.head_dim
+
+    @property
+    def kv_size(self) -> int:
+        return self.num_kv_heads * self.head_dim
+
+    @classmethod
+    def from_hf_config(cls, cfg: dict) -> "ModelArgs":
+        arch = None
+        for name in cfg.get("architectures") or []:
+            arch = ARCHITECTURES.get(name)
+            if arch:
+                break
+        if arch is None:
+            arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
+        if arch is None:
+            found = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+            raise QuantSpecError(
+                f"unsupported architecture {found!r}; supported: "
+                f"{', '.join(sorted(ARCHITECTURES))}"
+            )
+        # transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+        rope = dict(cfg.get("rope_parameters") or {})
+        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+        eos = cfg.get("eos_token_id")
+        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+        attention_bias = bool(cfg.get("attention_bias", False))
+        return cls(
+            arch=arch,
+            vocab_size=cfg["vocab_size"],
+            hidden_size=cfg["hidden_size"],
+            intermediate_size=cfg["intermediate_size"],
+            num_layers=cfg["num_hidden_layers"],
+            num_heads=cfg["num_attention_heads"],
+            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+            head_dim=cfg.get("head_dim") or 0,
+            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+            rope_theta=float(theta),
+            rope_scaling=scaling,
+            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+            qkv_bias=True if arch == "qwen2" else attention_bias,
+            o_bias=False if arch == "qwen2" else attention_bias,
+            mlp_bias=bool(cfg.get("mlp_bias", False)),
+            bos_token_id=cfg.get("bos_token_id"),
+            eos_token_ids=eos_ids,
+        )
+
+
+# ---------------------------------------------------------------------------------------------
+# rotary embeddings
+
+
+def _default_inv_freq(args: ModelArgs) -> torch.Tensor:
+    d = args.head_dim
+    return 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
+
+
+def _linear_inv_freq(args: ModelArgs) -> torch.Tensor:
+    return _default_inv_freq(args) / float(args.rope_scaling["factor"])
+
+
+def _llama3_inv_freq(args: ModelArgs) -> torch.Tensor:
+    """Llama 3.1 frequency-dependent scaling (long wavelengths slowed by `factor`, short ones
+    kept, a smooth ramp between `low_freq_factor` and `high_freq_factor`)."""
+    s = args.rope_scaling
+    inv_freq = _default_inv_freq(args)
+    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
+    old_ctx = float(s["original_max_position_embeddings"])
+    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
+    wavelen = 2 * math.pi / inv_freq
+    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
+    smooth = (old_ctx / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
+    return torch.where(is_medium, smoothed, scaled)
+
+
+_ROPE_TYPES = {"default": _default_inv_freq, "linear": _linear_inv_freq, "llama3": _llama3_inv_freq}
+
+
+def rope_cos_sin(args: ModelArgs, max_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin tables `[max_positions, head_dim]` in fp32 (HF's rotate-half convention)."""
+    rope_type = "default"
+    if args.rope_scaling is not None:
+        rope_type = args.rope_scaling.get("rope_type", args.rope_scaling.get("type", "default"))
+    inv_freq = _ROPE_TYPES[rope_type](args).to(torch.float32)
+    t = torch.arange(max_positions, dtype=torch.float32)
+    freqs = torch.outer(t, inv_freq)  # [P, hd/2]
+    emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
+    return emb.cos().to(device), emb.sin().to(device)
+
+
+def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """x: [T, H, hd]; cos/sin: [T, hd] → rotated x (same dtype)."""
+    half = x.shape[-1] // 2
+    x1, x2 = x[..., :half], x[..., half:]
+    rotated = torch.cat([-x2, x1], dim=-1)
+    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
+    return x * c + rotated * s
+
+
+# ---------------------------------------------------------------------------------------------
+# attention backends
+
+
+class AttentionBackend(Protocol):
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        """q: [T, H, hd], k/v: [T, KV, hd] (rotary applied) → out [T, H, hd]."""
+
+
+class DenseCausalAttention:
+    """Plain causal attention over a dense `[B, S]` batch flattened to `T = B*S` tokens.
+
+    Used by evaluation and calibration (no KV cache). `kv_hook(layer_idx, k, v)` — if given —
+    sees each layer's keys and values `[B, S, KV, hd]`, e.g. for the KV-cache scale observers.
+    """
+
+    def __init__(self, batch: int, seq_len: int, kv_hook=None):
+        self.batch, self.seq_len, self.kv_hook = batch, seq_len, kv_hook
+
+    def __call__(self, layer_idx, q, k, v):
+        B, S = self.batch, self.seq_len
+        q = q.view(B, S, *q.shape[1:])
+        k = k.view(B, S, *k.shape[1:])
+        v = v.view(B, S, *v.shape[1:])
+        if self.kv_hook is not None:
+            self.kv_hook(layer_idx, k, v)
+        out = F.scaled_dot_product_attention(
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
+            enable_gqa=q.shape[2] != k.shape[2],
+        )  # (B, H, S, hd)
+        return out.transpose(1, 2).reshape(B * S, *out.shape[1:2], out.shape[-1])
+
+
+# ---------------------------------------------------------------------------------------------
+# modules
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float):
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        dtype = x.dtype
+        x = x.float()
+        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * x.to(dtype)
+
+
+class Attention(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.layer_idx = layer_idx
+        self.num_heads, self.num_kv_heads, self.head_dim = args.num_heads, args.num_kv_heads, args.head_dim
+        self.q_proj = nn.Linear(args.hidden_size, args.q_size, bias=args.qkv_bias)
+        self.k_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
+        self.v_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
+        self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
+
+    def forward(self, x, cos, sin, attn: AttentionBackend):
+        T = x.shape[0]
+        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, hd]
+        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
+        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
+        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+
+class MLP(nn.Module):
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+
+    def forward(self, x):
+        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, args: ModelArgs, layer_idx: int):
+        super().__init__()
+        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.self_attn = Attention(args, layer_idx)
+        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.mlp = MLP(args)
+
+    def forward(self, x, cos, sin, attn):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
+        return x + self.mlp(self.post_attention_layernorm(x))
+
+
+class Decoder(nn.Module):
+    """HF's `model.*` subtree: embeddings, layers, final norm."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
+        self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
+        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+
+
+class Transformer(nn.Module):
+    """A decoder-only LM. `forward` returns pre-norm hidden states `[T, D]` (what an MTP module
+    consumes); `compute_logits` applies the final norm and the head to the rows you need."""
+
+    def __init__(self, args: ModelArgs):
+        super().__init__()
+        self.args = args
+        self.model = Decoder(args)
+        self.lm_head = nn.Linear(args.hidden_size, args.vocab_size, bias=False)
+        if args.tie_word_embeddings:
+            self.lm_head.weight = self.model.embed_tokens.weight
+        self._rope_len = 0
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def setup_rope(self, max_positions: int, device=None) -> None:
+        """(Re)build the rotary tables; called after weights are materialised."""
+        device = device or self.model.norm.weight.device
+        self.cos, self.sin = rope_cos_sin(self.args, max_positions, device)
+        self._rope_len = max_positions
+
+    def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
+                layers: range | None = None) -> torch.Tensor:
+        """input_ids, positions: [T] → hidden [T, D] before the final norm."""
+        assert input_ids.ndim == 1 and positions.shape == input_ids.shape
+        if self.cos is None or int(positions.max()) >= self._rope_len:
+            need = max(int(positions.max()) + 1, self.args.max_position_embeddings)
+            self.setup_rope(need)
+        cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
+        x = self.model.embed_tokens(input_ids)  # [T, D]
+        for layer in self.model.layers:
+            x = layer(x, cos, sin, attn)
+        return x
+
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, D] (pre-norm) → logits [N, V] in fp32."""
+        return self.lm_head(self.model.norm(hidden)).float()
+
+
+def hf_weight_table(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """Every tensor a HF checkpoint of this architecture must hold, with its shape.
+
+    Loading asserts the checkpoint against this table (missing, unexpected, mis-shaped names are
+    one clear error) instead of trusting `load_state_dict` to say something useful.
+    """
+    D, I, V = args.hidden_size, args.intermediate_size, args.vocab_size
+    table: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        table[p + "input_layernorm.weight"] = (D,)
+        table[p + "post_attention_layernorm.weight"] = (D,)
+        for name, out_f in (("q_proj", args.q_size), ("k_proj", args.kv_size), ("v_proj", args.kv_size)):
+            table[p + f"self_attn.{name}.weight"] = (out_f, D)
+            if args.qkv_bias:
+                table[p + f"self_attn.{name}.bias"] = (out_f,)
+        table[p + "self_attn.o_proj.weight"] = (D, args.q_size)
+        if args.o_bias:
+            table[p + "self_attn.o_proj.bias"] = (D,)
+        table[p + "mlp.gate_proj.weight"] = (I, D)
+        table[p + "mlp.up_proj.weight"] = (I, D)
+        table[p + "mlp.down_proj.weight"] = (D, I)
+        if args.mlp_bias:
+            table[p + "mlp.gate_proj.bias"] = (I,)
+            table[p + "mlp.up_proj.bias"] = (I,)
+            table[p + "mlp.down_proj.bias"] = (D,)
+    if not args.tie_word_embeddings:
+        table["lm_head.weight"] = (V, D)
+    return table
