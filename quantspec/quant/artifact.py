@@ -1,0 +1,400 @@
+"""The on-disk artifact: compressed-tensors tensor names, atomic directory writes, safe loads.
+
+A quantized model is a HF-style directory: `config.json` (with `quantization_config` in the
+compressed-tensors layout), `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards with
+`model.safetensors.index.json` above `DEFAULT_MAX_SHARD_BYTES`), extra files (tokenizer, ...) and
+quantspec's provenance in `quantspec.json`.
+
+Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_proj`), by format:
+- pack-quantized (int4): `weight_packed` int32 [N, ceil(K/8)], `weight_scale` [N, K/g] (or [N, 1]),
+  `weight_shape` int64 [2] = [N, K], and, asymmetric only, `weight_zero_point` int32
+  [ceil(N/8), K/g] (zero points packed along N).
+- int-quantized (int8): `weight` int8 [N, K], `weight_scale` [N, 1] (+ `weight_zero_point` int8
+  when asymmetric).
+- float-quantized (fp8): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] or [1].
+- static input activations: `input_scale` [1] (+ `input_zero_point` when asymmetric).
+KV cache, on the attention module `{attn}` (e.g. `model.layers.0.self_attn`): `k_scale`,
+`v_scale`, shaped [1] (strategy tensor) or [H_kv, 1, 1] (strategy attn_head).
+Scales keep the dtype they were computed in (compressed-tensors uses the weight's dtype).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+import shutil
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any, Mapping
+
+import torch
+from safetensors import SafetensorError, safe_open
+from safetensors.torch import save_file
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.args import QuantArgs, QuantConfig
+from quantspec.quant.packing import pack_int4, unpack_int4
+from quantspec.quant.primitives import storage_dtype
+
+__all__ = [
+    "CONFIG_NAME",
+    "SAFETENSORS_NAME",
+    "SAFETENSORS_INDEX_NAME",
+    "PROVENANCE_NAME",
+    "DEFAULT_MAX_SHARD_BYTES",
+    "LinearQuant",
+    "linear_to_tensors",
+    "linear_from_tensors",
+    "kv_scale_tensors",
+    "write_artifact",
+    "read_artifact_config",
+    "read_quant_config",
+    "read_provenance",
+    "load_safetensors",
+]
+
+CONFIG_NAME = "config.json"
+SAFETENSORS_NAME = "model.safetensors"
+SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
+PROVENANCE_NAME = "quantspec.json"
+DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
+
+
+def _packs(args: QuantArgs) -> bool:
+    """pack-quantized (int32 words) for int weights below 8 bits."""
+    return args.type == "int" and args.num_bits < 8
+
+
+def _packs_zero_point(args: QuantArgs) -> bool:
+    # compressed-tensors packs zero points only for group/channel strategies
+    return _packs(args) and not args.symmetric and args.strategy in ("group", "channel")
+
+
+@dataclass
+class LinearQuant:
+    """One quantized Linear as read back: codes q [N, K] (int8 / float8_e4m3fn), scale, zero
+    point (None when symmetric), the args, and the static input scale/zero point (or None)."""
+
+    q: torch.Tensor
+    scale: torch.Tensor
+    zero_point: torch.Tensor | None
+    args: QuantArgs
+    input_scale: torch.Tensor | None = None
+    input_zero_point: torch.Tensor | None = None
+
+
+def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
+                      zero_point: torch.Tensor | None, args: QuantArgs, *,
+                      input_scale: torch.Tensor | None = None,
+                      input_zero_point: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+    """The compressed-tensors tensors for one quantized Linear (names in the module docstring).
+
+    q [N, K]: codes from `primitives.quantize` (int8 in [q_min, q_max], or float8_e4m3fn).
+    """
+    if not isinstance(q, torch.Tensor) or q.ndim != 2:
+        raise QuantSpecError(f"{prefix}: q must be a 2-D code tensor [N, K], got "
+                             f"{getattr(q, 'shape', type(q))}")
+    if q.dtype != storage_dtype(args):
+        raise QuantSpecError(f"{prefix}: q has dtype {q.dtype} but {args.num_bits}-bit "
+                             f"{args.type} codes are stored as {storage_dtype(args)}")
+    if not scale.is_floating_point():
+        raise QuantSpecError(f"{prefix}: weight_scale must be a float tensor, got {scale.dtype}")
+    N, K = q.shape
+    _check_scale_shape(prefix, scale, args, N, K)
+    out: dict[str, torch.Tensor] = {}
+    if _packs(args):
+        if args.num_bits != 4:
+            raise QuantSpecError(f"{prefix}: only 4-bit packing is implemented, got "
+                                 f"num_bits={args.num_bits}")
+        out[f"{prefix}.weight_packed"] = pack_int4(q)  # [N, ceil(K/8)]
+        out[f"{prefix}.weight_shape"] = torch.tensor([N, K], dtype=torch.int64)
+    else:
+        out[f"{prefix}.weight"] = q
+    out[f"{prefix}.weight_scale"] = scale
+    if not args.symmetric:
+        if zero_point is None or zero_point.shape != scale.shape:
+            raise QuantSpecError(f"{prefix}: asymmetric args need a zero_point shaped like the "
+                                 f"scale {tuple(scale.shape)}")
+        zp = zero_point.to(torch.int8)
+        out[f"{prefix}.weight_zero_point"] = pack_int4(zp, packed_dim=0) if \
+            _packs_zero_point(args) else zp
+    if input_scale is not None:
+        out[f"{prefix}.input_scale"] = input_scale.reshape(-1) if input_scale.ndim == 0 \
+            else input_scale
+        if input_zero_point is not None:
+            out[f"{prefix}.input_zero_point"] = input_zero_point
+    return out
+
+
+def _check_scale_shape(prefix: str, scale: torch.Tensor, args: QuantArgs, N: int, K: int) -> None:
+    if args.strategy == "group":
+        want = (N, K // args.group_size)
+        if K % args.group_size:
+            raise QuantSpecError(f"{prefix}: group_size {args.group_size} does not divide K={K}")
+    elif args.strategy == "channel":
+        want = (N, 1)
+    else:
+        want = (1,)
+    if tuple(scale.shape) != want:
+        raise QuantSpecError(f"{prefix}: weight_scale has shape {tuple(scale.shape)}, expected "
+                             f"{want} for strategy {args.strategy!r}")
+
+
+def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
+                        args_or_config: QuantArgs | QuantConfig) -> LinearQuant:
+    """Inverse of `linear_to_tensors`: read one Linear's codes and qparams from a state dict.
+
+    `args_or_config` is the weight QuantArgs, or the model's QuantConfig (the scheme is looked up
+    by `prefix` with compressed-tensors' matching rules).
+    """
+    if isinstance(args_or_config, QuantConfig):
+        scheme = args_or_config.scheme_for(prefix)
+        if scheme is None or scheme.weights is None:
+            raise QuantSpecError(f"{prefix}: the quantization_config does not quantize this "
+                                 "module's weight")
+        args = scheme.weights
+    else:
+        args = args_or_config
+
+    def get(name: str) -> torch.Tensor:
+        key = f"{prefix}.{name}"
+        if key not in tensors:
+            raise QuantSpecError(f"tensor {key!r} is missing from the artifact; re-create it")
+        return tensors[key]
+
+    scale = get("weight_scale")
+    if _packs(args):
+        shape = tuple(int(v) for v in get("weight_shape").tolist())
+        q = unpack_int4(get("weight_packed"), shape)  # [N, K]
+    else:
+        q = get("weight")
+        if q.dtype != storage_dtype(args):
+            raise QuantSpecError(f"{prefix}.weight has dtype {q.dtype}, expected "
+                                 f"{storage_dtype(args)} for the config's args")
+    N, K = q.shape
+    _check_scale_shape(prefix, scale, args, N, K)
+    zp = None
+    if not args.symmetric:
+        zp = get("weight_zero_point")
+        if _packs_zero_point(args):
+            zp = unpack_int4(zp, tuple(scale.shape), packed_dim=0)
+    return LinearQuant(q=q, scale=scale, zero_point=zp, args=args,
+                       input_scale=tensors.get(f"{prefix}.input_scale"),
+                       input_zero_point=tensors.get(f"{prefix}.input_zero_point"))
+
+
+def kv_scale_tensors(attn_prefix: str, k_scale: torch.Tensor, v_scale: torch.Tensor,
+                     args: QuantArgs | None = None) -> dict[str, torch.Tensor]:
+    """`{attn_prefix}.k_scale` / `.v_scale` (attn_prefix like `model.layers.0.self_attn`).
+
+    Shapes: [1] (strategy tensor; a 0-d scale is reshaped) or [H_kv, 1, 1] (attn_head; a [H_kv]
+    vector is reshaped).
+    """
+    out = {}
+    for name, s in (("k_scale", k_scale), ("v_scale", v_scale)):
+        if not isinstance(s, torch.Tensor) or not s.is_floating_point():
+            raise QuantSpecError(f"{attn_prefix}.{name} must be a float tensor")
+        strategy = args.strategy if args is not None else ("tensor" if s.numel() == 1
+                                                           else "attn_head")
+        if strategy == "tensor":
+            if s.numel() != 1:
+                raise QuantSpecError(f"{attn_prefix}.{name}: per-tensor KV scale must have one "
+                                     f"element, got shape {tuple(s.shape)}")
+            s = s.reshape(1)
+        elif strategy == "attn_head":
+            s = s.reshape(-1, 1, 1)  # [H_kv, 1, 1]
+        else:
+            raise QuantSpecError(f"KV cache strategy {strategy!r} unsupported; use tensor or "
+                                 "attn_head")
+        out[f"{attn_prefix}.{name}"] = s
+    return out
+
+
+# ---------------------------------------------------------------------------------------------
+# directory I/O
+# ---------------------------------------------------------------------------------------------
+
+def _tensor_bytes(t: torch.Tensor) -> int:
+    return t.numel() * t.element_size()
+
+
+def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """Contiguous CPU tensors with no shared storage (safetensors refuses aliases)."""
+    out, seen = {}, set()
+    for name, t in tensors.items():
+        if not isinstance(t, torch.Tensor):
+            raise QuantSpecError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
+        t = t.detach().to("cpu").contiguous()
+        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
+        if t.numel() and key in seen:
+            t = t.clone()
+        seen.add(key)
+        out[name] = t
+    return out
+
+
+def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
+    shards: list[dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        b = _tensor_bytes(t)
+        if shards[-1] and size + b > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += b
+    return shards
+
+
+def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                   config: Mapping[str, Any], extra_files: Mapping[str, str | os.PathLike] | None
+                   = None, provenance: Mapping[str, Any] | None = None, overwrite: bool = False,
+                   max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
+    """Write an artifact directory atomically; returns its path.
+
+    Everything goes into a temporary directory beside `out_dir` that is renamed into place only
+    when complete; on any error the temporary directory is removed and `out_dir` is untouched.
+    An existing non-empty `out_dir` is refused unless `overwrite=True`.
+    `config` is the HF config.json dict (including `quantization_config`); `extra_files` maps
+    a file name in the artifact to a source path (tokenizer files, ...); `provenance` goes to
+    `quantspec.json`.
+    """
+    out = Path(out_dir)
+    if out.exists() and not out.is_dir():
+        raise QuantSpecError(f"{out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or "
+                             "pass overwrite=True (--overwrite)")
+    if not isinstance(config, Mapping):
+        raise QuantSpecError("config must be a mapping (the HF config.json dict)")
+    reserved = {CONFIG_NAME, SAFETENSORS_INDEX_NAME, PROVENANCE_NAME}
+    for name in (extra_files or {}):
+        if name in reserved or name.endswith(".safetensors") or "/" in name or name.startswith("."):
+            raise QuantSpecError(f"extra file name {name!r} is reserved or not a plain file name")
+        if not Path(extra_files[name]).is_file():
+            raise QuantSpecError(f"extra file source {extra_files[name]} does not exist")
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        prepared = _prepare(tensors)
+        shards = _shard(prepared, max_shard_bytes)
+        if len(shards) == 1:
+            save_file(shards[0], str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+        else:
+            n = len(shards)
+            weight_map = {}
+            for i, shard in enumerate(shards, 1):
+                fname = f"model-{i:05d}-of-{n:05d}.safetensors"
+                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
+                weight_map.update({k: fname for k in shard})
+            index = {"metadata": {"total_size": sum(_tensor_bytes(t) for t in prepared.values())},
+                     "weight_map": weight_map}
+            (tmp / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+        (tmp / CONFIG_NAME).write_text(json.dumps(dict(config), indent=2, default=str))
+        for name, src in (extra_files or {}).items():
+            shutil.copy2(src, tmp / name)
+        (tmp / PROVENANCE_NAME).write_text(json.dumps(dict(provenance or {}), indent=2,
+                                                      default=str))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "d")
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old / "d", out)  # put the original back
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_artifact_config(path: str | os.PathLike) -> dict:
+    """config.json of an artifact directory."""
+    p = Path(path) / CONFIG_NAME
+    if not p.is_file():
+        raise QuantSpecError(f"no {CONFIG_NAME} in {path}; point at a model/artifact directory")
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError as e:
+        raise QuantSpecError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}); "
+                             "re-download or re-create it") from None
+
+
+def read_quant_config(path: str | os.PathLike) -> QuantConfig | None:
+    """The artifact's QuantConfig (None for an unquantized model), with quantspec's metadata."""
+    cfg = read_artifact_config(path)
+    qc = cfg.get("quantization_config")
+    if qc is None:
+        return None
+    config = QuantConfig.from_dict(qc)
+    meta = read_provenance(path)
+    if meta.get("quant_type") or meta.get("provenance"):
+        config = dataclasses.replace(config, quant_type=meta.get("quant_type") or config.quant_type,
+                                     provenance=meta.get("provenance") or {})
+    return config
+
+
+def read_provenance(path: str | os.PathLike) -> dict:
+    """quantspec.json of an artifact ({} when absent, e.g. a checkpoint made by another tool)."""
+    p = Path(path) / PROVENANCE_NAME
+    if not p.is_file():
+        return {}
+    try:
+        return json.loads(p.read_text())
+    except json.JSONDecodeError:
+        raise QuantSpecError(f"{p} is not valid JSON; re-create the artifact") from None
+
+
+def _load_file(f: Path, device: str, names: set[str] | None = None) -> dict[str, torch.Tensor]:
+    if not f.is_file():
+        raise QuantSpecError(f"{f} is missing; re-download or re-create it")
+    try:
+        with safe_open(str(f), framework="pt", device=device) as h:
+            keys = h.keys() if names is None else [k for k in h.keys() if k in names]
+            return {k: h.get_tensor(k) for k in keys}
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
+        raise QuantSpecError(f"{f} is truncated or corrupt ({reason}); re-download or "
+                             "re-create it") from None
+
+
+def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:
+    """All tensors of a directory (sharded via its index, or every *.safetensors) or one file."""
+    p = Path(path)
+    if p.is_file():
+        return _load_file(p, device)
+    if not p.is_dir():
+        raise QuantSpecError(f"{p} does not exist; point at a model/artifact directory")
+    index = p / SAFETENSORS_INDEX_NAME
+    if index.is_file():
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+        except (json.JSONDecodeError, KeyError, TypeError):
+            raise QuantSpecError(f"{index} is corrupt (no weight_map); re-download or "
+                                 "re-create it") from None
+        by_file: dict[str, set[str]] = {}
+        for name, fname in weight_map.items():
+            by_file.setdefault(fname, set()).add(name)
+        out: dict[str, torch.Tensor] = {}
+        for fname, names in by_file.items():
+            got = _load_file(p / fname, device, names)
+            missing = names - set(got)
+            if missing:
+                raise QuantSpecError(f"{p / fname} lacks {len(missing)} tensor(s) its index "
+                                     f"lists (e.g. {sorted(missing)[0]!r}); re-download or "
+                                     "re-create it")
+            out.update(got)
+        return out
+    files = sorted(p.glob("*.safetensors"))
+    if not files:
+        raise QuantSpecError(f"no .safetensors files in {p}; point at a model/artifact directory")
+    out = {}
+    for f in files:
+        out.update(_load_file(f, device))
+    return out

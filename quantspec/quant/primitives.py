@@ -1,0 +1,225 @@
+"""The single source of quantization numbers: qparams, quantize, dequantize, fake-quantize.
+
+Everything in quantspec that turns floats into codes or back (calibration observers, RTN, GPTQ,
+packing, the kernels' torch references, tests) calls these functions. They reproduce
+compressed-tensors' `calculate_qparams` and `lifecycle/forward.py` operation for operation, so a
+checkpoint we write dequantizes to the same numbers under transformers / vLLM:
+
+int, b bits:  q_min = -2^(b-1), q_max = 2^(b-1) - 1 (int4: [-8, 7], int8: [-128, 127])
+  symmetric:   scale = max(|min|, |max|) / ((q_max - q_min) / 2)   (int4: /7.5, int8: /127.5)
+               zero_point = 0
+  asymmetric:  scale = (max - min) / (q_max - q_min),  zero_point = round(clamp(q_min - min/scale))
+  (min is clamped to ≤ 0 and max to ≥ 0 first, so 0.0 is always representable)
+  quantize:    q = round_half_even(clamp(x / scale + zero_point, q_min, q_max))
+fp8 E4M3:     scale = absmax / 448, q = float8_e4m3fn(clamp(x / scale, -448, 448))
+dequantize:   x̂ = (q - zero_point) * scale, computed in the scale's dtype.
+A scale that comes out 0 (an all-zero row) is replaced by the dtype's eps.
+
+Scale shapes by strategy, for a weight [N, K]: tensor → [1], channel → [N, 1], group → [N, K/g];
+for an activation [..., K]: tensor → [1], token → [..., 1]; for K/V states [B, H, T, D]:
+attn_head → [H, 1, 1].
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.args import QuantArgs
+
+__all__ = [
+    "FP8_E4M3_MAX",
+    "quant_range",
+    "storage_dtype",
+    "zero_point_dtype",
+    "minmax",
+    "qparams_from_minmax",
+    "choose_qparams",
+    "quantize",
+    "dequantize",
+    "fake_quantize",
+]
+
+FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
+_FLOAT_DTYPES = (torch.float16, torch.bfloat16, torch.float32, torch.float64)
+_CODE_DTYPES = (torch.int8, torch.int16, torch.int32, torch.float8_e4m3fn) + _FLOAT_DTYPES
+
+
+def quant_range(args: QuantArgs) -> tuple[float, float]:
+    """(q_min, q_max) of the quantized grid: int4 (-8, 7), int8 (-128, 127), fp8 (-448, 448)."""
+    return args.q_min, args.q_max
+
+
+def storage_dtype(args: QuantArgs) -> torch.dtype:
+    """The dtype codes are stored in: int8 for int ≤ 8 bits, float8_e4m3fn for fp8."""
+    return torch.float8_e4m3fn if args.type == "float" else torch.int8
+
+
+def zero_point_dtype(args: QuantArgs) -> torch.dtype:
+    """compressed-tensors' zp_dtype: int8 for int args, float8_e4m3fn for fp8 args."""
+    return storage_dtype(args)
+
+
+def _check_float(name: str, t: torch.Tensor) -> None:
+    if not isinstance(t, torch.Tensor):
+        raise QuantSpecError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if t.dtype not in _FLOAT_DTYPES:
+        raise QuantSpecError(f"{name} must be a float tensor (fp16/bf16/fp32/fp64), got {t.dtype}")
+
+
+def _group_size(args: QuantArgs, K: int) -> int:
+    g = args.group_size
+    if K % g != 0:
+        raise QuantSpecError(f"group_size {g} does not divide the input dim {K}; pick a group "
+                             f"size that divides it (see quant.args.resolve_group_size)")
+    return g
+
+
+def minmax(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """Per-strategy (min, max) of `x`, shaped like the scales (see module docstring)."""
+    _check_float("x", x)
+    s = args.strategy
+    if s == "tensor":
+        mn, mx = torch.aminmax(x)
+        return mn.reshape(1), mx.reshape(1)
+    if s == "channel":
+        if x.ndim != 2:
+            raise QuantSpecError(f"per-channel qparams need a 2-D weight [N, K], got shape "
+                                 f"{tuple(x.shape)}")
+        return x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)  # [N, 1]
+    if s == "group":
+        if x.ndim < 1:
+            raise QuantSpecError("per-group qparams need at least one dim")
+        g = _group_size(args, x.shape[-1])
+        xg = x.unflatten(-1, (x.shape[-1] // g, g))  # [..., K/g, g]
+        return xg.amin(dim=-1), xg.amax(dim=-1)  # [..., K/g]
+    if s == "token":
+        return x.amin(dim=-1, keepdim=True), x.amax(dim=-1, keepdim=True)  # [..., 1]
+    if s == "attn_head":
+        if x.ndim != 4:
+            raise QuantSpecError(f"attn_head qparams need states [B, H, T, D], got shape "
+                                 f"{tuple(x.shape)}")
+        return x.amin(dim=(0, 2, 3)).reshape(-1, 1, 1), x.amax(dim=(0, 2, 3)).reshape(-1, 1, 1)
+    raise QuantSpecError(f"strategy {s!r} has no qparams rule")  # unreachable: args validated
+
+
+def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantArgs
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) from observed min/max, exactly as compressed-tensors computes them.
+
+    scale has the dtype of `min_vals`; zero_point is int8 (int args) or float8_e4m3fn (fp8),
+    all zeros when symmetric.
+    """
+    _check_float("min_vals", min_vals)
+    _check_float("max_vals", max_vals)
+    if min_vals.shape != max_vals.shape:
+        raise QuantSpecError(f"min_vals {tuple(min_vals.shape)} and max_vals "
+                             f"{tuple(max_vals.shape)} must have the same shape")
+    dtype = min_vals.dtype
+    min_vals = torch.minimum(min_vals, torch.zeros_like(min_vals))
+    max_vals = torch.maximum(max_vals, torch.zeros_like(max_vals))
+    q_min, q_max = quant_range(args)
+    bit_range = torch.tensor(q_max - q_min, dtype=dtype, device=min_vals.device)
+    eps = torch.finfo(dtype).eps
+    if args.symmetric:
+        absmax = torch.maximum(min_vals.abs(), max_vals.abs())
+        scale = absmax / (bit_range / 2)
+        scale = torch.where(scale == 0, torch.full_like(scale, eps), scale)
+        zero_point = torch.zeros(scale.shape, dtype=zero_point_dtype(args), device=scale.device)
+    else:
+        scale = (max_vals - min_vals) / bit_range
+        empty = scale == 0
+        # an all-zero slice: eps scale and zero point 0 (compressed-tensors gets 0 from a NaN cast)
+        scale = torch.where(empty, torch.full_like(scale, eps), scale)
+        zp = torch.clamp(q_min - min_vals / scale, q_min, q_max)
+        zp = torch.where(empty, torch.zeros_like(zp), zp)
+        zero_point = torch.round(torch.clamp(zp, -128, 127)).to(zero_point_dtype(args))
+    if scale.ndim == 0:
+        scale, zero_point = scale.reshape(1), zero_point.reshape(1)
+    return scale, zero_point
+
+
+def choose_qparams(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) for `x` under `args` (min/max observer)."""
+    return qparams_from_minmax(*minmax(x, args), args)
+
+
+def _broadcast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+               args: QuantArgs):
+    """Reshape x to [..., K/g, g] and scale/zp to [..., K/g, 1] for group strategy."""
+    if args.strategy != "group":
+        return x, scale, zero_point, None
+    K = x.shape[-1]
+    g = _group_size(args, K)
+    while scale.ndim < 2:
+        scale = scale.unsqueeze(1)
+        zero_point = None if zero_point is None else zero_point.unsqueeze(1)
+    if scale.shape[-1] != K // g:
+        raise QuantSpecError(f"scale has {scale.shape[-1]} groups but K={K} with group_size {g} "
+                             f"needs {K // g}")
+    xg = x.unflatten(-1, (K // g, g))  # [..., K/g, g]
+    zg = None if zero_point is None else zero_point.unsqueeze(-1)
+    return xg, scale.unsqueeze(-1), zg, x.shape
+
+
+def _check_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantArgs) -> None:
+    _check_float("scale", scale)
+    if zero_point is None and not args.symmetric:
+        raise QuantSpecError("asymmetric args need a zero_point; pass the one choose_qparams "
+                             "returned")
+    if zero_point is not None and zero_point.shape != scale.shape:
+        raise QuantSpecError(f"zero_point shape {tuple(zero_point.shape)} must equal scale shape "
+                             f"{tuple(scale.shape)}")
+
+
+@torch.no_grad()
+def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+             args: QuantArgs, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """Codes for `x`: round(clamp(x / scale + zp)) (int) or float8(clamp(x / scale)) (fp8).
+
+    Returns `dtype` (default: `storage_dtype(args)`, i.e. int8 or float8_e4m3fn), same shape as x.
+    """
+    _check_float("x", x)
+    _check_qparams(scale, zero_point, args)
+    out_dtype = storage_dtype(args) if dtype is None else dtype
+    xs, s, zp, shape = _broadcast(x, scale, zero_point, args)
+    q_min, q_max = quant_range(args)
+    scaled = xs / s
+    if zp is not None:
+        scaled = scaled + zp.to(scaled.dtype)
+    scaled = torch.clamp(scaled, q_min, q_max)
+    if args.type == "float":
+        q = scaled.to(torch.float8_e4m3fn)
+        q = q if out_dtype == torch.float8_e4m3fn else q.to(scaled.dtype)
+    else:
+        q = torch.round(scaled)
+    q = q.to(out_dtype)
+    return q if shape is None else q.flatten(start_dim=-2)
+
+
+@torch.no_grad()
+def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+               args: QuantArgs, dtype: torch.dtype | None = None) -> torch.Tensor:
+    """(q - zero_point) * scale in the scale's dtype, returned as `dtype` (default scale's)."""
+    if not isinstance(q, torch.Tensor) or q.dtype not in _CODE_DTYPES:
+        raise QuantSpecError(f"q must be an int8/int32/float8 code tensor, got "
+                             f"{getattr(q, 'dtype', type(q).__name__)}")
+    _check_float("scale", scale)
+    if zero_point is not None and zero_point.shape != scale.shape:
+        raise QuantSpecError(f"zero_point shape {tuple(zero_point.shape)} must equal scale shape "
+                             f"{tuple(scale.shape)}")
+    out_dtype = scale.dtype if dtype is None else dtype
+    qs, s, zp, shape = _broadcast(q, scale, zero_point, args)
+    x = qs.to(s.dtype)
+    if zp is not None:
+        x = x - zp.to(s.dtype)
+    x = (x * s).to(out_dtype)
+    return x if shape is None else x.flatten(start_dim=-2)
+
+
+@torch.no_grad()
+def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
+                  args: QuantArgs) -> torch.Tensor:
+    """dequantize(quantize(x)) in one call; returns x's dtype and shape."""
+    q = quantize(x, scale, zero_point, args, dtype=x.dtype if args.type == "int" else None)
+    return dequantize(q, scale, zero_point, args, dtype=x.dtype)

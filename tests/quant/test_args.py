@@ -1,0 +1,152 @@
+"""quant.args: validation, compressed-tensors JSON both ways, presets, target matching."""
+
+import json
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant import (QuantArgs, QuantConfig, QuantType, preset,
+                             resolve_group_size)
+
+ctq = pytest.importorskip("compressed_tensors.quantization")
+from compressed_tensors.utils.match import match_targets  # noqa: E402
+
+
+def _ct_dump(preset_name, **kw):
+    cfg = ctq.QuantizationConfig(
+        config_groups={"group_0": ctq.preset_name_to_scheme(preset_name, ["Linear"])},
+        ignore=["lm_head"], quantization_status="compressed", **kw)
+    return json.loads(json.dumps(cfg.model_dump(), default=str))
+
+
+@pytest.mark.parametrize("name,fmt,qt", [
+    ("W8A16", "pack-quantized", QuantType.WEIGHT_ONLY_INT8),
+    ("W4A16", "pack-quantized", QuantType.WEIGHT_ONLY_INT4),
+    ("W4A16_ASYM", "pack-quantized", QuantType.WEIGHT_ONLY_INT4),
+    ("W8A8", "int-quantized", QuantType.A8W8),
+    ("FP8", "float-quantized", QuantType.A8W8_FP8),
+])
+def test_reads_compressed_tensors_presets(name, fmt, qt):
+    d = _ct_dump(name, format=fmt)
+    cfg = QuantConfig.from_dict(d)
+    assert cfg.quant_type is qt and cfg.format == fmt and cfg.ignore == ("lm_head",)
+    ct_w = ctq.preset_name_to_scheme(name, ["Linear"]).weights
+    w = cfg.config_groups["group_0"].weights
+    assert (w.num_bits, w.type, w.symmetric, w.strategy, w.group_size) == (
+        ct_w.num_bits, ct_w.type, ct_w.symmetric, ct_w.strategy, ct_w.group_size)
+    # writing it back gives compressed-tensors' JSON, with the per-group format filled in
+    assert d["config_groups"]["group_0"]["format"] is None
+    d["config_groups"]["group_0"]["format"] = fmt
+    assert cfg.to_dict() == d
+
+
+@pytest.mark.parametrize("qt", list(QuantType))
+@pytest.mark.parametrize("kv", [None, "int8", "fp8"])
+def test_to_dict_is_compressed_tensors_json(qt, kv):
+    ours = preset(qt, group_size=64, kv_cache=kv).to_dict()
+    theirs = ctq.QuantizationConfig.model_validate(ours)  # pydantic validation, extra="forbid"
+    assert json.loads(json.dumps(theirs.model_dump(), default=str)) == ours
+    assert ours["quant_method"] == "compressed-tensors"
+    assert ours["quantization_status"] == "compressed"
+    want_fmt = {"weight_only_int8": "int-quantized", "weight_only_int4": "pack-quantized",
+                "a8w8": "int-quantized", "a8w8_fp8": "float-quantized"}[qt.value]
+    assert ours["format"] == want_fmt and ours["config_groups"]["group_0"]["format"] == want_fmt
+    assert QuantConfig.from_dict(ours).to_dict() == ours
+
+
+def test_preset_contents():
+    w4 = preset("weight_only_int4", group_size=64, symmetric=False).config_groups["group_0"]
+    assert w4.weights == QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=64)
+    a8 = preset("a8w8").config_groups["group_0"]
+    assert a8.weights.strategy == "channel" and a8.input_activations.strategy == "tensor"
+    assert a8.input_activations.dynamic is False
+    kv = preset("a8w8_fp8", kv_cache="fp8").kv_cache_scheme
+    assert (kv.type, kv.strategy, kv.num_bits) == ("float", "attn_head", 8)
+
+
+@pytest.mark.parametrize("kw,field", [
+    (dict(strategy="group"), "group_size"),
+    (dict(type="float", num_bits=4), "num_bits"),
+    (dict(num_bits=4, group_size=64, strategy="channel"), "group_size"),
+    (dict(type="fp4"), "type"),
+    (dict(strategy="token"), "dynamic"),
+    (dict(strategy="block"), "strategy"),
+    (dict(group_size=0), "group_size"),
+])
+def test_illegal_args_name_the_field(kw, field):
+    with pytest.raises(QuantSpecError, match=field):
+        QuantArgs(**kw)
+
+
+def test_from_dict_rejects_unknown_and_unsupported():
+    d = _ct_dump("W4A16", format="pack-quantized")
+    d["config_groups"]["group_0"]["weights"]["bogus"] = 1
+    with pytest.raises(QuantSpecError, match="bogus"):
+        QuantConfig.from_dict(d)
+    for fmt in ("marlin-24", "nvfp4-pack-quantized", "sparse-24-bitmask"):
+        with pytest.raises(QuantSpecError, match=f"format '{fmt}' is unsupported"):
+            QuantConfig.from_dict(_ct_dump("W4A16", format=fmt))
+    with pytest.raises(QuantSpecError, match="quant_method"):
+        QuantConfig.from_dict({"quant_method": "gptq", "config_groups": {}})
+    with pytest.raises(QuantSpecError, match="block quantization.*unsupported"):
+        QuantConfig.from_dict(_ct_dump("FP8_BLOCK", format="float-quantized"))
+
+
+@pytest.mark.parametrize("K,req,want", [(576, 128, 64), (1536, 128, 128), (576, 64, 64),
+                                        (576, 32, 32), (100, 128, -1), (48, 128, 16),
+                                        (4096, 256, 256), (576, -1, -1), (576, 100, 64)])
+def test_resolve_group_size(K, req, want):
+    assert resolve_group_size(K, req) == want
+
+
+def test_resolve_group_size_rejects_tiny():
+    with pytest.raises(QuantSpecError, match="too small"):
+        resolve_group_size(576, 8)
+
+
+def _ct_scheme_for(cfg_dict, name, module):
+    """compressed-tensors' own choice (apply_quantization_config's matching), as a group name."""
+    cfg = ctq.QuantizationConfig.model_validate(cfg_dict)
+    from compressed_tensors.utils.match import is_match
+    if is_match(name, module, cfg.ignore):
+        return None
+    target_to_group = {}
+    for gname, scheme in cfg.config_groups.items():
+        for t in scheme.targets:
+            target_to_group[t] = gname
+    matched = match_targets(name, module, target_to_group)
+    return target_to_group[matched[0]] if matched else None
+
+
+def test_scheme_for_matches_compressed_tensors():
+    base = preset("weight_only_int4", group_size=128, ignore=("lm_head", "re:.*mlp.gate$"))
+    cfg = base.with_layer_group_sizes({
+        "model.layers.0.self_attn.q_proj": 64,
+        "model.layers.0.mlp.down_proj": -1,
+        "model.layers.1.self_attn.q_proj": 64,
+        "model.layers.1.mlp.up_proj": 128,  # same as base: no override group
+    })
+    groups = QuantConfig.from_dict(cfg.to_dict()).config_groups
+    assert len(groups) == 3
+    d = cfg.to_dict()
+    d["config_groups"]["group_3"] = {"targets": ["re:.*layers\\.2\\..*"], "weights":
+                                     QuantArgs(num_bits=4, group_size=32).to_dict(),
+                                     "input_activations": None, "output_activations": None,
+                                     "format": "pack-quantized"}
+    cfg = QuantConfig.from_dict(d)
+    linear, emb = torch.nn.Linear(2, 2), torch.nn.Embedding(2, 2)
+    names = ["model.layers.0.self_attn.q_proj", "model.layers.0.self_attn.k_proj",
+             "model.layers.0.mlp.down_proj", "model.layers.1.self_attn.q_proj",
+             "model.layers.1.mlp.up_proj", "model.layers.2.self_attn.q_proj", "lm_head",
+             "model.layers.3.mlp.gate"]
+    for name in names:
+        ours = cfg.scheme_for(name, ("Linear", "Module"))
+        ours_name = None if ours is None else next(n for n, s in cfg.config_groups.items()
+                                                   if s is ours)
+        assert ours_name == _ct_scheme_for(d, name, linear), name
+    assert cfg.scheme_for("model.embed_tokens", ("Embedding", "Module")) is None
+    assert _ct_scheme_for(d, "model.embed_tokens", emb) is None
+    assert cfg.weight_args_for("model.layers.0.self_attn.q_proj").group_size == 64
+    assert cfg.weight_args_for("model.layers.0.mlp.down_proj").strategy == "channel"
+    assert cfg.weight_args_for("model.layers.2.mlp.up_proj").group_size == 32

@@ -1,0 +1,94 @@
+"""quant.primitives against compressed-tensors' own calculate_qparams / quantize / dequantize,
+and against hand-computed values."""
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant import (QuantArgs, choose_qparams, dequantize, fake_quantize, minmax,
+                             qparams_from_minmax, quantize)
+
+ct_args = pytest.importorskip("compressed_tensors.quantization")
+from compressed_tensors.quantization.lifecycle.forward import (  # noqa: E402
+    dequantize as ct_dequantize, fake_quantize as ct_fake_quantize, quantize as ct_quantize)
+from compressed_tensors.quantization.utils import calculate_qparams  # noqa: E402
+
+CASES = [
+    dict(num_bits=4, symmetric=True, strategy="group", group_size=32),
+    dict(num_bits=4, symmetric=False, strategy="group", group_size=64),
+    dict(num_bits=4, symmetric=True, strategy="channel"),
+    dict(num_bits=8, symmetric=True, strategy="channel"),
+    dict(num_bits=8, symmetric=False, strategy="channel"),
+    dict(num_bits=8, symmetric=True, strategy="tensor"),
+    dict(num_bits=8, type="float", strategy="channel"),
+    dict(num_bits=8, type="float", strategy="tensor"),
+]
+
+
+@pytest.mark.parametrize("kw", CASES, ids=lambda kw: "-".join(f"{v}" for v in kw.values()))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_matches_compressed_tensors_exactly(kw, dtype):
+    torch.manual_seed(0)
+    w = (torch.randn(48, 256) * torch.rand(48, 1) * 3).to(dtype)
+    w[3] = 0.0  # an all-zero row exercises the zero-scale guard
+    ours, theirs = QuantArgs(**kw), ct_args.QuantizationArgs(**kw)
+    s, z = choose_qparams(w, ours)
+    s_ct, z_ct = calculate_qparams(*minmax(w, ours), theirs)
+    assert s.dtype == s_ct.dtype == dtype and torch.equal(s, s_ct)
+    assert z.dtype == z_ct.dtype and torch.equal(z.float(), z_ct.float())
+    q = quantize(w, s, z, ours)
+    q_ct = ct_quantize(w, s_ct, z_ct, theirs, dtype=q.dtype)
+    assert torch.equal(q.float(), q_ct.float())
+    assert torch.equal(dequantize(q, s, z, ours), ct_dequantize(q_ct, s_ct, z_ct, theirs))
+    assert torch.equal(fake_quantize(w, s, z, ours).float(),
+                       ct_fake_quantize(w, s_ct, z_ct, theirs).to(dtype).float())
+
+
+def test_int4_symmetric_hand_computed():
+    # absmax 7.5 → scale 7.5 / 7.5 = 1; 7.5 → round-half-even(7.5)=8 → clamped to 7; -7.5 → -8
+    args = QuantArgs(num_bits=4, strategy="channel")
+    w = torch.tensor([[7.5, -7.5, 2.5, 0.4, -1.5]])
+    s, z = choose_qparams(w, args)
+    assert s.tolist() == [[1.0]] and z.tolist() == [[0]] and z.dtype == torch.int8
+    q = quantize(w, s, z, args)
+    assert q.dtype == torch.int8 and q.tolist() == [[7, -8, 2, 0, -2]]
+    assert dequantize(q, s, None, args).tolist() == [[7.0, -8.0, 2.0, 0.0, -2.0]]
+
+
+def test_int8_asymmetric_hand_computed():
+    args = QuantArgs(num_bits=8, symmetric=False, strategy="tensor")
+    s, z = qparams_from_minmax(torch.tensor([1.0]), torch.tensor([255.0]), args)
+    # min clamped to 0 → scale = 255 / 255 = 1, zp = -128 - 0 / 1 = -128
+    assert s.tolist() == [1.0] and z.tolist() == [-128]
+    q = quantize(torch.tensor([0.0, 3.0, 255.0, 300.0]), s, z, args)
+    assert q.tolist() == [-128, -125, 127, 127]
+
+
+def test_fp8_scale_and_per_token():
+    x = torch.tensor([[1.0, -448.0 * 2], [0.5, 0.25]])
+    args = QuantArgs(num_bits=8, type="float", strategy="token", dynamic=True)
+    s, _ = choose_qparams(x, args)
+    assert s.shape == (2, 1) and s[0, 0] == 2.0 and s[1, 0] == 0.5 / 448
+    q = quantize(x, s, None, args)
+    assert q.dtype == torch.float8_e4m3fn
+    assert dequantize(q, s, None, args)[0, 1] == -896.0
+
+
+def test_attn_head_scales():
+    x = torch.zeros(2, 3, 5, 4)
+    x[1, 2, 0, 0] = -12.7
+    x[0, 0, 4, 3] = 2.54
+    s, _ = choose_qparams(x, QuantArgs(num_bits=8, strategy="attn_head"))
+    assert s.shape == (3, 1, 1)
+    assert torch.allclose(s.flatten(), torch.tensor([2.54 / 127.5, torch.finfo().eps, 12.7 / 127.5]))
+
+
+def test_bad_input_raises_clear_errors():
+    args = QuantArgs(num_bits=4, strategy="group", group_size=128)
+    with pytest.raises(QuantSpecError, match="does not divide"):
+        choose_qparams(torch.randn(4, 576), args)
+    with pytest.raises(QuantSpecError, match="float tensor"):
+        choose_qparams(torch.zeros(4, 128, dtype=torch.int8), args)
+    with pytest.raises(QuantSpecError, match="zero_point"):
+        quantize(torch.randn(4, 128), torch.ones(4, 1), None,
+                 QuantArgs(num_bits=4, symmetric=False, strategy="channel"))
