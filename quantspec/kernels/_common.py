@@ -1,0 +1,132 @@
+"""Shared plumbing for the Triton kernels: input validation that raises `QuantSpecError`, the
+"can Triton run here" test, and small `tl` helpers every kernel uses (round-half-even).
+
+Nothing here knows about models or quant types; it only checks tensors and launches.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable
+
+import torch
+import triton
+import triton.language as tl
+
+from quantspec.errors import QuantSpecError
+
+__all__ = [
+    "FLOAT_DTYPES",
+    "FP8_E4M3_MAX",
+    "INT8_MAX",
+    "INT8_MIN",
+    "can_launch",
+    "check_tensor",
+    "check_same_device",
+    "interpreter_enabled",
+    "round_half_even",
+    "round_to_e4m3",
+    "triton_usable",
+]
+
+FLOAT_DTYPES = (torch.float32, torch.float16, torch.bfloat16)
+INT8_MIN, INT8_MAX = -128, 127
+FP8_E4M3_MAX = 448.0
+
+# Adding then subtracting 1.5 * 2**23 rounds an fp32 of magnitude < 2**22 to the nearest integer
+# with ties to even (IEEE default rounding), i.e. exactly what torch.round does. Pure arithmetic,
+# so it runs under TRITON_INTERPRET=1 and on every GPU without libdevice.
+_RNE_MAGIC = tl.constexpr(12582912.0)
+
+
+def interpreter_enabled() -> bool:
+    """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
+    return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def triton_usable(device: torch.device | str) -> bool:
+    """Whether dispatch should pick the Triton kernels for tensors on `device`: CUDA only.
+
+    On CPU this is False even under `TRITON_INTERPRET=1` (the interpreter is for testing the
+    kernels, far slower than the torch references), so a test run that sets the variable does
+    not slow down the runtime's CPU paths.
+    """
+    device = torch.device(device)
+    return device.type == "cuda" and torch.cuda.is_available()
+
+
+def can_launch(device: torch.device | str) -> bool:
+    """Whether a Triton kernel can be launched at all on `device` (CUDA, or CPU under the
+    interpreter)."""
+    device = torch.device(device)
+    return triton_usable(device) or (device.type == "cpu" and interpreter_enabled())
+
+
+def check_tensor(
+    t: object,
+    name: str,
+    *,
+    ndim: int | None = None,
+    dtypes: Iterable[torch.dtype] | None = None,
+    shape: tuple[int | None, ...] | None = None,
+    contiguous: bool = True,
+) -> torch.Tensor:
+    """Validate one kernel argument; raise a one-line `QuantSpecError` naming it and the fix."""
+    if not isinstance(t, torch.Tensor):
+        raise QuantSpecError(f"{name} must be a torch.Tensor, got {type(t).__name__}")
+    if ndim is not None and t.ndim != ndim:
+        raise QuantSpecError(f"{name} must be {ndim}-D, got shape {tuple(t.shape)}; reshape it first")
+    if dtypes is not None:
+        dtypes = tuple(dtypes)
+        if t.dtype not in dtypes:
+            allowed = ", ".join(str(d).replace("torch.", "") for d in dtypes)
+            raise QuantSpecError(
+                f"{name} has dtype {str(t.dtype).replace('torch.', '')}; expected one of: {allowed}"
+            )
+    if shape is not None:
+        ok = len(shape) == t.ndim and all(s is None or s == d for s, d in zip(shape, t.shape))
+        if not ok:
+            want = "[" + ", ".join("*" if s is None else str(s) for s in shape) + "]"
+            raise QuantSpecError(f"{name} has shape {list(t.shape)}; expected {want}")
+    if contiguous and not t.is_contiguous():
+        raise QuantSpecError(f"{name} must be contiguous; call .contiguous() on it first")
+    return t
+
+
+def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
+    """All given tensors on one device, and Triton able to run there; return that device."""
+    devices = {name: t.device for name, t in tensors.items() if t is not None}
+    first = next(iter(devices.values()))
+    for name, dev in devices.items():
+        if dev != first:
+            raise QuantSpecError(f"{name} is on {dev} but the other inputs are on {first}; move it")
+    if not can_launch(first):
+        raise QuantSpecError(
+            f"Triton kernels cannot run on {first}; use the *_ref torch function there "
+            "(or set TRITON_INTERPRET=1 to run the interpreter on CPU)"
+        )
+    return first
+
+
+@triton.jit
+def round_half_even(x):
+    """Round an fp32 tensor with |x| < 2**22 to integers, ties to even (matches torch.round)."""
+    return (x + _RNE_MAGIC) - _RNE_MAGIC
+
+
+@triton.jit
+def round_to_e4m3(v):
+    """Round fp32 values already clamped to ±448 onto the float8_e4m3fn grid (nearest, ties even).
+
+    The result is exactly representable, so the following `.to(tl.float8e4nv)` is exact. This
+    keeps the rounding independent of the backend's conversion (Triton's CPU interpreter rounds
+    values just below a power of two down instead of up).
+    """
+    bits = v.to(tl.int32, bitcast=True)
+    e = tl.maximum(((bits >> 23) & 0xFF) - 127, -6)  # unbiased exponent; subnormals share 2**-6
+    inv_step = ((3 - e + 127) << 23).to(tl.float32, bitcast=True)  # 2**(3 - e)
+    step = ((e - 3 + 127) << 23).to(tl.float32, bitcast=True)  # 2**(e - 3): spacing of 3-bit mantissa
+    r = round_half_even(v * inv_step) * step
+    # keep the sign of values that round to zero (torch gives -0.0 for small negatives)
+    sign = (bits >> 31) << 31
+    return (r.to(tl.int32, bitcast=True) | sign).to(tl.float32, bitcast=True)

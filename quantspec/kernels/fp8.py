@@ -1,0 +1,235 @@
+"""W8A8 FP8 (E4M3): static activation quantization and the fp8 × fp8 → fp32 GEMM.
+
+This file owns two Triton kernels, each beside its torch reference with the same signature:
+  quantize_act_fp8 / _ref:  x [M, K] float, static scale [1] -> x_q float8_e4m3fn [M, K],
+      x_q = cast(clamp(x / scale, -448, 448)) (round to nearest even).
+  fp8_gemm / _ref:  y = (x_q · w_qᵀ in fp32) * x_scale * w_scale[n or 0] (+ bias) -> out_dtype.
+`fp8_linear` composes them.
+
+Native fp8 `tl.dot` needs compute capability >= 8.9 (Ada, Hopper); on older GPUs the Triton
+functions raise `QuantSpecError` and the caller falls back (dequantize to fp16/bf16). Under the
+CPU interpreter the fp8 operands are upcast to fp32 before the dot (exact: every E4M3 value is an
+fp32), so the quantization, the indexing and the epilogue are still tested there.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantspec.errors import QuantSpecError
+from quantspec.kernels._common import (
+    FLOAT_DTYPES,
+    FP8_E4M3_MAX,
+    check_same_device,
+    check_tensor,
+    round_to_e4m3,
+)
+
+__all__ = [
+    "FP8_MIN_CAPABILITY",
+    "check_fp8_device",
+    "fp8_gemm",
+    "fp8_gemm_ref",
+    "fp8_linear",
+    "fp8_linear_ref",
+    "quantize_act_fp8",
+    "quantize_act_fp8_ref",
+]
+
+FP8_DTYPE = torch.float8_e4m3fn
+FP8_MIN_CAPABILITY = (8, 9)
+
+
+def check_fp8_device(device: torch.device) -> None:
+    """Raise a clear `QuantSpecError` when `device` is a GPU without native FP8 (cc < 8.9)."""
+    if device.type != "cuda":
+        return
+    cc = torch.cuda.get_device_capability(device)
+    if cc < FP8_MIN_CAPABILITY:
+        raise QuantSpecError(
+            f"FP8 GEMM needs compute capability >= 8.9 but {torch.cuda.get_device_name(device)} is "
+            f"{cc[0]}.{cc[1]}; dequantize the fp8 weights to fp16/bf16 (fp8_linear_ref) instead"
+        )
+
+
+@triton.jit
+def _quantize_act_fp8_kernel(x_ptr, q_ptr, s_ptr, numel, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < numel
+    x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr).to(tl.float32)
+    v = tl.minimum(tl.maximum(tl.math.div_rn(x, s), -FP8_MAX), FP8_MAX)
+    tl.store(q_ptr + offs, round_to_e4m3(v).to(q_ptr.dtype.element_ty), mask=mask)
+
+
+def _validate_act(x, scale):
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    check_tensor(scale, "x_scale", dtypes=(torch.float32,))
+    if scale.numel() != 1:
+        raise QuantSpecError(
+            f"FP8 activation scale is static per-tensor (one value), got shape {list(scale.shape)}"
+        )
+
+
+def quantize_act_fp8_ref(
+    x: torch.Tensor,  # [M, K] fp32/fp16/bf16
+    scale: torch.Tensor,  # [1] or [] fp32 static scale
+) -> torch.Tensor:
+    """Torch reference: x_q float8_e4m3fn [M, K] using `quant/`'s fp8 quantizer."""
+    _validate_act(x, scale)
+    from quantspec.kernels._quant_bridge import quantize_fp8
+
+    return quantize_fp8(x, scale.reshape(1))
+
+
+def quantize_act_fp8(
+    x: torch.Tensor,  # [M, K] fp32/fp16/bf16
+    scale: torch.Tensor,  # [1] or [] fp32 static scale
+) -> torch.Tensor:
+    """Triton static FP8 activation quantizer -> float8_e4m3fn [M, K]."""
+    _validate_act(x, scale)
+    device = check_same_device(x=x, x_scale=scale)
+    q = torch.empty(x.shape, device=device, dtype=FP8_DTYPE)
+    block = 1024
+    _quantize_act_fp8_kernel[(triton.cdiv(x.numel(), block),)](
+        x, q, scale, x.numel(), FP8_MAX=FP8_E4M3_MAX, BLOCK=block
+    )
+    return q
+
+
+@triton.jit
+def _fp8_gemm_kernel(
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
+    M, N, K, stride_am, stride_bn, stride_om,
+    W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+):
+    pid = tl.program_id(0)
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for k0 in range(0, K, BLOCK_K):
+        offs_k = k0 + tl.arange(0, BLOCK_K)
+        mask_k = offs_k < K
+        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
+                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8
+        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :],
+                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK] fp8
+        if UPCAST:
+            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+        else:
+            acc += tl.dot(a, tl.trans(b))
+    a_s = tl.load(as_ptr).to(tl.float32)
+    if W_PER_CHANNEL:
+        b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
+    else:
+        b_s = tl.load(bs_ptr + offs_n * 0)  # [BN], one per-tensor scale
+    y = acc * a_s * b_s[None, :]
+    if HAS_BIAS:
+        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+             y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+
+
+def _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    check_tensor(x_q, "x_q", ndim=2, dtypes=(FP8_DTYPE,))
+    check_tensor(w_q, "w_q", ndim=2, dtypes=(FP8_DTYPE,))
+    M, K = x_q.shape
+    N = w_q.shape[0]
+    if w_q.shape[1] != K:
+        raise QuantSpecError(f"w_q has K={w_q.shape[1]} but x_q has K={K}; shapes must agree")
+    check_tensor(x_scale, "x_scale", dtypes=(torch.float32,))
+    if x_scale.numel() != 1:
+        raise QuantSpecError(f"x_scale must hold one static value, got shape {list(x_scale.shape)}")
+    check_tensor(w_scale, "w_scale", ndim=1, dtypes=(torch.float32,))
+    if w_scale.shape[0] not in (1, N):
+        raise QuantSpecError(f"w_scale has {w_scale.shape[0]} values; expected 1 or N={N}")
+    if bias is not None:
+        check_tensor(bias, "bias", dtypes=FLOAT_DTYPES, shape=(N,))
+    if out_dtype not in FLOAT_DTYPES:
+        raise QuantSpecError(f"out_dtype={out_dtype} must be float32, float16 or bfloat16")
+    return M, N, K
+
+
+def fp8_gemm_ref(
+    x_q: torch.Tensor,  # [M, K] float8_e4m3fn
+    x_scale: torch.Tensor,  # [1] fp32
+    w_q: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] or [1] fp32
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Torch reference: fp8 values upcast to fp32 (exact), fp32 matmul, scale epilogue."""
+    _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    acc = x_q.float() @ w_q.float().t()  # [M, N]
+    y = acc * x_scale.reshape(1).float() * w_scale[None, :]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(out_dtype)
+
+
+def fp8_gemm(
+    x_q: torch.Tensor,  # [M, K] float8_e4m3fn
+    x_scale: torch.Tensor,  # [1] fp32
+    w_q: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] or [1] fp32
+    bias: torch.Tensor | None = None,  # [N]
+    out_dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """Triton FP8 GEMM; raises `QuantSpecError` on GPUs below compute capability 8.9."""
+    M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
+    device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
+    check_fp8_device(device)
+    out = torch.empty((M, N), device=device, dtype=out_dtype)
+    on_gpu = device.type == "cuda"
+    if on_gpu:
+        bm, bn, bk, warps, stages = (
+            (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 16 else (16, 64, 256, 4, 4)
+        )
+    else:
+        bm, bn, bk, warps, stages = 16, 16, 32, 4, 1
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    _fp8_gemm_kernel[grid](
+        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, out,
+        M, N, K, x_q.stride(0), w_q.stride(0), N,
+        W_PER_CHANNEL=w_scale.shape[0] == N and N != 1, HAS_BIAS=bias is not None,
+        UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        num_warps=warps, num_stages=stages,
+    )
+    return out
+
+
+def fp8_linear_ref(
+    x: torch.Tensor,  # [M, K] fp32/fp16/bf16
+    w_q: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] or [1] fp32
+    x_scale: torch.Tensor,  # [1] fp32 static
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Reference FP8 linear: quantize x with its static scale, FP8 GEMM, output in x.dtype."""
+    return fp8_gemm_ref(quantize_act_fp8_ref(x, x_scale), x_scale.reshape(1), w_q, w_scale, bias, x.dtype)
+
+
+def fp8_linear(
+    x: torch.Tensor,  # [M, K] fp32/fp16/bf16
+    w_q: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] or [1] fp32
+    x_scale: torch.Tensor,  # [1] fp32 static
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """Triton FP8 linear: quantize x with its static scale, FP8 GEMM, output in x.dtype."""
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    check_fp8_device(x.device)
+    return fp8_gemm(quantize_act_fp8(x, x_scale), x_scale.reshape(1), w_q, w_scale, bias, x.dtype)

@@ -1,0 +1,171 @@
+"""W8A16: y[M, N] = (x[M, K] @ q[N, K]ᵀ) * scale[N] (+ bias) with per-channel int8 weights.
+
+This file owns the Triton kernel and its torch reference `w8a16_linear_ref` (same signature).
+Because the scale is per output channel it factors out of the K sum, so the kernel accumulates
+x · q and applies the scale once in the epilogue (fewer multiplies, and the int8 → float convert
+is the only dequant work in the inner loop).
+
+Small M (decode / speculative verify) launches BLOCK_M = 1 as a GEMV with split-K; larger M uses
+tiled `tl.dot`. Split-K partials go to an fp32 buffer [SPLIT_K, M, N] summed in torch.
+"""
+
+from __future__ import annotations
+
+import torch
+import triton
+import triton.language as tl
+
+from quantspec.errors import QuantSpecError
+from quantspec.kernels._common import (
+    FLOAT_DTYPES,
+    check_same_device,
+    check_tensor,
+    interpreter_enabled,
+)
+from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config
+
+__all__ = ["W8A16Config", "w8a16_default_config", "w8a16_linear", "w8a16_linear_ref"]
+
+# same tuple layout as W4A16Config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+W8A16Config = W4A16Config
+
+
+def w8a16_default_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
+    """Launch heuristic: GEMV + split-K for M <= 4 on GPU, tiles above; tiny tiles on the CPU."""
+    if not on_gpu:
+        return W4A16Config(1, 16, 16, 2) if M <= GEMV_MAX_M else W4A16Config(16, 16, 16, 1)
+    if M <= GEMV_MAX_M:
+        block_n = 64 if N >= 8192 else 32
+        split = max(1, min(K // 512, triton.cdiv(528, triton.cdiv(N, block_n))))
+        return W4A16Config(1, block_n, 128, split, 4, 3)
+    if M <= 16:
+        return W4A16Config(16, 64, 128, max(1, min(K // 1024, 4)), 4, 4)
+    if M <= 64:
+        return W4A16Config(32, 64, 128, max(1, min(K // 2048, 2)), 4, 4)
+    if M <= 256:
+        return W4A16Config(64, 128, 64, 1, 4, 4)
+    return W4A16Config(128, 128, 64, 1, 8, 3)
+
+
+@triton.jit
+def _w8a16_kernel(
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    M, N, K,
+    stride_xm, stride_wn, stride_om, stride_osplit,
+    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+):
+    pid_m = tl.program_id(0)
+    pid_n = tl.program_id(1)
+    pid_k = tl.program_id(2)
+    offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
+    offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
+    mask_m = offs_m < M
+    mask_n = offs_n < N
+    tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+    k_begin = pid_k * tiles_per_split * BLOCK_K
+
+    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for t in range(0, tiles_per_split):
+        offs_k = k_begin + t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
+        mask_k = offs_k < K
+        x = tl.load(
+            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+        )  # [BM, BK]
+        q = tl.load(
+            w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
+            mask=mask_n[:, None] & mask_k[None, :], other=0,
+        )  # [BN, BK] int8
+        if USE_DOT:
+            if DOT_FP32:
+                acc += tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+            else:
+                # int8 values are exact in fp16/bf16
+                acc += tl.dot(x, tl.trans(q.to(x.dtype)))
+        else:
+            prod = x.to(tl.float32)[:, None, :] * q.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+            acc += tl.sum(prod, axis=2)
+
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+    acc = acc * s[None, :]
+    if SPLIT_K == 1:
+        if HAS_BIAS:
+            acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(
+            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
+            acc.to(out_ptr.dtype.element_ty), mask=out_mask,
+        )
+    else:
+        tl.store(
+            out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
+            acc, mask=out_mask,
+        )
+
+
+def _validate(x, w_q, w_scale, bias):
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    M, K = x.shape
+    check_tensor(w_q, "w_q", ndim=2, dtypes=(torch.int8,))
+    N = w_q.shape[0]
+    if w_q.shape[1] != K:
+        raise QuantSpecError(f"w_q has K={w_q.shape[1]} but x has K={K}; shapes must agree")
+    check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N,))
+    if bias is not None:
+        check_tensor(bias, "bias", dtypes=FLOAT_DTYPES, shape=(N,))
+    return M, N, K
+
+
+def w8a16_linear_ref(
+    x: torch.Tensor,  # [M, K] fp32/fp16/bf16
+    w_q: torch.Tensor,  # [N, K] int8
+    w_scale: torch.Tensor,  # [N]
+    bias: torch.Tensor | None = None,  # [N]
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """Torch reference: dequantize with `quant/` in fp32, matmul in fp32, cast to x.dtype.
+
+    `config` is accepted (and ignored) so the reference and the kernel share one signature.
+    """
+    M, N, K = _validate(x, w_q, w_scale, bias)
+    from quantspec.kernels._quant_bridge import dequantize_groupwise
+
+    w = dequantize_groupwise(w_q, w_scale.float()[:, None], None, K)  # [N, K] fp32
+    y = x.float() @ w.t()  # [M, N]
+    if bias is not None:
+        y = y + bias.float()
+    return y.to(x.dtype)
+
+
+def w8a16_linear(
+    x: torch.Tensor,  # [M, K] fp32/fp16/bf16
+    w_q: torch.Tensor,  # [N, K] int8
+    w_scale: torch.Tensor,  # [N]
+    bias: torch.Tensor | None = None,  # [N]
+    config: W4A16Config | None = None,
+) -> torch.Tensor:
+    """Triton W8A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
+    M, N, K = _validate(x, w_q, w_scale, bias)
+    device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
+    bm, bn, bk, split, warps, stages = config or w8a16_default_config(M, N, K, device.type == "cuda")
+    dot_fp32 = x.dtype == torch.float32 or (interpreter_enabled() and x.dtype == torch.bfloat16)
+    if split == 1:
+        out = torch.empty((M, N), device=device, dtype=x.dtype)
+    else:
+        out = torch.empty((split, M, N), device=device, dtype=torch.float32)
+    grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    _w8a16_kernel[grid](
+        x, w_q, w_scale, bias if bias is not None else w_scale, out,
+        M, N, K,
+        x.stride(0), w_q.stride(0), N, M * N,
+        HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_fp32,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        num_warps=warps, num_stages=stages,
+    )
+    if split == 1:
+        return out
+    y = out.sum(0)  # [M, N] fp32
+    if bias is not None:
+        y += bias.float()
+    return y.to(x.dtype)

@@ -1,0 +1,39 @@
+"""`triton_usable` and the shared `tl` rounding helpers vs torch."""
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from quantspec.kernels import triton_usable
+from quantspec.errors import QuantSpecError
+from quantspec.kernels import w8a16_linear
+from quantspec.kernels._common import can_launch, round_half_even
+
+
+def test_triton_usable_and_can_launch(monkeypatch):
+    monkeypatch.setenv("TRITON_INTERPRET", "1")
+    assert can_launch("cpu") and not triton_usable("cpu")  # dispatch never picks the interpreter
+    assert triton_usable("cuda") == torch.cuda.is_available()
+    assert not triton_usable("meta") and not can_launch("meta")
+    monkeypatch.setenv("TRITON_INTERPRET", "0")
+    assert not can_launch("cpu")
+    with pytest.raises(QuantSpecError, match="cannot run on cpu"):
+        w8a16_linear(torch.randn(2, 8), torch.zeros(4, 8, dtype=torch.int8), torch.ones(4))
+
+
+@triton.jit
+def _rne_kernel(x_ptr, y_ptr, n, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    x = tl.load(x_ptr + offs, mask=offs < n)
+    tl.store(y_ptr + offs, round_half_even(x), mask=offs < n)
+
+
+@pytest.mark.skipif(not can_launch("cpu") and not torch.cuda.is_available(), reason="no triton")
+def test_round_half_even_matches_torch_round():
+    x = torch.tensor([0.5, 1.5, 2.5, -0.5, -1.5, -2.5, 126.5, -127.5, 3.49999, -3.50001, 0.0, 7.0])
+    if not can_launch("cpu"):
+        x = x.cuda()
+    y = torch.empty_like(x)
+    _rne_kernel[(1,)](x, y, x.numel(), BLOCK=16)
+    assert torch.equal(y, torch.round(x))

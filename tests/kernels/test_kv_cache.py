@@ -1,0 +1,165 @@
+"""Paged KV cache: quantize-on-write (bit-exact vs reference) and varlen paged attention (kernel vs
+reference, and reference vs dense causal attention from torch's SDPA)."""
+
+import math
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from quantspec.errors import QuantSpecError
+from quantspec.kernels.kv_cache import (
+    paged_attention,
+    paged_attention_ref,
+    write_kv_cache,
+    write_kv_cache_ref,
+)
+
+H, HKV, D, BS, NB = 6, 2, 24, 8, 24  # GQA group 3, head_dim not a power of two, block 8
+CACHE_DTYPES = [torch.float32, torch.float16, torch.int8, torch.float8_e4m3fn]
+
+
+def _batch(q_lens, ctx_lens, seed=0):
+    """A batch: decode (q_len 1), verify (1 + k) and prefill sequences over shuffled blocks."""
+    gen = torch.Generator().manual_seed(seed)
+    B = len(q_lens)
+    seq = [c + q for c, q in zip(ctx_lens, q_lens)]
+    perm = torch.randperm(NB, generator=gen)
+    max_blocks = max(-(-s // BS) for s in seq) + 1
+    bt = perm[: B * max_blocks].reshape(B, max_blocks).int()
+    cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
+    return bt, cu, torch.tensor(seq, dtype=torch.int32), gen
+
+
+def _slots(bt, positions_per_seq):
+    return [int(bt[b, p // BS]) * BS + p % BS for b, ps in enumerate(positions_per_seq) for p in ps]
+
+
+def _scales(dtype, gen):
+    if dtype in (torch.int8, torch.float8_e4m3fn):
+        return torch.rand(HKV, generator=gen) * 0.03 + 0.01, torch.rand(HKV, generator=gen) * 0.03 + 0.01
+    return None, None
+
+
+def _filled_cache(dtype, bt, seq, gen):
+    kc = torch.zeros(NB, BS, HKV, D, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    ks, vs = _scales(dtype, gen)
+    slots = torch.tensor(_slots(bt, [range(int(s)) for s in seq]), dtype=torch.int64)
+    k = torch.randn(len(slots), HKV, D, generator=gen)
+    v = torch.randn(len(slots), HKV, D, generator=gen)
+    write_kv_cache_ref(k, v, kc, vc, slots, ks, vs)
+    return kc, vc, ks, vs
+
+
+def _bits(t):
+    return t.view(torch.uint8) if t.element_size() == 1 else t
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+def test_write_exact(dtype):
+    bt, cu, seq, gen = _batch([3, 5], [4, 0])
+    kc, vc = torch.zeros(NB, BS, HKV, D, dtype=dtype), torch.zeros(NB, BS, HKV, D, dtype=dtype)
+    kc2, vc2 = kc.clone(), vc.clone()
+    ks, vs = _scales(dtype, gen)
+    slots = torch.tensor(_slots(bt, [range(4, 7), range(5)]) + [-1], dtype=torch.int64)  # -1: pad
+    k = torch.randn(len(slots), HKV, D, generator=gen) * 2
+    v = torch.randn(len(slots), HKV, D, generator=gen) * 2
+    write_kv_cache(k.to(torch.float16), v, kc, vc, slots, ks, vs)
+    write_kv_cache_ref(k.to(torch.float16), v, kc2, vc2, slots, ks, vs)
+    assert torch.equal(_bits(kc), _bits(kc2)) and torch.equal(_bits(vc), _bits(vc2))
+    assert _bits(kc).float().abs().sum() > 0
+    # the reference writes what quantization says, and only to the given slots
+    flat = kc2.view(-1, HKV, D)
+    ref_rows = k[:-1].to(torch.float16).float()
+    if ks is not None:
+        sc = ks[None, :, None]
+        got = flat[slots[:-1]].float() * sc
+        if dtype == torch.int8:  # within half a step of the value clamped to the int8 range
+            assert ((got - torch.clamp(ref_rows, -128 * sc, 127 * sc)).abs() <= sc / 2 + 1e-6).all()
+        else:  # fp8 E4M3: 3 mantissa bits, relative error <= 2**-4 (normal range)
+            assert ((got - ref_rows).abs() <= ref_rows.abs() / 16 + sc * 2**-9).all()
+    else:
+        torch.testing.assert_close(flat[slots[:-1]].float(), ref_rows.to(dtype).float())
+    untouched = torch.ones(flat.shape[0], dtype=torch.bool)
+    untouched[slots[:-1]] = False
+    assert _bits(flat[untouched]).float().abs().sum() == 0
+
+
+@pytest.mark.parametrize("dtype", CACHE_DTYPES)
+@pytest.mark.parametrize("q_dtype", [torch.float32, torch.float16])
+def test_paged_attention_matches_reference(dtype, q_dtype):
+    # decode (1 new token), speculative verify (1 + 3), prefill crossing BLOCK_M (17), mid-prefill
+    q_lens, ctx = [1, 4, 17, 5], [13, 9, 0, 20]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=1)
+    kc, vc, ks, vs = _filled_cache(dtype, bt, seq, gen)
+    q = torch.randn(int(cu[-1]), H, D, generator=gen).to(q_dtype)
+    out = paged_attention(q, kc, vc, cu, seq, bt, ks, vs)
+    ref = paged_attention_ref(q, kc, vc, cu, seq, bt, ks, vs)
+    assert out.dtype == q_dtype and out.shape == q.shape
+    tol = 1e-5 if q_dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+def test_reference_matches_dense_sdpa():
+    q_lens, ctx = [1, 4, 6], [10, 3, 0]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=2)
+    kc, vc, ks, vs = _filled_cache(torch.float32, bt, seq, gen)
+    q = torch.randn(int(cu[-1]), H, D, generator=gen)
+    ref = paged_attention_ref(q, kc, vc, cu, seq, bt)
+    for b, (L, S) in enumerate(zip(q_lens, seq.tolist())):
+        rows = torch.tensor([int(bt[b, p // BS]) * BS + p % BS for p in range(S)])
+        k = kc.view(-1, HKV, D)[rows].transpose(0, 1)[None]  # [1, HKV, S, D]
+        v = vc.view(-1, HKV, D)[rows].transpose(0, 1)[None]
+        qb = q[cu[b]: cu[b + 1]].transpose(0, 1)[None]  # [1, H, L, D]
+        mask = torch.arange(S)[None, :] <= torch.arange(S - L, S)[:, None]  # [L, S]
+        dense = F.scaled_dot_product_attention(qb, k, v, attn_mask=mask, enable_gqa=True,
+                                               scale=1 / math.sqrt(D))
+        torch.testing.assert_close(ref[cu[b]: cu[b + 1]], dense[0].transpose(0, 1), rtol=1e-5, atol=1e-5)
+
+
+def test_noncontiguous_q_heads_and_max_q_len():
+    q_lens, ctx = [2, 3], [5, 1]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=3)
+    kc, vc, ks, vs = _filled_cache(torch.int8, bt, seq, gen)
+    qkv = torch.randn(5, H + 2 * HKV, D, generator=gen)
+    q = qkv[:, :H]  # a view into a fused qkv projection: strided over tokens, contiguous head_dim
+    out = paged_attention(q, kc, vc, cu, seq, bt, ks, vs, max_q_len=3)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, cu, seq, bt, ks, vs),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_bad_inputs_raise():
+    bt, cu, seq, gen = _batch([1], [3])
+    kc = torch.zeros(NB, BS, HKV, D, dtype=torch.int8)
+    q = torch.randn(1, H, D)
+    with pytest.raises(QuantSpecError, match="k_scale is required"):
+        paged_attention(q, kc, kc.clone(), cu, seq, bt)
+    s = torch.ones(HKV)
+    with pytest.raises(QuantSpecError, match="head_dim"):
+        paged_attention(torch.randn(1, H, D + 1), kc, kc.clone(), cu, seq, bt, s, s)
+    with pytest.raises(QuantSpecError, match="multiple of num_kv_heads"):
+        paged_attention(torch.randn(1, 5, D), kc, kc.clone(), cu, seq, bt, s, s)
+    with pytest.raises(QuantSpecError, match="cu_q_lens has dtype"):
+        paged_attention(q, kc, kc.clone(), cu.long(), seq, bt, s, s)
+    with pytest.raises(QuantSpecError, match="must match k_cache"):
+        paged_attention(q, kc, kc.float(), cu, seq, bt, s, s)
+    with pytest.raises(QuantSpecError, match="slot_mapping"):
+        write_kv_cache(torch.randn(2, HKV, D), torch.randn(2, HKV, D), kc, kc.clone(),
+                       torch.zeros(2, dtype=torch.int32), s, s)
+    with pytest.raises(QuantSpecError, match="value has shape"):
+        write_kv_cache(torch.randn(2, HKV, D), torch.randn(3, HKV, D), kc, kc.clone(),
+                       torch.zeros(2, dtype=torch.int64), s, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
+def test_gpu_bf16_queries(dtype):
+    q_lens, ctx = [1, 4, 40], [100, 60, 0]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=4)
+    kc, vc, ks, vs = _filled_cache(dtype, bt, seq, gen)
+    dev = lambda t: None if t is None else t.cuda()  # noqa: E731
+    q = torch.randn(int(cu[-1]), H, D, generator=gen).bfloat16().cuda()
+    args = [dev(t) for t in (kc, vc, cu, seq, bt, ks, vs)]
+    torch.testing.assert_close(paged_attention(q, *args).float(), paged_attention_ref(q, *args).float(),
+                               rtol=2e-2, atol=2e-2)

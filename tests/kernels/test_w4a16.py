@@ -1,0 +1,90 @@
+"""W4A16 Triton kernel vs its torch reference (interpreter on CPU), and the reference vs
+compressed-tensors' own unpacking (an independent implementation of the layout)."""
+
+import pytest
+import torch
+from compressed_tensors.compressors.pack_quantized.helpers import unpack_from_int32
+
+from quantspec.errors import QuantSpecError
+from quantspec.kernels.w4a16 import W4A16Config, w4a16_linear, w4a16_linear_ref
+from quantspec.quant.packing import pack_int4
+
+N = 37  # not a multiple of any BLOCK_N
+
+
+def _make(M, K, g, dtype, asym, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen)
+    scale = (torch.rand(N, K // g, generator=gen) * 0.05 + 0.01).to(dtype)
+    zero = torch.randint(-8, 8, (N, K // g), dtype=torch.int8, generator=gen) if asym else None
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    return x, pack_int4(q), scale, g, zero, b, q
+
+
+# (K, group_size): K not a multiple of BLOCK_K=16; groups smaller / not aligned / aligned to it
+SHAPES = [(88, 8), (88, 44), (96, 32)]
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+@pytest.mark.parametrize("K,g", SHAPES)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_kernel_matches_reference(M, K, g, dtype):
+    asym = (M + K) % 2 == 0  # alternate sym/asym and bias over the grid to keep the run short
+    x, wp, s, g, z, b, _ = _make(M, K, g, dtype, asym=asym, bias=not asym, seed=M * K)
+    y = w4a16_linear(x, wp, s, g, z, b)
+    r = w4a16_linear_ref(x, wp, s, g, z, b)
+    assert y.dtype == dtype and y.shape == (M, N)
+    if dtype == torch.float32:
+        torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-5)
+    else:  # fp16 weights/activations in the dot vs an fp32 reference
+        torch.testing.assert_close(y.float(), r.float(), rtol=5e-3, atol=5e-3)
+
+
+@pytest.mark.parametrize("cfg", [W4A16Config(1, 8, 8, 3), W4A16Config(16, 32, 16, 2),
+                                 W4A16Config(32, 16, 32, 1)])
+def test_split_k_and_tile_configs(cfg):
+    x, wp, s, g, z, b, _ = _make(17, 88, 8, torch.float32, asym=True, bias=True, seed=5)
+    y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
+    torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g, z, b), rtol=1e-5, atol=1e-5)
+
+
+def test_reference_matches_compressed_tensors_unpack():
+    x, wp, s, g, z, b, q = _make(3, 88, 8, torch.float32, asym=True, bias=True)
+    ct_q = unpack_from_int32(wp, 4, torch.Size((N, 88)))  # independent unpacker
+    assert torch.equal(ct_q, q)
+    w = (ct_q.float() - z.float().repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
+    torch.testing.assert_close(w4a16_linear_ref(x, wp, s, g, z, b), x @ w.t() + b)
+
+
+def test_bad_inputs_raise():
+    x, wp, s, g, z, b, _ = _make(3, 88, 8, torch.float32, asym=True, bias=True)
+    with pytest.raises(QuantSpecError, match="w_packed"):
+        w4a16_linear(x, wp.to(torch.int64), s, g)
+    with pytest.raises(QuantSpecError, match="ceil"):
+        w4a16_linear(x[:, :80].contiguous(), wp, s, g)
+    with pytest.raises(QuantSpecError, match="does not divide"):
+        w4a16_linear(x, wp, s, 16)
+    with pytest.raises(QuantSpecError, match="w_scale"):
+        w4a16_linear(x, wp, s[:, :5].contiguous(), g)
+    with pytest.raises(QuantSpecError, match="contiguous"):
+        w4a16_linear(torch.randn(88, 3).t(), wp, s, g)
+    with pytest.raises(QuantSpecError, match="x has dtype"):
+        w4a16_linear(x.double(), wp, s, g)
+    with pytest.raises(QuantSpecError, match="bias"):
+        w4a16_linear(x, wp, s, g, z, b[:5])
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_big_shapes(M, dtype):
+    gen = torch.Generator().manual_seed(M)
+    Nb, K, g = 1000, 4096, 128
+    q = torch.randint(-8, 8, (Nb, K), dtype=torch.int8, generator=gen)
+    s = (torch.rand(Nb, K // g, generator=gen) * 0.02).to(dtype)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    args = [t.cuda() for t in (x, pack_int4(q), s)]
+    y = w4a16_linear(args[0], args[1], args[2], g)
+    r = w4a16_linear_ref(args[0], args[1], args[2], g)
+    torch.testing.assert_close(y.float(), r.float(), rtol=2e-2, atol=2e-2)

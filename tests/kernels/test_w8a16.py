@@ -1,0 +1,65 @@
+"""W8A16 Triton kernel vs its torch reference (interpreter on CPU); reference vs plain torch."""
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.kernels.w8a16 import W8A16Config, w8a16_linear, w8a16_linear_ref
+
+N, K = 37, 88  # neither a multiple of the blocks
+
+
+def _make(M, dtype, bias, seed=0):
+    gen = torch.Generator().manual_seed(seed)
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+    s = (torch.rand(N, generator=gen) * 0.01 + 1e-3).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype) if bias else None
+    return torch.randn(M, K, generator=gen).to(dtype), q, s, b
+
+
+@pytest.mark.parametrize("M", [1, 3, 17, 64])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("bias", [False, True])
+def test_kernel_matches_reference(M, dtype, bias):
+    x, q, s, b = _make(M, dtype, bias, seed=M)
+    y = w8a16_linear(x, q, s, b)
+    r = w8a16_linear_ref(x, q, s, b)
+    assert y.dtype == dtype and y.shape == (M, N)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(y.float(), r.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("cfg", [W8A16Config(1, 8, 8, 4), W8A16Config(16, 16, 32, 3)])
+def test_split_k_configs(cfg):
+    x, q, s, b = _make(17, torch.float32, True, seed=3)
+    torch.testing.assert_close(w8a16_linear(x, q, s, b, config=cfg), w8a16_linear_ref(x, q, s, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_reference_is_scaled_matmul():
+    x, q, s, b = _make(3, torch.float32, True)
+    torch.testing.assert_close(w8a16_linear_ref(x, q, s, b), x @ (q.float() * s[:, None]).t() + b)
+
+
+def test_bad_inputs_raise():
+    x, q, s, b = _make(3, torch.float32, True)
+    with pytest.raises(QuantSpecError, match="w_q has dtype"):
+        w8a16_linear(x, q.to(torch.int32), s)
+    with pytest.raises(QuantSpecError, match="K="):
+        w8a16_linear(x[:, :80].contiguous(), q, s)
+    with pytest.raises(QuantSpecError, match="w_scale"):
+        w8a16_linear(x, q, s[:3])
+    with pytest.raises(QuantSpecError, match="contiguous"):
+        w8a16_linear(torch.randn(K, 3).t(), q, s)
+
+
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 16, 64, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_big_shapes(M, dtype):
+    gen = torch.Generator().manual_seed(M)
+    q = torch.randint(-128, 128, (1000, 4096), dtype=torch.int8, generator=gen).cuda()
+    s = (torch.rand(1000, generator=gen) * 1e-3).to(dtype).cuda()
+    x = torch.randn(M, 4096, generator=gen).to(dtype).cuda()
+    torch.testing.assert_close(w8a16_linear(x, q, s).float(), w8a16_linear_ref(x, q, s).float(),
+                               rtol=2e-2, atol=2e-2)
