@@ -1,0 +1,32 @@
+"""Shared session-scoped fixtures: tiny offline HF checkpoints and the tiny tokenizer.
+
+Each fixture builds once per test session under pytest's `tmp_path_factory` (fast: < 2 s each)
+and yields the directory path. Tests must not modify these directories; build a private one with
+`quantspec.model_zoo.tiny.build_tiny_model(tmp_path, ...)` when a test needs other options.
+"""
+
+from pathlib import Path
+
+import pytest
+
+from quantspec.model_zoo.tiny import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(scope="session")
+def tiny_llama_dir(tmp_path_factory) -> Path:
+    """2-layer Llama, hidden 64, 4 heads / 2 KV heads, vocab 512, untied, fp32, seed 0."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_llama"), "llama")
+
+
+@pytest.fixture(scope="session")
+def tiny_qwen2_dir(tmp_path_factory) -> Path:
+    """2-layer Qwen2 (q/k/v bias), hidden 64, 4 heads / 2 KV heads, vocab 512, untied, seed 0."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")
+
+
+@pytest.fixture(scope="session")
+def tiny_tokenizer_dir(tmp_path_factory) -> Path:
+    """The tiny byte-level BPE tokenizer (variant 0, vocab 512), saved with save_pretrained."""
+    out = tmp_path_factory.mktemp("tiny_tokenizer")
+    build_tiny_tokenizer(out)
+    return out
