@@ -1,0 +1,284 @@
+"""The engine: a batch of requests over one model and one paged KV cache.
+
+Each `step()` runs ONE forward over a flattened batch in which every running sequence brings its
+new tokens — the whole prompt when it is admitted (prefill), its last token (decode), or its last
+token plus k draft tokens (speculative verification) — then samples or verifies, appends, and
+retires finished sequences so waiting ones are admitted (continuous batching). Speculative
+decoding plugs in through a `Proposer`; the verifier is the pure function in `spec/verify.py`.
+
+KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions
+(its newest token is fed next step). Rejected draft slots are "rolled back" simply by not
+counting them: the next step overwrites them.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import Callable, Protocol
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
+from quantspec.infer.sampler import SamplingParams, generator_for_request, logits_to_probs, sample, sampling_tensors
+from quantspec.model_zoo.llama import Transformer
+
+__all__ = ["Engine", "EngineConfig", "Proposer", "Sequence"]
+
+
+@dataclass
+class EngineConfig:
+    block_size: int = 64
+    max_batch_size: int = 8
+    max_length: int = 2048  # prompt + generated tokens, per sequence
+    kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO
+    num_blocks: int | None = None  # default: enough for max_batch_size full-length sequences
+    spec_max_draft_tokens: int = 0  # extra KV room per sequence for verification
+
+    def __post_init__(self):
+        if self.block_size < 1 or self.block_size & (self.block_size - 1):
+            raise QuantSpecError(f"block_size={self.block_size} must be a power of two (e.g. 64)")
+        if self.max_batch_size < 1:
+            raise QuantSpecError(f"batch_size={self.max_batch_size} must be >= 1")
+        if self.max_length < 2:
+            raise QuantSpecError(f"max_length={self.max_length} must be >= 2")
+        self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
+
+    def blocks_needed(self) -> int:
+        per_seq = -(-(self.max_length + self.spec_max_draft_tokens + 1) // self.block_size)
+        return self.num_blocks or (self.max_batch_size * per_seq + 1)
+
+
+@dataclass
+class SeqStats:
+    t_arrival: float = 0.0
+    t_first_token: float | None = None
+    t_finish: float | None = None
+    target_forwards: int = 0  # forwards of the base model this sequence took part in after prefill
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: SeqStats = field(default_factory=SeqStats)
+    text_check: Callable[["Sequence"], int | None] | None = None  # stop-string hook
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+class Proposer(Protocol):
+    """A drafter: proposes up to `budget[b]` tokens for each decoding sequence."""
+
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """→ (draft ids per sequence, draft probs [k_b, V] or None per sequence)."""
+
+    def release(self, seq: Sequence) -> None:
+        """Forget a finished sequence (free draft-side state)."""
+
+
+class Engine:
+    def __init__(self, model: Transformer, config: EngineConfig, *, eos_token_ids: list[int] | None = None,
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 proposer: Proposer | None = None, hidden_hook: Callable | None = None):
+        self.model, self.config, self.proposer = model, config, proposer
+        args = model.args
+        self.device = model.model.norm.weight.device
+        self.dtype = model.model.norm.weight.dtype
+        self.eos = set(eos_token_ids if eos_token_ids is not None else args.eos_token_ids)
+        self.cache = PagedKVCache(
+            num_layers=args.num_layers, num_blocks=config.blocks_needed(), block_size=config.block_size,
+            num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
+            kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+        )
+        if args.max_position_embeddings < config.max_length:
+            model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)
+        self.waiting: list[Sequence] = []
+        self.running: list[Sequence] = []
+        self._next_id = 0
+        # The last step's hidden states per sequence (pre-norm), for MTP drafting.
+        self.hidden_hook = hidden_hook
+        self.num_steps = 0
+
+    # -- requests ------------------------------------------------------------------------------
+
+    def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_index: int | None = None,
+                    text_check=None) -> Sequence:
+        if not prompt_ids:
+            raise QuantSpecError("empty prompt; give at least one token")
+        if len(prompt_ids) >= self.config.max_length:
+            raise QuantSpecError(
+                f"prompt has {len(prompt_ids)} tokens but max_length is {self.config.max_length}; "
+                f"raise --max-length or shorten the prompt"
+            )
+        idx = self._next_id if request_index is None else request_index
+        seq = Sequence(self._next_id, list(prompt_ids), params,
+                       generator_for_request(params.seed, idx, self.device), text_check=text_check)
+        seq.stats.t_arrival = time.perf_counter()
+        self._next_id += 1
+        self.waiting.append(seq)
+        return seq
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def _free(self, seq: Sequence) -> None:
+        self.cache.allocator.free(seq.block_table)
+        seq.block_table = []
+        if self.proposer is not None:
+            self.proposer.release(seq)
+
+    def _ensure_blocks(self, seq: Sequence, num_positions: int) -> None:
+        need = -(-num_positions // self.config.block_size) - len(seq.block_table)
+        if need > 0:
+            seq.block_table.extend(self.cache.allocator.allocate(need))
+
+    def _admit(self) -> None:
+        # num_blocks is sized for max_batch_size full-length sequences, so admission only has to
+        # respect the batch size; a smaller user-set num_blocks is checked against the prompt.
+        while self.waiting and len(self.running) < self.config.max_batch_size:
+            prompt_blocks = -(-(len(self.waiting[0].prompt_ids) + 1) // self.config.block_size)
+            if self.cache.allocator.num_free < prompt_blocks:
+                if not self.running:
+                    raise QuantSpecError("the KV cache cannot hold one prompt; raise num_blocks")
+                break
+            self.running.append(self.waiting.pop(0))
+
+    # -- one step ------------------------------------------------------------------------------
+
+    def _budget(self, seq: Sequence) -> int:
+        """How many draft tokens this sequence may verify this step."""
+        left_new = seq.params.max_new_tokens - len(seq.output_ids) - 1
+        left_len = self.config.max_length - seq.num_tokens - 1
+        return max(0, min(self.config.spec_max_draft_tokens, left_new, left_len))
+
+    @torch.inference_mode()
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Run one forward for every running sequence; returns (sequence, new token ids) pairs."""
+        self._admit()
+        seqs = self.running
+        if not seqs:
+            return []
+        drafts: list[list[int]] = [[] for _ in seqs]
+        draft_probs: list[torch.Tensor | None] = [None for _ in seqs]
+        if self.proposer is not None:
+            decoding = [i for i, s in enumerate(seqs) if s.num_cached > 0]
+            if decoding:
+                budgets = [self._budget(seqs[i]) for i in decoding]
+                ids, probs = self.proposer.propose([seqs[i] for i in decoding], budgets)
+                for j, i in enumerate(decoding):
+                    drafts[i] = list(ids[j])[: budgets[j]]
+                    draft_probs[i] = None if probs[j] is None else probs[j][: len(drafts[i])]
+
+        feed_ids: list[int] = []
+        q_lens, seq_lens = [], []
+        for seq, d in zip(seqs, drafts):
+            new = seq.tokens[seq.num_cached:] + d
+            self._ensure_blocks(seq, seq.num_cached + len(new))
+            feed_ids.extend(new)
+            q_lens.append(len(new))
+            seq_lens.append(seq.num_cached + len(new))
+        positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(q_lens, seq_lens)])
+        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs],
+                                       self.config.block_size, self.device)
+        input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
+        hidden = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta))  # [T, D]
+
+        # rows to score: the last row of each sequence, plus its draft rows
+        rows, offset = [], 0
+        for ql, d in zip(q_lens, drafts):
+            rows.extend(range(offset + ql - 1 - len(d), offset + ql))
+            offset += ql
+        row_idx = torch.tensor(rows, device=self.device)
+        logits = self.model.compute_logits(hidden[row_idx])  # [sum(1+k_b), V]
+        if self.hidden_hook is not None:
+            self.hidden_hook(seqs, hidden, row_idx, q_lens, drafts)
+
+        if any(drafts):
+            from quantspec.infer.spec.verify import verify
+
+            result = verify([torch.tensor(d, dtype=torch.int64) for d in drafts], draft_probs, logits,
+                            [s.params for s in seqs], [s.generator for s in seqs])
+            new_tokens = [list(map(int, t)) for t in result.output_tokens]
+        else:
+            new_tokens = [[int(t)] for t in self._sample(logits, seqs)]
+
+        now = time.perf_counter()
+        out: list[tuple[Sequence, list[int]]] = []
+        for seq, d, toks in zip(seqs, drafts, new_tokens):
+            was_prefill = seq.num_cached == 0
+            n_acc = len(toks) - 1
+            seq.num_cached = seq.num_tokens + n_acc  # fed tokens + accepted drafts are valid KV
+            if not was_prefill:
+                seq.stats.target_forwards += 1
+            if d:
+                st = seq.stats
+                st.drafted += len(d)
+                st.accepted += n_acc
+                while len(st.drafted_per_position) < len(d):
+                    st.drafted_per_position.append(0)
+                    st.accepted_per_position.append(0)
+                for j in range(len(d)):
+                    st.drafted_per_position[j] += 1
+                    st.accepted_per_position[j] += int(j < n_acc)
+            if seq.stats.t_first_token is None:
+                seq.stats.t_first_token = now
+            emitted = self._append(seq, toks)
+            out.append((seq, emitted))
+        for seq in [s for s in seqs if s.finished]:
+            seq.stats.t_finish = now
+            self._free(seq)
+        self.running = [s for s in seqs if not s.finished]
+        self.num_steps += 1
+        return out
+
+    def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
+        if all(s.params.is_greedy for s in seqs):
+            return logits.argmax(dim=-1).tolist()
+        temperature, top_k, top_p = sampling_tensors([s.params for s in seqs], self.device)
+        probs = logits_to_probs(logits, temperature, top_k, top_p)
+        sampled = sample(probs, [s.generator for s in seqs])
+        greedy = logits.argmax(dim=-1)
+        return [int(greedy[i]) if s.params.is_greedy else int(sampled[i]) for i, s in enumerate(seqs)]
+
+    def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
+        """Append tokens, applying EOS / max_new_tokens / max_length / stop strings."""
+        emitted = []
+        for t in toks:
+            seq.output_ids.append(t)
+            emitted.append(t)
+            if t in self.eos:
+                seq.finished, seq.finish_reason = True, "eos"
+            elif len(seq.output_ids) >= seq.params.max_new_tokens:
+                seq.finished, seq.finish_reason = True, "length"
+            elif seq.num_tokens >= self.config.max_length:
+                seq.finished, seq.finish_reason = True, "max_length"
+            elif seq.text_check is not None and seq.text_check(seq) is not None:
+                seq.finished, seq.finish_reason = True, "stop"
+            if seq.finished:
+                break
+        return emitted
+
+    def run(self, on_step: Callable[[list[tuple[Sequence, list[int]]]], None] | None = None) -> None:
+        while self.has_work():
+            events = self.step()
+            if on_step is not None:
+                on_step(events)
