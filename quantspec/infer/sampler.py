@@ -1,0 +1,317 @@
+"""Token sampling: the per-request `SamplingParams`, logits → probabilities (temperature, top-k,
+top-p), batch-invariant sampling with per-sequence generators, and greedy argmax.
+
+Everything here is a pure function of tensors (no model, config or device policy), so the engine's
+decode step and the speculative verifier (`infer/spec/verify.py`) share one definition of "the
+target distribution" of a sequence.
+
+Random streams. A sequence's randomness comes only from its own `torch.Generator`, so what it
+samples does not depend on which other sequences share its batch or in which slot it sits
+(batch-invariant sampling). `make_generators` derives the generator of the request with index
+`i` (its position in the input file, not its batch slot) from the run seed `s` as
+`numpy.random.SeedSequence([s, i])`: the same (seed, request index) gives the same stream in any
+batch, and different requests get statistically independent streams. A `None` generator means
+"use torch's global generator" (reproducible only with `torch.manual_seed` and an identical
+batch).
+"""
+
+from __future__ import annotations
+
+import enum
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from quantspec.errors import QuantSpecError
+
+__all__ = [
+    "DecodeStrategy",
+    "SamplingParams",
+    "sampling_tensors",
+    "logits_to_probs",
+    "sample",
+    "greedy",
+    "generator_for_request",
+    "make_generators",
+    "TOP_P_CANDIDATES",
+]
+
+# Largest seed accepted: torch.Generator.manual_seed takes a uint64, numpy's SeedSequence any
+# non-negative int; 2**63 keeps the value representable as a signed int64 everywhere.
+_MAX_SEED = 2**63
+
+
+class DecodeStrategy(str, enum.Enum):
+    """How the next token is chosen: `greedy` = argmax of the raw logits, `sampling` = a draw from
+    the temperature / top-k / top-p filtered distribution."""
+
+    GREEDY = "greedy"
+    SAMPLING = "sampling"
+
+
+def _is_int(x: object) -> bool:
+    return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+
+def _is_real(x: object) -> bool:
+    return isinstance(x, (int, float, np.integer, np.floating)) and not isinstance(x, bool)
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    """Per-request decoding knobs, validated when built.
+
+    decode_strategy: "greedy" or "sampling" (stored as `DecodeStrategy`).
+    temperature:     > 0 for sampling; ignored by greedy.
+    top_k:           keep the k most likely tokens (ties at the k-th value are kept); 0 = off.
+    top_p:           keep the smallest set of most likely tokens whose mass reaches top_p;
+                     in (0, 1], 1.0 = off.
+    seed:            None (torch's global generator) or an int in [0, 2**63).
+    max_new_tokens:  ≥ 1.
+    stop:            stop strings (non-empty), stored as a tuple so the params stay hashable.
+    """
+
+    decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    max_new_tokens: int = 128
+    stop: Sequence[str] = field(default_factory=tuple)
+
+    def __post_init__(self) -> None:
+        try:
+            strategy = DecodeStrategy(self.decode_strategy)
+        except ValueError:
+            raise QuantSpecError(
+                f"decode_strategy={self.decode_strategy!r} is not supported; use one of "
+                f"{[s.value for s in DecodeStrategy]}"
+            ) from None
+        object.__setattr__(self, "decode_strategy", strategy)
+
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise QuantSpecError(
+                f"temperature={self.temperature!r} must be a finite number; pass e.g. 1.0"
+            )
+        if strategy is DecodeStrategy.SAMPLING and self.temperature <= 0:
+            raise QuantSpecError(
+                f"temperature={self.temperature} must be > 0 for decode_strategy='sampling'; "
+                "use decode_strategy='greedy' for deterministic decoding"
+            )
+        if self.temperature < 0:
+            raise QuantSpecError(f"temperature={self.temperature} must be >= 0")
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise QuantSpecError(f"top_k={self.top_k!r} must be an int >= 0 (0 turns top-k off)")
+        object.__setattr__(self, "top_k", int(self.top_k))
+
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise QuantSpecError(f"top_p={self.top_p!r} must be in (0, 1] (1.0 turns top-p off)")
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+        if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
+            raise QuantSpecError(f"seed={self.seed!r} must be None or an int in [0, 2**63)")
+        if self.seed is not None:
+            object.__setattr__(self, "seed", int(self.seed))
+
+        if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
+            raise QuantSpecError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+        object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
+
+        if isinstance(self.stop, str):
+            raise QuantSpecError(
+                f"stop={self.stop!r} must be a list of strings, not a string; pass [{self.stop!r}]"
+            )
+        stop = tuple(self.stop)
+        if not all(isinstance(s, str) and s for s in stop):
+            raise QuantSpecError(f"stop={list(stop)!r} must contain only non-empty strings")
+        object.__setattr__(self, "stop", stop)
+
+    @property
+    def is_greedy(self) -> bool:
+        return self.decode_strategy is DecodeStrategy.GREEDY
+
+    @property
+    def uses_filter(self) -> bool:
+        """True when sampling with top-k or top-p on (`logits_to_probs` has masking to do)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
+
+
+def sampling_tensors(
+    params: Sequence[SamplingParams], device: torch.device | str = "cpu"
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row (temperature [N] fp32, top_k [N] int64 | None, top_p [N] fp32 | None) for
+    `logits_to_probs`. Greedy rows get temperature 1 and no filter. top_k / top_p come back None
+    when no row uses them, so `logits_to_probs` skips the filters without a device sync."""
+    temperature = torch.tensor(
+        [1.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32, device=device
+    )  # [N]
+    top_k = top_p = None
+    if any(not p.is_greedy and p.top_k > 0 for p in params):
+        top_k = torch.tensor(
+            [0 if p.is_greedy else p.top_k for p in params], dtype=torch.int64, device=device
+        )  # [N]
+    if any(not p.is_greedy and p.top_p < 1.0 for p in params):
+        top_p = torch.tensor(
+            [1.0 if p.is_greedy else p.top_p for p in params], dtype=torch.float32, device=device
+        )  # [N]
+    return temperature, top_k, top_p
+
+
+def logits_to_probs(
+    logits: torch.Tensor,  # [N, V] float
+    temperature: torch.Tensor,  # [N] float, > 0
+    top_k: torch.Tensor | None = None,  # [N] int, 0 = off; None = off for all rows
+    top_p: torch.Tensor | None = None,  # [N] float in (0, 1], 1 = off; None = off for all rows
+) -> torch.Tensor:  # [N, V] fp32
+    """Temperature, then top-k, then top-p masking, renormalised; per-row parameters.
+
+    Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept).
+    Top-p keeps the smallest prefix of the tokens sorted by probability (after top-k) whose mass
+    reaches top_p; the most likely token is always kept. Rows with top_k = 0 and top_p = 1 are
+    exactly softmax(logits / temperature).
+
+    Cost: with no filter this is one softmax (pass None for top_k / top_p when no row uses them:
+    no host sync on the decode hot path). Top-k uses `topk`, not a sort. Top-p first looks at
+    the `TOP_P_CANDIDATES` most likely tokens and sorts the whole row only when their mass does
+    not reach top_p (flat distributions).
+
+    Example: logits [[2, 1, 0, -1]], temperature [1], top_k [2] → probs ≈ [[0.731, 0.269, 0, 0]].
+    """
+    if logits.ndim != 2 or not logits.is_floating_point():
+        raise QuantSpecError(
+            f"logits must be a float [N, V] tensor, got {tuple(logits.shape)} {logits.dtype}"
+        )
+    n = logits.shape[0]
+    if temperature.shape != (n,):
+        raise QuantSpecError(f"temperature must be [N]={n}, got {tuple(temperature.shape)}")
+    for name, t in (("top_k", top_k), ("top_p", top_p)):
+        if t is not None and t.shape != (n,):
+            raise QuantSpecError(f"{name} must be [N]={n} or None, got {tuple(t.shape)}")
+
+    logits = logits.float() / temperature.float().unsqueeze(1)  # [N, V] fp32 (a new tensor)
+    if top_k is not None and bool((top_k > 0).any()):
+        _mask_top_k_(logits, top_k.to(device=logits.device, dtype=torch.int64))
+    if top_p is not None and bool((top_p < 1.0).any()):
+        logits = _mask_top_p(logits, top_p.to(device=logits.device, dtype=torch.float32))
+    return torch.softmax(logits, dim=-1)
+
+
+# Top-p looks at this many most likely tokens before falling back to a full sort of the row.
+TOP_P_CANDIDATES = 1024
+
+
+def _mask_top_k_(logits: torch.Tensor, k: torch.Tensor) -> None:
+    """In place: logits [N, V] below each row's k-th largest value → -inf; rows with k = 0 kept."""
+    k = k.clamp(0, logits.shape[1])  # [N]
+    top = logits.topk(int(k.max()), dim=-1).values  # [N, k_max] descending
+    kth = top.gather(1, (k - 1).clamp(min=0).unsqueeze(1))  # [N, 1]
+    logits.masked_fill_((logits < kth) & (k > 0).unsqueeze(1), float("-inf"))
+
+
+def _top_p_drop(sorted_logits: torch.Tensor, lse: torch.Tensor, p: torch.Tensor) -> torch.Tensor:
+    """Which of the descending `sorted_logits` [N, C] fall outside the top-p set, given the full
+    row's logsumexp `lse` [N, 1] and top_p `p` [N, 1] → bool [N, C]."""
+    probs = torch.exp(sorted_logits - lse)  # [N, C]
+    mass_before = probs.cumsum(dim=-1) - probs  # [N, C] exclusive prefix sum
+    # Rows with top_p = 1 are left alone explicitly: rounding can push the prefix sum to 1.
+    return (mass_before >= p) & (p < 1.0)  # position 0 has mass_before 0 → always kept
+
+
+def _mask_top_p(logits: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """logits [N, V] with tokens outside each row's top-p set → -inf (rows with top_p = 1 kept)."""
+    n, v = logits.shape
+    p = top_p.unsqueeze(1)  # [N, 1]
+    lse = torch.logsumexp(logits, dim=-1, keepdim=True)  # [N, 1]
+    cand = min(v, TOP_P_CANDIDATES)
+    cand_logits, cand_idx = logits.topk(cand, dim=-1)  # [N, C] each, descending
+    drop = _top_p_drop(cand_logits, lse, p)  # [N, C]
+    # Where the last candidate is dropped, every token outside the candidates (less likely, more
+    # mass before it) is dropped too, so the candidates decide the row.
+    resolved = drop[:, -1] | (top_p >= 1.0) | (cand == v)  # [N]
+    out = torch.full_like(logits, float("-inf")).scatter_(
+        1, cand_idx, cand_logits.masked_fill(drop, float("-inf"))
+    )  # [N, V]
+    out = torch.where((top_p < 1.0).unsqueeze(1), out, logits)
+    if not bool(resolved.all()):
+        rows = torch.nonzero(~resolved).squeeze(1)  # [M]
+        sorted_logits, sorted_idx = logits[rows].sort(dim=-1, descending=True)  # [M, V] each
+        sorted_logits.masked_fill_(_top_p_drop(sorted_logits, lse[rows], p[rows]), float("-inf"))
+        out[rows] = torch.empty_like(sorted_logits).scatter_(1, sorted_idx, sorted_logits)
+    return out
+
+
+def sample(
+    probs: torch.Tensor,  # [N, V] float, rows sum to 1 (zeros allowed)
+    generators: Sequence[torch.Generator | None],  # N entries
+) -> torch.Tensor:  # [N] int64
+    """One token per row drawn from `probs`, row i using only `generators[i]`.
+
+    Inverse-CDF sampling: one uniform u per row, token = the first index whose fp64 cumulative
+    mass exceeds u · total. Each row consumes exactly one draw from its own generator, so its
+    stream does not depend on its neighbours (and a row costs a cumsum, not V random numbers).
+    Zero-probability tokens are never returned. Rows whose generator is None draw from torch's
+    global generator in one call. Rows need not be normalised, but must have positive mass.
+    """
+    if probs.ndim != 2 or not probs.is_floating_point():
+        raise QuantSpecError(
+            f"probs must be a float [N, V] tensor, got {tuple(probs.shape)} {probs.dtype}"
+        )
+    n, v = probs.shape
+    if len(generators) != n:
+        raise QuantSpecError(f"got {len(generators)} generators for {n} rows; pass one per row")
+    u = torch.empty(n, dtype=torch.float64, device=probs.device)  # [N] in [0, 1)
+    shared = [i for i, g in enumerate(generators) if g is None]
+    for i, g in enumerate(generators):
+        if g is not None:
+            u[i : i + 1] = torch.rand(1, generator=g, dtype=torch.float64, device=probs.device)
+    if shared:
+        u[shared] = torch.rand(len(shared), dtype=torch.float64, device=probs.device)
+    cdf = probs.double().cumsum(dim=-1)  # [N, V] fp64 so the tail of a large vocab keeps its mass
+    target = (u * cdf[:, -1]).unsqueeze(1)  # [N, 1]
+    tokens = torch.searchsorted(cdf, target, right=True).squeeze(1)  # [N]
+    # u · total can round up to total; fall back to the last token with nonzero probability.
+    last_nonzero = v - 1 - (probs > 0).flip(-1).int().argmax(dim=-1)  # [N]
+    return torch.minimum(tokens, last_nonzero)
+
+
+def greedy(logits: torch.Tensor) -> torch.Tensor:  # [N, V] → [N] int64
+    """Argmax per row (the first index on ties)."""
+    if logits.ndim != 2:
+        raise QuantSpecError(f"logits must be [N, V], got {tuple(logits.shape)}")
+    return logits.argmax(dim=-1)
+
+
+def generator_for_request(
+    seed: int | None, request_index: int, device: torch.device | str = "cpu"
+) -> torch.Generator | None:
+    """The generator of request `request_index` in a run seeded with `seed` (None → None, i.e.
+    torch's global generator). Its 64-bit seed is `SeedSequence([seed, request_index])`, so
+    requests get independent streams and a request's stream depends only on (seed, index)."""
+    if seed is None:
+        return None
+    if not _is_int(seed) or not 0 <= seed < _MAX_SEED:
+        raise QuantSpecError(f"seed={seed!r} must be None or an int in [0, 2**63)")
+    if not _is_int(request_index) or request_index < 0:
+        raise QuantSpecError(f"request_index={request_index!r} must be an int >= 0")
+    state = np.random.SeedSequence([int(seed), int(request_index)]).generate_state(1, np.uint64)
+    g = torch.Generator(device=device)
+    g.manual_seed(int(state[0]) % _MAX_SEED)
+    return g
+
+
+def make_generators(
+    seed: int | None,
+    num_requests: int,
+    device: torch.device | str = "cpu",
+    start_index: int = 0,
+) -> list[torch.Generator | None]:
+    """Generators for requests start_index .. start_index + num_requests - 1 (see
+    `generator_for_request`)."""
+    if not _is_int(num_requests) or num_requests < 0:
+        raise QuantSpecError(f"num_requests={num_requests!r} must be an int >= 0")
+    return [generator_for_request(seed, start_index + i, device) for i in range(num_requests)]

@@ -1,0 +1,147 @@
+"""Model-free n-gram drafting (`speculate_method = inference_with_reference`): propose the tokens
+that followed the latest earlier occurrence of the sequence's own suffix.
+
+Pure numpy over a sequence's token ids (prompt + generated so far); no model, config or device.
+Reference design: vLLM `v1/spec_decode/ngram_proposer.py`; the search here is our own
+(candidate-narrowing over suffix lengths).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import numpy as np
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.types import SpecProposal
+
+__all__ = ["propose_ngram", "propose_ngram_batch", "NgramProposer"]
+
+
+def _check_sizes(max_ngram_size: object, max_draft_tokens: object, min_ngram_size: object) -> None:
+    def is_int(x: object) -> bool:
+        return isinstance(x, (int, np.integer)) and not isinstance(x, bool)
+
+    if not is_int(min_ngram_size) or min_ngram_size < 1:
+        raise QuantSpecError(f"min_ngram_size={min_ngram_size!r} must be an int >= 1")
+    if not is_int(max_ngram_size) or max_ngram_size < min_ngram_size:
+        raise QuantSpecError(
+            f"max_ngram_size={max_ngram_size!r} must be an int >= min_ngram_size={min_ngram_size}"
+        )
+    if not is_int(max_draft_tokens) or max_draft_tokens < 0:
+        raise QuantSpecError(f"max_draft_tokens={max_draft_tokens!r} must be an int >= 0")
+
+
+def _as_token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:
+    if isinstance(token_ids, torch.Tensor):
+        token_ids = token_ids.detach().cpu().numpy()
+    arr = np.asarray(token_ids)
+    if arr.ndim != 1 or (arr.size and not np.issubdtype(arr.dtype, np.integer)):
+        raise QuantSpecError(
+            f"token_ids must be a 1-D sequence of ints, got shape {arr.shape} dtype {arr.dtype}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def propose_ngram(
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,  # [L] prompt + generated so far
+    max_ngram_size: int,
+    max_draft_tokens: int,
+    min_ngram_size: int = 1,
+) -> list[int]:
+    """Draft tokens by matching the sequence's suffix against its own earlier text.
+
+    For n from max_ngram_size down to min_ngram_size, look for an earlier occurrence of the last
+    n tokens (it must end before the last token; it may overlap the suffix). The first n that
+    matches wins (longest first), and among its occurrences the *most recent* one is used: the
+    latest context is the best predictor of what comes next in generated text (a list being
+    continued, code being re-emitted), and it is where the longer-n candidates were looked for
+    too. The draft is the up to max_draft_tokens tokens that followed that occurrence, cut at
+    the end of the sequence (a match close to the end yields fewer tokens). [] if nothing
+    matches, the sequence has fewer than 2 tokens, or max_draft_tokens is 0.
+
+    Worked example (max_ngram_size=3, max_draft_tokens=3):
+        token_ids = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]   positions 0..10
+        suffix of length 3 = [1, 2, 3]; earlier occurrences start at 0 and 4;
+        most recent = 4..6 → the tokens after it are positions 7, 8, 9 → [5, 1, 2].
+    With max_ngram_size=1 the suffix [3] last occurred at position 6 → also [5, 1, 2].
+
+    Cost: one vectorised comparison over L, then work proportional to the surviving candidates
+    for each longer n, so a few thousand tokens take tens of microseconds.
+    """
+    _check_sizes(max_ngram_size, max_draft_tokens, min_ngram_size)
+    tokens = _as_token_array(token_ids)  # [L]
+    length = tokens.shape[0]
+    max_n = min(int(max_ngram_size), length - 1)
+    if max_draft_tokens == 0 or max_n < min_ngram_size:
+        return []
+
+    # `ends` = end positions e < L-1 of earlier occurrences of the length-(j+1) suffix,
+    # ascending; extend the match one token further back on each pass.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # [C]
+    best_n, best_end = 0, -1
+    for j in range(max_n):
+        if j > 0:
+            ends = ends[ends >= j]
+            ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+        if ends.size == 0:
+            break
+        best_n, best_end = j + 1, int(ends[-1])
+    if best_n < min_ngram_size:
+        return []
+    return tokens[best_end + 1 : best_end + 1 + int(max_draft_tokens)].tolist()
+
+
+def propose_ngram_batch(
+    token_id_seqs: Sequence[Sequence[int] | np.ndarray | torch.Tensor],  # B × [L_b]
+    max_ngram_size: int,
+    max_draft_tokens: int | Sequence[int],
+    min_ngram_size: int = 1,
+) -> list[list[int]]:
+    """`propose_ngram` for each of B sequences. max_draft_tokens is one int or one per sequence
+    (e.g. capped by what is left of each request's max_new_tokens)."""
+    if isinstance(max_draft_tokens, (int, np.integer)):
+        caps = [int(max_draft_tokens)] * len(token_id_seqs)
+    else:
+        caps = list(max_draft_tokens)
+        if len(caps) != len(token_id_seqs):
+            raise QuantSpecError(
+                f"max_draft_tokens has {len(caps)} entries for {len(token_id_seqs)} sequences; "
+                "pass one int or one per sequence"
+            )
+    return [
+        propose_ngram(seq, max_ngram_size, cap, min_ngram_size)
+        for seq, cap in zip(token_id_seqs, caps)
+    ]
+
+
+@dataclass(frozen=True)
+class NgramProposer:
+    """The n-gram drafter behind `speculate_method = inference_with_reference`.
+
+    max_ngram_size:   `speculate_max_ngram_size`, the longest suffix tried first.
+    max_draft_tokens: `speculate_max_draft_token_num`, drafts per step.
+    min_ngram_size:   the shortest suffix accepted as a match.
+    """
+
+    max_ngram_size: int = 3
+    max_draft_tokens: int = 5
+    min_ngram_size: int = 1
+
+    def __post_init__(self) -> None:
+        _check_sizes(self.max_ngram_size, self.max_draft_tokens, self.min_ngram_size)
+
+    def propose(
+        self,
+        token_id_seqs: Sequence[Sequence[int] | np.ndarray | torch.Tensor],  # B × [L_b]
+        max_draft_tokens: Sequence[int] | None = None,  # optional per-sequence caps
+        device: torch.device | str = "cpu",
+    ) -> SpecProposal:
+        """Deterministic drafts (draft_probs None) for B sequences."""
+        caps: int | list[int] = self.max_draft_tokens
+        if max_draft_tokens is not None:
+            caps = [min(int(c), self.max_draft_tokens) for c in max_draft_tokens]
+        drafts = propose_ngram_batch(token_id_seqs, self.max_ngram_size, caps, self.min_ngram_size)
+        return SpecProposal.from_token_lists(drafts, device=device)

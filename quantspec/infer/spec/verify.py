@@ -1,0 +1,203 @@
+"""The one speculative-decoding verifier: a pure function from (draft tokens, draft probs or None,
+target logits, per-sequence sampling params, generators) to accepted counts and output tokens.
+
+Words used here, for one sequence with k draft tokens x_1..x_k and target logits at its 1 + k
+positions (position j scores the token after x_1..x_j; position 0 scores x_1):
+
+- accepted token: a draft token x_j kept because every earlier draft was kept and x_j passed the
+  acceptance test at position j-1 (greedy: x_j == argmax target; sampling: u < p(x_j) / q(x_j)).
+- recovered token: the token the target emits at the first rejected position n instead of x_{n+1}
+  (greedy: the target argmax; sampling: a draw from norm(max(0, p - q))).
+- bonus token: when all k drafts are accepted, the extra token drawn from the target at position
+  k (greedy: argmax), so every step emits at least one token.
+
+Sampling is lossless rejection sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al.
+2023, arXiv:2302.01318): every emitted token is distributed exactly as the target's filtered
+distribution p = logits_to_probs(logits, temperature, top_k, top_p) of that sequence. For
+deterministic drafts (draft probs None: n-gram, greedy draft model) q is one-hot at x, so x is
+accepted with probability p(x) and a rejection samples from p with x removed, renormalised.
+Reference design: vLLM `v1/sample/rejection_sampler.py`.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Sequence
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.sampler import SamplingParams, logits_to_probs, sample, sampling_tensors
+from quantspec.infer.spec.types import SpecProposal, VerifyResult
+
+__all__ = ["verify", "verify_proposal", "VerifyResult"]
+
+
+def verify(
+    draft_token_ids: Sequence[torch.Tensor],  # B × [k_b] int64
+    draft_probs: Sequence[torch.Tensor | None] | None,  # None, or B × ([k_b, V] float | None)
+    target_logits: torch.Tensor,  # [sum_b(1 + k_b), V]; sequence 0's rows, then sequence 1's...
+    sampling_params: Sequence[SamplingParams],  # B
+    generators: Sequence[torch.Generator | None] | None = None,  # B; None → global generator
+) -> VerifyResult:
+    """Accept a prefix of each sequence's drafts and emit one more token from the target.
+
+    Per sequence b with k_b drafts, output_tokens[b] = accepted drafts + one recovered-or-bonus
+    token, and num_accepted[b] = len(output_tokens[b]) - 1. Greedy sequences ignore draft probs
+    and randomness. Sampling sequences draw, from their own generator only, k_b uniforms for the
+    acceptance tests and then one uniform for the final token (a fixed amount whatever the
+    outcome), so results do not depend on batch neighbours. Generators must live on the logits'
+    device.
+
+    Example (greedy, V = 4): drafts [[2, 3]], target argmax at the 3 positions = [2, 1, 0]
+    → x_1 = 2 accepted, x_2 = 3 != 1 rejected → num_accepted [1], output_tokens [[2, 1]].
+    """
+    batch = len(draft_token_ids)
+    if target_logits.ndim != 2 or not target_logits.is_floating_point():
+        raise QuantSpecError(
+            f"target_logits must be a float [sum(1+k_b), V] tensor, got "
+            f"{tuple(target_logits.shape)} {target_logits.dtype}"
+        )
+    if len(sampling_params) != batch:
+        raise QuantSpecError(
+            f"got {len(sampling_params)} sampling params for {batch} sequences; pass one each"
+        )
+    if generators is None:
+        generators = [None] * batch
+    if len(generators) != batch:
+        raise QuantSpecError(
+            f"got {len(generators)} generators for {batch} sequences; pass one each"
+        )
+    proposal = SpecProposal(draft_token_ids, draft_probs)  # validates ids / probs shapes
+    num_draft = proposal.num_draft_tokens  # B ints
+    total_rows, vocab = target_logits.shape
+    if total_rows != sum(num_draft) + batch:
+        raise QuantSpecError(
+            f"target_logits has {total_rows} rows but the drafts need sum(1 + k_b) = "
+            f"{sum(num_draft) + batch}; score every draft position plus one per sequence"
+        )
+    for b in range(batch):
+        q = proposal.probs_of(b)
+        if q is not None and q.shape[1] != vocab:
+            raise QuantSpecError(
+                f"draft_probs[{b}] has vocab {q.shape[1]} but target_logits has {vocab}; "
+                "draft and target must share the tokenizer's vocabulary"
+            )
+    device = target_logits.device
+    if batch == 0:
+        return VerifyResult(torch.zeros(0, dtype=torch.int64), [])
+
+    # Layout: sequence b owns rows start[b] .. start[b] + k_b of target_logits.
+    k_max = max(num_draft)
+    k = torch.tensor(num_draft, dtype=torch.int64, device=device)  # [B]
+    start = torch.cumsum(k + 1, 0) - (k + 1)  # [B]
+    start_host = [0, *itertools.accumulate(kb + 1 for kb in num_draft)][:batch]
+    pos = torch.arange(k_max, device=device)  # [K]
+    valid = pos.unsqueeze(0) < k.unsqueeze(1)  # [B, K]
+    rows = (start.unsqueeze(1) + pos.unsqueeze(0)).clamp(max=total_rows - 1)  # [B, K]
+    drafts = torch.zeros(batch, k_max, dtype=torch.int64, device=device)  # [B, K]
+    if k_max:
+        drafts[valid] = torch.cat([t.to(device) for t in proposal.draft_token_ids])
+    drafts_host = drafts.tolist()  # the one host copy of the drafts (they usually start there)
+    if any(not 0 <= x < vocab for row in drafts_host for x in row):
+        raise QuantSpecError(f"draft token ids must lie in [0, {vocab}); got out-of-range ids")
+
+    is_greedy = torch.tensor([p.is_greedy for p in sampling_params], device=device)  # [B]
+    accept = torch.zeros(batch, k_max, dtype=torch.bool, device=device)  # [B, K]
+    final = torch.zeros(batch, dtype=torch.int64, device=device)  # [B]
+
+    greedy_seqs = [b for b in range(batch) if sampling_params[b].is_greedy]
+    sampling_seqs = [b for b in range(batch) if not sampling_params[b].is_greedy]
+
+    if greedy_seqs:
+        target_argmax = target_logits.argmax(dim=-1)  # [T]
+        accept |= valid & (drafts == target_argmax[rows]) & is_greedy.unsqueeze(1)
+
+    if sampling_seqs:
+        s_idx = torch.tensor(sampling_seqs, device=device)  # [S]
+        s_k = k[s_idx]  # [S]
+        # Target probs for every row of the sampling sequences, each with its own params.
+        s_rows = torch.cat(
+            [torch.arange(num_draft[b] + 1, device=device) + start_host[b] for b in sampling_seqs]
+        )  # [R]
+        temp, top_k, top_p = sampling_tensors([sampling_params[b] for b in sampling_seqs], device)
+        rep = s_k + 1  # [S]
+        # all-sampling batches (the common case) skip the [R, V] gather copy
+        s_logits = target_logits if len(sampling_seqs) == batch else target_logits[s_rows]
+        p = logits_to_probs(
+            s_logits,
+            temp.repeat_interleave(rep),
+            None if top_k is None else top_k.repeat_interleave(rep),
+            None if top_p is None else top_p.repeat_interleave(rep),
+        )  # [R, V] fp32
+        p_start = torch.cumsum(rep, 0) - rep  # [S] first row of each sequence in p
+        p_rows = (p_start.unsqueeze(1) + pos.unsqueeze(0)).clamp(max=p.shape[0] - 1)  # [S, K]
+        s_valid = valid[s_idx]  # [S, K]
+        s_drafts = drafts[s_idx]  # [S, K]
+
+        p_draft = p[p_rows, s_drafts]  # [S, K] p(x_j) at each draft position
+        q_draft = torch.ones_like(p_draft)  # [S, K] deterministic drafts: q(x) = 1
+        uniforms = torch.empty_like(p_draft)  # [S, K]
+        shared = []
+        for i, b in enumerate(sampling_seqs):
+            kb = num_draft[b]
+            q = proposal.probs_of(b)
+            if q is not None and kb:
+                q_rows = torch.arange(kb, device=device)
+                q_draft[i, :kb] = q.to(device).float()[q_rows, s_drafts[i, :kb]]
+            g = generators[b]
+            if g is None:
+                shared.append(i)
+            elif kb:
+                uniforms[i, :kb] = torch.rand(kb, generator=g, device=device)
+        if shared:
+            uniforms[shared] = torch.rand(len(shared), k_max, device=device)
+        # u < p/q accepts with probability min(1, p/q); written u·q < p so q(x) = 0 (a drafter
+        # bug) accepts whenever p(x) > 0 instead of dividing by zero.
+        s_accept = s_valid & (uniforms * q_draft < p_draft)  # [S, K]
+        accept[s_idx] = s_accept
+
+    # Accepted = the leading run of passed tests (padding positions never pass).
+    num_accepted = torch.cumprod(accept.int(), dim=1).sum(dim=1)  # [B] int64
+
+    if greedy_seqs:
+        g_idx = torch.tensor(greedy_seqs, device=device)
+        final[g_idx] = target_argmax[start[g_idx] + num_accepted[g_idx]]
+
+    if sampling_seqs:
+        s_n = num_accepted[s_idx]  # [S]
+        dist = p[p_start + s_n].clone()  # [S, V] target probs at the final position
+        rejected = s_n < s_k  # [S]; otherwise bonus from p at position k
+        residual_q = torch.zeros_like(dist)  # [S, V] q at the rejected position, 0 for bonus
+        s_n_host = s_n.tolist()
+        for i, b in enumerate(sampling_seqs):
+            n = s_n_host[i]
+            if n < num_draft[b]:
+                q = proposal.probs_of(b)
+                if q is None:
+                    residual_q[i, drafts_host[b][n]] = 1.0
+                else:
+                    residual_q[i] = q[n].to(device).float()
+        residual = (dist - residual_q).clamp_(min=0.0)  # [S, V]
+        mass = residual.sum(dim=1, keepdim=True)  # [S, 1]
+        # Mathematically a rejection leaves positive mass; if rounding leaves none, fall back to p.
+        use_residual = rejected.unsqueeze(1) & (mass > 0)  # [S, 1]
+        dist = torch.where(use_residual, residual / mass.clamp(min=1e-30), dist)  # [S, V]
+        final[s_idx] = sample(dist, [generators[b] for b in sampling_seqs])
+
+    n_host = num_accepted.tolist()
+    final_host = final.tolist()
+    output_tokens = [drafts_host[b][: n_host[b]] + [final_host[b]] for b in range(batch)]
+    return VerifyResult(num_accepted.to("cpu", torch.int64), output_tokens)
+
+
+def verify_proposal(
+    proposal: SpecProposal,
+    target_logits: torch.Tensor,  # [sum_b(1 + k_b), V]
+    sampling_params: Sequence[SamplingParams],  # B
+    generators: Sequence[torch.Generator | None] | None = None,  # B
+) -> VerifyResult:
+    """`verify` on a `SpecProposal`."""
+    return verify(
+        proposal.draft_token_ids, proposal.draft_probs, target_logits, sampling_params, generators
+    )

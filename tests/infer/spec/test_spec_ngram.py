@@ -1,0 +1,139 @@
+"""Tests for quantspec/infer/spec/ngram.py on literal token arrays, plus a brute-force reference
+on random sequences."""
+
+import numpy as np
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.ngram import NgramProposer, propose_ngram, propose_ngram_batch
+
+
+def _reference(tokens, max_n, max_draft, min_n=1):
+    """Brute force: for n = max_n..min_n, the latest i < L - n with tokens[i:i+n] == suffix."""
+    tokens = list(tokens)
+    length = len(tokens)
+    for n in range(min(max_n, length - 1), min_n - 1, -1):
+        suffix = tokens[length - n :]
+        for i in range(length - n - 1, -1, -1):
+            if tokens[i : i + n] == suffix:
+                return tokens[i + n : i + n + max_draft]
+    return []
+
+
+def test_docstring_example():
+    tokens = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]
+    assert propose_ngram(tokens, max_ngram_size=3, max_draft_tokens=3) == [5, 1, 2]
+    assert propose_ngram(tokens, max_ngram_size=1, max_draft_tokens=3) == [5, 1, 2]
+
+
+def test_no_match():
+    assert propose_ngram([1, 2, 3, 4, 5], 3, 4) == []
+    assert propose_ngram([], 3, 4) == []
+    assert propose_ngram([7], 3, 4) == []
+
+
+def test_match_at_start():
+    # the suffix [1, 2] occurs only at positions 0..1
+    assert propose_ngram([1, 2, 9, 8, 7, 1, 2], 2, 3) == [9, 8, 7]
+
+
+def test_most_recent_occurrence_wins():
+    # [5] occurs at 0 and 3; the later one is followed by 7
+    assert propose_ngram([5, 6, 0, 5, 7, 1, 5], 1, 1) == [7]
+
+
+def test_longest_first_preference():
+    # length-2 suffix [1, 2] occurs at 0 (→ 3); the more recent [2] at 5 (→ 4) only matches n=1
+    tokens = [1, 2, 3, 0, 9, 2, 4, 1, 2]
+    assert propose_ngram(tokens, 2, 1) == [3]
+    assert propose_ngram(tokens, 1, 1) == [4]
+
+
+def test_overlapping_occurrence_and_truncation_at_end():
+    # periodic [1, 2] * 3: the most recent earlier occurrence of [1, 2] is positions 2..3,
+    # overlapping nothing of the suffix but close to the end → only 2 tokens remain after it
+    tokens = [1, 2, 1, 2, 1, 2]
+    assert propose_ngram(tokens, 2, 5) == [1, 2]
+    # overlap: suffix [7, 7, 7] of [7, 7, 7, 7] occurs at 0..2 (overlapping the suffix at 1..2)
+    assert propose_ngram([7, 7, 7, 7], 3, 5) == [7]
+
+
+def test_max_draft_cap_and_min_ngram_size():
+    tokens = [1, 2, 3, 4, 5, 6, 1, 2]
+    assert propose_ngram(tokens, 2, 2) == [3, 4]
+    assert propose_ngram(tokens, 2, 10) == [3, 4, 5, 6, 1, 2]
+    assert propose_ngram(tokens, 2, 0) == []
+    # only a 1-gram matches here; min_ngram_size=2 refuses it
+    assert propose_ngram([4, 9, 1, 3, 1], 3, 2) == [3, 1]
+    assert propose_ngram([4, 9, 1, 3, 1], 3, 2, min_ngram_size=2) == []
+
+
+def test_accepts_numpy_and_torch_inputs():
+    tokens = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3, 1, 4]
+    expect = propose_ngram(tokens, 3, 4)
+    assert expect == [1, 5, 9, 2]
+    assert propose_ngram(np.array(tokens, dtype=np.int32), 3, 4) == expect
+    assert propose_ngram(torch.tensor(tokens), 3, 4) == expect
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_matches_brute_force_on_random_sequences(seed):
+    rng = np.random.default_rng(seed)
+    for _ in range(150):
+        length = int(rng.integers(0, 40))
+        tokens = rng.integers(0, 4, size=length).tolist()  # small vocab → many matches
+        max_n = int(rng.integers(1, 5))
+        min_n = int(rng.integers(1, max_n + 1))
+        max_draft = int(rng.integers(0, 6))
+        got = propose_ngram(tokens, max_n, max_draft, min_n)
+        assert got == _reference(tokens, max_n, max_draft, min_n), (tokens, max_n, min_n)
+
+
+def test_batch_and_per_sequence_caps():
+    seqs = [[1, 2, 3, 1, 2], [5, 6, 7], [9, 9, 9, 9]]
+    assert propose_ngram_batch(seqs, 2, 3) == [[3, 1, 2], [], [9]]
+    assert propose_ngram_batch(seqs, 2, [1, 3, 0]) == [[3], [], []]
+    with pytest.raises(QuantSpecError, match="max_draft_tokens"):
+        propose_ngram_batch(seqs, 2, [1, 2])
+
+
+def test_proposer_returns_deterministic_proposal():
+    proposer = NgramProposer(max_ngram_size=2, max_draft_tokens=2)
+    proposal = proposer.propose([[1, 2, 3, 1, 2], [5, 6]], max_draft_tokens=[5, 0])
+    assert proposal.draft_probs is None
+    assert [t.tolist() for t in proposal.draft_token_ids] == [[3, 1], []]
+    assert all(t.dtype == torch.int64 for t in proposal.draft_token_ids)
+
+
+@pytest.mark.parametrize(
+    "args, field",
+    [
+        ((0, 3, 1), "max_ngram_size"),
+        ((2, 3, 3), "max_ngram_size"),
+        ((2, -1, 1), "max_draft_tokens"),
+        ((2, 3, 0), "min_ngram_size"),
+    ],
+)
+def test_rejects_bad_sizes(args, field):
+    max_n, max_draft, min_n = args
+    with pytest.raises(QuantSpecError, match=field):
+        propose_ngram([1, 2, 1], max_n, max_draft, min_n)
+    with pytest.raises(QuantSpecError, match=field):
+        NgramProposer(max_n, max_draft, min_n)
+
+
+def test_rejects_non_integer_tokens():
+    with pytest.raises(QuantSpecError, match="token_ids"):
+        propose_ngram([[1, 2], [3, 4]], 2, 2)
+    with pytest.raises(QuantSpecError, match="token_ids"):
+        propose_ngram([1.5, 2.0], 2, 2)
+
+
+def test_long_sequence_finds_distant_match():
+    # a decode-step-sized input: 4k tokens of a 50-token vocabulary (many 1-gram candidates)
+    rng = np.random.default_rng(0)
+    tokens = rng.integers(0, 50, size=4096)
+    tokens[-4:] = tokens[100:104]  # plant a 4-gram match far back
+    got = propose_ngram(tokens, 4, 5)
+    assert got == _reference(tokens.tolist(), 4, 5)
