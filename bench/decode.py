@@ -1,0 +1,98 @@
+"""Decode speed: quantspec's engine vs transformers `generate` on the default model, one run,
+same prompt, same machine; batch 1 and batch 8; prints tokens/s and the ratios.
+
+    python bench/decode.py [--prompt-tokens 600] [--new-tokens 256] [--threads N] [--quant int8,int4]
+
+`--quant` adds rows for quantized artifacts of the same model (built with `quantspec.api.quantize`
+into a cache directory, RTN) so their tokens/s can be compared with fp32 in the same run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.sampler import SamplingParams
+
+
+def _prompt_ids(tokenizer, n: int) -> list[int]:
+    text = ("The history of the lighthouse is a story of engineering, weather and people. " * 200)
+    return tokenizer(text).input_ids[:n]
+
+
+def bench_engine(model, prompt, new_tokens, batch, eos) -> float:
+    eng = Engine(model, EngineConfig(max_batch_size=batch, max_length=len(prompt) + new_tokens + 8),
+                 eos_token_ids=[])
+    seqs = [eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for _ in range(batch)]
+    t = time.perf_counter()
+    eng.run()
+    dt = time.perf_counter() - t
+    return sum(len(s.output_ids) for s in seqs) / dt
+
+
+def bench_hf(hf, prompt, new_tokens, batch) -> float:
+    ids = torch.tensor([prompt] * batch)
+    t = time.perf_counter()
+    with torch.inference_mode():
+        out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=new_tokens,
+                          min_new_tokens=new_tokens, do_sample=False, pad_token_id=0)
+    dt = time.perf_counter() - t
+    return (out.shape[1] - len(prompt)) * batch / dt
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--prompt-tokens", type=int, default=600)
+    ap.add_argument("--new-tokens", type=int, default=256)
+    ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
+    ap.add_argument("--batches", default="1,8")
+    ap.add_argument("--quant", default="", help="comma list of weight_only_int8,weight_only_int4")
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
+
+    model_dir = ensure_zoo_model(DEFAULT_MODEL)
+    loaded = load_for_inference(model_dir)
+    prompt = _prompt_ids(loaded.tokenizer, a.prompt_tokens)
+    hf = AutoModelForCausalLM.from_pretrained(model_dir, dtype=torch.float32).eval()
+    batches = [int(b) for b in a.batches.split(",")]
+    rows = []
+    for b in batches:
+        ours = bench_engine(loaded.model, prompt, a.new_tokens, b, loaded.eos_token_ids)
+        theirs = bench_hf(hf, prompt, a.new_tokens, b)
+        rows.append((f"fp32 batch {b}", ours, theirs))
+    base_b1 = rows[0][1]
+    quant_rows = []
+    for qt in [q for q in a.quant.split(",") if q]:
+        from quantspec import api
+
+        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
+        if not (out / "config.json").exists():
+            api.quantize(str(model_dir), qt, out, overwrite=True)
+        qloaded = load_for_inference(out)
+        quant_rows.append((qt, bench_engine(qloaded.model, prompt, a.new_tokens, 1, [])))
+
+    print(f"\n## decode: {a.prompt_tokens}-token prompt, {a.new_tokens} new tokens, "
+          f"{torch.get_num_threads()} threads\n")
+    print("| run | quantspec tok/s | transformers tok/s | ratio |")
+    print("|---|---:|---:|---:|")
+    for name, ours, theirs in rows:
+        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+    if len(rows) > 1:
+        print(f"\nbatch {batches[-1]} / batch {batches[0]} throughput (quantspec): {rows[-1][1] / base_b1:.2f}x")
+    if quant_rows:
+        print("\n| quant type (batch 1) | tok/s | vs fp32 |")
+        print("|---|---:|---:|")
+        for qt, tps in quant_rows:
+            print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x |")
+
+
+if __name__ == "__main__":
+    main()

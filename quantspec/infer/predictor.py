@@ -1,0 +1,311 @@
+"""The predictor behind `quantspec infer`: prompts in (a string or a jsonl `data_file`), text out.
+
+Owns the user-facing policy around the engine: chat templates, the `src_length` / `max_length`
+limits and what happens to a prompt over them, stop strings, streaming text for one prompt, the
+output rows, and the benchmark statistics (TTFT, TPOT, tokens/s, peak memory, and acceptance
+figures when speculating).
+
+Lengths: `max_length` bounds prompt + generated tokens of one sequence (it sizes the KV cache);
+`src_length` bounds the prompt (default `max_length - max_new_tokens`). A prompt over
+`src_length` is refused with its row number, or — with `truncate_prompt` — cut to its last
+`src_length` tokens (the end of a prompt carries the question).
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+import sys
+import time
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.engine import Engine, EngineConfig, Sequence
+from quantspec.infer.sampler import SamplingParams
+from quantspec.model_zoo.default import DEFAULT_MODEL
+
+__all__ = ["InferConfig", "Predictor", "RequestOutput", "read_jsonl", "write_jsonl"]
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
+           "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+@dataclass
+class InferConfig:
+    model: str = DEFAULT_MODEL
+    dtype: str = "float32"
+    device: str = "auto"
+    batch_size: int = 1
+    src_length: int | None = None
+    max_length: int = 2048
+    max_new_tokens: int = 256
+    truncate_prompt: bool = False
+    block_size: int = 64
+    decode_strategy: str = "greedy"
+    temperature: float = 1.0
+    top_k: int = 0
+    top_p: float = 1.0
+    seed: int | None = None
+    stop: tuple[str, ...] = ()
+    chat_template: bool = True
+    benchmark: bool = False
+    # static KV cache: "none" | "int8" | "fp8"; scales from the artifact or from `calib`
+    cachekv: str = "none"
+    calib: str | None = None
+    # speculative decoding
+    speculate_method: str = "none"
+    draft_model: str | None = None
+    speculate_max_draft_token_num: int = 5
+    speculate_max_ngram_size: int = 3
+
+    def __post_init__(self):
+        if self.dtype not in _DTYPES:
+            raise QuantSpecError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        if self.max_new_tokens < 1:
+            raise QuantSpecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        if self.max_length <= 1:
+            raise QuantSpecError(f"--max-length must be > 1, got {self.max_length}")
+        if self.src_length is None:
+            self.src_length = max(1, self.max_length - self.max_new_tokens)
+        if self.src_length < 1 or self.src_length >= self.max_length:
+            raise QuantSpecError(
+                f"--src-length {self.src_length} must be in [1, --max-length {self.max_length})"
+            )
+        if self.device == "auto":
+            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.stop = tuple(self.stop)
+
+    def sampling_params(self) -> SamplingParams:
+        return SamplingParams(decode_strategy=self.decode_strategy, temperature=self.temperature,
+                              top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                              max_new_tokens=self.max_new_tokens, stop=self.stop)
+
+
+@dataclass
+class RequestOutput:
+    text: str
+    token_ids: list[int]
+    prompt_tokens: int
+    finish_reason: str
+    truncated_prompt: bool = False
+    ttft_s: float = 0.0
+    tpot_s: float = 0.0
+    target_forwards: int = 0
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+
+def read_jsonl(path: str | Path, field_name: str = "src") -> list[dict]:
+    path = Path(path)
+    if not path.exists():
+        raise QuantSpecError(f"--data-file {path} does not exist")
+    rows = []
+    with path.open(encoding="utf-8") as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                row = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise QuantSpecError(f"{path}:{lineno}: malformed JSON ({e.msg}); fix that line") from None
+            if not isinstance(row, dict) or not isinstance(row.get(field_name), str):
+                raise QuantSpecError(f"{path}:{lineno}: each line needs a string field {field_name!r}")
+            rows.append(row)
+    if not rows:
+        raise QuantSpecError(f"--data-file {path} is empty; give one JSON object per line with a {field_name!r} field")
+    return rows
+
+
+def write_jsonl(path: str | Path, rows: list[dict]) -> None:
+    """Write atomically: a crash midway leaves any previous file intact."""
+    path = Path(path)
+    tmp = path.with_name(f".{path.name}.tmp")
+    with tmp.open("w", encoding="utf-8") as f:
+        for row in rows:
+            f.write(json.dumps(row, ensure_ascii=False) + "\n")
+    tmp.replace(path)
+
+
+def peak_memory_mb(device: str) -> float:
+    if device.startswith("cuda"):
+        return torch.cuda.max_memory_allocated() / 2**20
+    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
+
+
+class Predictor:
+    """Loads a model (plain HF directory, zoo name, or quantspec artifact) and generates."""
+
+    def __init__(self, config: InferConfig, *, loaded=None):
+        self.config = config
+        from quantspec.infer.loader import load_for_inference
+
+        self.loaded = loaded or load_for_inference(config.model, dtype=_DTYPES[config.dtype], device=config.device)
+        self.tokenizer = self.loaded.tokenizer
+        k_scale = v_scale = None
+        if config.cachekv != "none":
+            k_scale, v_scale = self._kv_scales()
+        proposer, max_drafts = self._proposer()
+        self.engine = Engine(
+            self.loaded.model,
+            EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
+                         max_length=config.max_length, kv_cache_dtype="auto" if config.cachekv == "none" else config.cachekv,
+                         spec_max_draft_tokens=max_drafts),
+            eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
+        )
+
+    def _kv_scales(self):
+        kind = self.config.cachekv
+        if self.config.calib:
+            from quantspec.calib.tables import read_table
+
+            table = read_table(self.config.calib, model_dir=self.loaded.model_dir)
+            return table.kv_scales(kind)
+        if self.loaded.k_scale is not None:
+            return self.loaded.k_scale, self.loaded.v_scale
+        raise QuantSpecError(
+            f"--cachekv-{kind}-type static needs KV scales: pass --calib DIR from `quantspec calibrate`, "
+            f"or use an artifact quantized with --kv-cache {kind}"
+        )
+
+    def _proposer(self):
+        method = self.config.speculate_method
+        if method == "none":
+            if self.config.draft_model:
+                raise QuantSpecError("--draft-model needs --speculate-method draft or mtp")
+            return None, 0
+        from quantspec.infer.spec.proposers import build_proposer
+
+        return build_proposer(self.config, self.loaded)
+
+    # -- prompts -----------------------------------------------------------------------------
+
+    def encode(self, src: str, row: int | None = None) -> tuple[list[int], bool]:
+        tok = self.tokenizer
+        if self.config.chat_template and getattr(tok, "chat_template", None):
+            text = tok.apply_chat_template([{"role": "user", "content": src}], tokenize=False,
+                                           add_generation_prompt=True)
+            ids = tok(text, add_special_tokens=False).input_ids
+        else:
+            ids = tok(src).input_ids
+        limit = self.config.src_length
+        if len(ids) > limit:
+            where = "the prompt" if row is None else f"row {row} of --data-file"
+            if not self.config.truncate_prompt:
+                raise QuantSpecError(
+                    f"{where} has {len(ids)} tokens, over --src-length {limit}; refused (raise --src-length / "
+                    f"--max-length, or pass --truncate-prompt to keep its last {limit} tokens)"
+                )
+            return ids[-limit:], True
+        return ids, False
+
+    def _stop_check(self):
+        stops = self.config.stop
+        if not stops:
+            return None
+        tok = self.tokenizer
+
+        def check(seq: Sequence):
+            tail = tok.decode(seq.output_ids[-32:], skip_special_tokens=True)
+            return 0 if any(s in tail for s in stops) else None
+
+        return check
+
+    def _text(self, ids: list[int]) -> str:
+        text = self.tokenizer.decode(ids, skip_special_tokens=True)
+        for s in self.config.stop:
+            i = text.find(s)
+            if i >= 0:
+                text = text[:i]
+        return text
+
+    # -- generation --------------------------------------------------------------------------
+
+    def generate(self, srcs: list[str], on_text: Callable[[str], None] | None = None) -> list[RequestOutput]:
+        """Generate for every prompt; `on_text` streams the text of a single prompt as it grows."""
+        params = self.config.sampling_params()
+        encoded = [self.encode(s, row=i + 1 if len(srcs) > 1 else None) for i, s in enumerate(srcs)]
+        check = self._stop_check()
+        seqs = [self.engine.add_request(ids, params, request_index=i, text_check=check)
+                for i, (ids, _) in enumerate(encoded)]
+        printed = [0]
+
+        def stream(_events):
+            text = self._text(seqs[0].output_ids)
+            if text.endswith("\ufffd"):  # half a multi-byte character: wait for the rest
+                return
+            on_text(text[printed[0]:])
+            printed[0] = len(text)
+
+        self.engine.run(stream if on_text is not None and len(seqs) == 1 else None)
+        outs = []
+        for seq, (ids, truncated) in zip(seqs, encoded):
+            st = seq.stats
+            n = len(seq.output_ids)
+            ttft = (st.t_first_token or st.t_arrival) - st.t_arrival
+            tpot = ((st.t_finish or 0) - (st.t_first_token or 0)) / max(1, n - 1)
+            outs.append(RequestOutput(
+                text=self._text(seq.output_ids), token_ids=list(seq.output_ids), prompt_tokens=len(ids),
+                finish_reason=seq.finish_reason or "", truncated_prompt=truncated, ttft_s=ttft, tpot_s=tpot,
+                target_forwards=st.target_forwards, drafted=st.drafted, accepted=st.accepted,
+                accepted_per_position=list(st.accepted_per_position),
+                drafted_per_position=list(st.drafted_per_position),
+            ))
+        return outs
+
+    def run(self, srcs: list[str], on_text=None) -> tuple[list[RequestOutput], dict]:
+        """Generate and collect the benchmark statistics of the run."""
+        t0 = time.perf_counter()
+        outs = self.generate(srcs, on_text)
+        wall = time.perf_counter() - t0
+        return outs, summarize(outs, wall, self.config)
+
+
+def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig) -> dict:
+    gen = sum(len(o.token_ids) for o in outs)
+    stats = {
+        "model": config.model,
+        "requests": len(outs),
+        "batch_size": config.batch_size,
+        "prompt_tokens": sum(o.prompt_tokens for o in outs),
+        "generated_tokens": gen,
+        "wall_s": wall_s,
+        "tokens_per_s": gen / wall_s if wall_s > 0 else 0.0,
+        "ttft_ms": 1000 * sum(o.ttft_s for o in outs) / len(outs),
+        "tpot_ms": 1000 * sum(o.tpot_s for o in outs) / len(outs),
+        "peak_memory_mb": peak_memory_mb(config.device),
+        "speculate_method": config.speculate_method,
+    }
+    drafted = sum(o.drafted for o in outs)
+    if config.speculate_method != "none":
+        forwards = sum(o.target_forwards for o in outs)
+        positions = max((len(o.drafted_per_position) for o in outs), default=0)
+        per_pos = []
+        for j in range(positions):
+            d = sum(o.drafted_per_position[j] for o in outs if j < len(o.drafted_per_position))
+            a = sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position))
+            per_pos.append(a / d if d else 0.0)
+        # tokens emitted after prefill per base forward (1.0 = no gain from speculation)
+        after_prefill = gen - len(outs)
+        stats.update({
+            "drafted_tokens": drafted,
+            "accepted_tokens": sum(o.accepted for o in outs),
+            "acceptance_rate": (sum(o.accepted for o in outs) / drafted) if drafted else 0.0,
+            "acceptance_per_position": per_pos,
+            "mean_accepted_length": after_prefill / forwards if forwards else 0.0,
+        })
+    return stats
+
+
+def stream_to_stdout(text: str) -> None:
+    sys.stdout.write(text)
+    sys.stdout.flush()
+
+
+def config_dict(config: InferConfig) -> dict:
+    return asdict(config)
