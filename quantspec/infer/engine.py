@@ -75,6 +75,9 @@ class Sequence:
     finish_reason: str | None = None
     stats: SeqStats = field(default_factory=SeqStats)
     text_check: Callable[["Sequence"], int | None] | None = None  # stop-string hook
+    # pre-norm hidden state [D] at the position that produced the newest token (kept only when the
+    # proposer sets `needs_hidden`): what an MTP module combines with that token's embedding
+    last_hidden: torch.Tensor | None = None
 
     @property
     def tokens(self) -> list[int]:
@@ -98,7 +101,7 @@ class Proposer(Protocol):
 class Engine:
     def __init__(self, model: Transformer, config: EngineConfig, *, eos_token_ids: list[int] | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 proposer: Proposer | None = None, hidden_hook: Callable | None = None):
+                 proposer: Proposer | None = None):
         self.model, self.config, self.proposer = model, config, proposer
         args = model.args
         self.device = model.model.norm.weight.device
@@ -114,8 +117,7 @@ class Engine:
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._next_id = 0
-        # The last step's hidden states per sequence (pre-norm), for MTP drafting.
-        self.hidden_hook = hidden_hook
+        self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
         self.num_steps = 0
 
     # -- requests ------------------------------------------------------------------------------
@@ -209,8 +211,6 @@ class Engine:
             offset += ql
         row_idx = torch.tensor(rows, device=self.device)
         logits = self.model.compute_logits(hidden[row_idx])  # [sum(1+k_b), V]
-        if self.hidden_hook is not None:
-            self.hidden_hook(seqs, hidden, row_idx, q_lens, drafts)
 
         if any(drafts):
             from quantspec.infer.spec.verify import verify
@@ -223,7 +223,11 @@ class Engine:
 
         now = time.perf_counter()
         out: list[tuple[Sequence, list[int]]] = []
+        first_row = 0
         for seq, d, toks in zip(seqs, drafts, new_tokens):
+            if self.keep_hidden:  # the row whose logits produced the newest token
+                seq.last_hidden = hidden[row_idx[first_row + len(toks) - 1]]
+            first_row += 1 + len(d)
             was_prefill = seq.num_cached == 0
             n_acc = len(toks) - 1
             seq.num_cached = seq.num_tokens + n_acc  # fed tokens + accepted drafts are valid KV
