@@ -148,19 +148,21 @@ class Predictor:
         self.loaded = loaded or load_for_inference(config.model, dtype=_DTYPES[config.dtype], device=config.device)
         self.tokenizer = self.loaded.tokenizer
         k_scale = v_scale = None
-        if config.cachekv != "none":
-            k_scale, v_scale = self._kv_scales()
+        cachekv = config.cachekv
+        if cachekv == "none" and getattr(self.loaded, "kv_cache_dtype", None) and not config.calib:
+            cachekv = self.loaded.kv_cache_dtype  # an artifact with k_scale/v_scale: no flag needed
+        if cachekv != "none":
+            k_scale, v_scale = self._kv_scales(cachekv)
         proposer, max_drafts = self._proposer()
         self.engine = Engine(
             self.loaded.model,
             EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
-                         max_length=config.max_length, kv_cache_dtype="auto" if config.cachekv == "none" else config.cachekv,
+                         max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
         )
 
-    def _kv_scales(self):
-        kind = self.config.cachekv
+    def _kv_scales(self, kind: str):
         if self.config.calib:
             from quantspec.calib.tables import read_table
 
@@ -242,7 +244,12 @@ class Predictor:
             on_text(text[printed[0]:])
             printed[0] = len(text)
 
-        self.engine.run(stream if on_text is not None and len(seqs) == 1 else None)
+        streaming = on_text is not None and len(seqs) == 1
+        self.engine.run(stream if streaming else None)
+        if streaming:  # whatever was held back (a trailing partial character) goes out now
+            rest = self._text(seqs[0].output_ids)[printed[0]:]
+            if rest:
+                on_text(rest)
         outs = []
         for seq, (ids, truncated) in zip(seqs, encoded):
             st = seq.stats

@@ -94,12 +94,11 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        arch = None
-        for name in cfg.get("architectures") or []:
-            arch = ARCHITECTURES.get(name)
-            if arch:
-                break
-        if arch is None:
+        # `architectures` names the class that wrote the weights; model_type is only a fallback
+        # for configs that omit it.
+        listed = cfg.get("architectures") or []
+        arch = next((ARCHITECTURES[n] for n in listed if n in ARCHITECTURES), None)
+        if arch is None and not listed:
             arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
         if arch is None:
             found = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]

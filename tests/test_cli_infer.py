@@ -1,0 +1,105 @@
+"""`quantspec infer` end to end on a tiny model, and its one-line errors for bad input."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantspec.cli import main
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.sampler import SamplingParams
+from quantspec.model_zoo.checkpoint import load_model
+
+
+def run(*args):
+    result = CliRunner().invoke(main, [str(a) for a in args])
+    return result
+
+
+def assert_one_line_error(result, pattern):
+    assert result.exit_code != 0
+    assert "Traceback" not in result.output
+    err = result.stderr.strip()
+    assert len(err.splitlines()) == 1, err
+    assert pattern in err, err
+
+
+def test_version_and_help_on_every_command():
+    assert run("--version").output.startswith("quantspec")
+    for name, cmd in main.commands.items():
+        assert run(name, "--help").exit_code == 0, name
+
+
+def test_prompt_greedy_matches_engine(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    r = run("infer", "--model", tiny_llama_dir, "--prompt", "the quick brown fox", "--no-chat-template",
+            "--max-new-tokens", 12)
+    assert r.exit_code == 0, r.output
+    model, _ = load_model(tiny_llama_dir)
+    eng = Engine(model, EngineConfig(max_length=2048), eos_token_ids=[2])
+    seq = eng.add_request(tok("the quick brown fox").input_ids, SamplingParams(max_new_tokens=12))
+    eng.run()
+    assert r.stdout.strip() == tok.decode(seq.output_ids, skip_special_tokens=True).strip()
+
+
+def test_data_file_rows_keep_fields_and_stats(tmp_path, tiny_llama_dir):
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(json.dumps({"src": s, "id": i}) for i, s in enumerate(["a b c", "hello there", "x"])))
+    out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+    r = run("infer", "--model", tiny_llama_dir, "--data-file", data, "--output-file", out, "--batch-size", 2,
+            "--max-new-tokens", 6, "--benchmark", "--stats-file", stats)
+    assert r.exit_code == 0, r.output
+    rows = [json.loads(line) for line in out.read_text().splitlines()]
+    assert [row["id"] for row in rows] == [0, 1, 2]
+    assert all(isinstance(row["output"], str) and len(row["output_token_ids"]) <= 6 for row in rows)
+    s = json.loads(stats.read_text())
+    for key in ("ttft_ms", "tpot_ms", "tokens_per_s", "peak_memory_mb", "generated_tokens"):
+        assert key in s
+    assert s["generated_tokens"] == sum(len(row["output_token_ids"]) for row in rows)
+
+
+def test_sampling_flags_are_seeded(tiny_llama_dir):
+    args = ("infer", "--model", tiny_llama_dir, "--prompt", "once upon", "--decode-strategy", "sampling",
+            "--temperature", 0.7, "--top-p", 0.9, "--seed", 1, "--max-new-tokens", 10, "--no-chat-template")
+    a, b = run(*args), run(*args)
+    assert a.exit_code == 0 and a.stdout == b.stdout
+
+
+def test_bad_inputs_are_one_line(tmp_path, tiny_llama_dir):
+    assert_one_line_error(run("infer", "--model", tmp_path / "missing", "--prompt", "x"), "does not exist")
+    (tmp_path / "noconfig").mkdir()
+    assert_one_line_error(run("infer", "--model", tmp_path / "noconfig", "--prompt", "x"), "no config.json")
+
+    arch = tmp_path / "arch"
+    shutil.copytree(tiny_llama_dir, arch)
+    cfg = json.loads((arch / "config.json").read_text())
+    cfg["architectures"] = ["FalconForCausalLM"]
+    (arch / "config.json").write_text(json.dumps(cfg))
+    assert_one_line_error(run("infer", "--model", arch, "--prompt", "x"), "unsupported architecture")
+
+    trunc = tmp_path / "trunc"
+    shutil.copytree(tiny_llama_dir, trunc)
+    f = trunc / "model.safetensors"
+    f.write_bytes(f.read_bytes()[:1000])
+    assert_one_line_error(run("infer", "--model", trunc, "--prompt", "x"), "truncated or corrupt")
+
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("\n")
+    assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--data-file", empty), "is empty")
+    bad = tmp_path / "bad.jsonl"
+    bad.write_text('{"src": "ok"}\n{"src": "broken\n')
+    assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--data-file", bad), "bad.jsonl:2")
+
+
+def test_prompt_longer_than_src_length(tiny_llama_dir):
+    long = "word " * 200
+    r = run("infer", "--model", tiny_llama_dir, "--prompt", long, "--src-length", 16, "--no-chat-template",
+            "--max-new-tokens", 4)
+    assert_one_line_error(r, "over --src-length 16; refused")
+    r = run("infer", "--model", tiny_llama_dir, "--prompt", long, "--src-length", 16, "--no-chat-template",
+            "--max-new-tokens", 4, "--truncate-prompt")
+    assert r.exit_code == 0 and "truncated" in r.stderr
