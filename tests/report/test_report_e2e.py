@@ -1,0 +1,48 @@
+"""`api.report` end to end on the tiny Llama: real artifacts, real generation with speculation.
+
+Greedy speculative decoding is lossless by construction, so on the unquantized base the report
+must find every prompt's tokens equal to the base's own; the numbers (acceptance, speedup) are
+checked for range and internal consistency only (timings are not asserted).
+"""
+
+import json
+
+import pytest
+
+from quantspec import api
+
+pytest.importorskip("quantspec.infer.loader", reason="infer/loader.py (E1) not in this build")
+
+
+def test_report_on_tiny_model_real_generation(tiny_llama_dir, tmp_path):
+    out = tmp_path / "out"
+    rep = api.report(out=str(out), model=str(tiny_llama_dir), speculate_method="draft",
+                     base_quant_types="none,weight_only_int8", draft_quant_types="weight_only_int8,none",
+                     cachekv="none", cache_dir=str(tmp_path / "cache"), max_new_tokens=12,
+                     eval_seq_len=32, eval_windows=2)
+    assert len(rep.cells) == 4
+    by = {(c.base, c.draft): c for c in rep.cells}
+    fp = by["none", "none"]
+    assert fp.supported, fp.reason
+    # the draft is the base itself: every draft token is the base's own greedy choice
+    assert fp.lossless is True and fp.mismatched_prompts == 0
+    assert fp.acceptance_rate == pytest.approx(1.0)
+    assert fp.mean_accepted_length > 1.0
+    for c in rep.cells:
+        assert c.supported, f"{c.base}/{c.draft}: {c.reason}"
+        assert 0.0 <= c.acceptance_rate <= 1.0
+        assert c.speedup == pytest.approx(c.tokens_per_s / c.base_tokens_per_s)
+        assert c.generated_tokens > 0 and c.peak_memory_mb > 0
+    data = json.loads((out / "report.json").read_text())
+    assert [c["key"] for c in data["cells"]] == [c.key for c in rep.cells]
+    assert (out / "report.png").stat().st_size > 0
+
+
+def test_report_ngram_on_tiny_model(tiny_llama_dir, tmp_path):
+    rep = api.report(out=str(tmp_path / "out"), model=str(tiny_llama_dir), speculate_method="inference_with_reference",
+                     base_quant_types="none", cachekv="none", cache_dir=str(tmp_path / "cache"),
+                     max_new_tokens=12, eval_seq_len=32, eval_windows=2)
+    (cell,) = rep.cells
+    assert cell.supported, cell.reason
+    assert cell.lossless is True
+    assert cell.draft_artifact_mb is None and cell.base_perplexity > 1.0
