@@ -1,0 +1,297 @@
+"""Loading any model or artifact for inference: `load_for_inference(path) -> LoadedModel`.
+
+This file owns the model-level half of reading an artifact (the Linear-level half is
+`infer/quant_linear.py`):
+- a plain HF directory (no `quantization_config`) → `model_zoo.load_model`;
+- a compressed-tensors artifact (ours, or one written by compressed-tensors / llm-compressor):
+  `quantization_config` → `QuantConfig.from_dict` (an unsupported method / format is one line
+  naming it and the supported ones); the model is built on `meta`, every Linear the config
+  targets (`scheme_for(name)`, compressed-tensors' matching rules) is replaced by a
+  `QuantLinear` built from its tensors, the remaining float tensors (embeddings, norms, ignored
+  Linears such as `lm_head`, biases) are loaded with `assign=True`, and the whole checkpoint is
+  checked against the expected names and shapes first (missing, mis-shaped and unexpected tensors
+  are one clear error each). Tied embeddings stay tied unless the checkpoint quantized `lm_head`.
+- static KV-cache scales: `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], [], [H_kv],
+  or [H_kv, 1, 1]; per-tensor ones broadcast to every KV head) → `k_scale`, `v_scale`
+  [num_layers, num_kv_heads] fp32, with the cache dtype from `kv_cache_scheme` (int8 / fp8).
+- end-of-sequence ids: config.json ∪ generation_config.json ∪ the tokenizer's eos.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.quant_linear import DispatchPolicy, QuantLinear, expected_linear_tensors
+from quantspec.model_zoo.checkpoint import (
+    build_model,
+    check_against_table,
+    load_checkpoint_tensors,
+    load_model,
+    read_config,
+    resolve_model_dir,
+)
+from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
+from quantspec.quant.args import QuantConfig
+from quantspec.quant.artifact import read_provenance
+
+__all__ = ["LoadedModel", "load_for_inference", "read_eos_token_ids"]
+
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_KV_NAMES = ("k_scale", "v_scale")
+_TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
+
+
+@dataclass
+class LoadedModel:
+    """A model ready for the engine, with what the runtime needs from its directory.
+
+    k_scale / v_scale: [num_layers, num_kv_heads] fp32 static KV-cache scales from the artifact
+    (None when it has none); kv_cache_dtype: "int8" / "fp8" from its `kv_cache_scheme`, or None.
+    """
+
+    model: Transformer
+    model_dir: Path
+    tokenizer: Any | None
+    args: ModelArgs
+    quant_config: QuantConfig | None = None
+    k_scale: torch.Tensor | None = None
+    v_scale: torch.Tensor | None = None
+    kv_cache_dtype: str | None = None
+    eos_token_ids: list[int] = field(default_factory=list)
+    provenance: dict = field(default_factory=dict)
+
+    @property
+    def is_quantized(self) -> bool:
+        return self.quant_config is not None
+
+
+def _load_tokenizer(model_dir: Path):
+    if not any((model_dir / f).is_file() for f in _TOKENIZER_FILES):
+        return None
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # a broken tokenizer is reported, the model itself still loads
+        raise QuantSpecError(f"{model_dir}: the tokenizer files cannot be loaded "
+                             f"({type(e).__name__}: {str(e).splitlines()[0][:120]}); copy the "
+                             "source model's tokenizer files into it") from None
+
+
+def _as_ids(v) -> list[int]:
+    if v is None:
+        return []
+    if isinstance(v, int):
+        return [v]
+    return [int(i) for i in v]
+
+
+def read_eos_token_ids(model_dir: Path, cfg: dict, tokenizer=None) -> list[int]:
+    """End-of-sequence ids: config.json, then generation_config.json, then the tokenizer's."""
+    ids = _as_ids(cfg.get("eos_token_id"))
+    gen = Path(model_dir) / "generation_config.json"
+    if gen.is_file():
+        try:
+            ids += _as_ids(json.loads(gen.read_text()).get("eos_token_id"))
+        except json.JSONDecodeError:
+            raise QuantSpecError(f"{gen} is not valid JSON; repair or delete it") from None
+    if tokenizer is not None and getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.append(int(tokenizer.eos_token_id))
+    return list(dict.fromkeys(ids))
+
+
+def _attn_prefix(i: int) -> str:
+    return f"model.layers.{i}.self_attn"
+
+
+def _kv_scales(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str
+               ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[L, KV] fp32 k/v scales from per-layer `self_attn.{k,v}_scale` tensors."""
+    out = []
+    for kind in _KV_NAMES:
+        rows = []
+        for i in range(args.num_layers):
+            name = f"{_attn_prefix(i)}.{kind}"
+            if name not in tensors:
+                raise QuantSpecError(f"{where} has a kv_cache_scheme but lacks {name}; "
+                                     "re-quantize with --calib (a calibration table with KV scales)")
+            s = tensors[name].float().reshape(-1)
+            if s.numel() == 1:
+                s = s.expand(args.num_kv_heads)
+            elif s.numel() != args.num_kv_heads:
+                raise QuantSpecError(f"{where}: {name} has {s.numel()} values; expected 1 or "
+                                     f"num_key_value_heads={args.num_kv_heads}")
+            rows.append(s)
+        t = torch.stack(rows).contiguous()  # [L, KV]
+        if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):
+            raise QuantSpecError(f"{where}: {kind} holds a value that is not finite and > 0; "
+                                 "recalibrate the KV-cache scales")
+        out.append(t)
+    return out[0], out[1]
+
+
+def _is_trivial_g_idx(g_idx: torch.Tensor, K: int, group_size: int | None) -> bool:
+    if g_idx.numel() != K or not group_size or group_size <= 0:
+        return False
+    return torch.equal(g_idx.to(torch.int64).reshape(-1), torch.arange(K) // group_size)
+
+
+def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[str, Any]:
+    """{Linear name: its scheme} for every Linear the config quantizes; refuses quantized
+    embeddings (which quantspec does not run)."""
+    out = {}
+    for name, mod in net.named_modules():
+        if isinstance(mod, nn.Linear):
+            scheme = qc.scheme_for(name, ("Linear",))
+            if scheme is not None:
+                if scheme.weights is None:
+                    raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
+                                         "which quantspec does not run; add it to `ignore`")
+                out[name] = scheme
+        elif isinstance(mod, nn.Embedding):
+            scheme = qc.scheme_for(name, ("Embedding",))
+            if scheme is not None and scheme.weights is not None:
+                raise QuantSpecError(f"{where}: {name} (an embedding) is quantized; quantspec keeps "
+                                     "embeddings in float — re-quantize with it in `ignore`")
+    if not out:
+        raise QuantSpecError(f"{where}: the quantization_config targets no Linear of this model "
+                             "(check config_groups targets and ignore)")
+    return out
+
+
+def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
+                    dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None
+                    ) -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
+    where = str(model_dir)
+    tensors = load_checkpoint_tensors(model_dir)
+    tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    net = build_model(args, device="meta")
+    quantized = _quantized_modules(net, qc, where)
+    lm_head_quantized = "lm_head" in quantized
+    if args.tie_word_embeddings and not lm_head_quantized:
+        tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
+
+    # the expected table: float tensors from the architecture, compressed names per quantized
+    # Linear; optional per-Linear tensors are checked when present
+    table = hf_weight_table(args)
+    if lm_head_quantized and "lm_head.weight" not in table:
+        table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
+    q_expected: dict[str, dict] = {}
+    for name, scheme in quantized.items():
+        lin = net.get_submodule(name)
+        table.pop(f"{name}.weight", None)
+        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
+    float_table = dict(table)
+    missing = [n for n in float_table if n not in tensors]
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
+                             "checkpoint is incomplete")
+    check_against_table(tensors, float_table, where)
+
+    allowed = set(float_table)
+    for name, exp in q_expected.items():
+        allowed.update(exp)
+        scheme = quantized[name]
+        # compressed-tensors may store zero points of symmetric args (all zero) and a trivial
+        # act-order index; both are accepted and dropped, anything else is refused below
+        for opt in ("input_zero_point", "weight_zero_point"):
+            key = f"{name}.{opt}"
+            if key in tensors and key not in exp:
+                if bool((tensors[key].float() != 0).any()):
+                    raise QuantSpecError(f"{where}: {key} is non-zero but the config says the "
+                                         "args are symmetric; the checkpoint and config disagree")
+                allowed.add(key)
+        gkey = f"{name}.weight_g_idx"
+        if gkey in tensors:
+            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
+                                     scheme.weights.group_size):
+                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
+                                     "which quantspec does not run; re-quantize with static "
+                                     "act-order groups (quantspec's --act-order)")
+            allowed.add(gkey)
+    k_scale = v_scale = None
+    kv_names = {f"{_attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in _KV_NAMES}
+    if qc.kv_cache_scheme is not None:
+        k_scale, v_scale = _kv_scales(tensors, args, where)
+        allowed |= kv_names
+    # quantized Linears first: a missing or mis-shaped compressed tensor is named precisely
+    for name, scheme in quantized.items():
+        lin = net.get_submodule(name)
+        ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
+                                      dtype=dtype, device=device, policy=policy)
+        net.set_submodule(name, ql)
+    unexpected = sorted(set(tensors) - allowed)
+    if unexpected:
+        u = unexpected[0]
+        if u in kv_names:
+            raise QuantSpecError(f"{where}: {u} is present but config.json has no "
+                                 "kv_cache_scheme; add it or drop the KV scales")
+        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise QuantSpecError(f"{where}: unexpected tensor {u}{more} for this {args.arch} "
+                             "checkpoint and its quantization_config; the checkpoint and "
+                             "config.json disagree")
+    q_biases = {f"{name}.bias" for name in quantized}  # already inside their QuantLinear
+    float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in float_table
+                   if k not in q_biases}
+    net.load_state_dict(float_state, strict=False, assign=True)
+    if args.tie_word_embeddings and not lm_head_quantized:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    left = [n for n, p in list(net.named_parameters()) + list(net.named_buffers())
+            if p is not None and p.is_meta]
+    if left:  # a bug, not bad input: every name was checked above
+        raise RuntimeError(f"{where}: tensors left unloaded: {left[:3]}")
+    return net, k_scale, v_scale
+
+
+def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
+                       device: torch.device | str = "cpu", policy: DispatchPolicy | None = None,
+                       tokenizer: bool = True) -> LoadedModel:
+    """Load a zoo name, a HF directory, a hub id or a quantized artifact for inference.
+
+    `dtype` is the activation/compute dtype (bf16 on CPU enables torch's packed int8/int4
+    ops; see `infer/quant_linear.py`); `policy` overrides the kernel dispatch thresholds;
+    `tokenizer=False` skips loading the tokenizer.
+    """
+    if dtype not in (torch.float32, torch.bfloat16, torch.float16):
+        raise QuantSpecError(f"dtype {dtype} unsupported; use float32, bfloat16 or float16")
+    device = torch.device(device)
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise QuantSpecError("device 'cuda' requested but CUDA is not available; use --device cpu")
+    model_dir = resolve_model_dir(model)
+    cfg = read_config(model_dir)
+    args = ModelArgs.from_hf_config(cfg)
+    qc_dict = cfg.get("quantization_config")
+    k_scale = v_scale = None
+    quant_config = None
+    kv_dtype = None
+    if not qc_dict:
+        net, _ = load_model(model_dir, dtype=dtype, device=device)
+    else:
+        quant_config = QuantConfig.from_dict(qc_dict)
+        meta = read_provenance(model_dir)
+        if meta.get("quant_type") or meta.get("provenance"):
+            quant_config = dataclasses.replace(
+                quant_config, quant_type=meta.get("quant_type") or quant_config.quant_type,
+                provenance=meta.get("provenance") or {})
+        net, k_scale, v_scale = _load_quantized(model_dir, args, quant_config, dtype=dtype,
+                                                device=device, policy=policy)
+        if quant_config.kv_cache_scheme is not None:
+            kv_dtype = "fp8" if quant_config.kv_cache_scheme.type == "float" else "int8"
+            k_scale, v_scale = k_scale.to(device), v_scale.to(device)
+        net.setup_rope(args.max_position_embeddings, device)
+        net.eval()
+    tok = _load_tokenizer(model_dir) if tokenizer else None
+    return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
+                       quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
+                       kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),
+                       provenance=read_provenance(model_dir))

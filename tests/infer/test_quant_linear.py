@@ -1,0 +1,353 @@
+"""QuantLinear vs the reference `dequantize` + matmul from quant/primitives (fp64), on odd shapes;
+the dispatch rule; reading compressed-tensors' own packed tensors; the Triton wiring (under the
+interpreter, in a subprocess) and on a real GPU when there is one."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.quant_linear import (
+    DispatchPolicy,
+    KernelPath,
+    LinearKind,
+    LinearTraits,
+    QuantizedLinearTensors,
+    QuantLinear,
+    read_quantized_linear,
+    select_kernel,
+)
+from quantspec.quant import (QuantArgs, QuantScheme, choose_qparams, dequantize, linear_to_tensors,
+                             preset, quantize)
+
+torch.set_num_threads(1)
+
+
+def _make(kind, N, K, *, group_size=32, symmetric=True, act_dynamic=False, act_symmetric=True,
+          bias=False, seed=0):
+    """A random layer of `kind` (a quant type name) + the calibration batch used for its static
+    input scale. Returns (QuantizedLinearTensors, float weight)."""
+    gen = torch.Generator().manual_seed(seed)
+    cfg = preset(kind, group_size=group_size, symmetric=symmetric)
+    scheme = cfg.config_groups["group_0"]
+    w_args = scheme.weights
+    ia = scheme.input_activations
+    if ia is not None and (act_dynamic or not act_symmetric):
+        ia = ia.replace(dynamic=act_dynamic, strategy="token" if act_dynamic else "tensor",
+                        symmetric=act_symmetric)
+    W = torch.randn(N, K, generator=gen) * 0.05
+    s, z = choose_qparams(W, w_args)
+    q = quantize(W, s, z, w_args)
+    in_scale = in_zp = None
+    if ia is not None and not ia.dynamic:
+        calib = torch.randn(64, K, generator=gen) * 2 + (0.5 if not act_symmetric else 0.0)
+        in_scale, zp = choose_qparams(calib, ia)
+        in_zp = None if ia.symmetric else zp
+    b = torch.randn(N, generator=gen) * 0.1 if bias else None
+    t = QuantizedLinearTensors(q=q, scale=s, zero_point=None if w_args.symmetric else z,
+                               weight_args=w_args, input_args=ia, input_scale=in_scale,
+                               input_zero_point=in_zp, bias=b)
+    return t
+
+
+def _reference(t: QuantizedLinearTensors, x: torch.Tensor) -> torch.Tensor:
+    """fp64 y = x̂ @ dequantize(q)ᵀ + b, x̂ = fake-quantized x (fp32 primitives) for a8w8 types."""
+    xr = x.float()
+    ia = t.input_args
+    if ia is not None:
+        if ia.dynamic:
+            s, z = choose_qparams(xr, ia)
+        else:
+            s, z = t.input_scale, t.input_zero_point
+        xr = dequantize(quantize(xr, s, z, ia), s, z, ia, dtype=torch.float32)
+    w = dequantize(t.q, t.scale.float(), t.zero_point, t.weight_args, dtype=torch.float32)
+    y = xr.double() @ w.to(x.dtype).double().t()
+    if t.bias is not None:
+        y = y + t.bias.to(x.dtype).double()
+    return y
+
+
+def _check(y, ref, dtype):
+    assert y.dtype == dtype
+    if dtype == torch.float32:
+        torch.testing.assert_close(y.double(), ref, rtol=1e-5, atol=1e-5 * float(ref.abs().max()))
+    else:  # bf16 activations/weights in the op and a bf16 output
+        torch.testing.assert_close(y.double(), ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+# (quant type, N, K, group size, symmetric): N, K odd multiples of the group size; N=40 is not a
+# multiple of 16 (no CPU int4 packing), K=96 with g=-1 is per-channel int4
+CASES = [
+    ("weight_only_int8", 48, 96, 128, True),
+    ("weight_only_int8", 40, 88, 128, True),  # K % 16 != 0: torch's int8 op is not allowed
+    ("weight_only_int4", 48, 96, 32, True),
+    ("weight_only_int4", 48, 192, 64, False),
+    ("weight_only_int4", 40, 384, 128, True),
+    ("weight_only_int4", 48, 96, -1, False),
+    ("a8w8", 40, 96, 128, True),
+    ("a8w8_fp8", 48, 96, 128, True),
+]
+
+
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("kind,N,K,g,sym", CASES)
+def test_quant_linear_matches_reference(kind, N, K, g, sym, dtype, M):
+    t = _make(kind, N, K, group_size=g, symmetric=sym, bias=(M == 3), seed=N + K + M)
+    layer = QuantLinear(t, dtype=dtype)
+    x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
+    y = layer(x)
+    assert y.shape == (M, N)
+    _check(y, _reference(t, x), dtype)
+    # a leading batch shape is kept
+    y3 = layer(x.reshape(1, M, K))
+    assert y3.shape == (1, M, N) and torch.equal(y3.reshape(M, N), y)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("dynamic,act_sym", [(True, True), (False, False)])
+def test_a8w8_dynamic_and_asymmetric_activations(dynamic, act_sym, dtype):
+    t = _make("a8w8", 40, 96, act_dynamic=dynamic, act_symmetric=act_sym, bias=True, seed=7)
+    layer = QuantLinear(t, dtype=dtype)
+    x = (torch.randn(17, 96, generator=torch.Generator().manual_seed(2)) * 2 + 0.5).to(dtype)
+    want = KernelPath.CPU_INT_MM if act_sym else KernelPath.DEQUANT
+    assert layer.kernel_for(x) is want
+    _check(layer(x), _reference(t, x), dtype)
+
+
+def test_a8w8_int_mm_is_exact_int8_gemm():
+    """The CPU int8 path accumulates exactly: equal to the kernels' int8_gemm_ref bit for bit."""
+    from quantspec.kernels import w8a8_linear_ref
+
+    t = _make("a8w8", 40, 96, bias=True, seed=3)
+    layer = QuantLinear(t)
+    x = torch.randn(5, 96)
+    ref = w8a8_linear_ref(x, t.q, t.scale.reshape(-1), t.input_scale, t.bias)
+    assert torch.equal(layer.run(x, KernelPath.CPU_INT_MM), ref)
+
+
+def test_fp8_cpu_path_equals_kernel_reference():
+    from quantspec.kernels import fp8_linear_ref
+
+    t = _make("a8w8_fp8", 48, 96, bias=True, seed=4)
+    layer = QuantLinear(t)
+    x = torch.randn(5, 96)
+    assert layer.kernel_for(x) is KernelPath.CPU_FP8_UPCAST
+    ref = fp8_linear_ref(x, t.q, t.scale.reshape(-1), t.input_scale, t.bias)
+    torch.testing.assert_close(layer(x), ref, rtol=1e-6, atol=1e-6)
+
+
+@pytest.mark.parametrize("kind,g,sym,path", [
+    ("weight_only_int8", 128, True, KernelPath.CPU_INT8PACK),
+    ("weight_only_int4", 32, True, KernelPath.CPU_INT4PACK),
+    ("weight_only_int4", 64, False, KernelPath.CPU_INT4PACK),
+    ("weight_only_int4", -1, True, KernelPath.CPU_INT4PACK),
+])
+def test_cpu_fast_path_is_taken_when_allowed(monkeypatch, kind, g, sym, path):
+    t = _make(kind, 48, 192, group_size=g, symmetric=sym, seed=11)
+    layer = QuantLinear(t, dtype=torch.bfloat16)
+    op = "_weight_int8pack_mm" if path is KernelPath.CPU_INT8PACK else "_weight_int4pack_mm_for_cpu"
+    real, calls = getattr(torch, op), []
+    monkeypatch.setattr(torch, op, lambda *a: calls.append(a[0].shape) or real(*a))
+    x = torch.randn(16, 192).bfloat16()
+    assert layer.kernel_for(x[:1]) is path and layer.kernel_for(x) is path
+    _check(layer(x[:3]), _reference(t, x[:3]), torch.bfloat16)
+    assert calls == [(3, 192)]
+    # not taken: M above the bound, fp32 activations, or the policy says no
+    assert layer.kernel_for(torch.randn(17, 192).bfloat16()) is KernelPath.DEQUANT
+    assert QuantLinear(t, dtype=torch.float32).kernel_for(x.float()) is KernelPath.DEQUANT
+    slow = QuantLinear(t, dtype=torch.bfloat16, policy=DispatchPolicy(fast=False))
+    assert slow.kernel_for(x) is KernelPath.DEQUANT
+    layer(torch.randn(17, 192).bfloat16())
+    assert len(calls) == 1
+
+
+def test_cpu_fast_path_refused_for_layouts_torch_cannot_take():
+    # int8: K % 16 != 0 (torch 2.13's op crashes or returns garbage there)
+    t8 = _make("weight_only_int8", 48, 88, seed=1)
+    assert not QuantLinear(t8, dtype=torch.bfloat16).traits.cpu_int8pack
+    # int4: N % 16 != 0; group 16 (below the op's smallest group)
+    t4 = _make("weight_only_int4", 40, 96, group_size=32, seed=1)
+    assert QuantLinear(t4, dtype=torch.bfloat16).traits.cpu_int4_group is None
+    t16 = _make("weight_only_int4", 48, 96, group_size=16, seed=1)
+    assert QuantLinear(t16, dtype=torch.bfloat16).traits.cpu_int4_group is None
+    # a group of 512 is tiled by CPU groups of 256 with repeated scales
+    t512 = _make("weight_only_int4", 48, 1024, group_size=512, seed=1)
+    layer = QuantLinear(t512, dtype=torch.bfloat16)
+    assert layer.traits.cpu_int4_group == 256
+    x = torch.randn(2, 1024).bfloat16()
+    _check(layer(x), _reference(t512, x), torch.bfloat16)
+
+
+def _traits(kind, **kw):
+    base = dict(kind=kind, dtype=torch.bfloat16, weight_symmetric=True, weight_strategy="channel",
+                act_mode=None)
+    base.update(kw)
+    return LinearTraits(**base)
+
+
+def test_select_kernel_cpu_rule():
+    t8 = _traits(LinearKind.W8A16, cpu_int8pack=True)
+    assert select_kernel(t8, "cpu", 1, torch.bfloat16) is KernelPath.CPU_INT8PACK
+    assert select_kernel(t8, "cpu", 16, torch.bfloat16) is KernelPath.CPU_INT8PACK
+    assert select_kernel(t8, "cpu", 17, torch.bfloat16) is KernelPath.DEQUANT
+    assert select_kernel(t8, "cpu", 1, torch.float32) is KernelPath.DEQUANT
+    assert select_kernel(t8, "cpu", 0, torch.bfloat16) is KernelPath.DEQUANT
+    assert select_kernel(t8, "cpu", 32, torch.bfloat16, DispatchPolicy(cpu_packed_max_m=32)) \
+        is KernelPath.CPU_INT8PACK
+    t4 = _traits(LinearKind.W4A16, weight_strategy="group", cpu_int4_group=64)
+    assert select_kernel(t4, "cpu", 4, torch.bfloat16) is KernelPath.CPU_INT4PACK
+    assert select_kernel(_traits(LinearKind.W4A16), "cpu", 4, torch.bfloat16) is KernelPath.DEQUANT
+    a8 = _traits(LinearKind.W8A8, act_mode="static")
+    assert select_kernel(a8, "cpu", 512, torch.float32) is KernelPath.CPU_INT_MM
+    assert select_kernel(_traits(LinearKind.W8A8, act_mode="static", weight_symmetric=False),
+                         "cpu", 1, torch.float32) is KernelPath.DEQUANT
+    fp8 = _traits(LinearKind.FP8, act_mode="static")
+    assert select_kernel(fp8, "cpu", 3, torch.float32) is KernelPath.CPU_FP8_UPCAST
+    assert select_kernel(_traits(LinearKind.FP8), "cpu", 3, torch.float32) is KernelPath.DEQUANT
+
+
+def test_select_kernel_cuda_rule(monkeypatch):
+    import quantspec.kernels as kernels
+
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
+    t4 = _traits(LinearKind.W4A16, weight_strategy="group")
+    assert select_kernel(t4, "cuda", 1, torch.bfloat16) is KernelPath.TRITON_W4A16
+    assert select_kernel(t4, "cuda", 64, torch.float16) is KernelPath.TRITON_W4A16
+    assert select_kernel(t4, "cuda", 65, torch.bfloat16) is KernelPath.DEQUANT
+    t8 = _traits(LinearKind.W8A16)
+    assert select_kernel(t8, "cuda", 8, torch.bfloat16) is KernelPath.TRITON_W8A16
+    assert select_kernel(_traits(LinearKind.W8A16, weight_strategy="group"), "cuda", 8,
+                         torch.bfloat16) is KernelPath.DEQUANT
+    a8 = _traits(LinearKind.W8A8, act_mode="dynamic")
+    assert select_kernel(a8, "cuda", 4096, torch.bfloat16) is KernelPath.TRITON_W8A8
+    assert select_kernel(_traits(LinearKind.W8A8, act_mode="static", act_symmetric=False),
+                         "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT
+    fp8 = _traits(LinearKind.FP8, act_mode="static", fp8_native=True)
+    assert select_kernel(fp8, "cuda", 1, torch.bfloat16) is KernelPath.TRITON_FP8
+    assert select_kernel(_traits(LinearKind.FP8, act_mode="static"), "cuda", 1,
+                         torch.bfloat16) is KernelPath.DEQUANT  # below sm_89
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: False)
+    assert select_kernel(t4, "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT
+
+
+# ---------------------------------------------------------------- reading checkpoint tensors
+
+
+def test_read_compressed_tensors_packed_int8_and_asym_int4():
+    """Tensors packed by compressed-tensors' own `pack_to_int32` (an independent implementation):
+    8-bit codes (4 per word, llm-compressor's W8A16 layout) and 4-bit codes with zero points
+    packed along N."""
+    helpers = pytest.importorskip("compressed_tensors.compressors.pack_quantized.helpers")
+    gen = torch.Generator().manual_seed(0)
+    N, K = 40, 96
+    for bits, sym, strategy, g in ((8, True, "channel", None), (4, False, "group", 32)):
+        args = QuantArgs(num_bits=bits, symmetric=sym, strategy=strategy, group_size=g)
+        W = torch.randn(N, K, generator=gen)
+        s, z = choose_qparams(W, args)
+        q = quantize(W, s, z, args)
+        p = "model.layers.0.mlp.up_proj"
+        tensors = {f"{p}.weight_packed": helpers.pack_to_int32(q, bits),
+                   f"{p}.weight_scale": s, f"{p}.weight_shape": torch.tensor([N, K])}
+        if not sym:
+            tensors[f"{p}.weight_zero_point"] = helpers.pack_to_int32(z, bits, packed_dim=0)
+        scheme = QuantScheme(targets=("Linear",), weights=args, format="pack-quantized")
+        got = read_quantized_linear(tensors, p, scheme, N, K)
+        assert torch.equal(got.q, q)
+        assert got.zero_point is None if sym else torch.equal(got.zero_point, z)
+
+
+def test_read_errors_are_one_line():
+    cfg = preset("a8w8")
+    scheme = cfg.config_groups["group_0"]
+    args = scheme.weights
+    W = torch.randn(16, 32)
+    s, z = choose_qparams(W, args)
+    p = "model.layers.0.self_attn.q_proj"
+    tensors = linear_to_tensors(p, quantize(W, s, z, args), s, z, args)
+    with pytest.raises(QuantSpecError, match="has no input_scale.*--calib"):
+        read_quantized_linear(tensors, p, scheme, 16, 32)
+    tensors[f"{p}.input_scale"] = torch.tensor([0.1])
+    with pytest.raises(QuantSpecError, match=r"weight has shape \(16, 32\), expected \(16, 48\)"):
+        read_quantized_linear(tensors, p, scheme, 16, 48)
+    tensors.pop(f"{p}.weight_scale")
+    with pytest.raises(QuantSpecError, match="weight_scale' is missing"):
+        read_quantized_linear(tensors, p, scheme, 16, 32)
+
+
+# ---------------------------------------------------------------- Triton wiring
+
+_TRITON_SCRIPT = textwrap.dedent("""
+    import torch
+    from quantspec.infer.quant_linear import KernelPath, QuantLinear
+    from quantspec.quant import preset, choose_qparams, quantize
+    from quantspec.infer.quant_linear import QuantizedLinearTensors
+    torch.manual_seed(0)
+    cases = [("weight_only_int4", 32, True, KernelPath.TRITON_W4A16),
+             ("weight_only_int4", 32, False, KernelPath.TRITON_W4A16),
+             ("weight_only_int4", -1, True, KernelPath.TRITON_W4A16),
+             ("weight_only_int8", 128, True, KernelPath.TRITON_W8A16),
+             ("a8w8", 128, True, KernelPath.TRITON_W8A8),
+             ("a8w8_fp8", 128, True, KernelPath.TRITON_FP8)]
+    N, K = 24, 64
+    for kind, g, sym, path in cases:
+        sch = preset(kind, group_size=g, symmetric=sym).config_groups["group_0"]
+        W = torch.randn(N, K) * 0.05
+        s, z = choose_qparams(W, sch.weights)
+        q = quantize(W, s, z, sch.weights)
+        ia = sch.input_activations
+        xs = choose_qparams(torch.randn(32, K), ia)[0] if ia is not None else None
+        t = QuantizedLinearTensors(q, s, None if sym else z, sch.weights, ia, xs,
+                                   bias=torch.randn(N) * 0.1)
+        layer = QuantLinear(t)
+        for M in (1, 3, 17):
+            x = torch.randn(M, K)
+            y, ref = layer.run(x, path), layer.run(x, KernelPath.DEQUANT)
+            err = float((y - ref).abs().max() / ref.abs().max())
+            assert err < 1e-5, (kind, g, sym, M, err)
+    print("OK")
+""")
+
+
+def test_triton_paths_match_reference_under_interpreter():
+    """The Triton branch of QuantLinear (argument layout for each kernel) vs the reference path,
+    run by Triton's CPU interpreter in a subprocess (TRITON_INTERPRET must be set before triton
+    is imported)."""
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True,
+                       text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("kind,g,sym", [("weight_only_int4", 128, True),
+                                        ("weight_only_int4", 64, False),
+                                        ("weight_only_int8", 128, True), ("a8w8", 128, True),
+                                        ("a8w8_fp8", 128, True)])
+@pytest.mark.parametrize("M", [1, 3, 17, 200])
+def test_cuda_quant_linear_matches_reference(kind, g, sym, M):
+    t = _make(kind, 384, 1024, group_size=g, symmetric=sym, bias=True, seed=M)
+    layer = QuantLinear(t, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(M, 1024).bfloat16()
+    y = layer(x.cuda()).cpu()
+    _check(y, _reference(t, x), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind,g", [("weight_only_int8", 128), ("weight_only_int4", 32)])
+def test_packed_ops_survive_unaligned_buffers(kind, g):
+    """Views at odd offsets (weights straight out of a safetensors buffer, a row slice of x)
+    crashed torch's int8 op; the layer re-homes them."""
+    t = _make(kind, 48, 96, group_size=g, seed=5)
+    store = torch.empty(t.q.numel() + 7, dtype=torch.int8)
+    store[7:] = t.q.reshape(-1)
+    t.q = store[7:].view(48, 96)  # data_ptr % 64 == 7
+    layer = QuantLinear(t, dtype=torch.bfloat16)
+    xb = torch.randn(5 * 96 + 3).bfloat16()
+    x = xb[3:].view(5, 96)  # data_ptr % 64 != 0
+    assert layer.kernel_for(x) in (KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK)
+    _check(layer(x), _reference(t, x), torch.bfloat16)
