@@ -110,8 +110,11 @@ class PagedKVCache:
         vf = self.v[layer].view(-1, *self.v.shape[-2:])
         ks = None if self.k_scale is None else self.k_scale[layer]
         vs = None if self.v_scale is None else self.v_scale[layer]
-        kf.index_copy_(0, slot_mapping, self._store(k, ks))
-        vf.index_copy_(0, slot_mapping, self._store(v, vs))
+        kq, vq = self._store(k, ks), self._store(v, vs)
+        if kf.dtype == torch.float8_e4m3fn:  # CPU index_copy_ has no fp8 kernel: copy the bytes
+            kf, vf, kq, vq = (t.view(torch.uint8) for t in (kf, vf, kq, vq))
+        kf.index_copy_(0, slot_mapping, kq)
+        vf.index_copy_(0, slot_mapping, vq)
 
     def gather(self, layer: int, block_tables: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """block_tables: [B, nb] block ids → k, v: [B, nb*block_size, KV, hd] in the compute dtype.

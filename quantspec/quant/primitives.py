@@ -38,6 +38,11 @@ __all__ = [
     "quantize",
     "dequantize",
     "fake_quantize",
+    "KV_KINDS",
+    "static_args",
+    "scale_from_absmax",
+    "quantize_kv",
+    "dequantize_kv",
 ]
 
 FP8_E4M3_MAX = float(torch.finfo(torch.float8_e4m3fn).max)  # 448.0
@@ -223,3 +228,92 @@ def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor
     """dequantize(quantize(x)) in one call; returns x's dtype and shape."""
     q = quantize(x, scale, zero_point, args, dtype=x.dtype if args.type == "int" else None)
     return dequantize(q, scale, zero_point, args, dtype=x.dtype)
+
+
+# ---------------------------------------------------------------------------------------------
+# static (calibrated) scales: activations and the KV cache
+# ---------------------------------------------------------------------------------------------
+#
+# Calibration stores absmax (an observer's output); the scales are derived here, on read, so the
+# same table serves int8 and fp8:
+#   int8: scale = absmax / 127.5 (compressed-tensors' symmetric rule), stored = clamp(round(x /
+#         scale), -128, 127) as int8;
+#   fp8:  scale = absmax / 448, stored = float8_e4m3fn(clamp(x / scale, ±448)).
+# KV cache: x [..., KV, hd] with one scale per KV head, scale [KV].
+
+KV_KINDS = ("int8", "fp8")
+
+
+def _require_fp8() -> None:
+    if not hasattr(torch, "float8_e4m3fn"):
+        raise QuantSpecError(f"this torch build ({torch.__version__}) has no float8_e4m3fn dtype; "
+                             "use int8 instead of fp8 or upgrade torch (>= 2.1)")
+
+
+def static_args(kind: str) -> QuantArgs:
+    """The symmetric per-tensor QuantArgs of a static "int8" | "fp8" scale."""
+    if kind not in KV_KINDS:
+        raise QuantSpecError(f"static scale kind {kind!r} unsupported; use 'int8' or 'fp8'")
+    if kind == "fp8":
+        _require_fp8()
+        return QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor")
+    return QuantArgs(num_bits=8, type="int", symmetric=True, strategy="tensor")
+
+
+def scale_from_absmax(absmax: torch.Tensor, kind: str) -> torch.Tensor:
+    """Static symmetric scale(s) of the same shape as `absmax` (float32; 0-d → [1]).
+
+    int8: absmax / 127.5; fp8: absmax / 448; an absmax of 0 gives fp32 eps (never a 0 scale).
+    Example: absmax [127.5, 0.0] int8 → [1.0, 1.1920929e-07].
+    """
+    _check_float("absmax", absmax)
+    a = absmax.detach().float()
+    if a.ndim == 0:
+        a = a.reshape(1)
+    if bool((a < 0).any()):
+        raise QuantSpecError("absmax must be >= 0; pass an observer's absmax, not a min")
+    scale, _ = qparams_from_minmax(-a, a, static_args(kind))
+    return scale
+
+
+def _check_kv(x: torch.Tensor, scale: torch.Tensor, where: str) -> None:
+    if not isinstance(scale, torch.Tensor) or scale.ndim != 1:
+        raise QuantSpecError(f"{where}: scale must be a 1-D tensor [num_kv_heads], got "
+                             f"{getattr(scale, 'shape', type(scale).__name__)}")
+    if x.ndim < 2 or x.shape[-2] != scale.shape[0]:
+        raise QuantSpecError(f"{where}: x must be [..., KV={scale.shape[0]}, head_dim], got shape "
+                             f"{tuple(x.shape)}")
+
+
+@torch.no_grad()
+def quantize_kv(x: torch.Tensor, scale: torch.Tensor, kind: str) -> torch.Tensor:
+    """K or V states x [..., KV, hd] → int8 / float8_e4m3fn codes [..., KV, hd], per-head scale [KV].
+
+    int8: clamp(round(x / scale), -128, 127); fp8: float8_e4m3fn(clamp(x / scale, ±448)); the
+    division is done in float32 (x of any float dtype).
+    """
+    args = static_args(kind)
+    _check_float("x", x)
+    _check_kv(x, scale, "quantize_kv")
+    s = scale.detach().to(x.device, torch.float32).unsqueeze(-1)  # [KV, 1]
+    return quantize(x.float(), s, None, args)
+
+
+@torch.no_grad()
+def dequantize_kv(q: torch.Tensor, scale: torch.Tensor, dtype: torch.dtype = torch.float32
+                  ) -> torch.Tensor:
+    """Codes q [..., KV, hd] (int8 or float8_e4m3fn) → q * scale [KV] per head, as `dtype`.
+
+    The product is taken in float32, then cast (so int8 → bf16 rounds once).
+    """
+    if not isinstance(q, torch.Tensor):
+        raise QuantSpecError(f"dequantize_kv: q must be a tensor, got {type(q).__name__}")
+    if q.dtype == torch.int8:
+        args = static_args("int8")
+    elif hasattr(torch, "float8_e4m3fn") and q.dtype == torch.float8_e4m3fn:
+        args = static_args("fp8")
+    else:
+        raise QuantSpecError(f"dequantize_kv: q must hold int8 or float8_e4m3fn codes, got {q.dtype}")
+    _check_kv(q, scale, "dequantize_kv")
+    s = scale.detach().to(q.device, torch.float32).unsqueeze(-1)  # [KV, 1]
+    return dequantize(q, s, None, args, dtype=dtype)

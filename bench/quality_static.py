@@ -1,0 +1,152 @@
+"""Held-out perplexity of the default model with STATIC scales: a8w8 (± SmoothQuant), a8w8_fp8,
+and a static int8 / fp8 KV cache on top of fp32 and of each, plus the calibration wall time.
+
+One `quantspec calibrate` run (its wall and CPU time are reported) feeds every row: the a8w8 /
+a8w8_fp8 artifacts are made with `api.quantize(..., calib=TABLE)` and the KV-cache rows read the
+same table's per-head K/V scales (`api.evaluate(kv_cache_dtype=..., calib=TABLE)`). Perplexity is
+measured through the inference path (`api.evaluate`) on `bench/data/heldout.txt`; Δ is relative
+to the fp32 row of the same run. `static_rows()` is importable (bench/quality.py can append its
+rows to its own table).
+
+Calibration data: `bench/data/calib.jsonl` when present, else `--calib-data pydoc` builds a
+jsonl from Python's own `pydoc_data.topics` (always installed, so the run is reproducible).
+
+    OMP_NUM_THREADS=2 python bench/quality_static.py [--rows fp32,a8w8-sq,...] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+import torch
+
+from quantspec import api
+
+HERE = Path(__file__).parent
+# name: (quant_type or None for fp32, smoothquant alpha, kv cache "int8" / "fp8" / None)
+ROWS = {
+    "fp32": (None, None, None),
+    "fp32+kv-int8": (None, None, "int8"),
+    "fp32+kv-fp8": (None, None, "fp8"),
+    "a8w8": ("a8w8", None, None),
+    "a8w8-sq": ("a8w8", 0.75, None),  # α 0.75 measured best of {0.5, 0.75, 0.9} on SmolLM2
+    "a8w8-sq+kv-int8": ("a8w8", 0.75, "int8"),
+    "a8w8-sq+kv-fp8": ("a8w8", 0.75, "fp8"),
+    "a8w8_fp8": ("a8w8_fp8", None, None),
+    "a8w8_fp8-sq": ("a8w8_fp8", 0.5, None),
+    "a8w8_fp8+kv-int8": ("a8w8_fp8", None, "int8"),
+    "a8w8_fp8+kv-fp8": ("a8w8_fp8", None, "fp8"),
+}
+TARGETS = {"a8w8-sq": 3.0, "a8w8_fp8": 2.5, "a8w8_fp8-sq": 2.5, "fp32+kv-int8": 0.5, "fp32+kv-fp8": 1.0}  # max Δ%
+
+
+def pydoc_calib_jsonl(path: Path) -> Path:
+    """Write Python's pydoc topics (≈ 110K tokens of English technical prose) as a jsonl."""
+    import pydoc_data.topics as topics
+
+    with open(path, "w") as f:
+        for _, text in sorted(topics.topics.items()):
+            f.write(json.dumps({"text": text}) + "\n")
+    return path
+
+
+def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=tuple(ROWS),
+                num_samples: int = 64, seq_len: int = 512, eval_seq_len: int = 512,
+                observer: str = "minmax", log=print) -> tuple[dict, list[dict]]:
+    """Calibrate once, then quantize + evaluate each row; returns (calibration info, rows)."""
+    table = work / "calib"
+    t0 = time.perf_counter()
+    cal = api.calibrate(model, calib_data, table, num_samples=num_samples, seq_len=seq_len,
+                        observer=observer)
+    calib_info = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": cal.meta["cpu_s"],
+                  "forward_s": cal.meta["forward_s"], "threads": cal.meta["threads"],
+                  "num_samples": num_samples, "seq_len": seq_len, "observer": observer,
+                  "data": str(calib_data)}
+    log(f"calibrated {num_samples} × {seq_len} in {calib_info['wall_s']} s wall "
+        f"({calib_info['cpu_s']} s CPU, {calib_info['threads']} threads)")
+    artifacts: dict[tuple, Path] = {}
+    out = []
+    for name in rows:
+        qt, alpha, kv = ROWS[name]
+        path, q_time = model, None
+        if qt is not None:
+            key = (qt, alpha)
+            if key not in artifacts:
+                t1 = time.perf_counter()
+                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}", calib=table,
+                                              smoothquant_alpha=alpha)
+                q_time = round(time.perf_counter() - t1, 1)
+            path = artifacts[key]
+        ev = api.evaluate(str(path), text_file=heldout, seq_len=eval_seq_len,
+                          kv_cache_dtype=kv or "auto", calib=table if kv else None)
+        out.append({"row": name, "quant_type": qt or "fp32", "smoothquant_alpha": alpha,
+                    "kv_cache": kv or "fp32", "perplexity": ev["perplexity"],
+                    "num_tokens": ev["num_tokens"], "quantize_s": q_time,
+                    "eval_s": round(ev["seconds"], 1)})
+        log(f"{name:18s} ppl {ev['perplexity']:.4f}")
+    base = next((r["perplexity"] for r in out if r["row"] == "fp32"), None)
+    for r in out:
+        r["delta_pct"] = None if base is None else round(100 * (r["perplexity"] / base - 1), 3)
+        r["target_pct"] = TARGETS.get(r["row"])
+    return calib_info, out
+
+
+def markdown(calib_info: dict, rows: list[dict]) -> str:
+    lines = ["| row | weights × activations | SmoothQuant α | KV cache | perplexity | Δ vs fp32 | target |",
+             "|---|---|---|---|---|---|---|"]
+    for r in rows:
+        d = "—" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
+        t = "" if r["target_pct"] is None else f"≤ +{r['target_pct']}%"
+        lines.append(f"| {r['row']} | {r['quant_type']} | {r['smoothquant_alpha'] or '—'} | "
+                     f"{r['kv_cache']} | {r['perplexity']:.4f} | {d} | {t} |")
+    lines.append(f"\ncalibration: {calib_info['num_samples']} × {calib_info['seq_len']} tokens, "
+                 f"observer {calib_info['observer']}, {calib_info['wall_s']} s wall / "
+                 f"{calib_info['cpu_s']} s CPU on {calib_info['threads']} thread(s); data "
+                 f"{calib_info['data']}")
+    return "\n".join(lines)
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--heldout", default=str(HERE / "data" / "heldout.txt"))
+    default_calib = HERE / "data" / "calib.jsonl"
+    p.add_argument("--calib-data", default=str(default_calib) if default_calib.exists() else "pydoc",
+                   help="calibration jsonl/txt, or 'pydoc' (Python's pydoc topics)")
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512)
+    p.add_argument("--eval-seq-len", type=int, default=512)
+    p.add_argument("--observer", default="minmax", choices=["minmax", "percentile", "mse"])
+    p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
+    p.add_argument("--threads", type=int, default=torch.get_num_threads())
+    p.add_argument("--markdown", default=None)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    torch.set_num_threads(a.threads)
+    rows = a.rows.split(",")
+    unknown = [r for r in rows if r not in ROWS]
+    if unknown:
+        p.error(f"unknown row(s) {unknown}; choose from {list(ROWS)}")
+    work = Path(tempfile.mkdtemp(prefix="quantspec-quality-static-"))
+    try:
+        data = str(pydoc_calib_jsonl(work / "pydoc.jsonl")) if a.calib_data == "pydoc" else a.calib_data
+        calib_info, out = static_rows(a.model, data, a.heldout, work, rows=rows,
+                                      num_samples=a.num_samples, seq_len=a.seq_len,
+                                      eval_seq_len=a.eval_seq_len, observer=a.observer)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    md = markdown(calib_info, out)
+    print(md)
+    if a.markdown:
+        Path(a.markdown).write_text(md + "\n")
+    if a.json:
+        Path(a.json).write_text(json.dumps({"calibration": calib_info, "rows": out}, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,285 @@
+"""`quantspec calibrate`: run a model over calibration data and write its static scale table.
+
+This file owns the calibration pass: a typed `CalibrateConfig`, the per-layer observer set
+(`LayerObservers`) and the driver (`calibrate_model` on token batches, `run_calibration` from a
+model + dataset to a table directory). Lifecycle (llm-compressor style): initialize (load model,
+tokenize, build the batch) → per decoder layer (attach observers, run the layer over every
+sample with `calib.runner.LayerRunner`, compute, drop the observers) → finalize (write the table
+with `calib.tables.write_table`).
+
+What is observed, per decoder layer i:
+- every Linear's input, via a forward pre-hook: a per-tensor observer of the chosen kind
+  (minmax / percentile / mse) → `{linear}.input_absmax` [], and a per-channel min/max observer
+  → `{linear}.input_channel_absmax` [K] (SmoothQuant needs max|X_j|). Linears that read the very
+  same tensor (q/k/v, gate/up) share one pair of observers (detected by object identity of the
+  input in the same forward), so the work is done once. With the minmax observer the per-tensor
+  absmax is the max of the per-channel one (exactly what a separate observer would return), so
+  no second pass over the activations is made;
+- the post-rotary K and V per KV head, via the attention's `kv_hook` (what the paged cache
+  stores) → `model.layers.{i}.self_attn.k_absmax` / `v_absmax` [KV], observer of the chosen kind.
+The MSE observer searches its clipping on the int8 grid (the table serves int8 and fp8).
+
+A NaN/Inf activation raises `QuantSpecError` naming the Linear (observer) or layer (runner).
+`device_map="auto"` builds the model on the meta device and streams one layer at a time from
+the checkpoint's safetensors (the checkpoint is the offload store; `offload_dir` is created and
+recorded but nothing needs to be written there).
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+from torch import nn
+
+from quantspec.calib.observers import DEFAULT_PERCENTILE, OBSERVERS, Observer, make_observer
+from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, LayerStep
+from quantspec.calib.tables import (INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, model_fingerprint,
+                                    write_table)
+from quantspec.errors import QuantSpecError
+
+__all__ = [
+    "DEVICE_MAPS",
+    "CalibrateConfig",
+    "CalibrationResult",
+    "LayerObservers",
+    "calibrate_model",
+    "run_calibration",
+]
+
+DEVICE_MAPS = (None, "cpu", "auto")
+_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+Progress = Callable[[int, int, str], None]  # (layer index, num layers, phase "start"/"done")
+
+
+def _pos_int(name: str, v) -> int:
+    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
+        raise QuantSpecError(f"{name}={v!r} must be a positive int")
+    return v
+
+
+@dataclass(frozen=True)
+class CalibrateConfig:
+    """Everything `quantspec calibrate` needs; validated when built (one line per bad field)."""
+
+    dataset: str
+    out: str
+    model: str = "smollm2-135m"
+    split: str = "train"
+    text_field: str = "text"
+    num_samples: int = 128
+    seq_len: int = 512
+    seed: int = 0
+    observer: str = "minmax"
+    percentile: float = DEFAULT_PERCENTILE
+    batch_size: int = DEFAULT_BATCH_SIZE
+    dtype: str = "float32"
+    device_map: str | None = None
+    offload_dir: str | None = None
+    overwrite: bool = False
+
+    def __post_init__(self):
+        if not self.dataset:
+            raise QuantSpecError("dataset is empty; pass --dataset FILE or a hub dataset id")
+        if not self.out:
+            raise QuantSpecError("out is empty; pass --out DIR for the calibration table")
+        if not isinstance(self.text_field, str) or not self.text_field:
+            raise QuantSpecError("text_field is empty; pass --text-field (the dataset column with "
+                                 "the text)")
+        _pos_int("num_samples", self.num_samples)
+        _pos_int("seq_len", self.seq_len)
+        _pos_int("batch_size", self.batch_size)
+        if isinstance(self.seed, bool) or not isinstance(self.seed, int):
+            raise QuantSpecError(f"seed={self.seed!r} must be an int")
+        if self.observer not in OBSERVERS:
+            raise QuantSpecError(f"observer {self.observer!r} unknown; use one of: "
+                                 f"{', '.join(OBSERVERS)}")
+        if not isinstance(self.percentile, (int, float)) or not 50.0 < float(self.percentile) <= 100.0:
+            raise QuantSpecError(f"percentile={self.percentile!r} must be in (50, 100], e.g. 99.99")
+        if self.dtype not in _DTYPES:
+            raise QuantSpecError(f"dtype {self.dtype!r} unsupported; use one of {', '.join(_DTYPES)}")
+        if self.device_map not in DEVICE_MAPS:
+            raise QuantSpecError(f"device_map {self.device_map!r} unsupported; use 'auto' (stream "
+                                 "layers from disk) or 'cpu'")
+        if self.offload_dir is not None and self.device_map != "auto":
+            raise QuantSpecError("--offload-dir needs --device-map auto")
+
+
+@dataclass
+class CalibrationResult:
+    """What `run_calibration` returns: where the table is, its metadata and timings (s)."""
+
+    path: Path
+    meta: dict
+    wall_s: float
+    forward_s: float
+
+
+class LayerObservers:
+    """Observers for one decoder layer: Linear inputs (pre-hooks) and K/V heads (kv_hook)."""
+
+    def __init__(self, layer_name: str, observer: str, percentile: float):
+        self.layer_name, self.kind, self.percentile = layer_name, observer, percentile
+        self.tensor_obs: dict[str, Observer] = {}
+        self.channel_obs: dict[str, Observer] = {}
+        self.alias: dict[str, str] = {}  # linear → linear whose (identical) input it shares
+        self.k_obs = self._make(f"{layer_name}.self_attn.k_cache", "head")
+        self.v_obs = self._make(f"{layer_name}.self_attn.v_cache", "head")
+        self._last_x: torch.Tensor | None = None
+        self._last_name: str | None = None
+
+    def _make(self, name: str, granularity: str) -> Observer:
+        kw = {"percentile": self.percentile} if self.kind == "percentile" else {}
+        return make_observer(self.kind, name=name, granularity=granularity, **kw)
+
+    def _observe(self, name: str, x: torch.Tensor) -> None:
+        if name in self.alias:
+            return
+        if x is self._last_x:  # q/k/v (gate/up) read the same tensor: observe it once
+            self.alias[name] = self._last_name
+            return
+        if name not in self.channel_obs:
+            self.channel_obs[name] = make_observer("minmax", name=name, granularity="channel")
+            if self.kind != "minmax":
+                self.tensor_obs[name] = self._make(name, "tensor")
+        self.channel_obs[name].update(x)
+        if name in self.tensor_obs:
+            self.tensor_obs[name].update(x)
+        self._last_x, self._last_name = x, name
+
+    def attach(self, layer: nn.Module) -> Callable[[], None]:
+        """Register pre-hooks on every Linear of `layer`; returns the cleanup function."""
+        handles = []
+        for sub, mod in layer.named_modules():
+            if isinstance(mod, nn.Linear):
+                full = f"{self.layer_name}.{sub}"
+                handles.append(mod.register_forward_pre_hook(
+                    lambda m, args, _n=full: self._observe(_n, args[0])))
+
+        def cleanup():
+            for h in handles:
+                h.remove()
+            self._last_x = self._last_name = None
+
+        return cleanup
+
+    def kv_hook(self, layer_idx: int, k: torch.Tensor, v: torch.Tensor) -> None:
+        """k, v: [B, S, KV, hd] post-rotary."""
+        self._last_x = None  # attention sits between the q/k/v and o_proj inputs
+        self.k_obs.update(k)
+        self.v_obs.update(v)
+
+    def compute(self) -> dict[str, torch.Tensor]:
+        """The layer's table entries (see calib/tables.py)."""
+        out: dict[str, torch.Tensor] = {}
+        for name, obs in self.channel_obs.items():
+            ch = obs.compute().absmax.float()  # [K]
+            out[f"{name}.{INPUT_CHANNEL_ABSMAX}"] = ch
+            t = self.tensor_obs[name].compute().absmax if name in self.tensor_obs else ch.amax()
+            out[f"{name}.{INPUT_ABSMAX}"] = t.float().reshape(())
+        for name, src in self.alias.items():
+            for suffix in (INPUT_CHANNEL_ABSMAX, INPUT_ABSMAX):
+                out[f"{name}.{suffix}"] = out[f"{src}.{suffix}"].clone()
+        if self.k_obs.num_updates == 0:
+            raise QuantSpecError(f"{self.layer_name}: attention never ran (no K/V observed); the "
+                                 "model's attention does not call the backend")
+        out[f"{self.layer_name}.self_attn.k_absmax"] = self.k_obs.compute().absmax.float()  # [KV]
+        out[f"{self.layer_name}.self_attn.v_absmax"] = self.v_obs.compute().absmax.float()
+        return out
+
+
+def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
+                    percentile: float = DEFAULT_PERCENTILE, batch_size: int = DEFAULT_BATCH_SIZE,
+                    weights_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+                    progress: Progress | None = None) -> dict[str, torch.Tensor]:
+    """Observe `model` (a `Transformer`) on input_ids [n, S] layer by layer → table tensors."""
+    if observer not in OBSERVERS:
+        raise QuantSpecError(f"observer {observer!r} unknown; use one of: {', '.join(OBSERVERS)}")
+    tensors: dict[str, torch.Tensor] = {}
+    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights_dir=weights_dir,
+                         dtype=dtype, progress=progress)
+    with torch.no_grad():
+        for step in runner:
+            obs = LayerObservers(step.name, observer, percentile)
+            cleanup = obs.attach(step.layer)
+            try:
+                step.forward(obs.kv_hook)
+            finally:
+                cleanup()
+            tensors.update(obs.compute())
+    return tensors
+
+
+def _load_for_calibration(model: str, dtype: torch.dtype, device_map: str | None):
+    """(Transformer, model_dir, weights_dir or None) — on meta for device_map="auto"."""
+    from quantspec.model_zoo.checkpoint import (build_model, load_model, read_config,
+                                                resolve_model_dir)
+    from quantspec.model_zoo.llama import ModelArgs
+
+    model_dir = resolve_model_dir(model)
+    cfg = read_config(model_dir)
+    if cfg.get("quantization_config"):
+        raise QuantSpecError(f"{model_dir} is a quantized artifact; calibrate the original "
+                             "(unquantized) model it was made from")
+    if device_map == "auto":
+        return build_model(ModelArgs.from_hf_config(cfg), "meta"), model_dir, model_dir
+    net, model_dir = load_model(model_dir, dtype=dtype)
+    return net, model_dir, None
+
+
+def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
+                    on_status: Callable[[str], None] | None = None) -> CalibrationResult:
+    """Model + dataset → table directory `config.out` (see the module docstring)."""
+    from transformers import AutoTokenizer
+
+    from quantspec import __version__
+    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+
+    t0, cpu0 = time.perf_counter(), time.process_time()
+    say = on_status or (lambda msg: None)
+    out = Path(config.out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.overwrite:
+        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or pass "
+                             "--overwrite")
+    if config.offload_dir is not None:
+        Path(config.offload_dir).mkdir(parents=True, exist_ok=True)
+    say("reading the dataset")
+    texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
+    say("loading the model")
+    dtype = _DTYPES[config.dtype]
+    net, model_dir, weights_dir = _load_for_calibration(config.model, dtype, config.device_map)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    except Exception as e:  # no tokenizer files: one line
+        raise QuantSpecError(f"could not load the tokenizer of {model_dir} ({type(e).__name__}); "
+                             "the model directory needs its tokenizer files") from None
+    batches = build_calibration_batches(texts, tokenizer, config.num_samples, config.seq_len,
+                                        seed=config.seed)  # [num_samples, seq_len]
+    fingerprint = model_fingerprint(model_dir)
+    say(f"calibrating on {config.num_samples} × {config.seq_len} tokens")
+    t1 = time.perf_counter()
+    tensors = calibrate_model(net, batches, observer=config.observer, percentile=config.percentile,
+                              batch_size=config.batch_size, weights_dir=weights_dir, dtype=dtype,
+                              progress=progress)
+    forward_s = time.perf_counter() - t1
+    local = Path(config.dataset).expanduser()
+    meta = {
+        **{k: v for k, v in asdict(config).items() if k not in ("out", "overwrite")},
+        "dataset_path": str(local.resolve()) if local.exists() else None,
+        "model_dir": str(model_dir),
+        "model_fingerprint": fingerprint,
+        "num_layers": net.args.num_layers,
+        "num_kv_heads": net.args.num_kv_heads,
+        "quantspec_version": __version__,
+        "torch_version": torch.__version__,
+        "threads": torch.get_num_threads(),
+        "forward_s": round(forward_s, 3),
+        "cpu_s": round(time.process_time() - cpu0, 3),
+    }
+    meta["wall_s"] = round(time.perf_counter() - t0, 3)
+    path = write_table(out, tensors, meta, overwrite=config.overwrite)
+    return CalibrationResult(path=path, meta=meta, wall_s=meta["wall_s"], forward_s=forward_s)

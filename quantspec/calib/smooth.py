@@ -1,0 +1,158 @@
+"""SmoothQuant on a model from a calibration table, and the static input scales a8w8 uses.
+
+This file owns the model-level side of SmoothQuant (Xiao et al. 2022, arXiv:2211.10438; the
+per-tensor math — s = max|X|^α / max|W|^(1-α), folding into a norm / Linear — is in
+`quant/smoothquant.py`) and the mapping "table + model (+ smoothing) → static input scale per
+Linear" that `calib/ptq.py::quantize_model(..., input_scales=...)` consumes.
+
+Smoothing groups per decoder layer (where X / s folds exactly into a preceding op):
+    input_layernorm          → self_attn.q_proj, k_proj, v_proj   (γ / s)
+    post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s)
+    mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
+The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
+output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
+by s_j (the pairing AWQ / llm-compressor use for `up_proj → down_proj`). It matters on real
+models: SmolLM2's down_proj inputs carry "massive activations" (absmax ≈ 3.6e3 against a median
+channel max of ≈ 2.5), which no per-tensor static int8 scale survives. o_proj (after attention)
+is not smoothed and keeps its plain static scale.
+
+After smoothing, a smoothed Linear sees X / s, whose per-channel absmax is the table's
+`input_channel_absmax / s` (exact: dividing a channel by a positive constant divides its max by
+it). Its per-tensor absmax is therefore max_j(channel_absmax_j / s_j), exact for the minmax
+observer. For the percentile / mse observers (whose per-tensor value clips below the max) the
+same clipping ratio is kept: absmax_smoothed = max_j(c_j / s_j) · (input_absmax / max_j c_j).
+Scales are then derived by `quant.primitives.scale_from_absmax` (int8: /127.5, fp8: /448).
+
+KV scales are unaffected by smoothing (the keys and values are the same function of the input).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Mapping
+
+import torch
+from torch import nn
+
+from quantspec.calib.tables import ScaleTable, read_table
+from quantspec.errors import QuantSpecError
+from quantspec.quant.primitives import scale_from_absmax
+from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smooth_norm_linears,
+                                         smoothquant_scales, weight_input_absmax)
+
+__all__ = [
+    "SMOOTH_GROUPS",
+    "smooth_model",
+    "smoothed_input_absmax",
+    "input_scales_for_model",
+    "prepare_static_quant",
+]
+
+# (norm attribute of a decoder layer, the Linears that read its output)
+SMOOTH_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
+    ("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")),
+    ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
+)
+_KINDS = {"a8w8": "int8", "a8w8_fp8": "fp8"}
+
+
+def _layers(model) -> nn.ModuleList:
+    try:
+        return model.model.layers
+    except AttributeError:
+        raise QuantSpecError(f"smoothing needs a quantspec Transformer, got {type(model).__name__}") from None
+
+
+@torch.no_grad()
+def smooth_model(model, table: ScaleTable, alpha: float = 0.5, *, smooth_down: bool = True
+                 ) -> dict[str, torch.Tensor]:
+    """Apply SmoothQuant in place; returns {linear name: s [K]} for every smoothed Linear.
+
+    The model computes the same function afterwards (up to float rounding): each norm's γ (and,
+    with `smooth_down`, each up_proj's output row) is divided by s and the Linears reading it
+    have their input columns multiplied by s.
+    """
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise QuantSpecError(f"smoothquant alpha={alpha!r} must be in [0, 1] (e.g. 0.5)")
+    factors: dict[str, torch.Tensor] = {}
+    for i, layer in enumerate(_layers(model)):
+        prefix = f"model.layers.{i}"
+        for norm_name, lin_names in SMOOTH_GROUPS:
+            norm = getattr(layer, norm_name)
+            linears = [layer.get_submodule(n) for n in lin_names]
+            names = [f"{prefix}.{n}" for n in lin_names]
+            act = table.input_channel_absmax(names[0])  # [K]; all read the same tensor
+            if act.shape != norm.weight.shape:
+                raise QuantSpecError(f"{names[0]}: table has {tuple(act.shape)} channels but the "
+                                     f"model has {tuple(norm.weight.shape)}; wrong table")
+            new_norm, new_ws, s = smooth_norm_linears(norm.weight, [m.weight for m in linears],
+                                                      act.to(norm.weight.device), float(alpha))
+            norm.weight.copy_(new_norm)
+            for m, w in zip(linears, new_ws):
+                m.weight.copy_(w)
+            for n in names:
+                factors[n] = s.detach().cpu().float()
+        if smooth_down:
+            up, down = layer.mlp.up_proj, layer.mlp.down_proj
+            name = f"{prefix}.mlp.down_proj"
+            act = table.input_channel_absmax(name).to(down.weight.device)  # [I]
+            s = smoothquant_scales(act, weight_input_absmax(down.weight), float(alpha))  # [I]
+            down.weight.copy_(fold_into_linear(down.weight, s))
+            # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
+            ct = torch.promote_types(up.weight.dtype, torch.float32)
+            up.weight.copy_((up.weight.to(ct) / s.to(ct)[:, None]).to(up.weight.dtype))
+            if up.bias is not None:
+                up.bias.copy_(fold_into_norm(up.bias, s)[0])
+            factors[name] = s.detach().cpu().float()
+    return factors
+
+
+def smoothed_input_absmax(table: ScaleTable, linear: str, s: torch.Tensor | None) -> torch.Tensor:
+    """The per-tensor absmax (0-d) of `linear`'s input after dividing it by s [K] (or as is)."""
+    absmax = table.input_absmax(linear).float().reshape(())
+    if s is None:
+        return absmax
+    ch = table.input_channel_absmax(linear).float()  # [K]
+    if s.shape != ch.shape:
+        raise QuantSpecError(f"{linear}: smoothing factor has shape {tuple(s.shape)}, the table "
+                             f"{tuple(ch.shape)}")
+    ch_max = ch.amax()
+    clip = absmax / ch_max if float(ch_max) > 0 else torch.ones(())  # observer's clipping ratio
+    return (ch / s.float()).amax() * clip
+
+
+def input_scales_for_model(table: ScaleTable, model, quant_type: str,
+                           smooth: Mapping[str, torch.Tensor] | None = None
+                           ) -> dict[str, torch.Tensor]:
+    """{linear name: static input scale [1] float32} for every decoder Linear of `model`.
+
+    quant_type "a8w8" → int8 scales (absmax / 127.5), "a8w8_fp8" → fp8 (absmax / 448).
+    `smooth` is `smooth_model`'s return value when SmoothQuant was applied (see module docstring).
+    """
+    qt = getattr(quant_type, "value", quant_type)
+    if qt not in _KINDS:
+        raise QuantSpecError(f"static input scales are for a8w8 / a8w8_fp8, not {qt!r}")
+    kind = _KINDS[qt]
+    table.check_model(model)
+    smooth = smooth or {}
+    out = {}
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
+            out[name] = scale_from_absmax(smoothed_input_absmax(table, name, smooth.get(name)), kind)
+    return out
+
+
+def prepare_static_quant(model, calib: str | os.PathLike, model_dir: str | os.PathLike,
+                         quant_type: str, smoothquant_alpha: float | None = None
+                         ) -> tuple[dict[str, torch.Tensor], ScaleTable]:
+    """One call for `api.quantize` with a8w8 / a8w8_fp8: read `calib` (checked against the model's
+    fingerprint and layers), smooth `model` in place when `smoothquant_alpha` is given, and
+    return (input scales per Linear, the table)."""
+    qt = getattr(quant_type, "value", quant_type)
+    if calib is None:
+        raise QuantSpecError(f"{qt} needs static activation scales: run `quantspec calibrate` and "
+                             "pass --calib DIR")
+    table = read_table(calib, model_dir=model_dir)
+    table.check_model(model)
+    factors = smooth_model(model, table, smoothquant_alpha) if smoothquant_alpha is not None else None
+    return input_scales_for_model(table, model, qt, smooth=factors), table

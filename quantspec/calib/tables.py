@@ -1,0 +1,362 @@
+"""The calibration table on disk: `scales.safetensors` + `calibration.json`, and model fingerprints.
+
+This file owns the format that `quantspec calibrate` writes and that `quantize` (a8w8, a8w8_fp8,
+SmoothQuant), `infer` and `eval` (static int8/fp8 KV cache) read. A table stores what the
+observers measured (absmax, float32), never scales: scales are derived on read through
+`quant.primitives.scale_from_absmax`, so one table serves int8 and fp8.
+
+`scales.safetensors` tensors (all float32):
+- `model.layers.{i}.self_attn.q_proj.input_absmax`          []   per-tensor, from the observer
+  (minmax / percentile / mse) — one per Linear of every decoder layer;
+- `model.layers.{i}.self_attn.q_proj.input_channel_absmax`  [K]  per input channel, always
+  min/max (SmoothQuant's max|X_j|);
+- `model.layers.{i}.self_attn.k_absmax` / `v_absmax`         [KV] per KV head, over the
+  post-rotary keys / values the paged cache stores (the observer's choice).
+
+`calibration.json`: format version, dataset, split, text_field, num_samples, seq_len, seed,
+observer, percentile, batch_size, model (as given), model fingerprint, num_layers,
+num_kv_heads, quantspec version, wall time (s).
+
+A model fingerprint is `"<arch>-<weights>"`: 16 hex digits of a sha256 over config.json's
+architecture fields and 16 of a sha256 over the bytes of a few small weight tensors (every 1-D
+tensor — norms, biases — plus layer 0's `k_proj.weight`), so two models of the same shape but
+different weights differ. A quantized artifact's weights are not the ones calibrated, so its
+fingerprint is the source model's, read from the artifact's `quantspec.json` provenance
+(`model_fingerprint`); an artifact without it is matched on the architecture part only.
+
+Tables are written atomically (temporary directory beside the target, renamed into place).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import shutil
+import tempfile
+import warnings
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any, Iterable, Mapping
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.primitives import scale_from_absmax
+
+__all__ = [
+    "TABLE_FORMAT_VERSION",
+    "SCALES_NAME",
+    "META_NAME",
+    "INPUT_ABSMAX",
+    "INPUT_CHANNEL_ABSMAX",
+    "ScaleTable",
+    "model_fingerprint",
+    "write_table",
+    "read_table",
+]
+
+TABLE_FORMAT_VERSION = 1
+SCALES_NAME = "scales.safetensors"
+META_NAME = "calibration.json"
+INPUT_ABSMAX = "input_absmax"
+INPUT_CHANNEL_ABSMAX = "input_channel_absmax"
+_K_ABSMAX, _V_ABSMAX = "k_absmax", "v_absmax"
+_RUN_CALIBRATE = "run `quantspec calibrate --model M --dataset D --out DIR` first"
+# config.json fields that define the architecture (and so the table's names and shapes)
+_ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
+                "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias")
+
+
+def _layer_attn(i: int) -> str:
+    return f"model.layers.{i}.self_attn"
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprints
+
+
+def _sha16(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _arch_hash(cfg: Mapping[str, Any]) -> str:
+    arch = {k: cfg.get(k) for k in _ARCH_FIELDS}
+    return _sha16(json.dumps(arch, sort_keys=True, default=str).encode())
+
+
+def _weights_hash(model_dir: Path) -> str:
+    from safetensors import safe_open
+
+    from quantspec.model_zoo.checkpoint import safetensors_files
+
+    h = hashlib.sha256()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                sl = st.get_slice(name)
+                shape = sl.get_shape()
+                if len(shape) == 1 or name == "model.layers.0.self_attn.k_proj.weight":
+                    t = st.get_tensor(name).contiguous()
+                    h.update(name.encode())
+                    h.update(str(t.dtype).encode())
+                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """`"<arch16>-<weights16>"` for a HF model directory (see the module docstring).
+
+    For a quantized artifact: the source model's fingerprint from its provenance if recorded,
+    else `"<arch16>-"` (architecture only).
+    """
+    from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir
+
+    d = resolve_model_dir(model_dir)
+    cfg = read_config(d)
+    if cfg.get("quantization_config"):
+        prov = d / "quantspec.json"
+        if prov.is_file():
+            try:
+                meta = json.loads(prov.read_text())
+            except json.JSONDecodeError:
+                meta = {}
+            fp = (meta.get("provenance") or {}).get("model_fingerprint") or \
+                meta.get("model_fingerprint")
+            if isinstance(fp, str) and fp:
+                return fp
+        return f"{_arch_hash(cfg)}-"
+    return f"{_arch_hash(cfg)}-{_weights_hash(d)}"
+
+
+def _fingerprints_match(table_fp: str, model_fp: str) -> bool:
+    t_arch, _, t_w = table_fp.partition("-")
+    m_arch, _, m_w = model_fp.partition("-")
+    if t_arch != m_arch:
+        return False
+    return not t_w or not m_w or t_w == m_w  # an artifact without provenance: arch only
+
+
+# ---------------------------------------------------------------------------------------------
+# the table
+
+
+@dataclass
+class ScaleTable:
+    """A calibration table in memory: the absmax tensors and the metadata (module docstring)."""
+
+    tensors: dict[str, torch.Tensor]
+    meta: dict[str, Any] = field(default_factory=dict)
+    path: Path | None = None
+
+    # ---- what is in it ---------------------------------------------------------------------
+    @property
+    def num_layers(self) -> int:
+        """Number of decoder layers with K/V entries (layers 0..n-1 must all be present)."""
+        n = 0
+        while f"{_layer_attn(n)}.{_K_ABSMAX}" in self.tensors:
+            n += 1
+        return n
+
+    @property
+    def linear_names(self) -> list[str]:
+        """Every Linear with a per-tensor input absmax, sorted."""
+        suffix = "." + INPUT_ABSMAX
+        return sorted(k[: -len(suffix)] for k in self.tensors if k.endswith(suffix))
+
+    def _where(self) -> str:
+        return f"calibration table {self.path}" if self.path else "calibration table"
+
+    def _get(self, key: str, what: str) -> torch.Tensor:
+        t = self.tensors.get(key)
+        if t is None:
+            raise QuantSpecError(f"{self._where()} has no {what} ({key!r}); it was calibrated for "
+                                 f"another model — re-run quantspec calibrate for this one")
+        return t
+
+    # ---- absmax ------------------------------------------------------------------------------
+    def input_absmax(self, linear: str) -> torch.Tensor:
+        """The per-tensor absmax of `linear`'s input (0-d float32)."""
+        return self._get(f"{linear}.{INPUT_ABSMAX}", f"input absmax for {linear}")
+
+    def input_channel_absmax(self, linear: str) -> torch.Tensor:
+        """max |X_j| per input channel of `linear`: [K] float32 (for SmoothQuant)."""
+        return self._get(f"{linear}.{INPUT_CHANNEL_ABSMAX}", f"per-channel input absmax for {linear}")
+
+    def kv_absmax(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_absmax, v_absmax): [L, KV] float32, layers 0..L-1."""
+        L = self.num_layers
+        if L == 0:
+            raise QuantSpecError(f"{self._where()} has no K/V entries; {_RUN_CALIBRATE}")
+        k = torch.stack([self.tensors[f"{_layer_attn(i)}.{_K_ABSMAX}"] for i in range(L)])
+        v = torch.stack([self._get(f"{_layer_attn(i)}.{_V_ABSMAX}", f"layer {i} V absmax")
+                         for i in range(L)])
+        return k, v  # [L, KV]
+
+    # ---- scales (derived on read) --------------------------------------------------------------
+    def input_scale(self, linear: str, kind: str) -> torch.Tensor:
+        """Static per-tensor input scale [1] for "int8" (absmax / 127.5) or "fp8" (absmax / 448)."""
+        return scale_from_absmax(self.input_absmax(linear), kind)
+
+    def kv_scales(self, kind: str) -> tuple[torch.Tensor, torch.Tensor]:
+        """(k_scale, v_scale): [L, KV] float32 for an "int8" | "fp8" KV cache."""
+        k, v = self.kv_absmax()
+        return scale_from_absmax(k, kind), scale_from_absmax(v, kind)
+
+    def kv_artifact_tensors(self, kind: str) -> dict[str, torch.Tensor]:
+        """compressed-tensors KV tensors for an artifact: `{attn}.k_scale` / `.v_scale` [KV, 1, 1]
+        (strategy attn_head), matching `quant.args.preset(..., kv_cache=kind)`."""
+        from quantspec.quant.artifact import kv_scale_tensors
+
+        k, v = self.kv_scales(kind)
+        out: dict[str, torch.Tensor] = {}
+        for i in range(k.shape[0]):
+            out.update(kv_scale_tensors(_layer_attn(i), k[i], v[i]))
+        return out
+
+    # ---- checks ------------------------------------------------------------------------------
+    def check_layers(self, num_layers: int, num_kv_heads: int | None = None,
+                     linear_names: Iterable[str] | None = None) -> None:
+        """Raise one line if the table lacks a layer / Linear the model has or has other shapes."""
+        have = self.num_layers
+        if have < num_layers:
+            raise QuantSpecError(
+                f"{self._where()} has scales for {have} layer(s) but the model has {num_layers} "
+                f"(model.layers.{have} is missing); re-run quantspec calibrate for this model")
+        if num_kv_heads is not None:
+            k, _ = self.kv_absmax()
+            if k.shape[1] != num_kv_heads:
+                raise QuantSpecError(
+                    f"{self._where()} has {k.shape[1]} KV heads per layer but the model has "
+                    f"{num_kv_heads}; it was calibrated for another model — re-run quantspec calibrate")
+        if linear_names is not None:
+            have_lin = set(self.linear_names)
+            missing = [n for n in linear_names if n not in have_lin]
+            if missing:
+                raise QuantSpecError(
+                    f"{self._where()} has no input scale for {missing[0]}"
+                    f"{f' (+{len(missing) - 1} more)' if len(missing) > 1 else ''}; re-run "
+                    "quantspec calibrate for this model")
+
+    def check_model(self, model) -> None:
+        """Check against a `Transformer`: every layer's K/V heads and every decoder Linear."""
+        names = [n for n, m in model.named_modules()
+                 if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")]
+        self.check_layers(model.args.num_layers, model.args.num_kv_heads, names)
+
+
+# ---------------------------------------------------------------------------------------------
+# I/O
+
+
+def write_table(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+                meta: Mapping[str, Any], *, overwrite: bool = False) -> Path:
+    """Write `scales.safetensors` + `calibration.json` into `out` atomically; returns the path.
+
+    An existing non-empty `out` is refused unless `overwrite`; on error `out` is left untouched.
+    """
+    from safetensors.torch import save_file
+
+    out = Path(out)
+    if out.exists() and not out.is_dir():
+        raise QuantSpecError(f"{out} exists and is not a directory; choose another --out")
+    if out.is_dir() and any(out.iterdir()) and not overwrite:
+        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or pass "
+                             "--overwrite")
+    clean = {}
+    for k, t in tensors.items():
+        if not isinstance(t, torch.Tensor) or not t.is_floating_point():
+            raise QuantSpecError(f"table entry {k!r} must be a float tensor")
+        if not torch.isfinite(t).all():
+            raise QuantSpecError(f"table entry {k!r} holds NaN/Inf; calibration went wrong")
+        clean[k] = t.detach().to("cpu", torch.float32).contiguous()
+    out.parent.mkdir(parents=True, exist_ok=True)
+    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
+    try:
+        save_file(clean, str(tmp / SCALES_NAME), metadata={"format": "quantspec-calib"})
+        full_meta = {"format_version": TABLE_FORMAT_VERSION, **dict(meta)}
+        (tmp / META_NAME).write_text(json.dumps(full_meta, indent=2, default=str))
+        if out.exists():
+            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+            os.rename(out, old / "d")
+            try:
+                os.rename(tmp, out)
+            except BaseException:
+                os.rename(old / "d", out)
+                raise
+            shutil.rmtree(old, ignore_errors=True)
+        else:
+            os.rename(tmp, out)
+    except BaseException:
+        shutil.rmtree(tmp, ignore_errors=True)
+        raise
+    return out
+
+
+def read_table(path: str | os.PathLike, *, expect_fingerprint: str | None = None,
+               model_dir: str | os.PathLike | None = None, expect_layers: int | None = None,
+               expect_kv_heads: int | None = None) -> ScaleTable:
+    """Read a table written by `quantspec calibrate`, with one-line errors.
+
+    `expect_fingerprint`: refuse a table from another model (both fingerprints named).
+    `model_dir`: shorthand for the model's fingerprint + its config's layer / KV-head counts.
+    `expect_layers` / `expect_kv_heads`: refuse a table missing a layer the model has.
+    """
+    from safetensors import SafetensorError
+    from safetensors.torch import load_file
+
+    if path is None:
+        raise QuantSpecError(f"no calibration table given; {_RUN_CALIBRATE} and pass --calib DIR")
+    p = Path(path).expanduser()
+    if not p.exists():
+        raise QuantSpecError(f"calibration table {p} does not exist; {_RUN_CALIBRATE}")
+    if not p.is_dir():
+        raise QuantSpecError(f"calibration table {p} is a file; pass the directory that "
+                             f"`quantspec calibrate --out` wrote")
+    for name in (SCALES_NAME, META_NAME):
+        if not (p / name).is_file():
+            raise QuantSpecError(f"calibration table {p} has no {name}; {_RUN_CALIBRATE}")
+    try:
+        meta = json.loads((p / META_NAME).read_text())
+    except json.JSONDecodeError as e:
+        raise QuantSpecError(f"{p / META_NAME} is not valid JSON (line {e.lineno}); re-run "
+                             "quantspec calibrate") from None
+    if not isinstance(meta, dict):
+        raise QuantSpecError(f"{p / META_NAME} is not a JSON object; re-run quantspec calibrate")
+    version = meta.get("format_version")
+    if version != TABLE_FORMAT_VERSION:
+        raise QuantSpecError(f"calibration table {p} has format version {version!r}, this quantspec "
+                             f"reads {TABLE_FORMAT_VERSION}; re-run quantspec calibrate")
+    try:
+        tensors = load_file(str(p / SCALES_NAME))
+    except (SafetensorError, OSError, RuntimeError) as e:
+        reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
+        raise QuantSpecError(f"{p / SCALES_NAME} is truncated or corrupt ({reason}); re-run "
+                             "quantspec calibrate") from None
+    table = ScaleTable(tensors=tensors, meta=meta, path=p)
+
+    if model_dir is not None:
+        from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir
+
+        d = resolve_model_dir(model_dir)
+        cfg = read_config(d)
+        expect_fingerprint = expect_fingerprint or model_fingerprint(d)
+        if expect_layers is None:
+            expect_layers = cfg.get("num_hidden_layers")
+        if expect_kv_heads is None:
+            expect_kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if expect_fingerprint is not None:
+        have = meta.get("model_fingerprint")
+        if not isinstance(have, str) or not _fingerprints_match(have, expect_fingerprint):
+            raise QuantSpecError(
+                f"calibration table {p} was made for model {meta.get('model', '?')!r} (fingerprint "
+                f"{have}) but this model's fingerprint is {expect_fingerprint}; calibrate this model "
+                "(quantspec calibrate --model ...) and pass its table")
+        if expect_fingerprint.endswith("-") and have.partition("-")[2]:
+            warnings.warn(f"{model_dir or 'the model'} records no source fingerprint; the table {p} "
+                          "is matched on the architecture only", stacklevel=2)
+    if expect_layers is not None:
+        table.check_layers(int(expect_layers), expect_kv_heads)
+    return table

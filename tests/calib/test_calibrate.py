@@ -1,0 +1,147 @@
+"""The calibration pass: tables vs an independent full-model reference, bad input, the CLI."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantspec.calib.calibrate import CalibrateConfig, calibrate_model, run_calibration
+from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+from quantspec.calib.tables import model_fingerprint, read_table
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.model_zoo.tiny import TINY_CORPUS
+
+torch.set_num_threads(1)
+N, S = 4, 32
+
+
+@pytest.fixture(scope="module")
+def calib_file(tmp_path_factory):
+    p = tmp_path_factory.mktemp("data") / "calib.jsonl"
+    docs = [d for d in TINY_CORPUS.split("\n") if d.strip()]
+    p.write_text("\n".join(json.dumps({"text": d, "id": i}) for i, d in enumerate(docs)))
+    return p
+
+
+def _batches(model_dir, calib_file, seed=0):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    return build_calibration_batches(load_calibration_texts(str(calib_file)), tok, N, S, seed=seed)
+
+
+def reference_absmax(model, ids):
+    """Whole-model forward in one batch, plain hooks: absmax per Linear input / channel / KV head."""
+    chan, kv = {}, {}
+    hooks = []
+    for name, m in model.named_modules():
+        if isinstance(m, torch.nn.Linear) and name.startswith("model.layers."):
+            def pre(mod, args, _n=name):
+                a = args[0].abs().reshape(-1, args[0].shape[-1]).amax(dim=0)
+                chan[_n] = a if _n not in chan else torch.maximum(chan[_n], a)
+            hooks.append(m.register_forward_pre_hook(pre))
+
+    def kv_hook(i, k, v):
+        kv[i] = (k.abs().amax(dim=(0, 1, 3)), v.abs().amax(dim=(0, 1, 3)))
+
+    n, s = ids.shape
+    with torch.no_grad():
+        model(ids.reshape(-1), torch.arange(s).repeat(n), DenseCausalAttention(n, s, kv_hook))
+    for h in hooks:
+        h.remove()
+    return chan, kv
+
+
+def test_minmax_table_matches_reference(tmp_path, tiny_llama_dir, calib_file):
+    r = run_calibration(CalibrateConfig(dataset=str(calib_file), out=str(tmp_path / "t"),
+                                        model=str(tiny_llama_dir), num_samples=N, seq_len=S,
+                                        batch_size=3))
+    table = read_table(r.path, model_dir=tiny_llama_dir)
+    assert table.meta["model_fingerprint"] == model_fingerprint(tiny_llama_dir)
+    assert table.meta["num_samples"] == N and table.meta["observer"] == "minmax"
+    model, _ = load_model(tiny_llama_dir)
+    chan, kv = reference_absmax(model, _batches(tiny_llama_dir, calib_file))
+    assert set(table.linear_names) == set(chan)
+    for name, a in chan.items():
+        torch.testing.assert_close(table.input_channel_absmax(name), a, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(table.input_absmax(name), a.amax(), rtol=1e-5, atol=1e-6)
+    k, v = table.kv_absmax()
+    for i, (ka, va) in kv.items():
+        torch.testing.assert_close(k[i], ka, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(v[i], va, rtol=1e-5, atol=1e-6)
+
+
+def test_streamed_layers_equal_in_memory(tiny_qwen2_dir, calib_file, tmp_path):
+    base = CalibrateConfig(dataset=str(calib_file), out=str(tmp_path / "a"),
+                           model=str(tiny_qwen2_dir), num_samples=N, seq_len=S)
+    a = read_table(run_calibration(base).path)
+    b = read_table(run_calibration(CalibrateConfig(**{**base.__dict__, "out": str(tmp_path / "b"),
+                                                      "device_map": "auto",
+                                                      "offload_dir": str(tmp_path / "off")})).path)
+    assert set(a.tensors) == set(b.tensors)
+    for key in a.tensors:
+        torch.testing.assert_close(a.tensors[key], b.tensors[key], rtol=1e-6, atol=0)
+
+
+@pytest.mark.parametrize("observer", ["percentile", "mse"])
+def test_clipping_observers_stay_below_max(observer, tiny_llama_dir, calib_file):
+    model, _ = load_model(tiny_llama_dir)
+    ids = _batches(tiny_llama_dir, calib_file)
+    mm = calibrate_model(model, ids, observer="minmax")
+    clip = calibrate_model(model, ids, observer=observer, percentile=99.0)
+    assert set(mm) == set(clip)
+    for key in mm:
+        if key.endswith("channel_absmax"):  # always min/max (SmoothQuant)
+            assert torch.equal(mm[key], clip[key])
+        else:
+            assert (clip[key] <= mm[key] + 1e-6).all() and (clip[key] > 0).all()
+    assert any((clip[k] < 0.99 * mm[k]).any() for k in mm if k.endswith("input_absmax"))
+
+
+def test_nan_activation_names_the_layer(tiny_llama_dir, calib_file):
+    model, _ = load_model(tiny_llama_dir)
+    with torch.no_grad():
+        model.model.layers[1].post_attention_layernorm.weight[3] = float("nan")
+    with pytest.raises(QuantSpecError, match=r"model\.layers\.1\.mlp\.gate_proj.*NaN"):
+        calibrate_model(model, _batches(tiny_llama_dir, calib_file))
+
+
+def test_bad_data(tmp_path, tiny_llama_dir, calib_file):
+    cfg = dict(model=str(tiny_llama_dir), out=str(tmp_path / "t"), seq_len=S)
+    with pytest.raises(QuantSpecError, match=r"only \d+ samples of seq_len 32, but num_samples=100000"):
+        run_calibration(CalibrateConfig(dataset=str(calib_file), num_samples=100000, **cfg))
+    with pytest.raises(QuantSpecError, match="no field 'body'; fields are: text, id"):
+        run_calibration(CalibrateConfig(dataset=str(calib_file), text_field="body", num_samples=2, **cfg))
+    empty = tmp_path / "empty.jsonl"
+    empty.write_text("")
+    with pytest.raises(QuantSpecError, match="is empty"):
+        run_calibration(CalibrateConfig(dataset=str(empty), num_samples=2, **cfg))
+    blank = tmp_path / "blank.jsonl"
+    blank.write_text('{"text": "  "}\n{"text": ""}\n')
+    with pytest.raises(QuantSpecError, match="only blank texts"):
+        run_calibration(CalibrateConfig(dataset=str(blank), num_samples=2, **cfg))
+    assert not (tmp_path / "t").exists()  # nothing partial was written
+    with pytest.raises(QuantSpecError, match="observer 'max' unknown"):
+        CalibrateConfig(dataset="x", out="y", observer="max")
+    with pytest.raises(QuantSpecError, match="--offload-dir needs --device-map auto"):
+        CalibrateConfig(dataset="x", out="y", offload_dir="z")
+
+
+def test_cli_calibrate(tmp_path, tiny_llama_dir, calib_file):
+    from quantspec.cli import main
+
+    out = tmp_path / "t"
+    args = ["calibrate", "--model", str(tiny_llama_dir), "--dataset", str(calib_file),
+            "--num-samples", "2", "--seq-len", "16", "--observer", "percentile",
+            "--percentile", "99.9", "--out", str(out)]
+    res = CliRunner().invoke(main, args)
+    assert res.exit_code == 0, res.output
+    table = read_table(out, model_dir=tiny_llama_dir)
+    assert table.meta["observer"] == "percentile" and table.meta["percentile"] == 99.9
+    assert table.meta["seq_len"] == 16 and table.num_layers == 2
+    bad = CliRunner().invoke(main, args[:-1] + [str(tmp_path / "u"), "--text-field", "body"])
+    assert bad.exit_code == 2
+    assert "no field 'body'" in bad.output and "Traceback" not in bad.output
