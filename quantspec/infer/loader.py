@@ -269,6 +269,12 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         raise QuantSpecError("device 'cuda' requested but CUDA is not available; use --device cpu")
     model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
+    from quantspec.model_zoo.mtp import is_mtp_config
+
+    if is_mtp_config(cfg):
+        raise QuantSpecError(
+            f"{model_dir} is an MTP module, not a model; pass it as --draft-model with --speculate-method mtp"
+        )
     args = ModelArgs.from_hf_config(cfg)
     qc_dict = cfg.get("quantization_config")
     k_scale = v_scale = None

@@ -1,0 +1,182 @@
+"""`speculate_method = mtp`: drafts from a DeepSeek-V3-style MTP module (`model_zoo/mtp.py`).
+
+The engine keeps, for each decoding sequence, the base's pre-norm hidden state at the position
+that produced its newest token (`seq.last_hidden`, because this proposer sets `needs_hidden`).
+That pair (h_i, t_{i+1}) is exactly the MTP's input, so a step drafts, batched over sequences:
+
+    h, t = last_hidden, tokens[-1]
+    for j in 1..k:  h = mtp(h, t);  t = pick(mtp.draft_logits(h))       # chained drafts
+
+pick = argmax for greedy requests (draft probs None: deterministic drafts), or a draw from
+q = logits_to_probs(draft logits, the request's temperature / top-k / top-p) for sampling
+requests, returned as the draft probs so the verifier's rejection sampling stays lossless.
+Recompute-free: the MTP block's attention is window-1 (see `model_zoo/mtp.py`), so it keeps no
+KV cache and there is nothing to roll back when drafts are rejected — the next step starts from
+the base's fresh hidden state. How many drafts a sequence gets is the back-off policy of
+`spec/proposers.py` (`AdaptiveDraftLength`), with the MTP's cost per draft in the cost model.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.sampler import logits_to_probs, sample, sampling_tensors
+from quantspec.model_zoo.checkpoint import read_config
+from quantspec.model_zoo.llama import Transformer
+from quantspec.model_zoo.mtp import MTPArgs, MTPModule, check_mtp_matches_base, is_mtp_config, load_mtp
+
+__all__ = ["MTPProposer", "build_mtp_proposer", "load_mtp_for_inference", "mtp_draft_cost"]
+
+# per-draft Python/launch overhead on top of the weight cost, in base decode steps (CPU, batch 1)
+_DRAFT_OVERHEAD = 0.02
+
+
+def mtp_draft_cost(mtp: MTPModule, base: Transformer) -> float:
+    """One draft's cost in base decode steps: a decode step of either model on a CPU is bound by
+    reading its weights, so the ratio of the weights touched per token (+ a fixed overhead)."""
+    mtp_params = sum(t.numel() for t in [*mtp.model.parameters(), *mtp.model.buffers()]) + mtp._shared["head"].numel()
+    base_params = sum(p.numel() for n, p in base.named_parameters() if "embed_tokens" not in n)
+    if base.args.tie_word_embeddings:
+        base_params += base.lm_head.weight.numel()
+    return mtp_params / max(1, base_params) + _DRAFT_OVERHEAD
+
+
+def load_mtp_for_inference(path: str | Path, base: Transformer, *, dtype: torch.dtype | None = None,
+                           device: str | torch.device | None = None) -> MTPModule:
+    """Load an MTP artifact for `base` (checked to match it) and bind it to the base."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").exists():
+        raise QuantSpecError(f"--draft-model {path} has no config.json; pass a directory from `quantspec zoo train-mtp`")
+    cfg = read_config(path)
+    if not is_mtp_config(cfg):
+        raise QuantSpecError(
+            f"--draft-model {path} is not an MTP module (architectures {cfg.get('architectures')}); "
+            f"use --speculate-method draft for a draft model, or train one with `quantspec zoo train-mtp`"
+        )
+    check_mtp_matches_base(MTPArgs.from_config(cfg, str(path)), base.args, where=f"MTP module {path}")
+    dtype = dtype or base.model.norm.weight.dtype
+    device = device or base.model.norm.weight.device
+    if cfg.get("quantization_config"):
+        return _load_quantized_mtp(path, cfg, dtype, device).bind_base(base)
+    return load_mtp(path, base, dtype=dtype, device=device)
+
+
+def _load_quantized_mtp(path: Path, cfg: dict, dtype: torch.dtype, device) -> MTPModule:
+    """A compressed-tensors MTP artifact (e.g. `quantspec quantize --model MTP_DIR`): built on
+    meta, each targeted Linear replaced by a `QuantLinear` from its tensors (the same reader as
+    the base's loader), the float tensors (norms, draft vocabulary) loaded with `assign=True`."""
+    from torch import nn
+
+    from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.model_zoo.checkpoint import check_against_table, load_checkpoint_tensors
+    from quantspec.model_zoo.mtp import DRAFT_VOCAB_NAME, mtp_weight_table
+    from quantspec.quant.args import QuantConfig
+
+    where = str(path)
+    qc = QuantConfig.from_dict(cfg["quantization_config"])
+    args = MTPArgs.from_config(cfg, where)
+    with torch.device("meta"):
+        mtp = MTPModule(args)
+    quantized = {}
+    for name, mod in mtp.named_modules():
+        if isinstance(mod, nn.Linear):
+            scheme = qc.scheme_for(name, ("Linear",))
+            if scheme is not None and scheme.weights is not None:
+                quantized[name] = scheme
+    tensors = load_checkpoint_tensors(path)
+    table = mtp_weight_table(args)
+    for name in quantized:
+        table.pop(f"{name}.weight")
+    check_against_table(tensors, table, where)
+    for name, scheme in quantized.items():
+        lin = mtp.get_submodule(name)
+        mtp.set_submodule(name, QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
+                                                         dtype=dtype, device=device))
+    q_biases = {f"{name}.bias" for name in quantized}
+    state = {k: (tensors[k] if k == DRAFT_VOCAB_NAME else tensors[k].to(dtype)).to(device)
+             for k in table if k not in q_biases}
+    mtp.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, p in list(mtp.named_parameters()) + list(mtp.named_buffers()) if p.is_meta]
+    if left:
+        raise QuantSpecError(f"{where}: tensors missing for {left[0]}; the artifact is incomplete")
+    return mtp.eval()
+
+
+class MTPProposer:
+    """Chained MTP drafts for a batch of sequences (module docstring).
+
+    max_draft_tokens: `speculate_max_draft_token_num`; `policy` (an `AdaptiveDraftLength`)
+    picks k per sequence, None always asks for min(max_draft_tokens, budget).
+    """
+
+    needs_hidden = True
+
+    def __init__(self, mtp: MTPModule, max_draft_tokens: int = 5, *, policy=None):
+        if not mtp._shared:
+            raise QuantSpecError("the MTP module is not bound to its base; call mtp.bind_base(base) first")
+        self.mtp, self.max_draft_tokens, self.policy = mtp, int(max_draft_tokens), policy
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        ks = [(self.policy.num_drafts(s, b) if self.policy is not None else min(self.max_draft_tokens, b))
+              for s, b in zip(seqs, budgets)]
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[list[torch.Tensor] | None] = [None for _ in seqs]
+        live = [i for i, (s, k) in enumerate(zip(seqs, ks)) if k > 0 and s.last_hidden is not None]
+        if not live:
+            return drafts, [None] * len(seqs)
+        mtp = self.mtp
+        dev, dtype = mtp.model.norm.weight.device, mtp.model.norm.weight.dtype
+        h = torch.stack([seqs[i].last_hidden for i in live]).to(dev, dtype)  # [A, D]
+        tok = torch.tensor([seqs[i].tokens[-1] for i in live], dtype=torch.int64, device=dev)  # [A]
+        for i in live:
+            if not seqs[i].params.is_greedy:
+                probs[i] = []
+        for j in range(max(ks[i] for i in live)):
+            h = mtp(h, tok)  # [A, D]
+            logits = mtp.draft_logits(h)  # [A, Vd]
+            nxt = mtp.draft_vocab_ids[logits.argmax(dim=-1)]  # [A] greedy picks (full-vocab ids)
+            samp = [r for r, i in enumerate(live) if probs[i] is not None]
+            if samp:
+                rows = torch.tensor(samp, device=dev)
+                params = [seqs[live[r]].params for r in samp]
+                full = mtp.full_logits(h[rows])  # [S, V], -inf outside the draft vocabulary
+                temp, top_k, top_p = sampling_tensors(params, dev)
+                q = logits_to_probs(full, temp, top_k, top_p)  # [S, V]
+                nxt[rows] = sample(q, [seqs[live[r]].generator for r in samp])
+                for n, r in enumerate(samp):
+                    probs[live[r]].append(q[n])
+            picked = nxt.tolist()
+            for r, i in enumerate(live):
+                drafts[i].append(picked[r])
+            keep = [r for r, i in enumerate(live) if ks[i] > j + 1]
+            if not keep:
+                break
+            if len(keep) < len(live):
+                idx = torch.tensor(keep, device=dev)
+                h, nxt = h[idx], nxt[idx]
+                live = [live[r] for r in keep]
+            tok = nxt
+        return drafts, [None if p is None else torch.stack(p) for p in probs]
+
+    def release(self, seq) -> None:
+        if self.policy is not None:
+            self.policy.forget(seq)
+
+
+def build_mtp_proposer(config, loaded) -> tuple[MTPProposer, int]:
+    """`--speculate-method mtp --draft-model DIR`: load the MTP artifact for the base in `loaded`
+    (a `LoadedModel`) and wrap it with the back-off policy. → (proposer, max drafts per step)."""
+    from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
+
+    if not config.draft_model:
+        raise QuantSpecError("--speculate-method mtp needs --draft-model DIR (an MTP module from `quantspec zoo train-mtp`)")
+    base = loaded.model
+    mtp = load_mtp_for_inference(config.draft_model, base)
+    k = int(config.speculate_max_draft_token_num)
+    device = base.model.norm.weight.device
+    policy = AdaptiveDraftLength(k, SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base)))
+    return MTPProposer(mtp, k, policy=policy), k

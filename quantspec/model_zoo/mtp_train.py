@@ -1,0 +1,311 @@
+"""The MTP training recipe: a frozen base, its hidden states as features, one trained block.
+
+Model-free of data loading and generation (those live in `quantspec.api.train_mtp`, which is
+allowed to import `calib/` and `infer/`): this file takes token sequences — optionally with
+the base's hidden states already captured — and trains an `MTPModule`.
+
+Words:
+- position i of a sequence t_0..t_{L-1}: the base's pre-norm hidden h_i (it produced t_{i+1}).
+- depth-1 example: (h_i, t_{i+1}) → target t*_{i+2}; depth-2 example: (MTP hidden of depth 1,
+  t_{i+2}) → t*_{i+3}, the chained draft the proposer makes for its second token.
+- self-distillation (`self_distill=True`): t*_{j+1} is the base's own greedy choice at position j
+  (argmax of its logits), not the text's token: acceptance is measured against the base's
+  choices, so that is what the MTP should predict. On the base's own greedy generations the two
+  coincide.
+
+Because the block's attention is window-1 (see `mtp.py`), every position is an independent
+example: features are flattened to rows and each step trains on `batch_tokens` random rows
+(drawn from a generator seeded by (seed, step), so a resumed run sees exactly the rows the
+uninterrupted run would have). Loss = CE over the draft vocabulary (targets outside it are
+ignored) at depth 1 + `chain_weight` × CE at depth 2. AdamW, linear warm-up then cosine decay,
+all a function of the step (nothing else to resume). Every `save_every` steps the artifact
+(config.json + model.safetensors) and `train_state.pt` (weights, optimizer, step, losses) are
+replaced atomically in the output directory; `resume=True` continues from `train_state.pt`.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import tempfile
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
+from quantspec.model_zoo.mtp import MTPArgs, MTPModule, save_mtp
+
+__all__ = [
+    "CHAT_PROMPTS",
+    "IGNORE",
+    "MTPFeatures",
+    "MTPTrainConfig",
+    "STATE_NAME",
+    "choose_draft_vocab",
+    "features_from_hidden",
+    "extract_features",
+    "init_mtp",
+    "train_mtp",
+]
+
+STATE_NAME = "train_state.pt"
+IGNORE = -100  # CE ignore_index: no target (sequence end, or outside the draft vocabulary)
+
+
+@dataclass
+class MTPTrainConfig:
+    steps: int = 300
+    batch_tokens: int = 512  # examples (positions) per step
+    lr: float = 1e-3
+    weight_decay: float = 0.0
+    warmup_frac: float = 0.05
+    min_lr_frac: float = 0.1
+    chain_weight: float = 0.5  # weight of the depth-2 (chained draft) loss
+    save_every: int = 100
+    seed: int = 0
+    draft_vocab_size: int = 4096
+
+    def __post_init__(self):
+        for name in ("steps", "batch_tokens", "save_every", "draft_vocab_size"):
+            v = getattr(self, name)
+            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
+                raise QuantSpecError(f"{name}={v!r} must be a positive int")
+        if not self.lr > 0:
+            raise QuantSpecError(f"lr={self.lr} must be > 0 (e.g. 1e-3)")
+
+    def lr_at(self, step: int) -> float:
+        warm = max(1, int(self.warmup_frac * self.steps))
+        if step < warm:
+            return self.lr * (step + 1) / warm
+        t = (step - warm) / max(1, self.steps - warm)
+        return self.lr * (self.min_lr_frac + (1 - self.min_lr_frac) * 0.5 * (1 + math.cos(math.pi * t)))
+
+
+@dataclass
+class MTPFeatures:
+    """Flattened training rows. hidden: [N, D] (bf16 to halve memory); in1, tgt1, in2, tgt2: [N]
+    int64 (tgt* = IGNORE where absent)."""
+
+    hidden: torch.Tensor
+    in1: torch.Tensor
+    tgt1: torch.Tensor
+    in2: torch.Tensor
+    tgt2: torch.Tensor
+
+    def __len__(self) -> int:
+        return self.hidden.shape[0]
+
+    @staticmethod
+    def cat(parts: list["MTPFeatures"]) -> "MTPFeatures":
+        parts = [p for p in parts if len(p)]
+        if not parts:
+            raise QuantSpecError("no training positions: give sequences of at least 2 tokens")
+        return MTPFeatures(*(torch.cat([getattr(p, f) for p in parts]) for f in ("hidden", "in1", "tgt1", "in2", "tgt2")))
+
+
+def features_from_hidden(tokens: torch.Tensor, hidden: torch.Tensor, next_pred: torch.Tensor | None) -> MTPFeatures:
+    """One sequence → rows. tokens: [L]; hidden: [L-1, D] (h_0..h_{L-2}); next_pred: [L-1] the
+    base's greedy choice after each position (self-distillation targets) or None (text targets).
+
+    Row i (0 ≤ i ≤ L-2): in1 = t_{i+1}, tgt1 = pred_{i+1} (or t_{i+2}); in2 = t_{i+2},
+    tgt2 = pred_{i+2} (or t_{i+3}); missing entries are IGNORE.
+    """
+    L = tokens.shape[0]
+    assert tokens.ndim == 1 and hidden.shape[0] == L - 1, (tokens.shape, hidden.shape)
+    if L < 2:
+        return MTPFeatures(hidden[:0].to(torch.bfloat16), *(torch.zeros(0, dtype=torch.int64) for _ in range(4)))
+    if next_pred is None:
+        nxt = tokens[1:]  # [L-1] token after position j
+    else:
+        assert next_pred.shape == (L - 1,)
+        nxt = next_pred
+    pad = torch.full((2,), IGNORE, dtype=torch.int64)
+    nxt = torch.cat([nxt.long(), pad])  # [L+1]
+    toks = torch.cat([tokens.long(), pad])  # [L+2]
+    i = torch.arange(L - 1)
+    in2 = toks[i + 2].clamp(min=0)  # [L-1]; padded where tgt2 is IGNORE
+    return MTPFeatures(hidden.to(torch.bfloat16), toks[i + 1], nxt[i + 1], in2, nxt[i + 2])
+
+
+@torch.no_grad()
+def extract_features(base: Transformer, sequences: list[torch.Tensor] | torch.Tensor, *, self_distill: bool = True,
+                     max_batch_tokens: int = 2048) -> MTPFeatures:
+    """Run the frozen base over token sequences (a [B, S] tensor or a list of [L] tensors) and
+    return the training rows. Equal-length sequences are batched up to `max_batch_tokens`."""
+    if isinstance(sequences, torch.Tensor):
+        assert sequences.ndim == 2
+        sequences = list(sequences)
+    groups: dict[int, list[torch.Tensor]] = {}
+    for s in sequences:
+        if s.numel() >= 3:
+            groups.setdefault(int(s.numel()), []).append(s.long())
+    parts = []
+    for L, seqs in groups.items():
+        per = max(1, max_batch_tokens // L)
+        for start in range(0, len(seqs), per):
+            chunk = torch.stack(seqs[start:start + per])  # [B, L]
+            B = chunk.shape[0]
+            pos = torch.arange(L).repeat(B)
+            hidden = base(chunk.reshape(-1).to(base.model.norm.weight.device), pos.to(base.model.norm.weight.device),
+                          DenseCausalAttention(B, L)).view(B, L, -1)  # [B, L, D]
+            preds = None
+            if self_distill:
+                preds = base.compute_logits(hidden[:, :-1].reshape(B * (L - 1), -1)).argmax(-1).view(B, L - 1).cpu()
+            for b in range(B):
+                parts.append(features_from_hidden(chunk[b], hidden[b, :-1].cpu(), None if preds is None else preds[b]))
+    return MTPFeatures.cat(parts)
+
+
+def choose_draft_vocab(features: MTPFeatures, size: int, vocab_size: int, always: list[int] = ()) -> torch.Tensor:
+    """The `size` most frequent targets (depth 1 and 2) plus `always` (e.g. eos), sorted: [Vd]."""
+    t = torch.cat([features.tgt1, features.tgt2])
+    counts = torch.bincount(t[t >= 0], minlength=vocab_size).double()  # [V]
+    counts[list(always)] = float("inf")
+    size = min(size, vocab_size)
+    return counts.topk(size).indices.sort().values.to(torch.int64)
+
+
+@torch.no_grad()
+def init_mtp(base: Transformer, draft_vocab: torch.Tensor, seed: int = 0) -> MTPModule:
+    """A fresh MTP for `base`: the block starts as a copy of the base's last decoder layer and the
+    final norm as the base's (a head that already reads the base's residual stream), eh_proj
+    random (uniform, fan-in scaled, from `seed`), so training starts from "predict with the base's
+    last layer" rather than from noise. Same arguments → same weights."""
+    args = MTPArgs.for_base(base.args, int(draft_vocab.numel()))
+    mtp = MTPModule(args).to(base.model.norm.weight.device, base.model.norm.weight.dtype)
+    w = mtp.model.eh_proj.weight  # [D, 2D]
+    bound = 1.0 / math.sqrt(w.shape[1])
+    g = torch.Generator().manual_seed(seed)
+    w.copy_(torch.empty(w.shape).uniform_(-bound, bound, generator=g))
+    mtp.model.layers[0].load_state_dict(base.model.layers[-1].state_dict())
+    mtp.model.norm.weight.copy_(base.model.norm.weight)
+    mtp.set_draft_vocab(draft_vocab)
+    return mtp.bind_base(base)
+
+
+def _atomic_torch_save(obj, path: Path) -> None:
+    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
+    os.close(fd)
+    try:
+        torch.save(obj, tmp)
+        os.replace(tmp, path)
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
+
+
+def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor, chain_weight: float):
+    """Depth-1 and depth-2 CE on rows `idx` (targets mapped into the draft vocabulary by `lut`)."""
+    dev = mtp.model.norm.weight.device
+    h = f.hidden[idx].to(dev, mtp.model.norm.weight.dtype)  # [N, D]
+    t1, t2 = lut[f.tgt1[idx].clamp(min=0)], lut[f.tgt2[idx].clamp(min=0)]  # [N] draft-vocab targets
+    t1 = torch.where(f.tgt1[idx] < 0, IGNORE, t1).to(dev)
+    t2 = torch.where(f.tgt2[idx] < 0, IGNORE, t2).to(dev)
+    m1 = mtp(h, f.in1[idx].to(dev))  # [N, D]
+    loss1 = F.cross_entropy(mtp.draft_logits(m1), t1, ignore_index=IGNORE)
+    if chain_weight > 0:
+        m2 = mtp(m1, f.in2[idx].to(dev))
+        loss2 = F.cross_entropy(mtp.draft_logits(m2), t2, ignore_index=IGNORE)
+    else:
+        loss2 = torch.zeros((), device=dev)
+    return loss1, loss2
+
+
+def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out_dir: str | os.PathLike, *,
+              resume: bool = False, extra_config: dict | None = None,
+              on_step: Callable[[int, int, float], None] | None = None) -> dict:
+    """Train `mtp` (bound to its frozen base) on `features`; checkpoints into `out_dir`.
+
+    Returns {"steps", "start_step", "loss_first", "loss_last", "losses"} (losses: one mean depth-1
+    loss per step of this run). `on_step(step, total, loss)` reports progress.
+    """
+    out = Path(out_dir)
+    state_path = out / STATE_NAME
+    if state_path.exists() and not resume:
+        raise QuantSpecError(
+            f"{out} already holds a training checkpoint ({STATE_NAME}); pass --resume to continue it or "
+            f"choose another --out"
+        )
+    out.mkdir(parents=True, exist_ok=True)
+    params = [p for p in mtp.model.parameters()]
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+    start, history = 0, []
+    if resume and state_path.exists():
+        state = torch.load(state_path, map_location="cpu", weights_only=False)
+        if not torch.equal(state["draft_vocab_ids"], mtp.draft_vocab_ids.cpu()):
+            raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
+                                 f"resume with the same --dataset/--seq-len/--self-distill options")
+        mtp.model.load_state_dict(state["model"])
+        opt.load_state_dict(state["optimizer"])
+        start, history = int(state["step"]), list(state["losses"])
+    if start >= config.steps:
+        return {"steps": config.steps, "start_step": start, "loss_first": None, "loss_last": None, "losses": []}
+
+    V = mtp.args.block.vocab_size
+    lut = torch.full((V,), IGNORE, dtype=torch.int64)  # full id → draft-vocab index
+    lut[mtp.draft_vocab_ids.cpu()] = torch.arange(mtp.args.draft_vocab_size)
+    N = len(features)
+    mtp.train()
+
+    def save(step: int) -> None:
+        save_mtp(mtp, out, {"quantspec_training": {**(extra_config or {}), "step": step, **asdict(config)}})
+        _atomic_torch_save({"step": step, "model": mtp.model.state_dict(), "optimizer": opt.state_dict(),
+                            "draft_vocab_ids": mtp.draft_vocab_ids.cpu(), "losses": history,
+                            "config": asdict(config)}, state_path)
+
+    run_losses = []
+    for step in range(start, config.steps):
+        g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
+        idx = torch.randint(N, (config.batch_tokens,), generator=g)  # rows, with replacement
+        for group in opt.param_groups:
+            group["lr"] = config.lr_at(step)
+        loss1, loss2 = _losses(mtp, features, idx, lut, config.chain_weight)
+        loss = loss1 + config.chain_weight * loss2
+        opt.zero_grad(set_to_none=True)
+        loss.backward()
+        torch.nn.utils.clip_grad_norm_(params, 1.0)
+        opt.step()
+        l1 = float(loss1.detach())
+        history.append(l1)
+        run_losses.append(l1)
+        if on_step is not None:
+            on_step(step + 1, config.steps, l1)
+        if (step + 1) % config.save_every == 0 or step + 1 == config.steps:
+            save(step + 1)
+    mtp.eval()
+    return {"steps": config.steps, "start_step": start, "loss_first": run_losses[0], "loss_last": run_losses[-1],
+            "losses": run_losses}
+
+
+# Varied chat instructions for self-distillation (the base answers them; the MTP learns its
+# answers). Evaluation prompts must come from elsewhere (see tests / bench).
+_TASKS = [
+    "Explain {t} to a ten-year-old.", "Write a short poem about {t}.", "Give three tips about {t}.",
+    "What are the pros and cons of {t}?", "Summarize the history of {t} in a few sentences.",
+    "Write a friendly email inviting a colleague to talk about {t}.", "List five facts about {t}.",
+    "How would you teach a beginner about {t}?", "Describe a typical day involving {t}.",
+    "What common mistakes do people make with {t}?",
+]
+_TOPICS = [
+    "photosynthesis", "the water cycle", "saving money", "learning a new language", "healthy breakfast",
+    "black holes", "climate change", "the Roman Empire", "machine learning", "gardening", "time management",
+    "the French Revolution", "volcanoes", "electric cars", "meditation", "writing a resume", "chess",
+    "recycling", "the human heart", "python programming", "baking bread", "public speaking", "the moon",
+    "job interviews", "honeybees", "the internet", "first aid", "running a marathon", "ancient Egypt",
+    "renewable energy", "sleep", "friendship", "the stock market", "dinosaurs", "coffee",
+]
+CHAT_PROMPTS = [_TASKS[(i * 7 + j) % len(_TASKS)].format(t=t) for i, t in enumerate(_TOPICS) for j in range(6)]
+CHAT_PROMPTS += [
+    "What is the capital of Australia?", "How do I reverse a list in Python?", "Translate 'good morning' into Spanish.",
+    "Write a haiku about autumn.", "What is 15% of 240?", "Suggest a name for a pet turtle.",
+    "Why is the sky blue?", "How do vaccines work?", "Write a SQL query that counts rows in a table.",
+    "What should I pack for a weekend camping trip?", "Tell me a short story about a robot who learns to paint.",
+    "How do I make a cup of tea?", "What is the difference between weather and climate?",
+    "Give me a recipe for pancakes.", "How can I improve my handwriting?", "Explain what a prime number is.",
+    "Write a limerick about a cat.", "What are the planets in our solar system?",
+    "Write a function in JavaScript that adds two numbers.", "How do I change a flat tire?",
+]

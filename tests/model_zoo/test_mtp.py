@@ -1,0 +1,196 @@
+"""The MTP module (artifact round trip, refusing another base) and its training recipe (loss goes
+down, resume continues exactly), on the tiny Llama."""
+
+import json
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.model_zoo.mtp import (MTP_ARCHITECTURE, MTPArgs, is_mtp_config, load_mtp, mtp_weight_table,
+                                     save_mtp)
+from quantspec.model_zoo.mtp_train import (IGNORE, STATE_NAME, MTPTrainConfig, choose_draft_vocab,
+                                           extract_features, features_from_hidden, init_mtp, train_mtp)
+from quantspec.model_zoo.tiny import TINY_CORPUS, build_tiny_model, build_tiny_tokenizer
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir):
+    model, _ = load_model(tiny_llama_dir)
+    return model
+
+
+@pytest.fixture(scope="module")
+def corpus_ids():
+    tok = build_tiny_tokenizer()
+    ids = tok(TINY_CORPUS, add_special_tokens=False).input_ids
+    return torch.tensor(ids[: 8 * 48]).view(8, 48)  # [B, S]
+
+
+def _random_vocab(n, size, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randperm(n, generator=g)[:size].sort().values
+
+
+def test_features_from_hidden_rows():
+    tokens = torch.tensor([10, 11, 12, 13])
+    hidden = torch.arange(3 * 2, dtype=torch.float32).view(3, 2)
+    text = features_from_hidden(tokens, hidden, None)
+    assert text.in1.tolist() == [11, 12, 13]
+    assert text.tgt1.tolist() == [12, 13, IGNORE]
+    assert text.in2.tolist()[:2] == [12, 13] and text.tgt2.tolist() == [13, IGNORE, IGNORE]
+    distill = features_from_hidden(tokens, hidden, torch.tensor([20, 21, 22]))  # base's choices
+    assert distill.tgt1.tolist() == [21, 22, IGNORE] and distill.tgt2.tolist() == [22, IGNORE, IGNORE]
+
+
+def test_save_load_round_trip(base, tmp_path):
+    mtp = init_mtp(base, _random_vocab(base.args.vocab_size, 100))
+    with torch.no_grad():
+        for p in mtp.model.parameters():
+            p.add_(0.01 * torch.randn_like(p))
+    save_mtp(mtp, tmp_path)
+    cfg = json.loads((tmp_path / "config.json").read_text())
+    assert cfg["architectures"] == [MTP_ARCHITECTURE] and is_mtp_config(cfg)
+    assert cfg["mtp_base"]["hidden_size"] == base.args.hidden_size and cfg["num_hidden_layers"] == 1
+    loaded = load_mtp(tmp_path, base)
+    assert set(loaded.state_dict()) == set(mtp_weight_table(loaded.args))
+    assert torch.equal(loaded.draft_vocab_ids, mtp.draft_vocab_ids)
+    h = torch.randn(5, base.args.hidden_size)
+    t = torch.tensor([3, 7, 100, 200, 511])
+    with torch.no_grad():
+        a, b = mtp(h, t), loaded(h, t)
+        assert torch.equal(a, b)
+        assert torch.equal(mtp.draft_logits(a), loaded.draft_logits(b))
+        full = loaded.full_logits(b)  # [N, V], -inf outside the draft vocabulary
+    assert full.shape == (5, base.args.vocab_size)
+    assert torch.isfinite(full).sum(-1).tolist() == [100] * 5
+    assert torch.equal(full[:, loaded.draft_vocab_ids], loaded.draft_logits(b))
+
+
+def test_config_round_trip_keeps_block_args(base):
+    args = MTPArgs.for_base(base.args, 64)
+    back = MTPArgs.from_config(args.to_config())
+    for f in ("hidden_size", "intermediate_size", "num_heads", "num_kv_heads", "head_dim", "vocab_size", "qkv_bias"):
+        assert getattr(back.block, f) == getattr(args.block, f), f
+    assert back.base_fingerprint == args.base_fingerprint and back.draft_vocab_size == 64
+
+
+@pytest.mark.parametrize("change, words", [
+    ({"hidden": 32, "heads": 2, "kv_heads": 1}, "hidden size"),
+    ({"vocab_pad_to": 100}, "vocab size"),
+    ({"num_layers": 3}, "another base"),
+])
+def test_mtp_for_another_base_is_refused(base, tmp_path, change, words):
+    mtp_dir = tmp_path / "mtp"
+    save_mtp(init_mtp(base, _random_vocab(base.args.vocab_size, 50)), mtp_dir)
+    other, _ = load_model(build_tiny_model(tmp_path / "other", "llama", **change))
+    with pytest.raises(QuantSpecError, match=words):
+        load_mtp(mtp_dir, other)
+    load_mtp(mtp_dir)  # without a base it loads (e.g. to quantize it)
+
+
+def test_non_mtp_directory_is_refused(tiny_llama_dir):
+    with pytest.raises(QuantSpecError, match="not an MTP module"):
+        load_mtp(tiny_llama_dir)
+
+
+def test_training_lowers_loss(base, corpus_ids):
+    feats = extract_features(base, corpus_ids, self_distill=True)
+    assert len(feats) == corpus_ids.shape[0] * (corpus_ids.shape[1] - 1)
+    vocab = choose_draft_vocab(feats, 10_000, base.args.vocab_size)
+    mtp = init_mtp(base, vocab)
+    cfg = MTPTrainConfig(steps=40, batch_tokens=128, lr=3e-3, save_every=40)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        res = train_mtp(mtp, feats, cfg, d)
+    losses = res["losses"]
+    assert len(losses) == 40
+    assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
+
+
+def test_resume_continues_exactly(base, corpus_ids, tmp_path):
+    feats = extract_features(base, corpus_ids[:4], self_distill=False)
+    vocab = choose_draft_vocab(feats, 200, base.args.vocab_size)
+    cfg = MTPTrainConfig(steps=6, batch_tokens=64, lr=1e-3, save_every=3)
+
+    straight = init_mtp(base, vocab)
+    train_mtp(straight, feats, cfg, tmp_path / "a")
+
+    class Interrupted(Exception):
+        pass
+
+    def stop_after_3(step, total, loss):
+        if step == 4:
+            raise Interrupted
+
+    first = init_mtp(base, vocab)
+    with pytest.raises(Interrupted):
+        train_mtp(first, feats, cfg, tmp_path / "b", on_step=stop_after_3)
+    assert torch.load(tmp_path / "b" / STATE_NAME, weights_only=False)["step"] == 3
+    with pytest.raises(QuantSpecError, match="--resume"):
+        train_mtp(init_mtp(base, vocab), feats, cfg, tmp_path / "b")
+    resumed = init_mtp(base, vocab)
+    res = train_mtp(resumed, feats, cfg, tmp_path / "b", resume=True)
+    assert res["start_step"] == 3 and len(res["losses"]) == 3
+    for (n, a), (_, b) in zip(straight.model.state_dict().items(), resumed.model.state_dict().items()):
+        assert torch.equal(a, b), n
+    # the artifact on disk is the final state
+    again = load_mtp(tmp_path / "b", base)
+    assert torch.equal(again.model.eh_proj.weight, straight.model.eh_proj.weight)
+
+
+def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
+    from quantspec import api
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("\n".join(json.dumps({"body": p}) for p in TINY_CORPUS.split("\n\n")))
+    kw = dict(text_field="body", steps=4, seq_len=32, batch_size=2, num_samples=8, save_every=2,
+              chat_prompts=["Tell me about the sea.", "What is two plus two?"], max_new_tokens=12)
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", **kw)
+    assert res["steps"] == 4 and res["chat_prompts"] == 2 and res["positions"] > 8 * 31
+    cfg = json.loads((tmp_path / "mtp" / "config.json").read_text())
+    assert cfg["quantspec_training"]["step"] == 4 and cfg["quantspec_training"]["self_distill"] is True
+    with pytest.raises(QuantSpecError, match="--resume"):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", **kw)
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", resume=True, **{**kw, "steps": 6})
+    assert res["start_step"] == 4 and res["steps"] == 6
+    with pytest.raises(QuantSpecError, match="text_field|fields are"):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp2", **{**kw, "text_field": "nope"})
+
+
+def test_dense_and_engine_hidden_agree(base):
+    """The hidden states the api captures during generation are the ones a dense forward gives."""
+    from quantspec.api import _generate_with_hidden
+
+    tok = build_tiny_tokenizer()
+    (tokens, hidden), = _generate_with_hidden(base, tok, ["Tell me a story."], max_new_tokens=10, batch_size=2)
+    L = tokens.numel()
+    with torch.no_grad():
+        dense = base(tokens, torch.arange(L), DenseCausalAttention(1, L))[:-1]
+    assert hidden.shape == dense.shape
+    torch.testing.assert_close(hidden.float(), dense, atol=0.05, rtol=0.02)  # hidden kept in bf16
+
+
+def test_cli_train_mtp(tiny_llama_dir, tmp_path):
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("\n".join(json.dumps({"text": p}) for p in TINY_CORPUS.split("\n\n")))
+    args = ["zoo", "train-mtp", "--model", str(tiny_llama_dir), "--dataset", str(data), "--steps", "2",
+            "--seq-len", "16", "--batch-size", "1", "--num-samples", "4", "--no-self-distill",
+            "--out", str(tmp_path / "mtp")]
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 0, r.output
+    assert (tmp_path / "mtp" / "model.safetensors").exists() and (tmp_path / "mtp" / STATE_NAME).exists()
+    r = CliRunner().invoke(main, args)
+    assert r.exit_code == 2 and "--resume" in r.output and "Traceback" not in r.output
+    r = CliRunner().invoke(main, args + ["--resume", "--steps", "3"])
+    assert r.exit_code == 0, r.output
+    assert json.loads((tmp_path / "mtp" / "config.json").read_text())["quantspec_training"]["step"] == 3
