@@ -297,6 +297,10 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         net.setup_rope(args.max_position_embeddings, device)
         net.eval()
     tok = _load_tokenizer(model_dir) if tokenizer else None
+    if device.type == "cpu":
+        from quantspec.infer.dense_linear import use_skinny_linears
+
+        use_skinny_linears(net)  # float linears (all of a float model; the head of an artifact)
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
                        quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
                        kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),
