@@ -1,0 +1,136 @@
+"""Speculative decoding on the default model: tokens/s with and without each method, acceptance,
+acceptance per draft position, mean accepted length, and an equality check of the outputs against
+plain greedy decoding of the same engine; one run, same machine, batch 1.
+
+    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts 6] [--quant weight_only_int8,weight_only_int4]
+
+Methods (rows), each on the code-editing prompts (the answer mostly repeats the prompt) and the
+chat prompts of `bench/data/spec_prompts.jsonl`:
+- plain:             no speculation (the baseline of every ratio);
+- ngram:             `inference_with_reference` with the back-off policy;
+- draft fp32 (self): the base model drafting for itself with the back-off OFF: an upper bound on
+                     acceptance (100%), not a speed-up (the draft costs as much as the base);
+- draft <quant>:     the quantized artifact of the same model (built with `quantspec.api.quantize`,
+                     RTN, cached) drafting for the fp32 model, with the back-off (its draft cost
+                     measured at start-up), and again with the back-off off (acceptance at every
+                     position, whatever it costs).
+Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import time
+from pathlib import Path
+
+import torch
+
+from quantspec.infer.predictor import InferConfig, Predictor
+
+DATA = Path(__file__).parent / "data" / "spec_prompts.jsonl"
+
+
+def _row(name, kind, outs, wall, plain_ids, plain_tps):
+    gen = sum(len(o.token_ids) for o in outs)
+    drafted = sum(o.drafted for o in outs)
+    accepted = sum(o.accepted for o in outs)
+    forwards = sum(o.target_forwards for o in outs)
+    npos = max((len(o.drafted_per_position) for o in outs), default=0)
+    per_pos = []
+    for j in range(npos):
+        d = sum(o.drafted_per_position[j] for o in outs if j < len(o.drafted_per_position))
+        a = sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position))
+        per_pos.append(a / d if d else 0.0)
+    tps = gen / wall
+    return {
+        "kind": kind, "method": name, "tokens": gen, "tokens_per_s": tps,
+        "ratio": tps / plain_tps if plain_tps else 1.0,
+        "acceptance": accepted / drafted if drafted else None,
+        "per_position": per_pos,
+        "mean_accepted_length": (gen - len(outs)) / forwards if forwards else None,
+        "identical": [o.token_ids for o in outs] == plain_ids,
+        "drafted": drafted,
+    }
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=1)
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--prompts", type=int, default=6, help="prompts per kind")
+    ap.add_argument("--draft-tokens", type=int, default=5, help="--speculate-max-draft-token-num")
+    ap.add_argument("--ngram-draft-tokens", type=int, default=10)
+    ap.add_argument("--quant", default="weight_only_int8,weight_only_int4")
+    ap.add_argument("--methods", default="ngram,self,quant")
+    ap.add_argument("--json", help="also write the rows here")
+    a = ap.parse_args()
+    torch.set_num_threads(a.threads)
+
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
+
+    model_dir = ensure_zoo_model(DEFAULT_MODEL)
+    loaded = load_for_inference(model_dir)
+    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    kinds = {}
+    for r in rows:
+        kinds.setdefault(r["kind"], []).append(r["src"])
+    kinds = {k: v[: a.prompts] for k, v in kinds.items()}
+
+    common = dict(model=str(model_dir), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
+    methods = {"plain": Predictor(InferConfig(**common), loaded=loaded)}
+    wanted = a.methods.split(",")
+    if "ngram" in wanted:
+        methods["ngram"] = Predictor(InferConfig(**common, speculate_method="inference_with_reference",
+                                                 speculate_max_draft_token_num=a.ngram_draft_tokens), loaded=loaded)
+    if "self" in wanted:
+        p = Predictor(InferConfig(**common, speculate_method="draft", draft_model=str(model_dir),
+                                  speculate_max_draft_token_num=a.draft_tokens), loaded=loaded)
+        p.engine.proposer.policy = None  # upper bound: always draft
+        methods["draft fp32 (self, no back-off)"] = p
+    if "quant" in wanted:
+        from quantspec import api
+
+        for qt in [q for q in a.quant.split(",") if q]:
+            out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
+            if not (out / "config.json").exists():
+                api.quantize(str(model_dir), qt, out, overwrite=True)
+            cfg = InferConfig(**common, speculate_method="draft", draft_model=str(out),
+                              speculate_max_draft_token_num=a.draft_tokens)
+            methods[f"draft {qt}"] = p = Predictor(cfg, loaded=loaded)
+            print(f"{qt} draft: measured step cost {p.engine.proposer.policy.cost.draft_per_token:.2f}x the base's")
+            p = methods[f"draft {qt} (no back-off)"] = Predictor(cfg, loaded=loaded)
+            p.engine.proposer.policy = None  # acceptance of every position, whatever it costs
+
+    methods["plain"].generate(["Hello"])  # warm-up
+    results = []
+    for kind, srcs in kinds.items():
+        outs = {m: [] for m in methods}
+        wall = {m: 0.0 for m in methods}
+        for src in srcs:  # interleaved: every method on this prompt, then the next prompt
+            for name, pred in methods.items():
+                t = time.perf_counter()
+                outs[name].extend(pred.generate([src]))
+                wall[name] += time.perf_counter() - t
+        plain_ids = [o.token_ids for o in outs["plain"]]
+        plain_tps = sum(len(x) for x in plain_ids) / wall["plain"]
+        for name in methods:
+            results.append(_row(name, kind, outs[name], wall[name], plain_ids, plain_tps))
+
+    print(f"\n## speculative decoding, {DEFAULT_MODEL} fp32 base, batch 1, {a.new_tokens} new tokens, "
+          f"{torch.get_num_threads()} thread(s), greedy\n")
+    print("| prompts | method | tok/s | vs plain | identical | acceptance | per position | mean accepted length |")
+    print("|---|---|---:|---:|:---:|---:|---|---:|")
+    for r in results:
+        acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%"
+        pos = " ".join(f"{100 * x:.0f}" for x in r["per_position"]) or "-"
+        mal = "-" if r["mean_accepted_length"] is None or r["method"] == "plain" else f"{r['mean_accepted_length']:.2f}"
+        print(f"| {r['kind']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+              f"{'yes' if r['identical'] else 'NO'} | {acc} | {pos} | {mal} |")
+    if a.json:
+        Path(a.json).write_text(json.dumps(results, indent=2))
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,318 @@
+"""Engine-facing speculative proposers: the factory behind `Predictor`, the n-gram adapter, and
+the back-off policy that decides how many drafts each sequence gets.
+
+This file owns:
+- `build_proposer(config, loaded) -> (proposer, max_draft_tokens)`: validates the speculation
+  knobs of an `InferConfig` and builds the proposer of its `speculate_method`
+  (`inference_with_reference` → `ReferenceProposer`; `draft` → `spec/draft.py`'s
+  `DraftModelProposer`; `mtp` → `spec/mtp.py`, imported lazily).
+- `ReferenceProposer`: `propose_ngram` over each sequence's prompt + generated tokens, kept as a
+  growing numpy buffer per sequence so a step costs O(new tokens) to update plus one match.
+- `SpecCost` and `AdaptiveDraftLength`: the back-off (see below).
+
+Back-off. Verifying k drafts is not free: the base forward grows by k query rows, and a model
+drafter runs k forwards of its own. Where drafts are rarely accepted that is pure overhead, so
+each sequence gets k_b drafts chosen by a small cost model instead of always the maximum K:
+
+    a1, ac per-sequence estimates of P(draft 1 accepted) and P(draft j+1 accepted | draft j
+           accepted): EMAs over the sequence's acceptance tests (decay 0.8 per test, so they
+           remember the last ~5), started from an optimistic prior so new sequences speculate.
+    E(k)   = 1 + a1 · (1 + ac + ... + ac^(k-1)), expected tokens from a step with k drafts.
+    C(k)   = 1 for k = 0, else 1 + verify_fixed + k · (verify_per_token + draft_per_token):
+           the step's cost in plain decode steps of the base (`SpecCost`).
+    k_b    = min(budget, argmax over k in 0..K of E(k) / C(k)) (ties → fewer drafts).
+
+k_b = 0 is a plain decode step for that sequence (and a model drafter skips it entirely). A
+backed-off sequence probes again after `probe_interval` plain steps, with the k an optimistic
+estimate (the prior) would choose: on a CPU the fixed cost of a verification forward dominates,
+so a probe of a free drafter might as well be long. Each probe that does not bring it back
+doubles the interval up to `max_probe_interval`. A drafter that could not pay for itself even
+if every draft were accepted (best k at a1 = ac = 1 is 0, e.g. a quantized draft that decodes
+no faster than the base on this CPU) never drafts at all. The worst-case overhead on text where nothing
+is ever accepted is therefore about (C(probe k) - 1) / max_probe_interval (≈ 5% for n-gram on a
+CPU) plus the few steps it takes the estimates to fall. The policy depends
+only on the sequence's own history (not on time or batch neighbours), so seeded sampling stays
+reproducible and batch-invariant; it never changes a greedy result, and sampled results remain
+distributed exactly as without speculation (the verifier is lossless for any k).
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.ngram import propose_ngram
+
+__all__ = [
+    "MAX_DRAFT_TOKENS",
+    "SPECULATE_METHODS",
+    "SpecCost",
+    "AdaptiveDraftLength",
+    "ReferenceProposer",
+    "validate_spec_config",
+    "build_proposer",
+]
+
+MAX_DRAFT_TOKENS = 16  # upper bound of --speculate-max-draft-token-num
+SPECULATE_METHODS = ("none", "inference_with_reference", "draft", "mtp")
+
+
+@dataclass(frozen=True)
+class SpecCost:
+    """Cost of a speculative step in units of one plain decode step of the base model.
+
+    verify_fixed:     extra cost of a verification forward (1 + k query rows, k ≥ 1) over a
+                      1-row decode forward, whatever k is.
+    verify_per_token: extra cost per verified draft row.
+    draft_per_token:  the drafter's cost per drafted token (0 for n-gram; ≈ the draft model's
+                      decode step over the base's for a draft model).
+
+    Measured on this project's CPU (SmolLM2-135M fp32, 2 threads, ~200-token context) with the
+    skinny-M float linears of `infer/dense_linear.py`: a forward of 1 + k rows costs 1.0x (k=1),
+    1.26x (k=3), 1.83x (k=5), 1.94x (k=7) a 1-row decode forward; `for_device("cpu")` models that
+    as 0 + 0.15 per draft row (without the skinny path it was ≈ 1.5x already at k=1). On a GPU a
+    few extra rows are nearly free.
+    """
+
+    verify_fixed: float = 0.5
+    verify_per_token: float = 0.05
+    draft_per_token: float = 0.0
+
+    def __post_init__(self):
+        for name in ("verify_fixed", "verify_per_token", "draft_per_token"):
+            v = getattr(self, name)
+            if not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
+                raise QuantSpecError(f"SpecCost.{name}={v!r} must be a finite number >= 0")
+
+    @classmethod
+    def for_device(cls, device: torch.device | str, draft_per_token: float = 0.0) -> "SpecCost":
+        if torch.device(device).type == "cuda":
+            return cls(verify_fixed=0.05, verify_per_token=0.01, draft_per_token=draft_per_token)
+        return cls(verify_fixed=0.0, verify_per_token=0.15, draft_per_token=draft_per_token)
+
+    def step_cost(self, k: int) -> float:
+        """C(k): the cost of a step with k drafts, in plain decode steps."""
+        if k == 0:
+            return 1.0
+        return 1.0 + self.verify_fixed + k * (self.verify_per_token + self.draft_per_token)
+
+
+@dataclass
+class _Acceptance:
+    first: list[float]  # EMA [successes, trials] of the first draft's acceptance test
+    more: list[float]  # EMA [successes, trials] of the tests after an accepted draft
+    seen_drafted: int = 0  # seq.stats.drafted / accepted when last observed
+    seen_accepted: int = 0
+    idle: int = 0  # consecutive steps with k = 0
+    interval: int = 0  # current probe interval
+
+
+class AdaptiveDraftLength:
+    """The back-off policy (module docstring): k_b = argmax_k E(k) / C(k) from per-sequence EMAs
+    of the acceptance probabilities, with probes after backing off.
+
+    Two rates, because drafts fail mostly at the first position (an n-gram match that leads
+    nowhere, a draft model diverging at a hard token) and then tend to run on once one is right:
+    a1 = P(draft 1 accepted) and ac = P(draft j+1 accepted | draft j accepted), so
+    E(k) = 1 + a1 · (1 + ac + ... + ac^(k-1)).
+
+    Example (C(k) = 1.5 + 0.05 k, K = 5): a1 = ac = 0.9 → E(5)/C(5) = 4.69 / 1.75 ≈ 2.7 →
+    5 drafts; a1 = ac = 0.3 → every k > 0 has E(k)/C(k) < 1 → 0 drafts (a plain decode step);
+    a1 = 0.3, ac = 0.95 → E(5)/C(5) = 2.36 / 1.75 ≈ 1.35 → 5 drafts (rarely right, but then long).
+
+    Call `num_drafts(seq, budget)` once per step for each decoding sequence (it first reads what
+    the previous step accepted from `seq.stats`) and `forget(seq)` when it finishes.
+    """
+
+    def __init__(self, max_draft_tokens: int, cost: SpecCost, *, decay: float = 0.8,
+                 prior_acceptance: float = 0.8, prior_weight: float = 2.0, probe_interval: int = 4,
+                 max_probe_interval: int = 32):
+        if not 0.0 < decay < 1.0:
+            raise QuantSpecError(f"decay={decay} must be in (0, 1)")
+        if not 0.0 <= prior_acceptance < 1.0 or prior_weight <= 0:
+            raise QuantSpecError("prior_acceptance must be in [0, 1) and prior_weight > 0")
+        if not 1 <= probe_interval <= max_probe_interval:
+            raise QuantSpecError("need 1 <= probe_interval <= max_probe_interval")
+        self.max_draft_tokens, self.cost, self.decay = int(max_draft_tokens), cost, decay
+        self.prior = (prior_acceptance * prior_weight, prior_weight)
+        self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
+        self._costs = [cost.step_cost(k) for k in range(self.max_draft_tokens + 1)]
+        # a probe drafts what an optimistic estimate would (at least 1); a drafter that cannot
+        # pay for itself even if every draft were accepted (a draft as slow as the base) never
+        # drafts: probe_k = 0
+        self.probe_k = self.best_k(prior_acceptance) or min(1, self.best_k(1.0))
+        self._seqs: dict[int, _Acceptance] = {}
+
+    def best_k(self, a1: float, ac: float | None = None) -> int:
+        """argmax_k E(k)/C(k) for first-draft acceptance a1 and run-on acceptance ac (default a1),
+        before budgets; ties go to fewer drafts. K ≤ 16 terms, a few microseconds."""
+        ac = a1 if ac is None else ac
+        best, best_ratio, run, term = 0, 1.0, 0.0, 1.0
+        for k in range(1, self.max_draft_tokens + 1):
+            run += term  # 1 + ac + ... + ac^(k-1)
+            term *= ac
+            ratio = (1.0 + a1 * run) / self._costs[k]
+            if ratio > best_ratio * (1 + 1e-9):
+                best, best_ratio = k, ratio
+        return best
+
+    def acceptance(self, seq) -> tuple[float, float]:
+        """(a1, ac) as currently estimated for `seq` (the prior for a sequence not seen yet)."""
+        st = self._seqs.get(seq.seq_id)
+        if st is None:
+            return self.prior[0] / self.prior[1], self.prior[0] / self.prior[1]
+        return st.first[0] / st.first[1], st.more[0] / st.more[1]
+
+    def _update(self, ema: list[float], outcome: float) -> None:
+        ema[0] = self.decay * ema[0] + outcome
+        ema[1] = self.decay * ema[1] + 1.0
+
+    def num_drafts(self, seq, budget: int) -> int:
+        """How many drafts `seq` gets this step (0 = plain decode), at most `budget`."""
+        st = self._seqs.get(seq.seq_id)
+        if st is None:
+            st = self._seqs[seq.seq_id] = _Acceptance(list(self.prior), list(self.prior),
+                                                      interval=self.probe_interval)
+        drafted = seq.stats.drafted - st.seen_drafted
+        if drafted > 0:  # the previous verification step: n of k accepted, then maybe a rejection
+            accepted = seq.stats.accepted - st.seen_accepted
+            self._update(st.first, float(accepted > 0))
+            for outcome in [1.0] * (accepted - 1) + [0.0] * (0 < accepted < drafted):
+                self._update(st.more, outcome)
+        st.seen_drafted, st.seen_accepted = seq.stats.drafted, seq.stats.accepted
+        if budget <= 0:
+            return 0
+        k = self.best_k(st.first[0] / st.first[1], st.more[0] / st.more[1])
+        if k > 0:
+            if st.idle:  # back from a probe (or the estimate recovered): reset the probe clock
+                st.idle, st.interval = 0, self.probe_interval
+            return min(k, budget)
+        st.idle += 1
+        if st.idle > st.interval and self.probe_k:  # probe; if it fails, wait twice as long
+            st.idle = 1
+            st.interval = min(2 * st.interval, self.max_probe_interval)
+            return min(self.probe_k, budget)
+        return 0
+
+    def forget(self, seq) -> None:
+        self._seqs.pop(seq.seq_id, None)
+
+
+@dataclass
+class _TokenBuffer:
+    """A sequence's prompt + generated tokens as a growing int64 array."""
+
+    data: np.ndarray = field(default_factory=lambda: np.empty(256, dtype=np.int64))
+    size: int = 0
+
+    def sync(self, seq) -> np.ndarray:
+        n_prompt = len(seq.prompt_ids)
+        total = n_prompt + len(seq.output_ids)
+        if total > self.data.shape[0]:
+            grown = np.empty(max(total, 2 * self.data.shape[0]), dtype=np.int64)
+            grown[: self.size] = self.data[: self.size]
+            self.data = grown
+        if self.size < n_prompt:
+            self.data[self.size:n_prompt] = seq.prompt_ids[self.size:]
+            self.size = n_prompt
+        if self.size < total:
+            self.data[self.size:total] = seq.output_ids[self.size - n_prompt:]
+            self.size = total
+        return self.data[:total]  # [L]
+
+
+class ReferenceProposer:
+    """`speculate_method = inference_with_reference`: n-gram drafts from the sequence's own prompt
+    and output (`propose_ngram`: longest suffix match from `max_ngram_size` down to
+    `min_ngram_size`, most recent occurrence, up to k tokens). Deterministic drafts: probs None.
+
+    `policy` (an `AdaptiveDraftLength`) picks k per sequence; None always asks for
+    min(max_draft_tokens, budget).
+    """
+
+    needs_hidden = False
+
+    def __init__(self, max_ngram_size: int = 3, max_draft_tokens: int = 5, *, min_ngram_size: int = 1,
+                 policy: AdaptiveDraftLength | None = None):
+        propose_ngram([0], max_ngram_size, max_draft_tokens, min_ngram_size)  # validates the sizes
+        self.max_ngram_size, self.max_draft_tokens = max_ngram_size, max_draft_tokens
+        self.min_ngram_size, self.policy = min_ngram_size, policy
+        self._buffers: dict[int, _TokenBuffer] = {}
+
+    def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        drafts: list[list[int]] = []
+        for seq, budget in zip(seqs, budgets):
+            k = (self.policy.num_drafts(seq, budget) if self.policy is not None
+                 else min(self.max_draft_tokens, budget))
+            if k <= 0:
+                drafts.append([])
+                continue
+            buf = self._buffers.get(seq.seq_id)
+            if buf is None:
+                buf = self._buffers[seq.seq_id] = _TokenBuffer()
+            drafts.append(propose_ngram(buf.sync(seq), self.max_ngram_size, k, self.min_ngram_size))
+        return drafts, [None] * len(seqs)
+
+    def release(self, seq) -> None:
+        self._buffers.pop(seq.seq_id, None)
+        if self.policy is not None:
+            self.policy.forget(seq)
+
+
+# ---------------------------------------------------------------------------------------------
+# the factory
+
+
+def validate_spec_config(config) -> None:
+    """Check the speculation knobs of an `InferConfig`; one-line `QuantSpecError` on bad input."""
+    method = config.speculate_method
+    if method not in SPECULATE_METHODS:
+        raise QuantSpecError(
+            f"--speculate-method {method!r} is not supported; use one of {', '.join(SPECULATE_METHODS)}"
+        )
+    k = config.speculate_max_draft_token_num
+    if isinstance(k, bool) or not isinstance(k, int) or not 1 <= k <= MAX_DRAFT_TOKENS:
+        raise QuantSpecError(
+            f"--speculate-max-draft-token-num {k!r} is out of range; use an int in [1, {MAX_DRAFT_TOKENS}]"
+        )
+    n = config.speculate_max_ngram_size
+    if isinstance(n, bool) or not isinstance(n, int) or n < 1:
+        raise QuantSpecError(f"--speculate-max-ngram-size {n!r} must be an int >= 1 (e.g. 3)")
+    if method == "inference_with_reference" and config.draft_model:
+        raise QuantSpecError(
+            "--draft-model is not used by --speculate-method inference_with_reference (n-gram drafts "
+            "come from the prompt); drop --draft-model or use --speculate-method draft"
+        )
+    if method in ("draft", "mtp") and not config.draft_model:
+        what = "a draft model with the same tokenizer" if method == "draft" else "an MTP module artifact"
+        raise QuantSpecError(f"--speculate-method {method} needs --draft-model DIR ({what})")
+    if method == "none" and config.draft_model:
+        raise QuantSpecError("--draft-model needs --speculate-method draft or mtp")
+
+
+def build_proposer(config, loaded):
+    """The proposer for `config.speculate_method` and the most drafts it proposes per step.
+
+    config: an `InferConfig`; loaded: the base `LoadedModel` (`infer/loader.py`).
+    → (proposer, max_draft_tokens); (None, 0) for `none`.
+    """
+    validate_spec_config(config)
+    method, k = config.speculate_method, config.speculate_max_draft_token_num
+    if method == "none":
+        return None, 0
+    device = loaded.model.model.norm.weight.device
+    if method == "inference_with_reference":
+        policy = AdaptiveDraftLength(k, SpecCost.for_device(device))
+        return ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy), k
+    if method == "draft":
+        from quantspec.infer.spec.draft import build_draft_proposer
+
+        return build_draft_proposer(config, loaded), k
+    if method == "mtp":  # G2: the MTP module and its proposer live in infer/spec/mtp.py
+        from quantspec.infer.spec.mtp import build_mtp_proposer
+
+        return build_mtp_proposer(config, loaded)
+    raise AssertionError(method)  # validate_spec_config covers every method

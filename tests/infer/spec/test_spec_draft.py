@@ -1,0 +1,307 @@
+"""The draft-model proposer through the engine: greedy output identical to the engine without
+speculation (batch 1, mixed batches, 128 prompts), sampled drafts with their q verified so the
+output follows the target's exact distribution (chi-square, with a draft whose q differs from p),
+the draft's own KV cache kept in step, and the compatibility checks (tokenizer refused, padding
+rows accepted)."""
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.sampler import SamplingParams, logits_to_probs
+from quantspec.infer.spec.draft import DraftModelProposer, check_draft_compatible, common_vocab_size
+from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.model_zoo.tiny import build_tiny_model
+
+torch.set_num_threads(1)
+
+NOISE = 0.01  # weight noise of the "close" draft: acceptance ~60%, different per sequence
+FAR_NOISE = 0.2  # relative weight noise of the "far" draft (q far from p, same likely tokens)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir):
+    return load_model(tiny_llama_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def close_draft(tiny_llama_dir):
+    """The base with a little weight noise: agrees with it most of the time, not always."""
+    model, _ = load_model(tiny_llama_dir)
+    g = torch.Generator().manual_seed(1)
+    with torch.no_grad():
+        for p in model.parameters():
+            p.add_(NOISE * torch.randn(p.shape, generator=g))
+    return model
+
+
+@pytest.fixture(scope="module")
+def padded_other_dir(tmp_path_factory):
+    """Same tokenizer, different weights (seed 1), vocab padded 512 → 576."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_pad"), "llama", seed=1, vocab_pad_to=96)
+
+
+@pytest.fixture(scope="module")
+def far_draft(tiny_llama_dir, padded_other_dir):
+    """The base's weights with heavy noise, in a model with 64 padding vocab rows: its top-k
+    overlaps the base's, but its distribution q is far from the base's p."""
+    base, _ = load_model(tiny_llama_dir)
+    model, _ = load_model(padded_other_dir)
+    src = dict(base.named_parameters())
+    g = torch.Generator().manual_seed(2)
+    with torch.no_grad():
+        for name, p in model.named_parameters():
+            w = src[name]
+            p[: w.shape[0]] = w + FAR_NOISE * w.std() * torch.randn(w.shape, generator=g)
+    return model
+
+
+def _prompts(lengths, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _proposer(draft, base, *, k=4, batch=1, max_length=256, policy=None, block_size=16):
+    return DraftModelProposer(draft, vocab_size=512, target_vocab_size=base.args.vocab_size, max_draft_tokens=k,
+                              max_batch_size=batch, max_length=max_length, block_size=block_size, policy=policy)
+
+
+def _run(model, prompts, params, *, proposer=None, batch=1, k=4, block_size=16, max_length=256, offset=0):
+    eng = Engine(model, EngineConfig(block_size=block_size, max_batch_size=batch, max_length=max_length,
+                                     spec_max_draft_tokens=k if proposer is not None else 0),
+                 eos_token_ids=[], proposer=proposer)
+    seqs = [eng.add_request(p, params, request_index=offset + i) for i, p in enumerate(prompts)]
+    eng.run()
+    return seqs
+
+
+def _ids(seqs):
+    return [s.output_ids for s in seqs]
+
+
+# -- greedy: identical output ---------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("batch", [1, 3])
+@pytest.mark.parametrize("adaptive", [False, True])
+def test_draft_greedy_identical_to_plain(base, close_draft, batch, adaptive):
+    prompts = _prompts([5, 17, 30, 2], seed=0)
+    params = SamplingParams(max_new_tokens=40)
+    plain = _ids(_run(base, prompts, params))
+    policy = AdaptiveDraftLength(4, SpecCost(draft_per_token=0.3)) if adaptive else None
+    prop = _proposer(close_draft, base, batch=batch, policy=policy)
+    free = prop.cache.allocator.num_free
+    seqs = _run(base, prompts, params, proposer=prop, batch=batch)
+    assert _ids(seqs) == plain
+    drafted = sum(s.stats.drafted for s in seqs)
+    accepted = sum(s.stats.accepted for s in seqs)
+    assert 0 < accepted < drafted  # some drafts accepted, some rejected
+    assert len({s.stats.accepted for s in seqs}) > 1  # sequences accepted different counts
+    assert any(s.stats.accepted_per_position[-1] > 0 for s in seqs)  # some steps accepted all
+    assert prop.cache.allocator.num_free == free and not prop._seqs  # finished sequences released
+
+
+def test_self_draft_accepts_everything(base, tiny_llama_dir):
+    """The base drafting for itself: every draft is accepted, each step emits k + 1 tokens, and the
+    draft cache's catch-up (last draft + bonus after a fully accepted step) stays exact."""
+    twin, _ = load_model(tiny_llama_dir)
+    prompts = _prompts([7, 19], seed=1)
+    params = SamplingParams(max_new_tokens=33)
+    plain = _ids(_run(base, prompts, params))
+    seqs = _run(base, prompts, params, proposer=_proposer(twin, base, k=4, batch=2), batch=2)
+    assert _ids(seqs) == plain
+    for s in seqs:
+        assert s.stats.accepted == s.stats.drafted > 0
+        assert s.stats.target_forwards == -(-(len(s.output_ids) - 1) // 5)  # 5 tokens per forward
+
+
+def test_draft_stops_at_eos_inside_accepted_drafts(base, tiny_llama_dir):
+    """An eos among accepted drafts ends the sequence there (later drafts and the bonus dropped),
+    exactly where plain decoding stops; the draft's cache is released."""
+    twin, _ = load_model(tiny_llama_dir)  # accepts everything, so eos arrives inside a draft run
+    prompts = _prompts([9, 14], seed=8)
+    free = _ids(_run(base, prompts, SamplingParams(max_new_tokens=30)))
+    eos = free[0][7]
+
+    def run(proposer):
+        eng = Engine(base, EngineConfig(block_size=16, max_batch_size=2, max_length=256,
+                                        spec_max_draft_tokens=4 if proposer else 0),
+                     eos_token_ids=[eos], proposer=proposer)
+        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=30)) for p in prompts]
+        eng.run()
+        return seqs
+
+    prop = _proposer(twin, base, k=4, batch=2)
+    plain, spec = run(None), run(prop)
+    assert _ids(spec) == _ids(plain) and spec[0].output_ids[-1] == eos and spec[0].finish_reason == "eos"
+    assert not prop._seqs
+
+
+def test_draft_tiny_blocks_and_length_caps(base, close_draft):
+    prompts = _prompts([3, 4, 9], seed=2)
+    for params, max_length in ((SamplingParams(max_new_tokens=23), 256), (SamplingParams(max_new_tokens=200), 45)):
+        plain = _ids(_run(base, prompts, params, block_size=4, max_length=max_length))
+        prop = _proposer(close_draft, base, k=6, batch=2, block_size=4, max_length=max_length)
+        spec = _run(base, prompts, params, proposer=prop, batch=2, k=6, block_size=4, max_length=max_length)
+        assert _ids(spec) == plain
+
+
+def test_draft_batch_of_128_equals_batch_1(base, close_draft):
+    prompts = _prompts([2 + i % 9 for i in range(128)], seed=3)
+    params = SamplingParams(max_new_tokens=8)
+    plain = _ids(_run(base, prompts, params, max_length=32))
+    many = _run(base, prompts, params, proposer=_proposer(close_draft, base, k=3, batch=128, max_length=32),
+                batch=128, k=3, max_length=32)
+    assert _ids(many) == plain
+    assert sum(s.stats.accepted for s in many) > 0
+    one = _run(base, prompts[:16], params, proposer=_proposer(close_draft, base, k=3, max_length=32), k=3,
+               max_length=32)
+    assert _ids(one) == plain[:16]
+
+
+# -- sampling: lossless -----------------------------------------------------------------------------
+
+
+def _joint(model, prompt, params, depth):
+    """Exact probability of every `depth`-token continuation under `model` with `params`."""
+    temp = torch.tensor([params.temperature])
+    top_k = torch.tensor([params.top_k])
+
+    def next_probs(ids):
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        return logits_to_probs(model.compute_logits(h[-1:])[:, :512], temp, top_k)[0]
+
+    out = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(depth):
+            nxt = {}
+            for path, pr in out.items():
+                p = next_probs(prompt + list(path))
+                for t in p.nonzero().flatten().tolist():
+                    nxt[path + (t,)] = pr * float(p[t])
+            out = nxt
+    return out
+
+
+def _chisquare_pvalue(counts, exact, n):
+    from scipy.stats import chisquare
+
+    cats = sorted(exact, key=exact.get, reverse=True)
+    expected = [n * exact[c] for c in cats]
+    observed = [counts.get(c, 0) for c in cats]
+    big = [i for i, e in enumerate(expected) if e >= 5]  # pool the rare categories
+    obs = [observed[i] for i in big] + [n - sum(observed[i] for i in big)]
+    exp = [expected[i] for i in big] + [n - sum(expected[i] for i in big)]
+    return chisquare(obs, exp).pvalue
+
+
+def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft):
+    """Chi-square over the first 4 sampled tokens (token 1 from prefill, tokens 2-3 drafted and
+    verified, token 4 the bonus or a plain step): speculation with a draft of different weights
+    (q != p) reproduces the base's exact joint distribution, and not the draft's."""
+    draft = far_draft  # vocab 576 → sliced to the shared 512
+    params = SamplingParams(decode_strategy="sampling", temperature=1.5, top_k=3, seed=5, max_new_tokens=4)
+    (prompt,) = _prompts([8], seed=4)
+    exact = _joint(base, prompt, params, 4)
+    exact_draft = _joint(draft, prompt, params, 4)
+    tv = 0.5 * sum(abs(exact.get(c, 0) - exact_draft.get(c, 0)) for c in set(exact) | set(exact_draft))
+    assert tv > 0.4  # q really differs from p
+
+    n, counts, drafted, accepted = 0, {}, 0, 0
+    for rnd in range(12):
+        prop = _proposer(draft, base, k=2, batch=128, max_length=32)
+        seqs = _run(base, [prompt] * 128, params, proposer=prop, batch=128, k=2, max_length=32, offset=rnd * 128)
+        for s in seqs:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+            drafted += s.stats.drafted
+            accepted += s.stats.accepted
+        n += len(seqs)
+    assert drafted >= 2 * n and 0 < accepted < drafted  # every sequence verified sampled drafts
+    assert set(counts) <= set(exact)  # nothing outside the top-k support
+    assert _chisquare_pvalue(counts, exact, n) > 1e-3
+    draft_counts_fit = {c: v for c, v in counts.items() if c in exact_draft}
+    assert sum(draft_counts_fit.values()) < n or _chisquare_pvalue(counts, exact_draft, n) < 1e-6
+
+
+def test_sampled_drafts_reproducible_and_batch_invariant(tiny_llama_dir, padded_other_dir):
+    """Seeded sampling with a draft model gives the same tokens in any batch (the draft's random
+    stream is the request's own); here the base has padding rows, so q is padded with zeros."""
+    base, _ = load_model(padded_other_dir)  # vocab 576, tokenizer 512
+    draft, _ = load_model(tiny_llama_dir)
+    prompts = _prompts([6, 15, 11], seed=6)
+    params = SamplingParams(decode_strategy="sampling", temperature=0.8, top_p=0.9, seed=3, max_new_tokens=25)
+
+    def run(batch):
+        policy = AdaptiveDraftLength(3, SpecCost(draft_per_token=0.3))
+        return _run(base, prompts, params, proposer=_proposer(draft, base, k=3, batch=batch, policy=policy),
+                    batch=batch, k=3)
+
+    one, three = run(1), run(3)
+    assert _ids(one) == _ids(three)
+    assert sum(s.stats.drafted for s in one) > 0
+    assert all(len(s.output_ids) == 25 and max(s.output_ids) < 512 for s in one)
+
+
+# -- compatibility ----------------------------------------------------------------------------------
+
+
+def test_tokenizer_mismatch_is_refused(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    other = build_tiny_model(tmp_path / "other_tok", "llama", tokenizer_variant=1)
+    with pytest.raises(QuantSpecError) as e:
+        check_draft_compatible(AutoTokenizer.from_pretrained(tiny_llama_dir), AutoTokenizer.from_pretrained(other),
+                               "BASE_NAME", "DRAFT_NAME")
+    msg = str(e.value)
+    assert "\n" not in msg and "BASE_NAME" in msg and "DRAFT_NAME" in msg and "tokenizer" in msg
+
+
+def test_special_token_mismatch_is_refused(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    base_tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    draft_tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    check_draft_compatible(base_tok, draft_tok, "a", "b")  # identical: fine
+    draft_tok.eos_token = "<|endoftext|>"
+    with pytest.raises(QuantSpecError, match="special tokens"):
+        check_draft_compatible(base_tok, draft_tok, "a", "b")
+
+
+def test_padding_only_vocab_difference_is_accepted(tiny_llama_dir, padded_other_dir, close_draft):
+    """A base with 64 padding rows and an unpadded draft: same tokenizer, accepted; greedy output
+    identical to plain decoding of the padded base."""
+    from transformers import AutoTokenizer
+
+    tok_a, tok_b = AutoTokenizer.from_pretrained(tiny_llama_dir), AutoTokenizer.from_pretrained(padded_other_dir)
+    check_draft_compatible(tok_a, tok_b, "base", "draft")
+    assert common_vocab_size(tok_a, 576, 512, "base", "draft") == 512
+    with pytest.raises(QuantSpecError, match="vocabulary rows"):
+        common_vocab_size(tok_a, 576, 500, "base", "draft")
+    padded, _ = load_model(padded_other_dir)
+    prompts = _prompts([5, 12], seed=7)
+    params = SamplingParams(max_new_tokens=30)
+    plain = _ids(_run(padded, prompts, params))
+    seqs = _run(padded, prompts, params, proposer=_proposer(close_draft, padded, batch=2), batch=2)
+    assert _ids(seqs) == plain and sum(s.stats.drafted for s in seqs) > 0
+
+
+def test_build_proposer_loads_and_checks_the_draft(tiny_llama_dir, padded_other_dir, tmp_path):
+    """Through `build_proposer` (the loader E1 owns): a padded draft is accepted, a draft with a
+    different tokenizer is refused naming both models."""
+    loader = pytest.importorskip("quantspec.infer.loader")
+    from quantspec.infer.predictor import InferConfig
+    from quantspec.infer.spec.proposers import build_proposer
+
+    loaded = loader.load_for_inference(str(tiny_llama_dir))
+    cfg = InferConfig(model=str(tiny_llama_dir), speculate_method="draft", draft_model=str(padded_other_dir),
+                      speculate_max_draft_token_num=3, max_length=64)
+    prop, k = build_proposer(cfg, loaded)
+    assert isinstance(prop, DraftModelProposer) and k == 3 and prop.vocab_size == 512
+    other = build_tiny_model(tmp_path / "other_tok", "llama", tokenizer_variant=1)
+    cfg.draft_model = str(other)
+    with pytest.raises(QuantSpecError) as e:
+        build_proposer(cfg, loaded)
+    assert str(other) in str(e.value) and str(tiny_llama_dir) in str(e.value)
