@@ -70,7 +70,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--max-length", default=2048, show_default=True, help="Max prompt + generated tokens per sequence.")
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--truncate-prompt", is_flag=True, help="Keep the last src-length tokens of a longer prompt instead of refusing it.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Activation dtype; auto: float16 on CUDA, bfloat16 for weight-only int artifacts on CPU, else float32.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--block-size", default=64, show_default=True, help="Paged KV cache block size (tokens).")
 @click.option("--decode-strategy", default="greedy", show_default=True, type=click.Choice(["greedy", "sampling"]))
@@ -124,3 +125,310 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     if stats_file:
         with open(stats_file, "w") as f:
             json.dump(stats, f, indent=2)
+
+
+# ---- zoo train-mtp (issue 6, G2) -----------------------------------------------------------------
+
+@main.group()
+def zoo():
+    """Model-zoo recipes (the MTP module's training)."""
+
+
+@zoo.command(name="train-mtp")
+@click.option("--model", default="smollm2-135m", show_default=True, help="The frozen base model.")
+@click.option("--dataset", default=None, help="Text data: local .txt/.json/.jsonl/.parquet or a hub id.")
+@click.option("--split", default="train", show_default=True)
+@click.option("--text-field", default="text", show_default=True, help="Dataset column holding the text.")
+@click.option("--steps", default=300, show_default=True, type=int)
+@click.option("--seq-len", default=256, show_default=True, type=int, help="Dataset window length (tokens).")
+@click.option("--batch-size", default=2, show_default=True, type=int, help="Windows' worth of positions per step.")
+@click.option("--num-samples", default=16, show_default=True, type=int, help="Dataset windows used.")
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--self-distill/--no-self-distill", default=True, show_default=True,
+              help="Train on the base's own greedy choices and its answers to built-in chat prompts.")
+@click.option("--max-new-tokens", default=160, show_default=True, type=int, help="Length of each self-distilled answer.")
+@click.option("--draft-vocab-size", default=4096, show_default=True, type=int,
+              help="Tokens the draft head scores (the most frequent targets).")
+@click.option("--save-every", default=50, show_default=True, type=int, help="Checkpoint interval (steps).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="MTP artifact directory.")
+@click.option("--resume", is_flag=True, help="Continue the checkpoint in --out.")
+@_one_line_errors
+def train_mtp(**kw):
+    """Train a DeepSeek-V3-style MTP module for a frozen base (use with --speculate-method mtp)."""
+    from rich.console import Console
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    from quantspec import api
+
+    console = Console(stderr=True)
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
+                   console=console, transient=True)
+    task = bar.add_task("train-mtp", total=kw["steps"])
+
+    def on_step(step, total, loss):
+        bar.update(task, completed=step, total=total, description=f"train-mtp loss {loss:.3f}")
+
+    with bar:
+        res = api.train_mtp(on_step=on_step, on_status=lambda m: bar.console.log(m), **kw)
+    first = "-" if res["loss_first"] is None else f"{res['loss_first']:.3f}"
+    last = "-" if res["loss_last"] is None else f"{res['loss_last']:.3f}"
+    console.print(f"[green]wrote[/] {res['out']}  (steps {res['start_step']}→{res['steps']}, loss {first} → {last}, "
+                  f"{res['positions']} positions, {res['wall_s']:.0f} s)")
+
+
+# ---- quantize / inspect / eval (issue 3) ---------------------------------------------------------
+
+def _layer_progress(description: str):
+    """A rich progress bar fed by `progress(layer, num_layers, phase)` callbacks."""
+    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
+
+    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
+                   TimeElapsedColumn(), transient=True)
+    task = bar.add_task(description, total=None)
+
+    def callback(i: int, n: int, phase: str) -> None:
+        if phase == "done":
+            bar.update(task, total=n, completed=i + 1, description=f"{description} layer {i + 1}/{n}")
+
+    return bar, callback
+
+
+def _gib(n) -> str:
+    return "?" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
+@click.option("--quant-type", required=True, help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8")
+@click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq"]))
+@click.option("--group-size", default=128, show_default=True, type=int,
+              help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
+@click.option("--sym/--asym", "symmetric", default=True, show_default=True)
+@click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
+@click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
+@click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
+@click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ damping (fraction of mean diag H)")
+@click.option("--dataset", default=None, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
+@click.option("--split", default="train", show_default=True)
+@click.option("--text-field", default="text", show_default=True)
+@click.option("--num-samples", default=128, show_default=True, type=int)
+@click.option("--seq-len", default=512, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
+@click.option("--smoothquant-alpha", default=None, type=float, help="a8w8 types: SmoothQuant migration strength")
+@click.option("--kv-cache", default=None, type=click.Choice(["int8", "fp8"]),
+              help="store static KV-cache scales from --calib in the artifact (k_scale/v_scale)")
+@click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@_one_line_errors
+def quantize(model, quant_type, method, group_size, symmetric, ignore, act_order, gptq_block_size, damp,
+             dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha, out, overwrite,
+             kv_cache=None):
+    """Quantize a checkpoint into a compressed-tensors artifact directory."""
+    import time
+
+    from rich.console import Console
+
+    from quantspec import api
+
+    console = Console(stderr=True)
+    bar, callback = _layer_progress(f"{method} {quant_type}")
+    t0 = time.perf_counter()
+    with bar:
+        path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
+                            symmetric=symmetric, ignore=tuple(ignore), act_order=act_order,
+                            block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
+                            text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                            calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
+                            kv_cache=kv_cache, progress=callback)
+    info = api.inspect(path)
+    console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
+                  f"{info.get('compression_ratio') or '?'}x smaller than the source, "
+                  f"{time.perf_counter() - t0:.1f} s)")
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="print the full description as JSON")
+@_one_line_errors
+def inspect(path, as_json):
+    """Describe an artifact: scheme, per-layer bits / group size, size and compression ratio."""
+    import json
+    from collections import Counter
+
+    from rich.console import Console
+    from rich.table import Table
+
+    from quantspec import api
+
+    info = api.inspect(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    console = Console()
+    head = Table(title=f"quantspec inspect {info['path']}", show_header=False)
+    head.add_row("quantized", str(info["quantized"]))
+    for key in ("quant_type", "format", "method", "quantspec_version"):
+        if info.get(key) is not None:
+            head.add_row(key, str(info[key]))
+    if info.get("ignore") is not None:
+        head.add_row("ignore", ", ".join(info["ignore"]) or "-")
+    head.add_row("weights on disk", _gib(info["weights_bytes"]))
+    if info.get("source_size_bytes"):
+        head.add_row("source weights", _gib(info["source_size_bytes"]))
+        head.add_row("compression ratio", f"{info['compression_ratio']}x")
+    if info.get("kv_cache"):
+        head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
+                                 f"{info['kv_cache']['strategy']}")
+    console.print(head)
+    if not info["quantized"]:
+        return
+    # one row per (module kind, scheme): e.g. q_proj ×30 int4 g64 sym
+    rows = Counter()
+    for name, d in info["layers"].items():
+        kind = name.rsplit(".", 1)[-1]
+        rows[(kind, d["type"], d["bits"], d["strategy"], d["group_size"], d["symmetric"],
+              d["input_activations"] or "-")] += 1
+    t = Table(title="quantized Linears")
+    for col in ("module", "count", "weights", "granularity", "symmetric", "activations"):
+        t.add_column(col)
+    for (kind, typ, bits, strat, g, sym, act), n in sorted(rows.items(), key=lambda r: str(r[0])):
+        gran = f"group {g}" if strat == "group" else strat
+        t.add_row(kind, str(n), f"{typ}{bits}", gran, "yes" if sym else "no", act)
+    console.print(t)
+
+
+@main.command(name="eval")
+@click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or artifact")
+@click.option("--text-file", default=None, type=click.Path(), help="text to evaluate (UTF-8 or .json/.jsonl)")
+@click.option("--dataset", default=None, help="dataset file or hub id (instead of --text-file)")
+@click.option("--split", default="test", show_default=True)
+@click.option("--text-field", default="text", show_default=True)
+@click.option("--seq-len", default=512, show_default=True, type=int)
+@click.option("--max-windows", default=None, type=int, help="evaluate only the first N windows")
+@click.option("--batch-size", default=4, show_default=True, type=int, help="windows per forward")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "fp8"]))
+@click.option("--cachekv-int8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
+              help="static: int8 KV cache with calibrated per-head scales (= --kv-cache-dtype int8).")
+@click.option("--cachekv-fp8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
+              help="static: FP8 E4M3 KV cache with calibrated per-head scales (= --kv-cache-dtype fp8).")
+@click.option("--calib", default=None, type=click.Path(), help="calibration table dir (static KV scales)")
+@click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
+@_one_line_errors
+def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, batch_size, dtype, kv_cache_dtype,
+          calib, as_json, cachekv_int8_type="none", cachekv_fp8_type="none"):
+    """Perplexity of a model or artifact over non-overlapping --seq-len windows."""
+    static = [k for k, flag in (("int8", cachekv_int8_type), ("fp8", cachekv_fp8_type)) if flag == "static"]
+    if len(static) > 1 or (static and kv_cache_dtype not in ("auto", static[0])):
+        raise QuantSpecError("choose one KV cache type: --cachekv-int8-type, --cachekv-fp8-type or --kv-cache-dtype")
+    kv_cache_dtype = static[0] if static else kv_cache_dtype
+    import json
+
+    from rich.console import Console
+    from rich.progress import Progress
+
+    from quantspec import api
+
+    with Progress(transient=True, console=Console(stderr=True)) as bar:
+        task = bar.add_task("eval", total=None)
+        res = api.evaluate(model, text_file=text_file, dataset=dataset, split=split, text_field=text_field,
+                           seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, dtype=dtype,
+                           kv_cache_dtype=kv_cache_dtype, calib=calib,
+                           progress=lambda done, n: bar.update(task, total=n, completed=done))
+    if as_json:
+        click.echo(json.dumps(res))
+        return
+    click.echo(f"perplexity {res['perplexity']:.4f}  (nll {res['nll']:.4f}, {res['num_windows']} windows × "
+               f"{res['seq_len']} tokens, kv cache {res['kv_cache_dtype']}, {res['seconds']:.1f} s)")
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True, help="Base model: zoo name or HF directory.")
+@click.option("--speculate-method", default="draft", show_default=True,
+              type=click.Choice(["draft", "mtp", "inference_with_reference"]))
+@click.option("--draft-model", help="Draft model (default: the base model itself) or MTP module directory.")
+@click.option("--base-quant-types", default="none,weight_only_int8,weight_only_int4", show_default=True,
+              help="Comma-separated rows: none, weight_only_int8, weight_only_int4, a8w8, a8w8_fp8.")
+@click.option("--draft-quant-types", default="weight_only_int8,weight_only_int4", show_default=True,
+              help="Comma-separated columns (same names; ignored for inference_with_reference).")
+@click.option("--cachekv", default="none,int8", show_default=True, help="Comma-separated: none, int8, fp8.")
+@click.option("--prompts-file", type=click.Path(dir_okay=False), help="jsonl with `src` [default: 8 built-in prompts].")
+@click.option("--calib-dataset", help="Calibration data for a8w8 / static KV [default: a built-in text].")
+@click.option("--eval-text", type=click.Path(dir_okay=False), help="Held-out text for perplexity [default: built-in].")
+@click.option("--eval-windows", default=4, show_default=True, help="Perplexity windows of --eval-seq-len tokens.")
+@click.option("--eval-seq-len", default=256, show_default=True)
+@click.option("--max-new-tokens", default=64, show_default=True)
+@click.option("--speculate-max-draft-token-num", default=4, show_default=True, help="Draft tokens per step.")
+@click.option("--speculate-max-ngram-size", default=3, show_default=True)
+@click.option("--quant-method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq"]))
+@click.option("--group-size", default=128, show_default=True, help="Group size of weight_only_int4.")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--device", default="auto", show_default=True)
+@click.option("--cache-dir", help="Built artifacts, keyed by content [default: ~/.cache/quantspec/report-artifacts].")
+@click.option("--out", required=True, type=click.Path(), help="Report directory (report.md/.json/.png, cells/).")
+@click.option("--force", is_flag=True, help="Recompute finished cells instead of resuming.")
+@_one_line_errors
+def report(**kw):
+    """Measure which (base quant × draft quant × KV cache) pairs work, stay lossless, and how fast."""
+    from rich.console import Console
+
+    from quantspec import api
+    from quantspec.report import ReportConfig
+    from quantspec.report.render import rich_table
+
+    console = Console(stderr=True)
+    config = ReportConfig(**kw)
+
+    def progress(event, cell, i, total, result):
+        where = f"[{i + 1}/{total}] base {cell.base} · draft {cell.draft} · kv {cell.cachekv}"
+        if event == "start":
+            console.print(f"{where} …", style="dim")
+        elif event == "skip":
+            console.print(f"{where}: finished earlier, reused", style="dim")
+        elif result.supported:
+            console.print(f"{where}: {result.speedup:.2f}× · accept {100 * (result.acceptance_rate or 0):.0f}% · "
+                          f"{'lossless' if result.lossless else '[red]NOT lossless[/]'} ({result.elapsed_s:.0f} s)")
+        else:
+            console.print(f"{where}: [yellow]unsupported[/]: {result.reason}")
+
+    result = api.report(config, progress=progress)
+    Console().print(rich_table(result))
+    console.print(f"wrote {config.out}/report.md, report.json and the heatmap "
+                  f"({len(result.computed)} cells computed, {len(result.skipped)} reused)")
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id (unquantized)")
+@click.option("--dataset", required=True, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
+@click.option("--split", default="train", show_default=True)
+@click.option("--text-field", default="text", show_default=True, help="dataset column holding the text")
+@click.option("--num-samples", default=128, show_default=True, type=int)
+@click.option("--seq-len", default=512, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--observer", default="minmax", show_default=True, type=click.Choice(["minmax", "percentile", "mse"]))
+@click.option("--percentile", default=99.99, show_default=True, type=float, help="percentile observer: quantile of |x|")
+@click.option("--batch-size", default=8, show_default=True, type=int, help="samples per forward")
+@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--device-map", default=None, type=click.Choice(["auto", "cpu"]),
+              help="auto: stream one layer at a time from the checkpoint (models larger than memory)")
+@click.option("--offload-dir", default=None, type=click.Path(file_okay=False), help="with --device-map auto")
+@click.option("--out", required=True, type=click.Path(), help="table directory to write")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@_one_line_errors
+def calibrate(model, dataset, out, **kw):
+    """Measure static activation and KV-cache scales (scales.safetensors + calibration.json)."""
+    from rich.console import Console
+
+    from quantspec import api
+
+    console = Console(stderr=True)
+    bar, callback = _layer_progress(f"calibrate ({kw['observer']})")
+    with bar:
+        res = api.calibrate(model, dataset, out, progress=callback,
+                            on_status=lambda msg: bar.console.log(msg), **kw)
+    m = res.meta
+    console.print(f"[green]wrote[/] {res.path}  ({m['num_layers']} layers, {m['num_samples']} × "
+                  f"{m['seq_len']} tokens, observer {m['observer']}, fingerprint "
+                  f"{m['model_fingerprint']}, {res.wall_s:.1f} s)")

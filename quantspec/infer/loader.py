@@ -43,7 +43,7 @@ from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 from quantspec.quant.args import QuantConfig
 from quantspec.quant.artifact import read_provenance
 
-__all__ = ["LoadedModel", "load_for_inference", "read_eos_token_ids"]
+__all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "read_eos_token_ids"]
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _KV_NAMES = ("k_scale", "v_scale")
@@ -251,6 +251,20 @@ def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
     if left:  # a bug, not bad input: every name was checked above
         raise RuntimeError(f"{where}: tensors left unloaded: {left[:3]}")
     return net, k_scale, v_scale
+
+
+def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> torch.dtype:
+    """The activation dtype `--dtype auto` picks: float16 on CUDA (what the Triton kernels are
+    tuned for); on CPU bfloat16 for weight-only int8/int4 artifacts (torch's packed int8/int4 CPU
+    kernels take bf16 activations and are ~10x slower in fp32), float32 for everything else."""
+    if torch.device(device).type == "cuda":
+        return torch.float16
+    qc = read_config(resolve_model_dir(model)).get("quantization_config") or {}
+    groups = qc.get("config_groups") or {}
+    weight_only = bool(groups) and all(
+        (g.get("weights") or {}).get("type", "int") == "int" and not g.get("input_activations")
+        for g in groups.values())
+    return torch.bfloat16 if weight_only else torch.float32
 
 
 def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,

@@ -37,7 +37,7 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 @dataclass
 class InferConfig:
     model: str = DEFAULT_MODEL
-    dtype: str = "float32"
+    dtype: str = "auto"  # see resolve_dtype
     device: str = "auto"
     batch_size: int = 1
     src_length: int | None = None
@@ -63,8 +63,8 @@ class InferConfig:
     speculate_max_ngram_size: int = 3
 
     def __post_init__(self):
-        if self.dtype not in _DTYPES:
-            raise QuantSpecError(f"--dtype {self.dtype!r} is not supported; use one of {', '.join(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise QuantSpecError(f"--dtype {self.dtype!r} is not supported; use auto or one of {', '.join(_DTYPES)}")
         if self.max_new_tokens < 1:
             raise QuantSpecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_length <= 1:
@@ -99,6 +99,15 @@ class RequestOutput:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+
+
+def resolve_dtype(config: InferConfig) -> torch.dtype:
+    """The activation dtype: `--dtype`, or for `auto` the loader's per-artifact choice."""
+    if config.dtype != "auto":
+        return _DTYPES[config.dtype]
+    from quantspec.infer.loader import auto_dtype
+
+    return auto_dtype(config.model, config.device)
 
 
 def read_jsonl(path: str | Path, field_name: str = "src") -> list[dict]:
@@ -145,7 +154,7 @@ class Predictor:
         self.config = config
         from quantspec.infer.loader import load_for_inference
 
-        self.loaded = loaded or load_for_inference(config.model, dtype=_DTYPES[config.dtype], device=config.device)
+        self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device)
         self.tokenizer = self.loaded.tokenizer
         k_scale = v_scale = None
         cachekv = config.cachekv

@@ -253,13 +253,15 @@ class DraftModelProposer:
 
 
 def build_draft_proposer(config, loaded) -> DraftModelProposer:
-    """Load `config.draft_model` like the base (same dtype and device, any quant type), check its
+    """Load `config.draft_model` (the base's device; its own `auto` dtype; any quant type), check its
     tokenizer and vocabulary against the base, and build the proposer with the back-off policy."""
-    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.loader import auto_dtype, load_for_inference
 
     base = loaded.model
-    draft = load_for_inference(config.draft_model, dtype=base.model.norm.weight.dtype,
-                               device=base.model.norm.weight.device)
+    device = base.model.norm.weight.device
+    # the draft's own activation dtype: a weight-only int draft runs torch's packed bf16 ops on CPU
+    dtype = auto_dtype(config.draft_model, device) if config.dtype == "auto" else base.model.norm.weight.dtype
+    draft = load_for_inference(config.draft_model, dtype=dtype, device=device)
     check_draft_compatible(loaded.tokenizer, draft.tokenizer, str(config.model), str(config.draft_model))
     vocab = common_vocab_size(loaded.tokenizer, base.args.vocab_size, draft.model.args.vocab_size,
                               str(config.model), str(config.draft_model))
