@@ -91,6 +91,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--draft-model", help="Draft model or MTP module (directory or artifact).")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, help="Draft tokens per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, help="Longest n-gram tried first.")
+@click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
+              help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @_one_line_errors
@@ -216,15 +218,22 @@ def _gib(n) -> str:
 @click.option("--seq-len", default=512, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
-@click.option("--smoothquant-alpha", default=None, type=float, help="a8w8 types: SmoothQuant migration strength")
+@click.option("--smoothquant-alpha", default=None,
+              help="a8w8 types: SmoothQuant migration strength in (0, 1), or 'auto' (searched per "
+                   "smoothing group on calibration data)")
+@click.option("--a8w8-fallback-layers", "fallback_layers", default=0, show_default=True, type=int,
+              help="a8w8 types: keep the N Linears with the largest measured static-activation "
+                   "error at float activations (int8/fp8 weight-only, W8A16); listed in provenance")
+@click.option("--a8w8-fallback-threshold", "fallback_threshold", default=None, type=float,
+              help="a8w8 types: also fall back every Linear whose relative output MSE exceeds this")
 @click.option("--kv-cache", default=None, type=click.Choice(["int8", "fp8"]),
               help="store static KV-cache scales from --calib in the artifact (k_scale/v_scale)")
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @_one_line_errors
 def quantize(model, quant_type, method, group_size, symmetric, ignore, act_order, gptq_block_size, damp,
-             dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha, out, overwrite,
-             kv_cache=None):
+             dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
+             fallback_layers, fallback_threshold, out, overwrite, kv_cache=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
@@ -233,6 +242,12 @@ def quantize(model, quant_type, method, group_size, symmetric, ignore, act_order
     from quantspec import api
 
     console = Console(stderr=True)
+    if smoothquant_alpha is not None and smoothquant_alpha != "auto":
+        try:
+            smoothquant_alpha = float(smoothquant_alpha)
+        except ValueError:
+            raise click.BadParameter(f"{smoothquant_alpha!r} is neither a number nor 'auto'",
+                                     param_hint="--smoothquant-alpha") from None
     bar, callback = _layer_progress(f"{method} {quant_type}")
     t0 = time.perf_counter()
     with bar:
@@ -241,7 +256,8 @@ def quantize(model, quant_type, method, group_size, symmetric, ignore, act_order
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
-                            kv_cache=kv_cache, progress=callback)
+                            kv_cache=kv_cache, fallback_layers=fallback_layers,
+                            fallback_threshold=fallback_threshold, progress=callback)
     info = api.inspect(path)
     console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
                   f"{info.get('compression_ratio') or '?'}x smaller than the source, "
@@ -278,6 +294,11 @@ def inspect(path, as_json):
     if info.get("source_size_bytes"):
         head.add_row("source weights", _gib(info["source_size_bytes"]))
         head.add_row("compression ratio", f"{info['compression_ratio']}x")
+    if info.get("static_activation_linears") is not None:
+        head.add_row("static activations", f"{info['static_activation_linears']} of "
+                                           f"{len(info['layers'])} Linears")
+        if info.get("fallback_layers"):
+            head.add_row("fallback (weight-only)", ", ".join(info["fallback_layers"]))
     if info.get("kv_cache"):
         head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
                                  f"{info['kv_cache']['strategy']}")
@@ -409,6 +430,8 @@ def report(**kw):
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--observer", default="minmax", show_default=True, type=click.Choice(["minmax", "percentile", "mse"]))
 @click.option("--percentile", default=99.99, show_default=True, type=float, help="percentile observer: quantile of |x|")
+@click.option("--kv-observer", default=None, type=click.Choice(["minmax", "percentile", "mse"]),
+              help="observer of the K/V per-head scales (default: see calib/calibrate.py DEFAULT_KV_OBSERVER)")
 @click.option("--batch-size", default=8, show_default=True, type=int, help="samples per forward")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
 @click.option("--device-map", default=None, type=click.Choice(["auto", "cpu"]),

@@ -61,6 +61,9 @@ class InferConfig:
     draft_model: str | None = None
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
+    # adapt the number of drafts to measured acceptance and cost (spec/proposers.py); off: always
+    # draft speculate_max_draft_token_num tokens (what a compatibility measurement wants)
+    speculate_backoff: bool = True
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:

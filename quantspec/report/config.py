@@ -121,7 +121,7 @@ class ReportConfig:
     speculate_max_ngram_size: int = 3
     quant_method: str = "rtn"
     group_size: int = 128
-    dtype: str = "float32"
+    dtype: str = "auto"  # inference: the loader's per-artifact choice; calibration/eval: float32
     device: str = "auto"
     cache_dir: str | None = None
     force: bool = False

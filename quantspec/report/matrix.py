@@ -243,7 +243,7 @@ class _Run:
         def build():
             dataset = c.calib_dataset or str(self._builtin_file("builtin-calib.txt", DEFAULT_CALIB_TEXT))
             return self.cache.calibration(model, dataset, num_samples=c.calib_num_samples,
-                                          seq_len=c.calib_seq_len, dtype=c.dtype)
+                                          seq_len=c.calib_seq_len, dtype=_float_dtype(c.dtype))
 
         return self._memoized(("calib", model), build)
 
@@ -269,7 +269,10 @@ class _Run:
         if speculate:
             kw.update(speculate_method=c.speculate_method,
                       speculate_max_draft_token_num=c.speculate_max_draft_token_num,
-                      speculate_max_ngram_size=c.speculate_max_ngram_size)
+                      speculate_max_ngram_size=c.speculate_max_ngram_size,
+                      # measure the pair itself: always draft k tokens (the runtime's back-off would
+                      # stop drafting for a pair that does not pay, hiding its acceptance)
+                      speculate_backoff=False)
             if draft is not None:
                 kw["draft_model"] = str(draft)
         return InferConfig(model=str(model), dtype=c.dtype, device=c.device, max_new_tokens=c.max_new_tokens,
@@ -307,7 +310,7 @@ class _Run:
                 model = self.artifact(c.model, base)
                 text = Path(c.eval_text) if c.eval_text else self._builtin_file("builtin-eval.txt", DEFAULT_EVAL_TEXT)
                 rec = {"perplexity": self.pipeline.perplexity(str(model), text, windows=c.eval_windows,
-                                                              seq_len=c.eval_seq_len, dtype=c.dtype,
+                                                              seq_len=c.eval_seq_len, dtype=_float_dtype(c.dtype),
                                                               device=c.device)}
             except (KeyboardInterrupt, SystemExit):
                 raise
@@ -447,3 +450,8 @@ def run_report(config: ReportConfig, pipeline: Pipeline | None = None, progress:
 
         write_outputs(report, out)
     return report
+
+
+def _float_dtype(dtype: str) -> str:
+    """Calibration and perplexity run the float model: `auto` means float32 there."""
+    return "float32" if dtype == "auto" else dtype

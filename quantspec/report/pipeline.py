@@ -148,7 +148,7 @@ class Pipeline:
         """
         import torch
 
-        from quantspec.infer.predictor import _DTYPES, Predictor
+        from quantspec.infer.predictor import Predictor, resolve_dtype
 
         key = (str(config.model), config.dtype, config.device)
         loaded = self._loaded.get(key)
@@ -156,7 +156,7 @@ class Pipeline:
             from quantspec.infer.loader import load_for_inference
 
             self._loaded.clear()  # one base in memory at a time
-            loaded = load_for_inference(config.model, dtype=_DTYPES[config.dtype], device=config.device)
+            loaded = load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device)
             self._loaded[key] = loaded
         cuda = str(config.device).startswith("cuda")
         if cuda:

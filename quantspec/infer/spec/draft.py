@@ -270,7 +270,7 @@ def build_draft_proposer(config, loaded) -> DraftModelProposer:
     return DraftModelProposer(
         draft.model, vocab_size=vocab, target_vocab_size=base.args.vocab_size, max_draft_tokens=k,
         max_batch_size=config.batch_size, max_length=config.max_length, block_size=config.block_size,
-        policy=AdaptiveDraftLength(k, cost),
+        policy=AdaptiveDraftLength(k, cost) if getattr(config, "speculate_backoff", True) else None,
     )
 
 

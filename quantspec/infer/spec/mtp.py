@@ -179,4 +179,4 @@ def build_mtp_proposer(config, loaded) -> tuple[MTPProposer, int]:
     k = int(config.speculate_max_draft_token_num)
     device = base.model.norm.weight.device
     policy = AdaptiveDraftLength(k, SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base)))
-    return MTPProposer(mtp, k, policy=policy), k
+    return MTPProposer(mtp, k, policy=policy if getattr(config, "speculate_backoff", True) else None), k

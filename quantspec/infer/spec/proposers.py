@@ -305,7 +305,7 @@ def build_proposer(config, loaded):
         return None, 0
     device = loaded.model.model.norm.weight.device
     if method == "inference_with_reference":
-        policy = AdaptiveDraftLength(k, SpecCost.for_device(device))
+        policy = AdaptiveDraftLength(k, SpecCost.for_device(device)) if getattr(config, "speculate_backoff", True) else None
         return ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy), k
     if method == "draft":
         from quantspec.infer.spec.draft import build_draft_proposer
