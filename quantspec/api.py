@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
-__all__ = ["infer"]
+__all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "train_mtp"]
 
 
 def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | None = None,
@@ -30,3 +30,444 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     if output_file is not None:
         write_jsonl(output_file, [dict(r, output=o.text, output_token_ids=o.token_ids) for r, o in zip(rows, outs)])
     return outs, stats
+
+
+# ---- quantize / inspect / evaluate (issue 3) -----------------------------------------------------
+
+# files copied from the source model into an artifact (those that exist)
+_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
+                 "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
+                 "chat_template.jinja", "generation_config.json")
+
+
+# ---- train-mtp (issue 6, G2) ---------------------------------------------------------------------
+
+def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batch_size: int, on_status=None):
+    """Greedy chat answers of the base for `prompts`, with the base's pre-norm hidden state at
+    every fed position (captured by a forward hook on the engine's model, so nothing is run
+    twice). → list of (tokens [L] int64, hidden [L-1, D] bf16)."""
+    import torch
+
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.sampler import SamplingParams
+
+    encoded = []
+    for p in prompts:
+        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
+                                             add_generation_prompt=True)
+        encoded.append(tokenizer(text, add_special_tokens=False).input_ids)
+    max_len = max(len(e) for e in encoded) + max_new_tokens + 1
+    eng = Engine(base, EngineConfig(max_batch_size=batch_size, max_length=max_len),
+                 eos_token_ids=base.args.eos_token_ids)
+    seqs = [eng.add_request(ids, SamplingParams(max_new_tokens=max_new_tokens)) for ids in encoded]
+    chunks: dict[int, list] = {s.seq_id: [] for s in seqs}
+
+    def hook(_module, _inputs, hidden):  # hidden [T, D]: each running sequence's new tokens, in order
+        off = 0
+        for s in eng.running:
+            n = s.num_tokens - s.num_cached
+            chunks[s.seq_id].append(hidden[off:off + n].to(torch.bfloat16).cpu())
+            off += n
+
+    handle = base.register_forward_hook(hook)
+    try:
+        done = [0]
+
+        def on_step(events):
+            finished = sum(s.finished for s in seqs)
+            if on_status is not None and finished // 16 > done[0] // 16:
+                on_status(f"self-distillation: {finished}/{len(seqs)} answers generated")
+            done[0] = finished
+
+        eng.run(on_step)
+    finally:
+        handle.remove()
+    out = []
+    for s in seqs:
+        tokens = torch.tensor(s.tokens, dtype=torch.int64)
+        hidden = torch.cat(chunks[s.seq_id])[: len(tokens) - 1]  # the last token is never fed
+        out.append((tokens, hidden))
+    return out
+
+
+def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,
+              *, split: str = "train", text_field: str = "text", steps: int = 300, seq_len: int = 256,
+              batch_size: int = 2, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
+              chat_prompts: list[str] | None = None, max_new_tokens: int = 160, gen_batch_size: int = 64,
+              draft_vocab_size: int = 4096, chain_weight: float = 0.5, save_every: int = 50, seed: int = 0,
+              resume: bool = False, on_step=None, on_status=None) -> dict:
+    """Train an MTP module for the frozen `model` (`quantspec zoo train-mtp`); writes the MTP
+    artifact (config.json + model.safetensors) and `train_state.pt` into `out`.
+
+    Data: `num_samples` windows of `seq_len` tokens from `dataset` (calib's loader/packer), and —
+    with `self_distill` — the base's own greedy answers (`max_new_tokens`) to `chat_prompts`
+    (default: `model_zoo.mtp_train.CHAT_PROMPTS`), whose hidden states are captured while
+    generating. Each step trains on `batch_size * seq_len` positions. `on_step(step, steps,
+    loss)` and `on_status(message)` report progress. Returns a summary dict.
+    """
+    import time
+
+    import torch
+    from transformers import AutoTokenizer
+
+    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+    from quantspec.errors import QuantSpecError
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, MTPFeatures, MTPTrainConfig, choose_draft_vocab,
+                                               extract_features, features_from_hidden, init_mtp)
+    from quantspec.model_zoo.mtp_train import train_mtp as _train
+
+    if out is None:
+        raise QuantSpecError("--out is required: the directory to write the MTP module to")
+    if dataset is None and not self_distill:
+        raise QuantSpecError("no training data: pass --dataset, or keep --self-distill")
+    config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, chain_weight=chain_weight,
+                            save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size)
+    say = on_status or (lambda _m: None)
+    t0 = time.perf_counter()
+    base, model_dir = load_model(model)
+    for p in base.parameters():
+        p.requires_grad_(False)
+    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
+    parts, data = [], {"self_distill": self_distill}
+    if dataset is not None:
+        texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
+        batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
+        say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
+        parts.append(extract_features(base, batches, self_distill=self_distill))
+        data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]), seq_len=seq_len)
+    if self_distill:
+        prompts = list(CHAT_PROMPTS if chat_prompts is None else chat_prompts)
+        say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
+        gens = _generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                     batch_size=gen_batch_size, on_status=on_status)
+        parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
+        data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens), max_new_tokens=max_new_tokens)
+    features = MTPFeatures.cat(parts)
+    with torch.no_grad():
+        vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
+    covered = torch.isin(features.tgt1[features.tgt1 >= 0], vocab).float().mean().item()
+    say(f"{len(features)} training positions; draft vocabulary {vocab.numel()} tokens covers {covered:.1%} of targets")
+    mtp = init_mtp(base, vocab, seed)
+    data.update(positions=len(features), draft_vocab_coverage=round(covered, 4), base=str(model))
+    res = _train(mtp, features, config, out, resume=resume, extra_config=data, on_step=on_step)
+    res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
+    return res
+
+
+def _dir_bytes(path, pattern: str = "*") -> int:
+    return sum(f.stat().st_size for f in Path(path).glob(pattern) if f.is_file())
+
+
+def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_int8",
+             out: str | Path | None = None, *, method: str = "rtn", group_size: int = 128,
+             symmetric: bool = True, ignore=(), act_order: bool = False, block_size: int = 128,
+             damp: float = 0.01, dataset: str | None = None, split: str = "train",
+             text_field: str = "text", num_samples: int = 128, seq_len: int = 512, seed: int = 0,
+             calib: str | Path | None = None, smoothquant_alpha: float | str | None = None,
+             kv_cache: str | None = None, fallback_layers: int = 0,
+             fallback_threshold: float | None = None, search_samples: int = 4,
+             overwrite: bool = False, progress=None) -> Path:
+    """Quantize a checkpoint into an artifact directory at `out`; returns its path.
+
+    The artifact: config.json = the source config + `quantization_config` (compressed-tensors
+    layout, per-layer groups where the group size does not divide K), model.safetensors in
+    compressed-tensors names, tokenizer + generation config copied, and `quantspec.json`
+    provenance (version, method, args, calibration summary, source fingerprint and size, wall
+    time). Written atomically: on any error or Ctrl-C `out` is left as it was.
+    `progress(layer, num_layers, phase)` is called per decoder layer.
+    a8w8 / a8w8_fp8 only: `smoothquant_alpha="auto"` searches α per smoothing group, and
+    `fallback_layers=N` (or `fallback_threshold`) keeps the N Linears with the largest measured
+    static-quantization error at float activations (W8A16), both measured on `search_samples`
+    calibration samples (`dataset`, or the table's own dataset) — see `calib/sensitivity.py`.
+    """
+    import time
+
+    import torch
+
+    from quantspec import __version__
+    from quantspec.calib.ptq import METHODS, quantize_model
+    from quantspec.errors import QuantSpecError
+    from quantspec.model_zoo.checkpoint import load_model, read_config, resolve_model_dir
+    from quantspec.quant.args import QuantType, preset
+    from quantspec.quant.artifact import write_artifact
+
+    t0 = time.perf_counter()
+    qt = QuantType.parse(quant_type)
+    if method not in METHODS:
+        raise QuantSpecError(f"unknown --method {method!r}; use one of: {', '.join(METHODS)}")
+    if out is None:
+        raise QuantSpecError("--out is required: the directory to write the artifact to")
+    out = Path(out)
+    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
+        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or "
+                             "pass --overwrite")
+    if method == "gptq" and dataset is None:
+        raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
+                             ".txt/.json/.jsonl/.parquet file or a hub id)")
+    if isinstance(ignore, str):
+        ignore = (ignore,)
+    needs_table = qt in (QuantType.A8W8, QuantType.A8W8_FP8)
+    if smoothquant_alpha is not None:
+        if not needs_table:
+            raise QuantSpecError("--smoothquant-alpha only helps a8w8 / a8w8_fp8 (it moves "
+                                 "activation outliers into the weights); drop it")
+        if smoothquant_alpha == "auto":
+            pass
+        elif isinstance(smoothquant_alpha, str) or not 0 < smoothquant_alpha < 1:
+            raise QuantSpecError(f"--smoothquant-alpha {smoothquant_alpha} must be in (0, 1), e.g. 0.5")
+    if needs_table and calib is None:
+        raise QuantSpecError(f"{qt.value} needs static activation scales; run `quantspec "
+                             "calibrate --out DIR` and pass --calib DIR")
+    if kv_cache is not None and calib is None:
+        raise QuantSpecError(f"--kv-cache {kv_cache} stores static KV scales in the artifact; "
+                             "run `quantspec calibrate --out DIR` and pass --calib DIR")
+    config = preset(qt, group_size=group_size, symmetric=symmetric,
+                    ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
+
+    model_dir = resolve_model_dir(model)
+    src_cfg = read_config(model_dir)
+    if src_cfg.get("quantization_config"):
+        raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
+    src_dtype = getattr(torch, str(src_cfg.get("torch_dtype") or src_cfg.get("dtype") or "float32"),
+                        torch.float32)
+    if not isinstance(src_dtype, torch.dtype) or not src_dtype.is_floating_point:
+        src_dtype = torch.float32
+    net, _ = load_model(model_dir, dtype=torch.float32)
+
+    calib_summary: dict = {}
+    batches = None
+    if method == "gptq":
+        from transformers import AutoTokenizer
+
+        from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+
+        texts = load_calibration_texts(dataset, split=split, text_field=text_field)
+        tok = AutoTokenizer.from_pretrained(str(model_dir))
+        batches = build_calibration_batches(texts, tok, num_samples, seq_len, seed)
+        calib_summary.update(dataset=str(dataset), split=split, text_field=text_field,
+                             num_samples=num_samples, seq_len=seq_len, seed=seed,
+                             num_texts=len(texts))
+    if (fallback_layers or fallback_threshold is not None) and not needs_table:
+        raise QuantSpecError("--a8w8-fallback-layers is for a8w8 / a8w8_fp8 (weight-only types "
+                             "have no activation quantization to fall back from); drop it")
+    input_scales = table = plan = None
+    if needs_table:
+        from quantspec.calib.tables import read_table
+
+        table = read_table(calib, model_dir=model_dir)
+        table.check_model(net)
+        search_ids = None
+        if smoothquant_alpha == "auto" or fallback_layers or fallback_threshold is not None:
+            search_ids = _table_batches(table, model_dir, dataset, split, text_field, search_samples,
+                                        seed)
+        from quantspec.calib.sensitivity import plan_static_quant
+
+        # smooths `net` in place (fixed or searched α), measures and picks fallback Linears
+        plan = plan_static_quant(net, table, qt, smoothquant_alpha=smoothquant_alpha,
+                                 input_ids=search_ids, fallback_layers=fallback_layers,
+                                 fallback_threshold=fallback_threshold)
+        input_scales = plan.input_scales
+        if plan.fallback:
+            from quantspec.calib.sensitivity import with_fallback_layers
+
+            config = with_fallback_layers(config, plan.fallback)
+    elif kv_cache is not None:
+        from quantspec.calib.tables import read_table
+
+        table = read_table(calib, model_dir=model_dir)
+    if table is not None:
+        calib_summary.update(calib=str(calib), calibration=table.meta,
+                             smoothquant_alpha=smoothquant_alpha, kv_cache=kv_cache)
+    if plan is not None:
+        calib_summary.update(static_plan=plan.summary(), search_samples=search_samples)
+
+    res = quantize_model(net, config, method, batches, block_size=block_size, damp=damp,
+                         act_order=act_order, input_scales=input_scales, scale_dtype=src_dtype,
+                         out_dtype=src_dtype, progress=progress)
+    if kv_cache is not None:  # k_scale / v_scale [KV, 1, 1] per attention (compressed-tensors)
+        kv_kind = "fp8" if config.kv_cache_scheme.type == "float" else "int8"
+        res.tensors.update(table.kv_artifact_tensors(kv_kind))
+    cfg = dict(src_cfg)
+    cfg["quantization_config"] = res.config.to_dict()
+    extra = {f: model_dir / f for f in _COPIED_FILES if (model_dir / f).is_file()}
+    try:
+        from quantspec.calib.tables import model_fingerprint
+
+        fingerprint = model_fingerprint(model_dir)
+    except Exception:  # provenance only: never fail a quantization over it
+        fingerprint = None
+    provenance = {
+        "quantspec_version": __version__,
+        "source_model": str(model), "source_dir": str(model_dir),
+        "source_size_bytes": _dir_bytes(model_dir, "*.safetensors"),
+        "model_fingerprint": fingerprint,
+        "quant_type": qt.value, "method": method,
+        "args": {"group_size": group_size, "symmetric": symmetric, "ignore": list(config.ignore),
+                 "act_order": act_order, "block_size": block_size, "damp": damp},
+        "calibration": calib_summary or None,
+        "ptq": res.summary,
+        "wall_time_s": round(time.perf_counter() - t0, 3),
+    }
+    return write_artifact(out, res.tensors, cfg, extra_files=extra,
+                          provenance={"quant_type": qt.value, "provenance": provenance},
+                          overwrite=overwrite)
+
+
+def _table_batches(table, model_dir, dataset, split, text_field, num_samples, seed):
+    """Calibration tokens [n, S] for measured choices: `dataset` if given, else the dataset the
+    table was calibrated on (its calibration.json), at the table's seq_len."""
+    from transformers import AutoTokenizer
+
+    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+    from quantspec.errors import QuantSpecError
+
+    meta = table.meta or {}
+    src = dataset or meta.get("dataset_path") or meta.get("dataset")
+    if src is None:
+        raise QuantSpecError("α search / layer fallback need calibration data; pass --dataset")
+    if dataset is None:
+        split, text_field = meta.get("split", split), meta.get("text_field", text_field)
+    seq_len = int(meta.get("seq_len") or 512)
+    texts = load_calibration_texts(str(src), split=split, text_field=text_field)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    n = min(num_samples, int(meta.get("num_samples") or num_samples))
+    return build_calibration_batches(texts, tok, n, seq_len, seed)
+
+
+def inspect(path: str | Path) -> dict:
+    """What an artifact (or plain checkpoint) holds: scheme, per-Linear bits / group size,
+    size on disk and compression ratio vs the source (from provenance)."""
+    from safetensors import safe_open
+
+    from quantspec.errors import QuantSpecError
+    from quantspec.model_zoo.checkpoint import resolve_model_dir, safetensors_files
+    from quantspec.quant.artifact import read_provenance, read_quant_config
+
+    d = resolve_model_dir(path)
+    qc = read_quant_config(d)
+    files = safetensors_files(d)
+    names: list[str] = []
+    for f in files:
+        with safe_open(str(f), framework="pt") as h:
+            names.extend(h.keys())
+    weights_bytes = sum(f.stat().st_size for f in files)
+    meta = read_provenance(d)
+    prov = meta.get("provenance") or {}
+    out = {"path": str(d), "quantized": qc is not None, "size_bytes": _dir_bytes(d),
+           "weights_bytes": weights_bytes, "num_tensors": len(names)}
+    if qc is None:
+        return out
+    layers = {}
+    for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(".weight_scale")}):
+        s = qc.scheme_for(n)
+        if s is None or s.weights is None:
+            raise QuantSpecError(f"{d}: {n} has quantized tensors but the quantization_config does "
+                                 "not quantize it; the artifact is inconsistent")
+        w = s.weights
+        layers[n] = {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
+                     "group_size": w.group_size if w.strategy == "group" else None,
+                     "symmetric": w.symmetric, "format": s.format,
+                     "input_activations": None if s.input_activations is None
+                     else f"{s.input_activations.type}{s.input_activations.num_bits} "
+                          f"{s.input_activations.strategy} static"}
+    src = prov.get("source_size_bytes")
+    out.update(
+        quant_type=None if qc.quant_type is None else qc.quant_type.value,
+        format=qc.format, ignore=list(qc.ignore),
+        kv_cache=None if qc.kv_cache_scheme is None else qc.kv_cache_scheme.to_dict(),
+        config_groups={g: sc.to_dict() for g, sc in qc.config_groups.items()},
+        layers=layers, source_size_bytes=src,
+        compression_ratio=None if not src else round(src / weights_bytes, 3),
+        method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
+        calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
+    )
+    if any(s.input_activations is not None for s in qc.config_groups.values()):
+        # a8w8 types: how many Linears run static activations, and which fell back (W8A16)
+        out["static_activation_linears"] = sum(d["input_activations"] is not None
+                                               for d in layers.values())
+        out["fallback_layers"] = [n for n, d in layers.items() if d["input_activations"] is None]
+    return out
+
+
+def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None = None,
+             dataset: str | None = None, split: str = "test", text_field: str = "text",
+             seq_len: int = 512, max_windows: int | None = None, batch_size: int = 4,
+             dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto",
+             calib: str | Path | None = None, progress=None) -> dict:
+    """Perplexity of a model or artifact on a text file or dataset, through the inference path
+    (paged KV cache; a static int8/fp8 KV cache with `kv_cache_dtype` takes its scales from
+    `calib` or from the artifact). Returns `PerplexityResult.to_dict()` + model and source."""
+    import torch
+
+    from quantspec.errors import QuantSpecError
+    from quantspec.infer.evaluate import load_eval_tokens, load_for_eval, perplexity
+
+    dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+    if dtype not in dtypes:
+        raise QuantSpecError(f"unknown --dtype {dtype!r}; use one of: {', '.join(dtypes)}")
+    if kv_cache_dtype not in ("auto", "int8", "fp8"):
+        raise QuantSpecError(f"unknown kv cache dtype {kv_cache_dtype!r}; use auto, int8 or fp8")
+    if (text_file is None) == (dataset is None):
+        raise QuantSpecError("pass exactly one of --text-file or --dataset")
+    em = load_for_eval(str(model), dtypes[dtype], device)
+    ids = load_eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
+                           text_field=text_field)
+    k_scale = v_scale = None
+    if kv_cache_dtype != "auto":
+        if calib is not None:
+            from quantspec.calib.tables import read_table
+
+            k_scale, v_scale = read_table(calib, model_dir=em.model_dir).kv_scales(kv_cache_dtype)
+        elif em.k_scale is not None:
+            k_scale, v_scale = em.k_scale, em.v_scale
+        else:
+            raise QuantSpecError(f"a static {kv_cache_dtype} KV cache needs scales: pass --calib DIR "
+                                 "from `quantspec calibrate`, or an artifact that stores k/v scales")
+    res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
+                     batch_size=batch_size, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                     v_scale=v_scale, progress=progress)
+    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict()}
+
+
+def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str | Path | None = None,
+              *, split: str = "train", text_field: str = "text", num_samples: int = 128,
+              seq_len: int = 512, seed: int = 0, observer: str = "minmax",
+              percentile: float = 99.99, kv_observer: str | None = None, device_map: str | None = None,
+              offload_dir: str | Path | None = None, batch_size: int = 8, dtype: str = "float32",
+              overwrite: bool = False, progress=None, on_status=None):
+    """Measure static activation + KV-cache scales of `model` on `dataset`; write the table `out`.
+
+    Returns a `calib.calibrate.CalibrationResult` (path, meta, wall_s). `progress(i, L, phase)`
+    is called per decoder layer. See `quantspec.calib.calibrate` and `quantspec.calib.tables`.
+    """
+    from quantspec.calib.calibrate import CalibrateConfig, run_calibration
+
+    config = CalibrateConfig(
+        dataset=None if dataset is None else str(dataset), out=None if out is None else str(out),
+        model=str(model), split=split, text_field=text_field, num_samples=num_samples,
+        seq_len=seq_len, seed=seed, observer=observer, percentile=percentile,
+        kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device_map=device_map,
+        offload_dir=None if offload_dir is None else str(offload_dir), overwrite=overwrite)
+    return run_calibration(config, progress=progress, on_status=on_status)
+
+
+def report(config=None, *, progress=None, **kwargs):
+    """The per-pair compatibility matrix (`quantspec report`); returns a `report.matrix.Report`.
+
+    `config` is a `report.config.ReportConfig`, or pass its fields as keyword arguments
+    (`out=` is required). The report runs this module's own `quantize`, `calibrate` and
+    `evaluate`, so its artifacts are exactly what those commands make. `progress(event, cell,
+    index, total, result)` is called around each cell ("start" / "done" / "skip").
+    """
+    from quantspec.report import Pipeline, ReportConfig, run_report
+
+    if config is None:
+        config = ReportConfig(**kwargs)
+    elif kwargs:
+        from quantspec.errors import QuantSpecError
+
+        raise QuantSpecError("pass either a ReportConfig or keyword arguments to report(), not both")
+    pipeline = Pipeline(quantize=globals().get("quantize"), evaluate=globals().get("evaluate"),
+                        calibrate=globals().get("calibrate"))
+    return run_report(config, pipeline, progress=progress)

@@ -1,0 +1,273 @@
+"""The layer-by-layer runner: a calibration batch through a decoder one layer at a time.
+
+This file owns the loop that GPTQ (`calib/ptq.py`) and activation / KV-cache calibration share:
+
+1. embed the calibration batch `input_ids [n, S]` once → `x [n, S, D]`;
+2. for each decoder layer i, hand the caller a `LayerStep` (the layer, its name, its inputs) so it
+   can attach hooks — forward pre-hooks on the Linears that feed `HessianAccumulator`s or
+   observers, and the attention's `kv_hook(layer, k [B, S, KV, hd], v)` through a
+   `DenseCausalAttention`;
+3. run the layer over all samples in mini-batches of `batch_size` samples (bounds the attention's
+   memory) → `y [n, S, D]`;
+4. let the caller modify the layer (e.g. quantize it) and, in *sequential* mode, re-run the
+   modified layer so that the next layer's inputs are the outputs of the quantized one (GPTQ's
+   sequential mode: errors of earlier layers are seen, and compensated, by later ones);
+5. drop the inputs: `y` becomes the next layer's `x`. Only one layer's inputs and outputs are held.
+
+Every mini-batch output is checked for NaN/Inf; a non-finite value raises `QuantSpecError` naming
+the layer (e.g. fp16 overflow, or a broken quantization).
+
+Offload mode (`weights_dir=`): for models larger than memory the `Transformer` may be built on the
+`meta` device; the runner then reads the embedding and each layer's tensors from the checkpoint's
+safetensors (`safe_open`, one layer's tensors at a time) just before the layer runs, and — unless
+`keep_layers=True` — returns them to `meta` once the step is done. This is the simple, honest
+"load one layer at a time" scheme (no accelerate hooks): peak memory is one layer's weights plus
+one layer's activations. The caller's `after` hook must save whatever it wants from the layer
+(e.g. its quantized tensors) before the layer is released.
+
+Use the iterator (`for step in LayerRunner(...)`) or the callback wrapper `run_layers`.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Callable, Iterator
+
+import torch
+from torch import nn
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
+
+__all__ = ["DEFAULT_BATCH_SIZE", "LayerRunner", "LayerStep", "run_layers", "layer_prefix"]
+
+# samples per forward: 8 × 512 tokens keeps SmolLM2's attention scores (8 × 9 × 512²) ≈ 75 MB
+DEFAULT_BATCH_SIZE = 8
+
+KVHook = Callable[[int, torch.Tensor, torch.Tensor], None]
+Progress = Callable[[int, int, str], None]  # (layer index, num layers, phase) — phase "start"/"done"
+
+
+def layer_prefix(i: int) -> str:
+    """The HF module name of decoder layer i (`model.layers.{i}`)."""
+    return f"model.layers.{i}"
+
+
+@dataclass
+class LayerStep:
+    """One decoder layer's turn in the runner.
+
+    `inputs` [n, S, D] are the layer's inputs (read-only); `outputs` [n, S, D] are filled by
+    `forward()` and recomputed by `propagate()`; after the step they become the next inputs.
+    """
+
+    index: int
+    name: str
+    layer: nn.Module
+    inputs: torch.Tensor
+    _runner: "LayerRunner" = field(repr=False)
+    outputs: torch.Tensor | None = None
+
+    def forward(self, kv_hook: KVHook | None = None) -> torch.Tensor:
+        """Run the layer over all samples (the hooks attached to it fire) → outputs [n, S, D]."""
+        self.outputs = self._runner._run_layer(self, kv_hook)
+        return self.outputs
+
+    def propagate(self) -> torch.Tensor:
+        """Re-run the (modified) layer so the next layer sees its outputs (sequential mode)."""
+        return self.forward(None)
+
+
+class LayerRunner:
+    """Iterate a calibration batch through the decoder layer by layer (module docstring).
+
+    model: a `Transformer` (materialised, or on `meta` with `weights_dir` set).
+    input_ids: LongTensor [n, S]. batch_size: samples per forward. device: where activations
+    and (in offload mode) the loaded layer live; defaults to the model's norm device (CPU for
+    meta). After the loop, `hidden` holds the last layer's outputs [n, S, D] (pre final norm).
+    """
+
+    def __init__(self, model: Transformer, input_ids: torch.Tensor, *,
+                 batch_size: int = DEFAULT_BATCH_SIZE, weights_dir: str | Path | None = None,
+                 keep_layers: bool = False, device: str | torch.device | None = None,
+                 dtype: torch.dtype | None = None, progress: Progress | None = None):
+        if not isinstance(model, Transformer):
+            raise QuantSpecError(f"LayerRunner needs a quantspec Transformer, got {type(model).__name__}")
+        if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long:
+            raise QuantSpecError("input_ids must be a LongTensor [num_samples, seq_len] "
+                                 "(see calib.data.build_calibration_batches)")
+        if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
+            raise QuantSpecError(f"input_ids has shape {tuple(input_ids.shape)}; need at least one "
+                                 "sample of at least one token")
+        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+            raise QuantSpecError(f"batch_size={batch_size!r} must be a positive int")
+        vocab = model.args.vocab_size
+        if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
+            raise QuantSpecError(f"input_ids hold token ids outside [0, {vocab}); the tokenizer "
+                                 "does not match the model")
+        self.model, self.input_ids, self.batch_size = model, input_ids, batch_size
+        self.keep_layers, self.progress = keep_layers, progress
+        on_meta = model.model.norm.weight.device.type == "meta"
+        if on_meta and weights_dir is None:
+            raise QuantSpecError("the model is on the meta device; pass weights_dir= (the "
+                                 "checkpoint directory) so layers are loaded one at a time")
+        self.weights_dir = None if weights_dir is None else Path(weights_dir)
+        self._index = _tensor_index(self.weights_dir) if self.weights_dir is not None else None
+        self.device = torch.device(device) if device is not None else (
+            torch.device("cpu") if on_meta else model.model.norm.weight.device)
+        self.dtype = dtype or model.model.norm.weight.dtype
+        self.hidden: torch.Tensor | None = None
+        n, S = input_ids.shape
+        self._cos, self._sin = _rope_tables(model, S, self.device)  # [S, hd]
+
+    @property
+    def num_layers(self) -> int:
+        return len(self.model.model.layers)
+
+    # ---- offload -----------------------------------------------------------------------------
+    def _materialise(self, module: nn.Module, prefix: str) -> None:
+        """Load `module`'s parameters from the checkpoint (offload mode only)."""
+        if self._index is None:
+            return
+        names = [f"{prefix}.{k}" for k in module.state_dict()]
+        tensors = _read_tensors(self.weights_dir, self._index, names)
+        state = {k[len(prefix) + 1:]: v.to(self.device, self.dtype) for k, v in tensors.items()}
+        module.load_state_dict(state, assign=True, strict=True)
+
+    def _release(self, module: nn.Module) -> None:
+        if self._index is not None and not self.keep_layers:
+            module.to_empty(device="meta")
+
+    # ---- the loop ----------------------------------------------------------------------------
+    @torch.no_grad()
+    def _embed(self) -> torch.Tensor:
+        emb = self.model.model.embed_tokens
+        on_meta = emb.weight.device.type == "meta"
+        if on_meta:
+            self._materialise(emb, "model.embed_tokens")
+        x = emb(self.input_ids.to(self.device)).to(self.dtype)  # [n, S, D]
+        if on_meta:
+            self._release(emb)
+        return x
+
+    @torch.no_grad()
+    def _run_layer(self, step: LayerStep, kv_hook: KVHook | None) -> torch.Tensor:
+        x = step.inputs
+        n, S, D = x.shape
+        out = torch.empty_like(x)  # [n, S, D]
+        for b0 in range(0, n, self.batch_size):
+            xb = x[b0:b0 + self.batch_size]  # [b, S, D]
+            b = xb.shape[0]
+            cos = self._cos.repeat(b, 1)  # [b*S, hd]
+            sin = self._sin.repeat(b, 1)
+            attn = DenseCausalAttention(b, S, kv_hook)
+            yb = step.layer(xb.reshape(b * S, D), cos, sin, attn)  # [b*S, D]
+            if not torch.isfinite(yb).all():
+                raise QuantSpecError(f"{step.name} produced NaN/Inf on calibration samples "
+                                     f"{b0}..{b0 + b - 1}; use a wider dtype (--dtype float32) or "
+                                     "check this layer's weights")
+            out[b0:b0 + b] = yb.view(b, S, D)
+        return out
+
+    def __iter__(self) -> Iterator[LayerStep]:
+        x = self._embed()
+        if not torch.isfinite(x).all():
+            raise QuantSpecError("model.embed_tokens produced NaN/Inf; the checkpoint is corrupt")
+        L = self.num_layers
+        for i, layer in enumerate(self.model.model.layers):
+            name = layer_prefix(i)
+            if self.progress is not None:
+                self.progress(i, L, "start")
+            if self._index is not None and next(layer.parameters()).device.type == "meta":
+                self._materialise(layer, name)
+            step = LayerStep(index=i, name=name, layer=layer, inputs=x, _runner=self)
+            yield step
+            if step.outputs is None:  # the caller only looked: run it now
+                step.forward()
+            x = step.outputs
+            step.inputs = step.outputs = None  # the previous activations can be freed
+            self._release(layer)
+            if self.progress is not None:
+                self.progress(i, L, "done")
+        self.hidden = x
+
+
+def run_layers(model: Transformer, input_ids: torch.Tensor, *,
+               before: Callable[[LayerStep], Callable[[], None] | None] | None = None,
+               after: Callable[[LayerStep], None] | None = None,
+               kv_hook: KVHook | None = None, sequential: bool = False,
+               batch_size: int = DEFAULT_BATCH_SIZE, weights_dir: str | Path | None = None,
+               keep_layers: bool = False, device=None, dtype=None,
+               progress: Progress | None = None) -> torch.Tensor:
+    """Callback form of `LayerRunner`; returns the last layer's outputs [n, S, D].
+
+    Per layer: `before(step)` (attach hooks; may return a cleanup function, called after the
+    forward), `step.forward(kv_hook)`, cleanup, `after(step)` (e.g. quantize the layer), and in
+    `sequential` mode `step.propagate()` so the next layer's inputs come from the modified layer.
+    """
+    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights_dir=weights_dir,
+                         keep_layers=keep_layers, device=device, dtype=dtype, progress=progress)
+    with torch.no_grad():
+        _drive(runner, before, after, kv_hook, sequential)
+    return runner.hidden
+
+
+def _drive(runner, before, after, kv_hook, sequential) -> None:
+    for step in runner:
+        cleanup = before(step) if before is not None else None
+        try:
+            step.forward(kv_hook)
+        finally:
+            if cleanup is not None:
+                cleanup()
+        if after is not None:
+            after(step)
+        if sequential:
+            step.propagate()
+
+
+# ---------------------------------------------------------------------------------------------
+# helpers
+
+
+def _rope_tables(model: Transformer, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos/sin [S, hd] for positions 0..S-1 (built here on meta models)."""
+    from quantspec.model_zoo.llama import rope_cos_sin
+
+    if model.cos is not None and model.cos.device.type != "meta" and model._rope_len >= S:
+        return model.cos[:S].to(device), model.sin[:S].to(device)
+    return rope_cos_sin(model.args, S, device)
+
+
+def _tensor_index(model_dir: Path) -> dict[str, Path]:
+    """tensor name → safetensors file holding it (single file or sharded with an index)."""
+    from safetensors import safe_open
+
+    from quantspec.model_zoo.checkpoint import safetensors_files
+
+    index_file = model_dir / "model.safetensors.index.json"
+    if index_file.exists():
+        return {k: model_dir / f for k, f in json.loads(index_file.read_text())["weight_map"].items()}
+    out: dict[str, Path] = {}
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as h:
+            out.update({k: f for k in h.keys()})
+    return out
+
+
+def _read_tensors(model_dir: Path, index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
+    from safetensors import safe_open
+
+    missing = [n for n in names if n not in index]
+    if missing:
+        raise QuantSpecError(f"{model_dir} lacks {missing[0]}; the checkpoint is incomplete")
+    by_file: dict[Path, list[str]] = {}
+    for n in names:
+        by_file.setdefault(index[n], []).append(n)
+    out = {}
+    for f, ns in by_file.items():
+        with safe_open(str(f), framework="pt") as h:
+            out.update({n: h.get_tensor(n) for n in ns})
+    return out

@@ -1,0 +1,199 @@
+"""Perplexity through the inference path: the model the engine runs, over the paged KV cache.
+
+This file owns `perplexity` (token ids → NLL / perplexity), `load_eval_tokens` (a text file or
+a dataset → token ids) and `load_for_eval` (the model the engine would run: E1's
+`infer.loader.load_for_inference` when it is there; until then a fallback that loads plain HF
+checkpoints with `model_zoo.load_model` and quantized artifacts by dequantizing every quantized
+Linear into a plain fp weight — same numbers as dequantize + matmul, not the packed kernels). The text is tokenized as one stream (no special tokens added; dataset rows
+joined with blank lines) and cut into non-overlapping windows of `seq_len` tokens (the tail that
+does not fill a window is dropped; `max_windows` keeps the first N). Each batch of windows is one
+prefill of the `Transformer` with a `PagedAttention` backend over a `PagedKVCache` — exactly how
+the engine runs a prompt — so a static int8/fp8 KV cache (`kv_cache_dtype` + `k_scale`/`v_scale`
+[num_layers, num_kv_heads]) and quantized linears affect perplexity as they affect generation.
+
+Per window of tokens t_0..t_{S-1}, the NLL of t_1..t_{S-1} given their prefixes is summed;
+perplexity = exp(total NLL / number of predicted tokens).
+"""
+
+from __future__ import annotations
+
+import math
+import time
+from dataclasses import asdict, dataclass
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
+from quantspec.model_zoo.llama import Transformer
+
+__all__ = ["PerplexityResult", "perplexity", "load_eval_tokens", "load_for_eval", "windows"]
+
+DEFAULT_BLOCK_SIZE = 64
+
+
+@dataclass
+class PerplexityResult:
+    perplexity: float
+    nll: float  # mean NLL per predicted token (nats)
+    num_windows: int
+    num_tokens: int  # predicted tokens: num_windows * (seq_len - 1)
+    seq_len: int
+    kv_cache_dtype: str
+    seconds: float
+
+    def to_dict(self) -> dict:
+        return asdict(self)
+
+
+def windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
+    """token_ids [N] → non-overlapping windows [W, seq_len] (tail dropped, first max_windows)."""
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise QuantSpecError(f"seq_len={seq_len!r} must be an int ≥ 2")
+    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
+                                    or max_windows <= 0):
+        raise QuantSpecError(f"max_windows={max_windows!r} must be a positive int")
+    n = token_ids.numel() // seq_len
+    if n == 0:
+        raise QuantSpecError(f"the text has {token_ids.numel()} tokens, fewer than --seq-len "
+                             f"{seq_len}; pass more text or a smaller --seq-len")
+    if max_windows is not None:
+        n = min(n, max_windows)
+    return token_ids[: n * seq_len].view(n, seq_len)
+
+
+def load_eval_tokens(tokenizer, *, text_file=None, dataset: str | None = None, split: str = "test",
+                     text_field: str = "text") -> torch.Tensor:
+    """Tokenize a text file or a dataset's texts (joined with blank lines) → LongTensor [N]."""
+    from quantspec.calib.data import load_calibration_texts, load_text_file_for_eval
+
+    if (text_file is None) == (dataset is None):
+        raise QuantSpecError("pass exactly one of --text-file or --dataset")
+    if text_file is not None:
+        text = load_text_file_for_eval(text_file)
+    else:
+        text = "\n\n".join(load_calibration_texts(dataset, split=split, text_field=text_field))
+    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
+    return torch.tensor(ids, dtype=torch.long)
+
+
+@dataclass
+class EvalModel:
+    model: Transformer
+    model_dir: object
+    tokenizer: object
+    k_scale: torch.Tensor | None = None  # [L, KV] from an artifact's static KV cache, or None
+    v_scale: torch.Tensor | None = None
+
+
+def load_for_eval(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> EvalModel:
+    """Load a zoo name / HF dir / quantspec or compressed-tensors artifact for evaluation."""
+    try:
+        from quantspec.infer.loader import load_for_inference
+    except ImportError:
+        load_for_inference = None
+    if load_for_inference is not None:
+        lm = load_for_inference(model, dtype=dtype, device=device)
+        return EvalModel(lm.model, lm.model_dir, lm.tokenizer, lm.k_scale, lm.v_scale)
+    return _fallback_load(model, dtype, device)
+
+
+def _fallback_load(model, dtype, device) -> EvalModel:
+    from transformers import AutoTokenizer
+
+    from quantspec.model_zoo.checkpoint import (build_model, load_model, read_config,
+                                                resolve_model_dir)
+    from quantspec.model_zoo.llama import ModelArgs
+    from quantspec.quant.artifact import linear_from_tensors, load_safetensors, read_quant_config
+    from quantspec.quant.primitives import dequantize
+
+    model_dir = resolve_model_dir(model)
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    qc = read_quant_config(model_dir)
+    if qc is None:
+        net, _ = load_model(model_dir, dtype=dtype, device=device)
+        return EvalModel(net, model_dir, tok)
+    args = ModelArgs.from_hf_config(read_config(model_dir))
+    tensors = load_safetensors(model_dir)
+    net = build_model(args, device="meta")
+    state = {}
+    for name, mod in net.named_modules():
+        if isinstance(mod, torch.nn.Linear) and f"{name}.weight_scale" in tensors:
+            lq = linear_from_tensors(tensors, name, qc)
+            state[f"{name}.weight"] = dequantize(lq.q, lq.scale, lq.zero_point, lq.args,
+                                                 dtype=torch.float32)
+    for k, v in tensors.items():
+        if k.endswith((".weight", ".bias")) and k not in state and v.is_floating_point():
+            state[k] = v
+    net.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
+    if args.tie_word_embeddings:
+        net.lm_head.weight = net.model.embed_tokens.weight
+    missing = [n for n, p in net.named_parameters() if p.device.type == "meta"]
+    if missing:
+        raise QuantSpecError(f"{model_dir} lacks {missing[0]}; the artifact is incomplete")
+    net.to(device)
+    net.setup_rope(args.max_position_embeddings, device)
+    return EvalModel(net.eval(), model_dir, tok)
+
+
+@torch.no_grad()
+def perplexity(model: Transformer, token_ids: torch.Tensor, *, seq_len: int = 512,
+               max_windows: int | None = None, batch_size: int = 4,
+               kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
+               k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+               block_size: int = DEFAULT_BLOCK_SIZE,
+               progress: Callable[[int, int], None] | None = None) -> PerplexityResult:
+    """Perplexity of `model` on `token_ids` [N] (see module docstring).
+
+    progress(windows_done, num_windows) is called after each batch of windows.
+    """
+    if not isinstance(token_ids, torch.Tensor) or token_ids.ndim != 1:
+        raise QuantSpecError("token_ids must be a 1-D LongTensor of token ids")
+    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
+        raise QuantSpecError(f"batch_size={batch_size!r} must be a positive int")
+    if int(token_ids.max()) >= model.args.vocab_size:
+        raise QuantSpecError(f"token id {int(token_ids.max())} is outside the model's vocab "
+                             f"({model.args.vocab_size}); the tokenizer does not match the model")
+    t0 = time.perf_counter()
+    win = windows(token_ids, seq_len, max_windows)  # [W, S]
+    W, S = win.shape
+    device = model.model.norm.weight.device
+    dtype = model.model.norm.weight.dtype
+    args = model.args
+    if model.cos is None or model._rope_len < S:
+        model.setup_rope(max(S, args.max_position_embeddings), device)
+    blocks_per_seq = -(-S // block_size)
+    B = min(batch_size, W)
+    cache = PagedKVCache(num_layers=args.num_layers, num_blocks=B * blocks_per_seq + 1,
+                         block_size=block_size, num_kv_heads=args.num_kv_heads,
+                         head_dim=args.head_dim, dtype=dtype, device=device,
+                         kv_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
+    total_nll, total_tokens = 0.0, 0
+    for w0 in range(0, W, B):
+        batch = win[w0:w0 + B].to(device)  # [b, S]
+        b = batch.shape[0]
+        tables = [cache.allocator.allocate(blocks_per_seq) for _ in range(b)]
+        try:
+            meta = AttentionMetadata.build([S] * b, [S] * b, tables, block_size, device)
+            hidden = model(batch.reshape(-1), torch.arange(S, device=device).repeat(b),
+                           PagedAttention(cache, meta))  # [b*S, D]
+            hidden = hidden.view(b, S, -1)
+            for j in range(b):  # logits one window at a time: [S, V] bounds memory
+                logits = model.compute_logits(hidden[j, :-1])  # [S-1, V] fp32
+                total_nll += float(F.cross_entropy(logits, batch[j, 1:], reduction="sum"))
+                total_tokens += S - 1
+        finally:
+            for t in tables:
+                cache.allocator.free(t)
+        if progress is not None:
+            progress(w0 + b, W)
+    nll = total_nll / total_tokens
+    if not math.isfinite(nll):
+        raise QuantSpecError("the model produced NaN/Inf logits on the eval text; the model or "
+                             "its quantization is broken (try --dtype float32)")
+    return PerplexityResult(perplexity=math.exp(nll), nll=nll, num_windows=W,
+                            num_tokens=total_tokens, seq_len=S,
+                            kv_cache_dtype=KVCacheDtype(kv_cache_dtype).value,
+                            seconds=round(time.perf_counter() - t0, 3))

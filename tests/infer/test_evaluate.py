@@ -1,0 +1,78 @@
+"""Perplexity through the paged inference path equals transformers' on the same windows."""
+
+import math
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.evaluate import load_eval_tokens, perplexity, windows
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.tiny import TINY_CORPUS
+
+torch.set_num_threads(1)
+
+
+def _hf_ppl(model_dir, win):
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    nll, n = 0.0, 0
+    with torch.no_grad():
+        for w in win:
+            logits = hf(input_ids=w[None]).logits[0, :-1].double()
+            logp = torch.log_softmax(logits, -1)
+            nll -= logp.gather(1, w[1:, None]).sum().item()
+            n += w.numel() - 1
+    return math.exp(nll / n)
+
+
+@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("batch_size", [1, 3])
+def test_perplexity_matches_transformers(arch_dir, batch_size, request):
+    model_dir = request.getfixturevalue(arch_dir)
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(model_dir))
+    ids = torch.tensor(tok(TINY_CORPUS, add_special_tokens=False)["input_ids"])
+    model, _ = load_model(model_dir)
+    # seq_len 100 with block size 64: windows span a partial block
+    res = perplexity(model, ids, seq_len=100, max_windows=5, batch_size=batch_size)
+    ref = _hf_ppl(model_dir, windows(ids, 100, 5))
+    assert res.num_windows == 5 and res.num_tokens == 5 * 99
+    assert res.perplexity == pytest.approx(ref, rel=1e-4)
+
+
+def test_int8_kv_cache_changes_ppl_slightly(tiny_llama_dir):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    ids = torch.tensor(tok(TINY_CORPUS, add_special_tokens=False)["input_ids"])
+    model, _ = load_model(tiny_llama_dir)
+    base = perplexity(model, ids, seq_len=64, max_windows=4)
+    L, KV = model.args.num_layers, model.args.num_kv_heads
+    good = perplexity(model, ids, seq_len=64, max_windows=4, kv_cache_dtype="int8",
+                      k_scale=torch.full((L, KV), 0.05), v_scale=torch.full((L, KV), 0.05))
+    coarse = perplexity(model, ids, seq_len=64, max_windows=4, kv_cache_dtype="int8",
+                        k_scale=torch.full((L, KV), 2.0), v_scale=torch.full((L, KV), 2.0))
+    assert good.perplexity != base.perplexity
+    assert abs(good.perplexity / base.perplexity - 1) < 0.05
+    assert abs(coarse.perplexity / base.perplexity - 1) > abs(good.perplexity / base.perplexity - 1)
+    assert good.kv_cache_dtype == "int8"
+
+
+def test_bad_eval_inputs(tiny_llama_dir, tmp_path):
+    from transformers import AutoTokenizer
+
+    model, _ = load_model(tiny_llama_dir)
+    with pytest.raises(QuantSpecError, match="fewer than --seq-len"):
+        perplexity(model, torch.arange(10), seq_len=64)
+    with pytest.raises(QuantSpecError, match="int8 KV cache needs k/v scales|needs k/v scales"):
+        perplexity(model, torch.arange(200), seq_len=64, kv_cache_dtype="int8")
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    with pytest.raises(QuantSpecError, match="exactly one"):
+        load_eval_tokens(tok)
+    empty = tmp_path / "e.txt"
+    empty.write_text("  \n")
+    with pytest.raises(QuantSpecError, match="empty"):
+        load_eval_tokens(tok, text_file=empty)

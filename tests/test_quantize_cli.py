@@ -1,0 +1,131 @@
+"""`quantspec quantize / inspect / eval` end to end on the tiny model, and their bad input."""
+
+import json
+
+import pytest
+import torch
+from click.testing import CliRunner
+
+from quantspec import api
+from quantspec.cli import main
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.tiny import TINY_CORPUS
+from quantspec.quant.artifact import read_quant_config
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def corpus_files(tmp_path_factory):
+    d = tmp_path_factory.mktemp("data")
+    paras = [p for p in TINY_CORPUS.split("\n") if p.strip()]
+    with open(d / "calib.jsonl", "w") as f:
+        for p in paras:
+            f.write(json.dumps({"text": p, "n": 1}) + "\n")
+    (d / "heldout.txt").write_text(TINY_CORPUS)
+    (d / "empty.jsonl").write_text("")
+    return d
+
+
+def _run(*args):
+    return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
+
+
+def test_quantize_inspect_eval_gptq(tiny_llama_dir, corpus_files, tmp_path):
+    out = tmp_path / "w4"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", "gptq",
+             "--group-size", "128", "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4",
+             "--seq-len", "32", "--out", out)
+    assert r.exit_code == 0, r.output
+    cfg = json.loads((out / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    assert qc["quant_method"] == "compressed-tensors" and qc["format"] == "pack-quantized"
+    assert qc["ignore"] == ["lm_head"]
+    assert cfg["num_hidden_layers"] == 2  # the source config is kept
+    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json", "quantspec.json"):
+        assert (out / f).is_file(), f
+    q = read_quant_config(out)
+    assert q.weight_args_for("model.layers.0.self_attn.q_proj").group_size == 64  # K = 64
+    assert q.weight_args_for("model.layers.0.mlp.down_proj").group_size == 128
+    prov = q.provenance
+    assert prov["method"] == "gptq" and prov["calibration"]["num_samples"] == 4
+    info = api.inspect(out)
+    assert info["layers"]["model.layers.1.mlp.down_proj"]["bits"] == 4
+    assert len(info["layers"]) == 14
+    assert 1.0 < info["compression_ratio"]  # smaller than the fp32 source
+    r = _run("inspect", out)
+    assert r.exit_code == 0 and "group 64" in r.output and "compression" in r.output
+    # eval: the artifact is a bit worse than the source, not broken
+    base = json.loads(_run("eval", "--model", tiny_llama_dir, "--text-file", corpus_files / "heldout.txt",
+                           "--seq-len", "64", "--max-windows", "6", "--json").output)
+    quant = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
+                            "--seq-len", "64", "--max-windows", "6", "--json").output)
+    assert base["num_windows"] == 6
+    assert base["perplexity"] < quant["perplexity"] < 2 * base["perplexity"]
+
+
+def test_quantize_int8_matches_fake_quant_eval(tiny_llama_dir, corpus_files, tmp_path):
+    out = api.quantize(tiny_llama_dir, "weight_only_int8", tmp_path / "w8")
+    base = api.evaluate(tiny_llama_dir, text_file=corpus_files / "heldout.txt", seq_len=64, max_windows=4)
+    q = api.evaluate(out, text_file=corpus_files / "heldout.txt", seq_len=64, max_windows=4)
+    assert q["perplexity"] != base["perplexity"]
+    assert abs(q["perplexity"] / base["perplexity"] - 1) < 0.02
+
+
+def test_bad_input_one_line(tiny_llama_dir, corpus_files, tmp_path):
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "int3", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "weight_only_int8" in r.output and "Traceback" not in r.output
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", "gptq",
+             "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "--dataset" in r.output
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", "gptq",
+             "--dataset", corpus_files / "empty.jsonl", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "empty" in r.output
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", "gptq",
+             "--dataset", corpus_files / "calib.jsonl", "--text-field", "body", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "body" in r.output and "text" in r.output
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "a8w8", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "calibrate" in r.output
+    assert not (tmp_path / "x").exists()
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "keep.txt").write_text("mine")
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int8", "--out", busy)
+    assert r.exit_code == 2 and "--overwrite" in r.output
+    assert (busy / "keep.txt").read_text() == "mine"
+    r = _run("eval", "--model", tiny_llama_dir)
+    assert r.exit_code == 2 and "--text-file" in r.output
+
+
+def test_crash_midway_leaves_destination_untouched(tiny_llama_dir, tmp_path):
+    out = api.quantize(tiny_llama_dir, "weight_only_int8", tmp_path / "art")
+    before = {p.name: p.read_bytes() for p in out.iterdir()}
+
+    def boom(i, n, phase):
+        if i == 1:
+            raise KeyboardInterrupt
+
+    with pytest.raises(KeyboardInterrupt):
+        api.quantize(tiny_llama_dir, "weight_only_int4", out, overwrite=True, progress=boom)
+    assert {p.name: p.read_bytes() for p in out.iterdir()} == before
+    assert [p.name for p in tmp_path.iterdir()] == ["art"]  # no temp dirs left behind
+    # and the overwrite does replace it when it completes
+    api.quantize(tiny_llama_dir, "weight_only_int4", out, overwrite=True)
+    assert read_quant_config(out).quant_type.value == "weight_only_int4"
+    with pytest.raises(QuantSpecError, match="not empty"):
+        api.quantize(tiny_llama_dir, "weight_only_int8", out)
+
+
+@pytest.mark.slow
+def test_default_model_int8_smoke(tmp_path):
+    """SmolLM2-135M: int8 RTN artifact evaluates within 2% of fp32 on one 256-token window."""
+    from pathlib import Path
+
+    text = Path(__file__).parents[1] / "bench" / "data" / "heldout.txt"
+    out = api.quantize("smollm2-135m", "weight_only_int8", tmp_path / "w8")
+    info = api.inspect(out)
+    assert 2.0 < info["compression_ratio"] < 3.0  # fp32 embeddings stay; linears 4x smaller
+    base = api.evaluate("smollm2-135m", text_file=text, seq_len=256, max_windows=1)
+    q = api.evaluate(out, text_file=text, seq_len=256, max_windows=1)
+    assert q["perplexity"] != base["perplexity"]
+    assert abs(q["perplexity"] / base["perplexity"] - 1) < 0.02
