@@ -8,6 +8,11 @@ measured through the inference path (`api.evaluate`) on `bench/data/heldout.txt`
 to the fp32 row of the same run. `static_rows()` is importable (bench/quality.py can append its
 rows to its own table).
 
+Row suffixes: `-sq` fixed SmoothQuant α; `-sqauto` α searched per smoothing group
+(`smoothquant_alpha="auto"`); `-fb` the `--fallback` Linears with the largest measured static-
+activation error kept at float activations (W8A16 / FP8 weight-only; `calib/sensitivity.py`), the
+layers listed in the JSON output. K/V scales use calibrate's default K/V observer (mse).
+
 Calibration data: `bench/data/calib.jsonl` when present, else `--calib-data pydoc` builds a
 jsonl from Python's own `pydoc_data.topics` (always installed, so the run is reproducible).
 
@@ -28,21 +33,32 @@ import torch
 from quantspec import api
 
 HERE = Path(__file__).parent
-# name: (quant_type or None for fp32, smoothquant alpha, kv cache "int8" / "fp8" / None)
+FALLBACK = 8  # W8A16 fallback budget of the "-fb" rows (--fallback); 8 of 210 Linears on SmolLM2
+# name: (quant_type or None for fp32, smoothquant alpha ("auto" = searched per group),
+#        kv cache "int8" / "fp8" / None, fallback Linears (W8A16, measured-worst first; "fb" =
+#        the --fallback budget))
 ROWS = {
-    "fp32": (None, None, None),
-    "fp32+kv-int8": (None, None, "int8"),
-    "fp32+kv-fp8": (None, None, "fp8"),
-    "a8w8": ("a8w8", None, None),
-    "a8w8-sq": ("a8w8", 0.75, None),  # α 0.75 measured best of {0.5, 0.75, 0.9} on SmolLM2
-    "a8w8-sq+kv-int8": ("a8w8", 0.75, "int8"),
-    "a8w8-sq+kv-fp8": ("a8w8", 0.75, "fp8"),
-    "a8w8_fp8": ("a8w8_fp8", None, None),
-    "a8w8_fp8-sq": ("a8w8_fp8", 0.5, None),
-    "a8w8_fp8+kv-int8": ("a8w8_fp8", None, "int8"),
-    "a8w8_fp8+kv-fp8": ("a8w8_fp8", None, "fp8"),
+    "fp32": (None, None, None, 0),
+    "fp32+kv-int8": (None, None, "int8", 0),
+    "fp32+kv-fp8": (None, None, "fp8", 0),
+    "a8w8": ("a8w8", None, None, 0),
+    "a8w8-sq": ("a8w8", 0.75, None, 0),  # α 0.75 measured best of {0.5, 0.75, 0.9} on SmolLM2
+    "a8w8-sqauto": ("a8w8", "auto", None, 0),
+    "a8w8-sq-fb": ("a8w8", 0.75, None, "fb"),
+    "a8w8-sqauto-fb": ("a8w8", "auto", None, "fb"),
+    "a8w8-sqauto-fb+kv-int8": ("a8w8", "auto", "int8", "fb"),
+    "a8w8-sqauto-fb+kv-fp8": ("a8w8", "auto", "fp8", "fb"),
+    "a8w8_fp8": ("a8w8_fp8", None, None, 0),
+    "a8w8_fp8-sq": ("a8w8_fp8", 0.5, None, 0),
+    "a8w8_fp8-sqauto": ("a8w8_fp8", "auto", None, 0),
+    "a8w8_fp8-fb": ("a8w8_fp8", None, None, "fb"),
+    "a8w8_fp8-sqauto-fb": ("a8w8_fp8", "auto", None, "fb"),
+    "a8w8_fp8-sqauto-fb+kv-int8": ("a8w8_fp8", "auto", "int8", "fb"),
+    "a8w8_fp8-sqauto-fb+kv-fp8": ("a8w8_fp8", "auto", "fp8", "fb"),
 }
-TARGETS = {"a8w8-sq": 3.0, "a8w8_fp8": 2.5, "a8w8_fp8-sq": 2.5, "fp32+kv-int8": 0.5, "fp32+kv-fp8": 1.0}  # max Δ%
+TARGETS = {"a8w8-sq": 3.0, "a8w8-sqauto": 3.0, "a8w8-sq-fb": 3.0, "a8w8-sqauto-fb": 3.0,
+           "a8w8_fp8": 2.5, "a8w8_fp8-sq": 2.5, "a8w8_fp8-sqauto": 2.5, "a8w8_fp8-fb": 2.5,
+           "a8w8_fp8-sqauto-fb": 2.5, "fp32+kv-int8": 0.5, "fp32+kv-fp8": 1.0}  # max Δ%
 
 
 def pydoc_calib_jsonl(path: Path) -> Path:
@@ -57,7 +73,8 @@ def pydoc_calib_jsonl(path: Path) -> Path:
 
 def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=tuple(ROWS),
                 num_samples: int = 64, seq_len: int = 512, eval_seq_len: int = 512,
-                observer: str = "minmax", log=print) -> tuple[dict, list[dict]]:
+                observer: str = "minmax", fallback: int = FALLBACK, log=print
+                ) -> tuple[dict, list[dict]]:
     """Calibrate once, then quantize + evaluate each row; returns (calibration info, rows)."""
     table = work / "calib"
     t0 = time.perf_counter()
@@ -66,29 +83,34 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
     calib_info = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": cal.meta["cpu_s"],
                   "forward_s": cal.meta["forward_s"], "threads": cal.meta["threads"],
                   "num_samples": num_samples, "seq_len": seq_len, "observer": observer,
+                  "kv_observer": cal.meta.get("kv_observer"),
                   "data": str(calib_data)}
     log(f"calibrated {num_samples} × {seq_len} in {calib_info['wall_s']} s wall "
         f"({calib_info['cpu_s']} s CPU, {calib_info['threads']} threads)")
     artifacts: dict[tuple, Path] = {}
     out = []
     for name in rows:
-        qt, alpha, kv = ROWS[name]
-        path, q_time = model, None
+        qt, alpha, kv, fb = ROWS[name]
+        fb = fallback if fb == "fb" else fb
+        path, q_time, plan = model, None, None
         if qt is not None:
-            key = (qt, alpha)
+            key = (qt, alpha, fb)
             if key not in artifacts:
                 t1 = time.perf_counter()
-                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}", calib=table,
-                                              smoothquant_alpha=alpha)
+                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}", calib=table,
+                                              smoothquant_alpha=alpha, fallback_layers=fb)
                 q_time = round(time.perf_counter() - t1, 1)
             path = artifacts[key]
+            plan = (api.inspect(str(path)).get("calibration") or {}).get("static_plan")
         ev = api.evaluate(str(path), text_file=heldout, seq_len=eval_seq_len,
                           kv_cache_dtype=kv or "auto", calib=table if kv else None)
         out.append({"row": name, "quant_type": qt or "fp32", "smoothquant_alpha": alpha,
                     "kv_cache": kv or "fp32", "perplexity": ev["perplexity"],
                     "num_tokens": ev["num_tokens"], "quantize_s": q_time,
-                    "eval_s": round(ev["seconds"], 1)})
-        log(f"{name:18s} ppl {ev['perplexity']:.4f}")
+                    "eval_s": round(ev["seconds"], 1), "fallback": fb,
+                    "fallback_layers": (plan or {}).get("fallback_layers", []),
+                    "alphas": (plan or {}).get("smoothquant_alphas")})
+        log(f"{name:26s} ppl {ev['perplexity']:.4f}")
     base = next((r["perplexity"] for r in out if r["row"] == "fp32"), None)
     for r in out:
         r["delta_pct"] = None if base is None else round(100 * (r["perplexity"] / base - 1), 3)
@@ -97,15 +119,17 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
 
 
 def markdown(calib_info: dict, rows: list[dict]) -> str:
-    lines = ["| row | weights × activations | SmoothQuant α | KV cache | perplexity | Δ vs fp32 | target |",
-             "|---|---|---|---|---|---|---|"]
+    lines = ["| row | weights × activations | SmoothQuant α | W8A16 fallback | KV cache | perplexity "
+             "| Δ vs fp32 | target |", "|---|---|---|---|---|---|---|---|"]
     for r in rows:
         d = "—" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
         t = "" if r["target_pct"] is None else f"≤ +{r['target_pct']}%"
-        lines.append(f"| {r['row']} | {r['quant_type']} | {r['smoothquant_alpha'] or '—'} | "
+        fb = f"{r['fallback']} Linears" if r.get("fallback") else "—"
+        lines.append(f"| {r['row']} | {r['quant_type']} | {r['smoothquant_alpha'] or '—'} | {fb} | "
                      f"{r['kv_cache']} | {r['perplexity']:.4f} | {d} | {t} |")
     lines.append(f"\ncalibration: {calib_info['num_samples']} × {calib_info['seq_len']} tokens, "
-                 f"observer {calib_info['observer']}, {calib_info['wall_s']} s wall / "
+                 f"observer {calib_info['observer']} (K/V: {calib_info.get('kv_observer')}), "
+                 f"{calib_info['wall_s']} s wall / "
                  f"{calib_info['cpu_s']} s CPU on {calib_info['threads']} thread(s); data "
                  f"{calib_info['data']}")
     return "\n".join(lines)
@@ -122,6 +146,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-seq-len", type=int, default=512)
     p.add_argument("--observer", default="minmax", choices=["minmax", "percentile", "mse"])
+    p.add_argument("--fallback", type=int, default=FALLBACK,
+                   help="W8A16 fallback budget (Linears) of the -fb rows")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--markdown", default=None)
@@ -137,7 +163,8 @@ def main() -> None:
         data = str(pydoc_calib_jsonl(work / "pydoc.jsonl")) if a.calib_data == "pydoc" else a.calib_data
         calib_info, out = static_rows(a.model, data, a.heldout, work, rows=rows,
                                       num_samples=a.num_samples, seq_len=a.seq_len,
-                                      eval_seq_len=a.eval_seq_len, observer=a.observer)
+                                      eval_seq_len=a.eval_seq_len, observer=a.observer,
+                                      fallback=a.fallback)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     md = markdown(calib_info, out)

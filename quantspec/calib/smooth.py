@@ -63,17 +63,33 @@ def _layers(model) -> nn.ModuleList:
         raise QuantSpecError(f"smoothing needs a quantspec Transformer, got {type(model).__name__}") from None
 
 
+def _check_alpha(alpha) -> float:
+    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+        raise QuantSpecError(f"smoothquant alpha={alpha!r} must be in [0, 1] (e.g. 0.5)")
+    return float(alpha)
+
+
 @torch.no_grad()
-def smooth_model(model, table: ScaleTable, alpha: float = 0.5, *, smooth_down: bool = True
-                 ) -> dict[str, torch.Tensor]:
+def smooth_model(model, table: ScaleTable, alpha: float | Mapping[str, float] = 0.5, *,
+                 smooth_down: bool = True) -> dict[str, torch.Tensor]:
     """Apply SmoothQuant in place; returns {linear name: s [K]} for every smoothed Linear.
 
     The model computes the same function afterwards (up to float rounding): each norm's γ (and,
     with `smooth_down`, each up_proj's output row) is divided by s and the Linears reading it
     have their input columns multiplied by s.
+    `alpha`: one α for every group, or {first Linear of a group (q_proj, gate_proj, down_proj):
+    α} per group (`calib.sensitivity.search_alphas`); a group missing from the mapping is not
+    smoothed.
     """
-    if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
-        raise QuantSpecError(f"smoothquant alpha={alpha!r} must be in [0, 1] (e.g. 0.5)")
+    per_group = isinstance(alpha, Mapping)
+    if per_group:
+        alpha = {k: _check_alpha(v) for k, v in alpha.items()}
+    else:
+        alpha = _check_alpha(alpha)
+
+    def alpha_for(head: str) -> float | None:
+        return alpha.get(head) if per_group else alpha
+
     factors: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(_layers(model)):
         prefix = f"model.layers.{i}"
@@ -81,22 +97,26 @@ def smooth_model(model, table: ScaleTable, alpha: float = 0.5, *, smooth_down: b
             norm = getattr(layer, norm_name)
             linears = [layer.get_submodule(n) for n in lin_names]
             names = [f"{prefix}.{n}" for n in lin_names]
+            a = alpha_for(names[0])
+            if a is None:
+                continue
             act = table.input_channel_absmax(names[0])  # [K]; all read the same tensor
             if act.shape != norm.weight.shape:
                 raise QuantSpecError(f"{names[0]}: table has {tuple(act.shape)} channels but the "
                                      f"model has {tuple(norm.weight.shape)}; wrong table")
             new_norm, new_ws, s = smooth_norm_linears(norm.weight, [m.weight for m in linears],
-                                                      act.to(norm.weight.device), float(alpha))
+                                                      act.to(norm.weight.device), a)
             norm.weight.copy_(new_norm)
             for m, w in zip(linears, new_ws):
                 m.weight.copy_(w)
             for n in names:
                 factors[n] = s.detach().cpu().float()
-        if smooth_down:
+        a = alpha_for(f"{prefix}.mlp.down_proj")
+        if smooth_down and a is not None:
             up, down = layer.mlp.up_proj, layer.mlp.down_proj
             name = f"{prefix}.mlp.down_proj"
             act = table.input_channel_absmax(name).to(down.weight.device)  # [I]
-            s = smoothquant_scales(act, weight_input_absmax(down.weight), float(alpha))  # [I]
+            s = smoothquant_scales(act, weight_input_absmax(down.weight), a)  # [I]
             down.weight.copy_(fold_into_linear(down.weight, s))
             # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
             ct = torch.promote_types(up.weight.dtype, torch.float32)

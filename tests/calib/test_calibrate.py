@@ -58,7 +58,7 @@ def reference_absmax(model, ids):
 def test_minmax_table_matches_reference(tmp_path, tiny_llama_dir, calib_file):
     r = run_calibration(CalibrateConfig(dataset=str(calib_file), out=str(tmp_path / "t"),
                                         model=str(tiny_llama_dir), num_samples=N, seq_len=S,
-                                        batch_size=3))
+                                        batch_size=3, kv_observer="minmax"))
     table = read_table(r.path, model_dir=tiny_llama_dir)
     assert table.meta["model_fingerprint"] == model_fingerprint(tiny_llama_dir)
     assert table.meta["num_samples"] == N and table.meta["observer"] == "minmax"
@@ -72,6 +72,23 @@ def test_minmax_table_matches_reference(tmp_path, tiny_llama_dir, calib_file):
     for i, (ka, va) in kv.items():
         torch.testing.assert_close(k[i], ka, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v[i], va, rtol=1e-5, atol=1e-6)
+
+
+def test_default_kv_observer_is_mse(tmp_path, tiny_llama_dir, calib_file):
+    """K/V scales default to the MSE observer (measured best for the static KV cache): the same
+    per-head values as an explicit kv_observer="mse", clipped at or below the minmax absmax."""
+    from quantspec.calib.calibrate import DEFAULT_KV_OBSERVER
+
+    assert DEFAULT_KV_OBSERVER == "mse"
+    kw = dict(dataset=str(calib_file), model=str(tiny_llama_dir), num_samples=N, seq_len=S)
+    d = read_table(run_calibration(CalibrateConfig(out=str(tmp_path / "d"), **kw)).path)
+    m = read_table(run_calibration(CalibrateConfig(out=str(tmp_path / "m"), kv_observer="mse", **kw)).path)
+    x = read_table(run_calibration(CalibrateConfig(out=str(tmp_path / "x"), kv_observer="minmax", **kw)).path)
+    assert d.meta["kv_observer"] == "mse" and x.meta["kv_observer"] == "minmax"
+    for a, b, c in zip(d.kv_absmax(), m.kv_absmax(), x.kv_absmax()):
+        assert torch.equal(a, b) and bool((a <= c * (1 + 1e-6)).all())
+    for name in d.linear_names:  # Linear inputs keep the --observer (minmax)
+        assert torch.equal(d.input_absmax(name), x.input_absmax(name))
 
 
 def test_streamed_layers_equal_in_memory(tiny_qwen2_dir, calib_file, tmp_path):

@@ -1,0 +1,348 @@
+"""Measured choices for static-scale quantization: per-group SmoothQuant α search and the
+sensitivity-based mixed-precision fallback (a8w8 → W8A16 for the few worst Linears).
+
+This file owns three things, all driven by calibration data through `calib.runner`:
+
+- **α search** (per smoothing group, like llm-compressor's AutoSmooth / SmoothQuant+): for each
+  group of `calib.smooth` (input_layernorm → q/k/v, post_attention_layernorm → gate/up,
+  up_proj → down_proj) pick α from a grid minimising the group's *output* error under static
+  fake quantization, on the float model's inputs to that group:
+      err(α) = mean over Linears i and tokens t of ||ŷ_it − y_it||² / ||y_it||²,
+      ŷ_i = fq(X / s_α) · fq(W_i · s_α)ᵀ,  y_i = X · W_iᵀ
+  (per-token relative, see `static_linear_error`) with s_α = max|X_j|^α / max|W_j|^(1−α) from
+  the *table's* per-channel absmax (exactly what
+  `smooth_model` will fold) and the static input scale the artifact will carry
+  (`calib.smooth.smoothed_input_absmax` → `scale_from_absmax`). fq(X) is per-tensor static
+  int8 / fp8; fq(W) per-output-channel int8 / fp8 (`quant.primitives`).
+- **sensitivity**: the error a fallback would remove, i.e. each Linear's per-token relative
+  output MSE of static activation quantization given its quantized weight,
+  mean_t ||fq(x_t)·Ŵᵀ − x_t·Ŵᵀ||² / ||x_t·Ŵᵀ||²
+  (Ŵ = fq(W), which a W8A16 fallback keeps), on calibration inputs to the (already smoothed)
+  float model, layer by layer. Scoring the whole error instead would rank fp8 layers by their
+  (unremovable) E4M3 weight rounding.
+- **fallback**: the `n` Linears with the largest measured error (and/or every one above a
+  threshold) keep float activations — int8 (fp8) weight-only, i.e. W8A16 — in a config group of
+  their own (`with_fallback_layers`), so the artifact stays a valid compressed-tensors
+  `mixed-precision` checkpoint that transformers / vLLM load. This is the standard "skip the
+  most sensitive layers" practice of mixed-precision PTQ; the artifact's provenance lists them.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from collections import OrderedDict
+from dataclasses import dataclass, field
+from typing import Iterable, Mapping, Sequence
+
+import torch
+from torch import nn
+
+from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerStep, run_layers
+from quantspec.calib.smooth import SMOOTH_GROUPS, input_scales_for_model, smooth_model
+from quantspec.calib.tables import ScaleTable
+from quantspec.errors import QuantSpecError
+from quantspec.quant.args import QuantArgs, QuantConfig, QuantScheme
+from quantspec.quant.primitives import (choose_qparams, fake_quantize, scale_from_absmax,
+                                        static_args)
+from quantspec.quant.smoothquant import smoothquant_scales, weight_input_absmax
+
+__all__ = [
+    "ALPHA_GRID",
+    "DOWN_GROUP",
+    "StaticQuantPlan",
+    "fake_quant_weight",
+    "static_linear_error",
+    "group_alpha_errors",
+    "search_alphas",
+    "linear_sensitivity",
+    "select_fallback",
+    "with_fallback_layers",
+    "plan_static_quant",
+]
+
+ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
+# tokens per group (α search) / per mini-batch (sensitivity) whose outputs are compared, taken
+# evenly strided; the cost is linear in it (each α candidate is a fake-quant matmul over every
+# Linear of the group), and the static scales themselves still come from the full table
+MAX_ROWS = 2048
+DOWN_GROUP = ("mlp.down_proj",)  # the up_proj → down_proj smoothing group (relative names)
+_KINDS = {"a8w8": "int8", "a8w8_fp8": "fp8"}
+FALLBACK_GROUP = "fallback_w8a16"
+
+
+def _weight_args(kind: str) -> QuantArgs:
+    return QuantArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
+                     strategy="channel")
+
+
+@torch.no_grad()
+def fake_quant_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
+    """w [N, K] → per-output-channel symmetric int8 / fp8 fake-quantized copy (float32)."""
+    if w.ndim != 2:
+        raise QuantSpecError(f"fake_quant_weight: w must be [N, K], got {tuple(w.shape)}")
+    args = _weight_args(kind)
+    w = w.float()
+    scale, zp = choose_qparams(w, args)
+    return fake_quantize(w, scale, zp, args)
+
+
+@torch.no_grad()
+def static_linear_error(x: torch.Tensor, weights: Sequence[torch.Tensor], input_scale: torch.Tensor,
+                        kind: str, *, x_ref: torch.Tensor | None = None,
+                        weights_ref: Sequence[torch.Tensor] | None = None,
+                        y_ref: Sequence[torch.Tensor] | None = None) -> tuple[float, float]:
+    """(Σ_i Σ_t ||ŷ_t − y_t||² / ||y_t||², number of (i, t) terms) over `weights` [N_i, K] for
+    x [T, K]: the error is relative *per token*, so that their ratio is the mean per-token
+    relative error.
+
+    ŷ = fq(x, input_scale) · fq(W)ᵀ (static per-tensor input, per-channel weights); the reference
+    y = x_ref · W_refᵀ (defaults: x, weights — pass the unsmoothed pair to score a smoothing), or
+    the given outputs y_ref [T, N_i] (computed once when scoring many candidates).
+    Why per token: SmolLM2-like models have a few tokens with massive activations (absmax ~10³
+    vs ~2); a plain Σ||ŷ − y||² / Σ||y||² is dominated by those tokens and hides that a static
+    scale sized for them rounds every ordinary token coarsely.
+    """
+    if x.ndim != 2:
+        raise QuantSpecError(f"static_linear_error: x must be [T, K], got {tuple(x.shape)}")
+    x = x.float()
+    xq = fake_quantize(x, input_scale.float().reshape(1), None, static_args(kind))  # [T, K]
+    xr = x if x_ref is None else x_ref.float()
+    wr = weights if weights_ref is None else weights_ref
+    err = ref = 0.0
+    for i, (w, w0) in enumerate(zip(weights, wr)):
+        y = xr @ w0.float().T if y_ref is None else y_ref[i]  # [T, N]
+        yq = xq @ fake_quant_weight(w, kind).T
+        per_tok = (yq - y).pow(2).sum(dim=1) / y.pow(2).sum(dim=1).clamp(min=1e-30)  # [T]
+        err += float(per_tok.sum())
+        ref += float(y.shape[0])
+    return err, ref
+
+
+@torch.no_grad()
+def group_alpha_errors(x: torch.Tensor, weights: Sequence[torch.Tensor],
+                       channel_absmax: torch.Tensor, kind: str, alphas: Iterable[float] = ALPHA_GRID,
+                       clip: float = 1.0) -> dict[float, tuple[float, float]]:
+    """{α: (Σ err, Σ ref)} of one smoothing group; x [T, K] is the group's unsmoothed input,
+    weights [N_i, K] the unsmoothed Linears reading it, channel_absmax [K] the table's max|X_j|.
+
+    The static input scale for α is scale_from_absmax(max_j(c_j / s_j) · clip) — clip is the
+    table's per-tensor / per-channel-max ratio (1 for minmax), as `smoothed_input_absmax` does.
+    """
+    w_absmax = weight_input_absmax(*weights)  # [K]
+    x = x.float()
+    y_ref = [x @ w.float().T for w in weights]  # [T, N_i], the same for every α
+    out = {}
+    for a in alphas:
+        s = smoothquant_scales(channel_absmax, w_absmax, float(a))  # [K]
+        absmax = (channel_absmax.float() / s).amax() * clip
+        scale = scale_from_absmax(absmax, kind)
+        out[float(a)] = static_linear_error(x / s, [w.float() * s for w in weights], scale, kind,
+                                            y_ref=y_ref)
+    return out
+
+
+def _groups(prefix: str) -> list[tuple[str, ...]]:
+    """The smoothing groups of one decoder layer, as full Linear names."""
+    return [tuple(f"{prefix}.{n}" for n in names) for _, names in SMOOTH_GROUPS] + \
+        [tuple(f"{prefix}.{n}" for n in DOWN_GROUP)]
+
+
+def _sample_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
+    """x [..., K] → [≤ max_rows, K], evenly strided (deterministic)."""
+    x = x.reshape(-1, x.shape[-1])
+    if x.shape[0] <= max_rows:
+        return x
+    idx = torch.linspace(0, x.shape[0] - 1, max_rows).round().long()
+    return x[idx]
+
+
+@torch.no_grad()
+def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, *,
+                  alphas: Iterable[float] = ALPHA_GRID, max_rows: int = MAX_ROWS,
+                  batch_size: int = DEFAULT_BATCH_SIZE, smooth_down: bool = True
+                  ) -> tuple[dict[str, float], dict[str, dict[float, float]]]:
+    """Per-group α minimising the group's static fake-quant output error (module docstring).
+
+    Runs the float model layer by layer over input_ids [n, S] (not modified). Returns
+    ({first Linear of each group: best α}, {same key: {α: relative error}}).
+    The inputs of a group are gathered over all mini-batches (≤ max_rows rows, strided).
+    """
+    alphas = tuple(float(a) for a in alphas)
+    if not alphas or any(not 0.0 <= a <= 1.0 for a in alphas):
+        raise QuantSpecError(f"alpha grid {alphas} must be non-empty values in [0, 1]")
+    best: dict[str, float] = {}
+    errors: dict[str, dict[float, float]] = {}
+    state: dict = {}
+
+    def before(step: LayerStep):
+        groups = _groups(step.name)
+        if not smooth_down:
+            groups = groups[:-1]
+        bufs: dict[str, list[torch.Tensor]] = {g[0]: [] for g in groups}
+        handles = []
+        for g in groups:
+            head = step.layer.get_submodule(g[0][len(step.name) + 1:])
+            handles.append(head.register_forward_pre_hook(
+                lambda m, args, _k=g[0]: bufs[_k].append(args[0].detach().reshape(-1, args[0].shape[-1]))))
+        state["bufs"], state["groups"] = bufs, groups
+
+        def cleanup():
+            for h in handles:
+                h.remove()
+        return cleanup
+
+    def after(step: LayerStep):
+        bufs = state.pop("bufs")
+        for g in state.pop("groups"):
+            x = _sample_rows(torch.cat(bufs.pop(g[0])), max_rows)  # [T, K]
+            ws = [step.layer.get_submodule(n[len(step.name) + 1:]).weight for n in g]
+            ch = table.input_channel_absmax(g[0]).float()  # [K]
+            t = table.input_absmax(g[0]).float()
+            clip = float(t / ch.amax()) if float(ch.amax()) > 0 else 1.0
+            errs = group_alpha_errors(x, ws, ch, kind, alphas, clip)
+            rel = {a: e / max(r, 1e-30) for a, (e, r) in errs.items()}
+            errors[g[0]] = rel
+            best[g[0]] = min(rel, key=lambda a: (rel[a], a))
+
+    run_layers(model, input_ids, before=before, after=after, batch_size=batch_size)
+    return best, errors
+
+
+@torch.no_grad()
+def linear_sensitivity(model, input_ids: torch.Tensor, input_scales: Mapping[str, torch.Tensor],
+                       kind: str, *, batch_size: int = DEFAULT_BATCH_SIZE,
+                       max_rows: int = MAX_ROWS) -> dict[str, float]:
+    """{Linear name: mean_t ||fq(x_t)·Ŵᵀ − x_t·Ŵᵀ||² / ||x_t·Ŵᵀ||²} of each decoder Linear in
+    `input_scales`:
+    the output error of static per-tensor input quantization (its scale) given the per-channel
+    quantized weight Ŵ, on the float model's own inputs over input_ids [n, S] (≤ max_rows
+    strided tokens per mini-batch). The model is not modified."""
+    sums: dict[str, list[float]] = {}
+
+    def before(step: LayerStep):
+        handles = []
+        for sub, mod in step.layer.named_modules():
+            full = f"{step.name}.{sub}"
+            if isinstance(mod, nn.Linear) and full in input_scales:
+                def hook(m, args, _n=full):
+                    wq = fake_quant_weight(m.weight, kind)
+                    e, r = static_linear_error(_sample_rows(args[0], max_rows), [m.weight],
+                                               input_scales[_n], kind, weights_ref=[wq])
+                    acc = sums.setdefault(_n, [0.0, 0.0])
+                    acc[0] += e
+                    acc[1] += r
+                handles.append(mod.register_forward_pre_hook(hook))
+
+        def cleanup():
+            for h in handles:
+                h.remove()
+        return cleanup
+
+    run_layers(model, input_ids, before=before, batch_size=batch_size)
+    return {n: e / max(r, 1e-30) for n, (e, r) in sums.items()}
+
+
+def select_fallback(errors: Mapping[str, float], num_layers: int = 0,
+                    threshold: float | None = None) -> list[str]:
+    """The Linears to keep at float activations: the `num_layers` largest errors, plus every one
+    above `threshold` (when given); sorted by error, largest first (ties by name).
+
+    Example: errors {"a": 0.1, "b": 0.3, "c": 0.2}, num_layers=2 → ["b", "c"].
+    """
+    if isinstance(num_layers, bool) or not isinstance(num_layers, int) or num_layers < 0:
+        raise QuantSpecError(f"fallback layers {num_layers!r} must be an int >= 0")
+    ranked = sorted(errors, key=lambda n: (-errors[n], n))
+    chosen = ranked[:num_layers]
+    if threshold is not None:
+        chosen += [n for n in ranked[num_layers:] if errors[n] > threshold]
+    return chosen
+
+
+def with_fallback_layers(config: QuantConfig, names: Iterable[str]) -> QuantConfig:
+    """`config` with `names` moved to a name-targeted group of the same weights and no input
+    activations (weight-only: W8A16 for a8w8, FP8 weight-only for a8w8_fp8). Exact names outrank
+    the base group's class target in every compressed-tensors loader."""
+    names = sorted(set(names))
+    if not names:
+        return config
+    base = None
+    for n in names:
+        s = config.scheme_for(n)
+        if s is None or s.weights is None:
+            raise QuantSpecError(f"fallback layer {n!r} is not quantized by this config")
+        if base is not None and s is not base:
+            raise QuantSpecError("fallback layers must all belong to one config group")
+        base = s
+    groups = OrderedDict(config.config_groups)
+    if FALLBACK_GROUP in groups:
+        raise QuantSpecError(f"config already has a {FALLBACK_GROUP!r} group")
+    groups[FALLBACK_GROUP] = QuantScheme(targets=tuple(names), weights=base.weights,
+                                         input_activations=None)
+    return dataclasses.replace(config, config_groups=groups, format=None)
+
+
+@dataclass
+class StaticQuantPlan:
+    """What `plan_static_quant` decided: static input scales (smoothed model), per-group α
+    (None = no SmoothQuant), the fallback Linears and the measured errors behind both."""
+
+    input_scales: dict[str, torch.Tensor]
+    alphas: dict[str, float] | None
+    fallback: list[str]
+    sensitivity: dict[str, float] = field(default_factory=dict)
+    alpha_errors: dict[str, dict[float, float]] = field(default_factory=dict)
+
+    def summary(self, num_linears: int | None = None) -> dict:
+        """JSON-able provenance: chosen α per group, fallback layers with their errors."""
+        n = num_linears if num_linears is not None else len(self.input_scales)
+        return {
+            "smoothquant_alphas": self.alphas,
+            "fallback_layers": list(self.fallback),
+            "fallback_errors": {k: round(self.sensitivity[k], 6) for k in self.fallback
+                                if k in self.sensitivity},
+            "static_activation_linears": n - len(self.fallback),
+            "static_activation_fraction": round(1 - len(self.fallback) / max(n, 1), 4),
+        }
+
+
+@torch.no_grad()
+def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
+                      smoothquant_alpha: float | str | None = None,
+                      input_ids: torch.Tensor | None = None, fallback_layers: int = 0,
+                      fallback_threshold: float | None = None,
+                      alphas: Iterable[float] = ALPHA_GRID,
+                      batch_size: int = DEFAULT_BATCH_SIZE) -> StaticQuantPlan:
+    """Smooth `model` in place (fixed α, or `"auto"` = per-group search) and choose fallback
+    Linears by measured sensitivity; returns the plan (input scales for the smoothed model).
+
+    input_ids [n, S] (calibration tokens) are needed for `"auto"` and for any fallback.
+    """
+    qt = getattr(quant_type, "value", quant_type)
+    if qt not in _KINDS:
+        raise QuantSpecError(f"static quantization plans are for a8w8 / a8w8_fp8, not {qt!r}")
+    kind = _KINDS[qt]
+    table.check_model(model)
+    needs_data = smoothquant_alpha == "auto" or fallback_layers or fallback_threshold is not None
+    if needs_data and input_ids is None:
+        raise QuantSpecError("α search and layer fallback measure errors on calibration data; "
+                             "pass --dataset (or a table whose calibration.json names its dataset)")
+    alpha_errors: dict = {}
+    if smoothquant_alpha == "auto":
+        alpha_map, alpha_errors = search_alphas(model, table, input_ids, kind, alphas=alphas,
+                                                batch_size=batch_size)
+        factors = smooth_model(model, table, alpha_map)
+    elif smoothquant_alpha is not None:
+        alpha_map = None
+        factors = smooth_model(model, table, smoothquant_alpha)
+    else:
+        alpha_map, factors = None, None
+    scales = input_scales_for_model(table, model, qt, smooth=factors)
+    sens: dict[str, float] = {}
+    fallback: list[str] = []
+    if fallback_layers or fallback_threshold is not None:
+        sens = linear_sensitivity(model, input_ids, scales, kind, batch_size=batch_size)
+        fallback = select_fallback(sens, fallback_layers, fallback_threshold)
+    if smoothquant_alpha is not None and smoothquant_alpha != "auto":
+        alpha_map = {"*": float(smoothquant_alpha)}
+    return StaticQuantPlan(input_scales=scales, alphas=alpha_map, fallback=fallback,
+                           sensitivity=sens, alpha_errors=alpha_errors)

@@ -1,0 +1,232 @@
+"""α search, per-Linear sensitivity and the W8A16 fallback, each against an independent reference."""
+
+import json
+
+import pytest
+import torch
+
+from quantspec.calib.calibrate import calibrate_model
+from quantspec.calib.sensitivity import (FALLBACK_GROUP, fake_quant_weight, group_alpha_errors,
+                                         linear_sensitivity, plan_static_quant, search_alphas,
+                                         select_fallback, static_linear_error, with_fallback_layers)
+from quantspec.calib.smooth import input_scales_for_model, smooth_model
+from quantspec.calib.tables import ScaleTable
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.quant.args import preset
+
+torch.set_num_threads(1)
+N, S = 4, 32
+
+
+def calib_ids(seed=0):
+    g = torch.Generator().manual_seed(seed)
+    return torch.randint(3, 500, (N, S), generator=g)
+
+
+def ref_fq_int8_tensor(x, scale):
+    """Hand-written symmetric int8 fake quant (independent of quant/primitives)."""
+    return torch.clamp(torch.round(x / scale), -128, 127) * scale
+
+
+def ref_fq_int8_channel(w):
+    s = w.abs().amax(dim=1, keepdim=True) / 127.5
+    return torch.clamp(torch.round(w / s), -128, 127) * s
+
+
+def test_select_fallback_literal():
+    errs = {"a": 0.1, "b": 0.3, "c": 0.2, "d": 0.2}
+    assert select_fallback(errs, 2) == ["b", "c"]  # tie c/d broken by name
+    assert select_fallback(errs, 0) == []
+    assert select_fallback(errs, 1, threshold=0.15) == ["b", "c", "d"]
+    assert select_fallback(errs, 10) == ["b", "c", "d", "a"]
+    with pytest.raises(QuantSpecError, match="must be an int >= 0"):
+        select_fallback(errs, -1)
+
+
+def test_static_linear_error_matches_hand_reference():
+    g = torch.Generator().manual_seed(0)
+    x = torch.randn(50, 24, generator=g) * 2
+    x[3, 5] = 40.0  # an outlier the per-tensor scale must cover
+    ws = [torch.randn(7, 24, generator=g), torch.randn(5, 24, generator=g)]
+    scale = torch.tensor([40.0 / 127.5])
+    err, ref = static_linear_error(x, ws, scale, "int8")
+    xq = ref_fq_int8_tensor(x, scale)
+    want_e = 0.0
+    for w in ws:  # per-token relative error, summed over tokens and Linears
+        y = x @ w.T
+        for t in range(x.shape[0]):
+            want_e += float((xq[t] @ ref_fq_int8_channel(w).T - y[t]).pow(2).sum() / y[t].pow(2).sum())
+    assert err == pytest.approx(want_e, rel=1e-4) and ref == 50 * 2
+    torch.testing.assert_close(fake_quant_weight(ws[0], "int8"), ref_fq_int8_channel(ws[0]))
+
+
+def test_group_alpha_errors_brute_force_and_best():
+    """Each α's error equals a brute-force smooth → fake-quant → matmul, and the α the search
+    keeps is the grid's argmin."""
+    g = torch.Generator().manual_seed(1)
+    x = torch.randn(64, 16, generator=g)
+    x[:, [2, 9]] *= 25.0  # outlier channels
+    ws = [torch.randn(8, 16, generator=g) * 0.1, torch.randn(4, 16, generator=g) * 0.1]
+    ch = x.abs().amax(dim=0)
+    grid = (0.0, 0.25, 0.5, 0.75, 1.0)
+    errs = group_alpha_errors(x, ws, ch, "int8", grid)
+    wmax = torch.stack([w.abs().amax(0) for w in ws]).amax(0)
+    brute = {}
+    for a in grid:
+        s = ch.clamp(min=1e-5).pow(a) / wmax.clamp(min=1e-5).pow(1 - a)
+        xs = x / s
+        scale = xs.abs().amax() / 127.5
+        e = r = 0.0
+        for w in ws:
+            y = x @ w.T
+            d = ref_fq_int8_tensor(xs, scale) @ ref_fq_int8_channel(w * s).T - y
+            e += float((d.pow(2).sum(1) / y.pow(2).sum(1)).sum())
+            r += y.shape[0]
+        brute[a] = e / r
+        assert errs[a][0] / errs[a][1] == pytest.approx(brute[a], rel=1e-3)
+    best = min(brute, key=brute.get)
+    assert best not in (0.0,) and brute[best] < brute[0.0]  # smoothing helps outliers here
+
+
+@pytest.fixture(scope="module")
+def model_table(tiny_llama_dir):
+    model, _ = load_model(tiny_llama_dir)
+    with torch.no_grad():  # outliers on the MLP path (what SmolLM2's down_proj sees)
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[[1, 30]] *= 20.0
+            layer.mlp.up_proj.weight[[5, 77]] *= 30.0
+    return model, ScaleTable(calibrate_model(model, calib_ids()))
+
+
+def test_search_alphas_picks_argmin_of_the_group_error(tiny_llama_dir, model_table):
+    model, table = model_table
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    grid = (0.2, 0.5, 0.8)
+    best, errors = search_alphas(model, table, calib_ids(), "int8", alphas=grid)
+    assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())  # not modified
+    heads = {f"model.layers.{i}.{n}" for i in range(2)
+             for n in ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")}
+    assert set(best) == heads == set(errors)
+    for k in heads:
+        assert best[k] == min(errors[k], key=errors[k].get)
+    # independent check for layer 0 down_proj: capture its input with a plain hook and recompute
+    name = "model.layers.0.mlp.down_proj"
+    captured = []
+    down = model.model.layers[0].mlp.down_proj
+    h = down.register_forward_pre_hook(lambda m, a: captured.append(a[0].reshape(-1, a[0].shape[-1])))
+    ids = calib_ids()
+    with torch.no_grad():
+        model(ids.reshape(-1), torch.arange(S).repeat(N), DenseCausalAttention(N, S))
+    h.remove()
+    x = torch.cat(captured)
+    ch = table.input_channel_absmax(name)
+    for a in grid:
+        e, r = group_alpha_errors(x, [down.weight], ch, "int8", (a,))[a]
+        assert errors[name][a] == pytest.approx(e / r, rel=1e-3)
+
+
+def test_linear_sensitivity_and_fallback_are_top_n(model_table):
+    model, table = model_table
+    scales = input_scales_for_model(table, model, "a8w8")
+    sens = linear_sensitivity(model, calib_ids(), scales, "int8")
+    assert set(sens) == set(scales)
+    # independent: one full forward with hooks computing the hand reference error per Linear
+    sums = {}
+    hs = []
+    for name, m in model.named_modules():
+        if name in scales:
+            def hook(mod, a, _n=name):
+                x = a[0].reshape(-1, a[0].shape[-1])
+                wq = ref_fq_int8_channel(mod.weight)  # kept by a W8A16 fallback: not scored
+                y = x @ wq.T
+                yq = ref_fq_int8_tensor(x, scales[_n]) @ wq.T
+                acc = sums.setdefault(_n, [0.0, 0.0])
+                acc[0] += float(((yq - y).pow(2).sum(1) / y.pow(2).sum(1)).sum())
+                acc[1] += y.shape[0]
+            hs.append(m.register_forward_pre_hook(hook))
+    with torch.no_grad():
+        model(calib_ids().reshape(-1), torch.arange(S).repeat(N), DenseCausalAttention(N, S))
+    for h in hs:
+        h.remove()
+    for n, (e, r) in sums.items():
+        assert sens[n] == pytest.approx(e / r, rel=1e-3, abs=1e-9)
+    top3 = sorted(sums, key=lambda n: -sums[n][0] / sums[n][1])[:3]
+    assert select_fallback(sens, 3) == top3
+
+
+def test_with_fallback_layers_config():
+    cfg = preset("a8w8")
+    names = ["model.layers.1.mlp.down_proj", "model.layers.0.mlp.down_proj"]
+    out = with_fallback_layers(cfg, names)
+    assert out.config_groups[FALLBACK_GROUP].input_activations is None
+    assert out.config_groups[FALLBACK_GROUP].targets == tuple(sorted(names))
+    assert out.scheme_for(names[0]).input_activations is None
+    assert out.scheme_for("model.layers.0.mlp.up_proj").input_activations is not None
+    assert out.quant_type.value == "a8w8"
+    assert with_fallback_layers(cfg, []) is cfg
+    with pytest.raises(QuantSpecError, match="not quantized"):
+        with_fallback_layers(cfg, ["lm_head"])
+
+
+def test_plan_auto_alpha_smooths_per_group(tiny_llama_dir, model_table):
+    _, table = model_table
+    model, _ = load_model(tiny_llama_dir)
+    with torch.no_grad():
+        for layer in model.model.layers:
+            layer.post_attention_layernorm.weight[[1, 30]] *= 20.0
+            layer.mlp.up_proj.weight[[5, 77]] *= 30.0
+    ref, _ = load_model(tiny_llama_dir)
+    ref.load_state_dict(model.state_dict())
+    plan = plan_static_quant(model, table, "a8w8", smoothquant_alpha="auto", input_ids=calib_ids(),
+                             fallback_layers=2, alphas=(0.3, 0.6, 0.9))
+    factors = smooth_model(ref, table, plan.alphas)  # same per-group α → same weights and scales
+    for k, v in ref.state_dict().items():
+        torch.testing.assert_close(model.state_dict()[k], v)
+    want = input_scales_for_model(table, ref, "a8w8", smooth=factors)
+    assert all(torch.equal(plan.input_scales[k], want[k]) for k in want)
+    assert plan.fallback == select_fallback(plan.sensitivity, 2)
+    summ = plan.summary()
+    assert summ["static_activation_linears"] == 12 and summ["fallback_layers"] == plan.fallback
+    with pytest.raises(QuantSpecError, match="calibration data"):
+        plan_static_quant(model, table, "a8w8", fallback_layers=1)
+
+
+@pytest.mark.parametrize("quant_type", ["a8w8", "a8w8_fp8"])
+def test_fallback_artifact_loads_here_and_in_transformers(tmp_path, tiny_llama_dir, quant_type):
+    """api.quantize with α search + 2 fallback Linears: config groups are compressed-tensors valid,
+    provenance lists the layers, quantspec and transformers load it and agree on logits."""
+    from quantspec import api
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    calib = api.calibrate(str(tiny_llama_dir), str(data), tmp_path / "calib", num_samples=4,
+                          seq_len=32).path
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", calib=calib,
+                       smoothquant_alpha="auto", fallback_layers=2, search_samples=2)
+    cfg = json.loads((art / "config.json").read_text())["quantization_config"]
+    fb = cfg["config_groups"][FALLBACK_GROUP]
+    assert fb["input_activations"] is None and len(fb["targets"]) == 2
+    info = api.inspect(str(art))
+    assert info["fallback_layers"] == sorted(fb["targets"]) and info["static_activation_linears"] == 12
+    plan = info["calibration"]["static_plan"]
+    assert sorted(plan["fallback_layers"]) == sorted(fb["targets"])
+    assert set(plan["smoothquant_alphas"]) == {f"model.layers.{i}.{n}" for i in range(2) for n in
+                                               ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")}
+    loaded = load_for_inference(str(art), tokenizer=False)
+    mods = dict(loaded.model.named_modules())
+    for t in fb["targets"]:
+        assert mods[t].input_scale is None
+    pytest.importorskip("compressed_tensors")
+    from transformers import AutoModelForCausalLM
+
+    ids = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17])
+    hf = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.float32)
+    with torch.no_grad():
+        ours = loaded.model.compute_logits(
+            loaded.model(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids))))
+        theirs = hf(ids[None]).logits[0]
+    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
