@@ -23,14 +23,18 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer(text).input_ids[:n]
 
 
-def bench_engine(model, prompt, new_tokens, batch, eos) -> float:
+def bench_engine(model, prompt, new_tokens, batch, eos) -> tuple[float, float]:
+    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill step)."""
     eng = Engine(model, EngineConfig(max_batch_size=batch, max_length=len(prompt) + new_tokens + 8),
                  eos_token_ids=[])
     seqs = [eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for _ in range(batch)]
     t = time.perf_counter()
+    eng.step()  # prefill of every sequence (+ their first token)
+    t_prefill = time.perf_counter()
     eng.run()
     dt = time.perf_counter() - t
-    return sum(len(s.output_ids) for s in seqs) / dt
+    total = sum(len(s.output_ids) for s in seqs)
+    return total / dt, (total - batch) / (time.perf_counter() - t_prefill)
 
 
 def bench_hf(hf, prompt, new_tokens, batch) -> float:
@@ -55,7 +59,7 @@ def main():
         torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.loader import auto_dtype, load_for_inference
     from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
 
     model_dir = ensure_zoo_model(DEFAULT_MODEL)
@@ -65,9 +69,9 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
     rows = []
     for b in batches:
-        ours = bench_engine(loaded.model, prompt, a.new_tokens, b, loaded.eos_token_ids)
+        ours, decode = bench_engine(loaded.model, prompt, a.new_tokens, b, loaded.eos_token_ids)
         theirs = bench_hf(hf, prompt, a.new_tokens, b)
-        rows.append((f"fp32 batch {b}", ours, theirs))
+        rows.append((f"fp32 batch {b}", ours, theirs, decode))
     base_b1 = rows[0][1]
     quant_rows = []
     for qt in [q for q in a.quant.split(",") if q]:
@@ -76,19 +80,20 @@ def main():
         out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
         if not (out / "config.json").exists():
             api.quantize(str(model_dir), qt, out, overwrite=True)
-        qloaded = load_for_inference(out)
-        quant_rows.append((qt, bench_engine(qloaded.model, prompt, a.new_tokens, 1, [])))
+        qloaded = load_for_inference(out, dtype=auto_dtype(out))
+        quant_rows.append((qt, bench_engine(qloaded.model, prompt, a.new_tokens, 1, [])[0]))
 
     print(f"\n## decode: {a.prompt_tokens}-token prompt, {a.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads\n")
-    print("| run | quantspec tok/s | transformers tok/s | ratio |")
-    print("|---|---:|---:|---:|")
-    for name, ours, theirs in rows:
-        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x |")
+    print("| run | quantspec tok/s | transformers tok/s | ratio | quantspec decode-phase tok/s |")
+    print("|---|---:|---:|---:|---:|")
+    for name, ours, theirs, decode in rows:
+        print(f"| {name} | {ours:.1f} | {theirs:.1f} | {ours / theirs:.2f}x | {decode:.1f} |")
     if len(rows) > 1:
-        print(f"\nbatch {batches[-1]} / batch {batches[0]} throughput (quantspec): {rows[-1][1] / base_b1:.2f}x")
+        print(f"\nbatch {batches[-1]} / batch {batches[0]} throughput (quantspec): end to end "
+              f"{rows[-1][1] / base_b1:.2f}x, decode phase {rows[-1][3] / rows[0][3]:.2f}x")
     if quant_rows:
-        print("\n| quant type (batch 1) | tok/s | vs fp32 |")
+        print("\n| quant type (batch 1, --dtype auto) | tok/s | vs fp32 |")
         print("|---|---:|---:|")
         for qt, tps in quant_rows:
             print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x |")

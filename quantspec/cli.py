@@ -374,7 +374,7 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
               help="Comma-separated rows: none, weight_only_int8, weight_only_int4, a8w8, a8w8_fp8.")
 @click.option("--draft-quant-types", default="weight_only_int8,weight_only_int4", show_default=True,
               help="Comma-separated columns (same names; ignored for inference_with_reference).")
-@click.option("--cachekv", default="none,int8", show_default=True, help="Comma-separated: none, int8, fp8.")
+@click.option("--cachekv", default="none", show_default=True, help="Comma-separated: none, int8, fp8.")
 @click.option("--prompts-file", type=click.Path(dir_okay=False), help="jsonl with `src` [default: 8 built-in prompts].")
 @click.option("--calib-dataset", help="Calibration data for a8w8 / static KV [default: a built-in text].")
 @click.option("--eval-text", type=click.Path(dir_okay=False), help="Held-out text for perplexity [default: built-in].")

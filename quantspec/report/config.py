@@ -49,7 +49,7 @@ CALIB_QUANT_TYPES = (QuantType.A8W8.value, QuantType.A8W8_FP8.value)
 # minutes on 2 CPU cores (measured; see docs/report.md).
 DEFAULT_BASE_QUANT_TYPES = (NO_QUANT, "weight_only_int8", "weight_only_int4")
 DEFAULT_DRAFT_QUANT_TYPES = ("weight_only_int8", "weight_only_int4")
-DEFAULT_CACHEKV = ("none", "int8")
+DEFAULT_CACHEKV = ("none",)  # int8 / fp8 on request: --cachekv none,int8
 
 
 def default_cache_dir() -> Path:
