@@ -28,7 +28,6 @@ recorded but nothing needs to be written there).
 
 from __future__ import annotations
 
-import os
 import time
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -38,7 +37,7 @@ import torch
 from torch import nn
 
 from quantspec.calib.observers import DEFAULT_PERCENTILE, OBSERVERS, Observer, make_observer
-from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, LayerStep
+from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner
 from quantspec.calib.tables import (INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, model_fingerprint,
                                     write_table)
 from quantspec.errors import QuantSpecError

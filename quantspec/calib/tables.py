@@ -42,6 +42,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.quant.artifact import replace_directory
 from quantspec.quant.primitives import scale_from_absmax
 
 __all__ = [
@@ -278,17 +279,7 @@ def write_table(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         save_file(clean, str(tmp / SCALES_NAME), metadata={"format": "quantspec-calib"})
         full_meta = {"format_version": TABLE_FORMAT_VERSION, **dict(meta)}
         (tmp / META_NAME).write_text(json.dumps(full_meta, indent=2, default=str))
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "d")
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(old / "d", out)
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        replace_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise

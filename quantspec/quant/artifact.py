@@ -46,6 +46,7 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "LinearQuant",
     "linear_to_tensors",
+    "replace_directory",
     "linear_from_tensors",
     "kv_scale_tensors",
     "write_artifact",
@@ -297,21 +298,27 @@ def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tenso
             shutil.copy2(src, tmp / name)
         (tmp / PROVENANCE_NAME).write_text(json.dumps(dict(provenance or {}), indent=2,
                                                       default=str))
-        if out.exists():
-            old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-            os.rename(out, old / "d")
-            try:
-                os.rename(tmp, out)
-            except BaseException:
-                os.rename(old / "d", out)  # put the original back
-                raise
-            shutil.rmtree(old, ignore_errors=True)
-        else:
-            os.rename(tmp, out)
+        replace_directory(tmp, out)
     except BaseException:
         shutil.rmtree(tmp, ignore_errors=True)
         raise
     return out
+
+
+def replace_directory(tmp: Path, out: Path) -> None:
+    """Move the finished directory `tmp` to `out` by renames only; an existing `out` is swapped
+    out and restored if the final rename fails, so a reader never sees a half-written `out`."""
+    if out.exists():
+        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
+        os.rename(out, old / "d")
+        try:
+            os.rename(tmp, out)
+        except BaseException:
+            os.rename(old / "d", out)  # put the original back
+            raise
+        shutil.rmtree(old, ignore_errors=True)
+    else:
+        os.rename(tmp, out)
 
 
 def read_artifact_config(path: str | os.PathLike) -> dict:
