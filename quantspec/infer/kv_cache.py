@@ -138,7 +138,7 @@ class AttentionMetadata:
     seq_lens: list[int]  # context length per sequence, including the new tokens
     slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V goes
     block_tables: torch.Tensor  # [B, nb] int64, each sequence's blocks (padded with block 0)
-    bias: torch.Tensor | None  # [B, 1, Qmax, L] additive mask (0 / -inf); None: plain causal prefill
+    bias: torch.Tensor | None  # [B, 1, Qmax, L] additive mask (0 / -inf); None: only fresh prompts
     q_index: torch.Tensor | None  # [T] flat index into [B*Qmax] for padding queries; None if uniform
 
     @classmethod
@@ -156,7 +156,8 @@ class AttentionMetadata:
             n = min(len(table), max_blocks)
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
         q_max = max(q_lens)
-        fresh_prefill = B == 1 and q_lens[0] == seq_lens[0]
+        # only fresh prompts (nothing cached yet): each attends causally to its own new tokens
+        fresh_prefill = all(ql == sl for ql, sl in zip(q_lens, seq_lens))
         bias = q_index = None
         if not fresh_prefill:
             L = max_blocks * block_size
@@ -185,15 +186,21 @@ class PagedAttention:
         meta, cache = self.meta, self.cache
         cache.write(layer_idx, k, v, meta.slot_mapping)
         gqa = q.shape[1] != k.shape[1]
-        if meta.bias is None:  # one fresh prompt: attend to this step's own (rounded) k/v
-            if cache.kv_dtype is not KVCacheDtype.AUTO:
-                k, v = cache.gather(layer_idx, meta.block_tables)
-                k, v = k[0, : q.shape[0]], v[0, : q.shape[0]]
-            out = F.scaled_dot_product_attention(
-                q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
-                is_causal=True, enable_gqa=gqa,
-            )  # (1, H, T, hd)
-            return out[0].transpose(0, 1)
+        if meta.bias is None:  # fresh prompts only: plain causal attention per sequence, no padding
+            out = torch.empty_like(q)
+            start = 0
+            for b, n in enumerate(meta.q_lens):
+                kb, vb = k[start:start + n], v[start:start + n]
+                if cache.kv_dtype is not KVCacheDtype.AUTO:  # attend to the cache's rounded values
+                    kc, vc = cache.gather(layer_idx, meta.block_tables[b:b + 1])
+                    kb, vb = kc[0, :n], vc[0, :n]
+                o = F.scaled_dot_product_attention(
+                    q[start:start + n].transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                    is_causal=True, enable_gqa=gqa,
+                )  # (1, H, n, hd)
+                out[start:start + n] = o[0].transpose(0, 1)
+                start += n
+            return out
         B, q_max = meta.bias.shape[0], meta.bias.shape[2]
         H, hd = q.shape[1], q.shape[2]
         if meta.q_index is None:

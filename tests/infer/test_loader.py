@@ -276,7 +276,9 @@ def test_missing_and_unexpected_and_misshaped_tensors(artifacts, tmp_path):
 # ---------------------------------------------------------------- engine
 
 
-@pytest.mark.parametrize("name,dtype", [("int4", torch.float32), ("int8", torch.bfloat16)])
+# fp32 activations: in bf16 the packed CPU ops (M <= 16 rows) and dequantize + matmul (more rows)
+# round differently, so a batch's prefill can flip a near-tie on a random tiny model.
+@pytest.mark.parametrize("name,dtype", [("int4", torch.float32), ("int8", torch.float32)])
 def test_greedy_output_same_across_batch_sizes(artifacts, name, dtype):
     lm = load_for_inference(artifacts[name], dtype=dtype)
     prompts = [lm.tokenizer.encode(t) for t in
