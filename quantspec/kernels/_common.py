@@ -23,6 +23,7 @@ __all__ = [
     "can_launch",
     "check_tensor",
     "check_same_device",
+    "grouped_tile",
     "interpreter_enabled",
     "round_half_even",
     "round_to_e4m3",
@@ -106,6 +107,20 @@ def check_same_device(**tensors: torch.Tensor | None) -> torch.device:
             "(or set TRITON_INTERPRET=1 to run the interpreter on CPU)"
         )
     return first
+
+
+@triton.jit
+def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_M: tl.constexpr):
+    """(pid_m, pid_n) of program `pid` in grouped launch order: GROUP_M row tiles share each
+    weight column tile while it is in L2."""
+    num_m = tl.cdiv(M, BLOCK_M)
+    num_n = tl.cdiv(N, BLOCK_N)
+    group = pid // (GROUP_M * num_n)
+    first_m = group * GROUP_M
+    size_m = tl.minimum(num_m - first_m, GROUP_M)
+    pid_m = first_m + (pid % (GROUP_M * num_n)) % size_m
+    pid_n = (pid % (GROUP_M * num_n)) // size_m
+    return pid_m, pid_n
 
 
 @triton.jit
