@@ -1,8 +1,9 @@
 """Held-out perplexity of the default model under each weight-only scheme, side by side.
 
 Rows: fp32, weight_only_int8 RTN (and GPTQ), weight_only_int4 RTN and GPTQ (act-order, static
-groups; one g64 row without act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, and an `--asym --group-size 32` RTN sanity row (the default model's
-weights came from a 4-bit group-32 asymmetric GGUF, so this should nearly reproduce them).
+groups; one g64 row without act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, and `--asym --group-size 32` RTN sanity rows (the default model's
+weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a float min m, so the
+float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
 Calibration (GPTQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
@@ -28,7 +29,7 @@ from quantspec import api
 
 HERE = Path(__file__).parent
 ROWS = {
-    # name: (quant_type, method, group_size, symmetric, act_order)
+    # name: (quant_type, method, group_size, symmetric, act_order[, zp_dtype])
     "fp32": None,
     "int8-rtn": ("weight_only_int8", "rtn", 128, True, False),
     "int8-gptq": ("weight_only_int8", "gptq", 128, True, True),
@@ -40,6 +41,7 @@ ROWS = {
     "int4-gptq-g32": ("weight_only_int4", "gptq", 32, True, True),
     "int4-gptq-g64-noact": ("weight_only_int4", "gptq", 64, True, False),
     "int4-rtn-asym-g32": ("weight_only_int4", "rtn", 32, False, False),
+    "int4-rtn-asym-g32-fzp": ("weight_only_int4", "rtn", 32, False, False, "float16"),
 }
 
 
@@ -69,11 +71,11 @@ def main() -> None:
             spec = ROWS[name]
             q_time, size, path = None, None, a.model
             if spec is not None:
-                qt, method, g, sym, act_order = spec
+                qt, method, g, sym, act_order, *zp = spec
                 path = work / name
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
-                             act_order=act_order,
+                             zp_dtype=zp[0] if zp else None, act_order=act_order,
                              dataset=a.calib if method == "gptq" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)
                 q_time = time.perf_counter() - t0

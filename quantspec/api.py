@@ -161,7 +161,8 @@ def _dir_bytes(path, pattern: str = "*") -> int:
 
 def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_int8",
              out: str | Path | None = None, *, method: str = "rtn", group_size: int = 128,
-             symmetric: bool = True, ignore=(), act_order: bool = False, block_size: int = 128,
+             symmetric: bool = True, zp_dtype: str | None = None, ignore=(),
+             act_order: bool = False, block_size: int = 128,
              damp: float = 0.01, dataset: str | None = None, split: str = "train",
              text_field: str = "text", num_samples: int = 128, seq_len: int = 512, seed: int = 0,
              calib: str | Path | None = None, smoothquant_alpha: float | str | None = None,
@@ -176,6 +177,8 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     provenance (version, method, args, calibration summary, source fingerprint and size, wall
     time). Written atomically: on any error or Ctrl-C `out` is left as it was.
     `progress(layer, num_layers, phase)` is called per decoder layer.
+    weight_only_int4 with `symmetric=False` only: `zp_dtype` ("float16" | "bfloat16" | "float32")
+    stores float zero points (compressed-tensors' `zp_dtype`) instead of integer ones.
     a8w8 / a8w8_fp8 only: `smoothquant_alpha="auto"` searches α per smoothing group, and
     `fallback_layers=N` (or `fallback_threshold`) keeps the N Linears with the largest measured
     static-quantization error at float activations (W8A16), both measured on `search_samples`
@@ -222,7 +225,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     if kv_cache is not None and calib is None:
         raise QuantSpecError(f"--kv-cache {kv_cache} stores static KV scales in the artifact; "
                              "run `quantspec calibrate --out DIR` and pass --calib DIR")
-    config = preset(qt, group_size=group_size, symmetric=symmetric,
+    config = preset(qt, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype,
                     ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
 
     model_dir = resolve_model_dir(model)
@@ -303,7 +306,8 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
         "source_size_bytes": _dir_bytes(model_dir, "*.safetensors"),
         "model_fingerprint": fingerprint,
         "quant_type": qt.value, "method": method,
-        "args": {"group_size": group_size, "symmetric": symmetric, "ignore": list(config.ignore),
+        "args": {"group_size": group_size, "symmetric": symmetric, "zp_dtype": zp_dtype,
+                 "ignore": list(config.ignore),
                  "act_order": act_order, "block_size": block_size, "damp": damp},
         "calibration": calib_summary or None,
         "ptq": res.summary,
@@ -367,7 +371,9 @@ def inspect(path: str | Path) -> dict:
         w = s.weights
         layers[n] = {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
                      "group_size": w.group_size if w.strategy == "group" else None,
-                     "symmetric": w.symmetric, "format": s.format,
+                     "symmetric": w.symmetric,
+                     "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
+                     "format": s.format,
                      "input_activations": None if s.input_activations is None
                      else f"{s.input_activations.type}{s.input_activations.num_bits} "
                           f"{s.input_activations.strategy} static"}

@@ -207,6 +207,10 @@ def _gib(n) -> str:
 @click.option("--group-size", default=128, show_default=True, type=int,
               help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
 @click.option("--sym/--asym", "symmetric", default=True, show_default=True)
+@click.option("--zp-dtype", default="int", show_default=True,
+              type=click.Choice(["int", "float16", "bfloat16", "float32"]),
+              help="weight_only_int4 --asym: zero-point dtype; a float one is stored unrounded "
+                   "(compressed-tensors' zp_dtype), e.g. to reproduce GGUF Q4_1-style grids")
 @click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
@@ -231,7 +235,7 @@ def _gib(n) -> str:
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @_one_line_errors
-def quantize(model, quant_type, method, group_size, symmetric, ignore, act_order, gptq_block_size, damp,
+def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, ignore, act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
              fallback_layers, fallback_threshold, out, overwrite, kv_cache=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
@@ -252,7 +256,8 @@ def quantize(model, quant_type, method, group_size, symmetric, ignore, act_order
     t0 = time.perf_counter()
     with bar:
         path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
-                            symmetric=symmetric, ignore=tuple(ignore), act_order=act_order,
+                            symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
+                            ignore=tuple(ignore), act_order=act_order,
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
@@ -310,13 +315,15 @@ def inspect(path, as_json):
     for name, d in info["layers"].items():
         kind = name.rsplit(".", 1)[-1]
         rows[(kind, d["type"], d["bits"], d["strategy"], d["group_size"], d["symmetric"],
-              d["input_activations"] or "-")] += 1
+              d.get("zp_dtype") or "-", d["input_activations"] or "-")] += 1
     t = Table(title="quantized Linears")
-    for col in ("module", "count", "weights", "granularity", "symmetric", "activations"):
+    for col in ("module", "count", "weights", "granularity", "symmetric", "zero point",
+                "activations"):
         t.add_column(col)
-    for (kind, typ, bits, strat, g, sym, act), n in sorted(rows.items(), key=lambda r: str(r[0])):
+    for (kind, typ, bits, strat, g, sym, zp, act), n in sorted(rows.items(),
+                                                              key=lambda r: str(r[0])):
         gran = f"group {g}" if strat == "group" else strat
-        t.add_row(kind, str(n), f"{typ}{bits}", gran, "yes" if sym else "no", act)
+        t.add_row(kind, str(n), f"{typ}{bits}", gran, "yes" if sym else "no", zp, act)
     console.print(t)
 
 

@@ -138,3 +138,40 @@ def test_we_load_compressed_tensors_checkpoint(tiny_llama_dir, tmp_path, name, w
     lm16 = load_for_inference(out, dtype=torch.bfloat16, tokenizer=False)
     step = logits(lm16.model, IDS[:, :1])
     assert (step - theirs[:1]).abs().max() < 0.05 * theirs[:1].abs().max()
+
+
+def test_float_zero_point_artifact(tiny_llama_dir, tmp_path):
+    """A float-zp_dtype int4 artifact (`weight_zero_point` unpacked in fp16): compressed-tensors
+    (≤ 0.20) cannot decompress it — its pack-quantized decompressor unpacks every group/channel
+    zero point from int32 — so transformers fails on the first forward. quantspec loads it, and
+    its logits equal transformers' own forward of the source model with every quantized weight
+    replaced by quantspec's fake-quantized weight (choose_qparams + fake_quantize on the source
+    weight, computed here independently of the artifact), within 1e-4."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.quant import choose_qparams, fake_quantize, read_quant_config
+
+    art = write_quantized_artifact(tiny_llama_dir, tmp_path / "fzp", "weight_only_int4",
+                                   group_size=32, symmetric=False, zp_dtype="float16")
+    qc = read_quant_config(art)
+    m = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.float32)
+    with pytest.raises(ValueError, match="Expected torch.int32 but got torch.float16"):
+        with torch.no_grad():
+            m(IDS)
+    ref = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    n_fq = 0
+    for name, mod in ref.named_modules():
+        args = qc.weight_args_for(name) if isinstance(mod, torch.nn.Linear) else None
+        if args is None:
+            continue
+        assert args.zp_dtype == "float16"
+        s, z = choose_qparams(mod.weight.data, args)
+        mod.weight.data = fake_quantize(mod.weight.data, s, z, args)
+        n_fq += 1
+    assert n_fq == 7 * ref.config.num_hidden_layers
+    with torch.no_grad():
+        want = ref(IDS).logits[0]
+    lm = load_for_inference(art, tokenizer=False)
+    torch.testing.assert_close(logits(lm.model, IDS), want, **TOL)
+    fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
+    assert (fp32 - want).abs().max() > 1e-3

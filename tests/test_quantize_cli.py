@@ -72,6 +72,34 @@ def test_quantize_int8_matches_fake_quant_eval(tiny_llama_dir, corpus_files, tmp
     assert abs(q["perplexity"] / base["perplexity"] - 1) < 0.02
 
 
+def test_quantize_asym_float_zero_points(tiny_llama_dir, corpus_files, tmp_path):
+    from quantspec.quant.artifact import load_safetensors
+
+    out = tmp_path / "fzp"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4",
+             "--group-size", "32", "--asym", "--zp-dtype", "float16", "--out", out)
+    assert r.exit_code == 0, r.output
+    w = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"][
+        "group_0"]["weights"]
+    assert w["symmetric"] is False and w["zp_dtype"] == "torch.float16"
+    t = load_safetensors(out)
+    zp = t["model.layers.0.mlp.down_proj.weight_zero_point"]
+    scale = t["model.layers.0.mlp.down_proj.weight_scale"]
+    assert zp.dtype == torch.float16 and zp.shape == scale.shape  # unpacked [N, K/32]
+    assert read_quant_config(out).provenance["args"]["zp_dtype"] == "float16"
+    info = api.inspect(out)
+    assert {d["zp_dtype"] for d in info["layers"].values()} == {"float16"}
+    r = _run("inspect", out)
+    assert r.exit_code == 0 and "float16" in r.output and "zero point" in r.output
+    ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
+                         "--seq-len", "64", "--max-windows", "2", "--json").output)
+    assert ev["perplexity"] > 1
+    # integer zero points are the default and say so
+    assert api.inspect(api.quantize(tiny_llama_dir, "weight_only_int4", tmp_path / "izp",
+                                    symmetric=False))["layers"][
+        "model.layers.0.mlp.down_proj"]["zp_dtype"] == "int"
+
+
 def test_bad_input_one_line(tiny_llama_dir, corpus_files, tmp_path):
     r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "int3", "--out", tmp_path / "x")
     assert r.exit_code == 2 and "weight_only_int8" in r.output and "Traceback" not in r.output
@@ -86,6 +114,15 @@ def test_bad_input_one_line(tiny_llama_dir, corpus_files, tmp_path):
     assert r.exit_code == 2 and "body" in r.output and "text" in r.output
     r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "a8w8", "--out", tmp_path / "x")
     assert r.exit_code == 2 and "calibrate" in r.output
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4",
+             "--zp-dtype", "float16", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "--asym" in r.output and len(r.output.strip().splitlines()) == 1
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int8", "--asym",
+             "--zp-dtype", "float16", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "weight_only_int4 only" in r.output
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--asym",
+             "--zp-dtype", "float64", "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "float16" in r.output and "Traceback" not in r.output
     assert not (tmp_path / "x").exists()
     busy = tmp_path / "busy"
     busy.mkdir()

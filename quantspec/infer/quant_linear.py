@@ -28,8 +28,8 @@ CPU (torch ops; measured with 1 thread on SmolLM2's shapes, see the issue-3 repo
   at load (`_convert_weight_to_int4pack_for_cpu`), same conditions (bf16/fp16, M ≤ 16), plus
   N % 16 == 0 and a CPU group size g' ∈ {32, 64, 128, 256} dividing the layer's group size (per-
   channel = one group of K): the op dequantizes w = (u − 8)·scale + zero with u the unsigned
-  nibble, i.e. u − 8 = our code q, so zero = −zp·scale (0 when symmetric) and a group of g is g/g'
-  groups of g' with repeated scales. Else dequantize + matmul. The packed ops cost grows
+  nibble, i.e. u − 8 = our code q, so zero = −zp·scale (integer or float zp; 0 when symmetric)
+  and a group of g is g/g' groups of g' with repeated scales. Else dequantize + matmul. The packed ops cost grows
   linearly with M while dequantize + matmul has a fixed dequantize cost, hence the M bound.
 - a8w8, symmetric weights and activations: quantize x with the static (or dynamic per-token)
   scale, `torch._int_mm` (exact int32 accumulate, fast on CPU for every shape tried), then
@@ -67,7 +67,8 @@ from quantspec.quant.args import (
     QuantScheme,
 )
 from quantspec.quant.packing import pack_int4, unpack_int4
-from quantspec.quant.primitives import choose_qparams, dequantize, quantize, storage_dtype
+from quantspec.quant.primitives import (choose_qparams, dequantize, quantize, storage_dtype,
+                                        zero_point_dtype)
 
 __all__ = [
     "CPU_INT4_GROUP_SIZES",
@@ -275,7 +276,9 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
         out[f"{prefix}.weight_packed"] = (N, _packed_words(K, w.num_bits))
         out[f"{prefix}.weight_shape"] = (2,)
         if not w.symmetric:
-            if w.strategy in ("group", "channel"):
+            if w.strategy in ("group", "channel") and w.zp_dtype is not None:
+                out[f"{prefix}.weight_zero_point"] = sshape  # float zero points: unpacked
+            elif w.strategy in ("group", "channel"):
                 G = sshape[1]
                 out[f"{prefix}.weight_zero_point"] = (_packed_words(N, w.num_bits), G)
             else:
@@ -313,6 +316,21 @@ def _scalar(name: str, t: torch.Tensor) -> torch.Tensor:
     return t.reshape(1)
 
 
+def _weight_zero_point(name: str, z: torch.Tensor, w: QuantArgs) -> torch.Tensor:
+    """The stored zero point checked against the scheme: a float `zp_dtype` needs that float
+    tensor (kept as fp32, exact), integer zero points an integer tensor (→ int8)."""
+    if w.zp_dtype is not None:
+        want = zero_point_dtype(w)
+        if z.dtype != want:
+            raise QuantSpecError(f"{name} has dtype {z.dtype} but the config's zp_dtype is "
+                                 f"{w.zp_dtype}; the checkpoint does not match its config")
+        return z.float()
+    if z.is_floating_point():
+        raise QuantSpecError(f"{name} holds float zero points ({z.dtype}) but the config has no "
+                             "float zp_dtype; add zp_dtype to its weights args or re-quantize")
+    return z.to(torch.int8)
+
+
 def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantScheme,
                           out_features: int, in_features: int) -> QuantizedLinearTensors:
     """Decode one Linear's compressed-tensors tensors (layout from `scheme.format`).
@@ -347,11 +365,14 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
                           f"{prefix}.weight_packed")
         if not w.symmetric:
             z = tensors[f"{prefix}.weight_zero_point"]
-            if w.strategy in ("group", "channel"):
+            if w.strategy in ("group", "channel") and w.zp_dtype is None:
+                if z.is_floating_point():
+                    _weight_zero_point(f"{prefix}.weight_zero_point", z, w)  # raises
                 zp = _unpack_words(z, w.num_bits, tuple(scale.shape), 0,
                                    f"{prefix}.weight_zero_point")
             else:
-                zp = _scalar(f"{prefix}.weight_zero_point", z).to(torch.int8)
+                z = _scalar(f"{prefix}.weight_zero_point", z) if w.strategy == "tensor" else z
+                zp = _weight_zero_point(f"{prefix}.weight_zero_point", z, w)
     else:
         q = tensors[f"{prefix}.weight"]
         if q.dtype != storage_dtype(w):
@@ -360,7 +381,7 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
         if not w.symmetric:
             zp = tensors[f"{prefix}.weight_zero_point"]
             zp = _scalar(f"{prefix}.weight_zero_point", zp) if w.strategy == "tensor" else zp
-            zp = zp.to(torch.int8)
+            zp = _weight_zero_point(f"{prefix}.weight_zero_point", zp, w)
     ia = scheme.input_activations
     in_scale = in_zp = None
     if ia is not None and not ia.dynamic:
@@ -422,7 +443,8 @@ class QuantLinear(nn.Module):
     """A Linear whose weight is int4 / int8 / fp8 codes + scales (+ static input scale).
 
     Buffers (fp32 scales; codes in their storage dtype):
-      weight_scale [N, K/g] | [N, 1] | [1], weight_zero_point like it (asymmetric) or None,
+      weight_scale [N, K/g] | [N, 1] | [1], weight_zero_point like it (asymmetric; int8, or
+      fp32 for a float zp_dtype) or None,
       input_scale [1] / input_zero_point [1] (static activations) or None, bias [N] or None;
       codes: `qweight` int8 [N, K] (int8; int4 on CPU), `weight_packed` int32 [N, K/8] (int4 on
       CUDA, read as stored by the Triton kernel), `weight_fp8` float8 [N, K] (fp8 on CUDA) or
@@ -471,7 +493,9 @@ class QuantLinear(nn.Module):
             cpu_int8pack=cpu_int8pack, cpu_int4_group=cpu_int4_group, fp8_native=fp8_native)
 
         scale = t.scale.detach().to(device=device, dtype=torch.float32)
-        zp = None if t.zero_point is None else t.zero_point.detach().to(device, torch.int8)
+        zp = None
+        if t.zero_point is not None:  # int8, or fp32 for a float zp_dtype (exact upcast)
+            zp = t.zero_point.detach().to(device, torch.float32 if w.zp_dtype else torch.int8)
         self.register_buffer("weight_scale", scale)
         self.register_buffer("weight_zero_point", zp)
         self.register_buffer("input_scale", None if t.input_scale is None

@@ -43,7 +43,7 @@ def pack_int4(q: torch.Tensor) -> torch.Tensor:
 def dequantize_groupwise(
     q: torch.Tensor,  # [N, K] integer codes
     scale: torch.Tensor,  # [N, K/g] float
-    zero: torch.Tensor | None,  # [N, K/g] integer or None (symmetric)
+    zero: torch.Tensor | None,  # [N, K/g] integer or float (float zp_dtype), None if symmetric
     group_size: int,
 ) -> torch.Tensor:
     """(q - zero) * scale per group of `group_size` input columns, in fp32 -> [N, K]."""

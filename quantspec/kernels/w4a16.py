@@ -6,9 +6,11 @@ Weight layout is compressed-tensors' `pack-quantized` one, read as stored (no re
   w_packed int32 [N, ceil(K/8)]: element k of row n sits in word k // 8 at bits 4*(k % 8)..+3,
       stored as the unsigned nibble q + 8 with q in [-8, 7];
   w_scale  [N, K/group_size] (fp32/fp16/bf16; group_size divides K, as compressed-tensors needs);
-  w_zero   optional [N, K/group_size] integer zero points in the same signed domain as q
-      (compressed-tensors packs them along dim 0 on disk; unpack them once at load time);
-  dequant: w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g].
+  w_zero   optional [N, K/group_size] zero points in the same signed domain as q: int8/int32
+      (compressed-tensors packs integer ones along dim 0 on disk; unpack them once at load time)
+      or fp32/fp16/bf16 (a float `zp_dtype`, stored unpacked; the ZERO_FLOAT variant loads them
+      as floats);
+  dequant: w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g] (in fp32).
 
 Two launch shapes of one kernel: small M (decode, speculative verify) uses BLOCK_M = 1 with a
 broadcast-multiply-reduce (a GEMV that streams the weight once per row) and split-K so that a
@@ -89,7 +91,8 @@ def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
     M, N, K, group_size,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_osplit,
-    HAS_ZERO: tl.constexpr, HAS_BIAS: tl.constexpr, GROUP_ALIGNED: tl.constexpr,
+    HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr,
+    GROUP_ALIGNED: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
@@ -123,18 +126,28 @@ def _w4a16_kernel(
             # BLOCK_K divides group_size: the whole k tile shares one group
             g = k0 // group_size
             s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
-                q = q - z[:, None]
-            w = q.to(tl.float32) * s[:, None]  # [BN, BK]
+            if HAS_ZERO and ZERO_FLOAT:
+                z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) - z[:, None]) * s[:, None]  # [BN, BK]
+            else:
+                if HAS_ZERO:
+                    z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
+                    q = q - z[:, None]
+                w = q.to(tl.float32) * s[:, None]  # [BN, BK]
         else:
             g = offs_k // group_size  # [BK]
             gidx = offs_n[:, None] * stride_sn + g[None, :]
             s = tl.load(s_ptr + gidx, mask=wmask, other=0.0).to(tl.float32)
-            if HAS_ZERO:
-                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask, other=0)
-                q = q - z.to(tl.int32)
-            w = q.to(tl.float32) * s  # [BN, BK]
+            if HAS_ZERO and ZERO_FLOAT:
+                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
+                            other=0.0).to(tl.float32)
+                w = (q.to(tl.float32) - z) * s  # [BN, BK]
+            else:
+                if HAS_ZERO:
+                    z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
+                                other=0)
+                    q = q - z.to(tl.int32)
+                w = q.to(tl.float32) * s  # [BN, BK]
         if USE_DOT:
             if DOT_FP32:
                 acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
@@ -181,7 +194,8 @@ def _validate(x, w_packed, w_scale, group_size, w_zero, bias):
     ng = K // group_size
     check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N, ng))
     if w_zero is not None:
-        check_tensor(w_zero, "w_zero", dtypes=(torch.int8, torch.int32), shape=(N, ng))
+        check_tensor(w_zero, "w_zero", dtypes=(torch.int8, torch.int32) + FLOAT_DTYPES,
+                     shape=(N, ng))
     if bias is not None:
         check_tensor(bias, "bias", dtypes=FLOAT_DTYPES, shape=(N,))
     return M, N, K
@@ -192,7 +206,7 @@ def w4a16_linear_ref(
     w_packed: torch.Tensor,  # [N, ceil(K/8)] int32
     w_scale: torch.Tensor,  # [N, K/g]
     group_size: int,
-    w_zero: torch.Tensor | None = None,  # [N, K/g] int8/int32
+    w_zero: torch.Tensor | None = None,  # [N, K/g] int8/int32, or float (float zp_dtype)
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
@@ -213,7 +227,7 @@ def w4a16_linear(
     w_packed: torch.Tensor,  # [N, ceil(K/8)] int32
     w_scale: torch.Tensor,  # [N, K/g]
     group_size: int,
-    w_zero: torch.Tensor | None = None,  # [N, K/g] int8/int32
+    w_zero: torch.Tensor | None = None,  # [N, K/g] int8/int32, or float (float zp_dtype)
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
@@ -242,7 +256,8 @@ def w4a16_linear(
         x.stride(0), w_packed.stride(0), w_scale.stride(0),
         w_zero.stride(0) if w_zero is not None else 0,
         N, stride_osplit,
-        HAS_ZERO=w_zero is not None, HAS_BIAS=bias is not None,
+        HAS_ZERO=w_zero is not None,
+        ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(), HAS_BIAS=bias is not None,
         GROUP_ALIGNED=group_size % bk == 0, USE_DOT=use_dot, DOT_FP32=dot_fp32,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,

@@ -44,6 +44,7 @@ __all__ = [
     "FORMAT_NAIVE_QUANTIZED",
     "FORMAT_MIXED_PRECISION",
     "MIN_GROUP_SIZE",
+    "ZP_FLOAT_DTYPES",
 ]
 
 _LOG = logging.getLogger(__name__)
@@ -71,6 +72,11 @@ _TYPES = ("int", "float")
 _STRATEGIES = ("tensor", "channel", "group", "token", "attn_head")
 _ACTIVATION_STRATEGIES = ("tensor", "token", "group", "attn_head")
 _ACTORDER = {"weight": "weight", "static": "weight"}
+# float zero-point dtypes (compressed-tensors' `zp_dtype`): the zero point is cast, not rounded,
+# so w = (q - zp) * scale can sit on a float-offset grid such as GGUF Q4_1 (w = d*q + m)
+ZP_FLOAT_DTYPES = ("float16", "bfloat16", "float32")
+# integer dtypes another tool may name as zp_dtype: the default integer zero points
+_ZP_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 
 
 class QuantType(str, enum.Enum):
@@ -105,6 +111,10 @@ class QuantArgs:
     [N, K // g]), `token` (one per row of an activation, dynamic only), `attn_head` (one per KV
     head, KV cache only → [H, 1, 1]). Left as None it is inferred like compressed-tensors does:
     no group_size → tensor, group_size > 0 → group, group_size == -1 → channel.
+
+    `zp_dtype` (asymmetric int args only): None keeps integer zero points (compressed-tensors'
+    default); "float16" | "bfloat16" | "float32" stores the zero point as that float, unrounded
+    (compressed-tensors' `zp_dtype`), so the grid's offset need not be a whole step.
     """
 
     num_bits: int = 8
@@ -115,6 +125,7 @@ class QuantArgs:
     dynamic: bool = False
     observer: str | None = None
     actorder: str | None = None
+    zp_dtype: str | None = None
 
     def __post_init__(self) -> None:
         w = "QuantArgs"
@@ -170,6 +181,15 @@ class QuantArgs:
                 raise _err(w, f"actorder {self.actorder!r} unsupported; use 'weight' "
                               "(alias 'static') or None")
             object.__setattr__(self, "actorder", _ACTORDER[a])
+        if self.zp_dtype is not None:
+            z = str(self.zp_dtype).removeprefix("torch.")  # also takes a torch.dtype
+            if z not in ZP_FLOAT_DTYPES:
+                raise _err(w, f"zp_dtype {self.zp_dtype!r} unsupported; use one of "
+                              f"{', '.join(ZP_FLOAT_DTYPES)} or None (integer zero points)")
+            if t != "int" or self.symmetric:
+                raise _err(w, "a float zp_dtype needs asymmetric int weights; set "
+                              "symmetric=False (--asym) or drop zp_dtype")
+            object.__setattr__(self, "zp_dtype", z)
 
     # ---- derived -------------------------------------------------------------------------
     @property
@@ -205,6 +225,8 @@ class QuantArgs:
             d["actorder"] = self.actorder
         if self.observer is not None:
             d["observer"] = self.observer
+        if self.zp_dtype is not None:
+            d["zp_dtype"] = f"torch.{self.zp_dtype}"  # compressed-tensors writes str(torch.dtype)
         return d
 
     @classmethod
@@ -234,6 +256,14 @@ class QuantArgs:
         actorder = d.get("actorder")
         if actorder is False:
             actorder = None
+        zp_dtype = d.get("zp_dtype")
+        if zp_dtype is not None:
+            z = str(zp_dtype).removeprefix("torch.")
+            if z in _ZP_INT_DTYPES or d.get("symmetric", True):
+                zp_dtype = None  # integer zero points (the default), or none at all (symmetric)
+            elif z not in ZP_FLOAT_DTYPES:
+                raise _err(where, f"zp_dtype {zp_dtype!r} is unsupported; quantspec reads "
+                                  f"integer or {'/'.join(ZP_FLOAT_DTYPES)} zero points")
         try:
             return cls(
                 num_bits=d.get("num_bits", 8),
@@ -244,6 +274,7 @@ class QuantArgs:
                 dynamic=dynamic,
                 observer=d.get("observer"),
                 actorder=actorder,
+                zp_dtype=zp_dtype,
             )
         except QuantSpecError as e:
             raise QuantSpecError(f"{where}: {e}") from None
@@ -601,26 +632,35 @@ def resolve_group_size(K: int, requested: int) -> int:
 
 def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
-           kv_strategy: str = "attn_head") -> QuantConfig:
+           kv_strategy: str = "attn_head", zp_dtype: str | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights ("int-quantized").
-    weight_only_int4: int4 group-wise weights ("pack-quantized"); `group_size` applies.
+    weight_only_int4: int4 group-wise weights ("pack-quantized"); `group_size` applies, and with
+    symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32") gives float zero points.
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").
     a8w8_fp8: FP8 E4M3 per-channel weights + static per-tensor FP8 input scales ("float-quantized").
     `kv_cache` ("int8" | "fp8" | None) adds a static KV-cache scheme (`kv_strategy` "attn_head"
     = one scale per KV head, or "tensor").
     """
     qt = QuantType.parse(quant_type)
+    if zp_dtype is not None:
+        if qt is not QuantType.WEIGHT_ONLY_INT4:
+            raise QuantSpecError(f"zp_dtype (--zp-dtype) {zp_dtype} is for weight_only_int4 only; "
+                                 f"drop it for {qt.value}")
+        if symmetric:
+            raise QuantSpecError(f"zp_dtype (--zp-dtype) {zp_dtype} needs asymmetric weights; "
+                                 "add --asym (symmetric=False)")
     ia = None
     if qt is QuantType.WEIGHT_ONLY_INT8:
         w = QuantArgs(num_bits=8, type="int", symmetric=symmetric, strategy="channel")
     elif qt is QuantType.WEIGHT_ONLY_INT4:
         if group_size == -1:
-            w = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="channel")
+            w = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="channel",
+                          zp_dtype=zp_dtype)
         else:
             w = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group",
-                          group_size=group_size)
+                          group_size=group_size, zp_dtype=zp_dtype)
     elif qt is QuantType.A8W8:
         w = QuantArgs(num_bits=8, type="int", symmetric=symmetric, strategy="channel")
         ia = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",

@@ -8,7 +8,8 @@ quantspec's provenance in `quantspec.json`.
 Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_proj`), by format:
 - pack-quantized (int4): `weight_packed` int32 [N, ceil(K/8)], `weight_scale` [N, K/g] (or [N, 1]),
   `weight_shape` int64 [2] = [N, K], and, asymmetric only, `weight_zero_point` int32
-  [ceil(N/8), K/g] (zero points packed along N).
+  [ceil(N/8), K/g] (integer zero points packed along N) or, with a float `zp_dtype`, unpacked
+  [N, K/g] (or [N, 1]) in that float dtype (compressed-tensors packs only integer zero points).
 - int-quantized (int8): `weight` int8 [N, K], `weight_scale` [N, 1] (+ `weight_zero_point` int8
   when asymmetric).
 - float-quantized (fp8): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] or [1].
@@ -36,7 +37,7 @@ from safetensors.torch import save_file
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs, QuantConfig
 from quantspec.quant.packing import pack_int4, unpack_int4
-from quantspec.quant.primitives import storage_dtype
+from quantspec.quant.primitives import storage_dtype, zero_point_dtype
 
 __all__ = [
     "CONFIG_NAME",
@@ -69,8 +70,10 @@ def _packs(args: QuantArgs) -> bool:
 
 
 def _packs_zero_point(args: QuantArgs) -> bool:
-    # compressed-tensors packs zero points only for group/channel strategies
-    return _packs(args) and not args.symmetric and args.strategy in ("group", "channel")
+    # compressed-tensors packs integer zero points only for group/channel strategies; float
+    # zero points (a float zp_dtype) are stored as they are
+    return _packs(args) and not args.symmetric and args.strategy in ("group", "channel") \
+        and args.zp_dtype is None
 
 
 @dataclass
@@ -118,9 +121,16 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
         if zero_point is None or zero_point.shape != scale.shape:
             raise QuantSpecError(f"{prefix}: asymmetric args need a zero_point shaped like the "
                                  f"scale {tuple(scale.shape)}")
-        zp = zero_point.to(torch.int8)
-        out[f"{prefix}.weight_zero_point"] = pack_int4(zp, packed_dim=0) if \
-            _packs_zero_point(args) else zp
+        if args.zp_dtype is not None:
+            if not zero_point.is_floating_point():
+                raise QuantSpecError(f"{prefix}: zp_dtype {args.zp_dtype} needs a float "
+                                     f"zero_point, got {zero_point.dtype}; use choose_qparams "
+                                     "with these args")
+            out[f"{prefix}.weight_zero_point"] = zero_point.to(zero_point_dtype(args))
+        else:
+            zp = zero_point.to(torch.int8)
+            out[f"{prefix}.weight_zero_point"] = pack_int4(zp, packed_dim=0) if \
+                _packs_zero_point(args) else zp
     if input_scale is not None:
         out[f"{prefix}.input_scale"] = input_scale.reshape(-1) if input_scale.ndim == 0 \
             else input_scale
@@ -179,7 +189,13 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
     zp = None
     if not args.symmetric:
         zp = get("weight_zero_point")
-        if _packs_zero_point(args):
+        if args.zp_dtype is not None:
+            if zp.dtype != zero_point_dtype(args) or zp.shape != scale.shape:
+                raise QuantSpecError(f"{prefix}.weight_zero_point is {zp.dtype} "
+                                     f"{tuple(zp.shape)} but zp_dtype {args.zp_dtype} needs "
+                                     f"{zero_point_dtype(args)} {tuple(scale.shape)}; the "
+                                     "checkpoint does not match its config")
+        elif _packs_zero_point(args):
             zp = unpack_int4(zp, tuple(scale.shape), packed_dim=0)
     return LinearQuant(q=q, scale=scale, zero_point=zp, args=args,
                        input_scale=tensors.get(f"{prefix}.input_scale"),

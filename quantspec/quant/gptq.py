@@ -31,7 +31,8 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.primitives import choose_qparams, dequantize, quantize, storage_dtype
+from quantspec.quant.primitives import (choose_qparams, dequantize, quantize, storage_dtype,
+                                        zero_point_dtype)
 
 __all__ = ["HessianAccumulator", "GPTQResult", "gptq_quantize", "rtn_quantize"]
 
@@ -179,7 +180,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
         H = H[perm][:, perm]
     elif group:
         scale = torch.empty(N, K // g, dtype=sdtype, device=W.device)
-        zp = torch.empty(N, K // g, dtype=storage_dtype(args), device=W.device)
+        zp = torch.empty(N, K // g, dtype=zero_point_dtype(args), device=W.device)
 
     H.diagonal().add_(damp * torch.mean(torch.diag(H)))
     try:

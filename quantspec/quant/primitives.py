@@ -9,6 +9,7 @@ int, b bits:  q_min = -2^(b-1), q_max = 2^(b-1) - 1 (int4: [-8, 7], int8: [-128,
   symmetric:   scale = max(|min|, |max|) / ((q_max - q_min) / 2)   (int4: /7.5, int8: /127.5)
                zero_point = 0
   asymmetric:  scale = (max - min) / (q_max - q_min),  zero_point = round(clamp(q_min - min/scale))
+               float `zp_dtype`: zero_point = clamp(q_min - min/scale) cast to it, unrounded
   (min is clamped to ≤ 0 and max to ≥ 0 first, so 0.0 is always representable)
   quantize:    q = round_half_even(clamp(x / scale + zero_point, q_min, q_max))
 fp8 E4M3:     scale = absmax / 448, q = float8_e4m3fn(clamp(x / scale, -448, 448))
@@ -61,7 +62,10 @@ def storage_dtype(args: QuantArgs) -> torch.dtype:
 
 
 def zero_point_dtype(args: QuantArgs) -> torch.dtype:
-    """compressed-tensors' zp_dtype: int8 for int args, float8_e4m3fn for fp8 args."""
+    """compressed-tensors' zp_dtype: `args.zp_dtype` (float16 / bfloat16 / float32) when set,
+    else int8 for int args and float8_e4m3fn for fp8 args."""
+    if args.zp_dtype is not None:
+        return getattr(torch, args.zp_dtype)
     return storage_dtype(args)
 
 
@@ -112,8 +116,10 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
                         ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) from observed min/max, exactly as compressed-tensors computes them.
 
-    scale has the dtype of `min_vals`; zero_point is int8 (int args) or float8_e4m3fn (fp8),
-    all zeros when symmetric.
+    scale has the dtype of `min_vals`; zero_point has `zero_point_dtype(args)`: int8 (int args),
+    float8_e4m3fn (fp8) or the float `args.zp_dtype` (unrounded), all zeros when symmetric.
+    An all-zero slice gets zero point 0 (compressed-tensors: 0 for int zero points via a NaN
+    cast, NaN for a float zp_dtype — quantspec keeps 0 so the slice dequantizes to 0).
     """
     _check_float("min_vals", min_vals)
     _check_float("max_vals", max_vals)
@@ -138,7 +144,11 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
         scale = torch.where(empty, torch.full_like(scale, eps), scale)
         zp = torch.clamp(q_min - min_vals / scale, q_min, q_max)
         zp = torch.where(empty, torch.zeros_like(zp), zp)
-        zero_point = torch.round(torch.clamp(zp, -128, 127)).to(zero_point_dtype(args))
+        zdtype = zero_point_dtype(args)
+        if zdtype.is_floating_point:  # a float zp_dtype: cast, not rounded (compressed-tensors)
+            zero_point = zp.to(zdtype)
+        else:
+            zero_point = torch.round(torch.clamp(zp, -128, 127)).to(zdtype)
     if scale.ndim == 0:
         scale, zero_point = scale.reshape(1), zero_point.reshape(1)
     return scale, zero_point

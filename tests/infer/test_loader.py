@@ -31,7 +31,8 @@ CALIB_IDS = torch.arange(3, 3 + 2 * 24).remainder(500).reshape(2, 24)  # [B, S]
 
 
 def write_quantized_artifact(src: Path, out: Path, quant_type: str, *, group_size: int = 32,
-                             symmetric: bool = True, kv_cache: str | None = None) -> Path:
+                             symmetric: bool = True, kv_cache: str | None = None,
+                             zp_dtype: str | None = None) -> Path:
     """Quantize every Linear but lm_head of a HF checkpoint with RTN into a quantspec artifact.
 
     Static input / KV scales come from a min/max pass of the fp32 model over `CALIB_IDS`.
@@ -39,7 +40,8 @@ def write_quantized_artifact(src: Path, out: Path, quant_type: str, *, group_siz
     cfg = read_config(src)
     args = ModelArgs.from_hf_config(cfg)
     tensors = load_checkpoint_tensors(src)
-    qc = preset(quant_type, group_size=group_size, symmetric=symmetric, kv_cache=kv_cache)
+    qc = preset(quant_type, group_size=group_size, symmetric=symmetric, kv_cache=kv_cache,
+                zp_dtype=zp_dtype)
     linears = {n: m for n, m in build_model(args).named_modules() if isinstance(m, nn.Linear)}
     w_args = qc.config_groups["group_0"].weights
     if w_args.strategy == "group":
@@ -118,13 +120,16 @@ def artifacts(tiny_llama_dir, tmp_path_factory):
         "int8": dict(quant_type="weight_only_int8"),
         "int4": dict(quant_type="weight_only_int4", group_size=32),
         "int4_asym_g64": dict(quant_type="weight_only_int4", group_size=64, symmetric=False),
+        "int4_asym_g32_fzp": dict(quant_type="weight_only_int4", group_size=32, symmetric=False,
+                                  zp_dtype="float16"),
         "a8w8_kv8": dict(quant_type="a8w8", kv_cache="int8"),
         "fp8": dict(quant_type="a8w8_fp8", kv_cache="fp8"),
     }
     return {k: write_quantized_artifact(tiny_llama_dir, root / k, **v) for k, v in specs.items()}
 
 
-@pytest.mark.parametrize("name", ["int8", "int4", "int4_asym_g64", "a8w8_kv8", "fp8"])
+@pytest.mark.parametrize("name", ["int8", "int4", "int4_asym_g64", "int4_asym_g32_fzp",
+                                  "a8w8_kv8", "fp8"])
 def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name):
     lm = load_for_inference(artifacts[name])
     assert lm.is_quantized and lm.quant_config.quant_type is not None
@@ -140,7 +145,8 @@ def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name):
 
 def test_bf16_artifact_runs_packed_ops(artifacts, tiny_llama_dir):
     """bf16 loading takes torch's packed CPU ops for decode-sized M and stays close to fp32."""
-    for name, path in (("int8", KernelPath.CPU_INT8PACK), ("int4", KernelPath.CPU_INT4PACK)):
+    for name, path in (("int8", KernelPath.CPU_INT8PACK), ("int4", KernelPath.CPU_INT4PACK),
+                       ("int4_asym_g32_fzp", KernelPath.CPU_INT4PACK)):
         lm = load_for_inference(artifacts[name], dtype=torch.bfloat16, tokenizer=False)
         q = lm.model.model.layers[0].mlp.down_proj
         assert q.kernel_for(torch.zeros(1, q.in_features, dtype=torch.bfloat16)) is path

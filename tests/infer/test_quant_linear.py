@@ -28,11 +28,11 @@ torch.set_num_threads(1)
 
 
 def _make(kind, N, K, *, group_size=32, symmetric=True, act_dynamic=False, act_symmetric=True,
-          bias=False, seed=0):
+          bias=False, seed=0, zp_dtype=None):
     """A random layer of `kind` (a quant type name) + the calibration batch used for its static
     input scale. Returns (QuantizedLinearTensors, float weight)."""
     gen = torch.Generator().manual_seed(seed)
-    cfg = preset(kind, group_size=group_size, symmetric=symmetric)
+    cfg = preset(kind, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype)
     scheme = cfg.config_groups["group_0"]
     w_args = scheme.weights
     ia = scheme.input_activations
@@ -88,6 +88,8 @@ CASES = [
     ("weight_only_int4", 48, 192, 64, False),
     ("weight_only_int4", 40, 384, 128, True),
     ("weight_only_int4", 48, 96, -1, False),
+    ("weight_only_int4", 48, 192, 32, "float16"),  # asymmetric, float zero points
+    ("weight_only_int4", 40, 96, -1, "bfloat16"),
     ("a8w8", 40, 96, 128, True),
     ("a8w8_fp8", 48, 96, 128, True),
 ]
@@ -97,7 +99,11 @@ CASES = [
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("kind,N,K,g,sym", CASES)
 def test_quant_linear_matches_reference(kind, N, K, g, sym, dtype, M):
-    t = _make(kind, N, K, group_size=g, symmetric=sym, bias=(M == 3), seed=N + K + M)
+    zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
+    t = _make(kind, N, K, group_size=g, symmetric=sym, bias=(M == 3), seed=N + K + M,
+              zp_dtype=zp_dtype)
+    if zp_dtype is not None:
+        assert t.zero_point.dtype == getattr(torch, zp_dtype)
     layer = QuantLinear(t, dtype=dtype)
     x = torch.randn(M, K, generator=torch.Generator().manual_seed(M)).to(dtype)
     y = layer(x)
@@ -146,9 +152,11 @@ def test_fp8_cpu_path_equals_kernel_reference():
     ("weight_only_int4", 32, True, KernelPath.CPU_INT4PACK),
     ("weight_only_int4", 64, False, KernelPath.CPU_INT4PACK),
     ("weight_only_int4", -1, True, KernelPath.CPU_INT4PACK),
+    ("weight_only_int4", 32, "float16", KernelPath.CPU_INT4PACK),  # zero = -zp·scale, float zp
 ])
 def test_cpu_fast_path_is_taken_when_allowed(monkeypatch, kind, g, sym, path):
-    t = _make(kind, 48, 192, group_size=g, symmetric=sym, seed=11)
+    zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
+    t = _make(kind, 48, 192, group_size=g, symmetric=sym, seed=11, zp_dtype=zp_dtype)
     layer = QuantLinear(t, dtype=torch.bfloat16)
     op = "_weight_int8pack_mm" if path is KernelPath.CPU_INT8PACK else "_weight_int4pack_mm_for_cpu"
     real, calls = getattr(torch, op), []
@@ -279,6 +287,38 @@ def test_read_errors_are_one_line():
         read_quantized_linear(tensors, p, scheme, 16, 32)
 
 
+def test_read_float_zero_points_and_mismatches():
+    """A float zp_dtype: `weight_zero_point` unpacked [N, K/g] in that dtype; an integer scheme
+    given float zero points, or a float scheme given packed int32 ones, is one line."""
+    N, K = 32, 96
+    p = "model.layers.0.mlp.up_proj"
+    fargs = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=32,
+                      zp_dtype="float16")
+    W = torch.randn(N, K, generator=torch.Generator().manual_seed(4))
+    s, z = choose_qparams(W, fargs)
+    q = quantize(W, s, z, fargs)
+    tensors = linear_to_tensors(p, q, s, z, fargs)
+    fscheme = QuantScheme(targets=("Linear",), weights=fargs)
+    got = read_quantized_linear(tensors, p, fscheme, N, K)
+    assert torch.equal(got.q, q) and got.zero_point.dtype == torch.float32
+    assert torch.equal(got.zero_point, z.float())
+    ischeme = QuantScheme(targets=("Linear",), weights=fargs.replace(zp_dtype=None))
+    with pytest.raises(QuantSpecError, match=r"weight_zero_point has shape \(32, 3\), expected "
+                                             r"\(4, 3\)"):
+        read_quantized_linear(tensors, p, ischeme, N, K)
+    # a float tensor where packed int32 words belong (same shape): the dtype gives it away
+    iargs = ischeme.weights
+    si, zi = choose_qparams(W, iargs)
+    itensors = linear_to_tensors(p, quantize(W, si, zi, iargs), si, zi, iargs)
+    itensors[f"{p}.weight_zero_point"] = itensors[f"{p}.weight_zero_point"].to(torch.float16)
+    with pytest.raises(QuantSpecError, match="float zero points.*no float zp_dtype"):
+        read_quantized_linear(itensors, p, ischeme, N, K)
+    bad = dict(tensors, **{f"{p}.weight_zero_point": z.float()})
+    with pytest.raises(QuantSpecError, match="dtype torch.float32 but the config's zp_dtype is "
+                                             "float16"):
+        read_quantized_linear(bad, p, fscheme, N, K)
+
+
 # ---------------------------------------------------------------- Triton wiring
 
 _TRITON_SCRIPT = textwrap.dedent("""
@@ -290,12 +330,15 @@ _TRITON_SCRIPT = textwrap.dedent("""
     cases = [("weight_only_int4", 32, True, KernelPath.TRITON_W4A16),
              ("weight_only_int4", 32, False, KernelPath.TRITON_W4A16),
              ("weight_only_int4", -1, True, KernelPath.TRITON_W4A16),
+             ("weight_only_int4", 32, "float16", KernelPath.TRITON_W4A16),
+             ("weight_only_int4", -1, "bfloat16", KernelPath.TRITON_W4A16),
              ("weight_only_int8", 128, True, KernelPath.TRITON_W8A16),
              ("a8w8", 128, True, KernelPath.TRITON_W8A8),
              ("a8w8_fp8", 128, True, KernelPath.TRITON_FP8)]
     N, K = 24, 64
     for kind, g, sym, path in cases:
-        sch = preset(kind, group_size=g, symmetric=sym).config_groups["group_0"]
+        zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
+        sch = preset(kind, group_size=g, symmetric=sym, zp_dtype=zp_dtype).config_groups["group_0"]
         W = torch.randn(N, K) * 0.05
         s, z = choose_qparams(W, sch.weights)
         q = quantize(W, s, z, sch.weights)

@@ -12,11 +12,14 @@ from quantspec.quant.packing import pack_int4
 N = 37  # not a multiple of any BLOCK_N
 
 
-def _make(M, K, g, dtype, asym, bias, seed=0):
+def _make(M, K, g, dtype, asym, bias, seed=0, zero_dtype=torch.int8):
     gen = torch.Generator().manual_seed(seed)
     q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen)
     scale = (torch.rand(N, K // g, generator=gen) * 0.05 + 0.01).to(dtype)
-    zero = torch.randint(-8, 8, (N, K // g), dtype=torch.int8, generator=gen) if asym else None
+    if zero_dtype.is_floating_point:  # float zero points (a float zp_dtype): any value in [-8, 7]
+        zero = (torch.rand(N, K // g, generator=gen) * 15 - 8).to(zero_dtype) if asym else None
+    else:
+        zero = torch.randint(-8, 8, (N, K // g), dtype=zero_dtype, generator=gen) if asym else None
     b = torch.randn(N, generator=gen).to(dtype) if bias else None
     x = torch.randn(M, K, generator=gen).to(dtype)
     return x, pack_int4(q), scale, g, zero, b, q
@@ -41,10 +44,27 @@ def test_kernel_matches_reference(M, K, g, dtype):
         torch.testing.assert_close(y.float(), r.float(), rtol=5e-3, atol=5e-3)
 
 
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("K,g", SHAPES)
+@pytest.mark.parametrize("zero_dtype", [torch.float16, torch.bfloat16, torch.float32])
+def test_float_zero_point_variant_matches_reference(M, K, g, zero_dtype):
+    """The ZERO_FLOAT variant: zero points loaded as floats, w = (q - zp) * scale in fp32."""
+    x, wp, s, g, z, b, q = _make(M, K, g, torch.float32, asym=True, bias=M == 3, seed=M + K,
+                                 zero_dtype=zero_dtype)
+    assert not torch.equal(z.float(), z.float().round())
+    y = w4a16_linear(x, wp, s, g, z, b)
+    r = w4a16_linear_ref(x, wp, s, g, z, b)
+    torch.testing.assert_close(y, r, rtol=1e-5, atol=1e-5)
+    w = (q.float() - z.float().repeat_interleave(g, 1)) * s.repeat_interleave(g, 1)
+    torch.testing.assert_close(r, x @ w.t() + (0 if b is None else b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("cfg", [W4A16Config(1, 8, 8, 3), W4A16Config(16, 32, 16, 2),
                                  W4A16Config(32, 16, 32, 1)])
-def test_split_k_and_tile_configs(cfg):
-    x, wp, s, g, z, b, _ = _make(17, 88, 8, torch.float32, asym=True, bias=True, seed=5)
+@pytest.mark.parametrize("zero_dtype", [torch.int8, torch.float16])
+def test_split_k_and_tile_configs(cfg, zero_dtype):
+    x, wp, s, g, z, b, _ = _make(17, 88, 8, torch.float32, asym=True, bias=True, seed=5,
+                                 zero_dtype=zero_dtype)
     y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
     torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g, z, b), rtol=1e-5, atol=1e-5)
 
@@ -73,6 +93,8 @@ def test_bad_inputs_raise():
         w4a16_linear(x.double(), wp, s, g)
     with pytest.raises(QuantSpecError, match="bias"):
         w4a16_linear(x, wp, s, g, z, b[:5])
+    with pytest.raises(QuantSpecError, match="w_zero has dtype float64"):
+        w4a16_linear(x, wp, s, g, z.double(), b)
 
 
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")

@@ -150,3 +150,48 @@ def test_scheme_for_matches_compressed_tensors():
     assert cfg.weight_args_for("model.layers.0.self_attn.q_proj").group_size == 64
     assert cfg.weight_args_for("model.layers.0.mlp.down_proj").strategy == "channel"
     assert cfg.weight_args_for("model.layers.2.mlp.up_proj").group_size == 32
+
+
+def test_float_zp_dtype_json_both_ways():
+    cfg = preset("weight_only_int4", group_size=32, symmetric=False, zp_dtype="float16")
+    w = cfg.config_groups["group_0"].weights
+    assert w.zp_dtype == "float16"
+    ours = cfg.to_dict()
+    assert ours["config_groups"]["group_0"]["weights"]["zp_dtype"] == "torch.float16"
+    theirs = ctq.QuantizationConfig.model_validate(ours)
+    assert theirs.config_groups["group_0"].weights.zp_dtype == torch.float16
+    assert json.loads(json.dumps(theirs.model_dump(), default=str)) == ours
+    assert QuantConfig.from_dict(ours).to_dict() == ours
+    # compressed-tensors' own args with a float zp_dtype read back the same, either spelling
+    ct_w = ctq.QuantizationArgs(num_bits=4, symmetric=False, strategy="group", group_size=32,
+                                zp_dtype=torch.bfloat16).model_dump()
+    assert QuantArgs.from_dict(ct_w).zp_dtype == "bfloat16"
+    assert QuantArgs.from_dict(dict(ct_w, zp_dtype="float32")).zp_dtype == "float32"
+    # integer zero points stay the default: no key written, and an int zp_dtype reads as None
+    assert "zp_dtype" not in preset("weight_only_int4", symmetric=False).to_dict()[
+        "config_groups"]["group_0"]["weights"]
+    for spelling in ("torch.int8", "int8", "torch.int32"):
+        assert QuantArgs.from_dict(dict(ct_w, zp_dtype=spelling)).zp_dtype is None
+    # symmetric args have no zero points: a stray zp_dtype is ignored
+    assert QuantArgs.from_dict(dict(ct_w, symmetric=True, zp_dtype="torch.float16")).zp_dtype is None
+    with pytest.raises(QuantSpecError, match="zp_dtype 'torch.float8_e4m3fn' is unsupported"):
+        QuantArgs.from_dict(dict(ct_w, zp_dtype="torch.float8_e4m3fn"))
+
+
+def test_float_zp_dtype_validation():
+    a = QuantArgs(num_bits=4, symmetric=False, group_size=32, zp_dtype="torch.float16")
+    assert a.zp_dtype == "float16" and QuantArgs(num_bits=4, symmetric=False,
+                                                 zp_dtype=torch.float32).zp_dtype == "float32"
+    with pytest.raises(QuantSpecError, match="zp_dtype 'float64' unsupported; use one of float16"):
+        QuantArgs(num_bits=4, symmetric=False, zp_dtype="float64")
+    with pytest.raises(QuantSpecError, match="symmetric=False"):
+        QuantArgs(num_bits=4, zp_dtype="float16")
+    with pytest.raises(QuantSpecError, match="asymmetric int"):
+        QuantArgs(num_bits=8, type="float", zp_dtype="float16")
+    with pytest.raises(QuantSpecError, match="--asym"):
+        preset("weight_only_int4", zp_dtype="float16")
+    with pytest.raises(QuantSpecError, match="weight_only_int4 only"):
+        preset("weight_only_int8", symmetric=False, zp_dtype="float16")
+    cfg = preset("weight_only_int4", group_size=128, symmetric=False, zp_dtype="float32")
+    cfg = cfg.with_layer_group_sizes({"model.layers.0.self_attn.q_proj": 64})
+    assert cfg.weight_args_for("model.layers.0.self_attn.q_proj").zp_dtype == "float32"

@@ -27,6 +27,12 @@ def _quantized(args, N=24, K=128, seed=0):
     (QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False),
      {"weight_packed": (torch.int32, (24, 16)), "weight_scale": (torch.float32, (24, 4)),
       "weight_shape": (torch.int64, (2,)), "weight_zero_point": (torch.int32, (3, 4))}),
+    (QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False, zp_dtype="float16"),
+     {"weight_packed": (torch.int32, (24, 16)), "weight_scale": (torch.float32, (24, 4)),
+      "weight_shape": (torch.int64, (2,)), "weight_zero_point": (torch.float16, (24, 4))}),
+    (QuantArgs(num_bits=4, strategy="channel", symmetric=False, zp_dtype="bfloat16"),
+     {"weight_packed": (torch.int32, (24, 16)), "weight_scale": (torch.float32, (24, 1)),
+      "weight_shape": (torch.int64, (2,)), "weight_zero_point": (torch.bfloat16, (24, 1))}),
     (QuantArgs(num_bits=8, strategy="channel"),
      {"weight": (torch.int8, (24, 128)), "weight_scale": (torch.float32, (24, 1))}),
     (QuantArgs(num_bits=8, type="float", strategy="channel"),
@@ -150,3 +156,13 @@ def test_truncated_file_is_named(tmp_path):
 def test_missing_config(tmp_path):
     with pytest.raises(QuantSpecError, match="no config.json"):
         read_artifact_config(tmp_path)
+
+
+def test_float_zero_point_tensor_is_checked():
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False, zp_dtype="float16")
+    q, s, z = _quantized(args)
+    t = linear_to_tensors(P, q, s, z, args)
+    with pytest.raises(QuantSpecError, match="needs torch.float16"):
+        linear_from_tensors(dict(t, **{P + ".weight_zero_point": z.float()}), P, args)
+    with pytest.raises(QuantSpecError, match="needs a float zero_point"):
+        linear_to_tensors(P, q, s, z.round().to(torch.int8), args)

@@ -92,3 +92,79 @@ def test_bad_input_raises_clear_errors():
     with pytest.raises(QuantSpecError, match="zero_point"):
         quantize(torch.randn(4, 128), torch.ones(4, 1), None,
                  QuantArgs(num_bits=4, symmetric=False, strategy="channel"))
+
+
+# ---- float zero points (compressed-tensors' zp_dtype) -------------------------------------------
+
+@pytest.mark.parametrize("zp_dtype", [torch.float16, torch.bfloat16, torch.float32])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_float_zero_point_matches_compressed_tensors_exactly(zp_dtype, dtype):
+    if dtype == torch.bfloat16 and zp_dtype == torch.float32:
+        pytest.skip("compressed-tensors' own cast overflows for bf16 weights + fp32 zp_dtype")
+    torch.manual_seed(1)
+    w = (torch.randn(40, 256) * torch.rand(40, 1) * 3 + torch.randn(40, 1) * 0.5).to(dtype)
+    kw = dict(num_bits=4, symmetric=False, strategy="group", group_size=32)
+    ours = QuantArgs(**kw, zp_dtype=str(zp_dtype).removeprefix("torch."))
+    theirs = ct_args.QuantizationArgs(**kw, zp_dtype=zp_dtype)
+    s, z = choose_qparams(w, ours)
+    s_ct, z_ct = calculate_qparams(*minmax(w, ours), theirs)
+    assert z.dtype == z_ct.dtype == zp_dtype and torch.equal(s, s_ct) and torch.equal(z, z_ct)
+    assert not torch.equal(z, z.round())  # really unrounded
+    q = quantize(w, s, z, ours)
+    q_ct = ct_quantize(w, s_ct, z_ct, theirs, dtype=torch.int8)
+    assert q.dtype == torch.int8 and torch.equal(q, q_ct)
+    assert torch.equal(dequantize(q, s, z, ours), ct_dequantize(q_ct, s_ct, z_ct, theirs))
+    assert torch.equal(fake_quantize(w, s, z, ours), ct_fake_quantize(w, s_ct, z_ct, theirs).to(dtype))
+
+
+def test_float_zero_point_of_all_zero_group_is_zero():
+    # compressed-tensors gets NaN here (0 / 0 cast to a float); quantspec keeps 0 → dequantizes to 0
+    args = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=32, zp_dtype="float16")
+    w = torch.randn(2, 64)
+    w[1, :32] = 0.0
+    s, z = choose_qparams(w, args)
+    assert z[1, 0] == 0 and torch.isfinite(z).all()
+    assert torch.equal(fake_quantize(w, s, z, args)[1, :32], torch.zeros(32))
+
+
+def _q4_1_weight(N=64, K=256, g=32, seed=0):
+    """A weight exactly on a GGUF Q4_1 grid: w = d·u + m per group of g, u ∈ 0..15, with each
+    group's grid ends hit (u = 0 and 15 occur) and m < 0 < m + 15d (so min/max span the grid)."""
+    gen = torch.Generator().manual_seed(seed)
+    G = K // g
+    d = (torch.rand(N, G, 1, generator=gen) * 0.02 + 0.001).half().float()  # fp16, like GGUF
+    m = -d * (torch.rand(N, G, 1, generator=gen) * 13 + 1)  # offset: a non-integer number of steps
+    u = torch.randint(0, 16, (N, G, g), generator=gen)
+    u[..., 0], u[..., 1] = 0, 15
+    return (d * u + m).reshape(N, K)
+
+
+def test_float_zero_point_reproduces_a_q4_1_grid():
+    """Asymmetric g32 with a float zero point lands back on the Q4_1 grid (~1e-7 relative in
+    fp32); integer zero points cannot represent the float offset m and miss it by ~1/4 step."""
+    w = _q4_1_weight()
+    base = dict(num_bits=4, symmetric=False, strategy="group", group_size=32)
+
+    def rel_err(args):
+        s, z = choose_qparams(w, args)
+        return float((fake_quantize(w, s, z, args) - w).norm() / w.norm())
+
+    err_int = rel_err(QuantArgs(**base))
+    err_f32 = rel_err(QuantArgs(**base, zp_dtype="float32"))
+    err_f16 = rel_err(QuantArgs(**base, zp_dtype="float16"))
+    assert err_f32 < 1e-6
+    assert err_f16 < 1e-3  # fp16 rounds the zero point itself (11-bit mantissa)
+    assert err_int > 1e-2
+    assert err_f32 < err_int / 1000 and err_f16 < err_int / 10
+
+
+def test_gptq_takes_float_zero_points():
+    from quantspec.quant import gptq_quantize
+
+    args = QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=32, zp_dtype="float32")
+    w = _q4_1_weight(N=16, K=64)
+    for act_order in (False, True):
+        r = gptq_quantize(w, torch.eye(64), args, act_order=act_order)
+        assert r.zero_point.dtype == torch.float32 and r.zero_point.shape == (16, 2)
+        assert torch.equal(r.weight_dq, dequantize(r.q, r.scale, r.zero_point, args))
+        assert float((r.weight_dq - w).norm() / w.norm()) < 1e-6  # identity Hessian = RTN
