@@ -151,7 +151,18 @@ class Engine:
     def _ensure_blocks(self, seq: Sequence, num_positions: int) -> None:
         need = -(-num_positions // self.config.block_size) - len(seq.block_table)
         if need > 0:
-            seq.block_table.extend(self.cache.allocator.allocate(need))
+            after = seq.block_table[-1] if seq.block_table else None
+            seq.block_table.extend(self.cache.allocator.allocate(need, after=after))
+
+    def _reserve(self, seq: Sequence) -> None:
+        """At admission, take every block the sequence can reach (its prompt, max_new_tokens and
+        the draft room) as one run when the cache has it: consecutive blocks are read as a view
+        by the attention (no per-step gathers). Otherwise only the prompt's blocks."""
+        reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
+        positions = reach + self.config.spec_max_draft_tokens + 1
+        if -(-positions // self.config.block_size) > self.cache.allocator.num_free:
+            positions = len(seq.prompt_ids) + 1
+        self._ensure_blocks(seq, positions)
 
     def _admit(self) -> None:
         # num_blocks is sized for max_batch_size full-length sequences, so admission only has to
@@ -162,7 +173,9 @@ class Engine:
                 if not self.running:
                     raise QuantSpecError("the KV cache cannot hold one prompt; raise num_blocks")
                 break
-            self.running.append(self.waiting.pop(0))
+            seq = self.waiting.pop(0)
+            self._reserve(seq)
+            self.running.append(seq)
 
     # -- one step ------------------------------------------------------------------------------
 

@@ -37,25 +37,55 @@ class KVCacheDtype(str, Enum):
 
 
 class BlockAllocator:
-    """A free list of block ids (block 0 is reserved as the padding block)."""
+    """The free block ids (block 0 is reserved as the padding block).
+
+    `allocate` prefers consecutive ids: a sequence whose blocks form one run can be read from the
+    cache as a view (see `PagedAttention`), with no gather. It takes the run that continues the
+    sequence's last block (`after`) when that is free, else the lowest free run of `n` ids, else
+    the lowest free ids (any block works; a run is only faster).
+    """
 
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
-        self._free = list(range(num_blocks - 1, 0, -1))
+        self._free = [True] * num_blocks
+        self._free[_PAD_BLOCK] = False
+        self._num_free = num_blocks - 1
 
     @property
     def num_free(self) -> int:
-        return len(self._free)
+        return self._num_free
 
-    def allocate(self, n: int) -> list[int]:
-        if n > len(self._free):
+    def _run_at(self, start: int, n: int) -> bool:
+        return start + n <= self.num_blocks and all(self._free[start:start + n])
+
+    def allocate(self, n: int, after: int | None = None) -> list[int]:
+        if n > self._num_free:
             raise QuantSpecError(
                 f"KV cache is full ({self.num_blocks} blocks); lower --batch-size or --max-length"
             )
-        return [self._free.pop() for _ in range(n)]
+        if n <= 0:
+            return []
+        start = None
+        if after is not None and self._run_at(after + 1, n):
+            start = after + 1
+        else:
+            run = 0
+            for i, f in enumerate(self._free):
+                run = run + 1 if f else 0
+                if run == n:
+                    start = i - n + 1
+                    break
+        ids = list(range(start, start + n)) if start is not None else \
+            [i for i, f in enumerate(self._free) if f][:n]
+        for i in ids:
+            self._free[i] = False
+        self._num_free -= n
+        return ids
 
     def free(self, blocks: list[int]) -> None:
-        self._free.extend(reversed(blocks))
+        for i in blocks:
+            self._free[i] = True
+        self._num_free += len(blocks)
 
 
 class PagedKVCache:
@@ -129,17 +159,48 @@ class PagedKVCache:
         vs = None if self.v_scale is None else self.v_scale[layer]
         return self._load(k, ks), self._load(v, vs)
 
+    def sequence_kv(self, layer: int, table: torch.Tensor, span: tuple[int, int] | None, length: int
+                    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's first `length` cached k, v: [length, KV, hd] in the compute dtype.
+
+        span = (first block, number of blocks) when the sequence's blocks are consecutive: then
+        the unquantized cache is read as a view, with no copy; else its blocks are gathered."""
+        if span is None:
+            k, v = self.gather(layer, table[None, :-(-length // self.block_size)])  # dequantized
+            return k[0, :length], v[0, :length]
+        first, nb = span
+        k = self.k[layer, first:first + nb].view(-1, *self.k.shape[-2:])[:length]
+        v = self.v[layer, first:first + nb].view(-1, *self.v.shape[-2:])[:length]
+        ks = None if self.k_scale is None else self.k_scale[layer]
+        vs = None if self.v_scale is None else self.v_scale[layer]
+        return self._load(k, ks), self._load(v, vs)
+
 
 @dataclass
 class AttentionMetadata:
-    """One step's batch layout, built once and shared by every layer."""
+    """One step's batch layout, built once and shared by every layer.
+
+    Two ways to attend over the cache, chosen here once per step:
+    - per sequence (B ≤ `PER_SEQUENCE_MAX_BATCH`): each sequence's keys are read as a view of the
+      cache when its blocks are consecutive (`spans`), and SDPA runs on exactly its `seq_len` keys
+      (a causal mask `masks[b]` only when it brings several query tokens);
+    - batched (larger B, e.g. 128 short sequences): the blocks of every sequence are gathered into
+      [B, L] and one SDPA call runs under the additive mask `bias` (padded keys masked).
+    """
 
     q_lens: list[int]  # new tokens per sequence
     seq_lens: list[int]  # context length per sequence, including the new tokens
     slot_mapping: torch.Tensor  # [T] int64, where each new token's K/V goes
     block_tables: torch.Tensor  # [B, nb] int64, each sequence's blocks (padded with block 0)
-    bias: torch.Tensor | None  # [B, 1, Qmax, L] additive mask (0 / -inf); None: only fresh prompts
-    q_index: torch.Tensor | None  # [T] flat index into [B*Qmax] for padding queries; None if uniform
+    bias: torch.Tensor | None  # batched path: [B, 1, Qmax, L] additive mask (0 / -inf); else None
+    q_index: torch.Tensor | None  # batched path: [T] flat index into [B*Qmax] for padding queries
+    spans: list[tuple[int, int] | None] | None = None  # per-sequence path: (first block, #blocks)
+    masks: list[torch.Tensor | None] | None = None  # per-sequence path: [q_len, seq_len] bool or None
+
+    @property
+    def fresh_prefill(self) -> bool:
+        """Only fresh prompts: each attends causally to its own new tokens, nothing cached yet."""
+        return all(ql == sl for ql, sl in zip(self.q_lens, self.seq_lens))
 
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
@@ -155,24 +216,37 @@ class AttentionMetadata:
         for b, table in enumerate(block_tables):
             n = min(len(table), max_blocks)
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
+        meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None)
+        if meta.fresh_prefill:
+            return meta
+        if B <= PER_SEQUENCE_MAX_BATCH:
+            meta.spans, meta.masks = [], []
+            for ql, sl, table in zip(q_lens, seq_lens, block_tables):
+                nb = -(-sl // block_size)
+                run = table[nb - 1] - table[0] == nb - 1 and all(
+                    table[j + 1] == table[j] + 1 for j in range(nb - 1))
+                meta.spans.append((table[0], nb) if run else None)
+                # query i (position sl - ql + i) sees keys 0 .. sl - ql + i
+                meta.masks.append(None if ql == 1 else (
+                    torch.arange(sl, device=device)[None, :] <= torch.arange(sl - ql, sl, device=device)[:, None]))
+            return meta
         q_max = max(q_lens)
-        # only fresh prompts (nothing cached yet): each attends causally to its own new tokens
-        fresh_prefill = all(ql == sl for ql, sl in zip(q_lens, seq_lens))
-        bias = q_index = None
-        if not fresh_prefill:
-            L = max_blocks * block_size
-            pos = torch.zeros(B, q_max, dtype=torch.int64)
-            valid_q = torch.zeros(B, q_max, dtype=torch.bool)
-            for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-                pos[b, :ql] = torch.arange(sl - ql, sl)
-                valid_q[b, :ql] = True
-            # padded query rows attend to key 0 only, so softmax stays finite; they are dropped
-            mask = torch.arange(L)[None, None, :] <= pos[:, :, None]  # [B, Qmax, L]
-            bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-            bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
-            if any(ql != q_max for ql in q_lens):
-                q_index = valid_q.view(-1).nonzero().squeeze(1).to(device)
-        return cls(q_lens, seq_lens, slot_mapping, tables.to(device), bias, q_index)
+        L = max_blocks * block_size
+        pos = torch.zeros(B, q_max, dtype=torch.int64)
+        valid_q = torch.zeros(B, q_max, dtype=torch.bool)
+        for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+            pos[b, :ql] = torch.arange(sl - ql, sl)
+            valid_q[b, :ql] = True
+        # padded query rows attend to key 0 only, so softmax stays finite; they are dropped
+        mask = torch.arange(L)[None, None, :] <= pos[:, :, None]  # [B, Qmax, L]
+        bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
+        meta.bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
+        if any(ql != q_max for ql in q_lens):
+            meta.q_index = valid_q.view(-1).nonzero().squeeze(1).to(device)
+        return meta
+
+
+PER_SEQUENCE_MAX_BATCH = 16  # up to this many sequences a step attends per sequence (no gathers)
 
 
 class PagedAttention:
@@ -186,19 +260,25 @@ class PagedAttention:
         meta, cache = self.meta, self.cache
         cache.write(layer_idx, k, v, meta.slot_mapping)
         gqa = q.shape[1] != k.shape[1]
-        if meta.bias is None:  # fresh prompts only: plain causal attention per sequence, no padding
+        if meta.bias is None:  # per sequence: fresh prompts, or decode / verify of a few sequences
             out = torch.empty_like(q)
             start = 0
-            for b, n in enumerate(meta.q_lens):
-                kb, vb = k[start:start + n], v[start:start + n]
-                if cache.kv_dtype is not KVCacheDtype.AUTO:  # attend to the cache's rounded values
-                    kc, vc = cache.gather(layer_idx, meta.block_tables[b:b + 1])
-                    kb, vb = kc[0, :n], vc[0, :n]
-                o = F.scaled_dot_product_attention(
-                    q[start:start + n].transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
-                    is_causal=True, enable_gqa=gqa,
-                )  # (1, H, n, hd)
-                out[start:start + n] = o[0].transpose(0, 1)
+            for b, (n, sl) in enumerate(zip(meta.q_lens, meta.seq_lens)):
+                if meta.spans is None and cache.kv_dtype is KVCacheDtype.AUTO:
+                    kb, vb, mask, causal = k[start:start + n], v[start:start + n], None, True
+                else:  # attend to the cache (for a fresh quantized cache: its rounded values)
+                    span = None if meta.spans is None else meta.spans[b]
+                    kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl)
+                    mask = None if meta.masks is None else meta.masks[b]
+                    causal = meta.spans is None  # fresh prompt: n == sl, plain causal
+                qb = q[start:start + n]
+                if causal:  # a fresh prompt: n == sl queries, causal
+                    o = F.scaled_dot_product_attention(
+                        qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
+                        is_causal=True, enable_gqa=gqa)  # (1, H, n, hd)
+                    out[start:start + n] = o[0].transpose(0, 1)
+                else:
+                    out[start:start + n] = _folded_gqa_attention(qb, kb, vb, mask)
                 start += n
             return out
         B, q_max = meta.bias.shape[0], meta.bias.shape[2]
@@ -210,8 +290,27 @@ class PagedAttention:
             qp[meta.q_index] = q
             qp = qp.view(B, q_max, H, hd)
         kc, vc = cache.gather(layer_idx, meta.block_tables)  # (B, L, KV, hd)
-        return grouped_attention(qp, kc, vc, meta.bias).reshape(-1, H, hd)[
-            slice(None) if meta.q_index is None else meta.q_index]
+        o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
+                                           attn_mask=meta.bias.to(q.dtype), enable_gqa=gqa)  # (B, H, Qmax, hd)
+        return o.transpose(1, 2).reshape(-1, H, hd)[slice(None) if meta.q_index is None else meta.q_index]
+
+
+def _folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
+                          ) -> torch.Tensor:
+    """A few queries of one sequence over its keys, each KV head read once.
+
+    q: [n, H, hd]; k, v: [L, KV, hd] (any strides, e.g. a view of the cache); mask: [n, L] bool
+    (True = attend) or None → [n, H, hd]. The G = H / KV query heads that share a KV head become
+    G*n query rows of that head (row g*n + i), so SDPA streams each KV head once instead of once
+    per query head (SDPA's `enable_gqa` on CPU costs ~6x more in bf16 for one query).
+    """
+    n, H, hd = q.shape
+    KV = k.shape[1]
+    G = H // KV
+    qf = q.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(1, KV, G * n, hd)
+    m = None if mask is None else mask.repeat(G, 1)  # [G*n, L]
+    o = F.scaled_dot_product_attention(qf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=m)
+    return o.view(KV, G, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
 
 
 def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:

@@ -269,12 +269,13 @@ def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> 
 
 def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                        device: torch.device | str = "cpu", policy: DispatchPolicy | None = None,
-                       tokenizer: bool = True) -> LoadedModel:
+                       tokenizer: bool = True, fuse: bool = True) -> LoadedModel:
     """Load a zoo name, a HF directory, a hub id or a quantized artifact for inference.
 
     `dtype` is the activation/compute dtype (bf16 on CPU enables torch's packed int8/int4
     ops; see `infer/quant_linear.py`); `policy` overrides the kernel dispatch thresholds;
-    `tokenizer=False` skips loading the tokenizer.
+    `tokenizer=False` skips loading the tokenizer; `fuse=False` keeps q/k/v and gate/up as
+    separate modules (see `infer/fuse.py`).
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise QuantSpecError(f"dtype {dtype} unsupported; use float32, bfloat16 or float16")
@@ -315,6 +316,10 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         from quantspec.infer.dense_linear import use_skinny_linears
 
         use_skinny_linears(net)  # float linears (all of a float model; the head of an artifact)
+    if fuse:
+        from quantspec.infer.fuse import fuse_projections
+
+        fuse_projections(net)
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
                        quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
                        kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),

@@ -525,6 +525,11 @@ class QuantLinear(nn.Module):
             self._prepare_cpu_int4(q, scale, zp, cpu_int4_group)
         for name, buf in list(self._buffers.items()):
             self._buffers[name] = _aligned(buf)
+        # the path a decode-sized x of the prepared dtype takes on CPU, decided once (forward's
+        # shortcut; `select_kernel` gives the same answer, at a few µs per call)
+        self._packed_path = None
+        if on_cpu and self.policy.fast and (cpu_int8pack or cpu_int4_group):
+            self._packed_path = KernelPath.CPU_INT8PACK if cpu_int8pack else KernelPath.CPU_INT4PACK
 
     def _prepare_cpu_int4(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
                           g_cpu: int) -> None:
@@ -571,6 +576,10 @@ class QuantLinear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N] in x's dtype."""
+        if (self._packed_path is not None and x.dim() == 2 and x.dtype == self.dtype
+                and x.shape[1] == self.in_features and 0 < x.shape[0] <= self.policy.cpu_packed_max_m
+                and x.device.type == "cpu"):
+            return self.run(x, self._packed_path)  # a decode / verify step on CPU
         if x.shape[-1] != self.in_features:
             raise QuantSpecError(f"{self.name or 'QuantLinear'}: input has {x.shape[-1]} features, "
                                  f"expected {self.in_features}")

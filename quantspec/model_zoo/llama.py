@@ -184,8 +184,9 @@ def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.T
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)
-    c, s = cos[:, None, :].to(x.dtype), sin[:, None, :].to(x.dtype)
-    return x * c + rotated * s
+    if cos.dtype != x.dtype:
+        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 # ---------------------------------------------------------------------------------------------
@@ -232,10 +233,8 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        dtype = x.dtype
-        x = x.float()
-        x = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * x.to(dtype)
+        # HF's LlamaRMSNorm: normalise in fp32, round to the input dtype, then scale
+        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -247,13 +246,20 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
+        self.qkv_proj: nn.Module | None = None  # q/k/v stacked by `infer.fuse` (inference only)
 
     def forward(self, x, cos, sin, attn: AttentionBackend):
         T = x.shape[0]
-        q = self.q_proj(x).view(T, self.num_heads, self.head_dim)  # [T, H, hd]
-        k = self.k_proj(x).view(T, self.num_kv_heads, self.head_dim)  # [T, KV, hd]
-        v = self.v_proj(x).view(T, self.num_kv_heads, self.head_dim)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
+        if self.qkv_proj is not None:
+            qkv = self.qkv_proj(x).view(T, H + 2 * KV, hd)
+            qk = apply_rope(qkv[:, :H + KV], cos, sin)  # q and k rotated in one pass
+            q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
+        else:
+            q = self.q_proj(x).view(T, H, hd)  # [T, H, hd]
+            k = self.k_proj(x).view(T, KV, hd)  # [T, KV, hd]
+            v = self.v_proj(x).view(T, KV, hd)
+            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
 
@@ -264,8 +270,12 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        self.gate_up_proj: nn.Module | None = None  # gate/up stacked by `infer.fuse` (inference only)
 
     def forward(self, x):
+        if self.gate_up_proj is not None:
+            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
+            return self.down_proj(F.silu(gate) * up)
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
 
 
@@ -322,6 +332,8 @@ class Transformer(nn.Module):
             self.setup_rope(need)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
         x = self.model.embed_tokens(input_ids)  # [T, D]
+        if cos.dtype != x.dtype:  # HF casts the fp32 tables to the activations' dtype
+            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return x

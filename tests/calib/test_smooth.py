@@ -148,7 +148,7 @@ def test_quantize_pipeline_through_quant_linear(tmp_path, tiny_llama_dir, quant_
     art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", calib=calib,
                        smoothquant_alpha=alpha, kv_cache=kind)
     table = read_table(calib, model_dir=tiny_llama_dir)
-    loaded = load_for_inference(str(art), tokenizer=False)
+    loaded = load_for_inference(str(art), tokenizer=False, fuse=False)  # per-module checks
     assert loaded.kv_cache_dtype == kind
     ks, vs = table.kv_scales(kind)
     assert torch.equal(loaded.k_scale, ks) and torch.equal(loaded.v_scale, vs)

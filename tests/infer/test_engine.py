@@ -3,8 +3,10 @@
 import pytest
 import torch
 
+from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
-from quantspec.infer.kv_cache import AttentionMetadata, grouped_attention
+from quantspec.infer import kv_cache
+from quantspec.infer.kv_cache import AttentionMetadata, BlockAllocator, grouped_attention
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.checkpoint import load_model
 
@@ -74,14 +76,58 @@ def test_grouped_attention_matches_sdpa():
     torch.testing.assert_close(grouped_attention(q, k, v, bias), ref, atol=1e-5, rtol=1e-5)
 
 
-def test_metadata_positions_and_slots():
+def test_metadata_positions_and_slots(monkeypatch):
     # seq 0: 3 cached + 2 new; seq 1: fresh prompt of 3, block size 4
-    meta = AttentionMetadata.build([2, 3], [5, 3], [[7, 9], [2]], 4, "cpu")
+    args = ([2, 3], [5, 3], [[7, 9], [2]], 4, "cpu")
+    meta = AttentionMetadata.build(*args)
     assert meta.slot_mapping.tolist() == [7 * 4 + 3, 9 * 4 + 0, 2 * 4 + 0, 2 * 4 + 1, 2 * 4 + 2]
+    # per-sequence path: blocks 7, 9 are not a run (gathered); block 2 is (read as a view)
+    assert meta.bias is None and meta.spans == [None, (2, 1)]
+    assert meta.masks[0].tolist() == [[True] * 4 + [False], [True] * 5]  # positions 3 and 4
+    assert meta.masks[1].tolist() == [[True, False, False], [True, True, False], [True, True, True]]
+    # batched path (many sequences): one additive mask over the padded [B, Qmax, L]
+    monkeypatch.setattr(kv_cache, "PER_SEQUENCE_MAX_BATCH", 1)
+    meta = AttentionMetadata.build(*args)
     allowed = (meta.bias == 0)[:, 0]  # [B, Qmax, L]
     assert allowed[0, 0].nonzero().squeeze(1).tolist() == [0, 1, 2, 3]  # position 3 sees keys 0..3
     assert allowed[0, 1].nonzero().squeeze(1).tolist() == [0, 1, 2, 3, 4]
     assert allowed[1, 2].nonzero().squeeze(1).tolist() == [0, 1, 2]
+
+
+def test_allocator_prefers_runs():
+    a = BlockAllocator(12)
+    assert a.allocate(3) == [1, 2, 3] and a.allocate(2) == [4, 5]
+    assert a.allocate(1, after=3) == [6]  # 4 is taken: the lowest free run instead
+    a.free([2, 3])
+    assert a.allocate(2) == [2, 3] and a.allocate(3) == [7, 8, 9]
+    a.free([1, 5, 9])
+    assert a.allocate(1, after=8) == [9] and a.allocate(3) == [1, 5, 10]  # no run of 3: lowest ids
+    assert a.num_free == 1
+    with pytest.raises(QuantSpecError, match="KV cache is full"):
+        a.allocate(2)
+
+
+@pytest.mark.parametrize("path", ["per_sequence_views", "per_sequence_gathered", "batched"])
+def test_attention_paths_agree(llama, monkeypatch, path):
+    """Every way of reading the cache (views of block runs, gathered blocks, one padded batch)
+    gives the greedy tokens of transformers, for a mixed batch that decodes and prefills."""
+    model, hf = llama
+    prompts = _prompts([5, 17, 33, 9], seed=21)
+    if path == "batched":
+        monkeypatch.setattr(kv_cache, "PER_SEQUENCE_MAX_BATCH", 0)
+    if path == "per_sequence_gathered":  # hand out blocks from the top down: never a run
+        orig = BlockAllocator.allocate
+
+        def scattered(self, n, after=None):
+            ids = [i for i in range(self.num_blocks - 1, 0, -1) if self._free[i]][:n]
+            for i in ids:
+                self._free[i] = False
+            self._num_free -= n
+            return ids
+
+        monkeypatch.setattr(BlockAllocator, "allocate", scattered)
+    got = _engine_greedy(model, prompts, 12, batch=2)
+    assert got == [_hf_greedy(hf, p, 12) for p in prompts]
 
 
 def test_stop_conditions(llama):

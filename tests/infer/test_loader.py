@@ -128,13 +128,15 @@ def artifacts(tiny_llama_dir, tmp_path_factory):
     return {k: write_quantized_artifact(tiny_llama_dir, root / k, **v) for k, v in specs.items()}
 
 
+@pytest.mark.parametrize("fuse", [True, False])
 @pytest.mark.parametrize("name", ["int8", "int4", "int4_asym_g64", "int4_asym_g32_fzp",
                                   "a8w8_kv8", "fp8"])
-def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name):
-    lm = load_for_inference(artifacts[name])
+def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name, fuse):
+    lm = load_for_inference(artifacts[name], fuse=fuse)
     assert lm.is_quantized and lm.quant_config.quant_type is not None
     qlinears = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
-    assert len(qlinears) == 7 * lm.args.num_layers  # every Linear but lm_head
+    # every Linear but lm_head; fused: qkv, o, gate_up, down
+    assert len(qlinears) == (4 if fuse else 7) * lm.args.num_layers
     assert isinstance(lm.model.lm_head, nn.Linear) and not isinstance(lm.model.lm_head, QuantLinear)
     got = logits(lm.model, IDS)
     want = logits(reference_model(tiny_llama_dir, artifacts[name]), IDS)
@@ -207,9 +209,16 @@ def test_tied_embeddings_stay_tied(tmp_path):
 
 def test_qwen2_biases_in_quantized_linears(tiny_qwen2_dir, tmp_path):
     art = write_quantized_artifact(tiny_qwen2_dir, tmp_path / "w8", "weight_only_int8")
-    lm = load_for_inference(art, tokenizer=False)
+    lm = load_for_inference(art, tokenizer=False, fuse=False)
     q = lm.model.model.layers[1].self_attn.q_proj
     assert isinstance(q, QuantLinear) and q.bias is not None
+    torch.testing.assert_close(logits(lm.model, IDS),
+                               logits(reference_model(tiny_qwen2_dir, art), IDS),
+                               rtol=1e-4, atol=1e-4)
+    lm = load_for_inference(art, tokenizer=False)  # fused q/k/v carry the stacked biases
+    qkv = lm.model.model.layers[1].self_attn.qkv_proj
+    assert isinstance(qkv, QuantLinear) and qkv.bias is not None
+    assert qkv.out_features == lm.args.q_size + 2 * lm.args.kv_size
     torch.testing.assert_close(logits(lm.model, IDS),
                                logits(reference_model(tiny_qwen2_dir, art), IDS),
                                rtol=1e-4, atol=1e-4)
@@ -324,3 +333,31 @@ def test_default_model_int4_artifact_smoke(tmp_path):
     seq = eng.add_request(ids[0].tolist(), SamplingParams(max_new_tokens=4))
     eng.run()
     assert len(seq.output_ids) == 4
+
+
+# ---------------------------------------------------------------- fused projections (infer/fuse.py)
+
+@pytest.mark.parametrize("which", ["llama", "qwen2"])
+def test_fused_float_model_matches_unfused(tiny_llama_dir, tiny_qwen2_dir, which):
+    src = tiny_llama_dir if which == "llama" else tiny_qwen2_dir  # qwen2: q/k/v biases
+    fused = load_for_inference(src, tokenizer=False)
+    attn, mlp = fused.model.model.layers[0].self_attn, fused.model.model.layers[0].mlp
+    assert attn.q_proj is None and attn.qkv_proj is not None and mlp.gate_up_proj is not None
+    want = logits(load_model(src)[0], IDS)
+    torch.testing.assert_close(logits(fused.model, IDS), want, rtol=1e-5, atol=1e-5)
+    torch.testing.assert_close(logits(load_for_inference(src, tokenizer=False, fuse=False).model, IDS), want,
+                               rtol=1e-5, atol=1e-5)
+
+
+def test_unequal_input_scales_are_not_fused(artifacts, tiny_llama_dir, tmp_path):
+    """a8w8's q/k/v share a static input scale only if calibration gave them one; a k_proj with
+    its own scale keeps layer 0's projections separate (and the numbers right)."""
+    art = _copy(artifacts["a8w8_kv8"], tmp_path / "a")
+    name = "model.layers.0.self_attn.k_proj.input_scale"
+    _edit_tensors(art, lambda t: t.__setitem__(name, t[name] * 2))
+    lm = load_for_inference(art, tokenizer=False)
+    l0, l1 = lm.model.model.layers[0].self_attn, lm.model.model.layers[1].self_attn
+    assert l0.qkv_proj is None and isinstance(l0.k_proj, QuantLinear)
+    assert isinstance(l1.qkv_proj, QuantLinear) and l1.q_proj is None
+    torch.testing.assert_close(logits(lm.model, IDS), logits(reference_model(tiny_llama_dir, art), IDS),
+                               rtol=1e-4, atol=1e-4)

@@ -186,7 +186,8 @@ class DraftModelProposer:
         for st, sl in zip(states, seq_lens):
             need = -(-sl // self.block_size) - len(st.block_table)
             if need > 0:
-                st.block_table.extend(self.cache.allocator.allocate(need))
+                after = st.block_table[-1] if st.block_table else None
+                st.block_table.extend(self.cache.allocator.allocate(need, after=after))
         meta = AttentionMetadata.build(q_lens, seq_lens, [st.block_table for st in states], self.block_size,
                                        self.device)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)  # [T]
