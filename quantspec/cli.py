@@ -392,7 +392,9 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @click.option("--speculate-max-ngram-size", default=3, show_default=True)
 @click.option("--quant-method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq"]))
 @click.option("--group-size", default=128, show_default=True, help="Group size of weight_only_int4.")
-@click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Inference activation dtype; auto: each artifact's fast one (bfloat16 for weight-only int on "
+                   "CPU, float16 on CUDA, else float32). Calibration and perplexity always run in float32 for auto.")
 @click.option("--device", default="auto", show_default=True)
 @click.option("--cache-dir", help="Built artifacts, keyed by content [default: ~/.cache/quantspec/report-artifacts].")
 @click.option("--out", required=True, type=click.Path(), help="Report directory (report.md/.json/.png, cells/).")
