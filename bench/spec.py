@@ -2,7 +2,8 @@
 acceptance per draft position, mean accepted length, and an equality check of the outputs against
 plain greedy decoding of the same engine; one run, same machine, batch 1.
 
-    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts 6] [--quant weight_only_int8,weight_only_int4]
+    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts 6]
+                         [--quant weight_only_int8,weight_only_int4,weight_only_int4@g32-asym-fzp]
 
 Methods (rows), each on the code-editing prompts (the answer mostly repeats the prompt) and the
 chat prompts of `bench/data/spec_prompts.jsonl`:
@@ -11,7 +12,8 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
 - draft fp32 (self): the base model drafting for itself with the back-off OFF: an upper bound on
                      acceptance (100%), not a speed-up (the draft costs as much as the base);
 - draft <quant>:     the quantized artifact of the same model (built with `quantspec.api.quantize`,
-                     RTN, cached) drafting for the fp32 model, with the back-off (its draft cost
+                     RTN, cached; `weight_only_int4@g32-asym-fzp` = group 32, asymmetric, float16
+                     zero points, the grid the default model's weights were published on) drafting for the fp32 model, with the back-off (its draft cost
                      measured at start-up), and again with the back-off off (acceptance at every
                      position, whatever it costs).
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike.
@@ -54,6 +56,23 @@ def _row(name, kind, outs, wall, plain_ids, plain_tps):
     }
 
 
+def _recipe(spec: str) -> tuple[str, dict]:
+    """`weight_only_int4@g32-asym-fzp` → ("weight_only_int4", group_size=32, symmetric=False,
+    zp_dtype="float16"); a bare quant type → RTN with quantspec's defaults (int4: g128, sym)."""
+    quant_type, _, recipe = spec.partition("@")
+    kw: dict = {}
+    for part in filter(None, recipe.split("-")):
+        if part.startswith("g") and part[1:].isdigit():
+            kw["group_size"] = int(part[1:])
+        elif part == "asym":
+            kw["symmetric"] = False
+        elif part == "fzp":
+            kw["zp_dtype"] = "float16"
+        else:
+            raise SystemExit(f"unknown recipe part {part!r} in {spec!r}; use g<N>, asym, fzp")
+    return quant_type, kw
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
@@ -61,7 +80,8 @@ def main():
     ap.add_argument("--prompts", type=int, default=6, help="prompts per kind")
     ap.add_argument("--draft-tokens", type=int, default=5, help="--speculate-max-draft-token-num")
     ap.add_argument("--ngram-draft-tokens", type=int, default=10)
-    ap.add_argument("--quant", default="weight_only_int8,weight_only_int4")
+    ap.add_argument("--quant", default="weight_only_int8,weight_only_int4,weight_only_int4@g32-asym-fzp",
+                    help="draft artifacts: quant types, optionally @recipe (g<N>, asym, fzp = float16 zero points)")
     ap.add_argument("--methods", default="ngram,self,quant")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
@@ -93,9 +113,10 @@ def main():
         from quantspec import api
 
         for qt in [q for q in a.quant.split(",") if q]:
-            out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
+            quant_type, recipe = _recipe(qt)
+            out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt.replace('@', '.')}"
             if not (out / "config.json").exists():
-                api.quantize(str(model_dir), qt, out, overwrite=True)
+                api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
             cfg = InferConfig(**common, speculate_method="draft", draft_model=str(out),
                               speculate_max_draft_token_num=a.draft_tokens)
             methods[f"draft {qt}"] = p = Predictor(cfg, loaded=loaded)

@@ -392,6 +392,10 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @click.option("--speculate-max-ngram-size", default=3, show_default=True)
 @click.option("--quant-method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq"]))
 @click.option("--group-size", default=128, show_default=True, help="Group size of weight_only_int4.")
+@click.option("--asym", "asym", is_flag=True, help="weight_only_int4 with zero points (asymmetric).")
+@click.option("--zp-dtype", default="int", show_default=True,
+              type=click.Choice(["int", "float16", "bfloat16", "float32"]),
+              help="weight_only_int4 --asym: zero-point dtype (float: unrounded, see `quantize --zp-dtype`).")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="Inference activation dtype; auto: each artifact's fast one (bfloat16 for weight-only int on "
                    "CPU, float16 on CUDA, else float32). Calibration and perplexity always run in float32 for auto.")
@@ -409,6 +413,8 @@ def report(**kw):
     from quantspec.report.render import rich_table
 
     console = Console(stderr=True)
+    kw["symmetric"] = not kw.pop("asym")
+    kw["zp_dtype"] = None if kw["zp_dtype"] == "int" else kw["zp_dtype"]
     config = ReportConfig(**kw)
 
     def progress(event, cell, i, total, result):

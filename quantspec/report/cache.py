@@ -63,27 +63,37 @@ class ArtifactCache:
         return out, key
 
     def artifact(self, model: str, quant_type: str, *, method: str, group_size: int,
-                 calib: tuple[Path, str] | None) -> Path:
+                 calib: tuple[Path, str] | None, symmetric: bool = True, zp_dtype: str | None = None) -> Path:
         """The directory of `model` quantized to `quant_type` (the model itself for `none`)."""
         from quantspec import __version__
-        from quantspec.quant.args import preset
-
         if quant_type == NO_QUANT:
             return self.pipeline.resolve(model)
         needs_calib = quant_type in CALIB_QUANT_TYPES
         if needs_calib and calib is None:
             raise QuantSpecError(f"{quant_type} needs static activation scales; pass --calib-dataset")
         parts = {"kind": "artifact", "model": self.fingerprint(model),
-                 "quant_config": preset(quant_type, group_size=group_size).to_dict(), "method": method,
+                 "quant_config": _preset(quant_type, group_size, symmetric, zp_dtype).to_dict(), "method": method,
                  "calibration": calib[1] if needs_calib else None, "quantspec": __version__}
         key = content_key(parts)
         out = self.root / f"{_slug(model)}-{quant_type}-{key}"
         if not (out / "config.json").is_file():
             self.root.mkdir(parents=True, exist_ok=True)
             self.pipeline.quantize(model, quant_type, out, calib=calib[0] if needs_calib else None,
-                                   method=method, group_size=group_size)
+                                   method=method, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype))
             if not (out / "config.json").is_file():
                 raise RuntimeError(f"quantize wrote no artifact at {out}")
             self.built.append(out.name)
         return out
 
+
+def _int4_kw(quant_type: str, symmetric: bool, zp_dtype: str | None) -> dict:
+    """The int4-only recipe settings (asymmetric, float zero points); other types ignore them."""
+    if quant_type != "weight_only_int4" or (symmetric and zp_dtype is None):
+        return {}
+    return {"symmetric": symmetric, "zp_dtype": zp_dtype}
+
+
+def _preset(quant_type: str, group_size: int, symmetric: bool, zp_dtype: str | None):
+    from quantspec.quant.args import preset
+
+    return preset(quant_type, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype))

@@ -121,6 +121,8 @@ class ReportConfig:
     speculate_max_ngram_size: int = 3
     quant_method: str = "rtn"
     group_size: int = 128
+    symmetric: bool = True  # weight_only_int4 only: False = asymmetric (zero points)
+    zp_dtype: str | None = None  # weight_only_int4 --asym only: float zero points (e.g. "float16")
     dtype: str = "auto"  # inference: the loader's per-artifact choice; calibration/eval: float32
     device: str = "auto"
     cache_dir: str | None = None
@@ -151,6 +153,8 @@ class ReportConfig:
             _pos_int(name, getattr(self, name))
         if self.group_size != -1:
             _pos_int("group_size", self.group_size)
+        if self.zp_dtype is not None and self.symmetric:
+            raise QuantSpecError("--zp-dtype needs --asym (symmetric int4 has no zero points)")
         for name in ("prompts_file", "eval_text"):
             p = getattr(self, name)
             if p is not None and not Path(p).expanduser().is_file():

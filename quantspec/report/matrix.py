@@ -257,7 +257,7 @@ class _Run:
 
             calib = self.calibration(model) if quant_type in CALIB_QUANT_TYPES else None
             return self.cache.artifact(model, quant_type, method=c.quant_method, group_size=c.group_size,
-                                       calib=calib)
+                                       calib=calib, symmetric=c.symmetric, zp_dtype=c.zp_dtype)
 
         return self._memoized(("artifact", model, quant_type), build)
 

@@ -116,12 +116,13 @@ class Pipeline:
                                         seq_len=seq_len, dtype=dtype, overwrite=True))
 
     def quantize(self, model: str, quant_type: str, out: Path, *, calib: Path | None, method: str,
-                 group_size: int) -> None:
+                 group_size: int, symmetric: bool = True, zp_dtype: str | None = None) -> None:
         if self._quantize is None:
             raise Unsupported("quantize is not available in this build (api.quantize missing)")
+        int4 = {"symmetric": symmetric, "zp_dtype": zp_dtype} if quant_type == "weight_only_int4" else {}
         call_with_supported_kwargs(self._quantize, model, quant_type, str(out), method=method,
                                    group_size=group_size, calib=None if calib is None else str(calib),
-                                   overwrite=True)
+                                   overwrite=True, **int4)
 
     def perplexity(self, model: str, text_file: Path, *, windows: int, seq_len: int, dtype: str,
                    device: str) -> float:

@@ -254,3 +254,20 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert res.output.strip().splitlines() == [
         "error: --base-quant-types: unknown quant type 'int3'; use one of: none, weight_only_int8, "
         "weight_only_int4, a8w8, a8w8_fp8"]
+
+
+def test_int4_recipe_asym_float_zero_points(tiny_llama_dir, tmp_path, cache_dir):
+    """--asym --zp-dtype reach the int4 artifacts (and only them), and key their cache entries."""
+    from quantspec.quant.artifact import read_quant_config
+
+    run_report(_config(tiny_llama_dir, tmp_path / "r", cache_dir, base_quant_types="weight_only_int4",
+                       draft_quant_types="weight_only_int8", group_size=32, symmetric=False,
+                       zp_dtype="float16"), ScriptedPipeline())
+    built = {p.name: read_quant_config(p) for p in Path(cache_dir).iterdir() if (p / "config.json").is_file()}
+    int4 = [qc for name, qc in built.items() if "-weight_only_int4-" in name]
+    fzp = [qc for qc in int4 if qc.config_groups["group_0"].weights.zp_dtype == "float16"]
+    assert fzp and not fzp[0].config_groups["group_0"].weights.symmetric
+    int8 = [qc for name, qc in built.items() if "-weight_only_int8-" in name]
+    assert all(qc.config_groups["group_0"].weights.zp_dtype is None for qc in int8)
+    with pytest.raises(QuantSpecError, match="--zp-dtype needs --asym"):
+        ReportConfig(out=str(tmp_path), zp_dtype="float16")
