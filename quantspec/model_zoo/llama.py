@@ -343,32 +343,37 @@ class Transformer(nn.Module):
         return self.lm_head(self.model.norm(hidden)).float()
 
 
+def layer_weight_table(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...]]:
+    """The tensors of one decoder layer named `prefix` (e.g. "model.layers.3."), with shapes."""
+    D, I, p = args.hidden_size, args.intermediate_size, prefix
+    table: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (D,),
+                                         p + "post_attention_layernorm.weight": (D,)}
+    for name, out_f in (("q_proj", args.q_size), ("k_proj", args.kv_size), ("v_proj", args.kv_size)):
+        table[p + f"self_attn.{name}.weight"] = (out_f, D)
+        if args.qkv_bias:
+            table[p + f"self_attn.{name}.bias"] = (out_f,)
+    table[p + "self_attn.o_proj.weight"] = (D, args.q_size)
+    if args.o_bias:
+        table[p + "self_attn.o_proj.bias"] = (D,)
+    table[p + "mlp.gate_proj.weight"] = (I, D)
+    table[p + "mlp.up_proj.weight"] = (I, D)
+    table[p + "mlp.down_proj.weight"] = (D, I)
+    if args.mlp_bias:
+        for name, n in (("gate_proj", I), ("up_proj", I), ("down_proj", D)):
+            table[p + f"mlp.{name}.bias"] = (n,)
+    return table
+
+
 def hf_weight_table(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor a HF checkpoint of this architecture must hold, with its shape.
 
     Loading asserts the checkpoint against this table (missing, unexpected, mis-shaped names are
     one clear error) instead of trusting `load_state_dict` to say something useful.
     """
-    D, I, V = args.hidden_size, args.intermediate_size, args.vocab_size
+    D, V = args.hidden_size, args.vocab_size
     table: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        table[p + "input_layernorm.weight"] = (D,)
-        table[p + "post_attention_layernorm.weight"] = (D,)
-        for name, out_f in (("q_proj", args.q_size), ("k_proj", args.kv_size), ("v_proj", args.kv_size)):
-            table[p + f"self_attn.{name}.weight"] = (out_f, D)
-            if args.qkv_bias:
-                table[p + f"self_attn.{name}.bias"] = (out_f,)
-        table[p + "self_attn.o_proj.weight"] = (D, args.q_size)
-        if args.o_bias:
-            table[p + "self_attn.o_proj.bias"] = (D,)
-        table[p + "mlp.gate_proj.weight"] = (I, D)
-        table[p + "mlp.up_proj.weight"] = (I, D)
-        table[p + "mlp.down_proj.weight"] = (D, I)
-        if args.mlp_bias:
-            table[p + "mlp.gate_proj.bias"] = (I,)
-            table[p + "mlp.up_proj.bias"] = (I,)
-            table[p + "mlp.down_proj.bias"] = (D,)
+        table.update(layer_weight_table(args, f"model.layers.{i}."))
     if not args.tie_word_embeddings:
         table["lm_head.weight"] = (V, D)
     return table

@@ -42,7 +42,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.llama import ARCHITECTURES, DecoderLayer, ModelArgs, RMSNorm, Transformer
+from quantspec.model_zoo.llama import (ARCHITECTURES, DecoderLayer, ModelArgs, RMSNorm, Transformer,
+                                       layer_weight_table)
 
 __all__ = [
     "MTP_ARCHITECTURE",
@@ -256,7 +257,7 @@ def mtp_weight_table(args: MTPArgs) -> dict[str, tuple[int, ...]]:
     """Every tensor of an (unquantized) MTP artifact, with its shape. The block is named like a
     decoder layer (`model.layers.0.*`), so compressed-tensors targets apply unchanged."""
     b = args.block
-    D, I = b.hidden_size, b.intermediate_size
+    D = b.hidden_size
     table: dict[str, tuple[int, ...]] = {
         "model.enorm.weight": (D,),
         "model.hnorm.weight": (D,),
@@ -264,22 +265,7 @@ def mtp_weight_table(args: MTPArgs) -> dict[str, tuple[int, ...]]:
         "model.norm.weight": (D,),
         DRAFT_VOCAB_NAME: (args.draft_vocab_size,),
     }
-    p = "model.layers.0."
-    table[p + "input_layernorm.weight"] = (D,)
-    table[p + "post_attention_layernorm.weight"] = (D,)
-    for name, out_f in (("q_proj", b.q_size), ("k_proj", b.kv_size), ("v_proj", b.kv_size)):
-        table[p + f"self_attn.{name}.weight"] = (out_f, D)
-        if b.qkv_bias:
-            table[p + f"self_attn.{name}.bias"] = (out_f,)
-    table[p + "self_attn.o_proj.weight"] = (D, b.q_size)
-    if b.o_bias:
-        table[p + "self_attn.o_proj.bias"] = (D,)
-    table[p + "mlp.gate_proj.weight"] = (I, D)
-    table[p + "mlp.up_proj.weight"] = (I, D)
-    table[p + "mlp.down_proj.weight"] = (D, I)
-    if b.mlp_bias:
-        for name, n in (("gate_proj", I), ("up_proj", I), ("down_proj", D)):
-            table[p + f"mlp.{name}.bias"] = (n,)
+    table.update(layer_weight_table(b, "model.layers.0."))
     return table
 
 
