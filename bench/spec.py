@@ -13,9 +13,13 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      acceptance (100%), not a speed-up (the draft costs as much as the base);
 - draft <quant>:     the quantized artifact of the same model (built with `quantspec.api.quantize`,
                      RTN, cached; `weight_only_int4@g32-asym-fzp` = group 32, asymmetric, float16
-                     zero points, the grid the default model's weights were published on) drafting for the fp32 model, with the back-off (its draft cost
-                     measured at start-up), and again with the back-off off (acceptance at every
-                     position, whatever it costs).
+                     zero points, the grid the default model's weights were published on)
+                     drafting for the fp32 model, with the back-off (its draft cost measured
+                     at start-up), and again with the back-off off (acceptance at every
+                     position, whatever it costs);
+- mtp:               the MTP module trained by `quantspec zoo train-mtp` (cached under
+                     ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.5 (the
+                     predictor default for mtp), with and without the back-off.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike.
 """
 
@@ -82,7 +86,9 @@ def main():
     ap.add_argument("--ngram-draft-tokens", type=int, default=10)
     ap.add_argument("--quant", default="weight_only_int8,weight_only_int4,weight_only_int4@g32-asym-fzp",
                     help="draft artifacts: quant types, optionally @recipe (g<N>, asym, fzp = float16 zero points)")
-    ap.add_argument("--methods", default="ngram,self,quant")
+    ap.add_argument("--methods", default="ngram,self,quant,mtp")
+    ap.add_argument("--mtp", help="MTP module directory [default: the cached one of `zoo train-mtp`]")
+    ap.add_argument("--mtp-draft-tokens", type=int, default=1)
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -124,6 +130,16 @@ def main():
             p = methods[f"draft {qt} (no back-off)"] = Predictor(cfg, loaded=loaded)
             p.engine.proposer.policy = None  # acceptance of every position, whatever it costs
 
+    if "mtp" in wanted:
+        mtp_dir = Path(a.mtp).expanduser() if a.mtp else cache_dir() / "mtp" / DEFAULT_MODEL
+        if not (mtp_dir / "config.json").is_file():
+            raise SystemExit(f"no MTP module at {mtp_dir}; train one with `quantspec zoo train-mtp --out {mtp_dir}` "
+                             "or pass --mtp DIR")
+        cfg = InferConfig(**common, speculate_method="mtp", draft_model=str(mtp_dir),
+                          speculate_max_draft_token_num=a.mtp_draft_tokens)
+        methods["mtp"] = Predictor(cfg, loaded=loaded)
+        p = methods["mtp (no back-off)"] = Predictor(cfg, loaded=loaded)
+        p.engine.proposer.policy = None
     methods["plain"].generate(["Hello"])  # warm-up
     results = []
     for kind, srcs in kinds.items():

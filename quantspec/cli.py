@@ -93,6 +93,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, help="Longest n-gram tried first.")
 @click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
               help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
+@click.option("--speculate-min-confidence", type=float, default=None,
+              help="mtp: stop drafting at a draft whose probability is below this [default: 0.5 for mtp].")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @_one_line_errors

@@ -114,10 +114,16 @@ class MTPProposer:
 
     needs_hidden = True
 
-    def __init__(self, mtp: MTPModule, max_draft_tokens: int = 5, *, policy=None):
+    def __init__(self, mtp: MTPModule, max_draft_tokens: int = 5, *, policy=None, min_confidence: float = 0.0):
         if not mtp._shared:
             raise QuantSpecError("the MTP module is not bound to its base; call mtp.bind_base(base) first")
+        if not 0.0 <= min_confidence < 1.0:
+            raise QuantSpecError(f"min_confidence={min_confidence} must be in [0, 1)")
         self.mtp, self.max_draft_tokens, self.policy = mtp, int(max_draft_tokens), policy
+        # a sequence's drafting stops at the first draft whose top probability (over the draft
+        # vocabulary) is below this: unconfident drafts are mostly rejected and each costs a verify
+        # row. The choice depends only on the draft side, so verification stays lossless.
+        self.min_confidence = float(min_confidence)
 
     @torch.inference_mode()
     def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
@@ -138,6 +144,18 @@ class MTPProposer:
         for j in range(max(ks[i] for i in live)):
             h = mtp(h, tok)  # [A, D]
             logits = mtp.draft_logits(h)  # [A, Vd]
+            if self.min_confidence > 0:
+                sure = (torch.softmax(logits.float(), dim=-1).amax(dim=-1) >= self.min_confidence).tolist()
+                if not all(sure):  # those sequences stop drafting here
+                    for r, i in enumerate(live):
+                        if not sure[r]:
+                            ks[i] = j
+                    keep = [r for r in range(len(live)) if sure[r]]
+                    if not keep:
+                        break
+                    idx = torch.tensor(keep, device=dev)
+                    h, logits, tok = h[idx], logits[idx], tok[idx]
+                    live = [live[r] for r in keep]
             nxt = mtp.draft_vocab_ids[logits.argmax(dim=-1)]  # [A] greedy picks (full-vocab ids)
             samp = [r for r, i in enumerate(live) if probs[i] is not None]
             if samp:
@@ -160,7 +178,7 @@ class MTPProposer:
                 h, nxt = h[idx], nxt[idx]
                 live = [live[r] for r in keep]
             tok = nxt
-        return drafts, [None if p is None else torch.stack(p) for p in probs]
+        return drafts, [torch.stack(p) if p else None for p in probs]
 
     def release(self, seq) -> None:
         if self.policy is not None:
@@ -179,4 +197,5 @@ def build_mtp_proposer(config, loaded) -> tuple[MTPProposer, int]:
     k = int(config.speculate_max_draft_token_num)
     device = base.model.norm.weight.device
     policy = AdaptiveDraftLength(k, SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base)))
-    return MTPProposer(mtp, k, policy=policy if getattr(config, "speculate_backoff", True) else None), k
+    return MTPProposer(mtp, k, policy=policy if getattr(config, "speculate_backoff", True) else None,
+                       min_confidence=float(getattr(config, "speculate_min_confidence", 0.0))), k

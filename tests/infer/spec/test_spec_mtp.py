@@ -215,3 +215,44 @@ def test_predictor_runs_mtp_losslessly(tiny_llama_dir, trained_mtp):
                                         speculate_max_draft_token_num=3, **common)).run(prompts)
     assert [o.token_ids for o in spec] == [o.token_ids for o in plain]
     assert stats["drafted_tokens"] > 0 and len(stats["acceptance_per_position"]) >= 1
+
+
+def test_confidence_gate_is_lossless_and_drops_unsure_drafts(base, trained_mtp):
+    """min_confidence stops a sequence's chain at its first unsure draft: fewer drafts as the
+    threshold rises, every draft made is one the module was sure of, and greedy output is unchanged."""
+    plain, _ = _decode(base, PROMPTS, None, batch=1)
+    drafted = []
+    for tau in (0.0, 0.9, 0.999):
+        prop = _proposer(base, trained_mtp)
+        prop.min_confidence = tau
+        out, seqs = _decode(base, PROMPTS, prop, batch=3)
+        assert out == plain
+        drafted.append(sum(s.stats.drafted for s in seqs))
+    assert drafted[0] > drafted[1] > drafted[2]
+    # a direct call: each returned draft had top probability >= tau at its depth
+    prop = _proposer(base, trained_mtp)
+    prop.min_confidence = 0.4
+    _, seqs = _decode(base, PROMPTS[:1], None, batch=1, n=8)
+    seq = seqs[0]
+    seq.last_hidden = base(torch.tensor(seq.tokens[:-1]), torch.arange(seq.num_tokens - 1),
+                           DenseCausalAttention(1, seq.num_tokens - 1))[-1]
+    (draft,), _ = prop.propose([seq], [4])
+    assert draft  # the trained module is sure of its first draft here
+    mtp, h, tok = prop.mtp, seq.last_hidden[None], torch.tensor([seq.tokens[-1]])
+    with torch.no_grad():
+        for d in draft:
+            h = mtp(h, tok)
+            p = torch.softmax(mtp.draft_logits(h).float(), -1)
+            assert p.max() >= 0.4 and int(mtp.draft_vocab_ids[p.argmax()]) == d
+            tok = torch.tensor([d])
+
+
+def test_confidence_gate_config_errors():
+    from quantspec.infer.predictor import InferConfig
+
+    assert InferConfig(speculate_method="mtp", draft_model="x").speculate_min_confidence == 0.5
+    assert InferConfig().speculate_min_confidence == 0.0
+    with pytest.raises(QuantSpecError, match="applies to --speculate-method mtp only"):
+        InferConfig(speculate_method="draft", speculate_min_confidence=0.3)
+    with pytest.raises(QuantSpecError, match=r"must be in \[0, 1\)"):
+        InferConfig(speculate_method="mtp", speculate_min_confidence=1.5)
