@@ -277,6 +277,15 @@ class PagedAttention:
                         qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
                         is_causal=True, enable_gqa=gqa)  # (1, H, n, hd)
                     out[start:start + n] = o[0].transpose(0, 1)
+                elif n > 1 and q.dtype in (torch.float16, torch.bfloat16):
+                    # several new queries (verification) in half precision: each attends over
+                    # exactly its own keys, the very call a decode step makes at that position.
+                    # One masked call would round differently (bf16 outputs differ by an ulp),
+                    # enough to flip greedy picks: speculation would no longer be lossless.
+                    first = sl - n
+                    for i in range(n):
+                        out[start + i] = _folded_gqa_attention(qb[i:i + 1], kb[:first + i + 1],
+                                                               vb[:first + i + 1], None)[0]
                 else:
                     out[start:start + n] = _folded_gqa_attention(qb, kb, vb, mask)
                 start += n

@@ -20,12 +20,12 @@ Dispatch rule (`DispatchPolicy` holds the thresholds):
 
 CPU (torch ops; measured with 1 thread on SmolLM2's shapes, see the issue-3 report):
 - weight-only int8, symmetric per-channel: `torch._weight_int8pack_mm` when x is bf16/fp16,
-  M ≤ `cpu_packed_max_m` (16) and K % 16 == 0 (other K crash or return garbage in torch 2.13);
+  M ≤ `cpu_packed_max_m` (64) and K % 16 == 0 (other K crash or return garbage in torch 2.13);
   else dequantize + matmul. The op's fp32 kernel is scalar: ~10× slower than an fp32 dense
   matmul, slower even than dequantizing on the fly, so fp32 activations always take
   dequantize + matmul (load the model in bf16 for the packed speed).
 - weight-only int4 (sym or asym): `torch._weight_int4pack_mm_for_cpu` on a weight repacked once
-  at load (`_convert_weight_to_int4pack_for_cpu`), same conditions (bf16/fp16, M ≤ 16), plus
+  at load (`_convert_weight_to_int4pack_for_cpu`), same conditions (bf16/fp16, M ≤ 64), plus
   N % 16 == 0 and a CPU group size g' ∈ {32, 64, 128, 256} dividing the layer's group size (per-
   channel = one group of K): the op dequantizes w = (u − 8)·scale + zero with u the unsigned
   nibble, i.e. u − 8 = our code q, so zero = −zp·scale (integer or float zp; 0 when symmetric)
@@ -121,7 +121,10 @@ class KernelPath(str, enum.Enum):
 class DispatchPolicy:
     """Thresholds of the dispatch rule (module docstring). `fast=False` forces the reference."""
 
-    cpu_packed_max_m: int = 16
+    # up to 64 rows on the packed op (slower than dequant + matmul above ~32 rows, but the same
+    # per-row numbers as a 1-row decode step: bf16 speculative verification of a batch stays
+    # lossless); prefill-sized inputs take dequant + matmul
+    cpu_packed_max_m: int = 64
     cuda_weight_only_max_m: int = 64
     fast: bool = True
 
@@ -152,7 +155,7 @@ def select_kernel(traits: LinearTraits, device: torch.device | str, M: int, x_dt
     """The op for one call: layer `traits`, x on `device` with M rows of dtype `x_dtype`.
 
     Example: an int8 per-channel layer prepared for bf16 on CPU with K % 16 == 0 →
-    CPU_INT8PACK for a bf16 x with M=1, DEQUANT for M=17 or for an fp32 x.
+    CPU_INT8PACK for a bf16 x with M=1, DEQUANT for M=65 or for an fp32 x.
     """
     device = torch.device(device)
     t = traits

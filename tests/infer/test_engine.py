@@ -167,3 +167,35 @@ def test_prompt_over_max_length_is_refused(llama):
     eng = Engine(model, EngineConfig(max_length=8), eos_token_ids=[])
     with pytest.raises(Exception, match="max_length is 8"):
         eng.add_request(list(range(3, 20)), SamplingParams())
+
+
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+def test_verify_rows_equal_decode_rows_bitwise(tiny_llama_dir, dtype):
+    """Feeding 4 tokens in one step (speculative verification) gives each position the hidden
+    state that 4 one-token decode steps give, bit for bit in bf16 (where one masked attention call
+    would round differently and flip greedy picks), within fp32 rounding in fp32."""
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.kv_cache import PagedAttention, PagedKVCache
+
+    model = load_for_inference(tiny_llama_dir, dtype=dtype, tokenizer=False).model
+    a = model.args
+    prompt, cont = _prompts([300], seed=4)[0], [7, 99, 3, 250]  # long enough for SDPA's key blocking
+
+    def run(chunks):
+        cache = PagedKVCache(num_layers=a.num_layers, num_blocks=24, block_size=16, num_kv_heads=a.num_kv_heads,
+                             head_dim=a.head_dim, dtype=dtype)
+        table = cache.allocator.allocate(20)
+        outs, start = [], 0
+        for ids in chunks:
+            meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [table], 16, "cpu")
+            with torch.no_grad():
+                outs.append(model(torch.tensor(ids), torch.arange(start, start + len(ids)), PagedAttention(cache, meta)))
+            start += len(ids)
+        return torch.cat(outs)[len(prompt):]
+
+    one_by_one = run([prompt] + [[t] for t in cont])
+    together = run([prompt, cont])
+    if dtype == torch.bfloat16:
+        assert torch.equal(one_by_one, together)
+    else:
+        torch.testing.assert_close(one_by_one, together, rtol=1e-5, atol=1e-5)

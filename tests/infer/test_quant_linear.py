@@ -166,11 +166,11 @@ def test_cpu_fast_path_is_taken_when_allowed(monkeypatch, kind, g, sym, path):
     _check(layer(x[:3]), _reference(t, x[:3]), torch.bfloat16)
     assert calls == [(3, 192)]
     # not taken: M above the bound, fp32 activations, or the policy says no
-    assert layer.kernel_for(torch.randn(17, 192).bfloat16()) is KernelPath.DEQUANT
+    assert layer.kernel_for(torch.randn(65, 192).bfloat16()) is KernelPath.DEQUANT
     assert QuantLinear(t, dtype=torch.float32).kernel_for(x.float()) is KernelPath.DEQUANT
     slow = QuantLinear(t, dtype=torch.bfloat16, policy=DispatchPolicy(fast=False))
     assert slow.kernel_for(x) is KernelPath.DEQUANT
-    layer(torch.randn(17, 192).bfloat16())
+    layer(torch.randn(65, 192).bfloat16())
     assert len(calls) == 1
 
 
@@ -201,12 +201,12 @@ def _traits(kind, **kw):
 def test_select_kernel_cpu_rule():
     t8 = _traits(LinearKind.W8A16, cpu_int8pack=True)
     assert select_kernel(t8, "cpu", 1, torch.bfloat16) is KernelPath.CPU_INT8PACK
-    assert select_kernel(t8, "cpu", 16, torch.bfloat16) is KernelPath.CPU_INT8PACK
-    assert select_kernel(t8, "cpu", 17, torch.bfloat16) is KernelPath.DEQUANT
+    assert select_kernel(t8, "cpu", 64, torch.bfloat16) is KernelPath.CPU_INT8PACK
+    assert select_kernel(t8, "cpu", 65, torch.bfloat16) is KernelPath.DEQUANT
     assert select_kernel(t8, "cpu", 1, torch.float32) is KernelPath.DEQUANT
     assert select_kernel(t8, "cpu", 0, torch.bfloat16) is KernelPath.DEQUANT
-    assert select_kernel(t8, "cpu", 32, torch.bfloat16, DispatchPolicy(cpu_packed_max_m=32)) \
-        is KernelPath.CPU_INT8PACK
+    assert select_kernel(t8, "cpu", 32, torch.bfloat16, DispatchPolicy(cpu_packed_max_m=16)) \
+        is KernelPath.DEQUANT
     t4 = _traits(LinearKind.W4A16, weight_strategy="group", cpu_int4_group=64)
     assert select_kernel(t4, "cpu", 4, torch.bfloat16) is KernelPath.CPU_INT4PACK
     assert select_kernel(_traits(LinearKind.W4A16), "cpu", 4, torch.bfloat16) is KernelPath.DEQUANT
