@@ -236,7 +236,16 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
                         torch.float32)
     if not isinstance(src_dtype, torch.dtype) or not src_dtype.is_floating_point:
         src_dtype = torch.float32
-    net, _ = load_model(model_dir, dtype=torch.float32)
+    from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
+
+    if is_mtp_config(src_cfg):  # an MTP module (`zoo train-mtp`), quantized on its own
+        if method != "rtn" or needs_table or kv_cache is not None:
+            raise QuantSpecError(f"{model_dir} is an MTP module: quantize it with --method rtn to "
+                                 "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
+                                 "scales need its base's hidden states)")
+        net = load_mtp(model_dir)
+    else:
+        net, _ = load_model(model_dir, dtype=torch.float32)
 
     calib_summary: dict = {}
     batches = None

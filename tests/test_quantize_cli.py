@@ -166,3 +166,27 @@ def test_default_model_int8_smoke(tmp_path):
     q = api.evaluate(out, text_file=text, seq_len=256, max_windows=1)
     assert q["perplexity"] != base["perplexity"]
     assert abs(q["perplexity"] / base["perplexity"] - 1) < 0.02
+
+
+def test_quantize_an_mtp_module_on_its_own(tiny_llama_dir, tmp_path):
+    """`quantspec quantize --model smol.mtp/ --quant-type weight_only_int8` (issue: the draft or MTP
+    module is quantized independently); methods that need the base's hidden states are refused."""
+    from quantspec.infer.spec.mtp import load_mtp_for_inference
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.mtp import save_mtp
+    from quantspec.model_zoo.mtp_train import init_mtp
+
+    base, _ = load_model(tiny_llama_dir)
+    mtp_dir = tmp_path / "mtp"
+    save_mtp(init_mtp(base, torch.arange(base.args.vocab_size), seed=0), mtp_dir)
+    res = CliRunner().invoke(main, ["quantize", "--model", str(mtp_dir), "--quant-type", "weight_only_int8",
+                                    "--out", str(tmp_path / "mtp.w8")])
+    assert res.exit_code == 0, res.output
+    qc = read_quant_config(tmp_path / "mtp.w8")
+    assert qc.scheme_for("model.layers.0.mlp.down_proj") is not None
+    mtp = load_mtp_for_inference(str(tmp_path / "mtp.w8"), base)
+    assert type(mtp.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
+    res = CliRunner().invoke(main, ["quantize", "--model", str(mtp_dir), "--quant-type", "weight_only_int4",
+                                    "--method", "gptq", "--dataset", str(tmp_path), "--out", str(tmp_path / "g")])
+    assert res.exit_code == 2
+    assert "is an MTP module: quantize it with --method rtn" in res.output

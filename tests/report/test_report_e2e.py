@@ -46,3 +46,26 @@ def test_report_ngram_on_tiny_model(tiny_llama_dir, tmp_path):
     assert cell.supported, cell.reason
     assert cell.lossless is True
     assert cell.draft_artifact_mb is None and cell.base_perplexity > 1.0
+
+
+def test_report_mtp_on_tiny_model(tiny_llama_dir, tmp_path):
+    """`--speculate-method mtp`: the MTP module is the draft column, quantized per column."""
+    import torch
+
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.mtp import save_mtp
+    from quantspec.model_zoo.mtp_train import init_mtp
+
+    base, _ = load_model(tiny_llama_dir)
+    mtp_dir = tmp_path / "mtp"
+    save_mtp(init_mtp(base, torch.arange(base.args.vocab_size), seed=0), mtp_dir)
+    rep = api.report(out=str(tmp_path / "out"), model=str(tiny_llama_dir), speculate_method="mtp",
+                     draft_model=str(mtp_dir), base_quant_types="none,weight_only_int8",
+                     draft_quant_types="none,weight_only_int8", cachekv="none", cache_dir=str(tmp_path / "cache"),
+                     max_new_tokens=12, eval_seq_len=32, eval_windows=2)
+    assert len(rep.cells) == 4
+    for c in rep.cells:
+        assert c.supported, f"{c.base}/{c.draft}: {c.reason}"
+        assert c.lossless is True and 0.0 <= c.acceptance_rate <= 1.0
+    quantized_draft = next(c for c in rep.cells if c.draft == "weight_only_int8")
+    assert quantized_draft.draft_artifact_mb is not None and quantized_draft.draft_artifact_mb > 0
