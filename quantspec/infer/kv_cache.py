@@ -247,6 +247,7 @@ class AttentionMetadata:
 
 
 PER_SEQUENCE_MAX_BATCH = 16  # up to this many sequences a step attends per sequence (no gathers)
+_EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
 
 class PagedAttention:
@@ -264,21 +265,20 @@ class PagedAttention:
             out = torch.empty_like(q)
             start = 0
             for b, (n, sl) in enumerate(zip(meta.q_lens, meta.seq_lens)):
-                if meta.spans is None and cache.kv_dtype is KVCacheDtype.AUTO:
-                    kb, vb, mask, causal = k[start:start + n], v[start:start + n], None, True
-                else:  # attend to the cache (for a fresh quantized cache: its rounded values)
+                qb = q[start:start + n]
+                fresh = n == sl  # a whole prompt: causal over its own tokens, however it is batched
+                if fresh and cache.kv_dtype is KVCacheDtype.AUTO:
+                    kb, vb = k[start:start + n], v[start:start + n]
+                else:  # the cache (for a fresh quantized cache: its rounded values)
                     span = None if meta.spans is None else meta.spans[b]
                     kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl)
-                    mask = None if meta.masks is None else meta.masks[b]
-                    causal = meta.spans is None  # fresh prompt: n == sl, plain causal
-                qb = q[start:start + n]
-                if causal:  # a fresh prompt: n == sl queries, causal
+                if fresh:
                     o = F.scaled_dot_product_attention(
                         qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
                         is_causal=True, enable_gqa=gqa)  # (1, H, n, hd)
                     out[start:start + n] = o[0].transpose(0, 1)
-                elif n > 1 and q.dtype in (torch.float16, torch.bfloat16):
-                    # several new queries (verification) in half precision: each attends over
+                elif 1 < n <= _EXACT_VERIFY_MAX and q.dtype in (torch.float16, torch.bfloat16):
+                    # a few new queries (verification) in half precision: each attends over
                     # exactly its own keys, the very call a decode step makes at that position.
                     # One masked call would round differently (bf16 outputs differ by an ulp),
                     # enough to flip greedy picks: speculation would no longer be lossless.
@@ -287,7 +287,7 @@ class PagedAttention:
                         out[start + i] = _folded_gqa_attention(qb[i:i + 1], kb[:first + i + 1],
                                                                vb[:first + i + 1], None)[0]
                 else:
-                    out[start:start + n] = _folded_gqa_attention(qb, kb, vb, mask)
+                    out[start:start + n] = _folded_gqa_attention(qb, kb, vb, meta.masks[b])
                 start += n
             return out
         B, q_max = meta.bias.shape[0], meta.bias.shape[2]
