@@ -53,7 +53,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--quant", default="", help="comma list of weight_only_int8,weight_only_int4")
+    ap.add_argument("--quant", default="", help="comma list of weight_only_int8,weight_only_int4 (or int8,int4)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -76,6 +76,8 @@ def main():
     quant_rows = []
     for qt in [q for q in a.quant.split(",") if q]:
         from quantspec import api
+
+        qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
 
         out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
         if not (out / "config.json").exists():

@@ -449,7 +449,7 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
               *, split: str = "train", text_field: str = "text", num_samples: int = 128,
               seq_len: int = 512, seed: int = 0, observer: str = "minmax",
               percentile: float = 99.99, kv_observer: str | None = None, device_map: str | None = None,
-              offload_dir: str | Path | None = None, batch_size: int = 8, dtype: str = "float32",
+              offload_dir: str | Path | None = None, batch_size: int = 8, dtype: str = "auto",
               overwrite: bool = False, progress=None, on_status=None):
     """Measure static activation + KV-cache scales of `model` on `dataset`; write the table `out`.
 

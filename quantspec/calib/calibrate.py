@@ -57,7 +57,38 @@ DEVICE_MAPS = (None, "cpu", "auto")
 # (minmax +0.51%), fp8 KV +0.36% (minmax +1.10%) — see bench/quality_static.py.
 DEFAULT_KV_OBSERVER = "mse"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Progress = Callable[[int, int, str], None]  # (layer index, num layers, phase "start"/"done")
+Progress = Callable[[int, int, str], None]
+
+
+def _cpu_has_native_bf16() -> bool:
+    """AVX512-BF16 or AMX-BF16 (Linux flags); elsewhere False, so bf16 is never chosen where
+    it would be emulated (several times slower than fp32)."""
+    try:
+        with open("/proc/cpuinfo") as f:
+            for line in f:
+                if line.startswith("flags"):
+                    flags = set(line.split(":", 1)[1].split())
+                    return bool({"avx512_bf16", "amx_bf16"} & flags)
+    except OSError:
+        pass
+    return False
+
+
+def resolve_calibration_dtype(name: str, device: str = "cpu") -> str:
+    """`auto` → the forward dtype of calibration: bfloat16 where the hardware computes it natively
+    (a CUDA GPU with bf16, a CPU with AVX512-BF16/AMX), else float32; a named dtype is kept.
+
+    bf16 is the dtype most checkpoints ship in and what llm-compressor calibrates in. Measured on
+    the default model (64 × 512 tokens, held-out ppl with the resulting table, fp32 vs bf16
+    forward): KV int8 22.293 vs 22.298, KV fp8 22.325 vs 22.327, a8w8_fp8 22.99 vs 23.09, a8w8
+    (α search, 8 fallback) 23.37 vs 23.33 — differences of the size of the calibration noise —
+    at 2.3x the linear throughput on an AVX512-BF16 CPU. The table records the dtype used.
+    """
+    if name != "auto":
+        return name
+    if device == "cuda":
+        return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
+    return "bfloat16" if _cpu_has_native_bf16() else "float32"  # (layer index, num layers, phase "start"/"done")
 
 
 def _pos_int(name: str, v) -> int:
@@ -82,7 +113,7 @@ class CalibrateConfig:
     percentile: float = DEFAULT_PERCENTILE
     kv_observer: str | None = None  # None: DEFAULT_KV_OBSERVER
     batch_size: int = DEFAULT_BATCH_SIZE
-    dtype: str = "float32"
+    dtype: str = "auto"  # see resolve_calibration_dtype
     device_map: str | None = None
     offload_dir: str | None = None
     overwrite: bool = False
@@ -108,8 +139,9 @@ class CalibrateConfig:
                                  f"{', '.join(OBSERVERS)}")
         if not isinstance(self.percentile, (int, float)) or not 50.0 < float(self.percentile) <= 100.0:
             raise QuantSpecError(f"percentile={self.percentile!r} must be in (50, 100], e.g. 99.99")
-        if self.dtype not in _DTYPES:
-            raise QuantSpecError(f"dtype {self.dtype!r} unsupported; use one of {', '.join(_DTYPES)}")
+        if self.dtype != "auto" and self.dtype not in _DTYPES:
+            raise QuantSpecError(f"dtype {self.dtype!r} unsupported; use auto or one of "
+                                 f"{', '.join(_DTYPES)}")
         if self.device_map not in DEVICE_MAPS:
             raise QuantSpecError(f"device_map {self.device_map!r} unsupported; use 'auto' (stream "
                                  "layers from disk) or 'cpu'")
@@ -264,7 +296,8 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     say("reading the dataset")
     texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
     say("loading the model")
-    dtype = _DTYPES[config.dtype]
+    dtype_name = resolve_calibration_dtype(config.dtype)
+    dtype = _DTYPES[dtype_name]
     net, model_dir, weights_dir = _load_for_calibration(config.model, dtype, config.device_map)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -284,6 +317,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     local = Path(config.dataset).expanduser()
     meta = {
         **{k: v for k, v in asdict(config).items() if k not in ("out", "overwrite")},
+        "dtype": dtype_name,
         "kv_observer": kv_observer,
         "dataset_path": str(local.resolve()) if local.exists() else None,
         "model_dir": str(model_dir),

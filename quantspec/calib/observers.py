@@ -42,6 +42,7 @@ from typing import Callable
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.quant.primitives import all_finite
 
 __all__ = [
     "Granularity",
@@ -148,7 +149,7 @@ class Observer(abc.ABC):
             raise QuantSpecError(f"{where}: per-channel needs x [..., C], got a scalar")
         if g is Granularity.HEAD and x.ndim < 2:
             raise QuantSpecError(f"{where}: per-head needs x [..., H, D], got shape {tuple(x.shape)}")
-        if not torch.isfinite(x).all():
+        if not all_finite(x):
             n_nan = int(torch.isnan(x).sum())
             n_inf = int(torch.isinf(x).sum())
             raise QuantSpecError(

@@ -40,6 +40,7 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
+from quantspec.quant.primitives import all_finite
 
 __all__ = ["DEFAULT_BATCH_SIZE", "LayerRunner", "LayerStep", "run_layers", "layer_prefix"]
 
@@ -164,7 +165,7 @@ class LayerRunner:
             sin = self._sin.repeat(b, 1)
             attn = DenseCausalAttention(b, S, kv_hook)
             yb = step.layer(xb.reshape(b * S, D), cos, sin, attn)  # [b*S, D]
-            if not torch.isfinite(yb).all():
+            if not all_finite(yb):
                 raise QuantSpecError(f"{step.name} produced NaN/Inf on calibration samples "
                                      f"{b0}..{b0 + b - 1}; use a wider dtype (--dtype float32) or "
                                      "check this layer's weights")
@@ -173,7 +174,7 @@ class LayerRunner:
 
     def __iter__(self) -> Iterator[LayerStep]:
         x = self._embed()
-        if not torch.isfinite(x).all():
+        if not all_finite(x):
             raise QuantSpecError("model.embed_tokens produced NaN/Inf; the checkpoint is corrupt")
         L = self.num_layers
         for i, layer in enumerate(self.model.model.layers):

@@ -58,8 +58,9 @@ def reference_absmax(model, ids):
 def test_minmax_table_matches_reference(tmp_path, tiny_llama_dir, calib_file):
     r = run_calibration(CalibrateConfig(dataset=str(calib_file), out=str(tmp_path / "t"),
                                         model=str(tiny_llama_dir), num_samples=N, seq_len=S,
-                                        batch_size=3, kv_observer="minmax"))
+                                        batch_size=3, kv_observer="minmax", dtype="float32"))
     table = read_table(r.path, model_dir=tiny_llama_dir)
+    assert table.meta["dtype"] == "float32"
     assert table.meta["model_fingerprint"] == model_fingerprint(tiny_llama_dir)
     assert table.meta["num_samples"] == N and table.meta["observer"] == "minmax"
     model, _ = load_model(tiny_llama_dir)
@@ -72,6 +73,24 @@ def test_minmax_table_matches_reference(tmp_path, tiny_llama_dir, calib_file):
     for i, (ka, va) in kv.items():
         torch.testing.assert_close(k[i], ka, rtol=1e-5, atol=1e-6)
         torch.testing.assert_close(v[i], va, rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("native", [True, False])
+def test_auto_dtype_is_bf16_only_where_native(native, monkeypatch, tmp_path, tiny_llama_dir, calib_file):
+    """--dtype auto (the default) observes in bfloat16 only on hardware that computes it natively,
+    records the dtype it used, and its scales stay close to the float32 table's."""
+    from quantspec.calib import calibrate as cal
+
+    monkeypatch.setattr(cal, "_cpu_has_native_bf16", lambda: native)
+    assert CalibrateConfig(dataset="x", out="y").dtype == "auto"
+    kw = dict(dataset=str(calib_file), model=str(tiny_llama_dir), num_samples=N, seq_len=S)
+    auto = read_table(run_calibration(CalibrateConfig(out=str(tmp_path / "a"), **kw)).path)
+    assert auto.meta["dtype"] == ("bfloat16" if native else "float32")
+    ref = read_table(run_calibration(CalibrateConfig(out=str(tmp_path / "f"), dtype="float32", **kw)).path)
+    for name in ref.linear_names:
+        torch.testing.assert_close(auto.input_absmax(name), ref.input_absmax(name),
+                                   rtol=0.05 if native else 0, atol=0)
+    assert cal.resolve_calibration_dtype("float16") == "float16"
 
 
 def test_default_kv_observer_is_mse(tmp_path, tiny_llama_dir, calib_file):
