@@ -4,6 +4,7 @@ compressed-tensors checkpoint llm-compressor writes).
 
     python -m venv --system-site-packages /tmp/lcvenv && /tmp/lcvenv/bin/pip install --no-deps llmcompressor
     python bench/gptq_vs_llmcompressor.py --llmcompressor-python /tmp/lcvenv/bin/python [--threads 2]
+        [--weight-observers minmax,mse]
 
 Calibration: the texts of `bench/data/calib.jsonl` joined and cut into 64 × 512-token windows;
 llm-compressor gets the token ids, quantspec a jsonl with one decoded window per row (its dataset
@@ -57,6 +58,8 @@ def main() -> None:
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
                     help="quantspec with --act-order (its best g64 setting; llm-compressor runs its defaults)")
+    ap.add_argument("--weight-observers", default="minmax,mse",
+                    help="quantspec rows: one per weight observer (--weight-observer)")
     a = ap.parse_args()
 
     import torch
@@ -85,11 +88,12 @@ def main() -> None:
     jsonl.write_text("".join(json.dumps({"text": tok.decode(w)}) + "\n" for w in windows))
 
     rows = []
-    out = work / "quantspec"
-    t = time.perf_counter()
-    api.quantize(str(model_dir), "weight_only_int4", out, method="gptq", group_size=64, dataset=str(jsonl),
-                 num_samples=n, seq_len=L, act_order=a.act_order, overwrite=True)
-    rows.append(("quantspec", time.perf_counter() - t, out))
+    for obs in [o for o in a.weight_observers.split(",") if o]:
+        out = work / f"quantspec-{obs}"
+        t = time.perf_counter()
+        api.quantize(str(model_dir), "weight_only_int4", out, method="gptq", group_size=64, dataset=str(jsonl),
+                     num_samples=n, seq_len=L, act_order=a.act_order, weight_observer=obs, overwrite=True)
+        rows.append((f"quantspec (--weight-observer {obs})", time.perf_counter() - t, out))
 
     if a.llmcompressor_python and Path(a.llmcompressor_python).exists():
         script = work / "lc.py"
@@ -117,8 +121,11 @@ def main() -> None:
     for name, secs, path in rows:
         ppl = api.evaluate(str(path), text_file=str(heldout), seq_len=512)["perplexity"]
         print(f"| {name} | {secs:.1f} | {ppl:.3f} | {100 * (ppl / fp32 - 1):+.1f}% |")
-    if len(rows) == 2:
-        print(f"\nquantspec / llm-compressor wall time: {rows[0][1] / rows[1][1]:.2f}x")
+    lc = next((r for r in rows if r[0] == "llm-compressor"), None)
+    if lc is not None:
+        for name, secs, _ in rows:
+            if name != "llm-compressor":
+                print(f"\n{name}: llm-compressor wall time / quantspec's = {lc[1] / secs:.2f}x")
 
 
 if __name__ == "__main__":

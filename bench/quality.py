@@ -4,6 +4,8 @@ Rows: fp32, weight_only_int8 RTN (and GPTQ), weight_only_int4 RTN and GPTQ (act-
 groups; one g64 row without act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, and `--asym --group-size 32` RTN sanity rows (the default model's
 weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a float min m, so the
 float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
+int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
+`-minmax` rows take plain min/max scales for comparison.
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
 Calibration (GPTQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
@@ -42,6 +44,9 @@ ROWS = {
     "int4-gptq-g64-noact": ("weight_only_int4", "gptq", 64, True, False),
     "int4-rtn-asym-g32": ("weight_only_int4", "rtn", 32, False, False),
     "int4-rtn-asym-g32-fzp": ("weight_only_int4", "rtn", 32, False, False, "float16"),
+    # int4 defaults to the MSE weight observer; these rows take plain min/max scales
+    "int4-rtn-g64-minmax": ("weight_only_int4", "rtn", 64, True, False, None, "minmax"),
+    "int4-gptq-g64-minmax": ("weight_only_int4", "gptq", 64, True, True, None, "minmax"),
 }
 
 
@@ -71,11 +76,12 @@ def main() -> None:
             spec = ROWS[name]
             q_time, size, path = None, None, a.model
             if spec is not None:
-                qt, method, g, sym, act_order, *zp = spec
+                qt, method, g, sym, act_order, *extra = spec
+                zp, observer = (list(extra) + [None, None])[:2]
                 path = work / name
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
-                             zp_dtype=zp[0] if zp else None, act_order=act_order,
+                             zp_dtype=zp, weight_observer=observer, act_order=act_order,
                              dataset=a.calib if method == "gptq" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)
                 q_time = time.perf_counter() - t0

@@ -82,6 +82,7 @@ def main():
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
     ap.add_argument("--prompts", type=int, default=6, help="prompts per kind")
+    ap.add_argument("--data", default=str(DATA), help="jsonl of {kind, src} prompts")
     ap.add_argument("--draft-tokens", type=int, default=5, help="--speculate-max-draft-token-num")
     ap.add_argument("--ngram-draft-tokens", type=int, default=10)
     ap.add_argument("--quant", default="weight_only_int8,weight_only_int4,weight_only_int4@g32-asym-fzp",
@@ -98,7 +99,7 @@ def main():
 
     model_dir = ensure_zoo_model(DEFAULT_MODEL)
     loaded = load_for_inference(model_dir)
-    rows = [json.loads(line) for line in DATA.read_text().splitlines() if line.strip()]
+    rows = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
     kinds = {}
     for r in rows:
         kinds.setdefault(r["kind"], []).append(r["src"])

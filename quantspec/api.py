@@ -161,7 +161,8 @@ def _dir_bytes(path, pattern: str = "*") -> int:
 
 def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_int8",
              out: str | Path | None = None, *, method: str = "rtn", group_size: int = 128,
-             symmetric: bool = True, zp_dtype: str | None = None, ignore=(),
+             symmetric: bool = True, zp_dtype: str | None = None, weight_observer: str | None = None,
+             ignore=(),
              act_order: bool = False, block_size: int = 128,
              damp: float = 0.01, dataset: str | None = None, split: str = "train",
              text_field: str = "text", num_samples: int = 128, seq_len: int = 512, seed: int = 0,
@@ -179,6 +180,9 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     `progress(layer, num_layers, phase)` is called per decoder layer.
     weight_only_int4 with `symmetric=False` only: `zp_dtype` ("float16" | "bfloat16" | "float32")
     stores float zero points (compressed-tensors' `zp_dtype`) instead of integer ones.
+    `weight_observer="mse"` searches every weight scale's clipping range (RTN and GPTQ's groups;
+    `quant.primitives.mse_qparams`) instead of taking min/max ("minmax"); None: mse for
+    weight_only_int4, minmax otherwise (`quant.args.default_weight_observer`).
     a8w8 / a8w8_fp8 only: `smoothquant_alpha="auto"` searches α per smoothing group, and
     `fallback_layers=N` (or `fallback_threshold`) keeps the N Linears with the largest measured
     static-quantization error at float activations (W8A16), both measured on `search_samples`
@@ -192,7 +196,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     from quantspec.calib.ptq import METHODS, quantize_model
     from quantspec.errors import QuantSpecError
     from quantspec.model_zoo.checkpoint import load_model, read_config, resolve_model_dir
-    from quantspec.quant.args import QuantType, preset
+    from quantspec.quant.args import QuantType, default_weight_observer, preset
     from quantspec.quant.artifact import write_artifact
 
     t0 = time.perf_counter()
@@ -226,7 +230,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
         raise QuantSpecError(f"--kv-cache {kv_cache} stores static KV scales in the artifact; "
                              "run `quantspec calibrate --out DIR` and pass --calib DIR")
     config = preset(qt, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype,
-                    ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
+                    weight_observer=weight_observer, ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
 
     model_dir = resolve_model_dir(model)
     src_cfg = read_config(model_dir)
@@ -316,6 +320,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
         "model_fingerprint": fingerprint,
         "quant_type": qt.value, "method": method,
         "args": {"group_size": group_size, "symmetric": symmetric, "zp_dtype": zp_dtype,
+                 "weight_observer": weight_observer or default_weight_observer(qt),
                  "ignore": list(config.ignore),
                  "act_order": act_order, "block_size": block_size, "damp": damp},
         "calibration": calib_summary or None,

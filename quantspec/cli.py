@@ -213,6 +213,10 @@ def _gib(n) -> str:
               type=click.Choice(["int", "float16", "bfloat16", "float32"]),
               help="weight_only_int4 --asym: zero-point dtype; a float one is stored unrounded "
                    "(compressed-tensors' zp_dtype), e.g. to reproduce GGUF Q4_1-style grids")
+@click.option("--weight-observer", default="auto", show_default=True, type=click.Choice(["auto", "minmax", "mse"]),
+              help="weight scales: min/max, or mse = per scale, the clipping of the range (down to 0.8) "
+                   "with the least |w - q(w)|^2.4 (RTN, and each GPTQ group); auto: mse for "
+                   "weight_only_int4, minmax for the 8-bit types")
 @click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
@@ -237,7 +241,7 @@ def _gib(n) -> str:
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @_one_line_errors
-def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, ignore, act_order, gptq_block_size, damp,
+def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
              fallback_layers, fallback_threshold, out, overwrite, kv_cache=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
@@ -259,6 +263,7 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, ignore,
     with bar:
         path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
                             symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
+                            weight_observer=None if weight_observer == "auto" else weight_observer,
                             ignore=tuple(ignore), act_order=act_order,
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,

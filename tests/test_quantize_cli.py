@@ -100,6 +100,42 @@ def test_quantize_asym_float_zero_points(tiny_llama_dir, corpus_files, tmp_path)
         "model.layers.0.mlp.down_proj"]["zp_dtype"] == "int"
 
 
+def test_quantize_mse_weight_observer(tiny_llama_dir, corpus_files, tmp_path):
+    """--weight-observer mse: recorded as the weights' observer, the stored scales are the MSE
+    search's on each weight (never worse than min/max on its error), and the artifact runs."""
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.quant.artifact import load_safetensors
+    from quantspec.quant.primitives import fake_quantize, mse_qparams
+
+    out = tmp_path / "mse"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4",
+             "--group-size", "32", "--weight-observer", "mse", "--out", out)
+    assert r.exit_code == 0, r.output
+    qc = read_quant_config(out)
+    w_args = next(iter(qc.config_groups.values())).weights
+    assert w_args.observer == "mse" and qc.provenance["args"]["weight_observer"] == "mse"
+    model, _ = load_model(tiny_llama_dir)
+    w = model.model.layers[0].mlp.down_proj.weight.detach()
+    s, z = mse_qparams(w, w_args)
+    stored = load_safetensors(out)["model.layers.0.mlp.down_proj.weight_scale"]
+    torch.testing.assert_close(stored.float(), s.to(stored.dtype).float(), rtol=0, atol=0)
+    plain = w_args.replace(observer=None)
+    from quantspec.quant import choose_qparams
+
+    s0, z0 = choose_qparams(w, plain)
+    e = lambda sc, zp: float((fake_quantize(w, sc, zp, plain) - w).abs().pow(2.4).sum())
+    assert e(s, z) < e(s0, z0)
+    ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
+                         "--seq-len", "64", "--max-windows", "1", "--json").output)
+    assert ev["perplexity"] > 1 and ev["perplexity"] != float("inf")
+    bad = CliRunner().invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--quant-type",
+                                    "weight_only_int8", "--weight-observer", "median", "--out",
+                                    str(tmp_path / "x")])
+    assert bad.exit_code == 2 and "median" in bad.output
+    with pytest.raises(QuantSpecError, match="unknown weight observer"):
+        api.quantize(tiny_llama_dir, "weight_only_int8", tmp_path / "y", weight_observer="median")
+
+
 def test_bad_input_one_line(tiny_llama_dir, corpus_files, tmp_path):
     r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "int3", "--out", tmp_path / "x")
     assert r.exit_code == 2 and "weight_only_int8" in r.output and "Traceback" not in r.output

@@ -630,9 +630,23 @@ def resolve_group_size(K: int, requested: int) -> int:
     return -1
 
 
+WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose_qparams)
+
+
+def default_weight_observer(quant_type: QuantType | str) -> str:
+    """mse for weight_only_int4, minmax for the 8-bit types.
+
+    With 16 levels the clipping search pays: on the default model GPTQ g64 (64 × 512 calibration
+    tokens, act-order) held-out ppl 28.19 → 26.74, RTN g64 31.51 → 31.02; at 8 bits min/max is
+    already close to the best range, and the a8w8 weights are smoothed against their inputs.
+    """
+    return "mse" if QuantType.parse(quant_type) is QuantType.WEIGHT_ONLY_INT4 else "minmax"
+
+
 def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
-           kv_strategy: str = "attn_head", zp_dtype: str | None = None) -> QuantConfig:
+           kv_strategy: str = "attn_head", zp_dtype: str | None = None,
+           weight_observer: str | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights ("int-quantized").
@@ -641,9 +655,15 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").
     a8w8_fp8: FP8 E4M3 per-channel weights + static per-tensor FP8 input scales ("float-quantized").
     `kv_cache` ("int8" | "fp8" | None) adds a static KV-cache scheme (`kv_strategy` "attn_head"
-    = one scale per KV head, or "tensor").
+    = one scale per KV head, or "tensor"). `weight_observer` "mse" searches each weight scale's
+    range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
+    None → `default_weight_observer(quant_type)`.
     """
     qt = QuantType.parse(quant_type)
+    weight_observer = weight_observer or default_weight_observer(qt)
+    if weight_observer not in WEIGHT_OBSERVERS:
+        raise QuantSpecError(f"unknown weight observer {weight_observer!r}; use one of: "
+                             f"{', '.join(WEIGHT_OBSERVERS)}")
     if zp_dtype is not None:
         if qt is not QuantType.WEIGHT_ONLY_INT4:
             raise QuantSpecError(f"zp_dtype (--zp-dtype) {zp_dtype} is for weight_only_int4 only; "
@@ -671,6 +691,8 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
         w = QuantArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
         ia = QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor",
                        dynamic=False, observer="minmax")
+    if weight_observer != "minmax":
+        w = w.replace(observer=weight_observer)
     kv = None
     if kv_cache is not None:
         kind = str(kv_cache).lower().removeprefix("cachekv_")

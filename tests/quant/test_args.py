@@ -57,7 +57,14 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
 
 def test_preset_contents():
     w4 = preset("weight_only_int4", group_size=64, symmetric=False).config_groups["group_0"]
-    assert w4.weights == QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=64)
+    # int4 weights default to the MSE range search (recorded as compressed-tensors' `observer`)
+    assert w4.weights == QuantArgs(num_bits=4, symmetric=False, strategy="group", group_size=64,
+                                   observer="mse")
+    plain = preset("weight_only_int4", group_size=64, weight_observer="minmax")
+    assert plain.config_groups["group_0"].weights.observer is None
+    assert preset("weight_only_int8").config_groups["group_0"].weights.observer is None
+    with pytest.raises(QuantSpecError, match="unknown weight observer"):
+        preset("weight_only_int8", weight_observer="median")
     a8 = preset("a8w8").config_groups["group_0"]
     assert a8.weights.strategy == "channel" and a8.input_activations.strategy == "tensor"
     assert a8.input_activations.dynamic is False

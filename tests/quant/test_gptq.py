@@ -54,6 +54,9 @@ def test_gptq_beats_rtn(act_order, symmetric):
     QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False),
     QuantArgs(num_bits=8, strategy="channel"),
     QuantArgs(num_bits=8, type="float", strategy="channel"),
+    QuantArgs(num_bits=4, strategy="group", group_size=32, observer="mse"),
+    QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False, observer="mse"),
+    QuantArgs(num_bits=8, strategy="channel", observer="mse"),
 ])
 def test_identity_hessian_is_rtn(args):
     W, _ = _problem(N=32, K=128)

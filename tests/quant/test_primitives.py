@@ -168,3 +168,54 @@ def test_gptq_takes_float_zero_points():
         assert r.zero_point.dtype == torch.float32 and r.zero_point.shape == (16, 2)
         assert torch.equal(r.weight_dq, dequantize(r.q, r.scale, r.zero_point, args))
         assert float((r.weight_dq - w).norm() / w.norm()) < 1e-6  # identity Hessian = RTN
+
+
+# -- the MSE weight observer ---------------------------------------------------------------------
+
+def _mse_reference(w, num_bits, g, symmetric, grid=100, max_shrink=0.2, norm=2.4):
+    """Brute force, one group at a time, from the documented rule (not the vectorised code):
+    for each shrink p, the group's range p·(min, max) → compressed-tensors' qparams → round trip."""
+    q_min, q_max = -(2 ** (num_bits - 1)), 2 ** (num_bits - 1) - 1
+    N, K = w.shape
+    scales = torch.empty(N, K // g)
+    for r in range(N):
+        for j in range(K // g):
+            x = w[r, j * g:(j + 1) * g].double()
+            best = None
+            for i in range(int(round(max_shrink * grid)) + 1):
+                p = 1 - i / grid
+                lo, hi = min(float(x.min()) * p, 0.0), max(float(x.max()) * p, 0.0)
+                if symmetric:
+                    s = max(abs(lo), abs(hi)) / ((q_max - q_min) / 2)
+                    z = 0.0
+                else:
+                    s = (hi - lo) / (q_max - q_min)
+                    z = round(min(max(q_min - lo / s, q_min), q_max))
+                xq = (torch.clamp(torch.round(x / s + z), q_min, q_max) - z) * s
+                err = float((x - xq).abs().pow(norm).sum())
+                if best is None or err < best[0] * (1 - 1e-9):
+                    best = (err, s)
+            scales[r, j] = best[1]
+    return scales
+
+
+@pytest.mark.parametrize("symmetric", [True, False])
+def test_mse_qparams_match_brute_force_and_beat_minmax(symmetric):
+    from quantspec.quant.primitives import mse_qparams
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(6, 64, generator=g)
+    w[0, 5] = 9.0  # an outlier: shrinking the range pays for this group
+    args = QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=symmetric, observer="mse")
+    s, z = choose_qparams(w, args)  # dispatches on observer="mse"
+    s2, _ = mse_qparams(w, args)
+    assert torch.equal(s, s2)
+    torch.testing.assert_close(s, _mse_reference(w, 4, 32, symmetric), rtol=1e-5, atol=1e-7)
+    plain = args.replace(observer=None)
+    s0, z0 = choose_qparams(w, plain)
+    err = lambda sc, zp: (fake_quantize(w, sc, zp, args) - w).abs().pow(2.4).unflatten(1, (2, 32)).sum(-1)
+    assert bool((err(s, z) <= err(s0, z0) * (1 + 1e-6)).all())  # never worse than min/max
+    assert bool((s < s0).any())  # and here it does clip some group
+    # no shrink allowed: exactly min/max
+    s1, z1 = mse_qparams(w, args, max_shrink=0.0)
+    assert torch.equal(s1, s0) and torch.equal(z1, z0)
