@@ -8,7 +8,8 @@ measured through the inference path (`api.evaluate`) on `bench/data/heldout.txt`
 to the fp32 row of the same run. `static_rows()` is importable (bench/quality.py can append its
 rows to its own table).
 
-Row suffixes: `-sq` fixed SmoothQuant α; `-sqauto` α searched per smoothing group
+Row suffixes: `-gptq` the weights quantized with GPTQ (act-order, on the calibration data, after
+smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α; `-sqauto` α searched per smoothing group
 (`smoothquant_alpha="auto"`); `-fb` the `--fallback` Linears with the largest measured static-
 activation error kept at float activations (W8A16 / FP8 weight-only; `calib/sensitivity.py`), the
 layers listed in the JSON output. K/V scales use calibrate's default K/V observer (mse).
@@ -46,6 +47,7 @@ ROWS = {
     "a8w8-sqauto": ("a8w8", "auto", None, 0),
     "a8w8-sq-fb": ("a8w8", 0.75, None, "fb"),
     "a8w8-sqauto-fb": ("a8w8", "auto", None, "fb"),
+    "a8w8-sqauto-fb-gptq": ("a8w8", "auto", None, "fb", "gptq"),
     "a8w8-sqauto-fb+kv-int8": ("a8w8", "auto", "int8", "fb"),
     "a8w8-sqauto-fb+kv-fp8": ("a8w8", "auto", "fp8", "fb"),
     "a8w8_fp8": ("a8w8_fp8", None, None, 0),
@@ -57,6 +59,7 @@ ROWS = {
     "a8w8_fp8-sqauto-fb+kv-fp8": ("a8w8_fp8", "auto", "fp8", "fb"),
 }
 TARGETS = {"a8w8-sq": 3.0, "a8w8-sqauto": 3.0, "a8w8-sq-fb": 3.0, "a8w8-sqauto-fb": 3.0,
+           "a8w8-sqauto-fb-gptq": 3.0,
            "a8w8_fp8": 2.5, "a8w8_fp8-sq": 2.5, "a8w8_fp8-sqauto": 2.5, "a8w8_fp8-fb": 2.5,
            "a8w8_fp8-sqauto-fb": 2.5, "fp32+kv-int8": 0.5, "fp32+kv-fp8": 1.0}  # max Δ%
 
@@ -90,21 +93,25 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
     artifacts: dict[tuple, Path] = {}
     out = []
     for name in rows:
-        qt, alpha, kv, fb = ROWS[name]
+        qt, alpha, kv, fb, *method = ROWS[name]
+        method = method[0] if method else "rtn"
         fb = fallback if fb == "fb" else fb
         path, q_time, plan = model, None, None
         if qt is not None:
-            key = (qt, alpha, fb)
+            key = (qt, alpha, fb, method)
             if key not in artifacts:
                 t1 = time.perf_counter()
-                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}", calib=table,
-                                              smoothquant_alpha=alpha, fallback_layers=fb)
+                gptq = dict(dataset=calib_data, num_samples=num_samples, seq_len=seq_len,
+                            act_order=True) if method == "gptq" else {}
+                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}-{method}",
+                                              calib=table, smoothquant_alpha=alpha,
+                                              fallback_layers=fb, method=method, **gptq)
                 q_time = round(time.perf_counter() - t1, 1)
             path = artifacts[key]
             plan = (api.inspect(str(path)).get("calibration") or {}).get("static_plan")
         ev = api.evaluate(str(path), text_file=heldout, seq_len=eval_seq_len,
                           kv_cache_dtype=kv or "auto", calib=table if kv else None)
-        out.append({"row": name, "quant_type": qt or "fp32", "smoothquant_alpha": alpha,
+        out.append({"row": name, "quant_type": qt or "fp32", "method": method, "smoothquant_alpha": alpha,
                     "kv_cache": kv or "fp32", "perplexity": ev["perplexity"],
                     "num_tokens": ev["num_tokens"], "quantize_s": q_time,
                     "eval_s": round(ev["seconds"], 1), "fallback": fb,
