@@ -162,8 +162,7 @@ def _dir_bytes(path, pattern: str = "*") -> int:
 def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_int8",
              out: str | Path | None = None, *, method: str = "rtn", group_size: int = 128,
              symmetric: bool = True, zp_dtype: str | None = None, weight_observer: str | None = None,
-             ignore=(),
-             act_order: bool = False, block_size: int = 128,
+             ignore=(), act_order: bool = False, block_size: int = 128,
              damp: float = 0.01, dataset: str | None = None, split: str = "train",
              text_field: str = "text", num_samples: int = 128, seq_len: int = 512, seed: int = 0,
              calib: str | Path | None = None, smoothquant_alpha: float | str | None = None,
@@ -230,7 +229,8 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
         raise QuantSpecError(f"--kv-cache {kv_cache} stores static KV scales in the artifact; "
                              "run `quantspec calibrate --out DIR` and pass --calib DIR")
     config = preset(qt, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype,
-                    weight_observer=weight_observer, ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
+                    weight_observer=weight_observer,
+                    ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
 
     model_dir = resolve_model_dir(model)
     src_cfg = read_config(model_dir)

@@ -57,7 +57,7 @@ DEVICE_MAPS = (None, "cpu", "auto")
 # (minmax +0.51%), fp8 KV +0.36% (minmax +1.10%) — see bench/quality_static.py.
 DEFAULT_KV_OBSERVER = "mse"
 _DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
-Progress = Callable[[int, int, str], None]
+Progress = Callable[[int, int, str], None]  # (layer index, num layers, phase "start"/"done")
 
 
 def _cpu_has_native_bf16() -> bool:
@@ -88,7 +88,7 @@ def resolve_calibration_dtype(name: str, device: str = "cpu") -> str:
         return name
     if device == "cuda":
         return "bfloat16" if torch.cuda.is_available() and torch.cuda.is_bf16_supported() else "float32"
-    return "bfloat16" if _cpu_has_native_bf16() else "float32"  # (layer index, num layers, phase "start"/"done")
+    return "bfloat16" if _cpu_has_native_bf16() else "float32"
 
 
 def _pos_int(name: str, v) -> int:

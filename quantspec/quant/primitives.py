@@ -198,9 +198,10 @@ def mse_qparams(x: torch.Tensor, args: QuantArgs, *, grid: int = MSE_GRID,
     """(scale, zero_point) whose range (min, max) is shrunk, per scale, to p·(min, max) with
     p = 1 - i/grid for i = 0 .. max_shrink·grid, the p minimising sum |x - fake_quant(x)|^norm.
 
-    Each candidate goes through `qparams_from_minmax` and `fake_quantize`, so the chosen pair is
-    exactly what quantize/dequantize use. p = 1 (plain min/max) is a candidate: the result is
-    never worse than min/max on this error.
+    Each candidate goes through `qparams_from_minmax` and `fake_quantize` in float32, so for a
+    float32 x the chosen pair is exactly what quantize/dequantize use (other dtypes get the scale
+    cast to theirs, as min/max does). p = 1 (plain min/max) is a candidate: the result is never
+    worse than min/max on this error.
     """
     _check_float("x", x)
     xf = x.float()
