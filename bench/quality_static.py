@@ -76,17 +76,17 @@ def pydoc_calib_jsonl(path: Path) -> Path:
 
 def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=tuple(ROWS),
                 num_samples: int = 64, seq_len: int = 512, eval_seq_len: int = 512,
-                observer: str = "minmax", fallback: int = FALLBACK, log=print
+                observer: str = "minmax", fallback: int = FALLBACK, calib_dtype: str = "auto", log=print
                 ) -> tuple[dict, list[dict]]:
     """Calibrate once, then quantize + evaluate each row; returns (calibration info, rows)."""
     table = work / "calib"
     t0 = time.perf_counter()
     cal = api.calibrate(model, calib_data, table, num_samples=num_samples, seq_len=seq_len,
-                        observer=observer)
+                        observer=observer, dtype=calib_dtype)
     calib_info = {"wall_s": round(time.perf_counter() - t0, 1), "cpu_s": cal.meta["cpu_s"],
                   "forward_s": cal.meta["forward_s"], "threads": cal.meta["threads"],
                   "num_samples": num_samples, "seq_len": seq_len, "observer": observer,
-                  "kv_observer": cal.meta.get("kv_observer"),
+                  "kv_observer": cal.meta.get("kv_observer"), "dtype": cal.meta.get("dtype"),
                   "data": str(calib_data)}
     log(f"calibrated {num_samples} × {seq_len} in {calib_info['wall_s']} s wall "
         f"({calib_info['cpu_s']} s CPU, {calib_info['threads']} threads)")
@@ -136,6 +136,7 @@ def markdown(calib_info: dict, rows: list[dict]) -> str:
                      f"{r['kv_cache']} | {r['perplexity']:.4f} | {d} | {t} |")
     lines.append(f"\ncalibration: {calib_info['num_samples']} × {calib_info['seq_len']} tokens, "
                  f"observer {calib_info['observer']} (K/V: {calib_info.get('kv_observer')}), "
+                 f"{calib_info.get('dtype')} forward, "
                  f"{calib_info['wall_s']} s wall / "
                  f"{calib_info['cpu_s']} s CPU on {calib_info['threads']} thread(s); data "
                  f"{calib_info['data']}")
@@ -153,6 +154,8 @@ def main() -> None:
     p.add_argument("--seq-len", type=int, default=512)
     p.add_argument("--eval-seq-len", type=int, default=512)
     p.add_argument("--observer", default="minmax", choices=["minmax", "percentile", "mse"])
+    p.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
+                   help="forward dtype of the calibration run (quantspec calibrate --dtype)")
     p.add_argument("--fallback", type=int, default=FALLBACK,
                    help="W8A16 fallback budget (Linears) of the -fb rows")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
@@ -171,7 +174,7 @@ def main() -> None:
         calib_info, out = static_rows(a.model, data, a.heldout, work, rows=rows,
                                       num_samples=a.num_samples, seq_len=a.seq_len,
                                       eval_seq_len=a.eval_seq_len, observer=a.observer,
-                                      fallback=a.fallback)
+                                      fallback=a.fallback, calib_dtype=a.calib_dtype)
     finally:
         shutil.rmtree(work, ignore_errors=True)
     md = markdown(calib_info, out)

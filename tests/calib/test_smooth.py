@@ -209,3 +209,38 @@ def test_quantize_refuses_a_table_from_another_model(tmp_path, tiny_llama_dir):
     with pytest.raises(QuantSpecError, match="needs static activation scales"):
         api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "art")
     assert not (tmp_path / "art").exists()
+
+
+def test_a8w8_gptq_weights_beat_rtn(tmp_path, tiny_llama_dir):
+    """a8w8 with --method gptq: the weights are GPTQ-quantized after smoothing (the static input
+    scales are the RTN artifact's), and the artifact's logits are closer to the float model's."""
+    from quantspec import api
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.model_zoo.llama import DenseCausalAttention
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    calib = api.calibrate(str(tiny_llama_dir), str(data), tmp_path / "calib", num_samples=4,
+                          seq_len=32, dtype="float32").path
+    arts = {m: api.quantize(str(tiny_llama_dir), "a8w8", tmp_path / m, calib=calib, smoothquant_alpha=0.5,
+                            method=m, dataset=str(data), num_samples=8, seq_len=64)
+            for m in ("rtn", "gptq")}
+    ref, _ = load_model(tiny_llama_dir)
+    from transformers import AutoTokenizer
+
+    ids = torch.tensor(AutoTokenizer.from_pretrained(str(tiny_llama_dir))(TINY_CORPUS).input_ids[:128])
+    pos = torch.arange(len(ids))
+    with torch.no_grad():
+        want = ref.compute_logits(ref(ids, pos, DenseCausalAttention(1, len(ids))))
+    errs, scales = {}, {}
+    for m, art in arts.items():
+        net = load_for_inference(str(art), tokenizer=False, fuse=False).model
+        with torch.no_grad():
+            got = net.compute_logits(net(ids, pos, DenseCausalAttention(1, len(ids))))
+        errs[m] = float((got - want).pow(2).mean())
+        scales[m] = {n: q.input_scale for n, q in net.named_modules() if isinstance(q, QuantLinear)}
+    assert scales["rtn"].keys() == scales["gptq"].keys() and len(scales["rtn"]) == 14
+    assert all(torch.equal(scales["rtn"][n], scales["gptq"][n]) for n in scales["rtn"])
+    assert errs["gptq"] < errs["rtn"], errs
