@@ -90,6 +90,8 @@ def main():
     ap.add_argument("--methods", default="ngram,self,quant,mtp")
     ap.add_argument("--mtp", help="MTP module directory [default: the cached one of `zoo train-mtp`]")
     ap.add_argument("--mtp-draft-tokens", type=int, default=1)
+    ap.add_argument("--mtp-min-confidence", type=float, default=None,
+                    help="--speculate-min-confidence for the mtp rows [default: the predictor's, 0.5]")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -137,7 +139,8 @@ def main():
             raise SystemExit(f"no MTP module at {mtp_dir}; train one with `quantspec zoo train-mtp --out {mtp_dir}` "
                              "or pass --mtp DIR")
         cfg = InferConfig(**common, speculate_method="mtp", draft_model=str(mtp_dir),
-                          speculate_max_draft_token_num=a.mtp_draft_tokens)
+                          speculate_max_draft_token_num=a.mtp_draft_tokens,
+                          speculate_min_confidence=a.mtp_min_confidence)
         methods["mtp"] = Predictor(cfg, loaded=loaded)
         p = methods["mtp (no back-off)"] = Predictor(cfg, loaded=loaded)
         p.engine.proposer.policy = None
