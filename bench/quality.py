@@ -27,6 +27,8 @@ from pathlib import Path
 
 import torch
 
+from mdtable import markdown_table
+
 from quantspec import api
 
 HERE = Path(__file__).parent
@@ -101,17 +103,17 @@ def main() -> None:
         shutil.rmtree(work, ignore_errors=True)
 
     base = next((r["ppl"] for r in results if r["row"] == "fp32"), None)
-    lines = [f"held-out perplexity, {a.model}, {results[0]['tokens']} predicted tokens "
-             f"(seq_len {a.eval_seq_len}); GPTQ on {a.num_samples} × {a.seq_len} calibration tokens; "
-             f"{a.threads} thread(s)", "",
-             "| scheme | group sizes used | ppl | Δ vs fp32 | quantize s | size MiB |",
-             "|---|---|---:|---:|---:|---:|"]
+    cells = []
     for r in results:
         delta = "" if base is None or r["row"] == "fp32" else f"{100 * (r['ppl'] / base - 1):+.2f}%"
         qs = "" if r["quantize_s"] is None else f"{r['quantize_s']:.1f}"
-        lines.append(f"| {r['row']} | {','.join(map(str, r['groups'])) or '-'} | {r['ppl']:.3f} | {delta} "
-                     f"| {qs} | {r['size_bytes'] / 2**20:.1f} |")
-    table = "\n".join(lines)
+        cells.append([r["row"], ",".join(map(str, r["groups"])) or "-", f"{r['ppl']:.3f}", delta, qs,
+                      f"{r['size_bytes'] / 2**20:.1f}"])
+    table = (f"held-out perplexity, {a.model}, {results[0]['tokens']} predicted tokens "
+             f"(seq_len {a.eval_seq_len}); GPTQ on {a.num_samples} × {a.seq_len} calibration tokens; "
+             f"{a.threads} thread(s)\n\n" +
+             markdown_table(["scheme", "group sizes used", "ppl", "Δ vs fp32", "quantize s", "size MiB"],
+                            cells, "llrrrr"))
     print(table)
     if a.markdown:
         Path(a.markdown).write_text(table + "\n")

@@ -31,6 +31,8 @@ from pathlib import Path
 
 import torch
 
+from mdtable import markdown_table
+
 from quantspec import api
 
 HERE = Path(__file__).parent
@@ -126,14 +128,15 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
 
 
 def markdown(calib_info: dict, rows: list[dict]) -> str:
-    lines = ["| row | weights × activations | SmoothQuant α | W8A16 fallback | KV cache | perplexity "
-             "| Δ vs fp32 | target |", "|---|---|---|---|---|---|---|---|"]
+    cells = []
     for r in rows:
         d = "—" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
         t = "" if r["target_pct"] is None else f"≤ +{r['target_pct']}%"
         fb = f"{r['fallback']} Linears" if r.get("fallback") else "—"
-        lines.append(f"| {r['row']} | {r['quant_type']} | {r['smoothquant_alpha'] or '—'} | {fb} | "
-                     f"{r['kv_cache']} | {r['perplexity']:.4f} | {d} | {t} |")
+        cells.append([r["row"], r["quant_type"], r["smoothquant_alpha"] or "—", fb, r["kv_cache"],
+                      f"{r['perplexity']:.4f}", d, t])
+    lines = [markdown_table(["row", "weights × activations", "SmoothQuant α", "W8A16 fallback",
+                             "KV cache", "perplexity", "Δ vs fp32", "target"], cells)]
     lines.append(f"\ncalibration: {calib_info['num_samples']} × {calib_info['seq_len']} tokens, "
                  f"observer {calib_info['observer']} (K/V: {calib_info.get('kv_observer')}), "
                  f"{calib_info.get('dtype')} forward, "
