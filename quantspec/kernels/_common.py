@@ -22,11 +22,14 @@ __all__ = [
     "INT8_MIN",
     "can_launch",
     "check_tensor",
+    "dot_in_fp32",
+    "finish_split_k",
     "check_same_device",
     "grouped_tile",
     "interpreter_enabled",
     "round_half_even",
     "round_to_e4m3",
+    "split_k_output",
     "triton_usable",
 ]
 
@@ -43,6 +46,31 @@ _RNE_MAGIC = tl.constexpr(12582912.0)
 def interpreter_enabled() -> bool:
     """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+def dot_in_fp32(dtype: torch.dtype) -> bool:
+    """Whether a kernel's `tl.dot` should take fp32 operands: fp32 inputs keep full precision
+    everywhere, and the interpreter has no bf16 dot."""
+    return dtype == torch.float32 or (interpreter_enabled() and dtype == torch.bfloat16)
+
+
+def split_k_output(M: int, N: int, split: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    """The output buffer of a split-K GEMM launch: [M, N] in `dtype` when split == 1, else the
+    fp32 partials [split, M, N] (summed by `finish_split_k`: deterministic, no atomics)."""
+    if split == 1:
+        return torch.empty((M, N), device=device, dtype=dtype)
+    return torch.empty((split, M, N), device=device, dtype=torch.float32)
+
+
+def finish_split_k(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
+    """`out` from `split_k_output` after the launch → [M, N] in `dtype`. A split == 1 kernel has
+    already added the bias and cast; partials are summed in fp32, then the bias is added."""
+    if out.ndim == 2:
+        return out
+    y = out.sum(0)  # [M, N] fp32
+    if bias is not None:
+        y += bias.float()
+    return y.to(dtype)
 
 
 def triton_usable(device: torch.device | str) -> bool:

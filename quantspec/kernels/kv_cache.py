@@ -29,7 +29,7 @@ from quantspec.kernels._common import (
     FP8_E4M3_MAX,
     check_same_device,
     check_tensor,
-    interpreter_enabled,
+    dot_in_fp32,
     round_half_even,
     round_to_e4m3,
 )
@@ -342,7 +342,7 @@ def paged_attention(
     on_gpu = device.type == "cuda"
     block_m = 16 if (not on_gpu or max_q_len <= 16) else 64
     block_n = 16 if not on_gpu else 64
-    dot_fp32 = q.dtype == torch.float32 or (interpreter_enabled() and q.dtype == torch.bfloat16)
+    dot_fp32 = dot_in_fp32(q.dtype)
     dummy = seq_lens
     grid = (triton.cdiv(max_q_len, block_m), B, H)
     _paged_attn_kernel[grid](

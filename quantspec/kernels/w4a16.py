@@ -29,7 +29,9 @@ from quantspec.kernels._common import (
     FLOAT_DTYPES,
     check_same_device,
     check_tensor,
-    interpreter_enabled,
+    dot_in_fp32,
+    finish_split_k,
+    split_k_output,
 )
 
 __all__ = ["W4A16Config", "w4a16_linear", "w4a16_linear_ref", "w4a16_default_config"]
@@ -238,14 +240,8 @@ def w4a16_linear(
     cfg = config or w4a16_default_config(M, N, K, group_size, on_gpu)
     bm, bn, bk, split, warps, stages = cfg
     use_dot = bm >= 16
-    # bf16 tl.dot is unavailable in the interpreter; fp32 inputs keep full precision everywhere
-    dot_fp32 = x.dtype == torch.float32 or (interpreter_enabled() and x.dtype == torch.bfloat16)
-    if split == 1:
-        out = torch.empty((M, N), device=device, dtype=x.dtype)
-        stride_osplit = 0
-    else:
-        out = torch.empty((split, M, N), device=device, dtype=torch.float32)
-        stride_osplit = M * N
+    out = split_k_output(M, N, split, device, x.dtype)
+    stride_osplit = 0 if split == 1 else M * N
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _w4a16_kernel[grid](
         x, w_packed, w_scale,
@@ -258,13 +254,8 @@ def w4a16_linear(
         N, stride_osplit,
         HAS_ZERO=w_zero is not None,
         ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(), HAS_BIAS=bias is not None,
-        GROUP_ALIGNED=group_size % bk == 0, USE_DOT=use_dot, DOT_FP32=dot_fp32,
+        GROUP_ALIGNED=group_size % bk == 0, USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )
-    if split == 1:
-        return out
-    y = out.sum(0)  # [M, N] fp32
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    return finish_split_k(out, bias, x.dtype)

@@ -20,7 +20,9 @@ from quantspec.kernels._common import (
     FLOAT_DTYPES,
     check_same_device,
     check_tensor,
-    interpreter_enabled,
+    dot_in_fp32,
+    finish_split_k,
+    split_k_output,
 )
 from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config
 
@@ -149,23 +151,14 @@ def w8a16_linear(
     M, N, K = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
     bm, bn, bk, split, warps, stages = config or w8a16_default_config(M, N, K, device.type == "cuda")
-    dot_fp32 = x.dtype == torch.float32 or (interpreter_enabled() and x.dtype == torch.bfloat16)
-    if split == 1:
-        out = torch.empty((M, N), device=device, dtype=x.dtype)
-    else:
-        out = torch.empty((split, M, N), device=device, dtype=torch.float32)
+    out = split_k_output(M, N, split, device, x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _w8a16_kernel[grid](
         x, w_q, w_scale, bias if bias is not None else w_scale, out,
         M, N, K,
         x.stride(0), w_q.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_fp32,
+        HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype),
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )
-    if split == 1:
-        return out
-    y = out.sum(0)  # [M, N] fp32
-    if bias is not None:
-        y += bias.float()
-    return y.to(x.dtype)
+    return finish_split_k(out, bias, x.dtype)
