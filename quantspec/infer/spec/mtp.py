@@ -185,6 +185,9 @@ class MTPProposer:
             self.policy.forget(seq)
 
 
+MTP_BACKOFF_DECAY, MTP_MAX_PROBE_INTERVAL = 0.9, 8
+
+
 def build_mtp_proposer(config, loaded) -> tuple[MTPProposer, int]:
     """`--speculate-method mtp --draft-model DIR`: load the MTP artifact for the base in `loaded`
     (a `LoadedModel`) and wrap it with the back-off policy. → (proposer, max drafts per step)."""
@@ -196,6 +199,12 @@ def build_mtp_proposer(config, loaded) -> tuple[MTPProposer, int]:
     mtp = load_mtp_for_inference(config.draft_model, base)
     k = int(config.speculate_max_draft_token_num)
     device = base.model.norm.weight.device
-    policy = AdaptiveDraftLength(k, SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base)))
+    # An MTP draft is cheap (~0.07 of a base step here) and already gated by its confidence, so
+    # a longer acceptance memory (decay 0.9) and short probe intervals (≤ 8 steps; worst case
+    # (C(1) - 1) / 8 ≈ 3% when nothing is ever accepted) keep it from backing off after a short
+    # unlucky run. Measured on the default model (chat, gate 0.3, 1 thread): the generic
+    # policy (0.8, ≤ 32) 1.08x, this one 1.12x, no back-off 1.13-1.14x.
+    policy = AdaptiveDraftLength(k, SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base)),
+                                 decay=MTP_BACKOFF_DECAY, max_probe_interval=MTP_MAX_PROBE_INTERVAL)
     return MTPProposer(mtp, k, policy=policy if getattr(config, "speculate_backoff", True) else None,
                        min_confidence=float(getattr(config, "speculate_min_confidence", 0.0))), k

@@ -256,3 +256,18 @@ def test_confidence_gate_config_errors():
         InferConfig(speculate_method="draft", speculate_min_confidence=0.3)
     with pytest.raises(QuantSpecError, match=r"must be in \[0, 1\)"):
         InferConfig(speculate_method="mtp", speculate_min_confidence=1.5)
+
+
+def test_mtp_backoff_probes_often_but_cheaply(base, random_mtp):
+    """The MTP back-off remembers more tests and probes within 8 steps; its worst-case overhead
+    (a probe every max_probe_interval steps, never accepted) stays a few percent of plain decoding."""
+    from quantspec.infer.spec.mtp import MTP_BACKOFF_DECAY, MTP_MAX_PROBE_INTERVAL
+
+    loaded = SimpleNamespace(model=base)
+    proposer, _ = build_mtp_proposer(SimpleNamespace(draft_model=str(random_mtp), speculate_max_draft_token_num=1),
+                                     loaded)
+    pol = proposer.policy
+    assert pol.decay == MTP_BACKOFF_DECAY == 0.9 and pol.max_probe_interval == MTP_MAX_PROBE_INTERVAL == 8
+    assert pol.probe_k == 1
+    worst = (pol.cost.step_cost(pol.probe_k) - 1.0) / pol.max_probe_interval
+    assert 0 < worst < 0.1, worst
