@@ -78,7 +78,6 @@ def main():
         from quantspec import api
 
         qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
-
         out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
         if not (out / "config.json").exists():
             api.quantize(str(model_dir), qt, out, overwrite=True)
