@@ -141,21 +141,24 @@ class MTPProposer:
         for i in live:
             if not seqs[i].params.is_greedy:
                 probs[i] = []
+        def narrow(keep: list[int], *rows: torch.Tensor):
+            """Keep the live sequences at positions `keep` (and those rows of each tensor)."""
+            idx = torch.tensor(keep, device=dev)
+            return [live[r] for r in keep], *(t[idx] for t in rows)
+
         for j in range(max(ks[i] for i in live)):
             h = mtp(h, tok)  # [A, D]
             logits = mtp.draft_logits(h)  # [A, Vd]
-            if self.min_confidence > 0:
-                sure = (torch.softmax(logits.float(), dim=-1).amax(dim=-1) >= self.min_confidence).tolist()
-                if not all(sure):  # those sequences stop drafting here
-                    for r, i in enumerate(live):
-                        if not sure[r]:
-                            ks[i] = j
-                    keep = [r for r in range(len(live)) if sure[r]]
-                    if not keep:
-                        break
-                    idx = torch.tensor(keep, device=dev)
-                    h, logits, tok = h[idx], logits[idx], tok[idx]
-                    live = [live[r] for r in keep]
+            if self.min_confidence > 0:  # an unsure sequence stops drafting at this depth
+                conf = torch.softmax(logits.float(), dim=-1).amax(dim=-1).tolist()
+                for r, i in enumerate(live):
+                    if conf[r] < self.min_confidence:
+                        ks[i] = j
+                keep = [r for r, i in enumerate(live) if ks[i] > j]
+                if not keep:
+                    break
+                if len(keep) < len(live):
+                    live, h, logits = narrow(keep, h, logits)
             nxt = mtp.draft_vocab_ids[logits.argmax(dim=-1)]  # [A] greedy picks (full-vocab ids)
             samp = [r for r, i in enumerate(live) if probs[i] is not None]
             if samp:
@@ -174,9 +177,7 @@ class MTPProposer:
             if not keep:
                 break
             if len(keep) < len(live):
-                idx = torch.tensor(keep, device=dev)
-                h, nxt = h[idx], nxt[idx]
-                live = [live[r] for r in keep]
+                live, h, nxt = narrow(keep, h, nxt)
             tok = nxt
         return drafts, [torch.stack(p) if p else None for p in probs]
 
