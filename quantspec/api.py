@@ -228,6 +228,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     if kv_cache is not None and calib is None:
         raise QuantSpecError(f"--kv-cache {kv_cache} stores static KV scales in the artifact; "
                              "run `quantspec calibrate --out DIR` and pass --calib DIR")
+    weight_observer = weight_observer or default_weight_observer(qt)
     config = preset(qt, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype,
                     weight_observer=weight_observer,
                     ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
@@ -320,7 +321,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
         "model_fingerprint": fingerprint,
         "quant_type": qt.value, "method": method,
         "args": {"group_size": group_size, "symmetric": symmetric, "zp_dtype": zp_dtype,
-                 "weight_observer": weight_observer or default_weight_observer(qt),
+                 "weight_observer": weight_observer,
                  "ignore": list(config.ignore),
                  "act_order": act_order, "block_size": block_size, "damp": damp},
         "calibration": calib_summary or None,

@@ -456,7 +456,7 @@ def report(**kw):
               help="observer of the K/V per-head scales (default: see calib/calibrate.py DEFAULT_KV_OBSERVER)")
 @click.option("--batch-size", default=8, show_default=True, type=int, help="samples per forward")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              help="forward dtype while observing; auto: bfloat16 where the CPU/GPU computes it natively, else float32")
+              help="forward dtype while observing; auto: bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), else float32")
 @click.option("--device-map", default=None, type=click.Choice(["auto", "cpu"]),
               help="auto: stream one layer at a time from the checkpoint (models larger than memory)")
 @click.option("--offload-dir", default=None, type=click.Path(file_okay=False), help="with --device-map auto")
