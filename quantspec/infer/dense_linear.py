@@ -7,6 +7,13 @@ contiguous rows streams W once through sgemm's skinny kernel instead. Measured o
 (fp32, 2 cores): a decode step 52 → 29 ms, and a 2-row verification step 66 → 28 ms; gains stop
 near 4 rows (8 for the 49k-row head), where the plain path takes over again.
 
+Where quantspec's CPU kernels are built (`kernels/cpu_gemv.py`, AVX-512), they take over: fp32
+weights for M ≤ 8 (on par with the path above at M ≤ 4, 1.4x faster than torch at M = 8 over
+the default model's layers, 1.9x on its head) and bf16 weights — the head of a quantized
+artifact — for M ≤ 64 (2x faster than torch's bf16 linear at M = 1; slower from M ≈ 4, but one
+kernel for every verification size keeps each row's logits bitwise equal to a decode step's, so
+bf16 speculation stays lossless). See `bench/kernels_cpu.py`.
+
 This is a dispatch policy (infer/ owns those), applied after loading by swapping the modules'
 class; parameters are untouched, so state dicts and quantizers see plain `nn.Linear`s.
 """
@@ -22,14 +29,23 @@ __all__ = ["SkinnyLinear", "use_skinny_linears"]
 MAX_ROWS = 4  # largest M that takes the W @ xᵀ path
 MAX_ROWS_TALL = 8  # ... for a tall weight (N ≥ TALL_N, e.g. a vocab head)
 TALL_N = 16384
+KERNEL_MAX_ROWS = {torch.float32: 8, torch.bfloat16: 64}  # quantspec's CPU kernel, by weight dtype
 
 
 class SkinnyLinear(nn.Linear):
     """`nn.Linear` whose forward streams W once for a few fp32 rows on CPU (see module doc)."""
 
+    kernels = None  # quantspec's CPU kernels module, set by `use_skinny_linears` when built
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
+        if (self.kernels is not None and 0 < rows <= KERNEL_MAX_ROWS.get(w.dtype, 0)
+                and x.dtype in KERNEL_MAX_ROWS and x.device.type == "cpu"
+                and w.shape[1] % 16 == 0):
+            b = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
+            y = self.kernels.dense_gemv(x.reshape(rows, x.shape[-1]).contiguous(), w, b)
+            return y.view(*x.shape[:-1], w.shape[0])
         limit = MAX_ROWS_TALL if w.shape[0] >= TALL_N else MAX_ROWS
         if not (0 < rows <= limit and x.dtype == torch.float32 and x.device.type == "cpu"):
             return F.linear(x, w, self.bias)
@@ -43,11 +59,19 @@ class SkinnyLinear(nn.Linear):
         return y.contiguous().view(*x.shape[:-1], w.shape[0])
 
 
-def use_skinny_linears(model: nn.Module) -> int:
-    """Swap every plain fp32 CPU `nn.Linear` in `model` to `SkinnyLinear`; returns how many."""
+def use_skinny_linears(model: nn.Module, *, cpu_kernels: bool = True) -> int:
+    """Swap every plain fp32 CPU `nn.Linear` in `model` (and bf16 ones, where quantspec's CPU
+    kernels are built) to `SkinnyLinear`; returns how many. `cpu_kernels=False`: torch's ops."""
+    kernels = None
+    if cpu_kernels:
+        from quantspec.kernels.cpu_gemv import cpu_kernels as built
+
+        kernels = built()
+    dtypes = (torch.float32,) if kernels is None else (torch.float32, torch.bfloat16)
     n = 0
     for module in model.modules():
-        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype == torch.float32:
+        if type(module) is nn.Linear and module.weight.device.type == "cpu" and module.weight.dtype in dtypes:
             module.__class__ = SkinnyLinear
+            module.kernels = kernels
             n += 1
     return n

@@ -88,6 +88,7 @@ CPU_INT8PACK_K_MULTIPLE = 16  # `_weight_int8pack_mm` crashes / is wrong for oth
 CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses other N
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_GEMV_DTYPES = (torch.float32, torch.bfloat16)  # x dtypes quantspec's CPU kernels take
 _WORD_BITS = 32
 # torch's packed CPU ops assume allocator-aligned operands: a tensor viewed straight out of a
 # safetensors buffer (any offset) made `_weight_int8pack_mm` segfault, so buffers are re-homed
@@ -109,12 +110,20 @@ class KernelPath(str, enum.Enum):
     DEQUANT = "dequant"  # quant/ dequantize (+ activation fake-quant) + F.linear: the reference
     CPU_INT8PACK = "cpu_int8pack"  # torch._weight_int8pack_mm
     CPU_INT4PACK = "cpu_int4pack"  # torch._weight_int4pack_mm_for_cpu
+    CPU_GEMV_INT8 = "cpu_gemv_int8"  # quantspec's CPU kernel (kernels/cpu_gemv.py)
+    CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu_gemv.py)
     CPU_INT_MM = "cpu_int_mm"  # int8 activations × int8 weights via torch._int_mm
     CPU_FP8_UPCAST = "cpu_fp8_upcast"  # fp8 codes upcast (exact), float matmul, scale epilogue
     TRITON_W4A16 = "triton_w4a16"
     TRITON_W8A16 = "triton_w8a16"
     TRITON_W8A8 = "triton_w8a8"
     TRITON_FP8 = "triton_fp8"
+
+
+# CPU ops whose cost grows with M and that serve 1..cpu_packed_max_m rows with the same per-row
+# numbers (decode and verification rows agree bitwise)
+_CPU_ROW_PATHS = frozenset({KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
+                            KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4})
 
 
 @dataclass(frozen=True)
@@ -127,6 +136,7 @@ class DispatchPolicy:
     cpu_packed_max_m: int = 64
     cuda_weight_only_max_m: int = 64
     fast: bool = True
+    cpu_kernels: bool = True  # False: torch's ops only on CPU, never quantspec's kernels
 
     def __post_init__(self) -> None:
         for name in ("cpu_packed_max_m", "cuda_weight_only_max_m"):
@@ -147,6 +157,7 @@ class LinearTraits:
     act_symmetric: bool = True
     cpu_int8pack: bool = False  # layout allows torch._weight_int8pack_mm
     cpu_int4_group: int | None = None  # group size for torch's CPU int4 op, when it applies
+    cpu_gemv: bool = False  # quantspec's CPU kernels are built here and take this layout
     fp8_native: bool = False  # CUDA device with compute capability >= 8.9
 
 
@@ -182,10 +193,16 @@ def select_kernel(traits: LinearTraits, device: torch.device | str, M: int, x_dt
     if device.type != "cpu":
         return KernelPath.DEQUANT
     packed_ok = x_dtype in _HALF_DTYPES and x_dtype == t.dtype and M <= policy.cpu_packed_max_m
+    gemv_ok = (t.cpu_gemv and policy.cpu_kernels and x_dtype in _GEMV_DTYPES and x_dtype == t.dtype
+               and M <= policy.cpu_packed_max_m)
     if t.kind is LinearKind.W8A16:
+        if gemv_ok:
+            return KernelPath.CPU_GEMV_INT8
         return KernelPath.CPU_INT8PACK if packed_ok and t.cpu_int8pack else KernelPath.DEQUANT
     if t.kind is LinearKind.W4A16:
-        return KernelPath.CPU_INT4PACK if packed_ok and t.cpu_int4_group else KernelPath.DEQUANT
+        if packed_ok and t.cpu_int4_group:
+            return KernelPath.CPU_INT4PACK
+        return KernelPath.CPU_GEMV_INT4 if gemv_ok else KernelPath.DEQUANT
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.CPU_INT_MM if ok else KernelPath.DEQUANT
@@ -431,6 +448,19 @@ def _kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
                          "8-bit int weights and fp8")
 
 
+def _cpu_gemv_layout(kind: LinearKind, w: QuantArgs, K: int) -> bool:
+    """Whether quantspec's CPU kernels take this layer's layout (int8: symmetric per channel or
+    tensor, K % 16 == 0; int4: K % 32 == 0 and groups of a multiple of 32, or per channel)."""
+    from quantspec.kernels.cpu_gemv import INT4_BLOCK, K_MULTIPLE
+
+    if kind is LinearKind.W8A16:
+        return w.symmetric and w.strategy in ("channel", "tensor") and K % K_MULTIPLE == 0
+    if kind is LinearKind.W4A16:
+        g = w.group_size if w.strategy == "group" else K if w.strategy == "channel" else None
+        return g is not None and K % INT4_BLOCK == 0 and g % INT4_BLOCK == 0 and K % g == 0
+    return False
+
+
 def _cpu_int4_group(w: QuantArgs, K: int) -> int | None:
     """Largest group size torch's CPU int4 op takes that tiles the layer's groups exactly."""
     g = w.group_size if w.strategy == "group" else K if w.strategy == "channel" else None
@@ -486,6 +516,12 @@ class QuantLinear(nn.Module):
                                                    and N % CPU_INT4PACK_N_MULTIPLE == 0) else None
         cpu_int8pack = (kind is LinearKind.W8A16 and on_cpu and half and w.symmetric
                         and w.strategy in ("channel", "tensor") and K % CPU_INT8PACK_K_MULTIPLE == 0)
+        cpu_gemv = False
+        if on_cpu and dtype in _GEMV_DTYPES and self.policy.fast and self.policy.cpu_kernels \
+                and _cpu_gemv_layout(kind, w, K):
+            from quantspec.kernels.cpu_gemv import cpu_kernels
+
+            cpu_gemv = cpu_kernels() is not None
         fp8_native = False
         if kind is LinearKind.FP8 and device.type == "cuda" and torch.cuda.is_available():
             fp8_native = torch.cuda.get_device_capability(device) >= (8, 9)
@@ -493,7 +529,8 @@ class QuantLinear(nn.Module):
             kind=kind, dtype=dtype, weight_symmetric=w.symmetric, weight_strategy=w.strategy,
             act_mode=None if ia is None else ("dynamic" if ia.dynamic else "static"),
             act_symmetric=True if ia is None else ia.symmetric,
-            cpu_int8pack=cpu_int8pack, cpu_int4_group=cpu_int4_group, fp8_native=fp8_native)
+            cpu_int8pack=cpu_int8pack, cpu_int4_group=cpu_int4_group, cpu_gemv=cpu_gemv,
+            fp8_native=fp8_native)
 
         scale = t.scale.detach().to(device=device, dtype=torch.float32)
         zp = None
@@ -509,7 +546,8 @@ class QuantLinear(nn.Module):
                              else t.bias.detach().to(device=device, dtype=dtype))
         q = t.q.detach()
         for buf in ("qweight", "weight_packed", "weight_fp8", "weight_upcast", "int4pack",
-                    "int4_scales_zeros", "int8pack_scale", "w_scale_vec"):
+                    "int4_scales_zeros", "int8pack_scale", "w_scale_vec", "int4_cpu",
+                    "int4_cpu_scale", "int4_cpu_neg_zs", "bias_fp32"):
             self.register_buffer(buf, None)
         if kind is LinearKind.FP8:
             if on_cpu:
@@ -526,13 +564,19 @@ class QuantLinear(nn.Module):
             self.int8pack_scale = self.w_scale_vec.to(dtype)  # [N]
         if cpu_int4_group:
             self._prepare_cpu_int4(q, scale, zp, cpu_int4_group)
-        for name, buf in list(self._buffers.items()):
-            self._buffers[name] = _aligned(buf)
         # the path a decode-sized x of the prepared dtype takes on CPU, decided once (forward's
         # shortcut; `select_kernel` gives the same answer, at a few µs per call)
         self._packed_path = None
-        if on_cpu and self.policy.fast and (cpu_int8pack or cpu_int4_group):
-            self._packed_path = KernelPath.CPU_INT8PACK if cpu_int8pack else KernelPath.CPU_INT4PACK
+        if on_cpu and self.policy.fast:
+            path = select_kernel(self.traits, device, 1, dtype, self.policy)
+            self._packed_path = path if path in _CPU_ROW_PATHS else None
+        if self._packed_path is KernelPath.CPU_GEMV_INT4:
+            self._prepare_gemv_int4(q, scale, zp)
+        if self._packed_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8) \
+                and t.bias is not None:
+            self.bias_fp32 = t.bias.detach().to(device, torch.float32)
+        for name, buf in list(self._buffers.items()):
+            self._buffers[name] = _aligned(buf)
 
     def _prepare_cpu_int4(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None,
                           g_cpu: int) -> None:
@@ -544,6 +588,15 @@ class QuantLinear(nn.Module):
         z = torch.zeros_like(s) if zp is None else \
             -zp.to(torch.float32).repeat_interleave(reps, dim=1) * s  # w = q*s + (−zp*s)
         self.int4_scales_zeros = torch.stack([s.t(), z.t()], dim=-1).to(self.dtype).contiguous()
+
+    def _prepare_gemv_int4(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None) -> None:
+        from quantspec.kernels.cpu_gemv import pack_int4_cpu
+
+        self.int4_cpu = pack_int4_cpu(q.to(torch.int8))  # [N, K/2]
+        s = scale.reshape(self.out_features, -1).contiguous()  # [N, G] (G = 1 per channel)
+        self.int4_cpu_scale = s
+        self.int4_cpu_neg_zs = torch.zeros_like(s) if zp is None else \
+            (-zp.to(torch.float32).reshape(s.shape) * s).contiguous()  # w = q*s + (−zp*s)
 
     # ---- numbers -----------------------------------------------------------------------------
     def codes(self) -> torch.Tensor:
@@ -603,6 +656,18 @@ class QuantLinear(nn.Module):
             y = torch._weight_int4pack_mm_for_cpu(_aligned(x), self.int4pack, self.traits.cpu_int4_group,
                                                   self.int4_scales_zeros)
             return y if self.bias is None else y + self.bias.to(y.dtype)
+        if path is KernelPath.CPU_GEMV_INT8:
+            from quantspec.kernels.cpu_gemv import w8_gemv
+
+            return w8_gemv(x.contiguous(), self.qweight, self.w_scale_vec, self._gemv_bias())
+        if path is KernelPath.CPU_GEMV_INT4:
+            from quantspec.kernels.cpu_gemv import w4_gemv
+
+            if self.int4_cpu is None:  # prepared for torch's int4 op (tests force this path)
+                self._prepare_gemv_int4(self.qweight, self.weight_scale, self.weight_zero_point)
+            g = self.in_features // self.int4_cpu_scale.shape[1]
+            return w4_gemv(x.contiguous(), self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_neg_zs,
+                           g, self._gemv_bias())
         if path is KernelPath.CPU_INT_MM:
             xq, s, _ = self.quantize_input(x)  # [M, K] int8, [1] or [M, 1]
             acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32, exact
@@ -612,6 +677,11 @@ class QuantLinear(nn.Module):
             acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
             return self._epilogue(acc.float(), s, x.dtype)
         return self._triton(x, path)
+
+    def _gemv_bias(self) -> torch.Tensor | None:
+        if self.bias is not None and self.bias_fp32 is None:
+            self.bias_fp32 = self.bias.float()
+        return self.bias_fp32
 
     def _epilogue(self, acc: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype
                   ) -> torch.Tensor:

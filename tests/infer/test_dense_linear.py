@@ -4,28 +4,50 @@ import pytest
 import torch
 from torch import nn
 
-from quantspec.infer.dense_linear import MAX_ROWS, SkinnyLinear, use_skinny_linears
+from quantspec.infer.dense_linear import KERNEL_MAX_ROWS, MAX_ROWS, SkinnyLinear, use_skinny_linears
+from quantspec.kernels.cpu_gemv import cpu_kernels
 
 
-@pytest.mark.parametrize("rows", [1, 2, 3, MAX_ROWS, MAX_ROWS + 1, 17])
+@pytest.mark.parametrize("in_features", [37, 96])  # 96: quantspec's CPU kernel where it is built
+@pytest.mark.parametrize("rows", [1, 2, 3, MAX_ROWS, MAX_ROWS + 1, 9, 17])
 @pytest.mark.parametrize("bias", [False, True])
-def test_matches_linear(rows, bias):
+def test_matches_linear(rows, bias, in_features):
     torch.manual_seed(rows)
-    ref = nn.Linear(37, 53, bias=bias)
-    x = torch.randn(rows, 37)
+    ref = nn.Linear(in_features, 53, bias=bias)
+    x = torch.randn(rows, in_features)
     want = ref(x)
     use_skinny_linears(ref)
     assert type(ref) is SkinnyLinear
     torch.testing.assert_close(ref(x), want, atol=1e-5, rtol=1e-5)
     # 3-D input and a non-contiguous one
-    x3 = torch.randn(1, rows, 37)
+    x3 = torch.randn(1, rows, in_features)
     torch.testing.assert_close(ref(x3), torch.nn.functional.linear(x3, ref.weight, ref.bias), atol=1e-5, rtol=1e-5)
-    xt = torch.randn(37, rows).t()
+    xt = torch.randn(in_features, rows).t()
     torch.testing.assert_close(ref(xt), torch.nn.functional.linear(xt, ref.weight, ref.bias), atol=1e-5, rtol=1e-5)
     assert ref(x).is_contiguous()
 
 
-def test_only_fp32_cpu_linears_are_swapped():
-    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
-    assert use_skinny_linears(m) == 1
-    assert type(m[0]) is SkinnyLinear and type(m[1]) is nn.Linear
+@pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_kernel_rows_are_bitwise_those_of_one_row(dtype):
+    """Every row the kernel serves (a verification step) equals that row alone (a decode step)."""
+    torch.manual_seed(0)
+    lin = nn.Linear(96, 70, bias=True).to(dtype)
+    use_skinny_linears(lin)
+    x = torch.randn(KERNEL_MAX_ROWS[dtype], 96).to(dtype)
+    y = lin(x)
+    want = torch.nn.functional.linear(x.float(), lin.weight.float(), lin.bias.float())
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.float(), want, atol=tol * float(want.abs().max()), rtol=tol)
+    for i in range(x.shape[0]):
+        assert torch.equal(lin(x[i:i + 1]), y[i:i + 1])
+
+
+def test_which_cpu_linears_are_swapped():
+    m = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16), nn.Linear(4, 4).half())
+    bf16 = cpu_kernels() is not None  # bf16 linears gain only from quantspec's kernel
+    assert use_skinny_linears(m) == 1 + bf16
+    assert type(m[0]) is SkinnyLinear and type(m[2]) is nn.Linear
+    assert (type(m[1]) is SkinnyLinear) == bf16
+    m2 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
+    assert use_skinny_linears(m2, cpu_kernels=False) == 1 and m2[0].kernels is None

@@ -155,9 +155,11 @@ def test_fp8_cpu_path_equals_kernel_reference():
     ("weight_only_int4", 32, "float16", KernelPath.CPU_INT4PACK),  # zero = -zp·scale, float zp
 ])
 def test_cpu_fast_path_is_taken_when_allowed(monkeypatch, kind, g, sym, path):
+    """torch's packed ops (the policy's `cpu_kernels=False`, or a machine without quantspec's)."""
     zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
     t = _make(kind, 48, 192, group_size=g, symmetric=sym, seed=11, zp_dtype=zp_dtype)
-    layer = QuantLinear(t, dtype=torch.bfloat16)
+    torch_ops = DispatchPolicy(cpu_kernels=False)
+    layer = QuantLinear(t, dtype=torch.bfloat16, policy=torch_ops)
     op = "_weight_int8pack_mm" if path is KernelPath.CPU_INT8PACK else "_weight_int4pack_mm_for_cpu"
     real, calls = getattr(torch, op), []
     monkeypatch.setattr(torch, op, lambda *a: calls.append(a[0].shape) or real(*a))
@@ -167,22 +169,64 @@ def test_cpu_fast_path_is_taken_when_allowed(monkeypatch, kind, g, sym, path):
     assert calls == [(3, 192)]
     # not taken: M above the bound, fp32 activations, or the policy says no
     assert layer.kernel_for(torch.randn(65, 192).bfloat16()) is KernelPath.DEQUANT
-    assert QuantLinear(t, dtype=torch.float32).kernel_for(x.float()) is KernelPath.DEQUANT
+    assert QuantLinear(t, dtype=torch.float32, policy=torch_ops).kernel_for(x.float()) \
+        is KernelPath.DEQUANT
     slow = QuantLinear(t, dtype=torch.bfloat16, policy=DispatchPolicy(fast=False))
     assert slow.kernel_for(x) is KernelPath.DEQUANT
     layer(torch.randn(65, 192).bfloat16())
     assert len(calls) == 1
 
 
+needs_cpu_kernels = pytest.mark.skipif(
+    "cpu_kernels() is None", reason="quantspec's CPU kernels are not available on this machine")
+
+
+def cpu_kernels():
+    from quantspec.kernels.cpu_gemv import cpu_kernels as build
+
+    return build()
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("kind,g,sym,dtype,path", [
+    ("weight_only_int8", 128, True, torch.bfloat16, KernelPath.CPU_GEMV_INT8),
+    ("weight_only_int8", 128, True, torch.float32, KernelPath.CPU_GEMV_INT8),
+    ("weight_only_int4", 32, True, torch.float32, KernelPath.CPU_GEMV_INT4),
+    ("weight_only_int4", 64, False, torch.float32, KernelPath.CPU_GEMV_INT4),
+    ("weight_only_int4", -1, True, torch.float32, KernelPath.CPU_GEMV_INT4),
+    ("weight_only_int4", 32, "float16", torch.float32, KernelPath.CPU_GEMV_INT4),
+])
+def test_cpu_kernels_path(kind, g, sym, dtype, path):
+    """quantspec's CPU kernels serve 1..64 rows of bf16 / fp32 x (int4 in bf16 stays on torch's
+    faster int4 op), equal the reference, and give every row bitwise the numbers it gets alone."""
+    zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
+    t = _make(kind, 40, 192, group_size=g, symmetric=sym, seed=12, zp_dtype=zp_dtype, bias=True)
+    layer = QuantLinear(t, dtype=dtype)
+    x = torch.randn(64, 192).to(dtype)
+    assert layer.kernel_for(x[:1]) is path and layer.kernel_for(x) is path
+    y = layer(x[:7])
+    _check(y, _reference(t, x[:7]), dtype)
+    for i in range(7):
+        assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
+    assert layer.kernel_for(torch.randn(65, 192).to(dtype)) is KernelPath.DEQUANT
+    assert QuantLinear(t, dtype=dtype, policy=DispatchPolicy(cpu_kernels=False)).kernel_for(x[:1]) \
+        is not path
+
+
 def test_cpu_fast_path_refused_for_layouts_torch_cannot_take():
-    # int8: K % 16 != 0 (torch 2.13's op crashes or returns garbage there)
+    # int8: K % 16 != 0 (torch 2.13's op crashes or returns garbage there; quantspec's kernel
+    # takes K % 16 == 0 only)
     t8 = _make("weight_only_int8", 48, 88, seed=1)
     assert not QuantLinear(t8, dtype=torch.bfloat16).traits.cpu_int8pack
+    assert not QuantLinear(t8, dtype=torch.bfloat16).traits.cpu_gemv
     # int4: N % 16 != 0; group 16 (below the op's smallest group)
     t4 = _make("weight_only_int4", 40, 96, group_size=32, seed=1)
     assert QuantLinear(t4, dtype=torch.bfloat16).traits.cpu_int4_group is None
+    x = torch.randn(2, 96).bfloat16()  # quantspec's kernel takes it when built here
+    _check(QuantLinear(t4, dtype=torch.bfloat16)(x), _reference(t4, x), torch.bfloat16)
     t16 = _make("weight_only_int4", 48, 96, group_size=16, seed=1)
     assert QuantLinear(t16, dtype=torch.bfloat16).traits.cpu_int4_group is None
+    assert not QuantLinear(t16, dtype=torch.bfloat16).traits.cpu_gemv
     # a group of 512 is tiled by CPU groups of 256 with repeated scales
     t512 = _make("weight_only_int4", 48, 1024, group_size=512, seed=1)
     layer = QuantLinear(t512, dtype=torch.bfloat16)
@@ -199,6 +243,20 @@ def _traits(kind, **kw):
 
 
 def test_select_kernel_cpu_rule():
+    g8 = _traits(LinearKind.W8A16, cpu_int8pack=True, cpu_gemv=True)
+    assert select_kernel(g8, "cpu", 1, torch.bfloat16) is KernelPath.CPU_GEMV_INT8
+    assert select_kernel(g8, "cpu", 64, torch.bfloat16) is KernelPath.CPU_GEMV_INT8
+    assert select_kernel(g8, "cpu", 65, torch.bfloat16) is KernelPath.DEQUANT
+    assert select_kernel(_traits(LinearKind.W8A16, dtype=torch.float32, cpu_gemv=True), "cpu", 1,
+                         torch.float32) is KernelPath.CPU_GEMV_INT8
+    assert select_kernel(g8, "cpu", 1, torch.bfloat16, DispatchPolicy(cpu_kernels=False)) \
+        is KernelPath.CPU_INT8PACK
+    g4 = _traits(LinearKind.W4A16, weight_strategy="group", cpu_int4_group=64, cpu_gemv=True)
+    assert select_kernel(g4, "cpu", 1, torch.bfloat16) is KernelPath.CPU_INT4PACK  # faster there
+    assert select_kernel(_traits(LinearKind.W4A16, weight_strategy="group", cpu_gemv=True), "cpu",
+                         1, torch.bfloat16) is KernelPath.CPU_GEMV_INT4
+    assert select_kernel(_traits(LinearKind.W4A16, dtype=torch.float16, cpu_gemv=True), "cpu", 1,
+                         torch.float16) is KernelPath.DEQUANT
     t8 = _traits(LinearKind.W8A16, cpu_int8pack=True)
     assert select_kernel(t8, "cpu", 1, torch.bfloat16) is KernelPath.CPU_INT8PACK
     assert select_kernel(t8, "cpu", 64, torch.bfloat16) is KernelPath.CPU_INT8PACK
@@ -392,5 +450,6 @@ def test_packed_ops_survive_unaligned_buffers(kind, g):
     layer = QuantLinear(t, dtype=torch.bfloat16)
     xb = torch.randn(5 * 96 + 3).bfloat16()
     x = xb[3:].view(5, 96)  # data_ptr % 64 != 0
-    assert layer.kernel_for(x) in (KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK)
+    assert layer.kernel_for(x) in (KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
+                                   KernelPath.CPU_GEMV_INT8)
     _check(layer(x), _reference(t, x), torch.bfloat16)

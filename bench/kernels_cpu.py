@@ -1,0 +1,110 @@
+"""quantspec's CPU skinny-GEMM kernels vs the torch ops they replace, side by side in one run.
+
+    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64]
+
+Weights of the default model's shapes (30 decoder layers: fused q/k/v 960×576, o 576×576, fused
+gate/up 3072×576, down 576×1536; and the 49152×576 head), cycled so that they stream from memory
+as in a decode step. For each weight type and number of rows M: milliseconds per pass over all
+layers (or per head call) for torch's op and for quantspec's kernel, and the ratio.
+torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/dense_linear.py) for M ≤ 4 and
+`F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
+`_weight_int4pack_mm_for_cpu` (bf16 x, g32).
+"""
+
+from __future__ import annotations
+
+import argparse
+import time
+
+import torch
+import torch.nn.functional as F
+
+from quantspec.kernels import cpu_gemv as cg
+
+LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
+HEAD = (49152, 576)
+
+
+def _time(fn, reps: int) -> float:
+    for _ in range(2):
+        fn()
+    t = time.perf_counter()
+    for _ in range(reps):
+        fn()
+    return (time.perf_counter() - t) / reps * 1e3
+
+
+def _skinny_fp32(x, w):
+    if x.shape[0] > 4:
+        return F.linear(x, w)
+    x2 = torch.cat([x, x.new_zeros(1, x.shape[1])]) if x.shape[0] == 1 else x
+    return torch.mm(w, x2.t()).t()[: x.shape[0]].contiguous()
+
+
+def _make(kind: str, N: int, K: int):
+    w = torch.randn(N, K) * 0.05
+    if kind == "fp32":
+        return (w,), (w,)
+    if kind == "bf16":
+        wb = w.bfloat16()
+        return (wb,), (wb,)
+    if kind == "int8":
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+        s = torch.rand(N) * 0.01
+        return (q, s.bfloat16()), (q, s)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8)
+    g = 32
+    s = torch.rand(N, K // g) * 0.01
+    z = torch.zeros_like(s)
+    tp = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+    sz = torch.stack([s.t(), z.t()], dim=-1).bfloat16().contiguous()
+    return (tp, g, sz), (cg.pack_int4_cpu(q), s, z, g)
+
+
+def _torch_op(kind: str):
+    return {
+        "fp32": lambda x, w: _skinny_fp32(x, w),
+        "bf16": lambda x, w: F.linear(x, w),
+        "int8": lambda x, q, s: torch._weight_int8pack_mm(x, q, s),
+        "int4": lambda x, tp, g, sz: torch._weight_int4pack_mm_for_cpu(x, tp, g, sz),
+    }[kind]
+
+
+def _ours(kind: str):
+    return {"fp32": cg.dense_gemv, "bf16": cg.dense_gemv, "int8": cg.w8_gemv,
+            "int4": cg.w4_gemv}[kind]
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--threads", type=int, default=0)
+    ap.add_argument("--rows", default="1,2,4,8,16,64")
+    ap.add_argument("--kinds", default="fp32,bf16,int8,int4")
+    ap.add_argument("--layers", type=int, default=30)
+    a = ap.parse_args()
+    if a.threads:
+        torch.set_num_threads(a.threads)
+    if cg.cpu_kernels() is None:
+        raise SystemExit(f"quantspec CPU kernels unavailable: {cg.cpu_kernels_error()}")
+    rows = [int(r) for r in a.rows.split(",")]
+    print(f"\n## CPU skinny GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
+    print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in a.kinds.split(","):
+        xdtype = torch.float32 if kind == "fp32" else torch.bfloat16
+        layers = [(K, *_make(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
+        head = _make(kind if kind != "fp32" else "fp32", *HEAD)
+        theirs, ours = _torch_op(kind), _ours(kind)
+        for M in rows:
+            xs = {K: torch.randn(M, K).to(xdtype) for K in (576, 1536)}
+            reps = 5 if M <= 16 else 2
+            t_l = _time(lambda: [theirs(xs[K], *tt) for K, tt, _ in layers], reps)
+            o_l = _time(lambda: [ours(xs[K], *oo) for K, _, oo in layers], reps)
+            t_h = _time(lambda: theirs(xs[576], *head[0]), reps)
+            o_h = _time(lambda: ours(xs[576], *head[1]), reps)
+            print(f"| {kind} | {M} | {t_l:.2f} | {o_l:.2f} | {t_l / o_l:.2f}x | {t_h:.2f} | "
+                  f"{o_h:.2f} | {t_h / o_h:.2f}x |", flush=True)
+
+
+if __name__ == "__main__":
+    main()

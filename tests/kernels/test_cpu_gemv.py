@@ -1,0 +1,124 @@
+"""quantspec's CPU skinny-GEMM kernels against their torch references (`*_ref`): odd shapes,
+fp32 / bf16 x, bias, M-invariance (bitwise), the int4 packing, bad input, and the fallback."""
+
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from quantspec.kernels import cpu_gemv as cg
+
+needs_kernels = pytest.mark.skipif(cg.cpu_kernels() is None,
+                                   reason="quantspec's CPU kernels are not built here")
+
+
+def _close(y, ref, dtype):
+    assert y.dtype == dtype and y.shape == ref.shape
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float(), ref.float(), rtol=tol, atol=tol * float(ref.float().abs().max()))
+
+
+def test_int4_packing_round_trips():
+    q = torch.randint(-8, 8, (5, 96), dtype=torch.int8)
+    p = cg.pack_int4_cpu(q)
+    assert p.shape == (5, 48) and p.dtype == torch.uint8
+    assert torch.equal(cg.unpack_int4_cpu(p), q)
+    # byte j of a 32-wide block: q[j] + 8 low, q[j + 16] + 8 high
+    assert int(p[0, 0]) == (int(q[0, 0]) + 8) | ((int(q[0, 16]) + 8) << 4)
+    with pytest.raises(ValueError, match="multiple of 32"):
+        cg.pack_int4_cpu(q[:, :48])
+
+
+@needs_kernels
+@pytest.mark.parametrize("K", [48, 96, 576])  # 48: a K % 32 == 16 tail
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_dense_and_int8_match_reference(K, M, xdtype):
+    g = torch.Generator().manual_seed(K * 31 + M)
+    N = 37
+    x = torch.randn(M, K, generator=g).to(xdtype)
+    b = torch.randn(N, generator=g)
+    for wdtype in (torch.float32, torch.bfloat16):
+        w = torch.randn(N, K, generator=g).to(wdtype)
+        _close(cg.dense_gemv(x, w, b), cg.dense_gemv_ref(x, w, b), xdtype)
+        _close(cg.dense_gemv(x, w), cg.dense_gemv_ref(x, w), xdtype)
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    s = torch.rand(N, generator=g) * 0.01
+    _close(cg.w8_gemv(x, q, s, b), cg.w8_gemv_ref(x, q, s, b), xdtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("K,group", [(96, 32), (128, 64), (192, 192)])  # 192: per channel
+@pytest.mark.parametrize("M", [1, 4, 7])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_int4_matches_reference(K, group, M, xdtype):
+    g = torch.Generator().manual_seed(K + M)
+    N = 21
+    x = torch.randn(M, K, generator=g).to(xdtype)
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g)
+    s = torch.rand(N, K // group, generator=g) * 0.02
+    zs = -torch.randint(-8, 8, s.shape, generator=g).float() * s  # w = (q - zp)·s
+    p = cg.pack_int4_cpu(q)
+    want = x.double() @ ((q.double() * s.double().repeat_interleave(group, 1))
+                         + zs.double().repeat_interleave(group, 1)).t()
+    _close(cg.w4_gemv(x, p, s, zs, group), want.to(xdtype), xdtype)
+    _close(cg.w4_gemv_ref(x, p, s, zs, group), want.to(xdtype), xdtype)
+
+
+@needs_kernels
+def test_rows_are_bitwise_invariant_to_the_batch():
+    """A row's output does not depend on how many rows come with it (decode vs verification)."""
+    g = torch.Generator().manual_seed(0)
+    K, N = 576, 50
+    x = torch.randn(11, K, generator=g)
+    w = torch.randn(N, K, generator=g)
+    q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
+    s = torch.rand(N, generator=g)
+    p = cg.pack_int4_cpu(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g))
+    s4 = torch.rand(N, K // 32, generator=g)
+    z4 = torch.randn(N, K // 32, generator=g)
+    ops = [lambda a: cg.dense_gemv(a, w), lambda a: cg.dense_gemv(a, w.bfloat16()),
+           lambda a: cg.w8_gemv(a, q, s), lambda a: cg.w4_gemv(a, p, s4, z4, 32)]
+    for op in ops:
+        for xd in (x, x.bfloat16()):
+            full = op(xd)
+            for i in range(xd.shape[0]):
+                assert torch.equal(op(xd[i:i + 1].contiguous()), full[i:i + 1])
+            assert torch.equal(op(xd[3:8].contiguous()), full[3:8])
+
+
+@needs_kernels
+def test_bad_input_is_refused():
+    x = torch.randn(2, 40)
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        cg.dense_gemv(x, torch.randn(8, 40))
+    with pytest.raises(RuntimeError, match="features"):
+        cg.w8_gemv(torch.randn(2, 48), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        cg.dense_gemv(torch.randn(2, 64).half(), torch.randn(8, 64))
+    with pytest.raises(RuntimeError, match="scale"):
+        cg.w8_gemv(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
+
+
+def test_switch_off_falls_back_to_none():
+    """QUANTSPEC_CPU_KERNELS=0: nothing is built, callers keep torch's ops."""
+    code = ("from quantspec.kernels import cpu_gemv as cg; assert cg.cpu_kernels() is None; "
+            "print(cg.cpu_kernels_error())")
+    env = dict(os.environ, QUANTSPEC_CPU_KERNELS="0")
+    out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 0, out.stderr
+    assert "QUANTSPEC_CPU_KERNELS=0" in out.stdout
+
+
+def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
+    monkeypatch.setattr(cg, "_state", {"tried": False, "module": None, "error": None})
+    monkeypatch.setattr(cg, "_build", lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")))
+    monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
+    if cg.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("not x86-64: the build is never tried")
+    with caplog.at_level("WARNING", logger="quantspec"):
+        assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
+    assert "g++: not found" in cg.cpu_kernels_error()
+    assert sum("CPU kernels unavailable" in r.message for r in caplog.records) == 1
