@@ -19,7 +19,7 @@ import time
 import torch
 import torch.nn.functional as F
 
-from quantspec.kernels import cpu_gemv as cg
+from quantspec.kernels import cpu as cg
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)

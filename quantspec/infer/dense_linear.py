@@ -7,7 +7,7 @@ contiguous rows streams W once through sgemm's skinny kernel instead. Measured o
 (fp32, 2 cores): a decode step 52 → 29 ms, and a 2-row verification step 66 → 28 ms; gains stop
 near 4 rows (8 for the 49k-row head), where the plain path takes over again.
 
-Where quantspec's CPU kernels are built (`kernels/cpu_gemv.py`, AVX-512), they take over: fp32
+Where quantspec's CPU kernels are built (`kernels/cpu.py`, AVX-512), they take over: fp32
 weights for M ≤ 8 (on par with the path above at M ≤ 4, 1.4x faster than torch at M = 8 over
 the default model's layers, 1.9x on its head) and bf16 weights — the head of a quantized
 artifact — for M ≤ 64 (2x faster than torch's bf16 linear at M = 1; slower from M ≈ 4, but one
@@ -64,7 +64,7 @@ def use_skinny_linears(model: nn.Module, *, cpu_kernels: bool = True) -> int:
     kernels are built) to `SkinnyLinear`; returns how many. `cpu_kernels=False`: torch's ops."""
     kernels = None
     if cpu_kernels:
-        from quantspec.kernels.cpu_gemv import cpu_kernels as built
+        from quantspec.kernels.cpu import cpu_kernels as built
 
         kernels = built()
     dtypes = (torch.float32,) if kernels is None else (torch.float32, torch.bfloat16)

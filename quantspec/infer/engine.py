@@ -213,7 +213,7 @@ class Engine:
             seq_lens.append(seq.num_cached + len(new))
         positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(q_lens, seq_lens)])
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs],
-                                       self.config.block_size, self.device)
+                                       self.config.block_size, self.device, self.cache.cpu_kernel)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         hidden = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta))  # [T, D]
 

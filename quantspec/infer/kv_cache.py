@@ -117,6 +117,13 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=storage, device=device)
         self.v = torch.zeros(shape, dtype=storage, device=device)
         self.allocator = BlockAllocator(num_blocks)
+        # quantspec's CPU attention kernel takes decode / verification steps over this cache
+        self.cpu_kernel = False
+        if (torch.device(device).type == "cpu" and self.kv_dtype is KVCacheDtype.AUTO
+                and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)):
+            from quantspec.kernels.cpu import cpu_kernels
+
+            self.cpu_kernel = cpu_kernels() is not None
 
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x: [T, KV, hd] → storage dtype."""
@@ -196,6 +203,7 @@ class AttentionMetadata:
     q_index: torch.Tensor | None  # batched path: [T] flat index into [B*Qmax] for padding queries
     spans: list[tuple[int, int] | None] | None = None  # per-sequence path: (first block, #blocks)
     masks: list[torch.Tensor | None] | None = None  # per-sequence path: [q_len, seq_len] bool or None
+    cpu_kernel: bool = False  # the whole step goes through quantspec's CPU paged attention
 
     @property
     def fresh_prefill(self) -> bool:
@@ -204,7 +212,9 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device) -> "AttentionMetadata":
+              block_size: int, device, cpu_kernel: bool = False) -> "AttentionMetadata":
+        """`cpu_kernel`: the cache can take quantspec's CPU attention (`PagedKVCache.cpu_kernel`);
+        it then serves steps where no sequence is a fresh prompt and each brings ≤ 64 rows."""
         B = len(q_lens)
         slots: list[int] = []
         for ql, sl, table in zip(q_lens, seq_lens, block_tables):
@@ -218,6 +228,10 @@ class AttentionMetadata:
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
         meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None)
         if meta.fresh_prefill:
+            return meta
+        if cpu_kernel and all(ql < sl for ql, sl in zip(q_lens, seq_lens)) \
+                and max(q_lens) <= CPU_KERNEL_MAX_QUERIES:
+            meta.cpu_kernel = True
             return meta
         if B <= PER_SEQUENCE_MAX_BATCH:
             meta.spans, meta.masks = [], []
@@ -247,6 +261,7 @@ class AttentionMetadata:
 
 
 PER_SEQUENCE_MAX_BATCH = 16  # up to this many sequences a step attends per sequence (no gathers)
+CPU_KERNEL_MAX_QUERIES = 64  # new rows per sequence the CPU kernel takes (decode / verification)
 _EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
 
@@ -259,6 +274,13 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, hd]; k, v: [T, KV, hd] → [T, H, hd]."""
         meta, cache = self.meta, self.cache
+        if meta.cpu_kernel:  # writes k / v and attends in one call for the whole batch
+            from quantspec.kernels.cpu import paged_attention
+
+            kc = cache.k[layer_idx].view(-1, *cache.k.shape[-2:])  # [slots, KV, hd]
+            vc = cache.v[layer_idx].view(-1, *cache.v.shape[-2:])
+            return paged_attention(q, k, v, kc, vc, meta.slot_mapping, meta.block_tables, meta.q_lens,
+                                   meta.seq_lens, cache.block_size, q.shape[-1] ** -0.5)
         cache.write(layer_idx, k, v, meta.slot_mapping)
         gqa = q.shape[1] != k.shape[1]
         if meta.bias is None:  # per sequence: fresh prompts, or decode / verify of a few sequences

@@ -110,8 +110,8 @@ class KernelPath(str, enum.Enum):
     DEQUANT = "dequant"  # quant/ dequantize (+ activation fake-quant) + F.linear: the reference
     CPU_INT8PACK = "cpu_int8pack"  # torch._weight_int8pack_mm
     CPU_INT4PACK = "cpu_int4pack"  # torch._weight_int4pack_mm_for_cpu
-    CPU_GEMV_INT8 = "cpu_gemv_int8"  # quantspec's CPU kernel (kernels/cpu_gemv.py)
-    CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu_gemv.py)
+    CPU_GEMV_INT8 = "cpu_gemv_int8"  # quantspec's CPU kernel (kernels/cpu.py)
+    CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu.py)
     CPU_INT_MM = "cpu_int_mm"  # int8 activations × int8 weights via torch._int_mm
     CPU_FP8_UPCAST = "cpu_fp8_upcast"  # fp8 codes upcast (exact), float matmul, scale epilogue
     TRITON_W4A16 = "triton_w4a16"
@@ -451,7 +451,7 @@ def _kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
 def _cpu_gemv_layout(kind: LinearKind, w: QuantArgs, K: int) -> bool:
     """Whether quantspec's CPU kernels take this layer's layout (int8: symmetric per channel or
     tensor, K % 16 == 0; int4: K % 32 == 0 and groups of a multiple of 32, or per channel)."""
-    from quantspec.kernels.cpu_gemv import INT4_BLOCK, K_MULTIPLE
+    from quantspec.kernels.cpu import INT4_BLOCK, K_MULTIPLE
 
     if kind is LinearKind.W8A16:
         return w.symmetric and w.strategy in ("channel", "tensor") and K % K_MULTIPLE == 0
@@ -519,7 +519,7 @@ class QuantLinear(nn.Module):
         cpu_gemv = False
         if on_cpu and dtype in _GEMV_DTYPES and self.policy.fast and self.policy.cpu_kernels \
                 and _cpu_gemv_layout(kind, w, K):
-            from quantspec.kernels.cpu_gemv import cpu_kernels
+            from quantspec.kernels.cpu import cpu_kernels
 
             cpu_gemv = cpu_kernels() is not None
         fp8_native = False
@@ -590,7 +590,7 @@ class QuantLinear(nn.Module):
         self.int4_scales_zeros = torch.stack([s.t(), z.t()], dim=-1).to(self.dtype).contiguous()
 
     def _prepare_gemv_int4(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None) -> None:
-        from quantspec.kernels.cpu_gemv import pack_int4_cpu
+        from quantspec.kernels.cpu import pack_int4_cpu
 
         self.int4_cpu = pack_int4_cpu(q.to(torch.int8))  # [N, K/2]
         s = scale.reshape(self.out_features, -1).contiguous()  # [N, G] (G = 1 per channel)
@@ -657,11 +657,11 @@ class QuantLinear(nn.Module):
                                                   self.int4_scales_zeros)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if path is KernelPath.CPU_GEMV_INT8:
-            from quantspec.kernels.cpu_gemv import w8_gemv
+            from quantspec.kernels.cpu import w8_gemv
 
             return w8_gemv(x.contiguous(), self.qweight, self.w_scale_vec, self._gemv_bias())
         if path is KernelPath.CPU_GEMV_INT4:
-            from quantspec.kernels.cpu_gemv import w4_gemv
+            from quantspec.kernels.cpu import w4_gemv
 
             if self.int4_cpu is None:  # prepared for torch's int4 op (tests force this path)
                 self._prepare_gemv_int4(self.qweight, self.weight_scale, self.weight_zero_point)

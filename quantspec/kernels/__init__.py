@@ -4,57 +4,45 @@ beside a torch reference (`*_ref`) with the same signature.
 Mechanism only: which op to call for a device / M / quant type is decided by the quantized linear
 in `infer/`. `triton_usable(device)` says whether the Triton path can run on a device at all (CUDA;
 on CPU only under TRITON_INTERPRET=1, otherwise use the references).
+
+`kernels.cpu` holds the CPU kernels (C++, built at first use). Names are imported lazily, so that
+the CPU paths never import triton (whose TRITON_INTERPRET switch is read once, at its import).
 """
 
-from quantspec.kernels._common import triton_usable
-from quantspec.kernels.fp8 import (
-    check_fp8_device,
-    fp8_gemm,
-    fp8_gemm_ref,
-    fp8_linear,
-    fp8_linear_ref,
-    quantize_act_fp8,
-    quantize_act_fp8_ref,
-)
-from quantspec.kernels.kv_cache import (
-    paged_attention,
-    paged_attention_ref,
-    write_kv_cache,
-    write_kv_cache_ref,
-)
-from quantspec.kernels.w4a16 import W4A16Config, w4a16_linear, w4a16_linear_ref
-from quantspec.kernels.w8a8 import (
-    int8_gemm,
-    int8_gemm_ref,
-    quantize_act_int8,
-    quantize_act_int8_ref,
-    w8a8_linear,
-    w8a8_linear_ref,
-)
-from quantspec.kernels.w8a16 import w8a16_linear, w8a16_linear_ref
+import importlib
 
-__all__ = [
-    "W4A16Config",
-    "check_fp8_device",
-    "fp8_gemm",
-    "fp8_gemm_ref",
-    "fp8_linear",
-    "fp8_linear_ref",
-    "int8_gemm",
-    "int8_gemm_ref",
-    "paged_attention",
-    "paged_attention_ref",
-    "quantize_act_fp8",
-    "quantize_act_fp8_ref",
-    "quantize_act_int8",
-    "quantize_act_int8_ref",
-    "triton_usable",
-    "w4a16_linear",
-    "w4a16_linear_ref",
-    "w8a16_linear",
-    "w8a16_linear_ref",
-    "w8a8_linear",
-    "w8a8_linear_ref",
-    "write_kv_cache",
-    "write_kv_cache_ref",
-]
+_WHERE = {
+    "W4A16Config": "quantspec.kernels.w4a16",
+    "check_fp8_device": "quantspec.kernels.fp8",
+    "fp8_gemm": "quantspec.kernels.fp8",
+    "fp8_gemm_ref": "quantspec.kernels.fp8",
+    "fp8_linear": "quantspec.kernels.fp8",
+    "fp8_linear_ref": "quantspec.kernels.fp8",
+    "int8_gemm": "quantspec.kernels.w8a8",
+    "int8_gemm_ref": "quantspec.kernels.w8a8",
+    "paged_attention": "quantspec.kernels.kv_cache",
+    "paged_attention_ref": "quantspec.kernels.kv_cache",
+    "quantize_act_fp8": "quantspec.kernels.fp8",
+    "quantize_act_fp8_ref": "quantspec.kernels.fp8",
+    "quantize_act_int8": "quantspec.kernels.w8a8",
+    "quantize_act_int8_ref": "quantspec.kernels.w8a8",
+    "triton_usable": "quantspec.kernels._common",
+    "w4a16_linear": "quantspec.kernels.w4a16",
+    "w4a16_linear_ref": "quantspec.kernels.w4a16",
+    "w8a16_linear": "quantspec.kernels.w8a16",
+    "w8a16_linear_ref": "quantspec.kernels.w8a16",
+    "w8a8_linear": "quantspec.kernels.w8a8",
+    "w8a8_linear_ref": "quantspec.kernels.w8a8",
+    "write_kv_cache": "quantspec.kernels.kv_cache",
+    "write_kv_cache_ref": "quantspec.kernels.kv_cache",
+}
+
+__all__ = sorted(_WHERE)
+
+
+def __getattr__(name: str):
+    if name in _WHERE:
+        value = getattr(importlib.import_module(_WHERE[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'quantspec.kernels' has no attribute {name!r}")

@@ -5,7 +5,7 @@ import torch
 from torch import nn
 
 from quantspec.infer.dense_linear import KERNEL_MAX_ROWS, MAX_ROWS, SkinnyLinear, use_skinny_linears
-from quantspec.kernels.cpu_gemv import cpu_kernels
+from quantspec.kernels.cpu import cpu_kernels
 
 
 @pytest.mark.parametrize("in_features", [37, 96])  # 96: quantspec's CPU kernel where it is built

@@ -169,15 +169,76 @@ def test_prompt_over_max_length_is_refused(llama):
         eng.add_request(list(range(3, 20)), SamplingParams())
 
 
+@pytest.fixture(scope="module")
+def hd64_dir(tmp_path_factory):
+    """A tiny Llama with head_dim 64 (the CPU attention kernel's size), 2 query heads per KV head."""
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_hd64"), "llama", hidden=256, heads=4,
+                            kv_heads=2, intermediate=256, seed=3)
+
+
+needs_cpu_kernels = pytest.mark.skipif(
+    "__import__('quantspec.kernels.cpu', fromlist=['x']).cpu_kernels() is None",
+    reason="quantspec's CPU kernels are not built here")
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cpu_attention_kernel_serves_decode_and_matches_torch_path(hd64_dir, monkeypatch, dtype):
+    """Decode steps of a mixed, continuously batched run go through quantspec's CPU attention
+    (reading the cache through scattered block tables too) and give transformers' greedy tokens
+    (fp32), and the torch path's tokens in bf16."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.kernels import cpu as cpu_kernels
+
+    model = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False).model
+    calls = []
+    real = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(len(a[7])) or real(*a))
+    prompts = _prompts([5, 17, 33, 9, 64], seed=8)
+    got = _engine_greedy(model, prompts, 16, batch=3, block_size=16)
+    assert calls and max(calls) == 3  # whole batches of decode rows in one call per layer
+    orig = BlockAllocator.allocate
+
+    def scattered(self, n, after=None):  # blocks from the top down: never a run
+        ids = [i for i in range(self.num_blocks - 1, 0, -1) if self._free[i]][:n]
+        for i in ids:
+            self._free[i] = False
+        self._num_free -= n
+        return ids
+
+    monkeypatch.setattr(BlockAllocator, "allocate", scattered)
+    assert _engine_greedy(model, prompts, 16, batch=3, block_size=16) == got
+    monkeypatch.setattr(BlockAllocator, "allocate", orig)
+    if dtype == torch.float32:
+        hf = AutoModelForCausalLM.from_pretrained(hd64_dir, dtype=torch.float32)
+        assert got == [_hf_greedy(hf, p, 16) for p in prompts]
+    monkeypatch.setattr(kv_cache.PagedKVCache, "__init__", _without_kernel(kv_cache.PagedKVCache.__init__))
+    n = len(calls)
+    assert _engine_greedy(model, prompts, 16, batch=3, block_size=16) == got
+    assert len(calls) == n  # the torch path really ran
+
+
+def _without_kernel(init):
+    def wrapped(self, *a, **kw):
+        init(self, *a, **kw)
+        self.cpu_kernel = False
+    return wrapped
+
+
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
-def test_verify_rows_equal_decode_rows_bitwise(tiny_llama_dir, dtype):
+@pytest.mark.parametrize("which", ["tiny_llama_dir", "hd64_dir"])  # hd64: the CPU kernels' path
+def test_verify_rows_equal_decode_rows_bitwise(request, which, dtype):
     """Feeding 4 tokens in one step (speculative verification) gives each position the hidden
     state that 4 one-token decode steps give, bit for bit in bf16 (where one masked attention call
     would round differently and flip greedy picks), within fp32 rounding in fp32."""
     from quantspec.infer.loader import load_for_inference
     from quantspec.infer.kv_cache import PagedAttention, PagedKVCache
 
-    model = load_for_inference(tiny_llama_dir, dtype=dtype, tokenizer=False).model
+    model = load_for_inference(request.getfixturevalue(which), dtype=dtype, tokenizer=False).model
     a = model.args
     prompt, cont = _prompts([300], seed=4)[0], [7, 99, 3, 250]  # long enough for SDPA's key blocking
 
@@ -187,7 +248,8 @@ def test_verify_rows_equal_decode_rows_bitwise(tiny_llama_dir, dtype):
         table = cache.allocator.allocate(20)
         outs, start = [], 0
         for ids in chunks:
-            meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [table], 16, "cpu")
+            meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [table], 16, "cpu",
+                                           cache.cpu_kernel)
             with torch.no_grad():
                 outs.append(model(torch.tensor(ids), torch.arange(start, start + len(ids)), PagedAttention(cache, meta)))
             start += len(ids)
@@ -199,3 +261,23 @@ def test_verify_rows_equal_decode_rows_bitwise(tiny_llama_dir, dtype):
         assert torch.equal(one_by_one, together)
     else:
         torch.testing.assert_close(one_by_one, together, rtol=1e-5, atol=1e-5)
+
+
+@needs_cpu_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_speculation_through_the_cpu_kernels_is_lossless(hd64_dir, dtype):
+    """n-gram speculation on a model whose attention and linears run quantspec's CPU kernels
+    (bf16: the head too) gives exactly the plain greedy tokens, with drafts accepted and rejected."""
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.spec.proposers import ReferenceProposer
+
+    model = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False).model
+    prompts = _prompts([12, 30, 7], seed=9)
+    prompts.append(prompts[1] * 3)
+    plain = _engine_greedy(model, prompts, 60, batch=2)
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=2, max_length=256, spec_max_draft_tokens=5),
+                 eos_token_ids=[], proposer=ReferenceProposer(2, 5))
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=60)) for p in prompts]
+    eng.run()
+    assert [s.output_ids for s in seqs] == plain
+    assert 0 < sum(s.stats.accepted for s in seqs) < sum(s.stats.drafted for s in seqs)

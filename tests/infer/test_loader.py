@@ -148,7 +148,7 @@ def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name, fuse):
 def test_bf16_artifact_runs_packed_ops(artifacts, tiny_llama_dir):
     """bf16 loading takes packed CPU ops for decode-sized M (int8: quantspec's kernel where it
     is built, else torch's) and stays close to fp32."""
-    from quantspec.kernels.cpu_gemv import cpu_kernels
+    from quantspec.kernels.cpu import cpu_kernels
 
     int8_path = KernelPath.CPU_INT8PACK if cpu_kernels() is None else KernelPath.CPU_GEMV_INT8
     for name, path in (("int8", int8_path), ("int4", KernelPath.CPU_INT4PACK),

@@ -182,7 +182,7 @@ needs_cpu_kernels = pytest.mark.skipif(
 
 
 def cpu_kernels():
-    from quantspec.kernels.cpu_gemv import cpu_kernels as build
+    from quantspec.kernels.cpu import cpu_kernels as build
 
     return build()
 

@@ -1,4 +1,4 @@
-"""CPU skinny-GEMM kernels for decode and verification steps (`csrc/cpu_gemv.cpp`), each beside
+"""CPU skinny-GEMM kernels for decode and verification steps (`csrc/cpu.cpp`), each beside
 a torch reference (`*_ref`) with the same signature.
 
 `y = x @ Wᵀ (+ b)` for a few rows of x (fp32 or bf16) over fp32 / bf16 / int8 (per-channel
@@ -9,6 +9,12 @@ int8 weights at ~12 G weights/s, a bf16 `linear` of the 49k-row head at ~12 GB/s
 `bench/kernels_cpu.py`. Every output element is computed by the same float operations whatever
 the number of rows (tiles never change a row's reduction order), so verification rows equal
 decode rows bitwise.
+
+`paged_attention` writes a step's keys / values into the paged cache and attends each new query
+row (decode: one per sequence; verification: 1 + k) over exactly its sequence's keys up to its
+position, reading the cache through the block table: one call per layer for the whole batch,
+where torch's SDPA costs ~150 µs per sequence and layer for one query row. Each query's numbers
+depend only on its own keys, so decode and verification agree bitwise here too.
 
 The extension is compiled at first use with `torch.utils.cpp_extension` (the machine's C++
 compiler, `-march=native`) into the quantspec cache, keyed by the source, torch's version and
@@ -35,6 +41,8 @@ __all__ = [
     "cpu_kernels_error",
     "dense_gemv",
     "dense_gemv_ref",
+    "paged_attention",
+    "paged_attention_ref",
     "pack_int4_cpu",
     "unpack_int4_cpu",
     "w4_gemv",
@@ -47,7 +55,7 @@ ENV_SWITCH = "QUANTSPEC_CPU_KERNELS"  # "0": never build or use them
 K_MULTIPLE = 16  # the kernels take K % 16 == 0 (int4: K % 32 == 0, groups of a multiple of 32)
 INT4_BLOCK = 32
 
-_SOURCE = Path(__file__).parent / "csrc" / "cpu_gemv.cpp"
+_SOURCE = Path(__file__).parent / "csrc" / "cpu.cpp"
 # no fused multiply-adds the compiler picks per call site: a row's numbers must not depend on
 # how many rows a tile holds
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
@@ -80,11 +88,11 @@ def _build() -> ModuleType:
     from quantspec.model_zoo.default import cache_dir
 
     key = _build_key()
-    build_dir = cache_dir() / "ext" / f"cpu_gemv-{key}"
+    build_dir = cache_dir() / "ext" / f"cpu-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
     if not any(build_dir.glob("*.so")):
         _log.warning("quantspec: compiling the CPU kernels for this machine (once, ~30 s)")
-    return load(name=f"quantspec_cpu_gemv_{key}", sources=[str(_SOURCE)],
+    return load(name=f"quantspec_cpu_{key}", sources=[str(_SOURCE)],
                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir), verbose=False)
 
@@ -181,3 +189,33 @@ def w4_gemv_ref(x: torch.Tensor, packed: torch.Tensor, scale: torch.Tensor, neg_
     w = q * scale.repeat_interleave(group, dim=1) + neg_zs.repeat_interleave(group, dim=1)
     y = x.float() @ w.t()
     return (y if bias is None else y + bias).to(x.dtype)
+
+
+def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k_cache: torch.Tensor,
+                    v_cache: torch.Tensor, slot_mapping: torch.Tensor, block_tables: torch.Tensor,
+                    q_lens: list[int], seq_lens: list[int], block_size: int, scale: float) -> torch.Tensor:
+    """q [T, H, hd] (sequence b's q_lens[b] rows in order; fp32/bf16, hd 64 or 128); k_new, v_new
+    [T, KV, hd] are written to k_cache, v_cache [slots, KV, hd] at slot_mapping [T]; then row i
+    of sequence b (position seq_lens[b] − q_lens[b] + i) attends over its keys 0..position,
+    found through block_tables [B, nb] → out [T, H, hd] (query head h reads KV head h // (H/KV))."""
+    return _need().paged_attention(q, k_new, v_new, k_cache, v_cache, slot_mapping, block_tables,
+                                   list(q_lens), list(seq_lens), block_size, scale)
+
+
+def paged_attention_ref(q, k_new, v_new, k_cache, v_cache, slot_mapping, block_tables, q_lens,
+                        seq_lens, block_size, scale) -> torch.Tensor:
+    k_cache[slot_mapping] = k_new
+    v_cache[slot_mapping] = v_new
+    H, KV = q.shape[1], k_cache.shape[1]
+    out, row = torch.empty_like(q), 0
+    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        pos = torch.arange(sl)
+        slots = block_tables[b][pos // block_size] * block_size + pos % block_size
+        k = k_cache[slots].float().repeat_interleave(H // KV, dim=1)  # [sl, H, hd]
+        v = v_cache[slots].float().repeat_interleave(H // KV, dim=1)
+        for i in range(ql):
+            L = sl - ql + i + 1
+            w = torch.softmax(torch.einsum("hd,lhd->hl", q[row + i].float() * scale, k[:L]), dim=-1)
+            out[row + i] = torch.einsum("hl,lhd->hd", w, v[:L]).to(q.dtype)
+        row += ql
+    return out

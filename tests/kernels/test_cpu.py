@@ -8,7 +8,7 @@ import sys
 import pytest
 import torch
 
-from quantspec.kernels import cpu_gemv as cg
+from quantspec.kernels import cpu as cg
 
 needs_kernels = pytest.mark.skipif(cg.cpu_kernels() is None,
                                    reason="quantspec's CPU kernels are not built here")
@@ -104,7 +104,7 @@ def test_bad_input_is_refused():
 
 def test_switch_off_falls_back_to_none():
     """QUANTSPEC_CPU_KERNELS=0: nothing is built, callers keep torch's ops."""
-    code = ("from quantspec.kernels import cpu_gemv as cg; assert cg.cpu_kernels() is None; "
+    code = ("from quantspec.kernels import cpu as cg; assert cg.cpu_kernels() is None; "
             "print(cg.cpu_kernels_error())")
     env = dict(os.environ, QUANTSPEC_CPU_KERNELS="0")
     out = subprocess.run([sys.executable, "-c", code], env=env, capture_output=True, text=True, timeout=120)
@@ -122,3 +122,64 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
         assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
     assert "g++: not found" in cg.cpu_kernels_error()
     assert sum("CPU kernels unavailable" in r.message for r in caplog.records) == 1
+
+
+def _attention_case(dtype, hd, G, seed):
+    g = torch.Generator().manual_seed(seed)
+    bs, KV = 16, 2
+    H = KV * G
+    nblocks = 24
+    kc = torch.randn(nblocks * bs, KV, hd, generator=g).to(dtype)
+    vc = torch.randn(nblocks * bs, KV, hd, generator=g).to(dtype)
+    q_lens, seq_lens = [1, 4, 2], [40, 70, 17]
+    tables = torch.tensor([[5, 2, 9, 0, 0], [10, 11, 12, 13, 20], [3, 4, 0, 0, 0]])  # scattered
+    T = sum(q_lens)
+    qkv = torch.randn(T, H + 2 * KV, hd, generator=g).to(dtype)  # q, k, v as strided views
+    q, k, v = qkv[:, :H], qkv[:, H:H + KV], qkv[:, H + KV:]
+    slots = [int(tables[b][p // bs]) * bs + p % bs
+             for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)) for p in range(sl - ql, sl)]
+    return q, k, v, kc, vc, torch.tensor(slots), tables, q_lens, seq_lens, bs, hd ** -0.5
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("hd,G", [(64, 2), (64, 3), (128, 1)])
+def test_paged_attention_matches_reference(dtype, hd, G):
+    args = _attention_case(dtype, hd, G, seed=hd + G)
+    q, k, v, kc, vc, *rest = args
+    kc2, vc2 = kc.clone(), vc.clone()
+    out = cg.paged_attention(q, k, v, kc, vc, *rest)
+    ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # this step's k / v written to their slots
+    _close(out, ref, dtype)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_paged_attention_rows_equal_one_query_calls(dtype):
+    """Verification rows (several queries of one sequence) equal decode calls of one query each."""
+    q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale = _attention_case(dtype, 64, 3, seed=1)
+    full = cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
+    row = 0
+    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for i in range(ql):
+            r = row + i
+            one = cg.paged_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, sm[r:r + 1],
+                                     tables[b:b + 1].contiguous(), [1], [sl - ql + i + 1], bs, scale)
+            assert torch.equal(one[0], full[r])
+        row += ql
+
+
+@needs_kernels
+def test_paged_attention_refuses_what_it_does_not_take():
+    q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale = _attention_case(torch.float32, 64, 2, seed=2)
+    with pytest.raises(RuntimeError, match="head_dim must be 64 or 128"):
+        cg.paged_attention(q[..., :32].contiguous(), k[..., :32].contiguous(), v[..., :32].contiguous(),
+                           kc[..., :32].contiguous(), vc[..., :32].contiguous(), sm, tables, q_lens,
+                           seq_lens, bs, scale)
+    with pytest.raises(RuntimeError, match="q_lens sum"):
+        cg.paged_attention(q, k, v, kc, vc, sm, tables, [1, 4, 1], seq_lens, bs, scale)
+    with pytest.raises(RuntimeError, match="block table too short"):
+        cg.paged_attention(q, k, v, kc, vc, sm, tables[:, :2].contiguous(), q_lens, seq_lens, bs, scale)
+    with pytest.raises(RuntimeError, match="one dtype"):
+        cg.paged_attention(q.bfloat16(), k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)

@@ -1,0 +1,453 @@
+// quantspec CPU kernels: skinny GEMMs (few rows of x, "GEMV") over fp32 / bf16 / int8 / int4
+// weights, for decode and speculative-verification steps on x86 CPUs with AVX-512.
+//
+// y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n]); w dequantized on the fly:
+//   fp32 / bf16: w as stored;  int8: q[n, k] * scale[n];
+//   int4: (q[n, k] - zp[n, g]) * scale[n, g], g = k / group (scale / zp fp32; zp optional).
+// x is fp32 or bf16 (converted once to fp32); accumulation in fp32; y in x's dtype.
+//
+// M-invariance: every output element is computed by the same sequence of float operations
+// whatever M and whichever rows it is tiled with (two accumulators per (m, n) alternating over
+// 16-wide chunks, one fixed horizontal reduction), so a row's result is bitwise the same in a
+// 1-row decode step and in a 1 + k-row verification step.
+//
+// Each weight row is read once per tile of up to 4 rows of x.
+// Built at run time by quantspec/kernels/cpu.py (torch.utils.cpp_extension, -march=native);
+// without AVX-512 the module reports has_avx512() == false and quantspec keeps torch's ops.
+
+#include <torch/extension.h>
+#include <ATen/Parallel.h>
+
+#include <cstdint>
+#include <cmath>
+#include <cstring>
+#include <vector>
+
+#if defined(__AVX512F__) && defined(__AVX512BW__)
+#include <immintrin.h>
+#define QS_AVX512 1
+#else
+#define QS_AVX512 0
+#endif
+
+namespace {
+
+bool has_avx512() { return QS_AVX512 != 0; }
+
+#if QS_AVX512
+
+// ---- weight loaders: 16 consecutive weights of row n, starting at k (k % 16 == 0), as fp32 ----
+
+struct F32Rows {
+  const float* w; int64_t K;
+  inline __m512 load16(int64_t n, int64_t k) const { return _mm512_loadu_ps(w + n * K + k); }
+};
+
+struct BF16Rows {
+  const uint16_t* w; int64_t K;
+  inline __m512 load16(int64_t n, int64_t k) const {
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
+    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+  }
+};
+
+struct I8Rows {  // per-channel scale applied after the reduction
+  const int8_t* q; int64_t K;
+  inline __m512 load16(int64_t n, int64_t k) const {
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * K + k));
+    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
+  }
+};
+
+// int4 rows packed by pack_int4_cpu: for each 32-wide block of k, byte j (0..15) holds
+// (q[j] + 8) in its low nibble and (q[j + 16] + 8) in its high nibble. Dequantized here:
+// w = q * s + b with b = -zp * s of the weight's group.
+struct I4Rows {
+  const uint8_t* p; int64_t K; const float* s; const float* b; int64_t G; int64_t group;
+  inline __m512 load16(int64_t n, int64_t k) const {
+    const int64_t blk = k & ~int64_t(31);
+    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + n * (K / 2) + blk / 2));
+    __m128i nib = (k & 16) ? _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F))
+                           : _mm_and_si128(v, _mm_set1_epi8(0x0F));
+    __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(nib), _mm512_set1_epi32(8));
+    const int64_t g = n * G + k / group;
+    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[g]), _mm512_set1_ps(b[g]));
+  }
+};
+
+// One tile: RM rows of x (fp32, stride K) · weight row n → out[RM].
+template <int RM, class W>
+inline void tile(const W& w, int64_t n, const float* x, int64_t K, float out[RM]) {
+  __m512 acc[RM][2];
+  for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  int64_t k = 0;
+  for (; k + 32 <= K; k += 32) {
+    const __m512 w0 = w.load16(n, k), w1 = w.load16(n, k + 16);
+    for (int i = 0; i < RM; ++i) {
+      acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc[i][0]);
+      acc[i][1] = _mm512_fmadd_ps(w1, _mm512_loadu_ps(x + i * K + k + 16), acc[i][1]);
+    }
+  }
+  if (k < K) {  // K % 32 == 16
+    const __m512 w0 = w.load16(n, k);
+    for (int i = 0; i < RM; ++i) acc[i][0] = _mm512_fmadd_ps(w0, _mm512_loadu_ps(x + i * K + k), acc[i][0]);
+  }
+  for (int i = 0; i < RM; ++i) out[i] = _mm512_reduce_add_ps(_mm512_add_ps(acc[i][0], acc[i][1]));
+}
+
+template <class T>
+inline void store(T* y, float v) { *y = static_cast<T>(v); }
+
+// rows [m0, m0 + RM) × weight rows [n0, n1), one weight row at a time (several rows streamed
+// at once measured 1.4-1.9x slower on Zen 4)
+template <int RM, class W, class T>
+inline void rows_block(const W& w, const float* x, int64_t K, int64_t N, int64_t m0, int64_t n0,
+                       int64_t n1, const float* col_scale, const float* bias, T* y) {
+  float out[RM];
+  for (int64_t n = n0; n < n1; ++n) {
+    tile<RM>(w, n, x + m0 * K, K, out);
+    for (int i = 0; i < RM; ++i) {
+      float v = out[i];
+      if (col_scale) v *= col_scale[n];
+      if (bias) v += bias[n];
+      store(y + (m0 + i) * N + n, v);
+    }
+  }
+}
+
+template <class W, class T>
+void run(const W& w, const float* x, int64_t M, int64_t K, int64_t N, const float* col_scale,
+         const float* bias, T* y, int64_t bytes_per_row) {
+  // enough weight bytes per task that the thread fork pays off (~64 KiB)
+  const int64_t grain = std::max<int64_t>(16, (64 * 1024) / std::max<int64_t>(1, bytes_per_row));
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
+    int64_t m = 0;
+    for (; m + 4 <= M; m += 4) rows_block<4>(w, x, K, N, m, n0, n1, col_scale, bias, y);
+    for (; m + 2 <= M; m += 2) rows_block<2>(w, x, K, N, m, n0, n1, col_scale, bias, y);
+    for (; m < M; ++m) rows_block<1>(w, x, K, N, m, n0, n1, col_scale, bias, y);
+  });
+}
+
+#endif  // QS_AVX512
+
+std::vector<float> x_as_fp32(const at::Tensor& x) {
+  const int64_t n = x.numel();
+  std::vector<float> xf(n);
+  if (x.scalar_type() == at::kFloat) {
+    std::memcpy(xf.data(), x.data_ptr<float>(), n * sizeof(float));
+  } else {
+    const at::BFloat16* p = x.data_ptr<at::BFloat16>();
+    for (int64_t i = 0; i < n; ++i) xf[i] = static_cast<float>(p[i]);
+  }
+  return xf;
+}
+
+void check_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " features, the weight ", K);
+  TORCH_CHECK(K % 16 == 0, op, ": K must be a multiple of 16, got ", K);
+}
+
+const float* opt_f32(const c10::optional<at::Tensor>& t, int64_t n, const char* what) {
+  if (!t.has_value()) return nullptr;
+  TORCH_CHECK(t->scalar_type() == at::kFloat && t->is_contiguous() && t->numel() == n, what,
+              " must be a contiguous float32 tensor of ", n, " values");
+  return t->data_ptr<float>();
+}
+
+template <class W>
+at::Tensor dispatch_out(const W& w, const at::Tensor& x, int64_t N, const float* col_scale,
+                        const float* bias, int64_t bytes_per_row) {
+#if QS_AVX512
+  const int64_t M = x.size(0), K = x.size(1);
+  std::vector<float> xf = x_as_fp32(x);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0 || N == 0) return y;
+  if (x.scalar_type() == at::kFloat)
+    run(w, xf.data(), M, K, N, col_scale, bias, y.data_ptr<float>(), bytes_per_row);
+  else
+    run(w, xf.data(), M, K, N, col_scale, bias, y.data_ptr<at::BFloat16>(), bytes_per_row);
+  return y;
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+}  // namespace
+
+// y = x @ w^T (+ bias); w [N, K] fp32 or bf16
+at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(), "dense_gemv: w must be contiguous [N, K]");
+  check_x(x, w.size(1), "dense_gemv");
+  const int64_t N = w.size(0), K = w.size(1);
+  const float* b = opt_f32(bias, N, "dense_gemv: bias");
+#if QS_AVX512
+  if (w.scalar_type() == at::kFloat)
+    return dispatch_out(F32Rows{w.data_ptr<float>(), K}, x, N, nullptr, b, K * 4);
+  TORCH_CHECK(w.scalar_type() == at::kBFloat16, "dense_gemv: w must be float32 or bfloat16");
+  return dispatch_out(BF16Rows{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K},
+                      x, N, nullptr, b, K * 2);
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+// y = x @ (q * scale[:, None])^T (+ bias); q [N, K] int8, scale [N] fp32
+at::Tensor w8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                   const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
+              "w8_gemv: q must be contiguous int8 [N, K]");
+  check_x(x, q.size(1), "w8_gemv");
+  const int64_t N = q.size(0), K = q.size(1);
+  const float* s = opt_f32(scale, N, "w8_gemv: scale");
+  const float* b = opt_f32(bias, N, "w8_gemv: bias");
+#if QS_AVX512
+  return dispatch_out(I8Rows{q.data_ptr<int8_t>(), K}, x, N, s, b, K);
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+// y = x @ dequant(packed)^T (+ bias); packed [N, K/2] uint8 (pack_int4_cpu), scale/neg_zs [N, K/group]
+at::Tensor w4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
+                   const at::Tensor& bias_zs, int64_t group, const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
+              "w4_gemv: packed must be contiguous uint8 [N, K/2]");
+  const int64_t N = packed.size(0), K = packed.size(1) * 2;
+  check_x(x, K, "w4_gemv");
+  TORCH_CHECK(group % 32 == 0 && K % group == 0 || group == K && K % 32 == 0,
+              "w4_gemv: group must be a multiple of 32 dividing K (or K), got ", group);
+  TORCH_CHECK(K % 32 == 0, "w4_gemv: K must be a multiple of 32, got ", K);
+  const int64_t G = K / group;
+  const float* s = opt_f32(scale, N * G, "w4_gemv: scale");
+  const float* zs = opt_f32(bias_zs, N * G, "w4_gemv: neg_zs");
+  const float* b = opt_f32(bias, N, "w4_gemv: bias");
+#if QS_AVX512
+  return dispatch_out(I4Rows{packed.data_ptr<uint8_t>(), K, s, zs, G, group}, x, N, nullptr, b,
+                      K / 2);
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+namespace {
+
+// ---- paged attention for decode / verification rows ------------------------------------------
+//
+// Writes this step's k/v rows into their cache slots, then for each new query row i of each
+// sequence b (position p = seq_len - q_len + i) attends over that sequence's cached keys 0..p:
+// the rows of one KV head's G = H / KV query heads are computed together (each key read once).
+// fp32 accumulation, softmax with a vectorised exp; one query's numbers depend only on its own q
+// and keys, never on the other rows of the step (decode and verification agree bitwise).
+
+#if QS_AVX512
+
+inline __m512 exp512(__m512 x) {  // Cephes expf on [-87.3, 0], ~1 ulp
+  x = _mm512_max_ps(x, _mm512_set1_ps(-87.3f));
+  const __m512 n = _mm512_roundscale_ps(_mm512_mul_ps(x, _mm512_set1_ps(1.44269504088896341f)),
+                                        _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
+  __m512 r = _mm512_fnmadd_ps(n, _mm512_set1_ps(0.693359375f), x);
+  r = _mm512_fnmadd_ps(n, _mm512_set1_ps(-2.12194440e-4f), r);
+  __m512 p = _mm512_set1_ps(1.9875691500e-4f);
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.3981999507e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(8.3334519073e-3f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(4.1665795894e-2f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(1.6666665459e-1f));
+  p = _mm512_fmadd_ps(p, r, _mm512_set1_ps(5.0000001201e-1f));
+  p = _mm512_fmadd_ps(p, _mm512_mul_ps(r, r), r);
+  p = _mm512_add_ps(p, _mm512_set1_ps(1.0f));
+  return _mm512_scalef_ps(p, n);
+}
+
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const at::BFloat16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+inline void store16f(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16f(at::BFloat16* p, __m512 v) {
+  float tmp[16];
+  _mm512_storeu_ps(tmp, v);
+  for (int j = 0; j < 16; ++j) p[j] = static_cast<at::BFloat16>(tmp[j]);
+}
+
+constexpr int kMaxGroup = 16;  // query heads per KV head
+
+// one (query row, KV head): G query heads of C 16-wide chunks (head_dim = 16 C)
+template <int C, class T>
+void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t slot_stride,
+                const int64_t* table, int64_t block_size, int64_t L, int G, float scale,
+                T* out, int64_t out_head_stride, std::vector<float>& sc) {
+  sc.resize(static_cast<size_t>(G) * L);
+  __m512 qv[kMaxGroup][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      qv[g][c] = _mm512_mul_ps(load16f(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const T* kp = kc + slot * slot_stride;
+    __m512 kv[C];
+    for (int c = 0; c < C; ++c) kv[c] = load16f(kp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
+      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
+      sc[g * L + t] = _mm512_reduce_add_ps(acc);
+    }
+  }
+  float inv_sum[kMaxGroup];
+  for (int g = 0; g < G; ++g) {
+    float* s = sc.data() + g * L;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    int64_t t = 0;
+    for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    if (t < L) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + t));
+    }
+    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (t = 0; t + 16 <= L; t += 16) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
+      _mm512_storeu_ps(s + t, e);
+      sum = _mm512_add_ps(sum, e);
+    }
+    if (t < L) {
+      const __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax));
+      _mm512_mask_storeu_ps(s + t, m, e);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
+    }
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 o[kMaxGroup][C];
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; ++t) {
+    const int64_t slot = table[t / block_size] * block_size + t % block_size;
+    const T* vp = vc + slot * slot_stride;
+    __m512 vv[C];
+    for (int c = 0; c < C; ++c) vv[c] = load16f(vp + 16 * c);
+    for (int g = 0; g < G; ++g) {
+      const __m512 pt = _mm512_set1_ps(sc[g * L + t]);
+      for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(pt, vv[c], o[g][c]);
+    }
+  }
+  for (int g = 0; g < G; ++g)
+    for (int c = 0; c < C; ++c)
+      store16f(out + g * out_head_stride + 16 * c, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+template <int C, class T>
+void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
+                          const at::Tensor& block_tables, const std::vector<int64_t>& q_lens,
+                          const std::vector<int64_t>& seq_lens, int64_t block_size, double scale,
+                          at::Tensor& out) {
+  const int64_t H = q.size(1), KV = k_cache.size(1), B = static_cast<int64_t>(q_lens.size());
+  const int G = static_cast<int>(H / KV);
+  std::vector<int64_t> row0(B + 1, 0);
+  for (int64_t b = 0; b < B; ++b) row0[b + 1] = row0[b] + q_lens[b];
+  const int64_t items = row0[B] * KV;  // (row, KV head)
+  std::vector<int64_t> row_seq(row0[B]);
+  for (int64_t b = 0; b < B; ++b)
+    for (int64_t r = row0[b]; r < row0[b + 1]; ++r) row_seq[r] = b;
+  const T* qp = q.data_ptr<T>();
+  const T* kc = k_cache.data_ptr<T>();
+  const T* vc = v_cache.data_ptr<T>();
+  T* op = out.data_ptr<T>();
+  const int64_t* tables = block_tables.data_ptr<int64_t>();
+  const int64_t nb = block_tables.size(1);
+  at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
+    std::vector<float> sc;
+    for (int64_t it = i0; it < i1; ++it) {
+      const int64_t r = it / KV, h = it % KV, b = row_seq[r];
+      const int64_t L = seq_lens[b] - q_lens[b] + (r - row0[b]) + 1;  // keys 0..position
+      attend_one<C, T>(qp + r * q.stride(0) + h * G * q.stride(1), q.stride(1), kc + h * k_cache.stride(1),
+                       vc + h * v_cache.stride(1), k_cache.stride(0), tables + b * nb, block_size, L, G,
+                       static_cast<float>(scale), op + r * out.stride(0) + h * G * out.stride(1),
+                       out.stride(1), sc);
+    }
+  });
+}
+
+#endif  // QS_AVX512
+
+}  // namespace
+
+// q [T, H, hd] (rows grouped by sequence, q_lens[b] rows each; last dim contiguous);
+// k_new, v_new [T, KV, hd] written to k_cache / v_cache [slots, KV, hd] at slot_mapping [T];
+// block_tables [B, nb] int64; returns out [T, H, hd] (contiguous, q's dtype).
+at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
+                           at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
+                           const at::Tensor& block_tables, const std::vector<int64_t>& q_lens,
+                           const std::vector<int64_t>& seq_lens, int64_t block_size, double scale) {
+  TORCH_CHECK(q.dim() == 3 && k_new.dim() == 3 && k_cache.dim() == 3, "paged_attention: q, k [T, heads, hd]");
+  const int64_t T = q.size(0), H = q.size(1), hd = q.size(2), KV = k_cache.size(1);
+  TORCH_CHECK(q.stride(2) == 1 && k_new.stride(2) == 1 && v_new.stride(2) == 1 && k_cache.is_contiguous()
+              && v_cache.is_contiguous(), "paged_attention: the head dim must be contiguous");
+  TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_new.scalar_type() == k_cache.scalar_type()
+              && v_cache.scalar_type() == k_cache.scalar_type(), "paged_attention: one dtype for q, k, v and the cache");
+  TORCH_CHECK(H % KV == 0 && H / KV <= kMaxGroup, "paged_attention: H / KV must be an integer <= ", kMaxGroup);
+  TORCH_CHECK(hd == 64 || hd == 128, "paged_attention: head_dim must be 64 or 128, got ", hd);
+  TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && block_tables.scalar_type() == at::kLong
+              && block_tables.is_contiguous(), "paged_attention: int64 slot_mapping [T] and block_tables [B, nb]");
+  TORCH_CHECK(q_lens.size() == seq_lens.size() && block_tables.size(0) == static_cast<int64_t>(q_lens.size()),
+              "paged_attention: one q_len, seq_len and block-table row per sequence");
+  int64_t total = 0;
+  for (size_t b = 0; b < q_lens.size(); ++b) {
+    TORCH_CHECK(q_lens[b] >= 1 && q_lens[b] <= seq_lens[b], "paged_attention: bad q_len / seq_len");
+    TORCH_CHECK((seq_lens[b] + block_size - 1) / block_size <= block_tables.size(1), "paged_attention: block table too short");
+    total += q_lens[b];
+  }
+  TORCH_CHECK(total == T, "paged_attention: q_lens sum to ", total, ", q has ", T, " rows");
+  TORCH_CHECK(v_cache.sizes() == k_cache.sizes() && k_cache.size(2) == hd && k_new.size(0) == T
+              && v_new.size(0) == T && k_new.size(1) == KV && v_new.size(1) == KV,
+              "paged_attention: k / v / cache shapes disagree");
+  const int64_t num_slots = k_cache.size(0), num_blocks = num_slots / block_size;
+  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
+  for (int64_t t = 0; t < T; ++t)
+    TORCH_CHECK(slots[t] >= 0 && slots[t] < num_slots, "paged_attention: slot ", slots[t], " out of range");
+  const int64_t* bt = block_tables.data_ptr<int64_t>();
+  for (size_t b = 0; b < q_lens.size(); ++b)
+    for (int64_t j = 0; j < (seq_lens[b] + block_size - 1) / block_size; ++j) {
+      const int64_t id = bt[b * block_tables.size(1) + j];
+      TORCH_CHECK(id >= 0 && id < num_blocks, "paged_attention: block id ", id, " out of range");
+    }
+  // write this step's keys / values (row copies)
+  const int64_t esz = k_cache.element_size(), row_bytes = KV * hd * esz;
+  char* kc = static_cast<char*>(k_cache.data_ptr());
+  char* vc = static_cast<char*>(v_cache.data_ptr());
+  for (int64_t t = 0; t < T; ++t) {
+    for (int64_t h = 0; h < KV; ++h) {
+      std::memcpy(kc + slots[t] * row_bytes + h * hd * esz,
+                  static_cast<const char*>(k_new.data_ptr()) + (t * k_new.stride(0) + h * k_new.stride(1)) * esz, hd * esz);
+      std::memcpy(vc + slots[t] * row_bytes + h * hd * esz,
+                  static_cast<const char*>(v_new.data_ptr()) + (t * v_new.stride(0) + h * v_new.stride(1)) * esz, hd * esz);
+    }
+  }
+  at::Tensor out = at::empty({T, H, hd}, q.options());
+#if QS_AVX512
+  if (q.scalar_type() == at::kFloat) {
+    if (hd == 64) paged_attention_impl<4, float>(q, k_cache, v_cache, block_tables, q_lens, seq_lens, block_size, scale, out);
+    else paged_attention_impl<8, float>(q, k_cache, v_cache, block_tables, q_lens, seq_lens, block_size, scale, out);
+  } else {
+    TORCH_CHECK(q.scalar_type() == at::kBFloat16, "paged_attention: float32 or bfloat16 only");
+    if (hd == 64) paged_attention_impl<4, at::BFloat16>(q, k_cache, v_cache, block_tables, q_lens, seq_lens, block_size, scale, out);
+    else paged_attention_impl<8, at::BFloat16>(q, k_cache, v_cache, block_tables, q_lens, seq_lens, block_size, scale, out);
+  }
+  return out;
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
+  m.def("has_avx512", &has_avx512);
+  m.def("dense_gemv", &dense_gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
+  m.def("w8_gemv", &w8_gemv, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
+  m.def("w4_gemv", &w4_gemv, py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("neg_zs"),
+        py::arg("group"), py::arg("bias") = py::none());
+  m.def("paged_attention", &paged_attention);
+}
