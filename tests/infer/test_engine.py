@@ -107,6 +107,15 @@ def test_allocator_prefers_runs():
         a.allocate(2)
 
 
+def _scattered_allocate(self, n, after=None):
+    """BlockAllocator.allocate handing out blocks from the top down: never a run."""
+    ids = [i for i in range(self.num_blocks - 1, 0, -1) if self._free[i]][:n]
+    for i in ids:
+        self._free[i] = False
+    self._num_free -= n
+    return ids
+
+
 @pytest.mark.parametrize("path", ["per_sequence_views", "per_sequence_gathered", "batched"])
 def test_attention_paths_agree(llama, monkeypatch, path):
     """Every way of reading the cache (views of block runs, gathered blocks, one padded batch)
@@ -116,16 +125,7 @@ def test_attention_paths_agree(llama, monkeypatch, path):
     if path == "batched":
         monkeypatch.setattr(kv_cache, "PER_SEQUENCE_MAX_BATCH", 0)
     if path == "per_sequence_gathered":  # hand out blocks from the top down: never a run
-        orig = BlockAllocator.allocate
-
-        def scattered(self, n, after=None):
-            ids = [i for i in range(self.num_blocks - 1, 0, -1) if self._free[i]][:n]
-            for i in ids:
-                self._free[i] = False
-            self._num_free -= n
-            return ids
-
-        monkeypatch.setattr(BlockAllocator, "allocate", scattered)
+        monkeypatch.setattr(BlockAllocator, "allocate", _scattered_allocate)
     got = _engine_greedy(model, prompts, 12, batch=2)
     assert got == [_hf_greedy(hf, p, 12) for p in prompts]
 
@@ -202,15 +202,7 @@ def test_cpu_attention_kernel_serves_decode_and_matches_torch_path(hd64_dir, mon
     got = _engine_greedy(model, prompts, 16, batch=3, block_size=16)
     assert calls and max(calls) == 3  # whole batches of decode rows in one call per layer
     orig = BlockAllocator.allocate
-
-    def scattered(self, n, after=None):  # blocks from the top down: never a run
-        ids = [i for i in range(self.num_blocks - 1, 0, -1) if self._free[i]][:n]
-        for i in ids:
-            self._free[i] = False
-        self._num_free -= n
-        return ids
-
-    monkeypatch.setattr(BlockAllocator, "allocate", scattered)
+    monkeypatch.setattr(BlockAllocator, "allocate", _scattered_allocate)
     assert _engine_greedy(model, prompts, 16, batch=3, block_size=16) == got
     monkeypatch.setattr(BlockAllocator, "allocate", orig)
     if dtype == torch.float32:

@@ -276,6 +276,14 @@ inline void store16f(at::BFloat16* p, __m512 v) {
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
+// one KV head's row (head_dim = 16 C) of the sequence's key / value at position t, as fp32
+template <int C, class T>
+inline void load_key_row(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+                         int64_t t, __m512 out[C]) {
+  const T* p = cache + (table[t / block_size] * block_size + t % block_size) * slot_stride;
+  for (int c = 0; c < C; ++c) out[c] = load16f(p + 16 * c);
+}
+
 // one (query row, KV head): G query heads of C 16-wide chunks (head_dim = 16 C)
 template <int C, class T>
 void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t slot_stride,
@@ -287,10 +295,8 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
     for (int c = 0; c < C; ++c)
       qv[g][c] = _mm512_mul_ps(load16f(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const T* kp = kc + slot * slot_stride;
     __m512 kv[C];
-    for (int c = 0; c < C; ++c) kv[c] = load16f(kp + 16 * c);
+    load_key_row<C>(kc, table, block_size, slot_stride, t, kv);
     for (int g = 0; g < G; ++g) {
       __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
       for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
@@ -326,10 +332,8 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
-    const int64_t slot = table[t / block_size] * block_size + t % block_size;
-    const T* vp = vc + slot * slot_stride;
     __m512 vv[C];
-    for (int c = 0; c < C; ++c) vv[c] = load16f(vp + 16 * c);
+    load_key_row<C>(vc, table, block_size, slot_stride, t, vv);
     for (int g = 0; g < G; ++g) {
       const __m512 pt = _mm512_set1_ps(sc[g * L + t]);
       for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(pt, vv[c], o[g][c]);
