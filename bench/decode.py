@@ -82,7 +82,7 @@ def main():
         if not (out / "config.json").exists():
             api.quantize(str(model_dir), qt, out, overwrite=True)
         qloaded = load_for_inference(out, dtype=auto_dtype(out))
-        quant_rows.append((qt, bench_engine(qloaded.model, prompt, a.new_tokens, 1, [])[0]))
+        quant_rows.append((qt, *bench_engine(qloaded.model, prompt, a.new_tokens, 1, [])))
 
     print(f"\n## decode: {a.prompt_tokens}-token prompt, {a.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads\n")
@@ -94,10 +94,11 @@ def main():
         print(f"\nbatch {batches[-1]} / batch {batches[0]} throughput (quantspec): end to end "
               f"{rows[-1][1] / base_b1:.2f}x, decode phase {rows[-1][3] / rows[0][3]:.2f}x")
     if quant_rows:
-        print("\n| quant type (batch 1, --dtype auto) | tok/s | vs fp32 |")
-        print("|---|---:|---:|")
-        for qt, tps in quant_rows:
-            print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x |")
+        base_decode = rows[0][3]
+        print("\n| quant type (batch 1, --dtype auto) | tok/s | vs fp32 | decode-phase tok/s | vs fp32 |")
+        print("|---|---:|---:|---:|---:|")
+        for qt, tps, decode in quant_rows:
+            print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x |")
 
 
 if __name__ == "__main__":

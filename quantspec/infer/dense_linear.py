@@ -12,7 +12,8 @@ weights for M ≤ 8 (on par with the path above at M ≤ 4, 1.4x faster than tor
 the default model's layers, 1.9x on its head) and bf16 weights — the head of a quantized
 artifact — for M ≤ 64 (2x faster than torch's bf16 linear at M = 1; slower from M ≈ 4, but one
 kernel for every verification size keeps each row's logits bitwise equal to a decode step's, so
-bf16 speculation stays lossless). See `bench/kernels_cpu.py`.
+bf16 speculation stays lossless), and for every row of an engine decode step whatever M
+(`step_rows`). See `bench/kernels_cpu.py`.
 
 This is a dispatch policy (infer/ owns those), applied after loading by swapping the modules'
 class; parameters are untouched, so state dicts and quantizers see plain `nn.Linear`s.
@@ -23,6 +24,8 @@ from __future__ import annotations
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from quantspec.infer.step_rows import in_decode_step
 
 __all__ = ["SkinnyLinear", "use_skinny_linears"]
 
@@ -40,9 +43,9 @@ class SkinnyLinear(nn.Linear):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         w = self.weight
         rows = x.numel() // x.shape[-1] if x.numel() else 0
-        if (self.kernels is not None and 0 < rows <= KERNEL_MAX_ROWS.get(w.dtype, 0)
-                and x.dtype in KERNEL_MAX_ROWS and x.device.type == "cpu"
-                and w.shape[1] % 16 == 0):
+        if (self.kernels is not None and w.dtype in KERNEL_MAX_ROWS and x.dtype in KERNEL_MAX_ROWS
+                and 0 < rows and (rows <= KERNEL_MAX_ROWS[w.dtype] or in_decode_step())
+                and x.device.type == "cpu" and w.shape[1] % 16 == 0):
             b = self.bias if self.bias is None or self.bias.dtype == torch.float32 else self.bias.float()
             y = self.kernels.dense_gemv(x.reshape(rows, x.shape[-1]).contiguous(), w, b)
             return y.view(*x.shape[:-1], w.shape[0])

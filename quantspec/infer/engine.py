@@ -14,6 +14,7 @@ counting them: the next step overwrites them.
 from __future__ import annotations
 
 import time
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
@@ -22,6 +23,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import SamplingParams, generator_for_request, logits_to_probs, sample, sampling_tensors
+from quantspec.infer.step_rows import decode_step
 from quantspec.model_zoo.llama import Transformer
 
 __all__ = ["Engine", "EngineConfig", "Proposer", "Sequence"]
@@ -189,7 +191,11 @@ class Engine:
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one forward for every running sequence; returns (sequence, new token ids) pairs."""
         self._admit()
-        seqs = self.running
+        # a step prefills newly admitted prompts alone, or runs the decode / verification rows of
+        # every running sequence: decode rows never share a forward with a prefill, so they always
+        # take the row-invariant decode-step paths (`step_rows`)
+        fresh = [s for s in self.running if s.num_cached == 0]
+        seqs = fresh or self.running
         if not seqs:
             return []
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -215,15 +221,16 @@ class Engine:
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs],
                                        self.config.block_size, self.device, self.cache.cpu_kernel)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
-        hidden = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta))  # [T, D]
+        with decode_step() if not fresh else nullcontext():
+            hidden = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta))  # [T, D]
 
-        # rows to score: the last row of each sequence, plus its draft rows
-        rows, offset = [], 0
-        for ql, d in zip(q_lens, drafts):
-            rows.extend(range(offset + ql - 1 - len(d), offset + ql))
-            offset += ql
-        row_idx = torch.tensor(rows, device=self.device)
-        logits = self.model.compute_logits(hidden[row_idx])  # [sum(1+k_b), V]
+            # rows to score: the last row of each sequence, plus its draft rows
+            rows, offset = [], 0
+            for ql, d in zip(q_lens, drafts):
+                rows.extend(range(offset + ql - 1 - len(d), offset + ql))
+                offset += ql
+            row_idx = torch.tensor(rows, device=self.device)
+            logits = self.model.compute_logits(hidden[row_idx])  # [sum(1+k_b), V]
 
         if any(drafts):
             from quantspec.infer.spec.verify import verify
@@ -263,7 +270,7 @@ class Engine:
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now
             self._free(seq)
-        self.running = [s for s in seqs if not s.finished]
+        self.running = [s for s in self.running if not s.finished]
         self.num_steps += 1
         return out
 

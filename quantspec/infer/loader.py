@@ -316,6 +316,9 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         from quantspec.infer.dense_linear import use_skinny_linears
 
         use_skinny_linears(net)  # float linears (all of a float model; the head of an artifact)
+        from quantspec.infer.cpu_layers import use_cpu_layer_kernels
+
+        use_cpu_layer_kernels(net)  # RMSNorm, rotary embedding
     if fuse:
         from quantspec.infer.fuse import fuse_projections
 

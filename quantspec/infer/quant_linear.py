@@ -58,6 +58,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.step_rows import in_decode_step
 from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_INT_QUANTIZED,
@@ -132,7 +133,8 @@ class DispatchPolicy:
 
     # up to 64 rows on the packed op (slower than dequant + matmul above ~32 rows, but the same
     # per-row numbers as a 1-row decode step: bf16 speculative verification of a batch stays
-    # lossless); prefill-sized inputs take dequant + matmul
+    # lossless), and every row of an engine decode step (`infer/step_rows.py`); prefill-sized
+    # inputs take dequant + matmul
     cpu_packed_max_m: int = 64
     cuda_weight_only_max_m: int = 64
     fast: bool = True
@@ -633,9 +635,9 @@ class QuantLinear(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x [..., K] → [..., N] in x's dtype."""
         if (self._packed_path is not None and x.dim() == 2 and x.dtype == self.dtype
-                and x.shape[1] == self.in_features and 0 < x.shape[0] <= self.policy.cpu_packed_max_m
-                and x.device.type == "cpu"):
-            return self.run(x, self._packed_path)  # a decode / verify step on CPU
+                and x.shape[1] == self.in_features and x.device.type == "cpu" and 0 < x.shape[0]
+                and (x.shape[0] <= self.policy.cpu_packed_max_m or in_decode_step())):
+            return self.run(x, self._packed_path)  # a decode / verify step on CPU (any M: step_rows)
         if x.shape[-1] != self.in_features:
             raise QuantSpecError(f"{self.name or 'QuantLinear'}: input has {x.shape[-1]} features, "
                                  f"expected {self.in_features}")

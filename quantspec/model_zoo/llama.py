@@ -253,15 +253,19 @@ class Attention(nn.Module):
         H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = self.qkv_proj(x).view(T, H + 2 * KV, hd)
-            qk = apply_rope(qkv[:, :H + KV], cos, sin)  # q and k rotated in one pass
+            qk = self.rotate(qkv[:, :H + KV], cos, sin)  # q and k rotated in one pass
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
         else:
             q = self.q_proj(x).view(T, H, hd)  # [T, H, hd]
             k = self.k_proj(x).view(T, KV, hd)  # [T, KV, hd]
             v = self.v_proj(x).view(T, KV, hd)
-            q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
         return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
+
+    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        """The rotary embedding of x [T, heads, hd] (inference may swap in a fused kernel)."""
+        return apply_rope(x, cos, sin)
 
 
 class MLP(nn.Module):

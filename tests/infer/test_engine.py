@@ -273,3 +273,27 @@ def test_speculation_through_the_cpu_kernels_is_lossless(hd64_dir, dtype):
     eng.run()
     assert [s.output_ids for s in seqs] == plain
     assert 0 < sum(s.stats.accepted for s in seqs) < sum(s.stats.drafted for s in seqs)
+
+
+def test_prefills_run_alone_and_decode_steps_are_marked(llama, monkeypatch):
+    """A newly admitted prompt is prefilled in a step of its own; every other step is a decode
+    step (`step_rows.decode_step`), so decode rows never take prefill-sized paths."""
+    from quantspec.infer.step_rows import in_decode_step
+
+    model, _ = llama
+    steps = []
+    real = type(model).forward
+
+    def spy(self, input_ids, positions, attn, layers=None):
+        steps.append((in_decode_step(), attn.meta.q_lens, attn.meta.seq_lens))
+        return real(self, input_ids, positions, attn, layers)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    prompts = _prompts([6, 11, 4], seed=12)
+    outs = _engine_greedy(model, prompts, 5, batch=2)
+    monkeypatch.undo()
+    assert outs == _engine_greedy(model, prompts, 5, batch=1)
+    for decode, q_lens, seq_lens in steps:
+        fresh = [q == s for q, s in zip(q_lens, seq_lens)]
+        assert all(fresh) != decode and (all(fresh) or not any(fresh))
+    assert sum(not d for d, _, _ in steps) == 2  # prompts 1+2 together, then prompt 3 alone

@@ -453,3 +453,20 @@ def test_packed_ops_survive_unaligned_buffers(kind, g):
     assert layer.kernel_for(x) in (KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
                                    KernelPath.CPU_GEMV_INT8)
     _check(layer(x), _reference(t, x), torch.bfloat16)
+
+
+@pytest.mark.parametrize("kind", ["weight_only_int8", "weight_only_int4"])
+def test_decode_steps_take_the_row_invariant_path_for_any_m(kind):
+    """Inside an engine decode step, 80 rows (above the packed bound) still get each row's
+    one-row numbers bitwise; outside it, 80 rows take dequantize + matmul."""
+    from quantspec.infer.step_rows import decode_step
+
+    t = _make(kind, 48, 192, group_size=32, seed=13)
+    layer = QuantLinear(t, dtype=torch.bfloat16)
+    x = torch.randn(80, 192).bfloat16()
+    assert layer.kernel_for(x) is KernelPath.DEQUANT
+    with decode_step():
+        y = layer(x)
+    for i in (0, 41, 79):
+        assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
+    _check(y, _reference(t, x), torch.bfloat16)

@@ -183,3 +183,32 @@ def test_paged_attention_refuses_what_it_does_not_take():
         cg.paged_attention(q, k, v, kc, vc, sm, tables[:, :2].contiguous(), q_lens, seq_lens, bs, scale)
     with pytest.raises(RuntimeError, match="one dtype"):
         cg.paged_attention(q.bfloat16(), k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_rms_norm_and_rope_match_the_model_ops(dtype):
+    """The fused per-row ops equal the model's torch expressions (bf16: bitwise, since they round
+    where torch rounds; fp32: up to summation order)."""
+    import torch.nn.functional as F
+
+    from quantspec.model_zoo.llama import apply_rope
+
+    mod = cg.cpu_kernels()
+    g = torch.Generator().manual_seed(3)
+    x = (torch.randn(5, 576, generator=g) * 3).to(dtype)
+    w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+    want = w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
+    got = mod.rms_norm(x, w, 1e-5)
+    qkv = torch.randn(4, 13, 64, generator=g).to(dtype)
+    cos, sin = torch.randn(4, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
+    rot_want, rot_got = apply_rope(qkv[:, :9], cos, sin), mod.rope(qkv[:, :9], cos, sin)  # strided x
+    if dtype == torch.bfloat16:
+        assert torch.equal(got, want) and torch.equal(rot_got, rot_want)
+    else:
+        torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
+        torch.testing.assert_close(rot_got, rot_want, rtol=0, atol=0)
+    with pytest.raises(RuntimeError, match="weight"):
+        mod.rms_norm(x, w[:10], 1e-5)
+    with pytest.raises(RuntimeError, match="cos / sin"):
+        mod.rope(qkv[:, :9], cos[:, :32].contiguous(), sin)

@@ -120,11 +120,17 @@ void run(const W& w, const float* x, int64_t M, int64_t K, int64_t N, const floa
          const float* bias, T* y, int64_t bytes_per_row) {
   // enough weight bytes per task that the thread fork pays off (~64 KiB)
   const int64_t grain = std::max<int64_t>(16, (64 * 1024) / std::max<int64_t>(1, bytes_per_row));
+  // weight rows in chunks of ~16 KiB: every tile of x rows reads a chunk while it is in cache, so
+  // the weights stream from memory once whatever M
+  const int64_t chunk = std::max<int64_t>(1, (16 * 1024) / std::max<int64_t>(1, bytes_per_row));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    int64_t m = 0;
-    for (; m + 4 <= M; m += 4) rows_block<4>(w, x, K, N, m, n0, n1, col_scale, bias, y);
-    for (; m + 2 <= M; m += 2) rows_block<2>(w, x, K, N, m, n0, n1, col_scale, bias, y);
-    for (; m < M; ++m) rows_block<1>(w, x, K, N, m, n0, n1, col_scale, bias, y);
+    for (int64_t c0 = n0; c0 < n1; c0 += chunk) {
+      const int64_t c1 = std::min(n1, c0 + chunk);
+      int64_t m = 0;
+      for (; m + 4 <= M; m += 4) rows_block<4>(w, x, K, N, m, c0, c1, col_scale, bias, y);
+      for (; m + 2 <= M; m += 2) rows_block<2>(w, x, K, N, m, c0, c1, col_scale, bias, y);
+      for (; m < M; ++m) rows_block<1>(w, x, K, N, m, c0, c1, col_scale, bias, y);
+    }
   });
 }
 
@@ -447,6 +453,81 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
 #endif
 }
 
+
+// ---- small per-row ops of a decode step (one call instead of 5-8 torch ops each) -------------
+//
+// Each reproduces the torch expression the model runs, rounding where torch rounds (bf16:
+// after each op), so results differ from torch's only by float evaluation order.
+
+namespace {
+
+inline float round_as(float v, bool bf16) { return bf16 ? static_cast<float>(static_cast<at::BFloat16>(v)) : v; }
+
+template <class T>
+inline float ld(const T* p, int64_t i) { return static_cast<float>(p[i]); }
+
+void check_rows(const at::Tensor& x, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && (x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16),
+              op, ": x must be a float32 or bfloat16 CPU tensor");
+}
+
+}  // namespace
+
+// weight * rms_norm(x.float(), eps).to(x.dtype)  (HF's LlamaRMSNorm); x [M, D] contiguous
+at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
+  check_rows(x, "rms_norm");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type()
+              && weight.is_contiguous() && weight.numel() == x.size(1), "rms_norm: x [M, D], weight [D] of x's dtype");
+  const int64_t M = x.size(0), D = x.size(1);
+  at::Tensor y = at::empty_like(x);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rms_norm", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* wp = weight.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for (int64_t m = 0; m < M; ++m) {
+      const scalar_t* r = xp + m * D;
+      float ss = 0.f;
+      for (int64_t d = 0; d < D; ++d) { const float v = ld(r, d); ss += v * v; }
+      const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
+      for (int64_t d = 0; d < D; ++d)
+        yp[m * D + d] = static_cast<scalar_t>(ld(wp, d) * round_as(ld(r, d) * inv, bf16));
+    }
+  });
+  return y;
+}
+
+// x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); x [T, nh, hd] (last dim
+// contiguous, any other strides), cos / sin [T, hd] of x's dtype → contiguous [T, nh, hd]
+at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
+  check_rows(x, "rope");
+  TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous()
+              && cos.scalar_type() == x.scalar_type() && sin.scalar_type() == x.scalar_type()
+              && cos.size(0) == x.size(0) && cos.size(1) == x.size(2) && sin.sizes() == cos.sizes()
+              && x.size(2) % 2 == 0, "rope: x [T, heads, hd], cos / sin [T, hd] of x's dtype");
+  const int64_t T = x.size(0), nh = x.size(1), hd = x.size(2), half = hd / 2;
+  at::Tensor y = at::empty({T, nh, hd}, x.options());
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  AT_DISPATCH_FLOATING_TYPES_AND(at::kBFloat16, x.scalar_type(), "rope", [&] {
+    const scalar_t* xp = x.data_ptr<scalar_t>();
+    const scalar_t* cp = cos.data_ptr<scalar_t>();
+    const scalar_t* sp = sin.data_ptr<scalar_t>();
+    scalar_t* yp = y.data_ptr<scalar_t>();
+    for (int64_t t = 0; t < T; ++t)
+      for (int64_t h = 0; h < nh; ++h) {
+        const scalar_t* r = xp + t * x.stride(0) + h * x.stride(1);
+        scalar_t* o = yp + (t * nh + h) * hd;
+        for (int64_t d = 0; d < hd; ++d) {
+          const float rot = d < half ? -ld(r, d + half) : ld(r, d - half);
+          const float a = round_as(ld(r, d) * ld(cp, t * hd + d), bf16);
+          const float b = round_as(rot * ld(sp, t * hd + d), bf16);
+          o[d] = static_cast<scalar_t>(a + b);
+        }
+      }
+  });
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &has_avx512);
   m.def("dense_gemv", &dense_gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
@@ -454,4 +535,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("w4_gemv", &w4_gemv, py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("neg_zs"),
         py::arg("group"), py::arg("bias") = py::none());
   m.def("paged_attention", &paged_attention);
+  m.def("rms_norm", &rms_norm);
+  m.def("rope", &rope);
 }

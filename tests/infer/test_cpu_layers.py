@@ -1,0 +1,45 @@
+"""The CPU kernel versions of RMSNorm and the rotary embedding, swapped in at load."""
+
+import pytest
+import torch
+
+from quantspec.infer.cpu_layers import KernelAttention, KernelRMSNorm, MAX_ROWS, use_cpu_layer_kernels
+from quantspec.kernels.cpu import cpu_kernels
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.llama import Attention, RMSNorm
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_swapped_model_gives_the_same_hidden_states(tiny_llama_dir, dtype):
+    from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
+
+    ref = load_model(tiny_llama_dir, dtype=dtype)[0]
+    fast = load_model(tiny_llama_dir, dtype=dtype)[0]
+    n = use_cpu_layer_kernels(fast)
+    a = fast.args
+    assert n == 2 * a.num_layers + 1 + a.num_layers  # 2 norms per layer + final norm, attentions
+    assert type(fast.model.norm) is KernelRMSNorm and type(fast.model.layers[0].self_attn) is KernelAttention
+
+    def hidden(model, rows):
+        cache = PagedKVCache(num_layers=a.num_layers, num_blocks=8, block_size=16, num_kv_heads=a.num_kv_heads,
+                             head_dim=a.head_dim, dtype=dtype)
+        table = cache.allocator.allocate(6)
+        ids = torch.arange(3, 3 + rows)
+        meta = AttentionMetadata.build([rows], [rows], [table], 16, "cpu")
+        with torch.no_grad():
+            return model(ids, torch.arange(rows), PagedAttention(cache, meta))
+
+    for rows in (3, MAX_ROWS + 6):  # the kernels, then torch's ops (prefill-sized)
+        want, got = hidden(ref, rows), hidden(fast, rows)
+        if dtype == torch.bfloat16:
+            assert torch.equal(got, want)
+        else:
+            torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-5)
+
+
+def test_only_cpu_float_modules_are_swapped(tiny_llama_dir):
+    model = load_model(tiny_llama_dir, dtype=torch.float16)[0]
+    assert use_cpu_layer_kernels(model) == 0
+    assert type(model.model.norm) is RMSNorm and type(model.model.layers[0].self_attn) is Attention
