@@ -73,7 +73,9 @@ def _stack_float(mods: list[nn.Linear]) -> nn.Linear | None:
     fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
-    fused.__class__ = type(first)  # keep SkinnyLinear's CPU path
+    fused.__class__ = type(first)  # keep SkinnyLinear's CPU path, with its kernels
+    if "kernels" in vars(first):
+        fused.kernels = first.kernels
     return fused
 
 

@@ -51,3 +51,14 @@ def test_which_cpu_linears_are_swapped():
     assert (type(m[1]) is SkinnyLinear) == bf16
     m2 = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 4).to(torch.bfloat16))
     assert use_skinny_linears(m2, cpu_kernels=False) == 1 and m2[0].kernels is None
+
+
+def test_fused_projections_keep_the_kernel_path(tiny_llama_dir):
+    """q/k/v and gate/up stacked at load are SkinnyLinears with the same kernels as the others."""
+    from quantspec.infer.loader import load_for_inference
+
+    lm = load_for_inference(tiny_llama_dir, tokenizer=False)
+    layer = lm.model.model.layers[0]
+    for fused in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
+        assert type(fused) is SkinnyLinear and fused.kernels is cpu_kernels()
+    assert layer.self_attn.o_proj.kernels is cpu_kernels()
