@@ -240,7 +240,9 @@ class MTPModule(nn.Module):
     def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """mtp_hidden: [N, D] → logits over the draft vocabulary [N, Vd] fp32 (map column j to
         token `draft_vocab_ids[j]`)."""
-        return F.linear(self.model.norm(mtp_hidden), self._shared["head"]).float()
+        x = self.model.norm(mtp_hidden)
+        op = self._shared.get("head_op")  # inference may set a faster op over the same weight
+        return (op(x) if op is not None else F.linear(x, self._shared["head"])).float()
 
     def full_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] → [N, V] fp32 with -inf outside the draft vocabulary (for sampled drafts)."""

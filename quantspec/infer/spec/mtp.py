@@ -60,8 +60,28 @@ def load_mtp_for_inference(path: str | Path, base: Transformer, *, dtype: torch.
     dtype = dtype or base.model.norm.weight.dtype
     device = device or base.model.norm.weight.device
     if cfg.get("quantization_config"):
-        return _load_quantized_mtp(path, cfg, dtype, device).bind_base(base)
-    return load_mtp(path, base, dtype=dtype, device=device)
+        mtp = _load_quantized_mtp(path, cfg, dtype, device).bind_base(base)
+    else:
+        mtp = load_mtp(path, base, dtype=dtype, device=device)
+    return _prepare_for_cpu(mtp) if torch.device(device).type == "cpu" else mtp
+
+
+def _prepare_for_cpu(mtp: MTPModule) -> MTPModule:
+    """The base's CPU treatment for the draft module: q/k/v and gate/up fused, float linears,
+    norms and the draft-vocabulary head on quantspec's CPU kernels where they are built (a draft
+    is one row per sequence: torch's 1-row float linear is a single-threaded GEMV)."""
+    from quantspec.infer.cpu_layers import use_cpu_layer_kernels
+    from quantspec.infer.dense_linear import use_skinny_linears
+    from quantspec.infer.fuse import fuse_projections
+    from quantspec.kernels.cpu import cpu_kernels
+
+    use_skinny_linears(mtp)
+    use_cpu_layer_kernels(mtp)
+    fuse_projections(mtp)
+    kernels, head = cpu_kernels(), mtp._shared["head"]
+    if kernels is not None and head.dtype in (torch.float32, torch.bfloat16) and head.shape[1] % 16 == 0:
+        mtp._shared["head_op"] = lambda x: kernels.dense_gemv(x.contiguous(), head, None)
+    return mtp
 
 
 def _load_quantized_mtp(path: Path, cfg: dict, dtype: torch.dtype, device) -> MTPModule:
