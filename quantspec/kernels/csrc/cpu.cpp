@@ -224,7 +224,7 @@ at::Tensor w4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "w4_gemv: packed must be contiguous uint8 [N, K/2]");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   check_x(x, K, "w4_gemv");
-  TORCH_CHECK(group % 32 == 0 && K % group == 0 || group == K && K % 32 == 0,
+  TORCH_CHECK((group % 32 == 0 && K % group == 0) || (group == K && K % 32 == 0),
               "w4_gemv: group must be a multiple of 32 dividing K (or K), got ", group);
   TORCH_CHECK(K % 32 == 0, "w4_gemv: K must be a multiple of 32, got ", K);
   const int64_t G = K / group;
