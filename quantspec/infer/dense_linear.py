@@ -8,7 +8,7 @@ contiguous rows streams W once through sgemm's skinny kernel instead. Measured o
 near 4 rows (8 for the 49k-row head), where the plain path takes over again.
 
 Where quantspec's CPU kernels are built (`kernels/cpu.py`, AVX-512), they take over: fp32
-weights for M ≤ 8 (on par with the path above at M ≤ 4, 1.4x faster than torch at M = 8 over
+weights for M ≤ 8 (on par with the path above at M ≤ 4, 1.2-1.4x faster than torch at M = 8 over
 the default model's layers, 1.9x on its head) and bf16 weights — the head of a quantized
 artifact — for M ≤ 64 (2x faster than torch's bf16 linear at M = 1; slower from M ≈ 4, but one
 kernel for every verification size keeps each row's logits bitwise equal to a decode step's, so

@@ -1,9 +1,11 @@
 """The engine: a batch of requests over one model and one paged KV cache.
 
-Each `step()` runs ONE forward over a flattened batch in which every running sequence brings its
-new tokens — the whole prompt when it is admitted (prefill), its last token (decode), or its last
-token plus k draft tokens (speculative verification) — then samples or verifies, appends, and
-retires finished sequences so waiting ones are admitted (continuous batching). Speculative
+Each `step()` runs ONE forward over a flattened batch: either the whole prompts of newly admitted
+sequences (a prefill step), or every running sequence's last token (decode) or last token plus k
+draft tokens (speculative verification) — then samples or verifies, appends, and retires finished
+sequences so waiting ones are admitted (continuous batching). Prefills never share a step with
+decode rows, and decode steps run under `step_rows.decode_step()`, so a sequence's rows take the
+same row-invariant kernels whatever else the batch holds (speculation stays bitwise lossless). Speculative
 decoding plugs in through a `Proposer`; the verifier is the pure function in `spec/verify.py`.
 
 KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions

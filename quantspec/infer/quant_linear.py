@@ -18,7 +18,16 @@ fp32 like the kernels do). Fast paths differ from it only by float rounding orde
 
 Dispatch rule (`DispatchPolicy` holds the thresholds):
 
-CPU (torch ops; measured with 1 thread on SmolLM2's shapes, see the issue-3 report):
+CPU, where quantspec's CPU kernels are built (`kernels/cpu.py`, AVX-512; `DispatchPolicy.cpu_kernels`):
+- weight-only int8, symmetric per channel / tensor, K % 16 == 0: `w8_gemv` for fp32 or bf16 x,
+  M ≤ `cpu_packed_max_m` (1.4-2.1x torch's int8 op at M = 1 on the default model, 2 cores);
+- weight-only int4 with K % 32 == 0 and groups of a multiple of 32: torch's packed int4 op below
+  when it applies (faster than quantspec's kernel on Zen 4), else `w4_gemv` (fp32 x, or a layout
+  torch's op refuses);
+- each row's numbers are the same whatever M, and an engine decode step (`infer/step_rows.py`)
+  takes these row paths for every M, so verification rows equal decode rows bitwise.
+
+CPU, torch's ops (measured with 1 thread on SmolLM2's shapes, see the issue-3 report):
 - weight-only int8, symmetric per-channel: `torch._weight_int8pack_mm` when x is bf16/fp16,
   M ≤ `cpu_packed_max_m` (64) and K % 16 == 0 (other K crash or return garbage in torch 2.13);
   else dequantize + matmul. The op's fp32 kernel is scalar: ~10× slower than an fp32 dense
