@@ -32,7 +32,7 @@ def test_matches_linear(rows, bias, in_features):
 def test_kernel_rows_are_bitwise_those_of_one_row(dtype):
     """Every row the kernel serves (a verification step) equals that row alone (a decode step)."""
     torch.manual_seed(0)
-    lin = nn.Linear(96, 70, bias=True).to(dtype)
+    lin = nn.Linear(96, 70, bias=True).to(dtype).requires_grad_(False)
     use_skinny_linears(lin)
     x = torch.randn(KERNEL_MAX_ROWS[dtype], 96).to(dtype)
     y = lin(x)
