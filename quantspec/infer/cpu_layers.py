@@ -14,12 +14,12 @@ from __future__ import annotations
 import torch
 
 from quantspec.infer.step_rows import in_decode_step
+from quantspec.kernels.cpu import X_DTYPES as _DTYPES
 from quantspec.model_zoo.llama import Attention, RMSNorm
 
 __all__ = ["KernelAttention", "KernelRMSNorm", "MAX_ROWS", "use_cpu_layer_kernels"]
 
 MAX_ROWS = 64
-_DTYPES = (torch.float32, torch.bfloat16)
 
 
 def _kernel_rows(x: torch.Tensor) -> bool:

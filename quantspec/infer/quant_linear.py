@@ -68,6 +68,7 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.step_rows import in_decode_step
+from quantspec.kernels.cpu import X_DTYPES as _GEMV_DTYPES
 from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_INT_QUANTIZED,
@@ -98,7 +99,6 @@ CPU_INT8PACK_K_MULTIPLE = 16  # `_weight_int8pack_mm` crashes / is wrong for oth
 CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses other N
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
-_GEMV_DTYPES = (torch.float32, torch.bfloat16)  # x dtypes quantspec's CPU kernels take
 _WORD_BITS = 32
 # torch's packed CPU ops assume allocator-aligned operands: a tensor viewed straight out of a
 # safetensors buffer (any offset) made `_weight_int8pack_mm` segfault, so buffers are re-homed

@@ -37,6 +37,7 @@ import torch
 
 __all__ = [
     "ENV_SWITCH",
+    "X_DTYPES",
     "cpu_kernels",
     "cpu_kernels_error",
     "dense_gemv",
@@ -52,6 +53,7 @@ __all__ = [
 ]
 
 ENV_SWITCH = "QUANTSPEC_CPU_KERNELS"  # "0": never build or use them
+X_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes every kernel takes
 K_MULTIPLE = 16  # the kernels take K % 16 == 0 (int4: K % 32 == 0, groups of a multiple of 32)
 INT4_BLOCK = 32
 

@@ -70,17 +70,20 @@ def _prepare_for_cpu(mtp: MTPModule) -> MTPModule:
     """The base's CPU treatment for the draft module: q/k/v and gate/up fused, float linears,
     norms and the draft-vocabulary head on quantspec's CPU kernels where they are built (a draft
     is one row per sequence: torch's 1-row float linear is a single-threaded GEMV)."""
+    from torch import nn
+
     from quantspec.infer.cpu_layers import use_cpu_layer_kernels
     from quantspec.infer.dense_linear import use_skinny_linears
     from quantspec.infer.fuse import fuse_projections
-    from quantspec.kernels.cpu import cpu_kernels
 
+    head = mtp._shared["head"]  # [Vd, D]: a Linear over the same tensor, given the float-linear path
+    head_op = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta", dtype=head.dtype)
+    head_op.weight = nn.Parameter(head, requires_grad=False)
+    use_skinny_linears(head_op)
+    mtp._shared["head_op"] = head_op
     use_skinny_linears(mtp)
     use_cpu_layer_kernels(mtp)
     fuse_projections(mtp)
-    kernels, head = cpu_kernels(), mtp._shared["head"]
-    if kernels is not None and head.dtype in (torch.float32, torch.bfloat16) and head.shape[1] % 16 == 0:
-        mtp._shared["head_op"] = lambda x: kernels.dense_gemv(x.contiguous(), head, None)
     return mtp
 
 

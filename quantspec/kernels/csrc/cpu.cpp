@@ -36,6 +36,13 @@ bool has_avx512() { return QS_AVX512 != 0; }
 
 #if QS_AVX512
 
+// 16 consecutive fp32 / bf16 values as fp32
+inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
+inline __m512 load16f(const at::BFloat16* p) {
+  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
+}
+
 // ---- weight loaders: 16 consecutive weights of row n, starting at k (k % 16 == 0), as fp32 ----
 
 struct F32Rows {
@@ -44,11 +51,8 @@ struct F32Rows {
 };
 
 struct BF16Rows {
-  const uint16_t* w; int64_t K;
-  inline __m512 load16(int64_t n, int64_t k) const {
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(w + n * K + k));
-    return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-  }
+  const at::BFloat16* w; int64_t K;
+  inline __m512 load16(int64_t n, int64_t k) const { return load16f(w + n * K + k); }
 };
 
 struct I8Rows {  // per-channel scale applied after the reduction
@@ -136,16 +140,14 @@ void run(const W& w, const float* x, int64_t M, int64_t K, int64_t N, const floa
 
 #endif  // QS_AVX512
 
-std::vector<float> x_as_fp32(const at::Tensor& x) {
+// x as fp32: its own data when it is fp32, else converted into `buf`
+const float* x_as_fp32(const at::Tensor& x, std::vector<float>& buf) {
+  if (x.scalar_type() == at::kFloat) return x.data_ptr<float>();
   const int64_t n = x.numel();
-  std::vector<float> xf(n);
-  if (x.scalar_type() == at::kFloat) {
-    std::memcpy(xf.data(), x.data_ptr<float>(), n * sizeof(float));
-  } else {
-    const at::BFloat16* p = x.data_ptr<at::BFloat16>();
-    for (int64_t i = 0; i < n; ++i) xf[i] = static_cast<float>(p[i]);
-  }
-  return xf;
+  buf.resize(n);
+  const at::BFloat16* p = x.data_ptr<at::BFloat16>();
+  for (int64_t i = 0; i < n; ++i) buf[i] = static_cast<float>(p[i]);
+  return buf.data();
 }
 
 void check_x(const at::Tensor& x, int64_t K, const char* op) {
@@ -169,13 +171,14 @@ at::Tensor dispatch_out(const W& w, const at::Tensor& x, int64_t N, const float*
                         const float* bias, int64_t bytes_per_row) {
 #if QS_AVX512
   const int64_t M = x.size(0), K = x.size(1);
-  std::vector<float> xf = x_as_fp32(x);
+  std::vector<float> buf;
+  const float* xf = x_as_fp32(x, buf);
   at::Tensor y = at::empty({M, N}, x.options());
   if (M == 0 || N == 0) return y;
   if (x.scalar_type() == at::kFloat)
-    run(w, xf.data(), M, K, N, col_scale, bias, y.data_ptr<float>(), bytes_per_row);
+    run(w, xf, M, K, N, col_scale, bias, y.data_ptr<float>(), bytes_per_row);
   else
-    run(w, xf.data(), M, K, N, col_scale, bias, y.data_ptr<at::BFloat16>(), bytes_per_row);
+    run(w, xf, M, K, N, col_scale, bias, y.data_ptr<at::BFloat16>(), bytes_per_row);
   return y;
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
@@ -194,8 +197,7 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optio
   if (w.scalar_type() == at::kFloat)
     return dispatch_out(F32Rows{w.data_ptr<float>(), K}, x, N, nullptr, b, K * 4);
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "dense_gemv: w must be float32 or bfloat16");
-  return dispatch_out(BF16Rows{reinterpret_cast<const uint16_t*>(w.data_ptr<at::BFloat16>()), K},
-                      x, N, nullptr, b, K * 2);
+  return dispatch_out(BF16Rows{w.data_ptr<at::BFloat16>(), K}, x, N, nullptr, b, K * 2);
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
@@ -224,9 +226,9 @@ at::Tensor w4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tens
               "w4_gemv: packed must be contiguous uint8 [N, K/2]");
   const int64_t N = packed.size(0), K = packed.size(1) * 2;
   check_x(x, K, "w4_gemv");
-  TORCH_CHECK((group % 32 == 0 && K % group == 0) || (group == K && K % 32 == 0),
-              "w4_gemv: group must be a multiple of 32 dividing K (or K), got ", group);
   TORCH_CHECK(K % 32 == 0, "w4_gemv: K must be a multiple of 32, got ", K);
+  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0,
+              "w4_gemv: group must be a multiple of 32 dividing K (or K), got ", group);
   const int64_t G = K / group;
   const float* s = opt_f32(scale, N * G, "w4_gemv: scale");
   const float* zs = opt_f32(bias_zs, N * G, "w4_gemv: neg_zs");
@@ -268,11 +270,6 @@ inline __m512 exp512(__m512 x) {  // Cephes expf on [-87.3, 0], ~1 ulp
   return _mm512_scalef_ps(p, n);
 }
 
-inline __m512 load16f(const float* p) { return _mm512_loadu_ps(p); }
-inline __m512 load16f(const at::BFloat16* p) {
-  __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-  return _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(v), 16));
-}
 inline void store16f(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
 inline void store16f(at::BFloat16* p, __m512 v) {
   float tmp[16];
@@ -312,24 +309,22 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
   float inv_sum[kMaxGroup];
   for (int g = 0; g < G; ++g) {
     float* s = sc.data() + g * L;
+    const int64_t full = L & ~int64_t(15);  // keys in whole 16-wide vectors; the rest is masked
+    const __mmask16 m = static_cast<__mmask16>((1u << (L - full)) - 1);
     __m512 mx = _mm512_set1_ps(-INFINITY);
     int64_t t = 0;
-    for (; t + 16 <= L; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    if (t < L) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + t));
-    }
+    for (; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
+    if (full < L) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + full));
     const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t + 16 <= L; t += 16) {
+    for (t = 0; t < full; t += 16) {
       const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
       _mm512_storeu_ps(s + t, e);
       sum = _mm512_add_ps(sum, e);
     }
-    if (t < L) {
-      const __mmask16 m = static_cast<__mmask16>((1u << (L - t)) - 1);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax));
-      _mm512_mask_storeu_ps(s + t, m, e);
+    if (full < L) {
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + full), vmax));
+      _mm512_mask_storeu_ps(s + full, m, e);
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
     inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
@@ -398,7 +393,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
   TORCH_CHECK(q.stride(2) == 1 && k_new.stride(2) == 1 && v_new.stride(2) == 1 && k_cache.is_contiguous()
               && v_cache.is_contiguous(), "paged_attention: the head dim must be contiguous");
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_new.scalar_type() == k_cache.scalar_type()
-              && v_cache.scalar_type() == k_cache.scalar_type(), "paged_attention: one dtype for q, k, v and the cache");
+              && v_new.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
+              "paged_attention: one dtype for q, k, v and the cache");
   TORCH_CHECK(H % KV == 0 && H / KV <= kMaxGroup, "paged_attention: H / KV must be an integer <= ", kMaxGroup);
   TORCH_CHECK(hd == 64 || hd == 128, "paged_attention: head_dim must be 64 or 128, got ", hd);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && block_tables.scalar_type() == at::kLong
