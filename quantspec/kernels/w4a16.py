@@ -126,7 +126,9 @@ def _w4a16_kernel(
         q = ((words >> shift_base[None, :]) & 0xF) - 8  # [BN, BK] int32 in [-8, 7]
         if GROUP_ALIGNED:
             # BLOCK_K divides group_size: the whole k tile shares one group
-            g = k0 // group_size
+            # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
+            # reads the last group, not one past the end, which may hold a NaN)
+            g = tl.minimum(k0, K - 1) // group_size
             s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
             if HAS_ZERO and ZERO_FLOAT:
                 z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0.0).to(tl.float32)
