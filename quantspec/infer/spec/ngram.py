@@ -17,7 +17,9 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.types import SpecProposal
 
-__all__ = ["propose_ngram", "propose_ngram_batch", "NgramProposer"]
+__all__ = ["propose_ngram", "propose_ngram_batch", "NgramProposer", "TIE_BREAK_CONTEXT"]
+
+TIE_BREAK_CONTEXT = 64  # tokens of context beyond max_ngram_size that choose among occurrences
 
 
 def _check_sizes(max_ngram_size: object, max_draft_tokens: object, min_ngram_size: object) -> None:
@@ -55,12 +57,15 @@ def propose_ngram(
 
     For n from max_ngram_size down to min_ngram_size, look for an earlier occurrence of the last
     n tokens (it must end before the last token; it may overlap the suffix). The first n that
-    matches wins (longest first), and among its occurrences the *most recent* one is used: the
-    latest context is the best predictor of what comes next in generated text (a list being
-    continued, code being re-emitted), and it is where the longer-n candidates were looked for
-    too. The draft is the up to max_draft_tokens tokens that followed that occurrence, cut at
-    the end of the sequence (a match close to the end yields fewer tokens). [] if nothing
-    matches, the sequence has fewer than 2 tokens, or max_draft_tokens is 0.
+    matches wins (longest first). When several occurrences match all max_ngram_size tokens, the
+    one whose match runs furthest back beyond them (up to TIE_BREAK_CONTEXT more tokens) is used:
+    code being re-emitted repeats short n-grams in many places ("    x = 0\n" opening two
+    functions) and the longer context tells which place is being copied. Among equally long
+    matches the *most recent* occurrence wins: the latest context is the best predictor of what
+    comes next in generated text (a list being continued). The draft is the up to
+    max_draft_tokens tokens that followed that occurrence, cut at the end of the sequence (a
+    match close to the end yields fewer tokens). [] if nothing matches, the sequence has fewer
+    than 2 tokens, or max_draft_tokens is 0.
 
     Worked example (max_ngram_size=3, max_draft_tokens=3):
         token_ids = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]   positions 0..10
@@ -91,6 +96,16 @@ def propose_ngram(
         best_n, best_end = j + 1, int(ends[-1])
     if best_n < min_ngram_size:
         return []
+    # several full-length matches: keep narrowing by the context before them (see above)
+    if best_n == max_n and ends.size > 1:
+        for j in range(max_n, min(max_n + TIE_BREAK_CONTEXT, length - 1)):
+            ends = ends[ends >= j]
+            ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+            if ends.size == 0:
+                break
+            best_end = int(ends[-1])
+            if ends.size == 1:
+                break
     return tokens[best_end + 1 : best_end + 1 + int(max_draft_tokens)].tolist()
 
 

@@ -6,19 +6,31 @@ import pytest
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.spec.ngram import NgramProposer, propose_ngram, propose_ngram_batch
+from quantspec.infer.spec.ngram import (
+    TIE_BREAK_CONTEXT,
+    NgramProposer,
+    propose_ngram,
+    propose_ngram_batch,
+)
 
 
 def _reference(tokens, max_n, max_draft, min_n=1):
-    """Brute force: for n = max_n..min_n, the latest i < L - n with tokens[i:i+n] == suffix."""
+    """Brute force: the earlier occurrence (ending at e < L - 1) with the longest backward match
+    against the suffix, the match length capped at max_n + TIE_BREAK_CONTEXT; the latest among
+    equals; none if the longest is shorter than min_n."""
     tokens = list(tokens)
     length = len(tokens)
-    for n in range(min(max_n, length - 1), min_n - 1, -1):
-        suffix = tokens[length - n :]
-        for i in range(length - n - 1, -1, -1):
-            if tokens[i : i + n] == suffix:
-                return tokens[i + n : i + n + max_draft]
-    return []
+    cap = max_n + TIE_BREAK_CONTEXT
+    best_len, best_end = 0, -1
+    for e in range(length - 1):
+        n = 0
+        while n < cap and n <= e and tokens[e - n] == tokens[length - 1 - n]:
+            n += 1
+        if n >= best_len and n > 0:
+            best_len, best_end = n, e
+    if best_len < min_n:
+        return []
+    return tokens[best_end + 1 : best_end + 1 + max_draft]
 
 
 def test_docstring_example():
@@ -47,7 +59,26 @@ def test_longest_first_preference():
     # length-2 suffix [1, 2] occurs at 0 (→ 3); the more recent [2] at 5 (→ 4) only matches n=1
     tokens = [1, 2, 3, 0, 9, 2, 4, 1, 2]
     assert propose_ngram(tokens, 2, 1) == [3]
+    # max_ngram_size 1: both [2]s match; the one at 1 also matches the [1] before it (context)
+    assert propose_ngram(tokens, 1, 1) == [3]
+    tokens[0] = 8  # now neither has more context: the most recent wins
     assert propose_ngram(tokens, 1, 1) == [4]
+
+
+def test_longer_context_chooses_among_full_length_matches():
+    # [4, 5] (max_ngram_size 2) occurs at 1..2 (→ 6) and 8..9 (→ 7); the suffix [1, 3, 4, 5]
+    # also matches two tokens further back at the first one, so it wins over the more recent
+    tokens = [1, 3, 4, 5, 6, 0, 9, 4, 5, 7, 0, 1, 3, 4, 5]
+    assert propose_ngram(tokens, 2, 1) == [6]
+    # with no extra context on either side the most recent full match wins
+    assert propose_ngram([2, 4, 5, 6, 0, 8, 4, 5, 7, 0, 9, 4, 5], 2, 1) == [7]
+    # the extra context is capped: beyond TIE_BREAK_CONTEXT tokens the most recent wins again
+    shared = list(range(100, 100 + TIE_BREAK_CONTEXT))
+    tokens = [1] + shared + [4, 5, 6] + [2] + shared + [4, 5, 7] + [3] + shared + [4, 5]
+    assert propose_ngram(tokens, 2, 1) == [7]
+    tokens[0] = 3  # the first occurrence now matches one token further back, past the cap
+    assert propose_ngram(tokens, 2, 1) == [7]
+    assert _reference(tokens, 2, 1) == [7]
 
 
 def test_overlapping_occurrence_and_truncation_at_end():
