@@ -26,12 +26,13 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
 
 
 def bench_engine(model, prompt, new_tokens, batch, eos) -> tuple[float, float]:
-    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill step)."""
+    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill steps)."""
     eng = Engine(model, EngineConfig(max_batch_size=batch, max_length=len(prompt) + new_tokens + 8),
                  eos_token_ids=[])
     seqs = [eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for _ in range(batch)]
     t = time.perf_counter()
-    eng.step()  # prefill of every sequence (+ their first token)
+    while any(s.num_cached == 0 for s in seqs):  # the prefill steps (+ each first token)
+        eng.step()
     t_prefill = time.perf_counter()
     eng.run()
     dt = time.perf_counter() - t

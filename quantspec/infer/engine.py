@@ -30,6 +30,9 @@ from quantspec.model_zoo.llama import Transformer
 
 __all__ = ["Engine", "EngineConfig", "Proposer", "Sequence"]
 
+# prompt tokens one prefill forward takes at most (a longer prompt still goes in one forward)
+PREFILL_TOKENS = 1024
+
 
 @dataclass
 class EngineConfig:
@@ -183,6 +186,20 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------
 
+    def _prefill_batch(self) -> list[Sequence]:
+        """The admitted prompts that prefill this step: in order, up to PREFILL_TOKENS prompt
+        tokens (at least one prompt). One huge forward over every prompt of a batch spills its
+        activations ([T, intermediate] fp32) out of the caches; a few medium ones do not."""
+        fresh, tokens = [], 0
+        for s in self.running:
+            if s.num_cached == 0:
+                n = len(s.tokens)
+                if fresh and tokens + n > PREFILL_TOKENS:
+                    break
+                fresh.append(s)
+                tokens += n
+        return fresh
+
     def _budget(self, seq: Sequence) -> int:
         """How many draft tokens this sequence may verify this step."""
         left_new = seq.params.max_new_tokens - len(seq.output_ids) - 1
@@ -196,7 +213,7 @@ class Engine:
         # a step prefills newly admitted prompts alone, or runs the decode / verification rows of
         # every running sequence: decode rows never share a forward with a prefill, so they always
         # take the row-invariant decode-step paths (`step_rows`)
-        fresh = [s for s in self.running if s.num_cached == 0]
+        fresh = self._prefill_batch()
         seqs = fresh or self.running
         if not seqs:
             return []

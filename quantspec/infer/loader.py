@@ -312,10 +312,12 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         net.setup_rope(args.max_position_embeddings, device)
         net.eval()
     tok = _load_tokenizer(model_dir) if tokenizer else None
+    cpu_kernels = device.type == "cpu" and (policy is None or policy.cpu_kernels)
     if device.type == "cpu":
         from quantspec.infer.dense_linear import use_skinny_linears
 
-        use_skinny_linears(net)  # float linears (all of a float model; the head of an artifact)
+        # float linears (all of a float model; the head of an artifact)
+        use_skinny_linears(net, cpu_kernels=cpu_kernels)
         from quantspec.infer.cpu_layers import use_cpu_layer_kernels
 
         use_cpu_layer_kernels(net)  # RMSNorm, rotary embedding
@@ -323,6 +325,10 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         from quantspec.infer.fuse import fuse_projections
 
         fuse_projections(net)
+    if cpu_kernels:
+        from quantspec.infer.dense_linear import pack_float_linears
+
+        pack_float_linears(net)  # fp32 linears → packed weights + quantspec's GEMM (after fusing)
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
                        quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
                        kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),

@@ -42,6 +42,10 @@ __all__ = [
     "cpu_kernels_error",
     "dense_gemv",
     "dense_gemv_ref",
+    "pack_dense",
+    "packed_gemm",
+    "packed_gemm_ref",
+    "unpack_dense",
     "paged_attention",
     "paged_attention_ref",
     "pack_int4_cpu",
@@ -56,6 +60,7 @@ ENV_SWITCH = "QUANTSPEC_CPU_KERNELS"  # "0": never build or use them
 X_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes every kernel takes
 K_MULTIPLE = 16  # the kernels take K % 16 == 0 (int4: K % 32 == 0, groups of a multiple of 32)
 INT4_BLOCK = 32
+PACK_BLOCK = 32  # output features per column block of `pack_dense`
 
 _SOURCE = Path(__file__).parent / "csrc" / "cpu.cpp"
 # no fused multiply-adds the compiler picks per call site: a row's numbers must not depend on
@@ -145,6 +150,33 @@ def dense_gemv(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = Non
 
 def dense_gemv_ref(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = x.float() @ w.float().t()
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [N, K] → [NB, K, 32] column blocks (NB = ceil(N / 32), N zero-padded):
+    block b holds w[32 b + j, k] at [b, k, j]. Done once at load; `packed_gemm` reads it."""
+    N, K = w.shape
+    nb = -(-N // PACK_BLOCK)
+    padded = torch.zeros(nb * PACK_BLOCK, K, dtype=torch.float32)
+    padded[:N] = w.detach()
+    return padded.view(nb, PACK_BLOCK, K).transpose(1, 2).contiguous()
+
+
+def unpack_dense(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_dense` → [n, K]."""
+    nb, K, _ = packed.shape
+    return packed.transpose(1, 2).reshape(nb * PACK_BLOCK, K)[:n].contiguous()
+
+
+def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] fp32/bf16 contiguous (any M), packed from `pack_dense` of a [n, K] fp32 weight,
+    bias [n] fp32 → [M, n] in x.dtype."""
+    return _need().packed_gemm(x, packed, n, bias)
+
+
+def packed_gemm_ref(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    y = x.float() @ unpack_dense(packed, n).t()
     return (y if bias is None else y + bias).to(x.dtype)
 
 

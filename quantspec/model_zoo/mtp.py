@@ -200,7 +200,8 @@ class MTPModule(nn.Module):
         """Share `base`'s embedding and gather the draft vocabulary's rows of its head."""
         check_mtp_matches_base(self.args, base.args)
         head = base.lm_head
-        w = getattr(head, "weight", None)
+        # a float head's weight; an inference-packed one unpacks it (`infer.dense_linear.PackedLinear`)
+        w = head.dense_weight() if hasattr(head, "dense_weight") else getattr(head, "weight", None)
         if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.shape != (base.args.vocab_size, base.args.hidden_size):
             # a quantized head: its effective weight is head(I) transposed ([D, V] → [V, D])
             eye = torch.eye(base.args.hidden_size, dtype=self.model.norm.weight.dtype, device=self.model.norm.weight.device)

@@ -1,10 +1,17 @@
-"""The CPU skinny-M float linear against torch's own linear."""
+"""The CPU float linears (skinny-M `SkinnyLinear`, packed `PackedLinear`) against torch's own linear."""
 
 import pytest
 import torch
 from torch import nn
 
-from quantspec.infer.dense_linear import KERNEL_MAX_ROWS, MAX_ROWS, SkinnyLinear, use_skinny_linears
+from quantspec.infer.dense_linear import (
+    KERNEL_MAX_ROWS,
+    MAX_ROWS,
+    PackedLinear,
+    SkinnyLinear,
+    pack_float_linears,
+    use_skinny_linears,
+)
 from quantspec.kernels.cpu import cpu_kernels
 
 
@@ -53,12 +60,53 @@ def test_which_cpu_linears_are_swapped():
     assert use_skinny_linears(m2, cpu_kernels=False) == 1 and m2[0].kernels is None
 
 
-def test_fused_projections_keep_the_kernel_path(tiny_llama_dir):
-    """q/k/v and gate/up stacked at load are SkinnyLinears with the same kernels as the others."""
+needs_kernels = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
+
+
+@needs_kernels
+def test_loaded_float_linears_are_packed_after_fusing(tiny_llama_dir):
+    """With the kernels built, every fp32 linear of a loaded model (fused q/k/v and gate/up, the
+    head) is a PackedLinear, and the model's logits still match the unpacked model's."""
     from quantspec.infer.loader import load_for_inference
 
     lm = load_for_inference(tiny_llama_dir, tokenizer=False)
     layer = lm.model.model.layers[0]
-    for fused in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj):
-        assert type(fused) is SkinnyLinear and fused.kernels is cpu_kernels()
-    assert layer.self_attn.o_proj.kernels is cpu_kernels()
+    for mod in (layer.self_attn.qkv_proj, layer.mlp.gate_up_proj, layer.self_attn.o_proj,
+                layer.mlp.down_proj, lm.model.lm_head):
+        assert type(mod) is PackedLinear and mod.kernels is cpu_kernels()
+    assert not any(type(m) in (nn.Linear, SkinnyLinear) for m in lm.model.modules())
+    plain = load_for_inference(tiny_llama_dir, tokenizer=False, fuse=False)
+    assert type(plain.model.model.layers[0].self_attn.q_proj) is PackedLinear
+    from quantspec.infer.quant_linear import DispatchPolicy
+
+    torch_ops = load_for_inference(tiny_llama_dir, tokenizer=False, policy=DispatchPolicy(cpu_kernels=False))
+    head = torch_ops.model.lm_head
+    assert type(head) is SkinnyLinear and head.kernels is None
+    torch.testing.assert_close(lm.model.lm_head.dense_weight(), head.weight)
+
+
+@needs_kernels
+@pytest.mark.parametrize("bias", [False, True])
+def test_packed_linear_matches_linear_for_any_rows(bias):
+    torch.manual_seed(3)
+    ref = nn.Linear(72, 45, bias=bias).requires_grad_(False)
+    packed = PackedLinear(ref, cpu_kernels())
+    for rows in (1, 3, 8, 11, 70):
+        x = torch.randn(rows, 72)
+        torch.testing.assert_close(packed(x), ref(x), atol=1e-5, rtol=1e-5)
+        for i in (0, rows - 1):  # each row as in a decode step: the same bits
+            assert torch.equal(packed(x[i:i + 1]), packed(x)[i:i + 1])
+    x3 = torch.randn(2, 5, 72)
+    torch.testing.assert_close(packed(x3), ref(x3), atol=1e-5, rtol=1e-5)
+    xt = torch.randn(72, 4).t()  # non-contiguous
+    torch.testing.assert_close(packed(xt), ref(xt), atol=1e-5, rtol=1e-5)
+    assert torch.equal(packed.dense_weight(), ref.weight)
+    assert "packed" not in packed.state_dict() and (packed.bias is not None) == bias
+
+
+@needs_kernels
+def test_pack_float_linears_takes_fp32_cpu_linears_only():
+    m = nn.Sequential(nn.Linear(4, 4), SkinnyLinear(4, 6), nn.Linear(4, 4).to(torch.bfloat16))
+    assert pack_float_linears(m) == 2
+    assert type(m[0]) is PackedLinear and type(m[1]) is PackedLinear and type(m[2]) is nn.Linear
+    assert m[1].out_features == 6

@@ -13,7 +13,8 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.loader import load_for_inference
-from quantspec.infer.quant_linear import KernelPath, QuantLinear
+from quantspec.infer.dense_linear import PackedLinear
+from quantspec.infer.quant_linear import DispatchPolicy, KernelPath, QuantLinear
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.checkpoint import (build_model, load_checkpoint_tensors, load_model,
                                             read_config)
@@ -137,7 +138,7 @@ def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name, fuse):
     qlinears = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
     # every Linear but lm_head; fused: qkv, o, gate_up, down
     assert len(qlinears) == (4 if fuse else 7) * lm.args.num_layers
-    assert isinstance(lm.model.lm_head, nn.Linear) and not isinstance(lm.model.lm_head, QuantLinear)
+    assert isinstance(lm.model.lm_head, (nn.Linear, PackedLinear))  # the float head
     got = logits(lm.model, IDS)
     want = logits(reference_model(tiny_llama_dir, artifacts[name]), IDS)
     fp32 = logits(load_model(tiny_llama_dir)[0], IDS)
@@ -205,8 +206,14 @@ def test_plain_hf_dir_loads_unquantized(tiny_llama_dir):
 def test_tied_embeddings_stay_tied(tmp_path):
     src = build_tiny_model(tmp_path / "src", "llama", tie_word_embeddings=True)
     art = write_quantized_artifact(src, tmp_path / "w4", "weight_only_int4", group_size=32)
-    lm = load_for_inference(art, tokenizer=False)
+    lm = load_for_inference(art, tokenizer=False, policy=DispatchPolicy(cpu_kernels=False))
     assert lm.model.lm_head.weight is lm.model.model.embed_tokens.weight
+    torch.testing.assert_close(logits(lm.model, IDS), logits(reference_model(src, art), IDS),
+                               rtol=1e-4, atol=1e-4)
+    lm = load_for_inference(art, tokenizer=False)
+    head = lm.model.lm_head  # packed for quantspec's kernel where it is built: the same values
+    w = head.dense_weight() if isinstance(head, PackedLinear) else head.weight
+    assert torch.equal(w, lm.model.model.embed_tokens.weight)
     torch.testing.assert_close(logits(lm.model, IDS), logits(reference_model(src, art), IDS),
                                rtol=1e-4, atol=1e-4)
 

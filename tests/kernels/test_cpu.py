@@ -89,6 +89,59 @@ def test_rows_are_bitwise_invariant_to_the_batch():
             assert torch.equal(op(xd[3:8].contiguous()), full[3:8])
 
 
+def test_dense_packing_round_trips():
+    w = torch.randn(37, 20)
+    p = cg.pack_dense(w)
+    assert p.shape == (2, 20, 32) and p.dtype == torch.float32
+    assert torch.equal(p[1, 3, 4], w[36, 3]) and torch.equal(p[1, :, 5:], torch.zeros(20, 27))
+    assert torch.equal(cg.unpack_dense(p, 37), w)
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,K", [(37, 20), (64, 576), (96, 13), (5, 1)])  # any K; N % 32 tails
+@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 11, 19, 130])
+@pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
+def test_packed_gemm_matches_reference_for_any_rows(N, K, M, xdtype):
+    g = torch.Generator().manual_seed(N * K + M)
+    x = torch.randn(M, K, generator=g).to(xdtype)
+    w = torch.randn(N, K, generator=g)
+    b = torch.randn(N, generator=g)
+    p = cg.pack_dense(w)
+    want = (x.double() @ w.double().t() + b.double()).to(xdtype)
+    _close(cg.packed_gemm(x, p, N, b), want, xdtype)
+    _close(cg.packed_gemm_ref(x, p, N, b), want, xdtype)
+    _close(cg.packed_gemm(x, p, N), (x.double() @ w.double().t()).to(xdtype), xdtype)
+
+
+@needs_kernels
+def test_packed_gemm_rows_are_bitwise_invariant_to_the_batch():
+    """Each output is one FMA chain over k in one lane: whatever tile (8 / 4 / 2 / 1 rows) a row
+    lands in, its result is the same bits as alone."""
+    g = torch.Generator().manual_seed(1)
+    N, K = 70, 576
+    x = torch.randn(23, K, generator=g)
+    p = cg.pack_dense(torch.randn(N, K, generator=g))
+    b = torch.randn(N, generator=g)
+    full = cg.packed_gemm(x, p, N, b)
+    for i in range(x.shape[0]):
+        assert torch.equal(cg.packed_gemm(x[i:i + 1].contiguous(), p, N, b), full[i:i + 1])
+    for lo, hi in [(3, 8), (5, 16), (0, 11)]:
+        assert torch.equal(cg.packed_gemm(x[lo:hi].contiguous(), p, N, b), full[lo:hi])
+
+
+@needs_kernels
+def test_packed_gemm_refuses_bad_input():
+    p = cg.pack_dense(torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cg.packed_gemm(torch.randn(2, 16), p, 70)
+    with pytest.raises(RuntimeError, match="features"):
+        cg.packed_gemm(torch.randn(2, 8), p, 40)
+    with pytest.raises(RuntimeError, match=r"\[NB, K, 32\]"):
+        cg.packed_gemm(torch.randn(2, 16), torch.randn(40, 16), 40)
+    with pytest.raises(RuntimeError, match="bias"):
+        cg.packed_gemm(torch.randn(2, 16), p, 40, torch.randn(39))
+
+
 @needs_kernels
 def test_bad_input_is_refused():
     x = torch.randn(2, 40)

@@ -38,6 +38,7 @@ import numpy as np
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.dense_linear import all_linears_packed
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import logits_to_probs, sample, sampling_tensors
 from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
@@ -267,7 +268,8 @@ def build_draft_proposer(config, loaded) -> DraftModelProposer:
     vocab = common_vocab_size(loaded.tokenizer, base.args.vocab_size, draft.model.args.vocab_size,
                               str(config.model), str(config.draft_model))
     k = config.speculate_max_draft_token_num
-    cost = SpecCost.for_device(base.model.norm.weight.device, draft_per_token=measure_step_cost(draft.model, base))
+    cost = SpecCost.for_device(base.model.norm.weight.device, draft_per_token=measure_step_cost(draft.model, base),
+                               packed_cpu=all_linears_packed(base))
     return DraftModelProposer(
         draft.model, vocab_size=vocab, target_vocab_size=base.args.vocab_size, max_draft_tokens=k,
         max_batch_size=config.batch_size, max_length=config.max_length, block_size=config.block_size,

@@ -23,6 +23,7 @@ from pathlib import Path
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.dense_linear import all_linears_packed
 from quantspec.infer.sampler import logits_to_probs, sample, sampling_tensors
 from quantspec.model_zoo.checkpoint import read_config
 from quantspec.model_zoo.llama import Transformer
@@ -34,13 +35,27 @@ __all__ = ["MTPProposer", "build_mtp_proposer", "load_mtp_for_inference", "mtp_d
 _DRAFT_OVERHEAD = 0.02
 
 
+def _weights_touched(module: torch.nn.Module, skip: torch.nn.Module | None = None) -> int:
+    """Elements of the tensors a forward of `module` reads per token: every module's own
+    parameters and buffers (float weights, packed weights, quantized codes), each tensor once,
+    leaving out `skip` (an embedding: a lookup reads one row)."""
+    seen, n = set(), 0
+    for m in module.modules():
+        if m is skip:
+            continue
+        for t in [*m.parameters(recurse=False), *m.buffers(recurse=False)]:
+            if id(t) not in seen:
+                seen.add(id(t))
+                n += t.numel()
+    return n
+
+
 def mtp_draft_cost(mtp: MTPModule, base: Transformer) -> float:
     """One draft's cost in base decode steps: a decode step of either model on a CPU is bound by
     reading its weights, so the ratio of the weights touched per token (+ a fixed overhead)."""
-    mtp_params = sum(t.numel() for t in [*mtp.model.parameters(), *mtp.model.buffers()]) + mtp._shared["head"].numel()
-    base_params = sum(p.numel() for n, p in base.named_parameters() if "embed_tokens" not in n)
-    if base.args.tie_word_embeddings:
-        base_params += base.lm_head.weight.numel()
+    op = mtp._shared.get("head_op")
+    mtp_params = _weights_touched(mtp.model) + (_weights_touched(op) if op is not None else mtp._shared["head"].numel())
+    base_params = _weights_touched(base, skip=base.model.embed_tokens)
     return mtp_params / max(1, base_params) + _DRAFT_OVERHEAD
 
 
@@ -73,17 +88,23 @@ def _prepare_for_cpu(mtp: MTPModule) -> MTPModule:
     from torch import nn
 
     from quantspec.infer.cpu_layers import use_cpu_layer_kernels
-    from quantspec.infer.dense_linear import use_skinny_linears
+    from quantspec.infer.dense_linear import PackedLinear, pack_float_linears, use_skinny_linears
     from quantspec.infer.fuse import fuse_projections
+    from quantspec.kernels.cpu import cpu_kernels
 
     head = mtp._shared["head"]  # [Vd, D]: a Linear over the same tensor, given the float-linear path
     head_op = nn.Linear(head.shape[1], head.shape[0], bias=False, device="meta", dtype=head.dtype)
     head_op.weight = nn.Parameter(head, requires_grad=False)
-    use_skinny_linears(head_op)
+    kernels = cpu_kernels()
+    if kernels is not None and head.dtype == torch.float32:
+        head_op = PackedLinear(head_op, kernels)
+    else:
+        use_skinny_linears(head_op)
     mtp._shared["head_op"] = head_op
     use_skinny_linears(mtp)
     use_cpu_layer_kernels(mtp)
     fuse_projections(mtp)
+    pack_float_linears(mtp)
     return mtp
 
 
@@ -228,7 +249,8 @@ def build_mtp_proposer(config, loaded) -> tuple[MTPProposer, int]:
     # (C(1) - 1) / 8 ≈ 3% when nothing is ever accepted) keep it from backing off after a short
     # unlucky run. Measured on the default model (chat, gate 0.3, 1 thread): the generic
     # policy (0.8, ≤ 32) 1.08x, this one 1.12x, no back-off 1.13-1.14x.
-    policy = AdaptiveDraftLength(k, SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base)),
+    cost = SpecCost.for_device(device, draft_per_token=mtp_draft_cost(mtp, base), packed_cpu=all_linears_packed(base))
+    policy = AdaptiveDraftLength(k, cost,
                                  decay=MTP_BACKOFF_DECAY, max_probe_interval=MTP_MAX_PROBE_INTERVAL)
     return MTPProposer(mtp, k, policy=policy if getattr(config, "speculate_backoff", True) else None,
                        min_confidence=float(getattr(config, "speculate_min_confidence", 0.0))), k

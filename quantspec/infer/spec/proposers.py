@@ -70,11 +70,12 @@ class SpecCost:
     draft_per_token:  the drafter's cost per drafted token (0 for n-gram; ≈ the draft model's
                       decode step over the base's for a draft model).
 
-    Measured on this project's CPU (SmolLM2-135M fp32, 2 threads, ~200-token context) with the
-    skinny-M float linears of `infer/dense_linear.py`: a forward of 1 + k rows costs 1.0x (k=1),
-    1.26x (k=3), 1.83x (k=5), 1.94x (k=7) a 1-row decode forward; `for_device("cpu")` models that
-    as 0 + 0.15 per draft row (without the skinny path it was ≈ 1.5x already at k=1). On a GPU a
-    few extra rows are nearly free.
+    Measured on this project's CPU (SmolLM2-135M fp32, 2 threads, ~200-token context): with the
+    model on quantspec's packed GEMM (`infer/dense_linear.PackedLinear`, every row one FMA chain,
+    weights streamed once for all rows) a forward of 1 + k rows costs 1.0-1.2x a 1-row decode
+    forward for k = 1..10, modelled as 0.03 + 0.02 per draft row (`packed_cpu=True`); with the
+    row-major kernels (quantized linears, or torch's ops) it was 1.26x (k=3), 1.83x (k=5),
+    1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few extra rows are nearly free.
     """
 
     verify_fixed: float = 0.5
@@ -88,9 +89,14 @@ class SpecCost:
                 raise QuantSpecError(f"SpecCost.{name}={v!r} must be a finite number >= 0")
 
     @classmethod
-    def for_device(cls, device: torch.device | str, draft_per_token: float = 0.0) -> "SpecCost":
+    def for_device(cls, device: torch.device | str, draft_per_token: float = 0.0, *,
+                   packed_cpu: bool = False) -> "SpecCost":
+        """The cost model for a base on `device`; `packed_cpu`: every linear of the base is a
+        `PackedLinear` (see `infer.dense_linear.all_linears_packed`)."""
         if torch.device(device).type == "cuda":
             return cls(verify_fixed=0.05, verify_per_token=0.01, draft_per_token=draft_per_token)
+        if packed_cpu:
+            return cls(verify_fixed=0.03, verify_per_token=0.02, draft_per_token=draft_per_token)
         return cls(verify_fixed=0.0, verify_per_token=0.15, draft_per_token=draft_per_token)
 
     def step_cost(self, k: int) -> float:
@@ -305,7 +311,10 @@ def build_proposer(config, loaded):
         return None, 0
     device = loaded.model.model.norm.weight.device
     if method == "inference_with_reference":
-        policy = AdaptiveDraftLength(k, SpecCost.for_device(device)) if getattr(config, "speculate_backoff", True) else None
+        from quantspec.infer.dense_linear import all_linears_packed
+
+        cost = SpecCost.for_device(device, packed_cpu=all_linears_packed(loaded.model))
+        policy = AdaptiveDraftLength(k, cost) if getattr(config, "speculate_backoff", True) else None
         return ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy), k
     if method == "draft":
         from quantspec.infer.spec.draft import build_draft_proposer
