@@ -1,6 +1,6 @@
-"""quantspec's CPU skinny-GEMM kernels vs the torch ops they replace, side by side in one run.
+"""quantspec's CPU GEMM kernels vs the torch ops they replace, side by side in one run.
 
-    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64]
+    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64,128]
 
 Weights of the default model's shapes (30 decoder layers: fused q/k/v 960×576, o 576×576, fused
 gate/up 3072×576, down 576×1536; and the 49152×576 head), cycled so that they stream from memory
@@ -8,7 +8,8 @@ as in a decode step. For each weight type and number of rows M: milliseconds per
 layers (or per head call) for torch's op and for quantspec's kernel, and the ratio.
 torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/dense_linear.py) for M ≤ 4 and
 `F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
-`_weight_int4pack_mm_for_cpu` (bf16 x, g32).
+`_weight_int4pack_mm_for_cpu` (bf16 x, g32). quantspec's: `packed_gemm` (fp32, column blocks),
+`dense_gemv` (bf16, row-major), `packed_w8_gemm`, `packed_w4_gemm` (bf16 x).
 """
 
 from __future__ import annotations
@@ -44,21 +45,21 @@ def _skinny_fp32(x, w):
 def _make(kind: str, N: int, K: int):
     w = torch.randn(N, K) * 0.05
     if kind == "fp32":
-        return (w,), (w,)
+        return (w,), (cg.pack_dense(w), N)
     if kind == "bf16":
         wb = w.bfloat16()
         return (wb,), (wb,)
     if kind == "int8":
         q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
         s = torch.rand(N) * 0.01
-        return (q, s.bfloat16()), (q, s)
+        return (q, s.bfloat16()), (cg.pack_w8(q), s, N)
     q = torch.randint(-8, 8, (N, K), dtype=torch.int8)
     g = 32
     s = torch.rand(N, K // g) * 0.01
     z = torch.zeros_like(s)
     tp = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
     sz = torch.stack([s.t(), z.t()], dim=-1).bfloat16().contiguous()
-    return (tp, g, sz), (cg.pack_int4_cpu(q), s, z, g)
+    return (tp, g, sz), (*cg.pack_w4(q, s, z), g, N)
 
 
 def _torch_op(kind: str):
@@ -71,14 +72,14 @@ def _torch_op(kind: str):
 
 
 def _ours(kind: str):
-    return {"fp32": cg.dense_gemv, "bf16": cg.dense_gemv, "int8": cg.w8_gemv,
-            "int4": cg.w4_gemv}[kind]
+    return {"fp32": cg.packed_gemm, "bf16": cg.dense_gemv, "int8": cg.packed_w8_gemm,
+            "int4": cg.packed_w4_gemm}[kind]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0)
-    ap.add_argument("--rows", default="1,2,4,8,16,64")
+    ap.add_argument("--rows", default="1,2,4,8,16,64,128")
     ap.add_argument("--kinds", default="fp32,bf16,int8,int4")
     ap.add_argument("--layers", type=int, default=30)
     a = ap.parse_args()
@@ -87,7 +88,7 @@ def main():
     if cg.cpu_kernels() is None:
         raise SystemExit(f"quantspec CPU kernels unavailable: {cg.cpu_kernels_error()}")
     rows = [int(r) for r in a.rows.split(",")]
-    print(f"\n## CPU skinny GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
+    print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
     print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
     print("|---|---:|---:|---:|---:|---:|---:|---:|")
     for kind in a.kinds.split(","):

@@ -19,11 +19,12 @@ fp32 like the kernels do). Fast paths differ from it only by float rounding orde
 Dispatch rule (`DispatchPolicy` holds the thresholds):
 
 CPU, where quantspec's CPU kernels are built (`kernels/cpu.py`, AVX-512; `DispatchPolicy.cpu_kernels`):
-- weight-only int8, symmetric per channel / tensor, K % 16 == 0: `w8_gemv` for fp32 or bf16 x,
-  M ≤ `cpu_packed_max_m` (1.4-2.1x torch's int8 op at M = 1 on the default model, 2 cores);
-- weight-only int4 with K % 32 == 0 and groups of a multiple of 32: torch's packed int4 op below
-  when it applies (faster than quantspec's kernel on Zen 4), else `w4_gemv` (fp32 x, or a layout
-  torch's op refuses);
+- weight-only int8, symmetric per channel / tensor: `packed_w8_gemm` (codes repacked once into
+  column blocks) for fp32 or bf16 x, M ≤ `cpu_packed_max_m` (the default model's layers at M = 1:
+  ~4 ms a step vs ~6 ms for the row-major kernel it replaced, 1.6x at M = 8; 2 cores);
+- weight-only int4 with groups dividing K (or per channel): torch's packed int4 op when it applies
+  (bf16 x; ~10% faster than quantspec's kernel at M = 1 on Zen 4), else `packed_w4_gemm` (fp32 x,
+  or a layout torch's op refuses: N % 16, groups below 32);
 - each row's numbers are the same whatever M, and an engine decode step (`infer/step_rows.py`)
   takes these row paths for every M, so verification rows equal decode rows bitwise.
 
@@ -461,14 +462,12 @@ def _kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
 
 def _cpu_gemv_layout(kind: LinearKind, w: QuantArgs, K: int) -> bool:
     """Whether quantspec's CPU kernels take this layer's layout (int8: symmetric per channel or
-    tensor, K % 16 == 0; int4: K % 32 == 0 and groups of a multiple of 32, or per channel)."""
-    from quantspec.kernels.cpu import INT4_BLOCK, K_MULTIPLE
-
+    tensor; int4: groups dividing K, or per channel)."""
     if kind is LinearKind.W8A16:
-        return w.symmetric and w.strategy in ("channel", "tensor") and K % K_MULTIPLE == 0
+        return w.symmetric and w.strategy in ("channel", "tensor")
     if kind is LinearKind.W4A16:
         g = w.group_size if w.strategy == "group" else K if w.strategy == "channel" else None
-        return g is not None and K % INT4_BLOCK == 0 and g % INT4_BLOCK == 0 and K % g == 0
+        return g is not None and 0 < g and K % g == 0
     return False
 
 
@@ -558,7 +557,7 @@ class QuantLinear(nn.Module):
         q = t.q.detach()
         for buf in ("qweight", "weight_packed", "weight_fp8", "weight_upcast", "int4pack",
                     "int4_scales_zeros", "int8pack_scale", "w_scale_vec", "int4_cpu",
-                    "int4_cpu_scale", "int4_cpu_neg_zs", "bias_fp32"):
+                    "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "bias_fp32"):
             self.register_buffer(buf, None)
         if kind is LinearKind.FP8:
             if on_cpu:
@@ -573,8 +572,6 @@ class QuantLinear(nn.Module):
             self.w_scale_vec = scale.reshape(-1).expand(N).contiguous()  # [N] fp32
         if cpu_int8pack:
             self.int8pack_scale = self.w_scale_vec.to(dtype)  # [N]
-        if cpu_int4_group:
-            self._prepare_cpu_int4(q, scale, zp, cpu_int4_group)
         # the path a decode-sized x of the prepared dtype takes on CPU, decided once (forward's
         # shortcut; `select_kernel` gives the same answer, at a few µs per call)
         self._packed_path = None
@@ -583,6 +580,10 @@ class QuantLinear(nn.Module):
             self._packed_path = path if path in _CPU_ROW_PATHS else None
         if self._packed_path is KernelPath.CPU_GEMV_INT4:
             self._prepare_gemv_int4(q, scale, zp)
+        elif self._packed_path is KernelPath.CPU_GEMV_INT8:
+            self._prepare_gemv_int8()
+        if cpu_int4_group and self._packed_path is not KernelPath.CPU_GEMV_INT4:
+            self._prepare_cpu_int4(q, scale, zp, cpu_int4_group)  # torch's int4 op is the path
         if self._packed_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8) \
                 and t.bias is not None:
             self.bias_fp32 = t.bias.detach().to(device, torch.float32)
@@ -601,13 +602,17 @@ class QuantLinear(nn.Module):
         self.int4_scales_zeros = torch.stack([s.t(), z.t()], dim=-1).to(self.dtype).contiguous()
 
     def _prepare_gemv_int4(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None) -> None:
-        from quantspec.kernels.cpu import pack_int4_cpu
+        from quantspec.kernels.cpu import pack_w4
 
-        self.int4_cpu = pack_int4_cpu(q.to(torch.int8))  # [N, K/2]
-        s = scale.reshape(self.out_features, -1).contiguous()  # [N, G] (G = 1 per channel)
-        self.int4_cpu_scale = s
-        self.int4_cpu_neg_zs = torch.zeros_like(s) if zp is None else \
-            (-zp.to(torch.float32).reshape(s.shape) * s).contiguous()  # w = q*s + (−zp*s)
+        s = scale.reshape(self.out_features, -1).float()  # [N, G] (G = 1 per channel)
+        neg_zs = torch.zeros_like(s) if zp is None else -zp.to(torch.float32).reshape(s.shape) * s  # w = q*s + (−zp*s)
+        # column blocks [NB, K, 16] bytes, [NB, G, 32] scale / offset (kernels/cpu.py)
+        self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset = pack_w4(q.to(torch.int8), s, neg_zs)
+
+    def _prepare_gemv_int8(self) -> None:
+        from quantspec.kernels.cpu import pack_w8
+
+        self.int8_cpu = pack_w8(self.qweight)  # [NB, K, 32] column blocks (kernels/cpu.py)
 
     # ---- numbers -----------------------------------------------------------------------------
     def codes(self) -> torch.Tensor:
@@ -664,21 +669,27 @@ class QuantLinear(nn.Module):
             y = torch._weight_int8pack_mm(_aligned(x), self.qweight, self.int8pack_scale)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if path is KernelPath.CPU_INT4PACK:
+            if self.int4pack is None:  # prepared for quantspec's kernel (tests force this path)
+                self._prepare_cpu_int4(self.qweight, self.weight_scale, self.weight_zero_point,
+                                       self.traits.cpu_int4_group)
             y = torch._weight_int4pack_mm_for_cpu(_aligned(x), self.int4pack, self.traits.cpu_int4_group,
                                                   self.int4_scales_zeros)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if path is KernelPath.CPU_GEMV_INT8:
-            from quantspec.kernels.cpu import w8_gemv
+            from quantspec.kernels.cpu import packed_w8_gemm
 
-            return w8_gemv(x.contiguous(), self.qweight, self.w_scale_vec, self._gemv_bias())
+            if self.int8_cpu is None:  # prepared for another path (tests force this one)
+                self._prepare_gemv_int8()
+            return packed_w8_gemm(x.contiguous(), self.int8_cpu, self.w_scale_vec, self.out_features,
+                                  self._gemv_bias())
         if path is KernelPath.CPU_GEMV_INT4:
-            from quantspec.kernels.cpu import w4_gemv
+            from quantspec.kernels.cpu import packed_w4_gemm
 
             if self.int4_cpu is None:  # prepared for torch's int4 op (tests force this path)
                 self._prepare_gemv_int4(self.qweight, self.weight_scale, self.weight_zero_point)
             g = self.in_features // self.int4_cpu_scale.shape[1]
-            return w4_gemv(x.contiguous(), self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_neg_zs,
-                           g, self._gemv_bias())
+            return packed_w4_gemm(x.contiguous(), self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset,
+                                  g, self.out_features, self._gemv_bias())
         if path is KernelPath.CPU_INT_MM:
             xq, s, _ = self.quantize_input(x)  # [M, K] int8, [1] or [M, 1]
             acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32, exact

@@ -147,11 +147,12 @@ def test_artifact_logits_match_reference(artifacts, tiny_llama_dir, name, fuse):
 
 
 def test_bf16_artifact_runs_packed_ops(artifacts, tiny_llama_dir):
-    """bf16 loading takes packed CPU ops for decode-sized M (int8: quantspec's kernel where it
-    is built, else torch's) and stays close to fp32."""
+    """bf16 loading takes packed CPU ops for decode-sized M (quantspec's kernels where they are
+    built, else torch's) and stays close to fp32."""
     from quantspec.kernels.cpu import cpu_kernels
 
-    int8_path = KernelPath.CPU_INT8PACK if cpu_kernels() is None else KernelPath.CPU_GEMV_INT8
+    ours = cpu_kernels() is not None
+    int8_path = KernelPath.CPU_GEMV_INT8 if ours else KernelPath.CPU_INT8PACK
     for name, path in (("int8", int8_path), ("int4", KernelPath.CPU_INT4PACK),
                        ("int4_asym_g32_fzp", KernelPath.CPU_INT4PACK)):
         lm = load_for_inference(artifacts[name], dtype=torch.bfloat16, tokenizer=False)

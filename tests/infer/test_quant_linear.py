@@ -214,24 +214,30 @@ def test_cpu_kernels_path(kind, g, sym, dtype, path):
 
 
 def test_cpu_fast_path_refused_for_layouts_torch_cannot_take():
-    # int8: K % 16 != 0 (torch 2.13's op crashes or returns garbage there; quantspec's kernel
-    # takes K % 16 == 0 only)
+    # int8: K % 16 != 0 (torch 2.13's op crashes or returns garbage there); quantspec's packed
+    # kernel takes any K, where it is built
     t8 = _make("weight_only_int8", 48, 88, seed=1)
     assert not QuantLinear(t8, dtype=torch.bfloat16).traits.cpu_int8pack
-    assert not QuantLinear(t8, dtype=torch.bfloat16).traits.cpu_gemv
+    x = torch.randn(3, 88).bfloat16()
+    layer = QuantLinear(t8, dtype=torch.bfloat16)
+    assert layer.traits.cpu_gemv == (cpu_kernels() is not None)
+    _check(layer(x), _reference(t8, x), torch.bfloat16)
     # int4: N % 16 != 0; group 16 (below the op's smallest group)
     t4 = _make("weight_only_int4", 40, 96, group_size=32, seed=1)
     assert QuantLinear(t4, dtype=torch.bfloat16).traits.cpu_int4_group is None
     x = torch.randn(2, 96).bfloat16()  # quantspec's kernel takes it when built here
     _check(QuantLinear(t4, dtype=torch.bfloat16)(x), _reference(t4, x), torch.bfloat16)
     t16 = _make("weight_only_int4", 48, 96, group_size=16, seed=1)
-    assert QuantLinear(t16, dtype=torch.bfloat16).traits.cpu_int4_group is None
-    assert not QuantLinear(t16, dtype=torch.bfloat16).traits.cpu_gemv
-    # a group of 512 is tiled by CPU groups of 256 with repeated scales
+    layer = QuantLinear(t16, dtype=torch.bfloat16)
+    assert layer.traits.cpu_int4_group is None
+    assert layer.traits.cpu_gemv == (cpu_kernels() is not None)
+    _check(layer(x), _reference(t16, x), torch.bfloat16)
+    # a group of 512 is tiled by torch's CPU groups of 256 with repeated scales
     t512 = _make("weight_only_int4", 48, 1024, group_size=512, seed=1)
     layer = QuantLinear(t512, dtype=torch.bfloat16)
     assert layer.traits.cpu_int4_group == 256
     x = torch.randn(2, 1024).bfloat16()
+    assert layer.kernel_for(x) is KernelPath.CPU_INT4PACK
     _check(layer(x), _reference(t512, x), torch.bfloat16)
 
 
@@ -451,7 +457,7 @@ def test_packed_ops_survive_unaligned_buffers(kind, g):
     xb = torch.randn(5 * 96 + 3).bfloat16()
     x = xb[3:].view(5, 96)  # data_ptr % 64 != 0
     assert layer.kernel_for(x) in (KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
-                                   KernelPath.CPU_GEMV_INT8)
+                                   KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4)
     _check(layer(x), _reference(t, x), torch.bfloat16)
 
 

@@ -1,5 +1,5 @@
-"""quantspec's CPU skinny-GEMM kernels against their torch references (`*_ref`): odd shapes,
-fp32 / bf16 x, bias, M-invariance (bitwise), the int4 packing, bad input, and the fallback."""
+"""quantspec's CPU kernels against their torch references (`*_ref`): odd shapes, fp32 / bf16 x,
+bias, M-invariance (bitwise), the packings, bad input, and the fallback."""
 
 import os
 import subprocess
@@ -21,14 +21,17 @@ def _close(y, ref, dtype):
 
 
 def test_int4_packing_round_trips():
-    q = torch.randint(-8, 8, (5, 96), dtype=torch.int8)
-    p = cg.pack_int4_cpu(q)
-    assert p.shape == (5, 48) and p.dtype == torch.uint8
-    assert torch.equal(cg.unpack_int4_cpu(p), q)
-    # byte j of a 32-wide block: q[j] + 8 low, q[j + 16] + 8 high
-    assert int(p[0, 0]) == (int(q[0, 0]) + 8) | ((int(q[0, 16]) + 8) << 4)
-    with pytest.raises(ValueError, match="multiple of 32"):
-        cg.pack_int4_cpu(q[:, :48])
+    q = torch.randint(-8, 8, (37, 96), dtype=torch.int8)
+    s = torch.rand(37, 3)
+    z = torch.randn(37, 3)
+    p, sb, off = cg.pack_w4(q, s, z)
+    assert p.shape == (2, 96, 16) and p.dtype == torch.uint8 and sb.shape == off.shape == (2, 3, 32)
+    assert torch.equal(cg.unpack_w4(p, 37), q)
+    # byte j of block b, step k: column 32 b + j (+ 8) low, column 32 b + j + 16 (+ 8) high
+    assert int(p[1, 5, 2]) == (int(q[34, 5]) + 8) | (8 << 4)  # column 50 is padding (code 0)
+    assert int(p[0, 5, 2]) == (int(q[2, 5]) + 8) | ((int(q[18, 5]) + 8) << 4)
+    torch.testing.assert_close(off[0, 1, 3], z[3, 1] - 8 * s[3, 1])  # w = (q + 8) s + off
+    assert torch.equal(cg.unpack_w4(*cg.pack_w4(q[:, :48], s[:, :1], z[:, :1])[:1], 37), q[:, :48])
 
 
 @needs_kernels
@@ -46,12 +49,14 @@ def test_dense_and_int8_match_reference(K, M, xdtype):
         _close(cg.dense_gemv(x, w), cg.dense_gemv_ref(x, w), xdtype)
     q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
     s = torch.rand(N, generator=g) * 0.01
-    _close(cg.w8_gemv(x, q, s, b), cg.w8_gemv_ref(x, q, s, b), xdtype)
+    want = (x.double() @ q.double().t()) * s.double() + b.double()
+    _close(cg.packed_w8_gemm(x, cg.pack_w8(q), s, N, b), want.to(xdtype), xdtype)
+    _close(cg.packed_w8_gemm_ref(x, cg.pack_w8(q), s, N, b), want.to(xdtype), xdtype)
 
 
 @needs_kernels
-@pytest.mark.parametrize("K,group", [(96, 32), (128, 64), (192, 192)])  # 192: per channel
-@pytest.mark.parametrize("M", [1, 4, 7])
+@pytest.mark.parametrize("K,group", [(96, 32), (128, 64), (192, 192), (40, 8), (88, 44)])  # any group dividing K
+@pytest.mark.parametrize("M", [1, 4, 7, 19])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_int4_matches_reference(K, group, M, xdtype):
     g = torch.Generator().manual_seed(K + M)
@@ -60,11 +65,11 @@ def test_int4_matches_reference(K, group, M, xdtype):
     q = torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g)
     s = torch.rand(N, K // group, generator=g) * 0.02
     zs = -torch.randint(-8, 8, s.shape, generator=g).float() * s  # w = (q - zp)·s
-    p = cg.pack_int4_cpu(q)
+    p, sb, off = cg.pack_w4(q, s, zs)
     want = x.double() @ ((q.double() * s.double().repeat_interleave(group, 1))
                          + zs.double().repeat_interleave(group, 1)).t()
-    _close(cg.w4_gemv(x, p, s, zs, group), want.to(xdtype), xdtype)
-    _close(cg.w4_gemv_ref(x, p, s, zs, group), want.to(xdtype), xdtype)
+    _close(cg.packed_w4_gemm(x, p, sb, off, group, N), want.to(xdtype), xdtype)
+    _close(cg.packed_w4_gemm_ref(x, p, sb, off, group, N), want.to(xdtype), xdtype)
 
 
 @needs_kernels
@@ -76,11 +81,11 @@ def test_rows_are_bitwise_invariant_to_the_batch():
     w = torch.randn(N, K, generator=g)
     q = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=g)
     s = torch.rand(N, generator=g)
-    p = cg.pack_int4_cpu(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g))
-    s4 = torch.rand(N, K // 32, generator=g)
-    z4 = torch.randn(N, K // 32, generator=g)
+    q8 = cg.pack_w8(q)
+    p4 = cg.pack_w4(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=g),
+                    torch.rand(N, K // 32, generator=g), torch.randn(N, K // 32, generator=g))
     ops = [lambda a: cg.dense_gemv(a, w), lambda a: cg.dense_gemv(a, w.bfloat16()),
-           lambda a: cg.w8_gemv(a, q, s), lambda a: cg.w4_gemv(a, p, s4, z4, 32)]
+           lambda a: cg.packed_w8_gemm(a, q8, s, N), lambda a: cg.packed_w4_gemm(a, *p4, 32, N)]
     for op in ops:
         for xd in (x, x.bfloat16()):
             full = op(xd)
@@ -147,12 +152,18 @@ def test_bad_input_is_refused():
     x = torch.randn(2, 40)
     with pytest.raises(RuntimeError, match="multiple of 16"):
         cg.dense_gemv(x, torch.randn(8, 40))
-    with pytest.raises(RuntimeError, match="features"):
-        cg.w8_gemv(torch.randn(2, 48), torch.zeros(8, 64, dtype=torch.int8), torch.ones(8))
     with pytest.raises(RuntimeError, match="float32 or bfloat16"):
         cg.dense_gemv(torch.randn(2, 64).half(), torch.randn(8, 64))
+    q8 = cg.pack_w8(torch.zeros(8, 64, dtype=torch.int8))
+    with pytest.raises(RuntimeError, match="features"):
+        cg.packed_w8_gemm(torch.randn(2, 48), q8, torch.ones(8), 8)
     with pytest.raises(RuntimeError, match="scale"):
-        cg.w8_gemv(torch.randn(2, 64), torch.zeros(8, 64, dtype=torch.int8), torch.ones(7))
+        cg.packed_w8_gemm(torch.randn(2, 64), q8, torch.ones(7), 8)
+    p4 = cg.pack_w4(torch.zeros(8, 64, dtype=torch.int8), torch.ones(8, 2), torch.zeros(8, 2))
+    with pytest.raises(RuntimeError, match="must divide K"):
+        cg.packed_w4_gemm(torch.randn(2, 64), *p4, 48, 8)
+    with pytest.raises(RuntimeError, match=r"\[NB, G, 32\]"):
+        cg.packed_w4_gemm(torch.randn(2, 64), *p4, 16, 8)
 
 
 def test_switch_off_falls_back_to_none():

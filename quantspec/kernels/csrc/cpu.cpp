@@ -1,17 +1,19 @@
-// quantspec CPU kernels: skinny GEMMs (few rows of x, "GEMV") over fp32 / bf16 / int8 / int4
-// weights, for decode and speculative-verification steps on x86 CPUs with AVX-512.
+// quantspec CPU kernels: GEMMs over fp32 / bf16 / int8 / int4 weights for decode, speculative
+// verification and prefill on x86 CPUs with AVX-512, plus paged attention, RMSNorm and rotary.
 //
 // y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n]); w dequantized on the fly:
 //   fp32 / bf16: w as stored;  int8: q[n, k] * scale[n];
 //   int4: (q[n, k] - zp[n, g]) * scale[n, g], g = k / group (scale / zp fp32; zp optional).
 // x is fp32 or bf16 (converted once to fp32); accumulation in fp32; y in x's dtype.
 //
-// M-invariance: every output element is computed by the same sequence of float operations
-// whatever M and whichever rows it is tiled with (two accumulators per (m, n) alternating over
-// 16-wide chunks, one fixed horizontal reduction), so a row's result is bitwise the same in a
-// 1-row decode step and in a 1 + k-row verification step.
+// Two layouts. Row-major [N, K] weights (`dense_gemv`: bf16 heads) are read one weight row per
+// tile of up to 4 rows of x, two accumulators per (m, n) alternating over 16-wide chunks and one
+// fixed horizontal reduction. Column-blocked weights (`packed_*`, packed once at load) give
+// every output one FMA chain over k in one vector lane. Either way every output element is
+// computed by the same sequence of float operations whatever M and whichever rows it is tiled
+// with, so a row's result is bitwise the same in a 1-row decode step and in a 1 + k-row
+// verification step.
 //
-// Each weight row is read once per tile of up to 4 rows of x.
 // Built at run time by quantspec/kernels/cpu.py (torch.utils.cpp_extension, -march=native);
 // without AVX-512 the module reports has_avx512() == false and quantspec keeps torch's ops.
 
@@ -24,7 +26,7 @@
 #include <type_traits>
 #include <vector>
 
-#if defined(__AVX512F__) && defined(__AVX512BW__)
+#if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512VL__)
 #include <immintrin.h>
 #define QS_AVX512 1
 #else
@@ -54,30 +56,6 @@ struct F32Rows {
 struct BF16Rows {
   const at::BFloat16* w; int64_t K;
   inline __m512 load16(int64_t n, int64_t k) const { return load16f(w + n * K + k); }
-};
-
-struct I8Rows {  // per-channel scale applied after the reduction
-  const int8_t* q; int64_t K;
-  inline __m512 load16(int64_t n, int64_t k) const {
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(q + n * K + k));
-    return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(v));
-  }
-};
-
-// int4 rows packed by pack_int4_cpu: for each 32-wide block of k, byte j (0..15) holds
-// (q[j] + 8) in its low nibble and (q[j + 16] + 8) in its high nibble. Dequantized here:
-// w = q * s + b with b = -zp * s of the weight's group.
-struct I4Rows {
-  const uint8_t* p; int64_t K; const float* s; const float* b; int64_t G; int64_t group;
-  inline __m512 load16(int64_t n, int64_t k) const {
-    const int64_t blk = k & ~int64_t(31);
-    __m128i v = _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + n * (K / 2) + blk / 2));
-    __m128i nib = (k & 16) ? _mm_and_si128(_mm_srli_epi16(v, 4), _mm_set1_epi8(0x0F))
-                           : _mm_and_si128(v, _mm_set1_epi8(0x0F));
-    __m512i q = _mm512_sub_epi32(_mm512_cvtepu8_epi32(nib), _mm512_set1_epi32(8));
-    const int64_t g = n * G + k / group;
-    return _mm512_fmadd_ps(_mm512_cvtepi32_ps(q), _mm512_set1_ps(s[g]), _mm512_set1_ps(b[g]));
-  }
 };
 
 // One tile: RM rows of x (fp32, stride K) · weight row n → out[RM].
@@ -204,119 +182,195 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optio
 #endif
 }
 
-// y = x @ (q * scale[:, None])^T (+ bias); q [N, K] int8, scale [N] fp32
-at::Tensor w8_gemv(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                   const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(q.dim() == 2 && q.is_contiguous() && q.scalar_type() == at::kChar,
-              "w8_gemv: q must be contiguous int8 [N, K]");
-  check_x(x, q.size(1), "w8_gemv");
-  const int64_t N = q.size(0), K = q.size(1);
-  const float* s = opt_f32(scale, N, "w8_gemv: scale");
-  const float* b = opt_f32(bias, N, "w8_gemv: bias");
+namespace {
+
 #if QS_AVX512
-  return dispatch_out(I8Rows{q.data_ptr<int8_t>(), K}, x, N, s, b, K);
-#else
-  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
-#endif
+
+// 32 outputs of a column block (masked to the valid ones); bf16 rounded to nearest even in
+// vector registers (what c10::BFloat16's conversion does for every non-NaN value)
+// the first `valid` lanes of 16 (all when valid >= 16, none when valid <= 0)
+inline __mmask16 lane_mask(int64_t valid) {
+  return valid >= 16 ? __mmask16(0xFFFF) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
+}
+inline void store32(float* row, __m512 v0, __m512 v1, __mmask16 k0, __mmask16 k1) {
+  _mm512_mask_storeu_ps(row, k0, v0);
+  _mm512_mask_storeu_ps(row + 16, k1, v1);
+}
+inline __m256i to_bf16_rne(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  return _mm512_cvtepi32_epi16(r);
+}
+inline void store32(at::BFloat16* row, __m512 v0, __m512 v1, __mmask16 k0, __mmask16 k1) {
+  _mm256_mask_storeu_epi16(row, k0, to_bf16_rne(v0));
+  _mm256_mask_storeu_epi16(row + 16, k1, to_bf16_rne(v1));
 }
 
-// y = x @ dequant(packed)^T (+ bias); packed [N, K/2] uint8 (pack_int4_cpu), scale/neg_zs [N, K/group]
-at::Tensor w4_gemv(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& scale,
-                   const at::Tensor& bias_zs, int64_t group, const c10::optional<at::Tensor>& bias) {
-  TORCH_CHECK(packed.dim() == 2 && packed.is_contiguous() && packed.scalar_type() == at::kByte,
-              "w4_gemv: packed must be contiguous uint8 [N, K/2]");
-  const int64_t N = packed.size(0), K = packed.size(1) * 2;
-  check_x(x, K, "w4_gemv");
-  TORCH_CHECK(K % 32 == 0, "w4_gemv: K must be a multiple of 32, got ", K);
-  TORCH_CHECK(group > 0 && group % 32 == 0 && K % group == 0,
-              "w4_gemv: group must be a multiple of 32 dividing K (or K), got ", group);
-  const int64_t G = K / group;
-  const float* s = opt_f32(scale, N * G, "w4_gemv: scale");
-  const float* zs = opt_f32(bias_zs, N * G, "w4_gemv: neg_zs");
-  const float* b = opt_f32(bias, N, "w4_gemv: bias");
-#if QS_AVX512
-  return dispatch_out(I4Rows{packed.data_ptr<uint8_t>(), K, s, zs, G, group}, x, N, nullptr, b,
-                      K / 2);
-#else
-  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
-#endif
-}
+#endif  // QS_AVX512
 
-// ---- fp32 GEMM over a packed weight (any M) ------------------------------------------------
-//
-// The weight [N, K] is packed once into column blocks of 32 output features, [NB, K, 32] (N
-// zero-padded to NB * 32): block b holds w[32 b + j, k] at (b, k, j), so one k step of a block
-// is two contiguous vectors and a block streams from memory sequentially. A tile of RM rows of x
-// times one block keeps its 2 RM accumulators in registers: per k, two weight vectors are loaded
-// and each is used RM times against a broadcast x[m, k] (where the row-major kernels above
-// reload x and reduce horizontally). Every output element is one fp32 FMA chain over k = 0..K-1
-// in one vector lane, then + bias: the same operations whatever M and whichever tile the row is
-// in, so decode and verification rows agree bitwise. Measured on the default model's layers
-// (fp32, 2 cores): 1 row 1.2x, 8 rows 2.2x the row-major kernel; 128 / 600 rows (prefill)
-// 1.3-1.4x torch's sgemm (bench/kernels_cpu.py).
+}  // namespace
 
 namespace {
 
 #if QS_AVX512
 
-template <int RM, class T>
-inline void packed_tile(const float* wb, const float* x, int64_t K, const float* bias, T* y,
-                        int64_t N, int64_t n0, int64_t m0) {
+// Quantized blocks, same tiling: int8 [NB, K, 32] codes with one scale per output (applied after
+// the chain); int4 [NB, K, 16] bytes (byte j of a k step: column j in the low nibble, column
+// j + 16 in the high one, each code + 8) dequantized per group as (q + 8) * s + off with
+// off = neg_zs - 8 s (s, off [NB, G, 32]) before the FMAs.
+struct PackedI8 {
+  const int8_t* q; int64_t K;
+  inline void load(int64_t b, int64_t k, __m512& w0, __m512& w1) const {
+    const int8_t* p = q + (b * K + k) * 32;
+    w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+    w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
+  }
+};
+
+template <int RM, class T, class Load>
+inline void packed_tile_q(const Load& load_w, int64_t K, const float* x, const float* col_scale,
+                          const float* bias, T* y, int64_t N, int64_t b, int64_t m0) {
   __m512 a0[RM], a1[RM];
   for (int i = 0; i < RM; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
-    const __m512 w0 = _mm512_loadu_ps(wb + k * 32), w1 = _mm512_loadu_ps(wb + k * 32 + 16);
+    __m512 w0, w1;
+    load_w(k, w0, w1);
     for (int i = 0; i < RM; ++i) {
       const __m512 xb = _mm512_set1_ps(xr[i * K + k]);
       a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);
       a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);
     }
   }
-  const int64_t valid = std::min<int64_t>(32, N - n0);
-  const __mmask16 k0 = valid >= 16 ? __mmask16(0xFFFF) : __mmask16((1u << valid) - 1);
-  const __mmask16 k1 = valid >= 32 ? __mmask16(0xFFFF) : valid <= 16 ? __mmask16(0) : __mmask16((1u << (valid - 16)) - 1);
-  __m512 b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (bias) {
-    b0 = _mm512_maskz_loadu_ps(k0, bias + n0);
-    b1 = _mm512_maskz_loadu_ps(k1, bias + n0 + 16);
-  }
+  const int64_t n0 = b * 32;
+  const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
+  __m512 s0 = _mm512_set1_ps(1.f), s1 = _mm512_set1_ps(1.f), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+  if (col_scale) { s0 = _mm512_maskz_loadu_ps(k0, col_scale + n0); s1 = _mm512_maskz_loadu_ps(k1, col_scale + n0 + 16); }
+  if (bias) { b0 = _mm512_maskz_loadu_ps(k0, bias + n0); b1 = _mm512_maskz_loadu_ps(k1, bias + n0 + 16); }
   for (int i = 0; i < RM; ++i) {
-    T* row = y + (m0 + i) * N + n0;
-    const __m512 v0 = bias ? _mm512_add_ps(a0[i], b0) : a0[i];
-    const __m512 v1 = bias ? _mm512_add_ps(a1[i], b1) : a1[i];
-    if constexpr (std::is_same_v<T, float>) {
-      _mm512_mask_storeu_ps(row, k0, v0);
-      _mm512_mask_storeu_ps(row + 16, k1, v1);
-    } else {
-      float tmp[32];
-      _mm512_storeu_ps(tmp, v0);
-      _mm512_storeu_ps(tmp + 16, v1);
-      for (int64_t j = 0; j < valid; ++j) row[j] = static_cast<T>(tmp[j]);
-    }
+    __m512 v0 = a0[i], v1 = a1[i];
+    if (col_scale) { v0 = _mm512_mul_ps(v0, s0); v1 = _mm512_mul_ps(v1, s1); }
+    if (bias) { v0 = _mm512_add_ps(v0, b0); v1 = _mm512_add_ps(v1, b1); }
+    store32(y + (m0 + i) * N + n0, v0, v1, k0, k1);
   }
 }
 
-template <class T>
-void packed_run(const float* wp, const float* x, int64_t M, int64_t K, int64_t N, int64_t NB,
-                const float* bias, T* y) {
-  // ~64 KiB of weights per task at least, so that the thread fork pays off
-  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / (K * 32 * 4));
+// int4 block b: the k-step loader keeps the current group's scale / neg_zs vectors
+struct I4BlockLoader {
+  const uint8_t* q; const float* s; const float* z; int64_t K, G, group, b;
+  mutable int64_t g = -1, next = 0;  // the current group; the k where the next one starts
+  mutable __m512 s0, s1, z0, z1;
+  inline void operator()(int64_t k, __m512& w0, __m512& w1) const {  // k = 0, 1, ... in order
+    if (k == next) {
+      ++g;
+      next += group;
+      const float* sp = s + (b * G + g) * 32;
+      const float* zp = z + (b * G + g) * 32;
+      s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
+      z0 = _mm512_loadu_ps(zp); z1 = _mm512_loadu_ps(zp + 16);
+    }
+    const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (b * K + k) * 16)));
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));  // code + 8
+    const __m512i hi = _mm512_srli_epi32(v, 4);
+    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s0, z0);
+    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s1, z1);
+  }
+};
+
+template <class T, class MakeLoader>
+void packed_q_run(const MakeLoader& make, const float* x, int64_t M, int64_t K, int64_t N, int64_t NB,
+                  const float* col_scale, const float* bias, T* y, int64_t bytes_per_block) {
+  const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, bytes_per_block));
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
-      const float* w = wp + b * K * 32;
       int64_t m = 0;
-      for (; m + 8 <= M; m += 8) packed_tile<8>(w, x, K, bias, y, N, b * 32, m);
-      for (; m + 4 <= M; m += 4) packed_tile<4>(w, x, K, bias, y, N, b * 32, m);
-      for (; m + 2 <= M; m += 2) packed_tile<2>(w, x, K, bias, y, N, b * 32, m);
-      for (; m < M; ++m) packed_tile<1>(w, x, K, bias, y, N, b * 32, m);
+      // a fresh loader per tile: every tile runs the same operations from k = 0
+      for (; m + 8 <= M; m += 8) packed_tile_q<8>(make(b), K, x, col_scale, bias, y, N, b, m);
+      for (; m + 4 <= M; m += 4) packed_tile_q<4>(make(b), K, x, col_scale, bias, y, N, b, m);
+      for (; m + 2 <= M; m += 2) packed_tile_q<2>(make(b), K, x, col_scale, bias, y, N, b, m);
+      for (; m < M; ++m) packed_tile_q<1>(make(b), K, x, col_scale, bias, y, N, b, m);
     }
   });
 }
 
 #endif  // QS_AVX512
 
+void check_packed_x(const at::Tensor& x, int64_t K, const char* op) {
+  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
+              ": x must be a contiguous 2-D CPU tensor");
+  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
+              ": x must be float32 or bfloat16");
+  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " features, the weight ", K);
+}
+
+template <class MakeLoader>
+at::Tensor packed_q_out(const MakeLoader& make, const at::Tensor& x, int64_t K, int64_t N, int64_t NB,
+                        const float* col_scale, const float* bias, int64_t bytes_per_block) {
+#if QS_AVX512
+  const int64_t M = x.size(0);
+  std::vector<float> buf;
+  const float* xf = x_as_fp32(x, buf);
+  at::Tensor y = at::empty({M, N}, x.options());
+  if (M == 0) return y;
+  if (x.scalar_type() == at::kFloat)
+    packed_q_run(make, xf, M, K, N, NB, col_scale, bias, y.data_ptr<float>(), bytes_per_block);
+  else
+    packed_q_run(make, xf, M, K, N, NB, col_scale, bias, y.data_ptr<at::BFloat16>(), bytes_per_block);
+  return y;
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
 }  // namespace
+
+// y = x @ (q * scale[:, None])^T (+ bias); q packed [NB, K, 32] int8 (pack_w8), scale [N] fp32
+at::Tensor packed_w8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t N,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(2) == 32,
+              "packed_w8_gemm: q must be contiguous int8 [NB, K, 32]");
+  const int64_t NB = q.size(0), K = q.size(1);
+  TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, "packed_w8_gemm: N=", N, " does not fit ", NB, " blocks of 32");
+  check_packed_x(x, K, "packed_w8_gemm");
+  const float* s = opt_f32(scale, N, "packed_w8_gemm: scale");
+  const float* b = opt_f32(bias, N, "packed_w8_gemm: bias");
+#if QS_AVX512
+  const int8_t* qp = q.data_ptr<int8_t>();
+  auto make = [&](int64_t blk) {
+    return [qp, K, blk](int64_t k, __m512& w0, __m512& w1) { PackedI8{qp, K}.load(blk, k, w0, w1); };
+  };
+  return packed_q_out(make, x, K, N, NB, s, b, K * 32);
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+// y = x @ dequant(q)^T (+ bias); q packed [NB, K, 16] uint8 (pack_w4), scale / offset [NB, G, 32]
+// fp32 with w = (code + 8) * scale + offset, groups of `group` consecutive k (K % group == 0)
+at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                          const at::Tensor& neg_zs, int64_t group, int64_t N,
+                          const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(2) == 16,
+              "packed_w4_gemm: q must be contiguous uint8 [NB, K, 16]");
+  const int64_t NB = q.size(0), K = q.size(1);
+  TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, "packed_w4_gemm: N=", N, " does not fit ", NB, " blocks of 32");
+  TORCH_CHECK(group > 0 && K % group == 0, "packed_w4_gemm: group ", group, " must divide K=", K);
+  const int64_t G = K / group;
+  check_packed_x(x, K, "packed_w4_gemm");
+  TORCH_CHECK(scale.sizes() == neg_zs.sizes() && scale.dim() == 3 && scale.size(0) == NB
+              && scale.size(1) == G && scale.size(2) == 32, "packed_w4_gemm: scale / neg_zs must be [NB, G, 32]");
+  const float* s = opt_f32(scale, NB * G * 32, "packed_w4_gemm: scale");
+  const float* z = opt_f32(neg_zs, NB * G * 32, "packed_w4_gemm: neg_zs");
+  const float* b = opt_f32(bias, N, "packed_w4_gemm: bias");
+#if QS_AVX512
+  const uint8_t* qp = q.data_ptr<uint8_t>();
+  auto make = [&](int64_t blk) { return I4BlockLoader{qp, s, z, K, G, group, blk}; };
+  return packed_q_out(make, x, K, N, NB, nullptr, b, K * 16);
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
 
 // y = x @ w^T (+ bias) with w given packed [NB, K, 32] fp32 (quantspec.kernels.cpu.pack_dense);
 // x [M, K] fp32 or bf16, any M; y [M, N] in x's dtype
@@ -327,23 +381,17 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const int64_t NB = packed.size(0), K = packed.size(1);
   TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, "packed_gemm: N=", N, " does not fit ", NB,
               " blocks of 32");
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(),
-              "packed_gemm: x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16,
-              "packed_gemm: x must be float32 or bfloat16");
-  TORCH_CHECK(x.size(1) == K, "packed_gemm: x has ", x.size(1), " features, the weight ", K);
+  check_packed_x(x, K, "packed_gemm");
   const float* b = opt_f32(bias, N, "packed_gemm: bias");
 #if QS_AVX512
-  const int64_t M = x.size(0);
-  std::vector<float> buf;
-  const float* xf = x_as_fp32(x, buf);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  if (x.scalar_type() == at::kFloat)
-    packed_run(packed.data_ptr<float>(), xf, M, K, N, NB, b, y.data_ptr<float>());
-  else
-    packed_run(packed.data_ptr<float>(), xf, M, K, N, NB, b, y.data_ptr<at::BFloat16>());
-  return y;
+  const float* wp = packed.data_ptr<float>();
+  auto make = [&](int64_t blk) {
+    return [w = wp + blk * K * 32](int64_t k, __m512& w0, __m512& w1) {
+      w0 = _mm512_loadu_ps(w + k * 32);
+      w1 = _mm512_loadu_ps(w + k * 32 + 16);
+    };
+  };
+  return packed_q_out(make, x, K, N, NB, nullptr, b, K * 32 * 4);
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
@@ -637,9 +685,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_gemv", &dense_gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("packed_gemm", &packed_gemm, py::arg("x"), py::arg("packed"), py::arg("n"),
         py::arg("bias") = py::none());
-  m.def("w8_gemv", &w8_gemv, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("bias") = py::none());
-  m.def("w4_gemv", &w4_gemv, py::arg("x"), py::arg("packed"), py::arg("scale"), py::arg("neg_zs"),
-        py::arg("group"), py::arg("bias") = py::none());
+  m.def("packed_w8_gemm", &packed_w8_gemm, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("n"),
+        py::arg("bias") = py::none());
+  m.def("packed_w4_gemm", &packed_w4_gemm, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("neg_zs"),
+        py::arg("group"), py::arg("n"), py::arg("bias") = py::none());
   m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm);
   m.def("rope", &rope);
