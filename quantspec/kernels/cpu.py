@@ -157,9 +157,11 @@ def _blocks(t: torch.Tensor) -> torch.Tensor:
     """[N, C] → [NB, C, 32]: rows in blocks of 32 (N zero-padded), each block transposed."""
     N, C = t.shape
     nb = -(-N // PACK_BLOCK)
-    padded = torch.zeros(nb * PACK_BLOCK, C, dtype=t.dtype)
-    padded[:N] = t.detach()
-    return padded.view(nb, PACK_BLOCK, C).transpose(1, 2).contiguous()
+    padded = t.detach()
+    if N % PACK_BLOCK:  # (else no padded copy: a 49k-row head packs with one new tensor)
+        padded = torch.zeros(nb * PACK_BLOCK, C, dtype=t.dtype)
+        padded[:N] = t.detach()
+    return padded.reshape(nb, PACK_BLOCK, C).transpose(1, 2).contiguous()
 
 
 def _unblock(t: torch.Tensor, n: int) -> torch.Tensor:
