@@ -124,6 +124,9 @@ class PagedKVCache:
             from quantspec.kernels.cpu import cpu_kernels
 
             self.cpu_kernel = cpu_kernels() is not None
+        # each layer's cache as [slots, KV, hd] views, built once (a decode step reads 2 per layer)
+        self.k_slots = [self.k[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.v_slots = [self.v[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
 
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x: [T, KV, hd] → storage dtype."""
@@ -277,10 +280,9 @@ class PagedAttention:
         if meta.cpu_kernel:  # writes k / v and attends in one call for the whole batch
             from quantspec.kernels.cpu import paged_attention
 
-            kc = cache.k[layer_idx].view(-1, *cache.k.shape[-2:])  # [slots, KV, hd]
-            vc = cache.v[layer_idx].view(-1, *cache.v.shape[-2:])
-            return paged_attention(q, k, v, kc, vc, meta.slot_mapping, meta.block_tables, meta.q_lens,
-                                   meta.seq_lens, cache.block_size, q.shape[-1] ** -0.5)
+            return paged_attention(q, k, v, cache.k_slots[layer_idx], cache.v_slots[layer_idx],
+                                   meta.slot_mapping, meta.block_tables, meta.q_lens, meta.seq_lens,
+                                   cache.block_size, q.shape[-1] ** -0.5)
         cache.write(layer_idx, k, v, meta.slot_mapping)
         gqa = q.shape[1] != k.shape[1]
         if meta.bias is None:  # per sequence: fresh prompts, or decode / verify of a few sequences

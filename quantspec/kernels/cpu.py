@@ -55,6 +55,8 @@ __all__ = [
     "unpack_dense",
     "paged_attention",
     "paged_attention_ref",
+    "silu_mul",
+    "silu_mul_ref",
 ]
 
 ENV_SWITCH = "QUANTSPEC_CPU_KERNELS"  # "0": never build or use them
@@ -274,3 +276,13 @@ def paged_attention_ref(q, k_new, v_new, k_cache, v_cache, slot_mapping, block_t
             out[row + i] = torch.einsum("hl,lhd->hd", w, v[:L]).to(q.dtype)
         row += ql
     return out
+
+
+def silu_mul(x: torch.Tensor) -> torch.Tensor:
+    """x = [gate | up] [M, 2 I] contiguous fp32/bf16 → silu(gate) * up [M, I] in x.dtype."""
+    return _need().silu_mul(x)
+
+
+def silu_mul_ref(x: torch.Tensor) -> torch.Tensor:
+    gate, up = x.chunk(2, dim=-1)
+    return torch.nn.functional.silu(gate) * up

@@ -278,9 +278,14 @@ class MLP(nn.Module):
 
     def forward(self, x):
         if self.gate_up_proj is not None:
-            gate, up = self.gate_up_proj(x).chunk(2, dim=-1)
-            return self.down_proj(F.silu(gate) * up)
+            return self.down_proj(self.act(self.gate_up_proj(x)))
         return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
+
+    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
+        """silu(gate) * up of the fused projection's output [..., 2 I] (inference may swap in a
+        fused kernel)."""
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
 
 
 class DecoderLayer(nn.Module):

@@ -1,9 +1,9 @@
-"""The CPU kernel versions of RMSNorm and the rotary embedding, swapped in at load."""
+"""The CPU kernel versions of RMSNorm, the rotary embedding and the MLP activation, swapped in at load."""
 
 import pytest
 import torch
 
-from quantspec.infer.cpu_layers import KernelAttention, KernelRMSNorm, MAX_ROWS, use_cpu_layer_kernels
+from quantspec.infer.cpu_layers import KernelAttention, KernelMLP, KernelRMSNorm, MAX_ROWS, use_cpu_layer_kernels
 from quantspec.kernels.cpu import cpu_kernels
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.llama import Attention, RMSNorm
@@ -19,8 +19,9 @@ def test_swapped_model_gives_the_same_hidden_states(tiny_llama_dir, dtype):
     fast = load_model(tiny_llama_dir, dtype=dtype)[0]
     n = use_cpu_layer_kernels(fast)
     a = fast.args
-    assert n == 2 * a.num_layers + 1 + a.num_layers  # 2 norms per layer + final norm, attentions
+    assert n == 2 * a.num_layers + 1 + 2 * a.num_layers  # 2 norms per layer + final norm, attentions, MLPs
     assert type(fast.model.norm) is KernelRMSNorm and type(fast.model.layers[0].self_attn) is KernelAttention
+    assert type(fast.model.layers[0].mlp) is KernelMLP
 
     def hidden(model, rows):
         cache = PagedKVCache(num_layers=a.num_layers, num_blocks=8, block_size=16, num_kv_heads=a.num_kv_heads,
@@ -43,3 +44,27 @@ def test_only_cpu_float_modules_are_swapped(tiny_llama_dir):
     model = load_model(tiny_llama_dir, dtype=torch.float16)[0]
     assert use_cpu_layer_kernels(model) == 0
     assert type(model.model.norm) is RMSNorm and type(model.model.layers[0].self_attn) is Attention
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fused_mlp_activation_matches_torch_and_is_row_invariant(tiny_llama_dir, dtype):
+    """With gate/up fused, silu(gate) * up runs in one kernel call for decode-sized rows: equal
+    to torch's expression up to the exp's last bit (bf16: at most one ulp on a few elements),
+    and each row the same bits whatever rows come with it."""
+    from quantspec.infer.fuse import fuse_projections
+
+    model = load_model(tiny_llama_dir, dtype=dtype)[0]
+    use_cpu_layer_kernels(model)
+    fuse_projections(model)
+    mlp = model.model.layers[0].mlp
+    assert type(mlp) is KernelMLP and mlp.gate_up_proj is not None
+    gu = (torch.randn(7, mlp.gate_up_proj.out_features) * 4).to(dtype)
+    got = mlp.act(gu)
+    gate, up = gu.chunk(2, dim=-1)
+    want = torch.nn.functional.silu(gate) * up
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=tol)
+    for i in range(7):
+        assert torch.equal(mlp.act(gu[i:i + 1]), got[i:i + 1])
+    big = gu.repeat(MAX_ROWS, 1)  # prefill-sized: torch's ops
+    assert torch.equal(mlp.act(big), torch.nn.functional.silu(big.chunk(2, -1)[0]) * big.chunk(2, -1)[1])

@@ -278,3 +278,18 @@ def test_rms_norm_and_rope_match_the_model_ops(dtype):
         mod.rms_norm(x, w[:10], 1e-5)
     with pytest.raises(RuntimeError, match="cos / sin"):
         mod.rope(qkv[:, :9], cos[:, :32].contiguous(), sin)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_silu_mul_matches_torch(dtype):
+    g = torch.Generator().manual_seed(4)
+    x = (torch.randn(6, 2 * 1544, generator=g) * 5).to(dtype)  # I = 1544: a vector tail of 8
+    x[0, :6] = torch.tensor([0.0, -0.0, 90.0, -90.0, float("inf"), -1e30])
+    got, want = cg.silu_mul(x), cg.silu_mul_ref(x)
+    assert got.dtype == dtype and got.shape == (6, 1544)
+    tol = 2e-6 if dtype == torch.float32 else 8e-3
+    torch.testing.assert_close(got.float(), want.float(), rtol=tol, atol=1e-30)
+    assert torch.equal(cg.silu_mul(x[3:4].contiguous()), got[3:4])
+    with pytest.raises(RuntimeError, match="2 I"):
+        cg.silu_mul(x[:, :7].contiguous())

@@ -680,6 +680,57 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
   return y;
 }
 
+// silu(gate) * up for x = [gate | up] [M, 2 I] → [M, I] (the fused gate/up projection's output),
+// rounding where torch rounds (bf16: after the silu and after the product); silu(g) = g *
+// sigmoid(g) with sigmoid from exp(-|g|) (no overflow either side)
+namespace {
+
+template <class T>
+void silu_mul_rows(const T* xp, T* yp, int64_t M, int64_t I) {
+  const bool bf16 = std::is_same_v<T, at::BFloat16>;
+  for (int64_t m = 0; m < M; ++m) {
+    const T* g = xp + m * 2 * I;
+    const T* u = g + I;
+    T* o = yp + m * I;
+    int64_t i = 0;
+#if QS_AVX512
+    for (; i + 16 <= I; i += 16) {
+      const __m512 gv = load16f(g + i);
+      const __m512 e = exp512(_mm512_sub_ps(_mm512_setzero_ps(), _mm512_abs_ps(gv)));  // exp(-|g|)
+      const __m512 inv = _mm512_div_ps(_mm512_set1_ps(1.f), _mm512_add_ps(_mm512_set1_ps(1.f), e));
+      const __mmask16 neg = _mm512_cmp_ps_mask(gv, _mm512_setzero_ps(), _CMP_LT_OQ);
+      __m512 sig = _mm512_mask_mul_ps(inv, neg, e, inv);  // g < 0: e / (1 + e)
+      // below exp512's range (it clamps at -87.3) the sigmoid is 0 to fp32 precision
+      sig = _mm512_mask_mov_ps(sig, _mm512_cmp_ps_mask(gv, _mm512_set1_ps(-87.3f), _CMP_LT_OQ),
+                               _mm512_setzero_ps());
+      float sv[16], uu[16];
+      _mm512_storeu_ps(sv, _mm512_mul_ps(gv, sig));
+      _mm512_storeu_ps(uu, load16f(u + i));
+      for (int j = 0; j < 16; ++j) o[i + j] = static_cast<T>(round_as(sv[j], bf16) * uu[j]);
+    }
+#endif
+    for (; i < I; ++i) {
+      const float gv = ld(g, i), e = std::exp(-std::fabs(gv)), inv = 1.f / (1.f + e);
+      const float sig = gv < 0 ? e * inv : inv;
+      o[i] = static_cast<T>(round_as(gv * sig, bf16) * ld(u, i));
+    }
+  }
+}
+
+}  // namespace
+
+at::Tensor silu_mul(const at::Tensor& x) {
+  check_rows(x, "silu_mul");
+  TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && x.size(1) % 2 == 0, "silu_mul: x [M, 2 I] contiguous");
+  const int64_t M = x.size(0), I = x.size(1) / 2;
+  at::Tensor y = at::empty({M, I}, x.options());
+  if (x.scalar_type() == at::kFloat)
+    silu_mul_rows(x.data_ptr<float>(), y.data_ptr<float>(), M, I);
+  else
+    silu_mul_rows(x.data_ptr<at::BFloat16>(), y.data_ptr<at::BFloat16>(), M, I);
+  return y;
+}
+
 PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_avx512", &has_avx512);
   m.def("dense_gemv", &dense_gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
@@ -692,4 +743,5 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("paged_attention", &paged_attention);
   m.def("rms_norm", &rms_norm);
   m.def("rope", &rope);
+  m.def("silu_mul", &silu_mul);
 }
