@@ -297,3 +297,25 @@ def test_prefills_run_alone_and_decode_steps_are_marked(llama, monkeypatch):
         fresh = [q == s for q, s in zip(q_lens, seq_lens)]
         assert all(fresh) != decode and (all(fresh) or not any(fresh))
     assert sum(not d for d, _, _ in steps) == 2  # prompts 1+2 together, then prompt 3 alone
+
+
+def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
+    """Admitted prompts prefill in order, up to PREFILL_TOKENS prompt tokens per forward (a
+    longer prompt alone); the tokens are those of a batch prefilled at once."""
+    import quantspec.infer.engine as engine_mod
+
+    model, _ = llama
+    prompts = _prompts([30, 25, 70, 10, 12], seed=21)
+    want = _engine_greedy(model, prompts, 6, batch=5)
+    monkeypatch.setattr(engine_mod, "PREFILL_TOKENS", 60)
+    sizes = []
+    real = type(model).forward
+
+    def spy(self, input_ids, positions, attn, layers=None):
+        if not attn.meta.q_lens or attn.meta.q_lens[0] == attn.meta.seq_lens[0]:
+            sizes.append(list(attn.meta.q_lens))
+        return real(self, input_ids, positions, attn, layers)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    assert _engine_greedy(model, prompts, 6, batch=5) == want
+    assert sizes == [[30, 25], [70], [10, 12]]
