@@ -219,40 +219,77 @@ namespace {
 // the chain); int4 [NB, K, 16] bytes (byte j of a k step: column j in the low nibble, column
 // j + 16 in the high one, each code + 8) dequantized per group as (q + 8) * s + off with
 // off = neg_zs - 8 s (s, off [NB, G, 32]) before the FMAs.
-struct PackedI8 {
-  const int8_t* q; int64_t K;
-  inline void load(int64_t b, int64_t k, __m512& w0, __m512& w1) const {
-    const int8_t* p = q + (b * K + k) * 32;
+// k-step loaders of one column block (aggregates: default-constructible, copyable)
+struct F32BlockLoader {
+  const float* w;  // the block [K, 32]
+  inline void operator()(int64_t k, __m512& w0, __m512& w1) const {
+    w0 = _mm512_loadu_ps(w + k * 32);
+    w1 = _mm512_loadu_ps(w + k * 32 + 16);
+  }
+};
+
+struct I8BlockLoader {
+  const int8_t* q;  // the block [K, 32]
+  inline void operator()(int64_t k, __m512& w0, __m512& w1) const {
+    const int8_t* p = q + k * 32;
     w0 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
     w1 = _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + 16))));
   }
 };
 
-template <int RM, class T, class Load>
-inline void packed_tile_q(const Load& load_w, int64_t K, const float* x, const float* col_scale,
+// RM rows of x times W consecutive column blocks (b .. b + W - 1), one loader per block: the
+// W blocks' FMA chains are independent, so a 1-row tile keeps 2 W chains in flight instead of
+// waiting on one FMA's latency per k (each output's operations are the same whatever W)
+template <int RM, int W, class T, class Load>
+inline void packed_tile_q(Load* loads, int64_t K, const float* x, const float* col_scale,
                           const float* bias, T* y, int64_t N, int64_t b, int64_t m0) {
-  __m512 a0[RM], a1[RM];
-  for (int i = 0; i < RM; ++i) a0[i] = a1[i] = _mm512_setzero_ps();
+  __m512 a0[W][RM], a1[W][RM];
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < RM; ++i) a0[j][i] = a1[j][i] = _mm512_setzero_ps();
   const float* xr = x + m0 * K;
   for (int64_t k = 0; k < K; ++k) {
-    __m512 w0, w1;
-    load_w(k, w0, w1);
+    __m512 w0[W], w1[W];
+    for (int j = 0; j < W; ++j) loads[j](k, w0[j], w1[j]);
     for (int i = 0; i < RM; ++i) {
       const __m512 xb = _mm512_set1_ps(xr[i * K + k]);
-      a0[i] = _mm512_fmadd_ps(xb, w0, a0[i]);
-      a1[i] = _mm512_fmadd_ps(xb, w1, a1[i]);
+      for (int j = 0; j < W; ++j) {
+        a0[j][i] = _mm512_fmadd_ps(xb, w0[j], a0[j][i]);
+        a1[j][i] = _mm512_fmadd_ps(xb, w1[j], a1[j][i]);
+      }
     }
   }
-  const int64_t n0 = b * 32;
-  const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
-  __m512 s0 = _mm512_set1_ps(1.f), s1 = _mm512_set1_ps(1.f), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
-  if (col_scale) { s0 = _mm512_maskz_loadu_ps(k0, col_scale + n0); s1 = _mm512_maskz_loadu_ps(k1, col_scale + n0 + 16); }
-  if (bias) { b0 = _mm512_maskz_loadu_ps(k0, bias + n0); b1 = _mm512_maskz_loadu_ps(k1, bias + n0 + 16); }
-  for (int i = 0; i < RM; ++i) {
-    __m512 v0 = a0[i], v1 = a1[i];
-    if (col_scale) { v0 = _mm512_mul_ps(v0, s0); v1 = _mm512_mul_ps(v1, s1); }
-    if (bias) { v0 = _mm512_add_ps(v0, b0); v1 = _mm512_add_ps(v1, b1); }
-    store32(y + (m0 + i) * N + n0, v0, v1, k0, k1);
+  for (int j = 0; j < W; ++j) {
+    const int64_t n0 = (b + j) * 32;
+    const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
+    __m512 s0 = _mm512_set1_ps(1.f), s1 = _mm512_set1_ps(1.f), b0 = _mm512_setzero_ps(), b1 = _mm512_setzero_ps();
+    if (col_scale) { s0 = _mm512_maskz_loadu_ps(k0, col_scale + n0); s1 = _mm512_maskz_loadu_ps(k1, col_scale + n0 + 16); }
+    if (bias) { b0 = _mm512_maskz_loadu_ps(k0, bias + n0); b1 = _mm512_maskz_loadu_ps(k1, bias + n0 + 16); }
+    for (int i = 0; i < RM; ++i) {
+      __m512 v0 = a0[j][i], v1 = a1[j][i];
+      if (col_scale) { v0 = _mm512_mul_ps(v0, s0); v1 = _mm512_mul_ps(v1, s1); }
+      if (bias) { v0 = _mm512_add_ps(v0, b0); v1 = _mm512_add_ps(v1, b1); }
+      store32(y + (m0 + i) * N + n0, v0, v1, k0, k1);
+    }
+  }
+}
+
+// rows [m0, m0 + RM) over blocks [b0, b1): W blocks at a time (fewer rows, more blocks: about
+// 16 accumulators), then one at a time; a fresh loader per tile, so every tile runs the same
+// operations from k = 0
+template <int RM, class T, class MakeLoader>
+inline void packed_rows(const MakeLoader& make, int64_t K, const float* x, const float* col_scale,
+                        const float* bias, T* y, int64_t N, int64_t b0, int64_t b1, int64_t m0) {
+  constexpr int W = RM <= 2 ? 4 : RM <= 4 ? 2 : 1;
+  using Load = decltype(make(int64_t(0)));
+  int64_t b = b0;
+  for (; b + W <= b1; b += W) {
+    Load loads[W] = {};
+    for (int j = 0; j < W; ++j) loads[j] = make(b + j);
+    packed_tile_q<RM, W>(loads, K, x, col_scale, bias, y, N, b, m0);
+  }
+  for (; b < b1; ++b) {
+    Load load = make(b);
+    packed_tile_q<RM, 1>(&load, K, x, col_scale, bias, y, N, b, m0);
   }
 }
 
@@ -283,13 +320,14 @@ void packed_q_run(const MakeLoader& make, const float* x, int64_t M, int64_t K, 
                   const float* col_scale, const float* bias, T* y, int64_t bytes_per_block) {
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, bytes_per_block));
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
-    for (int64_t b = b0; b < b1; ++b) {
+    // blocks in chunks of 4: the x rows of every tile read while the chunk is in cache
+    for (int64_t c0 = b0; c0 < b1; c0 += 4) {
+      const int64_t c1 = std::min(b1, c0 + 4);
       int64_t m = 0;
-      // a fresh loader per tile: every tile runs the same operations from k = 0
-      for (; m + 8 <= M; m += 8) packed_tile_q<8>(make(b), K, x, col_scale, bias, y, N, b, m);
-      for (; m + 4 <= M; m += 4) packed_tile_q<4>(make(b), K, x, col_scale, bias, y, N, b, m);
-      for (; m + 2 <= M; m += 2) packed_tile_q<2>(make(b), K, x, col_scale, bias, y, N, b, m);
-      for (; m < M; ++m) packed_tile_q<1>(make(b), K, x, col_scale, bias, y, N, b, m);
+      for (; m + 8 <= M; m += 8) packed_rows<8>(make, K, x, col_scale, bias, y, N, c0, c1, m);
+      for (; m + 4 <= M; m += 4) packed_rows<4>(make, K, x, col_scale, bias, y, N, c0, c1, m);
+      for (; m + 2 <= M; m += 2) packed_rows<2>(make, K, x, col_scale, bias, y, N, c0, c1, m);
+      for (; m < M; ++m) packed_rows<1>(make, K, x, col_scale, bias, y, N, c0, c1, m);
     }
   });
 }
@@ -337,9 +375,7 @@ at::Tensor packed_w8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   const float* b = opt_f32(bias, N, "packed_w8_gemm: bias");
 #if QS_AVX512
   const int8_t* qp = q.data_ptr<int8_t>();
-  auto make = [&](int64_t blk) {
-    return [qp, K, blk](int64_t k, __m512& w0, __m512& w1) { PackedI8{qp, K}.load(blk, k, w0, w1); };
-  };
+  auto make = [&](int64_t blk) { return I8BlockLoader{qp + blk * K * 32}; };
   return packed_q_out(make, x, K, N, NB, s, b, K * 32);
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
@@ -385,12 +421,7 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   const float* b = opt_f32(bias, N, "packed_gemm: bias");
 #if QS_AVX512
   const float* wp = packed.data_ptr<float>();
-  auto make = [&](int64_t blk) {
-    return [w = wp + blk * K * 32](int64_t k, __m512& w0, __m512& w1) {
-      w0 = _mm512_loadu_ps(w + k * 32);
-      w1 = _mm512_loadu_ps(w + k * 32 + 16);
-    };
-  };
+  auto make = [&](int64_t blk) { return F32BlockLoader{wp + blk * K * 32}; };
   return packed_q_out(make, x, K, N, NB, nullptr, b, K * 32 * 4);
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
