@@ -88,13 +88,13 @@ def use_skinny_linears(model: nn.Module, *, cpu_kernels: bool = True) -> int:
 class PackedLinear(nn.Module):
     """An fp32 linear whose weight lives packed in column blocks (`kernels.cpu.pack_dense`),
     computed by quantspec's `packed_gemm` kernel for every number of rows: decode, verification
-    and prefill alike. The packed copy replaces the [N, K] weight (same memory; a tied head's
-    tensor stays alive through the embedding). Each row's result is one FMA chain per output
+    and prefill alike. The packed copy replaces the [N, K] weight (the same memory up to padding N
+    to a multiple of 32; a tied head's tensor stays alive through the embedding). Each row's result is one FMA chain per output
     whatever M, so verification rows equal decode rows bitwise without any dispatch on M.
 
-    Measured on SmolLM2-135M's layers (2 cores): 8 rows 2.2x faster than the row-major kernel
-    behind `SkinnyLinear`, 1 row 1.2x, prefill (128-600 rows) 1.3-1.4x torch's sgemm
-    (`bench/kernels_cpu.py`). Built by `pack_float_linears` once a model is loaded (and fused).
+    Measured on SmolLM2-135M's layers (2 cores): 8 rows 2.5-3.0x torch's linear (2.2x the
+    row-major kernel behind `SkinnyLinear`), 1 row 1.1-1.5x, prefill (128-600 rows) 1.3-1.7x
+    torch's sgemm (`bench/kernels_cpu.py`). Built by `pack_float_linears` once a model is loaded (and fused).
     """
 
     def __init__(self, linear: nn.Linear, kernels):
@@ -126,14 +126,15 @@ class PackedLinear(nn.Module):
 def pack_float_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU float linear of `model` (`nn.Linear` / `SkinnyLinear`) by a
     `PackedLinear`, where quantspec's CPU kernels are built; returns how many. Run it last, after
-    `fuse_projections` (which stacks weights): the packed modules have no `weight` attribute."""
+    `fuse_projections` (which stacks weights): the packed modules have no `weight` attribute.
+    `model` itself is never replaced (wrap a lone Linear in `PackedLinear` directly)."""
     from quantspec.kernels.cpu import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None:
         return 0
     targets = [(name, m) for name, m in model.named_modules()
-               if type(m) in (nn.Linear, SkinnyLinear) and m.weight.device.type == "cpu"
+               if name and type(m) in (nn.Linear, SkinnyLinear) and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32]
     for name, m in targets:
         model.set_submodule(name, PackedLinear(m, kernels))
