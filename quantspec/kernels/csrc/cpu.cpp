@@ -129,13 +129,20 @@ const float* x_as_fp32(const at::Tensor& x, std::vector<float>& buf) {
   return buf.data();
 }
 
-void check_x(const at::Tensor& x, int64_t K, const char* op) {
+// x [M, K] for a GEMM: contiguous 2-D fp32 / bf16 on CPU, K matching the weight (and a multiple
+// of `k_multiple`: 16 for the row-major kernels, any K for the packed ones)
+void check_x(const at::Tensor& x, int64_t K, const char* op, int64_t k_multiple = 16) {
   TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
               ": x must be a contiguous 2-D CPU tensor");
   TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
               ": x must be float32 or bfloat16");
   TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " features, the weight ", K);
-  TORCH_CHECK(K % 16 == 0, op, ": K must be a multiple of 16, got ", K);
+  TORCH_CHECK(K % k_multiple == 0, op, ": K must be a multiple of ", k_multiple, ", got ", K);
+}
+
+// NB column blocks of 32 hold N outputs (the last one padded)
+void check_blocks(int64_t NB, int64_t N, const char* op) {
+  TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, op, ": N=", N, " does not fit ", NB, " blocks of 32");
 }
 
 const float* opt_f32(const c10::optional<at::Tensor>& t, int64_t n, const char* what) {
@@ -145,24 +152,21 @@ const float* opt_f32(const c10::optional<at::Tensor>& t, int64_t n, const char* 
   return t->data_ptr<float>();
 }
 
-template <class W>
-at::Tensor dispatch_out(const W& w, const at::Tensor& x, int64_t N, const float* col_scale,
-                        const float* bias, int64_t bytes_per_row) {
 #if QS_AVX512
-  const int64_t M = x.size(0), K = x.size(1);
+// y [M, N] in x's dtype from x as fp32: run(xf, y_ptr) is called with a float* or a BFloat16*
+template <class Run>
+at::Tensor gemm_out(const at::Tensor& x, int64_t N, const Run& run) {
   std::vector<float> buf;
   const float* xf = x_as_fp32(x, buf);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0 || N == 0) return y;
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  if (x.size(0) == 0 || N == 0) return y;
   if (x.scalar_type() == at::kFloat)
-    run(w, xf, M, K, N, col_scale, bias, y.data_ptr<float>(), bytes_per_row);
+    run(xf, y.data_ptr<float>());
   else
-    run(w, xf, M, K, N, col_scale, bias, y.data_ptr<at::BFloat16>(), bytes_per_row);
+    run(xf, y.data_ptr<at::BFloat16>());
   return y;
-#else
-  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
-#endif
 }
+#endif
 
 }  // namespace
 
@@ -174,9 +178,13 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optio
   const float* b = opt_f32(bias, N, "dense_gemv: bias");
 #if QS_AVX512
   if (w.scalar_type() == at::kFloat)
-    return dispatch_out(F32Rows{w.data_ptr<float>(), K}, x, N, nullptr, b, K * 4);
+    return gemm_out(x, N, [&](const float* xf, auto* y) {
+      run(F32Rows{w.data_ptr<float>(), K}, xf, x.size(0), K, N, nullptr, b, y, K * 4);
+    });
   TORCH_CHECK(w.scalar_type() == at::kBFloat16, "dense_gemv: w must be float32 or bfloat16");
-  return dispatch_out(BF16Rows{w.data_ptr<at::BFloat16>(), K}, x, N, nullptr, b, K * 2);
+  return gemm_out(x, N, [&](const float* xf, auto* y) {
+    run(BF16Rows{w.data_ptr<at::BFloat16>(), K}, xf, x.size(0), K, N, nullptr, b, y, K * 2);
+  });
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
@@ -348,33 +356,6 @@ void packed_q_run(const MakeLoader& make, const float* x, int64_t M, int64_t K, 
 
 #endif  // QS_AVX512
 
-void check_packed_x(const at::Tensor& x, int64_t K, const char* op) {
-  TORCH_CHECK(x.device().is_cpu() && x.dim() == 2 && x.is_contiguous(), op,
-              ": x must be a contiguous 2-D CPU tensor");
-  TORCH_CHECK(x.scalar_type() == at::kFloat || x.scalar_type() == at::kBFloat16, op,
-              ": x must be float32 or bfloat16");
-  TORCH_CHECK(x.size(1) == K, op, ": x has ", x.size(1), " features, the weight ", K);
-}
-
-template <class MakeLoader>
-at::Tensor packed_q_out(const MakeLoader& make, const at::Tensor& x, int64_t K, int64_t N, int64_t NB,
-                        const float* col_scale, const float* bias, int64_t bytes_per_block) {
-#if QS_AVX512
-  const int64_t M = x.size(0);
-  std::vector<float> buf;
-  const float* xf = x_as_fp32(x, buf);
-  at::Tensor y = at::empty({M, N}, x.options());
-  if (M == 0) return y;
-  if (x.scalar_type() == at::kFloat)
-    packed_q_run(make, xf, M, K, N, NB, col_scale, bias, y.data_ptr<float>(), bytes_per_block);
-  else
-    packed_q_run(make, xf, M, K, N, NB, col_scale, bias, y.data_ptr<at::BFloat16>(), bytes_per_block);
-  return y;
-#else
-  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
-#endif
-}
-
 }  // namespace
 
 // y = x @ (q * scale[:, None])^T (+ bias); q packed [NB, K, 32] int8 (pack_w8), scale [N] fp32
@@ -383,14 +364,16 @@ at::Tensor packed_w8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(2) == 32,
               "packed_w8_gemm: q must be contiguous int8 [NB, K, 32]");
   const int64_t NB = q.size(0), K = q.size(1);
-  TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, "packed_w8_gemm: N=", N, " does not fit ", NB, " blocks of 32");
-  check_packed_x(x, K, "packed_w8_gemm");
+  check_blocks(NB, N, "packed_w8_gemm");
+  check_x(x, K, "packed_w8_gemm", 1);
   const float* s = opt_f32(scale, N, "packed_w8_gemm: scale");
   const float* b = opt_f32(bias, N, "packed_w8_gemm: bias");
 #if QS_AVX512
   const int8_t* qp = q.data_ptr<int8_t>();
   auto make = [&](int64_t blk) { return I8BlockLoader{qp + blk * K * 32}; };
-  return packed_q_out(make, x, K, N, NB, s, b, K * 32);
+  return gemm_out(x, N, [&](const float* xf, auto* y) {
+    packed_q_run(make, xf, x.size(0), K, N, NB, s, b, y, K * 32);
+  });
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
@@ -404,10 +387,10 @@ at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(2) == 16,
               "packed_w4_gemm: q must be contiguous uint8 [NB, K, 16]");
   const int64_t NB = q.size(0), K = q.size(1);
-  TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, "packed_w4_gemm: N=", N, " does not fit ", NB, " blocks of 32");
+  check_blocks(NB, N, "packed_w4_gemm");
   TORCH_CHECK(group > 0 && K % group == 0, "packed_w4_gemm: group ", group, " must divide K=", K);
   const int64_t G = K / group;
-  check_packed_x(x, K, "packed_w4_gemm");
+  check_x(x, K, "packed_w4_gemm", 1);
   TORCH_CHECK(scale.sizes() == neg_zs.sizes() && scale.dim() == 3 && scale.size(0) == NB
               && scale.size(1) == G && scale.size(2) == 32, "packed_w4_gemm: scale / neg_zs must be [NB, G, 32]");
   const float* s = opt_f32(scale, NB * G * 32, "packed_w4_gemm: scale");
@@ -416,7 +399,9 @@ at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
 #if QS_AVX512
   const uint8_t* qp = q.data_ptr<uint8_t>();
   auto make = [&](int64_t blk) { return I4BlockLoader{qp, s, z, K, G, group, blk}; };
-  return packed_q_out(make, x, K, N, NB, nullptr, b, K * 16);
+  return gemm_out(x, N, [&](const float* xf, auto* y) {
+    packed_q_run(make, xf, x.size(0), K, N, NB, nullptr, b, y, K * 16);
+  });
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
@@ -429,14 +414,15 @@ at::Tensor packed_gemm(const at::Tensor& x, const at::Tensor& packed, int64_t N,
   TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat
               && packed.size(2) == 32, "packed_gemm: packed must be contiguous float32 [NB, K, 32]");
   const int64_t NB = packed.size(0), K = packed.size(1);
-  TORCH_CHECK(N > (NB - 1) * 32 && N <= NB * 32, "packed_gemm: N=", N, " does not fit ", NB,
-              " blocks of 32");
-  check_packed_x(x, K, "packed_gemm");
+  check_blocks(NB, N, "packed_gemm");
+  check_x(x, K, "packed_gemm", 1);
   const float* b = opt_f32(bias, N, "packed_gemm: bias");
 #if QS_AVX512
   const float* wp = packed.data_ptr<float>();
   auto make = [&](int64_t blk) { return F32BlockLoader{wp + blk * K * 32}; };
-  return packed_q_out(make, x, K, N, NB, nullptr, b, K * 32 * 4);
+  return gemm_out(x, N, [&](const float* xf, auto* y) {
+    packed_q_run(make, xf, x.size(0), K, N, NB, nullptr, b, y, K * 32 * 4);
+  });
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
