@@ -62,12 +62,12 @@ def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batc
     seqs = [eng.add_request(ids, SamplingParams(max_new_tokens=max_new_tokens)) for ids in encoded]
     chunks: dict[int, list] = {s.seq_id: [] for s in seqs}
 
-    def hook(_module, _inputs, hidden):  # hidden [T, D]: each running sequence's new tokens, in order
+    def hook(_module, _inputs, hidden):  # hidden [T, D]: the rows of this step's sequences, in order
         off = 0
-        for s in eng.running:
-            n = s.num_tokens - s.num_cached
+        for s, n in eng.forward_rows:  # not `running`: a prefill step feeds only the new prompts
             chunks[s.seq_id].append(hidden[off:off + n].to(torch.bfloat16).cpu())
             off += n
+        assert off == hidden.shape[0], (off, hidden.shape)
 
     handle = base.register_forward_hook(hook)
     try:
@@ -85,7 +85,8 @@ def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batc
     out = []
     for s in seqs:
         tokens = torch.tensor(s.tokens, dtype=torch.int64)
-        hidden = torch.cat(chunks[s.seq_id])[: len(tokens) - 1]  # the last token is never fed
+        hidden = torch.cat(chunks[s.seq_id])  # the last token is never fed
+        assert hidden.shape[0] == len(tokens) - 1, (hidden.shape, len(tokens))
         out.append((tokens, hidden))
     return out
 
@@ -93,7 +94,7 @@ def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batc
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,
               *, split: str = "train", text_field: str = "text", steps: int = 300, seq_len: int = 256,
               batch_size: int = 2, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
-              chat_prompts: list[str] | None = None, max_new_tokens: int = 160, gen_batch_size: int = 64,
+              chat_prompts: list[str] | int | None = None, max_new_tokens: int = 160, gen_batch_size: int = 64,
               draft_vocab_size: int = 4096, chain_weight: float = 0.5, save_every: int = 50, seed: int = 0,
               resume: bool = False, on_step=None, on_status=None) -> dict:
     """Train an MTP module for the frozen `model` (`quantspec zoo train-mtp`); writes the MTP
@@ -101,7 +102,8 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
 
     Data: `num_samples` windows of `seq_len` tokens from `dataset` (calib's loader/packer), and —
     with `self_distill` — the base's own greedy answers (`max_new_tokens`) to `chat_prompts`
-    (default: `model_zoo.mtp_train.CHAT_PROMPTS`), whose hidden states are captured while
+    (a list, or how many of the built-in `model_zoo.mtp_train.chat_prompts()`; default
+    `CHAT_PROMPTS`, the first 960 of them), whose hidden states are captured while
     generating. Each step trains on `batch_size * seq_len` positions. `on_step(step, steps,
     loss)` and `on_status(message)` report progress. Returns a summary dict.
     """
@@ -115,6 +117,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     from quantspec.model_zoo.checkpoint import load_model
     from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, MTPFeatures, MTPTrainConfig, choose_draft_vocab,
                                                extract_features, features_from_hidden, init_mtp)
+    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
     from quantspec.model_zoo.mtp_train import train_mtp as _train
 
     if out is None:
@@ -137,7 +140,16 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
         parts.append(extract_features(base, batches, self_distill=self_distill))
         data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]), seq_len=seq_len)
     if self_distill:
-        prompts = list(CHAT_PROMPTS if chat_prompts is None else chat_prompts)
+        if chat_prompts is None:
+            prompts = list(CHAT_PROMPTS)
+        elif isinstance(chat_prompts, int) and not isinstance(chat_prompts, bool):
+            if chat_prompts < 1:
+                raise QuantSpecError(f"chat_prompts={chat_prompts} must be >= 1 (at most {len(builtin_prompts())} built in)")
+            prompts = builtin_prompts(chat_prompts)
+        else:
+            prompts = list(chat_prompts)
+        if not prompts:
+            raise QuantSpecError("chat_prompts is empty: give prompts, or a count of built-in ones")
         say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
         gens = _generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                      batch_size=gen_batch_size, on_status=on_status)

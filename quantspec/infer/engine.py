@@ -126,6 +126,9 @@ class Engine:
         self._next_id = 0
         self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
         self.num_steps = 0
+        # the forward of the current step, in row order: (sequence, query rows) — a prefill step
+        # feeds only the prompts it prefills, so forward hooks must read this, not `running`
+        self.forward_rows: list[tuple[Sequence, int]] = []
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -240,6 +243,7 @@ class Engine:
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs],
                                        self.config.block_size, self.device, self.cache.cpu_kernel)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
+        self.forward_rows = list(zip(seqs, q_lens))
         with decode_step() if not fresh else nullcontext():
             hidden = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta))  # [T, D]
 

@@ -282,13 +282,17 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
 
 
 # Varied chat instructions for self-distillation (the base answers them; the MTP learns its
-# answers). Evaluation prompts must come from elsewhere (see tests / bench).
+# answers). Evaluation prompts must come from elsewhere: bench/data/spec_prompts.jsonl's chat
+# prompts share no topic with these (tests/model_zoo/test_mtp.py checks it).
 _TASKS = [
     "Explain {t} to a ten-year-old.", "Write a short poem about {t}.", "Give three tips about {t}.",
     "What are the pros and cons of {t}?", "Summarize the history of {t} in a few sentences.",
     "Write a friendly email inviting a colleague to talk about {t}.", "List five facts about {t}.",
     "How would you teach a beginner about {t}?", "Describe a typical day involving {t}.",
-    "What common mistakes do people make with {t}?",
+    "What common mistakes do people make with {t}?", "Write a short story that involves {t}.",
+    "What questions do people often ask about {t}? Answer two of them.",
+    "Compare {t} with something similar and explain the difference.", "Why does {t} matter?",
+    "Write a product description for a book about {t}.", "Give a step-by-step guide related to {t}.",
 ]
 _TOPICS = [
     "photosynthesis", "the water cycle", "saving money", "learning a new language", "healthy breakfast",
@@ -297,15 +301,37 @@ _TOPICS = [
     "recycling", "the human heart", "python programming", "baking bread", "public speaking", "the moon",
     "job interviews", "honeybees", "the internet", "first aid", "running a marathon", "ancient Egypt",
     "renewable energy", "sleep", "friendship", "the stock market", "dinosaurs", "coffee",
+    "earthquakes", "the printing press", "vitamins", "jazz music", "rain forests", "credit cards",
+    "sharks", "the Olympic Games", "solar panels", "yoga", "the immune system", "origami", "pirates",
+    "the Great Wall of China", "smartphones", "composting", "marine biology", "the Renaissance",
+    "podcasts", "hiking", "bridges", "penguins", "cryptography", "fermentation", "the piano",
+    "board games", "airplanes", "tides", "kindness", "budget travel", "the periodic table", "glaciers",
+    "video editing", "wolves", "democracy", "knitting", "mountains", "spreadsheets", "the Vikings",
+    "coral reefs", "minimalism", "fire safety", "opera", "trains", "vaccines", "rainbows", "owls",
+    "museums", "robots", "tea ceremonies", "lighthouses", "the metric system", "photography",
+    "the Amazon river", "submarines", "puzzles", "libraries", "snow", "magnets", "deserts", "music theory",
+    "open source software", "bees and flowers", "volunteering", "fossils",
 ]
-CHAT_PROMPTS = [_TASKS[(i * 7 + j) % len(_TASKS)].format(t=t) for i, t in enumerate(_TOPICS) for j in range(6)]
-CHAT_PROMPTS += [
+_EXTRAS = [
     "What is the capital of Australia?", "How do I reverse a list in Python?", "Translate 'good morning' into Spanish.",
-    "Write a haiku about autumn.", "What is 15% of 240?", "Suggest a name for a pet turtle.",
-    "Why is the sky blue?", "How do vaccines work?", "Write a SQL query that counts rows in a table.",
-    "What should I pack for a weekend camping trip?", "Tell me a short story about a robot who learns to paint.",
-    "How do I make a cup of tea?", "What is the difference between weather and climate?",
-    "Give me a recipe for pancakes.", "How can I improve my handwriting?", "Explain what a prime number is.",
-    "Write a limerick about a cat.", "What are the planets in our solar system?",
-    "Write a function in JavaScript that adds two numbers.", "How do I change a flat tire?",
+    "What is 15% of 240?", "Suggest a name for a pet turtle.", "How do vaccines work?",
+    "Write a SQL query that counts rows in a table.", "What should I pack for a weekend camping trip?",
+    "Tell me a short story about a robot who learns to paint.", "How do I make a cup of tea?",
+    "What is the difference between weather and climate?", "Give me a recipe for pancakes.",
+    "How can I improve my handwriting?", "Explain what a prime number is.", "Write a limerick about a cat.",
+    "What are the planets in our solar system?", "Write a function in JavaScript that adds two numbers.",
+    "How do I change a flat tire?",
 ]
+
+
+def chat_prompts(n: int | None = None) -> list[str]:
+    """The first `n` (all: None) built-in self-distillation prompts: every topic once before any
+    topic twice, each topic's tasks rotated so that consecutive topics ask different things; the
+    free-form extras first. Deterministic."""
+    out = list(_EXTRAS)
+    for r in range(len(_TASKS)):
+        out += [_TASKS[(i * 7 + r) % len(_TASKS)].format(t=t) for i, t in enumerate(_TOPICS)]
+    return out if n is None else out[: max(0, int(n))]
+
+
+CHAT_PROMPTS = chat_prompts(960)  # `quantspec zoo train-mtp`'s default (--chat-prompts)

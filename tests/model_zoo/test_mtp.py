@@ -163,17 +163,60 @@ def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp2", **{**kw, "text_field": "nope"})
 
 
-def test_dense_and_engine_hidden_agree(base):
-    """The hidden states the api captures during generation are the ones a dense forward gives."""
+def test_api_train_mtp_builtin_prompt_count(tiny_llama_dir, tmp_path):
+    """chat_prompts=N answers the first N built-in prompts; N < 1 is refused with one line."""
+    from quantspec import api
+
+    kw = dict(steps=1, save_every=1, max_new_tokens=6)
+    res = api.train_mtp(str(tiny_llama_dir), None, tmp_path / "mtp", chat_prompts=3, **kw)
+    assert res["chat_prompts"] == 3
+    with pytest.raises(QuantSpecError, match="chat_prompts=0 must be >= 1"):
+        api.train_mtp(str(tiny_llama_dir), None, tmp_path / "mtp2", chat_prompts=0, **kw)
+
+
+def test_builtin_chat_prompts_are_varied_and_disjoint_from_the_bench():
+    """Every topic is asked once before any is asked twice, the default set has no duplicates, and
+    no self-distillation prompt touches a topic of the bench's held-out chat prompts."""
+    from pathlib import Path
+
+    from quantspec.model_zoo.mtp_train import _EXTRAS, _TOPICS, CHAT_PROMPTS, chat_prompts
+
+    everything = chat_prompts()
+    assert len(set(everything)) == len(everything) and CHAT_PROMPTS == everything[:len(CHAT_PROMPTS)]
+    first_round = everything[len(_EXTRAS):len(_EXTRAS) + len(_TOPICS)]
+    assert all(t in p for t, p in zip(_TOPICS, first_round))
+    bench = Path(__file__).parents[2] / "bench" / "data" / "spec_prompts.jsonl"
+    rows = [json.loads(line) for line in bench.read_text().splitlines() if line.strip()]
+    held_out = [r["src"] for r in rows if r["kind"] == "chat"]
+    assert len(held_out) >= 6
+    # the distinctive word(s) of each held-out chat prompt
+    for key in ("focused", "sky", "autumn", "tuple", "vegetarian", "bicycle"):
+        assert any(key in p.lower() for p in held_out), key
+        assert not [p for p in everything if key in p.lower()], key
+
+
+def test_dense_and_engine_hidden_agree(base, monkeypatch):
+    """The hidden states the api captures during generation are the ones a dense forward gives,
+    for every sequence, also when prompts are admitted (and prefilled in steps of their own) while
+    others are still decoding: 5 prompts, 2 at a time, answers of different lengths."""
     from quantspec.api import _generate_with_hidden
 
     tok = build_tiny_tokenizer()
-    (tokens, hidden), = _generate_with_hidden(base, tok, ["Tell me a story."], max_new_tokens=10, batch_size=2)
-    L = tokens.numel()
-    with torch.no_grad():
-        dense = base(tokens, torch.arange(L), DenseCausalAttention(1, L))[:-1]
-    assert hidden.shape == dense.shape
-    torch.testing.assert_close(hidden.float(), dense, atol=0.05, rtol=0.02)  # hidden kept in bf16
+    prompts = ["Tell me a story.", "What is two plus two?", "Name a colour.", "Say hello to the sea.", "Why?"]
+    first = _generate_with_hidden(base, tok, prompts[:1], max_new_tokens=10, batch_size=1)[0][0]
+    n0 = len(tok(tok.apply_chat_template([{"role": "user", "content": prompts[0]}], tokenize=False,
+                                         add_generation_prompt=True), add_special_tokens=False).input_ids)
+    # a token the first answer emits early becomes the eos: that answer ends while the next decodes
+    monkeypatch.setattr(base.args, "eos_token_ids", [int(first[n0 + 2])])
+    gens = _generate_with_hidden(base, tok, prompts, max_new_tokens=10, batch_size=2)
+    assert len(gens) == 5
+    assert gens[0][0].numel() == n0 + 3 and len({t.numel() for t, _ in gens[:2]}) == 2  # staggered
+    for tokens, hidden in gens:
+        L = tokens.numel()
+        with torch.no_grad():
+            dense = base(tokens, torch.arange(L), DenseCausalAttention(1, L))[:-1]
+        assert hidden.shape == dense.shape
+        torch.testing.assert_close(hidden.float(), dense, atol=0.05, rtol=0.02)  # hidden kept in bf16
 
 
 def test_cli_train_mtp(tiny_llama_dir, tmp_path):
