@@ -24,12 +24,12 @@ each sequence gets k_b drafts chosen by a small cost model instead of always the
 
 k_b = 0 is a plain decode step for that sequence (and a model drafter skips it entirely). A
 backed-off sequence probes again after `probe_interval` plain steps, with the k an optimistic
-estimate (the prior) would choose: on a CPU the fixed cost of a verification forward dominates,
-so a probe of a free drafter might as well be long. Each probe that does not bring it back
+estimate (the prior) would choose (8 drafts for a free drafter such as n-gram on this CPU's
+cost model). Each probe that does not bring it back
 doubles the interval up to `max_probe_interval`. A drafter that could not pay for itself even
 if every draft were accepted (best k at a1 = ac = 1 is 0, e.g. a quantized draft that decodes
 no faster than the base on this CPU) never drafts at all. The worst-case overhead on text where nothing
-is ever accepted is therefore about (C(probe k) - 1) / max_probe_interval (≈ 5% for n-gram on a
+is ever accepted is therefore about (C(probe k) - 1) / max_probe_interval (≈ 1.3% for n-gram on a
 CPU) plus the few steps it takes the estimates to fall. The policy depends
 only on the sequence's own history (not on time or batch neighbours), so seeded sampling stays
 reproducible and batch-invariant; it never changes a greedy result, and sampled results remain
@@ -70,12 +70,17 @@ class SpecCost:
     draft_per_token:  the drafter's cost per drafted token (0 for n-gram; ≈ the draft model's
                       decode step over the base's for a draft model).
 
-    Measured on this project's CPU (SmolLM2-135M fp32, 2 threads, ~200-token context): with the
-    model on quantspec's packed GEMM (`infer/dense_linear.PackedLinear`, every row one FMA chain,
-    weights streamed once for all rows) a forward of 1 + k rows costs 1.0-1.2x a 1-row decode
-    forward for k = 1..10, modelled as 0.03 + 0.02 per draft row (`packed_cpu=True`); with the
-    row-major kernels (quantized linears, or torch's ops) it was 1.26x (k=3), 1.83x (k=5),
-    1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few extra rows are nearly free.
+    Measured on this project's CPU (SmolLM2-135M fp32, in the engine, batch 1, 250-700-token
+    context): with the model on quantspec's packed GEMM (`infer/dense_linear.PackedLinear`, every
+    row one FMA chain, weights streamed once for all rows) a forward of 1 + k rows costs, over a
+    1-row decode forward, at 2 threads 1.01-1.03x (k=1), 1.06-1.12x (2), 1.23-1.27x (4),
+    1.31-1.45x (6), 1.38-1.41x (8), 1.51x (10), 1.67x (12), 1.84-1.95x (16): one row streams the
+    weights (memory-bound), a few more ride along, and beyond ~4 rows the step is bound by the
+    FMAs themselves (~110 GFLOP/s on the two cores), so 0 + 0.05 per draft row
+    (`packed_cpu=True`; at 1 thread, where one row is slower to stream, it was 1.0-1.2x for
+    k = 1..10). With the row-major kernels (quantized linears, or torch's ops) it was 1.26x
+    (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few extra rows are
+    nearly free.
     """
 
     verify_fixed: float = 0.5
@@ -96,7 +101,7 @@ class SpecCost:
         if torch.device(device).type == "cuda":
             return cls(verify_fixed=0.05, verify_per_token=0.01, draft_per_token=draft_per_token)
         if packed_cpu:
-            return cls(verify_fixed=0.03, verify_per_token=0.02, draft_per_token=draft_per_token)
+            return cls(verify_fixed=0.0, verify_per_token=0.05, draft_per_token=draft_per_token)
         return cls(verify_fixed=0.0, verify_per_token=0.15, draft_per_token=draft_per_token)
 
     def step_cost(self, k: int) -> float:
