@@ -92,10 +92,10 @@ def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batc
 
 
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,
-              *, split: str = "train", text_field: str = "text", steps: int = 300, seq_len: int = 256,
-              batch_size: int = 2, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
+              *, split: str = "train", text_field: str = "text", steps: int = 1500, seq_len: int = 256,
+              batch_size: int = 4, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
               chat_prompts: list[str] | int | None = None, max_new_tokens: int = 160, gen_batch_size: int = 64,
-              draft_vocab_size: int = 4096, chain_weight: float = 0.5, save_every: int = 50, seed: int = 0,
+              draft_vocab_size: int = 4096, chain_weight: float = 0.5, save_every: int = 250, seed: int = 0,
               resume: bool = False, on_step=None, on_status=None) -> dict:
     """Train an MTP module for the frozen `model` (`quantspec zoo train-mtp`); writes the MTP
     artifact (config.json + model.safetensors) and `train_state.pt` into `out`.

@@ -143,9 +143,9 @@ def zoo():
 @click.option("--dataset", default=None, help="Text data: local .txt/.json/.jsonl/.parquet or a hub id.")
 @click.option("--split", default="train", show_default=True)
 @click.option("--text-field", default="text", show_default=True, help="Dataset column holding the text.")
-@click.option("--steps", default=300, show_default=True, type=int)
+@click.option("--steps", default=1500, show_default=True, type=int)
 @click.option("--seq-len", default=256, show_default=True, type=int, help="Dataset window length (tokens).")
-@click.option("--batch-size", default=2, show_default=True, type=int, help="Windows' worth of positions per step.")
+@click.option("--batch-size", default=4, show_default=True, type=int, help="Windows' worth of positions per step.")
 @click.option("--num-samples", default=16, show_default=True, type=int, help="Dataset windows used.")
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True,
@@ -155,7 +155,7 @@ def zoo():
 @click.option("--max-new-tokens", default=160, show_default=True, type=int, help="Length of each self-distilled answer.")
 @click.option("--draft-vocab-size", default=4096, show_default=True, type=int,
               help="Tokens the draft head scores (the most frequent targets).")
-@click.option("--save-every", default=50, show_default=True, type=int, help="Checkpoint interval (steps).")
+@click.option("--save-every", default=250, show_default=True, type=int, help="Checkpoint interval (steps).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="MTP artifact directory.")
 @click.option("--resume", is_flag=True, help="Continue the checkpoint in --out.")
