@@ -1,9 +1,11 @@
 """Speculative decoding on the default model: tokens/s with and without each method, acceptance,
 acceptance per draft position, mean accepted length, and an equality check of the outputs against
-plain greedy decoding of the same engine; one run, same machine, batch 1.
+plain greedy decoding of the same engine; one run, same machine, batch 1. "vs plain" is end to
+end (prefill included: a ~130-token prompt's prefill costs ~10 decode steps); "decode phase"
+is the speed after the first token, where speculation acts (TTFT is the same for every method).
 
-    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts 6]
-                         [--quant weight_only_int8,weight_only_int4,weight_only_int4@g32-asym-fzp]
+    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts N] [--methods ngram,self,quant,mtp]
+                         [--quant weight_only_int8,weight_only_int4,weight_only_int4@gptq,...]
 
 Methods (rows), each on the code-editing prompts (the answer mostly repeats the prompt) and the
 chat prompts of `bench/data/spec_prompts.jsonl`:
@@ -12,7 +14,8 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
 - draft fp32 (self): the base model drafting for itself with the back-off OFF: an upper bound on
                      acceptance (100%), not a speed-up (the draft costs as much as the base);
 - draft <quant>:     the quantized artifact of the same model (built with `quantspec.api.quantize`,
-                     RTN, cached; `weight_only_int4@g32-asym-fzp` = group 32, asymmetric, float16
+                     RTN, cached; `weight_only_int4@gptq` = GPTQ g128 on bench/data/calib.jsonl
+                     (~4 min once); `weight_only_int4@g32-asym-fzp` = group 32, asymmetric, float16
                      zero points, the grid the default model's weights were published on)
                      drafting for the fp32 model, with the back-off (its draft cost measured
                      at start-up), and again with the back-off off (acceptance at every
@@ -21,6 +24,12 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.5 (the
                      predictor default for mtp), with and without the back-off.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike.
+
+Copy share of an answer: the fraction of its tokens inside a run of >= 4 tokens that also occurs
+in the prompt (measured on plain greedy output). The issue's code-editing case is an answer that
+mostly repeats the prompt; a small model sometimes answers an edit request with an explanation
+instead, so the code prompts are also reported restricted to answers with copy share >= 50%
+(`code_edit, copy>=50%`), next to the all-prompts row, and per prompt.
 """
 
 from __future__ import annotations
@@ -37,8 +46,24 @@ from quantspec.infer.predictor import InferConfig, Predictor
 DATA = Path(__file__).parent / "data" / "spec_prompts.jsonl"
 
 
-def _row(name, kind, outs, wall, plain_ids, plain_tps):
+COPY_RUN = 4  # tokens: a copied run at least this long counts towards the copy share
+
+
+def copy_share(prompt_ids: list[int], answer_ids: list[int], n: int = COPY_RUN) -> float:
+    """Fraction of answer tokens covered by an n-token window that also occurs in the prompt."""
+    if not answer_ids:
+        return 0.0
+    grams = {tuple(prompt_ids[i:i + n]) for i in range(len(prompt_ids) - n + 1)}
+    covered = [False] * len(answer_ids)
+    for i in range(len(answer_ids) - n + 1):
+        if tuple(answer_ids[i:i + n]) in grams:
+            covered[i:i + n] = [True] * n
+    return sum(covered) / len(answer_ids)
+
+
+def _row(name, kind, outs, wall, plain_ids, plain_tps, plain_decode_tps):
     gen = sum(len(o.token_ids) for o in outs)
+    decode_tps = _decode_tps(outs, wall)
     drafted = sum(o.drafted for o in outs)
     accepted = sum(o.accepted for o in outs)
     forwards = sum(o.target_forwards for o in outs)
@@ -52,6 +77,7 @@ def _row(name, kind, outs, wall, plain_ids, plain_tps):
     return {
         "kind": kind, "method": name, "tokens": gen, "tokens_per_s": tps,
         "ratio": tps / plain_tps if plain_tps else 1.0,
+        "decode_tokens_per_s": decode_tps, "decode_ratio": decode_tps / plain_decode_tps if plain_decode_tps else 1.0,
         "acceptance": accepted / drafted if drafted else None,
         "per_position": per_pos,
         "mean_accepted_length": (gen - len(outs)) / forwards if forwards else None,
@@ -60,9 +86,17 @@ def _row(name, kind, outs, wall, plain_ids, plain_tps):
     }
 
 
+def _decode_tps(outs, wall: float) -> float:
+    """Tokens after the first per second after the first: the decode phase, where speculation
+    acts (every method runs the same prefill, so TTFT is the same for all of them)."""
+    after_first = sum(max(0, len(o.token_ids) - 1) for o in outs)
+    return after_first / max(1e-9, wall - sum(o.ttft_s for o in outs))
+
+
 def _recipe(spec: str) -> tuple[str, dict]:
     """`weight_only_int4@g32-asym-fzp` → ("weight_only_int4", group_size=32, symmetric=False,
-    zp_dtype="float16"); a bare quant type → RTN with quantspec's defaults (int4: g128, sym)."""
+    zp_dtype="float16"); `@gptq`: GPTQ instead of RTN; a bare quant type → RTN with quantspec's
+    defaults (int4: g128, sym, MSE-searched scales)."""
     quant_type, _, recipe = spec.partition("@")
     kw: dict = {}
     for part in filter(None, recipe.split("-")):
@@ -72,8 +106,11 @@ def _recipe(spec: str) -> tuple[str, dict]:
             kw["symmetric"] = False
         elif part == "fzp":
             kw["zp_dtype"] = "float16"
+        elif part == "gptq":  # as bench/quality.py: 64 x 512 tokens of bench/data/calib.jsonl, act-order
+            kw.update(method="gptq", dataset=str(DATA.parent / "calib.jsonl"), num_samples=64, seq_len=512,
+                      act_order=True)
         else:
-            raise SystemExit(f"unknown recipe part {part!r} in {spec!r}; use g<N>, asym, fzp")
+            raise SystemExit(f"unknown recipe part {part!r} in {spec!r}; use g<N>, asym, fzp, gptq")
     return quant_type, kw
 
 
@@ -81,12 +118,14 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
-    ap.add_argument("--prompts", type=int, default=6, help="prompts per kind")
+    ap.add_argument("--prompts", type=int, default=0, help="prompts per kind [default: all]")
     ap.add_argument("--data", default=str(DATA), help="jsonl of {kind, src} prompts")
     ap.add_argument("--draft-tokens", type=int, default=5, help="--speculate-max-draft-token-num")
     ap.add_argument("--ngram-draft-tokens", type=int, default=10)
-    ap.add_argument("--quant", default="weight_only_int8,weight_only_int4,weight_only_int4@g32-asym-fzp",
-                    help="draft artifacts: quant types, optionally @recipe (g<N>, asym, fzp = float16 zero points)")
+    ap.add_argument("--quant", default="weight_only_int8,weight_only_int4,weight_only_int4@gptq,"
+                                       "weight_only_int4@g32-asym-fzp",
+                    help="draft artifacts: quant types, optionally @recipe (g<N>, asym, fzp = float16 zero "
+                         "points, gptq)")
     ap.add_argument("--methods", default="ngram,self,quant,mtp")
     ap.add_argument("--mtp", help="MTP module directory [default: the cached one of `zoo train-mtp`]")
     ap.add_argument("--mtp-draft-tokens", type=int, default=1)
@@ -105,7 +144,7 @@ def main():
     kinds = {}
     for r in rows:
         kinds.setdefault(r["kind"], []).append(r["src"])
-    kinds = {k: v[: a.prompts] for k, v in kinds.items()}
+    kinds = {k: v[: a.prompts or None] for k, v in kinds.items()}
 
     common = dict(model=str(model_dir), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
     methods = {"plain": Predictor(InferConfig(**common), loaded=loaded)}
@@ -145,30 +184,53 @@ def main():
         p = methods["mtp (no back-off)"] = Predictor(cfg, loaded=loaded)
         p.engine.proposer.policy = None
     methods["plain"].generate(["Hello"])  # warm-up
-    results = []
+    results, per_prompt = [], []
+    tok = methods["plain"].tokenizer
     for kind, srcs in kinds.items():
         outs = {m: [] for m in methods}
-        wall = {m: 0.0 for m in methods}
+        wall = {m: [] for m in methods}
         for src in srcs:  # interleaved: every method on this prompt, then the next prompt
             for name, pred in methods.items():
                 t = time.perf_counter()
                 outs[name].extend(pred.generate([src]))
-                wall[name] += time.perf_counter() - t
-        plain_ids = [o.token_ids for o in outs["plain"]]
-        plain_tps = sum(len(x) for x in plain_ids) / wall["plain"]
-        for name in methods:
-            results.append(_row(name, kind, outs[name], wall[name], plain_ids, plain_tps))
+                wall[name].append(time.perf_counter() - t)
+        shares = [copy_share(tok(src, add_special_tokens=False).input_ids, o.token_ids)
+                  for src, o in zip(srcs, outs["plain"])]
+        subsets = [(kind, list(range(len(srcs))))]
+        if kind == "code_edit":
+            subsets.append((f"{kind}, copy>=50%", [i for i, c in enumerate(shares) if c >= 0.5]))
+            for i, c in enumerate(shares):
+                per_prompt.append((i, c, len(outs["plain"][i].token_ids),
+                                   {m: wall["plain"][i] / wall[m][i] for m in methods if m != "plain"}))
+        for label, idx in subsets:
+            if not idx:
+                continue
+            plain_ids = [outs["plain"][i].token_ids for i in idx]
+            plain_wall = sum(wall["plain"][i] for i in idx)
+            plain_tps = sum(len(x) for x in plain_ids) / plain_wall
+            plain_decode = _decode_tps([outs["plain"][i] for i in idx], plain_wall)
+            for name in methods:
+                results.append(_row(name, label, [outs[name][i] for i in idx], sum(wall[name][i] for i in idx),
+                                    plain_ids, plain_tps, plain_decode))
 
     print(f"\n## speculative decoding, {DEFAULT_MODEL} fp32 base, batch 1, {a.new_tokens} new tokens, "
           f"{torch.get_num_threads()} thread(s), greedy\n")
-    print("| prompts | method | tok/s | vs plain | identical | acceptance | per position | mean accepted length |")
-    print("|---|---|---:|---:|:---:|---:|---|---:|")
+    print("| prompts | method | tok/s | vs plain | decode phase vs plain | identical | acceptance | per position | "
+          "mean accepted length |")
+    print("|---|---|---:|---:|---:|:---:|---:|---|---:|")
     for r in results:
         acc = "-" if r["acceptance"] is None else f"{100 * r['acceptance']:.1f}%"
         pos = " ".join(f"{100 * x:.0f}" for x in r["per_position"]) or "-"
         mal = "-" if r["mean_accepted_length"] is None or r["method"] == "plain" else f"{r['mean_accepted_length']:.2f}"
-        print(f"| {r['kind']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | "
+        print(f"| {r['kind']} | {r['method']} | {r['tokens_per_s']:.1f} | {r['ratio']:.2f}x | {r['decode_ratio']:.2f}x | "
               f"{'yes' if r['identical'] else 'NO'} | {acc} | {pos} | {mal} |")
+    if per_prompt:
+        names = list(per_prompt[0][3])
+        print("\ncode_edit per prompt (speed vs plain):\n")
+        print("| # | copy share | tokens | " + " | ".join(names) + " |")
+        print("|---:|---:|---:|" + "---:|" * len(names))
+        for i, c, n, ratios in per_prompt:
+            print(f"| {i} | {100 * c:.0f}% | {n} | " + " | ".join(f"{ratios[m]:.2f}x" for m in names) + " |")
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
 
