@@ -151,7 +151,7 @@ def zoo():
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True,
               help="Train on the base's own greedy choices and its answers to built-in chat prompts.")
 @click.option("--chat-prompts", default=960, show_default=True, type=click.IntRange(min=1),
-              help="How many built-in chat prompts the base answers for self-distillation (1618 built in).")
+              help="How many of the built-in chat prompts the base answers for self-distillation.")
 @click.option("--max-new-tokens", default=160, show_default=True, type=int, help="Length of each self-distilled answer.")
 @click.option("--draft-vocab-size", default=4096, show_default=True, type=int,
               help="Tokens the draft head scores (the most frequent targets).")
