@@ -21,7 +21,7 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      at start-up), and again with the back-off off (acceptance at every
                      position, whatever it costs);
 - mtp:               the MTP module trained by `quantspec zoo train-mtp` (cached under
-                     ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.5 (the
+                     ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.4 (the
                      predictor default for mtp), with and without the back-off.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike.
 
@@ -130,7 +130,7 @@ def main():
     ap.add_argument("--mtp", help="MTP module directory [default: the cached one of `zoo train-mtp`]")
     ap.add_argument("--mtp-draft-tokens", type=int, default=1)
     ap.add_argument("--mtp-min-confidence", type=float, default=None,
-                    help="--speculate-min-confidence for the mtp rows [default: the predictor's, 0.5]")
+                    help="--speculate-min-confidence for the mtp rows [default: the predictor's, 0.4]")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -103,7 +103,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     Data: `num_samples` windows of `seq_len` tokens from `dataset` (calib's loader/packer), and —
     with `self_distill` — the base's own greedy answers (`max_new_tokens`) to `chat_prompts`
     (a list, or how many of the built-in `model_zoo.mtp_train.chat_prompts()`; default
-    `CHAT_PROMPTS`, the first 960 of them), whose hidden states are captured while
+    `CHAT_PROMPTS`, all 1618 of them), whose hidden states are captured while
     generating. Each step trains on `batch_size * seq_len` positions. `on_step(step, steps,
     loss)` and `on_status(message)` report progress. Returns a summary dict.
     """

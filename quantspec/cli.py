@@ -94,7 +94,7 @@ def _stats_table(title: str, stats: dict):
 @click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
               help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
 @click.option("--speculate-min-confidence", type=float, default=None,
-              help="mtp: stop drafting at a draft whose probability is below this [default: 0.5 for mtp].")
+              help="mtp: stop drafting at a draft whose probability is below this [default: 0.4 for mtp].")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @_one_line_errors
@@ -150,8 +150,8 @@ def zoo():
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True,
               help="Train on the base's own greedy choices and its answers to built-in chat prompts.")
-@click.option("--chat-prompts", default=960, show_default=True, type=click.IntRange(min=1),
-              help="How many of the built-in chat prompts the base answers for self-distillation.")
+@click.option("--chat-prompts", default=None, type=click.IntRange(min=1),
+              help="How many of the built-in chat prompts the base answers for self-distillation [default: all].")
 @click.option("--max-new-tokens", default=160, show_default=True, type=int, help="Length of each self-distilled answer.")
 @click.option("--draft-vocab-size", default=4096, show_default=True, type=int,
               help="Tokens the draft head scores (the most frequent targets).")

@@ -334,4 +334,4 @@ def chat_prompts(n: int | None = None) -> list[str]:
     return out if n is None else out[: max(0, int(n))]
 
 
-CHAT_PROMPTS = chat_prompts(960)  # `quantspec zoo train-mtp`'s default (--chat-prompts)
+CHAT_PROMPTS = chat_prompts()  # `quantspec zoo train-mtp`'s default: all of them (--chat-prompts N: the first N)

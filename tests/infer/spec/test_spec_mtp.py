@@ -248,9 +248,9 @@ def test_confidence_gate_is_lossless_and_drops_unsure_drafts(base, trained_mtp):
 
 
 def test_confidence_gate_config_errors():
-    from quantspec.infer.predictor import InferConfig
+    from quantspec.infer.predictor import MTP_MIN_CONFIDENCE, InferConfig
 
-    assert InferConfig(speculate_method="mtp", draft_model="x").speculate_min_confidence == 0.5
+    assert InferConfig(speculate_method="mtp", draft_model="x").speculate_min_confidence == MTP_MIN_CONFIDENCE
     assert InferConfig().speculate_min_confidence == 0.0
     with pytest.raises(QuantSpecError, match="applies to --speculate-method mtp only"):
         InferConfig(speculate_method="draft", speculate_min_confidence=0.3)
