@@ -143,8 +143,8 @@ def pack_float_linears(model: nn.Module) -> int:
 
 def all_linears_packed(model: nn.Module) -> bool:
     """Whether every linear of `model` is a `PackedLinear` (an fp32 model on quantspec's CPU
-    kernels): then a forward of 1 + k rows costs about what one row does (speculation's cost
-    model, `infer/spec/proposers.py`)."""
+    kernels): then every row of a forward shares one pass over the weights, and speculation's
+    cost model uses the packed measurements (`SpecCost.for_device(..., packed_cpu=True)`)."""
     from quantspec.infer.quant_linear import QuantLinear
 
     kinds = {type(m) for m in model.modules()}

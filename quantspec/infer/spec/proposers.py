@@ -24,8 +24,8 @@ each sequence gets k_b drafts chosen by a small cost model instead of always the
 
 k_b = 0 is a plain decode step for that sequence (and a model drafter skips it entirely). A
 backed-off sequence probes again after `probe_interval` plain steps, with the k an optimistic
-estimate (the prior) would choose (8 drafts for a free drafter such as n-gram on this CPU's
-cost model). Each probe that does not bring it back
+estimate (the prior) would choose (8 drafts for a free drafter such as n-gram allowed ≥ 8, on
+the packed-CPU cost model). Each probe that does not bring it back
 doubles the interval up to `max_probe_interval`. A drafter that could not pay for itself even
 if every draft were accepted (best k at a1 = ac = 1 is 0, e.g. a quantized draft that decodes
 no faster than the base on this CPU) never drafts at all. The worst-case overhead on text where nothing
