@@ -1,6 +1,6 @@
 """quantspec's CPU GEMM kernels vs the torch ops they replace, side by side in one run.
 
-    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64,128]
+    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64,128] [--prefill-rows 130,512]
 
 Weights of the default model's shapes (30 decoder layers: fused q/k/v 960×576, o 576×576, fused
 gate/up 3072×576, down 576×1536; and the 49152×576 head), cycled so that they stream from memory
@@ -10,6 +10,10 @@ torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/dense_linear.py) for M
 `F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
 `_weight_int4pack_mm_for_cpu` (bf16 x, g32). quantspec's: `packed_gemm` (fp32, column blocks),
 `dense_gemv` (bf16, row-major), `packed_w8_gemm`, `packed_w4_gemm` (bf16 x).
+
+Prefill table (`--prefill-rows`): fp32 x (how the default model loads) through the int8 / int4
+(g64) layers, where the dispatch took dequantize + `F.linear` before quantspec's packed kernels
+served every M: that path vs the packed kernel, per pass over all layers.
 """
 
 from __future__ import annotations
@@ -82,6 +86,7 @@ def main():
     ap.add_argument("--rows", default="1,2,4,8,16,64,128")
     ap.add_argument("--kinds", default="fp32,bf16,int8,int4")
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--prefill-rows", default="130,512", help="rows of the prefill table ('' skips it)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -105,6 +110,35 @@ def main():
             o_h = _time(lambda: ours(xs[576], *head[1]), reps)
             print(f"| {kind} | {M} | {t_l:.2f} | {o_l:.2f} | {t_l / o_l:.2f}x | {t_h:.2f} | "
                   f"{o_h:.2f} | {t_h / o_h:.2f}x |", flush=True)
+    prefill = [int(r) for r in a.prefill_rows.split(",") if r]
+    if prefill:
+        print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "
+              "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
+        print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
+        print("|---|---:|---:|---:|---:|")
+    for kind in [k for k in a.kinds.split(",") if k in ("int8", "int4")] if prefill else []:
+        layers = []
+        for N, K in LAYER_SHAPES * a.layers:
+            g = 64  # divides every K of the default model (576, 1536)
+            q = torch.randint(-8, 8, (N, K), dtype=torch.int8) if kind == "int4" else \
+                torch.randint(-127, 128, (N, K), dtype=torch.int8)
+            s = torch.rand(N, 1 if kind == "int8" else K // g) * 0.01
+
+            def deq(x, q=q, s=s, g=g):  # the former prefill path: dequantize, then an fp32 matmul
+                w = q.float() * s if s.shape[1] == 1 else (q.float().view(q.shape[0], -1, g) * s[..., None]).view(q.shape)
+                return F.linear(x, w)
+            if kind == "int8":
+                pq = cg.pack_w8(q)
+                ours = (lambda x, pq=pq, s=s, N=N: cg.packed_w8_gemm(x, pq, s[:, 0].contiguous(), N))
+            else:
+                p4 = cg.pack_w4(q, s, torch.zeros_like(s))
+                ours = (lambda x, p4=p4, g=g, N=N: cg.packed_w4_gemm(x, *p4, g, N))
+            layers.append((K, deq, ours))
+        for M in prefill:
+            xs = {K: torch.randn(M, K) for K in (576, 1536)}
+            t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
+            t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
+            print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
 
 
 if __name__ == "__main__":

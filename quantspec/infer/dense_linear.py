@@ -32,7 +32,7 @@ from torch import nn
 
 from quantspec.infer.step_rows import in_decode_step
 
-__all__ = ["PackedLinear", "SkinnyLinear", "all_linears_packed", "pack_float_linears", "use_skinny_linears"]
+__all__ = ["PackedEmbedding", "PackedLinear", "SkinnyLinear", "all_linears_packed", "pack_float_linears", "use_skinny_linears"]
 
 MAX_ROWS = 4  # largest M that takes the W @ xᵀ path
 MAX_ROWS_TALL = 8  # ... for a tall weight (N ≥ TALL_N, e.g. a vocab head)
@@ -123,6 +123,30 @@ class PackedLinear(nn.Module):
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
 
 
+class PackedEmbedding(nn.Module):
+    """The embedding of a tied model whose head is a `PackedLinear`: rows are read from the
+    head's packed blocks (row t = packed[t // 32, :, t % 32], bitwise the original weight), so the
+    [V, D] table is not kept twice (−108 MiB for SmolLM2's fp32 49152 × 576). The head is held
+    outside the module tree: it stays the model's `lm_head`, counted and saved once."""
+
+    def __init__(self, head: PackedLinear):
+        super().__init__()
+        self._head = [head]  # a list: not a submodule
+        self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        from quantspec.kernels.cpu import PACK_BLOCK
+
+        if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
+            raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        flat = ids.reshape(-1)
+        rows = self._head[0].packed[flat // PACK_BLOCK, :, flat % PACK_BLOCK]  # [T, D]
+        return rows.view(*ids.shape, self.embedding_dim)
+
+    def extra_repr(self) -> str:
+        return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the packed head"
+
+
 def pack_float_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU float linear of `model` (`nn.Linear` / `SkinnyLinear`) by a
     `PackedLinear`, where quantspec's CPU kernels are built; returns how many. Run it last, after
@@ -136,8 +160,15 @@ def pack_float_linears(model: nn.Module) -> int:
     targets = [(name, m) for name, m in model.named_modules()
                if name and type(m) in (nn.Linear, SkinnyLinear) and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32]
+    # embeddings sharing a packed linear's weight (a tied head) read it from the packed copy
+    tied = {id(m): [n for n, e in model.named_modules() if n and type(e) is nn.Embedding
+                    and e.weight.data_ptr() == m.weight.data_ptr() and e.weight.shape == m.weight.shape]
+            for _, m in targets}
     for name, m in targets:
-        model.set_submodule(name, PackedLinear(m, kernels))
+        packed = PackedLinear(m, kernels)
+        model.set_submodule(name, packed)
+        for emb_name in tied[id(m)]:
+            model.set_submodule(emb_name, PackedEmbedding(packed))
     return len(targets)
 
 

@@ -20,11 +20,14 @@ Dispatch rule (`DispatchPolicy` holds the thresholds):
 
 CPU, where quantspec's CPU kernels are built (`kernels/cpu.py`, AVX-512; `DispatchPolicy.cpu_kernels`):
 - weight-only int8, symmetric per channel / tensor: `packed_w8_gemm` (codes repacked once into
-  column blocks) for fp32 or bf16 x, M ≤ `cpu_packed_max_m` (the default model's layers at M = 1:
-  ~4 ms a step vs ~6 ms for the row-major kernel it replaced, 1.6x at M = 8; 2 cores);
+  column blocks) for fp32 or bf16 x, any M (the default model's layers at M = 1: ~4 ms a step vs
+  ~6 ms for the row-major kernel it replaced, 1.6x at M = 8; prefill at 64-512 rows 1.05-1.3x
+  faster than dequantize + matmul; 2 cores);
 - weight-only int4 with groups dividing K (or per channel): torch's packed int4 op when it applies
-  (bf16 x; ~10% faster than quantspec's kernel at M = 1 on Zen 4), else `packed_w4_gemm` (fp32 x,
-  or a layout torch's op refuses: N % 16, groups below 32);
+  (bf16 x, M ≤ `cpu_packed_max_m`; ~10% faster than quantspec's kernel at M = 1 on Zen 4), else
+  `packed_w4_gemm` (fp32 x, more rows, or a layout torch's op refuses: N % 16, groups below 32);
+- the packed blocks are then the codes' only copy (no row-major int8 [N, K] kept beside them:
+  −101 MiB for the default model's int8 and int4 artifacts); `codes()` unpacks them;
 - each row's numbers are the same whatever M, and an engine decode step (`infer/step_rows.py`)
   takes these row paths for every M, so verification rows equal decode rows bitwise.
 
@@ -141,10 +144,10 @@ _CPU_ROW_PATHS = frozenset({KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
 class DispatchPolicy:
     """Thresholds of the dispatch rule (module docstring). `fast=False` forces the reference."""
 
-    # up to 64 rows on the packed op (slower than dequant + matmul above ~32 rows, but the same
-    # per-row numbers as a 1-row decode step: bf16 speculative verification of a batch stays
+    # up to 64 rows on torch's packed ops (slower than dequant + matmul above ~32 rows, but the
+    # same per-row numbers as a 1-row decode step: bf16 speculative verification of a batch stays
     # lossless), and every row of an engine decode step (`infer/step_rows.py`); prefill-sized
-    # inputs take dequant + matmul
+    # inputs take dequant + matmul. quantspec's packed kernels take every M.
     cpu_packed_max_m: int = 64
     cuda_weight_only_max_m: int = 64
     fast: bool = True
@@ -178,7 +181,8 @@ def select_kernel(traits: LinearTraits, device: torch.device | str, M: int, x_dt
     """The op for one call: layer `traits`, x on `device` with M rows of dtype `x_dtype`.
 
     Example: an int8 per-channel layer prepared for bf16 on CPU with K % 16 == 0 →
-    CPU_INT8PACK for a bf16 x with M=1, DEQUANT for M=65 or for an fp32 x.
+    CPU_INT8PACK for a bf16 x with M=1, DEQUANT for M=65 or for an fp32 x (where quantspec's CPU
+    kernels are not built).
     """
     device = torch.device(device)
     t = traits
@@ -205,8 +209,9 @@ def select_kernel(traits: LinearTraits, device: torch.device | str, M: int, x_dt
     if device.type != "cpu":
         return KernelPath.DEQUANT
     packed_ok = x_dtype in _HALF_DTYPES and x_dtype == t.dtype and M <= policy.cpu_packed_max_m
-    gemv_ok = (t.cpu_gemv and policy.cpu_kernels and x_dtype in _GEMV_DTYPES and x_dtype == t.dtype
-               and M <= policy.cpu_packed_max_m)
+    # quantspec's packed kernels take every M: their 8-row tiles run prefill at the FMA rate, no
+    # slower than dequantize + matmul on the default model's layers (bench/kernels_cpu.py)
+    gemv_ok = t.cpu_gemv and policy.cpu_kernels and x_dtype in _GEMV_DTYPES and x_dtype == t.dtype
     if t.kind is LinearKind.W8A16:
         if gemv_ok:
             return KernelPath.CPU_GEMV_INT8
@@ -489,7 +494,8 @@ class QuantLinear(nn.Module):
       weight_scale [N, K/g] | [N, 1] | [1], weight_zero_point like it (asymmetric; int8, or
       fp32 for a float zp_dtype) or None,
       input_scale [1] / input_zero_point [1] (static activations) or None, bias [N] or None;
-      codes: `qweight` int8 [N, K] (int8; int4 on CPU), `weight_packed` int32 [N, K/8] (int4 on
+      codes: `qweight` int8 [N, K] (int8; int4 on CPU; None where quantspec's CPU kernels keep
+      them packed: `int8_cpu` [NB, K, 32], `int4_cpu` [NB, K, 16]), `weight_packed` int32 [N, K/8] (int4 on
       CUDA, read as stored by the Triton kernel), `weight_fp8` float8 [N, K] (fp8 on CUDA) or
       `weight_upcast` [N, K] in the model dtype (fp8 on CPU);
       CPU packed-op layouts when they apply (bf16/fp16 models): `int4pack` + `int4_scales_zeros`
@@ -584,6 +590,14 @@ class QuantLinear(nn.Module):
             self._prepare_gemv_int8()
         if cpu_int4_group and self._packed_path is not KernelPath.CPU_GEMV_INT4:
             self._prepare_cpu_int4(q, scale, zp, cpu_int4_group)  # torch's int4 op is the path
+        if cpu_gemv and kind in (LinearKind.W8A16, LinearKind.W4A16):
+            # quantspec's packed blocks serve every M above torch's op (prefill included), so they
+            # are the codes' only copy: no row-major [N, K] int8 beside them (`codes()` unpacks)
+            if kind is LinearKind.W8A16 and self.int8_cpu is None:
+                self._prepare_gemv_int8()
+            if kind is LinearKind.W4A16 and self.int4_cpu is None:
+                self._prepare_gemv_int4(q, scale, zp)
+            self.qweight = None
         if self._packed_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8) \
                 and t.bias is not None:
             self.bias_fp32 = t.bias.detach().to(device, torch.float32)
@@ -616,10 +630,19 @@ class QuantLinear(nn.Module):
 
     # ---- numbers -----------------------------------------------------------------------------
     def codes(self) -> torch.Tensor:
-        """The weight codes [N, K] (int8, or the fp8 codes as float)."""
+        """The weight codes [N, K] (int8, or the fp8 codes as float); unpacked (a copy) where
+        only a packed layout is kept."""
         for c in (self.qweight, self.weight_upcast, self.weight_fp8):
             if c is not None:
                 return c
+        if self.int8_cpu is not None:
+            from quantspec.kernels.cpu import unpack_w8
+
+            return unpack_w8(self.int8_cpu, self.out_features)
+        if self.int4_cpu is not None:
+            from quantspec.kernels.cpu import unpack_w4
+
+            return unpack_w4(self.int4_cpu, self.out_features)
         return unpack_int4(self.weight_packed, (self.out_features, self.in_features))
 
     def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
@@ -666,11 +689,11 @@ class QuantLinear(nn.Module):
             return self._dequant(x)
         if path is KernelPath.CPU_INT8PACK:
             # an unaligned x (a row slice of a larger buffer) segfaults this op: re-home it
-            y = torch._weight_int8pack_mm(_aligned(x), self.qweight, self.int8pack_scale)
+            y = torch._weight_int8pack_mm(_aligned(x), self.codes(), self.int8pack_scale)
             return y if self.bias is None else y + self.bias.to(y.dtype)
         if path is KernelPath.CPU_INT4PACK:
             if self.int4pack is None:  # prepared for quantspec's kernel (tests force this path)
-                self._prepare_cpu_int4(self.qweight, self.weight_scale, self.weight_zero_point,
+                self._prepare_cpu_int4(self.codes(), self.weight_scale, self.weight_zero_point,
                                        self.traits.cpu_int4_group)
             y = torch._weight_int4pack_mm_for_cpu(_aligned(x), self.int4pack, self.traits.cpu_int4_group,
                                                   self.int4_scales_zeros)
@@ -686,7 +709,7 @@ class QuantLinear(nn.Module):
             from quantspec.kernels.cpu import packed_w4_gemm
 
             if self.int4_cpu is None:  # prepared for torch's int4 op (tests force this path)
-                self._prepare_gemv_int4(self.qweight, self.weight_scale, self.weight_zero_point)
+                self._prepare_gemv_int4(self.codes(), self.weight_scale, self.weight_zero_point)
             g = self.in_features // self.int4_cpu_scale.shape[1]
             return packed_w4_gemm(x.contiguous(), self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset,
                                   g, self.out_features, self._gemv_bias())
@@ -725,16 +748,16 @@ class QuantLinear(nn.Module):
 
         b = None if self.bias is None else self.bias.to(x.dtype)
         if path is KernelPath.TRITON_W4A16:
-            w = self.weight_packed if self.weight_packed is not None else pack_int4(self.qweight)
+            w = self.weight_packed if self.weight_packed is not None else pack_int4(self.codes())
             g = self.weight_args.group_size if self.weight_args.strategy == "group" \
                 else self.in_features
             s = self.weight_scale if self.weight_scale.ndim == 2 else \
                 self.weight_scale.reshape(1, 1).expand(self.out_features, 1).contiguous()
             return kernels.w4a16_linear(x, w, s, g, self.weight_zero_point, b)
         if path is KernelPath.TRITON_W8A16:
-            return kernels.w8a16_linear(x, self.qweight, self.w_scale_vec, b)
+            return kernels.w8a16_linear(x, self.codes(), self.w_scale_vec, b)
         if path is KernelPath.TRITON_W8A8:
-            return kernels.w8a8_linear(x, self.qweight, self.w_scale_vec,
+            return kernels.w8a8_linear(x, self.codes(), self.w_scale_vec,
                                        None if self.input_args.dynamic else self.input_scale, b)
         if path is KernelPath.TRITON_FP8:
             w = self.weight_fp8 if self.weight_fp8 is not None else \

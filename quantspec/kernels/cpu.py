@@ -46,6 +46,7 @@ __all__ = [
     "pack_dense",
     "pack_w4",
     "pack_w8",
+    "unpack_w8",
     "packed_w4_gemm",
     "packed_w4_gemm_ref",
     "packed_w8_gemm",
@@ -196,6 +197,11 @@ def packed_gemm_ref(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.T
 def pack_w8(q: torch.Tensor) -> torch.Tensor:
     """int8 codes [N, K] → [NB, K, 32] column blocks (the layout of `pack_dense`)."""
     return _blocks(q.to(torch.int8))
+
+
+def unpack_w8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_w8` → the int8 codes [n, K]."""
+    return _unblock(packed, n)
 
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

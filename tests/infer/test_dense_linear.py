@@ -75,6 +75,7 @@ def test_loaded_float_linears_are_packed_after_fusing(tiny_llama_dir):
                 layer.mlp.down_proj, lm.model.lm_head):
         assert type(mod) is PackedLinear and mod.kernels is cpu_kernels()
     assert not any(type(m) in (nn.Linear, SkinnyLinear) for m in lm.model.modules())
+    assert type(lm.model.model.embed_tokens) is nn.Embedding  # untied: its own table
     plain = load_for_inference(tiny_llama_dir, tokenizer=False, fuse=False)
     assert type(plain.model.model.layers[0].self_attn.q_proj) is PackedLinear
     from quantspec.infer.quant_linear import DispatchPolicy
@@ -110,3 +111,45 @@ def test_pack_float_linears_takes_fp32_cpu_linears_only():
     assert pack_float_linears(m) == 2
     assert type(m[0]) is PackedLinear and type(m[1]) is PackedLinear and type(m[2]) is nn.Linear
     assert m[1].out_features == 6
+
+
+@needs_kernels
+def test_tied_embedding_reads_the_packed_head():
+    """A tied embedding becomes a `PackedEmbedding` over the packed head: the same rows bitwise,
+    no second [V, D] table, out-of-range ids refused; an untied embedding is left alone."""
+    from quantspec.infer.dense_linear import PackedEmbedding
+
+    torch.manual_seed(5)
+    m = nn.ModuleDict({"embed": nn.Embedding(70, 48), "head": nn.Linear(48, 70, bias=False),
+                       "other": nn.Embedding(70, 48)})
+    m.head.weight = m.embed.weight  # tied
+    table, other = m.embed.weight.detach().clone(), m.other.weight
+    assert pack_float_linears(m) == 1
+    assert type(m.embed) is PackedEmbedding and type(m.other) is nn.Embedding and m.other.weight is other
+    ids = torch.tensor([[0, 31, 32, 69], [5, 5, 64, 33]])
+    assert torch.equal(m.embed(ids), table[ids])
+    assert not list(m.embed.parameters()) and not list(m.embed.buffers())  # the head holds the rows
+    assert set(m.state_dict()) == {"other.weight"}  # the packed copy is not saved (a runtime layout)
+    with pytest.raises(IndexError, match="out of range"):
+        m.embed(torch.tensor([70]))
+
+
+@needs_kernels
+def test_tied_model_loads_with_one_table(tmp_path):
+    """A tied checkpoint loads with its embedding reading the packed head, and its logits equal
+    those of the same checkpoint loaded on torch's ops (no packing, the table kept)."""
+    from quantspec.infer.dense_linear import PackedEmbedding
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.quant_linear import DispatchPolicy
+    from quantspec.model_zoo.llama import DenseCausalAttention
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    d = build_tiny_model(tmp_path / "tied", "llama", tie_word_embeddings=True)
+    lm = load_for_inference(d, tokenizer=False)
+    ref = load_for_inference(d, tokenizer=False, policy=DispatchPolicy(cpu_kernels=False)).model
+    assert type(lm.model.model.embed_tokens) is PackedEmbedding and type(ref.model.embed_tokens) is nn.Embedding
+    ids = torch.tensor([3, 17, 500, 42, 42, 9])
+    with torch.no_grad():
+        got = lm.model.compute_logits(lm.model(ids, torch.arange(6), DenseCausalAttention(1, 6)))
+        want = ref.compute_logits(ref(ids, torch.arange(6), DenseCausalAttention(1, 6)))
+    torch.testing.assert_close(got, want, atol=1e-4, rtol=1e-4)

@@ -197,18 +197,27 @@ def cpu_kernels():
     ("weight_only_int4", 32, "float16", torch.float32, KernelPath.CPU_GEMV_INT4),
 ])
 def test_cpu_kernels_path(kind, g, sym, dtype, path):
-    """quantspec's CPU kernels serve 1..64 rows of bf16 / fp32 x (int4 in bf16 stays on torch's
-    faster int4 op), equal the reference, and give every row bitwise the numbers it gets alone."""
+    """quantspec's CPU kernels serve every number of rows of bf16 / fp32 x (prefill too), equal
+    the reference, and give every row bitwise the numbers it gets alone; the packed blocks are
+    the codes' only copy (no row-major int8 beside them) and `codes()` unpacks them exactly."""
     zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
     t = _make(kind, 40, 192, group_size=g, symmetric=sym, seed=12, zp_dtype=zp_dtype, bias=True)
     layer = QuantLinear(t, dtype=dtype)
-    x = torch.randn(64, 192).to(dtype)
-    assert layer.kernel_for(x[:1]) is path and layer.kernel_for(x) is path
+    x = torch.randn(300, 192).to(dtype)
+    assert layer.kernel_for(x[:1]) is path and layer.kernel_for(x[:64]) is path
     y = layer(x[:7])
     _check(y, _reference(t, x[:7]), dtype)
     for i in range(7):
         assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
-    assert layer.kernel_for(torch.randn(65, 192).to(dtype)) is KernelPath.DEQUANT
+    assert layer.kernel_for(x) is path  # prefill-sized
+    y = layer(x)
+    _check(y, _reference(t, x), dtype)
+    assert torch.equal(layer(x[:7]), y[:7])
+    assert layer.qweight is None
+    assert torch.equal(layer.codes(), t.q.to(torch.int8))
+    torch.testing.assert_close(layer.dequantized_weight(torch.float32),
+                               QuantLinear(t, dtype=dtype, policy=DispatchPolicy(fast=False))
+                               .dequantized_weight(torch.float32), rtol=0, atol=0)
     assert QuantLinear(t, dtype=dtype, policy=DispatchPolicy(cpu_kernels=False)).kernel_for(x[:1]) \
         is not path
 
@@ -252,13 +261,16 @@ def test_select_kernel_cpu_rule():
     g8 = _traits(LinearKind.W8A16, cpu_int8pack=True, cpu_gemv=True)
     assert select_kernel(g8, "cpu", 1, torch.bfloat16) is KernelPath.CPU_GEMV_INT8
     assert select_kernel(g8, "cpu", 64, torch.bfloat16) is KernelPath.CPU_GEMV_INT8
-    assert select_kernel(g8, "cpu", 65, torch.bfloat16) is KernelPath.DEQUANT
+    assert select_kernel(g8, "cpu", 65, torch.bfloat16) is KernelPath.CPU_GEMV_INT8  # any M
+    assert select_kernel(g8, "cpu", 4096, torch.bfloat16) is KernelPath.CPU_GEMV_INT8
+    assert select_kernel(g8, "cpu", 8, torch.float32) is KernelPath.DEQUANT  # prepared for bf16
     assert select_kernel(_traits(LinearKind.W8A16, dtype=torch.float32, cpu_gemv=True), "cpu", 1,
                          torch.float32) is KernelPath.CPU_GEMV_INT8
     assert select_kernel(g8, "cpu", 1, torch.bfloat16, DispatchPolicy(cpu_kernels=False)) \
         is KernelPath.CPU_INT8PACK
     g4 = _traits(LinearKind.W4A16, weight_strategy="group", cpu_int4_group=64, cpu_gemv=True)
     assert select_kernel(g4, "cpu", 1, torch.bfloat16) is KernelPath.CPU_INT4PACK  # faster there
+    assert select_kernel(g4, "cpu", 65, torch.bfloat16) is KernelPath.CPU_GEMV_INT4  # beyond its bound
     assert select_kernel(_traits(LinearKind.W4A16, weight_strategy="group", cpu_gemv=True), "cpu",
                          1, torch.bfloat16) is KernelPath.CPU_GEMV_INT4
     assert select_kernel(_traits(LinearKind.W4A16, dtype=torch.float16, cpu_gemv=True), "cpu", 1,
@@ -463,14 +475,17 @@ def test_packed_ops_survive_unaligned_buffers(kind, g):
 
 @pytest.mark.parametrize("kind", ["weight_only_int8", "weight_only_int4"])
 def test_decode_steps_take_the_row_invariant_path_for_any_m(kind):
-    """Inside an engine decode step, 80 rows (above the packed bound) still get each row's
-    one-row numbers bitwise; outside it, 80 rows take dequantize + matmul."""
+    """Inside an engine decode step, 80 rows (above torch's packed-op bound) still get each
+    row's one-row numbers bitwise; outside it, 80 rows take the prefill path: quantspec's packed
+    kernel where built (any M), else dequantize + matmul."""
     from quantspec.infer.step_rows import decode_step
 
     t = _make(kind, 48, 192, group_size=32, seed=13)
     layer = QuantLinear(t, dtype=torch.bfloat16)
     x = torch.randn(80, 192).bfloat16()
-    assert layer.kernel_for(x) is KernelPath.DEQUANT
+    prefill = (KernelPath.DEQUANT if not layer.traits.cpu_gemv else
+               KernelPath.CPU_GEMV_INT8 if kind == "weight_only_int8" else KernelPath.CPU_GEMV_INT4)
+    assert layer.kernel_for(x) is prefill
     with decode_step():
         y = layer(x)
     for i in (0, 41, 79):
