@@ -96,7 +96,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
               batch_size: int = 4, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
               chat_prompts: list[str] | int | None = None, max_new_tokens: int = 160, gen_batch_size: int = 64,
               draft_vocab_size: int = 4096, chain_weight: float = 0.5, save_every: int = 250, seed: int = 0,
-              resume: bool = False, on_step=None, on_status=None) -> dict:
+              targets: str | None = None, resume: bool = False, on_step=None, on_status=None) -> dict:
     """Train an MTP module for the frozen `model` (`quantspec zoo train-mtp`); writes the MTP
     artifact (config.json + model.safetensors) and `train_state.pt` into `out`.
 
@@ -104,8 +104,11 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     with `self_distill` — the base's own greedy answers (`max_new_tokens`) to `chat_prompts`
     (a list, or how many of the built-in `model_zoo.mtp_train.chat_prompts()`; default
     `CHAT_PROMPTS`, all 1618 of them), whose hidden states are captured while
-    generating. Each step trains on `batch_size * seq_len` positions. `on_step(step, steps,
-    loss)` and `on_status(message)` report progress. Returns a summary dict.
+    generating. Each step trains on `batch_size * seq_len` positions. `targets`: "soft" (the
+    default with `self_distill`) = the base's distribution over the draft vocabulary at each
+    position, "hard" = its argmax (the dataset's next tokens without `self_distill`; soft needs
+    self-distillation). `on_step(step, steps, loss)` and `on_status(message)` report progress.
+    Returns a summary dict.
     """
     import time
 
@@ -124,15 +127,23 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
         raise QuantSpecError("--out is required: the directory to write the MTP module to")
     if dataset is None and not self_distill:
         raise QuantSpecError("no training data: pass --dataset, or keep --self-distill")
+    if targets is None:
+        targets = "soft" if self_distill else "hard"
+    if targets not in ("soft", "hard"):
+        raise QuantSpecError(f"targets={targets!r}: use 'soft' or 'hard'")
+    if targets == "soft" and not self_distill:
+        raise QuantSpecError("soft targets are the base's own distribution (self-distillation): drop "
+                             "--no-self-distill, or pass --targets hard to train on the dataset's tokens")
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, chain_weight=chain_weight,
-                            save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size)
+                            save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size,
+                            soft_targets=targets == "soft")
     say = on_status or (lambda _m: None)
     t0 = time.perf_counter()
     base, model_dir = load_model(model)
     for p in base.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    parts, data = [], {"self_distill": self_distill}
+    parts, data = [], {"self_distill": self_distill, "targets": targets}
     if dataset is not None:
         texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
         batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)

