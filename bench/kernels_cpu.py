@@ -1,6 +1,7 @@
 """quantspec's CPU GEMM kernels vs the torch ops they replace, side by side in one run.
 
-    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64,128] [--prefill-rows 130,512]
+    python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64,128] [--rate-rows 1,4,8,11,16,130]
+                                [--prefill-rows 130,512]
 
 Weights of the default model's shapes (30 decoder layers: fused q/k/v 960×576, o 576×576, fused
 gate/up 3072×576, down 576×1536; and the 49152×576 head), cycled so that they stream from memory
@@ -10,6 +11,10 @@ torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/dense_linear.py) for M
 `F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
 `_weight_int4pack_mm_for_cpu` (bf16 x, g32). quantspec's: `packed_gemm` (fp32, column blocks),
 `dense_gemv` (bf16, row-major), `packed_w8_gemm`, `packed_w4_gemm` (bf16 x).
+
+Compute-rate table (`--rate-rows`): GFLOP/s of `packed_gemm` over the fp32 layers at M rows beside
+torch's sgemm on a large square product (2048³, the machine's practical fp32 peak): where the
+packed kernel is near that rate, a verification step of M rows cannot get cheaper in fp32 here.
 
 Prefill table (`--prefill-rows`): fp32 x (how the default model loads) through the int8 / int4
 (g64) layers, where the dispatch took dequantize + `F.linear` before quantspec's packed kernels
@@ -86,6 +91,7 @@ def main():
     ap.add_argument("--rows", default="1,2,4,8,16,64,128")
     ap.add_argument("--kinds", default="fp32,bf16,int8,int4")
     ap.add_argument("--layers", type=int, default=30)
+    ap.add_argument("--rate-rows", default="1,4,8,11,16,130", help="rows of the compute-rate table ('' skips it)")
     ap.add_argument("--prefill-rows", default="130,512", help="rows of the prefill table ('' skips it)")
     a = ap.parse_args()
     if a.threads:
@@ -110,6 +116,22 @@ def main():
             o_h = _time(lambda: ours(xs[576], *head[1]), reps)
             print(f"| {kind} | {M} | {t_l:.2f} | {o_l:.2f} | {t_l / o_l:.2f}x | {t_h:.2f} | "
                   f"{o_h:.2f} | {t_h / o_h:.2f}x |", flush=True)
+    rate_rows = [int(r) for r in a.rate_rows.split(",") if r]
+    if rate_rows:
+        big = torch.randn(2048, 2048)
+        t_big = _time(lambda: torch.mm(big, big), 3)
+        peak = 2 * 2048 ** 3 / t_big / 1e6  # GFLOP/s
+        print(f"\n## fp32 compute rate, {torch.get_num_threads()} threads (GFLOP/s)\n")
+        print(f"torch.mm 2048 x 2048 x 2048: {peak:.0f} GFLOP/s\n")
+        print("| M | packed_gemm over the layers | share of torch.mm's rate |")
+        print("|---:|---:|---:|")
+        layers = [(K, cg.pack_dense(torch.randn(N, K) * 0.05), N) for N, K in LAYER_SHAPES * a.layers]
+        flop_per_row = sum(2 * N * K for K, _, N in layers)
+        for M in rate_rows:
+            xs = {K: torch.randn(M, K) for K in (576, 1536)}
+            t = _time(lambda: [cg.packed_gemm(xs[K], w, N) for K, w, N in layers], 3)
+            rate = M * flop_per_row / t / 1e6
+            print(f"| {M} | {rate:.0f} | {rate / peak:.0%} |", flush=True)
     prefill = [int(r) for r in a.prefill_rows.split(",") if r]
     if prefill:
         print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "

@@ -104,10 +104,12 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     with `self_distill` — the base's own greedy answers (`max_new_tokens`) to `chat_prompts`
     (a list, or how many of the built-in `model_zoo.mtp_train.chat_prompts()`; default
     `CHAT_PROMPTS`, all 1618 of them), whose hidden states are captured while
-    generating. Each step trains on `batch_size * seq_len` positions. `targets`: "soft" (the
-    default with `self_distill`) = the base's distribution over the draft vocabulary at each
-    position, "hard" = its argmax (the dataset's next tokens without `self_distill`; soft needs
-    self-distillation). `on_step(step, steps, loss)` and `on_status(message)` report progress.
+    generating. Each step trains on `batch_size * seq_len` positions. `targets`: "hard" (the
+    default) = one token per position (the base's argmax with `self_distill`, else the dataset's
+    next token); "soft" = the base's distribution over the draft vocabulary at each position
+    (needs `self_distill`; it helps on little data: 480 prompts × 400 steps, held-out chat
+    first-draft 25.7% → 30.4%, not on the default recipe's 1618 prompts: 34.0% hard, 33.6% soft).
+    `on_step(step, steps, loss)` and `on_status(message)` report progress.
     Returns a summary dict.
     """
     import time
@@ -128,7 +130,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     if dataset is None and not self_distill:
         raise QuantSpecError("no training data: pass --dataset, or keep --self-distill")
     if targets is None:
-        targets = "soft" if self_distill else "hard"
+        targets = "hard"
     if targets not in ("soft", "hard"):
         raise QuantSpecError(f"targets={targets!r}: use 'soft' or 'hard'")
     if targets == "soft" and not self_distill:

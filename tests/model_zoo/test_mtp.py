@@ -223,7 +223,10 @@ def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
     assert res["steps"] == 4 and res["chat_prompts"] == 2 and res["positions"] > 8 * 31
     cfg = json.loads((tmp_path / "mtp" / "config.json").read_text())
     assert cfg["quantspec_training"]["step"] == 4 and cfg["quantspec_training"]["self_distill"] is True
-    assert cfg["quantspec_training"]["targets"] == "soft" and cfg["quantspec_training"]["soft_targets"] is True
+    assert cfg["quantspec_training"]["targets"] == "hard" and cfg["quantspec_training"]["soft_targets"] is False
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "soft", targets="soft", **kw)
+    cfg = json.loads((tmp_path / "soft" / "config.json").read_text())["quantspec_training"]
+    assert cfg["targets"] == "soft" and cfg["soft_targets"] is True and res["loss_last"] is not None
     with pytest.raises(QuantSpecError, match="--resume"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", **kw)
     res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", resume=True, **{**kw, "steps": 6})
