@@ -75,8 +75,10 @@ class SpecCost:
     row one FMA chain, weights streamed once for all rows) a forward of 1 + k rows costs, over a
     1-row decode forward, at 2 threads 1.01-1.03x (k=1), 1.06-1.12x (2), 1.23-1.27x (4),
     1.31-1.45x (6), 1.38-1.41x (8), 1.51x (10), 1.67x (12), 1.84-1.95x (16): one row streams the
-    weights (memory-bound), a few more ride along, and beyond ~4 rows the step is bound by the
-    FMAs themselves (~110 GFLOP/s on the two cores), so 0 + 0.05 per draft row
+    weights (memory-bound), a few more ride along, and beyond ~4 rows each row adds FMAs that
+    do not overlap the weight stream well (11 rows: 105-170 GFLOP/s, noisy, where the same kernel
+    reaches ~210 GFLOP/s in prefill and the two cores' FMA peak is ~230; `bench/kernels_cpu.py`
+    rate table), so 0 + 0.05 per draft row
     (`packed_cpu=True`; at 1 thread, where one row is slower to stream, it was 1.0-1.2x for
     k = 1..10). With the row-major kernels (quantized linears, or torch's ops) it was 1.26x
     (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few extra rows are
