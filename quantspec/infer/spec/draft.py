@@ -283,10 +283,12 @@ def measure_step_cost(draft: Transformer, base: Transformer, *, repeats: int = 5
     model, interleaved so load on a shared machine hits both alike, median of `repeats`, rounded
     to 0.05 (so the back-off's choices rarely change between runs).
 
-    Measured rather than estimated from weight bytes because the ratio depends on the kernels:
-    on this project's CPU an int8 or int4 copy of SmolLM2-135M decodes *slower* than fp32
-    (≈ 160-170 ms vs 115 ms a step under load), so it cannot pay for itself as a draft there,
-    and the back-off has to know.
+    Measured rather than estimated from weight bytes because the ratio depends on the kernels
+    and the machine: on this project's CPU an int8 or int4 copy of SmolLM2-135M once decoded
+    *slower* than fp32 (torch's ops), and with quantspec's packed kernels it costs 0.45-0.6 of
+    an fp32 step, not the 0.25-0.3 its weight bytes suggest (the head and the step's small ops
+    stay); the back-off has to know. On a busy machine the probe itself moves (0.55 in a quiet
+    minute, 0.65 once at a bench's start-up).
     """
     def step(model: Transformer) -> float:
         dev = model.model.norm.weight.device
