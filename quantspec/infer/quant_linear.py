@@ -21,8 +21,9 @@ Dispatch rule (`DispatchPolicy` holds the thresholds):
 CPU, where quantspec's CPU kernels are built (`kernels/cpu.py`, AVX-512; `DispatchPolicy.cpu_kernels`):
 - weight-only int8, symmetric per channel / tensor: `packed_w8_gemm` (codes repacked once into
   column blocks) for fp32 or bf16 x, any M (the default model's layers at M = 1: ~4 ms a step vs
-  ~6 ms for the row-major kernel it replaced, 1.6x at M = 8; prefill at 64-512 rows 1.05-1.3x
-  faster than dequantize + matmul; 2 cores);
+  ~6 ms for the row-major kernel it replaced, 1.6x at M = 8; 2 cores). Prefill through the
+  default model's 30 layers, fp32 x, vs dequantize + matmul: int8 1.6x (130 rows) / 1.06x (512),
+  int4 2.3x / 1.3x (`bench/kernels_cpu.py` prefill table);
 - weight-only int4 with groups dividing K (or per channel): torch's packed int4 op when it applies
   (bf16 x, M ≤ `cpu_packed_max_m`; ~10% faster than quantspec's kernel at M = 1 on Zen 4), else
   `packed_w4_gemm` (fp32 x, more rows, or a layout torch's op refuses: N % 16, groups below 32);
@@ -591,8 +592,8 @@ class QuantLinear(nn.Module):
         if cpu_int4_group and self._packed_path is not KernelPath.CPU_GEMV_INT4:
             self._prepare_cpu_int4(q, scale, zp, cpu_int4_group)  # torch's int4 op is the path
         if cpu_gemv and kind in (LinearKind.W8A16, LinearKind.W4A16):
-            # quantspec's packed blocks serve every M above torch's op (prefill included), so they
-            # are the codes' only copy: no row-major [N, K] int8 beside them (`codes()` unpacks)
+            # quantspec's packed blocks serve every M torch's op does not (prefill included), so
+            # they are the codes' only copy: no row-major [N, K] int8 beside them (`codes()` unpacks)
             if kind is LinearKind.W8A16 and self.int8_cpu is None:
                 self._prepare_gemv_int8()
             if kind is LinearKind.W4A16 and self.int4_cpu is None:
