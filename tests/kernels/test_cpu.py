@@ -92,6 +92,7 @@ def test_rows_are_bitwise_invariant_to_the_batch():
             for i in range(xd.shape[0]):
                 assert torch.equal(op(xd[i:i + 1].contiguous()), full[i:i + 1])
             assert torch.equal(op(xd[3:8].contiguous()), full[3:8])
+            assert torch.equal(op(torch.cat([xd] * 3)), torch.cat([full] * 3))  # 33 rows: 3 tiles
 
 
 def test_dense_packing_round_trips():
@@ -104,7 +105,7 @@ def test_dense_packing_round_trips():
 
 @needs_kernels
 @pytest.mark.parametrize("N,K", [(37, 20), (64, 576), (96, 13), (5, 1)])  # any K; N % 32 tails
-@pytest.mark.parametrize("M", [1, 2, 3, 7, 8, 11, 19, 130])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 7, 8, 10, 11, 12, 19, 23, 130])  # tiles of <= 11 rows
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_packed_gemm_matches_reference_for_any_rows(N, K, M, xdtype):
     g = torch.Generator().manual_seed(N * K + M)
@@ -120,17 +121,19 @@ def test_packed_gemm_matches_reference_for_any_rows(N, K, M, xdtype):
 
 @needs_kernels
 def test_packed_gemm_rows_are_bitwise_invariant_to_the_batch():
-    """Each output is one FMA chain over k in one lane: whatever tile (8 / 4 / 2 / 1 rows) a row
-    lands in, its result is the same bits as alone."""
+    """Each output is one FMA chain over k in one lane: whatever tile (1-11 rows, M split into
+    near-equal tiles) a row lands in, its result is the same bits as alone."""
     g = torch.Generator().manual_seed(1)
     N, K = 70, 576
-    x = torch.randn(23, K, generator=g)
+    x = torch.randn(35, K, generator=g)
     p = cg.pack_dense(torch.randn(N, K, generator=g))
     b = torch.randn(N, generator=g)
     full = cg.packed_gemm(x, p, N, b)
     for i in range(x.shape[0]):
         assert torch.equal(cg.packed_gemm(x[i:i + 1].contiguous(), p, N, b), full[i:i + 1])
-    for lo, hi in [(3, 8), (5, 16), (0, 11)]:
+    for n in range(2, x.shape[0]):  # every number of rows up to 34: every tile size and split
+        lo = n % 3
+        hi = min(x.shape[0], lo + n)
         assert torch.equal(cg.packed_gemm(x[lo:hi].contiguous(), p, N, b), full[lo:hi])
 
 
