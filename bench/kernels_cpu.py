@@ -138,30 +138,28 @@ def main():
               "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
         print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
         print("|---|---:|---:|---:|---:|")
-    for kind in [k for k in a.kinds.split(",") if k in ("int8", "int4")] if prefill else []:
-        layers = []
-        for N, K in LAYER_SHAPES * a.layers:
-            g = 64  # divides every K of the default model (576, 1536)
-            q = torch.randint(-8, 8, (N, K), dtype=torch.int8) if kind == "int4" else \
-                torch.randint(-127, 128, (N, K), dtype=torch.int8)
-            s = torch.rand(N, 1 if kind == "int8" else K // g) * 0.01
+        for kind in [k for k in a.kinds.split(",") if k in ("int8", "int4")]:
+            layers = [(K, *_prefill_layer(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
+            for M in prefill:
+                xs = {K: torch.randn(M, K) for K in (576, 1536)}
+                t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
+                t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
+                print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
 
-            def deq(x, q=q, s=s, g=g):  # the former prefill path: dequantize, then an fp32 matmul
-                w = q.float() * s if s.shape[1] == 1 else (q.float().view(q.shape[0], -1, g) * s[..., None]).view(q.shape)
-                return F.linear(x, w)
-            if kind == "int8":
-                pq = cg.pack_w8(q)
-                ours = (lambda x, pq=pq, s=s, N=N: cg.packed_w8_gemm(x, pq, s[:, 0].contiguous(), N))
-            else:
-                p4 = cg.pack_w4(q, s, torch.zeros_like(s))
-                ours = (lambda x, p4=p4, g=g, N=N: cg.packed_w4_gemm(x, *p4, g, N))
-            layers.append((K, deq, ours))
-        for M in prefill:
-            xs = {K: torch.randn(M, K) for K in (576, 1536)}
-            t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
-            t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
-            print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
 
+def _prefill_layer(kind: str, N: int, K: int, g: int = 64):
+    """(the former prefill path: dequantize, then an fp32 matmul; quantspec's packed kernel) for
+    one int8 (per channel) or int4 (groups of g: 64 divides every K of the default model) layer."""
+    if kind == "int8":
+        q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+        s = torch.rand(N) * 0.01
+        pq = cg.pack_w8(q)
+        return (lambda x: F.linear(x, q.float() * s[:, None])), (lambda x: cg.packed_w8_gemm(x, pq, s, N))
+    q = torch.randint(-8, 8, (N, K), dtype=torch.int8)
+    s = torch.rand(N, K // g) * 0.01
+    p4 = cg.pack_w4(q, s, torch.zeros_like(s))
+    return ((lambda x: F.linear(x, (q.float().view(N, -1, g) * s[..., None]).view(N, K))),
+            (lambda x: cg.packed_w4_gemm(x, *p4, g, N)))
 
 if __name__ == "__main__":
     main()

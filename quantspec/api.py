@@ -96,7 +96,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
               batch_size: int = 4, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
               chat_prompts: list[str] | int | None = None, max_new_tokens: int = 160, gen_batch_size: int = 64,
               draft_vocab_size: int = 4096, chain_weight: float = 0.5, save_every: int = 250, seed: int = 0,
-              targets: str | None = None, resume: bool = False, on_step=None, on_status=None) -> dict:
+              targets: str = "hard", resume: bool = False, on_step=None, on_status=None) -> dict:
     """Train an MTP module for the frozen `model` (`quantspec zoo train-mtp`); writes the MTP
     artifact (config.json + model.safetensors) and `train_state.pt` into `out`.
 
@@ -129,8 +129,6 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
         raise QuantSpecError("--out is required: the directory to write the MTP module to")
     if dataset is None and not self_distill:
         raise QuantSpecError("no training data: pass --dataset, or keep --self-distill")
-    if targets is None:
-        targets = "hard"
     if targets not in ("soft", "hard"):
         raise QuantSpecError(f"targets={targets!r}: use 'soft' or 'hard'")
     if targets == "soft" and not self_distill:

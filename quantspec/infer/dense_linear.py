@@ -135,12 +135,11 @@ class PackedEmbedding(nn.Module):
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        from quantspec.kernels.cpu import PACK_BLOCK
-
         if ids.numel() and (int(ids.min()) < 0 or int(ids.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
+        packed = self._head[0].packed  # [NB, D, block]
         flat = ids.reshape(-1)
-        rows = self._head[0].packed[flat // PACK_BLOCK, :, flat % PACK_BLOCK]  # [T, D]
+        rows = packed[flat // packed.shape[2], :, flat % packed.shape[2]]  # [T, D]
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
@@ -161,13 +160,14 @@ def pack_float_linears(model: nn.Module) -> int:
                if name and type(m) in (nn.Linear, SkinnyLinear) and m.weight.device.type == "cpu"
                and m.weight.dtype == torch.float32]
     # embeddings sharing a packed linear's weight (a tied head) read it from the packed copy
-    tied = {id(m): [n for n, e in model.named_modules() if n and type(e) is nn.Embedding
-                    and e.weight.data_ptr() == m.weight.data_ptr() and e.weight.shape == m.weight.shape]
-            for _, m in targets}
+    embeddings: dict[tuple, list[str]] = {}
+    for n, e in model.named_modules():
+        if n and type(e) is nn.Embedding:
+            embeddings.setdefault((e.weight.data_ptr(), tuple(e.weight.shape)), []).append(n)
     for name, m in targets:
         packed = PackedLinear(m, kernels)
         model.set_submodule(name, packed)
-        for emb_name in tied[id(m)]:
+        for emb_name in embeddings.get((m.weight.data_ptr(), tuple(m.weight.shape)), []):
             model.set_submodule(emb_name, PackedEmbedding(packed))
     return len(targets)
 

@@ -220,27 +220,20 @@ def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor
     exactly where tgt_d is not IGNORE (`features_from_hidden`)."""
     dev = mtp.model.norm.weight.device
     dt = mtp.model.norm.weight.dtype
-    h = f.hidden[idx].to(dev, dt)  # [N, D]
-    t1, t2 = lut[f.tgt1[idx].clamp(min=0)], lut[f.tgt2[idx].clamp(min=0)]  # [N] draft-vocab targets
-    t1 = torch.where(f.tgt1[idx] < 0, IGNORE, t1).to(dev)
-    t2 = torch.where(f.tgt2[idx] < 0, IGNORE, t2).to(dev)
-    last = len(f) - 1
 
-    def teacher(depth: int) -> torch.Tensor:  # [N, Vd] the base's logits for that depth's token
-        with torch.no_grad():
-            return mtp.teacher_logits(f.hidden[(idx + depth).clamp(max=last)].to(dev, dt))
-
-    m1 = mtp(h, f.in1[idx].to(dev))  # [N, D]
-    if soft:
-        loss1 = _soft_ce(mtp.draft_logits(m1), teacher(1), (f.tgt1[idx] >= 0).to(dev))
-    else:
-        loss1 = F.cross_entropy(mtp.draft_logits(m1), t1, ignore_index=IGNORE)
-    if chain_weight > 0:
-        m2 = mtp(m1, f.in2[idx].to(dev))
+    def loss_at(m: torch.Tensor, depth: int, tgt: torch.Tensor) -> torch.Tensor:
+        logits, t = mtp.draft_logits(m), tgt[idx]  # [N, Vd], [N] full-vocab targets (or IGNORE)
         if soft:
-            loss2 = _soft_ce(mtp.draft_logits(m2), teacher(2), (f.tgt2[idx] >= 0).to(dev))
-        else:
-            loss2 = F.cross_entropy(mtp.draft_logits(m2), t2, ignore_index=IGNORE)
+            with torch.no_grad():  # the base's logits for that depth's token
+                teacher = mtp.teacher_logits(f.hidden[(idx + depth).clamp(max=len(f) - 1)].to(dev, dt))
+            return _soft_ce(logits, teacher, (t >= 0).to(dev))
+        return F.cross_entropy(logits, torch.where(t < 0, IGNORE, lut[t.clamp(min=0)]).to(dev),
+                               ignore_index=IGNORE)
+
+    m1 = mtp(f.hidden[idx].to(dev, dt), f.in1[idx].to(dev))  # [N, D]
+    loss1 = loss_at(m1, 1, f.tgt1)
+    if chain_weight > 0:
+        loss2 = loss_at(mtp(m1, f.in2[idx].to(dev)), 2, f.tgt2)
     else:
         loss2 = torch.zeros((), device=dev)
     return loss1, loss2
