@@ -121,7 +121,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     from quantspec.errors import QuantSpecError
     from quantspec.model_zoo.checkpoint import load_model
     from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, MTPFeatures, MTPTrainConfig, choose_draft_vocab,
-                                               extract_features, features_from_hidden, init_mtp)
+                                               check_resumable, extract_features, features_from_hidden, init_mtp)
     from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
     from quantspec.model_zoo.mtp_train import train_mtp as _train
 
@@ -137,6 +137,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, chain_weight=chain_weight,
                             save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size,
                             soft_targets=targets == "soft")
+    check_resumable(out, config, resume)  # before minutes of feature extraction
     say = on_status or (lambda _m: None)
     t0 = time.perf_counter()
     base, model_dir = load_model(model)

@@ -239,6 +239,36 @@ def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor
     return loss1, loss2
 
 
+def check_resumable(out_dir: str | os.PathLike, config: MTPTrainConfig, resume: bool) -> None:
+    """Refuse, before any work, a run into a directory holding a checkpoint without `resume`, and a
+    resume whose objective differs from the checkpoint's (see `_check_same_objective`)."""
+    state_path = Path(out_dir) / STATE_NAME
+    if not state_path.exists():
+        return
+    if not resume:
+        raise QuantSpecError(
+            f"{out_dir} already holds a training checkpoint ({STATE_NAME}); pass --resume to continue it or "
+            f"choose another --out"
+        )
+    saved = torch.load(state_path, map_location="cpu", weights_only=False).get("config", {})
+    _check_same_objective(saved, config, state_path)
+
+
+def _check_same_objective(saved: dict, config: MTPTrainConfig, state_path: Path) -> None:
+    """A resumed run must minimise the loss the checkpoint was trained on: the targets (hard /
+    soft) and the depth-2 weight. Steps, learning rate and saving cadence may change (extending a
+    run is what --resume is for)."""
+    was_soft = bool(saved.get("soft_targets", False))  # checkpoints from before --targets: hard
+    if was_soft != config.soft_targets:
+        have, want = ("soft", "hard") if was_soft else ("hard", "soft")
+        raise QuantSpecError(f"{state_path} was trained with --targets {have}, not {want}; resume with "
+                             f"--targets {have} or choose another --out")
+    cw = saved.get("chain_weight", config.chain_weight)
+    if float(cw) != float(config.chain_weight):
+        raise QuantSpecError(f"{state_path} was trained with chain_weight={cw}, not {config.chain_weight}; "
+                             f"resume with chain_weight={cw} or choose another --out")
+
+
 def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out_dir: str | os.PathLike, *,
               resume: bool = False, extra_config: dict | None = None,
               on_step: Callable[[int, int, float], None] | None = None) -> dict:
@@ -249,11 +279,7 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
     """
     out = Path(out_dir)
     state_path = out / STATE_NAME
-    if state_path.exists() and not resume:
-        raise QuantSpecError(
-            f"{out} already holds a training checkpoint ({STATE_NAME}); pass --resume to continue it or "
-            f"choose another --out"
-        )
+    check_resumable(out, config, resume)
     out.mkdir(parents=True, exist_ok=True)
     params = [p for p in mtp.model.parameters()]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
@@ -263,6 +289,7 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
         if not torch.equal(state["draft_vocab_ids"], mtp.draft_vocab_ids.cpu()):
             raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
                                  f"resume with the same --dataset/--seq-len/--self-distill options")
+        _check_same_objective(state.get("config", {}), config, state_path)
         mtp.model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, history = int(state["step"]), list(state["losses"])

@@ -2,6 +2,7 @@
 down, resume continues exactly), on the tiny Llama."""
 
 import json
+from dataclasses import asdict
 
 import pytest
 import torch
@@ -202,6 +203,9 @@ def test_resume_continues_exactly(base, corpus_ids, tmp_path):
     assert torch.load(tmp_path / "b" / STATE_NAME, weights_only=False)["step"] == 3
     with pytest.raises(QuantSpecError, match="--resume"):
         train_mtp(init_mtp(base, vocab), feats, cfg, tmp_path / "b")
+    with pytest.raises(QuantSpecError, match="chain_weight=0.5, not 0.25"):
+        train_mtp(init_mtp(base, vocab), feats, MTPTrainConfig(**{**asdict(cfg), "chain_weight": 0.25}),
+                  tmp_path / "b", resume=True)
     resumed = init_mtp(base, vocab)
     res = train_mtp(resumed, feats, cfg, tmp_path / "b", resume=True)
     assert res["start_step"] == 3 and len(res["losses"]) == 3
@@ -229,8 +233,14 @@ def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
     assert cfg["targets"] == "soft" and cfg["soft_targets"] is True and res["loss_last"] is not None
     with pytest.raises(QuantSpecError, match="--resume"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", **kw)
+    with pytest.raises(QuantSpecError, match="trained with --targets hard, not soft; resume with --targets hard"):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", resume=True, targets="soft",
+                      **{**kw, "steps": 6})
+    assert json.loads((tmp_path / "mtp" / "config.json").read_text())["quantspec_training"]["step"] == 4
     res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp", resume=True, **{**kw, "steps": 6})
     assert res["start_step"] == 4 and res["steps"] == 6
+    with pytest.raises(QuantSpecError, match="trained with --targets soft, not hard"):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "soft", resume=True, **{**kw, "steps": 6})
     with pytest.raises(QuantSpecError, match="soft targets are the base's own distribution"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp3", self_distill=False, targets="soft", **kw)
     with pytest.raises(QuantSpecError, match="targets='kl'"):
