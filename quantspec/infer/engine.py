@@ -24,7 +24,8 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
-from quantspec.infer.sampler import SamplingParams, generator_for_request, logits_to_probs, sample, sampling_tensors
+from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
+                                     sampling_tensors)
 from quantspec.infer.step_rows import decode_step
 from quantspec.model_zoo.llama import Transformer
 
@@ -299,7 +300,7 @@ class Engine:
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.is_greedy for s in seqs):
-            return logits.argmax(dim=-1).tolist()
+            return greedy_ids(logits)
         temperature, top_k, top_p = sampling_tensors([s.params for s in seqs], self.device)
         probs = logits_to_probs(logits, temperature, top_k, top_p)
         sampled = sample(probs, [s.generator for s in seqs])

@@ -34,6 +34,7 @@ __all__ = [
     "logits_to_probs",
     "sample",
     "greedy",
+    "greedy_ids",
     "generator_for_request",
     "make_generators",
     "TOP_P_CANDIDATES",
@@ -284,6 +285,18 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:  # [N, V] → [N] int64
     if logits.ndim != 2:
         raise QuantSpecError(f"logits must be [N, V], got {tuple(logits.shape)}")
     return logits.argmax(dim=-1)
+
+
+def greedy_ids(logits: torch.Tensor) -> list[int]:  # [N, V] → N host ints
+    """`greedy(logits).tolist()`, with numpy's argmax for float32 CPU logits: the same indices
+    (first on ties, a NaN counts as the maximum in both) at ~3 µs a 49k-token row instead of
+    torch's ~45 µs (single-threaded, not vectorised on this build) — a decode step of the default
+    model pays one row, a 10-draft verification eleven."""
+    if logits.ndim != 2:
+        raise QuantSpecError(f"logits must be [N, V], got {tuple(logits.shape)}")
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and not logits.requires_grad:
+        return logits.numpy().argmax(axis=-1).tolist()
+    return logits.argmax(dim=-1).tolist()
 
 
 def generator_for_request(

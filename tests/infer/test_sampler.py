@@ -15,6 +15,7 @@ from quantspec.infer.sampler import (
     SamplingParams,
     generator_for_request,
     greedy,
+    greedy_ids,
     logits_to_probs,
     make_generators,
     sample,
@@ -270,3 +271,19 @@ def test_generator_convention():
 def test_greedy_is_argmax_first_on_ties():
     logits = torch.tensor([[0.0, 3.0, 3.0, 1.0], [5.0, -1.0, 0.0, math.inf]])
     assert greedy(logits).tolist() == [1, 3]
+
+
+def test_greedy_ids_equals_torch_argmax():
+    """The host argmax (numpy for float32 CPU logits) against torch's: ties, -0.0 / 0.0, inf, NaN,
+    a 49k vocabulary, bf16 (torch path), and a non-contiguous view."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(6, 49152, generator=g).mul(3).round()  # many tied maxima
+    logits[1, 7], logits[1, 9] = math.inf, math.inf
+    logits[2, 100], logits[2, 50] = math.nan, math.nan
+    logits[3] = 0.0
+    logits[3, 5] = -0.0
+    logits[4] = -math.inf
+    for x in (logits, logits.to(torch.bfloat16), logits[:, ::2], logits[::2]):
+        assert greedy_ids(x) == x.argmax(dim=-1).tolist()
+    with pytest.raises(QuantSpecError, match="logits must be"):
+        greedy_ids(logits[0])

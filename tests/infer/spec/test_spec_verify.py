@@ -70,6 +70,33 @@ def test_greedy_ignores_draft_probs_and_proposal_wrapper():
     assert result.output_tokens == [[1, 2]]
 
 
+@pytest.mark.parametrize("seed", range(5))
+def test_greedy_host_path_equals_the_general_path(seed):
+    """An all-greedy batch takes the host path (`_verify_greedy`, numpy's argmax); a greedy
+    sequence beside a sampling one takes the general tensor path (torch's argmax). Same answers,
+    ties included (the logits are rounded so rows hold repeated maxima)."""
+    g = torch.Generator().manual_seed(seed)
+    vocab, ks = 7, [4, 0, 3, 6]
+    logits = [torch.randn(k + 1, vocab, generator=g).mul(2).round() for k in ks]  # ties likely
+    drafts = []
+    for lg, k in zip(logits, ks):  # drafts follow the argmax for a random number of positions
+        d = lg.argmax(dim=-1)[:k].clone()
+        cut = int(torch.randint(0, k + 1, (1,), generator=g))
+        if cut < k:
+            d[cut] = (d[cut] + 1) % vocab
+        drafts.append(d)
+    sampler_rows = _argmax_logits([0, 1], vocab)
+    for b in range(len(ks)):
+        alone = verify([drafts[b]], None, logits[b], [GREEDY])
+        general = verify([drafts[b], _ids(0)], None, torch.cat([logits[b], sampler_rows]), [GREEDY, SAMPLING],
+                         [None, torch.Generator().manual_seed(1)])
+        assert alone.output_tokens[0] == general.output_tokens[0]
+        assert alone.num_accepted.tolist()[0] == general.num_accepted.tolist()[0]
+    batch = verify(drafts, None, torch.cat(logits), [GREEDY] * len(ks))
+    for b in range(len(ks)):
+        assert batch.output_tokens[b] == verify([drafts[b]], None, logits[b], [GREEDY]).output_tokens[0]
+
+
 # --- sampling: deterministic edge cases ------------------------------------------------------
 
 
