@@ -285,6 +285,33 @@ def test_rms_norm_and_rope_match_the_model_ops(dtype):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_per_row_ops_are_row_invariant_across_threads(dtype):
+    """rms_norm, rope and silu_mul split rows over the threads from a few rows on: every row must
+    come out with the same bits as when it is computed alone (a verification row equals a decode
+    row; a prefill row equals either), at 1 and 2 threads."""
+    mod = cg.cpu_kernels()
+    g = torch.Generator().manual_seed(5)
+    before = torch.get_num_threads()
+    try:
+        for threads in (1, 2):
+            torch.set_num_threads(threads)
+            for m in (2, 5, 11, 70):
+                x = (torch.randn(m, 576, generator=g) * 3).to(dtype)
+                w = (torch.rand(576, generator=g) + 0.5).to(dtype)
+                q = torch.randn(m, 12, 64, generator=g).to(dtype)
+                cos, sin = torch.randn(m, 64, generator=g).to(dtype), torch.randn(m, 64, generator=g).to(dtype)
+                gu = (torch.randn(m, 2 * 1536, generator=g) * 4).to(dtype)
+                norm, rot, act = mod.rms_norm(x, w, 1e-5), mod.rope(q, cos, sin), mod.silu_mul(gu)
+                for i in (0, m // 2, m - 1):
+                    assert torch.equal(mod.rms_norm(x[i:i + 1], w, 1e-5), norm[i:i + 1]), (threads, m, i)
+                    assert torch.equal(mod.rope(q[i:i + 1], cos[i:i + 1], sin[i:i + 1]), rot[i:i + 1])
+                    assert torch.equal(mod.silu_mul(gu[i:i + 1]), act[i:i + 1])
+    finally:
+        torch.set_num_threads(before)
+
+
+@needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_silu_mul_matches_torch(dtype):
     g = torch.Generator().manual_seed(4)
     x = (torch.randn(6, 2 * 1544, generator=g) * 5).to(dtype)  # I = 1544: a vector tail of 8

@@ -655,6 +655,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
 
 namespace {
 
+constexpr int64_t kRowGrain = 4;  // rows per thread below which a per-row op stays on one thread
+
 inline float round_as(float v, bool bf16) { return bf16 ? static_cast<float>(static_cast<at::BFloat16>(v)) : v; }
 
 template <class T>
@@ -679,14 +681,27 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
     const scalar_t* xp = x.data_ptr<scalar_t>();
     const scalar_t* wp = weight.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    for (int64_t m = 0; m < M; ++m) {
+    at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
       const scalar_t* r = xp + m * D;
       float ss = 0.f;
-      for (int64_t d = 0; d < D; ++d) { const float v = ld(r, d); ss += v * v; }
+      int64_t d0 = 0;
+#if QS_AVX512
+      if constexpr (std::is_same_v<scalar_t, float>) {  // fp32: 16 partial sums, then one
+        __m512 acc = _mm512_setzero_ps();                // (bf16 keeps torch's rounding: scalar)
+        for (; d0 + 16 <= D; d0 += 16) {
+          const __m512 v = _mm512_loadu_ps(r + d0);
+          acc = _mm512_add_ps(acc, _mm512_mul_ps(v, v));
+        }
+        ss = _mm512_reduce_add_ps(acc);
+      }
+#endif
+      for (int64_t d = d0; d < D; ++d) { const float v = ld(r, d); ss += v * v; }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
       for (int64_t d = 0; d < D; ++d)
         yp[m * D + d] = static_cast<scalar_t>(ld(wp, d) * round_as(ld(r, d) * inv, bf16));
     }
+    });
   });
   return y;
 }
@@ -707,7 +722,8 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
     const scalar_t* cp = cos.data_ptr<scalar_t>();
     const scalar_t* sp = sin.data_ptr<scalar_t>();
     scalar_t* yp = y.data_ptr<scalar_t>();
-    for (int64_t t = 0; t < T; ++t)
+    at::parallel_for(0, T, kRowGrain, [&](int64_t t0, int64_t t1) {
+    for (int64_t t = t0; t < t1; ++t)
       for (int64_t h = 0; h < nh; ++h) {
         const scalar_t* r = xp + t * x.stride(0) + h * x.stride(1);
         scalar_t* o = yp + (t * nh + h) * hd;
@@ -718,6 +734,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
           o[d] = static_cast<scalar_t>(a + b);
         }
       }
+    });
   });
   return y;
 }
@@ -729,8 +746,11 @@ namespace {
 
 template <class T>
 void silu_mul_rows(const T* xp, T* yp, int64_t M, int64_t I) {
-  const bool bf16 = std::is_same_v<T, at::BFloat16>;
-  for (int64_t m = 0; m < M; ++m) {
+  constexpr bool bf16 = std::is_same_v<T, at::BFloat16>;
+  // rows are independent: split them over the threads from a few rows on (a verification
+  // step's 11 rows, a prefill); each element's arithmetic is the same whatever the split
+  at::parallel_for(0, M, kRowGrain, [&](int64_t m0, int64_t m1) {
+  for (int64_t m = m0; m < m1; ++m) {
     const T* g = xp + m * 2 * I;
     const T* u = g + I;
     T* o = yp + m * I;
@@ -745,10 +765,14 @@ void silu_mul_rows(const T* xp, T* yp, int64_t M, int64_t I) {
       // below exp512's range (it clamps at -87.3) the sigmoid is 0 to fp32 precision
       sig = _mm512_mask_mov_ps(sig, _mm512_cmp_ps_mask(gv, _mm512_set1_ps(-87.3f), _CMP_LT_OQ),
                                _mm512_setzero_ps());
-      float sv[16], uu[16];
-      _mm512_storeu_ps(sv, _mm512_mul_ps(gv, sig));
-      _mm512_storeu_ps(uu, load16f(u + i));
-      for (int j = 0; j < 16; ++j) o[i + j] = static_cast<T>(round_as(sv[j], bf16) * uu[j]);
+      if constexpr (bf16) {
+        float sv[16], uu[16];
+        _mm512_storeu_ps(sv, _mm512_mul_ps(gv, sig));
+        _mm512_storeu_ps(uu, load16f(u + i));
+        for (int j = 0; j < 16; ++j) o[i + j] = static_cast<T>(round_as(sv[j], bf16) * uu[j]);
+      } else {  // the same two IEEE products, kept in registers
+        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16f(u + i)));
+      }
     }
 #endif
     for (; i < I; ++i) {
@@ -757,6 +781,7 @@ void silu_mul_rows(const T* xp, T* yp, int64_t M, int64_t I) {
       o[i] = static_cast<T>(round_as(gv * sig, bf16) * ld(u, i));
     }
   }
+  });
 }
 
 }  // namespace
