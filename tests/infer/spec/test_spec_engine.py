@@ -226,6 +226,53 @@ def test_policy_cost_model():
     assert policy.acceptance(a) == policy.acceptance(_fake_seq(5)) == (0.8, 0.8)  # back to the prior
 
 
+def test_policy_keeps_estimates_per_kind():
+    """Outcomes are credited to the kind that drafted; a kind backed off does not stop another
+    from drafting; no candidate (kind None) drafts nothing and does not count towards a probe."""
+    policy = AdaptiveDraftLength(6, SpecCost(verify_fixed=0.5, verify_per_token=0.05))
+    seq = _fake_seq()
+    ks0, ks2 = [], []
+    for _ in range(16):  # kind 0 (short matches) always fails at the first draft
+        ks0.append(policy.num_drafts(seq, 6, kind=0))
+        _step(policy, seq, ks0[-1], 0)
+        ks2.append(policy.num_drafts(seq, 6, kind=2))  # kind 2 (long matches) always runs through
+        _step(policy, seq, ks2[-1], ks2[-1])
+    policy.num_drafts(seq, 6, kind=None)  # reads the last outcome
+    (a0, _), (a2, c2) = policy.acceptance(seq, 0), policy.acceptance(seq, 2)
+    assert a0 < 0.2 and a2 > 0.9 and c2 > 0.9 and policy.acceptance(seq, 1) == (0.8, 0.8)
+    assert all(k == 6 for k in ks2)  # never held back by kind 0's failures
+    assert ks0[0] == 6 and sum(k > 0 for k in ks0[8:]) <= 2  # backed off, but for a probe
+    # steps without a candidate neither draft nor bring kind 0's probe closer
+    idle = policy._seqs[seq.seq_id].kinds[0].idle
+    assert not any(policy.num_drafts(seq, 6, kind=None) for _ in range(50))
+    assert policy._seqs[seq.seq_id].kinds[0].idle == idle
+    # a step with k = 0 leaves nothing to credit: kind 2's estimates stay as they were
+    before = policy.acceptance(seq, 2)
+    policy.num_drafts(seq, 6, kind=0)
+    _step(policy, seq, 0, 0)
+    policy.num_drafts(seq, 6, kind=None)
+    assert policy.acceptance(seq, 2) == before
+
+
+def test_reference_proposer_asks_the_policy_per_agreement_class():
+    from quantspec.infer.spec.proposers import agreement_kind
+
+    assert [agreement_kind(n) for n in (1, 2, 3, 4, 16)] == [0, 1, 1, 2, 2]
+    policy = AdaptiveDraftLength(4, SpecCost(verify_fixed=0.0, verify_per_token=0.05))
+    prop = ReferenceProposer(3, 4, policy=policy)
+    asked = []
+    orig = policy.num_drafts
+    policy.num_drafts = lambda seq, budget, kind=0: asked.append((budget, kind)) or orig(seq, budget, kind)
+    seq = SimpleNamespace(seq_id=0, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], output_ids=[1, 2, 3, 4, 5],
+                          stats=SeqStats())
+    drafts, probs = prop.propose([seq], [3])
+    assert drafts == [[6, 7, 8]] and probs == [None] and asked == [(3, 2)]  # 5 tokens agree → kind 2
+    short = SimpleNamespace(seq_id=1, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], output_ids=[9, 3], stats=SeqStats())
+    assert prop.propose([short], [4])[0] == [[4, 5, 6, 7]] and asked[-1] == (4, 0)  # "9 3" is new: 1 token
+    short.output_ids.append(42)  # no match: the policy still hears of the step, with no candidate
+    assert prop.propose([short], [4])[0] == [[]] and asked[-1] == (4, None)
+
+
 def test_backoff_bounds_the_cost_when_drafts_are_poor(model):
     """Drafts that are mostly wrong (1-gram matches while sampling a flat distribution) and a
     costly verification: the modelled cost of the adaptive run (sum of C(k) over its steps) stays

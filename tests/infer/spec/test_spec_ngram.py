@@ -168,3 +168,23 @@ def test_long_sequence_finds_distant_match():
     tokens[-4:] = tokens[100:104]  # plant a 4-gram match far back
     got = propose_ngram(tokens, 4, 5)
     assert got == _reference(tokens.tolist(), 4, 5)
+
+
+@pytest.mark.parametrize(
+    "tokens, max_n, expect",
+    [
+        ([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 3, ([5, 1, 2], 3)),  # the docstring example
+        ([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 1, ([5, 1, 2], 3)),  # agreement is counted past max_n
+        ([1, 2, 1, 2, 1, 2], 3, ([1, 2], 4)),  # overlapping occurrence: agrees back to position 0
+        ([7, 1, 2, 8, 2], 3, ([8, 2], 1)),  # 1-token match
+        ([5, 6], 3, ([], 0)),  # nothing matches
+        (list(range(20)) * 2, 2, ([0, 1, 2], 16)),  # capped at AGREEMENT_CAP
+    ],
+)
+def test_match_agreement_length(tokens, max_n, expect):
+    from quantspec.infer.spec.ngram import AGREEMENT_CAP, propose_ngram_match
+
+    assert AGREEMENT_CAP == 16
+    got = propose_ngram_match(tokens, max_n, 3)
+    assert got == expect
+    assert got[0] == propose_ngram(tokens, max_n, 3)
