@@ -4,7 +4,7 @@ plain greedy decoding of the same engine; one run, same machine, batch 1. "vs pl
 end (prefill included: a ~130-token prompt's prefill costs ~10 decode steps); "decode phase"
 is the speed after the first token, where speculation acts (TTFT is the same for every method).
 
-    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts N] [--methods ngram,self,quant,mtp]
+    python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts N] [--rounds R] [--methods ngram,self,quant,mtp]
                          [--quant weight_only_int8,weight_only_int4,weight_only_int4@gptq,...]
 
 Methods (rows), each on the code-editing prompts (the answer mostly repeats the prompt) and the
@@ -23,7 +23,11 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
 - mtp:               the MTP module trained by `quantspec zoo train-mtp` (cached under
                      ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.4 (the
                      predictor default for mtp), with and without the back-off.
-Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike.
+Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
+with `--rounds R` each prompt runs R times through every method (interleaved) and each method
+keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
+ratios of single runs show (the copy prompts' n-gram speed-up read 2.31× and 2.70× in two
+consecutive single-round runs of the same code).
 
 Copy share of an answer: the fraction of its tokens inside a run of >= 4 tokens that also occurs
 in the prompt (measured on plain greedy output). The issue's code-editing case is an answer that
@@ -131,6 +135,9 @@ def main():
     ap.add_argument("--mtp-draft-tokens", type=int, default=1)
     ap.add_argument("--mtp-min-confidence", type=float, default=None,
                     help="--speculate-min-confidence for the mtp rows [default: the predictor's, 0.4]")
+    ap.add_argument("--rounds", type=int, default=1,
+                    help="run every (prompt, method) this many times, interleaved, and keep the fastest "
+                         "(on a shared machine the minimum filters out other work's interference)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
     torch.set_num_threads(a.threads)
@@ -190,10 +197,19 @@ def main():
         outs = {m: [] for m in methods}
         wall = {m: [] for m in methods}
         for src in srcs:  # interleaved: every method on this prompt, then the next prompt
-            for name, pred in methods.items():
-                t = time.perf_counter()
-                outs[name].extend(pred.generate([src]))
-                wall[name].append(time.perf_counter() - t)
+            best = {}
+            for _ in range(a.rounds):  # ... a.rounds times; each keeps its fastest run
+                for name, pred in methods.items():
+                    t = time.perf_counter()
+                    out = pred.generate([src])[0]
+                    dt = time.perf_counter() - t
+                    if name in best and out.token_ids != best[name][0].token_ids:
+                        raise SystemExit(f"{name}: two rounds of the same greedy prompt gave different outputs")
+                    if name not in best or dt < best[name][1]:
+                        best[name] = (out, dt)
+            for name in methods:
+                outs[name].append(best[name][0])
+                wall[name].append(best[name][1])
         shares = [copy_share(tok(src, add_special_tokens=False).input_ids, o.token_ids)
                   for src, o in zip(srcs, outs["plain"])]
         subsets = [(kind, list(range(len(srcs))))]
@@ -214,7 +230,7 @@ def main():
                                     plain_ids, plain_tps, plain_decode))
 
     print(f"\n## speculative decoding, {DEFAULT_MODEL} fp32 base, batch 1, {a.new_tokens} new tokens, "
-          f"{torch.get_num_threads()} thread(s), greedy\n")
+          f"{torch.get_num_threads()} thread(s), greedy, fastest of {a.rounds} round(s)\n")
     print("| prompts | method | tok/s | vs plain | decode phase vs plain | identical | acceptance | per position | "
           "mean accepted length |")
     print("|---|---|---:|---:|---:|:---:|---:|---|---:|")
