@@ -252,6 +252,8 @@ def test_paged_attention_refuses_what_it_does_not_take():
         cg.paged_attention(q.bfloat16(), k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
     with pytest.raises(RuntimeError, match="one dtype"):
         cg.paged_attention(q, k, v.bfloat16(), kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
+    with pytest.raises(RuntimeError, match="block_size must be a power of two"):
+        cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, 24, scale)
 
 
 @needs_kernels

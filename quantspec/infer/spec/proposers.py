@@ -83,7 +83,10 @@ class SpecCost:
     weights (memory-bound), a few more ride along, and beyond ~4 rows each row adds FMAs that
     do not overlap the weight stream well (11 rows: 105-170 GFLOP/s, noisy, where the same kernel
     reaches ~210 GFLOP/s in prefill and the two cores' FMA peak is ~230; `bench/kernels_cpu.py`
-    rate table), so 0 + 0.05 per draft row
+    rate table); re-measured after the per-row ops went to the threads (a decode step 16.8 →
+    15.2 ms, fastest of 12 interleaved runs): 1.07x (k=2), 1.14x (4), 1.26x (6), 1.40x (8),
+    1.58x (10), 1.75x (12), 2.0x (16) (medians 1.01-1.83x): the step got cheaper, its extra rows
+    did not. So 0 + 0.05 per draft row
     (`packed_cpu=True`; at 1 thread, where one row is slower to stream, it was 1.0-1.2x for
     k = 1..10). With the row-major kernels (quantized linears, or torch's ops) it was 1.26x
     (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few extra rows are

@@ -479,29 +479,61 @@ constexpr int kMaxGroup = 16;  // query heads per KV head
 
 // one KV head's row (head_dim = 16 C) of the sequence's key / value at position t, as fp32
 template <int C, class T>
-inline void load_key_row(const T* cache, const int64_t* table, int64_t block_size, int64_t slot_stride,
+inline void load_key_row(const T* cache, const int64_t* table, int block_shift, int64_t slot_stride,
                          int64_t t, __m512 out[C]) {
-  const T* p = cache + (table[t / block_size] * block_size + t % block_size) * slot_stride;
+  // block_size = 1 << block_shift: a shift and a mask, not a 64-bit division per key
+  const int64_t slot = (table[t >> block_shift] << block_shift) + (t & ((int64_t(1) << block_shift) - 1));
+  const T* p = cache + slot * slot_stride;
   for (int c = 0; c < C; ++c) out[c] = load16f(p + 16 * c);
+}
+
+// r[j] = the sum of v[j]'s 16 lanes, j = 0..15: a transposing reduction (unpack / shuffle + add
+// in four levels, 45 instructions) instead of 16 horizontal reductions. Lane j always sums v[j]
+// in the same order, so a key's score does not depend on the other keys of its block.
+inline __m512 hsum16(const __m512 v[16]) {
+  __m512 a[8], b[4];
+  for (int i = 0; i < 8; ++i)  // per 128-bit lane: [x0+x2, y0+y2, x1+x3, y1+y3] of x = v[2i], y = v[2i+1]
+    a[i] = _mm512_add_ps(_mm512_unpacklo_ps(v[2 * i], v[2 * i + 1]), _mm512_unpackhi_ps(v[2 * i], v[2 * i + 1]));
+  for (int i = 0; i < 4; ++i) {  // per 128-bit lane: the partial sums of v[4i .. 4i+3]
+    const __m512d x = _mm512_castps_pd(a[2 * i]), y = _mm512_castps_pd(a[2 * i + 1]);
+    b[i] = _mm512_add_ps(_mm512_castpd_ps(_mm512_unpacklo_pd(x, y)), _mm512_castpd_ps(_mm512_unpackhi_pd(x, y)));
+  }
+  const __m512 d0 = _mm512_add_ps(_mm512_shuffle_f32x4(b[0], b[1], 0x88), _mm512_shuffle_f32x4(b[0], b[1], 0xDD));
+  const __m512 d1 = _mm512_add_ps(_mm512_shuffle_f32x4(b[2], b[3], 0x88), _mm512_shuffle_f32x4(b[2], b[3], 0xDD));
+  return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
 // one (query row, KV head): G query heads of C 16-wide chunks (head_dim = 16 C)
 template <int C, class T>
 void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t slot_stride,
-                const int64_t* table, int64_t block_size, int64_t L, int G, float scale,
+                const int64_t* table, int block_shift, int64_t L, int G, float scale,
                 T* out, int64_t out_head_stride, std::vector<float>& sc) {
   sc.resize(static_cast<size_t>(G) * L);
   __m512 qv[kMaxGroup][C];
   for (int g = 0; g < G; ++g)
     for (int c = 0; c < C; ++c)
       qv[g][c] = _mm512_mul_ps(load16f(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
-  for (int64_t t = 0; t < L; ++t) {
-    __m512 kv[C];
-    load_key_row<C>(kc, table, block_size, slot_stride, t, kv);
+  // scores, 16 keys at a time: per query head, 16 accumulators (one per key, C FMAs each), then
+  // one transposing reduction gives the 16 scores as a vector; a last partial block zero-fills
+  // its missing keys. Keys are read from L1 once per head.
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+    const T* kp[16];
+    for (int t = 0; t < n; ++t) {
+      const int64_t pos = t0 + t;
+      kp[t] = kc + ((table[pos >> block_shift] << block_shift) + (pos & ((int64_t(1) << block_shift) - 1))) * slot_stride;
+    }
     for (int g = 0; g < G; ++g) {
-      __m512 acc = _mm512_mul_ps(qv[g][0], kv[0]);
-      for (int c = 1; c < C; ++c) acc = _mm512_fmadd_ps(qv[g][c], kv[c], acc);
-      sc[g * L + t] = _mm512_reduce_add_ps(acc);
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        if (t < n) {
+          acc[t] = _mm512_mul_ps(qv[g][0], load16f(kp[t]));
+          for (int c = 1; c < C; ++c) acc[t] = _mm512_fmadd_ps(qv[g][c], load16f(kp[t] + 16 * c), acc[t]);
+        } else {
+          acc[t] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(sc.data() + g * L + t0, lane_mask(n), hsum16(acc));
     }
   }
   float inv_sum[kMaxGroup];
@@ -532,7 +564,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
     for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     __m512 vv[C];
-    load_key_row<C>(vc, table, block_size, slot_stride, t, vv);
+    load_key_row<C>(vc, table, block_shift, slot_stride, t, vv);
     for (int g = 0; g < G; ++g) {
       const __m512 pt = _mm512_set1_ps(sc[g * L + t]);
       for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(pt, vv[c], o[g][c]);
@@ -550,6 +582,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
                           at::Tensor& out) {
   const int64_t H = q.size(1), KV = k_cache.size(1), B = static_cast<int64_t>(q_lens.size());
   const int G = static_cast<int>(H / KV);
+  const int block_shift = __builtin_ctzll(static_cast<unsigned long long>(block_size));  // a power of two
   std::vector<int64_t> row0(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) row0[b + 1] = row0[b] + q_lens[b];
   const int64_t items = row0[B] * KV;  // (row, KV head)
@@ -568,7 +601,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
       const int64_t r = it / KV, h = it % KV, b = row_seq[r];
       const int64_t L = seq_lens[b] - q_lens[b] + (r - row0[b]) + 1;  // keys 0..position
       attend_one<C, T>(qp + r * q.stride(0) + h * G * q.stride(1), q.stride(1), kc + h * k_cache.stride(1),
-                       vc + h * v_cache.stride(1), k_cache.stride(0), tables + b * nb, block_size, L, G,
+                       vc + h * v_cache.stride(1), k_cache.stride(0), tables + b * nb, block_shift, L, G,
                        static_cast<float>(scale), op + r * out.stride(0) + h * G * out.stride(1),
                        out.stride(1), sc);
     }
@@ -594,6 +627,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
               && v_new.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention: one dtype for q, k, v and the cache");
   TORCH_CHECK(H % KV == 0 && H / KV <= kMaxGroup, "paged_attention: H / KV must be an integer <= ", kMaxGroup);
+  TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "paged_attention: block_size must be a power of two, got ",
+              block_size);
   TORCH_CHECK(hd == 64 || hd == 128, "paged_attention: head_dim must be 64 or 128, got ", hd);
   TORCH_CHECK(slot_mapping.scalar_type() == at::kLong && slot_mapping.numel() == T && block_tables.scalar_type() == at::kLong
               && block_tables.is_contiguous(), "paged_attention: int64 slot_mapping [T] and block_tables [B, nb]");
