@@ -162,7 +162,8 @@ def zoo():
 @click.option("--save-every", default=250, show_default=True, type=int, help="Checkpoint interval (steps).")
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="MTP artifact directory.")
-@click.option("--resume", is_flag=True, help="Continue the checkpoint in --out.")
+@click.option("--resume", is_flag=True, help="Continue the checkpoint in --out (same data and --targets; "
+                                              "--steps may grow).")
 @_one_line_errors
 def train_mtp(**kw):
     """Train a DeepSeek-V3-style MTP module for a frozen base (use with --speculate-method mtp)."""
