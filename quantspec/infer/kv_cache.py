@@ -120,7 +120,8 @@ class PagedKVCache:
         # quantspec's CPU attention kernel takes decode / verification steps over this cache
         self.cpu_kernel = False
         if (torch.device(device).type == "cpu" and self.kv_dtype is KVCacheDtype.AUTO
-                and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)):
+                and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)
+                and block_size & (block_size - 1) == 0):  # the kernel finds slots by shift
             from quantspec.kernels.cpu import cpu_kernels
 
             self.cpu_kernel = cpu_kernels() is not None

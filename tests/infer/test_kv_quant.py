@@ -149,3 +149,24 @@ def test_artifact_kv_scales_need_no_flag(tmp_path, tiny_llama_dir):
     with pytest.raises(QuantSpecError, match="does not exist; run `quantspec calibrate"):
         Predictor(InferConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
                               cachekv="fp8", calib=str(tmp_path / "missing")))
+
+
+def test_cpu_attention_kernel_only_for_power_of_two_blocks():
+    """The CPU kernel finds a key's slot by shift and mask: a cache whose block size is not a power
+    of two keeps torch's attention (same results: a decode query over 30 keys in blocks of 24)."""
+    from quantspec.kernels.cpu import cpu_kernels
+
+    g = torch.Generator().manual_seed(0)
+    q, k, v = (torch.randn(30, 4, 64, generator=g), torch.randn(30, 2, 64, generator=g),
+               torch.randn(30, 2, 64, generator=g))
+    outs = []
+    for bs in (24, 16):
+        cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=bs, num_kv_heads=2, head_dim=64,
+                             dtype=torch.float32)
+        assert cache.cpu_kernel == (bs == 16 and cpu_kernels() is not None)
+        table = cache.allocator.allocate(2)
+        prefill = AttentionMetadata.build([29], [29], [table], bs, "cpu", cache.cpu_kernel)
+        PagedAttention(cache, prefill)(0, q[:29], k[:29], v[:29])
+        decode = AttentionMetadata.build([1], [30], [table], bs, "cpu", cache.cpu_kernel)
+        outs.append(PagedAttention(cache, decode)(0, q[29:], k[29:], v[29:]))
+    torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
