@@ -250,7 +250,7 @@ def check_resumable(out_dir: str | os.PathLike, config: MTPTrainConfig, resume: 
             f"{out_dir} already holds a training checkpoint ({STATE_NAME}); pass --resume to continue it or "
             f"choose another --out"
         )
-    saved = torch.load(state_path, map_location="cpu", weights_only=False).get("config", {})
+    saved = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True).get("config", {})
     _check_same_objective(saved, config, state_path)
 
 
@@ -279,7 +279,7 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
     """
     out = Path(out_dir)
     state_path = out / STATE_NAME
-    check_resumable(out, config, resume)
+    check_resumable(out, config, resume)  # also the objective of a checkpoint to resume
     out.mkdir(parents=True, exist_ok=True)
     params = [p for p in mtp.model.parameters()]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
@@ -289,7 +289,6 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
         if not torch.equal(state["draft_vocab_ids"], mtp.draft_vocab_ids.cpu()):
             raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
                                  f"resume with the same --dataset/--seq-len/--self-distill options")
-        _check_same_objective(state.get("config", {}), config, state_path)
         mtp.model.load_state_dict(state["model"])
         opt.load_state_dict(state["optimizer"])
         start, history = int(state["step"]), list(state["losses"])
