@@ -153,7 +153,8 @@ def test_artifact_kv_scales_need_no_flag(tmp_path, tiny_llama_dir):
 
 def test_cpu_attention_kernel_only_for_power_of_two_blocks():
     """The CPU kernel finds a key's slot by shift and mask: a cache whose block size is not a power
-    of two keeps torch's attention (same results: a decode query over 30 keys in blocks of 24)."""
+    of two keeps torch's attention (same results: a 29-token prefill, which the kernel takes for
+    prompts of up to 512 tokens, then a decode query over 30 keys, in blocks of 24 and 16)."""
     from quantspec.kernels.cpu import cpu_kernels
 
     g = torch.Generator().manual_seed(0)
@@ -166,7 +167,10 @@ def test_cpu_attention_kernel_only_for_power_of_two_blocks():
         assert cache.cpu_kernel == (bs == 16 and cpu_kernels() is not None)
         table = cache.allocator.allocate(2)
         prefill = AttentionMetadata.build([29], [29], [table], bs, "cpu", cache.cpu_kernel)
-        PagedAttention(cache, prefill)(0, q[:29], k[:29], v[:29])
+        assert prefill.cpu_kernel == cache.cpu_kernel
+        first = PagedAttention(cache, prefill)(0, q[:29], k[:29], v[:29])
         decode = AttentionMetadata.build([1], [30], [table], bs, "cpu", cache.cpu_kernel)
-        outs.append(PagedAttention(cache, decode)(0, q[29:], k[29:], v[29:]))
+        outs.append(torch.cat([first, PagedAttention(cache, decode)(0, q[29:], k[29:], v[29:])]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
+    long = AttentionMetadata.build([600], [600], [list(range(10))], 64, "cpu", True)
+    assert long.fresh_prefill and not long.cpu_kernel  # beyond 512 tokens: SDPA
