@@ -140,6 +140,8 @@ def main():
                          "(on a shared machine the minimum filters out other work's interference)")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args()
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
     torch.set_num_threads(a.threads)
 
     from quantspec.infer.loader import load_for_inference
