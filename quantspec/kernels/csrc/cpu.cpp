@@ -477,13 +477,17 @@ inline void store16f(at::BFloat16* p, __m512 v) {
 
 constexpr int kMaxGroup = 16;  // query heads per KV head
 
+// the cache slot of the sequence's position t through its block table; block_size =
+// 1 << block_shift: a shift and a mask, not a 64-bit division per key
+inline int64_t slot_of(const int64_t* table, int block_shift, int64_t t) {
+  return (table[t >> block_shift] << block_shift) + (t & ((int64_t(1) << block_shift) - 1));
+}
+
 // one KV head's row (head_dim = 16 C) of the sequence's key / value at position t, as fp32
 template <int C, class T>
 inline void load_key_row(const T* cache, const int64_t* table, int block_shift, int64_t slot_stride,
                          int64_t t, __m512 out[C]) {
-  // block_size = 1 << block_shift: a shift and a mask, not a 64-bit division per key
-  const int64_t slot = (table[t >> block_shift] << block_shift) + (t & ((int64_t(1) << block_shift) - 1));
-  const T* p = cache + slot * slot_stride;
+  const T* p = cache + slot_of(table, block_shift, t) * slot_stride;
   for (int c = 0; c < C; ++c) out[c] = load16f(p + 16 * c);
 }
 
@@ -519,10 +523,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     const T* kp[16];
-    for (int t = 0; t < n; ++t) {
-      const int64_t pos = t0 + t;
-      kp[t] = kc + ((table[pos >> block_shift] << block_shift) + (pos & ((int64_t(1) << block_shift) - 1))) * slot_stride;
-    }
+    for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
     for (int g = 0; g < G; ++g) {
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) {
