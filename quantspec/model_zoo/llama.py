@@ -323,6 +323,9 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_len = 0
+        # inference may attach a runner of the whole layer stack (`infer.fused_layers`): called
+        # as fused_layers(x, cos, sin, attn), it returns the last layer's output or None
+        self.fused_layers = None
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
@@ -343,6 +346,10 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, D]
         if cos.dtype != x.dtype:  # HF casts the fp32 tables to the activations' dtype
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
+        if self.fused_layers is not None:
+            out = self.fused_layers(x, cos, sin, attn)
+            if out is not None:
+                return out
         for layer in self.model.layers:
             x = layer(x, cos, sin, attn)
         return x

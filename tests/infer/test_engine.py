@@ -195,6 +195,7 @@ def test_cpu_attention_kernel_serves_decode_and_matches_torch_path(hd64_dir, mon
     from quantspec.kernels import cpu as cpu_kernels
 
     model = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False).model
+    model.fused_layers = None  # the module path, which calls the kernel from Python (tests/infer/test_fused_layers.py)
     calls = []
     real = cpu_kernels.paged_attention
     monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(len(a[7])) or real(*a))

@@ -1,0 +1,177 @@
+"""The decoder stack in one C++ call on CPU: the same kernels as the modules, without Python between them.
+
+Once quantspec's CPU kernels serve every op of a layer (`dense_linear.PackedLinear` /
+`QuantLinear`'s int8 / int4 row kernels, `cpu_layers`' norm / rotary / silu*up, the paged
+attention kernel), what is left of a decode step beyond the weight reads is Python: ~11 module
+calls and ~20 tensor ops a layer, ~150 µs a layer on the default model — a sixth of an fp32
+decode step on two cores, more of an int8 / int4 one. `FusedDecoderLayers` gathers each
+layer's tensors once into the extension's `DecoderPlan`, which runs the modules' very calls in
+their order (rms_norm, qkv linear, rope over q and k, paged attention, o linear, add, rms_norm,
+gate/up linear, silu*up, down linear, add) in one call, so its hidden states equal the module
+path's bitwise (tested), in decode, verification and prefill steps alike.
+
+It serves a step only when the module path would run exactly those kernels, and otherwise
+returns None (the modules run):
+- every layer is fused (`qkv_proj`, `gate_up_proj`), its norms / attention / MLP are the kernel
+  versions, and every linear is a `PackedLinear` (fp32) or a `QuantLinear` on its int8 / int4
+  row kernel — for a `QuantLinear` only in decode / verification steps or for rows up to its
+  policy's `cpu_packed_max_m` (larger prefills take its other kernels);
+- the step's attention goes through the CPU kernel (`AttentionMetadata.cpu_kernel`: a float
+  KV cache; decode and verification rows, fresh prompts of up to 512 tokens);
+- no forward hook or pre-hook is registered on a layer or its parts (calibration and tests
+  observe the modules), and the modules and tensors are those the plan was built from (a
+  module swapped or a tensor re-assigned after loading: rebuild with `use_fused_layers`).
+
+`QUANTSPEC_FUSED_LAYERS=0` turns it off (the module path runs; benches compare the two).
+"""
+
+from __future__ import annotations
+
+import operator
+import os
+
+import torch
+from torch import nn
+
+from quantspec.infer.kv_cache import PagedAttention
+from quantspec.infer.step_rows import in_decode_step
+
+__all__ = ["ENV_SWITCH", "FusedDecoderLayers", "use_fused_layers"]
+
+ENV_SWITCH = "QUANTSPEC_FUSED_LAYERS"  # "0": never fuse the stack (the modules run)
+
+_PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+
+
+def _linear_spec(mod: nn.Module, dtype: torch.dtype):
+    """(kind, tensors a/b/c/bias, N, group, max rows or None) for a linear the plan can run, else None."""
+    from quantspec.infer.dense_linear import PackedLinear
+    from quantspec.infer.quant_linear import KernelPath, QuantLinear
+
+    empty = torch.empty(0)
+    if type(mod) is PackedLinear:
+        return 0, (mod.packed, empty, empty, empty if mod.bias is None else mod.bias), mod.out_features, 0, None
+    if type(mod) is not QuantLinear or mod.dtype != dtype:
+        return None
+    bias = mod._gemv_bias()
+    bias = empty if bias is None else bias
+    limit = mod.policy.cpu_packed_max_m
+    if mod._packed_path is KernelPath.CPU_GEMV_INT8 and mod.int8_cpu is not None:
+        return 1, (mod.int8_cpu, mod.w_scale_vec, empty, bias), mod.out_features, 0, limit
+    if mod._packed_path is KernelPath.CPU_GEMV_INT4 and mod.int4_cpu is not None:
+        group = mod.in_features // mod.int4_cpu_scale.shape[1]
+        return 2, (mod.int4_cpu, mod.int4_cpu_scale, mod.int4_cpu_offset, bias), mod.out_features, group, limit
+    return None
+
+
+class FusedDecoderLayers:
+    """Runs `model.model.layers` through the extension's `DecoderPlan` (module docstring).
+    Build it with `FusedDecoderLayers.build(model)` (None when some layer cannot be fused)."""
+
+    def __init__(self, model: nn.Module, kernels, dtype: torch.dtype, tensors: list[torch.Tensor],
+                 ints: list[int], watched: list[tuple], max_quant_rows: int | None):
+        self.kernels, self.dtype = kernels, dtype
+        self.args = model.args
+        self._layers = list(model.model.layers)
+        self._tensors, self._ints = tensors, ints
+        # what must still hold for the plan to be the modules' computation, checked per step at C
+        # speed: (owner's _modules / _parameters / _buffers dict, key, object) triples, and each
+        # module's hook dicts (torch adds hooks to these very dicts)
+        self._watch_dicts, self._watch_keys, self._watch_objs = (list(t) for t in zip(*watched))
+        self._hook_dicts = [d for layer in self._layers for m in layer.modules()
+                            for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.max_quant_rows = max_quant_rows  # rows beyond which a QuantLinear leaves its row kernel
+        self._plan = None
+        self._plan_cache = self._plan_slots = None  # the PagedKVCache (and its list of layers' slots) of the plan
+
+    @classmethod
+    def build(cls, model: nn.Module) -> "FusedDecoderLayers | None":
+        from quantspec.infer.cpu_layers import KernelAttention, KernelMLP, KernelRMSNorm
+        from quantspec.kernels.cpu import cpu_kernels
+
+        kernels = cpu_kernels()
+        layers = getattr(getattr(model, "model", None), "layers", None)
+        if kernels is None or not hasattr(kernels, "DecoderPlan") or not layers:
+            return None
+        args = model.args
+        if args.head_dim not in (64, 128) or args.num_heads % args.num_kv_heads:
+            return None
+        dtype = layers[0].input_layernorm.weight.dtype
+        if dtype not in (torch.float32, torch.bfloat16) or layers[0].input_layernorm.weight.device.type != "cpu":
+            return None
+        tensors: list[torch.Tensor] = []
+        ints: list[int] = []
+        watched: list[tuple] = []
+        limits = []
+        for layer in layers:
+            attn, mlp = layer.self_attn, layer.mlp
+            norms = (layer.input_layernorm, layer.post_attention_layernorm)
+            if (any(type(n) is not KernelRMSNorm or n.weight.dtype != dtype for n in norms)
+                    or type(attn) is not KernelAttention or type(mlp) is not KernelMLP
+                    or attn.qkv_proj is None or mlp.gate_up_proj is None
+                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
+                    != (args.num_heads, args.num_kv_heads, args.head_dim)
+                    or norms[0].eps != norms[1].eps or norms[0].eps != layers[0].input_layernorm.eps):
+                return None
+            tensors += [norms[0].weight, norms[1].weight]
+            for part in _PARTS:
+                watched.append((layer._modules, part, layer._modules[part]))
+            watched += [(n._parameters, "weight", n.weight) for n in norms]
+            for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+                lin = owner._modules[name]
+                spec = _linear_spec(lin, dtype)
+                if spec is None:
+                    return None
+                kind, ts, n_out, group, limit = spec
+                tensors += list(ts)
+                ints += [kind, n_out, group]
+                if limit is not None:
+                    limits.append(limit)
+                watched.append((owner._modules, name, lin))
+                store = lin._buffers if ts[0].numel() and any(ts[0] is b for b in lin._buffers.values()) else None
+                if store is not None:
+                    key = next(k for k, b in lin._buffers.items() if b is ts[0])
+                    watched.append((store, key, ts[0]))
+        return cls(model, kernels, dtype, tensors, ints, watched, min(limits) if limits else None)
+
+    def serves(self, x: torch.Tensor, attn) -> bool:
+        """Whether this step can take the plan (module docstring)."""
+        if type(attn) is not PagedAttention:
+            return False
+        meta = attn.meta
+        if not meta.cpu_kernel or x.dtype != self.dtype or x.dim() != 2 or x.shape[0] == 0:
+            return False
+        if self.max_quant_rows is not None and x.shape[0] > self.max_quant_rows and not in_decode_step():
+            return False
+        if not all(map(operator.is_, map(dict.get, self._watch_dicts, self._watch_keys), self._watch_objs)):
+            return False
+        if any(self._hook_dicts):
+            return False
+        return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+
+    def _plan_for(self, cache):
+        if self._plan is None or self._plan_cache is not cache or self._plan_slots is not cache.k_slots:
+            a = self.args
+            self._plan = self.kernels.DecoderPlan(self._tensors, self._ints, list(cache.k_slots), list(cache.v_slots),
+                                                  a.num_heads, a.num_kv_heads, a.head_dim, cache.block_size,
+                                                  float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5)
+            self._plan_cache, self._plan_slots = cache, cache.k_slots
+        return self._plan
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor | None:
+        """The hidden states after the last layer, or None where the modules must run."""
+        if not self.serves(x, attn):
+            return None
+        meta = attn.meta
+        plan = self._plan_for(attn.cache)
+        return plan.forward(x, cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.block_tables,
+                            meta.q_lens, meta.seq_lens)
+
+
+def use_fused_layers(model: nn.Module) -> bool:
+    """Attach a `FusedDecoderLayers` to `model` (a `model_zoo.llama.Transformer` prepared for CPU
+    inference: fused, packed, kernel layers) where it applies; returns whether it did. Call it
+    again after changing the model's modules or tensors."""
+    runner = None if os.environ.get(ENV_SWITCH, "1") == "0" else FusedDecoderLayers.build(model)
+    model.fused_layers = runner
+    return runner is not None

@@ -1,0 +1,140 @@
+"""The decoder stack in one C++ call (`infer/fused_layers.py`): bitwise the module path's hidden
+states in prefill, decode and verification steps, for fp32, int8 and int4 models; the modules
+run wherever the plan would not compute what they compute."""
+
+import pytest
+import torch
+from torch import nn
+
+from quantspec.infer.fused_layers import ENV_SWITCH, FusedDecoderLayers, use_fused_layers
+from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
+from quantspec.infer.loader import load_for_inference
+from quantspec.infer.step_rows import decode_step
+from quantspec.kernels.cpu import cpu_kernels
+
+pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
+
+
+@pytest.fixture(scope="module")
+def models(tmp_path_factory):
+    """head_dim 64 (the CPU attention kernel's size): a Llama, a Qwen2 (q/k/v biases), and the
+    Llama's int8 and int4 (group 32, asymmetric) artifacts."""
+    from quantspec import api
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    root = tmp_path_factory.mktemp("fused")
+    llama = build_tiny_model(root / "llama", "llama", hidden=256, heads=4, kv_heads=2, intermediate=256,
+                             num_layers=3, seed=5)
+    qwen2 = build_tiny_model(root / "qwen2", "qwen2", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=6)
+    return {"llama": llama, "qwen2": qwen2,
+            "int8": api.quantize(llama, "weight_only_int8", root / "w8"),
+            "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
+
+
+def _steps(model, *, kv_dtype="auto"):
+    """A scripted run on a fresh cache: two prompts prefilled together, a decode step, and two
+    verification steps where the sequences bring different numbers of rows → all hidden states."""
+    a = model.args
+    scales = {} if kv_dtype == "auto" else {"k_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05),
+                                             "v_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05)}
+    cache = PagedKVCache(num_layers=a.num_layers, num_blocks=16, block_size=16, num_kv_heads=a.num_kv_heads,
+                         head_dim=a.head_dim, dtype=model.model.norm.weight.dtype, kv_dtype=kv_dtype, **scales)
+    tables = [cache.allocator.allocate(7), cache.allocator.allocate(7)]
+    g = torch.Generator().manual_seed(0)
+    lens = [0, 0]
+    outs = []
+    for step, news in enumerate(([37, 20], [1, 1], [4, 1], [2, 6])):
+        ids = torch.randint(3, a.vocab_size, (sum(news),), generator=g)
+        positions = torch.cat([torch.arange(lens[b], lens[b] + n) for b, n in enumerate(news)])
+        seq_lens = [lens[b] + n for b, n in enumerate(news)]
+        meta = AttentionMetadata.build(news, seq_lens, tables, 16, "cpu", cache.cpu_kernel)
+        with torch.no_grad(), (decode_step() if step else torch.no_grad()):
+            outs.append(model(ids, positions, PagedAttention(cache, meta)))
+        lens = seq_lens
+    return torch.cat(outs)
+
+
+def _spy(runner):
+    served = []
+    real = runner.serves
+    runner.serves = lambda x, attn: served.append(real(x, attn)) or served[-1]
+    return served
+
+
+@pytest.mark.parametrize("name", ["llama", "qwen2", "int8", "int4"])
+def test_fused_stack_equals_the_modules_bitwise(models, name):
+    model = load_for_inference(models[name], tokenizer=False).model
+    runner = model.fused_layers
+    assert isinstance(runner, FusedDecoderLayers)
+    served = _spy(runner)
+    fused = _steps(model)
+    assert served == [True] * 4  # prefill (37 + 20 rows), decode, both verification steps
+    model.fused_layers = None
+    modules = _steps(model)
+    assert torch.equal(fused, modules)
+    assert fused.abs().sum() > 0
+
+
+def test_greedy_and_speculative_generation_match_transformers(models):
+    """Through the engine (prefill, decode, n-gram verification) the fused stack gives
+    transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.sampler import SamplingParams
+    from quantspec.infer.spec.proposers import ReferenceProposer
+
+    model = load_for_inference(models["llama"], tokenizer=False).model
+    served = _spy(model.fused_layers)
+    prompt = [5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9]
+    hf = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
+    for proposer in (None, ReferenceProposer(2, 4)):
+        eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=4),
+                     eos_token_ids=[], proposer=proposer)
+        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=24))
+        eng.run()
+        assert seq.output_ids == want
+    assert served and all(served)
+
+
+def test_the_modules_run_where_the_plan_would_not_be_their_computation(models):
+    model = load_for_inference(models["llama"], tokenizer=False).model
+    runner = model.fused_layers
+    served = _spy(runner)
+    want = _steps(model)
+    assert all(served)
+
+    # a forward hook observes the modules: they run (and the result is the same)
+    seen = []
+    handle = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
+    served.clear()
+    assert torch.equal(_steps(model), want)
+    assert served == [False] * 4 and len(seen) == 4
+    handle.remove()
+
+    # a module swapped after loading: the plan no longer describes the model
+    down = model.model.layers[0].mlp.down_proj
+    plain = nn.Linear(down.in_features, down.out_features, bias=False)
+    plain.weight = nn.Parameter(down.dense_weight())
+    model.model.layers[0].mlp.down_proj = plain
+    served.clear()
+    got = _steps(model)
+    assert served == [False] * 4
+    torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # torch's linear: another summation order
+    assert not use_fused_layers(model) and model.fused_layers is None  # an unpacked linear: no plan
+    model.model.layers[0].mlp.down_proj = down
+    assert use_fused_layers(model)
+
+    # a quantized KV cache: attention is not the CPU kernel's
+    served = _spy(model.fused_layers)
+    _steps(model, kv_dtype="int8")
+    assert served == [False] * 4
+
+
+def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
+    assert load_for_inference(models["llama"], tokenizer=False, fuse=False).model.fused_layers is None
+    assert load_for_inference(models["llama"], dtype=torch.bfloat16, tokenizer=False).model.fused_layers is None
+    monkeypatch.setenv(ENV_SWITCH, "0")
+    assert load_for_inference(models["llama"], tokenizer=False).model.fused_layers is None
