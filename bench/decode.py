@@ -6,6 +6,11 @@ same prompt, same machine; batch 1 and batch 8; prints tokens/s and the ratios.
 `--quant` adds rows for quantized artifacts of the same model (built with `quantspec.api.quantize`
 into a cache directory, RTN) so their tokens/s can be compared with fp32 in the same run: fp32 and
 each artifact run in turn, `--rounds` times, and the medians are compared.
+
+Last, batch 1 of fp32 and of each artifact with the layer stack in one C++ call
+(`infer/fused_layers.py`, the default where it applies) and through the Python modules (the same
+kernels, called one by one), interleaved `--rounds` times: the medians and their ratio, and
+whether both gave the same tokens.
 """
 
 from __future__ import annotations
@@ -25,8 +30,9 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer(text).input_ids[:n]
 
 
-def bench_engine(model, prompt, new_tokens, batch, eos) -> tuple[float, float]:
-    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill steps)."""
+def bench_engine(model, prompt, new_tokens, batch, eos, outputs: list | None = None) -> tuple[float, float]:
+    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill steps); the
+    sequences' token ids are appended to `outputs` when given."""
     eng = Engine(model, EngineConfig(max_batch_size=batch, max_length=len(prompt) + new_tokens + 8),
                  eos_token_ids=[])
     seqs = [eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for _ in range(batch)]
@@ -37,6 +43,8 @@ def bench_engine(model, prompt, new_tokens, batch, eos) -> tuple[float, float]:
     eng.run()
     dt = time.perf_counter() - t
     total = sum(len(s.output_ids) for s in seqs)
+    if outputs is not None:
+        outputs.append([list(s.output_ids) for s in seqs])
     return total / dt, (total - batch) / (time.perf_counter() - t_prefill)
 
 
@@ -115,6 +123,35 @@ def main():
         print("|---|---:|---:|---:|---:|")
         for qt, tps, decode in quant_rows:
             print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x |")
+    fused_ab([("fp32", loaded.model)] + quants, prompt, a.new_tokens, a.rounds)
+
+
+def fused_ab(models, prompt, new_tokens, rounds) -> None:
+    """Batch 1 with the one-call layer stack and through the modules, interleaved per round."""
+    rows = []
+    for name, model in models:
+        runner = model.fused_layers
+        if runner is None:
+            print(f"\n{name}: no one-call layer stack here (see infer/fused_layers.py)")
+            continue
+        runs = {"fused": [], "modules": []}
+        outs = {"fused": [], "modules": []}
+        for _ in range(rounds):
+            for mode in runs:
+                model.fused_layers = runner if mode == "fused" else None
+                runs[mode].append(bench_engine(model, prompt, new_tokens, 1, [], outs[mode]))
+        model.fused_layers = runner
+        med = {m: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for m, v in runs.items()}
+        same = all(o == outs["fused"][0] for v in outs.values() for o in v)
+        rows.append((name, med, same))
+    if rows:
+        print(f"\none-call layer stack vs the modules, batch 1, median of {rounds} interleaved rounds\n")
+        print("| model | stack tok/s | modules tok/s | ratio | decode phase: stack | modules | ratio | same tokens |")
+        print("|---|---:|---:|---:|---:|---:|---:|:---:|")
+        for name, med, same in rows:
+            (f, fd), (m, md) = med["fused"], med["modules"]
+            print(f"| {name} | {f:.1f} | {m:.1f} | {f / m:.2f}x | {fd:.1f} | {md:.1f} | {fd / md:.2f}x | "
+                  f"{'yes' if same else 'NO'} |")
 
 
 if __name__ == "__main__":

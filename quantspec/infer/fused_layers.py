@@ -61,6 +61,10 @@ def _linear_spec(mod: nn.Module, dtype: torch.dtype):
     if mod._packed_path is KernelPath.CPU_GEMV_INT4 and mod.int4_cpu is not None:
         group = mod.in_features // mod.int4_cpu_scale.shape[1]
         return 2, (mod.int4_cpu, mod.int4_cpu_scale, mod.int4_cpu_offset, bias), mod.out_features, group, limit
+    if mod._packed_path is KernelPath.CPU_INT4PACK and mod.int4pack is not None:
+        # torch's op; QuantLinear adds its bias in the output's dtype
+        bias = empty if mod.bias is None else mod.bias.to(dtype)
+        return 3, (mod.int4pack, mod.int4_scales_zeros, empty, bias), mod.out_features, mod.traits.cpu_int4_group, limit
     return None
 
 

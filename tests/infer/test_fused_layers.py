@@ -61,11 +61,18 @@ def _spy(runner):
     return served
 
 
-@pytest.mark.parametrize("name", ["llama", "qwen2", "int8", "int4"])
-def test_fused_stack_equals_the_modules_bitwise(models, name):
-    model = load_for_inference(models[name], tokenizer=False).model
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                        ("int8", torch.float32), ("int4", torch.float32),
+                                        # bf16 activations: int8 on quantspec's kernel, int4 on torch's packed op
+                                        ("int8", torch.bfloat16), ("int4", torch.bfloat16)])
+def test_fused_stack_equals_the_modules_bitwise(models, name, dtype):
+    from quantspec.infer.quant_linear import KernelPath
+
+    model = load_for_inference(models[name], dtype=dtype, tokenizer=False).model
     runner = model.fused_layers
     assert isinstance(runner, FusedDecoderLayers)
+    if name == "int4" and dtype == torch.bfloat16:
+        assert model.model.layers[0].mlp.down_proj._packed_path is KernelPath.CPU_INT4PACK
     served = _spy(runner)
     fused = _steps(model)
     assert served == [True] * 4  # prefill (37 + 20 rows), decode, both verification steps
@@ -138,3 +145,13 @@ def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
     assert load_for_inference(models["llama"], dtype=torch.bfloat16, tokenizer=False).model.fused_layers is None
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert load_for_inference(models["llama"], tokenizer=False).model.fused_layers is None
+
+
+def test_draft_step_cost_is_measured_on_the_engines_path(models):
+    """`measure_step_cost` times a paged decode step, so the one-call stack is what it measures."""
+    from quantspec.infer.spec.draft import measure_step_cost
+
+    model = load_for_inference(models["llama"], tokenizer=False).model
+    served = _spy(model.fused_layers)
+    assert 0.5 <= measure_step_cost(model, model) <= 2.0  # the same model: ~1 (rounded to 0.05)
+    assert served and all(served)

@@ -42,7 +42,8 @@ from quantspec.infer.dense_linear import all_linears_packed
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import logits_to_probs, sample, sampling_tensors
 from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
-from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
+from quantspec.infer.step_rows import decode_step
+from quantspec.model_zoo.llama import Transformer
 
 __all__ = ["DraftModelProposer", "check_draft_compatible", "common_vocab_size", "build_draft_proposer",
            "measure_step_cost"]
@@ -288,17 +289,32 @@ def measure_step_cost(draft: Transformer, base: Transformer, *, repeats: int = 5
     *slower* than fp32 (torch's ops), and with quantspec's packed kernels it costs 0.45-0.6 of
     an fp32 step, not the 0.25-0.3 its weight bytes suggest (the head and the step's small ops
     stay); the back-off has to know. On a busy machine the probe itself moves (0.55 in a quiet
-    minute, 0.65 once at a bench's start-up).
+    minute, 0.65 once at a bench's start-up). Each model runs a decode step as the engine does
+    (paged cache, `step_rows.decode_step`), so the one-call layer stack counts where it applies.
     """
-    def step(model: Transformer) -> float:
-        dev = model.model.norm.weight.device
-        ids, pos = torch.ones(1, dtype=torch.int64, device=dev), torch.zeros(1, dtype=torch.int64, device=dev)
-        t = time.perf_counter()
-        model.compute_logits(model(ids, pos, DenseCausalAttention(1, 1)))
-        if dev.type == "cuda":
-            torch.cuda.synchronize(dev)
-        return time.perf_counter() - t
+    def decode_step_of(model: Transformer):
+        """A one-token decode step at position 1 over a one-block paged cache: the engine's path
+        (its attention kernel, the one-call layer stack where it applies)."""
+        a, w = model.args, model.model.norm.weight
+        cache = PagedKVCache(num_layers=a.num_layers, num_blocks=2, block_size=16, num_kv_heads=a.num_kv_heads,
+                             head_dim=a.head_dim, dtype=w.dtype, device=w.device)
+        table = cache.allocator.allocate(1)
+        ids = torch.ones(1, dtype=torch.int64, device=w.device)
+        model(ids, torch.zeros(1, dtype=torch.int64, device=w.device),
+              PagedAttention(cache, AttentionMetadata.build([1], [1], [table], 16, w.device, cache.cpu_kernel)))
+        meta = AttentionMetadata.build([1], [2], [table], 16, w.device, cache.cpu_kernel)
+        pos = torch.ones(1, dtype=torch.int64, device=w.device)
 
-    step(draft), step(base)  # warm-up
-    ratios = sorted(step(draft) / step(base) for _ in range(repeats))
+        def step() -> float:
+            t = time.perf_counter()
+            with decode_step():
+                model.compute_logits(model(ids, pos, PagedAttention(cache, meta)))
+            if w.device.type == "cuda":
+                torch.cuda.synchronize(w.device)
+            return time.perf_counter() - t
+        return step
+
+    step_draft, step_base = decode_step_of(draft), decode_step_of(base)
+    step_draft(), step_base()  # warm-up
+    ratios = sorted(step_draft() / step_base() for _ in range(repeats))
     return round(ratios[len(ratios) // 2] * 20) / 20

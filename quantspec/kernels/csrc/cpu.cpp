@@ -847,8 +847,11 @@ at::Tensor silu_mul(const at::Tensor& x) {
 
 namespace {
 
+// kind 0: packed fp32 (a); 1: int8 (a = q, b = scale); 2: int4 (a = q, b = scale, c = neg_zs);
+// 3: torch's packed int4 op for bf16 / fp16 x (a = int4pack, b = scales_zeros, bias in x's dtype
+// added after it, as QuantLinear does)
 struct LinearSpec {
-  int64_t kind = 0, N = 0, group = 0;  // kind 0: packed fp32 (a); 1: int8 (a = q, b = scale); 2: int4 (a, b, c = neg_zs)
+  int64_t kind = 0, N = 0, group = 0;
   at::Tensor a, b, c;
   c10::optional<at::Tensor> bias;
 };
@@ -857,7 +860,13 @@ at::Tensor run_linear(const LinearSpec& s, const at::Tensor& x) {
   switch (s.kind) {
     case 0: return packed_gemm(x, s.a, s.N, s.bias);
     case 1: return packed_w8_gemm(x, s.a, s.b, s.N, s.bias);
-    default: return packed_w4_gemm(x, s.a, s.b, s.c, s.group, s.N, s.bias);
+    case 2: return packed_w4_gemm(x, s.a, s.b, s.c, s.group, s.N, s.bias);
+    default: {
+      at::Tensor xa = x.contiguous();  // the op needs an allocator-aligned x (QuantLinear's _aligned)
+      if (reinterpret_cast<uintptr_t>(xa.data_ptr()) % 64 != 0) xa = xa.clone();
+      at::Tensor y = at::_weight_int4pack_mm_for_cpu(xa, s.a, s.group, s.b);
+      return s.bias.has_value() ? at::add(y, *s.bias) : y;
+    }
   }
 }
 
@@ -883,7 +892,7 @@ class DecoderPlan {
       std::array<LinearSpec, 4> lin;
       for (int j = 0; j < 4; ++j) {
         const int64_t* n = ints.data() + l * 12 + j * 3;
-        TORCH_CHECK(n[0] >= 0 && n[0] <= 2, "DecoderPlan: linear kind must be 0, 1 or 2");
+        TORCH_CHECK(n[0] >= 0 && n[0] <= 3, "DecoderPlan: linear kind must be 0, 1, 2 or 3");
         lin[j].kind = n[0]; lin[j].N = n[1]; lin[j].group = n[2];
         lin[j].a = t[2 + 4 * j]; lin[j].b = t[3 + 4 * j]; lin[j].c = t[4 + 4 * j];
         lin[j].bias = opt(t[5 + 4 * j]);
