@@ -41,6 +41,8 @@ __all__ = ["ENV_SWITCH", "FusedDecoderLayers", "use_fused_layers"]
 ENV_SWITCH = "QUANTSPEC_FUSED_LAYERS"  # "0": never fuse the stack (the modules run)
 
 _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
+# torch's registries of hooks on every module (`nn.modules.module.register_module_forward_hook`)
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 
 
 def _linear_spec(mod: nn.Module, dtype: torch.dtype):
@@ -151,7 +153,7 @@ class FusedDecoderLayers:
             return False
         if any(self._hook_dicts):
             return False
-        return not (nn.modules.module._global_forward_hooks or nn.modules.module._global_forward_pre_hooks)
+        return not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
 
     def _plan_for(self, cache):
         if self._plan is None or self._plan_cache is not cache or self._plan_slots is not cache.k_slots:

@@ -120,6 +120,11 @@ def test_the_modules_run_where_the_plan_would_not_be_their_computation(models):
     assert torch.equal(_steps(model), want)
     assert served == [False] * 4 and len(seen) == 4
     handle.remove()
+    handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)  # on every module
+    served.clear()
+    assert torch.equal(_steps(model), want)
+    assert served == [False] * 4
+    handle.remove()
 
     # a module swapped after loading: the plan no longer describes the model
     down = model.model.layers[0].mlp.down_proj
