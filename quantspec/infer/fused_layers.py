@@ -29,6 +29,7 @@ from __future__ import annotations
 
 import operator
 import os
+import weakref
 
 import torch
 from torch import nn
@@ -87,8 +88,6 @@ class FusedDecoderLayers:
         self._hook_dicts = [d for layer in self._layers for m in layer.modules()
                             for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.max_quant_rows = max_quant_rows  # rows beyond which a QuantLinear leaves its row kernel
-        self._plan = None
-        self._plan_cache = self._plan_slots = None  # the PagedKVCache (and its list of layers' slots) of the plan
 
     @classmethod
     def build(cls, model: nn.Module) -> "FusedDecoderLayers | None":
@@ -156,13 +155,19 @@ class FusedDecoderLayers:
         return not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
 
     def _plan_for(self, cache):
-        if self._plan is None or self._plan_cache is not cache or self._plan_slots is not cache.k_slots:
+        """This stack's plan over `cache`'s tensors. The cache owns it (a plan holds the cache's
+        tensors: kept by the runner, it would keep a discarded engine's cache alive)."""
+        plans = cache.__dict__.get("_fused_plans")
+        if plans is None:
+            plans = cache._fused_plans = weakref.WeakKeyDictionary()  # runner → (slots list, plan)
+        entry = plans.get(self)
+        if entry is None or entry[0] is not cache.k_slots:
             a = self.args
-            self._plan = self.kernels.DecoderPlan(self._tensors, self._ints, list(cache.k_slots), list(cache.v_slots),
-                                                  a.num_heads, a.num_kv_heads, a.head_dim, cache.block_size,
-                                                  float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5)
-            self._plan_cache, self._plan_slots = cache, cache.k_slots
-        return self._plan
+            plan = self.kernels.DecoderPlan(self._tensors, self._ints, list(cache.k_slots), list(cache.v_slots),
+                                            a.num_heads, a.num_kv_heads, a.head_dim, cache.block_size,
+                                            float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5)
+            entry = plans[self] = (cache.k_slots, plan)
+        return entry[1]
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor | None:
         """The hidden states after the last layer, or None where the modules must run."""

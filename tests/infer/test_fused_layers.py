@@ -160,3 +160,23 @@ def test_draft_step_cost_is_measured_on_the_engines_path(models):
     served = _spy(model.fused_layers)
     assert 0.5 <= measure_step_cost(model, model) <= 2.0  # the same model: ~1 (rounded to 0.05)
     assert served and all(served)
+
+
+def test_a_discarded_cache_is_freed(models):
+    """The plan over a cache's tensors lives with the cache, not with the model's runner."""
+    import gc
+    import weakref
+
+    model = load_for_inference(models["llama"], tokenizer=False).model
+    a = model.args
+    cache = PagedKVCache(num_layers=a.num_layers, num_blocks=4, block_size=16, num_kv_heads=a.num_kv_heads,
+                         head_dim=a.head_dim, dtype=torch.float32)
+    table = cache.allocator.allocate(1)
+    meta = AttentionMetadata.build([3], [3], [table], 16, "cpu", cache.cpu_kernel)
+    with torch.no_grad():
+        model(torch.tensor([5, 6, 7]), torch.arange(3), PagedAttention(cache, meta))
+    assert len(cache._fused_plans) == 1
+    k = weakref.ref(cache.k)
+    del cache, meta
+    gc.collect()
+    assert k() is None
