@@ -254,16 +254,24 @@ class Engine:
                 rows.extend(range(offset + ql - 1 - len(d), offset + ql))
                 offset += ql
             row_idx = torch.tensor(rows, device=self.device)
-            logits = self.model.compute_logits(hidden[row_idx])  # [sum(1+k_b), V]
+            # an all-greedy step needs only each row's argmax: the exact picks of `greedy_head`
+            # (no full fp32 logits) where the model has one, else the logits
+            ids = None
+            if self.model.greedy_head is not None and all(s.params.is_greedy for s in seqs):
+                ids = self.model.greedy_head(hidden[row_idx])
+            logits = self.model.compute_logits(hidden[row_idx]) if ids is None else None  # [sum(1+k_b), V]
 
         if any(drafts):
-            from quantspec.infer.spec.verify import verify
+            from quantspec.infer.spec.verify import verify, verify_greedy_ids
 
-            result = verify([torch.tensor(d, dtype=torch.int64) for d in drafts], draft_probs, logits,
-                            [s.params for s in seqs], [s.generator for s in seqs])
+            draft_ids = [torch.tensor(d, dtype=torch.int64) for d in drafts]
+            if ids is not None:
+                result = verify_greedy_ids(draft_ids, ids)
+            else:
+                result = verify(draft_ids, draft_probs, logits, [s.params for s in seqs], [s.generator for s in seqs])
             new_tokens = [list(map(int, t)) for t in result.output_tokens]
         else:
-            new_tokens = [[int(t)] for t in self._sample(logits, seqs)]
+            new_tokens = [[int(t)] for t in (ids if ids is not None else self._sample(logits, seqs))]
 
         now = time.perf_counter()
         out: list[tuple[Sequence, list[int]]] = []

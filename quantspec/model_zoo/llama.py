@@ -326,6 +326,8 @@ class Transformer(nn.Module):
         # inference may attach a runner of the whole layer stack (`infer.fused_layers`): called
         # as fused_layers(x, cos, sin, attn), it returns the last layer's output or None
         self.fused_layers = None
+        # ... and a picker of exact greedy ids from the pre-norm hidden rows (`infer.greedy_head`)
+        self.greedy_head = None
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 

@@ -21,6 +21,7 @@
 #include <ATen/Parallel.h>
 
 #include <cstdint>
+#include <algorithm>
 #include <cmath>
 #include <cstring>
 #include <array>
@@ -835,6 +836,72 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return y;
 }
 
+// ---- greedy picks from the fp32 head without computing every fp32 logit ---------------------
+//
+// argmax_n (x · w_n) for each row x of a packed fp32 head, exactly as `packed_gemm`'s logits
+// would give it (the same FMA chain per output; the lowest index among equal maxima): every
+// logit is first approximated from a bf16 copy of the head (half the bytes to stream), and only
+// the outputs whose approximation could still be the maximum are computed exactly. Proven
+// bound: |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂ with rel covering bf16's rounding of w
+// (2^-8) and both fp32 accumulations (K · 2^-24 each) — the caller passes it, row norms rounded
+// up. A row with a non-finite value gets −1 (the caller computes its logits).
+at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& w_bf16, const at::Tensor& packed,
+                           const at::Tensor& row_norm, int64_t N, double rel) {
+  check_x(x, w_bf16.size(1), "screened_argmax");
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "screened_argmax: x must be float32");
+  TORCH_CHECK(w_bf16.dim() == 2 && w_bf16.is_contiguous() && w_bf16.scalar_type() == at::kBFloat16
+              && w_bf16.size(0) == N, "screened_argmax: w_bf16 must be contiguous bf16 [N, K]");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat
+              && packed.size(2) == 32 && packed.size(1) == x.size(1), "screened_argmax: packed must be float32 [NB, K, 32]");
+  check_blocks(packed.size(0), N, "screened_argmax");
+  TORCH_CHECK(row_norm.scalar_type() == at::kFloat && row_norm.is_contiguous() && row_norm.numel() == N,
+              "screened_argmax: row_norm must be float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1);
+  at::Tensor ids = at::full({M}, -1, x.options().dtype(at::kLong));
+#if QS_AVX512
+  at::Tensor approx = at::empty({M, N}, x.options());
+  const float* xp = x.data_ptr<float>();
+  run(BF16Rows{w_bf16.data_ptr<at::BFloat16>(), K}, xp, M, K, N, nullptr, nullptr, approx.data_ptr<float>(), K * 2);
+  const float* ap = approx.data_ptr<float>();
+  const float* wp = packed.data_ptr<float>();
+  const float* rn = row_norm.data_ptr<float>();
+  int64_t* out = ids.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xp + m * K;
+      const float* a = ap + m * N;
+      double xn = 0;
+      for (int64_t k = 0; k < K; ++k) xn += static_cast<double>(xr[k]) * xr[k];
+      xn = std::sqrt(xn);
+      if (!std::isfinite(xn)) continue;
+      const double scale = rel * xn;
+      double lower = -INFINITY;  // the best logit is at least this
+      bool finite = true;
+      for (int64_t n = 0; n < N; ++n) {
+        if (!std::isfinite(a[n])) { finite = false; break; }
+        lower = std::max(lower, a[n] - scale * rn[n]);
+      }
+      if (!finite) continue;
+      float best = 0.f;
+      int64_t best_n = -1;
+      for (int64_t n = 0; n < N; ++n) {
+        if (a[n] + scale * rn[n] < lower) continue;  // cannot be the maximum
+        const float* col = wp + (n / 32) * K * 32 + (n % 32);
+        float acc = 0.f;  // packed_gemm's chain for output n
+        for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], col[k * 32], acc);
+        if (!std::isfinite(acc)) { best_n = -1; break; }
+        if (best_n < 0 || acc > best) { best = acc; best_n = n; }
+      }
+      out[m] = best_n;
+    }
+  });
+#else
+  TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+  return ids;
+}
+
+
 // ---- a whole decoder stack in one call (decode / verification / short-prefill steps) --------
 //
 // A decode step of a small model on CPU spends a sixth of its time in Python between kernels
@@ -947,6 +1014,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rms_norm", &rms_norm);
   m.def("rope", &rope);
   m.def("silu_mul", &silu_mul);
+  m.def("screened_argmax", &screened_argmax);
   py::class_<DecoderPlan>(m, "DecoderPlan")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())
