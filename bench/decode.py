@@ -7,10 +7,11 @@ same prompt, same machine; batch 1 and batch 8; prints tokens/s and the ratios.
 into a cache directory, RTN) so their tokens/s can be compared with fp32 in the same run: fp32 and
 each artifact run in turn, `--rounds` times, and the medians are compared.
 
-Last, batch 1 of fp32 and of each artifact with the layer stack in one C++ call
-(`infer/fused_layers.py`, the default where it applies) and through the Python modules (the same
-kernels, called one by one), interleaved `--rounds` times: the medians and their ratio, and
-whether both gave the same tokens.
+Last, batch 1 of fp32 and of each artifact as loaded — the layer stack in one C++ call
+(`infer/fused_layers.py`) and, for fp32, greedy ids from the bf16 screen of the head
+(`infer/greedy_head.py`) — then with full fp32 logits, then through the Python modules (the same
+kernels, called one by one), interleaved `--rounds` times: decode-phase medians, the ratio to
+the modules, and whether all gave the same tokens.
 """
 
 from __future__ import annotations
@@ -127,32 +128,34 @@ def main():
 
 
 def fused_ab(models, prompt, new_tokens, rounds) -> None:
-    """Batch 1 with the one-call layer stack and through the modules, interleaved per round."""
+    """Batch 1 as loaded (one-call layer stack + greedy head where they apply), without the greedy
+    head (full fp32 logits), and through the modules with full logits; interleaved per round."""
     rows = []
     for name, model in models:
-        runner = model.fused_layers
-        if runner is None:
-            print(f"\n{name}: no one-call layer stack here (see infer/fused_layers.py)")
+        runner, head = model.fused_layers, model.greedy_head
+        if runner is None and head is None:
+            print(f"\n{name}: no one-call layer stack or greedy head here (infer/fused_layers.py, greedy_head.py)")
             continue
-        runs = {"fused": [], "modules": []}
-        outs = {"fused": [], "modules": []}
+        modes = {"default": (runner, head), "logits": (runner, None), "modules": (None, None)}
+        runs = {m: [] for m in modes}
+        outs = {m: [] for m in modes}
         for _ in range(rounds):
-            for mode in runs:
-                model.fused_layers = runner if mode == "fused" else None
+            for mode, (r, h) in modes.items():
+                model.fused_layers, model.greedy_head = r, h
                 runs[mode].append(bench_engine(model, prompt, new_tokens, 1, [], outs[mode]))
-        model.fused_layers = runner
-        med = {m: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for m, v in runs.items()}
-        same = all(o == outs["fused"][0] for v in outs.values() for o in v)
-        rows.append((name, med, same))
+        model.fused_layers, model.greedy_head = runner, head
+        med = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
+        same = all(o == outs["default"][0] for v in outs.values() for o in v)
+        rows.append((name, med, same, runner is not None, head is not None))
     if rows:
-        print(f"\none-call layer stack vs the modules, batch 1, median of {rounds} interleaved rounds\n")
-        print("| model | stack tok/s | modules tok/s | ratio | decode phase: stack | modules | ratio | same tokens |")
-        print("|---|---:|---:|---:|---:|---:|---:|:---:|")
-        for name, med, same in rows:
-            (f, fd), (m, md) = med["fused"], med["modules"]
-            print(f"| {name} | {f:.1f} | {m:.1f} | {f / m:.2f}x | {fd:.1f} | {md:.1f} | {fd / md:.2f}x | "
+        print(f"\ndecode-phase tok/s, batch 1, median of {rounds} interleaved rounds: as loaded (one-call "
+              f"layer stack, greedy head for fp32), with full logits, and through the modules\n")
+        print("| model | stack + greedy head | stack, full logits | modules, full logits | vs modules | same tokens |")
+        print("|---|---:|---:|---:|---:|:---:|")
+        for name, med, same, has_stack, has_head in rows:
+            d, lg, m = med["default"], med["logits"], med["modules"]
+            print(f"| {name} | {d:.1f}{'' if has_head else ' (no head)'} | {lg:.1f} | {m:.1f} | {d / m:.2f}x | "
                   f"{'yes' if same else 'NO'} |")
-
 
 if __name__ == "__main__":
     main()
