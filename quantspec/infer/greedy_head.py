@@ -2,19 +2,26 @@
 
 A greedy step needs only argmax_n(x · w_n) per row, and an fp32 decode step of the default model
 spends ~4 ms of ~19 streaming its 113 MB head. `GreedyHead` keeps a bf16 copy of the head
-(half the bytes) and the rows' norms; the extension's `screened_argmax` approximates every logit
-from the copy and computes exactly — by the very FMA chain `packed_gemm` runs for that output —
-only those whose approximation is within the proven error bound of the best (on the default
-model's hidden states: a median of 1 such logit per row, at most 10; the bound ~0.6, the largest
-actual error ~0.11):
+(half the bytes) and the rows' norms; the extension approximates every logit from the copy and
+computes exactly — by the very FMA chain `packed_gemm` runs for that output — only those whose
+approximation is within the proven error bound of the best (on the default model's hidden
+states: a median of 1 such logit per row, at most 10; the bound ~0.6, the largest actual error
+~0.11):
 
-    |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂,  rel = (2^-8 + 2 K · 2^-24) · 1.001
+    |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂ (+ 2^-100),
+    rel = (2^-8 + 2.02 K · 2^-24) · 1.001            x in fp32 (`screened_argmax`)
+    rel = (2^-7 + 2^-16 + 2.02 K · 2^-24) · 1.001    x rounded to bf16 too (`screened_argmax_pairs`)
 
-(bf16 rounds each weight by at most 2^-8 relatively; each fp32 dot product of K terms errs by at
-most K · 2^-24 of Σ|x_k w_nk| ≤ ‖x‖₂ ‖w_n‖₂; row norms are rounded up). So the pick is the
-argmax of the logits `compute_logits` would give, with its tie-breaking (the lowest index) — the
-engine's greedy decoding and greedy verification take it whenever every sequence of a step is
-greedy (sampling needs the logits). A row with a non-finite value falls back to the logits.
+(bf16 rounds each weight, and on the pair path each input, by at most 2^-8 relatively; each fp32
+dot product of K terms errs by at most ~K · 2^-24 of Σ|x_k w_nk| ≤ ‖x‖₂ ‖w_n‖₂; AVX512-BF16
+flushes subnormals, < 2^-126 a term; row norms are rounded up). So the pick is the argmax of the
+logits `compute_logits` would give, with its tie-breaking (the lowest index). Where the CPU has
+AVX512-BF16 the copy is packed in k-pairs for its dot product (twice the FMA rate), which serves
+verification steps of up to 11 rows; else a row-major copy against fp32 x serves up to 3 rows
+(beyond that the packed fp32 head is faster). The engine takes it for every step whose
+sequences are all greedy (sampling needs the logits) and whose rows it serves; a row with a
+non-finite value falls back to the logits. Default model, 2 threads, pair path: the head of 1
+row 4.1 → 2.0 ms, 4 rows 3.9 → 2.2, 11 rows 4.0 → 3.0.
 
 Built at load for a float model whose head is a `PackedLinear` without bias (fp32 on quantspec's
 CPU kernels); quantized artifacts keep a bf16 head and need none of this. Memory: +N · K bf16
@@ -26,33 +33,59 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["GreedyHead", "use_greedy_head"]
+__all__ = ["GreedyHead", "PAIR_ABS_ERR", "pack_pairs", "screen_bound", "use_greedy_head"]
 
 
-def screen_bound(k: int) -> float:
-    """rel of the module docstring for a head of K inputs."""
-    return (2.0 ** -8 + 2 * k * 2.0 ** -24) * 1.001
+def screen_bound(k: int, *, bf16_x: bool = False) -> float:
+    """rel of the module docstring for a head of K inputs (`bf16_x`: the pair-dot path, which
+    rounds x to bf16 too: 2^-7 + 2^-16 for the products instead of 2^-8)."""
+    products = 2.0 ** -7 + 2.0 ** -16 if bf16_x else 2.0 ** -8
+    return (products + 2.02 * k * 2.0 ** -24) * 1.001
+
+
+# the pair-dot path's absolute slack: AVX512-BF16 flushes subnormal inputs, products and sums to
+# zero, at most 2^-126 per term of a K ≤ 2^20 dot product
+PAIR_ABS_ERR = 2.0 ** -100
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """fp32 [N, K] (K even) → int32 [NB, K/2, 32]: block b, k-pair p, output j holds bf16(w[32b + j, 2p])
+    in its low half and bf16(w[32b + j, 2p + 1]) in its high half (zero rows pad N)."""
+    n, k = w.shape
+    nb = -(-n // 32)
+    padded = torch.zeros(nb * 32, k, dtype=torch.bfloat16)
+    padded[:n] = w.to(torch.bfloat16)
+    pairs = padded.view(nb, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [NB, K/2, 32, 2]
+    return pairs.view(torch.int32).view(nb, k // 2, 32)
 
 
 class GreedyHead:
     """Exact greedy ids of `model.compute_logits(hidden)` (module docstring)."""
 
-    # rows per call it takes: the bf16 screen reads the copy once per 4 rows of x, so beyond 3
-    # rows the packed fp32 head (every row against each weight once) is faster. Default model,
-    # 2 threads, real hidden states: 1 row 2.4 vs 4.5 ms, 2 rows 2.2 vs 3.7, 3 rows 3.1 vs 3.8,
-    # 4 rows 4.4 vs 4.1, 11 rows 7.9 vs 4.9; a median of 1 exact recomputation per row (max 10)
+    # rows per call the row-major screen takes: it reads the copy once per 4 rows of x, so beyond
+    # 3 rows the packed fp32 head is faster (default model, 2 threads, real hidden states: 1 row
+    # 2.4 vs 4.5 ms, 3 rows 3.1 vs 3.8, 4 rows 4.4 vs 4.1, 11 rows 7.9 vs 4.9)
     max_rows = 3
+    MAX_ROWS_PAIRS = 11  # the pair-dot screen: 11 rows 3.0 vs 4.0 ms (module docstring)
 
     def __init__(self, model: nn.Module, kernels):
         head = model.lm_head
         w = head.dense_weight()  # [N, K] fp32, unpacked: bitwise the packed weights
         self.kernels, self.model, self.head, self.packed = kernels, model, head, head.packed
         self.num_outputs = head.out_features
-        self.w_bf16 = w.to(torch.bfloat16).contiguous()
         norms = w.double().norm(dim=1)
         up = norms.float()
         self.row_norm = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
-        self.rel = screen_bound(w.shape[1])
+        # AVX512-BF16 here: the pair-dot screen (x rounded too, twice the FMA rate: up to 11 rows);
+        # else the row-major bf16 copy against fp32 x (up to 3 rows)
+        self.pairs = kernels.has_bf16_dot() and w.shape[1] % 2 == 0
+        if self.pairs:
+            self.w_bf16 = pack_pairs(w)
+            self.rel = screen_bound(w.shape[1], bf16_x=True)
+            self.max_rows = self.MAX_ROWS_PAIRS
+        else:
+            self.w_bf16 = w.to(torch.bfloat16).contiguous()
+            self.rel = screen_bound(w.shape[1])
 
     @classmethod
     def build(cls, model: nn.Module) -> "GreedyHead | None":
@@ -75,8 +108,12 @@ class GreedyHead:
         x = self.model.model.norm(hidden)  # compute_logits' normed rows
         if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not 0 < x.shape[0] <= self.max_rows:
             return None
-        ids = self.kernels.screened_argmax(x.contiguous(), self.w_bf16, self.packed, self.row_norm,
-                                           self.num_outputs, self.rel).tolist()
+        if self.pairs:
+            ids = self.kernels.screened_argmax_pairs(x.contiguous(), self.w_bf16, self.packed, self.row_norm,
+                                                     self.num_outputs, self.rel, PAIR_ABS_ERR).tolist()
+        else:
+            ids = self.kernels.screened_argmax(x.contiguous(), self.w_bf16, self.packed, self.row_norm,
+                                               self.num_outputs, self.rel).tolist()
         return None if min(ids) < 0 else ids
 
 

@@ -5,35 +5,45 @@ approximation orders two tokens the other way."""
 import pytest
 import torch
 
-from quantspec.infer.greedy_head import GreedyHead, screen_bound
+from quantspec.infer.greedy_head import PAIR_ABS_ERR, GreedyHead, pack_pairs, screen_bound
 from quantspec.infer.sampler import greedy_ids
 from quantspec.kernels.cpu import cpu_kernels, pack_dense, packed_gemm
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
 
 
-def _screen(x, w, rel=None):
+PATHS = ["rows"] + (["pairs"] if cpu_kernels() is not None and cpu_kernels().has_bf16_dot() else [])
+
+
+def _screen(x, w, rel=None, path="rows"):
     norms = w.double().norm(dim=1)
     up = norms.float()
     row_norm = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
+    k = cpu_kernels()
+    if path == "pairs":
+        rel = screen_bound(w.shape[1], bf16_x=True) if rel is None else rel
+        return k.screened_argmax_pairs(x.contiguous(), pack_pairs(w), pack_dense(w), row_norm, w.shape[0], rel,
+                                       PAIR_ABS_ERR if rel else 0.0).tolist()
     rel = screen_bound(w.shape[1]) if rel is None else rel
-    return cpu_kernels().screened_argmax(x.contiguous(), w.to(torch.bfloat16).contiguous(), pack_dense(w),
-                                         row_norm, w.shape[0], rel).tolist()
+    return k.screened_argmax(x.contiguous(), w.to(torch.bfloat16).contiguous(), pack_dense(w),
+                             row_norm, w.shape[0], rel).tolist()
 
 
 def _want(x, w):
     return greedy_ids(packed_gemm(x, pack_dense(w), w.shape[0]))
 
 
-def test_random_heads_and_rows():
+@pytest.mark.parametrize("path", PATHS)
+def test_random_heads_and_rows(path):
     g = torch.Generator().manual_seed(0)
     for n, k, rows in ((1000, 64, 7), (4099, 576, 3), (77, 208, 16)):
         w = torch.randn(n, k, generator=g) * 0.05
         x = torch.randn(rows, k, generator=g) * 4
-        assert _screen(x, w) == _want(x, w)
+        assert _screen(x, w, path=path) == _want(x, w)
 
 
-def test_near_ties_exact_ties_and_bf16_misorderings():
+@pytest.mark.parametrize("path", PATHS)
+def test_near_ties_exact_ties_and_bf16_misorderings(path):
     g = torch.Generator().manual_seed(1)
     k = 128
     w = torch.randn(300, k, generator=g) * 0.05
@@ -42,7 +52,7 @@ def test_near_ties_exact_ties_and_bf16_misorderings():
     for r, n in enumerate(best):  # a rival of every row's winner, a few ulps either side
         w[(n + 1 + r) % 300] = w[n] * (1 + (r - 20) * 2.0 ** -23)
     w[299] = w[best[0]]  # an exact duplicate of row 0's winner after it: the lower index wins
-    assert _screen(x, w) == _want(x, w)
+    assert _screen(x, w, path=path) == _want(x, w)
 
     # two rows that bf16 orders one way and fp32 the other (u = bf16's step in [1, 2)):
     # a = (1 + .49u, 1 + .49u) rounds to (1, 1); b = (1, 1 + .51u) rounds to (1, 1 + u), so x = (1, 1)
@@ -55,21 +65,22 @@ def test_near_ties_exact_ties_and_bf16_misorderings():
     x2 = torch.zeros(1, 16)
     x2[0, :2] = 1.0
     assert _want(x2, wt) == [1]
-    assert _screen(x2, wt) == [1]
-    assert _screen(x2, wt, rel=0.0) == [0]
+    assert _screen(x2, wt, path=path) == [1]
+    assert _screen(x2, wt, rel=0.0, path=path) == [0]
 
 
-def test_non_finite_rows_are_left_to_the_logits():
+@pytest.mark.parametrize("path", PATHS)
+def test_non_finite_rows_are_left_to_the_logits(path):
     w = torch.randn(100, 64) * 0.1
     x = torch.randn(3, 64)
     x[1, 5] = float("nan")
-    got = _screen(x, w)
+    got = _screen(x, w, path=path)
     assert got[1] == -1 and [got[0], got[2]] == [_want(x[[0]], w)[0], _want(x[[2]], w)[0]]
 
 
 def test_engine_greedy_runs_are_unchanged(tmp_path):
     """Plain greedy decoding and n-gram speculation give the same tokens with the screen as with
-    the logits, and the screen really picked (decode rows and 1-2-draft verifications)."""
+    the logits, and the screen really picked (decode rows and verifications of up to 6 drafts)."""
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.loader import load_for_inference
     from quantspec.infer.sampler import SamplingParams
@@ -87,15 +98,15 @@ def test_engine_greedy_runs_are_unchanged(tmp_path):
 
     def run(proposer, use_head):
         model.greedy_head = head_spy if use_head else None
-        eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=2),
+        eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=6),
                      eos_token_ids=[], proposer=proposer)
         seq = eng.add_request(prompt, SamplingParams(max_new_tokens=30))
         eng.run()
         return seq.output_ids
 
-    for proposer in (None, ReferenceProposer(2, 2)):
+    for proposer in (None, ReferenceProposer(2, 6)):
         assert run(proposer, True) == run(proposer, False)
-    assert calls and max(calls) <= 3
+    assert calls and max(calls) <= head.max_rows
     model.greedy_head = head
     model.lm_head = torch.nn.Linear(128, model.args.vocab_size, bias=False)  # swapped: no screen
     assert head(torch.randn(1, 128)) is None

@@ -836,15 +836,91 @@ at::Tensor silu_mul(const at::Tensor& x) {
   return y;
 }
 
+namespace {
+
+#if QS_AVX512
+// the candidates' exact pass of `screened_argmax*`: approx [M, N] → ids [M] (−1: non-finite)
+void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t N, const float* wp,
+                const float* rn, double rel, double abs_err, int64_t* out) {
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      const float* xr = xp + m * K;
+      const float* a = ap + m * N;
+      double xn = 0;
+      for (int64_t k = 0; k < K; ++k) xn += static_cast<double>(xr[k]) * xr[k];
+      xn = std::sqrt(xn);
+      if (!std::isfinite(xn)) continue;
+      const double scale = rel * xn;
+      double lower = -INFINITY;  // the best logit is at least this
+      bool finite = true;
+      for (int64_t n = 0; n < N; ++n) {
+        if (!std::isfinite(a[n])) { finite = false; break; }
+        lower = std::max(lower, a[n] - scale * rn[n] - abs_err);
+      }
+      if (!finite) continue;
+      float best = 0.f;
+      int64_t best_n = -1;
+      for (int64_t n = 0; n < N; ++n) {
+        if (a[n] + scale * rn[n] + abs_err < lower) continue;  // cannot be the maximum
+        const float* col = wp + (n / 32) * K * 32 + (n % 32);
+        float acc = 0.f;  // packed_gemm's chain for output n
+        for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], col[k * 32], acc);
+        if (!std::isfinite(acc)) { best_n = -1; break; }
+        if (best_n < 0 || acc > best) { best = acc; best_n = n; }
+      }
+      out[m] = best_n;
+    }
+  });
+}
+#endif
+
+#if QS_AVX512 && defined(__AVX512BF16__)
+constexpr bool kHasBF16Dot = true;
+
+// RM rows of bf16 pairs x [M, KP] (int32 = x[2p] | x[2p+1] << 16) times block b of pair-packed
+// weights [NB, KP, 32] → approx rows, one vdpbf16ps chain per output
+template <int RM>
+inline void dot_pairs_tile(const int32_t* xp, int64_t KP, const int32_t* blk, int64_t N, int64_t b,
+                           int64_t m0, float* y) {
+  __m512 acc[RM][2];
+  for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  for (int64_t p = 0; p < KP; ++p) {
+    const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk + p * 32);
+    const __m512bh w1 = (__m512bh)_mm512_loadu_si512(blk + p * 32 + 16);
+    for (int i = 0; i < RM; ++i) {
+      const __m512bh xv = (__m512bh)_mm512_set1_epi32(xp[(m0 + i) * KP + p]);
+      acc[i][0] = _mm512_dpbf16_ps(acc[i][0], w0, xv);
+      acc[i][1] = _mm512_dpbf16_ps(acc[i][1], w1, xv);
+    }
+  }
+  const int64_t n0 = b * 32;
+  const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
+  for (int i = 0; i < RM; ++i) {
+    _mm512_mask_storeu_ps(y + (m0 + i) * N + n0, k0, acc[i][0]);
+    _mm512_mask_storeu_ps(y + (m0 + i) * N + n0 + 16, k1, acc[i][1]);
+  }
+}
+#else
+constexpr bool kHasBF16Dot = false;
+#endif
+
+}  // namespace
+
+bool has_bf16_dot() { return kHasBF16Dot; }
+
 // ---- greedy picks from the fp32 head without computing every fp32 logit ---------------------
 //
 // argmax_n (x · w_n) for each row x of a packed fp32 head, exactly as `packed_gemm`'s logits
 // would give it (the same FMA chain per output; the lowest index among equal maxima): every
 // logit is first approximated from a bf16 copy of the head (half the bytes to stream), and only
 // the outputs whose approximation could still be the maximum are computed exactly. Proven
-// bound: |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂ with rel covering bf16's rounding of w
-// (2^-8) and both fp32 accumulations (K · 2^-24 each) — the caller passes it, row norms rounded
-// up. A row with a non-finite value gets −1 (the caller computes its logits).
+// bound: |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂ + abs_err, the caller passing rel for the
+// roundings of the path (bf16 w: 2^-8; bf16 x too for the pair-dot path; both accumulations)
+// and row norms rounded up. A row with a non-finite value gets −1 (the caller computes its logits).
+//
+// `screened_argmax`: the approximation from a row-major bf16 copy [N, K] (x stays fp32);
+// `screened_argmax_pairs`: from a pair-packed copy [NB, K/2, 32] (int32 = two bf16 along k) with
+// x rounded to bf16, by AVX512-BF16's dot product (twice the FMA rate: for verification rows).
 at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& w_bf16, const at::Tensor& packed,
                            const at::Tensor& row_norm, int64_t N, double rel) {
   check_x(x, w_bf16.size(1), "screened_argmax");
@@ -862,45 +938,55 @@ at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& w_bf16, const 
   at::Tensor approx = at::empty({M, N}, x.options());
   const float* xp = x.data_ptr<float>();
   run(BF16Rows{w_bf16.data_ptr<at::BFloat16>(), K}, xp, M, K, N, nullptr, nullptr, approx.data_ptr<float>(), K * 2);
-  const float* ap = approx.data_ptr<float>();
-  const float* wp = packed.data_ptr<float>();
-  const float* rn = row_norm.data_ptr<float>();
-  int64_t* out = ids.data_ptr<int64_t>();
-  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
-    for (int64_t m = m0; m < m1; ++m) {
-      const float* xr = xp + m * K;
-      const float* a = ap + m * N;
-      double xn = 0;
-      for (int64_t k = 0; k < K; ++k) xn += static_cast<double>(xr[k]) * xr[k];
-      xn = std::sqrt(xn);
-      if (!std::isfinite(xn)) continue;
-      const double scale = rel * xn;
-      double lower = -INFINITY;  // the best logit is at least this
-      bool finite = true;
-      for (int64_t n = 0; n < N; ++n) {
-        if (!std::isfinite(a[n])) { finite = false; break; }
-        lower = std::max(lower, a[n] - scale * rn[n]);
-      }
-      if (!finite) continue;
-      float best = 0.f;
-      int64_t best_n = -1;
-      for (int64_t n = 0; n < N; ++n) {
-        if (a[n] + scale * rn[n] < lower) continue;  // cannot be the maximum
-        const float* col = wp + (n / 32) * K * 32 + (n % 32);
-        float acc = 0.f;  // packed_gemm's chain for output n
-        for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], col[k * 32], acc);
-        if (!std::isfinite(acc)) { best_n = -1; break; }
-        if (best_n < 0 || acc > best) { best = acc; best_n = n; }
-      }
-      out[m] = best_n;
-    }
-  });
+  pick_exact(xp, M, K, approx.data_ptr<float>(), N, packed.data_ptr<float>(), row_norm.data_ptr<float>(), rel, 0.0,
+             ids.data_ptr<int64_t>());
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
   return ids;
 }
 
+at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs, const at::Tensor& packed,
+                                 const at::Tensor& row_norm, int64_t N, double rel, double abs_err) {
+  TORCH_CHECK(kHasBF16Dot, "screened_argmax_pairs: built without AVX512-BF16");
+  check_x(x, 2 * w_pairs.size(1), "screened_argmax_pairs", 2);
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "screened_argmax_pairs: x must be float32");
+  TORCH_CHECK(w_pairs.dim() == 3 && w_pairs.is_contiguous() && w_pairs.scalar_type() == at::kInt
+              && w_pairs.size(2) == 32 && w_pairs.size(0) == packed.size(0),
+              "screened_argmax_pairs: w_pairs must be contiguous int32 [NB, K/2, 32]");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat
+              && packed.size(2) == 32 && packed.size(1) == x.size(1), "screened_argmax_pairs: packed must be float32 [NB, K, 32]");
+  check_blocks(packed.size(0), N, "screened_argmax_pairs");
+  TORCH_CHECK(row_norm.scalar_type() == at::kFloat && row_norm.is_contiguous() && row_norm.numel() == N,
+              "screened_argmax_pairs: row_norm must be float32 [N]");
+  const int64_t M = x.size(0), K = x.size(1), KP = K / 2, NB = packed.size(0);
+  at::Tensor ids = at::full({M}, -1, x.options().dtype(at::kLong));
+#if QS_AVX512 && defined(__AVX512BF16__)
+  const at::Tensor xb = x.to(at::kBFloat16).contiguous();  // round to nearest even
+  const int32_t* xq = reinterpret_cast<const int32_t*>(xb.data_ptr<at::BFloat16>());
+  at::Tensor approx = at::empty({M, N}, x.options());
+  float* ap = approx.data_ptr<float>();
+  const int32_t* wq = w_pairs.data_ptr<int32_t>();
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    for (int64_t b = b0; b < b1; ++b) {
+      const int32_t* blk = wq + b * KP * 32;
+      for (int64_t m = 0; m < M;) {
+        const int64_t rows = std::min<int64_t>(8, M - m);
+        switch (rows) {
+#define QS_DOT(R) case R: dot_pairs_tile<R>(xq, KP, blk, N, b, m, ap); break;
+          QS_DOT(1) QS_DOT(2) QS_DOT(3) QS_DOT(4) QS_DOT(5) QS_DOT(6) QS_DOT(7) QS_DOT(8)
+#undef QS_DOT
+          default: break;
+        }
+        m += rows;
+      }
+    }
+  });
+  pick_exact(x.data_ptr<float>(), M, K, ap, N, packed.data_ptr<float>(), row_norm.data_ptr<float>(), rel, abs_err,
+             ids.data_ptr<int64_t>());
+#endif
+  return ids;
+}
 
 // ---- a whole decoder stack in one call (decode / verification / short-prefill steps) --------
 //
@@ -1015,6 +1101,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("rope", &rope);
   m.def("silu_mul", &silu_mul);
   m.def("screened_argmax", &screened_argmax);
+  m.def("screened_argmax_pairs", &screened_argmax_pairs);
+  m.def("has_bf16_dot", &has_bf16_dot);
   py::class_<DecoderPlan>(m, "DecoderPlan")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())
