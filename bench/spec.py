@@ -22,7 +22,9 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      position, whatever it costs);
 - mtp:               the MTP module trained by `quantspec zoo train-mtp` (cached under
                      ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.4 (the
-                     predictor default for mtp), with and without the back-off.
+                     predictor default for mtp), with and without the back-off; and the module
+                     quantized on its own (`--mtp-quant`, default weight_only_int8, RTN, cached),
+                     with the back-off.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
 with `--rounds R` each prompt runs R times through every method (interleaved) and each method
 keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
@@ -39,6 +41,7 @@ instead, so the code prompts are also reported restricted to answers with copy s
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import time
 from pathlib import Path
@@ -132,6 +135,8 @@ def main():
                          "points, gptq)")
     ap.add_argument("--methods", default="ngram,self,quant,mtp")
     ap.add_argument("--mtp", help="MTP module directory [default: the cached one of `zoo train-mtp`]")
+    ap.add_argument("--mtp-quant", default="weight_only_int8",
+                    help="also run the MTP module quantized to these types (comma list; '' for none)")
     ap.add_argument("--mtp-draft-tokens", type=int, default=1)
     ap.add_argument("--mtp-min-confidence", type=float, default=None,
                     help="--speculate-min-confidence for the mtp rows [default: the predictor's, 0.4]")
@@ -192,6 +197,15 @@ def main():
         methods["mtp"] = Predictor(cfg, loaded=loaded)
         p = methods["mtp (no back-off)"] = Predictor(cfg, loaded=loaded)
         p.engine.proposer.policy = None
+        for qt in [q for q in a.mtp_quant.split(",") if q]:
+            # the flow: the MTP module quantized on its own (`quantspec quantize --model MTP_DIR`)
+            from quantspec import api
+
+            stamp = int((mtp_dir / "model.safetensors").stat().st_mtime)
+            out = cache_dir() / "bench" / f"{mtp_dir.name}.mtp.{stamp}.{qt}"
+            if not (out / "config.json").exists():
+                api.quantize(str(mtp_dir), qt, out, overwrite=True)
+            methods[f"mtp {qt}"] = Predictor(dataclasses.replace(cfg, draft_model=str(out)), loaded=loaded)
     methods["plain"].generate(["Hello"])  # warm-up
     results, per_prompt = [], []
     tok = methods["plain"].tokenizer
