@@ -72,6 +72,8 @@ class GreedyHead:
         head = model.lm_head
         w = head.dense_weight()  # [N, K] fp32, unpacked: bitwise the packed weights
         self.kernels, self.model, self.head, self.packed = kernels, model, head, head.packed
+        # an in-place change of the head makes the copy stale (inference tensors keep no version)
+        self.version = None if head.packed.is_inference() else head.packed._version
         self.num_outputs = head.out_features
         norms = w.double().norm(dim=1)
         up = norms.float()
@@ -103,8 +105,9 @@ class GreedyHead:
         """hidden [R, D] pre-norm rows → their greedy ids, or None (compute the logits instead)."""
         if hidden.shape[0] > self.max_rows:
             return None
-        if self.model.lm_head is not self.head or self.head.packed is not self.packed:
-            return None  # the head was swapped or repacked after loading
+        if (self.model.lm_head is not self.head or self.head.packed is not self.packed
+                or (self.version is not None and self.packed._version != self.version)):
+            return None  # the head was swapped, repacked or changed in place after loading
         x = self.model.model.norm(hidden)  # compute_logits' normed rows
         if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not 0 < x.shape[0] <= self.max_rows:
             return None

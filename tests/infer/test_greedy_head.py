@@ -108,5 +108,21 @@ def test_engine_greedy_runs_are_unchanged(tmp_path):
         assert run(proposer, True) == run(proposer, False)
     assert calls and max(calls) <= head.max_rows
     model.greedy_head = head
+    h = torch.randn(1, 128)
+    assert head(h) is not None
+    with torch.no_grad():
+        model.lm_head.packed[0, 0, 0] += 1.0  # changed in place: the bf16 copy is stale
+    assert head(h) is None
     model.lm_head = torch.nn.Linear(128, model.args.vocab_size, bias=False)  # swapped: no screen
-    assert head(torch.randn(1, 128)) is None
+    assert head(h) is None
+
+
+def test_a_model_loaded_under_inference_mode(tmp_path):
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "m", "llama", hidden=128, heads=2, kv_heads=1, intermediate=128, seed=2)
+    with torch.inference_mode():
+        model = load_for_inference(src, tokenizer=False).model
+        h = torch.randn(2, 128)
+        assert model.greedy_head(h) == greedy_ids(model.compute_logits(h))
