@@ -254,12 +254,13 @@ class Engine:
                 rows.extend(range(offset + ql - 1 - len(d), offset + ql))
                 offset += ql
             row_idx = torch.tensor(rows, device=self.device)
+            scored = hidden[row_idx]  # [sum(1+k_b), D]
             # an all-greedy step needs only each row's argmax: the exact picks of `greedy_head`
             # (no full fp32 logits) where the model has one, else the logits
             ids = None
             if self.model.greedy_head is not None and all(s.params.is_greedy for s in seqs):
-                ids = self.model.greedy_head(hidden[row_idx])
-            logits = self.model.compute_logits(hidden[row_idx]) if ids is None else None  # [sum(1+k_b), V]
+                ids = self.model.greedy_head(scored)
+            logits = self.model.compute_logits(scored) if ids is None else None  # [sum(1+k_b), V]
 
         if any(drafts):
             from quantspec.infer.spec.verify import verify, verify_greedy_ids

@@ -133,10 +133,7 @@ class FusedDecoderLayers:
                 if limit is not None:
                     limits.append(limit)
                 watched.append((owner._modules, name, lin))
-                store = lin._buffers if ts[0].numel() and any(ts[0] is b for b in lin._buffers.values()) else None
-                if store is not None:
-                    key = next(k for k, b in lin._buffers.items() if b is ts[0])
-                    watched.append((store, key, ts[0]))
+                watched += [(lin._buffers, key, b) for key, b in lin._buffers.items() if b is ts[0]]
         return cls(model, kernels, dtype, tensors, ints, watched, min(limits) if limits else None)
 
     def serves(self, x: torch.Tensor, attn) -> bool:

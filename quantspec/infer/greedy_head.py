@@ -33,7 +33,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-__all__ = ["GreedyHead", "PAIR_ABS_ERR", "pack_pairs", "screen_bound", "use_greedy_head"]
+__all__ = ["GreedyHead", "PAIR_ABS_ERR", "pack_pairs", "row_norms_up", "screen_bound", "use_greedy_head"]
 
 
 def screen_bound(k: int, *, bf16_x: bool = False) -> float:
@@ -46,6 +46,13 @@ def screen_bound(k: int, *, bf16_x: bool = False) -> float:
 # the pair-dot path's absolute slack: AVX512-BF16 flushes subnormal inputs, products and sums to
 # zero, at most 2^-126 per term of a K ≤ 2^20 dot product
 PAIR_ABS_ERR = 2.0 ** -100
+
+
+def row_norms_up(w: torch.Tensor) -> torch.Tensor:
+    """‖w_n‖₂ of each row of w [N, K] as fp32, rounded up (the bound's ‖w_n‖₂ must not shrink)."""
+    norms = w.double().norm(dim=1)
+    up = norms.float()
+    return torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
 
 
 def pack_pairs(w: torch.Tensor) -> torch.Tensor:
@@ -75,9 +82,7 @@ class GreedyHead:
         # an in-place change of the head makes the copy stale (inference tensors keep no version)
         self.version = None if head.packed.is_inference() else head.packed._version
         self.num_outputs = head.out_features
-        norms = w.double().norm(dim=1)
-        up = norms.float()
-        self.row_norm = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
+        self.row_norm = row_norms_up(w)
         # AVX512-BF16 here: the pair-dot screen (x rounded too, twice the FMA rate: up to 11 rows);
         # else the row-major bf16 copy against fp32 x (up to 3 rows)
         self.pairs = kernels.has_bf16_dot() and w.shape[1] % 2 == 0
@@ -109,7 +114,7 @@ class GreedyHead:
                 or (self.version is not None and self.packed._version != self.version)):
             return None  # the head was swapped, repacked or changed in place after loading
         x = self.model.model.norm(hidden)  # compute_logits' normed rows
-        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or not 0 < x.shape[0] <= self.max_rows:
+        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[0] == 0:
             return None
         if self.pairs:
             ids = self.kernels.screened_argmax_pairs(x.contiguous(), self.w_bf16, self.packed, self.row_norm,

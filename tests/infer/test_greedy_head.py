@@ -5,7 +5,7 @@ approximation orders two tokens the other way."""
 import pytest
 import torch
 
-from quantspec.infer.greedy_head import PAIR_ABS_ERR, GreedyHead, pack_pairs, screen_bound
+from quantspec.infer.greedy_head import PAIR_ABS_ERR, GreedyHead, pack_pairs, row_norms_up, screen_bound
 from quantspec.infer.sampler import greedy_ids
 from quantspec.kernels.cpu import cpu_kernels, pack_dense, packed_gemm
 
@@ -16,9 +16,7 @@ PATHS = ["rows"] + (["pairs"] if cpu_kernels() is not None and cpu_kernels().has
 
 
 def _screen(x, w, rel=None, path="rows"):
-    norms = w.double().norm(dim=1)
-    up = norms.float()
-    row_norm = torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
+    row_norm = row_norms_up(w)
     k = cpu_kernels()
     if path == "pairs":
         rel = screen_bound(w.shape[1], bf16_x=True) if rel is None else rel

@@ -908,6 +908,22 @@ constexpr bool kHasBF16Dot = false;
 
 bool has_bf16_dot() { return kHasBF16Dot; }
 
+namespace {
+
+// the arguments both screens share: fp32 x [M, K], the packed fp32 head [NB, K, 32] of N outputs,
+// its rows' norms [N]
+void check_screen(const at::Tensor& x, const at::Tensor& packed, const at::Tensor& row_norm, int64_t N,
+                  const char* op) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, ": x must be float32");
+  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat
+              && packed.size(2) == 32 && packed.size(1) == x.size(1), op, ": packed must be float32 [NB, K, 32]");
+  check_blocks(packed.size(0), N, op);
+  TORCH_CHECK(row_norm.scalar_type() == at::kFloat && row_norm.is_contiguous() && row_norm.numel() == N,
+              op, ": row_norm must be float32 [N]");
+}
+
+}  // namespace
+
 // ---- greedy picks from the fp32 head without computing every fp32 logit ---------------------
 //
 // argmax_n (x · w_n) for each row x of a packed fp32 head, exactly as `packed_gemm`'s logits
@@ -924,14 +940,9 @@ bool has_bf16_dot() { return kHasBF16Dot; }
 at::Tensor screened_argmax(const at::Tensor& x, const at::Tensor& w_bf16, const at::Tensor& packed,
                            const at::Tensor& row_norm, int64_t N, double rel) {
   check_x(x, w_bf16.size(1), "screened_argmax");
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "screened_argmax: x must be float32");
   TORCH_CHECK(w_bf16.dim() == 2 && w_bf16.is_contiguous() && w_bf16.scalar_type() == at::kBFloat16
               && w_bf16.size(0) == N, "screened_argmax: w_bf16 must be contiguous bf16 [N, K]");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat
-              && packed.size(2) == 32 && packed.size(1) == x.size(1), "screened_argmax: packed must be float32 [NB, K, 32]");
-  check_blocks(packed.size(0), N, "screened_argmax");
-  TORCH_CHECK(row_norm.scalar_type() == at::kFloat && row_norm.is_contiguous() && row_norm.numel() == N,
-              "screened_argmax: row_norm must be float32 [N]");
+  check_screen(x, packed, row_norm, N, "screened_argmax");
   const int64_t M = x.size(0), K = x.size(1);
   at::Tensor ids = at::full({M}, -1, x.options().dtype(at::kLong));
 #if QS_AVX512
@@ -950,15 +961,10 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
                                  const at::Tensor& row_norm, int64_t N, double rel, double abs_err) {
   TORCH_CHECK(kHasBF16Dot, "screened_argmax_pairs: built without AVX512-BF16");
   check_x(x, 2 * w_pairs.size(1), "screened_argmax_pairs", 2);
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "screened_argmax_pairs: x must be float32");
   TORCH_CHECK(w_pairs.dim() == 3 && w_pairs.is_contiguous() && w_pairs.scalar_type() == at::kInt
               && w_pairs.size(2) == 32 && w_pairs.size(0) == packed.size(0),
               "screened_argmax_pairs: w_pairs must be contiguous int32 [NB, K/2, 32]");
-  TORCH_CHECK(packed.dim() == 3 && packed.is_contiguous() && packed.scalar_type() == at::kFloat
-              && packed.size(2) == 32 && packed.size(1) == x.size(1), "screened_argmax_pairs: packed must be float32 [NB, K, 32]");
-  check_blocks(packed.size(0), N, "screened_argmax_pairs");
-  TORCH_CHECK(row_norm.scalar_type() == at::kFloat && row_norm.is_contiguous() && row_norm.numel() == N,
-              "screened_argmax_pairs: row_norm must be float32 [N]");
+  check_screen(x, packed, row_norm, N, "screened_argmax_pairs");
   const int64_t M = x.size(0), K = x.size(1), KP = K / 2, NB = packed.size(0);
   at::Tensor ids = at::full({M}, -1, x.options().dtype(at::kLong));
 #if QS_AVX512 && defined(__AVX512BF16__)
