@@ -30,3 +30,12 @@ def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     out = tmp_path_factory.mktemp("tiny_tokenizer")
     build_tiny_tokenizer(out)
     return out
+
+
+@pytest.fixture(scope="module")
+def tiny_llama_model(tiny_llama_dir):
+    """The tiny Llama loaded as a `model_zoo` Transformer (torch's modules, fp32), one per test
+    module; tests must not change its weights."""
+    from quantspec.model_zoo.checkpoint import load_model
+
+    return load_model(tiny_llama_dir)[0]

@@ -37,7 +37,7 @@ from torch import nn
 from quantspec.infer.kv_cache import PagedAttention
 from quantspec.infer.step_rows import in_decode_step
 
-__all__ = ["ENV_SWITCH", "FusedDecoderLayers", "use_fused_layers"]
+__all__ = ["ENV_SWITCH", "FusedDecoderLayers", "layer_plan_args", "linear_plan_args", "use_fused_layers", "watch_holds"]
 
 ENV_SWITCH = "QUANTSPEC_FUSED_LAYERS"  # "0": never fuse the stack (the modules run)
 
@@ -48,12 +48,14 @@ _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 
 def _linear_spec(mod: nn.Module, dtype: torch.dtype):
     """(kind, tensors a/b/c/bias, N, group, max rows or None) for a linear the plan can run, else None."""
-    from quantspec.infer.dense_linear import PackedLinear
+    from quantspec.infer.dense_linear import PackedInt8Linear, PackedLinear
     from quantspec.infer.quant_linear import KernelPath, QuantLinear
 
     empty = torch.empty(0)
     if type(mod) is PackedLinear:
         return 0, (mod.packed, empty, empty, empty if mod.bias is None else mod.bias), mod.out_features, 0, None
+    if type(mod) is PackedInt8Linear:
+        return 1, (mod.int8_cpu, mod.w_scale_vec, empty, empty), mod.out_features, 0, None
     if type(mod) is not QuantLinear or mod.dtype != dtype:
         return None
     bias = mod._gemv_bias()
@@ -69,6 +71,59 @@ def _linear_spec(mod: nn.Module, dtype: torch.dtype):
         bias = empty if mod.bias is None else mod.bias.to(dtype)
         return 3, (mod.int4pack, mod.int4_scales_zeros, empty, bias), mod.out_features, mod.traits.cpu_int4_group, limit
     return None
+
+
+def layer_plan_args(layer: nn.Module, args, dtype: torch.dtype, eps: float, tensors: list, ints: list,
+                    watched: list, limits: list) -> bool:
+    """Append one decoder layer's 18 tensors and 12 ints (the extension's `make_layer` layout),
+    what must stay in place for them to be the layer's (`watched`) and its quantized linears' row
+    limits; False (the lists then hold a partial layer: discard them) when a plan cannot run the
+    layer's calls."""
+    from quantspec.infer.cpu_layers import KernelAttention, KernelMLP, KernelRMSNorm
+
+    attn, mlp = layer.self_attn, layer.mlp
+    norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if (any(type(n) is not KernelRMSNorm or n.weight.dtype != dtype or n.eps != eps for n in norms)
+            or type(attn) is not KernelAttention or type(mlp) is not KernelMLP
+            or attn.qkv_proj is None or mlp.gate_up_proj is None
+            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (args.num_heads, args.num_kv_heads, args.head_dim)):
+        return False
+    tensors += [norms[0].weight, norms[1].weight]
+    for part in _PARTS:
+        watched.append((layer._modules, part, layer._modules[part]))
+    watched += [(n._parameters, "weight", n.weight) for n in norms]
+    for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+        if not linear_plan_args(owner._modules, name, dtype, tensors, ints, watched, limits):
+            return False
+    return True
+
+
+def linear_plan_args(table: dict, name: str, dtype: torch.dtype, tensors: list, ints: list,
+                     watched: list, limits: list) -> bool:
+    """Append the linear `table[name]`'s 4 tensors and (kind, N, group) for a plan (`table`: its
+    owner's `_modules`, or any dict it is kept in); False when the plan cannot run it."""
+    lin = table.get(name)
+    spec = None if lin is None else _linear_spec(lin, dtype)
+    if spec is None:
+        return False
+    kind, ts, n_out, group, limit = spec
+    tensors += list(ts)
+    ints += [kind, n_out, group]
+    if limit is not None:
+        limits.append(limit)
+    watched.append((table, name, lin))
+    watched += [(lin._buffers, key, b) for key, b in lin._buffers.items() if b is ts[0]]
+    return True
+
+
+def watch_holds(dicts: list, keys: list, objs: list, hook_dicts: list) -> bool:
+    """Whether the watched (dict, key, object) triples still hold and no forward hook is
+    registered on the watched modules (`hook_dicts`) or globally: checked per call at C speed."""
+    if not all(map(operator.is_, map(dict.get, dicts, keys), objs)):
+        return False
+    if any(hook_dicts):
+        return False
+    return not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
 
 
 class FusedDecoderLayers:
@@ -91,7 +146,6 @@ class FusedDecoderLayers:
 
     @classmethod
     def build(cls, model: nn.Module) -> "FusedDecoderLayers | None":
-        from quantspec.infer.cpu_layers import KernelAttention, KernelMLP, KernelRMSNorm
         from quantspec.kernels.cpu import cpu_kernels
 
         kernels = cpu_kernels()
@@ -107,33 +161,10 @@ class FusedDecoderLayers:
         tensors: list[torch.Tensor] = []
         ints: list[int] = []
         watched: list[tuple] = []
-        limits = []
+        limits: list[int] = []
         for layer in layers:
-            attn, mlp = layer.self_attn, layer.mlp
-            norms = (layer.input_layernorm, layer.post_attention_layernorm)
-            if (any(type(n) is not KernelRMSNorm or n.weight.dtype != dtype for n in norms)
-                    or type(attn) is not KernelAttention or type(mlp) is not KernelMLP
-                    or attn.qkv_proj is None or mlp.gate_up_proj is None
-                    or (attn.num_heads, attn.num_kv_heads, attn.head_dim)
-                    != (args.num_heads, args.num_kv_heads, args.head_dim)
-                    or norms[0].eps != norms[1].eps or norms[0].eps != layers[0].input_layernorm.eps):
+            if not layer_plan_args(layer, args, dtype, layers[0].input_layernorm.eps, tensors, ints, watched, limits):
                 return None
-            tensors += [norms[0].weight, norms[1].weight]
-            for part in _PARTS:
-                watched.append((layer._modules, part, layer._modules[part]))
-            watched += [(n._parameters, "weight", n.weight) for n in norms]
-            for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
-                lin = owner._modules[name]
-                spec = _linear_spec(lin, dtype)
-                if spec is None:
-                    return None
-                kind, ts, n_out, group, limit = spec
-                tensors += list(ts)
-                ints += [kind, n_out, group]
-                if limit is not None:
-                    limits.append(limit)
-                watched.append((owner._modules, name, lin))
-                watched += [(lin._buffers, key, b) for key, b in lin._buffers.items() if b is ts[0]]
         return cls(model, kernels, dtype, tensors, ints, watched, min(limits) if limits else None)
 
     def serves(self, x: torch.Tensor, attn) -> bool:
@@ -145,11 +176,7 @@ class FusedDecoderLayers:
             return False
         if self.max_quant_rows is not None and x.shape[0] > self.max_quant_rows and not in_decode_step():
             return False
-        if not all(map(operator.is_, map(dict.get, self._watch_dicts, self._watch_keys), self._watch_objs)):
-            return False
-        if any(self._hook_dicts):
-            return False
-        return not any(getattr(nn.modules.module, name, None) for name in _GLOBAL_HOOKS)
+        return watch_holds(self._watch_dicts, self._watch_keys, self._watch_objs, self._hook_dicts)
 
     def _plan_for(self, cache):
         """This stack's plan over `cache`'s tensors. The cache owns it (a plan holds the cache's

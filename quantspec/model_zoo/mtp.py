@@ -255,9 +255,12 @@ class MTPModule(nn.Module):
 
     def full_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] → [N, V] fp32 with -inf outside the draft vocabulary (for sampled drafts)."""
-        d = self.draft_logits(mtp_hidden)  # [N, Vd]
+        return self.to_full_vocab(self.draft_logits(mtp_hidden))
+
+    def to_full_vocab(self, d: torch.Tensor) -> torch.Tensor:
+        """Draft-vocabulary logits [N, Vd] → [N, V] fp32, -inf outside the draft vocabulary."""
         out = torch.full((d.shape[0], self.args.block.vocab_size), float("-inf"), device=d.device)
-        return out.index_copy_(1, self.draft_vocab_ids, d)
+        return out.index_copy_(1, self.draft_vocab_ids, d.float())
 
 
 # ---------------------------------------------------------------------------------------------

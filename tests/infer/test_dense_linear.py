@@ -127,11 +127,15 @@ def test_tied_embedding_reads_the_packed_head():
     assert pack_float_linears(m) == 1
     assert type(m.embed) is PackedEmbedding and type(m.other) is nn.Embedding and m.other.weight is other
     ids = torch.tensor([[0, 31, 32, 69], [5, 5, 64, 33]])
-    assert torch.equal(m.embed(ids), table[ids])
+    assert torch.equal(m.embed(ids), table[ids])  # few ids: looked up one by one
+    many = torch.randint(0, 70, (3, 40))  # more than _FEW_IDS: one gather
+    assert torch.equal(m.embed(many), table[many])
+    assert m.embed(torch.tensor([], dtype=torch.int64)).shape == (0, 48)
     assert not list(m.embed.parameters()) and not list(m.embed.buffers())  # the head holds the rows
     assert set(m.state_dict()) == {"other.weight"}  # the packed copy is not saved (a runtime layout)
-    with pytest.raises(IndexError, match="out of range"):
-        m.embed(torch.tensor([70]))
+    for bad in (torch.tensor([70]), torch.tensor([-1, 3]), torch.cat([many.reshape(-1), torch.tensor([70])])):
+        with pytest.raises(IndexError, match="out of range"):
+            m.embed(bad)
 
 
 @needs_kernels
