@@ -5,21 +5,23 @@ end (prefill included: a ~130-token prompt's prefill costs ~10 decode steps); "d
 is the speed after the first token, where speculation acts (TTFT is the same for every method).
 
     python bench/spec.py [--threads 1] [--new-tokens 128] [--prompts N] [--rounds R] [--methods ngram,self,quant,mtp]
-                         [--quant weight_only_int8,weight_only_int4,weight_only_int4@gptq,...]
+                         [--quant weight_only_int8,weight_only_int4,weight_only_int4@gptq,...] [--draft-head int8|artifact]
 
 Methods (rows), each on the code-editing prompts (the answer mostly repeats the prompt) and the
 chat prompts of `bench/data/spec_prompts.jsonl`:
 - plain:             no speculation (the baseline of every ratio);
 - ngram:             `inference_with_reference` with the back-off policy;
-- draft fp32 (self): the base model drafting for itself with the back-off OFF: an upper bound on
-                     acceptance (100%), not a speed-up (the draft costs as much as the base);
+- draft fp32 (self): the base model drafting for itself with its own head and the back-off OFF:
+                     an upper bound on acceptance (100%), not a speed-up (the draft costs as much
+                     as the base);
 - draft <quant>:     the quantized artifact of the same model (built with `quantspec.api.quantize`,
                      RTN, cached; `weight_only_int4@gptq` = GPTQ g128 on bench/data/calib.jsonl
                      (~4 min once); `weight_only_int4@g32-asym-fzp` = group 32, asymmetric, float16
                      zero points, the grid the default model's weights were published on)
                      drafting for the fp32 model, with the back-off (its draft cost measured
                      at start-up), and again with the back-off off (acceptance at every
-                     position, whatever it costs);
+                     position, whatever it costs); scored by the int8 draft head (the
+                     predictor's default; `--draft-head artifact`: the artifact's own head);
 - mtp:               the MTP module trained by `quantspec zoo train-mtp` (cached under
                      ~/.cache/quantspec/mtp/), one draft per step, confidence gate 0.4 (the
                      predictor default for mtp), with and without the back-off; and the module
@@ -133,6 +135,8 @@ def main():
                                        "weight_only_int4@g32-asym-fzp",
                     help="draft artifacts: quant types, optionally @recipe (g<N>, asym, fzp = float16 zero "
                          "points, gptq)")
+    ap.add_argument("--draft-head", default="int8", choices=["int8", "artifact"],
+                    help="--speculate-draft-head of the quantized drafts (the self-draft always uses its own head)")
     ap.add_argument("--methods", default="ngram,self,quant,mtp")
     ap.add_argument("--mtp", help="MTP module directory [default: the cached one of `zoo train-mtp`]")
     ap.add_argument("--mtp-quant", default="weight_only_int8",
@@ -168,7 +172,8 @@ def main():
                                                  speculate_max_draft_token_num=a.ngram_draft_tokens), loaded=loaded)
     if "self" in wanted:
         p = Predictor(InferConfig(**common, speculate_method="draft", draft_model=str(model_dir),
-                                  speculate_max_draft_token_num=a.draft_tokens), loaded=loaded)
+                                  speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head="artifact"),
+                      loaded=loaded)
         p.engine.proposer.policy = None  # upper bound: always draft
         methods["draft fp32 (self, no back-off)"] = p
     if "quant" in wanted:
@@ -180,7 +185,7 @@ def main():
             if not (out / "config.json").exists():
                 api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
             cfg = InferConfig(**common, speculate_method="draft", draft_model=str(out),
-                              speculate_max_draft_token_num=a.draft_tokens)
+                              speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head=a.draft_head)
             methods[f"draft {qt}"] = p = Predictor(cfg, loaded=loaded)
             print(f"{qt} draft: measured step cost {p.engine.proposer.policy.cost.draft_per_token:.2f}x the base's")
             p = methods[f"draft {qt} (no back-off)"] = Predictor(cfg, loaded=loaded)

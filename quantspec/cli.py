@@ -95,6 +95,9 @@ def _stats_table(title: str, stats: dict):
               help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
 @click.option("--speculate-min-confidence", type=float, default=None,
               help="mtp: stop drafting at a draft whose probability is below this [default: 0.4 for mtp].")
+@click.option("--speculate-draft-head", type=click.Choice(["int8", "artifact"]), default=None,
+              help="draft: score drafts with the draft model's head rounded to int8 (faster on CPU, output "
+                   "unchanged) or with its own head [default: int8].")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @_one_line_errors

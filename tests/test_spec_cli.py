@@ -61,11 +61,13 @@ def test_ngram_cli_same_tokens_as_plain(tmp_path, tiny_llama_dir, data_file):
 
 
 def test_draft_cli_same_tokens_as_plain(tmp_path, tiny_llama_dir, data_file):
-    """The base drafting for itself through the CLI: identical tokens, every draft accepted."""
+    """The base drafting for itself through the CLI with its own head: identical tokens, every
+    draft accepted."""
     plain, _ = _infer(tmp_path, tiny_llama_dir, data_file)
     # a second copy of the base, so the draft is loaded from its own directory
     spec, stats = _infer(tmp_path, tiny_llama_dir, data_file, "--speculate-method", "draft", "--draft-model",
-                         tiny_llama_dir, "--speculate-max-draft-token-num", 3, tag="draft")
+                         tiny_llama_dir, "--speculate-max-draft-token-num", 3, "--speculate-draft-head", "artifact",
+                         tag="draft")
     assert spec == plain
     if stats["drafted_tokens"]:  # the back-off may decline a self-draft as too costly on CPU
         assert stats["acceptance_rate"] == 1.0
@@ -86,6 +88,7 @@ def test_draft_cli_refuses_other_tokenizer(tmp_path, tiny_llama_dir):
     (["--speculate-method", "inference_with_reference", "--speculate-max-ngram-size", 0], "--speculate-max-ngram-size"),
     (["--speculate-method", "inference_with_reference", "--draft-model", "x"], "--draft-model"),
     (["--speculate-method", "draft"], "--draft-model"),
+    (["--speculate-method", "inference_with_reference", "--speculate-draft-head", "int8"], "--speculate-draft-head"),
 ])
 def test_bad_speculation_knobs_are_one_line_errors(tiny_llama_dir, args, needle):
     assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--prompt", "hi", *args), needle)

@@ -360,6 +360,18 @@ class Transformer(nn.Module):
         """hidden: [N, D] (pre-norm) → logits [N, V] in fp32."""
         return self.lm_head(self.model.norm(hidden)).float()
 
+    def head_weight(self) -> torch.Tensor:
+        """The head's effective weight [V, D]: a float head's own (an inference-packed one
+        unpacked through its `dense_weight()`), a quantized head's head(I)ᵀ."""
+        head, a = self.lm_head, self.args
+        w = head.dense_weight() if hasattr(head, "dense_weight") else getattr(head, "weight", None)
+        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.shape != (a.vocab_size, a.hidden_size):
+            x = self.model.norm.weight
+            eye = torch.eye(a.hidden_size, dtype=x.dtype, device=x.device)
+            with torch.no_grad():
+                w = head(eye).t()
+        return w.detach()
+
 
 def layer_weight_table(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...]]:
     """The tensors of one decoder layer named `prefix` (e.g. "model.layers.3."), with shapes."""

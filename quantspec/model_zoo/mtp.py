@@ -199,18 +199,11 @@ class MTPModule(nn.Module):
     def bind_base(self, base: Transformer) -> "MTPModule":
         """Share `base`'s embedding and gather the draft vocabulary's rows of its head."""
         check_mtp_matches_base(self.args, base.args)
-        head = base.lm_head
-        # a float head's weight; an inference-packed one unpacks it (`infer.dense_linear.PackedLinear`)
-        w = head.dense_weight() if hasattr(head, "dense_weight") else getattr(head, "weight", None)
-        if not isinstance(w, torch.Tensor) or not w.is_floating_point() or w.shape != (base.args.vocab_size, base.args.hidden_size):
-            # a quantized head: its effective weight is head(I) transposed ([D, V] → [V, D])
-            eye = torch.eye(base.args.hidden_size, dtype=self.model.norm.weight.dtype, device=self.model.norm.weight.device)
-            with torch.no_grad():
-                w = head(eye).t()
+        w = base.head_weight()  # [V, D]
         self._shared = {
             "embed": base.model.embed_tokens,
             "base_norm": base.model.norm,  # the base's final norm: `teacher_logits` (training)
-            "head": w.detach()[self.draft_vocab_ids.to(w.device)].to(self.model.norm.weight.dtype).contiguous(),  # [Vd, D]
+            "head": w[self.draft_vocab_ids.to(w.device)].to(self.model.norm.weight.dtype).contiguous(),  # [Vd, D]
         }
         return self
 

@@ -275,6 +275,8 @@ class _Run:
                       # measure the pair itself: always draft k tokens (the runtime's back-off would
                       # stop drafting for a pair that does not pay, hiding its acceptance)
                       speculate_backoff=False)
+            if c.speculate_method == "draft":  # ... with the draft artifact's own head
+                kw["speculate_draft_head"] = "artifact"
             if draft is not None:
                 kw["draft_model"] = str(draft)
         return InferConfig(model=str(model), dtype=c.dtype, device=c.device, max_new_tokens=c.max_new_tokens,

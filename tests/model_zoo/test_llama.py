@@ -109,3 +109,33 @@ def test_args_from_transformers5_config():
     args = ModelArgs.from_hf_config(cfg)
     assert (args.arch, args.rope_theta, args.qkv_bias, args.o_bias, args.head_dim) == ("qwen2", 1e6, True, False, 4)
     assert args.eos_token_ids == [3, 4]
+
+
+def test_head_weight_of_float_packed_and_opaque_heads(tiny_llama_model):
+    """`Transformer.head_weight()`: a float head's own weight, a packed head's unpacked one, and
+    for a head without a float weight (a quantized one) head(I)ᵀ — all the same [V, D] matrix."""
+    import copy
+
+    from torch import nn
+
+    model = copy.deepcopy(tiny_llama_model)
+    w = model.lm_head.weight.detach().clone()
+    assert torch.equal(model.head_weight(), w)
+
+    class Opaque(nn.Module):  # scores like the head, exposes no float weight
+        def __init__(self, lin):
+            super().__init__()
+            self.inner = lin
+
+        def forward(self, x):
+            return self.inner(x)
+
+    model.lm_head = Opaque(model.lm_head)
+    torch.testing.assert_close(model.head_weight(), w, rtol=0, atol=1e-6)
+    from quantspec.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is not None:
+        from quantspec.infer.dense_linear import PackedLinear
+
+        model.lm_head = PackedLinear(model.lm_head.inner, cpu_kernels())
+        assert torch.equal(model.head_weight(), w)

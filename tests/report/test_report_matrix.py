@@ -33,6 +33,7 @@ class ScriptedPipeline(Pipeline):
         super().__init__(quantize=api.quantize, evaluate=api.evaluate, calibrate=api.calibrate)
         self.lossy, self.broken = set(lossy), set(broken)
         self.calls = []  # (base artifact dir name, speculate_method, cachekv)
+        self.spec_settings = set()  # (speculate_backoff, speculate_draft_head) of the speculative runs
 
     def _base(self, config) -> str:
         name = Path(config.model).name
@@ -43,6 +44,8 @@ class ScriptedPipeline(Pipeline):
         base = self._base(config)
         spec = config.speculate_method != "none"
         self.calls.append((base, config.speculate_method, config.cachekv))
+        if spec:
+            self.spec_settings.add((config.speculate_backoff, config.speculate_draft_head))
         if spec and base in self.broken:
             raise RuntimeError(f"no kernel for {base} on this device")
         extra = [9] if spec and base in self.lossy else []
@@ -80,6 +83,8 @@ def test_matrix_dimensions_and_cell_fields(tiny_llama_dir, tmp_path, cache_dir):
     assert {(c.base, c.draft, c.cachekv) for c in rep.cells} == {(b, d, k) for b in bases for d in drafts for k in kvs}
     # one baseline per (base, kv) row, one speculative run per cell
     assert len(pipe.spec_calls()) == 12 and len(pipe.calls) == 12 + len(bases) * len(kvs)
+    # a pair is measured as its artifacts: k drafts every step, scored by the draft's own head
+    assert pipe.spec_settings == {(False, "artifact")}
     for c in rep.cells:
         assert c.supported, c.reason
         assert c.reason is None

@@ -4,6 +4,9 @@ output follows the target's exact distribution (chi-square, with a draft whose q
 the draft's own KV cache kept in step, and the compatibility checks (tokenizer refused, padding
 rows accepted)."""
 
+import dataclasses
+from types import SimpleNamespace
+
 import pytest
 import torch
 
@@ -300,8 +303,67 @@ def test_build_proposer_loads_and_checks_the_draft(tiny_llama_dir, padded_other_
                       speculate_max_draft_token_num=3, max_length=64)
     prop, k = build_proposer(cfg, loaded)
     assert isinstance(prop, DraftModelProposer) and k == 3 and prop.vocab_size == 512
+    from quantspec.kernels.cpu import cpu_kernels
+
+    # drafts are scored by the int8 draft head by default (where the CPU kernels are built) ...
+    assert (type(prop.head).__name__ == "PackedInt8Linear") is (cpu_kernels() is not None)
+    # ... and by the artifact's own head on request
+    assert build_proposer(dataclasses.replace(cfg, speculate_draft_head="artifact"), loaded)[0].head is None
     other = build_tiny_model(tmp_path / "other_tok", "llama", tokenizer_variant=1)
     cfg.draft_model = str(other)
     with pytest.raises(QuantSpecError) as e:
         build_proposer(cfg, loaded)
     assert str(other) in str(e.value) and str(tiny_llama_dir) in str(e.value)
+
+
+# -- the int8 draft head (--speculate-draft-head) -----------------------------------------------
+
+
+def test_int8_draft_head_is_lossless_and_drafts_with_its_codes(base, close_draft, padded_other_dir):
+    """A draft scored by `int8_draft_head`: greedy output identical to plain decoding (batch 1 and a
+    mixed batch), drafts that are the argmax of norm(h) @ (codes × scales)ᵀ over the common
+    vocabulary (padding rows dropped), and a head that differs from the draft's own."""
+    from quantspec.infer.dense_linear import PackedInt8Linear
+    from quantspec.infer.spec.draft import int8_draft_head
+    from quantspec.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("quantspec's CPU kernels are not built here")
+    padded, _ = load_model(padded_other_dir)  # 576 vocab rows, 512 usable
+    head = int8_draft_head(padded, 512)
+    assert type(head) is PackedInt8Linear and head.out_features == 512
+    deq = head.dense_weight()
+    own = padded.head_weight()[:512]
+    step = own.abs().amax(dim=1, keepdim=True) / 127
+    assert ((deq - own).abs() <= step / 2 + 1e-7).all() and not torch.equal(deq, own)
+
+    head = int8_draft_head(close_draft, 512)
+    prompts = _prompts([5, 17, 30, 2], seed=3)
+    params = SamplingParams(max_new_tokens=40)
+    plain = _ids(_run(base, prompts, params))
+    for batch in (1, 3):
+        prop = DraftModelProposer(close_draft, vocab_size=512, target_vocab_size=base.args.vocab_size,
+                                  max_draft_tokens=4, max_batch_size=batch, max_length=256, block_size=16, head=head)
+        seqs = _run(base, prompts, params, proposer=prop, batch=batch)
+        assert _ids(seqs) == plain
+        assert 0 < sum(s.stats.accepted for s in seqs) < sum(s.stats.drafted for s in seqs)
+    # the drafts are the int8 head's argmax
+    x = torch.randn(6, close_draft.args.hidden_size)
+    with torch.inference_mode():
+        want = (close_draft.model.norm(x) @ head.dense_weight().t()).argmax(-1)
+        got = prop._choose(prop.head(close_draft.model.norm(x)).float(), [SimpleNamespace(params=params)] * 6,
+                           [None] * 6)[0]
+    assert got == want.tolist()
+    with pytest.raises(QuantSpecError, match="fewer than vocab_size"):
+        DraftModelProposer(close_draft, vocab_size=512, target_vocab_size=512, max_draft_tokens=4, max_batch_size=1,
+                           max_length=64, head=int8_draft_head(close_draft, 100))
+
+
+def test_draft_head_option_is_checked():
+    from quantspec.infer.predictor import InferConfig
+
+    with pytest.raises(QuantSpecError, match="--speculate-draft-head 'fp16' is not one of int8, artifact"):
+        InferConfig(model="m", speculate_method="draft", draft_model="d", speculate_draft_head="fp16")
+    with pytest.raises(QuantSpecError, match="applies to --speculate-method draft only"):
+        InferConfig(model="m", speculate_method="inference_with_reference", speculate_draft_head="int8")
+    assert InferConfig(model="m", speculate_method="draft", draft_model="d", speculate_draft_head="artifact")
