@@ -313,8 +313,8 @@ def _draft_logits(model: Transformer, head: torch.nn.Module | None, hidden: torc
 def measure_step_cost(draft: Transformer, base: Transformer, *, repeats: int = 5,
                       draft_head: torch.nn.Module | None = None) -> float:
     """(draft decode step) / (base decode step), measured: one-token forwards + logits of each
-    (the draft's through `draft_head` when it drafts with one: `int8_draft_head`)
-    model, interleaved so load on a shared machine hits both alike, median of `repeats`, rounded
+    model (the draft's through `draft_head` when it drafts with one: `int8_draft_head`),
+    interleaved so load on a shared machine hits both alike, median of `repeats`, rounded
     to 0.05 (so the back-off's choices rarely change between runs).
 
     Measured rather than estimated from weight bytes because the ratio depends on the kernels
