@@ -194,7 +194,8 @@ class FusedMTPStep:
             return None
         tensors, ints, limits = [m.enorm.weight, m.hnorm.weight], [], []
         watched: list[tuple] = [(n._parameters, "weight", n.weight) for n in norms]
-        watched += [(m._modules, name, m._modules[name]) for name in ("enorm", "hnorm", "norm", "eh_proj", "layers")]
+        # (eh_proj and the head are watched by `linear_plan_args`, the layer's parts by `layer_plan_args`)
+        watched += [(m._modules, name, m._modules[name]) for name in ("enorm", "hnorm", "norm", "layers")]
         watched += [(m.layers._modules, "0", m.layers[0]), (mtp.__dict__, "_attn", mtp._attn),
                     (mtp.__dict__, "_shared", mtp._shared)]
         if (not linear_plan_args(m._modules, "eh_proj", dtype, tensors, ints, watched, limits)
