@@ -851,23 +851,39 @@ void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t 
       xn = std::sqrt(xn);
       if (!std::isfinite(xn)) continue;
       const double scale = rel * xn;
-      double lower = -INFINITY;  // the best logit is at least this
-      bool finite = true;
-      for (int64_t n = 0; n < N; ++n) {
-        if (!std::isfinite(a[n])) { finite = false; break; }
-        lower = std::max(lower, a[n] - scale * rn[n] - abs_err);
+      // lower: the best logit is at least this; then every n whose upper bound reaches it is a
+      // candidate, computed exactly in ascending n (8 outputs a vector, in double like the bound)
+      const __m512d vscale = _mm512_set1_pd(scale), vabs = _mm512_set1_pd(abs_err);
+      __m512d vlow = _mm512_set1_pd(-INFINITY), nan_probe = _mm512_setzero_pd();
+      for (int64_t n = 0; n < N; n += 8) {
+        const __mmask8 k = static_cast<__mmask8>(N - n >= 8 ? 0xFF : (1u << (N - n)) - 1);
+        const __m512d av = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, a + n));
+        const __m512d rv = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, rn + n));
+        nan_probe = _mm512_add_pd(nan_probe, _mm512_mul_pd(av, _mm512_setzero_pd()));  // inf / nan → nan
+        vlow = _mm512_mask_max_pd(vlow, k, vlow, _mm512_sub_pd(_mm512_fnmadd_pd(vscale, rv, av), vabs));
       }
-      if (!finite) continue;
+      if (std::isnan(_mm512_reduce_add_pd(nan_probe))) continue;
+      const __m512d lower = _mm512_set1_pd(_mm512_reduce_max_pd(vlow));
       float best = 0.f;
       int64_t best_n = -1;
-      for (int64_t n = 0; n < N; ++n) {
-        if (a[n] + scale * rn[n] + abs_err < lower) continue;  // cannot be the maximum
-        const float* col = wp + (n / 32) * K * 32 + (n % 32);
-        float acc = 0.f;  // packed_gemm's chain for output n
-        for (int64_t k = 0; k < K; ++k) acc = std::fma(xr[k], col[k * 32], acc);
-        if (!std::isfinite(acc)) { best_n = -1; break; }
-        if (best_n < 0 || acc > best) { best = acc; best_n = n; }
+      for (int64_t n = 0; n < N; n += 8) {
+        const __mmask8 k = static_cast<__mmask8>(N - n >= 8 ? 0xFF : (1u << (N - n)) - 1);
+        const __m512d av = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, a + n));
+        const __m512d rv = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, rn + n));
+        const __m512d hi = _mm512_add_pd(_mm512_fmadd_pd(vscale, rv, av), vabs);
+        unsigned cand = _mm512_mask_cmp_pd_mask(k, hi, lower, _CMP_NLT_UQ);  // may be the maximum
+        while (cand) {
+          const int64_t c = n + __builtin_ctz(cand);
+          cand &= cand - 1;
+          const float* col = wp + (c / 32) * K * 32 + (c % 32);
+          float acc = 0.f;  // packed_gemm's chain for output c
+          for (int64_t kk = 0; kk < K; ++kk) acc = std::fma(xr[kk], col[kk * 32], acc);
+          if (!std::isfinite(acc)) { best_n = -2; break; }
+          if (best_n < 0 || acc > best) { best = acc; best_n = c; }
+        }
+        if (best_n == -2) break;
       }
+      if (best_n == -2) best_n = -1;
       out[m] = best_n;
     }
   });
@@ -977,10 +993,11 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t* blk = wq + b * KP * 32;
       for (int64_t m = 0; m < M;) {
-        const int64_t rows = std::min<int64_t>(8, M - m);
+        const int64_t rows = std::min<int64_t>(12, M - m);  // 24 accumulators + 2 weights + x
         switch (rows) {
 #define QS_DOT(R) case R: dot_pairs_tile<R>(xq, KP, blk, N, b, m, ap); break;
-          QS_DOT(1) QS_DOT(2) QS_DOT(3) QS_DOT(4) QS_DOT(5) QS_DOT(6) QS_DOT(7) QS_DOT(8)
+          QS_DOT(1) QS_DOT(2) QS_DOT(3) QS_DOT(4) QS_DOT(5) QS_DOT(6) QS_DOT(7) QS_DOT(8) QS_DOT(9) QS_DOT(10)
+          QS_DOT(11) QS_DOT(12)
 #undef QS_DOT
           default: break;
         }
