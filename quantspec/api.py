@@ -110,7 +110,12 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     (needs `self_distill`; it helps on little data: 480 prompts × 400 steps, held-out chat
     first-draft 25.7% → 30.4%, not on the default recipe's 1618 prompts: 34.0% hard, 33.6% soft).
     `on_step(step, steps, loss)` and `on_status(message)` report progress.
-    Returns a summary dict.
+
+    The prepared training rows are saved to `out/train_features.pt` before training (the
+    self-distillation answers are most of the default recipe's ~30 min) and deleted when the run
+    completes: a run interrupted before that, resumed or started again into the same `out` with
+    the same data options and base, trains on them instead of preparing them again. A `resume`
+    of a run already at `steps` returns at once. Returns a summary dict.
     """
     import time
 
@@ -120,8 +125,9 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
     from quantspec.errors import QuantSpecError
     from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, MTPFeatures, MTPTrainConfig, choose_draft_vocab,
-                                               check_resumable, extract_features, features_from_hidden, init_mtp)
+    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, STATE_NAME, MTPFeatures, MTPTrainConfig,
+                                               atomic_torch_save, check_resumable, choose_draft_vocab,
+                                               extract_features, features_from_hidden, init_mtp)
     from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
     from quantspec.model_zoo.mtp_train import train_mtp as _train
 
@@ -138,19 +144,18 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
                             save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size,
                             soft_targets=targets == "soft")
     check_resumable(out, config, resume)  # before minutes of feature extraction
+    state_path, features_path = Path(out) / STATE_NAME, Path(out) / FEATURES_NAME
+    if resume and state_path.exists():
+        done = int(torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)["step"])
+        if done >= steps:  # nothing to train: no data to prepare either
+            return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
+                    "positions": None, "out": str(out), "wall_s": 0.0}
     say = on_status or (lambda _m: None)
     t0 = time.perf_counter()
     base, model_dir = load_model(model)
     for p in base.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    parts, data = [], {"self_distill": self_distill, "targets": targets}
-    if dataset is not None:
-        texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
-        batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
-        say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
-        parts.append(extract_features(base, batches, self_distill=self_distill))
-        data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]), seq_len=seq_len)
     if self_distill:
         if chat_prompts is None:
             prompts = list(CHAT_PROMPTS)
@@ -162,21 +167,88 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
             prompts = list(chat_prompts)
         if not prompts:
             raise QuantSpecError("chat_prompts is empty: give prompts, or a count of built-in ones")
-        say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
-        gens = _generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                     batch_size=gen_batch_size, on_status=on_status)
-        parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
-        data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens), max_new_tokens=max_new_tokens)
-    features = MTPFeatures.cat(parts)
-    with torch.no_grad():
-        vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
+    # everything the training rows and the draft vocabulary are a function of: a run into `out`
+    # with the same key reuses the rows an interrupted run saved there (the self-distillation
+    # answers are most of the default recipe's time) instead of preparing them again
+    key = _features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill,
+                        prompts if self_distill else None, max_new_tokens, draft_vocab_size)
+    cached = _load_features(features_path, key)
+    if cached is not None:
+        features, vocab, data = cached
+        say(f"reusing the {len(features)} training positions saved in {features_path.name} by an earlier run")
+    else:
+        parts, data = [], {"self_distill": self_distill, "targets": targets}
+        if dataset is not None:
+            texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
+            batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
+            say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
+            parts.append(extract_features(base, batches, self_distill=self_distill))
+            data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]),
+                        seq_len=seq_len)
+        if self_distill:
+            say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
+            gens = _generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                         batch_size=gen_batch_size, on_status=on_status)
+            parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
+            data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens),
+                        max_new_tokens=max_new_tokens)
+        features = MTPFeatures.cat(parts)
+        with torch.no_grad():
+            vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
+        Path(out).mkdir(parents=True, exist_ok=True)
+        atomic_torch_save({"key": key, "features": features, "vocab": vocab, "data": data}, features_path)
+    data = {**data, "targets": targets}
     covered = torch.isin(features.tgt1[features.tgt1 >= 0], vocab).float().mean().item()
     say(f"{len(features)} training positions; draft vocabulary {vocab.numel()} tokens covers {covered:.1%} of targets")
     mtp = init_mtp(base, vocab, seed)
     data.update(positions=len(features), draft_vocab_coverage=round(covered, 4), base=str(model))
     res = _train(mtp, features, config, out, resume=resume, extra_config=data, on_step=on_step)
+    features_path.unlink(missing_ok=True)  # the run is complete: the artifact is what it was for
     res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     return res
+
+
+def _features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill, prompts,
+                  max_new_tokens, draft_vocab_size) -> dict:
+    """What `train_mtp`'s training rows and draft vocabulary are computed from (see there): the
+    base (its directory and weight files as they are now), the data options, the prompts."""
+    import hashlib
+    import os
+
+    from quantspec.model_zoo.mtp import base_fingerprint
+
+    ds = None
+    if dataset is not None:
+        ds = {"dataset": str(dataset), "split": split, "text_field": text_field, "num_samples": num_samples,
+              "seq_len": seq_len, "seed": seed}
+        if os.path.exists(str(dataset)):  # a local file or directory: its contents may change
+            st = os.stat(str(dataset))
+            ds.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
+    chat = None
+    if prompts is not None:
+        chat = {"prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest(), "count": len(prompts),
+                "max_new_tokens": max_new_tokens}
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(model_dir).iterdir()
+                     if f.suffix in (".safetensors", ".bin", ".gguf")) if Path(model_dir).is_dir() else []
+    return {"version": 1, "base": str(Path(model_dir).resolve()), "weights": weights,
+            "base_fingerprint": base_fingerprint(base.args),
+            "self_distill": bool(self_distill), "dataset": ds, "chat": chat, "draft_vocab_size": draft_vocab_size}
+
+
+def _load_features(path, key):
+    """(features, vocab, data) saved by an earlier `train_mtp` into its `out` for the same `key`,
+    else None (no file, another key, or a file that cannot be read: the rows are prepared again)."""
+    import torch
+
+    if not path.exists():
+        return None
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged cache is only a cache
+        return None
+    if not isinstance(blob, dict) or blob.get("key") != key:
+        return None
+    return blob["features"], blob["vocab"], blob["data"]
 
 
 def _dir_bytes(path, pattern: str = "*") -> int:

@@ -166,7 +166,7 @@ def zoo():
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--out", required=True, type=click.Path(file_okay=False), help="MTP artifact directory.")
 @click.option("--resume", is_flag=True, help="Continue the checkpoint in --out (same data and --targets; "
-                                              "--steps may grow).")
+                                              "--steps may grow); an interrupted run's prepared data is reused.")
 @_one_line_errors
 def train_mtp(**kw):
     """Train a DeepSeek-V3-style MTP module for a frozen base (use with --speculate-method mtp)."""
@@ -185,6 +185,10 @@ def train_mtp(**kw):
 
     with bar:
         res = api.train_mtp(on_step=on_step, on_status=lambda m: bar.console.log(m), **kw)
+    if res["start_step"] >= res["steps"] and res["positions"] is None:
+        console.print(f"{res['out']} is already trained to {res['start_step']} steps (--steps {res['steps']}): "
+                      "nothing to do; pass a larger --steps to continue it", soft_wrap=True)
+        return
     first = "-" if res["loss_first"] is None else f"{res['loss_first']:.3f}"
     last = "-" if res["loss_last"] is None else f"{res['loss_last']:.3f}"
     console.print(f"[green]wrote[/] {res['out']}  (steps {res['start_step']}→{res['steps']}, loss {first} → {last}, "

@@ -45,6 +45,8 @@ __all__ = [
     "MTPFeatures",
     "MTPTrainConfig",
     "STATE_NAME",
+    "FEATURES_NAME",
+    "atomic_torch_save",
     "choose_draft_vocab",
     "features_from_hidden",
     "extract_features",
@@ -53,6 +55,7 @@ __all__ = [
 ]
 
 STATE_NAME = "train_state.pt"
+FEATURES_NAME = "train_features.pt"  # `api.train_mtp`'s training rows, kept until the run completes
 IGNORE = -100  # CE ignore_index: no target (sequence end, or outside the draft vocabulary)
 
 
@@ -194,7 +197,7 @@ def init_mtp(base: Transformer, draft_vocab: torch.Tensor, seed: int = 0) -> MTP
     return mtp.bind_base(base)
 
 
-def _atomic_torch_save(obj, path: Path) -> None:
+def atomic_torch_save(obj, path: Path) -> None:
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
@@ -303,7 +306,7 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
 
     def save(step: int) -> None:
         save_mtp(mtp, out, {"quantspec_training": {**(extra_config or {}), "step": step, **asdict(config)}})
-        _atomic_torch_save({"step": step, "model": mtp.model.state_dict(), "optimizer": opt.state_dict(),
+        atomic_torch_save({"step": step, "model": mtp.model.state_dict(), "optimizer": opt.state_dict(),
                             "draft_vocab_ids": mtp.draft_vocab_ids.cpu(), "losses": history,
                             "config": asdict(config)}, state_path)
 

@@ -249,6 +249,62 @@ def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp2", **{**kw, "text_field": "nope"})
 
 
+def test_interrupted_run_reuses_its_prepared_data(tiny_llama_dir, tmp_path, monkeypatch):
+    """A run interrupted after a checkpoint is resumed on the rows it saved (no second
+    self-distillation), and ends exactly where an uninterrupted run ends; the saved rows go when
+    the run completes; other data options prepare them again; a resume with nothing left to train
+    prepares nothing."""
+    from quantspec import api
+    from quantspec.model_zoo.mtp_train import FEATURES_NAME
+
+    data = tmp_path / "text.jsonl"
+    data.write_text("\n".join(json.dumps({"text": p}) for p in TINY_CORPUS.split("\n\n")))
+    kw = dict(steps=6, seq_len=32, batch_size=2, num_samples=4, save_every=2,
+              chat_prompts=["Tell me about the sea.", "What is two plus two?"], max_new_tokens=10)
+    straight = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "straight", **kw)
+    assert not (tmp_path / "straight" / FEATURES_NAME).exists()
+
+    class Stop(Exception):
+        pass
+
+    def stop_at_4(step, total, loss):
+        if step == 4:
+            raise Stop
+    with pytest.raises(Stop):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "cut", on_step=stop_at_4, **kw)
+    assert (tmp_path / "cut" / FEATURES_NAME).exists()
+    generated = []
+    real = api._generate_with_hidden
+    monkeypatch.setattr(api, "_generate_with_hidden", lambda *a, **k: generated.append(1) or real(*a, **k))
+    said = []
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "cut", resume=True, on_status=said.append, **kw)
+    assert not generated and any("reusing" in m for m in said)
+    assert res["start_step"] == 2 and res["positions"] == straight["positions"]  # the last checkpoint: step 2
+    assert res["chat_tokens"] == straight["chat_tokens"] and res["losses"] == straight["losses"][2:]
+    assert not (tmp_path / "cut" / FEATURES_NAME).exists()
+    a = load_mtp(tmp_path / "straight", base=load_model(tiny_llama_dir)[0])
+    b = load_mtp(tmp_path / "cut", base=load_model(tiny_llama_dir)[0])
+    for (n, x), (_, y) in zip(a.model.state_dict().items(), b.model.state_dict().items()):
+        assert torch.equal(x, y), n
+    # nothing left to train: no data prepared, the checkpoint untouched
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "cut", resume=True, **kw)
+    assert res["start_step"] == 6 and res["positions"] is None and not generated
+    # a saved file for other data options (here: one more prompt) is not reused
+    with pytest.raises(Stop):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "other", on_step=stop_at_4, **kw)
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "other", resume=True,
+                        **{**kw, "chat_prompts": kw["chat_prompts"] + ["Why?"]})
+    assert generated and res["chat_prompts"] == 3
+    # a damaged file is only a cache: the rows are prepared again
+    generated.clear()
+    with pytest.raises(Stop):
+        api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "torn", on_step=stop_at_4, **kw)
+    path = tmp_path / "torn" / FEATURES_NAME
+    path.write_bytes(path.read_bytes()[:100])
+    res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "torn", resume=True, **kw)
+    assert generated and res["losses"] == straight["losses"][2:]
+
+
 def test_api_train_mtp_builtin_prompt_count(tiny_llama_dir, tmp_path):
     """chat_prompts=N answers the first N built-in prompts; N < 1 is refused with one line."""
     from quantspec import api
@@ -324,3 +380,5 @@ def test_cli_train_mtp(tiny_llama_dir, tmp_path):
     assert r.exit_code == 0, r.output
     trained = json.loads((tmp_path / "mtp" / "config.json").read_text())["quantspec_training"]
     assert trained["step"] == 3 and trained["targets"] == "hard"  # text targets without self-distillation
+    r = CliRunner().invoke(main, args + ["--resume", "--steps", "3"])
+    assert r.exit_code == 0 and "already trained to 3 steps" in r.output, r.output
