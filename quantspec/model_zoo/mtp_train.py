@@ -198,6 +198,7 @@ def init_mtp(base: Transformer, draft_vocab: torch.Tensor, seed: int = 0) -> MTP
 
 
 def atomic_torch_save(obj, path: Path) -> None:
+    """torch.save to a temporary file beside `path`, renamed over it only when complete."""
     fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
     os.close(fd)
     try:
@@ -307,8 +308,8 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
     def save(step: int) -> None:
         save_mtp(mtp, out, {"quantspec_training": {**(extra_config or {}), "step": step, **asdict(config)}})
         atomic_torch_save({"step": step, "model": mtp.model.state_dict(), "optimizer": opt.state_dict(),
-                            "draft_vocab_ids": mtp.draft_vocab_ids.cpu(), "losses": history,
-                            "config": asdict(config)}, state_path)
+                           "draft_vocab_ids": mtp.draft_vocab_ids.cpu(), "losses": history,
+                           "config": asdict(config)}, state_path)
 
     run_losses = []
     for step in range(start, config.steps):
