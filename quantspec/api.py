@@ -125,7 +125,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
     from quantspec.errors import QuantSpecError
     from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, STATE_NAME, MTPFeatures, MTPTrainConfig,
+    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, MTPTrainConfig,
                                                atomic_torch_save, check_resumable, choose_draft_vocab,
                                                extract_features, features_from_hidden, init_mtp)
     from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
@@ -143,13 +143,11 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, chain_weight=chain_weight,
                             save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size,
                             soft_targets=targets == "soft")
-    check_resumable(out, config, resume)  # before minutes of feature extraction
-    state_path, features_path = Path(out) / STATE_NAME, Path(out) / FEATURES_NAME
-    if resume and state_path.exists():
-        done = int(torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)["step"])
-        if done >= steps:  # nothing to train: no data to prepare either
-            return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
-                    "positions": None, "out": str(out), "wall_s": 0.0}
+    done = check_resumable(out, config, resume)  # before minutes of feature extraction
+    if done is not None and done >= steps:  # nothing to train: no data to prepare either
+        return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
+                "positions": None, "out": str(out), "wall_s": 0.0}
+    features_path = Path(out) / FEATURES_NAME
     say = on_status or (lambda _m: None)
     t0 = time.perf_counter()
     base, model_dir = load_model(model)
@@ -177,7 +175,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
         features, vocab, data = cached
         say(f"reusing the {len(features)} training positions saved in {features_path.name} by an earlier run")
     else:
-        parts, data = [], {"self_distill": self_distill, "targets": targets}
+        parts, data = [], {"self_distill": self_distill}
         if dataset is not None:
             texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
             batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
@@ -197,7 +195,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
             vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
         Path(out).mkdir(parents=True, exist_ok=True)
         atomic_torch_save({"key": key, "features": features, "vocab": vocab, "data": data}, features_path)
-    data = {**data, "targets": targets}
+    data = {**data, "targets": targets}  # the objective, not the data: not in the saved rows' key
     covered = torch.isin(features.tgt1[features.tgt1 >= 0], vocab).float().mean().item()
     say(f"{len(features)} training positions; draft vocabulary {vocab.numel()} tokens covers {covered:.1%} of targets")
     mtp = init_mtp(base, vocab, seed)

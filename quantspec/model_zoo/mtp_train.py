@@ -243,19 +243,21 @@ def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor
     return loss1, loss2
 
 
-def check_resumable(out_dir: str | os.PathLike, config: MTPTrainConfig, resume: bool) -> None:
+def check_resumable(out_dir: str | os.PathLike, config: MTPTrainConfig, resume: bool) -> int | None:
     """Refuse, before any work, a run into a directory holding a checkpoint without `resume`, and a
-    resume whose objective differs from the checkpoint's (see `_check_same_objective`)."""
+    resume whose objective differs from the checkpoint's (see `_check_same_objective`). → the
+    checkpoint's step, or None without one."""
     state_path = Path(out_dir) / STATE_NAME
     if not state_path.exists():
-        return
+        return None
     if not resume:
         raise QuantSpecError(
             f"{out_dir} already holds a training checkpoint ({STATE_NAME}); pass --resume to continue it or "
             f"choose another --out"
         )
-    saved = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True).get("config", {})
-    _check_same_objective(saved, config, state_path)
+    state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+    _check_same_objective(state.get("config", {}), config, state_path)
+    return int(state["step"])
 
 
 def _check_same_objective(saved: dict, config: MTPTrainConfig, state_path: Path) -> None:

@@ -856,7 +856,7 @@ void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t 
       const __m512d vscale = _mm512_set1_pd(scale), vabs = _mm512_set1_pd(abs_err);
       __m512d vlow = _mm512_set1_pd(-INFINITY), nan_probe = _mm512_setzero_pd();
       for (int64_t n = 0; n < N; n += 8) {
-        const __mmask8 k = static_cast<__mmask8>(N - n >= 8 ? 0xFF : (1u << (N - n)) - 1);
+        const __mmask8 k = static_cast<__mmask8>(lane_mask(N - n));  // the first min(8, N - n) lanes
         const __m512d av = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, a + n));
         const __m512d rv = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, rn + n));
         nan_probe = _mm512_add_pd(nan_probe, _mm512_mul_pd(av, _mm512_setzero_pd()));  // inf / nan → nan
@@ -867,7 +867,7 @@ void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t 
       float best = 0.f;
       int64_t best_n = -1;
       for (int64_t n = 0; n < N; n += 8) {
-        const __mmask8 k = static_cast<__mmask8>(N - n >= 8 ? 0xFF : (1u << (N - n)) - 1);
+        const __mmask8 k = static_cast<__mmask8>(lane_mask(N - n));  // the first min(8, N - n) lanes
         const __m512d av = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, a + n));
         const __m512d rv = _mm512_cvtps_pd(_mm256_maskz_loadu_ps(k, rn + n));
         const __m512d hi = _mm512_add_pd(_mm512_fmadd_pd(vscale, rv, av), vabs);
