@@ -255,7 +255,12 @@ def check_resumable(out_dir: str | os.PathLike, config: MTPTrainConfig, resume: 
             f"{out_dir} already holds a training checkpoint ({STATE_NAME}); pass --resume to continue it or "
             f"choose another --out"
         )
-    state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+    try:
+        state = torch.load(state_path, map_location="cpu", weights_only=False, mmap=True)
+    except Exception as e:  # torn or not a checkpoint: say so in one line, touch nothing
+        why = str(e).strip().splitlines()[0].split(". ")[0] if str(e).strip() else type(e).__name__
+        raise QuantSpecError(f"{state_path} cannot be read ({why}); restore it, or choose another --out "
+                             f"to start over") from None
     _check_same_objective(state.get("config", {}), config, state_path)
     return int(state["step"])
 

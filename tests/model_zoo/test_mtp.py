@@ -382,3 +382,8 @@ def test_cli_train_mtp(tiny_llama_dir, tmp_path):
     assert trained["step"] == 3 and trained["targets"] == "hard"  # text targets without self-distillation
     r = CliRunner().invoke(main, args + ["--resume", "--steps", "3"])
     assert r.exit_code == 0 and "already trained to 3 steps" in r.output, r.output
+    state = tmp_path / "mtp" / STATE_NAME  # a torn checkpoint: one line, the file left as it is
+    state.write_bytes(state.read_bytes()[:200])
+    r = CliRunner().invoke(main, args + ["--resume", "--steps", "4"])
+    assert r.exit_code == 2 and "cannot be read" in r.output and "Traceback" not in r.output, r.output
+    assert state.stat().st_size == 200
