@@ -11,6 +11,8 @@ Methods (rows), each on the code-editing prompts (the answer mostly repeats the 
 chat prompts of `bench/data/spec_prompts.jsonl`:
 - plain:             no speculation (the baseline of every ratio);
 - ngram:             `inference_with_reference` with the back-off policy;
+- ngram-exact:       the same with exact suffix matches only (`ReferenceProposer.realign` off:
+                     no realignment past an edit of the copied text); not in the default set;
 - draft fp32 (self): the base model drafting for itself with its own head and the back-off OFF:
                      an upper bound on acceptance (100%), not a speed-up (the draft costs as much
                      as the base);
@@ -170,6 +172,11 @@ def main():
     if "ngram" in wanted:
         methods["ngram"] = Predictor(InferConfig(**common, speculate_method="inference_with_reference",
                                                  speculate_max_draft_token_num=a.ngram_draft_tokens), loaded=loaded)
+    if "ngram-exact" in wanted:  # the same without `ReferenceProposer.realign` (exact suffix matches only)
+        p = methods["ngram, exact matches only"] = Predictor(
+            InferConfig(**common, speculate_method="inference_with_reference",
+                        speculate_max_draft_token_num=a.ngram_draft_tokens), loaded=loaded)
+        p.engine.proposer.realign = False
     if "self" in wanted:
         p = Predictor(InferConfig(**common, speculate_method="draft", draft_model=str(model_dir),
                                   speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head="artifact"),

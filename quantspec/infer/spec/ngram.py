@@ -3,7 +3,9 @@ that followed the latest earlier occurrence of the sequence's own suffix.
 
 Pure numpy over a sequence's token ids (prompt + generated so far); no model, config or device.
 Reference design: vLLM `v1/spec_decode/ngram_proposer.py`; the search here is our own
-(candidate-narrowing over suffix lengths).
+(candidate-narrowing over suffix lengths). `realigned_match` is the edit-tolerant fallback the
+engine's `ReferenceProposer` takes where the exact match is short (right after an edit of the
+text being copied).
 """
 
 from __future__ import annotations
@@ -17,11 +19,21 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.types import SpecProposal
 
-__all__ = ["propose_ngram", "propose_ngram_match", "propose_ngram_batch", "NgramProposer", "TIE_BREAK_CONTEXT",
-           "AGREEMENT_CAP"]
+__all__ = ["propose_ngram", "propose_ngram_match", "propose_ngram_batch", "realigned_match", "NgramProposer",
+           "TIE_BREAK_CONTEXT", "AGREEMENT_CAP"]
 
 TIE_BREAK_CONTEXT = 64  # tokens of context beyond max_ngram_size that choose among occurrences
 AGREEMENT_CAP = 16  # `propose_ngram_match` counts agreeing context tokens up to this many
+
+# `realigned_match`: the largest insertion / deletion it bridges on either side, the context it
+# compares (per side of the gap), the score lost per skipped token, and the most recent
+# occurrences of the last token it considers
+REALIGN_MAX_GAP = 3
+REALIGN_CONTEXT = 8
+REALIGN_GAP_PENALTY = 0.5
+REALIGN_CANDIDATES = 64
+_GAP_OUT, _GAP_SRC = (np.array(v, dtype=np.int64) for v in zip(
+    *[(go, gs) for go in range(REALIGN_MAX_GAP + 1) for gs in range(REALIGN_MAX_GAP + 1) if go or gs]))
 
 
 def _check_sizes(max_ngram_size: object, max_draft_tokens: object, min_ngram_size: object) -> None:
@@ -131,6 +143,69 @@ def propose_ngram_match(
            and tokens[best_end - agreement] == tokens[length - 1 - agreement]):
         agreement += 1
     return draft, agreement
+
+
+def _agreeing_runs(tokens: np.ndarray, at: np.ndarray, src: np.ndarray, cap: int) -> np.ndarray:
+    """For each pair (at[i], src[i]): how many j = 0, 1, ... (< cap) have tokens[at - j] ==
+    tokens[src - j] consecutively; a pair with src < 0 counts 0."""
+    runs = np.zeros(at.shape, dtype=np.int64)
+    live = np.flatnonzero(src >= 0)  # the pairs still agreeing (most stop at j = 0)
+    for j in range(cap):
+        live = live[src[live] >= j]
+        live = live[tokens[at[live] - j] == tokens[src[live] - j]]
+        if live.size == 0:
+            break
+        runs[live] += 1
+    return runs
+
+
+def realigned_match(
+    token_ids: Sequence[int] | np.ndarray | torch.Tensor,  # [L] prompt + generated so far
+    max_draft_tokens: int,
+) -> tuple[list[int], int]:
+    """→ (draft, matched): an edit-tolerant match, for when `propose_ngram_match`'s is short.
+
+    A copy that is being edited (a renamed variable, a word inserted, a line dropped) breaks the
+    exact suffix match right after the edit: the last token then matches many places (a newline,
+    a space) and the most recent one is usually the wrong one. This looks past the edit: for
+    each earlier occurrence e of the last token (the REALIGN_CANDIDATES most recent), `a`
+    tokens agree going back from e as in the exact match; then the sequence skips `go` tokens
+    (inserted by the edit) and the source `gs` tokens (replaced or dropped), 0 ≤ go, gs ≤
+    REALIGN_MAX_GAP, not both 0, and `b` more tokens agree before the gap (each side compared
+    over at most REALIGN_CONTEXT tokens; the source part must lie before the sequence's part).
+    An occurrence scores a + its best gain over the gaps, gain = max(0, b − REALIGN_GAP_PENALTY ·
+    (go + gs)) (the smallest edit that explains the most text; among equal gains the first gap in
+    (go, gs) order); the best score wins, ties → the most recent occurrence. Its draft is the up
+    to max_draft_tokens tokens after e; matched = a + the b of its best gap (a alone when no gap
+    gains). [] and 0 when the last token never occurred before.
+
+    Example: the prompt holds "```\ndef f(x):" and the answer so far is "```python\n": the
+    last token "\n" occurs after every line of the prompt, but only after "```" does the
+    context agree once "python" is skipped (go = 1: "\n" + "```" + the newline before it), so
+    the draft is "def f(x):" rather than what followed the prompt's last newline.
+    """
+    if not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 0:
+        raise QuantSpecError(f"max_draft_tokens={max_draft_tokens!r} must be an integer >= 0")
+    tokens = _as_token_array(token_ids)  # [L]
+    length = tokens.shape[0]
+    if max_draft_tokens == 0 or length < 2:
+        return [], 0
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])[-REALIGN_CANDIDATES:]  # [C]
+    if ends.size == 0:
+        return [], 0
+    a = _agreeing_runs(tokens, np.full(ends.size, length - 1), ends, REALIGN_CONTEXT)  # [C]
+    at = (length - 1 - a)[:, None] - _GAP_OUT[None, :]  # [C, gaps]: the sequence before its gap
+    src = (ends - a)[:, None] - _GAP_SRC[None, :]  # ... and the source before its gap
+    src = np.where(src < at, src, -1)  # the source part lies before the sequence's part
+    b = _agreeing_runs(tokens, at.ravel(), src.ravel(), REALIGN_CONTEXT).reshape(at.shape)
+    gain = np.maximum(b - REALIGN_GAP_PENALTY * (_GAP_OUT + _GAP_SRC)[None, :], 0.0)  # [C, gaps]
+    best_gap = gain.argmax(axis=1)  # [C]; ties → the first gap (fewest skipped sequence tokens)
+    best_gain = gain[np.arange(ends.size), best_gap]
+    score = a + best_gain
+    i = ends.size - 1 - int(np.argmax(score[::-1]))  # the best; ties → the most recent
+    e = int(ends[i])
+    matched = int(a[i]) + (int(b[i, best_gap[i]]) if best_gain[i] > 0 else 0)
+    return tokens[e + 1 : e + 1 + int(max_draft_tokens)].tolist(), matched
 
 
 def propose_ngram_batch(

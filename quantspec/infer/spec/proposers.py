@@ -49,7 +49,7 @@ import numpy as np
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.spec.ngram import propose_ngram, propose_ngram_match
+from quantspec.infer.spec.ngram import propose_ngram, propose_ngram_match, realigned_match
 
 __all__ = [
     "MAX_DRAFT_TOKENS",
@@ -274,10 +274,26 @@ def agreement_kind(agreement: int) -> int:
     return 0 if agreement <= 1 else 1 if agreement <= 3 else 2
 
 
+# `ReferenceProposer`'s realignment: tried when the exact match agrees on at most REALIGN_BELOW
+# tokens, taken when it matches at least REALIGN_MIN tokens and REALIGN_MARGIN more than that
+REALIGN_BELOW = 3
+REALIGN_MIN = 3
+REALIGN_MARGIN = 2
+
+
 class ReferenceProposer:
     """`speculate_method = inference_with_reference`: n-gram drafts from the sequence's own prompt
     and output (`propose_ngram_match`: longest suffix match from `max_ngram_size` down to
     `min_ngram_size`, most recent occurrence, up to k tokens). Deterministic drafts: probs None.
+
+    `realign` (default on): where the exact match is short (agreement ≤ REALIGN_BELOW tokens:
+    right after an edit of the text being copied, the last token alone matches, often in the
+    wrong place), `realigned_match` looks past an insertion / deletion of up to 3 tokens on either
+    side, and its draft replaces the exact one when it explains ≥ REALIGN_MIN tokens and
+    REALIGN_MARGIN more than the exact match (its agreement is then that count). Replayed on the
+    bench's plain greedy answers with the back-off's cost model, tokens per base forward on the
+    code-editing answers that mostly copy the prompt 3.36 → 3.62 (all code prompts 2.33 → 2.44,
+    chat unchanged at 1.39).
 
     `policy` (an `AdaptiveDraftLength`) picks k per sequence and per agreement class of the match
     (`agreement_kind`); None always asks for min(max_draft_tokens, budget).
@@ -286,11 +302,20 @@ class ReferenceProposer:
     needs_hidden = False
 
     def __init__(self, max_ngram_size: int = 3, max_draft_tokens: int = 5, *, min_ngram_size: int = 1,
-                 policy: AdaptiveDraftLength | None = None):
+                 policy: AdaptiveDraftLength | None = None, realign: bool = True):
         propose_ngram([0], max_ngram_size, max_draft_tokens, min_ngram_size)  # validates the sizes
         self.max_ngram_size, self.max_draft_tokens = max_ngram_size, max_draft_tokens
-        self.min_ngram_size, self.policy = min_ngram_size, policy
+        self.min_ngram_size, self.policy, self.realign = min_ngram_size, policy, bool(realign)
         self._buffers: dict[int, _TokenBuffer] = {}
+
+    def match(self, tokens: np.ndarray, cap: int) -> tuple[list[int], int]:
+        """(draft, agreement) for a sequence's tokens, at most `cap` drafts (class docstring)."""
+        draft, agreement = propose_ngram_match(tokens, self.max_ngram_size, cap, self.min_ngram_size)
+        if self.realign and agreement <= REALIGN_BELOW:
+            other, matched = realigned_match(tokens, cap)
+            if other and matched >= max(REALIGN_MIN, agreement + REALIGN_MARGIN):
+                return other, matched
+        return draft, agreement
 
     def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         drafts: list[list[int]] = []
@@ -301,7 +326,7 @@ class ReferenceProposer:
                 buf = self._buffers.get(seq.seq_id)
                 if buf is None:
                     buf = self._buffers[seq.seq_id] = _TokenBuffer()
-                draft, agreement = propose_ngram_match(buf.sync(seq), self.max_ngram_size, cap, self.min_ngram_size)
+                draft, agreement = self.match(buf.sync(seq), cap)
             if self.policy is not None:  # called every step: it reads the previous step's outcome
                 k = self.policy.num_drafts(seq, cap, agreement_kind(agreement) if draft else None)
                 draft = draft[:k]

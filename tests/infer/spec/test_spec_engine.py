@@ -273,6 +273,34 @@ def test_reference_proposer_asks_the_policy_per_agreement_class():
     assert prop.propose([short], [4])[0] == [[]] and asked[-1] == (4, None)
 
 
+def test_reference_proposer_realigns_only_short_matches(monkeypatch):
+    """Past an edit the realigned draft replaces a short exact match (and the policy hears its
+    agreement class); a long exact match is kept without searching; realign=False keeps the
+    exact match."""
+    import quantspec.infer.spec.proposers as proposers
+    from quantspec.infer.spec.ngram import propose_ngram_match, realigned_match
+
+    prompt = [10, 1, 7, 1, 2, 3, 4, 1, 5, 4, 1, 7, 11]  # "A\n```\ndef f(x)\nreturn x\n```B"
+    answer = [1, 7, 6, 1]  # "\n```python\n": "python" inserted after the fence
+    assert propose_ngram_match(prompt + answer, 3, 4) == ([7, 6, 1], 1)
+    assert realigned_match(prompt + answer, 4) == ([2, 3, 4, 1], 3)
+    calls = []
+    monkeypatch.setattr(proposers, "realigned_match", lambda t, k: calls.append(len(t)) or realigned_match(t, k))
+    for realign, expect, kind in ((True, [2, 3, 4, 1], 1), (False, [7, 6, 1], 0)):
+        policy = AdaptiveDraftLength(4, SpecCost(verify_fixed=0.0, verify_per_token=0.05))
+        asked = []
+        orig = policy.num_drafts
+        policy.num_drafts = lambda seq, budget, kind=0, orig=orig: asked.append(kind) or orig(seq, budget, kind)
+        prop = ReferenceProposer(3, 4, policy=policy, realign=realign)
+        seq = SimpleNamespace(seq_id=0, prompt_ids=prompt, output_ids=list(answer), stats=SeqStats())
+        assert prop.propose([seq], [4])[0] == [expect] and asked == [kind]
+    assert calls == [len(prompt) + len(answer)]  # the realign=False proposer never searched
+    # a long exact match (the answer now copies "def f(x)"): kept, no search
+    prop = ReferenceProposer(3, 4)
+    seq = SimpleNamespace(seq_id=1, prompt_ids=prompt, output_ids=answer + [2, 3, 4], stats=SeqStats())
+    assert prop.propose([seq], [4])[0] == [[1, 5, 4, 1]] and len(calls) == 1
+
+
 def test_backoff_bounds_the_cost_when_drafts_are_poor(model):
     """Drafts that are mostly wrong (1-gram matches while sampling a flat distribution) and a
     costly verification: the modelled cost of the adaptive run (sum of C(k) over its steps) stays

@@ -188,3 +188,101 @@ def test_match_agreement_length(tokens, max_n, expect):
     got = propose_ngram_match(tokens, max_n, 3)
     assert got == expect
     assert got[0] == propose_ngram(tokens, max_n, 3)
+
+
+# -- realigned_match: an edit-tolerant match past an insertion / deletion / substitution ----------
+
+
+def _realign_reference(tokens, max_draft):
+    """Brute force of `realigned_match`'s docstring, loop by loop."""
+    from quantspec.infer.spec.ngram import (REALIGN_CANDIDATES, REALIGN_CONTEXT, REALIGN_GAP_PENALTY,
+                                            REALIGN_MAX_GAP)
+
+    tokens = list(tokens)
+    length = len(tokens)
+    if max_draft == 0 or length < 2:
+        return [], 0
+    ends = [e for e in range(length - 1) if tokens[e] == tokens[-1]][-REALIGN_CANDIDATES:]
+    best = None  # (score, e, matched)
+    for e in ends:
+        a = 0
+        while a < REALIGN_CONTEXT and e - a >= 0 and tokens[e - a] == tokens[length - 1 - a]:
+            a += 1
+        gain, b_used = 0.0, 0
+        for go in range(REALIGN_MAX_GAP + 1):
+            for gs in range(REALIGN_MAX_GAP + 1):
+                if go == gs == 0:
+                    continue
+                q, r = length - 1 - a - go, e - a - gs
+                if r < 0 or r >= q:
+                    continue
+                b = 0
+                while b < REALIGN_CONTEXT and r - b >= 0 and tokens[q - b] == tokens[r - b]:
+                    b += 1
+                g = b - REALIGN_GAP_PENALTY * (go + gs)
+                if g > gain:
+                    gain, b_used = g, b
+        if best is None or a + gain >= best[0]:
+            best = (a + gain, e, a + b_used)
+    if best is None:
+        return [], 0
+    return tokens[best[1] + 1 : best[1] + 1 + max_draft], best[2]
+
+
+# the prompt "A\n```\ndef f(x)\nreturn x\n```B" as ids (A=10, B=11, newline=1, fence=7, def=2,
+# f=3, x=4, return=5); the answer so far "\n```python\n" (python=6)
+_FENCE_PROMPT = [10, 1, 7, 1, 2, 3, 4, 1, 5, 4, 1, 7, 11]
+_FENCE_ANSWER = [1, 7, 6, 1]
+
+
+@pytest.mark.parametrize(
+    "tokens, exact, realigned",
+    [
+        # an inserted token ("python" after the fence): the exact 1-token match takes the latest
+        # newline; realigned, the newline after the prompt's opening fence (skip 1 token)
+        (_FENCE_PROMPT + _FENCE_ANSWER, ([7, 6, 1], 1), ([2, 3, 4, 1, 5], 3)),
+        # a substituted token ("a b X d" against "a b c d"; "d" occurs again later, before "i")
+        ([1, 2, 3, 4, 5, 0, 6, 7, 8, 4, 9] + [1, 2, 99, 4], ([9, 1, 2, 99, 4], 1), ([5, 0, 6, 7, 8], 3)),
+        # a deleted token ("p q s" against "p q r s"; "s" occurs again later, before "w")
+        ([1, 2, 3, 4, 5, 6, 0, 7, 4, 8] + [1, 2, 4], ([8, 1, 2, 4], 1), ([5, 6, 0, 7, 4], 3)),
+    ],
+)
+def test_realigned_match_looks_past_an_edit(tokens, exact, realigned):
+    from quantspec.infer.spec.ngram import propose_ngram_match, realigned_match
+
+    assert propose_ngram_match(tokens, 3, 5) == exact
+    assert realigned_match(tokens, 5) == realigned
+    assert realigned_match(np.array(tokens), 5) == realigned == _realign_reference(tokens, 5)
+
+
+@pytest.mark.parametrize("tokens, k", [([], 3), ([4], 3), ([4, 5], 3), ([1, 2, 3], 0), ([5, 1, 2, 5], 2)])
+def test_realigned_match_edges(tokens, k):
+    from quantspec.infer.spec.ngram import realigned_match
+
+    got = realigned_match(tokens, k)
+    assert got == _realign_reference(tokens, k)
+    if tokens == [5, 1, 2, 5]:
+        assert got == ([1, 2], 1)  # no gap gains: the plain 1-token agreement
+    else:
+        assert got == ([], 0)
+
+
+def test_realigned_match_refuses_a_bad_count():
+    from quantspec.infer.spec.ngram import realigned_match
+
+    with pytest.raises(QuantSpecError, match="max_draft_tokens"):
+        realigned_match([1, 2, 1], -1)
+
+
+@pytest.mark.parametrize("vocab, length", [(3, 30), (5, 60), (8, 120), (2, 200)])
+def test_realigned_match_matches_brute_force(vocab, length):
+    """Random sequences over small vocabularies (many partial matches, ties, and for vocab 2 more
+    than REALIGN_CANDIDATES occurrences), every prefix."""
+    from quantspec.infer.spec.ngram import realigned_match
+
+    rng = np.random.default_rng(vocab * 1000 + length)
+    for trial in range(4):
+        seq = rng.integers(0, vocab, size=length).tolist()
+        for n in range(1, length + 1):
+            k = int(rng.integers(0, 7))
+            assert realigned_match(seq[:n], k) == _realign_reference(seq[:n], k), (trial, n, k)
