@@ -184,8 +184,7 @@ def realigned_match(
     context agree once "python" is skipped (go = 1: "\n" + "```" + the newline before it), so
     the draft is "def f(x):" rather than what followed the prompt's last newline.
     """
-    if not isinstance(max_draft_tokens, (int, np.integer)) or max_draft_tokens < 0:
-        raise QuantSpecError(f"max_draft_tokens={max_draft_tokens!r} must be an integer >= 0")
+    _check_sizes(1, max_draft_tokens, 1)
     tokens = _as_token_array(token_ids)  # [L]
     length = tokens.shape[0]
     if max_draft_tokens == 0 or length < 2:

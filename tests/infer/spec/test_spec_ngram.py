@@ -270,8 +270,9 @@ def test_realigned_match_edges(tokens, k):
 def test_realigned_match_refuses_a_bad_count():
     from quantspec.infer.spec.ngram import realigned_match
 
-    with pytest.raises(QuantSpecError, match="max_draft_tokens"):
-        realigned_match([1, 2, 1], -1)
+    for bad in (-1, 2.0, True):
+        with pytest.raises(QuantSpecError, match="max_draft_tokens"):
+            realigned_match([1, 2, 1], bad)
 
 
 @pytest.mark.parametrize("vocab, length", [(3, 30), (5, 60), (8, 120), (2, 200)])
