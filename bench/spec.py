@@ -169,13 +169,12 @@ def main():
     common = dict(model=str(model_dir), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
     methods = {"plain": Predictor(InferConfig(**common), loaded=loaded)}
     wanted = a.methods.split(",")
+    ngram_cfg = InferConfig(**common, speculate_method="inference_with_reference",
+                            speculate_max_draft_token_num=a.ngram_draft_tokens)
     if "ngram" in wanted:
-        methods["ngram"] = Predictor(InferConfig(**common, speculate_method="inference_with_reference",
-                                                 speculate_max_draft_token_num=a.ngram_draft_tokens), loaded=loaded)
+        methods["ngram"] = Predictor(ngram_cfg, loaded=loaded)
     if "ngram-exact" in wanted:  # the same without `ReferenceProposer.realign` (exact suffix matches only)
-        p = methods["ngram, exact matches only"] = Predictor(
-            InferConfig(**common, speculate_method="inference_with_reference",
-                        speculate_max_draft_token_num=a.ngram_draft_tokens), loaded=loaded)
+        p = methods["ngram, exact matches only"] = Predictor(ngram_cfg, loaded=loaded)
         p.engine.proposer.realign = False
     if "self" in wanted:
         p = Predictor(InferConfig(**common, speculate_method="draft", draft_model=str(model_dir),
