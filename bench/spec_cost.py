@@ -1,0 +1,157 @@
+"""What a verification step costs by its number of drafts, measured in the engine, beside the
+back-off's cost model for the device: C(k) = time of a step that verifies k drafts / time of a
+plain decode step (k = 0), one sequence, same context, one run.
+
+    python bench/spec_cost.py [--model DIR|zoo name] [--device cpu|cuda] [--threads 2]
+                              [--drafts 0,1,2,4,6,8,10,12,16] [--context 256] [--rounds 6] [--repeats 3]
+
+The back-off (`infer/spec/proposers.py`, `AdaptiveDraftLength`) picks each sequence's k by
+E(k) / C(k) with C(k) = 1 + verify_fixed + k · verify_per_token from `SpecCost.for_device`, so a
+model that is off for a device makes it draft too much or too little. This prints, per k, the
+median and the fastest step time and their ratios to k = 0, the model's C(k), and a least-squares
+fit of 1 + fixed + k · per_token to the medians: run it on a new device (a GPU when one is lent)
+to check or recalibrate the constants.
+
+A step is `Engine.step()` whole: the base forward over 1 + k rows, the head (greedy ids from the
+bf16 screen where the model has one, else the logits), verification and bookkeeping. The drafter
+proposes k copies of one token, so drafts are (almost always) rejected and the context grows by
+one token a step whatever k is; each round prefills a `--context`-token prompt of random ids
+(EOS ignored) and times `--repeats` steps for every k, in a shuffled order, so the k values see
+the same context lengths and the same interference on a shared machine.
+"""
+
+from __future__ import annotations
+
+import argparse
+import random
+import statistics
+import time
+
+import torch
+
+from quantspec.infer.predictor import InferConfig, Predictor
+from quantspec.infer.sampler import SamplingParams
+
+
+class FixedDrafter:
+    """Proposes `k` copies of `token` for every decoding sequence (at most its budget)."""
+
+    needs_hidden = False
+
+    def __init__(self, token: int):
+        self.k, self.token = 0, token
+
+    def propose(self, seqs, budgets):
+        return [[self.token] * min(self.k, b) for b in budgets], [None] * len(seqs)
+
+    def release(self, seq) -> None:
+        pass
+
+
+def measure(pred: Predictor, drafts: list[int], context: int, rounds: int, repeats: int,
+            seed: int = 0) -> tuple[dict[int, list[float]], int]:
+    """→ (step times (s) per draft count, drafts verified in the timed steps): `rounds` prompts,
+    `repeats` shuffled steps per k each."""
+    eng = pred.engine
+    vocab = pred.loaded.model.args.vocab_size
+    gen = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    drafter = FixedDrafter(token=0)
+    eng.proposer, eng.eos = drafter, set()  # time steps, not stopping rules
+    cuda = eng.device.type == "cuda"
+    times: dict[int, list[float]] = {k: [] for k in drafts}
+    verified = 0
+    for r in range(rounds + 1):  # round 0 warms up (kernels, caches) and is not recorded
+        prompt = torch.randint(vocab, (context,), generator=gen).tolist()
+        stop = []
+        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=eng.config.max_length))
+        seq.text_check = lambda s: 0 if stop else None  # ends the sequence when asked (below)
+        drafter.k = 0
+        eng.step()  # the prefill
+        order = [k for k in drafts for _ in range(repeats)]
+        rng.shuffle(order)
+        for k in order:
+            drafter.k = k
+            if cuda:
+                torch.cuda.synchronize()
+            t = time.perf_counter()
+            eng.step()
+            if cuda:
+                torch.cuda.synchronize()
+            if r:
+                times[k].append(time.perf_counter() - t)
+        if r:
+            verified += seq.stats.drafted
+        stop.append(True)
+        drafter.k = 0
+        while eng.has_work():
+            eng.step()
+    return times, verified
+
+
+def fit_cost(ratios: dict[int, float]) -> tuple[float, float, float]:
+    """Least squares of C(k) = 1 + fixed + k · per_token over k ≥ 1 → (fixed, per_token, and
+    per_token with fixed = 0); NaN where the points do not determine them."""
+    pts = [(k, c - 1.0) for k, c in ratios.items() if k > 0]
+    nan = float("nan")
+    if not pts:
+        return nan, nan, nan
+    through_zero = sum(k * c for k, c in pts) / sum(k * k for k, _ in pts)
+    mk = statistics.fmean(k for k, _ in pts)
+    var = sum((k - mk) ** 2 for k, _ in pts)
+    if var == 0:
+        return nan, nan, through_zero
+    mc = statistics.fmean(c for _, c in pts)
+    slope = sum((k - mk) * (c - mc) for k, c in pts) / var
+    return mc - slope * mk, slope, through_zero
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", default="smollm2-135m", help="zoo name, HF directory or artifact")
+    ap.add_argument("--device", default="auto")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--drafts", default="0,1,2,4,6,8,10,12,16", help="draft counts k (0 = plain decode)")
+    ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
+    ap.add_argument("--rounds", type=int, default=6)
+    ap.add_argument("--repeats", type=int, default=3, help="timed steps per k in a round")
+    a = ap.parse_args(argv)
+    drafts = sorted({int(k) for k in a.drafts.split(",") if k.strip()} | {0})
+    if a.rounds < 1 or a.repeats < 1 or a.context < 1:
+        raise SystemExit("--rounds, --repeats and --context must be >= 1")
+    if drafts[-1] > 16 or drafts[0] < 0:
+        raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..16 (--speculate-max-draft-token-num's range)")
+    torch.set_num_threads(a.threads)
+    steps = (a.rounds + 1) * a.repeats * len(drafts)
+    cfg = InferConfig(model=a.model, device=a.device, batch_size=1,
+                      max_length=a.context + a.repeats * len(drafts) * 17 + 2 * drafts[-1] + 8,
+                      speculate_method="inference_with_reference",
+                      speculate_max_draft_token_num=max(1, drafts[-1]))
+    pred = Predictor(cfg)
+    model_cost = pred.engine.proposer.policy.cost  # what the back-off assumes on this device
+    times, verified = measure(pred, drafts, a.context, a.rounds, a.repeats)
+
+    med = {k: statistics.median(v) for k, v in times.items()}
+    fast = {k: min(v) for k, v in times.items()}
+    r_med = {k: med[k] / med[0] for k in drafts}
+    r_fast = {k: fast[k] / fast[0] for k in drafts}
+    fixed, per_token, per_token0 = fit_cost(r_med)
+    print(f"\n## verification step cost, {a.model} on {pred.engine.device} ({pred.engine.dtype}), "
+          f"{torch.get_num_threads()} thread(s), context {a.context}+, {a.rounds} rounds x {a.repeats} steps per k "
+          f"({steps} steps)\n")
+    print("| drafts k | rows | median ms | C(k) median | fastest ms | C(k) fastest | model C(k) |")
+    print("|---:|---:|---:|---:|---:|---:|---:|")
+    for k in drafts:
+        print(f"| {k} | {k + 1} | {med[k] * 1e3:.2f} | {r_med[k]:.2f}x | {fast[k] * 1e3:.2f} | {r_fast[k]:.2f}x "
+              f"| {model_cost.step_cost(k):.2f}x |")
+    print(f"\nmodel (SpecCost.for_device): verify_fixed {model_cost.verify_fixed:.3f}, "
+          f"verify_per_token {model_cost.verify_per_token:.3f}")
+    print(f"fit to the medians over k >= 1: verify_fixed {fixed:.3f}, verify_per_token {per_token:.3f}; "
+          f"with verify_fixed = 0: verify_per_token {per_token0:.3f}")
+    return {"drafts": drafts, "median_s": med, "fastest_s": fast, "ratio_median": r_med, "ratio_fastest": r_fast,
+            "model": (model_cost.verify_fixed, model_cost.verify_per_token), "fit": (fixed, per_token, per_token0),
+            "verified": verified}
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,50 @@
+"""`bench/spec_cost.py`: the verification-step cost bench runs the steps it claims to time, and its
+fit recovers a known cost line."""
+
+import importlib.util
+import math
+from pathlib import Path
+
+import pytest
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "spec_cost.py"
+
+
+@pytest.fixture(scope="module")
+def spec_cost():
+    spec = importlib.util.spec_from_file_location("bench_spec_cost", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(mod)
+    return mod
+
+
+def test_fit_recovers_a_known_line(spec_cost):
+    ratios = {0: 1.0, **{k: 1.0 + 0.3 + 0.07 * k for k in (1, 2, 4, 8)}}
+    fixed, per_token, through_zero = spec_cost.fit_cost(ratios)
+    assert fixed == pytest.approx(0.3) and per_token == pytest.approx(0.07)
+    # with the intercept forced to 0, the slope absorbs it: sum(k * c) / sum(k^2)
+    ks = (1, 2, 4, 8)
+    assert through_zero == pytest.approx(sum(k * (0.3 + 0.07 * k) for k in ks) / sum(k * k for k in ks))
+    fixed, per_token, through_zero = spec_cost.fit_cost({0: 1.0, 4: 1.2})  # one point: slope only through 0
+    assert math.isnan(fixed) and math.isnan(per_token) and through_zero == pytest.approx(0.05)
+    assert all(math.isnan(v) for v in spec_cost.fit_cost({0: 1.0}))
+
+
+def test_bench_times_steps_that_verify_k_drafts(spec_cost, tiny_llama_dir, capsys):
+    rounds, repeats, drafts = 2, 2, (0, 2, 5)
+    res = spec_cost.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--threads", "1",
+                          "--drafts", "2,5", "--rounds", str(rounds), "--repeats", str(repeats), "--context", "12"])
+    assert res["drafts"] == list(drafts)  # k = 0, the baseline, is always measured
+    assert sorted(res["median_s"]) == list(drafts) and all(t > 0 for t in res["median_s"].values())
+    assert res["ratio_median"][0] == 1.0 and res["ratio_fastest"][0] == 1.0
+    # every timed step verified its k drafts (the warm-up round and the prefills verify none)
+    assert res["verified"] == rounds * repeats * sum(drafts)
+    out = capsys.readouterr().out
+    assert "| 5 | 6 |" in out and "verify_per_token" in out
+
+
+def test_bench_refuses_bad_draft_counts(spec_cost):
+    with pytest.raises(SystemExit, match="0..16"):
+        spec_cost.main(["--drafts", "0,17"])
+    with pytest.raises(SystemExit, match=">= 1"):
+        spec_cost.main(["--rounds", "0"])
