@@ -116,13 +116,15 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per k in a round")
     a = ap.parse_args(argv)
-    drafts = sorted({int(k) for k in a.drafts.split(",") if k.strip()} | {0})
+    try:
+        drafts = sorted({int(k) for k in a.drafts.split(",") if k.strip()} | {0})
+    except ValueError:
+        raise SystemExit(f"--drafts {a.drafts!r}: give comma-separated draft counts in 0..16, e.g. 0,2,4,8") from None
     if a.rounds < 1 or a.repeats < 1 or a.context < 1:
         raise SystemExit("--rounds, --repeats and --context must be >= 1")
     if drafts[-1] > 16 or drafts[0] < 0:
         raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..16 (--speculate-max-draft-token-num's range)")
     torch.set_num_threads(a.threads)
-    steps = (a.rounds + 1) * a.repeats * len(drafts)
     cfg = InferConfig(model=a.model, device=a.device, batch_size=1,
                       max_length=a.context + a.repeats * len(drafts) * 17 + 2 * drafts[-1] + 8,
                       speculate_method="inference_with_reference",
@@ -137,8 +139,8 @@ def main(argv: list[str] | None = None) -> dict:
     r_fast = {k: fast[k] / fast[0] for k in drafts}
     fixed, per_token, per_token0 = fit_cost(r_med)
     print(f"\n## verification step cost, {a.model} on {pred.engine.device} ({pred.engine.dtype}), "
-          f"{torch.get_num_threads()} thread(s), context {a.context}+, {a.rounds} rounds x {a.repeats} steps per k "
-          f"({steps} steps)\n")
+          f"{torch.get_num_threads()} thread(s), context {a.context}+, {a.rounds} rounds (after a warm-up one) "
+          f"x {a.repeats} timed steps per k\n")
     print("| drafts k | rows | median ms | C(k) median | fastest ms | C(k) fastest | model C(k) |")
     print("|---:|---:|---:|---:|---:|---:|---:|")
     for k in drafts:

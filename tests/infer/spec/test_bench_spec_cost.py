@@ -46,5 +46,7 @@ def test_bench_times_steps_that_verify_k_drafts(spec_cost, tiny_llama_dir, capsy
 def test_bench_refuses_bad_draft_counts(spec_cost):
     with pytest.raises(SystemExit, match="0..16"):
         spec_cost.main(["--drafts", "0,17"])
+    with pytest.raises(SystemExit, match="comma-separated"):
+        spec_cost.main(["--drafts", "2;4"])
     with pytest.raises(SystemExit, match=">= 1"):
         spec_cost.main(["--rounds", "0"])
