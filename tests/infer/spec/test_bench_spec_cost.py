@@ -6,6 +6,7 @@ import math
 from pathlib import Path
 
 import pytest
+import torch
 
 BENCH = Path(__file__).resolve().parents[3] / "bench" / "spec_cost.py"
 
@@ -15,7 +16,9 @@ def spec_cost():
     spec = importlib.util.spec_from_file_location("bench_spec_cost", BENCH)
     mod = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(mod)
-    return mod
+    threads = torch.get_num_threads()
+    yield mod
+    torch.set_num_threads(threads)  # `main` sets --threads for the process; later tests keep theirs
 
 
 def test_fit_recovers_a_known_line(spec_cost):
