@@ -29,6 +29,7 @@ import time
 
 import torch
 
+from quantspec.errors import QuantSpecError
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.infer.sampler import SamplingParams
 
@@ -120,8 +121,8 @@ def main(argv: list[str] | None = None) -> dict:
         drafts = sorted({int(k) for k in a.drafts.split(",") if k.strip()} | {0})
     except ValueError:
         raise SystemExit(f"--drafts {a.drafts!r}: give comma-separated draft counts in 0..16, e.g. 0,2,4,8") from None
-    if a.rounds < 1 or a.repeats < 1 or a.context < 1:
-        raise SystemExit("--rounds, --repeats and --context must be >= 1")
+    if a.rounds < 1 or a.repeats < 1 or a.context < 1 or a.threads < 1:
+        raise SystemExit("--rounds, --repeats, --context and --threads must be >= 1")
     if drafts[-1] > 16 or drafts[0] < 0:
         raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..16 (--speculate-max-draft-token-num's range)")
     torch.set_num_threads(a.threads)
@@ -129,7 +130,10 @@ def main(argv: list[str] | None = None) -> dict:
                       max_length=a.context + a.repeats * len(drafts) * 17 + 2 * drafts[-1] + 8,
                       speculate_method="inference_with_reference",
                       speculate_max_draft_token_num=max(1, drafts[-1]))
-    pred = Predictor(cfg)
+    try:
+        pred = Predictor(cfg)
+    except QuantSpecError as e:  # a missing model, an unknown device: the one-line reason
+        raise SystemExit(str(e)) from None
     model_cost = pred.engine.proposer.policy.cost  # what the back-off assumes on this device
     times, verified = measure(pred, drafts, a.context, a.rounds, a.repeats)
 

@@ -46,10 +46,14 @@ def test_bench_times_steps_that_verify_k_drafts(spec_cost, tiny_llama_dir, capsy
     assert "| 5 | 6 |" in out and "verify_per_token" in out
 
 
-def test_bench_refuses_bad_draft_counts(spec_cost):
+def test_bench_refuses_bad_input(spec_cost, tmp_path):
     with pytest.raises(SystemExit, match="0..16"):
         spec_cost.main(["--drafts", "0,17"])
     with pytest.raises(SystemExit, match="comma-separated"):
         spec_cost.main(["--drafts", "2;4"])
     with pytest.raises(SystemExit, match=">= 1"):
         spec_cost.main(["--rounds", "0"])
+    with pytest.raises(SystemExit, match=">= 1"):
+        spec_cost.main(["--threads", "0"])
+    with pytest.raises(SystemExit, match="does not exist"):
+        spec_cost.main(["--model", str(tmp_path / "missing")])
