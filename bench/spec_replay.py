@@ -153,8 +153,10 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ignore-eos", action="store_true", help="answers run to --new-tokens")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
-    if a.threads < 1 or a.new_tokens < 1 or not 1 <= a.draft_tokens <= 16 or a.ngram < 1:
-        raise SystemExit("--threads, --new-tokens and --ngram must be >= 1, --draft-tokens in 1..16")
+    if a.threads < 1 or a.new_tokens < 1 or not 1 <= a.draft_tokens <= 16 or a.ngram < 1 or a.prompts < 0:
+        raise SystemExit("--threads, --new-tokens and --ngram must be >= 1, --draft-tokens in 1..16, --prompts >= 0")
+    if a.max_length <= a.new_tokens:
+        raise SystemExit(f"--max-length {a.max_length} leaves no room for a prompt before --new-tokens {a.new_tokens}")
     cost = None
     if a.cost:
         try:
@@ -197,7 +199,10 @@ def main(argv: list[str] | None = None) -> dict:
         answers = []  # (prompt ids, answer ids, copy share, prefill s, decode s)
         for src in srcs:
             t = time.perf_counter()
-            out = plain.generate([src])[0]
+            try:
+                out = plain.generate([src])[0]
+            except QuantSpecError as e:  # a prompt longer than --max-length allows: the one-line reason
+                raise SystemExit(f"{kind} prompt {src[:40]!r}...: {e}") from None
             wall = time.perf_counter() - t
             prompt = plain.encode(src)[0]
             answers.append((prompt, out.token_ids, copy_share(prompt, out.token_ids), out.ttft_s, wall - out.ttft_s))

@@ -80,7 +80,7 @@ def test_main_prints_every_drafter(spec_replay, tiny_llama_dir, tmp_path, capsys
     assert "| chat | copier |" in capsys.readouterr().out
 
 
-def test_bad_input_is_one_line(spec_replay, tmp_path):
+def test_bad_input_is_one_line(spec_replay, tiny_llama_dir, tmp_path):
     with pytest.raises(SystemExit, match="FIXED,PER_TOKEN"):
         spec_replay.main(["--cost", "0.05"])
     with pytest.raises(SystemExit, match="FIXED,PER_TOKEN"):
@@ -97,3 +97,11 @@ def test_bad_input_is_one_line(spec_replay, tmp_path):
     data.write_text(json.dumps({"kind": "chat", "src": "hi"}) + "\n")
     with pytest.raises(SystemExit, match="does not exist"):
         spec_replay.main(["--model", str(tmp_path / "missing"), "--data", str(data)])
+    with pytest.raises(SystemExit, match="--prompts >= 0"):
+        spec_replay.main(["--prompts", "-1"])
+    with pytest.raises(SystemExit, match="no room for a prompt"):
+        spec_replay.main(["--max-length", "128", "--new-tokens", "128"])
+    data.write_text(json.dumps({"kind": "chat", "src": "word " * 200}) + "\n")
+    with pytest.raises(SystemExit, match="chat prompt 'word.*over --src-length"):
+        spec_replay.main(["--model", str(tiny_llama_dir), "--data", str(data), "--max-length", "64",
+                          "--new-tokens", "8", "--threads", "1"])
