@@ -60,6 +60,17 @@ DATA = Path(__file__).parent / "data" / "spec_prompts.jsonl"
 COPY_RUN = 4  # tokens: a copied run at least this long counts towards the copy share
 
 
+def load_prompts(path: str | Path, per_kind: int = 0) -> dict[str, list[str]]:
+    """The jsonl's {kind, src} rows as kind → prompts, in file order; the first `per_kind` of each
+    kind (0: all)."""
+    kinds: dict[str, list[str]] = {}
+    for line in Path(path).read_text().splitlines():
+        if line.strip():
+            row = json.loads(line)
+            kinds.setdefault(row["kind"], []).append(row["src"])
+    return {k: v[: per_kind or None] for k, v in kinds.items()}
+
+
 def copy_share(prompt_ids: list[int], answer_ids: list[int], n: int = COPY_RUN) -> float:
     """Fraction of answer tokens covered by an n-token window that also occurs in the prompt."""
     if not answer_ids:
@@ -160,11 +171,7 @@ def main():
 
     model_dir = ensure_zoo_model(DEFAULT_MODEL)
     loaded = load_for_inference(model_dir)
-    rows = [json.loads(line) for line in Path(a.data).read_text().splitlines() if line.strip()]
-    kinds = {}
-    for r in rows:
-        kinds.setdefault(r["kind"], []).append(r["src"])
-    kinds = {k: v[: a.prompts or None] for k, v in kinds.items()}
+    kinds = load_prompts(a.data, a.prompts)
 
     common = dict(model=str(model_dir), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
     methods = {"plain": Predictor(InferConfig(**common), loaded=loaded)}

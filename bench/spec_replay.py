@@ -44,7 +44,7 @@ import numpy as np
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from spec import DATA, copy_share  # noqa: E402  (the sibling bench: the same prompts and copy share)
+from spec import DATA, copy_share, load_prompts  # noqa: E402  (the sibling bench: the same prompts, copy share)
 
 from quantspec.errors import QuantSpecError  # noqa: E402
 from quantspec.infer.predictor import InferConfig, Predictor  # noqa: E402
@@ -167,11 +167,7 @@ def main(argv: list[str] | None = None) -> dict:
     data = Path(a.data)
     if not data.is_file():
         raise SystemExit(f"--data {data}: no such file")
-    rows = [json.loads(line) for line in data.read_text().splitlines() if line.strip()]
-    kinds: dict[str, list[str]] = {}
-    for r in rows:
-        kinds.setdefault(r["kind"], []).append(r["src"])
-    kinds = {k: v[: a.prompts or None] for k, v in kinds.items()}
+    kinds = load_prompts(data, a.prompts)
     if not kinds:
         raise SystemExit(f"--data {data}: no prompts")
     torch.set_num_threads(a.threads)
