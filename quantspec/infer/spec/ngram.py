@@ -61,6 +61,29 @@ def _as_token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.
     return arr.astype(np.int64, copy=False)
 
 
+def _continuation(tokens: np.ndarray, end: int, cap: int) -> list[int]:
+    """The up to `cap` tokens that followed position `end` (an earlier occurrence of the
+    sequence's suffix), continued periodically where they run into the sequence's own end and the
+    sequence already repeats itself: with p = L - 1 - end, if the last q = max(p, 2) tokens equal
+    the q tokens p before them (one whole turn of a loop seen; a 1-token loop needs 3 equal
+    tokens), the draft cycles through the last p tokens up to `cap` tokens; else it stops at the
+    sequence's end. A repeating answer (a list of rows that differ in one field, a small model
+    stuck in a loop) then gets a full draft instead of one cut to its period: [7, 1, 2, 1, 2]
+    matched at end = 2 → [1, 2, 1, 2, 1] for cap = 5, where [5, 1, 2, 9, 1, 2] at end = 2 gives
+    [9, 1, 2] (the last 3 tokens have not repeated). Replayed on the bench's plain greedy answers
+    with the back-off (`bench/spec_replay.py`, ≤ 10 drafts): the code-editing answers that mostly
+    copy the prompt 202 → 199 base forwards (the SQL answer that loops: 8 → 11 tokens a forward),
+    chat unchanged."""
+    length = tokens.shape[0]
+    nxt = tokens[end + 1 : end + 1 + cap]  # [≤ cap]
+    p = length - 1 - end
+    q = max(p, 2)
+    if (nxt.shape[0] < cap and 0 < p and p + q <= length
+            and np.array_equal(tokens[length - q:], tokens[length - q - p : length - p])):
+        nxt = np.resize(nxt, cap)  # nxt is the last p tokens here: repeated cyclically
+    return nxt.tolist()
+
+
 def propose_ngram(
     token_ids: Sequence[int] | np.ndarray | torch.Tensor,  # [L] prompt + generated so far
     max_ngram_size: int,
@@ -88,8 +111,9 @@ def propose_ngram_match(
     matches the *most recent* occurrence wins: the latest context is the best predictor of what
     comes next in generated text (a list being continued). The draft is the up to
     max_draft_tokens tokens that followed that occurrence, cut at the end of the sequence (a
-    match close to the end yields fewer tokens). [] if nothing matches, the sequence has fewer
-    than 2 tokens, or max_draft_tokens is 0.
+    match close to the end yields fewer tokens) unless the sequence is repeating itself there,
+    where the draft continues the loop (`_continuation`). [] if nothing matches, the sequence has
+    fewer than 2 tokens, or max_draft_tokens is 0.
 
     agreement: how many trailing tokens of the sequence equal the tokens ending at the chosen
     occurrence (at least the matched n, counted up to AGREEMENT_CAP; 0 with an empty draft). A
@@ -137,7 +161,7 @@ def propose_ngram_match(
             best_end = int(ends[-1])
             if ends.size == 1:
                 break
-    draft = tokens[best_end + 1 : best_end + 1 + int(max_draft_tokens)].tolist()
+    draft = _continuation(tokens, best_end, int(max_draft_tokens))
     agreement = best_n
     while (agreement < AGREEMENT_CAP and agreement <= best_end
            and tokens[best_end - agreement] == tokens[length - 1 - agreement]):
@@ -176,8 +200,8 @@ def realigned_match(
     An occurrence scores a + its best gain over the gaps, gain = max(0, b − REALIGN_GAP_PENALTY ·
     (go + gs)) (the smallest edit that explains the most text; among equal gains the first gap in
     (go, gs) order); the best score wins, ties → the most recent occurrence. Its draft is the up
-    to max_draft_tokens tokens after e; matched = a + the b of its best gap (a alone when no gap
-    gains). [] and 0 when the last token never occurred before.
+    to max_draft_tokens tokens after e (`_continuation`); matched = a + the b of its best gap (a
+    alone when no gap gains). [] and 0 when the last token never occurred before.
 
     Example: the prompt holds "```\ndef f(x):" and the answer so far is "```python\n": the
     last token "\n" occurs after every line of the prompt, but only after "```" does the
@@ -204,7 +228,7 @@ def realigned_match(
     i = ends.size - 1 - int(np.argmax(score[::-1]))  # the best; ties → the most recent
     e = int(ends[i])
     matched = int(a[i]) + (int(b[i, best_gap[i]]) if best_gain[i] > 0 else 0)
-    return tokens[e + 1 : e + 1 + int(max_draft_tokens)].tolist(), matched
+    return _continuation(tokens, e, int(max_draft_tokens)), matched
 
 
 def propose_ngram_batch(

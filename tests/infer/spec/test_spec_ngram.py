@@ -14,6 +14,23 @@ from quantspec.infer.spec.ngram import (
 )
 
 
+def _follow(tokens, end, max_draft):
+    """Brute force of the draft after an occurrence ending at `end`: the tokens after it, and past
+    the sequence's end, while the sequence equals itself shifted by p = L - 1 - end over its last
+    max(p, 2) tokens, the token p places back in the sequence extended so far."""
+    tokens = list(tokens)
+    length, p = len(tokens), len(tokens) - 1 - end
+    draft = tokens[end + 1 : end + 1 + max_draft]
+    q = max(p, 2)
+    looping = p + q <= length and all(tokens[length - 1 - j] == tokens[length - 1 - p - j] for j in range(q))
+    if looping:
+        ext = tokens[:]
+        while len(draft) < max_draft:
+            ext.append(ext[len(ext) - p])
+            draft.append(ext[-1])
+    return draft
+
+
 def _reference(tokens, max_n, max_draft, min_n=1):
     """Brute force: the earlier occurrence (ending at e < L - 1) with the longest backward match
     against the suffix, the match length capped at max_n + TIE_BREAK_CONTEXT; the latest among
@@ -30,7 +47,7 @@ def _reference(tokens, max_n, max_draft, min_n=1):
             best_len, best_end = n, e
     if best_len < min_n:
         return []
-    return tokens[best_end + 1 : best_end + 1 + max_draft]
+    return _follow(tokens, best_end, max_draft)
 
 
 def test_docstring_example():
@@ -81,13 +98,28 @@ def test_longer_context_chooses_among_full_length_matches():
     assert _reference(tokens, 2, 1) == [7]
 
 
-def test_overlapping_occurrence_and_truncation_at_end():
-    # periodic [1, 2] * 3: the most recent earlier occurrence of [1, 2] is positions 2..3,
-    # overlapping nothing of the suffix but close to the end → only 2 tokens remain after it
-    tokens = [1, 2, 1, 2, 1, 2]
-    assert propose_ngram(tokens, 2, 5) == [1, 2]
-    # overlap: suffix [7, 7, 7] of [7, 7, 7, 7] occurs at 0..2 (overlapping the suffix at 1..2)
-    assert propose_ngram([7, 7, 7, 7], 3, 5) == [7]
+def test_overlapping_occurrence_truncation_and_loops_at_end():
+    # the most recent earlier occurrence of [1, 2] is positions 2..3, close to the end: only 2
+    # tokens follow it, and the sequence has not repeated them → the draft stops there
+    assert propose_ngram([5, 1, 2, 9, 1, 2], 2, 5) == [9, 1, 2]
+    assert propose_ngram([1, 2, 3, 1, 2], 2, 5) == [3, 1, 2]
+    # periodic [1, 2] * 3: the sequence repeats its last 2 tokens → the draft continues the loop
+    assert propose_ngram([1, 2, 1, 2, 1, 2], 2, 5) == [1, 2, 1, 2, 1]
+    assert propose_ngram([8, 1, 2, 3, 1, 2, 3], 3, 7) == [1, 2, 3, 1, 2, 3, 1]
+    # a loop seen once is enough; a 1-token loop needs three equal tokens
+    assert propose_ngram([7, 7, 7, 7], 3, 5) == [7, 7, 7, 7, 7]
+    assert propose_ngram([4, 7, 7, 7], 3, 3) == [7, 7, 7]
+    assert propose_ngram([4, 7, 7], 3, 3) == [7]
+    # the continuation never passes the cap
+    assert propose_ngram([1, 2, 1, 2], 2, 0) == [] and propose_ngram([1, 2, 1, 2], 2, 1) == [1]
+
+
+def test_loop_continuation_of_the_realigned_match():
+    from quantspec.infer.spec.ngram import realigned_match
+
+    # "a b X a b X" continues the loop "a b X" however the match was found
+    assert realigned_match([1, 2, 9, 1, 2, 9], 5) == ([1, 2, 9, 1, 2], 3)
+    assert realigned_match([1, 2, 9, 1, 2, 9], 5) == _realign_reference([1, 2, 9, 1, 2, 9], 5)
 
 
 def test_max_draft_cap_and_min_ngram_size():
@@ -123,7 +155,7 @@ def test_matches_brute_force_on_random_sequences(seed):
 
 def test_batch_and_per_sequence_caps():
     seqs = [[1, 2, 3, 1, 2], [5, 6, 7], [9, 9, 9, 9]]
-    assert propose_ngram_batch(seqs, 2, 3) == [[3, 1, 2], [], [9]]
+    assert propose_ngram_batch(seqs, 2, 3) == [[3, 1, 2], [], [9, 9, 9]]
     assert propose_ngram_batch(seqs, 2, [1, 3, 0]) == [[3], [], []]
     with pytest.raises(QuantSpecError, match="max_draft_tokens"):
         propose_ngram_batch(seqs, 2, [1, 2])
@@ -175,7 +207,7 @@ def test_long_sequence_finds_distant_match():
     [
         ([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 3, ([5, 1, 2], 3)),  # the docstring example
         ([1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3], 1, ([5, 1, 2], 3)),  # agreement is counted past max_n
-        ([1, 2, 1, 2, 1, 2], 3, ([1, 2], 4)),  # overlapping occurrence: agrees back to position 0
+        ([1, 2, 1, 2, 1, 2], 3, ([1, 2, 1], 4)),  # overlapping occurrence: agrees back to position 0
         ([7, 1, 2, 8, 2], 3, ([8, 2], 1)),  # 1-token match
         ([5, 6], 3, ([], 0)),  # nothing matches
         (list(range(20)) * 2, 2, ([0, 1, 2], 16)),  # capped at AGREEMENT_CAP
@@ -226,7 +258,7 @@ def _realign_reference(tokens, max_draft):
             best = (a + gain, e, a + b_used)
     if best is None:
         return [], 0
-    return tokens[best[1] + 1 : best[1] + 1 + max_draft], best[2]
+    return _follow(tokens, best[1], max_draft), best[2]
 
 
 # the prompt "A\n```\ndef f(x)\nreturn x\n```B" as ids (A=10, B=11, newline=1, fence=7, def=2,
