@@ -14,10 +14,7 @@ its bookkeeping of drafted / accepted tokens), per prompt kind:
 
 - policy:    `ReferenceProposer` with the back-off (`AdaptiveDraftLength`), as the engine builds it
              for this model: what `--speculate-method inference_with_reference` does
-             (tests/infer/spec/test_bench_spec_replay.py checks every count against the engine;
-             where an answer ends at EOS the engine's `accepted` can be 1 higher: it counts a
-             draft its verifier accepted after the EOS, which is never emitted, and the replay
-             does not);
+             (tests/infer/spec/test_bench_spec_replay.py checks every count against the engine);
 - hindsight: the same matcher's drafts without the back-off, each cut to the tokens that will be
              accepted (k = accepted): the ceiling of any draft-length policy for this matcher;
 - copier:    the longest run of the answer's next tokens that occurs anywhere in the prompt and

@@ -286,7 +286,14 @@ class Engine:
             seq.num_cached = seq.num_tokens + n_acc  # fed tokens + accepted drafts are valid KV
             if not was_prefill:
                 seq.stats.target_forwards += 1
+            if seq.stats.t_first_token is None:
+                seq.stats.t_first_token = now
+            emitted = self._append(seq, toks)
             if d:
+                # the drafts that count as accepted are the ones emitted: where the sequence ends
+                # inside the accepted run (an EOS draft, a stop string) the verifier may have
+                # accepted drafts after it that never reach the output
+                n_acc = min(n_acc, len(emitted))
                 st = seq.stats
                 st.drafted += len(d)
                 st.accepted += n_acc
@@ -296,9 +303,6 @@ class Engine:
                 for j in range(len(d)):
                     st.drafted_per_position[j] += 1
                     st.accepted_per_position[j] += int(j < n_acc)
-            if seq.stats.t_first_token is None:
-                seq.stats.t_first_token = now
-            emitted = self._append(seq, toks)
             out.append((seq, emitted))
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now

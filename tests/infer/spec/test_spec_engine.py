@@ -65,6 +65,39 @@ def test_ngram_greedy_identical_to_plain(model, batch, adaptive):
         assert s.stats.target_forwards == len(s.output_ids) - 1 - s.stats.accepted
 
 
+class _Oracle:
+    """Drafts the next `k` tokens of a known greedy answer (all of them accepted)."""
+
+    needs_hidden = False
+
+    def __init__(self, answer):
+        self.answer = answer
+
+    def propose(self, seqs, budgets):
+        return [self.answer[len(s.output_ids):len(s.output_ids) + b] for s, b in zip(seqs, budgets)], [None] * len(seqs)
+
+    def release(self, seq):
+        pass
+
+
+def test_stats_count_only_emitted_drafts_when_the_sequence_ends_inside_them(model):
+    """An EOS inside an accepted run of drafts: the verifier accepts the drafts after it too, but
+    they are never emitted, so they are not counted (acceptance, per position)."""
+    prompt = _prompts([12], seed=4)[0]
+    answer = _ids(_run(model, [prompt], SamplingParams(max_new_tokens=12)))[0]  # no EOS: 12 tokens
+    eos = answer[3]
+    assert eos not in answer[:3]  # the answer then ends at its 4th token
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=1, max_length=256, spec_max_draft_tokens=8),
+                 eos_token_ids=[eos], proposer=_Oracle(answer))
+    seq = eng.add_request(prompt, SamplingParams(max_new_tokens=12), request_index=0)
+    eng.run()
+    # step 1 prefills (token 1); step 2 verifies 8 drafts = tokens 2..9, all accepted by the
+    # base, but the output ends at the EOS (token 4): 3 drafts reached it (tokens 2, 3, 4)
+    assert seq.output_ids == answer[:4] and seq.finish_reason == "eos"
+    assert (seq.stats.target_forwards, seq.stats.drafted, seq.stats.accepted) == (1, 8, 3)
+    assert seq.stats.accepted_per_position == [1, 1, 1, 0, 0, 0, 0, 0]
+
+
 def test_ngram_block_boundaries_and_draft_budget(model):
     """Tiny blocks (drafts straddle block boundaries) and max_new_tokens / max_length caps."""
     prompts = _prompts([3, 4, 8], seed=2)
