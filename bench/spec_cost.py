@@ -32,6 +32,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.infer.sampler import SamplingParams
+from quantspec.infer.spec.proposers import MAX_DRAFT_TOKENS
 
 
 class FixedDrafter:
@@ -120,11 +121,13 @@ def main(argv: list[str] | None = None) -> dict:
     try:
         drafts = sorted({int(k) for k in a.drafts.split(",") if k.strip()} | {0})
     except ValueError:
-        raise SystemExit(f"--drafts {a.drafts!r}: give comma-separated draft counts in 0..16, e.g. 0,2,4,8") from None
+        raise SystemExit(f"--drafts {a.drafts!r}: give comma-separated draft counts in 0..{MAX_DRAFT_TOKENS}, "
+                         "e.g. 0,2,4,8") from None
     if a.rounds < 1 or a.repeats < 1 or a.context < 1 or a.threads < 1:
         raise SystemExit("--rounds, --repeats, --context and --threads must be >= 1")
-    if drafts[-1] > 16 or drafts[0] < 0:
-        raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..16 (--speculate-max-draft-token-num's range)")
+    if drafts[-1] > MAX_DRAFT_TOKENS or drafts[0] < 0:
+        raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..{MAX_DRAFT_TOKENS} "
+                         "(--speculate-max-draft-token-num's range)")
     torch.set_num_threads(a.threads)
     cfg = InferConfig(model=a.model, device=a.device, batch_size=1,
                       max_length=a.context + a.repeats * len(drafts) * 17 + 2 * drafts[-1] + 8,

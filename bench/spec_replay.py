@@ -45,7 +45,12 @@ from spec import DATA, copy_share, load_prompts  # noqa: E402  (the sibling benc
 
 from quantspec.errors import QuantSpecError  # noqa: E402
 from quantspec.infer.predictor import InferConfig, Predictor  # noqa: E402
-from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost  # noqa: E402
+from quantspec.infer.spec.proposers import (  # noqa: E402
+    MAX_DRAFT_TOKENS,
+    AdaptiveDraftLength,
+    ReferenceProposer,
+    SpecCost,
+)
 
 DRAFTERS = ("policy", "hindsight", "copier")
 
@@ -150,8 +155,9 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--ignore-eos", action="store_true", help="answers run to --new-tokens")
     ap.add_argument("--json", help="also write the rows here")
     a = ap.parse_args(argv)
-    if a.threads < 1 or a.new_tokens < 1 or not 1 <= a.draft_tokens <= 16 or a.ngram < 1 or a.prompts < 0:
-        raise SystemExit("--threads, --new-tokens and --ngram must be >= 1, --draft-tokens in 1..16, --prompts >= 0")
+    if a.threads < 1 or a.new_tokens < 1 or not 1 <= a.draft_tokens <= MAX_DRAFT_TOKENS or a.ngram < 1 or a.prompts < 0:
+        raise SystemExit(f"--threads, --new-tokens and --ngram must be >= 1, --draft-tokens in 1..{MAX_DRAFT_TOKENS}, "
+                         "--prompts >= 0")
     if a.max_length <= a.new_tokens:
         raise SystemExit(f"--max-length {a.max_length} leaves no room for a prompt before --new-tokens {a.new_tokens}")
     cost = None

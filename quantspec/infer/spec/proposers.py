@@ -90,9 +90,9 @@ class SpecCost:
     (`packed_cpu=True`; at 1 thread, where one row is slower to stream, it was 1.0-1.2x for
     k = 1..10). `bench/spec_cost.py` measures whole engine steps per k beside this model (session
     13, 256 tokens of context, medians / fastest: 1.05x / 1.13x (k=4), 1.35x / 1.46x (8), 1.54x /
-    1.66x (10), 2.10x / 2.28x (16)). With the row-major kernels (quantized linears, or torch's ops) it was 1.26x
-    (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few extra rows are
-    nearly free.
+    1.66x (10), 2.10x / 2.28x (16)). With the row-major kernels (quantized linears, or torch's
+    ops) it was 1.26x (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few
+    extra rows are nearly free.
     """
 
     verify_fixed: float = 0.5
