@@ -1,7 +1,7 @@
 """quantspec's CPU GEMM kernels vs the torch ops they replace, side by side in one run.
 
     python bench/kernels_cpu.py [--threads 2] [--rows 1,2,4,8,16,64,128] [--rate-rows 1,4,8,11,16,130]
-                                [--prefill-rows 130,512]
+                                [--prefill-rows 130,512] [--pair-rows 1,4,11,130]
 
 Weights of the default model's shapes (30 decoder layers: fused q/k/v 960×576, o 576×576, fused
 gate/up 3072×576, down 576×1536; and the 49152×576 head), cycled so that they stream from memory
@@ -10,11 +10,16 @@ layers (or per head call) for torch's op and for quantspec's kernel, and the rat
 torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/dense_linear.py) for M ≤ 4 and
 `F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
 `_weight_int4pack_mm_for_cpu` (bf16 x, g32). quantspec's: `packed_gemm` (fp32, column blocks),
-`dense_gemv` (bf16, row-major), `packed_w8_gemm`, `packed_w4_gemm` (bf16 x).
+`packed_pairs_gemm` (bf16 in k-pairs; `dense_gemv`, row-major, without AVX512-BF16),
+`packed_w8_gemm`, `packed_w4_gemm` (bf16 x: their pair path).
 
 Compute-rate table (`--rate-rows`): GFLOP/s of `packed_gemm` over the fp32 layers at M rows beside
 torch's sgemm on a large square product (2048³, the machine's practical fp32 peak): where the
 packed kernel is near that rate, a verification step of M rows cannot get cheaper in fp32 here.
+
+Pair-path table (`--pair-rows`): bf16 x (how quantized artifacts load on CPU) through the int8 /
+int4 layers and the bf16 head: the kernels' AVX512-BF16 pair path (what runs) vs their fp32 chain
+(`set_pair_path(False)`; for the head the row-major `dense_gemv` it replaced) and torch's op.
 
 Prefill table (`--prefill-rows`): fp32 x (how the default model loads) through the int8 / int4
 (g64) layers, where the dispatch took dequantize + `F.linear` before quantspec's packed kernels
@@ -57,7 +62,7 @@ def _make(kind: str, N: int, K: int):
         return (w,), (cg.pack_dense(w), N)
     if kind == "bf16":
         wb = w.bfloat16()
-        return (wb,), (wb,)
+        return (wb,), ((cg.pack_pairs(wb), N) if cg.pair_path_available() else (wb,))
     if kind == "int8":
         q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
         s = torch.rand(N) * 0.01
@@ -81,8 +86,8 @@ def _torch_op(kind: str):
 
 
 def _ours(kind: str):
-    return {"fp32": cg.packed_gemm, "bf16": cg.dense_gemv, "int8": cg.packed_w8_gemm,
-            "int4": cg.packed_w4_gemm}[kind]
+    bf16 = cg.packed_pairs_gemm if cg.pair_path_available() else cg.dense_gemv
+    return {"fp32": cg.packed_gemm, "bf16": bf16, "int8": cg.packed_w8_gemm, "int4": cg.packed_w4_gemm}[kind]
 
 
 def main():
@@ -93,6 +98,7 @@ def main():
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rate-rows", default="1,4,8,11,16,130", help="rows of the compute-rate table ('' skips it)")
     ap.add_argument("--prefill-rows", default="130,512", help="rows of the prefill table ('' skips it)")
+    ap.add_argument("--pair-rows", default="1,4,11,130", help="rows of the pair-path table ('' skips it)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
@@ -145,6 +151,61 @@ def main():
                 t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
                 t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
                 print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
+    pair_rows = [int(r) for r in a.pair_rows.split(",") if r]
+    if pair_rows:
+        pair_table(pair_rows, a.layers)
+
+
+def pair_table(rows: list[int], n_layers: int) -> None:
+    """bf16 x through the quantized layers and the bf16 head: quantspec's pair path (AVX512-BF16's
+    dot product) vs the same kernels' fp32 chain (the path before it) and torch's packed op, side
+    by side; int4 in groups of 64 (what the default model's int4 artifact uses for K = 576)."""
+    mod = cg.cpu_kernels()
+    if not mod.has_bf16_dot():
+        print("\n(no pair-path table: this CPU has no AVX512-BF16)")
+        return
+    print(f"\n## bf16 x: pair path vs fp32 chain, {torch.get_num_threads()} threads (ms per pass over "
+          f"{n_layers} layers / per head call; ratio = chain / pairs)\n")
+    print("| weights | M | torch's op | fp32 chain | pair path | ratio | vs torch |")
+    print("|---|---:|---:|---:|---:|---:|---:|")
+    g = 64
+    cases = {}
+    for kind in ("int8", "int4"):
+        layers = []
+        for N, K in LAYER_SHAPES * n_layers:
+            if kind == "int8":
+                q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
+                s = torch.rand(N) * 0.01
+                pq, sb = cg.pack_w8(q), s.bfloat16()
+                layers.append((K, lambda x, q=q, sb=sb: torch._weight_int8pack_mm(x, q, sb),
+                               lambda x, pq=pq, s=s, N=N: cg.packed_w8_gemm(x, pq, s, N)))
+            else:
+                q = torch.randint(-8, 8, (N, K), dtype=torch.int8)
+                s = torch.rand(N, K // g) * 0.01
+                z = torch.zeros_like(s)
+                tp = torch._convert_weight_to_int4pack_for_cpu((q.to(torch.int32) + 8).contiguous(), 1)
+                sz = torch.stack([s.t(), z.t()], dim=-1).bfloat16().contiguous()
+                p4 = cg.pack_w4(q, s, z)
+                layers.append((K, lambda x, tp=tp, sz=sz: torch._weight_int4pack_mm_for_cpu(x, tp, g, sz),
+                               lambda x, p4=p4, N=N: cg.packed_w4_gemm(x, *p4, g, N)))
+        cases[kind] = (lambda xs, L=layers: [t(xs[K]) for K, t, _ in L],
+                       lambda xs, L=layers: [o(xs[K]) for K, _, o in L])
+    wb = (torch.randn(*HEAD) * 0.05).bfloat16()
+    wp = cg.pack_pairs(wb)
+    cases["bf16 head"] = (lambda xs: F.linear(xs[576], wb), lambda xs: cg.packed_pairs_gemm(xs[576], wp, HEAD[0]))
+    chain_head = lambda xs: cg.dense_gemv(xs[576], wb)  # noqa: E731  (the row-major kernel the head used)
+    for kind, (theirs, ours) in cases.items():
+        for M in rows:
+            xs = {K: torch.randn(M, K).bfloat16() for K in (576, 1536)}
+            reps = 5 if M <= 16 else 2
+            t_t = _time(lambda: theirs(xs), reps)
+            was = mod.set_pair_path(False)
+            try:
+                t_c = _time(lambda: (chain_head if kind == "bf16 head" else ours)(xs), reps)
+            finally:
+                mod.set_pair_path(was)
+            t_p = _time(lambda: ours(xs), reps)
+            print(f"| {kind} | {M} | {t_t:.2f} | {t_c:.2f} | {t_p:.2f} | {t_c / t_p:.2f}x | {t_t / t_p:.2f}x |", flush=True)
 
 
 def _prefill_layer(kind: str, N: int, K: int, g: int = 64):

@@ -32,7 +32,7 @@ from torch import nn
 
 from quantspec.infer.step_rows import in_decode_step
 
-__all__ = ["PackedEmbedding", "PackedInt8Linear", "PackedLinear", "SkinnyLinear", "all_linears_packed", "pack_float_linears", "use_skinny_linears"]
+__all__ = ["PackedEmbedding", "PackedInt8Linear", "PackedLinear", "PackedPairsLinear", "SkinnyLinear", "all_linears_packed", "pack_float_linears", "use_skinny_linears"]
 
 MAX_ROWS = 4  # largest M that takes the W @ xᵀ path
 _FEW_IDS = 16  # PackedEmbedding: up to this many ids are looked up one by one
@@ -86,6 +86,16 @@ def use_skinny_linears(model: nn.Module, *, cpu_kernels: bool = True) -> int:
     return n
 
 
+def _block_rows(blocks: torch.Tensor, ids, k: int) -> torch.Tensor:
+    """Rows `ids` (a list, or a 1-D tensor) of a weight packed in column blocks of 32 outputs,
+    `blocks` [NB, ..., 32, ...] with output 32 b + j at [b, :, j] → [len(ids), k]."""
+    if isinstance(ids, list):
+        if not ids:
+            return blocks.new_empty(0, k)
+        return torch.stack([blocks[t // 32, :, t % 32].reshape(k) for t in ids])
+    return blocks[ids // 32, :, ids % 32].reshape(len(ids), k)
+
+
 class PackedLinear(nn.Module):
     """An fp32 linear whose weight lives packed in column blocks (`kernels.cpu.pack_dense`),
     computed by quantspec's `packed_gemm` kernel for every number of rows: decode, verification
@@ -119,6 +129,10 @@ class PackedLinear(nn.Module):
         from quantspec.kernels.cpu import unpack_dense
 
         return unpack_dense(self.packed, self.out_features)
+
+    def weight_rows(self, ids) -> torch.Tensor:
+        """Rows `ids` (a list or a 1-D tensor of output indices) of the weight, [len, K] fp32."""
+        return _block_rows(self.packed, ids, self.in_features)  # [NB, K, 32]
 
     def extra_repr(self) -> str:
         return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, packed"
@@ -162,55 +176,108 @@ class PackedInt8Linear(nn.Module):
 
 
 class PackedEmbedding(nn.Module):
-    """The embedding of a tied model whose head is a `PackedLinear`: rows are read from the
-    head's packed blocks (row t = packed[t // 32, :, t % 32], bitwise the original weight), so the
-    [V, D] table is not kept twice (−108 MiB for SmolLM2's fp32 49152 × 576). The head is held
-    outside the module tree: it stays the model's `lm_head`, counted and saved once."""
+    """The embedding of a tied model whose head is a `PackedLinear` (or a `PackedPairsLinear`):
+    rows are read from the head's packed blocks (row t = packed[t // 32, :, t % 32], bitwise the
+    original weight), so the [V, D] table is not kept twice (−108 MiB for SmolLM2's fp32
+    49152 × 576, −54 MiB in bf16). The head is held outside the module tree: it stays the model's
+    `lm_head`, counted and saved once."""
 
-    def __init__(self, head: PackedLinear):
+    def __init__(self, head: "PackedLinear | PackedPairsLinear"):
         super().__init__()
         self._head = [head]  # a list: not a submodule
         self.num_embeddings, self.embedding_dim = head.out_features, head.in_features
 
     def forward(self, ids: torch.Tensor) -> torch.Tensor:
-        packed = self._head[0].packed  # [NB, D, block]
-        flat, block = ids.reshape(-1), packed.shape[2]
+        flat = ids.reshape(-1)
         if flat.numel() <= _FEW_IDS:  # a decode step / a draft: Python indexing beats 5 tensor ops
             lst = flat.tolist()
             if any(t < 0 or t >= self.num_embeddings for t in lst):
                 raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-            rows = (torch.stack([packed[t // block, :, t % block] for t in lst]) if lst
-                    else packed.new_empty(0, self.embedding_dim))
+            rows = self._head[0].weight_rows(lst)
         else:
             if int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings:
                 raise IndexError(f"token id out of range [0, {self.num_embeddings})")
-            rows = packed[flat // block, :, flat % block]  # [T, D]
+            rows = self._head[0].weight_rows(flat)
         return rows.view(*ids.shape, self.embedding_dim)
 
     def extra_repr(self) -> str:
         return f"{self.num_embeddings}, {self.embedding_dim}, rows read from the packed head"
 
 
+class PackedPairsLinear(nn.Module):
+    """A bf16 linear (the head of a quantized artifact, a bf16 model's layers) packed in k-pairs
+    (`kernels.cpu.pack_pairs`) and computed for bf16 x by `packed_pairs_gemm`: AVX512-BF16's dot
+    product over column blocks, so every row of a step shares one pass over the weight at twice
+    the fp32 FMA rate, and each output is one fixed chain whatever M (verification rows equal
+    decode rows bitwise). It replaces the row-major kernel behind `SkinnyLinear`, whose tiles of
+    ≤ 4 rows re-read the weight: SmolLM2's 49152 × 576 head, 2 threads, 1 row 1.46 vs 1.49 ms,
+    11 rows 2.0 vs 7.9, 130 rows 17 vs 66 (`bench/kernels_cpu.py`). Other x (fp32) take torch's
+    linear on the unpacked weight. Built by `pack_float_linears` where the CPU has AVX512-BF16."""
+
+    def __init__(self, linear: nn.Linear, kernels):
+        super().__init__()
+        from quantspec.kernels.cpu import pack_pairs
+
+        self.in_features, self.out_features = linear.in_features, linear.out_features
+        self.kernels = kernels
+        self.register_buffer("packed", pack_pairs(linear.weight), persistent=False)  # int32 [NB, K/2, 32]
+        self.bias = (None if linear.bias is None
+                     else nn.Parameter(linear.bias.detach().float(), requires_grad=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype != torch.bfloat16:
+            return F.linear(x, self.dense_weight().to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+        rows = x.numel() // x.shape[-1] if x.numel() else 0
+        y = self.kernels.packed_pairs_gemm(x.reshape(rows, x.shape[-1]).contiguous(), self.packed,
+                                           self.out_features, self.bias)
+        return y.view(*x.shape[:-1], self.out_features)
+
+    def dense_weight(self) -> torch.Tensor:
+        """The [N, K] bf16 weight, unpacked (a copy)."""
+        from quantspec.kernels.cpu import unpack_pairs
+
+        return unpack_pairs(self.packed, self.out_features)
+
+    def weight_rows(self, ids) -> torch.Tensor:
+        """Rows `ids` (a list or a 1-D tensor of output indices) of the weight, [len, K] bf16."""
+        pairs = self.packed.view(torch.bfloat16).view(self.packed.shape[0], -1, 32, 2)  # [NB, K/2, 32, 2]
+        return _block_rows(pairs, ids, self.in_features)
+
+    def extra_repr(self) -> str:
+        return f"in_features={self.in_features}, out_features={self.out_features}, bias={self.bias is not None}, bf16 k-pairs"
+
+
 def pack_float_linears(model: nn.Module) -> int:
     """Replace every fp32 CPU float linear of `model` (`nn.Linear` / `SkinnyLinear`) by a
-    `PackedLinear`, where quantspec's CPU kernels are built; returns how many. Run it last, after
-    `fuse_projections` (which stacks weights): the packed modules have no `weight` attribute.
-    `model` itself is never replaced (wrap a lone Linear in `PackedLinear` directly)."""
+    `PackedLinear`, and every bf16 one with an even K (a quantized artifact's head) by a
+    `PackedPairsLinear` where the CPU has AVX512-BF16, where quantspec's CPU kernels are built;
+    returns how many. Run it last, after `fuse_projections` (which stacks weights): the packed
+    modules have no `weight` attribute. `model` itself is never replaced (wrap a lone Linear in
+    `PackedLinear` directly)."""
     from quantspec.kernels.cpu import cpu_kernels
 
     kernels = cpu_kernels()
     if kernels is None:
         return 0
-    targets = [(name, m) for name, m in model.named_modules()
-               if name and type(m) in (nn.Linear, SkinnyLinear) and m.weight.device.type == "cpu"
-               and m.weight.dtype == torch.float32]
+    pairs = bool(kernels.has_bf16_dot())
+
+    def packer(m: nn.Module):
+        if type(m) not in (nn.Linear, SkinnyLinear) or m.weight.device.type != "cpu":
+            return None
+        if m.weight.dtype == torch.float32:
+            return PackedLinear
+        if pairs and m.weight.dtype == torch.bfloat16 and m.in_features % 2 == 0:
+            return PackedPairsLinear
+        return None
+
+    targets = [(name, m, packer(m)) for name, m in model.named_modules() if name and packer(m) is not None]
     # embeddings sharing a packed linear's weight (a tied head) read it from the packed copy
     embeddings: dict[tuple, list[str]] = {}
     for n, e in model.named_modules():
         if n and type(e) is nn.Embedding:
             embeddings.setdefault((e.weight.data_ptr(), tuple(e.weight.shape)), []).append(n)
-    for name, m in targets:
-        packed = PackedLinear(m, kernels)
+    for name, m, cls in targets:
+        packed = cls(m, kernels)
         model.set_submodule(name, packed)
         for emb_name in embeddings.get((m.weight.data_ptr(), tuple(m.weight.shape)), []):
             model.set_submodule(emb_name, PackedEmbedding(packed))

@@ -33,6 +33,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from quantspec.kernels.cpu import pack_pairs  # noqa: F401  (re-exported: the screen's layout)
+
 __all__ = ["GreedyHead", "PAIR_ABS_ERR", "pack_pairs", "row_norms_up", "screen_bound", "use_greedy_head"]
 
 
@@ -53,17 +55,6 @@ def row_norms_up(w: torch.Tensor) -> torch.Tensor:
     norms = w.double().norm(dim=1)
     up = norms.float()
     return torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
-
-
-def pack_pairs(w: torch.Tensor) -> torch.Tensor:
-    """fp32 [N, K] (K even) → int32 [NB, K/2, 32]: block b, k-pair p, output j holds bf16(w[32b + j, 2p])
-    in its low half and bf16(w[32b + j, 2p + 1]) in its high half (zero rows pad N)."""
-    n, k = w.shape
-    nb = -(-n // 32)
-    padded = torch.zeros(nb * 32, k, dtype=torch.bfloat16)
-    padded[:n] = w.to(torch.bfloat16)
-    pairs = padded.view(nb, 32, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [NB, K/2, 32, 2]
-    return pairs.view(torch.int32).view(nb, k // 2, 32)
 
 
 class GreedyHead:

@@ -45,6 +45,7 @@ __all__ = [
     "dense_gemv_ref",
     "pack_dense",
     "pack_w4",
+    "pack_pairs",
     "pack_w8",
     "unpack_w8",
     "packed_w4_gemm",
@@ -53,6 +54,10 @@ __all__ = [
     "packed_w8_gemm_ref",
     "packed_gemm",
     "packed_gemm_ref",
+    "packed_pairs_gemm",
+    "packed_pairs_gemm_ref",
+    "pair_path_available",
+    "unpack_pairs",
     "unpack_dense",
     "paged_attention",
     "paged_attention_ref",
@@ -191,6 +196,46 @@ def packed_gemm(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tenso
 
 def packed_gemm_ref(x: torch.Tensor, packed: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
     y = x.float() @ unpack_dense(packed, n).t()
+    return (y if bias is None else y + bias).to(x.dtype)
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """Float [N, K] (K even) → int32 [NB, K/2, 32]: block b, k-pair p, output j holds
+    bf16(w[32b + j, 2p]) in its low half and bf16(w[32b + j, 2p + 1]) in its high half (zero rows
+    pad N): the operand of AVX512-BF16's dot product (`packed_pairs_gemm`, the greedy head's
+    pair screen). Exact for a bf16 weight; others are rounded to bf16."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"pack_pairs: K must be even, got {k}")
+    nb = -(-n // PACK_BLOCK)
+    padded = torch.zeros(nb * PACK_BLOCK, k, dtype=torch.bfloat16)
+    padded[:n] = w.detach().to(torch.bfloat16)
+    pairs = padded.view(nb, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [NB, K/2, 32, 2]
+    return pairs.view(torch.int32).view(nb, k // 2, PACK_BLOCK)
+
+
+def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_pairs` → the bf16 weight [n, K]."""
+    nb, kp, _ = packed.shape
+    pairs = packed.view(torch.bfloat16).view(nb, kp, PACK_BLOCK, 2)
+    return pairs.permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, 2 * kp)[:n].contiguous()
+
+
+def pair_path_available() -> bool:
+    """Whether the kernels run bf16 x through AVX512-BF16's dot product here: `packed_pairs_gemm`,
+    and the pair path of `packed_w8_gemm` for bf16 x."""
+    mod = cpu_kernels()
+    return mod is not None and mod.has_bf16_dot()
+
+
+def packed_pairs_gemm(x: torch.Tensor, w_pairs: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
+    """x [M, K] bf16 contiguous (any M), w_pairs from `pack_pairs` of a [n, K] weight, bias [n]
+    fp32 → [M, n] bf16 (fp32 accumulation; needs AVX512-BF16: `pair_path_available()`)."""
+    return _need().packed_pairs_gemm(x, w_pairs, n, bias)
+
+
+def packed_pairs_gemm_ref(x, w_pairs, n, bias=None):
+    y = x.float() @ unpack_pairs(w_pairs, n).float().t()
     return (y if bias is None else y + bias).to(x.dtype)
 
 

@@ -106,11 +106,65 @@ def test_packed_linear_matches_linear_for_any_rows(bias):
 
 
 @needs_kernels
-def test_pack_float_linears_takes_fp32_cpu_linears_only():
-    m = nn.Sequential(nn.Linear(4, 4), SkinnyLinear(4, 6), nn.Linear(4, 4).to(torch.bfloat16))
-    assert pack_float_linears(m) == 2
-    assert type(m[0]) is PackedLinear and type(m[1]) is PackedLinear and type(m[2]) is nn.Linear
-    assert m[1].out_features == 6
+def test_pack_float_linears_takes_fp32_cpu_linears_and_even_bf16_ones():
+    from quantspec.infer.dense_linear import PackedPairsLinear
+    from quantspec.kernels.cpu import pair_path_available
+
+    m = nn.Sequential(nn.Linear(4, 4), SkinnyLinear(4, 6), nn.Linear(4, 4).to(torch.bfloat16),
+                      nn.Linear(5, 4).to(torch.bfloat16), nn.Linear(4, 4).half())
+    pairs = pair_path_available()
+    assert pack_float_linears(m) == 2 + pairs
+    assert type(m[0]) is PackedLinear and type(m[1]) is PackedLinear and m[1].out_features == 6
+    assert type(m[2]) is (PackedPairsLinear if pairs else nn.Linear)
+    assert type(m[3]) is nn.Linear and type(m[4]) is nn.Linear  # odd K; fp16
+
+
+needs_pairs = pytest.mark.skipif(cpu_kernels() is None or not cpu_kernels().has_bf16_dot(),
+                                 reason="needs quantspec's CPU kernels with AVX512-BF16")
+
+
+@needs_pairs
+@pytest.mark.parametrize("bias", [False, True])
+def test_pairs_linear_matches_linear_for_any_rows(bias):
+    """`PackedPairsLinear` (a bf16 weight in k-pairs) against torch's linear in float64 on the same
+    bf16 numbers, every row bitwise the same alone or in a batch; fp32 x takes torch's linear;
+    the unpacked weight and its rows are the original bf16 weight bitwise."""
+    from quantspec.infer.dense_linear import PackedPairsLinear
+
+    torch.manual_seed(3)
+    lin = nn.Linear(96, 70, bias=bias).to(torch.bfloat16)
+    w = lin.weight.detach().clone()
+    p = PackedPairsLinear(lin, cpu_kernels())
+    assert torch.equal(p.dense_weight(), w) and p.dense_weight().dtype == torch.bfloat16
+    assert torch.equal(p.weight_rows([0, 33, 69]), w[[0, 33, 69]])
+    assert torch.equal(p.weight_rows(torch.tensor([5, 64, 31])), w[[5, 64, 31]])
+    for rows in (1, 2, 11, 12, 130):
+        x = torch.randn(rows, 96).bfloat16()
+        want = x.double() @ w.double().t() + (lin.bias.double() if bias else 0)
+        y = p(x)
+        assert y.dtype == torch.bfloat16
+        torch.testing.assert_close(y.double(), want, rtol=1e-2, atol=1e-2 * float(want.abs().max()))
+        assert torch.equal(torch.cat([p(x[i:i + 1]) for i in range(rows)]), y)
+    x = torch.randn(3, 96)
+    torch.testing.assert_close(p(x), x @ w.float().t() + (lin.bias.float() if bias else 0))
+
+
+@needs_pairs
+def test_tied_bf16_embedding_reads_the_pairs_head():
+    from quantspec.infer.dense_linear import PackedEmbedding, PackedPairsLinear
+
+    torch.manual_seed(6)
+    m = nn.ModuleDict({"embed": nn.Embedding(70, 48), "head": nn.Linear(48, 70, bias=False)}).to(torch.bfloat16)
+    m.head.weight = m.embed.weight
+    table = m.embed.weight.detach().clone()
+    assert pack_float_linears(m) == 1
+    assert type(m.head) is PackedPairsLinear and type(m.embed) is PackedEmbedding
+    ids = torch.tensor([[0, 31, 32, 69], [5, 5, 64, 33]])
+    assert torch.equal(m.embed(ids), table[ids])
+    many = torch.randint(0, 70, (3, 40))
+    assert torch.equal(m.embed(many), table[many])
+    with pytest.raises(IndexError, match="out of range"):
+        m.embed(torch.tensor([70]))
 
 
 @needs_kernels

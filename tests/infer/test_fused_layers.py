@@ -63,16 +63,25 @@ def _spy(runner):
 
 @pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
                                         ("int8", torch.float32), ("int4", torch.float32),
-                                        # bf16 activations: int8 on quantspec's kernel, int4 on torch's packed op
-                                        ("int8", torch.bfloat16), ("int4", torch.bfloat16)])
-def test_fused_stack_equals_the_modules_bitwise(models, name, dtype):
+                                        # bf16 activations: int8 on quantspec's kernel, int4 on its
+                                        # pair path where the CPU has AVX512-BF16, and on torch's
+                                        # packed op (the path without it)
+                                        ("int8", torch.bfloat16), ("int4", torch.bfloat16),
+                                        ("int4 torch op", torch.bfloat16)])
+def test_fused_stack_equals_the_modules_bitwise(models, name, dtype, monkeypatch):
     from quantspec.infer.quant_linear import KernelPath
+    from quantspec.kernels import cpu as cg
 
+    pairs = cg.pair_path_available()
+    if name == "int4 torch op":
+        monkeypatch.setattr(cg, "pair_path_available", lambda: False)
+        name, pairs = "int4", False
     model = load_for_inference(models[name], dtype=dtype, tokenizer=False).model
     runner = model.fused_layers
     assert isinstance(runner, FusedDecoderLayers)
     if name == "int4" and dtype == torch.bfloat16:
-        assert model.model.layers[0].mlp.down_proj._packed_path is KernelPath.CPU_INT4PACK
+        want = KernelPath.CPU_GEMV_INT4 if pairs else KernelPath.CPU_INT4PACK
+        assert model.model.layers[0].mlp.down_proj._packed_path is want
     served = _spy(runner)
     fused = _steps(model)
     assert served == [True] * 4  # prefill (37 + 20 rows), decode, both verification steps

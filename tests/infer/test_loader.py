@@ -151,13 +151,17 @@ def test_bf16_artifact_runs_packed_ops(artifacts, tiny_llama_dir):
     built, else torch's) and stays close to fp32."""
     from quantspec.kernels.cpu import cpu_kernels
 
+    from quantspec.kernels.cpu import pair_path_available
+
     ours = cpu_kernels() is not None
     int8_path = KernelPath.CPU_GEMV_INT8 if ours else KernelPath.CPU_INT8PACK
-    for name, path in (("int8", int8_path), ("int4", KernelPath.CPU_INT4PACK),
-                       ("int4_asym_g32_fzp", KernelPath.CPU_INT4PACK)):
+    # int4: quantspec's pair path (bf16 x through AVX512-BF16) where this CPU has it, else torch's op
+    int4_path = KernelPath.CPU_GEMV_INT4 if ours and pair_path_available() else KernelPath.CPU_INT4PACK
+    for name, path in (("int8", int8_path), ("int4", int4_path), ("int4_asym_g32_fzp", int4_path)):
         lm = load_for_inference(artifacts[name], dtype=torch.bfloat16, tokenizer=False)
         q = lm.model.model.layers[0].mlp.down_proj
         assert q.kernel_for(torch.zeros(1, q.in_features, dtype=torch.bfloat16)) is path
+        assert q.traits.cpu_pairs == (ours and pair_path_available())
         got = logits(lm.model, IDS[:, :1])
         want = logits(reference_model(tiny_llama_dir, artifacts[name]), IDS[:, :1])
         assert (got - want).abs().max() < 0.05 * want.abs().max()
@@ -330,7 +334,8 @@ def test_greedy_output_same_across_batch_sizes(artifacts, name, dtype):
 @pytest.mark.slow
 def test_default_model_int4_artifact_smoke(tmp_path):
     """SmolLM2-135M (K=576: group 128 falls back to 64 for those layers) as an int4 artifact:
-    loads, matches the dequantized reference, and bf16 decoding takes the packed CPU op."""
+    loads, matches the dequantized reference, and bf16 decoding takes a packed CPU op (quantspec's
+    pair path where the CPU has AVX512-BF16, else torch's)."""
     from quantspec.model_zoo.checkpoint import resolve_model_dir
 
     src = resolve_model_dir("smollm2-135m")
@@ -343,7 +348,10 @@ def test_default_model_int4_artifact_smoke(tmp_path):
                                rtol=1e-3, atol=1e-3)
     lm16 = load_for_inference(art, dtype=torch.bfloat16)
     down = lm16.model.model.layers[0].mlp.down_proj
-    assert down.kernel_for(torch.zeros(1, 1536, dtype=torch.bfloat16)) is KernelPath.CPU_INT4PACK
+    from quantspec.kernels.cpu import pair_path_available
+
+    want = KernelPath.CPU_GEMV_INT4 if down.traits.cpu_gemv and pair_path_available() else KernelPath.CPU_INT4PACK
+    assert down.kernel_for(torch.zeros(1, 1536, dtype=torch.bfloat16)) is want
     eng = Engine(lm16.model, EngineConfig(max_batch_size=1, max_length=64), eos_token_ids=[])
     seq = eng.add_request(ids[0].tolist(), SamplingParams(max_new_tokens=4))
     eng.run()

@@ -246,7 +246,8 @@ def test_cpu_fast_path_refused_for_layouts_torch_cannot_take():
     layer = QuantLinear(t512, dtype=torch.bfloat16)
     assert layer.traits.cpu_int4_group == 256
     x = torch.randn(2, 1024).bfloat16()
-    assert layer.kernel_for(x) is KernelPath.CPU_INT4PACK
+    # quantspec's pair path takes it first where this CPU has AVX512-BF16
+    assert layer.kernel_for(x) is (KernelPath.CPU_GEMV_INT4 if layer.traits.cpu_pairs else KernelPath.CPU_INT4PACK)
     _check(layer(x), _reference(t512, x), torch.bfloat16)
 
 
@@ -275,6 +276,11 @@ def test_select_kernel_cpu_rule():
                          1, torch.bfloat16) is KernelPath.CPU_GEMV_INT4
     assert select_kernel(_traits(LinearKind.W4A16, dtype=torch.float16, cpu_gemv=True), "cpu", 1,
                          torch.float16) is KernelPath.DEQUANT
+    # the pair path (bf16 x through AVX512-BF16) is taken before torch's op for every M
+    p4 = _traits(LinearKind.W4A16, weight_strategy="group", cpu_int4_group=64, cpu_gemv=True, cpu_pairs=True)
+    for m in (1, 11, 64, 65, 512):
+        assert select_kernel(p4, "cpu", m, torch.bfloat16) is KernelPath.CPU_GEMV_INT4
+    assert select_kernel(p4, "cpu", 1, torch.bfloat16, DispatchPolicy(cpu_kernels=False)) is KernelPath.CPU_INT4PACK
     t8 = _traits(LinearKind.W8A16, cpu_int8pack=True)
     assert select_kernel(t8, "cpu", 1, torch.bfloat16) is KernelPath.CPU_INT8PACK
     assert select_kernel(t8, "cpu", 64, torch.bfloat16) is KernelPath.CPU_INT8PACK

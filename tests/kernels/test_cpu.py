@@ -36,7 +36,7 @@ def test_int4_packing_round_trips():
 
 @needs_kernels
 @pytest.mark.parametrize("K", [48, 96, 576])  # 48: a K % 32 == 16 tail
-@pytest.mark.parametrize("M", [1, 2, 3, 5, 9])
+@pytest.mark.parametrize("M", [1, 2, 3, 5, 9, 11, 12])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_dense_and_int8_match_reference(K, M, xdtype):
     g = torch.Generator().manual_seed(K * 31 + M)
@@ -55,7 +55,7 @@ def test_dense_and_int8_match_reference(K, M, xdtype):
 
 
 @needs_kernels
-@pytest.mark.parametrize("K,group", [(96, 32), (128, 64), (192, 192), (40, 8), (88, 44)])  # any group dividing K
+@pytest.mark.parametrize("K,group", [(96, 32), (128, 64), (192, 192), (40, 8), (88, 44), (63, 21)])  # any group dividing K
 @pytest.mark.parametrize("M", [1, 4, 7, 19])
 @pytest.mark.parametrize("xdtype", [torch.float32, torch.bfloat16])
 def test_int4_matches_reference(K, group, M, xdtype):
@@ -93,6 +93,82 @@ def test_rows_are_bitwise_invariant_to_the_batch():
                 assert torch.equal(op(xd[i:i + 1].contiguous()), full[i:i + 1])
             assert torch.equal(op(xd[3:8].contiguous()), full[3:8])
             assert torch.equal(op(torch.cat([xd] * 3)), torch.cat([full] * 3))  # 33 rows: 3 tiles
+
+
+needs_pairs = pytest.mark.skipif(not cg.pair_path_available(),
+                                 reason="needs quantspec's CPU kernels with AVX512-BF16")
+
+
+def test_pairs_packing_round_trips():
+    w = torch.randn(37, 20).bfloat16()
+    p = cg.pack_pairs(w)
+    assert p.shape == (2, 10, 32) and p.dtype == torch.int32
+    assert torch.equal(cg.unpack_pairs(p, 37), w)
+    # lane j of pair k: bf16(w[32 b + j, 2k]) low, bf16(w[32 b + j, 2k + 1]) high
+    lo, hi = int(p[1, 4, 2]) & 0xFFFF, (int(p[1, 4, 2]) >> 16) & 0xFFFF
+    assert lo == int(w[34, 8].view(torch.int16)) & 0xFFFF and hi == int(w[34, 9].view(torch.int16)) & 0xFFFF
+    assert int(p[1, 4, 10]) == 0  # row 42: padding
+    with pytest.raises(ValueError, match="even"):
+        cg.pack_pairs(torch.randn(4, 5))
+
+
+@needs_pairs
+@pytest.mark.parametrize("N,K", [(37, 20), (64, 576), (96, 2), (33, 130)])
+@pytest.mark.parametrize("M", [1, 2, 5, 11, 12, 23, 130])
+def test_packed_pairs_gemm_matches_reference_for_any_rows(N, K, M):
+    g = torch.Generator().manual_seed(N * 7 + K + M)
+    w = torch.randn(N, K, generator=g).bfloat16()
+    x = torch.randn(M, K, generator=g).bfloat16()
+    b = torch.randn(N, generator=g)
+    p = cg.pack_pairs(w)
+    for bias in (None, b):
+        want = x.double() @ w.double().t() + (0 if bias is None else bias.double())
+        _close(cg.packed_pairs_gemm(x, p, N, bias), want.to(torch.bfloat16), torch.bfloat16)
+        _close(cg.packed_pairs_gemm_ref(x, p, N, bias), want.to(torch.bfloat16), torch.bfloat16)
+        full = cg.packed_pairs_gemm(x, p, N, bias)
+        assert torch.equal(torch.cat([cg.packed_pairs_gemm(x[i:i + 1], p, N, bias) for i in range(M)]), full)
+
+
+@needs_pairs
+def test_packed_pairs_gemm_refuses_bad_input():
+    p = cg.pack_pairs(torch.randn(40, 16))
+    with pytest.raises(RuntimeError, match="bfloat16"):
+        cg.packed_pairs_gemm(torch.randn(2, 16), p, 40)
+    with pytest.raises(RuntimeError, match="features"):
+        cg.packed_pairs_gemm(torch.randn(2, 18).bfloat16(), p, 40)
+    with pytest.raises(RuntimeError, match="does not fit"):
+        cg.packed_pairs_gemm(torch.randn(2, 16).bfloat16(), p, 70)
+    with pytest.raises(RuntimeError, match=r"int32 \[NB, K/2, 32\]"):
+        cg.packed_pairs_gemm(torch.randn(2, 16).bfloat16(), torch.zeros(2, 8, 32), 40)
+
+
+@needs_pairs
+def test_quantized_gemms_take_the_pair_path_for_bf16_x():
+    """bf16 x with an even K (int4: an even group) runs the pair path, fp32 x and odd K / groups the
+    fp32 chain: told apart by a subnormal input, which AVX512-BF16's dot product flushes to zero
+    (the chain keeps it); with the path turned off the chain runs for bf16 too. Both paths match
+    the float64 reference elsewhere (the reference tests above run bf16 x through the pair path)."""
+    tiny = 2.0 ** -130  # subnormal in fp32 and bf16
+    mod = cg.cpu_kernels()
+
+    def probe(K, group=None):
+        x = torch.zeros(1, K)
+        x[0, 0] = tiny
+        q = torch.ones(32, K, dtype=torch.int8)
+        if group is None:
+            return [float(cg.packed_w8_gemm(xx, cg.pack_w8(q), torch.ones(32), 32)[0, 0])
+                    for xx in (x, x.bfloat16())]
+        p4 = cg.pack_w4(q, torch.ones(32, K // group), torch.zeros(32, K // group))
+        return [float(cg.packed_w4_gemm(xx, *p4, group, 32)[0, 0]) for xx in (x, x.bfloat16())]
+
+    assert probe(64) == [tiny, 0.0]  # int8: fp32 x chain, bf16 x pairs
+    assert probe(63) == [tiny, tiny]  # odd K: the chain
+    assert probe(64, 32) == [tiny, 0.0] and probe(63, 21) == [tiny, tiny]  # int4: odd group → chain
+    was = mod.set_pair_path(False)
+    try:
+        assert probe(64) == [tiny, tiny] and probe(64, 32) == [tiny, tiny]
+    finally:
+        mod.set_pair_path(was)
 
 
 def test_dense_packing_round_trips():

@@ -34,6 +34,11 @@
 #else
 #define QS_AVX512 0
 #endif
+#if QS_AVX512 && defined(__AVX512BF16__)
+#define QS_BF16DOT 1
+#else
+#define QS_BF16DOT 0
+#endif
 
 namespace {
 
@@ -154,6 +159,13 @@ const float* opt_f32(const c10::optional<at::Tensor>& t, int64_t n, const char* 
   return t->data_ptr<float>();
 }
 
+// the quantized GEMMs' pair path (bf16 x, even K, AVX512-BF16); on unless a bench turns it off
+// (`set_pair_path`) to compare
+bool g_pair_path = true;
+bool use_pair_path(const at::Tensor& x, int64_t K) {
+  return QS_BF16DOT && g_pair_path && x.scalar_type() == at::kBFloat16 && K % 2 == 0;
+}
+
 #if QS_AVX512
 // y [M, N] in x's dtype from x as fp32: run(xf, y_ptr) is called with a float* or a BFloat16*
 template <class Run>
@@ -261,24 +273,119 @@ struct I8BlockLoader {
   }
 };
 
+// 16 int8 codes as fp32 (exact)
+inline __m512 i8x16_f32(const int8_t* p) {
+  return _mm512_cvtepi32_ps(_mm512_cvtepi8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))));
+}
+// lanes (a[j], b[j]) fp32 → bf16 pairs a[j] | b[j] << 16 by truncation: exact for values with at
+// most 8 significant bits (every int8 code)
+inline __m512 bf16_pairs_of(__m512 a, __m512 b) {
+  const __m512i r = _mm512_ternarylogic_epi32(_mm512_castps_si512(b), _mm512_srli_epi32(_mm512_castps_si512(a), 16),
+                                              _mm512_set1_epi32(int(0xFFFF0000u)), 0xEC);  // (b & hi) | a >> 16
+  return _mm512_castsi512_ps(r);
+}
+// a block of k-pairs already in bf16, int32 [K/2, 32]
+struct PairBlockLoader {
+  const int32_t* w;
+  inline void operator()(int64_t p, __m512& w0, __m512& w1) const {
+    w0 = _mm512_castsi512_ps(_mm512_loadu_si512(w + p * 32));
+    w1 = _mm512_castsi512_ps(_mm512_loadu_si512(w + p * 32 + 16));
+  }
+};
+// the same block [K, 32] read a k-pair at a time for the pair path: p → rows 2p, 2p + 1 as bf16 pairs
+struct I8PairLoader {
+  const int8_t* q;
+  inline void operator()(int64_t p, __m512& w0, __m512& w1) const {
+    const int8_t* r = q + p * 64;
+    w0 = bf16_pairs_of(i8x16_f32(r), i8x16_f32(r + 32));
+    w1 = bf16_pairs_of(i8x16_f32(r + 16), i8x16_f32(r + 48));
+  }
+};
+
 // RM rows of x times W consecutive column blocks (b .. b + W - 1), one loader per block: the
 // W blocks' FMA chains are independent, so a 1-row tile keeps 2 W chains in flight instead of
 // waiting on one FMA's latency per k (each output's operations are the same whatever W)
-template <int RM, int W, class T, class Load>
-inline void packed_tile_q(Load* loads, int64_t K, const float* x, const float* col_scale,
+// what a tile computes: kChain, one fp32 FMA chain per output over k (x as fp32); kPairs, bf16
+// x in k-pairs through vdpbf16ps (below); kInt4Pairs, the same per int4 group, then scaled
+constexpr int kChain = 0, kPairs = 1, kInt4Pairs = 2;
+
+//
+// Pair path (kPairs, bf16 x on a CPU with AVX512-BF16): x is read as bf16 pairs along k (int32 =
+// x[m, 2p] | x[m, 2p + 1] << 16, i.e. the bf16 row itself) and the loader yields each k-pair of
+// the block as bf16 pairs, so one vdpbf16ps does the FMAs of two k steps: twice the FMA rate
+// where verification rows or a prefill make the step compute-bound. Exact inputs: bf16 x is
+// the model's own activation, and the int8 codes are integers bf16 represents exactly, so each
+// product is exact in fp32 and only the summation order differs from the fp32 chain (k = 2p + 1
+// then 2p into one lane's accumulator); subnormal inputs / sums flush to zero (< 2^-126). Again
+// the same operations for an output whatever M, so decode and verification rows agree bitwise.
+template <int RM, int W, int MODE, class T, class Load>
+inline void packed_tile_q(Load* loads, int64_t K, const void* x, const float* col_scale,
                           const float* bias, T* y, int64_t N, int64_t b, int64_t m0) {
   __m512 a0[W][RM], a1[W][RM];
   for (int j = 0; j < W; ++j)
     for (int i = 0; i < RM; ++i) a0[j][i] = a1[j][i] = _mm512_setzero_ps();
-  const float* xr = x + m0 * K;
-  for (int64_t k = 0; k < K; ++k) {
-    __m512 w0[W], w1[W];
-    for (int j = 0; j < W; ++j) loads[j](k, w0[j], w1[j]);
-    for (int i = 0; i < RM; ++i) {
-      const __m512 xb = _mm512_set1_ps(xr[i * K + k]);
+  if constexpr (MODE == kPairs) {
+#if QS_BF16DOT
+    const int64_t KP = K / 2;
+    const int32_t* xr = static_cast<const int32_t*>(x) + m0 * KP;
+    for (int64_t p = 0; p < KP; ++p) {
+      __m512 w0[W], w1[W];
+      for (int j = 0; j < W; ++j) loads[j](p, w0[j], w1[j]);
+      for (int i = 0; i < RM; ++i) {
+        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i * KP + p]);
+        for (int j = 0; j < W; ++j) {
+          a0[j][i] = _mm512_dpbf16_ps(a0[j][i], (__m512bh)w0[j], xb);
+          a1[j][i] = _mm512_dpbf16_ps(a1[j][i], (__m512bh)w1[j], xb);
+        }
+      }
+    }
+#endif
+  } else if constexpr (MODE == kInt4Pairs) {
+#if QS_BF16DOT
+    // per group g: c = Σ_k x_k q_k over the group's pairs (exact products of bf16 x and the signed
+    // codes), then a = fma(c, scale_g, a), a = fma(Σ_k x_k, zero_g, a) with zero_g = offset +
+    // 8 scale (= −zp · scale, exactly 0 for symmetric weights): the same operations for an
+    // output whatever M
+    const int64_t KP = K / 2, GP = loads[0].group / 2, G = K / loads[0].group;
+    const int32_t* xr = static_cast<const int32_t*>(x) + m0 * KP;
+    const float* xs = loads[0].xsum + m0 * G;  // [M, G] group sums of x
+    for (int64_t g = 0; g < G; ++g) {
+      __m512 c0[W][RM], c1[W][RM];
+      for (int j = 0; j < W; ++j)
+        for (int i = 0; i < RM; ++i) c0[j][i] = c1[j][i] = _mm512_setzero_ps();
+      for (int64_t p = g * GP; p < (g + 1) * GP; ++p) {
+        __m512 w0[W], w1[W];
+        for (int j = 0; j < W; ++j) loads[j](p, w0[j], w1[j]);
+        for (int i = 0; i < RM; ++i) {
+          const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i * KP + p]);
+          for (int j = 0; j < W; ++j) {
+            c0[j][i] = _mm512_dpbf16_ps(c0[j][i], (__m512bh)w0[j], xb);
+            c1[j][i] = _mm512_dpbf16_ps(c1[j][i], (__m512bh)w1[j], xb);
+          }
+        }
+      }
       for (int j = 0; j < W; ++j) {
-        a0[j][i] = _mm512_fmadd_ps(xb, w0[j], a0[j][i]);
-        a1[j][i] = _mm512_fmadd_ps(xb, w1[j], a1[j][i]);
+        __m512 s0, s1, z0, z1;
+        loads[j].group_vectors(g, s0, s1, z0, z1);
+        for (int i = 0; i < RM; ++i) {
+          const __m512 xg = _mm512_set1_ps(xs[i * G + g]);
+          a0[j][i] = _mm512_fmadd_ps(xg, z0, _mm512_fmadd_ps(c0[j][i], s0, a0[j][i]));
+          a1[j][i] = _mm512_fmadd_ps(xg, z1, _mm512_fmadd_ps(c1[j][i], s1, a1[j][i]));
+        }
+      }
+    }
+#endif
+  } else {
+    const float* xr = static_cast<const float*>(x) + m0 * K;
+    for (int64_t k = 0; k < K; ++k) {
+      __m512 w0[W], w1[W];
+      for (int j = 0; j < W; ++j) loads[j](k, w0[j], w1[j]);
+      for (int i = 0; i < RM; ++i) {
+        const __m512 xb = _mm512_set1_ps(xr[i * K + k]);
+        for (int j = 0; j < W; ++j) {
+          a0[j][i] = _mm512_fmadd_ps(xb, w0[j], a0[j][i]);
+          a1[j][i] = _mm512_fmadd_ps(xb, w1[j], a1[j][i]);
+        }
       }
     }
   }
@@ -300,8 +407,8 @@ inline void packed_tile_q(Load* loads, int64_t K, const float* x, const float* c
 // rows [m0, m0 + RM) over blocks [b0, b1): W blocks at a time (fewer rows, more blocks: 16-22
 // accumulators), then one at a time; a fresh loader per tile, so every tile runs the same
 // operations from k = 0
-template <int RM, class T, class MakeLoader>
-inline void packed_rows(const MakeLoader& make, int64_t K, const float* x, const float* col_scale,
+template <int RM, int MODE, class T, class MakeLoader>
+inline void packed_rows(const MakeLoader& make, int64_t K, const void* x, const float* col_scale,
                         const float* bias, T* y, int64_t N, int64_t b0, int64_t b1, int64_t m0) {
   constexpr int W = RM <= 2 ? 4 : RM <= 4 ? 2 : 1;
   using Load = decltype(make(int64_t(0)));
@@ -309,11 +416,11 @@ inline void packed_rows(const MakeLoader& make, int64_t K, const float* x, const
   for (; b + W <= b1; b += W) {
     Load loads[W] = {};
     for (int j = 0; j < W; ++j) loads[j] = make(b + j);
-    packed_tile_q<RM, W>(loads, K, x, col_scale, bias, y, N, b, m0);
+    packed_tile_q<RM, W, MODE>(loads, K, x, col_scale, bias, y, N, b, m0);
   }
   for (; b < b1; ++b) {
     Load load = make(b);
-    packed_tile_q<RM, 1>(&load, K, x, col_scale, bias, y, N, b, m0);
+    packed_tile_q<RM, 1, MODE>(&load, K, x, col_scale, bias, y, N, b, m0);
   }
 }
 
@@ -339,8 +446,41 @@ struct I4BlockLoader {
   }
 };
 
-template <class T, class MakeLoader>
-void packed_q_run(const MakeLoader& make, const float* x, int64_t M, int64_t K, int64_t N, int64_t NB,
+#if QS_BF16DOT
+// int4 block b for the pair path: k-pair p → its codes as bf16 pairs (a table lookup of the nibble:
+// q = nibble − 8, exact in bf16), plus the group's scale and zero vectors; `xsum` [M, G] holds
+// each row's group sums of x
+struct I4PairLoader {
+  const uint8_t* q; const float* s; const float* z; const float* xsum; int64_t K, G, group, b;
+  inline void operator()(int64_t p, __m512& w0, __m512& w1) const {
+    const uint8_t* r = q + (b * K + 2 * p) * 16;  // rows 2p, 2p + 1: 16 bytes each
+    const __m512i u0 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r)));
+    const __m512i u1 = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(r + 16)));
+    const __m512i nib = _mm512_set1_epi32(0x000F000F);
+    // word 2j = nibble of row 2p, word 2j + 1 = row 2p + 1: low nibbles (columns 0-15), high (16-31)
+    const __m512i lo = _mm512_ternarylogic_epi32(u0, _mm512_slli_epi32(u1, 16), nib, 0xA8);  // (u0 | u1 << 16) & nib
+    const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi32(u0, 4), _mm512_slli_epi32(u1, 12), nib, 0xA8);
+    const __m512i table = _mm512_set_epi16(  // bf16(n - 8) at word n (n < 16), zero above
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
+        int16_t(0xBF80), int16_t(0xC000), int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0),
+        int16_t(0xC0E0), int16_t(0xC100));
+    w0 = _mm512_castsi512_ps(_mm512_permutexvar_epi16(lo, table));
+    w1 = _mm512_castsi512_ps(_mm512_permutexvar_epi16(hi, table));
+  }
+  // scale_g and zero_g = offset_g + 8 scale_g of the block's 32 outputs
+  inline void group_vectors(int64_t g, __m512& s0, __m512& s1, __m512& z0, __m512& z1) const {
+    const float* sp = s + (b * G + g) * 32;
+    const float* zp = z + (b * G + g) * 32;
+    const __m512 eight = _mm512_set1_ps(8.f);
+    s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
+    z0 = _mm512_fmadd_ps(eight, s0, _mm512_loadu_ps(zp)); z1 = _mm512_fmadd_ps(eight, s1, _mm512_loadu_ps(zp + 16));
+  }
+};
+#endif
+
+template <int MODE = kChain, class T, class MakeLoader>
+void packed_q_run(const MakeLoader& make, const void* x, int64_t M, int64_t K, int64_t N, int64_t NB,
                   const float* col_scale, const float* bias, T* y, int64_t bytes_per_block) {
   const int64_t grain = std::max<int64_t>(1, (64 * 1024) / std::max<int64_t>(1, bytes_per_block));
   at::parallel_for(0, NB, grain, [&](int64_t b0, int64_t b1) {
@@ -355,7 +495,7 @@ void packed_q_run(const MakeLoader& make, const float* x, int64_t M, int64_t K, 
       for (int64_t t = 0, m = 0; t < tiles; ++t) {
         const int64_t rows = (M - m + (tiles - t) - 1) / (tiles - t);  // 1..11
         switch (rows) {
-#define QS_TILE(R) case R: packed_rows<R>(make, K, x, col_scale, bias, y, N, c0, c1, m); break;
+#define QS_TILE(R) case R: packed_rows<R, MODE>(make, K, x, col_scale, bias, y, N, c0, c1, m); break;
           QS_TILE(1) QS_TILE(2) QS_TILE(3) QS_TILE(4) QS_TILE(5) QS_TILE(6)
           QS_TILE(7) QS_TILE(8) QS_TILE(9) QS_TILE(10) QS_TILE(11)
 #undef QS_TILE
@@ -383,6 +523,13 @@ at::Tensor packed_w8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   const float* b = opt_f32(bias, N, "packed_w8_gemm: bias");
 #if QS_AVX512
   const int8_t* qp = q.data_ptr<int8_t>();
+  if (use_pair_path(x, K)) {
+    at::Tensor y = at::empty({x.size(0), N}, x.options());
+    auto make = [&](int64_t blk) { return I8PairLoader{qp + blk * K * 32}; };
+    packed_q_run<kPairs>(make, x.data_ptr<at::BFloat16>(), x.size(0), K, N, NB, s, b,
+                       y.data_ptr<at::BFloat16>(), K * 32);
+    return y;
+  }
   auto make = [&](int64_t blk) { return I8BlockLoader{qp + blk * K * 32}; };
   return gemm_out(x, N, [&](const float* xf, auto* y) {
     packed_q_run(make, xf, x.size(0), K, N, NB, s, b, y, K * 32);
@@ -411,12 +558,54 @@ at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   const float* b = opt_f32(bias, N, "packed_w4_gemm: bias");
 #if QS_AVX512
   const uint8_t* qp = q.data_ptr<uint8_t>();
+#if QS_BF16DOT
+  if (use_pair_path(x, K) && group % 2 == 0) {
+    const int64_t M = x.size(0);
+    at::Tensor y = at::empty({M, N}, x.options());
+    std::vector<float> xsum(M * G);  // each row's group sums, in k order
+    const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
+    for (int64_t m = 0; m < M; ++m)
+      for (int64_t g = 0; g < G; ++g) {
+        float acc = 0.f;
+        for (int64_t k = g * group; k < (g + 1) * group; ++k) acc += static_cast<float>(xp[m * K + k]);
+        xsum[m * G + g] = acc;
+      }
+    auto make = [&](int64_t blk) { return I4PairLoader{qp, s, z, xsum.data(), K, G, group, blk}; };
+    if (M && N) packed_q_run<kInt4Pairs>(make, xp, M, K, N, NB, nullptr, b, y.data_ptr<at::BFloat16>(), K * 16);
+    return y;
+  }
+#endif
   auto make = [&](int64_t blk) { return I4BlockLoader{qp, s, z, K, G, group, blk}; };
   return gemm_out(x, N, [&](const float* xf, auto* y) {
     packed_q_run(make, xf, x.size(0), K, N, NB, nullptr, b, y, K * 16);
   });
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
+#endif
+}
+
+// y = x @ w^T (+ bias) for bf16 x and a bf16 weight packed in k-pairs, int32 [NB, K/2, 32]
+// (`kernels.cpu.pack_pairs`: lane j of pair p = bf16(w[32 b + j, 2p]) | bf16(w[.., 2p + 1]) << 16):
+// the quantized GEMMs' pair path with nothing to dequantize; y bf16
+at::Tensor packed_pairs_gemm(const at::Tensor& x, const at::Tensor& w_pairs, int64_t N,
+                             const c10::optional<at::Tensor>& bias) {
+  TORCH_CHECK(w_pairs.dim() == 3 && w_pairs.is_contiguous() && w_pairs.scalar_type() == at::kInt
+              && w_pairs.size(2) == 32, "packed_pairs_gemm: w_pairs must be contiguous int32 [NB, K/2, 32]");
+  const int64_t NB = w_pairs.size(0), K = 2 * w_pairs.size(1);
+  check_blocks(NB, N, "packed_pairs_gemm");
+  check_x(x, K, "packed_pairs_gemm", 2);
+  TORCH_CHECK(x.scalar_type() == at::kBFloat16, "packed_pairs_gemm: x must be bfloat16");
+  const float* b = opt_f32(bias, N, "packed_pairs_gemm: bias");
+#if QS_BF16DOT
+  const int32_t* wp = w_pairs.data_ptr<int32_t>();
+  at::Tensor y = at::empty({x.size(0), N}, x.options());
+  auto make = [&](int64_t blk) { return PairBlockLoader{wp + blk * (K / 2) * 32}; };
+  if (x.size(0) && N)
+    packed_q_run<kPairs>(make, x.data_ptr<at::BFloat16>(), x.size(0), K, N, NB, nullptr, b,
+                       y.data_ptr<at::BFloat16>(), K * 64);
+  return y;
+#else
+  TORCH_CHECK(false, "packed_pairs_gemm: quantspec CPU kernels were built without AVX512-BF16");
 #endif
 }
 
@@ -1186,6 +1375,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dense_gemv", &dense_gemv, py::arg("x"), py::arg("w"), py::arg("bias") = py::none());
   m.def("packed_gemm", &packed_gemm, py::arg("x"), py::arg("packed"), py::arg("n"),
         py::arg("bias") = py::none());
+  m.def("packed_pairs_gemm", &packed_pairs_gemm, py::arg("x"), py::arg("w_pairs"), py::arg("n"),
+        py::arg("bias") = py::none());
   m.def("packed_w8_gemm", &packed_w8_gemm, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("n"),
         py::arg("bias") = py::none());
   m.def("packed_w4_gemm", &packed_w4_gemm, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("neg_zs"),
@@ -1197,6 +1388,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax", &screened_argmax);
   m.def("screened_argmax_pairs", &screened_argmax_pairs);
   m.def("has_bf16_dot", &has_bf16_dot);
+  m.def("set_pair_path", [](bool on) { const bool was = g_pair_path; g_pair_path = on; return was; },
+        "turn the quantized GEMMs' bf16 pair path on / off (benches); returns the previous setting");
   py::class_<DecoderPlan>(m, "DecoderPlan")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())
