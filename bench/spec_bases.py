@@ -1,0 +1,109 @@
+"""n-gram speculation (`inference_with_reference`) on quantized bases: the issue's own flow
+(`quantspec infer --model smol.w4/ --speculate-method inference_with_reference`), the default
+model's artifacts against plain greedy decoding of the same artifact, beside the fp32 model; one
+run, same machine, batch 1.
+
+    python bench/spec_bases.py [--bases weight_only_int8,weight_only_int4] [--threads 2] [--rounds 2]
+                               [--prompts N] [--new-tokens 128] [--draft-tokens 10]
+
+Each base (fp32, then each artifact: `quantspec.api.quantize`, RTN, cached like `bench/spec.py`'s
+drafts) runs every code-editing prompt of `bench/data/spec_prompts.jsonl` plain and with the
+n-gram, interleaved prompt by prompt (`--rounds`: each keeps its fastest run), and checks that the
+n-gram output equals plain greedy decoding of that base. Prints per base, over all code prompts
+and over the copy prompts (answer copy share >= 50%, as in `bench/spec.py`): plain and n-gram
+tokens/s, end to end and in the decode phase, and the prefill's share of a plain run. Quantized
+artifacts load in bf16 on CPU, where verification rows run through the kernels' AVX512-BF16 pair
+path (`bench/kernels_cpu.py`'s pair table): what decides how much a 1 + k-row step costs here.
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import time
+from pathlib import Path
+
+import torch
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from spec import DATA, _recipe, copy_share, load_prompts  # noqa: E402  (the sibling bench)
+
+from quantspec.infer.predictor import InferConfig, Predictor  # noqa: E402
+
+
+def main(argv: list[str] | None = None) -> dict:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--bases", default="weight_only_int8,weight_only_int4",
+                    help="quantized bases beside fp32: quant types, optionally @recipe as in bench/spec.py")
+    ap.add_argument("--threads", type=int, default=2)
+    ap.add_argument("--rounds", type=int, default=2)
+    ap.add_argument("--prompts", type=int, default=0, help="code prompts [default: all]")
+    ap.add_argument("--new-tokens", type=int, default=128)
+    ap.add_argument("--draft-tokens", type=int, default=10)
+    a = ap.parse_args(argv)
+    if a.rounds < 1:
+        raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
+    torch.set_num_threads(a.threads)
+    from quantspec import api
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
+
+    model_dir = ensure_zoo_model(DEFAULT_MODEL)
+    bases = {"fp32": model_dir}
+    for spec in [b for b in a.bases.split(",") if b]:
+        quant_type, recipe = _recipe(spec)
+        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{spec.replace('@', '.')}"
+        if not (out / "config.json").exists():
+            api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
+        bases[spec] = out
+    srcs = load_prompts(DATA, a.prompts)["code_edit"]
+    preds = {}
+    for name, d in bases.items():
+        common = dict(model=str(d), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
+        plain = Predictor(InferConfig(**common))
+        ngram = Predictor(InferConfig(**common, speculate_method="inference_with_reference",
+                                      speculate_max_draft_token_num=a.draft_tokens), loaded=plain.loaded)
+        plain.generate(["Hello"])  # warm-up
+        preds[name] = {"plain": plain, "ngram": ngram}
+    tok = preds["fp32"]["plain"].tokenizer
+    runs = {(b, m): [] for b in bases for m in ("plain", "ngram")}  # (seconds, tokens, ttft) per prompt
+    copy = []
+    for i, src in enumerate(srcs):
+        best = {}
+        for _ in range(a.rounds):
+            for b in bases:
+                for m, pred in preds[b].items():
+                    t = time.perf_counter()
+                    out = pred.generate([src])[0]
+                    dt = time.perf_counter() - t
+                    if (b, m) not in best or dt < best[b, m][0]:
+                        best[b, m] = (dt, out)
+        for b in bases:
+            if best[b, "ngram"][1].token_ids != best[b, "plain"][1].token_ids:
+                raise SystemExit(f"prompt {i}: the n-gram output on the {b} base differs from its plain greedy output")
+            for m in ("plain", "ngram"):
+                dt, out = best[b, m]
+                runs[b, m].append((dt, len(out.token_ids), out.ttft_s))
+        copy.append(copy_share(tok(src, add_special_tokens=False).input_ids, best["fp32", "plain"][1].token_ids) >= 0.5)
+    print(f"\n## n-gram on quantized bases: {len(srcs)} code prompts ({sum(copy)} copy), {a.threads} threads, "
+          f"best of {a.rounds} rounds, outputs identical to each base's plain greedy\n")
+    print("| base | prompts | plain tok/s | n-gram tok/s | end to end | decode phase | prefill share |")
+    print("|---|---|---:|---:|---:|---:|---:|")
+    rows = []
+    for b in bases:
+        for label, keep in (("all code", lambda i: True), ("copy", lambda i: copy[i])):
+            sel = {m: [r for i, r in enumerate(runs[b, m]) if keep(i)] for m in ("plain", "ngram")}
+            if not sel["plain"]:
+                continue
+            tps = {m: sum(r[1] for r in v) / sum(r[0] for r in v) for m, v in sel.items()}
+            dec = {m: sum(r[1] - 1 for r in v) / sum(r[0] - r[2] for r in v) for m, v in sel.items()}
+            pre = sum(r[2] for r in sel["plain"]) / sum(r[0] for r in sel["plain"])
+            row = {"base": b, "prompts": label, "plain_tps": tps["plain"], "ngram_tps": tps["ngram"],
+                   "ratio": tps["ngram"] / tps["plain"], "decode_ratio": dec["ngram"] / dec["plain"], "prefill_share": pre}
+            rows.append(row)
+            print(f"| {b} | {label} | {tps['plain']:.1f} | {tps['ngram']:.1f} | {row['ratio']:.2f}x | "
+                  f"{row['decode_ratio']:.2f}x | {pre:.0%} |", flush=True)
+    return {"rows": rows}
+
+
+if __name__ == "__main__":
+    main()

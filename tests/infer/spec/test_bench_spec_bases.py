@@ -1,0 +1,38 @@
+"""`bench/spec_bases.py`: n-gram speculation on a quantized base of the default model runs, its
+output equal to that base's plain greedy output (the bench refuses to print otherwise)."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH = Path(__file__).resolve().parents[3] / "bench" / "spec_bases.py"
+
+
+@pytest.fixture(scope="module")
+def spec_bases():
+    spec = importlib.util.spec_from_file_location("bench_spec_bases", BENCH)
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    yield mod
+    torch.set_num_threads(threads)  # `main` sets --threads for the process
+    sys.modules.pop(spec.name, None)
+
+
+def test_bad_rounds_are_refused(spec_bases):
+    with pytest.raises(SystemExit, match="--rounds 0"):
+        spec_bases.main(["--rounds", "0"])
+
+
+@pytest.mark.slow
+def test_one_prompt_on_the_int8_base(spec_bases, capsys):
+    out = spec_bases.main(["--bases", "weight_only_int8", "--prompts", "1", "--rounds", "1", "--new-tokens", "24"])
+    rows = {(r["base"], r["prompts"]): r for r in out["rows"]}
+    assert {b for b, _ in rows} == {"fp32", "weight_only_int8"}
+    for r in out["rows"]:
+        assert r["plain_tps"] > 0 and r["ngram_tps"] > 0 and 0 < r["prefill_share"] < 1
+    assert "| weight_only_int8 | all code |" in capsys.readouterr().out
