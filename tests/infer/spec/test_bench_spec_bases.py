@@ -1,26 +1,7 @@
 """`bench/spec_bases.py`: n-gram speculation on a quantized base of the default model runs, its
 output equal to that base's plain greedy output (the bench refuses to print otherwise)."""
 
-import importlib.util
-import sys
-from pathlib import Path
-
 import pytest
-import torch
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "spec_bases.py"
-
-
-@pytest.fixture(scope="module")
-def spec_bases():
-    spec = importlib.util.spec_from_file_location("bench_spec_bases", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod
-    spec.loader.exec_module(mod)
-    threads = torch.get_num_threads()
-    yield mod
-    torch.set_num_threads(threads)  # `main` sets --threads for the process
-    sys.modules.pop(spec.name, None)
 
 
 def test_bad_rounds_are_refused(spec_bases):

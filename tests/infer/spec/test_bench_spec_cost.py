@@ -1,24 +1,9 @@
 """`bench/spec_cost.py`: the verification-step cost bench runs the steps it claims to time, and its
 fit recovers a known cost line."""
 
-import importlib.util
 import math
-from pathlib import Path
 
 import pytest
-import torch
-
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "spec_cost.py"
-
-
-@pytest.fixture(scope="module")
-def spec_cost():
-    spec = importlib.util.spec_from_file_location("bench_spec_cost", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(mod)
-    threads = torch.get_num_threads()
-    yield mod
-    torch.set_num_threads(threads)  # `main` sets --threads for the process; later tests keep theirs
 
 
 def test_fit_recovers_a_known_line(spec_cost):

@@ -1,33 +1,16 @@
 """`bench/spec_replay.py`: its replay of the n-gram policy is what the engine does, step for step
 (the same drafted, accepted and forward counts), and its ceilings bound the policy."""
 
-import importlib.util
 import json
-import sys
-from pathlib import Path
 
 import numpy as np
 import pytest
-import torch
 
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.infer.spec.proposers import SpecCost
 
-BENCH = Path(__file__).resolve().parents[3] / "bench" / "spec_replay.py"
 PROMPTS = ["a b c a b c a b c a b", "the cat sat on the mat and the cat sat on", "1 2 3 4 1 2 3 4 1 2",
            "x y z w v u t x y z w v"]
-
-
-@pytest.fixture(scope="module")
-def spec_replay():
-    spec = importlib.util.spec_from_file_location("bench_spec_replay", BENCH)
-    mod = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = mod  # its dataclasses resolve their annotations through it
-    spec.loader.exec_module(mod)
-    threads = torch.get_num_threads()
-    yield mod
-    torch.set_num_threads(threads)  # `main` sets --threads for the process
-    sys.modules.pop(spec.name, None)
 
 
 def test_longest_copy_on_literal_arrays(spec_replay):

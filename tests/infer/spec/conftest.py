@@ -1,0 +1,38 @@
+"""The bench scripts under test (`bench/spec_*.py`), each loaded once per test module."""
+
+import importlib.util
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
+
+
+def _bench(name: str):
+    """Load `bench/<name>.py` as a module; after the tests, restore torch's thread count (its `main`
+    sets --threads for the process) and unregister it."""
+    spec = importlib.util.spec_from_file_location(f"bench_{name}", BENCH_DIR / f"{name}.py")
+    mod = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = mod  # its dataclasses resolve their annotations through it
+    spec.loader.exec_module(mod)
+    threads = torch.get_num_threads()
+    yield mod
+    torch.set_num_threads(threads)
+    sys.modules.pop(spec.name, None)
+
+
+@pytest.fixture(scope="module")
+def spec_cost():
+    yield from _bench("spec_cost")
+
+
+@pytest.fixture(scope="module")
+def spec_replay():
+    yield from _bench("spec_replay")
+
+
+@pytest.fixture(scope="module")
+def spec_bases():
+    yield from _bench("spec_bases")
