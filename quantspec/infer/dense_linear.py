@@ -20,8 +20,9 @@ class; parameters are untouched, so state dicts and quantizers see plain `nn.Lin
 
 Last, where the kernels are built, the loader replaces every fp32 linear by a `PackedLinear`
 (weights repacked into column blocks, `packed_gemm` for any number of rows: 2.2x the kernel above
-at 8 rows, faster than torch's sgemm for prefill); `SkinnyLinear` then serves the bf16 linears
-(an artifact's head) and every float linear where the kernels are not built.
+at 8 rows, faster than torch's sgemm for prefill) and, where the CPU has AVX512-BF16, every bf16
+linear with an even K (an artifact's head) by a `PackedPairsLinear`; `SkinnyLinear` then serves
+the other bf16 linears and every float linear where the kernels are not built.
 """
 
 from __future__ import annotations

@@ -5,7 +5,9 @@ same signature.
 `packed_w4_gemm` over fp32 / int8 (per-channel scale) / int4 (group scale, optional zero point)
 weights repacked once into column blocks of 32 outputs (`pack_dense`, `pack_w8`, `pack_w4`), any
 number of rows (decode, verification, prefill), dequantizing in registers; `dense_gemv` over
-row-major fp32 / bf16 weights for a few rows (the bf16 head of an artifact). On the default
+row-major fp32 / bf16 weights for a few rows (the bf16 head of an artifact where the CPU lacks
+AVX512-BF16); `packed_pairs_gemm` over a bf16 weight packed in k-pairs (`pack_pairs`) for bf16 x,
+and the int8 / int4 GEMMs' pair path for bf16 x, through AVX512-BF16's dot product. On the default
 model's shapes (2 cores, AVX-512) the packed fp32 GEMM runs 8 rows 2.5-3.0x faster than torch
 and prefill 1.5-1.7x faster than torch's sgemm; see `bench/kernels_cpu.py`.
 Every output element is computed by the same float operations whatever the number of rows, so
