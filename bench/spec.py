@@ -120,6 +120,13 @@ def _recipe(spec: str) -> tuple[str, dict]:
     zp_dtype="float16"); `@gptq`: GPTQ instead of RTN; a bare quant type → RTN with quantspec's
     defaults (int4: g128, sym, MSE-searched scales)."""
     quant_type, _, recipe = spec.partition("@")
+    from quantspec.errors import QuantSpecError
+    from quantspec.quant.args import QuantType
+
+    try:
+        QuantType.parse(quant_type)
+    except QuantSpecError as e:
+        raise SystemExit(f"{spec!r}: {e}") from None
     kw: dict = {}
     for part in filter(None, recipe.split("-")):
         if part.startswith("g") and part[1:].isdigit():

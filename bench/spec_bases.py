@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from spec import DATA, _recipe, copy_share, load_prompts  # noqa: E402  (the sibling bench)
 
+from quantspec.errors import QuantSpecError  # noqa: E402
 from quantspec.infer.predictor import InferConfig, Predictor  # noqa: E402
 
 
@@ -53,7 +54,10 @@ def main(argv: list[str] | None = None) -> dict:
         quant_type, recipe = _recipe(spec)
         out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{spec.replace('@', '.')}"
         if not (out / "config.json").exists():
-            api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
+            try:
+                api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
+            except QuantSpecError as e:  # e.g. a8w8 without calibration data
+                raise SystemExit(f"--bases {spec}: {e}") from None
         bases[spec] = out
     srcs = load_prompts(DATA, a.prompts)["code_edit"]
     preds = {}

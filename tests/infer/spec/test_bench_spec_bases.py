@@ -9,6 +9,13 @@ def test_bad_rounds_are_refused(spec_bases):
         spec_bases.main(["--rounds", "0"])
 
 
+def test_an_unknown_base_is_one_line(spec_bases):
+    with pytest.raises(SystemExit, match="'weight_only_int9': unknown quant type 'weight_only_int9'; use one of"):
+        spec_bases.main(["--bases", "weight_only_int9"])
+    with pytest.raises(SystemExit, match="unknown recipe part 'g7x'"):
+        spec_bases.main(["--bases", "weight_only_int4@g7x"])
+
+
 @pytest.mark.slow
 def test_one_prompt_on_the_int8_base(spec_bases, capsys):
     out = spec_bases.main(["--bases", "weight_only_int8", "--prompts", "1", "--rounds", "1", "--new-tokens", "24"])
