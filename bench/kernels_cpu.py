@@ -199,11 +199,8 @@ def pair_table(rows: list[int], n_layers: int) -> None:
             xs = {K: torch.randn(M, K).bfloat16() for K in (576, 1536)}
             reps = 5 if M <= 16 else 2
             t_t = _time(lambda: theirs(xs), reps)
-            was = mod.set_pair_path(False)
-            try:
+            with cg.pair_path(False):
                 t_c = _time(lambda: (chain_head if kind == "bf16 head" else ours)(xs), reps)
-            finally:
-                mod.set_pair_path(was)
             t_p = _time(lambda: ours(xs), reps)
             print(f"| {kind} | {M} | {t_t:.2f} | {t_c:.2f} | {t_p:.2f} | {t_c / t_p:.2f}x | {t_t / t_p:.2f}x |", flush=True)
 

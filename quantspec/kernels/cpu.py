@@ -27,6 +27,7 @@ the CPU; a later process loads it in milliseconds. Without a compiler, without A
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import os
@@ -225,9 +226,24 @@ def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
 
 def pair_path_available() -> bool:
     """Whether the kernels run bf16 x through AVX512-BF16's dot product here: `packed_pairs_gemm`,
-    and the pair path of `packed_w8_gemm` for bf16 x."""
+    the pair path of `packed_w8_gemm` / `packed_w4_gemm` for bf16 x, and bf16 `paged_attention`."""
     mod = cpu_kernels()
     return mod is not None and mod.has_bf16_dot()
+
+
+@contextlib.contextmanager
+def pair_path(on: bool):
+    """Inside the block the kernels take (on) or leave (off) the AVX512-BF16 pair path for bf16
+    x, restored after (benches and tests compare the two); a no-op where the path does not exist."""
+    if not pair_path_available():
+        yield
+        return
+    mod = _need()
+    was = mod.set_pair_path(on)
+    try:
+        yield
+    finally:
+        mod.set_pair_path(was)
 
 
 def packed_pairs_gemm(x: torch.Tensor, w_pairs: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -299,7 +315,10 @@ def paged_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor, k
     """q [T, H, hd] (sequence b's q_lens[b] rows in order; fp32/bf16, hd 64 or 128); k_new, v_new
     [T, KV, hd] are written to k_cache, v_cache [slots, KV, hd] at slot_mapping [T]; then row i
     of sequence b (position seq_lens[b] − q_lens[b] + i) attends over its keys 0..position,
-    found through block_tables [B, nb] → out [T, H, hd] (query head h reads KV head h // (H/KV))."""
+    found through block_tables [B, nb] → out [T, H, hd] (query head h reads KV head h // (H/KV)).
+    fp32 accumulation; bf16 on a CPU with AVX512-BF16 (`pair_path_available()`) multiplies through
+    its bf16 dot product, the softmax weights rounded to bf16 before the value product, as a bf16
+    model's eager attention rounds its probabilities."""
     return _need().paged_attention(q, k_new, v_new, k_cache, v_cache, slot_mapping, block_tables,
                                    list(q_lens), list(seq_lens), block_size, scale)
 

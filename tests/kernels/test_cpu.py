@@ -149,7 +149,6 @@ def test_quantized_gemms_take_the_pair_path_for_bf16_x():
     (the chain keeps it); with the path turned off the chain runs for bf16 too. Both paths match
     the float64 reference elsewhere (the reference tests above run bf16 x through the pair path)."""
     tiny = 2.0 ** -130  # subnormal in fp32 and bf16
-    mod = cg.cpu_kernels()
 
     def probe(K, group=None):
         x = torch.zeros(1, K)
@@ -164,11 +163,8 @@ def test_quantized_gemms_take_the_pair_path_for_bf16_x():
     assert probe(64) == [tiny, 0.0]  # int8: fp32 x chain, bf16 x pairs
     assert probe(63) == [tiny, tiny]  # odd K: the chain
     assert probe(64, 32) == [tiny, 0.0] and probe(63, 21) == [tiny, tiny]  # int4: odd group → chain
-    was = mod.set_pair_path(False)
-    try:
+    with cg.pair_path(False):
         assert probe(64) == [tiny, tiny] and probe(64, 32) == [tiny, tiny]
-    finally:
-        mod.set_pair_path(was)
 
 
 def test_dense_packing_round_trips():
@@ -284,33 +280,85 @@ def _attention_case(dtype, hd, G, seed):
     return q, k, v, kc, vc, torch.tensor(slots), tables, q_lens, seq_lens, bs, hd ** -0.5
 
 
+def _pair_modes(dtype):
+    """bf16 attention runs two ways: the pair path (AVX512-BF16) and the fp32 chain"""
+    if dtype == torch.bfloat16 and cg.pair_path_available():
+        return [True, False]
+    return [None]
+
+
+def _with_pair_path(on, fn):
+    if on is None:
+        return fn()
+    with cg.pair_path(on):
+        return fn()
+
+
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hd,G", [(64, 2), (64, 3), (128, 1)])
+@pytest.mark.parametrize("hd,G", [(64, 2), (64, 3), (128, 1), (64, 5), (128, 3), (64, 16)])
 def test_paged_attention_matches_reference(dtype, hd, G):
-    args = _attention_case(dtype, hd, G, seed=hd + G)
-    q, k, v, kc, vc, *rest = args
-    kc2, vc2 = kc.clone(), vc.clone()
-    out = cg.paged_attention(q, k, v, kc, vc, *rest)
-    ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # this step's k / v written to their slots
-    _close(out, ref, dtype)
+    """Heads are computed in compile-time chunks (up to 4 at head_dim 64, 2 at 128): G = 5 and
+    G = 3 at 128 take a partial last chunk, 16 the most a KV head may serve."""
+    for pairs in _pair_modes(dtype):
+        args = _attention_case(dtype, hd, G, seed=hd + G)
+        q, k, v, kc, vc, *rest = args
+        kc2, vc2 = kc.clone(), vc.clone()
+        out = _with_pair_path(pairs, lambda: cg.paged_attention(q, k, v, kc, vc, *rest))
+        ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # this step's k / v written to their slots
+        _close(out, ref, dtype)
 
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_paged_attention_rows_equal_one_query_calls(dtype):
+@pytest.mark.parametrize("hd,G", [(64, 3), (64, 5), (128, 3)])
+def test_paged_attention_rows_equal_one_query_calls(dtype, hd, G):
     """Verification rows (several queries of one sequence) equal decode calls of one query each."""
-    q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale = _attention_case(dtype, 64, 3, seed=1)
-    full = cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
-    row = 0
-    for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-        for i in range(ql):
-            r = row + i
-            one = cg.paged_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, sm[r:r + 1],
-                                     tables[b:b + 1].contiguous(), [1], [sl - ql + i + 1], bs, scale)
-            assert torch.equal(one[0], full[r])
-        row += ql
+    q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale = _attention_case(dtype, hd, G, seed=1)
+    for pairs in _pair_modes(dtype):
+        def run():
+            full = cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
+            row = 0
+            for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+                for i in range(ql):
+                    r = row + i
+                    one = cg.paged_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, sm[r:r + 1],
+                                             tables[b:b + 1].contiguous(), [1], [sl - ql + i + 1], bs, scale)
+                    assert torch.equal(one[0], full[r])
+                row += ql
+        _with_pair_path(pairs, run)
+
+
+@needs_pairs
+def test_bf16_attention_takes_the_pair_path():
+    """Where AVX512-BF16 is, bf16 attention weighs the values with its weights rounded to bf16
+    (normalised by their rounded sum), as a bf16 model's eager attention rounds its probabilities;
+    the fp32 chain (fp32 q / caches, or the path turned off) keeps them in fp32. Two keys, values
+    +1 and -1: the output (1 - e) / (1 + e) cancels, so the rounding of e = exp(s1 - s0) shows."""
+    hd, bs = 64, 16
+    x = -0.048  # key 1's first element: s1 - s0 = x / 8 ≈ -0.006
+    kc, vc = torch.zeros(bs, 1, hd), torch.zeros(bs, 1, hd)
+    vc[0] = 1.0
+    q = torch.zeros(1, 1, hd)
+    q[0, 0, 0] = 1.0
+    k1, v1 = torch.zeros(1, 1, hd), -torch.ones(1, 1, hd)
+    k1[0, 0, 0] = x
+    tables = torch.zeros(1, 1, dtype=torch.int64)
+
+    def out(dtype, pairs):
+        args = [t.to(dtype) for t in (q, k1, v1, kc.clone(), vc.clone())]
+        return _with_pair_path(pairs, lambda: float(cg.paged_attention(
+            *args, torch.tensor([1]), tables, [1], [2], bs, hd ** -0.5)[0, 0, 0]))
+
+    e = torch.tensor(float(torch.tensor(x).bfloat16()) / 8).double().exp()  # exact weight of key 1
+    e_bf16 = e.float().bfloat16().double()  # the same, rounded to bf16
+    assert e_bf16 != e.float().double()
+    want_chain, want_pairs = float((1 - e) / (1 + e)), float((1 - e_bf16) / (1 + e_bf16))
+    assert abs(want_pairs - want_chain) > 0.2 * abs(want_chain)  # far apart at bf16's output precision
+    for got, want in ((out(torch.bfloat16, True), want_pairs), (out(torch.bfloat16, False), want_chain),
+                      (out(torch.float32, True), want_chain)):
+        assert got == pytest.approx(want, rel=2 ** -7)
 
 
 @needs_kernels

@@ -636,9 +636,11 @@ namespace {
 //
 // Writes this step's k/v rows into their cache slots, then for each new query row i of each
 // sequence b (position p = seq_len - q_len + i) attends over that sequence's cached keys 0..p:
-// the rows of one KV head's G = H / KV query heads are computed together (each key read once).
-// fp32 accumulation, softmax with a vectorised exp; one query's numbers depend only on its own q
-// and keys, never on the other rows of the step (decode and verification agree bitwise).
+// the rows of one KV head's G = H / KV query heads are computed together (each key read once per
+// chunk of up to 4 heads). fp32 accumulation, softmax with a vectorised exp; bf16 q / caches on a
+// CPU with AVX512-BF16 take the pair path (`attend_heads_pairs`). One query's numbers depend only
+// on its own q and keys, never on the other rows of the step (decode and verification agree
+// bitwise).
 
 #if QS_AVX512
 
@@ -698,39 +700,12 @@ inline __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// one (query row, KV head): G query heads of C 16-wide chunks (head_dim = 16 C)
-template <int C, class T>
-void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t slot_stride,
-                const int64_t* table, int block_shift, int64_t L, int G, float scale,
-                T* out, int64_t out_head_stride, std::vector<float>& sc) {
-  sc.resize(static_cast<size_t>(G) * L);
-  __m512 qv[kMaxGroup][C];
-  for (int g = 0; g < G; ++g)
-    for (int c = 0; c < C; ++c)
-      qv[g][c] = _mm512_mul_ps(load16f(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
-  // scores, 16 keys at a time: per query head, 16 accumulators (one per key, C FMAs each), then
-  // one transposing reduction gives the 16 scores as a vector; a last partial block zero-fills
-  // its missing keys. Keys are read from L1 once per head.
-  for (int64_t t0 = 0; t0 < L; t0 += 16) {
-    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
-    const T* kp[16];
-    for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
-    for (int g = 0; g < G; ++g) {
-      __m512 acc[16];
-      for (int t = 0; t < 16; ++t) {
-        if (t < n) {
-          acc[t] = _mm512_mul_ps(qv[g][0], load16f(kp[t]));
-          for (int c = 1; c < C; ++c) acc[t] = _mm512_fmadd_ps(qv[g][c], load16f(kp[t] + 16 * c), acc[t]);
-        } else {
-          acc[t] = _mm512_setzero_ps();
-        }
-      }
-      _mm512_mask_storeu_ps(sc.data() + g * L + t0, lane_mask(n), hsum16(acc));
-    }
-  }
-  float inv_sum[kMaxGroup];
-  for (int g = 0; g < G; ++g) {
-    float* s = sc.data() + g * L;
+// softmax of each of GC heads' L scores (rows of sc, stride L) in place: e_t = exp(s_t − max);
+// returns 1 / Σ e_t per head
+template <int GC>
+inline void softmax_rows(float* sc, int64_t L, float inv_sum[GC]) {
+  for (int g = 0; g < GC; ++g) {
+    float* s = sc + g * L;
     const int64_t full = L & ~int64_t(15);  // keys in whole 16-wide vectors; the rest is masked
     const __mmask16 m = static_cast<__mmask16>((1u << (L - full)) - 1);
     __m512 mx = _mm512_set1_ps(-INFINITY);
@@ -751,20 +726,194 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
     }
     inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
   }
-  __m512 o[kMaxGroup][C];
-  for (int g = 0; g < G; ++g)
+}
+
+// one (query row, KV head) for GC of its query heads (a compile-time count, so the heads' query
+// vectors and value accumulators live in registers: with a run-time count the compiler kept the
+// accumulators on the stack, a store and a reload around every FMA); C 16-wide chunks of head dim
+template <int C, int GC, class T>
+void attend_heads(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t slot_stride,
+                  const int64_t* table, int block_shift, int64_t L, float scale, T* out,
+                  int64_t out_head_stride, std::vector<float>& sc) {
+  sc.resize(static_cast<size_t>(GC) * L);
+  __m512 qv[GC][C];
+  for (int g = 0; g < GC; ++g)
+    for (int c = 0; c < C; ++c)
+      qv[g][c] = _mm512_mul_ps(load16f(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
+  // scores, 16 keys at a time: per query head, 16 accumulators (one per key, C FMAs each), then
+  // one transposing reduction gives the 16 scores as a vector; a last partial block zero-fills
+  // its missing keys. Keys are read from L1 once per head.
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+    const T* kp[16];
+    for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
+    for (int g = 0; g < GC; ++g) {
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        if (t < n) {
+          acc[t] = _mm512_mul_ps(qv[g][0], load16f(kp[t]));
+          for (int c = 1; c < C; ++c) acc[t] = _mm512_fmadd_ps(qv[g][c], load16f(kp[t] + 16 * c), acc[t]);
+        } else {
+          acc[t] = _mm512_setzero_ps();
+        }
+      }
+      _mm512_mask_storeu_ps(sc.data() + g * L + t0, lane_mask(n), hsum16(acc));
+    }
+  }
+  float inv_sum[GC];
+  softmax_rows<GC>(sc.data(), L, inv_sum);
+  __m512 o[GC][C];
+  for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c) o[g][c] = _mm512_setzero_ps();
   for (int64_t t = 0; t < L; ++t) {
     __m512 vv[C];
     load_key_row<C>(vc, table, block_shift, slot_stride, t, vv);
-    for (int g = 0; g < G; ++g) {
+    for (int g = 0; g < GC; ++g) {
       const __m512 pt = _mm512_set1_ps(sc[g * L + t]);
       for (int c = 0; c < C; ++c) o[g][c] = _mm512_fmadd_ps(pt, vv[c], o[g][c]);
     }
   }
-  for (int g = 0; g < G; ++g)
+  for (int g = 0; g < GC; ++g)
     for (int c = 0; c < C; ++c)
       store16f(out + g * out_head_stride + 16 * c, _mm512_mul_ps(o[g][c], _mm512_set1_ps(inv_sum[g])));
+}
+
+#if QS_BF16DOT
+// The same for bf16 q / caches on a CPU with AVX512-BF16 (the pair path, honouring
+// set_pair_path): the products of the scores and of the weighted values go through vdpbf16ps,
+// two per lane an instruction, reading q, keys and values as stored (no conversion, where the
+// fp32 chain converts each key once per query head). Scores: per key, vdpbf16ps over the head
+// dim's bf16 pairs (exact products, fp32 sums), the same transposing reduction, then × scale.
+// Softmax in fp32; the weights e_t are rounded to bf16 (as a bf16 model's eager attention rounds
+// its probabilities before the value product) and normalised by the sum of the rounded weights.
+// Values: keys t, t + 1 interleaved per head-dim element (vpunpckl/hwd) against the weight pair
+// (e_t, e_t+1), so lane 4l + i of the low / high accumulators holds element 8l + i / 8l + 4 + i
+// of the 32; one permute per 16 outputs restores the order. Still one fixed sequence of
+// operations per (query row, head): decode and verification rows agree bitwise.
+template <int C, int GC>
+void attend_heads_pairs(const at::BFloat16* q, int64_t q_head_stride, const at::BFloat16* kc,
+                        const at::BFloat16* vc, int64_t slot_stride, const int64_t* table, int block_shift,
+                        int64_t L, float scale, at::BFloat16* out, int64_t out_head_stride,
+                        std::vector<float>& sc, std::vector<uint16_t>& eb) {
+  constexpr int P = C / 2;  // 32 bf16 of the head dim per vector
+  const int64_t LP = (L + 1) & ~int64_t(1);  // weights per head, padded to whole pairs
+  sc.resize(static_cast<size_t>(GC) * L);
+  eb.resize(static_cast<size_t>(GC) * LP);
+  __m512i qv[GC][P];
+  for (int g = 0; g < GC; ++g)
+    for (int p = 0; p < P; ++p) qv[g][p] = _mm512_loadu_si512(q + g * q_head_stride + 32 * p);
+  const __m512 vscale = _mm512_set1_ps(scale);
+  for (int64_t t0 = 0; t0 < L; t0 += 16) {
+    const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
+    const at::BFloat16* kp[16];
+    for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
+    for (int g = 0; g < GC; ++g) {
+      __m512 acc[16];
+      for (int t = 0; t < 16; ++t) {
+        acc[t] = _mm512_setzero_ps();
+        if (t < n)
+          for (int p = 0; p < P; ++p)
+            acc[t] = _mm512_dpbf16_ps(acc[t], (__m512bh)qv[g][p], (__m512bh)_mm512_loadu_si512(kp[t] + 32 * p));
+      }
+      _mm512_mask_storeu_ps(sc.data() + g * L + t0, lane_mask(n), _mm512_mul_ps(hsum16(acc), vscale));
+    }
+  }
+  float inv_sum[GC];
+  for (int g = 0; g < GC; ++g) {
+    const float* s = sc.data() + g * L;
+    uint16_t* e = eb.data() + g * LP;
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t t = 0; t < L; t += 16)
+      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lane_mask(L - t), s + t));
+    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t t = 0; t < L; t += 16) {
+      const __mmask16 m = lane_mask(L - t);
+      const __m256i r = (__m256i)_mm512_cvtneps_pbh(exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax)));
+      _mm256_mask_storeu_epi16(e + t, m, r);
+      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16))));
+    }
+    if (L < LP) e[L] = 0;
+    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
+  }
+  __m512 lo[GC][P], hi[GC][P];
+  for (int g = 0; g < GC; ++g)
+    for (int p = 0; p < P; ++p) lo[g][p] = hi[g][p] = _mm512_setzero_ps();
+  for (int64_t t = 0; t < L; t += 2) {
+    const at::BFloat16* v0 = vc + slot_of(table, block_shift, t) * slot_stride;
+    const at::BFloat16* v1 = t + 1 < L ? vc + slot_of(table, block_shift, t + 1) * slot_stride : nullptr;
+    __m512i ul[P], uh[P];
+    for (int p = 0; p < P; ++p) {
+      const __m512i a = _mm512_loadu_si512(v0 + 32 * p);
+      const __m512i b = v1 ? _mm512_loadu_si512(v1 + 32 * p) : _mm512_setzero_si512();
+      ul[p] = _mm512_unpacklo_epi16(a, b);
+      uh[p] = _mm512_unpackhi_epi16(a, b);
+    }
+    for (int g = 0; g < GC; ++g) {
+      int32_t w2;
+      std::memcpy(&w2, eb.data() + g * LP + t, sizeof(w2));  // (e_t, e_t+1)
+      const __m512bh w = (__m512bh)_mm512_set1_epi32(w2);
+      for (int p = 0; p < P; ++p) {
+        lo[g][p] = _mm512_dpbf16_ps(lo[g][p], (__m512bh)ul[p], w);
+        hi[g][p] = _mm512_dpbf16_ps(hi[g][p], (__m512bh)uh[p], w);
+      }
+    }
+  }
+  const __m512i first = _mm512_setr_epi32(0, 1, 2, 3, 16, 17, 18, 19, 4, 5, 6, 7, 20, 21, 22, 23);
+  const __m512i second = _mm512_add_epi32(first, _mm512_set1_epi32(8));
+  for (int g = 0; g < GC; ++g) {
+    const __m512 is = _mm512_set1_ps(inv_sum[g]);
+    for (int p = 0; p < P; ++p) {
+      at::BFloat16* o = out + g * out_head_stride + 32 * p;
+      store16f(o, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][p], first, hi[g][p]), is));
+      store16f(o + 16, _mm512_mul_ps(_mm512_permutex2var_ps(lo[g][p], second, hi[g][p]), is));
+    }
+  }
+}
+#endif
+
+// one (query row, KV head): its G query heads in chunks of up to GM (4 at head_dim 64, 2 at 128:
+// what the registers hold), each chunk reading the keys and values again from L1 / L2; a head's
+// numbers do not depend on the chunk it is in
+template <int C, class T>
+void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int64_t slot_stride,
+                const int64_t* table, int block_shift, int64_t L, int G, float scale, T* out,
+                int64_t out_head_stride, bool pairs, std::vector<float>& sc, std::vector<uint16_t>& eb) {
+  constexpr int GM = C <= 4 ? 4 : 2;
+  for (int g0 = 0; g0 < G; g0 += GM) {
+    const int gc = std::min(GM, G - g0);
+    const T* qg = q + g0 * q_head_stride;
+    T* og = out + g0 * out_head_stride;
+#if QS_BF16DOT
+    if constexpr (std::is_same<T, at::BFloat16>::value) {
+      if (pairs) {
+        auto run = [&](auto gc_const) {
+          attend_heads_pairs<C, decltype(gc_const)::value>(qg, q_head_stride, kc, vc, slot_stride, table, block_shift,
+                                                           L, scale, og, out_head_stride, sc, eb);
+        };
+        switch (gc) {
+          case 1: run(std::integral_constant<int, 1>()); break;
+          case 2: run(std::integral_constant<int, 2>()); break;
+          case 3: run(std::integral_constant<int, GM >= 3 ? 3 : 1>()); break;
+          default: run(std::integral_constant<int, GM>()); break;
+        }
+        continue;
+      }
+    }
+#endif
+    (void)pairs;
+    (void)eb;
+    auto run = [&](auto gc_const) {
+      attend_heads<C, decltype(gc_const)::value, T>(qg, q_head_stride, kc, vc, slot_stride, table, block_shift, L,
+                                                    scale, og, out_head_stride, sc);
+    };
+    switch (gc) {
+      case 1: run(std::integral_constant<int, 1>()); break;
+      case 2: run(std::integral_constant<int, 2>()); break;
+      case 3: run(std::integral_constant<int, GM >= 3 ? 3 : 1>()); break;
+      default: run(std::integral_constant<int, GM>()); break;
+    }
+  }
 }
 
 template <int C, class T>
@@ -787,15 +936,17 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t nb = block_tables.size(1);
+  const bool pairs = std::is_same<T, at::BFloat16>::value && QS_BF16DOT && g_pair_path;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> sc;
+    std::vector<uint16_t> eb;
     for (int64_t it = i0; it < i1; ++it) {
       const int64_t r = it / KV, h = it % KV, b = row_seq[r];
       const int64_t L = seq_lens[b] - q_lens[b] + (r - row0[b]) + 1;  // keys 0..position
       attend_one<C, T>(qp + r * q.stride(0) + h * G * q.stride(1), q.stride(1), kc + h * k_cache.stride(1),
                        vc + h * v_cache.stride(1), k_cache.stride(0), tables + b * nb, block_shift, L, G,
                        static_cast<float>(scale), op + r * out.stride(0) + h * G * out.stride(1),
-                       out.stride(1), sc);
+                       out.stride(1), pairs, sc, eb);
     }
   });
 }
