@@ -562,13 +562,18 @@ at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
   if (use_pair_path(x, K) && group % 2 == 0) {
     const int64_t M = x.size(0);
     at::Tensor y = at::empty({M, N}, x.options());
-    std::vector<float> xsum(M * G);  // each row's group sums, in k order
+    std::vector<float> xsum(M * G);  // each row's group sums: 16 lanes over the group, then reduced
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
     for (int64_t m = 0; m < M; ++m)
       for (int64_t g = 0; g < G; ++g) {
-        float acc = 0.f;
-        for (int64_t k = g * group; k < (g + 1) * group; ++k) acc += static_cast<float>(xp[m * K + k]);
-        xsum[m * G + g] = acc;
+        const at::BFloat16* xg = xp + m * K + g * group;
+        __m512 acc = _mm512_setzero_ps();
+        for (int64_t k = 0; k < group; k += 16) {
+          const __mmask16 mk = lane_mask(group - k);
+          acc = _mm512_add_ps(acc, _mm512_castsi512_ps(_mm512_slli_epi32(
+                                       _mm512_cvtepu16_epi32(_mm256_maskz_loadu_epi16(mk, xg + k)), 16)));
+        }
+        xsum[m * G + g] = _mm512_reduce_add_ps(acc);
       }
     auto make = [&](int64_t blk) { return I4PairLoader{qp, s, z, xsum.data(), K, G, group, blk}; };
     if (M && N) packed_q_run<kInt4Pairs>(make, xp, M, K, N, NB, nullptr, b, y.data_ptr<at::BFloat16>(), K * 16);
