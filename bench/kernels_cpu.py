@@ -21,6 +21,12 @@ Pair-path table (`--pair-rows`): bf16 x (how quantized artifacts load on CPU) th
 int4 layers and the bf16 head: the kernels' AVX512-BF16 pair path (what runs) vs their fp32 chain
 (`set_pair_path(False)`; for the head the row-major `dense_gemv` it replaced) and torch's op.
 
+Attention table (`--attention-rows`, `--context`): `paged_attention` over the default model's 30
+layers (9 query heads, 3 KV heads, head dim 64, a cache per layer), one sequence whose last M
+rows are new: M = 1 a decode step, 11 a 10-draft verification (both over `--context` keys), more
+a fresh prompt of M tokens; torch's SDPA on the same rows (causal), the kernel in fp32, and bf16
+through its fp32 chain and its pair path.
+
 Prefill table (`--prefill-rows`): fp32 x (how the default model loads) through the int8 / int4
 (g64) layers, where the dispatch took dequantize + `F.linear` before quantspec's packed kernels
 served every M: that path vs the packed kernel, per pass over all layers.
@@ -99,16 +105,21 @@ def main():
     ap.add_argument("--rate-rows", default="1,4,8,11,16,130", help="rows of the compute-rate table ('' skips it)")
     ap.add_argument("--prefill-rows", default="130,512", help="rows of the prefill table ('' skips it)")
     ap.add_argument("--pair-rows", default="1,4,11,130", help="rows of the pair-path table ('' skips it)")
+    ap.add_argument("--attention-rows", default="1,11,130",
+                    help="query rows of the attention table ('' skips it)")
+    ap.add_argument("--context", type=int, default=266, help="keys of a decode / verification row (attention table)")
     a = ap.parse_args()
     if a.threads:
         torch.set_num_threads(a.threads)
     if cg.cpu_kernels() is None:
         raise SystemExit(f"quantspec CPU kernels unavailable: {cg.cpu_kernels_error()}")
-    rows = [int(r) for r in a.rows.split(",")]
-    print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
-    print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
-    print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind in a.kinds.split(","):
+    rows = [int(r) for r in a.rows.split(",") if r]
+    kinds = [k for k in a.kinds.split(",") if k]
+    if kinds and rows:
+        print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
+        print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
+        print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in kinds if rows else []:
         xdtype = torch.float32 if kind == "fp32" else torch.bfloat16
         layers = [(K, *_make(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
         head = _make(kind if kind != "fp32" else "fp32", *HEAD)
@@ -144,7 +155,7 @@ def main():
               "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
         print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
         print("|---|---:|---:|---:|---:|")
-        for kind in [k for k in a.kinds.split(",") if k in ("int8", "int4")]:
+        for kind in [k for k in kinds if k in ("int8", "int4")]:
             layers = [(K, *_prefill_layer(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
             for M in prefill:
                 xs = {K: torch.randn(M, K) for K in (576, 1536)}
@@ -154,6 +165,52 @@ def main():
     pair_rows = [int(r) for r in a.pair_rows.split(",") if r]
     if pair_rows:
         pair_table(pair_rows, a.layers)
+    attention_rows = [int(r) for r in a.attention_rows.split(",") if r]
+    if attention_rows:
+        attention_table(attention_rows, a.layers, a.context)
+
+
+def attention_table(rows: list[int], n_layers: int, context: int) -> None:
+    """µs per layer (over n_layers caches, so they stream from L2 / L3 as in a step)"""
+    H, KV, hd, bs = 9, 3, 64, 16
+    print(f"\n## Paged attention, {torch.get_num_threads()} threads (µs a layer; H {H}, KV {KV}, head dim {hd}; "
+          f"decode / verification rows over {context} keys, prefill rows over themselves)\n")
+    print("| rows | keys | torch SDPA bf16 | fp32 | bf16 chain | bf16 pairs | chain / pairs | SDPA / pairs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    for M in rows:
+        L = max(context, M) if M <= 16 else M
+        nb = (L + bs - 1) // bs
+        table = torch.arange(nb).view(1, nb)
+        slots = torch.arange(L - M, L)
+        mask = torch.ones(M, L, dtype=torch.bool).tril(L - M)
+        res = {}
+        for dt in (torch.float32, torch.bfloat16):
+            caches = [(torch.randn(nb * bs, KV, hd).to(dt), torch.randn(nb * bs, KV, hd).to(dt)) for _ in range(n_layers)]
+            q = torch.randn(M, H, hd).to(dt)
+            k, v = torch.randn(M, KV, hd).to(dt), torch.randn(M, KV, hd).to(dt)
+
+            def ours():
+                for kc, vc in caches:
+                    cg.paged_attention(q, k, v, kc, vc, slots, table, [M], [L], bs, hd ** -0.5)
+
+            reps = 20 if M <= 16 else 3
+            if dt == torch.float32:
+                res["fp32"] = _time(ours, reps)
+                continue
+            with cg.pair_path(False):
+                res["chain"] = _time(ours, reps)
+            res["pairs"] = _time(ours, reps)
+            qq = q.transpose(0, 1).unsqueeze(0)
+
+            def sdpa():
+                for kc, vc in caches:  # a contiguous cache: no block-table gather for torch
+                    kk, vv = kc[:L].transpose(0, 1).unsqueeze(0), vc[:L].transpose(0, 1).unsqueeze(0)
+                    F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
+
+            res["sdpa"] = _time(sdpa, reps)
+        us = {key: t * 1e3 / n_layers for key, t in res.items()}
+        print(f"| {M} | {L} | {us['sdpa']:.1f} | {us['fp32']:.1f} | {us['chain']:.1f} | {us['pairs']:.1f} | "
+              f"{us['chain'] / us['pairs']:.2f}x | {us['sdpa'] / us['pairs']:.2f}x |", flush=True)
 
 
 def pair_table(rows: list[int], n_layers: int) -> None:
