@@ -91,8 +91,10 @@ class SpecCost:
     k = 1..10). `bench/spec_cost.py` measures whole engine steps per k beside this model (session
     13, 256 tokens of context, medians / fastest: 1.05x / 1.13x (k=4), 1.35x / 1.46x (8), 1.54x /
     1.66x (10), 2.10x / 2.28x (16)). With the row-major kernels (quantized linears, or torch's
-    ops) it was 1.26x (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. On a GPU a few
-    extra rows are nearly free.
+    ops) it was 1.26x (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. Quantized bf16
+    bases on the AVX512-BF16 pair path (session 17, int8 artifact, medians) measure 1.24x (k=4),
+    1.90x (k=10), nearer 0.06-0.09 per row, but the n-gram ran at the same speed on the copy
+    prompts with 0.15, 0.09 or 0.05, so they keep 0.15. On a GPU a few extra rows are nearly free.
     """
 
     verify_fixed: float = 0.5
