@@ -877,6 +877,15 @@ void attend_heads_pairs(const at::BFloat16* q, int64_t q_head_stride, const at::
 }
 #endif
 
+// f(std::integral_constant<int, gc>()) for a run-time gc in 1..N: the compile-time head count
+template <int N, class F>
+inline void with_head_count(int gc, const F& f) {
+  if constexpr (N >= 1) {
+    if (gc == N) return f(std::integral_constant<int, N>());
+    with_head_count<N - 1>(gc, f);
+  }
+}
+
 // one (query row, KV head): its G query heads in chunks of up to GM (4 at head_dim 64, 2 at 128:
 // what the registers hold), each chunk reading the keys and values again from L1 / L2; a head's
 // numbers do not depend on the chunk it is in
@@ -886,38 +895,25 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
                 int64_t out_head_stride, bool pairs, std::vector<float>& sc, std::vector<uint16_t>& eb) {
   constexpr int GM = C <= 4 ? 4 : 2;
   for (int g0 = 0; g0 < G; g0 += GM) {
-    const int gc = std::min(GM, G - g0);
     const T* qg = q + g0 * q_head_stride;
     T* og = out + g0 * out_head_stride;
 #if QS_BF16DOT
     if constexpr (std::is_same<T, at::BFloat16>::value) {
       if (pairs) {
-        auto run = [&](auto gc_const) {
-          attend_heads_pairs<C, decltype(gc_const)::value>(qg, q_head_stride, kc, vc, slot_stride, table, block_shift,
-                                                           L, scale, og, out_head_stride, sc, eb);
-        };
-        switch (gc) {
-          case 1: run(std::integral_constant<int, 1>()); break;
-          case 2: run(std::integral_constant<int, 2>()); break;
-          case 3: run(std::integral_constant<int, GM >= 3 ? 3 : 1>()); break;
-          default: run(std::integral_constant<int, GM>()); break;
-        }
+        with_head_count<GM>(std::min(GM, G - g0), [&](auto gc) {
+          attend_heads_pairs<C, decltype(gc)::value>(qg, q_head_stride, kc, vc, slot_stride, table, block_shift, L,
+                                                     scale, og, out_head_stride, sc, eb);
+        });
         continue;
       }
     }
 #endif
     (void)pairs;
     (void)eb;
-    auto run = [&](auto gc_const) {
-      attend_heads<C, decltype(gc_const)::value, T>(qg, q_head_stride, kc, vc, slot_stride, table, block_shift, L,
-                                                    scale, og, out_head_stride, sc);
-    };
-    switch (gc) {
-      case 1: run(std::integral_constant<int, 1>()); break;
-      case 2: run(std::integral_constant<int, 2>()); break;
-      case 3: run(std::integral_constant<int, GM >= 3 ? 3 : 1>()); break;
-      default: run(std::integral_constant<int, GM>()); break;
-    }
+    with_head_count<GM>(std::min(GM, G - g0), [&](auto gc) {
+      attend_heads<C, decltype(gc)::value, T>(qg, q_head_stride, kc, vc, slot_stride, table, block_shift, L, scale,
+                                              og, out_head_stride, sc);
+    });
   }
 }
 
