@@ -175,6 +175,8 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
     H, KV, hd, bs = 9, 3, 64, 16
     print(f"\n## Paged attention, {torch.get_num_threads()} threads (µs a layer; H {H}, KV {KV}, head dim {hd}; "
           f"decode / verification rows over {context} keys, prefill rows over themselves)\n")
+    if not cg.pair_path_available():
+        print("(this CPU has no AVX512-BF16: the 'bf16 pairs' column runs the fp32 chain too)\n")
     print("| rows | keys | torch SDPA bf16 | fp32 | bf16 chain | bf16 pairs | chain / pairs | SDPA / pairs |")
     print("|---:|---:|---:|---:|---:|---:|---:|---:|")
     for M in rows:
@@ -217,8 +219,7 @@ def pair_table(rows: list[int], n_layers: int) -> None:
     """bf16 x through the quantized layers and the bf16 head: quantspec's pair path (AVX512-BF16's
     dot product) vs the same kernels' fp32 chain (the path before it) and torch's packed op, side
     by side; int4 in groups of 64 (what the default model's int4 artifact uses for K = 576)."""
-    mod = cg.cpu_kernels()
-    if not mod.has_bf16_dot():
+    if not cg.pair_path_available():
         print("\n(no pair-path table: this CPU has no AVX512-BF16)")
         return
     print(f"\n## bf16 x: pair path vs fp32 chain, {torch.get_num_threads()} threads (ms per pass over "
