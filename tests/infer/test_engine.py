@@ -228,6 +228,32 @@ def test_cpu_attention_kernel_serves_decode_and_matches_torch_path(hd64_dir, mon
             assert torch_path == got
 
 
+@needs_cpu_kernels
+def test_cpu_attention_kernel_serves_multi_query_models(tmp_path, monkeypatch):
+    """A KV head serving 20 query heads (a multi-query Llama; the kernel computes them in chunks
+    of up to 4) decodes through quantspec's CPU attention and gives transformers' greedy tokens."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.kernels import cpu as cpu_kernels
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    d = build_tiny_model(tmp_path / "mqa", "llama", hidden=1280, heads=20, kv_heads=1, intermediate=128, seed=5)
+    model = load_for_inference(d, dtype=torch.float32, tokenizer=False).model
+    assert model.args.num_heads // model.args.num_kv_heads == 20 and model.args.head_dim == 64
+    model.fused_layers = None  # the module path, whose kernel calls can be counted
+    calls = []
+    real = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(1) or real(*a))
+    prompts = _prompts([7, 19], seed=4)
+    got = _engine_greedy(model, prompts, 8, batch=2, block_size=16)
+    assert calls
+    hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
+    assert got == [_hf_greedy(hf, p, 8) for p in prompts]
+    fused = load_for_inference(d, dtype=torch.float32, tokenizer=False).model  # the one-call stack
+    assert _engine_greedy(fused, prompts, 8, batch=2, block_size=16) == got
+
+
 def _without_kernel(init):
     def wrapped(self, *a, **kw):
         init(self, *a, **kw)

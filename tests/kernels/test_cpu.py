@@ -296,10 +296,10 @@ def _with_pair_path(on, fn):
 
 @needs_kernels
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize("hd,G", [(64, 2), (64, 3), (128, 1), (64, 5), (128, 3), (64, 16)])
+@pytest.mark.parametrize("hd,G", [(64, 2), (64, 3), (128, 1), (64, 5), (128, 3), (64, 16), (64, 25)])
 def test_paged_attention_matches_reference(dtype, hd, G):
     """Heads are computed in compile-time chunks (up to 4 at head_dim 64, 2 at 128): G = 5 and
-    G = 3 at 128 take a partial last chunk, 16 the most a KV head may serve."""
+    G = 3 at 128 take a partial last chunk; 25 query heads per KV head (multi-query models)."""
     for pairs in _pair_modes(dtype):
         args = _attention_case(dtype, hd, G, seed=hd + G)
         q, k, v, kc, vc, *rest = args
@@ -378,6 +378,8 @@ def test_paged_attention_refuses_what_it_does_not_take():
         cg.paged_attention(q, k, v.bfloat16(), kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
     with pytest.raises(RuntimeError, match="block_size must be a power of two"):
         cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, 24, scale)
+    with pytest.raises(RuntimeError, match=r"query heads \(3\) must be a multiple of the KV heads \(2\)"):
+        cg.paged_attention(q[:, :3], k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
 
 
 @needs_kernels

@@ -673,8 +673,6 @@ inline void store16f(at::BFloat16* p, __m512 v) {
   for (int j = 0; j < 16; ++j) p[j] = static_cast<at::BFloat16>(tmp[j]);
 }
 
-constexpr int kMaxGroup = 16;  // query heads per KV head
-
 // the cache slot of the sequence's position t through its block table; block_size =
 // 1 << block_shift: a shift and a mask, not a 64-bit division per key
 inline int64_t slot_of(const int64_t* table, int block_shift, int64_t t) {
@@ -970,7 +968,8 @@ at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const a
   TORCH_CHECK(q.scalar_type() == k_cache.scalar_type() && k_new.scalar_type() == k_cache.scalar_type()
               && v_new.scalar_type() == k_cache.scalar_type() && v_cache.scalar_type() == k_cache.scalar_type(),
               "paged_attention: one dtype for q, k, v and the cache");
-  TORCH_CHECK(H % KV == 0 && H / KV <= kMaxGroup, "paged_attention: H / KV must be an integer <= ", kMaxGroup);
+  TORCH_CHECK(KV > 0 && H % KV == 0, "paged_attention: the query heads (", H, ") must be a multiple of the KV heads (",
+              KV, ")");  // any number per KV head: they are computed in chunks of up to 4
   TORCH_CHECK(block_size > 0 && (block_size & (block_size - 1)) == 0, "paged_attention: block_size must be a power of two, got ",
               block_size);
   TORCH_CHECK(hd == 64 || hd == 128, "paged_attention: head_dim must be 64 or 128, got ", hd);
