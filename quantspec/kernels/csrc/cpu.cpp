@@ -703,30 +703,33 @@ inline __m512 hsum16(const __m512 v[16]) {
   return _mm512_add_ps(_mm512_shuffle_f32x4(d0, d1, 0x88), _mm512_shuffle_f32x4(d0, d1, 0xDD));
 }
 
-// softmax of each of GC heads' L scores (rows of sc, stride L) in place: e_t = exp(s_t − max);
-// returns 1 / Σ e_t per head
-template <int GC>
-inline void softmax_rows(float* sc, int64_t L, float inv_sum[GC]) {
+// softmax of each of GC heads' L scores (rows of sc, stride L): e_t = exp(s_t − max), stored in
+// place (fp32), or with kBf16Weights rounded to bf16 into eb (rows of stride LP, a last odd key's
+// pair padded with 0) and summed as rounded; returns 1 / Σ e_t per head
+template <int GC, bool kBf16Weights = false>
+inline void softmax_rows(float* sc, int64_t L, float inv_sum[GC], uint16_t* eb = nullptr, int64_t LP = 0) {
   for (int g = 0; g < GC; ++g) {
     float* s = sc + g * L;
-    const int64_t full = L & ~int64_t(15);  // keys in whole 16-wide vectors; the rest is masked
-    const __mmask16 m = static_cast<__mmask16>((1u << (L - full)) - 1);
     __m512 mx = _mm512_set1_ps(-INFINITY);
-    int64_t t = 0;
-    for (; t < full; t += 16) mx = _mm512_max_ps(mx, _mm512_loadu_ps(s + t));
-    if (full < L) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(_mm512_set1_ps(-INFINITY), m, s + full));
+    for (int64_t t = 0; t < L; t += 16) mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lane_mask(L - t), s + t));
     const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
     __m512 sum = _mm512_setzero_ps();
-    for (t = 0; t < full; t += 16) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(s + t), vmax));
-      _mm512_storeu_ps(s + t, e);
-      sum = _mm512_add_ps(sum, e);
-    }
-    if (full < L) {
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + full), vmax));
-      _mm512_mask_storeu_ps(s + full, m, e);
+    for (int64_t t = 0; t < L; t += 16) {  // a last partial block is masked
+      const __mmask16 m = lane_mask(L - t);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax));
+      if constexpr (kBf16Weights) {
+#if QS_BF16DOT
+        const __m256i r = (__m256i)_mm512_cvtneps_pbh(e);
+        _mm256_mask_storeu_epi16(eb + g * LP + t, m, r);
+        e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+#endif
+      } else {
+        _mm512_mask_storeu_ps(s + t, m, e);
+      }
       sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, e));
     }
+    if constexpr (kBf16Weights)
+      if (L < LP) eb[g * LP + L] = 0;
     inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
   }
 }
@@ -822,23 +825,7 @@ void attend_heads_pairs(const at::BFloat16* q, int64_t q_head_stride, const at::
     }
   }
   float inv_sum[GC];
-  for (int g = 0; g < GC; ++g) {
-    const float* s = sc.data() + g * L;
-    uint16_t* e = eb.data() + g * LP;
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t t = 0; t < L; t += 16)
-      mx = _mm512_max_ps(mx, _mm512_mask_loadu_ps(mx, lane_mask(L - t), s + t));
-    const __m512 vmax = _mm512_set1_ps(_mm512_reduce_max_ps(mx));
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t t = 0; t < L; t += 16) {
-      const __mmask16 m = lane_mask(L - t);
-      const __m256i r = (__m256i)_mm512_cvtneps_pbh(exp512(_mm512_sub_ps(_mm512_maskz_loadu_ps(m, s + t), vmax)));
-      _mm256_mask_storeu_epi16(e + t, m, r);
-      sum = _mm512_add_ps(sum, _mm512_maskz_mov_ps(m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16))));
-    }
-    if (L < LP) e[L] = 0;
-    inv_sum[g] = 1.0f / _mm512_reduce_add_ps(sum);
-  }
+  softmax_rows<GC, true>(sc.data(), L, inv_sum, eb.data(), LP);
   __m512 lo[GC][P], hi[GC][P];
   for (int g = 0; g < GC; ++g)
     for (int p = 0; p < P; ++p) lo[g][p] = hi[g][p] = _mm512_setzero_ps();
