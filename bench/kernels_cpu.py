@@ -55,6 +55,17 @@ def _time(fn, reps: int) -> float:
     return (time.perf_counter() - t) / reps * 1e3
 
 
+def _counts(arg: str, opt: str) -> list[int]:
+    """'1,11,130' → [1, 11, 130] ('' → none); anything else is one error line"""
+    try:
+        counts = [int(r) for r in arg.split(",") if r]
+    except ValueError:
+        counts = [0]
+    if any(c < 1 for c in counts):
+        raise SystemExit(f"{opt} {arg!r}: give comma-separated row counts >= 1, or '' to skip")
+    return counts
+
+
 def _skinny_fp32(x, w):
     if x.shape[0] > 4:
         return F.linear(x, w)
@@ -109,11 +120,15 @@ def main():
                     help="query rows of the attention table ('' skips it)")
     ap.add_argument("--context", type=int, default=266, help="keys of a decode / verification row (attention table)")
     a = ap.parse_args()
+    rows = _counts(a.rows, "--rows")
+    rate_rows, prefill = _counts(a.rate_rows, "--rate-rows"), _counts(a.prefill_rows, "--prefill-rows")
+    pair_rows, attention_rows = _counts(a.pair_rows, "--pair-rows"), _counts(a.attention_rows, "--attention-rows")
+    if a.context < 1:
+        raise SystemExit(f"--context {a.context}: give 1 or more keys")
     if a.threads:
         torch.set_num_threads(a.threads)
     if cg.cpu_kernels() is None:
         raise SystemExit(f"quantspec CPU kernels unavailable: {cg.cpu_kernels_error()}")
-    rows = [int(r) for r in a.rows.split(",") if r]
     kinds = [k for k in a.kinds.split(",") if k]
     if kinds and rows:
         print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
@@ -133,7 +148,6 @@ def main():
             o_h = _time(lambda: ours(xs[576], *head[1]), reps)
             print(f"| {kind} | {M} | {t_l:.2f} | {o_l:.2f} | {t_l / o_l:.2f}x | {t_h:.2f} | "
                   f"{o_h:.2f} | {t_h / o_h:.2f}x |", flush=True)
-    rate_rows = [int(r) for r in a.rate_rows.split(",") if r]
     if rate_rows:
         big = torch.randn(2048, 2048)
         t_big = _time(lambda: torch.mm(big, big), 3)
@@ -149,7 +163,6 @@ def main():
             t = _time(lambda: [cg.packed_gemm(xs[K], w, N) for K, w, N in layers], 3)
             rate = M * flop_per_row / t / 1e6
             print(f"| {M} | {rate:.0f} | {rate / peak:.0%} |", flush=True)
-    prefill = [int(r) for r in a.prefill_rows.split(",") if r]
     if prefill:
         print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "
               "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
@@ -162,10 +175,8 @@ def main():
                 t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
                 t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
                 print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
-    pair_rows = [int(r) for r in a.pair_rows.split(",") if r]
     if pair_rows:
         pair_table(pair_rows, a.layers)
-    attention_rows = [int(r) for r in a.attention_rows.split(",") if r]
     if attention_rows:
         attention_table(attention_rows, a.layers, a.context)
 

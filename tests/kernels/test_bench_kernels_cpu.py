@@ -24,3 +24,12 @@ def test_attention_table_prints_a_row_per_query_count():
     for ln in rows:  # four timings and two ratios, all positive
         cells = [c.strip().rstrip("x") for c in ln.strip("|").split("|")[2:]]
         assert len(cells) == 6 and all(float(c) > 0 for c in cells)
+
+
+@pytest.mark.parametrize("args,message", [(["--attention-rows", "1,x"], "--attention-rows '1,x': give comma-separated"),
+                                          (["--rows", "0"], "--rows '0': give comma-separated"),
+                                          (["--context", "0"], "--context 0: give 1 or more")])
+def test_bad_input_is_one_line(args, message):
+    out = subprocess.run([sys.executable, str(BENCH), *args], capture_output=True, text=True, timeout=120)
+    assert out.returncode != 0 and out.stderr.strip().splitlines() == [out.stderr.strip()]
+    assert message in out.stderr
