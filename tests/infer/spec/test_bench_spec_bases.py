@@ -18,9 +18,11 @@ def test_an_unknown_base_is_one_line(spec_bases):
 
 @pytest.mark.slow
 def test_one_prompt_on_the_int8_base(spec_bases, capsys):
-    out = spec_bases.main(["--bases", "weight_only_int8", "--prompts", "1", "--rounds", "1", "--new-tokens", "24"])
+    out = spec_bases.main(["--bases", "weight_only_int8", "--prompts", "1", "--rounds", "2", "--new-tokens", "24"])
     rows = {(r["base"], r["prompts"]): r for r in out["rows"]}
     assert {b for b, _ in rows} == {"fp32", "weight_only_int8"}
     for r in out["rows"]:
         assert r["plain_tps"] > 0 and r["ngram_tps"] > 0 and 0 < r["prefill_share"] < 1
-    assert "| weight_only_int8 | all code |" in capsys.readouterr().out
+        assert len(r["round_ratios"]) == 2 and min(r["round_ratios"]) > 0
+    printed = capsys.readouterr().out
+    assert "| weight_only_int8 | all code |" in printed and "(median " in printed
