@@ -4,6 +4,7 @@ plain decode step (k = 0), one sequence, same context, one run.
 
     python bench/spec_cost.py [--model DIR|zoo name] [--device cpu|cuda] [--threads 2]
                               [--drafts 0,1,2,4,6,8,10,12,16] [--context 256] [--rounds 6] [--repeats 3]
+                              [--prefetch-ab]
 
 The back-off (`infer/spec/proposers.py`, `AdaptiveDraftLength`) picks each sequence's k by
 E(k) / C(k) with C(k) = 1 + verify_fixed + k · verify_per_token from `SpecCost.for_device`, so a
@@ -18,11 +19,18 @@ proposes k copies of one token, so drafts are (almost always) rejected and the c
 one token a step whatever k is; each round prefills a `--context`-token prompt of random ids
 (EOS ignored) and times `--repeats` steps for every k, in a shuffled order, so the k values see
 the same context lengths and the same interference on a shared machine.
+
+`--prefetch-ab` (CPU kernels): every timed step runs twice back to back, with the greedy head
+screen's L2 prefetch of its next block on and off (`kernels.cpu.prefetch`: steps of 7 or more
+drafts on an fp32 model), in random order; the main table shows the steps with it on (the default), a second one per k the
+medians of both and the median of the paired differences, which a shared host's drift (a plain
+step moved 13-23 ms within an hour here) leaves alone where the separate medians do not.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import random
 import statistics
 import time
@@ -51,9 +59,12 @@ class FixedDrafter:
 
 
 def measure(pred: Predictor, drafts: list[int], context: int, rounds: int, repeats: int,
-            seed: int = 0) -> tuple[dict[int, list[float]], int]:
-    """→ (step times (s) per draft count, drafts verified in the timed steps): `rounds` prompts,
-    `repeats` shuffled steps per k each."""
+            seed: int = 0, prefetch_ab: bool = False) -> tuple[dict[int, list[float]], int, dict[int, list]]:
+    """→ (step times (s) per draft count, drafts verified in the timed steps, per draft count the
+    (prefetch on, off) time pairs of `prefetch_ab`, else empty lists): `rounds` prompts, `repeats`
+    shuffled steps per k each (two with `prefetch_ab`)."""
+    from quantspec.kernels.cpu import prefetch
+
     eng = pred.engine
     vocab = pred.loaded.model.args.vocab_size
     gen = torch.Generator().manual_seed(seed)
@@ -62,6 +73,7 @@ def measure(pred: Predictor, drafts: list[int], context: int, rounds: int, repea
     eng.proposer, eng.eos = drafter, set()  # time steps, not stopping rules
     cuda = eng.device.type == "cuda"
     times: dict[int, list[float]] = {k: [] for k in drafts}
+    pairs: dict[int, list[tuple[float, float]]] = {k: [] for k in drafts}
     verified = 0
     for r in range(rounds + 1):  # round 0 warms up (kernels, caches) and is not recorded
         prompt = torch.randint(vocab, (context,), generator=gen).tolist()
@@ -74,21 +86,27 @@ def measure(pred: Predictor, drafts: list[int], context: int, rounds: int, repea
         rng.shuffle(order)
         for k in order:
             drafter.k = k
-            if cuda:
-                torch.cuda.synchronize()
-            t = time.perf_counter()
-            eng.step()
-            if cuda:
-                torch.cuda.synchronize()
+            took = {}
+            for on in rng.sample([True, False], 2) if prefetch_ab else [None]:
+                with prefetch(on) if on is not None else contextlib.nullcontext():
+                    if cuda:
+                        torch.cuda.synchronize()
+                    t = time.perf_counter()
+                    eng.step()
+                    if cuda:
+                        torch.cuda.synchronize()
+                    took[on] = time.perf_counter() - t
             if r:
-                times[k].append(time.perf_counter() - t)
+                times[k].append(took[True] if prefetch_ab else took[None])
+                if prefetch_ab:
+                    pairs[k].append((took[True], took[False]))
         if r:
             verified += seq.stats.drafted
         stop.append(True)
         drafter.k = 0
         while eng.has_work():
             eng.step()
-    return times, verified
+    return times, verified, pairs
 
 
 def fit_cost(ratios: dict[int, float]) -> tuple[float, float, float]:
@@ -117,6 +135,8 @@ def main(argv: list[str] | None = None) -> dict:
     ap.add_argument("--context", type=int, default=256, help="prompt tokens before the timed steps")
     ap.add_argument("--rounds", type=int, default=6)
     ap.add_argument("--repeats", type=int, default=3, help="timed steps per k in a round")
+    ap.add_argument("--prefetch-ab", action="store_true",
+                    help="time every step with the head screen's next-block prefetch on and off (module doc)")
     a = ap.parse_args(argv)
     try:
         drafts = sorted({int(k) for k in a.drafts.split(",") if k.strip()} | {0})
@@ -138,7 +158,9 @@ def main(argv: list[str] | None = None) -> dict:
     except QuantSpecError as e:  # a missing model, an unknown device: the one-line reason
         raise SystemExit(str(e)) from None
     model_cost = pred.engine.proposer.policy.cost  # what the back-off assumes on this device
-    times, verified = measure(pred, drafts, a.context, a.rounds, a.repeats)
+    if a.prefetch_ab and pred.engine.device.type != "cpu":
+        raise SystemExit("--prefetch-ab compares a CPU kernel's prefetch; use --device cpu")
+    times, verified, pairs = measure(pred, drafts, a.context, a.rounds, a.repeats, prefetch_ab=a.prefetch_ab)
 
     med = {k: statistics.median(v) for k, v in times.items()}
     fast = {k: min(v) for k, v in times.items()}
@@ -157,9 +179,19 @@ def main(argv: list[str] | None = None) -> dict:
           f"verify_per_token {model_cost.verify_per_token:.3f}")
     print(f"fit to the medians over k >= 1: verify_fixed {fixed:.3f}, verify_per_token {per_token:.3f}; "
           f"with verify_fixed = 0: verify_per_token {per_token0:.3f}")
+    ab = {}
+    if a.prefetch_ab:
+        print("\n### next-block prefetch on vs off (the same steps, back to back)\n")
+        print("| drafts k | rows | median ms on | median ms off | paired difference on - off | on / off |")
+        print("|---:|---:|---:|---:|---:|---:|")
+        for k in drafts:
+            on, off = (statistics.median(v) for v in zip(*pairs[k]))
+            diff = statistics.median(t_on - t_off for t_on, t_off in pairs[k])
+            ab[k] = {"on_s": on, "off_s": off, "paired_diff_s": diff}
+            print(f"| {k} | {k + 1} | {on * 1e3:.2f} | {off * 1e3:.2f} | {diff * 1e3:+.2f} ms | {on / off:.3f}x |")
     return {"drafts": drafts, "median_s": med, "fastest_s": fast, "ratio_median": r_med, "ratio_fastest": r_fast,
             "model": (model_cost.verify_fixed, model_cost.verify_per_token), "fit": (fixed, per_token, per_token0),
-            "verified": verified}
+            "verified": verified, "prefetch_ab": ab}
 
 
 if __name__ == "__main__":

@@ -60,6 +60,7 @@ __all__ = [
     "packed_pairs_gemm",
     "packed_pairs_gemm_ref",
     "pair_path_available",
+    "prefetch",
     "unpack_pairs",
     "unpack_dense",
     "paged_attention",
@@ -244,6 +245,23 @@ def pair_path(on: bool):
         yield
     finally:
         mod.set_pair_path(was)
+
+
+@contextlib.contextmanager
+def prefetch(on: bool):
+    """Inside the block the greedy head screen (`screened_argmax_pairs`, verification steps of 7+
+    drafts) prefetches (on) or does not prefetch (off) the next block of its bf16 copy into L2
+    while computing one (`csrc/cpu.cpp`, kPrefetchRows), restored after; the ids are the same
+    either way (benches compare the speed). A no-op where the kernels are not built."""
+    mod = cpu_kernels()
+    if mod is None:
+        yield
+        return
+    was = mod.set_prefetch(on)
+    try:
+        yield
+    finally:
+        mod.set_prefetch(was)
 
 
 def packed_pairs_gemm(x: torch.Tensor, w_pairs: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:

@@ -125,3 +125,23 @@ def test_a_model_loaded_under_inference_mode(tmp_path):
         model = load_for_inference(src, tokenizer=False).model
         h = torch.randn(2, 128)
         assert model.greedy_head(h) == greedy_ids(model.compute_logits(h))
+
+
+@pytest.mark.skipif("pairs" not in PATHS, reason="no AVX512-BF16 here")
+def test_screen_with_and_without_prefetch():
+    """The pair screen's tiles of 8 or more rows prefetch the next block of the bf16 copy
+    (`kernels.cpu.prefetch`; `bench/spec_cost.py --prefetch-ab` measures what it saves): on or
+    off, the exact ids. The prefetching tiles are handed the next block's address beside their
+    own; a tile that read it in place of its own would show here (where a prefetch goes cannot
+    change an id; the bench shows whether it pays)."""
+    from quantspec.kernels.cpu import prefetch
+
+    g = torch.Generator().manual_seed(3)
+    w = torch.randn(4099, 576, generator=g) * 0.05
+    for rows in (8, 11, 12, 13):  # 13: two tiles a block, which do not prefetch
+        x = torch.randn(rows, 576, generator=g) * 4
+        with prefetch(False):
+            off = _screen(x, w, path="pairs")
+        with prefetch(True):
+            on = _screen(x, w, path="pairs")
+        assert on == off == _want(x, w)

@@ -451,3 +451,14 @@ def test_silu_mul_matches_torch(dtype):
     assert torch.equal(cg.silu_mul(x[3:4].contiguous()), got[3:4])
     with pytest.raises(RuntimeError, match="2 I"):
         cg.silu_mul(x[:, :7].contiguous())
+
+
+@needs_kernels
+def test_prefetch_switch_is_restored():
+    mod = cg.cpu_kernels()
+    with cg.prefetch(False):
+        assert mod.set_prefetch(False) is False  # off inside (set_prefetch returns the setting it replaces)
+        with cg.prefetch(True):
+            assert mod.set_prefetch(True) is True
+        assert mod.set_prefetch(False) is False
+    assert mod.set_prefetch(True) is True  # the default, back after the block

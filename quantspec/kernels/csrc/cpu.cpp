@@ -1217,17 +1217,37 @@ void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t 
 }
 #endif
 
+// The pair screen's tiles of kPrefetchRows rows or more (7-11 drafts + 1: a greedy verification
+// step) do so many dot products per line of the bf16 copy that the hardware prefetcher falls
+// behind its 56 MB stream (SmolLM2's head), so they prefetch the block they compute next into L2
+// while computing one. Default model, 2 threads, the same calls back to back with it on and off:
+// 11 rows 3.5 -> 2.5 ms, 9 rows 2.9 -> 2.1, 8 rows 2.5 -> 2.0 (medians, 40 pairs); at 2-6 rows it
+// cost up to 10%, so smaller tiles never prefetch, nor do calls of more than one tile per block.
+// In the engine (`bench/spec_cost.py --prefetch-ab`, paired steps) a 10-draft step of the fp32 model
+// gained 0.5-1.3 ms. The same prefetch in the GEMMs' tiles gained up to 4 ms a 10-draft step in
+// some runs and lost up to 1.7 ms an 8-draft step in others (whether memory or the FMAs bind moves
+// with the shared host's load), so they do not prefetch. Results are unchanged (prefetches only move
+// lines); on unless a bench turns it off (`set_prefetch`) to compare.
+constexpr int kPrefetchRows = 8;
+bool g_prefetch = true;
+
 #if QS_AVX512 && defined(__AVX512BF16__)
 constexpr bool kHasBF16Dot = true;
 
 // RM rows of bf16 pairs x [M, KP] (int32 = x[2p] | x[2p+1] << 16) times block b of pair-packed
 // weights [NB, KP, 32] → approx rows, one vdpbf16ps chain per output
+// (`next`: the block computed after this one, prefetched into L2 when `prefetch` and RM >= kPrefetchRows)
 template <int RM>
-inline void dot_pairs_tile(const int32_t* xp, int64_t KP, const int32_t* blk, int64_t N, int64_t b,
-                           int64_t m0, float* y) {
+inline void dot_pairs_tile(const int32_t* xp, int64_t KP, const int32_t* blk, const int32_t* next, bool prefetch,
+                           int64_t N, int64_t b, int64_t m0, float* y) {
   __m512 acc[RM][2];
   for (int i = 0; i < RM; ++i) acc[i][0] = acc[i][1] = _mm512_setzero_ps();
+  const bool touch = RM >= kPrefetchRows && prefetch;
   for (int64_t p = 0; p < KP; ++p) {
+    if (touch) {
+      __builtin_prefetch(next + p * 32, 0, 2);  // prefetcht1: into L2
+      __builtin_prefetch(next + p * 32 + 16, 0, 2);
+    }
     const __m512bh w0 = (__m512bh)_mm512_loadu_si512(blk + p * 32);
     const __m512bh w1 = (__m512bh)_mm512_loadu_si512(blk + p * 32 + 16);
     for (int i = 0; i < RM; ++i) {
@@ -1316,13 +1336,15 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
   at::Tensor approx = at::empty({M, N}, x.options());
   float* ap = approx.data_ptr<float>();
   const int32_t* wq = w_pairs.data_ptr<int32_t>();
+  const bool prefetch = g_prefetch && M <= 12;  // one tile per block (see kPrefetchRows)
   at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
     for (int64_t b = b0; b < b1; ++b) {
       const int32_t* blk = wq + b * KP * 32;
+      const int32_t* next = wq + std::min(b + 1, b1 - 1) * KP * 32;  // within this thread's range
       for (int64_t m = 0; m < M;) {
         const int64_t rows = std::min<int64_t>(12, M - m);  // 24 accumulators + 2 weights + x
         switch (rows) {
-#define QS_DOT(R) case R: dot_pairs_tile<R>(xq, KP, blk, N, b, m, ap); break;
+#define QS_DOT(R) case R: dot_pairs_tile<R>(xq, KP, blk, next, prefetch, N, b, m, ap); break;
           QS_DOT(1) QS_DOT(2) QS_DOT(3) QS_DOT(4) QS_DOT(5) QS_DOT(6) QS_DOT(7) QS_DOT(8) QS_DOT(9) QS_DOT(10)
           QS_DOT(11) QS_DOT(12)
 #undef QS_DOT
@@ -1528,6 +1550,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("set_pair_path", [](bool on) { const bool was = g_pair_path; g_pair_path = on; return was; },
         "turn the quantized GEMMs' bf16 pair path on / off (benches); returns the previous setting");
+  m.def("set_prefetch", [](bool on) { const bool was = g_prefetch; g_prefetch = on; return was; },
+        "turn the greedy head screen's L2 prefetch of the next block on / off (benches); returns the "
+        "previous setting");
   py::class_<DecoderPlan>(m, "DecoderPlan")
       .def(py::init<const std::vector<at::Tensor>&, const std::vector<int64_t>&, std::vector<at::Tensor>,
                     std::vector<at::Tensor>, int64_t, int64_t, int64_t, int64_t, double, double>())

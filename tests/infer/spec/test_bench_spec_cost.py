@@ -42,3 +42,16 @@ def test_bench_refuses_bad_input(spec_cost, tmp_path):
         spec_cost.main(["--threads", "0"])
     with pytest.raises(SystemExit, match="does not exist"):
         spec_cost.main(["--model", str(tmp_path / "missing")])
+
+
+def test_prefetch_ab_times_each_step_both_ways(spec_cost, tiny_llama_dir, capsys):
+    rounds, repeats, drafts = 1, 2, (0, 9)
+    res = spec_cost.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--threads", "1", "--drafts", "9",
+                          "--rounds", str(rounds), "--repeats", str(repeats), "--context", "12", "--prefetch-ab"])
+    # each timed step ran twice (prefetch on, then off or the other way round), each verifying its drafts
+    assert res["verified"] == 2 * rounds * repeats * sum(drafts)
+    assert sorted(res["prefetch_ab"]) == list(drafts)
+    for k, r in res["prefetch_ab"].items():
+        assert r["on_s"] > 0 and r["off_s"] > 0
+        assert r["on_s"] == res["median_s"][k]  # the main table is the default: prefetch on
+    assert "| 9 | 10 |" in capsys.readouterr().out.split("prefetch on vs off")[1]
