@@ -318,6 +318,27 @@ constexpr int kChain = 0, kPairs = 1, kInt4Pairs = 2;
 // product is exact in fp32 and only the summation order differs from the fp32 chain (k = 2p + 1
 // then 2p into one lane's accumulator); subnormal inputs / sums flush to zero (< 2^-126). Again
 // the same operations for an output whatever M, so decode and verification rows agree bitwise.
+#if QS_BF16DOT
+// the pair path's dot products: acc0 / acc1[j][i] += row i of x (bf16 pairs, KP a row) times block
+// j over the k-pairs p0 <= p < p1, one vdpbf16ps per (row, block, half) in ascending p; all of K
+// (kPairs) or one int4 group (kInt4Pairs)
+template <int RM, int W, class Load>
+inline void pair_dots(const Load* loads, const int32_t* xr, int64_t KP, int64_t p0, int64_t p1,
+                      __m512 (&acc0)[W][RM], __m512 (&acc1)[W][RM]) {
+  for (int64_t p = p0; p < p1; ++p) {
+    __m512 w0[W], w1[W];
+    for (int j = 0; j < W; ++j) loads[j](p, w0[j], w1[j]);
+    for (int i = 0; i < RM; ++i) {
+      const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i * KP + p]);
+      for (int j = 0; j < W; ++j) {
+        acc0[j][i] = _mm512_dpbf16_ps(acc0[j][i], (__m512bh)w0[j], xb);
+        acc1[j][i] = _mm512_dpbf16_ps(acc1[j][i], (__m512bh)w1[j], xb);
+      }
+    }
+  }
+}
+#endif
+
 template <int RM, int W, int MODE, class T, class Load>
 inline void packed_tile_q(Load* loads, int64_t K, const void* x, const float* col_scale,
                           const float* bias, T* y, int64_t N, int64_t b, int64_t m0) {
@@ -327,18 +348,7 @@ inline void packed_tile_q(Load* loads, int64_t K, const void* x, const float* co
   if constexpr (MODE == kPairs) {
 #if QS_BF16DOT
     const int64_t KP = K / 2;
-    const int32_t* xr = static_cast<const int32_t*>(x) + m0 * KP;
-    for (int64_t p = 0; p < KP; ++p) {
-      __m512 w0[W], w1[W];
-      for (int j = 0; j < W; ++j) loads[j](p, w0[j], w1[j]);
-      for (int i = 0; i < RM; ++i) {
-        const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i * KP + p]);
-        for (int j = 0; j < W; ++j) {
-          a0[j][i] = _mm512_dpbf16_ps(a0[j][i], (__m512bh)w0[j], xb);
-          a1[j][i] = _mm512_dpbf16_ps(a1[j][i], (__m512bh)w1[j], xb);
-        }
-      }
-    }
+    pair_dots<RM, W>(loads, static_cast<const int32_t*>(x) + m0 * KP, KP, 0, KP, a0, a1);
 #endif
   } else if constexpr (MODE == kInt4Pairs) {
 #if QS_BF16DOT
@@ -353,17 +363,7 @@ inline void packed_tile_q(Load* loads, int64_t K, const void* x, const float* co
       __m512 c0[W][RM], c1[W][RM];
       for (int j = 0; j < W; ++j)
         for (int i = 0; i < RM; ++i) c0[j][i] = c1[j][i] = _mm512_setzero_ps();
-      for (int64_t p = g * GP; p < (g + 1) * GP; ++p) {
-        __m512 w0[W], w1[W];
-        for (int j = 0; j < W; ++j) loads[j](p, w0[j], w1[j]);
-        for (int i = 0; i < RM; ++i) {
-          const __m512bh xb = (__m512bh)_mm512_set1_epi32(xr[i * KP + p]);
-          for (int j = 0; j < W; ++j) {
-            c0[j][i] = _mm512_dpbf16_ps(c0[j][i], (__m512bh)w0[j], xb);
-            c1[j][i] = _mm512_dpbf16_ps(c1[j][i], (__m512bh)w1[j], xb);
-          }
-        }
-      }
+      pair_dots<RM, W>(loads, xr, KP, g * GP, (g + 1) * GP, c0, c1);
       for (int j = 0; j < W; ++j) {
         __m512 s0, s1, z0, z1;
         loads[j].group_vectors(g, s0, s1, z0, z1);
