@@ -8,8 +8,8 @@ into a cache directory, RTN) so their tokens/s can be compared with fp32 in the 
 each artifact run in turn, `--rounds` times, and the medians are compared.
 
 Last, batch 1 of fp32 and of each artifact as loaded — the layer stack in one C++ call
-(`infer/fused_layers.py`) and, for fp32, greedy ids from the bf16 screen of the head
-(`infer/greedy_head.py`) — then with full fp32 logits, then through the Python modules (the same
+(`infer/fused_layers.py`) and greedy ids from the int8 / bf16 screen of the head
+(`infer/greedy_head.py`) — then with full logits, then through the Python modules (the same
 kernels, called one by one), interleaved `--rounds` times: decode-phase medians, the ratio to
 the modules, and whether all gave the same tokens.
 """
@@ -149,7 +149,7 @@ def fused_ab(models, prompt, new_tokens, rounds) -> None:
         rows.append((name, med, same, runner is not None, head is not None))
     if rows:
         print(f"\ndecode-phase tok/s, batch 1, median of {rounds} interleaved rounds: as loaded (one-call "
-              f"layer stack, greedy head for fp32), with full logits, and through the modules\n")
+              f"layer stack, greedy head), with full logits, and through the modules\n")
         print("| model | stack + greedy head | stack, full logits | modules, full logits | vs modules | same tokens |")
         print("|---|---:|---:|---:|---:|:---:|")
         for name, med, same, has_stack, has_head in rows:

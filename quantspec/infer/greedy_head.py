@@ -1,31 +1,46 @@
-"""Greedy picks from an fp32 head without every fp32 logit: exact, from half the bytes.
+"""Greedy picks from a head without every logit: exact, from a half or a quarter of the bytes.
 
-A greedy step needs only argmax_n(x · w_n) per row, and an fp32 decode step of the default model
-spends ~4 ms of ~19 streaming its 113 MB head. `GreedyHead` keeps a bf16 copy of the head
-(half the bytes) and the rows' norms; the extension approximates every logit from the copy and
-computes exactly — by the very FMA chain `packed_gemm` runs for that output — only those whose
-approximation is within the proven error bound of the best (on the default model's hidden
-states: a median of 1 such logit per row, at most 10; the bound ~0.6, the largest actual error
-~0.11):
+A greedy step needs only argmax_n(x · w_n) per row, and a decode step of the default model
+spends ~4 ms of ~19 streaming its 113 MB fp32 head (1.5-1.9 ms of ~8 for a quantized artifact's
+56.6 MB bf16 head). `GreedyHead` keeps a smaller copy of the head and bounds on its error; the
+extension approximates every logit from the copy and computes exactly — by the very chain of the
+head's own kernel for that output — only those whose approximation is within the proven bound of
+the best.
+
+- int8 copy (`screened_argmax_i8`, CPUs with AVX512-BF16, up to `MAX_ROWS_I8` rows): codes
+  round(w_n / s_n) with s_n = max|w_n| / 127, a quarter of an fp32 head's bytes, half a bf16
+  one's. The bound comes from each row's residual ‖w_n − s_n q_n‖₂ (`int8_screen_tables`, the
+  kernel's comment); on the default model's hidden states a median of 2-3 candidates per row, at
+  most ~40. It serves both an fp32 head (`packed_gemm`'s logits) and a quantized artifact's bf16
+  head (`packed_pairs_gemm`'s logits, rounded to bf16: the candidates are those whose rounded
+  upper bound reaches the rounded lower bound of the best, and equal rounded maxima go to the
+  lowest index, as torch.argmax over the bf16 logits does).
+- bf16 copy of an fp32 head (`screened_argmax` / `screened_argmax_pairs`), above `MAX_ROWS_I8`
+  rows or without the int8 kernel (a median of 1 candidate per row, at most 10; the bound ~0.6,
+  the largest actual error ~0.11):
 
     |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂ (+ 2^-100),
     rel = (2^-8 + 2.02 K · 2^-24) · 1.001            x in fp32 (`screened_argmax`)
     rel = (2^-7 + 2^-16 + 2.02 K · 2^-24) · 1.001    x rounded to bf16 too (`screened_argmax_pairs`)
 
-(bf16 rounds each weight, and on the pair path each input, by at most 2^-8 relatively; each fp32
-dot product of K terms errs by at most ~K · 2^-24 of Σ|x_k w_nk| ≤ ‖x‖₂ ‖w_n‖₂; AVX512-BF16
-flushes subnormals, < 2^-126 a term; row norms are rounded up). So the pick is the argmax of the
-logits `compute_logits` would give, with its tie-breaking (the lowest index). Where the CPU has
-AVX512-BF16 the copy is packed in k-pairs for its dot product (twice the FMA rate), which serves
-verification steps of up to 11 rows; else a row-major copy against fp32 x serves up to 3 rows
-(beyond that the packed fp32 head is faster). The engine takes it for every step whose
-sequences are all greedy (sampling needs the logits) and whose rows it serves; a row with a
-non-finite value falls back to the logits. Default model, 2 threads, pair path: the head of 1
-row 4.1 → 2.0 ms, 4 rows 3.9 → 2.2, 11 rows 4.0 → 3.0.
+  (bf16 rounds each weight, and on the pair path each input, by at most 2^-8 relatively; each
+  fp32 dot product of K terms errs by at most ~K · 2^-24 of Σ|x_k w_nk| ≤ ‖x‖₂ ‖w_n‖₂; AVX512-BF16
+  flushes subnormals, < 2^-126 a term; row norms are rounded up). Where the CPU has AVX512-BF16
+  the copy is packed in k-pairs for its dot product (twice the FMA rate), which serves
+  verification steps of up to 11 rows; else a row-major copy against fp32 x serves up to 3 rows
+  (beyond that the packed fp32 head is faster).
 
-Built at load for a float model whose head is a `PackedLinear` without bias (fp32 on quantspec's
-CPU kernels); quantized artifacts keep a bf16 head and need none of this. Memory: +N · K bf16
-(56.6 MB for SmolLM2's 49152 × 576).
+So the pick is the argmax of the logits `compute_logits` would give, with its tie-breaking (the
+lowest index). The engine takes it for every step whose sequences are all greedy (sampling needs
+the logits) and whose rows it serves; a row with a non-finite value falls back to the logits.
+Default model, 2 threads, decode phase, the same 128-token runs with the screen and with the
+logits, interleaved (8 rounds, paired): int4 artifact 127.9 → 149.6 tok/s, int8 artifact
+127.6 → 136.7; fp32 with the int8 screen vs the bf16 pair screen: plain greedy 1.09-1.18x end to
+end, n-gram speculation 1.00-1.05x (its verification steps of 8+ rows keep the pair screen).
+
+Built at load for a model whose head is a `PackedLinear` (fp32) or a `PackedPairsLinear` (bf16,
+AVX512-BF16) without bias, on quantspec's CPU kernels. Memory: an fp32 head keeps both copies,
++N · K · 3 bytes (85 MB for SmolLM2's 49152 × 576); a bf16 head +N · K bytes (28.3 MB).
 """
 
 from __future__ import annotations
@@ -35,7 +50,8 @@ from torch import nn
 
 from quantspec.kernels.cpu import pack_pairs  # noqa: F401  (re-exported: the screen's layout)
 
-__all__ = ["GreedyHead", "PAIR_ABS_ERR", "pack_pairs", "row_norms_up", "screen_bound", "use_greedy_head"]
+__all__ = ["GreedyHead", "PAIR_ABS_ERR", "int8_screen_tables", "pack_pairs", "row_norms_up", "screen_bound",
+           "use_greedy_head"]
 
 
 def screen_bound(k: int, *, bf16_x: bool = False) -> float:
@@ -48,6 +64,39 @@ def screen_bound(k: int, *, bf16_x: bool = False) -> float:
 # the pair-dot path's absolute slack: AVX512-BF16 flushes subnormal inputs, products and sums to
 # zero, at most 2^-126 per term of a K ≤ 2^20 dot product
 PAIR_ABS_ERR = 2.0 ** -100
+
+
+def _up(v: torch.Tensor) -> torch.Tensor:
+    """float64 values → fp32, each rounded up (never below the double)."""
+    f = v.float()
+    return torch.where(f.double() < v, torch.nextafter(f, torch.tensor(float("inf"))), f)
+
+
+def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
+    """The int8 screen's copy of a head w [N, K] (fp32 or bf16 values) → (codes packed [NB, K, 32]
+    int8, scale [N], u [N], t [N], rel, abs_err) of `screened_argmax_i8`'s bound: codes
+    q_n = round(w_n / s_n), s_n = max|w_n| / 127 (fp32); u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖ and
+    t_n = ‖s_n q_n‖ (float64 sums, then × (1 + 2^-40) for their own roundings and rounded up to
+    fp32); rel = γ_K + 2^-23 with γ_K = 1.01 K 2^-24 (≥ K u / (1 − K u) for K < 2^17); abs_err bounds
+    what AVX512-BF16's flushed subnormals (< 2^-126 an input, product or sum) can move either
+    dot product."""
+    from quantspec.kernels.cpu import pack_w8
+
+    n, k = w.shape
+    if k >= 2 ** 17:
+        raise ValueError(f"int8 head screen: K = {k} is too large for its error bound (< 131072)")
+    wd = w.double()
+    amax = wd.abs().amax(dim=1)
+    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()  # the fp32 scale used
+    q = torch.round(wd / scale.double()[:, None]).clamp_(-127, 127)
+    deq = q * scale.double()[:, None]
+    gamma = 1.01 * k * 2.0 ** -24
+    slack = 1 + 2.0 ** -40
+    u = _up(((wd - deq).norm(dim=1) + gamma * wd.norm(dim=1)) * slack)
+    t = _up(deq.norm(dim=1) * slack)
+    smax = float(scale.max()) if n else 1.0
+    abs_err = k * 2.0 ** -118 * (1.0 + 128.0 * smax + float(amax.max() if n else 0.0))
+    return pack_w8(q.to(torch.int8)), scale.contiguous(), u.contiguous(), t.contiguous(), gamma + 2.0 ** -23, abs_err
 
 
 def row_norms_up(w: torch.Tensor) -> torch.Tensor:
@@ -65,17 +114,35 @@ class GreedyHead:
     # 2.4 vs 4.5 ms, 3 rows 3.1 vs 3.8, 4 rows 4.4 vs 4.1, 11 rows 7.9 vs 4.9)
     max_rows = 3
     MAX_ROWS_PAIRS = 11  # the pair-dot screen: 11 rows 3.0 vs 4.0 ms (module docstring)
+    # the int8 screen up to this many rows; beyond, its int8 → bf16 conversions cost more than the
+    # bytes it saves: default model, 2 threads, real hidden states, medians of interleaved calls:
+    # 1 row 1.1-1.3 ms vs 1.6-1.8 (bf16 pair screen) and 1.8 (bf16 logits), 4 rows 1.3-1.5 vs
+    # 1.7-1.8 and 1.8-2.0, 8 rows 1.9-2.0 vs 1.9-2.1 and 1.8-1.9, 11 rows 2.3-2.6 vs 2.0-2.2 and 1.9-2.1
+    MAX_ROWS_I8 = 7
 
     def __init__(self, model: nn.Module, kernels):
+        from quantspec.infer.dense_linear import PackedPairsLinear
+
         head = model.lm_head
-        w = head.dense_weight()  # [N, K] fp32, unpacked: bitwise the packed weights
+        w = head.dense_weight()  # [N, K] fp32 or bf16, unpacked: bitwise the packed weights
         self.kernels, self.model, self.head, self.packed = kernels, model, head, head.packed
-        # an in-place change of the head makes the copy stale (inference tensors keep no version)
+        # an in-place change of the head makes the copies stale (inference tensors keep no version)
         self.version = None if head.packed.is_inference() else head.packed._version
         self.num_outputs = head.out_features
+        self.bf16 = type(head) is PackedPairsLinear  # a quantized artifact's bf16 head: bf16 logits
+        # AVX512-BF16 here: the int8 screen for up to MAX_ROWS_I8 rows (a quarter of an fp32 head's
+        # bytes, half a bf16 one's)
+        self.i8 = None
+        if kernels.has_bf16_dot() and hasattr(kernels, "screened_argmax_i8") and w.shape[1] % 2 == 0:
+            self.i8 = int8_screen_tables(w)
+        self.pairs = False
+        if self.bf16:  # beyond the int8 screen's rows: the logits (packed_pairs_gemm) are as fast
+            self.max_rows = self.MAX_ROWS_I8
+            return
         self.row_norm = row_norms_up(w)
-        # AVX512-BF16 here: the pair-dot screen (x rounded too, twice the FMA rate: up to 11 rows);
-        # else the row-major bf16 copy against fp32 x (up to 3 rows)
+        # the fp32 head with AVX512-BF16: the pair-dot screen above MAX_ROWS_I8 rows (x rounded
+        # too, twice the FMA rate: up to 11 rows); else the row-major bf16 copy against fp32 x (up
+        # to 3 rows)
         self.pairs = kernels.has_bf16_dot() and w.shape[1] % 2 == 0
         if self.pairs:
             self.w_bf16 = pack_pairs(w)
@@ -87,15 +154,19 @@ class GreedyHead:
 
     @classmethod
     def build(cls, model: nn.Module) -> "GreedyHead | None":
-        from quantspec.infer.dense_linear import PackedLinear
+        from quantspec.infer.dense_linear import PackedLinear, PackedPairsLinear
         from quantspec.kernels.cpu import cpu_kernels
 
         kernels = cpu_kernels()
         head = getattr(model, "lm_head", None)
-        if (kernels is None or not hasattr(kernels, "screened_argmax") or type(head) is not PackedLinear
-                or head.bias is not None or head.in_features % 16):  # the bf16 screen's rows: 16-wide
+        if kernels is None or not hasattr(kernels, "screened_argmax") or head is None or head.bias is not None:
             return None
-        return cls(model, kernels)
+        if type(head) is PackedLinear and head.in_features % 16 == 0:  # the bf16 screen's rows: 16-wide
+            return cls(model, kernels)
+        if (type(head) is PackedPairsLinear and kernels.has_bf16_dot() and hasattr(kernels, "screened_argmax_i8")
+                and head.in_features < 2 ** 17):
+            return cls(model, kernels)
+        return None
 
     def __call__(self, hidden: torch.Tensor) -> list[int] | None:
         """hidden [R, D] pre-norm rows → their greedy ids, or None (compute the logits instead)."""
@@ -105,14 +176,21 @@ class GreedyHead:
                 or (self.version is not None and self.packed._version != self.version)):
             return None  # the head was swapped, repacked or changed in place after loading
         x = self.model.model.norm(hidden)  # compute_logits' normed rows
-        if x.dtype != torch.float32 or x.dim() != 2 or x.device.type != "cpu" or x.shape[0] == 0:
+        if (x.dtype != (torch.bfloat16 if self.bf16 else torch.float32) or x.dim() != 2 or x.device.type != "cpu"
+                or x.shape[0] == 0):
             return None
-        if self.pairs:
-            ids = self.kernels.screened_argmax_pairs(x.contiguous(), self.w_bf16, self.packed, self.row_norm,
-                                                     self.num_outputs, self.rel, PAIR_ABS_ERR).tolist()
+        x = x.contiguous()
+        if self.i8 is not None and x.shape[0] <= self.MAX_ROWS_I8:
+            q, scale, u, t, rel, abs_err = self.i8
+            ids = self.kernels.screened_argmax_i8(x, q, scale, u, t, self.packed, self.num_outputs, rel, abs_err)
+        elif self.bf16:
+            return None
+        elif self.pairs:
+            ids = self.kernels.screened_argmax_pairs(x, self.w_bf16, self.packed, self.row_norm,
+                                                     self.num_outputs, self.rel, PAIR_ABS_ERR)
         else:
-            ids = self.kernels.screened_argmax(x.contiguous(), self.w_bf16, self.packed, self.row_norm,
-                                               self.num_outputs, self.rel).tolist()
+            ids = self.kernels.screened_argmax(x, self.w_bf16, self.packed, self.row_norm, self.num_outputs, self.rel)
+        ids = ids.tolist()
         return None if min(ids) < 0 else ids
 
 

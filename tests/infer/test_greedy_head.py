@@ -1,23 +1,37 @@
-"""Exact greedy ids from a bf16 screen of the fp32 head (`infer/greedy_head.py`): always the
-argmax of the logits `packed_gemm` gives, ties to the lowest index, including where the bf16
-approximation orders two tokens the other way."""
+"""Exact greedy ids from a bf16 or int8 screen of the head (`infer/greedy_head.py`): always the
+argmax of the logits the head's own kernel gives (`packed_gemm` for an fp32 head, bf16-rounded
+`packed_pairs_gemm` for a quantized artifact's bf16 head), ties to the lowest index, including
+where the approximation orders two tokens the other way."""
 
 import pytest
 import torch
 
-from quantspec.infer.greedy_head import PAIR_ABS_ERR, GreedyHead, pack_pairs, row_norms_up, screen_bound
+from quantspec.infer.greedy_head import (PAIR_ABS_ERR, GreedyHead, int8_screen_tables, pack_pairs, row_norms_up,
+                                         screen_bound)
 from quantspec.infer.sampler import greedy_ids
-from quantspec.kernels.cpu import cpu_kernels, pack_dense, packed_gemm
+from quantspec.kernels.cpu import cpu_kernels, pack_dense, packed_gemm, packed_pairs_gemm
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
 
 
-PATHS = ["rows"] + (["pairs"] if cpu_kernels() is not None and cpu_kernels().has_bf16_dot() else [])
+BF16_DOT = cpu_kernels() is not None and cpu_kernels().has_bf16_dot()
+PATHS = ["rows"] + (["pairs", "i8"] if BF16_DOT else [])
+
+
+def _i8(x, w, exact, rel=None):
+    """screened_argmax_i8 over head w (fp32 x: exact = packed fp32; bf16 x: the pair-packed head);
+    rel=0 drops the whole bound (the approximation alone decides)"""
+    q, scale, u, t, r, abs_err = int8_screen_tables(w)
+    if rel == 0.0:
+        u, t, r, abs_err = torch.zeros_like(u), torch.zeros_like(t), 0.0, 0.0
+    return cpu_kernels().screened_argmax_i8(x.contiguous(), q, scale, u, t, exact, w.shape[0], r, abs_err).tolist()
 
 
 def _screen(x, w, rel=None, path="rows"):
     row_norm = row_norms_up(w)
     k = cpu_kernels()
+    if path == "i8":
+        return _i8(x, w, pack_dense(w), rel)
     if path == "pairs":
         rel = screen_bound(w.shape[1], bf16_x=True) if rel is None else rel
         return k.screened_argmax_pairs(x.contiguous(), pack_pairs(w), pack_dense(w), row_norm, w.shape[0], rel,
@@ -65,7 +79,8 @@ def test_near_ties_exact_ties_and_bf16_misorderings(path):
     x2[0, :2] = 1.0
     assert _want(x2, wt) == [1]
     assert _screen(x2, wt, path=path) == [1]
-    assert _screen(x2, wt, rel=0.0, path=path) == [0]
+    if path != "i8":  # the int8 copy's own misordering: test_int8_bound_is_needed
+        assert _screen(x2, wt, rel=0.0, path=path) == [0]
 
 
 @pytest.mark.parametrize("path", PATHS)
@@ -77,12 +92,24 @@ def test_non_finite_rows_are_left_to_the_logits(path):
     assert got[1] == -1 and [got[0], got[2]] == [_want(x[[0]], w)[0], _want(x[[2]], w)[0]]
 
 
+def _greedy_run(model, head, proposer) -> list[int]:
+    """30 greedy tokens of a repetitive prompt with `head` as the model's greedy head (None: the
+    logits), plain or with `proposer` (up to 6 drafts a step)."""
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.sampler import SamplingParams
+
+    model.greedy_head = head
+    eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=6),
+                 eos_token_ids=[], proposer=proposer)
+    seq = eng.add_request([5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9, 300], SamplingParams(max_new_tokens=30))
+    eng.run()
+    return seq.output_ids
+
+
 def test_engine_greedy_runs_are_unchanged(tmp_path):
     """Plain greedy decoding and n-gram speculation give the same tokens with the screen as with
     the logits, and the screen really picked (decode rows and verifications of up to 6 drafts)."""
-    from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.loader import load_for_inference
-    from quantspec.infer.sampler import SamplingParams
     from quantspec.infer.spec.proposers import ReferenceProposer
     from quantspec.model_zoo.tiny import build_tiny_model
 
@@ -93,18 +120,8 @@ def test_engine_greedy_runs_are_unchanged(tmp_path):
     calls = []
     real = head.__call__
     head_spy = lambda h: calls.append(h.shape[0]) or real(h)  # noqa: E731
-    prompt = [5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9, 300]
-
-    def run(proposer, use_head):
-        model.greedy_head = head_spy if use_head else None
-        eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=6),
-                     eos_token_ids=[], proposer=proposer)
-        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=30))
-        eng.run()
-        return seq.output_ids
-
     for proposer in (None, ReferenceProposer(2, 6)):
-        assert run(proposer, True) == run(proposer, False)
+        assert _greedy_run(model, head_spy, proposer) == _greedy_run(model, None, proposer)
     assert calls and max(calls) <= head.max_rows
     model.greedy_head = head
     h = torch.randn(1, 128)
@@ -145,3 +162,96 @@ def test_screen_with_and_without_prefetch():
         with prefetch(True):
             on = _screen(x, w, path="pairs")
         assert on == off == _want(x, w)
+
+
+# ---- the int8 screen of a bf16 head (a quantized artifact's): bf16 logits, ties to the lowest index
+
+
+def _want_bf16(x, w):
+    """argmax of the bf16 logits `packed_pairs_gemm` gives (what compute_logits' argmax picks)."""
+    return greedy_ids(packed_pairs_gemm(x.contiguous(), pack_pairs(w), w.shape[0]).float())
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+def test_bf16_head_random_rows_and_rounded_ties():
+    g = torch.Generator().manual_seed(4)
+    for n, k, rows in ((1000, 64, 7), (4099, 576, 3), (77, 208, 16), (517, 64, 12), (93, 64, 13), (4099, 576, 1)):
+        w = (torch.randn(n, k, generator=g) * 0.05).bfloat16()
+        x = (torch.randn(rows, k, generator=g) * 4).bfloat16()
+        assert _i8(x, w, pack_pairs(w)) == _want_bf16(x, w)
+    # logits whose bf16 values tie while their fp32 sums differ: the lowest index among the
+    # rounded maxima wins, not the larger fp32 sum. Row 7's weights = row 3's, then a few ulps of
+    # bf16 on one element of row 7: its fp32 logit is a little larger, its bf16 logit the same
+    k = 64
+    w = (torch.randn(50, k, generator=g) * 0.05).bfloat16()
+    x = (torch.randn(1, k, generator=g) * 4).bfloat16()
+    best = _want_bf16(x, w)[0]
+    rival = (best + 7) % 50
+    w[rival] = w[best]
+    j = int(x[0].float().abs().argmax())
+    bits = w[best, j:j + 1].view(torch.int16)  # one bf16 ulp of w[best, j] towards x_j's sign
+    w[rival, j:j + 1] = (bits + (1 if (w[best, j] > 0) == (x[0, j] > 0) else -1)).view(torch.bfloat16)
+    exact = x.float() @ w.float().t()
+    assert exact[0, rival] > exact[0, best]  # fp32 orders the rival first...
+    logits = packed_pairs_gemm(x, pack_pairs(w), 50).float()
+    assert logits[0, rival] == logits[0, best]  # ...bf16 rounds them equal
+    assert _i8(x, w, pack_pairs(w)) == _want_bf16(x, w) == [min(best, rival)]
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+def test_int8_bound_is_needed():
+    """Two outputs the int8 copy orders one way and the exact dot product the other: with the
+    proven bound the exact winner, by the approximation alone (no bound) the wrong one. Both rows
+    have max |w| = 1 (scale s = 1/127); a = (1, 125.45 s, 0.45 s) has codes (127, 125, 0),
+    b = (1, 125.8 s) codes (127, 126), so x = (1, 1, 1) scores a above b exactly (1 + 125.9 s vs
+    1 + 125.8 s) and below it from the copy (1 + 125 s vs 1 + 126 s)."""
+    s = 1.0 / 127
+    w = torch.zeros(2, 16)
+    w[0, :2] = torch.tensor([1.0, 125.8 * s])  # b
+    w[1, :3] = torch.tensor([1.0, 125.45 * s, 0.45 * s])  # a
+    x = torch.zeros(1, 16)
+    x[0, :3] = 1.0
+    assert _want(x, w) == [1]
+    assert _i8(x, w, pack_dense(w)) == [1]
+    assert _i8(x, w, pack_dense(w), rel=0.0) == [0]
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+def test_int8_screen_bad_input():
+    w = torch.randn(100, 64) * 0.1
+    q, scale, u, t, rel, abs_err = int8_screen_tables(w)
+    k = cpu_kernels()
+    x = torch.randn(2, 64)
+    with pytest.raises(RuntimeError, match="for float32 x, exact must be the packed fp32 head"):
+        k.screened_argmax_i8(x, q, scale, u, t, pack_pairs(w), 100, rel, abs_err)
+    with pytest.raises(RuntimeError, match="for bf16 x, exact must be the pair-packed bf16 head"):
+        k.screened_argmax_i8(x.bfloat16(), q, scale, u, t, pack_dense(w), 100, rel, abs_err)
+    with pytest.raises(RuntimeError, match="scale must be a contiguous float32 tensor of 100 values"):
+        k.screened_argmax_i8(x, q, scale[:50], u, t, pack_dense(w), 100, rel, abs_err)
+    with pytest.raises(RuntimeError, match="rel and abs_err must be >= 0"):
+        k.screened_argmax_i8(x, q, scale, u, t, pack_dense(w), 100, -1.0, abs_err)
+
+
+@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+def test_quantized_artifact_greedy_runs_are_unchanged(tmp_path):
+    """A weight-only int8 artifact (bf16 head) gets the int8 screen: plain greedy and n-gram
+    speculation give the same tokens with it as with the bf16 logits, and it really picked."""
+    from quantspec import api
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.spec.proposers import ReferenceProposer
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "m", "llama", hidden=128, heads=2, kv_heads=1, intermediate=128, seed=5)
+    api.quantize(str(src), "weight_only_int8", tmp_path / "q")
+    model = load_for_inference(tmp_path / "q", dtype=torch.bfloat16, tokenizer=False).model  # as --dtype auto on CPU
+    head = model.greedy_head
+    assert isinstance(head, GreedyHead) and head.bf16 and head.i8 is not None
+    calls = []
+    spy = lambda h: calls.append(h.shape[0]) or head(h)  # noqa: E731
+    for proposer in (None, ReferenceProposer(2, 6)):
+        assert _greedy_run(model, spy, proposer) == _greedy_run(model, None, proposer)
+    assert calls and min(calls) == 1
+    model.greedy_head = head
+    h = torch.randn(3, 128).bfloat16()
+    assert head(h) == greedy_ids(model.compute_logits(h))
+    assert head(torch.randn(head.max_rows + 1, 128).bfloat16()) is None  # beyond its rows: the logits

@@ -1360,6 +1360,220 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
   return ids;
 }
 
+// `screened_argmax_i8`: the approximation from an int8 copy of the head (a quarter of an fp32
+// head's bytes, half of a bf16 one's): codes q [NB, K, 32] (pack_w8) with one fp32 scale s_n per
+// output, approx_n = fl(s_n · Σ_k xb_k q_nk), xb = x rounded to bf16 (x itself for a bf16 head),
+// by the int8 GEMM's pair path (exact products, one fp32 chain per output). The bound, per
+// output from two precomputed vectors (rounded up by the caller):
+//
+//   |exact_n − approx_n| ≤ ‖x‖·u_n + (‖x − xb‖ + rel·‖xb‖)·t_n + abs_err,
+//   u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖,   t_n = ‖s_n q_n‖,   rel = γ_K + 2^-23
+//
+// (the residual of the int8 copy against x, the rounding of x against the copy, the fp32 chains
+// of the exact and the approximate dot products, γ_K ≥ K 2^-24 / (1 − K 2^-24), and the scale's
+// product; abs_err covers flushed subnormals). Each tile turns its approximations into
+// hi_n = approx_n + bound_n and lo_n = approx_n − bound_n as it finishes them (the bound's
+// products and sums rounded up, hi rounded up, lo down: true bounds of the exact value) and keeps
+// only hi and the row's largest lo. The exact pass is the head's own kernel chain for each
+// candidate: fp32 x and a packed fp32 head [NB, K, 32] → `packed_gemm`'s FMA chain; bf16 x and
+// a pair-packed bf16 head [NB, K/2, 32] → `packed_pairs_gemm`'s vdpbf16ps chain, its fp32 sum
+// rounded to bf16 as that kernel stores it. Rounding to bf16 is monotone, so with
+// lower = max_n lo_n an output can only reach the largest bf16 logit when
+// bf16(hi_n) ≥ bf16(lower): those are the candidates, compared on their rounded values with the
+// lowest index among equals (torch.argmax over the bf16 logits).
+namespace {
+#if QS_AVX512 && defined(__AVX512BF16__)
+// the lanes of v rounded to bf16 (nearest even, as c10::BFloat16 for every non-NaN value), as fp32
+inline __m512 round_bf16(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+
+// per row of a tile: ‖x‖ and the coefficient of t_n (bound above), broadcast
+struct ScreenRow { __m512 c1, c2; };
+
+// rows [m0, m0 + RM) over blocks [b0, b1): the int8 GEMM's pair-path tiles (packed_tile_q with
+// I8PairLoader: exact bf16 codes, one vdpbf16ps chain per output, × s_n) write approx_n into hi,
+// W blocks a tile (2 at up to 4 rows: four FMA chains), then each tile's outputs, still in L1,
+// become hi_n = approx_n + bound_n (rounded up) and fold lo_n = approx_n − bound_n (rounded down)
+// into the row's lo_max; `probe` turns NaN where an approximation is not finite
+// one tile of the approximation, kept out of line: inlined into the screen's loop, GCC ran out of
+// registers and kept the accumulators of the larger tiles in memory (2-3x slower at 8-11 rows)
+template <int RM, int W>
+__attribute__((noinline)) void i8_approx_tile(I8PairLoader* loads, int64_t K, const int32_t* xq, const float* scale,
+                                              float* hi, int64_t N, int64_t b, int64_t m0) {
+  packed_tile_q<RM, W, kPairs>(loads, K, xq, scale, nullptr, hi, N, b, m0);
+}
+
+template <int RM>
+inline void i8_screen_rows(const int8_t* q, int64_t K, const int32_t* xq, int64_t b0, int64_t b1,
+                           const float* scale, const float* u, const float* t, __m512 abs_err,
+                           const ScreenRow* rows, int64_t N, float* hi, int64_t m0, __m512* lo_max, __m512* probe) {
+  constexpr int W = RM <= 4 ? 2 : 1;
+  constexpr int up = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC, down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
+  const auto bounds = [&](int64_t b, int w) {  // blocks b .. b + w − 1 of rows m0..
+    for (int64_t n = b * 32; n < std::min(N, (b + w) * 32); n += 16) {
+      const __mmask16 k = lane_mask(N - n);
+      const __m512 uv = _mm512_maskz_loadu_ps(k, u + n), tv = _mm512_maskz_loadu_ps(k, t + n);
+      for (int i = 0; i < RM; ++i) {
+        float* h = hi + (m0 + i) * N + n;
+        const __m512 a = _mm512_maskz_loadu_ps(k, h);
+        const __m512 bound = _mm512_fmadd_round_ps(rows[m0 + i].c1, uv,
+                                                   _mm512_fmadd_round_ps(rows[m0 + i].c2, tv, abs_err, up), up);
+        _mm512_mask_storeu_ps(h, k, _mm512_add_round_ps(a, bound, up));
+        lo_max[m0 + i] = _mm512_mask_max_ps(lo_max[m0 + i], k, lo_max[m0 + i], _mm512_sub_round_ps(a, bound, down));
+        probe[m0 + i] = _mm512_add_ps(probe[m0 + i], _mm512_maskz_mul_ps(k, a, _mm512_setzero_ps()));  // inf / nan → nan
+      }
+    }
+  };
+  int64_t b = b0;
+  for (; b + W <= b1; b += W) {
+    I8PairLoader loads[W];
+    for (int j = 0; j < W; ++j) loads[j] = I8PairLoader{q + (b + j) * K * 32};
+    i8_approx_tile<RM, W>(loads, K, xq, scale, hi, N, b, m0);
+    bounds(b, W);
+  }
+  for (; b < b1; ++b) {
+    I8PairLoader load{q + b * K * 32};
+    i8_approx_tile<RM, 1>(&load, K, xq, scale, hi, N, b, m0);
+    bounds(b, 1);
+  }
+}
+#endif
+}  // namespace
+
+at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                              const at::Tensor& u, const at::Tensor& t, const at::Tensor& exact, int64_t N,
+                              double rel, double abs_err) {
+  TORCH_CHECK(kHasBF16Dot, "screened_argmax_i8: built without AVX512-BF16");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(2) == 32,
+              "screened_argmax_i8: q must be contiguous int8 [NB, K, 32]");
+  const int64_t NB = q.size(0), K = q.size(1), KP = K / 2;
+  check_blocks(NB, N, "screened_argmax_i8");
+  check_x(x, K, "screened_argmax_i8", 2);
+  const bool bf16 = x.scalar_type() == at::kBFloat16;
+  if (bf16) {
+    TORCH_CHECK(exact.dim() == 3 && exact.is_contiguous() && exact.scalar_type() == at::kInt && exact.size(0) == NB
+                && exact.size(1) == KP && exact.size(2) == 32,
+                "screened_argmax_i8: for bf16 x, exact must be the pair-packed bf16 head, int32 [NB, K/2, 32]");
+  } else {
+    TORCH_CHECK(exact.dim() == 3 && exact.is_contiguous() && exact.scalar_type() == at::kFloat && exact.size(0) == NB
+                && exact.size(1) == K && exact.size(2) == 32,
+                "screened_argmax_i8: for float32 x, exact must be the packed fp32 head [NB, K, 32]");
+  }
+  const float* sp = opt_f32(scale, N, "screened_argmax_i8: scale");
+  const float* up = opt_f32(u, N, "screened_argmax_i8: u");
+  const float* tp = opt_f32(t, N, "screened_argmax_i8: t");
+  TORCH_CHECK(rel >= 0 && abs_err >= 0, "screened_argmax_i8: rel and abs_err must be >= 0");
+  const int64_t M = x.size(0);
+  at::Tensor ids = at::full({M}, -1, x.options().dtype(at::kLong));
+#if QS_AVX512 && defined(__AVX512BF16__)
+  if (M == 0 || N == 0) return ids;
+  const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16).contiguous();  // round to nearest even
+  const at::BFloat16* xbp = xb.data_ptr<at::BFloat16>();
+  const float* xf = bf16 ? nullptr : x.data_ptr<float>();
+  // per row: ‖x‖ and ‖x − xb‖ + rel ‖xb‖ in double, rounded up to fp32; a non-finite row → −1
+  std::vector<ScreenRow> rows(M);
+  std::vector<char> finite(M, 1);
+  for (int64_t m = 0; m < M; ++m) {
+    double xn = 0, dn = 0, bn = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double bv = static_cast<float>(xbp[m * K + k]);
+      const double xv = bf16 ? bv : xf[m * K + k];
+      xn += xv * xv; dn += (xv - bv) * (xv - bv); bn += bv * bv;
+    }
+    const double c1 = std::sqrt(xn) * (1 + 1e-12), c2 = (std::sqrt(dn) + rel * std::sqrt(bn)) * (1 + 1e-12);
+    finite[m] = std::isfinite(c1) && std::isfinite(c2) && c1 < 1e38 && c2 < 1e38;
+    const float f1 = static_cast<float>(c1), f2 = static_cast<float>(c2);
+    rows[m].c1 = _mm512_set1_ps(f1 < c1 ? std::nextafter(f1, INFINITY) : f1);
+    rows[m].c2 = _mm512_set1_ps(f2 < c2 ? std::nextafter(f2, INFINITY) : f2);
+  }
+  // hi [M, N]: kept between calls (a fresh 0.2-2 MB buffer a call is a page-fault storm)
+  static thread_local std::vector<float> hi_buf;
+  if (hi_buf.size() < static_cast<size_t>(M * N)) hi_buf.resize(static_cast<size_t>(M * N));
+  float* hi = hi_buf.data();
+  const int8_t* qp = q.data_ptr<int8_t>();
+  const int32_t* xq = reinterpret_cast<const int32_t*>(xbp);
+  const float ae = static_cast<float>(abs_err);
+  const __m512 vabs = _mm512_set1_ps(ae < abs_err ? std::nextafter(ae, INFINITY) : ae);
+  // each chunk of blocks keeps its rows' largest lo and probe: [chunk start][M]
+  std::vector<float> lo_all(NB * M, -INFINITY), probe_all(NB * M, 0.f);
+  at::parallel_for(0, NB, 4, [&](int64_t b0, int64_t b1) {
+    std::vector<__m512> lo_max(M, _mm512_set1_ps(-INFINITY)), probe(M, _mm512_setzero_ps());
+    for (int64_t c0 = b0; c0 < b1; c0 += 4) {  // chunks of 4 blocks, every row tile over them (cache)
+      const int64_t c1 = std::min(b1, c0 + 4);
+      for (int64_t m = 0; m < M;) {
+        const int64_t r = std::min<int64_t>(11, M - m);  // 22 accumulators (packed_tile_q's largest tile)
+        switch (r) {
+#define QS_SCR(R) case R: i8_screen_rows<R>(qp, K, xq, c0, c1, sp, up, tp, vabs, rows.data(), N, hi, m, lo_max.data(), \
+                                            probe.data()); break;
+          QS_SCR(1) QS_SCR(2) QS_SCR(3) QS_SCR(4) QS_SCR(5) QS_SCR(6) QS_SCR(7) QS_SCR(8) QS_SCR(9) QS_SCR(10)
+          QS_SCR(11)
+#undef QS_SCR
+          default: break;
+        }
+        m += r;
+      }
+    }
+    for (int64_t m = 0; m < M; ++m) {
+      lo_all[b0 * M + m] = _mm512_reduce_max_ps(lo_max[m]);
+      probe_all[b0 * M + m] = _mm512_reduce_add_ps(probe[m]);
+    }
+  });
+  const float* wf = bf16 ? nullptr : exact.data_ptr<float>();
+  const int32_t* wq = bf16 ? exact.data_ptr<int32_t>() : nullptr;
+  int64_t* out = ids.data_ptr<int64_t>();
+  at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; ++m) {
+      if (!finite[m]) continue;
+      float lower = -INFINITY, probe = 0.f;
+      for (int64_t b = 0; b < NB; ++b) {
+        lower = std::max(lower, lo_all[b * M + m]);
+        probe += probe_all[b * M + m];
+      }
+      if (std::isnan(probe) || !std::isfinite(lower)) continue;
+      const __m512 low = bf16 ? round_bf16(_mm512_set1_ps(lower)) : _mm512_set1_ps(lower);
+      const float* h = hi + m * N;
+      float best = 0.f;
+      int64_t best_n = -1;
+      for (int64_t n = 0; n < N && best_n != -2; n += 16) {
+        const __mmask16 k = lane_mask(N - n);
+        __m512 hv = _mm512_maskz_loadu_ps(k, h + n);
+        if (bf16) hv = round_bf16(hv);
+        unsigned cand = _mm512_mask_cmp_ps_mask(k, hv, low, _CMP_NLT_UQ);  // may reach the maximum
+        while (cand) {
+          const int64_t c = n + __builtin_ctz(cand);
+          cand &= cand - 1;
+          float v;
+          if (bf16) {  // packed_pairs_gemm's chain for output c: its lane of the half block
+            const int32_t* blk = wq + (c / 32) * KP * 32 + (c % 32) / 16 * 16;
+            __m512 acc = _mm512_setzero_ps();
+            for (int64_t p = 0; p < KP; ++p)
+              acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(blk + p * 32),
+                                     (__m512bh)_mm512_set1_epi32(xq[m * KP + p]));
+            alignas(64) float lanes[16];
+            _mm512_store_ps(lanes, acc);
+            v = static_cast<float>(static_cast<at::BFloat16>(lanes[c % 16]));  // stored rounded to nearest even
+          } else {  // packed_gemm's chain for output c
+            const float* col = wf + (c / 32) * K * 32 + (c % 32);
+            const float* xr = xf + m * K;
+            float acc = 0.f;
+            for (int64_t kk = 0; kk < K; ++kk) acc = std::fma(xr[kk], col[kk * 32], acc);
+            v = acc;
+          }
+          if (!std::isfinite(v)) { best_n = -2; break; }
+          if (best_n < 0 || v > best) { best = v; best_n = c; }
+        }
+      }
+      out[m] = best_n == -2 ? -1 : best_n;
+    }
+  });
+#endif
+  return ids;
+}
+
 // ---- a whole decoder stack in one call (decode / verification / short-prefill steps) --------
 //
 // A decode step of a small model on CPU spends a sixth of its time in Python between kernels
@@ -1547,6 +1761,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("silu_mul", &silu_mul);
   m.def("screened_argmax", &screened_argmax);
   m.def("screened_argmax_pairs", &screened_argmax_pairs);
+  m.def("screened_argmax_i8", &screened_argmax_i8);
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("set_pair_path", [](bool on) { const bool was = g_pair_path; g_pair_path = on; return was; },
         "turn the quantized GEMMs' bf16 pair path on / off (benches); returns the previous setting");
