@@ -77,7 +77,7 @@ def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     int8, scale [N], u [N], t [N], rel, abs_err) of `screened_argmax_i8`'s bound: codes
     q_n = round(w_n / s_n), s_n = max|w_n| / 127 (fp32); u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖ and
     t_n = ‖s_n q_n‖ (float64 sums, then × (1 + 2^-40) for their own roundings and rounded up to
-    fp32); rel = γ_K + 2^-23 with γ_K = 1.01 K 2^-24 (≥ K u / (1 − K u) for K < 2^17); abs_err bounds
+    fp32); rel = γ_K + 2^-23 with γ_K = 1.01 K 2^-24 (≥ K 2^-24 / (1 − K 2^-24) for K < 2^17); abs_err bounds
     what AVX512-BF16's flushed subnormals (< 2^-126 an input, product or sum) can move either
     dot product."""
     from quantspec.kernels.cpu import pack_w8
@@ -133,7 +133,8 @@ class GreedyHead:
         # AVX512-BF16 here: the int8 screen for up to MAX_ROWS_I8 rows (a quarter of an fp32 head's
         # bytes, half a bf16 one's)
         self.i8 = None
-        if kernels.has_bf16_dot() and hasattr(kernels, "screened_argmax_i8") and w.shape[1] % 2 == 0:
+        if (kernels.has_bf16_dot() and hasattr(kernels, "screened_argmax_i8") and w.shape[1] % 2 == 0
+                and w.shape[1] < 2 ** 17):  # its bound's K (int8_screen_tables)
             self.i8 = int8_screen_tables(w)
         self.pairs = False
         if self.bf16:  # beyond the int8 screen's rows: the logits (packed_pairs_gemm) are as fast

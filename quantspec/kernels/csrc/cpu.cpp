@@ -1394,11 +1394,6 @@ inline __m512 round_bf16(__m512 v) {
 // per row of a tile: ‖x‖ and the coefficient of t_n (bound above), broadcast
 struct ScreenRow { __m512 c1, c2; };
 
-// rows [m0, m0 + RM) over blocks [b0, b1): the int8 GEMM's pair-path tiles (packed_tile_q with
-// I8PairLoader: exact bf16 codes, one vdpbf16ps chain per output, × s_n) write approx_n into hi,
-// W blocks a tile (2 at up to 4 rows: four FMA chains), then each tile's outputs, still in L1,
-// become hi_n = approx_n + bound_n (rounded up) and fold lo_n = approx_n − bound_n (rounded down)
-// into the row's lo_max; `probe` turns NaN where an approximation is not finite
 // one tile of the approximation, kept out of line: inlined into the screen's loop, GCC ran out of
 // registers and kept the accumulators of the larger tiles in memory (2-3x slower at 8-11 rows)
 template <int RM, int W>
@@ -1407,6 +1402,11 @@ __attribute__((noinline)) void i8_approx_tile(I8PairLoader* loads, int64_t K, co
   packed_tile_q<RM, W, kPairs>(loads, K, xq, scale, nullptr, hi, N, b, m0);
 }
 
+// rows [m0, m0 + RM) over blocks [b0, b1): the int8 GEMM's pair-path tiles (packed_tile_q with
+// I8PairLoader: exact bf16 codes, one vdpbf16ps chain per output, × s_n) write approx_n into hi,
+// W blocks a tile (2 at up to 4 rows: four FMA chains), then each tile's outputs, still in L1,
+// become hi_n = approx_n + bound_n (rounded up) and fold lo_n = approx_n − bound_n (rounded down)
+// into the row's lo_max; `probe` turns NaN where an approximation is not finite
 template <int RM>
 inline void i8_screen_rows(const int8_t* q, int64_t K, const int32_t* xq, int64_t b0, int64_t b1,
                            const float* scale, const float* u, const float* t, __m512 abs_err,
