@@ -405,6 +405,15 @@ def test_rms_norm_and_rope_match_the_model_ops(dtype):
     else:
         torch.testing.assert_close(got, want, rtol=1e-6, atol=1e-6)
         torch.testing.assert_close(rot_got, rot_want, rtol=0, atol=0)
+    # head dims of 128 (the 16-lane path, two vectors a half) and 40 (a half of 20: the scalar loop)
+    for hd in (128, 40):
+        qh = torch.randn(3, 5, hd, generator=g).to(dtype)
+        ch, sh = torch.randn(3, hd, generator=g).to(dtype), torch.randn(3, hd, generator=g).to(dtype)
+        qh[0, 0, :3] = torch.tensor([0.0, -0.0, 1e-30])  # signed zeros and a tiny value
+        qh[0, 0, hd // 2:hd // 2 + 2] = torch.tensor([-0.0, 0.0])
+        want_h, got_h = apply_rope(qh, ch, sh), mod.rope(qh, ch, sh)
+        bits = torch.int16 if dtype == torch.bfloat16 else torch.int32
+        assert torch.equal(got_h.view(bits), want_h.view(bits))  # bitwise, signed zeros included
     with pytest.raises(RuntimeError, match="weight"):
         mod.rms_norm(x, w[:10], 1e-5)
     with pytest.raises(RuntimeError, match="cos / sin"):

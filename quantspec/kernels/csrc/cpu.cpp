@@ -237,6 +237,18 @@ inline __m256i to_bf16_rne(__m512 v) {
   const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   return _mm512_cvtepi32_epi16(r);
 }
+// the lanes of v rounded to bf16 (nearest even, as c10::BFloat16 for every non-NaN value), as fp32
+inline __m512 round_bf16_ps(__m512 v) {
+  const __m512i u = _mm512_castps_si512(v);
+  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
+  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
+  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+}
+// 16 values stored as fp32, or rounded to bf16 (nearest even)
+inline void store16_rne(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
+inline void store16_rne(at::BFloat16* p, __m512 v) {
+  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), to_bf16_rne(v));
+}
 inline void store32(at::BFloat16* row, __m512 v0, __m512 v1, __mmask16 k0, __mmask16 k1) {
   _mm256_mask_storeu_epi16(row, k0, to_bf16_rne(v0));
   _mm256_mask_storeu_epi16(row + 16, k1, to_bf16_rne(v1));
@@ -1073,6 +1085,34 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 
 // x * cos + rotate_half(x) * sin, rotate_half(x) = cat(-x2, x1); x [T, nh, hd] (last dim
 // contiguous, any other strides), cos / sin [T, hd] of x's dtype → contiguous [T, nh, hd]
+namespace {
+// one (row, head) of `rope` 16 lanes at a time (head_dim / 2 a multiple of 16), the same operations
+// per element as its scalar loop; false (not done) for other dtypes or without AVX-512
+template <class T>
+inline bool rope_row16(const T*, const T*, const T*, T*, int64_t, bool) { return false; }
+#if QS_AVX512
+template <class T>
+inline bool rope_row16_impl(const T* r, const T* c, const T* sn, T* o, int64_t hd, bool bf16) {
+  const int64_t half = hd / 2;
+  for (int64_t d = 0; d < hd; d += 16) {
+    const __m512 rot = d < half ? _mm512_xor_ps(load16f(r + d + half), _mm512_set1_ps(-0.0f))  // −x
+                                : load16f(r + d - half);
+    __m512 a = _mm512_mul_ps(load16f(r + d), load16f(c + d)), b = _mm512_mul_ps(rot, load16f(sn + d));
+    if (bf16) { a = round_bf16_ps(a); b = round_bf16_ps(b); }
+    store16_rne(o + d, _mm512_add_ps(a, b));
+  }
+  return true;
+}
+inline bool rope_row16(const float* r, const float* c, const float* sn, float* o, int64_t hd, bool bf16) {
+  return rope_row16_impl(r, c, sn, o, hd, bf16);
+}
+inline bool rope_row16(const at::BFloat16* r, const at::BFloat16* c, const at::BFloat16* sn, at::BFloat16* o,
+                       int64_t hd, bool bf16) {
+  return rope_row16_impl(r, c, sn, o, hd, bf16);
+}
+#endif
+}  // namespace
+
 at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& sin) {
   check_rows(x, "rope");
   TORCH_CHECK(x.dim() == 3 && x.stride(2) == 1 && cos.is_contiguous() && sin.is_contiguous()
@@ -1092,6 +1132,7 @@ at::Tensor rope(const at::Tensor& x, const at::Tensor& cos, const at::Tensor& si
       for (int64_t h = 0; h < nh; ++h) {
         const scalar_t* r = xp + t * x.stride(0) + h * x.stride(1);
         scalar_t* o = yp + (t * nh + h) * hd;
+        if (half % 16 == 0 && rope_row16(r, cp + t * hd, sp + t * hd, o, hd, bf16)) continue;
         for (int64_t d = 0; d < hd; ++d) {
           const float rot = d < half ? -ld(r, d + half) : ld(r, d - half);
           const float a = round_as(ld(r, d) * ld(cp, t * hd + d), bf16);
@@ -1383,14 +1424,6 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
 // lowest index among equals (torch.argmax over the bf16 logits).
 namespace {
 #if QS_AVX512 && defined(__AVX512BF16__)
-// the lanes of v rounded to bf16 (nearest even, as c10::BFloat16 for every non-NaN value), as fp32
-inline __m512 round_bf16(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
-}
-
 // per row of a tile: ‖x‖ and the coefficient of t_n (bound above), broadcast
 struct ScreenRow { __m512 c1, c2; };
 
@@ -1534,14 +1567,14 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
         probe += probe_all[b * M + m];
       }
       if (std::isnan(probe) || !std::isfinite(lower)) continue;
-      const __m512 low = bf16 ? round_bf16(_mm512_set1_ps(lower)) : _mm512_set1_ps(lower);
+      const __m512 low = bf16 ? round_bf16_ps(_mm512_set1_ps(lower)) : _mm512_set1_ps(lower);
       const float* h = hi + m * N;
       float best = 0.f;
       int64_t best_n = -1;
       for (int64_t n = 0; n < N && best_n != -2; n += 16) {
         const __mmask16 k = lane_mask(N - n);
         __m512 hv = _mm512_maskz_loadu_ps(k, h + n);
-        if (bf16) hv = round_bf16(hv);
+        if (bf16) hv = round_bf16_ps(hv);
         unsigned cand = _mm512_mask_cmp_ps_mask(k, hv, low, _CMP_NLT_UQ);  // may reach the maximum
         while (cand) {
           const int64_t c = n + __builtin_ctz(cand);
