@@ -1047,6 +1047,34 @@ void check_rows(const at::Tensor& x, const char* op) {
 }  // namespace
 
 // weight * rms_norm(x.float(), eps).to(x.dtype)  (HF's LlamaRMSNorm); x [M, D] contiguous
+namespace {
+// rms_norm's y = w * round(x * inv) over the row's first multiple of 16 elements, 16 lanes at a
+// time (the same two products per element as its scalar loop) → how many it did (0: other
+// dtypes, no AVX-512)
+template <class T>
+inline int64_t scale_row16(const T*, const T*, T*, int64_t, float, bool) { return 0; }
+#if QS_AVX512
+template <class T>
+inline int64_t scale_row16_impl(const T* r, const T* w, T* y, int64_t D, float inv, bool bf16) {
+  const __m512 vinv = _mm512_set1_ps(inv);
+  int64_t d = 0;
+  for (; d + 16 <= D; d += 16) {
+    __m512 v = _mm512_mul_ps(load16f(r + d), vinv);
+    if (bf16) v = round_bf16_ps(v);
+    store16_rne(y + d, _mm512_mul_ps(load16f(w + d), v));
+  }
+  return d;
+}
+inline int64_t scale_row16(const float* r, const float* w, float* y, int64_t D, float inv, bool bf16) {
+  return scale_row16_impl(r, w, y, D, inv, bf16);
+}
+inline int64_t scale_row16(const at::BFloat16* r, const at::BFloat16* w, at::BFloat16* y, int64_t D, float inv,
+                           bool bf16) {
+  return scale_row16_impl(r, w, y, D, inv, bf16);
+}
+#endif
+}  // namespace
+
 at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
   check_rows(x, "rms_norm");
   TORCH_CHECK(x.dim() == 2 && x.is_contiguous() && weight.scalar_type() == x.scalar_type()
@@ -1075,7 +1103,7 @@ at::Tensor rms_norm(const at::Tensor& x, const at::Tensor& weight, double eps) {
 #endif
       for (int64_t d = d0; d < D; ++d) { const float v = ld(r, d); ss += v * v; }
       const float inv = 1.0f / std::sqrt(ss / static_cast<float>(D) + static_cast<float>(eps));
-      for (int64_t d = 0; d < D; ++d)
+      for (int64_t d = scale_row16(r, wp, yp + m * D, D, inv, bf16); d < D; ++d)
         yp[m * D + d] = static_cast<scalar_t>(ld(wp, d) * round_as(ld(r, d) * inv, bf16));
     }
     });
@@ -1171,14 +1199,10 @@ void silu_mul_rows(const T* xp, T* yp, int64_t M, int64_t I) {
       // below exp512's range (it clamps at -87.3) the sigmoid is 0 to fp32 precision
       sig = _mm512_mask_mov_ps(sig, _mm512_cmp_ps_mask(gv, _mm512_set1_ps(-87.3f), _CMP_LT_OQ),
                                _mm512_setzero_ps());
-      if constexpr (bf16) {
-        float sv[16], uu[16];
-        _mm512_storeu_ps(sv, _mm512_mul_ps(gv, sig));
-        _mm512_storeu_ps(uu, load16f(u + i));
-        for (int j = 0; j < 16; ++j) o[i + j] = static_cast<T>(round_as(sv[j], bf16) * uu[j]);
-      } else {  // the same two IEEE products, kept in registers
-        _mm512_storeu_ps(o + i, _mm512_mul_ps(_mm512_mul_ps(gv, sig), load16f(u + i)));
-      }
+      // the same two IEEE products as below, kept in registers (bf16: the first rounded as torch does)
+      __m512 a = _mm512_mul_ps(gv, sig);
+      if constexpr (bf16) a = round_bf16_ps(a);
+      store16_rne(o + i, _mm512_mul_ps(a, load16f(u + i)));
     }
 #endif
     for (; i < I; ++i) {
