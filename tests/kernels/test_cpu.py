@@ -471,3 +471,24 @@ def test_prefetch_switch_is_restored():
             assert mod.set_prefetch(True) is True
         assert mod.set_prefetch(False) is False
     assert mod.set_prefetch(True) is True  # the default, back after the block
+
+
+@needs_kernels
+def test_bf16_rounding_keeps_nan_payloads_nan():
+    """The vector bf16 rounding (GEMM outputs, rope, rms_norm, silu_mul) makes every NaN the
+    canonical 0x7FC0, as c10's conversion does: rounding the bits of a NaN whose payload is all
+    ones carried into the sign and gave -0 (the GEMM case below did, before)."""
+    mod = cg.cpu_kernels()
+    nan = torch.tensor([0x7FFFFFFF], dtype=torch.int32).view(torch.float32)  # NaN, payload all ones
+    # a NaN through rope (x * cos): NaN out
+    q = torch.ones(1, 1, 64, dtype=torch.bfloat16)
+    cos = torch.ones(1, 64)
+    cos[0, 0] = nan
+    out = mod.rope(q, cos.bfloat16(), torch.zeros(1, 64, dtype=torch.bfloat16))
+    assert torch.isnan(out[0, 0, 0].float()), out[0, 0, :2]
+    # fp32 GEMM into bf16 output: one output NaN from an all-ones payload weight
+    w = torch.zeros(32, 16)
+    w[3, 0] = nan
+    x = torch.ones(1, 16, dtype=torch.bfloat16)
+    y = cg.packed_gemm(x, cg.pack_dense(w), 32)
+    assert torch.isnan(y[0, 3].float()) and int(y[0, 3:4].view(torch.int16)) == 0x7FC0

@@ -226,23 +226,28 @@ inline __mmask16 lane_mask(int64_t valid) {
   return valid >= 16 ? __mmask16(0xFFFF) : valid <= 0 ? __mmask16(0) : __mmask16((1u << valid) - 1);
 }
 // 32 outputs of a column block (masked to the valid ones); bf16 rounded to nearest even in
-// vector registers (what c10::BFloat16's conversion does for every non-NaN value)
+// vector registers (what c10::BFloat16's conversion does)
 inline void store32(float* row, __m512 v0, __m512 v1, __mmask16 k0, __mmask16 k1) {
   _mm512_mask_storeu_ps(row, k0, v0);
   _mm512_mask_storeu_ps(row + 16, k1, v1);
 }
+// (a NaN becomes 0x7FC0, as c10's conversion makes it: rounding its bits could carry a payload of
+// all ones into the sign and give -0)
 inline __m256i to_bf16_rne(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
   return _mm512_cvtepi32_epi16(r);
 }
-// the lanes of v rounded to bf16 (nearest even, as c10::BFloat16 for every non-NaN value), as fp32
+// the lanes of v rounded to bf16 (nearest even, a NaN to 0x7FC0: as c10::BFloat16), as fp32
 inline __m512 round_bf16_ps(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  const __m512i r = _mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF)));
-  return _mm512_castsi512_ps(_mm512_and_si512(r, _mm512_set1_epi32(int(0xFFFF0000u))));
+  __m512i r = _mm512_and_si512(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))),
+                               _mm512_set1_epi32(int(0xFFFF0000u)));
+  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
+  return _mm512_castsi512_ps(r);
 }
 // 16 values stored as fp32, or rounded to bf16 (nearest even)
 inline void store16_rne(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
