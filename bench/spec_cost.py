@@ -14,7 +14,7 @@ fit of 1 + fixed + k · per_token to the medians: run it on a new device (a GPU 
 to check or recalibrate the constants.
 
 A step is `Engine.step()` whole: the base forward over 1 + k rows, the head (greedy ids from the
-bf16 screen where the model has one, else the logits), verification and bookkeeping. The drafter
+int8 / bf16 screen where the model has one, else the logits), verification and bookkeeping. The drafter
 proposes k copies of one token, so drafts are (almost always) rejected and the context grows by
 one token a step whatever k is; each round prefills a `--context`-token prompt of random ids
 (EOS ignored) and times `--repeats` steps for every k, in a shuffled order, so the k values see

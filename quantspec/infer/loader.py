@@ -334,7 +334,7 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         use_fused_layers(net)  # the layer stack in one call where every op is a CPU kernel
         from quantspec.infer.greedy_head import use_greedy_head
 
-        use_greedy_head(net)  # exact greedy ids from a bf16 screen of the fp32 head
+        use_greedy_head(net)  # exact greedy ids from an int8 / bf16 screen of the head
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
                        quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
                        kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),
