@@ -85,25 +85,34 @@ def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
     n, k = w.shape
     if k >= 2 ** 17:
         raise ValueError(f"int8 head screen: K = {k} is too large for its error bound (< 131072)")
-    wd = w.double()
-    amax = wd.abs().amax(dim=1)
-    scale = torch.where(amax > 0, amax / 127, torch.ones_like(amax)).float()  # the fp32 scale used
-    q = torch.round(wd / scale.double()[:, None]).clamp_(-127, 127)
-    deq = q * scale.double()[:, None]
     gamma = 1.01 * k * 2.0 ** -24
     slack = 1 + 2.0 ** -40
-    u = _up(((wd - deq).norm(dim=1) + gamma * wd.norm(dim=1)) * slack)
-    t = _up(deq.norm(dim=1) * slack)
+    q = torch.empty(n, k, dtype=torch.int8)
+    amax, scale, u, t = (torch.empty(n, dtype=dt) for dt in (torch.float64, torch.float32, torch.float32, torch.float32))
+    # in chunks of rows: float64 copies of a whole head would add ~16 bytes per weight at load
+    # (+760 MB for SmolLM2's, many GB for a large vocabulary); rows are independent
+    step = max(1, (1 << 20) // max(1, k))
+    for r0 in range(0, n, step):
+        wd = w[r0:r0 + step].double()
+        am = wd.abs().amax(dim=1)
+        sc = torch.where(am > 0, am / 127, torch.ones_like(am)).float()  # the fp32 scale used
+        qd = torch.round(wd / sc.double()[:, None]).clamp_(-127, 127)
+        deq = qd * sc.double()[:, None]
+        amax[r0:r0 + step], scale[r0:r0 + step], q[r0:r0 + step] = am, sc, qd.to(torch.int8)
+        u[r0:r0 + step] = _up(((wd - deq).norm(dim=1) + gamma * wd.norm(dim=1)) * slack)
+        t[r0:r0 + step] = _up(deq.norm(dim=1) * slack)
     smax = float(scale.max()) if n else 1.0
     abs_err = k * 2.0 ** -118 * (1.0 + 128.0 * smax + float(amax.max() if n else 0.0))
-    return pack_w8(q.to(torch.int8)), scale.contiguous(), u.contiguous(), t.contiguous(), gamma + 2.0 ** -23, abs_err
+    return pack_w8(q), scale, u, t, gamma + 2.0 ** -23, abs_err
 
 
 def row_norms_up(w: torch.Tensor) -> torch.Tensor:
     """‖w_n‖₂ of each row of w [N, K] as fp32, rounded up (the bound's ‖w_n‖₂ must not shrink)."""
-    norms = w.double().norm(dim=1)
-    up = norms.float()
-    return torch.where(up.double() < norms, torch.nextafter(up, torch.tensor(float("inf"))), up)
+    norms = torch.empty(w.shape[0], dtype=torch.float64)
+    step = max(1, (1 << 20) // max(1, w.shape[1]))  # float64 rows in chunks (int8_screen_tables)
+    for r in range(0, w.shape[0], step):
+        norms[r:r + step] = w[r:r + step].double().norm(dim=1)
+    return _up(norms)
 
 
 class GreedyHead:

@@ -1236,6 +1236,15 @@ at::Tensor silu_mul(const at::Tensor& x) {
 namespace {
 
 #if QS_AVX512
+// output c of `packed_gemm` for one fp32 row x: its FMA chain over k (column c of the packed
+// head [NB, K, 32])
+inline float packed_chain(const float* wp, const float* x, int64_t K, int64_t c) {
+  const float* col = wp + (c / 32) * K * 32 + (c % 32);
+  float acc = 0.f;
+  for (int64_t k = 0; k < K; ++k) acc = std::fma(x[k], col[k * 32], acc);
+  return acc;
+}
+
 // the candidates' exact pass of `screened_argmax*`: approx [M, N] → ids [M] (−1: non-finite)
 void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t N, const float* wp,
                 const float* rn, double rel, double abs_err, int64_t* out) {
@@ -1272,9 +1281,7 @@ void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t 
         while (cand) {
           const int64_t c = n + __builtin_ctz(cand);
           cand &= cand - 1;
-          const float* col = wp + (c / 32) * K * 32 + (c % 32);
-          float acc = 0.f;  // packed_gemm's chain for output c
-          for (int64_t kk = 0; kk < K; ++kk) acc = std::fma(xr[kk], col[kk * 32], acc);
+          const float acc = packed_chain(wp, xr, K, c);
           if (!std::isfinite(acc)) { best_n = -2; break; }
           if (best_n < 0 || acc > best) { best = acc; best_n = c; }
         }
@@ -1456,51 +1463,39 @@ namespace {
 // per row of a tile: ‖x‖ and the coefficient of t_n (bound above), broadcast
 struct ScreenRow { __m512 c1, c2; };
 
-// one tile of the approximation, kept out of line: inlined into the screen's loop, GCC ran out of
+// rows [m0, m0 + RM) over blocks [b0, b1): the int8 GEMM's own pair-path rows (packed_rows with
+// I8PairLoader: exact bf16 codes, one vdpbf16ps chain per output, × s_n) write approx_n into hi
+// (i8_approx_rows),
+// then those outputs, still in cache, become hi_n = approx_n + bound_n (rounded up) and fold
+// lo_n = approx_n − bound_n (rounded down) into the row's lo_max; `probe` turns NaN where an
+// approximation is not finite
+// the approximation's rows, kept out of line: inlined into the screen's loop, GCC ran out of
 // registers and kept the accumulators of the larger tiles in memory (2-3x slower at 8-11 rows)
-template <int RM, int W>
-__attribute__((noinline)) void i8_approx_tile(I8PairLoader* loads, int64_t K, const int32_t* xq, const float* scale,
-                                              float* hi, int64_t N, int64_t b, int64_t m0) {
-  packed_tile_q<RM, W, kPairs>(loads, K, xq, scale, nullptr, hi, N, b, m0);
+template <int RM>
+__attribute__((noinline)) void i8_approx_rows(const int8_t* q, int64_t K, const int32_t* xq, const float* scale,
+                                              float* hi, int64_t N, int64_t b0, int64_t b1, int64_t m0) {
+  packed_rows<RM, kPairs>([&](int64_t blk) { return I8PairLoader{q + blk * K * 32}; }, K, xq, scale, nullptr, hi,
+                          N, b0, b1, m0);
 }
 
-// rows [m0, m0 + RM) over blocks [b0, b1): the int8 GEMM's pair-path tiles (packed_tile_q with
-// I8PairLoader: exact bf16 codes, one vdpbf16ps chain per output, × s_n) write approx_n into hi,
-// W blocks a tile (2 at up to 4 rows: four FMA chains), then each tile's outputs, still in L1,
-// become hi_n = approx_n + bound_n (rounded up) and fold lo_n = approx_n − bound_n (rounded down)
-// into the row's lo_max; `probe` turns NaN where an approximation is not finite
 template <int RM>
 inline void i8_screen_rows(const int8_t* q, int64_t K, const int32_t* xq, int64_t b0, int64_t b1,
                            const float* scale, const float* u, const float* t, __m512 abs_err,
                            const ScreenRow* rows, int64_t N, float* hi, int64_t m0, __m512* lo_max, __m512* probe) {
-  constexpr int W = RM <= 4 ? 2 : 1;
   constexpr int up = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC, down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
-  const auto bounds = [&](int64_t b, int w) {  // blocks b .. b + w − 1 of rows m0..
-    for (int64_t n = b * 32; n < std::min(N, (b + w) * 32); n += 16) {
-      const __mmask16 k = lane_mask(N - n);
-      const __m512 uv = _mm512_maskz_loadu_ps(k, u + n), tv = _mm512_maskz_loadu_ps(k, t + n);
-      for (int i = 0; i < RM; ++i) {
-        float* h = hi + (m0 + i) * N + n;
-        const __m512 a = _mm512_maskz_loadu_ps(k, h);
-        const __m512 bound = _mm512_fmadd_round_ps(rows[m0 + i].c1, uv,
-                                                   _mm512_fmadd_round_ps(rows[m0 + i].c2, tv, abs_err, up), up);
-        _mm512_mask_storeu_ps(h, k, _mm512_add_round_ps(a, bound, up));
-        lo_max[m0 + i] = _mm512_mask_max_ps(lo_max[m0 + i], k, lo_max[m0 + i], _mm512_sub_round_ps(a, bound, down));
-        probe[m0 + i] = _mm512_add_ps(probe[m0 + i], _mm512_maskz_mul_ps(k, a, _mm512_setzero_ps()));  // inf / nan → nan
-      }
+  i8_approx_rows<RM>(q, K, xq, scale, hi, N, b0, b1, m0);
+  for (int64_t n = b0 * 32; n < std::min(N, b1 * 32); n += 16) {
+    const __mmask16 k = lane_mask(N - n);
+    const __m512 uv = _mm512_maskz_loadu_ps(k, u + n), tv = _mm512_maskz_loadu_ps(k, t + n);
+    for (int i = 0; i < RM; ++i) {
+      float* h = hi + (m0 + i) * N + n;
+      const __m512 a = _mm512_maskz_loadu_ps(k, h);
+      const __m512 bound = _mm512_fmadd_round_ps(rows[m0 + i].c1, uv,
+                                                 _mm512_fmadd_round_ps(rows[m0 + i].c2, tv, abs_err, up), up);
+      _mm512_mask_storeu_ps(h, k, _mm512_add_round_ps(a, bound, up));
+      lo_max[m0 + i] = _mm512_mask_max_ps(lo_max[m0 + i], k, lo_max[m0 + i], _mm512_sub_round_ps(a, bound, down));
+      probe[m0 + i] = _mm512_add_ps(probe[m0 + i], _mm512_maskz_mul_ps(k, a, _mm512_setzero_ps()));  // inf / nan → nan
     }
-  };
-  int64_t b = b0;
-  for (; b + W <= b1; b += W) {
-    I8PairLoader loads[W];
-    for (int j = 0; j < W; ++j) loads[j] = I8PairLoader{q + (b + j) * K * 32};
-    i8_approx_tile<RM, W>(loads, K, xq, scale, hi, N, b, m0);
-    bounds(b, W);
-  }
-  for (; b < b1; ++b) {
-    I8PairLoader load{q + b * K * 32};
-    i8_approx_tile<RM, 1>(&load, K, xq, scale, hi, N, b, m0);
-    bounds(b, 1);
   }
 }
 #endif
@@ -1618,12 +1613,8 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
             alignas(64) float lanes[16];
             _mm512_store_ps(lanes, acc);
             v = static_cast<float>(static_cast<at::BFloat16>(lanes[c % 16]));  // stored rounded to nearest even
-          } else {  // packed_gemm's chain for output c
-            const float* col = wf + (c / 32) * K * 32 + (c % 32);
-            const float* xr = xf + m * K;
-            float acc = 0.f;
-            for (int64_t kk = 0; kk < K; ++kk) acc = std::fma(xr[kk], col[kk * 32], acc);
-            v = acc;
+          } else {
+            v = packed_chain(wf, xf + m * K, K, c);
           }
           if (!std::isfinite(v)) { best_n = -2; break; }
           if (best_n < 0 || v > best) { best = v; best_n = c; }
