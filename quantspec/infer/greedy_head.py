@@ -7,16 +7,18 @@ extension approximates every logit from the copy and computes exactly — by the
 head's own kernel for that output — only those whose approximation is within the proven bound of
 the best.
 
-- int8 copy (`screened_argmax_i8`, CPUs with AVX512-BF16, up to `MAX_ROWS_I8` rows): codes
-  round(w_n / s_n) with s_n = max|w_n| / 127, a quarter of an fp32 head's bytes, half a bf16
-  one's. The bound comes from each row's residual ‖w_n − s_n q_n‖₂ (`int8_screen_tables`, the
-  kernel's comment); on the default model's hidden states a median of 2-3 candidates per row, at
-  most ~40. It serves both an fp32 head (`packed_gemm`'s logits) and a quantized artifact's bf16
-  head (`packed_pairs_gemm`'s logits, rounded to bf16: the candidates are those whose rounded
-  upper bound reaches the rounded lower bound of the best, and equal rounded maxima go to the
-  lowest index, as torch.argmax over the bf16 logits does).
-- bf16 copy of an fp32 head (`screened_argmax` / `screened_argmax_pairs`), above `MAX_ROWS_I8`
-  rows or without the int8 kernel (a median of 1 candidate per row, at most 10; the bound ~0.6,
+- int8 copy (`screened_argmax_i8`, CPUs with AVX512-VNNI and AVX512-BF16; up to 11 rows for a
+  bf16 head, 8 for an fp32 one): codes round(w_n / s_n) with s_n = max|w_n| / 127, a quarter of an
+  fp32 head's bytes, half a bf16 one's, against each row of x quantized to int16 (σ = max|x| /
+  16383 for the default model's K), so the approximate dot products are exact integer sums
+  (vpdpwssd). The bound comes from each row's residual ‖w_n − s_n q_n‖₂ and x's own
+  ‖x − σ xq‖₂ (`int8_screen_tables`, the kernel's comment); on the default model's hidden states
+  a median of 2-3 candidates per row, at most ~40. It serves both an fp32 head (`packed_gemm`'s
+  logits) and a quantized artifact's bf16 head (`packed_pairs_gemm`'s logits, rounded to bf16:
+  the candidates are those whose rounded upper bound reaches the rounded lower bound of the best,
+  and equal rounded maxima go to the lowest index, as torch.argmax over the bf16 logits does).
+- bf16 copy of an fp32 head (`screened_argmax` / `screened_argmax_pairs`), above 8 rows or
+  without the int8 kernel (a median of 1 candidate per row, at most 10; the bound ~0.6,
   the largest actual error ~0.11):
 
     |exact_n − approx_n| ≤ rel · ‖x‖₂ · ‖w_n‖₂ (+ 2^-100),
@@ -36,7 +38,8 @@ the logits) and whose rows it serves; a row with a non-finite value falls back t
 Default model, 2 threads, decode phase, the same 128-token runs with the screen and with the
 logits, interleaved (8 rounds, paired): int4 artifact 127.9 → 149.6 tok/s, int8 artifact
 127.6 → 136.7; fp32 with the int8 screen vs the bf16 pair screen: plain greedy 1.09-1.18x end to
-end, n-gram speculation 1.00-1.05x (its verification steps of 8+ rows keep the pair screen).
+end, n-gram speculation 1.00-1.05x (its verification steps of 9+ rows keep the pair screen). The
+table at `GreedyHead.MAX_ROWS_I8` has the kernels' times by rows.
 
 Built at load for a model whose head is a `PackedLinear` (fp32) or a `PackedPairsLinear` (bf16,
 AVX512-BF16) without bias, on quantspec's CPU kernels. Memory: an fp32 head keeps both copies,
@@ -73,14 +76,15 @@ def _up(v: torch.Tensor) -> torch.Tensor:
 
 
 def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
-    """The int8 screen's copy of a head w [N, K] (fp32 or bf16 values) → (codes packed [NB, K, 32]
-    int8, scale [N], u [N], t [N], rel, abs_err) of `screened_argmax_i8`'s bound: codes
+    """The int8 screen's copy of a head w [N, K] (fp32 or bf16 values) → (codes packed [NB, K/2, 64]
+    int8 (`pack_w8_pairs`), scale [N], u [N], t [N], rel, abs_err) of `screened_argmax_i8`'s bound: codes
     q_n = round(w_n / s_n), s_n = max|w_n| / 127 (fp32); u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖ and
     t_n = ‖s_n q_n‖ (float64 sums, then × (1 + 2^-40) for their own roundings and rounded up to
-    fp32); rel = γ_K + 2^-23 with γ_K = 1.01 K 2^-24 (≥ K 2^-24 / (1 − K 2^-24) for K < 2^17); abs_err bounds
-    what AVX512-BF16's flushed subnormals (< 2^-126 an input, product or sum) can move either
-    dot product."""
-    from quantspec.kernels.cpu import pack_w8
+    fp32) with γ_K = 1.01 K 2^-24 (≥ K 2^-24 / (1 − K 2^-24) for K < 2^17) for the exact pass's fp32
+    chain; rel = 2^-22 ≥ (1 + 2^-24)^3 − 1 for the three roundings of the approximation (its integer
+    dot product is exact); abs_err bounds what subnormals can move either dot product (AVX512-BF16
+    flushes them in a bf16 head's chain, < 2^-126 an input, product or sum)."""
+    from quantspec.kernels.cpu import pack_w8_pairs
 
     n, k = w.shape
     if k >= 2 ** 17:
@@ -103,7 +107,7 @@ def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         t[r0:r0 + step] = _up(deq.norm(dim=1) * slack)
     smax = float(scale.max()) if n else 1.0
     abs_err = k * 2.0 ** -118 * (1.0 + 128.0 * smax + float(amax.max() if n else 0.0))
-    return pack_w8(q), scale, u, t, gamma + 2.0 ** -23, abs_err
+    return pack_w8_pairs(q), scale, u, t, 2.0 ** -22, abs_err
 
 
 def row_norms_up(w: torch.Tensor) -> torch.Tensor:
@@ -123,11 +127,17 @@ class GreedyHead:
     # 2.4 vs 4.5 ms, 3 rows 3.1 vs 3.8, 4 rows 4.4 vs 4.1, 11 rows 7.9 vs 4.9)
     max_rows = 3
     MAX_ROWS_PAIRS = 11  # the pair-dot screen: 11 rows 3.0 vs 4.0 ms (module docstring)
-    # the int8 screen up to this many rows; beyond, its int8 → bf16 conversions cost more than the
-    # bytes it saves: default model, 2 threads, real hidden states, medians of interleaved calls:
-    # 1 row 1.1-1.3 ms vs 1.6-1.8 (bf16 pair screen) and 1.8 (bf16 logits), 4 rows 1.3-1.5 vs
-    # 1.7-1.8 and 1.8-2.0, 8 rows 1.9-2.0 vs 1.9-2.1 and 1.8-1.9, 11 rows 2.3-2.6 vs 2.0-2.2 and 1.9-2.1
-    MAX_ROWS_I8 = 7
+    # the int8 screen serves a bf16 head up to 11 rows and an fp32 head up to 8; beyond 8 rows an
+    # fp32 head's bf16 pair screen is faster: both are bound by their dot-product instructions
+    # there (32 products each), and the pair screen's approximations need no conversion. Default
+    # model, 2 threads, real hidden states, medians of interleaved calls (ms):
+    #   rows                         1     4     8     11
+    #   int8 screen, fp32 head       1.16  1.54  1.74  2.38
+    #   bf16 pair screen             1.80  2.03  1.99  2.10
+    #   int8 screen, bf16 head       0.82  1.10  1.64  2.27
+    #   bf16 logits (bf16 head)      1.68  1.93  2.41  3.12
+    MAX_ROWS_I8 = 11
+    MAX_ROWS_I8_FP32 = 8
 
     def __init__(self, model: nn.Module, kernels):
         from quantspec.infer.dense_linear import PackedPairsLinear
@@ -139,18 +149,18 @@ class GreedyHead:
         self.version = None if head.packed.is_inference() else head.packed._version
         self.num_outputs = head.out_features
         self.bf16 = type(head) is PackedPairsLinear  # a quantized artifact's bf16 head: bf16 logits
-        # AVX512-BF16 here: the int8 screen for up to MAX_ROWS_I8 rows (a quarter of an fp32 head's
-        # bytes, half a bf16 one's)
+        # AVX512-VNNI and -BF16 here: the int8 screen for up to i8_rows rows (a quarter of an fp32
+        # head's bytes, half a bf16 one's)
         self.i8 = None
-        if (kernels.has_bf16_dot() and hasattr(kernels, "screened_argmax_i8") and w.shape[1] % 2 == 0
-                and w.shape[1] < 2 ** 17):  # its bound's K (int8_screen_tables)
+        if _has_int8_screen(kernels) and w.shape[1] % 2 == 0 and w.shape[1] < 2 ** 17:  # its bound's K
             self.i8 = int8_screen_tables(w)
+        self.i8_rows = self.MAX_ROWS_I8 if self.bf16 else self.MAX_ROWS_I8_FP32
         self.pairs = False
-        if self.bf16:  # beyond the int8 screen's rows: the logits (packed_pairs_gemm) are as fast
+        if self.bf16:  # beyond the int8 screen's rows: the logits (packed_pairs_gemm)
             self.max_rows = self.MAX_ROWS_I8
             return
         self.row_norm = row_norms_up(w)
-        # the fp32 head with AVX512-BF16: the pair-dot screen above MAX_ROWS_I8 rows (x rounded
+        # the fp32 head with AVX512-BF16: the pair-dot screen above i8_rows rows (x rounded
         # too, twice the FMA rate: up to 11 rows); else the row-major bf16 copy against fp32 x (up
         # to 3 rows)
         self.pairs = kernels.has_bf16_dot() and w.shape[1] % 2 == 0
@@ -173,8 +183,7 @@ class GreedyHead:
             return None
         if type(head) is PackedLinear and head.in_features % 16 == 0:  # the bf16 screen's rows: 16-wide
             return cls(model, kernels)
-        if (type(head) is PackedPairsLinear and kernels.has_bf16_dot() and hasattr(kernels, "screened_argmax_i8")
-                and head.in_features < 2 ** 17):
+        if type(head) is PackedPairsLinear and _has_int8_screen(kernels) and head.in_features < 2 ** 17:
             return cls(model, kernels)
         return None
 
@@ -190,7 +199,7 @@ class GreedyHead:
                 or x.shape[0] == 0):
             return None
         x = x.contiguous()
-        if self.i8 is not None and x.shape[0] <= self.MAX_ROWS_I8:
+        if self.i8 is not None and x.shape[0] <= self.i8_rows:
             q, scale, u, t, rel, abs_err = self.i8
             ids = self.kernels.screened_argmax_i8(x, q, scale, u, t, self.packed, self.num_outputs, rel, abs_err)
         elif self.bf16:
@@ -202,6 +211,11 @@ class GreedyHead:
             ids = self.kernels.screened_argmax(x, self.w_bf16, self.packed, self.row_norm, self.num_outputs, self.rel)
         ids = ids.tolist()
         return None if min(ids) < 0 else ids
+
+
+def _has_int8_screen(kernels) -> bool:
+    """Whether the extension has the int8 screen (AVX512-VNNI and AVX512-BF16)."""
+    return bool(getattr(kernels, "has_int8_screen", lambda: False)()) and hasattr(kernels, "screened_argmax_i8")
 
 
 def use_greedy_head(model: nn.Module) -> bool:

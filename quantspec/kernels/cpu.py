@@ -50,7 +50,9 @@ __all__ = [
     "pack_w4",
     "pack_pairs",
     "pack_w8",
+    "pack_w8_pairs",
     "unpack_w8",
+    "unpack_w8_pairs",
     "packed_w4_gemm",
     "packed_w4_gemm_ref",
     "packed_w8_gemm",
@@ -283,6 +285,26 @@ def pack_w8(q: torch.Tensor) -> torch.Tensor:
 def unpack_w8(packed: torch.Tensor, n: int) -> torch.Tensor:
     """Inverse of `pack_w8` → the int8 codes [n, K]."""
     return _unblock(packed, n)
+
+
+def pack_w8_pairs(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K even) → [NB, K/2, 64], the int8 head screen's layout
+    (`screened_argmax_i8`): in column block b at k-pair p, bytes 2j and 2j + 1 hold column
+    32 b + j at k = 2p and 2p + 1 (N zero-padded), so one sign extension gives 16 outputs' int16
+    pairs for AVX512-VNNI's vpdpwssd."""
+    n, k = q.shape
+    if k % 2:
+        raise ValueError(f"pack_w8_pairs: K = {k} must be even")
+    nb = -(-n // PACK_BLOCK)
+    padded = torch.zeros(nb * PACK_BLOCK, k, dtype=torch.int8)
+    padded[:n] = q.detach()
+    return padded.reshape(nb, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * PACK_BLOCK).contiguous()
+
+
+def unpack_w8_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_w8_pairs` → the int8 codes [n, K]."""
+    nb, kp, _ = packed.shape
+    return packed.reshape(nb, kp, PACK_BLOCK, 2).permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, 2 * kp)[:n].contiguous()
 
 
 def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -9,13 +9,15 @@ import torch
 from quantspec.infer.greedy_head import (PAIR_ABS_ERR, GreedyHead, int8_screen_tables, pack_pairs, row_norms_up,
                                          screen_bound)
 from quantspec.infer.sampler import greedy_ids
-from quantspec.kernels.cpu import cpu_kernels, pack_dense, packed_gemm, packed_pairs_gemm
+from quantspec.kernels.cpu import (cpu_kernels, pack_dense, pack_w8_pairs, packed_gemm, packed_pairs_gemm,
+                                   unpack_w8_pairs)
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
 
 
 BF16_DOT = cpu_kernels() is not None and cpu_kernels().has_bf16_dot()
-PATHS = ["rows"] + (["pairs", "i8"] if BF16_DOT else [])
+I8 = cpu_kernels() is not None and cpu_kernels().has_int8_screen()  # AVX512-VNNI and -BF16
+PATHS = ["rows"] + (["pairs"] if BF16_DOT else []) + (["i8"] if I8 else [])
 
 
 def _i8(x, w, exact, rel=None):
@@ -172,7 +174,7 @@ def _want_bf16(x, w):
     return greedy_ids(packed_pairs_gemm(x.contiguous(), pack_pairs(w), w.shape[0]).float())
 
 
-@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+@pytest.mark.skipif(not I8, reason="no AVX512-VNNI / AVX512-BF16 here")
 def test_bf16_head_random_rows_and_rounded_ties():
     g = torch.Generator().manual_seed(4)
     for n, k, rows in ((1000, 64, 7), (4099, 576, 3), (77, 208, 16), (517, 64, 12), (93, 64, 13), (4099, 576, 1)):
@@ -198,7 +200,7 @@ def test_bf16_head_random_rows_and_rounded_ties():
     assert _i8(x, w, pack_pairs(w)) == _want_bf16(x, w) == [min(best, rival)]
 
 
-@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+@pytest.mark.skipif(not I8, reason="no AVX512-VNNI / AVX512-BF16 here")
 def test_int8_bound_is_needed():
     """Two outputs the int8 copy orders one way and the exact dot product the other: with the
     proven bound the exact winner, by the approximation alone (no bound) the wrong one. Both rows
@@ -216,7 +218,57 @@ def test_int8_bound_is_needed():
     assert _i8(x, w, pack_dense(w), rel=0.0) == [0]
 
 
-@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+@pytest.mark.skipif(not I8, reason="no AVX512-VNNI / AVX512-BF16 here")
+def test_int8_bound_covers_the_rounding_of_x():
+    """The screen rounds x to integers on a grid of σ = max|x| / 16383: with one large element the
+    small ones round coarsely. Outputs a = (0, 1, 0, 0) and b = (0, 0, 76/127, 1) (int8 codes exact,
+    so the copy's own residual is ~0) against x = (16383, 0.4, 0.6, 0): exactly a scores 0.4 and
+    b 0.359, on the grid (σ = 1) a scores 0 and b 0.598. The bound's ‖x − σ xq‖ term keeps a."""
+    w = torch.zeros(2, 4)
+    w[0, 1] = 1.0  # a
+    w[1, 2], w[1, 3] = 76 / 127, 1.0  # b
+    x = torch.tensor([[16383.0, 0.4, 0.6, 0.0]])
+    assert _want(x, w) == [0]
+    q, scale, *_ = int8_screen_tables(w)
+    xq = torch.round(x / 1.0)  # σ = 16383 / 16383
+    approx = (xq @ (unpack_w8_pairs(q, 2).float() * scale[:, None]).t())[0]
+    assert approx[1] > approx[0]  # the grid alone picks b
+    assert _i8(x, w, pack_dense(w)) == [0]
+    assert _i8(x, w, pack_dense(w), rel=0.0) == [1]
+    assert _i8(x.bfloat16(), w.bfloat16(), pack_pairs(w.bfloat16())) == _want_bf16(x.bfloat16(), w.bfloat16()) == [0]
+
+
+@pytest.mark.skipif(not I8, reason="no AVX512-VNNI / AVX512-BF16 here")
+def test_int8_screen_wide_rows_and_outliers():
+    """K = 2048 narrows x's integer grid (|xq| ≤ (2^31 − 1) / (127 K) = 8256, so no int32 sum can
+    overflow) and rows with a 1000x outlier put most elements within a few grid steps: the ids
+    stay the head's own argmax."""
+    g = torch.Generator().manual_seed(5)
+    w = torch.randn(300, 2048, generator=g) * 0.05
+    x = torch.randn(6, 2048, generator=g)
+    x[:3, 17] = 1000.0
+    x[3, :] = torch.randn(2048, generator=g) * 1e-30  # subnormal products
+    x[4, :] = 0.0  # every output ties at 0: the lowest index
+    assert _i8(x, w, pack_dense(w)) == _want(x, w)
+    assert _want(x, w)[4] == 0
+    xb, wb = x.bfloat16(), w.bfloat16()
+    assert _i8(xb, wb, pack_pairs(wb)) == _want_bf16(xb, wb)
+
+
+def test_pack_w8_pairs_layout():
+    g = torch.Generator().manual_seed(6)
+    q = torch.randint(-127, 128, (70, 10), generator=g, dtype=torch.int8)
+    p = pack_w8_pairs(q)
+    assert p.shape == (3, 5, 64) and p.dtype == torch.int8
+    for n, k in ((0, 0), (35, 4), (69, 9), (33, 7)):  # byte 2j + e of block b, pair p = q[32 b + j, 2 p + e]
+        assert p[n // 32, k // 2, 2 * (n % 32) + k % 2] == q[n, k]
+    assert (p[2, :, 2 * 6:] == 0).all()  # rows 70..95 padded with zeros
+    assert torch.equal(unpack_w8_pairs(p, 70), q)
+    with pytest.raises(ValueError, match="must be even"):
+        pack_w8_pairs(q[:, :9])
+
+
+@pytest.mark.skipif(not I8, reason="no AVX512-VNNI / AVX512-BF16 here")
 def test_int8_screen_bad_input():
     w = torch.randn(100, 64) * 0.1
     q, scale, u, t, rel, abs_err = int8_screen_tables(w)
@@ -230,9 +282,11 @@ def test_int8_screen_bad_input():
         k.screened_argmax_i8(x, q, scale[:50], u, t, pack_dense(w), 100, rel, abs_err)
     with pytest.raises(RuntimeError, match="rel and abs_err must be >= 0"):
         k.screened_argmax_i8(x, q, scale, u, t, pack_dense(w), 100, -1.0, abs_err)
+    with pytest.raises(RuntimeError, match=r"q must be contiguous int8 \[NB, K/2, 64\] \(pack_w8_pairs\)"):
+        k.screened_argmax_i8(x, pack_dense(w).to(torch.int8), scale, u, t, pack_dense(w), 100, rel, abs_err)
 
 
-@pytest.mark.skipif(not BF16_DOT, reason="no AVX512-BF16 here")
+@pytest.mark.skipif(not I8, reason="no AVX512-VNNI / AVX512-BF16 here")
 def test_quantized_artifact_greedy_runs_are_unchanged(tmp_path):
     """A weight-only int8 artifact (bf16 head) gets the int8 screen: plain greedy and n-gram
     speculation give the same tokens with it as with the bf16 logits, and it really picked."""

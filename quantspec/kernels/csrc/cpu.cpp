@@ -39,6 +39,13 @@
 #else
 #define QS_BF16DOT 0
 #endif
+// the int8 greedy-head screen: AVX512-VNNI for its integer dot products, AVX512-BF16 for a bf16
+// head's exact chain
+#if QS_BF16DOT && defined(__AVX512VNNI__)
+#define QS_I8SCREEN 1
+#else
+#define QS_I8SCREEN 0
+#endif
 
 namespace {
 
@@ -1356,6 +1363,7 @@ constexpr bool kHasBF16Dot = false;
 }  // namespace
 
 bool has_bf16_dot() { return kHasBF16Dot; }
+bool has_int8_screen() { return QS_I8SCREEN != 0; }
 
 namespace {
 
@@ -1447,17 +1455,25 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
 }
 
 // `screened_argmax_i8`: the approximation from an int8 copy of the head (a quarter of an fp32
-// head's bytes, half of a bf16 one's): codes q [NB, K, 32] (pack_w8) with one fp32 scale s_n per
-// output, approx_n = fl(s_n · Σ_k xb_k q_nk), xb = x rounded to bf16 (x itself for a bf16 head),
-// by the int8 GEMM's pair path (exact products, one fp32 chain per output). The bound, per
-// output from two precomputed vectors (rounded up by the caller):
+// head's bytes, half of a bf16 one's): codes q [NB, K/2, 64] (`pack_w8_pairs`: per block of 32
+// outputs and k-pair p, output j's codes of k = 2p, 2p + 1 at bytes 2j, 2j + 1) with one fp32
+// scale s_n per output, against each row x quantized to integers: xs = σ · xq, xq = round(x / σ),
+// σ = max|x| / X (fp32), X = min(16383, ⌊(2^31 − 1) / (127 K)⌋) so that no partial sum leaves
+// int32. D_n = Σ_k xq_k q_nk is exact (AVX512-VNNI vpdpwssd: int16 pairs × sign-extended int8
+// pairs into int32, no conversion but one vpmovsxbw per 16 outputs' k-pair) and
+// approx_n = fl(fl(fl(D_n) · σ) · s_n), three roundings. The bound, per output from two
+// precomputed vectors (rounded up by the caller):
 //
-//   |exact_n − approx_n| ≤ ‖x‖·u_n + (‖x − xb‖ + rel·‖xb‖)·t_n + abs_err,
-//   u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖,   t_n = ‖s_n q_n‖,   rel = γ_K + 2^-23
+//   |exact_n − approx_n| ≤ ‖x‖·u_n + (‖x − xs‖ + rel·‖xs‖)·t_n + abs_err,
+//   u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖,   t_n = ‖s_n q_n‖,   rel ≥ (1 + 2^-24)^3 − 1
 //
-// (the residual of the int8 copy against x, the rounding of x against the copy, the fp32 chains
-// of the exact and the approximate dot products, γ_K ≥ K 2^-24 / (1 − K 2^-24), and the scale's
-// product; abs_err covers flushed subnormals). Each tile turns its approximations into
+// (x·w_n − xs·s_n q_n = x·(w_n − s_n q_n) + (x − xs)·s_n q_n; the exact pass's fp32 chain errs by
+// γ_K Σ|x_k w_nk| ≤ γ_K ‖x‖ ‖w_n‖, γ_K ≥ K 2^-24 / (1 − K 2^-24); the approximation's three
+// roundings by rel · |σ s_n D_n| ≤ rel · ‖xs‖ t_n; abs_err covers subnormals: AVX512-BF16
+// flushing in a bf16 head's chain, an fp32 product underflowing). With X = 16383 the integers
+// hold x to 2^-14 of its largest element where bf16 holds 2^-8 of each (the bf16-x copy this
+// replaced needed an int8 → bf16 conversion per weight: ~10 instructions per 64 codes, the
+// cost of its 8-11-row calls). Each tile turns its approximations into
 // hi_n = approx_n + bound_n and lo_n = approx_n − bound_n as it finishes them (the bound's
 // products and sums rounded up, hi rounded up, lo down: true bounds of the exact value) and keeps
 // only hi and the row's largest lo. The exact pass is the head's own kernel chain for each
@@ -1468,31 +1484,82 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
 // bf16(hi_n) ≥ bf16(lower): those are the candidates, compared on their rounded values with the
 // lowest index among equals (torch.argmax over the bf16 logits).
 namespace {
-#if QS_AVX512 && defined(__AVX512BF16__)
+#if QS_I8SCREEN
 // per row of a tile: ‖x‖ and the coefficient of t_n (bound above), broadcast
 struct ScreenRow { __m512 c1, c2; };
 
-// rows [m0, m0 + RM) over blocks [b0, b1): the int8 GEMM's own pair-path rows (packed_rows with
-// I8PairLoader: exact bf16 codes, one vdpbf16ps chain per output, × s_n) write approx_n into hi
-// (i8_approx_rows),
-// then those outputs, still in cache, become hi_n = approx_n + bound_n (rounded up) and fold
-// lo_n = approx_n − bound_n (rounded down) into the row's lo_max; `probe` turns NaN where an
-// approximation is not finite
-// the approximation's rows, kept out of line: inlined into the screen's loop, GCC ran out of
-// registers and kept the accumulators of the larger tiles in memory (2-3x slower at 8-11 rows)
-template <int RM>
-__attribute__((noinline)) void i8_approx_rows(const int8_t* q, int64_t K, const int32_t* xq, const float* scale,
-                                              float* hi, int64_t N, int64_t b0, int64_t b1, int64_t m0) {
-  packed_rows<RM, kPairs>([&](int64_t blk) { return I8PairLoader{q + blk * K * 32}; }, K, xq, scale, nullptr, hi,
-                          N, b0, b1, m0);
+// int32 lanes as GCC's own vector type: accumulators kept as __m512i (64-bit lanes to GCC) and
+// converted to int32 lanes at every vpdpwssd were moved through the stack on every k-pair of the
+// 11-row tile (GCC 12: a store and a reload per accumulator and step, 1.5-2x slower)
+typedef int v16si_t __attribute__((vector_size(64)));
+inline v16si_t dpwssd(v16si_t acc, __m512i a, __m512i b) {
+#if defined(__clang__)
+  return (v16si_t)_mm512_dpwssd_epi32((__m512i)acc, a, b);
+#else
+  return __builtin_ia32_vpdpwssd_v16si(acc, (v16si_t)a, (v16si_t)b);
+#endif
 }
 
+// W blocks at a time for few rows (2 W independent accumulator chains per row: vpdpwssd's
+// latency), one for more; approx = fl(fl(fl(D) · σ_i) · s_n) stored into hi
+template <int RM, int W>
+inline void i8_approx_tile(const int8_t* q, int64_t KP, const int32_t* xq, const float* sigma, const float* scale,
+                           float* hi, int64_t N, int64_t b, int64_t m0) {
+  v16si_t a0[W][RM], a1[W][RM];
+  for (int j = 0; j < W; ++j)
+    for (int i = 0; i < RM; ++i) a0[j][i] = a1[j][i] = (v16si_t)_mm512_setzero_si512();
+  const int32_t* xr = xq + m0 * KP;
+  for (int64_t p = 0; p < KP; ++p) {
+    __m512i w0[W], w1[W];
+    for (int j = 0; j < W; ++j) {
+      const __m512i v = _mm512_loadu_si512(q + ((b + j) * KP + p) * 64);
+      w0[j] = _mm512_cvtepi8_epi16(_mm512_castsi512_si256(v));  // outputs 0-15: (k = 2p, 2p + 1) pairs
+      w1[j] = _mm512_cvtepi8_epi16(_mm512_extracti64x4_epi64(v, 1));  // outputs 16-31
+    }
+    for (int i = 0; i < RM; ++i) {
+      const __m512i xb = _mm512_set1_epi32(xr[i * KP + p]);
+      for (int j = 0; j < W; ++j) {
+        a0[j][i] = dpwssd(a0[j][i], w0[j], xb);
+        a1[j][i] = dpwssd(a1[j][i], w1[j], xb);
+      }
+    }
+  }
+  for (int j = 0; j < W; ++j) {
+    const int64_t n0 = (b + j) * 32;
+    const __mmask16 k0 = lane_mask(N - n0), k1 = lane_mask(N - n0 - 16);
+    const __m512 s0 = _mm512_maskz_loadu_ps(k0, scale + n0), s1 = _mm512_maskz_loadu_ps(k1, scale + n0 + 16);
+    for (int i = 0; i < RM; ++i) {
+      const __m512 sg = _mm512_set1_ps(sigma[m0 + i]);
+      const __m512 v0 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)a0[j][i]), sg), s0);
+      const __m512 v1 = _mm512_mul_ps(_mm512_mul_ps(_mm512_cvtepi32_ps((__m512i)a1[j][i]), sg), s1);
+      store32(hi + (m0 + i) * N + n0, v0, v1, k0, k1);
+    }
+  }
+}
+
+// rows [m0, m0 + RM) over blocks [b0, b1), kept out of line: inlined into the screen's loop, GCC
+// ran out of registers and kept the accumulators of the larger tiles in memory (2-3x slower at
+// 8-11 rows)
 template <int RM>
-inline void i8_screen_rows(const int8_t* q, int64_t K, const int32_t* xq, int64_t b0, int64_t b1,
+__attribute__((noinline)) void i8_approx_rows(const int8_t* q, int64_t KP, const int32_t* xq, const float* sigma,
+                                              const float* scale, float* hi, int64_t N, int64_t b0, int64_t b1,
+                                              int64_t m0) {
+  constexpr int W = RM <= 2 ? 4 : RM <= 4 ? 2 : 1;
+  int64_t b = b0;
+  for (; b + W <= b1; b += W) i8_approx_tile<RM, W>(q, KP, xq, sigma, scale, hi, N, b, m0);
+  for (; b < b1; ++b) i8_approx_tile<RM, 1>(q, KP, xq, sigma, scale, hi, N, b, m0);
+}
+
+// rows [m0, m0 + RM) over blocks [b0, b1): i8_approx_rows writes approx_n into hi, then those
+// outputs, still in cache, become hi_n = approx_n + bound_n (rounded up) and fold
+// lo_n = approx_n − bound_n (rounded down) into the row's lo_max; `probe` turns NaN where an
+// approximation is not finite
+template <int RM>
+inline void i8_screen_rows(const int8_t* q, int64_t KP, const int32_t* xq, const float* sigma, int64_t b0, int64_t b1,
                            const float* scale, const float* u, const float* t, __m512 abs_err,
                            const ScreenRow* rows, int64_t N, float* hi, int64_t m0, __m512* lo_max, __m512* probe) {
   constexpr int up = _MM_FROUND_TO_POS_INF | _MM_FROUND_NO_EXC, down = _MM_FROUND_TO_NEG_INF | _MM_FROUND_NO_EXC;
-  i8_approx_rows<RM>(q, K, xq, scale, hi, N, b0, b1, m0);
+  i8_approx_rows<RM>(q, KP, xq, sigma, scale, hi, N, b0, b1, m0);
   for (int64_t n = b0 * 32; n < std::min(N, b1 * 32); n += 16) {
     const __mmask16 k = lane_mask(N - n);
     const __m512 uv = _mm512_maskz_loadu_ps(k, u + n), tv = _mm512_maskz_loadu_ps(k, t + n);
@@ -1513,12 +1580,13 @@ inline void i8_screen_rows(const int8_t* q, int64_t K, const int32_t* xq, int64_
 at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                               const at::Tensor& u, const at::Tensor& t, const at::Tensor& exact, int64_t N,
                               double rel, double abs_err) {
-  TORCH_CHECK(kHasBF16Dot, "screened_argmax_i8: built without AVX512-BF16");
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(2) == 32,
-              "screened_argmax_i8: q must be contiguous int8 [NB, K, 32]");
-  const int64_t NB = q.size(0), K = q.size(1), KP = K / 2;
+  TORCH_CHECK(QS_I8SCREEN, "screened_argmax_i8: built without AVX512-BF16 and AVX512-VNNI");
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kChar && q.size(2) == 64,
+              "screened_argmax_i8: q must be contiguous int8 [NB, K/2, 64] (pack_w8_pairs)");
+  const int64_t NB = q.size(0), KP = q.size(1), K = 2 * KP;
   check_blocks(NB, N, "screened_argmax_i8");
   check_x(x, K, "screened_argmax_i8", 2);
+  TORCH_CHECK(K > 0 && K <= (int64_t(1) << 20), "screened_argmax_i8: K must be in 2..2^20");
   const bool bf16 = x.scalar_type() == at::kBFloat16;
   if (bf16) {
     TORCH_CHECK(exact.dim() == 3 && exact.is_contiguous() && exact.scalar_type() == at::kInt && exact.size(0) == NB
@@ -1535,23 +1603,40 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
   TORCH_CHECK(rel >= 0 && abs_err >= 0, "screened_argmax_i8: rel and abs_err must be >= 0");
   const int64_t M = x.size(0);
   at::Tensor ids = at::full({M}, -1, x.options().dtype(at::kLong));
-#if QS_AVX512 && defined(__AVX512BF16__)
+#if QS_I8SCREEN
   if (M == 0 || N == 0) return ids;
-  const at::Tensor xb = bf16 ? x : x.to(at::kBFloat16).contiguous();  // round to nearest even
-  const at::BFloat16* xbp = xb.data_ptr<at::BFloat16>();
   const float* xf = bf16 ? nullptr : x.data_ptr<float>();
-  // per row: ‖x‖ and ‖x − xb‖ + rel ‖xb‖ in double, rounded up to fp32; a non-finite row → −1
+  const at::BFloat16* xbp = bf16 ? x.data_ptr<at::BFloat16>() : nullptr;  // the exact pass's pairs
+  // per row: σ, the integers xq (int16 pairs, KP int32 a row), ‖x‖ and ‖x − xs‖ + rel ‖xs‖ in
+  // double (σ · xq is exact in double: 24 × 15 bits), rounded up to fp32; a non-finite row → −1
+  const int64_t X = std::min<int64_t>(16383, ((int64_t(1) << 31) - 1) / (127 * K));
+  std::vector<int16_t> xq16(M * K);
+  std::vector<float> sigma(M);
   std::vector<ScreenRow> rows(M);
   std::vector<char> finite(M, 1);
   for (int64_t m = 0; m < M; ++m) {
-    double xn = 0, dn = 0, bn = 0;
+    auto xv = [&](int64_t k) { return bf16 ? static_cast<float>(xbp[m * K + k]) : xf[m * K + k]; };
+    float amax = 0.f;
+    bool ok = true;
     for (int64_t k = 0; k < K; ++k) {
-      const double bv = static_cast<float>(xbp[m * K + k]);
-      const double xv = bf16 ? bv : xf[m * K + k];
-      xn += xv * xv; dn += (xv - bv) * (xv - bv); bn += bv * bv;
+      const float v = xv(k);
+      ok = ok && std::isfinite(v);
+      amax = std::max(amax, std::fabs(v));
     }
-    const double c1 = std::sqrt(xn) * (1 + 1e-12), c2 = (std::sqrt(dn) + rel * std::sqrt(bn)) * (1 + 1e-12);
-    finite[m] = std::isfinite(c1) && std::isfinite(c2) && c1 < 1e38 && c2 < 1e38;
+    float sg = amax / static_cast<float>(X);
+    if (!(sg > 0.f) || !std::isfinite(sg)) sg = 1.f;  // x = 0 (or a subnormal-only row): xq = 0, xs = 0
+    sigma[m] = sg;
+    double xn = 0, dn = 0, sn = 0;
+    for (int64_t k = 0; k < K; ++k) {
+      const double v = xv(k);
+      double r = ok ? std::nearbyint(v / sg) : 0.0;
+      r = std::min<double>(X, std::max<double>(-X, r));
+      xq16[m * K + k] = static_cast<int16_t>(r);
+      const double xs = r * sg;
+      xn += v * v; dn += (v - xs) * (v - xs); sn += xs * xs;
+    }
+    const double c1 = std::sqrt(xn) * (1 + 1e-12), c2 = (std::sqrt(dn) + rel * std::sqrt(sn)) * (1 + 1e-12);
+    finite[m] = ok && std::isfinite(c1) && std::isfinite(c2) && c1 < 1e38 && c2 < 1e38;
     const float f1 = static_cast<float>(c1), f2 = static_cast<float>(c2);
     rows[m].c1 = _mm512_set1_ps(f1 < c1 ? std::nextafter(f1, INFINITY) : f1);
     rows[m].c2 = _mm512_set1_ps(f2 < c2 ? std::nextafter(f2, INFINITY) : f2);
@@ -1561,7 +1646,7 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
   if (hi_buf.size() < static_cast<size_t>(M * N)) hi_buf.resize(static_cast<size_t>(M * N));
   float* hi = hi_buf.data();
   const int8_t* qp = q.data_ptr<int8_t>();
-  const int32_t* xq = reinterpret_cast<const int32_t*>(xbp);
+  const int32_t* xi = reinterpret_cast<const int32_t*>(xq16.data());  // [M, KP] int16 pairs
   const float ae = static_cast<float>(abs_err);
   const __m512 vabs = _mm512_set1_ps(ae < abs_err ? std::nextafter(ae, INFINITY) : ae);
   // each chunk of blocks keeps its rows' largest lo and probe: [chunk start][M]
@@ -1571,10 +1656,10 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
     for (int64_t c0 = b0; c0 < b1; c0 += 4) {  // chunks of 4 blocks, every row tile over them (cache)
       const int64_t c1 = std::min(b1, c0 + 4);
       for (int64_t m = 0; m < M;) {
-        const int64_t r = std::min<int64_t>(11, M - m);  // 22 accumulators (packed_tile_q's largest tile)
+        const int64_t r = std::min<int64_t>(11, M - m);  // 22 accumulators
         switch (r) {
-#define QS_SCR(R) case R: i8_screen_rows<R>(qp, K, xq, c0, c1, sp, up, tp, vabs, rows.data(), N, hi, m, lo_max.data(), \
-                                            probe.data()); break;
+#define QS_SCR(R) case R: i8_screen_rows<R>(qp, KP, xi, sigma.data(), c0, c1, sp, up, tp, vabs, rows.data(), N, hi, m, \
+                                            lo_max.data(), probe.data()); break;
           QS_SCR(1) QS_SCR(2) QS_SCR(3) QS_SCR(4) QS_SCR(5) QS_SCR(6) QS_SCR(7) QS_SCR(8) QS_SCR(9) QS_SCR(10)
           QS_SCR(11)
 #undef QS_SCR
@@ -1589,6 +1674,7 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
     }
   });
   const float* wf = bf16 ? nullptr : exact.data_ptr<float>();
+  const int32_t* xb32 = reinterpret_cast<const int32_t*>(xbp);  // bf16 x as k-pairs
   const int32_t* wq = bf16 ? exact.data_ptr<int32_t>() : nullptr;
   int64_t* out = ids.data_ptr<int64_t>();
   at::parallel_for(0, M, 1, [&](int64_t m0, int64_t m1) {
@@ -1618,7 +1704,7 @@ at::Tensor screened_argmax_i8(const at::Tensor& x, const at::Tensor& q, const at
             __m512 acc = _mm512_setzero_ps();
             for (int64_t p = 0; p < KP; ++p)
               acc = _mm512_dpbf16_ps(acc, (__m512bh)_mm512_loadu_si512(blk + p * 32),
-                                     (__m512bh)_mm512_set1_epi32(xq[m * KP + p]));
+                                     (__m512bh)_mm512_set1_epi32(xb32[m * KP + p]));
             alignas(64) float lanes[16];
             _mm512_store_ps(lanes, acc);
             v = static_cast<float>(static_cast<at::BFloat16>(lanes[c % 16]));  // stored rounded to nearest even
@@ -1825,6 +1911,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax_pairs", &screened_argmax_pairs);
   m.def("screened_argmax_i8", &screened_argmax_i8);
   m.def("has_bf16_dot", &has_bf16_dot);
+  m.def("has_int8_screen", &has_int8_screen);
   m.def("set_pair_path", [](bool on) { const bool was = g_pair_path; g_pair_path = on; return was; },
         "turn the quantized GEMMs' bf16 pair path on / off (benches); returns the previous setting");
   m.def("set_prefetch", [](bool on) { const bool was = g_prefetch; g_prefetch = on; return was; },
