@@ -94,14 +94,35 @@ def test_non_finite_rows_are_left_to_the_logits(path):
     assert got[1] == -1 and [got[0], got[2]] == [_want(x[[0]], w)[0], _want(x[[2]], w)[0]]
 
 
+class _RepeatDrafter:
+    """Drafts the sequence's last `max_draft_tokens` tokens again every step (its budget allowing):
+    verification steps of 1 + k rows whether or not the drafts are right."""
+
+    needs_hidden = False
+
+    def __init__(self, max_draft_tokens: int):
+        self.max_draft_tokens = max_draft_tokens
+
+    def propose(self, seqs, budgets):
+        drafts = []
+        for seq, b in zip(seqs, budgets):
+            toks = list(seq.prompt_ids) + list(seq.output_ids)
+            drafts.append(toks[-min(b, self.max_draft_tokens):] if b > 0 else [])
+        return drafts, [None] * len(seqs)
+
+    def release(self, seq) -> None:
+        pass
+
+
 def _greedy_run(model, head, proposer) -> list[int]:
     """30 greedy tokens of a repetitive prompt with `head` as the model's greedy head (None: the
-    logits), plain or with `proposer` (up to 6 drafts a step)."""
+    logits), plain or with `proposer` (up to its max_draft_tokens drafts a step)."""
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.sampler import SamplingParams
 
     model.greedy_head = head
-    eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=6),
+    drafts = proposer.max_draft_tokens if proposer is not None else 6
+    eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=drafts),
                  eos_token_ids=[], proposer=proposer)
     seq = eng.add_request([5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9, 300], SamplingParams(max_new_tokens=30))
     eng.run()
@@ -110,7 +131,8 @@ def _greedy_run(model, head, proposer) -> list[int]:
 
 def test_engine_greedy_runs_are_unchanged(tmp_path):
     """Plain greedy decoding and n-gram speculation give the same tokens with the screen as with
-    the logits, and the screen really picked (decode rows and verifications of up to 6 drafts)."""
+    the logits, and the screen really picked (decode rows and verifications of up to 10 drafts:
+    the int8 screen up to 8 rows, the bf16 pair screen above, where the CPU has them)."""
     from quantspec.infer.loader import load_for_inference
     from quantspec.infer.spec.proposers import ReferenceProposer
     from quantspec.model_zoo.tiny import build_tiny_model
@@ -122,9 +144,11 @@ def test_engine_greedy_runs_are_unchanged(tmp_path):
     calls = []
     real = head.__call__
     head_spy = lambda h: calls.append(h.shape[0]) or real(h)  # noqa: E731
-    for proposer in (None, ReferenceProposer(2, 6)):
+    for proposer in (None, ReferenceProposer(2, 6), _RepeatDrafter(10)):
         assert _greedy_run(model, head_spy, proposer) == _greedy_run(model, None, proposer)
-    assert calls and max(calls) <= head.max_rows
+    assert calls and min(calls) == 1 and max(calls) <= head.max_rows
+    if head.i8 is not None:  # both screens served this run
+        assert any(c <= head.i8_rows for c in calls) and any(c > head.i8_rows for c in calls)
     model.greedy_head = head
     h = torch.randn(1, 128)
     assert head(h) is not None
@@ -302,9 +326,9 @@ def test_quantized_artifact_greedy_runs_are_unchanged(tmp_path):
     assert isinstance(head, GreedyHead) and head.bf16 and head.i8 is not None
     calls = []
     spy = lambda h: calls.append(h.shape[0]) or head(h)  # noqa: E731
-    for proposer in (None, ReferenceProposer(2, 6)):
+    for proposer in (None, ReferenceProposer(2, 6), _RepeatDrafter(10)):
         assert _greedy_run(model, spy, proposer) == _greedy_run(model, None, proposer)
-    assert calls and min(calls) == 1
+    assert calls and min(calls) == 1 and max(calls) > 7  # the int8 screen at 8-11 rows too (was 7 at most)
     model.greedy_head = head
     h = torch.randn(3, 128).bfloat16()
     assert head(h) == greedy_ids(model.compute_logits(h))
