@@ -703,6 +703,21 @@ inline int64_t slot_of(const int64_t* table, int block_shift, int64_t t) {
   return (table[t >> block_shift] << block_shift) + (t & ((int64_t(1) << block_shift) - 1));
 }
 
+// software prefetch (into L2) of the key and value rows of positions [t0, t1): a decode step
+// reads every layer's cache after the weights streamed through, so the first row of a (sequence,
+// KV head) finds its keys and values in memory; the hardware prefetcher does not follow the block
+// table. `bytes` per row (one KV head's head_dim elements)
+inline void prefetch_rows(const char* kc, const char* vc, const int64_t* table, int block_shift,
+                          int64_t slot_bytes, int64_t t0, int64_t t1, int64_t bytes) {
+  for (int64_t t = t0; t < t1; ++t) {
+    const int64_t off = slot_of(table, block_shift, t) * slot_bytes;
+    for (int64_t b = 0; b < bytes; b += 64) {
+      _mm_prefetch(kc + off + b, _MM_HINT_T1);
+      _mm_prefetch(vc + off + b, _MM_HINT_T1);
+    }
+  }
+}
+
 // one KV head's row (head_dim = 16 C) of the sequence's key / value at position t, as fp32
 template <int C, class T>
 inline void load_key_row(const T* cache, const int64_t* table, int block_shift, int64_t slot_stride,
@@ -772,11 +787,18 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* kc, const T* vc, i
       qv[g][c] = _mm512_mul_ps(load16f(q + g * q_head_stride + 16 * c), _mm512_set1_ps(scale));
   // scores, 16 keys at a time: per query head, 16 accumulators (one per key, C FMAs each), then
   // one transposing reduction gives the 16 scores as a vector; a last partial block zero-fills
-  // its missing keys. Keys are read from L1 once per head.
+  // its missing keys. Keys are read from L1 once per head; the keys and values of the block two
+  // ahead are prefetched (the values are read after the softmax, from L2)
+  prefetch_rows(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, block_shift,
+                slot_stride * static_cast<int64_t>(sizeof(T)), 0, std::min<int64_t>(L, 32),
+                16 * C * static_cast<int64_t>(sizeof(T)));
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     const T* kp[16];
     for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
+    prefetch_rows(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, block_shift,
+                  slot_stride * static_cast<int64_t>(sizeof(T)), std::min(L, t0 + 32), std::min(L, t0 + 48),
+                  16 * C * static_cast<int64_t>(sizeof(T)));
     for (int g = 0; g < GC; ++g) {
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) {
@@ -833,10 +855,15 @@ void attend_heads_pairs(const at::BFloat16* q, int64_t q_head_stride, const at::
   for (int g = 0; g < GC; ++g)
     for (int p = 0; p < P; ++p) qv[g][p] = _mm512_loadu_si512(q + g * q_head_stride + 32 * p);
   const __m512 vscale = _mm512_set1_ps(scale);
+  constexpr int64_t kRowBytes = 32 * P * static_cast<int64_t>(sizeof(at::BFloat16));
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(at::BFloat16));
+  const char *kb = reinterpret_cast<const char*>(kc), *vb = reinterpret_cast<const char*>(vc);
+  prefetch_rows(kb, vb, table, block_shift, slot_bytes, 0, std::min<int64_t>(L, 32), kRowBytes);  // as attend_heads
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     const at::BFloat16* kp[16];
     for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
+    prefetch_rows(kb, vb, table, block_shift, slot_bytes, std::min(L, t0 + 32), std::min(L, t0 + 48), kRowBytes);
     for (int g = 0; g < GC; ++g) {
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) {
