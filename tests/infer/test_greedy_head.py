@@ -271,7 +271,7 @@ def test_int8_screen_wide_rows_and_outliers():
     w = torch.randn(300, 2048, generator=g) * 0.05
     x = torch.randn(6, 2048, generator=g)
     x[:3, 17] = 1000.0
-    x[3, :] = torch.randn(2048, generator=g) * 1e-30  # subnormal products
+    x[3, :] = torch.randn(2048, generator=g) * 1e-37  # subnormal products (and a subnormal σ)
     x[4, :] = 0.0  # every output ties at 0: the lowest index
     assert _i8(x, w, pack_dense(w)) == _want(x, w)
     assert _want(x, w)[4] == 0
