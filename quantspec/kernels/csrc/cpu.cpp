@@ -238,16 +238,8 @@ inline void store32(float* row, __m512 v0, __m512 v1, __mmask16 k0, __mmask16 k1
   _mm512_mask_storeu_ps(row, k0, v0);
   _mm512_mask_storeu_ps(row + 16, k1, v1);
 }
-// (a NaN becomes 0x7FC0, as c10's conversion makes it: rounding its bits could carry a payload of
-// all ones into the sign and give -0)
-inline __m256i to_bf16_rne(__m512 v) {
-  const __m512i u = _mm512_castps_si512(v);
-  const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
-  __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
-  r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC0));
-  return _mm512_cvtepi32_epi16(r);
-}
-// the lanes of v rounded to bf16 (nearest even, a NaN to 0x7FC0: as c10::BFloat16), as fp32
+// the lanes of v rounded to bf16 (nearest even; a NaN becomes 0x7FC0, as c10::BFloat16 makes it:
+// rounding its bits could carry a payload of all ones into the sign and give -0), as fp32
 inline __m512 round_bf16_ps(__m512 v) {
   const __m512i u = _mm512_castps_si512(v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
@@ -255,6 +247,10 @@ inline __m512 round_bf16_ps(__m512 v) {
                                _mm512_set1_epi32(int(0xFFFF0000u)));
   r = _mm512_mask_mov_epi32(r, _mm512_cmp_ps_mask(v, v, _CMP_UNORD_Q), _mm512_set1_epi32(0x7FC00000));
   return _mm512_castsi512_ps(r);
+}
+// ... as the 16 bf16 codes themselves
+inline __m256i to_bf16_rne(__m512 v) {
+  return _mm512_cvtepi32_epi16(_mm512_srli_epi32(_mm512_castps_si512(round_bf16_ps(v)), 16));
 }
 // 16 values stored as fp32, or rounded to bf16 (nearest even)
 inline void store16_rne(float* p, __m512 v) { _mm512_storeu_ps(p, v); }
@@ -789,16 +785,15 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* kc, const T* vc, i
   // one transposing reduction gives the 16 scores as a vector; a last partial block zero-fills
   // its missing keys. Keys are read from L1 once per head; the keys and values of the block two
   // ahead are prefetched (the values are read after the softmax, from L2)
-  prefetch_rows(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, block_shift,
-                slot_stride * static_cast<int64_t>(sizeof(T)), 0, std::min<int64_t>(L, 32),
-                16 * C * static_cast<int64_t>(sizeof(T)));
+  constexpr int64_t kRowBytes = 16 * C * static_cast<int64_t>(sizeof(T));
+  const int64_t slot_bytes = slot_stride * static_cast<int64_t>(sizeof(T));
+  const char *kb = reinterpret_cast<const char*>(kc), *vb = reinterpret_cast<const char*>(vc);
+  prefetch_rows(kb, vb, table, block_shift, slot_bytes, 0, std::min<int64_t>(L, 32), kRowBytes);
   for (int64_t t0 = 0; t0 < L; t0 += 16) {
     const int n = static_cast<int>(std::min<int64_t>(16, L - t0));
     const T* kp[16];
     for (int t = 0; t < n; ++t) kp[t] = kc + slot_of(table, block_shift, t0 + t) * slot_stride;
-    prefetch_rows(reinterpret_cast<const char*>(kc), reinterpret_cast<const char*>(vc), table, block_shift,
-                  slot_stride * static_cast<int64_t>(sizeof(T)), std::min(L, t0 + 32), std::min(L, t0 + 48),
-                  16 * C * static_cast<int64_t>(sizeof(T)));
+    prefetch_rows(kb, vb, table, block_shift, slot_bytes, std::min(L, t0 + 32), std::min(L, t0 + 48), kRowBytes);
     for (int g = 0; g < GC; ++g) {
       __m512 acc[16];
       for (int t = 0; t < 16; ++t) {
@@ -969,13 +964,14 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   // from memory once and from its own L2 for the next rows (in (row, head) order each thread
   // read every head from memory: 11 rows over 2 threads, 3 heads each instead of 2)
   std::vector<int64_t> item_row(items), item_head(items), row_seq(row0[B]);
-  for (int64_t b = 0, it = 0; b < B; ++b)
+  for (int64_t b = 0, it = 0; b < B; ++b) {
+    for (int64_t r = row0[b]; r < row0[b + 1]; ++r) row_seq[r] = b;
     for (int64_t h = 0; h < KV; ++h)
       for (int64_t r = row0[b]; r < row0[b + 1]; ++r, ++it) {
         item_row[it] = r;
         item_head[it] = h;
-        row_seq[r] = b;
       }
+  }
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
