@@ -24,7 +24,9 @@ int4 layers and the bf16 head: the kernels' AVX512-BF16 pair path (what runs) vs
 Attention table (`--attention-rows`, `--context`): `paged_attention` over the default model's 30
 layers (9 query heads, 3 KV heads, head dim 64, a cache per layer), one sequence whose last M
 rows are new: M = 1 a decode step, 11 a 10-draft verification (both over `--context` keys), more
-a fresh prompt of M tokens; torch's SDPA on the same rows (causal), the kernel in fp32, and bf16
+a fresh prompt of M tokens; torch's SDPA on the same rows (causal, fp32 and bf16), the kernel in
+fp32 (fresh prompts of 16+ tokens: its blocked prefill path, queries on the vector lanes; beside
+it the per-row path of decode steps, `prefill_blocks(False)`, which served them before), and bf16
 through its fp32 chain and its pair path.
 
 Prefill table (`--prefill-rows`): fp32 x (how the default model loads) through the int8 / int4
@@ -116,7 +118,7 @@ def main():
     ap.add_argument("--rate-rows", default="1,4,8,11,16,130", help="rows of the compute-rate table ('' skips it)")
     ap.add_argument("--prefill-rows", default="130,512", help="rows of the prefill table ('' skips it)")
     ap.add_argument("--pair-rows", default="1,4,11,130", help="rows of the pair-path table ('' skips it)")
-    ap.add_argument("--attention-rows", default="1,11,130",
+    ap.add_argument("--attention-rows", default="1,11,130,1024",
                     help="query rows of the attention table ('' skips it)")
     ap.add_argument("--context", type=int, default=266, help="keys of a decode / verification row (attention table)")
     a = ap.parse_args()
@@ -188,8 +190,9 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
           f"decode / verification rows over {context} keys, prefill rows over themselves)\n")
     if not cg.pair_path_available():
         print("(this CPU has no AVX512-BF16: the 'bf16 pairs' column runs the fp32 chain too)\n")
-    print("| rows | keys | torch SDPA bf16 | fp32 | bf16 chain | bf16 pairs | chain / pairs | SDPA / pairs |")
-    print("|---:|---:|---:|---:|---:|---:|---:|---:|")
+    print("| rows | keys | torch SDPA fp32 | fp32 | fp32 per-row | per-row / fp32 | SDPA / fp32 | torch SDPA bf16 "
+          "| bf16 chain | bf16 pairs | chain / pairs | SDPA / pairs |")
+    print("|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|---:|")
     for M in rows:
         L = max(context, M) if M <= 16 else M
         nb = (L + bs - 1) // bs
@@ -206,13 +209,6 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
                 for kc, vc in caches:
                     cg.paged_attention(q, k, v, kc, vc, slots, table, [M], [L], bs, hd ** -0.5)
 
-            reps = 20 if M <= 16 else 3
-            if dt == torch.float32:
-                res["fp32"] = _time(ours, reps)
-                continue
-            with cg.pair_path(False):
-                res["chain"] = _time(ours, reps)
-            res["pairs"] = _time(ours, reps)
             qq = q.transpose(0, 1).unsqueeze(0)
 
             def sdpa():
@@ -220,9 +216,20 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
                     kk, vv = kc[:L].transpose(0, 1).unsqueeze(0), vc[:L].transpose(0, 1).unsqueeze(0)
                     F.scaled_dot_product_attention(qq, kk, vv, attn_mask=mask, scale=hd ** -0.5, enable_gqa=True)
 
+            reps = 20 if M <= 16 else 3
+            if dt == torch.float32:
+                res["fp32"] = _time(ours, reps)
+                with cg.prefill_blocks(False):
+                    res["rows"] = _time(ours, reps)
+                res["sdpa32"] = _time(sdpa, reps)
+                continue
+            with cg.pair_path(False):
+                res["chain"] = _time(ours, reps)
+            res["pairs"] = _time(ours, reps)
             res["sdpa"] = _time(sdpa, reps)
         us = {key: t * 1e3 / n_layers for key, t in res.items()}
-        print(f"| {M} | {L} | {us['sdpa']:.1f} | {us['fp32']:.1f} | {us['chain']:.1f} | {us['pairs']:.1f} | "
+        print(f"| {M} | {L} | {us['sdpa32']:.1f} | {us['fp32']:.1f} | {us['rows']:.1f} | {us['rows'] / us['fp32']:.2f}x | "
+              f"{us['sdpa32'] / us['fp32']:.2f}x | {us['sdpa']:.1f} | {us['chain']:.1f} | {us['pairs']:.1f} | "
               f"{us['chain'] / us['pairs']:.2f}x | {us['sdpa'] / us['pairs']:.2f}x |", flush=True)
 
 

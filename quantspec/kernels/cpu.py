@@ -250,6 +250,24 @@ def pair_path(on: bool):
 
 
 @contextlib.contextmanager
+def prefill_blocks(on: bool):
+    """Inside the block `paged_attention` takes (on, the default) or leaves (off) its blocked
+    kernel for fp32 fresh prompts of 16+ tokens (`csrc/cpu.cpp`, `prefill_block`: queries on the
+    vector lanes, each key read once for a block of rows), restored after; off, those prompts
+    take the per-row kernel of decode steps (benches compare the two). A no-op where the kernels
+    are not built."""
+    mod = cpu_kernels()
+    if mod is None:
+        yield
+        return
+    was = mod.set_prefill_blocks(on)
+    try:
+        yield
+    finally:
+        mod.set_prefill_blocks(was)
+
+
+@contextlib.contextmanager
 def prefetch(on: bool):
     """Inside the block the greedy head screen (`screened_argmax_pairs`, verification steps of 7+
     drafts) prefetches (on) or does not prefetch (off) the next block of its bf16 copy into L2

@@ -21,9 +21,9 @@ def test_attention_table_prints_a_row_per_query_count():
     assert out.returncode == 0, out.stderr
     rows = [ln for ln in out.stdout.splitlines() if re.match(r"\| \d+ \| \d+ \|", ln)]
     assert [ln.split("|")[1:3] for ln in rows] == [[" 1 ", " 37 "], [" 3 ", " 37 "], [" 20 ", " 20 "]]
-    for ln in rows:  # four timings and two ratios, all positive
+    for ln in rows:  # six timings and four ratios, all positive
         cells = [c.strip().rstrip("x") for c in ln.strip("|").split("|")[2:]]
-        assert len(cells) == 6 and all(float(c) > 0 for c in cells)
+        assert len(cells) == 10 and all(float(c) > 0 for c in cells)
 
 
 @pytest.mark.parametrize("args,message", [(["--attention-rows", "1,x"], "--attention-rows '1,x': give comma-separated"),

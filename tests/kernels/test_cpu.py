@@ -330,6 +330,60 @@ def test_paged_attention_rows_equal_one_query_calls(dtype, hd, G):
         _with_pair_path(pairs, run)
 
 
+def _fresh_prompts(lens, KV, G, hd, seed, bs=16, dtype=torch.float32):
+    """A prefill step of fresh prompts of `lens` tokens over scattered cache blocks."""
+    g = torch.Generator().manual_seed(seed)
+    nblocks = [-(-n // bs) for n in lens]
+    order = torch.randperm(sum(nblocks) + 3, generator=g).tolist()
+    tables, slots, used = [], [], 0
+    for n, nb in zip(lens, nblocks):
+        table = order[used:used + nb]
+        used += nb
+        tables.append(table + [0] * (max(nblocks) - nb))
+        slots += [table[p // bs] * bs + p % bs for p in range(n)]
+    kc = torch.zeros((sum(nblocks) + 3) * bs, KV, hd, dtype=dtype)
+    vc = torch.zeros_like(kc)
+    qkv = torch.randn(sum(lens), (G + 2) * KV, hd, generator=g).to(dtype)
+    q, k, v = qkv[:, :G * KV], qkv[:, G * KV:(G + 1) * KV], qkv[:, (G + 1) * KV:]
+    return q, k, v, kc, vc, torch.tensor(slots), torch.tensor(tables), list(lens), list(lens), bs, hd ** -0.5
+
+
+@needs_kernels
+@pytest.mark.parametrize("blocks", [True, False])
+@pytest.mark.parametrize("hd,G", [(64, 3), (128, 2), (64, 1), (64, 7), (128, 5)])
+def test_fresh_prompts_match_reference(blocks, hd, G):
+    """fp32 fresh prompts of 16+ tokens take the blocked prefill kernel (queries on the lanes;
+    off: the per-row kernel of decode steps), shorter ones the per-row kernel; one step mixes them
+    (5, 16, 17, 40, 100 tokens: partial row blocks, the 8- and 4-key score tails, query counts
+    that are not a multiple of 16)."""
+    q, k, v, kc, vc, *rest = _fresh_prompts([40, 5, 100, 16, 17], KV=2, G=G, hd=hd, seed=hd + G)
+    kc2, vc2 = kc.clone(), vc.clone()
+    with cg.prefill_blocks(blocks):
+        out = cg.paged_attention(q, k, v, kc, vc, *rest)
+    ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
+    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+    _close(out, ref, torch.float32)
+
+
+@needs_kernels
+def test_fresh_prompt_rows_depend_only_on_their_own_keys():
+    """A blocked prefill row's result is its own q and keys' alone, bitwise: the first 37 rows of
+    a 100-token prompt equal a 37-token prompt of those rows (other row blocks, other key
+    counts), and prompts prefilled together equal each prefilled alone."""
+    q, k, v, kc, vc, sm, tables, lens, _, bs, scale = _fresh_prompts([100, 37], KV=3, G=3, hd=64, seed=3)
+    q[100:], k[100:], v[100:] = q[:37], k[:37], v[:37]  # the 37-token prompt is the 100's first rows
+    both = cg.paged_attention(q, k, v, kc, vc, sm, tables, lens, lens, bs, scale)
+    assert torch.equal(both[100:], both[:37])
+    for b, (r0, n) in enumerate([(0, 100), (100, 37)]):
+        alone = cg.paged_attention(q[r0:r0 + n], k[r0:r0 + n], v[r0:r0 + n], kc, vc, sm[r0:r0 + n],
+                                   tables[b:b + 1].contiguous(), [n], [n], bs, scale)
+        assert torch.equal(alone, both[r0:r0 + n])
+    with cg.prefill_blocks(False):  # the per-row kernel sums in another order: close, not equal
+        rows = cg.paged_attention(q, k, v, kc, vc, sm, tables, lens, lens, bs, scale)
+    _close(rows, both, torch.float32)
+    assert not torch.equal(rows, both)
+
+
 @needs_pairs
 def test_bf16_attention_takes_the_pair_path():
     """Where AVX512-BF16 is, bf16 attention weighs the values with its weights rounded to bf16

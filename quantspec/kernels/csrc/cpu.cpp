@@ -948,6 +948,148 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
   }
 }
 
+// ---- fresh prompts (fp32): blocks of query rows, queries on the vector lanes -----------------
+//
+// A fresh prompt's rows attend over keys 0..own position only, so R consecutive rows and the G
+// query heads of one KV head (NQ = R * G query vectors) share every key up to the last row. The
+// block's queries are transposed once (qt[d] = element d of 16 queries), and a key's 16 scores
+// are one FMA chain over the head dim d = 0, 1, ... against that key's element d: 8 keys and up
+// to 48 queries at a time (24 accumulators), each key row read once for NQ queries, no
+// horizontal reduction. The softmax runs across the lanes too (per query over its keys
+// 0..position, masked past it); then the values, per query one FMA chain over its keys, 6
+// queries (2 at head_dim 128) sharing each value row. A query's numbers depend only on its own
+// q and keys, never on R, the block it falls in or the other sequences of the step. The score
+// sums run in another order than `attend_heads`' (a decode step's: 16 lanes of partial chains
+// through `hsum16`), so prefill and decode rows are not bitwise alike; nothing needs them to be
+// (a prompt is prefilled once, then decoded). Both paths run at about the cores' FMA rate per
+// instruction, but this one needs ~8 FMAs per (query, key) where the per-row one spends ~20
+// instructions: a layer's attention of a 1024-token prompt 7.0 vs 12.7 ms, 130 tokens 0.17 vs
+// 0.22 ms (`bench/kernels_cpu.py`'s attention table, 2 threads).
+constexpr int64_t kPrefillRows = 16;     // query rows per work item (blocks of one KV head)
+constexpr int64_t kPrefillMinRows = 16;  // shorter fresh prompts take the per-row kernel
+bool g_prefill_blocks = true;  // off: fresh prompts take the per-row kernel too (benches compare)
+
+struct PrefillScratch {
+  std::vector<float> qt, st, inv;  // qt [D][NQp], scores / weights [L][NQp], 1 / sums [NQp]
+};
+
+// scores of KK keys (rows kp[0..KK)) for GG lane groups of queries starting at qt + j: st[t][j..]
+template <int D, int KK, int GG>
+inline void prefill_scores(const float* qt, int64_t NQp, const float* const* kp, float* st) {
+  __m512 acc[KK][GG];
+  for (int k = 0; k < KK; ++k)
+    for (int g = 0; g < GG; ++g) acc[k][g] = _mm512_setzero_ps();
+  for (int d = 0; d < D; ++d) {
+    __m512 qv[GG];
+    for (int g = 0; g < GG; ++g) {
+      qv[g] = _mm512_loadu_ps(qt + d * NQp + 16 * g);
+      asm("" : "+v"(qv[g]));  // in a register: GCC otherwise re-reads it as a memory operand of every FMA
+    }
+    for (int k = 0; k < KK; ++k) {
+      const __m512 kb = _mm512_set1_ps(kp[k][d]);
+      for (int g = 0; g < GG; ++g) acc[k][g] = _mm512_fmadd_ps(qv[g], kb, acc[k][g]);
+    }
+  }
+  for (int k = 0; k < KK; ++k)
+    for (int g = 0; g < GG; ++g) _mm512_storeu_ps(st + k * NQp + 16 * g, acc[k][g]);
+}
+
+template <int D, int KK>
+inline void prefill_scores_groups(const float* qt, int64_t NQp, const float* const* kp, float* st) {
+  const int64_t groups = NQp / 16;
+  int64_t g = 0;
+  for (; g + 3 <= groups; g += 3) prefill_scores<D, KK, 3>(qt + 16 * g, NQp, kp, st + 16 * g);
+  if (groups - g == 2) prefill_scores<D, KK, 2>(qt + 16 * g, NQp, kp, st + 16 * g);
+  if (groups - g == 1) prefill_scores<D, KK, 1>(qt + 16 * g, NQp, kp, st + 16 * g);
+}
+
+template <int C>
+void prefill_block(const float* q, int64_t q_row_stride, int64_t q_head_stride, const float* kc, const float* vc,
+                   int64_t slot_stride, const int64_t* table, int block_shift, int64_t r0, int64_t R, int G,
+                   float scale, float* out, int64_t out_row_stride, int64_t out_head_stride, PrefillScratch& s) {
+  constexpr int D = 16 * C;
+  // query j = (row r0 + j / G, head j % G) at position r0 + j / G; NQp: NQ padded to lanes
+  const int64_t NQ = R * G, NQp = (NQ + 15) / 16 * 16, L = r0 + R;
+  s.qt.assign(static_cast<size_t>(D) * NQp, 0.f);
+  s.st.resize(static_cast<size_t>(L) * NQp);
+  s.inv.resize(static_cast<size_t>(NQp));
+  float* qt = s.qt.data();
+  float* st = s.st.data();
+  for (int64_t j = 0; j < NQ; ++j) {
+    const float* qp = q + (j / G) * q_row_stride + (j % G) * q_head_stride;
+    for (int d = 0; d < D; ++d) qt[d * NQp + j] = qp[d] * scale;  // as attend_heads scales q
+  }
+  // scores, 8 keys at a time
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) {
+    const float* kp[8];
+    for (int k = 0; k < 8; ++k) kp[k] = kc + slot_of(table, block_shift, t + k) * slot_stride;
+    prefill_scores_groups<D, 8>(qt, NQp, kp, st + t * NQp);
+  }
+  for (; t < L; ++t) {
+    const float* kp[1] = {kc + slot_of(table, block_shift, t) * slot_stride};
+    prefill_scores_groups<D, 1>(qt, NQp, kp, st + t * NQp);
+  }
+  // softmax per query (lane) over its keys 0..position: e_t = exp(s_t − max) in place (0 past
+  // the position), the sum a chain over t
+  for (int64_t j0 = 0; j0 < NQp; j0 += 16) {
+    alignas(64) int32_t posv[16];
+    for (int i = 0; i < 16; ++i) posv[i] = j0 + i < NQ ? static_cast<int32_t>(r0 + (j0 + i) / G) : -1;
+    const __m512i pos = _mm512_load_si512(posv);
+    const int64_t last = std::min<int64_t>(L - 1, r0 + (std::min(NQ, j0 + 16) - 1) / G);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t u = 0; u <= last; ++u) {
+      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
+      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(st + u * NQp + j0));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t u = 0; u <= last; ++u) {
+      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
+      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + u * NQp + j0), mx)));
+      _mm512_storeu_ps(st + u * NQp + j0, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    _mm512_storeu_ps(s.inv.data() + j0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));  // padded lanes: inf, unused
+  }
+  // values: queries in groups of QG (their accumulators in registers), each an FMA chain over its
+  // own keys; the group's common keys first, then each query's last few alone
+  constexpr int QG = C <= 4 ? 6 : 2;
+  for (int64_t j0 = 0; j0 < NQ; j0 += QG) {
+    const int g = static_cast<int>(std::min<int64_t>(QG, NQ - j0));
+    const int64_t common = r0 + j0 / G + 1;  // the group's first query sees the fewest keys
+    alignas(64) float part[QG][C][16];  // the group's sums over its common keys
+    if (g == QG) {
+      __m512 o[QG][C];  // compile-time indices only: kept in registers
+      for (int i = 0; i < QG; ++i)
+        for (int c = 0; c < C; ++c) o[i][c] = _mm512_setzero_ps();
+      for (int64_t u = 0; u < common; ++u) {
+        const float* vp = vc + slot_of(table, block_shift, u) * slot_stride;
+        __m512 vv[C];
+        for (int c = 0; c < C; ++c) vv[c] = _mm512_loadu_ps(vp + 16 * c);
+        for (int i = 0; i < QG; ++i) {
+          const __m512 p = _mm512_set1_ps(st[u * NQp + j0 + i]);
+          for (int c = 0; c < C; ++c) o[i][c] = _mm512_fmadd_ps(p, vv[c], o[i][c]);
+        }
+      }
+      for (int i = 0; i < QG; ++i)
+        for (int c = 0; c < C; ++c) _mm512_store_ps(part[i][c], o[i][c]);
+    }
+    for (int i = 0; i < g; ++i) {
+      const int64_t jj = j0 + i, len = r0 + jj / G + 1;
+      __m512 acc[C];
+      for (int c = 0; c < C; ++c) acc[c] = g == QG ? _mm512_load_ps(part[i][c]) : _mm512_setzero_ps();
+      for (int64_t u = g == QG ? common : 0; u < len; ++u) {
+        const float* vp = vc + slot_of(table, block_shift, u) * slot_stride;
+        const __m512 p = _mm512_set1_ps(st[u * NQp + jj]);
+        for (int c = 0; c < C; ++c) acc[c] = _mm512_fmadd_ps(p, _mm512_loadu_ps(vp + 16 * c), acc[c]);
+      }
+      float* op = out + (jj / G) * out_row_stride + (jj % G) * out_head_stride;
+      const __m512 is = _mm512_set1_ps(s.inv[jj]);
+      for (int c = 0; c < C; ++c) _mm512_storeu_ps(op + 16 * c, _mm512_mul_ps(acc[c], is));
+    }
+  }
+}
+
 template <int C, class T>
 void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const at::Tensor& v_cache,
                           const at::Tensor& block_tables, const std::vector<int64_t>& q_lens,
@@ -958,26 +1100,58 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
   const int block_shift = __builtin_ctzll(static_cast<unsigned long long>(block_size));  // a power of two
   std::vector<int64_t> row0(B + 1, 0);
   for (int64_t b = 0; b < B; ++b) row0[b + 1] = row0[b] + q_lens[b];
-  const int64_t items = row0[B] * KV;  // (row, KV head)
-  // items in (sequence, KV head, row) order: a thread's contiguous range holds as few KV heads of
-  // a sequence as it can, so of a verification step's rows it reads each head's keys and values
-  // from memory once and from its own L2 for the next rows (in (row, head) order each thread
-  // read every head from memory: 11 rows over 2 threads, 3 heads each instead of 2)
-  std::vector<int64_t> item_row(items), item_head(items), row_seq(row0[B]);
-  for (int64_t b = 0, it = 0; b < B; ++b) {
-    for (int64_t r = row0[b]; r < row0[b + 1]; ++r) row_seq[r] = b;
-    for (int64_t h = 0; h < KV; ++h)
-      for (int64_t r = row0[b]; r < row0[b + 1]; ++r, ++it) {
-        item_row[it] = r;
-        item_head[it] = h;
-      }
-  }
   const T* qp = q.data_ptr<T>();
   const T* kc = k_cache.data_ptr<T>();
   const T* vc = v_cache.data_ptr<T>();
   T* op = out.data_ptr<T>();
   const int64_t* tables = block_tables.data_ptr<int64_t>();
   const int64_t nb = block_tables.size(1);
+  // fp32 fresh prompts of kPrefillMinRows or more: blocks of rows (`prefill_block`)
+  std::vector<char> blocked(B, 0);
+  if constexpr (std::is_same<T, float>::value) {
+    std::vector<std::array<int64_t, 3>> work;  // (sequence, KV head, first row of the block)
+    for (int64_t b = 0; b < B && g_prefill_blocks; ++b) {
+      if (q_lens[b] != seq_lens[b] || q_lens[b] < kPrefillMinRows) continue;
+      blocked[b] = 1;
+      // blocks from both ends in turn (a block's keys grow with its position): the threads'
+      // contiguous ranges of items then hold about the same work
+      const int64_t nblk = (q_lens[b] + kPrefillRows - 1) / kPrefillRows;
+      for (int64_t i = 0, lo = 0, hi = nblk - 1; i < nblk; ++i) {
+        const int64_t blk = i % 2 == 0 ? hi-- : lo++;
+        for (int64_t h = 0; h < KV; ++h) work.push_back({b, h, blk * kPrefillRows});
+      }
+    }
+    if (!work.empty()) {
+      at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t w0, int64_t w1) {
+        PrefillScratch scratch;
+        for (int64_t w = w0; w < w1; ++w) {
+          const int64_t b = work[w][0], h = work[w][1], r0 = work[w][2];
+          const int64_t R = std::min(kPrefillRows, q_lens[b] - r0);
+          const int64_t row = row0[b] + r0;
+          prefill_block<C>(qp + row * q.stride(0) + h * G * q.stride(1), q.stride(0), q.stride(1),
+                           kc + h * k_cache.stride(1), vc + h * v_cache.stride(1), k_cache.stride(0),
+                           tables + b * nb, block_shift, r0, R, G, static_cast<float>(scale),
+                           op + row * out.stride(0) + h * G * out.stride(1), out.stride(0), out.stride(1), scratch);
+        }
+      });
+    }
+  }
+  // the other rows, one work item per (row, KV head), in (sequence, KV head, row) order: a
+  // thread's contiguous range holds as few KV heads of a sequence as it can, so of a
+  // verification step's rows it reads each head's keys and values from memory once and from its
+  // own L2 for the next rows (in (row, head) order each thread read every head from memory: 11
+  // rows over 2 threads, 3 heads each instead of 2)
+  std::vector<int64_t> item_row, item_head, row_seq(row0[B]);
+  for (int64_t b = 0; b < B; ++b) {
+    for (int64_t r = row0[b]; r < row0[b + 1]; ++r) row_seq[r] = b;
+    if (blocked[b]) continue;
+    for (int64_t h = 0; h < KV; ++h)
+      for (int64_t r = row0[b]; r < row0[b + 1]; ++r) {
+        item_row.push_back(r);
+        item_head.push_back(h);
+      }
+  }
+  const int64_t items = static_cast<int64_t>(item_row.size());
   const bool pairs = std::is_same<T, at::BFloat16>::value && QS_BF16DOT && g_pair_path;
   at::parallel_for(0, items, 1, [&](int64_t i0, int64_t i1) {
     std::vector<float> sc;
@@ -1937,6 +2111,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("has_int8_screen", &has_int8_screen);
   m.def("set_pair_path", [](bool on) { const bool was = g_pair_path; g_pair_path = on; return was; },
         "turn the quantized GEMMs' bf16 pair path on / off (benches); returns the previous setting");
+  m.def("set_prefill_blocks", [](bool on) { const bool was = g_prefill_blocks; g_prefill_blocks = on; return was; },
+        "turn paged_attention's blocked kernel for fp32 fresh prompts on / off (benches); returns the previous setting");
   m.def("set_prefetch", [](bool on) { const bool was = g_prefetch; g_prefetch = on; return was; },
         "turn the greedy head screen's L2 prefetch of the next block on / off (benches); returns the "
         "previous setting");
