@@ -242,7 +242,8 @@ class Engine:
             seq_lens.append(seq.num_cached + len(new))
         positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(q_lens, seq_lens)])
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs],
-                                       self.config.block_size, self.device, self.cache.cpu_kernel)
+                                       self.config.block_size, self.device, self.cache.cpu_kernel,
+                                       self.cache.cpu_kernel_max_prefill)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
         with decode_step() if not fresh else nullcontext():

@@ -125,6 +125,13 @@ class PagedKVCache:
             from quantspec.kernels.cpu import cpu_kernels
 
             self.cpu_kernel = cpu_kernels() is not None
+        # the longest fresh prompt it attends: any where it beats SDPA at every length measured
+        # (default model, 2 threads, whole prefill steps at 512 / 1024 / 2000 tokens): fp32
+        # prompts of 16+ tokens on its blocked prefill path (−14% at 1024 and 2000 tokens), bf16
+        # ones on its AVX512-BF16 pair path (an int8 artifact: −18%, −17%); bf16 through its fp32
+        # chain (no AVX512-BF16) up to 512 tokens, then SDPA
+        any_length = self.cpu_kernel and (dtype == torch.float32 or _pair_path_available())
+        self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL_ANY if any_length else CPU_KERNEL_MAX_PREFILL
         # each layer's cache as [slots, KV, hd] views, built once (a decode step reads 2 per layer)
         self.k_slots = [self.k[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
         self.v_slots = [self.v[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
@@ -216,10 +223,12 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device, cpu_kernel: bool = False) -> "AttentionMetadata":
+              block_size: int, device, cpu_kernel: bool = False,
+              max_prefill: int | None = None) -> "AttentionMetadata":
         """`cpu_kernel`: the cache can take quantspec's CPU attention (`PagedKVCache.cpu_kernel`);
         it then serves steps where no sequence is a fresh prompt and each brings ≤ 64 rows, and
-        steps of fresh prompts of ≤ 512 tokens."""
+        steps of fresh prompts of ≤ `max_prefill` tokens (pass `PagedKVCache.cpu_kernel_max_prefill`;
+        None: `CPU_KERNEL_MAX_PREFILL`)."""
         B = len(q_lens)
         slots: list[int] = []
         for ql, sl, table in zip(q_lens, seq_lens, block_tables):
@@ -233,9 +242,11 @@ class AttentionMetadata:
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
         meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None)
         if meta.fresh_prefill:
-            # short prompts: the kernel (each row over its own keys), ~0.55x SDPA's time at 128-178
-            # tokens, 0.85x at 512; longer ones are SDPA's (1000 tokens: the kernel 1.26x)
-            meta.cpu_kernel = cpu_kernel and max(seq_lens) <= CPU_KERNEL_MAX_PREFILL
+            # the kernel's per-row fp32 chain (bf16 without AVX512-BF16) took ~0.55x SDPA's time
+            # at 128-178 tokens, 0.85x at 512, 1.26x at 1000: longer prompts are SDPA's, unless
+            # the cache's kernel is faster at any length (`PagedKVCache.cpu_kernel_max_prefill`)
+            limit = CPU_KERNEL_MAX_PREFILL if max_prefill is None else max_prefill
+            meta.cpu_kernel = cpu_kernel and max(seq_lens) <= limit
             return meta
         if cpu_kernel and all(ql < sl for ql, sl in zip(q_lens, seq_lens)) \
                 and max(q_lens) <= CPU_KERNEL_MAX_QUERIES:
@@ -270,7 +281,14 @@ class AttentionMetadata:
 
 PER_SEQUENCE_MAX_BATCH = 16  # up to this many sequences a step attends per sequence (no gathers)
 CPU_KERNEL_MAX_QUERIES = 64  # new rows per sequence the CPU kernel takes (decode / verification)
-CPU_KERNEL_MAX_PREFILL = 512  # longest fresh prompt the CPU kernel attends (beyond it: SDPA)
+CPU_KERNEL_MAX_PREFILL = 512  # longest fresh prompt the CPU kernel attends (beyond it: SDPA) ...
+CPU_KERNEL_MAX_PREFILL_ANY = 1 << 30  # ... unless the cache says any (`PagedKVCache.cpu_kernel_max_prefill`)
+
+
+def _pair_path_available() -> bool:
+    from quantspec.kernels.cpu import pair_path_available
+
+    return pair_path_available()
 _EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
 

@@ -173,4 +173,12 @@ def test_cpu_attention_kernel_only_for_power_of_two_blocks():
         outs.append(torch.cat([first, PagedAttention(cache, decode)(0, q[29:], k[29:], v[29:])]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
     long = AttentionMetadata.build([600], [600], [list(range(10))], 64, "cpu", True)
-    assert long.fresh_prefill and not long.cpu_kernel  # beyond 512 tokens: SDPA
+    assert long.fresh_prefill and not long.cpu_kernel  # beyond 512 tokens: SDPA, unless the cache says
+    from quantspec.kernels.cpu import pair_path_available
+
+    # any length on fp32's blocked prefill path and bf16's AVX512-BF16 pair path
+    for dtype, takes in ((torch.float32, True), (torch.bfloat16, pair_path_available())):
+        cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype)
+        meta = AttentionMetadata.build([600], [600], [list(range(40))], 16, "cpu", cache.cpu_kernel,
+                                       cache.cpu_kernel_max_prefill)
+        assert meta.cpu_kernel == (takes and cache.cpu_kernel)

@@ -196,7 +196,8 @@ class DraftModelProposer:
                 after = st.block_table[-1] if st.block_table else None
                 st.block_table.extend(self.cache.allocator.allocate(need, after=after))
         meta = AttentionMetadata.build(q_lens, seq_lens, [st.block_table for st in states], self.block_size,
-                                       self.device, self.cache.cpu_kernel)
+                                       self.device, self.cache.cpu_kernel,
+                                       self.cache.cpu_kernel_max_prefill)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)  # [T]
         positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)]).to(self.device)  # [T]
         hidden = self.model(ids, positions, PagedAttention(self.cache, meta))  # [T, D]
