@@ -17,7 +17,7 @@ returns None (the modules run):
   row kernel — for a `QuantLinear` only in decode / verification steps or for rows up to its
   policy's `cpu_packed_max_m` (larger prefills take its other kernels);
 - the step's attention goes through the CPU kernel (`AttentionMetadata.cpu_kernel`: a float
-  KV cache; decode and verification rows, fresh prompts of up to 512 tokens);
+  KV cache; decode and verification rows, fresh prompts up to `PagedKVCache.cpu_kernel_max_prefill`);
 - no forward hook or pre-hook is registered on a layer or its parts (calibration and tests
   observe the modules), and the modules and tensors are those the plan was built from (a
   module swapped or a tensor re-assigned after loading: rebuild with `use_fused_layers`).
