@@ -126,9 +126,9 @@ class PagedKVCache:
 
             self.cpu_kernel = cpu_kernels() is not None
         # the longest fresh prompt it attends: any where it beats SDPA at every length measured
-        # (default model, 2 threads, whole prefill steps at 512 / 1024 / 2000 tokens): fp32
-        # prompts of 16+ tokens on its blocked prefill path (−14% at 1024 and 2000 tokens), bf16
-        # ones on its AVX512-BF16 pair path (an int8 artifact: −18%, −17%); bf16 through its fp32
+        # (default model, 2 threads, whole prefill steps at 512 / 1024 / 2000 tokens): fp32, and
+        # bf16 on the AVX512-BF16 pair path (prompts of 16+ tokens on its blocked prefill path:
+        # fp32 −14% at 1024 and 2000 tokens, an int8 artifact −24%, −29%); bf16 through its fp32
         # chain (no AVX512-BF16) up to 512 tokens, then SDPA
         any_length = self.cpu_kernel and (dtype == torch.float32 or _pair_path_available())
         self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL_ANY if any_length else CPU_KERNEL_MAX_PREFILL

@@ -252,10 +252,10 @@ def pair_path(on: bool):
 @contextlib.contextmanager
 def prefill_blocks(on: bool):
     """Inside the block `paged_attention` takes (on, the default) or leaves (off) its blocked
-    kernel for fp32 fresh prompts of 16+ tokens (`csrc/cpu.cpp`, `prefill_block`: queries on the
-    vector lanes, each key read once for a block of rows), restored after; off, those prompts
-    take the per-row kernel of decode steps (benches compare the two). A no-op where the kernels
-    are not built."""
+    kernel for fresh prompts of 16+ tokens, fp32 and bf16 on the AVX512-BF16 pair path
+    (`csrc/cpu.cpp`, `prefill_block` / `prefill_block_pairs`: queries on the vector lanes, each key
+    read once for a block of rows), restored after; off, those prompts take the per-row kernel of
+    decode steps (benches and tests compare the two). A no-op where the kernels are not built."""
     mod = cpu_kernels()
     if mod is None:
         yield

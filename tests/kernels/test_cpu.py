@@ -349,29 +349,36 @@ def _fresh_prompts(lens, KV, G, hd, seed, bs=16, dtype=torch.float32):
 
 
 @needs_kernels
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("blocks", [True, False])
 @pytest.mark.parametrize("hd,G", [(64, 3), (128, 2), (64, 1), (64, 7), (128, 5)])
-def test_fresh_prompts_match_reference(blocks, hd, G):
-    """fp32 fresh prompts of 16+ tokens take the blocked prefill kernel (queries on the lanes;
-    off: the per-row kernel of decode steps), shorter ones the per-row kernel; one step mixes them
-    (5, 16, 17, 40, 100 tokens: partial row blocks, the 8- and 4-key score tails, query counts
-    that are not a multiple of 16)."""
-    q, k, v, kc, vc, *rest = _fresh_prompts([40, 5, 100, 16, 17], KV=2, G=G, hd=hd, seed=hd + G)
-    kc2, vc2 = kc.clone(), vc.clone()
-    with cg.prefill_blocks(blocks):
-        out = cg.paged_attention(q, k, v, kc, vc, *rest)
-    ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
-    assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
-    _close(out, ref, torch.float32)
+def test_fresh_prompts_match_reference(dtype, blocks, hd, G):
+    """Fresh prompts of 16+ tokens take the blocked prefill kernel (queries on the lanes: fp32,
+    and bf16 on the AVX512-BF16 pair path; off: the per-row kernel of decode steps), shorter ones
+    the per-row kernel; one step mixes them (5, 16, 17, 40, 100 tokens: partial row blocks, the 8-
+    and 1-key score tails, odd key counts for bf16's key pairs, query counts that are not a
+    multiple of 16)."""
+    for pairs in _pair_modes(dtype):
+        q, k, v, kc, vc, *rest = _fresh_prompts([40, 5, 100, 16, 17], KV=2, G=G, hd=hd, seed=hd + G, dtype=dtype)
+        kc2, vc2 = kc.clone(), vc.clone()
+        with cg.prefill_blocks(blocks):
+            out = _with_pair_path(pairs, lambda: cg.paged_attention(q, k, v, kc, vc, *rest))
+        ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
+        assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
+        _close(out, ref, dtype)
 
 
 @needs_kernels
-def test_fresh_prompt_rows_depend_only_on_their_own_keys():
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fresh_prompt_rows_depend_only_on_their_own_keys(dtype):
     """A blocked prefill row's result is its own q and keys' alone, bitwise: the first 37 rows of
     a 100-token prompt equal a 37-token prompt of those rows (other row blocks, other key
     counts), and prompts prefilled together equal each prefilled alone."""
-    q, k, v, kc, vc, sm, tables, lens, _, bs, scale = _fresh_prompts([100, 37], KV=3, G=3, hd=64, seed=3)
+    if dtype == torch.bfloat16 and not cg.pair_path_available():
+        pytest.skip("bf16 prompts take the blocked kernel on the AVX512-BF16 pair path only")
+    q, k, v, kc, vc, sm, tables, lens, _, bs, scale = _fresh_prompts([100, 37], KV=3, G=3, hd=64, seed=3, dtype=dtype)
     q[100:], k[100:], v[100:] = q[:37], k[:37], v[:37]  # the 37-token prompt is the 100's first rows
+    q *= 4  # sharper softmaxes: the paths' different sum orders show through bf16's rounding too
     both = cg.paged_attention(q, k, v, kc, vc, sm, tables, lens, lens, bs, scale)
     assert torch.equal(both[100:], both[:37])
     for b, (r0, n) in enumerate([(0, 100), (100, 37)]):
@@ -380,7 +387,7 @@ def test_fresh_prompt_rows_depend_only_on_their_own_keys():
         assert torch.equal(alone, both[r0:r0 + n])
     with cg.prefill_blocks(False):  # the per-row kernel sums in another order: close, not equal
         rows = cg.paged_attention(q, k, v, kc, vc, sm, tables, lens, lens, bs, scale)
-    _close(rows, both, torch.float32)
+    _close(rows, both, dtype)
     assert not torch.equal(rows, both)
 
 
