@@ -1003,6 +1003,40 @@ inline void prefill_scores_groups(const float* qt, int64_t NQp, const float* con
   if (groups - g == 1) prefill_scores<D, KK, 1>(qt + 16 * g, NQp, kp, st + 16 * g);
 }
 
+// the block's softmaxes, one query per lane (j = row * G + head at position r0 + row): over its
+// keys 0..position, e_t = exp(s_t − max) in place in st [L][NQp] (0 past the position; with
+// kBf16Weights rounded to bf16, as the pair path weighs the values), the sum of the stored e_t a
+// chain over t; inv[j] = 1 / sum (padding lanes: inf, never read)
+template <bool kBf16Weights>
+void prefill_softmax(float* st, int64_t NQp, int64_t NQ, int64_t r0, int G, int64_t L, float* inv) {
+  for (int64_t j0 = 0; j0 < NQp; j0 += 16) {
+    alignas(64) int32_t posv[16];
+    for (int i = 0; i < 16; ++i) posv[i] = j0 + i < NQ ? static_cast<int32_t>(r0 + (j0 + i) / G) : -1;
+    const __m512i pos = _mm512_load_si512(posv);
+    const int64_t last = std::min<int64_t>(L - 1, r0 + (std::min(NQ, j0 + 16) - 1) / G);
+    __m512 mx = _mm512_set1_ps(-INFINITY);
+    for (int64_t u = 0; u <= last; ++u) {
+      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
+      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(st + u * NQp + j0));
+    }
+    __m512 sum = _mm512_setzero_ps();
+    for (int64_t u = 0; u <= last; ++u) {
+      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
+      __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(st + u * NQp + j0), mx));
+      if constexpr (kBf16Weights) {
+#if QS_BF16DOT
+        const __m256i r = (__m256i)_mm512_cvtneps_pbh(e);
+        e = _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16));
+#endif
+      }
+      e = _mm512_maskz_mov_ps(m, e);
+      _mm512_storeu_ps(st + u * NQp + j0, e);
+      sum = _mm512_mask_add_ps(sum, m, sum, e);
+    }
+    _mm512_storeu_ps(inv + j0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
+  }
+}
+
 template <int C>
 void prefill_block(const float* q, int64_t q_row_stride, int64_t q_head_stride, const float* kc, const float* vc,
                    int64_t slot_stride, const int64_t* table, int block_shift, int64_t r0, int64_t R, int G,
@@ -1030,27 +1064,7 @@ void prefill_block(const float* q, int64_t q_row_stride, int64_t q_head_stride, 
     const float* kp[1] = {kc + slot_of(table, block_shift, t) * slot_stride};
     prefill_scores_groups<D, 1>(qt, NQp, kp, st + t * NQp);
   }
-  // softmax per query (lane) over its keys 0..position: e_t = exp(s_t − max) in place (0 past
-  // the position), the sum a chain over t
-  for (int64_t j0 = 0; j0 < NQp; j0 += 16) {
-    alignas(64) int32_t posv[16];
-    for (int i = 0; i < 16; ++i) posv[i] = j0 + i < NQ ? static_cast<int32_t>(r0 + (j0 + i) / G) : -1;
-    const __m512i pos = _mm512_load_si512(posv);
-    const int64_t last = std::min<int64_t>(L - 1, r0 + (std::min(NQ, j0 + 16) - 1) / G);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t u = 0; u <= last; ++u) {
-      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
-      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(st + u * NQp + j0));
-    }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t u = 0; u <= last; ++u) {
-      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
-      const __m512 e = _mm512_maskz_mov_ps(m, exp512(_mm512_sub_ps(_mm512_loadu_ps(st + u * NQp + j0), mx)));
-      _mm512_storeu_ps(st + u * NQp + j0, e);
-      sum = _mm512_mask_add_ps(sum, m, sum, e);
-    }
-    _mm512_storeu_ps(s.inv.data() + j0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));  // padded lanes: inf, unused
-  }
+  prefill_softmax<false>(st, NQp, NQ, r0, G, L, s.inv.data());
   // values: queries in groups of QG (their accumulators in registers), each an FMA chain over its
   // own keys; the group's common keys first, then each query's last few alone
   constexpr int QG = C <= 4 ? 6 : 2;
@@ -1167,29 +1181,7 @@ void prefill_block_pairs(const at::BFloat16* q, int64_t q_row_stride, int64_t q_
     const int32_t* kp[1] = {reinterpret_cast<const int32_t*>(kc + slot_of(table, block_shift, t) * slot_stride)};
     prefill_scores_pairs_groups<P, 1>(qt, NQp, kp, scale, st + t * NQp);
   }
-  // softmax per query (lane): e_t = exp(s_t − max) rounded to bf16, kept in st as fp32 (0 past
-  // the position), summed as rounded
-  for (int64_t j0 = 0; j0 < NQp; j0 += 16) {
-    alignas(64) int32_t posv[16];
-    for (int i = 0; i < 16; ++i) posv[i] = j0 + i < NQ ? static_cast<int32_t>(r0 + (j0 + i) / G) : -1;
-    const __m512i pos = _mm512_load_si512(posv);
-    const int64_t last = std::min<int64_t>(L - 1, r0 + (std::min(NQ, j0 + 16) - 1) / G);
-    __m512 mx = _mm512_set1_ps(-INFINITY);
-    for (int64_t u = 0; u <= last; ++u) {
-      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
-      mx = _mm512_mask_max_ps(mx, m, mx, _mm512_loadu_ps(st + u * NQp + j0));
-    }
-    __m512 sum = _mm512_setzero_ps();
-    for (int64_t u = 0; u <= last; ++u) {
-      const __mmask16 m = _mm512_cmple_epi32_mask(_mm512_set1_epi32(static_cast<int32_t>(u)), pos);
-      const __m512 e = exp512(_mm512_sub_ps(_mm512_loadu_ps(st + u * NQp + j0), mx));
-      const __m256i r = (__m256i)_mm512_cvtneps_pbh(e);
-      const __m512 er = _mm512_maskz_mov_ps(m, _mm512_castsi512_ps(_mm512_slli_epi32(_mm512_cvtepu16_epi32(r), 16)));
-      _mm512_storeu_ps(st + u * NQp + j0, er);
-      sum = _mm512_mask_add_ps(sum, m, sum, er);
-    }
-    _mm512_storeu_ps(s.inv.data() + j0, _mm512_div_ps(_mm512_set1_ps(1.f), sum));
-  }
+  prefill_softmax<true>(st, NQp, NQ, r0, G, L, s.inv.data());  // weights rounded to bf16
   // values: per key pair (t, t + 1) the two rows interleaved per head-dim element (as
   // attend_heads_pairs), QG queries at a time over the pairs all of them have, then each alone
   constexpr int QG = C <= 4 ? 6 : 2;
