@@ -283,13 +283,13 @@ PER_SEQUENCE_MAX_BATCH = 16  # up to this many sequences a step attends per sequ
 CPU_KERNEL_MAX_QUERIES = 64  # new rows per sequence the CPU kernel takes (decode / verification)
 CPU_KERNEL_MAX_PREFILL = 512  # longest fresh prompt the CPU kernel attends (beyond it: SDPA) ...
 CPU_KERNEL_MAX_PREFILL_ANY = 1 << 30  # ... unless the cache says any (`PagedKVCache.cpu_kernel_max_prefill`)
+_EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
 
 def _pair_path_available() -> bool:
     from quantspec.kernels.cpu import pair_path_available
 
     return pair_path_available()
-_EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
 
 class PagedAttention:
