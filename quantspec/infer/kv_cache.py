@@ -117,21 +117,23 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=storage, device=device)
         self.v = torch.zeros(shape, dtype=storage, device=device)
         self.allocator = BlockAllocator(num_blocks)
-        # quantspec's CPU attention kernel takes decode / verification steps over this cache
+        # quantspec's CPU attention kernel takes decode / verification steps over this cache, and
+        # fresh prompts of up to `cpu_kernel_max_prefill` tokens
         self.cpu_kernel = False
+        self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL
         if (torch.device(device).type == "cpu" and self.kv_dtype is KVCacheDtype.AUTO
                 and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)
                 and block_size & (block_size - 1) == 0):  # the kernel finds slots by shift
-            from quantspec.kernels.cpu import cpu_kernels
+            from quantspec.kernels.cpu import cpu_kernels, pair_path_available
 
             self.cpu_kernel = cpu_kernels() is not None
-        # the longest fresh prompt it attends: any where it beats SDPA at every length measured
-        # (default model, 2 threads, whole prefill steps at 512 / 1024 / 2000 tokens): fp32, and
-        # bf16 on the AVX512-BF16 pair path (prompts of 16+ tokens on its blocked prefill path:
-        # fp32 −14% at 1024 and 2000 tokens, an int8 artifact −24%, −29%); bf16 through its fp32
-        # chain (no AVX512-BF16) up to 512 tokens, then SDPA
-        any_length = self.cpu_kernel and (dtype == torch.float32 or _pair_path_available())
-        self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL_ANY if any_length else CPU_KERNEL_MAX_PREFILL
+            # any length where the kernel beats SDPA at every length measured (default model, 2
+            # threads, whole prefill steps at 512 / 1024 / 2000 tokens): fp32, and bf16 on the
+            # AVX512-BF16 pair path (prompts of 16+ tokens on its blocked prefill path: fp32 −14%
+            # at 1024 and 2000 tokens, an int8 artifact −24%, −29%); bf16 through its fp32 chain
+            # (no AVX512-BF16) up to 512 tokens, then SDPA
+            if self.cpu_kernel and (dtype == torch.float32 or pair_path_available()):
+                self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL_ANY
         # each layer's cache as [slots, KV, hd] views, built once (a decode step reads 2 per layer)
         self.k_slots = [self.k[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
         self.v_slots = [self.v[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
@@ -284,13 +286,6 @@ CPU_KERNEL_MAX_QUERIES = 64  # new rows per sequence the CPU kernel takes (decod
 CPU_KERNEL_MAX_PREFILL = 512  # longest fresh prompt the CPU kernel attends (beyond it: SDPA) ...
 CPU_KERNEL_MAX_PREFILL_ANY = 1 << 30  # ... unless the cache says any (`PagedKVCache.cpu_kernel_max_prefill`)
 _EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
-
-
-def _pair_path_available() -> bool:
-    from quantspec.kernels.cpu import pair_path_available
-
-    return pair_path_available()
-
 
 class PagedAttention:
     """The attention backend of the engine: write this step's K/V, attend over the cache."""

@@ -971,6 +971,7 @@ bool g_prefill_blocks = true;  // off: fresh prompts take the per-row kernel too
 
 struct PrefillScratch {
   std::vector<float> qt, st, inv;  // qt [D][NQp], scores / weights [L][NQp], 1 / sums [NQp]
+  std::vector<int32_t> qt_pairs;   // bf16: qt as the head dim's pairs [D/2][NQp]
 };
 
 // scores of KK keys (rows kp[0..KK)) for GG lane groups of queries starting at qt + j: st[t][j..]
@@ -994,13 +995,28 @@ inline void prefill_scores(const float* qt, int64_t NQp, const float* const* kp,
     for (int g = 0; g < GG; ++g) _mm512_storeu_ps(st + k * NQp + 16 * g, acc[k][g]);
 }
 
-template <int D, int KK>
-inline void prefill_scores_groups(const float* qt, int64_t NQp, const float* const* kp, float* st) {
+// the block's score tiles over keys 0..L−1: 8 keys at a time (then 1), 3 lane groups of queries
+// at a time (then 2 or 1): tile(KK, GG, kp = the KK keys' rows, first key t, first lane group g),
+// KK and GG as std::integral_constant
+template <class T, class Tile>
+inline void prefill_score_tiles(const T* kc, int64_t slot_stride, const int64_t* table, int block_shift, int64_t L,
+                                int64_t NQp, const Tile& tile) {
   const int64_t groups = NQp / 16;
-  int64_t g = 0;
-  for (; g + 3 <= groups; g += 3) prefill_scores<D, KK, 3>(qt + 16 * g, NQp, kp, st + 16 * g);
-  if (groups - g == 2) prefill_scores<D, KK, 2>(qt + 16 * g, NQp, kp, st + 16 * g);
-  if (groups - g == 1) prefill_scores<D, KK, 1>(qt + 16 * g, NQp, kp, st + 16 * g);
+  const auto lanes = [&](auto kk, const T* const* kp, int64_t t) {
+    int64_t g = 0;
+    for (; g + 3 <= groups; g += 3) tile(kk, std::integral_constant<int, 3>(), kp, t, g);
+    with_head_count<2>(static_cast<int>(groups - g), [&](auto gg) { tile(kk, gg, kp, t, g); });
+  };
+  int64_t t = 0;
+  for (; t + 8 <= L; t += 8) {
+    const T* kp[8];
+    for (int k = 0; k < 8; ++k) kp[k] = kc + slot_of(table, block_shift, t + k) * slot_stride;
+    lanes(std::integral_constant<int, 8>(), kp, t);
+  }
+  for (; t < L; ++t) {
+    const T* kp[1] = {kc + slot_of(table, block_shift, t) * slot_stride};
+    lanes(std::integral_constant<int, 1>(), kp, t);
+  }
 }
 
 // the block's softmaxes, one query per lane (j = row * G + head at position r0 + row): over its
@@ -1053,17 +1069,11 @@ void prefill_block(const float* q, int64_t q_row_stride, int64_t q_head_stride, 
     const float* qp = q + (j / G) * q_row_stride + (j % G) * q_head_stride;
     for (int d = 0; d < D; ++d) qt[d * NQp + j] = qp[d] * scale;  // as attend_heads scales q
   }
-  // scores, 8 keys at a time
-  int64_t t = 0;
-  for (; t + 8 <= L; t += 8) {
-    const float* kp[8];
-    for (int k = 0; k < 8; ++k) kp[k] = kc + slot_of(table, block_shift, t + k) * slot_stride;
-    prefill_scores_groups<D, 8>(qt, NQp, kp, st + t * NQp);
-  }
-  for (; t < L; ++t) {
-    const float* kp[1] = {kc + slot_of(table, block_shift, t) * slot_stride};
-    prefill_scores_groups<D, 1>(qt, NQp, kp, st + t * NQp);
-  }
+  prefill_score_tiles(kc, slot_stride, table, block_shift, L, NQp,
+                      [&](auto kk, auto gg, const float* const* kp, int64_t t, int64_t g) {
+                        prefill_scores<D, decltype(kk)::value, decltype(gg)::value>(qt + 16 * g, NQp, kp,
+                                                                                     st + t * NQp + 16 * g);
+                      });
   prefill_softmax<false>(st, NQp, NQ, r0, G, L, s.inv.data());
   // values: queries in groups of QG (their accumulators in registers), each an FMA chain over its
   // own keys; the group's common keys first, then each query's last few alone
@@ -1116,7 +1126,8 @@ void prefill_block(const float* q, int64_t q_row_stride, int64_t q_head_stride, 
 // ~60,000 on random data). A layer's attention of a 1024-token prompt 5.5 vs 7.4 ms per-row,
 // 2000 tokens 21.9 vs 29.7 (2 threads).
 template <int P, int KK, int GG>
-inline void prefill_scores_pairs(const int32_t* qt, int64_t NQp, const int32_t* const* kp, float scale, float* st) {
+inline void prefill_scores_pairs(const int32_t* qt, int64_t NQp, const at::BFloat16* const* kp, float scale,
+                                 float* st) {
   __m512 acc[KK][GG];
   for (int k = 0; k < KK; ++k)
     for (int g = 0; g < GG; ++g) acc[k][g] = _mm512_setzero_ps();
@@ -1127,23 +1138,13 @@ inline void prefill_scores_pairs(const int32_t* qt, int64_t NQp, const int32_t* 
       asm("" : "+v"(qv[g]));  // in a register (as prefill_scores)
     }
     for (int k = 0; k < KK; ++k) {
-      const __m512bh kb = (__m512bh)_mm512_set1_epi32(kp[k][p]);
+      const __m512bh kb = (__m512bh)_mm512_set1_epi32(reinterpret_cast<const int32_t*>(kp[k])[p]);
       for (int g = 0; g < GG; ++g) acc[k][g] = _mm512_dpbf16_ps(acc[k][g], (__m512bh)qv[g], kb);
     }
   }
   const __m512 vscale = _mm512_set1_ps(scale);
   for (int k = 0; k < KK; ++k)
     for (int g = 0; g < GG; ++g) _mm512_storeu_ps(st + k * NQp + 16 * g, _mm512_mul_ps(acc[k][g], vscale));
-}
-
-template <int P, int KK>
-inline void prefill_scores_pairs_groups(const int32_t* qt, int64_t NQp, const int32_t* const* kp, float scale,
-                                        float* st) {
-  const int64_t groups = NQp / 16;
-  int64_t g = 0;
-  for (; g + 3 <= groups; g += 3) prefill_scores_pairs<P, KK, 3>(qt + 16 * g, NQp, kp, scale, st + 16 * g);
-  if (groups - g == 2) prefill_scores_pairs<P, KK, 2>(qt + 16 * g, NQp, kp, scale, st + 16 * g);
-  if (groups - g == 1) prefill_scores_pairs<P, KK, 1>(qt + 16 * g, NQp, kp, scale, st + 16 * g);
 }
 
 // the bf16 pair (e_t, e_t+1) of query j's rounded weights (stored as fp32 in st), e_t+1 = 0 past its keys
@@ -1158,29 +1159,23 @@ template <int C>
 void prefill_block_pairs(const at::BFloat16* q, int64_t q_row_stride, int64_t q_head_stride, const at::BFloat16* kc,
                          const at::BFloat16* vc, int64_t slot_stride, const int64_t* table, int block_shift,
                          int64_t r0, int64_t R, int G, float scale, at::BFloat16* out, int64_t out_row_stride,
-                         int64_t out_head_stride, PrefillScratch& s, std::vector<int32_t>& qt_buf) {
+                         int64_t out_head_stride, PrefillScratch& s) {
   constexpr int P = C / 2, DP = 16 * P;  // 32 bf16 of the head dim per vector; DP pairs
   const int64_t NQ = R * G, NQp = (NQ + 15) / 16 * 16, L = r0 + R;
-  qt_buf.assign(static_cast<size_t>(DP) * NQp, 0);
+  s.qt_pairs.assign(static_cast<size_t>(DP) * NQp, 0);
   s.st.resize(static_cast<size_t>(L) * NQp);
   s.inv.resize(static_cast<size_t>(NQp));
-  int32_t* qt = qt_buf.data();
+  int32_t* qt = s.qt_pairs.data();
   float* st = s.st.data();
   for (int64_t j = 0; j < NQ; ++j) {  // query j's pairs (q[2p], q[2p + 1]) as stored
     const at::BFloat16* qp = q + (j / G) * q_row_stride + (j % G) * q_head_stride;
     for (int p = 0; p < DP; ++p) std::memcpy(qt + p * NQp + j, qp + 2 * p, 4);
   }
-  int64_t t = 0;
-  for (; t + 8 <= L; t += 8) {
-    const int32_t* kp[8];
-    for (int k = 0; k < 8; ++k)
-      kp[k] = reinterpret_cast<const int32_t*>(kc + slot_of(table, block_shift, t + k) * slot_stride);
-    prefill_scores_pairs_groups<P, 8>(qt, NQp, kp, scale, st + t * NQp);
-  }
-  for (; t < L; ++t) {
-    const int32_t* kp[1] = {reinterpret_cast<const int32_t*>(kc + slot_of(table, block_shift, t) * slot_stride)};
-    prefill_scores_pairs_groups<P, 1>(qt, NQp, kp, scale, st + t * NQp);
-  }
+  prefill_score_tiles(kc, slot_stride, table, block_shift, L, NQp,
+                      [&](auto kk, auto gg, const at::BFloat16* const* kp, int64_t t, int64_t g) {
+                        prefill_scores_pairs<P, decltype(kk)::value, decltype(gg)::value>(
+                            qt + 16 * g, NQp, kp, scale, st + t * NQp + 16 * g);
+                      });
   prefill_softmax<true>(st, NQp, NQ, r0, G, L, s.inv.data());  // weights rounded to bf16
   // values: per key pair (t, t + 1) the two rows interleaved per head-dim element (as
   // attend_heads_pairs), QG queries at a time over the pairs all of them have, then each alone
@@ -1285,7 +1280,6 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
     if (!work.empty()) {
       at::parallel_for(0, static_cast<int64_t>(work.size()), 1, [&](int64_t w0, int64_t w1) {
         PrefillScratch scratch;
-        std::vector<int32_t> qt_pairs;
         for (int64_t w = w0; w < w1; ++w) {
           const int64_t b = work[w][0], h = work[w][1], r0 = work[w][2];
           const int64_t R = std::min(kPrefillRows, q_lens[b] - r0);
@@ -1300,8 +1294,7 @@ void paged_attention_impl(const at::Tensor& q, const at::Tensor& k_cache, const 
 #if QS_BF16DOT
             prefill_block_pairs<C>(qb, q.stride(0), q.stride(1), kc + h * k_cache.stride(1),
                                    vc + h * v_cache.stride(1), k_cache.stride(0), tables + b * nb, block_shift, r0,
-                                   R, G, static_cast<float>(scale), ob, out.stride(0), out.stride(1), scratch,
-                                   qt_pairs);
+                                   R, G, static_cast<float>(scale), ob, out.stride(0), out.stride(1), scratch);
 #endif
           }
         }
