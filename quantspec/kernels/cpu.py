@@ -241,12 +241,23 @@ def pair_path(on: bool):
     if not pair_path_available():
         yield
         return
-    mod = _need()
-    was = mod.set_pair_path(on)
+    with _switch("set_pair_path", on):
+        yield
+
+
+@contextlib.contextmanager
+def _switch(setter: str, on: bool):
+    """The extension's setting `setter` (a `set_*` that returns the previous value) at `on` inside
+    the block, restored after; a no-op where the kernels are not built."""
+    mod = cpu_kernels()
+    if mod is None:
+        yield
+        return
+    was = getattr(mod, setter)(on)
     try:
         yield
     finally:
-        mod.set_pair_path(was)
+        getattr(mod, setter)(was)
 
 
 @contextlib.contextmanager
@@ -256,15 +267,8 @@ def prefill_blocks(on: bool):
     (`csrc/cpu.cpp`, `prefill_block` / `prefill_block_pairs`: queries on the vector lanes, each key
     read once for a block of rows), restored after; off, those prompts take the per-row kernel of
     decode steps (benches and tests compare the two). A no-op where the kernels are not built."""
-    mod = cpu_kernels()
-    if mod is None:
+    with _switch("set_prefill_blocks", on):
         yield
-        return
-    was = mod.set_prefill_blocks(on)
-    try:
-        yield
-    finally:
-        mod.set_prefill_blocks(was)
 
 
 @contextlib.contextmanager
@@ -273,15 +277,8 @@ def prefetch(on: bool):
     drafts) prefetches (on) or does not prefetch (off) the next block of its bf16 copy into L2
     while computing one (`csrc/cpu.cpp`, kPrefetchRows), restored after; the ids are the same
     either way (benches compare the speed). A no-op where the kernels are not built."""
-    mod = cpu_kernels()
-    if mod is None:
+    with _switch("set_prefetch", on):
         yield
-        return
-    was = mod.set_prefetch(on)
-    try:
-        yield
-    finally:
-        mod.set_prefetch(was)
 
 
 def packed_pairs_gemm(x: torch.Tensor, w_pairs: torch.Tensor, n: int, bias: torch.Tensor | None = None) -> torch.Tensor:
