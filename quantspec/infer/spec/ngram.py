@@ -170,16 +170,20 @@ def propose_ngram_match(
 
 
 def _agreeing_runs(tokens: np.ndarray, at: np.ndarray, src: np.ndarray, cap: int) -> np.ndarray:
-    """For each pair (at[i], src[i]): how many j = 0, 1, ... (< cap) have tokens[at - j] ==
-    tokens[src - j] consecutively; a pair with src < 0 counts 0."""
+    """For each pair (at[i], src[i]) with src[i] < at[i]: how many j = 0, 1, ... (< cap) have
+    tokens[at - j] == tokens[src - j] consecutively; a pair with src < 0 counts 0. Most pairs
+    differ at j = 0; the rest get one [P', cap] comparison and its first mismatch (a step's ~1000
+    pairs: ~25 µs, where narrowing the live pairs j by j took ~150 µs)."""
     runs = np.zeros(at.shape, dtype=np.int64)
-    live = np.flatnonzero(src >= 0)  # the pairs still agreeing (most stop at j = 0)
-    for j in range(cap):
-        live = live[src[live] >= j]
-        live = live[tokens[at[live] - j] == tokens[src[live] - j]]
-        if live.size == 0:
-            break
-        runs[live] += 1
+    live = np.flatnonzero(src >= 0)
+    live = live[tokens[at[live]] == tokens[src[live]]]
+    if live.size:
+        back = np.arange(cap)  # [cap]
+        s = src[live, None] - back  # [P', cap]
+        valid = s >= 0  # then at - j > s - j >= 0 too
+        eq = valid & (tokens[np.where(valid, at[live, None] - back, 0)] == tokens[np.where(valid, s, 0)])
+        first_miss = eq.argmin(axis=1)  # 0 where all agree
+        runs[live] = np.where(eq[np.arange(live.size), first_miss], cap, first_miss)
     return runs
 
 
