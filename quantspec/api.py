@@ -57,7 +57,7 @@ def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batc
                                              add_generation_prompt=True)
         encoded.append(tokenizer(text, add_special_tokens=False).input_ids)
     max_len = max(len(e) for e in encoded) + max_new_tokens + 1
-    eng = Engine(base, EngineConfig(max_batch_size=batch_size, max_length=max_len),
+    eng = Engine(base, EngineConfig(max_batch_size=batch_size, max_length=max_len, all_hidden_rows=True),
                  eos_token_ids=base.args.eos_token_ids)
     seqs = [eng.add_request(ids, SamplingParams(max_new_tokens=max_new_tokens)) for ids in encoded]
     chunks: dict[int, list] = {s.seq_id: [] for s in seqs}

@@ -43,6 +43,10 @@ class EngineConfig:
     kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO
     num_blocks: int | None = None  # default: enough for max_batch_size full-length sequences
     spec_max_draft_tokens: int = 0  # extra KV room per sequence for verification
+    # the forward returns every fed row's hidden state (for forward hooks that read them, e.g.
+    # train-mtp's self-distillation); by default a prefill returns each prompt's last row only,
+    # which lets the fused CPU stack skip the last layer's o projection and MLP for the others
+    all_hidden_rows: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -128,7 +132,8 @@ class Engine:
         self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
         self.num_steps = 0
         # the forward of the current step, in row order: (sequence, query rows) — a prefill step
-        # feeds only the prompts it prefills, so forward hooks must read this, not `running`
+        # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and
+        # set `all_hidden_rows`, or a prefill's output holds only each prompt's last row)
         self.forward_rows: list[tuple[Sequence, int]] = []
 
     # -- requests ------------------------------------------------------------------------------
@@ -246,16 +251,20 @@ class Engine:
                                        self.cache.cpu_kernel_max_prefill)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
+        # rows to score: the last row of each sequence, plus its draft rows (every row of a decode
+        # step; of a prefill, each prompt's last, which the forward then returns alone unless
+        # `all_hidden_rows`)
+        rows, offset = [], 0
+        for ql, d in zip(q_lens, drafts):
+            rows.extend(range(offset + ql - 1 - len(d), offset + ql))
+            offset += ql
+        row_idx = torch.tensor(rows, device=self.device) if len(rows) < len(feed_ids) else None
+        out_rows = None if self.config.all_hidden_rows else row_idx
         with decode_step() if not fresh else nullcontext():
-            hidden = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta))  # [T, D]
-
-            # rows to score: the last row of each sequence, plus its draft rows
-            rows, offset = [], 0
-            for ql, d in zip(q_lens, drafts):
-                rows.extend(range(offset + ql - 1 - len(d), offset + ql))
-                offset += ql
-            row_idx = torch.tensor(rows, device=self.device)
-            scored = hidden[row_idx]  # [sum(1+k_b), D]
+            scored = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta),
+                                out_rows)  # [sum(1+k_b), D]
+            if row_idx is not None and out_rows is None:
+                scored = scored[row_idx]
             # an all-greedy step needs only each row's argmax: the exact picks of `greedy_head`
             # (no full fp32 logits) where the model has one, else the logits
             ids = None
@@ -280,7 +289,7 @@ class Engine:
         first_row = 0
         for seq, d, toks in zip(seqs, drafts, new_tokens):
             if self.keep_hidden:  # the row whose logits produced the newest token
-                seq.last_hidden = hidden[row_idx[first_row + len(toks) - 1]]
+                seq.last_hidden = scored[first_row + len(toks) - 1]
             first_row += 1 + len(d)
             was_prefill = seq.num_cached == 0
             n_acc = len(toks) - 1

@@ -193,14 +193,17 @@ class FusedDecoderLayers:
             entry = plans[self] = (cache.k_slots, plan)
         return entry[1]
 
-    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn) -> torch.Tensor | None:
-        """The hidden states after the last layer, or None where the modules must run."""
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
+                 out_rows: torch.Tensor | None = None) -> torch.Tensor | None:
+        """The hidden states after the last layer (only the rows `out_rows` [N], int64, when
+        given: the last layer's o projection and MLP run on those alone), or None where the
+        modules must run."""
         if not self.serves(x, attn):
             return None
         meta = attn.meta
         plan = self._plan_for(attn.cache)
         return plan.forward(x, cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.block_tables,
-                            meta.q_lens, meta.seq_lens)
+                            meta.q_lens, meta.seq_lens, out_rows)
 
 
 def use_fused_layers(model: nn.Module) -> bool:

@@ -2,6 +2,7 @@
 
 from contextlib import nullcontext
 
+import numpy as np
 import pytest
 import torch
 
@@ -324,9 +325,9 @@ def test_prefills_run_alone_and_decode_steps_are_marked(llama, monkeypatch):
     steps = []
     real = type(model).forward
 
-    def spy(self, input_ids, positions, attn, layers=None):
+    def spy(self, input_ids, positions, attn, out_rows=None):
         steps.append((in_decode_step(), attn.meta.q_lens, attn.meta.seq_lens))
-        return real(self, input_ids, positions, attn, layers)
+        return real(self, input_ids, positions, attn, out_rows)
 
     monkeypatch.setattr(type(model), "forward", spy)
     prompts = _prompts([6, 11, 4], seed=12)
@@ -337,6 +338,37 @@ def test_prefills_run_alone_and_decode_steps_are_marked(llama, monkeypatch):
         fresh = [q == s for q, s in zip(q_lens, seq_lens)]
         assert all(fresh) != decode and (all(fresh) or not any(fresh))
     assert sum(not d for d, _, _ in steps) == 2  # prompts 1+2 together, then prompt 3 alone
+
+
+@pytest.mark.parametrize("all_rows", [False, True])
+def test_a_prefill_asks_the_forward_for_each_prompt_s_last_row(llama, monkeypatch, all_rows):
+    """A prefill step's forward returns only each prompt's last row (`out_rows`), decode steps'
+    every row; with `all_hidden_rows` every forward returns every row (what train-mtp's hook
+    reads). The outputs are the same either way."""
+    model, _ = llama
+    calls = []
+    real = type(model).forward
+
+    def spy(self, input_ids, positions, attn, out_rows=None):
+        out = real(self, input_ids, positions, attn, out_rows)
+        calls.append((list(attn.meta.q_lens), None if out_rows is None else out_rows.tolist(), out.shape[0]))
+        return out
+
+    prompts = _prompts([9, 14, 5], seed=3)
+    want = _engine_greedy(model, prompts, 4, batch=2)
+    monkeypatch.setattr(type(model), "forward", spy)
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=2, max_length=256, all_hidden_rows=all_rows),
+                 eos_token_ids=[])
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=4)) for p in prompts]
+    eng.run()
+    assert [s.output_ids for s in seqs] == want
+    prefills = [c for c in calls if c[0][0] > 1]
+    assert [c[0] for c in prefills] == [[9, 14], [5]]
+    for q_lens, out_rows, n_out in calls:
+        if all_rows or q_lens in ([1], [1, 1]):
+            assert out_rows is None and n_out == sum(q_lens)
+        else:
+            assert out_rows == list(np.cumsum(q_lens) - 1) and n_out == len(q_lens)
 
 
 def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
@@ -351,10 +383,10 @@ def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
     sizes = []
     real = type(model).forward
 
-    def spy(self, input_ids, positions, attn, layers=None):
+    def spy(self, input_ids, positions, attn, out_rows=None):
         if not attn.meta.q_lens or attn.meta.q_lens[0] == attn.meta.seq_lens[0]:
             sizes.append(list(attn.meta.q_lens))
-        return real(self, input_ids, positions, attn, layers)
+        return real(self, input_ids, positions, attn, out_rows)
 
     monkeypatch.setattr(type(model), "forward", spy)
     assert _engine_greedy(model, prompts, 6, batch=5) == want

@@ -31,9 +31,15 @@ def models(tmp_path_factory):
             "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
 
 
-def _steps(model, *, kv_dtype="auto"):
+# rows `_steps(..., pick=True)` asks for in each step (of 57, 2, 5, 8): each prompt's last row and
+# one inside a prompt; the decode rows in reverse; one row of each sequence; all but the first
+_PICKS = ([36, 3, 56], [1, 0], [3, 4], [1, 2, 3, 4, 5, 6, 7])
+
+
+def _steps(model, *, kv_dtype="auto", pick=False):
     """A scripted run on a fresh cache: two prompts prefilled together, a decode step, and two
-    verification steps where the sequences bring different numbers of rows → all hidden states."""
+    verification steps where the sequences bring different numbers of rows → all hidden states
+    (`pick`: only the rows `_PICKS` asks for, through the forward's `out_rows`)."""
     a = model.args
     scales = {} if kv_dtype == "auto" else {"k_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05),
                                              "v_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05)}
@@ -48,10 +54,17 @@ def _steps(model, *, kv_dtype="auto"):
         positions = torch.cat([torch.arange(lens[b], lens[b] + n) for b, n in enumerate(news)])
         seq_lens = [lens[b] + n for b, n in enumerate(news)]
         meta = AttentionMetadata.build(news, seq_lens, tables, 16, "cpu", cache.cpu_kernel)
+        rows = torch.tensor(_PICKS[step]) if pick else None
         with torch.no_grad(), (decode_step() if step else torch.no_grad()):
-            outs.append(model(ids, positions, PagedAttention(cache, meta)))
+            outs.append(model(ids, positions, PagedAttention(cache, meta), rows))
         lens = seq_lens
     return torch.cat(outs)
+
+
+def _picked(full: torch.Tensor) -> torch.Tensor:
+    """The `_PICKS` rows of a full `_steps` result."""
+    starts = [0, 57, 59, 64]
+    return torch.cat([full[start + torch.tensor(p)] for start, p in zip(starts, _PICKS)])
 
 
 def _spy(runner):
@@ -89,6 +102,24 @@ def test_fused_stack_equals_the_modules_bitwise(models, name, dtype, monkeypatch
     modules = _steps(model)
     assert torch.equal(fused, modules)
     assert fused.abs().sum() > 0
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                        ("int8", torch.float32), ("int4", torch.bfloat16)])
+def test_out_rows_are_bitwise_the_full_result_s_rows(models, name, dtype):
+    """`out_rows`: the plan runs the last layer's o projection and MLP on the rows asked for alone
+    and returns them, bitwise those rows of the full result, in the order asked; every row still
+    writes its keys / values (the later steps, which read them, agree too). The modules give the
+    same rows."""
+    model = load_for_inference(models[name], dtype=dtype, tokenizer=False).model
+    served = _spy(model.fused_layers)
+    full = _steps(model)
+    picked = _steps(model, pick=True)
+    assert served == [True] * 8
+    assert picked.shape == (sum(map(len, _PICKS)), model.args.hidden_size)
+    assert torch.equal(picked, _picked(full))
+    model.fused_layers = None
+    assert torch.equal(_steps(model, pick=True), picked)
 
 
 def test_greedy_and_speculative_generation_match_transformers(models):

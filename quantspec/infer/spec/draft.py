@@ -200,10 +200,11 @@ class DraftModelProposer:
                                        self.cache.cpu_kernel_max_prefill)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)  # [T]
         positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)]).to(self.device)  # [T]
-        hidden = self.model(ids, positions, PagedAttention(self.cache, meta))  # [T, D]
         last = torch.tensor(np.cumsum(q_lens) - 1, device=self.device)  # [A]
+        out_rows = last if len(q_lens) < ids.shape[0] else None  # every row is a last one: all of them
+        hidden = self.model(ids, positions, PagedAttention(self.cache, meta), out_rows)  # [A, D]
         self.num_forwards += 1
-        return _draft_logits(self.model, self.head, hidden[last])[:, : self.vocab_size]  # [A, vocab]
+        return _draft_logits(self.model, self.head, hidden)[:, : self.vocab_size]  # [A, vocab]
 
     def _choose(self, logits: torch.Tensor, seqs: list, states: list[_DraftSeq]):
         """One draft token per row of `logits` [A, vocab] → (ids [A] list, q [A, V_base] or None

@@ -2175,21 +2175,32 @@ class DecoderPlan {
   int64_t num_layers() const { return static_cast<int64_t>(k_caches_.size()); }
 
   // x [T, D] (the embeddings), cos / sin [T, hd] of x's dtype → the hidden states after the last
-  // layer; the attention arguments as `paged_attention` takes them
+  // layer; the attention arguments as `paged_attention` takes them. out_rows [N] (int64 row
+  // indices): return only those rows, [N, D]; the last layer then runs its o projection and MLP
+  // on them alone (every row still writes its keys / values). The kernels compute each row by
+  // the same operations whatever the other rows, so those rows are bitwise the full result's.
   at::Tensor forward(at::Tensor x, const at::Tensor& cos, const at::Tensor& sin,
                      const at::Tensor& slot_mapping, const at::Tensor& block_tables,
-                     const std::vector<int64_t>& q_lens, const std::vector<int64_t>& seq_lens) const {
+                     const std::vector<int64_t>& q_lens, const std::vector<int64_t>& seq_lens,
+                     const c10::optional<at::Tensor>& out_rows) const {
     TORCH_CHECK(x.dim() == 2, "DecoderPlan.forward: x must be [T, D]");
     const int64_t T = x.size(0);
+    if (out_rows.has_value())
+      TORCH_CHECK(out_rows->dim() == 1 && out_rows->scalar_type() == at::kLong,
+                  "DecoderPlan.forward: out_rows must be a 1-D int64 tensor of row indices");
     for (size_t l = 0; l < layers_.size(); ++l) {
       const LayerWeights& w = layers_[l];
       const at::Tensor h = rms_norm(x.contiguous(), w.norm_in, eps_);
       const at::Tensor qkv = run_linear(w.qkv, h).view({T, H_ + 2 * KV_, hd_});
       const at::Tensor qk = rope(qkv.narrow(1, 0, H_ + KV_), cos, sin);
-      const at::Tensor a = paged_attention(qk.narrow(1, 0, H_), qk.narrow(1, H_, KV_), qkv.narrow(1, H_ + KV_, KV_),
-                                           k_caches_[l], v_caches_[l], slot_mapping, block_tables, q_lens,
-                                           seq_lens, block_size_, scale_);
-      x = at::add(x, run_linear(w.o, a.reshape({T, H_ * hd_})));
+      at::Tensor a = paged_attention(qk.narrow(1, 0, H_), qk.narrow(1, H_, KV_), qkv.narrow(1, H_ + KV_, KV_),
+                                     k_caches_[l], v_caches_[l], slot_mapping, block_tables, q_lens,
+                                     seq_lens, block_size_, scale_).reshape({T, H_ * hd_});
+      if (out_rows.has_value() && l + 1 == layers_.size()) {
+        x = x.index_select(0, *out_rows);
+        a = a.index_select(0, *out_rows);
+      }
+      x = at::add(x, run_linear(w.o, a));
       x = mlp_residual(w, x, eps_);
     }
     return x;
