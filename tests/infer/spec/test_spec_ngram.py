@@ -319,3 +319,61 @@ def test_realigned_match_matches_brute_force(vocab, length):
         for n in range(1, length + 1):
             k = int(rng.integers(0, 7))
             assert realigned_match(seq[:n], k) == _realign_reference(seq[:n], k), (trial, n, k)
+
+
+# -- the CPU extension's scalar matchers: the numpy versions' results ----------------------------
+
+
+@pytest.mark.parametrize("vocab, length", [(2, 150), (3, 60), (6, 120), (50, 300)])
+def test_native_matchers_equal_the_numpy_ones(vocab, length):
+    """Every prefix of random sequences (small vocabularies: many partial matches, ties, more
+    than REALIGN_CANDIDATES occurrences; plus a periodic stretch for the loop continuation), with
+    varied sizes: `native_matchers` gives exactly `propose_ngram_match` / `realigned_match`."""
+    from quantspec.infer.spec.ngram import native_matchers, propose_ngram_match, realigned_match
+    from quantspec.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels()
+    if kernels is None:
+        pytest.skip("quantspec's CPU kernels are not built here")
+    exact, realigned = native_matchers(kernels)
+    rng = np.random.default_rng(vocab * 7 + length)
+    seq = rng.integers(0, vocab, size=length)
+    seq[length // 2: length // 2 + 12] = np.tile(seq[:3], 4)  # a loop the drafts may continue
+    for n in range(1, length + 1):
+        tokens = np.ascontiguousarray(seq[:n], dtype=np.int64)
+        cap = int(rng.integers(0, 12))
+        max_n, min_n = int(rng.integers(1, 5)), int(rng.integers(1, 3))
+        buffer = torch.from_numpy(np.concatenate([tokens, rng.integers(0, vocab, 5)]))  # read up to n only
+        if min_n <= max_n:
+            want = propose_ngram_match(tokens, max_n, cap, min_n)
+            assert exact(buffer, n, max_n, cap, min_n) == want, (n, max_n, cap)
+        assert realigned(buffer, n, cap) == realigned_match(tokens, cap), (n, cap)
+
+
+def test_the_proposer_takes_the_native_matchers_on_a_cpu_base(monkeypatch):
+    """`build_proposer` hands a CPU base's n-gram proposer the extension; its drafts over a
+    copy-with-edits sequence are those of the numpy matchers step by step."""
+    from types import SimpleNamespace
+
+    from quantspec.infer.spec import proposers
+    from quantspec.kernels.cpu import cpu_kernels
+
+    if cpu_kernels() is None:
+        pytest.skip("quantspec's CPU kernels are not built here")
+    loaded = SimpleNamespace(model=torch.nn.Module())
+    loaded.model.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1)))
+    config = SimpleNamespace(speculate_method="inference_with_reference", speculate_max_draft_token_num=10,
+                             speculate_max_ngram_size=3, draft_model=None, speculate_backoff=False)
+    monkeypatch.setattr("quantspec.infer.dense_linear.all_linears_packed", lambda m: True)
+    native, _ = proposers.build_proposer(config, loaded)
+    assert native._native is not None
+    ref = proposers.ReferenceProposer(3, 10)
+    rng = np.random.default_rng(1)
+    prompt = rng.integers(0, 40, 200)
+    answer = np.concatenate([prompt[:60], [7, 7], prompt[63:150], prompt[10:30]])
+    seq = SimpleNamespace(seq_id=0, prompt_ids=prompt.tolist(), output_ids=[], stats=None)
+    for n in range(len(answer)):
+        seq.output_ids = answer[:n].tolist()
+        tokens = np.concatenate([prompt, answer[:n]]).astype(np.int64)
+        assert native.propose([seq], [10]) == ref.propose([seq], [10]) == ([ref.match(tokens, 10)[0]], [None])
+        assert native.match(tokens, 10) == ref.match(tokens, 10)
