@@ -2,6 +2,8 @@
 that followed the latest earlier occurrence of the sequence's own suffix.
 
 Pure numpy over a sequence's token ids (prompt + generated so far); no model, config or device.
+`native_matchers` wraps the CPU extension's scalar twins of the two matchers (same results),
+which the engine's proposer takes on a CPU base; these numpy versions are their reference.
 Reference design: vLLM `v1/spec_decode/ngram_proposer.py`; the search here is our own
 (candidate-narrowing over suffix lengths). `realigned_match` is the edit-tolerant fallback the
 engine's `ReferenceProposer` takes where the exact match is short (right after an edit of the
