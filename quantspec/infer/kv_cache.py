@@ -287,6 +287,7 @@ CPU_KERNEL_MAX_PREFILL = 512  # longest fresh prompt the CPU kernel attends (bey
 CPU_KERNEL_MAX_PREFILL_ANY = 1 << 30  # ... unless the cache says any (`PagedKVCache.cpu_kernel_max_prefill`)
 _EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
+
 class PagedAttention:
     """The attention backend of the engine: write this step's K/V, attend over the cache."""
 
