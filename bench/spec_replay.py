@@ -99,13 +99,19 @@ def longest_copy(context: np.ndarray, upcoming: np.ndarray) -> int:
 
 
 def replay(drafter: str, prompt: list[int], answer: list[int], *, max_draft_tokens: int, ngram: int,
-           cost: SpecCost, max_new_tokens: int, max_length: int, seq_id: int = 0) -> Replay:
+           cost: SpecCost, max_new_tokens: int, max_length: int, seq_id: int = 0,
+           like: ReferenceProposer | None = None) -> Replay:
     """Replays `drafter` (one of DRAFTERS) over a greedy `answer` to `prompt` with the engine's
     rules: before each decode step the budget is min(K, max_new_tokens − generated − 1,
     max_length − tokens − 1) (`Engine._budget`); a step accepts its drafts up to the first that
-    differs from the answer and adds one token; the answer ends where the engine stopped it."""
+    differs from the answer and adds one token; the answer ends where the engine stopped it.
+    `like`: the engine's proposer, whose stop ids and newline view the replayed one takes."""
     policy = AdaptiveDraftLength(max_draft_tokens, cost) if drafter == "policy" else None
-    proposer = ReferenceProposer(ngram, max_draft_tokens, policy=policy) if drafter != "copier" else None
+    proposer = None
+    if drafter != "copier":
+        proposer = ReferenceProposer(ngram, max_draft_tokens, policy=policy,
+                                     stop_ids=like.stop_ids if like is not None else (),
+                                     newline_runs=like.newline_runs if like is not None else None)
     seq = _Seq(seq_id, list(prompt), answer[:1])  # the prefill step gave the first token
     ans = np.asarray(answer, dtype=np.int64)
     r = Replay(tokens=max(0, len(answer) - 1))
@@ -216,7 +222,8 @@ def main(argv: list[str] | None = None) -> dict:
                 tot = Replay()
                 for i, (prompt, answer, *_) in enumerate(subset):
                     r = replay(drafter, prompt, answer, max_draft_tokens=a.draft_tokens, ngram=a.ngram, cost=cost,
-                               max_new_tokens=a.new_tokens, max_length=a.max_length, seq_id=i)
+                               max_new_tokens=a.new_tokens, max_length=a.max_length, seq_id=i,
+                               like=pred.engine.proposer)
                     for f in ("forwards", "drafted", "accepted", "cost", "tokens"):
                         setattr(tot, f, getattr(tot, f) + getattr(r, f))
                 speedup = tot.tokens / tot.cost if tot.cost else 1.0

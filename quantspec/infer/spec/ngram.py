@@ -22,7 +22,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.types import SpecProposal
 
 __all__ = ["propose_ngram", "propose_ngram_match", "propose_ngram_batch", "realigned_match", "native_matchers",
-           "NgramProposer", "TIE_BREAK_CONTEXT", "AGREEMENT_CAP"]
+           "NewlineRuns", "NgramProposer", "TIE_BREAK_CONTEXT", "AGREEMENT_CAP"]
 
 TIE_BREAK_CONTEXT = 64  # tokens of context beyond max_ngram_size that choose among occurrences
 AGREEMENT_CAP = 16  # `propose_ngram_match` counts agreeing context tokens up to this many
@@ -101,6 +101,7 @@ def propose_ngram_match(
     max_ngram_size: int,
     max_draft_tokens: int,
     min_ngram_size: int = 1,
+    stop_ids: Sequence[int] = (),
 ) -> tuple[list[int], int]:
     """→ (draft, agreement): draft tokens by matching the sequence's suffix against its own earlier text.
 
@@ -116,6 +117,9 @@ def propose_ngram_match(
     match close to the end yields fewer tokens) unless the sequence is repeating itself there,
     where the draft continues the loop (`_continuation`). [] if nothing matches, the sequence has
     fewer than 2 tokens, or max_draft_tokens is 0.
+
+    stop_ids: occurrences followed by one of these tokens (end-of-sequence ids) are not candidates:
+    a draft that starts with a stop token gains nothing (the step's own token would be it).
 
     agreement: how many trailing tokens of the sequence equal the tokens ending at the chosen
     occurrence (at least the matched n, counted up to AGREEMENT_CAP; 0 with an empty draft). A
@@ -143,6 +147,8 @@ def propose_ngram_match(
     # `ends` = end positions e < L-1 of earlier occurrences of the length-(j+1) suffix,
     # ascending; extend the match one token further back on each pass.
     ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # [C]
+    if len(stop_ids):
+        ends = ends[~np.isin(tokens[ends + 1], np.asarray(stop_ids, dtype=np.int64))]
     best_n, best_end = 0, -1
     for j in range(max_n):
         if j > 0:
@@ -237,13 +243,70 @@ def realigned_match(
     return _continuation(tokens, e, int(max_draft_tokens)), matched
 
 
+@dataclass(frozen=True)
+class NewlineRuns:
+    """The matchers' view of a sequence where the tokenizer writes a blank line as two single-
+    newline tokens: each token that is a run of k ≥ 2 newlines is seen as k newline tokens.
+
+    Byte-level BPEs with GPT-2's pre-tokenizer (SmolLM2's among them) hand the last newline before
+    a word to its own piece, so a prompt's two blank lines between functions, "\\n\\n\\ndef",
+    are `\\n\\n` `\\n` `def`, while an answer that keeps one blank line, as models re-emitting
+    code tend to, writes `\\n` `\\n` `def`. Token by token the two never agree on the first
+    newline, so the copy broke at every such boundary: a wasted draft there and one more after it.
+    In the view both are runs of single newlines that agree up to the shorter run, and the exact
+    match picks the copy up again right after it. Drafts drawn from the view write newlines one
+    token each: the tokenizer's own form for a blank line before a word (`from_tokenizer` checks
+    it), so the form a model trained on its tokenization emits. Replayed on the bench's plain
+    greedy answers (`bench/spec_replay.py`, ≤ 10 drafts, the back-off's cost model), the
+    code-editing answers that mostly copy the prompt: 190 → 182 base forwards (with the
+    proposer's stop ids and inserted-token match on in both).
+
+    newline_id: the single-newline token; runs: {token id: k} for the tokens that are k newlines.
+    """
+
+    newline_id: int
+    runs: dict[int, int]  # {token id: k}, k >= 2
+
+    @classmethod
+    def from_tokenizer(cls, tokenizer) -> NewlineRuns | None:
+        """The view for a tokenizer (a transformers tokenizer, or anything with
+        `encode(text, add_special_tokens=False)`), or None where it does not apply: no single-
+        newline token, a blank line between words not encoded as two of them (Llama-3's and
+        Qwen2's pre-tokenizers keep "\\n\\n" whole, and their models emit it), or no longer runs."""
+        if tokenizer is None:
+            return None
+
+        def enc(text: str) -> list[int]:
+            return list(tokenizer.encode(text, add_special_tokens=False))
+
+        try:
+            nl = enc("\n")
+            if len(nl) != 1 or enc("a\n\nb") != enc("a") + nl + nl + enc("b"):
+                return None
+            runs = {ids[0]: k for k in range(2, 33) if len(ids := enc("\n" * k)) == 1 and ids[0] != nl[0]}
+        except Exception:  # a tokenizer without a usable encode: no view
+            return None
+        return cls(nl[0], runs) if runs else None
+
+    def expand(self, token_ids: Sequence[int]) -> list[int]:
+        """The view of `token_ids` (ints): every run token replaced by its k newline tokens."""
+        out: list[int] = []
+        for t in token_ids:
+            k = self.runs.get(t)
+            if k is None:
+                out.append(t)
+            else:
+                out.extend([self.newline_id] * k)
+        return out
+
+
 def native_matchers(kernels) -> tuple:
     """(exact, realigned): `propose_ngram_match` and `realigned_match` from quantspec's CPU
     extension (`kernels`, from `quantspec.kernels.cpu.cpu_kernels()`), the same results from one
     scalar pass each, over the first `length` tokens of an int64 torch tensor (a buffer the caller
     keeps, so no array is wrapped per call):
 
-        exact(tokens, length, max_ngram_size, max_draft_tokens, min_ngram_size) -> (draft, agreement)
+        exact(tokens, length, max_ngram_size, max_draft_tokens, min_ngram_size, stop_ids) -> (draft, agreement)
         realigned(tokens, length, max_draft_tokens) -> (draft, matched)
 
     Right after a forward that streamed the weights through the caches, the numpy versions' ~25
@@ -251,9 +314,9 @@ def native_matchers(kernels) -> tuple:
     checked here."""
 
     def exact(tokens: torch.Tensor, length: int, max_ngram_size: int, max_draft_tokens: int,
-              min_ngram_size: int = 1) -> tuple[list[int], int]:
+              min_ngram_size: int = 1, stop_ids: Sequence[int] = ()) -> tuple[list[int], int]:
         return kernels.ngram_match(tokens, length, max_ngram_size, max_draft_tokens, min_ngram_size,
-                                   TIE_BREAK_CONTEXT, AGREEMENT_CAP)
+                                   TIE_BREAK_CONTEXT, AGREEMENT_CAP, stop_ids)
 
     def realigned(tokens: torch.Tensor, length: int, max_draft_tokens: int) -> tuple[list[int], int]:
         return kernels.realigned_match(tokens, length, max_draft_tokens, REALIGN_MAX_GAP, REALIGN_CONTEXT,

@@ -2302,10 +2302,11 @@ const int64_t* token_ptr(const at::Tensor& tokens, int64_t L, const char* op) {
 
 }  // namespace
 
-// → (draft, agreement) for the sequence tokens[:L]; the caller checks the sizes (ngram.py's _check_sizes)
+// → (draft, agreement) for the sequence tokens[:L]; the caller checks the sizes (ngram.py's _check_sizes).
+// An occurrence followed by one of `stop` (end-of-sequence ids) is no candidate.
 std::tuple<std::vector<int64_t>, int64_t> ngram_match(const at::Tensor& tokens, int64_t L, int64_t max_ngram,
                                                       int64_t cap, int64_t min_ngram, int64_t tie_context,
-                                                      int64_t agreement_cap) {
+                                                      int64_t agreement_cap, const std::vector<int64_t>& stop) {
   const int64_t* t = token_ptr(tokens, L, "ngram_match");
   const int64_t max_n = std::min(max_ngram, L - 1);
   if (cap == 0 || max_n < min_ngram) return {std::vector<int64_t>(), 0};
@@ -2316,7 +2317,7 @@ std::tuple<std::vector<int64_t>, int64_t> ngram_match(const at::Tensor& tokens, 
   const int64_t jmax = std::min(max_n + tie_context, L - 1);
   int64_t best_m = 0, best_end = -1;
   for (int64_t e = 0; e < L - 1; ++e) {
-    if (t[e] != t[L - 1]) continue;
+    if (t[e] != t[L - 1] || std::find(stop.begin(), stop.end(), t[e + 1]) != stop.end()) continue;
     const int64_t m = agreeing_run(t, L - 1, e, jmax);
     if (m >= best_m) best_m = m, best_end = e;
   }
@@ -2379,7 +2380,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("screened_argmax_i8", &screened_argmax_i8);
   m.def("has_bf16_dot", &has_bf16_dot);
   m.def("has_int8_screen", &has_int8_screen);
-  m.def("ngram_match", &ngram_match, py::call_guard<py::gil_scoped_release>());
+  m.def("ngram_match", &ngram_match, py::arg("tokens"), py::arg("L"), py::arg("max_ngram"), py::arg("cap"),
+        py::arg("min_ngram"), py::arg("tie_context"), py::arg("agreement_cap"),
+        py::arg("stop") = std::vector<int64_t>(), py::call_guard<py::gil_scoped_release>());
   m.def("realigned_match", &realigned_match, py::call_guard<py::gil_scoped_release>());
   m.def("set_pair_path", [](bool on) { const bool was = g_pair_path; g_pair_path = on; return was; },
         "turn the quantized GEMMs' bf16 pair path on / off (benches); returns the previous setting");

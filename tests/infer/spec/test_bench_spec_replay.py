@@ -35,7 +35,7 @@ def test_policy_replay_matches_the_engine(spec_replay, tiny_llama_dir, max_new_t
         out = pred.generate([src])[0]
         prompt = pred.encode(src)[0]
         r = spec_replay.replay("policy", prompt, out.token_ids, max_draft_tokens=6, ngram=3, cost=cost,
-                               max_new_tokens=max_new_tokens, max_length=256)
+                               max_new_tokens=max_new_tokens, max_length=256, like=pred.engine.proposer)
         assert (r.forwards, r.drafted, r.accepted) == (out.target_forwards, out.drafted, out.accepted), src
         assert r.tokens == len(out.token_ids) - 1
         hind = spec_replay.replay("hindsight", prompt, out.token_ids, max_draft_tokens=6, ngram=3, cost=cost,

@@ -347,6 +347,9 @@ def test_native_matchers_equal_the_numpy_ones(vocab, length):
         if min_n <= max_n:
             want = propose_ngram_match(tokens, max_n, cap, min_n)
             assert exact(buffer, n, max_n, cap, min_n) == want, (n, max_n, cap)
+            stop = tuple(int(t) for t in rng.choice(vocab, size=int(rng.integers(1, 3)), replace=False))
+            want = propose_ngram_match(tokens, max_n, cap, min_n, stop)
+            assert exact(buffer, n, max_n, cap, min_n, stop) == want, (n, max_n, cap, stop)
         assert realigned(buffer, n, cap) == realigned_match(tokens, cap), (n, cap)
 
 
@@ -360,20 +363,157 @@ def test_the_proposer_takes_the_native_matchers_on_a_cpu_base(monkeypatch):
 
     if cpu_kernels() is None:
         pytest.skip("quantspec's CPU kernels are not built here")
-    loaded = SimpleNamespace(model=torch.nn.Module())
+    loaded = SimpleNamespace(model=torch.nn.Module(), eos_token_ids=[3], tokenizer=None)
     loaded.model.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1)))
     config = SimpleNamespace(speculate_method="inference_with_reference", speculate_max_draft_token_num=10,
                              speculate_max_ngram_size=3, draft_model=None, speculate_backoff=False)
     monkeypatch.setattr("quantspec.infer.dense_linear.all_linears_packed", lambda m: True)
     native, _ = proposers.build_proposer(config, loaded)
-    assert native._native is not None
-    ref = proposers.ReferenceProposer(3, 10)
+    assert native._native is not None and native.stop_ids == (3,)
+    ref = proposers.ReferenceProposer(3, 10, stop_ids=[3])
     rng = np.random.default_rng(1)
     prompt = rng.integers(0, 40, 200)
-    answer = np.concatenate([prompt[:60], [7, 7], prompt[63:150], prompt[10:30]])
+    # an edit, a copy, new tokens inserted (the match of what came before them), another copy
+    answer = np.concatenate([prompt[:60], [7, 7], prompt[63:150], [90, 91], prompt[150:160], [92], prompt[10:30]])
     seq = SimpleNamespace(seq_id=0, prompt_ids=prompt.tolist(), output_ids=[], stats=None)
     for n in range(len(answer)):
         seq.output_ids = answer[:n].tolist()
         tokens = np.concatenate([prompt, answer[:n]]).astype(np.int64)
         assert native.propose([seq], [10]) == ref.propose([seq], [10]) == ([ref.match(tokens, 10)[0]], [None])
         assert native.match(tokens, 10) == ref.match(tokens, 10)
+
+
+# -- stop tokens, an inserted new token, the newline view ----------------------------------------
+
+
+def test_an_occurrence_followed_by_a_stop_token_is_no_candidate():
+    from quantspec.infer.spec.ngram import propose_ngram_match
+
+    tokens = [7, 1, 9, 2, 7, 1, 3, 4, 7, 1]  # [7, 1] occurs at 0-1 (then 9) and 4-5 (then 3)
+    assert propose_ngram_match(tokens, 2, 3) == ([3, 4, 7], 2)  # the most recent
+    assert propose_ngram_match(tokens, 2, 3, stop_ids=(3,)) == ([9, 2, 7], 2)
+    assert propose_ngram_match(tokens, 2, 3, stop_ids=(3, 9)) == ([], 0)  # no candidate left
+    assert propose_ngram_match(tokens, 2, 3, stop_ids=(5,)) == ([3, 4, 7], 2)  # not in the sequence
+
+
+def _ref_seq(prompt, output, _ids=iter(range(1 << 30))):
+    """A new sequence (its own id: a proposer keeps each id's tokens and only appends to them)."""
+    from types import SimpleNamespace
+
+    return SimpleNamespace(seq_id=next(_ids), prompt_ids=list(prompt), output_ids=list(output), stats=None)
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_the_proposer_stops_drafts_at_a_stop_token_and_matches_past_a_new_token(native):
+    """An answer opens its copy of a fenced block with a word the prompt does not have (```python
+    for ```): the match of the tokens before it is the opening fence, not the closing one, whose
+    continuation is the end of the turn; a draft that reaches a stop token ends before it."""
+    from quantspec.infer.spec.proposers import ReferenceProposer
+    from quantspec.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels() if native else None
+    if native and kernels is None:
+        pytest.skip("quantspec's CPU kernels are not built here")
+    EOS, NL, FENCE, PY = 2, 8, 50, 77
+    prompt = [30, 31, NL, FENCE, NL, 60, 61, 62, NL, 63, NL, FENCE, EOS, 1, 40, NL]
+    ref = ReferenceProposer(3, 5, stop_ids=[EOS], kernels=kernels)
+    assert ref.propose([_ref_seq(prompt, [FENCE, PY])], [5])[0] == [[NL, 60, 61, 62, NL]]
+    # without stop ids the closing fence (the most recent) wins, and the draft is the turn's end
+    bare = ReferenceProposer(3, 5, kernels=kernels)
+    assert bare.propose([_ref_seq(prompt, [FENCE, PY])], [5])[0] == [[EOS, 1, 40, NL, FENCE]]
+    # a draft is cut before the stop token: [63, NL, FENCE] and not the EOS after it
+    assert ref.propose([_ref_seq(prompt, [FENCE, NL, 60, 61, 62, NL, 63])], [5])[0] == [[NL, FENCE]]
+    assert bare.propose([_ref_seq(prompt, [FENCE, NL, 60, 61, 62, NL, 63])], [5])[0] == [[NL, FENCE, EOS, 1, 40]]
+    # one agreeing token before the new one is too weak (INSERTION_MIN = 2): nothing
+    assert ref.propose([_ref_seq(prompt, [45, 61, PY])], [5])[0] == [[]]
+
+
+def _byte_bpe(newline_pieces: bool):
+    """A byte-level BPE with newline-run tokens: GPT-2's pre-tokenizer (a blank line before a word
+    is two single newlines, as in SmolLM2's) or one that keeps newline runs whole (as Llama-3's
+    and Qwen2's do)."""
+    from tokenizers import Regex, Tokenizer, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {c: i for i, c in enumerate(alphabet)}
+    vocab.update({"ĊĊ": len(vocab), "ĊĊĊ": len(vocab) + 1})
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[("Ċ", "Ċ"), ("ĊĊ", "Ċ")]))
+    if newline_pieces:
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    else:
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(r"\n+"), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    return PreTrainedTokenizerFast(tokenizer_object=tok), vocab
+
+
+def test_newline_runs_from_the_tokenizer():
+    from quantspec.infer.spec.ngram import NewlineRuns
+
+    tok, vocab = _byte_bpe(True)
+    nl = vocab["Ċ"]
+    assert tok.encode("a\n\nb") == [vocab["a"], nl, nl, vocab["b"]]
+    assert tok.encode("x\n\n\ny") == [vocab["x"], vocab["ĊĊ"], nl, vocab["y"]]  # a prompt's two blank lines
+    view = NewlineRuns.from_tokenizer(tok)
+    assert view == NewlineRuns(nl, {vocab["ĊĊ"]: 2, vocab["ĊĊĊ"]: 3})
+    assert view.expand([5, vocab["ĊĊ"], nl, 6, vocab["ĊĊĊ"]]) == [5, nl, nl, nl, 6, nl, nl, nl]
+    assert view.expand([]) == []
+    whole, vocab2 = _byte_bpe(False)
+    assert whole.encode("a\n\nb") == [vocab2["a"], vocab2["ĊĊ"], vocab2["b"]]
+    assert NewlineRuns.from_tokenizer(whole) is None  # its models emit the runs themselves
+    assert NewlineRuns.from_tokenizer(None) is None
+    assert NewlineRuns.from_tokenizer(object()) is None  # no encode
+
+
+@pytest.mark.parametrize("native", [False, True])
+def test_the_newline_view_picks_the_copy_up_after_a_dropped_blank_line(native):
+    """The prompt separates two functions by two blank lines (`\\n\\n` `\\n`), the answer by one
+    (`\\n` `\\n`): with the view the draft after the answer's first newline is the second one and
+    the next function; token by token it is not. The buffer holds the view of every token."""
+    from quantspec.infer.spec.ngram import NewlineRuns
+    from quantspec.infer.spec.proposers import ReferenceProposer, _TokenBuffer
+    from quantspec.kernels.cpu import cpu_kernels
+
+    kernels = cpu_kernels() if native else None
+    if native and kernels is None:
+        pytest.skip("quantspec's CPU kernels are not built here")
+    NL, NN = 8, 100
+    view = NewlineRuns(NL, {NN: 2})
+    f1 = [20, 21, 22, 23, 24]  # "    return x"
+    f2 = [30, 31, 32, 33]  # "def g(y):"
+    prompt = [40, 41, NL] + f1 + [NN, NL] + f2 + [NL, 42, 43]
+    out = [40, 41, NL] + f1 + [NL]
+    flat = ReferenceProposer(3, 4, kernels=kernels)
+    seen = ReferenceProposer(3, 4, kernels=kernels, newline_runs=view)
+    # the view drafts the prompt's three newlines: the first is right, and the step's own token
+    # (the function) puts the answer back on the copy; token by token no newline follows f1's end
+    assert seen.propose([_ref_seq(prompt, out)], [4])[0] == [[NL, NL, 30, 31]]
+    assert flat.propose([_ref_seq(prompt, out)], [4])[0][0][:1] != [NL]
+    assert seen.propose([_ref_seq(prompt, out + [NL, 30])], [4])[0] == [[31, 32, 33, NL]]
+
+    def forwards(proposer, answer):  # greedy steps to produce `answer` after its first token
+        seq, n, steps = _ref_seq(prompt, answer[:1]), 1, 0
+        while n < len(answer):
+            draft = proposer.propose([seq], [4])[0][0]
+            a = 0
+            while a < len(draft) and n + a < len(answer) and draft[a] == answer[n + a]:
+                a += 1
+            n, steps = n + a + 1, steps + 1
+            seq.output_ids = answer[:n]
+        return steps
+
+    answer = out + [NL] + f2 + [NL, 42, 43]
+    assert forwards(seen, answer) < forwards(flat, answer)
+
+    # the buffer: the view of the prompt, then of the output as it grows (by 0, 1 or more tokens
+    # a step, past the initial capacity)
+    long_prompt = (prompt * 20)[:300]
+    outs = [NN, 5, NN, NL, NN, 6, 7, NN, NN] * 30
+    buf, seq = _TokenBuffer(view), _ref_seq(long_prompt, [])
+    for n in [0, 0, 1, 2, 5, 6, 6, 9, 40, 41, 200, 270]:
+        seq.output_ids = outs[:n]
+        want = view.expand(long_prompt + outs[:n])
+        assert buf.sync(seq).tolist() == want and buf.tensor[: buf.size].tolist() == want
+    plain = _TokenBuffer()
+    assert plain.sync(seq).tolist() == long_prompt + outs[:270]
