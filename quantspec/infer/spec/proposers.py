@@ -363,28 +363,28 @@ class ReferenceProposer:
         docstring). `buffer`: a torch tensor whose first len(tokens) elements are the tokens, for
         the extension's matchers (else they wrap the array)."""
         n = tokens.shape[0]
-        if self._native is None:
-            draft, agreement = propose_ngram_match(tokens, self.max_ngram_size, cap, self.min_ngram_size)
-        else:
-            buffer = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64)) if buffer is None else buffer
-            draft, agreement = self._native[0](buffer, n, self.max_ngram_size, cap, self.min_ngram_size)
+        if self._native is not None and buffer is None:
+            buffer = torch.from_numpy(np.ascontiguousarray(tokens, dtype=np.int64))
+        draft, agreement = self._exact(tokens, n, cap, buffer)
         if self.realign and agreement <= REALIGN_BELOW:
             other, matched = realigned_match(tokens, cap) if self._native is None else self._native[1](buffer, n, cap)
             if other and matched >= max(REALIGN_MIN, agreement + REALIGN_MARGIN):
                 draft, agreement = other, matched
         if not draft and cap > 0 and n > 2:  # the last token is new: match what came before it
-            if self._native is None:
-                before, agreed = propose_ngram_match(tokens[: n - 1], self.max_ngram_size, cap, self.min_ngram_size,
-                                                     self.stop_ids)
-            else:
-                before, agreed = self._native[0](buffer, n - 1, self.max_ngram_size, cap, self.min_ngram_size,
-                                                 self.stop_ids)
+            before, agreed = self._exact(tokens, n - 1, cap, buffer, self.stop_ids)
             if agreed >= INSERTION_MIN:
                 draft, agreement = before, 1
         for i, t in enumerate(draft):
             if t in self._stop:
                 return draft[:i], agreement
         return draft, agreement
+
+    def _exact(self, tokens: np.ndarray, n: int, cap: int, buffer: torch.Tensor | None,
+               stop_ids: tuple[int, ...] = ()) -> tuple[list[int], int]:
+        """`propose_ngram_match` of the first n tokens, by the extension's matcher where there is one."""
+        if self._native is None:
+            return propose_ngram_match(tokens[:n], self.max_ngram_size, cap, self.min_ngram_size, stop_ids)
+        return self._native[0](buffer, n, self.max_ngram_size, cap, self.min_ngram_size, stop_ids)
 
     def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
         drafts: list[list[int]] = []
