@@ -2,8 +2,10 @@
 
 (a) transformers (`AutoModelForCausalLM.from_pretrained`, compressed-tensors decompressing) loads
     OUR artifacts — int8, int4, a8w8 and a8w8_fp8, the last two also with a static KV-cache
-    scheme — and its logits equal quantspec's (`load_for_inference`; the KV-cache ones through
-    the paged int8/fp8 cache) within 1e-4 (measured: ≤ 5e-6 on logits of magnitude ~11).
+    scheme — and its logits equal quantspec's (`load_for_inference`) within 1e-4 (≤ 5e-6 on
+    logits of magnitude ~11). transformers ignores `k_scale` / `v_scale` (its load report lists
+    them as unexpected) and runs a float KV cache, so a KV-quantized artifact is compared with
+    quantspec's float-KV path, and the scales are checked to be in the file.
 (b) quantspec loads checkpoints written through compressed-tensors' OWN API (its lifecycle
     `apply_quantization_config`, weight qparams from its `calculate_qparams`, `ModelCompressor
     .compress_model` + `save_pretrained` + `update_config`) for W4A16 (sym and asym, g32) and
@@ -72,8 +74,17 @@ def test_transformers_loads_our_artifact(tiny_llama_dir, tmp_path, name, spec):
     art = write_quantized_artifact(tiny_llama_dir, tmp_path / name, **spec)
     theirs = _hf_logits(art)
     lm = load_for_inference(art, tokenizer=False)
-    ours = _paged_logits(lm) if lm.kv_cache_dtype else logits(lm.model, IDS)
-    torch.testing.assert_close(ours, theirs, **TOL)
+    torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)  # float KV on both sides
+    if spec.get("kv_cache"):
+        from quantspec.quant.artifact import load_safetensors
+
+        stored = load_safetensors(art)
+        for i in range(lm.args.num_layers):
+            for kv, want in (("k_scale", lm.k_scale[i]), ("v_scale", lm.v_scale[i])):
+                got = stored[f"model.layers.{i}.self_attn.{kv}"]
+                torch.testing.assert_close(got.float().reshape(-1), want.float(), rtol=0, atol=0)
+        # quantspec's quantized-KV path runs the scales: it differs from transformers' float KV
+        assert (_paged_logits(lm) - theirs).abs().max() > 1e-3
     # the comparison has teeth: the unquantized model is far from both
     fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
     assert (fp32 - theirs).abs().max() > 1e-3
