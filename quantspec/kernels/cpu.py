@@ -34,6 +34,7 @@ import os
 import platform
 import sys
 import threading
+import time
 from pathlib import Path
 from types import ModuleType
 
@@ -80,6 +81,7 @@ _SOURCE = Path(__file__).parent / "csrc" / "cpu.cpp"
 # no fused multiply-adds the compiler picks per call site: a row's numbers must not depend on
 # how many rows a tile holds
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
+_STALE_LOCK_S = 600  # a build takes ~30 s: a lock older than this belongs to a killed build
 _log = logging.getLogger("quantspec")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "module": None, "error": None}
@@ -111,9 +113,20 @@ def _build() -> ModuleType:
     key = _build_key()
     build_dir = cache_dir() / "ext" / f"cpu-{key}"
     build_dir.mkdir(parents=True, exist_ok=True)
+    # compile a copy inside the build directory: the build is keyed by the source's content, and
+    # every checkout or install with that content then shares one build (ninja would rebuild
+    # whenever the source's path changed)
+    source = build_dir / _SOURCE.name
+    if not source.is_file() or source.read_bytes() != _SOURCE.read_bytes():
+        from quantspec.outputs import write_text
+
+        write_text(source, _SOURCE.read_text())
+    lock = build_dir / "lock"  # torch's build lock: a build killed midway leaves it behind forever
+    if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
+        lock.unlink(missing_ok=True)
     if not any(build_dir.glob("*.so")):
         _log.warning("quantspec: compiling the CPU kernels for this machine (once, ~30 s)")
-    return load(name=f"quantspec_cpu_{key}", sources=[str(_SOURCE)],
+    return load(name=f"quantspec_cpu_{key}", sources=[str(source)],
                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"],
                 build_directory=str(build_dir), verbose=False)
 
