@@ -9,6 +9,9 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantspec.errors import QuantSpecError, about, positive_int
+from quantspec.outputs import check_output_dir, check_output_file
+
 __all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "train_mtp"]
 
 
@@ -19,11 +22,12 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     Returns (outputs, stats). With `output_file`, writes each input row plus `output` (text) and
     `output_token_ids`, atomically. `config` is an `infer.predictor.InferConfig`.
     """
-    from quantspec.errors import QuantSpecError
     from quantspec.infer.predictor import Predictor, read_jsonl, write_jsonl
 
     if (prompts is None) == (data_file is None):
-        raise QuantSpecError("give either a prompt or --data-file (not both)")
+        raise QuantSpecError("give either --prompt or --data-file (not both)")
+    if output_file is not None:
+        check_output_file(output_file, "--output-file")
     rows = read_jsonl(data_file) if data_file is not None else [{"src": p} for p in prompts]
     predictor = Predictor(config)
     outs, stats = predictor.run([r["src"] for r in rows], on_text=on_text)
@@ -123,7 +127,6 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     from transformers import AutoTokenizer
 
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-    from quantspec.errors import QuantSpecError
     from quantspec.model_zoo.checkpoint import load_model
     from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, MTPTrainConfig,
                                                atomic_torch_save, check_resumable, choose_draft_vocab,
@@ -136,13 +139,14 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     if dataset is None and not self_distill:
         raise QuantSpecError("no training data: pass --dataset, or keep --self-distill")
     if targets not in ("soft", "hard"):
-        raise QuantSpecError(f"targets={targets!r}: use 'soft' or 'hard'")
+        raise QuantSpecError(f"--targets {targets!r}: use 'soft' or 'hard'")
     if targets == "soft" and not self_distill:
         raise QuantSpecError("soft targets are the base's own distribution (self-distillation): drop "
                              "--no-self-distill, or pass --targets hard to train on the dataset's tokens")
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, chain_weight=chain_weight,
                             save_every=save_every, seed=seed, draft_vocab_size=draft_vocab_size,
                             soft_targets=targets == "soft")
+    check_output_dir(out, "--out", overwrite=True)  # an existing run there is resumed or refused below
     done = check_resumable(out, config, resume)  # before minutes of feature extraction
     if done is not None and done >= steps:  # nothing to train: no data to prepare either
         return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
@@ -150,7 +154,12 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     features_path = Path(out) / FEATURES_NAME
     say = on_status or (lambda _m: None)
     t0 = time.perf_counter()
-    base, model_dir = load_model(model)
+    texts = None
+    if dataset is not None:
+        with about("--dataset"):
+            texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
+    with about("--model"):
+        base, model_dir = load_model(model)
     for p in base.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
@@ -159,7 +168,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
             prompts = list(CHAT_PROMPTS)
         elif isinstance(chat_prompts, int) and not isinstance(chat_prompts, bool):
             if chat_prompts < 1:
-                raise QuantSpecError(f"chat_prompts={chat_prompts} must be >= 1 (at most {len(builtin_prompts())} built in)")
+                raise QuantSpecError(f"--chat-prompts {chat_prompts} must be >= 1 (at most {len(builtin_prompts())} built in)")
             prompts = builtin_prompts(chat_prompts)
         else:
             prompts = list(chat_prompts)
@@ -177,7 +186,6 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     else:
         parts, data = [], {"self_distill": self_distill}
         if dataset is not None:
-            texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
             batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
             say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
             parts.append(extract_features(base, batches, self_distill=self_distill))
@@ -262,7 +270,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
              calib: str | Path | None = None, smoothquant_alpha: float | str | None = None,
              kv_cache: str | None = None, fallback_layers: int = 0,
              fallback_threshold: float | None = None, search_samples: int = 4,
-             overwrite: bool = False, progress=None) -> Path:
+             overwrite: bool = False, progress=None, on_status=None) -> Path:
     """Quantize a checkpoint into an artifact directory at `out`; returns its path.
 
     The artifact: config.json = the source config + `quantization_config` (compressed-tensors
@@ -270,7 +278,8 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     compressed-tensors names, tokenizer + generation config copied, and `quantspec.json`
     provenance (version, method, args, calibration summary, source fingerprint and size, wall
     time). Written atomically: on any error or Ctrl-C `out` is left as it was.
-    `progress(layer, num_layers, phase)` is called per decoder layer.
+    `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at
+    each phase (loading, measuring, writing).
     weight_only_int4 with `symmetric=False` only: `zp_dtype` ("float16" | "bfloat16" | "float32")
     stores float zero points (compressed-tensors' `zp_dtype`) instead of integer ones.
     `weight_observer="mse"` searches every weight scale's clipping range (RTN and GPTQ's groups;
@@ -287,8 +296,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
     from quantspec import __version__
     from quantspec.calib.ptq import METHODS, quantize_model
-    from quantspec.errors import QuantSpecError
-    from quantspec.model_zoo.checkpoint import load_model, read_config, resolve_model_dir
+    from quantspec.model_zoo.checkpoint import load_model, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.quant.args import QuantType, default_weight_observer, preset
     from quantspec.quant.artifact import write_artifact
 
@@ -299,9 +307,6 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     if out is None:
         raise QuantSpecError("--out is required: the directory to write the artifact to")
     out = Path(out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not overwrite:
-        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or "
-                             "pass --overwrite")
     if method == "gptq" and dataset is None:
         raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
                              ".txt/.json/.jsonl/.parquet file or a hub id)")
@@ -326,25 +331,43 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     config = preset(qt, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype,
                     weight_observer=weight_observer,
                     ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
+    if method == "gptq":
+        positive_int("num_samples", num_samples)
+        positive_int("seq_len", seq_len)
+        if not damp > 0:
+            raise QuantSpecError(f"--damp {damp} must be > 0 (e.g. 0.01)")
+    check_output_dir(out, "--out", overwrite=overwrite)
+    say = on_status or (lambda _m: None)
 
-    model_dir = resolve_model_dir(model)
-    src_cfg = read_config(model_dir)
-    if src_cfg.get("quantization_config"):
-        raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
+    with about("--model"):
+        model_dir = resolve_model_dir(model)
+        src_cfg = read_config(model_dir)
+        if src_cfg.get("quantization_config"):
+            raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
+        verify_checkpoint(model_dir)
+    table = None
+    if needs_table or kv_cache is not None:  # read before the model: a bad table fails at once
+        from quantspec.calib.tables import read_table
+
+        with about("--calib"):
+            table = read_table(calib, model_dir=model_dir)
     src_dtype = getattr(torch, str(src_cfg.get("torch_dtype") or src_cfg.get("dtype") or "float32"),
                         torch.float32)
     if not isinstance(src_dtype, torch.dtype) or not src_dtype.is_floating_point:
         src_dtype = torch.float32
     from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
+    say(f"loading {model_dir}")
     if is_mtp_config(src_cfg):  # an MTP module (`zoo train-mtp`), quantized on its own
         if method != "rtn" or needs_table or kv_cache is not None:
             raise QuantSpecError(f"{model_dir} is an MTP module: quantize it with --method rtn to "
                                  "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
                                  "scales need its base's hidden states)")
-        net = load_mtp(model_dir)
+        with about("--model"):
+            net = load_mtp(model_dir)
     else:
-        net, _ = load_model(model_dir, dtype=torch.float32)
+        with about("--model"):
+            net, _ = load_model(model_dir, dtype=torch.float32)
 
     calib_summary: dict = {}
     batches = None
@@ -353,7 +376,9 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
         from quantspec.calib.data import build_calibration_batches, load_calibration_texts
 
-        texts = load_calibration_texts(dataset, split=split, text_field=text_field)
+        say(f"reading the calibration data {dataset}")
+        with about("--dataset"):
+            texts = load_calibration_texts(dataset, split=split, text_field=text_field)
         tok = AutoTokenizer.from_pretrained(str(model_dir))
         batches = build_calibration_batches(texts, tok, num_samples, seq_len, seed)
         calib_summary.update(dataset=str(dataset), split=split, text_field=text_field,
@@ -362,11 +387,8 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     if (fallback_layers or fallback_threshold is not None) and not needs_table:
         raise QuantSpecError("--a8w8-fallback-layers is for a8w8 / a8w8_fp8 (weight-only types "
                              "have no activation quantization to fall back from); drop it")
-    input_scales = table = plan = None
+    input_scales = plan = None
     if needs_table:
-        from quantspec.calib.tables import read_table
-
-        table = read_table(calib, model_dir=model_dir)
         table.check_model(net)
         search_ids = None
         if smoothquant_alpha == "auto" or fallback_layers or fallback_threshold is not None:
@@ -374,6 +396,9 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
                                         seed)
         from quantspec.calib.sensitivity import plan_static_quant
 
+        if search_ids is not None:
+            say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
+                "(SmoothQuant α search, fallback layers)")
         # smooths `net` in place (fixed or searched α), measures and picks fallback Linears
         plan = plan_static_quant(net, table, qt, smoothquant_alpha=smoothquant_alpha,
                                  input_ids=search_ids, fallback_layers=fallback_layers,
@@ -383,10 +408,6 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
             from quantspec.calib.sensitivity import with_fallback_layers
 
             config = with_fallback_layers(config, plan.fallback)
-    elif kv_cache is not None:
-        from quantspec.calib.tables import read_table
-
-        table = read_table(calib, model_dir=model_dir)
     if table is not None:
         calib_summary.update(calib=str(calib), calibration=table.meta,
                              smoothquant_alpha=smoothquant_alpha, kv_cache=kv_cache)
@@ -396,6 +417,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     res = quantize_model(net, config, method, batches, block_size=block_size, damp=damp,
                          act_order=act_order, input_scales=input_scales, scale_dtype=src_dtype,
                          out_dtype=src_dtype, progress=progress)
+    say(f"writing {out}")
     if kv_cache is not None:  # k_scale / v_scale [KV, 1, 1] per attention (compressed-tensors)
         kv_kind = "fp8" if config.kv_cache_scheme.type == "float" else "int8"
         res.tensors.update(table.kv_artifact_tensors(kv_kind))
@@ -433,7 +455,6 @@ def _table_batches(table, model_dir, dataset, split, text_field, num_samples, se
     from transformers import AutoTokenizer
 
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-    from quantspec.errors import QuantSpecError
 
     meta = table.meta or {}
     src = dataset or meta.get("dataset_path") or meta.get("dataset")
@@ -451,21 +472,16 @@ def _table_batches(table, model_dir, dataset, split, text_field, num_samples, se
 def inspect(path: str | Path) -> dict:
     """What an artifact (or plain checkpoint) holds: scheme, per-Linear bits / group size,
     size on disk and compression ratio vs the source (from provenance)."""
-    from safetensors import safe_open
-
-    from quantspec.errors import QuantSpecError
-    from quantspec.model_zoo.checkpoint import resolve_model_dir, safetensors_files
+    from quantspec.model_zoo.checkpoint import resolve_model_dir, safetensors_files, safetensors_keys
     from quantspec.quant.artifact import read_provenance, read_quant_config
 
-    d = resolve_model_dir(path)
-    qc = read_quant_config(d)
-    files = safetensors_files(d)
-    names: list[str] = []
-    for f in files:
-        with safe_open(str(f), framework="pt") as h:
-            names.extend(h.keys())
+    with about("PATH"):
+        d = resolve_model_dir(path)
+        qc = read_quant_config(d)
+        files = safetensors_files(d)
+        names = [k for f in files for k in safetensors_keys(f)]
+        meta = read_provenance(d)
     weights_bytes = sum(f.stat().st_size for f in files)
-    meta = read_provenance(d)
     prov = meta.get("provenance") or {}
     out = {"path": str(d), "quantized": qc is not None, "size_bytes": _dir_bytes(d),
            "weights_bytes": weights_bytes, "num_tensors": len(names)}
@@ -515,30 +531,44 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
     `calib` or from the artifact). Returns `PerplexityResult.to_dict()` + model and source."""
     import torch
 
-    from quantspec.errors import QuantSpecError
+    from quantspec.devices import resolve_device
     from quantspec.infer.evaluate import load_eval_tokens, load_for_eval, perplexity
+    from quantspec.model_zoo.checkpoint import resolve_model_dir
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise QuantSpecError(f"unknown --dtype {dtype!r}; use one of: {', '.join(dtypes)}")
     if kv_cache_dtype not in ("auto", "int8", "fp8"):
-        raise QuantSpecError(f"unknown kv cache dtype {kv_cache_dtype!r}; use auto, int8 or fp8")
+        raise QuantSpecError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; use auto, int8 or fp8")
     if (text_file is None) == (dataset is None):
         raise QuantSpecError("pass exactly one of --text-file or --dataset")
-    em = load_for_eval(str(model), dtypes[dtype], device)
-    ids = load_eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
-                           text_field=text_field)
+    if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
+        raise QuantSpecError(f"--seq-len {seq_len!r} must be an integer ≥ 2")
+    positive_int("batch_size", batch_size)
+    if max_windows is not None:
+        positive_int("max_windows", max_windows)
+    if kv_cache_dtype != "auto" and calib is None:  # the scales come from the artifact: check it has them
+        from quantspec.quant.artifact import read_quant_config
+
+        with about("--model"):
+            qc = read_quant_config(resolve_model_dir(model))
+        if qc is None or qc.kv_cache_scheme is None:
+            raise QuantSpecError(f"a static {kv_cache_dtype} KV cache needs scales: pass --calib DIR "
+                                 "from `quantspec calibrate`, or an artifact that stores k/v scales")
+    with about("--model"):
+        em = load_for_eval(str(model), dtypes[dtype], resolve_device(device))
+    with about("--text-file" if text_file is not None else "--dataset"):
+        ids = load_eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
+                               text_field=text_field)
     k_scale = v_scale = None
     if kv_cache_dtype != "auto":
         if calib is not None:
             from quantspec.calib.tables import read_table
 
-            k_scale, v_scale = read_table(calib, model_dir=em.model_dir).kv_scales(kv_cache_dtype)
-        elif em.k_scale is not None:
-            k_scale, v_scale = em.k_scale, em.v_scale
+            with about("--calib"):
+                k_scale, v_scale = read_table(calib, model_dir=em.model_dir).kv_scales(kv_cache_dtype)
         else:
-            raise QuantSpecError(f"a static {kv_cache_dtype} KV cache needs scales: pass --calib DIR "
-                                 "from `quantspec calibrate`, or an artifact that stores k/v scales")
+            k_scale, v_scale = em.k_scale, em.v_scale
     res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
                      batch_size=batch_size, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, progress=progress)

@@ -8,18 +8,25 @@ exception is a bug and keeps its traceback.
 from __future__ import annotations
 
 import functools
+import signal
 import sys
+import threading
 
 import click
 
 from quantspec import __version__
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, Terminated
 
 __all__ = ["main"]
 
 
+EXIT_BAD_INPUT = 2
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
+EXIT_TERMINATED = 143  # 128 + SIGTERM
+
+
 def _one_line_errors(fn):
-    """Turn QuantSpecError (and Ctrl-C) into one line on stderr and a non-zero exit."""
+    """Turn QuantSpecError (and Ctrl-C / SIGTERM) into one line on stderr and a non-zero exit."""
 
     @functools.wraps(fn)
     def wrapper(*args, **kwargs):
@@ -27,15 +34,53 @@ def _one_line_errors(fn):
             return fn(*args, **kwargs)
         except QuantSpecError as e:
             click.secho(f"error: {e}", fg="red", err=True)
-            sys.exit(2)
+            sys.exit(EXIT_BAD_INPUT)
+        except Terminated:
+            click.secho("terminated; nothing partial was left behind", fg="yellow", err=True)
+            sys.exit(EXIT_TERMINATED)
         except KeyboardInterrupt:
             click.secho("interrupted; nothing partial was left behind", fg="yellow", err=True)
-            sys.exit(130)
+            sys.exit(EXIT_INTERRUPTED)
 
     return wrapper
 
 
-@click.group(context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
+def _raise_terminated(signum, frame):
+    raise Terminated()
+
+
+class _Main(click.Group):
+    """The `quantspec` group: click's usage errors as one line, SIGTERM unwinding like Ctrl-C, and
+    the libraries below kept quiet."""
+
+    def main(self, args=None, prog_name=None, complete_var=None, standalone_mode=True, **extra):
+        from quantspec.console import quiet_libraries
+
+        quiet_libraries()
+        in_main_thread = threading.current_thread() is threading.main_thread()
+        previous = signal.signal(signal.SIGTERM, _raise_terminated) if in_main_thread else None
+        try:
+            if not standalone_mode:
+                return super().main(args, prog_name, complete_var, standalone_mode, **extra)
+            try:
+                rv = super().main(args, prog_name, complete_var, standalone_mode=False, **extra)
+            except click.exceptions.Abort:
+                click.secho("interrupted; nothing partial was left behind", fg="yellow", err=True)
+                sys.exit(EXIT_INTERRUPTED)
+            except click.ClickException as e:
+                hint = ""
+                if isinstance(e, click.UsageError) and e.ctx is not None:
+                    hint = f" (see '{e.ctx.command_path} --help')"
+                message = " ".join(e.format_message().split())
+                click.secho(f"error: {message}{hint}", fg="red", err=True)
+                sys.exit(e.exit_code)
+            sys.exit(rv if isinstance(rv, int) else 0)
+        finally:
+            if in_main_thread:
+                signal.signal(signal.SIGTERM, signal.SIG_DFL if previous is None else previous)
+
+
+@click.group(cls=_Main, context_settings={"help_option_names": ["-h", "--help"], "max_content_width": 100})
 @click.version_option(__version__, prog_name="quantspec")
 def main():
     """Quantize, calibrate, run with speculative decoding, and report on decoder LLMs."""
@@ -105,10 +150,10 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     """Generate text with a model or a quantized artifact (optionally speculating)."""
     import json
 
-    from rich.console import Console
-
     from quantspec import api
+    from quantspec.console import err_console
     from quantspec.infer.predictor import InferConfig, stream_to_stdout
+    from quantspec.outputs import check_output_file, write_json
 
     if cachekv_int8_type == "static" and cachekv_fp8_type == "static":
         raise QuantSpecError("choose one of --cachekv-int8-type and --cachekv-fp8-type")
@@ -116,10 +161,12 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     if prompt is None and data_file is None:
         raise QuantSpecError("give --prompt TEXT or --data-file FILE.jsonl")
     config = InferConfig(chat_template=not no_chat_template, cachekv=cachekv, **kw)
+    if stats_file:
+        check_output_file(stats_file, "--stats-file")
     single = prompt is not None
     outs, stats = api.infer(config, [prompt] if single else None, data_file=data_file,
                             output_file=output_file, on_text=stream_to_stdout if single else None)
-    console = Console(stderr=True)
+    console = err_console()
     if single:
         print()
     elif not output_file:
@@ -130,11 +177,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     if kw["benchmark"]:
         console.print(_stats_table("quantspec infer --benchmark", stats))
     if stats_file:
-        with open(stats_file, "w") as f:
-            json.dump(stats, f, indent=2)
+        write_json(stats_file, stats)
 
-
-# ---- zoo train-mtp (issue 6, G2) -----------------------------------------------------------------
 
 @main.group()
 def zoo():
@@ -170,21 +214,13 @@ def zoo():
 @_one_line_errors
 def train_mtp(**kw):
     """Train a DeepSeek-V3-style MTP module for a frozen base (use with --speculate-method mtp)."""
-    from rich.console import Console
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
     from quantspec import api
+    from quantspec.console import Progress
 
-    console = Console(stderr=True)
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(), TimeElapsedColumn(),
-                   console=console, transient=True)
-    task = bar.add_task("train-mtp", total=kw["steps"])
-
-    def on_step(step, total, loss):
-        bar.update(task, completed=step, total=total, description=f"train-mtp loss {loss:.3f}")
-
-    with bar:
-        res = api.train_mtp(on_step=on_step, on_status=lambda m: bar.console.log(m), **kw)
+    with Progress("train-mtp") as progress:
+        res = api.train_mtp(on_step=lambda step, total, loss: progress.fraction(step, total, f"loss {loss:.3f}"),
+                            on_status=progress.status, **kw)
+    console = progress.console
     if res["start_step"] >= res["steps"] and res["positions"] is None:
         console.print(f"{res['out']} is already trained to {res['start_step']} steps (--steps {res['steps']}): "
                       "nothing to do; pass a larger --steps to continue it", soft_wrap=True)
@@ -196,21 +232,6 @@ def train_mtp(**kw):
 
 
 # ---- quantize / inspect / eval (issue 3) ---------------------------------------------------------
-
-def _layer_progress(description: str):
-    """A rich progress bar fed by `progress(layer, num_layers, phase)` callbacks."""
-    from rich.progress import BarColumn, MofNCompleteColumn, Progress, TextColumn, TimeElapsedColumn
-
-    bar = Progress(TextColumn("{task.description}"), BarColumn(), MofNCompleteColumn(),
-                   TimeElapsedColumn(), transient=True)
-    task = bar.add_task(description, total=None)
-
-    def callback(i: int, n: int, phase: str) -> None:
-        if phase == "done":
-            bar.update(task, total=n, completed=i + 1, description=f"{description} layer {i + 1}/{n}")
-
-    return bar, callback
-
 
 def _gib(n) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
@@ -261,20 +282,17 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
-    from rich.console import Console
-
     from quantspec import api
+    from quantspec.console import Progress
 
-    console = Console(stderr=True)
     if smoothquant_alpha is not None and smoothquant_alpha != "auto":
         try:
             smoothquant_alpha = float(smoothquant_alpha)
         except ValueError:
             raise click.BadParameter(f"{smoothquant_alpha!r} is neither a number nor 'auto'",
                                      param_hint="--smoothquant-alpha") from None
-    bar, callback = _layer_progress(f"{method} {quant_type}")
     t0 = time.perf_counter()
-    with bar:
+    with Progress(f"quantize {quant_type}") as progress:
         path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
                             symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
                             weight_observer=None if weight_observer == "auto" else weight_observer,
@@ -283,11 +301,12 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
                             kv_cache=kv_cache, fallback_layers=fallback_layers,
-                            fallback_threshold=fallback_threshold, progress=callback)
+                            fallback_threshold=fallback_threshold, progress=progress.layer,
+                            on_status=progress.status)
     info = api.inspect(path)
-    console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
-                  f"{info.get('compression_ratio') or '?'}x smaller than the source, "
-                  f"{time.perf_counter() - t0:.1f} s)")
+    progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
+                           f"{info.get('compression_ratio') or '?'}x smaller than the source, "
+                           f"{time.perf_counter() - t0:.1f} s)")
 
 
 @main.command()
@@ -299,16 +318,16 @@ def inspect(path, as_json):
     import json
     from collections import Counter
 
-    from rich.console import Console
     from rich.table import Table
 
     from quantspec import api
+    from quantspec.console import out_console
 
     info = api.inspect(path)
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return
-    console = Console()
+    console = out_console()
     head = Table(title=f"quantspec inspect {info['path']}", show_header=False)
     head.add_row("quantized", str(info["quantized"]))
     for key in ("quant_type", "format", "method", "quantspec_version"):
@@ -375,17 +394,15 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
     kv_cache_dtype = static[0] if static else kv_cache_dtype
     import json
 
-    from rich.console import Console
-    from rich.progress import Progress
+    from quantspec.console import Progress
 
     from quantspec import api
 
-    with Progress(transient=True, console=Console(stderr=True)) as bar:
-        task = bar.add_task("eval", total=None)
+    with Progress("eval") as progress:
         res = api.evaluate(model, text_file=text_file, dataset=dataset, split=split, text_field=text_field,
                            seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, dtype=dtype,
                            kv_cache_dtype=kv_cache_dtype, calib=calib,
-                           progress=lambda done, n: bar.update(task, total=n, completed=done))
+                           progress=progress.fraction)
     if as_json:
         click.echo(json.dumps(res))
         return
@@ -427,13 +444,12 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @_one_line_errors
 def report(**kw):
     """Measure which (base quant × draft quant × KV cache) pairs work, stay lossless, and how fast."""
-    from rich.console import Console
-
     from quantspec import api
+    from quantspec.console import err_console, out_console
     from quantspec.report import ReportConfig
     from quantspec.report.render import rich_table
 
-    console = Console(stderr=True)
+    console = err_console()
     kw["symmetric"] = not kw.pop("asym")
     kw["zp_dtype"] = None if kw["zp_dtype"] == "int" else kw["zp_dtype"]
     config = ReportConfig(**kw)
@@ -451,7 +467,7 @@ def report(**kw):
             console.print(f"{where}: [yellow]unsupported[/]: {result.reason}")
 
     result = api.report(config, progress=progress)
-    Console().print(rich_table(result))
+    out_console().print(rich_table(result))
     console.print(f"wrote {config.out}/report.md, report.json and the heatmap "
                   f"({len(result.computed)} cells computed, {len(result.skipped)} reused)")
 
@@ -479,16 +495,12 @@ def report(**kw):
 @_one_line_errors
 def calibrate(model, dataset, out, **kw):
     """Measure static activation and KV-cache scales (scales.safetensors + calibration.json)."""
-    from rich.console import Console
-
     from quantspec import api
+    from quantspec.console import Progress
 
-    console = Console(stderr=True)
-    bar, callback = _layer_progress(f"calibrate ({kw['observer']})")
-    with bar:
-        res = api.calibrate(model, dataset, out, progress=callback,
-                            on_status=lambda msg: bar.console.log(msg), **kw)
+    with Progress(f"calibrate ({kw['observer']})") as progress:
+        res = api.calibrate(model, dataset, out, progress=progress.layer, on_status=progress.status, **kw)
     m = res.meta
-    console.print(f"[green]wrote[/] {res.path}  ({m['num_layers']} layers, {m['num_samples']} × "
-                  f"{m['seq_len']} tokens, observer {m['observer']}, fingerprint "
-                  f"{m['model_fingerprint']}, {res.wall_s:.1f} s)")
+    progress.console.print(f"[green]wrote[/] {res.path}  ({m['num_layers']} layers, {m['num_samples']} × "
+                           f"{m['seq_len']} tokens, observer {m['observer']}, fingerprint "
+                           f"{m['model_fingerprint']}, {res.wall_s:.1f} s)")

@@ -3,8 +3,6 @@
 import json
 import shutil
 
-import pytest
-import torch
 from click.testing import CliRunner
 
 from quantspec.cli import main

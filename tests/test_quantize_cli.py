@@ -132,7 +132,7 @@ def test_quantize_mse_weight_observer(tiny_llama_dir, corpus_files, tmp_path):
                                     "weight_only_int8", "--weight-observer", "median", "--out",
                                     str(tmp_path / "x")])
     assert bad.exit_code == 2 and "median" in bad.output
-    with pytest.raises(QuantSpecError, match="unknown weight observer"):
+    with pytest.raises(QuantSpecError, match="unknown --weight-observer"):
         api.quantize(tiny_llama_dir, "weight_only_int8", tmp_path / "y", weight_observer="median")
 
 

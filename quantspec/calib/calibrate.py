@@ -22,8 +22,8 @@ The MSE observer searches its clipping on the int8 grid (the table serves int8 a
 
 A NaN/Inf activation raises `QuantSpecError` naming the Linear (observer) or layer (runner).
 `device_map="auto"` builds the model on the meta device and streams one layer at a time from
-the checkpoint's safetensors (the checkpoint is the offload store; `offload_dir` is created and
-recorded but nothing needs to be written there).
+the checkpoint's safetensors (the checkpoint is the offload store; `offload_dir` is checked to be
+writable and recorded, but nothing needs to be written there).
 """
 
 from __future__ import annotations
@@ -40,7 +40,8 @@ from quantspec.calib.observers import DEFAULT_PERCENTILE, OBSERVERS, Observer, m
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner
 from quantspec.calib.tables import (INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, model_fingerprint,
                                     write_table)
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, about, positive_int
+from quantspec.outputs import check_output_dir
 
 __all__ = [
     "DEVICE_MAPS",
@@ -89,12 +90,6 @@ def resolve_calibration_dtype(name: str) -> str:
     return "bfloat16" if _cpu_has_native_bf16() else "float32"
 
 
-def _pos_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise QuantSpecError(f"{name}={v!r} must be a positive int")
-    return v
-
-
 @dataclass(frozen=True)
 class CalibrateConfig:
     """Everything `quantspec calibrate` needs; validated when built (one line per bad field)."""
@@ -118,30 +113,30 @@ class CalibrateConfig:
 
     def __post_init__(self):
         if not self.dataset:
-            raise QuantSpecError("dataset is empty; pass --dataset FILE or a hub dataset id")
+            raise QuantSpecError("--dataset is empty; pass --dataset FILE or a hub dataset id")
         if not self.out:
-            raise QuantSpecError("out is empty; pass --out DIR for the calibration table")
+            raise QuantSpecError("--out is empty; pass --out DIR for the calibration table")
         if not isinstance(self.text_field, str) or not self.text_field:
-            raise QuantSpecError("text_field is empty; pass --text-field (the dataset column with "
+            raise QuantSpecError("--text-field is empty; pass --text-field (the dataset column with "
                                  "the text)")
-        _pos_int("num_samples", self.num_samples)
-        _pos_int("seq_len", self.seq_len)
-        _pos_int("batch_size", self.batch_size)
+        positive_int("num_samples", self.num_samples)
+        positive_int("seq_len", self.seq_len)
+        positive_int("batch_size", self.batch_size)
         if isinstance(self.seed, bool) or not isinstance(self.seed, int):
-            raise QuantSpecError(f"seed={self.seed!r} must be an int")
+            raise QuantSpecError(f"--seed {self.seed!r} must be an integer")
         if self.observer not in OBSERVERS:
-            raise QuantSpecError(f"observer {self.observer!r} unknown; use one of: "
+            raise QuantSpecError(f"--observer {self.observer!r} unknown; use one of: "
                                  f"{', '.join(OBSERVERS)}")
         if self.kv_observer is not None and self.kv_observer not in OBSERVERS:
-            raise QuantSpecError(f"kv_observer {self.kv_observer!r} unknown; use one of: "
+            raise QuantSpecError(f"--kv-observer {self.kv_observer!r} unknown; use one of: "
                                  f"{', '.join(OBSERVERS)}")
         if not isinstance(self.percentile, (int, float)) or not 50.0 < float(self.percentile) <= 100.0:
-            raise QuantSpecError(f"percentile={self.percentile!r} must be in (50, 100], e.g. 99.99")
+            raise QuantSpecError(f"--percentile {self.percentile!r} must be in (50, 100], e.g. 99.99")
         if self.dtype != "auto" and self.dtype not in _DTYPES:
-            raise QuantSpecError(f"dtype {self.dtype!r} unsupported; use auto or one of "
+            raise QuantSpecError(f"--dtype {self.dtype!r} unsupported; use auto or one of "
                                  f"{', '.join(_DTYPES)}")
         if self.device_map not in DEVICE_MAPS:
-            raise QuantSpecError(f"device_map {self.device_map!r} unsupported; use 'auto' (stream "
+            raise QuantSpecError(f"--device-map {self.device_map!r} unsupported; use 'auto' (stream "
                                  "layers from disk) or 'cpu'")
         if self.offload_dir is not None and self.device_map != "auto":
             raise QuantSpecError("--offload-dir needs --device-map auto")
@@ -285,18 +280,17 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     say = on_status or (lambda msg: None)
-    out = Path(config.out)
-    if out.exists() and (not out.is_dir() or any(out.iterdir())) and not config.overwrite:
-        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or pass "
-                             "--overwrite")
+    out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
     if config.offload_dir is not None:
-        Path(config.offload_dir).mkdir(parents=True, exist_ok=True)
+        check_output_dir(config.offload_dir, "--offload-dir", overwrite=True)
     say("reading the dataset")
-    texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
+    with about("--dataset"):
+        texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
     say("loading the model")
     dtype_name = resolve_calibration_dtype(config.dtype)
     dtype = _DTYPES[dtype_name]
-    net, model_dir, weights_dir = _load_for_calibration(config.model, dtype, config.device_map)
+    with about("--model"):
+        net, model_dir, weights_dir = _load_for_calibration(config.model, dtype, config.device_map)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # no tokenizer files: one line

@@ -17,12 +17,13 @@ only pre-built batches are used.
 from __future__ import annotations
 
 import warnings
+import json
 from pathlib import Path
 from typing import Sequence
 
 import torch
 
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, positive_int
 
 __all__ = [
     "LOCAL_BUILDERS",
@@ -57,7 +58,27 @@ def _check_local_file(path: Path) -> str:
         )
     if path.stat().st_size == 0:
         raise QuantSpecError(f"dataset file {str(path)!r} is empty; pass a file with text in it")
+    if builder in ("text", "json"):
+        _check_text_file(path, jsonl=path.suffix.lower() == ".jsonl")
     return builder
+
+
+def _check_text_file(path: Path, *, jsonl: bool) -> None:
+    """One line naming the first line of `path` that is not UTF-8 (or, for jsonl, not JSON):
+    `datasets` reports either as a generation error without a place."""
+    with path.open("rb") as f:
+        for lineno, raw in enumerate(f, 1):
+            try:
+                line = raw.decode("utf-8")
+            except UnicodeDecodeError as e:
+                raise QuantSpecError(f"dataset file {str(path)!r} line {lineno} is not UTF-8 (byte "
+                                     f"0x{raw[e.start]:02x}); save the file as UTF-8") from None
+            if jsonl and line.strip():
+                try:
+                    json.loads(line)
+                except json.JSONDecodeError as e:
+                    raise QuantSpecError(f"dataset file {str(path)!r} line {lineno}: malformed JSON at column "
+                                         f"{e.colno} ({e.msg.lower()}); fix that line") from None
 
 
 def _first_line(e: BaseException) -> str:
@@ -117,12 +138,6 @@ def load_calibration_texts(dataset: str, *, split: str = "train", text_field: st
     return texts
 
 
-def _positive_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise QuantSpecError(f"{name}={v!r} must be a positive int")
-    return v
-
-
 def build_calibration_batches(
     texts: Sequence[str],
     tokenizer,
@@ -142,8 +157,8 @@ def build_calibration_batches(
     --num-samples or --seq-len); with `allow_fewer=True` the windows that exist are returned with
     a warning (at least one window is still required).
     """
-    num_samples = _positive_int("num_samples", num_samples)
-    seq_len = _positive_int("seq_len", seq_len)
+    num_samples = positive_int("num_samples", num_samples)
+    seq_len = positive_int("seq_len", seq_len)
     if isinstance(texts, str) or not isinstance(texts, Sequence):
         raise QuantSpecError("texts must be a list of strings (see load_calibration_texts)")
     if len(texts) == 0:
@@ -170,8 +185,8 @@ def build_calibration_batches(
     found = min(num_samples, len(stream) // seq_len)
     if found < num_samples:
         msg = (
-            f"calibration data has {len(stream)} tokens: only {found} samples of seq_len {seq_len}, "
-            f"but num_samples={num_samples} were asked; use a lower --num-samples or --seq-len, "
+            f"calibration data has {len(stream)} tokens: only {found} samples of --seq-len {seq_len}, "
+            f"but --num-samples {num_samples} were asked; use a lower --num-samples or --seq-len, "
             f"or more data"
         )
         if not allow_fewer or found == 0:

@@ -38,7 +38,7 @@ from typing import Callable, Iterator
 import torch
 from torch import nn
 
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, positive_int
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.quant.primitives import all_finite
 
@@ -102,8 +102,7 @@ class LayerRunner:
         if input_ids.shape[0] == 0 or input_ids.shape[1] == 0:
             raise QuantSpecError(f"input_ids has shape {tuple(input_ids.shape)}; need at least one "
                                  "sample of at least one token")
-        if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-            raise QuantSpecError(f"batch_size={batch_size!r} must be a positive int")
+        positive_int("batch_size", batch_size)
         vocab = model.args.vocab_size
         if int(input_ids.max()) >= vocab or int(input_ids.min()) < 0:
             raise QuantSpecError(f"input_ids hold token ids outside [0, {vocab}); the tokenizer "

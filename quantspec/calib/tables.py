@@ -32,8 +32,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import shutil
-import tempfile
 import warnings
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -42,7 +40,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.quant.artifact import replace_directory
+from quantspec.outputs import atomic_dir
 from quantspec.quant.primitives import scale_from_absmax
 
 __all__ = [
@@ -261,11 +259,6 @@ def write_table(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
     from safetensors.torch import save_file
 
     out = Path(out)
-    if out.exists() and not out.is_dir():
-        raise QuantSpecError(f"{out} exists and is not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or pass "
-                             "--overwrite")
     clean = {}
     for k, t in tensors.items():
         if not isinstance(t, torch.Tensor) or not t.is_floating_point():
@@ -273,16 +266,10 @@ def write_table(out: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
         if not torch.isfinite(t).all():
             raise QuantSpecError(f"table entry {k!r} holds NaN/Inf; calibration went wrong")
         clean[k] = t.detach().to("cpu", torch.float32).contiguous()
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         save_file(clean, str(tmp / SCALES_NAME), metadata={"format": "quantspec-calib"})
         full_meta = {"format_version": TABLE_FORMAT_VERSION, **dict(meta)}
         (tmp / META_NAME).write_text(json.dumps(full_meta, indent=2, default=str))
-        replace_directory(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
 
 

@@ -50,11 +50,11 @@ class EngineConfig:
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise QuantSpecError(f"block_size={self.block_size} must be a power of two (e.g. 64)")
+            raise QuantSpecError(f"--block-size {self.block_size} must be a power of two (e.g. 64)")
         if self.max_batch_size < 1:
-            raise QuantSpecError(f"batch_size={self.max_batch_size} must be >= 1")
+            raise QuantSpecError(f"--batch-size {self.max_batch_size} must be >= 1")
         if self.max_length < 2:
-            raise QuantSpecError(f"max_length={self.max_length} must be >= 2")
+            raise QuantSpecError(f"--max-length {self.max_length} must be >= 2")
         self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
 
     def blocks_needed(self) -> int:

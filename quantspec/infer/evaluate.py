@@ -25,7 +25,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, positive_int
 from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
 from quantspec.model_zoo.llama import Transformer
 
@@ -51,10 +51,9 @@ class PerplexityResult:
 def windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None = None) -> torch.Tensor:
     """token_ids [N] → non-overlapping windows [W, seq_len] (tail dropped, first max_windows)."""
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
-        raise QuantSpecError(f"seq_len={seq_len!r} must be an int ≥ 2")
-    if max_windows is not None and (isinstance(max_windows, bool) or not isinstance(max_windows, int)
-                                    or max_windows <= 0):
-        raise QuantSpecError(f"max_windows={max_windows!r} must be a positive int")
+        raise QuantSpecError(f"--seq-len {seq_len!r} must be an integer ≥ 2")
+    if max_windows is not None:
+        positive_int("max_windows", max_windows)
     n = token_ids.numel() // seq_len
     if n == 0:
         raise QuantSpecError(f"the text has {token_ids.numel()} tokens, fewer than --seq-len "
@@ -151,8 +150,7 @@ def perplexity(model: Transformer, token_ids: torch.Tensor, *, seq_len: int = 51
     """
     if not isinstance(token_ids, torch.Tensor) or token_ids.ndim != 1:
         raise QuantSpecError("token_ids must be a 1-D LongTensor of token ids")
-    if isinstance(batch_size, bool) or not isinstance(batch_size, int) or batch_size <= 0:
-        raise QuantSpecError(f"batch_size={batch_size!r} must be a positive int")
+    positive_int("batch_size", batch_size)
     if int(token_ids.max()) >= model.args.vocab_size:
         raise QuantSpecError(f"token id {int(token_ids.max())} is outside the model's vocab "
                              f"({model.args.vocab_size}); the tokenizer does not match the model")

@@ -23,7 +23,8 @@ from typing import Callable
 
 import torch
 
-from quantspec.errors import QuantSpecError
+from quantspec.devices import resolve_device
+from quantspec.errors import QuantSpecError, about
 from quantspec.infer.engine import Engine, EngineConfig, Sequence
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.default import DEFAULT_MODEL
@@ -92,8 +93,7 @@ class InferConfig:
             raise QuantSpecError(
                 f"--src-length {self.src_length} must be in [1, --max-length {self.max_length})"
             )
-        if self.device == "auto":
-            self.device = "cuda" if torch.cuda.is_available() else "cpu"
+        self.device = resolve_device(self.device)
         if self.speculate_min_confidence is None:
             self.speculate_min_confidence = MTP_MIN_CONFIDENCE if self.speculate_method == "mtp" else 0.0
         if not 0.0 <= self.speculate_min_confidence < 1.0:
@@ -107,6 +107,12 @@ class InferConfig:
             if self.speculate_method != "draft":
                 raise QuantSpecError("--speculate-draft-head applies to --speculate-method draft only; drop it")
         self.stop = tuple(self.stop)
+        # the speculation's, the engine's and the sampler's own checks, before any model is loaded
+        from quantspec.infer.spec.proposers import validate_spec_config
+
+        validate_spec_config(self)
+        EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length)
+        self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(decode_strategy=self.decode_strategy, temperature=self.temperature,
@@ -139,35 +145,42 @@ def resolve_dtype(config: InferConfig) -> torch.dtype:
     return auto_dtype(config.model, config.device)
 
 
-def read_jsonl(path: str | Path, field_name: str = "src") -> list[dict]:
+def read_jsonl(path: str | Path, field_name: str = "src", flag: str = "--data-file") -> list[dict]:
+    """The rows of a UTF-8 jsonl file, each an object with a string `field_name`; errors name
+    `flag`, the line and the column."""
     path = Path(path)
-    if not path.exists():
-        raise QuantSpecError(f"--data-file {path} does not exist")
+    if not path.is_file():
+        raise QuantSpecError(f"{flag} {path} does not exist" if not path.exists() else f"{flag} {path} is not a file")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except UnicodeDecodeError as e:
+        line = path.read_bytes()[: e.start].count(b"\n") + 1
+        raise QuantSpecError(f"{flag} {path}:{line}: not UTF-8 (byte 0x{e.object[e.start]:02x}); save the file "
+                             "as UTF-8") from None
     rows = []
-    with path.open(encoding="utf-8") as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                row = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise QuantSpecError(f"{path}:{lineno}: malformed JSON ({e.msg}); fix that line") from None
-            if not isinstance(row, dict) or not isinstance(row.get(field_name), str):
-                raise QuantSpecError(f"{path}:{lineno}: each line needs a string field {field_name!r}")
-            rows.append(row)
+    for lineno, line in enumerate(text.splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+        except json.JSONDecodeError as e:
+            raise QuantSpecError(f"{flag} {path}:{lineno}: malformed JSON at column {e.colno} "
+                                 f"({e.msg.lower()}); fix that line") from None
+        if not isinstance(row, dict) or not isinstance(row.get(field_name), str):
+            raise QuantSpecError(f"{flag} {path}:{lineno}: each line needs a string field {field_name!r}")
+        rows.append(row)
     if not rows:
-        raise QuantSpecError(f"--data-file {path} is empty; give one JSON object per line with a {field_name!r} field")
+        raise QuantSpecError(f"{flag} {path} is empty; give one JSON object per line with a {field_name!r} field")
     return rows
 
 
 def write_jsonl(path: str | Path, rows: list[dict]) -> None:
     """Write atomically: a crash midway leaves any previous file intact."""
-    path = Path(path)
-    tmp = path.with_name(f".{path.name}.tmp")
-    with tmp.open("w", encoding="utf-8") as f:
+    from quantspec.outputs import atomic_file
+
+    with atomic_file(path) as tmp, tmp.open("w", encoding="utf-8") as f:
         for row in rows:
             f.write(json.dumps(row, ensure_ascii=False) + "\n")
-    tmp.replace(path)
 
 
 def peak_memory_mb(device: str) -> float:
@@ -183,7 +196,8 @@ class Predictor:
         self.config = config
         from quantspec.infer.loader import load_for_inference
 
-        self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device)
+        with about("--model"):
+            self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device)
         self.tokenizer = self.loaded.tokenizer
         k_scale = v_scale = None
         cachekv = config.cachekv
@@ -214,14 +228,12 @@ class Predictor:
         )
 
     def _proposer(self):
-        method = self.config.speculate_method
-        if method == "none":
-            if self.config.draft_model:
-                raise QuantSpecError("--draft-model needs --speculate-method draft or mtp")
+        if self.config.speculate_method == "none":
             return None, 0
         from quantspec.infer.spec.proposers import build_proposer
 
-        return build_proposer(self.config, self.loaded)
+        with about("--draft-model"):
+            return build_proposer(self.config, self.loaded)
 
     # -- prompts -----------------------------------------------------------------------------
 

@@ -95,41 +95,41 @@ class SamplingParams:
 
         if not _is_real(self.temperature) or not math.isfinite(self.temperature):
             raise QuantSpecError(
-                f"temperature={self.temperature!r} must be a finite number; pass e.g. 1.0"
+                f"--temperature {self.temperature!r} must be a finite number; pass e.g. 1.0"
             )
         if strategy is DecodeStrategy.SAMPLING and self.temperature <= 0:
             raise QuantSpecError(
-                f"temperature={self.temperature} must be > 0 for decode_strategy='sampling'; "
-                "use decode_strategy='greedy' for deterministic decoding"
+                f"--temperature {self.temperature} must be > 0 with --decode-strategy sampling; "
+                "use --decode-strategy greedy for deterministic decoding"
             )
         if self.temperature < 0:
-            raise QuantSpecError(f"temperature={self.temperature} must be >= 0")
+            raise QuantSpecError(f"--temperature {self.temperature} must be >= 0")
         object.__setattr__(self, "temperature", float(self.temperature))
 
         if not _is_int(self.top_k) or self.top_k < 0:
-            raise QuantSpecError(f"top_k={self.top_k!r} must be an int >= 0 (0 turns top-k off)")
+            raise QuantSpecError(f"--top-k {self.top_k!r} must be an integer >= 0 (0 turns top-k off)")
         object.__setattr__(self, "top_k", int(self.top_k))
 
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise QuantSpecError(f"top_p={self.top_p!r} must be in (0, 1] (1.0 turns top-p off)")
+            raise QuantSpecError(f"--top-p {self.top_p!r} must be in (0, 1] (1.0 turns top-p off)")
         object.__setattr__(self, "top_p", float(self.top_p))
 
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
-            raise QuantSpecError(f"seed={self.seed!r} must be None or an int in [0, 2**63)")
+            raise QuantSpecError(f"--seed {self.seed!r} must be an integer in [0, 2**63)")
         if self.seed is not None:
             object.__setattr__(self, "seed", int(self.seed))
 
         if not _is_int(self.max_new_tokens) or self.max_new_tokens < 1:
-            raise QuantSpecError(f"max_new_tokens={self.max_new_tokens!r} must be an int >= 1")
+            raise QuantSpecError(f"--max-new-tokens {self.max_new_tokens!r} must be an integer >= 1")
         object.__setattr__(self, "max_new_tokens", int(self.max_new_tokens))
 
         if isinstance(self.stop, str):
             raise QuantSpecError(
-                f"stop={self.stop!r} must be a list of strings, not a string; pass [{self.stop!r}]"
+                f"--stop {self.stop!r} must be a list of strings, not a string; pass [{self.stop!r}]"
             )
         stop = tuple(self.stop)
         if not all(isinstance(s, str) and s for s in stop):
-            raise QuantSpecError(f"stop={list(stop)!r} must contain only non-empty strings")
+            raise QuantSpecError(f"--stop {list(stop)!r} must contain only non-empty strings")
         object.__setattr__(self, "stop", stop)
 
     @property

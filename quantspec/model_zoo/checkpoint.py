@@ -7,9 +7,11 @@ checked against its HF weight-name table.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 from pathlib import Path
+from typing import Iterator
 
 import torch
 
@@ -21,8 +23,11 @@ __all__ = [
     "load_checkpoint_tensors",
     "load_model",
     "read_config",
+    "reading_safetensors",
     "resolve_model_dir",
     "safetensors_files",
+    "safetensors_keys",
+    "verify_checkpoint",
 ]
 
 # Tensors some HF checkpoints carry that are recomputed here.
@@ -76,8 +81,11 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     model_dir = Path(model_dir)
     index = model_dir / "model.safetensors.index.json"
     if index.exists():
-        weight_map = json.loads(index.read_text())["weight_map"]
-        files = sorted({model_dir / f for f in weight_map.values()})
+        try:
+            weight_map = json.loads(index.read_text())["weight_map"]
+            files = sorted({model_dir / f for f in weight_map.values()})
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise QuantSpecError(f"{index} is corrupt (no weight_map); re-download or re-create it") from None
         missing = [f.name for f in files if not f.exists()]
         if missing:
             raise QuantSpecError(
@@ -95,20 +103,48 @@ def safetensors_files(model_dir: Path) -> list[Path]:
     return files
 
 
+@contextlib.contextmanager
+def reading_safetensors(f: str | os.PathLike) -> Iterator[None]:
+    """Read the safetensors file `f` inside the block: a missing, truncated or corrupt file is one
+    line naming it."""
+    from safetensors import SafetensorError
+
+    f = Path(f)
+    if not f.is_file():
+        raise QuantSpecError(f"{f} is missing; re-download or re-create it")
+    try:
+        yield
+    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
+        reason = str(e).splitlines()[0][:160] if str(e) else type(e).__name__
+        raise QuantSpecError(f"{f} is truncated or corrupt ({reason}); re-download or re-create it") from None
+
+
+def safetensors_keys(f: str | os.PathLike) -> list[str]:
+    """The tensor names of one safetensors file, from its header (the file must cover every
+    tensor the header lists: a truncated file is refused without reading its data)."""
+    from safetensors import safe_open
+
+    with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
+        return list(h.keys())
+
+
+def verify_checkpoint(model_dir: Path) -> list[Path]:
+    """The checkpoint's safetensors files, each checked from its header: a missing shard or a
+    truncated or corrupt file is refused before any work starts."""
+    files = safetensors_files(model_dir)
+    for f in files:
+        safetensors_keys(f)
+    return files
+
+
 def load_checkpoint_tensors(model_dir: Path, device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
     """All tensors of a single-file or sharded safetensors checkpoint."""
-    from safetensors import SafetensorError
     from safetensors.torch import load_file
 
     tensors: dict[str, torch.Tensor] = {}
     for f in safetensors_files(model_dir):
-        try:
+        with reading_safetensors(f):
             tensors.update(load_file(str(f), device=str(device)))
-        except (SafetensorError, OSError, RuntimeError) as e:
-            reason = str(e).splitlines()[0][:120]
-            raise QuantSpecError(
-                f"{f} is truncated or corrupt ({reason}); re-download or re-create it"
-            ) from None
     return tensors
 
 

@@ -11,8 +11,6 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
-import shutil
-import tempfile
 from pathlib import Path
 
 from quantspec.errors import QuantSpecError
@@ -55,9 +53,11 @@ def ensure_zoo_model(name: str) -> Path:
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM, AutoTokenizer
 
-    target.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{name}.", dir=target.parent))
-    try:
+    from quantspec.outputs import atomic_dir
+
+    # a half-converted directory of a killed run is removed by atomic_dir; an incomplete target
+    # (no weights) is replaced
+    with atomic_dir(target, overwrite=True) as tmp:
         tok = AutoTokenizer.from_pretrained(gguf.parent, gguf_file=gguf.name)
         hf = AutoModelForCausalLM.from_pretrained(gguf.parent, gguf_file=gguf.name, dtype=torch.float32)
         state = {k: v.contiguous() for k, v in hf.state_dict().items()}
@@ -72,10 +72,4 @@ def ensure_zoo_model(name: str) -> Path:
         (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
         hf.generation_config.save_pretrained(tmp)
         tok.save_pretrained(tmp)
-        if target.exists():
-            shutil.rmtree(target)
-        os.replace(tmp, target)
-    finally:
-        if tmp.exists():
-            shutil.rmtree(tmp, ignore_errors=True)
     return target

@@ -33,7 +33,6 @@ from __future__ import annotations
 import hashlib
 import json
 import os
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
@@ -42,6 +41,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.outputs import atomic_file, write_text
 from quantspec.model_zoo.llama import (ARCHITECTURES, DecoderLayer, ModelArgs, RMSNorm, Transformer,
                                        layer_weight_table)
 
@@ -285,16 +285,9 @@ def save_mtp(mtp: MTPModule, out_dir: str | os.PathLike, extra_config: dict | No
     cfg = mtp.args.to_config()
     cfg.update(extra_config or {})
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in mtp.state_dict().items()}
-    for name, write in (("model.safetensors", lambda p: save_file(tensors, p, metadata={"format": "pt"})),
-                        ("config.json", lambda p: Path(p).write_text(json.dumps(cfg, indent=2) + "\n"))):
-        fd, tmp = tempfile.mkstemp(prefix=f".{name}.", dir=out)
-        os.close(fd)
-        try:
-            write(tmp)
-            os.replace(tmp, out / name)
-        finally:
-            if os.path.exists(tmp):
-                os.unlink(tmp)
+    with atomic_file(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
     return out
 
 

@@ -27,7 +27,6 @@ from __future__ import annotations
 
 import math
 import os
-import tempfile
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Callable
@@ -35,7 +34,7 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, positive_int
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.model_zoo.mtp import MTPArgs, MTPModule, save_mtp
 
@@ -81,11 +80,9 @@ class MTPTrainConfig:
 
     def __post_init__(self):
         for name in ("steps", "batch_tokens", "save_every", "draft_vocab_size"):
-            v = getattr(self, name)
-            if isinstance(v, bool) or not isinstance(v, int) or v < 1:
-                raise QuantSpecError(f"{name}={v!r} must be a positive int")
+            positive_int(name, getattr(self, name))
         if not self.lr > 0:
-            raise QuantSpecError(f"lr={self.lr} must be > 0 (e.g. 1e-3)")
+            raise QuantSpecError(f"--lr {self.lr} must be > 0 (e.g. 1e-3)")
 
     def lr_at(self, step: int) -> float:
         warm = max(1, int(self.warmup_frac * self.steps))
@@ -199,14 +196,10 @@ def init_mtp(base: Transformer, draft_vocab: torch.Tensor, seed: int = 0) -> MTP
 
 def atomic_torch_save(obj, path: Path) -> None:
     """torch.save to a temporary file beside `path`, renamed over it only when complete."""
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    os.close(fd)
-    try:
+    from quantspec.outputs import atomic_file
+
+    with atomic_file(path) as tmp:
         torch.save(obj, tmp)
-        os.replace(tmp, path)
-    finally:
-        if os.path.exists(tmp):
-            os.unlink(tmp)
 
 
 def _soft_ce(logits: torch.Tensor, teacher: torch.Tensor, valid: torch.Tensor) -> torch.Tensor:

@@ -95,7 +95,7 @@ class QuantType(str, enum.Enum):
             return cls(str(value).lower())
         except ValueError:
             names = ", ".join(t.value for t in cls)
-            raise QuantSpecError(f"unknown quant type {value!r}; use one of: {names}") from None
+            raise QuantSpecError(f"unknown --quant-type {value!r}; use one of: {names}") from None
 
 
 def _err(where: str, msg: str) -> QuantSpecError:
@@ -615,7 +615,7 @@ def resolve_group_size(K: int, requested: int) -> int:
     if requested == -1:
         return -1
     if not isinstance(requested, int) or requested < MIN_GROUP_SIZE:
-        raise QuantSpecError(f"group_size {requested!r} is too small; use a power of two "
+        raise QuantSpecError(f"--group-size {requested!r} is too small; use a power of two "
                              f"≥ {MIN_GROUP_SIZE} (e.g. 128) or -1 for per-channel")
     g = 1 << (requested.bit_length() - 1)  # largest power of two ≤ requested
     while g >= MIN_GROUP_SIZE:
@@ -662,19 +662,22 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     qt = QuantType.parse(quant_type)
     weight_observer = weight_observer or default_weight_observer(qt)
     if weight_observer not in WEIGHT_OBSERVERS:
-        raise QuantSpecError(f"unknown weight observer {weight_observer!r}; use one of: "
+        raise QuantSpecError(f"unknown --weight-observer {weight_observer!r}; use one of: "
                              f"{', '.join(WEIGHT_OBSERVERS)}")
     if zp_dtype is not None:
         if qt is not QuantType.WEIGHT_ONLY_INT4:
-            raise QuantSpecError(f"zp_dtype (--zp-dtype) {zp_dtype} is for weight_only_int4 only; "
+            raise QuantSpecError(f"--zp-dtype {zp_dtype} is for weight_only_int4 only; "
                                  f"drop it for {qt.value}")
         if symmetric:
-            raise QuantSpecError(f"zp_dtype (--zp-dtype) {zp_dtype} needs asymmetric weights; "
-                                 "add --asym (symmetric=False)")
+            raise QuantSpecError(f"--zp-dtype {zp_dtype} needs asymmetric weights; add --asym")
     ia = None
     if qt is QuantType.WEIGHT_ONLY_INT8:
         w = QuantArgs(num_bits=8, type="int", symmetric=symmetric, strategy="channel")
     elif qt is QuantType.WEIGHT_ONLY_INT4:
+        if group_size != -1 and (isinstance(group_size, bool) or not isinstance(group_size, int)
+                                 or group_size < MIN_GROUP_SIZE):
+            raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
+                                 f"{MIN_GROUP_SIZE}, e.g. 128")
         if group_size == -1:
             w = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="channel",
                           zp_dtype=zp_dtype)
@@ -687,7 +690,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
                        dynamic=False, observer="minmax")
     else:
         if not symmetric:
-            raise QuantSpecError("a8w8_fp8 is symmetric only; drop symmetric=False")
+            raise QuantSpecError("a8w8_fp8 is symmetric only; drop --asym")
         w = QuantArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
         ia = QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor",
                        dynamic=False, observer="minmax")
@@ -697,7 +700,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     if kv_cache is not None:
         kind = str(kv_cache).lower().removeprefix("cachekv_")
         if kind not in ("int8", "fp8"):
-            raise QuantSpecError(f"kv_cache {kv_cache!r} unsupported; use 'int8', 'fp8' or None")
+            raise QuantSpecError(f"--kv-cache {kv_cache!r} unsupported; use int8 or fp8")
         kv = QuantArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
                        strategy=kv_strategy, dynamic=False)
     scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=ia)

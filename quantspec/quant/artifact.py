@@ -25,16 +25,17 @@ import dataclasses
 import json
 import os
 import shutil
-import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from safetensors import SafetensorError, safe_open
+from safetensors import safe_open
 from safetensors.torch import save_file
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import reading_safetensors
+from quantspec.outputs import atomic_dir
 from quantspec.quant.args import QuantArgs, QuantConfig
 from quantspec.quant.packing import pack_int4, unpack_int4
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
@@ -47,7 +48,6 @@ __all__ = [
     "DEFAULT_MAX_SHARD_BYTES",
     "LinearQuant",
     "linear_to_tensors",
-    "replace_directory",
     "linear_from_tensors",
     "kv_scale_tensors",
     "write_artifact",
@@ -272,18 +272,14 @@ def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tenso
     """Write an artifact directory atomically; returns its path.
 
     Everything goes into a temporary directory beside `out_dir` that is renamed into place only
-    when complete; on any error the temporary directory is removed and `out_dir` is untouched.
+    when complete (`outputs.atomic_dir`); on any error the temporary directory is removed and
+    `out_dir` is untouched.
     An existing non-empty `out_dir` is refused unless `overwrite=True`.
     `config` is the HF config.json dict (including `quantization_config`); `extra_files` maps
     a file name in the artifact to a source path (tokenizer files, ...); `provenance` goes to
     `quantspec.json`.
     """
     out = Path(out_dir)
-    if out.exists() and not out.is_dir():
-        raise QuantSpecError(f"{out} exists and is not a directory; choose another --out")
-    if out.is_dir() and any(out.iterdir()) and not overwrite:
-        raise QuantSpecError(f"{out} already exists and is not empty; choose another --out or "
-                             "pass overwrite=True (--overwrite)")
     if not isinstance(config, Mapping):
         raise QuantSpecError("config must be a mapping (the HF config.json dict)")
     reserved = {CONFIG_NAME, SAFETENSORS_INDEX_NAME, PROVENANCE_NAME}
@@ -292,9 +288,7 @@ def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tenso
             raise QuantSpecError(f"extra file name {name!r} is reserved or not a plain file name")
         if not Path(extra_files[name]).is_file():
             raise QuantSpecError(f"extra file source {extra_files[name]} does not exist")
-    out.parent.mkdir(parents=True, exist_ok=True)
-    tmp = Path(tempfile.mkdtemp(prefix=f".{out.name}.tmp-", dir=out.parent))
-    try:
+    with atomic_dir(out, overwrite=overwrite) as tmp:
         prepared = _prepare(tensors)
         shards = _shard(prepared, max_shard_bytes)
         if len(shards) == 1:
@@ -311,30 +305,10 @@ def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tenso
             (tmp / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
         (tmp / CONFIG_NAME).write_text(json.dumps(dict(config), indent=2, default=str))
         for name, src in (extra_files or {}).items():
-            shutil.copy2(src, tmp / name)
+            shutil.copyfile(src, tmp / name)
         (tmp / PROVENANCE_NAME).write_text(json.dumps(dict(provenance or {}), indent=2,
                                                       default=str))
-        replace_directory(tmp, out)
-    except BaseException:
-        shutil.rmtree(tmp, ignore_errors=True)
-        raise
     return out
-
-
-def replace_directory(tmp: Path, out: Path) -> None:
-    """Move the finished directory `tmp` to `out` by renames only; an existing `out` is swapped
-    out and restored if the final rename fails, so a reader never sees a half-written `out`."""
-    if out.exists():
-        old = Path(tempfile.mkdtemp(prefix=f".{out.name}.old-", dir=out.parent))
-        os.rename(out, old / "d")
-        try:
-            os.rename(tmp, out)
-        except BaseException:
-            os.rename(old / "d", out)  # put the original back
-            raise
-        shutil.rmtree(old, ignore_errors=True)
-    else:
-        os.rename(tmp, out)
 
 
 def read_artifact_config(path: str | os.PathLike) -> dict:
@@ -375,16 +349,9 @@ def read_provenance(path: str | os.PathLike) -> dict:
 
 
 def _load_file(f: Path, device: str, names: set[str] | None = None) -> dict[str, torch.Tensor]:
-    if not f.is_file():
-        raise QuantSpecError(f"{f} is missing; re-download or re-create it")
-    try:
-        with safe_open(str(f), framework="pt", device=device) as h:
-            keys = h.keys() if names is None else [k for k in h.keys() if k in names]
-            return {k: h.get_tensor(k) for k in keys}
-    except (SafetensorError, OSError, RuntimeError, ValueError) as e:
-        reason = str(e).splitlines()[0] if str(e) else type(e).__name__
-        raise QuantSpecError(f"{f} is truncated or corrupt ({reason}); re-download or "
-                             "re-create it") from None
+    with reading_safetensors(f), safe_open(str(f), framework="pt", device=device) as h:
+        keys = h.keys() if names is None else [k for k in h.keys() if k in names]
+        return {k: h.get_tensor(k) for k in keys}
 
 
 def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, torch.Tensor]:

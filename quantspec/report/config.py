@@ -15,7 +15,7 @@ import os
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
 
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, positive_int
 from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir
 from quantspec.quant.args import QuantType
 
@@ -92,12 +92,6 @@ class Cell:
         return f"{self.name}__{settings_hash}"
 
 
-def _pos_int(name: str, v) -> int:
-    if isinstance(v, bool) or not isinstance(v, int) or v <= 0:
-        raise QuantSpecError(f"{name}={v!r} must be a positive int")
-    return v
-
-
 @dataclass(frozen=True)
 class ReportConfig:
     """Everything `quantspec report` needs; validated when built."""
@@ -150,9 +144,9 @@ class ReportConfig:
         set_("cachekv", parse_list(self.cachekv, CACHEKV_CHOICES, "--cachekv"))
         for name in ("calib_num_samples", "calib_seq_len", "eval_windows", "eval_seq_len", "max_new_tokens",
                      "speculate_max_draft_token_num", "speculate_max_ngram_size"):
-            _pos_int(name, getattr(self, name))
+            positive_int(name, getattr(self, name))
         if self.group_size != -1:
-            _pos_int("group_size", self.group_size)
+            positive_int("group_size", self.group_size)
         if self.zp_dtype is not None and self.symmetric:
             raise QuantSpecError("--zp-dtype needs --asym (symmetric int4 has no zero points)")
         for name in ("prompts_file", "eval_text"):

@@ -25,7 +25,6 @@ from __future__ import annotations
 import json
 import os
 import platform
-import tempfile
 import time
 import traceback
 from dataclasses import asdict, dataclass, field, fields
@@ -33,12 +32,13 @@ from pathlib import Path
 from typing import Callable
 
 from quantspec.errors import QuantSpecError
+from quantspec.outputs import check_output_dir, write_json, write_text
 from quantspec.report.cache import ArtifactCache
 from quantspec.report.config import NGRAM_COLUMN, Cell, ReportConfig, file_sha, settings_hash
 from quantspec.report.defaults import DEFAULT_CALIB_TEXT, DEFAULT_EVAL_TEXT, DEFAULT_PROMPTS
 from quantspec.report.pipeline import Pipeline, Unsupported, artifact_mb
 
-__all__ = ["CellResult", "Report", "Progress", "run_report", "read_prompts", "write_json_atomic", "check_writable"]
+__all__ = ["CellResult", "Report", "Progress", "run_report", "read_prompts", "check_writable"]
 
 CELLS_DIR = "cells"
 REPORT_VERSION = 1
@@ -114,19 +114,6 @@ class Report:
 # files
 
 
-def write_json_atomic(path: Path, data) -> None:
-    """Write JSON so that a kill midway leaves either the old file or the new one, never half."""
-    path = Path(path)
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    try:
-        with os.fdopen(fd, "w") as f:
-            json.dump(data, f, indent=2, default=str)
-        os.replace(tmp, path)
-    except BaseException:
-        Path(tmp).unlink(missing_ok=True)
-        raise
-
-
 def _read_json(path: Path) -> dict | None:
     try:
         return json.loads(path.read_text())
@@ -134,18 +121,12 @@ def _read_json(path: Path) -> dict | None:
         return None  # a missing or damaged file is recomputed
 
 
-def check_writable(out: Path) -> None:
-    """Create `out/cells` and prove it writable, or raise one line."""
-    try:
-        if out.exists() and not out.is_dir():
-            raise QuantSpecError(f"--out {out} is a file; pass a directory for the report")
-        (out / CELLS_DIR).mkdir(parents=True, exist_ok=True)
-        probe = out / CELLS_DIR / f".probe-{os.getpid()}"
-        probe.write_text("ok")
-        probe.unlink()
-    except OSError as e:
-        raise QuantSpecError(f"--out {out} is not writable ({e.strerror or e}); choose a directory you can "
-                             "write to") from None
+def check_writable(out: Path, cache_dir: Path | None = None) -> None:
+    """Prove, before any cell runs, that `out` (resumed when it holds an earlier run) and the
+    artifact cache can be written, or raise one line naming the flag."""
+    check_output_dir(out, "--out", overwrite=True)
+    if cache_dir is not None:
+        check_output_dir(cache_dir, "--cache-dir", overwrite=True)
 
 
 def read_prompts(path: str | None) -> list[str]:
@@ -153,7 +134,7 @@ def read_prompts(path: str | None) -> list[str]:
         return list(DEFAULT_PROMPTS)
     from quantspec.infer.predictor import read_jsonl
 
-    return [r["src"] for r in read_jsonl(path)]
+    return [r["src"] for r in read_jsonl(path, flag="--prompts-file")]
 
 
 def _is_transient(e: BaseException) -> bool:
@@ -232,7 +213,7 @@ class _Run:
         path = self.config.artifact_cache / name
         if not path.is_file() or path.read_text() != text:
             path.parent.mkdir(parents=True, exist_ok=True)
-            write_text_atomic(path, text)
+            write_text(path, text)
         return path
 
     # -- shared steps --------------------------------------------------------------------------
@@ -298,7 +279,7 @@ class _Run:
             rec = {"token_ids": [list(o.token_ids) for o in outs], "tokens_per_s": stats["tokens_per_s"],
                    "generated_tokens": stats["generated_tokens"], "peak_memory_mb": stats.get("peak_memory_mb"),
                    "wall_s": stats.get("wall_s")}
-            write_json_atomic(path, rec)
+            write_json(path, rec)
             return rec
 
         return self._memoized(("baseline", base, cachekv), build)
@@ -322,7 +303,7 @@ class _Run:
                 rec = {"reason": str(e), "final": not e.transient}
             except Exception as e:  # noqa: BLE001
                 rec = {"reason": _reason(e), "final": not _is_transient(e)}
-            write_json_atomic(path, rec)
+            write_json(path, rec)
             return rec
 
         return self._memoized(("ppl", base), build)
@@ -385,13 +366,6 @@ class _Run:
         return r
 
 
-def write_text_atomic(path: Path, text: str) -> None:
-    fd, tmp = tempfile.mkstemp(prefix=f".{path.name}.", dir=path.parent)
-    with os.fdopen(fd, "w") as f:
-        f.write(text)
-    os.replace(tmp, path)
-
-
 def run_report(config: ReportConfig, pipeline: Pipeline | None = None, progress: Progress | None = None,
                *, write_files: bool = True) -> Report:
     """Run (or resume) every cell of `config`, write `out/` and return the `Report`.
@@ -403,7 +377,7 @@ def run_report(config: ReportConfig, pipeline: Pipeline | None = None, progress:
     import torch
 
     out = Path(config.out).expanduser()
-    check_writable(out)
+    check_writable(out, config.artifact_cache)
     pipeline = pipeline or Pipeline()
     t0 = time.perf_counter()
     run = _Run(config, pipeline, out)
@@ -424,7 +398,7 @@ def run_report(config: ReportConfig, pipeline: Pipeline | None = None, progress:
         if progress:
             progress("start", cell, i, len(cells), None)
         res = run.run_cell(cell, key)
-        write_json_atomic(path, res.to_dict())
+        write_json(path, res.to_dict())
         results.append(res)
         computed.append(key)
         if progress:

@@ -14,7 +14,8 @@ import json
 import math
 from pathlib import Path
 
-from quantspec.report.matrix import CellResult, Report, write_json_atomic
+from quantspec.outputs import atomic_file, write_json, write_text
+from quantspec.report.matrix import CellResult, Report
 
 __all__ = ["rich_table", "markdown", "heatmap", "write_outputs", "cell_summary"]
 
@@ -221,10 +222,11 @@ def heatmap(report: Report, out_dir: Path) -> Path:
                  "from the base's", fontsize=9)
     fig.tight_layout()
     path = Path(out_dir) / PNG_NAME
-    tmp = path.with_name(f".{path.name}.tmp.png")
-    fig.savefig(tmp, dpi=110)
-    plt.close(fig)
-    tmp.replace(path)
+    try:
+        with atomic_file(path) as tmp:
+            fig.savefig(tmp, dpi=110, format="png")
+    finally:
+        plt.close(fig)
     return path
 
 
@@ -266,8 +268,7 @@ def _heatmap_svg(report: Report, path: Path) -> Path:
                         out.append(f'<text x="{cx + cw / 2}" y="{cy + 16 + 12 * k}" text-anchor="middle">'
                                    f'{html.escape(line)}</text>')
     out.append("</svg>")
-    path.write_text("\n".join(out))
-    return path
+    return write_text(path, "\n".join(out))
 
 
 # ---------------------------------------------------------------------------------------------
@@ -277,12 +278,9 @@ def write_outputs(report: Report, out_dir: Path) -> dict[str, Path]:
     """report.json, the heatmap, report.md (which links the heatmap) into `out_dir`."""
     out_dir = Path(out_dir)
     paths = {"json": out_dir / JSON_NAME}
-    write_json_atomic(paths["json"], report.to_dict())
+    write_json(paths["json"], report.to_dict())
     paths["image"] = heatmap(report, out_dir)
-    paths["md"] = out_dir / MD_NAME
-    tmp = out_dir / f".{MD_NAME}.tmp"
-    tmp.write_text(markdown(report, image_name=paths["image"].name))
-    tmp.replace(paths["md"])
+    paths["md"] = write_text(out_dir / MD_NAME, markdown(report, image_name=paths["image"].name))
     return paths
 
 

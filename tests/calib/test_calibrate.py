@@ -147,7 +147,7 @@ def test_nan_activation_names_the_layer(tiny_llama_dir, calib_file):
 
 def test_bad_data(tmp_path, tiny_llama_dir, calib_file):
     cfg = dict(model=str(tiny_llama_dir), out=str(tmp_path / "t"), seq_len=S)
-    with pytest.raises(QuantSpecError, match=r"only \d+ samples of seq_len 32, but num_samples=100000"):
+    with pytest.raises(QuantSpecError, match=r"only \d+ samples of --seq-len 32, but --num-samples 100000"):
         run_calibration(CalibrateConfig(dataset=str(calib_file), num_samples=100000, **cfg))
     with pytest.raises(QuantSpecError, match="no field 'body'; fields are: text, id"):
         run_calibration(CalibrateConfig(dataset=str(calib_file), text_field="body", num_samples=2, **cfg))

@@ -100,9 +100,9 @@ def test_batches_too_few_tokens(tok):
 
 
 def test_batches_bad_args(tok):
-    with pytest.raises(QuantSpecError, match="num_samples"):
+    with pytest.raises(QuantSpecError, match="--num-samples"):
         build_calibration_batches(["x"], tok, 0, 8, seed=0)
-    with pytest.raises(QuantSpecError, match="seq_len"):
+    with pytest.raises(QuantSpecError, match="--seq-len"):
         build_calibration_batches(["x"], tok, 1, -1, seed=0)
     with pytest.raises(QuantSpecError, match="empty"):
         build_calibration_batches([], tok, 1, 8, seed=0)

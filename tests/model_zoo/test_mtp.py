@@ -243,7 +243,7 @@ def test_api_train_mtp_end_to_end(tiny_llama_dir, tmp_path):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "soft", resume=True, **{**kw, "steps": 6})
     with pytest.raises(QuantSpecError, match="soft targets are the base's own distribution"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp3", self_distill=False, targets="soft", **kw)
-    with pytest.raises(QuantSpecError, match="targets='kl'"):
+    with pytest.raises(QuantSpecError, match="--targets 'kl'"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp3", targets="kl", **kw)
     with pytest.raises(QuantSpecError, match="text_field|fields are"):
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "mtp2", **{**kw, "text_field": "nope"})
@@ -312,7 +312,7 @@ def test_api_train_mtp_builtin_prompt_count(tiny_llama_dir, tmp_path):
     kw = dict(steps=1, save_every=1, max_new_tokens=6)
     res = api.train_mtp(str(tiny_llama_dir), None, tmp_path / "mtp", chat_prompts=3, **kw)
     assert res["chat_prompts"] == 3
-    with pytest.raises(QuantSpecError, match="chat_prompts=0 must be >= 1"):
+    with pytest.raises(QuantSpecError, match="--chat-prompts 0 must be >= 1"):
         api.train_mtp(str(tiny_llama_dir), None, tmp_path / "mtp2", chat_prompts=0, **kw)
 
 

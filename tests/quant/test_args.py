@@ -63,7 +63,7 @@ def test_preset_contents():
     plain = preset("weight_only_int4", group_size=64, weight_observer="minmax")
     assert plain.config_groups["group_0"].weights.observer is None
     assert preset("weight_only_int8").config_groups["group_0"].weights.observer is None
-    with pytest.raises(QuantSpecError, match="unknown weight observer"):
+    with pytest.raises(QuantSpecError, match="unknown --weight-observer"):
         preset("weight_only_int8", weight_observer="median")
     a8 = preset("a8w8").config_groups["group_0"]
     assert a8.weights.strategy == "channel" and a8.input_activations.strategy == "tensor"

@@ -117,7 +117,7 @@ def test_failure_midway_leaves_destination_untouched(tmp_path, monkeypatch):
     def boom(*a, **k):
         raise RuntimeError("disk full")
 
-    monkeypatch.setattr(artifact.shutil, "copy2", boom)
+    monkeypatch.setattr(artifact.shutil, "copyfile", boom)
     src = tmp_path / "tok.json"
     src.write_text("{}")
     with pytest.raises(RuntimeError, match="disk full"):

@@ -243,9 +243,9 @@ def test_bad_input(tiny_llama_dir, tmp_path):
         ReportConfig(out=str(tmp_path), speculate_method="mtp")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
-    with pytest.raises(QuantSpecError, match="is not writable"):
+    with pytest.raises(QuantSpecError, match="--out .*a_file is not a directory"):
         run_report(ReportConfig(out=str(blocker / "sub"), model=str(tiny_llama_dir)), ScriptedPipeline())
-    with pytest.raises(QuantSpecError, match="is a file"):
+    with pytest.raises(QuantSpecError, match="--out .*a_file exists and is not a directory"):
         run_report(ReportConfig(out=str(blocker), model=str(tiny_llama_dir)), ScriptedPipeline())
 
 

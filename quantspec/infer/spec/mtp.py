@@ -234,7 +234,7 @@ class MTPProposer:
         if not mtp._shared:
             raise QuantSpecError("the MTP module is not bound to its base; call mtp.bind_base(base) first")
         if not 0.0 <= min_confidence < 1.0:
-            raise QuantSpecError(f"min_confidence={min_confidence} must be in [0, 1)")
+            raise QuantSpecError(f"--speculate-min-confidence {min_confidence} must be in [0, 1)")
         self.mtp, self.max_draft_tokens, self.policy = mtp, int(max_draft_tokens), policy
         # a sequence's drafting stops at the first draft whose top probability (over the draft
         # vocabulary) is below this: unconfident drafts are mostly rejected and each costs a verify

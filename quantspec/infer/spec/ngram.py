@@ -49,7 +49,7 @@ def _check_sizes(max_ngram_size: object, max_draft_tokens: object, min_ngram_siz
             f"max_ngram_size={max_ngram_size!r} must be an int >= min_ngram_size={min_ngram_size}"
         )
     if not is_int(max_draft_tokens) or max_draft_tokens < 0:
-        raise QuantSpecError(f"max_draft_tokens={max_draft_tokens!r} must be an int >= 0")
+        raise QuantSpecError(f"--speculate-max-draft-token-num {max_draft_tokens!r} must be an integer >= 0")
 
 
 def _as_token_array(token_ids: Sequence[int] | np.ndarray | torch.Tensor) -> np.ndarray:

@@ -10,7 +10,7 @@ def test_bad_rounds_are_refused(spec_bases):
 
 
 def test_an_unknown_base_is_one_line(spec_bases):
-    with pytest.raises(SystemExit, match="'weight_only_int9': unknown quant type 'weight_only_int9'; use one of"):
+    with pytest.raises(SystemExit, match="'weight_only_int9': unknown --quant-type 'weight_only_int9'; use one of"):
         spec_bases.main(["--bases", "weight_only_int9"])
     with pytest.raises(SystemExit, match="unknown recipe part 'g7x'"):
         spec_bases.main(["--bases", "weight_only_int4@g7x"])

@@ -174,7 +174,7 @@ def test_proposer_returns_deterministic_proposal():
     [
         ((0, 3, 1), "max_ngram_size"),
         ((2, 3, 3), "max_ngram_size"),
-        ((2, -1, 1), "max_draft_tokens"),
+        ((2, -1, 1), "--speculate-max-draft-token-num"),
         ((2, 3, 0), "min_ngram_size"),
     ],
 )
@@ -303,7 +303,7 @@ def test_realigned_match_refuses_a_bad_count():
     from quantspec.infer.spec.ngram import realigned_match
 
     for bad in (-1, 2.0, True):
-        with pytest.raises(QuantSpecError, match="max_draft_tokens"):
+        with pytest.raises(QuantSpecError, match="--speculate-max-draft-token-num"):
             realigned_match([1, 2, 1], bad)
 
 

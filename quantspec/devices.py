@@ -1,0 +1,34 @@
+"""The device a command runs on, from its `--device` flag."""
+
+from __future__ import annotations
+
+from quantspec.errors import QuantSpecError
+
+__all__ = ["AUTO", "resolve_device"]
+
+AUTO = "auto"
+_KINDS = ("cpu", "cuda")
+
+
+def resolve_device(name: str, flag: str = "--device") -> str:
+    """`name` as a torch device string: "auto" is CUDA when there is one, else the CPU.
+
+    Refuses, in one line naming `flag`, a device torch does not know, a kind quantspec does not run
+    on, and CUDA (or a CUDA index) this machine does not have.
+    """
+    import torch
+
+    if name == AUTO:
+        return "cuda" if torch.cuda.is_available() else "cpu"
+    try:
+        device = torch.device(name)
+    except (RuntimeError, TypeError):
+        raise QuantSpecError(f"{flag} {name!r} is not a device; use auto, cpu, cuda or cuda:N") from None
+    if device.type not in _KINDS:
+        raise QuantSpecError(f"{flag} {name!r}: quantspec runs on cpu or cuda; use auto, cpu, cuda or cuda:N")
+    if device.type == "cuda":
+        if not torch.cuda.is_available():
+            raise QuantSpecError(f"{flag} {name}: CUDA is not available on this machine; use {flag} cpu")
+        if device.index is not None and device.index >= torch.cuda.device_count():
+            raise QuantSpecError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
+    return str(device)

@@ -1,0 +1,219 @@
+"""The bad-input catalogue: every case runs through the real CLI (click's runner over `quantspec.cli.main`)
+and must end with exit status 2, exactly one line on stderr, no traceback, the name of the flag that
+fixes it in that line, and nothing left on disk (the case's directory holds exactly what it held
+before, and no output directory was created).
+
+Each case is (id, argv, flag). Placeholders in argv: `{model}` a tiny Llama checkpoint (a private
+copy per case), `{d}` the case's own directory, which holds the input files written by `_inputs`,
+`{ro}` a location no file can be created in (a read-only or pseudo filesystem).
+"""
+
+from __future__ import annotations
+
+import json
+import shlex
+import shutil
+from pathlib import Path
+
+import pytest
+from click.testing import CliRunner
+
+from quantspec.cli import main
+from quantspec.model_zoo.tiny import TINY_CORPUS
+
+RO_ROOT = Path("/proc")  # no regular file can be created here, whoever runs the tests
+
+CASES = [
+    # -- infer -------------------------------------------------------------------------------
+    ("infer-batch-size-0", "infer --model {model} --prompt hi --batch-size 0", "--batch-size"),
+    ("infer-max-new-tokens-0", "infer --model {model} --prompt hi --max-new-tokens 0", "--max-new-tokens"),
+    ("infer-max-length-1", "infer --model {model} --prompt hi --max-length 1", "--max-length"),
+    ("infer-src-length-over", "infer --model {model} --prompt hi --max-length 64 --src-length 64", "--src-length"),
+    ("infer-block-size-3", "infer --model {model} --prompt hi --block-size 3", "--block-size"),
+    ("infer-temperature-neg", "infer --model {model} --prompt hi --decode-strategy sampling --temperature -1",
+     "--temperature"),
+    ("infer-top-p-0", "infer --model {model} --prompt hi --decode-strategy sampling --top-p 0", "--top-p"),
+    ("infer-top-k-neg", "infer --model {model} --prompt hi --decode-strategy sampling --top-k -1", "--top-k"),
+    ("infer-draft-num-neg", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
+                            "--speculate-max-draft-token-num -1", "--speculate-max-draft-token-num"),
+    ("infer-ngram-0", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
+                      "--speculate-max-ngram-size 0", "--speculate-max-ngram-size"),
+    ("infer-no-prompt", "infer --model {model}", "--prompt"),
+    ("infer-prompt-and-data", "infer --model {model} --prompt hi --data-file {d}/ok.jsonl", "--data-file"),
+    ("infer-data-missing", "infer --model {model} --data-file {d}/missing.jsonl", "--data-file"),
+    ("infer-data-not-utf8", "infer --model {model} --data-file {d}/latin1.jsonl", "--data-file"),
+    ("infer-data-malformed", "infer --model {model} --data-file {d}/malformed.jsonl", "--data-file"),
+    ("infer-data-no-src", "infer --model {model} --data-file {d}/nosrc.jsonl", "--data-file"),
+    ("infer-data-empty", "infer --model {model} --data-file {d}/empty.jsonl", "--data-file"),
+    ("infer-prompt-too-long", "infer --model {model} --prompt '{long}' --no-chat-template --max-length 64 "
+                              "--max-new-tokens 8", "--truncate-prompt"),
+    ("infer-output-read-only", "infer --model {model} --prompt hi --output-file {ro}/out.jsonl", "--output-file"),
+    ("infer-output-under-file", "infer --model {model} --prompt hi --output-file {d}/a_file/out.jsonl",
+     "--output-file"),
+    ("infer-output-is-dir", "infer --model {model} --prompt hi --output-file {d}", "--output-file"),
+    ("infer-stats-read-only", "infer --model {model} --prompt hi --benchmark --stats-file {ro}/s.json",
+     "--stats-file"),
+    ("infer-stats-under-file", "infer --model {model} --prompt hi --stats-file {d}/a_file/sub/s.json",
+     "--stats-file"),
+    ("infer-model-missing", "infer --model {d}/no-such-model --prompt hi", "--model"),
+    ("infer-model-truncated", "infer --model {d}/truncated --prompt hi", "--model"),
+    ("infer-model-bad-config", "infer --model {d}/badconfig --prompt hi", "--model"),
+    ("infer-draft-without-model", "infer --model {model} --prompt hi --speculate-method draft", "--draft-model"),
+    ("infer-draft-model-no-method", "infer --model {model} --prompt hi --draft-model {model}",
+     "--speculate-method"),
+    ("infer-kv-int8-no-scales", "infer --model {model} --prompt hi --cachekv-int8-type static", "--calib"),
+    ("infer-kv-two-types", "infer --model {model} --prompt hi --cachekv-int8-type static "
+                           "--cachekv-fp8-type static", "--cachekv-int8-type"),
+    ("infer-min-confidence-ngram", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
+                                   "--speculate-min-confidence 0.5", "--speculate-min-confidence"),
+    ("infer-device-cuda", "infer --model {model} --prompt hi --device cuda", "--device"),
+    ("infer-device-bogus", "infer --model {model} --prompt hi --device tpu", "--device"),
+    # -- quantize ----------------------------------------------------------------------------
+    ("quantize-unknown-type", "quantize --model {model} --quant-type int3 --out {d}/q", "--quant-type"),
+    ("quantize-group-size-0", "quantize --model {model} --quant-type weight_only_int4 --group-size 0 --out {d}/q",
+     "--group-size"),
+    ("quantize-group-size-7", "quantize --model {model} --quant-type weight_only_int4 --group-size 7 --out {d}/q",
+     "--group-size"),
+    ("quantize-gptq-no-data", "quantize --model {model} --quant-type weight_only_int4 --method gptq --out {d}/q",
+     "--dataset"),
+    ("quantize-gptq-samples-0", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
+                                "--dataset {d}/calib.txt --num-samples 0 --out {d}/q", "--num-samples"),
+    ("quantize-gptq-seq-len-0", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
+                                "--dataset {d}/calib.txt --seq-len 0 --out {d}/q", "--seq-len"),
+    ("quantize-gptq-data-not-utf8", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
+                                    "--dataset {d}/latin1.txt --out {d}/q", "--dataset"),
+    ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
+                          "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
+    ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
+    ("quantize-calib-missing", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table --out {d}/q",
+     "--calib"),
+    ("quantize-alpha-2", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table "
+                         "--smoothquant-alpha 2 --out {d}/q", "--smoothquant-alpha"),
+    ("quantize-alpha-not-number", "quantize --model {model} --quant-type a8w8 --smoothquant-alpha x --out {d}/q",
+     "--smoothquant-alpha"),
+    ("quantize-alpha-int8", "quantize --model {model} --quant-type weight_only_int8 --smoothquant-alpha 0.5 "
+                            "--out {d}/q", "--smoothquant-alpha"),
+    ("quantize-zp-dtype-sym", "quantize --model {model} --quant-type weight_only_int4 --zp-dtype float16 "
+                              "--out {d}/q", "--asym"),
+    ("quantize-kv-no-calib", "quantize --model {model} --quant-type weight_only_int8 --kv-cache int8 --out {d}/q",
+     "--calib"),
+    ("quantize-out-not-empty", "quantize --model {model} --quant-type weight_only_int8 --out {d}/busy",
+     "--overwrite"),
+    ("quantize-out-read-only", "quantize --model {model} --quant-type weight_only_int8 --out {ro}/q", "--out"),
+    ("quantize-out-under-file", "quantize --model {model} --quant-type weight_only_int8 --out {d}/a_file/q",
+     "--out"),
+    ("quantize-model-missing", "quantize --model {d}/no-such-model --quant-type weight_only_int8 --out {d}/q",
+     "--model"),
+    ("quantize-model-truncated", "quantize --model {d}/truncated --quant-type weight_only_int8 --out {d}/q",
+     "--model"),
+    ("quantize-already-quantized", "quantize --model {d}/quantized --quant-type weight_only_int8 --out {d}/q",
+     "--model"),
+    # -- calibrate ---------------------------------------------------------------------------
+    ("calibrate-data-missing", "calibrate --model {model} --dataset {d}/missing.jsonl --out {d}/c", "--dataset"),
+    ("calibrate-data-not-utf8", "calibrate --model {model} --dataset {d}/latin1.txt --out {d}/c", "--dataset"),
+    ("calibrate-data-malformed", "calibrate --model {model} --dataset {d}/malformed_text.jsonl --out {d}/c",
+     "--dataset"),
+    ("calibrate-text-field", "calibrate --model {model} --dataset {d}/ok.jsonl --text-field body --out {d}/c",
+     "--text-field"),
+    ("calibrate-seq-len-0", "calibrate --model {model} --dataset {d}/calib.txt --seq-len 0 --out {d}/c",
+     "--seq-len"),
+    ("calibrate-samples-0", "calibrate --model {model} --dataset {d}/calib.txt --num-samples 0 --out {d}/c",
+     "--num-samples"),
+    ("calibrate-batch-size-0", "calibrate --model {model} --dataset {d}/calib.txt --batch-size 0 --out {d}/c",
+     "--batch-size"),
+    ("calibrate-percentile", "calibrate --model {model} --dataset {d}/calib.txt --observer percentile "
+                             "--percentile 10 --out {d}/c", "--percentile"),
+    ("calibrate-out-not-empty", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/busy", "--overwrite"),
+    ("calibrate-out-read-only", "calibrate --model {model} --dataset {d}/calib.txt --out {ro}/c", "--out"),
+    ("calibrate-out-under-file", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/a_file/c", "--out"),
+    ("calibrate-quantized-model", "calibrate --model {d}/quantized --dataset {d}/calib.txt --out {d}/c",
+     "--model"),
+    # -- eval --------------------------------------------------------------------------------
+    ("eval-no-text", "eval --model {model}", "--text-file"),
+    ("eval-text-and-dataset", "eval --model {model} --text-file {d}/calib.txt --dataset {d}/ok.jsonl",
+     "--dataset"),
+    ("eval-text-missing", "eval --model {model} --text-file {d}/missing.txt", "--text-file"),
+    ("eval-text-not-utf8", "eval --model {model} --text-file {d}/latin1.txt", "--text-file"),
+    ("eval-seq-len-1", "eval --model {model} --text-file {d}/calib.txt --seq-len 1", "--seq-len"),
+    ("eval-batch-size-0", "eval --model {model} --text-file {d}/calib.txt --batch-size 0", "--batch-size"),
+    ("eval-max-windows-0", "eval --model {model} --text-file {d}/calib.txt --max-windows 0", "--max-windows"),
+    ("eval-kv-no-scales", "eval --model {model} --text-file {d}/calib.txt --kv-cache-dtype int8", "--calib"),
+    ("eval-model-truncated", "eval --model {d}/truncated --text-file {d}/calib.txt", "--model"),
+    # -- inspect -----------------------------------------------------------------------------
+    ("inspect-missing", "inspect {d}/no-such-model", "PATH"),
+    ("inspect-truncated", "inspect {d}/truncated", "PATH"),
+    ("inspect-bad-config", "inspect {d}/badconfig", "PATH"),
+    # -- report ------------------------------------------------------------------------------
+    ("report-out-read-only", "report --model {model} --out {ro}/r", "--out"),
+    ("report-out-under-file", "report --model {model} --out {d}/a_file/r", "--out"),
+    ("report-cache-read-only", "report --model {model} --cache-dir {ro}/cache --out {d}/r", "--cache-dir"),
+    ("report-bad-base-type", "report --model {model} --base-quant-types int3 --out {d}/r", "--base-quant-types"),
+    ("report-bad-cachekv", "report --model {model} --cachekv int4 --out {d}/r", "--cachekv"),
+    ("report-prompts-missing", "report --model {model} --prompts-file {d}/missing.jsonl --out {d}/r",
+     "--prompts-file"),
+    # -- zoo train-mtp -----------------------------------------------------------------------
+    ("train-mtp-out-read-only", "zoo train-mtp --model {model} --dataset {d}/calib.txt --out {ro}/m", "--out"),
+    ("train-mtp-out-under-file", "zoo train-mtp --model {model} --dataset {d}/calib.txt --out {d}/a_file/m",
+     "--out"),
+    ("train-mtp-steps-0", "zoo train-mtp --model {model} --dataset {d}/calib.txt --steps 0 --out {d}/m",
+     "--steps"),
+    ("train-mtp-lr-0", "zoo train-mtp --model {model} --dataset {d}/calib.txt --lr 0 --out {d}/m", "--lr"),
+    ("train-mtp-data-missing", "zoo train-mtp --model {model} --dataset {d}/missing.txt --out {d}/m",
+     "--dataset"),
+]
+
+
+def _inputs(d: Path, model: Path, quantized: Path) -> None:
+    """The files the cases read, written into the case's directory `d`."""
+    (d / "ok.jsonl").write_text(json.dumps({"src": "hello", "text": "hello world"}) + "\n")
+    (d / "nosrc.jsonl").write_text(json.dumps({"prompt": "hello"}) + "\n")
+    (d / "empty.jsonl").write_text("")
+    (d / "malformed.jsonl").write_text('{"src": "hi"}\n{"src": "oops\n')
+    (d / "malformed_text.jsonl").write_text('{"text": "hello world"}\n{"text": "broken\n')
+    (d / "latin1.jsonl").write_bytes('{"src": "café"}\n'.encode("latin-1"))
+    (d / "latin1.txt").write_bytes(("café crème " * 200).encode("latin-1"))
+    (d / "calib.txt").write_text(TINY_CORPUS)
+    (d / "a_file").write_text("a regular file where a directory is expected\n")
+    (d / "busy").mkdir()
+    (d / "busy" / "keep.txt").write_text("an earlier result\n")
+    trunc = d / "truncated"
+    shutil.copytree(model, trunc)
+    st = trunc / "model.safetensors"
+    st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    bad = d / "badconfig"
+    shutil.copytree(model, bad)
+    (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    shutil.copytree(quantized, d / "quantized")
+
+
+def _snapshot(d: Path) -> dict[str, tuple[int, int]]:
+    return {str(p.relative_to(d)): (p.stat().st_size, p.stat().st_mtime_ns)
+            for p in sorted(d.rglob("*"))}
+
+
+@pytest.fixture(scope="module")
+def quantized_dir(tiny_llama_dir, tmp_path_factory):
+    from quantspec import api
+
+    return api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path_factory.mktemp("q") / "art")
+
+
+@pytest.mark.parametrize("case_id,argv,flag", CASES, ids=[c[0] for c in CASES])
+def test_bad_input(case_id, argv, flag, tiny_llama_dir, quantized_dir, tmp_path, monkeypatch):
+    d = tmp_path / "case"
+    d.mkdir()
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama_dir, model)
+    _inputs(d, model, quantized_dir)
+    monkeypatch.chdir(d)
+    before, model_before = _snapshot(d), _snapshot(model)
+    long_prompt = " ".join(["word"] * 200)
+    args = argv.format(model=model, d=d, ro=RO_ROOT, long=long_prompt)
+    result = CliRunner().invoke(main, shlex.split(args))
+    err = result.stderr.strip()
+    assert result.exit_code == 2, (result.exit_code, result.output, repr(result.exception))
+    assert "Traceback" not in result.output, result.output
+    assert len(err.splitlines()) == 1, err
+    assert flag in err, err
+    assert _snapshot(d) == before, "the case left files behind or changed its inputs"
+    assert _snapshot(model) == model_before
