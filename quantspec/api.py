@@ -16,11 +16,12 @@ __all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "t
 
 
 def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | None = None,
-          output_file: str | Path | None = None, on_text=None):
+          output_file: str | Path | None = None, calib: str | Path | None = None, on_text=None):
     """Generate for `prompts` or the `src` rows of a jsonl `data_file`.
 
     Returns (outputs, stats). With `output_file`, writes each input row plus `output` (text) and
-    `output_token_ids`, atomically. `config` is an `infer.predictor.InferConfig`.
+    `output_token_ids`, atomically. `config` is an `infer.predictor.InferConfig`; `calib` is a
+    calibration table whose KV scales the static KV cache of `config.cachekv` uses.
     """
     from quantspec.infer.predictor import Predictor, read_jsonl, write_jsonl
 
@@ -29,70 +30,23 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     if output_file is not None:
         check_output_file(output_file, "--output-file")
     rows = read_jsonl(data_file) if data_file is not None else [{"src": p} for p in prompts]
-    predictor = Predictor(config)
+    kv_scales = None
+    if calib is not None:
+        if config.cachekv == "none":
+            raise QuantSpecError("--calib gives static KV-cache scales: add --cachekv-int8-type static or "
+                                 "--cachekv-fp8-type static, or drop --calib")
+        kv_scales = table_kv_scales(calib, config.model, config.cachekv)
+    predictor = Predictor(config, kv_scales=kv_scales)
     outs, stats = predictor.run([r["src"] for r in rows], on_text=on_text)
     if output_file is not None:
         write_jsonl(output_file, [dict(r, output=o.text, output_token_ids=o.token_ids) for r, o in zip(rows, outs)])
     return outs, stats
 
 
-# ---- quantize / inspect / evaluate (issue 3) -----------------------------------------------------
-
 # files copied from the source model into an artifact (those that exist)
 _COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
                  "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
                  "chat_template.jinja", "generation_config.json")
-
-
-# ---- train-mtp (issue 6, G2) ---------------------------------------------------------------------
-
-def _generate_with_hidden(base, tokenizer, prompts, *, max_new_tokens: int, batch_size: int, on_status=None):
-    """Greedy chat answers of the base for `prompts`, with the base's pre-norm hidden state at
-    every fed position (captured by a forward hook on the engine's model, so nothing is run
-    twice). → list of (tokens [L] int64, hidden [L-1, D] bf16)."""
-    import torch
-
-    from quantspec.infer.engine import Engine, EngineConfig
-    from quantspec.infer.sampler import SamplingParams
-
-    encoded = []
-    for p in prompts:
-        text = tokenizer.apply_chat_template([{"role": "user", "content": p}], tokenize=False,
-                                             add_generation_prompt=True)
-        encoded.append(tokenizer(text, add_special_tokens=False).input_ids)
-    max_len = max(len(e) for e in encoded) + max_new_tokens + 1
-    eng = Engine(base, EngineConfig(max_batch_size=batch_size, max_length=max_len, all_hidden_rows=True),
-                 eos_token_ids=base.args.eos_token_ids)
-    seqs = [eng.add_request(ids, SamplingParams(max_new_tokens=max_new_tokens)) for ids in encoded]
-    chunks: dict[int, list] = {s.seq_id: [] for s in seqs}
-
-    def hook(_module, _inputs, hidden):  # hidden [T, D]: the rows of this step's sequences, in order
-        off = 0
-        for s, n in eng.forward_rows:  # not `running`: a prefill step feeds only the new prompts
-            chunks[s.seq_id].append(hidden[off:off + n].to(torch.bfloat16).cpu())
-            off += n
-        assert off == hidden.shape[0], (off, hidden.shape)
-
-    handle = base.register_forward_hook(hook)
-    try:
-        done = [0]
-
-        def on_step(events):
-            finished = sum(s.finished for s in seqs)
-            if on_status is not None and finished // 16 > done[0] // 16:
-                on_status(f"self-distillation: {finished}/{len(seqs)} answers generated")
-            done[0] = finished
-
-        eng.run(on_step)
-    finally:
-        handle.remove()
-    out = []
-    for s in seqs:
-        tokens = torch.tensor(s.tokens, dtype=torch.int64)
-        hidden = torch.cat(chunks[s.seq_id])  # the last token is never fed
-        assert hidden.shape[0] == len(tokens) - 1, (hidden.shape, len(tokens))
-        out.append((tokens, hidden))
-    return out
 
 
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,
@@ -128,9 +82,11 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
 
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
     from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.infer.hidden import generate_with_hidden
     from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, MTPTrainConfig,
                                                atomic_torch_save, check_resumable, choose_draft_vocab,
-                                               extract_features, features_from_hidden, init_mtp)
+                                               extract_features, features_from_hidden, features_key, init_mtp,
+                                               load_features)
     from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
     from quantspec.model_zoo.mtp_train import train_mtp as _train
 
@@ -177,9 +133,9 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     # everything the training rows and the draft vocabulary are a function of: a run into `out`
     # with the same key reuses the rows an interrupted run saved there (the self-distillation
     # answers are most of the default recipe's time) instead of preparing them again
-    key = _features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill,
+    key = features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill,
                         prompts if self_distill else None, max_new_tokens, draft_vocab_size)
-    cached = _load_features(features_path, key)
+    cached = load_features(features_path, key)
     if cached is not None:
         features, vocab, data = cached
         say(f"reusing the {len(features)} training positions saved in {features_path.name} by an earlier run")
@@ -193,7 +149,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
                         seq_len=seq_len)
         if self_distill:
             say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
-            gens = _generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
+            gens = generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
                                          batch_size=gen_batch_size, on_status=on_status)
             parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
             data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens),
@@ -212,49 +168,6 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     features_path.unlink(missing_ok=True)  # the run is complete: the artifact is what it was for
     res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     return res
-
-
-def _features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill, prompts,
-                  max_new_tokens, draft_vocab_size) -> dict:
-    """What `train_mtp`'s training rows and draft vocabulary are computed from (see there): the
-    base (its directory and weight files as they are now), the data options, the prompts."""
-    import hashlib
-    import os
-
-    from quantspec.model_zoo.mtp import base_fingerprint
-
-    ds = None
-    if dataset is not None:
-        ds = {"dataset": str(dataset), "split": split, "text_field": text_field, "num_samples": num_samples,
-              "seq_len": seq_len, "seed": seed}
-        if os.path.exists(str(dataset)):  # a local file or directory: its contents may change
-            st = os.stat(str(dataset))
-            ds.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
-    chat = None
-    if prompts is not None:
-        chat = {"prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest(), "count": len(prompts),
-                "max_new_tokens": max_new_tokens}
-    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(model_dir).iterdir()
-                     if f.suffix in (".safetensors", ".bin", ".gguf")) if Path(model_dir).is_dir() else []
-    return {"version": 1, "base": str(Path(model_dir).resolve()), "weights": weights,
-            "base_fingerprint": base_fingerprint(base.args),
-            "self_distill": bool(self_distill), "dataset": ds, "chat": chat, "draft_vocab_size": draft_vocab_size}
-
-
-def _load_features(path, key):
-    """(features, vocab, data) saved by an earlier `train_mtp` into its `out` for the same `key`,
-    else None (no file, another key, or a file that cannot be read: the rows are prepared again)."""
-    import torch
-
-    if not path.exists():
-        return None
-    try:
-        blob = torch.load(path, map_location="cpu", weights_only=False)
-    except Exception:  # a damaged cache is only a cache
-        return None
-    if not isinstance(blob, dict) or blob.get("key") != key:
-        return None
-    return blob["features"], blob["vocab"], blob["data"]
 
 
 def _dir_bytes(path, pattern: str = "*") -> int:
@@ -425,7 +338,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     cfg["quantization_config"] = res.config.to_dict()
     extra = {f: model_dir / f for f in _COPIED_FILES if (model_dir / f).is_file()}
     try:
-        from quantspec.calib.tables import model_fingerprint
+        from quantspec.model_zoo.checkpoint import model_fingerprint
 
         fingerprint = model_fingerprint(model_dir)
     except Exception:  # provenance only: never fail a quantization over it
@@ -532,7 +445,8 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
     import torch
 
     from quantspec.devices import resolve_device
-    from quantspec.infer.evaluate import load_eval_tokens, load_for_eval, perplexity
+    from quantspec.infer.evaluate import perplexity
+    from quantspec.infer.loader import load_for_inference
     from quantspec.model_zoo.checkpoint import resolve_model_dir
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -556,10 +470,10 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
             raise QuantSpecError(f"a static {kv_cache_dtype} KV cache needs scales: pass --calib DIR "
                                  "from `quantspec calibrate`, or an artifact that stores k/v scales")
     with about("--model"):
-        em = load_for_eval(str(model), dtypes[dtype], resolve_device(device))
+        em = load_for_inference(str(model), dtype=dtypes[dtype], device=resolve_device(device))
     with about("--text-file" if text_file is not None else "--dataset"):
-        ids = load_eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
-                               text_field=text_field)
+        ids = _eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
+                           text_field=text_field)
     k_scale = v_scale = None
     if kv_cache_dtype != "auto":
         if calib is not None:
@@ -573,6 +487,33 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
                      batch_size=batch_size, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
                      v_scale=v_scale, progress=progress)
     return {"model": str(model), "source": str(text_file or dataset), **res.to_dict()}
+
+
+def table_kv_scales(calib: str | Path, model: str | Path, kind: str):
+    """(k_scale, v_scale) [num_layers, num_kv_heads] for an `kind` ("int8" / "fp8") KV cache,
+    from the calibration table `calib` of `model` (checked against the model's fingerprint)."""
+    from quantspec.calib.tables import read_table
+    from quantspec.model_zoo.checkpoint import resolve_model_dir
+
+    with about("--model"):
+        model_dir = resolve_model_dir(model)
+    with about("--calib"):
+        return read_table(calib, model_dir=model_dir).kv_scales(kind)
+
+
+def _eval_tokens(tokenizer, *, text_file=None, dataset: str | None = None, split: str = "test",
+                 text_field: str = "text"):
+    """A text file or a dataset's texts (rows joined with blank lines), tokenized as one stream
+    without special tokens → LongTensor [N]."""
+    import torch
+
+    from quantspec.calib.data import load_calibration_texts, load_text_file_for_eval
+
+    if text_file is not None:
+        text = load_text_file_for_eval(text_file)
+    else:
+        text = "\n\n".join(load_calibration_texts(dataset, split=split, text_field=text_field))
+    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
 
 
 def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str | Path | None = None,
@@ -613,6 +554,5 @@ def report(config=None, *, progress=None, **kwargs):
         from quantspec.errors import QuantSpecError
 
         raise QuantSpecError("pass either a ReportConfig or keyword arguments to report(), not both")
-    pipeline = Pipeline(quantize=globals().get("quantize"), evaluate=globals().get("evaluate"),
-                        calibrate=globals().get("calibrate"))
+    pipeline = Pipeline(quantize=quantize, evaluate=evaluate, calibrate=calibrate, kv_scales=table_kv_scales)
     return run_report(config, pipeline, progress=progress)

@@ -146,7 +146,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @_one_line_errors
-def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, **kw):
+def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, calib,
+          **kw):
     """Generate text with a model or a quantized artifact (optionally speculating)."""
     import json
 
@@ -164,8 +165,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     if stats_file:
         check_output_file(stats_file, "--stats-file")
     single = prompt is not None
-    outs, stats = api.infer(config, [prompt] if single else None, data_file=data_file,
-                            output_file=output_file, on_text=stream_to_stdout if single else None)
+    outs, stats = api.infer(config, [prompt] if single else None, data_file=data_file, output_file=output_file,
+                            calib=calib, on_text=stream_to_stdout if single else None)
     console = err_console()
     if single:
         print()

@@ -36,11 +36,16 @@ from typing import Callable
 import torch
 from torch import nn
 
-from quantspec.calib.observers import DEFAULT_PERCENTILE, OBSERVERS, Observer, make_observer
+from quantspec.calib.observers import (
+    DEFAULT_PERCENTILE,
+    OBSERVERS,
+    Observer,
+    make_observer,
+)
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner
-from quantspec.calib.tables import (INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, model_fingerprint,
-                                    write_table)
+from quantspec.calib.tables import INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, write_table
 from quantspec.errors import QuantSpecError, about, positive_int
+from quantspec.model_zoo.checkpoint import model_fingerprint
 from quantspec.outputs import check_output_dir
 
 __all__ = [
@@ -255,8 +260,12 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
 
 def _load_for_calibration(model: str, dtype: torch.dtype, device_map: str | None):
     """(Transformer, model_dir, weights_dir or None) — on meta for device_map="auto"."""
-    from quantspec.model_zoo.checkpoint import (build_model, load_model, read_config,
-                                                resolve_model_dir)
+    from quantspec.model_zoo.checkpoint import (
+        build_model,
+        load_model,
+        read_config,
+        resolve_model_dir,
+    )
     from quantspec.model_zoo.llama import ModelArgs
 
     model_dir = resolve_model_dir(model)

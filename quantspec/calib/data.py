@@ -16,8 +16,8 @@ only pre-built batches are used.
 
 from __future__ import annotations
 
-import warnings
 import json
+import warnings
 from pathlib import Path
 from typing import Sequence
 

@@ -1,4 +1,4 @@
-"""The calibration table on disk: `scales.safetensors` + `calibration.json`, and model fingerprints.
+"""The calibration table on disk: `scales.safetensors` + `calibration.json`.
 
 This file owns the format that `quantspec calibrate` writes and that `quantize` (a8w8, a8w8_fp8,
 SmoothQuant), `infer` and `eval` (static int8/fp8 KV cache) read. A table stores what the
@@ -17,19 +17,15 @@ observers measured (absmax, float32), never scales: scales are derived on read t
 observer, percentile, batch_size, model (as given), model fingerprint, num_layers,
 num_kv_heads, quantspec version, wall time (s).
 
-A model fingerprint is `"<arch>-<weights>"`: 16 hex digits of a sha256 over config.json's
-architecture fields and 16 of a sha256 over the bytes of a few small weight tensors (every 1-D
-tensor — norms, biases — plus layer 0's `k_proj.weight`), so two models of the same shape but
-different weights differ. A quantized artifact's weights are not the ones calibrated, so its
-fingerprint is the source model's, read from the artifact's `quantspec.json` provenance
-(`model_fingerprint`); an artifact without it is matched on the architecture part only.
+A table records the fingerprint of the model it was measured on
+(`model_zoo.checkpoint.model_fingerprint`) and refuses another model; an artifact without a
+recorded source fingerprint is matched on the architecture part only.
 
 Tables are written atomically (temporary directory beside the target, renamed into place).
 """
 
 from __future__ import annotations
 
-import hashlib
 import json
 import os
 import warnings
@@ -40,6 +36,7 @@ from typing import Any, Iterable, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import model_fingerprint
 from quantspec.outputs import atomic_dir
 from quantspec.quant.primitives import scale_from_absmax
 
@@ -50,7 +47,6 @@ __all__ = [
     "INPUT_ABSMAX",
     "INPUT_CHANNEL_ABSMAX",
     "ScaleTable",
-    "model_fingerprint",
     "write_table",
     "read_table",
 ]
@@ -62,72 +58,10 @@ INPUT_ABSMAX = "input_absmax"
 INPUT_CHANNEL_ABSMAX = "input_channel_absmax"
 _K_ABSMAX, _V_ABSMAX = "k_absmax", "v_absmax"
 _RUN_CALIBRATE = "run `quantspec calibrate --model M --dataset D --out DIR` first"
-# config.json fields that define the architecture (and so the table's names and shapes)
-_ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size",
-                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
-                "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias")
 
 
 def _layer_attn(i: int) -> str:
     return f"model.layers.{i}.self_attn"
-
-
-# ---------------------------------------------------------------------------------------------
-# fingerprints
-
-
-def _sha16(data: bytes) -> str:
-    return hashlib.sha256(data).hexdigest()[:16]
-
-
-def _arch_hash(cfg: Mapping[str, Any]) -> str:
-    arch = {k: cfg.get(k) for k in _ARCH_FIELDS}
-    return _sha16(json.dumps(arch, sort_keys=True, default=str).encode())
-
-
-def _weights_hash(model_dir: Path) -> str:
-    from safetensors import safe_open
-
-    from quantspec.model_zoo.checkpoint import safetensors_files
-
-    h = hashlib.sha256()
-    for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt") as st:
-            for name in sorted(st.keys()):
-                sl = st.get_slice(name)
-                shape = sl.get_shape()
-                if len(shape) == 1 or name == "model.layers.0.self_attn.k_proj.weight":
-                    t = st.get_tensor(name).contiguous()
-                    h.update(name.encode())
-                    h.update(str(t.dtype).encode())
-                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
-    return h.hexdigest()[:16]
-
-
-def model_fingerprint(model_dir: str | os.PathLike) -> str:
-    """`"<arch16>-<weights16>"` for a HF model directory (see the module docstring).
-
-    For a quantized artifact: the source model's fingerprint from its provenance if recorded,
-    else `"<arch16>-"` (architecture only).
-    """
-    from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir
-
-    d = resolve_model_dir(model_dir)
-    cfg = read_config(d)
-    if cfg.get("quantization_config"):
-        prov = d / "quantspec.json"
-        if prov.is_file():
-            try:
-                meta = json.loads(prov.read_text())
-            except json.JSONDecodeError:
-                meta = {}
-            fp = (meta.get("provenance") or {}).get("model_fingerprint") or \
-                meta.get("model_fingerprint")
-            if isinstance(fp, str) and fp:
-                return fp
-        return f"{_arch_hash(cfg)}-"
-    return f"{_arch_hash(cfg)}-{_weights_hash(d)}"
 
 
 def _fingerprints_match(table_fp: str, model_fp: str) -> bool:

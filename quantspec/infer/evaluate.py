@@ -1,12 +1,8 @@
 """Perplexity through the inference path: the model the engine runs, over the paged KV cache.
 
-This file owns `perplexity` (token ids → NLL / perplexity), `load_eval_tokens` (a text file or
-a dataset → token ids) and `load_for_eval` (the model the engine would run: E1's
-`infer.loader.load_for_inference` when it is there; until then a fallback that loads plain HF
-checkpoints with `model_zoo.load_model` and quantized artifacts by dequantizing every quantized
-Linear into a plain fp weight — same numbers as dequantize + matmul, not the packed kernels). The text is tokenized as one stream (no special tokens added; dataset rows
-joined with blank lines) and cut into non-overlapping windows of `seq_len` tokens (the tail that
-does not fill a window is dropped; `max_windows` keeps the first N). Each batch of windows is one
+`perplexity` takes token ids (a text tokenized as one stream) and cuts them into non-overlapping
+windows of `seq_len` tokens (the tail that does not fill a window is dropped; `max_windows`
+keeps the first N). Each batch of windows is one
 prefill of the `Transformer` with a `PagedAttention` backend over a `PagedKVCache` — exactly how
 the engine runs a prompt — so a static int8/fp8 KV cache (`kv_cache_dtype` + `k_scale`/`v_scale`
 [num_layers, num_kv_heads]) and quantized linears affect perplexity as they affect generation.
@@ -29,7 +25,7 @@ from quantspec.errors import QuantSpecError, positive_int
 from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
 from quantspec.model_zoo.llama import Transformer
 
-__all__ = ["PerplexityResult", "perplexity", "load_eval_tokens", "load_for_eval", "windows"]
+__all__ = ["PerplexityResult", "perplexity", "windows"]
 
 DEFAULT_BLOCK_SIZE = 64
 
@@ -63,81 +59,6 @@ def windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None = Non
     return token_ids[: n * seq_len].view(n, seq_len)
 
 
-def load_eval_tokens(tokenizer, *, text_file=None, dataset: str | None = None, split: str = "test",
-                     text_field: str = "text") -> torch.Tensor:
-    """Tokenize a text file or a dataset's texts (joined with blank lines) → LongTensor [N]."""
-    from quantspec.calib.data import load_calibration_texts, load_text_file_for_eval
-
-    if (text_file is None) == (dataset is None):
-        raise QuantSpecError("pass exactly one of --text-file or --dataset")
-    if text_file is not None:
-        text = load_text_file_for_eval(text_file)
-    else:
-        text = "\n\n".join(load_calibration_texts(dataset, split=split, text_field=text_field))
-    ids = tokenizer(text, add_special_tokens=False)["input_ids"]
-    return torch.tensor(ids, dtype=torch.long)
-
-
-@dataclass
-class EvalModel:
-    model: Transformer
-    model_dir: object
-    tokenizer: object
-    k_scale: torch.Tensor | None = None  # [L, KV] from an artifact's static KV cache, or None
-    v_scale: torch.Tensor | None = None
-
-
-def load_for_eval(model: str, dtype: torch.dtype = torch.float32, device: str = "cpu") -> EvalModel:
-    """Load a zoo name / HF dir / quantspec or compressed-tensors artifact for evaluation."""
-    try:
-        from quantspec.infer.loader import load_for_inference
-    except ImportError:
-        load_for_inference = None
-    if load_for_inference is not None:
-        lm = load_for_inference(model, dtype=dtype, device=device)
-        return EvalModel(lm.model, lm.model_dir, lm.tokenizer, lm.k_scale, lm.v_scale)
-    return _fallback_load(model, dtype, device)
-
-
-def _fallback_load(model, dtype, device) -> EvalModel:
-    from transformers import AutoTokenizer
-
-    from quantspec.model_zoo.checkpoint import (build_model, load_model, read_config,
-                                                resolve_model_dir)
-    from quantspec.model_zoo.llama import ModelArgs
-    from quantspec.quant.artifact import linear_from_tensors, load_safetensors, read_quant_config
-    from quantspec.quant.primitives import dequantize
-
-    model_dir = resolve_model_dir(model)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    qc = read_quant_config(model_dir)
-    if qc is None:
-        net, _ = load_model(model_dir, dtype=dtype, device=device)
-        return EvalModel(net, model_dir, tok)
-    args = ModelArgs.from_hf_config(read_config(model_dir))
-    tensors = load_safetensors(model_dir)
-    net = build_model(args, device="meta")
-    state = {}
-    for name, mod in net.named_modules():
-        if isinstance(mod, torch.nn.Linear) and f"{name}.weight_scale" in tensors:
-            lq = linear_from_tensors(tensors, name, qc)
-            state[f"{name}.weight"] = dequantize(lq.q, lq.scale, lq.zero_point, lq.args,
-                                                 dtype=torch.float32)
-    for k, v in tensors.items():
-        if k.endswith((".weight", ".bias")) and k not in state and v.is_floating_point():
-            state[k] = v
-    net.load_state_dict({k: v.to(dtype) for k, v in state.items()}, strict=False, assign=True)
-    if args.tie_word_embeddings:
-        net.lm_head.weight = net.model.embed_tokens.weight
-    missing = [n for n, p in net.named_parameters() if p.device.type == "meta"]
-    if missing:
-        raise QuantSpecError(f"{model_dir} lacks {missing[0]}; the artifact is incomplete")
-    net.to(device)
-    net.setup_rope(args.max_position_embeddings, device)
-    return EvalModel(net.eval(), model_dir, tok)
-
-
-@torch.no_grad()
 def perplexity(model: Transformer, token_ids: torch.Tensor, *, seq_len: int = 512,
                max_windows: int | None = None, batch_size: int = 4,
                kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,

@@ -57,9 +57,8 @@ class InferConfig:
     stop: tuple[str, ...] = ()
     chat_template: bool = True
     benchmark: bool = False
-    # static KV cache: "none" | "int8" | "fp8"; scales from the artifact or from `calib`
+    # static KV cache: "none" | "int8" | "fp8"; scales from the artifact, or given to the Predictor
     cachekv: str = "none"
-    calib: str | None = None
     # speculative decoding
     speculate_method: str = "none"
     draft_model: str | None = None
@@ -192,7 +191,10 @@ def peak_memory_mb(device: str) -> float:
 class Predictor:
     """Loads a model (plain HF directory, zoo name, or quantspec artifact) and generates."""
 
-    def __init__(self, config: InferConfig, *, loaded=None):
+    def __init__(self, config: InferConfig, *, loaded=None, kv_scales: tuple[torch.Tensor, torch.Tensor] | None = None):
+        """`loaded`: a `LoadedModel` to reuse (else `config.model` is loaded); `kv_scales`: static
+        KV-cache scales (k, v) [num_layers, num_kv_heads] for `config.cachekv`, which override an
+        artifact's own (`api.infer` reads them from a calibration table)."""
         self.config = config
         from quantspec.infer.loader import load_for_inference
 
@@ -201,10 +203,10 @@ class Predictor:
         self.tokenizer = self.loaded.tokenizer
         k_scale = v_scale = None
         cachekv = config.cachekv
-        if cachekv == "none" and getattr(self.loaded, "kv_cache_dtype", None) and not config.calib:
+        if cachekv == "none" and getattr(self.loaded, "kv_cache_dtype", None) and kv_scales is None:
             cachekv = self.loaded.kv_cache_dtype  # an artifact with k_scale/v_scale: no flag needed
         if cachekv != "none":
-            k_scale, v_scale = self._kv_scales(cachekv)
+            k_scale, v_scale = kv_scales if kv_scales is not None else self._artifact_kv_scales(cachekv)
         proposer, max_drafts = self._proposer()
         self.engine = Engine(
             self.loaded.model,
@@ -214,12 +216,7 @@ class Predictor:
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
         )
 
-    def _kv_scales(self, kind: str):
-        if self.config.calib:
-            from quantspec.calib.tables import read_table
-
-            table = read_table(self.config.calib, model_dir=self.loaded.model_dir)
-            return table.kv_scales(kind)
+    def _artifact_kv_scales(self, kind: str):
         if self.loaded.k_scale is not None:
             return self.loaded.k_scale, self.loaded.v_scale
         raise QuantSpecError(

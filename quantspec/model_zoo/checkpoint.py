@@ -8,10 +8,11 @@ checked against its HF weight-name table.
 from __future__ import annotations
 
 import contextlib
+import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Iterator
+from typing import Any, Iterator, Mapping
 
 import torch
 
@@ -22,6 +23,7 @@ __all__ = [
     "build_model",
     "load_checkpoint_tensors",
     "load_model",
+    "model_fingerprint",
     "read_config",
     "reading_safetensors",
     "resolve_model_dir",
@@ -191,3 +193,66 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
     net.to(device)
     net.setup_rope(args.max_position_embeddings, device)
     return net.eval(), model_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# fingerprints: `"<arch>-<weights>"`, 16 hex digits of a sha256 over config.json's architecture
+# fields and 16 of a sha256 over the bytes of a few small weight tensors (every 1-D tensor — norms,
+# biases — plus layer 0's `k_proj.weight`), so two models of the same shape but different weights
+# differ. A quantized artifact's weights are not its source's, so its fingerprint is the source
+# model's, read from its `quantspec.json` provenance (`model_fingerprint`).
+
+# config.json fields that define the architecture
+_ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size",
+                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
+                "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
+                "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias")
+
+
+def _sha16(data: bytes) -> str:
+    return hashlib.sha256(data).hexdigest()[:16]
+
+
+def _arch_hash(cfg: Mapping[str, Any]) -> str:
+    arch = {k: cfg.get(k) for k in _ARCH_FIELDS}
+    return _sha16(json.dumps(arch, sort_keys=True, default=str).encode())
+
+
+def _weights_hash(model_dir: Path) -> str:
+    from safetensors import safe_open
+
+    h = hashlib.sha256()
+    for f in safetensors_files(model_dir):
+        with safe_open(str(f), framework="pt") as st:
+            for name in sorted(st.keys()):
+                sl = st.get_slice(name)
+                shape = sl.get_shape()
+                if len(shape) == 1 or name == "model.layers.0.self_attn.k_proj.weight":
+                    t = st.get_tensor(name).contiguous()
+                    h.update(name.encode())
+                    h.update(str(t.dtype).encode())
+                    h.update(t.reshape(-1).view(torch.uint8).numpy().tobytes())
+    return h.hexdigest()[:16]
+
+
+def model_fingerprint(model_dir: str | os.PathLike) -> str:
+    """`"<arch16>-<weights16>"` for a HF model directory (see above).
+
+    For a quantized artifact: the source model's fingerprint from its provenance if recorded,
+    else `"<arch16>-"` (architecture only).
+    """
+    d = resolve_model_dir(model_dir)
+    cfg = read_config(d)
+    if cfg.get("quantization_config"):
+        prov = d / "quantspec.json"
+        if prov.is_file():
+            try:
+                meta = json.loads(prov.read_text())
+            except json.JSONDecodeError:
+                meta = {}
+            fp = (meta.get("provenance") or {}).get("model_fingerprint") or \
+                meta.get("model_fingerprint")
+            if isinstance(fp, str) and fp:
+                return fp
+        return f"{_arch_hash(cfg)}-"
+    return f"{_arch_hash(cfg)}-{_weights_hash(d)}"

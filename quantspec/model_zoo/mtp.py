@@ -41,9 +41,15 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.llama import (
+    ARCHITECTURES,
+    DecoderLayer,
+    ModelArgs,
+    RMSNorm,
+    Transformer,
+    layer_weight_table,
+)
 from quantspec.outputs import atomic_file, write_text
-from quantspec.model_zoo.llama import (ARCHITECTURES, DecoderLayer, ModelArgs, RMSNorm, Transformer,
-                                       layer_weight_table)
 
 __all__ = [
     "MTP_ARCHITECTURE",
@@ -295,7 +301,11 @@ def load_mtp(path: str | os.PathLike, base: Transformer | None = None, *, dtype:
              device: str | torch.device = "cpu") -> MTPModule:
     """Load an unquantized MTP artifact (built on meta, `assign=True`), checked against its weight
     table and — given `base` — against the base (then bound to it)."""
-    from quantspec.model_zoo.checkpoint import check_against_table, load_checkpoint_tensors, read_config
+    from quantspec.model_zoo.checkpoint import (
+        check_against_table,
+        load_checkpoint_tensors,
+        read_config,
+    )
 
     path = Path(path).expanduser()
     if not (path / "config.json").exists():

@@ -49,7 +49,9 @@ __all__ = [
     "choose_draft_vocab",
     "features_from_hidden",
     "extract_features",
+    "features_key",
     "init_mtp",
+    "load_features",
     "train_mtp",
 ]
 
@@ -389,3 +391,46 @@ def chat_prompts(n: int | None = None) -> list[str]:
 
 
 CHAT_PROMPTS = chat_prompts()  # `quantspec zoo train-mtp`'s default: all of them (--chat-prompts N: the first N)
+
+
+def features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill, prompts,
+                  max_new_tokens, draft_vocab_size) -> dict:
+    """What `api.train_mtp`'s training rows and draft vocabulary are computed from (see there): the
+    base (its directory and weight files as they are now), the data options, the prompts."""
+    import hashlib
+    import os
+
+    from quantspec.model_zoo.mtp import base_fingerprint
+
+    ds = None
+    if dataset is not None:
+        ds = {"dataset": str(dataset), "split": split, "text_field": text_field, "num_samples": num_samples,
+              "seq_len": seq_len, "seed": seed}
+        if os.path.exists(str(dataset)):  # a local file or directory: its contents may change
+            st = os.stat(str(dataset))
+            ds.update(size=st.st_size, mtime_ns=st.st_mtime_ns)
+    chat = None
+    if prompts is not None:
+        chat = {"prompts": hashlib.sha256("\0".join(prompts).encode()).hexdigest(), "count": len(prompts),
+                "max_new_tokens": max_new_tokens}
+    weights = sorted((f.name, f.stat().st_size, f.stat().st_mtime_ns) for f in Path(model_dir).iterdir()
+                     if f.suffix in (".safetensors", ".bin", ".gguf")) if Path(model_dir).is_dir() else []
+    return {"version": 1, "base": str(Path(model_dir).resolve()), "weights": weights,
+            "base_fingerprint": base_fingerprint(base.args),
+            "self_distill": bool(self_distill), "dataset": ds, "chat": chat, "draft_vocab_size": draft_vocab_size}
+
+
+def load_features(path, key):
+    """(features, vocab, data) saved by an earlier `train_mtp` into its `out` for the same `key`,
+    else None (no file, another key, or a file that cannot be read: the rows are prepared again)."""
+    import torch
+
+    if not path.exists():
+        return None
+    try:
+        blob = torch.load(path, map_location="cpu", weights_only=False)
+    except Exception:  # a damaged cache is only a cache
+        return None
+    if not isinstance(blob, dict) or blob.get("key") != key:
+        return None
+    return blob["features"], blob["vocab"], blob["data"]

@@ -242,13 +242,13 @@ class _Run:
 
         return self._memoized(("artifact", model, quant_type), build)
 
-    def infer_config(self, model: Path, cachekv: str, *, speculate: bool, draft: Path | None = None):
+    def generate(self, model: Path, cachekv: str, *, speculate: bool, draft: Path | None = None):
+        """(outputs, stats) of the report's prompts on `model` with the KV cache `cachekv`."""
         from quantspec.infer.predictor import InferConfig
 
         c = self.config
         kw = {}
-        if cachekv != "none":
-            kw["calib"] = str(self.calibration(c.model)[0])
+        calib = self.calibration(c.model)[0] if cachekv != "none" else None
         if speculate:
             kw.update(speculate_method=c.speculate_method,
                       speculate_max_draft_token_num=c.speculate_max_draft_token_num,
@@ -260,8 +260,9 @@ class _Run:
                 kw["speculate_draft_head"] = "artifact"
             if draft is not None:
                 kw["draft_model"] = str(draft)
-        return InferConfig(model=str(model), dtype=c.dtype, device=c.device, max_new_tokens=c.max_new_tokens,
-                           max_length=self._max_length(), decode_strategy="greedy", cachekv=cachekv, **kw)
+        config = InferConfig(model=str(model), dtype=c.dtype, device=c.device, max_new_tokens=c.max_new_tokens,
+                             max_length=self._max_length(), decode_strategy="greedy", cachekv=cachekv, **kw)
+        return self.pipeline.generate(config, self.prompts, calib)
 
     def _max_length(self) -> int:
         # a few hundred prompt tokens is plenty for report prompts; a small cache keeps memory low
@@ -275,7 +276,7 @@ class _Run:
             if not self.config.force and (cached := _read_json(path)) is not None:
                 return cached
             model = self.artifact(self.config.model, base)
-            outs, stats = self.pipeline.generate(self.infer_config(model, cachekv, speculate=False), self.prompts)
+            outs, stats = self.generate(model, cachekv, speculate=False)
             rec = {"token_ids": [list(o.token_ids) for o in outs], "tokens_per_s": stats["tokens_per_s"],
                    "generated_tokens": stats["generated_tokens"], "peak_memory_mb": stats.get("peak_memory_mb"),
                    "wall_s": stats.get("wall_s")}
@@ -341,8 +342,7 @@ class _Run:
             except _Failed as e:
                 raise _Failed(f"base without speculation failed: {e}", e.transient) from None
             r.base_tokens_per_s, r.base_peak_memory_mb = base["tokens_per_s"], base["peak_memory_mb"]
-            outs, stats = self.pipeline.generate(
-                self.infer_config(base_dir, cell.cachekv, speculate=True, draft=draft_dir), self.prompts)
+            outs, stats = self.generate(base_dir, cell.cachekv, speculate=True, draft=draft_dir)
             ids = [list(o.token_ids) for o in outs]
             r.mismatched_prompts = sum(a != b for a, b in zip(ids, base["token_ids"]))
             r.lossless = r.mismatched_prompts == 0 and len(ids) == len(base["token_ids"])

@@ -71,12 +71,15 @@ class Pipeline:
     quantize(model, quant_type, out, *, method, group_size, calib, overwrite) writes an artifact
     directory; evaluate(model, *, text_file, max_windows, seq_len, dtype, device) returns a
     perplexity (a float, or a dict/object with `perplexity`); calibrate(model, dataset, out, *,
-    num_samples, seq_len, dtype, overwrite) writes a scale table (default: `calib.calibrate`). Either may be None: the cells that need it report why they cannot run.
+    num_samples, seq_len, dtype, overwrite) writes a scale table; kv_scales(calib, model, kind)
+    returns a table's static KV-cache scales (k, v). Any may be None: the cells that need it
+    report why they cannot run.
     """
 
     def __init__(self, *, quantize: Callable | None = None, evaluate: Callable | None = None,
-                 calibrate: Callable | None = None):
+                 calibrate: Callable | None = None, kv_scales: Callable | None = None):
         self._quantize, self._evaluate, self._calibrate = quantize, evaluate, calibrate
+        self._kv_scales = kv_scales
         self._loaded: dict[tuple, object] = {}
 
     # -- models ------------------------------------------------------------------------------
@@ -87,7 +90,7 @@ class Pipeline:
         return Path(resolve_model_dir(model))
 
     def fingerprint(self, model: str | os.PathLike) -> str:
-        from quantspec.calib.tables import model_fingerprint
+        from quantspec.model_zoo.checkpoint import model_fingerprint
 
         return model_fingerprint(model)
 
@@ -106,14 +109,10 @@ class Pipeline:
 
     def calibrate(self, model: str, dataset: str, out: Path, *, num_samples: int, seq_len: int,
                   dtype: str) -> None:
-        if self._calibrate is not None:
-            call_with_supported_kwargs(self._calibrate, model, dataset, str(out), num_samples=num_samples,
-                                       seq_len=seq_len, dtype=dtype, overwrite=True)
-            return
-        from quantspec.calib.calibrate import CalibrateConfig, run_calibration
-
-        run_calibration(CalibrateConfig(dataset=dataset, out=str(out), model=model, num_samples=num_samples,
-                                        seq_len=seq_len, dtype=dtype, overwrite=True))
+        if self._calibrate is None:
+            raise Unsupported("calibrate is not available in this build (api.calibrate missing)")
+        call_with_supported_kwargs(self._calibrate, model, dataset, str(out), num_samples=num_samples,
+                                   seq_len=seq_len, dtype=dtype, overwrite=True)
 
     def quantize(self, model: str, quant_type: str, out: Path, *, calib: Path | None, method: str,
                  group_size: int, symmetric: bool = True, zp_dtype: str | None = None) -> None:
@@ -142,8 +141,9 @@ class Pipeline:
             raise Unsupported("evaluate returned no perplexity")
         return float(res)
 
-    def generate(self, config, prompts: list[str]) -> tuple[list, dict]:
-        """Run `prompts` with an `infer.predictor.InferConfig`; → (RequestOutputs, stats).
+    def generate(self, config, prompts: list[str], calib: Path | None = None) -> tuple[list, dict]:
+        """Run `prompts` with an `infer.predictor.InferConfig` (its static KV cache with the scales
+        of the table `calib`, when given); → (RequestOutputs, stats).
 
         The base model stays loaded between its runs with and without speculation.
         """
@@ -164,7 +164,12 @@ class Pipeline:
             torch.cuda.reset_peak_memory_stats()
         else:
             _reset_peak_rss()
-        predictor = Predictor(config, loaded=loaded)
+        kv_scales = None
+        if calib is not None:
+            if self._kv_scales is None:
+                raise Unsupported("static KV-cache scales are not available in this build (api.table_kv_scales missing)")
+            kv_scales = self._kv_scales(str(calib), config.model, config.cachekv)
+        predictor = Predictor(config, loaded=loaded, kv_scales=kv_scales)
         outs, stats = predictor.run(list(prompts))
         if not cuda and (rss := _peak_rss_mb()) is not None:
             stats["peak_memory_mb"] = rss  # this run's peak, not the process's lifetime maximum

@@ -8,9 +8,9 @@ from click.testing import CliRunner
 
 from quantspec.calib.calibrate import CalibrateConfig, calibrate_model, run_calibration
 from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-from quantspec.calib.tables import model_fingerprint, read_table
+from quantspec.calib.tables import read_table
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.checkpoint import load_model, model_fingerprint
 from quantspec.model_zoo.llama import DenseCausalAttention
 from quantspec.model_zoo.tiny import TINY_CORPUS
 

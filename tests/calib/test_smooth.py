@@ -6,7 +6,8 @@ import torch
 from quantspec.calib.calibrate import calibrate_model
 from quantspec.calib.smooth import (SMOOTH_GROUPS, input_scales_for_model, prepare_static_quant,
                                     smooth_model)
-from quantspec.calib.tables import ScaleTable, model_fingerprint, read_table, write_table
+from quantspec.calib.tables import ScaleTable, read_table, write_table
+from quantspec.model_zoo.checkpoint import model_fingerprint
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.llama import DenseCausalAttention

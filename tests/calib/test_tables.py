@@ -6,9 +6,9 @@ import shutil
 import pytest
 import torch
 
-from quantspec.calib.tables import (META_NAME, SCALES_NAME, ScaleTable, model_fingerprint,
-                                    read_table, write_table)
+from quantspec.calib.tables import META_NAME, SCALES_NAME, ScaleTable, read_table, write_table
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import model_fingerprint
 from quantspec.model_zoo.tiny import build_tiny_model
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.evaluate import load_eval_tokens, perplexity, windows
+from quantspec.infer.evaluate import perplexity, windows
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.tiny import TINY_CORPUS
 
@@ -62,17 +62,17 @@ def test_int8_kv_cache_changes_ppl_slightly(tiny_llama_dir):
 
 
 def test_bad_eval_inputs(tiny_llama_dir, tmp_path):
-    from transformers import AutoTokenizer
 
     model, _ = load_model(tiny_llama_dir)
     with pytest.raises(QuantSpecError, match="fewer than --seq-len"):
         perplexity(model, torch.arange(10), seq_len=64)
     with pytest.raises(QuantSpecError, match="int8 KV cache needs k/v scales|needs k/v scales"):
         perplexity(model, torch.arange(200), seq_len=64, kv_cache_dtype="int8")
-    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    from quantspec import api
+
     with pytest.raises(QuantSpecError, match="exactly one"):
-        load_eval_tokens(tok)
+        api.evaluate(str(tiny_llama_dir))
     empty = tmp_path / "e.txt"
     empty.write_text("  \n")
-    with pytest.raises(QuantSpecError, match="empty"):
-        load_eval_tokens(tok, text_file=empty)
+    with pytest.raises(QuantSpecError, match="--text-file: .*empty"):
+        api.evaluate(str(tiny_llama_dir), text_file=empty)

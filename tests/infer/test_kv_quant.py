@@ -146,9 +146,9 @@ def test_artifact_kv_scales_need_no_flag(tmp_path, tiny_llama_dir):
     ks, vs = read_table(calib, model_dir=tiny_llama_dir).kv_scales("int8")
     assert pred.engine.cache.k.dtype == torch.int8
     assert torch.equal(pred.engine.cache.k_scale, ks) and torch.equal(pred.engine.cache.v_scale, vs)
-    with pytest.raises(QuantSpecError, match="does not exist; run `quantspec calibrate"):
-        Predictor(InferConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32",
-                              cachekv="fp8", calib=str(tmp_path / "missing")))
+    with pytest.raises(QuantSpecError, match="--calib: .*does not exist; run `quantspec calibrate"):
+        api.infer(InferConfig(model=str(tiny_llama_dir), device="cpu", dtype="float32", cachekv="fp8"),
+                  ["hi"], calib=str(tmp_path / "missing"))
 
 
 def test_cpu_attention_kernel_only_for_power_of_two_blocks():

@@ -274,8 +274,10 @@ def test_interrupted_run_reuses_its_prepared_data(tiny_llama_dir, tmp_path, monk
         api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "cut", on_step=stop_at_4, **kw)
     assert (tmp_path / "cut" / FEATURES_NAME).exists()
     generated = []
-    real = api._generate_with_hidden
-    monkeypatch.setattr(api, "_generate_with_hidden", lambda *a, **k: generated.append(1) or real(*a, **k))
+    import quantspec.infer.hidden as hidden
+
+    real = hidden.generate_with_hidden
+    monkeypatch.setattr(hidden, "generate_with_hidden", lambda *a, **k: generated.append(1) or real(*a, **k))
     said = []
     res = api.train_mtp(str(tiny_llama_dir), str(data), tmp_path / "cut", resume=True, on_status=said.append, **kw)
     assert not generated and any("reusing" in m for m in said)
@@ -341,16 +343,16 @@ def test_dense_and_engine_hidden_agree(base, monkeypatch):
     """The hidden states the api captures during generation are the ones a dense forward gives,
     for every sequence, also when prompts are admitted (and prefilled in steps of their own) while
     others are still decoding: 5 prompts, 2 at a time, answers of different lengths."""
-    from quantspec.api import _generate_with_hidden
+    from quantspec.infer.hidden import generate_with_hidden
 
     tok = build_tiny_tokenizer()
     prompts = ["Tell me a story.", "What is two plus two?", "Name a colour.", "Say hello to the sea.", "Why?"]
-    first = _generate_with_hidden(base, tok, prompts[:1], max_new_tokens=10, batch_size=1)[0][0]
+    first = generate_with_hidden(base, tok, prompts[:1], max_new_tokens=10, batch_size=1)[0][0]
     n0 = len(tok(tok.apply_chat_template([{"role": "user", "content": prompts[0]}], tokenize=False,
                                          add_generation_prompt=True), add_special_tokens=False).input_ids)
     # a token the first answer emits early becomes the eos: that answer ends while the next decodes
     monkeypatch.setattr(base.args, "eos_token_ids", [int(first[n0 + 2])])
-    gens = _generate_with_hidden(base, tok, prompts, max_new_tokens=10, batch_size=2)
+    gens = generate_with_hidden(base, tok, prompts, max_new_tokens=10, batch_size=2)
     assert len(gens) == 5
     assert gens[0][0].numel() == n0 + 3 and len({t.numel() for t, _ in gens[:2]}) == 2  # staggered
     for tokens, hidden in gens:

@@ -40,10 +40,11 @@ class ScriptedPipeline(Pipeline):
         return next((q for q in ("weight_only_int8", "weight_only_int4", "a8w8_fp8", "a8w8") if f"-{q}-" in name),
                     "none")
 
-    def generate(self, config, prompts):
+    def generate(self, config, prompts, calib=None):
         base = self._base(config)
         spec = config.speculate_method != "none"
         self.calls.append((base, config.speculate_method, config.cachekv))
+        assert (calib is not None) == (config.cachekv != "none")  # a static KV cache gets its table
         if spec:
             self.spec_settings.add((config.speculate_backoff, config.speculate_draft_head))
         if spec and base in self.broken:
@@ -188,7 +189,7 @@ def test_resume_after_interruption_runs_only_the_rest(tiny_llama_dir, tmp_path, 
 
 def test_cells_failing_for_a_missing_module_are_retried(tiny_llama_dir, tmp_path, cache_dir):
     class NoLoader(ScriptedPipeline):
-        def generate(self, config, prompts):
+        def generate(self, config, prompts, calib=None):
             raise ModuleNotFoundError("No module named 'quantspec.infer.loader'")
 
     cfg = _config(tiny_llama_dir, tmp_path / "out", cache_dir, base_quant_types="none", draft_quant_types="none")
