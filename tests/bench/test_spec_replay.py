@@ -9,6 +9,8 @@ import pytest
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.infer.spec.proposers import SpecCost
 
+pytestmark = pytest.mark.bench
+
 PROMPTS = ["a b c a b c a b c a b", "the cat sat on the mat and the cat sat on", "1 2 3 4 1 2 3 4 1 2",
            "x y z w v u t x y z w v"]
 

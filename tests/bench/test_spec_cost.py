@@ -5,6 +5,8 @@ import math
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 
 def test_fit_recovers_a_known_line(spec_cost):
     ratios = {0: 1.0, **{k: 1.0 + 0.3 + 0.07 * k for k in (1, 2, 4, 8)}}

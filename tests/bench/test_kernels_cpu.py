@@ -10,6 +10,8 @@ import pytest
 
 from quantspec.kernels import cpu as cg
 
+pytestmark = pytest.mark.bench
+
 BENCH = Path(__file__).resolve().parents[2] / "bench" / "kernels_cpu.py"
 
 

@@ -3,6 +3,8 @@ output equal to that base's plain greedy output (the bench refuses to print othe
 
 import pytest
 
+pytestmark = pytest.mark.bench
+
 
 def test_bad_rounds_are_refused(spec_bases):
     with pytest.raises(SystemExit, match="--rounds 0"):

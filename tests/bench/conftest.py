@@ -1,4 +1,8 @@
-"""The bench scripts under test (`bench/spec_*.py`), each loaded once per test module."""
+"""Smoke tests of the `bench/` scripts: they run with tiny settings and check what they print,
+never how fast anything is. Every module here sets `pytestmark = pytest.mark.bench`, which the unit run leaves
+out (`pytest -m bench` runs them; the README's test command runs both).
+
+The bench scripts (`bench/spec_*.py`) are loaded once per test module."""
 
 import importlib.util
 import sys
@@ -7,7 +11,7 @@ from pathlib import Path
 import pytest
 import torch
 
-BENCH_DIR = Path(__file__).resolve().parents[3] / "bench"
+BENCH_DIR = Path(__file__).resolve().parents[2] / "bench"
 
 
 def _bench(name: str):
@@ -36,3 +40,4 @@ def spec_replay():
 @pytest.fixture(scope="module")
 def spec_bases():
     yield from _bench("spec_bases")
+
