@@ -37,11 +37,13 @@ from torch import nn
 from quantspec.calib.tables import ScaleTable, read_table
 from quantspec.errors import QuantSpecError
 from quantspec.quant.primitives import scale_from_absmax
-from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smooth_norm_linears,
-                                         smoothquant_scales, weight_input_absmax)
+from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoothquant_scales,
+                                         weight_input_absmax)
 
 __all__ = [
     "SMOOTH_GROUPS",
+    "smoothing_factors",
+    "smoothed_weights",
     "smooth_model",
     "smoothed_input_absmax",
     "input_scales_for_model",
@@ -70,16 +72,15 @@ def _check_alpha(alpha) -> float:
 
 
 @torch.no_grad()
-def smooth_model(model, table: ScaleTable, alpha: float | Mapping[str, float] = 0.5, *,
-                 smooth_down: bool = True) -> dict[str, torch.Tensor]:
-    """Apply SmoothQuant in place; returns {linear name: s [K]} for every smoothed Linear.
+def smoothing_factors(model, table: ScaleTable, alpha: float | Mapping[str, float] = 0.5, *,
+                      smooth_down: bool = True) -> dict[str, torch.Tensor]:
+    """{linear name: s [K] float32} that `smooth_model` would fold for these arguments, computed
+    from the table and the (unsmoothed) weights without changing the model.
 
-    The model computes the same function afterwards (up to float rounding): each norm's γ (and,
-    with `smooth_down`, each up_proj's output row) is divided by s and the Linears reading it
-    have their input columns multiplied by s.
     `alpha`: one α for every group, or {first Linear of a group (q_proj, gate_proj, down_proj):
     α} per group (`calib.sensitivity.search_alphas`); a group missing from the mapping is not
-    smoothed.
+    smoothed. Every factor depends only on its own group's weights (gate/up's s is taken before
+    down_proj's s divides up_proj's rows), so any subset of groups can be smoothed alone.
     """
     per_group = isinstance(alpha, Mapping)
     if per_group:
@@ -93,37 +94,77 @@ def smooth_model(model, table: ScaleTable, alpha: float | Mapping[str, float] = 
     factors: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(_layers(model)):
         prefix = f"model.layers.{i}"
-        for norm_name, lin_names in SMOOTH_GROUPS:
-            norm = getattr(layer, norm_name)
-            linears = [layer.get_submodule(n) for n in lin_names]
+        groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS]
+        if smooth_down:
+            groups.append((("mlp.down_proj",), None))
+        for lin_names, norm_shape in groups:
             names = [f"{prefix}.{n}" for n in lin_names]
             a = alpha_for(names[0])
             if a is None:
                 continue
+            weights = [layer.get_submodule(n).weight for n in lin_names]
             act = table.input_channel_absmax(names[0])  # [K]; all read the same tensor
-            if act.shape != norm.weight.shape:
+            if act.shape != weights[0].shape[1:] or (norm_shape is not None and act.shape != norm_shape):
                 raise QuantSpecError(f"{names[0]}: table has {tuple(act.shape)} channels but the "
-                                     f"model has {tuple(norm.weight.shape)}; wrong table")
-            new_norm, new_ws, s = smooth_norm_linears(norm.weight, [m.weight for m in linears],
-                                                      act.to(norm.weight.device), a)
-            norm.weight.copy_(new_norm)
-            for m, w in zip(linears, new_ws):
-                m.weight.copy_(w)
+                                     f"model has {tuple(weights[0].shape[1:])}; wrong table")
+            s = smoothquant_scales(act.to(weights[0].device), weight_input_absmax(*weights), a)
             for n in names:
                 factors[n] = s.detach().cpu().float()
-        a = alpha_for(f"{prefix}.mlp.down_proj")
-        if smooth_down and a is not None:
-            up, down = layer.mlp.up_proj, layer.mlp.down_proj
-            name = f"{prefix}.mlp.down_proj"
-            act = table.input_channel_absmax(name).to(down.weight.device)  # [I]
-            s = smoothquant_scales(act, weight_input_absmax(down.weight), a)  # [I]
-            down.weight.copy_(fold_into_linear(down.weight, s))
+    return factors
+
+
+@torch.no_grad()
+def smoothed_weights(model, factors: Mapping[str, torch.Tensor]
+                     ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """{linear name: (weight [N, K] as `smooth_model` leaves it, s of its input columns [K] or
+    None, s of its output rows [N] or None)} for every Linear that smoothing with `factors`
+    (`smoothing_factors`) changes; the model is not modified. Column j is multiplied by s_j;
+    up_proj's row j is divided by down_proj's s_j."""
+    out = {}
+    for i, layer in enumerate(_layers(model)):
+        prefix = f"model.layers.{i}"
+        for _, lin_names in SMOOTH_GROUPS:
+            for n in lin_names:
+                s = factors.get(f"{prefix}.{n}")
+                if s is not None:
+                    w = layer.get_submodule(n).weight
+                    out[f"{prefix}.{n}"] = (fold_into_linear(w, s.to(w.device)), s, None)
+        s = factors.get(f"{prefix}.mlp.down_proj")
+        if s is not None:
+            down, up = layer.mlp.down_proj.weight, f"{prefix}.mlp.up_proj"
+            out[f"{prefix}.mlp.down_proj"] = (fold_into_linear(down, s.to(down.device)), s, None)
+            w, col, _ = out.get(up, (layer.mlp.up_proj.weight, None, None))
             # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
-            ct = torch.promote_types(up.weight.dtype, torch.float32)
-            up.weight.copy_((up.weight.to(ct) / s.to(ct)[:, None]).to(up.weight.dtype))
-            if up.bias is not None:
-                up.bias.copy_(fold_into_norm(up.bias, s)[0])
-            factors[name] = s.detach().cpu().float()
+            ct = torch.promote_types(w.dtype, torch.float32)
+            out[up] = ((w.to(ct) / s.to(w.device, ct)[:, None]).to(w.dtype), col, s)
+    return out
+
+
+@torch.no_grad()
+def smooth_model(model, table: ScaleTable, alpha: float | Mapping[str, float] = 0.5, *,
+                 smooth_down: bool = True) -> dict[str, torch.Tensor]:
+    """Apply SmoothQuant in place; returns {linear name: s [K]} for every smoothed Linear
+    (`smoothing_factors`, same arguments).
+
+    The model computes the same function afterwards (up to float rounding): each norm's γ (and,
+    with `smooth_down`, each up_proj's output row and bias) is divided by s and the Linears
+    reading it have their input columns multiplied by s (`smoothed_weights`).
+    """
+    factors = smoothing_factors(model, table, alpha, smooth_down=smooth_down)
+    weights = smoothed_weights(model, factors)
+    for i, layer in enumerate(_layers(model)):
+        prefix = f"model.layers.{i}"
+        for norm_name, lin_names in SMOOTH_GROUPS:
+            s = factors.get(f"{prefix}.{lin_names[0]}")
+            if s is not None:
+                norm = getattr(layer, norm_name)
+                norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device))[0])
+        s = factors.get(f"{prefix}.mlp.down_proj")
+        up = layer.mlp.up_proj
+        if s is not None and up.bias is not None:
+            up.bias.copy_(fold_into_norm(up.bias, s.to(up.bias.device))[0])
+    for name, (w, _, _) in weights.items():
+        model.get_submodule(name).weight.copy_(w)
     return factors
 
 
