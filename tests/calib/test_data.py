@@ -6,7 +6,8 @@ import pytest
 import torch
 from transformers import AutoTokenizer
 
-from quantspec.calib.data import build_calibration_batches, load_calibration_texts, load_text_file_for_eval
+from quantspec.calib.data import (build_calibration_batches, calibration_windows, load_calibration_texts,
+                                  load_text_file_for_eval)
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.tiny import TINY_CORPUS
 
@@ -110,6 +111,23 @@ def test_batches_bad_args(tok):
         build_calibration_batches("just a string", tok, 1, 8, seed=0)
     with pytest.raises(QuantSpecError, match=r"texts\[1\]"):
         build_calibration_batches(["ok", 3], tok, 1, 8, seed=0)
+
+
+def test_calibration_windows_continue_the_packing(tok):
+    """Windows start.. of the same seeded packing: the hand-built stream (documents in the seed's
+    order, eos after each) cut at start * seq_len; fewer, down to none, where the text ends."""
+    texts = [p for p in TINY_CORPUS.split("\n") if p.strip()]
+    seq_len, seed = 16, 3
+    order = torch.randperm(len(texts), generator=torch.Generator().manual_seed(seed)).tolist()
+    stream = [t for i in order for t in tok(texts[i], add_special_tokens=False)["input_ids"] + [tok.eos_token_id]]
+    total = len(stream) // seq_len
+    got = calibration_windows(texts, tok, seq_len, seed, 5, 3)
+    assert got.flatten().tolist() == stream[5 * seq_len: 8 * seq_len]
+    assert torch.equal(build_calibration_batches(texts, tok, 8, seq_len, seed)[5:], got)
+    assert calibration_windows(texts, tok, seq_len, seed, total - 2, 10).shape == (2, seq_len)
+    assert calibration_windows(texts, tok, seq_len, seed, total, 4).shape == (0, seq_len)
+    with pytest.raises(QuantSpecError, match="start"):
+        calibration_windows(texts, tok, seq_len, seed, -1, 4)
 
 
 def test_load_text_file_for_eval(tmp_path):
