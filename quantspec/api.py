@@ -181,8 +181,9 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
              damp: float = 0.01, dataset: str | None = None, split: str = "train",
              text_field: str = "text", num_samples: int = 128, seq_len: int = 512, seed: int = 0,
              calib: str | Path | None = None, smoothquant_alpha: float | str | None = None,
-             kv_cache: str | None = None, fallback_layers: int = 0,
-             fallback_threshold: float | None = None, search_samples: int = 4,
+             kv_cache: str | None = None, fallback_layers: int | None = None,
+             fallback_threshold: float | None = None, fallback_budget: float | None = None,
+             search_samples: int = 4, holdout_samples: int | None = None,
              overwrite: bool = False, progress=None, on_status=None) -> Path:
     """Quantize a checkpoint into an artifact directory at `out`; returns its path.
 
@@ -198,10 +199,16 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     `weight_observer="mse"` searches every weight scale's clipping range (RTN and GPTQ's groups;
     `quant.primitives.mse_qparams`) instead of taking min/max ("minmax"); None: mse for
     weight_only_int4, minmax otherwise (`quant.args.default_weight_observer`).
-    a8w8 / a8w8_fp8 only: `smoothquant_alpha="auto"` searches α per smoothing group, and
-    `fallback_layers=N` (or `fallback_threshold`) keeps the N Linears with the largest measured
-    static-quantization error at float activations (W8A16), both measured on `search_samples`
-    calibration samples (`dataset`, or the table's own dataset) — see `calib/sensitivity.py`.
+    a8w8 / a8w8_fp8 only, the default recipe: SmoothQuant α searched per smoothing group
+    (`smoothquant_alpha=None` → "auto"; a number fixes it, "none" turns it off) and the fewest
+    fused units (q/k/v, gate/up, o_proj, down_proj) kept at float activations (W8A16) that keep
+    the perplexity on `holdout_samples` held-back calibration windows within `fallback_budget`
+    percent of the weight-only model's (None → `calib.budget.DEFAULT_BUDGET_PCT`). `fallback_layers=N`
+    (the N units with the largest measured static-activation error; 0 = none) and / or
+    `fallback_threshold` choose the fallback instead of the budget. The α search and the error
+    ranking use `search_samples` calibration windows, the budget windows past the table's own;
+    all come from `dataset`, or from the dataset the table names in its calibration.json, as
+    does GPTQ's data (the table's windows) — see `calib/sensitivity.py`, `calib/budget.py`.
     """
     import time
 
@@ -220,20 +227,28 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     if out is None:
         raise QuantSpecError("--out is required: the directory to write the artifact to")
     out = Path(out)
-    if method == "gptq" and dataset is None:
-        raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
-                             ".txt/.json/.jsonl/.parquet file or a hub id)")
     if isinstance(ignore, str):
         ignore = (ignore,)
     needs_table = qt in (QuantType.A8W8, QuantType.A8W8_FP8)
+    if method == "gptq" and dataset is None and not (needs_table and calib is not None):
+        raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
+                             ".txt/.json/.jsonl/.parquet file or a hub id)")
     if smoothquant_alpha is not None:
         if not needs_table:
             raise QuantSpecError("--smoothquant-alpha only helps a8w8 / a8w8_fp8 (it moves "
                                  "activation outliers into the weights); drop it")
-        if smoothquant_alpha == "auto":
+        if smoothquant_alpha in ("auto", "none"):
             pass
         elif isinstance(smoothquant_alpha, str) or not 0 < smoothquant_alpha < 1:
-            raise QuantSpecError(f"--smoothquant-alpha {smoothquant_alpha} must be in (0, 1), e.g. 0.5")
+            raise QuantSpecError(f"--smoothquant-alpha {smoothquant_alpha} must be in (0, 1), 'auto' "
+                                 "or 'none'")
+    by_rank = fallback_layers is not None or fallback_threshold is not None
+    if (by_rank or fallback_budget is not None) and not needs_table:
+        raise QuantSpecError("the --a8w8-fallback-* flags are for a8w8 / a8w8_fp8 (weight-only "
+                             "types have no activation quantization to fall back from); drop them")
+    if by_rank and fallback_budget is not None:
+        raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
+                             "--a8w8-fallback-layers / --a8w8-fallback-threshold")
     if needs_table and calib is None:
         raise QuantSpecError(f"{qt.value} needs static activation scales; run `quantspec "
                              "calibrate --out DIR` and pass --calib DIR")
@@ -284,7 +299,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
     calib_summary: dict = {}
     batches = None
-    if method == "gptq":
+    if method == "gptq" and dataset is not None:
         from transformers import AutoTokenizer
 
         from quantspec.calib.data import build_calibration_batches, load_calibration_texts
@@ -297,35 +312,47 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
         calib_summary.update(dataset=str(dataset), split=split, text_field=text_field,
                              num_samples=num_samples, seq_len=seq_len, seed=seed,
                              num_texts=len(texts))
-    if (fallback_layers or fallback_threshold is not None) and not needs_table:
-        raise QuantSpecError("--a8w8-fallback-layers is for a8w8 / a8w8_fp8 (weight-only types "
-                             "have no activation quantization to fall back from); drop it")
-    input_scales = plan = None
+    input_scales = None
     if needs_table:
-        table.check_model(net)
-        search_ids = None
-        if smoothquant_alpha == "auto" or fallback_layers or fallback_threshold is not None:
-            search_ids = _table_batches(table, model_dir, dataset, split, text_field, search_samples,
-                                        seed)
-        from quantspec.calib.sensitivity import plan_static_quant
+        from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
+        from quantspec.calib.data import TableWindows
+        from quantspec.calib.sensitivity import plan_static_quant, with_fallback_layers
 
+        table.check_model(net)
+        alpha = "auto" if smoothquant_alpha is None else smoothquant_alpha
+        alpha = None if alpha == "none" else alpha
+        budget = None if by_rank else (DEFAULT_BUDGET_PCT if fallback_budget is None else fallback_budget)
+        data = TableWindows(table.meta, model_dir, dataset, split=split, text_field=text_field,
+                            seq_len=seq_len, seed=seed)
+        search_ids = holdout_ids = None
+        if alpha == "auto" or fallback_layers or fallback_threshold is not None or budget is not None:
+            search_ids = data.search_windows(search_samples)
+        if method == "gptq" and batches is None:  # GPTQ on the windows the table was calibrated on
+            batches = data.table_windows()
+            calib_summary.update(gptq_data=data.describe(0, batches.shape[0]))
+        if budget is not None:
+            holdout_ids = data.held_back_windows(holdout_samples or HOLDOUT_SAMPLES)
         if search_ids is not None:
             say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
-                "(SmoothQuant α search, fallback layers)")
-        # smooths `net` in place (fixed or searched α), measures and picks fallback Linears
-        plan = plan_static_quant(net, table, qt, smoothquant_alpha=smoothquant_alpha,
-                                 input_ids=search_ids, fallback_layers=fallback_layers,
-                                 fallback_threshold=fallback_threshold)
+                "(SmoothQuant α search, fallback ranking)"
+                + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
+                   "held-back windows"))
+        (base,) = config.config_groups.values()  # the a8w8 presets are one group
+        # smooths `net` in place (all but the fallback units) and picks the fallback units
+        plan = plan_static_quant(net, table, qt, smoothquant_alpha=alpha, input_ids=search_ids,
+                                 fallback_layers=fallback_layers or 0,
+                                 fallback_threshold=fallback_threshold, fallback_budget=budget,
+                                 holdout_ids=holdout_ids, weight_args=base.weights)
         input_scales = plan.input_scales
-        if plan.fallback:
-            from quantspec.calib.sensitivity import with_fallback_layers
-
-            config = with_fallback_layers(config, plan.fallback)
-    if table is not None:
+        config = with_fallback_layers(config, plan.fallback)
+        summary = plan.summary()
+        if summary["held_back"] is not None:
+            summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))
         calib_summary.update(calib=str(calib), calibration=table.meta,
-                             smoothquant_alpha=smoothquant_alpha, kv_cache=kv_cache)
-    if plan is not None:
-        calib_summary.update(static_plan=plan.summary(), search_samples=search_samples)
+                             smoothquant_alpha=alpha, kv_cache=kv_cache, static_plan=summary,
+                             search_samples=None if search_ids is None else int(search_ids.shape[0]))
+    elif table is not None:
+        calib_summary.update(calib=str(calib), calibration=table.meta, kv_cache=kv_cache)
 
     res = quantize_model(net, config, method, batches, block_size=block_size, damp=damp,
                          act_order=act_order, input_scales=input_scales, scale_dtype=src_dtype,
@@ -360,26 +387,6 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     return write_artifact(out, res.tensors, cfg, extra_files=extra,
                           provenance={"quant_type": qt.value, "provenance": provenance},
                           overwrite=overwrite)
-
-
-def _table_batches(table, model_dir, dataset, split, text_field, num_samples, seed):
-    """Calibration tokens [n, S] for measured choices: `dataset` if given, else the dataset the
-    table was calibrated on (its calibration.json), at the table's seq_len."""
-    from transformers import AutoTokenizer
-
-    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-
-    meta = table.meta or {}
-    src = dataset or meta.get("dataset_path") or meta.get("dataset")
-    if src is None:
-        raise QuantSpecError("α search / layer fallback need calibration data; pass --dataset")
-    if dataset is None:
-        split, text_field = meta.get("split", split), meta.get("text_field", text_field)
-    seq_len = int(meta.get("seq_len") or 512)
-    texts = load_calibration_texts(str(src), split=split, text_field=text_field)
-    tok = AutoTokenizer.from_pretrained(str(model_dir))
-    n = min(num_samples, int(meta.get("num_samples") or num_samples))
-    return build_calibration_batches(texts, tok, n, seq_len, seed)
 
 
 def inspect(path: str | Path) -> dict:
@@ -431,6 +438,10 @@ def inspect(path: str | Path) -> dict:
         out["static_activation_linears"] = sum(d["input_activations"] is not None
                                                for d in layers.values())
         out["fallback_layers"] = [n for n, d in layers.items() if d["input_activations"] is None]
+        plan = (prov.get("calibration") or {}).get("static_plan")
+        if plan is not None:  # why those layers: the rule, the budget's measurements, the errors
+            out["fallback"] = {"rule": plan.get("fallback_rule"), "units": plan.get("fallback_units"),
+                               "held_back": plan.get("held_back")}
     return out
 
 

@@ -265,13 +265,18 @@ def _gib(n) -> str:
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
 @click.option("--smoothquant-alpha", default=None,
-              help="a8w8 types: SmoothQuant migration strength in (0, 1), or 'auto' (searched per "
-                   "smoothing group on calibration data)")
-@click.option("--a8w8-fallback-layers", "fallback_layers", default=0, show_default=True, type=int,
-              help="a8w8 types: keep the N Linears with the largest measured static-activation "
-                   "error at float activations (int8/fp8 weight-only, W8A16); listed in provenance")
+              help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
+                   "smoothing group on calibration data; the default) or 'none'")
+@click.option("--a8w8-fallback-budget", "fallback_budget", default=None, type=float,
+              help="a8w8 types: keep the fewest fused units (q/k/v, gate/up, o_proj, down_proj) at "
+                   "float activations (W8A16) that hold the perplexity on held-back calibration "
+                   "windows within this many percent of the float model's [default: 2]")
+@click.option("--a8w8-fallback-layers", "fallback_layers", default=None, type=int,
+              help="a8w8 types: instead of the budget, keep the N fused units with the largest "
+                   "measured static-activation error at float activations (0: none)")
 @click.option("--a8w8-fallback-threshold", "fallback_threshold", default=None, type=float,
-              help="a8w8 types: also fall back every Linear whose relative output MSE exceeds this")
+              help="a8w8 types: instead of the budget, fall back every fused unit with a Linear "
+                   "whose relative output MSE exceeds this")
 @click.option("--kv-cache", default=None, type=click.Choice(["int8", "fp8"]),
               help="store static KV-cache scales from --calib in the artifact (k_scale/v_scale)")
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
@@ -279,18 +284,18 @@ def _gib(n) -> str:
 @_one_line_errors
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
-             fallback_layers, fallback_threshold, out, overwrite, kv_cache=None):
+             fallback_budget, fallback_layers, fallback_threshold, out, overwrite, kv_cache=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
     from quantspec import api
     from quantspec.console import Progress
 
-    if smoothquant_alpha is not None and smoothquant_alpha != "auto":
+    if smoothquant_alpha is not None and smoothquant_alpha not in ("auto", "none"):
         try:
             smoothquant_alpha = float(smoothquant_alpha)
         except ValueError:
-            raise click.BadParameter(f"{smoothquant_alpha!r} is neither a number nor 'auto'",
+            raise click.BadParameter(f"{smoothquant_alpha!r} is neither a number, 'auto' nor 'none'",
                                      param_hint="--smoothquant-alpha") from None
     t0 = time.perf_counter()
     with Progress(f"quantize {quant_type}") as progress:
@@ -302,12 +307,41 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
                             kv_cache=kv_cache, fallback_layers=fallback_layers,
-                            fallback_threshold=fallback_threshold, progress=progress.layer,
-                            on_status=progress.status)
+                            fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
+                            progress=progress.layer, on_status=progress.status)
     info = api.inspect(path)
     progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
                            f"{info.get('compression_ratio') or '?'}x smaller than the source, "
                            f"{time.perf_counter() - t0:.1f} s)")
+
+
+def _fallback_rows(fb: dict | None) -> list[tuple[str, str]]:
+    """`inspect`'s lines on an a8w8 fallback: the rule, what the budget measured, the units."""
+    if not fb:
+        return []
+    rule, held, rows = fb.get("rule") or {}, fb.get("held_back"), []
+    if rule.get("by") == "budget" and held:
+        rows.append(("fallback rule", f"held-back perplexity within +{rule['budget_pct']:g}% of float "
+                                      f"({held['windows']} × {held['seq_len']} tokens of {held.get('dataset')}, "
+                                      f"windows from {held.get('first_window')}, unseen by scales and α search)"))
+        steps = "; ".join(f"{m['units']} units {m['delta_pct']:+.2f}%"
+                          + (" (chosen)" if m["units"] == held.get("chosen_units") else "")
+                          for m in sorted(held["measured"], key=lambda m: m["units"]))
+        rows.append(("held-back measured", f"float ppl {held['float_perplexity']:.3f}; {steps}"))
+    elif rule.get("by") == "rank":
+        what = [f"the {rule['units']} fused units with the largest static-activation error"] if rule.get("units") else []
+        if rule.get("threshold") is not None:
+            what.append(f"every unit with a Linear's error > {rule['threshold']:g}")
+        rows.append(("fallback rule", " + ".join(what)))
+    else:
+        rows.append(("fallback rule", "none"))
+    units = fb.get("units") or []
+    if units:
+        names = ", ".join(u["linears"][0].rsplit(".", 1)[0] + "." + "/".join(n.rsplit(".", 1)[1] for n in u["linears"])
+                          + f" ({u['error']:.3g})" for u in units)
+        rows.append(("fallback (weight-only)", f"{len(units)} units, {sum(len(u['linears']) for u in units)} "
+                                               f"Linears, by measured error: {names}"))
+    return rows
 
 
 @main.command()
@@ -343,8 +377,8 @@ def inspect(path, as_json):
     if info.get("static_activation_linears") is not None:
         head.add_row("static activations", f"{info['static_activation_linears']} of "
                                            f"{len(info['layers'])} Linears")
-        if info.get("fallback_layers"):
-            head.add_row("fallback (weight-only)", ", ".join(info["fallback_layers"]))
+        for key, value in _fallback_rows(info.get("fallback")):
+            head.add_row(key, value)
     if info.get("kv_cache"):
         head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
                                  f"{info['kv_cache']['strategy']}")

@@ -58,6 +58,20 @@ the air, is built into sugars that feed the plant and, through food chains, almo
 User: Can you recommend a book for a long train journey?
 Assistant: A long novel works well on a train. If you like adventure, try a classic sea story; if
 you prefer something calm, a collection of short stories lets you stop at any station.
+
+A good loaf of bread needs only flour, water, salt and yeast, but it also needs time. The dough is
+mixed, left to rise until it has doubled, folded to build strength, shaped and left to rise again.
+A hot oven with a tray of water on the bottom shelf gives the crust its colour and crackle, and the
+loaf should cool on a rack for an hour before it is cut, or the crumb will be gummy.
+
+The history of the bicycle is a story of small improvements. Early machines had no pedals and were
+pushed along with the feet; later ones had a huge front wheel that made them fast but dangerous.
+The safety bicycle, with two wheels of equal size and a chain to the rear wheel, made cycling
+popular with everyone, and air-filled tyres soon made the ride comfortable on rough roads.
+
+User: How do I keep basil alive on a windowsill?
+Assistant: Give it at least six hours of sun, water it when the top of the soil feels dry, and pinch
+off the flower buds so that the plant keeps growing leaves instead of going to seed.
 User: How do I make a simple tomato sauce?
 Assistant: Warm olive oil in a pan, soften a chopped onion and a clove of garlic, add a tin of
 tomatoes, a pinch of salt and some basil, and let it simmer for twenty minutes.

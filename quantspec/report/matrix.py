@@ -223,7 +223,8 @@ class _Run:
 
         def build():
             dataset = c.calib_dataset or str(self._builtin_file("builtin-calib.txt", DEFAULT_CALIB_TEXT))
-            # the built-in text holds ~700 tokens: two windows of 256; pass --calib-dataset for more
+            # the built-in text holds ~1000 tokens: two windows of 256 for the table and one held
+            # back for a8w8's fallback budget; pass --calib-dataset for more
             num_samples = c.calib_num_samples if c.calib_dataset else min(c.calib_num_samples, 2)
             return self.cache.calibration(model, dataset, num_samples=num_samples,
                                           seq_len=c.calib_seq_len, dtype=_float_dtype(c.dtype))

@@ -1,5 +1,6 @@
 """α search, per-Linear sensitivity and the W8A16 fallback, each against an independent reference."""
 
+import copy
 import json
 
 import pytest
@@ -7,9 +8,10 @@ import torch
 
 from quantspec.calib.calibrate import calibrate_model
 from quantspec.calib.sensitivity import (FALLBACK_GROUP, fake_quant_weight, group_alpha_errors,
-                                         linear_sensitivity, plan_static_quant, search_alphas,
-                                         select_fallback, static_linear_error, with_fallback_layers)
-from quantspec.calib.smooth import input_scales_for_model, smooth_model
+                                         linear_sensitivity, plan_static_quant, rank_units,
+                                         search_alphas, select_fallback, static_linear_error,
+                                         with_fallback_layers)
+from quantspec.calib.smooth import input_scales_for_model, smooth_model, smoothing_factors
 from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import load_model
@@ -18,6 +20,15 @@ from quantspec.quant.args import preset
 
 torch.set_num_threads(1)
 N, S = 4, 32
+# the Linears vLLM / SGLang fuse into one layer, written out (relative to a decoder layer)
+UNITS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("self_attn.o_proj",),
+         ("mlp.gate_proj", "mlp.up_proj"), ("mlp.down_proj",))
+
+
+def unit_of(name):
+    prefix, rel = name.split(".", 3)[:3], name.split(".", 3)[3]
+    unit = next(u for u in UNITS if rel in u)
+    return tuple(".".join(prefix) + "." + n for n in unit)
 
 
 def calib_ids(seed=0):
@@ -36,13 +47,30 @@ def ref_fq_int8_channel(w):
 
 
 def test_select_fallback_literal():
-    errs = {"a": 0.1, "b": 0.3, "c": 0.2, "d": 0.2}
+    errs = {"a": 0.1, "b": 0.3, "c": 0.2, "d": 0.2}  # outside the decoder layers: units of one
     assert select_fallback(errs, 2) == ["b", "c"]  # tie c/d broken by name
     assert select_fallback(errs, 0) == []
     assert select_fallback(errs, 1, threshold=0.15) == ["b", "c", "d"]
     assert select_fallback(errs, 10) == ["b", "c", "d", "a"]
     with pytest.raises(QuantSpecError, match="must be an int >= 0"):
         select_fallback(errs, -1)
+
+
+def test_select_fallback_takes_whole_fused_units():
+    p = "model.layers.0."
+    errs = {p + "self_attn.q_proj": 0.1, p + "self_attn.k_proj": 0.3, p + "self_attn.v_proj": 0.05,
+            p + "self_attn.o_proj": 0.2, p + "mlp.gate_proj": 0.01, p + "mlp.up_proj": 0.25,
+            p + "mlp.down_proj": 0.22}
+    qkv = [p + "self_attn.q_proj", p + "self_attn.k_proj", p + "self_attn.v_proj"]
+    gate_up = [p + "mlp.gate_proj", p + "mlp.up_proj"]
+    assert select_fallback(errs, 1) == qkv  # k_proj's 0.3 brings q and v along
+    assert select_fallback(errs, 2) == qkv + gate_up  # the unit's error is its worst member's
+    assert select_fallback(errs, 0, threshold=0.21) == qkv + gate_up + [p + "mlp.down_proj"]
+    assert [u for u, _ in rank_units(errs)] == [tuple(qkv), tuple(gate_up), (p + "mlp.down_proj",),
+                                                (p + "self_attn.o_proj",)]
+    # a Linear the ranking does not know (not quantized) is left out of its unit
+    del errs[p + "self_attn.v_proj"]
+    assert select_fallback(errs, 1) == qkv[:2]
 
 
 def test_static_linear_error_matches_hand_reference():
@@ -152,8 +180,37 @@ def test_linear_sensitivity_and_fallback_are_top_n(model_table):
         h.remove()
     for n, (e, r) in sums.items():
         assert sens[n] == pytest.approx(e / r, rel=1e-3, abs=1e-9)
-    top3 = sorted(sums, key=lambda n: -sums[n][0] / sums[n][1])[:3]
-    assert select_fallback(sens, 3) == top3
+    unit_err = {}
+    for n, (e, r) in sums.items():
+        unit_err[unit_of(n)] = max(unit_err.get(unit_of(n), 0.0), e / r)
+    top3 = sorted(unit_err, key=lambda u: -unit_err[u])[:3]
+    assert select_fallback(sens, 3) == [n for u in top3 for n in u]
+
+
+def test_linear_sensitivity_with_factors_is_the_smoothed_models(model_table):
+    """Scoring with smoothing factors (model untouched) equals scoring the smoothed model; with
+    down_proj smoothed too, up_proj keeps its score (it is measured in its own output units,
+    not in those of its rows divided by down_proj's factor)."""
+    model, table = model_table
+    before = {k: v.clone() for k, v in model.state_dict().items()}
+    scores = {}
+    for down in (False, True):
+        factors = smoothing_factors(model, table, 0.6, smooth_down=down)
+        scales = input_scales_for_model(table, model, "a8w8", smooth=factors)
+        got = linear_sensitivity(model, calib_ids(), scales, "int8", smooth=factors)
+        assert all(torch.equal(before[k], v) for k, v in model.state_dict().items())
+        smoothed = copy.deepcopy(model)
+        assert smooth_model(smoothed, table, 0.6, smooth_down=down).keys() == factors.keys()
+        want = linear_sensitivity(smoothed, calib_ids(), scales, "int8")
+        assert got.keys() == want.keys()
+        for n in want:
+            if not (down and n.endswith("up_proj")):  # layer 1's inputs differ by float rounding
+                assert got[n] == pytest.approx(want[n], rel=5e-3, abs=1e-9), n
+        scores[down] = got
+    ups = [n for n in scores[True] if n.endswith("up_proj")]
+    assert all(scores[True][n] == pytest.approx(scores[False][n], rel=1e-6) for n in ups)
+    downs = [n for n in scores[True] if n.endswith("down_proj")]
+    assert any(scores[True][n] != pytest.approx(scores[False][n], rel=0.1) for n in downs)
 
 
 def test_with_fallback_layers_config():
@@ -168,6 +225,14 @@ def test_with_fallback_layers_config():
     assert with_fallback_layers(cfg, []) is cfg
     with pytest.raises(QuantSpecError, match="not quantized"):
         with_fallback_layers(cfg, ["lm_head"])
+    qkv = [f"model.layers.2.self_attn.{n}_proj" for n in "qkv"]
+    assert with_fallback_layers(cfg, qkv).config_groups[FALLBACK_GROUP].targets == tuple(sorted(qkv))
+    for partial in (qkv[:1], qkv[1:], ["model.layers.0.mlp.up_proj"]):
+        with pytest.raises(QuantSpecError, match="ignore a partial fallback"):
+            with_fallback_layers(cfg, partial)
+    # a shard the config does not quantize is not part of the unit's fallback
+    ignoring_v = preset("a8w8", ignore=("lm_head", "model.layers.2.self_attn.v_proj"))
+    assert with_fallback_layers(ignoring_v, qkv[:2]).scheme_for(qkv[0]).input_activations is None
 
 
 def test_plan_auto_alpha_smooths_per_group(tiny_llama_dir, model_table):
@@ -179,24 +244,40 @@ def test_plan_auto_alpha_smooths_per_group(tiny_llama_dir, model_table):
             layer.mlp.up_proj.weight[[5, 77]] *= 30.0
     ref, _ = load_model(tiny_llama_dir)
     ref.load_state_dict(model.state_dict())
+    orig = {k: v.clone() for k, v in ref.state_dict().items()}
     plan = plan_static_quant(model, table, "a8w8", smoothquant_alpha="auto", input_ids=calib_ids(),
                              fallback_layers=2, alphas=(0.3, 0.6, 0.9))
+    searched, _ = search_alphas(ref, table, calib_ids(), "int8", alphas=(0.3, 0.6, 0.9))
+    assert plan.fallback == select_fallback(plan.sensitivity, 2)
+    # every group is smoothed with its searched α but the fallback units' (not smoothed at all)
+    assert plan.alphas == {h: a for h, a in searched.items() if h not in plan.fallback}
+    assert plan.fallback and any(h in plan.fallback for h in searched)
     factors = smooth_model(ref, table, plan.alphas)  # same per-group α → same weights and scales
     for k, v in ref.state_dict().items():
         torch.testing.assert_close(model.state_dict()[k], v)
+    for n in plan.fallback:
+        assert torch.equal(model.state_dict()[f"{n}.weight"], orig[f"{n}.weight"]) or n.endswith("up_proj")
     want = input_scales_for_model(table, ref, "a8w8", smooth=factors)
     assert all(torch.equal(plan.input_scales[k], want[k]) for k in want)
-    assert plan.fallback == select_fallback(plan.sensitivity, 2)
     summ = plan.summary()
-    assert summ["static_activation_linears"] == 12 and summ["fallback_layers"] == plan.fallback
+    assert summ["static_activation_linears"] == 14 - len(plan.fallback)
+    assert summ["fallback_layers"] == plan.fallback and summ["fallback_rule"]["by"] == "rank"
+    assert [u["linears"] for u in summ["fallback_units"]] == [list(unit_of(n)) for n in plan.fallback
+                                                              if n == unit_of(n)[0]]
     with pytest.raises(QuantSpecError, match="calibration data"):
         plan_static_quant(model, table, "a8w8", fallback_layers=1)
+    with pytest.raises(QuantSpecError, match="one way"):
+        plan_static_quant(model, table, "a8w8", input_ids=calib_ids(), fallback_layers=1,
+                          fallback_budget=2.0, holdout_ids=calib_ids(1))
+    with pytest.raises(QuantSpecError, match="held-back"):
+        plan_static_quant(model, table, "a8w8", input_ids=calib_ids(), fallback_budget=2.0)
 
 
 @pytest.mark.parametrize("quant_type", ["a8w8", "a8w8_fp8"])
 def test_fallback_artifact_loads_here_and_in_transformers(tmp_path, tiny_llama_dir, quant_type):
-    """api.quantize with α search + 2 fallback Linears: config groups are compressed-tensors valid,
-    provenance lists the layers, quantspec and transformers load it and agree on logits."""
+    """api.quantize with α search + 2 fallback units: config groups are compressed-tensors valid
+    and cover whole fused units, provenance lists the layers, quantspec and transformers load it
+    and agree on logits."""
     from quantspec import api
     from quantspec.infer.loader import load_for_inference
     from quantspec.model_zoo.tiny import TINY_CORPUS
@@ -209,17 +290,21 @@ def test_fallback_artifact_loads_here_and_in_transformers(tmp_path, tiny_llama_d
                        smoothquant_alpha="auto", fallback_layers=2, search_samples=2)
     cfg = json.loads((art / "config.json").read_text())["quantization_config"]
     fb = cfg["config_groups"][FALLBACK_GROUP]
-    assert fb["input_activations"] is None and len(fb["targets"]) == 2
+    assert fb["input_activations"] is None
+    assert len({unit_of(t) for t in fb["targets"]}) == 2
+    assert all(set(unit_of(t)) <= set(fb["targets"]) for t in fb["targets"])  # whole units only
     info = api.inspect(str(art))
-    assert info["fallback_layers"] == sorted(fb["targets"]) and info["static_activation_linears"] == 12
+    assert info["fallback_layers"] == sorted(fb["targets"])
+    assert info["static_activation_linears"] == 14 - len(fb["targets"])
     plan = info["calibration"]["static_plan"]
     assert sorted(plan["fallback_layers"]) == sorted(fb["targets"])
-    assert set(plan["smoothquant_alphas"]) == {f"model.layers.{i}.{n}" for i in range(2) for n in
-                                               ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")}
-    loaded = load_for_inference(str(art), tokenizer=False)
-    mods = dict(loaded.model.named_modules())
+    heads = {f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.q_proj", "mlp.gate_proj",
+                                                                 "mlp.down_proj")}
+    assert set(plan["smoothquant_alphas"]) == heads - set(fb["targets"])  # fallback units unsmoothed
+    mods = dict(load_for_inference(str(art), tokenizer=False, fuse=False).model.named_modules())
     for t in fb["targets"]:
         assert mods[t].input_scale is None
+    loaded = load_for_inference(str(art), tokenizer=False)
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 

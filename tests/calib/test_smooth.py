@@ -147,7 +147,8 @@ def test_quantize_pipeline_through_quant_linear(tmp_path, tiny_llama_dir, quant_
     calib = api.calibrate(str(tiny_llama_dir), str(data), tmp_path / "calib", num_samples=4,
                           seq_len=32).path
     art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", calib=calib,
-                       smoothquant_alpha=alpha, kv_cache=kind)
+                       smoothquant_alpha="none" if alpha is None else alpha, fallback_layers=0,
+                       kv_cache=kind)
     table = read_table(calib, model_dir=tiny_llama_dir)
     loaded = load_for_inference(str(art), tokenizer=False, fuse=False)  # per-module checks
     assert loaded.kv_cache_dtype == kind
@@ -226,7 +227,7 @@ def test_a8w8_gptq_weights_beat_rtn(tmp_path, tiny_llama_dir):
     calib = api.calibrate(str(tiny_llama_dir), str(data), tmp_path / "calib", num_samples=4,
                           seq_len=32, dtype="float32").path
     arts = {m: api.quantize(str(tiny_llama_dir), "a8w8", tmp_path / m, calib=calib, smoothquant_alpha=0.5,
-                            method=m, dataset=str(data), num_samples=8, seq_len=64)
+                            fallback_layers=0, method=m, dataset=str(data), num_samples=8, seq_len=64)
             for m in ("rtn", "gptq")}
     ref, _ = load_model(tiny_llama_dir)
     from transformers import AutoTokenizer
