@@ -270,7 +270,7 @@ def _gib(n) -> str:
 @click.option("--a8w8-fallback-budget", "fallback_budget", default=None, type=float,
               help="a8w8 types: keep the fewest fused units (q/k/v, gate/up, o_proj, down_proj) at "
                    "float activations (W8A16) that hold the perplexity on held-back calibration "
-                   "windows within this many percent of the float model's [default: 2]")
+                   "windows within this many percent of the weight-only model's [default: 1.5]")
 @click.option("--a8w8-fallback-layers", "fallback_layers", default=None, type=int,
               help="a8w8 types: instead of the budget, keep the N fused units with the largest "
                    "measured static-activation error at float activations (0: none)")
@@ -321,13 +321,16 @@ def _fallback_rows(fb: dict | None) -> list[tuple[str, str]]:
         return []
     rule, held, rows = fb.get("rule") or {}, fb.get("held_back"), []
     if rule.get("by") == "budget" and held:
-        rows.append(("fallback rule", f"held-back perplexity within +{rule['budget_pct']:g}% of float "
-                                      f"({held['windows']} × {held['seq_len']} tokens of {held.get('dataset')}, "
-                                      f"windows from {held.get('first_window')}, unseen by scales and α search)"))
-        steps = "; ".join(f"{m['units']} units {m['delta_pct']:+.2f}%"
-                          + (" (chosen)" if m["units"] == held.get("chosen_units") else "")
+        rows.append(("fallback rule", f"held-back perplexity within +{rule['budget_pct']:g}% of the weight-only "
+                                      f"model's ({held['windows']} × {held['seq_len']} tokens of "
+                                      f"{held.get('dataset')}, windows from {held.get('first_window')}, unseen "
+                                      "by the scales and the α search)"))
+        steps = "; ".join(f"{m['units']} unit{'' if m['units'] == 1 else 's'} {m['delta_pct']:+.2f}%"
+                          + (f" (chosen; {m['over_float_pct']:+.2f}% over float)"
+                             if m["units"] == held.get("chosen_units") else "")
                           for m in sorted(held["measured"], key=lambda m: m["units"]))
-        rows.append(("held-back measured", f"float ppl {held['float_perplexity']:.3f}; {steps}"))
+        rows.append(("held-back measured", f"float ppl {held['float_perplexity']:.3f}, weight-only "
+                                           f"{held['weight_only_perplexity']:.3f}; fallback {steps}"))
     elif rule.get("by") == "rank":
         what = [f"the {rule['units']} fused units with the largest static-activation error"] if rule.get("units") else []
         if rule.get("threshold") is not None:

@@ -26,8 +26,8 @@ This file owns four things, all driven by calibration data through `calib.runner
   down_proj alone (`FUSED_UNITS`) — a unit's error being its worst member's, and
   `with_fallback_layers` refuses a partial unit.
 - **fallback**: the units with the largest measured error — the `n` worst, every one above a
-  threshold, or (the default, `calib.budget`) the fewest that keep the held-back perplexity
-  within an error budget — keep float activations (int8 / fp8 weight-only, i.e. W8A16) in a
+  threshold, or (the default, `calib.budget`) the fewest that keep what static activations add
+  to the held-back perplexity within an error budget — keep float activations (int8 / fp8 weight-only, i.e. W8A16) in a
   config group of their own, so the artifact stays a valid compressed-tensors
   `mixed-precision` checkpoint that transformers / vLLM load. A fallback unit is not smoothed:
   its activations stay float, and smoothing would only make its weights harder to quantize
@@ -403,7 +403,8 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     Fallback, one rule: `fallback_layers` = the n fused units with the largest measured error
     and / or every unit with a Linear above `fallback_threshold`; or `fallback_budget` = the
     fewest units that keep the held-back perplexity over holdout_ids [m, S] within that many
-    percent of the float model's (`calib.budget`; a budget no fallback meets raises).
+    percent of the weight-only model's (`calib.budget`; a budget that leaves no static
+    activation raises).
     input_ids [n, S] (calibration tokens) are needed for `"auto"` and for any fallback.
     weight_args: the artifact's weight args, for the budget's round-to-nearest weights
     (default: per-channel min/max int8 / fp8).
@@ -448,13 +449,13 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
             rule = {"by": "budget", "budget_pct": float(fallback_budget)}
             budget = fallback_under_budget(model, [u for u, _ in ranked], scales, factors,
                                            holdout_ids, fallback_budget, kind, weight_args)
-            if budget.chosen_units is None:
-                worst = budget.delta_pct(budget.measured[-1][2])
+            if ranked and budget.chosen_units == len(ranked):
+                least = min(budget.delta_pct(p) for k, _, p in budget.measured if k < len(ranked))
                 raise QuantSpecError(
-                    f"no fallback meets the {fallback_budget:g}% error budget: with every decoder "
-                    f"Linear at float activations the held-back perplexity is still {worst:+.2f}% "
-                    "over the float model's (the weights alone); raise --a8w8-fallback-budget or "
-                    "choose the fallback with --a8w8-fallback-layers N")
+                    f"no static activation fits the {fallback_budget:g}% error budget: with any "
+                    f"fused unit at static {kind} activations the held-back perplexity is at least "
+                    f"{least:+.2f}% over the weight-only model's; raise --a8w8-fallback-budget, or "
+                    "quantize weight-only")
             units = ranked[:budget.chosen_units]
         else:
             rule = {"by": "rank", "units": fallback_layers, "threshold": fallback_threshold}

@@ -67,11 +67,15 @@ def test_default_recipe_stays_within_the_budget_on_held_back_windows(tiny_llama_
     tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
     texts = load_calibration_texts(str(data))
     windows = build_calibration_batches(texts, tok, TABLE_SAMPLES + HOLDOUT_SAMPLES, SEQ, 0)[TABLE_SAMPLES:]
-    # measured again here, independently, on the written artifact through the inference path
-    base, quant = _ppl(tiny_llama_dir, windows), _ppl(default_art, windows)
-    delta = 100 * (quant / base - 1)
+    # measured again here, independently, through the inference path: the written artifact
+    # against the float model and the weight-only int8 artifact (the same weights, unsmoothed)
+    weight_only = api.quantize(str(tiny_llama_dir), "weight_only_int8", default_art.parent / "w8")
+    base, ref, quant = (_ppl(p, windows) for p in (tiny_llama_dir, weight_only, default_art))
     assert held["float_perplexity"] == pytest.approx(base, rel=1e-4)
+    assert held["weight_only_perplexity"] == pytest.approx(ref, rel=1e-4)
+    delta = 100 * (quant / ref - 1)
     assert held["delta_pct"] == pytest.approx(delta, abs=0.02)
+    assert held["over_float_pct"] == pytest.approx(100 * (quant / base - 1), abs=0.02)
     assert delta <= DEFAULT_BUDGET_PCT + 0.02
     chosen = {m["units"]: m["delta_pct"] for m in held["measured"]}
     assert chosen[held["chosen_units"]] == held["delta_pct"]
@@ -94,8 +98,9 @@ def test_inspect_shows_the_budget_the_measurements_and_the_units(default_art):
     out = _cli("inspect", default_art).output
     info = api.inspect(str(default_art))
     held = info["fallback"]["held_back"]
-    assert f"within +{DEFAULT_BUDGET_PCT:g}% of float" in out and "held-back measured" in out
-    assert f"{held['chosen_units']} units {held['delta_pct']:+.2f}% (chosen)" in out
+    assert f"within +{DEFAULT_BUDGET_PCT:g}% of the weight-only model's" in out and "held-back measured" in out
+    k = held["chosen_units"]
+    assert f"{k} unit{'' if k == 1 else 's'} {held['delta_pct']:+.2f}% (chosen; {held['over_float_pct']:+.2f}%" in out
     for u in info["fallback"]["units"]:
         assert u["linears"][0].rsplit(".", 1)[0] in out
 
@@ -115,7 +120,7 @@ def test_explicit_flags_override_each_default(tiny_llama_dir, table, tmp_path):
     art = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "loose", calib=calib, fallback_budget=1e6)
     plan = api.inspect(str(art))["calibration"]["static_plan"]
     assert plan["fallback_rule"] == {"by": "budget", "budget_pct": 1e6} and plan["fallback_layers"] == []
-    assert [m["units"] for m in plan["held_back"]["measured"]] == [0]
+    assert [m["units"] for m in plan["held_back"]["measured"]] == [plan["held_back"]["units"], 0]
     r = _cli("quantize", "--model", tiny_llama_dir, "--quant-type", "a8w8", "--calib", calib,
              "--a8w8-fallback-layers", "1", "--a8w8-fallback-budget", "3", "--out", tmp_path / "x")
     assert r.exit_code == 2 and "one way" in r.output and len(r.output.strip().splitlines()) == 1
@@ -154,3 +159,22 @@ def test_a_table_without_usable_data_names_dataset(tiny_llama_dir, table, tmp_pa
     small.unlink()  # the table's dataset is gone
     with pytest.raises(QuantSpecError, match="the table's dataset cannot be read .*--dataset"):
         api.quantize(str(tiny_llama_dir), "a8w8", tmp_path / "y", calib=used)
+
+
+def test_a_budget_no_static_activation_fits_is_one_line(tiny_llama_dir, table, tmp_path, monkeypatch):
+    """When the search keeps every unit at float activations (see test_budget), quantize says
+    so in one line naming the budget flag instead of writing an a8w8 artifact without any."""
+    import quantspec.calib.sensitivity as sensitivity
+
+    calib, _ = table
+    real = sensitivity.fallback_under_budget
+
+    def none_fit(model, ranked, *args, **kwargs):
+        search = real(model, ranked, *args, **kwargs)
+        search.chosen_units = len(ranked)
+        return search
+
+    monkeypatch.setattr(sensitivity, "fallback_under_budget", none_fit)
+    r = _cli("quantize", "--model", tiny_llama_dir, "--quant-type", "a8w8", "--calib", calib, "--out", tmp_path / "x")
+    assert r.exit_code == 2 and "no static activation fits" in r.output and "--a8w8-fallback-budget" in r.output
+    assert len(r.output.strip().splitlines()) == 1 and not (tmp_path / "x").exists()

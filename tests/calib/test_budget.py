@@ -112,33 +112,33 @@ def test_emulation_is_the_smoothed_quantized_model(setup, fallback):
 
 
 def test_search_returns_a_measured_boundary_of_the_budget(setup):
-    """The units chosen meet the budget and one fewer misses it, both by the independent
-    artifact-way perplexity; every measurement recorded is that perplexity."""
+    """The units chosen meet the budget over the weight-only model and one fewer misses it, both
+    by the independent artifact-way perplexity; every measurement recorded is that perplexity."""
     model, table, factors, scales = setup
     ranked = [u for u, _ in rank_units(linear_sensitivity(model, ids_for(0), scales, "int8", smooth=factors))]
-    held = ids_for(3)
-    f = ref_nll(model, held)
-    delta = {k: 100 * (math.exp(artifact_nll(model, table, 0.5, {n for u in ranked[:k] for n in u}, held) - f) - 1)
-             for k in range(len(ranked) + 1)}
-    assert delta[len(ranked)] < delta[0]  # falling back helps on this model
-    budget = (delta[0] + delta[len(ranked)]) / 2
+    m, held = len(ranked), ids_for(3)
+    nll = {k: artifact_nll(model, table, 0.5, {n for u in ranked[:k] for n in u}, held) for k in range(m + 1)}
+    delta = {k: 100 * (math.exp(nll[k] - nll[m]) - 1) for k in nll}  # over the weight-only model
+    assert delta[0] > 0
+    budget = delta[0] / 2
     search = fallback_under_budget(model, ranked, scales, factors, held, budget, "int8", W_ARGS)
     k = search.chosen_units
-    assert k is not None and 0 < k <= len(ranked)
-    assert delta[k] <= budget < delta[k - 1]
-    assert search.float_perplexity == pytest.approx(math.exp(f), rel=1e-5)
+    assert 0 < k <= m and delta[k] <= budget < delta[k - 1]
+    assert search.float_perplexity == pytest.approx(math.exp(ref_nll(model, held)), rel=1e-5)
+    assert search.weight_only_perplexity == pytest.approx(math.exp(nll[m]), rel=1e-5)
     for units, linears, ppl in search.measured:
         assert linears == sum(len(u) for u in ranked[:units])
         assert search.delta_pct(ppl) == pytest.approx(delta[units], abs=1e-3)
-    assert search.chosen_delta_pct == pytest.approx(delta[k], abs=1e-3)
     summ = search.summary()
-    assert summ["chosen_units"] == k and summ["windows"] == N and summ["tokens"] == N * S
+    assert summ["chosen_units"] == k and summ["units"] == m and summ["windows"] == N and summ["tokens"] == N * S
+    assert summ["delta_pct"] == pytest.approx(delta[k], abs=1e-3)
+    assert summ["over_float_pct"] == pytest.approx(100 * (math.exp(nll[k] - ref_nll(model, held)) - 1), abs=1e-3)
 
     loose = fallback_under_budget(model, ranked, scales, factors, held, delta[0] + 1.0, "int8", W_ARGS)
-    assert loose.chosen_units == 0 and len(loose.measured) == 1
-    # a ranking whose every prefix misses: one unit that leaves the perplexity above float
-    alone = {u: 100 * (math.exp(artifact_nll(model, table, 0.5, set(u), held) - f) - 1) for u in ranked}
-    unit = min((u for u in alone if alone[u] > 0), key=alone.get)
-    impossible = fallback_under_budget(model, [unit], scales, factors, held, min(delta[0], alone[unit]) / 2,
-                                       "int8", W_ARGS)
-    assert impossible.chosen_units is None and [m[0] for m in impossible.measured] == [0, 1]
+    assert loose.chosen_units == 0 and [x[0] for x in loose.measured] == [m, 0]
+    # a budget below what the static activations of a unit add leaves none: it falls back
+    unit = ranked[0]
+    added = 100 * (math.exp(nll[0] - artifact_nll(model, table, 0.5, set(unit), held)) - 1)
+    assert added > 0
+    none_fit = fallback_under_budget(model, [unit], scales, factors, held, added / 2, "int8", W_ARGS)
+    assert none_fit.chosen_units == 1 and [x[0] for x in none_fit.measured] == [1, 0]
