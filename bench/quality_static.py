@@ -8,11 +8,15 @@ measured through the inference path (`api.evaluate`) on `bench/data/heldout.txt`
 to the fp32 row of the same run. `static_rows()` is importable (bench/quality.py can append its
 rows to its own table).
 
-Row suffixes: `-gptq` the weights quantized with GPTQ (act-order, on the calibration data, after
-smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α; `-sqauto` α searched per smoothing group
-(`smoothquant_alpha="auto"`); `-fb` the `--fallback` Linears with the largest measured static-
-activation error kept at float activations (W8A16 / FP8 weight-only; `calib/sensitivity.py`), the
-layers listed in the JSON output. K/V scales use calibrate's default K/V observer (mse).
+Row suffixes: `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
+smoothing group, the fallback units chosen under the default error budget on held-back windows of
+the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (act-order, on the
+calibration data, after smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α;
+`-sqauto` α searched per smoothing group (`smoothquant_alpha="auto"`); `-fb` the `--fallback`
+fused units with the largest measured static-activation error kept at float activations (W8A16 /
+FP8 weight-only; `calib/sensitivity.py`); rows without `-sq` / `-fb` pass
+`smoothquant_alpha="none"` / `fallback_layers=0`. The fallback layers are listed in the JSON
+output. K/V scales use calibrate's default K/V observer (mse).
 
 Calibration data: `bench/data/calib.jsonl` when present, else `--calib-data pydoc` builds a
 jsonl from Python's own `pydoc_data.topics` (always installed, so the run is reproducible).
@@ -36,12 +40,16 @@ from mdtable import markdown_table
 from quantspec import api
 
 HERE = Path(__file__).parent
-FALLBACK = 8  # W8A16 fallback budget of the "-fb" rows (--fallback); 8 of 210 Linears on SmolLM2
-# name: (quant_type or None for fp32, smoothquant alpha ("auto" = searched per group),
-#        kv cache "int8" / "fp8" / None, fallback Linears (W8A16, measured-worst first; "fb" =
-#        the --fallback budget))
+FALLBACK = 8  # fused units of the "-fb" rows (--fallback); 8 of 120 units on SmolLM2
+DEFAULT = "default"  # the quantize default for this setting (no flag passed)
+# name: (quant_type or None for fp32, smoothquant alpha ("auto" = searched per group, None = off),
+#        kv cache "int8" / "fp8" / None, fallback units (W8A16, measured-worst first; "fb" =
+#        the --fallback count)[, method])
 ROWS = {
     "fp32": (None, None, None, 0),
+    "a8w8-default": ("a8w8", DEFAULT, None, DEFAULT),
+    "a8w8-default-gptq": ("a8w8", DEFAULT, None, DEFAULT, "gptq"),
+    "a8w8_fp8-default": ("a8w8_fp8", DEFAULT, None, DEFAULT),
     "fp32+kv-int8": (None, None, "int8", 0),
     "fp32+kv-fp8": (None, None, "fp8", 0),
     "a8w8": ("a8w8", None, None, 0),
@@ -60,7 +68,7 @@ ROWS = {
     "a8w8_fp8-sqauto-fb+kv-int8": ("a8w8_fp8", "auto", "int8", "fb"),
     "a8w8_fp8-sqauto-fb+kv-fp8": ("a8w8_fp8", "auto", "fp8", "fb"),
 }
-TARGETS = {"a8w8-sq": 3.0, "a8w8-sqauto": 3.0, "a8w8-sq-fb": 3.0, "a8w8-sqauto-fb": 3.0,
+TARGETS = {"a8w8-default": 4.0, "a8w8-default-gptq": 4.0, "a8w8-sq": 3.0, "a8w8-sqauto": 3.0, "a8w8-sq-fb": 3.0, "a8w8-sqauto-fb": 3.0,
            "a8w8-sqauto-fb-gptq": 3.0,
            "a8w8_fp8": 2.5, "a8w8_fp8-sq": 2.5, "a8w8_fp8-sqauto": 2.5, "a8w8_fp8-fb": 2.5,
            "a8w8_fp8-sqauto-fb": 2.5, "fp32+kv-int8": 0.5, "fp32+kv-fp8": 1.0}  # max Δ%
@@ -103,11 +111,14 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
             key = (qt, alpha, fb, method)
             if key not in artifacts:
                 t1 = time.perf_counter()
-                gptq = dict(dataset=calib_data, num_samples=num_samples, seq_len=seq_len,
-                            act_order=True) if method == "gptq" else {}
+                kw = dict(dataset=calib_data, num_samples=num_samples, seq_len=seq_len,
+                          act_order=True) if method == "gptq" else {}
+                if alpha != DEFAULT:
+                    kw["smoothquant_alpha"] = "none" if alpha is None else alpha
+                if fb != DEFAULT:
+                    kw["fallback_layers"] = fb
                 artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}-{method}",
-                                              calib=table, smoothquant_alpha=alpha,
-                                              fallback_layers=fb, method=method, **gptq)
+                                              calib=table, method=method, **kw)
                 q_time = round(time.perf_counter() - t1, 1)
             path = artifacts[key]
             plan = (api.inspect(str(path)).get("calibration") or {}).get("static_plan")
@@ -118,6 +129,7 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     "num_tokens": ev["num_tokens"], "quantize_s": q_time,
                     "eval_s": round(ev["seconds"], 1), "fallback": fb,
                     "fallback_layers": (plan or {}).get("fallback_layers", []),
+                    "held_back": (plan or {}).get("held_back"),
                     "alphas": (plan or {}).get("smoothquant_alphas")})
         log(f"{name:26s} ppl {ev['perplexity']:.4f}")
     base = next((r["perplexity"] for r in out if r["row"] == "fp32"), None)
@@ -132,11 +144,19 @@ def markdown(calib_info: dict, rows: list[dict]) -> str:
     for r in rows:
         d = "—" if r["delta_pct"] is None else f"{r['delta_pct']:+.2f}%"
         t = "" if r["target_pct"] is None else f"≤ +{r['target_pct']}%"
-        fb = f"{r['fallback']} Linears" if r.get("fallback") else "—"
+        n = len(r.get("fallback_layers") or [])
+        if r.get("fallback") == DEFAULT:
+            held = r.get("held_back") or {}
+            fb = (f"budget +{held.get('budget_pct')}%: {held.get('chosen_units')} of {held.get('units')} units, "
+                  f"{n} Linears (held-back {held.get('delta_pct'):+.2f}% over weight-only, "
+                  f"{held.get('over_float_pct'):+.2f}% over float)") if held else "—"
+        else:
+            fb = f"{r['fallback']} units, {n} Linears" if r.get("fallback") else "—"
+        q = "" if r.get("quantize_s") is None else f"{r['quantize_s']:.0f}"
         cells.append([r["row"], r["quant_type"], r["smoothquant_alpha"] or "—", fb, r["kv_cache"],
-                      f"{r['perplexity']:.4f}", d, t])
+                      f"{r['perplexity']:.4f}", d, t, q])
     lines = [markdown_table(["row", "weights × activations", "SmoothQuant α", "W8A16 fallback",
-                             "KV cache", "perplexity", "Δ vs fp32", "target"], cells)]
+                             "KV cache", "perplexity", "Δ vs fp32", "target", "quantize s"], cells)]
     lines.append(f"\ncalibration: {calib_info['num_samples']} × {calib_info['seq_len']} tokens, "
                  f"observer {calib_info['observer']} (K/V: {calib_info.get('kv_observer')}), "
                  f"{calib_info.get('dtype')} forward, "
@@ -160,7 +180,7 @@ def main() -> None:
     p.add_argument("--calib-dtype", default="auto", choices=["auto", "float32", "bfloat16"],
                    help="forward dtype of the calibration run (quantspec calibrate --dtype)")
     p.add_argument("--fallback", type=int, default=FALLBACK,
-                   help="W8A16 fallback budget (Linears) of the -fb rows")
+                   help="W8A16 fallback (fused units) of the -fb rows")
     p.add_argument("--rows", default=",".join(ROWS), help="comma-separated subset of: " + ", ".join(ROWS))
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--markdown", default=None)
