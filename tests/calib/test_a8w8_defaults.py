@@ -47,10 +47,11 @@ def default_art(tiny_llama_dir, table, tmp_path_factory):
 
 def _ppl(model_path, windows):
     """Perplexity through the inference path (paged KV, quantized linears) on these windows."""
-    from quantspec.infer.evaluate import load_for_eval, perplexity
+    from quantspec.infer.evaluate import perplexity
+    from quantspec.infer.loader import load_for_inference
 
-    em = load_for_eval(str(model_path), torch.float32, "cpu")
-    return perplexity(em.model, windows.reshape(-1), seq_len=windows.shape[1]).perplexity
+    lm = load_for_inference(str(model_path), dtype=torch.float32, tokenizer=False)
+    return perplexity(lm.model, windows.reshape(-1), seq_len=windows.shape[1]).perplexity
 
 
 def test_default_recipe_stays_within_the_budget_on_held_back_windows(tiny_llama_dir, table, default_art):
