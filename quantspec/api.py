@@ -249,6 +249,11 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     if by_rank and fallback_budget is not None:
         raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
                              "--a8w8-fallback-layers / --a8w8-fallback-threshold")
+    if fallback_budget is not None and not fallback_budget > 0:
+        raise QuantSpecError(f"--a8w8-fallback-budget {fallback_budget} must be a positive percentage, "
+                             "e.g. 1.5")
+    if fallback_layers is not None and (isinstance(fallback_layers, bool) or fallback_layers < 0):
+        raise QuantSpecError(f"--a8w8-fallback-layers {fallback_layers} must be 0 (no fallback) or more")
     if needs_table and calib is None:
         raise QuantSpecError(f"{qt.value} needs static activation scales; run `quantspec "
                              "calibrate --out DIR` and pass --calib DIR")

@@ -28,7 +28,8 @@ emulated Linear holds fq(W') · r / s and, when static, reads fq(x / s) · s: th
 in the unsmoothed model's units. A fallback unit is not smoothed (its activations stay float, so
 smoothing would only make its weights harder to quantize). fq(W') is the round-to-nearest weight
 of the artifact's weight args; fq(x) the static per-tensor input quantization with the table's
-scale (`quant.primitives`).
+scale (`quant.primitives`). With `--method gptq` the fallback is chosen on these round-to-nearest
+weights, and GPTQ then quantizes the model smoothed for that choice.
 """
 
 from __future__ import annotations

@@ -128,6 +128,10 @@ def test_explicit_flags_override_each_default(tiny_llama_dir, table, tmp_path):
     r = _cli("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int8",
              "--a8w8-fallback-budget", "3", "--out", tmp_path / "x")
     assert r.exit_code == 2 and "a8w8" in r.output
+    for flag, value in (("--a8w8-fallback-budget", "0"), ("--a8w8-fallback-layers", "-1")):
+        r = _cli("quantize", "--model", tiny_llama_dir, "--quant-type", "a8w8", "--calib", calib, flag, value,
+                 "--out", tmp_path / "x")
+        assert r.exit_code == 2 and flag in r.output and len(r.output.strip().splitlines()) == 1
 
 
 def test_a_table_without_usable_data_names_dataset(tiny_llama_dir, table, tmp_path):
