@@ -43,12 +43,6 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     return outs, stats
 
 
-# files copied from the source model into an artifact (those that exist)
-_COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json",
-                 "vocab.json", "merges.txt", "tokenizer.model", "added_tokens.json",
-                 "chat_template.jinja", "generation_config.json")
-
-
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,
               *, split: str = "train", text_field: str = "text", steps: int = 1500, seq_len: int = 256,
               batch_size: int = 4, num_samples: int = 16, lr: float = 1e-3, self_distill: bool = True,
@@ -175,223 +169,27 @@ def _dir_bytes(path, pattern: str = "*") -> int:
 
 
 def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_int8",
-             out: str | Path | None = None, *, method: str = "rtn", group_size: int = 128,
-             symmetric: bool = True, zp_dtype: str | None = None, weight_observer: str | None = None,
-             ignore=(), act_order: bool = False, block_size: int = 128,
-             damp: float = 0.01, dataset: str | None = None, split: str = "train",
-             text_field: str = "text", num_samples: int = 128, seq_len: int = 512, seed: int = 0,
-             calib: str | Path | None = None, smoothquant_alpha: float | str | None = None,
-             kv_cache: str | None = None, fallback_layers: int | None = None,
-             fallback_threshold: float | None = None, fallback_budget: float | None = None,
-             search_samples: int = 4, holdout_samples: int | None = None,
-             overwrite: bool = False, progress=None, on_status=None) -> Path:
+             out: str | Path | None = None, *, progress=None, on_status=None, **options) -> Path:
     """Quantize a checkpoint into an artifact directory at `out`; returns its path.
 
-    The artifact: config.json = the source config + `quantization_config` (compressed-tensors
-    layout, per-layer groups where the group size does not divide K), model.safetensors in
-    compressed-tensors names, tokenizer + generation config copied, and `quantspec.json`
-    provenance (version, method, args, calibration summary, source fingerprint and size, wall
-    time). Written atomically: on any error or Ctrl-C `out` is left as it was.
-    `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at
-    each phase (loading, measuring, writing).
-    weight_only_int4 with `symmetric=False` only: `zp_dtype` ("float16" | "bfloat16" | "float32")
-    stores float zero points (compressed-tensors' `zp_dtype`) instead of integer ones.
-    `weight_observer="mse"` searches every weight scale's clipping range (RTN and GPTQ's groups;
-    `quant.primitives.mse_qparams`) instead of taking min/max ("minmax"); None: mse for
-    weight_only_int4, minmax otherwise (`quant.args.default_weight_observer`).
-    a8w8 / a8w8_fp8 only, the default recipe: SmoothQuant α searched per smoothing group
-    (`smoothquant_alpha=None` → "auto"; a number fixes it, "none" turns it off) and the fewest
-    fused units (q/k/v, gate/up, o_proj, down_proj) kept at float activations (W8A16) that keep
-    the perplexity on `holdout_samples` held-back calibration windows within `fallback_budget`
-    percent of the weight-only model's (None → `calib.budget.DEFAULT_BUDGET_PCT`). `fallback_layers=N`
-    (the N units with the largest measured static-activation error; 0 = none) and / or
-    `fallback_threshold` choose the fallback instead of the budget. The α search and the error
-    ranking use `search_samples` calibration windows, the budget windows past the table's own;
-    all come from `dataset`, or from the dataset the table names in its calibration.json, as
-    does GPTQ's data (the table's windows) — see `calib/sensitivity.py`, `calib/budget.py`.
+    `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
+    zp_dtype, weight_observer, ignore, act_order, block_size, damp, dataset, split, text_field,
+    num_samples, seq_len, seed, calib, smoothquant_alpha, kv_cache, fallback_layers,
+    fallback_threshold, fallback_budget, search_samples, holdout_samples, overwrite), checked
+    when the config is built. The artifact: config.json = the source config + its
+    `quantization_config` (compressed-tensors layout), the tensors in compressed-tensors names, the
+    tokenizer files, and `quantspec.json` provenance; written atomically (`calib.quantize`).
+    `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at each
+    phase.
     """
-    import time
+    from quantspec.calib.quantize import QuantizeConfig, run_quantize
 
-    import torch
-
-    from quantspec import __version__
-    from quantspec.calib.ptq import METHODS, quantize_model
-    from quantspec.model_zoo.checkpoint import load_model, read_config, resolve_model_dir, verify_checkpoint
-    from quantspec.quant.args import QuantType, default_weight_observer, preset
-    from quantspec.quant.artifact import write_artifact
-
-    t0 = time.perf_counter()
-    qt = QuantType.parse(quant_type)
-    if method not in METHODS:
-        raise QuantSpecError(f"unknown --method {method!r}; use one of: {', '.join(METHODS)}")
-    if out is None:
-        raise QuantSpecError("--out is required: the directory to write the artifact to")
-    out = Path(out)
-    if isinstance(ignore, str):
-        ignore = (ignore,)
-    needs_table = qt in (QuantType.A8W8, QuantType.A8W8_FP8)
-    if method == "gptq" and dataset is None and not (needs_table and calib is not None):
-        raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
-                             ".txt/.json/.jsonl/.parquet file or a hub id)")
-    if smoothquant_alpha is not None:
-        if not needs_table:
-            raise QuantSpecError("--smoothquant-alpha only helps a8w8 / a8w8_fp8 (it moves "
-                                 "activation outliers into the weights); drop it")
-        if smoothquant_alpha in ("auto", "none"):
-            pass
-        elif isinstance(smoothquant_alpha, str) or not 0 < smoothquant_alpha < 1:
-            raise QuantSpecError(f"--smoothquant-alpha {smoothquant_alpha} must be in (0, 1), 'auto' "
-                                 "or 'none'")
-    by_rank = fallback_layers is not None or fallback_threshold is not None
-    if (by_rank or fallback_budget is not None) and not needs_table:
-        raise QuantSpecError("the --a8w8-fallback-* flags are for a8w8 / a8w8_fp8 (weight-only "
-                             "types have no activation quantization to fall back from); drop them")
-    if by_rank and fallback_budget is not None:
-        raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
-                             "--a8w8-fallback-layers / --a8w8-fallback-threshold")
-    if fallback_budget is not None and not fallback_budget > 0:
-        raise QuantSpecError(f"--a8w8-fallback-budget {fallback_budget} must be a positive percentage, "
-                             "e.g. 1.5")
-    if fallback_layers is not None and (isinstance(fallback_layers, bool) or fallback_layers < 0):
-        raise QuantSpecError(f"--a8w8-fallback-layers {fallback_layers} must be 0 (no fallback) or more")
-    if needs_table and calib is None:
-        raise QuantSpecError(f"{qt.value} needs static activation scales; run `quantspec "
-                             "calibrate --out DIR` and pass --calib DIR")
-    if kv_cache is not None and calib is None:
-        raise QuantSpecError(f"--kv-cache {kv_cache} stores static KV scales in the artifact; "
-                             "run `quantspec calibrate --out DIR` and pass --calib DIR")
-    weight_observer = weight_observer or default_weight_observer(qt)
-    config = preset(qt, group_size=group_size, symmetric=symmetric, zp_dtype=zp_dtype,
-                    weight_observer=weight_observer,
-                    ignore=("lm_head", *[i for i in ignore if i != "lm_head"]), kv_cache=kv_cache)
-    if method == "gptq":
-        positive_int("num_samples", num_samples)
-        positive_int("seq_len", seq_len)
-        if not damp > 0:
-            raise QuantSpecError(f"--damp {damp} must be > 0 (e.g. 0.01)")
-    check_output_dir(out, "--out", overwrite=overwrite)
-    say = on_status or (lambda _m: None)
-
-    with about("--model"):
-        model_dir = resolve_model_dir(model)
-        src_cfg = read_config(model_dir)
-        if src_cfg.get("quantization_config"):
-            raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        verify_checkpoint(model_dir)
-    table = None
-    if needs_table or kv_cache is not None:  # read before the model: a bad table fails at once
-        from quantspec.calib.tables import read_table
-
-        with about("--calib"):
-            table = read_table(calib, model_dir=model_dir)
-    src_dtype = getattr(torch, str(src_cfg.get("torch_dtype") or src_cfg.get("dtype") or "float32"),
-                        torch.float32)
-    if not isinstance(src_dtype, torch.dtype) or not src_dtype.is_floating_point:
-        src_dtype = torch.float32
-    from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
-
-    say(f"loading {model_dir}")
-    if is_mtp_config(src_cfg):  # an MTP module (`zoo train-mtp`), quantized on its own
-        if method != "rtn" or needs_table or kv_cache is not None:
-            raise QuantSpecError(f"{model_dir} is an MTP module: quantize it with --method rtn to "
-                                 "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
-                                 "scales need its base's hidden states)")
-        with about("--model"):
-            net = load_mtp(model_dir)
-    else:
-        with about("--model"):
-            net, _ = load_model(model_dir, dtype=torch.float32)
-
-    calib_summary: dict = {}
-    batches = None
-    if method == "gptq" and dataset is not None:
-        from transformers import AutoTokenizer
-
-        from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-
-        say(f"reading the calibration data {dataset}")
-        with about("--dataset"):
-            texts = load_calibration_texts(dataset, split=split, text_field=text_field)
-        tok = AutoTokenizer.from_pretrained(str(model_dir))
-        batches = build_calibration_batches(texts, tok, num_samples, seq_len, seed)
-        calib_summary.update(dataset=str(dataset), split=split, text_field=text_field,
-                             num_samples=num_samples, seq_len=seq_len, seed=seed,
-                             num_texts=len(texts))
-    input_scales = None
-    if needs_table:
-        from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
-        from quantspec.calib.data import TableWindows
-        from quantspec.calib.sensitivity import plan_static_quant, with_fallback_layers
-
-        table.check_model(net)
-        alpha = "auto" if smoothquant_alpha is None else smoothquant_alpha
-        alpha = None if alpha == "none" else alpha
-        budget = None if by_rank else (DEFAULT_BUDGET_PCT if fallback_budget is None else fallback_budget)
-        data = TableWindows(table.meta, model_dir, dataset, split=split, text_field=text_field,
-                            seq_len=seq_len, seed=seed)
-        search_ids = holdout_ids = None
-        if alpha == "auto" or fallback_layers or fallback_threshold is not None or budget is not None:
-            search_ids = data.search_windows(search_samples)
-        if method == "gptq" and batches is None:  # GPTQ on the windows the table was calibrated on
-            batches = data.table_windows()
-            calib_summary.update(gptq_data=data.describe(0, batches.shape[0]))
-        if budget is not None:
-            holdout_ids = data.held_back_windows(holdout_samples or HOLDOUT_SAMPLES)
-        if search_ids is not None:
-            say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
-                "(SmoothQuant α search, fallback ranking)"
-                + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
-                   "held-back windows"))
-        (base,) = config.config_groups.values()  # the a8w8 presets are one group
-        # smooths `net` in place (all but the fallback units) and picks the fallback units
-        plan = plan_static_quant(net, table, qt, smoothquant_alpha=alpha, input_ids=search_ids,
-                                 fallback_layers=fallback_layers or 0,
-                                 fallback_threshold=fallback_threshold, fallback_budget=budget,
-                                 holdout_ids=holdout_ids, weight_args=base.weights)
-        input_scales = plan.input_scales
-        config = with_fallback_layers(config, plan.fallback)
-        summary = plan.summary()
-        if summary["held_back"] is not None:
-            summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))
-        calib_summary.update(calib=str(calib), calibration=table.meta,
-                             smoothquant_alpha=alpha, kv_cache=kv_cache, static_plan=summary,
-                             search_samples=None if search_ids is None else int(search_ids.shape[0]))
-    elif table is not None:
-        calib_summary.update(calib=str(calib), calibration=table.meta, kv_cache=kv_cache)
-
-    res = quantize_model(net, config, method, batches, block_size=block_size, damp=damp,
-                         act_order=act_order, input_scales=input_scales, scale_dtype=src_dtype,
-                         out_dtype=src_dtype, progress=progress)
-    say(f"writing {out}")
-    if kv_cache is not None:  # k_scale / v_scale [KV, 1, 1] per attention (compressed-tensors)
-        kv_kind = "fp8" if config.kv_cache_scheme.type == "float" else "int8"
-        res.tensors.update(table.kv_artifact_tensors(kv_kind))
-    cfg = dict(src_cfg)
-    cfg["quantization_config"] = res.config.to_dict()
-    extra = {f: model_dir / f for f in _COPIED_FILES if (model_dir / f).is_file()}
     try:
-        from quantspec.model_zoo.checkpoint import model_fingerprint
-
-        fingerprint = model_fingerprint(model_dir)
-    except Exception:  # provenance only: never fail a quantization over it
-        fingerprint = None
-    provenance = {
-        "quantspec_version": __version__,
-        "source_model": str(model), "source_dir": str(model_dir),
-        "source_size_bytes": _dir_bytes(model_dir, "*.safetensors"),
-        "model_fingerprint": fingerprint,
-        "quant_type": qt.value, "method": method,
-        "args": {"group_size": group_size, "symmetric": symmetric, "zp_dtype": zp_dtype,
-                 "weight_observer": weight_observer,
-                 "ignore": list(config.ignore),
-                 "act_order": act_order, "block_size": block_size, "damp": damp},
-        "calibration": calib_summary or None,
-        "ptq": res.summary,
-        "wall_time_s": round(time.perf_counter() - t0, 3),
-    }
-    return write_artifact(out, res.tensors, cfg, extra_files=extra,
-                          provenance={"quant_type": qt.value, "provenance": provenance},
-                          overwrite=overwrite)
+        config = QuantizeConfig(model=str(model), quant_type=quant_type, out=None if out is None else str(out),
+                                **{k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
+    except TypeError as e:  # an unknown keyword
+        raise QuantSpecError(f"quantize: {e}") from None
+    return run_quantize(config, progress=progress, on_status=on_status)
 
 
 def inspect(path: str | Path) -> dict:

@@ -57,9 +57,9 @@ def test_quantize_inspect_eval_gptq(tiny_llama_dir, corpus_files, tmp_path):
     assert r.exit_code == 0 and "group 64" in r.output and "compression" in r.output
     # eval: the artifact is a bit worse than the source, not broken
     base = json.loads(_run("eval", "--model", tiny_llama_dir, "--text-file", corpus_files / "heldout.txt",
-                           "--seq-len", "64", "--max-windows", "6", "--json").output)
+                           "--seq-len", "64", "--max-windows", "6", "--json").stdout)
     quant = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
-                            "--seq-len", "64", "--max-windows", "6", "--json").output)
+                            "--seq-len", "64", "--max-windows", "6", "--json").stdout)
     assert base["num_windows"] == 6
     assert base["perplexity"] < quant["perplexity"] < 2 * base["perplexity"]
 
@@ -92,7 +92,7 @@ def test_quantize_asym_float_zero_points(tiny_llama_dir, corpus_files, tmp_path)
     r = _run("inspect", out)
     assert r.exit_code == 0 and "float16" in r.output and "zero point" in r.output
     ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
-                         "--seq-len", "64", "--max-windows", "2", "--json").output)
+                         "--seq-len", "64", "--max-windows", "2", "--json").stdout)
     assert ev["perplexity"] > 1
     # integer zero points are the default and say so
     assert api.inspect(api.quantize(tiny_llama_dir, "weight_only_int4", tmp_path / "izp",
@@ -126,7 +126,7 @@ def test_quantize_mse_weight_observer(tiny_llama_dir, corpus_files, tmp_path):
     e = lambda sc, zp: float((fake_quantize(w, sc, zp, plain) - w).abs().pow(2.4).sum())
     assert e(s, z) < e(s0, z0)
     ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
-                         "--seq-len", "64", "--max-windows", "1", "--json").output)
+                         "--seq-len", "64", "--max-windows", "1", "--json").stdout)
     assert ev["perplexity"] > 1 and ev["perplexity"] != float("inf")
     bad = CliRunner().invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--quant-type",
                                     "weight_only_int8", "--weight-observer", "median", "--out",
