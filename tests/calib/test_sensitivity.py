@@ -3,6 +3,8 @@
 import copy
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -226,7 +228,13 @@ def test_with_fallback_layers_config():
     with pytest.raises(QuantSpecError, match="not quantized"):
         with_fallback_layers(cfg, ["lm_head"])
     qkv = [f"model.layers.2.self_attn.{n}_proj" for n in "qkv"]
-    assert with_fallback_layers(cfg, qkv).config_groups[FALLBACK_GROUP].targets == tuple(sorted(qkv))
+    # a whole fused unit is one regex naming its shards and the fused layer (SGLang matches that)
+    fb = with_fallback_layers(cfg, qkv)
+    (target,) = fb.config_groups[FALLBACK_GROUP].targets
+    assert target.startswith("re:") and re.match(target[3:], "model.layers.2.self_attn.qkv_proj")
+    assert all(fb.scheme_for(n).input_activations is None for n in qkv)
+    assert fb.scheme_for("model.layers.2.self_attn.o_proj").input_activations is not None
+    assert fb.config_groups[FALLBACK_GROUP].format == "pack-quantized"  # W8A16
     for partial in (qkv[:1], qkv[1:], ["model.layers.0.mlp.up_proj"]):
         with pytest.raises(QuantSpecError, match="ignore a partial fallback"):
             with_fallback_layers(cfg, partial)
