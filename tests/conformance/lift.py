@@ -291,6 +291,15 @@ def _layer(engine: str, kind: str, cls_name: str):
     return layer
 
 
+def _params(fn) -> set[str]:
+    import inspect
+
+    try:
+        return set(inspect.signature(fn).parameters)
+    except (TypeError, ValueError):
+        return set()
+
+
 def _load(layer, cls_name: str, shards: list[dict], tensors: dict) -> tuple[list[str], list[str]]:
     """Load every shard's tensors through the parameters' own loaders; → (errors, never loaded)."""
     errors, loaded = [], set()
@@ -310,6 +319,8 @@ def _load(layer, cls_name: str, shards: list[dict], tensors: dict) -> tuple[list
                 elif cls_name == "MergedColumnParallelLinear":
                     p.load_merged_column_weight(loaded_weight=t, shard_id=sid, shard_offset=offset,
                                                 shard_size=shard["N"])
+                elif "tp_rank" in _params(p.load_row_parallel_weight):  # SGLang's takes the rank
+                    p.load_row_parallel_weight(loaded_weight=t, tp_rank=0)
                 else:
                     p.load_row_parallel_weight(loaded_weight=t)
                 loaded.add(leaf)
