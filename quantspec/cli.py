@@ -250,7 +250,7 @@ def train_mtp(**kw):
                   f"{res['positions']} positions, {res['wall_s']:.0f} s)")
 
 
-# ---- quantize / inspect / eval (issue 3) ---------------------------------------------------------
+# ---- quantize / inspect / eval ------------------------------------------------------------------
 
 def _gib(n) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
