@@ -108,7 +108,7 @@ def _build_key() -> str:
 def _build() -> ModuleType:
     from torch.utils.cpp_extension import load
 
-    from quantspec.model_zoo.default import cache_dir
+    from quantspec.paths import cache_dir
 
     key = _build_key()
     build_dir = cache_dir() / "ext" / f"cpu-{key}"
