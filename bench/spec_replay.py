@@ -122,7 +122,7 @@ def replay(drafter: str, prompt: list[int], answer: list[int], *, max_draft_toke
             context = np.asarray(prompt + answer[:n], dtype=np.int64)
             draft = answer[n:n + longest_copy(context, ans[n:n + budget])] if budget else []
         else:
-            draft = list(proposer.propose([seq], [budget])[0][0])[:budget]
+            draft = proposer.propose([seq], [budget]).token_lists()[0][:budget]
         a = 0
         while a < len(draft) and n + a < len(answer) and draft[a] == answer[n + a]:
             a += 1

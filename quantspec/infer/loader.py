@@ -1,7 +1,7 @@
 """Loading any model or artifact for inference: `load_for_inference(path) -> LoadedModel`.
 
 This file owns the model-level half of reading an artifact (the Linear-level half is
-`infer/quant_linear.py`):
+`quant/compressed.py`, the module `infer/quant_linear.py`):
 - a plain HF directory (no `quantization_config`) → `model_zoo.load_model`;
 - a compressed-tensors artifact (ours, or one written by compressed-tensors / llm-compressor):
   `quantization_config` → `QuantConfig.from_dict` (an unsupported method / format is one line
@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.quant_linear import DispatchPolicy, QuantLinear, expected_linear_tensors
+from quantspec.infer.backend import Runtime, prepare
+from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.quant_linear import QuantLinear
 from quantspec.model_zoo.checkpoint import (
     build_model,
     check_against_table,
@@ -42,6 +44,7 @@ from quantspec.model_zoo.checkpoint import (
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 from quantspec.quant.args import QuantConfig
 from quantspec.quant.artifact import read_provenance
+from quantspec.quant.compressed import expected_linear_tensors
 
 __all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "read_eos_token_ids"]
 
@@ -56,6 +59,8 @@ class LoadedModel:
 
     k_scale / v_scale: [num_layers, num_kv_heads] fp32 static KV-cache scales from the artifact
     (None when it has none); kv_cache_dtype: "int8" / "fp8" from its `kv_cache_scheme`, or None.
+    runtime: what the device backend prepared for the model (`infer.backend.prepare`), handed to
+    the engine and the drafters.
     """
 
     model: Transformer
@@ -68,6 +73,7 @@ class LoadedModel:
     kv_cache_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
+    runtime: Runtime | None = None
 
     @property
     def is_quantized(self) -> bool:
@@ -273,9 +279,10 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
     """Load a zoo name, a HF directory, a hub id or a quantized artifact for inference.
 
     `dtype` is the activation/compute dtype (bf16 on CPU enables torch's packed int8/int4
-    ops; see `infer/quant_linear.py`); `policy` overrides the kernel dispatch thresholds;
+    ops; see `infer/dispatch.py`); `policy` overrides the kernel dispatch thresholds;
     `tokenizer=False` skips loading the tokenizer; `fuse=False` keeps q/k/v and gate/up as
-    separate modules (see `infer/fuse.py`).
+    separate modules (see `infer/fuse.py`). The model is prepared for `device` by its backend
+    (`infer.backend.prepare`): `LoadedModel.runtime`.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise QuantSpecError(f"dtype {dtype} unsupported; use float32, bfloat16 or float16")
@@ -312,30 +319,8 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         net.setup_rope(args.max_position_embeddings, device)
         net.eval()
     tok = _load_tokenizer(model_dir) if tokenizer else None
-    cpu_kernels = device.type == "cpu" and (policy is None or policy.cpu_kernels)
-    if device.type == "cpu":
-        from quantspec.infer.dense_linear import use_skinny_linears
-
-        # float linears (all of a float model; the head of an artifact)
-        use_skinny_linears(net, cpu_kernels=cpu_kernels)
-        from quantspec.infer.cpu_layers import use_cpu_layer_kernels
-
-        use_cpu_layer_kernels(net)  # RMSNorm, rotary embedding
-    if fuse:
-        from quantspec.infer.fuse import fuse_projections
-
-        fuse_projections(net)
-    if cpu_kernels:
-        from quantspec.infer.dense_linear import pack_float_linears
-
-        pack_float_linears(net)  # fp32 linears → packed weights + quantspec's GEMM (after fusing)
-        from quantspec.infer.fused_layers import use_fused_layers
-
-        use_fused_layers(net)  # the layer stack in one call where every op is a CPU kernel
-        from quantspec.infer.greedy_head import use_greedy_head
-
-        use_greedy_head(net)  # exact greedy ids from an int8 / bf16 screen of the head
+    runtime = prepare(net, device, policy=policy, fuse=fuse)
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
                        quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
                        kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),
-                       provenance=read_provenance(model_dir))
+                       provenance=read_provenance(model_dir), runtime=runtime)

@@ -214,6 +214,7 @@ class Predictor:
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
+            runtime=self.loaded.runtime,
         )
 
     def _artifact_kv_scales(self, kind: str):

@@ -50,13 +50,8 @@ import numpy as np
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.spec.ngram import (
-    NewlineRuns,
-    native_matchers,
-    propose_ngram,
-    propose_ngram_match,
-    realigned_match,
-)
+from quantspec.infer.spec.ngram import NewlineRuns, propose_ngram, propose_ngram_match, realigned_match
+from quantspec.infer.spec.types import SpecProposal
 
 __all__ = [
     "MAX_DRAFT_TOKENS",
@@ -66,6 +61,7 @@ __all__ = [
     "ReferenceProposer",
     "validate_spec_config",
     "build_proposer",
+    "loaded_runtime",
 ]
 
 MAX_DRAFT_TOKENS = 16  # upper bound of --speculate-max-draft-token-num
@@ -347,7 +343,7 @@ class ReferenceProposer:
     needs_hidden = False
 
     def __init__(self, max_ngram_size: int = 3, max_draft_tokens: int = 5, *, min_ngram_size: int = 1,
-                 policy: AdaptiveDraftLength | None = None, realign: bool = True, kernels=None,
+                 policy: AdaptiveDraftLength | None = None, realign: bool = True, matchers: tuple | None = None,
                  stop_ids: Sequence[int] = (), newline_runs: NewlineRuns | None = None):
         propose_ngram([0], max_ngram_size, max_draft_tokens, min_ngram_size)  # validates the sizes
         self.max_ngram_size, self.max_draft_tokens = max_ngram_size, max_draft_tokens
@@ -355,8 +351,8 @@ class ReferenceProposer:
         self.stop_ids, self.newline_runs = tuple(int(t) for t in stop_ids), newline_runs
         self._stop = frozenset(self.stop_ids)
         self._buffers: dict[int, _TokenBuffer] = {}
-        # `kernels` (quantspec's CPU extension): its scalar matchers, the same drafts (`native_matchers`)
-        self._native = None if kernels is None else native_matchers(kernels)
+        # compiled twins of the two matchers (`ngram.native_matchers`): the same drafts
+        self._native = matchers
 
     def match(self, tokens: np.ndarray, cap: int, buffer: torch.Tensor | None = None) -> tuple[list[int], int]:
         """(draft, agreement) for a sequence's tokens (int64), at most `cap` drafts (class
@@ -386,7 +382,8 @@ class ReferenceProposer:
             return propose_ngram_match(tokens[:n], self.max_ngram_size, cap, self.min_ngram_size, stop_ids)
         return self._native[0](buffer, n, self.max_ngram_size, cap, self.min_ngram_size, stop_ids)
 
-    def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(self, seqs: list, budgets: list[int]) -> SpecProposal:
+        """Deterministic drafts (no probs) for each sequence, at most its budget."""
         drafts: list[list[int]] = []
         for seq, budget in zip(seqs, budgets):
             cap = min(self.max_draft_tokens, budget)
@@ -400,7 +397,7 @@ class ReferenceProposer:
                 k = self.policy.num_drafts(seq, cap, agreement_kind(agreement) if draft else None)
                 draft = draft[:k]
             drafts.append(draft)
-        return drafts, [None] * len(seqs)
+        return SpecProposal.from_token_lists(drafts)
 
     def release(self, seq) -> None:
         self._buffers.pop(seq.seq_id, None)
@@ -439,6 +436,15 @@ def validate_spec_config(config) -> None:
         raise QuantSpecError("--draft-model needs --speculate-method draft or mtp")
 
 
+def loaded_runtime(loaded):
+    """The runtime the backend prepared for a `LoadedModel` (or the device's default runtime for
+    an object that only carries a `model`)."""
+    from quantspec.infer.backend import default_runtime
+
+    runtime = getattr(loaded, "runtime", None)
+    return runtime if runtime is not None else default_runtime(loaded.model.model.norm.weight.device)
+
+
 def build_proposer(config, loaded):
     """The proposer for `config.speculate_method` and the most drafts it proposes per step.
 
@@ -449,18 +455,11 @@ def build_proposer(config, loaded):
     method, k = config.speculate_method, config.speculate_max_draft_token_num
     if method == "none":
         return None, 0
-    device = loaded.model.model.norm.weight.device
+    runtime = loaded_runtime(loaded)
     if method == "inference_with_reference":
-        from quantspec.infer.dense_linear import all_linears_packed
-
-        cost = SpecCost.for_device(device, packed_cpu=all_linears_packed(loaded.model))
+        cost = SpecCost.for_device(runtime.device, packed_cpu=runtime.packed_rows)
         policy = AdaptiveDraftLength(k, cost) if getattr(config, "speculate_backoff", True) else None
-        kernels = None
-        if device.type == "cpu":  # a CPU base has the extension built already (where it can run)
-            from quantspec.kernels.cpu import cpu_kernels
-
-            kernels = cpu_kernels()
-        proposer = ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy, kernels=kernels,
+        proposer = ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy, matchers=runtime.ngram,
                                      stop_ids=getattr(loaded, "eos_token_ids", ()),
                                      newline_runs=NewlineRuns.from_tokenizer(getattr(loaded, "tokenizer", None)))
         return proposer, k
@@ -468,7 +467,7 @@ def build_proposer(config, loaded):
         from quantspec.infer.spec.draft import build_draft_proposer
 
         return build_draft_proposer(config, loaded), k
-    if method == "mtp":  # G2: the MTP module and its proposer live in infer/spec/mtp.py
+    if method == "mtp":
         from quantspec.infer.spec.mtp import build_mtp_proposer
 
         return build_mtp_proposer(config, loaded)

@@ -207,7 +207,7 @@ def _verify_greedy(draft_token_ids: Sequence[torch.Tensor], target_logits: torch
 
 def verify_greedy_ids(draft_token_ids: Sequence[torch.Tensor], target_ids: Sequence[int]) -> VerifyResult:
     """Greedy verification from the target's argmax ids [sum_b(1 + k_b)] (sequence 0's rows, then
-    sequence 1's...) instead of its logits — e.g. `infer.greedy_head`'s exact picks: each draft is
+    sequence 1's...) instead of its logits — e.g. a backend's exact greedy picks: each draft is
     accepted while it equals the argmax at its position, then that argmax is emitted at the first
     mismatch (or after the last draft as the bonus token).
 
@@ -231,11 +231,21 @@ def verify_greedy_ids(draft_token_ids: Sequence[torch.Tensor], target_ids: Seque
 
 def verify_proposal(
     proposal: SpecProposal,
-    target_logits: torch.Tensor,  # [sum_b(1 + k_b), V]
+    target_logits: torch.Tensor | None,  # [sum_b(1 + k_b), V], or None with target_ids
     sampling_params: Sequence[SamplingParams],  # B
     generators: Sequence[torch.Generator | None] | None = None,  # B
+    *,
+    target_ids: Sequence[int] | None = None,  # [sum_b(1 + k_b)] argmax ids, all-greedy batches
 ) -> VerifyResult:
-    """`verify` on a `SpecProposal`."""
+    """The verifier's one entry: a `SpecProposal` against the target's logits (`verify`), or, for
+    a batch whose sequences are all greedy, against the target's argmax ids at the same rows
+    (`verify_greedy_ids`: e.g. a backend's exact greedy picks, no logits computed)."""
+    if target_ids is not None:
+        if not all(p.is_greedy for p in sampling_params):
+            raise QuantSpecError("target ids verify greedy sequences only; pass the logits for sampling")
+        return verify_greedy_ids(proposal.draft_token_ids, target_ids)
+    if target_logits is None:
+        raise QuantSpecError("verify_proposal needs the target's logits or its greedy ids")
     return verify(
         proposal.draft_token_ids, proposal.draft_probs, target_logits, sampling_params, generators
     )
