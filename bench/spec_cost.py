@@ -22,10 +22,10 @@ the same context lengths and the same interference on a shared machine.
 
 `--prefetch-ab` (CPU kernels): every timed step runs twice back to back, with the greedy head
 screen's L2 prefetch of its next block on and off (`GreedyHead.with_prefetch`, the screen's
-`prefetch=` argument: steps of 7 or more drafts on an fp32 model), in random order. The main table shows the steps with it on (the
-default); a second one shows per k the medians of both and the median of the paired differences,
-which a shared host's drift (a plain step moved 13-23 ms within an hour here) leaves alone where
-the separate medians do not.
+`prefetch=` argument: steps of 7 or more drafts on an fp32 model), in random order. The main
+table shows the steps with it on (the default); a second one shows per k the medians of both and
+the median of the paired differences, which a shared host's drift leaves alone where the
+separate medians do not.
 """
 
 from __future__ import annotations

@@ -157,8 +157,8 @@ void attend_heads(const T* q, int64_t q_head_stride, const T* kc, const T* vc, i
 }
 
 #if QS_BF16DOT
-// The same for bf16 q / caches on a CPU with AVX512-BF16 (the pair path, honouring
-// set_pair_path): the products of the scores and of the weighted values go through vdpbf16ps,
+// The same for bf16 q / caches on a CPU with AVX512-BF16 (the pair path, when the call asks for
+// it: `pairs`): the products of the scores and of the weighted values go through vdpbf16ps,
 // two per lane an instruction, reading q, keys and values as stored (no conversion, where the
 // fp32 chain converts each key once per query head). Scores: per key, vdpbf16ps over the head
 // dim's bf16 pairs (exact products, fp32 sums), the same transposing reduction, then × scale.
@@ -294,8 +294,7 @@ void attend_one(const T* q, int64_t q_head_stride, const T* kc, const T* vc, int
 // through `hsum16`), so prefill and decode rows are not bitwise alike; nothing needs them to be
 // (a prompt is prefilled once, then decoded). Both paths run at about the cores' FMA rate per
 // instruction, but this one needs ~8 FMAs per (query, key) where the per-row one spends ~20
-// instructions: a layer's attention of a 1024-token prompt 7.0 vs 12.7 ms, 130 tokens 0.17 vs
-// 0.22 ms (`bench/kernels_cpu.py`'s attention table, 2 threads).
+// instructions (`bench/kernels_cpu.py`'s attention table compares them).
 constexpr int64_t kPrefillRows = 16;     // query rows per work item (blocks of one KV head)
 constexpr int64_t kPrefillMinRows = 16;  // shorter fresh prompts take the per-row kernel
 
@@ -452,9 +451,7 @@ void prefill_block(const float* q, int64_t q_row_stride, int64_t q_head_stride, 
 // the rounded weights; the values by vdpbf16ps over key pairs (t, t + 1) (a last odd key paired
 // with zeros), one permute per 16 outputs, rounded to bf16. One fixed sequence of operations
 // per query, in another order than the per-row path's (which reduces 16 lanes through hsum16);
-// after the bf16 rounding of the weights and the output the two rarely differ (1 element in
-// ~60,000 on random data). A layer's attention of a 1024-token prompt 5.5 vs 7.4 ms per-row,
-// 2000 tokens 21.9 vs 29.7 (2 threads).
+// after the bf16 rounding of the weights and the output the two rarely differ.
 template <int P, int KK, int GG>
 inline void prefill_scores_pairs(const int32_t* qt, int64_t NQp, const at::BFloat16* const* kp, float scale,
                                  float* st) {

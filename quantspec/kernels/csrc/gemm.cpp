@@ -53,9 +53,8 @@ at::Tensor dense_gemv(const at::Tensor& x, const at::Tensor& w, const c10::optio
 // dequantized) once and used RM times against a broadcast x[m, k], where the row-major kernels
 // above reload x and reduce horizontally. Every output element is one fp32 FMA chain over
 // k = 0..K-1 in one vector lane, then (× scale) + bias: the same operations whatever M and
-// whichever tile the row is in, so decode and verification rows agree bitwise. On the default
-// model's layers (2 cores): fp32 at 8 rows 2.5-3.0x torch, prefill 1.5-1.7x torch's sgemm
-// (bench/kernels_cpu.py).
+// whichever tile the row is in, so decode and verification rows agree bitwise
+// (bench/kernels_cpu.py compares them with torch's ops).
 
 namespace {
 
@@ -298,8 +297,8 @@ void packed_q_run(const MakeLoader& make, const void* x, int64_t M, int64_t K, i
     // blocks in chunks of 4: the x rows of every tile read while the chunk is in cache. The M
     // rows go in ceil(M / 11) tiles of near-equal size (11 rows: 22 accumulators), so a
     // verification step's 2-11 rows are ONE tile that uses each weight vector as it streams in
-    // from memory; 8 + 2 + 1 tiles re-read the chunk from L2 for the last 3 rows at a third of
-    // the FMA density (11 rows on a 226 MB weight, 2 threads: 0.74-0.89x the time over runs)
+    // from memory, where 8 + 2 + 1 tiles would re-read the chunk from L2 for the last 3 rows at a
+    // third of the FMA density
     const int64_t tiles = (M + 10) / 11;
     for (int64_t c0 = b0; c0 < b1; c0 += 4) {
       const int64_t c1 = std::min(b1, c0 + 4);

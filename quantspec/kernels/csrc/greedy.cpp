@@ -67,15 +67,11 @@ void pick_exact(const float* xp, int64_t M, int64_t K, const float* ap, int64_t 
 
 // The pair screen's tiles of kPrefetchRows rows or more (7-11 drafts + 1: a greedy verification
 // step) do so many dot products per line of the bf16 copy that the hardware prefetcher falls
-// behind its 56 MB stream (SmolLM2's head), so they prefetch the block they compute next into L2
-// while computing one. Default model, 2 threads, the same calls back to back with it on and off:
-// 11 rows 3.5 -> 2.5 ms, 9 rows 2.9 -> 2.1, 8 rows 2.5 -> 2.0 (medians, 40 pairs); at 2-6 rows it
-// cost up to 10%, so smaller tiles never prefetch, nor do calls of more than one tile per block.
-// In the engine (`bench/spec_cost.py --prefetch-ab`, paired steps) a 10-draft step of the fp32 model
-// gained 0.5-1.3 ms. The same prefetch in the GEMMs' tiles gained up to 4 ms a 10-draft step in
-// some runs and lost up to 1.7 ms an 8-draft step in others (whether memory or the FMAs bind moves
-// with the shared host's load), so they do not prefetch. Results are unchanged (prefetches only move
-// lines); on unless a bench turns it off (`set_prefetch`) to compare.
+// behind its stream (a vocabulary head of tens of MB), so they prefetch the block they compute
+// next into L2 while computing one; smaller tiles, where it does not pay, never prefetch, nor do
+// calls of more than one tile per block. The GEMMs' tiles do not prefetch: whether memory or the
+// FMAs bind them moves with the host's load. Results are unchanged (prefetches only move lines);
+// the `prefetch` argument turns it off (`bench/spec_cost.py --prefetch-ab` compares the two).
 constexpr int kPrefetchRows = 8;
 
 #if QS_AVX512 && defined(__AVX512BF16__)
@@ -225,9 +221,8 @@ at::Tensor screened_argmax_pairs(const at::Tensor& x, const at::Tensor& w_pairs,
 // γ_K Σ|x_k w_nk| ≤ γ_K ‖x‖ ‖w_n‖, γ_K ≥ K 2^-24 / (1 − K 2^-24); the approximation's three
 // roundings by rel · |σ s_n D_n| ≤ rel · ‖xs‖ t_n; abs_err covers subnormals: AVX512-BF16
 // flushing in a bf16 head's chain, an fp32 product underflowing). With X = 16383 the integers
-// hold x to 2^-14 of its largest element where bf16 holds 2^-8 of each (the bf16-x copy this
-// replaced needed an int8 → bf16 conversion per weight: ~10 instructions per 64 codes, the
-// cost of its 8-11-row calls). Each tile turns its approximations into
+// hold x to 2^-14 of its largest element where bf16 holds 2^-8 of each, and the codes need no
+// conversion to a float format before their dot products. Each tile turns its approximations into
 // hi_n = approx_n + bound_n and lo_n = approx_n − bound_n as it finishes them (the bound's
 // products and sums rounded up, hi rounded up, lo down: true bounds of the exact value) and keeps
 // only hi and the row's largest lo. The exact pass is the head's own kernel chain for each
@@ -243,8 +238,8 @@ namespace {
 struct ScreenRow { __m512 c1, c2; };
 
 // int32 lanes as GCC's own vector type: accumulators kept as __m512i (64-bit lanes to GCC) and
-// converted to int32 lanes at every vpdpwssd were moved through the stack on every k-pair of the
-// 11-row tile (GCC 12: a store and a reload per accumulator and step, 1.5-2x slower)
+// converted to int32 lanes at every vpdpwssd go through the stack on every k-pair of the 11-row
+// tile (GCC 12: a store and a reload per accumulator and step)
 typedef int v16si_t __attribute__((vector_size(64)));
 inline v16si_t dpwssd(v16si_t acc, __m512i a, __m512i b) {
 #if defined(__clang__)
@@ -292,8 +287,7 @@ inline void i8_approx_tile(const int8_t* q, int64_t KP, const int32_t* xq, const
 }
 
 // rows [m0, m0 + RM) over blocks [b0, b1), kept out of line: inlined into the screen's loop, GCC
-// ran out of registers and kept the accumulators of the larger tiles in memory (2-3x slower at
-// 8-11 rows)
+// runs out of registers and keeps the accumulators of the larger tiles in memory
 template <int RM>
 __attribute__((noinline)) void i8_approx_rows(const int8_t* q, int64_t KP, const int32_t* xq, const float* sigma,
                                               const float* scale, float* hi, int64_t N, int64_t b0, int64_t b1,

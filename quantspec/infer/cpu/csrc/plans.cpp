@@ -6,9 +6,8 @@
 
 // ---- a whole decoder stack in one call (decode / verification / short-prefill steps) --------
 //
-// A decode step of a small model on CPU spends a sixth of its time in Python between kernels
-// (~11 module calls and ~20 tensor ops per layer, ~150 µs a layer on the default model). The
-// plan holds each layer's norm weights, its four fused linears (packed fp32, int8 or int4) and
+// A decode step of a small model on CPU spends much of its time in Python between kernels
+// (about a dozen module calls and twenty tensor ops per layer). The plan holds each layer's norm weights, its four fused linears (packed fp32, int8 or int4) and
 // its KV cache tensors, and runs the very calls the modules make, in their order: rms_norm,
 // qkv linear, rope over q and k, paged attention (writing k / v), o linear, residual add,
 // rms_norm, gate/up linear, silu * up, down linear, residual add. Same kernels, same operands:
@@ -144,9 +143,7 @@ class DecoderPlan {
 // x = eh_proj(cat(rms_norm(emb, enorm), rms_norm(h, hnorm))); one decoder layer whose window-1
 // attention returns each token's own value vector repeated over its KV group's query heads (q, k
 // and their rotation do not reach the output, so they are not rotated); rms_norm(x, norm); the
-// draft-vocabulary head. Same kernels, same operands: bitwise the modules' result. In the engine
-// (weights cold after the base's forward) the default model's int8 MTP drafted in 1.21-1.28 ms a
-// step through the modules, 0.62-0.82 ms through this plan with the int8 draft head.
+// draft-vocabulary head. Same kernels, same operands: bitwise the modules' result.
 class MTPPlan {
  public:
   // tensors: enorm, hnorm, eh_proj (a, b, c, bias), the layer's 18, norm, head (a, b, c, bias)
