@@ -133,13 +133,26 @@ def main():
         raise SystemExit(f"quantspec CPU kernels unavailable: {cg.cpu_kernels_error()}")
     kinds = [k for k in a.kinds.split(",") if k]
     if kinds and rows:
-        print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
-        print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind in kinds if rows else []:
+        gemm_table(kinds, rows, a.layers)
+    if rate_rows:
+        rate_table(rate_rows, a.layers)
+    if prefill:
+        prefill_table([k for k in kinds if k in ("int8", "int4")], prefill, a.layers)
+    if pair_rows:
+        pair_table(pair_rows, a.layers)
+    if attention_rows:
+        attention_table(attention_rows, a.layers, a.context)
+
+
+def gemm_table(kinds: list[str], rows: list[int], n_layers: int) -> None:
+    """ms per pass over the layers / per head call: torch's op vs quantspec's, by weight type and M."""
+    print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
+    print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in kinds:
         xdtype = torch.float32 if kind == "fp32" else torch.bfloat16
-        layers = [(K, *_make(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
-        head = _make(kind if kind != "fp32" else "fp32", *HEAD)
+        layers = [(K, *_make(kind, N, K)) for N, K in LAYER_SHAPES * n_layers]
+        head = _make(kind, *HEAD)
         theirs, ours = _torch_op(kind), _ours(kind)
         for M in rows:
             xs = {K: torch.randn(M, K).to(xdtype) for K in (576, 1536)}
@@ -150,37 +163,39 @@ def main():
             o_h = _time(lambda: ours(xs[576], *head[1]), reps)
             print(f"| {kind} | {M} | {t_l:.2f} | {o_l:.2f} | {t_l / o_l:.2f}x | {t_h:.2f} | "
                   f"{o_h:.2f} | {t_h / o_h:.2f}x |", flush=True)
-    if rate_rows:
-        big = torch.randn(2048, 2048)
-        t_big = _time(lambda: torch.mm(big, big), 3)
-        peak = 2 * 2048 ** 3 / t_big / 1e6  # GFLOP/s
-        print(f"\n## fp32 compute rate, {torch.get_num_threads()} threads (GFLOP/s)\n")
-        print(f"torch.mm 2048 x 2048 x 2048: {peak:.0f} GFLOP/s\n")
-        print("| M | packed_gemm over the layers | share of torch.mm's rate |")
-        print("|---:|---:|---:|")
-        layers = [(K, cg.pack_dense(torch.randn(N, K) * 0.05), N) for N, K in LAYER_SHAPES * a.layers]
-        flop_per_row = sum(2 * N * K for K, _, N in layers)
-        for M in rate_rows:
+
+
+def rate_table(rows: list[int], n_layers: int) -> None:
+    """GFLOP/s of `packed_gemm` over the fp32 layers at M rows beside torch's large square sgemm."""
+    big = torch.randn(2048, 2048)
+    t_big = _time(lambda: torch.mm(big, big), 3)
+    peak = 2 * 2048 ** 3 / t_big / 1e6  # GFLOP/s
+    print(f"\n## fp32 compute rate, {torch.get_num_threads()} threads (GFLOP/s)\n")
+    print(f"torch.mm 2048 x 2048 x 2048: {peak:.0f} GFLOP/s\n")
+    print("| M | packed_gemm over the layers | share of torch.mm's rate |")
+    print("|---:|---:|---:|")
+    layers = [(K, cg.pack_dense(torch.randn(N, K) * 0.05), N) for N, K in LAYER_SHAPES * n_layers]
+    flop_per_row = sum(2 * N * K for K, _, N in layers)
+    for M in rows:
+        xs = {K: torch.randn(M, K) for K in (576, 1536)}
+        t = _time(lambda: [cg.packed_gemm(xs[K], w, N) for K, w, N in layers], 3)
+        rate = M * flop_per_row / t / 1e6
+        print(f"| {M} | {rate:.0f} | {rate / peak:.0%} |", flush=True)
+
+
+def prefill_table(kinds: list[str], rows: list[int], n_layers: int) -> None:
+    """fp32 x through the int8 / int4 layers: dequantize + F.linear vs the packed kernel."""
+    print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "
+          "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
+    print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in kinds:
+        layers = [(K, *_prefill_layer(kind, N, K)) for N, K in LAYER_SHAPES * n_layers]
+        for M in rows:
             xs = {K: torch.randn(M, K) for K in (576, 1536)}
-            t = _time(lambda: [cg.packed_gemm(xs[K], w, N) for K, w, N in layers], 3)
-            rate = M * flop_per_row / t / 1e6
-            print(f"| {M} | {rate:.0f} | {rate / peak:.0%} |", flush=True)
-    if prefill:
-        print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "
-              "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
-        print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
-        print("|---|---:|---:|---:|---:|")
-        for kind in [k for k in kinds if k in ("int8", "int4")]:
-            layers = [(K, *_prefill_layer(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
-            for M in prefill:
-                xs = {K: torch.randn(M, K) for K in (576, 1536)}
-                t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
-                t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
-                print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
-    if pair_rows:
-        pair_table(pair_rows, a.layers)
-    if attention_rows:
-        attention_table(attention_rows, a.layers, a.context)
+            t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
+            t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
+            print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
 
 
 def attention_table(rows: list[int], n_layers: int, context: int) -> None:

@@ -174,6 +174,65 @@ def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[st
     return out
 
 
+def _float_table(args: ModelArgs, net: Transformer, quantized: dict, tensors: dict, where: str
+                 ) -> tuple[dict[str, tuple], dict[str, dict]]:
+    """(the float tensors the checkpoint must hold, with shapes; the compressed names per quantized
+    Linear), the float ones checked against `tensors`."""
+    table = hf_weight_table(args)
+    if "lm_head" in quantized and "lm_head.weight" not in table:
+        table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
+    q_expected: dict[str, dict] = {}
+    for name, scheme in quantized.items():
+        lin = net.get_submodule(name)
+        table.pop(f"{name}.weight", None)
+        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
+    missing = [n for n in table if n not in tensors]
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
+                             "checkpoint is incomplete")
+    check_against_table(tensors, table, where)
+    return table, q_expected
+
+
+def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expected: dict, where: str) -> set[str]:
+    """The quantized Linears' tensors a checkpoint may hold: the expected ones, zero points of
+    symmetric args (all zero) and a trivial act-order index, which compressed-tensors may store
+    and which are dropped; anything else of theirs is refused."""
+    allowed: set[str] = set()
+    for name, exp in q_expected.items():
+        allowed.update(exp)
+        for opt in ("input_zero_point", "weight_zero_point"):
+            key = f"{name}.{opt}"
+            if key in tensors and key not in exp:
+                if bool((tensors[key].float() != 0).any()):
+                    raise QuantSpecError(f"{where}: {key} is non-zero but the config says the "
+                                         "args are symmetric; the checkpoint and config disagree")
+                allowed.add(key)
+        gkey = f"{name}.weight_g_idx"
+        if gkey in tensors:
+            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
+                                     quantized[name].weights.group_size):
+                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
+                                     "which quantspec does not run; re-quantize with static "
+                                     "act-order groups (quantspec's --act-order)")
+            allowed.add(gkey)
+    return allowed
+
+
+def _refuse_unexpected(tensors: dict, allowed: set[str], kv_names: set[str], args: ModelArgs, where: str) -> None:
+    unexpected = sorted(set(tensors) - allowed)
+    if unexpected:
+        u = unexpected[0]
+        if u in kv_names:
+            raise QuantSpecError(f"{where}: {u} is present but config.json has no "
+                                 "kv_cache_scheme; add it or drop the KV scales")
+        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise QuantSpecError(f"{where}: unexpected tensor {u}{more} for this {args.arch} "
+                             "checkpoint and its quantization_config; the checkpoint and "
+                             "config.json disagree")
+
+
 def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
                     dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None
                     ) -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
@@ -185,46 +244,8 @@ def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
     lm_head_quantized = "lm_head" in quantized
     if args.tie_word_embeddings and not lm_head_quantized:
         tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
-
-    # the expected table: float tensors from the architecture, compressed names per quantized
-    # Linear; optional per-Linear tensors are checked when present
-    table = hf_weight_table(args)
-    if lm_head_quantized and "lm_head.weight" not in table:
-        table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
-    q_expected: dict[str, dict] = {}
-    for name, scheme in quantized.items():
-        lin = net.get_submodule(name)
-        table.pop(f"{name}.weight", None)
-        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
-    float_table = dict(table)
-    missing = [n for n in float_table if n not in tensors]
-    if missing:
-        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
-                             "checkpoint is incomplete")
-    check_against_table(tensors, float_table, where)
-
-    allowed = set(float_table)
-    for name, exp in q_expected.items():
-        allowed.update(exp)
-        scheme = quantized[name]
-        # compressed-tensors may store zero points of symmetric args (all zero) and a trivial
-        # act-order index; both are accepted and dropped, anything else is refused below
-        for opt in ("input_zero_point", "weight_zero_point"):
-            key = f"{name}.{opt}"
-            if key in tensors and key not in exp:
-                if bool((tensors[key].float() != 0).any()):
-                    raise QuantSpecError(f"{where}: {key} is non-zero but the config says the "
-                                         "args are symmetric; the checkpoint and config disagree")
-                allowed.add(key)
-        gkey = f"{name}.weight_g_idx"
-        if gkey in tensors:
-            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
-                                     scheme.weights.group_size):
-                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
-                                     "which quantspec does not run; re-quantize with static "
-                                     "act-order groups (quantspec's --act-order)")
-            allowed.add(gkey)
+    float_table, q_expected = _float_table(args, net, quantized, tensors, where)
+    allowed = set(float_table) | _optional_tensors(tensors, net, quantized, q_expected, where)
     k_scale = v_scale = None
     kv_names = {f"{_attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in _KV_NAMES}
     if qc.kv_cache_scheme is not None:
@@ -236,16 +257,7 @@ def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
         ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
                                       dtype=dtype, device=device, policy=policy)
         net.set_submodule(name, ql)
-    unexpected = sorted(set(tensors) - allowed)
-    if unexpected:
-        u = unexpected[0]
-        if u in kv_names:
-            raise QuantSpecError(f"{where}: {u} is present but config.json has no "
-                                 "kv_cache_scheme; add it or drop the KV scales")
-        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise QuantSpecError(f"{where}: unexpected tensor {u}{more} for this {args.arch} "
-                             "checkpoint and its quantization_config; the checkpoint and "
-                             "config.json disagree")
+    _refuse_unexpected(tensors, allowed, kv_names, args, where)
     q_biases = {f"{name}.bias" for name in quantized}  # already inside their QuantLinear
     float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in float_table
                    if k not in q_biases}
