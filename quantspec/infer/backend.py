@@ -55,14 +55,11 @@ def _room(device: torch.device):
 def prepare(model: nn.Module, device: torch.device | str, *, policy: DispatchPolicy | None = None,
             fuse: bool = True) -> Runtime:
     """Rewrite `model` (a `model_zoo.llama.Transformer` or a bound `model_zoo.mtp.MTPModule`) in
-    place for `device` and return what its backend prepared. `fuse`: stack q/k/v and gate/up into
-    one projection each first (`infer/fuse.py`); `policy`: the dispatch policy it was loaded with."""
-    from quantspec.infer.fuse import fuse_projections
-
+    place for `device` and return what its backend prepared. `fuse`: let the backend stack q/k/v
+    and gate/up into one projection each (`infer/fuse.py`); `policy`: the dispatch policy it was
+    loaded with."""
     device = torch.device(device)
-    if fuse:
-        fuse_projections(model)
-    return _room(device).prepare(model, device, policy or DispatchPolicy())
+    return _room(device).prepare(model, device, policy or DispatchPolicy(), fuse=fuse)
 
 
 def default_runtime(device: torch.device | str) -> Runtime:

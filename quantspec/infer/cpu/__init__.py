@@ -27,6 +27,7 @@ from quantspec.infer.cpu.linears import PackedInt8Linear, SkinnyLinear, all_line
 from quantspec.infer.cpu.mtp_step import CpuMTPStep
 from quantspec.infer.cpu.stack import CpuLayerStack
 from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.fuse import fuse_projections
 from quantspec.kernels import cpu as cg
 from quantspec.model_zoo.mtp import MTPModule
 
@@ -77,8 +78,10 @@ def _draft_head(mtp: MTPModule) -> nn.Module:
     return linear
 
 
-def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy) -> Runtime:
-    """Rewrite `model` (fused already, `infer.backend.prepare`) for the CPU → its `Runtime`."""
+def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
+    """Rewrite `model` for the CPU (`fuse`: q/k/v and gate/up stacked first) → its `Runtime`."""
+    if fuse:
+        fuse_projections(model)
     base = default_runtime(device, policy)
     if isinstance(model, MTPModule):
         head = _draft_head(model)

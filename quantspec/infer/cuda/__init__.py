@@ -3,7 +3,8 @@
 
 On CUDA the generic path runs everything else: float linears are torch's (cuBLAS), the paged
 attention is torch's SDPA (`infer/kv_cache.PagedAttention`), the head gives full logits; so
-`prepare` rewrites nothing beyond the quantized layers their construction already laid out.
+`prepare` only stacks a model's projections (`infer/fuse.py`): the quantized layers are laid out
+for CUDA when they are built.
 """
 
 from __future__ import annotations
@@ -13,6 +14,8 @@ from torch import nn
 
 from quantspec.infer.backend import Runtime
 from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.fuse import fuse_projections
+from quantspec.model_zoo.mtp import MTPModule
 
 __all__ = ["default_runtime", "prepare"]
 
@@ -22,6 +25,9 @@ def default_runtime(device: torch.device) -> Runtime:
     return Runtime(device=device)
 
 
-def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy) -> Runtime:
-    """`model` as loaded on CUDA (fused already, `infer.backend.prepare`) → its `Runtime`."""
+def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
+    """`model` as loaded on CUDA → its `Runtime`. `fuse`: a model's q/k/v and gate/up stacked
+    into one projection each (an MTP module keeps the projections it was loaded with)."""
+    if fuse and not isinstance(model, MTPModule):
+        fuse_projections(model)
     return default_runtime(device)
