@@ -61,6 +61,23 @@ def bench_hf(hf, prompt, new_tokens, batch) -> float:
     return (out.shape[1] - len(prompt)) * batch / dt
 
 
+def _artifacts(model_dir, quant: str) -> list:
+    """(quant type, LoadedModel) of each `--quant` artifact of the default model (built once with
+    RTN into the cache, loaded with `--dtype auto`)."""
+    from quantspec import api
+    from quantspec.infer.loader import auto_dtype, load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir
+
+    quants = []
+    for qt in [q for q in quant.split(",") if q]:
+        qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
+        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
+        if not (out / "config.json").exists():
+            api.quantize(str(model_dir), qt, out, overwrite=True)
+        quants.append((qt, load_for_inference(out, dtype=auto_dtype(out))))
+    return quants
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=600)
@@ -74,8 +91,8 @@ def main():
         torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from quantspec.infer.loader import auto_dtype, load_for_inference
-    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, ensure_zoo_model
 
     model_dir = ensure_zoo_model(DEFAULT_MODEL)
     loaded = load_for_inference(model_dir)
@@ -89,15 +106,7 @@ def main():
         rows.append((f"fp32 batch {b}", ours, theirs, decode))
     base_b1 = rows[0][1]
     quant_rows = []
-    quants = []
-    for qt in [q for q in a.quant.split(",") if q]:
-        from quantspec import api
-
-        qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
-        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
-        if not (out / "config.json").exists():
-            api.quantize(str(model_dir), qt, out, overwrite=True)
-        quants.append((qt, load_for_inference(out, dtype=auto_dtype(out))))
+    quants = _artifacts(model_dir, a.quant)
     if quants:
         # fp32 and every quant type in turn, `--rounds` times: load on a shared machine hits all
         # alike; the medians are reported (fp32's row above is the first round's)

@@ -130,7 +130,7 @@ def fit_cost(ratios: dict[int, float]) -> tuple[float, float, float]:
     return mc - slope * mk, slope, through_zero
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo name, HF directory or artifact")
     ap.add_argument("--device", default="auto")
@@ -152,6 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
     if drafts[-1] > MAX_DRAFT_TOKENS or drafts[0] < 0:
         raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..{MAX_DRAFT_TOKENS} "
                          "(--speculate-max-draft-token-num's range)")
+    return a, drafts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a, drafts = _args(argv)
     torch.set_num_threads(a.threads)
     cfg = InferConfig(model=a.model, device=a.device, batch_size=1,
                       max_length=a.context + a.repeats * len(drafts) * 17 + 2 * drafts[-1] + 8,
