@@ -32,7 +32,7 @@ _HEADERS = ("kernels/csrc/cpu.h",)
 # no fused multiply-adds the compiler picks per call site: a row's numbers must not depend on
 # how many rows a tile holds
 _CFLAGS = ["-O3", "-march=native", "-fopenmp", "-ffp-contract=off"]
-_STALE_LOCK_S = 600  # a build takes about a minute: a lock older than this belongs to a killed build
+_STALE_LOCK_S = 600  # a build takes a few minutes: a lock older than this belongs to a killed build
 _log = logging.getLogger("quantspec")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "module": None, "error": None}
@@ -88,7 +88,7 @@ def _build() -> ModuleType:
     if lock.exists() and time.time() - lock.stat().st_mtime > _STALE_LOCK_S:
         lock.unlink(missing_ok=True)
     if not any(build_dir.glob("*.so")):
-        _log.warning("quantspec: compiling the CPU kernels for this machine (once, about a minute)")
+        _log.warning("quantspec: compiling the CPU kernels for this machine (once, a few minutes)")
     return load(name=f"quantspec_cpu_{key}", sources=[str(build_dir / f.name) for f in files if f.suffix == ".cpp"],
                 extra_cflags=_CFLAGS, extra_ldflags=["-fopenmp"], extra_include_paths=[str(build_dir)],
                 build_directory=str(build_dir), verbose=False)
