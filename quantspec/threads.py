@@ -1,20 +1,24 @@
-"""How quantspec's CPU threads share the machine: the OpenMP wait policy and the thread count.
+"""How quantspec's CPU threads share the machine: how idle OpenMP threads wait, and how many run.
 
 torch's intra-op threads, MKL's, oneDNN's and quantspec's own kernels (`kernels/csrc/cpu.cpp`,
-through ATen's `parallel_for`) all run on one OpenMP runtime: the libgomp that torch ships (the
-extension's `libgomp.so.1` resolves to it). libgomp's idle threads spin for ~300,000 iterations
-(milliseconds) before they sleep, after every parallel region. Beside another busy process those
-spinning threads hold the cores that the working ones need, and every region waits for a
-descheduled thread: on 2 cores with one busy process a decode step runs several times slower
-than its fair share (`bench/contention.py`).
+through ATen's `parallel_for`) all run on one OpenMP runtime: the libgomp that torch's Linux wheels
+ship (the extension's `libgomp.so.1` resolves to it). After each parallel region libgomp's idle
+threads spin for 300,000 iterations (milliseconds) before they sleep. Beside another busy process
+those spinning threads compete with it for the cores as if they were working, the scheduler
+shares a core between them in whole time slices, and every parallel region waits for a thread
+that is off its core: one busy process on 2 cores leaves a decode step a fraction of its fair
+share. Sleeping at once (`OMP_WAIT_POLICY=passive`) costs a wake-up per region instead (a decode
+step has hundreds), ~0.7x the quiet speed here. A short spin keeps both: the gaps between a step's
+regions are shorter than it, and a thread idle for longer sleeps, so that a waking thread takes
+its core back at once (`bench/contention.py`).
 
 The policy:
 
-- **wait**: `OMP_WAIT_POLICY=passive` (idle threads sleep at once) is put into the environment
-  when quantspec is imported (`prefer_passive_wait`, called by `quantspec/__init__.py`), unless
-  the user set `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` or an OpenMP runtime is already loaded.
-  libgomp reads these variables once, when it is loaded, i.e. when torch is imported: Python users
-  import quantspec (any module of it) before torch, or set the variable themselves.
+- **wait**: `GOMP_SPINCOUNT` (`SPIN_COUNT` iterations, tens of microseconds) is put into the
+  environment when quantspec is imported (`limit_spin_wait`, called by `quantspec/__init__.py`),
+  unless the user set `OMP_WAIT_POLICY` or `GOMP_SPINCOUNT` or an OpenMP runtime is already
+  loaded. libgomp reads these variables once, when it is loaded, i.e. when torch is imported:
+  Python users import quantspec (any module of it) before torch, or set a variable themselves.
   `wait_policy()` says which one this process runs with.
 - **count**: `configure(threads)` sets torch's intra-op thread count once per process, for torch's
   ops and quantspec's kernels alike: `threads` when given, else the user's `OMP_NUM_THREADS` /
@@ -31,15 +35,19 @@ import sys
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["WAIT_POLICY", "allowed_cpus", "configure", "prefer_passive_wait", "wait_policy"]
+__all__ = ["SPIN_COUNT", "allowed_cpus", "configure", "limit_spin_wait", "wait_policy"]
 
-WAIT_POLICY = "passive"  # what quantspec asks of OpenMP when the user did not choose
+# libgomp's spin iterations before an idle thread sleeps, where the user did not choose: longer
+# than the gaps between a decode step's parallel regions (fewer hurt quiet speed: 300 ~0.85x),
+# short enough that a thread beside a busy process sleeps and is woken (more hurt it: 10,000
+# ~0.25x its quiet speed); libgomp's own is 300,000
+SPIN_COUNT = 1000
 WAIT_VARS = ("OMP_WAIT_POLICY", "GOMP_SPINCOUNT")  # the user's choice of how threads wait
 COUNT_VARS = ("OMP_NUM_THREADS", "MKL_NUM_THREADS")  # the user's choice of how many (torch reads both)
 _OPENMP_LIBS = ("libgomp", "libiomp", "libomp")
 
 _log = logging.getLogger("quantspec")
-_wait: dict = {"policy": None}  # filled once, by the first prefer_passive_wait()
+_wait: dict = {"policy": None}  # filled once, by the first limit_spin_wait()
 
 
 def _openmp_loaded() -> bool:
@@ -53,9 +61,9 @@ def _openmp_loaded() -> bool:
         return False
 
 
-def prefer_passive_wait() -> str:
-    """Ask OpenMP's idle threads to sleep instead of spin, where that is still possible and the
-    user made no choice; → the policy this process runs with (see `wait_policy`)."""
+def limit_spin_wait() -> str:
+    """Ask OpenMP's idle threads to spin only briefly before they sleep, where that is still
+    possible and the user made no choice; → the policy this process runs with (`wait_policy`)."""
     if _wait["policy"] is None:
         user = [f"{v}={os.environ[v]}" for v in WAIT_VARS if v in os.environ]
         if user:
@@ -63,15 +71,15 @@ def prefer_passive_wait() -> str:
         elif _openmp_loaded():
             _wait["policy"] = "spin (OpenMP was loaded before quantspec)"
         else:
-            os.environ["OMP_WAIT_POLICY"] = WAIT_POLICY
-            _wait["policy"] = WAIT_POLICY
+            os.environ["GOMP_SPINCOUNT"] = str(SPIN_COUNT)
+            _wait["policy"] = f"GOMP_SPINCOUNT={SPIN_COUNT} (quantspec's)"
     return _wait["policy"]
 
 
 def wait_policy() -> str:
-    """How this process's OpenMP threads wait: "passive", the user's variables, or "spin (...)"
-    where torch was imported before quantspec and no variable was set."""
-    return prefer_passive_wait()
+    """How this process's OpenMP threads wait: quantspec's spin count, the user's variables, or
+    "spin (...)" where torch was imported before quantspec and no variable was set."""
+    return limit_spin_wait()
 
 
 def allowed_cpus() -> int:
@@ -97,7 +105,7 @@ def configure(threads: int | None = None) -> int:
         _wait["warned"] = True
         _log.warning("quantspec: torch was imported before quantspec, so OpenMP threads spin-wait "
                      "(slow beside other busy processes); import quantspec first or set "
-                     "OMP_WAIT_POLICY=passive")
+                     "GOMP_SPINCOUNT=%d", SPIN_COUNT)
     if threads is None:
         if any(os.environ.get(v) for v in COUNT_VARS):
             return torch.get_num_threads()

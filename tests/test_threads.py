@@ -1,6 +1,6 @@
 """quantspec/threads.py and the CLI's `--threads`: the thread count follows the CPUs the process
 may use, `--threads N` reaches torch on every command that computes, the user's OpenMP variables
-are kept, and OpenMP's idle threads sleep (passive) by default."""
+are kept, and OpenMP's idle threads spin only briefly before they sleep by default."""
 
 import json
 import os
@@ -143,32 +143,39 @@ def _spin_count(res: subprocess.CompletedProcess) -> str:
     pytest.skip(f"torch's OpenMP runtime displayed no GOMP_SPINCOUNT: {res.stderr[-300:]}")
 
 
-REPORT = "import os, quantspec.threads as t; print(t.wait_policy()); print(os.environ.get('OMP_WAIT_POLICY'))"
+REPORT = ("import os, quantspec.threads as t; print(t.wait_policy()); "
+          "print(os.environ.get('OMP_WAIT_POLICY'), os.environ.get('GOMP_SPINCOUNT'))")
+OURS = str(threads.SPIN_COUNT)
 
 
-def test_importing_quantspec_first_makes_openmp_threads_sleep():
+def test_importing_quantspec_first_limits_the_spin():
     res = _python(f"import quantspec.api, torch; torch.ones(1); {REPORT}")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == ["passive", "passive"]
-    assert _spin_count(res) == "0"
+    assert res.stdout.splitlines() == [f"GOMP_SPINCOUNT={OURS} (quantspec's)", f"None {OURS}"]
+    assert _spin_count(res) == OURS
 
 
-def test_the_cli_runs_with_sleeping_threads():
+def test_the_cli_runs_with_the_limited_spin():
     res = _python("import sys; from quantspec.cli import main; sys.argv = ['quantspec', 'infer', '--threads', '0']; main()")
     assert res.returncode == 2 and "--threads" in res.stderr
-    assert _spin_count(res) == "0"
+    assert _spin_count(res) == OURS
 
 
-def test_users_wait_policy_is_kept():
-    res = _python(f"import quantspec, torch; {REPORT}", OMP_WAIT_POLICY="active")
+@pytest.mark.parametrize("var,value,spin", [("OMP_WAIT_POLICY", "passive", "0"),
+                                            ("OMP_WAIT_POLICY", "active", "30000000000"),
+                                            ("GOMP_SPINCOUNT", "50", "50")])
+def test_users_wait_variables_are_kept(var, value, spin):
+    res = _python(f"import quantspec, torch; {REPORT}", **{var: value})
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == ["OMP_WAIT_POLICY=active (the user's)", "active"]
-    assert int(_spin_count(res)) > 300000  # libgomp's active: spin for minutes
+    assert res.stdout.splitlines()[0] == f"{var}={value} (the user's)"
+    assert value in res.stdout.splitlines()[1].split()  # and quantspec set nothing beside it
+    assert "None" in res.stdout.splitlines()[1].split()
+    assert _spin_count(res) == spin
 
 
 def test_torch_imported_first_spins_and_configure_says_so():
     res = _python(f"import torch, quantspec.threads; quantspec.threads.configure(); {REPORT}")
     assert res.returncode == 0, res.stderr
-    assert res.stdout.splitlines() == ["spin (OpenMP was loaded before quantspec)", "None"]
-    assert "import quantspec first or set OMP_WAIT_POLICY=passive" in res.stderr
-    assert int(_spin_count(res)) > 0
+    assert res.stdout.splitlines() == ["spin (OpenMP was loaded before quantspec)", "None None"]
+    assert f"import quantspec first or set GOMP_SPINCOUNT={OURS}" in res.stderr
+    assert int(_spin_count(res)) == 300000  # libgomp's default

@@ -1,5 +1,5 @@
 """bench/contention.py runs end to end on the tiny model (one round, a few tokens) and prints a
-row per wait policy with every number filled; no timing is asserted."""
+row per worker with every number filled; no timing is asserted."""
 
 import os
 import re
@@ -23,14 +23,15 @@ def _bench(*args) -> subprocess.CompletedProcess:
 
 def test_prints_both_policies_quiet_and_busy(tiny_llama_dir):
     out = _bench("--model", tiny_llama_dir, "--rounds", 1, "--new-tokens", 2, "--prompt-tokens", 4,
-                 "--threads", 1, "--settle", 0)
+                 "--threads", 1, "--settle", 0, "--max-others", 99)
     assert out.returncode == 0, out.stderr
-    rows = [ln for ln in out.stdout.splitlines() if ln.startswith(("| passive", "| spin-wait"))]
+    rows = [ln for ln in out.stdout.splitlines() if ln.startswith(("| quantspec's default", "| OpenMP's default"))]
     assert len(rows) == 2, out.stdout
     for ln in rows:
-        cells = [c.strip().rstrip("x") for c in ln.strip("|").split("|")[1:]]
+        cells = [c.strip().rstrip("x") for c in ln.strip("|").split("|")[2:]]
         assert len(cells) == 3 and all(float(c) > 0 for c in cells)
-    assert re.search(r"passive / spin: quiet [\d.]+x, busy [\d.]+x", out.stdout)
+    assert "GOMP_SPINCOUNT=" in rows[0] and "| spin (" in rows[1]
+    assert re.search(r"quantspec / spin: quiet [\d.]+x, busy [\d.]+x", out.stdout)
 
 
 def test_bad_input_is_one_line():
