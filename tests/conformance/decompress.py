@@ -1,16 +1,18 @@
 """compressed-tensors' own decompression of an artifact, in a fresh interpreter with a given
 compressed-tensors release first on the path:
 
-    python decompress.py CT_DIR ARTIFACT_DIR OUT.safetensors
+    python decompress.py CT_DIR OUT_DIR ARTIFACT_DIR...
 
 For every config group, each Linear whose tensors the group's targets name is decompressed by
 the compressor registered for the group's format (`BaseCompressor.get_value_from_registry`),
-the way compressed-tensors' `ModelCompressor.decompress` does per module; the dense weights go to
-OUT.safetensors under the Linear's name, and a JSON line on stdout gives the version and a per
-Linear error when the compressor refuses.
+the way compressed-tensors' `ModelCompressor.decompress` does per module; the dense weights of
+artifact A go to OUT_DIR/A.safetensors (A: the artifact directory's name) under the Linear's
+name, and a JSON line on stdout gives the version and, per artifact, an error for each Linear
+whose compressor refuses.
 """
 
 import json
+import os
 import re
 import sys
 
@@ -22,8 +24,8 @@ from compressed_tensors.quantization import QuantizationConfig  # noqa: E402
 from safetensors.torch import load_file, save_file  # noqa: E402
 
 
-def main() -> None:
-    art, out = sys.argv[2], sys.argv[3]
+def decompress(art: str, out: str) -> dict[str, str]:
+    """Decompress artifact `art` into `out`; → {Linear: error} for the Linears refused."""
     cfg_json = json.load(open(f"{art}/config.json"))["quantization_config"]
     cfg = QuantizationConfig.model_validate(cfg_json)
     tensors = load_file(f"{art}/model.safetensors")
@@ -48,6 +50,13 @@ def main() -> None:
         except Exception as e:  # noqa: BLE001 — its refusal is the answer
             errors[name] = f"{type(e).__name__}: {str(e)[:160]}"
     save_file(dense, out)
+    return errors
+
+
+def main() -> None:
+    out_dir, arts = sys.argv[2], sys.argv[3:]
+    errors = {os.path.basename(a): decompress(a, os.path.join(out_dir, os.path.basename(a) + ".safetensors"))
+              for a in arts}
     print(json.dumps({"version": compressed_tensors.__version__, "file": compressed_tensors.__file__,
                       "errors": errors}))
 

@@ -52,7 +52,8 @@ REAL = {
         "schemes.compressed_tensors_w8a16_fp8", "schemes.compressed_tensors_wNa4",
         "schemes.compressed_tensors_wNa8", "schemes.compressed_tensors_wNa8o8",
         "schemes.compressed_tensors_wNa16")]
-    + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils")]
+    + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils",
+                               "utils.fp8_utils")]
     + ["vllm.scalar_type", "vllm.model_executor.parameter"],
     "sglang": [_CT["sglang"] + m for m in ("compressed_tensors", "utils", "schemes")]
     + [P["sglang"] + m for m in ("base_config", "marlin_utils", "utils")]
@@ -273,6 +274,8 @@ def _scheme_args(scheme) -> dict:
         if k in own:
             v = own[k]
             d[k] = v if isinstance(v, (int, bool, str, type(None))) else str(v)
+    if "num_bits" not in d and isinstance(own.get("pack_factor"), int):  # SGLang's WNA16 keeps only this
+        d["num_bits"] = 32 // own["pack_factor"]
     wq = own.get("weight_quant")
     if wq is not None:
         d.update(num_bits=wq.num_bits, symmetric=wq.symmetric, strategy=str(getattr(wq.strategy, "value", wq.strategy)))
@@ -291,19 +294,14 @@ def _layer(engine: str, kind: str, cls_name: str):
     return layer
 
 
-def _params(fn) -> set[str]:
-    import inspect
-
-    try:
-        return set(inspect.signature(fn).parameters)
-    except (TypeError, ValueError):
-        return set()
-
-
-def _load(layer, cls_name: str, shards: list[dict], tensors: dict) -> tuple[list[str], list[str]]:
-    """Load every shard's tensors through the parameters' own loaders; → (errors, never loaded)."""
-    errors, loaded = [], set()
+def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
+          ) -> tuple[list[str], list[str], list[str]]:
+    """Load every shard's tensors through the parameters' own loaders, with the arguments the
+    engine's fused linear passes them (SGLang's take `tp_rank` and `use_presharded_weights`);
+    → (errors, never loaded, lossy casts: float tensors copied into integer parameters)."""
+    errors, loaded, casts = [], set(), []
     params = dict(layer.named_parameters())
+    rank = {"tp_rank": 0, "use_presharded_weights": False} if engine == "sglang" else {}
     offset = 0
     for i, shard in enumerate(shards):
         sid = "qkv"[i] if cls_name == "QKVParallelLinear" else i
@@ -315,20 +313,25 @@ def _load(layer, cls_name: str, shards: list[dict], tensors: dict) -> tuple[list
             try:
                 if cls_name == "QKVParallelLinear":
                     p.load_qkv_weight(loaded_weight=t, num_heads=1, shard_id=sid, shard_offset=offset,
-                                      shard_size=shard["N"])
+                                      shard_size=shard["N"], **rank)
                 elif cls_name == "MergedColumnParallelLinear":
                     p.load_merged_column_weight(loaded_weight=t, shard_id=sid, shard_offset=offset,
-                                                shard_size=shard["N"])
-                elif "tp_rank" in _params(p.load_row_parallel_weight):  # SGLang's takes the rank
-                    p.load_row_parallel_weight(loaded_weight=t, tp_rank=0)
+                                                shard_size=shard["N"], **rank)
+                elif rank:  # SGLang's RowParallelLinear: with the rank, else without it
+                    try:
+                        p.load_row_parallel_weight(t, **rank)
+                    except TypeError:
+                        p.load_row_parallel_weight(t)
                 else:
-                    p.load_row_parallel_weight(loaded_weight=t)
+                    p.load_row_parallel_weight(t)
                 loaded.add(leaf)
+                if t.is_floating_point() and not p.is_floating_point():
+                    casts.append(f"{leaf}: {t.dtype} into {p.dtype}")
             except Exception as e:  # noqa: BLE001 — the engine's loader refusing is the answer
                 errors.append(f"{leaf}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
         offset += shard["N"]
     never = sorted(set(params) - loaded)
-    return errors, never
+    return errors, never, sorted(set(casts))
 
 
 def run(engine: str, request: dict) -> dict:
@@ -347,7 +350,8 @@ def run(engine: str, request: dict) -> dict:
         cfg.packed_modules_mapping = request["packed_modules_mapping"]
         tensors = {k: {leaf: _tensor(t) for leaf, t in v.items()} for k, v in art["tensors"].items()}
         for lname, spec in art["layers"].items():
-            r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": []}
+            r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": [],
+                 "casts": []}
             res["layers"][lname] = r
             layer = _layer(engine, "linear", spec["class"])
             try:
@@ -368,7 +372,8 @@ def run(engine: str, request: dict) -> dict:
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
                 continue
-            r["load_errors"], r["never_loaded"] = _load(layer, spec["class"], spec["shards"], tensors)
+            r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
+                                                                    spec["shards"], tensors)
         if art.get("attention"):
             attn = _layer(engine, "attention", "Attention" if engine == "vllm" else "RadixAttention")
             attn.num_kv_heads = art["num_kv_heads"]
