@@ -75,7 +75,7 @@ class QuantizeConfig:
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
     kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
-    target: str = "quantspec"  # the CLI's default is "portable"; Python callers name theirs
+    target: str = "portable"
     fallback_layers: int | None = None
     fallback_threshold: float | None = None
     fallback_budget: float | None = None
@@ -87,7 +87,7 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import METHODS
         from quantspec.quant.args import QuantType, default_weight_observer, preset
-        from quantspec.quant.engines import TARGETS, target_refusal
+        from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
@@ -110,6 +110,20 @@ class QuantizeConfig:
             raise QuantSpecError(f"--zp-dtype {self.zp_dtype!r}: use int, {', '.join(ZP_DTYPES)}")
         observer = self.weight_observer or default_weight_observer(qt)
         object.__setattr__(self, "weight_observer", observer)
+        kv_strategy = self._check_target()
+        config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
+                        weight_observer=observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
+                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
+        refusal = target_refusal(self.target, config)
+        if refusal is not None:
+            raise QuantSpecError(refusal)
+        object.__setattr__(self, "quant_config", config)
+
+    def _check_target(self) -> str:
+        """Check `target` and `kv_strategy` and settle the KV strategy (per head for the
+        quantspec target, else per tensor, which both engines load); → the strategy."""
+        from quantspec.quant.engines import TARGETS
+
         if self.target not in TARGETS:
             raise QuantSpecError(f"unknown --target {self.target!r}; use one of: {', '.join(TARGETS)}")
         kv_strategy = self.kv_strategy or ("head" if self.target == "quantspec" else "tensor")
@@ -119,13 +133,7 @@ class QuantizeConfig:
             raise QuantSpecError("--kv-strategy shapes the KV-cache scales of --kv-cache; add --kv-cache "
                                  "or drop it")
         object.__setattr__(self, "kv_strategy", kv_strategy)
-        config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
-                        weight_observer=observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
-                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
-        refusal = target_refusal(self.target, config)
-        if refusal is not None:
-            raise QuantSpecError(refusal)
-        object.__setattr__(self, "quant_config", config)
+        return kv_strategy
 
     @property
     def static(self) -> bool:

@@ -81,17 +81,20 @@ class LayerVerdict:
     symmetric: bool | None = None
     input_activations: str | None = None  # "int8 static" / "fp8 static" / None
     problem: str | None = None  # why the engine refuses or mis-runs this layer
+    defect: bool = False  # the problem is the engine's bug: the layer is valid compressed-tensors
 
     def to_dict(self) -> dict:
         return {"scheme": self.scheme, "num_bits": self.num_bits, "group_size": self.group_size,
                 "symmetric": self.symmetric, "input_activations": self.input_activations,
-                "problem": self.problem}
+                "problem": self.problem, "defect": self.defect}
 
 
 @dataclass(frozen=True)
 class EngineVerdict:
     """One engine's verdict: `status` "loads" | "ignores" | "refused", the reasons (ignored parts
-    or the refusal), what to do instead, the KV cache it runs, and the scheme per engine layer."""
+    or the refusal), what to do instead, the KV cache it runs, and the scheme per engine layer.
+    `defect`: every reason is a bug of the engine on valid compressed-tensors (e.g. SGLang's
+    static int8 layers), so `--target portable` still writes the artifact."""
 
     engine: str
     status: str
@@ -99,18 +102,21 @@ class EngineVerdict:
     fixes: tuple[str, ...] = ()
     kv_cache: str | None = None
     layers: Mapping[str, LayerVerdict] = field(default_factory=dict)
+    defect: bool = False
 
     def line(self) -> str:
         """One line: "loads", "loads but ignores X" or "refused because Y"."""
         if self.status == "loads":
             return "loads"
         why = "; ".join(self.reasons)
+        if self.defect:
+            why += f" (a bug in {_ENGINE(self.engine)}: the artifact is valid compressed-tensors)"
         return f"loads but ignores {why}" if self.status == "ignores" else f"refused because {why}"
 
     def to_dict(self) -> dict:
         return {"engine": self.engine, "status": self.status, "verdict": self.line(),
                 "reasons": list(self.reasons), "fixes": list(self.fixes), "kv_cache": self.kv_cache,
-                "layers": {n: v.to_dict() for n, v in self.layers.items()}}
+                "defect": self.defect, "layers": {n: v.to_dict() for n, v in self.layers.items()}}
 
 
 def engine_layers(linears: Iterable[str]) -> dict[str, tuple[str, ...]]:
@@ -235,7 +241,7 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
             if engine == "sglang" and shards > 1:
                 # SGLang's W8A8Int8 makes a one-element input_scale and loads each shard's
                 # scale at the shard's index
-                return LayerVerdict(None, **base, input_activations=_act(ia),
+                return LayerVerdict(None, **base, input_activations=_act(ia), defect=True,
                                     problem="its static int8 layer holds one input_scale for all "
                                             "fused shards and loads each shard's at the shard's index")
             return LayerVerdict("W8A8Int8", **base, input_activations=_act(ia))
@@ -316,18 +322,7 @@ def _verdict(engine, config, targets, layers, linears, capability, known_model) 
             vs = [_transformers_layer(i) for i in intended]
             v = next((x for x in vs if x.problem is not None), vs[0])
         else:
-            if any(not _same(intended[0], i) for i in intended[1:]):
-                v = LayerVerdict(None, problem="its fused shards were quantized with different schemes")
-            else:
-                got = _engine_scheme(engine, layer, shards, targets)
-                if got is None:
-                    v = LayerVerdict(None, problem="no config target matches it, so it expects "
-                                                   "float weights")
-                else:
-                    v = _select(engine, got, K, len(shards), capability)
-                    want = intended[0]
-                    if v.scheme is not None and not _same(got, want):
-                        v = _mismatch(engine, v, got, want)
+            v = _engine_layer(engine, layer, shards, intended, targets, K, capability)
         per_layer[layer] = v
         if v.problem is not None and v.scheme is None:
             refused.append(f"{_short(layer)}: {v.problem}")
@@ -341,21 +336,43 @@ def _verdict(engine, config, targets, layers, linears, capability, known_model) 
     refused, ignored = _collapse(refused), _collapse(ignored)
     fixes = _fixes(engine, config, refused + ignored)
     status = "refused" if refused else "ignores" if ignored else "loads"
-    return EngineVerdict(engine, status, tuple(refused or ignored), tuple(fixes), kv, per_layer)
+    problems = [v for v in per_layer.values() if v.problem is not None]
+    defect = bool(problems) and all(v.defect for v in problems) and not (kv_refused or kv_ignored)
+    return EngineVerdict(engine, status, tuple(refused or ignored), tuple(fixes), kv, per_layer, defect)
+
+
+def _engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: list[QuantScheme],
+                  targets: Mapping[str, QuantScheme], K: int | None, capability: int) -> LayerVerdict:
+    """vLLM's or SGLang's verdict on one engine layer whose shards were quantized `intended`."""
+    if any(not _same(intended[0], i) for i in intended[1:]):
+        return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
+    got = _engine_scheme(engine, layer, shards, targets)
+    if got is None:
+        return LayerVerdict(None, problem="no config target matches it, so it expects float weights")
+    v = _select(engine, got, K, len(shards), capability)
+    want = intended[0]
+    if _same(got, want):
+        return v
+    if v.defect and want.input_activations is None:
+        # the checkpoint holds no input_scale here, so the defect's loader never runs: the layer
+        # loads as static int8 with its scale unset
+        v = LayerVerdict("W8A8Int8", v.num_bits, v.group_size, v.symmetric, v.input_activations)
+    return _mismatch(engine, v, got, want) if v.scheme is not None else v
 
 
 def _quantspec_layer(s: QuantScheme) -> LayerVerdict:
-    """quantspec's reader (`infer/quant_linear.py`): int4 / int8 weight-only, int8 weights with
-    static int8 activations, fp8 weights with static fp8 activations or none."""
+    """quantspec's reader (`infer/quant_linear.py` `linear_kind`): int4 weights alone, int8 weights
+    alone or with int8 activations, fp8 weights; activations static per tensor or dynamic per
+    token."""
     w, ia = s.weights, s.input_activations
     g = w.group_size if w.strategy == "group" else None
     problem = None
-    if ia is not None and ia.dynamic:
-        problem = f"dynamic {_act(ia).split()[0]} activations (quantspec runs static scales only)"
-    elif w.type == "int" and w.num_bits not in (4, 8):
+    if w.type == "int" and w.num_bits not in (4, 8):
         problem = f"{w.num_bits}-bit integer weights (quantspec runs 4 and 8 bits)"
     elif ia is not None and w.type == "int" and (w.num_bits != 8 or ia.type != "int" or ia.num_bits != 8):
         problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
+    elif ia is not None and ia.strategy not in ("tensor", "token"):
+        problem = f"{ia.strategy} activation scales (quantspec runs per tensor or per token)"
     if problem is not None:
         return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem)
     return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia))
@@ -428,7 +445,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
         elif kv.strategy == "attn_head":
             out.append("use --kv-strategy tensor")
     if "one input_scale" in text:
-        out.append("pass --target vllm (vLLM loads static int8)")
+        out.append("serve it with vLLM (which loads static int8), or use --quant-type a8w8_fp8")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
                                "no config target")):
         out.append("re-quantize with this quantspec (it writes what both engines load)")
@@ -448,14 +465,16 @@ def target_refusal(target: str, config: QuantConfig, *, mtp: bool = False) -> st
 
     Evaluates `engine_verdicts` on a probe Llama: an engine of the target that would refuse the
     artifact, or ignore part of it, refuses the options up front, naming the target, what the
-    engine does and the alternative.
+    engine does and the alternative. `portable` lets through what an engine refuses only by its
+    own bug (`EngineVerdict.defect`: valid compressed-tensors, e.g. static int8 in SGLang); the
+    artifact's verdict for that engine says so. Naming that engine as the target refuses it.
     """
     if target not in TARGETS:
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
     verdicts = engine_verdicts(config, _PROBE, transformers_loads=not mtp)
     for engine in TARGET_ENGINES[target]:
         v = verdicts[engine]
-        if v.status != "loads":
+        if v.status != "loads" and not (target == "portable" and v.defect):
             fix = " or ".join(f for f in v.fixes if not f.startswith("re-quantize"))
             fix = f"{fix}, or pass --target quantspec" if fix else "pass --target quantspec"
             return f"--target {target}: {_ENGINE(engine)} {v.line()}; {fix}"

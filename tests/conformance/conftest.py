@@ -28,9 +28,8 @@ ARTIFACTS = {
     "weight_only_int4_asym": dict(quant_type="weight_only_int4", group_size=128, symmetric=False),
     "weight_only_int4_float_zp": dict(quant_type="weight_only_int4", group_size=128, symmetric=False,
                                       zp_dtype="float16", target="quantspec"),
-    "a8w8": dict(quant_type="a8w8", target="vllm", smoothquant_alpha="none", fallback_layers=0),
-    "a8w8_fallback": dict(quant_type="a8w8", target="vllm", smoothquant_alpha="none",
-                          fallback_threshold=0.0),
+    "a8w8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0),
+    "a8w8_fallback": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=1),
     "a8w8_fp8_kv_fp8": dict(quant_type="a8w8_fp8", smoothquant_alpha="none", fallback_layers=0,
                             kv_cache="fp8"),
     "a8w8_fp8_kv_fp8_head": dict(quant_type="a8w8_fp8", smoothquant_alpha="none", fallback_layers=0,
@@ -38,8 +37,9 @@ ARTIFACTS = {
     "a8w8_kv_int8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0,
                          kv_cache="int8", target="quantspec"),
 }
-# the layout before this release, rebuilt from the artifacts above (see `_legacy`)
-LEGACY = ("legacy_weight_only_int8", "legacy_weight_only_int4", "legacy_a8w8_fallback")
+# valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
+# above (see `_other_layout`): what other tools write, and what the engines mishandle
+OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback")
 
 
 @pytest.fixture(scope="session")
@@ -63,27 +63,27 @@ def artifacts(conformance_model, tmp_path_factory) -> dict[str, Path]:
             opts.update(calib=str(calib), dataset=str(data), seq_len=32, holdout_samples=2,
                         search_samples=2)
         out[name] = api.quantize(str(conformance_model), qt, root / name, **opts)
-    for name in LEGACY:
-        out[name] = _legacy(name, out, root / name)
+    for name in OTHER_LAYOUTS:
+        out[name] = _other_layout(name, out, root / name)
     return out
 
 
-def _legacy(name: str, arts: dict[str, Path], dst: Path) -> Path:
-    """The earlier layout: W8A16 as `int-quantized`; mixed int4 group sizes with exact names for
-    every shard; an a8w8 fallback named shard by shard as an `int-quantized` weight-only group."""
+def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
+    """W8A16 as `int-quantized`; mixed int4 group sizes with exact names for every shard; an a8w8
+    fallback named shard by shard as an `int-quantized` weight-only group."""
     from safetensors.torch import load_file, save_file
 
     from quantspec.quant.packing import unpack_int32
 
-    src = arts[{"legacy_weight_only_int8": "weight_only_int8",
-                "legacy_weight_only_int4": "weight_only_int4",
-                "legacy_a8w8_fallback": "a8w8"}[name]]
+    src = arts[{"w8a16_int_quantized": "weight_only_int8",
+                "w4a16_shard_named_groups": "weight_only_int4",
+                "a8w8_shard_named_fallback": "a8w8"}[name]]
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     qc = cfg["quantization_config"]
     t = load_file(str(dst / "model.safetensors"))
     groups = qc["config_groups"]
-    if name == "legacy_weight_only_int8":
+    if name == "w8a16_int_quantized":
         for k in [k for k in t if k.endswith(".weight_packed")]:
             p = k.rsplit(".", 1)[0]
             shape = tuple(t.pop(f"{p}.weight_shape").tolist())
@@ -91,7 +91,7 @@ def _legacy(name: str, arts: dict[str, Path], dst: Path) -> Path:
         for g in groups.values():
             g["format"] = "int-quantized"
         qc["format"] = "int-quantized"
-    elif name == "legacy_weight_only_int4":
+    elif name == "w4a16_shard_named_groups":
         base = groups["group_0"]
         names = sorted({k.rsplit(".", 1)[0] for k in t if k.endswith(".weight_scale")})
         small = [n for n in names if not n.endswith("down_proj")]
