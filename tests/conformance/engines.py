@@ -37,7 +37,10 @@ def cache_dir() -> Path:
 
 
 def _pip(*args: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", *args],
+    # a short timeout and few retries: without a route to the package index the suite skips the
+    # engine's cases after about a minute instead of pip's default backoff
+    r = subprocess.run([sys.executable, "-m", "pip", "--disable-pip-version-check", "-q", "--timeout", "30",
+                        "--retries", "2", *args],
                        capture_output=True, text=True, timeout=900)
     if r.returncode != 0:
         tail = (r.stderr or r.stdout).strip().splitlines()[-1:] or ["no output"]
