@@ -358,7 +358,7 @@ def test_read_errors_are_one_line():
     W = torch.randn(16, 32)
     s, z = choose_qparams(W, args)
     p = "model.layers.0.self_attn.q_proj"
-    tensors = linear_to_tensors(p, quantize(W, s, z, args), s, z, args)
+    tensors = linear_to_tensors(p, quantize(W, s, z, args), s, z, args, format=scheme.format)
     with pytest.raises(QuantSpecError, match="has no input_scale.*--calib"):
         read_quantized_linear(tensors, p, scheme, 16, 32)
     tensors[f"{p}.input_scale"] = torch.tensor([0.1])
