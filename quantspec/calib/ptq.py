@@ -183,9 +183,11 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                 linears[n].weight.copy_(r.weight_dq[sl].to(linears[n].weight.dtype))
                 row += N
 
-    num_layers = len(model.model.layers)
+    # a draft-side module without decoder layers (Medusa heads) quantizes its Linears one by one
+    layers = getattr(getattr(model, "model", None), "layers", [])
+    num_layers = len(layers)
     if method == "rtn":
-        for i, layer in enumerate(model.model.layers):
+        for i, layer in enumerate(layers):
             if progress is not None:
                 progress(i, num_layers, "start")
             for group in _layer_groups(f"model.layers.{i}", layer, linears):
@@ -205,7 +207,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                                  "--ignore or use --method rtn")
 
     tensors = _artifact_tensors(model, linears, results, layer_args, in_scales,
-                                out_dtype or model.model.norm.weight.dtype)
+                                out_dtype or next(model.parameters()).dtype)
     summary = {"method": method, "num_quantized_linears": len(linears),
                "seconds": round(time.perf_counter() - t0, 3)}
     if method == "gptq":

@@ -220,6 +220,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (checked whole before any work) and the calibration table."""
     from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir, verify_checkpoint
+    from quantspec.model_zoo.medusa import is_medusa_config
     from quantspec.model_zoo.mtp import is_mtp_config
 
     with about("--model"):
@@ -230,6 +231,9 @@ def _read_source(config: QuantizeConfig) -> _Source:
         if config.target != "quantspec" and is_mtp_config(cfg):
             raise QuantSpecError(f"--target {config.target}: {model_dir} is an MTP module, which only "
                                  "quantspec runs (no engine has its model class); pass --target quantspec")
+        if config.target != "quantspec" and is_medusa_config(cfg):
+            raise QuantSpecError(f"--target {config.target}: {model_dir} holds Medusa heads, whose quantized "
+                                 "layout only quantspec's conformance covers so far; pass --target quantspec")
         verify_checkpoint(model_dir)
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
@@ -247,15 +251,18 @@ def _read_source(config: QuantizeConfig) -> _Source:
 def _load_model(config: QuantizeConfig, src: _Source):
     """The source model in fp32 (an MTP module is quantized on its own, weight-only, with RTN)."""
     from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
     from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
-    if is_mtp_config(src.config):
+    for what, is_it, load in (("an MTP module", is_mtp_config, load_mtp), ("Medusa heads", is_medusa_config, load_medusa)):
+        if not is_it(src.config):
+            continue
         if config.method != "rtn" or config.static or config.kv_cache is not None:
-            raise QuantSpecError(f"{src.model_dir} is an MTP module: quantize it with --method rtn to "
+            raise QuantSpecError(f"{src.model_dir} is {what}: quantize it with --method rtn to "
                                  "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
                                  "scales need its base's hidden states)")
         with about("--model"):
-            return load_mtp(src.model_dir)
+            return load(src.model_dir)
     with about("--model"):
         return load_model(src.model_dir, dtype=torch.float32)[0]
 
