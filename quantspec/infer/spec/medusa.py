@@ -8,7 +8,7 @@ candidates); without it a chain of the heads' top-1 tokens (at most
 None): sampling verification treats each candidate as one-hot, which keeps it lossless.
 
 The heads score only their draft vocabulary when the artifact has one (`medusa_draft_vocab`:
-the rows of an unquantized projection are gathered once at load).
+its rows of each projection are gathered once at load, a quantized projection's dequantized).
 """
 
 from __future__ import annotations
@@ -67,14 +67,17 @@ class MedusaProposer:
         self.width = tree.width if tree is not None else 1
         self.vocab = heads.medusa_draft_vocab
         self.rows: list[nn.Module | None] = []
+        dtype = norm.weight.dtype
         for proj in heads.projections()[:self.depth]:
-            if self.vocab is not None and isinstance(proj, nn.Linear):
-                sub = nn.Linear(proj.in_features, self.vocab.numel(), bias=False, device=proj.weight.device,
-                                dtype=proj.weight.dtype)
-                sub.weight.data = proj.weight.data[self.vocab].contiguous()  # [Vd, D]
-                self.rows.append(sub)
-            else:
+            if self.vocab is None:
                 self.rows.append(None)
+                continue
+            # the draft vocabulary's rows, gathered once (a quantized head's rows dequantized:
+            # the same numbers its kernel computes with, Vd instead of V rows a draft)
+            w = proj.weight if isinstance(proj, nn.Linear) else proj.dequantized_weight(dtype)  # [V, D]
+            sub = nn.Linear(w.shape[1], self.vocab.numel(), bias=False, device=w.device, dtype=dtype)
+            sub.weight.data = w.detach()[self.vocab.to(w.device)].to(dtype).contiguous()  # [Vd, D]
+            self.rows.append(sub)
 
     @property
     def max_rows(self) -> int:

@@ -219,3 +219,13 @@ def test_tree_greedy_identical_to_plain_cpu_kernel(tmp_path):
     loaded = load_for_inference(path)
     assert loaded.runtime.stack is not None
     _check_tree_greedy(loaded.model, loaded.runtime)
+
+
+def test_tree_sampling_through_the_engine_is_reproducible(tiny_llama_model):
+    g = torch.Generator().manual_seed(4)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (8, 13)]
+    params = SamplingParams(max_new_tokens=40, decode_strategy="sampling", temperature=0.8, seed=7)
+    greedy = [s.output_ids for s in _engine_run(tiny_llama_model, prompts)]
+    runs = [[s.output_ids for s in _engine_run(tiny_llama_model, prompts, proposer=_TreeOracle(greedy), k=6,
+                                                params=params)] for _ in range(2)]
+    assert runs[0] == runs[1] and all(len(o) == 40 for o in runs[0])
