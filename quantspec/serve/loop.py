@@ -62,7 +62,8 @@ class EngineLoop:
         self._lock = threading.Lock()
         self._wake = threading.Event()
         self._jobs: dict[int, Job] = {}  # seq_id → job, owned by the loop thread
-        self._waiting = 0  # the engine's queue length, as the loop last saw it
+        self._waiting = 0  # the engine's queue length, as the loop last saw it ...
+        self._slots = engine.config.max_batch_size  # ... and the free places in its running batch
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="quantspec-engine", daemon=True)
 
@@ -79,9 +80,10 @@ class EngineLoop:
         return self._thread.is_alive()
 
     def submit(self, job: Job) -> bool:
-        """Queue `job` for the running batch; False (at once) when `max_queue` requests wait."""
+        """Queue `job` for the running batch; False (at once) when `max_queue` requests already wait
+        that the batch has no place for."""
         with self._lock:
-            if self._stop or len(self._inbox) + self._waiting >= self.max_queue:
+            if self._stop or len(self._inbox) + self._waiting - self._slots >= self.max_queue:
                 return False
             job.loop = job.loop or asyncio.get_running_loop()
             self._inbox.append(job)
@@ -172,6 +174,7 @@ class EngineLoop:
         eng = self.engine
         with self._lock:
             self._waiting = len(eng.waiting)
+            self._slots = max(0, eng.config.max_batch_size - len(eng.running))
             inbox = len(self._inbox)
         m = self.metrics
         if m is None:
