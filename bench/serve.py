@@ -101,11 +101,15 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None) -> None:
 
 
 def start_quantspec(method: str, args) -> tuple[subprocess.Popen, str]:
-    """`quantspec serve` with speculation `method` ("none": without) on a free port."""
+    """`quantspec serve` with speculation `method` ("none": without; "METHOD:K": at most K drafts
+    per step) on a free port."""
+    method, _, k = method.partition(":")
     port = _free_port()
     cmd = [sys.executable, "-m", "quantspec.cli", "serve", "--model", args.model, "--port", str(port),
            "--max-batch-size", str(args.max_batch_size), "--max-length", str(args.max_length),
            "--threads", str(args.threads), "--speculate-method", method]
+    if k:
+        cmd += ["--speculate-max-draft-token-num", k]
     if args.draft_model and method in ("draft", "mtp"):
         cmd += ["--draft-model", args.draft_model]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -227,7 +231,8 @@ def parse_args(argv=None):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="model of the servers this script starts")
     ap.add_argument("--servers", default="none,inference_with_reference",
-                    help="quantspec servers to start: speculate methods, 'none' = without (empty: none started)")
+                    help="quantspec servers to start: speculate methods ('none' = without, 'METHOD:K' = at most "
+                         "K drafts per step; empty: none started)")
     ap.add_argument("--draft-model", default=None, help="for --servers draft / mtp")
     ap.add_argument("--url", action="append", default=[], help="NAME=URL of a server already running")
     ap.add_argument("--peer", default=None, choices=["llama.cpp"], help="add a peer server (if installed)")

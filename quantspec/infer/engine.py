@@ -130,13 +130,15 @@ class Sequence:
 @dataclass
 class StepInfo:
     """What one step did: `decode` (decode / verification rows) or a prefill, the rows it fed,
-    the sequences it served, the drafts they verified, and its wall time (propose to record)."""
+    the sequences it served, the drafts they verified, its wall time (propose to record) and the
+    forward's share of it (the model and the pick of its tokens)."""
 
     decode: bool
     rows: int
     num_seqs: int
     drafted: int
     seconds: float
+    forward_seconds: float = 0.0
 
 
 class DraftLimit(Protocol):
@@ -316,7 +318,9 @@ class Engine:
         drafts, draft_probs = self._propose(seqs) if not prefill else ([[] for _ in seqs], [None for _ in seqs])
         news = [s.prompt_ids[s.num_cached:s.num_cached + n] if n else s.tokens[s.num_cached:] + d
                 for (s, n), d in zip(plan, drafts)]
+        t_forward = time.perf_counter()
         scored, ids, logits = self._forward(seqs, news, drafts, row_invariant=not prefill)
+        t_forward = time.perf_counter() - t_forward
         done = [i for i, (s, n) in enumerate(plan) if not n or s.num_cached + n == len(s.prompt_ids)]
         for s, n in plan:
             if n and s.num_cached + n < len(s.prompt_ids):  # a chunk of a longer prompt: no token yet
@@ -329,7 +333,7 @@ class Engine:
         accepted = [len(t) - 1 for t in new_tokens]
         events = self._record(seqs, drafts, new_tokens, scored)
         self.last_step = StepInfo(not prefill, sum(map(len, news)), len(plan), sum(map(len, drafts)),
-                                  time.perf_counter() - t0)
+                                  time.perf_counter() - t0, t_forward)
         if not prefill and self.draft_limit is not None:
             self.draft_limit.observe(self.last_step, seqs, drafts, accepted)
         return events

@@ -123,7 +123,13 @@ class EngineLoop:
             self._inbox.clear()
             self._aborts.clear()
         for job in jobs:
-            seq = self.engine.add_request(job.prompt_ids, job.params, request_index=0, text_check=job.text_check)
+            try:
+                seq = self.engine.add_request(job.prompt_ids, job.params, request_index=0, text_check=job.text_check)
+            except Exception:  # the front end checked the request: a bug, but not the loop's end
+                log.exception("could not add a request")
+                job.done = True
+                job.push(Delta([], "error"))
+                continue
             seq.speculate = job.speculate
             job.seq = seq
             self._jobs[seq.seq_id] = job

@@ -8,8 +8,9 @@ per-sequence back-off of `proposers.AdaptiveDraftLength` and n-gram misses leave
 CPU a step is bound by streaming the weights while the rows are few, so extra rows ride along;
 with many sequences the rows are compute, and verifying drafts costs more than it saves. Per step:
 
-    T(R)   measured seconds of a decode step that feeds R rows (`StepCosts`: an EMA per R from
-           the steps that ran, seeded by `measure_step_costs` at start-up, interpolated between)
+    T(R)   measured seconds of the forward of a decode step that feeds R rows (`StepCosts`: an
+           EMA per R from the steps that ran, seeded by `measure_step_costs` at start-up with the
+           same forward, interpolated between)
     q_j    P(draft j accepted | draft j-1 accepted), an EMA per position over every verification
     E(k)   = 1 + u · (q_1 + q_1 q_2 + ... + q_1 ... q_k), expected tokens per sequence and step
     cap(B) = argmax over k in 0..K of B · E(k) / T(B · (1 + u·k)), k > 0 only when it beats
@@ -76,8 +77,8 @@ class LoadAwareDrafts:
     T(6) = 33 ms → 3.7 / 0.033 s = 112 tok/s > 33 tok/s: 5 drafts at B = 1."""
 
     def __init__(self, max_draft_tokens: int, costs: StepCosts | None = None, *, prior: float = 0.7,
-                 prior_weight: float = 4.0, decay: float = 0.98, margin: float = 0.03, probe_k: int = 2,
-                 probe_interval: int = 8, max_probe_interval: int = 128):
+                 prior_weight: float = 4.0, decay: float = 0.9, margin: float = 0.03, probe_k: int = 1,
+                 probe_interval: int = 8, max_probe_interval: int = 64):
         self.max_draft_tokens = int(max_draft_tokens)
         self.costs = costs or StepCosts()
         self.decay, self.margin = decay, margin
@@ -112,6 +113,7 @@ class LoadAwareDrafts:
 
     def cap(self, num_seqs: int) -> int:
         if num_seqs <= 0:
+            self.last_cap = 0
             return 0
         k = self.best_cap(num_seqs)
         if k == 0:
@@ -131,7 +133,7 @@ class LoadAwareDrafts:
     def observe(self, step, seqs, drafts: list[list[int]], accepted: list[int]) -> None:
         """Learn from a decode step: its seconds at its rows, the drafts brought of those offered,
         and per position whether each verified draft was accepted."""
-        self.costs.add(step.rows, step.seconds)
+        self.costs.add(step.rows, step.forward_seconds or step.seconds)
         offered = self.last_cap * sum(bool(getattr(s, "speculate", True)) for s in seqs)
         if offered:
             self._ema(self.usage, sum(len(d) for d in drafts) / offered)
@@ -142,8 +144,9 @@ class LoadAwareDrafts:
 
 @torch.inference_mode()
 def _time_rows(engine, rows: int, repeats: int) -> float:
-    """The fastest of `repeats` decode-like forwards feeding `rows` rows (spread over up to
-    max_batch_size sequences of one block each), with the greedy pick of every row."""
+    """The mean of `repeats` decode-like forwards feeding `rows` rows (spread over up to
+    max_batch_size sequences of one block each), with the greedy pick of every row (after one
+    forward that is not timed): what a step's `forward_seconds` measures."""
     n = min(rows, engine.config.max_batch_size)
     q = [rows // n + (i < rows % n) for i in range(n)]
     bs = engine.config.block_size
@@ -152,8 +155,8 @@ def _time_rows(engine, rows: int, repeats: int) -> float:
         meta = AttentionMetadata.build(q, q, tables, bs, engine.device, engine.cache.kernel)
         ids = torch.zeros(rows, dtype=torch.int64, device=engine.device)
         pos = torch.cat([torch.arange(ql) for ql in q]).to(engine.device)
-        best = math.inf
-        for _ in range(repeats):
+        total = 0.0
+        for i in range(repeats + 1):
             t0 = time.perf_counter()
             hidden = engine.model(ids, pos, PagedAttention(engine.cache, meta), None, row_invariant=True,
                                   stack=engine.runtime.stack)
@@ -161,8 +164,8 @@ def _time_rows(engine, rows: int, repeats: int) -> float:
                 engine.runtime.greedy(hidden)
             else:
                 engine.model.compute_logits(hidden, row_invariant=True).argmax(-1)
-            best = min(best, time.perf_counter() - t0)
-        return best
+            total += (time.perf_counter() - t0) if i else 0.0
+        return total / repeats
     finally:
         for t in tables:
             engine.cache.allocator.free(t)
