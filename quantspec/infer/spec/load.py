@@ -16,10 +16,16 @@ with many sequences the rows are compute, and verifying drafts costs more than i
     cap(B) = argmax over k in 0..K of B · E(k) / T(B · (1 + u·k)), k > 0 only when it beats
              k = 0 by `margin` (ties and noise go to plain decoding)
 
-While the cap is 0 nothing is verified, so the acceptance estimates would go stale: every
-`probe_interval` such steps one step offers `probe_k` drafts, and each probe that does not bring
-speculation back doubles the interval (up to `max_probe_interval`). Any cap is lossless (the
-verifier is), so the policy only moves speed, never outputs.
+The model is checked against what the steps deliver: per batch-size class (1, 2-3, 4-7, ...)
+an EMA of the tokens per second of whole decode steps (proposer and acceptance included) with
+drafts and without; where the steps with drafts deliver fewer, the cap is 0 whatever the model
+says. Every `plain_every` steps with drafts one runs without, so both rates stay current.
+
+While the cap is 0 nothing is verified, so the estimates would go stale: every `probe_interval`
+such steps one step offers drafts (`probe_k`, or the model's k where the measured rate vetoed
+it), and each probe that does not bring speculation back doubles the interval (up to
+`max_probe_interval`). Any cap is lossless (the verifier is), so the policy only moves speed,
+never outputs.
 """
 
 from __future__ import annotations
@@ -78,7 +84,7 @@ class LoadAwareDrafts:
 
     def __init__(self, max_draft_tokens: int, costs: StepCosts | None = None, *, prior: float = 0.7,
                  prior_weight: float = 4.0, decay: float = 0.9, margin: float = 0.03, probe_k: int = 1,
-                 probe_interval: int = 8, max_probe_interval: int = 64):
+                 probe_interval: int = 8, max_probe_interval: int = 64, plain_every: int = 32):
         self.max_draft_tokens = int(max_draft_tokens)
         self.costs = costs or StepCosts()
         self.decay, self.margin = decay, margin
@@ -87,6 +93,8 @@ class LoadAwareDrafts:
         self.probe_k = min(probe_k, self.max_draft_tokens)
         self.probe_interval, self.max_probe_interval = probe_interval, max_probe_interval
         self._idle, self._interval = 0, probe_interval
+        self.plain_every, self._since_plain = plain_every, 0
+        self._rates: dict[tuple[int, bool], list[float]] = {}  # (batch class, drafted) → EMA [tokens, s]
         self.last_cap = 0
 
     def expected_tokens(self, k: int) -> float:
@@ -111,18 +119,29 @@ class LoadAwareDrafts:
                 best, best_rate = k, rate
         return best
 
+    def measured_rate(self, num_seqs: int, drafted: bool) -> float | None:
+        """Tokens per second of recent decode steps of this batch class, with or without drafts."""
+        ema = self._rates.get((num_seqs.bit_length(), drafted))
+        return None if ema is None else ema[0] / ema[1]
+
     def cap(self, num_seqs: int) -> int:
         if num_seqs <= 0:
             self.last_cap = 0
             return 0
-        k = self.best_cap(num_seqs)
+        k = model_k = self.best_cap(num_seqs)
+        spec, plain = self.measured_rate(num_seqs, True), self.measured_rate(num_seqs, False)
+        if k and spec is not None and plain is not None and spec < plain:
+            k = 0  # the steps with drafts deliver less than those without at this load
         if k == 0:
             self._idle += 1
             if self._idle > self._interval:  # probe; if it does not bring speculation back, wait longer
                 self._idle, self._interval = 0, min(2 * self._interval, self.max_probe_interval)
-                k = self.probe_k
+                k = model_k or self.probe_k
         else:
             self._idle, self._interval = 0, self.probe_interval
+            self._since_plain += 1
+            if plain is None or self._since_plain > self.plain_every:  # keep the plain rate current
+                self._since_plain, k = 0, 0
         self.last_cap = k
         return k
 
@@ -134,7 +153,11 @@ class LoadAwareDrafts:
         """Learn from a decode step: its seconds at its rows, the drafts brought of those offered,
         and per position whether each verified draft was accepted."""
         self.costs.add(step.rows, step.forward_seconds or step.seconds)
-        offered = self.last_cap * sum(bool(getattr(s, "speculate", True)) for s in seqs)
+        speculating = sum(bool(getattr(s, "speculate", True)) for s in seqs)
+        if step.seconds > 0:
+            self._ema(self._rates.setdefault((speculating.bit_length(), any(drafts)), [0.0, 0.0]),
+                      len(seqs) + sum(accepted), step.seconds)
+        offered = self.last_cap * speculating
         if offered:
             self._ema(self.usage, sum(len(d) for d in drafts) / offered)
         for d, a in zip(drafts, accepted):

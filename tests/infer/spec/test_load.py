@@ -76,3 +76,21 @@ def test_any_cap_keeps_greedy_outputs_and_the_costs_are_measured(tiny_llama_mode
     assert out == plain and eng.draft_limit.last_cap >= 0
     out, eng = run(lambda e: LoadAwareDrafts(4, measure_step_costs(e, 12, repeats=1)))
     assert out == plain and eng.draft_limit.costs.estimate(12) > 0
+
+
+def test_measured_step_rates_veto_drafts_that_do_not_pay_and_plain_steps_keep_them_current():
+    policy = LoadAwareDrafts(5, _costs(CPU), plain_every=4)
+    assert policy.best_cap(1) > 0
+    seqs = [object()]
+    assert policy.cap(1) == 0  # no plain rate measured yet: a plain step first
+    policy.observe(StepInfo(True, 1, 1, 0, 0.030), seqs, [[]], [0])  # 33 tok/s without drafts
+    caps = []
+    for _ in range(10):  # with drafts: 2 tokens per 0.035 s = 57 tok/s
+        caps.append(k := policy.cap(1))
+        policy.observe(StepInfo(True, 1 + k, 1, k, 0.035 if k else 0.030), seqs, [[7] * k], [min(k, 1)])
+    assert caps.count(0) == 2 and caps[0] > 0  # one plain step in every plain_every + 1
+    for _ in range(40):  # now the steps with drafts are slow: 2 tokens per 0.2 s
+        k = policy.cap(1)
+        policy.observe(StepInfo(True, 1 + k, 1, k, 0.2 if k else 0.030), seqs, [[7] * k], [min(k, 1)])
+    assert policy.measured_rate(1, True) < policy.measured_rate(1, False)
+    assert [policy.cap(1) for _ in range(5)] == [0] * 5
