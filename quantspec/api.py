@@ -12,7 +12,7 @@ from pathlib import Path
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir, check_output_file
 
-__all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "train_draft_head", "train_mtp"]
+__all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "serve", "train_draft_head", "train_mtp"]
 
 
 def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | None = None,
@@ -41,6 +41,15 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     if output_file is not None:
         write_jsonl(output_file, [dict(r, output=o.text, output_token_ids=o.token_ids) for r, o in zip(rows, outs)])
     return outs, stats
+
+
+def serve(config, *, on_ready=None) -> None:
+    """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
+    then drain the requests in flight and return. `on_ready(url)` is called once the model is
+    loaded."""
+    from quantspec.serve import run
+
+    run(config, on_ready=on_ready)
 
 
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,

@@ -77,6 +77,9 @@ class InferConfig:
     # bytes of a bf16 head; drafts are proposals, so the output stays exact); "artifact" = the
     # draft's own head (what `quantspec report` measures an artifact pair with)
     speculate_draft_head: str | None = None
+    # prompt tokens per prefill step, prompts cut into chunks (EngineConfig.prefill_chunk);
+    # None: whole prompts
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -109,7 +112,8 @@ class InferConfig:
         from quantspec.infer.spec.proposers import validate_spec_config
 
         validate_spec_config(self)
-        EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length)
+        EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length,
+                     prefill_chunk=self.prefill_chunk)
         self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
@@ -211,7 +215,7 @@ class Predictor:
             self.loaded.model,
             EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
-                         spec_max_draft_tokens=max_drafts),
+                         spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )

@@ -41,3 +41,8 @@ def spec_replay():
 def spec_bases():
     yield from _bench("spec_bases")
 
+
+
+@pytest.fixture(scope="module")
+def serve_bench():
+    yield from _bench("serve")
