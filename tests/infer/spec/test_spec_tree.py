@@ -181,21 +181,25 @@ class _TreeOracle:
         pass
 
 
-def _engine_run(model, prompts, *, proposer=None, k=0, runtime=None, params=None):
+def _engine_run(model, prompts, *, proposer=None, k=0, runtime=None, params=None, kv=None):
+    a = model.args
+    scales = {} if kv is None else {"k_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05),
+                                    "v_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05)}
     eng = Engine(model, EngineConfig(block_size=16, max_batch_size=len(prompts), max_length=200,
-                                     spec_max_draft_tokens=k), eos_token_ids=[], proposer=proposer, runtime=runtime)
+                                     spec_max_draft_tokens=k, kv_cache_dtype=kv or "auto"),
+                 eos_token_ids=[], proposer=proposer, runtime=runtime, **scales)
     seqs = [eng.add_request(p, params or SamplingParams(max_new_tokens=60), request_index=i)
             for i, p in enumerate(prompts)]
     eng.run()
     return seqs
 
 
-def _check_tree_greedy(model, runtime=None):
+def _check_tree_greedy(model, runtime=None, lengths=(9, 30, 17), kv=None):
     g = torch.Generator().manual_seed(3)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 30, 17)]
-    plain = [s.output_ids for s in _engine_run(model, prompts, runtime=runtime)]
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+    plain = [s.output_ids for s in _engine_run(model, prompts, runtime=runtime, kv=kv)]
     proposer = _TreeOracle(plain, depth=3, width=2)
-    seqs = _engine_run(model, prompts, proposer=proposer, k=6, runtime=runtime)
+    seqs = _engine_run(model, prompts, proposer=proposer, k=6, runtime=runtime, kv=kv)
     assert [s.output_ids for s in seqs] == plain
     assert sum(s.stats.accepted for s in seqs) > 0
     for s in seqs:  # every accepted draft saved a base forward
@@ -205,6 +209,11 @@ def _check_tree_greedy(model, runtime=None):
 
 def test_tree_greedy_identical_to_plain_sdpa(tiny_llama_model):
     _check_tree_greedy(tiny_llama_model)
+
+
+def test_tree_greedy_identical_to_plain_batched_and_int8_kv(tiny_llama_model):
+    _check_tree_greedy(tiny_llama_model, lengths=[5 + i for i in range(20)])  # > 16 sequences: one masked SDPA
+    _check_tree_greedy(tiny_llama_model, kv="int8")  # the accepted path's int8 keys / values move
 
 
 def test_tree_greedy_identical_to_plain_cpu_kernel(tmp_path):
