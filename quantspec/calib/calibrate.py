@@ -235,7 +235,7 @@ class LayerObservers:
 
 def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
                     percentile: float = DEFAULT_PERCENTILE, batch_size: int = DEFAULT_BATCH_SIZE,
-                    weights_dir: str | Path | None = None, dtype: torch.dtype | None = None,
+                    weights=None, dtype: torch.dtype | None = None,
                     progress: Progress | None = None, kv_observer: str | None = None
                     ) -> dict[str, torch.Tensor]:
     """Observe `model` (a `Transformer`) on input_ids [n, S] layer by layer → table tensors.
@@ -244,7 +244,7 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
         if o not in OBSERVERS:
             raise QuantSpecError(f"observer {o!r} unknown; use one of: {', '.join(OBSERVERS)}")
     tensors: dict[str, torch.Tensor] = {}
-    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights_dir=weights_dir,
+    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights=weights,
                          dtype=dtype, progress=progress)
     with torch.no_grad():
         for step in runner:
@@ -312,7 +312,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     t1 = time.perf_counter()
     kv_observer = config.kv_observer or DEFAULT_KV_OBSERVER
     tensors = calibrate_model(net, batches, observer=config.observer, percentile=config.percentile,
-                              batch_size=config.batch_size, weights_dir=weights_dir, dtype=dtype,
+                              batch_size=config.batch_size, weights=weights_dir, dtype=dtype,
                               progress=progress, kv_observer=kv_observer)
     forward_s = time.perf_counter() - t1
     local = Path(config.dataset).expanduser()
