@@ -41,3 +41,10 @@ def spec_replay():
 def spec_bases():
     yield from _bench("spec_bases")
 
+
+
+@pytest.fixture(scope="module")
+def big_model():
+    sys.path.insert(0, str(BENCH_DIR))  # its `from mdtable import ...`
+    yield from _bench("big_model")
+    sys.path.remove(str(BENCH_DIR))
