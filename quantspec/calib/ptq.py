@@ -11,7 +11,8 @@ largest power of two ≤ it that does, recorded as an extra name-targeted config
 - `gptq`: Frantar et al. (arXiv:2210.17323) through `quant.gptq.gptq_quantize`, layer by layer
   with `calib.runner`. Linears that read the same input (q/k/v; gate/up) share one Hessian and
   are quantized in one call, concatenated along N (GPTQ treats rows independently). Two
-  schedules, chosen by whether all calibration samples fit in one forward (`max_pass_tokens`):
+  schedules, chosen by whether all calibration samples fit in one forward (`max_pass_tokens`
+  tokens, and the MLP's intermediates for all of them within `max_pass_bytes`):
   * one pass ("true sequential"): forward pre-hooks on the first Linear of each shared-input
     group see the whole batch's input, build the Hessian, quantize the group and swap in the
     dequantized weights before the forward continues, so o_proj is calibrated on the outputs of
@@ -20,9 +21,6 @@ largest power of two ≤ it that does, recorded as an extra name-targeted config
   * two passes (memory-bounded, mini-batches): hooks accumulate all Hessians from the
     unquantized layer, the layer is quantized, then re-run (`propagate`) so the next layer sees
     the quantized outputs.
-
-    The one-pass schedule holds the MLP's intermediates for every token at once, so it is also
-    bounded by memory (`max_pass_bytes`); past it, a model is calibrated in mini-batches.
 
 Weight types: int8 per-channel, int4 group (sym/asym) or per-channel, FP8 E4M3 per-channel; the
 a8w8 types also need static per-tensor input scales (from `quantspec calibrate`), stored as

@@ -178,12 +178,26 @@ def _take_state(out: Path, key: str, restart: bool) -> Path:
     return mine
 
 
+def _remove_empty(d: Path, top: Path | None) -> None:
+    """Remove `d` and its parents up to `top` (the directories a run made), those left empty."""
+    while top is not None and d.is_relative_to(top):
+        try:
+            d.rmdir()
+        except OSError:
+            return
+        d = d.parent
+
+
 @contextlib.contextmanager
 def open_run(out: str | os.PathLike, key: str, *, resumable: bool, restart: bool = False,
              max_shard_bytes: int | None = None) -> Iterator[Run]:
     """The working directory of a run writing `out` (module docstring); removed when the block
     completes, kept on any exit of a resumable run that did not."""
     out = Path(out)
+    top = out.parent  # the topmost directory this run creates (None: they all exist)
+    while not top.parent.exists():
+        top = top.parent
+    top = None if top.exists() else top
     out.parent.mkdir(parents=True, exist_ok=True)
     if resumable:
         d = _take_state(out, key, restart)
@@ -197,5 +211,6 @@ def open_run(out: str | os.PathLike, key: str, *, resumable: bool, restart: bool
             notice(f"kept this run's state in {d}: the same command resumes it, --restart starts over")
         else:
             shutil.rmtree(d, ignore_errors=True)
+            _remove_empty(out.parent, top)
         raise
     shutil.rmtree(d, ignore_errors=True)

@@ -228,3 +228,12 @@ def test_default_model_streamed_equals_whole_model(kw, tmp_path, monkeypatch):
     streamed = api.quantize("smollm2-135m", out=tmp_path / "streamed", **kw)
     _whole_model(monkeypatch)
     _assert_bitwise(streamed, api.quantize("smollm2-135m", out=tmp_path / "whole", **kw))
+
+
+def test_a_small_interrupted_run_leaves_nothing(tiny_llama_dir, tmp_path):
+    """Below the resumable size the working directory goes with the run, and so do the
+    directories made for --out."""
+    with pytest.raises(KeyboardInterrupt):
+        api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "new" / "sub" / "art",
+                     progress=_interrupt_at(1))
+    assert list(tmp_path.iterdir()) == []
