@@ -8,15 +8,16 @@ into a cache directory, RTN) so their tokens/s can be compared with fp32 in the 
 each artifact run in turn, `--rounds` times, and the medians are compared.
 
 Last, batch 1 of fp32 and of each artifact as loaded — the layer stack in one C++ call
-(`infer/fused_layers.py`) and greedy ids from the int8 / bf16 screen of the head
-(`infer/greedy_head.py`) — then with full logits, then through the Python modules (the same
-kernels, called one by one), interleaved `--rounds` times: decode-phase medians, the ratio to
-the modules, and whether all gave the same tokens.
+(`infer/cpu/stack.py`) and greedy ids from the int8 / bf16 screen of the head
+(`infer/cpu/greedy.py`), both from the loaded model's runtime — then with full logits, then
+through the Python modules (the same kernels, called one by one), interleaved `--rounds` times:
+decode-phase medians, the ratio to the modules, and whether all gave the same tokens.
 """
 
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import statistics
 import time
 
@@ -31,11 +32,12 @@ def _prompt_ids(tokenizer, n: int) -> list[int]:
     return tokenizer(text).input_ids[:n]
 
 
-def bench_engine(model, prompt, new_tokens, batch, eos, outputs: list | None = None) -> tuple[float, float]:
-    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill steps); the
-    sequences' token ids are appended to `outputs` when given."""
-    eng = Engine(model, EngineConfig(max_batch_size=batch, max_length=len(prompt) + new_tokens + 8),
-                 eos_token_ids=[])
+def bench_engine(loaded, prompt, new_tokens, batch, outputs: list | None = None, runtime=None) -> tuple[float, float]:
+    """→ (end-to-end tokens/s, decode-phase tokens/s after the batch's prefill steps) of the
+    `LoadedModel` on its runtime (or `runtime`); the sequences' token ids are appended to
+    `outputs` when given."""
+    eng = Engine(loaded.model, EngineConfig(max_batch_size=batch, max_length=len(prompt) + new_tokens + 8),
+                 eos_token_ids=[], runtime=runtime or loaded.runtime)
     seqs = [eng.add_request(prompt, SamplingParams(max_new_tokens=new_tokens)) for _ in range(batch)]
     t = time.perf_counter()
     while any(s.num_cached == 0 for s in seqs):  # the prefill steps (+ each first token)
@@ -59,6 +61,23 @@ def bench_hf(hf, prompt, new_tokens, batch) -> float:
     return (out.shape[1] - len(prompt)) * batch / dt
 
 
+def _artifacts(model_dir, quant: str) -> list:
+    """(quant type, LoadedModel) of each `--quant` artifact of the default model (built once with
+    RTN into the cache, loaded with `--dtype auto`)."""
+    from quantspec import api
+    from quantspec.infer.loader import auto_dtype, load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir
+
+    quants = []
+    for qt in [q for q in quant.split(",") if q]:
+        qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
+        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
+        if not (out / "config.json").exists():
+            api.quantize(str(model_dir), qt, out, overwrite=True)
+        quants.append((qt, load_for_inference(out, dtype=auto_dtype(out))))
+    return quants
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--prompt-tokens", type=int, default=600)
@@ -72,8 +91,8 @@ def main():
         torch.set_num_threads(a.threads)
     from transformers import AutoModelForCausalLM
 
-    from quantspec.infer.loader import auto_dtype, load_for_inference
-    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, ensure_zoo_model
 
     model_dir = ensure_zoo_model(DEFAULT_MODEL)
     loaded = load_for_inference(model_dir)
@@ -82,28 +101,20 @@ def main():
     batches = [int(b) for b in a.batches.split(",")]
     rows = []
     for b in batches:
-        ours, decode = bench_engine(loaded.model, prompt, a.new_tokens, b, loaded.eos_token_ids)
+        ours, decode = bench_engine(loaded, prompt, a.new_tokens, b)
         theirs = bench_hf(hf, prompt, a.new_tokens, b)
         rows.append((f"fp32 batch {b}", ours, theirs, decode))
     base_b1 = rows[0][1]
     quant_rows = []
-    quants = []
-    for qt in [q for q in a.quant.split(",") if q]:
-        from quantspec import api
-
-        qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
-        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
-        if not (out / "config.json").exists():
-            api.quantize(str(model_dir), qt, out, overwrite=True)
-        quants.append((qt, load_for_inference(out, dtype=auto_dtype(out)).model))
+    quants = _artifacts(model_dir, a.quant)
     if quants:
         # fp32 and every quant type in turn, `--rounds` times: load on a shared machine hits all
         # alike; the medians are reported (fp32's row above is the first round's)
         runs = {name: [] for name in ["fp32"] + [qt for qt, _ in quants]}
         for _ in range(a.rounds):
-            runs["fp32"].append(bench_engine(loaded.model, prompt, a.new_tokens, 1, []))
-            for qt, qmodel in quants:
-                runs[qt].append(bench_engine(qmodel, prompt, a.new_tokens, 1, []))
+            runs["fp32"].append(bench_engine(loaded, prompt, a.new_tokens, 1))
+            for qt, qloaded in quants:
+                runs[qt].append(bench_engine(qloaded, prompt, a.new_tokens, 1))
         med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in runs.items()}
         base_b1, base_decode = med["fp32"]
         quant_rows = [(qt, *med[qt]) for qt, _ in quants]
@@ -124,26 +135,26 @@ def main():
         print("|---|---:|---:|---:|---:|")
         for qt, tps, decode in quant_rows:
             print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x |")
-    fused_ab([("fp32", loaded.model)] + quants, prompt, a.new_tokens, a.rounds)
+    fused_ab([("fp32", loaded)] + quants, prompt, a.new_tokens, a.rounds)
 
 
 def fused_ab(models, prompt, new_tokens, rounds) -> None:
     """Batch 1 as loaded (one-call layer stack + greedy head where they apply), without the greedy
     head (full fp32 logits), and through the modules with full logits; interleaved per round."""
     rows = []
-    for name, model in models:
-        runner, head = model.fused_layers, model.greedy_head
+    for name, loaded in models:
+        runtime = loaded.runtime
+        runner, head = runtime.stack, runtime.greedy
         if runner is None and head is None:
-            print(f"\n{name}: no one-call layer stack or greedy head here (infer/fused_layers.py, greedy_head.py)")
+            print(f"\n{name}: no one-call layer stack or greedy head here (infer/cpu/stack.py, greedy.py)")
             continue
-        modes = {"default": (runner, head), "logits": (runner, None), "modules": (None, None)}
+        modes = {"default": runtime, "logits": dataclasses.replace(runtime, greedy=None),
+                 "modules": dataclasses.replace(runtime, stack=None, greedy=None)}
         runs = {m: [] for m in modes}
         outs = {m: [] for m in modes}
         for _ in range(rounds):
-            for mode, (r, h) in modes.items():
-                model.fused_layers, model.greedy_head = r, h
-                runs[mode].append(bench_engine(model, prompt, new_tokens, 1, [], outs[mode]))
-        model.fused_layers, model.greedy_head = runner, head
+            for mode, rt in modes.items():
+                runs[mode].append(bench_engine(loaded, prompt, new_tokens, 1, outs[mode], runtime=rt))
         med = {m: statistics.median(r[1] for r in v) for m, v in runs.items()}
         same = all(o == outs["default"][0] for v in outs.values() for o in v)
         rows.append((name, med, same, runner is not None, head is not None))

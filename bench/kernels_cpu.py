@@ -7,7 +7,7 @@ Weights of the default model's shapes (30 decoder layers: fused q/k/v 960×576, 
 gate/up 3072×576, down 576×1536; and the 49152×576 head), cycled so that they stream from memory
 as in a decode step. For each weight type and number of rows M: milliseconds per pass over all
 layers (or per head call) for torch's op and for quantspec's kernel, and the ratio.
-torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/dense_linear.py) for M ≤ 4 and
+torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/cpu/linears.py) for M ≤ 4 and
 `F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
 `_weight_int4pack_mm_for_cpu` (bf16 x, g32). quantspec's: `packed_gemm` (fp32, column blocks),
 `packed_pairs_gemm` (bf16 in k-pairs; `dense_gemv`, row-major, without AVX512-BF16),
@@ -19,15 +19,15 @@ packed kernel is near that rate, a verification step of M rows cannot get cheape
 
 Pair-path table (`--pair-rows`): bf16 x (how quantized artifacts load on CPU) through the int8 /
 int4 layers and the bf16 head: the kernels' AVX512-BF16 pair path (what runs) vs their fp32 chain
-(`set_pair_path(False)`; for the head the row-major `dense_gemv` it replaced) and torch's op.
+(`pairs=False`; for the head the row-major `dense_gemv`) and torch's op.
 
 Attention table (`--attention-rows`, `--context`): `paged_attention` over the default model's 30
 layers (9 query heads, 3 KV heads, head dim 64, a cache per layer), one sequence whose last M
 rows are new: M = 1 a decode step, 11 a 10-draft verification (both over `--context` keys), more
 a fresh prompt of M tokens; torch's SDPA on the same rows (causal, fp32 and bf16), the kernel in
 fp32 (fresh prompts of 16+ tokens: its blocked prefill path, queries on the vector lanes; beside
-it the per-row path of decode steps, `prefill_blocks(False)`, which served them before), and bf16
-through its fp32 chain and its pair path.
+it the per-row path of decode steps, `prefill_blocks=False`), and bf16 through its fp32 chain
+(`pairs=False`) and its pair path.
 
 Prefill table (`--prefill-rows`): fp32 x (how the default model loads) through the int8 / int4
 (g64) layers, where the dispatch took dequantize + `F.linear` before quantspec's packed kernels
@@ -133,13 +133,26 @@ def main():
         raise SystemExit(f"quantspec CPU kernels unavailable: {cg.cpu_kernels_error()}")
     kinds = [k for k in a.kinds.split(",") if k]
     if kinds and rows:
-        print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
-        print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
-        print("|---|---:|---:|---:|---:|---:|---:|---:|")
-    for kind in kinds if rows else []:
+        gemm_table(kinds, rows, a.layers)
+    if rate_rows:
+        rate_table(rate_rows, a.layers)
+    if prefill:
+        prefill_table([k for k in kinds if k in ("int8", "int4")], prefill, a.layers)
+    if pair_rows:
+        pair_table(pair_rows, a.layers)
+    if attention_rows:
+        attention_table(attention_rows, a.layers, a.context)
+
+
+def gemm_table(kinds: list[str], rows: list[int], n_layers: int) -> None:
+    """ms per pass over the layers / per head call: torch's op vs quantspec's, by weight type and M."""
+    print(f"\n## CPU GEMMs, {torch.get_num_threads()} threads (ms; ratio = torch / quantspec)\n")
+    print("| weights | M | layers: torch | layers: quantspec | ratio | head: torch | head: quantspec | ratio |")
+    print("|---|---:|---:|---:|---:|---:|---:|---:|")
+    for kind in kinds:
         xdtype = torch.float32 if kind == "fp32" else torch.bfloat16
-        layers = [(K, *_make(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
-        head = _make(kind if kind != "fp32" else "fp32", *HEAD)
+        layers = [(K, *_make(kind, N, K)) for N, K in LAYER_SHAPES * n_layers]
+        head = _make(kind, *HEAD)
         theirs, ours = _torch_op(kind), _ours(kind)
         for M in rows:
             xs = {K: torch.randn(M, K).to(xdtype) for K in (576, 1536)}
@@ -150,37 +163,39 @@ def main():
             o_h = _time(lambda: ours(xs[576], *head[1]), reps)
             print(f"| {kind} | {M} | {t_l:.2f} | {o_l:.2f} | {t_l / o_l:.2f}x | {t_h:.2f} | "
                   f"{o_h:.2f} | {t_h / o_h:.2f}x |", flush=True)
-    if rate_rows:
-        big = torch.randn(2048, 2048)
-        t_big = _time(lambda: torch.mm(big, big), 3)
-        peak = 2 * 2048 ** 3 / t_big / 1e6  # GFLOP/s
-        print(f"\n## fp32 compute rate, {torch.get_num_threads()} threads (GFLOP/s)\n")
-        print(f"torch.mm 2048 x 2048 x 2048: {peak:.0f} GFLOP/s\n")
-        print("| M | packed_gemm over the layers | share of torch.mm's rate |")
-        print("|---:|---:|---:|")
-        layers = [(K, cg.pack_dense(torch.randn(N, K) * 0.05), N) for N, K in LAYER_SHAPES * a.layers]
-        flop_per_row = sum(2 * N * K for K, _, N in layers)
-        for M in rate_rows:
+
+
+def rate_table(rows: list[int], n_layers: int) -> None:
+    """GFLOP/s of `packed_gemm` over the fp32 layers at M rows beside torch's large square sgemm."""
+    big = torch.randn(2048, 2048)
+    t_big = _time(lambda: torch.mm(big, big), 3)
+    peak = 2 * 2048 ** 3 / t_big / 1e6  # GFLOP/s
+    print(f"\n## fp32 compute rate, {torch.get_num_threads()} threads (GFLOP/s)\n")
+    print(f"torch.mm 2048 x 2048 x 2048: {peak:.0f} GFLOP/s\n")
+    print("| M | packed_gemm over the layers | share of torch.mm's rate |")
+    print("|---:|---:|---:|")
+    layers = [(K, cg.pack_dense(torch.randn(N, K) * 0.05), N) for N, K in LAYER_SHAPES * n_layers]
+    flop_per_row = sum(2 * N * K for K, _, N in layers)
+    for M in rows:
+        xs = {K: torch.randn(M, K) for K in (576, 1536)}
+        t = _time(lambda: [cg.packed_gemm(xs[K], w, N) for K, w, N in layers], 3)
+        rate = M * flop_per_row / t / 1e6
+        print(f"| {M} | {rate:.0f} | {rate / peak:.0%} |", flush=True)
+
+
+def prefill_table(kinds: list[str], rows: list[int], n_layers: int) -> None:
+    """fp32 x through the int8 / int4 layers: dequantize + F.linear vs the packed kernel."""
+    print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "
+          "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
+    print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
+    print("|---|---:|---:|---:|---:|")
+    for kind in kinds:
+        layers = [(K, *_prefill_layer(kind, N, K)) for N, K in LAYER_SHAPES * n_layers]
+        for M in rows:
             xs = {K: torch.randn(M, K) for K in (576, 1536)}
-            t = _time(lambda: [cg.packed_gemm(xs[K], w, N) for K, w, N in layers], 3)
-            rate = M * flop_per_row / t / 1e6
-            print(f"| {M} | {rate:.0f} | {rate / peak:.0%} |", flush=True)
-    if prefill:
-        print(f"\n## Prefill through quantized layers, fp32 x, {torch.get_num_threads()} threads "
-              "(ms per pass; ratio = dequantize + matmul / packed kernel)\n")
-        print("| weights | M | dequantize + F.linear | packed kernel | ratio |")
-        print("|---|---:|---:|---:|---:|")
-        for kind in [k for k in kinds if k in ("int8", "int4")]:
-            layers = [(K, *_prefill_layer(kind, N, K)) for N, K in LAYER_SHAPES * a.layers]
-            for M in prefill:
-                xs = {K: torch.randn(M, K) for K in (576, 1536)}
-                t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
-                t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
-                print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
-    if pair_rows:
-        pair_table(pair_rows, a.layers)
-    if attention_rows:
-        attention_table(attention_rows, a.layers, a.context)
+            t_d = _time(lambda: [d(xs[K]) for K, d, _ in layers], 2)
+            t_o = _time(lambda: [o(xs[K]) for K, _, o in layers], 2)
+            print(f"| {kind} | {M} | {t_d:.1f} | {t_o:.1f} | {t_d / t_o:.2f}x |", flush=True)
 
 
 def attention_table(rows: list[int], n_layers: int, context: int) -> None:
@@ -205,9 +220,9 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
             q = torch.randn(M, H, hd).to(dt)
             k, v = torch.randn(M, KV, hd).to(dt), torch.randn(M, KV, hd).to(dt)
 
-            def ours():
+            def ours(**settings):
                 for kc, vc in caches:
-                    cg.paged_attention(q, k, v, kc, vc, slots, table, [M], [L], bs, hd ** -0.5)
+                    cg.paged_attention(q, k, v, kc, vc, slots, table, [M], [L], bs, hd ** -0.5, **settings)
 
             qq = q.transpose(0, 1).unsqueeze(0)
 
@@ -219,12 +234,10 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
             reps = 20 if M <= 16 else 3
             if dt == torch.float32:
                 res["fp32"] = _time(ours, reps)
-                with cg.prefill_blocks(False):
-                    res["rows"] = _time(ours, reps)
+                res["rows"] = _time(lambda: ours(prefill_blocks=False), reps)
                 res["sdpa32"] = _time(sdpa, reps)
                 continue
-            with cg.pair_path(False):
-                res["chain"] = _time(ours, reps)
+            res["chain"] = _time(lambda: ours(pairs=False), reps)
             res["pairs"] = _time(ours, reps)
             res["sdpa"] = _time(sdpa, reps)
         us = {key: t * 1e3 / n_layers for key, t in res.items()}
@@ -235,8 +248,8 @@ def attention_table(rows: list[int], n_layers: int, context: int) -> None:
 
 def pair_table(rows: list[int], n_layers: int) -> None:
     """bf16 x through the quantized layers and the bf16 head: quantspec's pair path (AVX512-BF16's
-    dot product) vs the same kernels' fp32 chain (the path before it) and torch's packed op, side
-    by side; int4 in groups of 64 (what the default model's int4 artifact uses for K = 576)."""
+    dot product) vs the same kernels' fp32 chain (`pairs=False`) and torch's packed op, side by
+    side; int4 in groups of 64 (what the default model's int4 artifact uses for K = 576)."""
     if not cg.pair_path_available():
         print("\n(no pair-path table: this CPU has no AVX512-BF16)")
         return
@@ -254,7 +267,7 @@ def pair_table(rows: list[int], n_layers: int) -> None:
                 s = torch.rand(N) * 0.01
                 pq, sb = cg.pack_w8(q), s.bfloat16()
                 layers.append((K, lambda x, q=q, sb=sb: torch._weight_int8pack_mm(x, q, sb),
-                               lambda x, pq=pq, s=s, N=N: cg.packed_w8_gemm(x, pq, s, N)))
+                               lambda x, pq=pq, s=s, N=N, pairs=True: cg.packed_w8_gemm(x, pq, s, N, pairs=pairs)))
             else:
                 q = torch.randint(-8, 8, (N, K), dtype=torch.int8)
                 s = torch.rand(N, K // g) * 0.01
@@ -263,27 +276,27 @@ def pair_table(rows: list[int], n_layers: int) -> None:
                 sz = torch.stack([s.t(), z.t()], dim=-1).bfloat16().contiguous()
                 p4 = cg.pack_w4(q, s, z)
                 layers.append((K, lambda x, tp=tp, sz=sz: torch._weight_int4pack_mm_for_cpu(x, tp, g, sz),
-                               lambda x, p4=p4, N=N: cg.packed_w4_gemm(x, *p4, g, N)))
+                               lambda x, p4=p4, N=N, pairs=True: cg.packed_w4_gemm(x, *p4, g, N, pairs=pairs)))
         cases[kind] = (lambda xs, L=layers: [t(xs[K]) for K, t, _ in L],
-                       lambda xs, L=layers: [o(xs[K]) for K, _, o in L])
+                       lambda xs, L=layers, pairs=True: [o(xs[K], pairs=pairs) for K, _, o in L])
     wb = (torch.randn(*HEAD) * 0.05).bfloat16()
     wp = cg.pack_pairs(wb)
-    cases["bf16 head"] = (lambda xs: F.linear(xs[576], wb), lambda xs: cg.packed_pairs_gemm(xs[576], wp, HEAD[0]))
-    chain_head = lambda xs: cg.dense_gemv(xs[576], wb)  # noqa: E731  (the row-major kernel the head used)
+    cases["bf16 head"] = (lambda xs: F.linear(xs[576], wb),
+                          lambda xs, pairs=True: (cg.packed_pairs_gemm(xs[576], wp, HEAD[0]) if pairs
+                                                  else cg.dense_gemv(xs[576], wb)))  # row-major: its fp32 chain
     for kind, (theirs, ours) in cases.items():
         for M in rows:
             xs = {K: torch.randn(M, K).bfloat16() for K in (576, 1536)}
             reps = 5 if M <= 16 else 2
             t_t = _time(lambda: theirs(xs), reps)
-            with cg.pair_path(False):
-                t_c = _time(lambda: (chain_head if kind == "bf16 head" else ours)(xs), reps)
+            t_c = _time(lambda: ours(xs, pairs=False), reps)
             t_p = _time(lambda: ours(xs), reps)
             print(f"| {kind} | {M} | {t_t:.2f} | {t_c:.2f} | {t_p:.2f} | {t_c / t_p:.2f}x | {t_t / t_p:.2f}x |", flush=True)
 
 
 def _prefill_layer(kind: str, N: int, K: int, g: int = 64):
-    """(the former prefill path: dequantize, then an fp32 matmul; quantspec's packed kernel) for
-    one int8 (per channel) or int4 (groups of g: 64 divides every K of the default model) layer."""
+    """(dequantize, then an fp32 matmul; quantspec's packed kernel) for one int8 (per channel) or
+    int4 (groups of g: 64 divides every K of the default model) layer."""
     if kind == "int8":
         q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
         s = torch.rand(N) * 0.01

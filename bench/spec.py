@@ -32,11 +32,10 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
 with `--rounds R` each prompt runs R times through every method (interleaved) and each method
 keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
-ratios of single runs show (the copy prompts' n-gram speed-up read 2.31× and 2.70× in two
-consecutive single-round runs of the same code).
+ratios of single runs show on a shared machine.
 
 Copy share of an answer: the fraction of its tokens inside a run of >= 4 tokens that also occurs
-in the prompt (measured on plain greedy output). The issue's code-editing case is an answer that
+in the prompt (measured on plain greedy output). The code-editing case is an answer that
 mostly repeats the prompt; a small model sometimes answers an edit request with an explanation
 instead, so the code prompts are also reported restricted to answers with copy share >= 50%
 (`code_edit, copy>=50%`), next to the all-prompts row, and per prompt.
@@ -143,7 +142,7 @@ def _recipe(spec: str) -> tuple[str, dict]:
     return quant_type, kw
 
 
-def main():
+def _args():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1)
     ap.add_argument("--new-tokens", type=int, default=128)
@@ -171,15 +170,64 @@ def main():
     a = ap.parse_args()
     if a.rounds < 1:
         raise SystemExit(f"--rounds {a.rounds}: give 1 or more")
-    torch.set_num_threads(a.threads)
+    return a
 
-    from quantspec.infer.loader import load_for_inference
-    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir, ensure_zoo_model
 
-    model_dir = ensure_zoo_model(DEFAULT_MODEL)
-    loaded = load_for_inference(model_dir)
-    kinds = load_prompts(a.data, a.prompts)
+def _draft_methods(a, common: dict, model_dir: Path, loaded, methods: dict) -> None:
+    """The self-draft and the quantized drafts (`--methods self,quant`), into `methods`."""
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir
 
+    wanted = a.methods.split(",")
+    if "self" in wanted:
+        p = Predictor(InferConfig(**common, speculate_method="draft", draft_model=str(model_dir),
+                                  speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head="artifact"),
+                      loaded=loaded)
+        p.engine.proposer.policy = None  # upper bound: always draft
+        methods["draft fp32 (self, no back-off)"] = p
+    if "quant" not in wanted:
+        return
+    from quantspec import api
+
+    for qt in [q for q in a.quant.split(",") if q]:
+        quant_type, recipe = _recipe(qt)
+        out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt.replace('@', '.')}"
+        if not (out / "config.json").exists():
+            api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
+        cfg = InferConfig(**common, speculate_method="draft", draft_model=str(out),
+                          speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head=a.draft_head)
+        methods[f"draft {qt}"] = p = Predictor(cfg, loaded=loaded)
+        print(f"{qt} draft: measured step cost {p.engine.proposer.policy.cost.draft_per_token:.2f}x the base's")
+        p = methods[f"draft {qt} (no back-off)"] = Predictor(cfg, loaded=loaded)
+        p.engine.proposer.policy = None  # acceptance of every position, whatever it costs
+
+
+def _mtp_methods(a, common: dict, loaded, methods: dict) -> None:
+    """The MTP module, plain and quantized on its own (`--methods mtp`), into `methods`."""
+    from quantspec.model_zoo.default import DEFAULT_MODEL, cache_dir
+
+    mtp_dir = Path(a.mtp).expanduser() if a.mtp else cache_dir() / "mtp" / DEFAULT_MODEL
+    if not (mtp_dir / "config.json").is_file():
+        raise SystemExit(f"no MTP module at {mtp_dir}; train one with `quantspec zoo train-mtp --out {mtp_dir}` "
+                         "or pass --mtp DIR")
+    cfg = InferConfig(**common, speculate_method="mtp", draft_model=str(mtp_dir),
+                      speculate_max_draft_token_num=a.mtp_draft_tokens,
+                      speculate_min_confidence=a.mtp_min_confidence)
+    methods["mtp"] = Predictor(cfg, loaded=loaded)
+    p = methods["mtp (no back-off)"] = Predictor(cfg, loaded=loaded)
+    p.engine.proposer.policy = None
+    for qt in [q for q in a.mtp_quant.split(",") if q]:
+        # the MTP module quantized on its own (`quantspec quantize --model MTP_DIR`)
+        from quantspec import api
+
+        stamp = int((mtp_dir / "model.safetensors").stat().st_mtime)
+        out = cache_dir() / "bench" / f"{mtp_dir.name}.mtp.{stamp}.{qt}"
+        if not (out / "config.json").exists():
+            api.quantize(str(mtp_dir), qt, out, overwrite=True)
+        methods[f"mtp {qt}"] = Predictor(dataclasses.replace(cfg, draft_model=str(out)), loaded=loaded)
+
+
+def _methods(a, model_dir: Path, loaded) -> dict:
+    """name → Predictor of every method asked for, all over the one loaded base."""
     common = dict(model=str(model_dir), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
     methods = {"plain": Predictor(InferConfig(**common), loaded=loaded)}
     wanted = a.methods.split(",")
@@ -190,67 +238,40 @@ def main():
     if "ngram-exact" in wanted:  # the same without `ReferenceProposer.realign` (exact suffix matches only)
         p = methods["ngram, exact matches only"] = Predictor(ngram_cfg, loaded=loaded)
         p.engine.proposer.realign = False
-    if "self" in wanted:
-        p = Predictor(InferConfig(**common, speculate_method="draft", draft_model=str(model_dir),
-                                  speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head="artifact"),
-                      loaded=loaded)
-        p.engine.proposer.policy = None  # upper bound: always draft
-        methods["draft fp32 (self, no back-off)"] = p
-    if "quant" in wanted:
-        from quantspec import api
-
-        for qt in [q for q in a.quant.split(",") if q]:
-            quant_type, recipe = _recipe(qt)
-            out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt.replace('@', '.')}"
-            if not (out / "config.json").exists():
-                api.quantize(str(model_dir), quant_type, out, overwrite=True, **recipe)
-            cfg = InferConfig(**common, speculate_method="draft", draft_model=str(out),
-                              speculate_max_draft_token_num=a.draft_tokens, speculate_draft_head=a.draft_head)
-            methods[f"draft {qt}"] = p = Predictor(cfg, loaded=loaded)
-            print(f"{qt} draft: measured step cost {p.engine.proposer.policy.cost.draft_per_token:.2f}x the base's")
-            p = methods[f"draft {qt} (no back-off)"] = Predictor(cfg, loaded=loaded)
-            p.engine.proposer.policy = None  # acceptance of every position, whatever it costs
-
+    _draft_methods(a, common, model_dir, loaded, methods)
     if "mtp" in wanted:
-        mtp_dir = Path(a.mtp).expanduser() if a.mtp else cache_dir() / "mtp" / DEFAULT_MODEL
-        if not (mtp_dir / "config.json").is_file():
-            raise SystemExit(f"no MTP module at {mtp_dir}; train one with `quantspec zoo train-mtp --out {mtp_dir}` "
-                             "or pass --mtp DIR")
-        cfg = InferConfig(**common, speculate_method="mtp", draft_model=str(mtp_dir),
-                          speculate_max_draft_token_num=a.mtp_draft_tokens,
-                          speculate_min_confidence=a.mtp_min_confidence)
-        methods["mtp"] = Predictor(cfg, loaded=loaded)
-        p = methods["mtp (no back-off)"] = Predictor(cfg, loaded=loaded)
-        p.engine.proposer.policy = None
-        for qt in [q for q in a.mtp_quant.split(",") if q]:
-            # the issue's flow: the MTP module quantized on its own (`quantspec quantize --model MTP_DIR`)
-            from quantspec import api
+        _mtp_methods(a, common, loaded, methods)
+    return methods
 
-            stamp = int((mtp_dir / "model.safetensors").stat().st_mtime)
-            out = cache_dir() / "bench" / f"{mtp_dir.name}.mtp.{stamp}.{qt}"
-            if not (out / "config.json").exists():
-                api.quantize(str(mtp_dir), qt, out, overwrite=True)
-            methods[f"mtp {qt}"] = Predictor(dataclasses.replace(cfg, draft_model=str(out)), loaded=loaded)
-    methods["plain"].generate(["Hello"])  # warm-up
+
+def _fastest(methods: dict, srcs: list[str], rounds: int) -> tuple[dict, dict]:
+    """Every method on each prompt, interleaved, `rounds` times; each keeps its fastest run →
+    (outputs, wall seconds) per method, by prompt."""
+    outs = {m: [] for m in methods}
+    wall = {m: [] for m in methods}
+    for src in srcs:  # interleaved: every method on this prompt, then the next prompt
+        best = {}
+        for _ in range(rounds):  # ... `rounds` times; each keeps its fastest run
+            for name, pred in methods.items():
+                t = time.perf_counter()
+                out = pred.generate([src])[0]
+                dt = time.perf_counter() - t
+                if name in best and out.token_ids != best[name][0].token_ids:
+                    raise SystemExit(f"{name}: two rounds of the same greedy prompt gave different outputs")
+                if name not in best or dt < best[name][1]:
+                    best[name] = (out, dt)
+        for name in methods:
+            outs[name].append(best[name][0])
+            wall[name].append(best[name][1])
+    return outs, wall
+
+
+def _measure(methods: dict, kinds: dict, rounds: int) -> tuple[list, list]:
+    """→ (a row per prompt subset and method, code_edit's per-prompt speed ratios)."""
     results, per_prompt = [], []
     tok = methods["plain"].tokenizer
     for kind, srcs in kinds.items():
-        outs = {m: [] for m in methods}
-        wall = {m: [] for m in methods}
-        for src in srcs:  # interleaved: every method on this prompt, then the next prompt
-            best = {}
-            for _ in range(a.rounds):  # ... a.rounds times; each keeps its fastest run
-                for name, pred in methods.items():
-                    t = time.perf_counter()
-                    out = pred.generate([src])[0]
-                    dt = time.perf_counter() - t
-                    if name in best and out.token_ids != best[name][0].token_ids:
-                        raise SystemExit(f"{name}: two rounds of the same greedy prompt gave different outputs")
-                    if name not in best or dt < best[name][1]:
-                        best[name] = (out, dt)
-            for name in methods:
-                outs[name].append(best[name][0])
-                wall[name].append(best[name][1])
+        outs, wall = _fastest(methods, srcs, rounds)
         shares = [copy_share(tok(src, add_special_tokens=False).input_ids, o.token_ids)
                   for src, o in zip(srcs, outs["plain"])]
         subsets = [(kind, list(range(len(srcs))))]
@@ -269,6 +290,11 @@ def main():
             for name in methods:
                 results.append(_row(name, label, [outs[name][i] for i in idx], sum(wall[name][i] for i in idx),
                                     plain_ids, plain_tps, plain_decode))
+    return results, per_prompt
+
+
+def _print(a, results: list, per_prompt: list) -> None:
+    from quantspec.model_zoo.default import DEFAULT_MODEL
 
     print(f"\n## speculative decoding, {DEFAULT_MODEL} fp32 base, batch 1, {a.new_tokens} new tokens, "
           f"{torch.get_num_threads()} thread(s), greedy, fastest of {a.rounds} round(s)\n")
@@ -288,6 +314,22 @@ def main():
         print("|---:|---:|---:|" + "---:|" * len(names))
         for i, c, n, ratios in per_prompt:
             print(f"| {i} | {100 * c:.0f}% | {n} | " + " | ".join(f"{ratios[m]:.2f}x" for m in names) + " |")
+
+
+def main():
+    a = _args()
+    torch.set_num_threads(a.threads)
+
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.default import DEFAULT_MODEL, ensure_zoo_model
+
+    model_dir = ensure_zoo_model(DEFAULT_MODEL)
+    loaded = load_for_inference(model_dir)
+    kinds = load_prompts(a.data, a.prompts)
+    methods = _methods(a, model_dir, loaded)
+    methods["plain"].generate(["Hello"])  # warm-up
+    results, per_prompt = _measure(methods, kinds, a.rounds)
+    _print(a, results, per_prompt)
     if a.json:
         Path(a.json).write_text(json.dumps(results, indent=2))
 

@@ -21,17 +21,17 @@ one token a step whatever k is; each round prefills a `--context`-token prompt o
 the same context lengths and the same interference on a shared machine.
 
 `--prefetch-ab` (CPU kernels): every timed step runs twice back to back, with the greedy head
-screen's L2 prefetch of its next block on and off (`kernels.cpu.prefetch`: steps of 7 or more
-drafts on an fp32 model), in random order. The main table shows the steps with it on (the
-default); a second one shows per k the medians of both and the median of the paired differences,
-which a shared host's drift (a plain step moved 13-23 ms within an hour here) leaves alone where
-the separate medians do not.
+screen's L2 prefetch of its next block on and off (`GreedyHead.with_prefetch`, the screen's
+`prefetch=` argument: steps of 7 or more drafts on an fp32 model), in random order. The main
+table shows the steps with it on (the default); a second one shows per k the medians of both and
+the median of the paired differences, which a shared host's drift leaves alone where the
+separate medians do not.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
+import dataclasses
 import random
 import statistics
 import time
@@ -42,6 +42,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.proposers import MAX_DRAFT_TOKENS
+from quantspec.infer.spec.types import SpecProposal
 
 
 class FixedDrafter:
@@ -53,7 +54,7 @@ class FixedDrafter:
         self.k, self.token = 0, token
 
     def propose(self, seqs, budgets):
-        return [[self.token] * min(self.k, b) for b in budgets], [None] * len(seqs)
+        return SpecProposal.from_token_lists([[self.token] * min(self.k, b) for b in budgets])
 
     def release(self, seq) -> None:
         pass
@@ -64,9 +65,11 @@ def measure(pred: Predictor, drafts: list[int], context: int, rounds: int, repea
     """→ (step times (s) per draft count, drafts verified in the timed steps, per draft count the
     (prefetch on, off) time pairs of `prefetch_ab`, else empty lists): `rounds` prompts, `repeats`
     shuffled steps per k each (two with `prefetch_ab`)."""
-    from quantspec.kernels.cpu import prefetch
-
     eng = pred.engine
+    runtimes = {None: eng.runtime}
+    if prefetch_ab:
+        runtimes = {on: dataclasses.replace(eng.runtime, greedy=eng.runtime.greedy.with_prefetch(on))
+                    for on in (True, False)}
     vocab = pred.loaded.model.args.vocab_size
     gen = torch.Generator().manual_seed(seed)
     rng = random.Random(seed)
@@ -89,14 +92,14 @@ def measure(pred: Predictor, drafts: list[int], context: int, rounds: int, repea
             drafter.k = k
             took = {}
             for on in rng.sample([True, False], 2) if prefetch_ab else [None]:
-                with prefetch(on) if on is not None else contextlib.nullcontext():
-                    if cuda:
-                        torch.cuda.synchronize()
-                    t = time.perf_counter()
-                    eng.step()
-                    if cuda:
-                        torch.cuda.synchronize()
-                    took[on] = time.perf_counter() - t
+                eng.runtime = runtimes[on]
+                if cuda:
+                    torch.cuda.synchronize()
+                t = time.perf_counter()
+                eng.step()
+                if cuda:
+                    torch.cuda.synchronize()
+                took[on] = time.perf_counter() - t
             if r:
                 times[k].append(took[True] if prefetch_ab else took[None])
                 if prefetch_ab:
@@ -127,7 +130,7 @@ def fit_cost(ratios: dict[int, float]) -> tuple[float, float, float]:
     return mc - slope * mk, slope, through_zero
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo name, HF directory or artifact")
     ap.add_argument("--device", default="auto")
@@ -149,6 +152,11 @@ def main(argv: list[str] | None = None) -> dict:
     if drafts[-1] > MAX_DRAFT_TOKENS or drafts[0] < 0:
         raise SystemExit(f"--drafts {a.drafts}: give draft counts in 0..{MAX_DRAFT_TOKENS} "
                          "(--speculate-max-draft-token-num's range)")
+    return a, drafts
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a, drafts = _args(argv)
     torch.set_num_threads(a.threads)
     cfg = InferConfig(model=a.model, device=a.device, batch_size=1,
                       max_length=a.context + a.repeats * len(drafts) * 17 + 2 * drafts[-1] + 8,
@@ -159,8 +167,8 @@ def main(argv: list[str] | None = None) -> dict:
     except QuantSpecError as e:  # a missing model, an unknown device: the one-line reason
         raise SystemExit(str(e)) from None
     model_cost = pred.engine.proposer.policy.cost  # what the back-off assumes on this device
-    if a.prefetch_ab and pred.engine.device.type != "cpu":
-        raise SystemExit("--prefetch-ab compares a CPU kernel's prefetch; use --device cpu")
+    if a.prefetch_ab and not hasattr(pred.engine.runtime.greedy, "with_prefetch"):
+        raise SystemExit("--prefetch-ab compares the CPU greedy head's prefetch; use --device cpu on an fp32 model")
     times, verified, pairs = measure(pred, drafts, a.context, a.rounds, a.repeats, prefetch_ab=a.prefetch_ab)
 
     med = {k: statistics.median(v) for k, v in times.items()}

@@ -122,7 +122,7 @@ def replay(drafter: str, prompt: list[int], answer: list[int], *, max_draft_toke
             context = np.asarray(prompt + answer[:n], dtype=np.int64)
             draft = answer[n:n + longest_copy(context, ans[n:n + budget])] if budget else []
         else:
-            draft = list(proposer.propose([seq], [budget])[0][0])[:budget]
+            draft = proposer.propose([seq], [budget]).token_lists()[0][:budget]
         a = 0
         while a < len(draft) and n + a < len(answer) and draft[a] == answer[n + a]:
             a += 1
@@ -146,7 +146,7 @@ def end_to_end(prefill_s: float, decode_s: float, decode_speedup: float) -> floa
     return (prefill_s + decode_s) / (prefill_s + decode_s / decode_speedup)
 
 
-def main(argv: list[str] | None = None) -> dict:
+def _args(argv):
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", default="smollm2-135m", help="zoo name, HF directory or artifact")
     ap.add_argument("--data", default=str(DATA), help="jsonl of {kind, src} prompts")
@@ -166,13 +166,59 @@ def main(argv: list[str] | None = None) -> dict:
                          "--prompts >= 0")
     if a.max_length <= a.new_tokens:
         raise SystemExit(f"--max-length {a.max_length} leaves no room for a prompt before --new-tokens {a.new_tokens}")
-    cost = None
+    a.cost_model = None
     if a.cost:
         try:
             fixed, per_token = (float(v) for v in a.cost.split(","))
-            cost = SpecCost(fixed, per_token)
+            a.cost_model = SpecCost(fixed, per_token)
         except (ValueError, QuantSpecError):  # not two numbers, or a negative / non-finite one
             raise SystemExit(f"--cost {a.cost!r}: give FIXED,PER_TOKEN, two numbers >= 0, e.g. 0,0.05") from None
+    return a
+
+
+def _answers(plain: Predictor, kind: str, srcs: list[str]) -> list[tuple]:
+    """(prompt ids, answer ids, copy share, prefill s, decode s) of each plain greedy answer."""
+    answers = []
+    for src in srcs:
+        t = time.perf_counter()
+        try:
+            out = plain.generate([src])[0]
+        except QuantSpecError as e:  # a prompt longer than --max-length allows: the one-line reason
+            raise SystemExit(f"{kind} prompt {src[:40]!r}...: {e}") from None
+        wall = time.perf_counter() - t
+        prompt = plain.encode(src)[0]
+        answers.append((prompt, out.token_ids, copy_share(prompt, out.token_ids), out.ttft_s, wall - out.ttft_s))
+    return answers
+
+
+def _replay_rows(a, label: str, subset: list[tuple], cost: SpecCost, like: ReferenceProposer) -> list[dict]:
+    """A row per drafter replayed over the answers of `subset`, printed as it goes."""
+    rows = []
+    prefill_s, decode_s = sum(x[3] for x in subset), sum(x[4] for x in subset)
+    for drafter in DRAFTERS:
+        tot = Replay()
+        for i, (prompt, answer, *_) in enumerate(subset):
+            r = replay(drafter, prompt, answer, max_draft_tokens=a.draft_tokens, ngram=a.ngram, cost=cost,
+                       max_new_tokens=a.new_tokens, max_length=a.max_length, seq_id=i, like=like)
+            for f in ("forwards", "drafted", "accepted", "cost", "tokens"):
+                setattr(tot, f, getattr(tot, f) + getattr(r, f))
+        speedup = tot.tokens / tot.cost if tot.cost else 1.0
+        e2e = end_to_end(prefill_s, decode_s, speedup)
+        row = dict(kind=label, drafter=drafter, forwards=tot.forwards, drafted=tot.drafted,
+                   accepted=tot.accepted, tokens=tot.tokens,
+                   acceptance=tot.accepted / tot.drafted if tot.drafted else None,
+                   tokens_per_forward=tot.tokens / tot.forwards if tot.forwards else None,
+                   decode_speedup=speedup, end_to_end=e2e, prefill_share=prefill_s / (prefill_s + decode_s))
+        rows.append(row)
+        acc = "-" if row["acceptance"] is None else f"{100 * row['acceptance']:.1f}%"
+        tpf = "-" if row["tokens_per_forward"] is None else f"{row['tokens_per_forward']:.2f}"
+        print(f"| {label} | {drafter} | {tot.forwards} | {tot.drafted} | {acc} | {tpf} | {speedup:.2f}x | "
+              f"{e2e:.2f}x |")
+    return rows
+
+
+def main(argv: list[str] | None = None) -> dict:
+    a = _args(argv)
     data = Path(a.data)
     if not data.is_file():
         raise SystemExit(f"--data {data}: no such file")
@@ -187,8 +233,7 @@ def main(argv: list[str] | None = None) -> dict:
         pred = Predictor(cfg)
     except QuantSpecError as e:  # a missing model, a bad size: the one-line reason
         raise SystemExit(str(e)) from None
-    if cost is None:  # the back-off's own model, as the engine built it for this model
-        cost = pred.engine.proposer.policy.cost
+    cost = a.cost_model or pred.engine.proposer.policy.cost  # default: the back-off's own model here
     plain = Predictor(InferConfig(model=a.model, device="cpu", batch_size=1, max_new_tokens=a.new_tokens,
                                   max_length=a.max_length), loaded=pred.loaded)
     if a.ignore_eos:
@@ -201,43 +246,13 @@ def main(argv: list[str] | None = None) -> dict:
           "end to end (model, measured prefill) |")
     print("|---|---|---:|---:|---:|---:|---:|---:|")
     for kind, srcs in kinds.items():
-        answers = []  # (prompt ids, answer ids, copy share, prefill s, decode s)
-        for src in srcs:
-            t = time.perf_counter()
-            try:
-                out = plain.generate([src])[0]
-            except QuantSpecError as e:  # a prompt longer than --max-length allows: the one-line reason
-                raise SystemExit(f"{kind} prompt {src[:40]!r}...: {e}") from None
-            wall = time.perf_counter() - t
-            prompt = plain.encode(src)[0]
-            answers.append((prompt, out.token_ids, copy_share(prompt, out.token_ids), out.ttft_s, wall - out.ttft_s))
+        answers = _answers(plain, kind, srcs)
         subsets = [(kind, answers)]
         if kind == "code_edit":
             subsets.append((f"{kind}, copy>=50%", [x for x in answers if x[2] >= 0.5]))
         for label, subset in subsets:
-            if not subset:
-                continue
-            prefill_s, decode_s = sum(x[3] for x in subset), sum(x[4] for x in subset)
-            for drafter in DRAFTERS:
-                tot = Replay()
-                for i, (prompt, answer, *_) in enumerate(subset):
-                    r = replay(drafter, prompt, answer, max_draft_tokens=a.draft_tokens, ngram=a.ngram, cost=cost,
-                               max_new_tokens=a.new_tokens, max_length=a.max_length, seq_id=i,
-                               like=pred.engine.proposer)
-                    for f in ("forwards", "drafted", "accepted", "cost", "tokens"):
-                        setattr(tot, f, getattr(tot, f) + getattr(r, f))
-                speedup = tot.tokens / tot.cost if tot.cost else 1.0
-                e2e = end_to_end(prefill_s, decode_s, speedup)
-                row = dict(kind=label, drafter=drafter, forwards=tot.forwards, drafted=tot.drafted,
-                           accepted=tot.accepted, tokens=tot.tokens,
-                           acceptance=tot.accepted / tot.drafted if tot.drafted else None,
-                           tokens_per_forward=tot.tokens / tot.forwards if tot.forwards else None,
-                           decode_speedup=speedup, end_to_end=e2e, prefill_share=prefill_s / (prefill_s + decode_s))
-                results.append(row)
-                acc = "-" if row["acceptance"] is None else f"{100 * row['acceptance']:.1f}%"
-                tpf = "-" if row["tokens_per_forward"] is None else f"{row['tokens_per_forward']:.2f}"
-                print(f"| {label} | {drafter} | {tot.forwards} | {tot.drafted} | {acc} | {tpf} | {speedup:.2f}x | "
-                      f"{e2e:.2f}x |")
+            if subset:
+                results += _replay_rows(a, label, subset, cost, pred.engine.proposer)
     shares = {r["kind"]: r["prefill_share"] for r in results}
     print("\nprefill share of the plain runs (measured): " + ", ".join(f"{k}: {100 * v:.0f}%" for k, v in shares.items()))
     if a.json:

@@ -45,6 +45,22 @@ def _one_line_errors(fn):
     return wrapper
 
 
+def _threads_option(fn):
+    """Add `--threads N` to a command that computes and apply it (quantspec.threads.configure)
+    before the command runs; place it under `_one_line_errors`, so a bad count is one line."""
+
+    @click.option("--threads", type=int, default=None,
+                  help="CPU threads [default: OMP_NUM_THREADS if set, else the CPUs this process may use].")
+    @functools.wraps(fn)
+    def wrapper(*args, threads=None, **kwargs):
+        from quantspec.threads import configure
+
+        configure(threads)
+        return fn(*args, **kwargs)
+
+    return wrapper
+
+
 def _raise_terminated(signum, frame):
     raise Terminated()
 
@@ -146,6 +162,7 @@ def _stats_table(title: str, stats: dict):
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @_one_line_errors
+@_threads_option
 def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, calib,
           **kw):
     """Generate text with a model or a quantized artifact (optionally speculating)."""
@@ -213,6 +230,7 @@ def zoo():
 @click.option("--resume", is_flag=True, help="Continue the checkpoint in --out (same data and --targets; "
                                               "--steps may grow); an interrupted run's prepared data is reused.")
 @_one_line_errors
+@_threads_option
 def train_mtp(**kw):
     """Train a DeepSeek-V3-style MTP module for a frozen base (use with --speculate-method mtp)."""
     from quantspec import api
@@ -232,7 +250,7 @@ def train_mtp(**kw):
                   f"{res['positions']} positions, {res['wall_s']:.0f} s)")
 
 
-# ---- quantize / inspect / eval (issue 3) ---------------------------------------------------------
+# ---- quantize / inspect / eval ------------------------------------------------------------------
 
 def _gib(n) -> str:
     return "?" if n is None else f"{n / 2**20:,.1f} MiB"
@@ -286,6 +304,7 @@ def _gib(n) -> str:
 @click.option("--restart", is_flag=True,
               help="start over: discard the state an interrupted run of a big model left beside --out")
 @_one_line_errors
+@_threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None):
@@ -427,6 +446,7 @@ def inspect(path, as_json):
 @click.option("--calib", default=None, type=click.Path(), help="calibration table dir (static KV scales)")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
 @_one_line_errors
+@_threads_option
 def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, batch_size, dtype, kv_cache_dtype,
           calib, as_json, cachekv_int8_type="none", cachekv_fp8_type="none"):
     """Perplexity of a model or artifact over non-overlapping --seq-len windows."""
@@ -484,6 +504,7 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @click.option("--out", required=True, type=click.Path(), help="Report directory (report.md/.json/.png, cells/).")
 @click.option("--force", is_flag=True, help="Recompute finished cells instead of resuming.")
 @_one_line_errors
+@_threads_option
 def report(**kw):
     """Measure which (base quant × draft quant × KV cache) pairs work, stay lossless, and how fast."""
     from quantspec import api
@@ -536,6 +557,7 @@ def report(**kw):
 @click.option("--restart", is_flag=True,
               help="start over: discard the state an interrupted run of a big model left beside --out")
 @_one_line_errors
+@_threads_option
 def calibrate(model, dataset, out, **kw):
     """Measure static activation and KV-cache scales (scales.safetensors + calibration.json)."""
     from quantspec import api

@@ -8,8 +8,19 @@ and yields the directory path. Tests must not modify these directories; build a 
 from pathlib import Path
 
 import pytest
+import torch
 
 from quantspec.model_zoo.tiny import build_tiny_model, build_tiny_tokenizer
+
+
+@pytest.fixture(autouse=True)
+def _torch_threads_kept():
+    """Each test leaves torch's thread count as it found it: the CLI's commands set it for the
+    process (`--threads`, quantspec/threads.py), and test modules choose their own."""
+    count = torch.get_num_threads()
+    yield
+    if torch.get_num_threads() != count:
+        torch.set_num_threads(count)
 
 
 @pytest.fixture(scope="session")

@@ -2,11 +2,19 @@
 
 Each `step()` runs ONE forward over a flattened batch: either the whole prompts of newly admitted
 sequences (a prefill step), or every running sequence's last token (decode) or last token plus k
-draft tokens (speculative verification) — then samples or verifies, appends, and retires finished
-sequences so waiting ones are admitted (continuous batching). Prefills never share a step with
-decode rows, and decode steps run under `step_rows.decode_step()`, so a sequence's rows take the
-same row-invariant kernels whatever else the batch holds (speculation stays bitwise lossless). Speculative
-decoding plugs in through a `Proposer`; the verifier is the pure function in `spec/verify.py`.
+draft tokens (speculative verification); then samples or verifies, appends, and retires finished
+sequences so waiting ones are admitted (continuous batching). A step is propose → forward →
+accept: the `Proposer` drafts (a `SpecProposal`), the model scores every new row, and the
+verifier (`spec/verify.py`) or the sampler picks the tokens.
+
+Row invariance: prefills never share a step with decode rows, and a decode / verification step
+asks the forward for row-invariant rows (`row_invariant=True`), so a sequence's rows get the same
+numbers whatever else the batch holds and however many drafts it brings: speculation stays
+bitwise lossless.
+
+What the device backend prepared (`infer.backend.Runtime`: a one-call layer stack, an exact
+greedy picker, the cache's attention kernel) is handed in as `runtime` and plugged in here; a
+model the backend did not prepare runs its modules.
 
 KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions
 (its newest token is fed next step). Rejected draft slots are "rolled back" simply by not
@@ -16,17 +24,18 @@ counting them: the next step overwrites them.
 from __future__ import annotations
 
 import time
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Callable, Protocol
 
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
                                      sampling_tensors)
-from quantspec.infer.step_rows import decode_step
+from quantspec.infer.spec.types import SpecProposal
+from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
 
 __all__ = ["Engine", "EngineConfig", "Proposer", "Sequence"]
@@ -45,7 +54,7 @@ class EngineConfig:
     spec_max_draft_tokens: int = 0  # extra KV room per sequence for verification
     # the forward returns every fed row's hidden state (for forward hooks that read them, e.g.
     # train-mtp's self-distillation); by default a prefill returns each prompt's last row only,
-    # which lets the fused CPU stack skip the last layer's o projection and MLP for the others
+    # which lets a stack runner skip the last layer's o projection and MLP for the others
     all_hidden_rows: bool = False
 
     def __post_init__(self):
@@ -103,26 +112,31 @@ class Sequence:
 class Proposer(Protocol):
     """A drafter: proposes up to `budget[b]` tokens for each decoding sequence."""
 
-    def propose(self, seqs: list[Sequence], budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """→ (draft ids per sequence, draft probs [k_b, V] or None per sequence)."""
+    def propose(self, seqs: list[Sequence], budgets: list[int]) -> SpecProposal:
+        """→ the drafts of each sequence (and the probs they were drawn from, or None)."""
 
     def release(self, seq: Sequence) -> None:
         """Forget a finished sequence (free draft-side state)."""
 
 
 class Engine:
+    """Continuous batching over `model` (module docstring). `runtime`: what the device backend
+    prepared for the model (`LoadedModel.runtime`); None: the model's modules, with the device's
+    attention kernel."""
+
     def __init__(self, model: Transformer, config: EngineConfig, *, eos_token_ids: list[int] | None = None,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, runtime: Runtime | None = None):
         self.model, self.config, self.proposer = model, config, proposer
         args = model.args
         self.device = model.model.norm.weight.device
         self.dtype = model.model.norm.weight.dtype
+        self.runtime = runtime or default_runtime(self.device)
         self.eos = set(eos_token_ids if eos_token_ids is not None else args.eos_token_ids)
         self.cache = PagedKVCache(
             num_layers=args.num_layers, num_blocks=config.blocks_needed(), block_size=config.block_size,
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
-            kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+            kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kernel=self.runtime.attention,
         )
         if args.max_position_embeddings < config.max_length:
             model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)
@@ -220,23 +234,35 @@ class Engine:
         """Run one forward for every running sequence; returns (sequence, new token ids) pairs."""
         self._admit()
         # a step prefills newly admitted prompts alone, or runs the decode / verification rows of
-        # every running sequence: decode rows never share a forward with a prefill, so they always
-        # take the row-invariant decode-step paths (`step_rows`)
+        # every running sequence: decode rows never share a forward with a prefill
         fresh = self._prefill_batch()
         seqs = fresh or self.running
         if not seqs:
             return []
-        drafts: list[list[int]] = [[] for _ in seqs]
-        draft_probs: list[torch.Tensor | None] = [None for _ in seqs]
-        if self.proposer is not None:
-            decoding = [i for i, s in enumerate(seqs) if s.num_cached > 0]
-            if decoding:
-                budgets = [self._budget(seqs[i]) for i in decoding]
-                ids, probs = self.proposer.propose([seqs[i] for i in decoding], budgets)
-                for j, i in enumerate(decoding):
-                    drafts[i] = list(ids[j])[: budgets[j]]
-                    draft_probs[i] = None if probs[j] is None else probs[j][: len(drafts[i])]
+        drafts, draft_probs = self._propose(seqs)
+        scored, ids, logits = self._forward(seqs, drafts, row_invariant=not fresh)
+        new_tokens = self._accept(seqs, drafts, draft_probs, ids, logits)
+        return self._record(seqs, drafts, new_tokens, scored)
 
+    def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+        """Each sequence's drafts, at most its budget (none for a prefill's prompts), and the draft
+        probs [k_b, V] they were drawn from (None: deterministic)."""
+        drafts: list[list[int]] = [[] for _ in seqs]
+        probs: list[torch.Tensor | None] = [None for _ in seqs]
+        decoding = [i for i, s in enumerate(seqs) if s.num_cached > 0]
+        if self.proposer is None or not decoding:
+            return drafts, probs
+        budgets = [self._budget(seqs[i]) for i in decoding]
+        proposal = self.proposer.propose([seqs[i] for i in decoding], budgets)
+        for j, i in enumerate(decoding):
+            drafts[i] = proposal.draft_token_ids[j][: budgets[j]].tolist()
+            q = proposal.probs_of(j)
+            probs[i] = None if q is None else q[: len(drafts[i])]
+        return drafts, probs
+
+    def _feed(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+        """(token ids fed, new rows per sequence, context length per sequence) of a step; takes
+        the KV blocks the new rows need."""
         feed_ids: list[int] = []
         q_lens, seq_lens = [], []
         for seq, d in zip(seqs, drafts):
@@ -245,45 +271,50 @@ class Engine:
             feed_ids.extend(new)
             q_lens.append(len(new))
             seq_lens.append(seq.num_cached + len(new))
+        return feed_ids, q_lens, seq_lens
+
+    def _forward(self, seqs: list[Sequence], drafts: list[list[int]], row_invariant: bool
+                 ) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
+        """One forward over the step's new rows → (the scored rows' pre-norm hidden [R, D], their
+        greedy ids when every sequence is greedy and the runtime has a picker, else None, their
+        logits [R, V] fp32 when there are no ids). Scored rows: each sequence's last fed row and
+        its draft rows (every row of a decode step; of a prefill, each prompt's last)."""
+        feed_ids, q_lens, seq_lens = self._feed(seqs, drafts)
         positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(q_lens, seq_lens)])
-        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs],
-                                       self.config.block_size, self.device, self.cache.cpu_kernel,
-                                       self.cache.cpu_kernel_max_prefill)
+        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], self.config.block_size,
+                                       self.device, self.cache.kernel)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
-        # rows to score: the last row of each sequence, plus its draft rows (every row of a decode
-        # step; of a prefill, each prompt's last, which the forward then returns alone unless
-        # `all_hidden_rows`)
         rows, offset = [], 0
         for ql, d in zip(q_lens, drafts):
             rows.extend(range(offset + ql - 1 - len(d), offset + ql))
             offset += ql
         row_idx = torch.tensor(rows, device=self.device) if len(rows) < len(feed_ids) else None
         out_rows = None if self.config.all_hidden_rows else row_idx
-        with decode_step() if not fresh else nullcontext():
-            scored = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta),
-                                out_rows)  # [sum(1+k_b), D]
-            if row_idx is not None and out_rows is None:
-                scored = scored[row_idx]
-            # an all-greedy step needs only each row's argmax: the exact picks of `greedy_head`
-            # (no full fp32 logits) where the model has one, else the logits
-            ids = None
-            if self.model.greedy_head is not None and all(s.params.is_greedy for s in seqs):
-                ids = self.model.greedy_head(scored)
-            logits = self.model.compute_logits(scored) if ids is None else None  # [sum(1+k_b), V]
+        scored = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta), out_rows,
+                            row_invariant=row_invariant, stack=self.runtime.stack)  # [sum(1+k_b), D]
+        if row_idx is not None and out_rows is None:
+            scored = scored[row_idx]
+        ids = None
+        if self.runtime.greedy is not None and all(s.params.is_greedy for s in seqs):
+            ids = self.runtime.greedy(scored)
+        logits = self.model.compute_logits(scored, row_invariant=row_invariant) if ids is None else None  # [sum(1+k_b), V]
+        return scored, ids, logits
 
-        if any(drafts):
-            from quantspec.infer.spec.verify import verify, verify_greedy_ids
+    def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
+                ids: list[int] | None, logits: torch.Tensor | None) -> list[list[int]]:
+        """Each sequence's new tokens: its accepted drafts and one more token (the verifier), or
+        one sampled / greedy token where nothing was drafted."""
+        if not any(drafts):
+            return [[int(t)] for t in (ids if ids is not None else self._sample(logits, seqs))]
+        proposal = SpecProposal([torch.tensor(d, dtype=torch.int64) for d in drafts], draft_probs)
+        result = verify_proposal(proposal, logits, [s.params for s in seqs], [s.generator for s in seqs],
+                                 target_ids=ids)
+        return [list(map(int, t)) for t in result.output_tokens]
 
-            draft_ids = [torch.tensor(d, dtype=torch.int64) for d in drafts]
-            if ids is not None:
-                result = verify_greedy_ids(draft_ids, ids)
-            else:
-                result = verify(draft_ids, draft_probs, logits, [s.params for s in seqs], [s.generator for s in seqs])
-            new_tokens = [list(map(int, t)) for t in result.output_tokens]
-        else:
-            new_tokens = [[int(t)] for t in (ids if ids is not None else self._sample(logits, seqs))]
-
+    def _record(self, seqs: list[Sequence], drafts: list[list[int]], new_tokens: list[list[int]],
+                scored: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
+        """Append the new tokens, count what was accepted, retire finished sequences."""
         now = time.perf_counter()
         out: list[tuple[Sequence, list[int]]] = []
         first_row = 0
@@ -291,28 +322,14 @@ class Engine:
             if self.keep_hidden:  # the row whose logits produced the newest token
                 seq.last_hidden = scored[first_row + len(toks) - 1]
             first_row += 1 + len(d)
-            was_prefill = seq.num_cached == 0
-            n_acc = len(toks) - 1
-            seq.num_cached = seq.num_tokens + n_acc  # fed tokens + accepted drafts are valid KV
-            if not was_prefill:
+            if seq.num_cached:
                 seq.stats.target_forwards += 1
+            seq.num_cached = seq.num_tokens + len(toks) - 1  # fed tokens + accepted drafts are valid KV
             if seq.stats.t_first_token is None:
                 seq.stats.t_first_token = now
             emitted = self._append(seq, toks)
             if d:
-                # the drafts that count as accepted are the ones emitted: where the sequence ends
-                # inside the accepted run (an EOS draft, a stop string) the verifier may have
-                # accepted drafts after it that never reach the output
-                n_acc = min(n_acc, len(emitted))
-                st = seq.stats
-                st.drafted += len(d)
-                st.accepted += n_acc
-                while len(st.drafted_per_position) < len(d):
-                    st.drafted_per_position.append(0)
-                    st.accepted_per_position.append(0)
-                for j in range(len(d)):
-                    st.drafted_per_position[j] += 1
-                    st.accepted_per_position[j] += int(j < n_acc)
+                self._count_drafts(seq.stats, len(d), len(toks) - 1, len(emitted))
             out.append((seq, emitted))
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now
@@ -320,6 +337,21 @@ class Engine:
         self.running = [s for s in self.running if not s.finished]
         self.num_steps += 1
         return out
+
+    @staticmethod
+    def _count_drafts(st: SeqStats, drafted: int, accepted: int, emitted: int) -> None:
+        # the drafts that count as accepted are the ones emitted: where the sequence ends inside
+        # the accepted run (an EOS draft, a stop string) the verifier may have accepted drafts
+        # after it that never reach the output
+        accepted = min(accepted, emitted)
+        st.drafted += drafted
+        st.accepted += accepted
+        while len(st.drafted_per_position) < drafted:
+            st.drafted_per_position.append(0)
+            st.accepted_per_position.append(0)
+        for j in range(drafted):
+            st.drafted_per_position[j] += 1
+            st.accepted_per_position[j] += int(j < accepted)
 
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.is_greedy for s in seqs):

@@ -11,8 +11,9 @@ their codes and per-row scales / zero points, which is exact when they share one
 weight args (channel or group strategy: per-row qparams), the same input args and static input
 scale (a8w8's q/k/v read the same smoothed input, so their calibrated scales agree). Otherwise
 the layer is left unfused. The stacked module replaces the originals (set to None), so memory is
-unchanged; `model_zoo.llama` uses it when present. Quantizers never see fused models: they load
-checkpoints through `model_zoo`, not through `load_for_inference`.
+unchanged; `model_zoo.llama` uses it when present. It runs before a backend rewrites the float
+linears (`infer.backend.prepare`). Quantizers never see fused models: they load checkpoints
+through `model_zoo`, not through `load_for_inference`.
 """
 
 from __future__ import annotations
@@ -20,7 +21,9 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantspec.infer.quant_linear import LinearKind, QuantizedLinearTensors, QuantLinear
+from quantspec.infer.dispatch import LinearKind
+from quantspec.infer.quant_linear import QuantLinear
+from quantspec.quant.compressed import QuantizedLinearTensors
 
 __all__ = ["fuse_projections", "stack_linears"]
 
@@ -64,7 +67,7 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
 
 def _stack_float(mods: list[nn.Linear]) -> nn.Linear | None:
     first = mods[0]
-    if any(type(m) is not type(first) or m.weight.dtype != first.weight.dtype
+    if any(type(m) is not nn.Linear or m.weight.dtype != first.weight.dtype
            or m.in_features != first.in_features or (m.bias is None) != (first.bias is None) for m in mods):
         return None
     out = sum(m.out_features for m in mods)
@@ -73,9 +76,6 @@ def _stack_float(mods: list[nn.Linear]) -> nn.Linear | None:
     fused.weight = nn.Parameter(torch.cat([m.weight.detach() for m in mods]), requires_grad=False)
     if first.bias is not None:
         fused.bias = nn.Parameter(torch.cat([m.bias.detach() for m in mods]), requires_grad=False)
-    fused.__class__ = type(first)  # keep SkinnyLinear's CPU path, with its kernels
-    if "kernels" in vars(first):
-        fused.kernels = first.kernels
     return fused
 
 
@@ -83,7 +83,7 @@ def stack_linears(mods: list[nn.Module]) -> nn.Module | None:
     """One module computing `cat([m(x) for m in mods], -1)`, or None when they cannot be stacked."""
     if all(isinstance(m, QuantLinear) for m in mods):
         return _stack_quant(mods)
-    if all(isinstance(m, nn.Linear) for m in mods):
+    if all(type(m) is nn.Linear for m in mods):
         return _stack_float(mods)
     return None
 

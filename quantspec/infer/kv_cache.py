@@ -10,12 +10,17 @@ A step's `AttentionMetadata` describes B sequences, each bringing q_len_b ≥ 1 
 (prefill: the prompt; decode: 1; speculative verification: 1 + k). Query i of sequence b sits at
 position seq_len_b - q_len_b + i and attends keys 0..that position. Block 0 is never handed out:
 padded block-table entries point at it, so gathers stay in bounds.
+
+`PagedAttention` attends with torch's SDPA. A device backend may give a cache an
+`AttentionKernel` of its own, chosen once when the cache is built (`PagedKVCache(kernel=...)`);
+the metadata of each step then says whether the kernel serves that step (`meta.kernel`).
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
 from enum import Enum
+from typing import Callable, Protocol
 
 import torch
 import torch.nn.functional as F
@@ -23,7 +28,8 @@ import torch.nn.functional as F
 from quantspec.errors import QuantSpecError
 
 __all__ = [
-    "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache", "grouped_attention",
+    "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
+    "grouped_attention",
 ]
 
 _PAD_BLOCK = 0
@@ -88,11 +94,26 @@ class BlockAllocator:
         self._num_free += len(blocks)
 
 
+class AttentionKernel(Protocol):
+    """A device backend's attention over one cache (writes the step's keys / values and attends)."""
+
+    def serves(self, q_lens: list[int], seq_lens: list[int]) -> bool:
+        """Whether it takes a step of these sequences (else SDPA does)."""
+
+    def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+                 meta: "AttentionMetadata") -> torch.Tensor:
+        """q [T, H, hd], k / v [T, KV, hd] → [T, H, hd]."""
+
+
 class PagedKVCache:
+    """The blocks of every layer's keys and values (module docstring). `kernel`: builds this
+    cache's `AttentionKernel` from it (a backend's, `Runtime.attention`), or returns None."""
+
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
-                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None):
+                 k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
+                 kernel: Callable[["PagedKVCache"], AttentionKernel | None] | None = None):
         self.block_size, self.num_blocks = block_size, num_blocks
         self.kv_dtype = KVCacheDtype(kv_dtype)
         self.compute_dtype = dtype
@@ -117,26 +138,8 @@ class PagedKVCache:
         self.k = torch.zeros(shape, dtype=storage, device=device)
         self.v = torch.zeros(shape, dtype=storage, device=device)
         self.allocator = BlockAllocator(num_blocks)
-        # quantspec's CPU attention kernel takes decode / verification steps over this cache, and
-        # fresh prompts of up to `cpu_kernel_max_prefill` tokens
-        self.cpu_kernel = False
-        self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL
-        if (torch.device(device).type == "cpu" and self.kv_dtype is KVCacheDtype.AUTO
-                and dtype in (torch.float32, torch.bfloat16) and head_dim in (64, 128)
-                and block_size & (block_size - 1) == 0):  # the kernel finds slots by shift
-            from quantspec.kernels.cpu import cpu_kernels, pair_path_available
-
-            self.cpu_kernel = cpu_kernels() is not None
-            # any length where the kernel beats SDPA at every length measured (default model, 2
-            # threads, whole prefill steps at 512 / 1024 / 2000 tokens): fp32, and bf16 on the
-            # AVX512-BF16 pair path (prompts of 16+ tokens on its blocked prefill path: fp32 −14%
-            # at 1024 and 2000 tokens, an int8 artifact −24%, −29%); bf16 through its fp32 chain
-            # (no AVX512-BF16) up to 512 tokens, then SDPA
-            if self.cpu_kernel and (dtype == torch.float32 or pair_path_available()):
-                self.cpu_kernel_max_prefill = CPU_KERNEL_MAX_PREFILL_ANY
-        # each layer's cache as [slots, KV, hd] views, built once (a decode step reads 2 per layer)
-        self.k_slots = [self.k[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
-        self.v_slots = [self.v[i].view(-1, num_kv_heads, head_dim) for i in range(num_layers)]
+        self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
+        self.kernel = None if kernel is None else kernel(self)
 
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x: [T, KV, hd] → storage dtype."""
@@ -216,7 +219,7 @@ class AttentionMetadata:
     q_index: torch.Tensor | None  # batched path: [T] flat index into [B*Qmax] for padding queries
     spans: list[tuple[int, int] | None] | None = None  # per-sequence path: (first block, #blocks)
     masks: list[torch.Tensor | None] | None = None  # per-sequence path: [q_len, seq_len] bool or None
-    cpu_kernel: bool = False  # the whole step goes through quantspec's CPU paged attention
+    kernel: bool = False  # the whole step goes through the cache's attention kernel
 
     @property
     def fresh_prefill(self) -> bool:
@@ -225,12 +228,9 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device, cpu_kernel: bool = False,
-              max_prefill: int | None = None) -> "AttentionMetadata":
-        """`cpu_kernel`: the cache can take quantspec's CPU attention (`PagedKVCache.cpu_kernel`);
-        it then serves steps where no sequence is a fresh prompt and each brings ≤ 64 rows, and
-        steps of fresh prompts of ≤ `max_prefill` tokens (pass `PagedKVCache.cpu_kernel_max_prefill`;
-        None: `CPU_KERNEL_MAX_PREFILL`)."""
+              block_size: int, device, kernel: AttentionKernel | None = None) -> "AttentionMetadata":
+        """The layout of a step; `kernel`: the cache's attention kernel (`PagedKVCache.kernel`),
+        which takes the step when it serves it (then SDPA's layout is not built)."""
         B = len(q_lens)
         slots: list[int] = []
         for ql, sl, table in zip(q_lens, seq_lens, block_tables):
@@ -243,48 +243,42 @@ class AttentionMetadata:
             n = min(len(table), max_blocks)
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
         meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None)
-        if meta.fresh_prefill:
-            # the kernel's per-row fp32 chain (bf16 without AVX512-BF16) took ~0.55x SDPA's time
-            # at 128-178 tokens, 0.85x at 512, 1.26x at 1000: longer prompts are SDPA's, unless
-            # the cache's kernel is faster at any length (`PagedKVCache.cpu_kernel_max_prefill`)
-            limit = CPU_KERNEL_MAX_PREFILL if max_prefill is None else max_prefill
-            meta.cpu_kernel = cpu_kernel and max(seq_lens) <= limit
-            return meta
-        if cpu_kernel and all(ql < sl for ql, sl in zip(q_lens, seq_lens)) \
-                and max(q_lens) <= CPU_KERNEL_MAX_QUERIES:
-            meta.cpu_kernel = True
+        meta.kernel = kernel is not None and kernel.serves(q_lens, seq_lens)
+        if meta.kernel or meta.fresh_prefill:
             return meta
         if B <= PER_SEQUENCE_MAX_BATCH:
-            meta.spans, meta.masks = [], []
-            for ql, sl, table in zip(q_lens, seq_lens, block_tables):
-                nb = -(-sl // block_size)
-                run = table[nb - 1] - table[0] == nb - 1 and all(
-                    table[j + 1] == table[j] + 1 for j in range(nb - 1))
-                meta.spans.append((table[0], nb) if run else None)
-                # query i (position sl - ql + i) sees keys 0 .. sl - ql + i
-                meta.masks.append(None if ql == 1 else (
-                    torch.arange(sl, device=device)[None, :] <= torch.arange(sl - ql, sl, device=device)[:, None]))
-            return meta
-        q_max = max(q_lens)
-        L = max_blocks * block_size
+            meta._per_sequence(block_tables, block_size, device)
+        else:
+            meta._batched(max_blocks * block_size, device)
+        return meta
+
+    def _per_sequence(self, block_tables: list[list[int]], block_size: int, device) -> None:
+        self.spans, self.masks = [], []
+        for ql, sl, table in zip(self.q_lens, self.seq_lens, block_tables):
+            nb = -(-sl // block_size)
+            run = table[nb - 1] - table[0] == nb - 1 and all(
+                table[j + 1] == table[j] + 1 for j in range(nb - 1))
+            self.spans.append((table[0], nb) if run else None)
+            # query i (position sl - ql + i) sees keys 0 .. sl - ql + i
+            self.masks.append(None if ql == 1 else (
+                torch.arange(sl, device=device)[None, :] <= torch.arange(sl - ql, sl, device=device)[:, None]))
+
+    def _batched(self, L: int, device) -> None:
+        B, q_max = len(self.q_lens), max(self.q_lens)
         pos = torch.zeros(B, q_max, dtype=torch.int64)
         valid_q = torch.zeros(B, q_max, dtype=torch.bool)
-        for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+        for b, (ql, sl) in enumerate(zip(self.q_lens, self.seq_lens)):
             pos[b, :ql] = torch.arange(sl - ql, sl)
             valid_q[b, :ql] = True
         # padded query rows attend to key 0 only, so softmax stays finite; they are dropped
         mask = torch.arange(L)[None, None, :] <= pos[:, :, None]  # [B, Qmax, L]
         bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
-        meta.bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
-        if any(ql != q_max for ql in q_lens):
-            meta.q_index = valid_q.view(-1).nonzero().squeeze(1).to(device)
-        return meta
+        self.bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
+        if any(ql != q_max for ql in self.q_lens):
+            self.q_index = valid_q.view(-1).nonzero().squeeze(1).to(device)
 
 
 PER_SEQUENCE_MAX_BATCH = 16  # up to this many sequences a step attends per sequence (no gathers)
-CPU_KERNEL_MAX_QUERIES = 64  # new rows per sequence the CPU kernel takes (decode / verification)
-CPU_KERNEL_MAX_PREFILL = 512  # longest fresh prompt the CPU kernel attends (beyond it: SDPA) ...
-CPU_KERNEL_MAX_PREFILL_ANY = 1 << 30  # ... unless the cache says any (`PagedKVCache.cpu_kernel_max_prefill`)
 _EXACT_VERIFY_MAX = 32  # half precision: up to this many new queries attend one by one (see below)
 
 
@@ -297,12 +291,8 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, hd]; k, v: [T, KV, hd] → [T, H, hd]."""
         meta, cache = self.meta, self.cache
-        if meta.cpu_kernel:  # writes k / v and attends in one call for the whole batch
-            from quantspec.kernels.cpu import paged_attention
-
-            return paged_attention(q, k, v, cache.k_slots[layer_idx], cache.v_slots[layer_idx],
-                                   meta.slot_mapping, meta.block_tables, meta.q_lens, meta.seq_lens,
-                                   cache.block_size, q.shape[-1] ** -0.5)
+        if meta.kernel:  # the cache's kernel writes k / v and attends for the whole batch
+            return cache.kernel(layer_idx, q, k, v, meta)
         cache.write(layer_idx, k, v, meta.slot_mapping)
         gqa = q.shape[1] != k.shape[1]
         if meta.bias is None:  # per sequence: fresh prompts, or decode / verify of a few sequences

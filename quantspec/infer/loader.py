@@ -1,7 +1,7 @@
 """Loading any model or artifact for inference: `load_for_inference(path) -> LoadedModel`.
 
 This file owns the model-level half of reading an artifact (the Linear-level half is
-`infer/quant_linear.py`):
+`quant/compressed.py`, the module `infer/quant_linear.py`):
 - a plain HF directory (no `quantization_config`) → `model_zoo.load_model`;
 - a compressed-tensors artifact (ours, or one written by compressed-tensors / llm-compressor):
   `quantization_config` → `QuantConfig.from_dict` (an unsupported method / format is one line
@@ -30,7 +30,9 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.quant_linear import DispatchPolicy, QuantLinear, expected_linear_tensors
+from quantspec.infer.backend import Runtime, prepare
+from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.quant_linear import QuantLinear
 from quantspec.model_zoo.checkpoint import (
     build_model,
     check_against_table,
@@ -42,6 +44,7 @@ from quantspec.model_zoo.checkpoint import (
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 from quantspec.quant.args import QuantConfig
 from quantspec.quant.artifact import read_provenance
+from quantspec.quant.compressed import expected_linear_tensors
 
 __all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "read_eos_token_ids"]
 
@@ -56,6 +59,8 @@ class LoadedModel:
 
     k_scale / v_scale: [num_layers, num_kv_heads] fp32 static KV-cache scales from the artifact
     (None when it has none); kv_cache_dtype: "int8" / "fp8" from its `kv_cache_scheme`, or None.
+    runtime: what the device backend prepared for the model (`infer.backend.prepare`), handed to
+    the engine and the drafters.
     """
 
     model: Transformer
@@ -68,6 +73,7 @@ class LoadedModel:
     kv_cache_dtype: str | None = None
     eos_token_ids: list[int] = field(default_factory=list)
     provenance: dict = field(default_factory=dict)
+    runtime: Runtime | None = None
 
     @property
     def is_quantized(self) -> bool:
@@ -168,6 +174,65 @@ def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[st
     return out
 
 
+def _float_table(args: ModelArgs, net: Transformer, quantized: dict, tensors: dict, where: str
+                 ) -> tuple[dict[str, tuple], dict[str, dict]]:
+    """(the float tensors the checkpoint must hold, with shapes; the compressed names per quantized
+    Linear), the float ones checked against `tensors`."""
+    table = hf_weight_table(args)
+    if "lm_head" in quantized and "lm_head.weight" not in table:
+        table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
+    q_expected: dict[str, dict] = {}
+    for name, scheme in quantized.items():
+        lin = net.get_submodule(name)
+        table.pop(f"{name}.weight", None)
+        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
+    missing = [n for n in table if n not in tensors]
+    if missing:
+        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
+        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
+                             "checkpoint is incomplete")
+    check_against_table(tensors, table, where)
+    return table, q_expected
+
+
+def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expected: dict, where: str) -> set[str]:
+    """The quantized Linears' tensors a checkpoint may hold: the expected ones, zero points of
+    symmetric args (all zero) and a trivial act-order index, which compressed-tensors may store
+    and which are dropped; anything else of theirs is refused."""
+    allowed: set[str] = set()
+    for name, exp in q_expected.items():
+        allowed.update(exp)
+        for opt in ("input_zero_point", "weight_zero_point"):
+            key = f"{name}.{opt}"
+            if key in tensors and key not in exp:
+                if bool((tensors[key].float() != 0).any()):
+                    raise QuantSpecError(f"{where}: {key} is non-zero but the config says the "
+                                         "args are symmetric; the checkpoint and config disagree")
+                allowed.add(key)
+        gkey = f"{name}.weight_g_idx"
+        if gkey in tensors:
+            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
+                                     quantized[name].weights.group_size):
+                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
+                                     "which quantspec does not run; re-quantize with static "
+                                     "act-order groups (quantspec's --act-order)")
+            allowed.add(gkey)
+    return allowed
+
+
+def _refuse_unexpected(tensors: dict, allowed: set[str], kv_names: set[str], args: ModelArgs, where: str) -> None:
+    unexpected = sorted(set(tensors) - allowed)
+    if unexpected:
+        u = unexpected[0]
+        if u in kv_names:
+            raise QuantSpecError(f"{where}: {u} is present but config.json has no "
+                                 "kv_cache_scheme; add it or drop the KV scales")
+        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
+        raise QuantSpecError(f"{where}: unexpected tensor {u}{more} for this {args.arch} "
+                             "checkpoint and its quantization_config; the checkpoint and "
+                             "config.json disagree")
+
+
 def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
                     dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None
                     ) -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
@@ -179,46 +244,8 @@ def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
     lm_head_quantized = "lm_head" in quantized
     if args.tie_word_embeddings and not lm_head_quantized:
         tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
-
-    # the expected table: float tensors from the architecture, compressed names per quantized
-    # Linear; optional per-Linear tensors are checked when present
-    table = hf_weight_table(args)
-    if lm_head_quantized and "lm_head.weight" not in table:
-        table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
-    q_expected: dict[str, dict] = {}
-    for name, scheme in quantized.items():
-        lin = net.get_submodule(name)
-        table.pop(f"{name}.weight", None)
-        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
-    float_table = dict(table)
-    missing = [n for n in float_table if n not in tensors]
-    if missing:
-        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
-                             "checkpoint is incomplete")
-    check_against_table(tensors, float_table, where)
-
-    allowed = set(float_table)
-    for name, exp in q_expected.items():
-        allowed.update(exp)
-        scheme = quantized[name]
-        # compressed-tensors may store zero points of symmetric args (all zero) and a trivial
-        # act-order index; both are accepted and dropped, anything else is refused below
-        for opt in ("input_zero_point", "weight_zero_point"):
-            key = f"{name}.{opt}"
-            if key in tensors and key not in exp:
-                if bool((tensors[key].float() != 0).any()):
-                    raise QuantSpecError(f"{where}: {key} is non-zero but the config says the "
-                                         "args are symmetric; the checkpoint and config disagree")
-                allowed.add(key)
-        gkey = f"{name}.weight_g_idx"
-        if gkey in tensors:
-            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
-                                     scheme.weights.group_size):
-                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
-                                     "which quantspec does not run; re-quantize with static "
-                                     "act-order groups (quantspec's --act-order)")
-            allowed.add(gkey)
+    float_table, q_expected = _float_table(args, net, quantized, tensors, where)
+    allowed = set(float_table) | _optional_tensors(tensors, net, quantized, q_expected, where)
     k_scale = v_scale = None
     kv_names = {f"{_attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in _KV_NAMES}
     if qc.kv_cache_scheme is not None:
@@ -230,16 +257,7 @@ def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
         ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
                                       dtype=dtype, device=device, policy=policy)
         net.set_submodule(name, ql)
-    unexpected = sorted(set(tensors) - allowed)
-    if unexpected:
-        u = unexpected[0]
-        if u in kv_names:
-            raise QuantSpecError(f"{where}: {u} is present but config.json has no "
-                                 "kv_cache_scheme; add it or drop the KV scales")
-        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise QuantSpecError(f"{where}: unexpected tensor {u}{more} for this {args.arch} "
-                             "checkpoint and its quantization_config; the checkpoint and "
-                             "config.json disagree")
+    _refuse_unexpected(tensors, allowed, kv_names, args, where)
     q_biases = {f"{name}.bias" for name in quantized}  # already inside their QuantLinear
     float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in float_table
                    if k not in q_biases}
@@ -273,9 +291,10 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
     """Load a zoo name, a HF directory, a hub id or a quantized artifact for inference.
 
     `dtype` is the activation/compute dtype (bf16 on CPU enables torch's packed int8/int4
-    ops; see `infer/quant_linear.py`); `policy` overrides the kernel dispatch thresholds;
+    ops; see `infer/dispatch.py`); `policy` overrides the kernel dispatch thresholds;
     `tokenizer=False` skips loading the tokenizer; `fuse=False` keeps q/k/v and gate/up as
-    separate modules (see `infer/fuse.py`).
+    separate modules (see `infer/fuse.py`). The model is prepared for `device` by its backend
+    (`infer.backend.prepare`): `LoadedModel.runtime`.
     """
     if dtype not in (torch.float32, torch.bfloat16, torch.float16):
         raise QuantSpecError(f"dtype {dtype} unsupported; use float32, bfloat16 or float16")
@@ -312,30 +331,8 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         net.setup_rope(args.max_position_embeddings, device)
         net.eval()
     tok = _load_tokenizer(model_dir) if tokenizer else None
-    cpu_kernels = device.type == "cpu" and (policy is None or policy.cpu_kernels)
-    if device.type == "cpu":
-        from quantspec.infer.dense_linear import use_skinny_linears
-
-        # float linears (all of a float model; the head of an artifact)
-        use_skinny_linears(net, cpu_kernels=cpu_kernels)
-        from quantspec.infer.cpu_layers import use_cpu_layer_kernels
-
-        use_cpu_layer_kernels(net)  # RMSNorm, rotary embedding
-    if fuse:
-        from quantspec.infer.fuse import fuse_projections
-
-        fuse_projections(net)
-    if cpu_kernels:
-        from quantspec.infer.dense_linear import pack_float_linears
-
-        pack_float_linears(net)  # fp32 linears → packed weights + quantspec's GEMM (after fusing)
-        from quantspec.infer.fused_layers import use_fused_layers
-
-        use_fused_layers(net)  # the layer stack in one call where every op is a CPU kernel
-        from quantspec.infer.greedy_head import use_greedy_head
-
-        use_greedy_head(net)  # exact greedy ids from an int8 / bf16 screen of the head
+    runtime = prepare(net, device, policy=policy, fuse=fuse)
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,
                        quant_config=quant_config, k_scale=k_scale, v_scale=v_scale,
                        kv_cache_dtype=kv_dtype, eos_token_ids=read_eos_token_ids(model_dir, cfg, tok),
-                       provenance=read_provenance(model_dir))
+                       provenance=read_provenance(model_dir), runtime=runtime)

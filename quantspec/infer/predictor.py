@@ -68,15 +68,12 @@ class InferConfig:
     # draft speculate_max_draft_token_num tokens (what a compatibility measurement wants)
     speculate_backoff: bool = True
     # mtp: stop drafting at a draft whose top probability is below this (None: 0.4 for mtp, whose
-    # module is small and often unsure; measured on SmolLM2's held-out chat prompts with the default
-    # recipe's module: first-draft acceptance 36% ungated → 44% at 0.4, speed 1.27x → 1.25x;
-    # every gate in 0-0.45 gave 1.22-1.27x, 0.5 1.18x)
+    # module is small and often unsure: an unsure draft is mostly rejected and costs a verify row)
     speculate_min_confidence: float | None = None
     # draft: the head the draft model drafts with (None: "int8"): "int8" = its head rounded per
-    # row to int8 on CPU (`dense_linear.PackedInt8Linear`: half the bytes of a bf16 head; drafts
-    # are proposals, so the output stays exact and acceptance barely moves: 595/638 → 596/643 on
-    # SmolLM2's chat prompts with the int8 artifact drafting, 96.6 → 103.6 tok/s); "artifact" =
-    # the draft's own head (what `quantspec report` measures an artifact pair with)
+    # row to int8 by the backend where it has a kernel for it (`Runtime.int8_head`: half the
+    # bytes of a bf16 head; drafts are proposals, so the output stays exact); "artifact" = the
+    # draft's own head (what `quantspec report` measures an artifact pair with)
     speculate_draft_head: str | None = None
 
     def __post_init__(self):
@@ -214,6 +211,7 @@ class Predictor:
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
+            runtime=self.loaded.runtime,
         )
 
     def _artifact_kv_scales(self, kind: str):

@@ -1,12 +1,13 @@
 """quantspec.kernels: Triton kernels for quantized GEMMs and the quantized paged KV cache, each
 beside a torch reference (`*_ref`) with the same signature.
 
-Mechanism only: which op to call for a device / M / quant type is decided by the quantized linear
-in `infer/`. `triton_usable(device)` says whether the Triton path can run on a device at all (CUDA;
-on CPU only under TRITON_INTERPRET=1, otherwise use the references).
+Mechanism only: which op to call for a device / M / quant type is decided in `infer/dispatch.py`.
+`triton_usable(device)` says whether the Triton path can run on a device at all (CUDA; on CPU
+only under TRITON_INTERPRET=1, otherwise use the references).
 
-`kernels.cpu` holds the CPU kernels (C++, built at first use). Names are imported lazily, so that
-the CPU paths never import triton (whose TRITON_INTERPRET switch is read once, at its import).
+`kernels.cpu` holds the CPU kernels (C++ in `csrc/`, built at first use), each with a `*_ref`
+twin too. Names are imported lazily, so that the CPU paths never import triton (whose
+TRITON_INTERPRET switch is read once, at its import).
 """
 
 import importlib

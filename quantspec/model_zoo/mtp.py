@@ -238,12 +238,12 @@ class MTPModule(nn.Module):
             self._sin = torch.zeros(max(n, 64), hd, device=x.device)
         return m.layers[0](x, self._cos[:n], self._sin[:n], self._attn)  # [N, D]
 
-    def draft_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
+    def draft_logits(self, mtp_hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
         """mtp_hidden: [N, D] → logits over the draft vocabulary [N, Vd] fp32 (map column j to
-        token `draft_vocab_ids[j]`)."""
+        token `draft_vocab_ids[j]`). `head`: a module computing the product with the shared head's
+        rows (an inference backend's, e.g. those rows rounded to int8); None: `F.linear` with them."""
         x = self.model.norm(mtp_hidden)
-        op = self._shared.get("head_op")  # inference may set a faster op over the same weight
-        return (op(x) if op is not None else F.linear(x, self._shared["head"])).float()
+        return (head(x) if head is not None else F.linear(x, self._shared["head"])).float()
 
     def teacher_logits(self, base_hidden: torch.Tensor) -> torch.Tensor:
         """The base's own logits over the draft vocabulary for its pre-norm hidden states

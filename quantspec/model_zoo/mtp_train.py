@@ -75,9 +75,8 @@ class MTPTrainConfig:
     # soft targets: each depth's loss is the cross-entropy against the base's own distribution for
     # that token (its logits at the next position's hidden state, over the draft vocabulary)
     # instead of its argmax; only meaningful where the base's choices are the targets
-    # (self-distillation). On the default model, held-out chat first-draft accuracy with 480
-    # prompts × 400 steps 25.7% (argmax) → 30.4% (soft); with the default recipe (1618 prompts ×
-    # 1500 steps) 34.0% → 33.6%: soft targets regularise a small dataset, not a large one.
+    # (self-distillation). Soft targets regularise a small dataset; on a large one they do not
+    # help.
     soft_targets: bool = False
 
     def __post_init__(self):

@@ -1,6 +1,6 @@
 """The engine against transformers' greedy `generate`, across batch shapes and block boundaries."""
 
-from contextlib import nullcontext
+import dataclasses
 
 import numpy as np
 import pytest
@@ -29,9 +29,9 @@ def _hf_greedy(hf, prompt, n):
     return out[0, len(prompt):].tolist()
 
 
-def _engine_greedy(model, prompts, n, *, batch, block_size=16):
+def _engine_greedy(model, prompts, n, *, batch, block_size=16, runtime=None):
     eng = Engine(model, EngineConfig(block_size=block_size, max_batch_size=batch, max_length=256),
-                 eos_token_ids=[])
+                 eos_token_ids=[], runtime=runtime)
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=n)) for p in prompts]
     eng.run()
     return [s.output_ids for s in seqs]
@@ -197,36 +197,39 @@ def test_cpu_attention_kernel_serves_decode_and_matches_torch_path(hd64_dir, mon
     tokens must agree on nearly all positions."""
     from transformers import AutoModelForCausalLM
 
+    from quantspec.infer.dispatch import DispatchPolicy
     from quantspec.infer.loader import load_for_inference
     from quantspec.kernels import cpu as cpu_kernels
 
     if pairs and not cpu_kernels.pair_path_available():
         pytest.skip("needs AVX512-BF16")
-    with cpu_kernels.pair_path(bool(pairs)) if pairs is not None else nullcontext():
-        model = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False).model
-        model.fused_layers = None  # the module path, which calls the kernel from Python (tests/infer/test_fused_layers.py)
-        calls = []
-        real = cpu_kernels.paged_attention
-        monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(len(a[7])) or real(*a))
-        prompts = _prompts([5, 17, 33, 9, 64], seed=8)
-        got = _engine_greedy(model, prompts, 16, batch=3, block_size=16)
-        assert calls and max(calls) == 3  # whole batches of decode rows in one call per layer
-        orig = BlockAllocator.allocate
-        monkeypatch.setattr(BlockAllocator, "allocate", _scattered_allocate)
-        assert _engine_greedy(model, prompts, 16, batch=3, block_size=16) == got
-        monkeypatch.setattr(BlockAllocator, "allocate", orig)
-        if dtype == torch.float32:
-            hf = AutoModelForCausalLM.from_pretrained(hd64_dir, dtype=torch.float32)
-            assert got == [_hf_greedy(hf, p, 16) for p in prompts]
-        monkeypatch.setattr(kv_cache.PagedKVCache, "__init__", _without_kernel(kv_cache.PagedKVCache.__init__))
-        n = len(calls)
-        torch_path = _engine_greedy(model, prompts, 16, batch=3, block_size=16)
-        assert len(calls) == n  # the torch path really ran
-        if pairs:
-            same = sum(a == b for g, t in zip(got, torch_path) for a, b in zip(g, t))
-            assert same >= 0.9 * sum(map(len, got)), (got, torch_path)
-        else:
-            assert torch_path == got
+    policy = DispatchPolicy(cpu_pairs=bool(pairs)) if pairs is not None else DispatchPolicy()
+    lm = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False, policy=policy)
+    model = lm.model
+    # the module path, which calls the kernel from Python (tests/infer/cpu/test_stack.py)
+    runtime = dataclasses.replace(lm.runtime, stack=None)
+    calls = []
+    real = cpu_kernels.paged_attention
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a, **kw: calls.append(len(a[7])) or real(*a, **kw))
+    prompts = _prompts([5, 17, 33, 9, 64], seed=8)
+    got = _engine_greedy(model, prompts, 16, batch=3, block_size=16, runtime=runtime)
+    assert calls and max(calls) == 3  # whole batches of decode rows in one call per layer
+    orig = BlockAllocator.allocate
+    monkeypatch.setattr(BlockAllocator, "allocate", _scattered_allocate)
+    assert _engine_greedy(model, prompts, 16, batch=3, block_size=16, runtime=runtime) == got
+    monkeypatch.setattr(BlockAllocator, "allocate", orig)
+    if dtype == torch.float32:
+        hf = AutoModelForCausalLM.from_pretrained(hd64_dir, dtype=torch.float32)
+        assert got == [_hf_greedy(hf, p, 16) for p in prompts]
+    monkeypatch.setattr(kv_cache.PagedKVCache, "__init__", _without_kernel(kv_cache.PagedKVCache.__init__))
+    n = len(calls)
+    torch_path = _engine_greedy(model, prompts, 16, batch=3, block_size=16, runtime=runtime)
+    assert len(calls) == n  # the torch path really ran
+    if pairs:
+        same = sum(a == b for g, t in zip(got, torch_path) for a, b in zip(g, t))
+        assert same >= 0.9 * sum(map(len, got)), (got, torch_path)
+    else:
+        assert torch_path == got
 
 
 @needs_cpu_kernels
@@ -240,25 +243,26 @@ def test_cpu_attention_kernel_serves_multi_query_models(tmp_path, monkeypatch):
     from quantspec.model_zoo.tiny import build_tiny_model
 
     d = build_tiny_model(tmp_path / "mqa", "llama", hidden=1280, heads=20, kv_heads=1, intermediate=128, seed=5)
-    model = load_for_inference(d, dtype=torch.float32, tokenizer=False).model
+    lm = load_for_inference(d, dtype=torch.float32, tokenizer=False)
+    model = lm.model
     assert model.args.num_heads // model.args.num_kv_heads == 20 and model.args.head_dim == 64
-    model.fused_layers = None  # the module path, whose kernel calls can be counted
+    modules = dataclasses.replace(lm.runtime, stack=None)  # the module path, whose kernel calls can be counted
     calls = []
     real = cpu_kernels.paged_attention
-    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a: calls.append(1) or real(*a))
+    monkeypatch.setattr(cpu_kernels, "paged_attention", lambda *a, **kw: calls.append(1) or real(*a, **kw))
     prompts = _prompts([7, 19], seed=4)
-    got = _engine_greedy(model, prompts, 8, batch=2, block_size=16)
+    got = _engine_greedy(model, prompts, 8, batch=2, block_size=16, runtime=modules)
     assert calls
     hf = AutoModelForCausalLM.from_pretrained(d, dtype=torch.float32)
     assert got == [_hf_greedy(hf, p, 8) for p in prompts]
-    fused = load_for_inference(d, dtype=torch.float32, tokenizer=False).model  # the one-call stack
-    assert _engine_greedy(fused, prompts, 8, batch=2, block_size=16) == got
+    fused = load_for_inference(d, dtype=torch.float32, tokenizer=False)  # the one-call stack
+    assert _engine_greedy(fused.model, prompts, 8, batch=2, block_size=16, runtime=fused.runtime) == got
 
 
 def _without_kernel(init):
     def wrapped(self, *a, **kw):
         init(self, *a, **kw)
-        self.cpu_kernel = False
+        self.kernel = None
     return wrapped
 
 
@@ -271,20 +275,21 @@ def test_verify_rows_equal_decode_rows_bitwise(request, which, dtype):
     from quantspec.infer.loader import load_for_inference
     from quantspec.infer.kv_cache import PagedAttention, PagedKVCache
 
-    model = load_for_inference(request.getfixturevalue(which), dtype=dtype, tokenizer=False).model
+    lm = load_for_inference(request.getfixturevalue(which), dtype=dtype, tokenizer=False)
+    model, runtime = lm.model, lm.runtime
     a = model.args
     prompt, cont = _prompts([300], seed=4)[0], [7, 99, 3, 250]  # long enough for SDPA's key blocking
 
     def run(chunks):
         cache = PagedKVCache(num_layers=a.num_layers, num_blocks=24, block_size=16, num_kv_heads=a.num_kv_heads,
-                             head_dim=a.head_dim, dtype=dtype)
+                             head_dim=a.head_dim, dtype=dtype, kernel=runtime.attention)
         table = cache.allocator.allocate(20)
         outs, start = [], 0
         for ids in chunks:
-            meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [table], 16, "cpu",
-                                           cache.cpu_kernel)
+            meta = AttentionMetadata.build([len(ids)], [start + len(ids)], [table], 16, "cpu", cache.kernel)
             with torch.no_grad():
-                outs.append(model(torch.tensor(ids), torch.arange(start, start + len(ids)), PagedAttention(cache, meta)))
+                outs.append(model(torch.tensor(ids), torch.arange(start, start + len(ids)), PagedAttention(cache, meta),
+                                  stack=runtime.stack))
             start += len(ids)
         return torch.cat(outs)[len(prompt):]
 
@@ -304,12 +309,13 @@ def test_speculation_through_the_cpu_kernels_is_lossless(hd64_dir, dtype):
     from quantspec.infer.loader import load_for_inference
     from quantspec.infer.spec.proposers import ReferenceProposer
 
-    model = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False).model
+    lm = load_for_inference(hd64_dir, dtype=dtype, tokenizer=False)
+    model = lm.model
     prompts = _prompts([12, 30, 7], seed=9)
     prompts.append(prompts[1] * 3)
-    plain = _engine_greedy(model, prompts, 60, batch=2)
+    plain = _engine_greedy(model, prompts, 60, batch=2, runtime=lm.runtime)
     eng = Engine(model, EngineConfig(block_size=16, max_batch_size=2, max_length=256, spec_max_draft_tokens=5),
-                 eos_token_ids=[], proposer=ReferenceProposer(2, 5))
+                 eos_token_ids=[], proposer=ReferenceProposer(2, 5), runtime=lm.runtime)
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=60)) for p in prompts]
     eng.run()
     assert [s.output_ids for s in seqs] == plain
@@ -318,16 +324,14 @@ def test_speculation_through_the_cpu_kernels_is_lossless(hd64_dir, dtype):
 
 def test_prefills_run_alone_and_decode_steps_are_marked(llama, monkeypatch):
     """A newly admitted prompt is prefilled in a step of its own; every other step is a decode
-    step (`step_rows.decode_step`), so decode rows never take prefill-sized paths."""
-    from quantspec.infer.step_rows import in_decode_step
-
+    step, whose forward asks for row-invariant rows, so decode rows never take prefill-sized paths."""
     model, _ = llama
     steps = []
     real = type(model).forward
 
-    def spy(self, input_ids, positions, attn, out_rows=None):
-        steps.append((in_decode_step(), attn.meta.q_lens, attn.meta.seq_lens))
-        return real(self, input_ids, positions, attn, out_rows)
+    def spy(self, input_ids, positions, attn, out_rows=None, **kw):
+        steps.append((kw["row_invariant"], attn.meta.q_lens, attn.meta.seq_lens))
+        return real(self, input_ids, positions, attn, out_rows, **kw)
 
     monkeypatch.setattr(type(model), "forward", spy)
     prompts = _prompts([6, 11, 4], seed=12)
@@ -349,8 +353,8 @@ def test_a_prefill_asks_the_forward_for_each_prompt_s_last_row(llama, monkeypatc
     calls = []
     real = type(model).forward
 
-    def spy(self, input_ids, positions, attn, out_rows=None):
-        out = real(self, input_ids, positions, attn, out_rows)
+    def spy(self, input_ids, positions, attn, out_rows=None, **kw):
+        out = real(self, input_ids, positions, attn, out_rows, **kw)
         calls.append((list(attn.meta.q_lens), None if out_rows is None else out_rows.tolist(), out.shape[0]))
         return out
 
@@ -383,10 +387,10 @@ def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
     sizes = []
     real = type(model).forward
 
-    def spy(self, input_ids, positions, attn, out_rows=None):
+    def spy(self, input_ids, positions, attn, out_rows=None, **kw):
         if not attn.meta.q_lens or attn.meta.q_lens[0] == attn.meta.seq_lens[0]:
             sizes.append(list(attn.meta.q_lens))
-        return real(self, input_ids, positions, attn, out_rows)
+        return real(self, input_ids, positions, attn, out_rows, **kw)
 
     monkeypatch.setattr(type(model), "forward", spy)
     assert _engine_greedy(model, prompts, 6, batch=5) == want

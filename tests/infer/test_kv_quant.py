@@ -107,7 +107,7 @@ def test_engine_with_static_cache(setup):
                                          kv_cache_dtype=kind),
                      k_scale=None if kind == "auto" else ks, v_scale=None if kind == "auto" else vs)
         assert eng.cache.k.dtype == (torch.float32 if kind == "auto" else torch.int8)
-        model.compute_logits = lambda h, _k=kind: captured.setdefault(_k, orig(h))
+        model.compute_logits = lambda h, row_invariant=False, _k=kind: captured.setdefault(_k, orig(h, row_invariant))
         try:
             eng.add_request(prompt.tolist(), SamplingParams(max_new_tokens=1))
             eng.step()
@@ -155,6 +155,7 @@ def test_cpu_attention_kernel_only_for_power_of_two_blocks():
     """The CPU kernel finds a key's slot by shift and mask: a cache whose block size is not a power
     of two keeps torch's attention (same results: a 29-token prefill, which the kernel takes for
     prompts of up to 512 tokens, then a decode query over 30 keys, in blocks of 24 and 16)."""
+    from quantspec.infer.cpu.attention import CpuAttention
     from quantspec.kernels.cpu import cpu_kernels
 
     g = torch.Generator().manual_seed(0)
@@ -163,22 +164,23 @@ def test_cpu_attention_kernel_only_for_power_of_two_blocks():
     outs = []
     for bs in (24, 16):
         cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=bs, num_kv_heads=2, head_dim=64,
-                             dtype=torch.float32)
-        assert cache.cpu_kernel == (bs == 16 and cpu_kernels() is not None)
+                             dtype=torch.float32, kernel=CpuAttention.for_cache)
+        assert (cache.kernel is not None) == (bs == 16 and cpu_kernels() is not None)
         table = cache.allocator.allocate(2)
-        prefill = AttentionMetadata.build([29], [29], [table], bs, "cpu", cache.cpu_kernel)
-        assert prefill.cpu_kernel == cache.cpu_kernel
+        prefill = AttentionMetadata.build([29], [29], [table], bs, "cpu", cache.kernel)
+        assert prefill.kernel == (cache.kernel is not None)
         first = PagedAttention(cache, prefill)(0, q[:29], k[:29], v[:29])
-        decode = AttentionMetadata.build([1], [30], [table], bs, "cpu", cache.cpu_kernel)
+        decode = AttentionMetadata.build([1], [30], [table], bs, "cpu", cache.kernel)
         outs.append(torch.cat([first, PagedAttention(cache, decode)(0, q[29:], k[29:], v[29:])]))
     torch.testing.assert_close(outs[0], outs[1], rtol=1e-5, atol=1e-5)
-    long = AttentionMetadata.build([600], [600], [list(range(10))], 64, "cpu", True)
-    assert long.fresh_prefill and not long.cpu_kernel  # beyond 512 tokens: SDPA, unless the cache says
     from quantspec.kernels.cpu import pair_path_available
 
-    # any length on fp32's blocked prefill path and bf16's AVX512-BF16 pair path
+    # beyond 512 tokens: SDPA, except on fp32's blocked prefill path and bf16's AVX512-BF16 pair
+    # path, which take any length
     for dtype, takes in ((torch.float32, True), (torch.bfloat16, pair_path_available())):
-        cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype)
-        meta = AttentionMetadata.build([600], [600], [list(range(40))], 16, "cpu", cache.cpu_kernel,
-                                       cache.cpu_kernel_max_prefill)
-        assert meta.cpu_kernel == (takes and cache.cpu_kernel)
+        cache = PagedKVCache(num_layers=1, num_blocks=4, block_size=16, num_kv_heads=2, head_dim=64, dtype=dtype,
+                             kernel=CpuAttention.for_cache)
+        meta = AttentionMetadata.build([600], [600], [list(range(40))], 16, "cpu", cache.kernel)
+        assert meta.fresh_prefill and meta.kernel == (takes and cache.kernel is not None)
+        if cache.kernel is not None:
+            assert cache.kernel.serves([512], [512]) and cache.kernel.serves([600], [600]) == takes

@@ -13,8 +13,9 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.loader import load_for_inference
-from quantspec.infer.dense_linear import PackedEmbedding, PackedLinear
-from quantspec.infer.quant_linear import DispatchPolicy, KernelPath, QuantLinear
+from quantspec.infer.cpu.linears import PackedEmbedding, PackedLinear
+from quantspec.infer.dispatch import DispatchPolicy, KernelPath
+from quantspec.infer.quant_linear import QuantLinear
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.checkpoint import (build_model, load_checkpoint_tensors, load_model,
                                             read_config)
@@ -352,7 +353,7 @@ def test_default_model_int4_artifact_smoke(tmp_path):
 
     want = KernelPath.CPU_GEMV_INT4 if down.traits.cpu_gemv and pair_path_available() else KernelPath.CPU_INT4PACK
     assert down.kernel_for(torch.zeros(1, 1536, dtype=torch.bfloat16)) is want
-    eng = Engine(lm16.model, EngineConfig(max_batch_size=1, max_length=64), eos_token_ids=[])
+    eng = Engine(lm16.model, EngineConfig(max_batch_size=1, max_length=64), eos_token_ids=[], runtime=lm16.runtime)
     seq = eng.add_request(ids[0].tolist(), SamplingParams(max_new_tokens=4))
     eng.run()
     assert len(seq.output_ids) == 4

@@ -1,6 +1,7 @@
 """QuantLinear vs the reference `dequantize` + matmul from quant/primitives (fp64), on odd shapes;
-the dispatch rule; reading compressed-tensors' own packed tensors; the Triton wiring (under the
-interpreter, in a subprocess) and on a real GPU when there is one."""
+the dispatch rule (`infer/dispatch.py`); reading compressed-tensors' own packed tensors
+(`quant/compressed.py`); the Triton wiring (under the interpreter, in a subprocess) and on a real
+GPU when there is one."""
 
 import os
 import subprocess
@@ -11,16 +12,9 @@ import pytest
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.quant_linear import (
-    DispatchPolicy,
-    KernelPath,
-    LinearKind,
-    LinearTraits,
-    QuantizedLinearTensors,
-    QuantLinear,
-    read_quantized_linear,
-    select_kernel,
-)
+from quantspec.infer.dispatch import DispatchPolicy, KernelPath, LinearKind, LinearTraits, select_kernel
+from quantspec.infer.quant_linear import QuantLinear
+from quantspec.quant.compressed import QuantizedLinearTensors, read_quantized_linear
 from quantspec.quant import (QuantArgs, QuantScheme, choose_qparams, dequantize, linear_to_tensors,
                              preset, quantize)
 
@@ -213,7 +207,7 @@ def test_cpu_kernels_path(kind, g, sym, dtype, path):
     y = layer(x)
     _check(y, _reference(t, x), dtype)
     assert torch.equal(layer(x[:7]), y[:7])
-    assert layer.qweight is None
+    assert layer.prepared.qweight is None
     assert torch.equal(layer.codes(), t.q.to(torch.int8))
     torch.testing.assert_close(layer.dequantized_weight(torch.float32),
                                QuantLinear(t, dtype=dtype, policy=DispatchPolicy(fast=False))
@@ -405,9 +399,10 @@ def test_read_float_zero_points_and_mismatches():
 
 _TRITON_SCRIPT = textwrap.dedent("""
     import torch
-    from quantspec.infer.quant_linear import KernelPath, QuantLinear
+    from quantspec.infer.dispatch import KernelPath
+    from quantspec.infer.quant_linear import QuantLinear
     from quantspec.quant import preset, choose_qparams, quantize
-    from quantspec.infer.quant_linear import QuantizedLinearTensors
+    from quantspec.quant.compressed import QuantizedLinearTensors
     torch.manual_seed(0)
     cases = [("weight_only_int4", 32, True, KernelPath.TRITON_W4A16),
              ("weight_only_int4", 32, False, KernelPath.TRITON_W4A16),
@@ -479,21 +474,19 @@ def test_packed_ops_survive_unaligned_buffers(kind, g):
     _check(layer(x), _reference(t, x), torch.bfloat16)
 
 
+@pytest.mark.parametrize("policy", [DispatchPolicy(), DispatchPolicy(cpu_kernels=False)])
 @pytest.mark.parametrize("kind", ["weight_only_int8", "weight_only_int4"])
-def test_decode_steps_take_the_row_invariant_path_for_any_m(kind):
-    """Inside an engine decode step, 80 rows (above torch's packed-op bound) still get each
-    row's one-row numbers bitwise; outside it, 80 rows take the prefill path: quantspec's packed
-    kernel where built (any M), else dequantize + matmul."""
-    from quantspec.infer.step_rows import decode_step
-
+def test_decode_steps_take_the_row_invariant_path_for_any_m(kind, policy):
+    """A row-invariant call (an engine decode step) of 80 rows (above torch's packed-op bound)
+    still gives each row its one-row numbers bitwise; otherwise 80 rows take the prefill path:
+    quantspec's packed kernel where built (any M), else dequantize + matmul."""
     t = _make(kind, 48, 192, group_size=32, seed=13)
-    layer = QuantLinear(t, dtype=torch.bfloat16)
+    layer = QuantLinear(t, dtype=torch.bfloat16, policy=policy)
     x = torch.randn(80, 192).bfloat16()
     prefill = (KernelPath.DEQUANT if not layer.traits.cpu_gemv else
                KernelPath.CPU_GEMV_INT8 if kind == "weight_only_int8" else KernelPath.CPU_GEMV_INT4)
     assert layer.kernel_for(x) is prefill
-    with decode_step():
-        y = layer(x)
+    y = layer(x, row_invariant=True)
     for i in (0, 41, 79):
         assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
     _check(y, _reference(t, x), torch.bfloat16)

@@ -150,21 +150,20 @@ def test_quantized_gemms_take_the_pair_path_for_bf16_x():
     the float64 reference elsewhere (the reference tests above run bf16 x through the pair path)."""
     tiny = 2.0 ** -130  # subnormal in fp32 and bf16
 
-    def probe(K, group=None):
+    def probe(K, group=None, pairs=True):
         x = torch.zeros(1, K)
         x[0, 0] = tiny
         q = torch.ones(32, K, dtype=torch.int8)
         if group is None:
-            return [float(cg.packed_w8_gemm(xx, cg.pack_w8(q), torch.ones(32), 32)[0, 0])
+            return [float(cg.packed_w8_gemm(xx, cg.pack_w8(q), torch.ones(32), 32, pairs=pairs)[0, 0])
                     for xx in (x, x.bfloat16())]
         p4 = cg.pack_w4(q, torch.ones(32, K // group), torch.zeros(32, K // group))
-        return [float(cg.packed_w4_gemm(xx, *p4, group, 32)[0, 0]) for xx in (x, x.bfloat16())]
+        return [float(cg.packed_w4_gemm(xx, *p4, group, 32, pairs=pairs)[0, 0]) for xx in (x, x.bfloat16())]
 
     assert probe(64) == [tiny, 0.0]  # int8: fp32 x chain, bf16 x pairs
     assert probe(63) == [tiny, tiny]  # odd K: the chain
     assert probe(64, 32) == [tiny, 0.0] and probe(63, 21) == [tiny, tiny]  # int4: odd group → chain
-    with cg.pair_path(False):
-        assert probe(64) == [tiny, tiny] and probe(64, 32) == [tiny, tiny]
+    assert probe(64, pairs=False) == [tiny, tiny] and probe(64, 32, pairs=False) == [tiny, tiny]
 
 
 def test_dense_packing_round_trips():
@@ -252,10 +251,12 @@ def test_switch_off_falls_back_to_none():
 
 
 def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
-    monkeypatch.setattr(cg, "_state", {"tried": False, "module": None, "error": None})
-    monkeypatch.setattr(cg, "_build", lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")))
+    from quantspec.kernels.cpu import build
+
+    monkeypatch.setattr(build, "_state", {"tried": False, "module": None, "error": None})
+    monkeypatch.setattr(build, "_build", lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")))
     monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
-    if cg.platform.machine().lower() not in ("x86_64", "amd64"):
+    if build.platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("not x86-64: the build is never tried")
     with caplog.at_level("WARNING", logger="quantspec"):
         assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
@@ -284,14 +285,7 @@ def _pair_modes(dtype):
     """bf16 attention runs two ways: the pair path (AVX512-BF16) and the fp32 chain"""
     if dtype == torch.bfloat16 and cg.pair_path_available():
         return [True, False]
-    return [None]
-
-
-def _with_pair_path(on, fn):
-    if on is None:
-        return fn()
-    with cg.pair_path(on):
-        return fn()
+    return [True]
 
 
 @needs_kernels
@@ -304,8 +298,8 @@ def test_paged_attention_matches_reference(dtype, hd, G):
         args = _attention_case(dtype, hd, G, seed=hd + G)
         q, k, v, kc, vc, *rest = args
         kc2, vc2 = kc.clone(), vc.clone()
-        out = _with_pair_path(pairs, lambda: cg.paged_attention(q, k, v, kc, vc, *rest))
-        ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
+        out = cg.paged_attention(q, k, v, kc, vc, *rest, pairs=pairs)
+        ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest, pairs=pairs)
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)  # this step's k / v written to their slots
         _close(out, ref, dtype)
 
@@ -317,17 +311,16 @@ def test_paged_attention_rows_equal_one_query_calls(dtype, hd, G):
     """Verification rows (several queries of one sequence) equal decode calls of one query each."""
     q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale = _attention_case(dtype, hd, G, seed=1)
     for pairs in _pair_modes(dtype):
-        def run():
-            full = cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale)
-            row = 0
-            for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
-                for i in range(ql):
-                    r = row + i
-                    one = cg.paged_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, sm[r:r + 1],
-                                             tables[b:b + 1].contiguous(), [1], [sl - ql + i + 1], bs, scale)
-                    assert torch.equal(one[0], full[r])
-                row += ql
-        _with_pair_path(pairs, run)
+        full = cg.paged_attention(q, k, v, kc, vc, sm, tables, q_lens, seq_lens, bs, scale, pairs=pairs)
+        row = 0
+        for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
+            for i in range(ql):
+                r = row + i
+                one = cg.paged_attention(q[r:r + 1], k[r:r + 1], v[r:r + 1], kc, vc, sm[r:r + 1],
+                                         tables[b:b + 1].contiguous(), [1], [sl - ql + i + 1], bs, scale,
+                                         pairs=pairs)
+                assert torch.equal(one[0], full[r])
+            row += ql
 
 
 def _fresh_prompts(lens, KV, G, hd, seed, bs=16, dtype=torch.float32):
@@ -361,8 +354,7 @@ def test_fresh_prompts_match_reference(dtype, blocks, hd, G):
     for pairs in _pair_modes(dtype):
         q, k, v, kc, vc, *rest = _fresh_prompts([40, 5, 100, 16, 17], KV=2, G=G, hd=hd, seed=hd + G, dtype=dtype)
         kc2, vc2 = kc.clone(), vc.clone()
-        with cg.prefill_blocks(blocks):
-            out = _with_pair_path(pairs, lambda: cg.paged_attention(q, k, v, kc, vc, *rest))
+        out = cg.paged_attention(q, k, v, kc, vc, *rest, pairs=pairs, prefill_blocks=blocks)
         ref = cg.paged_attention_ref(q, k, v, kc2, vc2, *rest)
         assert torch.equal(kc, kc2) and torch.equal(vc, vc2)
         _close(out, ref, dtype)
@@ -385,8 +377,8 @@ def test_fresh_prompt_rows_depend_only_on_their_own_keys(dtype):
         alone = cg.paged_attention(q[r0:r0 + n], k[r0:r0 + n], v[r0:r0 + n], kc, vc, sm[r0:r0 + n],
                                    tables[b:b + 1].contiguous(), [n], [n], bs, scale)
         assert torch.equal(alone, both[r0:r0 + n])
-    with cg.prefill_blocks(False):  # the per-row kernel sums in another order: close, not equal
-        rows = cg.paged_attention(q, k, v, kc, vc, sm, tables, lens, lens, bs, scale)
+    # the per-row kernel sums in another order: close, not equal
+    rows = cg.paged_attention(q, k, v, kc, vc, sm, tables, lens, lens, bs, scale, prefill_blocks=False)
     _close(rows, both, dtype)
     assert not torch.equal(rows, both)
 
@@ -409,8 +401,8 @@ def test_bf16_attention_takes_the_pair_path():
 
     def out(dtype, pairs):
         args = [t.to(dtype) for t in (q, k1, v1, kc.clone(), vc.clone())]
-        return _with_pair_path(pairs, lambda: float(cg.paged_attention(
-            *args, torch.tensor([1]), tables, [1], [2], bs, hd ** -0.5)[0, 0, 0]))
+        return float(cg.paged_attention(*args, torch.tensor([1]), tables, [1], [2], bs, hd ** -0.5,
+                                        pairs=pairs)[0, 0, 0])
 
     e = torch.tensor(float(torch.tensor(x).bfloat16()) / 8).double().exp()  # exact weight of key 1
     e_bf16 = e.float().bfloat16().double()  # the same, rounded to bf16
@@ -447,7 +439,7 @@ def test_paged_attention_refuses_what_it_does_not_take():
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_rms_norm_and_rope_match_the_model_ops(dtype):
     """The fused per-row ops equal the model's torch expressions (bf16: bitwise, since they round
-    where torch rounds; fp32: up to summation order)."""
+    where torch rounds; fp32: up to summation order); their `_ref` twins are those expressions."""
     import torch.nn.functional as F
 
     from quantspec.model_zoo.llama import apply_rope
@@ -457,10 +449,12 @@ def test_rms_norm_and_rope_match_the_model_ops(dtype):
     x = (torch.randn(5, 576, generator=g) * 3).to(dtype)
     w = (torch.rand(576, generator=g) + 0.5).to(dtype)
     want = w * F.rms_norm(x.float(), (576,), eps=1e-5).to(dtype)
-    got = mod.rms_norm(x, w, 1e-5)
+    got = cg.rms_norm(x, w, 1e-5)
+    assert torch.equal(cg.rms_norm_ref(x, w, 1e-5), want)
     qkv = torch.randn(4, 13, 64, generator=g).to(dtype)
     cos, sin = torch.randn(4, 64, generator=g).to(dtype), torch.randn(4, 64, generator=g).to(dtype)
-    rot_want, rot_got = apply_rope(qkv[:, :9], cos, sin), mod.rope(qkv[:, :9], cos, sin)  # strided x
+    rot_want, rot_got = apply_rope(qkv[:, :9], cos, sin), cg.rope(qkv[:, :9], cos, sin)  # strided x
+    assert torch.equal(cg.rope_ref(qkv[:, :9], cos, sin), rot_want)
     if dtype == torch.bfloat16:
         assert torch.equal(got, want) and torch.equal(rot_got, rot_want)
     else:
@@ -524,14 +518,36 @@ def test_silu_mul_matches_torch(dtype):
 
 
 @needs_kernels
-def test_prefetch_switch_is_restored():
+def test_kernel_settings_are_arguments():
+    """The pair path, the blocked prefill and the screen's prefetch are arguments of the calls
+    (`pairs=`, `prefill_blocks=`, `prefetch=`): the extension holds no setting that changes them."""
     mod = cg.cpu_kernels()
-    with cg.prefetch(False):
-        assert mod.set_prefetch(False) is False  # off inside (set_prefetch returns the setting it replaces)
-        with cg.prefetch(True):
-            assert mod.set_prefetch(True) is True
-        assert mod.set_prefetch(False) is False
-    assert mod.set_prefetch(True) is True  # the default, back after the block
+    assert not [name for name in dir(mod) if name.startswith("set_")]
+
+
+@needs_kernels
+@pytest.mark.parametrize("N,K,M", [(1, 16, 1), (1037, 64, 3), (517, 96, 11), (2049, 48, 12)])
+def test_screens_match_their_references(N, K, M):
+    """Each screen picks the argmax of its head's exact logits (its `_ref`), on odd shapes: N not
+    a multiple of 32, K of 16 × 3, M up to a 12-row tile; a non-finite row gets −1."""
+    g = torch.Generator().manual_seed(N + K + M)
+    w = torch.randn(N, K, generator=g)
+    x = torch.randn(M, K, generator=g) * 2
+    packed, norms = cg.pack_dense(w), cg.row_norms_up(w)
+    args = (x, w.bfloat16().contiguous(), packed, norms, N, cg.screen_bound(K))
+    assert torch.equal(cg.screened_argmax(*args), cg.screened_argmax_ref(*args))
+    if cg.pair_path_available():
+        pargs = (x, cg.pack_pairs(w), packed, norms, N, cg.screen_bound(K, bf16_x=True), cg.PAIR_ABS_ERR)
+        for prefetch in (True, False):
+            got = cg.screened_argmax_pairs(*pargs, prefetch=prefetch)
+            assert torch.equal(got, cg.screened_argmax_pairs_ref(*pargs, prefetch=prefetch))
+    if cg.has_int8_screen():
+        q, scale, u, t, rel, abs_err = cg.int8_screen_tables(w)
+        for xx, exact in ((x, packed), (x.bfloat16(), cg.pack_pairs(w.bfloat16()))):
+            i8 = (xx, q, scale, u, t, exact, N, rel, abs_err)
+            assert torch.equal(cg.screened_argmax_i8(*i8), cg.screened_argmax_i8_ref(*i8))
+    x[0, 1] = float("nan")
+    assert int(cg.screened_argmax(*args)[0]) == int(cg.screened_argmax_ref(*args)[0]) == -1
 
 
 @needs_kernels

@@ -135,7 +135,7 @@ def test_head_weight_of_float_packed_and_opaque_heads(tiny_llama_model):
     from quantspec.kernels.cpu import cpu_kernels
 
     if cpu_kernels() is not None:
-        from quantspec.infer.dense_linear import PackedLinear
+        from quantspec.infer.cpu.linears import PackedLinear
 
-        model.lm_head = PackedLinear(model.lm_head.inner, cpu_kernels())
+        model.lm_head = PackedLinear(model.lm_head.inner)
         assert torch.equal(model.head_weight(), w)

@@ -11,8 +11,6 @@ import pytest
 
 from quantspec import api
 
-pytest.importorskip("quantspec.infer.loader", reason="infer/loader.py (E1) not in this build")
-
 
 def test_report_on_tiny_model_real_generation(tiny_llama_dir, tmp_path):
     out = tmp_path / "out"

@@ -38,11 +38,11 @@ import numpy as np
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.dense_linear import all_linears_packed
+from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import logits_to_probs, sample, sampling_tensors
-from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
-from quantspec.infer.step_rows import decode_step
+from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost, loaded_runtime
+from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.llama import Transformer
 
 __all__ = ["DraftModelProposer", "check_draft_compatible", "common_vocab_size", "build_draft_proposer",
@@ -120,13 +120,15 @@ class DraftModelProposer:
     policy:            an `AdaptiveDraftLength` choosing k per sequence, or None for always K.
     head:              what scores the drafts over the draft's final norm (`int8_draft_head`, at
                        least `vocab_size` outputs), or None for the draft's own head.
+    runtime:           what the draft's backend prepared (`LoadedModel.runtime`); None: its modules.
     """
 
     needs_hidden = False
 
     def __init__(self, model: Transformer, *, vocab_size: int, target_vocab_size: int, max_draft_tokens: int,
                  max_batch_size: int, max_length: int, block_size: int = 64,
-                 policy: AdaptiveDraftLength | None = None, head: torch.nn.Module | None = None):
+                 policy: AdaptiveDraftLength | None = None, head: torch.nn.Module | None = None,
+                 runtime: Runtime | None = None):
         args = model.args
         if not 1 <= vocab_size <= min(args.vocab_size, target_vocab_size):
             raise QuantSpecError(
@@ -139,11 +141,12 @@ class DraftModelProposer:
         self.head = head
         self.max_draft_tokens, self.policy, self.block_size = max_draft_tokens, policy, block_size
         self.device = model.model.norm.weight.device
+        self.runtime = runtime or default_runtime(self.device)
         per_seq = -(-(max_length + max_draft_tokens + 1) // block_size)
         self.cache = PagedKVCache(
             num_layers=args.num_layers, num_blocks=max_batch_size * per_seq + 1, block_size=block_size,
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=model.model.norm.weight.dtype,
-            device=self.device,
+            device=self.device, kernel=self.runtime.attention,
         )
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_forwards = 0  # draft forwards run (for benchmarks)
@@ -196,13 +199,13 @@ class DraftModelProposer:
                 after = st.block_table[-1] if st.block_table else None
                 st.block_table.extend(self.cache.allocator.allocate(need, after=after))
         meta = AttentionMetadata.build(q_lens, seq_lens, [st.block_table for st in states], self.block_size,
-                                       self.device, self.cache.cpu_kernel,
-                                       self.cache.cpu_kernel_max_prefill)
+                                       self.device, self.cache.kernel)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)  # [T]
         positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)]).to(self.device)  # [T]
         last = torch.tensor(np.cumsum(q_lens) - 1, device=self.device)  # [A]
         out_rows = last if len(q_lens) < ids.shape[0] else None  # every row is a last one: all of them
-        hidden = self.model(ids, positions, PagedAttention(self.cache, meta), out_rows)  # [A, D]
+        hidden = self.model(ids, positions, PagedAttention(self.cache, meta), out_rows,
+                            stack=self.runtime.stack)  # [A, D]
         self.num_forwards += 1
         return _draft_logits(self.model, self.head, hidden)[:, : self.vocab_size]  # [A, vocab]
 
@@ -224,8 +227,8 @@ class DraftModelProposer:
         return tokens.tolist(), probs
 
     @torch.inference_mode()
-    def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """→ (draft ids per sequence, q [k_b, V_base] per sampling sequence else None)."""
+    def propose(self, seqs: list, budgets: list[int]) -> SpecProposal:
+        """The drafts of each sequence, with q [k_b, V_base] for a sampling sequence (else None)."""
         ks = [(self.policy.num_drafts(s, b) if self.policy is not None else min(self.max_draft_tokens, b))
               for s, b in zip(seqs, budgets)]
         drafts: list[list[int]] = [[] for _ in seqs]
@@ -259,7 +262,7 @@ class DraftModelProposer:
                 logits = self._forward(states, [[drafts[i][-1]] for i in active],
                                        [st.fed_from + len(st.fed) - 1 for st in states])
         out_probs = [torch.stack(r) if r else None for r in q_rows]  # [k_b, V_base] or None
-        return drafts, out_probs
+        return SpecProposal([torch.tensor(d, dtype=torch.int64) for d in drafts], out_probs)
 
 
 def build_draft_proposer(config, loaded) -> DraftModelProposer:
@@ -267,7 +270,7 @@ def build_draft_proposer(config, loaded) -> DraftModelProposer:
     tokenizer and vocabulary against the base, and build the proposer with the back-off policy."""
     from quantspec.infer.loader import auto_dtype, load_for_inference
 
-    base = loaded.model
+    base, base_runtime = loaded.model, loaded_runtime(loaded)
     device = base.model.norm.weight.device
     # the draft's own activation dtype: a weight-only int draft runs torch's packed bf16 ops on CPU
     dtype = auto_dtype(config.draft_model, device) if config.dtype == "auto" else base.model.norm.weight.dtype
@@ -276,81 +279,74 @@ def build_draft_proposer(config, loaded) -> DraftModelProposer:
     vocab = common_vocab_size(loaded.tokenizer, base.args.vocab_size, draft.model.args.vocab_size,
                               str(config.model), str(config.draft_model))
     k = config.speculate_max_draft_token_num
-    head = int8_draft_head(draft.model, vocab) if (getattr(config, "speculate_draft_head", None) or "int8") == "int8" else None
-    cost = SpecCost.for_device(base.model.norm.weight.device,
-                               draft_per_token=measure_step_cost(draft.model, base, draft_head=head),
-                               packed_cpu=all_linears_packed(base))
+    int8 = (getattr(config, "speculate_draft_head", None) or "int8") == "int8"
+    head = int8_draft_head(draft.model, vocab, draft.runtime) if int8 else None
+    step = measure_step_cost(draft.model, base, draft_head=head, draft_runtime=draft.runtime, base_runtime=base_runtime)
+    cost = SpecCost.for_device(device, draft_per_token=step, packed_cpu=base_runtime.packed_rows)
     return DraftModelProposer(
         draft.model, vocab_size=vocab, target_vocab_size=base.args.vocab_size, max_draft_tokens=k,
         max_batch_size=config.batch_size, max_length=config.max_length, block_size=config.block_size,
         policy=AdaptiveDraftLength(k, cost) if getattr(config, "speculate_backoff", True) else None, head=head,
+        runtime=draft.runtime,
     )
 
 
-def int8_draft_head(model: Transformer, vocab_size: int) -> torch.nn.Module | None:
+def int8_draft_head(model: Transformer, vocab_size: int, runtime: Runtime | None = None) -> torch.nn.Module | None:
     """`--speculate-draft-head int8`: the first `vocab_size` rows of the draft model's head rounded
-    per row to int8 (`dense_linear.PackedInt8Linear`) on CPU, where quantspec's kernels are built;
-    None elsewhere (the draft's own head scores its drafts). Half the bytes of a bf16 head, a
-    quarter of an fp32 one, read once per draft token; drafts are proposals, so the output does
-    not change (acceptance on SmolLM2's chat prompts, int8 artifact drafting: 595/638 with its
-    bf16 head, 596/643 with this one; 96.6 → 103.6 tok/s in one interleaved run)."""
-    from quantspec.infer.dense_linear import PackedInt8Linear
-    from quantspec.kernels.cpu import cpu_kernels
-
-    kernels = cpu_kernels()
-    if kernels is None or model.model.norm.weight.device.type != "cpu":
+    per row to int8 by its backend (`Runtime.int8_head`; None where the backend has none: the
+    draft's own head scores its drafts). Drafts are proposals, so the output does not change."""
+    runtime = runtime or default_runtime(model.model.norm.weight.device)
+    if runtime.int8_head is None:
         return None
-    return PackedInt8Linear(model.head_weight()[:vocab_size].float(), kernels)
+    return runtime.int8_head(model.head_weight()[:vocab_size].float())
 
 
-def _draft_logits(model: Transformer, head: torch.nn.Module | None, hidden: torch.Tensor) -> torch.Tensor:
+def _draft_logits(model: Transformer, head: torch.nn.Module | None, hidden: torch.Tensor,
+                  row_invariant: bool = False) -> torch.Tensor:
     """Draft logits [N, V'] fp32 for pre-norm hidden states [N, D]: the model's own head, or
     `head` (an `int8_draft_head`, V' = the common vocabulary) over the same final norm."""
     if head is None:
-        return model.compute_logits(hidden)
+        return model.compute_logits(hidden, row_invariant)
     return head(model.model.norm(hidden)).float()
+
+
+def _decode_step_timer(model: Transformer, runtime: Runtime, head: torch.nn.Module | None = None):
+    """A timer of one-token decode steps at position 1 over a one-block paged cache: the engine's
+    path (the runtime's attention kernel and layer stack, row-invariant rows), scored by `head`
+    (None: the model's own)."""
+    a, w = model.args, model.model.norm.weight
+    cache = PagedKVCache(num_layers=a.num_layers, num_blocks=2, block_size=16, num_kv_heads=a.num_kv_heads,
+                         head_dim=a.head_dim, dtype=w.dtype, device=w.device, kernel=runtime.attention)
+    table = cache.allocator.allocate(1)
+    ids = torch.ones(1, dtype=torch.int64, device=w.device)
+    model(ids, torch.zeros(1, dtype=torch.int64, device=w.device),
+          PagedAttention(cache, AttentionMetadata.build([1], [1], [table], 16, w.device, cache.kernel)),
+          stack=runtime.stack)
+    meta = AttentionMetadata.build([1], [2], [table], 16, w.device, cache.kernel)
+    pos = torch.ones(1, dtype=torch.int64, device=w.device)
+
+    def step() -> float:
+        t = time.perf_counter()
+        hidden = model(ids, pos, PagedAttention(cache, meta), row_invariant=True, stack=runtime.stack)
+        _draft_logits(model, head, hidden, row_invariant=True)
+        if w.device.type == "cuda":
+            torch.cuda.synchronize(w.device)
+        return time.perf_counter() - t
+    return step
 
 
 @torch.inference_mode()
 def measure_step_cost(draft: Transformer, base: Transformer, *, repeats: int = 5,
-                      draft_head: torch.nn.Module | None = None) -> float:
+                      draft_head: torch.nn.Module | None = None, draft_runtime: Runtime | None = None,
+                      base_runtime: Runtime | None = None) -> float:
     """(draft decode step) / (base decode step), measured: one-token forwards + logits of each
-    model (the draft's through `draft_head` when it drafts with one: `int8_draft_head`),
-    interleaved so load on a shared machine hits both alike, median of `repeats`, rounded
-    to 0.05 (so the back-off's choices rarely change between runs).
-
-    Measured rather than estimated from weight bytes because the ratio depends on the kernels
-    and the machine: on this project's CPU an int8 or int4 copy of SmolLM2-135M once decoded
-    *slower* than fp32 (torch's ops), and with quantspec's packed kernels it costs 0.45-0.6 of
-    an fp32 step, not the 0.25-0.3 its weight bytes suggest (the head and the step's small ops
-    stay); the back-off has to know. On a busy machine the probe itself moves (0.55 in a quiet
-    minute, 0.65 once at a bench's start-up). Each model runs a decode step as the engine does
-    (paged cache, `step_rows.decode_step`), so the one-call layer stack counts where it applies.
-    """
-    def decode_step_of(model: Transformer, head: torch.nn.Module | None = None):
-        """A one-token decode step at position 1 over a one-block paged cache: the engine's path
-        (its attention kernel, the one-call layer stack where it applies), scored by `head`
-        (None: the model's own)."""
-        a, w = model.args, model.model.norm.weight
-        cache = PagedKVCache(num_layers=a.num_layers, num_blocks=2, block_size=16, num_kv_heads=a.num_kv_heads,
-                             head_dim=a.head_dim, dtype=w.dtype, device=w.device)
-        table = cache.allocator.allocate(1)
-        ids = torch.ones(1, dtype=torch.int64, device=w.device)
-        model(ids, torch.zeros(1, dtype=torch.int64, device=w.device),
-              PagedAttention(cache, AttentionMetadata.build([1], [1], [table], 16, w.device, cache.cpu_kernel)))
-        meta = AttentionMetadata.build([1], [2], [table], 16, w.device, cache.cpu_kernel)
-        pos = torch.ones(1, dtype=torch.int64, device=w.device)
-
-        def step() -> float:
-            t = time.perf_counter()
-            with decode_step():
-                _draft_logits(model, head, model(ids, pos, PagedAttention(cache, meta)))
-            if w.device.type == "cuda":
-                torch.cuda.synchronize(w.device)
-            return time.perf_counter() - t
-        return step
-
-    step_draft, step_base = decode_step_of(draft, draft_head), decode_step_of(base)
+    model (the draft's through `draft_head` when it drafts with one: `int8_draft_head`), each on
+    its runtime (None: the device's default), interleaved so load on a shared machine hits both
+    alike, median of `repeats`, rounded to 0.05 (so the back-off's choices rarely change between
+    runs). Measured rather than estimated from weight bytes because the ratio depends on the
+    kernels and the machine (the head and a step's small ops stay whatever the weights' bytes)."""
+    step_draft = _decode_step_timer(draft, draft_runtime or default_runtime(draft.model.norm.weight.device), draft_head)
+    step_base = _decode_step_timer(base, base_runtime or default_runtime(base.model.norm.weight.device))
     step_draft(), step_base()  # warm-up
     ratios = sorted(step_draft() / step_base() for _ in range(repeats))
     return round(ratios[len(ratios) // 2] * 20) / 20

@@ -72,10 +72,7 @@ def _continuation(tokens: np.ndarray, end: int, cap: int) -> list[int]:
     sequence's end. A repeating answer (a list of rows that differ in one field, a small model
     stuck in a loop) then gets a full draft instead of one cut to its period: [7, 1, 2, 1, 2]
     matched at end = 2 → [1, 2, 1, 2, 1] for cap = 5, where [5, 1, 2, 9, 1, 2] at end = 2 gives
-    [9, 1, 2] (the last 3 tokens have not repeated). Replayed on the bench's plain greedy answers
-    with the back-off (`bench/spec_replay.py`, ≤ 10 drafts): the code-editing answers that mostly
-    copy the prompt 202 → 199 base forwards (the SQL answer that loops: 8 → 11 tokens a forward),
-    chat unchanged."""
+    [9, 1, 2] (the last 3 tokens have not repeated)."""
     length = tokens.shape[0]
     nxt = tokens[end + 1 : end + 1 + cap]  # [≤ cap]
     p = length - 1 - end
@@ -94,6 +91,37 @@ def propose_ngram(
 ) -> list[int]:
     """The draft of `propose_ngram_match` (see there), without the agreement length."""
     return propose_ngram_match(token_ids, max_ngram_size, max_draft_tokens, min_ngram_size)[0]
+
+
+def _best_occurrence(tokens: np.ndarray, max_n: int, stop_ids: Sequence[int]) -> tuple[int, int]:
+    """(n, end) of `propose_ngram_match`'s chosen occurrence of tokens' suffix: the longest match
+    up to max_n tokens, the most recent among them, narrowed by the context before full-length
+    matches; (0, -1) when the last token never occurred (followed by no stop id)."""
+    length = tokens.shape[0]
+    # `ends` = end positions e < L-1 of earlier occurrences of the length-(j+1) suffix,
+    # ascending; extend the match one token further back on each pass.
+    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # [C]
+    if len(stop_ids):
+        ends = ends[~np.isin(tokens[ends + 1], np.asarray(stop_ids, dtype=np.int64))]
+    best_n, best_end = 0, -1
+    for j in range(max_n):
+        if j > 0:
+            ends = ends[ends >= j]
+            ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+        if ends.size == 0:
+            break
+        best_n, best_end = j + 1, int(ends[-1])
+    # several full-length matches: keep narrowing by the context before them
+    if best_n == max_n and ends.size > 1:
+        for j in range(max_n, min(max_n + TIE_BREAK_CONTEXT, length - 1)):
+            ends = ends[ends >= j]
+            ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
+            if ends.size == 0:
+                break
+            best_end = int(ends[-1])
+            if ends.size == 1:
+                break
+    return best_n, best_end
 
 
 def propose_ngram_match(
@@ -123,9 +151,8 @@ def propose_ngram_match(
 
     agreement: how many trailing tokens of the sequence equal the tokens ending at the chosen
     occurrence (at least the matched n, counted up to AGREEMENT_CAP; 0 with an empty draft). A
-    longer agreement is a better bet: on the bench's code-editing answers a draft after a
-    1-token agreement had its first token accepted 22% of the time, after 4-12 tokens 50-83%,
-    after more 100% — the back-off (`AdaptiveDraftLength`) keeps its estimates per agreement class.
+    longer agreement is a better bet: the back-off (`AdaptiveDraftLength`) keeps its estimates per
+    agreement class.
 
     Worked example (max_ngram_size=3, max_draft_tokens=3):
         token_ids = [1, 2, 3, 4, 1, 2, 3, 5, 1, 2, 3]   positions 0..10
@@ -135,7 +162,7 @@ def propose_ngram_match(
     Agreement at that occurrence (tokens 4..6 vs 8..10, then 3 vs 7 differs): 3.
 
     Cost: one vectorised comparison over L, then work proportional to the surviving candidates
-    for each longer n, so a few thousand tokens take tens of microseconds.
+    for each longer n.
     """
     _check_sizes(max_ngram_size, max_draft_tokens, min_ngram_size)
     tokens = _as_token_array(token_ids)  # [L]
@@ -143,32 +170,9 @@ def propose_ngram_match(
     max_n = min(int(max_ngram_size), length - 1)
     if max_draft_tokens == 0 or max_n < min_ngram_size:
         return [], 0
-
-    # `ends` = end positions e < L-1 of earlier occurrences of the length-(j+1) suffix,
-    # ascending; extend the match one token further back on each pass.
-    ends = np.flatnonzero(tokens[: length - 1] == tokens[length - 1])  # [C]
-    if len(stop_ids):
-        ends = ends[~np.isin(tokens[ends + 1], np.asarray(stop_ids, dtype=np.int64))]
-    best_n, best_end = 0, -1
-    for j in range(max_n):
-        if j > 0:
-            ends = ends[ends >= j]
-            ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
-        if ends.size == 0:
-            break
-        best_n, best_end = j + 1, int(ends[-1])
+    best_n, best_end = _best_occurrence(tokens, max_n, stop_ids)
     if best_n < min_ngram_size:
         return [], 0
-    # several full-length matches: keep narrowing by the context before them (see above)
-    if best_n == max_n and ends.size > 1:
-        for j in range(max_n, min(max_n + TIE_BREAK_CONTEXT, length - 1)):
-            ends = ends[ends >= j]
-            ends = ends[tokens[ends - j] == tokens[length - 1 - j]]
-            if ends.size == 0:
-                break
-            best_end = int(ends[-1])
-            if ends.size == 1:
-                break
     draft = _continuation(tokens, best_end, int(max_draft_tokens))
     agreement = best_n
     while (agreement < AGREEMENT_CAP and agreement <= best_end
@@ -180,8 +184,8 @@ def propose_ngram_match(
 def _agreeing_runs(tokens: np.ndarray, at: np.ndarray, src: np.ndarray, cap: int) -> np.ndarray:
     """For each pair (at[i], src[i]) with src[i] < at[i]: how many j = 0, 1, ... (< cap) have
     tokens[at - j] == tokens[src - j] consecutively; a pair with src < 0 counts 0. Most pairs
-    differ at j = 0; the rest get one [P', cap] comparison and its first mismatch (a step's ~1000
-    pairs: ~25 µs, where narrowing the live pairs j by j took ~150 µs)."""
+    differ at j = 0; the rest get one [P', cap] comparison and its first mismatch (one vectorised
+    pass instead of narrowing the live pairs j by j)."""
     runs = np.zeros(at.shape, dtype=np.int64)
     live = np.flatnonzero(src >= 0)
     live = live[tokens[at[live]] == tokens[src[live]]]
@@ -252,14 +256,11 @@ class NewlineRuns:
     a word to its own piece, so a prompt's two blank lines between functions, "\\n\\n\\ndef",
     are `\\n\\n` `\\n` `def`, while an answer that keeps one blank line, as models re-emitting
     code tend to, writes `\\n` `\\n` `def`. Token by token the two never agree on the first
-    newline, so the copy broke at every such boundary: a wasted draft there and one more after it.
-    In the view both are runs of single newlines that agree up to the shorter run, and the exact
-    match picks the copy up again right after it. Drafts drawn from the view write newlines one
-    token each: the tokenizer's own form for a blank line before a word (`from_tokenizer` checks
-    it), so the form a model trained on its tokenization emits. Replayed on the bench's plain
-    greedy answers (`bench/spec_replay.py`, ≤ 10 drafts, the back-off's cost model), the
-    code-editing answers that mostly copy the prompt: 190 → 182 base forwards (with the
-    proposer's stop ids and inserted-token match on in both).
+    newline, so a copy would break at every such boundary. In the view both are runs of single
+    newlines that agree up to the shorter run, and the exact match picks the copy up again right
+    after it. Drafts drawn from the view write newlines one token each: the tokenizer's own form
+    for a blank line before a word (`from_tokenizer` checks it), so the form a model trained on
+    its tokenization emits.
 
     newline_id: the single-newline token; runs: {token id: k} for the tokens that are k newlines.
     """
@@ -309,9 +310,9 @@ def native_matchers(kernels) -> tuple:
         exact(tokens, length, max_ngram_size, max_draft_tokens, min_ngram_size, stop_ids) -> (draft, agreement)
         realigned(tokens, length, max_draft_tokens) -> (draft, matched)
 
-    Right after a forward that streamed the weights through the caches, the numpy versions' ~25
-    calls took 240 µs a step in the engine (~60 µs warm); these 61 µs (5 µs warm). Sizes are not
-    checked here."""
+    One call touches the token array and a few lines of code, where the numpy versions make ~25
+    calls, slow right after a forward that streamed the weights through the caches. Sizes are
+    not checked here."""
 
     def exact(tokens: torch.Tensor, length: int, max_ngram_size: int, max_draft_tokens: int,
               min_ngram_size: int = 1, stop_ids: Sequence[int] = ()) -> tuple[list[int], int]:

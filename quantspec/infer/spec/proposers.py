@@ -24,18 +24,16 @@ each sequence gets k_b drafts chosen by a small cost model instead of always the
 
 The n-gram drafter keeps these estimates per agreement class of its match (1 token, 2-3, 4 or
 more: `agreement_kind`), so a sequence stops drafting after weak 1-token matches without giving
-up the long copies that follow them (simulated on the bench's plain greedy answers with this
-cost model: tokens per forward 3.27 → 3.37 on the copy prompts, 1.28 → 1.38 on chat).
+up the long copies that follow them (`bench/spec_replay.py` replays the policies).
 
 k_b = 0 is a plain decode step for that sequence (and a model drafter skips it entirely). A
 backed-off sequence probes again after `probe_interval` plain steps, with the k an optimistic
-estimate (the prior) would choose (8 drafts for a free drafter such as n-gram allowed ≥ 8, on
-the packed-CPU cost model). Each probe that does not bring it back
-doubles the interval up to `max_probe_interval`. A drafter that could not pay for itself even
-if every draft were accepted (best k at a1 = ac = 1 is 0, e.g. a quantized draft that decodes
-no faster than the base on this CPU) never drafts at all. The worst-case overhead on text where nothing
-is ever accepted is therefore about (C(probe k) - 1) / max_probe_interval (≈ 1.3% for n-gram on a
-CPU) plus the few steps it takes the estimates to fall. The policy depends
+estimate (the prior) would choose. Each probe that does not bring it back doubles the interval up
+to `max_probe_interval`. A drafter that could not pay for itself even if every draft were
+accepted (best k at a1 = ac = 1 is 0, e.g. a quantized draft that decodes no faster than the
+base) never drafts at all. The worst-case overhead on text where nothing is ever accepted is
+therefore about (C(probe k) - 1) / max_probe_interval plus the few steps it takes the estimates
+to fall. The policy depends
 only on the sequence's own history (not on time or batch neighbours), so seeded sampling stays
 reproducible and batch-invariant; it never changes a greedy result, and sampled results remain
 distributed exactly as without speculation (the verifier is lossless for any k).
@@ -50,13 +48,8 @@ import numpy as np
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.spec.ngram import (
-    NewlineRuns,
-    native_matchers,
-    propose_ngram,
-    propose_ngram_match,
-    realigned_match,
-)
+from quantspec.infer.spec.ngram import NewlineRuns, propose_ngram, propose_ngram_match, realigned_match
+from quantspec.infer.spec.types import SpecProposal
 
 __all__ = [
     "MAX_DRAFT_TOKENS",
@@ -66,6 +59,7 @@ __all__ = [
     "ReferenceProposer",
     "validate_spec_config",
     "build_proposer",
+    "loaded_runtime",
 ]
 
 MAX_DRAFT_TOKENS = 16  # upper bound of --speculate-max-draft-token-num
@@ -82,26 +76,12 @@ class SpecCost:
     draft_per_token:  the drafter's cost per drafted token (0 for n-gram; ≈ the draft model's
                       decode step over the base's for a draft model).
 
-    Measured on this project's CPU (SmolLM2-135M fp32, in the engine, batch 1, 250-700-token
-    context): with the model on quantspec's packed GEMM (`infer/dense_linear.PackedLinear`, every
-    row one FMA chain, weights streamed once for all rows) a forward of 1 + k rows costs, over a
-    1-row decode forward, at 2 threads 1.01-1.03x (k=1), 1.06-1.12x (2), 1.23-1.27x (4),
-    1.31-1.45x (6), 1.38-1.41x (8), 1.51x (10), 1.67x (12), 1.84-1.95x (16): one row streams the
-    weights (memory-bound), a few more ride along, and beyond ~4 rows each row adds FMAs that
-    do not overlap the weight stream well (11 rows: 105-170 GFLOP/s, noisy, where the same kernel
-    reaches ~210 GFLOP/s in prefill and the two cores' FMA peak is ~230; `bench/kernels_cpu.py`
-    rate table); re-measured after the per-row ops went to the threads (a decode step 16.8 →
-    15.2 ms, fastest of 12 interleaved runs): 1.07x (k=2), 1.14x (4), 1.26x (6), 1.40x (8),
-    1.58x (10), 1.75x (12), 2.0x (16) (medians 1.01-1.83x): the step got cheaper, its extra rows
-    did not. So 0 + 0.05 per draft row
-    (`packed_cpu=True`; at 1 thread, where one row is slower to stream, it was 1.0-1.2x for
-    k = 1..10). `bench/spec_cost.py` measures whole engine steps per k beside this model (session
-    13, 256 tokens of context, medians / fastest: 1.05x / 1.13x (k=4), 1.35x / 1.46x (8), 1.54x /
-    1.66x (10), 2.10x / 2.28x (16)). With the row-major kernels (quantized linears, or torch's
-    ops) it was 1.26x (k=3), 1.83x (k=5), 1.94x (k=7): 0 + 0.15 per draft row. Quantized bf16
-    bases on the AVX512-BF16 pair path (session 17, int8 artifact, medians) measure 1.24x (k=4),
-    1.90x (k=10), nearer 0.06-0.09 per row, but the n-gram ran at the same speed on the copy
-    prompts with 0.15, 0.09 or 0.05, so they keep 0.15. On a GPU a few extra rows are nearly free.
+    `for_device` gives the constants per device. On a CPU a decode forward is bound by streaming
+    the weights, and extra verification rows ride along until their FMAs no longer overlap that
+    stream: a base whose every linear computes all rows in one pass over its packed weights
+    (`packed_cpu`) costs 0.05 a row, other bases 0.15. On a GPU a few extra rows are nearly free.
+    `bench/spec_cost.py` measures whole engine steps per k beside this model, to check or
+    recalibrate the constants on a device.
     """
 
     verify_fixed: float = 0.5
@@ -117,8 +97,8 @@ class SpecCost:
     @classmethod
     def for_device(cls, device: torch.device | str, draft_per_token: float = 0.0, *,
                    packed_cpu: bool = False) -> "SpecCost":
-        """The cost model for a base on `device`; `packed_cpu`: every linear of the base is a
-        `PackedLinear` (see `infer.dense_linear.all_linears_packed`)."""
+        """The cost model for a base on `device`; `packed_cpu`: every linear of the base computes
+        all rows of a step in one pass over packed weights (`Runtime.packed_rows`)."""
         if torch.device(device).type == "cuda":
             return cls(verify_fixed=0.05, verify_per_token=0.01, draft_per_token=draft_per_token)
         if packed_cpu:
@@ -165,8 +145,8 @@ class AdaptiveDraftLength:
 
     Kinds. A drafter may sort its candidates into kinds that deserve separate estimates:
     `ReferenceProposer` passes the agreement class of its n-gram match (`agreement_kind`: 1 token,
-    2-3, 4 or more), because a 1-token match is a poor bet (first draft accepted 22% of the time on
-    the bench's code-editing answers) where a long one is a near-certain run (83-100%). Each kind
+    2-3, 4 or more), because a 1-token match is a poor bet where a long one is a near-certain
+    run. Each kind
     of a sequence has its own (a1, ac) and probe clock; the outcome of a step is credited to the
     kind it drafted. A model drafter uses one kind (0).
 
@@ -196,7 +176,7 @@ class AdaptiveDraftLength:
 
     def best_k(self, a1: float, ac: float | None = None) -> int:
         """argmax_k E(k)/C(k) for first-draft acceptance a1 and run-on acceptance ac (default a1),
-        before budgets; ties go to fewer drafts. K ≤ 16 terms, a few microseconds."""
+        before budgets; ties go to fewer drafts."""
         ac = a1 if ac is None else ac
         best, best_ratio, run, term = 0, 1.0, 0.0, 1.0
         for k in range(1, self.max_draft_tokens + 1):
@@ -319,10 +299,7 @@ class ReferenceProposer:
     right after an edit of the text being copied, the last token alone matches, often in the
     wrong place), `realigned_match` looks past an insertion / deletion of up to 3 tokens on either
     side, and its draft replaces the exact one when it explains ≥ REALIGN_MIN tokens and
-    REALIGN_MARGIN more than the exact match (its agreement is then that count). Replayed on the
-    bench's plain greedy answers with the back-off's cost model, tokens per base forward on the
-    code-editing answers that mostly copy the prompt 3.36 → 3.62 (all code prompts 2.33 → 2.44,
-    chat 1.38 → 1.39).
+    REALIGN_MARGIN more than the exact match (its agreement is then that count).
 
     Where neither finds anything the last token is new to the sequence, often a word the answer
     inserts into what it copies ("```python" where the prompt has "```"): the tokens before it are
@@ -332,22 +309,20 @@ class ReferenceProposer:
     `stop_ids` (the end-of-sequence ids): a drafted stop token only costs a row, since the step's
     own token would be it. `newline_runs` (`ngram.NewlineRuns`, which `build_proposer` derives
     from the tokenizer) is the view the matchers see where the tokenizer writes blank lines as
-    single newlines. Replayed on the bench's plain greedy answers (`bench/spec_replay.py`, ≤ 10
-    drafts), the three together: the code-editing answers that mostly copy the prompt 199 → 182
-    base forwards (tokens per forward 3.68 → 4.02), all code prompts 441 → 418, chat 545 → 546.
+    single newlines. `bench/spec_replay.py` replays these choices on the bench's answers.
 
     `policy` (an `AdaptiveDraftLength`) picks k per sequence and per agreement class of the match
     (`agreement_kind`); None always asks for min(max_draft_tokens, budget).
 
-    `kernels` (quantspec's CPU extension, which `build_proposer` passes for a CPU base): match with
-    its scalar matchers (`ngram.native_matchers`: the same drafts, 61 µs a step in the engine instead
-    of 240, right after a forward whose weights leave numpy's code and data cold).
+    `matchers`: compiled twins of the two matchers (`ngram.native_matchers`, which a CPU base's
+    runtime carries): the same drafts from one scalar pass each, which stays cheap right after a
+    forward whose weights left numpy's code and data cold.
     """
 
     needs_hidden = False
 
     def __init__(self, max_ngram_size: int = 3, max_draft_tokens: int = 5, *, min_ngram_size: int = 1,
-                 policy: AdaptiveDraftLength | None = None, realign: bool = True, kernels=None,
+                 policy: AdaptiveDraftLength | None = None, realign: bool = True, matchers: tuple | None = None,
                  stop_ids: Sequence[int] = (), newline_runs: NewlineRuns | None = None):
         propose_ngram([0], max_ngram_size, max_draft_tokens, min_ngram_size)  # validates the sizes
         self.max_ngram_size, self.max_draft_tokens = max_ngram_size, max_draft_tokens
@@ -355,8 +330,8 @@ class ReferenceProposer:
         self.stop_ids, self.newline_runs = tuple(int(t) for t in stop_ids), newline_runs
         self._stop = frozenset(self.stop_ids)
         self._buffers: dict[int, _TokenBuffer] = {}
-        # `kernels` (quantspec's CPU extension): its scalar matchers, the same drafts (`native_matchers`)
-        self._native = None if kernels is None else native_matchers(kernels)
+        # compiled twins of the two matchers (`ngram.native_matchers`): the same drafts
+        self._native = matchers
 
     def match(self, tokens: np.ndarray, cap: int, buffer: torch.Tensor | None = None) -> tuple[list[int], int]:
         """(draft, agreement) for a sequence's tokens (int64), at most `cap` drafts (class
@@ -386,7 +361,8 @@ class ReferenceProposer:
             return propose_ngram_match(tokens[:n], self.max_ngram_size, cap, self.min_ngram_size, stop_ids)
         return self._native[0](buffer, n, self.max_ngram_size, cap, self.min_ngram_size, stop_ids)
 
-    def propose(self, seqs: list, budgets: list[int]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
+    def propose(self, seqs: list, budgets: list[int]) -> SpecProposal:
+        """Deterministic drafts (no probs) for each sequence, at most its budget."""
         drafts: list[list[int]] = []
         for seq, budget in zip(seqs, budgets):
             cap = min(self.max_draft_tokens, budget)
@@ -400,7 +376,7 @@ class ReferenceProposer:
                 k = self.policy.num_drafts(seq, cap, agreement_kind(agreement) if draft else None)
                 draft = draft[:k]
             drafts.append(draft)
-        return drafts, [None] * len(seqs)
+        return SpecProposal.from_token_lists(drafts)
 
     def release(self, seq) -> None:
         self._buffers.pop(seq.seq_id, None)
@@ -439,6 +415,15 @@ def validate_spec_config(config) -> None:
         raise QuantSpecError("--draft-model needs --speculate-method draft or mtp")
 
 
+def loaded_runtime(loaded):
+    """The runtime the backend prepared for a `LoadedModel` (or the device's default runtime for
+    an object that only carries a `model`)."""
+    from quantspec.infer.backend import default_runtime
+
+    runtime = getattr(loaded, "runtime", None)
+    return runtime if runtime is not None else default_runtime(loaded.model.model.norm.weight.device)
+
+
 def build_proposer(config, loaded):
     """The proposer for `config.speculate_method` and the most drafts it proposes per step.
 
@@ -449,18 +434,11 @@ def build_proposer(config, loaded):
     method, k = config.speculate_method, config.speculate_max_draft_token_num
     if method == "none":
         return None, 0
-    device = loaded.model.model.norm.weight.device
+    runtime = loaded_runtime(loaded)
     if method == "inference_with_reference":
-        from quantspec.infer.dense_linear import all_linears_packed
-
-        cost = SpecCost.for_device(device, packed_cpu=all_linears_packed(loaded.model))
+        cost = SpecCost.for_device(runtime.device, packed_cpu=runtime.packed_rows)
         policy = AdaptiveDraftLength(k, cost) if getattr(config, "speculate_backoff", True) else None
-        kernels = None
-        if device.type == "cpu":  # a CPU base has the extension built already (where it can run)
-            from quantspec.kernels.cpu import cpu_kernels
-
-            kernels = cpu_kernels()
-        proposer = ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy, kernels=kernels,
+        proposer = ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy, matchers=runtime.ngram,
                                      stop_ids=getattr(loaded, "eos_token_ids", ()),
                                      newline_runs=NewlineRuns.from_tokenizer(getattr(loaded, "tokenizer", None)))
         return proposer, k
@@ -468,7 +446,7 @@ def build_proposer(config, loaded):
         from quantspec.infer.spec.draft import build_draft_proposer
 
         return build_draft_proposer(config, loaded), k
-    if method == "mtp":  # G2: the MTP module and its proposer live in infer/spec/mtp.py
+    if method == "mtp":
         from quantspec.infer.spec.mtp import build_mtp_proposer
 
         return build_mtp_proposer(config, loaded)

@@ -1,9 +1,10 @@
 """The dataclasses where proposers and the verifier meet: `SpecProposal` (what every drafter
 returns for a batch) and `VerifyResult` (what `verify` returns).
 
-Only the engine knows both a drafter and the target model; drafters build a `SpecProposal`,
-the engine runs one target forward over the 1 + k_b positions of every sequence, and `verify`
-turns the target logits into a `VerifyResult`.
+Only the engine knows both a drafter and the target model; drafters return a `SpecProposal`
+from `propose(seqs, budgets)`, the engine runs one target forward over the 1 + k_b positions of
+every sequence, and `verify_proposal` turns the target's logits (or its greedy ids) into a
+`VerifyResult`.
 """
 
 from __future__ import annotations
@@ -73,6 +74,10 @@ class SpecProposal:
     ) -> SpecProposal:
         """A deterministic proposal (no draft probs) from plain lists of token ids."""
         return cls([torch.tensor(list(d), dtype=torch.int64, device=device) for d in drafts])
+
+    def token_lists(self) -> list[list[int]]:
+        """The draft ids of each sequence as a list of ints."""
+        return [t.tolist() for t in self.draft_token_ids]
 
     @property
     def batch_size(self) -> int:

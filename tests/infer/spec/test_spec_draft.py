@@ -292,7 +292,7 @@ def test_padding_only_vocab_difference_is_accepted(tiny_llama_dir, padded_other_
 
 
 def test_build_proposer_loads_and_checks_the_draft(tiny_llama_dir, padded_other_dir, tmp_path):
-    """Through `build_proposer` (the loader E1 owns): a padded draft is accepted, a draft with a
+    """Through `build_proposer` (loading the draft with `load_for_inference`): a padded draft is accepted, a draft with a
     different tokenizer is refused naming both models."""
     loader = pytest.importorskip("quantspec.infer.loader")
     from quantspec.infer.predictor import InferConfig
@@ -323,7 +323,7 @@ def test_int8_draft_head_is_lossless_and_drafts_with_its_codes(base, close_draft
     """A draft scored by `int8_draft_head`: greedy output identical to plain decoding (batch 1 and a
     mixed batch), drafts that are the argmax of norm(h) @ (codes × scales)ᵀ over the common
     vocabulary (padding rows dropped), and a head that differs from the draft's own."""
-    from quantspec.infer.dense_linear import PackedInt8Linear
+    from quantspec.infer.cpu.linears import PackedInt8Linear
     from quantspec.infer.spec.draft import int8_draft_head
     from quantspec.kernels.cpu import cpu_kernels
 

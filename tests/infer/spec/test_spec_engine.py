@@ -13,6 +13,7 @@ from quantspec.infer.engine import Engine, EngineConfig, SeqStats
 from quantspec.infer.predictor import InferConfig
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost, build_proposer
+from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import load_model
 
 torch.set_num_threads(1)
@@ -74,7 +75,8 @@ class _Oracle:
         self.answer = answer
 
     def propose(self, seqs, budgets):
-        return [self.answer[len(s.output_ids):len(s.output_ids) + b] for s, b in zip(seqs, budgets)], [None] * len(seqs)
+        return SpecProposal.from_token_lists([self.answer[len(s.output_ids):len(s.output_ids) + b]
+                                              for s, b in zip(seqs, budgets)])
 
     def release(self, seq):
         pass
@@ -298,12 +300,13 @@ def test_reference_proposer_asks_the_policy_per_agreement_class():
     policy.num_drafts = lambda seq, budget, kind=0: asked.append((budget, kind)) or orig(seq, budget, kind)
     seq = SimpleNamespace(seq_id=0, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], output_ids=[1, 2, 3, 4, 5],
                           stats=SeqStats())
-    drafts, probs = prop.propose([seq], [3])
-    assert drafts == [[6, 7, 8]] and probs == [None] and asked == [(3, 2)]  # 5 tokens agree → kind 2
+    proposal = prop.propose([seq], [3])
+    assert proposal.token_lists() == [[6, 7, 8]] and proposal.draft_probs is None  # deterministic drafts
+    assert asked == [(3, 2)]  # 5 tokens agree → kind 2
     short = SimpleNamespace(seq_id=1, prompt_ids=[1, 2, 3, 4, 5, 6, 7, 8, 9], output_ids=[9, 3], stats=SeqStats())
-    assert prop.propose([short], [4])[0] == [[4, 5, 6, 7]] and asked[-1] == (4, 0)  # "9 3" is new: 1 token
+    assert prop.propose([short], [4]).token_lists() == [[4, 5, 6, 7]] and asked[-1] == (4, 0)  # "9 3" is new: 1 token
     short.output_ids.append(42)  # no match: the policy still hears of the step, with no candidate
-    assert prop.propose([short], [4])[0] == [[]] and asked[-1] == (4, None)
+    assert prop.propose([short], [4]).token_lists() == [[]] and asked[-1] == (4, None)
 
 
 def test_reference_proposer_realigns_only_short_matches(monkeypatch):
@@ -326,12 +329,12 @@ def test_reference_proposer_realigns_only_short_matches(monkeypatch):
         policy.num_drafts = lambda seq, budget, kind=0, orig=orig: asked.append(kind) or orig(seq, budget, kind)
         prop = ReferenceProposer(3, 4, policy=policy, realign=realign)
         seq = SimpleNamespace(seq_id=0, prompt_ids=prompt, output_ids=list(answer), stats=SeqStats())
-        assert prop.propose([seq], [4])[0] == [expect] and asked == [kind]
+        assert prop.propose([seq], [4]).token_lists() == [expect] and asked == [kind]
     assert calls == [len(prompt) + len(answer)]  # the realign=False proposer never searched
     # a long exact match (the answer now copies "def f(x)"): kept, no search
     prop = ReferenceProposer(3, 4)
     seq = SimpleNamespace(seq_id=1, prompt_ids=prompt, output_ids=answer + [2, 3, 4], stats=SeqStats())
-    assert prop.propose([seq], [4])[0] == [[1, 5, 4, 1]] and len(calls) == 1
+    assert prop.propose([seq], [4]).token_lists() == [[1, 5, 4, 1]] and len(calls) == 1
 
 
 def test_backoff_bounds_the_cost_when_drafts_are_poor(model):
@@ -359,9 +362,9 @@ def test_backoff_bounds_the_cost_when_drafts_are_poor(model):
 def test_proposer_respects_budgets(model):
     seq = _run(model, [[5, 6, 7, 5, 6, 7, 5, 6]], SamplingParams(max_new_tokens=1))[0]
     prop = ReferenceProposer(3, 5)
-    drafts, probs = prop.propose([seq], [2])
-    assert len(drafts[0]) <= 2 and probs == [None]
-    assert prop.propose([seq], [0])[0] == [[]]
+    proposal = prop.propose([seq], [2])
+    assert len(proposal.token_lists()[0]) <= 2 and proposal.draft_probs is None
+    assert prop.propose([seq], [0]).token_lists() == [[]]
     prop.release(seq)
 
 

@@ -89,7 +89,8 @@ def test_sampled_drafts_carry_their_distribution(base, random_mtp):
     seq = SimpleNamespace(last_hidden=torch.randn(base.args.hidden_size), tokens=[5, 6, 7],
                           params=SamplingParams(decode_strategy="sampling", top_k=20), generator=g)
     greedy = SimpleNamespace(last_hidden=seq.last_hidden, tokens=[5, 6, 7], params=SamplingParams(), generator=None)
-    drafts, probs = proposer.propose([seq, greedy], [3, 2])
+    proposal = proposer.propose([seq, greedy], [3, 2])
+    drafts, probs = proposal.token_lists(), proposal.draft_probs
     assert len(drafts[0]) == 3 and len(drafts[1]) == 2 and probs[1] is None
     q = probs[0]  # [3, V]
     assert q.shape == (3, base.args.vocab_size)
@@ -112,7 +113,8 @@ def test_sampled_drafts_follow_the_returned_q(base, random_mtp):
     n = 600
     seqs = [SimpleNamespace(last_hidden=hidden, tokens=[7], params=params,
                             generator=torch.Generator().manual_seed(i)) for i in range(n)]
-    drafts, probs = proposer.propose(seqs, [1] * n)
+    proposal = proposer.propose(seqs, [1] * n)
+    drafts, probs = proposal.token_lists(), proposal.draft_probs
     q = probs[0][0]
     assert all(torch.equal(p[0], q) for p in probs)
     support = q.nonzero().flatten().tolist()
@@ -236,7 +238,7 @@ def test_confidence_gate_is_lossless_and_drops_unsure_drafts(base, trained_mtp):
     seq = seqs[0]
     seq.last_hidden = base(torch.tensor(seq.tokens[:-1]), torch.arange(seq.num_tokens - 1),
                            DenseCausalAttention(1, seq.num_tokens - 1))[-1]
-    (draft,), _ = prop.propose([seq], [4])
+    (draft,) = prop.propose([seq], [4]).token_lists()
     assert draft  # the trained module is sure of its first draft here
     mtp, h, tok = prop.mtp, seq.last_hidden[None], torch.tensor([seq.tokens[-1]])
     with torch.no_grad():

@@ -354,8 +354,9 @@ def test_native_matchers_equal_the_numpy_ones(vocab, length):
 
 
 def test_the_proposer_takes_the_native_matchers_on_a_cpu_base(monkeypatch):
-    """`build_proposer` hands a CPU base's n-gram proposer the extension; its drafts over a
-    copy-with-edits sequence are those of the numpy matchers step by step."""
+    """`build_proposer` hands a CPU base's n-gram proposer the extension's matchers (its runtime's
+    `ngram`); its drafts over a copy-with-edits sequence are those of the numpy matchers step by
+    step."""
     from types import SimpleNamespace
 
     from quantspec.infer.spec import proposers
@@ -367,7 +368,6 @@ def test_the_proposer_takes_the_native_matchers_on_a_cpu_base(monkeypatch):
     loaded.model.model = SimpleNamespace(norm=SimpleNamespace(weight=torch.zeros(1)))
     config = SimpleNamespace(speculate_method="inference_with_reference", speculate_max_draft_token_num=10,
                              speculate_max_ngram_size=3, draft_model=None, speculate_backoff=False)
-    monkeypatch.setattr("quantspec.infer.dense_linear.all_linears_packed", lambda m: True)
     native, _ = proposers.build_proposer(config, loaded)
     assert native._native is not None and native.stop_ids == (3,)
     ref = proposers.ReferenceProposer(3, 10, stop_ids=[3])
@@ -379,7 +379,9 @@ def test_the_proposer_takes_the_native_matchers_on_a_cpu_base(monkeypatch):
     for n in range(len(answer)):
         seq.output_ids = answer[:n].tolist()
         tokens = np.concatenate([prompt, answer[:n]]).astype(np.int64)
-        assert native.propose([seq], [10]) == ref.propose([seq], [10]) == ([ref.match(tokens, 10)[0]], [None])
+        got, want = native.propose([seq], [10]), ref.propose([seq], [10])
+        assert got.token_lists() == want.token_lists() == [ref.match(tokens, 10)[0]]
+        assert got.draft_probs is None and want.draft_probs is None
         assert native.match(tokens, 10) == ref.match(tokens, 10)
 
 
@@ -411,21 +413,24 @@ def test_the_proposer_stops_drafts_at_a_stop_token_and_matches_past_a_new_token(
     from quantspec.infer.spec.proposers import ReferenceProposer
     from quantspec.kernels.cpu import cpu_kernels
 
+    from quantspec.infer.spec.ngram import native_matchers
+
     kernels = cpu_kernels() if native else None
     if native and kernels is None:
         pytest.skip("quantspec's CPU kernels are not built here")
+    matchers = native_matchers(kernels) if native else None
     EOS, NL, FENCE, PY = 2, 8, 50, 77
     prompt = [30, 31, NL, FENCE, NL, 60, 61, 62, NL, 63, NL, FENCE, EOS, 1, 40, NL]
-    ref = ReferenceProposer(3, 5, stop_ids=[EOS], kernels=kernels)
-    assert ref.propose([_ref_seq(prompt, [FENCE, PY])], [5])[0] == [[NL, 60, 61, 62, NL]]
+    ref = ReferenceProposer(3, 5, stop_ids=[EOS], matchers=matchers)
+    assert ref.propose([_ref_seq(prompt, [FENCE, PY])], [5]).token_lists() == [[NL, 60, 61, 62, NL]]
     # without stop ids the closing fence (the most recent) wins, and the draft is the turn's end
-    bare = ReferenceProposer(3, 5, kernels=kernels)
-    assert bare.propose([_ref_seq(prompt, [FENCE, PY])], [5])[0] == [[EOS, 1, 40, NL, FENCE]]
+    bare = ReferenceProposer(3, 5, matchers=matchers)
+    assert bare.propose([_ref_seq(prompt, [FENCE, PY])], [5]).token_lists() == [[EOS, 1, 40, NL, FENCE]]
     # a draft is cut before the stop token: [63, NL, FENCE] and not the EOS after it
-    assert ref.propose([_ref_seq(prompt, [FENCE, NL, 60, 61, 62, NL, 63])], [5])[0] == [[NL, FENCE]]
-    assert bare.propose([_ref_seq(prompt, [FENCE, NL, 60, 61, 62, NL, 63])], [5])[0] == [[NL, FENCE, EOS, 1, 40]]
+    assert ref.propose([_ref_seq(prompt, [FENCE, NL, 60, 61, 62, NL, 63])], [5]).token_lists() == [[NL, FENCE]]
+    assert bare.propose([_ref_seq(prompt, [FENCE, NL, 60, 61, 62, NL, 63])], [5]).token_lists() == [[NL, FENCE, EOS, 1, 40]]
     # one agreeing token before the new one is too weak (INSERTION_MIN = 2): nothing
-    assert ref.propose([_ref_seq(prompt, [45, 61, PY])], [5])[0] == [[]]
+    assert ref.propose([_ref_seq(prompt, [45, 61, PY])], [5]).token_lists() == [[]]
 
 
 def _byte_bpe(newline_pieces: bool):
@@ -475,27 +480,30 @@ def test_the_newline_view_picks_the_copy_up_after_a_dropped_blank_line(native):
     from quantspec.infer.spec.proposers import ReferenceProposer, _TokenBuffer
     from quantspec.kernels.cpu import cpu_kernels
 
+    from quantspec.infer.spec.ngram import native_matchers
+
     kernels = cpu_kernels() if native else None
     if native and kernels is None:
         pytest.skip("quantspec's CPU kernels are not built here")
+    matchers = native_matchers(kernels) if native else None
     NL, NN = 8, 100
     view = NewlineRuns(NL, {NN: 2})
     f1 = [20, 21, 22, 23, 24]  # "    return x"
     f2 = [30, 31, 32, 33]  # "def g(y):"
     prompt = [40, 41, NL] + f1 + [NN, NL] + f2 + [NL, 42, 43]
     out = [40, 41, NL] + f1 + [NL]
-    flat = ReferenceProposer(3, 4, kernels=kernels)
-    seen = ReferenceProposer(3, 4, kernels=kernels, newline_runs=view)
+    flat = ReferenceProposer(3, 4, matchers=matchers)
+    seen = ReferenceProposer(3, 4, matchers=matchers, newline_runs=view)
     # the view drafts the prompt's three newlines: the first is right, and the step's own token
     # (the function) puts the answer back on the copy; token by token no newline follows f1's end
-    assert seen.propose([_ref_seq(prompt, out)], [4])[0] == [[NL, NL, 30, 31]]
-    assert flat.propose([_ref_seq(prompt, out)], [4])[0][0][:1] != [NL]
-    assert seen.propose([_ref_seq(prompt, out + [NL, 30])], [4])[0] == [[31, 32, 33, NL]]
+    assert seen.propose([_ref_seq(prompt, out)], [4]).token_lists() == [[NL, NL, 30, 31]]
+    assert flat.propose([_ref_seq(prompt, out)], [4]).token_lists()[0][:1] != [NL]
+    assert seen.propose([_ref_seq(prompt, out + [NL, 30])], [4]).token_lists() == [[31, 32, 33, NL]]
 
     def forwards(proposer, answer):  # greedy steps to produce `answer` after its first token
         seq, n, steps = _ref_seq(prompt, answer[:1]), 1, 0
         while n < len(answer):
-            draft = proposer.propose([seq], [4])[0][0]
+            draft = proposer.propose([seq], [4]).token_lists()[0]
             a = 0
             while a < len(draft) and n + a < len(answer) and draft[a] == answer[n + a]:
                 a += 1

@@ -1,6 +1,6 @@
-"""The MTP draft step in one C++ call (`FusedMTPStep`) and the int8 draft head: bitwise the
-modules' result for fp32 and quantized MTP artifacts, the modules run wherever the plan would not
-be their computation, and the int8 head computes with its codes × scales."""
+"""The MTP draft step in one C++ call (`infer/cpu/mtp_step.py`) and the int8 draft head: bitwise
+the modules' result for fp32 and quantized MTP artifacts, the modules run wherever the plan would
+not be their computation, and the int8 head computes with its codes × scales."""
 
 import json
 from types import SimpleNamespace
@@ -8,7 +8,10 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from quantspec.infer.spec.mtp import FusedMTPStep, build_mtp_proposer, load_mtp_for_inference, mtp_draft_cost
+from quantspec.infer.backend import prepare
+from quantspec.infer.cpu.linears import PackedInt8Linear
+from quantspec.infer.cpu.mtp_step import CpuMTPStep
+from quantspec.infer.spec.mtp import build_mtp_proposer, load_mtp_for_inference, mtp_draft_cost
 from quantspec.kernels.cpu import cpu_kernels
 from quantspec.model_zoo.mtp import save_mtp
 from quantspec.model_zoo.mtp_train import init_mtp
@@ -42,6 +45,12 @@ def mtp_dirs(base, tmp_path_factory):
     return dirs
 
 
+def _prepared(path, base):
+    """An MTP artifact loaded for `base` and prepared for the CPU → (module, its runtime)."""
+    mtp = load_mtp_for_inference(path, base)
+    return mtp, prepare(mtp, "cpu")
+
+
 def _inputs(mtp, rows, seed=0):
     g = torch.Generator().manual_seed(seed)
     D = mtp.args.block.hidden_size
@@ -52,30 +61,30 @@ def _inputs(mtp, rows, seed=0):
 
 @pytest.mark.parametrize("which", ["fp32", "weight_only_int8", "weight_only_int4"])
 def test_fused_step_equals_the_modules_bitwise(base, mtp_dirs, which):
-    mtp = load_mtp_for_inference(mtp_dirs[which], base)
-    step = FusedMTPStep.build(mtp)
-    assert step is not None
+    mtp, runtime = _prepared(mtp_dirs[which], base)
+    step, head = runtime.draft_step, runtime.draft_head
+    assert isinstance(step, CpuMTPStep)
     with torch.inference_mode():
         for rows in (1, 3, 9):
             h, tok = _inputs(mtp, rows, seed=rows)
             got_h, got_logits = step(h, tok)
             want_h = mtp(h, tok)
-            want_logits = mtp.draft_logits(want_h)
+            want_logits = mtp.draft_logits(want_h, head)
             assert torch.equal(got_h, want_h) and torch.equal(got_logits, want_logits)
             # chained: the second depth starts from the first depth's hidden state
             h2, l2 = step(got_h, got_logits.argmax(-1))
             assert torch.equal(h2, mtp(want_h, want_logits.argmax(-1)))
-            assert torch.equal(l2, mtp.draft_logits(h2))
+            assert torch.equal(l2, mtp.draft_logits(h2, head))
 
 
 def test_a_broken_plan_would_be_caught(base, mtp_dirs, monkeypatch):
     """The comparison above can fail: a plan built over another module's weights (the eh_proj
     of a differently seeded MTP) gives other hidden states."""
-    mtp = load_mtp_for_inference(mtp_dirs["fp32"], base)
+    mtp, runtime = _prepared(mtp_dirs["fp32"], base)
     other = save_mtp(init_mtp(base, torch.arange(0, base.args.vocab_size, 3), seed=9), mtp_dirs["fp32"].parent / "other")
-    wrong = load_mtp_for_inference(other, base)
+    wrong, _ = _prepared(other, base)
     mtp.model.eh_proj, keep = wrong.model.eh_proj, mtp.model.eh_proj
-    step = FusedMTPStep.build(mtp)
+    step = CpuMTPStep.build(mtp, runtime.draft_head)
     mtp.model.eh_proj = keep  # the plan holds the other weights; the check below sees the swap ...
     h, tok = _inputs(mtp, 2)
     with torch.inference_mode():
@@ -86,8 +95,8 @@ def test_a_broken_plan_would_be_caught(base, mtp_dirs, monkeypatch):
 
 
 def test_the_modules_run_where_the_plan_would_not_be_their_computation(base, mtp_dirs, monkeypatch):
-    mtp = load_mtp_for_inference(mtp_dirs["weight_only_int8"], base)
-    step = FusedMTPStep.build(mtp)
+    mtp, runtime = _prepared(mtp_dirs["weight_only_int8"], base)
+    step = runtime.draft_step
     h, tok = _inputs(mtp, 2)
     with torch.inference_mode():
         assert step(h, tok) is not None
@@ -97,7 +106,7 @@ def test_the_modules_run_where_the_plan_would_not_be_their_computation(base, mtp
         handle = torch.nn.modules.module.register_module_forward_hook(lambda *a: None)
         assert step(h, tok) is None  # a global hook too
         handle.remove()
-        handle = mtp._shared["head_op"].register_forward_pre_hook(lambda *a: None)
+        handle = runtime.draft_head.register_forward_pre_hook(lambda *a: None)
         assert step(h, tok) is None  # and one on the draft head
         handle.remove()
         assert step(h, tok) is not None
@@ -108,23 +117,22 @@ def test_the_modules_run_where_the_plan_would_not_be_their_computation(base, mtp
         mtp.model.norm.weight = torch.nn.Parameter(mtp.model.norm.weight.detach().clone())
         assert step(h, tok) is None  # a re-assigned tensor
     monkeypatch.setenv("QUANTSPEC_FUSED_LAYERS", "0")
-    assert FusedMTPStep.build(mtp) is None
+    assert CpuMTPStep.build(mtp, runtime.draft_head) is None
     monkeypatch.delenv("QUANTSPEC_FUSED_LAYERS")
     from quantspec.model_zoo.mtp import load_mtp
 
-    assert FusedMTPStep.build(load_mtp(mtp_dirs["fp32"], base)) is None  # torch's modules: no plan
+    plain = load_mtp(mtp_dirs["fp32"], base)
+    assert CpuMTPStep.build(plain, _prepared(mtp_dirs["fp32"], base)[1].draft_head) is None  # torch's modules: no plan
 
 
 def test_proposer_drafts_through_the_plan_and_the_int8_head(base, mtp_dirs):
     """The factory's proposer takes the plan; its head is the int8 draft head, whose output is
     its codes × scales, within int8 rounding of the fp32 head."""
-    from quantspec.infer.dense_linear import PackedInt8Linear
-
     config = SimpleNamespace(draft_model=str(mtp_dirs["fp32"]), speculate_max_draft_token_num=2)
     proposer, _ = build_mtp_proposer(config, SimpleNamespace(model=base))
     mtp = proposer.mtp
-    assert proposer.fused is not None
-    head = mtp._shared["head_op"]
+    assert proposer.step is not None
+    head = proposer.head
     assert type(head) is PackedInt8Linear
     w = mtp._shared["head"]  # the fp32 rows it was rounded from
     deq = head.dense_weight()
@@ -134,5 +142,5 @@ def test_proposer_drafts_through_the_plan_and_the_int8_head(base, mtp_dirs):
     with torch.inference_mode():
         torch.testing.assert_close(head(x), x @ deq.t(), rtol=1e-5, atol=1e-5)
     # the back-off's cost model counts bytes: an int8 MTP drafts cheaper than the fp32 one
-    q8 = load_mtp_for_inference(mtp_dirs["weight_only_int8"], base)
-    assert mtp_draft_cost(q8, base) < mtp_draft_cost(mtp, base)
+    q8, q8_runtime = _prepared(mtp_dirs["weight_only_int8"], base)
+    assert mtp_draft_cost(q8, base, q8_runtime.draft_head) < mtp_draft_cost(mtp, base, head)

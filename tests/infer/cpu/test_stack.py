@@ -1,4 +1,4 @@
-"""The decoder stack in one C++ call (`infer/fused_layers.py`): bitwise the module path's hidden
+"""The decoder stack in one C++ call (`infer/cpu/stack.py`): bitwise the module path's hidden
 states in prefill, decode and verification steps, for fp32, int8 and int4 models; the modules
 run wherever the plan would not compute what they compute."""
 
@@ -6,10 +6,9 @@ import pytest
 import torch
 from torch import nn
 
-from quantspec.infer.fused_layers import ENV_SWITCH, FusedDecoderLayers, use_fused_layers
+from quantspec.infer.cpu.stack import ENV_SWITCH, CpuLayerStack
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.loader import load_for_inference
-from quantspec.infer.step_rows import decode_step
 from quantspec.kernels.cpu import cpu_kernels
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
@@ -36,15 +35,18 @@ def models(tmp_path_factory):
 _PICKS = ([36, 3, 56], [1, 0], [3, 4], [1, 2, 3, 4, 5, 6, 7])
 
 
-def _steps(model, *, kv_dtype="auto", pick=False):
-    """A scripted run on a fresh cache: two prompts prefilled together, a decode step, and two
-    verification steps where the sequences bring different numbers of rows → all hidden states
-    (`pick`: only the rows `_PICKS` asks for, through the forward's `out_rows`)."""
+def _steps(model, runtime, *, stack=True, kv_dtype="auto", pick=False):
+    """A scripted run on a fresh cache (its attention kernel from `runtime`): two prompts
+    prefilled together, a decode step, and two verification steps where the sequences bring
+    different numbers of rows → all hidden states (`pick`: only the rows `_PICKS` asks for,
+    through the forward's `out_rows`); `stack`: through the runtime's stack runner (else the
+    modules)."""
     a = model.args
     scales = {} if kv_dtype == "auto" else {"k_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05),
                                              "v_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05)}
     cache = PagedKVCache(num_layers=a.num_layers, num_blocks=16, block_size=16, num_kv_heads=a.num_kv_heads,
-                         head_dim=a.head_dim, dtype=model.model.norm.weight.dtype, kv_dtype=kv_dtype, **scales)
+                         head_dim=a.head_dim, dtype=model.model.norm.weight.dtype, kv_dtype=kv_dtype, **scales,
+                         kernel=runtime.attention)
     tables = [cache.allocator.allocate(7), cache.allocator.allocate(7)]
     g = torch.Generator().manual_seed(0)
     lens = [0, 0]
@@ -53,10 +55,11 @@ def _steps(model, *, kv_dtype="auto", pick=False):
         ids = torch.randint(3, a.vocab_size, (sum(news),), generator=g)
         positions = torch.cat([torch.arange(lens[b], lens[b] + n) for b, n in enumerate(news)])
         seq_lens = [lens[b] + n for b, n in enumerate(news)]
-        meta = AttentionMetadata.build(news, seq_lens, tables, 16, "cpu", cache.cpu_kernel)
+        meta = AttentionMetadata.build(news, seq_lens, tables, 16, "cpu", cache.kernel)
         rows = torch.tensor(_PICKS[step]) if pick else None
-        with torch.no_grad(), (decode_step() if step else torch.no_grad()):
-            outs.append(model(ids, positions, PagedAttention(cache, meta), rows))
+        with torch.no_grad():
+            outs.append(model(ids, positions, PagedAttention(cache, meta), rows, row_invariant=step > 0,
+                              stack=runtime.stack if stack else None))
         lens = seq_lens
     return torch.cat(outs)
 
@@ -70,7 +73,7 @@ def _picked(full: torch.Tensor) -> torch.Tensor:
 def _spy(runner):
     served = []
     real = runner.serves
-    runner.serves = lambda x, attn: served.append(real(x, attn)) or served[-1]
+    runner.serves = lambda x, attn, row_invariant: served.append(real(x, attn, row_invariant)) or served[-1]
     return served
 
 
@@ -82,24 +85,24 @@ def _spy(runner):
                                         ("int8", torch.bfloat16), ("int4", torch.bfloat16),
                                         ("int4 torch op", torch.bfloat16)])
 def test_fused_stack_equals_the_modules_bitwise(models, name, dtype, monkeypatch):
-    from quantspec.infer.quant_linear import KernelPath
+    from quantspec.infer.dispatch import KernelPath
     from quantspec.kernels import cpu as cg
 
     pairs = cg.pair_path_available()
     if name == "int4 torch op":
         monkeypatch.setattr(cg, "pair_path_available", lambda: False)
         name, pairs = "int4", False
-    model = load_for_inference(models[name], dtype=dtype, tokenizer=False).model
-    runner = model.fused_layers
-    assert isinstance(runner, FusedDecoderLayers)
+    lm = load_for_inference(models[name], dtype=dtype, tokenizer=False)
+    model, runtime = lm.model, lm.runtime
+    runner = runtime.stack
+    assert isinstance(runner, CpuLayerStack)
     if name == "int4" and dtype == torch.bfloat16:
         want = KernelPath.CPU_GEMV_INT4 if pairs else KernelPath.CPU_INT4PACK
-        assert model.model.layers[0].mlp.down_proj._packed_path is want
+        assert model.model.layers[0].mlp.down_proj.prepared.row_path is want
     served = _spy(runner)
-    fused = _steps(model)
+    fused = _steps(model, runtime)
     assert served == [True] * 4  # prefill (37 + 20 rows), decode, both verification steps
-    model.fused_layers = None
-    modules = _steps(model)
+    modules = _steps(model, runtime, stack=False)
     assert torch.equal(fused, modules)
     assert fused.abs().sum() > 0
 
@@ -117,15 +120,15 @@ def test_out_rows_are_bitwise_the_full_result_s_rows(models, name, dtype, monkey
     if name == "int4 torch op":  # torch's packed int4 op (a CPU without AVX512-BF16) is row-invariant too
         monkeypatch.setattr(cg, "pair_path_available", lambda: False)
         name = "int4"
-    model = load_for_inference(models[name], dtype=dtype, tokenizer=False).model
-    served = _spy(model.fused_layers)
-    full = _steps(model)
-    picked = _steps(model, pick=True)
+    lm = load_for_inference(models[name], dtype=dtype, tokenizer=False)
+    model, runtime = lm.model, lm.runtime
+    served = _spy(runtime.stack)
+    full = _steps(model, runtime)
+    picked = _steps(model, runtime, pick=True)
     assert served == [True] * 8
     assert picked.shape == (sum(map(len, _PICKS)), model.args.hidden_size)
     assert torch.equal(picked, _picked(full))
-    model.fused_layers = None
-    assert torch.equal(_steps(model, pick=True), picked)
+    assert torch.equal(_steps(model, runtime, stack=False, pick=True), picked)
 
 
 def test_greedy_and_speculative_generation_match_transformers(models):
@@ -137,15 +140,16 @@ def test_greedy_and_speculative_generation_match_transformers(models):
     from quantspec.infer.sampler import SamplingParams
     from quantspec.infer.spec.proposers import ReferenceProposer
 
-    model = load_for_inference(models["llama"], tokenizer=False).model
-    served = _spy(model.fused_layers)
+    lm = load_for_inference(models["llama"], tokenizer=False)
+    model = lm.model
+    served = _spy(lm.runtime.stack)
     prompt = [5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9]
     hf = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     for proposer in (None, ReferenceProposer(2, 4)):
         eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=4),
-                     eos_token_ids=[], proposer=proposer)
+                     eos_token_ids=[], proposer=proposer, runtime=lm.runtime)
         seq = eng.add_request(prompt, SamplingParams(max_new_tokens=24))
         eng.run()
         assert seq.output_ids == want
@@ -153,22 +157,22 @@ def test_greedy_and_speculative_generation_match_transformers(models):
 
 
 def test_the_modules_run_where_the_plan_would_not_be_their_computation(models):
-    model = load_for_inference(models["llama"], tokenizer=False).model
-    runner = model.fused_layers
-    served = _spy(runner)
-    want = _steps(model)
+    lm = load_for_inference(models["llama"], tokenizer=False)
+    model, runtime = lm.model, lm.runtime
+    served = _spy(runtime.stack)
+    want = _steps(model, runtime)
     assert all(served)
 
     # a forward hook observes the modules: they run (and the result is the same)
     seen = []
     handle = model.model.layers[1].mlp.register_forward_hook(lambda m, i, o: seen.append(o.shape))
     served.clear()
-    assert torch.equal(_steps(model), want)
+    assert torch.equal(_steps(model, runtime), want)
     assert served == [False] * 4 and len(seen) == 4
     handle.remove()
     handle = nn.modules.module.register_module_forward_hook(lambda m, i, o: None)  # on every module
     served.clear()
-    assert torch.equal(_steps(model), want)
+    assert torch.equal(_steps(model, runtime), want)
     assert served == [False] * 4
     handle.remove()
 
@@ -178,50 +182,52 @@ def test_the_modules_run_where_the_plan_would_not_be_their_computation(models):
     plain.weight = nn.Parameter(down.dense_weight())
     model.model.layers[0].mlp.down_proj = plain
     served.clear()
-    got = _steps(model)
+    got = _steps(model, runtime)
     assert served == [False] * 4
     torch.testing.assert_close(got, want, rtol=1e-4, atol=1e-4)  # torch's linear: another summation order
-    assert not use_fused_layers(model) and model.fused_layers is None  # an unpacked linear: no plan
+    assert CpuLayerStack.build(model) is None  # an unpacked linear: no plan
     model.model.layers[0].mlp.down_proj = down
-    assert use_fused_layers(model)
+    assert CpuLayerStack.build(model) is not None
 
     # a quantized KV cache: attention is not the CPU kernel's
-    served = _spy(model.fused_layers)
-    _steps(model, kv_dtype="int8")
+    served.clear()
+    _steps(model, runtime, kv_dtype="int8")
     assert served == [False] * 4
 
 
 def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
-    assert load_for_inference(models["llama"], tokenizer=False, fuse=False).model.fused_layers is None
-    assert load_for_inference(models["llama"], dtype=torch.bfloat16, tokenizer=False).model.fused_layers is None
+    assert load_for_inference(models["llama"], tokenizer=False, fuse=False).runtime.stack is None
+    assert load_for_inference(models["llama"], dtype=torch.bfloat16, tokenizer=False).runtime.stack is None
     monkeypatch.setenv(ENV_SWITCH, "0")
-    assert load_for_inference(models["llama"], tokenizer=False).model.fused_layers is None
+    assert load_for_inference(models["llama"], tokenizer=False).runtime.stack is None
 
 
 def test_draft_step_cost_is_measured_on_the_engines_path(models):
     """`measure_step_cost` times a paged decode step, so the one-call stack is what it measures."""
     from quantspec.infer.spec.draft import measure_step_cost
 
-    model = load_for_inference(models["llama"], tokenizer=False).model
-    served = _spy(model.fused_layers)
-    assert 0.5 <= measure_step_cost(model, model) <= 2.0  # the same model: ~1 (rounded to 0.05)
+    lm = load_for_inference(models["llama"], tokenizer=False)
+    served = _spy(lm.runtime.stack)
+    rt = lm.runtime
+    assert 0.5 <= measure_step_cost(lm.model, lm.model, draft_runtime=rt, base_runtime=rt) <= 2.0  # ~1 (rounded to 0.05)
     assert served and all(served)
 
 
 def test_a_discarded_cache_is_freed(models):
-    """The plan over a cache's tensors lives with the cache, not with the model's runner."""
+    """The plan over a cache's tensors lives with the cache's kernel, not with the model's runner."""
     import gc
     import weakref
 
-    model = load_for_inference(models["llama"], tokenizer=False).model
+    lm = load_for_inference(models["llama"], tokenizer=False)
+    model, runtime = lm.model, lm.runtime
     a = model.args
     cache = PagedKVCache(num_layers=a.num_layers, num_blocks=4, block_size=16, num_kv_heads=a.num_kv_heads,
-                         head_dim=a.head_dim, dtype=torch.float32)
+                         head_dim=a.head_dim, dtype=torch.float32, kernel=runtime.attention)
     table = cache.allocator.allocate(1)
-    meta = AttentionMetadata.build([3], [3], [table], 16, "cpu", cache.cpu_kernel)
+    meta = AttentionMetadata.build([3], [3], [table], 16, "cpu", cache.kernel)
     with torch.no_grad():
-        model(torch.tensor([5, 6, 7]), torch.arange(3), PagedAttention(cache, meta))
-    assert len(cache._fused_plans) == 1
+        model(torch.tensor([5, 6, 7]), torch.arange(3), PagedAttention(cache, meta), stack=runtime.stack)
+    assert len(cache.kernel.plans) == 1
     k = weakref.ref(cache.k)
     del cache, meta
     gc.collect()

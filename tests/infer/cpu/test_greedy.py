@@ -1,15 +1,18 @@
-"""Exact greedy ids from a bf16 or int8 screen of the head (`infer/greedy_head.py`): always the
+"""Exact greedy ids from a bf16 or int8 screen of the head (`infer/cpu/greedy.py`, the screens of
+`kernels/cpu/greedy.py`): always the
 argmax of the logits the head's own kernel gives (`packed_gemm` for an fp32 head, bf16-rounded
 `packed_pairs_gemm` for a quantized artifact's bf16 head), ties to the lowest index, including
 where the approximation orders two tokens the other way."""
 
+import dataclasses
+
 import pytest
 import torch
 
-from quantspec.infer.greedy_head import (PAIR_ABS_ERR, GreedyHead, int8_screen_tables, pack_pairs, row_norms_up,
-                                         screen_bound)
+from quantspec.infer.cpu.greedy import GreedyHead
 from quantspec.infer.sampler import greedy_ids
-from quantspec.kernels.cpu import (cpu_kernels, pack_dense, pack_w8_pairs, packed_gemm, packed_pairs_gemm,
+from quantspec.kernels.cpu import (PAIR_ABS_ERR, cpu_kernels, int8_screen_tables, pack_dense, pack_pairs, pack_w8_pairs,
+                                   packed_gemm, packed_pairs_gemm, row_norms_up, screen_bound, screened_argmax_pairs,
                                    unpack_w8_pairs)
 
 pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
@@ -29,15 +32,15 @@ def _i8(x, w, exact, rel=None):
     return cpu_kernels().screened_argmax_i8(x.contiguous(), q, scale, u, t, exact, w.shape[0], r, abs_err).tolist()
 
 
-def _screen(x, w, rel=None, path="rows"):
+def _screen(x, w, rel=None, path="rows", prefetch=True):
     row_norm = row_norms_up(w)
     k = cpu_kernels()
     if path == "i8":
         return _i8(x, w, pack_dense(w), rel)
     if path == "pairs":
         rel = screen_bound(w.shape[1], bf16_x=True) if rel is None else rel
-        return k.screened_argmax_pairs(x.contiguous(), pack_pairs(w), pack_dense(w), row_norm, w.shape[0], rel,
-                                       PAIR_ABS_ERR if rel else 0.0).tolist()
+        return screened_argmax_pairs(x.contiguous(), pack_pairs(w), pack_dense(w), row_norm, w.shape[0], rel,
+                                     PAIR_ABS_ERR if rel else 0.0, prefetch=prefetch).tolist()
     rel = screen_bound(w.shape[1]) if rel is None else rel
     return k.screened_argmax(x.contiguous(), w.to(torch.bfloat16).contiguous(), pack_dense(w),
                              row_norm, w.shape[0], rel).tolist()
@@ -104,26 +107,27 @@ class _RepeatDrafter:
         self.max_draft_tokens = max_draft_tokens
 
     def propose(self, seqs, budgets):
+        from quantspec.infer.spec.types import SpecProposal
+
         drafts = []
         for seq, b in zip(seqs, budgets):
             toks = list(seq.prompt_ids) + list(seq.output_ids)
             drafts.append(toks[-min(b, self.max_draft_tokens):] if b > 0 else [])
-        return drafts, [None] * len(seqs)
+        return SpecProposal.from_token_lists(drafts)
 
     def release(self, seq) -> None:
         pass
 
 
-def _greedy_run(model, head, proposer) -> list[int]:
-    """30 greedy tokens of a repetitive prompt with `head` as the model's greedy head (None: the
-    logits), plain or with `proposer` (up to its max_draft_tokens drafts a step)."""
+def _greedy_run(lm, head, proposer) -> list[int]:
+    """30 greedy tokens of a repetitive prompt with `head` as the runtime's greedy picker (None:
+    the logits), plain or with `proposer` (up to its max_draft_tokens drafts a step)."""
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.sampler import SamplingParams
 
-    model.greedy_head = head
     drafts = proposer.max_draft_tokens if proposer is not None else 6
-    eng = Engine(model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=drafts),
-                 eos_token_ids=[], proposer=proposer)
+    eng = Engine(lm.model, EngineConfig(block_size=16, max_length=128, spec_max_draft_tokens=drafts),
+                 eos_token_ids=[], proposer=proposer, runtime=dataclasses.replace(lm.runtime, greedy=head))
     seq = eng.add_request([5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9, 300], SamplingParams(max_new_tokens=30))
     eng.run()
     return seq.output_ids
@@ -138,18 +142,17 @@ def test_engine_greedy_runs_are_unchanged(tmp_path):
     from quantspec.model_zoo.tiny import build_tiny_model
 
     src = build_tiny_model(tmp_path / "m", "llama", hidden=128, heads=2, kv_heads=1, intermediate=128, seed=2)
-    model = load_for_inference(src, tokenizer=False).model
-    head = model.greedy_head
+    lm = load_for_inference(src, tokenizer=False)
+    model, head = lm.model, lm.runtime.greedy
     assert isinstance(head, GreedyHead)
     calls = []
     real = head.__call__
     head_spy = lambda h: calls.append(h.shape[0]) or real(h)  # noqa: E731
     for proposer in (None, ReferenceProposer(2, 6), _RepeatDrafter(10)):
-        assert _greedy_run(model, head_spy, proposer) == _greedy_run(model, None, proposer)
+        assert _greedy_run(lm, head_spy, proposer) == _greedy_run(lm, None, proposer)
     assert calls and min(calls) == 1 and max(calls) <= head.max_rows
     if head.i8 is not None:  # both screens served this run
         assert any(c <= head.i8_rows for c in calls) and any(c > head.i8_rows for c in calls)
-    model.greedy_head = head
     h = torch.randn(1, 128)
     assert head(h) is not None
     with torch.no_grad():
@@ -165,28 +168,24 @@ def test_a_model_loaded_under_inference_mode(tmp_path):
 
     src = build_tiny_model(tmp_path / "m", "llama", hidden=128, heads=2, kv_heads=1, intermediate=128, seed=2)
     with torch.inference_mode():
-        model = load_for_inference(src, tokenizer=False).model
+        lm = load_for_inference(src, tokenizer=False)
         h = torch.randn(2, 128)
-        assert model.greedy_head(h) == greedy_ids(model.compute_logits(h))
+        assert lm.runtime.greedy(h) == greedy_ids(lm.model.compute_logits(h))
 
 
 @pytest.mark.skipif("pairs" not in PATHS, reason="no AVX512-BF16 here")
 def test_screen_with_and_without_prefetch():
     """The pair screen's tiles of 8 or more rows prefetch the next block of the bf16 copy
-    (`kernels.cpu.prefetch`; `bench/spec_cost.py --prefetch-ab` measures what it saves): on or
+    (`prefetch=`; `bench/spec_cost.py --prefetch-ab` measures what it saves): on or
     off, the exact ids. The prefetching tiles are handed the next block's address beside their
     own; a tile that read it in place of its own would show here (where a prefetch goes cannot
     change an id; the bench shows whether it pays)."""
-    from quantspec.kernels.cpu import prefetch
-
     g = torch.Generator().manual_seed(3)
     w = torch.randn(4099, 576, generator=g) * 0.05
     for rows in (8, 11, 12, 13):  # 13: two tiles a block, which do not prefetch
         x = torch.randn(rows, 576, generator=g) * 4
-        with prefetch(False):
-            off = _screen(x, w, path="pairs")
-        with prefetch(True):
-            on = _screen(x, w, path="pairs")
+        off = _screen(x, w, path="pairs", prefetch=False)
+        on = _screen(x, w, path="pairs", prefetch=True)
         assert on == off == _want(x, w)
 
 
@@ -321,15 +320,14 @@ def test_quantized_artifact_greedy_runs_are_unchanged(tmp_path):
 
     src = build_tiny_model(tmp_path / "m", "llama", hidden=128, heads=2, kv_heads=1, intermediate=128, seed=5)
     api.quantize(str(src), "weight_only_int8", tmp_path / "q")
-    model = load_for_inference(tmp_path / "q", dtype=torch.bfloat16, tokenizer=False).model  # as --dtype auto on CPU
-    head = model.greedy_head
+    lm = load_for_inference(tmp_path / "q", dtype=torch.bfloat16, tokenizer=False)  # as --dtype auto on CPU
+    model, head = lm.model, lm.runtime.greedy
     assert isinstance(head, GreedyHead) and head.bf16 and head.i8 is not None
     calls = []
     spy = lambda h: calls.append(h.shape[0]) or head(h)  # noqa: E731
     for proposer in (None, ReferenceProposer(2, 6), _RepeatDrafter(10)):
-        assert _greedy_run(model, spy, proposer) == _greedy_run(model, None, proposer)
-    assert calls and min(calls) == 1 and max(calls) > 7  # the int8 screen at 8-11 rows too (was 7 at most)
-    model.greedy_head = head
+        assert _greedy_run(lm, spy, proposer) == _greedy_run(lm, None, proposer)
+    assert calls and min(calls) == 1 and max(calls) > 7  # the int8 screen at 8-11 rows too
     h = torch.randn(3, 128).bfloat16()
     assert head(h) == greedy_ids(model.compute_logits(h))
     assert head(torch.randn(head.max_rows + 1, 128).bfloat16()) is None  # beyond its rows: the logits

@@ -1,0 +1,206 @@
+"""A quantized Linear's codes laid out for the CPU (`CpuWeight`), and the CPU paths over them.
+
+Layouts, by what runs (`infer/dispatch.py` picks the path):
+- quantspec's packed kernels (`kernels.cpu`, where built): int8 codes in column blocks
+  `int8_cpu` [NB, K, 32]; int4 codes as nibbles `int4_cpu` [NB, K, 16] with per-group
+  `int4_cpu_scale` / `int4_cpu_offset` [NB, G, 32]. These are then the codes' only copy
+  (`codes()` unpacks them); `bias_fp32` [N] is the bias the kernels add.
+- torch's packed ops (bf16 / fp16 models): `int8pack_scale` [N] in the model dtype beside the
+  row-major codes; `int4pack` + `int4_scales_zeros` [K/g', N, 2] (`_convert_weight_to_int4pack_for_cpu`,
+  w = (u − 8)·scale + zero with u the unsigned nibble, so zero = −zp·scale and a group of g is
+  g / g' groups of g' with repeated scales).
+- otherwise row-major int8 codes `qweight` [N, K], or for fp8 the codes upcast once to the model
+  dtype `weight_upcast` [N, K] (exact: E4M3 ⊂ bf16 ⊂ fp32; converting fp8 on CPU per call costs
+  more than the matmul).
+The row path (`row_path`: the op a decode-sized call takes, decided once) gives each row the
+same numbers whatever M.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantspec.infer.dispatch import ROW_PATHS, KernelPath, LinearKind, select_kernel
+from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
+from quantspec.kernels import cpu as cg
+from quantspec.quant.args import QuantArgs
+
+__all__ = ["CPU_INT4_GROUP_SIZES", "CpuWeight"]
+
+CPU_INT4_GROUP_SIZES = (256, 128, 64, 32)  # what `_weight_int4pack_mm_for_cpu` accepts
+CPU_INT8PACK_K_MULTIPLE = 16  # `_weight_int8pack_mm` crashes / is wrong for other K (torch 2.13)
+CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses other N
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+_LAYOUTS = ("qweight", "weight_upcast", "int4pack", "int4_scales_zeros", "int8pack_scale", "int4_cpu",
+            "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "bias_fp32")
+
+
+def _group(w: QuantArgs, K: int) -> int | None:
+    return w.group_size if w.strategy == "group" else K if w.strategy == "channel" else None
+
+
+def _gemv_layout(kind: LinearKind, w: QuantArgs, K: int) -> bool:
+    """Whether quantspec's CPU kernels take this layer's layout (int8: symmetric per channel or
+    tensor; int4: groups dividing K, or per channel)."""
+    if kind is LinearKind.W8A16:
+        return w.symmetric and w.strategy in ("channel", "tensor")
+    if kind is LinearKind.W4A16:
+        g = _group(w, K)
+        return g is not None and 0 < g and K % g == 0
+    return False
+
+
+def _int4_group(w: QuantArgs, K: int) -> int | None:
+    """Largest group size torch's CPU int4 op takes that tiles the layer's groups exactly."""
+    g = _group(w, K)
+    if g is None:
+        return None
+    for cand in CPU_INT4_GROUP_SIZES:
+        if g % cand == 0 and K % cand == 0:
+            return cand
+    return None
+
+
+def _cpu_traits(layer: QuantLinear, kind: LinearKind):
+    w, dtype, policy = layer.weight_args, layer.dtype, layer.policy
+    N, K = layer.out_features, layer.in_features
+    half = dtype in _HALF_DTYPES
+    int4_group = _int4_group(w, K) if kind is LinearKind.W4A16 and half and N % CPU_INT4PACK_N_MULTIPLE == 0 else None
+    int8pack = (kind is LinearKind.W8A16 and half and w.symmetric and w.strategy in ("channel", "tensor")
+                and K % CPU_INT8PACK_K_MULTIPLE == 0)
+    gemv = (dtype in cg.X_DTYPES and policy.fast and policy.cpu_kernels and _gemv_layout(kind, w, K)
+            and cg.cpu_kernels() is not None)
+    pairs = (gemv and dtype == torch.bfloat16 and K % 2 == 0 and cg.pair_path_available()
+             and (kind is not LinearKind.W4A16 or _group(w, K) % 2 == 0))
+    return layer_traits(layer, kind, cpu_int8pack=int8pack, cpu_int4_group=int4_group, cpu_gemv=gemv,
+                        cpu_pairs=pairs)
+
+
+class CpuWeight(PreparedWeight):
+    """The CPU layouts of one `QuantLinear` (module docstring), built once at load."""
+
+    def __init__(self, layer: QuantLinear, kind: LinearKind, q: torch.Tensor, bias: torch.Tensor | None,
+                 device: torch.device):
+        traits = _cpu_traits(layer, kind)
+        super().__init__(traits, layer.weight_scale, layer.out_features)
+        self.in_features, self.dtype = layer.in_features, layer.dtype
+        self.pairs = layer.policy.cpu_pairs  # the kernels' AVX512-BF16 path for bf16 x
+        for name in _LAYOUTS:
+            self.register_buffer(name, None)
+        scale, zp = layer.weight_scale, layer.weight_zero_point
+        if kind is LinearKind.FP8:
+            self.weight_upcast = q.to(device).to(layer.dtype)  # [N, K], exact
+        else:
+            self.qweight = q.to(device=device, dtype=torch.int8)  # [N, K]
+        if traits.cpu_int8pack:
+            self.int8pack_scale = self.w_scale_vec.to(layer.dtype)  # [N]
+        self.row_limit = layer.policy.cpu_packed_max_m
+        if layer.policy.fast:  # the path of a decode-sized x of the prepared dtype, decided once
+            path = select_kernel(traits, device, 1, layer.dtype, layer.policy)
+            self.row_path = path if path in ROW_PATHS else None
+        if self.row_path is KernelPath.CPU_GEMV_INT4:
+            self._pack_w4(q, scale, zp)
+        elif self.row_path is KernelPath.CPU_GEMV_INT8:
+            self._pack_w8()
+        if traits.cpu_int4_group and self.row_path is not KernelPath.CPU_GEMV_INT4:
+            self._pack_int4pack(q, scale, zp, traits.cpu_int4_group)  # torch's int4 op is the path
+        if traits.cpu_gemv and kind in (LinearKind.W8A16, LinearKind.W4A16):
+            # the packed blocks serve every M torch's op does not (prefill included): they are the
+            # codes' only copy (`codes()` unpacks them)
+            if kind is LinearKind.W8A16 and self.int8_cpu is None:
+                self._pack_w8()
+            if kind is LinearKind.W4A16 and self.int4_cpu is None:
+                self._pack_w4(q, scale, zp)
+            self.qweight = None
+        if self.row_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8) and bias is not None:
+            self.bias_fp32 = bias.detach().to(device, torch.float32)
+        for name, buf in list(self._buffers.items()):
+            self._buffers[name] = aligned(buf)
+
+    # ---- layouts -----------------------------------------------------------------------------
+    def _pack_int4pack(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None, g_cpu: int) -> None:
+        N, K = q.shape
+        u = (q.to(torch.int32) + 8).contiguous()  # [N, K] unsigned nibbles, u - 8 = q
+        self.int4pack = torch._convert_weight_to_int4pack_for_cpu(u, 1)
+        reps = K // g_cpu // scale.shape[1]  # each stored group → `reps` CPU groups
+        s = scale.repeat_interleave(reps, dim=1)  # [N, K/g'] fp32
+        z = torch.zeros_like(s) if zp is None else \
+            -zp.to(torch.float32).repeat_interleave(reps, dim=1) * s  # w = q*s + (−zp*s)
+        self.int4_scales_zeros = torch.stack([s.t(), z.t()], dim=-1).to(self.dtype).contiguous()
+
+    def _pack_w4(self, q: torch.Tensor, scale: torch.Tensor, zp: torch.Tensor | None) -> None:
+        s = scale.reshape(self.out_features, -1).float()  # [N, G] (G = 1 per channel)
+        neg_zs = torch.zeros_like(s) if zp is None else -zp.to(torch.float32).reshape(s.shape) * s  # w = q*s + (−zp*s)
+        self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset = cg.pack_w4(q.to(torch.int8), s, neg_zs)
+
+    def _pack_w8(self) -> None:
+        self.int8_cpu = cg.pack_w8(self.qweight)  # [NB, K, 32]
+
+    def codes(self) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight
+        if self.weight_upcast is not None:
+            return self.weight_upcast
+        if self.int8_cpu is not None:
+            return cg.unpack_w8(self.int8_cpu, self.out_features)
+        return cg.unpack_w4(self.int4_cpu, self.out_features)
+
+    def gemv_bias(self, layer: QuantLinear) -> torch.Tensor | None:
+        """The fp32 bias quantspec's kernels add (None without a bias)."""
+        if layer.bias is not None and self.bias_fp32 is None:
+            self.bias_fp32 = layer.bias.float()
+        return self.bias_fp32
+
+    # ---- paths -------------------------------------------------------------------------------
+    def run(self, layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
+        if path is KernelPath.CPU_INT8PACK:
+            # an unaligned x (a row slice of a larger buffer) segfaults this op: re-home it
+            y = torch._weight_int8pack_mm(aligned(x), self.codes(), self.int8pack_scale)
+            return y if layer.bias is None else y + layer.bias.to(y.dtype)
+        if path is KernelPath.CPU_INT4PACK:
+            if self.int4pack is None:  # prepared for quantspec's kernel (tests force this path)
+                self._pack_int4pack(self.codes(), layer.weight_scale, layer.weight_zero_point,
+                                    self.traits.cpu_int4_group)
+            y = torch._weight_int4pack_mm_for_cpu(aligned(x), self.int4pack, self.traits.cpu_int4_group,
+                                                  self.int4_scales_zeros)
+            return y if layer.bias is None else y + layer.bias.to(y.dtype)
+        if path is KernelPath.CPU_GEMV_INT8:
+            if self.int8_cpu is None:  # prepared for another path (tests force this one)
+                self._pack_w8()
+            return cg.packed_w8_gemm(x.contiguous(), self.int8_cpu, self.w_scale_vec, self.out_features,
+                                     self.gemv_bias(layer), pairs=self.pairs)
+        if path is KernelPath.CPU_GEMV_INT4:
+            if self.int4_cpu is None:  # prepared for torch's int4 op (tests force this path)
+                self._pack_w4(self.codes(), layer.weight_scale, layer.weight_zero_point)
+            g = self.in_features // self.int4_cpu_scale.shape[1]
+            return cg.packed_w4_gemm(x.contiguous(), self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset,
+                                     g, self.out_features, self.gemv_bias(layer), pairs=self.pairs)
+        if path is KernelPath.CPU_INT_MM:
+            xq, s, _ = layer.quantize_input(x)  # [M, K] int8, [1] or [M, 1]
+            acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32, exact
+            return layer.epilogue(acc.float(), s, x.dtype)
+        if path is KernelPath.CPU_FP8_UPCAST:
+            xq, s, _ = layer.quantize_input(x)  # [M, K] float8_e4m3fn
+            acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
+            return layer.epilogue(acc.float(), s, x.dtype)
+        return super().run(layer, x, path)
+
+    def plan_linear(self, layer: QuantLinear, dtype: torch.dtype):
+        """(kind, tensors a / b / c / bias, N, group) of this layer's row path in the extension's
+        plans (`infer/cpu/csrc/plans.cpp`), or None when a plan cannot run it for `dtype`."""
+        if layer.dtype != dtype:
+            return None
+        empty = torch.empty(0)
+        bias = self.gemv_bias(layer)
+        bias = empty if bias is None else bias
+        N = self.out_features
+        if self.row_path is KernelPath.CPU_GEMV_INT8 and self.int8_cpu is not None:
+            return 1, (self.int8_cpu, self.w_scale_vec, empty, bias), N, 0
+        if self.row_path is KernelPath.CPU_GEMV_INT4 and self.int4_cpu is not None:
+            group = self.in_features // self.int4_cpu_scale.shape[1]
+            return 2, (self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset, bias), N, group
+        if self.row_path is KernelPath.CPU_INT4PACK and self.int4pack is not None:
+            # torch's op: the bias is added in the output's dtype, as `run` does
+            bias = empty if layer.bias is None else layer.bias.to(dtype)
+            return 3, (self.int4pack, self.int4_scales_zeros, empty, bias), N, self.traits.cpu_int4_group
+        return None

@@ -1,0 +1,75 @@
+"""A quantized Linear's codes laid out for CUDA (`CudaWeight`), and the Triton paths over them.
+
+Layouts: int4 codes as stored in the checkpoint's words `weight_packed` int32 [N, K/8] (what the
+Triton kernel reads), int8 codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear`
+runs the Triton kernels (`kernels.w4a16` / `w8a16` / `w8a8` / `fp8`) for any prepared weight:
+on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (the tests).
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.dispatch import KernelPath, LinearKind
+from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
+from quantspec.quant.packing import pack_int4, unpack_int4
+
+__all__ = ["CudaWeight", "triton_linear"]
+
+
+class CudaWeight(PreparedWeight):
+    """The CUDA layouts of one `QuantLinear` (module docstring)."""
+
+    def __init__(self, layer: QuantLinear, kind: LinearKind, q: torch.Tensor, bias: torch.Tensor | None,
+                 device: torch.device):
+        fp8_native = False
+        if kind is LinearKind.FP8 and torch.cuda.is_available():
+            fp8_native = torch.cuda.get_device_capability(device) >= (8, 9)
+        super().__init__(layer_traits(layer, kind, fp8_native=fp8_native), layer.weight_scale, layer.out_features)
+        self.in_features = layer.in_features
+        for name in ("qweight", "weight_packed", "weight_fp8"):
+            self.register_buffer(name, None)
+        if kind is LinearKind.FP8:
+            self.weight_fp8 = q.to(device)
+        elif kind is LinearKind.W4A16:
+            self.weight_packed = pack_int4(q.to(torch.int8)).to(device)  # [N, ceil(K/8)]
+        else:
+            self.qweight = q.to(device=device, dtype=torch.int8)  # [N, K]
+        for name, buf in list(self._buffers.items()):
+            self._buffers[name] = aligned(buf)
+
+    def codes(self) -> torch.Tensor:
+        if self.qweight is not None:
+            return self.qweight
+        if self.weight_fp8 is not None:
+            return self.weight_fp8
+        return unpack_int4(self.weight_packed, (self.out_features, self.in_features))
+
+    def run(self, layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
+        return triton_linear(layer, x, path)
+
+
+def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
+    """x [M, K] → [M, N] through the Triton kernel of `path` over `layer`'s prepared codes."""
+    from quantspec import kernels
+
+    p = layer.prepared
+    b = None if layer.bias is None else layer.bias.to(x.dtype)
+    if path is KernelPath.TRITON_W4A16:
+        w = getattr(p, "weight_packed", None)
+        w = w if w is not None else pack_int4(layer.codes())
+        g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
+        s = layer.weight_scale if layer.weight_scale.ndim == 2 else \
+            layer.weight_scale.reshape(1, 1).expand(layer.out_features, 1).contiguous()
+        return kernels.w4a16_linear(x, w, s, g, layer.weight_zero_point, b)
+    if path is KernelPath.TRITON_W8A16:
+        return kernels.w8a16_linear(x, layer.codes(), p.w_scale_vec, b)
+    if path is KernelPath.TRITON_W8A8:
+        return kernels.w8a8_linear(x, layer.codes(), p.w_scale_vec,
+                                   None if layer.input_args.dynamic else layer.input_scale, b)
+    if path is KernelPath.TRITON_FP8:
+        w = layer.codes()
+        w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
+        return kernels.fp8_linear(x, w, p.w_scale_vec, layer.input_scale, b)
+    raise QuantSpecError(f"unknown kernel path {path!r}")

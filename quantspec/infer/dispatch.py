@@ -1,0 +1,182 @@
+"""Which op one quantized-linear call runs: a pure function of the layer's traits, the device, the
+rows M of x and x's dtype (kernels are mechanism, this is the policy; gemlite's
+`get_matmul_type` style).
+
+Every path computes the reference `y = x̂ @ dequantize(q, scale, zp)ᵀ + b` (x̂ = x for weight-only
+schemes, `dequantize(quantize(x))` with the static or dynamic per-token input scale for a8w8 /
+a8w8_fp8); fast paths differ from it only by float rounding order.
+
+CPU, where quantspec's CPU kernels are built (`LinearTraits.cpu_gemv`, `DispatchPolicy.cpu_kernels`):
+- weight-only int8, symmetric per channel / tensor: `packed_w8_gemm` (codes repacked once into
+  column blocks) for fp32 or bf16 x, any M;
+- weight-only int4 with groups dividing K (or per channel): with bf16 x on a CPU with
+  AVX512-BF16 (`LinearTraits.cpu_pairs`) `packed_w4_gemm`'s pair path for every M; else torch's
+  packed int4 op for bf16 x and M ≤ `cpu_packed_max_m`, and `packed_w4_gemm` otherwise.
+Each of these computes a row's numbers the same way whatever M.
+
+CPU, torch's ops:
+- weight-only int8, symmetric per channel: `torch._weight_int8pack_mm` for bf16 / fp16 x,
+  M ≤ `cpu_packed_max_m` and K % 16 == 0 (other K crash or return garbage in torch 2.13); else
+  dequantize + matmul (the op's fp32 kernel is scalar: fp32 activations always dequantize);
+- weight-only int4: `torch._weight_int4pack_mm_for_cpu` on a weight repacked once at load, for
+  bf16 / fp16 x, M ≤ `cpu_packed_max_m`, N % 16 == 0 and a CPU group size g' ∈ {32, 64, 128, 256}
+  dividing the layer's group size (per channel: one group of K). Its cost grows with M while
+  dequantize + matmul pays a fixed dequantize cost, hence the M bound;
+- a8w8, symmetric weights and activations: x quantized with its static (or dynamic per-token)
+  scale, `torch._int_mm` (exact int32 accumulation), then acc · x_scale · w_scale (+ bias): the
+  `int8_gemm_ref` epilogue. Asymmetric → the reference;
+- a8w8_fp8: x quantized to fp8 with its static scale and upcast (exact), a float matmul against
+  the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue.
+
+CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
+M ≤ `cuda_weight_only_max_m` (above it the GEMM is compute-bound and cuBLAS on the dequantized
+weight amortises the dequantize), `w8a8_linear` and `fp8_linear` (compute capability ≥ 8.9) for
+every M; what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below sm_89)
+→ dequantize + cuBLAS.
+"""
+
+from __future__ import annotations
+
+import enum
+from dataclasses import dataclass
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.kernels.cpu import X_DTYPES as _GEMV_DTYPES
+
+__all__ = ["DispatchPolicy", "KernelPath", "LinearKind", "LinearTraits", "ROW_PATHS", "select_kernel"]
+
+_HALF_DTYPES = (torch.bfloat16, torch.float16)
+FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+
+
+class LinearKind(str, enum.Enum):
+    """What a layer computes, from its scheme (names follow the kernels)."""
+
+    W4A16 = "w4a16"  # int4 weights, float activations (weight_only_int4)
+    W8A16 = "w8a16"  # int8 weights, float activations (weight_only_int8)
+    W8A8 = "w8a8"  # int8 weights × int8 activations (a8w8)
+    FP8 = "fp8"  # fp8 E4M3 weights (× fp8 activations: a8w8_fp8; or fp8 weight-only)
+
+
+class KernelPath(str, enum.Enum):
+    """The op one call runs."""
+
+    DEQUANT = "dequant"  # quant/ dequantize (+ activation fake-quant) + F.linear: the reference
+    CPU_INT8PACK = "cpu_int8pack"  # torch._weight_int8pack_mm
+    CPU_INT4PACK = "cpu_int4pack"  # torch._weight_int4pack_mm_for_cpu
+    CPU_GEMV_INT8 = "cpu_gemv_int8"  # quantspec's CPU kernel (kernels/cpu)
+    CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu)
+    CPU_INT_MM = "cpu_int_mm"  # int8 activations × int8 weights via torch._int_mm
+    CPU_FP8_UPCAST = "cpu_fp8_upcast"  # fp8 codes upcast (exact), float matmul, scale epilogue
+    TRITON_W4A16 = "triton_w4a16"
+    TRITON_W8A16 = "triton_w8a16"
+    TRITON_W8A8 = "triton_w8a8"
+    TRITON_FP8 = "triton_fp8"
+
+
+# the CPU ops whose numbers for a row do not depend on the other rows of the call: a decode row
+# and the same row inside a verification step agree bitwise on them
+ROW_PATHS = frozenset({KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
+                       KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4})
+
+
+@dataclass(frozen=True)
+class DispatchPolicy:
+    """Thresholds and switches of the dispatch rule (module docstring).
+
+    cpu_packed_max_m: rows up to which torch's packed CPU ops serve a call (prefill-sized inputs
+        take dequantize + matmul); a row-invariant call (a decode or verification step) takes them
+        for every M. quantspec's packed kernels take every M.
+    fast: False forces the reference everywhere.
+    cpu_kernels: False keeps quantspec's CPU kernels out (torch's ops only).
+    cpu_pairs: quantspec's CPU kernels run bf16 x through AVX512-BF16's dot product where they
+        have that path (False: their fp32 chain; benches and tests compare the two).
+    """
+
+    cpu_packed_max_m: int = 64
+    cuda_weight_only_max_m: int = 64
+    fast: bool = True
+    cpu_kernels: bool = True
+    cpu_pairs: bool = True
+
+    def __post_init__(self) -> None:
+        for name in ("cpu_packed_max_m", "cuda_weight_only_max_m"):
+            v = getattr(self, name)
+            if not isinstance(v, int) or v < 0:
+                raise QuantSpecError(f"DispatchPolicy.{name} must be an int >= 0, got {v!r}")
+
+
+@dataclass(frozen=True)
+class LinearTraits:
+    """The static facts about one layer that the dispatch rule reads (the backend that prepared
+    the layer fills the device-specific ones)."""
+
+    kind: LinearKind
+    dtype: torch.dtype  # the model (compute) dtype the layer was prepared for
+    weight_symmetric: bool
+    weight_strategy: str  # tensor / channel / group
+    act_mode: str | None  # None (weight-only), "static" or "dynamic"
+    act_symmetric: bool = True
+    cpu_int8pack: bool = False  # layout allows torch._weight_int8pack_mm
+    cpu_int4_group: int | None = None  # group size for torch's CPU int4 op, when it applies
+    cpu_gemv: bool = False  # quantspec's CPU kernels are built here and take this layout
+    cpu_pairs: bool = False  # ... and run bf16 x through AVX512-BF16's dot product (int4: even groups)
+    fp8_native: bool = False  # CUDA device with compute capability >= 8.9
+
+
+def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.dtype,
+                 policy: DispatchPolicy) -> KernelPath:
+    from quantspec.kernels import triton_usable
+
+    if not triton_usable(device) or x_dtype not in FLOAT_DTYPES:
+        return KernelPath.DEQUANT
+    if t.kind is LinearKind.W4A16:
+        return KernelPath.TRITON_W4A16 if M <= policy.cuda_weight_only_max_m else KernelPath.DEQUANT
+    if t.kind is LinearKind.W8A16:
+        ok = t.weight_symmetric and t.weight_strategy in ("channel", "tensor")
+        return KernelPath.TRITON_W8A16 if ok and M <= policy.cuda_weight_only_max_m else KernelPath.DEQUANT
+    if t.kind is LinearKind.W8A8:
+        ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
+        return KernelPath.TRITON_W8A8 if ok else KernelPath.DEQUANT
+    ok = t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")
+    return KernelPath.TRITON_FP8 if ok else KernelPath.DEQUANT
+
+
+def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchPolicy) -> KernelPath:
+    packed_ok = x_dtype in _HALF_DTYPES and x_dtype == t.dtype and M <= policy.cpu_packed_max_m
+    # quantspec's packed kernels take every M (their 8-row tiles run prefill at the FMA rate)
+    gemv_ok = t.cpu_gemv and policy.cpu_kernels and x_dtype in _GEMV_DTYPES and x_dtype == t.dtype
+    if t.kind is LinearKind.W8A16:
+        if gemv_ok:
+            return KernelPath.CPU_GEMV_INT8
+        return KernelPath.CPU_INT8PACK if packed_ok and t.cpu_int8pack else KernelPath.DEQUANT
+    if t.kind is LinearKind.W4A16:
+        if gemv_ok and t.cpu_pairs and x_dtype == torch.bfloat16:
+            return KernelPath.CPU_GEMV_INT4  # the pair path: before torch's op for every M
+        if packed_ok and t.cpu_int4_group:
+            return KernelPath.CPU_INT4PACK
+        return KernelPath.CPU_GEMV_INT4 if gemv_ok else KernelPath.DEQUANT
+    if t.kind is LinearKind.W8A8:
+        ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
+        return KernelPath.CPU_INT_MM if ok else KernelPath.DEQUANT
+    ok = t.act_mode is not None and t.weight_strategy in ("channel", "tensor")
+    return KernelPath.CPU_FP8_UPCAST if ok else KernelPath.DEQUANT
+
+
+def select_kernel(traits: LinearTraits, device: torch.device | str, M: int, x_dtype: torch.dtype,
+                  policy: DispatchPolicy = DispatchPolicy()) -> KernelPath:
+    """The op for one call: layer `traits`, x on `device` with M rows of dtype `x_dtype`.
+
+    Example: an int8 per-channel layer prepared for bf16 on CPU with K % 16 == 0 and without
+    quantspec's kernels → CPU_INT8PACK for a bf16 x with M=1, DEQUANT for M=65 or an fp32 x.
+    """
+    device = torch.device(device)
+    if not policy.fast or M == 0:
+        return KernelPath.DEQUANT
+    if device.type == "cuda":
+        return _select_cuda(traits, device, M, x_dtype, policy)
+    if device.type != "cpu":
+        return KernelPath.DEQUANT
+    return _select_cpu(traits, M, x_dtype, policy)

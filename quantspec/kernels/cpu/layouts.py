@@ -1,0 +1,113 @@
+"""The weight layouts quantspec's CPU kernels read, packed once at load, and their inverses.
+
+Column blocks of 32 outputs: a weight [N, C] becomes [NB, C, 32] (NB = ceil(N / 32), N
+zero-padded), block b holding w[32 b + j, c] at [b, c, j], so a block streams sequentially and one
+k step of it is two vectors.
+"""
+
+from __future__ import annotations
+
+import torch
+
+__all__ = ["PACK_BLOCK", "pack_dense", "pack_pairs", "pack_w4", "pack_w8", "pack_w8_pairs", "unblock",
+           "unpack_dense", "unpack_pairs", "unpack_w4", "unpack_w8", "unpack_w8_pairs"]
+
+PACK_BLOCK = 32  # output features per column block
+
+
+def _blocks(t: torch.Tensor) -> torch.Tensor:
+    """[N, C] → [NB, C, 32]: rows in blocks of 32 (N zero-padded), each block transposed."""
+    N, C = t.shape
+    nb = -(-N // PACK_BLOCK)
+    padded = t.detach()
+    if N % PACK_BLOCK:  # (else no padded copy: a 49k-row head packs with one new tensor)
+        padded = torch.zeros(nb * PACK_BLOCK, C, dtype=t.dtype)
+        padded[:N] = t.detach()
+    return padded.reshape(nb, PACK_BLOCK, C).transpose(1, 2).contiguous()
+
+
+def unblock(t: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of the column blocks: [NB, C, 32] → the first n rows [n, C]."""
+    nb, C, _ = t.shape
+    return t.transpose(1, 2).reshape(nb * PACK_BLOCK, C)[:n].contiguous()
+
+
+def pack_dense(w: torch.Tensor) -> torch.Tensor:
+    """fp32 weight [N, K] → [NB, K, 32] column blocks (NB = ceil(N / 32), N zero-padded):
+    block b holds w[32 b + j, k] at [b, k, j]. Done once at load; `packed_gemm` reads it."""
+    return _blocks(w.float())
+
+
+def unpack_dense(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_dense` → [n, K]."""
+    return unblock(packed, n)
+
+
+def pack_pairs(w: torch.Tensor) -> torch.Tensor:
+    """Float [N, K] (K even) → int32 [NB, K/2, 32]: block b, k-pair p, output j holds
+    bf16(w[32b + j, 2p]) in its low half and bf16(w[32b + j, 2p + 1]) in its high half (zero rows
+    pad N): the operand of AVX512-BF16's dot product (`packed_pairs_gemm`, the greedy head's
+    pair screen). Exact for a bf16 weight; others are rounded to bf16."""
+    n, k = w.shape
+    if k % 2:
+        raise ValueError(f"pack_pairs: K must be even, got {k}")
+    nb = -(-n // PACK_BLOCK)
+    padded = torch.zeros(nb * PACK_BLOCK, k, dtype=torch.bfloat16)
+    padded[:n] = w.detach().to(torch.bfloat16)
+    pairs = padded.view(nb, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [NB, K/2, 32, 2]
+    return pairs.view(torch.int32).view(nb, k // 2, PACK_BLOCK)
+
+
+def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_pairs` → the bf16 weight [n, K]."""
+    nb, kp, _ = packed.shape
+    pairs = packed.view(torch.bfloat16).view(nb, kp, PACK_BLOCK, 2)
+    return pairs.permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, 2 * kp)[:n].contiguous()
+
+
+def pack_w8(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] → [NB, K, 32] column blocks (the layout of `pack_dense`)."""
+    return _blocks(q.to(torch.int8))
+
+
+def unpack_w8(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_w8` → the int8 codes [n, K]."""
+    return unblock(packed, n)
+
+
+def pack_w8_pairs(q: torch.Tensor) -> torch.Tensor:
+    """int8 codes [N, K] (K even) → [NB, K/2, 64], the int8 head screen's layout
+    (`screened_argmax_i8`): in column block b at k-pair p, bytes 2j and 2j + 1 hold column
+    32 b + j at k = 2p and 2p + 1 (N zero-padded), so one sign extension gives 16 outputs' int16
+    pairs for AVX512-VNNI's vpdpwssd."""
+    n, k = q.shape
+    if k % 2:
+        raise ValueError(f"pack_w8_pairs: K = {k} must be even")
+    nb = -(-n // PACK_BLOCK)
+    padded = torch.zeros(nb * PACK_BLOCK, k, dtype=torch.int8)
+    padded[:n] = q.detach()
+    return padded.reshape(nb, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).reshape(nb, k // 2, 2 * PACK_BLOCK).contiguous()
+
+
+def unpack_w8_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `pack_w8_pairs` → the int8 codes [n, K]."""
+    nb, kp, _ = packed.shape
+    return packed.reshape(nb, kp, PACK_BLOCK, 2).permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, 2 * kp)[:n].contiguous()
+
+
+def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """int4 codes q [N, K] (int8 in [-8, 7]) and their group scale / neg_zs [N, G] (fp32,
+    w = q * scale + neg_zs) → (bytes [NB, K, 16], scale [NB, G, 32], offset [NB, G, 32]): in
+    column block b at step k, byte j holds column 32 b + j in its low nibble and column
+    32 b + j + 16 in its high one, each as the unsigned q + 8, so w = (q + 8) * scale + offset
+    with offset = neg_zs - 8 * scale."""
+    u = (_blocks(q.to(torch.int8)).to(torch.int16) + 8).to(torch.uint8)  # [NB, K, 32]
+    packed = (u[:, :, :16] | (u[:, :, 16:] << 4)).contiguous()
+    s = _blocks(scale.float())
+    return packed, s, _blocks(neg_zs.float()) - 8 * s
+
+
+def unpack_w4(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The codes [n, K] of `pack_w4`'s bytes."""
+    u = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [NB, K, 32]
+    return unblock((u.to(torch.int16) - 8).to(torch.int8), n)

@@ -1,0 +1,119 @@
+"""The import rule of docs/ARCHITECTURE.md, read from the source: every module under `quantspec/`
+is parsed (imports inside functions included) and each arrow between rooms must point downward:
+
+    cli → api → {serve, report} → infer → kernels → quant → model_zoo,   api → calib → quant
+
+The top-level helpers (`errors`, `outputs`, `console`, `devices`, `threads`, `paths`) are leaves
+anyone may import, and they import only each other. Inside `infer/`, the engine, the scheduler,
+the proposers, the cache and the loader know no backend: only `infer/backend.py` enters the
+device rooms (`infer/cpu/`, `infer/cuda/`)."""
+
+from __future__ import annotations
+
+import ast
+from pathlib import Path
+
+import pytest
+
+PACKAGE = Path(__file__).resolve().parents[1] / "quantspec"
+
+LEAVES = {"errors", "outputs", "console", "devices", "threads", "paths", "__init__"}
+# each room's direct arrows; a room may import everything they reach
+ARROWS = {
+    "cli": {"api"},
+    "api": {"serve", "report", "calib"},
+    "serve": {"infer"},
+    "report": {"infer"},
+    "infer": {"kernels"},
+    "kernels": {"quant"},
+    "calib": {"quant"},
+    "quant": {"model_zoo"},
+    "model_zoo": set(),
+}
+# infer's modules that know no backend (module paths relative to quantspec/infer)
+BACKEND_FREE = ("engine.py", "kv_cache.py", "predictor.py", "sampler.py", "evaluate.py", "hidden.py", "loader.py",
+                "fuse.py", "quant_linear.py", "spec/")
+BACKEND_ROOMS = ("quantspec.infer.cpu", "quantspec.infer.cuda", "quantspec.kernels.cpu")
+
+
+def _below(room: str) -> set[str]:
+    seen, todo = set(), list(ARROWS.get(room, ()))
+    while todo:
+        r = todo.pop()
+        if r not in seen:
+            seen.add(r)
+            todo.extend(ARROWS.get(r, ()))
+    return seen
+
+
+def _module_name(path: Path) -> list[str]:
+    parts = list(path.relative_to(PACKAGE.parent).with_suffix("").parts)
+    return parts[:-1] if parts[-1] == "__init__" else parts
+
+
+def _is_submodule(name: str) -> bool:
+    return (PACKAGE / name).is_dir() or (PACKAGE / f"{name}.py").is_file()
+
+
+def _imports(path: Path) -> list[tuple[int, str]]:
+    """(line, imported module) of every import in the file, relative ones resolved; `from
+    quantspec import x` counts as importing `quantspec.x`."""
+    tree = ast.parse(path.read_text(), filename=str(path))
+    out = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Import):
+            out += [(node.lineno, a.name) for a in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            base = node.module or ""
+            if node.level:
+                here = _module_name(path)
+                package = here if path.name == "__init__.py" else here[:-1]
+                base = ".".join(package[: len(package) - node.level + 1] + ([base] if base else []))
+            if base == "quantspec":  # a submodule, or a name of the package itself (__version__)
+                out += [(node.lineno, f"quantspec.{a.name}" if _is_submodule(a.name) else "quantspec")
+                        for a in node.names]
+            else:
+                out.append((node.lineno, base))
+    return [(line, name) for line, name in out if name == "quantspec" or name.startswith("quantspec.")]
+
+
+def _room(module: str) -> str:
+    parts = module.split(".")
+    return parts[1] if len(parts) > 1 else "__init__"
+
+
+SOURCES = sorted(PACKAGE.rglob("*.py"))
+
+
+def test_every_room_is_known():
+    rooms = {p.relative_to(PACKAGE).parts[0].removesuffix(".py") for p in SOURCES}
+    assert rooms <= LEAVES | set(ARROWS), sorted(rooms - LEAVES - set(ARROWS))
+
+
+@pytest.mark.parametrize("path", SOURCES, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_imports_point_downward(path):
+    room = path.relative_to(PACKAGE).parts[0].removesuffix(".py")
+    allowed = LEAVES if room in LEAVES else LEAVES | {room} | _below(room)
+    wrong = [f"line {line}: {name}" for line, name in _imports(path) if _room(name) not in allowed]
+    assert not wrong, f"{path.relative_to(PACKAGE)} ({room}) imports above or beside it: {wrong}"
+
+
+GENERIC_INFER = [p for p in SOURCES if p.is_relative_to(PACKAGE / "infer")
+                 and p.relative_to(PACKAGE / "infer").as_posix().startswith(BACKEND_FREE)]
+
+
+@pytest.mark.parametrize("path", GENERIC_INFER, ids=lambda p: str(p.relative_to(PACKAGE)))
+def test_the_generic_runtime_knows_no_backend(path):
+    wrong = [f"line {line}: {name}" for line, name in _imports(path)
+             if name.startswith(BACKEND_ROOMS)]
+    assert not wrong, f"{path.relative_to(PACKAGE)} imports a device backend (use infer.backend): {wrong}"
+
+
+def test_the_rule_catches_a_sideways_arrow(tmp_path):
+    """The checks above can fail: kernels importing infer, and infer importing calib."""
+    bad = tmp_path / "x.py"
+    bad.write_text("def f():\n    from quantspec.infer import engine\n    import quantspec.calib.runner\n")
+    names = [_room(n) for _, n in _imports(bad)]
+    assert names == ["infer", "calib"]
+    assert "infer" not in _below("kernels") and "calib" not in _below("infer")
+    assert {"serve", "report", "infer", "kernels", "quant", "model_zoo", "calib"} == _below("api")
