@@ -75,6 +75,8 @@ DEFAULT_MAX_PASS_TOKENS = 65536
 # ... and while the MLP's four [tokens, intermediate] float32 tensors of that forward fit in this
 DEFAULT_MAX_PASS_BYTES = 2 * 2**30
 _MLP_LIVE_TENSORS = 4
+# round-to-nearest works on blocks of rows of at most this many float32 bytes
+_RTN_BLOCK_BYTES = 32 * 2**20
 # the dtype layers read from a checkpoint are quantized in
 QUANT_DTYPE = torch.float32
 # the part of the artifact's tensors outside the decoder layers
@@ -268,6 +270,10 @@ class _LayerQuantizer:
             buckets.setdefault(key, []).append(n)
         for members in buckets.values():
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
+            if hessian is None and args.strategy in ("channel", "group"):
+                for n, m in zip(members, mods):  # rows are independent: no concatenation
+                    self.results[n] = _rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype)
+                continue
             W = torch.cat([m.weight for m in mods])  # [ΣN, K]
             sd = self.scale_dtype or W.dtype
             if hessian is None:
@@ -325,6 +331,25 @@ class _LayerQuantizer:
             else:
                 tensors[key] = self.weights.read([key], dtype=QUANT_DTYPE)[key].to(self.out_dtype)
         return tensors
+
+
+def _rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest of `weight` [N, K] under per-row (channel / group) `args`, in blocks of
+    rows of at most `_RTN_BLOCK_BYTES` (float32), so its temporaries stay small whatever N;
+    `weight` is overwritten with its dequantized values. → (q [N, K], scale, zero_point or None),
+    the same numbers as one `rtn_quantize` call over all rows."""
+    rows = max(1, _RTN_BLOCK_BYTES // (weight.shape[1] * 4))
+    qs, scales, zps = [], [], []
+    for a in range(0, weight.shape[0], rows):
+        block = weight[a:a + rows]  # [≤ rows, K]
+        r = rtn_quantize(block, args, scale_dtype=scale_dtype)
+        block.copy_(r.weight_dq)
+        qs.append(r.q)
+        scales.append(r.scale)
+        zps.append(r.zero_point)
+    zp = None if zps[0] is None else torch.cat(zps)
+    return torch.cat(qs), torch.cat(scales), zp
 
 
 def _one_pass(model, calib_batches: torch.Tensor, max_pass_tokens: int, max_pass_bytes: int) -> bool:
