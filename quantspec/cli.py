@@ -132,7 +132,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--truncate-prompt", is_flag=True, help="Keep the last src-length tokens of a longer prompt instead of refusing it.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              help="Activation dtype; auto: float16 on CUDA, bfloat16 for weight-only int artifacts on CPU, else float32.")
+              help="Activation dtype; auto: float16 on CUDA, bfloat16 on CPU for weight-only int artifacts and "
+                   "bfloat16 checkpoints (loaded as stored), else float32.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--block-size", default=64, show_default=True, help="Paged KV cache block size (tokens).")
 @click.option("--decode-strategy", default="greedy", show_default=True, type=click.Choice(["greedy", "sampling"]))

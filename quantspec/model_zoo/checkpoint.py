@@ -30,6 +30,7 @@ __all__ = [
     "FileRange",
     "build_model",
     "check_checkpoint",
+    "checkpoint_float_dtype",
     "load_checkpoint_tensors",
     "load_model",
     "model_fingerprint",
@@ -195,7 +196,9 @@ def check_checkpoint(tensors: Mapping[str, Any], args: ModelArgs, where: str) ->
 
 def load_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[Transformer, Path]:
-    """Load an unquantized HF checkpoint into our `Transformer` (built on meta, `assign=True`)."""
+    """Load an unquantized HF checkpoint (single-file or sharded) into our `Transformer`, built on
+    `meta` and filled with `assign=True` one tensor at a time, each in `dtype`: peak memory is the
+    model in `dtype` plus one checkpoint tensor."""
     model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
     if cfg.get("quantization_config"):
@@ -203,10 +206,12 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"{model_dir} is a quantized artifact; load it with quantspec.infer.loader.load_for_inference"
         )
     args = ModelArgs.from_hf_config(cfg)
-    tensors = load_checkpoint_tensors(model_dir)
-    tensors = {k: tensors[k] for k in check_checkpoint(tensors, args, str(model_dir))}
+    reader = CheckpointReader(model_dir)
+    names = check_checkpoint(reader.shapes, args, str(model_dir))
+    # one tensor read (and converted) at a time: the model's own tensors are the only full copy
+    tensors = {k: reader.read([k], dtype=dtype)[k] for k in names}
     net = build_model(args)
-    net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    net.load_state_dict(tensors, strict=False, assign=True)
     if args.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     net.to(device)
@@ -239,6 +244,17 @@ class FileRange:
     nbytes: int
     dtype: str
     shape: tuple[int, ...]
+
+
+# safetensors' dtype names of the float types a checkpoint's weights come in
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def checkpoint_float_dtype(model_dir: str | os.PathLike) -> torch.dtype | None:
+    """The dtype every floating tensor of the checkpoint is stored in, from its headers (None: they
+    differ, or there is none)."""
+    kinds = {r.dtype for r in CheckpointReader(model_dir).ranges.values() if r.dtype in _FLOAT_DTYPES}
+    return _FLOAT_DTYPES[kinds.pop()] if len(kinds) == 1 else None
 
 
 class CheckpointReader:
@@ -278,14 +294,17 @@ class CheckpointReader:
 
     def read(self, names: list[str], *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
-        """{name: tensor} for `names`, converted to `dtype` (default: the checkpoint's) on `device`."""
+        """{name: tensor} for `names`, converted to `dtype` (default: the checkpoint's) on `device`;
+        each tensor owns its memory (none keeps its file mapped)."""
         from safetensors import safe_open
 
         out = {}
         for f, ns in self._files_of(list(names)).items():
             for n in ns:  # one tensor's pages mapped at a time
                 with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
-                    out[n] = h.get_tensor(n).to(device, dtype)
+                    t = h.get_tensor(n)  # a view of the mapped file
+                    out[n] = t.to(device=device, dtype=dtype or t.dtype, copy=True)
+                    del t
         return out
 
     def rows(self, name: str, ids: torch.Tensor, *, dtype: torch.dtype | None = None,
