@@ -5,18 +5,22 @@ Each checkpoint is bf16, sharded into files of at most 2 GB with an index, as tr
 them, with vocabulary 49152 (the default model's tokenizer is copied in, so every command reads
 its data as it would a real model's). Each command runs in a fresh process; its wall time and
 peak resident memory (the child's `ru_maxrss`, i.e. VmHWM: file pages it mapped count too) are
-measured from here. The ratio divides the peak by what one step of the stream must hold: the
-largest decoder layer in float32 (what a layer is quantized in) plus, for commands with data,
-the calibration activations of one layer (inputs and outputs, [n, S, hidden] float32 each).
-A ratio that stays put from 1B to 8B is peak memory that does not grow with depth; peak ÷
-checkpoint shows what loading the whole model would have cost.
+measured from here. A step is what one step of the stream must hold: the largest decoder layer
+in float32 (what a layer is quantized in) plus, for commands with data, the calibration
+activations of one layer (inputs and outputs, [n, S, hidden] float32 each) and, for GPTQ, the
+layer's Hessians. The target of quantize / calibrate is 2 × step + 1 GB whatever the depth; a
+peak ÷ step that stays put from 1B to 8B is peak memory that does not grow with depth, and peak
+÷ checkpoint shows what loading the whole model would have cost. `infer` loads the bf16
+checkpoint as it is (no float32 copy) and decodes a few tokens: its target is the checkpoint +
+1 GB, no second copy of the weights.
 
 Commands: `int8` (weight_only_int8, RTN), `int4` (weight_only_int4, RTN), `int4-gptq`
 (weight_only_int4 --method gptq on --num-samples × --seq-len tokens of bench/data/calib.jsonl),
 `a8w8` (calibrate on those tokens, then quantize --quant-type a8w8 with its default recipe:
-α search and the fallback under the error budget, every pass one layer at a time).
+α search and the fallback under the error budget, every pass one layer at a time), `infer`.
 
-    python bench/big_model.py --models 1b,3b --commands int8,int4,int4-gptq,a8w8
+    python bench/big_model.py --models 1b --commands int8,int4,int4-gptq,a8w8,infer
+    python bench/big_model.py --models 3b --commands int4-gptq
     python bench/big_model.py --models 8b --commands int8          # needs ≈ 40 GB of disk
 """
 
@@ -43,7 +47,8 @@ SHAPES = {
     "tiny": ("tiny", 128, 256, 3, 4, 2, 32, False),  # for the smoke test
 }
 VOCAB = 49152
-COMMANDS = ("int8", "int4", "int4-gptq", "a8w8")
+COMMANDS = ("int8", "int4", "int4-gptq", "a8w8", "infer")
+GB = 10**9
 SHARD_BYTES = 2 * 10**9
 DATA = Path(__file__).resolve().parent / "data" / "calib.jsonl"
 
@@ -99,11 +104,14 @@ def build_checkpoint(key: str, out: Path, seed: int = 0) -> Path:
     return out
 
 
-def step_bytes(key: str, tokens: int) -> tuple[int, int]:
-    """(largest decoder layer in float32, one layer's inputs + outputs for `tokens` in float32)."""
+def step_bytes(key: str, tokens: int, hessians: bool = False) -> tuple[int, int]:
+    """(largest decoder layer in float32, one layer's inputs + outputs for `tokens` in float32, plus
+    with `hessians` GPTQ's Hessians of one layer in float32: q/k/v's and gate/up's [D, D], o_proj's
+    [H·hd, H·hd], down_proj's [I, I])."""
     _, d, inter, _, heads, kv, hd, _ = SHAPES[key]
     layer = d * heads * hd * 2 + d * kv * hd * 2 + 3 * d * inter + 2 * d
-    return layer * 4, 2 * tokens * d * 4
+    h = 2 * d * d + (heads * hd) ** 2 + inter * inter if hessians else 0
+    return layer * 4, (2 * tokens * d + h) * 4
 
 
 def run(argv: list[str], env: dict) -> tuple[float, int]:
@@ -119,23 +127,41 @@ def run(argv: list[str], env: dict) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024
 
 
-def commands(name: str, ckpt: Path, work: Path, a) -> list[tuple[str, list[str], int]]:
-    """[(label, argv, calibration tokens)] of the command `name`."""
+def commands(name: str, ckpt: Path, work: Path, a) -> list[tuple[str, list[str], int, bool]]:
+    """[(label, argv, calibration tokens, whether GPTQ's Hessians are resident)] of the command `name`."""
     data = ["--dataset", str(a.data), "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len)]
     q = ["quantize", "--model", str(ckpt), "--device", a.device, "--overwrite"]
     tokens = a.num_samples * a.seq_len
     if name == "int8":
-        return [("quantize int8", [*q, "--quant-type", "weight_only_int8", "--out", str(work / "int8")], 0)]
+        return [("quantize int8", [*q, "--quant-type", "weight_only_int8", "--out", str(work / "int8")], 0, False)]
     if name == "int4":
-        return [("quantize int4", [*q, "--quant-type", "weight_only_int4", "--out", str(work / "int4")], 0)]
+        return [("quantize int4", [*q, "--quant-type", "weight_only_int4", "--out", str(work / "int4")], 0, False)]
     if name == "int4-gptq":
         return [("quantize int4 gptq", [*q, "--quant-type", "weight_only_int4", "--method", "gptq", *data,
-                                        "--out", str(work / "int4-gptq")], tokens)]
+                                        "--out", str(work / "int4-gptq")], tokens, True)]
+    if name == "infer":
+        return [("infer bf16", ["infer", "--model", str(ckpt), "--device", a.device, "--prompt", "Hello",
+                                "--no-chat-template", "--max-new-tokens", "4"], 0, False)]
     table = work / "table"
     return [("calibrate", ["calibrate", "--model", str(ckpt), "--device", a.device, "--overwrite", *data,
-                           "--out", str(table)], tokens),
+                           "--out", str(table)], tokens, False),
             ("quantize a8w8", [*q, "--quant-type", "a8w8", "--calib", str(table), "--dataset", str(a.data),
-                               "--seq-len", str(a.seq_len), "--out", str(work / "a8w8")], 4 * a.seq_len)]
+                               "--seq-len", str(a.seq_len), "--out", str(work / "a8w8")], 4 * a.seq_len, False)]
+
+
+def measure(model: str, label: str, argv: list[str], tokens: int, hessians: bool, ckpt_bytes: int,
+            env: dict) -> dict:
+    """One row: the command's wall time and peak, against its target (quantize / calibrate: 2 × one
+    stream step + 1 GB; infer: the checkpoint + 1 GB, i.e. no second copy of the weights)."""
+    wall, peak = run(argv, env)
+    layer, acts = step_bytes(model, tokens, hessians)
+    step = layer + acts
+    target = (ckpt_bytes if label.startswith("infer") else 2 * step) + GB
+    return {"model": SHAPES[model][0], "command": label, "wall_s": round(wall, 1),
+            "peak_gb": round(peak / 1e9, 2), "checkpoint_gb": round(ckpt_bytes / 1e9, 2),
+            "step_gb": round(step / 1e9, 2), "ratio": round(peak / step, 2),
+            "peak_over_checkpoint": round(peak / ckpt_bytes, 2), "target_gb": round(target / 1e9, 2),
+            "within_target": peak <= target}
 
 
 def main(argv: list[str] | None = None) -> list[dict]:
@@ -163,22 +189,17 @@ def main(argv: list[str] | None = None) -> list[dict]:
         ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
         work = root / f"{m}-out"
         for name in names:
-            for label, argv, tokens in commands(name, ckpt, work, a):
-                wall, peak = run(argv, env)
-                layer, acts = step_bytes(m, tokens)
-                rows.append({"model": SHAPES[m][0], "command": label, "wall_s": round(wall, 1),
-                             "peak_gb": round(peak / 1e9, 2), "checkpoint_gb": round(ckpt_bytes / 1e9, 2),
-                             "step_gb": round((layer + acts) / 1e9, 2),
-                             "ratio": round(peak / (layer + acts), 2),
-                             "peak_over_checkpoint": round(peak / ckpt_bytes, 2)})
+            for label, argv_, tokens, hessians in commands(name, ckpt, work, a):
+                rows.append(measure(m, label, argv_, tokens, hessians, ckpt_bytes, env))
                 print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(work, ignore_errors=True)
         if not a.keep:
             shutil.rmtree(ckpt, ignore_errors=True)
-    print(markdown_table(["model", "command", "wall s", "peak GB", "checkpoint GB", "layer + acts GB",
-                          "peak ÷ (layer + acts)", "peak ÷ checkpoint"],
+    print(markdown_table(["model", "command", "wall s", "peak GB", "checkpoint GB", "step GB", "peak ÷ step",
+                          "peak ÷ checkpoint", "target GB", "within"],
                          [[r["model"], r["command"], r["wall_s"], r["peak_gb"], r["checkpoint_gb"], r["step_gb"],
-                           r["ratio"], r["peak_over_checkpoint"]] for r in rows], "llrrrrrr"))
+                           r["ratio"], r["peak_over_checkpoint"], r["target_gb"], "yes" if r["within_target"] else "NO"]
+                          for r in rows], "llrrrrrrrl"))
     if a.json:
         Path(a.json).write_text(json.dumps(rows, indent=2))
     return rows
