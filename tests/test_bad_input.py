@@ -57,6 +57,8 @@ CASES = [
      "--stats-file"),
     ("infer-model-missing", "infer --model {d}/no-such-model --prompt hi", "--model"),
     ("infer-model-truncated", "infer --model {d}/truncated --prompt hi", "--model"),
+    ("infer-shard-missing", "infer --model {d}/shard_missing --prompt hi", "model-00002-of-00002.safetensors"),
+    ("infer-shard-truncated", "infer --model {d}/shard_truncated --prompt hi", "model-00002-of-00002.safetensors"),
     ("infer-model-bad-config", "infer --model {d}/badconfig --prompt hi", "--model"),
     ("infer-draft-without-model", "infer --model {model} --prompt hi --speculate-method draft", "--draft-model"),
     ("infer-draft-model-no-method", "infer --model {model} --prompt hi --draft-model {model}",
@@ -237,6 +239,8 @@ def test_bad_input(case_id, argv, flag, tiny_llama_dir, quantized_dir, tmp_path,
     shutil.copytree(tiny_llama_dir, model)
     _inputs(d, model, quantized_dir)
     monkeypatch.chdir(d)
+    # the quiet start outlasts the case however loaded the machine is: one line is the error's
+    monkeypatch.setattr("quantspec.console.QUIET_S", 120.0)
     before, model_before = _snapshot(d), _snapshot(model)
     long_prompt = " ".join(["word"] * 200)
     args = argv.format(model=model, d=d, ro=RO_ROOT, long=long_prompt)

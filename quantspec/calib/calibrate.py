@@ -295,12 +295,12 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     say = on_status or (lambda msg: None)
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
     device = resolve_device(config.device)
+    with about("--model"):  # every shard's header checked before any work
+        net, model_dir, reader = _load_for_calibration(config.model)
     say("reading the dataset")
     with about("--dataset"):
         texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
     dtype_name = resolve_calibration_dtype(config.dtype)
-    with about("--model"):
-        net, model_dir, reader = _load_for_calibration(config.model)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # no tokenizer files: one line

@@ -24,7 +24,6 @@ calibration's table entries).
 from __future__ import annotations
 
 import contextlib
-import ctypes
 import hashlib
 import json
 import logging
@@ -40,16 +39,13 @@ from quantspec.errors import QuantSpecError
 from quantspec.outputs import pid_alive, state_dir, state_dirs, temporary_sibling
 from quantspec.quant.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, write_safetensors
 
-__all__ = ["RESUMABLE_MIN_BYTES", "Run", "StreamSink", "file_stats", "keep_heap_flat", "notice", "open_run", "run_key",
+__all__ = ["RESUMABLE_MIN_BYTES", "Run", "StreamSink", "file_stats", "notice", "open_run", "run_key",
            "say_resume", "working_bytes"]
 
 # a run over a checkpoint this large keeps a resumable state (smaller ones redo their few minutes)
 RESUMABLE_MIN_BYTES = 2**30
 # the artifact's shards are at most this large (a larger tensor is a shard of its own)
 MAX_SHARD_BYTES = DEFAULT_MAX_SHARD_BYTES
-# glibc's mallopt parameter for the size from which an allocation gets its own mapping
-_M_MMAP_THRESHOLD = -3
-_MMAP_THRESHOLD_BYTES = 4 * 2**20
 _OWNER = "owner"
 _INPUTS = "inputs-"
 _log = logging.getLogger("quantspec")  # notices on stderr that no quiet start may hold back
@@ -192,24 +188,11 @@ def _remove_empty(d: Path, top: Path | None) -> None:
         d = d.parent
 
 
-def keep_heap_flat() -> None:
-    """Have glibc give every allocation of `_MMAP_THRESHOLD_BYTES` or more a mapping of its own,
-    returned to the system when freed. By default glibc raises that threshold after each large
-    free (up to 32 MiB), so the tensors of one layer after another are carved from the heap, which
-    fragments, and resident memory grows with the depth of the model. A no-op off glibc."""
-    try:
-        ctypes.CDLL("libc.so.6").mallopt(_M_MMAP_THRESHOLD, _MMAP_THRESHOLD_BYTES)
-    except (OSError, AttributeError):
-        pass
-
-
 @contextlib.contextmanager
 def open_run(out: str | os.PathLike, key: str, *, resumable: bool, restart: bool = False,
              max_shard_bytes: int | None = None) -> Iterator[Run]:
     """The working directory of a run writing `out` (module docstring); removed when the block
-    completes, kept on any exit of a resumable run that did not. Allocations are kept off the heap
-    from here on (`keep_heap_flat`)."""
-    keep_heap_flat()
+    completes, kept on any exit of a resumable run that did not."""
     out = Path(out)
     top = out.parent  # the topmost directory this run creates (None: they all exist)
     while not top.parent.exists():

@@ -13,6 +13,7 @@ checked against its HF weight-name table.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
@@ -36,6 +37,7 @@ __all__ = [
     "model_fingerprint",
     "read_config",
     "reading_safetensors",
+    "release_free_heap",
     "resident",
     "resolve_model_dir",
     "safetensors_files",
@@ -365,6 +367,17 @@ def resident(module: torch.nn.Module, prefix: str, weights: CheckpointReader | N
         yield module
     finally:
         weights.release(module)
+        release_free_heap()
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`; a no-op elsewhere).
+    A module read, used and freed after another leaves free pages between the live allocations,
+    which glibc keeps: without this, resident memory grows with the number of layers streamed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---------------------------------------------------------------------------------------------
