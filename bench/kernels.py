@@ -1,88 +1,305 @@
-"""Benchmark quantspec's Triton GEMM kernels against torch fp16 matmul on Llama-3-8B layer shapes.
+"""quantspec's Triton GEMM kernels against torch's matmul on Llama-3-8B layer shapes, with the
+alternative each kernel competes with and what dispatch picks, in one run.
 
-    python bench/kernels.py [--dtype fp16|bf16] [--m 1,16,64,256,4096]
+    python bench/kernels.py [--dtype fp16,bf16] [--m 1,16,64,256,4096] [--out DIR] [--sweep-only]
+    python bench/kernels.py --device cpu          # tiny shapes under TRITON_INTERPRET=1 (smoke)
 
-Each cell is `triton.testing.do_bench` (L2 flushed between runs), measured side by side in one
-run; ratios are torch time / kernel time (> 1 means the quantized kernel is faster). Targets on
-H100: W4A16 M=1 >= 3x at 4096x14336, W8A16 M=1 >= 1.8x, W8A8 / FP8 at M=4096 >= 1.5x.
-W8A8 and FP8 times include the activation-quantize kernel (what a linear layer pays).
+Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton
+kernel, the alternative (dequantize + cuBLAS for W4A16 / W8A16, `torch._int_mm` + the scale
+epilogue for W8A8, `torch._scaled_mm` for FP8) and dispatch's choice (`infer/dispatch.py`) with
+its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8 and FP8
+times include quantizing the activations (what a linear layer pays). Each CUDA cell is
+`triton.testing.do_bench` (L2 flushed between runs); on CPU a median of a few calls.
+
+`--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16} on two shapes under every
+launch config of a small grid against the default heuristic's (`kernels_sweep.md` / `.json`: what
+tunes the heuristic). `--out DIR` writes `kernels_<dtype>.md` and `kernels_<dtype>.json` there. Targets (H100 / H200,
+through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×, W8A8 and FP8 at M=4096
+≥ 1.5×, nothing below 0.9×.
 """
 
 from __future__ import annotations
 
 import argparse
+import itertools
+import json
+import os
+import statistics
 import sys
+import time
+from pathlib import Path
 
-import torch
-
-# (K, N) = (in_features, out_features) of Llama-3-8B's linears
-SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]
+GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N) of Llama-3-8B
+CPU_SHAPES = [(64, 48)]
 GROUP_SIZE = 128
+KINDS = ("w4a16", "w8a16", "w8a8", "fp8")
+ALT_NAMES = {"w4a16": "dequant+mm", "w8a16": "dequant+mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
 
 
-def main() -> int:
-    ap = argparse.ArgumentParser(description=__doc__.splitlines()[1])
-    ap.add_argument("--dtype", choices=["fp16", "bf16"], default="fp16")
-    ap.add_argument("--m", default="1,16,64,256,4096", help="comma-separated batch sizes M")
-    args = ap.parse_args()
-    if not torch.cuda.is_available():
-        print("bench/kernels.py needs a CUDA GPU (Triton kernels); none is available here. "
-              "Correctness on CPU is covered by `pytest tests/kernels` under TRITON_INTERPRET=1.")
+def _timer(device):
+    import torch
+
+    if device.type == "cuda":
+        import triton.testing
+
+        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
+
+    def cpu_time(fn):
+        fn()
+        ts = []
+        for _ in range(3):
+            t0 = time.perf_counter()
+            fn()
+            ts.append((time.perf_counter() - t0) * 1e3)
+        return statistics.median(ts)
+
+    del torch
+    return cpu_time
+
+
+class Layer:
+    """One (K, N) layer's weights in every kernel's layout, built on `device`."""
+
+    def __init__(self, K: int, N: int, dtype, device, gen):
+        import torch
+
+        from quantspec.quant.packing import pack_int4
+
+        self.K, self.N, self.dtype, self.device = K, N, dtype, device
+        g = min(GROUP_SIZE, K)
+        self.group = g
+        self.w = (torch.randn(N, K, device=device, generator=gen) * 0.02).to(dtype)
+        self.q4 = torch.randint(-8, 8, (N, K), device=device, dtype=torch.int8, generator=gen)
+        self.w4 = pack_int4(self.q4)
+        self.s4 = (torch.rand(N, K // g, device=device, generator=gen) * 0.01 + 1e-3).to(dtype)
+        self.q8 = torch.randint(-127, 128, (N, K), device=device, dtype=torch.int8, generator=gen)
+        self.s8 = torch.rand(N, device=device, generator=gen) * 1e-3 + 1e-4
+        self.s8h = self.s8.to(dtype)
+        self.w_fp8 = self.w.float().div(1e-3).clamp(-448, 448).to(torch.float8_e4m3fn)
+        self.x_scale = torch.tensor([0.02], device=device)
+        self.x_scale_fp8 = torch.tensor([4.0 / 448], device=device)
+
+
+def kernel_ops(L: Layer, x):
+    """kind → (kernel fn, alternative fn or None) for x [M, K]."""
+    import torch
+
+    from quantspec import kernels
+    from quantspec.quant.packing import unpack_int4
+
+    def deq4():
+        q = unpack_int4(L.w4, (L.N, L.K)).to(L.dtype)
+        return x @ (q.view(L.N, -1, L.group) * L.s4[:, :, None]).view(L.N, L.K).t()
+
+    def int_mm():
+        xq, xs = kernels.quantize_act_int8(x, L.x_scale)
+        return (torch._int_mm(xq, L.q8.t()).float() * xs[:, None] * L.s8[None, :]).to(L.dtype)
+
+    def scaled_mm():
+        xq = kernels.quantize_act_fp8(x, L.x_scale_fp8)
+        return torch._scaled_mm(xq, L.w_fp8.t(), scale_a=L.x_scale_fp8, scale_b=L.s8[None, :],
+                                out_dtype=L.dtype)
+
+    cuda = x.device.type == "cuda"
+    return {
+        "w4a16": (lambda: kernels.w4a16_linear(x, L.w4, L.s4, L.group), deq4),
+        "w8a16": (lambda: kernels.w8a16_linear(x, L.q8, L.s8h), lambda: x @ (L.q8.to(L.dtype) * L.s8h[:, None]).t()),
+        "w8a8": (lambda: kernels.w8a8_linear(x, L.q8, L.s8, L.x_scale), int_mm if cuda else None),
+        "fp8": (lambda: kernels.fp8_linear(x, L.w_fp8, L.s8, L.x_scale_fp8), scaled_mm if cuda else None),
+    }
+
+
+def dispatch_pick(kind: str, device, M: int, dtype):
+    """→ (KernelPath, 'kernel' | 'alt' | None): what dispatch runs for this layer and call, and
+    which measured column that is (None: a path this bench does not time)."""
+    from quantspec.infer.dispatch import KernelPath, LinearKind, LinearTraits, select_kernel
+
+    fp8_native = device.type == "cuda" and __import__("torch").cuda.get_device_capability(device) >= (8, 9)
+    traits = LinearTraits(kind=LinearKind(kind), dtype=dtype, weight_symmetric=True,
+                          weight_strategy="group" if kind == "w4a16" else "channel",
+                          act_mode="static" if kind in ("w8a8", "fp8") else None, fp8_native=fp8_native)
+    path = select_kernel(traits, device, M, dtype)
+    if path.value.startswith("triton"):
+        return path, "kernel"
+    if path is KernelPath.DEQUANT and kind in ("w4a16", "w8a16"):
+        return path, "alt"
+    return path, None
+
+
+def _time_or_error(bench, fn):
+    try:
+        return bench(fn), None
+    except Exception as e:  # noqa: BLE001 - a failing op is a table cell, not the end of the run
+        return None, f"{type(e).__name__}: {str(e).splitlines()[0][:80]}"
+
+
+def run_dtype(dtype_name: str, shapes, ms, device, bench) -> dict:
+    import torch
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(0)
+    has_fp8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
+    rows = []
+    for K, N in shapes:
+        L = Layer(K, N, dtype, device, gen)
+        for M in ms:
+            x = torch.randn(M, K, device=device, generator=gen).to(dtype)
+            t_ref, _ = _time_or_error(bench, lambda: x @ L.w.t())
+            ops = kernel_ops(L, x)
+            for kind in KINDS:
+                if kind == "fp8" and not has_fp8:
+                    continue
+                kern, alt = ops[kind]
+                t_k, err_k = _time_or_error(bench, kern)
+                t_a, err_a = (None, "n/a") if alt is None else _time_or_error(bench, alt)
+                path, col = dispatch_pick(kind, device, M, dtype)
+                t_d = {"kernel": t_k, "alt": t_a}.get(col)
+                rows.append(dict(kind=kind, K=K, N=N, M=M, torch_ms=t_ref, kernel_ms=t_k, kernel_error=err_k,
+                                 alt_ms=t_a, alt_error=err_a, dispatch=path.value, dispatch_ms=t_d))
+            print(f"  {dtype_name} {K}x{N} M={M} done", flush=True)
+    return {"dtype": dtype_name, "device": str(device), "rows": rows}
+
+
+def _cell(t_ref, t, err=None) -> str:
+    if t is None:
+        return err or "—"
+    return f"{t:.4f} ({t_ref / t:.2f}×)" if t_ref else f"{t:.4f}"
+
+
+def markdown(result: dict) -> str:
+    out = []
+    for kind in KINDS:
+        rows = [r for r in result["rows"] if r["kind"] == kind]
+        if not rows:
+            continue
+        out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
+        out.append(f"| K×N | M | torch ms | Triton ms (×) | {ALT_NAMES[kind]} ms (×) | dispatch (×) |")
+        out.append("|---|---|---|---|---|---|")
+        for r in rows:
+            t = r["torch_ms"]
+            d = f"{r['dispatch']} {_cell(t, r['dispatch_ms'])}" if r["dispatch_ms"] else r["dispatch"]
+            out.append(f"| {r['K']}×{r['N']} | {r['M']} | {t:.4f} | {_cell(t, r['kernel_ms'], r['kernel_error'])} | "
+                       f"{_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
+        out.append("")
+    return "\n".join(out)
+
+
+def targets(result: dict) -> list[tuple[str, float | None, float, bool]]:
+    """(what, measured ratio through dispatch, target, met) for the issue's kernel targets."""
+    def ratio(kind, K, N, M):
+        for r in result["rows"]:
+            if (r["kind"], r["K"], r["N"], r["M"]) == (kind, K, N, M) and r["dispatch_ms"]:
+                return r["torch_ms"] / r["dispatch_ms"]
+        return None
+
+    checks = [("W4A16 M=1 4096×14336", ratio("w4a16", 4096, 14336, 1), 3.0),
+              ("W8A16 M=1 4096×14336", ratio("w8a16", 4096, 14336, 1), 1.8),
+              ("W8A8 M=4096 4096×14336", ratio("w8a8", 4096, 14336, 4096), 1.5),
+              ("FP8 M=4096 4096×14336", ratio("fp8", 4096, 14336, 4096), 1.5)]
+    ratios = [r["torch_ms"] / r["dispatch_ms"] for r in result["rows"] if r["dispatch_ms"]]
+    checks.append(("lowest dispatch ratio, any cell", min(ratios) if ratios else None, 0.9))
+    return [(w, v, t, v is not None and v >= t) for w, v, t in checks]
+
+
+SWEEP_GRID = dict(block_n=(32, 64, 128), split_k=(1, 2, 4, 8), num_warps=(4,), num_stages=(2, 3))
+SWEEP_SHAPES = [(4096, 4096), (4096, 14336)]
+
+
+def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
+    """Launch configs of W4A16 / W8A16 at M ∈ {1, 16} (module docstring)."""
+    import torch
+
+    from quantspec import kernels
+    from quantspec.kernels.w4a16 import W4A16Config
+
+    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    gen = torch.Generator(device=device).manual_seed(1)
+    found = []
+    shapes = [s for s in shapes if s in SWEEP_SHAPES] or shapes
+    grid = list(itertools.product(*SWEEP_GRID.values()))
+    if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
+        grid = grid[:2]
+    for (K, N), M in itertools.product(shapes, (1, 16)):
+        L = Layer(K, N, dtype, device, gen)
+        x = torch.randn(M, K, device=device, generator=gen).to(dtype)
+        for kind in ("w4a16", "w8a16"):
+            def call(cfg=None):
+                if kind == "w4a16":
+                    return kernels.w4a16_linear(x, L.w4, L.s4, L.group, config=cfg)
+                return kernels.w8a16_linear(x, L.q8, L.s8h, config=cfg)
+            t_default, _ = _time_or_error(bench, call)
+            best = (t_default, "default")
+            bm = 1 if M <= 4 else 16
+            for bn, sk, nw, ns in grid:
+                cfg = W4A16Config(bm, bn, min(128, L.group) if kind == "w4a16" else 128, sk, nw, ns)
+                t, _ = _time_or_error(bench, lambda: call(cfg))
+                if t is not None and (best[0] is None or t < best[0]):
+                    best = (t, list(cfg))
+            found.append(dict(kind=kind, K=K, N=N, M=M, default_ms=t_default, best_ms=best[0], best=best[1]))
+            print(f"  sweep {kind} {K}x{N} M={M}: default {t_default} best {best}", flush=True)
+    return found
+
+
+def _sweep_main(shapes, device, bench, dtype_name: str, name: str, out: Path | None) -> int:
+    if device.type == "cuda":  # many configs: shorter repeats
+        import triton.testing
+
+        bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=20)  # noqa: E731
+    found = sweep(shapes, device, bench, dtype_name)
+    md = [f"### Launch configs of the weight-only kernels on {name} ({dtype_name})\n",
+          "| kernel | K×N | M | default ms | best ms | best (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) |",
+          "|---|---|---|---|---|---|"]
+    for f in found:
+        d = "—" if f["default_ms"] is None else f"{f['default_ms']:.4f}"
+        b = "—" if f["best_ms"] is None else f"{f['best_ms']:.4f}"
+        md.append(f"| {f['kind']} | {f['K']}×{f['N']} | {f['M']} | {d} | {b} | {f['best']} |")
+    text = "\n".join(md) + "\n"
+    print(text)
+    if out:
+        (out / "kernels_sweep.md").write_text(text)
+        (out / "kernels_sweep.json").write_text(json.dumps(found, indent=1))
+    return 0
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
+    ap.add_argument("--dtype", default=None, help="comma-separated fp16,bf16 (default: both on CUDA, fp32 on CPU)")
+    ap.add_argument("--m", default=None, help="comma-separated rows M (default 1,16,64,256,4096; CPU 1,16)")
+    ap.add_argument("--out", default=None, help="folder for kernels_<dtype>.md / .json")
+    ap.add_argument("--sweep-only", action="store_true", help="time a grid of W4A16 / W8A16 launch configs")
+    args = ap.parse_args(argv)
+    if args.device == "cpu":
+        os.environ.setdefault("TRITON_INTERPRET", "1")
+    import torch
+
+    if args.device == "cuda" and not torch.cuda.is_available():
+        print("bench/kernels.py: no CUDA GPU here; pass --device cpu for the interpreter smoke run", file=sys.stderr)
         return 2
-
-    import triton.testing
-
-    from quantspec.kernels import (
-        fp8_linear,
-        int8_gemm,
-        quantize_act_int8,
-        w4a16_linear,
-        w8a16_linear,
-    )
-    from quantspec.quant.packing import pack_int4
-
-    dtype = torch.float16 if args.dtype == "fp16" else torch.bfloat16
-    ms_list = [int(m) for m in args.m.split(",")]
-    cc = torch.cuda.get_device_capability()
-    has_fp8 = cc >= (8, 9)
-
-    def bench(fn):
-        return triton.testing.do_bench(fn, warmup=25, rep=100)
-
-    print(f"## quantspec kernels vs torch {args.dtype} matmul on {torch.cuda.get_device_name()} "
-          f"(cc {cc[0]}.{cc[1]}, torch {torch.__version__})\n")
-    cols = ["K×N", "M", f"torch {args.dtype} ms", "W4A16 ms (×)", "W8A16 ms (×)", "W8A8 ms (×)"]
-    cols.append("FP8 ms (×)" if has_fp8 else "FP8 (cc < 8.9: n/a)")
-    print("| " + " | ".join(cols) + " |")
-    print("|" + "---|" * len(cols))
-    gen = torch.Generator(device="cuda").manual_seed(0)
-    for K, N in SHAPES:
-        w = torch.randn(N, K, device="cuda", dtype=dtype, generator=gen) * 0.02
-        q4 = torch.randint(-8, 8, (N, K), device="cuda", dtype=torch.int8, generator=gen)
-        w4 = pack_int4(q4)
-        s4 = torch.rand(N, K // GROUP_SIZE, device="cuda", generator=gen).to(dtype) * 0.01
-        q8 = torch.randint(-128, 128, (N, K), device="cuda", dtype=torch.int8, generator=gen)
-        s8 = torch.rand(N, device="cuda", generator=gen) * 1e-3
-        s8h = s8.to(dtype)
-        w_fp8 = w.float().div(0.001).clamp(-448, 448).to(torch.float8_e4m3fn)
-        x_scale = torch.tensor([0.02], device="cuda")
-        for M in ms_list:
-            x = torch.randn(M, K, device="cuda", dtype=dtype, generator=gen)
-            t_ref = bench(lambda: x @ w.t())
-            cells = [f"{K}×{N}", str(M), f"{t_ref:.4f}"]
-            for fn in (
-                lambda: w4a16_linear(x, w4, s4, GROUP_SIZE),
-                lambda: w8a16_linear(x, q8, s8h),
-                lambda: int8_gemm(*quantize_act_int8(x, x_scale), q8, s8, None, dtype),
-            ):
-                t = bench(fn)
-                cells.append(f"{t:.4f} ({t_ref / t:.2f}×)")
-            if has_fp8:
-                t = bench(lambda: fp8_linear(x, w_fp8, s8, x_scale))
-                cells.append(f"{t:.4f} ({t_ref / t:.2f}×)")
-            else:
-                cells.append("n/a")
-            print("| " + " | ".join(cells) + " |", flush=True)
+    device = torch.device(args.device)
+    cpu = device.type == "cpu"
+    shapes = CPU_SHAPES if cpu else GPU_SHAPES
+    ms = [int(m) for m in (args.m or ("1,16" if cpu else "1,16,64,256,4096")).split(",")]
+    dtypes = (args.dtype or ("fp32" if cpu else "fp16,bf16")).split(",")
+    bench = _timer(device)
+    out = Path(args.out) if args.out else None
+    if out:
+        out.mkdir(parents=True, exist_ok=True)
+    name = torch.cuda.get_device_name(device) if not cpu else "CPU (Triton interpreter)"
+    if args.sweep_only:
+        return _sweep_main(shapes, device, bench, dtypes[0], name, out)
+    for dt in dtypes:
+        result = run_dtype(dt, shapes, ms, device, bench)
+        result["gpu"] = name
+        result["targets"] = targets(result)
+        md = f"### Kernels vs torch {dt} matmul on {name}\n\n" + markdown(result)
+        md += "\n| target (through dispatch) | measured | target | met |\n|---|---|---|---|\n" + "\n".join(
+            f"| {w} | {'—' if v is None else f'{v:.2f}×'} | ≥ {t}× | {'yes' if ok else 'no'} |"
+            for w, v, t, ok in result["targets"]) + "\n"
+        print(md, flush=True)
+        if out:
+            (out / f"kernels_{dt}.md").write_text(md)
+            (out / f"kernels_{dt}.json").write_text(json.dumps(result, indent=1))
     return 0
 
 

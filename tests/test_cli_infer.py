@@ -101,3 +101,26 @@ def test_prompt_longer_than_src_length(tiny_llama_dir):
     r = run("infer", "--model", tiny_llama_dir, "--prompt", long, "--src-length", 16, "--no-chat-template",
             "--max-new-tokens", 4, "--truncate-prompt")
     assert r.exit_code == 0 and "truncated" in r.stderr
+
+
+def test_infer_without_the_cpu_kernels_matches_transformers(tiny_llama_dir):
+    """QUANTSPEC_CPU_KERNELS=0 (no compiler, or switched off): `infer` runs on torch's ops alone
+    and its greedy text is transformers' greedy text."""
+    import os
+    import subprocess
+    import sys
+
+    import torch
+    from transformers import AutoModelForCausalLM, AutoTokenizer
+
+    env = dict(os.environ, QUANTSPEC_CPU_KERNELS="0")
+    r = subprocess.run([sys.executable, "-c", "from quantspec.cli import main; main()", "infer", "--model", str(tiny_llama_dir),
+                        "--prompt", "the quick brown fox", "--no-chat-template", "--max-new-tokens", "12",
+                        "--dtype", "float32"], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0, r.stderr[-2000:]
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    ids = torch.tensor([tok("the quick brown fox").input_ids])
+    out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
+                      eos_token_id=2, pad_token_id=0)
+    assert r.stdout.strip() == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()

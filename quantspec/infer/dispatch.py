@@ -90,6 +90,8 @@ class DispatchPolicy:
         take dequantize + matmul); a row-invariant call (a decode or verification step) takes them
         for every M. quantspec's packed kernels take every M.
     fast: False forces the reference everywhere.
+    cuda_attention: a CUDA cache's paged attention: "triton" (`infer/cuda/attention.py`) or
+        "sdpa" (torch's, `infer/kv_cache.PagedAttention`).
     cpu_kernels: False keeps quantspec's CPU kernels out (torch's ops only).
     cpu_pairs: quantspec's CPU kernels run bf16 x through AVX512-BF16's dot product where they
         have that path (False: their fp32 chain; benches and tests compare the two).
@@ -100,8 +102,11 @@ class DispatchPolicy:
     fast: bool = True
     cpu_kernels: bool = True
     cpu_pairs: bool = True
+    cuda_attention: str = "triton"
 
     def __post_init__(self) -> None:
+        if self.cuda_attention not in ("triton", "sdpa"):
+            raise QuantSpecError(f"DispatchPolicy.cuda_attention must be 'triton' or 'sdpa', got {self.cuda_attention!r}")
         for name in ("cpu_packed_max_m", "cuda_weight_only_max_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:

@@ -220,6 +220,7 @@ class AttentionMetadata:
     spans: list[tuple[int, int] | None] | None = None  # per-sequence path: (first block, #blocks)
     masks: list[torch.Tensor | None] | None = None  # per-sequence path: [q_len, seq_len] bool or None
     kernel: bool = False  # the whole step goes through the cache's attention kernel
+    kernel_args: object = None  # what that kernel derived from this step once, for every layer
 
     @property
     def fresh_prefill(self) -> bool:

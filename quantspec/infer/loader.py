@@ -47,7 +47,7 @@ from quantspec.quant.args import QuantConfig
 from quantspec.quant.artifact import read_provenance
 from quantspec.quant.compressed import expected_linear_tensors
 
-__all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "read_eos_token_ids"]
+__all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "quantized_model", "read_eos_token_ids"]
 
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
 _KV_NAMES = ("k_scale", "v_scale")
@@ -237,8 +237,17 @@ def _refuse_unexpected(tensors: dict, allowed: set[str], kv_names: set[str], arg
 def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
                     dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None
                     ) -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
-    where = str(model_dir)
-    tensors = load_checkpoint_tensors(model_dir)
+    return quantized_model(load_checkpoint_tensors(model_dir), args, qc, dtype=dtype, device=device,
+                           policy=policy, where=str(model_dir))
+
+
+def quantized_model(tensors: dict[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, *,
+                    dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None = None,
+                    where: str = "the artifact") -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
+    """An artifact's tensors (compressed-tensors names, as `quantize_model` or a checkpoint
+    gives them) → (the model with `QuantLinear`s on `device`, k_scale, v_scale). Every name and
+    shape is checked against `args` and `qc`; `where` names the source in messages. The model is
+    not yet prepared for its device (`infer.backend.prepare`)."""
     tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
     net = build_model(args, device="meta")
     quantized = _quantized_modules(net, qc, where)
@@ -269,6 +278,8 @@ def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
             if p is not None and p.is_meta]
     if left:  # a bug, not bad input: every name was checked above
         raise RuntimeError(f"{where}: tensors left unloaded: {left[:3]}")
+    net.setup_rope(args.max_position_embeddings, device)
+    net.eval()
     return net, k_scale, v_scale
 
 
@@ -334,8 +345,6 @@ def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.f
         if quant_config.kv_cache_scheme is not None:
             kv_dtype = "fp8" if quant_config.kv_cache_scheme.type == "float" else "int8"
             k_scale, v_scale = k_scale.to(device), v_scale.to(device)
-        net.setup_rope(args.max_position_embeddings, device)
-        net.eval()
     tok = _load_tokenizer(model_dir) if tokenizer else None
     runtime = prepare(net, device, policy=policy, fuse=fuse)
     return LoadedModel(model=net, model_dir=model_dir, tokenizer=tok, args=args,

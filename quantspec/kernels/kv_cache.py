@@ -340,7 +340,9 @@ def paged_attention(
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
     on_gpu = device.type == "cuda"
-    block_m = 16 if (not on_gpu or max_q_len <= 16) else 64
+    # one query tile size for every step: a row's numbers do not depend on the other rows of its
+    # step (a verification row equals the decode step at its position)
+    block_m = 16
     block_n = 16 if not on_gpu else 64
     dot_fp32 = dot_in_fp32(q.dtype)
     dummy = seq_lens
@@ -352,6 +354,6 @@ def paged_attention(
         block_tables.stride(0), hkv * d, d, k_cache.shape[1],
         GROUP=H // hkv, KIND=_kv_kind(k_cache.dtype), DOT_FP32=dot_fp32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=4 if block_m <= 16 else 8, num_stages=2,
+        num_warps=4, num_stages=2,
     )
     return out

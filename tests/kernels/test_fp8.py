@@ -89,6 +89,7 @@ def test_bad_inputs_raise():
         quantize_act_fp8(torch.randn(3, 88), torch.ones(3))
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
                     reason="needs CUDA with compute capability >= 8.9")
 @pytest.mark.parametrize("M", [1, 64, 300])

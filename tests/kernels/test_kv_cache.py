@@ -152,14 +152,16 @@ def test_bad_inputs_raise():
                        torch.zeros(2, dtype=torch.int64), s, s)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
-def test_gpu_bf16_queries(dtype):
+def test_gpu_half_queries(dtype, q_dtype):
     q_lens, ctx = [1, 4, 40], [100, 60, 0]
     bt, cu, seq, gen = _batch(q_lens, ctx, seed=4)
     kc, vc, ks, vs = _filled_cache(dtype, bt, seq, gen)
     dev = lambda t: None if t is None else t.cuda()  # noqa: E731
-    q = torch.randn(int(cu[-1]), H, D, generator=gen).bfloat16().cuda()
+    q = torch.randn(int(cu[-1]), H, D, generator=gen).to(q_dtype).cuda()
     args = [dev(t) for t in (kc, vc, cu, seq, bt, ks, vs)]
     torch.testing.assert_close(paged_attention(q, *args).float(), paged_attention_ref(q, *args).float(),
                                rtol=2e-2, atol=2e-2)

@@ -53,6 +53,7 @@ def test_bad_inputs_raise():
         w8a16_linear(torch.randn(K, 3).t(), q, s)
 
 
+@pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 @pytest.mark.parametrize("M", [1, 16, 64, 300])
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])

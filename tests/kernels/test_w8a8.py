@@ -85,3 +85,18 @@ def test_bad_inputs_raise():
         quantize_act_int8(torch.randn(3, K), torch.zeros(1))
     with pytest.raises(QuantSpecError, match="contiguous"):
         quantize_act_int8(torch.randn(K, 3).t())
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("M", [1, 16, 64, 300, 2048])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+@pytest.mark.parametrize("static", [False, True])
+def test_gpu_big_shapes(M, dtype, static):
+    gen = torch.Generator().manual_seed(M)
+    q = torch.randint(-127, 128, (1000, 4096), dtype=torch.int8, generator=gen).cuda()
+    s = (torch.rand(1000, generator=gen) * 1e-3 + 1e-4).cuda()
+    x = torch.randn(M, 4096, generator=gen).to(dtype).cuda()
+    xs = torch.tensor([0.03], device="cuda") if static else None
+    torch.testing.assert_close(w8a8_linear(x, q, s, xs).float(), w8a8_linear_ref(x, q, s, xs).float(),
+                               rtol=1e-2, atol=1e-2)

@@ -57,7 +57,8 @@ def _prepare_modules(model: nn.Module, policy: DispatchPolicy):
     when its kernels now serve the model, else None."""
     kernels = cg.cpu_kernels() if policy.cpu_kernels else None
     skinny_linears(model, kernels)
-    use_cpu_layer_kernels(model)
+    if cg.cpu_kernels() is not None:  # the small ops' kernels, wherever the extension is built
+        use_cpu_layer_kernels(model)
     if kernels is not None:
         pack_float_linears(model, pairs=bool(kernels.has_bf16_dot()))
     return kernels

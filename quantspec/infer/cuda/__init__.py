@@ -1,9 +1,10 @@
 """The CUDA backend: the Triton linears of quantized layers (`weights.py`: `CudaWeight`, built by
-`QuantLinear`, and `triton_linear`), entered through `prepare`.
+`QuantLinear`, and `triton_linear`) and the Triton paged attention (`attention.py`), entered
+through `prepare`.
 
-On CUDA the generic path runs everything else: float linears are torch's (cuBLAS), the paged
-attention is torch's SDPA (`infer/kv_cache.PagedAttention`), the head gives full logits; so
-`prepare` only stacks a model's projections (`infer/fuse.py`): the quantized layers are laid out
+On CUDA the generic path runs everything else: float linears are torch's (cuBLAS) and the head
+gives full logits; `prepare` stacks a model's projections (`infer/fuse.py`) and hands the paged
+caches the Triton attention (`DispatchPolicy.cuda_attention`): the quantized layers are laid out
 for CUDA when they are built.
 """
 
@@ -13,6 +14,7 @@ import torch
 from torch import nn
 
 from quantspec.infer.backend import Runtime
+from quantspec.infer.cuda.attention import TritonAttention
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.fuse import fuse_projections
 from quantspec.model_zoo.mtp import MTPModule
@@ -20,9 +22,11 @@ from quantspec.model_zoo.mtp import MTPModule
 __all__ = ["default_runtime", "prepare"]
 
 
-def default_runtime(device: torch.device) -> Runtime:
-    """CUDA's runtime for a model it did not prepare: the generic path."""
-    return Runtime(device=device)
+def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) -> Runtime:
+    """CUDA's runtime for a model it did not prepare: the generic path with the paged attention
+    `policy` names."""
+    triton = (policy or DispatchPolicy()).cuda_attention == "triton"
+    return Runtime(device=device, attention=TritonAttention.for_cache if triton else None)
 
 
 def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
@@ -30,4 +34,4 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     into one projection each (an MTP module keeps the projections it was loaded with)."""
     if fuse and not isinstance(model, MTPModule):
         fuse_projections(model)
-    return default_runtime(device)
+    return default_runtime(device, policy)

@@ -1,0 +1,64 @@
+#!/usr/bin/env bash
+# The GPU path proven on a GPU, in one command: the CUDA tests, the kernel tables, the engine end
+# to end, a launch-config sweep, then BENCHMARKS.md, each step time-boxed so that a failing or slow
+# step does not eat the rest (about 8 minutes in all on an H100).
+#
+#   bench/gpu_check.sh [OUTDIR]          # on a CUDA machine; OUTDIR defaults to $OUT, else out/gpu_check
+#   bench/gpu_check.sh --cpu [OUTDIR]    # the same steps on CPU: tiny shapes, Triton's interpreter
+#
+# Needs torch, triton, transformers, safetensors, rich and click (not datasets, gguf or
+# compressed-tensors). pytest is taken from the environment, else from .gpu-vendor/ at the
+# repository root (`pip install --target .gpu-vendor pytest`). Writes OUTDIR/BENCHMARKS.md, the
+# steps' logs and JSON; exits non-zero when CUDA is missing (without --cpu) or a step failed.
+set -u
+cd "$(dirname "$0")/.."
+CPU=0
+if [ "${1:-}" = "--cpu" ]; then CPU=1; shift; fi
+DEST=${1:-${OUT:-out/gpu_check}}
+mkdir -p "$DEST"
+export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
+if ! python -c "import pytest" 2>/dev/null && [ -d .gpu-vendor ]; then
+    export PYTHONPATH="$PYTHONPATH:$PWD/.gpu-vendor"
+fi
+if [ "$CPU" = 0 ] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
+    echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); pass --cpu for the CPU run" >&2
+    exit 1
+fi
+export QUANTSPEC_CPU_KERNELS=${QUANTSPEC_CPU_KERNELS:-0}  # the GPU run needs no CPU kernel build (minutes)
+START=$(date +%s)
+: > "$DEST/steps.tsv"
+FAILED=0
+
+# step NAME LIMIT_S COMMAND...: runs COMMAND under a time limit, output in DEST/NAME.log
+step() {
+    local name=$1 limit=$2 t0 rc
+    shift 2
+    t0=$(date +%s)
+    echo "== $name (at most ${limit}s)"
+    timeout -k 10 "$limit" "$@" > "$DEST/$name.log" 2>&1
+    rc=$?
+    [ "$rc" = 0 ] || FAILED=1
+    printf '%s\t%s\t%s\n' "$name" "$rc" "$(( $(date +%s) - t0 ))" >> "$DEST/steps.tsv"
+    tail -n 3 "$DEST/$name.log"
+}
+
+PYTEST=(python -m pytest -q -p no:cacheprovider -rfE)
+if [ "$CPU" = 0 ]; then
+    step gpu_tests 110 "${PYTEST[@]}" -m gpu tests/kernels tests/infer --junitxml="$DEST/gpu_tests.xml"
+    step kernels 110 python bench/kernels.py --out "$DEST"
+    step e2e 200 python bench/gpu_e2e.py --out "$DEST" --budget-s 140
+    step sweep 50 python bench/kernels.py --sweep-only --out "$DEST"
+    LEFT=$(( 470 - ($(date +%s) - START) ))
+    if [ "$LEFT" -gt 30 ]; then
+        step kernel_tests "$LEFT" "${PYTEST[@]}" tests/kernels --junitxml="$DEST/kernel_tests.xml"
+    fi
+else
+    export TRITON_INTERPRET=1
+    step gpu_tests 300 "${PYTEST[@]}" -m "not bench" tests/kernels/test_cuda_attention.py --junitxml="$DEST/gpu_tests.xml"
+    step kernels 300 python bench/kernels.py --device cpu --out "$DEST"
+    step e2e 300 python bench/gpu_e2e.py --device cpu --out "$DEST" --prompt-tokens 32 --new-tokens 8 --batch 1,2 --budget-s 120
+    step sweep 300 python bench/kernels.py --device cpu --sweep-only --out "$DEST"
+fi
+step report 60 python bench/gpu_report.py "$DEST"
+echo "gpu_check.sh: $DEST/BENCHMARKS.md ($(( $(date +%s) - START ))s)"
+exit $FAILED

@@ -1,0 +1,133 @@
+"""The engine end to end on CUDA (`-m gpu`): each quant type's artifact tensors loaded on the GPU
+(Triton linears, the Triton paged attention) give the CPU engine's greedy tokens in fp32, track
+the fp32 reference forward in bf16, and stay lossless under n-gram speculation."""
+
+import pytest
+import torch
+
+from quantspec.calib.ptq import quantize_model
+from quantspec.infer.backend import prepare
+from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.loader import quantized_model
+from quantspec.infer.sampler import SamplingParams
+from quantspec.infer.spec.proposers import ReferenceProposer
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.model_zoo.tiny import build_tiny_model
+from quantspec.quant.args import preset
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+QUANTS = ["weight_only_int4", "weight_only_int8", "a8w8", "a8w8_fp8"]
+NEW = 16
+
+
+@pytest.fixture(scope="module")
+def tiny(tmp_path_factory):
+    """A tiny Llama with head_dim 64 (what the Triton attention takes) and its input abs-max."""
+    d = build_tiny_model(tmp_path_factory.mktemp("tiny") / "m", hidden=128, heads=2, kv_heads=1,
+                         intermediate=256, num_layers=2)
+    net, _ = load_model(d)
+    amax: dict[str, float] = {}
+    hooks = [m.register_forward_hook(lambda m, i, o, n=n: amax.__setitem__(n, max(amax.get(n, 0.0), float(i[0].abs().max()))))
+             for n, m in net.named_modules() if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")]
+    ids = torch.randint(net.args.vocab_size, (2 * 32,), generator=torch.Generator().manual_seed(0))
+    with torch.inference_mode():
+        net(ids, torch.arange(32).repeat(2), DenseCausalAttention(2, 32))
+    for h in hooks:
+        h.remove()
+    return d, amax
+
+
+def _tensors(tiny, qt):
+    d, amax = tiny
+    net, _ = load_model(d)
+    scales = None
+    if qt in ("a8w8", "a8w8_fp8"):
+        qmax = 127.0 if qt == "a8w8" else 448.0
+        scales = {n: torch.tensor(a / qmax) for n, a in amax.items()}
+    res = quantize_model(net, preset(qt, group_size=64, weight_observer="minmax"), "rtn", input_scales=scales)
+    return res, net.args
+
+
+def _engine_tokens(res, args, device, dtype, prompts, *, policy=None, proposer=None, k=0, kv=None):
+    net, _, _ = quantized_model(res.tensors, args, res.config, dtype=dtype, device=torch.device(device),
+                                policy=policy)
+    runtime = prepare(net, device, policy=policy)
+    kv_dtype, ks, vs = kv or ("auto", None, None)
+    eng = Engine(net, EngineConfig(max_batch_size=len(prompts), max_length=128, kv_cache_dtype=kv_dtype,
+                                   spec_max_draft_tokens=k),
+                 eos_token_ids=[], k_scale=ks, v_scale=vs, proposer=proposer, runtime=runtime)
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+    eng.run()
+    return [list(s.output_ids) for s in seqs], net
+
+
+def _prompts(vocab, n=3):
+    gen = torch.Generator().manual_seed(5)
+    seg = [torch.randint(vocab, (12,), generator=gen).tolist() for _ in range(n)]
+    return [(s * 4)[: 20 + 7 * i] for i, s in enumerate(seg)]  # repeating: n-gram drafts match
+
+
+@pytest.mark.parametrize("qt", QUANTS)
+def test_cuda_engine_equals_cpu_engine_fp32(tiny, qt):
+    if qt == "a8w8_fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("FP8 kernels need compute capability >= 8.9")
+    res, args = _tensors(tiny, qt)
+    prompts = _prompts(args.vocab_size)
+    cpu, _ = _engine_tokens(res, args, "cpu", torch.float32, prompts)
+    cuda, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts)
+    assert cuda == cpu
+
+
+@pytest.mark.parametrize("kv", ["int8", "fp8"])
+def test_cuda_quantized_kv_cache_equals_cpu_fp32(tiny, kv):
+    res, args = _tensors(tiny, "weight_only_int4")
+    prompts = _prompts(args.vocab_size)
+    scale = torch.full((args.num_layers, args.num_kv_heads), 4.0 / (127.0 if kv == "int8" else 448.0))
+    cpu, _ = _engine_tokens(res, args, "cpu", torch.float32, prompts, kv=(kv, scale, scale))
+    cuda, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, kv=(kv, scale, scale))
+    assert cuda == cpu
+
+
+@pytest.mark.parametrize("qt", ["weight_only_int4", "a8w8"])
+def test_cuda_bf16_tracks_fp32_reference(tiny, qt):
+    """Each bf16 greedy token is the fp32 reference's argmax or within 3% of the row's largest
+    |logit| of it (bf16 activations, and for a8w8 their int8 codes, round differently)."""
+    res, args = _tensors(tiny, qt)
+    prompts = _prompts(args.vocab_size)
+    outs, _ = _engine_tokens(res, args, "cuda", torch.bfloat16, prompts)
+    ref, _, _ = quantized_model(res.tensors, args, res.config, dtype=torch.float32, device=torch.device("cpu"),
+                                policy=DispatchPolicy(fast=False))
+    for p, o in zip(prompts, outs):
+        ids = torch.tensor(p + o)
+        with torch.inference_mode():
+            logits = ref.compute_logits(ref(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids))))
+        for i, tok in enumerate(o):
+            row = logits[len(p) - 1 + i]
+            assert float(row.max() - row[tok]) <= 0.03 * float(row.abs().max()), (i, tok, int(row.argmax()))
+
+
+@pytest.mark.parametrize("attention", ["triton", "sdpa"])
+def test_cuda_ngram_speculation_is_lossless(tiny, attention):
+    res, args = _tensors(tiny, "weight_only_int4")
+    prompts = _prompts(args.vocab_size)
+    policy = DispatchPolicy(cuda_attention=attention)
+    plain, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, policy=policy)
+    spec, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, policy=policy,
+                             proposer=ReferenceProposer(2, 4), k=4)
+    assert spec == plain
+
+
+def test_cuda_runtime_takes_the_triton_attention(tiny):
+    from quantspec.infer.cuda import default_runtime
+    from quantspec.infer.cuda.attention import TritonAttention
+
+    res, args = _tensors(tiny, "weight_only_int8")
+    _, net = _engine_tokens(res, args, "cuda", torch.bfloat16, _prompts(args.vocab_size, 1))
+    cuda = torch.device("cuda")
+    eng = Engine(net, EngineConfig(max_batch_size=1, max_length=64), runtime=default_runtime(cuda))
+    assert isinstance(eng.cache.kernel, TritonAttention)
+    sdpa = default_runtime(cuda, DispatchPolicy(cuda_attention="sdpa"))
+    assert Engine(net, EngineConfig(max_batch_size=1, max_length=64), runtime=sdpa).cache.kernel is None
