@@ -239,8 +239,6 @@ def test_bad_input(case_id, argv, flag, tiny_llama_dir, quantized_dir, tmp_path,
     shutil.copytree(tiny_llama_dir, model)
     _inputs(d, model, quantized_dir)
     monkeypatch.chdir(d)
-    # the quiet start outlasts the case however loaded the machine is: one line is the error's
-    monkeypatch.setattr("quantspec.console.QUIET_S", 120.0)
     before, model_before = _snapshot(d), _snapshot(model)
     long_prompt = " ".join(["word"] * 200)
     args = argv.format(model=model, d=d, ro=RO_ROOT, long=long_prompt)
