@@ -5,6 +5,7 @@
 #
 #   bench/gpu_check.sh [OUTDIR]          # on a CUDA machine; OUTDIR defaults to $OUT, else out/gpu_check
 #   bench/gpu_check.sh --cpu [OUTDIR]    # the same steps on CPU: tiny shapes, Triton's interpreter
+#   bench/gpu_check.sh --quick [OUTDIR]  # the CUDA tests, kernel tables and end to end only (~5 min)
 #
 # Needs torch, triton, transformers, safetensors, rich and click (not datasets, gguf or
 # compressed-tensors). pytest is taken from the environment, else from .gpu-vendor/ at the
@@ -13,7 +14,9 @@
 set -u
 cd "$(dirname "$0")/.."
 CPU=0
+QUICK=0
 if [ "${1:-}" = "--cpu" ]; then CPU=1; shift; fi
+if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 DEST=${1:-${OUT:-out/gpu_check}}
 mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
@@ -43,10 +46,14 @@ step() {
 }
 
 PYTEST=(python -m pytest -q -p no:cacheprovider -rfE)
-if [ "$CPU" = 0 ]; then
-    step gpu_tests 110 "${PYTEST[@]}" -m gpu tests/kernels tests/infer --junitxml="$DEST/gpu_tests.xml"
-    step kernels 110 python bench/kernels.py --out "$DEST"
-    step e2e 200 python bench/gpu_e2e.py --out "$DEST" --budget-s 140
+if [ "$CPU" = 0 ] && [ "$QUICK" = 1 ]; then
+    step gpu_tests 75 "${PYTEST[@]}" -m gpu tests/kernels tests/infer --junitxml="$DEST/gpu_tests.xml"
+    step kernels 85 python bench/kernels.py --dtype fp16 --out "$DEST"
+    step e2e 110 python bench/gpu_e2e.py --out "$DEST" --budget-s 80
+elif [ "$CPU" = 0 ]; then
+    step gpu_tests 90 "${PYTEST[@]}" -m gpu tests/kernels tests/infer --junitxml="$DEST/gpu_tests.xml"
+    step kernels 150 python bench/kernels.py --out "$DEST"
+    step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
     step sweep 50 python bench/kernels.py --sweep-only --out "$DEST"
     LEFT=$(( 470 - ($(date +%s) - START) ))
     if [ "$LEFT" -gt 30 ]; then

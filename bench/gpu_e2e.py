@@ -6,8 +6,7 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
                             [--layers 32] [--prompt-tokens 256] [--new-tokens 64] [--budget-s 300]
     python bench/gpu_e2e.py --device cpu            # tiny shapes on the CPU engine (smoke)
 
-Per model: decode-phase tokens/s at each batch size with the backend's paged attention kernel
-(the Triton one on CUDA) and with torch's SDPA; for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
+Per model: decode-phase tokens/s at each batch size; for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
 repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
 its prompt, so this measures what speculation costs when it is not accepted), and the
 verification cost C(k) = time of a step verifying k drafts / a plain step (what the back-off's
@@ -20,7 +19,6 @@ measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -234,11 +232,7 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     """Every measurement of one model (module docstring), most valuable first."""
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
-    sdpa = dataclasses.replace(runtime, attention=None)
-    plan = []
-    for b in run.args.batch:
-        plan.append((f"b{b} kernel attention", lambda b=b: decode_speed(run, net, runtime, b)))
-        plan.append((f"b{b} SDPA attention", lambda b=b: decode_speed(run, net, sdpa, b)))
+    plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
     if name == run.args.spec_model:
         k = 5
         reps = repeating_prompts(net.args.vocab_size, 1, run.args.prompt_tokens)
@@ -270,7 +264,7 @@ def markdown(run: Run, args) -> str:
     dev = torch.cuda.get_device_name(run.device) if run.device.type == "cuda" else "CPU"
     lines = [f"### End to end: random-weight {args.num_layers}-layer Llama-3-8B-shaped model on {dev}\n",
              f"Prompt {run.args.prompt_tokens} tokens, {run.args.new_tokens} new tokens, greedy; "
-             "decode-phase tokens/s (after the prefill); × = over bf16 with the same attention and batch.\n",
+             "decode-phase tokens/s (after the prefill); × = over bf16 at the same batch.\n",
              "| model | measurement | tokens/s | × bf16 | drafted / accepted | note |", "|---|---|---|---|---|---|"]
     base = {r["what"]: r.get("tok_s") for r in run.rows if r["model"] == "bf16"}
     for r in run.rows:

@@ -5,17 +5,19 @@ alternative each kernel competes with and what dispatch picks, in one run.
     python bench/kernels.py --device cpu          # tiny shapes under TRITON_INTERPRET=1 (smoke)
 
 Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton
-kernel, the alternative (dequantize + cuBLAS for W4A16 / W8A16, `torch._int_mm` + the scale
-epilogue for W8A8, `torch._scaled_mm` for FP8) and dispatch's choice (`infer/dispatch.py`) with
-its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8 and FP8
-times include quantizing the activations (what a linear layer pays). Each CUDA cell is
-`triton.testing.do_bench` (L2 flushed between runs); on CPU a median of a few calls.
+kernel, the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for
+W4A16 / W8A16; `torch._scaled_mm` for FP8; `torch._int_mm` + the scale epilogue for W8A8) and
+dispatch's choice (`infer/dispatch.py`) with its time; ratios are torch's time / that time (> 1:
+faster than the float matmul). W8A8 and FP8 times include quantizing the activations (what a
+linear layer pays). Each CUDA cell is `triton.testing.do_bench` (L2 flushed between runs); on
+CPU a median of a few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 
 `--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16} on two shapes under every
 launch config of a small grid against the default heuristic's (`kernels_sweep.md` / `.json`: what
-tunes the heuristic). `--out DIR` writes `kernels_<dtype>.md` and `kernels_<dtype>.json` there. Targets (H100 / H200,
-through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×, W8A8 and FP8 at M=4096
-≥ 1.5×, nothing below 0.9×.
+tunes the heuristic).
+
+Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×,
+W8A8 and FP8 at M=4096 ≥ 1.5×, nothing below 0.9×.
 """
 
 from __future__ import annotations
@@ -33,7 +35,7 @@ GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N
 CPU_SHAPES = [(64, 48)]
 GROUP_SIZE = 128
 KINDS = ("w4a16", "w8a16", "w8a8", "fp8")
-ALT_NAMES = {"w4a16": "dequant+mm", "w8a16": "dequant+mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
+ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
 
 
 def _timer(device):
@@ -81,32 +83,41 @@ class Layer:
 
 
 def kernel_ops(L: Layer, x):
-    """kind → (kernel fn, alternative fn or None) for x [M, K]."""
+    """kind → (Triton kernel fn, the library's alternative fn or None) for x [M, K]: the
+    alternatives are what dispatch runs instead of the kernel (dequantize by Triton + cuBLAS for
+    the weight-only types, `_scaled_mm` for FP8); W8A8's is `torch._int_mm` + the epilogue."""
     import torch
 
     from quantspec import kernels
-    from quantspec.quant.packing import unpack_int4
-
-    def deq4():
-        q = unpack_int4(L.w4, (L.N, L.K)).to(L.dtype)
-        return x @ (q.view(L.N, -1, L.group) * L.s4[:, :, None]).view(L.N, L.K).t()
 
     def int_mm():
         xq, xs = kernels.quantize_act_int8(x, L.x_scale)
         return (torch._int_mm(xq, L.q8.t()).float() * xs[:, None] * L.s8[None, :]).to(L.dtype)
 
-    def scaled_mm():
-        xq = kernels.quantize_act_fp8(x, L.x_scale_fp8)
-        return torch._scaled_mm(xq, L.w_fp8.t(), scale_a=L.x_scale_fp8, scale_b=L.s8[None, :],
-                                out_dtype=L.dtype)
-
     cuda = x.device.type == "cuda"
     return {
-        "w4a16": (lambda: kernels.w4a16_linear(x, L.w4, L.s4, L.group), deq4),
-        "w8a16": (lambda: kernels.w8a16_linear(x, L.q8, L.s8h), lambda: x @ (L.q8.to(L.dtype) * L.s8h[:, None]).t()),
+        "w4a16": (lambda: kernels.w4a16_linear(x, L.w4, L.s4, L.group),
+                  lambda: x @ kernels.w4a16_dequantize(L.w4, L.s4, L.group, L.K, None, L.dtype).t()),
+        "w8a16": (lambda: kernels.w8a16_linear(x, L.q8, L.s8h),
+                  lambda: x @ kernels.w8a16_dequantize(L.q8, L.s8, L.dtype).t()),
         "w8a8": (lambda: kernels.w8a8_linear(x, L.q8, L.s8, L.x_scale), int_mm if cuda else None),
-        "fp8": (lambda: kernels.fp8_linear(x, L.w_fp8, L.s8, L.x_scale_fp8), scaled_mm if cuda else None),
+        "fp8": (lambda: kernels.fp8_linear(x, L.w_fp8, L.s8, L.x_scale_fp8),
+                (lambda: kernels.fp8_scaled_mm_linear(x, L.w_fp8, L.s8, L.x_scale_fp8)) if cuda else None),
     }
+
+
+def flipped_ops(L: Layer, x) -> dict:
+    """kind → the weight-only kernel under its default launch with the other tile orientation
+    (`W4A16Config.swap_ab` flipped): what chooses the orientation per M."""
+    from quantspec.kernels.w4a16 import W4A16Config, w4a16_default_config, w4a16_linear
+    from quantspec.kernels.w8a16 import w8a16_default_config, w8a16_linear
+
+    M, gpu = x.shape[0], x.device.type == "cuda"
+    c4 = w4a16_default_config(M, L.N, L.K, L.group, gpu)
+    c8 = w8a16_default_config(M, L.N, L.K, gpu)
+    c4, c8 = (W4A16Config(*c[:6], swap_ab=not c[6]) for c in (c4, c8))
+    return {"w4a16": lambda: w4a16_linear(x, L.w4, L.s4, L.group, config=c4),
+            "w8a16": lambda: w8a16_linear(x, L.q8, L.s8h, config=c8)}
 
 
 def dispatch_pick(kind: str, device, M: int, dtype):
@@ -121,7 +132,7 @@ def dispatch_pick(kind: str, device, M: int, dtype):
     path = select_kernel(traits, device, M, dtype)
     if path.value.startswith("triton"):
         return path, "kernel"
-    if path is KernelPath.DEQUANT and kind in ("w4a16", "w8a16"):
+    if path in (KernelPath.CUDA_DEQUANT_MM, KernelPath.CUDA_SCALED_MM):
         return path, "alt"
     return path, None
 
@@ -145,17 +156,18 @@ def run_dtype(dtype_name: str, shapes, ms, device, bench) -> dict:
         for M in ms:
             x = torch.randn(M, K, device=device, generator=gen).to(dtype)
             t_ref, _ = _time_or_error(bench, lambda: x @ L.w.t())
-            ops = kernel_ops(L, x)
+            ops, flips = kernel_ops(L, x), flipped_ops(L, x)
             for kind in KINDS:
                 if kind == "fp8" and not has_fp8:
                     continue
                 kern, alt = ops[kind]
                 t_k, err_k = _time_or_error(bench, kern)
+                t_f, _ = _time_or_error(bench, flips[kind]) if kind in flips else (None, None)
                 t_a, err_a = (None, "n/a") if alt is None else _time_or_error(bench, alt)
                 path, col = dispatch_pick(kind, device, M, dtype)
                 t_d = {"kernel": t_k, "alt": t_a}.get(col)
                 rows.append(dict(kind=kind, K=K, N=N, M=M, torch_ms=t_ref, kernel_ms=t_k, kernel_error=err_k,
-                                 alt_ms=t_a, alt_error=err_a, dispatch=path.value, dispatch_ms=t_d))
+                                 flipped_ms=t_f, alt_ms=t_a, alt_error=err_a, dispatch=path.value, dispatch_ms=t_d))
             print(f"  {dtype_name} {K}x{N} M={M} done", flush=True)
     return {"dtype": dtype_name, "device": str(device), "rows": rows}
 
@@ -173,13 +185,16 @@ def markdown(result: dict) -> str:
         if not rows:
             continue
         out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
-        out.append(f"| K×N | M | torch ms | Triton ms (×) | {ALT_NAMES[kind]} ms (×) | dispatch (×) |")
-        out.append("|---|---|---|---|---|---|")
+        flip = kind in ("w4a16", "w8a16")
+        out.append(f"| K×N | M | torch ms | Triton ms (×) | {'other orientation ms (×) | ' if flip else ''}"
+                   f"{ALT_NAMES[kind]} ms (×) | dispatch (×) |")
+        out.append("|---|---|---|---|---|---|" + ("---|" if flip else ""))
         for r in rows:
             t = r["torch_ms"]
             d = f"{r['dispatch']} {_cell(t, r['dispatch_ms'])}" if r["dispatch_ms"] else r["dispatch"]
+            f = f"{_cell(t, r.get('flipped_ms'))} | " if flip else ""
             out.append(f"| {r['K']}×{r['N']} | {r['M']} | {t:.4f} | {_cell(t, r['kernel_ms'], r['kernel_error'])} | "
-                       f"{_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
+                       f"{f}{_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
         out.append("")
     return "\n".join(out)
 
@@ -201,7 +216,7 @@ def targets(result: dict) -> list[tuple[str, float | None, float, bool]]:
     return [(w, v, t, v is not None and v >= t) for w, v, t in checks]
 
 
-SWEEP_GRID = dict(block_n=(32, 64, 128), split_k=(1, 2, 4, 8), num_warps=(4,), num_stages=(2, 3))
+SWEEP_GRID = dict(block_n=(32, 64, 128), split_k=(1, 2, 4, 8), num_warps=(4,), num_stages=(3,))
 SWEEP_SHAPES = [(4096, 4096), (4096, 14336)]
 
 
@@ -216,7 +231,8 @@ def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(1)
     found = []
     shapes = [s for s in shapes if s in SWEEP_SHAPES] or shapes
-    grid = list(itertools.product(*SWEEP_GRID.values()))
+    grid = [(bn, sk, nw, ns, swap) for bn, sk, nw, ns in itertools.product(*SWEEP_GRID.values())
+            for swap in (False, True)]
     if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
         grid = grid[:2]
     for (K, N), M in itertools.product(shapes, (1, 16)):
@@ -229,9 +245,9 @@ def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
                 return kernels.w8a16_linear(x, L.q8, L.s8h, config=cfg)
             t_default, _ = _time_or_error(bench, call)
             best = (t_default, "default")
-            bm = 1 if M <= 4 else 16
-            for bn, sk, nw, ns in grid:
-                cfg = W4A16Config(bm, bn, min(128, L.group) if kind == "w4a16" else 128, sk, nw, ns)
+            bm = 16
+            for bn, sk, nw, ns, swap in grid:
+                cfg = W4A16Config(bm, bn, min(128, L.group) if kind == "w4a16" else 128, sk, nw, ns, swap)
                 t, _ = _time_or_error(bench, lambda: call(cfg))
                 if t is not None and (best[0] is None or t < best[0]):
                     best = (t, list(cfg))

@@ -84,6 +84,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
                              zp_dtype=zp, weight_observer=observer, act_order=act_order,
+                             target="quantspec" if zp else "portable",
                              dataset=a.calib if method == "gptq" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)
                 q_time = time.perf_counter() - t0

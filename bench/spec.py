@@ -132,8 +132,8 @@ def _recipe(spec: str) -> tuple[str, dict]:
             kw["group_size"] = int(part[1:])
         elif part == "asym":
             kw["symmetric"] = False
-        elif part == "fzp":
-            kw["zp_dtype"] = "float16"
+        elif part == "fzp":  # float zero points: quantspec-only (no engine reads them)
+            kw.update(zp_dtype="float16", target="quantspec")
         elif part == "gptq":  # as bench/quality.py: 64 x 512 tokens of bench/data/calib.jsonl, act-order
             kw.update(method="gptq", dataset=str(DATA.parent / "calib.jsonl"), num_samples=64, seq_len=512,
                       act_order=True)
@@ -222,7 +222,7 @@ def _mtp_methods(a, common: dict, loaded, methods: dict) -> None:
         stamp = int((mtp_dir / "model.safetensors").stat().st_mtime)
         out = cache_dir() / "bench" / f"{mtp_dir.name}.mtp.{stamp}.{qt}"
         if not (out / "config.json").exists():
-            api.quantize(str(mtp_dir), qt, out, overwrite=True)
+            api.quantize(str(mtp_dir), qt, out, overwrite=True, target="quantspec")
         methods[f"mtp {qt}"] = Predictor(dataclasses.replace(cfg, draft_model=str(out)), loaded=loaded)
 
 

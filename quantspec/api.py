@@ -174,9 +174,11 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
     `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
     zp_dtype, weight_observer, ignore, act_order, block_size, damp, dataset, split, text_field,
-    num_samples, seq_len, seed, calib, smoothquant_alpha, kv_cache, fallback_layers,
-    fallback_threshold, fallback_budget, search_samples, holdout_samples, overwrite), checked
-    when the config is built. The artifact: config.json = the source config + its
+    num_samples, seq_len, seed, calib, smoothquant_alpha, kv_cache, kv_strategy, target,
+    fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples,
+    overwrite), checked when the config is built. `target` defaults to "portable" (what vLLM and
+    SGLang load with the intended scheme); options only quantspec runs (float zero points, int8
+    KV-cache scales, MTP modules) need target="quantspec". The artifact: config.json = the source config + its
     `quantization_config` (compressed-tensors layout), the tensors in compressed-tensors names, the
     tokenizer files, and `quantspec.json` provenance; written atomically (`calib.quantize`).
     `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at each
@@ -236,6 +238,7 @@ def inspect(path: str | Path) -> dict:
         method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
     )
+    out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(d, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
         # a8w8 types: how many Linears run static activations, and which fell back (W8A16)
         out["static_activation_linears"] = sum(d["input_activations"] is not None
@@ -248,26 +251,49 @@ def inspect(path: str | Path) -> dict:
     return out
 
 
+def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
+    """`quant.engines.engine_verdicts` for the artifact in `d`: its quantized Linears with their
+    input dims (from `weight_shape` or the code tensor's shape) and whether it is an MTP module."""
+    from safetensors import safe_open
+
+    from quantspec.model_zoo.checkpoint import read_config, reading_safetensors
+    from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.quant.engines import engine_verdicts
+
+    dims: dict[str, int | None] = dict.fromkeys(layers)
+    for f in files:
+        with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
+            for k in h.keys():
+                name, _, leaf = k.rpartition(".")
+                if name in dims and leaf == "weight_shape":
+                    dims[name] = int(h.get_tensor(k)[1])
+                elif name in dims and leaf == "weight":
+                    dims[name] = int(h.get_slice(k).get_shape()[1])
+    return engine_verdicts(qc, dims, transformers_loads=not is_mtp_config(read_config(d)))
+
+
 def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None = None,
              dataset: str | None = None, split: str = "test", text_field: str = "text",
              seq_len: int = 512, max_windows: int | None = None, batch_size: int = 4,
              dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto",
              calib: str | Path | None = None, progress=None) -> dict:
     """Perplexity of a model or artifact on a text file or dataset, through the inference path
-    (paged KV cache; a static int8/fp8 KV cache with `kv_cache_dtype` takes its scales from
-    `calib` or from the artifact). Returns `PerplexityResult.to_dict()` + model and source."""
+    (paged KV cache). `kv_cache_dtype`: "auto" runs the artifact's static KV cache when it stores
+    `k_scale` / `v_scale` (as `infer` does), else a float one; "float" forces a float KV cache;
+    "int8" / "fp8" a static one with scales from `calib` or from the artifact. Returns
+    `PerplexityResult.to_dict()` + model, source and `kv_cache` (which KV cache ran, with the
+    scales' origin)."""
     import torch
 
     from quantspec.devices import resolve_device
     from quantspec.infer.evaluate import perplexity
     from quantspec.infer.loader import load_for_inference
-    from quantspec.model_zoo.checkpoint import resolve_model_dir
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
     if dtype not in dtypes:
         raise QuantSpecError(f"unknown --dtype {dtype!r}; use one of: {', '.join(dtypes)}")
-    if kv_cache_dtype not in ("auto", "int8", "fp8"):
-        raise QuantSpecError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; use auto, int8 or fp8")
+    if kv_cache_dtype not in ("auto", "float", "int8", "fp8"):
+        raise QuantSpecError(f"unknown --kv-cache-dtype {kv_cache_dtype!r}; use auto, float, int8 or fp8")
     if (text_file is None) == (dataset is None):
         raise QuantSpecError("pass exactly one of --text-file or --dataset")
     if isinstance(seq_len, bool) or not isinstance(seq_len, int) or seq_len < 2:
@@ -275,32 +301,36 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
     positive_int("batch_size", batch_size)
     if max_windows is not None:
         positive_int("max_windows", max_windows)
-    if kv_cache_dtype != "auto" and calib is None:  # the scales come from the artifact: check it has them
-        from quantspec.quant.artifact import read_quant_config
-
-        with about("--model"):
-            qc = read_quant_config(resolve_model_dir(model))
-        if qc is None or qc.kv_cache_scheme is None:
-            raise QuantSpecError(f"a static {kv_cache_dtype} KV cache needs scales: pass --calib DIR "
-                                 "from `quantspec calibrate`, or an artifact that stores k/v scales")
+    if calib is not None and kv_cache_dtype in ("auto", "float"):
+        raise QuantSpecError("--calib gives static KV-cache scales: add --kv-cache-dtype int8 or fp8, or drop --calib")
     with about("--model"):
         em = load_for_inference(str(model), dtype=dtypes[dtype], device=resolve_device(device))
+    kind, k_scale, v_scale, origin = _eval_kv_cache(em, kv_cache_dtype, calib)
     with about("--text-file" if text_file is not None else "--dataset"):
         ids = _eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
                            text_field=text_field)
-    k_scale = v_scale = None
-    if kv_cache_dtype != "auto":
-        if calib is not None:
-            from quantspec.calib.tables import read_table
-
-            with about("--calib"):
-                k_scale, v_scale = read_table(calib, model_dir=em.model_dir).kv_scales(kv_cache_dtype)
-        else:
-            k_scale, v_scale = em.k_scale, em.v_scale
     res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
-                     batch_size=batch_size, kv_cache_dtype=kv_cache_dtype, k_scale=k_scale,
+                     batch_size=batch_size, kv_cache_dtype=kind, k_scale=k_scale,
                      v_scale=v_scale, progress=progress)
-    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict()}
+    kv = f"{kind} static ({origin})" if kind != "auto" else f"float ({dtype})"
+    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(), "kv_cache": kv}
+
+
+def _eval_kv_cache(em, kv_cache_dtype: str, calib):
+    """(KV cache dtype for `perplexity`, k_scale, v_scale, where the scales come from)."""
+    if kv_cache_dtype == "float" or (kv_cache_dtype == "auto" and em.kv_cache_dtype is None):
+        return "auto", None, None, None
+    kind = em.kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
+    if calib is not None:
+        from quantspec.calib.tables import read_table
+
+        with about("--calib"):
+            k_scale, v_scale = read_table(calib, model_dir=em.model_dir).kv_scales(kind)
+        return kind, k_scale, v_scale, f"scales from {calib}"
+    if em.k_scale is None:
+        raise QuantSpecError(f"a static {kind} KV cache needs scales: pass --calib DIR "
+                             "from `quantspec calibrate`, or an artifact that stores k/v scales")
+    return kind, em.k_scale, em.v_scale, "the artifact's scales"
 
 
 def table_kv_scales(calib: str | Path, model: str | Path, kind: str):

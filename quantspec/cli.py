@@ -298,6 +298,13 @@ def _gib(n) -> str:
                    "whose relative output MSE exceeds this")
 @click.option("--kv-cache", default=None, type=click.Choice(["int8", "fp8"]),
               help="store static KV-cache scales from --calib in the artifact (k_scale/v_scale)")
+@click.option("--kv-strategy", default=None, type=click.Choice(["tensor", "head"]),
+              help="KV-cache scales per tensor (SGLang and vLLM load them) or per KV head "
+                   "[default: head for --target quantspec, else tensor]")
+@click.option("--target", default="portable", show_default=True,
+              type=click.Choice(["portable", "vllm", "sglang", "transformers", "quantspec"]),
+              help="the engines the artifact must load in (portable: vLLM and SGLang); options one of "
+                   "them would refuse or ignore are refused before any work")
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @click.option("--device", default="auto", show_default=True,
@@ -308,7 +315,8 @@ def _gib(n) -> str:
 @_threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
-             fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None):
+             fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
+             kv_strategy=None, target="portable"):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
@@ -330,7 +338,8 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
-                            kv_cache=kv_cache, fallback_layers=fallback_layers,
+                            kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
+                            fallback_layers=fallback_layers,
                             fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
                             device=device, restart=restart, progress=progress.layer, on_status=progress.status)
     info = api.inspect(path)
@@ -384,6 +393,7 @@ def inspect(path, as_json):
 
     from quantspec import api
     from quantspec.console import out_console
+    from quantspec.quant.engines import ENGINE_NAMES
 
     info = api.inspect(path)
     if as_json:
@@ -409,6 +419,8 @@ def inspect(path, as_json):
     if info.get("kv_cache"):
         head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
                                  f"{info['kv_cache']['strategy']}")
+    for engine in (info.get("engines") or {}).values():
+        head.add_row(ENGINE_NAMES[engine["engine"]], engine["verdict"])
     console.print(head)
     if not info["quantized"]:
         return
@@ -439,7 +451,8 @@ def inspect(path, as_json):
 @click.option("--max-windows", default=None, type=int, help="evaluate only the first N windows")
 @click.option("--batch-size", default=4, show_default=True, type=int, help="windows per forward")
 @click.option("--dtype", default="float32", show_default=True, type=click.Choice(["float32", "bfloat16", "float16"]))
-@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "int8", "fp8"]))
+@click.option("--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(["auto", "float", "int8", "fp8"]),
+              help="auto: the artifact's static KV cache when it stores k/v scales, else float")
 @click.option("--cachekv-int8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
               help="static: int8 KV cache with calibrated per-head scales (= --kv-cache-dtype int8).")
 @click.option("--cachekv-fp8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
@@ -470,7 +483,7 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
         click.echo(json.dumps(res))
         return
     click.echo(f"perplexity {res['perplexity']:.4f}  (nll {res['nll']:.4f}, {res['num_windows']} windows × "
-               f"{res['seq_len']} tokens, kv cache {res['kv_cache_dtype']}, {res['seconds']:.1f} s)")
+               f"{res['seq_len']} tokens, kv cache {res['kv_cache']}, {res['seconds']:.1f} s)")
 
 
 @main.command()

@@ -87,7 +87,7 @@ CASES = [
     ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
                           "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
     ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
-    ("quantize-calib-missing", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table --out {d}/q",
+    ("quantize-calib-missing", "quantize --model {model} --quant-type a8w8 --target vllm --calib {d}/no-table --out {d}/q",
      "--calib"),
     ("quantize-alpha-2", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table "
                          "--smoothquant-alpha 2 --out {d}/q", "--smoothquant-alpha"),
@@ -99,6 +99,19 @@ CASES = [
                               "--out {d}/q", "--asym"),
     ("quantize-kv-no-calib", "quantize --model {model} --quant-type weight_only_int8 --kv-cache int8 --out {d}/q",
      "--calib"),
+    # what the --target's engines would refuse or ignore (portable: vLLM and SGLang)
+    ("quantize-target-float-zp", "quantize --model {model} --quant-type weight_only_int4 --asym "
+                                 "--zp-dtype float16 --out {d}/q", "--target quantspec"),
+    ("quantize-target-kv-int8", "quantize --model {model} --quant-type weight_only_int8 --kv-cache int8 "
+                                "--calib {d}/no-table --out {d}/q", "--kv-cache fp8"),
+    ("quantize-target-kv-head", "quantize --model {model} --quant-type weight_only_int8 --kv-cache fp8 "
+                                "--kv-strategy head --calib {d}/no-table --out {d}/q", "--kv-strategy tensor"),
+    ("quantize-target-sglang-a8w8", "quantize --model {model} --quant-type a8w8 --target sglang "
+                                    "--calib {d}/no-table --out {d}/q", "--quant-type a8w8_fp8"),
+    ("quantize-target-transformers-asym", "quantize --model {model} --quant-type weight_only_int4 --asym "
+                                          "--target transformers --out {d}/q", "--asym"),
+    ("quantize-kv-strategy-no-kv", "quantize --model {model} --quant-type weight_only_int8 --kv-strategy tensor "
+                                   "--out {d}/q", "--kv-cache"),
     ("quantize-out-not-empty", "quantize --model {model} --quant-type weight_only_int8 --out {d}/busy",
      "--overwrite"),
     ("quantize-out-read-only", "quantize --model {model} --quant-type weight_only_int8 --out {ro}/q", "--out"),

@@ -22,6 +22,7 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.loader import load_for_inference
 from quantspec.infer.quant_linear import QuantLinear
@@ -63,6 +64,15 @@ def _paged_logits(lm) -> torch.Tensor:
         return lm.model.compute_logits(lm.model(IDS[0], torch.arange(T), PagedAttention(cache, meta)))
 
 
+def _same_op_order(quant_type: str) -> DispatchPolicy | None:
+    """quantspec's reference path (compressed-tensors' order: dequantize x and w, then matmul) for
+    static fp8 activations. Its CPU kernel (fp8 codes × codes, scales after the sum) agrees per
+    layer to ~1e-6, but that can round one E4M3 activation code of the next layer the other way (a
+    step of 6–12% of the value; one code in 6144 on the conformance model moves the logits by
+    7e-4): equal numbers need the same order."""
+    return DispatchPolicy(fast=False) if quant_type == "a8w8_fp8" else None
+
+
 @pytest.mark.parametrize("name,spec", [
     ("int8", dict(quant_type="weight_only_int8")),
     ("int4", dict(quant_type="weight_only_int4", group_size=32)),
@@ -73,7 +83,7 @@ def _paged_logits(lm) -> torch.Tensor:
 def test_transformers_loads_our_artifact(tiny_llama_dir, tmp_path, name, spec):
     art = write_quantized_artifact(tiny_llama_dir, tmp_path / name, **spec)
     theirs = _hf_logits(art)
-    lm = load_for_inference(art, tokenizer=False)
+    lm = load_for_inference(art, tokenizer=False, policy=_same_op_order(spec["quant_type"]))
     torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)  # float KV on both sides
     if spec.get("kv_cache"):
         from quantspec.quant.artifact import load_safetensors

@@ -77,7 +77,7 @@ def test_quantize_asym_float_zero_points(tiny_llama_dir, corpus_files, tmp_path)
 
     out = tmp_path / "fzp"
     r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4",
-             "--group-size", "32", "--asym", "--zp-dtype", "float16", "--out", out)
+             "--group-size", "32", "--asym", "--zp-dtype", "float16", "--target", "quantspec", "--out", out)
     assert r.exit_code == 0, r.output
     w = json.loads((out / "config.json").read_text())["quantization_config"]["config_groups"][
         "group_0"]["weights"]
@@ -216,13 +216,14 @@ def test_quantize_an_mtp_module_on_its_own(tiny_llama_dir, tmp_path):
     mtp_dir = tmp_path / "mtp"
     save_mtp(init_mtp(base, torch.arange(base.args.vocab_size), seed=0), mtp_dir)
     res = CliRunner().invoke(main, ["quantize", "--model", str(mtp_dir), "--quant-type", "weight_only_int8",
-                                    "--out", str(tmp_path / "mtp.w8")])
+                                    "--target", "quantspec", "--out", str(tmp_path / "mtp.w8")])
     assert res.exit_code == 0, res.output
     qc = read_quant_config(tmp_path / "mtp.w8")
     assert qc.scheme_for("model.layers.0.mlp.down_proj") is not None
     mtp = load_mtp_for_inference(str(tmp_path / "mtp.w8"), base)
     assert type(mtp.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
     res = CliRunner().invoke(main, ["quantize", "--model", str(mtp_dir), "--quant-type", "weight_only_int4",
-                                    "--method", "gptq", "--dataset", str(tmp_path), "--out", str(tmp_path / "g")])
+                                    "--target", "quantspec", "--method", "gptq", "--dataset", str(tmp_path),
+                                    "--out", str(tmp_path / "g")])
     assert res.exit_code == 2
     assert "is an MTP module: quantize it with --method rtn" in res.output

@@ -4,8 +4,8 @@ This file owns `quantize_model`: which Linears a config quantizes (compressed-te
 `ignore` first — `lm_head` by default — then exact names > `re:` regexes > class names; embeddings
 and norms are not Linears and stay as they are), the per-layer group sizes (`resolve_group_size`:
 a requested group size that does not divide a layer's K — SmolLM2's 576 with 128 — becomes the
-largest power of two ≤ it that does, recorded as an extra name-targeted config group through
-`QuantConfig.with_layer_group_sizes`), and the two methods:
+largest power of two ≤ it that does, arranged into config groups by `QuantConfig.with_group_sizes`),
+and the two methods:
 
 - `rtn`: round-to-nearest with min/max qparams per weight (no data).
 - `gptq`: Frantar et al. (arXiv:2210.17323) through `quant.gptq.gptq_quantize`, layer by layer
@@ -138,15 +138,16 @@ def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Lin
 
 
 def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantConfig:
-    """`config` with a name-targeted group for every Linear whose K the group size does not divide."""
-    overrides = {}
+    """`config` with every grouped Linear at a group size that divides its K
+    (`QuantConfig.with_group_sizes` arranges the groups so every loader resolves them)."""
+    sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
         if args.strategy == "group":
-            g = resolve_group_size(mod.in_features, args.group_size)
-            if g != args.group_size:
-                overrides[name] = g
-    return config.with_layer_group_sizes(overrides) if overrides else config
+            sizes[name] = resolve_group_size(mod.in_features, args.group_size)
+    if all(g == config.weight_args_for(n).group_size for n, g in sizes.items()):
+        return config
+    return config.with_group_sizes(sizes)
 
 
 def _check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantConfig,

@@ -44,6 +44,7 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
                 "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 ALPHA_CHOICES = ("auto", "none")  # --smoothquant-alpha besides a number in (0, 1)
 ZP_DTYPES = ("float16", "bfloat16", "float32")
+KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # --kv-strategy → compressed-tensors' strategy
 
 Progress = Callable[[int, int, str], None]
 
@@ -54,7 +55,10 @@ class QuantizeConfig:
 
     `smoothquant_alpha`: None (the recipe's default: "auto" for the a8w8 types), "auto", "none"
     or a number in (0, 1). `device`: where each layer is quantized (`devices.resolve_device`);
-    `resumable` / `restart`: see `calib.stream`. `fallback_layers` / `fallback_threshold` choose the a8w8 fallback
+    `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
+    "sglang", "transformers", "quantspec"): options an engine of the target would refuse or ignore
+    fail here, in one line naming the target and the alternative (`quant.engines.target_refusal`).
+    `fallback_layers` / `fallback_threshold` choose the a8w8 fallback
     units by their measured error instead of `fallback_budget` (percent over the weight-only
     model on `holdout_samples` held-back windows; None → `calib.budget.DEFAULT_BUDGET_PCT`).
     """
@@ -80,6 +84,8 @@ class QuantizeConfig:
     calib: str | None = None
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
+    kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
+    target: str = "portable"
     fallback_layers: int | None = None
     fallback_threshold: float | None = None
     fallback_budget: float | None = None
@@ -94,6 +100,7 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import METHODS
         from quantspec.quant.args import QuantType, default_weight_observer, preset
+        from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
@@ -116,10 +123,30 @@ class QuantizeConfig:
             raise QuantSpecError(f"--zp-dtype {self.zp_dtype!r}: use int, {', '.join(ZP_DTYPES)}")
         observer = self.weight_observer or default_weight_observer(qt)
         object.__setattr__(self, "weight_observer", observer)
+        kv_strategy = self._check_target()
         config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
-                        weight_observer=observer, kv_cache=self.kv_cache,
+                        weight_observer=observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
                         ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
+        refusal = target_refusal(self.target, config)
+        if refusal is not None:
+            raise QuantSpecError(refusal)
         object.__setattr__(self, "quant_config", config)
+
+    def _check_target(self) -> str:
+        """Check `target` and `kv_strategy` and settle the KV strategy (per head for the
+        quantspec target, else per tensor, which both engines load); → the strategy."""
+        from quantspec.quant.engines import TARGETS
+
+        if self.target not in TARGETS:
+            raise QuantSpecError(f"unknown --target {self.target!r}; use one of: {', '.join(TARGETS)}")
+        kv_strategy = self.kv_strategy or ("head" if self.target == "quantspec" else "tensor")
+        if kv_strategy not in KV_STRATEGIES:
+            raise QuantSpecError(f"--kv-strategy {kv_strategy!r}: use {' or '.join(KV_STRATEGIES)}")
+        if self.kv_strategy is not None and self.kv_cache is None:
+            raise QuantSpecError("--kv-strategy shapes the KV-cache scales of --kv-cache; add --kv-cache "
+                                 "or drop it")
+        object.__setattr__(self, "kv_strategy", kv_strategy)
+        return kv_strategy
 
     @property
     def static(self) -> bool:
@@ -224,6 +251,9 @@ def _read_source(config: QuantizeConfig) -> _Source:
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
+        if config.target != "quantspec" and is_mtp_config(cfg):
+            raise QuantSpecError(f"--target {config.target}: {model_dir} is an MTP module, which only "
+                                 "quantspec runs (no engine has its model class); pass --target quantspec")
         reader = None if is_mtp_config(cfg) else CheckpointReader(model_dir)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)
@@ -398,9 +428,10 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
     from quantspec.quant.artifact import write_artifact
 
     if config.kv_cache is not None and "kv" not in run.writer.parts:
-        # k_scale / v_scale [KV, 1, 1] per attention (compressed-tensors)
-        kv_kind = "fp8" if config.quant_config.kv_cache_scheme.type == "float" else "int8"
-        run.writer.add("kv", src.table.kv_artifact_tensors(kv_kind), run.writer.meta)
+        # k_scale / v_scale per attention: [1] or [KV, 1, 1] (compressed-tensors)
+        kv = config.quant_config.kv_cache_scheme
+        run.writer.add("kv", src.table.kv_artifact_tensors("fp8" if kv.type == "float" else "int8", kv.strategy),
+                       run.writer.meta)
     cfg = dict(src.config)
     cfg["quantization_config"] = res.config.to_dict()
     extra = {f: src.model_dir / f for f in COPIED_FILES if (src.model_dir / f).is_file()}
@@ -411,7 +442,8 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "model_fingerprint": model_fingerprint(src.model_dir),
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
-                 if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp")}
+                 if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
+                          "kv_strategy", "target")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

@@ -55,6 +55,7 @@ from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader
 from quantspec.quant.args import QuantArgs, QuantConfig, QuantScheme
+from quantspec.quant.engines import fused_targets
 from quantspec.quant.primitives import (choose_qparams, fake_quantize, scale_from_absmax,
                                         static_args)
 from quantspec.quant.smoothquant import smoothquant_scales, weight_input_absmax
@@ -359,7 +360,9 @@ def with_fallback_layers(config: QuantConfig, names: Iterable[str]) -> QuantConf
     groups = OrderedDict(config.config_groups)
     if FALLBACK_GROUP in groups:
         raise QuantSpecError(f"config already has a {FALLBACK_GROUP!r} group")
-    groups[FALLBACK_GROUP] = QuantScheme(targets=tuple(names), weights=base.weights,
+    # weight-only: W8A16 as 8-bit pack-quantized (int weights) or FP8 weight-only; whole fused
+    # units as one regex that names the fused layer too (SGLang matches it before class names)
+    groups[FALLBACK_GROUP] = QuantScheme(targets=fused_targets(names), weights=base.weights,
                                          input_activations=None)
     return dataclasses.replace(config, config_groups=groups, format=None)
 

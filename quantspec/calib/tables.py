@@ -138,15 +138,20 @@ class ScaleTable:
         k, v = self.kv_absmax()
         return scale_from_absmax(k, kind), scale_from_absmax(v, kind)
 
-    def kv_artifact_tensors(self, kind: str) -> dict[str, torch.Tensor]:
-        """compressed-tensors KV tensors for an artifact: `{attn}.k_scale` / `.v_scale` [KV, 1, 1]
-        (strategy attn_head), matching `quant.args.preset(..., kv_cache=kind)`."""
+    def kv_artifact_tensors(self, kind: str, strategy: str = "attn_head") -> dict[str, torch.Tensor]:
+        """compressed-tensors KV tensors for an artifact: `{attn}.k_scale` / `.v_scale`, [KV, 1, 1]
+        (strategy attn_head) or [1] (strategy tensor: the largest head's scale, which covers every
+        head's range), matching `quant.args.preset(..., kv_cache=kind, kv_strategy=strategy)`."""
         from quantspec.quant.artifact import kv_scale_tensors
+        from quantspec.quant.primitives import static_args
 
-        k, v = self.kv_scales(kind)
+        k, v = self.kv_scales(kind)  # [L, KV]
+        if strategy == "tensor":
+            k, v = k.amax(dim=1, keepdim=True), v.amax(dim=1, keepdim=True)  # [L, 1]
+        args = static_args(kind).replace(strategy=strategy)
         out: dict[str, torch.Tensor] = {}
         for i in range(k.shape[0]):
-            out.update(kv_scale_tensors(_layer_attn(i), k[i], v[i]))
+            out.update(kv_scale_tensors(_layer_attn(i), k[i], v[i], args))
         return out
 
     # ---- checks ------------------------------------------------------------------------------

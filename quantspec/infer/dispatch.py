@@ -29,10 +29,12 @@ CPU, torch's ops:
   the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue.
 
 CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
-M ≤ `cuda_weight_only_max_m` (above it the GEMM is compute-bound and cuBLAS on the dequantized
-weight amortises the dequantize), `w8a8_linear` and `fp8_linear` (compute capability ≥ 8.9) for
-every M; what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below sm_89)
-→ dequantize + cuBLAS.
+M ≤ `cuda_weight_only_max_m`; above it the GEMM is compute-bound and cuBLAS runs on the weight
+dequantized by a Triton kernel (`w4a16_dequantize` / `w8a16_dequantize`, which amortises over
+the rows); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp8_linear` below
+`cuda_scaled_mm_min_m` rows, torch's `_scaled_mm` (cuBLASLt's FP8 GEMM, `fp8_scaled_mm_linear`)
+from there for fp16 / bf16 activations; what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
+sm_89) → the reference, dequantize + matmul.
 """
 
 from __future__ import annotations
@@ -74,6 +76,8 @@ class KernelPath(str, enum.Enum):
     TRITON_W8A16 = "triton_w8a16"
     TRITON_W8A8 = "triton_w8a8"
     TRITON_FP8 = "triton_fp8"
+    CUDA_DEQUANT_MM = "cuda_dequant_mm"  # Triton dequantize to the activation dtype + cuBLAS
+    CUDA_SCALED_MM = "cuda_scaled_mm"  # x quantized by Triton, torch._scaled_mm (cuBLASLt / CUTLASS FP8)
 
 
 # the CPU ops whose numbers for a row do not depend on the other rows of the call: a decode row
@@ -86,12 +90,14 @@ ROW_PATHS = frozenset({KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
 class DispatchPolicy:
     """Thresholds and switches of the dispatch rule (module docstring).
 
+    cuda_weight_only_max_m: rows up to which a weight-only call runs its Triton kernel on CUDA
+        (above: dequantize + cuBLAS).
+    cuda_scaled_mm_min_m: rows from which an FP8 call with fp16 / bf16 activations runs
+        `torch._scaled_mm` (below, and for fp32 activations: Triton).
     cpu_packed_max_m: rows up to which torch's packed CPU ops serve a call (prefill-sized inputs
         take dequantize + matmul); a row-invariant call (a decode or verification step) takes them
         for every M. quantspec's packed kernels take every M.
     fast: False forces the reference everywhere.
-    cuda_attention: a CUDA cache's paged attention: "triton" (`infer/cuda/attention.py`) or
-        "sdpa" (torch's, `infer/kv_cache.PagedAttention`).
     cpu_kernels: False keeps quantspec's CPU kernels out (torch's ops only).
     cpu_pairs: quantspec's CPU kernels run bf16 x through AVX512-BF16's dot product where they
         have that path (False: their fp32 chain; benches and tests compare the two).
@@ -99,15 +105,13 @@ class DispatchPolicy:
 
     cpu_packed_max_m: int = 64
     cuda_weight_only_max_m: int = 64
+    cuda_scaled_mm_min_m: int = 512
     fast: bool = True
     cpu_kernels: bool = True
     cpu_pairs: bool = True
-    cuda_attention: str = "triton"
 
     def __post_init__(self) -> None:
-        if self.cuda_attention not in ("triton", "sdpa"):
-            raise QuantSpecError(f"DispatchPolicy.cuda_attention must be 'triton' or 'sdpa', got {self.cuda_attention!r}")
-        for name in ("cpu_packed_max_m", "cuda_weight_only_max_m"):
+        for name in ("cpu_packed_max_m", "cuda_weight_only_max_m", "cuda_scaled_mm_min_m"):
             v = getattr(self, name)
             if not isinstance(v, int) or v < 0:
                 raise QuantSpecError(f"DispatchPolicy.{name} must be an int >= 0, got {v!r}")
@@ -137,16 +141,21 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
 
     if not triton_usable(device) or x_dtype not in FLOAT_DTYPES:
         return KernelPath.DEQUANT
+    small = M <= policy.cuda_weight_only_max_m
     if t.kind is LinearKind.W4A16:
-        return KernelPath.TRITON_W4A16 if M <= policy.cuda_weight_only_max_m else KernelPath.DEQUANT
+        return KernelPath.TRITON_W4A16 if small else KernelPath.CUDA_DEQUANT_MM
     if t.kind is LinearKind.W8A16:
-        ok = t.weight_symmetric and t.weight_strategy in ("channel", "tensor")
-        return KernelPath.TRITON_W8A16 if ok and M <= policy.cuda_weight_only_max_m else KernelPath.DEQUANT
+        if not (t.weight_symmetric and t.weight_strategy in ("channel", "tensor")):
+            return KernelPath.DEQUANT
+        return KernelPath.TRITON_W8A16 if small else KernelPath.CUDA_DEQUANT_MM
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.TRITON_W8A8 if ok else KernelPath.DEQUANT
-    ok = t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")
-    return KernelPath.TRITON_FP8 if ok else KernelPath.DEQUANT
+    if not (t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")):
+        return KernelPath.DEQUANT
+    # `_scaled_mm` writes bf16: half-precision activations only (an fp32 model keeps fp32 outputs)
+    big = M >= policy.cuda_scaled_mm_min_m and x_dtype in _HALF_DTYPES
+    return KernelPath.CUDA_SCALED_MM if big else KernelPath.TRITON_FP8
 
 
 def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchPolicy) -> KernelPath:

@@ -31,7 +31,7 @@ __all__ = ["PreparedWeight", "QuantLinear", "aligned", "layer_traits", "linear_k
 # re-homed
 _ALIGN_BYTES = 64
 _TRITON_PATHS = frozenset({KernelPath.TRITON_W4A16, KernelPath.TRITON_W8A16, KernelPath.TRITON_W8A8,
-                           KernelPath.TRITON_FP8})
+                           KernelPath.TRITON_FP8, KernelPath.CUDA_DEQUANT_MM, KernelPath.CUDA_SCALED_MM})
 
 
 def aligned(t: torch.Tensor | None) -> torch.Tensor | None:

@@ -35,6 +35,7 @@ __all__ = [
     "fp8_gemm_ref",
     "fp8_linear",
     "fp8_linear_ref",
+    "fp8_scaled_mm_linear",
     "quantize_act_fp8",
     "quantize_act_fp8_ref",
 ]
@@ -228,3 +229,30 @@ def fp8_linear(
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     check_fp8_device(x.device)
     return fp8_gemm(quantize_act_fp8(x, x_scale), x_scale.reshape(1), w_q, w_scale, bias, x.dtype)
+
+
+def fp8_scaled_mm_linear(
+    x: torch.Tensor,  # [M, K] fp16/bf16
+    w_q: torch.Tensor,  # [N, K] float8_e4m3fn
+    w_scale: torch.Tensor,  # [N] or [1] fp32
+    x_scale: torch.Tensor,  # [1] fp32 static
+    bias: torch.Tensor | None = None,  # [N]
+) -> torch.Tensor:
+    """The FP8 linear through torch's `_scaled_mm` (cuBLASLt / CUTLASS): x quantized by
+    `quantize_act_fp8`, then one FP8 GEMM with row-wise scales (x's static scale on every row,
+    w's per channel) writing bf16, cast to x.dtype; the reference is `fp8_linear_ref`. The
+    op takes row counts in multiples of 16: x's rows are padded with zeros up to one."""
+    check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
+    check_fp8_device(x.device)
+    M, K = x.shape
+    N = w_q.shape[0]
+    xq = quantize_act_fp8(x, x_scale)
+    pad = (-M) % 16
+    if pad:
+        xq = torch.cat([xq.view(torch.uint8), xq.new_zeros((pad, K), dtype=torch.uint8)]).view(FP8_DTYPE)
+    scale_a = x_scale.reshape(1, 1).float().expand(M + pad, 1).contiguous()
+    scale_b = w_scale.float().reshape(1, -1).expand(1, N).contiguous()
+    y = torch._scaled_mm(xq, w_q.t(), scale_a=scale_a, scale_b=scale_b, out_dtype=torch.bfloat16)[:M]
+    if bias is not None:
+        y = y + bias.to(y.dtype)
+    return y.to(x.dtype)

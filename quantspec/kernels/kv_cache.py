@@ -308,8 +308,8 @@ def paged_attention_ref(
         v = v.float().repeat_interleave(group, dim=1)
         qb = q[cu[b]: cu[b + 1]].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", qb, k) / math.sqrt(d)  # [H, L, S]
-        pos = torch.arange(S - L, S)[:, None]  # [L, 1]
-        scores = scores.masked_fill(torch.arange(S)[None, :] > pos, float("-inf"))
+        pos = torch.arange(S - L, S, device=q.device)[:, None]  # [L, 1]
+        scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > pos, float("-inf"))
         out[cu[b]: cu[b + 1]] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v).to(q.dtype)
     return out
 

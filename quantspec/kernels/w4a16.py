@@ -12,10 +12,11 @@ Weight layout is compressed-tensors' `pack-quantized` one, read as stored (no re
       as floats);
   dequant: w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g] (in fp32).
 
-Two launch shapes of one kernel: small M (decode, speculative verify) uses BLOCK_M = 1 with a
-broadcast-multiply-reduce (a GEMV that streams the weight once per row) and split-K so that a
-4096-wide layer still fills the GPU; larger M uses tiled `tl.dot`. Split-K partials go to an
-fp32 buffer [SPLIT_K, M, N] that is summed in torch (deterministic, no atomics).
+A k tile reads each of its int32 words once ([BLOCK_N, BLOCK_K/8]) and unpacks the 8 nibbles
+of each word into consecutive k. On a GPU every M runs tiled `tl.dot` (`gpu_weight_only_config`),
+with split-K for the small M of decode and verification; a BLOCK_M = 1 launch shape
+(broadcast-multiply-reduce) remains for configs that ask for it. Split-K partials go to an fp32
+buffer [SPLIT_K, M, N] that is summed in torch (deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -34,26 +35,30 @@ from quantspec.kernels._common import (
     split_k_output,
 )
 
-__all__ = ["W4A16Config", "w4a16_linear", "w4a16_linear_ref", "w4a16_default_config"]
+__all__ = ["W4A16Config", "gpu_weight_only_config", "w4a16_default_config", "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
 INT4_OFFSET = 8  # stored nibble = q + 8
-GEMV_MAX_M = 4  # at or below this M the GEMV launch wins: the weight read dominates
+GEMV_MAX_M = 4  # on the CPU interpreter, at or below this M the tests take the GEMV launch shape
 
 
 class W4A16Config(tuple):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages) for one launch."""
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab) for one launch.
+
+    swap_ab: a `tl.dot` launch computes the transposed tile, weight [BLOCK_N, BLOCK_K] times
+    xᵀ [BLOCK_K, BLOCK_M], so that a small M is the MMA's narrow dimension (the weight tile needs
+    no transpose) and BLOCK_N its wide one."""
 
     __slots__ = ()
 
     def __new__(cls, block_m: int, block_n: int, block_k: int, split_k: int = 1,
-                num_warps: int = 4, num_stages: int = 2):
+                num_warps: int = 4, num_stages: int = 2, swap_ab: bool = False):
         for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
             if v < 1 or (v & (v - 1)):
                 raise QuantSpecError(f"W4A16Config.{name}={v} must be a power of two")
         if split_k < 1:
             raise QuantSpecError(f"W4A16Config.split_k={split_k} must be >= 1")
-        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages))
+        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, bool(swap_ab)))
 
     block_m = property(lambda s: s[0])
     block_n = property(lambda s: s[1])
@@ -61,31 +66,37 @@ class W4A16Config(tuple):
     split_k = property(lambda s: s[3])
     num_warps = property(lambda s: s[4])
     num_stages = property(lambda s: s[5])
+    swap_ab = property(lambda s: s[6])
+
+
+SM_TARGET = 264  # programs a small-M launch aims for: two per SM of an H100 / H200 (132 SMs)
+
+
+def gpu_weight_only_config(M: int, N: int, K: int, block_k: int) -> W4A16Config:
+    """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M (a row's
+    numbers do not depend on the other rows of a launch of the same shape, so a verification row
+    gives what its decode step gives), split-K for the small M of decode and verification so that
+    a layer's weight is streamed by enough programs to fill the GPU."""
+    if M > 64:
+        return W4A16Config(64, 128, min(block_k, 64), 1, 4, 4) if M <= 256 else \
+            W4A16Config(128, 128, min(block_k, 64), 1, 8, 3)
+    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
+    n_tiles = triton.cdiv(N, 64)
+    split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET, n_tiles)))
+    # measured on an H200: the weight as the wide MMA operand wins from 17 rows, not below
+    return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=M > 16)
 
 
 def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:
-    """Launch heuristic. GPU: GEMV + split-K for M <= 4, 16/32/64/128-row tiles above.
-
-    CPU interpreter: tiny tiles so the tests stay fast and exercise masking.
-    """
+    """Launch heuristic: `gpu_weight_only_config` on a GPU (with the largest BLOCK_K ≤ 128 that
+    divides the group size); on the CPU interpreter tiny tiles, so that the tests stay fast and
+    exercise masking and both launch shapes."""
     if not on_gpu:
         if M <= GEMV_MAX_M:
             return W4A16Config(1, 16, 16, 2)
         return W4A16Config(16, 16, 16, 1)
     bk = 128 if group_size % 128 == 0 else (64 if group_size % 64 == 0 else 32)
-    if M <= GEMV_MAX_M:
-        block_n = 64 if N >= 8192 else 32
-        n_tiles = triton.cdiv(N, block_n)
-        # aim for ~4 programs per SM (132 SMs on H100) without splits thinner than 512
-        split = max(1, min(K // 512, triton.cdiv(528, n_tiles)))
-        return W4A16Config(1, block_n, bk, split, 4, 3)
-    if M <= 16:
-        return W4A16Config(16, 64, bk, max(1, min(K // 1024, 4)), 4, 4)
-    if M <= 64:
-        return W4A16Config(32, 64, bk, max(1, min(K // 2048, 2)), 4, 4)
-    if M <= 256:
-        return W4A16Config(64, 128, min(bk, 64), 1, 4, 4)
-    return W4A16Config(128, 128, min(bk, 64), 1, 8, 3)
+    return gpu_weight_only_config(M, N, K, bk)
 
 
 @triton.jit
@@ -94,8 +105,8 @@ def _w4a16_kernel(
     M, N, K, group_size,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_osplit,
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr,
-    GROUP_ALIGNED: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    GROUP_ALIGNED: tl.constexpr, SCALE_AFTER: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -108,9 +119,13 @@ def _w4a16_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     k_begin = pid_k * tiles_per_split * BLOCK_K
-    shift_base = tl.arange(0, BLOCK_K) % 8 * 4  # [BK] bit offset of each k inside its word
+    shifts = tl.arange(0, 8) * 4  # [8] bit offset of each of a word's 8 codes
+    KW = tl.cdiv(K, 8)
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, tiles_per_split):
         k0 = k_begin + t * BLOCK_K
         offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
@@ -120,10 +135,13 @@ def _w4a16_kernel(
             mask=mask_m[:, None] & mask_k[None, :], other=0.0,
         )  # [BM, BK]
         wmask = mask_n[:, None] & mask_k[None, :]
+        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
         words = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + (offs_k // 8)[None, :], mask=wmask, other=0
-        )  # [BN, BK] int32, each word read by its 8 lanes (L1 hit)
-        q = ((words >> shift_base[None, :]) & 0xF) - 8  # [BN, BK] int32 in [-8, 7]
+            w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+            mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0,
+        )  # [BN, BK/8] int32, each word read once
+        # word j holds k = 8j .. 8j+7 in its nibbles 0..7: [BN, BK/8, 8] → [BN, BK] in k order
+        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - 8
         if GROUP_ALIGNED:
             # BLOCK_K divides group_size: the whole k tile shares one group
             # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
@@ -137,7 +155,10 @@ def _w4a16_kernel(
                 if HAS_ZERO:
                     z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
                     q = q - z[:, None]
-                w = q.to(tl.float32) * s[:, None]  # [BN, BK]
+                if SCALE_AFTER:  # exact integers; the tile's partial sums take the group's scale
+                    w = q.to(tl.float32)
+                else:
+                    w = q.to(tl.float32) * s[:, None]  # [BN, BK]
         else:
             g = offs_k // group_size  # [BK]
             gidx = offs_n[:, None] * stride_sn + g[None, :]
@@ -153,14 +174,29 @@ def _w4a16_kernel(
                     q = q - z.to(tl.int32)
                 w = q.to(tl.float32) * s  # [BN, BK]
         if USE_DOT:
-            if DOT_FP32:
-                acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
+            if SWAP_AB:
+                if DOT_FP32:
+                    part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")  # [BN, BM]
+                else:
+                    part = tl.dot(w.to(x.dtype), tl.trans(x))
+                if SCALE_AFTER:
+                    part = part * s[:, None]
             else:
-                acc += tl.dot(x, tl.trans(w.to(x.dtype)))
+                if DOT_FP32:
+                    part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")  # [BM, BN]
+                else:
+                    part = tl.dot(x, tl.trans(w.to(x.dtype)))
+                if SCALE_AFTER:
+                    part = part * s[None, :]
+            acc += part
         else:
+            if SCALE_AFTER:
+                w = w * s[:, None]
             prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
 
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN]
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K == 1:
         if HAS_BIAS:
@@ -240,7 +276,9 @@ def w4a16_linear(
     device = check_same_device(x=x, w_packed=w_packed, w_scale=w_scale, w_zero=w_zero, bias=bias)
     on_gpu = device.type == "cuda"
     cfg = config or w4a16_default_config(M, N, K, group_size, on_gpu)
-    bm, bn, bk, split, warps, stages = cfg
+    bm, bn, bk, split, warps, stages, swap = cfg
+    if bk < PACK_FACTOR:
+        raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
     use_dot = bm >= 16
     out = split_k_output(M, N, split, device, x.dtype)
     stride_osplit = 0 if split == 1 else M * N
@@ -256,8 +294,66 @@ def w4a16_linear(
         N, stride_osplit,
         HAS_ZERO=w_zero is not None,
         ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(), HAS_BIAS=bias is not None,
-        GROUP_ALIGNED=group_size % bk == 0, USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype),
+        GROUP_ALIGNED=group_size % bk == 0,
+        SCALE_AFTER=group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point()),
+        USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )
     return finish_split_k(out, bias, x.dtype)
+
+
+# ---------------------------------------------------------------- dequantize (for large M)
+
+
+@triton.jit
+def _w4_dequant_kernel(
+    w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_wn, stride_sn, stride_zn, stride_on,
+    HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    k0 = tl.program_id(1) * BLOCK_K
+    offs_k = k0 + tl.arange(0, BLOCK_K)
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
+    mask_n = offs_n < N
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                    mask=mask_n[:, None] & (offs_w < tl.cdiv(K, 8))[None, :], other=0)
+    q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - 8
+    mask = mask_n[:, None] & (offs_k < K)[None, :]
+    g = offs_k // group_size
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    if HAS_ZERO and ZERO_FLOAT:
+        z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+        w = (q.to(tl.float32) - z) * s
+    else:
+        if HAS_ZERO:
+            q = q - tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0).to(tl.int32)
+        w = q.to(tl.float32) * s
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w4a16_dequantize_ref(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: int, K: int,
+                         w_zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Torch reference: the [N, K] weight (q - zero) * scale computed in fp32, cast to `dtype`."""
+    from quantspec.kernels._quant_bridge import dequantize_groupwise, unpack_int4
+
+    return dequantize_groupwise(unpack_int4(w_packed, K), w_scale.float(), w_zero, group_size).to(dtype)
+
+
+def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: int, K: int,
+                     w_zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Triton: the [N, K] weight in `dtype`, equal to `w4a16_dequantize_ref` bit for bit (what a
+    large-M call multiplies with cuBLAS)."""
+    _validate(torch.empty((0, K), dtype=dtype, device=w_packed.device), w_packed, w_scale, group_size,
+              w_zero, None)
+    device = check_same_device(w_packed=w_packed, w_scale=w_scale, w_zero=w_zero)
+    N = w_packed.shape[0]
+    out = torch.empty((N, K), device=device, dtype=dtype)
+    bn, bk = (32, 128) if device.type == "cuda" else (16, 16)
+    _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
+        w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),
+        HAS_ZERO=w_zero is not None, ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(),
+        BLOCK_N=bn, BLOCK_K=bk,
+    )
+    return out

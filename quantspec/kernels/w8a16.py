@@ -5,8 +5,8 @@ Because the scale is per output channel it factors out of the K sum, so the kern
 x · q and applies the scale once in the epilogue (fewer multiplies, and the int8 → float convert
 is the only dequant work in the inner loop).
 
-Small M (decode / speculative verify) launches BLOCK_M = 1 as a GEMV with split-K; larger M uses
-tiled `tl.dot`. Split-K partials go to an fp32 buffer [SPLIT_K, M, N] summed in torch.
+The launches are W4A16's (`w4a16.gpu_weight_only_config` on a GPU: `tl.dot` tiles for every M,
+split-K for small M). Split-K partials go to an fp32 buffer [SPLIT_K, M, N] summed in torch.
 """
 
 from __future__ import annotations
@@ -24,29 +24,19 @@ from quantspec.kernels._common import (
     finish_split_k,
     split_k_output,
 )
-from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config
+from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, gpu_weight_only_config
 
-__all__ = ["W8A16Config", "w8a16_default_config", "w8a16_linear", "w8a16_linear_ref"]
+__all__ = ["W8A16Config", "w8a16_default_config", "w8a16_dequantize", "w8a16_dequantize_ref", "w8a16_linear", "w8a16_linear_ref"]
 
 # same tuple layout as W4A16Config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
 W8A16Config = W4A16Config
 
 
 def w8a16_default_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
-    """Launch heuristic: GEMV + split-K for M <= 4 on GPU, tiles above; tiny tiles on the CPU."""
+    """Launch heuristic: `w4a16.gpu_weight_only_config` on a GPU; tiny tiles on the CPU."""
     if not on_gpu:
         return W4A16Config(1, 16, 16, 2) if M <= GEMV_MAX_M else W4A16Config(16, 16, 16, 1)
-    if M <= GEMV_MAX_M:
-        block_n = 64 if N >= 8192 else 32
-        split = max(1, min(K // 512, triton.cdiv(528, triton.cdiv(N, block_n))))
-        return W4A16Config(1, block_n, 128, split, 4, 3)
-    if M <= 16:
-        return W4A16Config(16, 64, 128, max(1, min(K // 1024, 4)), 4, 4)
-    if M <= 64:
-        return W4A16Config(32, 64, 128, max(1, min(K // 2048, 2)), 4, 4)
-    if M <= 256:
-        return W4A16Config(64, 128, 64, 1, 4, 4)
-    return W4A16Config(128, 128, 64, 1, 8, 3)
+    return gpu_weight_only_config(M, N, K, 128)
 
 
 @triton.jit
@@ -54,7 +44,7 @@ def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_osplit,
-    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+    HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -67,7 +57,10 @@ def _w8a16_kernel(
     tiles_per_split = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
     k_begin = pid_k * tiles_per_split * BLOCK_K
 
-    acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    if SWAP_AB:
+        acc = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, tiles_per_split):
         offs_k = k_begin + t * BLOCK_K + tl.arange(0, BLOCK_K)  # [BK]
         mask_k = offs_k < K
@@ -80,7 +73,12 @@ def _w8a16_kernel(
             mask=mask_n[:, None] & mask_k[None, :], other=0,
         )  # [BN, BK] int8
         if USE_DOT:
-            if DOT_FP32:
+            if SWAP_AB:  # [BN, BM]: the weight tile as the MMA's wide operand, untransposed
+                if DOT_FP32:
+                    acc += tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+                else:
+                    acc += tl.dot(q.to(x.dtype), tl.trans(x))
+            elif DOT_FP32:
                 acc += tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
             else:
                 # int8 values are exact in fp16/bf16
@@ -88,6 +86,8 @@ def _w8a16_kernel(
         else:
             prod = x.to(tl.float32)[:, None, :] * q.to(tl.float32)[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
+    if SWAP_AB:
+        acc = tl.trans(acc)  # [BM, BN]
 
     out_mask = mask_m[:, None] & mask_n[None, :]
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
@@ -150,15 +150,45 @@ def w8a16_linear(
     """Triton W8A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
     M, N, K = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
-    bm, bn, bk, split, warps, stages = config or w8a16_default_config(M, N, K, device.type == "cuda")
+    bm, bn, bk, split, warps, stages, swap = config or w8a16_default_config(M, N, K, device.type == "cuda")
     out = split_k_output(M, N, split, device, x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _w8a16_kernel[grid](
         x, w_q, w_scale, bias if bias is not None else w_scale, out,
         M, N, K,
         x.stride(0), w_q.stride(0), N, M * N,
-        HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype),
+        HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and bm >= 16,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )
     return finish_split_k(out, bias, x.dtype)
+
+
+@triton.jit
+def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
+    offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
+    mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
+    q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
+    s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
+             (q.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def w8a16_dequantize_ref(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Torch reference: the [N, K] weight q * scale computed in fp32, cast to `dtype`."""
+    return (w_q.float() * w_scale.float()[:, None]).to(dtype)
+
+
+def w8a16_dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+    """Triton: the [N, K] weight in `dtype`, equal to `w8a16_dequantize_ref` bit for bit."""
+    check_tensor(w_q, "w_q", ndim=2, dtypes=(torch.int8,))
+    N, K = w_q.shape
+    check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N,))
+    device = check_same_device(w_q=w_q, w_scale=w_scale)
+    out = torch.empty((N, K), device=device, dtype=dtype)
+    bn, bk = (32, 128) if device.type == "cuda" else (16, 16)
+    _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
+        w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk)
+    return out

@@ -32,7 +32,7 @@ from quantspec.quant.artifact import (
     write_artifact,
 )
 from quantspec.quant.gptq import GPTQResult, HessianAccumulator, gptq_quantize, rtn_quantize
-from quantspec.quant.packing import INT4_OFFSET, INT4_PER_INT32, pack_int4, unpack_int4
+from quantspec.quant.packing import INT4_OFFSET, INT4_PER_INT32, pack_int4, pack_int32, unpack_int4, unpack_int32
 from quantspec.quant.primitives import (
     FP8_E4M3_MAX,
     choose_qparams,
@@ -63,7 +63,7 @@ __all__ = [
     "FP8_E4M3_MAX", "quant_range", "storage_dtype", "zero_point_dtype", "minmax",
     "qparams_from_minmax", "choose_qparams", "quantize", "dequantize", "fake_quantize",
     # packing
-    "INT4_OFFSET", "INT4_PER_INT32", "pack_int4", "unpack_int4",
+    "INT4_OFFSET", "INT4_PER_INT32", "pack_int4", "unpack_int4", "pack_int32", "unpack_int32",
     # algorithms
     "HessianAccumulator", "GPTQResult", "gptq_quantize", "rtn_quantize",
     "smoothquant_scales", "weight_input_absmax", "fold_into_norm", "fold_into_linear",

@@ -283,14 +283,16 @@ class QuantArgs:
 def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None = None) -> str:
     """The compressed-tensors format name for a scheme's weights.
 
-    int < 8 bits → "pack-quantized" (int32 words), int8 → "int-quantized" (plain int8 `weight`),
-    fp8 → "float-quantized" (float8_e4m3fn `weight`).
+    fp8 → "float-quantized" (float8_e4m3fn `weight`); int with quantized input activations (W8A8)
+    → "int-quantized" (plain int8 `weight`); int weight-only (W4A16, W8A16) → "pack-quantized"
+    (int32 words), what compressed-tensors writes for them and the only integer weight-only
+    format vLLM and SGLang load.
     """
     if weights is None:
         raise QuantSpecError("scheme_format: a scheme without weights has no weight format")
     if weights.type == "float":
         return FORMAT_FLOAT_QUANTIZED
-    if weights.num_bits < 8:
+    if weights.num_bits < 8 or input_activations is None:
         return FORMAT_PACK_QUANTIZED
     return FORMAT_INT_QUANTIZED
 
@@ -558,13 +560,52 @@ class QuantConfig:
         return None if s is None else s.weights
 
     # ---- per-layer group sizes ------------------------------------------------------------------
+    def with_group_sizes(self, group_sizes: Mapping[str, int]) -> "QuantConfig":
+        """The config with each Linear in `group_sizes` quantized at its group size (-1 = per
+        channel), arranged so that every loader resolves every layer to it.
+
+        The base group's class target takes the size most of the fused Linears (q/k/v,
+        gate/up: the layers vLLM and SGLang fuse) have, else the most common size; only the
+        Linears with another size become extra groups, written with
+        `engines.fused_targets` (a whole fused unit as one regex that also names the fused
+        layer, which SGLang matches before class names; other Linears by exact name).
+        Example, hidden 192 / intermediate 512 at 128: q/k/v/o/gate/up resolve to 64, down_proj
+        to 128 → the class group gets 64 and down_proj alone is name-targeted at 128.
+        """
+        from quantspec.quant.engines import FUSED_LAYERS
+
+        fused = {s for shards in FUSED_LAYERS.values() for s in shards}
+        by_base: "OrderedDict[str, dict[str, int]]" = OrderedDict()
+        for name in sorted(group_sizes):
+            s = self.scheme_for(name)
+            if s is None or s.weights is None:
+                raise QuantSpecError(f"with_group_sizes: {name!r} is not quantized by this "
+                                     "config; drop it from the sizes")
+            group_name = next(n for n, v in self.config_groups.items() if v is s)
+            by_base.setdefault(group_name, {})[name] = group_sizes[name]
+        groups = OrderedDict(self.config_groups)
+        overrides: dict[str, int] = {}
+        for group_name, sizes in by_base.items():
+            base = groups[group_name]
+            if not any(not t.startswith("re:") and "." not in t for t in base.targets):
+                overrides.update(sizes)  # a name-targeted group keeps its size; others move out
+                continue
+            pool = [g for n, g in sizes.items() if n.rsplit(".", 1)[-1] in fused] or list(sizes.values())
+            size = max(set(pool), key=lambda g: (pool.count(g), g))
+            groups[group_name] = dataclasses.replace(base, weights=_with_size(base.weights, size))
+            overrides.update({n: g for n, g in sizes.items() if g != size})
+        config = dataclasses.replace(self, config_groups=groups, format=None)
+        return config.with_layer_group_sizes(overrides) if overrides else config
+
     def with_layer_group_sizes(self, layer_group_sizes: Mapping[str, int]) -> "QuantConfig":
         """Give some layers a different group size (-1 = per-channel) than their scheme says.
 
         Each distinct (scheme, group size) override becomes an extra config group whose
-        `targets` are the explicit module names; exact names outrank class targets when matched,
-        so every loader resolves those layers to the override.
+        `targets` are `engines.fused_targets` of the names (exact names, a whole fused unit as
+        one regex), which outrank class targets in every compressed-tensors loader.
         """
+        from quantspec.quant.engines import fused_targets
+
         groups = OrderedDict(self.config_groups)
         buckets: "OrderedDict[tuple[str, int], list[str]]" = OrderedDict()
         for name in sorted(layer_group_sizes):
@@ -581,11 +622,11 @@ class QuantConfig:
         i = len(groups)
         for (group_name, g), names in buckets.items():
             base = self.config_groups[group_name]
-            wargs = base.weights.replace(group_size=g, strategy="group" if g > 0 else "channel")
             while f"group_{i}" in groups:
                 i += 1
             # the name-targeted group must not also hold the class targets of its base group
-            groups[f"group_{i}"] = QuantScheme(targets=tuple(names), weights=wargs,
+            groups[f"group_{i}"] = QuantScheme(targets=fused_targets(names),
+                                               weights=_with_size(base.weights, g),
                                                input_activations=base.input_activations,
                                                format=base.format)
             i += 1
@@ -595,6 +636,10 @@ class QuantConfig:
         """quantspec's own fields (stored beside config.json by the artifact writer)."""
         return {"quant_type": None if self.quant_type is None else self.quant_type.value,
                 "provenance": copy.deepcopy(dict(self.provenance))}
+
+
+def _with_size(w: QuantArgs, g: int) -> QuantArgs:
+    return w.replace(group_size=g, strategy="group" if g > 0 else "channel")
 
 
 def _match_name(name: str, target: str) -> bool:
@@ -649,7 +694,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
            weight_observer: str | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
-    weight_only_int8: int8 per-channel weights ("int-quantized").
+    weight_only_int8: int8 per-channel weights (8-bit "pack-quantized").
     weight_only_int4: int4 group-wise weights ("pack-quantized"); `group_size` applies, and with
     symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32") gives float zero points.
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").

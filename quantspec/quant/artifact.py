@@ -7,12 +7,13 @@ quantspec's provenance in `quantspec.json`. The tensors are written part by part
 `quant.shards.ShardWriter` (one part in memory at a time).
 
 Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_proj`), by format:
-- pack-quantized (int4): `weight_packed` int32 [N, ceil(K/8)], `weight_scale` [N, K/g] (or [N, 1]),
-  `weight_shape` int64 [2] = [N, K], and, asymmetric only, `weight_zero_point` int32
-  [ceil(N/8), K/g] (integer zero points packed along N) or, with a float `zp_dtype`, unpacked
-  [N, K/g] (or [N, 1]) in that float dtype (compressed-tensors packs only integer zero points).
-- int-quantized (int8): `weight` int8 [N, K], `weight_scale` [N, 1] (+ `weight_zero_point` int8
-  when asymmetric).
+- pack-quantized (integer weight-only, 4 or 8 bits, c = 32/bits codes per word): `weight_packed`
+  int32 [N, ceil(K/c)], `weight_scale` [N, K/g] (or [N, 1]), `weight_shape` int64 [2] = [N, K],
+  and, asymmetric only, `weight_zero_point` int32 [ceil(N/c), K/g] (integer zero points packed
+  along N) or, with a float `zp_dtype`, unpacked [N, K/g] (or [N, 1]) in that float dtype
+  (compressed-tensors packs only integer zero points).
+- int-quantized (int8 weights with quantized input activations, W8A8): `weight` int8 [N, K],
+  `weight_scale` [N, 1] (+ `weight_zero_point` int8 when asymmetric).
 - float-quantized (fp8): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] or [1].
 - static input activations: `input_scale` [1] (+ `input_zero_point` when asymmetric).
 KV cache, on the attention module `{attn}` (e.g. `model.layers.0.self_attn`): `k_scale`,
@@ -36,8 +37,8 @@ from safetensors import safe_open
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import reading_safetensors
 from quantspec.outputs import atomic_dir
-from quantspec.quant.args import QuantArgs, QuantConfig
-from quantspec.quant.packing import pack_int4, unpack_int4
+from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs, QuantConfig, scheme_format
+from quantspec.quant.packing import pack_int32, unpack_int32
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
 from quantspec.quant.shards import (DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
                                     ShardWriter)
@@ -63,16 +64,17 @@ CONFIG_NAME = "config.json"
 PROVENANCE_NAME = "quantspec.json"
 
 
-def _packs(args: QuantArgs) -> bool:
-    """pack-quantized (int32 words) for int weights below 8 bits."""
-    return args.type == "int" and args.num_bits < 8
+def _packs(args: QuantArgs, fmt: str | None, has_input: bool) -> bool:
+    """pack-quantized (int32 words): the format named, else the one `scheme_format` gives."""
+    if fmt is None:
+        fmt = scheme_format(args, args if has_input else None)
+    return fmt == FORMAT_PACK_QUANTIZED and args.type == "int"
 
 
 def _packs_zero_point(args: QuantArgs) -> bool:
     # compressed-tensors packs integer zero points only for group/channel strategies; float
     # zero points (a float zp_dtype) are stored as they are
-    return _packs(args) and not args.symmetric and args.strategy in ("group", "channel") \
-        and args.zp_dtype is None
+    return not args.symmetric and args.strategy in ("group", "channel") and args.zp_dtype is None
 
 
 @dataclass
@@ -91,10 +93,13 @@ class LinearQuant:
 def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
                       zero_point: torch.Tensor | None, args: QuantArgs, *,
                       input_scale: torch.Tensor | None = None,
-                      input_zero_point: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
+                      input_zero_point: torch.Tensor | None = None,
+                      format: str | None = None) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors for one quantized Linear (names in the module docstring).
 
     q [N, K]: codes from `primitives.quantize` (int8 in [q_min, q_max], or float8_e4m3fn).
+    `format`: the Linear's scheme format; None → `scheme_format` (int weights with an
+    `input_scale` are int-quantized, without one pack-quantized).
     """
     if not isinstance(q, torch.Tensor) or q.ndim != 2:
         raise QuantSpecError(f"{prefix}: q must be a 2-D code tensor [N, K], got "
@@ -107,11 +112,9 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
     N, K = q.shape
     _check_scale_shape(prefix, scale, args, N, K)
     out: dict[str, torch.Tensor] = {}
-    if _packs(args):
-        if args.num_bits != 4:
-            raise QuantSpecError(f"{prefix}: only 4-bit packing is implemented, got "
-                                 f"num_bits={args.num_bits}")
-        out[f"{prefix}.weight_packed"] = pack_int4(q)  # [N, ceil(K/8)]
+    packs = _packs(args, format, input_scale is not None)
+    if packs:
+        out[f"{prefix}.weight_packed"] = pack_int32(q, args.num_bits)  # [N, ceil(K·b/32)]
         out[f"{prefix}.weight_shape"] = torch.tensor([N, K], dtype=torch.int64)
     else:
         out[f"{prefix}.weight"] = q
@@ -128,8 +131,8 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
             out[f"{prefix}.weight_zero_point"] = zero_point.to(zero_point_dtype(args))
         else:
             zp = zero_point.to(torch.int8)
-            out[f"{prefix}.weight_zero_point"] = pack_int4(zp, packed_dim=0) if \
-                _packs_zero_point(args) else zp
+            out[f"{prefix}.weight_zero_point"] = pack_int32(zp, args.num_bits, packed_dim=0) \
+                if packs and _packs_zero_point(args) else zp
     if input_scale is not None:
         out[f"{prefix}.input_scale"] = input_scale.reshape(-1) if input_scale.ndim == 0 \
             else input_scale
@@ -153,18 +156,21 @@ def _check_scale_shape(prefix: str, scale: torch.Tensor, args: QuantArgs, N: int
 
 
 def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
-                        args_or_config: QuantArgs | QuantConfig) -> LinearQuant:
+                        args_or_config: QuantArgs | QuantConfig, format: str | None = None
+                        ) -> LinearQuant:
     """Inverse of `linear_to_tensors`: read one Linear's codes and qparams from a state dict.
 
-    `args_or_config` is the weight QuantArgs, or the model's QuantConfig (the scheme is looked up
-    by `prefix` with compressed-tensors' matching rules).
+    `args_or_config` is the weight QuantArgs, or the model's QuantConfig (the scheme and its
+    format are looked up by `prefix` with compressed-tensors' matching rules). With bare args,
+    `format` None means the one `linear_to_tensors` writes (an `input_scale` present →
+    int-quantized).
     """
     if isinstance(args_or_config, QuantConfig):
         scheme = args_or_config.scheme_for(prefix)
         if scheme is None or scheme.weights is None:
             raise QuantSpecError(f"{prefix}: the quantization_config does not quantize this "
                                  "module's weight")
-        args = scheme.weights
+        args, format = scheme.weights, scheme.format
     else:
         args = args_or_config
 
@@ -175,9 +181,10 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
         return tensors[key]
 
     scale = get("weight_scale")
-    if _packs(args):
+    packs = _packs(args, format, f"{prefix}.input_scale" in tensors)
+    if packs:
         shape = tuple(int(v) for v in get("weight_shape").tolist())
-        q = unpack_int4(get("weight_packed"), shape)  # [N, K]
+        q = unpack_int32(get("weight_packed"), args.num_bits, shape)  # [N, K]
     else:
         q = get("weight")
         if q.dtype != storage_dtype(args):
@@ -194,8 +201,8 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
                                      f"{tuple(zp.shape)} but zp_dtype {args.zp_dtype} needs "
                                      f"{zero_point_dtype(args)} {tuple(scale.shape)}; the "
                                      "checkpoint does not match its config")
-        elif _packs_zero_point(args):
-            zp = unpack_int4(zp, tuple(scale.shape), packed_dim=0)
+        elif packs and _packs_zero_point(args):
+            zp = unpack_int32(zp, args.num_bits, tuple(scale.shape), packed_dim=0)
     return LinearQuant(q=q, scale=scale, zero_point=zp, args=args,
                        input_scale=tensors.get(f"{prefix}.input_scale"),
                        input_zero_point=tensors.get(f"{prefix}.input_zero_point"))

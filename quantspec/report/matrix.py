@@ -58,6 +58,7 @@ class CellResult:
     base: str
     draft: str
     cachekv: str
+    kv_cache: str | None = None  # the KV cache the cell's generations ran, with its scales' origin
     supported: bool = False
     reason: str | None = None
     lossless: bool | None = None
@@ -326,7 +327,9 @@ class _Run:
 
     def run_cell(self, cell: Cell, key: str) -> CellResult:
         c = self.config
-        r = CellResult(key=key, method=cell.method, base=cell.base, draft=cell.draft, cachekv=cell.cachekv)
+        r = CellResult(key=key, method=cell.method, base=cell.base, draft=cell.draft, cachekv=cell.cachekv,
+                       kv_cache="float" if cell.cachekv == "none"
+                       else f"{cell.cachekv} static (calibration table scales)")
         t0 = time.perf_counter()
         ppl = self.perplexity(cell.base)
         r.base_perplexity, r.base_perplexity_reason = ppl.get("perplexity"), ppl.get("reason")

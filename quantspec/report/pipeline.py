@@ -119,9 +119,11 @@ class Pipeline:
         if self._quantize is None:
             raise Unsupported("quantize is not available in this build (api.quantize missing)")
         int4 = {"symmetric": symmetric, "zp_dtype": zp_dtype} if quant_type == "weight_only_int4" else {}
+        # the report runs its artifacts in quantspec: every option quantspec runs is allowed
+        # (float zero points, MTP modules)
         call_with_supported_kwargs(self._quantize, model, quant_type, str(out), method=method,
                                    group_size=group_size, calib=None if calib is None else str(calib),
-                                   overwrite=True, **int4)
+                                   overwrite=True, target="quantspec", **int4)
 
     def perplexity(self, model: str, text_file: Path, *, windows: int, seq_len: int, dtype: str,
                    device: str) -> float:

@@ -3,6 +3,8 @@
 import pytest
 import torch
 
+from quantspec.quant.packing import unpack_int32
+
 from quantspec.calib.ptq import quantize_model
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import load_model
@@ -40,8 +42,9 @@ def test_rtn_int8_codes_and_unquantized_tensors(tiny_qwen2_dir):
             # independent reference: symmetric per-row int8, scale = absmax / 127.5
             scale = W.abs().amax(dim=1, keepdim=True) / 127.5
             q_ref = torch.round(torch.clamp(W / scale, -128, 127)).to(torch.int8)
-            assert t[f"{name}.weight"].dtype == torch.int8
-            assert torch.equal(t[f"{name}.weight"], q_ref)
+            # W8A16: 8-bit pack-quantized (what vLLM and SGLang load)
+            assert t[f"{name}.weight_packed"].dtype == torch.int32
+            assert torch.equal(unpack_int32(t[f"{name}.weight_packed"], 8, q_ref.shape), q_ref)
             torch.testing.assert_close(t[f"{name}.weight_scale"], scale)
             # the model now holds the dequantized weight
             torch.testing.assert_close(model.get_submodule(name).weight, q_ref.float() * scale)

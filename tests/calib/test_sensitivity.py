@@ -3,6 +3,8 @@
 import copy
 import json
 
+import re
+
 import pytest
 import torch
 
@@ -14,6 +16,7 @@ from quantspec.calib.sensitivity import (FALLBACK_GROUP, fake_quant_weight, grou
 from quantspec.calib.smooth import input_scales_for_model, smooth_model, smoothing_factors
 from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
+from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.llama import DenseCausalAttention
 from quantspec.quant.args import preset
@@ -226,7 +229,13 @@ def test_with_fallback_layers_config():
     with pytest.raises(QuantSpecError, match="not quantized"):
         with_fallback_layers(cfg, ["lm_head"])
     qkv = [f"model.layers.2.self_attn.{n}_proj" for n in "qkv"]
-    assert with_fallback_layers(cfg, qkv).config_groups[FALLBACK_GROUP].targets == tuple(sorted(qkv))
+    # a whole fused unit is one regex naming its shards and the fused layer (SGLang matches that)
+    fb = with_fallback_layers(cfg, qkv)
+    (target,) = fb.config_groups[FALLBACK_GROUP].targets
+    assert target.startswith("re:") and re.match(target[3:], "model.layers.2.self_attn.qkv_proj")
+    assert all(fb.scheme_for(n).input_activations is None for n in qkv)
+    assert fb.scheme_for("model.layers.2.self_attn.o_proj").input_activations is not None
+    assert fb.config_groups[FALLBACK_GROUP].format == "pack-quantized"  # W8A16
     for partial in (qkv[:1], qkv[1:], ["model.layers.0.mlp.up_proj"]):
         with pytest.raises(QuantSpecError, match="ignore a partial fallback"):
             with_fallback_layers(cfg, partial)
@@ -291,20 +300,23 @@ def test_fallback_artifact_loads_here_and_in_transformers(tmp_path, tiny_llama_d
     cfg = json.loads((art / "config.json").read_text())["quantization_config"]
     fb = cfg["config_groups"][FALLBACK_GROUP]
     assert fb["input_activations"] is None
-    assert len({unit_of(t) for t in fb["targets"]}) == 2
-    assert all(set(unit_of(t)) <= set(fb["targets"]) for t in fb["targets"])  # whole units only
     info = api.inspect(str(art))
-    assert info["fallback_layers"] == sorted(fb["targets"])
-    assert info["static_activation_linears"] == 14 - len(fb["targets"])
+    fallback = info["fallback_layers"]  # the Linears the fallback group's targets match
+    assert all(info["layers"][n]["input_activations"] is None for n in fallback)
+    assert len({unit_of(t) for t in fallback}) == 2
+    assert all(set(unit_of(t)) <= set(fallback) for t in fallback)  # whole units only
+    assert info["static_activation_linears"] == 14 - len(fallback)
     plan = info["calibration"]["static_plan"]
-    assert sorted(plan["fallback_layers"]) == sorted(fb["targets"])
+    assert sorted(plan["fallback_layers"]) == sorted(fallback)
     heads = {f"model.layers.{i}.{n}" for i in range(2) for n in ("self_attn.q_proj", "mlp.gate_proj",
                                                                  "mlp.down_proj")}
-    assert set(plan["smoothquant_alphas"]) == heads - set(fb["targets"])  # fallback units unsmoothed
+    assert set(plan["smoothquant_alphas"]) == heads - set(fallback)  # fallback units unsmoothed
     mods = dict(load_for_inference(str(art), tokenizer=False, fuse=False).model.named_modules())
-    for t in fb["targets"]:
+    for t in fallback:
         assert mods[t].input_scale is None
-    loaded = load_for_inference(str(art), tokenizer=False)
+    # the reference path: compressed-tensors' op order (see tests/test_interop_transformers.py
+    # `_same_op_order`: fp8's CPU kernel may round one activation code of a later layer otherwise)
+    loaded = load_for_inference(str(art), tokenizer=False, policy=DispatchPolicy(fast=False))
     pytest.importorskip("compressed_tensors")
     from transformers import AutoModelForCausalLM
 
@@ -314,4 +326,4 @@ def test_fallback_artifact_loads_here_and_in_transformers(tmp_path, tiny_llama_d
         ours = loaded.model.compute_logits(
             loaded.model(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids))))
         theirs = hf(ids[None]).logits[0]
-    torch.testing.assert_close(ours, theirs, rtol=1e-3, atol=1e-3)
+    torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)

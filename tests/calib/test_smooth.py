@@ -148,7 +148,7 @@ def test_quantize_pipeline_through_quant_linear(tmp_path, tiny_llama_dir, quant_
                           seq_len=32).path
     art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", calib=calib,
                        smoothquant_alpha="none" if alpha is None else alpha, fallback_layers=0,
-                       kv_cache=kind)
+                       kv_cache=kind, target="quantspec")  # int8 KV and per-head scales: quantspec's
     table = read_table(calib, model_dir=tiny_llama_dir)
     loaded = load_for_inference(str(art), tokenizer=False, fuse=False)  # per-module checks
     assert loaded.kv_cache_dtype == kind

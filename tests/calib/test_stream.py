@@ -81,7 +81,7 @@ CASES = {
     "int8": dict(quant_type="weight_only_int8"),
     "int4": dict(quant_type="weight_only_int4", group_size=32),
     "int4-asym": dict(quant_type="weight_only_int4", group_size=32, symmetric=False),
-    "int4-asym-fp16-zp": dict(quant_type="weight_only_int4", symmetric=False, zp_dtype="float16"),
+    "int4-asym-fp16-zp": dict(quant_type="weight_only_int4", symmetric=False, zp_dtype="float16", target="quantspec"),
     "int4-gptq": dict(quant_type="weight_only_int4", group_size=32, **GPTQ),
     "int8-gptq-act-order": dict(quant_type="weight_only_int8", act_order=True, **GPTQ),
 }
@@ -108,7 +108,7 @@ def test_gptq_two_pass_schedule_streamed(tiny_llama_dir, data, tmp_path, monkeyp
 
 
 @pytest.mark.parametrize("kw", [
-    dict(quant_type="a8w8", kv_cache="int8"),  # the default recipe: α search + fallback under a budget
+    dict(quant_type="a8w8", kv_cache="int8", target="quantspec"),  # the default recipe: α search + fallback under a budget
     dict(quant_type="a8w8_fp8"),
     dict(quant_type="a8w8", smoothquant_alpha=0.5, fallback_layers=1, method="gptq"),
 ], ids=["a8w8-budget-kv", "a8w8_fp8-budget", "a8w8-rank-gptq"])

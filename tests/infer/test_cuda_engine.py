@@ -109,25 +109,18 @@ def test_cuda_bf16_tracks_fp32_reference(tiny, qt):
             assert float(row.max() - row[tok]) <= 0.03 * float(row.abs().max()), (i, tok, int(row.argmax()))
 
 
-@pytest.mark.parametrize("attention", ["triton", "sdpa"])
-def test_cuda_ngram_speculation_is_lossless(tiny, attention):
+def test_cuda_ngram_speculation_is_lossless(tiny):
     res, args = _tensors(tiny, "weight_only_int4")
     prompts = _prompts(args.vocab_size)
-    policy = DispatchPolicy(cuda_attention=attention)
-    plain, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, policy=policy)
-    spec, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, policy=policy,
-                             proposer=ReferenceProposer(2, 4), k=4)
+    plain, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts)
+    spec, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, proposer=ReferenceProposer(2, 4), k=4)
     assert spec == plain
 
 
 def test_cuda_runtime_takes_the_triton_attention(tiny):
-    from quantspec.infer.cuda import default_runtime
     from quantspec.infer.cuda.attention import TritonAttention
 
     res, args = _tensors(tiny, "weight_only_int8")
     _, net = _engine_tokens(res, args, "cuda", torch.bfloat16, _prompts(args.vocab_size, 1))
-    cuda = torch.device("cuda")
-    eng = Engine(net, EngineConfig(max_batch_size=1, max_length=64), runtime=default_runtime(cuda))
+    eng = Engine(net, EngineConfig(max_batch_size=1, max_length=64), runtime=prepare(net, "cuda", fuse=False))
     assert isinstance(eng.cache.kernel, TritonAttention)
-    sdpa = default_runtime(cuda, DispatchPolicy(cuda_attention="sdpa"))
-    assert Engine(net, EngineConfig(max_batch_size=1, max_length=64), runtime=sdpa).cache.kernel is None

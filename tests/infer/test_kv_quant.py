@@ -140,7 +140,7 @@ def test_artifact_kv_scales_need_no_flag(tmp_path, tiny_llama_dir):
     calib = api.calibrate(str(tiny_llama_dir), str(data), tmp_path / "calib", num_samples=2,
                           seq_len=32).path
     art = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "art", calib=calib,
-                       kv_cache="int8")
+                       kv_cache="int8", target="quantspec")
     pred = Predictor(InferConfig(model=str(art), device="cpu", dtype="float32", max_length=64,
                                  max_new_tokens=4))
     ks, vs = read_table(calib, model_dir=tiny_llama_dir).kv_scales("int8")

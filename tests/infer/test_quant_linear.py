@@ -302,9 +302,10 @@ def test_select_kernel_cuda_rule(monkeypatch):
     t4 = _traits(LinearKind.W4A16, weight_strategy="group")
     assert select_kernel(t4, "cuda", 1, torch.bfloat16) is KernelPath.TRITON_W4A16
     assert select_kernel(t4, "cuda", 64, torch.float16) is KernelPath.TRITON_W4A16
-    assert select_kernel(t4, "cuda", 65, torch.bfloat16) is KernelPath.DEQUANT
+    assert select_kernel(t4, "cuda", 65, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
     t8 = _traits(LinearKind.W8A16)
     assert select_kernel(t8, "cuda", 8, torch.bfloat16) is KernelPath.TRITON_W8A16
+    assert select_kernel(t8, "cuda", 4096, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
     assert select_kernel(_traits(LinearKind.W8A16, weight_strategy="group"), "cuda", 8,
                          torch.bfloat16) is KernelPath.DEQUANT
     a8 = _traits(LinearKind.W8A8, act_mode="dynamic")
@@ -313,6 +314,11 @@ def test_select_kernel_cuda_rule(monkeypatch):
                          "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT
     fp8 = _traits(LinearKind.FP8, act_mode="static", fp8_native=True)
     assert select_kernel(fp8, "cuda", 1, torch.bfloat16) is KernelPath.TRITON_FP8
+    assert select_kernel(fp8, "cuda", 512, torch.bfloat16) is KernelPath.CUDA_SCALED_MM
+    assert select_kernel(fp8, "cuda", 511, torch.bfloat16) is KernelPath.TRITON_FP8
+    assert select_kernel(fp8, "cuda", 4096, torch.float32) is KernelPath.TRITON_FP8  # it writes bf16
+    assert select_kernel(fp8, "cuda", 16, torch.bfloat16, DispatchPolicy(cuda_scaled_mm_min_m=16)) \
+        is KernelPath.CUDA_SCALED_MM
     assert select_kernel(_traits(LinearKind.FP8, act_mode="static"), "cuda", 1,
                          torch.bfloat16) is KernelPath.DEQUANT  # below sm_89
     monkeypatch.setattr(kernels, "triton_usable", lambda device: False)
@@ -352,7 +358,7 @@ def test_read_errors_are_one_line():
     W = torch.randn(16, 32)
     s, z = choose_qparams(W, args)
     p = "model.layers.0.self_attn.q_proj"
-    tensors = linear_to_tensors(p, quantize(W, s, z, args), s, z, args)
+    tensors = linear_to_tensors(p, quantize(W, s, z, args), s, z, args, format=scheme.format)
     with pytest.raises(QuantSpecError, match="has no input_scale.*--calib"):
         read_quantized_linear(tensors, p, scheme, 16, 32)
     tensors[f"{p}.input_scale"] = torch.tensor([0.1])

@@ -99,3 +99,20 @@ def test_gpu_native_fp8(M):
     ws, xs = torch.rand(1000, device="cuda") * 1e-3, torch.tensor([0.02], device="cuda")
     torch.testing.assert_close(fp8_linear(x, wq, ws, xs).float(), fp8_linear_ref(x, wq, ws, xs).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs CUDA with compute capability >= 8.9")
+@pytest.mark.parametrize("M", [1, 16, 300])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_gpu_scaled_mm_linear(M, dtype):
+    from quantspec.kernels.fp8 import fp8_scaled_mm_linear
+
+    x = torch.randn(M, 4096, device="cuda", dtype=dtype)
+    wq = (torch.randn(1024, 4096, device="cuda") * 8).to(F8)
+    ws, xs = torch.rand(1024, device="cuda") * 1e-3, torch.tensor([0.02], device="cuda")
+    b = torch.randn(1024, device="cuda", dtype=dtype)
+    y = fp8_scaled_mm_linear(x, wq, ws, xs, b)
+    assert y.dtype == dtype and y.shape == (M, 1024)
+    torch.testing.assert_close(y.float(), fp8_linear_ref(x, wq, ws, xs, b).float(), rtol=2e-2, atol=2e-2)

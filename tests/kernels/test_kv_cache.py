@@ -157,7 +157,7 @@ def test_bad_inputs_raise():
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 @pytest.mark.parametrize("dtype", [torch.bfloat16, torch.int8, torch.float8_e4m3fn])
 def test_gpu_half_queries(dtype, q_dtype):
-    q_lens, ctx = [1, 4, 40], [100, 60, 0]
+    q_lens, ctx = [1, 4, 24], [40, 20, 0]  # decode, a verification, a prefill
     bt, cu, seq, gen = _batch(q_lens, ctx, seed=4)
     kc, vc, ks, vs = _filled_cache(dtype, bt, seq, gen)
     dev = lambda t: None if t is None else t.cuda()  # noqa: E731

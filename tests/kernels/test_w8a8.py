@@ -98,5 +98,6 @@ def test_gpu_big_shapes(M, dtype, static):
     s = (torch.rand(1000, generator=gen) * 1e-3 + 1e-4).cuda()
     x = torch.randn(M, 4096, generator=gen).to(dtype).cuda()
     xs = torch.tensor([0.03], device="cuda") if static else None
-    torch.testing.assert_close(w8a8_linear(x, q, s, xs).float(), w8a8_linear_ref(x, q, s, xs).float(),
-                               rtol=1e-2, atol=1e-2)
+    # the reference on the CPU (CUDA has no int32 matmul); exact int32 sums, one output rounding
+    r = w8a8_linear_ref(*(None if t is None else t.cpu() for t in (x, q, s, xs))).float()
+    torch.testing.assert_close(w8a8_linear(x, q, s, xs).float().cpu(), r, rtol=1e-2, atol=1e-2 * float(r.abs().max()))

@@ -49,7 +49,8 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
     assert json.loads(json.dumps(theirs.model_dump(), default=str)) == ours
     assert ours["quant_method"] == "compressed-tensors"
     assert ours["quantization_status"] == "compressed"
-    want_fmt = {"weight_only_int8": "int-quantized", "weight_only_int4": "pack-quantized",
+    # integer weight-only schemes are pack-quantized at 8 bits too (compressed-tensors' W8A16)
+    want_fmt = {"weight_only_int8": "pack-quantized", "weight_only_int4": "pack-quantized",
                 "a8w8": "int-quantized", "a8w8_fp8": "float-quantized"}[qt.value]
     assert ours["format"] == want_fmt and ours["config_groups"]["group_0"]["format"] == want_fmt
     assert QuantConfig.from_dict(ours).to_dict() == ours

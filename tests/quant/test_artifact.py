@@ -33,8 +33,12 @@ def _quantized(args, N=24, K=128, seed=0):
     (QuantArgs(num_bits=4, strategy="channel", symmetric=False, zp_dtype="bfloat16"),
      {"weight_packed": (torch.int32, (24, 16)), "weight_scale": (torch.float32, (24, 1)),
       "weight_shape": (torch.int64, (2,)), "weight_zero_point": (torch.bfloat16, (24, 1))}),
-    (QuantArgs(num_bits=8, strategy="channel"),
-     {"weight": (torch.int8, (24, 128)), "weight_scale": (torch.float32, (24, 1))}),
+    (QuantArgs(num_bits=8, strategy="channel"),  # weight-only int8: 8-bit pack-quantized (W8A16)
+     {"weight_packed": (torch.int32, (24, 32)), "weight_scale": (torch.float32, (24, 1)),
+      "weight_shape": (torch.int64, (2,))}),
+    (QuantArgs(num_bits=8, strategy="channel", symmetric=False),
+     {"weight_packed": (torch.int32, (24, 32)), "weight_scale": (torch.float32, (24, 1)),
+      "weight_shape": (torch.int64, (2,)), "weight_zero_point": (torch.int32, (6, 1))}),
     (QuantArgs(num_bits=8, type="float", strategy="channel"),
      {"weight": (torch.float8_e4m3fn, (24, 128)), "weight_scale": (torch.float32, (24, 1))}),
 ])
@@ -48,6 +52,14 @@ def test_linear_tensor_round_trip(args, names):
         assert back.zero_point is None
     else:
         assert torch.equal(back.zero_point, z)
+
+
+def test_int_quantized_when_named():
+    args = QuantArgs(num_bits=8, strategy="channel")
+    q, s, z = _quantized(args)
+    t = linear_to_tensors(P, q, s, z, args, format="int-quantized")
+    assert set(t) == {P + ".weight", P + ".weight_scale"} and t[P + ".weight"].dtype == torch.int8
+    assert torch.equal(linear_from_tensors(t, P, args, format="int-quantized").q, q)
 
 
 def test_linear_from_tensors_uses_config_and_input_scale():

@@ -19,6 +19,7 @@ P = "model.layers.3.mlp.down_proj"
     ("weight_only_int4", False, torch.float32),
     ("weight_only_int4", True, torch.bfloat16),
     ("weight_only_int8", True, torch.float32),
+    ("weight_only_int8", False, torch.float32),
     ("a8w8", True, torch.float32),
     ("a8w8_fp8", True, torch.bfloat16),
 ])
@@ -29,7 +30,7 @@ def test_compressed_tensors_decompresses_our_artifact(tmp_path, quant_type, symm
     s, z = choose_qparams(w, args)
     q = quantize(w, s, z, args)
     ours = dequantize(q, s, z if not symmetric else None, args)
-    tensors = linear_to_tensors(P, q, s, z, args)
+    tensors = linear_to_tensors(P, q, s, z, args, format=cfg.scheme_for(P).format)
     out = write_artifact(tmp_path / "a", tensors, {"quantization_config": cfg.to_dict()})
     loaded = load_safetensors(out)
 

@@ -4,8 +4,9 @@ through `prepare`.
 
 On CUDA the generic path runs everything else: float linears are torch's (cuBLAS) and the head
 gives full logits; `prepare` stacks a model's projections (`infer/fuse.py`) and hands the paged
-caches the Triton attention (`DispatchPolicy.cuda_attention`): the quantized layers are laid out
-for CUDA when they are built.
+caches the Triton attention (torch's SDPA in `infer/kv_cache.PagedAttention` attends where the
+kernel does not take a cache's head size): the quantized layers are laid out for CUDA when they
+are built.
 """
 
 from __future__ import annotations
@@ -23,10 +24,9 @@ __all__ = ["default_runtime", "prepare"]
 
 
 def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) -> Runtime:
-    """CUDA's runtime for a model it did not prepare: the generic path with the paged attention
-    `policy` names."""
-    triton = (policy or DispatchPolicy()).cuda_attention == "triton"
-    return Runtime(device=device, attention=TritonAttention.for_cache if triton else None)
+    """CUDA's runtime for a model it did not prepare: the generic path with the Triton paged
+    attention."""
+    return Runtime(device=device, attention=TritonAttention.for_cache)
 
 
 def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:

@@ -60,16 +60,37 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         w = getattr(p, "weight_packed", None)
         w = w if w is not None else pack_int4(layer.codes())
         g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
-        s = layer.weight_scale if layer.weight_scale.ndim == 2 else \
-            layer.weight_scale.reshape(1, 1).expand(layer.out_features, 1).contiguous()
-        return kernels.w4a16_linear(x, w, s, g, layer.weight_zero_point, b)
+        return kernels.w4a16_linear(x, w, _w4_scale(layer), g, layer.weight_zero_point, b)
     if path is KernelPath.TRITON_W8A16:
         return kernels.w8a16_linear(x, layer.codes(), p.w_scale_vec, b)
     if path is KernelPath.TRITON_W8A8:
         return kernels.w8a8_linear(x, layer.codes(), p.w_scale_vec,
                                    None if layer.input_args.dynamic else layer.input_scale, b)
-    if path is KernelPath.TRITON_FP8:
+    if path in (KernelPath.TRITON_FP8, KernelPath.CUDA_SCALED_MM):
         w = layer.codes()
         w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
-        return kernels.fp8_linear(x, w, p.w_scale_vec, layer.input_scale, b)
+        op = kernels.fp8_linear if path is KernelPath.TRITON_FP8 else kernels.fp8_scaled_mm_linear
+        return op(x, w, p.w_scale_vec, layer.input_scale, b)
+    if path is KernelPath.CUDA_DEQUANT_MM:
+        return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)
     raise QuantSpecError(f"unknown kernel path {path!r}")
+
+
+def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
+    """The layer's [N, K] weight in `dtype` by the Triton dequantize kernels."""
+    from quantspec import kernels
+
+    if layer.traits.kind is LinearKind.W4A16:
+        p = layer.prepared
+        w = getattr(p, "weight_packed", None)
+        w = w if w is not None else pack_int4(layer.codes())
+        g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
+        return kernels.w4a16_dequantize(w, _w4_scale(layer), g, layer.in_features, layer.weight_zero_point, dtype)
+    return kernels.w8a16_dequantize(layer.codes(), layer.prepared.w_scale_vec, dtype)
+
+
+def _w4_scale(layer: QuantLinear) -> torch.Tensor:
+    """The W4A16 kernels' [N, groups] scale (a per-tensor scale broadcast over the rows)."""
+    if layer.weight_scale.ndim == 2:
+        return layer.weight_scale
+    return layer.weight_scale.reshape(1, 1).expand(layer.out_features, 1).contiguous()

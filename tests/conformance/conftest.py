@@ -1,0 +1,145 @@
+"""Session fixtures of the conformance suite: every artifact type, written by `quantspec quantize`
+(`api.quantize`) from a tiny Llama whose shapes give mixed group sizes (hidden 192: K=192 takes
+g64 at --group-size 128, the MLP's K=512 takes g128), and the engines' lifted code (fetched and
+cached by `engines.py`; an engine that cannot be fetched skips its cases with the reason)."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantspec import api
+from quantspec.model_zoo.tiny import build_tiny_model
+
+from . import engines as eng
+
+TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five dozen liquor jugs. "
+        "How vexingly quick daft zebras jump! ") * 40
+
+# name → (quantize options, what it stands for); target portable unless named
+ARTIFACTS = {
+    "weight_only_int8": dict(quant_type="weight_only_int8"),
+    "weight_only_int8_asym": dict(quant_type="weight_only_int8", symmetric=False),
+    "weight_only_int4": dict(quant_type="weight_only_int4", group_size=128),
+    "weight_only_int4_asym": dict(quant_type="weight_only_int4", group_size=128, symmetric=False),
+    "weight_only_int4_float_zp": dict(quant_type="weight_only_int4", group_size=128, symmetric=False,
+                                      zp_dtype="float16", target="quantspec"),
+    "a8w8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0),
+    "a8w8_fallback": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=1),
+    "a8w8_fp8_kv_fp8": dict(quant_type="a8w8_fp8", smoothquant_alpha="none", fallback_layers=0,
+                            kv_cache="fp8"),
+    "a8w8_fp8_kv_fp8_head": dict(quant_type="a8w8_fp8", smoothquant_alpha="none", fallback_layers=0,
+                                 kv_cache="fp8", kv_strategy="head", target="vllm"),
+    "a8w8_kv_int8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0,
+                         kv_cache="int8", target="quantspec"),
+}
+# valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
+# above (see `_other_layout`): what other tools write, and what the engines mishandle
+OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback")
+
+
+@pytest.fixture(scope="session")
+def conformance_model(tmp_path_factory) -> Path:
+    return build_tiny_model(tmp_path_factory.mktemp("conf_llama"), "llama", hidden=192, heads=4,
+                            kv_heads=2, intermediate=512)
+
+
+@pytest.fixture(scope="session")
+def artifacts(conformance_model, tmp_path_factory) -> dict[str, Path]:
+    root = tmp_path_factory.mktemp("conf_artifacts")
+    data = root / "calib.txt"
+    data.write_text(TEXT)
+    calib = api.calibrate(str(conformance_model), str(data), root / "calib", num_samples=4,
+                          seq_len=32).path
+    out = {}
+    for name, opts in ARTIFACTS.items():
+        opts = dict(opts)
+        qt = opts.pop("quant_type")
+        if qt.startswith("a8w8") or opts.get("kv_cache"):
+            opts.update(calib=str(calib), dataset=str(data), seq_len=32, holdout_samples=2,
+                        search_samples=2)
+        out[name] = api.quantize(str(conformance_model), qt, root / name, **opts)
+    for name in OTHER_LAYOUTS:
+        out[name] = _other_layout(name, out, root / name)
+    return out
+
+
+def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
+    """W8A16 as `int-quantized`; mixed int4 group sizes with exact names for every shard; an a8w8
+    fallback named shard by shard as an `int-quantized` weight-only group."""
+    from safetensors.torch import load_file, save_file
+
+    from quantspec.quant.packing import unpack_int32
+
+    src = arts[{"w8a16_int_quantized": "weight_only_int8",
+                "w4a16_shard_named_groups": "weight_only_int4",
+                "a8w8_shard_named_fallback": "a8w8"}[name]]
+    shutil.copytree(src, dst)
+    cfg = json.loads((dst / "config.json").read_text())
+    qc = cfg["quantization_config"]
+    t = load_file(str(dst / "model.safetensors"))
+    groups = qc["config_groups"]
+    if name == "w8a16_int_quantized":
+        for k in [k for k in t if k.endswith(".weight_packed")]:
+            p = k.rsplit(".", 1)[0]
+            shape = tuple(t.pop(f"{p}.weight_shape").tolist())
+            t[f"{p}.weight"] = unpack_int32(t.pop(k), 8, shape)
+        for g in groups.values():
+            g["format"] = "int-quantized"
+        qc["format"] = "int-quantized"
+    elif name == "w4a16_shard_named_groups":
+        base = groups["group_0"]
+        names = sorted({k.rsplit(".", 1)[0] for k in t if k.endswith(".weight_scale")})
+        small = [n for n in names if not n.endswith("down_proj")]
+        g64, g128 = json.loads(json.dumps(base)), base
+        g64["targets"] = small
+        g128["weights"]["group_size"] = 128
+        qc["config_groups"] = {"group_0": g128, "group_1": g64}
+    else:  # fall back q/k/v of layer 0, named shard by shard
+        shards = [f"model.layers.0.self_attn.{s}_proj" for s in "qkv"]
+        for s in shards:
+            t.pop(f"{s}.input_scale")
+        fb = json.loads(json.dumps(groups["group_0"]))
+        fb.update(targets=shards, input_activations=None, format="int-quantized")
+        groups["fallback_w8a16"] = fb
+        qc["format"] = "int-quantized"
+    (dst / "config.json").write_text(json.dumps(cfg, indent=2))
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.fixture(scope="session")
+def engine_sources() -> dict:
+    """engine → `EngineSource`, or the reason it is unavailable (a string)."""
+    out = {}
+    for engine in eng.ENGINE_PINS:
+        try:
+            out[engine] = eng.EngineSource(engine)
+        except eng.Unavailable as e:
+            out[engine] = f"{engine} {eng.ENGINE_PINS[engine]} unavailable here: {e}"
+    return out
+
+
+@pytest.fixture(scope="session")
+def lifted(engine_sources, artifacts, tmp_path_factory) -> dict:
+    """engine → `lift.py`'s answer for every artifact (or the skip reason)."""
+    from .requests import build_request
+
+    tmp = tmp_path_factory.mktemp("conf_lift")
+    out = {}
+    for engine, src in engine_sources.items():
+        if isinstance(src, str):
+            out[engine] = src
+            continue
+        for capability in (90,):
+            out[engine] = src.run(build_request(src, artifacts, capability), tmp)
+    return out
+
+
+@pytest.fixture(scope="session")
+def torch_threads():
+    torch.set_num_threads(2)

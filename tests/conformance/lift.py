@@ -1,0 +1,417 @@
+"""Run an engine's own compressed-tensors decision code, lifted from its wheel, on artifacts.
+
+Run as a program in a fresh interpreter (one per engine, so the engine's modules and its pinned
+compressed-tensors never meet quantspec's):
+
+    python lift.py ENGINE SOURCE_DIR CT_DIR REQUEST.json  →  JSON on stdout
+
+SOURCE_DIR holds the `.py` files of the engine's wheel, CT_DIR the compressed-tensors release
+the engine pins. The modules in `REAL[engine]` — config parsing, target matching (incl. fused
+layers), scheme selection, the scheme classes (their constructors and `create_weights`), the
+parameter classes (their shard loaders), KV-cache scheme handling — are imported from SOURCE_DIR
+and run unchanged. Every other module of the engine's package is a stub (`Stub`: importable,
+subclassable, callable, attribute access gives more stubs), and so is any third-party module
+those files import that is not installed (CUDA kernels, ...). `OVERRIDES` gives the few stubs
+whose values the decisions read: the platform (a GPU of compute capability `capability`), tensor
+parallelism (rank 0 of 1), loggers, and "no transforms".
+
+What is not the engines' code, and so stated here: the driver below builds one layer object per
+engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed `LinearBase` /
+`Attention` / `RadixAttention`) and calls the engine's entry points on it —
+`get_quant_method(layer, prefix)`, `scheme.create_weights(...)` — then loads each checkpoint
+shard's tensors through the created parameters' own `load_qkv_weight` /
+`load_merged_column_weight` / `load_row_parallel_weight` with the shard ids and offsets a fused
+linear passes them (q/k/v; 0/1 with the running offset).
+"""
+
+from __future__ import annotations
+
+import importlib
+import importlib.abc
+import importlib.machinery
+import importlib.util
+import json
+import logging
+import os
+import sys
+import traceback
+import types
+
+logging.disable(logging.WARNING)
+
+P = {"vllm": "vllm.model_executor.layers.quantization.",
+     "sglang": "sglang.srt.layers.quantization."}
+_CT = {e: p + "compressed_tensors." for e, p in P.items()}
+REAL = {
+    "vllm": [_CT["vllm"] + m for m in (
+        "compressed_tensors", "utils", "schemes", "schemes.compressed_tensors_scheme",
+        "schemes.compressed_tensors_w4a4_mxfp4", "schemes.compressed_tensors_w4a4_nvfp4",
+        "schemes.compressed_tensors_w4a8_fp8", "schemes.compressed_tensors_w4a8_int",
+        "schemes.compressed_tensors_w4a8_mxfp4", "schemes.compressed_tensors_w8a8_fp8",
+        "schemes.compressed_tensors_w8a8_int8", "schemes.compressed_tensors_w8a8_mxfp8",
+        "schemes.compressed_tensors_w8a16_fp8", "schemes.compressed_tensors_wNa4",
+        "schemes.compressed_tensors_wNa8", "schemes.compressed_tensors_wNa8o8",
+        "schemes.compressed_tensors_wNa16")]
+    + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils",
+                               "utils.fp8_utils")]
+    + ["vllm.scalar_type", "vllm.model_executor.parameter"],
+    "sglang": [_CT["sglang"] + m for m in ("compressed_tensors", "utils", "schemes")]
+    + [P["sglang"] + m for m in ("base_config", "marlin_utils", "utils")]
+    + ["sglang.srt.layers.parameter"],
+}
+# SGLang's schemes package imports every scheme module: all of them are its own code
+SCHEME_PACKAGE = {"vllm": None, "sglang": _CT["sglang"] + "schemes"}
+# the engines' layer classes the decisions look at (isinstance checks), by module
+LAYER_BASES = {
+    "vllm": {"linear": ("vllm.model_executor.layers.linear", "LinearBase"),
+             "attention": ("vllm.model_executor.layers.attention", "Attention")},
+    "sglang": {"linear": ("sglang.srt.layers.linear", "LinearBase"),
+               "attention": ("sglang.srt.layers.radix_attention", "RadixAttention")},
+}
+
+
+# ---- stubs -----------------------------------------------------------------------------------------
+
+class _StubMeta(type):
+    def __getattr__(cls, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _stub_class(f"{cls.__qualname__}.{name}")
+
+    def __getitem__(cls, item):
+        return cls
+
+    def __or__(cls, other):
+        return cls
+
+    def __ror__(cls, other):
+        return cls
+
+    def __iter__(cls):
+        return iter(())
+
+
+class Stub(metaclass=_StubMeta):
+    def __init__(self, *a, **k):
+        pass
+
+    def __call__(self, *a, **k):
+        return Stub()
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return Stub()
+
+    def __bool__(self):
+        return False
+
+    def __iter__(self):
+        return iter(())
+
+
+def _stub_class(name: str) -> type:
+    return _StubMeta(name.rsplit(".", 1)[-1], (Stub,), {"__qualname__": name, "__module__": "stub"})
+
+
+class StubModule(types.ModuleType):
+    def __init__(self, name: str, attrs: dict | None = None):
+        super().__init__(name)
+        self.__path__ = []
+        self.__file__ = f"<stub {name}>"
+        self.__dict__.update(attrs or {})
+
+    def __getattr__(self, name):
+        if name.startswith("__"):
+            raise AttributeError(name)
+        value = _stub_class(f"{self.__name__}.{name}")
+        setattr(self, name, value)
+        return value
+
+
+class _Loader(importlib.abc.Loader):
+    def __init__(self, attrs=None, empty=False):
+        self.attrs, self.empty = attrs, empty
+
+    def create_module(self, spec):
+        return None if self.empty else StubModule(spec.name, self.attrs)
+
+    def exec_module(self, module):
+        pass
+
+
+STUBBED: list[str] = []
+
+
+class EngineFinder(importlib.abc.MetaPathFinder):
+    """The engine's package: REAL modules from the wheel's source, their parent packages as empty
+    packages (their `__init__` not run), everything else a stub."""
+
+    def __init__(self, root: str, package: str, real: list[str], overrides: dict):
+        self.root, self.package, self.real, self.overrides = root, package, set(real), overrides
+        self.parents = {".".join(r.split(".")[:i]) for r in real for i in range(1, r.count(".") + 1)}
+
+    def find_spec(self, fullname, path, target=None):
+        if fullname != self.package and not fullname.startswith(self.package + "."):
+            return None
+        rel = os.path.join(self.root, *fullname.split("."))
+        if fullname in self.real:
+            if os.path.isdir(rel):
+                return importlib.util.spec_from_file_location(
+                    fullname, os.path.join(rel, "__init__.py"), submodule_search_locations=[rel])
+            return importlib.util.spec_from_file_location(fullname, rel + ".py")
+        if fullname in self.parents and os.path.isdir(rel):
+            spec = importlib.machinery.ModuleSpec(fullname, _Loader(empty=True), is_package=True)
+            spec.submodule_search_locations = [rel]
+            return spec
+        if fullname.startswith(SCHEME_PACKAGE_PREFIX) and os.path.isfile(rel + ".py"):
+            return importlib.util.spec_from_file_location(fullname, rel + ".py")
+        STUBBED.append(fullname)
+        return importlib.machinery.ModuleSpec(fullname, _Loader(self.overrides.get(fullname)),
+                                              is_package=True)
+
+
+class MissingFinder(importlib.abc.MetaPathFinder):
+    """Last resort for imports made by the engine's files: a module that is not installed (CUDA
+    kernels, serving dependencies) is a stub. Imports made by anything else fail as usual."""
+
+    def __init__(self, root: str):
+        self.root = root
+
+    def find_spec(self, fullname, path, target=None):
+        f = sys._getframe(1)
+        while f is not None:
+            fn = f.f_code.co_filename
+            if not fn.startswith("<frozen") and "importlib" not in fn:
+                break
+            f = f.f_back
+        if f is None or not f.f_code.co_filename.startswith(self.root):
+            return None
+        STUBBED.append(fullname)
+        return importlib.machinery.ModuleSpec(fullname, _Loader(), is_package=True)
+
+
+SCHEME_PACKAGE_PREFIX = "\0"
+
+
+def _overrides(engine: str, capability: int) -> dict:
+    class Capability(tuple):
+        def to_int(self):
+            return self[0] * 10 + self[1]
+
+    cap = Capability((capability // 10, capability % 10))
+
+    class Platform(Stub):
+        def get_device_capability(self, *a, **k):
+            return cap
+
+        def has_device_capability(self, c, *a, **k):
+            return cap.to_int() >= (c if isinstance(c, int) else c[0] * 10 + c[1])
+
+        def is_xpu(self):
+            return False
+
+        def is_cuda(self):
+            return True
+
+        def is_rocm(self):
+            return False
+
+        def is_cpu(self):
+            return False
+
+    def logger(name=None):
+        lg = logging.getLogger(name)
+        lg.warning_once = lg.warning
+        lg.info_once = lg.info
+        lg.debug_once = lg.debug
+        return lg
+
+    if engine == "vllm":
+        return {
+            "vllm.platforms": {"current_platform": Platform()},
+            "vllm.logger": {"init_logger": logger},
+            "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
+                                 "get_tensor_model_parallel_world_size": lambda: 1},
+            _CT["vllm"] + "transform.linear": {"get_linear_transform_schemes": lambda *a, **k: ([], [])},
+        }
+    return {
+        "sglang.srt.utils": {"is_cuda": lambda: True, "is_hip": lambda: False, "is_npu": lambda: False,
+                             "is_xpu": lambda: False, "is_cpu": lambda: False,
+                             "get_bool_env_var": lambda *a, **k: False},
+        "sglang.srt.runtime_context": {"get_platform": lambda: Platform()},
+        "sglang.srt.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
+                                   "get_tensor_model_parallel_world_size": lambda: 1},
+        "sglang.srt.layers.dp_attention": {"get_attention_tp_rank": lambda: 0,
+                                           "get_attention_tp_size": lambda: 1},
+        "sglang.srt.layers.quantization.fp8_utils": {"cutlass_fp8_supported": lambda: True},
+    }
+
+
+def install(engine: str, source: str, capability: int) -> None:
+    global SCHEME_PACKAGE_PREFIX
+    import torch
+
+    if SCHEME_PACKAGE[engine]:
+        SCHEME_PACKAGE_PREFIX = SCHEME_PACKAGE[engine] + "."
+    # sglang asks torch directly for the device's capability
+    torch.cuda.get_device_capability = lambda *a, **k: (capability // 10, capability % 10)
+    sys.meta_path.insert(0, EngineFinder(source, engine, REAL[engine], _overrides(engine, capability)))
+    sys.meta_path.append(MissingFinder(source))
+
+
+# ---- the driver ------------------------------------------------------------------------------------
+
+def _short(cls_name: str) -> str:
+    return cls_name.removeprefix("CompressedTensors")
+
+
+def _scheme_args(scheme) -> dict:
+    d = {}
+    own = vars(scheme)  # the scheme's own attributes (its stubbed base class answers anything)
+    for k in ("num_bits", "group_size", "symmetric", "strategy", "is_static_input_scheme",
+              "input_symmetric"):
+        if k in own:
+            v = own[k]
+            d[k] = v if isinstance(v, (int, bool, str, type(None))) else str(v)
+    if "num_bits" not in d and isinstance(own.get("pack_factor"), int):  # SGLang's WNA16 keeps only this
+        d["num_bits"] = 32 // own["pack_factor"]
+    wq = own.get("weight_quant")
+    if wq is not None:
+        d.update(num_bits=wq.num_bits, symmetric=wq.symmetric, strategy=str(getattr(wq.strategy, "value", wq.strategy)))
+    if "strategy" in d and not isinstance(d["strategy"], str):
+        d["strategy"] = str(d["strategy"])
+    return d
+
+
+def _layer(engine: str, kind: str, cls_name: str):
+    import torch
+
+    mod, base = LAYER_BASES[engine][kind]
+    Base = getattr(importlib.import_module(mod), base)
+    cls = type(cls_name, (torch.nn.Module, Base), {})
+    layer = cls()
+    return layer
+
+
+def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
+          ) -> tuple[list[str], list[str], list[str]]:
+    """Load every shard's tensors through the parameters' own loaders, with the arguments the
+    engine's fused linear passes them (SGLang's take `tp_rank` and `use_presharded_weights`);
+    → (errors, never loaded, lossy casts: float tensors copied into integer parameters)."""
+    errors, loaded, casts = [], set(), []
+    params = dict(layer.named_parameters())
+    rank = {"tp_rank": 0, "use_presharded_weights": False} if engine == "sglang" else {}
+    offset = 0
+    for i, shard in enumerate(shards):
+        sid = "qkv"[i] if cls_name == "QKVParallelLinear" else i
+        for leaf, t in tensors.get(shard["name"], {}).items():
+            p = params.get(leaf)
+            if p is None:
+                errors.append(f"unexpected tensor {leaf}")
+                continue
+            try:
+                if cls_name == "QKVParallelLinear":
+                    p.load_qkv_weight(loaded_weight=t, num_heads=1, shard_id=sid, shard_offset=offset,
+                                      shard_size=shard["N"], **rank)
+                elif cls_name == "MergedColumnParallelLinear":
+                    p.load_merged_column_weight(loaded_weight=t, shard_id=sid, shard_offset=offset,
+                                                shard_size=shard["N"], **rank)
+                elif rank:  # SGLang's RowParallelLinear: with the rank, else without it
+                    try:
+                        p.load_row_parallel_weight(t, **rank)
+                    except TypeError:
+                        p.load_row_parallel_weight(t)
+                else:
+                    p.load_row_parallel_weight(t)
+                loaded.add(leaf)
+                if t.is_floating_point() and not p.is_floating_point():
+                    casts.append(f"{leaf}: {t.dtype} into {p.dtype}")
+            except Exception as e:  # noqa: BLE001 — the engine's loader refusing is the answer
+                errors.append(f"{leaf}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+        offset += shard["N"]
+    never = sorted(set(params) - loaded)
+    return errors, never, sorted(set(casts))
+
+
+def run(engine: str, request: dict) -> dict:
+    import torch
+
+    ctmod = importlib.import_module(_CT[engine] + "compressed_tensors")
+    out = {}
+    for name, art in request["artifacts"].items():
+        res = {"layers": {}, "kv": None, "error": None}
+        out[name] = res
+        try:
+            cfg = ctmod.CompressedTensorsConfig.from_config(json.loads(json.dumps(art["quantization_config"])))
+        except Exception as e:  # noqa: BLE001
+            res["error"] = f"{type(e).__name__}: {e}"
+            continue
+        cfg.packed_modules_mapping = request["packed_modules_mapping"]
+        tensors = {k: {leaf: _tensor(t) for leaf, t in v.items()} for k, v in art["tensors"].items()}
+        for lname, spec in art["layers"].items():
+            r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": [],
+                 "casts": []}
+            res["layers"][lname] = r
+            layer = _layer(engine, "linear", spec["class"])
+            try:
+                method = cfg.get_quant_method(layer, lname)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
+                continue
+            scheme = getattr(layer, "scheme", None)
+            if scheme is None:
+                r["method"] = type(method).__name__ if method is not None else None
+                continue
+            r["scheme"], r["args"] = _short(type(scheme).__name__), _scheme_args(scheme)
+            try:
+                sizes = [s["N"] for s in spec["shards"]]
+                scheme.create_weights(layer=layer, output_size=sum(sizes), input_size=spec["K"],
+                                      output_partition_sizes=sizes, input_size_per_partition=spec["K"],
+                                      params_dtype=torch.bfloat16, weight_loader=None)
+            except Exception as e:  # noqa: BLE001
+                r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
+                continue
+            r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
+                                                                    spec["shards"], tensors)
+        if art.get("attention"):
+            attn = _layer(engine, "attention", "Attention" if engine == "vllm" else "RadixAttention")
+            attn.num_kv_heads = art["num_kv_heads"]
+            try:
+                m = cfg.get_quant_method(attn, art["attention"])
+                res["kv"] = {"method": None if m is None else type(m).__name__, "error": None}
+            except Exception as e:  # noqa: BLE001
+                res["kv"] = {"method": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
+    return out
+
+
+def _tensor(spec):
+    import torch
+
+    dtype = getattr(torch, spec["dtype"])
+    data = spec.get("data")
+    if data is not None:
+        return torch.tensor(data, dtype=dtype).reshape(spec["shape"])
+    return torch.zeros(spec["shape"], dtype=dtype)
+
+
+def main() -> None:
+    engine, source, ct_dir, request = sys.argv[1:5]
+    sys.path.insert(0, ct_dir)
+    import compressed_tensors  # noqa: F401 — the engine's pinned release, before anything else
+    import torch  # noqa: F401
+    import transformers  # noqa: F401
+
+    install(engine, source, int(json.load(open(request)).get("capability", 90)))
+    try:
+        out = {"result": run(engine, json.load(open(request))),
+               "compressed_tensors": compressed_tensors.__version__,
+               "compressed_tensors_file": compressed_tensors.__file__,
+               "stubbed": sorted(set(STUBBED))}
+    except Exception:  # noqa: BLE001
+        out = {"fatal": traceback.format_exc()}
+    json.dump(out, sys.stdout, default=repr)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,73 @@
+"""docs/engines.md: the verdicts the conformance suite checks against the engines' own code,
+one row per artifact type, rendered by `render` (the suite fails when the file differs)."""
+
+from quantspec.quant.engines import ENGINE_NAMES, ENGINE_VERSIONS, ENGINES
+
+from .conftest import ARTIFACTS
+
+__all__ = ["render"]
+
+HEAD = """# Engines
+
+What each engine does with each artifact type `quantspec quantize` writes. vLLM's and SGLang's own
+compressed-tensors decision code, lifted from their pinned wheels ({versions}), picks a scheme
+per layer and loads the tensors through its own parameter loaders (capability 9.0, Hopper, for
+the FP8 choice); transformers ({transformers}) loads and runs the artifact; compressed-tensors' own decompression
+is compared with quantspec's `dequantize` (`tests/conformance`). The cells are
+`quant.engines.engine_verdicts`, which `quantspec inspect` prints and `quantize --target` refuses
+by; the suite checks every cell against the engines' code, layer by layer. This file is generated:
+`QUANTSPEC_WRITE_ENGINE_TABLE=1 python -m pytest tests/conformance -k engine_table`.
+
+"""
+
+TAIL = """
+Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` static activations,
+`CompressedLinear` compressed-tensors in transformers, `QuantLinear` quantspec's own. The last
+three rows are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
+`int-quantized`, mixed int4 group sizes named shard by shard, and an a8w8 fallback named shard by
+shard as an `int-quantized` weight-only group.
+"""
+
+
+# QuantizeConfig field → the `quantspec quantize` flag
+FLAGS = {"fallback_layers": "a8w8-fallback-layers", "fallback_threshold": "a8w8-fallback-threshold"}
+
+
+def _flags(opts: dict) -> str:
+    out = []
+    for k, v in opts.items():
+        if k == "symmetric":
+            out.append("--sym" if v else "--asym")
+        else:
+            out.append(f"--{FLAGS.get(k, k.replace('_', '-'))} {v}")
+    return " ".join(out)
+
+
+def _scheme(v) -> str:
+    g = f"g{v.group_size}" if v.group_size else "channel"
+    sym = "" if v.symmetric in (True, None) else " asym"
+    act = f" + {v.input_activations}" if v.input_activations else ""
+    return f"{v.scheme} {v.num_bits}-bit {g}{sym}{act}"
+
+
+def _cell(verdict) -> str:
+    text = verdict.line()
+    if verdict.status != "refused":
+        picked = sorted({_scheme(v) for v in verdict.layers.values() if v.scheme is not None})
+        text += f": {', '.join(picked)}" if picked else ""
+    if verdict.kv_cache:
+        text += f"; KV {verdict.kv_cache}"
+    return text.replace("|", "/")
+
+
+def render(verdicts: dict) -> str:
+    """The markdown of docs/engines.md for {artifact name: engine → EngineVerdict}."""
+    versions = ", ".join(f"{ENGINE_NAMES[e]} {ENGINE_VERSIONS[e]}" for e in ("vllm", "sglang"))
+    lines = [HEAD.format(versions=versions, transformers=ENGINE_VERSIONS["transformers"]).rstrip("\n"), "",
+             "| artifact | quantize options | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |",
+             "|---" * (len(ENGINES) + 2) + "|"]
+    for name, per in verdicts.items():
+        opts = ARTIFACTS.get(name)
+        shown = "(not written by quantspec)" if opts is None else _flags(opts)
+        lines.append(f"| {name} | {shown} | " + " | ".join(_cell(per[e]) for e in ENGINES) + " |")
+    return "\n".join(lines) + "\n" + TAIL

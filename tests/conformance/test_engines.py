@@ -1,0 +1,229 @@
+"""Every artifact type against the engines' own code: vLLM's and SGLang's compressed-tensors
+decisions (lifted from their pinned wheels, `lift.py`), transformers loading and running it, and
+compressed-tensors' decompression at every release the engines pin — each compared with
+`quant.engines.engine_verdicts`, the one function `inspect` and `quantize --target` use.
+
+Lifted answer → verdict: a parse error, a scheme-selection error, a `create_weights` error, a
+shard its parameters refuse to load, or a float tensor its loader copies into an integer parameter
+(a silent lossy cast: the layer cannot run as quantized) is "refused"; a layer whose scheme the engine picks but whose
+parameters the checkpoint leaves unloaded (e.g. an ignored fallback's missing `input_scale`), or a
+`kv_cache_scheme` the engine sets aside, is "ignores"; else "loads" with the scheme it picked.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from quantspec.quant.artifact import linear_from_tensors, load_safetensors, read_quant_config
+from quantspec.quant.engines import ENGINE_VERSIONS, FUSED_LAYERS, LAYER_CLASSES, engine_verdicts
+from quantspec.quant.primitives import dequantize
+
+from . import engines as eng
+from .conftest import ARTIFACTS, OTHER_LAYOUTS
+from .requests import artifact_tensors, linear_shapes
+
+NAMES = list(ARTIFACTS) + list(OTHER_LAYOUTS)
+PORTABLE = [n for n, o in ARTIFACTS.items() if o.get("target", "portable") == "portable"]
+TABLE = Path(__file__).parents[2] / "docs" / "engines.md"
+
+
+def _verdicts(path: Path) -> dict:
+    qc = read_quant_config(path)
+    shapes = linear_shapes(artifact_tensors(path))
+    return engine_verdicts(qc, {n: s[1] for n, s in shapes.items()})
+
+
+def _lifted(lifted, engine, name):
+    ans = lifted[engine]
+    if isinstance(ans, str):
+        pytest.skip(ans)
+    return ans["result"][name]
+
+
+def _lifted_status(res: dict) -> tuple[str, dict[str, str]]:
+    """(status, layer → "refused" / "ignores" / "loads") of one artifact's lifted answer."""
+    if res["error"]:
+        return "refused", {}
+    per = {}
+    for layer, r in res["layers"].items():
+        if r["error"] or r["load_errors"] or r["casts"]:
+            per[layer] = "refused"
+        elif r["scheme"] is not None and r["never_loaded"]:
+            per[layer] = "ignores"
+        else:
+            per[layer] = "loads"
+    kv = res["kv"]
+    kv_status = None if kv is None else "refused" if kv["error"] else \
+        "ignores" if kv["method"] is None else "loads"
+    statuses = list(per.values()) + ([kv_status] if kv_status else [])
+    status = "refused" if "refused" in statuses else "ignores" if "ignores" in statuses else "loads"
+    return status, per
+
+
+def test_pins_are_the_verdicts_versions():
+    assert eng.pins_agree(), (eng.ENGINE_PINS, ENGINE_VERSIONS)
+
+
+@pytest.mark.parametrize("engine", list(eng.ENGINE_PINS))
+def test_engine_layout_is_the_one_verdicts_assume(engine_sources, engine):
+    """The fused layers and layer classes `engine_verdicts` assumes are the engine's Llama's."""
+    src = engine_sources[engine]
+    if isinstance(src, str):
+        pytest.skip(src)
+    classes = eng.layer_classes(src.model_source())
+    for attr, cls in LAYER_CLASSES.items():
+        assert classes.get(attr) == cls, (attr, classes.get(attr))
+    mapping = src.packed_modules_mapping()
+    if engine == "vllm":
+        assert {k: tuple(v) for k, v in mapping.items()} == FUSED_LAYERS
+    else:  # SGLang's Llama declares none: fused shards are matched by the fused name only
+        assert mapping == {}
+
+
+@pytest.mark.parametrize("engine", list(eng.ENGINE_PINS))
+@pytest.mark.parametrize("name", NAMES)
+def test_verdict_matches_engine_code(artifacts, lifted, engine, name):
+    res = _lifted(lifted, engine, name)
+    v = _verdicts(artifacts[name])[engine]
+    status, per_layer = _lifted_status(res)
+    assert v.status == status, (v.line(), json.dumps(res, indent=1)[:3000])
+    for layer, got in per_layer.items():
+        lv = v.layers[layer]
+        want = "refused" if lv.scheme is None and lv.problem else "ignores" if lv.problem else "loads"
+        assert want == got, (layer, lv, res["layers"][layer])
+        r = res["layers"][layer]
+        if got == "loads":
+            assert r["scheme"] == lv.scheme, (layer, r, lv)
+            args = r["args"]
+            if "num_bits" in args:
+                assert args["num_bits"] == lv.num_bits
+            if "group_size" in args and lv.scheme == "WNA16":
+                assert (None if args["group_size"] == -1 else args["group_size"]) == lv.group_size
+            if "symmetric" in args:
+                assert args["symmetric"] == lv.symmetric
+            if "is_static_input_scheme" in args:
+                assert bool(args["is_static_input_scheme"]) == (lv.input_activations is not None)
+    if res["kv"] is not None:
+        assert (v.kv_cache is not None) == (res["kv"]["method"] is not None and not res["kv"]["error"])
+
+
+@pytest.mark.parametrize("name", PORTABLE)
+def test_default_target_loads_as_intended(artifacts, lifted, name):
+    """What `quantize` writes by default: both engines pick, for every layer, the scheme it was
+    quantized with (bits, group size, zero points, static activations) — except where the verdict
+    names an engine bug on valid compressed-tensors (SGLang's static int8 layers), which the
+    engine's code then refuses outright: never a silent mis-run."""
+    path = artifacts[name]
+    qc = read_quant_config(path)
+    verdicts = _verdicts(path)
+    for engine in eng.ENGINE_PINS:
+        res = _lifted(lifted, engine, name)
+        if verdicts[engine].defect:
+            assert _lifted_status(res)[0] == "refused", (engine, res)
+            continue
+        assert _lifted_status(res)[0] == "loads", (engine, res)
+        for layer, r in res["layers"].items():
+            shard = next(s for s in _shards(layer))
+            s = qc.scheme_for(shard)
+            args = r["args"]
+            if r["scheme"] == "WNA16":
+                assert args["num_bits"] == s.weights.num_bits and args["symmetric"] == s.weights.symmetric
+                g = s.weights.group_size if s.weights.strategy == "group" else -1
+                assert args["group_size"] == g, (engine, layer, args, g)
+            else:
+                assert bool(args.get("is_static_input_scheme")) == (s.input_activations is not None)
+
+
+def _shards(layer: str):
+    prefix, leaf = layer.rsplit(".", 1)
+    return [f"{prefix}.{s}" for s in FUSED_LAYERS.get(leaf, (leaf,))]
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_transformers_verdict(artifacts, name, torch_threads):
+    """transformers (through compressed-tensors) loads and runs the artifact iff the verdict
+    says so, and sets KV-cache scales aside iff the verdict says it ignores them."""
+    from transformers import AutoModelForCausalLM
+
+    path = artifacts[name]
+    v = _verdicts(path)["transformers"]
+    try:
+        m, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
+                                                       output_loading_info=True)
+        with torch.no_grad():
+            m(torch.tensor([[1, 5, 9, 2]]))
+        ok = True
+    except Exception:  # noqa: BLE001 — its refusal is the answer
+        ok = False
+    assert ok == (v.status != "refused"), v.line()
+    if ok and read_quant_config(path).kv_cache_scheme is not None:
+        assert v.status == "ignores" and any(k.endswith("k_scale") for k in info["unexpected_keys"])
+
+
+def _ct_versions(engine_sources) -> list[tuple[str, Path | None]]:
+    import compressed_tensors
+
+    out = [(compressed_tensors.__version__, None)]
+    for src in engine_sources.values():
+        if not isinstance(src, str) and src.ct_version not in [v for v, _ in out]:
+            out.append((src.ct_version, src.ct_dir))
+    return out
+
+
+@pytest.fixture(scope="module")
+def decompressed(artifacts, engine_sources, tmp_path_factory) -> dict:
+    """compressed-tensors version → (its JSON report, the folder of dense weights per artifact):
+    one fresh interpreter per release (`decompress.py`) for every artifact."""
+    import compressed_tensors
+
+    script = Path(__file__).with_name("decompress.py")
+    out = {}
+    for version, ct_dir in _ct_versions(engine_sources):
+        ct_dir = ct_dir or Path(compressed_tensors.__file__).parents[1]
+        folder = tmp_path_factory.mktemp(f"ct-{version}")
+        r = subprocess.run([sys.executable, str(script), str(ct_dir), str(folder),
+                            *[str(artifacts[n]) for n in NAMES]], capture_output=True, text=True,
+                           timeout=600, env={**os.environ, "PYTHONNOUSERSITE": "1"})
+        assert r.returncode == 0, r.stderr[-2000:]
+        out[version] = (json.loads(r.stdout.strip().splitlines()[-1]), folder)
+    return out
+
+
+@pytest.mark.parametrize("name", NAMES)
+def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, name):
+    """compressed-tensors' own decompression, at the installed release and at each release an
+    engine pins, gives exactly quantspec's `dequantize` for every Linear it decompresses; the
+    Linears it refuses are the ones the transformers verdict refuses."""
+    path = artifacts[name]
+    qc = read_quant_config(path)
+    tensors = load_safetensors(path)
+    verdict = _verdicts(path)["transformers"]
+    refuses = verdict.status == "refused" and "float zero points" in " ".join(verdict.reasons)
+    for version, (rep, folder) in decompressed.items():
+        assert rep["version"] == version
+        errors = rep["errors"][path.name]
+        assert bool(errors) == refuses, errors
+        theirs = load_safetensors(folder / f"{path.name}.safetensors")
+        for lin, w in theirs.items():
+            lq = linear_from_tensors(tensors, lin, qc)
+            ours = dequantize(lq.q, lq.scale, lq.zero_point, lq.args)
+            assert w.dtype == ours.dtype and torch.equal(w, ours), (version, lin)
+
+
+def test_engine_table_is_current(artifacts):
+    """docs/engines.md is the table of the verdicts this suite checks (QUANTSPEC_WRITE_ENGINE_TABLE=1
+    rewrites it). It needs no engine wheel, so a stale table fails wherever the tests run."""
+    from .table import render
+
+    text = render({n: _verdicts(artifacts[n]) for n in NAMES})
+    if os.environ.get("QUANTSPEC_WRITE_ENGINE_TABLE"):
+        TABLE.write_text(text)
+    assert TABLE.is_file() and TABLE.read_text() == text, \
+        "docs/engines.md is stale: rerun with QUANTSPEC_WRITE_ENGINE_TABLE=1"
