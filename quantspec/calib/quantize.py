@@ -221,15 +221,16 @@ def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (checked whole before any work) and the calibration table."""
     from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.quant.engines import target_refusal
 
     with about("--model"):
         model_dir = resolve_model_dir(config.model)
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        if config.target != "quantspec" and is_mtp_config(cfg):
-            raise QuantSpecError(f"--target {config.target}: {model_dir} is an MTP module, which only "
-                                 "quantspec runs (no engine has its model class); pass --target quantspec")
+        refusal = target_refusal(config.target, config.quant_config, mtp=True) if is_mtp_config(cfg) else None
+        if refusal is not None:  # no engine has an MTP module's model class
+            raise QuantSpecError(f"{model_dir} is an MTP module: {refusal}")
         verify_checkpoint(model_dir)
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:

@@ -49,8 +49,9 @@ def linear_kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
         return LinearKind.FP8
     if w.num_bits == 4:
         if ia is not None:
-            raise QuantSpecError("int4 weights with quantized activations (W4A8) are unsupported; "
-                                 "use weight_only_int4")
+            name = "W4AFP8" if ia.type == "float" else f"W4A{ia.num_bits}"
+            raise QuantSpecError(f"int4 weights with quantized activations ({name}) are "
+                                 "unsupported; use weight_only_int4 (W4A16)")
         return LinearKind.W4A16
     if w.num_bits == 8:
         if ia is None:
