@@ -45,8 +45,8 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
 
 def serve(config, *, on_ready=None) -> None:
     """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
-    then drain the requests in flight and return. `on_ready(url)` is called once the model is
-    loaded."""
+    then drain the requests in flight and return. `on_ready(url, kv_cache)` is called once the
+    model is loaded (`kv_cache`: which KV cache the engine runs)."""
     from quantspec.serve import run
 
     run(config, on_ready=on_ready)
@@ -321,8 +321,10 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
     res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
                      batch_size=batch_size, kv_cache_dtype=kind, k_scale=k_scale,
                      v_scale=v_scale, progress=progress)
-    kv = f"{kind} static ({origin})" if kind != "auto" else f"float ({dtype})"
-    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(), "kv_cache": kv}
+    from quantspec.infer.kv_cache import kv_cache_label
+
+    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(),
+            "kv_cache": kv_cache_label(kind, dtype, origin)}
 
 
 def _eval_kv_cache(em, kv_cache_dtype: str, calib):

@@ -234,9 +234,9 @@ def serve(**kw):
     config = ServeConfig(**kw)
     console = err_console()
 
-    def ready(url):
-        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1  (Ctrl-C or SIGTERM stops, "
-                      f"draining requests in flight)")
+    def ready(url, kv_cache):
+        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, KV cache {kv_cache}  "
+                      "(Ctrl-C or SIGTERM stops, draining requests in flight)")
 
     try:
         api.serve(config, on_ready=ready)
