@@ -39,7 +39,8 @@ from torch import nn
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerStep, run_layers
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import Transformer
-from quantspec.quant.args import QuantArgs, QuantConfig, resolve_group_size
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.config import QuantConfig, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_quantize
 

@@ -60,7 +60,7 @@ class QuantizeConfig:
     group_size: int = 128
     symmetric: bool = True
     zp_dtype: str | None = None
-    weight_observer: str | None = None  # None: `quant.args.default_weight_observer`
+    weight_observer: str | None = None  # None: `quant.presets.default_weight_observer`
     ignore: tuple[str, ...] = ()
     act_order: bool = False
     block_size: int = 128
@@ -86,7 +86,8 @@ class QuantizeConfig:
 
     def __post_init__(self):
         from quantspec.calib.ptq import METHODS
-        from quantspec.quant.args import QuantType, default_weight_observer, preset
+        from quantspec.quant.args import QuantType
+        from quantspec.quant.presets import default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)

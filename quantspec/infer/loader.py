@@ -42,7 +42,7 @@ from quantspec.model_zoo.checkpoint import (
     resolve_model_dir,
 )
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
-from quantspec.quant.args import QuantConfig
+from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
 from quantspec.quant.compressed import expected_linear_tensors
 

@@ -20,7 +20,8 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import (FLOAT_DTYPES, DispatchPolicy, KernelPath, LinearKind, LinearTraits,
                                       select_kernel)
-from quantspec.quant.args import QuantArgs, QuantScheme
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.compressed import QuantizedLinearTensors, read_quantized_linear
 from quantspec.quant.primitives import choose_qparams, dequantize, quantize
 
