@@ -12,7 +12,7 @@ from pathlib import Path
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir, check_output_file
 
-__all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "train_mtp"]
+__all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "serve", "train_mtp"]
 
 
 def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | None = None,
@@ -41,6 +41,15 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     if output_file is not None:
         write_jsonl(output_file, [dict(r, output=o.text, output_token_ids=o.token_ids) for r, o in zip(rows, outs)])
     return outs, stats
+
+
+def serve(config, *, on_ready=None) -> None:
+    """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
+    then drain the requests in flight and return. `on_ready(url, kv_cache)` is called once the
+    model is loaded (`kv_cache`: which KV cache the engine runs)."""
+    from quantspec.serve import run
+
+    run(config, on_ready=on_ready)
 
 
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,
@@ -312,8 +321,10 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
     res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
                      batch_size=batch_size, kv_cache_dtype=kind, k_scale=k_scale,
                      v_scale=v_scale, progress=progress)
-    kv = f"{kind} static ({origin})" if kind != "auto" else f"float ({dtype})"
-    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(), "kv_cache": kv}
+    from quantspec.infer.kv_cache import kv_cache_label
+
+    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(),
+            "kv_cache": kv_cache_label(kind, dtype, origin)}
 
 
 def _eval_kv_cache(em, kv_cache_dtype: str, calib):

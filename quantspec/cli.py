@@ -199,6 +199,53 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
         write_json(stats_file, stats)
 
 
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Zoo name, local HF directory, quantspec artifact, or hub id.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port to bind (0: any free port).")
+@click.option("--served-model-name", default=None, help="The model name clients send [default: --model].")
+@click.option("--max-batch-size", default=16, show_default=True, type=int, help="Sequences decoded together.")
+@click.option("--max-queue", default=256, show_default=True, type=int,
+              help="Requests that may wait for the batch; more are answered 503 with Retry-After.")
+@click.option("--max-length", default=2048, show_default=True, type=int, help="Max prompt + generated tokens per request.")
+@click.option("--prefill-chunk", default=256, show_default=True, type=int,
+              help="Prompt tokens per prefill step (long prompts are prefilled in chunks between decode steps).")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=float,
+              help="On SIGTERM, seconds to let requests in flight finish.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--block-size", default=64, show_default=True, type=int, help="Paged KV cache block size (tokens).")
+@click.option("--speculate-method", default="none", show_default=True,
+              type=click.Choice(["none", "inference_with_reference", "draft", "mtp"]))
+@click.option("--draft-model", help="Draft model or MTP module (directory or artifact).")
+@click.option("--speculate-max-draft-token-num", default=5, show_default=True, type=int, help="Most drafts per step.")
+@click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
+@click.option("--load-aware/--no-load-aware", default=True, show_default=True,
+              help="Choose drafts per step from the batch size and measured step costs (no drafts where they cost more than they save).")
+@_one_line_errors
+@_threads_option
+def serve(**kw):
+    """Serve a model over OpenAI's HTTP API (chat and completions, streaming, /metrics)."""
+    from quantspec import api
+    from quantspec.console import err_console
+    from quantspec.errors import Terminated
+    from quantspec.serve import ServeConfig
+
+    config = ServeConfig(**kw)
+    console = err_console()
+
+    def ready(url, kv_cache):
+        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, KV cache {kv_cache}  "
+                      "(Ctrl-C or SIGTERM stops, draining requests in flight)")
+
+    try:
+        api.serve(config, on_ready=ready)
+    except (Terminated, KeyboardInterrupt):
+        pass
+    console.print("stopped")
+
+
 @main.group()
 def zoo():
     """Model-zoo recipes (the MTP module's training)."""
@@ -583,3 +630,7 @@ def calibrate(model, dataset, out, **kw):
     progress.console.print(f"[green]wrote[/] {res.path}  ({m['num_layers']} layers, {m['num_samples']} × "
                            f"{m['seq_len']} tokens, observer {m['observer']}, fingerprint "
                            f"{m['model_fingerprint']}, {res.wall_s:.1f} s)")
+
+
+if __name__ == "__main__":  # python -m quantspec.cli (what tests and benches start servers with)
+    main()

@@ -53,7 +53,8 @@ from quantspec.calib.smooth import smooth_layer
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.llama import Transformer
-from quantspec.quant.args import QuantArgs, QuantConfig, resolve_group_size
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.config import QuantConfig, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES

@@ -70,7 +70,7 @@ class QuantizeConfig:
     group_size: int = 128
     symmetric: bool = True
     zp_dtype: str | None = None
-    weight_observer: str | None = None  # None: `quant.args.default_weight_observer`
+    weight_observer: str | None = None  # None: `quant.presets.default_weight_observer`
     ignore: tuple[str, ...] = ()
     act_order: bool = False
     block_size: int = 128
@@ -99,7 +99,8 @@ class QuantizeConfig:
 
     def __post_init__(self):
         from quantspec.calib.ptq import METHODS
-        from quantspec.quant.args import QuantType, default_weight_observer, preset
+        from quantspec.quant.args import QuantType
+        from quantspec.quant.presets import default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
@@ -245,15 +246,16 @@ def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (its headers checked before any work) and the calibration table."""
     from quantspec.model_zoo.checkpoint import CheckpointReader, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.quant.engines import target_refusal
 
     with about("--model"):
         model_dir = resolve_model_dir(config.model)
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        if config.target != "quantspec" and is_mtp_config(cfg):
-            raise QuantSpecError(f"--target {config.target}: {model_dir} is an MTP module, which only "
-                                 "quantspec runs (no engine has its model class); pass --target quantspec")
+        refusal = target_refusal(config.target, config.quant_config, mtp=True) if is_mtp_config(cfg) else None
+        if refusal is not None:  # no engine has an MTP module's model class
+            raise QuantSpecError(f"{model_dir} is an MTP module: {refusal}")
         reader = None if is_mtp_config(cfg) else CheckpointReader(model_dir)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)
@@ -403,7 +405,7 @@ def _artifact_bytes(model, qconfig, dtype: torch.dtype) -> int:
     scheme: quantized weights at their bits plus their scales and zero points, the rest in
     `dtype`."""
     from quantspec.calib.ptq import quantized_linears
-    from quantspec.quant.args import resolve_group_size
+    from quantspec.quant.config import resolve_group_size
 
     elem = torch.tensor([], dtype=dtype).element_size()
     linears = quantized_linears(model, qconfig)

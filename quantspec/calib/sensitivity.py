@@ -54,7 +54,9 @@ from quantspec.calib.smooth import (SMOOTH_GROUPS, input_scales_for_model, smoot
 from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader
-from quantspec.quant.args import QuantArgs, QuantConfig, QuantScheme
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.engines import fused_targets
 from quantspec.quant.primitives import (choose_qparams, fake_quantize, scale_from_absmax,
                                         static_args)

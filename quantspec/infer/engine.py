@@ -16,9 +16,21 @@ What the device backend prepared (`infer.backend.Runtime`: a one-call layer stac
 greedy picker, the cache's attention kernel) is handed in as `runtime` and plugged in here; a
 model the backend did not prepare runs its modules.
 
+Chunked prefill (`EngineConfig.prefill_chunk`): a prompt is fed `prefill_chunk` tokens at a
+time, its chunks cut at multiples of the chunk from its start (so a prompt's chunks never depend
+on its neighbours), and prefill steps alternate with decode steps while sequences are decoding:
+a long prompt delays running streams by one chunk's forward per step, never by its whole
+prefill. Without it a prefill step takes whole prompts (up to PREFILL_TOKENS) before any decode.
+
+Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
+`Sequence.speculate = False` gives a sequence no drafts; `draft_limit` (a `DraftLimit`, e.g.
+`spec/load.py`'s) caps the drafts per sequence of each decode step and is told what the step
+cost; `last_step` describes the step that just ran.
+
 KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions
-(its newest token is fed next step). Rejected draft slots are "rolled back" simply by not
-counting them: the next step overwrites them.
+(its newest token is fed next step); during a chunked prefill it holds the chunks fed so far.
+Rejected draft slots are "rolled back" simply by not counting them: the next step overwrites
+them.
 """
 
 from __future__ import annotations
@@ -38,7 +50,7 @@ from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
 
-__all__ = ["Engine", "EngineConfig", "Proposer", "Sequence"]
+__all__ = ["DraftLimit", "Engine", "EngineConfig", "Proposer", "Sequence", "StepInfo"]
 
 # prompt tokens one prefill forward takes at most (a longer prompt still goes in one forward)
 PREFILL_TOKENS = 1024
@@ -56,6 +68,9 @@ class EngineConfig:
     # train-mtp's self-distillation); by default a prefill returns each prompt's last row only,
     # which lets a stack runner skip the last layer's o projection and MLP for the others
     all_hidden_rows: bool = False
+    # prompt tokens per prefill step, prompts cut into chunks of this size (module docstring);
+    # None: whole prompts, up to PREFILL_TOKENS per step, before any decode step
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -64,6 +79,8 @@ class EngineConfig:
             raise QuantSpecError(f"--batch-size {self.max_batch_size} must be >= 1")
         if self.max_length < 2:
             raise QuantSpecError(f"--max-length {self.max_length} must be >= 2")
+        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1):
+            raise QuantSpecError(f"--prefill-chunk {self.prefill_chunk} must be >= 1")
         self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
 
     def blocks_needed(self) -> int:
@@ -99,6 +116,7 @@ class Sequence:
     # pre-norm hidden state [D] at the position that produced the newest token (kept only when the
     # proposer sets `needs_hidden`): what an MTP module combines with that token's embedding
     last_hidden: torch.Tensor | None = None
+    speculate: bool = True  # False: this sequence gets no drafts (a per-request opt-out)
 
     @property
     def tokens(self) -> list[int]:
@@ -107,6 +125,31 @@ class Sequence:
     @property
     def num_tokens(self) -> int:
         return len(self.prompt_ids) + len(self.output_ids)
+
+
+@dataclass
+class StepInfo:
+    """What one step did: `decode` (decode / verification rows) or a prefill, the rows it fed,
+    the sequences it served, the drafts they verified, its wall time (propose to record) and the
+    forward's share of it (the model and the pick of its tokens)."""
+
+    decode: bool
+    rows: int
+    num_seqs: int
+    drafted: int
+    seconds: float
+    forward_seconds: float = 0.0
+
+
+class DraftLimit(Protocol):
+    """A per-step cap on drafts per sequence (load-aware speculation, `spec/load.py`)."""
+
+    def cap(self, num_seqs: int) -> int:
+        """The most drafts each of `num_seqs` decoding sequences may verify this step."""
+
+    def observe(self, step: StepInfo, seqs: list["Sequence"], drafts: list[list[int]],
+                accepted: list[int]) -> None:
+        """Learn from a decode step: its cost, and per sequence its drafts and how many were accepted."""
 
 
 class Proposer(Protocol):
@@ -149,6 +192,9 @@ class Engine:
         # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and
         # set `all_hidden_rows`, or a prefill's output holds only each prompt's last row)
         self.forward_rows: list[tuple[Sequence, int]] = []
+        self.draft_limit: DraftLimit | None = None
+        self.last_step: StepInfo | None = None
+        self._prefilled_last = False  # the previous step was a prefill (chunked prefill alternates)
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -171,6 +217,16 @@ class Engine:
 
     def has_work(self) -> bool:
         return bool(self.waiting or self.running)
+
+    def abort(self, seq: Sequence) -> None:
+        """Retire `seq` now (between steps): it leaves the batch and its KV blocks are free."""
+        if seq.finished and not seq.block_table:
+            return
+        seq.finished, seq.finish_reason = True, "abort"
+        seq.stats.t_finish = time.perf_counter()
+        self.waiting = [s for s in self.waiting if s is not seq]
+        self.running = [s for s in self.running if s is not seq]
+        self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
         self.cache.allocator.free(seq.block_table)
@@ -209,77 +265,116 @@ class Engine:
 
     # -- one step ------------------------------------------------------------------------------
 
-    def _prefill_batch(self) -> list[Sequence]:
-        """The admitted prompts that prefill this step: in order, up to PREFILL_TOKENS prompt
-        tokens (at least one prompt). One huge forward over every prompt of a batch spills its
+    def _prefill_batch(self) -> list[tuple[Sequence, int]]:
+        """The admitted prompts that prefill this step and how many of their tokens: in order, up
+        to PREFILL_TOKENS prompt tokens (at least one prompt), or with `prefill_chunk` up to one
+        chunk's worth of whole chunks. One huge forward over every prompt of a batch spills its
         activations ([T, intermediate] fp32) out of the caches; a few medium ones do not."""
+        chunk = self.config.prefill_chunk
+        budget = chunk or PREFILL_TOKENS
         fresh, tokens = [], 0
         for s in self.running:
-            if s.num_cached == 0:
-                n = len(s.tokens)
-                if fresh and tokens + n > PREFILL_TOKENS:
+            if not s.output_ids:
+                n = len(s.prompt_ids) - s.num_cached
+                n = min(n, chunk) if chunk else n
+                if fresh and tokens + n > budget:
                     break
-                fresh.append(s)
+                fresh.append((s, n))
                 tokens += n
         return fresh
 
-    def _budget(self, seq: Sequence) -> int:
-        """How many draft tokens this sequence may verify this step."""
+    def _budget(self, seq: Sequence, cap: int) -> int:
+        """How many draft tokens this sequence may verify this step (at most `cap`)."""
+        if not seq.speculate:
+            return 0
         left_new = seq.params.max_new_tokens - len(seq.output_ids) - 1
         left_len = self.config.max_length - seq.num_tokens - 1
-        return max(0, min(self.config.spec_max_draft_tokens, left_new, left_len))
+        return max(0, min(cap, left_new, left_len))
+
+    def _plan(self) -> list[tuple[Sequence, int]]:
+        """This step's sequences: the prompts to prefill (with their token counts), or every
+        running sequence (count 0: its new token and drafts). With chunked prefill, a decode step
+        follows each prefill step while sequences are decoding."""
+        fresh = self._prefill_batch()
+        decoding = any(s.output_ids for s in self.running)
+        if fresh and not (self.config.prefill_chunk and self._prefilled_last and decoding):
+            return fresh
+        return [(s, 0) for s in self.running if s.output_ids]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Run one forward for every running sequence; returns (sequence, new token ids) pairs."""
+        """Run one forward for every running sequence; returns (sequence, new token ids) pairs
+        (a sequence whose prompt is still being prefilled in chunks gets none)."""
         self._admit()
-        # a step prefills newly admitted prompts alone, or runs the decode / verification rows of
-        # every running sequence: decode rows never share a forward with a prefill
-        fresh = self._prefill_batch()
-        seqs = fresh or self.running
-        if not seqs:
+        # a step prefills admitted prompts alone, or runs the decode / verification rows of every
+        # decoding sequence: decode rows never share a forward with a prefill
+        t0 = time.perf_counter()
+        plan = self._plan()
+        if not plan:
             return []
-        drafts, draft_probs = self._propose(seqs)
-        scored, ids, logits = self._forward(seqs, drafts, row_invariant=not fresh)
-        new_tokens = self._accept(seqs, drafts, draft_probs, ids, logits)
-        return self._record(seqs, drafts, new_tokens, scored)
+        seqs = [s for s, _ in plan]
+        prefill = plan[0][1] > 0
+        self._prefilled_last = prefill
+        drafts, draft_probs = self._propose(seqs) if not prefill else ([[] for _ in seqs], [None for _ in seqs])
+        news = [s.prompt_ids[s.num_cached:s.num_cached + n] if n else s.tokens[s.num_cached:] + d
+                for (s, n), d in zip(plan, drafts)]
+        t_forward = time.perf_counter()
+        scored, ids, logits = self._forward(seqs, news, drafts, row_invariant=not prefill)
+        t_forward = time.perf_counter() - t_forward
+        done = [i for i, (s, n) in enumerate(plan) if not n or s.num_cached + n == len(s.prompt_ids)]
+        for s, n in plan:
+            if n and s.num_cached + n < len(s.prompt_ids):  # a chunk of a longer prompt: no token yet
+                s.num_cached += n
+        if len(done) < len(seqs):
+            scored, seqs, drafts = scored[done], [seqs[i] for i in done], [[] for _ in done]
+            ids = None if ids is None else [ids[i] for i in done]
+            logits = None if logits is None else logits[done]
+        new_tokens = self._accept(seqs, drafts, [draft_probs[i] for i in done], ids, logits) if seqs else []
+        accepted = [len(t) - 1 for t in new_tokens]
+        events = self._record(seqs, drafts, new_tokens, scored)
+        self.last_step = StepInfo(not prefill, sum(map(len, news)), len(plan), sum(map(len, drafts)),
+                                  time.perf_counter() - t0, t_forward)
+        if not prefill and self.draft_limit is not None:
+            self.draft_limit.observe(self.last_step, seqs, drafts, accepted)
+        return events
 
     def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Each sequence's drafts, at most its budget (none for a prefill's prompts), and the draft
-        probs [k_b, V] they were drawn from (None: deterministic)."""
+        """Each decoding sequence's drafts, at most its budget, and the draft probs [k_b, V] they
+        were drawn from (None: deterministic)."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
-        decoding = [i for i, s in enumerate(seqs) if s.num_cached > 0]
-        if self.proposer is None or not decoding:
+        if self.proposer is None or not seqs:
             return drafts, probs
-        budgets = [self._budget(seqs[i]) for i in decoding]
-        proposal = self.proposer.propose([seqs[i] for i in decoding], budgets)
-        for j, i in enumerate(decoding):
-            drafts[i] = proposal.draft_token_ids[j][: budgets[j]].tolist()
-            q = proposal.probs_of(j)
+        cap = self.config.spec_max_draft_tokens
+        if self.draft_limit is not None:
+            cap = min(cap, self.draft_limit.cap(sum(s.speculate for s in seqs)))
+        budgets = [self._budget(s, cap) for s in seqs]
+        proposal = self.proposer.propose(seqs, budgets)
+        for i in range(len(seqs)):
+            drafts[i] = proposal.draft_token_ids[i][: budgets[i]].tolist()
+            q = proposal.probs_of(i)
             probs[i] = None if q is None else q[: len(drafts[i])]
         return drafts, probs
 
-    def _feed(self, seqs: list[Sequence], drafts: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
+    def _feed(self, seqs: list[Sequence], news: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
         """(token ids fed, new rows per sequence, context length per sequence) of a step; takes
         the KV blocks the new rows need."""
         feed_ids: list[int] = []
         q_lens, seq_lens = [], []
-        for seq, d in zip(seqs, drafts):
-            new = seq.tokens[seq.num_cached:] + d
+        for seq, new in zip(seqs, news):
             self._ensure_blocks(seq, seq.num_cached + len(new))
             feed_ids.extend(new)
             q_lens.append(len(new))
             seq_lens.append(seq.num_cached + len(new))
         return feed_ids, q_lens, seq_lens
 
-    def _forward(self, seqs: list[Sequence], drafts: list[list[int]], row_invariant: bool
+    def _forward(self, seqs: list[Sequence], news: list[list[int]], drafts: list[list[int]], row_invariant: bool
                  ) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
         """One forward over the step's new rows → (the scored rows' pre-norm hidden [R, D], their
         greedy ids when every sequence is greedy and the runtime has a picker, else None, their
         logits [R, V] fp32 when there are no ids). Scored rows: each sequence's last fed row and
         its draft rows (every row of a decode step; of a prefill, each prompt's last)."""
-        feed_ids, q_lens, seq_lens = self._feed(seqs, drafts)
+        feed_ids, q_lens, seq_lens = self._feed(seqs, news)
         positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(q_lens, seq_lens)])
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], self.config.block_size,
                                        self.device, self.cache.kernel)
@@ -322,7 +417,7 @@ class Engine:
             if self.keep_hidden:  # the row whose logits produced the newest token
                 seq.last_hidden = scored[first_row + len(toks) - 1]
             first_row += 1 + len(d)
-            if seq.num_cached:
+            if seq.output_ids:
                 seq.stats.target_forwards += 1
             seq.num_cached = seq.num_tokens + len(toks) - 1  # fed tokens + accepted drafts are valid KV
             if seq.stats.t_first_token is None:

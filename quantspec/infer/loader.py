@@ -32,7 +32,7 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, prepare
 from quantspec.infer.dispatch import DispatchPolicy
-from quantspec.infer.quant_linear import QuantLinear
+from quantspec.infer.quant_linear import QuantLinear, linear_kind
 from quantspec.model_zoo.checkpoint import (
     build_model,
     check_against_table,
@@ -43,7 +43,7 @@ from quantspec.model_zoo.checkpoint import (
     resolve_model_dir,
 )
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
-from quantspec.quant.args import QuantConfig
+from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
 from quantspec.quant.compressed import expected_linear_tensors
 
@@ -163,6 +163,10 @@ def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[st
                 if scheme.weights is None:
                     raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
                                          "which quantspec does not run; add it to `ignore`")
+                try:  # a scheme quantspec does not run is named before its tensors are read
+                    linear_kind(scheme.weights, scheme.input_activations)
+                except QuantSpecError as e:
+                    raise QuantSpecError(f"{where}: {name}: {e}") from None
                 out[name] = scheme
         elif isinstance(mod, nn.Embedding):
             scheme = qc.scheme_for(name, ("Embedding",))

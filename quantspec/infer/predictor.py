@@ -75,6 +75,9 @@ class InferConfig:
     # bytes of a bf16 head; drafts are proposals, so the output stays exact); "artifact" = the
     # draft's own head (what `quantspec report` measures an artifact pair with)
     speculate_draft_head: str | None = None
+    # prompt tokens per prefill step, prompts cut into chunks (EngineConfig.prefill_chunk);
+    # None: whole prompts
+    prefill_chunk: int | None = None
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -107,7 +110,8 @@ class InferConfig:
         from quantspec.infer.spec.proposers import validate_spec_config
 
         validate_spec_config(self)
-        EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length)
+        EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length,
+                     prefill_chunk=self.prefill_chunk)
         self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
@@ -204,12 +208,18 @@ class Predictor:
             cachekv = self.loaded.kv_cache_dtype  # an artifact with k_scale/v_scale: no flag needed
         if cachekv != "none":
             k_scale, v_scale = kv_scales if kv_scales is not None else self._artifact_kv_scales(cachekv)
+        from quantspec.infer.kv_cache import kv_cache_label
+
+        #: which KV cache runs, as `infer --benchmark`, the report and the server say it
+        self.kv_cache = kv_cache_label(cachekv, self.loaded.model.model.norm.weight.dtype,
+                                       "the calibration table's scales" if kv_scales is not None
+                                       else "the artifact's scales")
         proposer, max_drafts = self._proposer()
         self.engine = Engine(
             self.loaded.model,
             EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
-                         spec_max_draft_tokens=max_drafts),
+                         spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )
@@ -315,13 +325,15 @@ class Predictor:
         t0 = time.perf_counter()
         outs = self.generate(srcs, on_text)
         wall = time.perf_counter() - t0
-        return outs, summarize(outs, wall, self.config)
+        return outs, summarize(outs, wall, self.config, kv_cache=self.kv_cache)
 
 
-def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig) -> dict:
+def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, kv_cache: str | None = None) -> dict:
+    """The run's statistics (`infer --benchmark`, `--stats-file`); `kv_cache`: which KV cache ran."""
     gen = sum(len(o.token_ids) for o in outs)
     stats = {
         "model": config.model,
+        "kv_cache": kv_cache,
         "requests": len(outs),
         "batch_size": config.batch_size,
         "prompt_tokens": sum(o.prompt_tokens for o in outs),

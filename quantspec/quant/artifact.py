@@ -37,7 +37,9 @@ from safetensors import safe_open
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import reading_safetensors
 from quantspec.outputs import atomic_dir
-from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs, QuantConfig, scheme_format
+from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.scheme import scheme_format
 from quantspec.quant.packing import pack_int32, unpack_int32
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
 from quantspec.quant.shards import (DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,

@@ -48,3 +48,8 @@ def big_model():
     sys.path.insert(0, str(BENCH_DIR))  # its `from mdtable import ...`
     yield from _bench("big_model")
     sys.path.remove(str(BENCH_DIR))
+
+
+@pytest.fixture(scope="module")
+def serve_bench():
+    yield from _bench("serve")

@@ -395,3 +395,51 @@ def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
     monkeypatch.setattr(type(model), "forward", spy)
     assert _engine_greedy(model, prompts, 6, batch=5) == want
     assert sizes == [[30, 25], [70], [10, 12]]
+
+
+@pytest.mark.parametrize("chunk", [1, 7, 16])
+def test_chunked_prefill_gives_the_same_tokens_and_lets_decode_steps_through(llama, monkeypatch, chunk):
+    """With `prefill_chunk` a prompt is fed in chunks cut at multiples of the chunk, prefill steps
+    alternate with decode steps while sequences decode, and the outputs are the unchunked ones."""
+    model, _ = llama
+    prompts = _prompts([40, 5, 33, 17], seed=5)
+    want = _engine_greedy(model, prompts, 8, batch=1)
+    steps, engines = [], []
+    real = type(model).forward
+
+    def spy(self, input_ids, positions, attn, out_rows=None, **kw):
+        decoding = any(s.output_ids for s in engines[0].running)
+        steps.append((kw["row_invariant"], list(attn.meta.q_lens), list(attn.meta.seq_lens), decoding))
+        return real(self, input_ids, positions, attn, out_rows, **kw)
+
+    monkeypatch.setattr(type(model), "forward", spy)
+    engines.append(eng := Engine(model, EngineConfig(block_size=16, max_batch_size=4, max_length=256, prefill_chunk=chunk),
+                 eos_token_ids=[]))
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
+    eng.run()
+    assert [s.output_ids for s in seqs] == want
+    for i, (decode, q_lens, seq_lens, decoding) in enumerate(steps):
+        if not decode:
+            assert sum(q_lens) <= chunk or len(q_lens) == 1
+            assert all((s - q) % chunk == 0 for q, s in zip(q_lens, seq_lens))  # chunks start at multiples
+            if i and not steps[i - 1][0]:  # two prefill steps in a row only while nothing decodes
+                assert not decoding
+    assert sum(d for d, *_ in steps) > 8  # decode steps ran between the chunks
+
+
+def test_abort_frees_the_blocks_and_leaves_the_others_alone(llama):
+    model, _ = llama
+    prompts = _prompts([20, 9], seed=8)
+    want = _engine_greedy(model, prompts[1:], 10, batch=1)
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=2, max_length=256), eos_token_ids=[])
+    free = eng.cache.allocator.num_free
+    a, b = (eng.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts)
+    eng.step()
+    eng.step()
+    eng.abort(a)
+    assert a.finished and a.finish_reason == "abort" and not a.block_table
+    eng.run()
+    assert b.output_ids == want[0] and eng.cache.allocator.num_free == free
+    queued = eng.add_request(prompts[0], SamplingParams(max_new_tokens=3))
+    eng.abort(queued)  # never admitted
+    assert not eng.has_work()

@@ -94,7 +94,7 @@ def _load_quantized_mtp(path: Path, cfg: dict, dtype: torch.dtype, device) -> MT
     from quantspec.infer.quant_linear import QuantLinear
     from quantspec.model_zoo.checkpoint import check_against_table, load_checkpoint_tensors
     from quantspec.model_zoo.mtp import DRAFT_VOCAB_NAME, mtp_weight_table
-    from quantspec.quant.args import QuantConfig
+    from quantspec.quant.config import QuantConfig
 
     where = str(path)
     qc = QuantConfig.from_dict(cfg["quantization_config"])

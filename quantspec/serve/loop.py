@@ -1,0 +1,195 @@
+"""The engine loop: one thread owns the `Engine` and steps it; the async front end talks to it
+only through `submit` and `abort`, which take effect at the next step boundary.
+
+Each request is a `Job`: its prompt ids and sampling params in, and an asyncio queue out that
+receives one `Delta` per step that gave it tokens (pushed onto the server's event loop with
+`call_soon_threadsafe`), the last one with the finish reason. The queue ahead of the running
+batch is bounded (`max_queue`): `submit` refuses at once when it is full, so overload is a 503,
+never a stall of the accepted requests. `abort` (a client gone) retires the sequence and frees its
+KV blocks before the next step runs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import threading
+import time
+from collections import deque
+from dataclasses import dataclass, field
+
+from quantspec.infer.engine import Engine, Sequence
+from quantspec.infer.sampler import SamplingParams
+
+__all__ = ["Delta", "EngineLoop", "Job"]
+
+log = logging.getLogger("quantspec.serve")
+IDLE_WAIT_S = 0.5  # how long the idle loop sleeps before looking again (a submit wakes it at once)
+
+
+@dataclass
+class Delta:
+    """Tokens a step gave a request; `finish_reason` on its last delta ("error": the engine failed)."""
+
+    token_ids: list[int]
+    finish_reason: str | None = None
+
+
+@dataclass
+class Job:
+    prompt_ids: list[int]
+    params: SamplingParams
+    speculate: bool = True
+    text_check: object = None
+    queue: asyncio.Queue = field(default_factory=asyncio.Queue)
+    loop: asyncio.AbstractEventLoop | None = None
+    t_arrival: float = field(default_factory=time.perf_counter)
+    t_first: float | None = None
+    seq: Sequence | None = None
+    done: bool = False
+
+    def push(self, delta: Delta) -> None:
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
+
+
+class EngineLoop:
+    """Steps `engine` in a thread of its own (module docstring)."""
+
+    def __init__(self, engine: Engine, *, max_queue: int, metrics=None):
+        self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self._inbox: deque[Job] = deque()
+        self._aborts: deque[Job] = deque()
+        self._lock = threading.Lock()
+        self._wake = threading.Event()
+        self._jobs: dict[int, Job] = {}  # seq_id → job, owned by the loop thread
+        self._waiting = 0  # the engine's queue length, as the loop last saw it ...
+        self._slots = engine.config.max_batch_size  # ... and the free places in its running batch
+        self._stop = False
+        self._thread = threading.Thread(target=self._run, name="quantspec-engine", daemon=True)
+
+    def start(self) -> None:
+        self._thread.start()
+
+    def stop(self, timeout: float | None = None) -> None:
+        self._stop = True
+        self._wake.set()
+        self._thread.join(timeout)
+
+    @property
+    def alive(self) -> bool:
+        return self._thread.is_alive()
+
+    def submit(self, job: Job) -> bool:
+        """Queue `job` for the running batch; False (at once) when `max_queue` requests already wait
+        that the batch has no place for."""
+        with self._lock:
+            if self._stop or len(self._inbox) + self._waiting - self._slots >= self.max_queue:
+                return False
+            job.loop = job.loop or asyncio.get_running_loop()
+            self._inbox.append(job)
+        self._wake.set()
+        return True
+
+    def abort(self, job: Job) -> None:
+        """Drop `job` at the next step boundary (its client has gone)."""
+        if job.done:
+            return
+        with self._lock:
+            self._aborts.append(job)
+        self._wake.set()
+
+    # -- the loop thread -----------------------------------------------------------------------
+
+    def _run(self) -> None:
+        while not self._stop:
+            self._take()
+            if not self.engine.has_work():
+                self._wake.wait(IDLE_WAIT_S)
+                self._wake.clear()
+                continue
+            try:
+                events = self.engine.step()
+            except Exception:  # a bug: fail the requests in flight, keep serving
+                log.exception("engine step failed")
+                self._fail_all()
+                continue
+            self._deliver(events)
+            self._gauges()
+        self._fail_all("abort")
+
+    def _take(self) -> None:
+        with self._lock:
+            jobs, aborts = list(self._inbox), list(self._aborts)
+            self._inbox.clear()
+            self._aborts.clear()
+        for job in jobs:
+            try:
+                seq = self.engine.add_request(job.prompt_ids, job.params, request_index=0, text_check=job.text_check)
+            except Exception:  # the front end checked the request: a bug, but not the loop's end
+                log.exception("could not add a request")
+                job.done = True
+                job.push(Delta([], "error"))
+                continue
+            seq.speculate = job.speculate
+            job.seq = seq
+            self._jobs[seq.seq_id] = job
+            if self.metrics is not None:
+                self.metrics.prompt_tokens.inc(len(job.prompt_ids))
+        for job in aborts:
+            if job.seq is not None and not job.done:
+                self.engine.abort(job.seq)
+                self._retire(job, "abort")
+        if jobs or aborts:
+            self._gauges()
+
+    def _deliver(self, events: list[tuple[Sequence, list[int]]]) -> None:
+        now = time.perf_counter()
+        for seq, toks in events:
+            job = self._jobs.get(seq.seq_id)
+            if job is None:
+                continue
+            if job.t_first is None and toks:
+                job.t_first = now
+            if seq.finished:
+                self._retire(job, seq.finish_reason or "stop", toks)
+            elif toks:
+                job.push(Delta(list(toks)))
+
+    def _retire(self, job: Job, reason: str, toks: list[int] | None = None) -> None:
+        job.done = True
+        self._jobs.pop(job.seq.seq_id, None)
+        job.push(Delta(list(toks or []), reason))
+        if self.metrics is not None:
+            now = time.perf_counter()
+            ttft = None if job.t_first is None else job.t_first - job.t_arrival
+            self.metrics.finished(job.seq, reason, ttft, now - job.t_arrival)
+
+    def _fail_all(self, reason: str = "error") -> None:
+        for job in list(self._jobs.values()):
+            if job.seq is not None and not job.seq.finished:
+                self.engine.abort(job.seq)
+            self._retire(job, reason)
+        with self._lock:
+            pending = list(self._inbox)
+            self._inbox.clear()
+        for job in pending:
+            job.done = True
+            job.push(Delta([], reason))
+
+    def _gauges(self) -> None:
+        eng = self.engine
+        with self._lock:
+            self._waiting = len(eng.waiting)
+            self._slots = max(0, eng.config.max_batch_size - len(eng.running))
+            inbox = len(self._inbox)
+        m = self.metrics
+        if m is None:
+            return
+        alloc = eng.cache.allocator
+        m.running.set(len(eng.running))
+        m.waiting.set(self._waiting + inbox)
+        m.kv_total.set(alloc.num_blocks - 1)
+        m.kv_used.set(alloc.num_blocks - 1 - alloc.num_free)
+        limit = eng.draft_limit
+        if limit is not None:
+            m.draft_cap.set(getattr(limit, "last_cap", 0))

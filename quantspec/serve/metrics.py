@@ -1,0 +1,72 @@
+"""Prometheus metrics of one server, in a registry of its own (two servers in one process do not
+share counters): requests running / waiting, KV blocks, TTFT / TPOT / end-to-end histograms,
+token counters and the speculation counters (drafts, drafted and accepted tokens, per position)."""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
+
+__all__ = ["Metrics"]
+
+PREFIX = "quantspec"
+LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
+                   7.5, 10.0, 20.0, 40.0, 80.0)
+
+
+class Metrics:
+    def __init__(self, model_name: str):
+        self.registry = r = CollectorRegistry()
+        labels = {"model_name": model_name}
+
+        def gauge(name, doc):
+            return Gauge(f"{PREFIX}_{name}", doc, labelnames=list(labels), registry=r).labels(**labels)
+
+        def counter(name, doc, extra=()):
+            c = Counter(f"{PREFIX}_{name}", doc, labelnames=list(labels) + list(extra), registry=r)
+            return c if extra else c.labels(**labels)
+
+        def hist(name, doc):
+            return Histogram(f"{PREFIX}_{name}", doc, labelnames=list(labels), buckets=LATENCY_BUCKETS,
+                             registry=r).labels(**labels)
+
+        self.labels = labels
+        self.running = gauge("requests_running", "Requests in the running batch.")
+        self.waiting = gauge("requests_waiting", "Requests queued for the running batch.")
+        self.kv_used = gauge("kv_blocks_used", "KV-cache blocks held by sequences.")
+        self.kv_total = gauge("kv_blocks_total", "KV-cache blocks in the cache.")
+        self.draft_cap = gauge("spec_draft_cap", "Drafts per sequence the load-aware policy allowed last step.")
+        self.requests = counter("requests_total", "Finished requests by finish reason.", ["finish_reason"])
+        self.rejected = counter("requests_rejected_total", "Requests refused with 503 (queue full or draining).")
+        self.prompt_tokens = counter("prompt_tokens_total", "Prompt tokens of admitted requests.")
+        self.generation_tokens = counter("generation_tokens_total", "Generated tokens.")
+        self.drafts = counter("spec_drafts_total", "Verification steps of a sequence that carried drafts.")
+        self.draft_tokens = counter("spec_draft_tokens_total", "Draft tokens verified.")
+        self.accepted_tokens = counter("spec_accepted_tokens_total", "Draft tokens accepted.")
+        self.drafted_at = counter("spec_draft_tokens_per_position_total", "Draft tokens verified, by position.",
+                                  ["position"])
+        self.accepted_at = counter("spec_accepted_tokens_per_position_total", "Draft tokens accepted, by position.",
+                                   ["position"])
+        self.ttft = hist("time_to_first_token_seconds", "From arrival to the first token.")
+        self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first.")
+        self.e2e = hist("e2e_request_latency_seconds", "From arrival to the last token.")
+
+    def finished(self, seq, reason: str, ttft: float | None, e2e: float) -> None:
+        """Count a sequence that left the engine (finished or aborted)."""
+        st, n = seq.stats, len(seq.output_ids)
+        self.requests.labels(finish_reason=reason, **self.labels).inc()
+        self.generation_tokens.inc(n)
+        if ttft is not None:
+            self.ttft.observe(ttft)
+            self.e2e.observe(e2e)
+            if n > 1:
+                self.tpot.observe((e2e - ttft) / (n - 1))
+        if st.drafted:
+            self.drafts.inc(st.drafted_per_position[0])
+            self.draft_tokens.inc(st.drafted)
+            self.accepted_tokens.inc(st.accepted)
+            for j, (d, a) in enumerate(zip(st.drafted_per_position, st.accepted_per_position)):
+                self.drafted_at.labels(position=str(j + 1), **self.labels).inc(d)
+                self.accepted_at.labels(position=str(j + 1), **self.labels).inc(a)
+
+    def render(self) -> bytes:
+        return generate_latest(self.registry)

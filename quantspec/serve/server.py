@@ -1,0 +1,103 @@
+"""`quantspec serve`: load the model once, start the engine loop, run uvicorn until SIGTERM / Ctrl-C.
+
+`ServeConfig` holds the server's knobs and validates them when built (messages name the flag).
+`load(config)` builds the model, the engine and its load-aware speculation (`infer/spec/load.py`,
+its step costs measured at start-up) and returns a `ServeState`; `build(config)` wraps that in
+the FastAPI app; `run(config)` serves it. On SIGTERM uvicorn stops accepting connections and waits
+for the requests in flight (at most `drain_timeout` seconds), then the loop stops and the
+process exits.
+"""
+
+from __future__ import annotations
+
+import logging
+from dataclasses import dataclass
+
+from quantspec.errors import QuantSpecError, positive_int
+from quantspec.infer.predictor import InferConfig, Predictor
+from quantspec.model_zoo.default import DEFAULT_MODEL
+from quantspec.serve.app import ServeState, build_app
+from quantspec.serve.loop import EngineLoop
+from quantspec.serve.metrics import Metrics
+
+__all__ = ["ServeConfig", "build", "load", "run"]
+
+log = logging.getLogger("quantspec.serve")
+
+
+@dataclass
+class ServeConfig:
+    model: str = DEFAULT_MODEL
+    host: str = "127.0.0.1"
+    port: int = 8000
+    served_model_name: str | None = None  # the name clients send as `model` (default: --model)
+    max_batch_size: int = 16
+    max_queue: int = 256
+    max_length: int = 2048
+    prefill_chunk: int = 256
+    drain_timeout: float = 30.0
+    dtype: str = "auto"
+    device: str = "auto"
+    block_size: int = 64
+    speculate_method: str = "none"
+    draft_model: str | None = None
+    speculate_max_draft_token_num: int = 5
+    speculate_max_ngram_size: int = 3
+    load_aware: bool = True  # cap drafts per step by the batch and measured step costs
+
+    def __post_init__(self):
+        for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk"):
+            positive_int(name, getattr(self, name))
+        if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
+            raise QuantSpecError(f"--port {self.port!r} must be in [0, 65535] (0: any free port)")
+        if not self.drain_timeout >= 0:
+            raise QuantSpecError(f"--drain-timeout {self.drain_timeout!r} must be >= 0 seconds")
+        self.served_model_name = self.served_model_name or self.model
+        self.infer_config()  # the engine's and speculation's own checks, before anything loads
+
+    def infer_config(self) -> InferConfig:
+        return InferConfig(model=self.model, dtype=self.dtype, device=self.device, batch_size=self.max_batch_size,
+                           max_length=self.max_length, max_new_tokens=1, block_size=self.block_size,
+                           speculate_method=self.speculate_method, draft_model=self.draft_model,
+                           speculate_max_draft_token_num=self.speculate_max_draft_token_num,
+                           speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk)
+
+
+def load(config: ServeConfig, *, loaded=None) -> ServeState:
+    """The model, its engine and the engine loop (started); `loaded`: a `LoadedModel` to reuse."""
+    predictor = Predictor(config.infer_config(), loaded=loaded)
+    engine = predictor.engine
+    if config.speculate_method != "none" and config.load_aware:
+        from quantspec.infer.spec.load import LoadAwareDrafts, measure_step_costs
+
+        k = engine.config.spec_max_draft_tokens
+        rows = min(config.max_batch_size * (1 + k), 256)
+        engine.draft_limit = LoadAwareDrafts(k, measure_step_costs(engine, rows))
+    metrics = Metrics(config.served_model_name)
+    loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics)
+    loop.start()
+    return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
+                      max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache)
+
+
+def build(config: ServeConfig, *, loaded=None):
+    """(FastAPI app, its state): the app stops the engine loop when it shuts down."""
+    state = load(config, loaded=loaded)
+    return build_app(state, on_shutdown=lambda: state.loop.stop(timeout=10)), state
+
+
+def uvicorn_server(app, config: ServeConfig):
+    import uvicorn
+
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+                        timeout_graceful_shutdown=config.drain_timeout, lifespan="on")
+    return uvicorn.Server(uv)
+
+
+def run(config: ServeConfig, *, on_ready=None) -> None:
+    """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url, kv_cache)`
+    is called once the model is loaded, before uvicorn binds."""
+    app, state = build(config)
+    if on_ready is not None:
+        on_ready(f"http://{config.host}:{config.port}", state.kv_cache)
+    uvicorn_server(app, config).run()

@@ -1,0 +1,23 @@
+"""bench/serve.py on the tiny model: it starts a server with and one without speculation, runs a
+concurrency level and a Poisson rate through both, and prints / writes the table."""
+
+import json
+
+import pytest
+
+pytestmark = pytest.mark.bench
+
+
+def test_serve_bench_measures_both_servers_side_by_side(serve_bench, tiny_llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"kind": "chat", "src": s}) for s in ("a b a b", "hello there")))
+    out = serve_bench.main(["--model", str(tiny_llama_dir), "--concurrency", "2", "--rates", "20", "--requests", "3",
+                            "--max-tokens", "6", "--prompts", str(prompts), "--max-length", "256", "--threads", "1",
+                            "--peer", "llama.cpp", "--json", str(tmp_path / "r.json")])
+    printed = capsys.readouterr().out
+    assert "| c=2 | quantspec none |" in printed and "| rate=20 | quantspec inference_with_reference |" in printed
+    assert "llama.cpp peer is skipped" in printed or "llama-cpp-python is installed" in printed
+    runs = json.loads((tmp_path / "r.json").read_text())["runs"]
+    assert len(runs) == 4 and all(r["requests"] == 3 and r["failed"] == 0 for r in runs)
+    assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0 for r in runs)
+    assert out["runs"] == runs

@@ -1,0 +1,88 @@
+"""A quantspec server on 127.0.0.1 (a free port) in a thread of the test process, over the tiny
+model, for the real `openai` client; `reference` gives what `quantspec infer` (the Predictor)
+answers for the same prompt."""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import threading
+import time
+
+import pytest
+
+from quantspec.infer.predictor import InferConfig, Predictor
+from quantspec.serve.server import ServeConfig, build, uvicorn_server
+
+START_TIMEOUT_S = 30
+
+
+@contextlib.contextmanager
+def running_server(config: ServeConfig, *, loaded=None, tweak=None):
+    """Yield (base url, ServeState) of a server for `config` (its port: any free one); `tweak(state)`
+    runs before it listens."""
+    app, state = build(dataclasses.replace(config, port=0), loaded=loaded)
+    if tweak is not None:
+        tweak(state)
+    server = uvicorn_server(app, dataclasses.replace(config, port=0))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + START_TIMEOUT_S
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "the server did not start"
+        time.sleep(0.02)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield f"http://127.0.0.1:{port}", state
+    finally:
+        server.should_exit = True
+        thread.join(30)
+        state.loop.stop(timeout=10)
+
+
+@pytest.fixture(scope="session")
+def tiny_loaded(tiny_llama_dir):
+    from quantspec.infer.loader import load_for_inference
+
+    return load_for_inference(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(tiny_llama_dir, tiny_loaded):
+    """reference(prompt, max_tokens, chat=True) → (text, token ids) of `quantspec infer` (greedy,
+    no speculation, batch 1)."""
+    cache = {}
+
+    def run(prompt: str, max_tokens: int, chat: bool = True, stop=()):
+        key = (prompt, max_tokens, chat, tuple(stop))
+        if key not in cache:
+            config = InferConfig(model=str(tiny_llama_dir), max_new_tokens=max_tokens, max_length=256,
+                                 chat_template=chat, stop=tuple(stop))
+            out = Predictor(config, loaded=tiny_loaded).generate([prompt])[0]
+            cache[key] = (out.text, out.token_ids)
+        return cache[key]
+
+    return run
+
+
+def tiny_config(tiny_llama_dir, **kw) -> ServeConfig:
+    base = dict(model=str(tiny_llama_dir), served_model_name="tiny", max_batch_size=8, max_queue=64,
+                max_length=256, prefill_chunk=16, speculate_method="inference_with_reference")
+    return ServeConfig(**{**base, **kw})
+
+
+@pytest.fixture(scope="module")
+def server(tiny_llama_dir, tiny_loaded):
+    """(base url, state) of the module's server: the tiny model with n-gram speculation."""
+    with running_server(tiny_config(tiny_llama_dir), loaded=tiny_loaded) as s:
+        yield s
+
+
+@pytest.fixture
+def start_server(tiny_llama_dir, tiny_loaded):
+    """start_server(**ServeConfig overrides, tweak=None): a context manager over a tiny-model server."""
+
+    def start(tweak=None, **kw):
+        return running_server(tiny_config(tiny_llama_dir, **kw), loaded=tiny_loaded, tweak=tweak)
+
+    return start
