@@ -374,9 +374,9 @@ def _eval_tokens(tokenizer, *, text_file=None, dataset: str | None = None, split
 def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str | Path | None = None,
               *, split: str = "train", text_field: str = "text", num_samples: int = 128,
               seq_len: int = 512, seed: int = 0, observer: str = "minmax",
-              percentile: float = 99.99, kv_observer: str | None = None, device_map: str | None = None,
-              offload_dir: str | Path | None = None, batch_size: int = 8, dtype: str = "auto",
-              overwrite: bool = False, progress=None, on_status=None):
+              percentile: float = 99.99, kv_observer: str | None = None, device: str = "auto",
+              batch_size: int = 8, dtype: str = "auto", overwrite: bool = False, restart: bool = False,
+              resumable: bool | None = None, progress=None, on_status=None):
     """Measure static activation + KV-cache scales of `model` on `dataset`; write the table `out`.
 
     Returns a `calib.calibrate.CalibrationResult` (path, meta, wall_s). `progress(i, L, phase)`
@@ -388,8 +388,8 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
         dataset=None if dataset is None else str(dataset), out=None if out is None else str(out),
         model=str(model), split=split, text_field=text_field, num_samples=num_samples,
         seq_len=seq_len, seed=seed, observer=observer, percentile=percentile,
-        kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device_map=device_map,
-        offload_dir=None if offload_dir is None else str(offload_dir), overwrite=overwrite)
+        kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device=device, overwrite=overwrite,
+        restart=restart, resumable=resumable)
     return run_calibration(config, progress=progress, on_status=on_status)
 
 
