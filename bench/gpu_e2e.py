@@ -130,7 +130,7 @@ def quantized(run: Run, args, quant: str, amax: dict):
     """(model, seconds to quantize) of `quant` from a fresh copy of the float model."""
     from quantspec.calib.ptq import quantize_model
     from quantspec.infer.loader import quantized_model
-    from quantspec.quant.args import preset
+    from quantspec.quant.presets import preset
 
     net = make_net(run, args)
     qt = QUANTS[quant]

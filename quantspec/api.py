@@ -45,8 +45,8 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
 
 def serve(config, *, on_ready=None) -> None:
     """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
-    then drain the requests in flight and return. `on_ready(url)` is called once the model is
-    loaded."""
+    then drain the requests in flight and return. `on_ready(url, kv_cache)` is called once the
+    model is loaded (`kv_cache`: which KV cache the engine runs)."""
     from quantspec.serve import run
 
     run(config, on_ready=on_ready)
@@ -377,8 +377,10 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
     res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
                      batch_size=batch_size, kv_cache_dtype=kind, k_scale=k_scale,
                      v_scale=v_scale, progress=progress)
-    kv = f"{kind} static ({origin})" if kind != "auto" else f"float ({dtype})"
-    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(), "kv_cache": kv}
+    from quantspec.infer.kv_cache import kv_cache_label
+
+    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(),
+            "kv_cache": kv_cache_label(kind, dtype, origin)}
 
 
 def _eval_kv_cache(em, kv_cache_dtype: str, calib):
@@ -428,9 +430,9 @@ def _eval_tokens(tokenizer, *, text_file=None, dataset: str | None = None, split
 def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str | Path | None = None,
               *, split: str = "train", text_field: str = "text", num_samples: int = 128,
               seq_len: int = 512, seed: int = 0, observer: str = "minmax",
-              percentile: float = 99.99, kv_observer: str | None = None, device_map: str | None = None,
-              offload_dir: str | Path | None = None, batch_size: int = 8, dtype: str = "auto",
-              overwrite: bool = False, progress=None, on_status=None):
+              percentile: float = 99.99, kv_observer: str | None = None, device: str = "auto",
+              batch_size: int = 8, dtype: str = "auto", overwrite: bool = False, restart: bool = False,
+              resumable: bool | None = None, progress=None, on_status=None):
     """Measure static activation + KV-cache scales of `model` on `dataset`; write the table `out`.
 
     Returns a `calib.calibrate.CalibrationResult` (path, meta, wall_s). `progress(i, L, phase)`
@@ -442,8 +444,8 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
         dataset=None if dataset is None else str(dataset), out=None if out is None else str(out),
         model=str(model), split=split, text_field=text_field, num_samples=num_samples,
         seq_len=seq_len, seed=seed, observer=observer, percentile=percentile,
-        kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device_map=device_map,
-        offload_dir=None if offload_dir is None else str(offload_dir), overwrite=overwrite)
+        kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device=device, overwrite=overwrite,
+        restart=restart, resumable=resumable)
     return run_calibration(config, progress=progress, on_status=on_status)
 
 

@@ -132,7 +132,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--truncate-prompt", is_flag=True, help="Keep the last src-length tokens of a longer prompt instead of refusing it.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
-              help="Activation dtype; auto: float16 on CUDA, bfloat16 for weight-only int artifacts on CPU, else float32.")
+              help="Activation dtype; auto: float16 on CUDA, bfloat16 on CPU for weight-only int artifacts and "
+                   "bfloat16 checkpoints (loaded as stored), else float32.")
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--block-size", default=64, show_default=True, help="Paged KV cache block size (tokens).")
 @click.option("--decode-strategy", default="greedy", show_default=True, type=click.Choice(["greedy", "sampling"]))
@@ -236,9 +237,9 @@ def serve(**kw):
     config = ServeConfig(**kw)
     console = err_console()
 
-    def ready(url):
-        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1  (Ctrl-C or SIGTERM stops, "
-                      f"draining requests in flight)")
+    def ready(url, kv_cache):
+        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, KV cache {kv_cache}  "
+                      "(Ctrl-C or SIGTERM stops, draining requests in flight)")
 
     try:
         api.serve(config, on_ready=ready)
@@ -393,12 +394,16 @@ def _gib(n) -> str:
                    "them would refuse or ignore are refused before any work")
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@click.option("--device", default="auto", show_default=True,
+              help="where each layer is quantized (the rest stays on disk): auto, cpu, cuda, cuda:N")
+@click.option("--restart", is_flag=True,
+              help="start over: discard the state an interrupted run of a big model left beside --out")
 @_one_line_errors
 @_threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
-             fallback_budget, fallback_layers, fallback_threshold, out, overwrite, kv_cache=None, kv_strategy=None,
-             target="portable"):
+             fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
+             kv_strategy=None, target="portable"):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
@@ -423,7 +428,7 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
                             fallback_layers=fallback_layers,
                             fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
-                            progress=progress.layer, on_status=progress.status)
+                            device=device, restart=restart, progress=progress.layer, on_status=progress.status)
     info = api.inspect(path)
     progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
                            f"{info.get('compression_ratio') or '?'}x smaller than the source, "
@@ -646,11 +651,12 @@ def report(**kw):
 @click.option("--batch-size", default=8, show_default=True, type=int, help="samples per forward")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
               help="forward dtype while observing; auto: bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), else float32")
-@click.option("--device-map", default=None, type=click.Choice(["auto", "cpu"]),
-              help="auto: stream one layer at a time from the checkpoint (models larger than memory)")
-@click.option("--offload-dir", default=None, type=click.Path(file_okay=False), help="with --device-map auto")
+@click.option("--device", default="auto", show_default=True,
+              help="where each layer runs (the rest stays on disk): auto, cpu, cuda, cuda:N")
 @click.option("--out", required=True, type=click.Path(), help="table directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@click.option("--restart", is_flag=True,
+              help="start over: discard the state an interrupted run of a big model left beside --out")
 @_one_line_errors
 @_threads_option
 def calibrate(model, dataset, out, **kw):

@@ -13,6 +13,9 @@ the model cache) goes through this module:
 - A run killed outright (SIGKILL, power loss) leaves its temporary behind; the next run that
   writes the same target removes every `.NAME.tmp-PID-*` / `.NAME.old-PID-*` whose process is
   gone and says so (`remove_leftovers`).
+- A resumable run (a big quantize or calibrate) keeps its work in `.NAME.resume-KEY` instead,
+  KEY a digest of its inputs and options (`state_dir`): no PID in the name, so leftover-cleaning
+  never takes it; the next run with the same inputs and options finds it by KEY and resumes.
 - Directories are created with mode 0777 and files with 0666, both less the process umask (0755 /
   0644 under the usual 022), so a server running as another user can read what was written.
 """
@@ -21,6 +24,7 @@ from __future__ import annotations
 
 import contextlib
 import errno
+import glob
 import json
 import logging
 import os
@@ -32,11 +36,12 @@ from typing import Iterator
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["atomic_dir", "atomic_file", "check_output_dir", "check_output_file", "remove_leftovers",
-           "replace_directory", "umask", "write_json", "write_text"]
+__all__ = ["atomic_dir", "atomic_file", "check_output_dir", "check_output_file", "pid_alive",
+           "remove_leftovers", "replace_directory", "state_dir", "state_dirs", "temporary_sibling", "umask",
+           "write_json", "write_text"]
 
 _log = logging.getLogger("quantspec")
-_TMP, _OLD = "tmp", "old"
+_TMP, _OLD, _STATE = "tmp", "old", "resume"
 # `.NAME.tmp-PID-XXXXXXXX` / `.NAME.old-PID-XXXXXXXX`: the PID tells a live writer from a dead one
 _LEFTOVER = re.compile(r"^\.(?P<name>.+)\.(?:tmp|old)-(?P<pid>\d+)-[0-9a-f]{8}$")
 
@@ -52,7 +57,27 @@ def _sibling(target: Path, kind: str) -> Path:
     return target.with_name(f".{target.name}.{kind}-{os.getpid()}-{secrets.token_hex(4)}")
 
 
-def _pid_alive(pid: int) -> bool:
+def temporary_sibling(target: str | os.PathLike) -> Path:
+    """A fresh `.NAME.tmp-PID-XXXXXXXX` path beside `target` (created by the caller)."""
+    return _sibling(Path(target), _TMP)
+
+
+def state_dir(target: str | os.PathLike, key: str) -> Path:
+    """Where a resumable run writing `target` keeps its state: `.NAME.resume-KEY` beside it."""
+    target = Path(target)
+    return target.with_name(f".{target.name}.{_STATE}-{key}")
+
+
+def state_dirs(target: str | os.PathLike) -> list[Path]:
+    """Every resumable state beside `target` (any KEY)."""
+    target = Path(target)
+    if not target.parent.is_dir():
+        return []
+    return sorted(target.parent.glob(f".{glob.escape(target.name)}.{_STATE}-*"))
+
+
+def pid_alive(pid: int) -> bool:
+    """Whether the process `pid` exists (this one, or another user's, counts)."""
     if pid == os.getpid():
         return True
     try:
@@ -82,7 +107,7 @@ def remove_leftovers(target: str | os.PathLike) -> list[Path]:
         return []
     for p in entries:
         m = _LEFTOVER.match(p.name)
-        if m is None or m["name"] != target.name or _pid_alive(int(m["pid"])):
+        if m is None or m["name"] != target.name or pid_alive(int(m["pid"])):
             continue
         try:
             if p.is_dir() and not p.is_symlink():

@@ -23,6 +23,14 @@ def _torch_threads_kept():
         torch.set_num_threads(count)
 
 
+@pytest.fixture(autouse=True)
+def _quiet_start_outlasts_a_test(monkeypatch):
+    """Plain progress prints nothing during a command's first `QUIET_S` seconds, so a command
+    that fails on its input prints only its error line; tests assert that one line, and on a
+    loaded machine a command can take longer than that to fail: the quiet start outlasts a test."""
+    monkeypatch.setattr("quantspec.console.QUIET_S", 600.0)
+
+
 @pytest.fixture(scope="session")
 def tiny_llama_dir(tmp_path_factory) -> Path:
     """2-layer Llama, hidden 64, 4 heads / 2 KV heads, vocab 512, untied, fp32, seed 0."""

@@ -57,6 +57,8 @@ CASES = [
      "--stats-file"),
     ("infer-model-missing", "infer --model {d}/no-such-model --prompt hi", "--model"),
     ("infer-model-truncated", "infer --model {d}/truncated --prompt hi", "--model"),
+    ("infer-shard-missing", "infer --model {d}/shard_missing --prompt hi", "model-00002-of-00002.safetensors"),
+    ("infer-shard-truncated", "infer --model {d}/shard_truncated --prompt hi", "model-00002-of-00002.safetensors"),
     ("infer-model-bad-config", "infer --model {d}/badconfig --prompt hi", "--model"),
     ("infer-draft-without-model", "infer --model {model} --prompt hi --speculate-method draft", "--draft-model"),
     ("infer-draft-model-no-method", "infer --model {model} --prompt hi --draft-model {model}",
@@ -132,6 +134,14 @@ CASES = [
      "--model"),
     ("quantize-already-quantized", "quantize --model {d}/quantized --quant-type weight_only_int8 --out {d}/q",
      "--model"),
+    ("quantize-shard-missing", "quantize --model {d}/shard_missing --quant-type weight_only_int8 --out {d}/q",
+     "model-00002-of-00002.safetensors"),
+    ("quantize-shard-truncated", "quantize --model {d}/shard_truncated --quant-type weight_only_int4 --method gptq "
+                                 "--dataset {d}/calib.txt --out {d}/q", "model-00002-of-00002.safetensors"),
+    ("quantize-device-cuda", "quantize --model {model} --quant-type weight_only_int8 --device cuda --out {d}/q",
+     "--device"),
+    ("quantize-device-bogus", "quantize --model {model} --quant-type weight_only_int8 --device tpu --out {d}/q",
+     "--device"),
     # -- calibrate ---------------------------------------------------------------------------
     ("calibrate-data-missing", "calibrate --model {model} --dataset {d}/missing.jsonl --out {d}/c", "--dataset"),
     ("calibrate-data-not-utf8", "calibrate --model {model} --dataset {d}/latin1.txt --out {d}/c", "--dataset"),
@@ -152,6 +162,10 @@ CASES = [
     ("calibrate-out-under-file", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/a_file/c", "--out"),
     ("calibrate-quantized-model", "calibrate --model {d}/quantized --dataset {d}/calib.txt --out {d}/c",
      "--model"),
+    ("calibrate-shard-truncated", "calibrate --model {d}/shard_truncated --dataset {d}/calib.txt --out {d}/c",
+     "model-00002-of-00002.safetensors"),
+    ("calibrate-device-cuda", "calibrate --model {model} --dataset {d}/calib.txt --device cuda --out {d}/c",
+     "--device"),
     # -- eval --------------------------------------------------------------------------------
     ("eval-no-text", "eval --model {model}", "--text-file"),
     ("eval-text-and-dataset", "eval --model {model} --text-file {d}/calib.txt --dataset {d}/ok.jsonl",
@@ -204,6 +218,9 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
     shutil.copytree(model, trunc)
     st = trunc / "model.safetensors"
     st.write_bytes(st.read_bytes()[: st.stat().st_size // 2])
+    _shards(model, d / "shard_missing").joinpath("model-00002-of-00002.safetensors").unlink()
+    half = _shards(model, d / "shard_truncated") / "model-00002-of-00002.safetensors"
+    half.write_bytes(half.read_bytes()[: half.stat().st_size // 2])
     bad = d / "badconfig"
     shutil.copytree(model, bad)
     (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
@@ -226,6 +243,22 @@ def _medusa_inputs(d: Path) -> None:
     cfg = json.loads((d / "medusa_nokeys" / "config.json").read_text())
     del cfg["medusa_num_heads"]
     (d / "medusa_nokeys" / "config.json").write_text(json.dumps(cfg))
+
+
+def _shards(model: Path, d: Path) -> Path:
+    """A copy of `model` whose weights are two shards with an index."""
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(model, d, ignore=shutil.ignore_patterns("*.safetensors"))
+    tensors = load_file(str(model / "model.safetensors"))
+    names = sorted(tensors)
+    weight_map = {}
+    for i, part in enumerate((names[: len(names) // 2], names[len(names) // 2:]), 1):
+        f = f"model-{i:05d}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in part}, str(d / f))
+        weight_map.update({k: f for k in part})
+    (d / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return d
 
 
 def _snapshot(d: Path) -> dict[str, tuple[int, int]]:
@@ -259,3 +292,17 @@ def test_bad_input(case_id, argv, flag, tiny_llama_dir, quantized_dir, tmp_path,
     assert flag in err, err
     assert _snapshot(d) == before, "the case left files behind or changed its inputs"
     assert _snapshot(model) == model_before
+
+
+def test_quantize_refuses_an_out_without_room(tiny_llama_dir, tmp_path, monkeypatch):
+    """Not enough disk for the artifact: one line naming --out, before any work."""
+    import collections
+
+    usage = collections.namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda path: usage(10**12, 10**12 - 1000, 1000))
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--quant-type",
+                                       "weight_only_int8", "--out", str(tmp_path / "q")])
+    err = result.stderr.strip()
+    assert result.exit_code == 2 and len(err.splitlines()) == 1, (result.output, repr(result.exception))
+    assert "not enough disk space for --out" in err and "--out" in err
+    assert list(tmp_path.iterdir()) == []

@@ -58,6 +58,24 @@ def test_data_file_rows_keep_fields_and_stats(tmp_path, tiny_llama_dir):
     for key in ("ttft_ms", "tpot_ms", "tokens_per_s", "peak_memory_mb", "generated_tokens"):
         assert key in s
     assert s["generated_tokens"] == sum(len(row["output_token_ids"]) for row in rows)
+    assert s["kv_cache"] == "float (float32)" and "kv_cache" in r.output
+
+
+def test_infer_says_it_runs_the_artifacts_kv_cache(tmp_path, tiny_llama_dir):
+    """An artifact with fp8 KV scales runs its static KV cache without a flag, and says so."""
+    from quantspec import api
+
+    calib = tmp_path / "t.calib"
+    text = tmp_path / "c.txt"
+    text.write_text("the quick brown fox jumps over the lazy dog. " * 40)
+    api.calibrate(str(tiny_llama_dir), str(text), calib, num_samples=2, seq_len=32)
+    art = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "a", calib=str(calib), kv_cache="fp8",
+                       smoothquant_alpha="none", fallback_budget=100.0)
+    stats = tmp_path / "s.json"
+    r = run("infer", "--model", art, "--prompt", "the quick", "--no-chat-template", "--max-new-tokens", 4,
+            "--benchmark", "--stats-file", stats)
+    assert r.exit_code == 0, r.output
+    assert json.loads(stats.read_text())["kv_cache"] == "fp8 static (the artifact's scales)"
 
 
 def test_sampling_flags_are_seeded(tiny_llama_dir):

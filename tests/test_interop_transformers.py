@@ -6,17 +6,11 @@
     logits of magnitude ~11). transformers ignores `k_scale` / `v_scale` (its load report lists
     them as unexpected) and runs a float KV cache, so a KV-quantized artifact is compared with
     quantspec's float-KV path, and the scales are checked to be in the file.
-(b) quantspec loads checkpoints written through compressed-tensors' OWN API (its lifecycle
-    `apply_quantization_config`, weight qparams from its `calculate_qparams`, `ModelCompressor
-    .compress_model` + `save_pretrained` + `update_config`) for W4A16 (sym and asym, g32) and
-    W8A16 (which compressed-tensors writes as 8-bit `pack-quantized`), and its logits equal
-    transformers' own forward of that checkpoint (for asymmetric W4A16, whose reload transformers
-    5.x refuses — packed zero points vs its init shapes — the reference is compressed-tensors'
-    forward of the in-memory compressed model, which decompresses on first call).
+(b) quantspec loads checkpoints written through compressed-tensors' OWN API: see
+    tests/test_interop_compressed_tensors.py.
 """
 
 import importlib.util
-import shutil
 from pathlib import Path
 
 import pytest
@@ -25,7 +19,6 @@ import torch
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.loader import load_for_inference
-from quantspec.infer.quant_linear import QuantLinear
 
 ct_q = pytest.importorskip("compressed_tensors.quantization",
                            reason="compressed-tensors is not installed (pip install "
@@ -53,12 +46,13 @@ def _hf_logits(path: Path) -> torch.Tensor:
 
 
 def _paged_logits(lm) -> torch.Tensor:
-    """One prefill through the paged cache (int8/fp8 KV with the artifact's static scales)."""
+    """One prefill through the paged cache (the artifact's KV cache: int8/fp8 with its static
+    scales, else float)."""
     a, T = lm.args, IDS.shape[1]
     bs = 16
     cache = PagedKVCache(num_layers=a.num_layers, num_blocks=2 + T // bs, block_size=bs,
                          num_kv_heads=a.num_kv_heads, head_dim=a.head_dim, dtype=torch.float32,
-                         kv_dtype=lm.kv_cache_dtype, k_scale=lm.k_scale, v_scale=lm.v_scale)
+                         kv_dtype=lm.kv_cache_dtype or "auto", k_scale=lm.k_scale, v_scale=lm.v_scale)
     meta = AttentionMetadata.build([T], [T], [list(range(1, 2 + T // bs))], bs, "cpu")
     with torch.no_grad():
         return lm.model.compute_logits(lm.model(IDS[0], torch.arange(T), PagedAttention(cache, meta)))
@@ -98,67 +92,6 @@ def test_transformers_loads_our_artifact(tiny_llama_dir, tmp_path, name, spec):
     # the comparison has teeth: the unquantized model is far from both
     fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
     assert (fp32 - theirs).abs().max() > 1e-3
-
-
-def _write_with_compressed_tensors(src: Path, out: Path, weights: dict):
-    """Quantize a HF model with compressed-tensors' own lifecycle and compressor; return the
-    in-memory compressed model too (its forward decompresses: compressed-tensors' numbers)."""
-    from compressed_tensors.compressors import ModelCompressor
-    from compressed_tensors.quantization.utils import calculate_qparams
-    from transformers import AutoModelForCausalLM
-
-    model = AutoModelForCausalLM.from_pretrained(str(src), dtype=torch.float32)
-    cfg = ct_q.QuantizationConfig(
-        config_groups={"group_0": ct_q.QuantizationScheme(
-            targets=["Linear"], weights=ct_q.QuantizationArgs(type="int", **weights))},
-        ignore=["lm_head"])
-    ct_q.apply_quantization_config(model, cfg)
-    for _, mod in model.named_modules():
-        if getattr(mod, "quantization_scheme", None) is None:
-            continue
-        args, W = mod.quantization_scheme.weights, mod.weight.data
-        if args.strategy == "group":
-            Wg = W.unflatten(-1, (W.shape[1] // args.group_size, args.group_size))
-            mn, mx = Wg.amin(-1), Wg.amax(-1)
-        else:
-            mn, mx = W.amin(-1, keepdim=True), W.amax(-1, keepdim=True)
-        scale, zp = calculate_qparams(mn, mx, args)
-        mod.weight_scale.data.copy_(scale)
-        if hasattr(mod, "weight_zero_point"):
-            mod.weight_zero_point.data.copy_(zp)
-    compressor = ModelCompressor.from_pretrained_model(model)
-    compressor.compress_model(model)
-    model.save_pretrained(str(out))
-    compressor.update_config(str(out))
-    for f in ("tokenizer.json", "tokenizer_config.json", "generation_config.json"):
-        if (src / f).is_file():
-            shutil.copy(src / f, out / f)
-    return model
-
-
-@pytest.mark.parametrize("name,weights,reload", [
-    ("w4a16_sym", dict(num_bits=4, symmetric=True, strategy="group", group_size=32), True),
-    ("w4a16_asym", dict(num_bits=4, symmetric=False, strategy="group", group_size=32), False),
-    ("w8a16", dict(num_bits=8, symmetric=True, strategy="channel"), True),
-])
-def test_we_load_compressed_tensors_checkpoint(tiny_llama_dir, tmp_path, name, weights, reload):
-    out = tmp_path / name
-    model = _write_with_compressed_tensors(tiny_llama_dir, out, weights)
-    if reload:
-        theirs = _hf_logits(out)
-    else:
-        with torch.no_grad():
-            theirs = model(IDS).logits[0]
-    lm = load_for_inference(out)
-    assert lm.tokenizer is not None
-    qmods = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
-    assert len(qmods) == 4 * lm.args.num_layers  # q/k/v and gate/up fused (infer/fuse.py)
-    assert all(m.weight_args.num_bits == weights["num_bits"] for m in qmods)
-    torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)
-    # and the bf16 packed CPU path runs it close to the fp32 numbers
-    lm16 = load_for_inference(out, dtype=torch.bfloat16, tokenizer=False)
-    step = logits(lm16.model, IDS[:, :1])
-    assert (step - theirs[:1]).abs().max() < 0.05 * theirs[:1].abs().max()
 
 
 def test_float_zero_point_artifact(tiny_llama_dir, tmp_path):

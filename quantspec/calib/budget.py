@@ -34,18 +34,19 @@ weights, and GPTQ then quantizes the model smoothed for that choice.
 
 from __future__ import annotations
 
+import contextlib
 import math
 from dataclasses import dataclass, field
-from typing import Mapping, Sequence
+from typing import Iterator, Mapping, Sequence
 
 import torch
 import torch.nn.functional as F
 from torch import nn
-from torch.func import functional_call
 
-from quantspec.calib.smooth import smoothed_weights
+from quantspec.calib.runner import LayerRunner
+from quantspec.calib.smooth import layer_smoothed_weights
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.primitives import choose_qparams, fake_quantize, static_args
 
@@ -113,24 +114,81 @@ def _fake_quant_weight(w: torch.Tensor, args: QuantArgs) -> torch.Tensor:
 
 
 @torch.no_grad()
-def _emulated_params(model: nn.Module, input_scales: Mapping[str, torch.Tensor],
+def _emulated_params(layer: nn.Module, prefix: str, input_scales: Mapping[str, torch.Tensor],
                      factors: Mapping[str, torch.Tensor], weight_args: QuantArgs
                      ) -> dict[str, torch.Tensor]:
-    """{"<linear>.weight": fq(W') · row s / column s} for every Linear in `input_scales`, W'
-    the weight exactly as `smooth_model` with `factors` leaves it (module docstring)."""
-    smoothed = smoothed_weights(model, factors)
-    mods = dict(model.named_modules())
+    """{"<linear>.weight" (relative to the decoder layer `prefix`): fq(W') · row s / column s}
+    for every Linear of the layer in `input_scales`, W' the weight exactly as `smooth_layer`
+    with `factors` leaves it (module docstring)."""
+    smoothed = layer_smoothed_weights(layer, prefix, factors)
     out = {}
     for name in input_scales:
-        w0 = mods[name].weight
+        if not name.startswith(prefix + "."):
+            continue
+        rel = name[len(prefix) + 1:]
+        w0 = layer.get_submodule(rel).weight
         w, col, row = smoothed.get(name, (w0, None, None))
         wq = _fake_quant_weight(w, weight_args)  # [N, K], the artifact's codes × scales
         if row is not None:
             wq = wq * row.to(wq.device)[:, None]
         if col is not None:
             wq = wq / col.to(wq.device)
-        out[f"{name}.weight"] = wq.to(w0.dtype)
+        out[f"{rel}.weight"] = wq.to(w0.dtype)
     return out
+
+
+@contextlib.contextmanager
+def _swapped(layer: nn.Module, params: Mapping[str, torch.Tensor]) -> Iterator[None]:
+    """`layer` with the parameters `params` (relative names) in place of its own for the block."""
+    saved = []
+    for name, t in params.items():
+        mod_name, _, attr = name.rpartition(".")
+        mod = layer.get_submodule(mod_name)
+        saved.append((mod, attr, mod._parameters[attr]))
+        mod._parameters[attr] = nn.Parameter(t, requires_grad=False)
+    try:
+        yield
+    finally:
+        for mod, attr, p in saved:
+            mod._parameters[attr] = p
+
+
+def _static_hooks(layer: nn.Module, prefix: str, input_scales: Mapping[str, torch.Tensor],
+                  factors: Mapping[str, torch.Tensor], fallback: set[str], kind: str) -> list:
+    """Pre-hooks feeding fq(x / s) · s (or fq(x)) to the layer's static Linears; their handles."""
+    a_args = static_args(kind)
+    handles = []
+    for name, scale in input_scales.items():
+        if name in fallback or not name.startswith(prefix + "."):
+            continue
+        s, sc = factors.get(name), scale.float().reshape(1)
+
+        def hook(_m, args, _s=s, _sc=sc):
+            x = args[0]
+            if _s is None:
+                return (fake_quantize(x, _sc.to(x.device), None, a_args),)
+            s_ = _s.to(x.device, x.dtype)
+            return (fake_quantize(x / s_, _sc.to(x.device), None, a_args) * s_,)
+        handles.append(layer.get_submodule(name[len(prefix) + 1:]).register_forward_pre_hook(hook))
+    return handles
+
+
+@torch.no_grad()
+def _mean_nll(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, weights, device) -> float:
+    """Mean next-token NLL of the last layer's outputs hidden [n, S, D], `_NLL_BATCH` windows
+    at a time through the final norm and the head (read from `weights` on a meta model)."""
+    tied = {"weight": "model.embed_tokens.weight"} if model.args.tie_word_embeddings else None
+    total, count = 0.0, 0
+    with resident(model.model.norm, "model.norm", weights, device=device), \
+            resident(model.lm_head, "lm_head", weights, device=device, rename=tied):
+        for b0 in range(0, input_ids.shape[0], _NLL_BATCH):
+            x = input_ids[b0:b0 + _NLL_BATCH].to(hidden.device)  # [B, S]
+            B, S = x.shape
+            logits = model.compute_logits(hidden[b0:b0 + B].reshape(B * S, -1)).view(B, S, -1)  # [B, S, V]
+            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
+                                           x[:, 1:].reshape(-1), reduction="sum"))
+            count += B * (S - 1)
+    return total / count
 
 
 @torch.no_grad()
@@ -138,64 +196,49 @@ def heldback_nll(model: nn.Module, input_ids: torch.Tensor, *,
                  input_scales: Mapping[str, torch.Tensor] | None = None,
                  factors: Mapping[str, torch.Tensor] | None = None,
                  fallback: Sequence[str] = (), kind: str = "int8",
-                 weight_args: QuantArgs | None = None) -> float:
+                 weight_args: QuantArgs | None = None, weights: CheckpointReader | None = None,
+                 device: str | torch.device | None = None) -> float:
     """Mean next-token NLL (nats) over input_ids [n, S] (each window predicts its tokens 1..S-1).
 
     Without `input_scales`: the float model. With them: the static-quantized model emulated on
     the float one (module docstring) — Linears in `input_scales` and not in `fallback` read
     static `kind` activations, smoothed by `factors` {linear: s [K]} where given; every Linear
     in `input_scales` holds round-to-nearest `weight_args` weights. The model is not modified.
+    Layer by layer (`calib.runner`): a model on `meta` is read from `weights` onto `device`.
     """
     if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.shape[1] < 2:
         raise QuantSpecError("held-back windows must be a LongTensor [n, S] with S >= 2")
-    params: dict[str, torch.Tensor] = {}
-    handles = []
-    if input_scales is not None:
-        if weight_args is None:
-            raise QuantSpecError("heldback_nll: emulating static quantization needs weight_args")
-        fallback = set(fallback)
-        factors = {n: s for n, s in (factors or {}).items() if n not in fallback}
-        params = _emulated_params(model, input_scales, factors, weight_args)
-        a_args = static_args(kind)
-        mods = dict(model.named_modules())
-        for name, scale in input_scales.items():
-            if name in fallback:
-                continue
-            s, sc = factors.get(name), scale.float().reshape(1)
-
-            def hook(_m, args, _s=s, _sc=sc):
-                x = args[0]
-                if _s is None:
-                    return (fake_quantize(x, _sc, None, a_args),)
-                s_ = _s.to(x.device, x.dtype)
-                return (fake_quantize(x / s_, _sc, None, a_args) * s_,)
-            handles.append(mods[name].register_forward_pre_hook(hook))
-    device = model.model.norm.weight.device
-    total, count = 0.0, 0
-    try:
-        for b0 in range(0, input_ids.shape[0], _NLL_BATCH):
-            x = input_ids[b0:b0 + _NLL_BATCH].to(device)  # [B, S]
-            B, S = x.shape
-            hidden = functional_call(model, params, (x.reshape(-1), torch.arange(S, device=device).repeat(B),
-                                                     DenseCausalAttention(B, S)))  # [B*S, D]
-            logits = model.compute_logits(hidden).view(B, S, -1)  # [B, S, V]
-            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                           x[:, 1:].reshape(-1), reduction="sum"))
-            count += B * (S - 1)
-    finally:
-        for h in handles:
-            h.remove()
-    return total / count
+    if input_scales is not None and weight_args is None:
+        raise QuantSpecError("heldback_nll: emulating static quantization needs weight_args")
+    fallback = set(fallback)
+    factors = {n: s for n, s in (factors or {}).items() if n not in fallback}
+    runner = LayerRunner(model, input_ids, batch_size=_NLL_BATCH, weights=weights, device=device,
+                         dtype=torch.float32 if weights is not None else None)
+    for step in runner:
+        if input_scales is None:
+            continue  # the runner runs the float layer
+        params = _emulated_params(step.layer, step.name, input_scales, factors, weight_args)
+        handles = _static_hooks(step.layer, step.name, input_scales, factors, fallback, kind)
+        try:
+            with _swapped(step.layer, params):
+                step.forward()
+        finally:
+            for h in handles:
+                h.remove()
+    return _mean_nll(model, runner.hidden, input_ids, weights, runner.device)
 
 
 def fallback_under_budget(model: nn.Module, ranked_units: Sequence[Sequence[str]],
                           input_scales: Mapping[str, torch.Tensor],
                           factors: Mapping[str, torch.Tensor], holdout_ids: torch.Tensor,
-                          budget_pct: float, kind: str, weight_args: QuantArgs) -> BudgetSearch:
+                          budget_pct: float, kind: str, weight_args: QuantArgs, *,
+                          weights: CheckpointReader | None = None,
+                          device: str | torch.device | None = None) -> BudgetSearch:
     """The fewest of `ranked_units` (most sensitive first) to keep at float activations so that
     the held-back perplexity over holdout_ids [n, S] stays within `budget_pct` percent of the
     weight-only model's (module docstring). `chosen_units` == len(ranked_units) says that no
-    static activation fits the budget."""
+    static activation fits the budget. Each measurement is one pass over the layers (read from
+    `weights` one at a time on a meta model)."""
     if isinstance(budget_pct, bool) or not isinstance(budget_pct, (int, float)) or not budget_pct > 0:
         raise QuantSpecError(f"error budget {budget_pct!r} must be a positive percentage, e.g. 1.5")
     m = len(ranked_units)
@@ -203,10 +246,12 @@ def fallback_under_budget(model: nn.Module, ranked_units: Sequence[Sequence[str]
     def nll(k: int) -> tuple[int, float]:
         fb = [n for u in ranked_units[:k] for n in u]
         return len(fb), heldback_nll(model, holdout_ids, input_scales=input_scales, factors=factors,
-                                     fallback=fb, kind=kind, weight_args=weight_args)
+                                     fallback=fb, kind=kind, weight_args=weight_args, weights=weights,
+                                     device=device)
 
     n_all, ref = nll(m)
-    search = BudgetSearch(budget_pct=float(budget_pct), float_perplexity=math.exp(heldback_nll(model, holdout_ids)),
+    float_nll = heldback_nll(model, holdout_ids, weights=weights, device=device)
+    search = BudgetSearch(budget_pct=float(budget_pct), float_perplexity=math.exp(float_nll),
                           weight_only_perplexity=math.exp(ref), num_units=m,
                           num_windows=int(holdout_ids.shape[0]), seq_len=int(holdout_ids.shape[1]))
     search.measured.append((m, n_all, math.exp(ref)))

@@ -21,9 +21,13 @@ What is observed, per decoder layer i:
 The MSE observer searches its clipping on the int8 grid (the table serves int8 and fp8).
 
 A NaN/Inf activation raises `QuantSpecError` naming the Linear (observer) or layer (runner).
-`device_map="auto"` builds the model on the meta device and streams one layer at a time from
-the checkpoint's safetensors (the checkpoint is the offload store; `offload_dir` is checked to be
-writable and recorded, but nothing needs to be written there).
+
+Models larger than memory: the model is built on the `meta` device and each decoder layer is read
+from the checkpoint's safetensors just before it runs (onto `device`) and released after
+(`calib.runner`), so resident memory is one layer's weights and its activations, whatever the
+depth. Each layer's table entries go to the run's working directory as the layer finishes
+(`calib.stream`); a big run that does not complete keeps it, with the next layer's inputs, and
+the same command resumes from the last finished layer.
 """
 
 from __future__ import annotations
@@ -42,14 +46,14 @@ from quantspec.calib.observers import (
     Observer,
     make_observer,
 )
+from quantspec.calib.ptq import PartSink, layer_key
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner
 from quantspec.calib.tables import INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, write_table
 from quantspec.errors import QuantSpecError, about, positive_int
-from quantspec.model_zoo.checkpoint import model_fingerprint
+from quantspec.model_zoo.checkpoint import CheckpointReader, model_fingerprint
 from quantspec.outputs import check_output_dir
 
 __all__ = [
-    "DEVICE_MAPS",
     "CalibrateConfig",
     "CalibrationResult",
     "LayerObservers",
@@ -57,7 +61,6 @@ __all__ = [
     "run_calibration",
 ]
 
-DEVICE_MAPS = (None, "cpu", "auto")
 # Observer of the K/V per-head scales when none is asked for. MSE (clipping searched per head)
 # measured on SmolLM2-135M, 64 × 512 calibration tokens, held-out ppl vs fp32: int8 KV +0.34%
 # (minmax +0.51%), fp8 KV +0.36% (minmax +1.10%) — see bench/quality_static.py.
@@ -112,9 +115,10 @@ class CalibrateConfig:
     kv_observer: str | None = None  # None: DEFAULT_KV_OBSERVER
     batch_size: int = DEFAULT_BATCH_SIZE
     dtype: str = "auto"  # see resolve_calibration_dtype
-    device_map: str | None = None
-    offload_dir: str | None = None
+    device: str = "auto"  # where each layer runs: auto (CUDA when there is one), cpu, cuda[:N]
     overwrite: bool = False
+    restart: bool = False  # discard the state an interrupted run left for `out` (calib.stream)
+    resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
 
     def __post_init__(self):
         if not self.dataset:
@@ -140,11 +144,6 @@ class CalibrateConfig:
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise QuantSpecError(f"--dtype {self.dtype!r} unsupported; use auto or one of "
                                  f"{', '.join(_DTYPES)}")
-        if self.device_map not in DEVICE_MAPS:
-            raise QuantSpecError(f"--device-map {self.device_map!r} unsupported; use 'auto' (stream "
-                                 "layers from disk) or 'cpu'")
-        if self.offload_dir is not None and self.device_map != "auto":
-            raise QuantSpecError("--offload-dir needs --device-map auto")
 
 
 @dataclass
@@ -235,17 +234,25 @@ class LayerObservers:
 
 def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
                     percentile: float = DEFAULT_PERCENTILE, batch_size: int = DEFAULT_BATCH_SIZE,
-                    weights_dir: str | Path | None = None, dtype: torch.dtype | None = None,
-                    progress: Progress | None = None, kv_observer: str | None = None
-                    ) -> dict[str, torch.Tensor]:
+                    weights: CheckpointReader | None = None, device=None, dtype: torch.dtype | None = None,
+                    progress: Progress | None = None, kv_observer: str | None = None,
+                    sink: PartSink | None = None) -> dict[str, torch.Tensor]:
     """Observe `model` (a `Transformer`) on input_ids [n, S] layer by layer → table tensors.
-    `kv_observer` (default: `observer`) is the observer kind of the K/V per-head scales."""
+    `kv_observer` (default: `observer`) is the observer kind of the K/V per-head scales. A model
+    on `meta` is read from `weights` one layer at a time onto `device`. Each layer's entries go
+    to `sink` (default: kept in memory and returned); a sink holding some layers already (a
+    resumed run) continues after them, from the inputs it kept."""
     for o in (observer, kv_observer or observer):
         if o not in OBSERVERS:
             raise QuantSpecError(f"observer {o!r} unknown; use one of: {', '.join(OBSERVERS)}")
-    tensors: dict[str, torch.Tensor] = {}
-    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights_dir=weights_dir,
-                         dtype=dtype, progress=progress)
+    sink = sink if sink is not None else PartSink()
+    L = len(model.model.layers)
+    start = next((i for i in range(L) if layer_key(i) not in sink.done), L)
+    if start == L:
+        return sink.tensors
+    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights=weights, device=device,
+                         dtype=dtype, progress=progress, start=start,
+                         inputs=sink.inputs_for(start) if start else None)
     with torch.no_grad():
         for step in runner:
             obs = LayerObservers(step.name, observer, percentile, kv_observer)
@@ -254,18 +261,14 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
                 step.forward(obs.kv_hook)
             finally:
                 cleanup()
-            tensors.update(obs.compute())
-    return tensors
+            sink.write(layer_key(step.index), obs.compute(), {},
+                       inputs=step.outputs if step.index + 1 < L else None)
+    return sink.tensors
 
 
-def _load_for_calibration(model: str, dtype: torch.dtype, device_map: str | None):
-    """(Transformer, model_dir, weights_dir or None) — on meta for device_map="auto"."""
-    from quantspec.model_zoo.checkpoint import (
-        build_model,
-        load_model,
-        read_config,
-        resolve_model_dir,
-    )
+def _load_for_calibration(model: str):
+    """(the model on `meta`, its directory, its CheckpointReader)."""
+    from quantspec.model_zoo.checkpoint import build_model, check_checkpoint, read_config, resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs
 
     model_dir = resolve_model_dir(model)
@@ -273,10 +276,10 @@ def _load_for_calibration(model: str, dtype: torch.dtype, device_map: str | None
     if cfg.get("quantization_config"):
         raise QuantSpecError(f"{model_dir} is a quantized artifact; calibrate the original "
                              "(unquantized) model it was made from")
-    if device_map == "auto":
-        return build_model(ModelArgs.from_hf_config(cfg), "meta"), model_dir, model_dir
-    net, model_dir = load_model(model_dir, dtype=dtype)
-    return net, model_dir, None
+    reader = CheckpointReader(model_dir)
+    args = ModelArgs.from_hf_config(cfg)
+    check_checkpoint(reader.shapes, args, str(model_dir))
+    return build_model(args, "meta"), model_dir, reader
 
 
 def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
@@ -284,22 +287,20 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     """Model + dataset → table directory `config.out` (see the module docstring)."""
     from transformers import AutoTokenizer
 
-    from quantspec import __version__
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+    from quantspec.calib.stream import open_run, say_resume
+    from quantspec.devices import resolve_device
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     say = on_status or (lambda msg: None)
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
-    if config.offload_dir is not None:
-        check_output_dir(config.offload_dir, "--offload-dir", overwrite=True)
+    device = resolve_device(config.device)
+    with about("--model"):  # every shard's header checked before any work
+        net, model_dir, reader = _load_for_calibration(config.model)
     say("reading the dataset")
     with about("--dataset"):
         texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
-    say("loading the model")
     dtype_name = resolve_calibration_dtype(config.dtype)
-    dtype = _DTYPES[dtype_name]
-    with about("--model"):
-        net, model_dir, weights_dir = _load_for_calibration(config.model, dtype, config.device_map)
     try:
         tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
     except Exception as e:  # no tokenizer files: one line
@@ -307,22 +308,51 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
                              "the model directory needs its tokenizer files") from None
     batches = build_calibration_batches(texts, tokenizer, config.num_samples, config.seq_len,
                                         seed=config.seed)  # [num_samples, seq_len]
-    fingerprint = model_fingerprint(model_dir)
-    say(f"calibrating on {config.num_samples} × {config.seq_len} tokens")
-    t1 = time.perf_counter()
+    resumable, key = _run_identity(config, model_dir, reader, device, dtype_name)
     kv_observer = config.kv_observer or DEFAULT_KV_OBSERVER
-    tensors = calibrate_model(net, batches, observer=config.observer, percentile=config.percentile,
-                              batch_size=config.batch_size, weights_dir=weights_dir, dtype=dtype,
-                              progress=progress, kv_observer=kv_observer)
-    forward_s = time.perf_counter() - t1
+    with open_run(out, key, resumable=resumable, restart=config.restart) as run:
+        sink = run.sink(keep_inputs=True)
+        say_resume(sink, net.args.num_layers)
+        say(f"calibrating on {config.num_samples} × {config.seq_len} tokens, one layer at a time ({device})")
+        t1 = time.perf_counter()
+        calibrate_model(net, batches, observer=config.observer, percentile=config.percentile,
+                        batch_size=config.batch_size, weights=reader, device=device, dtype=_DTYPES[dtype_name],
+                        progress=progress, kv_observer=kv_observer, sink=sink)
+        forward_s = time.perf_counter() - t1
+        meta = _table_meta(config, dtype_name, kv_observer, model_dir, net, forward_s, cpu0)
+        meta["wall_s"] = round(time.perf_counter() - t0, 3)
+        path = write_table(out, run.tensors(), meta, overwrite=config.overwrite)
+    return CalibrationResult(path=path, meta=meta, wall_s=meta["wall_s"], forward_s=forward_s)
+
+
+def _run_identity(config: CalibrateConfig, model_dir: Path, reader, device: str, dtype_name: str) -> tuple[bool, str]:
+    """(whether the run keeps a state to resume from, the key of everything its table depends on)."""
+    from quantspec import __version__
+    from quantspec.calib.stream import RESUMABLE_MIN_BYTES, file_stats, run_key
+
+    skip = {"out", "overwrite", "restart", "resumable", "device"}
+    identity = {"options": {k: v for k, v in asdict(config).items() if k not in skip}, "dtype": dtype_name,
+                "model": file_stats(model_dir), "dataset": file_stats(config.dataset),
+                "version": __version__, "device": torch.device(device).type}
+    resumable = config.resumable
+    if resumable is None:
+        resumable = reader.nbytes() >= RESUMABLE_MIN_BYTES
+    return bool(resumable), run_key(identity)
+
+
+def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, model_dir: Path, net,
+                forward_s: float, cpu0: float) -> dict:
+    """calibration.json: the options, the data, the model and how the run went."""
+    from quantspec import __version__
+
     local = Path(config.dataset).expanduser()
-    meta = {
-        **{k: v for k, v in asdict(config).items() if k not in ("out", "overwrite")},
+    return {
+        **{k: v for k, v in asdict(config).items() if k not in ("out", "overwrite", "restart", "resumable")},
         "dtype": dtype_name,
         "kv_observer": kv_observer,
         "dataset_path": str(local.resolve()) if local.exists() else None,
         "model_dir": str(model_dir),
-        "model_fingerprint": fingerprint,
+        "model_fingerprint": model_fingerprint(model_dir),
         "num_layers": net.args.num_layers,
         "num_kv_heads": net.args.num_kv_heads,
         "quantspec_version": __version__,
@@ -331,6 +361,3 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
         "forward_s": round(forward_s, 3),
         "cpu_s": round(time.process_time() - cpu0, 3),
     }
-    meta["wall_s"] = round(time.perf_counter() - t0, 3)
-    path = write_table(out, tensors, meta, overwrite=config.overwrite)
-    return CalibrationResult(path=path, meta=meta, wall_s=meta["wall_s"], forward_s=forward_s)

@@ -11,7 +11,8 @@ and the two methods:
 - `gptq`: Frantar et al. (arXiv:2210.17323) through `quant.gptq.gptq_quantize`, layer by layer
   with `calib.runner`. Linears that read the same input (q/k/v; gate/up) share one Hessian and
   are quantized in one call, concatenated along N (GPTQ treats rows independently). Two
-  schedules, chosen by whether all calibration samples fit in one forward (`max_pass_tokens`):
+  schedules, chosen by whether all calibration samples fit in one forward (`max_pass_tokens`
+  tokens, and the MLP's intermediates for all of them within `max_pass_bytes`):
   * one pass ("true sequential"): forward pre-hooks on the first Linear of each shared-input
     group see the whole batch's input, build the Hessian, quantize the group and swap in the
     dequantized weights before the forward continues, so o_proj is calibrated on the outputs of
@@ -23,8 +24,19 @@ and the two methods:
 
 Weight types: int8 per-channel, int4 group (sym/asym) or per-channel, FP8 E4M3 per-channel; the
 a8w8 types also need static per-tensor input scales (from `quantspec calibrate`), stored as
-`input_scale`. On return the model's quantized Linears hold their dequantized weights (a
-fake-quantized model, handy for checks); the returned tensors are the artifact's.
+`input_scale`.
+
+One layer at a time: the artifact's tensors leave in parts — the tensors outside the decoder
+layers (`REST`: embeddings, final norm, head), then each decoder layer's (`layer_key(i)`) — into
+a `PartSink`. A model built on the `meta` device is read from its checkpoint one layer at a time
+(`weights=`, a `model_zoo.checkpoint.CheckpointReader`, in float32 on `device`), smoothed there
+when the a8w8 recipe says so (`smooth=`), quantized, handed to the sink and released; the
+tensors outside the layers are copied from the checkpoint's bytes where their dtype is the
+artifact's. A materialised model runs the same code: on return its quantized Linears hold their
+dequantized weights (a fake-quantized model, handy for checks), and the default sink keeps the
+artifact's tensors in memory (`PTQResult.tensors`). A sink that already holds some parts (a
+resumed run) has them skipped; GPTQ then starts at the first missing layer, from the inputs the
+sink kept for it.
 """
 
 from __future__ import annotations
@@ -36,15 +48,19 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerStep, run_layers
+from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
+from quantspec.calib.smooth import smooth_layer
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.llama import Transformer
-from quantspec.quant.args import QuantArgs, QuantConfig, resolve_group_size
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.config import QuantConfig, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_quantize
+from quantspec.quant.shards import SAFETENSORS_DTYPES
 
-__all__ = ["METHODS", "SHARED_INPUT_GROUPS", "PTQResult", "quantize_model", "quantized_linears",
-           "resolve_layer_group_sizes"]
+__all__ = ["METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
+           "quantized_linears", "resolve_layer_group_sizes"]
 
 METHODS = ("rtn", "gptq")
 # Linears of one decoder layer that read the same input tensor (names relative to the layer).
@@ -57,8 +73,47 @@ SHARED_INPUT_GROUPS = (
 # GPTQ runs all samples in one forward (one-pass schedule) up to this many tokens: 64 × 512
 # SmolLM2 tokens peak at ≈ 1.5 GB of activations (the MLP's [T, 1536] intermediates).
 DEFAULT_MAX_PASS_TOKENS = 65536
+# ... and while the MLP's four [tokens, intermediate] float32 tensors of that forward fit in this
+DEFAULT_MAX_PASS_BYTES = 2 * 2**30
+_MLP_LIVE_TENSORS = 4
+# round-to-nearest works on blocks of rows of at most this many float32 bytes
+_RTN_BLOCK_BYTES = 32 * 2**20
+# the dtype layers read from a checkpoint are quantized in
+QUANT_DTYPE = torch.float32
+# the part of the artifact's tensors outside the decoder layers
+REST = "rest"
 
 Progress = Callable[[int, int, str], None]
+
+
+def layer_key(i: int) -> str:
+    """The part key of decoder layer i's tensors."""
+    return f"layer-{i:05d}"
+
+
+class PartSink:
+    """Where `quantize_model` puts the artifact's tensors, one part at a time (module docstring).
+
+    This one keeps them in memory (`tensors`) with GPTQ's losses per shared-input group; the
+    quantize pipeline's writes each part to disk as it comes (`calib.stream`). `done` holds the
+    keys of the parts written (by an earlier run too); `inputs_for(i)` gives the inputs
+    [n, S, D] of decoder layer i that an earlier run left (None: there are none).
+    """
+
+    def __init__(self) -> None:
+        self.tensors: dict[str, torch.Tensor] = {}
+        self.losses: dict[str, float] = {}
+        self.done: set[str] = set()
+
+    def write(self, key: str, tensors: dict[str, torch.Tensor], losses: dict[str, float],
+              inputs: torch.Tensor | None = None) -> None:
+        """Take part `key`; `inputs` [n, S, D] are the next decoder layer's (GPTQ), or None."""
+        self.tensors.update(tensors)
+        self.losses.update(losses)
+        self.done.add(key)
+
+    def inputs_for(self, layer: int) -> torch.Tensor | None:
+        return None
 
 
 @dataclass
@@ -116,22 +171,7 @@ def _check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantCon
     return out
 
 
-@torch.no_grad()
-def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
-                   calib_batches: torch.Tensor | None = None, *, block_size: int = 128,
-                   damp: float = 0.01, act_order: bool = False,
-                   input_scales: Mapping[str, torch.Tensor | float] | None = None,
-                   scale_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
-                   batch_size: int = DEFAULT_BATCH_SIZE,
-                   max_pass_tokens: int = DEFAULT_MAX_PASS_TOKENS,
-                   progress: Progress | None = None) -> PTQResult:
-    """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
-
-    calib_batches: LongTensor [n, S] (GPTQ only). input_scales: Linear name → static input scale
-    (a8w8 / a8w8_fp8). scale_dtype: dtype of the stored weight scales (default: the weight's);
-    out_dtype: dtype of the unquantized tensors written (default: the model's).
-    progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
-    """
+def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
     if method not in METHODS:
         raise QuantSpecError(f"unknown method {method!r}; use one of: {', '.join(METHODS)}")
     if not isinstance(config, QuantConfig):
@@ -143,78 +183,182 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
         if calib_batches is None:
             raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
                                  ".txt/.json/.jsonl/.parquet file or a hub id)")
+        if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
+            raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.type == "float" for s in config.config_groups.values()):
             raise QuantSpecError("GPTQ rounds to an integer grid; use --method rtn for FP8 weights")
+
+
+@torch.no_grad()
+def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
+                   calib_batches: torch.Tensor | None = None, *, block_size: int = 128,
+                   damp: float = 0.01, act_order: bool = False,
+                   input_scales: Mapping[str, torch.Tensor | float] | None = None,
+                   scale_dtype: torch.dtype | None = None, out_dtype: torch.dtype | None = None,
+                   batch_size: int = DEFAULT_BATCH_SIZE,
+                   max_pass_tokens: int = DEFAULT_MAX_PASS_TOKENS,
+                   max_pass_bytes: int = DEFAULT_MAX_PASS_BYTES,
+                   progress: Progress | None = None, weights: CheckpointReader | None = None,
+                   device: str | torch.device | None = None,
+                   smooth: Mapping[str, torch.Tensor] | None = None,
+                   sink: PartSink | None = None) -> PTQResult:
+    """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
+
+    calib_batches: LongTensor [n, S] (GPTQ only). input_scales: Linear name → static input scale
+    (a8w8 / a8w8_fp8). scale_dtype: dtype of the stored weight scales (default: the weight's);
+    out_dtype: dtype of the unquantized tensors written (default: the model's).
+    weights / device: a model on `meta` is read from `weights` one layer at a time onto `device`;
+    smooth: {Linear: s [K]} folded into each layer before it is quantized (`calib.smooth`);
+    sink: where the parts go (default: kept in memory, `PTQResult.tensors`).
+    progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
+    """
+    _check_request(method, config, calib_batches)
     t0 = time.perf_counter()
     config = resolve_layer_group_sizes(model, config)
-    linears = quantized_linears(model, config)
-    if not linears:
-        raise QuantSpecError("the config quantizes no Linear of this model; check --ignore and "
-                             "the config's targets")
-    layer_args = {n: config.weight_args_for(n) for n in linears}
-    in_scales = _check_input_scales(layer_args, config, input_scales)
-    results: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name → (q, s, zp)
-    losses: dict[str, float] = {}
-
-    def quantize_group(names: list[str], hessian: torch.Tensor | None) -> None:
-        """Quantize Linears sharing one input (and Hessian); swap in dequantized weights."""
-        buckets: dict[QuantArgs, list[str]] = {}
-        for n in names:
-            a = layer_args[n]
-            key = a if a.strategy in ("channel", "group") else (a, n)  # per-tensor: alone
-            buckets.setdefault(key, []).append(n)
-        for key, members in buckets.items():
-            args = layer_args[members[0]]
-            W = torch.cat([linears[n].weight for n in members])  # [ΣN, K]
-            sd = scale_dtype or W.dtype
-            if hessian is None:
-                r = rtn_quantize(W, args, scale_dtype=sd)
-            else:
-                r = gptq_quantize(W, hessian, args, block_size=block_size, damp=damp,
-                                  act_order=act_order, scale_dtype=sd)
-                losses[members[0] if len(members) == 1 else "+".join(members)] = r.loss
-            row = 0
-            for n in members:
-                N = linears[n].out_features
-                sl = slice(row, row + N)
-                per_row = args.strategy in ("channel", "group")
-                results[n] = (r.q[sl], r.scale[sl] if per_row else r.scale,
-                              r.zero_point[sl] if per_row else r.zero_point)
-                linears[n].weight.copy_(r.weight_dq[sl].to(linears[n].weight.dtype))
-                row += N
-
-    # a draft-side module without decoder layers (Medusa heads) quantizes its Linears one by one
-    layers = getattr(getattr(model, "model", None), "layers", [])
-    num_layers = len(layers)
+    q = _LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
+                        input_scales=input_scales, scale_dtype=scale_dtype, weights=weights,
+                        device=device, smooth=smooth,
+                        out_dtype=out_dtype or next(model.parameters()).dtype)
+    outside = [n for n in q.linears if not n.startswith("model.layers.")]
+    if method == "gptq" and outside:
+        raise QuantSpecError(f"GPTQ quantizes decoder-layer Linears only; add {outside[0]} to "
+                             "--ignore or use --method rtn")
+    sink = sink if sink is not None else PartSink()
+    if REST not in sink.done:
+        sink.write(REST, q.rest_part(model, outside), {})
     if method == "rtn":
-        for i, layer in enumerate(layers):
-            if progress is not None:
-                progress(i, num_layers, "start")
-            for group in _layer_groups(f"model.layers.{i}", layer, linears):
-                quantize_group(group, None)
-            if progress is not None:
-                progress(i, num_layers, "done")
-        # Linears outside the decoder layers that the config targets (e.g. an un-ignored lm_head)
-        rest = [n for n in linears if n not in results]
-        for n in rest:
-            quantize_group([n], None)
+        _rtn_layers(model, q, sink, progress)
     else:
-        _run_gptq(model, calib_batches, linears, quantize_group, batch_size=batch_size,
-                  max_pass_tokens=max_pass_tokens, progress=progress)
-        rest = [n for n in linears if n not in results]
-        if rest:
-            raise QuantSpecError(f"GPTQ quantizes decoder-layer Linears only; add {rest[0]} to "
-                                 "--ignore or use --method rtn")
-
-    tensors = _artifact_tensors(model, linears, results, layer_args, in_scales,
-                                out_dtype or next(model.parameters()).dtype)
-    summary = {"method": method, "num_quantized_linears": len(linears),
+        _gptq_layers(model, calib_batches, q, sink, batch_size=batch_size, progress=progress,
+                     one_pass=_one_pass(model, calib_batches, max_pass_tokens, max_pass_bytes))
+    summary = {"method": method, "num_quantized_linears": len(q.linears),
                "seconds": round(time.perf_counter() - t0, 3)}
     if method == "gptq":
         summary.update(block_size=block_size, damp=damp, act_order=act_order,
                        calibration_tokens=int(calib_batches.numel()),
-                       gptq_loss_total=float(sum(losses.values())))
-    return PTQResult(tensors=tensors, config=config, layer_args=layer_args, summary=summary)
+                       gptq_loss_total=float(sum(sink.losses.values())))
+    return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)
+
+
+class _LayerQuantizer:
+    """What quantizing one layer needs: the Linears the config quantizes with their args and
+    static input scales, where layers are read from, and the codes of the part under way."""
+
+    def __init__(self, model, config: QuantConfig, *, block_size, damp, act_order, input_scales,
+                 scale_dtype, weights, device, smooth, out_dtype):
+        self.linears = quantized_linears(model, config)
+        if not self.linears:
+            raise QuantSpecError("the config quantizes no Linear of this model; check --ignore and "
+                                 "the config's targets")
+        self.layer_args = {n: config.weight_args_for(n) for n in self.linears}
+        self.in_scales = _check_input_scales(self.layer_args, config, input_scales)
+        self.block_size, self.damp, self.act_order = block_size, damp, act_order
+        self.scale_dtype, self.out_dtype, self.smooth = scale_dtype, out_dtype, smooth or {}
+        self.weights, self.device = weights, torch.device(device or "cpu")
+        self.tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+        self.results: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name → (q, s, zp)
+        self.losses: dict[str, float] = {}
+
+    def resident(self, module: nn.Module, prefix: str):
+        """`module` materialised for the block (read from the checkpoint when on `meta`)."""
+        return resident(module, prefix, self.weights, dtype=QUANT_DTYPE, device=self.device)
+
+    def quantize_group(self, names: list[str], hessian: torch.Tensor | None) -> None:
+        """Quantize Linears sharing one input (and Hessian); swap in dequantized weights."""
+        buckets: dict[QuantArgs, list[str]] = {}
+        for n in names:
+            a = self.layer_args[n]
+            key = a if a.strategy in ("channel", "group") else (a, n)  # per-tensor: alone
+            buckets.setdefault(key, []).append(n)
+        for members in buckets.values():
+            args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
+            if hessian is None and args.strategy in ("channel", "group"):
+                for n, m in zip(members, mods):  # rows are independent: no concatenation
+                    self.results[n] = _rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype)
+                continue
+            W = torch.cat([m.weight for m in mods])  # [ΣN, K]
+            sd = self.scale_dtype or W.dtype
+            if hessian is None:
+                r = rtn_quantize(W, args, scale_dtype=sd)
+            else:
+                r = gptq_quantize(W, hessian, args, block_size=self.block_size, damp=self.damp,
+                                  act_order=self.act_order, scale_dtype=sd)
+                self.losses[members[0] if len(members) == 1 else "+".join(members)] = r.loss
+            row = 0
+            per_row = args.strategy in ("channel", "group")
+            for n, m in zip(members, mods):
+                sl = slice(row, row + m.out_features)
+                self.results[n] = (r.q[sl], r.scale[sl] if per_row else r.scale,
+                                   r.zero_point[sl] if per_row else r.zero_point)
+                m.weight.copy_(r.weight_dq[sl].to(m.weight.dtype))
+                row += m.out_features
+
+    def part(self, prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
+        """The artifact's tensors of `module` (named `prefix`): its quantized Linears in
+        compressed-tensors names + every other tensor (norms, biases) cast to `out_dtype`."""
+        tensors: dict[str, torch.Tensor] = {}
+        mine = [n for n in self.results if n.startswith(prefix + ".") or n == prefix]
+        quantized = {f"{n}.weight" for n in mine}
+        for name, t in module.state_dict(prefix=f"{prefix}." if prefix else "").items():
+            if name not in quantized:
+                tensors[name] = t.to(self.out_dtype) if t.is_floating_point() else t
+        for name in mine:
+            qt, s, zp = self.results.pop(name)
+            args = self.layer_args[name]
+            tensors.update(linear_to_tensors(name, qt.contiguous(), s.contiguous(),
+                                             None if args.symmetric else zp.contiguous(), args,
+                                             input_scale=self.in_scales.get(name)))
+        return tensors
+
+    def rest_part(self, model: nn.Module, outside: list[str]) -> dict:
+        """The tensors outside the decoder layers (a tied head is the embedding, not written
+        twice); a Linear there that the config quantizes (e.g. an un-ignored lm_head) with
+        round-to-nearest. From a model on `meta`, a tensor whose checkpoint dtype is `out_dtype`
+        is copied from the checkpoint's bytes, never loaded."""
+        tensors: dict = {}
+        for name in outside:
+            with self.resident(model.get_submodule(name), name) as mod:
+                self.quantize_group([name], None)
+                tensors.update(self.part(name, mod))
+        state = model.state_dict()
+        for key, t in state.items():
+            if key.startswith("model.layers.") or key in tensors or key.rsplit(".", 1)[0] in outside:
+                continue
+            if key == "lm_head.weight" and self.tied:
+                continue
+            if t.device.type != "meta":
+                tensors[key] = t.to(self.out_dtype) if t.is_floating_point() else t
+            elif key in self.weights.ranges and self.weights.ranges[key].dtype == SAFETENSORS_DTYPES.get(self.out_dtype):
+                tensors[key] = self.weights.ranges[key]
+            else:
+                tensors[key] = self.weights.read([key], dtype=QUANT_DTYPE)[key].to(self.out_dtype)
+        return tensors
+
+
+def _rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
+                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest of `weight` [N, K] under per-row (channel / group) `args`, in blocks of
+    rows of at most `_RTN_BLOCK_BYTES` (float32), so its temporaries stay small whatever N;
+    `weight` is overwritten with its dequantized values. → (q [N, K], scale, zero_point or None),
+    the same numbers as one `rtn_quantize` call over all rows."""
+    rows = max(1, _RTN_BLOCK_BYTES // (weight.shape[1] * 4))
+    qs, scales, zps = [], [], []
+    for a in range(0, weight.shape[0], rows):
+        block = weight[a:a + rows]  # [≤ rows, K]
+        r = rtn_quantize(block, args, scale_dtype=scale_dtype)
+        block.copy_(r.weight_dq)
+        qs.append(r.q)
+        scales.append(r.scale)
+        zps.append(r.zero_point)
+    zp = None if zps[0] is None else torch.cat(zps)
+    return torch.cat(qs), torch.cat(scales), zp
+
+
+def _one_pass(model, calib_batches: torch.Tensor, max_pass_tokens: int, max_pass_bytes: int) -> bool:
+    """GPTQ's one-pass schedule: all samples in one forward (module docstring)."""
+    tokens = calib_batches.numel()
+    inter = model.args.intermediate_size
+    return tokens <= max_pass_tokens and tokens * inter * 4 * _MLP_LIVE_TENSORS <= max_pass_bytes
 
 
 def _layer_groups(prefix: str, layer: nn.Module, linears: Mapping[str, nn.Linear]) -> list[list[str]]:
@@ -233,61 +377,75 @@ def _layer_groups(prefix: str, layer: nn.Module, linears: Mapping[str, nn.Linear
     return groups
 
 
-def _run_gptq(model: Transformer, calib_batches: torch.Tensor, linears, quantize_group, *,
-              batch_size: int, max_pass_tokens: int, progress) -> None:
-    if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
-        raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
-    n, S = calib_batches.shape
-    one_pass = n * S <= max_pass_tokens
-    state: dict = {}
-
-    def before(step: LayerStep):
-        groups = _layer_groups(step.name, step.layer, linears)
-        handles = []
-        accs = {}
-        for group in groups:
-            head = linears[group[0]]
-            acc = HessianAccumulator(head.in_features, device=head.weight.device)
-            accs[tuple(group)] = acc
-
-            def hook(mod, inputs, group=group, acc=acc):
-                acc.update(inputs[0])
-                if one_pass:  # the whole batch is here: quantize before the forward goes on
-                    quantize_group(group, acc.compute())
-                    acc.H = None  # free [K, K]
-            handles.append(head.register_forward_pre_hook(hook))
-        state["accs"] = accs
-
-        def cleanup():
-            for h in handles:
-                h.remove()
-        return cleanup
-
-    def after(step: LayerStep):
-        if not one_pass:
-            for group, acc in state.pop("accs").items():
-                quantize_group(list(group), acc.compute())
-
-    run_layers(model, calib_batches, before=before, after=after, sequential=not one_pass,
-               batch_size=n if one_pass else batch_size, progress=progress)
+def decoder_layers(model: nn.Module) -> list:
+    """The model's decoder layers (none for a draft module without them, e.g. Medusa heads:
+    every Linear is then in the rest part)."""
+    return getattr(getattr(model, "model", None), "layers", [])
 
 
-def _artifact_tensors(model: Transformer, linears, results, layer_args, in_scales,
-                      out_dtype: torch.dtype) -> dict[str, torch.Tensor]:
-    """Quantized Linears in compressed-tensors names + every other tensor (embeddings, norms,
-    lm_head, biases) as it is, cast to `out_dtype`."""
-    tensors: dict[str, torch.Tensor] = {}
-    quantized_weights = {f"{n}.weight" for n in linears}
-    for name, t in model.state_dict().items():
-        if name in quantized_weights:
+def _rtn_layers(model, q: _LayerQuantizer, sink: PartSink, progress) -> None:
+    layers = decoder_layers(model)
+    for i, layer in enumerate(layers):
+        if layer_key(i) in sink.done:
             continue
-        if name == "lm_head.weight" and model.args.tie_word_embeddings:
-            continue  # tied: the checkpoint holds only the embedding
-        tensors[name] = t.to(out_dtype) if t.is_floating_point() else t
-    for name in linears:
-        q, s, zp = results[name]
-        args = layer_args[name]
-        tensors.update(linear_to_tensors(name, q.contiguous(), s.contiguous(),
-                                         None if args.symmetric else zp.contiguous(), args,
-                                         input_scale=in_scales.get(name)))
-    return tensors
+        if progress is not None:
+            progress(i, len(layers), "start")
+        prefix = layer_prefix(i)
+        with q.resident(layer, prefix):
+            if q.smooth:
+                smooth_layer(layer, prefix, q.smooth)
+            for group in _layer_groups(prefix, layer, q.linears):
+                q.quantize_group(group, None)
+            sink.write(layer_key(i), q.part(prefix, layer), {})
+        if progress is not None:
+            progress(i, len(layers), "done")
+
+
+def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
+    """Forward pre-hooks that build each shared-input group's Hessian (and, in one pass,
+    quantize the group before the forward goes on) → (accumulators, cleanup)."""
+    accs, handles = {}, []
+    for group in _layer_groups(step.name, step.layer, q.linears):
+        head = q.linears[group[0]]
+        acc = HessianAccumulator(head.in_features, device=head.weight.device)
+        accs[tuple(group)] = acc
+
+        def hook(mod, inputs, group=group, acc=acc):
+            acc.update(inputs[0])
+            if one_pass:  # the whole batch is here: quantize before the forward goes on
+                q.quantize_group(group, acc.compute())
+                acc.H = None  # free [K, K]
+        handles.append(head.register_forward_pre_hook(hook))
+
+    def cleanup():
+        for h in handles:
+            h.remove()
+    return accs, cleanup
+
+
+def _gptq_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: PartSink, *,
+                 batch_size: int, progress, one_pass: bool) -> None:
+    L = len(model.model.layers)
+    start = next((i for i in range(L) if layer_key(i) not in sink.done), L)
+    if start == L:
+        return
+    n = calib_batches.shape[0]
+    streamed = q.weights is not None
+    runner = LayerRunner(model, calib_batches, batch_size=n if one_pass else batch_size, weights=q.weights,
+                         device=q.device if streamed else None, dtype=QUANT_DTYPE if streamed else None,
+                         progress=progress, start=start, inputs=sink.inputs_for(start) if start else None)
+    for step in runner:
+        if q.smooth:
+            smooth_layer(step.layer, step.name, q.smooth)
+        accs, cleanup = _gptq_hooks(step, q, one_pass)
+        try:
+            step.forward()
+        finally:
+            cleanup()
+        if not one_pass:  # two passes: quantize, then re-run so the next layer sees its outputs
+            for group, acc in accs.items():
+                q.quantize_group(list(group), acc.compute())
+            step.propagate()
+        losses, q.losses = q.losses, {}
+        sink.write(layer_key(step.index), q.part(step.name, step.layer), losses,
+                   inputs=step.outputs if step.index + 1 < L else None)

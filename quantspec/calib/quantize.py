@@ -4,10 +4,18 @@ artifact directory.
 `QuantizeConfig` is the one place that checks what the user asked for: every rule `quantize`
 applies (quant type, method, group size, zero points, the a8w8 recipe's knobs, the data they
 need) fails when the config is built, in one line naming the flag. `run_quantize` then runs the
-phases in order — check the output location, read the source and the calibration table, load
-the model, gather GPTQ's data, plan the static-activation recipe (a8w8 types), quantize layer by
-layer (`calib.ptq`), write the artifact atomically (`quant.artifact`) — each a small function
-below.
+phases in order — check the output location and the device, read the source's headers and the
+calibration table, check the disk has room for the artifact, gather GPTQ's data, plan the
+static-activation recipe (a8w8 types), quantize layer by layer (`calib.ptq`), write the artifact
+atomically (`quant.artifact`) — each a small function below.
+
+Models larger than memory: the model is built on the `meta` device and every pass — the recipe's
+measurements and the quantization itself — reads one decoder layer at a time from the
+checkpoint's safetensors (`model_zoo.checkpoint.CheckpointReader`) onto `device`, quantizes it
+and writes its tensors into the run's working directory (`calib.stream`), so resident memory is
+one layer's weights, its calibration activations and (GPTQ) its Hessians, whatever the depth.
+A big run keeps that directory when it does not complete, and the same command resumes it from
+the last finished layer (`calib.stream`).
 
 The a8w8 / a8w8_fp8 recipe by default: SmoothQuant α searched per smoothing group and the fewest
 fused units (q/k/v, gate/up, o_proj, down_proj) kept at float activations (W8A16) that keep the
@@ -27,6 +35,7 @@ import torch
 
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
+from quantspec.quant.shards import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = ["COPIED_FILES", "QuantizeConfig", "run_quantize"]
 
@@ -45,9 +54,10 @@ class QuantizeConfig:
     """Everything `quantize` needs; every rule is checked when the config is built.
 
     `smoothquant_alpha`: None (the recipe's default: "auto" for the a8w8 types), "auto", "none"
-    or a number in (0, 1). `target` ("portable" = vLLM and SGLang, "vllm", "sglang",
-    "transformers", "quantspec"): options an engine of the target would refuse or ignore fail here,
-    in one line naming the target and the alternative (`quant.engines.target_refusal`).
+    or a number in (0, 1). `device`: where each layer is quantized (`devices.resolve_device`);
+    `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
+    "sglang", "transformers", "quantspec"): options an engine of the target would refuse or ignore
+    fail here, in one line naming the target and the alternative (`quant.engines.target_refusal`).
     `fallback_layers` / `fallback_threshold` choose the a8w8 fallback
     units by their measured error instead of `fallback_budget` (percent over the weight-only
     model on `holdout_samples` held-back windows; None → `calib.budget.DEFAULT_BUDGET_PCT`).
@@ -60,7 +70,7 @@ class QuantizeConfig:
     group_size: int = 128
     symmetric: bool = True
     zp_dtype: str | None = None
-    weight_observer: str | None = None  # None: `quant.args.default_weight_observer`
+    weight_observer: str | None = None  # None: `quant.presets.default_weight_observer`
     ignore: tuple[str, ...] = ()
     act_order: bool = False
     block_size: int = 128
@@ -82,11 +92,15 @@ class QuantizeConfig:
     search_samples: int = 4
     holdout_samples: int | None = None
     overwrite: bool = False
+    device: str = "auto"  # where each layer is quantized: auto (CUDA when there is one), cpu, cuda[:N]
+    restart: bool = False  # discard the state an interrupted run left for `out`
+    resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         from quantspec.calib.ptq import METHODS
-        from quantspec.quant.args import QuantType, default_weight_observer, preset
+        from quantspec.quant.args import QuantType
+        from quantspec.quant.presets import default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
@@ -186,6 +200,7 @@ class _Source:
     model_dir: Path
     config: dict
     dtype: torch.dtype  # the checkpoint's dtype: scales and unquantized tensors are written in it
+    reader: object | None = None  # its CheckpointReader (None: an MTP module, read whole)
     table: object | None = None  # the calibration table (a8w8 types, static KV)
     calib_summary: dict = field(default_factory=dict)
 
@@ -194,51 +209,66 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
                  on_status: Callable[[str], None] | None = None) -> Path:
     """Quantize `config.model` into the artifact directory `config.out`; returns its path.
 
-    Written atomically: on any error, Ctrl-C or SIGTERM `out` is left as it was.
-    `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at each
-    phase (loading, measuring, writing).
+    Written atomically: on any error, Ctrl-C or SIGTERM `out` is left as it was (a big run keeps
+    its state to resume from, `calib.stream`). `progress(layer, num_layers, phase)` is called per
+    decoder layer, `on_status(message)` at each phase (reading, measuring, writing).
     """
-    from quantspec.calib.ptq import quantize_model
+    from quantspec.calib.ptq import decoder_layers, quantize_model
+    from quantspec.calib.stream import open_run, say_resume
+    from quantspec.devices import resolve_device
 
     t0 = time.perf_counter()
     say = on_status or (lambda _m: None)
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
+    device = resolve_device(config.device)
     src = _read_source(config)
-    say(f"loading {src.model_dir}")
-    net = _load_model(config, src)
     batches = _gptq_batches(config, src, say)
-    qconfig, input_scales = config.quant_config, None
-    if config.static:
-        qconfig, input_scales, batches = _plan_static(config, src, net, qconfig, batches, say)
-    res = quantize_model(net, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
-                         act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
-                         out_dtype=src.dtype, progress=progress)
-    say(f"writing {out}")
-    return _write(config, src, res, out, time.perf_counter() - t0)
+    model = _skeleton(config, src)
+    resumable, key = _run_identity(config, src, device)
+    _check_disk(config, src, model, out, key)
+    with open_run(out, key, resumable=resumable, restart=config.restart) as run:
+        qconfig, input_scales, factors = config.quant_config, None, None
+        if config.static:
+            qconfig, input_scales, factors, batches = _plan_static(config, src, model, qconfig, batches, say,
+                                                                   run, device)
+        sink = run.sink(keep_inputs=config.method == "gptq")
+        say_resume(sink, len(decoder_layers(model)))
+        say(f"quantizing {src.model_dir} one layer at a time ({device})")
+        res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
+                             act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
+                             out_dtype=src.dtype, progress=progress, weights=src.reader, device=device,
+                             smooth=factors, sink=sink)
+        say(f"writing {out}")
+        return _write(config, src, res, run, out, time.perf_counter() - t0)
 
 
 def _read_source(config: QuantizeConfig) -> _Source:
-    """The source checkpoint (checked whole before any work) and the calibration table."""
-    from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir, verify_checkpoint
+    """The source checkpoint (its headers checked before any work) and the calibration table."""
+    from quantspec.model_zoo.checkpoint import CheckpointReader, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.medusa import is_medusa_config
     from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.quant.engines import target_refusal
 
     with about("--model"):
         model_dir = resolve_model_dir(config.model)
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        if config.target != "quantspec" and is_mtp_config(cfg):
-            raise QuantSpecError(f"--target {config.target}: {model_dir} is an MTP module, which only "
-                                 "quantspec runs (no engine has its model class); pass --target quantspec")
-        if config.target != "quantspec" and is_medusa_config(cfg):
-            raise QuantSpecError(f"--target {config.target}: {model_dir} holds Medusa heads, whose quantized "
-                                 "layout only quantspec's conformance covers so far; pass --target quantspec")
-        verify_checkpoint(model_dir)
+        what = "an MTP module" if is_mtp_config(cfg) else "Medusa heads" if is_medusa_config(cfg) else None
+        refusal = target_refusal(config.target, config.quant_config, mtp=True) if what else None
+        if refusal is not None:  # a draft module: no transformers model class
+            raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
+        reader = None if what else CheckpointReader(model_dir)  # every header checked
+        if reader is None:
+            verify_checkpoint(model_dir)
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         dtype = torch.float32
-    src = _Source(model_dir=model_dir, config=cfg, dtype=dtype)
+    src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, reader=reader)
+    if reader is None and (config.method != "rtn" or config.static or config.kv_cache is not None):
+        raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
+                             "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
+                             "scales need its base's hidden states)")
     if config.static or config.kv_cache is not None:  # read before the model: a bad table fails at once
         from quantspec.calib.tables import read_table
 
@@ -248,23 +278,23 @@ def _read_source(config: QuantizeConfig) -> _Source:
     return src
 
 
-def _load_model(config: QuantizeConfig, src: _Source):
-    """The source model in fp32 (an MTP module is quantized on its own, weight-only, with RTN)."""
-    from quantspec.model_zoo.checkpoint import load_model
+def _skeleton(config: QuantizeConfig, src: _Source):
+    """The model on the `meta` device, its layers read from `src.reader` as they are quantized
+    (an MTP module — one block — or Medusa heads, quantized on their own, weight-only, with RTN,
+    are read whole)."""
+    from quantspec.model_zoo.checkpoint import build_model, check_checkpoint
+    from quantspec.model_zoo.llama import ModelArgs
     from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
     from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
-    for what, is_it, load in (("an MTP module", is_mtp_config, load_mtp), ("Medusa heads", is_medusa_config, load_medusa)):
-        if not is_it(src.config):
-            continue
-        if config.method != "rtn" or config.static or config.kv_cache is not None:
-            raise QuantSpecError(f"{src.model_dir} is {what}: quantize it with --method rtn to "
-                                 "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
-                                 "scales need its base's hidden states)")
-        with about("--model"):
-            return load(src.model_dir)
+    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa)):
+        if is_it(src.config):
+            with about("--model"):
+                return load(src.model_dir)
     with about("--model"):
-        return load_model(src.model_dir, dtype=torch.float32)[0]
+        args = ModelArgs.from_hf_config(src.config)
+        check_checkpoint(src.reader.shapes, args, str(src.model_dir))
+    return build_model(args, "meta")
 
 
 def _gptq_batches(config: QuantizeConfig, src: _Source, say) -> torch.Tensor | None:
@@ -287,9 +317,9 @@ def _gptq_batches(config: QuantizeConfig, src: _Source, say) -> torch.Tensor | N
     return batches
 
 
-def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, say):
-    """The a8w8 recipe on `net` (smoothed in place): → (config with the fallback group, static
-    input scales, GPTQ batches)."""
+def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, say, run, device):
+    """The a8w8 recipe, measured one layer at a time (or as an earlier run of this state kept it):
+    → (config with the fallback group, static input scales, smoothing factors, GPTQ batches)."""
     from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
     from quantspec.calib.data import TableWindows
     from quantspec.calib.sensitivity import plan_static_quant, with_fallback_layers
@@ -308,35 +338,107 @@ def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, sa
         src.calib_summary.update(gptq_data=data.describe(0, batches.shape[0]))
     if budget is not None:
         holdout_ids = data.held_back_windows(config.holdout_samples or HOLDOUT_SAMPLES)
-    if search_ids is not None:
-        say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
-            "(SmoothQuant α search, fallback ranking)"
-            + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
-               "held-back windows"))
-    (base,) = qconfig.config_groups.values()  # the a8w8 presets are one group
-    # smooths `net` in place (all but the fallback units) and picks the fallback units
-    plan = plan_static_quant(net, table, config.quant_type, smoothquant_alpha=alpha, input_ids=search_ids,
-                             fallback_layers=config.fallback_layers or 0,
-                             fallback_threshold=config.fallback_threshold, fallback_budget=budget,
-                             holdout_ids=holdout_ids, weight_args=base.weights)
-    summary = plan.summary()
-    if summary["held_back"] is not None:
-        summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))
-    src.calib_summary.update(smoothquant_alpha=alpha, static_plan=summary,
+    saved = run.load("plan")
+    if saved is None:
+        if search_ids is not None:
+            say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
+                "(SmoothQuant α search, fallback ranking)"
+                + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
+                   "held-back windows") + ", one layer at a time")
+        (base,) = qconfig.config_groups.values()  # the a8w8 presets are one group
+        plan = plan_static_quant(net, table, config.quant_type, smoothquant_alpha=alpha, input_ids=search_ids,
+                                 fallback_layers=config.fallback_layers or 0,
+                                 fallback_threshold=config.fallback_threshold, fallback_budget=budget,
+                                 holdout_ids=holdout_ids, weight_args=base.weights, weights=src.reader,
+                                 device=device)
+        summary = plan.summary()
+        if summary["held_back"] is not None:
+            summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))
+        saved = {"input_scales": plan.input_scales, "factors": plan.factors, "fallback": plan.fallback,
+                 "summary": summary}
+        run.save("plan", saved)
+    src.calib_summary.update(smoothquant_alpha=alpha, static_plan=saved["summary"],
                              search_samples=None if search_ids is None else int(search_ids.shape[0]))
-    return with_fallback_layers(qconfig, plan.fallback), plan.input_scales, batches
+    return (with_fallback_layers(qconfig, saved["fallback"]), saved["input_scales"], saved["factors"],
+            batches)
 
 
-def _write(config: QuantizeConfig, src: _Source, res, out: Path, wall_s: float) -> Path:
-    """The artifact: the source config + `quantization_config`, the tensors (+ KV scales), the
-    tokenizer files and `quantspec.json` provenance."""
+def _run_identity(config: QuantizeConfig, src: _Source, device: str) -> tuple[bool, str]:
+    """(whether the run keeps a state to resume from, the key of everything its output depends
+    on: the checkpoint's files, the table's, the data file's, the options, the version, the
+    device kind)."""
+    from dataclasses import fields
+
+    from quantspec import __version__
+    from quantspec.calib.stream import RESUMABLE_MIN_BYTES, file_stats, run_key
+
+    skip = {"out", "overwrite", "restart", "resumable", "device"}
+    identity = {"options": {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in skip},
+                "model": file_stats(src.model_dir), "calib": file_stats(config.calib),
+                "dataset": file_stats(config.dataset),
+                "version": __version__, "device": torch.device(device).type}
+    resumable = config.resumable
+    if resumable is None:
+        resumable = src.reader is not None and src.reader.nbytes() >= RESUMABLE_MIN_BYTES
+    return bool(resumable), run_key(identity)
+
+
+def _check_disk(config: QuantizeConfig, src: _Source, model, out: Path, key: str) -> None:
+    """Refuse, before any work, an `out` whose filesystem lacks room for the artifact (estimated
+    from the checkpoint's shapes and the scheme) and the run's working files."""
+    import shutil
+
+    from quantspec.calib.stream import working_bytes
+    from quantspec.outputs import state_dir
+
+    need = _artifact_bytes(model, config.quant_config, src.dtype)
+    need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
+    if config.method == "gptq":  # a resumable run keeps the next layer's inputs (two while replacing)
+        need += 2 * config.num_samples * config.seq_len * model.args.hidden_size * 4
+    anchor = out
+    while not anchor.exists() and anchor.parent != anchor:
+        anchor = anchor.parent
+    free = shutil.disk_usage(anchor).free + working_bytes(state_dir(out, key))
+    if free < need:
+        raise QuantSpecError(f"not enough disk space for --out {out}: the artifact and its working files need "
+                             f"about {need / 1e9:.1f} GB and {free / 1e9:.1f} GB are free there; free some "
+                             "space or choose another --out")
+
+
+def _artifact_bytes(model, qconfig, dtype: torch.dtype) -> int:
+    """The artifact's tensor bytes, estimated from the model's shapes (on `meta`) and the
+    scheme: quantized weights at their bits plus their scales and zero points, the rest in
+    `dtype`."""
+    from quantspec.calib.ptq import quantized_linears
+    from quantspec.quant.config import resolve_group_size
+
+    elem = torch.tensor([], dtype=dtype).element_size()
+    linears = quantized_linears(model, qconfig)
+    total = 0
+    for name, t in model.state_dict().items():
+        mod = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and mod in linears:
+            args = qconfig.weight_args_for(mod)
+            N, K = t.shape
+            groups = K // resolve_group_size(K, args.group_size) if args.strategy == "group" else 1
+            total += N * K * args.num_bits // 8 + N * groups * elem * (1 if args.symmetric else 2)
+        else:
+            total += t.numel() * elem
+    return total
+
+
+def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: float) -> Path:
+    """The artifact: the source config + `quantization_config`, the tensors the run wrote (+ KV
+    scales), the tokenizer files and `quantspec.json` provenance."""
     from quantspec import __version__
     from quantspec.model_zoo.checkpoint import model_fingerprint
     from quantspec.quant.artifact import write_artifact
 
-    if config.kv_cache is not None:  # k_scale / v_scale per attention: [1] or [KV, 1, 1] (compressed-tensors)
+    if config.kv_cache is not None and "kv" not in run.writer.parts:
+        # k_scale / v_scale per attention: [1] or [KV, 1, 1] (compressed-tensors)
         kv = config.quant_config.kv_cache_scheme
-        res.tensors.update(src.table.kv_artifact_tensors("fp8" if kv.type == "float" else "int8", kv.strategy))
+        run.writer.add("kv", src.table.kv_artifact_tensors("fp8" if kv.type == "float" else "int8", kv.strategy),
+                       run.writer.meta)
     cfg = dict(src.config)
     cfg["quantization_config"] = res.config.to_dict()
     extra = {f: src.model_dir / f for f in COPIED_FILES if (src.model_dir / f).is_file()}
@@ -354,6 +456,6 @@ def _write(config: QuantizeConfig, src: _Source, res, out: Path, wall_s: float) 
         "ptq": res.summary,
         "wall_time_s": round(wall_s, 3),
     }
-    return write_artifact(out, res.tensors, cfg, extra_files=extra,
+    return write_artifact(out, run.writer, cfg, extra_files=extra,
                           provenance={"quant_type": config.quant_type, "provenance": provenance},
                           overwrite=config.overwrite)

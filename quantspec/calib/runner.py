@@ -17,20 +17,22 @@ This file owns the loop that GPTQ (`calib/ptq.py`) and activation / KV-cache cal
 Every mini-batch output is checked for NaN/Inf; a non-finite value raises `QuantSpecError` naming
 the layer (e.g. fp16 overflow, or a broken quantization).
 
-Offload mode (`weights_dir=`): for models larger than memory the `Transformer` may be built on the
-`meta` device; the runner then reads the embedding and each layer's tensors from the checkpoint's
-safetensors (`safe_open`, one layer's tensors at a time) just before the layer runs, and — unless
-`keep_layers=True` — returns them to `meta` once the step is done. This is the simple, honest
-"load one layer at a time" scheme (no accelerate hooks): peak memory is one layer's weights plus
-one layer's activations. The caller's `after` hook must save whatever it wants from the layer
-(e.g. its quantized tensors) before the layer is released.
+Streaming (`weights=`, a `model_zoo.checkpoint.CheckpointReader` or a checkpoint directory):
+for models larger than memory the `Transformer` is built on the `meta` device; the runner then
+gathers the batch's embedding rows from the checkpoint (in blocks, never the whole table) and
+reads each layer's tensors (memory-mapped, in `dtype` on `device`) just before the layer runs,
+and — unless `keep_layers=True` — returns them to `meta` once the step is done. No accelerate
+hooks: resident are one layer's weights and one layer's inputs and outputs. The caller must take
+whatever it wants from the layer (e.g. its quantized tensors) before the next step.
+
+`start=i, inputs=x` begins at layer i with its inputs x [n, S, D] (a resumed run), skipping the
+embedding and the layers before.
 
 Use the iterator (`for step in LayerRunner(...)`) or the callback wrapper `run_layers`.
 """
 
 from __future__ import annotations
 
-import json
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -39,6 +41,7 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError, positive_int
+from quantspec.model_zoo.checkpoint import CheckpointReader
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.quant.primitives import all_finite
 
@@ -84,16 +87,17 @@ class LayerStep:
 class LayerRunner:
     """Iterate a calibration batch through the decoder layer by layer (module docstring).
 
-    model: a `Transformer` (materialised, or on `meta` with `weights_dir` set).
+    model: a `Transformer` (materialised, or on `meta` with `weights` set).
     input_ids: LongTensor [n, S]. batch_size: samples per forward. device: where activations
-    and (in offload mode) the loaded layer live; defaults to the model's norm device (CPU for
+    and (streaming) the loaded layer live; defaults to the model's norm device (CPU for
     meta). After the loop, `hidden` holds the last layer's outputs [n, S, D] (pre final norm).
     """
 
     def __init__(self, model: Transformer, input_ids: torch.Tensor, *,
-                 batch_size: int = DEFAULT_BATCH_SIZE, weights_dir: str | Path | None = None,
+                 batch_size: int = DEFAULT_BATCH_SIZE, weights: CheckpointReader | str | Path | None = None,
                  keep_layers: bool = False, device: str | torch.device | None = None,
-                 dtype: torch.dtype | None = None, progress: Progress | None = None):
+                 dtype: torch.dtype | None = None, progress: Progress | None = None,
+                 start: int = 0, inputs: torch.Tensor | None = None):
         if not isinstance(model, Transformer):
             raise QuantSpecError(f"LayerRunner needs a quantspec Transformer, got {type(model).__name__}")
         if not isinstance(input_ids, torch.Tensor) or input_ids.ndim != 2 or input_ids.dtype != torch.long:
@@ -110,53 +114,43 @@ class LayerRunner:
         self.model, self.input_ids, self.batch_size = model, input_ids, batch_size
         self.keep_layers, self.progress = keep_layers, progress
         on_meta = model.model.norm.weight.device.type == "meta"
-        if on_meta and weights_dir is None:
-            raise QuantSpecError("the model is on the meta device; pass weights_dir= (the "
-                                 "checkpoint directory) so layers are loaded one at a time")
-        self.weights_dir = None if weights_dir is None else Path(weights_dir)
-        self._index = _tensor_index(self.weights_dir) if self.weights_dir is not None else None
+        if on_meta and weights is None:
+            raise QuantSpecError("the model is on the meta device; pass weights= (the checkpoint "
+                                 "or its CheckpointReader) so layers are loaded one at a time")
+        self.weights = weights if weights is None or isinstance(weights, CheckpointReader) \
+            else CheckpointReader(weights)
         self.device = torch.device(device) if device is not None else (
             torch.device("cpu") if on_meta else model.model.norm.weight.device)
         self.dtype = dtype or model.model.norm.weight.dtype
         self.hidden: torch.Tensor | None = None
         n, S = input_ids.shape
+        if not 0 <= start <= self.num_layers or (start > 0) != (inputs is not None):
+            raise QuantSpecError(f"start={start} needs the inputs of that layer (and inputs= a start > 0)")
+        if inputs is not None and tuple(inputs.shape) != (n, S, model.args.hidden_size):
+            raise QuantSpecError(f"inputs {tuple(inputs.shape)} do not fit a batch {n} × {S} of this model")
+        self.start, self._inputs = start, inputs
         self._cos, self._sin = _rope_tables(model, S, self.device)  # [S, hd]
 
     @property
     def num_layers(self) -> int:
         return len(self.model.model.layers)
 
-    # ---- offload -----------------------------------------------------------------------------
-    def _materialise(self, module: nn.Module, prefix: str) -> None:
-        """Load `module`'s parameters from the checkpoint (offload mode only)."""
-        if self._index is None:
-            return
-        names = [f"{prefix}.{k}" for k in module.state_dict()]
-        tensors = _read_tensors(self.weights_dir, self._index, names)
-        state = {k[len(prefix) + 1:]: v.to(self.device, self.dtype) for k, v in tensors.items()}
-        module.load_state_dict(state, assign=True, strict=True)
-
-    def _release(self, module: nn.Module) -> None:
-        if self._index is not None and not self.keep_layers:
-            module.to_empty(device="meta")
-
     # ---- the loop ----------------------------------------------------------------------------
     @torch.no_grad()
     def _embed(self) -> torch.Tensor:
+        if self._inputs is not None:
+            return self._inputs.to(self.device, self.dtype)
         emb = self.model.model.embed_tokens
-        on_meta = emb.weight.device.type == "meta"
-        if on_meta:
-            self._materialise(emb, "model.embed_tokens")
-        x = emb(self.input_ids.to(self.device)).to(self.dtype)  # [n, S, D]
-        if on_meta:
-            self._release(emb)
-        return x
+        if emb.weight.device.type == "meta":  # gather the batch's rows from the checkpoint
+            return self.weights.rows("model.embed_tokens.weight", self.input_ids, dtype=self.dtype,
+                                     device=self.device)  # [n, S, D]
+        return emb(self.input_ids.to(self.device)).to(self.dtype)  # [n, S, D]
 
     @torch.no_grad()
     def _run_layer(self, step: LayerStep, kv_hook: KVHook | None) -> torch.Tensor:
         x = step.inputs
         n, S, D = x.shape
-        out = torch.empty_like(x)  # [n, S, D]
+        out = step.outputs if step.outputs is not None else torch.empty_like(x)  # [n, S, D]
         for b0 in range(0, n, self.batch_size):
             xb = x[b0:b0 + self.batch_size]  # [b, S, D]
             b = xb.shape[0]
@@ -176,19 +170,23 @@ class LayerRunner:
         if not all_finite(x):
             raise QuantSpecError("model.embed_tokens produced NaN/Inf; the checkpoint is corrupt")
         L = self.num_layers
-        for i, layer in enumerate(self.model.model.layers):
-            name = layer_prefix(i)
+        for i in range(self.start, L):
+            layer, name = self.model.model.layers[i], layer_prefix(i)
             if self.progress is not None:
                 self.progress(i, L, "start")
-            if self._index is not None and next(layer.parameters()).device.type == "meta":
-                self._materialise(layer, name)
+            streamed = self.weights is not None and next(layer.parameters()).device.type == "meta"
+            if streamed:
+                self.weights.load(layer, name, dtype=self.dtype, device=self.device)
             step = LayerStep(index=i, name=name, layer=layer, inputs=x, _runner=self)
-            yield step
-            if step.outputs is None:  # the caller only looked: run it now
-                step.forward()
+            try:
+                yield step
+                if step.outputs is None:  # the caller only looked: run it now
+                    step.forward()
+            finally:
+                if streamed and not self.keep_layers:
+                    CheckpointReader.release(layer)
             x = step.outputs
             step.inputs = step.outputs = None  # the previous activations can be freed
-            self._release(layer)
             if self.progress is not None:
                 self.progress(i, L, "done")
         self.hidden = x
@@ -198,7 +196,7 @@ def run_layers(model: Transformer, input_ids: torch.Tensor, *,
                before: Callable[[LayerStep], Callable[[], None] | None] | None = None,
                after: Callable[[LayerStep], None] | None = None,
                kv_hook: KVHook | None = None, sequential: bool = False,
-               batch_size: int = DEFAULT_BATCH_SIZE, weights_dir: str | Path | None = None,
+               batch_size: int = DEFAULT_BATCH_SIZE, weights: CheckpointReader | str | Path | None = None,
                keep_layers: bool = False, device=None, dtype=None,
                progress: Progress | None = None) -> torch.Tensor:
     """Callback form of `LayerRunner`; returns the last layer's outputs [n, S, D].
@@ -207,7 +205,7 @@ def run_layers(model: Transformer, input_ids: torch.Tensor, *,
     forward), `step.forward(kv_hook)`, cleanup, `after(step)` (e.g. quantize the layer), and in
     `sequential` mode `step.propagate()` so the next layer's inputs come from the modified layer.
     """
-    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights_dir=weights_dir,
+    runner = LayerRunner(model, input_ids, batch_size=batch_size, weights=weights,
                          keep_layers=keep_layers, device=device, dtype=dtype, progress=progress)
     with torch.no_grad():
         _drive(runner, before, after, kv_hook, sequential)
@@ -233,41 +231,11 @@ def _drive(runner, before, after, kv_hook, sequential) -> None:
 
 
 def _rope_tables(model: Transformer, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [S, hd] for positions 0..S-1 (built here on meta models)."""
+    """cos/sin [S, hd] for positions 0..S-1: rows of the table `Transformer.setup_rope` builds
+    (built here on meta models), so streamed and whole-model forwards see the same numbers."""
     from quantspec.model_zoo.llama import rope_cos_sin
 
     if model.cos is not None and model.cos.device.type != "meta" and model._rope_len >= S:
         return model.cos[:S].to(device), model.sin[:S].to(device)
-    return rope_cos_sin(model.args, S, device)
-
-
-def _tensor_index(model_dir: Path) -> dict[str, Path]:
-    """tensor name → safetensors file holding it (single file or sharded with an index)."""
-    from safetensors import safe_open
-
-    from quantspec.model_zoo.checkpoint import safetensors_files
-
-    index_file = model_dir / "model.safetensors.index.json"
-    if index_file.exists():
-        return {k: model_dir / f for k, f in json.loads(index_file.read_text())["weight_map"].items()}
-    out: dict[str, Path] = {}
-    for f in safetensors_files(model_dir):
-        with safe_open(str(f), framework="pt") as h:
-            out.update({k: f for k in h.keys()})
-    return out
-
-
-def _read_tensors(model_dir: Path, index: dict[str, Path], names: list[str]) -> dict[str, torch.Tensor]:
-    from safetensors import safe_open
-
-    missing = [n for n in names if n not in index]
-    if missing:
-        raise QuantSpecError(f"{model_dir} lacks {missing[0]}; the checkpoint is incomplete")
-    by_file: dict[Path, list[str]] = {}
-    for n in names:
-        by_file.setdefault(index[n], []).append(n)
-    out = {}
-    for f, ns in by_file.items():
-        with safe_open(str(f), framework="pt") as h:
-            out.update({n: h.get_tensor(n) for n in ns})
-    return out
+    cos, sin = rope_cos_sin(model.args, max(S, model.args.max_position_embeddings))
+    return cos[:S].to(device), sin[:S].to(device)

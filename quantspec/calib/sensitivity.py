@@ -49,11 +49,14 @@ from torch import nn
 from quantspec.calib.budget import BudgetSearch, fallback_under_budget
 from quantspec.calib.ptq import SHARED_INPUT_GROUPS
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerStep, run_layers
-from quantspec.calib.smooth import (SMOOTH_GROUPS, input_scales_for_model, smooth_model,
+from quantspec.calib.smooth import (SMOOTH_GROUPS, input_scales_for_model, smooth_layer,
                                     smoothing_factors)
 from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
-from quantspec.quant.args import QuantArgs, QuantConfig, QuantScheme
+from quantspec.model_zoo.checkpoint import CheckpointReader
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.engines import fused_targets
 from quantspec.quant.primitives import (choose_qparams, fake_quantize, scale_from_absmax,
                                         static_args)
@@ -125,7 +128,7 @@ def static_linear_error(x: torch.Tensor, weights: Sequence[torch.Tensor], input_
     if x.ndim != 2:
         raise QuantSpecError(f"static_linear_error: x must be [T, K], got {tuple(x.shape)}")
     x = x.float()
-    xq = fake_quantize(x, input_scale.float().reshape(1), None, static_args(kind))  # [T, K]
+    xq = fake_quantize(x, input_scale.float().reshape(1).to(x.device), None, static_args(kind))  # [T, K]
     xr = x if x_ref is None else x_ref.float()
     wr = weights if weights_ref is None else weights_ref
     err = ref = 0.0
@@ -179,11 +182,13 @@ def _sample_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
 @torch.no_grad()
 def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, *,
                   alphas: Iterable[float] = ALPHA_GRID, max_rows: int = MAX_ROWS,
-                  batch_size: int = DEFAULT_BATCH_SIZE, smooth_down: bool = True
+                  batch_size: int = DEFAULT_BATCH_SIZE, smooth_down: bool = True,
+                  weights: CheckpointReader | None = None, device=None
                   ) -> tuple[dict[str, float], dict[str, dict[float, float]]]:
     """Per-group α minimising the group's static fake-quant output error (module docstring).
 
-    Runs the float model layer by layer over input_ids [n, S] (not modified). Returns
+    Runs the float model layer by layer over input_ids [n, S] (not modified; on `meta`, read
+    from `weights` one layer at a time onto `device`). Returns
     ({first Linear of each group: best α}, {same key: {α: relative error}}).
     The inputs of a group are gathered over all mini-batches (≤ max_rows rows, strided).
     """
@@ -216,7 +221,7 @@ def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, 
         for g in state.pop("groups"):
             x = _sample_rows(torch.cat(bufs.pop(g[0])), max_rows)  # [T, K]
             ws = [step.layer.get_submodule(n[len(step.name) + 1:]).weight for n in g]
-            ch = table.input_channel_absmax(g[0]).float()  # [K]
+            ch = table.input_channel_absmax(g[0]).float().to(x.device)  # [K]
             t = table.input_absmax(g[0]).float()
             clip = float(t / ch.amax()) if float(ch.amax()) > 0 else 1.0
             errs = group_alpha_errors(x, ws, ch, kind, alphas, clip)
@@ -224,15 +229,15 @@ def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, 
             errors[g[0]] = rel
             best[g[0]] = min(rel, key=lambda a: (rel[a], a))
 
-    run_layers(model, input_ids, before=before, after=after, batch_size=batch_size)
+    run_layers(model, input_ids, before=before, after=after, batch_size=batch_size, **_streamed(weights, device))
     return best, errors
 
 
 @torch.no_grad()
 def linear_sensitivity(model, input_ids: torch.Tensor, input_scales: Mapping[str, torch.Tensor],
                        kind: str, *, smooth: Mapping[str, torch.Tensor] | None = None,
-                       batch_size: int = DEFAULT_BATCH_SIZE,
-                       max_rows: int = MAX_ROWS) -> dict[str, float]:
+                       batch_size: int = DEFAULT_BATCH_SIZE, max_rows: int = MAX_ROWS,
+                       weights: CheckpointReader | None = None, device=None) -> dict[str, float]:
     """{Linear name: mean_t ||fq(x_t)·Ŵᵀ − x_t·Ŵᵀ||² / ||x_t·Ŵᵀ||²} of each decoder Linear in
     `input_scales`:
     the output error of static per-tensor input quantization (its scale) given the per-channel
@@ -240,7 +245,7 @@ def linear_sensitivity(model, input_ids: torch.Tensor, input_scales: Mapping[str
     strided tokens per mini-batch). With `smooth` {linear: s [K]} (`calib.smooth.
     smoothing_factors`) those Linears are scored as if smoothed: x / s and W · s, in the model's
     own output units (up_proj's rows are not divided by down_proj's factor, which down_proj
-    undoes). The model is not modified."""
+    undoes). The model is not modified (on `meta`: read from `weights` one layer at a time)."""
     smooth = smooth or {}
     sums: dict[str, list[float]] = {}
 
@@ -267,8 +272,13 @@ def linear_sensitivity(model, input_ids: torch.Tensor, input_scales: Mapping[str
                 h.remove()
         return cleanup
 
-    run_layers(model, input_ids, before=before, batch_size=batch_size)
+    run_layers(model, input_ids, before=before, batch_size=batch_size, **_streamed(weights, device))
     return {n: e / max(r, 1e-30) for n, (e, r) in sums.items()}
+
+
+def _streamed(weights: CheckpointReader | None, device) -> dict:
+    """The runner's arguments that read a meta model from `weights` (float32, on `device`)."""
+    return {} if weights is None else {"weights": weights, "device": device, "dtype": torch.float32}
 
 
 def fused_unit(name: str, among: Iterable[str] | None = None) -> tuple[str, ...]:
@@ -362,12 +372,14 @@ def with_fallback_layers(config: QuantConfig, names: Iterable[str]) -> QuantConf
 @dataclass
 class StaticQuantPlan:
     """What `plan_static_quant` decided: static input scales (smoothed model), the α applied per
-    smoothing group (None = no SmoothQuant; {"*": α} = one α everywhere), the fallback Linears
-    (whole fused units) with the rule and measurements behind them."""
+    smoothing group (None = no SmoothQuant; {"*": α} = one α everywhere), the smoothing factors
+    that applies ({Linear: s [K]}, `calib.smooth`), the fallback Linears (whole fused units)
+    with the rule and measurements behind them."""
 
     input_scales: dict[str, torch.Tensor]
     alphas: dict[str, float] | None
     fallback: list[str]
+    factors: dict[str, torch.Tensor] = field(default_factory=dict)
     sensitivity: dict[str, float] = field(default_factory=dict)
     alpha_errors: dict[str, dict[float, float]] = field(default_factory=dict)
     fallback_units: list[tuple[tuple[str, ...], float]] = field(default_factory=list)
@@ -398,10 +410,13 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
                       holdout_ids: torch.Tensor | None = None,
                       weight_args: QuantArgs | None = None,
                       alphas: Iterable[float] = ALPHA_GRID,
-                      batch_size: int = DEFAULT_BATCH_SIZE) -> StaticQuantPlan:
+                      batch_size: int = DEFAULT_BATCH_SIZE,
+                      weights: CheckpointReader | None = None, device=None) -> StaticQuantPlan:
     """Choose SmoothQuant α (fixed, or `"auto"` = per-group search) and the fallback units, then
     smooth `model` in place — every group but the fallback units' — and return the plan (input
-    scales for the smoothed model).
+    scales for the smoothed model, and the factors applied). A model on `meta` is measured one
+    layer at a time from `weights` (onto `device`) and left as it is: the quantizer folds
+    `plan.factors` into each layer as it reads it (`calib.ptq.quantize_model(smooth=)`).
 
     Fallback, one rule: `fallback_layers` = the n fused units with the largest measured error
     and / or every unit with a Linear above `fallback_threshold`; or `fallback_budget` = the
@@ -416,9 +431,52 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     if qt not in _KINDS:
         raise QuantSpecError(f"static quantization plans are for a8w8 / a8w8_fp8, not {qt!r}")
     kind = _KINDS[qt]
-    weight_args = weight_args or _weight_args(kind)
     table.check_model(model)
     by_rank = bool(fallback_layers) or fallback_threshold is not None
+    _check_plan_request(smoothquant_alpha, by_rank, fallback_budget, input_ids, holdout_ids)
+    stream = {"weights": weights, "device": device}
+    alpha_errors: dict = {}
+    if smoothquant_alpha == "auto":
+        alpha_map, alpha_errors = search_alphas(model, table, input_ids, kind, alphas=alphas,
+                                                batch_size=batch_size, **stream)
+    elif smoothquant_alpha is not None:
+        alpha_map = {g[0]: float(smoothquant_alpha) for i in range(len(model.model.layers))
+                     for g in _groups(f"model.layers.{i}")}
+    else:
+        alpha_map = {}
+    factors = smoothing_factors(model, table, alpha_map, weights=weights) if alpha_map else {}
+    sens, units, budget, rule = {}, [], None, {"by": "none"}
+    if by_rank or fallback_budget is not None:
+        scales = input_scales_for_model(table, model, qt, smooth=factors)
+        sens = linear_sensitivity(model, input_ids, scales, kind, smooth=factors,
+                                  batch_size=batch_size, **stream)
+        if fallback_budget is not None:
+            rule = {"by": "budget", "budget_pct": float(fallback_budget)}
+            budget, units = _units_under_budget(model, sens, scales, factors, holdout_ids, fallback_budget, kind,
+                                                weight_args or _weight_args(kind), stream)
+        else:
+            rule = {"by": "rank", "units": fallback_layers, "threshold": fallback_threshold}
+            chosen = set(select_fallback(sens, fallback_layers, fallback_threshold))
+            units = [(u, e) for u, e in rank_units(sens) if u[0] in chosen]
+    fallback = [n for u, _ in units for n in u]
+    applied = {h: a for h, a in alpha_map.items() if h not in set(fallback)}
+    # each group's factor depends on its own weights only: the applied groups' are a subset
+    head_of = {n: g[0] for i in range(len(model.model.layers)) for g in _groups(f"model.layers.{i}") for n in g}
+    factors = {n: s for n, s in factors.items() if head_of.get(n) in applied}
+    if weights is None:
+        for i, layer in enumerate(model.model.layers):
+            smooth_layer(layer, f"model.layers.{i}", factors)
+    scales = input_scales_for_model(table, model, qt, smooth=factors)
+    if smoothquant_alpha is None:
+        applied = None
+    elif smoothquant_alpha != "auto" and len(applied) == len(alpha_map):
+        applied = {"*": float(smoothquant_alpha)}
+    return StaticQuantPlan(input_scales=scales, alphas=applied, fallback=fallback, factors=factors,
+                           sensitivity=sens, alpha_errors=alpha_errors, fallback_units=units,
+                           rule=rule, budget=budget)
+
+
+def _check_plan_request(smoothquant_alpha, by_rank: bool, fallback_budget, input_ids, holdout_ids) -> None:
     if by_rank and fallback_budget is not None:
         raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
                              "--a8w8-fallback-layers / --a8w8-fallback-threshold")
@@ -429,50 +487,19 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     if fallback_budget is not None and holdout_ids is None:
         raise QuantSpecError("the fallback's error budget is measured on held-back calibration "
                              "windows; pass --dataset (or choose --a8w8-fallback-layers N)")
-    alpha_errors: dict = {}
-    if smoothquant_alpha == "auto":
-        alpha_map, alpha_errors = search_alphas(model, table, input_ids, kind, alphas=alphas,
-                                                batch_size=batch_size)
-    elif smoothquant_alpha is not None:
-        alpha_map = {g[0]: float(smoothquant_alpha) for i in range(len(model.model.layers))
-                     for g in _groups(f"model.layers.{i}")}
-    else:
-        alpha_map = {}
-    factors = smoothing_factors(model, table, alpha_map)
-    sens: dict[str, float] = {}
-    units: list[tuple[tuple[str, ...], float]] = []
-    budget = None
-    rule: dict = {"by": "none"}
-    if by_rank or fallback_budget is not None:
-        scales = input_scales_for_model(table, model, qt, smooth=factors)
-        sens = linear_sensitivity(model, input_ids, scales, kind, smooth=factors,
-                                  batch_size=batch_size)
-        ranked = rank_units(sens)
-        if fallback_budget is not None:
-            rule = {"by": "budget", "budget_pct": float(fallback_budget)}
-            budget = fallback_under_budget(model, [u for u, _ in ranked], scales, factors,
-                                           holdout_ids, fallback_budget, kind, weight_args)
-            if ranked and budget.chosen_units == len(ranked):
-                least = min(budget.delta_pct(p) for k, _, p in budget.measured if k < len(ranked))
-                raise QuantSpecError(
-                    f"no static activation fits the {fallback_budget:g}% error budget: with any "
-                    f"fused unit at static {kind} activations the held-back perplexity is at least "
-                    f"{least:+.2f}% over the weight-only model's; raise --a8w8-fallback-budget, or "
-                    "quantize weight-only")
-            units = ranked[:budget.chosen_units]
-        else:
-            rule = {"by": "rank", "units": fallback_layers, "threshold": fallback_threshold}
-            chosen = set(select_fallback(sens, fallback_layers, fallback_threshold))
-            units = [(u, e) for u, e in ranked if u[0] in chosen]
-    fallback = [n for u, _ in units for n in u]
-    heads = set(fallback)
-    applied = {h: a for h, a in alpha_map.items() if h not in heads}
-    factors = smooth_model(model, table, applied)
-    scales = input_scales_for_model(table, model, qt, smooth=factors)
-    if smoothquant_alpha is None:
-        applied = None
-    elif smoothquant_alpha != "auto" and len(applied) == len(alpha_map):
-        applied = {"*": float(smoothquant_alpha)}
-    return StaticQuantPlan(input_scales=scales, alphas=applied, fallback=fallback,
-                           sensitivity=sens, alpha_errors=alpha_errors, fallback_units=units,
-                           rule=rule, budget=budget)
+
+
+def _units_under_budget(model, sens, scales, factors, holdout_ids, fallback_budget, kind, weight_args, stream):
+    """(the budget search, the units it keeps at float activations); a budget that leaves no
+    static activation is one line."""
+    ranked = rank_units(sens)
+    budget = fallback_under_budget(model, [u for u, _ in ranked], scales, factors, holdout_ids, fallback_budget,
+                                   kind, weight_args, **stream)
+    if ranked and budget.chosen_units == len(ranked):
+        least = min(budget.delta_pct(p) for k, _, p in budget.measured if k < len(ranked))
+        raise QuantSpecError(
+            f"no static activation fits the {fallback_budget:g}% error budget: with any "
+            f"fused unit at static {kind} activations the held-back perplexity is at least "
+            f"{least:+.2f}% over the weight-only model's; raise --a8w8-fallback-budget, or "
+            "quantize weight-only")
+    return budget, ranked[:budget.chosen_units]

@@ -36,14 +36,18 @@ from torch import nn
 
 from quantspec.calib.tables import ScaleTable, read_table
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.quant.primitives import scale_from_absmax
 from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoothquant_scales,
                                          weight_input_absmax)
 
 __all__ = [
     "SMOOTH_GROUPS",
+    "layer_smoothed_weights",
+    "layer_smoothing_factors",
     "smoothing_factors",
     "smoothed_weights",
+    "smooth_layer",
     "smooth_model",
     "smoothed_input_absmax",
     "input_scales_for_model",
@@ -72,8 +76,35 @@ def _check_alpha(alpha) -> float:
 
 
 @torch.no_grad()
+def layer_smoothing_factors(layer: nn.Module, prefix: str, table: ScaleTable,
+                            alpha: float | Mapping[str, float], *, smooth_down: bool = True
+                            ) -> dict[str, torch.Tensor]:
+    """`smoothing_factors` of one decoder layer named `prefix` (e.g. "model.layers.3")."""
+    per_group = isinstance(alpha, Mapping)
+    factors: dict[str, torch.Tensor] = {}
+    groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS]
+    if smooth_down:
+        groups.append((("mlp.down_proj",), None))
+    for lin_names, norm_shape in groups:
+        names = [f"{prefix}.{n}" for n in lin_names]
+        a = alpha.get(names[0]) if per_group else alpha
+        if a is None:
+            continue
+        weights = [layer.get_submodule(n).weight for n in lin_names]
+        act = table.input_channel_absmax(names[0])  # [K]; all read the same tensor
+        if act.shape != weights[0].shape[1:] or (norm_shape is not None and act.shape != norm_shape):
+            raise QuantSpecError(f"{names[0]}: table has {tuple(act.shape)} channels but the "
+                                 f"model has {tuple(weights[0].shape[1:])}; wrong table")
+        s = smoothquant_scales(act.to(weights[0].device), weight_input_absmax(*weights), a)
+        for n in names:
+            factors[n] = s.detach().cpu().float()
+    return factors
+
+
+@torch.no_grad()
 def smoothing_factors(model, table: ScaleTable, alpha: float | Mapping[str, float] = 0.5, *,
-                      smooth_down: bool = True) -> dict[str, torch.Tensor]:
+                      smooth_down: bool = True, weights: CheckpointReader | None = None
+                      ) -> dict[str, torch.Tensor]:
     """{linear name: s [K] float32} that `smooth_model` would fold for these arguments, computed
     from the table and the (unsmoothed) weights without changing the model.
 
@@ -81,39 +112,42 @@ def smoothing_factors(model, table: ScaleTable, alpha: float | Mapping[str, floa
     α} per group (`calib.sensitivity.search_alphas`); a group missing from the mapping is not
     smoothed. Every factor depends only on its own group's weights (gate/up's s is taken before
     down_proj's s divides up_proj's rows), so any subset of groups can be smoothed alone.
+    A model on the `meta` device is read one layer at a time from `weights`.
     """
-    per_group = isinstance(alpha, Mapping)
-    if per_group:
+    if isinstance(alpha, Mapping):
         alpha = {k: _check_alpha(v) for k, v in alpha.items()}
     else:
         alpha = _check_alpha(alpha)
-
-    def alpha_for(head: str) -> float | None:
-        return alpha.get(head) if per_group else alpha
-
     factors: dict[str, torch.Tensor] = {}
     for i, layer in enumerate(_layers(model)):
         prefix = f"model.layers.{i}"
-        groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS]
-        if smooth_down:
-            groups.append((("mlp.down_proj",), None))
-        for lin_names, norm_shape in groups:
-            names = [f"{prefix}.{n}" for n in lin_names]
-            a = alpha_for(names[0])
-            if a is None:
-                continue
-            weights = [layer.get_submodule(n).weight for n in lin_names]
-            act = table.input_channel_absmax(names[0])  # [K]; all read the same tensor
-            if act.shape != weights[0].shape[1:] or (norm_shape is not None and act.shape != norm_shape):
-                raise QuantSpecError(f"{names[0]}: table has {tuple(act.shape)} channels but the "
-                                     f"model has {tuple(weights[0].shape[1:])}; wrong table")
-            s = smoothquant_scales(act.to(weights[0].device), weight_input_absmax(*weights), a)
-            for n in names:
-                factors[n] = s.detach().cpu().float()
+        with resident(layer, prefix, weights):
+            factors.update(layer_smoothing_factors(layer, prefix, table, alpha, smooth_down=smooth_down))
     return factors
 
 
 @torch.no_grad()
+def layer_smoothed_weights(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]
+                           ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
+    """`smoothed_weights` of one decoder layer named `prefix`."""
+    out = {}
+    for _, lin_names in SMOOTH_GROUPS:
+        for n in lin_names:
+            s = factors.get(f"{prefix}.{n}")
+            if s is not None:
+                w = layer.get_submodule(n).weight
+                out[f"{prefix}.{n}"] = (fold_into_linear(w, s.to(w.device)), s, None)
+    s = factors.get(f"{prefix}.mlp.down_proj")
+    if s is not None:
+        down, up = layer.mlp.down_proj.weight, f"{prefix}.mlp.up_proj"
+        out[f"{prefix}.mlp.down_proj"] = (fold_into_linear(down, s.to(down.device)), s, None)
+        w, col, _ = out.get(up, (layer.mlp.up_proj.weight, None, None))
+        # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
+        ct = torch.promote_types(w.dtype, torch.float32)
+        out[up] = ((w.to(ct) / s.to(w.device, ct)[:, None]).to(w.dtype), col, s)
+    return out
+
+
 def smoothed_weights(model, factors: Mapping[str, torch.Tensor]
                      ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """{linear name: (weight [N, K] as `smooth_model` leaves it, s of its input columns [K] or
@@ -122,22 +156,27 @@ def smoothed_weights(model, factors: Mapping[str, torch.Tensor]
     up_proj's row j is divided by down_proj's s_j."""
     out = {}
     for i, layer in enumerate(_layers(model)):
-        prefix = f"model.layers.{i}"
-        for _, lin_names in SMOOTH_GROUPS:
-            for n in lin_names:
-                s = factors.get(f"{prefix}.{n}")
-                if s is not None:
-                    w = layer.get_submodule(n).weight
-                    out[f"{prefix}.{n}"] = (fold_into_linear(w, s.to(w.device)), s, None)
-        s = factors.get(f"{prefix}.mlp.down_proj")
-        if s is not None:
-            down, up = layer.mlp.down_proj.weight, f"{prefix}.mlp.up_proj"
-            out[f"{prefix}.mlp.down_proj"] = (fold_into_linear(down, s.to(down.device)), s, None)
-            w, col, _ = out.get(up, (layer.mlp.up_proj.weight, None, None))
-            # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
-            ct = torch.promote_types(w.dtype, torch.float32)
-            out[up] = ((w.to(ct) / s.to(w.device, ct)[:, None]).to(w.dtype), col, s)
+        out.update(layer_smoothed_weights(layer, f"model.layers.{i}", factors))
     return out
+
+
+@torch.no_grad()
+def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]) -> None:
+    """Fold `factors` (`smoothing_factors`, keyed by full Linear names) into the decoder layer
+    named `prefix` in place: each norm's γ (and each up_proj's output row and bias) divided by s,
+    the Linears reading it with their input columns multiplied by s (`layer_smoothed_weights`)."""
+    weights = layer_smoothed_weights(layer, prefix, factors)
+    for norm_name, lin_names in SMOOTH_GROUPS:
+        s = factors.get(f"{prefix}.{lin_names[0]}")
+        if s is not None:
+            norm = getattr(layer, norm_name)
+            norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device))[0])
+    s = factors.get(f"{prefix}.mlp.down_proj")
+    up = layer.mlp.up_proj
+    if s is not None and up.bias is not None:
+        up.bias.copy_(fold_into_norm(up.bias, s.to(up.bias.device))[0])
+    for name, (w, _, _) in weights.items():
+        layer.get_submodule(name[len(prefix) + 1:]).weight.copy_(w)
 
 
 @torch.no_grad()
@@ -146,25 +185,11 @@ def smooth_model(model, table: ScaleTable, alpha: float | Mapping[str, float] = 
     """Apply SmoothQuant in place; returns {linear name: s [K]} for every smoothed Linear
     (`smoothing_factors`, same arguments).
 
-    The model computes the same function afterwards (up to float rounding): each norm's γ (and,
-    with `smooth_down`, each up_proj's output row and bias) is divided by s and the Linears
-    reading it have their input columns multiplied by s (`smoothed_weights`).
+    The model computes the same function afterwards (up to float rounding): see `smooth_layer`.
     """
     factors = smoothing_factors(model, table, alpha, smooth_down=smooth_down)
-    weights = smoothed_weights(model, factors)
     for i, layer in enumerate(_layers(model)):
-        prefix = f"model.layers.{i}"
-        for norm_name, lin_names in SMOOTH_GROUPS:
-            s = factors.get(f"{prefix}.{lin_names[0]}")
-            if s is not None:
-                norm = getattr(layer, norm_name)
-                norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device))[0])
-        s = factors.get(f"{prefix}.mlp.down_proj")
-        up = layer.mlp.up_proj
-        if s is not None and up.bias is not None:
-            up.bias.copy_(fold_into_norm(up.bias, s.to(up.bias.device))[0])
-    for name, (w, _, _) in weights.items():
-        model.get_submodule(name).weight.copy_(w)
+        smooth_layer(layer, f"model.layers.{i}", factors)
     return factors
 
 

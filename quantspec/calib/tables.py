@@ -141,7 +141,7 @@ class ScaleTable:
     def kv_artifact_tensors(self, kind: str, strategy: str = "attn_head") -> dict[str, torch.Tensor]:
         """compressed-tensors KV tensors for an artifact: `{attn}.k_scale` / `.v_scale`, [KV, 1, 1]
         (strategy attn_head) or [1] (strategy tensor: the largest head's scale, which covers every
-        head's range), matching `quant.args.preset(..., kv_cache=kind, kv_strategy=strategy)`."""
+        head's range), matching `quant.presets.preset(..., kv_cache=kind, kv_strategy=strategy)`."""
         from quantspec.quant.artifact import kv_scale_tensors
         from quantspec.quant.primitives import static_args
 

@@ -29,7 +29,7 @@ from quantspec.errors import QuantSpecError
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
-    "ancestor_rows", "grouped_attention",
+    "ancestor_rows", "grouped_attention", "kv_cache_label",
 ]
 
 _PAD_BLOCK = 0
@@ -40,6 +40,14 @@ class KVCacheDtype(str, Enum):
     AUTO = "auto"  # the model's dtype, unquantized
     INT8 = "int8"
     FP8 = "fp8"
+
+
+def kv_cache_label(kind: str, dtype: torch.dtype | str, origin: str | None = None) -> str:
+    """What a command says of the KV cache it ran: "float (bfloat16)" for `kind` "auto" / "none" /
+    "float", else e.g. "fp8 static (the artifact's scales)" (`origin`: where the scales come from)."""
+    if kind in ("auto", "none", "float"):
+        return f"float ({str(dtype).replace('torch.', '')})"
+    return f"{kind} static ({origin})"
 
 
 class BlockAllocator:

@@ -32,17 +32,18 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, prepare
 from quantspec.infer.dispatch import DispatchPolicy
-from quantspec.infer.quant_linear import QuantLinear
+from quantspec.infer.quant_linear import QuantLinear, linear_kind
 from quantspec.model_zoo.checkpoint import (
     build_model,
     check_against_table,
+    checkpoint_float_dtype,
     load_checkpoint_tensors,
     load_model,
     read_config,
     resolve_model_dir,
 )
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
-from quantspec.quant.args import QuantConfig
+from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
 from quantspec.quant.compressed import expected_linear_tensors
 
@@ -162,6 +163,10 @@ def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[st
                 if scheme.weights is None:
                     raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
                                          "which quantspec does not run; add it to `ignore`")
+                try:  # a scheme quantspec does not run is named before its tensors are read
+                    linear_kind(scheme.weights, scheme.input_activations)
+                except QuantSpecError as e:
+                    raise QuantSpecError(f"{where}: {name}: {e}") from None
                 out[name] = scheme
         elif isinstance(mod, nn.Embedding):
             scheme = qc.scheme_for(name, ("Embedding",))
@@ -285,10 +290,15 @@ def quantized_model(tensors: dict[str, torch.Tensor], args: ModelArgs, qc: Quant
 def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> torch.dtype:
     """The activation dtype `--dtype auto` picks: float16 on CUDA (what the Triton kernels are
     tuned for); on CPU bfloat16 for weight-only int8/int4 artifacts (torch's packed int8/int4 CPU
-    kernels take bf16 activations and are ~10x slower in fp32), float32 for everything else."""
+    kernels take bf16 activations and are ~10x slower in fp32) and for an unquantized checkpoint
+    stored in bfloat16 (its weights are loaded as they are, never a float32 copy unless asked),
+    float32 for everything else."""
     if torch.device(device).type == "cuda":
         return torch.float16
-    qc = read_config(resolve_model_dir(model)).get("quantization_config") or {}
+    model_dir = resolve_model_dir(model)
+    qc = read_config(model_dir).get("quantization_config") or {}
+    if not qc:
+        return torch.bfloat16 if checkpoint_float_dtype(model_dir) == torch.bfloat16 else torch.float32
     groups = qc.get("config_groups") or {}
     weight_only = bool(groups) and all(
         (g.get("weights") or {}).get("type", "int") == "int" and not g.get("input_activations")

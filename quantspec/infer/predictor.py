@@ -210,6 +210,12 @@ class Predictor:
             cachekv = self.loaded.kv_cache_dtype  # an artifact with k_scale/v_scale: no flag needed
         if cachekv != "none":
             k_scale, v_scale = kv_scales if kv_scales is not None else self._artifact_kv_scales(cachekv)
+        from quantspec.infer.kv_cache import kv_cache_label
+
+        #: which KV cache runs, as `infer --benchmark`, the report and the server say it
+        self.kv_cache = kv_cache_label(cachekv, self.loaded.model.model.norm.weight.dtype,
+                                       "the calibration table's scales" if kv_scales is not None
+                                       else "the artifact's scales")
         proposer, max_drafts = self._proposer()
         self.engine = Engine(
             self.loaded.model,
@@ -321,13 +327,15 @@ class Predictor:
         t0 = time.perf_counter()
         outs = self.generate(srcs, on_text)
         wall = time.perf_counter() - t0
-        return outs, summarize(outs, wall, self.config)
+        return outs, summarize(outs, wall, self.config, kv_cache=self.kv_cache)
 
 
-def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig) -> dict:
+def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, kv_cache: str | None = None) -> dict:
+    """The run's statistics (`infer --benchmark`, `--stats-file`); `kv_cache`: which KV cache ran."""
     gen = sum(len(o.token_ids) for o in outs)
     stats = {
         "model": config.model,
+        "kv_cache": kv_cache,
         "requests": len(outs),
         "batch_size": config.batch_size,
         "prompt_tokens": sum(o.prompt_tokens for o in outs),

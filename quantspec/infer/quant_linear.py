@@ -20,7 +20,8 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import (FLOAT_DTYPES, DispatchPolicy, KernelPath, LinearKind, LinearTraits,
                                       select_kernel)
-from quantspec.quant.args import QuantArgs, QuantScheme
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.compressed import QuantizedLinearTensors, read_quantized_linear
 from quantspec.quant.primitives import choose_qparams, dequantize, quantize
 
@@ -49,8 +50,9 @@ def linear_kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
         return LinearKind.FP8
     if w.num_bits == 4:
         if ia is not None:
-            raise QuantSpecError("int4 weights with quantized activations (W4A8) are unsupported; "
-                                 "use weight_only_int4")
+            name = "W4AFP8" if ia.type == "float" else f"W4A{ia.num_bits}"
+            raise QuantSpecError(f"int4 weights with quantized activations ({name}) are "
+                                 "unsupported; use weight_only_int4 (W4A16)")
         return LinearKind.W4A16
     if w.num_bits == 8:
         if ia is None:

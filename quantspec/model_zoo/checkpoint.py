@@ -1,6 +1,11 @@
 """Finding and reading checkpoints: zoo name / local HF directory / hub id → a directory;
 single-file or sharded safetensors → tensors, with one-line errors for what users get wrong.
 
+Two ways to read the weights: `load_model` reads the whole checkpoint into a `Transformer`;
+`CheckpointReader` reads it one module at a time (memory-mapped, each tensor copied out in the
+checkpoint's dtype and converted where it lands), so that a model larger than memory is
+quantized or calibrated with one decoder layer resident at a time.
+
 Never builds transformers' modeling classes: architectures come from `llama.py` and weights are
 checked against its HF weight-name table.
 """
@@ -8,11 +13,13 @@ checked against its HF weight-name table.
 from __future__ import annotations
 
 import contextlib
+import ctypes
 import hashlib
 import json
 import os
 from pathlib import Path
-from typing import Any, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Iterable, Iterator, Mapping
 
 import torch
 
@@ -20,15 +27,22 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 
 __all__ = [
+    "CheckpointReader",
+    "FileRange",
     "save_module",
     "build_model",
+    "check_checkpoint",
+    "checkpoint_float_dtype",
     "load_checkpoint_tensors",
     "load_model",
     "model_fingerprint",
     "read_config",
     "reading_safetensors",
+    "release_free_heap",
+    "resident",
     "resolve_model_dir",
     "safetensors_files",
+    "safetensors_header",
     "safetensors_keys",
     "verify_checkpoint",
 ]
@@ -156,21 +170,38 @@ def build_model(args: ModelArgs, device: str | torch.device = "meta") -> Transfo
         return Transformer(args)
 
 
-def check_against_table(tensors: dict[str, torch.Tensor], table: dict[str, tuple[int, ...]], where: str) -> None:
+def check_against_table(tensors: Mapping[str, Any], table: dict[str, tuple[int, ...]], where: str) -> None:
+    """Every name of `table` is in `tensors` (name → tensor, or name → shape) with its shape."""
     missing = [n for n in table if n not in tensors]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the checkpoint is incomplete")
     for name, shape in table.items():
-        if tuple(tensors[name].shape) != shape:
-            raise QuantSpecError(
-                f"{where}: {name} has shape {tuple(tensors[name].shape)}, config.json implies {shape}"
-            )
+        have = tuple(getattr(tensors[name], "shape", tensors[name]))
+        if have != shape:
+            raise QuantSpecError(f"{where}: {name} has shape {have}, config.json implies {shape}")
+
+
+def check_checkpoint(tensors: Mapping[str, Any], args: ModelArgs, where: str) -> list[str]:
+    """Check a checkpoint's tensors (name → tensor, or name → shape) against the HF weight table
+    of `args`; returns the names to load (recomputed ones — rotary tables — and a tied head's
+    copy left out)."""
+    names = [k for k in tensors if not k.endswith(_IGNORED_SUFFIXES)]
+    if args.tie_word_embeddings:
+        names = [k for k in names if k != "lm_head.weight"]  # some exporters write the tied copy anyway
+    table = hf_weight_table(args)
+    check_against_table(tensors, table, where)
+    unexpected = sorted(set(names) - set(table))
+    if unexpected:
+        raise QuantSpecError(f"{where}: unexpected tensor {unexpected[0]} for a {args.arch} checkpoint")
+    return names
 
 
 def load_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
                device: str | torch.device = "cpu") -> tuple[Transformer, Path]:
-    """Load an unquantized HF checkpoint into our `Transformer` (built on meta, `assign=True`)."""
+    """Load an unquantized HF checkpoint (single-file or sharded) into our `Transformer`, built on
+    `meta` and filled with `assign=True` one tensor at a time, each in `dtype`: peak memory is the
+    model in `dtype` plus one checkpoint tensor."""
     model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
     if cfg.get("quantization_config"):
@@ -178,22 +209,176 @@ def load_model(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
             f"{model_dir} is a quantized artifact; load it with quantspec.infer.loader.load_for_inference"
         )
     args = ModelArgs.from_hf_config(cfg)
-    tensors = load_checkpoint_tensors(model_dir)
-    tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
-    if args.tie_word_embeddings:
-        tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
-    table = hf_weight_table(args)
-    check_against_table(tensors, table, str(model_dir))
-    unexpected = sorted(set(tensors) - set(table))
-    if unexpected:
-        raise QuantSpecError(f"{model_dir}: unexpected tensor {unexpected[0]} for a {args.arch} checkpoint")
+    reader = CheckpointReader(model_dir)
+    names = check_checkpoint(reader.shapes, args, str(model_dir))
+    # one tensor read (and converted) at a time: the model's own tensors are the only full copy
+    tensors = {k: reader.read([k], dtype=dtype)[k] for k in names}
     net = build_model(args)
-    net.load_state_dict({k: v.to(dtype) for k, v in tensors.items()}, strict=False, assign=True)
+    net.load_state_dict(tensors, strict=False, assign=True)
     if args.tie_word_embeddings:
         net.lm_head.weight = net.model.embed_tokens.weight
     net.to(device)
     net.setup_rope(args.max_position_embeddings, device)
     return net.eval(), model_dir
+
+
+# ---------------------------------------------------------------------------------------------
+# one module at a time
+
+# the embedding rows a calibration batch needs are gathered from blocks of this many bytes
+_ROW_BLOCK_BYTES = 64 * 2**20
+
+
+def safetensors_header(f: str | os.PathLike) -> tuple[int, dict]:
+    """(offset of the data, header dict) of the safetensors file `f` (its first 8 bytes: the
+    header's length, little-endian; then the header: JSON)."""
+    with reading_safetensors(f), open(f, "rb") as fh:
+        n = int.from_bytes(fh.read(8), "little")
+        return 8 + n, json.loads(fh.read(n))
+
+
+@dataclass(frozen=True)
+class FileRange:
+    """A tensor's bytes as they lie in a safetensors file, to be copied without loading them.
+    dtype: the safetensors name (F32, BF16, ...)."""
+
+    path: Path
+    offset: int
+    nbytes: int
+    dtype: str
+    shape: tuple[int, ...]
+
+
+# safetensors' dtype names of the float types a checkpoint's weights come in
+_FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+
+
+def checkpoint_float_dtype(model_dir: str | os.PathLike) -> torch.dtype | None:
+    """The dtype every floating tensor of the checkpoint is stored in, from its headers (None: they
+    differ, or there is none)."""
+    kinds = {r.dtype for r in CheckpointReader(model_dir).ranges.values() if r.dtype in _FLOAT_DTYPES}
+    return _FLOAT_DTYPES[kinds.pop()] if len(kinds) == 1 else None
+
+
+class CheckpointReader:
+    """A safetensors checkpoint read one module at a time.
+
+    The headers are read once (`verify_checkpoint`: a missing shard or a truncated file fails
+    here, before any work). `read(names)` memory-maps the file holding each tensor, copies the
+    tensor out in the checkpoint's dtype, converts it to `dtype` / `device` and unmaps the file
+    again, so what stays resident is only what the caller keeps. `load(module, prefix)`
+    materialises a module built on the `meta` device (`assign=True`); `release(module)` returns
+    it to `meta`; `ranges[name]` says where a tensor's bytes lie, to copy them as they are.
+    """
+
+    def __init__(self, model_dir: str | os.PathLike):
+        self.model_dir = Path(model_dir)
+        self.ranges: dict[str, FileRange] = {}
+        for f in verify_checkpoint(self.model_dir):
+            start, header = safetensors_header(f)
+            for name, e in header.items():
+                if name != "__metadata__":
+                    b, end = e["data_offsets"]
+                    self.ranges[name] = FileRange(f, start + b, end - b, e["dtype"], tuple(e["shape"]))
+        self.shapes = {n: r.shape for n, r in self.ranges.items()}
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        """The bytes `names` (default: every tensor) take in the checkpoint."""
+        return sum(self.ranges[n].nbytes for n in (self.ranges if names is None else names))
+
+    def _files_of(self, names: list[str]) -> dict[Path, list[str]]:
+        missing = [n for n in names if n not in self.ranges]
+        if missing:
+            raise QuantSpecError(f"{self.model_dir} lacks {missing[0]}; the checkpoint is incomplete")
+        by_file: dict[Path, list[str]] = {}
+        for n in names:
+            by_file.setdefault(self.ranges[n].path, []).append(n)
+        return by_file
+
+    def read(self, names: list[str], *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """{name: tensor} for `names`, converted to `dtype` (default: the checkpoint's) on `device`;
+        each tensor owns its memory (none keeps its file mapped)."""
+        from safetensors import safe_open
+
+        out = {}
+        for f, ns in self._files_of(list(names)).items():
+            for n in ns:  # one tensor's pages mapped at a time
+                with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
+                    t = h.get_tensor(n)  # a view of the mapped file
+                    out[n] = t.to(device=device, dtype=dtype or t.dtype, copy=True)
+                    del t
+        return out
+
+    def rows(self, name: str, ids: torch.Tensor, *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+        """The rows `ids` [...] of the 2-D tensor `name` [V, D] → [..., D] (an embedding lookup),
+        read in blocks of rows so the whole tensor is never resident."""
+        from safetensors import safe_open
+
+        (f,) = self._files_of([name])
+        V, D = self.shapes[name]
+        flat = ids.reshape(-1).cpu()
+        out = None
+        step = max(1, _ROW_BLOCK_BYTES // max(1, self.ranges[name].nbytes // V))
+        with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
+            sl = h.get_slice(name)
+            for a in range(0, V, step):
+                sel = (flat >= a) & (flat < a + step)
+                if bool(sel.any()):
+                    block = sl[a:a + step]  # [≤ step, D]
+                    if out is None:
+                        out = torch.empty(flat.numel(), D, dtype=dtype or block.dtype)
+                    out[sel] = block[flat[sel] - a].to(out.dtype)
+        if out is None:  # no ids at all
+            out = torch.empty(0, D, dtype=dtype)
+        return out.view(*ids.shape, D).to(device)
+
+    def load(self, module: torch.nn.Module, prefix: str, *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu", rename: Mapping[str, str] | None = None) -> None:
+        """Materialise `module` (parameters named `{prefix}.{key}` in the checkpoint; `rename`
+        maps a key to another checkpoint name, e.g. a tied head to the embedding)."""
+        rename = dict(rename or {})
+        keys = list(module.state_dict())
+        names = {k: rename.get(k, f"{prefix}.{k}" if prefix else k) for k in keys}
+        want = {names[k]: tuple(v.shape) for k, v in module.state_dict().items()}
+        check_against_table(self.shapes, want, str(self.model_dir))
+        tensors = self.read(list(names.values()), dtype=dtype, device=device)
+        module.load_state_dict({k: tensors[names[k]] for k in keys}, assign=True, strict=True)
+
+    @staticmethod
+    def release(module: torch.nn.Module) -> None:
+        """Return `module`'s parameters to the `meta` device (frees them)."""
+        module.to_empty(device="meta")
+
+
+@contextlib.contextmanager
+def resident(module: torch.nn.Module, prefix: str, weights: CheckpointReader | None, *,
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+             rename: Mapping[str, str] | None = None) -> Iterator[torch.nn.Module]:
+    """`module` materialised inside the block: read from `weights` (and returned to `meta` after
+    the block) when it is on the `meta` device, else as it is."""
+    if all(p.device.type != "meta" for p in module.parameters()):
+        yield module
+        return
+    if weights is None:
+        raise QuantSpecError(f"{prefix} is on the meta device and no checkpoint is given to read it from")
+    weights.load(module, prefix, dtype=dtype, device=device, rename=rename)
+    try:
+        yield module
+    finally:
+        weights.release(module)
+        release_free_heap()
+
+
+def release_free_heap() -> None:
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`; a no-op elsewhere).
+    A module read, used and freed after another leaves free pages between the live allocations,
+    which glibc keeps: without this, resident memory grows with the number of layers streamed."""
+    try:
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
+    except (OSError, AttributeError):
+        pass
 
 
 # ---------------------------------------------------------------------------------------------

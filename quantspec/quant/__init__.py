@@ -11,15 +11,13 @@ from quantspec.quant.args import (
     FORMAT_PACK_QUANTIZED,
     MIN_GROUP_SIZE,
     QUANT_METHOD,
-    SUPPORTED_FORMATS,
     QuantArgs,
-    QuantConfig,
-    QuantScheme,
     QuantType,
-    preset,
-    resolve_group_size,
-    scheme_format,
+    SUPPORTED_FORMATS,
 )
+from quantspec.quant.config import QuantConfig, resolve_group_size
+from quantspec.quant.presets import preset
+from quantspec.quant.scheme import QuantScheme, scheme_format
 from quantspec.quant.artifact import (
     LinearQuant,
     kv_scale_tensors,

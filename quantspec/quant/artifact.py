@@ -3,7 +3,8 @@
 A quantized model is a HF-style directory: `config.json` (with `quantization_config` in the
 compressed-tensors layout), `model.safetensors` (or `model-0000i-of-0000n.safetensors` shards with
 `model.safetensors.index.json` above `DEFAULT_MAX_SHARD_BYTES`), extra files (tokenizer, ...) and
-quantspec's provenance in `quantspec.json`.
+quantspec's provenance in `quantspec.json`. The tensors are written part by part through
+`quant.shards.ShardWriter` (one part in memory at a time).
 
 Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_proj`), by format:
 - pack-quantized (integer weight-only, 4 or 8 bits, c = 32/bits codes per word): `weight_packed`
@@ -32,14 +33,17 @@ from typing import Any, Mapping
 
 import torch
 from safetensors import safe_open
-from safetensors.torch import save_file
 
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import reading_safetensors
 from quantspec.outputs import atomic_dir
-from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs, QuantConfig, scheme_format
+from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.scheme import scheme_format
 from quantspec.quant.packing import pack_int32, unpack_int32
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
+from quantspec.quant.shards import (DEFAULT_MAX_SHARD_BYTES, SAFETENSORS_INDEX_NAME, SAFETENSORS_NAME,
+                                    ShardWriter)
 
 __all__ = [
     "CONFIG_NAME",
@@ -59,10 +63,7 @@ __all__ = [
 ]
 
 CONFIG_NAME = "config.json"
-SAFETENSORS_NAME = "model.safetensors"
-SAFETENSORS_INDEX_NAME = "model.safetensors.index.json"
 PROVENANCE_NAME = "quantspec.json"
-DEFAULT_MAX_SHARD_BYTES = 2 * 1024**3
 
 
 def _packs(args: QuantArgs, fmt: str | None, has_input: bool) -> bool:
@@ -240,44 +241,14 @@ def kv_scale_tensors(attn_prefix: str, k_scale: torch.Tensor, v_scale: torch.Ten
 # directory I/O
 # ---------------------------------------------------------------------------------------------
 
-def _tensor_bytes(t: torch.Tensor) -> int:
-    return t.numel() * t.element_size()
-
-
-def _prepare(tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
-    """Contiguous CPU tensors with no shared storage (safetensors refuses aliases)."""
-    out, seen = {}, set()
-    for name, t in tensors.items():
-        if not isinstance(t, torch.Tensor):
-            raise QuantSpecError(f"tensor {name!r} is a {type(t).__name__}, not a torch.Tensor")
-        t = t.detach().to("cpu").contiguous()
-        key = (t.untyped_storage().data_ptr(), t.untyped_storage().nbytes())
-        if t.numel() and key in seen:
-            t = t.clone()
-        seen.add(key)
-        out[name] = t
-    return out
-
-
-def _shard(tensors: dict[str, torch.Tensor], max_bytes: int) -> list[dict[str, torch.Tensor]]:
-    shards: list[dict[str, torch.Tensor]] = [{}]
-    size = 0
-    for name, t in tensors.items():
-        b = _tensor_bytes(t)
-        if shards[-1] and size + b > max_bytes:
-            shards.append({})
-            size = 0
-        shards[-1][name] = t
-        size += b
-    return shards
-
-
-def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor],
+def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tensor] | ShardWriter,
                    config: Mapping[str, Any], extra_files: Mapping[str, str | os.PathLike] | None
                    = None, provenance: Mapping[str, Any] | None = None, overwrite: bool = False,
                    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES) -> Path:
     """Write an artifact directory atomically; returns its path.
 
+    `tensors`: a mapping, or a `quant.shards.ShardWriter` that holds them already (written part
+    by part, e.g. one decoder layer at a time); its shards are linked into the artifact.
     Everything goes into a temporary directory beside `out_dir` that is renamed into place only
     when complete (`outputs.atomic_dir`); on any error the temporary directory is removed and
     `out_dir` is untouched.
@@ -296,20 +267,13 @@ def write_artifact(out_dir: str | os.PathLike, tensors: Mapping[str, torch.Tenso
         if not Path(extra_files[name]).is_file():
             raise QuantSpecError(f"extra file source {extra_files[name]} does not exist")
     with atomic_dir(out, overwrite=overwrite) as tmp:
-        prepared = _prepare(tensors)
-        shards = _shard(prepared, max_shard_bytes)
-        if len(shards) == 1:
-            save_file(shards[0], str(tmp / SAFETENSORS_NAME), metadata={"format": "pt"})
+        if isinstance(tensors, ShardWriter):
+            tensors.finish(tmp)
         else:
-            n = len(shards)
-            weight_map = {}
-            for i, shard in enumerate(shards, 1):
-                fname = f"model-{i:05d}-of-{n:05d}.safetensors"
-                save_file(shard, str(tmp / fname), metadata={"format": "pt"})
-                weight_map.update({k: fname for k in shard})
-            index = {"metadata": {"total_size": sum(_tensor_bytes(t) for t in prepared.values())},
-                     "weight_map": weight_map}
-            (tmp / SAFETENSORS_INDEX_NAME).write_text(json.dumps(index, indent=2))
+            writer = ShardWriter(tmp / ".parts", max_shard_bytes)
+            writer.add("tensors", tensors)
+            writer.finish(tmp)
+            shutil.rmtree(writer.dir)
         (tmp / CONFIG_NAME).write_text(json.dumps(dict(config), indent=2, default=str))
         for name, src in (extra_files or {}).items():
             shutil.copyfile(src, tmp / name)

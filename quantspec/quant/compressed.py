@@ -24,8 +24,8 @@ from quantspec.quant.args import (
     FORMAT_NAIVE_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     QuantArgs,
-    QuantScheme,
 )
+from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.packing import unpack_int4
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
 

@@ -33,9 +33,9 @@ from quantspec.quant.args import (
     FORMAT_NAIVE_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     QuantArgs,
-    QuantConfig,
-    QuantScheme,
 )
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.scheme import QuantScheme
 
 __all__ = [
     "ENGINES",

@@ -110,7 +110,7 @@ def _check_weight(weight: torch.Tensor, args: QuantArgs) -> None:
                              "channel or group")
     if args.strategy == "group" and weight.shape[1] % args.group_size:
         raise QuantSpecError(f"group_size {args.group_size} does not divide K={weight.shape[1]}; "
-                             "use quant.args.resolve_group_size to pick one")
+                             "use quant.config.resolve_group_size to pick one")
 
 
 @contextlib.contextmanager

@@ -94,7 +94,7 @@ def _group_size(args: QuantArgs, K: int) -> int:
     g = args.group_size
     if K % g != 0:
         raise QuantSpecError(f"group_size {g} does not divide the input dim {K}; pick a group "
-                             f"size that divides it (see quant.args.resolve_group_size)")
+                             f"size that divides it (see quant.config.resolve_group_size)")
     return g
 
 

@@ -3,7 +3,7 @@
 An entry's key is a hash of what determines its content — never of a path or a time:
 - calibration table: model fingerprint + dataset fingerprint (a local file's bytes, else the hub
   id) + samples + sequence length + dtype;
-- quantized artifact: model fingerprint + the quant config (`quant.args.preset(...).to_dict()`)
+- quantized artifact: model fingerprint + the quant config (`quant.presets.preset(...).to_dict()`)
   + method + the calibration key when the type needs static scales + the quantspec version.
 So a second report on the same model reuses every artifact, and a changed checkpoint, dataset or
 quant config gets a new entry. Entries are written by `calib` / `api.quantize` atomically and
@@ -94,6 +94,6 @@ def _int4_kw(quant_type: str, symmetric: bool, zp_dtype: str | None) -> dict:
 
 
 def _preset(quant_type: str, group_size: int, symmetric: bool, zp_dtype: str | None):
-    from quantspec.quant.args import preset
+    from quantspec.quant.presets import preset
 
     return preset(quant_type, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype))

@@ -347,6 +347,7 @@ class _Run:
                 raise _Failed(f"base without speculation failed: {e}", e.transient) from None
             r.base_tokens_per_s, r.base_peak_memory_mb = base["tokens_per_s"], base["peak_memory_mb"]
             outs, stats = self.generate(base_dir, cell.cachekv, speculate=True, draft=draft_dir)
+            r.kv_cache = stats.get("kv_cache") or r.kv_cache  # what ran (an artifact may carry scales)
             ids = [list(o.token_ids) for o in outs]
             r.mismatched_prompts = sum(a != b for a, b in zip(ids, base["token_ids"]))
             r.lossless = r.mismatched_prompts == 0 and len(ids) == len(base["token_ids"])

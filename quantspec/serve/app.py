@@ -44,6 +44,7 @@ class ServeState:
     max_length: int
     metrics: object
     aliases: tuple[str, ...] = ("default",)
+    kv_cache: str = ""  # which KV cache the engine runs (`infer.kv_cache.kv_cache_label`)
 
 
 class BadRequest(Exception):
@@ -93,7 +94,7 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     async def health():
         if not state.loop.alive:
             return _error(503, "the engine loop has stopped", type="server_error")
-        return {"status": "ok"}
+        return {"status": "ok", "kv_cache": state.kv_cache}
 
     @app.get("/metrics")
     async def metrics():
@@ -102,7 +103,8 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     @app.get("/v1/models")
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "quantspec", "max_model_len": state.max_length}]}
+                                            "owned_by": "quantspec", "max_model_len": state.max_length,
+                                            "kv_cache": state.kv_cache}]}
 
     @app.post("/v1/chat/completions")
     async def chat(request: Request):

@@ -77,7 +77,7 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
     loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
-                      max_length=config.max_length, metrics=metrics)
+                      max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache)
 
 
 def build(config: ServeConfig, *, loaded=None):
@@ -95,9 +95,9 @@ def uvicorn_server(app, config: ServeConfig):
 
 
 def run(config: ServeConfig, *, on_ready=None) -> None:
-    """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url)` is called
-    once the model is loaded, before uvicorn binds."""
-    app, _ = build(config)
+    """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url, kv_cache)`
+    is called once the model is loaded, before uvicorn binds."""
+    app, state = build(config)
     if on_ready is not None:
-        on_ready(f"http://{config.host}:{config.port}")
+        on_ready(f"http://{config.host}:{config.port}", state.kv_cache)
     uvicorn_server(app, config).run()

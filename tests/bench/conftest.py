@@ -44,5 +44,12 @@ def spec_bases():
 
 
 @pytest.fixture(scope="module")
+def big_model():
+    sys.path.insert(0, str(BENCH_DIR))  # its `from mdtable import ...`
+    yield from _bench("big_model")
+    sys.path.remove(str(BENCH_DIR))
+
+
+@pytest.fixture(scope="module")
 def serve_bench():
     yield from _bench("serve")

@@ -9,7 +9,7 @@ from quantspec.calib.ptq import quantize_model
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.llama import DenseCausalAttention
-from quantspec.quant.args import preset
+from quantspec.quant.presets import preset
 from quantspec.quant.artifact import linear_from_tensors
 from quantspec.quant.gptq import gptq_quantize
 from quantspec.quant.primitives import dequantize
@@ -68,7 +68,7 @@ def test_group_size_resolved_per_layer_and_ignore(tiny_llama_dir):
     assert res.tensors["model.layers.0.mlp.down_proj.weight_scale"].shape == (64, 1)
     assert res.tensors["model.layers.0.mlp.gate_proj.weight_packed"].dtype == torch.int32
     # the JSON round trip keeps the per-layer groups
-    from quantspec.quant.args import QuantConfig
+    from quantspec.quant.config import QuantConfig
     back = QuantConfig.from_dict(c.to_dict())
     assert back.weight_args_for("model.layers.1.self_attn.o_proj").group_size == 64
     # ignored: kept in full precision, not quantized

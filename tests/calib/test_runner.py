@@ -90,7 +90,7 @@ def test_offload_mode_loads_one_layer_at_a_time(tiny_llama_dir):
         ref = _full_forward(full, ids)
     meta = build_model(ModelArgs.from_hf_config(read_config(tiny_llama_dir)), device="meta")
     materialised = []
-    runner = LayerRunner(meta, ids, weights_dir=tiny_llama_dir)
+    runner = LayerRunner(meta, ids, weights=tiny_llama_dir)
     for step in runner:
         materialised.append(sum(p.device.type != "meta" for layer in meta.model.layers
                                 for p in layer.parameters()))
@@ -116,5 +116,5 @@ def test_bad_inputs(tiny_llama_dir):
     with pytest.raises(QuantSpecError, match="outside"):
         LayerRunner(model, torch.full((1, 3), 10_000))
     meta = build_model(model.args, device="meta")
-    with pytest.raises(QuantSpecError, match="weights_dir"):
+    with pytest.raises(QuantSpecError, match="weights="):
         LayerRunner(meta, _ids(1, 3, 512))

@@ -19,7 +19,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.llama import DenseCausalAttention
-from quantspec.quant.args import preset
+from quantspec.quant.presets import preset
 
 torch.set_num_threads(1)
 N, S = 4, 32

@@ -37,6 +37,8 @@ ARTIFACTS = {
     "a8w8_kv_int8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0,
                          kv_cache="int8", target="quantspec"),
 }
+# an MTP module (quantspec's own model class) quantized on its own, as a draft is
+MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle
 OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback")
@@ -66,6 +68,26 @@ def artifacts(conformance_model, tmp_path_factory) -> dict[str, Path]:
     for name in OTHER_LAYOUTS:
         out[name] = _other_layout(name, out, root / name)
     return out
+
+
+@pytest.fixture(scope="session")
+def mtp_source(conformance_model, tmp_path_factory) -> Path:
+    """An (untrained) MTP module of the conformance model, as `zoo train-mtp` saves one."""
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.mtp import save_mtp
+    from quantspec.model_zoo.mtp_train import init_mtp
+
+    base, _ = load_model(conformance_model)
+    out = tmp_path_factory.mktemp("conf_mtp") / "mtp"
+    save_mtp(init_mtp(base, torch.arange(base.args.vocab_size), seed=0), out)
+    return out
+
+
+@pytest.fixture(scope="session")
+def mtp_artifact(mtp_source) -> Path:
+    name, opts = MTP_ARTIFACT
+    opts = dict(opts)
+    return api.quantize(str(mtp_source), opts.pop("quant_type"), mtp_source.parent / name, **opts)
 
 
 def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:

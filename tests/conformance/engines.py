@@ -13,6 +13,7 @@ from __future__ import annotations
 import ast
 import json
 import os
+import re
 import subprocess
 import sys
 import time
@@ -84,6 +85,19 @@ class EngineSource:
 
     def model_source(self) -> str:
         return (self.source / MODEL_FILES[self.engine]).read_text()
+
+    def architectures(self) -> set[str]:
+        """The model classes the engine can build, read from its source (a superset: vLLM's
+        registry keys, every class of an SGLang model file that declares an `EntryClass`)."""
+        if self.engine == "vllm":
+            text = (self.source / "vllm/model_executor/models/registry.py").read_text()
+            return set(re.findall(r'^\s+"(\w+)":\s*\(', text, re.M))
+        out: set[str] = set()
+        for f in (self.source / "sglang/srt/models").glob("*.py"):
+            text = f.read_text(errors="replace")
+            if "EntryClass" in text:
+                out |= set(re.findall(r"^class (\w+)\(", text, re.M))
+        return out
 
     def packed_modules_mapping(self) -> dict:
         """The Llama class's `packed_modules_mapping` as its model file writes it ({} when it

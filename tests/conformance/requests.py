@@ -21,6 +21,8 @@ def artifact_tensors(path: Path) -> dict[str, dict[str, dict]]:
         keys = list(h.keys())
         linears = {k.rsplit(".", 1)[0] for k in keys if k.endswith(".weight_scale")}
         for k in keys:
+            if "." not in k:  # a module-less tensor (an MTP module's draft-vocabulary map)
+                continue
             name, leaf = k.rsplit(".", 1)
             if name in linears:
                 t = h.get_tensor(k)

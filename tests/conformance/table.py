@@ -3,7 +3,7 @@ one row per artifact type, rendered by `render` (the suite fails when the file d
 
 from quantspec.quant.engines import ENGINE_NAMES, ENGINE_VERSIONS, ENGINES
 
-from .conftest import ARTIFACTS
+from .conftest import ARTIFACTS, MTP_ARTIFACT
 
 __all__ = ["render"]
 
@@ -22,7 +22,9 @@ by; the suite checks every cell against the engines' code, layer by layer. This 
 
 TAIL = """
 Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` static activations,
-`CompressedLinear` compressed-tensors in transformers, `QuantLinear` quantspec's own. The last
+`CompressedLinear` compressed-tensors in transformers, `QuantLinear` quantspec's own.
+`{mtp}` is an MTP module (`zoo train-mtp`) quantized on its own: no engine's model registry
+has its architecture, so only quantspec runs it, and `quantize` refuses every other target. The last
 three rows are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
 `int-quantized`, mixed int4 group sizes named shard by shard, and an a8w8 fallback named shard by
 shard as an `int-quantized` weight-only group.
@@ -67,7 +69,7 @@ def render(verdicts: dict) -> str:
              "| artifact | quantize options | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |",
              "|---" * (len(ENGINES) + 2) + "|"]
     for name, per in verdicts.items():
-        opts = ARTIFACTS.get(name)
+        opts = {**ARTIFACTS, MTP_ARTIFACT[0]: MTP_ARTIFACT[1]}.get(name)
         shown = "(not written by quantspec)" if opts is None else _flags(opts)
         lines.append(f"| {name} | {shown} | " + " | ".join(_cell(per[e]) for e in ENGINES) + " |")
-    return "\n".join(lines) + "\n" + TAIL
+    return "\n".join(lines) + "\n" + TAIL.format(mtp=MTP_ARTIFACT[0])

@@ -21,12 +21,14 @@ from pathlib import Path
 import pytest
 import torch
 
+from quantspec.model_zoo.checkpoint import read_config
+from quantspec.model_zoo.mtp import is_mtp_config
 from quantspec.quant.artifact import linear_from_tensors, load_safetensors, read_quant_config
 from quantspec.quant.engines import ENGINE_VERSIONS, FUSED_LAYERS, LAYER_CLASSES, engine_verdicts
 from quantspec.quant.primitives import dequantize
 
 from . import engines as eng
-from .conftest import ARTIFACTS, OTHER_LAYOUTS
+from .conftest import ARTIFACTS, MTP_ARTIFACT, OTHER_LAYOUTS
 from .requests import artifact_tensors, linear_shapes
 
 NAMES = list(ARTIFACTS) + list(OTHER_LAYOUTS)
@@ -37,7 +39,8 @@ TABLE = Path(__file__).parents[2] / "docs" / "engines.md"
 def _verdicts(path: Path) -> dict:
     qc = read_quant_config(path)
     shapes = linear_shapes(artifact_tensors(path))
-    return engine_verdicts(qc, {n: s[1] for n, s in shapes.items()})
+    mtp = is_mtp_config(read_config(path))
+    return engine_verdicts(qc, {n: s[1] for n, s in shapes.items()}, transformers_loads=not mtp)
 
 
 def _lifted(lifted, engine, name):
@@ -167,6 +170,50 @@ def test_transformers_verdict(artifacts, name, torch_threads):
         assert v.status == "ignores" and any(k.endswith("k_scale") for k in info["unexpected_keys"])
 
 
+def test_mtp_module_verdict(mtp_artifact, conformance_model, engine_sources):
+    """An MTP module: quantspec runs it; vLLM, SGLang and transformers have no model class for
+    its architecture (the engines' model registries in their wheels, transformers' Auto classes),
+    so each is refused, and the verdict says so."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.infer.spec.mtp import load_mtp_for_inference
+    from quantspec.model_zoo.checkpoint import load_model
+
+    verdicts = _verdicts(mtp_artifact)
+    assert verdicts["quantspec"].status == "loads"
+    for engine in ("vllm", "sglang", "transformers"):
+        assert verdicts[engine].status == "refused" and "no model class" in verdicts[engine].line()
+    arch = read_config(mtp_artifact)["architectures"][0]
+    with pytest.raises(Exception):  # noqa: B017 — its refusal is the answer
+        AutoModelForCausalLM.from_pretrained(str(mtp_artifact))
+    mtp = load_mtp_for_inference(str(mtp_artifact), load_model(conformance_model)[0])
+    assert type(mtp.model.layers[0].mlp.down_proj).__name__ == "QuantLinear"
+    missing = [src for src in engine_sources.values() if isinstance(src, str)]
+    for src in engine_sources.values():
+        if not isinstance(src, str):
+            archs = src.architectures()
+            assert "LlamaForCausalLM" in archs and arch not in archs, src.engine
+    if missing:
+        pytest.skip("; ".join(missing))
+
+
+@pytest.mark.parametrize("target", ["portable", "vllm", "sglang", "transformers"])
+def test_mtp_module_needs_target_quantspec(mtp_source, tmp_path, target):
+    """`quantize --target T` of an MTP module is one line naming `--target quantspec`, before
+    any work (the default target, portable, included)."""
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    args = ["quantize", "--model", str(mtp_source), "--quant-type", "weight_only_int8",
+            "--out", str(tmp_path / "out")]
+    res = CliRunner().invoke(main, args + ([] if target == "portable" else ["--target", target]))
+    assert res.exit_code == 2, res.output
+    line = res.output.strip()
+    assert "\n" not in line and "is an MTP module" in line and f"--target {target}" in line
+    assert line.endswith("pass --target quantspec") and not (tmp_path / "out").exists()
+
+
 def _ct_versions(engine_sources) -> list[tuple[str, Path | None]]:
     import compressed_tensors
 
@@ -217,12 +264,14 @@ def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, n
             assert w.dtype == ours.dtype and torch.equal(w, ours), (version, lin)
 
 
-def test_engine_table_is_current(artifacts):
+def test_engine_table_is_current(artifacts, mtp_artifact):
     """docs/engines.md is the table of the verdicts this suite checks (QUANTSPEC_WRITE_ENGINE_TABLE=1
     rewrites it). It needs no engine wheel, so a stale table fails wherever the tests run."""
     from .table import render
 
-    text = render({n: _verdicts(artifacts[n]) for n in NAMES})
+    text = render({**{n: _verdicts(artifacts[n]) for n in ARTIFACTS},
+                   MTP_ARTIFACT[0]: _verdicts(mtp_artifact),
+                   **{n: _verdicts(artifacts[n]) for n in OTHER_LAYOUTS}})
     if os.environ.get("QUANTSPEC_WRITE_ENGINE_TABLE"):
         TABLE.write_text(text)
     assert TABLE.is_file() and TABLE.read_text() == text, \

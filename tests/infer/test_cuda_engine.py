@@ -15,7 +15,7 @@ from quantspec.infer.spec.proposers import ReferenceProposer
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.llama import DenseCausalAttention
 from quantspec.model_zoo.tiny import build_tiny_model
-from quantspec.quant.args import preset
+from quantspec.quant.presets import preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 

@@ -385,3 +385,45 @@ def test_unequal_input_scales_are_not_fused(artifacts, tiny_llama_dir, tmp_path)
     assert isinstance(l1.qkv_proj, QuantLinear) and l1.q_proj is None
     torch.testing.assert_close(logits(lm.model, IDS), logits(reference_model(tiny_llama_dir, art), IDS),
                                rtol=1e-4, atol=1e-4)
+
+
+# in a fresh process, loads the tiny checkpoint argv[2] (so that every library the loader maps is
+# resident), then the checkpoint argv[1] with --dtype auto; prints the dtype it chose, the
+# checkpoint's bytes and how far loading it raised the peak resident memory above what it was
+_PEAK_CHILD = """
+import json, sys
+from pathlib import Path
+import torch
+from quantspec.infer.loader import auto_dtype, load_for_inference
+
+def status(key):
+    return next(int(l.split()[1]) * 1024 for l in open("/proc/self/status") if l.startswith(key))
+
+load_for_inference(sys.argv[2], dtype=torch.bfloat16, tokenizer=False)
+ckpt = Path(sys.argv[1])
+dtype = auto_dtype(ckpt)
+before = status("VmRSS")
+loaded = load_for_inference(ckpt, dtype=dtype, tokenizer=False)
+print(json.dumps({"dtype": str(loaded.model.model.norm.weight.dtype), "ckpt": sum(
+    f.stat().st_size for f in ckpt.glob("*.safetensors")), "peak_rise": status("VmHWM") - before}))
+"""
+
+
+@pytest.mark.skipif(not Path("/proc/self/status").is_file(), reason="reads VmHWM from /proc")
+def test_bf16_sharded_checkpoint_loads_without_a_second_copy(tiny_llama_dir, tmp_path):
+    """A bf16 sharded checkpoint loads as stored (auto: bfloat16, no float32 upcast), one tensor
+    at a time: loading raises the peak resident memory by the checkpoint plus a fixed allowance,
+    never by a second copy of the weights."""
+    import subprocess
+    import sys
+
+    ckpt = build_tiny_model(tmp_path / "bf16", "llama", num_layers=12, hidden=768, heads=12, kv_heads=4,
+                            intermediate=3072, dtype=torch.bfloat16, sharded=True)
+    assert (ckpt / "model.safetensors.index.json").is_file()
+    env = dict(__import__("os").environ, PYTHONPATH=str(Path(__file__).resolve().parents[2]))
+    proc = subprocess.run([sys.executable, "-c", _PEAK_CHILD, str(ckpt), str(tiny_llama_dir)], capture_output=True, text=True, env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    r = json.loads(proc.stdout.strip().splitlines()[-1])
+    assert r["dtype"] == "torch.bfloat16"
+    assert r["ckpt"] > 150e6
+    assert r["peak_rise"] <= 1.25 * r["ckpt"] + 100e6, r

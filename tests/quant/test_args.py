@@ -1,4 +1,4 @@
-"""quant.args: validation, compressed-tensors JSON both ways, presets, target matching."""
+"""quant.args, quant.scheme, quant.config, quant.presets: validation, compressed-tensors JSON both ways, presets, target matching."""
 
 import json
 

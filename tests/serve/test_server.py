@@ -187,7 +187,7 @@ def test_the_openai_client_sees_a_400_as_bad_request(server):
 def test_models_health_and_metrics(server):
     url, _ = server
     assert [m.id for m in _client(url).models.list()] == ["tiny"]
-    assert httpx2.get(f"{url}/health").json() == {"status": "ok"}
+    assert httpx2.get(f"{url}/health").json() == {"status": "ok", "kv_cache": "float (float32)"}
     _chat(_client(url), PROMPTS[7], 8)
     text = httpx2.get(f"{url}/metrics").text
     for name in ("requests_running", "requests_waiting", "kv_blocks_used", "time_to_first_token_seconds_bucket",

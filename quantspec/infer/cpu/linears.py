@@ -227,17 +227,21 @@ def pack_float_linears(model: nn.Module, *, pairs: bool) -> int:
             return PackedPairsLinear
         return None
 
-    targets = [(name, m, packer(m)) for name, m in model.named_modules() if name and packer(m) is not None]
+    # names only: each original is freed as soon as its packed copy replaces it, so packing a
+    # model holds one linear twice at a time, never the whole model
+    targets = [(name, packer(m)) for name, m in model.named_modules() if name and packer(m) is not None]
     # embeddings sharing a packed linear's weight (a tied head) read it from the packed copy
     embeddings: dict[tuple, list[str]] = {}
     for n, e in model.named_modules():
         if n and type(e) is nn.Embedding:
             embeddings.setdefault((e.weight.data_ptr(), tuple(e.weight.shape)), []).append(n)
-    for name, m, cls in targets:
+    for name, cls in targets:
+        m = model.get_submodule(name)
         packed = cls(m)
         model.set_submodule(name, packed)
         for emb_name in embeddings.get((m.weight.data_ptr(), tuple(m.weight.shape)), []):
             model.set_submodule(emb_name, PackedEmbedding(packed))
+        del m, packed
     return len(targets)
 
 

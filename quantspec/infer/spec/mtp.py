@@ -103,7 +103,7 @@ def load_quantized_module(path: Path, cfg: dict, module: nn.Module, table: dict,
     (`int_names` keep their dtype)."""
     from quantspec.infer.quant_linear import QuantLinear
     from quantspec.model_zoo.checkpoint import check_against_table, load_checkpoint_tensors
-    from quantspec.quant.args import QuantConfig
+    from quantspec.quant.config import QuantConfig
 
     where = str(path)
     qc = QuantConfig.from_dict(cfg["quantization_config"])

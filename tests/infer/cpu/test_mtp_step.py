@@ -31,7 +31,7 @@ def mtp_dirs(base, tmp_path_factory):
     """An fp32 MTP artifact (a third of the vocabulary drafts) and its int8 / int4 quantizations."""
     from quantspec.calib.ptq import quantize_model
     from quantspec.model_zoo.mtp import load_mtp
-    from quantspec.quant.args import preset
+    from quantspec.quant.presets import preset
     from quantspec.quant.artifact import write_artifact
 
     root = tmp_path_factory.mktemp("mtp_fused")

@@ -190,7 +190,7 @@ def test_quantized_mtp_artifact_drafts_losslessly(base, trained_mtp, tmp_path, q
 
     from quantspec.calib.ptq import quantize_model
     from quantspec.model_zoo.mtp import load_mtp
-    from quantspec.quant.args import preset
+    from quantspec.quant.presets import preset
     from quantspec.quant.artifact import write_artifact
 
     mtp = load_mtp(trained_mtp)

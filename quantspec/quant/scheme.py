@@ -1,0 +1,131 @@
+"""A quantization scheme: the args of a module's weights, input activations and outputs plus
+the targets it applies to (compressed-tensors' `QuantizationScheme`), and the compressed-tensors
+format a scheme's weights are stored in."""
+
+from __future__ import annotations
+
+import re
+from dataclasses import dataclass
+from typing import Any, Iterable, Mapping
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.args import (
+    _ACTIVATION_STRATEGIES,
+    FORMAT_FLOAT_QUANTIZED,
+    FORMAT_INT_QUANTIZED,
+    FORMAT_MIXED_PRECISION,
+    FORMAT_PACK_QUANTIZED,
+    SUPPORTED_FORMATS,
+    QuantArgs,
+    _err,
+)
+
+__all__ = ["QuantScheme", "scheme_format"]
+
+
+def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None = None) -> str:
+    """The compressed-tensors format name for a scheme's weights.
+
+    fp8 → "float-quantized" (float8_e4m3fn `weight`); int with quantized input activations (W8A8)
+    → "int-quantized" (plain int8 `weight`); int weight-only (W4A16, W8A16) → "pack-quantized"
+    (int32 words), what compressed-tensors writes for them and the only integer weight-only
+    format vLLM and SGLang load.
+    """
+    if weights is None:
+        raise QuantSpecError("scheme_format: a scheme without weights has no weight format")
+    if weights.type == "float":
+        return FORMAT_FLOAT_QUANTIZED
+    if weights.num_bits < 8 or input_activations is None:
+        return FORMAT_PACK_QUANTIZED
+    return FORMAT_INT_QUANTIZED
+
+
+@dataclass(frozen=True)
+class QuantScheme:
+    """Which modules (`targets`) get which weight / input-activation args, and their format."""
+
+    targets: tuple[str, ...]
+    weights: QuantArgs | None = None
+    input_activations: QuantArgs | None = None
+    format: str | None = None
+
+    def __post_init__(self) -> None:
+        w = "QuantScheme"
+        targets = self.targets
+        if isinstance(targets, str) or not isinstance(targets, Iterable):
+            raise _err(w, f"targets must be a list of names, got {targets!r}")
+        targets = tuple(targets)
+        if not targets or not all(isinstance(t, str) and t for t in targets):
+            raise _err(w, f"targets must be a non-empty list of non-empty strings, got {targets!r}")
+        for t in targets:
+            if t.startswith("re:"):
+                try:
+                    re.compile(t[3:])
+                except re.error as e:
+                    raise _err(w, f"target {t!r} is not a valid regex ({e})") from None
+        object.__setattr__(self, "targets", targets)
+        if self.weights is not None and not isinstance(self.weights, QuantArgs):
+            raise _err(w, f"weights must be QuantArgs, got {type(self.weights).__name__}")
+        ia = self.input_activations
+        if ia is not None:
+            if not isinstance(ia, QuantArgs):
+                raise _err(w, f"input_activations must be QuantArgs, got {type(ia).__name__}")
+            if ia.strategy not in _ACTIVATION_STRATEGIES or ia.strategy == "attn_head":
+                raise _err(w, f"input_activations strategy {ia.strategy!r} unsupported; use "
+                              "tensor (static) or token (dynamic)")
+        if self.weights is None and ia is None:
+            raise _err(w, "a scheme needs weights and/or input_activations")
+        fmt = self.format
+        if fmt is None and self.weights is not None:
+            fmt = scheme_format(self.weights, ia)
+        if fmt is not None and fmt not in SUPPORTED_FORMATS:
+            raise _err(w, f"format {fmt!r} is unsupported; use one of {', '.join(SUPPORTED_FORMATS)}")
+        if fmt == FORMAT_PACK_QUANTIZED and self.weights is not None and self.weights.type != "int":
+            raise _err(w, "format 'pack-quantized' needs int weights; use 'float-quantized' for FP8")
+        object.__setattr__(self, "format", fmt)
+
+    def to_dict(self) -> dict:
+        return {
+            "targets": list(self.targets),
+            "weights": None if self.weights is None else self.weights.to_dict(),
+            "input_activations": None if self.input_activations is None
+            else self.input_activations.to_dict(),
+            "output_activations": None,
+            "format": self.format,
+        }
+
+    @classmethod
+    def from_dict(cls, d: Any, where: str = "QuantScheme", default_format: str | None = None
+                  ) -> "QuantScheme":
+        if isinstance(d, (list, tuple)):
+            raise _err(where, "preset-name config groups (a group named after a preset with a "
+                              "list of targets) are unsupported; write the scheme out in full")
+        if not isinstance(d, Mapping):
+            raise _err(where, f"expected a mapping, got {type(d).__name__}")
+        known = {"targets", "weights", "input_activations", "output_activations", "format"}
+        unknown = sorted(set(d) - known)
+        if unknown:
+            raise _err(where, f"unknown key(s) {unknown}; remove them")
+        if d.get("output_activations") is not None:
+            raise _err(where, "output_activations quantization is unsupported; remove it")
+        fmt = d.get("format") or default_format
+        if fmt == FORMAT_MIXED_PRECISION:
+            fmt = None
+        if fmt is not None and fmt not in SUPPORTED_FORMATS:
+            raise _err(where, f"format {fmt!r} is unsupported by quantspec; supported: "
+                              f"{', '.join(SUPPORTED_FORMATS)}")
+        weights = d.get("weights")
+        ia = d.get("input_activations")
+        try:
+            return cls(
+                targets=tuple(d.get("targets") or ()),
+                weights=None if weights is None else QuantArgs.from_dict(weights, f"{where}.weights"),
+                input_activations=None if ia is None
+                else QuantArgs.from_dict(ia, f"{where}.input_activations"),
+                format=fmt,
+            )
+        except QuantSpecError as e:
+            msg = str(e)
+            raise QuantSpecError(msg if msg.startswith(where) else f"{where}: {msg}") from None
+
+
