@@ -12,7 +12,22 @@ from pathlib import Path
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir, check_output_file
 
-__all__ = ["evaluate", "inspect", "quantize", "infer", "calibrate", "report", "serve", "train_draft_head", "train_mtp"]
+# the config types and names a caller (the CLI) builds calls with, imported when first asked for
+_REEXPORTS = {"InferConfig": "quantspec.infer.predictor", "ServeConfig": "quantspec.serve",
+              "ReportConfig": "quantspec.report", "ENGINE_NAMES": "quantspec.quant.engines"}
+
+__all__ = ["calibrate", "evaluate", "infer", "inspect", "quantize", "report", "serve", "train_draft_head", "train_mtp",
+           *_REEXPORTS]
+
+
+def __getattr__(name: str):
+    if name in _REEXPORTS:
+        import importlib
+
+        value = getattr(importlib.import_module(_REEXPORTS[name]), name)
+        globals()[name] = value
+        return value
+    raise AttributeError(f"module 'quantspec.api' has no attribute {name!r}")
 
 
 def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | None = None,

@@ -21,7 +21,7 @@ import time
 
 from rich.console import Console
 
-__all__ = ["PLAIN_EVERY_S", "QUIET_S", "Progress", "err_console", "out_console", "quiet_libraries"]
+__all__ = ["PLAIN_EVERY_S", "QUIET_S", "Progress", "err_console", "out_console", "quiet_libraries", "stream_to_stdout"]
 
 PLAIN_EVERY_S = 10.0  # plain (non-terminal) progress: at most one line this often within a phase
 QUIET_S = 2.0  # plain progress: nothing during a command's first seconds
@@ -167,3 +167,9 @@ class Progress:
             self.console.print(message, highlight=False)
             return
         self._plain(message, new_phase=True)
+
+
+def stream_to_stdout(text: str) -> None:
+    """Write a piece of generated text to stdout as it arrives (`infer --prompt`)."""
+    sys.stdout.write(text)
+    sys.stdout.flush()

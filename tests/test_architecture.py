@@ -109,6 +109,19 @@ def test_the_generic_runtime_knows_no_backend(path):
     assert not wrong, f"{path.relative_to(PACKAGE)} imports a device backend (use infer.backend): {wrong}"
 
 
+CLI_RENDERERS = ("quantspec.report.render",)  # the report's rich table
+
+
+@pytest.mark.parametrize("path", sorted((PACKAGE / "cli").glob("*.py")), ids=lambda p: p.name)
+def test_the_cli_imports_only_api_and_renderers(path):
+    """A command builds its config with what `api` hands out (`api.InferConfig`, ...), calls one
+    `api` function and renders the result: nothing of the rooms below is imported directly."""
+    ok = {"quantspec", "quantspec.api"} | {f"quantspec.{leaf}" for leaf in LEAVES} | set(CLI_RENDERERS)
+    wrong = [f"line {line}: {name}" for line, name in _imports(path)
+             if name not in ok and not name.startswith("quantspec.cli")]
+    assert not wrong, f"cli/{path.name} imports below api: {wrong}"
+
+
 def test_the_rule_catches_a_sideways_arrow(tmp_path):
     """The checks above can fail: kernels importing infer, and infer importing calib."""
     bad = tmp_path / "x.py"

@@ -15,7 +15,6 @@ from __future__ import annotations
 
 import json
 import resource
-import sys
 import time
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -366,11 +365,6 @@ def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, 
             "mean_accepted_length": after_prefill / forwards if forwards else 0.0,
         })
     return stats
-
-
-def stream_to_stdout(text: str) -> None:
-    sys.stdout.write(text)
-    sys.stdout.flush()
 
 
 def config_dict(config: InferConfig) -> dict:

@@ -1,0 +1,149 @@
+"""`quantspec infer` and `quantspec serve`: flags → `InferConfig` / `ServeConfig` → `api.infer` / `api.serve`."""
+
+from __future__ import annotations
+
+import click
+
+from quantspec.cli.group import main, one_line_errors, threads_option
+from quantspec.errors import QuantSpecError
+
+
+def _stats_table(title: str, stats: dict):
+    from rich.table import Table
+
+    table = Table(title=title)
+    table.add_column("metric")
+    table.add_column("value", justify="right")
+    for key, value in stats.items():
+        if isinstance(value, float):
+            value = f"{value:.4g}"
+        elif isinstance(value, list):
+            value = ", ".join(f"{v:.2f}" if isinstance(v, float) else str(v) for v in value)
+        table.add_row(key, str(value))
+    return table
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Zoo name, local HF directory, quantspec artifact, or hub id.")
+@click.option("--prompt", help="One prompt; its answer streams to the terminal.")
+@click.option("--data-file", type=click.Path(dir_okay=False), help="jsonl with a `src` field per line.")
+@click.option("--output-file", type=click.Path(dir_okay=False), help="jsonl: each input row + output, output_token_ids.")
+@click.option("--batch-size", default=1, show_default=True, help="Sequences decoded together.")
+@click.option("--src-length", type=int, default=None, help="Max prompt tokens [default: max-length - max-new-tokens].")
+@click.option("--max-length", default=2048, show_default=True, help="Max prompt + generated tokens per sequence.")
+@click.option("--max-new-tokens", default=256, show_default=True)
+@click.option("--truncate-prompt", is_flag=True, help="Keep the last src-length tokens of a longer prompt instead of refusing it.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="Activation dtype; auto: float16 on CUDA, bfloat16 on CPU for weight-only int artifacts and "
+                   "bfloat16 checkpoints (loaded as stored), else float32.")
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--block-size", default=64, show_default=True, help="Paged KV cache block size (tokens).")
+@click.option("--decode-strategy", default="greedy", show_default=True, type=click.Choice(["greedy", "sampling"]))
+@click.option("--temperature", default=1.0, show_default=True)
+@click.option("--top-k", default=0, show_default=True, help="0 = off.")
+@click.option("--top-p", default=1.0, show_default=True, help="1.0 = off.")
+@click.option("--seed", type=int, default=None)
+@click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
+@click.option("--cachekv-int8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
+              help="static: int8 KV cache with calibrated per-head scales.")
+@click.option("--cachekv-fp8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
+              help="static: FP8 E4M3 KV cache with calibrated per-head scales.")
+@click.option("--calib", type=click.Path(file_okay=False), help="Calibration directory (scale tables) for a static KV cache.")
+@click.option("--speculate-method", default="none", show_default=True,
+              type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa"]))
+@click.option("--draft-model", help="Draft model, MTP module or Medusa heads (directory or artifact).")
+@click.option("--speculate-tree", default=None,
+              help="medusa: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain.")
+@click.option("--speculate-max-draft-token-num", default=5, show_default=True, help="Draft tokens per step.")
+@click.option("--speculate-max-ngram-size", default=3, show_default=True, help="Longest n-gram tried first.")
+@click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
+              help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
+@click.option("--speculate-min-confidence", type=float, default=None,
+              help="mtp: stop drafting at a draft whose probability is below this [default: 0.4 for mtp].")
+@click.option("--speculate-draft-head", type=click.Choice(["int8", "artifact"]), default=None,
+              help="draft: score drafts with the draft model's head rounded to int8 (faster on CPU, output "
+                   "unchanged) or with its own head [default: int8].")
+@click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
+@click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
+@one_line_errors
+@threads_option
+def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, calib,
+          **kw):
+    """Generate text with a model or a quantized artifact (optionally speculating)."""
+    import json
+
+    from quantspec import api
+    from quantspec.console import err_console, stream_to_stdout
+    from quantspec.outputs import check_output_file, write_json
+
+    if cachekv_int8_type == "static" and cachekv_fp8_type == "static":
+        raise QuantSpecError("choose one of --cachekv-int8-type and --cachekv-fp8-type")
+    cachekv = "int8" if cachekv_int8_type == "static" else "fp8" if cachekv_fp8_type == "static" else "none"
+    if prompt is None and data_file is None:
+        raise QuantSpecError("give --prompt TEXT or --data-file FILE.jsonl")
+    config = api.InferConfig(chat_template=not no_chat_template, cachekv=cachekv, **kw)
+    if stats_file:
+        check_output_file(stats_file, "--stats-file")
+    single = prompt is not None
+    outs, stats = api.infer(config, [prompt] if single else None, data_file=data_file, output_file=output_file,
+                            calib=calib, on_text=stream_to_stdout if single else None)
+    console = err_console()
+    if single:
+        print()
+    elif not output_file:
+        for o in outs:
+            print(json.dumps({"output": o.text}, ensure_ascii=False))
+    if any(o.truncated_prompt for o in outs):
+        console.print(f"[yellow]{sum(o.truncated_prompt for o in outs)} prompt(s) truncated to --src-length[/]")
+    if kw["benchmark"]:
+        console.print(_stats_table("quantspec infer --benchmark", stats))
+    if stats_file:
+        write_json(stats_file, stats)
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True,
+              help="Zoo name, local HF directory, quantspec artifact, or hub id.")
+@click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
+@click.option("--port", default=8000, show_default=True, type=int, help="Port to bind (0: any free port).")
+@click.option("--served-model-name", default=None, help="The model name clients send [default: --model].")
+@click.option("--max-batch-size", default=16, show_default=True, type=int, help="Sequences decoded together.")
+@click.option("--max-queue", default=256, show_default=True, type=int,
+              help="Requests that may wait for the batch; more are answered 503 with Retry-After.")
+@click.option("--max-length", default=2048, show_default=True, type=int, help="Max prompt + generated tokens per request.")
+@click.option("--prefill-chunk", default=256, show_default=True, type=int,
+              help="Prompt tokens per prefill step (long prompts are prefilled in chunks between decode steps).")
+@click.option("--drain-timeout", default=30.0, show_default=True, type=float,
+              help="On SIGTERM, seconds to let requests in flight finish.")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
+@click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
+@click.option("--block-size", default=64, show_default=True, type=int, help="Paged KV cache block size (tokens).")
+@click.option("--speculate-method", default="none", show_default=True,
+              type=click.Choice(["none", "inference_with_reference", "draft", "mtp"]))
+@click.option("--draft-model", help="Draft model or MTP module (directory or artifact).")
+@click.option("--speculate-max-draft-token-num", default=5, show_default=True, type=int, help="Most drafts per step.")
+@click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
+@click.option("--load-aware/--no-load-aware", default=True, show_default=True,
+              help="Choose drafts per step from the batch size and measured step costs (no drafts where they cost more than they save).")
+@one_line_errors
+@threads_option
+def serve(**kw):
+    """Serve a model over OpenAI's HTTP API (chat and completions, streaming, /metrics)."""
+    from quantspec import api
+    from quantspec.console import err_console
+    from quantspec.errors import Terminated
+
+    config = api.ServeConfig(**kw)
+    console = err_console()
+
+    def ready(url, kv_cache):
+        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, KV cache {kv_cache}  "
+                      "(Ctrl-C or SIGTERM stops, draining requests in flight)")
+
+    try:
+        api.serve(config, on_ready=ready)
+    except (Terminated, KeyboardInterrupt):
+        pass
+    console.print("stopped")

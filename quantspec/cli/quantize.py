@@ -1,0 +1,234 @@
+"""`quantspec quantize`, `calibrate` and `inspect`: flags → `api.quantize` / `api.calibrate` / `api.inspect`, rendered with rich."""
+
+from __future__ import annotations
+
+import click
+
+from quantspec.cli.group import main, one_line_errors, threads_option
+
+
+def _gib(n) -> str:
+    return "?" if n is None else f"{n / 2**20:,.1f} MiB"
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
+@click.option("--quant-type", required=True, help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8")
+@click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq"]))
+@click.option("--group-size", default=128, show_default=True, type=int,
+              help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
+@click.option("--sym/--asym", "symmetric", default=True, show_default=True)
+@click.option("--zp-dtype", default="int", show_default=True,
+              type=click.Choice(["int", "float16", "bfloat16", "float32"]),
+              help="weight_only_int4 --asym: zero-point dtype; a float one is stored unrounded "
+                   "(compressed-tensors' zp_dtype), e.g. to reproduce GGUF Q4_1-style grids")
+@click.option("--weight-observer", default="auto", show_default=True, type=click.Choice(["auto", "minmax", "mse"]),
+              help="weight scales: min/max, or mse = per scale, the clipping of the range (down to 0.8) "
+                   "with the least |w - q(w)|^2.4 (RTN, and each GPTQ group); auto: mse for "
+                   "weight_only_int4, minmax for the 8-bit types")
+@click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
+@click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
+@click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
+@click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ damping (fraction of mean diag H)")
+@click.option("--dataset", default=None, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
+@click.option("--split", default="train", show_default=True)
+@click.option("--text-field", default="text", show_default=True)
+@click.option("--num-samples", default=128, show_default=True, type=int)
+@click.option("--seq-len", default=512, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
+@click.option("--smoothquant-alpha", default=None,
+              help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
+                   "smoothing group on calibration data; the default) or 'none'")
+@click.option("--a8w8-fallback-budget", "fallback_budget", default=None, type=float,
+              help="a8w8 types: keep the fewest fused units (q/k/v, gate/up, o_proj, down_proj) at "
+                   "float activations (W8A16) that hold the perplexity on held-back calibration "
+                   "windows within this many percent of the weight-only model's [default: 1.5]")
+@click.option("--a8w8-fallback-layers", "fallback_layers", default=None, type=int,
+              help="a8w8 types: instead of the budget, keep the N fused units with the largest "
+                   "measured static-activation error at float activations (0: none)")
+@click.option("--a8w8-fallback-threshold", "fallback_threshold", default=None, type=float,
+              help="a8w8 types: instead of the budget, fall back every fused unit with a Linear "
+                   "whose relative output MSE exceeds this")
+@click.option("--kv-cache", default=None, type=click.Choice(["int8", "fp8"]),
+              help="store static KV-cache scales from --calib in the artifact (k_scale/v_scale)")
+@click.option("--kv-strategy", default=None, type=click.Choice(["tensor", "head"]),
+              help="KV-cache scales per tensor (SGLang and vLLM load them) or per KV head "
+                   "[default: head for --target quantspec, else tensor]")
+@click.option("--target", default="portable", show_default=True,
+              type=click.Choice(["portable", "vllm", "sglang", "transformers", "quantspec"]),
+              help="the engines the artifact must load in (portable: vLLM and SGLang); options one of "
+                   "them would refuse or ignore are refused before any work")
+@click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@click.option("--device", default="auto", show_default=True,
+              help="where each layer is quantized (the rest stays on disk): auto, cpu, cuda, cuda:N")
+@click.option("--restart", is_flag=True,
+              help="start over: discard the state an interrupted run of a big model left beside --out")
+@one_line_errors
+@threads_option
+def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
+             dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
+             fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
+             kv_strategy=None, target="portable"):
+    """Quantize a checkpoint into a compressed-tensors artifact directory."""
+    import time
+
+    from quantspec import api
+    from quantspec.console import Progress
+
+    if smoothquant_alpha is not None and smoothquant_alpha not in ("auto", "none"):
+        try:
+            smoothquant_alpha = float(smoothquant_alpha)
+        except ValueError:
+            raise click.BadParameter(f"{smoothquant_alpha!r} is neither a number, 'auto' nor 'none'",
+                                     param_hint="--smoothquant-alpha") from None
+    t0 = time.perf_counter()
+    with Progress(f"quantize {quant_type}") as progress:
+        path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
+                            symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
+                            weight_observer=None if weight_observer == "auto" else weight_observer,
+                            ignore=tuple(ignore), act_order=act_order,
+                            block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
+                            text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
+                            calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
+                            kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
+                            fallback_layers=fallback_layers,
+                            fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
+                            device=device, restart=restart, progress=progress.layer, on_status=progress.status)
+    info = api.inspect(path)
+    progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
+                           f"{info.get('compression_ratio') or '?'}x smaller than the source, "
+                           f"{time.perf_counter() - t0:.1f} s)")
+
+
+def _fallback_rows(fb: dict | None) -> list[tuple[str, str]]:
+    """`inspect`'s lines on an a8w8 fallback: the rule, what the budget measured, the units."""
+    if not fb:
+        return []
+    rule, held, rows = fb.get("rule") or {}, fb.get("held_back"), []
+    if rule.get("by") == "budget" and held:
+        rows.append(("fallback rule", f"held-back perplexity within +{rule['budget_pct']:g}% of the weight-only "
+                                      f"model's ({held['windows']} × {held['seq_len']} tokens of "
+                                      f"{held.get('dataset')}, windows from {held.get('first_window')}, unseen "
+                                      "by the scales and the α search)"))
+        steps = "; ".join(f"{m['units']} unit{'' if m['units'] == 1 else 's'} {m['delta_pct']:+.2f}%"
+                          + (f" (chosen; {m['over_float_pct']:+.2f}% over float)"
+                             if m["units"] == held.get("chosen_units") else "")
+                          for m in sorted(held["measured"], key=lambda m: m["units"]))
+        rows.append(("held-back measured", f"float ppl {held['float_perplexity']:.3f}, weight-only "
+                                           f"{held['weight_only_perplexity']:.3f}; fallback {steps}"))
+    elif rule.get("by") == "rank":
+        what = [f"the {rule['units']} fused units with the largest static-activation error"] if rule.get("units") else []
+        if rule.get("threshold") is not None:
+            what.append(f"every unit with a Linear's error > {rule['threshold']:g}")
+        rows.append(("fallback rule", " + ".join(what)))
+    else:
+        rows.append(("fallback rule", "none"))
+    units = fb.get("units") or []
+    if units:
+        names = ", ".join(u["linears"][0].rsplit(".", 1)[0] + "." + "/".join(n.rsplit(".", 1)[1] for n in u["linears"])
+                          + f" ({u['error']:.3g})" for u in units)
+        rows.append(("fallback (weight-only)", f"{len(units)} units, {sum(len(u['linears']) for u in units)} "
+                                               f"Linears, by measured error: {names}"))
+    return rows
+
+
+@main.command()
+@click.argument("path", type=click.Path())
+@click.option("--json", "as_json", is_flag=True, help="print the full description as JSON")
+@one_line_errors
+def inspect(path, as_json):
+    """Describe an artifact: scheme, per-layer bits / group size, size and compression ratio."""
+    import json
+    from collections import Counter
+
+    from rich.table import Table
+
+    from quantspec import api
+    from quantspec.console import out_console
+
+    info = api.inspect(path)
+    if as_json:
+        click.echo(json.dumps(info, indent=2, default=str))
+        return
+    console = out_console()
+    head = Table(title=f"quantspec inspect {info['path']}", show_header=False)
+    head.add_row("quantized", str(info["quantized"]))
+    for key in ("quant_type", "format", "method", "quantspec_version"):
+        if info.get(key) is not None:
+            head.add_row(key, str(info[key]))
+    if info.get("ignore") is not None:
+        head.add_row("ignore", ", ".join(info["ignore"]) or "-")
+    head.add_row("weights on disk", _gib(info["weights_bytes"]))
+    if info.get("source_size_bytes"):
+        head.add_row("source weights", _gib(info["source_size_bytes"]))
+        head.add_row("compression ratio", f"{info['compression_ratio']}x")
+    if info.get("static_activation_linears") is not None:
+        head.add_row("static activations", f"{info['static_activation_linears']} of "
+                                           f"{len(info['layers'])} Linears")
+        for key, value in _fallback_rows(info.get("fallback")):
+            head.add_row(key, value)
+    if info.get("kv_cache"):
+        head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
+                                 f"{info['kv_cache']['strategy']}")
+    for engine in (info.get("engines") or {}).values():
+        head.add_row(api.ENGINE_NAMES[engine["engine"]], engine["verdict"])
+    console.print(head)
+    if not info["quantized"]:
+        return
+    # one row per (module kind, scheme): e.g. q_proj ×30 int4 g64 sym
+    rows = Counter()
+    for name, d in info["layers"].items():
+        kind = name.rsplit(".", 1)[-1]
+        rows[(kind, d["type"], d["bits"], d["strategy"], d["group_size"], d["symmetric"],
+              d.get("zp_dtype") or "-", d["input_activations"] or "-")] += 1
+    t = Table(title="quantized Linears")
+    for col in ("module", "count", "weights", "granularity", "symmetric", "zero point",
+                "activations"):
+        t.add_column(col)
+    for (kind, typ, bits, strat, g, sym, zp, act), n in sorted(rows.items(),
+                                                              key=lambda r: str(r[0])):
+        gran = f"group {g}" if strat == "group" else strat
+        t.add_row(kind, str(n), f"{typ}{bits}", gran, "yes" if sym else "no", zp, act)
+    console.print(t)
+
+
+@main.command()
+@click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id (unquantized)")
+@click.option("--dataset", required=True, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
+@click.option("--split", default="train", show_default=True)
+@click.option("--text-field", default="text", show_default=True, help="dataset column holding the text")
+@click.option("--num-samples", default=128, show_default=True, type=int)
+@click.option("--seq-len", default=512, show_default=True, type=int)
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--observer", default="minmax", show_default=True, type=click.Choice(["minmax", "percentile", "mse"]))
+@click.option("--percentile", default=99.99, show_default=True, type=float, help="percentile observer: quantile of |x|")
+@click.option("--kv-observer", default=None, type=click.Choice(["minmax", "percentile", "mse"]),
+              help="observer of the K/V per-head scales (default: see calib/calibrate.py DEFAULT_KV_OBSERVER)")
+@click.option("--batch-size", default=8, show_default=True, type=int, help="samples per forward")
+@click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
+              help="forward dtype while observing; auto: bfloat16 where the CPU computes it natively (AVX512-BF16/AMX), else float32")
+@click.option("--device", default="auto", show_default=True,
+              help="where each layer runs (the rest stays on disk): auto, cpu, cuda, cuda:N")
+@click.option("--out", required=True, type=click.Path(), help="table directory to write")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@click.option("--restart", is_flag=True,
+              help="start over: discard the state an interrupted run of a big model left beside --out")
+@one_line_errors
+@threads_option
+def calibrate(model, dataset, out, **kw):
+    """Measure static activation and KV-cache scales (scales.safetensors + calibration.json)."""
+    from quantspec import api
+    from quantspec.console import Progress
+
+    with Progress(f"calibrate ({kw['observer']})") as progress:
+        res = api.calibrate(model, dataset, out, progress=progress.layer, on_status=progress.status, **kw)
+    m = res.meta
+    progress.console.print(f"[green]wrote[/] {res.path}  ({m['num_layers']} layers, {m['num_samples']} × "
+                           f"{m['seq_len']} tokens, observer {m['observer']}, fingerprint "
+                           f"{m['model_fingerprint']}, {res.wall_s:.1f} s)")
+
+
+if __name__ == "__main__":  # python -m quantspec.cli (what tests and benches start servers with)
+    main()
