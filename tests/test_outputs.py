@@ -79,16 +79,16 @@ def test_leftovers_of_dead_runs_are_removed_live_ones_kept(tiny_llama_dir, tmp_p
 
 def _run_cli_killed(tmp_path: Path, model: Path, out: Path, sig: int) -> subprocess.CompletedProcess:
     """Run `quantspec quantize` in a subprocess that sends itself `sig` while the artifact's
-    weights are being written (safetensors' save_file, patched to signal first)."""
+    weights are being written (the shard writer's file writer, patched to signal after a part)."""
     script = textwrap.dedent(f"""
         import os, signal, sys
-        import quantspec.quant.artifact as artifact
-        real = artifact.save_file
-        def save_file(tensors, path, metadata=None):
-            real(tensors, path, metadata=metadata)  # the file exists: the kill lands mid-write
+        import quantspec.quant.shards as shards
+        real = shards.write_safetensors
+        def write_safetensors(path, tensors):
+            real(path, tensors)  # a part exists: the kill lands mid-write
             os.kill(os.getpid(), {int(sig)})
             signal.pause()
-        artifact.save_file = save_file
+        shards.write_safetensors = write_safetensors
         from quantspec.cli import main
         sys.argv = ["quantspec", "quantize", "--model", {str(model)!r}, "--quant-type", "weight_only_int8",
                     "--out", {str(out)!r}]
