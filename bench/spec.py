@@ -29,6 +29,12 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      predictor default for mtp), with and without the back-off; and the module
                      quantized on its own (`--mtp-quant`, default weight_only_int8, RTN, cached),
                      with the back-off.
+- medusa:            Medusa heads (`--medusa DIR`, from `quantspec zoo train-draft-head --kind
+                     medusa`) as a chain of the heads' top-1 tokens (`medusa chain N`, N =
+                     `--medusa-chain`, default the number of tree rows) and as each token tree
+                     of `--medusa-trees` (default 2x2,4x2: `medusa tree DxK`, D·K draft rows), so
+                     trees and chains compare at equal verified rows; and the heads quantized on
+                     their own (`--medusa-quant`, RTN, cached) with the first tree.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
 with `--rounds R` each prompt runs R times through every method (interleaved) and each method
 keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
@@ -163,6 +169,10 @@ def _args():
     ap.add_argument("--mtp-draft-tokens", type=int, default=1)
     ap.add_argument("--mtp-min-confidence", type=float, default=None,
                     help="--speculate-min-confidence for the mtp rows [default: the predictor's, 0.4]")
+    ap.add_argument("--medusa", help="Medusa heads directory (`--methods medusa`)")
+    ap.add_argument("--medusa-trees", default="2x2,4x2", help="token trees DxK of the medusa rows (comma list)")
+    ap.add_argument("--medusa-chain", type=int, default=4, help="draft tokens of the medusa chain row")
+    ap.add_argument("--medusa-quant", default="", help="also run the heads quantized to these types (comma list)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every (prompt, method) this many times, interleaved, and keep the fastest "
                          "(on a shared machine the minimum filters out other work's interference)")
@@ -226,6 +236,29 @@ def _mtp_methods(a, common: dict, loaded, methods: dict) -> None:
         methods[f"mtp {qt}"] = Predictor(dataclasses.replace(cfg, draft_model=str(out)), loaded=loaded)
 
 
+def _medusa_methods(a, common: dict, loaded, methods: dict) -> None:
+    """Medusa heads as a chain and as token trees, plain and quantized on their own."""
+    from quantspec import api
+    from quantspec.paths import cache_dir
+
+    if not a.medusa or not (Path(a.medusa).expanduser() / "config.json").is_file():
+        raise SystemExit("--methods medusa needs --medusa DIR (heads from `quantspec zoo train-draft-head --kind medusa`)")
+    heads = Path(a.medusa).expanduser()
+    cfg = InferConfig(**common, speculate_method="medusa", draft_model=str(heads),
+                      speculate_max_draft_token_num=a.medusa_chain)
+    methods[f"medusa chain {a.medusa_chain}"] = Predictor(cfg, loaded=loaded)
+    trees = [t for t in a.medusa_trees.split(",") if t]
+    for tree in trees:
+        methods[f"medusa tree {tree}"] = Predictor(dataclasses.replace(cfg, speculate_tree=tree), loaded=loaded)
+    for qt in [q for q in a.medusa_quant.split(",") if q]:
+        stamp = int((heads / "model.safetensors").stat().st_mtime)
+        out = cache_dir() / "bench" / f"{heads.name}.medusa.{stamp}.{qt}"
+        if not (out / "config.json").is_file():
+            api.quantize(str(heads), qt, out, overwrite=True, target="quantspec")
+        methods[f"medusa {qt} tree {trees[0] if trees else 'chain'}"] = Predictor(
+            dataclasses.replace(cfg, draft_model=str(out), speculate_tree=trees[0] if trees else None), loaded=loaded)
+
+
 def _methods(a, model_dir: Path, loaded) -> dict:
     """name → Predictor of every method asked for, all over the one loaded base."""
     common = dict(model=str(model_dir), max_new_tokens=a.new_tokens, max_length=1024, batch_size=1)
@@ -241,6 +274,8 @@ def _methods(a, model_dir: Path, loaded) -> dict:
     _draft_methods(a, common, model_dir, loaded, methods)
     if "mtp" in wanted:
         _mtp_methods(a, common, loaded, methods)
+    if "medusa" in wanted:
+        _medusa_methods(a, common, loaded, methods)
     return methods
 
 

@@ -16,7 +16,8 @@ from quantspec.outputs import check_output_dir, check_output_file
 _REEXPORTS = {"InferConfig": "quantspec.infer.predictor", "ServeConfig": "quantspec.serve",
               "ReportConfig": "quantspec.report", "ENGINE_NAMES": "quantspec.quant.engines"}
 
-__all__ = ["calibrate", "evaluate", "infer", "inspect", "quantize", "report", "serve", "train_mtp", *_REEXPORTS]
+__all__ = ["calibrate", "evaluate", "infer", "inspect", "quantize", "report", "serve", "train_draft_head", "train_mtp",
+           *_REEXPORTS]
 
 
 def __getattr__(name: str):
@@ -94,17 +95,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     """
     import time
 
-    import torch
-    from transformers import AutoTokenizer
-
-    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-    from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.infer.hidden import generate_with_hidden
-    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, MTPTrainConfig,
-                                               atomic_torch_save, check_resumable, choose_draft_vocab,
-                                               extract_features, features_from_hidden, features_key, init_mtp,
-                                               load_features)
-    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
+    from quantspec.model_zoo.mtp_train import FEATURES_NAME, MTPTrainConfig, check_resumable, init_mtp
     from quantspec.model_zoo.mtp_train import train_mtp as _train
 
     if out is None:
@@ -124,9 +115,80 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     if done is not None and done >= steps:  # nothing to train: no data to prepare either
         return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
                 "positions": None, "out": str(out), "wall_s": 0.0}
+    t0 = time.perf_counter()
+    base, features, vocab, data = _self_distilled_rows(
+        model, out, dataset, split=split, text_field=text_field, num_samples=num_samples, seq_len=seq_len,
+        seed=seed, self_distill=self_distill, chat_prompts=chat_prompts, max_new_tokens=max_new_tokens,
+        gen_batch_size=gen_batch_size, draft_vocab_size=draft_vocab_size, on_status=on_status)
+    data = {**data, "targets": targets}  # the objective, not the data: not in the saved rows' key
+    mtp = init_mtp(base, vocab, seed)
+    data.update(positions=len(features), base=str(model))
+    res = _train(mtp, features, config, out, resume=resume, extra_config=data, on_step=on_step)
+    (Path(out) / FEATURES_NAME).unlink(missing_ok=True)  # the run is complete: the artifact is what it was for
+    res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
+    return res
+
+
+def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", out: str | Path | None = None, *,
+                     num_heads: int = 4, num_layers: int = 1, dataset: str | Path | None = None, steps: int = 300,
+                     batch_size: int = 4, seq_len: int = 256, lr: float = 1e-3, chat_prompts: list[str] | int | None = None,
+                     max_new_tokens: int = 160, draft_vocab_size: int = 4096, save_every: int = 100, seed: int = 0,
+                     resume: bool = False, on_step=None, on_status=None, **data_options) -> dict:
+    """Train a draft head for the frozen `model` (`quantspec zoo train-draft-head`) on the MTP
+    recipe's self-distilled rows; `kind` "medusa": `num_heads` Medusa heads of `num_layers`
+    ResBlocks in the Medusa authors' layout (`model_zoo/medusa.py`). Resumable like `train_mtp`.
+    Returns a summary dict."""
+    import time
+
+    from quantspec.model_zoo.medusa_train import init_medusa, train_medusa
+    from quantspec.model_zoo.mtp_train import FEATURES_NAME, MTPTrainConfig, check_resumable
+
+    if kind != "medusa":
+        raise QuantSpecError(f"--kind {kind!r} is not trained here yet; use --kind medusa")
+    if out is None:
+        raise QuantSpecError("--out is required: the directory to write the heads to")
+    if num_heads < 1 or num_layers < 0:
+        raise QuantSpecError(f"--num-heads {num_heads} / --num-layers {num_layers}: use >= 1 heads, >= 0 layers")
+    config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, save_every=save_every, seed=seed,
+                            draft_vocab_size=draft_vocab_size)
+    check_output_dir(out, "--out", overwrite=True)
+    done = check_resumable(out, config, resume)
+    if done is not None and done >= steps:
+        return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
+                "positions": None, "out": str(out), "wall_s": 0.0}
+    t0 = time.perf_counter()
+    opts = dict(split="train", text_field="text", num_samples=16, self_distill=True, gen_batch_size=64)
+    opts.update(data_options)
+    base, features, vocab, data = _self_distilled_rows(
+        model, out, dataset, seq_len=seq_len, seed=seed, chat_prompts=chat_prompts, max_new_tokens=max_new_tokens,
+        draft_vocab_size=draft_vocab_size, on_status=on_status, **opts)
+    heads = init_medusa(base, vocab, num_heads, num_layers)
+    data.update(positions=len(features), base=str(model), kind=kind)
+    res = train_medusa(heads, base, features, config, out, resume=resume, extra_config=data, on_step=on_step)
+    (Path(out) / FEATURES_NAME).unlink(missing_ok=True)
+    res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
+    return res
+
+
+def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples, seq_len, seed, self_distill,
+                         chat_prompts, max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
+    """The frozen base and the training rows of a draft module (MTP, Medusa): dataset windows and
+    the base's own greedy answers to chat prompts, with the base's hidden states, and the draft
+    vocabulary (the most frequent targets). Saved to `out/train_features.pt` first and reused
+    by a later run with the same key. → (base, features, vocab, data summary)."""
+    import torch
+    from transformers import AutoTokenizer
+
+    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+    from quantspec.infer.hidden import generate_with_hidden
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, atomic_torch_save,
+                                               choose_draft_vocab, extract_features, features_from_hidden,
+                                               features_key, load_features)
+    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
+
     features_path = Path(out) / FEATURES_NAME
     say = on_status or (lambda _m: None)
-    t0 = time.perf_counter()
     texts = None
     if dataset is not None:
         with about("--dataset"):
@@ -176,15 +238,10 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
             vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
         Path(out).mkdir(parents=True, exist_ok=True)
         atomic_torch_save({"key": key, "features": features, "vocab": vocab, "data": data}, features_path)
-    data = {**data, "targets": targets}  # the objective, not the data: not in the saved rows' key
     covered = torch.isin(features.tgt1[features.tgt1 >= 0], vocab).float().mean().item()
     say(f"{len(features)} training positions; draft vocabulary {vocab.numel()} tokens covers {covered:.1%} of targets")
-    mtp = init_mtp(base, vocab, seed)
-    data.update(positions=len(features), draft_vocab_coverage=round(covered, 4), base=str(model))
-    res = _train(mtp, features, config, out, resume=resume, extra_config=data, on_step=on_step)
-    features_path.unlink(missing_ok=True)  # the run is complete: the artifact is what it was for
-    res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
-    return res
+    data["draft_vocab_coverage"] = round(covered, 4)
+    return base, features, vocab, data
 
 
 def _dir_bytes(path, pattern: str = "*") -> int:

@@ -68,6 +68,17 @@ CASES = [
                            "--cachekv-fp8-type static", "--cachekv-int8-type"),
     ("infer-min-confidence-ngram", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
                                    "--speculate-min-confidence 0.5", "--speculate-min-confidence"),
+    ("infer-tree-malformed", "infer --model {model} --prompt hi --speculate-method medusa --draft-model {d}/medusa "
+                             "--speculate-tree 4y2", "--speculate-tree"),
+    ("infer-tree-not-medusa", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
+                              "--speculate-tree 4x2", "--speculate-tree"),
+    ("infer-medusa-without-heads", "infer --model {model} --prompt hi --speculate-method medusa", "--draft-model"),
+    ("infer-medusa-no-num-heads", "infer --model {model} --prompt hi --speculate-method medusa "
+                                  "--draft-model {d}/medusa_nokeys", "--draft-model"),
+    ("infer-medusa-other-base", "infer --model {model} --prompt hi --speculate-method medusa "
+                                "--draft-model {d}/medusa_otherbase", "--draft-model"),
+    ("infer-medusa-vocab-outside", "infer --model {model} --prompt hi --speculate-method medusa "
+                                   "--draft-model {d}/medusa_badvocab", "--draft-model"),
     ("infer-device-cuda", "infer --model {model} --prompt hi --device cuda", "--device"),
     ("infer-device-bogus", "infer --model {model} --prompt hi --device tpu", "--device"),
     # -- quantize ----------------------------------------------------------------------------
@@ -214,6 +225,24 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
     shutil.copytree(model, bad)
     (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     shutil.copytree(quantized, d / "quantized")
+    _medusa_inputs(d)
+
+
+def _medusa_inputs(d: Path) -> None:
+    """Medusa heads for the tiny Llama (hidden 64, vocab 512) and three broken ones."""
+    import torch
+
+    from quantspec.model_zoo.medusa import MedusaArgs, MedusaHeads, save_medusa
+
+    save_medusa(MedusaHeads(MedusaArgs(2, 1, 64, 512, 8)), d / "medusa")
+    save_medusa(MedusaHeads(MedusaArgs(2, 1, 32, 512)), d / "medusa_otherbase")
+    bad = MedusaHeads(MedusaArgs(2, 1, 64, 512, 8))
+    bad.medusa_draft_vocab.copy_(torch.arange(8) + 9999)
+    save_medusa(bad, d / "medusa_badvocab")
+    shutil.copytree(d / "medusa", d / "medusa_nokeys")
+    cfg = json.loads((d / "medusa_nokeys" / "config.json").read_text())
+    del cfg["medusa_num_heads"]
+    (d / "medusa_nokeys" / "config.json").write_text(json.dumps(cfg))
 
 
 def _shards(model: Path, d: Path) -> Path:

@@ -59,7 +59,7 @@ from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
 
-__all__ = ["METHODS", "REST", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
+__all__ = ["METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
            "quantized_linears", "resolve_layer_group_sizes"]
 
 METHODS = ("rtn", "gptq")
@@ -218,7 +218,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     q = _LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
                         input_scales=input_scales, scale_dtype=scale_dtype, weights=weights,
                         device=device, smooth=smooth,
-                        out_dtype=out_dtype or model.model.norm.weight.dtype)
+                        out_dtype=out_dtype or next(model.parameters()).dtype)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
     if method == "gptq" and outside:
         raise QuantSpecError(f"GPTQ quantizes decoder-layer Linears only; add {outside[0]} to "
@@ -377,8 +377,14 @@ def _layer_groups(prefix: str, layer: nn.Module, linears: Mapping[str, nn.Linear
     return groups
 
 
+def decoder_layers(model: nn.Module) -> list:
+    """The model's decoder layers (none for a draft module without them, e.g. Medusa heads:
+    every Linear is then in the rest part)."""
+    return getattr(getattr(model, "model", None), "layers", [])
+
+
 def _rtn_layers(model, q: _LayerQuantizer, sink: PartSink, progress) -> None:
-    layers = model.model.layers
+    layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         if layer_key(i) in sink.done:
             continue

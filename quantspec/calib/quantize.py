@@ -213,7 +213,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     its state to resume from, `calib.stream`). `progress(layer, num_layers, phase)` is called per
     decoder layer, `on_status(message)` at each phase (reading, measuring, writing).
     """
-    from quantspec.calib.ptq import quantize_model
+    from quantspec.calib.ptq import decoder_layers, quantize_model
     from quantspec.calib.stream import open_run, say_resume
     from quantspec.devices import resolve_device
 
@@ -232,7 +232,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
             qconfig, input_scales, factors, batches = _plan_static(config, src, model, qconfig, batches, say,
                                                                    run, device)
         sink = run.sink(keep_inputs=config.method == "gptq")
-        say_resume(sink, len(model.model.layers))
+        say_resume(sink, len(decoder_layers(model)))
         say(f"quantizing {src.model_dir} one layer at a time ({device})")
         res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
                              act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
@@ -245,6 +245,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (its headers checked before any work) and the calibration table."""
     from quantspec.model_zoo.checkpoint import CheckpointReader, read_config, resolve_model_dir, verify_checkpoint
+    from quantspec.model_zoo.medusa import is_medusa_config
     from quantspec.model_zoo.mtp import is_mtp_config
     from quantspec.quant.engines import target_refusal
 
@@ -253,10 +254,11 @@ def _read_source(config: QuantizeConfig) -> _Source:
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        refusal = target_refusal(config.target, config.quant_config, mtp=True) if is_mtp_config(cfg) else None
-        if refusal is not None:  # no engine has an MTP module's model class
-            raise QuantSpecError(f"{model_dir} is an MTP module: {refusal}")
-        reader = None if is_mtp_config(cfg) else CheckpointReader(model_dir)  # every header checked
+        what = "an MTP module" if is_mtp_config(cfg) else "Medusa heads" if is_medusa_config(cfg) else None
+        refusal = target_refusal(config.target, config.quant_config, mtp=True) if what else None
+        if refusal is not None:  # a draft module: no transformers model class
+            raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
+        reader = None if what else CheckpointReader(model_dir)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
@@ -264,7 +266,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
         dtype = torch.float32
     src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, reader=reader)
     if reader is None and (config.method != "rtn" or config.static or config.kv_cache is not None):
-        raise QuantSpecError(f"{model_dir} is an MTP module: quantize it with --method rtn to "
+        raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
                              "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
                              "scales need its base's hidden states)")
     if config.static or config.kv_cache is not None:  # read before the model: a bad table fails at once
@@ -278,14 +280,17 @@ def _read_source(config: QuantizeConfig) -> _Source:
 
 def _skeleton(config: QuantizeConfig, src: _Source):
     """The model on the `meta` device, its layers read from `src.reader` as they are quantized
-    (an MTP module — one block, quantized on its own, weight-only, with RTN — is read whole)."""
+    (an MTP module — one block — or Medusa heads, quantized on their own, weight-only, with RTN,
+    are read whole)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint
     from quantspec.model_zoo.llama import ModelArgs
+    from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
     from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
-    if is_mtp_config(src.config):
-        with about("--model"):
-            return load_mtp(src.model_dir)
+    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa)):
+        if is_it(src.config):
+            with about("--model"):
+                return load(src.model_dir)
     with about("--model"):
         args = ModelArgs.from_hf_config(src.config)
         check_checkpoint(src.reader.shapes, args, str(src.model_dir))

@@ -9,7 +9,7 @@ from quantspec.cli.group import main, one_line_errors, threads_option
 
 @main.group()
 def zoo():
-    """Model-zoo recipes (the MTP module's training)."""
+    """Model-zoo recipes (training the MTP module and draft heads)."""
 
 
 @zoo.command(name="train-mtp")
@@ -57,3 +57,41 @@ def train_mtp(**kw):
     last = "-" if res["loss_last"] is None else f"{res['loss_last']:.3f}"
     console.print(f"[green]wrote[/] {res['out']}  (steps {res['start_step']}→{res['steps']}, loss {first} → {last}, "
                   f"{res['positions']} positions, {res['wall_s']:.0f} s)")
+
+
+@zoo.command(name="train-draft-head")
+@click.option("--kind", type=click.Choice(["medusa"]), default="medusa", show_default=True,
+              help="medusa: heads in the Medusa authors' layout (use with --speculate-method medusa).")
+@click.option("--model", default="smollm2-135m", show_default=True, help="The frozen base model.")
+@click.option("--num-heads", default=4, show_default=True, type=int)
+@click.option("--num-layers", default=1, show_default=True, type=int, help="ResBlocks per head.")
+@click.option("--dataset", default=None, help="Text data besides the self-distilled chat answers.")
+@click.option("--steps", default=300, show_default=True, type=int)
+@click.option("--batch-size", default=4, show_default=True, type=int, help="Windows' worth of positions per step.")
+@click.option("--seq-len", default=256, show_default=True, type=int)
+@click.option("--lr", default=1e-3, show_default=True, type=float)
+@click.option("--chat-prompts", default=None, type=click.IntRange(min=1),
+              help="How many of the built-in chat prompts the base answers [default: all].")
+@click.option("--max-new-tokens", default=160, show_default=True, type=int, help="Length of each self-distilled answer.")
+@click.option("--draft-vocab-size", default=4096, show_default=True, type=int,
+              help="Tokens the heads score when drafting (the most frequent targets).")
+@click.option("--save-every", default=100, show_default=True, type=int, help="Checkpoint interval (steps).")
+@click.option("--seed", default=0, show_default=True, type=int)
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Head artifact directory.")
+@click.option("--resume", is_flag=True, help="Continue the checkpoint in --out (same data; --steps may grow).")
+@one_line_errors
+@threads_option
+def train_draft_head(**kw):
+    """Train draft heads for a frozen base by self-distillation (Medusa)."""
+    from quantspec import api
+    from quantspec.console import Progress
+
+    with Progress(f"train-draft-head ({kw['kind']})") as progress:
+        res = api.train_draft_head(on_step=lambda step, total, loss: progress.fraction(step, total, f"loss {loss:.3f}"),
+                                   on_status=progress.status, **kw)
+    if res["positions"] is None:
+        progress.console.print(f"{res['out']} is already trained to {res['start_step']} steps: nothing to do")
+        return
+    progress.console.print(f"[green]wrote[/] {res['out']}  (steps {res['start_step']}→{res['steps']}, loss "
+                           f"{res['loss_first']:.3f} → {res['loss_last']:.3f}, {res['positions']} positions, "
+                           f"{res['wall_s']:.0f} s)")

@@ -31,6 +31,11 @@ KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens)
 (its newest token is fed next step); during a chunked prefill it holds the chunks fed so far.
 Rejected draft slots are "rolled back" simply by not counting them: the next step overwrites
 them.
+
+Token trees (`spec/tree.py`): a proposal may give a sequence's drafts parents; its rows then sit
+at the positions of their depths, attend under a tree mask in the same ragged batch, and after
+verification the keys and values of the accepted path move into the slots that follow the
+context (a chain's path is already there).
 """
 
 from __future__ import annotations
@@ -46,6 +51,7 @@ from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
                                      sampling_tensors)
+from quantspec.infer.spec.tree import depths, prune, verify_trees
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
@@ -315,11 +321,12 @@ class Engine:
         seqs = [s for s, _ in plan]
         prefill = plan[0][1] > 0
         self._prefilled_last = prefill
-        drafts, draft_probs = self._propose(seqs) if not prefill else ([[] for _ in seqs], [None for _ in seqs])
+        drafts, draft_probs, trees = self._propose(seqs) if not prefill else ([[] for _ in seqs], [None for _ in seqs],
+                                                                              None)
         news = [s.prompt_ids[s.num_cached:s.num_cached + n] if n else s.tokens[s.num_cached:] + d
                 for (s, n), d in zip(plan, drafts)]
         t_forward = time.perf_counter()
-        scored, ids, logits = self._forward(seqs, news, drafts, row_invariant=not prefill)
+        scored, ids, logits = self._forward(seqs, news, drafts, row_invariant=not prefill, trees=trees)
         t_forward = time.perf_counter() - t_forward
         done = [i for i, (s, n) in enumerate(plan) if not n or s.num_cached + n == len(s.prompt_ids)]
         for s, n in plan:
@@ -329,32 +336,42 @@ class Engine:
             scored, seqs, drafts = scored[done], [seqs[i] for i in done], [[] for _ in done]
             ids = None if ids is None else [ids[i] for i in done]
             logits = None if logits is None else logits[done]
-        new_tokens = self._accept(seqs, drafts, [draft_probs[i] for i in done], ids, logits) if seqs else []
+        new_tokens, paths = (self._accept(seqs, drafts, [draft_probs[i] for i in done], ids, logits, trees)
+                             if seqs else ([], None))
         accepted = [len(t) - 1 for t in new_tokens]
-        events = self._record(seqs, drafts, new_tokens, scored)
+        events = self._record(seqs, drafts, new_tokens, scored, trees, paths)
         self.last_step = StepInfo(not prefill, sum(map(len, news)), len(plan), sum(map(len, drafts)),
                                   time.perf_counter() - t0, t_forward)
         if not prefill and self.draft_limit is not None:
             self.draft_limit.observe(self.last_step, seqs, drafts, accepted)
         return events
 
-    def _propose(self, seqs: list[Sequence]) -> tuple[list[list[int]], list[torch.Tensor | None]]:
-        """Each decoding sequence's drafts, at most its budget, and the draft probs [k_b, V] they
-        were drawn from (None: deterministic)."""
+    def _propose(self, seqs: list[Sequence]
+                 ) -> tuple[list[list[int]], list[torch.Tensor | None], list[list[int] | None] | None]:
+        """Each decoding sequence's drafts, at most its budget, the draft probs [k_b, V] they were
+        drawn from (None: deterministic) and, where the proposer drafts token trees, each
+        sequence's parent rows (None: a chain; trees None: only chains). A tree keeps at most
+        `spec_max_draft_tokens` drafts, none deeper than the budget."""
         drafts: list[list[int]] = [[] for _ in seqs]
         probs: list[torch.Tensor | None] = [None for _ in seqs]
+        trees: list[list[int] | None] = [None for _ in seqs]
         if self.proposer is None or not seqs:
-            return drafts, probs
+            return drafts, probs, None
         cap = self.config.spec_max_draft_tokens
         if self.draft_limit is not None:
             cap = min(cap, self.draft_limit.cap(sum(s.speculate for s in seqs)))
         budgets = [self._budget(s, cap) for s in seqs]
         proposal = self.proposer.propose(seqs, budgets)
         for i in range(len(seqs)):
-            drafts[i] = proposal.draft_token_ids[i][: budgets[i]].tolist()
-            q = proposal.probs_of(i)
-            probs[i] = None if q is None else q[: len(drafts[i])]
-        return drafts, probs
+            ids, q, par = proposal.draft_token_ids[i], proposal.probs_of(i), proposal.parents_of(i)
+            if par is None:
+                keep = slice(0, budgets[i])
+            else:
+                kept, trees[i] = prune(par, self.config.spec_max_draft_tokens, budgets[i])
+                keep = torch.tensor(kept, dtype=torch.int64)
+            drafts[i] = ids[keep].tolist()
+            probs[i] = None if q is None else q[keep.to(q.device) if par is not None else keep]
+        return drafts, probs, (trees if any(t is not None for t in trees) else None)
 
     def _feed(self, seqs: list[Sequence], news: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
         """(token ids fed, new rows per sequence, context length per sequence) of a step; takes
@@ -368,16 +385,19 @@ class Engine:
             seq_lens.append(seq.num_cached + len(new))
         return feed_ids, q_lens, seq_lens
 
-    def _forward(self, seqs: list[Sequence], news: list[list[int]], drafts: list[list[int]], row_invariant: bool
+    def _forward(self, seqs: list[Sequence], news: list[list[int]], drafts: list[list[int]], row_invariant: bool,
+                 trees: list[list[int] | None] | None = None
                  ) -> tuple[torch.Tensor, list[int] | None, torch.Tensor | None]:
         """One forward over the step's new rows → (the scored rows' pre-norm hidden [R, D], their
         greedy ids when every sequence is greedy and the runtime has a picker, else None, their
         logits [R, V] fp32 when there are no ids). Scored rows: each sequence's last fed row and
         its draft rows (every row of a decode step; of a prefill, each prompt's last)."""
         feed_ids, q_lens, seq_lens = self._feed(seqs, news)
-        positions = torch.cat([torch.arange(sl - ql, sl) for ql, sl in zip(q_lens, seq_lens)])
+        positions = torch.cat([torch.arange(sl - ql, sl) if trees is None or trees[b] is None
+                               else sl - ql + torch.tensor(depths(trees[b]))  # a tree row: its depth
+                               for b, (ql, sl) in enumerate(zip(q_lens, seq_lens))])
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], self.config.block_size,
-                                       self.device, self.cache.kernel)
+                                       self.device, self.cache.kernel, trees=trees)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
         rows, offset = [], 0
@@ -397,26 +417,37 @@ class Engine:
         return scored, ids, logits
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
-                ids: list[int] | None, logits: torch.Tensor | None) -> list[list[int]]:
+                ids: list[int] | None, logits: torch.Tensor | None, trees: list[list[int] | None] | None = None
+                ) -> tuple[list[list[int]], list[list[int]] | None]:
         """Each sequence's new tokens: its accepted drafts and one more token (the verifier), or
-        one sampled / greedy token where nothing was drafted."""
+        one sampled / greedy token where nothing was drafted; and with trees, each sequence's
+        accepted path of rows (else None)."""
         if not any(drafts):
-            return [[int(t)] for t in (ids if ids is not None else self._sample(logits, seqs))]
+            return [[int(t)] for t in (ids if ids is not None else self._sample(logits, seqs))], None
+        if trees is not None:
+            shaped = [(d, list(range(len(d))) if t is None else t) for d, t in zip(drafts, trees)]
+            paths, outs = verify_trees(shaped, draft_probs, logits, [s.params for s in seqs],
+                                       [s.generator for s in seqs], target_ids=ids)
+            return outs, paths
         proposal = SpecProposal([torch.tensor(d, dtype=torch.int64) for d in drafts], draft_probs)
         result = verify_proposal(proposal, logits, [s.params for s in seqs], [s.generator for s in seqs],
                                  target_ids=ids)
-        return [list(map(int, t)) for t in result.output_tokens]
+        return [list(map(int, t)) for t in result.output_tokens], None
 
     def _record(self, seqs: list[Sequence], drafts: list[list[int]], new_tokens: list[list[int]],
-                scored: torch.Tensor) -> list[tuple[Sequence, list[int]]]:
+                scored: torch.Tensor, trees: list[list[int] | None] | None = None,
+                paths: list[list[int]] | None = None) -> list[tuple[Sequence, list[int]]]:
         """Append the new tokens, count what was accepted, retire finished sequences."""
         now = time.perf_counter()
         out: list[tuple[Sequence, list[int]]] = []
         first_row = 0
-        for seq, d, toks in zip(seqs, drafts, new_tokens):
+        for b, (seq, d, toks) in enumerate(zip(seqs, drafts, new_tokens)):
+            path = list(range(len(toks))) if paths is None else paths[b]
             if self.keep_hidden:  # the row whose logits produced the newest token
-                seq.last_hidden = scored[first_row + len(toks) - 1]
+                seq.last_hidden = scored[first_row + path[-1]]
             first_row += 1 + len(d)
+            if paths is not None:
+                self._compact(seq, path)
             if seq.output_ids:
                 seq.stats.target_forwards += 1
             seq.num_cached = seq.num_tokens + len(toks) - 1  # fed tokens + accepted drafts are valid KV
@@ -424,7 +455,9 @@ class Engine:
                 seq.stats.t_first_token = now
             emitted = self._append(seq, toks)
             if d:
-                self._count_drafts(seq.stats, len(d), len(toks) - 1, len(emitted))
+                tree = None if trees is None else trees[b]
+                self._count_drafts(seq.stats, len(d), len(toks) - 1, len(emitted),
+                                   None if tree is None else max(depths(tree)))
             out.append((seq, emitted))
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now
@@ -433,18 +466,31 @@ class Engine:
         self.num_steps += 1
         return out
 
+    def _compact(self, seq: Sequence, path: list[int]) -> None:
+        """Move the keys / values of a tree's accepted rows (path [0, r_1, .., r_m], rows counted
+        from the sequence's first fed row at `num_cached`) to positions num_cached + 1 .. + m."""
+        src, dst = [], []
+        bs = self.config.block_size
+        for i, r in enumerate(path):
+            if r != i:
+                for pos, out in ((seq.num_cached + r, src), (seq.num_cached + i, dst)):
+                    out.append(seq.block_table[pos // bs] * bs + pos % bs)
+        self.cache.move(src, dst)
+
     @staticmethod
-    def _count_drafts(st: SeqStats, drafted: int, accepted: int, emitted: int) -> None:
+    def _count_drafts(st: SeqStats, drafted: int, accepted: int, emitted: int, depth: int | None = None) -> None:
         # the drafts that count as accepted are the ones emitted: where the sequence ends inside
         # the accepted run (an EOS draft, a stop string) the verifier may have accepted drafts
-        # after it that never reach the output
+        # after it that never reach the output. A tree counts its rows as drafted and its depths
+        # as positions.
         accepted = min(accepted, emitted)
         st.drafted += drafted
         st.accepted += accepted
-        while len(st.drafted_per_position) < drafted:
+        positions = drafted if depth is None else depth
+        while len(st.drafted_per_position) < positions:
             st.drafted_per_position.append(0)
             st.accepted_per_position.append(0)
-        for j in range(drafted):
+        for j in range(positions):
             st.drafted_per_position[j] += 1
             st.accepted_per_position[j] += int(j < accepted)
 

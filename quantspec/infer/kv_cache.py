@@ -29,7 +29,7 @@ from quantspec.errors import QuantSpecError
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
-    "grouped_attention", "kv_cache_label",
+    "ancestor_rows", "grouped_attention", "kv_cache_label",
 ]
 
 _PAD_BLOCK = 0
@@ -190,6 +190,19 @@ class PagedKVCache:
         vs = None if self.v_scale is None else self.v_scale[layer]
         return self._load(k, ks), self._load(v, vs)
 
+    def move(self, src: list[int], dst: list[int]) -> None:
+        """Copy the keys and values of slots `src` to slots `dst` in every layer (a token tree's
+        accepted rows moved to the positions that follow the context)."""
+        if not src:
+            return
+        s = torch.tensor(src, dtype=torch.int64, device=self.k.device)
+        d = torch.tensor(dst, dtype=torch.int64, device=self.k.device)
+        for t in (self.k, self.v):
+            f = t.view(t.shape[0], -1, *t.shape[-2:])  # [layers, slots, KV, hd]
+            if f.dtype == torch.float8_e4m3fn:  # CPU indexing has no fp8 kernel: copy the bytes
+                f = f.view(torch.uint8)
+            f[:, d] = f[:, s]
+
     def sequence_kv(self, layer: int, table: torch.Tensor, span: tuple[int, int] | None, length: int
                     ) -> tuple[torch.Tensor, torch.Tensor]:
         """One sequence's first `length` cached k, v: [length, KV, hd] in the compute dtype.
@@ -229,6 +242,9 @@ class AttentionMetadata:
     masks: list[torch.Tensor | None] | None = None  # per-sequence path: [q_len, seq_len] bool or None
     kernel: bool = False  # the whole step goes through the cache's attention kernel
     kernel_args: object = None  # what that kernel derived from this step once, for every layer
+    # token trees (`spec/tree.py`): per sequence None (causal rows) or its drafts' parent rows
+    trees: list[list[int] | None] | None = None
+    block_size: int = 0  # of `block_tables` when it is not the cache's (tree steps: 1, slot ids)
 
     @property
     def fresh_prefill(self) -> bool:
@@ -237,9 +253,16 @@ class AttentionMetadata:
 
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
-              block_size: int, device, kernel: AttentionKernel | None = None) -> "AttentionMetadata":
+              block_size: int, device, kernel: AttentionKernel | None = None,
+              trees: list[list[int] | None] | None = None) -> "AttentionMetadata":
         """The layout of a step; `kernel`: the cache's attention kernel (`PagedKVCache.kernel`),
-        which takes the step when it serves it (then SDPA's layout is not built)."""
+        which takes the step when it serves it (then SDPA's layout is not built). `trees`: per
+        sequence None or the parent rows of its drafts (its new rows are a token tree: each
+        attends to the context and its path from the root, not to every earlier row)."""
+        if trees is not None and any(t is not None for t in trees):
+            meta = cls._tree_build(q_lens, seq_lens, block_tables, block_size, device, kernel, trees)
+            if meta is not None:
+                return meta
         B = len(q_lens)
         slots: list[int] = []
         for ql, sl, table in zip(q_lens, seq_lens, block_tables):
@@ -251,8 +274,8 @@ class AttentionMetadata:
         for b, table in enumerate(block_tables):
             n = min(len(table), max_blocks)
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
-        meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None)
-        meta.kernel = kernel is not None and kernel.serves(q_lens, seq_lens)
+        meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None, trees=trees)
+        meta.kernel = kernel is not None and kernel.serves(q_lens, seq_lens) and not meta.tree_step
         if meta.kernel or meta.fresh_prefill:
             return meta
         if B <= PER_SEQUENCE_MAX_BATCH:
@@ -261,14 +284,52 @@ class AttentionMetadata:
             meta._batched(max_blocks * block_size, device)
         return meta
 
+    @property
+    def tree_step(self) -> bool:
+        return self.trees is not None and any(t is not None for t in self.trees)
+
+    @classmethod
+    def _tree_build(cls, q_lens, seq_lens, block_tables, block_size, device, kernel, trees
+                    ) -> "AttentionMetadata | None":
+        """A tree step for the cache's kernel: every row becomes a sequence of one query whose
+        "block table" lists the slots of its keys in order (block size 1): the context, then its
+        path from the root. The kernel attends each row exactly as a decode step at that
+        position would (same keys, same order). None: the kernel does not take it (then SDPA
+        runs under tree masks)."""
+        if kernel is None:
+            return None
+        slots, keys = [], []
+        for ql, sl, table, tree in zip(q_lens, seq_lens, block_tables, trees):
+            pos = torch.arange(sl)
+            s = torch.tensor(table, dtype=torch.int64)[pos // block_size] * block_size + pos % block_size  # [sl]
+            ctx = sl - ql
+            slots.append(s[ctx:])
+            mask = ancestor_rows(tree, ql)  # [ql, ql]
+            keys.extend(torch.cat([s[:ctx], s[ctx:][mask[i]]]) for i in range(ql))
+        v_q, v_seq = [1] * len(keys), [len(k) for k in keys]
+        if not kernel.serves(v_q, v_seq):
+            return None
+        table = torch.zeros(len(keys), max(v_seq), dtype=torch.int64)
+        for i, k in enumerate(keys):
+            table[i, :len(k)] = k
+        meta = cls(v_q, v_seq, torch.cat(slots).to(device), table.to(device), None, None, block_size=1)
+        meta.kernel = True
+        return meta
+
     def _per_sequence(self, block_tables: list[list[int]], block_size: int, device) -> None:
         self.spans, self.masks = [], []
-        for ql, sl, table in zip(self.q_lens, self.seq_lens, block_tables):
+        for b, (ql, sl, table) in enumerate(zip(self.q_lens, self.seq_lens, block_tables)):
             nb = -(-sl // block_size)
             run = table[nb - 1] - table[0] == nb - 1 and all(
                 table[j + 1] == table[j] + 1 for j in range(nb - 1))
             self.spans.append((table[0], nb) if run else None)
-            # query i (position sl - ql + i) sees keys 0 .. sl - ql + i
+            # query i (position sl - ql + i) sees keys 0 .. sl - ql + i (of a tree: its path)
+            tree = None if self.trees is None else self.trees[b]
+            if ql > 1 and tree is not None:
+                m = torch.ones(ql, sl, dtype=torch.bool)
+                m[:, sl - ql:] = ancestor_rows(tree, ql)
+                self.masks.append(m.to(device))
+                continue
             self.masks.append(None if ql == 1 else (
                 torch.arange(sl, device=device)[None, :] <= torch.arange(sl - ql, sl, device=device)[:, None]))
 
@@ -281,6 +342,9 @@ class AttentionMetadata:
             valid_q[b, :ql] = True
         # padded query rows attend to key 0 only, so softmax stays finite; they are dropped
         mask = torch.arange(L)[None, None, :] <= pos[:, :, None]  # [B, Qmax, L]
+        for b, (ql, sl) in enumerate(zip(self.q_lens, self.seq_lens)):
+            if self.trees is not None and self.trees[b] is not None:
+                mask[b, :ql, sl - ql:sl] = ancestor_rows(self.trees[b], ql)
         bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
         self.bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
         if any(ql != q_max for ql in self.q_lens):
@@ -326,9 +390,10 @@ class PagedAttention:
                     # One masked call would round differently (bf16 outputs differ by an ulp),
                     # enough to flip greedy picks: speculation would no longer be lossless.
                     first = sl - n
+                    tree = meta.trees is not None and meta.trees[b] is not None
                     for i in range(n):
-                        out[start + i] = _folded_gqa_attention(qb[i:i + 1], kb[:first + i + 1],
-                                                               vb[:first + i + 1], None)[0]
+                        keys = meta.masks[b][i] if tree else slice(0, first + i + 1)
+                        out[start + i] = _folded_gqa_attention(qb[i:i + 1], kb[keys], vb[keys], None)[0]
                 else:
                     out[start:start + n] = _folded_gqa_attention(qb, kb, vb, meta.masks[b])
                 start += n
@@ -345,6 +410,19 @@ class PagedAttention:
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                            attn_mask=meta.bias.to(q.dtype), enable_gqa=gqa)  # (B, H, Qmax, hd)
         return o.transpose(1, 2).reshape(-1, H, hd)[slice(None) if meta.q_index is None else meta.q_index]
+
+
+def ancestor_rows(parents: list[int] | None, q_len: int) -> torch.Tensor:
+    """[q_len, q_len] bool: new row i attends new row j (a tree's path; causal for None)."""
+    if parents is None:
+        return torch.ones(q_len, q_len, dtype=torch.bool).tril()
+    assert len(parents) == q_len - 1, (len(parents), q_len)
+    m = torch.zeros(q_len, q_len, dtype=torch.bool)
+    m[0, 0] = True
+    for j, p in enumerate(parents, start=1):
+        m[j] = m[p]
+        m[j, j] = True
+    return m
 
 
 def _folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -29,6 +29,7 @@ from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 __all__ = [
     "CheckpointReader",
     "FileRange",
+    "save_module",
     "build_model",
     "check_checkpoint",
     "checkpoint_float_dtype",
@@ -441,3 +442,19 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
                 return fp
         return f"{_arch_hash(cfg)}-"
     return f"{_arch_hash(cfg)}-{_weights_hash(d)}"
+
+
+def save_module(module: torch.nn.Module, out_dir: str | os.PathLike, config: dict) -> Path:
+    """Write `config` as config.json and the module's state dict as model.safetensors into
+    `out_dir`, each file replaced atomically (a draft module's artifact)."""
+    from safetensors.torch import save_file
+
+    from quantspec.outputs import atomic_file, write_text
+
+    out = Path(out_dir)
+    out.mkdir(parents=True, exist_ok=True)
+    tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}
+    with atomic_file(out / "model.safetensors") as tmp:
+        save_file(tensors, str(tmp), metadata={"format": "pt"})
+    write_text(out / "config.json", json.dumps(config, indent=2) + "\n")
+    return out

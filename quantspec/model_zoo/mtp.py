@@ -49,7 +49,6 @@ from quantspec.model_zoo.llama import (
     Transformer,
     layer_weight_table,
 )
-from quantspec.outputs import atomic_file, write_text
 
 __all__ = [
     "MTP_ARCHITECTURE",
@@ -284,17 +283,11 @@ def mtp_weight_table(args: MTPArgs) -> dict[str, tuple[int, ...]]:
 
 def save_mtp(mtp: MTPModule, out_dir: str | os.PathLike, extra_config: dict | None = None) -> Path:
     """Write config.json + model.safetensors into `out_dir`, each file replaced atomically."""
-    from safetensors.torch import save_file
+    from quantspec.model_zoo.checkpoint import save_module
 
-    out = Path(out_dir)
-    out.mkdir(parents=True, exist_ok=True)
     cfg = mtp.args.to_config()
     cfg.update(extra_config or {})
-    tensors = {k: v.detach().to("cpu").contiguous() for k, v in mtp.state_dict().items()}
-    with atomic_file(out / "model.safetensors") as tmp:
-        save_file(tensors, str(tmp), metadata={"format": "pt"})
-    write_text(out / "config.json", json.dumps(cfg, indent=2) + "\n")
-    return out
+    return save_module(mtp, out_dir, cfg)
 
 
 def load_mtp(path: str | os.PathLike, base: Transformer | None = None, *, dtype: torch.dtype = torch.float32,

@@ -4,6 +4,8 @@ One call per layer writes a step's keys / values and attends every new row of ev
 exactly its keys, through the block table. It takes a cache of fp32 or bf16 keys (not a quantized
 one), head dim 64 or 128 and a power-of-two block size, and serves:
 - decode and verification steps (no fresh prompt, at most `MAX_QUERIES` new rows a sequence);
+  a token tree's step comes as one query per row whose block table lists its keys' slots (block
+  size 1, `AttentionMetadata._tree_build`);
 - steps of fresh prompts of at most `max_prefill` tokens: any length in fp32 and in bf16 on the
   AVX512-BF16 pair path (its blocked prefill path is faster than SDPA at every length), else
   `MAX_PREFILL` tokens (bf16 through the fp32 chain is SDPA's beyond that).
@@ -60,5 +62,5 @@ class CpuAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: AttentionMetadata) -> torch.Tensor:
         return cg.paged_attention(q, k, v, self.k_slots[layer_idx], self.v_slots[layer_idx], meta.slot_mapping,
-                                  meta.block_tables, meta.q_lens, meta.seq_lens, self.cache.block_size,
+                                  meta.block_tables, meta.q_lens, meta.seq_lens, meta.block_size or self.cache.block_size,
                                   q.shape[-1] ** -0.5, pairs=self.pairs, prefill_blocks=self.prefill_blocks)

@@ -175,15 +175,18 @@ class CpuLayerStack:
             return False
         return watch_holds(self._watch_dicts, self._watch_keys, self._watch_objs, self._hook_dicts)
 
-    def _plan_for(self, kernel: CpuAttention):
-        """This stack's plan over `kernel`'s cache. The cache's kernel owns it (a plan holds the
-        cache's tensors: kept by the runner, it would keep a discarded engine's cache alive)."""
-        plan = kernel.plans.get(self)
+    def _plan_for(self, kernel: CpuAttention, block_size: int = 0):
+        """This stack's plan over `kernel`'s cache, for block tables of `block_size` (0: the
+        cache's; a token tree's step: 1). The cache's kernel owns it (a plan holds the cache's
+        tensors: kept by the runner, it would keep a discarded engine's cache alive)."""
+        plans = kernel.plans.setdefault(self, {})
+        block_size = block_size or kernel.cache.block_size
+        plan = plans.get(block_size)
         if plan is None:
             a = self.args
-            plan = kernel.plans[self] = cg.cpu_kernels().DecoderPlan(
+            plan = plans[block_size] = cg.cpu_kernels().DecoderPlan(
                 self._tensors, self._ints, kernel.k_slots, kernel.v_slots, a.num_heads, a.num_kv_heads,
-                a.head_dim, kernel.cache.block_size, float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5,
+                a.head_dim, block_size, float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5,
                 self.pairs, kernel.prefill_blocks)
         return plan
 
@@ -195,6 +198,6 @@ class CpuLayerStack:
         if not self.serves(x, attn, row_invariant):
             return None
         meta = attn.meta
-        plan = self._plan_for(attn.cache.kernel)
+        plan = self._plan_for(attn.cache.kernel, meta.block_size)
         return plan.forward(x, cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.block_tables,
                             meta.q_lens, meta.seq_lens, out_rows)

@@ -86,45 +86,50 @@ def load_mtp_for_inference(path: str | Path, base: Transformer, *, dtype: torch.
 
 
 def _load_quantized_mtp(path: Path, cfg: dict, dtype: torch.dtype, device) -> MTPModule:
-    """A compressed-tensors MTP artifact (e.g. `quantspec quantize --model MTP_DIR`): built on
-    meta, each targeted Linear replaced by a `QuantLinear` from its tensors (the same reader as
-    the base's loader), the float tensors (norms, draft vocabulary) loaded with `assign=True`."""
-    from torch import nn
+    """A compressed-tensors MTP artifact (e.g. `quantspec quantize --model MTP_DIR`)."""
+    from quantspec.model_zoo.mtp import DRAFT_VOCAB_NAME, mtp_weight_table
 
+    args = MTPArgs.from_config(cfg, str(path))
+    with torch.device("meta"):
+        mtp = MTPModule(args)
+    return load_quantized_module(path, cfg, mtp, mtp_weight_table(args), (DRAFT_VOCAB_NAME,), dtype, device)
+
+
+def load_quantized_module(path: Path, cfg: dict, module: nn.Module, table: dict, int_names: tuple[str, ...],
+                          dtype: torch.dtype, device) -> nn.Module:
+    """A compressed-tensors artifact of a draft-side module built on meta (`module`, its
+    unquantized weight `table`): each targeted Linear replaced by a `QuantLinear` from its
+    tensors (the same reader as the base's loader), the float tensors loaded with `assign=True`
+    (`int_names` keep their dtype)."""
     from quantspec.infer.quant_linear import QuantLinear
     from quantspec.model_zoo.checkpoint import check_against_table, load_checkpoint_tensors
-    from quantspec.model_zoo.mtp import DRAFT_VOCAB_NAME, mtp_weight_table
     from quantspec.quant.config import QuantConfig
 
     where = str(path)
     qc = QuantConfig.from_dict(cfg["quantization_config"])
-    args = MTPArgs.from_config(cfg, where)
-    with torch.device("meta"):
-        mtp = MTPModule(args)
     quantized = {}
-    for name, mod in mtp.named_modules():
+    for name, mod in module.named_modules():
         if isinstance(mod, nn.Linear):
             scheme = qc.scheme_for(name, ("Linear",))
             if scheme is not None and scheme.weights is not None:
                 quantized[name] = scheme
     tensors = load_checkpoint_tensors(path)
-    table = mtp_weight_table(args)
+    table = dict(table)
     for name in quantized:
         table.pop(f"{name}.weight")
     check_against_table(tensors, table, where)
     for name, scheme in quantized.items():
-        lin = mtp.get_submodule(name)
-        mtp.set_submodule(name, QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
-                                                         dtype=dtype, device=device))
+        lin = module.get_submodule(name)
+        module.set_submodule(name, QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
+                                                            dtype=dtype, device=device))
     q_biases = {f"{name}.bias" for name in quantized}
-    state = {k: (tensors[k] if k == DRAFT_VOCAB_NAME else tensors[k].to(dtype)).to(device)
+    state = {k: (tensors[k] if k in int_names else tensors[k].to(dtype)).to(device)
              for k in table if k not in q_biases}
-    mtp.load_state_dict(state, strict=False, assign=True)
-    left = [n for n, p in list(mtp.named_parameters()) + list(mtp.named_buffers()) if p.is_meta]
+    module.load_state_dict(state, strict=False, assign=True)
+    left = [n for n, p in list(module.named_parameters()) + list(module.named_buffers()) if p.is_meta]
     if left:
         raise QuantSpecError(f"{where}: tensors missing for {left[0]}; the artifact is incomplete")
-    return mtp.eval()
-
+    return module.eval()
 
 
 class MTPProposer:

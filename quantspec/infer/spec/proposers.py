@@ -63,7 +63,7 @@ __all__ = [
 ]
 
 MAX_DRAFT_TOKENS = 16  # upper bound of --speculate-max-draft-token-num
-SPECULATE_METHODS = ("none", "inference_with_reference", "draft", "mtp")
+SPECULATE_METHODS = ("none", "inference_with_reference", "draft", "mtp", "medusa")
 
 
 @dataclass(frozen=True)
@@ -408,11 +408,20 @@ def validate_spec_config(config) -> None:
             "--draft-model is not used by --speculate-method inference_with_reference (n-gram drafts "
             "come from the prompt); drop --draft-model or use --speculate-method draft"
         )
-    if method in ("draft", "mtp") and not config.draft_model:
-        what = "a draft model with the same tokenizer" if method == "draft" else "an MTP module artifact"
+    if method in ("draft", "mtp", "medusa") and not config.draft_model:
+        what = {"draft": "a draft model with the same tokenizer", "mtp": "an MTP module artifact",
+                "medusa": "Medusa heads"}[method]
         raise QuantSpecError(f"--speculate-method {method} needs --draft-model DIR ({what})")
     if method == "none" and config.draft_model:
-        raise QuantSpecError("--draft-model needs --speculate-method draft or mtp")
+        raise QuantSpecError("--draft-model needs --speculate-method draft, mtp or medusa")
+    tree = getattr(config, "speculate_tree", None)
+    if tree:
+        from quantspec.infer.spec.tree import parse_tree_spec
+
+        parse_tree_spec(tree)
+        if method != "medusa":
+            raise QuantSpecError(f"--speculate-tree drafts a token tree with --speculate-method medusa; "
+                                 f"drop it for {method}")
 
 
 def loaded_runtime(loaded):
@@ -450,4 +459,8 @@ def build_proposer(config, loaded):
         from quantspec.infer.spec.mtp import build_mtp_proposer
 
         return build_mtp_proposer(config, loaded)
+    if method == "medusa":
+        from quantspec.infer.spec.medusa import build_medusa_proposer
+
+        return build_medusa_proposer(config, loaded)
     raise AssertionError(method)  # validate_spec_config covers every method

@@ -28,10 +28,14 @@ class SpecProposal:
                      the drafted token), or B entries, each None or a float [k_b, V] tensor: the
                      full distribution each draft token was *sampled from* (after the drafter's
                      own temperature / top-k / top-p), row j for draft token j.
+    parents:         None (every sequence drafts a chain), or B entries, each None (a chain) or
+                     the k_b rows of a token tree's parents (`spec/tree.py`: row 0 is the newest
+                     token, draft j is row j + 1, parents[b][j] in 0..j).
     """
 
     draft_token_ids: Sequence[torch.Tensor]  # B × [k_b] int64
     draft_probs: Sequence[torch.Tensor | None] | None = None  # B × ([k_b, V] float | None)
+    parents: Sequence[list[int] | None] | None = None  # B × ([k_b] rows | None)
 
     def __post_init__(self) -> None:
         ids = list(self.draft_token_ids)
@@ -43,6 +47,8 @@ class SpecProposal:
                     "use torch.tensor(ids, dtype=torch.long)"
                 )
         object.__setattr__(self, "draft_token_ids", ids)
+        if self.parents is not None:
+            self._check_parents(ids)
         if self.draft_probs is None:
             return
         probs = list(self.draft_probs)
@@ -67,6 +73,26 @@ class SpecProposal:
                 )
             vocab = q.shape[1]
         object.__setattr__(self, "draft_probs", probs)
+
+    def _check_parents(self, ids: list[torch.Tensor]) -> None:
+        parents = list(self.parents)
+        if len(parents) != len(ids):
+            raise QuantSpecError(f"parents has {len(parents)} entries for {len(ids)} sequences; pass one per sequence")
+        for b, (t, par) in enumerate(zip(ids, parents)):
+            if par is None:
+                continue
+            if len(par) != t.shape[0] or any(not 0 <= int(p) <= j for j, p in enumerate(par)):
+                raise QuantSpecError(f"parents[{b}] must give each of the {t.shape[0]} drafts a parent row "
+                                     f"before it (0..j for draft j), got {list(par)}")
+        object.__setattr__(self, "parents", [None if p is None else [int(x) for x in p] for p in parents])
+
+    def parents_of(self, b: int) -> list[int] | None:
+        """The tree parents of sequence b's drafts, or None for a chain."""
+        return None if self.parents is None else self.parents[b]
+
+    @property
+    def has_tree(self) -> bool:
+        return self.parents is not None and any(p is not None for p in self.parents)
 
     @classmethod
     def from_token_lists(

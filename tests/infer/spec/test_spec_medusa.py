@@ -1,0 +1,122 @@
+"""Medusa heads: the published layout (names, config keys), the training targets on literal rows,
+a few resumable training steps, drafting chains and trees through the engine with greedy output
+identical to plain decoding, and the heads quantized on their own (weight_only_int8 / int4)."""
+
+import json
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.sampler import SamplingParams
+from quantspec.infer.spec.medusa import MedusaProposer, load_medusa_for_inference
+from quantspec.infer.spec.tree import TreeSpec
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.medusa import MedusaArgs, MedusaHeads, load_medusa, medusa_weight_table, save_medusa
+from quantspec.model_zoo.medusa_train import init_medusa, medusa_targets, train_medusa
+from quantspec.model_zoo.mtp_train import IGNORE, MTPFeatures, MTPTrainConfig
+
+torch.set_num_threads(1)
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir):
+    return load_model(tiny_llama_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def heads_dir(base, tmp_path_factory):
+    """Heads for the tiny Llama with random ResBlocks (some drafts right, most wrong)."""
+    heads = init_medusa(base, torch.arange(0, 512, 2), num_heads=3)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for head in heads.medusa_head:
+            head[0].linear.weight.copy_(torch.randn(64, 64, generator=g) * 0.05)
+    return save_medusa(heads, tmp_path_factory.mktemp("medusa") / "heads")
+
+
+def test_published_layout(heads_dir):
+    cfg = json.loads((heads_dir / "config.json").read_text())
+    assert cfg["medusa_num_heads"] == 3 and cfg["medusa_num_layers"] == 1
+    table = medusa_weight_table(MedusaArgs(3, 1, 64, 512, 256))
+    assert {"medusa_head.0.0.linear.weight", "medusa_head.0.0.linear.bias", "medusa_head.2.1.weight",
+            "medusa_draft_vocab"} <= set(table)
+    assert table["medusa_head.1.1.weight"] == (512, 64)
+    # heads without quantspec's block: sizes from the tensors; without a draft vocabulary
+    plain = MedusaHeads(MedusaArgs(2, 2, 64, 512))
+    out = save_medusa(plain, heads_dir.parent / "plain")
+    (out / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2}))
+    loaded = load_medusa(out)
+    assert loaded.args == MedusaArgs(2, 2, 64, 512) and loaded.medusa_draft_vocab is None
+
+
+def test_targets_stop_at_sequence_ends():
+    tgt1 = torch.tensor([5, 6, 7, IGNORE, 8, 9, IGNORE])
+    f = MTPFeatures(torch.zeros(7, 4), tgt1, tgt1, tgt1, tgt1)
+    t = medusa_targets(f, 3)
+    assert t[:, 0].tolist() == [5, 6, 7, IGNORE, 8, 9, IGNORE]
+    assert t[:, 1].tolist() == [6, 7, IGNORE, IGNORE, 9, IGNORE, IGNORE]
+    assert t[:, 2].tolist() == [7, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE, IGNORE]
+
+
+def test_training_lowers_the_loss_and_resumes(base, tmp_path):
+    g = torch.Generator().manual_seed(0)
+    n = 256
+    f = MTPFeatures(torch.randn(n, 64, generator=g).to(torch.bfloat16), *(torch.randint(0, 512, (n,), generator=g)
+                                                                          for _ in range(4)))
+    f.tgt1[::32] = IGNORE
+    vocab = torch.arange(512)
+    heads = init_medusa(base, vocab, num_heads=2)
+    cfg = MTPTrainConfig(steps=6, batch_tokens=64, lr=1e-2, save_every=3)
+    res = train_medusa(heads, base, f, cfg, tmp_path / "h")
+    assert res["loss_last"] < res["loss_first"]
+    with pytest.raises(QuantSpecError, match="--resume"):
+        train_medusa(init_medusa(base, vocab, num_heads=2), base, f, cfg, tmp_path / "h")
+    more = train_medusa(init_medusa(base, vocab, num_heads=2), base, f, MTPTrainConfig(steps=8, batch_tokens=64,
+                        lr=1e-2, save_every=3), tmp_path / "h", resume=True)
+    assert more["start_step"] == 6 and len(more["losses"]) == 2
+    assert load_medusa(tmp_path / "h").args.num_heads == 2
+
+
+def _run(model, prompts, proposer=None, k=0, params=None):
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=len(prompts), max_length=160,
+                                     spec_max_draft_tokens=k), eos_token_ids=[], proposer=proposer)
+    seqs = [eng.add_request(p, params or SamplingParams(max_new_tokens=48), request_index=i)
+            for i, p in enumerate(prompts)]
+    eng.run()
+    return seqs
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(2, 2), TreeSpec(3, 3)])
+def test_medusa_greedy_identical_to_plain(base, heads_dir, tree):
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 21)]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    heads = load_medusa_for_inference(heads_dir, base)
+    proposer = MedusaProposer(heads, base.model.norm, tree=tree, max_draft_tokens=3)
+    seqs = _run(base, prompts, proposer, proposer.max_rows)
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(s.stats.drafted for s in seqs) > 0
+
+
+@pytest.mark.parametrize("quant_type", ["weight_only_int8", "weight_only_int4"])
+def test_quantized_heads_draft_and_stay_lossless(base, heads_dir, tmp_path, quant_type):
+    from quantspec import api
+    from quantspec.infer.quant_linear import QuantLinear
+
+    out = api.quantize(str(heads_dir), quant_type, tmp_path / "q", target="quantspec",
+                       **({"group_size": 32} if quant_type == "weight_only_int4" else {}))
+    heads = load_medusa_for_inference(out, base)
+    assert isinstance(heads.medusa_head[0][0].linear, QuantLinear)
+    assert isinstance(heads.medusa_head[0][1], QuantLinear)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (12,), generator=g).tolist()]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    proposer = MedusaProposer(heads, base.model.norm, tree=TreeSpec(2, 2))
+    assert [s.output_ids for s in _run(base, prompts, proposer, proposer.max_rows)] == plain
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["medusa_num_heads"] == 3 and cfg["quantization_config"]["quant_method"] == "compressed-tensors"
+    with pytest.raises(QuantSpecError, match="--method rtn"):
+        api.quantize(str(heads_dir), quant_type, tmp_path / "q2", target="quantspec", method="gptq",
+                     dataset=str(heads_dir / "config.json"))
