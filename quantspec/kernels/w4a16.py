@@ -100,6 +100,13 @@ def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) 
 
 
 @triton.jit
+def _unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """words [BLOCK_N, BLOCK_K / 8] int32 → codes [BLOCK_N, BLOCK_K] int32 in [-8, 7]: word j holds
+    k = 8j .. 8j+7 in its nibbles 0..7 (stored as q + 8)."""
+    return tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - 8
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
     M, N, K, group_size,
@@ -119,7 +126,6 @@ def _w4a16_kernel(
     k_tiles = tl.cdiv(K, BLOCK_K)
     tiles_per_split = tl.cdiv(k_tiles, SPLIT_K)
     k_begin = pid_k * tiles_per_split * BLOCK_K
-    shifts = tl.arange(0, 8) * 4  # [8] bit offset of each of a word's 8 codes
     KW = tl.cdiv(K, 8)
 
     if SWAP_AB:
@@ -140,8 +146,7 @@ def _w4a16_kernel(
             w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
             mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0,
         )  # [BN, BK/8] int32, each word read once
-        # word j holds k = 8j .. 8j+7 in its nibbles 0..7: [BN, BK/8, 8] → [BN, BK] in k order
-        q = tl.reshape((words[:, :, None] >> shifts[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - 8
+        q = _unpack_words(words, BLOCK_N, BLOCK_K)  # [BN, BK]
         if GROUP_ALIGNED:
             # BLOCK_K divides group_size: the whole k tile shares one group
             # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
@@ -318,7 +323,7 @@ def _w4_dequant_kernel(
     mask_n = offs_n < N
     words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                     mask=mask_n[:, None] & (offs_w < tl.cdiv(K, 8))[None, :], other=0)
-    q = tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - 8
+    q = _unpack_words(words, BLOCK_N, BLOCK_K)
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     g = offs_k // group_size
     s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)

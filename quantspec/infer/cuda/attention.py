@@ -9,6 +9,8 @@ decode step at that position.
 
 from __future__ import annotations
 
+import itertools
+
 import torch
 
 from quantspec.infer.kv_cache import AttentionMetadata, PagedKVCache
@@ -39,7 +41,7 @@ class TritonAttention:
     def _step_args(self, meta: AttentionMetadata) -> tuple:
         if meta.kernel_args is None:
             dev = self.cache.k.device
-            cu = torch.tensor([0, *_prefix_sums(meta.q_lens)], dtype=torch.int32, device=dev)
+            cu = torch.tensor([0, *itertools.accumulate(meta.q_lens)], dtype=torch.int32, device=dev)
             seq = torch.tensor(meta.seq_lens, dtype=torch.int32, device=dev)
             meta.kernel_args = (cu, seq, meta.block_tables.to(torch.int32), max(meta.q_lens))
         return meta.kernel_args
@@ -57,10 +59,3 @@ class TritonAttention:
         cu, seq, tables, max_q = self._step_args(meta)
         return kernels.paged_attention(q, kc, vc, cu, seq, tables, ks, vs, max_q_len=max_q)
 
-
-def _prefix_sums(xs: list[int]) -> list[int]:
-    out, total = [], 0
-    for x in xs:
-        total += x
-        out.append(total)
-    return out
