@@ -35,6 +35,7 @@ GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N
 CPU_SHAPES = [(64, 48)]
 GROUP_SIZE = 128
 KINDS = ("w4a16", "w8a16", "w8a8", "fp8")
+DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # --dtype → torch
 ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
 
 
@@ -147,7 +148,7 @@ def _time_or_error(bench, fn):
 def run_dtype(dtype_name: str, shapes, ms, device, bench) -> dict:
     import torch
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    dtype = getattr(torch, DTYPE_NAMES[dtype_name])
     gen = torch.Generator(device=device).manual_seed(0)
     has_fp8 = device.type != "cuda" or torch.cuda.get_device_capability(device) >= (8, 9)
     rows = []
@@ -227,7 +228,7 @@ def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
     from quantspec import kernels
     from quantspec.kernels.w4a16 import W4A16Config
 
-    dtype = {"fp16": torch.float16, "bf16": torch.bfloat16, "fp32": torch.float32}[dtype_name]
+    dtype = getattr(torch, DTYPE_NAMES[dtype_name])
     gen = torch.Generator(device=device).manual_seed(1)
     found = []
     shapes = [s for s in shapes if s in SWEEP_SHAPES] or shapes
