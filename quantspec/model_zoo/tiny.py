@@ -244,6 +244,38 @@ def _init_weights(model, vocab_real: int, tie: bool, probe_ids: torch.Tensor) ->
     model.model.norm.weight.mul_(LOGIT_STD / std)
 
 
+def _check_shape(arch: str, *, hidden: int, heads: int, kv_heads: int, vocab_pad_to: int | None,
+                 dtype: torch.dtype) -> None:
+    """Refuse, naming the argument, a tiny model that cannot be built."""
+    if arch not in TINY_ARCHS:
+        raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(TINY_ARCHS)}")
+    if heads <= 0 or kv_heads <= 0 or heads % kv_heads != 0:
+        raise QuantSpecError(f"heads={heads}, kv_heads={kv_heads}: heads must be a positive multiple of kv_heads")
+    if hidden % heads != 0:
+        raise QuantSpecError(f"hidden={hidden} is not divisible by heads={heads}; pick hidden = heads * head_dim")
+    if vocab_pad_to is not None and (not isinstance(vocab_pad_to, int) or vocab_pad_to <= 0):
+        raise QuantSpecError(f"vocab_pad_to={vocab_pad_to!r} must be a positive int or None")
+    if not dtype.is_floating_point:
+        raise QuantSpecError(f"dtype={dtype} is not a floating dtype; use torch.float32/float16/bfloat16")
+
+
+def _seeded_model(config, tok, vocab_real: int, tie: bool, seed: int):
+    """The fp32 HF model of `config`, initialised by `_init_weights` under `seed`; the caller's
+    torch RNG state is restored afterwards."""
+    from transformers import AutoModelForCausalLM
+
+    rng_state = torch.random.get_rng_state()
+    try:
+        torch.manual_seed(seed)
+        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
+        model.eval()
+        probe = torch.tensor(tok(TINY_CORPUS[:400])["input_ids"][:64], dtype=torch.long)  # [T]
+        _init_weights(model, vocab_real, tie, probe)
+    finally:
+        torch.random.set_rng_state(rng_state)
+    return model
+
+
 def build_tiny_model(
     out_dir: str | Path,
     arch: str = "llama",
@@ -270,19 +302,9 @@ def build_tiny_model(
     a multiple (extra rows have no token). `rope_scaling` is a HF rope dict, e.g.
     {"rope_type": "linear", "factor": 2.0}. Same arguments -> bit-identical weights.
     """
-    from transformers import AutoModelForCausalLM, GenerationConfig
+    from transformers import GenerationConfig
 
-    if arch not in TINY_ARCHS:
-        raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(TINY_ARCHS)}")
-    if heads <= 0 or kv_heads <= 0 or heads % kv_heads != 0:
-        raise QuantSpecError(f"heads={heads}, kv_heads={kv_heads}: heads must be a positive multiple of kv_heads")
-    if hidden % heads != 0:
-        raise QuantSpecError(f"hidden={hidden} is not divisible by heads={heads}; pick hidden = heads * head_dim")
-    if vocab_pad_to is not None and (not isinstance(vocab_pad_to, int) or vocab_pad_to <= 0):
-        raise QuantSpecError(f"vocab_pad_to={vocab_pad_to!r} must be a positive int or None")
-    if not dtype.is_floating_point:
-        raise QuantSpecError(f"dtype={dtype} is not a floating dtype; use torch.float32/float16/bfloat16")
-
+    _check_shape(arch, hidden=hidden, heads=heads, kv_heads=kv_heads, vocab_pad_to=vocab_pad_to, dtype=dtype)
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tok = build_tiny_tokenizer(out, variant=tokenizer_variant)
@@ -290,9 +312,7 @@ def build_tiny_model(
     vocab = vocab_real if vocab_pad_to is None else -(-vocab_real // vocab_pad_to) * vocab_pad_to
     bos, eos, pad = (tok.convert_tokens_to_ids(t) for t in (BOS_TOKEN, EOS_TOKEN, UNK_PAD_TOKEN))
 
-    rope = {"rope_type": "default", "rope_theta": 10000.0}
-    if rope_scaling is not None:
-        rope = {**rope, **rope_scaling}
+    rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
     config = _make_config(
         arch,
         vocab_size=vocab,
@@ -310,18 +330,7 @@ def build_tiny_model(
         rms_norm_eps=1e-6,
     )
 
-    # Fixed seed, then our own init (see module docstring); restore the caller's RNG afterwards.
-    rng_state = torch.random.get_rng_state()
-    try:
-        torch.manual_seed(seed)
-        model = AutoModelForCausalLM.from_config(config, dtype=torch.float32)
-        model.eval()
-        probe = torch.tensor(tok(TINY_CORPUS[:400])["input_ids"][:64], dtype=torch.long)  # [T]
-        _init_weights(model, vocab_real, tie_word_embeddings, probe)
-    finally:
-        torch.random.set_rng_state(rng_state)
-
-    model = model.to(dtype)
+    model = _seeded_model(config, tok, vocab_real, tie_word_embeddings, seed).to(dtype)
     save_kw = {"max_shard_size": TINY_MAX_SHARD_SIZE} if sharded else {"max_shard_size": "10GB"}
     model.save_pretrained(str(out), safe_serialization=True, **save_kw)
     GenerationConfig(bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, do_sample=False).save_pretrained(str(out))
