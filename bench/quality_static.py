@@ -14,7 +14,7 @@ the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (a
 calibration data, after smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α;
 `-sqauto` α searched per smoothing group (`smoothquant_alpha="auto"`); `-fb` the `--fallback`
 fused units with the largest measured static-activation error kept at float activations (W8A16 /
-FP8 weight-only; `calib/sensitivity.py`); rows without `-sq` / `-fb` pass
+FP8 weight-only; `calib/static_plan.py`); rows without `-sq` / `-fb` pass
 `smoothquant_alpha="none"` / `fallback_layers=0`. The fallback layers are listed in the JSON
 output. K/V scales use calibrate's default K/V observer (mse).
 

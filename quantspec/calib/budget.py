@@ -7,7 +7,7 @@ table nor the α search saw):
     ppl_q(k) / ppl_q(m) − 1 ≤ budget,
 
 where ppl_q(k) is the perplexity with the k most sensitive of the m fused units
-(`calib.sensitivity`'s ranking) at float activations and every other decoder Linear at static
+(`calib.static_plan`'s ranking) at float activations and every other decoder Linear at static
 int8 / fp8 activations; ppl_q(m), every unit at float activations, is the weight-only model with
 the same weights. The reference is the weight-only model, not the float one, because the
 fallback can remove only the activations' error: on the default model FP8 E4M3 weights alone

@@ -20,7 +20,7 @@ the last finished layer (`calib.stream`).
 The a8w8 / a8w8_fp8 recipe by default: SmoothQuant α searched per smoothing group and the fewest
 fused units (q/k/v, gate/up, o_proj, down_proj) kept at float activations (W8A16) that keep the
 perplexity on held-back calibration windows within `fallback_budget` percent of the weight-only
-model's (`calib.budget`, `calib.sensitivity`). Data for the α search, the fallback and GPTQ comes
+model's (`calib.budget`, `calib.static_plan`). Data for the α search, the fallback and GPTQ comes
 from `dataset`, or from the dataset the table names in its calibration.json.
 """
 
@@ -322,7 +322,7 @@ def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, sa
     → (config with the fallback group, static input scales, smoothing factors, GPTQ batches)."""
     from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
     from quantspec.calib.data import TableWindows
-    from quantspec.calib.sensitivity import plan_static_quant, with_fallback_layers
+    from quantspec.calib.static_plan import plan_static_quant, with_fallback_layers
 
     table = src.table
     table.check_model(net)

@@ -12,7 +12,7 @@ from transformers import AutoTokenizer
 from quantspec import api
 from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
 from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-from quantspec.calib.sensitivity import FALLBACK_GROUP
+from quantspec.calib.static_plan import FALLBACK_GROUP
 from quantspec.calib.tables import write_table
 from quantspec.cli import main
 from quantspec.errors import QuantSpecError
@@ -169,17 +169,17 @@ def test_a_table_without_usable_data_names_dataset(tiny_llama_dir, table, tmp_pa
 def test_a_budget_no_static_activation_fits_is_one_line(tiny_llama_dir, table, tmp_path, monkeypatch):
     """When the search keeps every unit at float activations (see test_budget), quantize says
     so in one line naming the budget flag instead of writing an a8w8 artifact without any."""
-    import quantspec.calib.sensitivity as sensitivity
+    import quantspec.calib.static_plan as static_plan
 
     calib, _ = table
-    real = sensitivity.fallback_under_budget
+    real = static_plan.fallback_under_budget
 
     def none_fit(model, ranked, *args, **kwargs):
         search = real(model, ranked, *args, **kwargs)
         search.chosen_units = len(ranked)
         return search
 
-    monkeypatch.setattr(sensitivity, "fallback_under_budget", none_fit)
+    monkeypatch.setattr(static_plan, "fallback_under_budget", none_fit)
     r = _cli("quantize", "--model", tiny_llama_dir, "--quant-type", "a8w8", "--calib", calib, "--out", tmp_path / "x")
     # found after the measuring: the status lines a slow run prints before it may precede the error
     last = r.output.strip().splitlines()[-1]

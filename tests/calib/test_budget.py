@@ -10,7 +10,8 @@ import torch.nn.functional as F
 
 from quantspec.calib.budget import fallback_under_budget, heldback_nll
 from quantspec.calib.calibrate import calibrate_model
-from quantspec.calib.sensitivity import linear_sensitivity, rank_units
+from quantspec.calib.sensitivity import linear_sensitivity
+from quantspec.calib.static_plan import rank_units
 from quantspec.calib.smooth import input_scales_for_model, smooth_model, smoothing_factors
 from quantspec.calib.tables import ScaleTable
 from quantspec.model_zoo.checkpoint import load_model

@@ -9,9 +9,9 @@ import pytest
 import torch
 
 from quantspec.calib.calibrate import calibrate_model
-from quantspec.calib.sensitivity import (FALLBACK_GROUP, fake_quant_weight, group_alpha_errors,
-                                         linear_sensitivity, plan_static_quant, rank_units,
-                                         search_alphas, select_fallback, static_linear_error,
+from quantspec.calib.sensitivity import (fake_quant_weight, group_alpha_errors, linear_sensitivity,
+                                         search_alphas, static_linear_error)
+from quantspec.calib.static_plan import (FALLBACK_GROUP, plan_static_quant, rank_units, select_fallback,
                                          with_fallback_layers)
 from quantspec.calib.smooth import input_scales_for_model, smooth_model, smoothing_factors
 from quantspec.calib.tables import ScaleTable

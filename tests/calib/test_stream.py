@@ -163,7 +163,7 @@ def test_an_interrupted_run_resumes_at_its_last_layer(kw, tiny_llama_dir, data, 
     assert remove_leftovers(out) == [] and state.is_dir()  # leftover-cleaning keeps a resumable state
     calls = []
     if kw["quant_type"] == "a8w8":  # the plan is reused, not measured again
-        monkeypatch.setattr("quantspec.calib.sensitivity.plan_static_quant", lambda *a, **k: calls.append(1))
+        monkeypatch.setattr("quantspec.calib.static_plan.plan_static_quant", lambda *a, **k: calls.append(1))
     with caplog.at_level(logging.WARNING, logger="quantspec"):
         api.quantize(str(tiny_llama_dir), out=out, progress=_refuse_layer(0), **kw)
     assert "resuming at layer 2/2" in caplog.text
