@@ -221,6 +221,27 @@ def read_table(path: str | os.PathLike, *, expect_fingerprint: str | None = None
     `model_dir`: shorthand for the model's fingerprint + its config's layer / KV-head counts.
     `expect_layers` / `expect_kv_heads`: refuse a table missing a layer the model has.
     """
+    table = _load_table(path)
+    if model_dir is not None:
+        from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir
+
+        d = resolve_model_dir(model_dir)
+        cfg = read_config(d)
+        expect_fingerprint = expect_fingerprint or model_fingerprint(d)
+        if expect_layers is None:
+            expect_layers = cfg.get("num_hidden_layers")
+        if expect_kv_heads is None:
+            expect_kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
+    if expect_fingerprint is not None:
+        _check_fingerprint(table, expect_fingerprint, model_dir)
+    if expect_layers is not None:
+        table.check_layers(int(expect_layers), expect_kv_heads)
+    return table
+
+
+def _load_table(path: str | os.PathLike) -> ScaleTable:
+    """The table in directory `path`, refused in one line when it is missing, of another format
+    version, or unreadable."""
     from safetensors import SafetensorError
     from safetensors.torch import load_file
 
@@ -252,28 +273,19 @@ def read_table(path: str | os.PathLike, *, expect_fingerprint: str | None = None
         reason = str(e).splitlines()[0][:120] if str(e) else type(e).__name__
         raise QuantSpecError(f"{p / SCALES_NAME} is truncated or corrupt ({reason}); re-run "
                              "quantspec calibrate") from None
-    table = ScaleTable(tensors=tensors, meta=meta, path=p)
+    return ScaleTable(tensors=tensors, meta=meta, path=p)
 
-    if model_dir is not None:
-        from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir
 
-        d = resolve_model_dir(model_dir)
-        cfg = read_config(d)
-        expect_fingerprint = expect_fingerprint or model_fingerprint(d)
-        if expect_layers is None:
-            expect_layers = cfg.get("num_hidden_layers")
-        if expect_kv_heads is None:
-            expect_kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
-    if expect_fingerprint is not None:
-        have = meta.get("model_fingerprint")
-        if not isinstance(have, str) or not _fingerprints_match(have, expect_fingerprint):
-            raise QuantSpecError(
-                f"calibration table {p} was made for model {meta.get('model', '?')!r} (fingerprint "
-                f"{have}) but this model's fingerprint is {expect_fingerprint}; calibrate this model "
-                "(quantspec calibrate --model ...) and pass its table")
-        if expect_fingerprint.endswith("-") and have.partition("-")[2]:
-            warnings.warn(f"{model_dir or 'the model'} records no source fingerprint; the table {p} "
-                          "is matched on the architecture only", stacklevel=2)
-    if expect_layers is not None:
-        table.check_layers(int(expect_layers), expect_kv_heads)
-    return table
+def _check_fingerprint(table: ScaleTable, expect: str, model_dir) -> None:
+    """Refuse a table made for another model; warn when the model records only its architecture."""
+    p, meta = table.path, table.meta
+    have = meta.get("model_fingerprint")
+    if not isinstance(have, str) or not _fingerprints_match(have, expect):
+        raise QuantSpecError(
+            f"calibration table {p} was made for model {meta.get('model', '?')!r} (fingerprint "
+            f"{have}) but this model's fingerprint is {expect}; calibrate this model "
+            "(quantspec calibrate --model ...) and pass its table")
+    if expect.endswith("-") and have.partition("-")[2]:
+        # stacklevel 3: the warning names read_table's caller
+        warnings.warn(f"{model_dir or 'the model'} records no source fingerprint; the table {p} "
+                      "is matched on the architecture only", stacklevel=3)
