@@ -179,13 +179,10 @@ def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples,
     import torch
     from transformers import AutoTokenizer
 
-    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-    from quantspec.infer.hidden import generate_with_hidden
+    from quantspec.calib.data import load_calibration_texts
     from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, atomic_torch_save,
-                                               choose_draft_vocab, extract_features, features_from_hidden,
-                                               features_key, load_features)
-    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
+    from quantspec.model_zoo.mtp_train import (FEATURES_NAME, atomic_torch_save, distill_prompts, features_key,
+                                               load_features)
 
     features_path = Path(out) / FEATURES_NAME
     say = on_status or (lambda _m: None)
@@ -198,50 +195,59 @@ def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples,
     for p in base.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if self_distill:
-        if chat_prompts is None:
-            prompts = list(CHAT_PROMPTS)
-        elif isinstance(chat_prompts, int) and not isinstance(chat_prompts, bool):
-            if chat_prompts < 1:
-                raise QuantSpecError(f"--chat-prompts {chat_prompts} must be >= 1 (at most {len(builtin_prompts())} built in)")
-            prompts = builtin_prompts(chat_prompts)
-        else:
-            prompts = list(chat_prompts)
-        if not prompts:
-            raise QuantSpecError("chat_prompts is empty: give prompts, or a count of built-in ones")
+    prompts = distill_prompts(chat_prompts) if self_distill else None
     # everything the training rows and the draft vocabulary are a function of: a run into `out`
     # with the same key reuses the rows an interrupted run saved there (the self-distillation
     # answers are most of the default recipe's time) instead of preparing them again
     key = features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill,
-                        prompts if self_distill else None, max_new_tokens, draft_vocab_size)
+                        prompts, max_new_tokens, draft_vocab_size)
     cached = load_features(features_path, key)
     if cached is not None:
         features, vocab, data = cached
         say(f"reusing the {len(features)} training positions saved in {features_path.name} by an earlier run")
     else:
-        parts, data = [], {"self_distill": self_distill}
-        if dataset is not None:
-            batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
-            say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
-            parts.append(extract_features(base, batches, self_distill=self_distill))
-            data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]),
-                        seq_len=seq_len)
-        if self_distill:
-            say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
-            gens = generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                         batch_size=gen_batch_size, on_status=on_status)
-            parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
-            data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens),
-                        max_new_tokens=max_new_tokens)
-        features = MTPFeatures.cat(parts)
-        with torch.no_grad():
-            vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
+        features, vocab, data = _base_rows(
+            base, tokenizer, texts, prompts, dataset=dataset, text_field=text_field, num_samples=num_samples,
+            seq_len=seq_len, seed=seed, self_distill=self_distill, max_new_tokens=max_new_tokens,
+            gen_batch_size=gen_batch_size, draft_vocab_size=draft_vocab_size, on_status=on_status)
         Path(out).mkdir(parents=True, exist_ok=True)
         atomic_torch_save({"key": key, "features": features, "vocab": vocab, "data": data}, features_path)
     covered = torch.isin(features.tgt1[features.tgt1 >= 0], vocab).float().mean().item()
     say(f"{len(features)} training positions; draft vocabulary {vocab.numel()} tokens covers {covered:.1%} of targets")
     data["draft_vocab_coverage"] = round(covered, 4)
     return base, features, vocab, data
+
+
+def _base_rows(base, tokenizer, texts, prompts, *, dataset, text_field, num_samples, seq_len, seed, self_distill,
+               max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
+    """The training rows the base gives on the dataset's windows and on its own answers to
+    `prompts` (when `self_distill`), and the draft vocabulary. → (features, vocab, data summary)"""
+    import torch
+
+    from quantspec.calib.data import build_calibration_batches
+    from quantspec.infer.hidden import generate_with_hidden
+    from quantspec.model_zoo.mtp_train import (MTPFeatures, choose_draft_vocab, extract_features,
+                                               features_from_hidden)
+
+    say = on_status or (lambda _m: None)
+    parts, data = [], {"self_distill": self_distill}
+    if dataset is not None:
+        batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
+        say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
+        parts.append(extract_features(base, batches, self_distill=self_distill))
+        data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]),
+                    seq_len=seq_len)
+    if self_distill:
+        say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
+        gens = generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
+                                     batch_size=gen_batch_size, on_status=on_status)
+        parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
+        data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens),
+                    max_new_tokens=max_new_tokens)
+    features = MTPFeatures.cat(parts)
+    with torch.no_grad():
+        vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
+    return features, vocab, data
 
 
 def _dir_bytes(path, pattern: str = "*") -> int:

@@ -47,6 +47,7 @@ __all__ = [
     "FEATURES_NAME",
     "atomic_torch_save",
     "choose_draft_vocab",
+    "distill_prompts",
     "features_from_hidden",
     "extract_features",
     "features_key",
@@ -390,6 +391,22 @@ def chat_prompts(n: int | None = None) -> list[str]:
 
 
 CHAT_PROMPTS = chat_prompts()  # `quantspec zoo train-mtp`'s default: all of them (--chat-prompts N: the first N)
+
+
+def distill_prompts(prompts: int | list[str] | None) -> list[str]:
+    """The chat prompts a base answers for self-distillation: every built-in one (None), the
+    first `n` built-in ones (an int), or the given prompts; none at all is refused."""
+    if prompts is None:
+        out = list(CHAT_PROMPTS)
+    elif isinstance(prompts, int) and not isinstance(prompts, bool):
+        if prompts < 1:
+            raise QuantSpecError(f"--chat-prompts {prompts} must be >= 1 (at most {len(chat_prompts())} built in)")
+        out = chat_prompts(prompts)
+    else:
+        out = list(prompts)
+    if not out:
+        raise QuantSpecError("chat_prompts is empty: give prompts, or a count of built-in ones")
+    return out
 
 
 def features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill, prompts,
