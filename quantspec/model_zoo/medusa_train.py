@@ -58,6 +58,19 @@ def medusa_targets(features: MTPFeatures, num_heads: int) -> torch.Tensor:
     return out
 
 
+def _resume(heads: MedusaHeads, opt: torch.optim.Optimizer, vocab: torch.Tensor,
+            state_path: Path) -> tuple[int, list[float]]:
+    """Load the heads' trained weights and the optimizer from the checkpoint at `state_path`;
+    one made with another draft vocabulary `vocab` is refused. → (its step, its losses)"""
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    if not torch.equal(state["draft_vocab_ids"], vocab.cpu()):
+        raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
+                             "resume with the same data options")
+    heads.load_state_dict(state["model"], strict=False)
+    opt.load_state_dict(state["optimizer"])
+    return int(state["step"]), list(state["losses"])
+
+
 def train_medusa(heads: MedusaHeads, base: Transformer, features: MTPFeatures, config: MTPTrainConfig,
                  out_dir: str | os.PathLike, *, resume: bool = False, extra_config: dict | None = None,
                  on_step: Callable[[int, int, float], None] | None = None) -> dict:
@@ -70,15 +83,7 @@ def train_medusa(heads: MedusaHeads, base: Transformer, features: MTPFeatures, c
     params = [p for p in heads.parameters() if p.requires_grad]
     opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     vocab = getattr(heads, MEDUSA_VOCAB_NAME)
-    start, history = 0, []
-    if resume and state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        if not torch.equal(state["draft_vocab_ids"], vocab.cpu()):
-            raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
-                                 "resume with the same data options")
-        heads.load_state_dict(state["model"], strict=False)
-        opt.load_state_dict(state["optimizer"])
-        start, history = int(state["step"]), list(state["losses"])
+    start, history = _resume(heads, opt, vocab, state_path) if resume and state_path.exists() else (0, [])
     if start >= config.steps:
         return {"steps": config.steps, "start_step": start, "loss_first": None, "loss_last": None, "losses": []}
     lut = torch.full((heads.args.vocab_size,), IGNORE, dtype=torch.int64)  # full id → draft index
