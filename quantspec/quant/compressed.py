@@ -178,7 +178,26 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
     Raises `QuantSpecError` naming the first missing or mis-shaped tensor; a static a8w8 /
     a8w8_fp8 scheme without `input_scale` says to re-quantize with calibration.
     """
-    expected = expected_linear_tensors(prefix, scheme, out_features, in_features)
+    _check_present(tensors, expected_linear_tensors(prefix, scheme, out_features, in_features))
+    w = scheme.weights
+    scale = tensors[f"{prefix}.weight_scale"]
+    if not scale.is_floating_point():
+        raise QuantSpecError(f"{prefix}.weight_scale has dtype {scale.dtype}; expected a float")
+    if w.strategy == "tensor":
+        scale = _scalar(f"{prefix}.weight_scale", scale)
+    if scheme.format == FORMAT_PACK_QUANTIZED:
+        q, zp = _packed_weight(tensors, prefix, w, (out_features, in_features), tuple(scale.shape))
+    else:
+        q, zp = _plain_weight(tensors, prefix, w)
+    ia = scheme.input_activations
+    in_scale, in_zp = _static_input_qparams(tensors, prefix, ia)
+    return QuantizedLinearTensors(q=q, scale=scale, zero_point=zp, weight_args=w, input_args=ia,
+                                  input_scale=in_scale, input_zero_point=in_zp,
+                                  bias=tensors.get(f"{prefix}.bias"))
+
+
+def _check_present(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple | None]) -> None:
+    """Refuse the first tensor of `expected` ({name: shape or None}) missing or mis-shaped."""
     for name, shape in expected.items():
         if name not in tensors:
             if name.endswith(".input_scale"):
@@ -188,51 +207,54 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
             raise QuantSpecError(f"tensor {name!r} is missing from the checkpoint; it is "
                                  "incomplete — re-download or re-create it")
         _check_shape(name, tensors[name], shape)
-    w = scheme.weights
-    N, K = out_features, in_features
-    scale = tensors[f"{prefix}.weight_scale"]
-    if not scale.is_floating_point():
-        raise QuantSpecError(f"{prefix}.weight_scale has dtype {scale.dtype}; expected a float")
-    if w.strategy == "tensor":
-        scale = _scalar(f"{prefix}.weight_scale", scale)
-    zp = None
-    if scheme.format == FORMAT_PACK_QUANTIZED:
-        shape = tuple(int(v) for v in tensors[f"{prefix}.weight_shape"].tolist())
-        if shape != (N, K):
-            raise QuantSpecError(f"{prefix}.weight_shape is {list(shape)} but the model needs "
-                                 f"[{N}, {K}]; the checkpoint does not match its config")
-        q = _unpack_words(tensors[f"{prefix}.weight_packed"], w.num_bits, (N, K), 1,
-                          f"{prefix}.weight_packed")
-        if not w.symmetric:
-            z = tensors[f"{prefix}.weight_zero_point"]
-            if w.strategy in ("group", "channel") and w.zp_dtype is None:
-                if z.is_floating_point():
-                    _weight_zero_point(f"{prefix}.weight_zero_point", z, w)  # raises
-                zp = _unpack_words(z, w.num_bits, tuple(scale.shape), 0,
-                                   f"{prefix}.weight_zero_point")
-            else:
-                z = _scalar(f"{prefix}.weight_zero_point", z) if w.strategy == "tensor" else z
-                zp = _weight_zero_point(f"{prefix}.weight_zero_point", z, w)
-    else:
-        q = tensors[f"{prefix}.weight"]
-        if q.dtype != storage_dtype(w):
-            raise QuantSpecError(f"{prefix}.weight has dtype {q.dtype}, expected "
-                                 f"{storage_dtype(w)} for {w.num_bits}-bit {w.type} weights")
-        if not w.symmetric:
-            zp = tensors[f"{prefix}.weight_zero_point"]
-            zp = _scalar(f"{prefix}.weight_zero_point", zp) if w.strategy == "tensor" else zp
-            zp = _weight_zero_point(f"{prefix}.weight_zero_point", zp, w)
-    ia = scheme.input_activations
-    in_scale = in_zp = None
-    if ia is not None and not ia.dynamic:
-        in_scale = _scalar(f"{prefix}.input_scale", tensors[f"{prefix}.input_scale"]).float()
-        if not bool((in_scale > 0).all()) or not bool(torch.isfinite(in_scale).all()):
-            raise QuantSpecError(f"{prefix}.input_scale is {float(in_scale)}; it must be a finite "
-                                 "value > 0 — recalibrate the model")
-        if not ia.symmetric:
-            in_zp = _scalar(f"{prefix}.input_zero_point",
-                            tensors[f"{prefix}.input_zero_point"]).to(storage_dtype(ia))
-    return QuantizedLinearTensors(q=q, scale=scale, zero_point=zp, weight_args=w, input_args=ia,
-                                  input_scale=in_scale, input_zero_point=in_zp,
-                                  bias=tensors.get(f"{prefix}.bias"))
+
+
+def _packed_weight(tensors: Mapping[str, torch.Tensor], prefix: str, w: QuantArgs, shape: tuple[int, int],
+                   scale_shape: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q [N, K], zero point or None) of a pack-quantized weight of `shape` (N, K)."""
+    stored = tuple(int(v) for v in tensors[f"{prefix}.weight_shape"].tolist())
+    if stored != shape:
+        raise QuantSpecError(f"{prefix}.weight_shape is {list(stored)} but the model needs "
+                             f"{list(shape)}; the checkpoint does not match its config")
+    q = _unpack_words(tensors[f"{prefix}.weight_packed"], w.num_bits, shape, 1, f"{prefix}.weight_packed")
+    if w.symmetric:
+        return q, None
+    z = tensors[f"{prefix}.weight_zero_point"]
+    if w.strategy in ("group", "channel") and w.zp_dtype is None:
+        if z.is_floating_point():
+            _weight_zero_point(f"{prefix}.weight_zero_point", z, w)  # raises
+        return q, _unpack_words(z, w.num_bits, scale_shape, 0, f"{prefix}.weight_zero_point")
+    z = _scalar(f"{prefix}.weight_zero_point", z) if w.strategy == "tensor" else z
+    return q, _weight_zero_point(f"{prefix}.weight_zero_point", z, w)
+
+
+def _plain_weight(tensors: Mapping[str, torch.Tensor], prefix: str,
+                  w: QuantArgs) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """(q [N, K], zero point or None) of an int- / float- / naive-quantized weight (one value a
+    storage element)."""
+    q = tensors[f"{prefix}.weight"]
+    if q.dtype != storage_dtype(w):
+        raise QuantSpecError(f"{prefix}.weight has dtype {q.dtype}, expected "
+                             f"{storage_dtype(w)} for {w.num_bits}-bit {w.type} weights")
+    if w.symmetric:
+        return q, None
+    zp = tensors[f"{prefix}.weight_zero_point"]
+    zp = _scalar(f"{prefix}.weight_zero_point", zp) if w.strategy == "tensor" else zp
+    return q, _weight_zero_point(f"{prefix}.weight_zero_point", zp, w)
+
+
+def _static_input_qparams(tensors: Mapping[str, torch.Tensor], prefix: str,
+                          ia: QuantArgs | None) -> tuple[torch.Tensor | None, torch.Tensor | None]:
+    """(input scale [1], input zero point [1] or None) of static input activations; (None, None)
+    when the inputs stay float or are quantized dynamically."""
+    if ia is None or ia.dynamic:
+        return None, None
+    in_scale = _scalar(f"{prefix}.input_scale", tensors[f"{prefix}.input_scale"]).float()
+    if not bool((in_scale > 0).all()) or not bool(torch.isfinite(in_scale).all()):
+        raise QuantSpecError(f"{prefix}.input_scale is {float(in_scale)}; it must be a finite "
+                             "value > 0 — recalibrate the model")
+    in_zp = None
+    if not ia.symmetric:
+        in_zp = _scalar(f"{prefix}.input_zero_point", tensors[f"{prefix}.input_zero_point"]).to(storage_dtype(ia))
+    return in_scale, in_zp
 
