@@ -10,10 +10,25 @@ from quantspec.quant.args import MIN_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["WEIGHT_OBSERVERS", "default_weight_observer", "preset"]
+__all__ = ["PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS", "default_weight_observer", "preset"]
 
 
 WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose_qparams)
+# each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
+# observer) are applied
+PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
+    QuantType.WEIGHT_ONLY_INT8: QuantArgs(num_bits=8, type="int", strategy="channel"),
+    QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
+    QuantType.A8W8: QuantArgs(num_bits=8, type="int", strategy="channel"),
+    QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
+}
+# the static per-tensor input activations of the types that quantize them (the rest keep float inputs)
+PRESET_INPUTS: dict[QuantType, QuantArgs] = {
+    QuantType.A8W8: QuantArgs(num_bits=8, type="int", symmetric=True, strategy="tensor", dynamic=False,
+                              observer="minmax"),
+    QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False,
+                                  observer="minmax"),
+}
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:
@@ -44,6 +59,21 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     """
     qt = QuantType.parse(quant_type)
     weight_observer = weight_observer or default_weight_observer(qt)
+    _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
+    if qt is QuantType.WEIGHT_ONLY_INT4:
+        layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
+    else:
+        layout = {}
+    w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **layout)
+    if weight_observer != "minmax":
+        w = w.replace(observer=weight_observer)
+    scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=PRESET_INPUTS.get(qt))
+    return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore),
+                       kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
+
+
+def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | None, weight_observer: str) -> None:
+    """Refuse, naming the flag, a knob that `qt` does not take or a value out of range."""
     if weight_observer not in WEIGHT_OBSERVERS:
         raise QuantSpecError(f"unknown --weight-observer {weight_observer!r}; use one of: "
                              f"{', '.join(WEIGHT_OBSERVERS)}")
@@ -53,39 +83,20 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
                                  f"drop it for {qt.value}")
         if symmetric:
             raise QuantSpecError(f"--zp-dtype {zp_dtype} needs asymmetric weights; add --asym")
-    ia = None
-    if qt is QuantType.WEIGHT_ONLY_INT8:
-        w = QuantArgs(num_bits=8, type="int", symmetric=symmetric, strategy="channel")
-    elif qt is QuantType.WEIGHT_ONLY_INT4:
-        if group_size != -1 and (isinstance(group_size, bool) or not isinstance(group_size, int)
-                                 or group_size < MIN_GROUP_SIZE):
-            raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
-                                 f"{MIN_GROUP_SIZE}, e.g. 128")
-        if group_size == -1:
-            w = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="channel",
-                          zp_dtype=zp_dtype)
-        else:
-            w = QuantArgs(num_bits=4, type="int", symmetric=symmetric, strategy="group",
-                          group_size=group_size, zp_dtype=zp_dtype)
-    elif qt is QuantType.A8W8:
-        w = QuantArgs(num_bits=8, type="int", symmetric=symmetric, strategy="channel")
-        ia = QuantArgs(num_bits=8, type="int", symmetric=True, strategy="tensor",
-                       dynamic=False, observer="minmax")
-    else:
-        if not symmetric:
-            raise QuantSpecError("a8w8_fp8 is symmetric only; drop --asym")
-        w = QuantArgs(num_bits=8, type="float", symmetric=True, strategy="channel")
-        ia = QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor",
-                       dynamic=False, observer="minmax")
-    if weight_observer != "minmax":
-        w = w.replace(observer=weight_observer)
-    kv = None
-    if kv_cache is not None:
-        kind = str(kv_cache).lower().removeprefix("cachekv_")
-        if kind not in ("int8", "fp8"):
-            raise QuantSpecError(f"--kv-cache {kv_cache!r} unsupported; use int8 or fp8")
-        kv = QuantArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
-                       strategy=kv_strategy, dynamic=False)
-    scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=ia)
-    return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore),
-                       kv_cache_scheme=kv, quant_type=qt)
+    if qt is QuantType.WEIGHT_ONLY_INT4 and group_size != -1 and (
+            isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
+        raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
+                             f"{MIN_GROUP_SIZE}, e.g. 128")
+    if qt is QuantType.A8W8_FP8 and not symmetric:
+        raise QuantSpecError("a8w8_fp8 is symmetric only; drop --asym")
+
+
+def _kv_cache_args(kv_cache: str | None, kv_strategy: str) -> QuantArgs | None:
+    """The static KV-cache args of `kv_cache` ("int8" | "fp8", optionally "cachekv_"-prefixed), or None."""
+    if kv_cache is None:
+        return None
+    kind = str(kv_cache).lower().removeprefix("cachekv_")
+    if kind not in ("int8", "fp8"):
+        raise QuantSpecError(f"--kv-cache {kv_cache!r} unsupported; use int8 or fp8")
+    return QuantArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
+                     strategy=kv_strategy, dynamic=False)
