@@ -76,6 +76,85 @@ def _err(where: str, msg: str) -> QuantSpecError:
     return QuantSpecError(f"{where}: {msg}")
 
 
+_W = "QuantArgs"  # where QuantArgs' errors say they come from
+
+
+def _checked_type(num_bits, type_, symmetric) -> str:
+    """The lower-case type ("int" | "float") after checking the bit width and symmetry it allows."""
+    if not isinstance(num_bits, int) or isinstance(num_bits, bool):
+        raise _err(_W, f"num_bits must be an int, got {num_bits!r}")
+    t = str(type_.value if isinstance(type_, enum.Enum) else type_).lower()
+    if t not in _TYPES:
+        raise _err(_W, f"type must be 'int' or 'float', got {type_!r}")
+    if t == "int" and not 2 <= num_bits <= 8:
+        raise _err(_W, f"num_bits={num_bits} unsupported for type 'int'; use 2..8 (4 or 8)")
+    if t == "float" and num_bits != 8:
+        raise _err(_W, f"num_bits={num_bits} unsupported for type 'float'; only FP8 "
+                       "(num_bits=8, E4M3) is supported")
+    if t == "float" and not symmetric:
+        raise _err(_W, "asymmetric FP8 is unsupported; set symmetric=True")
+    return t
+
+
+def _checked_strategy(strategy, group_size) -> str:
+    """The lower-case strategy, inferred from `group_size` when None, and checked against it."""
+    if group_size is not None:
+        if not isinstance(group_size, int) or isinstance(group_size, bool) or \
+                group_size == 0 or group_size < -1:
+            raise _err(_W, f"group_size must be a positive int (strategy 'group') or -1 "
+                           f"(strategy 'channel'), got {group_size!r}")
+    if isinstance(strategy, enum.Enum):
+        strategy = strategy.value
+    if strategy is None:
+        if group_size is None:
+            strategy = "tensor"
+        elif group_size > 0:
+            strategy = "group"
+        else:
+            strategy = "channel"
+    strategy = str(strategy).lower()
+    if strategy not in _STRATEGIES:
+        raise _err(_W, f"strategy {strategy!r} unsupported; use one of {', '.join(_STRATEGIES)}")
+    if strategy == "group" and (group_size is None or group_size <= 0):
+        raise _err(_W, "strategy 'group' needs group_size > 0; set group_size (e.g. 128)")
+    if group_size is not None and group_size > 0 and strategy != "group":
+        raise _err(_W, f"group_size={group_size} needs strategy 'group', "
+                       f"got strategy {strategy!r}")
+    if group_size == -1 and strategy != "channel":
+        raise _err(_W, f"group_size=-1 means per-channel; got strategy {strategy!r}")
+    return strategy
+
+
+def _check_dynamic(dynamic, strategy: str) -> None:
+    if not isinstance(dynamic, bool):
+        raise _err(_W, f"dynamic must be True or False, got {dynamic!r} "
+                       "(locally dynamic scales are unsupported)")
+    if strategy == "token" and not dynamic:
+        raise _err(_W, "strategy 'token' is only possible with dynamic=True")
+    if dynamic and strategy not in ("token", "tensor", "group"):
+        raise _err(_W, f"dynamic=True needs strategy token, tensor or group, got {strategy!r}")
+
+
+def _checked_actorder(actorder) -> str:
+    a = str(actorder).lower()
+    if a not in _ACTORDER:
+        raise _err(_W, f"actorder {actorder!r} unsupported; use 'weight' "
+                       "(alias 'static') or None")
+    return _ACTORDER[a]
+
+
+def _checked_zp_dtype(zp_dtype, t: str, symmetric) -> str:
+    """A float zero-point dtype's name; only asymmetric int args take one."""
+    z = str(zp_dtype).removeprefix("torch.")  # also takes a torch.dtype
+    if z not in ZP_FLOAT_DTYPES:
+        raise _err(_W, f"zp_dtype {zp_dtype!r} unsupported; use one of "
+                       f"{', '.join(ZP_FLOAT_DTYPES)} or None (integer zero points)")
+    if t != "int" or symmetric:
+        raise _err(_W, "a float zp_dtype needs asymmetric int weights; set "
+                       "symmetric=False (--asym) or drop zp_dtype")
+    return z
+
+
 @dataclass(frozen=True)
 class QuantArgs:
     """How one tensor (a weight, an activation, the KV cache) is quantized.
@@ -102,68 +181,15 @@ class QuantArgs:
     zp_dtype: str | None = None
 
     def __post_init__(self) -> None:
-        w = "QuantArgs"
-        if not isinstance(self.num_bits, int) or isinstance(self.num_bits, bool):
-            raise _err(w, f"num_bits must be an int, got {self.num_bits!r}")
-        t = str(self.type.value if isinstance(self.type, enum.Enum) else self.type).lower()
-        if t not in _TYPES:
-            raise _err(w, f"type must be 'int' or 'float', got {self.type!r}")
+        t = _checked_type(self.num_bits, self.type, self.symmetric)
         object.__setattr__(self, "type", t)
-        if t == "int" and not 2 <= self.num_bits <= 8:
-            raise _err(w, f"num_bits={self.num_bits} unsupported for type 'int'; use 2..8 (4 or 8)")
-        if t == "float" and self.num_bits != 8:
-            raise _err(w, f"num_bits={self.num_bits} unsupported for type 'float'; only FP8 "
-                          "(num_bits=8, E4M3) is supported")
-        if t == "float" and not self.symmetric:
-            raise _err(w, "asymmetric FP8 is unsupported; set symmetric=True")
-        if self.group_size is not None:
-            if not isinstance(self.group_size, int) or isinstance(self.group_size, bool) or \
-                    self.group_size == 0 or self.group_size < -1:
-                raise _err(w, f"group_size must be a positive int (strategy 'group') or -1 "
-                              f"(strategy 'channel'), got {self.group_size!r}")
-        strategy = self.strategy
-        if isinstance(strategy, enum.Enum):
-            strategy = strategy.value
-        if strategy is None:
-            if self.group_size is None:
-                strategy = "tensor"
-            elif self.group_size > 0:
-                strategy = "group"
-            else:
-                strategy = "channel"
-        strategy = str(strategy).lower()
-        if strategy not in _STRATEGIES:
-            raise _err(w, f"strategy {strategy!r} unsupported; use one of {', '.join(_STRATEGIES)}")
+        strategy = _checked_strategy(self.strategy, self.group_size)
         object.__setattr__(self, "strategy", strategy)
-        if strategy == "group" and (self.group_size is None or self.group_size <= 0):
-            raise _err(w, "strategy 'group' needs group_size > 0; set group_size (e.g. 128)")
-        if self.group_size is not None and self.group_size > 0 and strategy != "group":
-            raise _err(w, f"group_size={self.group_size} needs strategy 'group', "
-                          f"got strategy {strategy!r}")
-        if self.group_size == -1 and strategy != "channel":
-            raise _err(w, f"group_size=-1 means per-channel; got strategy {strategy!r}")
-        if not isinstance(self.dynamic, bool):
-            raise _err(w, f"dynamic must be True or False, got {self.dynamic!r} "
-                          "(locally dynamic scales are unsupported)")
-        if strategy == "token" and not self.dynamic:
-            raise _err(w, "strategy 'token' is only possible with dynamic=True")
-        if self.dynamic and strategy not in ("token", "tensor", "group"):
-            raise _err(w, f"dynamic=True needs strategy token, tensor or group, got {strategy!r}")
+        _check_dynamic(self.dynamic, strategy)
         if self.actorder is not None:
-            a = str(self.actorder).lower()
-            if a not in _ACTORDER:
-                raise _err(w, f"actorder {self.actorder!r} unsupported; use 'weight' "
-                              "(alias 'static') or None")
-            object.__setattr__(self, "actorder", _ACTORDER[a])
+            object.__setattr__(self, "actorder", _checked_actorder(self.actorder))
         if self.zp_dtype is not None:
-            z = str(self.zp_dtype).removeprefix("torch.")  # also takes a torch.dtype
-            if z not in ZP_FLOAT_DTYPES:
-                raise _err(w, f"zp_dtype {self.zp_dtype!r} unsupported; use one of "
-                              f"{', '.join(ZP_FLOAT_DTYPES)} or None (integer zero points)")
-            if t != "int" or self.symmetric:
-                raise _err(w, "a float zp_dtype needs asymmetric int weights; set "
-                              "symmetric=False (--asym) or drop zp_dtype")
-            object.__setattr__(self, "zp_dtype", z)
+            object.__setattr__(self, "zp_dtype", _checked_zp_dtype(self.zp_dtype, t, self.symmetric))
 
     # ---- derived -------------------------------------------------------------------------
     @property
