@@ -173,9 +173,6 @@ def heatmap(report: Report, out_dir: Path) -> Path:
         return _heatmap_svg(report, Path(out_dir) / SVG_NAME)
     matplotlib.use("Agg", force=True)
     import matplotlib.pyplot as plt
-    import numpy as np
-    from matplotlib.colors import LogNorm
-    from matplotlib.ticker import NullLocator
 
     bases, drafts, kvs = _axes(report)
     w = max(4.0, 1.5 * len(drafts) + 2.2)
@@ -185,39 +182,7 @@ def heatmap(report: Report, out_dir: Path) -> Path:
     acc_cmap = plt.get_cmap("Blues").with_extremes(bad=_NA_COLOUR)
     for i, kv in enumerate(kvs):
         for j, (metric, cmap) in enumerate((("speedup", speed_cmap), ("acceptance", acc_cmap))):
-            ax = axes[i][j]
-            vals, texts = _grid(report, kv, metric)
-            arr = np.ma.masked_invalid(np.array(vals, dtype=float))
-            if metric == "speedup":
-                norm = LogNorm(vmin=_SPEEDUP_RANGE[0], vmax=_SPEEDUP_RANGE[1])
-                arr = np.ma.masked_invalid(np.clip(arr.filled(np.nan), *_SPEEDUP_RANGE))
-                im = ax.imshow(arr, cmap=cmap, norm=norm, aspect="auto")
-                label = "speedup vs same base, no speculation (1.0× = no gain)"
-            else:
-                im = ax.imshow(arr, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
-                label = "acceptance rate (accepted ÷ drafted)"
-            ax.set_title(f"KV cache {kv}: {label}", fontsize=9)
-            ax.set_xticks(range(len(drafts)), [f"draft {d}" for d in drafts], fontsize=8)
-            ax.set_yticks(range(len(bases)), [f"base {b}" for b in bases], fontsize=8)
-            ax.set_xticks(np.arange(-0.5, len(drafts), 1), minor=True)
-            ax.set_yticks(np.arange(-0.5, len(bases), 1), minor=True)
-            ax.grid(which="minor", color="white", linewidth=2)
-            ax.tick_params(which="minor", length=0)
-            for y in range(len(bases)):
-                for x in range(len(drafts)):
-                    v = vals[y][x]
-                    dark = False
-                    if not math.isnan(v):
-                        rgba = im.cmap(im.norm(v))
-                        dark = (0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]) < 0.5
-                    ax.text(x, y, texts[y][x], ha="center", va="center", fontsize=9,
-                            color="white" if dark else "black", fontweight="bold" if "LOSSY" in texts[y][x] else None)
-            cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
-            cb.ax.tick_params(labelsize=7)
-            if metric == "speedup":
-                ticks = [t for t in (0.25, 0.5, 1.0, 2.0, 4.0)]
-                cb.set_ticks(ticks, labels=[f"{t:g}×" for t in ticks])
-                cb.ax.yaxis.set_minor_locator(NullLocator())
+            _panel(fig, axes[i][j], report, kv, metric, cmap)
     fig.suptitle(_title(report) + "\ngrey n/a = unsupported (reason in report.md); LOSSY = greedy output differs "
                  "from the base's", fontsize=9)
     fig.tight_layout()
@@ -228,6 +193,48 @@ def heatmap(report: Report, out_dir: Path) -> Path:
     finally:
         plt.close(fig)
     return path
+
+
+def _panel(fig, ax, report: Report, kv: str, metric: str, cmap) -> None:
+    """One matplotlib panel: `metric` ("speedup" or "acceptance") of every (base, draft) pair at
+    KV cache `kv`, each cell labelled, with its colour bar."""
+    import numpy as np
+    from matplotlib.colors import LogNorm
+    from matplotlib.ticker import NullLocator
+
+    bases, drafts, _ = _axes(report)
+    vals, texts = _grid(report, kv, metric)
+    arr = np.ma.masked_invalid(np.array(vals, dtype=float))
+    if metric == "speedup":
+        norm = LogNorm(vmin=_SPEEDUP_RANGE[0], vmax=_SPEEDUP_RANGE[1])
+        arr = np.ma.masked_invalid(np.clip(arr.filled(np.nan), *_SPEEDUP_RANGE))
+        im = ax.imshow(arr, cmap=cmap, norm=norm, aspect="auto")
+        label = "speedup vs same base, no speculation (1.0× = no gain)"
+    else:
+        im = ax.imshow(arr, cmap=cmap, vmin=0.0, vmax=1.0, aspect="auto")
+        label = "acceptance rate (accepted ÷ drafted)"
+    ax.set_title(f"KV cache {kv}: {label}", fontsize=9)
+    ax.set_xticks(range(len(drafts)), [f"draft {d}" for d in drafts], fontsize=8)
+    ax.set_yticks(range(len(bases)), [f"base {b}" for b in bases], fontsize=8)
+    ax.set_xticks(np.arange(-0.5, len(drafts), 1), minor=True)
+    ax.set_yticks(np.arange(-0.5, len(bases), 1), minor=True)
+    ax.grid(which="minor", color="white", linewidth=2)
+    ax.tick_params(which="minor", length=0)
+    for y in range(len(bases)):
+        for x in range(len(drafts)):
+            v = vals[y][x]
+            dark = False
+            if not math.isnan(v):
+                rgba = im.cmap(im.norm(v))
+                dark = (0.299 * rgba[0] + 0.587 * rgba[1] + 0.114 * rgba[2]) < 0.5
+            ax.text(x, y, texts[y][x], ha="center", va="center", fontsize=9,
+                    color="white" if dark else "black", fontweight="bold" if "LOSSY" in texts[y][x] else None)
+    cb = fig.colorbar(im, ax=ax, fraction=0.046, pad=0.02)
+    cb.ax.tick_params(labelsize=7)
+    if metric == "speedup":
+        ticks = [t for t in (0.25, 0.5, 1.0, 2.0, 4.0)]
+        cb.set_ticks(ticks, labels=[f"{t:g}×" for t in ticks])
+        cb.ax.yaxis.set_minor_locator(NullLocator())
 
 
 def _heatmap_svg(report: Report, path: Path) -> Path:
