@@ -411,13 +411,7 @@ def run_report(config: ReportConfig, pipeline: Pipeline | None = None, progress:
     pipeline.release()
 
     perplexity = {b: run.perplexity(b) for b in config.base_quant_types}
-    baselines = {}
-    for b in config.base_quant_types:
-        for kv in config.cachekv:
-            bpath = out / CELLS_DIR / f"baseline__{b}__kv-{kv}__{run.hash}.json"
-            rec = _read_json(bpath)
-            if rec is not None:
-                baselines[f"{b}/kv-{kv}"] = {k: v for k, v in rec.items() if k != "token_ids"}
+    baselines = _baselines(config, out, run.hash)
     cfg = {k: (list(v) if isinstance(v, tuple) else v) for k, v in asdict(config).items()}
     meta = {"settings_hash": run.hash, "settings": run.settings, "num_prompts": len(run.prompts),
             "wall_s_this_run": round(time.perf_counter() - t0, 2), "artifacts_built": run.cache.built,
@@ -433,6 +427,18 @@ def run_report(config: ReportConfig, pipeline: Pipeline | None = None, progress:
 
         write_outputs(report, out)
     return report
+
+
+def _baselines(config: ReportConfig, out: Path, settings_hash: str) -> dict[str, dict]:
+    """{"base/kv-cache": the no-speculation run's record without its token ids} of every base and
+    KV cache whose baseline `out` holds."""
+    baselines = {}
+    for b in config.base_quant_types:
+        for kv in config.cachekv:
+            rec = _read_json(out / CELLS_DIR / f"baseline__{b}__kv-{kv}__{settings_hash}.json")
+            if rec is not None:
+                baselines[f"{b}/kv-{kv}"] = {k: v for k, v in rec.items() if k != "token_ids"}
+    return baselines
 
 
 def _float_dtype(dtype: str) -> str:
