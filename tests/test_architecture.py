@@ -6,7 +6,10 @@ is parsed (imports inside functions included) and each arrow between rooms must 
 The top-level helpers (`errors`, `outputs`, `console`, `devices`, `threads`, `paths`) are leaves
 anyone may import, and they import only each other. Inside `infer/`, the engine, the scheduler,
 the proposers, the cache and the loader know no backend: only `infer/backend.py` enters the
-device rooms (`infer/cpu/`, `infer/cuda/`)."""
+device rooms (`infer/cpu/`, `infer/cuda/`).
+
+The size rule, read the same way: no module over 500 lines and no function over 60 outside
+`kernels/`, but for the named exemptions being brought under it."""
 
 from __future__ import annotations
 
@@ -130,3 +133,60 @@ def test_the_rule_catches_a_sideways_arrow(tmp_path):
     assert names == ["infer", "calib"]
     assert "infer" not in _below("kernels") and "calib" not in _below("infer")
     assert {"serve", "report", "infer", "kernels", "quant", "model_zoo", "calib"} == _below("api")
+
+
+
+# The size rule: no module over MAX_FILE_LINES lines and no function or method (a nested one
+# measured on its own) over MAX_FUNCTION_LINES, outside kernels/ (Triton and C++ bindings).
+MAX_FILE_LINES = 500
+MAX_FUNCTION_LINES = 60
+# being brought under the limits (each is split by concept on its own); nothing else may exceed them
+SIZE_EXEMPT = {
+    "infer/engine.py",  # the module's length
+    "quant/gptq.py:_gptq",  # the function's length
+}
+SIZED = [p for p in SOURCES if not p.is_relative_to(PACKAGE / "kernels")]
+
+
+def _oversized(path: Path, source: str) -> list[tuple[str, str]]:
+    """[(what, its size)] of what in `source` breaks the size rule: the file ("engine.py") and
+    each function ("gptq.py:_gptq"), named relative to the package."""
+    name = path.relative_to(PACKAGE).as_posix() if path.is_relative_to(PACKAGE) else path.name
+    found = []
+    lines = len(source.splitlines())
+    if lines > MAX_FILE_LINES:
+        found.append((name, f"{lines} lines"))
+    for node in ast.walk(ast.parse(source, filename=str(path))):
+        if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            size = node.end_lineno - node.lineno + 1
+            if size > MAX_FUNCTION_LINES:
+                found.append((f"{name}:{node.name}", f"{size} lines from line {node.lineno}"))
+    return found
+
+
+def test_files_and_functions_stay_small():
+    over = [f"{what} ({size})" for p in SIZED for what, size in _oversized(p, p.read_text())
+            if what not in SIZE_EXEMPT]
+    assert not over, (f"{len(over)} over the size rule ({MAX_FILE_LINES} lines a module, "
+                      f"{MAX_FUNCTION_LINES} a function; split by concept), first: {over[:10]}")
+
+
+def test_the_exemptions_are_still_needed():
+    """An exemption is dropped once its file or function is under the limit."""
+    over = {what for p in SIZED for what, _ in _oversized(p, p.read_text())}
+    assert SIZE_EXEMPT <= over, f"under the size rule now, drop from SIZE_EXEMPT: {sorted(SIZE_EXEMPT - over)}"
+
+
+def test_the_size_rule_catches_a_long_function_and_file(tmp_path):
+    """The scan above can fail: a 61-line function, a 61-line function nested in another, and a
+    501-line file; a 60-line function passes."""
+    def statements(indent: int, n: int) -> str:
+        return (" " * indent + "x = 1\n") * n
+
+    src = ("def long():\n" + statements(4, MAX_FUNCTION_LINES) + "\n"
+           "def outer():\n    def inner():\n" + statements(8, MAX_FUNCTION_LINES) + "    return inner\n")
+    src += "\n" * (MAX_FILE_LINES + 1 - len(src.splitlines()))
+    over = _oversized(tmp_path / "big.py", src)
+    assert over == [("big.py", "501 lines"), ("big.py:long", "61 lines from line 1"),
+                    ("big.py:outer", "63 lines from line 63"), ("big.py:inner", "61 lines from line 64")], over
+    assert _oversized(tmp_path / "ok.py", "def short():\n" + statements(4, MAX_FUNCTION_LINES - 1)) == []
