@@ -68,6 +68,14 @@ LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnP
                  "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only
 _ACT_FORMATS = (FORMAT_NAIVE_QUANTIZED, FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED)
+# SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes
+# one input_scale element for the whole layer, and `PerTensorScaleParameter._load_into_shard_id`
+# (sglang/srt/layers/parameter.py) writes each shard's scale at index q/k/v = 0/1/2 (gate/up =
+# 0/1), so the second shard's input_scale fails the load — whatever the scale's shape or value
+SGLANG_FUSED_STATIC_INT8 = (f"SGLang {ENGINE_VERSIONS['sglang']}'s CompressedTensorsW8A8Int8.create_weights "
+                            "gives a fused layer one input_scale element and "
+                            "PerTensorScaleParameter._load_into_shard_id indexes it by shard, so the "
+                            "k/v and up shards' input_scale raise IndexError")
 _SHARD = re.compile(r"^(.*)\.([^.]+)$")
 
 
@@ -239,11 +247,8 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
                 w.strategy in ("tensor", "channel") and w.symmetric and not w.dynamic and \
                 not ia.dynamic and ia.strategy == "tensor":
             if engine == "sglang" and shards > 1:
-                # SGLang's W8A8Int8 makes a one-element input_scale and loads each shard's
-                # scale at the shard's index
                 return LayerVerdict(None, **base, input_activations=_act(ia), defect=True,
-                                    problem="its static int8 layer holds one input_scale for all "
-                                            "fused shards and loads each shard's at the shard's index")
+                                    problem=SGLANG_FUSED_STATIC_INT8)
             return LayerVerdict("W8A8Int8", **base, input_activations=_act(ia))
     return LayerVerdict(None, **base, problem=f"no {_ENGINE(engine)} scheme for weights "
                                               f"{w.type}{w.num_bits} {w.strategy}"
@@ -444,7 +449,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
             out.append("use --kv-cache fp8")
         elif kv.strategy == "attn_head":
             out.append("use --kv-strategy tensor")
-    if "one input_scale" in text:
+    if "one input_scale element" in text:
         out.append("serve it with vLLM (which loads static int8), or use --quant-type a8w8_fp8")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
                                "no config target")):
