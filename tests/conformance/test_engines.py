@@ -21,14 +21,13 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantspec.model_zoo.checkpoint import read_config
-from quantspec.model_zoo.mtp import is_mtp_config
+from quantspec.model_zoo.checkpoint import draft_kind, read_config
 from quantspec.quant.artifact import linear_from_tensors, load_safetensors, read_quant_config
 from quantspec.quant.engines import ENGINE_VERSIONS, FUSED_LAYERS, LAYER_CLASSES, engine_verdicts
 from quantspec.quant.primitives import dequantize
 
 from . import engines as eng
-from .conftest import ARTIFACTS, MTP_ARTIFACT, OTHER_LAYOUTS
+from .conftest import ARTIFACTS, MEDUSA_ARTIFACT, MTP_ARTIFACT, OTHER_LAYOUTS
 from .requests import artifact_tensors, linear_shapes
 
 NAMES = list(ARTIFACTS) + list(OTHER_LAYOUTS)
@@ -39,8 +38,7 @@ TABLE = Path(__file__).parents[2] / "docs" / "engines.md"
 def _verdicts(path: Path) -> dict:
     qc = read_quant_config(path)
     shapes = linear_shapes(artifact_tensors(path))
-    mtp = is_mtp_config(read_config(path))
-    return engine_verdicts(qc, {n: s[1] for n, s in shapes.items()}, transformers_loads=not mtp)
+    return engine_verdicts(qc, {n: s[1] for n, s in shapes.items()}, draft=draft_kind(read_config(path)))
 
 
 def _lifted(lifted, engine, name):
@@ -315,13 +313,13 @@ def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, n
             assert w.dtype == ours.dtype and torch.equal(w, ours), (version, lin)
 
 
-def test_engine_table_is_current(artifacts, mtp_artifact):
+def test_engine_table_is_current(artifacts, mtp_artifact, medusa_artifact):
     """docs/engines.md is the table of the verdicts this suite checks (QUANTSPEC_WRITE_ENGINE_TABLE=1
     rewrites it). It needs no engine wheel, so a stale table fails wherever the tests run."""
     from .table import render
 
     text = render({**{n: _verdicts(artifacts[n]) for n in ARTIFACTS},
-                   MTP_ARTIFACT[0]: _verdicts(mtp_artifact),
+                   MTP_ARTIFACT[0]: _verdicts(mtp_artifact), MEDUSA_ARTIFACT[0]: _verdicts(medusa_artifact),
                    **{n: _verdicts(artifacts[n]) for n in OTHER_LAYOUTS}})
     if os.environ.get("QUANTSPEC_WRITE_ENGINE_TABLE"):
         TABLE.write_text(text)
