@@ -57,9 +57,8 @@ FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 # the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them)
 LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
                  "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
-# draft modules quantized on their own (`model_zoo.mtp`, `model_zoo.medusa`): why each engine
-# but quantspec refuses one, read from the engines' code at the pinned versions (a model
-# registry without the architecture, no speculative method that reads the layout)
+# draft modules (`model_zoo.mtp`, `.medusa`): why each engine but quantspec refuses one, read from
+# its code at the pinned version (no model class, no speculative method that reads the layout)
 DRAFT_REFUSALS = {
     "mtp": dict.fromkeys(("vllm", "sglang", "transformers"),
                          "it has no model class for a quantspec MTP module (quantspec's own layout)"),
@@ -73,10 +72,9 @@ DRAFT_REFUSALS = {
 }
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only
 _ACT_FORMATS = (FORMAT_NAIVE_QUANTIZED, FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED)
-# SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes
-# one input_scale element for the whole layer, and `PerTensorScaleParameter._load_into_shard_id`
-# (sglang/srt/layers/parameter.py) writes each shard's scale at index q/k/v = 0/1/2 (gate/up =
-# 0/1), so the second shard's input_scale fails the load — whatever the scale's shape or value
+# SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
+# input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
+# writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value
 SGLANG_FUSED_STATIC_INT8 = (f"SGLang {ENGINE_VERSIONS['sglang']}'s CompressedTensorsW8A8Int8.create_weights "
                             "gives a fused layer one input_scale element and "
                             "PerTensorScaleParameter._load_into_shard_id indexes it by shard, so the "
@@ -320,8 +318,6 @@ def draft_verdicts(draft: str) -> dict[str, EngineVerdict]:
 def _draft_refusal(engine: str, draft: str | None) -> EngineVerdict | None:
     if draft is None or engine == "quantspec":
         return None
-    if draft not in DRAFT_REFUSALS:
-        raise QuantSpecError(f"unknown draft module kind {draft!r}; one of: {', '.join(DRAFT_REFUSALS)}")
     return EngineVerdict(engine, "refused", (DRAFT_REFUSALS[draft][engine],), ("serve it with quantspec",))
 
 
