@@ -282,9 +282,12 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
 def inspect(path: str | Path) -> dict:
     """What an artifact (or plain checkpoint) holds: scheme, per-Linear bits / group size,
-    size on disk and compression ratio vs the source (from provenance)."""
-    from quantspec.model_zoo.checkpoint import resolve_model_dir, safetensors_files, safetensors_keys
+    size on disk and compression ratio vs the source (from provenance), and each engine's
+    verdict (for a quantized artifact, or a draft module quantized or not)."""
+    from quantspec.model_zoo.checkpoint import (draft_kind, read_config, resolve_model_dir, safetensors_files,
+                                                safetensors_keys)
     from quantspec.quant.artifact import read_provenance, read_quant_config
+    from quantspec.quant.engines import draft_verdicts
 
     with about("PATH"):
         d = resolve_model_dir(path)
@@ -296,8 +299,9 @@ def inspect(path: str | Path) -> dict:
     prov = meta.get("provenance") or {}
     out = {"path": str(d), "quantized": qc is not None, "size_bytes": _dir_bytes(d),
            "weights_bytes": weights_bytes, "num_tensors": len(names)}
-    if qc is None:
-        return out
+    if qc is None:  # a draft module's verdicts need no quantization_config
+        kind = draft_kind(read_config(d))
+        return out if kind is None else {**out, "engines": {e: v.to_dict() for e, v in draft_verdicts(kind).items()}}
     layers = {}
     for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(".weight_scale")}):
         s = qc.scheme_for(n)
@@ -339,11 +343,10 @@ def inspect(path: str | Path) -> dict:
 
 def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
     """`quant.engines.engine_verdicts` for the artifact in `d`: its quantized Linears with their
-    input dims (from `weight_shape` or the code tensor's shape) and whether it is an MTP module."""
+    input dims (from `weight_shape` or the code tensor's shape) and whether it is a draft module."""
     from safetensors import safe_open
 
-    from quantspec.model_zoo.checkpoint import read_config, reading_safetensors
-    from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.model_zoo.checkpoint import draft_kind, read_config, reading_safetensors
     from quantspec.quant.engines import engine_verdicts
 
     dims: dict[str, int | None] = dict.fromkeys(layers)
@@ -355,7 +358,7 @@ def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
                     dims[name] = int(h.get_tensor(k)[1])
                 elif name in dims and leaf == "weight":
                     dims[name] = int(h.get_slice(k).get_shape()[1])
-    return engine_verdicts(qc, dims, transformers_loads=not is_mtp_config(read_config(d)))
+    return engine_verdicts(qc, dims, draft=draft_kind(read_config(d)))
 
 
 def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None = None,

@@ -244,9 +244,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 
 def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (its headers checked before any work) and the calibration table."""
-    from quantspec.model_zoo.checkpoint import CheckpointReader, read_config, resolve_model_dir, verify_checkpoint
-    from quantspec.model_zoo.medusa import is_medusa_config
-    from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
+                                                verify_checkpoint)
     from quantspec.quant.engines import target_refusal
 
     with about("--model"):
@@ -254,8 +253,9 @@ def _read_source(config: QuantizeConfig) -> _Source:
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        what = "an MTP module" if is_mtp_config(cfg) else "Medusa heads" if is_medusa_config(cfg) else None
-        refusal = target_refusal(config.target, config.quant_config, mtp=True) if what else None
+        kind = draft_kind(cfg)
+        what = {"mtp": "an MTP module", "medusa": "Medusa heads"}.get(kind)
+        refusal = target_refusal(config.target, config.quant_config, draft=kind) if what else None
         if refusal is not None:  # a draft module: no transformers model class
             raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
         reader = None if what else CheckpointReader(model_dir)  # every header checked

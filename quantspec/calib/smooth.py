@@ -214,6 +214,7 @@ def input_scales_for_model(table: ScaleTable, model, quant_type: str,
 
     quant_type "a8w8" → int8 scales (absmax / 127.5), "a8w8_fp8" → fp8 (absmax / 448).
     `smooth` is `smooth_model`'s return value when SmoothQuant was applied (see module docstring).
+    The Linears of one smoothing group (q/k/v; gate/up) get one scale, the group's largest.
     """
     qt = getattr(quant_type, "value", quant_type)
     if qt not in _KINDS:
@@ -225,7 +226,26 @@ def input_scales_for_model(table: ScaleTable, model, quant_type: str,
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
             out[name] = scale_from_absmax(smoothed_input_absmax(table, name, smooth.get(name)), kind)
-    return out
+    return _shared_group_scales(out)
+
+
+def _shared_group_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """`scales` with every smoothing group's Linears at the group's largest scale.
+
+    vLLM and SGLang fuse q/k/v into one qkv_proj and gate/up into one gate_up_proj, and vLLM's
+    static int8 layer keeps one input_scale for the fused layer (the last shard's it loads): a
+    shard written with another scale would run with the wrong one. The group's Linears read one
+    tensor, so their observed ranges agree and the largest is each one's own scale; taking it
+    makes the artifact's shared value explicit rather than a coincidence of the observer."""
+    prefixes = {n.rsplit(".", 2)[0] for n in scales}
+    for prefix in prefixes:
+        for _, names in SMOOTH_GROUPS:
+            members = [f"{prefix}.{n}" for n in names if f"{prefix}.{n}" in scales]
+            if len(members) > 1:
+                top = torch.stack([scales[m].reshape(()) for m in members]).amax()
+                for m in members:
+                    scales[m] = top.reshape(scales[m].shape).clone()
+    return scales
 
 
 def prepare_static_quant(model, calib: str | os.PathLike, model_dir: str | os.PathLike,

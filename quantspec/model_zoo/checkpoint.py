@@ -28,6 +28,7 @@ from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 
 __all__ = [
     "CheckpointReader",
+    "draft_kind",
     "FileRange",
     "save_module",
     "build_model",
@@ -92,6 +93,15 @@ def read_config(model_dir: Path) -> dict:
         raise QuantSpecError(f"{model_dir} has no config.json; pass a HF model directory") from None
     except json.JSONDecodeError as e:
         raise QuantSpecError(f"{path} is not valid JSON (line {e.lineno}); repair or re-create it") from None
+
+
+def draft_kind(cfg: dict) -> str | None:
+    """"mtp" / "medusa" when a config.json is a draft module's (an MTP module, Medusa heads), else
+    None: a causal LM."""
+    from quantspec.model_zoo.medusa import is_medusa_config
+    from quantspec.model_zoo.mtp import is_mtp_config
+
+    return "mtp" if is_mtp_config(cfg) else "medusa" if is_medusa_config(cfg) else None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

@@ -38,18 +38,9 @@ from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = [
-    "ENGINES",
-    "ENGINE_NAMES",
-    "ENGINE_VERSIONS",
-    "TARGETS",
-    "FUSED_LAYERS",
-    "FP8_MIN_CAPABILITY",
-    "LayerVerdict",
-    "EngineVerdict",
-    "engine_layers",
-    "fused_targets",
-    "engine_verdicts",
-    "target_refusal",
+    "ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "FUSED_LAYERS", "FP8_MIN_CAPABILITY",
+    "LayerVerdict", "EngineVerdict", "engine_layers", "fused_targets", "engine_verdicts",
+    "draft_verdicts", "DRAFT_REFUSALS", "target_refusal"
 ]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
@@ -66,8 +57,28 @@ FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 # the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them)
 LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
                  "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
+# draft modules (`model_zoo.mtp`, `.medusa`): why each engine but quantspec refuses one, read from
+# its code at the pinned version (no model class, no speculative method that reads the layout)
+DRAFT_REFUSALS = {
+    "mtp": dict.fromkeys(("vllm", "sglang", "transformers"),
+                         "it has no model class for a quantspec MTP module (quantspec's own layout)"),
+    "medusa": {
+        "vllm": f"vLLM {ENGINE_VERSIONS['vllm']} has no Medusa drafter (no 'medusa' in "
+                "SpeculativeConfig.method, no Medusa class in its model registry)",
+        "sglang": f"SGLang {ENGINE_VERSIONS['sglang']} has no Medusa drafter (no MEDUSA in "
+                  "SpeculativeAlgorithm, no Medusa model class)",
+        "transformers": "it has no model class for Medusa heads (architecture MedusaModel)",
+    },
+}
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only
 _ACT_FORMATS = (FORMAT_NAIVE_QUANTIZED, FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED)
+# SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
+# input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
+# writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value
+SGLANG_FUSED_STATIC_INT8 = (f"SGLang {ENGINE_VERSIONS['sglang']}'s CompressedTensorsW8A8Int8.create_weights "
+                            "gives a fused layer one input_scale element and "
+                            "PerTensorScaleParameter._load_into_shard_id indexes it by shard, so the "
+                            "k/v and up shards' input_scale raise IndexError")
 _SHARD = re.compile(r"^(.*)\.([^.]+)$")
 
 
@@ -239,11 +250,8 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
                 w.strategy in ("tensor", "channel") and w.symmetric and not w.dynamic and \
                 not ia.dynamic and ia.strategy == "tensor":
             if engine == "sglang" and shards > 1:
-                # SGLang's W8A8Int8 makes a one-element input_scale and loads each shard's
-                # scale at the shard's index
                 return LayerVerdict(None, **base, input_activations=_act(ia), defect=True,
-                                    problem="its static int8 layer holds one input_scale for all "
-                                            "fused shards and loads each shard's at the shard's index")
+                                    problem=SGLANG_FUSED_STATIC_INT8)
             return LayerVerdict("W8A8Int8", **base, input_activations=_act(ia))
     return LayerVerdict(None, **base, problem=f"no {_ENGINE(engine)} scheme for weights "
                                               f"{w.type}{w.num_bits} {w.strategy}"
@@ -281,14 +289,14 @@ def _kv(engine: str, kv: QuantArgs | None) -> tuple[str | None, str | None, str 
 # ---- the verdicts ---------------------------------------------------------------------------------
 
 def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Iterable[str], *,
-                    capability: int = 90, transformers_loads: bool = True
+                    capability: int = 90, draft: str | None = None
                     ) -> dict[str, EngineVerdict]:
     """One `EngineVerdict` per engine in `ENGINES` for an artifact with `config` whose quantized
     Linears are `linears` (name → input dim K, or names alone when K is unknown).
 
     `capability`: the GPU's compute capability (90 = Hopper) for the engines' FP8 choice.
-    `transformers_loads`: False for a model transformers has no class for (an MTP module):
-    every engine then refuses it except quantspec.
+    `draft`: "mtp" / "medusa" for a draft module (`DRAFT_REFUSALS`): every engine then refuses
+    it except quantspec.
     """
     if not isinstance(linears, Mapping):
         linears = {n: None for n in linears}
@@ -296,19 +304,28 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
     layers = engine_layers(n for n in linears if config.scheme_for(n) is not None)
     out = {}
     for engine in ENGINES:
-        out[engine] = _verdict(engine, config, targets, layers, linears, capability, transformers_loads)
+        out[engine] = _draft_refusal(engine, draft) or \
+            _verdict(engine, config, targets, layers, linears, capability)
     return out
 
 
-def _verdict(engine, config, targets, layers, linears, capability, known_model) -> EngineVerdict:
+def draft_verdicts(draft: str) -> dict[str, EngineVerdict]:
+    """The verdicts on an unquantized draft module of kind `draft` ("mtp" / "medusa"): quantspec
+    loads it, every other engine refuses it (`DRAFT_REFUSALS`)."""
+    return {e: _draft_refusal(e, draft) or EngineVerdict(e, "loads") for e in ENGINES}
+
+
+def _draft_refusal(engine: str, draft: str | None) -> EngineVerdict | None:
+    if draft is None or engine == "quantspec":
+        return None
+    return EngineVerdict(engine, "refused", (DRAFT_REFUSALS[draft][engine],), ("serve it with quantspec",))
+
+
+def _verdict(engine, config, targets, layers, linears, capability) -> EngineVerdict:
     refused: list[str] = []
     ignored: list[str] = []
     fixes: list[str] = []
     per_layer: dict[str, LayerVerdict] = {}
-    if not known_model and engine != "quantspec":
-        return EngineVerdict(engine, "refused", ("it has no model class for a quantspec MTP "
-                                                 "module (quantspec's own layout)",),
-                             ("serve it with quantspec",))
     if engine == "quantspec":
         kv, _, _ = _kv(engine, config.kv_cache_scheme)
         per_layer = {layer: _quantspec_layer(config.scheme_for(shards[0]))
@@ -444,7 +461,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
             out.append("use --kv-cache fp8")
         elif kv.strategy == "attn_head":
             out.append("use --kv-strategy tensor")
-    if "one input_scale" in text:
+    if "one input_scale element" in text:
         out.append("serve it with vLLM (which loads static int8), or use --quant-type a8w8_fp8")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
                                "no config target")):
@@ -460,7 +477,7 @@ _PROBE = {f"model.layers.0.{n}": 4096
                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
 
 
-def target_refusal(target: str, config: QuantConfig, *, mtp: bool = False) -> str | None:
+def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None) -> str | None:
     """The one-line refusal of `quantize --target target` for a preset `config` (None: allowed).
 
     Evaluates `engine_verdicts` on a probe Llama: an engine of the target that would refuse the
@@ -468,10 +485,11 @@ def target_refusal(target: str, config: QuantConfig, *, mtp: bool = False) -> st
     engine does and the alternative. `portable` lets through what an engine refuses only by its
     own bug (`EngineVerdict.defect`: valid compressed-tensors, e.g. static int8 in SGLang); the
     artifact's verdict for that engine says so. Naming that engine as the target refuses it.
+    `draft`: "mtp" / "medusa" for a draft module, which every target but quantspec refuses.
     """
     if target not in TARGETS:
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
-    verdicts = engine_verdicts(config, _PROBE, transformers_loads=not mtp)
+    verdicts = engine_verdicts(config, _PROBE, draft=draft)
     for engine in TARGET_ENGINES[target]:
         v = verdicts[engine]
         if v.status != "loads" and not (target == "portable" and v.defect):

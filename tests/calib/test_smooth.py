@@ -246,3 +246,26 @@ def test_a8w8_gptq_weights_beat_rtn(tmp_path, tiny_llama_dir):
     assert scales["rtn"].keys() == scales["gptq"].keys() and len(scales["rtn"]) == 14
     assert all(torch.equal(scales["rtn"][n], scales["gptq"][n]) for n in scales["rtn"])
     assert errs["gptq"] < errs["rtn"], errs
+
+
+def test_fused_shards_share_one_input_scale(tiny_llama_dir):
+    """q/k/v (gate/up) — one fused layer in vLLM and SGLang, which keep one input_scale for it —
+    get one static scale, the largest of their table's values; other Linears keep their own."""
+    from quantspec.calib.tables import INPUT_ABSMAX
+
+    model, _ = load_model(tiny_llama_dir)
+    table = ScaleTable(calibrate_model(model, calib_ids()))
+    p = "model.layers.1"
+    for name, factor in (("self_attn.k_proj", 3.0), ("mlp.gate_proj", 0.5), ("self_attn.o_proj", 2.0)):
+        table.tensors[f"{p}.{name}.{INPUT_ABSMAX}"] = table.tensors[f"{p}.{name}.{INPUT_ABSMAX}"] * factor
+    scales = input_scales_for_model(table, model, "a8w8")
+    own = {n: table.input_scale(n, "int8") for n in scales}
+    for _, names in SMOOTH_GROUPS:
+        for i in range(2):
+            members = [f"model.layers.{i}.{n}" for n in names]
+            top = max(float(own[m]) for m in members)
+            assert all(scales[m].shape == own[m].shape and float(scales[m]) == top for m in members)
+    assert float(scales[f"{p}.self_attn.q_proj"]) == float(own[f"{p}.self_attn.k_proj"])
+    assert float(scales[f"{p}.mlp.gate_proj"]) == float(own[f"{p}.mlp.up_proj"])
+    for n in (f"{p}.self_attn.o_proj", f"{p}.mlp.down_proj"):
+        assert torch.equal(scales[n], own[n])

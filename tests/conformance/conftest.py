@@ -39,6 +39,8 @@ ARTIFACTS = {
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
+# Medusa heads (the authors' layout) quantized on their own, as a draft is
+MEDUSA_ARTIFACT = ("medusa_heads_int8", dict(quant_type="weight_only_int8", target="quantspec"))
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle
 OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback")
@@ -88,6 +90,26 @@ def mtp_artifact(mtp_source) -> Path:
     name, opts = MTP_ARTIFACT
     opts = dict(opts)
     return api.quantize(str(mtp_source), opts.pop("quant_type"), mtp_source.parent / name, **opts)
+
+
+@pytest.fixture(scope="session")
+def medusa_source(conformance_model, tmp_path_factory) -> Path:
+    """Medusa heads of the conformance model (two heads of one ResBlock, a draft vocabulary), as
+    `zoo train-draft-head --kind medusa` saves them."""
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.medusa import save_medusa
+    from quantspec.model_zoo.medusa_train import init_medusa
+
+    base, _ = load_model(conformance_model)
+    heads = init_medusa(base, torch.arange(0, base.args.vocab_size, 2), num_heads=2)
+    return save_medusa(heads, tmp_path_factory.mktemp("conf_medusa") / "heads")
+
+
+@pytest.fixture(scope="session")
+def medusa_artifact(medusa_source) -> Path:
+    name, opts = MEDUSA_ARTIFACT
+    opts = dict(opts)
+    return api.quantize(str(medusa_source), opts.pop("quant_type"), medusa_source.parent / name, **opts)
 
 
 def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:

@@ -99,6 +99,25 @@ class EngineSource:
                 out |= set(re.findall(r"^class (\w+)\(", text, re.M))
         return out
 
+    def speculative_methods(self) -> set[str]:
+        """The speculative-decoding methods the engine's config accepts, read from its source
+        (vLLM: every string of a `Literal[...]` in its speculative config, a superset of
+        `SpeculativeConfig.method`; SGLang: the members of `SpeculativeAlgorithm`)."""
+        if self.engine == "vllm":
+            tree = ast.parse((self.source / "vllm/config/speculative.py").read_text())
+            return {n.value for sub in ast.walk(tree) if isinstance(sub, ast.Subscript)
+                    and isinstance(sub.value, ast.Name) and sub.value.id == "Literal"
+                    for n in ast.walk(sub.slice) if isinstance(n, ast.Constant) and isinstance(n.value, str)}
+        tree = ast.parse((self.source / "sglang/srt/speculative/spec_info.py").read_text())
+        cls = next(n for n in ast.walk(tree) if isinstance(n, ast.ClassDef) and n.name == "SpeculativeAlgorithm")
+        return {t.id for stmt in cls.body if isinstance(stmt, ast.Assign) for t in stmt.targets
+                if isinstance(t, ast.Name)}
+
+    def files_mentioning(self, word: str) -> list[str]:
+        """The wheel's .py files whose text contains `word` (case-insensitive)."""
+        return sorted(str(f.relative_to(self.source)) for f in self.source.rglob("*.py")
+                      if word.lower() in f.read_text(errors="replace").lower())
+
     def packed_modules_mapping(self) -> dict:
         """The Llama class's `packed_modules_mapping` as its model file writes it ({} when it
         declares none: the loader then takes `getattr(model_class, ..., {})`)."""

@@ -21,7 +21,9 @@ engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed
 `get_quant_method(layer, prefix)`, `scheme.create_weights(...)` — then loads each checkpoint
 shard's tensors through the created parameters' own `load_qkv_weight` /
 `load_merged_column_weight` / `load_row_parallel_weight` with the shard ids and offsets a fused
-linear passes them (q/k/v; 0/1 with the running offset).
+linear passes them (q/k/v; 0/1 with the running offset). The answer gives, per layer, the loaded
+values of the scale parameters the request names (`value_leaves`), so the caller can compare them
+with the artifact's tensors.
 """
 
 from __future__ import annotations
@@ -298,7 +300,8 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
           ) -> tuple[list[str], list[str], list[str]]:
     """Load every shard's tensors through the parameters' own loaders, with the arguments the
     engine's fused linear passes them (SGLang's take `tp_rank` and `use_presharded_weights`);
-    → (errors, never loaded, lossy casts: float tensors copied into integer parameters)."""
+    → (errors, never loaded, lossy casts: float tensors copied into integer parameters). An
+    error names the engine function that raised it (`IndexError at _load_into_shard_id: ...`)."""
     errors, loaded, casts = [], set(), []
     params = dict(layer.named_parameters())
     rank = {"tp_rank": 0, "use_presharded_weights": False} if engine == "sglang" else {}
@@ -328,7 +331,9 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
                 if t.is_floating_point() and not p.is_floating_point():
                     casts.append(f"{leaf}: {t.dtype} into {p.dtype}")
             except Exception as e:  # noqa: BLE001 — the engine's loader refusing is the answer
-                errors.append(f"{leaf}: {type(e).__name__}: {str(e).splitlines()[0][:160] if str(e) else ''}")
+                where = traceback.extract_tb(e.__traceback__)[-1].name
+                errors.append(f"{leaf}: {type(e).__name__} at {where}: "
+                              f"{str(e).splitlines()[0][:160] if str(e) else ''}")
         offset += shard["N"]
     never = sorted(set(params) - loaded)
     return errors, never, sorted(set(casts))
@@ -351,7 +356,7 @@ def run(engine: str, request: dict) -> dict:
         tensors = {k: {leaf: _tensor(t) for leaf, t in v.items()} for k, v in art["tensors"].items()}
         for lname, spec in art["layers"].items():
             r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": [],
-                 "casts": []}
+                 "casts": [], "values": {}}
             res["layers"][lname] = r
             layer = _layer(engine, "linear", spec["class"])
             try:
@@ -374,6 +379,13 @@ def run(engine: str, request: dict) -> dict:
                 continue
             r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
                                                                     spec["shards"], tensors)
+            params = dict(layer.named_parameters())
+            # the loaded values of the scales the request sent (the parameters as loaded, before
+            # the engine's post-processing)
+            r["values"] = {leaf: {"dtype": str(params[leaf].dtype).removeprefix("torch."),
+                                  "data": params[leaf].detach().float().reshape(-1).tolist()}
+                           for leaf in request["value_leaves"] if leaf in params
+                           and leaf not in r["never_loaded"]}
         if art.get("attention"):
             attn = _layer(engine, "attention", "Attention" if engine == "vllm" else "RadixAttention")
             attn.num_kv_heads = art["num_kv_heads"]

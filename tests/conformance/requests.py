@@ -14,8 +14,14 @@ from quantspec.quant.engines import engine_layers
 from .engines import layer_classes
 
 
+# the tensors whose values a request carries (the rest go as shapes: `lift.py` loads zeros) and
+# whose loaded parameters the answer returns
+VALUE_LEAVES = ("input_scale", "weight_scale", "weight_zero_point")
+
+
 def artifact_tensors(path: Path) -> dict[str, dict[str, dict]]:
-    """Linear name → {leaf: {"shape", "dtype"[, "data"]}} for every quantized Linear."""
+    """Linear name → {leaf: {"shape", "dtype"[, "data"]}} for every quantized Linear ("data":
+    `weight_shape` and the `VALUE_LEAVES`)."""
     out: dict[str, dict[str, dict]] = {}
     with safe_open(str(path / "model.safetensors"), framework="pt") as h:
         keys = list(h.keys())
@@ -27,7 +33,7 @@ def artifact_tensors(path: Path) -> dict[str, dict[str, dict]]:
             if name in linears:
                 t = h.get_tensor(k)
                 spec = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                if leaf == "weight_shape":
+                if leaf == "weight_shape" or leaf in VALUE_LEAVES:
                     spec["data"] = t.tolist()
                 out.setdefault(name, {})[leaf] = spec
     return out
@@ -46,7 +52,7 @@ def linear_shapes(tensors: dict) -> dict[str, tuple[int, int]]:
 def build_request(src, artifacts: dict[str, Path], capability: int) -> dict:
     classes = layer_classes(src.model_source())
     req = {"capability": capability, "packed_modules_mapping": src.packed_modules_mapping(),
-           "artifacts": {}}
+           "value_leaves": list(VALUE_LEAVES), "artifacts": {}}
     for name, path in artifacts.items():
         cfg = json.loads((path / "config.json").read_text())
         tensors = artifact_tensors(path)

@@ -3,7 +3,7 @@ one row per artifact type, rendered by `render` (the suite fails when the file d
 
 from quantspec.quant.engines import ENGINE_NAMES, ENGINE_VERSIONS, ENGINES
 
-from .conftest import ARTIFACTS, MTP_ARTIFACT
+from .conftest import ARTIFACTS, MEDUSA_ARTIFACT, MTP_ARTIFACT
 
 __all__ = ["render"]
 
@@ -24,7 +24,13 @@ TAIL = """
 Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` static activations,
 `CompressedLinear` compressed-tensors in transformers, `QuantLinear` quantspec's own.
 `{mtp}` is an MTP module (`zoo train-mtp`) quantized on its own: no engine's model registry
-has its architecture, so only quantspec runs it, and `quantize` refuses every other target. The last
+has its architecture, so only quantspec runs it, and `quantize` refuses every other target.
+`{medusa}` is Medusa heads (`zoo train-draft-head --kind medusa`, the Medusa authors' layout)
+quantized on their own; unquantized heads get the same verdicts: neither vLLM nor SGLang has a
+Medusa drafter (no file of their wheels mentions Medusa), so only quantspec runs them. SGLang
+refuses static int8 (`a8w8`) on its fused layers (qkv_proj, gate_up_proj) in its parameter loader,
+whatever the scale's shape or value: an upstream bug on valid compressed-tensors, which vLLM and
+transformers load. The last
 three rows are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
 `int-quantized`, mixed int4 group sizes named shard by shard, and an a8w8 fallback named shard by
 shard as an `int-quantized` weight-only group.
@@ -69,7 +75,7 @@ def render(verdicts: dict) -> str:
              "| artifact | quantize options | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |",
              "|---" * (len(ENGINES) + 2) + "|"]
     for name, per in verdicts.items():
-        opts = {**ARTIFACTS, MTP_ARTIFACT[0]: MTP_ARTIFACT[1]}.get(name)
+        opts = {**ARTIFACTS, MTP_ARTIFACT[0]: MTP_ARTIFACT[1], MEDUSA_ARTIFACT[0]: MEDUSA_ARTIFACT[1]}.get(name)
         shown = "(not written by quantspec)" if opts is None else _flags(opts)
         lines.append(f"| {name} | {shown} | " + " | ".join(_cell(per[e]) for e in ENGINES) + " |")
-    return "\n".join(lines) + "\n" + TAIL.format(mtp=MTP_ARTIFACT[0])
+    return "\n".join(lines) + "\n" + TAIL.format(mtp=MTP_ARTIFACT[0], medusa=MEDUSA_ARTIFACT[0])
