@@ -6,7 +6,8 @@ token t_{i+1}) and predicts t_{i+k+2}:
     x_k    = ResBlock^L(h_i),  ResBlock(x) = x + SiLU(linear(x))       # [N, D]
     logits = x_k @ W_k^T                                               # [N, V]
 
-Artifact: `config.json` with `medusa_num_heads` and `medusa_num_layers` (the authors' keys; a
+Artifact: `config.json` with `medusa_num_heads` and `medusa_num_layers` (the authors' keys, at the
+top level as the authors write them or in a `medusa_config` block, which is read alike; a
 `quantspec` block records the base's hidden size and vocabulary), tensors
 `medusa_head.{k}.{l}.linear.weight` [D, D] / `.bias` [D] for l < L and
 `medusa_head.{k}.{L}.weight` [V, D]. quantspec may add `medusa_draft_vocab` [Vd] int64: the
@@ -35,9 +36,17 @@ MEDUSA_VOCAB_NAME = "medusa_draft_vocab"
 _KEYS = ("medusa_num_heads", "medusa_num_layers")
 
 
+def _medusa_keys(cfg: dict) -> dict:
+    """Where the authors' keys live: a `medusa_config` block when there is one, else the top level."""
+    block = cfg.get("medusa_config")
+    return block if isinstance(block, dict) else cfg
+
+
 def is_medusa_config(cfg: dict) -> bool:
-    """A Medusa head's config.json (either of the authors' keys, or a Medusa architecture)."""
-    return any(k in cfg for k in _KEYS) or any("medusa" in str(a).lower() for a in cfg.get("architectures") or ())
+    """A Medusa head's config.json (either of the authors' keys, a `medusa_config` block, or a
+    Medusa architecture)."""
+    return ("medusa_config" in cfg or any(k in cfg for k in _KEYS)
+            or any("medusa" in str(a).lower() for a in cfg.get("architectures") or ()))
 
 
 @dataclass(frozen=True)
@@ -53,12 +62,13 @@ class MedusaArgs:
                     where: str = "config.json") -> "MedusaArgs":
         """From the authors' keys; hidden and vocab sizes from the `quantspec` block or from the
         first head's tensors."""
+        keys = _medusa_keys(cfg)
         for k in _KEYS:
-            v = cfg.get(k)
+            v = keys.get(k)
             if isinstance(v, bool) or not isinstance(v, int) or v < (1 if k == "medusa_num_heads" else 0):
                 raise QuantSpecError(f"{where} has no valid {k} (got {v!r}); a Medusa config.json needs "
                                      "medusa_num_heads and medusa_num_layers, e.g. 4 and 1")
-        n, L = cfg["medusa_num_heads"], cfg["medusa_num_layers"]
+        n, L = keys["medusa_num_heads"], keys["medusa_num_layers"]
         qs = cfg.get("quantspec") or {}
         D, V = qs.get("hidden_size"), qs.get("vocab_size")
         if (D is None or V is None) and tensors is not None:

@@ -49,6 +49,12 @@ def test_published_layout(heads_dir):
     (out / "config.json").write_text(json.dumps({"medusa_num_heads": 2, "medusa_num_layers": 2}))
     loaded = load_medusa(out)
     assert loaded.args == MedusaArgs(2, 2, 64, 512) and loaded.medusa_draft_vocab is None
+    # the same keys in a `medusa_config` block read alike
+    (out / "config.json").write_text(json.dumps({"medusa_config": {"medusa_num_heads": 2, "medusa_num_layers": 2}}))
+    blocked = load_medusa(out)
+    assert blocked.args == loaded.args
+    for a, b in zip(blocked.state_dict().values(), loaded.state_dict().values()):
+        assert torch.equal(a, b)
 
 
 def test_targets_stop_at_sequence_ends():
