@@ -378,12 +378,12 @@ def test_a_prefill_asks_the_forward_for_each_prompt_s_last_row(llama, monkeypatc
 def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
     """Admitted prompts prefill in order, up to PREFILL_TOKENS prompt tokens per forward (a
     longer prompt alone); the tokens are those of a batch prefilled at once."""
-    import quantspec.infer.engine as engine_mod
+    import quantspec.infer.scheduler as scheduler_mod
 
     model, _ = llama
     prompts = _prompts([30, 25, 70, 10, 12], seed=21)
     want = _engine_greedy(model, prompts, 6, batch=5)
-    monkeypatch.setattr(engine_mod, "PREFILL_TOKENS", 60)
+    monkeypatch.setattr(scheduler_mod, "PREFILL_TOKENS", 60)
     sizes = []
     real = type(model).forward
 
