@@ -5,13 +5,14 @@ Requests wait in arrival order and are admitted into the running batch while it 
 decodes, never both (decode rows are row-invariant, prefill rows are not; see `engine.py`):
 
 - A prefill step takes the admitted prompts still to be prefilled, in admission order, up to
-  PREFILL_TOKENS prompt tokens (at least one prompt). With `prefill_chunk` a prompt is fed
-  `prefill_chunk` tokens at a time, its chunks cut at multiples of the chunk from its start (so a
-  prompt's chunks never depend on its neighbours), and a step takes one chunk's worth of whole
-  chunks.
-- With `prefill_chunk`, a decode step follows each prefill step while sequences are decoding: a
-  long prompt delays running streams by one chunk's forward per step, never by its whole
-  prefill. Without it, admitted prompts are prefilled before any decode step.
+  `prefill_tokens` prompt tokens (at least one prompt or chunk). With `prefill_chunk` each prompt
+  gives at most one chunk per step, its chunks cut at multiples of the chunk from its start (so a
+  prompt's chunks never depend on its neighbours): a long prompt takes one chunk's share of the
+  step's budget and the prompts behind it fill the rest, so a burst of arrivals gets its first
+  tokens in a few steps and no prompt waits behind another's whole prefill.
+- With `prefill_chunk`, a decode step follows each prefill step while sequences are decoding:
+  running streams are delayed by at most one prefill step's forward at a time. Without it,
+  admitted prompts are prefilled before any decode step.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ from quantspec.infer.sequence import Sequence
 
 __all__ = ["PREFILL_TOKENS", "EngineConfig", "Scheduler"]
 
-# prompt tokens one prefill step takes at most without chunks: one huge forward over every prompt of a
+# prompt tokens one prefill step takes at most, by default: one huge forward over every prompt of a
 # batch spills its activations ([T, intermediate] fp32) out of the caches; a few medium ones do not
 PREFILL_TOKENS = 1024
 
@@ -41,9 +42,12 @@ class EngineConfig:
     # train-mtp's self-distillation); by default a prefill returns each prompt's last row only,
     # which lets a stack runner skip the last layer's o projection and MLP for the others
     all_hidden_rows: bool = False
-    # prompt tokens per prefill step, prompts cut into chunks of this size (module docstring);
-    # None: whole prompts, up to PREFILL_TOKENS per step, before any decode step
+    # prompts are cut into chunks of this many tokens, one chunk per prompt per prefill step, and
+    # prefill steps alternate with decode steps (module docstring); None: whole prompts, all
+    # prefilled before any decode step
     prefill_chunk: int | None = None
+    # prompt tokens per prefill step, at most (a longer prompt or chunk still goes in one step)
+    prefill_tokens: int = PREFILL_TOKENS
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -54,6 +58,8 @@ class EngineConfig:
             raise QuantSpecError(f"--max-length {self.max_length} must be >= 2")
         if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1):
             raise QuantSpecError(f"--prefill-chunk {self.prefill_chunk} must be >= 1")
+        if isinstance(self.prefill_tokens, bool) or self.prefill_tokens < 1:
+            raise QuantSpecError(f"--max-prefill-tokens {self.prefill_tokens} must be >= 1")
         self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
 
     def blocks_needed(self) -> int:
@@ -106,17 +112,16 @@ class Scheduler:
             self.running.append(seq)
 
     def prefill_batch(self) -> list[tuple[Sequence, int]]:
-        """The admitted prompts that prefill this step and how many of their tokens: in order, up
-        to PREFILL_TOKENS prompt tokens (at least one prompt), or with `prefill_chunk` up to one
-        chunk's worth of whole chunks."""
+        """The admitted prompts that prefill this step and how many of their tokens: in admission
+        order, up to `prefill_tokens` (at least one prompt), each prompt whole or, with
+        `prefill_chunk`, its next chunk."""
         chunk = self.config.prefill_chunk
-        budget = chunk or PREFILL_TOKENS
         fresh, tokens = [], 0
         for s in self.running:
             if not s.output_ids:
                 n = len(s.prompt_ids) - s.num_cached
                 n = min(n, chunk) if chunk else n
-                if fresh and tokens + n > budget:
+                if fresh and tokens + n > self.config.prefill_tokens:
                     break
                 fresh.append((s, n))
                 tokens += n
