@@ -150,8 +150,14 @@ def start_llama_cpp(args) -> tuple[subprocess.Popen, str]:
     port = _free_port()
     cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", args.gguf, "--host", "127.0.0.1",
            "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
-           "--n_ctx", str(args.max_length)]
-    proc = subprocess.Popen(cmd, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+           "--n_ctx", str(args.max_length),
+           # by default a request arriving interrupts the one streaming; every request must finish here
+           "--interrupt_requests", "False", "--verbose", "False"]
+    # its OpenMP threads sleep as soon as they idle: on a shared host libgomp's default spin (or
+    # the short one quantspec's servers use) makes it several times slower, passive does not
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env.setdefault("OMP_WAIT_POLICY", "passive")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     url = f"http://127.0.0.1:{port}"
     _wait_healthy(url, proc, "/v1/models")
     return proc, url
