@@ -5,12 +5,18 @@ and Poisson arrivals against OpenAI-compatible servers, measured side by side in
                           [--url NAME=http://127.0.0.1:8000 ...] [--prompts bench/data/spec_prompts.jsonl]
                           [--kind code_edit|chat|all] [--max-tokens 128] [--concurrency 1,4,16,64]
                           [--rates 0.5,1] [--requests N] [--rounds 1] [--threads 2] [--peer llama.cpp]
-                          [--json out.json]
+                          [--llama-python /work/llama-venv/bin/python] [--gguf M.gguf] [--json out.json]
 
 Servers: each name in `--servers` is a `quantspec serve` this script starts on a free port of
 127.0.0.1 (`none` = no speculation, else a `--speculate-method`), plus any `--url NAME=URL`
 already running. `--peer llama.cpp` adds llama.cpp's server (llama-cpp-python's `[server]`
-extra) when it is installed, and says it is skipped when it is not.
+extra, run by `--llama-python`, e.g. a venv of its own) on a free port, serving `--gguf` (default:
+the GGUF the default model comes from, Q4_1: 4-bit, group 32, a float scale and min per group),
+and says why it is skipped when that Python cannot import it. Against it, serve the same weights
+in quantspec's format: `quantspec quantize --quant-type weight_only_int4 --group-size 32 --asym
+--zp-dtype float16 --target quantspec --out smol.w4f/`, then `--model smol.w4f/`. Its server
+streams no usage, so its output tokens are counted as the streamed chunks that carry text (it
+streams a token per chunk).
 
 Per run (one server × one load level): request throughput, output tokens/s, TTFT / TPOT / ITL
 mean, p50 and p99 (ms), and for quantspec servers the acceptance of the drafts verified in the
@@ -84,7 +90,7 @@ def _free_port() -> int:
         return s.getsockname()[1]
 
 
-def _wait_healthy(url: str, proc: subprocess.Popen | None) -> None:
+def _wait_healthy(url: str, proc: subprocess.Popen | None, path: str = "/health") -> None:
     import httpx2
 
     deadline = time.monotonic() + START_TIMEOUT_S
@@ -92,7 +98,7 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None) -> None:
         if proc is not None and proc.poll() is not None:
             raise SystemExit(f"the server for {url} exited with {proc.returncode}")
         try:
-            if httpx2.get(f"{url}/health", timeout=2).status_code == 200:
+            if httpx2.get(f"{url}{path}", timeout=2).status_code == 200:
                 return
         except httpx2.HTTPError:
             pass
@@ -119,13 +125,42 @@ def start_quantspec(method: str, args) -> tuple[subprocess.Popen, str]:
     return proc, url
 
 
-def llama_cpp_peer() -> str | None:
-    """Why the llama.cpp peer is skipped (None: it could run)."""
-    try:
-        import llama_cpp  # noqa: F401
-    except ImportError:
-        return "llama-cpp-python is not installed (pip install 'llama-cpp-python[server]'); the llama.cpp peer is skipped"
-    return "llama-cpp-python is installed, but starting its server from a GGUF is not wired up here; skipped"
+def llama_cpp_peer(args) -> str | None:
+    """Why the llama.cpp peer is skipped (None: it can run, from `args.gguf`)."""
+    if args.gguf is None:
+        from quantspec.errors import QuantSpecError
+        from quantspec.model_zoo.default import DEFAULT_MODEL, gguf_path
+
+        try:
+            args.gguf = str(gguf_path(DEFAULT_MODEL))
+        except QuantSpecError as e:
+            return f"{e}; the llama.cpp peer is skipped (or give --gguf)"
+    r = subprocess.run([args.llama_python, "-c", "import llama_cpp.server"], capture_output=True, text=True)
+    if r.returncode:
+        why = (r.stderr.strip().splitlines() or ["no output"])[-1]
+        return (f"{args.llama_python} cannot import llama_cpp.server ({why}); the llama.cpp peer is skipped "
+                "(pip install 'llama-cpp-python[server]' there, or give --llama-python)")
+    if not Path(args.gguf).is_file():
+        return f"--gguf {args.gguf} is not a file; the llama.cpp peer is skipped"
+    return None
+
+
+def start_llama_cpp(args) -> tuple[subprocess.Popen, str]:
+    """llama.cpp's server (llama-cpp-python) over `--gguf` on a free port, `--threads` threads."""
+    port = _free_port()
+    cmd = [args.llama_python, "-m", "llama_cpp.server", "--model", args.gguf, "--host", "127.0.0.1",
+           "--port", str(port), "--n_threads", str(args.threads), "--n_threads_batch", str(args.threads),
+           "--n_ctx", str(args.max_length),
+           # by default a request arriving interrupts the one streaming; every request must finish here
+           "--interrupt_requests", "False", "--verbose", "False"]
+    # its OpenMP threads sleep as soon as they idle: on a shared host libgomp's default spin (or
+    # the short one quantspec's servers use) makes it several times slower, passive does not
+    env = {k: v for k, v in os.environ.items() if k != "GOMP_SPINCOUNT"}
+    env.setdefault("OMP_WAIT_POLICY", "passive")
+    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+    url = f"http://127.0.0.1:{port}"
+    _wait_healthy(url, proc, "/v1/models")
+    return proc, url
 
 
 # -- load generation ----------------------------------------------------------------------------
@@ -133,7 +168,7 @@ def llama_cpp_peer() -> str | None:
 async def one_request(client, model: str, prompt: str, max_tokens: int) -> RequestResult:
     t0 = time.perf_counter()
     first = last = None
-    itl, tokens = [], 0
+    itl, tokens, chunks = [], 0, 0
     try:
         stream = await client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
@@ -141,6 +176,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> Reque
         async for chunk in stream:
             now = time.perf_counter()
             if chunk.choices and chunk.choices[0].delta.content:
+                chunks += 1
                 if first is None:
                     first = now
                 else:
@@ -152,7 +188,7 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> Reque
         print(f"  request failed: {type(e).__name__}: {e}", file=sys.stderr)
         return RequestResult(False)
     end = time.perf_counter()
-    return RequestResult(True, (first or end) - t0, end - t0, tokens, itl)
+    return RequestResult(True, (first or end) - t0, end - t0, tokens or chunks, itl)
 
 
 async def closed_loop(client, model, prompts, n, concurrency, max_tokens) -> list[RequestResult]:
@@ -236,6 +272,8 @@ def parse_args(argv=None):
     ap.add_argument("--draft-model", default=None, help="for --servers draft / mtp")
     ap.add_argument("--url", action="append", default=[], help="NAME=URL of a server already running")
     ap.add_argument("--peer", default=None, choices=["llama.cpp"], help="add a peer server (if installed)")
+    ap.add_argument("--llama-python", default=sys.executable, help="the Python with llama-cpp-python[server]")
+    ap.add_argument("--gguf", default=None, help="the peer's GGUF [default: the default model's own]")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with a `src` field (and `kind`)")
     ap.add_argument("--kind", default="all", help="keep only rows of this `kind` (code_edit, chat) or all")
     ap.add_argument("--max-tokens", type=int, default=128)
@@ -319,8 +357,14 @@ def main(argv: list[str] | None = None) -> dict:
             _wait_healthy(url, None)
             servers[name] = url
         if args.peer == "llama.cpp":
-            notes.append(llama_cpp_peer())
-            print(notes[-1])
+            why = llama_cpp_peer(args)
+            if why is None:
+                proc, url = start_llama_cpp(args)
+                procs.append(proc)
+                servers["llama.cpp"] = url
+            else:
+                notes.append(why)
+                print(why)
         if not servers:
             raise SystemExit("no server to measure: give --servers or --url")
         runs = measure(servers, prompts, args)

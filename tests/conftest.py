@@ -58,3 +58,42 @@ def tiny_llama_model(tiny_llama_dir):
     from quantspec.model_zoo.checkpoint import load_model
 
     return load_model(tiny_llama_dir)[0]
+
+
+def _sequence_law(next_probs, prompt: list[int], depth: int) -> dict[tuple[int, ...], float]:
+    """{continuation: exact probability} of every `depth`-token continuation of `prompt`, chaining
+    `next_probs(ids)` → [V] probabilities (zero outside the support)."""
+    law = {(): 1.0}
+    with torch.inference_mode():
+        for _ in range(depth):
+            grown = {}
+            for path, pr in law.items():
+                p = next_probs(prompt + list(path))
+                for t in p.nonzero().flatten().tolist():
+                    grown[path + (t,)] = pr * float(p[t])
+            law = grown
+    return law
+
+
+def _pooled_chisquare(counts: dict, exact: dict, n: int) -> float:
+    """Chi-square p-value of `counts` (n draws) against the law `exact`, the categories expected
+    fewer than 5 times pooled with everything outside `exact`."""
+    from scipy.stats import chisquare
+
+    cats = sorted(exact, key=exact.get, reverse=True)
+    big = [c for c in cats if n * exact[c] >= 5]
+    obs = [counts.get(c, 0) for c in big] + [n - sum(counts.get(c, 0) for c in big)]
+    exp = [n * exact[c] for c in big] + [n - sum(n * exact[c] for c in big)]
+    return chisquare(obs, exp).pvalue
+
+
+@pytest.fixture(scope="session")
+def sequence_law():
+    """sequence_law(next_probs, prompt, depth): the exact law of a sampler's continuations."""
+    return _sequence_law
+
+
+@pytest.fixture(scope="session")
+def pooled_chisquare():
+    """pooled_chisquare(counts, exact, n): the p-value of sampled counts against an exact law."""
+    return _pooled_chisquare

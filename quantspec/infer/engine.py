@@ -1,7 +1,7 @@
 """The engine: a batch of requests over one model and one paged KV cache.
 
-Each `step()` runs ONE forward over a flattened batch: either the whole prompts of newly admitted
-sequences (a prefill step), or every running sequence's last token (decode) or last token plus k
+Each `step()` runs ONE forward over a flattened batch: either admitted prompts (or a chunk of
+each, a prefill step), or every running sequence's last token (decode) or last token plus k
 draft tokens (speculative verification); then samples or verifies, appends, and retires finished
 sequences so waiting ones are admitted (continuous batching). A step is propose → forward →
 accept: the `Proposer` drafts (a `SpecProposal`), the model scores every new row, and the
@@ -16,21 +16,14 @@ What the device backend prepared (`infer.backend.Runtime`: a one-call layer stac
 greedy picker, the cache's attention kernel) is handed in as `runtime` and plugged in here; a
 model the backend did not prepare runs its modules.
 
-Chunked prefill (`EngineConfig.prefill_chunk`): a prompt is fed `prefill_chunk` tokens at a
-time, its chunks cut at multiples of the chunk from its start (so a prompt's chunks never depend
-on its neighbours), and prefill steps alternate with decode steps while sequences are decoding:
-a long prompt delays running streams by one chunk's forward per step, never by its whole
-prefill. Without it a prefill step takes whole prompts (up to PREFILL_TOKENS) before any decode.
+Which sequences a step serves (admission, the prefill token budget, chunked prefill alternating
+with decode steps) is the scheduler's (`scheduler.py`); a sequence's state and the rules that
+end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
 `Sequence.speculate = False` gives a sequence no drafts; `draft_limit` (a `DraftLimit`, e.g.
 `spec/load.py`'s) caps the drafts per sequence of each decode step and is told what the step
 cost; `last_step` describes the step that just ran.
-
-KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions
-(its newest token is fed next step); during a chunked prefill it holds the chunks fed so far.
-Rejected draft slots are "rolled back" simply by not counting them: the next step overwrites
-them.
 
 Token trees (`spec/tree.py`): a proposal may give a sequence's drafts parents; its rows then sit
 at the positions of their depths, attend under a tree mask in the same ragged batch, and after
@@ -41,96 +34,24 @@ context (a chain's path is already there).
 from __future__ import annotations
 
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from typing import Callable, Protocol
 
 import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, default_runtime
-from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
+from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
                                      sampling_tensors)
+from quantspec.infer.scheduler import EngineConfig, Scheduler
+from quantspec.infer.sequence import Sequence, SeqStats, append_tokens, count_drafts
 from quantspec.infer.spec.tree import depths, prune, verify_trees
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
 
-__all__ = ["DraftLimit", "Engine", "EngineConfig", "Proposer", "Sequence", "StepInfo"]
-
-# prompt tokens one prefill forward takes at most (a longer prompt still goes in one forward)
-PREFILL_TOKENS = 1024
-
-
-@dataclass
-class EngineConfig:
-    block_size: int = 64
-    max_batch_size: int = 8
-    max_length: int = 2048  # prompt + generated tokens, per sequence
-    kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO
-    num_blocks: int | None = None  # default: enough for max_batch_size full-length sequences
-    spec_max_draft_tokens: int = 0  # extra KV room per sequence for verification
-    # the forward returns every fed row's hidden state (for forward hooks that read them, e.g.
-    # train-mtp's self-distillation); by default a prefill returns each prompt's last row only,
-    # which lets a stack runner skip the last layer's o projection and MLP for the others
-    all_hidden_rows: bool = False
-    # prompt tokens per prefill step, prompts cut into chunks of this size (module docstring);
-    # None: whole prompts, up to PREFILL_TOKENS per step, before any decode step
-    prefill_chunk: int | None = None
-
-    def __post_init__(self):
-        if self.block_size < 1 or self.block_size & (self.block_size - 1):
-            raise QuantSpecError(f"--block-size {self.block_size} must be a power of two (e.g. 64)")
-        if self.max_batch_size < 1:
-            raise QuantSpecError(f"--batch-size {self.max_batch_size} must be >= 1")
-        if self.max_length < 2:
-            raise QuantSpecError(f"--max-length {self.max_length} must be >= 2")
-        if self.prefill_chunk is not None and (isinstance(self.prefill_chunk, bool) or self.prefill_chunk < 1):
-            raise QuantSpecError(f"--prefill-chunk {self.prefill_chunk} must be >= 1")
-        self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
-
-    def blocks_needed(self) -> int:
-        per_seq = -(-(self.max_length + self.spec_max_draft_tokens + 1) // self.block_size)
-        return self.num_blocks or (self.max_batch_size * per_seq + 1)
-
-
-@dataclass
-class SeqStats:
-    t_arrival: float = 0.0
-    t_first_token: float | None = None
-    t_finish: float | None = None
-    target_forwards: int = 0  # forwards of the base model this sequence took part in after prefill
-    drafted: int = 0
-    accepted: int = 0
-    accepted_per_position: list[int] = field(default_factory=list)
-    drafted_per_position: list[int] = field(default_factory=list)
-
-
-@dataclass
-class Sequence:
-    seq_id: int
-    prompt_ids: list[int]
-    params: SamplingParams
-    generator: torch.Generator | None = None
-    output_ids: list[int] = field(default_factory=list)
-    block_table: list[int] = field(default_factory=list)
-    num_cached: int = 0
-    finished: bool = False
-    finish_reason: str | None = None
-    stats: SeqStats = field(default_factory=SeqStats)
-    text_check: Callable[["Sequence"], int | None] | None = None  # stop-string hook
-    # pre-norm hidden state [D] at the position that produced the newest token (kept only when the
-    # proposer sets `needs_hidden`): what an MTP module combines with that token's embedding
-    last_hidden: torch.Tensor | None = None
-    speculate: bool = True  # False: this sequence gets no drafts (a per-request opt-out)
-
-    @property
-    def tokens(self) -> list[int]:
-        return self.prompt_ids + self.output_ids
-
-    @property
-    def num_tokens(self) -> int:
-        return len(self.prompt_ids) + len(self.output_ids)
+__all__ = ["DraftLimit", "Engine", "EngineConfig", "Proposer", "SeqStats", "Sequence", "StepInfo"]
 
 
 @dataclass
@@ -189,8 +110,7 @@ class Engine:
         )
         if args.max_position_embeddings < config.max_length:
             model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)
-        self.waiting: list[Sequence] = []
-        self.running: list[Sequence] = []
+        self.scheduler = Scheduler(config, self.cache.allocator)
         self._next_id = 0
         self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
         self.num_steps = 0
@@ -200,7 +120,16 @@ class Engine:
         self.forward_rows: list[tuple[Sequence, int]] = []
         self.draft_limit: DraftLimit | None = None
         self.last_step: StepInfo | None = None
-        self._prefilled_last = False  # the previous step was a prefill (chunked prefill alternates)
+
+    @property
+    def waiting(self) -> list[Sequence]:
+        """Requests not yet admitted into the running batch, in arrival order."""
+        return self.scheduler.waiting
+
+    @property
+    def running(self) -> list[Sequence]:
+        """The running batch, in admission order."""
+        return self.scheduler.running
 
     # -- requests ------------------------------------------------------------------------------
 
@@ -218,7 +147,7 @@ class Engine:
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
         self._next_id += 1
-        self.waiting.append(seq)
+        self.scheduler.waiting.append(seq)
         return seq
 
     def has_work(self) -> bool:
@@ -230,97 +159,26 @@ class Engine:
             return
         seq.finished, seq.finish_reason = True, "abort"
         seq.stats.t_finish = time.perf_counter()
-        self.waiting = [s for s in self.waiting if s is not seq]
-        self.running = [s for s in self.running if s is not seq]
+        self.scheduler.remove(seq)
         self._free(seq)
 
     def _free(self, seq: Sequence) -> None:
-        self.cache.allocator.free(seq.block_table)
-        seq.block_table = []
+        self.scheduler.free(seq)
         if self.proposer is not None:
             self.proposer.release(seq)
-
-    def _ensure_blocks(self, seq: Sequence, num_positions: int) -> None:
-        need = -(-num_positions // self.config.block_size) - len(seq.block_table)
-        if need > 0:
-            after = seq.block_table[-1] if seq.block_table else None
-            seq.block_table.extend(self.cache.allocator.allocate(need, after=after))
-
-    def _reserve(self, seq: Sequence) -> None:
-        """At admission, take every block the sequence can reach (its prompt, max_new_tokens and
-        the draft room) as one run when the cache has it: consecutive blocks are read as a view
-        by the attention (no per-step gathers). Otherwise only the prompt's blocks."""
-        reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
-        positions = reach + self.config.spec_max_draft_tokens + 1
-        if -(-positions // self.config.block_size) > self.cache.allocator.num_free:
-            positions = len(seq.prompt_ids) + 1
-        self._ensure_blocks(seq, positions)
-
-    def _admit(self) -> None:
-        # num_blocks is sized for max_batch_size full-length sequences, so admission only has to
-        # respect the batch size; a smaller user-set num_blocks is checked against the prompt.
-        while self.waiting and len(self.running) < self.config.max_batch_size:
-            prompt_blocks = -(-(len(self.waiting[0].prompt_ids) + 1) // self.config.block_size)
-            if self.cache.allocator.num_free < prompt_blocks:
-                if not self.running:
-                    raise QuantSpecError("the KV cache cannot hold one prompt; raise num_blocks")
-                break
-            seq = self.waiting.pop(0)
-            self._reserve(seq)
-            self.running.append(seq)
-
-    # -- one step ------------------------------------------------------------------------------
-
-    def _prefill_batch(self) -> list[tuple[Sequence, int]]:
-        """The admitted prompts that prefill this step and how many of their tokens: in order, up
-        to PREFILL_TOKENS prompt tokens (at least one prompt), or with `prefill_chunk` up to one
-        chunk's worth of whole chunks. One huge forward over every prompt of a batch spills its
-        activations ([T, intermediate] fp32) out of the caches; a few medium ones do not."""
-        chunk = self.config.prefill_chunk
-        budget = chunk or PREFILL_TOKENS
-        fresh, tokens = [], 0
-        for s in self.running:
-            if not s.output_ids:
-                n = len(s.prompt_ids) - s.num_cached
-                n = min(n, chunk) if chunk else n
-                if fresh and tokens + n > budget:
-                    break
-                fresh.append((s, n))
-                tokens += n
-        return fresh
-
-    def _budget(self, seq: Sequence, cap: int) -> int:
-        """How many draft tokens this sequence may verify this step (at most `cap`)."""
-        if not seq.speculate:
-            return 0
-        left_new = seq.params.max_new_tokens - len(seq.output_ids) - 1
-        left_len = self.config.max_length - seq.num_tokens - 1
-        return max(0, min(cap, left_new, left_len))
-
-    def _plan(self) -> list[tuple[Sequence, int]]:
-        """This step's sequences: the prompts to prefill (with their token counts), or every
-        running sequence (count 0: its new token and drafts). With chunked prefill, a decode step
-        follows each prefill step while sequences are decoding."""
-        fresh = self._prefill_batch()
-        decoding = any(s.output_ids for s in self.running)
-        if fresh and not (self.config.prefill_chunk and self._prefilled_last and decoding):
-            return fresh
-        return [(s, 0) for s in self.running if s.output_ids]
 
     @torch.inference_mode()
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Run one forward for every running sequence; returns (sequence, new token ids) pairs
         (a sequence whose prompt is still being prefilled in chunks gets none)."""
-        self._admit()
         # a step prefills admitted prompts alone, or runs the decode / verification rows of every
         # decoding sequence: decode rows never share a forward with a prefill
         t0 = time.perf_counter()
-        plan = self._plan()
+        plan = self.scheduler.plan()
         if not plan:
             return []
         seqs = [s for s, _ in plan]
         prefill = plan[0][1] > 0
-        self._prefilled_last = prefill
         drafts, draft_probs, trees = self._propose(seqs) if not prefill else ([[] for _ in seqs], [None for _ in seqs],
                                                                               None)
         news = [s.prompt_ids[s.num_cached:s.num_cached + n] if n else s.tokens[s.num_cached:] + d
@@ -360,7 +218,7 @@ class Engine:
         cap = self.config.spec_max_draft_tokens
         if self.draft_limit is not None:
             cap = min(cap, self.draft_limit.cap(sum(s.speculate for s in seqs)))
-        budgets = [self._budget(s, cap) for s in seqs]
+        budgets = [self.scheduler.draft_budget(s, cap) for s in seqs]
         proposal = self.proposer.propose(seqs, budgets)
         for i in range(len(seqs)):
             ids, q, par = proposal.draft_token_ids[i], proposal.probs_of(i), proposal.parents_of(i)
@@ -379,7 +237,7 @@ class Engine:
         feed_ids: list[int] = []
         q_lens, seq_lens = [], []
         for seq, new in zip(seqs, news):
-            self._ensure_blocks(seq, seq.num_cached + len(new))
+            self.scheduler.ensure_blocks(seq, seq.num_cached + len(new))
             feed_ids.extend(new)
             q_lens.append(len(new))
             seq_lens.append(seq.num_cached + len(new))
@@ -453,16 +311,16 @@ class Engine:
             seq.num_cached = seq.num_tokens + len(toks) - 1  # fed tokens + accepted drafts are valid KV
             if seq.stats.t_first_token is None:
                 seq.stats.t_first_token = now
-            emitted = self._append(seq, toks)
+            emitted = append_tokens(seq, toks, self.eos, self.config.max_length)
             if d:
                 tree = None if trees is None else trees[b]
-                self._count_drafts(seq.stats, len(d), len(toks) - 1, len(emitted),
+                count_drafts(seq.stats, len(d), len(toks) - 1, len(emitted),
                                    None if tree is None else max(depths(tree)))
             out.append((seq, emitted))
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now
             self._free(seq)
-        self.running = [s for s in self.running if not s.finished]
+        self.scheduler.retire_finished()
         self.num_steps += 1
         return out
 
@@ -477,23 +335,6 @@ class Engine:
                     out.append(seq.block_table[pos // bs] * bs + pos % bs)
         self.cache.move(src, dst)
 
-    @staticmethod
-    def _count_drafts(st: SeqStats, drafted: int, accepted: int, emitted: int, depth: int | None = None) -> None:
-        # the drafts that count as accepted are the ones emitted: where the sequence ends inside
-        # the accepted run (an EOS draft, a stop string) the verifier may have accepted drafts
-        # after it that never reach the output. A tree counts its rows as drafted and its depths
-        # as positions.
-        accepted = min(accepted, emitted)
-        st.drafted += drafted
-        st.accepted += accepted
-        positions = drafted if depth is None else depth
-        while len(st.drafted_per_position) < positions:
-            st.drafted_per_position.append(0)
-            st.accepted_per_position.append(0)
-        for j in range(positions):
-            st.drafted_per_position[j] += 1
-            st.accepted_per_position[j] += int(j < accepted)
-
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.is_greedy for s in seqs):
             return greedy_ids(logits)
@@ -502,24 +343,6 @@ class Engine:
         sampled = sample(probs, [s.generator for s in seqs])
         greedy = logits.argmax(dim=-1)
         return [int(greedy[i]) if s.params.is_greedy else int(sampled[i]) for i, s in enumerate(seqs)]
-
-    def _append(self, seq: Sequence, toks: list[int]) -> list[int]:
-        """Append tokens, applying EOS / max_new_tokens / max_length / stop strings."""
-        emitted = []
-        for t in toks:
-            seq.output_ids.append(t)
-            emitted.append(t)
-            if t in self.eos:
-                seq.finished, seq.finish_reason = True, "eos"
-            elif len(seq.output_ids) >= seq.params.max_new_tokens:
-                seq.finished, seq.finish_reason = True, "length"
-            elif seq.num_tokens >= self.config.max_length:
-                seq.finished, seq.finish_reason = True, "max_length"
-            elif seq.text_check is not None and seq.text_check(seq) is not None:
-                seq.finished, seq.finish_reason = True, "stop"
-            if seq.finished:
-                break
-        return emitted
 
     def run(self, on_step: Callable[[list[tuple[Sequence, list[int]]]], None] | None = None) -> None:
         while self.has_work():

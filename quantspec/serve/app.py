@@ -4,7 +4,8 @@
 `/v1/models`, `/health`, `/metrics`. A request is validated (`protocol.py`), tokenized
 (`text.py`), turned into a `Job` and submitted; its tokens come back as deltas and leave as
 OpenAI chunks. Bad input is a 400 with an OpenAI error object, a full queue a 503 with
-Retry-After, and a client that goes away has its sequence aborted. No model logic lives here.
+Retry-After (the queue's drain time at the measured completion rate), and a client that goes away
+has its sequence aborted. No model logic lives here.
 """
 
 from __future__ import annotations
@@ -29,7 +30,6 @@ from quantspec.serve.text import TextStream, chat_prompt_ids, completion_prompt_
 
 __all__ = ["ServeState", "build_app"]
 
-RETRY_AFTER_S = 1
 DISCONNECT_POLL_S = 0.25
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "max_length": "length"}
 
@@ -179,7 +179,8 @@ async def _generate(state: ServeState, request: Request, body: GenerationRequest
     if not state.loop.submit(job):
         state.metrics.rejected.inc()
         return _error(503, "the server is at capacity (its request queue is full); retry shortly",
-                      type="server_error", code="overloaded", headers={"Retry-After": str(RETRY_AFTER_S)})
+                      type="server_error", code="overloaded",
+                      headers={"Retry-After": str(state.loop.retry_after())})
     out = _Output(state, body, job, chat)
     if body.stream:
         return StreamingResponse(out.sse(), media_type="text/event-stream",

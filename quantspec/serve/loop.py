@@ -5,7 +5,8 @@ Each request is a `Job`: its prompt ids and sampling params in, and an asyncio q
 receives one `Delta` per step that gave it tokens (pushed onto the server's event loop with
 `call_soon_threadsafe`), the last one with the finish reason. The queue ahead of the running
 batch is bounded (`max_queue`): `submit` refuses at once when it is full, so overload is a 503,
-never a stall of the accepted requests. `abort` (a client gone) retires the sequence and frees its
+never a stall of the accepted requests, and `retry_after()` tells the refused client when the
+queue will have drained at the rate requests have been completing (`DrainRate`). `abort` (a client gone) retires the sequence and frees its
 KV blocks before the next step runs.
 """
 
@@ -13,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import math
 import threading
 import time
 from collections import deque
@@ -21,10 +23,52 @@ from dataclasses import dataclass, field
 from quantspec.infer.engine import Engine, Sequence
 from quantspec.infer.sampler import SamplingParams
 
-__all__ = ["Delta", "EngineLoop", "Job"]
+__all__ = ["Delta", "DrainRate", "EngineLoop", "Job"]
 
 log = logging.getLogger("quantspec.serve")
 IDLE_WAIT_S = 0.5  # how long the idle loop sleeps before looking again (a submit wakes it at once)
+RETRY_AFTER_MIN_S, RETRY_AFTER_MAX_S = 1, 60  # the Retry-After a refused request gets, clamped
+DRAIN_WINDOW_S = 30.0  # completions this recent measure the drain rate
+
+
+class DrainRate:
+    """How fast requests leave the engine (finished or aborted): completions per second over the
+    last `window_s` seconds, and from it the Retry-After of a refused request: the seconds the
+    requests queued ahead of it take to drain at that rate, rounded up and clamped to
+    [`min_s`, `max_s`]; `min_s` while no completion is that recent (nothing measured yet).
+
+    >>> d = DrainRate(window_s=30)
+    >>> for t in (100.0, 101.0, 102.0, 103.0):
+    ...     d.completed(t)
+    >>> d.retry_after(10, now=104.0)  # 4 completions in the 4 s since the oldest: 1/s; 10 queued
+    10
+    """
+
+    def __init__(self, window_s: float = DRAIN_WINDOW_S, min_s: int = RETRY_AFTER_MIN_S,
+                 max_s: int = RETRY_AFTER_MAX_S):
+        self.window_s, self.min_s, self.max_s = window_s, min_s, max_s
+        self._times: deque[float] = deque()
+        self._lock = threading.Lock()
+
+    def completed(self, t: float) -> None:
+        with self._lock:
+            self._times.append(t)
+            while self._times and t - self._times[0] > self.window_s:
+                self._times.popleft()
+
+    def rate(self, now: float) -> float | None:
+        """Completions per second over the window (None: none in it)."""
+        with self._lock:
+            recent = [t for t in self._times if now - t <= self.window_s]
+        if not recent:
+            return None
+        return len(recent) / max(now - recent[0], 1e-3)
+
+    def retry_after(self, queued: int, now: float) -> int:
+        rate = self.rate(now)
+        if rate is None:
+            return self.min_s
+        return int(min(self.max_s, max(self.min_s, math.ceil(queued / rate))))
 
 
 @dataclass
@@ -64,6 +108,7 @@ class EngineLoop:
         self._jobs: dict[int, Job] = {}  # seq_id → job, owned by the loop thread
         self._waiting = 0  # the engine's queue length, as the loop last saw it ...
         self._slots = engine.config.max_batch_size  # ... and the free places in its running batch
+        self.drain = DrainRate()
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="quantspec-engine", daemon=True)
 
@@ -89,6 +134,12 @@ class EngineLoop:
             self._inbox.append(job)
         self._wake.set()
         return True
+
+    def retry_after(self) -> int:
+        """Seconds a refused request should wait: the queue ahead of the batch over the drain rate."""
+        with self._lock:
+            queued = max(1, len(self._inbox) + self._waiting - self._slots)
+        return self.drain.retry_after(queued, time.perf_counter())
 
     def abort(self, job: Job) -> None:
         """Drop `job` at the next step boundary (its client has gone)."""
@@ -159,8 +210,9 @@ class EngineLoop:
         job.done = True
         self._jobs.pop(job.seq.seq_id, None)
         job.push(Delta(list(toks or []), reason))
+        now = time.perf_counter()
+        self.drain.completed(now)
         if self.metrics is not None:
-            now = time.perf_counter()
             ttft = None if job.t_first is None else job.t_first - job.t_arrival
             self.metrics.finished(job.seq, reason, ttft, now - job.t_arrival)
 

@@ -35,6 +35,7 @@ class ServeConfig:
     max_queue: int = 256
     max_length: int = 2048
     prefill_chunk: int = 256
+    max_prefill_tokens: int = 1024  # prompt tokens per prefill step (chunks of several prompts)
     drain_timeout: float = 30.0
     dtype: str = "auto"
     device: str = "auto"
@@ -46,7 +47,7 @@ class ServeConfig:
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
 
     def __post_init__(self):
-        for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk"):
+        for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk", "max_prefill_tokens"):
             positive_int(name, getattr(self, name))
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise QuantSpecError(f"--port {self.port!r} must be in [0, 65535] (0: any free port)")
@@ -60,7 +61,8 @@ class ServeConfig:
                            max_length=self.max_length, max_new_tokens=1, block_size=self.block_size,
                            speculate_method=self.speculate_method, draft_model=self.draft_model,
                            speculate_max_draft_token_num=self.speculate_max_draft_token_num,
-                           speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk)
+                           speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
+                           prefill_tokens=self.max_prefill_tokens)
 
 
 def load(config: ServeConfig, *, loaded=None) -> ServeState:

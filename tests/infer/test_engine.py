@@ -376,14 +376,11 @@ def test_a_prefill_asks_the_forward_for_each_prompt_s_last_row(llama, monkeypatc
 
 
 def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
-    """Admitted prompts prefill in order, up to PREFILL_TOKENS prompt tokens per forward (a
+    """Admitted prompts prefill in order, up to `prefill_tokens` prompt tokens per forward (a
     longer prompt alone); the tokens are those of a batch prefilled at once."""
-    import quantspec.infer.engine as engine_mod
-
     model, _ = llama
     prompts = _prompts([30, 25, 70, 10, 12], seed=21)
     want = _engine_greedy(model, prompts, 6, batch=5)
-    monkeypatch.setattr(engine_mod, "PREFILL_TOKENS", 60)
     sizes = []
     real = type(model).forward
 
@@ -393,13 +390,18 @@ def test_prefill_steps_take_at_most_the_token_budget(llama, monkeypatch):
         return real(self, input_ids, positions, attn, out_rows, **kw)
 
     monkeypatch.setattr(type(model), "forward", spy)
-    assert _engine_greedy(model, prompts, 6, batch=5) == want
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=5, max_length=256, prefill_tokens=60),
+                 eos_token_ids=[])
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=6)) for p in prompts]
+    eng.run()
+    assert [s.output_ids for s in seqs] == want
     assert sizes == [[30, 25], [70], [10, 12]]
 
 
 @pytest.mark.parametrize("chunk", [1, 7, 16])
 def test_chunked_prefill_gives_the_same_tokens_and_lets_decode_steps_through(llama, monkeypatch, chunk):
-    """With `prefill_chunk` a prompt is fed in chunks cut at multiples of the chunk, prefill steps
+    """With `prefill_chunk` a prompt is fed in chunks cut at multiples of the chunk, one chunk per
+    prompt per step and several prompts' chunks up to the step's token budget, prefill steps
     alternate with decode steps while sequences decode, and the outputs are the unchunked ones."""
     model, _ = llama
     prompts = _prompts([40, 5, 33, 17], seed=5)
@@ -413,14 +415,15 @@ def test_chunked_prefill_gives_the_same_tokens_and_lets_decode_steps_through(lla
         return real(self, input_ids, positions, attn, out_rows, **kw)
 
     monkeypatch.setattr(type(model), "forward", spy)
-    engines.append(eng := Engine(model, EngineConfig(block_size=16, max_batch_size=4, max_length=256, prefill_chunk=chunk),
-                 eos_token_ids=[]))
+    budget = 2 * chunk + 3
+    engines.append(eng := Engine(model, EngineConfig(block_size=16, max_batch_size=4, max_length=256, prefill_chunk=chunk,
+                                                     prefill_tokens=budget), eos_token_ids=[]))
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=8)) for p in prompts]
     eng.run()
     assert [s.output_ids for s in seqs] == want
     for i, (decode, q_lens, seq_lens, decoding) in enumerate(steps):
         if not decode:
-            assert sum(q_lens) <= chunk or len(q_lens) == 1
+            assert sum(q_lens) <= budget and max(q_lens) <= chunk
             assert all((s - q) % chunk == 0 for q, s in zip(q_lens, seq_lens))  # chunks start at multiples
             if i and not steps[i - 1][0]:  # two prefill steps in a row only while nothing decodes
                 assert not decoding

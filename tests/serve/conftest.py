@@ -1,6 +1,7 @@
 """A quantspec server on 127.0.0.1 (a free port) in a thread of the test process, over the tiny
 model, for the real `openai` client; `reference` gives what `quantspec infer` (the Predictor)
-answers for the same prompt."""
+answers for the same prompt; `metric` reads one value of its /metrics, `slow_steps` slows its engine
+down so that requests queue."""
 
 from __future__ import annotations
 
@@ -9,6 +10,7 @@ import dataclasses
 import threading
 import time
 
+import httpx2
 import pytest
 
 from quantspec.infer.predictor import InferConfig, Predictor
@@ -86,3 +88,35 @@ def start_server(tiny_llama_dir, tiny_loaded):
         return running_server(tiny_config(tiny_llama_dir, **kw), loaded=tiny_loaded, tweak=tweak)
 
     return start
+
+
+@pytest.fixture
+def metric():
+    """metric(url, name) → the value of the sample `name` (with its labels, if any) on /metrics."""
+    def read(url: str, name: str) -> float:
+        for line in httpx2.get(f"{url}/metrics").text.splitlines():
+            if line.startswith(name + "{") or line.startswith(name + " "):
+                return float(line.rsplit(" ", 1)[1])
+        raise AssertionError(f"{name} not in /metrics")
+
+    return read
+
+
+@pytest.fixture
+def slow_steps():
+    """slow_steps(seconds) → a `tweak` for `start_server` after which every engine step takes
+    `seconds` longer."""
+    def make(seconds: float):
+        def tweak(state):
+            engine = state.loop.engine
+            step = engine.step
+
+            def slow_step():
+                time.sleep(seconds)
+                return step()
+
+            engine.step = slow_step
+
+        return tweak
+
+    return make

@@ -168,8 +168,8 @@ def test_draft_batch_of_128_equals_batch_1(base, close_draft):
 # -- sampling: lossless -----------------------------------------------------------------------------
 
 
-def _joint(model, prompt, params, depth):
-    """Exact probability of every `depth`-token continuation under `model` with `params`."""
+def _next_probs(model, params):
+    """ids → the next token's probabilities under `model` with `params` (the shared 512 tokens)."""
     temp = torch.tensor([params.temperature])
     top_k = torch.tensor([params.top_k])
 
@@ -177,39 +177,18 @@ def _joint(model, prompt, params, depth):
         h = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
         return logits_to_probs(model.compute_logits(h[-1:])[:, :512], temp, top_k)[0]
 
-    out = {(): 1.0}
-    with torch.inference_mode():
-        for _ in range(depth):
-            nxt = {}
-            for path, pr in out.items():
-                p = next_probs(prompt + list(path))
-                for t in p.nonzero().flatten().tolist():
-                    nxt[path + (t,)] = pr * float(p[t])
-            out = nxt
-    return out
+    return next_probs
 
 
-def _chisquare_pvalue(counts, exact, n):
-    from scipy.stats import chisquare
-
-    cats = sorted(exact, key=exact.get, reverse=True)
-    expected = [n * exact[c] for c in cats]
-    observed = [counts.get(c, 0) for c in cats]
-    big = [i for i, e in enumerate(expected) if e >= 5]  # pool the rare categories
-    obs = [observed[i] for i in big] + [n - sum(observed[i] for i in big)]
-    exp = [expected[i] for i in big] + [n - sum(expected[i] for i in big)]
-    return chisquare(obs, exp).pvalue
-
-
-def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft):
+def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft, sequence_law, pooled_chisquare):
     """Chi-square over the first 4 sampled tokens (token 1 from prefill, tokens 2-3 drafted and
     verified, token 4 the bonus or a plain step): speculation with a draft of different weights
     (q != p) reproduces the base's exact joint distribution, and not the draft's."""
     draft = far_draft  # vocab 576 → sliced to the shared 512
     params = SamplingParams(decode_strategy="sampling", temperature=1.5, top_k=3, seed=5, max_new_tokens=4)
     (prompt,) = _prompts([8], seed=4)
-    exact = _joint(base, prompt, params, 4)
-    exact_draft = _joint(draft, prompt, params, 4)
+    exact = sequence_law(_next_probs(base, params), prompt, 4)
+    exact_draft = sequence_law(_next_probs(draft, params), prompt, 4)
     tv = 0.5 * sum(abs(exact.get(c, 0) - exact_draft.get(c, 0)) for c in set(exact) | set(exact_draft))
     assert tv > 0.4  # q really differs from p
 
@@ -224,9 +203,9 @@ def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft):
         n += len(seqs)
     assert drafted >= 2 * n and 0 < accepted < drafted  # every sequence verified sampled drafts
     assert set(counts) <= set(exact)  # nothing outside the top-k support
-    assert _chisquare_pvalue(counts, exact, n) > 1e-3
+    assert pooled_chisquare(counts, exact, n) > 1e-3
     draft_counts_fit = {c: v for c, v in counts.items() if c in exact_draft}
-    assert sum(draft_counts_fit.values()) < n or _chisquare_pvalue(counts, exact_draft, n) < 1e-6
+    assert sum(draft_counts_fit.values()) < n or pooled_chisquare(counts, exact_draft, n) < 1e-6
 
 
 def test_sampled_drafts_reproducible_and_batch_invariant(tiny_llama_dir, padded_other_dir):

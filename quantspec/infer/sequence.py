@@ -1,0 +1,95 @@
+"""A request inside the engine: its tokens, sampling params, KV block table and statistics, and the
+rules that end it (EOS, max_new_tokens, max_length, a stop string).
+
+KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions
+(its newest token is fed next step); during a chunked prefill it holds the chunks fed so far.
+Rejected draft slots are "rolled back" simply by not counting them: the next step overwrites them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Callable
+
+import torch
+
+from quantspec.infer.sampler import SamplingParams
+
+__all__ = ["SeqStats", "Sequence", "append_tokens", "count_drafts"]
+
+
+@dataclass
+class SeqStats:
+    t_arrival: float = 0.0
+    t_first_token: float | None = None
+    t_finish: float | None = None
+    target_forwards: int = 0  # forwards of the base model this sequence took part in after prefill
+    drafted: int = 0
+    accepted: int = 0
+    accepted_per_position: list[int] = field(default_factory=list)
+    drafted_per_position: list[int] = field(default_factory=list)
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_ids: list[int]
+    params: SamplingParams
+    generator: torch.Generator | None = None
+    output_ids: list[int] = field(default_factory=list)
+    block_table: list[int] = field(default_factory=list)
+    num_cached: int = 0
+    finished: bool = False
+    finish_reason: str | None = None
+    stats: SeqStats = field(default_factory=SeqStats)
+    text_check: Callable[["Sequence"], int | None] | None = None  # stop-string hook
+    # pre-norm hidden state [D] at the position that produced the newest token (kept only when the
+    # proposer sets `needs_hidden`): what an MTP module combines with that token's embedding
+    last_hidden: torch.Tensor | None = None
+    speculate: bool = True  # False: this sequence gets no drafts (a per-request opt-out)
+
+    @property
+    def tokens(self) -> list[int]:
+        return self.prompt_ids + self.output_ids
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.prompt_ids) + len(self.output_ids)
+
+
+def append_tokens(seq: Sequence, toks: list[int], eos: set[int], max_length: int) -> list[int]:
+    """Append `toks` to `seq` up to the first that ends it (EOS, max_new_tokens, `max_length`, a
+    stop string), setting its finish reason; → the tokens appended."""
+    emitted = []
+    for t in toks:
+        seq.output_ids.append(t)
+        emitted.append(t)
+        if t in eos:
+            seq.finished, seq.finish_reason = True, "eos"
+        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+            seq.finished, seq.finish_reason = True, "length"
+        elif seq.num_tokens >= max_length:
+            seq.finished, seq.finish_reason = True, "max_length"
+        elif seq.text_check is not None and seq.text_check(seq) is not None:
+            seq.finished, seq.finish_reason = True, "stop"
+        if seq.finished:
+            break
+    return emitted
+
+
+def count_drafts(st: SeqStats, drafted: int, accepted: int, emitted: int, depth: int | None = None) -> None:
+    """Add one verification to `st`: `drafted` drafts of which `accepted` passed and `emitted` new
+    tokens reached the output; a token tree counts its rows as drafted and its `depth` as positions."""
+    # the drafts that count as accepted are the ones emitted: where the sequence ends inside the
+    # accepted run (an EOS draft, a stop string) the verifier may have accepted drafts after it
+    # that never reach the output
+    accepted = min(accepted, emitted)
+    st.drafted += drafted
+    st.accepted += accepted
+    positions = drafted if depth is None else depth
+    while len(st.drafted_per_position) < positions:
+        st.drafted_per_position.append(0)
+        st.accepted_per_position.append(0)
+    for j in range(positions):
+        st.drafted_per_position[j] += 1
+        st.accepted_per_position[j] += int(j < accepted)
