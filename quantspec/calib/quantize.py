@@ -245,6 +245,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (its headers checked before any work) and the calibration table."""
     from quantspec.model_zoo.checkpoint import CheckpointReader, read_config, resolve_model_dir, verify_checkpoint
+    from quantspec.model_zoo.eagle3 import is_eagle3_config
     from quantspec.model_zoo.medusa import is_medusa_config
     from quantspec.model_zoo.mtp import is_mtp_config
     from quantspec.quant.engines import target_refusal
@@ -254,7 +255,8 @@ def _read_source(config: QuantizeConfig) -> _Source:
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
-        what = "an MTP module" if is_mtp_config(cfg) else "Medusa heads" if is_medusa_config(cfg) else None
+        what = ("an MTP module" if is_mtp_config(cfg) else "Medusa heads" if is_medusa_config(cfg)
+                else "an EAGLE-3 head" if is_eagle3_config(cfg) else None)
         refusal = target_refusal(config.target, config.quant_config, mtp=True) if what else None
         if refusal is not None:  # a draft module: no transformers model class
             raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
@@ -280,14 +282,15 @@ def _read_source(config: QuantizeConfig) -> _Source:
 
 def _skeleton(config: QuantizeConfig, src: _Source):
     """The model on the `meta` device, its layers read from `src.reader` as they are quantized
-    (an MTP module — one block — or Medusa heads, quantized on their own, weight-only, with RTN,
-    are read whole)."""
+    (an MTP module — one block —, Medusa heads or an EAGLE-3 head, quantized on their own,
+    weight-only, with RTN, are read whole)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint
+    from quantspec.model_zoo.eagle3 import is_eagle3_config, load_eagle3
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
     from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
-    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa)):
+    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa), (is_eagle3_config, load_eagle3)):
         if is_it(src.config):
             with about("--model"):
                 return load(src.model_dir)
