@@ -143,10 +143,15 @@ def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", o
     from quantspec.model_zoo.medusa_train import init_medusa, train_medusa
     from quantspec.model_zoo.mtp_train import FEATURES_NAME, MTPTrainConfig, check_resumable
 
-    if kind != "medusa":
-        raise QuantSpecError(f"--kind {kind!r} is not trained here yet; use --kind medusa")
+    if kind not in ("medusa", "eagle3"):
+        raise QuantSpecError(f"--kind {kind!r} is not trained here; use --kind medusa or eagle3")
     if out is None:
         raise QuantSpecError("--out is required: the directory to write the heads to")
+    if kind == "eagle3":
+        return _train_eagle3(model, out, dataset=dataset, steps=steps, seqs_per_step=batch_size, seq_len=seq_len,
+                             lr=lr, chat_prompts=chat_prompts, max_new_tokens=max_new_tokens,
+                             draft_vocab_size=draft_vocab_size, save_every=save_every, seed=seed, resume=resume,
+                             on_step=on_step, on_status=on_status, **data_options)
     if num_heads < 1 or num_layers < 0:
         raise QuantSpecError(f"--num-heads {num_heads} / --num-layers {num_layers}: use >= 1 heads, >= 0 layers")
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, save_every=save_every, seed=seed,
@@ -168,6 +173,52 @@ def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", o
     (Path(out) / FEATURES_NAME).unlink(missing_ok=True)
     res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     return res
+
+
+def _train_eagle3(model, out, *, dataset, chat_prompts, max_new_tokens, resume, on_step, on_status,
+                  aux_layer_ids=None, split="train", text_field="text", num_samples=16, gen_batch_size=64,
+                  **train_options) -> dict:
+    """`train_draft_head(kind="eagle3")`: the base's greedy answers (and `dataset` windows) → the
+    head's training rows (`model_zoo/eagle3_train.py`, reused from `out` by a later run) → the
+    training-time-test recipe."""
+    import time
+
+    from transformers import AutoTokenizer
+
+    from quantspec.infer.hidden import generate_with_hidden
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.eagle3_train import Eagle3TrainConfig, init_eagle3, prepared_rows, train_eagle3
+    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
+    from quantspec.model_zoo.mtp_train import check_resumable
+
+    config = Eagle3TrainConfig(**train_options)
+    check_output_dir(out, "--out", overwrite=True)
+    check_resumable(out, config, resume)  # before minutes of generation
+    t0, say = time.perf_counter(), on_status or (lambda _m: None)
+    with about("--model"):
+        base, model_dir = load_model(model)
+    base.requires_grad_(False)
+    prompts = chat_prompts if isinstance(chat_prompts, list) else builtin_prompts(chat_prompts)
+
+    def sequences():
+        tok, seqs = AutoTokenizer.from_pretrained(str(model_dir)), []
+        if dataset is not None:
+            from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+
+            with about("--dataset"):
+                texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
+            seqs += list(build_calibration_batches(texts, tok, num_samples, config.seq_len, config.seed, allow_fewer=True))
+        say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
+        return seqs + [t for t, _ in generate_with_hidden(base, tok, prompts, max_new_tokens=max_new_tokens,
+                                                          batch_size=gen_batch_size, on_status=on_status)]
+
+    key = {"base": str(model_dir), "dataset": dataset and str(dataset), "prompts": prompts, "max_new_tokens":
+           max_new_tokens, "aux": aux_layer_ids, "num_samples": num_samples, "vocab": config.draft_vocab_size}
+    rows, vocab, aux = prepared_rows(base, Path(out), key, sequences, config.draft_vocab_size, aux_layer_ids, say)
+    data = {"base": str(model), "kind": "eagle3", "chat_prompts": len(prompts), "positions": rows.positions()}
+    res = train_eagle3(init_eagle3(base, vocab, aux), rows, config, out, resume=resume, extra_config=data,
+                       on_step=on_step)
+    return {**res, **data, "out": str(out), "wall_s": round(time.perf_counter() - t0, 1)}
 
 
 def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples, seq_len, seed, self_distill,
