@@ -1,10 +1,11 @@
 """The EAGLE-3 draft head (Li et al. 2025, arXiv:2503.01840) in the layout vLLM
 (`Eagle3LlamaForCausalLM`) and SGLang (`LlamaForCausalLMEagle3`) load.
 
-Words. The base's *aux features* at a position are its residual stream entering the decoder
-layers `aux_layer_ids` (a low, a middle and a high layer; vLLM's default (2, L // 2, L - 3)):
-id i is the input of layer i, i.e. the output of layer i - 1 (id 0: the embeddings, id L: the
-last layer's output before the final norm). A head *row* at position p reads the token t_{p+1}
+Words. The base's *aux features* at a position are its residual stream entering three decoder
+layers (a low, a middle and a high one), the *aux layers*: id i is the input of layer i, i.e. the
+output of layer i - 1 (id 0: the embeddings, id L: the last layer's output before the final
+norm). By default they are (2, L // 2, L - 3), the layers vLLM's and SGLang's defaults capture
+alike. A head row at position p reads the token t_{p+1}
 and a D-wide hidden state and predicts t_{p+2}:
 
     g      = fc(cat(aux_low, aux_mid, aux_high))       # [T, D]  the base's row p (3·D → D)
@@ -21,8 +22,12 @@ the base's `embed_tokens` (vLLM and SGLang share the target's when the checkpoin
 Artifact: a Llama `config.json` with `num_hidden_layers` 1, `architectures`
 ["LlamaForCausalLMEagle3"], `draft_vocab_size`, `tie_word_embeddings` false (SGLang ties
 `lm_head` to the full embedding otherwise), `target_hidden_size` and `eagle_config`
-{`eagle_aux_hidden_state_layer_ids`, `use_aux_hidden_state`}; a `quantspec` block records the
-base's layer count and fingerprint. Tensors: `EAGLE3_WEIGHTS` below (the published names).
+{`use_aux_hidden_state`: true}; a `quantspec` block records the base's layer count and
+fingerprint. A head on the default aux layers writes no layer ids: the engines read explicit
+`eagle_aux_hidden_state_layer_ids` one layer apart (vLLM captures the input of layer i, SGLang
+the output of layer i), and without them both capture the default layers. A head on other
+layers writes them in vLLM's (quantspec's) sense. Tensors: `eagle3_weight_table` (the published
+names).
 """
 
 from __future__ import annotations
@@ -64,22 +69,35 @@ def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
 class Eagle3Args:
     layer: ModelArgs  # the head's decoder layer (vocab_size: the base's)
     draft_vocab_size: int
-    aux_layer_ids: tuple[int, ...]
+    aux_layer_ids: tuple[int, ...] | None  # None: the base's default aux layers
     target_hidden_size: int
     base_num_layers: int | None = None
     base_fingerprint: str | None = None
+
+    @property
+    def num_aux(self) -> int:
+        return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
+
+    def aux_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The aux layer ids on a base of `num_layers` layers."""
+        return default_aux_layers(num_layers) if self.aux_layer_ids is None else self.aux_layer_ids
 
     @classmethod
     def for_base(cls, base: ModelArgs, draft_vocab_size: int, aux_layer_ids=None) -> "Eagle3Args":
         layer = ModelArgs(**{**base.__dict__, "num_layers": 1, "tie_word_embeddings": False,
                              "eos_token_ids": list(base.eos_token_ids)})
-        ids = tuple(int(i) for i in (aux_layer_ids or default_aux_layers(base.num_layers)))
+        ids = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
+        if ids == default_aux_layers(base.num_layers):
+            ids = None
         return cls(layer, int(draft_vocab_size), ids, base.hidden_size, base.num_layers, base_fingerprint(base))
 
     def to_config(self) -> dict:
         b = self.layer
         qs = {k: v for k, v in (("base_num_layers", self.base_num_layers),
                                 ("base_fingerprint", self.base_fingerprint)) if v is not None}
+        eagle = {"use_aux_hidden_state": True}
+        if self.aux_layer_ids is not None:
+            eagle["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
         return {
             "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama",
             "hidden_size": b.hidden_size, "intermediate_size": b.intermediate_size, "num_hidden_layers": 1,
@@ -88,10 +106,7 @@ class Eagle3Args:
             "rope_scaling": b.rope_scaling, "max_position_embeddings": b.max_position_embeddings,
             "vocab_size": b.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
-            "attention_bias": False, "mlp_bias": False, "bias": False,
-            "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layer_ids),
-                             "use_aux_hidden_state": True},
-            "quantspec": qs,
+            "attention_bias": False, "mlp_bias": False, "bias": False, "eagle_config": eagle, "quantspec": qs,
         }
 
     @classmethod
@@ -106,15 +121,16 @@ class Eagle3Args:
         layer.tie_word_embeddings = False
         eagle = cfg.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
-        if not ids or len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids):
+        if ids is not None and (len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
             raise QuantSpecError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer ids "
-                                 f"(got {ids!r}); write them, e.g. [2, L // 2, L - 3] for a base of L layers")
+                                 f"(got {ids!r}), e.g. [2, L // 2, L - 3] for a base of L layers")
         if eagle.get("use_aux_hidden_state") is False or eagle.get("norm_before_fc") or cfg.get("fc_norm"):
             raise QuantSpecError(f"{where}: only the plain EAGLE-3 layout (aux hidden states through fc, no "
                                  "norm_before_fc / fc_norm) runs here")
         vd = cfg.get("draft_vocab_size") or layer.vocab_size
         qs = cfg.get("quantspec") or {}
-        return cls(layer, int(vd), tuple(ids), int(cfg.get("target_hidden_size") or layer.hidden_size),
+        return cls(layer, int(vd), None if ids is None else tuple(ids),
+                   int(cfg.get("target_hidden_size") or layer.hidden_size),
                    qs.get("base_num_layers"), qs.get("base_fingerprint"))
 
 
@@ -126,7 +142,10 @@ def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "t
                                ("vocab size", args.layer.vocab_size, base.vocab_size)):
         if mine != theirs:
             raise QuantSpecError(f"{where} was trained for a base with {name} {mine}, this base has {theirs}; {fix}")
-    bad = [i for i in args.aux_layer_ids if not 0 <= i <= base.num_layers]
+    if args.base_fingerprint is not None and args.base_fingerprint != base_fingerprint(base):
+        raise QuantSpecError(f"{where} was trained for another base (fingerprint {args.base_fingerprint} != "
+                             f"{base_fingerprint(base)}: layers / heads / sizes differ); {fix}")
+    bad = [i for i in args.aux_layers(base.num_layers) if not 0 <= i <= base.num_layers]
     if bad:
         raise QuantSpecError(f"{where} reads aux hidden states of layer {bad[0]}, outside this base's "
                              f"0..{base.num_layers}; {fix}")
@@ -174,7 +193,7 @@ class Eagle3Head(nn.Module):
     def __init__(self, args: Eagle3Args):
         super().__init__()
         self.args = args
-        a, n = args.layer, len(args.aux_layer_ids)
+        a, n = args.layer, args.num_aux
         self.fc = nn.Linear(n * args.target_hidden_size, a.hidden_size, bias=False)
         self.midlayer = Eagle3Layer(a)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
@@ -224,7 +243,7 @@ def eagle3_weight_table(args: Eagle3Args) -> dict[str, tuple[int, ...]]:
     a, D = args.layer, args.layer.hidden_size
     p = "midlayer."
     return {
-        "fc.weight": (D, len(args.aux_layer_ids) * args.target_hidden_size),
+        "fc.weight": (D, args.num_aux * args.target_hidden_size),
         p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,),
         p + "self_attn.q_proj.weight": (a.q_size, 2 * D), p + "self_attn.k_proj.weight": (a.kv_size, 2 * D),
         p + "self_attn.v_proj.weight": (a.kv_size, 2 * D), p + "self_attn.o_proj.weight": (D, a.q_size),

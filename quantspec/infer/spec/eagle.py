@@ -115,7 +115,8 @@ class EagleProposer:
         docstring). The hooks hold the engine weakly and go when it does, or with `detach()`."""
         self.detach()
         self._engine = weakref.ref(engine)
-        self._capture = AuxCapture(engine.model, self.head.args.aux_layer_ids, on_forward=self._file)
+        self._capture = AuxCapture(engine.model, self.head.args.aux_layers(engine.model.args.num_layers),
+                                   on_forward=self._file)
         self._pre = engine.model.register_forward_pre_hook(self._inputs)
 
     def detach(self) -> None:

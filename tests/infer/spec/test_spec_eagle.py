@@ -19,7 +19,7 @@ from quantspec.model_zoo.eagle3 import (AuxCapture, Eagle3Args, causal_attend, d
                                         eagle3_weight_table, load_eagle3, save_eagle3)
 from quantspec.model_zoo.eagle3_train import (Eagle3TrainConfig, choose_eagle3_vocab, eagle3_rows, init_eagle3,
                                               train_eagle3, ttt_outputs)
-from quantspec.model_zoo.llama import DenseCausalAttention
+from quantspec.model_zoo.llama import DenseCausalAttention, ModelArgs
 
 torch.set_num_threads(1)
 AUX = (0, 1, 2)  # the tiny Llama has 2 layers: its embeddings, layer 1's input, the last output
@@ -74,6 +74,11 @@ def test_published_layout(head_dir, base):
     assert torch.equal(torch.arange(256) + tensors["d2t"], torch.arange(0, 512, 2))  # target = d + d2t[d]
     assert torch.equal(tensors["t2d"].nonzero().flatten(), torch.arange(0, 512, 2))
     assert default_aux_layers(30) == (2, 15, 27)
+    # on the default layers no ids are written: both engines then capture (2, L // 2, L - 3)
+    big = ModelArgs(hidden_size=64, intermediate_size=128, num_layers=30, num_heads=4, num_kv_heads=2, vocab_size=512)
+    default = Eagle3Args.for_base(big, 100, (2, 15, 27)).to_config()
+    assert default["eagle_config"] == {"use_aux_hidden_state": True}
+    assert Eagle3Args.from_config(default).aux_layers(30) == (2, 15, 27)
     head = load_eagle3(head_dir, base.args)
     assert head.args.aux_layer_ids == AUX and head.args.draft_vocab_size == 256
 
