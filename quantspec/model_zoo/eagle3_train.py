@@ -235,13 +235,15 @@ def prepared_rows(base: Transformer, out: Path, key: dict, sequences: Callable[[
     """The training sequences' rows, the draft vocabulary and the aux layer ids: from
     `out/train_features.pt` when an earlier run with the same `key` saved them, else from
     `sequences()` (token tensors) and saved there first."""
-    from quantspec.model_zoo.eagle3 import check_eagle3_matches_base
+    from quantspec.model_zoo.eagle3 import default_aux_layers
     from quantspec.model_zoo.mtp_train import FEATURES_NAME
 
     path = out / FEATURES_NAME
-    args = Eagle3Args.for_base(base.args, 1, aux_layer_ids)
-    check_eagle3_matches_base(args, base.args, where="--aux-layer-ids")
-    aux = args.aux_layers(base.args.num_layers)
+    L = base.args.num_layers
+    aux = Eagle3Args.for_base(base.args, 1, aux_layer_ids).aux_layers(L)
+    if len(aux) != 3 or not all(0 <= i <= L for i in aux):
+        raise QuantSpecError(f"--aux-layer-ids {','.join(map(str, aux))}: give 3 layer ids in 0..{L} for this base "
+                             f"(id i reads the input of layer i; default {','.join(map(str, default_aux_layers(L)))})")
     blob = torch.load(path, map_location="cpu", weights_only=False) if path.exists() else None
     if isinstance(blob, dict) and blob.get("key") == key:
         say(f"reusing the {blob['rows'].positions()} training positions saved in {path.name} by an earlier run")
