@@ -99,6 +99,7 @@ class EagleProposer:
         self.depth = tree.depth if tree is not None else int(max_draft_tokens)
         self.width = tree.width if tree is not None else 1
         self._engine = lambda: None
+        self._filed_rows: list | None = None
         self._states: dict[int, _HeadState] = {}
         self._capture: AuxCapture | None = None
         self._fed_ids: torch.Tensor | None = None
@@ -135,8 +136,11 @@ class EagleProposer:
             self.detach()
             return
         rows = engine.forward_rows
-        if sum(q for _, q in rows) != feats.shape[0]:  # not an engine step's forward
+        # the engine sets a new `forward_rows` list before each of its forwards: the same list
+        # again is a forward of the model by someone else (another engine on the same base)
+        if rows is self._filed_rows or sum(q for _, q in rows) != feats.shape[0]:
             return
+        self._filed_rows = rows
         ids, pos = self._fed_ids.tolist(), self._fed_pos.tolist()
         off = 0
         for seq, q in rows:

@@ -166,6 +166,26 @@ def test_head_cache_equals_a_recompute_with_accepted_drafts(base, head_dir, tree
             torch.testing.assert_close(last, out[n - 1], atol=1e-5, rtol=1e-5)
 
 
+def test_forwards_of_the_base_by_another_engine_are_not_filed(base, head_dir):
+    """A plain engine on the same base runs between the EAGLE engine's steps: its forwards pass
+    the hooks, but the head's cache still equals a recompute of the EAGLE sequence alone."""
+    prompts = _prompts([8], seed=8)
+    plain = {0: _run(base, prompts)[0].output_ids}
+    proposer = _Oracle(load_eagle3_for_inference(head_dir, base), max_draft_tokens=3, plain=plain)
+    eng = Engine(base, EngineConfig(block_size=16, max_batch_size=1, max_length=160, spec_max_draft_tokens=3),
+                 eos_token_ids=[], proposer=proposer)
+    seq = eng.add_request(prompts[0], SamplingParams(max_new_tokens=40))
+    while eng.has_work():
+        eng.step()
+        _run(base, _prompts([5, 6, 7, 9], seed=9 + len(seq.output_ids)))  # decode rows: 4, as the EAGLE step's
+    proposer.detach()
+    assert seq.output_ids == plain[0] and seq.stats.accepted > 5
+    tokens, n, k, last = proposer.kept[seq.seq_id]
+    with torch.inference_mode():
+        _, out, keys = _reference_rows(base, proposer.head, tokens[:n + 1])
+    torch.testing.assert_close(k, keys, atol=1e-5, rtol=1e-5)
+
+
 def test_drafts_equal_a_from_scratch_chain(base, head_dir):
     prompts = _prompts([9], seed=2)
     plain = {0: _run(base, prompts)[0].output_ids}
