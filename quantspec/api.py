@@ -188,8 +188,7 @@ def _train_eagle3(model, out, *, dataset, chat_prompts, max_new_tokens, resume, 
     from quantspec.infer.hidden import generate_with_hidden
     from quantspec.model_zoo.checkpoint import load_model
     from quantspec.model_zoo.eagle3_train import Eagle3TrainConfig, init_eagle3, prepared_rows, train_eagle3
-    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
-    from quantspec.model_zoo.mtp_train import check_resumable
+    from quantspec.model_zoo.mtp_train import check_resumable, select_prompts
 
     config = Eagle3TrainConfig(**train_options)
     check_output_dir(out, "--out", overwrite=True)
@@ -198,7 +197,7 @@ def _train_eagle3(model, out, *, dataset, chat_prompts, max_new_tokens, resume, 
     with about("--model"):
         base, model_dir = load_model(model)
     base.requires_grad_(False)
-    prompts = chat_prompts if isinstance(chat_prompts, list) else builtin_prompts(chat_prompts)
+    prompts = select_prompts(chat_prompts)
 
     def sequences():
         tok, seqs = AutoTokenizer.from_pretrained(str(model_dir)), []
@@ -233,10 +232,9 @@ def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples,
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
     from quantspec.infer.hidden import generate_with_hidden
     from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.mtp_train import (CHAT_PROMPTS, FEATURES_NAME, MTPFeatures, atomic_torch_save,
-                                               choose_draft_vocab, extract_features, features_from_hidden,
-                                               features_key, load_features)
-    from quantspec.model_zoo.mtp_train import chat_prompts as builtin_prompts
+    from quantspec.model_zoo.mtp_train import (FEATURES_NAME, MTPFeatures, atomic_torch_save, choose_draft_vocab,
+                                               extract_features, features_from_hidden, features_key, load_features,
+                                               select_prompts)
 
     features_path = Path(out) / FEATURES_NAME
     say = on_status or (lambda _m: None)
@@ -249,22 +247,12 @@ def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples,
     for p in base.parameters():
         p.requires_grad_(False)
     tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    if self_distill:
-        if chat_prompts is None:
-            prompts = list(CHAT_PROMPTS)
-        elif isinstance(chat_prompts, int) and not isinstance(chat_prompts, bool):
-            if chat_prompts < 1:
-                raise QuantSpecError(f"--chat-prompts {chat_prompts} must be >= 1 (at most {len(builtin_prompts())} built in)")
-            prompts = builtin_prompts(chat_prompts)
-        else:
-            prompts = list(chat_prompts)
-        if not prompts:
-            raise QuantSpecError("chat_prompts is empty: give prompts, or a count of built-in ones")
+    prompts = select_prompts(chat_prompts) if self_distill else None
     # everything the training rows and the draft vocabulary are a function of: a run into `out`
     # with the same key reuses the rows an interrupted run saved there (the self-distillation
     # answers are most of the default recipe's time) instead of preparing them again
     key = features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill,
-                        prompts if self_distill else None, max_new_tokens, draft_vocab_size)
+                        prompts, max_new_tokens, draft_vocab_size)
     cached = load_features(features_path, key)
     if cached is not None:
         features, vocab, data = cached

@@ -401,6 +401,20 @@ def chat_prompts(n: int | None = None) -> list[str]:
 CHAT_PROMPTS = chat_prompts()  # `quantspec zoo train-mtp`'s default: all of them (--chat-prompts N: the first N)
 
 
+def select_prompts(chosen) -> list[str]:
+    """The self-distillation prompts: None → every built-in one; an int n → the first n; a
+    list → that list."""
+    if chosen is None:
+        return list(CHAT_PROMPTS)
+    if isinstance(chosen, int) and not isinstance(chosen, bool):
+        if chosen < 1:
+            raise QuantSpecError(f"--chat-prompts {chosen} must be >= 1 (at most {len(CHAT_PROMPTS)} built in)")
+        return chat_prompts(chosen)
+    if not list(chosen):
+        raise QuantSpecError("chat_prompts is empty: give prompts, or a count of built-in ones")
+    return list(chosen)
+
+
 def features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill, prompts,
                   max_new_tokens, draft_vocab_size) -> dict:
     """What `api.train_mtp`'s training rows and draft vocabulary are computed from (see there): the

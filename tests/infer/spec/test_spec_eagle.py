@@ -303,3 +303,19 @@ def test_quantized_head_drafts_the_same_and_stays_lossless(base, head_dir, tmp_p
     plain = [s.output_ids for s in _run(base, prompts)]
     proposer = EagleProposer(head, tree=TreeSpec(2, 2))
     assert [s.output_ids for s in _run(base, prompts, proposer, proposer.max_rows)] == plain
+
+
+def test_train_draft_head_eagle3_end_to_end_and_resume(tiny_llama_dir, base, tmp_path):
+    from quantspec import api
+
+    said = []
+    kw = dict(chat_prompts=["Tell me about the sea.", "What is two plus two?"], max_new_tokens=12,
+              aux_layer_ids=[0, 1, 2], draft_vocab_size=64, save_every=2, batch_size=2, seq_len=32)
+    res = api.train_draft_head("eagle3", str(tiny_llama_dir), tmp_path / "h", steps=2, on_status=said.append, **kw)
+    assert res["steps"] == 2 and res["positions"] > 2 * 12 and res["kind"] == "eagle3"
+    head = load_eagle3(tmp_path / "h", base.args)
+    assert head.args.aux_layer_ids == AUX and head.args.draft_vocab_size == 64
+    more = api.train_draft_head("eagle3", str(tiny_llama_dir), tmp_path / "h", steps=3, resume=True,
+                                on_status=said.append, **kw)
+    assert more["start_step"] == 2 and len(more["losses"]) == 1
+    assert any("reusing" in m for m in said)  # the second run takes the saved rows
