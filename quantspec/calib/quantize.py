@@ -258,6 +258,9 @@ def _read_source(config: QuantizeConfig) -> _Source:
         what = ("an MTP module" if is_mtp_config(cfg) else "Medusa heads" if is_medusa_config(cfg)
                 else "an EAGLE-3 head" if is_eagle3_config(cfg) else None)
         refusal = target_refusal(config.target, config.quant_config, mtp=True) if what else None
+        if refusal is not None and is_eagle3_config(cfg):  # vLLM / SGLang have its class; not their quantized path
+            refusal = (f"--target {config.target}: that vLLM / SGLang load it quantized is not checked here; "
+                       "pass --target quantspec")
         if refusal is not None:  # a draft module: no transformers model class
             raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
         reader = None if what else CheckpointReader(model_dir)  # every header checked
