@@ -319,3 +319,17 @@ def test_train_draft_head_eagle3_end_to_end_and_resume(tiny_llama_dir, base, tmp
                                 on_status=said.append, **kw)
     assert more["start_step"] == 2 and len(more["losses"]) == 1
     assert any("reusing" in m for m in said)  # the second run takes the saved rows
+
+
+@pytest.mark.parametrize("tree", [None, "3x2"])
+def test_cli_infer_eagle_equals_plain(tiny_llama_dir, head_dir, tmp_path, tree):
+    from test_spec_cli import ROWS, _infer
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in ROWS))
+    plain, _ = _infer(tmp_path, tiny_llama_dir, data)
+    extra = ["--speculate-method", "eagle", "--draft-model", head_dir, "--speculate-max-draft-token-num", 3]
+    spec, stats = _infer(tmp_path, tiny_llama_dir, data, *extra, *(["--speculate-tree", tree] if tree else []),
+                         tag="eagle")
+    assert spec == plain
+    assert stats["speculate_method"] == "eagle" and stats["drafted_tokens"] > 0
