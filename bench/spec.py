@@ -35,6 +35,11 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      of `--medusa-trees` (default 2x2,4x2: `medusa tree DxK`, D·K draft rows), so
                      trees and chains compare at equal verified rows; and the heads quantized on
                      their own (`--medusa-quant`, RTN, cached) with the first tree.
+- eagle:             an EAGLE-3 head (`--eagle DIR`, from `quantspec zoo train-draft-head --kind
+                     eagle3`) as a chain of `--eagle-chain` drafts (with the back-off) and as
+                     each token tree of `--eagle-trees` (default 4x2), and quantized on its own
+                     (`--eagle-quant`) with the first tree; on a base loaded for these rows alone
+                     (the head's hooks take that base off the fused CPU stack).
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
 with `--rounds R` each prompt runs R times through every method (interleaved) and each method
 keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
@@ -173,6 +178,10 @@ def _args():
     ap.add_argument("--medusa-trees", default="2x2,4x2", help="token trees DxK of the medusa rows (comma list)")
     ap.add_argument("--medusa-chain", type=int, default=4, help="draft tokens of the medusa chain row")
     ap.add_argument("--medusa-quant", default="", help="also run the heads quantized to these types (comma list)")
+    ap.add_argument("--eagle", help="EAGLE-3 head directory (`--methods eagle`)")
+    ap.add_argument("--eagle-trees", default="4x2", help="token trees DxK of the eagle rows (comma list)")
+    ap.add_argument("--eagle-chain", type=int, default=4, help="draft tokens of the eagle chain row")
+    ap.add_argument("--eagle-quant", default="", help="also run the head quantized to these types (comma list)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every (prompt, method) this many times, interleaved, and keep the fastest "
                          "(on a shared machine the minimum filters out other work's interference)")
@@ -236,26 +245,34 @@ def _mtp_methods(a, common: dict, loaded, methods: dict) -> None:
         methods[f"mtp {qt}"] = Predictor(dataclasses.replace(cfg, draft_model=str(out)), loaded=loaded)
 
 
-def _medusa_methods(a, common: dict, loaded, methods: dict) -> None:
-    """Medusa heads as a chain and as token trees, plain and quantized on their own."""
+def _head_methods(a, common: dict, loaded, methods: dict, kind: str) -> None:
+    """Draft heads (`kind` medusa or eagle) as a chain and as token trees, plain and quantized on
+    their own. EAGLE-3 rows get a base of their own: the head's hooks on the base's layers take
+    it off the fused CPU stack, which must not slow the other rows."""
     from quantspec import api
     from quantspec.paths import cache_dir
 
-    if not a.medusa or not (Path(a.medusa).expanduser() / "config.json").is_file():
-        raise SystemExit("--methods medusa needs --medusa DIR (heads from `quantspec zoo train-draft-head --kind medusa`)")
-    heads = Path(a.medusa).expanduser()
-    cfg = InferConfig(**common, speculate_method="medusa", draft_model=str(heads),
-                      speculate_max_draft_token_num=a.medusa_chain)
-    methods[f"medusa chain {a.medusa_chain}"] = Predictor(cfg, loaded=loaded)
-    trees = [t for t in a.medusa_trees.split(",") if t]
+    train = {"medusa": "medusa", "eagle": "eagle3"}[kind]
+    where = getattr(a, kind)
+    if not where or not (Path(where).expanduser() / "config.json").is_file():
+        raise SystemExit(f"--methods {kind} needs --{kind} DIR (from `quantspec zoo train-draft-head --kind {train}`)")
+    if kind == "eagle":
+        from quantspec.infer.loader import load_for_inference
+
+        loaded = load_for_inference(common["model"])
+    heads = Path(where).expanduser()
+    chain = getattr(a, f"{kind}_chain")
+    cfg = InferConfig(**common, speculate_method=kind, draft_model=str(heads), speculate_max_draft_token_num=chain)
+    methods[f"{kind} chain {chain}"] = Predictor(cfg, loaded=loaded)
+    trees = [t for t in getattr(a, f"{kind}_trees").split(",") if t]
     for tree in trees:
-        methods[f"medusa tree {tree}"] = Predictor(dataclasses.replace(cfg, speculate_tree=tree), loaded=loaded)
-    for qt in [q for q in a.medusa_quant.split(",") if q]:
+        methods[f"{kind} tree {tree}"] = Predictor(dataclasses.replace(cfg, speculate_tree=tree), loaded=loaded)
+    for qt in [q for q in getattr(a, f"{kind}_quant").split(",") if q]:
         stamp = int((heads / "model.safetensors").stat().st_mtime)
-        out = cache_dir() / "bench" / f"{heads.name}.medusa.{stamp}.{qt}"
+        out = cache_dir() / "bench" / f"{heads.name}.{kind}.{stamp}.{qt}"
         if not (out / "config.json").is_file():
             api.quantize(str(heads), qt, out, overwrite=True, target="quantspec")
-        methods[f"medusa {qt} tree {trees[0] if trees else 'chain'}"] = Predictor(
+        methods[f"{kind} {qt} tree {trees[0] if trees else 'chain'}"] = Predictor(
             dataclasses.replace(cfg, draft_model=str(out), speculate_tree=trees[0] if trees else None), loaded=loaded)
 
 
@@ -274,8 +291,9 @@ def _methods(a, model_dir: Path, loaded) -> dict:
     _draft_methods(a, common, model_dir, loaded, methods)
     if "mtp" in wanted:
         _mtp_methods(a, common, loaded, methods)
-    if "medusa" in wanted:
-        _medusa_methods(a, common, loaded, methods)
+    for kind in ("medusa", "eagle"):
+        if kind in wanted:
+            _head_methods(a, common, loaded, methods, kind)
     return methods
 
 

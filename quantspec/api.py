@@ -9,6 +9,7 @@ from __future__ import annotations
 
 from pathlib import Path
 
+from quantspec import distill
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir, check_output_file
 
@@ -116,7 +117,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
         return {"steps": steps, "start_step": done, "loss_first": None, "loss_last": None, "losses": [],
                 "positions": None, "out": str(out), "wall_s": 0.0}
     t0 = time.perf_counter()
-    base, features, vocab, data = _self_distilled_rows(
+    base, features, vocab, data = distill.self_distilled_rows(
         model, out, dataset, split=split, text_field=text_field, num_samples=num_samples, seq_len=seq_len,
         seed=seed, self_distill=self_distill, chat_prompts=chat_prompts, max_new_tokens=max_new_tokens,
         gen_batch_size=gen_batch_size, draft_vocab_size=draft_vocab_size, on_status=on_status)
@@ -143,10 +144,15 @@ def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", o
     from quantspec.model_zoo.medusa_train import init_medusa, train_medusa
     from quantspec.model_zoo.mtp_train import FEATURES_NAME, MTPTrainConfig, check_resumable
 
-    if kind != "medusa":
-        raise QuantSpecError(f"--kind {kind!r} is not trained here yet; use --kind medusa")
+    if kind not in ("medusa", "eagle3"):
+        raise QuantSpecError(f"--kind {kind!r} is not trained here; use --kind medusa or eagle3")
     if out is None:
         raise QuantSpecError("--out is required: the directory to write the heads to")
+    if kind == "eagle3":
+        return distill.train_eagle3_head(
+            model, out, dataset=dataset, steps=steps, seqs_per_step=batch_size, seq_len=seq_len, lr=lr,
+            chat_prompts=chat_prompts, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size,
+            save_every=save_every, seed=seed, resume=resume, on_step=on_step, on_status=on_status, **data_options)
     if num_heads < 1 or num_layers < 0:
         raise QuantSpecError(f"--num-heads {num_heads} / --num-layers {num_layers}: use >= 1 heads, >= 0 layers")
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, save_every=save_every, seed=seed,
@@ -159,7 +165,7 @@ def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", o
     t0 = time.perf_counter()
     opts = dict(split="train", text_field="text", num_samples=16, self_distill=True, gen_batch_size=64)
     opts.update(data_options)
-    base, features, vocab, data = _self_distilled_rows(
+    base, features, vocab, data = distill.self_distilled_rows(
         model, out, dataset, seq_len=seq_len, seed=seed, chat_prompts=chat_prompts, max_new_tokens=max_new_tokens,
         draft_vocab_size=draft_vocab_size, on_status=on_status, **opts)
     heads = init_medusa(base, vocab, num_heads, num_layers)
@@ -168,86 +174,6 @@ def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", o
     (Path(out) / FEATURES_NAME).unlink(missing_ok=True)
     res.update(data, out=str(out), wall_s=round(time.perf_counter() - t0, 1))
     return res
-
-
-def _self_distilled_rows(model, out, dataset, *, split, text_field, num_samples, seq_len, seed, self_distill,
-                         chat_prompts, max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
-    """The frozen base and the training rows of a draft module (MTP, Medusa): dataset windows and
-    the base's own greedy answers to chat prompts, with the base's hidden states, and the draft
-    vocabulary (the most frequent targets). Saved to `out/train_features.pt` first and reused
-    by a later run with the same key. → (base, features, vocab, data summary)."""
-    import torch
-    from transformers import AutoTokenizer
-
-    from quantspec.calib.data import load_calibration_texts
-    from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.mtp_train import (FEATURES_NAME, atomic_torch_save, distill_prompts, features_key,
-                                               load_features)
-
-    features_path = Path(out) / FEATURES_NAME
-    say = on_status or (lambda _m: None)
-    texts = None
-    if dataset is not None:
-        with about("--dataset"):
-            texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
-    with about("--model"):
-        base, model_dir = load_model(model)
-    for p in base.parameters():
-        p.requires_grad_(False)
-    tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    prompts = distill_prompts(chat_prompts) if self_distill else None
-    # everything the training rows and the draft vocabulary are a function of: a run into `out`
-    # with the same key reuses the rows an interrupted run saved there (the self-distillation
-    # answers are most of the default recipe's time) instead of preparing them again
-    key = features_key(base, model_dir, dataset, split, text_field, num_samples, seq_len, seed, self_distill,
-                        prompts, max_new_tokens, draft_vocab_size)
-    cached = load_features(features_path, key)
-    if cached is not None:
-        features, vocab, data = cached
-        say(f"reusing the {len(features)} training positions saved in {features_path.name} by an earlier run")
-    else:
-        features, vocab, data = _base_rows(
-            base, tokenizer, texts, prompts, dataset=dataset, text_field=text_field, num_samples=num_samples,
-            seq_len=seq_len, seed=seed, self_distill=self_distill, max_new_tokens=max_new_tokens,
-            gen_batch_size=gen_batch_size, draft_vocab_size=draft_vocab_size, on_status=on_status)
-        Path(out).mkdir(parents=True, exist_ok=True)
-        atomic_torch_save({"key": key, "features": features, "vocab": vocab, "data": data}, features_path)
-    covered = torch.isin(features.tgt1[features.tgt1 >= 0], vocab).float().mean().item()
-    say(f"{len(features)} training positions; draft vocabulary {vocab.numel()} tokens covers {covered:.1%} of targets")
-    data["draft_vocab_coverage"] = round(covered, 4)
-    return base, features, vocab, data
-
-
-def _base_rows(base, tokenizer, texts, prompts, *, dataset, text_field, num_samples, seq_len, seed, self_distill,
-               max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
-    """The training rows the base gives on the dataset's windows and on its own answers to
-    `prompts` (when `self_distill`), and the draft vocabulary. → (features, vocab, data summary)"""
-    import torch
-
-    from quantspec.calib.data import build_calibration_batches
-    from quantspec.infer.hidden import generate_with_hidden
-    from quantspec.model_zoo.mtp_train import (MTPFeatures, choose_draft_vocab, extract_features,
-                                               features_from_hidden)
-
-    say = on_status or (lambda _m: None)
-    parts, data = [], {"self_distill": self_distill}
-    if dataset is not None:
-        batches = build_calibration_batches(texts, tokenizer, num_samples, seq_len, seed, allow_fewer=True)
-        say(f"base features for {batches.shape[0]} × {seq_len} dataset tokens")
-        parts.append(extract_features(base, batches, self_distill=self_distill))
-        data.update(dataset=str(dataset), text_field=text_field, num_samples=int(batches.shape[0]),
-                    seq_len=seq_len)
-    if self_distill:
-        say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
-        gens = generate_with_hidden(base, tokenizer, prompts, max_new_tokens=max_new_tokens,
-                                     batch_size=gen_batch_size, on_status=on_status)
-        parts.extend(features_from_hidden(t, h, None) for t, h in gens)  # greedy: next token = base's choice
-        data.update(chat_prompts=len(prompts), chat_tokens=sum(len(t) for t, _ in gens),
-                    max_new_tokens=max_new_tokens)
-    features = MTPFeatures.cat(parts)
-    with torch.no_grad():
-        vocab = choose_draft_vocab(features, draft_vocab_size, base.args.vocab_size, base.args.eos_token_ids)
-    return features, vocab, data
 
 
 def _dir_bytes(path, pattern: str = "*") -> int:

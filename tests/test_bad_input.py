@@ -79,7 +79,20 @@ CASES = [
                                 "--draft-model {d}/medusa_otherbase", "--draft-model"),
     ("infer-medusa-vocab-outside", "infer --model {model} --prompt hi --speculate-method medusa "
                                    "--draft-model {d}/medusa_badvocab", "--draft-model"),
+    ("infer-eagle-without-head", "infer --model {model} --prompt hi --speculate-method eagle", "--draft-model"),
+    ("infer-eagle-not-a-head", "infer --model {model} --prompt hi --speculate-method eagle "
+                               "--draft-model {d}/medusa", "--draft-model"),
+    ("infer-eagle-other-hidden", "infer --model {model} --prompt hi --speculate-method eagle "
+                                 "--draft-model {d}/eagle_hidden32", "--draft-model"),
+    ("infer-eagle-other-vocab", "infer --model {model} --prompt hi --speculate-method eagle "
+                                "--draft-model {d}/eagle_vocab1024", "--draft-model"),
+    ("infer-eagle-aux-out-of-range", "infer --model {model} --prompt hi --speculate-method eagle "
+                                     "--draft-model {d}/eagle_aux9", "--draft-model"),
+    ("infer-eagle-d2t-outside", "infer --model {model} --prompt hi --speculate-method eagle "
+                                "--draft-model {d}/eagle_badd2t", "--draft-model"),
     ("infer-device-cuda", "infer --model {model} --prompt hi --device cuda", "--device"),
+    ("train-eagle3-aux-out-of-range", "zoo train-draft-head --kind eagle3 --model {model} --aux-layer-ids 0,1,9 "
+                                      "--out {d}/head", "--aux-layer-ids"),
     ("infer-device-bogus", "infer --model {model} --prompt hi --device tpu", "--device"),
     # -- quantize ----------------------------------------------------------------------------
     ("quantize-unknown-type", "quantize --model {model} --quant-type int3 --out {d}/q", "--quant-type"),
@@ -98,6 +111,8 @@ CASES = [
     ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
                           "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
     ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
+    ("quantize-eagle3-portable", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 --out {d}/q",
+     "--target"),
     ("quantize-calib-missing", "quantize --model {model} --quant-type a8w8 --target vllm --calib {d}/no-table --out {d}/q",
      "--calib"),
     ("quantize-alpha-2", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table "
@@ -226,6 +241,24 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
     (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
     shutil.copytree(quantized, d / "quantized")
     _medusa_inputs(d)
+    _eagle3_inputs(d)
+
+
+def _eagle3_inputs(d: Path) -> None:
+    """EAGLE-3 heads that do not fit the tiny Llama (hidden 64, vocab 512, 2 layers)."""
+    from quantspec.model_zoo.eagle3 import Eagle3Args, Eagle3Head, save_eagle3
+    from quantspec.model_zoo.llama import ModelArgs
+
+    def base(**kw):
+        return ModelArgs(**{**dict(hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4, num_kv_heads=2,
+                                   vocab_size=512, rope_theta=10000.0), **kw})
+
+    save_eagle3(Eagle3Head(Eagle3Args.for_base(base(hidden_size=32), 8, (0, 1, 2))), d / "eagle_hidden32")
+    save_eagle3(Eagle3Head(Eagle3Args.for_base(base(vocab_size=1024), 8, (0, 1, 2))), d / "eagle_vocab1024")
+    save_eagle3(Eagle3Head(Eagle3Args.for_base(base(), 8, (0, 1, 9))), d / "eagle_aux9")
+    bad = Eagle3Head(Eagle3Args.for_base(base(), 8, (0, 1, 2)))
+    bad.d2t.fill_(9999)
+    save_eagle3(bad, d / "eagle_badd2t")
 
 
 def _medusa_inputs(d: Path) -> None:

@@ -246,6 +246,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (its headers checked before any work) and the calibration table."""
     from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
                                                 verify_checkpoint)
+    from quantspec.model_zoo.eagle3 import is_eagle3_config
     from quantspec.quant.engines import target_refusal
 
     with about("--model"):
@@ -256,6 +257,11 @@ def _read_source(config: QuantizeConfig) -> _Source:
         kind = draft_kind(cfg)
         what = {"mtp": "an MTP module", "medusa": "Medusa heads"}.get(kind)
         refusal = target_refusal(config.target, config.quant_config, draft=kind) if what else None
+        if what is None and is_eagle3_config(cfg):  # vLLM / SGLang have its class; not their quantized path
+            what = "an EAGLE-3 head"
+            refusal = None if config.target == "quantspec" else (
+                f"--target {config.target}: that vLLM / SGLang load it quantized is not checked here; "
+                "pass --target quantspec")
         if refusal is not None:  # a draft module: no transformers model class
             raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
         reader = None if what else CheckpointReader(model_dir)  # every header checked
@@ -280,14 +286,15 @@ def _read_source(config: QuantizeConfig) -> _Source:
 
 def _skeleton(config: QuantizeConfig, src: _Source):
     """The model on the `meta` device, its layers read from `src.reader` as they are quantized
-    (an MTP module — one block — or Medusa heads, quantized on their own, weight-only, with RTN,
-    are read whole)."""
+    (an MTP module — one block —, Medusa heads or an EAGLE-3 head, quantized on their own,
+    weight-only, with RTN, are read whole)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint
+    from quantspec.model_zoo.eagle3 import is_eagle3_config, load_eagle3
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
     from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
-    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa)):
+    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa), (is_eagle3_config, load_eagle3)):
         if is_it(src.config):
             with about("--model"):
                 return load(src.model_dir)

@@ -52,10 +52,10 @@ def _stats_table(title: str, stats: dict):
               help="static: FP8 E4M3 KV cache with calibrated per-head scales.")
 @click.option("--calib", type=click.Path(file_okay=False), help="Calibration directory (scale tables) for a static KV cache.")
 @click.option("--speculate-method", default="none", show_default=True,
-              type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa"]))
-@click.option("--draft-model", help="Draft model, MTP module or Medusa heads (directory or artifact).")
+              type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa", "eagle"]))
+@click.option("--draft-model", help="Draft model, MTP module, Medusa heads or EAGLE-3 head (directory or artifact).")
 @click.option("--speculate-tree", default=None,
-              help="medusa: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain.")
+              help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain.")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, help="Draft tokens per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, help="Longest n-gram tried first.")
 @click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,

@@ -19,7 +19,8 @@ def zoo():
 @click.option("--text-field", default="text", show_default=True, help="Dataset column holding the text.")
 @click.option("--steps", default=1500, show_default=True, type=int)
 @click.option("--seq-len", default=256, show_default=True, type=int, help="Dataset window length (tokens).")
-@click.option("--batch-size", default=4, show_default=True, type=int, help="Windows' worth of positions per step.")
+@click.option("--batch-size", default=4, show_default=True, type=int,
+              help="Windows' worth of positions per step (eagle3: sequences per step).")
 @click.option("--num-samples", default=16, show_default=True, type=int, help="Dataset windows used.")
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--self-distill/--no-self-distill", default=True, show_default=True,
@@ -60,14 +61,20 @@ def train_mtp(**kw):
 
 
 @zoo.command(name="train-draft-head")
-@click.option("--kind", type=click.Choice(["medusa"]), default="medusa", show_default=True,
-              help="medusa: heads in the Medusa authors' layout (use with --speculate-method medusa).")
+@click.option("--kind", type=click.Choice(["medusa", "eagle3"]), default="medusa", show_default=True,
+              help="medusa: heads in the Medusa authors' layout (--speculate-method medusa); eagle3: an EAGLE-3 "
+                   "head in the layout vLLM / SGLang load (--speculate-method eagle).")
 @click.option("--model", default="smollm2-135m", show_default=True, help="The frozen base model.")
-@click.option("--num-heads", default=4, show_default=True, type=int)
+@click.option("--num-heads", default=4, show_default=True, type=int, help="medusa: heads.")
+@click.option("--aux-layer-ids", default=None, help="eagle3: the base's low,mid,high layers read "
+              "[default: 2,L/2,L-3].", callback=lambda _c, _p, v: v and [int(x) for x in v.split(",")])
+@click.option("--ttt-steps", default=4, show_default=True, type=int,
+              help="eagle3: training-time-test depth (the head unrolled on its own outputs).")
 @click.option("--num-layers", default=1, show_default=True, type=int, help="ResBlocks per head.")
 @click.option("--dataset", default=None, help="Text data besides the self-distilled chat answers.")
 @click.option("--steps", default=300, show_default=True, type=int)
-@click.option("--batch-size", default=4, show_default=True, type=int, help="Windows' worth of positions per step.")
+@click.option("--batch-size", default=4, show_default=True, type=int,
+              help="Windows' worth of positions per step (eagle3: sequences per step).")
 @click.option("--seq-len", default=256, show_default=True, type=int)
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--chat-prompts", default=None, type=click.IntRange(min=1),
@@ -82,13 +89,21 @@ def train_mtp(**kw):
 @one_line_errors
 @threads_option
 def train_draft_head(**kw):
-    """Train draft heads for a frozen base by self-distillation (Medusa)."""
+    """Train draft heads for a frozen base by self-distillation (Medusa, EAGLE-3)."""
     from quantspec import api
     from quantspec.console import Progress
 
-    with Progress(f"train-draft-head ({kw['kind']})") as progress:
-        res = api.train_draft_head(on_step=lambda step, total, loss: progress.fraction(step, total, f"loss {loss:.3f}"),
-                                   on_status=progress.status, **kw)
+    def on_step(step, total, loss, accuracy=()):
+        acc = " top-1 " + "/".join(f"{a:.2f}" for a in accuracy) if accuracy else ""
+        progress.fraction(step, total, f"loss {loss:.3f}{acc}")
+
+    kind, aux, ttt = kw["kind"], kw.pop("aux_layer_ids"), kw.pop("ttt_steps")
+    if kind == "eagle3":
+        kw.pop("num_layers")
+        kw.pop("num_heads")
+        kw.update(aux_layer_ids=aux, ttt_steps=ttt)
+    with Progress(f"train-draft-head ({kind})") as progress:
+        res = api.train_draft_head(on_step=on_step, on_status=progress.status, **kw)
     if res["positions"] is None:
         progress.console.print(f"{res['out']} is already trained to {res['start_step']} steps: nothing to do")
         return

@@ -113,6 +113,8 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache.allocator)
         self._next_id = 0
         self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
+        if hasattr(proposer, "attach"):  # a drafter that reads the base's forwards (EAGLE-3's features)
+            proposer.attach(self)
         self.num_steps = 0
         # the forward of the current step, in row order: (sequence, query rows) — a prefill step
         # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and

@@ -192,6 +192,14 @@ def check_against_table(tensors: Mapping[str, Any], table: dict[str, tuple[int, 
             raise QuantSpecError(f"{where}: {name} has shape {have}, config.json implies {shape}")
 
 
+def check_exactly_table(tensors: Mapping[str, Any], table: dict[str, tuple[int, ...]], where: str, what: str) -> None:
+    """`check_against_table`, and no tensor beyond the table (`what` names the module kind)."""
+    check_against_table(tensors, table, where)
+    unexpected = sorted(set(tensors) - set(table))
+    if unexpected:
+        raise QuantSpecError(f"{where}: unexpected tensor {unexpected[0]} for {what}")
+
+
 def check_checkpoint(tensors: Mapping[str, Any], args: ModelArgs, where: str) -> list[str]:
     """Check a checkpoint's tensors (name → tensor, or name → shape) against the HF weight table
     of `args`; returns the names to load (recomputed ones — rotary tables — and a tied head's

@@ -238,6 +238,15 @@ def _losses(mtp: MTPModule, f: MTPFeatures, idx: torch.Tensor, lut: torch.Tensor
     return loss1, loss2
 
 
+def optimizer_step(opt: torch.optim.Optimizer, loss: torch.Tensor, params: list, max_norm: float = 1.0) -> float:
+    """One step of `opt` on `loss` (gradients clipped to `max_norm`) → the loss as a float."""
+    opt.zero_grad(set_to_none=True)
+    loss.backward()
+    torch.nn.utils.clip_grad_norm_(params, max_norm)
+    opt.step()
+    return float(loss.detach())
+
+
 def check_resumable(out_dir: str | os.PathLike, config: MTPTrainConfig, resume: bool) -> int | None:
     """Refuse, before any work, a run into a directory holding a checkpoint without `resume`, and a
     resume whose objective differs from the checkpoint's (see `_check_same_objective`). → the

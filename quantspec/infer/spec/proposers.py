@@ -5,7 +5,8 @@ This file owns:
 - `build_proposer(config, loaded) -> (proposer, max_draft_tokens)`: validates the speculation
   knobs of an `InferConfig` and builds the proposer of its `speculate_method`
   (`inference_with_reference` → `ReferenceProposer`; `draft` → `spec/draft.py`'s
-  `DraftModelProposer`; `mtp` → `spec/mtp.py`, imported lazily).
+  `DraftModelProposer`; `mtp` → `spec/mtp.py`; `medusa` → `spec/medusa.py`; `eagle` →
+  `spec/eagle.py`; each imported lazily).
 - `ReferenceProposer`: `propose_ngram` over each sequence's prompt + generated tokens, kept as a
   growing numpy buffer per sequence so a step costs O(new tokens) to update plus one match.
 - `SpecCost` and `AdaptiveDraftLength`: the back-off (see below).
@@ -63,7 +64,7 @@ __all__ = [
 ]
 
 MAX_DRAFT_TOKENS = 16  # upper bound of --speculate-max-draft-token-num
-SPECULATE_METHODS = ("none", "inference_with_reference", "draft", "mtp", "medusa")
+SPECULATE_METHODS = ("none", "inference_with_reference", "draft", "mtp", "medusa", "eagle")
 
 
 @dataclass(frozen=True)
@@ -408,20 +409,20 @@ def validate_spec_config(config) -> None:
             "--draft-model is not used by --speculate-method inference_with_reference (n-gram drafts "
             "come from the prompt); drop --draft-model or use --speculate-method draft"
         )
-    if method in ("draft", "mtp", "medusa") and not config.draft_model:
+    if method in ("draft", "mtp", "medusa", "eagle") and not config.draft_model:
         what = {"draft": "a draft model with the same tokenizer", "mtp": "an MTP module artifact",
-                "medusa": "Medusa heads"}[method]
+                "medusa": "Medusa heads", "eagle": "an EAGLE-3 head"}[method]
         raise QuantSpecError(f"--speculate-method {method} needs --draft-model DIR ({what})")
     if method == "none" and config.draft_model:
-        raise QuantSpecError("--draft-model needs --speculate-method draft, mtp or medusa")
+        raise QuantSpecError("--draft-model needs --speculate-method draft, mtp, medusa or eagle")
     tree = getattr(config, "speculate_tree", None)
     if tree:
         from quantspec.infer.spec.tree import parse_tree_spec
 
         parse_tree_spec(tree)
-        if method != "medusa":
-            raise QuantSpecError(f"--speculate-tree drafts a token tree with --speculate-method medusa; "
-                                 f"drop it for {method}")
+        if method not in ("medusa", "eagle"):
+            raise QuantSpecError(f"--speculate-tree drafts a token tree with --speculate-method medusa or "
+                                 f"eagle; drop it for {method}")
 
 
 def loaded_runtime(loaded):
@@ -463,4 +464,8 @@ def build_proposer(config, loaded):
         from quantspec.infer.spec.medusa import build_medusa_proposer
 
         return build_medusa_proposer(config, loaded)
+    if method == "eagle":
+        from quantspec.infer.spec.eagle import build_eagle_proposer
+
+        return build_eagle_proposer(config, loaded)
     raise AssertionError(method)  # validate_spec_config covers every method

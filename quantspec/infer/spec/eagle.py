@@ -1,0 +1,276 @@
+"""`--speculate-method eagle`: an EAGLE-3 head (`model_zoo/eagle3.py`) drafts autoregressively
+over its own KV cache, as a chain or a `DxK` token tree.
+
+Features. Attached to an engine (`attach`), the proposer hooks the base's decoder layers
+(`AuxCapture`) and, after each forward, files every sequence's fed rows with their aux
+features, tokens and positions (`engine.forward_rows` gives the rows' owners). Before drafting,
+a sequence's head *catches up*: the rows the verifier kept (a prompt's rows; a decode step's
+newest token and its accepted drafts, found in the fed tree by depth and token) run through the
+head, row p reading fc(aux features of p) and the token t_{p+1}, their keys / values appended to
+the head's cache, which holds one row per position of the sequence.
+
+Drafting. From the head's output at the newest position the head runs one row per draft depth:
+token = the previous depth's top-1 draft, hidden = the previous row's pre-norm output, position
++1, keys / values written past the cache's valid rows (overwritten by the next catch-up: nothing
+to roll back). Each depth's top K draft-vocabulary tokens (K = 1 for a chain) map to target ids
+through `d2t`; a tree is the caterpillar of `spec/tree.py`. Drafts are deterministic (probs
+None): sampling verification treats each as one-hot, which keeps it lossless.
+
+Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`, the head's cost per
+draft in the cost model: its bytes read per token over the base's).
+"""
+
+from __future__ import annotations
+
+import weakref
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
+from quantspec.infer.spec.types import SpecProposal
+from quantspec.model_zoo.checkpoint import read_config
+from quantspec.model_zoo.eagle3 import (INT_BUFFERS, AuxCapture, Eagle3Args, Eagle3Head, check_draft_maps,
+                                        check_eagle3_matches_base, eagle3_weight_table, is_eagle3_config, load_eagle3)
+from quantspec.model_zoo.llama import Transformer
+
+__all__ = ["EagleProposer", "build_eagle_proposer", "load_eagle3_for_inference"]
+
+
+def load_eagle3_for_inference(path: str | Path, base: Transformer, *, dtype: torch.dtype | None = None) -> Eagle3Head:
+    """An EAGLE-3 head for `base` (unquantized or a compressed-tensors artifact), in the base's
+    dtype and on its device, checked against it and bound to its embedding."""
+    path = Path(path).expanduser()
+    if not (path / "config.json").is_file():
+        raise QuantSpecError(f"--draft-model {path} has no config.json; pass a head from "
+                             "`quantspec zoo train-draft-head --kind eagle3`")
+    cfg = read_config(path)
+    if not is_eagle3_config(cfg):
+        raise QuantSpecError(f"--draft-model {path} is not an EAGLE-3 head (architectures {cfg.get('architectures')}); "
+                             "pass a head from `quantspec zoo train-draft-head --kind eagle3`")
+    dev, dtype = base.model.norm.weight.device, dtype or base.model.norm.weight.dtype
+    if not cfg.get("quantization_config"):
+        head = load_eagle3(path, base.args, dtype=dtype, device=dev)
+    else:
+        from quantspec.infer.spec.mtp import load_quantized_module
+
+        args = Eagle3Args.from_config(cfg, where=str(path / "config.json"))
+        check_eagle3_matches_base(args, base.args, where=f"EAGLE-3 head {path}")
+        with torch.device("meta"):
+            head = Eagle3Head(args)
+        head = load_quantized_module(path, cfg, head, eagle3_weight_table(args), INT_BUFFERS, dtype, dev)
+        check_draft_maps(head, str(path))
+    return head.bind_embedding(base.model.embed_tokens)
+
+
+@dataclass
+class _Fed:
+    """One forward's rows of a sequence: the first `real` are its own tokens, the rest drafts."""
+
+    start: int  # position of the first row
+    real: int
+    tokens: list[int]
+    positions: list[int]
+    feats: torch.Tensor  # [q, 3D]
+
+
+@dataclass
+class _HeadState:
+    """A sequence's head cache: `n` valid rows (positions 0..n-1), the output of row n-1."""
+
+    k: torch.Tensor  # [cap, KV, hd]
+    v: torch.Tensor
+    n: int = 0
+    last: torch.Tensor | None = None  # [D]
+    fed: list[_Fed] = field(default_factory=list)
+
+
+class EagleProposer:
+    """EAGLE-3 drafts for a batch of sequences (module docstring). `tree`: a `DxK` spec (None: a
+    chain of at most `max_draft_tokens`); `policy`: chains' back-off (None: always the budget)."""
+
+    needs_hidden = False
+
+    def __init__(self, head: Eagle3Head, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4, policy=None):
+        self.head, self.tree, self.policy = head, tree, policy
+        self.depth = tree.depth if tree is not None else int(max_draft_tokens)
+        self.width = tree.width if tree is not None else 1
+        self._engine = lambda: None
+        self._filed_rows: list | None = None
+        self._states: dict[int, _HeadState] = {}
+        self._capture: AuxCapture | None = None
+        self._fed_ids: torch.Tensor | None = None
+        self._fed_pos: torch.Tensor | None = None
+
+    @property
+    def max_rows(self) -> int:
+        return self.depth * self.width
+
+    # -- features of the base's forwards ------------------------------------------------------
+
+    def attach(self, engine) -> None:
+        """Hook `engine.model` so every forward of the engine files its rows' features (module
+        docstring). The hooks hold the engine weakly and go when it does, or with `detach()`."""
+        self.detach()
+        self._engine = weakref.ref(engine)
+        self._capture = AuxCapture(engine.model, self.head.args.aux_layers(engine.model.args.num_layers),
+                                   on_forward=self._file)
+        self._pre = engine.model.register_forward_pre_hook(self._inputs)
+
+    def detach(self) -> None:
+        if self._capture is not None:
+            self._capture.remove()
+            self._pre.remove()
+            self._capture = None
+
+    def _inputs(self, _module, args) -> None:
+        self._fed_ids, self._fed_pos = args[0], args[1]  # [T] each
+
+    def _file(self, feats: torch.Tensor) -> None:
+        """feats [T, 3D] of this forward: each row goes to its sequence's state."""
+        engine = self._engine()
+        if engine is None:
+            self.detach()
+            return
+        rows = engine.forward_rows
+        # the engine sets a new `forward_rows` list before each of its forwards: the same list
+        # again is a forward of the model by someone else (another engine on the same base)
+        if rows is self._filed_rows or sum(q for _, q in rows) != feats.shape[0]:
+            return
+        self._filed_rows = rows
+        ids, pos = self._fed_ids.tolist(), self._fed_pos.tolist()
+        off = 0
+        for seq, q in rows:
+            st = self._state(seq)
+            real = min(q, seq.num_tokens - seq.num_cached)
+            st.fed.append(_Fed(seq.num_cached, real, ids[off:off + q], pos[off:off + q], feats[off:off + q]))
+            off += q
+
+    def _state(self, seq) -> _HeadState:
+        st = self._states.get(seq.seq_id)
+        if st is None:
+            a, w = self.head.args.layer, self.head.norm.weight
+            shape = (seq.num_tokens + 256, a.num_kv_heads, a.head_dim)  # grown by `_attend` as needed
+            st = self._states[seq.seq_id] = _HeadState(w.new_empty(shape), w.new_empty(shape))
+        return st
+
+    # -- the head over its cache ---------------------------------------------------------------
+
+    def _attend(self, st: _HeadState, start: int):
+        """attend() for rows written from cache row `start` on: causal over rows 0..own."""
+        def attend(q, k, v):  # q [m, H, hd], k / v [m, KV, hd]
+            m = q.shape[0]
+            end = start + m
+            if end > st.k.shape[0]:
+                grow = max(end, 2 * st.k.shape[0])
+                st.k = torch.cat([st.k, st.k.new_empty((grow - st.k.shape[0], *st.k.shape[1:]))])
+                st.v = torch.cat([st.v, st.v.new_empty((grow - st.v.shape[0], *st.v.shape[1:]))])
+            st.k[start:end], st.v[start:end] = k, v
+            keys = torch.arange(end, device=q.device)
+            mask = keys[None, :] <= (start + torch.arange(m, device=q.device))[:, None]  # [m, end]
+            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[:end].transpose(0, 1)[None],
+                                                 st.v[:end].transpose(0, 1)[None], attn_mask=mask,
+                                                 enable_gqa=q.shape[1] != k.shape[1])  # (1, H, m, hd)
+            return out[0].transpose(0, 1)
+        return attend
+
+    def _catch_up(self, seq, st: _HeadState) -> bool:
+        """Run the kept rows of the forwards since the last step through the head (at most one
+        decode step's, whose accepted drafts are those matching the tokens that followed); False
+        when the rows do not continue the cache (the head then drafts nothing for the sequence)."""
+        toks = seq.tokens
+        feats, positions = [], []
+        for f in st.fed:
+            keep = list(range(f.real))
+            accepted = max(0, len(toks) - (f.start + f.real) - 1)
+            base_pos = f.start + f.real - 1
+            for d in range(1, accepted + 1):
+                want = toks[base_pos + d]
+                row = next((r for r in range(f.real, len(f.tokens))
+                            if f.positions[r] == base_pos + d and f.tokens[r] == want), None)
+                if row is None:
+                    break
+                keep.append(row)
+            feats.append(f.feats[keep])
+            positions.extend(f.start + i for i in range(len(keep)))
+        st.fed.clear()
+        if not positions:
+            return st.last is not None
+        if positions[0] != st.n or positions[-1] + 1 >= len(toks):
+            return False
+        dev = st.k.device
+        pos = torch.tensor(positions, device=dev)
+        nxt = torch.tensor([toks[p + 1] for p in positions], dtype=torch.int64, device=dev)
+        hidden = self.head.fc(torch.cat(feats).to(st.k.dtype))  # [m, D]
+        out = self.head(nxt, hidden, pos, self._attend(st, st.n))  # [m, D]
+        st.n += len(positions)
+        st.last = out[-1]
+        return True
+
+    def _draft(self, st: _HeadState, depth: int) -> list[list[int]]:
+        """Top-`width` target ids at each of `depth` draft positions (top-1 first), chained on
+        the top-1."""
+        head, h, pos = self.head, st.last[None], st.n - 1
+        cands: list[list[int]] = []
+        for d in range(depth):
+            if d:
+                tok = torch.tensor([cands[-1][0]], dtype=torch.int64, device=h.device)
+                h = head(tok, h, torch.tensor([pos + d], device=h.device), self._attend(st, st.n + d - 1))
+            top = head.logits(h)[0].topk(self.width).indices  # [K] draft ids
+            cands.append(head.target_ids(top).tolist())
+        return cands
+
+    @torch.inference_mode()
+    def propose(self, seqs: list, budgets: list[int]) -> SpecProposal:
+        ids = [torch.zeros(0, dtype=torch.int64) for _ in seqs]
+        parents: list[list[int] | None] = [None for _ in seqs]
+        for i, (seq, budget) in enumerate(zip(seqs, budgets)):
+            depth = min(self.depth, budget)
+            if self.policy is not None and self.tree is None:  # read every step: it learns from the last
+                depth = self.policy.num_drafts(seq, depth)
+            st = self._state(seq)
+            # every step: the rows of the last verification must be resolved before later tokens
+            # could pass for accepted drafts
+            if not self._catch_up(seq, st) or depth <= 0 or not seq.speculate:
+                continue
+            cands = self._draft(st, depth)
+            tokens, par = caterpillar(cands)
+            ids[i] = torch.tensor(tokens, dtype=torch.int64)
+            parents[i] = par
+        return SpecProposal(ids, parents=parents if self.width > 1 else None)
+
+    def release(self, seq) -> None:
+        self._states.pop(seq.seq_id, None)
+        if self.policy is not None:
+            self.policy.forget(seq)
+
+
+def eagle_draft_cost(head: Eagle3Head, base: Transformer) -> float:
+    """One draft's cost in base decode steps (bytes read per token, as for an MTP module)."""
+    from quantspec.infer.spec.mtp import _DRAFT_OVERHEAD, _bytes_touched
+
+    return _bytes_touched(head) / max(1, _bytes_touched(base, skip=base.model.embed_tokens)) + _DRAFT_OVERHEAD
+
+
+def build_eagle_proposer(config, loaded) -> tuple[EagleProposer, int]:
+    """`--speculate-method eagle --draft-model DIR [--speculate-tree DxK]` → (proposer, the most
+    draft rows a step verifies)."""
+    from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost, loaded_runtime
+
+    if not config.draft_model:
+        raise QuantSpecError("--speculate-method eagle needs --draft-model DIR (an EAGLE-3 head from "
+                             "`quantspec zoo train-draft-head --kind eagle3`)")
+    base, runtime = loaded.model, loaded_runtime(loaded)
+    head = load_eagle3_for_inference(config.draft_model, base)
+    tree = parse_tree_spec(getattr(config, "speculate_tree", None))
+    k = int(config.speculate_max_draft_token_num)
+    policy = None
+    if tree is None and getattr(config, "speculate_backoff", True):
+        cost = SpecCost.for_device(runtime.device, draft_per_token=eagle_draft_cost(head, base),
+                                   packed_cpu=runtime.packed_rows)
+        policy = AdaptiveDraftLength(k, cost)
+    proposer = EagleProposer(head, tree=tree, max_draft_tokens=k, policy=policy)
+    return proposer, proposer.max_rows

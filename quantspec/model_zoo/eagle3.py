@@ -1,0 +1,339 @@
+"""The EAGLE-3 draft head (Li et al. 2025, arXiv:2503.01840) in the layout vLLM
+(`Eagle3LlamaForCausalLM`) and SGLang (`LlamaForCausalLMEagle3`) load.
+
+Words. The base's *aux features* at a position are its residual stream entering three decoder
+layers (a low, a middle and a high one), the *aux layers*: id i is the input of layer i, i.e. the
+output of layer i - 1 (id 0: the embeddings, id L: the last layer's output before the final
+norm). By default they are (2, L // 2, L - 3), the layers vLLM's and SGLang's defaults capture
+alike. A head row at position p reads the token t_{p+1}
+and a D-wide hidden state and predicts t_{p+2}:
+
+    g      = fc(cat(aux_low, aux_mid, aux_high))       # [T, D]  the base's row p (3·D → D)
+           | the head's own pre-norm output of row p-1  # chained drafts skip `fc`
+    x      = cat(input_layernorm(embed(t_{p+1})), hidden_norm(g))     # [T, 2·D]
+    a      = g + o_proj(attention(q/k/v_proj(x), rotary at position p, causal over the head's KV))
+    out    = a + mlp(post_attention_layernorm(a))      # pre-norm: the next draft row's hidden
+    logits = lm_head(norm(out))                        # [T, Vd] over the draft vocabulary
+
+The draft vocabulary maps to the base's by `d2t` [Vd] int64 (target id = d + d2t[d]); `t2d`
+[V] bool marks the target ids that are in it. The head has no embedding of its own: it reads
+the base's `embed_tokens` (vLLM and SGLang share the target's when the checkpoint has none).
+
+Artifact: a Llama `config.json` with `num_hidden_layers` 1, `architectures`
+["LlamaForCausalLMEagle3"], `draft_vocab_size`, `tie_word_embeddings` false (SGLang ties
+`lm_head` to the full embedding otherwise), `target_hidden_size` and `eagle_config`
+{`use_aux_hidden_state`: true}; a `quantspec` block records the base's layer count and
+fingerprint. A head on the default aux layers writes no layer ids: the engines read explicit
+`eagle_aux_hidden_state_layer_ids` one layer apart (vLLM captures the input of layer i, SGLang
+the output of layer i), and without them both capture the default layers. A head on other
+layers writes them in vLLM's (quantspec's) sense. Tensors: `eagle3_weight_table` (the published
+names).
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Callable
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.llama import MLP, ModelArgs, RMSNorm, apply_rope, rope_cos_sin
+from quantspec.model_zoo.mtp import base_fingerprint
+
+__all__ = ["EAGLE3_ARCHITECTURE", "AuxCapture", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
+           "default_aux_layers", "eagle3_weight_table", "is_eagle3_config", "load_eagle3", "save_eagle3"]
+
+EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's registry and SGLang's EntryClass
+_ARCH_NAMES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM")
+INT_BUFFERS = ("d2t", "t2d")  # kept in their own dtypes on load
+# attend(q [T, H, hd], k [T, KV, hd], v [T, KV, hd]) -> [T, H, hd]: the head's KV cache policy
+Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
+
+
+def is_eagle3_config(cfg: dict) -> bool:
+    """An EAGLE-3 head's config.json (an EAGLE-3 architecture, or an `eagle_config` block)."""
+    return any(a in _ARCH_NAMES for a in cfg.get("architectures") or ()) or "eagle_config" in cfg
+
+
+def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
+    """vLLM's default aux layer ids for a base of `num_layers` layers."""
+    return 2, num_layers // 2, num_layers - 3
+
+
+@dataclass(frozen=True)
+class Eagle3Args:
+    layer: ModelArgs  # the head's decoder layer (vocab_size: the base's)
+    draft_vocab_size: int
+    aux_layer_ids: tuple[int, ...] | None  # None: the base's default aux layers
+    target_hidden_size: int
+    base_num_layers: int | None = None
+    base_fingerprint: str | None = None
+
+    @property
+    def num_aux(self) -> int:
+        return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
+
+    def aux_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The aux layer ids on a base of `num_layers` layers."""
+        return default_aux_layers(num_layers) if self.aux_layer_ids is None else self.aux_layer_ids
+
+    @classmethod
+    def for_base(cls, base: ModelArgs, draft_vocab_size: int, aux_layer_ids=None) -> "Eagle3Args":
+        layer = ModelArgs(**{**base.__dict__, "num_layers": 1, "tie_word_embeddings": False,
+                             "eos_token_ids": list(base.eos_token_ids)})
+        ids = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
+        if ids == default_aux_layers(base.num_layers):
+            ids = None
+        return cls(layer, int(draft_vocab_size), ids, base.hidden_size, base.num_layers, base_fingerprint(base))
+
+    def to_config(self) -> dict:
+        b = self.layer
+        qs = {k: v for k, v in (("base_num_layers", self.base_num_layers),
+                                ("base_fingerprint", self.base_fingerprint)) if v is not None}
+        eagle = {"use_aux_hidden_state": True}
+        if self.aux_layer_ids is not None:
+            eagle["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+        return {
+            "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama",
+            "hidden_size": b.hidden_size, "intermediate_size": b.intermediate_size, "num_hidden_layers": 1,
+            "num_attention_heads": b.num_heads, "num_key_value_heads": b.num_kv_heads, "head_dim": b.head_dim,
+            "hidden_act": "silu", "rms_norm_eps": b.rms_norm_eps, "rope_theta": b.rope_theta,
+            "rope_scaling": b.rope_scaling, "max_position_embeddings": b.max_position_embeddings,
+            "vocab_size": b.vocab_size, "draft_vocab_size": self.draft_vocab_size,
+            "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
+            "attention_bias": False, "mlp_bias": False, "bias": False, "eagle_config": eagle, "quantspec": qs,
+        }
+
+    @classmethod
+    def from_config(cls, cfg: dict, where: str = "config.json") -> "Eagle3Args":
+        if not is_eagle3_config(cfg):
+            raise QuantSpecError(f"{where} is not an EAGLE-3 head (architectures {cfg.get('architectures')}); "
+                                 "train one with `quantspec zoo train-draft-head --kind eagle3`")
+        if cfg.get("num_hidden_layers", 1) != 1:
+            raise QuantSpecError(f"{where}: num_hidden_layers {cfg.get('num_hidden_layers')}; quantspec runs "
+                                 "EAGLE-3 heads of one decoder layer (midlayer)")
+        layer = ModelArgs.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
+        layer.tie_word_embeddings = False
+        eagle = cfg.get("eagle_config") or {}
+        ids = eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
+        if ids is not None and (len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise QuantSpecError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer ids "
+                                 f"(got {ids!r}), e.g. [2, L // 2, L - 3] for a base of L layers")
+        if eagle.get("use_aux_hidden_state") is False or eagle.get("norm_before_fc") or cfg.get("fc_norm"):
+            raise QuantSpecError(f"{where}: only the plain EAGLE-3 layout (aux hidden states through fc, no "
+                                 "norm_before_fc / fc_norm) runs here")
+        vd = cfg.get("draft_vocab_size") or layer.vocab_size
+        qs = cfg.get("quantspec") or {}
+        return cls(layer, int(vd), None if ids is None else tuple(ids),
+                   int(cfg.get("target_hidden_size") or layer.hidden_size),
+                   qs.get("base_num_layers"), qs.get("base_fingerprint"))
+
+
+def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "the EAGLE-3 head") -> None:
+    """Refuse a head built for another base, naming the first thing that differs and the fix."""
+    fix = "train a head for this base with `quantspec zoo train-draft-head --kind eagle3 --model BASE`"
+    for name, mine, theirs in (("hidden size", args.target_hidden_size, base.hidden_size),
+                               ("hidden size", args.layer.hidden_size, base.hidden_size),
+                               ("vocab size", args.layer.vocab_size, base.vocab_size)):
+        if mine != theirs:
+            raise QuantSpecError(f"{where} was trained for a base with {name} {mine}, this base has {theirs}; {fix}")
+    if args.base_fingerprint is not None and args.base_fingerprint != base_fingerprint(base):
+        raise QuantSpecError(f"{where} was trained for another base (fingerprint {args.base_fingerprint} != "
+                             f"{base_fingerprint(base)}: layers / heads / sizes differ); {fix}")
+    bad = [i for i in args.aux_layers(base.num_layers) if not 0 <= i <= base.num_layers]
+    if bad:
+        raise QuantSpecError(f"{where} reads aux hidden states of layer {bad[0]}, outside this base's "
+                             f"0..{base.num_layers}; {fix}")
+
+
+class Eagle3Attention(nn.Module):
+    """Attention of the head's layer: q/k/v read the 2·D input, o writes D."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.num_heads, self.num_kv_heads, self.head_dim = a.num_heads, a.num_kv_heads, a.head_dim
+        self.q_proj = nn.Linear(2 * a.hidden_size, a.q_size, bias=False)
+        self.k_proj = nn.Linear(2 * a.hidden_size, a.kv_size, bias=False)
+        self.v_proj = nn.Linear(2 * a.hidden_size, a.kv_size, bias=False)
+        self.o_proj = nn.Linear(a.q_size, a.hidden_size, bias=False)
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
+        T, H, KV, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
+        q = apply_rope(self.q_proj(x).view(T, H, hd), cos, sin)  # [T, H, hd]
+        k = apply_rope(self.k_proj(x).view(T, KV, hd), cos, sin)  # [T, KV, hd]
+        v = self.v_proj(x).view(T, KV, hd)
+        return self.o_proj(attend(q, k, v).reshape(T, H * hd))
+
+
+class Eagle3Layer(nn.Module):
+    """`midlayer`: the decoder layer over [input_layernorm(embedding) ; hidden_norm(hidden)]."""
+
+    def __init__(self, a: ModelArgs):
+        super().__init__()
+        self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.self_attn = Eagle3Attention(a)
+        self.post_attention_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.mlp = MLP(a)
+
+    def forward(self, emb, hidden, cos, sin, attend: Attend) -> torch.Tensor:
+        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2D]
+        h = hidden + self.self_attn(x, cos, sin, attend)
+        return h + self.mlp(self.post_attention_layernorm(h))
+
+
+class Eagle3Head(nn.Module):
+    """The head (module docstring). `embed` is the base's embedding, bound with `bind_embedding`."""
+
+    def __init__(self, args: Eagle3Args):
+        super().__init__()
+        self.args = args
+        a, n = args.layer, args.num_aux
+        self.fc = nn.Linear(n * args.target_hidden_size, a.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(a)
+        self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
+        self.lm_head = nn.Linear(a.hidden_size, args.draft_vocab_size, bias=False)
+        self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.int64))
+        self.register_buffer("t2d", torch.zeros(a.vocab_size, dtype=torch.bool))
+        self._embed: list[nn.Module] = []  # the base's (a list: not a submodule, not saved)
+        self.cos: torch.Tensor | None = None
+        self.sin: torch.Tensor | None = None
+
+    def bind_embedding(self, embed: nn.Module) -> "Eagle3Head":
+        self._embed[:] = [embed]
+        return self
+
+    def set_draft_vocab(self, ids: torch.Tensor) -> None:
+        """The draft vocabulary as target ids [Vd] (sorted ascending, as the published maps are)."""
+        ids = ids.to(torch.int64).sort().values
+        self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
+        self.t2d.zero_()
+        self.t2d[ids] = True
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    def rope(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
+        need = int(positions.max()) + 1
+        if self.cos is None or self.cos.shape[0] < need or self.cos.device != positions.device:
+            n = max(need, 2 * (0 if self.cos is None else self.cos.shape[0]), 4096)
+            self.cos, self.sin = rope_cos_sin(self.args.layer, n, positions.device)
+        return self.cos[positions].to(dtype), self.sin[positions].to(dtype)  # [T, hd]
+
+    def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
+                ) -> torch.Tensor:
+        """tokens [T] (t_{p+1}), hidden [T, D] (fc'd aux features or the head's own output),
+        positions [T] (p) → the head's pre-norm output [T, D]."""
+        emb = self._embed[0](tokens).to(hidden.dtype)  # [T, D]
+        cos, sin = self.rope(positions, hidden.dtype)
+        return self.midlayer(emb, hidden, cos, sin, attend)
+
+    def logits(self, out: torch.Tensor) -> torch.Tensor:
+        """out [T, D] (pre-norm) → draft logits [T, Vd] fp32."""
+        return self.lm_head(self.norm(out)).float()
+
+
+def eagle3_weight_table(args: Eagle3Args) -> dict[str, tuple[int, ...]]:
+    """Every tensor of an unquantized head, with its shape (the names vLLM and SGLang read)."""
+    a, D = args.layer, args.layer.hidden_size
+    p = "midlayer."
+    return {
+        "fc.weight": (D, args.num_aux * args.target_hidden_size),
+        p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,),
+        p + "self_attn.q_proj.weight": (a.q_size, 2 * D), p + "self_attn.k_proj.weight": (a.kv_size, 2 * D),
+        p + "self_attn.v_proj.weight": (a.kv_size, 2 * D), p + "self_attn.o_proj.weight": (D, a.q_size),
+        p + "post_attention_layernorm.weight": (D,), p + "mlp.gate_proj.weight": (a.intermediate_size, D),
+        p + "mlp.up_proj.weight": (a.intermediate_size, D), p + "mlp.down_proj.weight": (D, a.intermediate_size),
+        "norm.weight": (D,), "lm_head.weight": (args.draft_vocab_size, D),
+        "d2t": (args.draft_vocab_size,), "t2d": (a.vocab_size,),
+    }
+
+
+def check_draft_maps(head: Eagle3Head, where: str) -> None:
+    """`d2t` must map every draft id into the base's vocabulary."""
+    tgt = head.target_ids(torch.arange(head.args.draft_vocab_size, device=head.d2t.device))
+    V = head.args.layer.vocab_size
+    if tgt.numel() and (int(tgt.min()) < 0 or int(tgt.max()) >= V):
+        raise QuantSpecError(f"{where}: d2t maps draft ids to target ids outside the base's vocabulary of {V}; "
+                             "the head belongs to another base: train one with `quantspec zoo train-draft-head "
+                             "--kind eagle3 --model BASE`")
+
+
+def save_eagle3(head: Eagle3Head, out_dir: str | os.PathLike, extra_config: dict | None = None) -> Path:
+    """Write config.json + model.safetensors into `out_dir`, each file replaced atomically."""
+    from quantspec.model_zoo.checkpoint import save_module
+
+    cfg = head.args.to_config()
+    cfg["quantspec"].update(extra_config or {})
+    return save_module(head, out_dir, cfg)
+
+
+def load_eagle3(path: str | os.PathLike, base: ModelArgs | None = None, *, dtype: torch.dtype = torch.float32,
+                device: str | torch.device = "cpu") -> Eagle3Head:
+    """Load an unquantized head (built on meta, `assign=True`), checked against the weight table
+    and, given the base's args, against the base. Bind the base's embedding before running it."""
+    from quantspec.model_zoo.checkpoint import check_exactly_table, load_checkpoint_tensors, read_config
+
+    path = Path(path).expanduser()
+    cfg = read_config(path)
+    if cfg.get("quantization_config"):
+        raise QuantSpecError(f"{path} is quantized; load it with quantspec.infer.spec.eagle.load_eagle3_for_inference")
+    args = Eagle3Args.from_config(cfg, where=str(path / "config.json"))
+    if base is not None:
+        check_eagle3_matches_base(args, base, where=f"EAGLE-3 head {path}")
+    tensors = load_checkpoint_tensors(path)
+    tensors.pop("embed_tokens.weight", None)  # a copy of the base's: the head reads the base's own
+    check_exactly_table(tensors, eagle3_weight_table(args), str(path), "an EAGLE-3 head")
+    with torch.device("meta"):
+        head = Eagle3Head(args)
+    head.load_state_dict({k: (v if k in INT_BUFFERS else v.to(dtype)) for k, v in tensors.items()}, assign=True)
+    check_draft_maps(head, str(path))
+    return head.to(device).eval()
+
+
+class AuxCapture:
+    """Forward (pre-)hooks on a base's decoder layers that keep its aux features of the latest
+    forward: `features()` → [T, 3·D] (the ids' residual streams, concatenated in id order).
+    `on_forward(features)`, if given, is called once a forward has passed the last id."""
+
+    def __init__(self, base: nn.Module, layer_ids: tuple[int, ...], on_forward=None):
+        layers = base.model.layers
+        self.ids, self.on_forward = tuple(layer_ids), on_forward
+        self._seen: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for i in sorted(set(self.ids)):
+            if i < len(layers):
+                self._handles.append(layers[i].register_forward_pre_hook(self._pre(i)))
+            else:  # id L: the last layer's output
+                self._handles.append(layers[i - 1].register_forward_hook(self._post(i)))
+
+    def _keep(self, i: int, x: torch.Tensor) -> None:
+        self._seen[i] = x
+        if i == max(self.ids) and self.on_forward is not None:
+            self.on_forward(self.features())
+
+    def _pre(self, i):
+        return lambda _m, args: self._keep(i, args[0])
+
+    def _post(self, i):
+        return lambda _m, _args, out: self._keep(i, out)
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self._seen[i] for i in self.ids], dim=-1)  # [T, 3D]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
+def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    """Plain causal attention over one sequence's rows: q [T, H, hd], k / v [T, KV, hd]."""
+    out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None], v.transpose(0, 1)[None],
+                                         is_causal=True, enable_gqa=q.shape[1] != k.shape[1])  # (1, H, T, hd)
+    return out[0].transpose(0, 1)

@@ -1,0 +1,335 @@
+"""EAGLE-3 heads: the published layout (config keys, tensor names, d2t / t2d), the head's cache
+kept by the proposer against a from-scratch recompute, drafts against a from-scratch chain,
+greedy output identical to plain decoding (chains, trees, batches), sampling lossless
+(chi-square against the exact target distribution), the training-time test against inference,
+training that lowers the loss and resumes, the head quantized on its own."""
+
+import json
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.sampler import SamplingParams
+from quantspec.infer.spec.eagle import EagleProposer, load_eagle3_for_inference
+from quantspec.infer.spec.tree import TreeSpec
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.eagle3 import (AuxCapture, Eagle3Args, causal_attend, default_aux_layers,
+                                        eagle3_weight_table, load_eagle3, save_eagle3)
+from quantspec.model_zoo.eagle3_train import (Eagle3TrainConfig, choose_eagle3_vocab, eagle3_rows, init_eagle3,
+                                              train_eagle3, ttt_outputs)
+from quantspec.model_zoo.llama import DenseCausalAttention, ModelArgs
+
+torch.set_num_threads(1)
+AUX = (0, 1, 2)  # the tiny Llama has 2 layers: its embeddings, layer 1's input, the last output
+
+
+@pytest.fixture(scope="module")
+def base(tiny_llama_dir):
+    return load_model(tiny_llama_dir)[0]
+
+
+@pytest.fixture(scope="module")
+def head_dir(base, tmp_path_factory):
+    """A head for the tiny Llama: the recipe's initialisation with noise on the layer."""
+    head = init_eagle3(base, torch.arange(0, 512, 2), AUX)
+    g = torch.Generator().manual_seed(0)
+    with torch.no_grad():
+        for p in head.midlayer.parameters():
+            p.add_(torch.randn(p.shape, generator=g) * 0.02)
+    return save_eagle3(head, tmp_path_factory.mktemp("eagle3") / "head")
+
+
+def _prompts(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(model, prompts, proposer=None, k=0, params=None, chunk=None, first_index=0):
+    eng = Engine(model, EngineConfig(block_size=16, max_batch_size=len(prompts), max_length=160,
+                                     spec_max_draft_tokens=k, prefill_chunk=chunk), eos_token_ids=[], proposer=proposer)
+    seqs = [eng.add_request(p, params or SamplingParams(max_new_tokens=40), request_index=first_index + i)
+            for i, p in enumerate(prompts)]
+    eng.run()
+    if proposer is not None:
+        proposer.detach()
+    return seqs
+
+
+def test_published_layout(head_dir, base):
+    cfg = json.loads((head_dir / "config.json").read_text())
+    assert cfg["architectures"] == ["LlamaForCausalLMEagle3"] and cfg["num_hidden_layers"] == 1
+    assert cfg["draft_vocab_size"] == 256 and cfg["tie_word_embeddings"] is False
+    assert cfg["eagle_config"] == {"eagle_aux_hidden_state_layer_ids": list(AUX), "use_aux_hidden_state": True}
+    assert cfg["target_hidden_size"] == cfg["hidden_size"] == 64
+    from safetensors.torch import load_file
+
+    tensors = load_file(str(head_dir / "model.safetensors"))
+    assert set(tensors) == set(eagle3_weight_table(Eagle3Args.from_config(cfg)))
+    assert tensors["fc.weight"].shape == (64, 3 * 64)
+    assert tensors["midlayer.self_attn.q_proj.weight"].shape == (64, 128)  # [embedding ; hidden]
+    assert tensors["lm_head.weight"].shape == (256, 64)
+    assert tensors["d2t"].dtype == torch.int64 and tensors["t2d"].dtype == torch.bool
+    assert torch.equal(torch.arange(256) + tensors["d2t"], torch.arange(0, 512, 2))  # target = d + d2t[d]
+    assert torch.equal(tensors["t2d"].nonzero().flatten(), torch.arange(0, 512, 2))
+    assert default_aux_layers(30) == (2, 15, 27)
+    # on the default layers no ids are written: both engines then capture (2, L // 2, L - 3)
+    big = ModelArgs(hidden_size=64, intermediate_size=128, num_layers=30, num_heads=4, num_kv_heads=2, vocab_size=512)
+    default = Eagle3Args.for_base(big, 100, (2, 15, 27)).to_config()
+    assert default["eagle_config"] == {"use_aux_hidden_state": True}
+    assert Eagle3Args.from_config(default).aux_layers(30) == (2, 15, 27)
+    head = load_eagle3(head_dir, base.args)
+    assert head.args.aux_layer_ids == AUX and head.args.draft_vocab_size == 256
+
+
+def _reference_rows(base, head, tokens):
+    """From scratch: the base's aux features over `tokens`, the head over every row causally →
+    (the rows' inputs (tokens, hidden [L-1, D], positions), outputs [L-1, D], keys [L-1, KV, hd])."""
+    cap = AuxCapture(base, head.args.aux_layer_ids)
+    ids = torch.tensor(tokens)
+    base(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+    feats = cap.features()
+    cap.remove()
+    keys = []
+
+    def attend(q, k, v):
+        keys.append(k)
+        return causal_attend(q, k, v)
+
+    n = len(tokens) - 1
+    inputs = (ids[1:], head.fc(feats[:n]), torch.arange(n))
+    return inputs, head(*inputs, attend), keys[0]
+
+
+def _reference_chain(head, inputs, out, depth):
+    """Top-1 drafts from scratch: each depth runs the head over the context rows and the chain
+    so far (a draft row reads the previous row's output and the previous draft)."""
+    toks, hidden, pos = inputs
+    h, chain = out[-1], []
+    for d in range(depth):
+        chain.append(int(head.target_ids(head.logits(h[None]).argmax(-1))[0]))
+        if d + 1 == depth:
+            break
+        hidden = torch.cat([hidden, h[None]])
+        toks = torch.cat([toks, torch.tensor(chain[-1:])])
+        pos = torch.cat([pos, pos[-1:] + 1])
+        h = head(toks, hidden, pos, causal_attend)[-1]
+    return chain
+
+
+class _Oracle(EagleProposer):
+    """Drafts the plain run's tokens: a chain wrong at depth 3; a tree whose depth-2 true token is
+    the second sibling (an accepted path through a non-first row). Keeps each sequence's head
+    state at its end and the head's own drafts, to compare with recomputes."""
+
+    def __init__(self, *a, plain, **k):
+        super().__init__(*a, **k)
+        self.plain, self.kept, self.drafted = plain, {}, []
+
+    def _catch_up(self, seq, st):
+        self._current = (seq.seq_id, len(seq.output_ids))
+        return super()._catch_up(seq, st)
+
+    def _draft(self, st, depth):
+        self.drafted.append((st.n, st.last.clone(), super()._draft(st, depth)))
+        sid, done = self._current
+        out = []
+        for d in range(depth):
+            t = self.plain[sid][min(done + d, len(self.plain[sid]) - 1)]
+            wrong = (t + 7) % 500
+            out.append([wrong if d == 2 else t] if self.width == 1 else [wrong, t] if d == 1 else [t, wrong])
+        return out
+
+    def release(self, seq):
+        st = self._states.get(seq.seq_id)
+        if st is not None:
+            self.kept[seq.seq_id] = (list(seq.tokens), st.n, st.k[:st.n].clone(), st.last.clone())
+        super().release(seq)
+
+
+@pytest.mark.parametrize("tree,chunk", [(None, None), (TreeSpec(3, 2), None), (None, 5)])
+def test_head_cache_equals_a_recompute_with_accepted_drafts(base, head_dir, tree, chunk):
+    prompts = _prompts([7, 19], seed=1)
+    plain = {i: s.output_ids for i, s in enumerate(_run(base, prompts, chunk=chunk))}
+    head = load_eagle3_for_inference(head_dir, base)
+    proposer = _Oracle(head, tree=tree, max_draft_tokens=3, plain=plain)
+    seqs = _run(base, prompts, proposer, proposer.max_rows, chunk=chunk)
+    assert [s.output_ids for s in seqs] == [plain[0], plain[1]]
+    assert sum(s.stats.accepted for s in seqs) >= 20  # accepted drafts' rows went through the head
+    with torch.inference_mode():
+        for seq in seqs:
+            tokens, n, k, last = proposer.kept[seq.seq_id]
+            assert n >= len(tokens) - 5
+            _, out, keys = _reference_rows(base, head, tokens[:n + 1])
+            torch.testing.assert_close(k, keys, atol=1e-5, rtol=1e-5)
+            torch.testing.assert_close(last, out[n - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_forwards_of_the_base_by_another_engine_are_not_filed(base, head_dir):
+    """A plain engine on the same base runs between the EAGLE engine's steps: its forwards pass
+    the hooks, but the head's cache still equals a recompute of the EAGLE sequence alone."""
+    prompts = _prompts([8], seed=8)
+    plain = {0: _run(base, prompts)[0].output_ids}
+    proposer = _Oracle(load_eagle3_for_inference(head_dir, base), max_draft_tokens=3, plain=plain)
+    eng = Engine(base, EngineConfig(block_size=16, max_batch_size=1, max_length=160, spec_max_draft_tokens=3),
+                 eos_token_ids=[], proposer=proposer)
+    seq = eng.add_request(prompts[0], SamplingParams(max_new_tokens=40))
+    while eng.has_work():
+        eng.step()
+        _run(base, _prompts([5, 6, 7, 9], seed=9 + len(seq.output_ids)))  # decode rows: 4, as the EAGLE step's
+    proposer.detach()
+    assert seq.output_ids == plain[0] and seq.stats.accepted > 5
+    tokens, n, k, last = proposer.kept[seq.seq_id]
+    with torch.inference_mode():
+        _, out, keys = _reference_rows(base, proposer.head, tokens[:n + 1])
+    torch.testing.assert_close(k, keys, atol=1e-5, rtol=1e-5)
+
+
+def test_drafts_equal_a_from_scratch_chain(base, head_dir):
+    prompts = _prompts([9], seed=2)
+    plain = {0: _run(base, prompts)[0].output_ids}
+    proposer = _Oracle(load_eagle3_for_inference(head_dir, base), max_draft_tokens=3, plain=plain)
+    tokens = _run(base, prompts, proposer, 3)[0].tokens
+    head = proposer.head
+    with torch.inference_mode():
+        for n, last, drafts in proposer.drafted[::3]:
+            inputs, out, _ = _reference_rows(base, head, tokens[:n + 1])
+            torch.testing.assert_close(last, out[-1], atol=1e-5, rtol=1e-5)
+            assert [c[0] for c in drafts] == _reference_chain(head, inputs, out, len(drafts))
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(2, 2), TreeSpec(4, 3)])
+def test_greedy_identical_to_plain(base, head_dir, tree):
+    prompts = _prompts([7, 21, 3], seed=3)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    proposer = EagleProposer(load_eagle3_for_inference(head_dir, base), tree=tree, max_draft_tokens=3)
+    seqs = _run(base, prompts, proposer, proposer.max_rows)
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(s.stats.drafted for s in seqs) > 0
+
+
+def test_build_proposer_with_backoff_and_cli_config(base, head_dir):
+    from types import SimpleNamespace
+
+    from quantspec.infer.predictor import InferConfig
+    from quantspec.infer.spec.proposers import build_proposer
+
+    loaded = SimpleNamespace(model=base)
+    cfg = InferConfig(speculate_method="eagle", draft_model=str(head_dir), speculate_max_draft_token_num=4)
+    proposer, k = build_proposer(cfg, loaded)
+    assert k == 4 and proposer.policy is not None
+    prompts = _prompts([5, 12], seed=4)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    assert [s.output_ids for s in _run(base, prompts, proposer, k)] == plain
+    tree, rows = build_proposer(InferConfig(speculate_method="eagle", draft_model=str(head_dir),
+                                            speculate_tree="3x2"), loaded)
+    assert rows == 6 and tree.policy is None and tree.width == 2
+    with pytest.raises(QuantSpecError, match="--draft-model"):
+        build_proposer(InferConfig(speculate_method="eagle"), loaded)
+
+
+def test_sampling_is_lossless_chi_square(base, head_dir, sequence_law, pooled_chisquare):
+    """The first three sampled tokens, with tree drafts from the oracle (one-hot q, many of them
+    accepted) verified by rejection sampling, follow the target's exact joint distribution."""
+    from test_spec_draft import _next_probs
+
+    params = SamplingParams(decode_strategy="sampling", temperature=1.5, top_k=3, seed=7, max_new_tokens=3)
+    (prompt,) = _prompts([6], seed=0)
+    exact = sequence_law(_next_probs(base, params), prompt, 3)
+    likely = max(exact, key=exact.get)  # the oracle drafts the likeliest continuation
+    head = load_eagle3_for_inference(head_dir, base)
+    n, counts, accepted = 0, {}, 0
+    for rnd in range(6):
+        proposer = _Oracle(head, tree=TreeSpec(2, 2), plain={i: list(likely) * 2 for i in range(128)})
+        seqs = _run(base, [prompt] * 128, proposer, 4, params=params, first_index=rnd * 128)
+        for s in seqs:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+            accepted += s.stats.accepted
+        n += len(seqs)
+    assert accepted > n // 8  # speculation really happened
+    assert set(counts) <= set(exact)
+    assert pooled_chisquare(counts, exact, n) > 1e-3
+
+
+def test_training_time_test_is_what_drafting_computes(base, head_dir):
+    """Step s, row p of the training-time test equals the s-th chain row after the context rows
+    0..p, computed from scratch with the true tokens as drafts."""
+    head = load_eagle3(head_dir).bind_embedding(base.model.embed_tokens)
+    (tokens,) = _prompts([14], seed=5)
+    rows = eagle3_rows(base, [torch.tensor(tokens)], AUX)
+    with torch.inference_mode():
+        outs = ttt_outputs(head, rows.tokens[0], rows.feats[0].float(), 4)
+        for p, s in ((0, 1), (5, 2), (8, 3), (3, 0)):
+            (toks, hidden, pos), out, _ = _reference_rows(base, head, tokens[:p + 2])
+            h = out[-1]
+            for j in range(1, s + 1):
+                hidden, pos = torch.cat([hidden, h[None]]), torch.cat([pos, pos[-1:] + 1])
+                toks = torch.cat([toks, torch.tensor([tokens[p + 1 + j]])])
+                h = head(toks, hidden, pos, causal_attend)[-1]
+            torch.testing.assert_close(outs[s][p], h, atol=2e-2, rtol=2e-2)  # bf16 features in training
+
+
+def test_training_lowers_the_loss_and_resumes(base, tmp_path):
+    seqs = [torch.tensor(s.tokens) for s in _run(base, _prompts([6] * 6, seed=6))]
+    rows = eagle3_rows(base, seqs, AUX)
+    vocab = choose_eagle3_vocab(rows, 128, 512, [0])
+    assert 0 in vocab.tolist() and vocab.numel() == 128
+    cfg = Eagle3TrainConfig(steps=12, lr=3e-3, seqs_per_step=3, save_every=6, draft_vocab_size=128, ttt_steps=3)
+    seen = []
+    res = train_eagle3(init_eagle3(base, vocab, AUX), rows, cfg, tmp_path / "h",
+                       on_step=lambda step, total, loss, acc: seen.append((step, len(acc))))
+    assert res["loss_last"] < res["loss_first"] and seen[-1] == (12, 3)
+    with pytest.raises(QuantSpecError, match="--resume"):
+        train_eagle3(init_eagle3(base, vocab, AUX), rows, cfg, tmp_path / "h")
+    more = train_eagle3(init_eagle3(base, vocab, AUX), rows, Eagle3TrainConfig(
+        steps=14, lr=3e-3, seqs_per_step=3, save_every=6, draft_vocab_size=128, ttt_steps=3), tmp_path / "h", resume=True)
+    assert more["start_step"] == 12 and len(more["losses"]) == 2
+    assert load_eagle3(tmp_path / "h", base.args).args.draft_vocab_size == 128
+
+
+@pytest.mark.parametrize("quant_type", ["weight_only_int8", "weight_only_int4"])
+def test_quantized_head_drafts_the_same_and_stays_lossless(base, head_dir, tmp_path, quant_type):
+    from quantspec import api
+    from quantspec.infer.quant_linear import QuantLinear
+
+    out = api.quantize(str(head_dir), quant_type, tmp_path / "q", target="quantspec",
+                       **({"group_size": 32} if quant_type == "weight_only_int4" else {}))
+    head = load_eagle3_for_inference(out, base)
+    assert isinstance(head.fc, QuantLinear) and isinstance(head.midlayer.mlp.down_proj, QuantLinear)
+    cfg = json.loads((out / "config.json").read_text())
+    assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    prompts = _prompts([12], seed=7)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    proposer = EagleProposer(head, tree=TreeSpec(2, 2))
+    assert [s.output_ids for s in _run(base, prompts, proposer, proposer.max_rows)] == plain
+
+
+def test_train_draft_head_eagle3_end_to_end_and_resume(tiny_llama_dir, base, tmp_path):
+    from quantspec import api
+
+    said = []
+    kw = dict(chat_prompts=["Tell me about the sea.", "What is two plus two?"], max_new_tokens=12,
+              aux_layer_ids=[0, 1, 2], draft_vocab_size=64, save_every=2, batch_size=2, seq_len=32)
+    res = api.train_draft_head("eagle3", str(tiny_llama_dir), tmp_path / "h", steps=2, on_status=said.append, **kw)
+    assert res["steps"] == 2 and res["positions"] > 2 * 12 and res["kind"] == "eagle3"
+    head = load_eagle3(tmp_path / "h", base.args)
+    assert head.args.aux_layer_ids == AUX and head.args.draft_vocab_size == 64
+    more = api.train_draft_head("eagle3", str(tiny_llama_dir), tmp_path / "h", steps=3, resume=True,
+                                on_status=said.append, **kw)
+    assert more["start_step"] == 2 and len(more["losses"]) == 1
+    assert any("reusing" in m for m in said)  # the second run takes the saved rows
+
+
+@pytest.mark.parametrize("tree", [None, "3x2"])
+def test_cli_infer_eagle_equals_plain(tiny_llama_dir, head_dir, tmp_path, tree):
+    from test_spec_cli import ROWS, _infer
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in ROWS))
+    plain, _ = _infer(tmp_path, tiny_llama_dir, data)
+    extra = ["--speculate-method", "eagle", "--draft-model", head_dir, "--speculate-max-draft-token-num", 3]
+    spec, stats = _infer(tmp_path, tiny_llama_dir, data, *extra, *(["--speculate-tree", tree] if tree else []),
+                         tag="eagle")
+    assert spec == plain
+    assert stats["speculate_method"] == "eagle" and stats["drafted_tokens"] > 0
