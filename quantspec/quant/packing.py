@@ -16,6 +16,7 @@ Example (int8): q = [[-128, -1, 0, 127]] → u = [0, 127, 128, 255] → word = 0
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -26,8 +27,6 @@ __all__ = ["PACKED_BITS", "INT4_OFFSET", "INT4_PER_INT32", "codes_per_word", "pa
 
 PACKED_BITS = (4, 8)  # code widths pack-quantized artifacts are written with
 WORD_BITS = 32
-# codes packed per block of rows: the int64 temporaries of a block stay near 2 × 32 MB
-_PACK_BLOCK_CODES = 2**22
 INT4_OFFSET = 8  # signed int4 code + 8 = the unsigned nibble stored
 INT4_PER_INT32 = 8
 
@@ -52,7 +51,7 @@ def _check_dim(packed_dim: int) -> None:
 def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
     """Pack int8 codes q [N, K] of `num_bits` (4: in [-8, 7]; 8: any int8) into int32
     [N, ceil(K·b/32)] (packed_dim=1) or [ceil(N·b/32), K] (packed_dim=0)."""
-    codes_per_word(num_bits)  # refuses a width that does not pack
+    per_word = codes_per_word(num_bits)
     if not isinstance(q, torch.Tensor) or q.dtype != torch.int8:
         raise QuantSpecError(f"pack_int32 needs int8 codes, got {getattr(q, 'dtype', type(q))}")
     if q.ndim != 2:
@@ -63,29 +62,23 @@ def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Ten
         raise QuantSpecError(f"int{num_bits} codes must lie in [{-offset}, {offset - 1}], got "
                              f"[{int(q.min())}, {int(q.max())}]; quantize with num_bits={num_bits} "
                              "first")
+    if sys.byteorder != "little":  # the words are read from their bytes below
+        raise QuantSpecError("packing int32 words needs a little-endian machine")
     src = q.t() if packed_dim == 0 else q  # [rows, cols]
     rows, cols = src.shape
+    # codes + 2^(b-1) (mod 256, exact: every code is in range), padded with code 0 like
+    # compressed-tensors: one byte per code, so packing a weight holds ~2 bytes per code at most
     words = packed_words(cols, num_bits)
-    packed = torch.empty(rows, words, dtype=torch.int32, device=q.device)
-    step = max(1, _PACK_BLOCK_CODES // max(1, cols))
-    for r0 in range(0, rows, step):  # int64 temporaries of a block of rows, not of the tensor
-        packed[r0:r0 + step] = _pack_rows(src[r0:r0 + step], num_bits, words)
+    u = torch.zeros(rows, words * per_word, dtype=torch.uint8, device=q.device)
+    u[:, :cols] = src.view(torch.uint8) + offset
+    u = u.reshape(-1)  # every row holds whole words
+    if num_bits == 4:  # two codes a byte, the lower one in the low nibble
+        u = u[0::2] | (u[1::2] << 4)
+    # a word's code j sits at bits [b·j, b·(j + 1)): its bytes, least significant first
+    packed = u.view(torch.int32).view(rows, words)  # [rows, words]
     if packed_dim == 0:
         packed = packed.t()
     return packed.contiguous()
-
-
-def _pack_rows(q: torch.Tensor, num_bits: int, words: int) -> torch.Tensor:
-    """int8 codes [rows, cols] → int32 words [rows, words] (`pack_int32` along dim 1)."""
-    per_word = codes_per_word(num_bits)
-    u = q.to(torch.int64) + (1 << (num_bits - 1))
-    pad = words * per_word - u.shape[1]
-    if pad:
-        u = torch.nn.functional.pad(u, (0, pad))  # pads with code 0, like compressed-tensors
-    u = u.reshape(u.shape[0], words, per_word)  # [rows, words, per_word]
-    shifts = torch.arange(per_word, dtype=torch.int64, device=u.device) * num_bits
-    packed = (u << shifts).sum(dim=-1)  # [rows, words], in [0, 2^32)
-    return torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
 
 
 def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int] | torch.Size | None
