@@ -48,6 +48,11 @@ def _check_dim(packed_dim: int) -> None:
         raise QuantSpecError(f"packed_dim must be 0 or 1, got {packed_dim}")
 
 
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":  # words are built from and read as their bytes
+        raise QuantSpecError("packing int32 words needs a little-endian machine")
+
+
 def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
     """Pack int8 codes q [N, K] of `num_bits` (4: in [-8, 7]; 8: any int8) into int32
     [N, ceil(K·b/32)] (packed_dim=1) or [ceil(N·b/32), K] (packed_dim=0)."""
@@ -62,8 +67,7 @@ def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Ten
         raise QuantSpecError(f"int{num_bits} codes must lie in [{-offset}, {offset - 1}], got "
                              f"[{int(q.min())}, {int(q.max())}]; quantize with num_bits={num_bits} "
                              "first")
-    if sys.byteorder != "little":  # the words are read from their bytes below
-        raise QuantSpecError("packing int32 words needs a little-endian machine")
+    _check_little_endian()
     src = q.t() if packed_dim == 0 else q  # [rows, cols]
     rows, cols = src.shape
     # codes + 2^(b-1) (mod 256, exact: every code is in range), padded with code 0 like
@@ -104,9 +108,11 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int] | t
             raise QuantSpecError(f"packed tensor {tuple(packed.shape)} cannot hold shape {shape} "
                                  f"(packed_dim={packed_dim}, {num_bits}-bit codes)")
         cols = cols_req
-    shifts = torch.arange(per_word, dtype=torch.int64, device=p.device) * num_bits
-    u = (p.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per]
-    q = (u.reshape(rows, -1)[:, :cols] - (1 << (num_bits - 1))).to(torch.int8)
+    _check_little_endian()
+    u = p.contiguous().view(torch.uint8)  # [rows, 4·words]: each word's bytes, least significant first
+    if num_bits == 4:  # the low nibble of a byte is the lower code
+        u = torch.stack([u & 0xF, u >> 4], dim=-1).reshape(rows, -1)  # [rows, 8·words]
+    q = (u[:, :cols] - (1 << (num_bits - 1))).view(torch.int8)  # mod 256: the signed code
     return (q.t() if packed_dim == 0 else q).contiguous()
 
 
