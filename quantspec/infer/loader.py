@@ -41,6 +41,7 @@ from quantspec.model_zoo.checkpoint import (
     checkpoint_float_dtype,
     load_model,
     read_config,
+    release_free_heap,
     resolve_model_dir,
 )
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
@@ -275,6 +276,7 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
         ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
                                       dtype=dtype, device=device, policy=policy)
         net.set_submodule(name, ql)
+        release_free_heap()  # the codes' temporaries, freed between kept layouts: no growth per layer
     _refuse_unexpected(names, allowed, kv_names, args, where)
     q_biases = {f"{name}.bias" for name in quantized}  # already inside their QuantLinear
     float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in float_table

@@ -125,7 +125,7 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple
     column block b at step k, byte j holds column 32 b + j in its low nibble and column
     32 b + j + 16 in its high one, each as the unsigned q + 8, so w = (q + 8) * scale + offset
     with offset = neg_zs - 8 * scale."""
-    u = (_blocks(q.to(torch.int8)).to(torch.int16) + 8).to(torch.uint8)  # [NB, K, 32]
+    u = _blocks(q.to(torch.int8)).view(torch.uint8) + 8  # [NB, K, 32]; mod 256: the unsigned q + 8
     packed = (u[:, :, :16] | (u[:, :, 16:] << 4)).contiguous()
     s = _blocks(scale.float())
     return packed, s, _blocks(neg_zs.float()) - 8 * s
@@ -134,4 +134,4 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple
 def unpack_w4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The codes [n, K] of `pack_w4`'s bytes."""
     u = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [NB, K, 32]
-    return unblock((u.to(torch.int16) - 8).to(torch.int8), n)
+    return unblock((u - 8).view(torch.int8), n)  # mod 256: the signed code
