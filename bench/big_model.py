@@ -12,16 +12,20 @@ layer's Hessians. The target of quantize / calibrate is 2 × step + 1 GB whateve
 peak ÷ step that stays put from 1B to 8B is peak memory that does not grow with depth, and peak
 ÷ checkpoint shows what loading the whole model would have cost. `infer` loads the bf16
 checkpoint as it is (no float32 copy) and decodes a few tokens: its target is the checkpoint +
-1 GB, no second copy of the weights.
+1 GB, no second copy of the weights. `infer-int4` / `infer-int8` do the same on the int4 / int8
+artifact (quantized first where the `int4` / `int8` command has not written it): the target is
+the artifact + 1 GB, and the artifact's own size is the checkpoint column of that row.
 
 Commands: `int8` (weight_only_int8, RTN), `int4` (weight_only_int4, RTN), `int4-gptq`
 (weight_only_int4 --method gptq on --num-samples × --seq-len tokens of bench/data/calib.jsonl),
 `a8w8` (calibrate on those tokens, then quantize --quant-type a8w8 with its default recipe:
-α search and the fallback under the error budget, every pass one layer at a time), `infer`.
+α search and the fallback under the error budget, every pass one layer at a time), `infer`,
+`infer-int4`, `infer-int8`.
 
-    python bench/big_model.py --models 1b --commands int8,int4,int4-gptq,a8w8,infer
+    python bench/big_model.py --models 1b --commands int8,int4,int4-gptq,a8w8,infer,infer-int4,infer-int8
     python bench/big_model.py --models 3b --commands int4-gptq
     python bench/big_model.py --models 8b --commands int8          # needs ≈ 40 GB of disk
+    python bench/big_model.py --models 3b --commands int4-gptq --layers 2   # the same step, in minutes
 """
 
 from __future__ import annotations
@@ -47,14 +51,16 @@ SHAPES = {
     "tiny": ("tiny", 128, 256, 3, 4, 2, 32, False),  # for the smoke test
 }
 VOCAB = 49152
-COMMANDS = ("int8", "int4", "int4-gptq", "a8w8", "infer")
+COMMANDS = ("int8", "int4", "int4-gptq", "a8w8", "infer", "infer-int4", "infer-int8")
 GB = 10**9
 SHARD_BYTES = 2 * 10**9
 DATA = Path(__file__).resolve().parent / "data" / "calib.jsonl"
 
 
-def hf_config(key: str) -> dict:
-    _, d, inter, layers, heads, kv, hd, tied = SHAPES[key]
+def hf_config(key: str, layers: int | None = None) -> dict:
+    """config.json of the shape `key` (with `layers` decoder layers instead of its own, if given)."""
+    _, d, inter, depth, heads, kv, hd, tied = SHAPES[key]
+    layers = layers or depth
     return {"architectures": ["LlamaForCausalLM"], "model_type": "llama", "vocab_size": VOCAB,
             "hidden_size": d, "intermediate_size": inter, "num_hidden_layers": layers,
             "num_attention_heads": heads, "num_key_value_heads": kv, "head_dim": hd,
@@ -63,8 +69,9 @@ def hf_config(key: str) -> dict:
             "dtype": "bfloat16", "hidden_act": "silu"}
 
 
-def build_checkpoint(key: str, out: Path, seed: int = 0) -> Path:
-    """A random-weight bf16 checkpoint of the shape `key`, sharded like transformers' own."""
+def build_checkpoint(key: str, out: Path, seed: int = 0, layers: int | None = None) -> Path:
+    """A random-weight bf16 checkpoint of the shape `key` (`layers`: hf_config), sharded like
+    transformers' own."""
     from quantspec.model_zoo.checkpoint import resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs, hf_weight_table
 
@@ -75,7 +82,7 @@ def build_checkpoint(key: str, out: Path, seed: int = 0) -> Path:
     tmp = out.with_name(out.name + ".partial")
     shutil.rmtree(tmp, ignore_errors=True)
     tmp.mkdir(parents=True)
-    cfg = hf_config(key)
+    cfg = hf_config(key, layers)
     (tmp / "config.json").write_text(json.dumps(cfg, indent=2))
     tok = resolve_model_dir("smollm2-135m")
     for f in ("tokenizer.json", "tokenizer_config.json"):
@@ -114,6 +121,11 @@ def step_bytes(key: str, tokens: int, hessians: bool = False) -> tuple[int, int]
     return layer * 4, (2 * tokens * d + h) * 4
 
 
+def safetensors_bytes(model_dir: Path) -> int:
+    """The bytes of a model directory's safetensors files (its weights)."""
+    return sum(f.stat().st_size for f in model_dir.glob("*.safetensors"))
+
+
 def run(argv: list[str], env: dict) -> tuple[float, int]:
     """Run `quantspec ARGV` in a fresh process → (wall seconds, peak resident bytes)."""
     cmd = [sys.executable, "-c", "from quantspec.cli import main; main()", *argv]
@@ -127,37 +139,44 @@ def run(argv: list[str], env: dict) -> tuple[float, int]:
     return wall, usage.ru_maxrss * 1024
 
 
-def commands(name: str, ckpt: Path, work: Path, a) -> list[tuple[str, list[str], int, bool]]:
-    """[(label, argv, calibration tokens, whether GPTQ's Hessians are resident)] of the command `name`."""
+def commands(name: str, ckpt: Path, work: Path, a) -> list[tuple[str, list[str], int, bool, Path | None]]:
+    """[(label, argv, calibration tokens, whether GPTQ's Hessians are resident, the model an `infer`
+    row loads or None)] of the command `name`."""
     data = ["--dataset", str(a.data), "--num-samples", str(a.num_samples), "--seq-len", str(a.seq_len)]
     q = ["quantize", "--model", str(ckpt), "--device", a.device, "--overwrite"]
     tokens = a.num_samples * a.seq_len
-    if name == "int8":
-        return [("quantize int8", [*q, "--quant-type", "weight_only_int8", "--out", str(work / "int8")], 0, False)]
-    if name == "int4":
-        return [("quantize int4", [*q, "--quant-type", "weight_only_int4", "--out", str(work / "int4")], 0, False)]
+    if name in ("int8", "int4"):
+        return [(f"quantize {name}", [*q, "--quant-type", f"weight_only_{name}", "--out", str(work / name)], 0,
+                 False, None)]
     if name == "int4-gptq":
         return [("quantize int4 gptq", [*q, "--quant-type", "weight_only_int4", "--method", "gptq", *data,
-                                        "--out", str(work / "int4-gptq")], tokens, True)]
+                                        "--out", str(work / "int4-gptq")], tokens, True, None)]
+    infer = ["infer", "--device", a.device, "--prompt", "Hello", "--no-chat-template", "--max-new-tokens", "4"]
     if name == "infer":
-        return [("infer bf16", ["infer", "--model", str(ckpt), "--device", a.device, "--prompt", "Hello",
-                                "--no-chat-template", "--max-new-tokens", "4"], 0, False)]
+        return [("infer bf16", [*infer, "--model", str(ckpt)], 0, False, ckpt)]
+    if name.startswith("infer-"):
+        kind = name.split("-", 1)[1]
+        first = [] if (work / kind / "config.json").is_file() else commands(kind, ckpt, work, a)
+        return [*first, (f"infer {kind}", [*infer, "--model", str(work / kind)], 0, False, work / kind)]
     table = work / "table"
     return [("calibrate", ["calibrate", "--model", str(ckpt), "--device", a.device, "--overwrite", *data,
-                           "--out", str(table)], tokens, False),
+                           "--out", str(table)], tokens, False, None),
             ("quantize a8w8", [*q, "--quant-type", "a8w8", "--calib", str(table), "--dataset", str(a.data),
-                               "--seq-len", str(a.seq_len), "--out", str(work / "a8w8")], 4 * a.seq_len, False)]
+                               "--seq-len", str(a.seq_len), "--out", str(work / "a8w8")], 4 * a.seq_len, False, None)]
 
 
 def measure(model: str, label: str, argv: list[str], tokens: int, hessians: bool, ckpt_bytes: int,
-            env: dict) -> dict:
+            env: dict, loads: Path | None = None, layers: int | None = None) -> dict:
     """One row: the command's wall time and peak, against its target (quantize / calibrate: 2 × one
-    stream step + 1 GB; infer: the checkpoint + 1 GB, i.e. no second copy of the weights)."""
+    stream step + 1 GB; infer: the model it `loads` + 1 GB, i.e. no second copy of the weights)."""
     wall, peak = run(argv, env)
     layer, acts = step_bytes(model, tokens, hessians)
     step = layer + acts
-    target = (ckpt_bytes if label.startswith("infer") else 2 * step) + GB
-    return {"model": SHAPES[model][0], "command": label, "wall_s": round(wall, 1),
+    if loads is not None:
+        ckpt_bytes = safetensors_bytes(loads)
+    target = (ckpt_bytes if loads is not None else 2 * step) + GB
+    name = SHAPES[model][0] + (f" ({layers} layers)" if layers else "")
+    return {"model": name, "command": label, "wall_s": round(wall, 1),
             "peak_gb": round(peak / 1e9, 2), "checkpoint_gb": round(ckpt_bytes / 1e9, 2),
             "step_gb": round(step / 1e9, 2), "ratio": round(peak / step, 2),
             "peak_over_checkpoint": round(peak / ckpt_bytes, 2), "target_gb": round(target / 1e9, 2),
@@ -174,6 +193,8 @@ def main(argv: list[str] | None = None) -> list[dict]:
     ap.add_argument("--device", default="auto")
     ap.add_argument("--dir", default="/tmp/quantspec-big-model", help="checkpoints and outputs go here")
     ap.add_argument("--keep", action="store_true", help="keep the checkpoints and outputs")
+    ap.add_argument("--layers", type=int, default=None,
+                    help="decoder layers of each shape (default: its own); a step does not depend on depth")
     ap.add_argument("--json", default=None, help="also write the rows here")
     a = ap.parse_args(argv)
     models, names = a.models.split(","), a.commands.split(",")
@@ -185,12 +206,13 @@ def main(argv: list[str] | None = None) -> list[dict]:
     env = dict(os.environ, PYTHONPATH=str(Path(__file__).resolve().parents[1]))
     rows = []
     for m in models:
-        ckpt = build_checkpoint(m, root / f"{SHAPES[m][0]}-random")
-        ckpt_bytes = sum(f.stat().st_size for f in ckpt.glob("*.safetensors"))
+        depth = f"-{a.layers}layers" if a.layers else ""
+        ckpt = build_checkpoint(m, root / f"{SHAPES[m][0]}{depth}-random", layers=a.layers)
+        ckpt_bytes = safetensors_bytes(ckpt)
         work = root / f"{m}-out"
         for name in names:
-            for label, argv_, tokens, hessians in commands(name, ckpt, work, a):
-                rows.append(measure(m, label, argv_, tokens, hessians, ckpt_bytes, env))
+            for label, argv_, tokens, hessians, loads in commands(name, ckpt, work, a):
+                rows.append(measure(m, label, argv_, tokens, hessians, ckpt_bytes, env, loads, a.layers))
                 print(json.dumps(rows[-1]), flush=True)
         shutil.rmtree(work, ignore_errors=True)
         if not a.keep:

@@ -10,7 +10,7 @@ the proposers, the cache and the loader know no backend: only `infer/backend.py`
 device rooms (`infer/cpu/`, `infer/cuda/`).
 
 The size rule, read the same way: no module over 500 lines and no function over 60 outside
-`kernels/`, but for the named exemptions being brought under it."""
+`kernels/`."""
 
 from __future__ import annotations
 
@@ -142,10 +142,6 @@ def test_the_rule_catches_a_sideways_arrow(tmp_path):
 # measured on its own) over MAX_FUNCTION_LINES, outside kernels/ (Triton and C++ bindings).
 MAX_FILE_LINES = 500
 MAX_FUNCTION_LINES = 60
-# being brought under the limits (each is split by concept on its own); nothing else may exceed them
-SIZE_EXEMPT = {
-    "quant/gptq.py:_gptq",  # the function's length
-}
 SIZED = [p for p in SOURCES if not p.is_relative_to(PACKAGE / "kernels")]
 
 
@@ -166,16 +162,9 @@ def _oversized(path: Path, source: str) -> list[tuple[str, str]]:
 
 
 def test_files_and_functions_stay_small():
-    over = [f"{what} ({size})" for p in SIZED for what, size in _oversized(p, p.read_text())
-            if what not in SIZE_EXEMPT]
+    over = [f"{what} ({size})" for p in SIZED for what, size in _oversized(p, p.read_text())]
     assert not over, (f"{len(over)} over the size rule ({MAX_FILE_LINES} lines a module, "
                       f"{MAX_FUNCTION_LINES} a function; split by concept), first: {over[:10]}")
-
-
-def test_the_exemptions_are_still_needed():
-    """An exemption is dropped once its file or function is under the limit."""
-    over = {what for p in SIZED for what, _ in _oversized(p, p.read_text())}
-    assert SIZE_EXEMPT <= over, f"under the size rule now, drop from SIZE_EXEMPT: {sorted(SIZE_EXEMPT - over)}"
 
 
 def test_the_size_rule_catches_a_long_function_and_file(tmp_path):

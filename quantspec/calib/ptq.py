@@ -264,13 +264,14 @@ class _LayerQuantizer:
         return resident(module, prefix, self.weights, dtype=QUANT_DTYPE, device=self.device)
 
     def quantize_group(self, names: list[str], hessian: torch.Tensor | None) -> None:
-        """Quantize Linears sharing one input (and Hessian); swap in dequantized weights."""
+        """Quantize Linears sharing one input (and Hessian, which GPTQ's last use consumes: the
+        caller hands it over); swap in dequantized weights."""
         buckets: dict[QuantArgs, list[str]] = {}
         for n in names:
             a = self.layer_args[n]
             key = a if a.strategy in ("channel", "group") else (a, n)  # per-tensor: alone
             buckets.setdefault(key, []).append(n)
-        for members in buckets.values():
+        for b, members in enumerate(buckets.values()):
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
             if hessian is None and args.strategy in ("channel", "group"):
                 for n, m in zip(members, mods):  # rows are independent: no concatenation
@@ -282,7 +283,8 @@ class _LayerQuantizer:
                 r = rtn_quantize(W, args, scale_dtype=sd)
             else:
                 r = gptq_quantize(W, hessian, args, block_size=self.block_size, damp=self.damp,
-                                  act_order=self.act_order, scale_dtype=sd)
+                                  act_order=self.act_order, scale_dtype=sd,
+                                  consume_hessian=b == len(buckets) - 1)
                 self.losses[members[0] if len(members) == 1 else "+".join(members)] = r.loss
             row = 0
             per_row = args.strategy in ("channel", "group")
@@ -413,8 +415,7 @@ def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
         def hook(mod, inputs, group=group, acc=acc):
             acc.update(inputs[0])
             if one_pass:  # the whole batch is here: quantize before the forward goes on
-                q.quantize_group(group, acc.compute())
-                acc.H = None  # free [K, K]
+                q.quantize_group(group, acc.take())  # the [K, K] is freed once quantized
         handles.append(head.register_forward_pre_hook(hook))
 
     def cleanup():
@@ -444,7 +445,7 @@ def _gptq_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: P
             cleanup()
         if not one_pass:  # two passes: quantize, then re-run so the next layer sees its outputs
             for group, acc in accs.items():
-                q.quantize_group(list(group), acc.compute())
+                q.quantize_group(list(group), acc.take())
             step.propagate()
         losses, q.losses = q.losses, {}
         sink.write(layer_key(step.index), q.part(step.name, step.layer), losses,

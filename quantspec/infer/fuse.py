@@ -23,6 +23,7 @@ from torch import nn
 
 from quantspec.infer.dispatch import LinearKind
 from quantspec.infer.quant_linear import QuantLinear
+from quantspec.model_zoo.checkpoint import release_free_heap
 from quantspec.quant.compressed import QuantizedLinearTensors
 
 __all__ = ["fuse_projections", "stack_linears"]
@@ -53,8 +54,10 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
             c = c.to(torch.float8_e4m3fn)  # the fp8 codes upcast exactly on CPU; back to fp8
         codes.append(c)
     zps = [m.weight_zero_point for m in mods]
+    q = torch.cat(codes)
+    del codes  # the members' unpacked codes: only the stacked ones stay while it is packed
     t = QuantizedLinearTensors(
-        q=torch.cat(codes), scale=torch.cat([m.weight_scale for m in mods]),
+        q=q, scale=torch.cat([m.weight_scale for m in mods]),
         zero_point=None if zps[0] is None else torch.cat(zps),
         weight_args=w, input_args=first.input_args, input_scale=first.input_scale,
         input_zero_point=first.input_zero_point,
@@ -104,4 +107,5 @@ def fuse_projections(model: nn.Module) -> int:
             if fused is not None:
                 mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
                 n += 1
+        release_free_heap()  # the originals' memory, between the stacked copies: no growth per layer
     return n

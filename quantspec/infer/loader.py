@@ -24,7 +24,7 @@ import json
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, Mapping
 
 import torch
 from torch import nn
@@ -34,12 +34,14 @@ from quantspec.infer.backend import Runtime, prepare
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.quant_linear import QuantLinear, linear_kind
 from quantspec.model_zoo.checkpoint import (
+    CheckpointReader,
+    CheckpointTensors,
     build_model,
     check_against_table,
     checkpoint_float_dtype,
-    load_checkpoint_tensors,
     load_model,
     read_config,
+    release_free_heap,
     resolve_model_dir,
 )
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
@@ -179,10 +181,10 @@ def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[st
     return out
 
 
-def _float_table(args: ModelArgs, net: Transformer, quantized: dict, tensors: dict, where: str
-                 ) -> tuple[dict[str, tuple], dict[str, dict]]:
+def _float_table(args: ModelArgs, net: Transformer, quantized: dict, shapes: Mapping[str, tuple],
+                 where: str) -> tuple[dict[str, tuple], dict[str, dict]]:
     """(the float tensors the checkpoint must hold, with shapes; the compressed names per quantized
-    Linear), the float ones checked against `tensors`."""
+    Linear), the float ones checked against the checkpoint's `shapes`."""
     table = hf_weight_table(args)
     if "lm_head" in quantized and "lm_head.weight" not in table:
         table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
@@ -191,12 +193,12 @@ def _float_table(args: ModelArgs, net: Transformer, quantized: dict, tensors: di
         lin = net.get_submodule(name)
         table.pop(f"{name}.weight", None)
         q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
-    missing = [n for n in table if n not in tensors]
+    missing = [n for n in table if n not in shapes]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
         raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
                              "checkpoint is incomplete")
-    check_against_table(tensors, table, where)
+    check_against_table(shapes, table, where)
     return table, q_expected
 
 
@@ -225,8 +227,8 @@ def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expect
     return allowed
 
 
-def _refuse_unexpected(tensors: dict, allowed: set[str], kv_names: set[str], args: ModelArgs, where: str) -> None:
-    unexpected = sorted(set(tensors) - allowed)
+def _refuse_unexpected(names: set[str], allowed: set[str], kv_names: set[str], args: ModelArgs, where: str) -> None:
+    unexpected = sorted(names - allowed)
     if unexpected:
         u = unexpected[0]
         if u in kv_names:
@@ -241,24 +243,27 @@ def _refuse_unexpected(tensors: dict, allowed: set[str], kv_names: set[str], arg
 def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
                     dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None
                     ) -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
-    return quantized_model(load_checkpoint_tensors(model_dir), args, qc, dtype=dtype, device=device,
-                           policy=policy, where=str(model_dir))
+    # tensor by tensor: what stays resident is the prepared weights, not the artifact as well
+    return quantized_model(CheckpointTensors(CheckpointReader(model_dir)), args, qc, dtype=dtype,
+                           device=device, policy=policy, where=str(model_dir))
 
 
-def quantized_model(tensors: dict[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, *,
+def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, *,
                     dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None = None,
                     where: str = "the artifact") -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
     """An artifact's tensors (compressed-tensors names, as `quantize_model` or a checkpoint
-    gives them) → (the model with `QuantLinear`s on `device`, k_scale, v_scale). Every name and
-    shape is checked against `args` and `qc`; `where` names the source in messages. The model is
-    not yet prepared for its device (`infer.backend.prepare`)."""
-    tensors = {k: v for k, v in tensors.items() if not k.endswith(_IGNORED_SUFFIXES)}
+    gives them, or a `CheckpointTensors` that reads each when looked up) → (the model with
+    `QuantLinear`s on `device`, k_scale, v_scale). Every name and shape is checked against `args`
+    and `qc`; `where` names the source in messages. The model is not yet prepared for its device
+    (`infer.backend.prepare`)."""
+    shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+    names = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
     net = build_model(args, device="meta")
     quantized = _quantized_modules(net, qc, where)
     lm_head_quantized = "lm_head" in quantized
     if args.tie_word_embeddings and not lm_head_quantized:
-        tensors.pop("lm_head.weight", None)  # some exporters write the tied copy anyway
-    float_table, q_expected = _float_table(args, net, quantized, tensors, where)
+        names.discard("lm_head.weight")  # some exporters write the tied copy anyway
+    float_table, q_expected = _float_table(args, net, quantized, shapes, where)
     allowed = set(float_table) | _optional_tensors(tensors, net, quantized, q_expected, where)
     k_scale = v_scale = None
     kv_names = {f"{_attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in _KV_NAMES}
@@ -271,7 +276,8 @@ def quantized_model(tensors: dict[str, torch.Tensor], args: ModelArgs, qc: Quant
         ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
                                       dtype=dtype, device=device, policy=policy)
         net.set_submodule(name, ql)
-    _refuse_unexpected(tensors, allowed, kv_names, args, where)
+        release_free_heap()  # the codes' temporaries, freed between kept layouts: no growth per layer
+    _refuse_unexpected(names, allowed, kv_names, args, where)
     q_biases = {f"{name}.bias" for name in quantized}  # already inside their QuantLinear
     float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in float_table
                    if k not in q_biases}

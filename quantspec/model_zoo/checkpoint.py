@@ -26,27 +26,10 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 
-__all__ = [
-    "CheckpointReader",
-    "draft_kind",
-    "FileRange",
-    "save_module",
-    "build_model",
-    "check_checkpoint",
-    "checkpoint_float_dtype",
-    "load_checkpoint_tensors",
-    "load_model",
-    "model_fingerprint",
-    "read_config",
-    "reading_safetensors",
-    "release_free_heap",
-    "resident",
-    "resolve_model_dir",
-    "safetensors_files",
-    "safetensors_header",
-    "safetensors_keys",
-    "verify_checkpoint",
-]
+__all__ = ["build_model", "check_checkpoint", "checkpoint_float_dtype", "CheckpointReader", "CheckpointTensors",
+           "draft_kind", "FileRange", "load_checkpoint_tensors", "load_model", "model_fingerprint", "read_config",
+           "reading_safetensors", "release_free_heap", "resident", "resolve_model_dir", "safetensors_files",
+           "safetensors_header", "safetensors_keys", "save_module", "verify_checkpoint"]
 
 # Tensors some HF checkpoints carry that are recomputed here.
 _IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
@@ -368,6 +351,30 @@ class CheckpointReader:
     def release(module: torch.nn.Module) -> None:
         """Return `module`'s parameters to the `meta` device (frees them)."""
         module.to_empty(device="meta")
+
+
+class CheckpointTensors(Mapping[str, torch.Tensor]):
+    """A checkpoint's tensors as a read-only mapping that reads a tensor when it is looked up
+    (`CheckpointReader.read`: a copy that owns its memory, its file unmapped again), so a loader
+    that converts tensor by tensor holds what it keeps, never a second copy of the checkpoint.
+    `shapes`: name → shape from the headers, for checks that need no data."""
+
+    def __init__(self, reader: CheckpointReader):
+        self.reader, self.shapes = reader, reader.shapes
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.reader.ranges:
+            raise KeyError(name)
+        return self.reader.read([name])[name]
+
+    def __contains__(self, name: object) -> bool:
+        return name in self.reader.ranges
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.reader.ranges)
+
+    def __len__(self) -> int:
+        return len(self.reader.ranges)
 
 
 @contextlib.contextmanager

@@ -55,6 +55,8 @@ class HessianAccumulator:
         if x.shape[-1] != self.in_features:
             raise QuantSpecError(f"HessianAccumulator.update: last dim {x.shape[-1]} != "
                                  f"in_features {self.in_features}")
+        if self.H is None:
+            raise QuantSpecError("HessianAccumulator.update: its Hessian was taken already")
         x = x.reshape(-1, self.in_features).to(self.H.dtype)  # [T, K]
         t = x.shape[0]
         if t == 0:
@@ -66,10 +68,21 @@ class HessianAccumulator:
         self.H.addmm_(x.t(), x)
 
     def compute(self) -> torch.Tensor:
-        if self.num_samples == 0:
-            raise QuantSpecError("HessianAccumulator.compute called before any update(); feed "
-                                 "calibration inputs first")
+        self._check_fed("compute")
         return self.H.clone()
+
+    def take(self) -> torch.Tensor:
+        """H [K, K] handed over without a copy: the accumulator is spent (holds no Hessian)."""
+        self._check_fed("take")
+        H, self.H = self.H, None
+        return H
+
+    def _check_fed(self, what: str) -> None:
+        if self.H is None:
+            raise QuantSpecError(f"HessianAccumulator.{what}: its Hessian was taken already")
+        if self.num_samples == 0:
+            raise QuantSpecError(f"HessianAccumulator.{what} called before any update(); feed "
+                                 "calibration inputs first")
 
 
 @dataclass
@@ -129,23 +142,43 @@ def _single_thread():
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *,
                   block_size: int = 128, damp: float = 0.01, act_order: bool = False,
-                  scale_dtype: torch.dtype | None = None) -> GPTQResult:
+                  scale_dtype: torch.dtype | None = None, consume_hessian: bool = False) -> GPTQResult:
     """Quantize weight [N, K] with GPTQ given the input Hessian [K, K] (see module docstring).
 
     Scales are rounded to `scale_dtype` (default: the weight's dtype, as compressed-tensors
     stores them) before any code is computed, so the returned codes, scales and `weight_dq` are
     mutually exact. With an identity Hessian GPTQ reduces to round-to-nearest.
+    `consume_hessian`: the caller hands `hessian` over (e.g. `HessianAccumulator.take()`): it is
+    damped and factorised in place and left empty, so no copy of it is made and its memory is
+    freed as soon as it is factorised (a down_proj's [I, I] is the largest tensor of a layer).
     """
     on_cpu = weight.device.type == "cpu"
     with _single_thread() if on_cpu else contextlib.nullcontext():
         return _gptq(weight, hessian, args, block_size=block_size, damp=damp,
-                     act_order=act_order, scale_dtype=scale_dtype)
+                     act_order=act_order, scale_dtype=scale_dtype, consume=consume_hessian)
 
 
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block_size: int,
-          damp: float, act_order: bool, scale_dtype: torch.dtype | None) -> GPTQResult:
+          damp: float, act_order: bool, scale_dtype: torch.dtype | None, consume: bool) -> GPTQResult:
+    _check_gptq_inputs(weight, hessian, args, block_size=block_size, damp=damp)
+    group = args.strategy == "group"
+    if group:  # whole groups per block, so each group's qparams see its updated columns
+        g = args.group_size
+        block_size = max(g, (block_size // g) * g)
+    W, H, grid = _prepare(weight, hessian, args, scale_dtype or weight.dtype, act_order, consume)
+    U = _inverse_factor(H, damp)  # [K, K]; H is left empty
+    Q, loss = _quantize_columns(W, U, args, grid, block_size)
+    if grid.perm is not None:
+        Q = Q[:, torch.argsort(grid.perm)]
+    weight_dq = dequantize(Q, grid.scale, grid.zero_point, args, dtype=weight.dtype)
+    return GPTQResult(q=Q, scale=grid.scale, zero_point=grid.zero_point, weight_dq=weight_dq,
+                      loss=float(loss.sum()), args=args, perm=grid.perm)
+
+
+def _check_gptq_inputs(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *,
+                       block_size: int, damp: float) -> None:
     _check_weight(weight, args)
-    N, K = weight.shape
+    K = weight.shape[1]
     if not isinstance(hessian, torch.Tensor) or hessian.shape != (K, K):
         raise QuantSpecError(f"hessian must be [K, K] = [{K}, {K}], got "
                              f"{tuple(getattr(hessian, 'shape', ()))}")
@@ -153,46 +186,72 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
         raise QuantSpecError(f"damp must be in [0, 1), got {damp}")
     if block_size <= 0:
         raise QuantSpecError(f"block_size must be positive, got {block_size}")
-    sdtype = scale_dtype or weight.dtype
-    group = args.strategy == "group"
-    g = args.group_size if group else K
-    if group:  # whole groups per block, so each group's qparams see its updated columns
-        block_size = max(g, (block_size // g) * g)
-    col_args = args.replace(strategy="channel", group_size=None) if group else args
 
+
+@dataclass
+class _Grid:
+    """The quantization grid GPTQ rounds onto: scale / zero_point shaped per strategy (group
+    qparams are filled in as the column loop reaches each group, unless act-order fixed them up
+    front) and the column order (`perm`, None: the original)."""
+
+    scale: torch.Tensor
+    zero_point: torch.Tensor
+    perm: torch.Tensor | None
+
+
+def _prepare(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, sdtype: torch.dtype,
+             act_order: bool, consume: bool) -> tuple[torch.Tensor, torch.Tensor, _Grid]:
+    """float32 copies of the weight [N, K] and Hessian [K, K] (`consume`: the Hessian itself,
+    `hessian` left empty) with dead columns handled, in the order GPTQ visits the columns, and
+    the grid (per-channel / per-tensor and static-group qparams are computed here, from the
+    weight with its dead columns zeroed)."""
+    N, K = weight.shape
+    group = args.strategy == "group"
     W = weight.detach().to(torch.float32).clone()  # [N, K]
-    H = hessian.detach().to(device=W.device, dtype=torch.float32).clone()  # [K, K]
+    H = hessian.detach().to(device=W.device, dtype=torch.float32, copy=not consume)  # [K, K]
+    if consume:
+        hessian.set_()  # the caller's tensor lets go of the storage: H holds the only reference
     dead = torch.diag(H) == 0
     H[dead, dead] = 1.0
     W[:, dead] = 0.0
-
-    scale = zp = None
-    if not group:
-        scale, zp = choose_qparams(W, args)  # [N, 1] or [1]
+    scale = zp = perm = None
+    if not group or act_order:  # static groups: from the original weight, original column order
+        scale, zp = choose_qparams(W, args)  # [N, 1], [1] or [N, K/g]
         scale = scale.to(sdtype)
-    perm = None
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
-        if group:  # static groups: qparams from the original weight, original column order
-            scale, zp = choose_qparams(W, args)  # [N, K/g]
-            scale = scale.to(sdtype)
         W = W[:, perm]
         H = H[perm][:, perm]
     elif group:
-        scale = torch.empty(N, K // g, dtype=sdtype, device=W.device)
-        zp = torch.empty(N, K // g, dtype=zero_point_dtype(args), device=W.device)
+        scale = torch.empty(N, K // args.group_size, dtype=sdtype, device=W.device)
+        zp = torch.empty(N, K // args.group_size, dtype=zero_point_dtype(args), device=W.device)
+    return W, H, _Grid(scale, zp, perm)
 
+
+def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
+    """The upper Cholesky factor U [K, K] of (H + damping)⁻¹. H is damped in place and emptied
+    once factorised (`set_()` frees its storage whoever else refers to it), so at most two
+    [K, K] matrices are alive at a time: for a large K (an MLP's down_proj) each is large."""
     H.diagonal().add_(damp * torch.mean(torch.diag(H)))
     try:
         L = torch.linalg.cholesky(H)
+        H.set_()
         Hinv = torch.cholesky_inverse(L)
-        U = torch.linalg.cholesky(Hinv, upper=True)  # [K, K], upper factor of H⁻¹
+        del L
+        return torch.linalg.cholesky(Hinv, upper=True)
     except torch.linalg.LinAlgError:
         raise QuantSpecError(f"the Hessian is not positive definite even with damp={damp}; "
                              "raise damp (e.g. 0.1) or calibrate on more tokens") from None
 
-    Q = torch.empty(N, K, dtype=storage_dtype(args), device=W.device)  # codes, permuted order
+
+def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _Grid,
+                      block_size: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """GPTQ's column loop with lazy batch updates (module docstring) over W [N, K] (updated in
+    place) → (codes [N, K] in the visiting order, loss [N])."""
+    N, K = W.shape
+    Q = torch.empty(N, K, dtype=storage_dtype(args), device=W.device)  # codes, visiting order
     loss = torch.zeros(N, dtype=torch.float32, device=W.device)
+    col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" else args
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = W[:, i1:i2].clone()  # [N, B]
@@ -200,18 +259,7 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
         U1 = U[i1:i2, i1:i2]  # [B, B]
         for i in range(i2 - i1):
             col = i1 + i
-            if group:
-                if act_order:
-                    gi = int(perm[col]) // g
-                else:
-                    gi = col // g
-                    if col % g == 0:  # a group's first column: qparams of its updated weights
-                        s, z = choose_qparams(W1[:, i:i + g], col_args)  # [N, 1]
-                        scale[:, gi:gi + 1] = s.to(sdtype)
-                        zp[:, gi:gi + 1] = z
-                s, z = scale[:, gi:gi + 1], zp[:, gi:gi + 1]
-            else:
-                s, z = scale, zp
+            s, z = _column_qparams(W1, i, col, args, col_args, grid)
             w = W1[:, i:i + 1]  # [N, 1]
             q = quantize(w, s, z, col_args)
             dq = dequantize(q, s, z, col_args, dtype=torch.float32)
@@ -222,10 +270,22 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
             Err1[:, i:i + 1] = err
         if i2 < K:
             W[:, i2:] -= Err1 @ U[i1:i2, i2:]
+    return Q, loss
 
-    if perm is not None:
-        inv = torch.argsort(perm)
-        Q = Q[:, inv]
-    weight_dq = dequantize(Q, scale, zp, args, dtype=weight.dtype)
-    return GPTQResult(q=Q, scale=scale, zero_point=zp, weight_dq=weight_dq,
-                      loss=float(loss.sum()), args=args, perm=perm)
+
+def _column_qparams(W1: torch.Tensor, i: int, col: int, args: QuantArgs, col_args: QuantArgs,
+                    grid: _Grid) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) of column `col` (column i of the block W1 [N, B]); a group's first
+    column (without act-order) fixes its group's qparams from the updated weights."""
+    if args.strategy != "group":
+        return grid.scale, grid.zero_point
+    g = args.group_size
+    if grid.perm is not None:
+        gi = int(grid.perm[col]) // g
+    else:
+        gi = col // g
+        if col % g == 0:  # a group's first column: qparams of its updated weights
+            s, z = choose_qparams(W1[:, i:i + g], col_args)  # [N, 1]
+            grid.scale[:, gi:gi + 1] = s.to(grid.scale.dtype)
+            grid.zero_point[:, gi:gi + 1] = z
+    return grid.scale[:, gi:gi + 1], grid.zero_point[:, gi:gi + 1]

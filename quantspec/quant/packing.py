@@ -16,6 +16,7 @@ Example (int8): q = [[-128, -1, 0, 127]] → u = [0, 127, 128, 255] → word = 0
 from __future__ import annotations
 
 import math
+import sys
 
 import torch
 
@@ -47,6 +48,11 @@ def _check_dim(packed_dim: int) -> None:
         raise QuantSpecError(f"packed_dim must be 0 or 1, got {packed_dim}")
 
 
+def _check_little_endian() -> None:
+    if sys.byteorder != "little":  # words are built from and read as their bytes
+        raise QuantSpecError("packing int32 words needs a little-endian machine")
+
+
 def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Tensor:
     """Pack int8 codes q [N, K] of `num_bits` (4: in [-8, 7]; 8: any int8) into int32
     [N, ceil(K·b/32)] (packed_dim=1) or [ceil(N·b/32), K] (packed_dim=0)."""
@@ -61,18 +67,19 @@ def pack_int32(q: torch.Tensor, num_bits: int, packed_dim: int = 1) -> torch.Ten
         raise QuantSpecError(f"int{num_bits} codes must lie in [{-offset}, {offset - 1}], got "
                              f"[{int(q.min())}, {int(q.max())}]; quantize with num_bits={num_bits} "
                              "first")
-    u = q.to(torch.int64) + offset
-    if packed_dim == 0:
-        u = u.t()
-    rows, cols = u.shape
+    _check_little_endian()
+    src = q.t() if packed_dim == 0 else q  # [rows, cols]
+    rows, cols = src.shape
+    # codes + 2^(b-1) (mod 256, exact: every code is in range), padded with code 0 like
+    # compressed-tensors: one byte per code, so packing a weight holds ~2 bytes per code at most
     words = packed_words(cols, num_bits)
-    pad = words * per_word - cols
-    if pad:
-        u = torch.nn.functional.pad(u, (0, pad))  # pads with code 0, like compressed-tensors
-    u = u.reshape(rows, words, per_word)  # [rows, words, per_word]
-    shifts = torch.arange(per_word, dtype=torch.int64, device=u.device) * num_bits
-    packed = (u << shifts).sum(dim=-1)  # [rows, words], in [0, 2^32)
-    packed = torch.where(packed >= 2**31, packed - 2**32, packed).to(torch.int32)
+    u = torch.zeros(rows, words * per_word, dtype=torch.uint8, device=q.device)
+    u[:, :cols] = src.view(torch.uint8) + offset
+    u = u.reshape(-1)  # every row holds whole words
+    if num_bits == 4:  # two codes a byte, the lower one in the low nibble
+        u = u[0::2] | (u[1::2] << 4)
+    # a word's code j sits at bits [b·j, b·(j + 1)): its bytes, least significant first
+    packed = u.view(torch.int32).view(rows, words)  # [rows, words]
     if packed_dim == 0:
         packed = packed.t()
     return packed.contiguous()
@@ -101,9 +108,11 @@ def unpack_int32(packed: torch.Tensor, num_bits: int, shape: tuple[int, int] | t
             raise QuantSpecError(f"packed tensor {tuple(packed.shape)} cannot hold shape {shape} "
                                  f"(packed_dim={packed_dim}, {num_bits}-bit codes)")
         cols = cols_req
-    shifts = torch.arange(per_word, dtype=torch.int64, device=p.device) * num_bits
-    u = (p.to(torch.int64).unsqueeze(-1) >> shifts) & ((1 << num_bits) - 1)  # [rows, words, per]
-    q = (u.reshape(rows, -1)[:, :cols] - (1 << (num_bits - 1))).to(torch.int8)
+    _check_little_endian()
+    u = p.contiguous().view(torch.uint8)  # [rows, 4·words]: each word's bytes, least significant first
+    if num_bits == 4:  # the low nibble of a byte is the lower code
+        u = torch.stack([u & 0xF, u >> 4], dim=-1).reshape(rows, -1)  # [rows, 8·words]
+    q = (u[:, :cols] - (1 << (num_bits - 1))).view(torch.int8)  # mod 256: the signed code
     return (q.t() if packed_dim == 0 else q).contiguous()
 
 

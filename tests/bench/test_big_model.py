@@ -1,6 +1,6 @@
 """`bench/big_model.py`: it builds the sharded random checkpoint it claims to and measures every
-command it lists (infer on the bf16 checkpoint too), with a step size that follows the shape and
-each command's target."""
+command it lists (infer on the bf16 checkpoint and on a quantized artifact too, quantizing it
+first where no command has), with a step size that follows the shape and each command's target."""
 
 import json
 
@@ -10,9 +10,10 @@ pytestmark = pytest.mark.bench
 
 
 def test_builds_a_sharded_checkpoint_and_measures_each_command(big_model, tmp_path, capsys):
-    rows = big_model.main(["--models", "tiny", "--commands", "int8,a8w8,infer", "--num-samples", "4", "--seq-len", "32",
-                           "--device", "cpu", "--dir", str(tmp_path), "--keep"])
-    assert [r["command"] for r in rows] == ["quantize int8", "calibrate", "quantize a8w8", "infer bf16"]
+    rows = big_model.main(["--models", "tiny", "--commands", "int8,a8w8,infer,infer-int8,infer-int4", "--num-samples",
+                           "4", "--seq-len", "32", "--device", "cpu", "--dir", str(tmp_path), "--keep"])
+    assert [r["command"] for r in rows] == ["quantize int8", "calibrate", "quantize a8w8", "infer bf16", "infer int8",
+                                            "quantize int4", "infer int4"]
     assert all(r["peak_gb"] > 0 and r["wall_s"] > 0 and r["ratio"] > 0 for r in rows)
     ckpt = tmp_path / "tiny-random"
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())
@@ -22,6 +23,9 @@ def test_builds_a_sharded_checkpoint_and_measures_each_command(big_model, tmp_pa
     _, with_h = big_model.step_bytes("tiny", 4 * 32, hessians=True)
     assert with_h == acts + (2 * 128 * 128 + 128 * 128 + 256 * 256) * 4
     assert all(abs(r["target_gb"] - (2 * r["step_gb"] + 1)) < 0.02 for r in rows[:3])
-    assert abs(rows[3]["target_gb"] - (rows[3]["checkpoint_gb"] + 1)) < 0.02
+    for r in (rows[3], rows[4], rows[6]):
+        assert abs(r["target_gb"] - (r["checkpoint_gb"] + 1)) < 0.02
+    assert big_model.hf_config("tiny", layers=2)["num_hidden_layers"] == 2
+    assert big_model.hf_config("tiny")["num_hidden_layers"] == big_model.SHAPES["tiny"][3]
     out = capsys.readouterr().out
     assert "peak ÷ step" in out and "within" in out

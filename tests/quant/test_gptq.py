@@ -32,6 +32,18 @@ def test_hessian_accumulator_matches_formula():
         HessianAccumulator(8).compute()
 
 
+def test_hessian_accumulator_take_hands_over_the_hessian():
+    _, X = _problem(K=64, T=300)
+    acc = HessianAccumulator(64)
+    acc.update(X)
+    expected = acc.compute()
+    H = acc.take()
+    assert torch.equal(H, expected)
+    for use in (acc.take, acc.compute, lambda: acc.update(X)):
+        with pytest.raises(QuantSpecError, match="taken already"):
+            use()
+
+
 @pytest.mark.parametrize("act_order", [False, True])
 @pytest.mark.parametrize("symmetric", [True, False])
 def test_gptq_beats_rtn(act_order, symmetric):
@@ -73,6 +85,24 @@ def test_channel_int8_and_fp8_beat_rtn():
                  QuantArgs(num_bits=8, type="float", strategy="channel")):
         res = gptq_quantize(W, H, args, act_order=True)
         assert _out_err(X, W, res.weight_dq) < _out_err(X, W, rtn_quantize(W, args).weight_dq)
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_a_consumed_hessian_gives_the_same_result_and_is_freed(act_order):
+    """consume_hessian factorises the caller's Hessian in place and empties it; the codes,
+    scales and loss are those of the call that copies it (which leaves it as it was)."""
+    W, X = _problem()
+    X[:, 7] = 0  # a dead column: its diagonal entry is set in place too
+    H = 2.0 / X.shape[0] * X.T @ X
+    args = QuantArgs(num_bits=4, strategy="group", group_size=64, symmetric=False)
+    kept = H.clone()
+    ref = gptq_quantize(W, kept, args, act_order=act_order)
+    assert torch.equal(kept, H)
+    got = gptq_quantize(W, H, args, act_order=act_order, consume_hessian=True)
+    assert H.numel() == 0
+    for f in ("q", "scale", "zero_point", "weight_dq"):
+        assert torch.equal(getattr(got, f), getattr(ref, f)), f
+    assert got.loss == ref.loss
 
 
 def test_dead_columns_are_zeroed():

@@ -40,12 +40,14 @@ class GreedyHead:
 
     def __init__(self, model: nn.Module, *, prefetch: bool = True):
         head = model.lm_head
-        w = head.dense_weight()  # [N, K] fp32 or bf16, unpacked: bitwise the packed weights
+        self.bf16 = type(head) is PackedPairsLinear  # a quantized artifact's bf16 head: bf16 logits
+        # [N, K] bitwise the packed weights: a bf16 head only feeds the int8 screen's tables,
+        # which read it in chunks of rows, so it is never unpacked whole (+N · K · 2 bytes)
+        w = cg.PairRows(head.packed, head.out_features) if self.bf16 else head.dense_weight()
         self.model, self.head, self.packed, self.prefetch = model, head, head.packed, prefetch
         # an in-place change of the head makes the copies stale (inference tensors keep no version)
         self.version = None if head.packed.is_inference() else head.packed._version
         self.num_outputs = head.out_features
-        self.bf16 = type(head) is PackedPairsLinear  # a quantized artifact's bf16 head: bf16 logits
         self.i8 = None
         if cg.has_int8_screen() and w.shape[1] % 2 == 0 and w.shape[1] < 2 ** 17:  # its bound's K
             self.i8 = cg.int8_screen_tables(w)

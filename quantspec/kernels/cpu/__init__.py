@@ -21,7 +21,7 @@ from quantspec.kernels.cpu.gemm import (K_MULTIPLE, X_DTYPES, dense_gemv, dense_
 from quantspec.kernels.cpu.greedy import (PAIR_ABS_ERR, has_int8_screen, int8_screen_tables, row_norms_up,
                                           screen_bound, screened_argmax, screened_argmax_i8, screened_argmax_i8_ref,
                                           screened_argmax_pairs, screened_argmax_pairs_ref, screened_argmax_ref)
-from quantspec.kernels.cpu.layouts import (PACK_BLOCK, pack_dense, pack_pairs, pack_w4, pack_w8, pack_w8_pairs,
+from quantspec.kernels.cpu.layouts import (PACK_BLOCK, PairRows, pack_dense, pack_pairs, pack_w4, pack_w8, pack_w8_pairs,
                                            unpack_dense, unpack_pairs, unpack_w4, unpack_w8, unpack_w8_pairs)
 from quantspec.kernels.cpu.rows import rms_norm, rms_norm_ref, rope, rope_ref, silu_mul, silu_mul_ref
 
@@ -34,6 +34,6 @@ __all__ = [
     "rms_norm", "rms_norm_ref", "rope", "rope_ref", "silu_mul", "silu_mul_ref",
     "int8_screen_tables", "row_norms_up", "screen_bound", "screened_argmax", "screened_argmax_i8",
     "screened_argmax_i8_ref", "screened_argmax_pairs", "screened_argmax_pairs_ref", "screened_argmax_ref",
-    "pack_dense", "pack_pairs", "pack_w4", "pack_w8", "pack_w8_pairs",
+    "PairRows", "pack_dense", "pack_pairs", "pack_w4", "pack_w8", "pack_w8_pairs",
     "unpack_dense", "unpack_pairs", "unpack_w4", "unpack_w8", "unpack_w8_pairs",
 ]

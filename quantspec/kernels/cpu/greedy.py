@@ -58,7 +58,8 @@ def _up(v: torch.Tensor) -> torch.Tensor:
 
 
 def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, float, float]:
-    """The int8 screen's copy of a head w [N, K] (fp32 or bf16 values) → (codes packed [NB, K/2, 64]
+    """The int8 screen's copy of a head w [N, K] (fp32 or bf16 values; a tensor or a `PairRows`,
+    read in chunks of rows) → (codes packed [NB, K/2, 64]
     int8 (`pack_w8_pairs`), scale [N], u [N], t [N], rel, abs_err) of `screened_argmax_i8`'s bound: codes
     q_n = round(w_n / s_n), s_n = max|w_n| / 127 (fp32); u_n = ‖w_n − s_n q_n‖ + γ_K ‖w_n‖ and
     t_n = ‖s_n q_n‖ (float64 sums, then × (1 + 2^-40) for their own roundings and rounded up to

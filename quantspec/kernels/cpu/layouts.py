@@ -51,10 +51,16 @@ def pack_pairs(w: torch.Tensor) -> torch.Tensor:
     n, k = w.shape
     if k % 2:
         raise ValueError(f"pack_pairs: K must be even, got {k}")
-    nb = -(-n // PACK_BLOCK)
-    padded = torch.zeros(nb * PACK_BLOCK, k, dtype=torch.bfloat16)
-    padded[:n] = w.detach().to(torch.bfloat16)
-    pairs = padded.view(nb, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3).contiguous()  # [NB, K/2, 32, 2]
+    nb, full = -(-n // PACK_BLOCK), n // PACK_BLOCK
+    w = w.detach()
+    # written block-transposed straight from w (rounded to bf16 on the way): the only copy made
+    # is the packed one, so packing a large head holds it twice, not three times
+    pairs = torch.empty(nb, k // 2, PACK_BLOCK, 2, dtype=torch.bfloat16)  # [NB, K/2, 32, 2]
+    pairs[:full] = w[:full * PACK_BLOCK].reshape(full, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3)
+    if nb > full:  # the last block's rows past n are zero
+        tail = torch.zeros(PACK_BLOCK, k, dtype=torch.bfloat16)
+        tail[:n - full * PACK_BLOCK] = w[full * PACK_BLOCK:]
+        pairs[full:] = tail.view(1, PACK_BLOCK, k // 2, 2).permute(0, 2, 1, 3)
     return pairs.view(torch.int32).view(nb, k // 2, PACK_BLOCK)
 
 
@@ -63,6 +69,24 @@ def unpack_pairs(packed: torch.Tensor, n: int) -> torch.Tensor:
     nb, kp, _ = packed.shape
     pairs = packed.view(torch.bfloat16).view(nb, kp, PACK_BLOCK, 2)
     return pairs.permute(0, 2, 1, 3).reshape(nb * PACK_BLOCK, 2 * kp)[:n].contiguous()
+
+
+class PairRows:
+    """The bf16 weight [n, K] of a `pack_pairs` tensor read a slice of rows at a time
+    (`rows[a:b]` → [b - a, K], unpacked from the blocks that hold them): what a reader of a large
+    head's rows in chunks needs (`int8_screen_tables`), without the whole unpacked copy."""
+
+    def __init__(self, packed: torch.Tensor, n: int):
+        self.packed = packed  # int32 [NB, K/2, 32]
+        self.shape = (n, 2 * packed.shape[1])
+
+    def __getitem__(self, rows: slice) -> torch.Tensor:
+        a, b, stride = rows.indices(self.shape[0])
+        if stride != 1:
+            raise ValueError("PairRows reads contiguous slices of rows")
+        b0, b1 = a // PACK_BLOCK, max(a // PACK_BLOCK, -(-b // PACK_BLOCK))
+        w = unpack_pairs(self.packed[b0:b1], (b1 - b0) * PACK_BLOCK)  # the blocks' rows [., K]
+        return w[a - b0 * PACK_BLOCK:b - b0 * PACK_BLOCK]
 
 
 def pack_w8(q: torch.Tensor) -> torch.Tensor:
@@ -101,7 +125,7 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple
     column block b at step k, byte j holds column 32 b + j in its low nibble and column
     32 b + j + 16 in its high one, each as the unsigned q + 8, so w = (q + 8) * scale + offset
     with offset = neg_zs - 8 * scale."""
-    u = (_blocks(q.to(torch.int8)).to(torch.int16) + 8).to(torch.uint8)  # [NB, K, 32]
+    u = _blocks(q.to(torch.int8)).view(torch.uint8) + 8  # [NB, K, 32]; mod 256: the unsigned q + 8
     packed = (u[:, :, :16] | (u[:, :, 16:] << 4)).contiguous()
     s = _blocks(scale.float())
     return packed, s, _blocks(neg_zs.float()) - 8 * s
@@ -110,4 +134,4 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple
 def unpack_w4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The codes [n, K] of `pack_w4`'s bytes."""
     u = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [NB, K, 32]
-    return unblock((u.to(torch.int16) - 8).to(torch.int8), n)
+    return unblock((u - 8).view(torch.int8), n)  # mod 256: the signed code

@@ -11,7 +11,7 @@ import torch
 
 from quantspec.infer.cpu.greedy import GreedyHead
 from quantspec.infer.sampler import greedy_ids
-from quantspec.kernels.cpu import (PAIR_ABS_ERR, cpu_kernels, int8_screen_tables, pack_dense, pack_pairs, pack_w8_pairs,
+from quantspec.kernels.cpu import (PAIR_ABS_ERR, PairRows, cpu_kernels, int8_screen_tables, pack_dense, pack_pairs, pack_w8_pairs,
                                    packed_gemm, packed_pairs_gemm, row_norms_up, screen_bound, screened_argmax_pairs,
                                    unpack_w8_pairs)
 
@@ -48,6 +48,19 @@ def _screen(x, w, rel=None, path="rows", prefetch=True):
 
 def _want(x, w):
     return greedy_ids(packed_gemm(x, pack_dense(w), w.shape[0]))
+
+
+def test_int8_tables_of_a_bf16_head_read_from_its_packed_rows():
+    """A bf16 head's int8 screen tables from its pair-packed copy, a slice of rows at a time
+    (`PairRows`; 1000 rows of K = 3000 read in chunks of 349 that cross the 32-row blocks), are
+    those of the unpacked weight."""
+    w = (torch.randn(1000, 3000, generator=torch.Generator().manual_seed(0)) * 0.05).bfloat16()
+    rows = PairRows(pack_pairs(w), 1000)
+    assert rows.shape == (1000, 3000)
+    for a, b in ((0, 1000), (5, 40), (33, 34), (990, 1000), (7, 7)):
+        assert torch.equal(rows[a:b], w[a:b])
+    for got, want in zip(int8_screen_tables(rows), int8_screen_tables(w)):
+        assert torch.equal(got, want) if isinstance(want, torch.Tensor) else got == want
 
 
 @pytest.mark.parametrize("path", PATHS)
