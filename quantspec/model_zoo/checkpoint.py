@@ -469,13 +469,17 @@ def model_fingerprint(model_dir: str | os.PathLike) -> str:
     return f"{_arch_hash(cfg)}-{_weights_hash(d)}"
 
 
-def save_module(module: torch.nn.Module, out_dir: str | os.PathLike, config: dict) -> Path:
-    """Write `config` as config.json and the module's state dict as model.safetensors into
-    `out_dir`, each file replaced atomically (a draft module's artifact)."""
+def save_module(module: torch.nn.Module, out_dir: str | os.PathLike, config: dict,
+                extra_config: dict | None = None) -> Path:
+    """Write `config` (`extra_config` merged into its "quantspec" section) as config.json and the
+    module's state dict as model.safetensors into `out_dir`, each file replaced atomically (a
+    draft module's artifact)."""
     from safetensors.torch import save_file
 
     from quantspec.outputs import atomic_file, write_text
 
+    if extra_config:
+        config = {**config, "quantspec": {**config.get("quantspec", {}), **extra_config}}
     out = Path(out_dir)
     out.mkdir(parents=True, exist_ok=True)
     tensors = {k: v.detach().to("cpu").contiguous() for k, v in module.state_dict().items()}

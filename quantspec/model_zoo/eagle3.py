@@ -268,9 +268,7 @@ def save_eagle3(head: Eagle3Head, out_dir: str | os.PathLike, extra_config: dict
     """Write config.json + model.safetensors into `out_dir`, each file replaced atomically."""
     from quantspec.model_zoo.checkpoint import save_module
 
-    cfg = head.args.to_config()
-    cfg["quantspec"].update(extra_config or {})
-    return save_module(head, out_dir, cfg)
+    return save_module(head, out_dir, head.args.to_config(), extra_config)
 
 
 def load_eagle3(path: str | os.PathLike, base: ModelArgs | None = None, *, dtype: torch.dtype = torch.float32,

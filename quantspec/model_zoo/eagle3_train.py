@@ -34,7 +34,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.eagle3 import AuxCapture, Eagle3Args, Eagle3Head, save_eagle3
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.model_zoo.mtp_train import (IGNORE, STATE_NAME, MTPTrainConfig, atomic_torch_save, check_resumable,
-                                           optimizer_step)
+                                           open_optimizer, optimizer_step)
 
 __all__ = ["Eagle3Rows", "Eagle3TrainConfig", "choose_eagle3_vocab", "eagle3_rows", "init_eagle3", "prepared_rows",
            "train_eagle3", "ttt_losses", "ttt_outputs"]
@@ -170,16 +170,7 @@ def train_eagle3(head: Eagle3Head, rows: Eagle3Rows, config: Eagle3TrainConfig, 
     check_resumable(out, config, resume)
     out.mkdir(parents=True, exist_ok=True)
     params = list(head.parameters())
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
-    start, history = 0, []
-    if resume and state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        if not torch.equal(state["d2t"], head.d2t.cpu()):
-            raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
-                                 "resume with the same data options")
-        head.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start, history = int(state["step"]), list(state["losses"])
+    opt, start, history = open_optimizer(head, params, config, state_path if resume else None, "d2t", head.d2t)
     if start >= config.steps:
         return {"steps": config.steps, "start_step": start, "loss_first": None, "loss_last": None, "losses": []}
     V = head.args.layer.vocab_size

@@ -159,9 +159,7 @@ def save_medusa(heads: MedusaHeads, out_dir: str | os.PathLike, extra_config: di
     """Write config.json + model.safetensors into `out_dir`, each file replaced atomically."""
     from quantspec.model_zoo.checkpoint import save_module
 
-    cfg = heads.args.to_config()
-    cfg["quantspec"].update(extra_config or {})
-    return save_module(heads, out_dir, cfg)
+    return save_module(heads, out_dir, heads.args.to_config(), extra_config)
 
 
 def load_medusa(path: str | os.PathLike, base: ModelArgs | None = None, *, dtype: torch.dtype = torch.float32,

@@ -19,11 +19,10 @@ from typing import Callable
 import torch
 import torch.nn.functional as F
 
-from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import Transformer
 from quantspec.model_zoo.medusa import MEDUSA_VOCAB_NAME, MedusaArgs, MedusaHeads, save_medusa
 from quantspec.model_zoo.mtp_train import (IGNORE, STATE_NAME, MTPFeatures, MTPTrainConfig, atomic_torch_save,
-                                           check_resumable)
+                                           check_resumable, open_optimizer)
 
 __all__ = ["init_medusa", "medusa_targets", "train_medusa"]
 
@@ -58,19 +57,6 @@ def medusa_targets(features: MTPFeatures, num_heads: int) -> torch.Tensor:
     return out
 
 
-def _resume(heads: MedusaHeads, opt: torch.optim.Optimizer, vocab: torch.Tensor,
-            state_path: Path) -> tuple[int, list[float]]:
-    """Load the heads' trained weights and the optimizer from the checkpoint at `state_path`;
-    one made with another draft vocabulary `vocab` is refused. → (its step, its losses)"""
-    state = torch.load(state_path, map_location="cpu", weights_only=False)
-    if not torch.equal(state["draft_vocab_ids"], vocab.cpu()):
-        raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
-                             "resume with the same data options")
-    heads.load_state_dict(state["model"], strict=False)
-    opt.load_state_dict(state["optimizer"])
-    return int(state["step"]), list(state["losses"])
-
-
 def train_medusa(heads: MedusaHeads, base: Transformer, features: MTPFeatures, config: MTPTrainConfig,
                  out_dir: str | os.PathLike, *, resume: bool = False, extra_config: dict | None = None,
                  on_step: Callable[[int, int, float], None] | None = None) -> dict:
@@ -81,9 +67,9 @@ def train_medusa(heads: MedusaHeads, base: Transformer, features: MTPFeatures, c
     check_resumable(out, config, resume)
     out.mkdir(parents=True, exist_ok=True)
     params = [p for p in heads.parameters() if p.requires_grad]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
     vocab = getattr(heads, MEDUSA_VOCAB_NAME)
-    start, history = _resume(heads, opt, vocab, state_path) if resume and state_path.exists() else (0, [])
+    opt, start, history = open_optimizer(heads, params, config, state_path if resume else None,
+                                         "draft_vocab_ids", vocab, strict=False)
     if start >= config.steps:
         return {"steps": config.steps, "start_step": start, "loss_first": None, "loss_last": None, "losses": []}
     lut = torch.full((heads.args.vocab_size,), IGNORE, dtype=torch.int64)  # full id → draft index

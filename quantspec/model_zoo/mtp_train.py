@@ -284,6 +284,26 @@ def _check_same_objective(saved: dict, config: MTPTrainConfig, state_path: Path)
                              f"resume with chain_weight={cw} or choose another --out")
 
 
+def open_optimizer(module: torch.nn.Module, params: list, config: MTPTrainConfig, state_path: Path | None,
+                   vocab_key: str, vocab: torch.Tensor, same_data: str = "the same data options", *,
+                   strict: bool = True) -> tuple[torch.optim.Optimizer, int, list[float]]:
+    """AdamW over `params`, and where the run starts: the checkpoint at `state_path` if there is
+    one (its weights loaded into `module`, `strict` as `load_state_dict` takes it; its optimizer
+    state, step and losses), refused when its `vocab_key` differs from the draft vocabulary
+    `vocab` (`same_data`: the options that make the same); else step 0.
+    → (optimizer, start step, losses so far)"""
+    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
+    if state_path is None or not state_path.exists():
+        return opt, 0, []
+    state = torch.load(state_path, map_location="cpu", weights_only=False)
+    if not torch.equal(state[vocab_key], vocab.cpu()):
+        raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
+                             f"resume with {same_data}")
+    module.load_state_dict(state["model"], strict=strict)
+    opt.load_state_dict(state["optimizer"])
+    return opt, int(state["step"]), list(state["losses"])
+
+
 def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out_dir: str | os.PathLike, *,
               resume: bool = False, extra_config: dict | None = None,
               on_step: Callable[[int, int, float], None] | None = None) -> dict:
@@ -297,16 +317,9 @@ def train_mtp(mtp: MTPModule, features: MTPFeatures, config: MTPTrainConfig, out
     check_resumable(out, config, resume)  # also the objective of a checkpoint to resume
     out.mkdir(parents=True, exist_ok=True)
     params = [p for p in mtp.model.parameters()]
-    opt = torch.optim.AdamW(params, lr=config.lr, weight_decay=config.weight_decay, betas=(0.9, 0.98))
-    start, history = 0, []
-    if resume and state_path.exists():
-        state = torch.load(state_path, map_location="cpu", weights_only=False)
-        if not torch.equal(state["draft_vocab_ids"], mtp.draft_vocab_ids.cpu()):
-            raise QuantSpecError(f"{state_path} was trained on other data (draft vocabulary differs); "
-                                 f"resume with the same --dataset/--seq-len/--self-distill options")
-        mtp.model.load_state_dict(state["model"])
-        opt.load_state_dict(state["optimizer"])
-        start, history = int(state["step"]), list(state["losses"])
+    opt, start, history = open_optimizer(mtp.model, params, config, state_path if resume else None,
+                                         "draft_vocab_ids", mtp.draft_vocab_ids,
+                                         "the same --dataset/--seq-len/--self-distill options")
     if start >= config.steps:
         return {"steps": config.steps, "start_step": start, "loss_first": None, "loss_last": None, "losses": []}
 

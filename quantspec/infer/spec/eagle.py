@@ -51,18 +51,12 @@ def load_eagle3_for_inference(path: str | Path, base: Transformer, *, dtype: tor
     if not is_eagle3_config(cfg):
         raise QuantSpecError(f"--draft-model {path} is not an EAGLE-3 head (architectures {cfg.get('architectures')}); "
                              "pass a head from `quantspec zoo train-draft-head --kind eagle3`")
-    dev, dtype = base.model.norm.weight.device, dtype or base.model.norm.weight.dtype
-    if not cfg.get("quantization_config"):
-        head = load_eagle3(path, base.args, dtype=dtype, device=dev)
-    else:
-        from quantspec.infer.spec.mtp import load_quantized_module
+    from quantspec.infer.spec.mtp import HeadKind, load_head_for_inference
 
-        args = Eagle3Args.from_config(cfg, where=str(path / "config.json"))
-        check_eagle3_matches_base(args, base.args, where=f"EAGLE-3 head {path}")
-        with torch.device("meta"):
-            head = Eagle3Head(args)
-        head = load_quantized_module(path, cfg, head, eagle3_weight_table(args), INT_BUFFERS, dtype, dev)
-        check_draft_maps(head, str(path))
+    kind = HeadKind("EAGLE-3 head", load_eagle3, Eagle3Head, eagle3_weight_table, INT_BUFFERS,
+                    check_eagle3_matches_base, check_draft_maps)
+    head = load_head_for_inference(path, cfg, lambda: Eagle3Args.from_config(cfg, where=str(path / "config.json")),
+                                   base, dtype, kind)
     return head.bind_embedding(base.model.embed_tokens)
 
 

@@ -39,19 +39,16 @@ def load_medusa_for_inference(path: str | Path, base: Transformer, *, dtype: tor
     if not is_medusa_config(cfg):
         raise QuantSpecError(f"{path} is not Medusa heads (its config.json has no medusa_num_heads / "
                              "medusa_num_layers); pass heads from `quantspec zoo train-draft-head --kind medusa`")
-    dev, dtype = base.model.norm.weight.device, dtype or base.model.norm.weight.dtype
-    if not cfg.get("quantization_config"):
-        return load_medusa(path, base.args, dtype=dtype, device=dev)
-    from quantspec.infer.spec.mtp import load_quantized_module
+    from quantspec.infer.spec.mtp import HeadKind, load_head_for_inference
 
-    args = MedusaArgs.from_config(cfg, load_checkpoint_tensors(path) if "quantspec" not in cfg else None,
-                                  where=str(path / "config.json"))
-    check_medusa_matches_base(args, base.args, where=f"Medusa heads {path}")
-    with torch.device("meta"):
-        heads = MedusaHeads(args)
-    heads = load_quantized_module(path, cfg, heads, medusa_weight_table(args), (MEDUSA_VOCAB_NAME,), dtype, dev)
-    check_draft_vocab(heads, str(path))
-    return heads
+    kind = HeadKind("Medusa heads", load_medusa, MedusaHeads, medusa_weight_table, (MEDUSA_VOCAB_NAME,),
+                    check_medusa_matches_base, check_draft_vocab)
+
+    def args() -> MedusaArgs:
+        return MedusaArgs.from_config(cfg, load_checkpoint_tensors(path) if "quantspec" not in cfg else None,
+                                      where=str(path / "config.json"))
+
+    return load_head_for_inference(path, cfg, args, base, dtype, kind)
 
 
 class MedusaProposer:

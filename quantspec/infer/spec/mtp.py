@@ -20,6 +20,7 @@ head and one-call draft step, where the backend has them, are handed to `MTPProp
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Callable
 
@@ -130,6 +131,38 @@ def load_quantized_module(path: Path, cfg: dict, module: nn.Module, table: dict,
     if left:
         raise QuantSpecError(f"{where}: tensors missing for {left[0]}; the artifact is incomplete")
     return module.eval()
+
+
+@dataclass(frozen=True)
+class HeadKind:
+    """How a kind of draft head loads: `load(path, base_args, dtype=, device=)` an unquantized
+    artifact; for a compressed-tensors one, `module(args)` builds it, `table(args)` is its
+    unquantized weight table (`int_names` keep their dtype), `check_base(args, base_args, where=)`
+    and `check(head, where)` check it. `what` names it in messages."""
+
+    what: str
+    load: Callable
+    module: Callable
+    table: Callable
+    int_names: tuple[str, ...]
+    check_base: Callable
+    check: Callable
+
+
+def load_head_for_inference(path: Path, cfg: dict, args: Callable, base: Transformer, dtype: torch.dtype | None,
+                            kind: HeadKind) -> nn.Module:
+    """A draft head of `kind` for `base`, in `dtype` (None: the base's) on the base's device,
+    checked against it; `args()` reads a quantized artifact's args from its config."""
+    dev, dtype = base.model.norm.weight.device, dtype or base.model.norm.weight.dtype
+    if not cfg.get("quantization_config"):
+        return kind.load(path, base.args, dtype=dtype, device=dev)
+    a = args()
+    kind.check_base(a, base.args, where=f"{kind.what} {path}")
+    with torch.device("meta"):
+        head = kind.module(a)
+    head = load_quantized_module(path, cfg, head, kind.table(a), kind.int_names, dtype, dev)
+    kind.check(head, str(path))
+    return head
 
 
 class MTPProposer:
