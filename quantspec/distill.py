@@ -14,8 +14,8 @@ __all__ = ["base_rows", "self_distilled_rows", "train_eagle3_head"]
 
 
 def train_eagle3_head(model, out, *, dataset, chat_prompts, max_new_tokens, resume, on_step, on_status,
-                  aux_layer_ids=None, split="train", text_field="text", num_samples=16, gen_batch_size=64,
-                  **train_options) -> dict:
+                      aux_layer_ids=None, split="train", text_field="text", num_samples=16, gen_batch_size=64,
+                      **train_options) -> dict:
     """`train_draft_head(kind="eagle3")`: the base's greedy answers (and `dataset` windows) → the
     head's training rows (`model_zoo/eagle3_train.py`, reused from `out` by a later run) → the
     training-time-test recipe."""
@@ -59,7 +59,7 @@ def train_eagle3_head(model, out, *, dataset, chat_prompts, max_new_tokens, resu
 
 
 def self_distilled_rows(model, out, dataset, *, split, text_field, num_samples, seq_len, seed, self_distill,
-                         chat_prompts, max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
+                        chat_prompts, max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
     """The frozen base and the training rows of a draft module (MTP, Medusa): dataset windows and
     the base's own greedy answers to chat prompts, with the base's hidden states, and the draft
     vocabulary (the most frequent targets). Saved to `out/train_features.pt` first and reused
@@ -107,7 +107,7 @@ def self_distilled_rows(model, out, dataset, *, split, text_field, num_samples, 
 
 
 def base_rows(base, tokenizer, texts, prompts, *, dataset, text_field, num_samples, seq_len, seed, self_distill,
-               max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
+              max_new_tokens, gen_batch_size, draft_vocab_size, on_status):
     """The training rows the base gives on the dataset's windows and on its own answers to
     `prompts` (when `self_distill`), and the draft vocabulary. → (features, vocab, data summary)"""
     import torch
