@@ -198,19 +198,23 @@ def mse_qparams(x: torch.Tensor, args: QuantArgs, *, grid: int = MSE_GRID,
     """(scale, zero_point) whose range (min, max) is shrunk, per scale, to p·(min, max) with
     p = 1 - i/grid for i = 0 .. max_shrink·grid, the p minimising sum |x - fake_quant(x)|^norm.
 
-    Each candidate goes through `qparams_from_minmax` and `fake_quantize` in float32, so for a
-    float32 x the chosen pair is exactly what quantize/dequantize use (other dtypes get the scale
-    cast to theirs, as min/max does). p = 1 (plain min/max) is a candidate: the result is never
-    worse than min/max on this error.
+    Each candidate goes through `qparams_from_minmax` and `fake_quantize`'s numbers in float32,
+    so for a float32 x the chosen pair is exactly what quantize/dequantize use (other dtypes get
+    the scale cast to theirs, as min/max does). p = 1 (plain min/max) is a candidate: the result
+    is never worse than min/max on this error. The candidates share one float32 buffer the size
+    of x: the search allocates nothing that size per candidate.
     """
     _check_float("x", x)
     xf = x.float()
     mn, mx = minmax(xf, args)
     best_scale = best_zp = best_err = None
+    # a candidate's fake-quantized x, then its error (contiguous: its group view is a view)
+    work = torch.empty(xf.shape, dtype=torch.float32, device=xf.device)
     for i in range(int(round(max_shrink * grid)) + 1):
         p = 1.0 - i / grid
         scale, zp = qparams_from_minmax(mn * p, mx * p, args)
-        err = _error_per_scale((fake_quantize(xf, scale, zp, args) - xf).abs_().pow_(norm), args)
+        _fake_quantize_into(work, xf, scale, zp, args)
+        err = _error_per_scale(work.sub_(xf).abs_().pow_(norm), args)
         if best_err is None:
             best_scale, best_zp, best_err = scale, zp, err
             continue
@@ -260,18 +264,48 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | No
     _check_qparams(scale, zero_point, args)
     out_dtype = storage_dtype(args) if dtype is None else dtype
     xs, s, zp, shape = _broadcast(x, scale, zero_point, args)
-    q_min, q_max = quant_range(args)
-    scaled = xs / s
-    if zp is not None:
-        scaled = scaled + zp.to(scaled.dtype)
-    scaled = torch.clamp(scaled, q_min, q_max)
+    scaled = _to_grid_(xs / s, zp, args)
     if args.type == "float":
         q = scaled.to(torch.float8_e4m3fn)
         q = q if out_dtype == torch.float8_e4m3fn else q.to(scaled.dtype)
     else:
-        q = torch.round(scaled)
+        q = scaled
     q = q.to(out_dtype)
     return q if shape is None else q.flatten(start_dim=-2)
+
+
+# The steps of quantize / dequantize on a tensor of their own, in place: the same numbers as
+# out-of-place ops, without a fresh allocation per op (which page-faults whenever the allocator
+# has handed its free pages back to the system).
+
+def _to_grid_(scaled: torch.Tensor, zp: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
+    """x / scale (in `scaled`, overwritten) → clamp(· + zp) onto the grid, rounded half to even
+    for int args (fp8's rounding is the cast to float8_e4m3fn)."""
+    q_min, q_max = quant_range(args)
+    if zp is not None:
+        scaled.add_(zp.to(scaled.dtype))
+    scaled.clamp_(q_min, q_max)
+    return scaled if args.type == "float" else scaled.round_()
+
+
+def _from_grid_(q: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None) -> torch.Tensor:
+    """Float codes `q` in the scale's dtype (overwritten) → (q - zp) * s."""
+    if zp is not None:
+        q.sub_(zp.to(q.dtype))
+    return q.mul_(s)
+
+
+def _fake_quantize_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
+                        zero_point: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
+    """`fake_quantize(x, scale, zero_point, args)` written into `out` (contiguous, x's shape) for
+    x and scale of out's dtype (float32 in `mse_qparams`), with no temporary the size of x."""
+    xs, s, zp, shape = _broadcast(x, scale, zero_point, args)
+    o = out if shape is None else out.unflatten(-1, xs.shape[-2:])  # a view of out
+    _to_grid_(torch.div(xs, s, out=o), zp, args)
+    if args.type == "float":
+        o.copy_(o.to(torch.float8_e4m3fn))  # fp8's rounding (a 1-byte temporary)
+    _from_grid_(o, s, zp)
+    return out
 
 
 @torch.no_grad()
@@ -287,10 +321,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
                              f"{tuple(scale.shape)}")
     out_dtype = scale.dtype if dtype is None else dtype
     qs, s, zp, shape = _broadcast(q, scale, zero_point, args)
-    x = qs.to(s.dtype)
-    if zp is not None:
-        x = x - zp.to(s.dtype)
-    x = (x * s).to(out_dtype)
+    x = _from_grid_(qs.to(s.dtype, copy=True), s, zp).to(out_dtype)
     return x if shape is None else x.flatten(start_dim=-2)
 
 
