@@ -62,15 +62,33 @@ def split_k_output(M: int, N: int, split: int, device: torch.device, dtype: torc
     return torch.empty((split, M, N), device=device, dtype=torch.float32)
 
 
+@triton.jit
+def _finish_split_k_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
+                           BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    if HAS_BIAS:
+        acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
+
+
 def finish_split_k(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
     """`out` from `split_k_output` after the launch → [M, N] in `dtype`. A split == 1 kernel has
-    already added the bias and cast; partials are summed in fp32, then the bias is added."""
+    already added the bias and cast; partials are summed in fp32 in split order, then the bias is
+    added and the sum cast, in one launch."""
     if out.ndim == 2:
         return out
-    y = out.sum(0)  # [M, N] fp32
-    if bias is not None:
-        y += bias.float()
-    return y.to(dtype)
+    split, M, N = out.shape
+    y = torch.empty((M, N), device=out.device, dtype=dtype)
+    if M * N:
+        block = 1024
+        _finish_split_k_kernel[(triton.cdiv(M * N, block),)](
+            out, bias if bias is not None else out, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
+            BLOCK=block)
+    return y
 
 
 def triton_usable(device: torch.device | str) -> bool:

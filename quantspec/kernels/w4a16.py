@@ -13,10 +13,12 @@ Weight layout is compressed-tensors' `pack-quantized` one, read as stored (no re
   dequant: w[n, k] = (q[n, k] - zero[n, k // g]) * scale[n, k // g] (in fp32).
 
 A k tile reads each of its int32 words once ([BLOCK_N, BLOCK_K/8]) and unpacks the 8 nibbles
-of each word into consecutive k. On a GPU every M runs tiled `tl.dot` (`gpu_weight_only_config`),
-with split-K for the small M of decode and verification; a BLOCK_M = 1 launch shape
-(broadcast-multiply-reduce) remains for configs that ask for it. Split-K partials go to an fp32
-buffer [SPLIT_K, M, N] that is summed in torch (deterministic, no atomics).
+of each word into consecutive k, or (`nibble_dots`, the GPU's launch for up to 16 rows) meets the
+x columns of each nibble position in a dot of its own. On a GPU every M runs tiled `tl.dot`
+(`gpu_weight_only_config`), with split-K for the small M of decode and verification; a BLOCK_M = 1
+launch shape (one row per program, multiply-reduce) serves configs that ask for it. Split-K
+partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k` sums in split order
+(deterministic, no atomics).
 """
 
 from __future__ import annotations
@@ -43,22 +45,28 @@ GEMV_MAX_M = 4  # on the CPU interpreter, at or below this M the tests take the 
 
 
 class W4A16Config(tuple):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab) for one launch.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab, nibble_dots) for one
+    launch.
 
     swap_ab: a `tl.dot` launch computes the transposed tile, weight [BLOCK_N, BLOCK_K] times
     xᵀ [BLOCK_K, BLOCK_M], so that a small M is the MMA's narrow dimension (the weight tile needs
-    no transpose) and BLOCK_N its wide one."""
+    no transpose) and BLOCK_N its wide one.
+    nibble_dots (W4A16, launches whose k tile lies in one group): the tile's words are not
+    unpacked into consecutive k; nibble i of every word ([BLOCK_N, BLOCK_K/8], k = 8j + i) meets
+    the x columns 8j + i in a dot of its own (or, with BLOCK_M = 1, a multiply-reduce), eight per
+    tile. The sum over k is the same; no register reshuffle between the unpack and the MMA."""
 
     __slots__ = ()
 
     def __new__(cls, block_m: int, block_n: int, block_k: int, split_k: int = 1,
-                num_warps: int = 4, num_stages: int = 2, swap_ab: bool = False):
+                num_warps: int = 4, num_stages: int = 2, swap_ab: bool = False, nibble_dots: bool = False):
         for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
             if v < 1 or (v & (v - 1)):
                 raise QuantSpecError(f"W4A16Config.{name}={v} must be a power of two")
         if split_k < 1:
             raise QuantSpecError(f"W4A16Config.split_k={split_k} must be >= 1")
-        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, bool(swap_ab)))
+        return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, bool(swap_ab),
+                                     bool(nibble_dots)))
 
     block_m = property(lambda s: s[0])
     block_n = property(lambda s: s[1])
@@ -67,24 +75,29 @@ class W4A16Config(tuple):
     num_warps = property(lambda s: s[4])
     num_stages = property(lambda s: s[5])
     swap_ab = property(lambda s: s[6])
+    nibble_dots = property(lambda s: s[7])
 
 
-SM_TARGET = 264  # programs a small-M launch aims for: two per SM of an H100 / H200 (132 SMs)
+SM_TARGET = 528  # programs a small-M launch aims for: four per SM of an H100 / H200 (132 SMs)
+MAX_SPLIT_K = 8
 
 
-def gpu_weight_only_config(M: int, N: int, K: int, block_k: int) -> W4A16Config:
-    """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M (a row's
-    numbers do not depend on the other rows of a launch of the same shape, so a verification row
-    gives what its decode step gives), split-K for the small M of decode and verification so that
-    a layer's weight is streamed by enough programs to fill the GPU."""
+def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots: bool = False) -> W4A16Config:
+    """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M. Up to
+    16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
+    numbers do not depend on the other rows and a verification row gives what its decode step
+    gives: [16, 128] tiles with the weight as the narrow-side operand for W4A16's nibble dots, the
+    wide one for W8A16, and split-K so that a layer's weight is streamed by enough programs to
+    fill the GPU (an H100's bf16 sweep, `bench/kernels.py --sweep-only`)."""
     if M > 64:
         return W4A16Config(64, 128, min(block_k, 64), 1, 4, 4) if M <= 256 else \
             W4A16Config(128, 128, min(block_k, 64), 1, 8, 3)
-    block_m = 16 if M <= 16 else (32 if M <= 32 else 64)
-    n_tiles = triton.cdiv(N, 64)
-    split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET, n_tiles)))
-    # measured on an H200: the weight as the wide MMA operand wins from 17 rows, not below
-    return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=M > 16)
+    if M > 16:
+        block_m = 32 if M <= 32 else 64
+        split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, 64))))
+        return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=True)
+    split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
+    return W4A16Config(16, 128, block_k, split, 4, 3, swap_ab=not nibble_dots, nibble_dots=nibble_dots)
 
 
 def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:
@@ -96,7 +109,7 @@ def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) 
             return W4A16Config(1, 16, 16, 2)
         return W4A16Config(16, 16, 16, 1)
     bk = 128 if group_size % 128 == 0 else (64 if group_size % 64 == 0 else 32)
-    return gpu_weight_only_config(M, N, K, bk)
+    return gpu_weight_only_config(M, N, K, bk, nibble_dots=bk == 128)
 
 
 @triton.jit
@@ -107,13 +120,58 @@ def _unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
 
 
 @triton.jit
+def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, KW, group_size,
+                      stride_xm, stride_wn, stride_sn, stride_zn,
+                      HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                      SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      BLOCK_K: tl.constexpr):
+    """One k tile of a launch with `nibble_dots` (`W4A16Config`): the tile's partial sums
+    ([BN, BM] with SWAP_AB, else [BM, BN]) times the group's scale, by eight dots, or for one
+    row (no USE_DOT) eight multiply-reduces. The k tile lies in one group (integer zero points
+    only)."""
+    offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                    mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)  # [BN, BK/8]
+    g = tl.minimum(k0, K - 1) // group_size
+    s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+    if HAS_ZERO:
+        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
+    if SWAP_AB:
+        part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
+    else:
+        part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
+    for i in tl.static_range(8):
+        q = ((words >> (4 * i)) & 0xF) - 8  # [BN, BK/8]: k = 8j + i
+        if HAS_ZERO:
+            q = q - z[:, None]
+        cols = offs_w * 8 + i
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=mask_m[:, None] & (cols < K)[None, :], other=0.0)  # [BM, BK/8]
+        if not USE_DOT:  # one row (BLOCK_M = 1): multiply and reduce over the words
+            part += tl.sum(q.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        elif DOT_FP32:
+            w, x = q.to(tl.float32), x.to(tl.float32)
+            if SWAP_AB:
+                part += tl.dot(w, tl.trans(x), input_precision="ieee")
+            else:
+                part += tl.dot(x, tl.trans(w), input_precision="ieee")
+        elif SWAP_AB:
+            part += tl.dot(q.to(x.dtype), tl.trans(x))
+        else:
+            part += tl.dot(x, tl.trans(q.to(x.dtype)))
+    if SWAP_AB:
+        return part * s[:, None]
+    return part * s[None, :]
+
+
+@triton.jit
 def _w4a16_kernel(
     x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
     M, N, K, group_size,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_osplit,
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUP_ALIGNED: tl.constexpr, SCALE_AFTER: tl.constexpr,
-    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
+    USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
@@ -134,71 +192,76 @@ def _w4a16_kernel(
         acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for t in range(0, tiles_per_split):
         k0 = k_begin + t * BLOCK_K
-        offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
-        mask_k = offs_k < K
-        x = tl.load(
-            x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-            mask=mask_m[:, None] & mask_k[None, :], other=0.0,
-        )  # [BM, BK]
-        wmask = mask_n[:, None] & mask_k[None, :]
-        offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
-        words = tl.load(
-            w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-            mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0,
-        )  # [BN, BK/8] int32, each word read once
-        q = _unpack_words(words, BLOCK_N, BLOCK_K)  # [BN, BK]
-        if GROUP_ALIGNED:
-            # BLOCK_K divides group_size: the whole k tile shares one group
-            # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
-            # reads the last group, not one past the end, which may hold a NaN)
-            g = tl.minimum(k0, K - 1) // group_size
-            s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
-            if HAS_ZERO and ZERO_FLOAT:
-                z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0.0).to(tl.float32)
-                w = (q.to(tl.float32) - z[:, None]) * s[:, None]  # [BN, BK]
-            else:
-                if HAS_ZERO:
-                    z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
-                    q = q - z[:, None]
-                if SCALE_AFTER:  # exact integers; the tile's partial sums take the group's scale
-                    w = q.to(tl.float32)
-                else:
-                    w = q.to(tl.float32) * s[:, None]  # [BN, BK]
+        if NIBBLE_DOTS:
+            acc += _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, KW,
+                                     group_size, stride_xm, stride_wn, stride_sn, stride_zn,
+                                     HAS_ZERO, USE_DOT, DOT_FP32, SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
-            g = offs_k // group_size  # [BK]
-            gidx = offs_n[:, None] * stride_sn + g[None, :]
-            s = tl.load(s_ptr + gidx, mask=wmask, other=0.0).to(tl.float32)
-            if HAS_ZERO and ZERO_FLOAT:
-                z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
-                            other=0.0).to(tl.float32)
-                w = (q.to(tl.float32) - z) * s  # [BN, BK]
+            offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
+            mask_k = offs_k < K
+            x = tl.load(
+                x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+            )  # [BM, BK]
+            wmask = mask_n[:, None] & mask_k[None, :]
+            offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
+            words = tl.load(
+                w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
+                mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0,
+            )  # [BN, BK/8] int32, each word read once
+            q = _unpack_words(words, BLOCK_N, BLOCK_K)  # [BN, BK]
+            if GROUP_ALIGNED:
+                # BLOCK_K divides group_size: the whole k tile shares one group
+                # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
+                # reads the last group, not one past the end, which may hold a NaN)
+                g = tl.minimum(k0, K - 1) // group_size
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
+                if HAS_ZERO and ZERO_FLOAT:
+                    z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0.0).to(tl.float32)
+                    w = (q.to(tl.float32) - z[:, None]) * s[:, None]  # [BN, BK]
+                else:
+                    if HAS_ZERO:
+                        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
+                        q = q - z[:, None]
+                    if SCALE_AFTER:  # exact integers; the tile's partial sums take the group's scale
+                        w = q.to(tl.float32)
+                    else:
+                        w = q.to(tl.float32) * s[:, None]  # [BN, BK]
             else:
-                if HAS_ZERO:
+                g = offs_k // group_size  # [BK]
+                gidx = offs_n[:, None] * stride_sn + g[None, :]
+                s = tl.load(s_ptr + gidx, mask=wmask, other=0.0).to(tl.float32)
+                if HAS_ZERO and ZERO_FLOAT:
                     z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
-                                other=0)
-                    q = q - z.to(tl.int32)
-                w = q.to(tl.float32) * s  # [BN, BK]
-        if USE_DOT:
-            if SWAP_AB:
-                if DOT_FP32:
-                    part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")  # [BN, BM]
+                                other=0.0).to(tl.float32)
+                    w = (q.to(tl.float32) - z) * s  # [BN, BK]
                 else:
-                    part = tl.dot(w.to(x.dtype), tl.trans(x))
-                if SCALE_AFTER:
-                    part = part * s[:, None]
+                    if HAS_ZERO:
+                        z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
+                                    other=0)
+                        q = q - z.to(tl.int32)
+                    w = q.to(tl.float32) * s  # [BN, BK]
+            if USE_DOT:
+                if SWAP_AB:
+                    if DOT_FP32:
+                        part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")  # [BN, BM]
+                    else:
+                        part = tl.dot(w.to(x.dtype), tl.trans(x))
+                    if SCALE_AFTER:
+                        part = part * s[:, None]
+                else:
+                    if DOT_FP32:
+                        part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")  # [BM, BN]
+                    else:
+                        part = tl.dot(x, tl.trans(w.to(x.dtype)))
+                    if SCALE_AFTER:
+                        part = part * s[None, :]
+                acc += part
             else:
-                if DOT_FP32:
-                    part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")  # [BM, BN]
-                else:
-                    part = tl.dot(x, tl.trans(w.to(x.dtype)))
                 if SCALE_AFTER:
-                    part = part * s[None, :]
-            acc += part
-        else:
-            if SCALE_AFTER:
-                w = w * s[:, None]
-            prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
-            acc += tl.sum(prod, axis=2)
+                    w = w * s[:, None]
+                prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
+                acc += tl.sum(prod, axis=2)
 
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
@@ -281,10 +344,15 @@ def w4a16_linear(
     device = check_same_device(x=x, w_packed=w_packed, w_scale=w_scale, w_zero=w_zero, bias=bias)
     on_gpu = device.type == "cuda"
     cfg = config or w4a16_default_config(M, N, K, group_size, on_gpu)
-    bm, bn, bk, split, warps, stages, swap = cfg
+    bm, bn, bk, split, warps, stages, swap, nibble = cfg
     if bk < PACK_FACTOR:
         raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
     use_dot = bm >= 16
+    scale_after = group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point())
+    if nibble and not (scale_after and not swap and (bm == 1 or (use_dot and bk >= 16 * PACK_FACTOR))):
+        raise QuantSpecError(f"W4A16Config.nibble_dots needs block_m 1, or block_m >= 16 with block_k >= "
+                             f"{16 * PACK_FACTOR}; swap_ab off, block_k dividing the group size ({group_size}) "
+                             f"and integer zero points; got {tuple(cfg)}")
     out = split_k_output(M, N, split, device, x.dtype)
     stride_osplit = 0 if split == 1 else M * N
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
@@ -300,8 +368,8 @@ def w4a16_linear(
         HAS_ZERO=w_zero is not None,
         ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(), HAS_BIAS=bias is not None,
         GROUP_ALIGNED=group_size % bk == 0,
-        SCALE_AFTER=group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point()),
-        USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot,
+        SCALE_AFTER=scale_after,
+        USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot, NIBBLE_DOTS=nibble,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )

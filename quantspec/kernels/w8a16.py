@@ -6,7 +6,8 @@ x · q and applies the scale once in the epilogue (fewer multiplies, and the int
 is the only dequant work in the inner loop).
 
 The launches are W4A16's (`w4a16.gpu_weight_only_config` on a GPU: `tl.dot` tiles for every M,
-split-K for small M). Split-K partials go to an fp32 buffer [SPLIT_K, M, N] summed in torch.
+split-K for small M). Split-K partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k`
+sums in split order.
 """
 
 from __future__ import annotations
@@ -28,7 +29,8 @@ from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, gpu_weight_only_con
 
 __all__ = ["W8A16Config", "w8a16_default_config", "w8a16_dequantize", "w8a16_dequantize_ref", "w8a16_linear", "w8a16_linear_ref"]
 
-# same tuple layout as W4A16Config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages)
+# the tuple of W4A16Config: (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab;
+# nibble_dots has no int8 meaning and is not read)
 W8A16Config = W4A16Config
 
 
@@ -150,7 +152,7 @@ def w8a16_linear(
     """Triton W8A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
     M, N, K = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
-    bm, bn, bk, split, warps, stages, swap = config or w8a16_default_config(M, N, K, device.type == "cuda")
+    bm, bn, bk, split, warps, stages, swap = (config or w8a16_default_config(M, N, K, device.type == "cuda"))[:7]
     out = split_k_output(M, N, split, device, x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _w8a16_kernel[grid](

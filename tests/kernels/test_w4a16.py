@@ -78,6 +78,32 @@ def test_split_k_and_tile_configs(cfg, zero_dtype, dtype):
     torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("block_m", [16, 1])
+@pytest.mark.parametrize("zero_dtype", [None, torch.int8])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_nibble_dots_launch(block_m, zero_dtype, dtype):
+    """`nibble_dots`: each nibble of the words meets its own x columns in a dot of its own; the
+    sum over k is the reference's, for split-K, dot tiles and one-row programs, and integer zero
+    points; a row's numbers do not depend on the other rows of the launch (a decode row equals the same row
+    inside a verification step)."""
+    x, wp, s, g, z, b, _ = _make(16, 384, 128, dtype, asym=zero_dtype is not None, bias=True, seed=11,
+                                 zero_dtype=zero_dtype or torch.int8)
+    cfg = W4A16Config(block_m, 16, 128, 2, 4, 2, nibble_dots=True)
+    y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
+    assert torch.equal(w4a16_linear(x[:1], wp, s, g, z, b, config=cfg), y[:1])
+    assert torch.equal(w4a16_linear(x[:5], wp, s, g, z, b, config=cfg), y[:5])
+
+
+def test_nibble_dots_needs_a_tile_in_one_group():
+    x, wp, s, g, z, b, _ = _make(1, 384, 128, torch.float32, asym=False, bias=False)
+    for cfg in (W4A16Config(16, 16, 64, 1, nibble_dots=True), W4A16Config(4, 16, 128, 1, nibble_dots=True),
+                W4A16Config(1, 16, 256, 1, nibble_dots=True), W4A16Config(16, 16, 128, 1, swap_ab=True, nibble_dots=True)):
+        with pytest.raises(QuantSpecError, match="nibble_dots needs block_m 1, or block_m >= 16"):
+            w4a16_linear(x, wp, s, g, config=cfg)
+
+
 def _nan_tailed(t):
     """`t` as a view of a longer buffer whose tail is NaN: a read past its end is seen."""
     fill = float("nan") if t.is_floating_point() else 127
