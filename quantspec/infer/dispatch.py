@@ -101,6 +101,8 @@ class DispatchPolicy:
     cpu_kernels: False keeps quantspec's CPU kernels out (torch's ops only).
     cpu_pairs: quantspec's CPU kernels run bf16 x through AVX512-BF16's dot product where they
         have that path (False: their fp32 chain; benches and tests compare the two).
+    cuda_graphs: on CUDA, decode steps replay CUDA graphs of the decoder stack
+        (`infer/cuda/graphs.py`); False launches every kernel from Python (eager).
     """
 
     cpu_packed_max_m: int = 64
@@ -109,6 +111,7 @@ class DispatchPolicy:
     fast: bool = True
     cpu_kernels: bool = True
     cpu_pairs: bool = True
+    cuda_graphs: bool = True
 
     def __post_init__(self) -> None:
         for name in ("cpu_packed_max_m", "cuda_weight_only_max_m", "cuda_scaled_mm_min_m"):

@@ -124,3 +124,68 @@ def test_cuda_runtime_takes_the_triton_attention(tiny):
     _, net = _engine_tokens(res, args, "cuda", torch.bfloat16, _prompts(args.vocab_size, 1))
     eng = Engine(net, EngineConfig(max_batch_size=1, max_length=64), runtime=prepare(net, "cuda", fuse=False))
     assert isinstance(eng.cache.kernel, TritonAttention)
+
+
+def _graph_tokens(net, prompts, *, graphs: bool, proposer=None, k=0):
+    """Greedy tokens of `net` on CUDA with decode steps replayed from CUDA graphs or launched
+    eagerly, and the runtime's graph runner."""
+    runtime = prepare(net, "cuda", policy=DispatchPolicy(cuda_graphs=graphs))
+    eng = Engine(net, EngineConfig(max_batch_size=len(prompts), max_length=128, spec_max_draft_tokens=k),
+                 eos_token_ids=[], proposer=proposer, runtime=runtime)
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+    eng.run()
+    return [list(s.output_ids) for s in seqs], runtime.stack
+
+
+@pytest.mark.parametrize("qt", ["weight_only_int4", "weight_only_int8", "a8w8", "float"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_cuda_graphs_give_the_eager_tokens(tiny, qt, dtype):
+    """Decode steps replayed from CUDA graphs (3 sequences in the graph of 4: one padding row)
+    give the tokens of the eager launches."""
+    prompts = _prompts(load_model(tiny[0])[0].args.vocab_size)
+
+    def build():
+        if qt == "float":
+            net, _ = load_model(tiny[0], dtype=dtype, device="cuda")
+            return net
+        res, args = _tensors(tiny, qt)
+        return quantized_model(res.tensors, args, res.config, dtype=dtype, device=torch.device("cuda"))[0]
+
+    eager, none = _graph_tokens(build(), prompts, graphs=False)
+    graphed, runner = _graph_tokens(build(), prompts, graphs=True)
+    assert none is None and runner.replays >= NEW - 1
+    assert {(bp, q) for bp, q, _ in runner.graphs} == {(4, 1)}
+    assert graphed == eager
+
+
+def test_cuda_graphs_take_uniform_verification_steps(tiny):
+    """Verification steps whose sequences bring the same number of drafts (one sequence: every
+    step) replay graphs of their own, and speculation stays lossless: the tokens of plain
+    decoding, and of the same speculation launched eagerly."""
+    res, args = _tensors(tiny, "weight_only_int4")
+    net = quantized_model(res.tensors, args, res.config, dtype=torch.float32, device=torch.device("cuda"))[0]
+    prompts = _prompts(args.vocab_size, 1)
+    plain, _ = _graph_tokens(net, prompts, graphs=True)
+    spec, runner = _graph_tokens(net, prompts, graphs=True, proposer=ReferenceProposer(2, 4), k=4)
+    eager, _ = _graph_tokens(net, prompts, graphs=False, proposer=ReferenceProposer(2, 4), k=4)
+    assert spec == plain == eager
+    assert any(q > 1 for _, q, _ in runner.graphs)
+
+
+def test_cuda_graphs_step_aside_for_hooks_and_speculation(tiny):
+    """Speculation over sequences with different numbers of drafts stays lossless (those steps
+    run eagerly); a forward hook on a layer sends every step back to the eager path, where it
+    runs."""
+    res, args = _tensors(tiny, "weight_only_int4")
+    net = quantized_model(res.tensors, args, res.config, dtype=torch.float32, device=torch.device("cuda"))[0]
+    prompts = _prompts(args.vocab_size)
+    plain, runner = _graph_tokens(net, prompts, graphs=True)
+    spec, _ = _graph_tokens(net, prompts, graphs=True, proposer=ReferenceProposer(2, 4), k=4)
+    assert spec == plain and runner.replays > 0
+    calls = []
+    handle = net.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
+    try:
+        hooked, runner = _graph_tokens(net, prompts, graphs=True)
+    finally:
+        handle.remove()
+    assert hooked == plain and runner.replays == 0 and len(calls) >= NEW

@@ -1,26 +1,31 @@
 """The CUDA backend: the Triton linears of quantized layers (`weights.py`: `CudaWeight`, built by
-`QuantLinear`, and `triton_linear`) and the Triton paged attention (`attention.py`), entered
-through `prepare`.
+`QuantLinear`, and `triton_linear`), the Triton paged attention (`attention.py`) and the CUDA
+graphs of decode and verification steps (`graphs.py`), entered through `prepare`.
 
 On CUDA the generic path runs everything else: float linears are torch's (cuBLAS) and the head
-gives full logits; `prepare` stacks a model's projections (`infer/fuse.py`) and hands the paged
-caches the Triton attention (torch's SDPA in `infer/kv_cache.PagedAttention` attends where the
-kernel does not take a cache's head size): the quantized layers are laid out for CUDA when they
-are built.
+gives full logits; `prepare` stacks a model's projections (`infer/fuse.py`), hands its decode
+and verification steps to CUDA graphs of its stack, and hands the paged caches the Triton
+attention (torch's SDPA in `infer/kv_cache.PagedAttention` attends where the kernel does not take
+a cache's head size): the quantized layers are laid out for CUDA when they are built.
 """
 
 from __future__ import annotations
+
+import os
 
 import torch
 from torch import nn
 
 from quantspec.infer.backend import Runtime
 from quantspec.infer.cuda.attention import TritonAttention
+from quantspec.infer.cuda.graphs import DecodeGraphs
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.fuse import fuse_projections
 from quantspec.model_zoo.mtp import MTPModule
 
-__all__ = ["default_runtime", "prepare"]
+__all__ = ["GRAPHS_SWITCH", "default_runtime", "prepare"]
+
+GRAPHS_SWITCH = "QUANTSPEC_CUDA_GRAPHS"  # "0": every step launches its kernels from Python (eager)
 
 
 def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) -> Runtime:
@@ -31,7 +36,13 @@ def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) 
 
 def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
     """`model` as loaded on CUDA → its `Runtime`. `fuse`: a model's q/k/v and gate/up stacked
-    into one projection each (an MTP module keeps the projections it was loaded with)."""
-    if fuse and not isinstance(model, MTPModule):
+    into one projection each (an MTP module keeps the projections it was loaded with). With
+    `policy.cuda_graphs` (and QUANTSPEC_CUDA_GRAPHS not "0"), a model's decode and uniform
+    verification steps replay CUDA graphs of its stack (`graphs.py`)."""
+    if isinstance(model, MTPModule):
+        return default_runtime(device, policy)
+    if fuse:
         fuse_projections(model)
-    return default_runtime(device, policy)
+    graphs = policy.cuda_graphs and os.environ.get(GRAPHS_SWITCH, "1") != "0"
+    stack = DecodeGraphs(model.model.layers) if graphs else None
+    return Runtime(device=device, attention=TritonAttention.for_cache, stack=stack)

@@ -1,0 +1,157 @@
+"""CUDA graphs of the decoder stack for decode and verification steps: the CUDA backend's
+`StackRunner`.
+
+A decode step of an 8B-shaped model launches a few hundred small kernels; launched one by one
+from Python the GPU waits on the host between them. `DecodeGraphs` captures the whole stack
+(every layer: norms, projections, rotary, the Triton paged attention's write and attend) once per
+step shape and replays it, so a step costs one launch.
+
+What it takes: a step in which each of B ≤ `max_batch` sequences brings the same number q ≤ 16 of
+new tokens after a cached context — a decode step (q = 1), or the verification of q - 1 drafts
+per sequence (speculation at a fixed draft length; the n-gram proposer at b1) — through the
+cache's Triton attention (`TritonAttention`). Every other step (prefill, verification steps whose
+sequences bring different numbers of drafts, token trees, SDPA attention) returns None and runs
+eagerly, and so does every step while a forward hook sits on a module of the stack (a hook runs
+in Python, which a replay skips: EAGLE-3's feature capture, say).
+
+B sequences run in the graph of (the smallest bucket Bp ≥ B, q); the padding sequences write no
+key (slot -1, which the write kernel skips), attend over stale keys and are dropped. The graph
+reads its inputs from static buffers that each step fills: x, cos, sin [Bp·q, ·], the slot
+mapping [Bp·q], the context lengths [Bp] and block tables [Bp, cache.num_blocks]. Graphs belong
+to one cache: a step over another cache (a new engine) drops them and captures again.
+
+Numbers: the graph runs the kernels of the eager path at M = Bp·q rows instead of B·q.
+quantspec's weight-only Triton linears take one launch shape for every M up to 16, so there a row
+equals the eager one; cuBLAS (float layers) may pick another kernel for the padded M, which rounds
+differently in the last bit.
+"""
+
+from __future__ import annotations
+
+import weakref
+
+import torch
+from torch import nn
+
+from quantspec.infer.cuda.attention import TritonAttention
+from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention
+
+__all__ = ["DecodeGraphs", "batch_buckets"]
+
+_GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
+MAX_QUERY_ROWS = 16  # new tokens per sequence a graph takes: a decode step, or 1 + up to 15 drafts
+
+
+def batch_buckets(max_batch: int) -> list[int]:
+    """The padded batch sizes graphs are captured for: 1, 2, 4, 8, then multiples of 8 (vLLM's
+    choice: little padding, few graphs), up to `max_batch`."""
+    sizes = {b for b in (1, 2, 4, *range(8, max_batch + 1, 8)) if b <= max_batch}
+    return sorted(sizes | {max_batch})
+
+
+class _Graph:
+    """One captured stack for bp sequences of q new tokens each: its static inputs and output."""
+
+    def __init__(self, bp: int, q: int, d: int, hd: int, width: int, dtype: torch.dtype,
+                 rope_dtype: torch.dtype, device: torch.device):
+        self.bp, self.q = bp, q
+        rows = bp * q
+        self.x = torch.zeros(rows, d, dtype=dtype, device=device)
+        self.cos = torch.zeros(rows, hd, dtype=rope_dtype, device=device)
+        self.sin = torch.zeros(rows, hd, dtype=rope_dtype, device=device)
+        self.slots = torch.full((rows,), -1, dtype=torch.int64, device=device)
+        self.seq = torch.full((bp,), q, dtype=torch.int32, device=device)
+        self.tables = torch.zeros(bp, width, dtype=torch.int32, device=device)
+        self.cu = torch.arange(bp + 1, dtype=torch.int32, device=device) * q
+        self.graph = torch.cuda.CUDAGraph()
+        self.out: torch.Tensor | None = None
+
+    def meta(self) -> AttentionMetadata:
+        """The step's metadata over the static buffers (what the captured kernels read)."""
+        meta = AttentionMetadata([self.q] * self.bp, [self.q] * self.bp, self.slots, self.tables, None, None)
+        meta.kernel = True
+        meta.kernel_args = (self.cu, self.seq, self.tables, self.q)
+        return meta
+
+    def fill(self, x, cos, sin, slots, seq, tables) -> None:
+        """This step's B sequences into the static buffers; the padding sequences write no key."""
+        rows, B = x.shape[0], seq.shape[0]
+        self.x[:rows].copy_(x)
+        self.cos[:rows].copy_(cos)
+        self.sin[:rows].copy_(sin)
+        self.slots[:rows].copy_(slots)
+        self.slots[rows:].fill_(-1)
+        self.seq[:B].copy_(seq)
+        self.seq[B:].fill_(self.q)
+        self.tables[:B, :tables.shape[1]].copy_(tables)
+
+
+class DecodeGraphs:
+    """The `StackRunner` of a CUDA model (module docstring). `layers`: the model's decoder layers;
+    `max_batch`: the largest batch captured (larger decode steps run eagerly)."""
+
+    def __init__(self, layers: nn.ModuleList, max_batch: int = 256):
+        self.layers = layers
+        self._hook_dicts = [d for m in layers.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
+        self.max_batch = max_batch
+        self.buckets = batch_buckets(max_batch)
+        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self._cache_ref = None
+        self.replays = 0  # steps served by a graph (tests, benchmarks)
+
+    def _step_shape(self, x: torch.Tensor, attn) -> tuple[int, int] | None:
+        """(B, q) of a step a graph can take (B sequences of q new tokens each), else None."""
+        if not isinstance(attn, PagedAttention) or x.device.type != "cuda":
+            return None
+        meta = attn.meta
+        if any(self._hook_dicts) or any(getattr(nn.modules.module, n) for n in _GLOBAL_HOOKS):
+            return None
+        q = meta.q_lens[0]
+        if not (meta.kernel and isinstance(attn.cache.kernel, TritonAttention) and not meta.tree_step
+                and meta.block_size == 0 and len(meta.q_lens) <= self.max_batch and q <= MAX_QUERY_ROWS
+                and all(n == q for n in meta.q_lens) and all(s > q for s in meta.seq_lens)
+                and not torch.cuda.is_current_stream_capturing()):
+            return None
+        return len(meta.q_lens), q
+
+    def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
+                 out_rows: torch.Tensor | None, row_invariant: bool) -> torch.Tensor | None:
+        shape = self._step_shape(x, attn)
+        if shape is None:
+            return None
+        (B, q), cache = shape, attn.cache
+        if self._cache_ref is None or self._cache_ref() is not cache:
+            self.graphs.clear()  # graphs of another cache's buffers
+            self._cache_ref = weakref.ref(cache)
+        bp = next(b for b in self.buckets if b >= B)
+        g = self.graphs.get((bp, q, row_invariant))
+        if g is None:
+            g = self._capture(bp, q, x, cos, cache, row_invariant)
+        cu, seq, tables, _ = cache.kernel._step_args(attn.meta)
+        g.fill(x, cos, sin, attn.meta.slot_mapping, seq, tables)
+        g.graph.replay()
+        self.replays += 1
+        out = g.out[:B * q]
+        return out.clone() if out_rows is None else out[out_rows]
+
+    def _run(self, g: _Graph, cache, row_invariant: bool) -> torch.Tensor:
+        attn = PagedAttention(cache, g.meta())
+        h = g.x
+        for layer in self.layers:
+            h = layer(h, g.cos, g.sin, attn, row_invariant)
+        return h
+
+    def _capture(self, bp: int, q: int, x: torch.Tensor, cos: torch.Tensor, cache, row_invariant: bool) -> _Graph:
+        g = _Graph(bp, q, x.shape[1], cos.shape[1], cache.num_blocks, x.dtype, cos.dtype, x.device)
+        stream = torch.cuda.Stream(device=x.device)
+        stream.wait_stream(torch.cuda.current_stream(x.device))
+        with torch.cuda.stream(stream):  # compiles the kernels and sizes the allocator outside capture
+            for _ in range(2):
+                self._run(g, cache, row_invariant)
+        torch.cuda.current_stream(x.device).wait_stream(stream)
+        # each graph keeps a memory pool of its own (a step's activations: small); a pool shared
+        # across graphs that are dropped and captured again trips torch's allocator
+        with torch.cuda.graph(g.graph):
+            g.out = self._run(g, cache, row_invariant)
+        self.graphs[(bp, q, row_invariant)] = g
+        return g
