@@ -5,7 +5,7 @@
 #
 #   bench/gpu_check.sh [OUTDIR]          # on a CUDA machine; OUTDIR defaults to $OUT, else out/gpu_check
 #   bench/gpu_check.sh --cpu [OUTDIR]    # the same steps on CPU: tiny shapes, Triton's interpreter
-#   bench/gpu_check.sh --quick [OUTDIR]  # the CUDA tests, kernel tables and end to end only (~5 min)
+#   bench/gpu_check.sh --quick [OUTDIR]  # the CUDA tests, kernel tables and end to end only (~6 min)
 #
 # Needs torch, triton, transformers, safetensors, rich and click (not datasets, gguf or
 # compressed-tensors). pytest is taken from the environment, else from .gpu-vendor/ at the
@@ -45,13 +45,16 @@ step() {
     tail -n 3 "$DEST/$name.log"
 }
 
-PYTEST=(python -m pytest -q -p no:cacheprovider -rfE)
+# one line per test as it finishes, so that a step cut by its time box still shows how far it got;
+# pytest-timeout (where installed) ends a test that hangs instead of the whole step
+PYTEST=(python -m pytest -v -p no:cacheprovider -rfE --tb=short --durations=10)
+if python -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=60); fi
 if [ "$CPU" = 0 ] && [ "$QUICK" = 1 ]; then
-    step gpu_tests 75 "${PYTEST[@]}" -m gpu tests/kernels tests/infer --junitxml="$DEST/gpu_tests.xml"
+    step gpu_tests 100 "${PYTEST[@]}" -m gpu tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
     step kernels 85 python bench/kernels.py --dtype fp16 --out "$DEST"
-    step e2e 110 python bench/gpu_e2e.py --out "$DEST" --budget-s 80
+    step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 120
 elif [ "$CPU" = 0 ]; then
-    step gpu_tests 90 "${PYTEST[@]}" -m gpu tests/kernels tests/infer --junitxml="$DEST/gpu_tests.xml"
+    step gpu_tests 90 "${PYTEST[@]}" -m gpu tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
     step sweep 50 python bench/kernels.py --sweep-only --out "$DEST"

@@ -6,7 +6,8 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
                             [--layers 32] [--prompt-tokens 256] [--new-tokens 64] [--budget-s 300]
     python bench/gpu_e2e.py --device cpu            # tiny shapes on the CPU engine (smoke)
 
-Per model: decode-phase tokens/s at each batch size; for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
+Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA graphs; bf16 and
+the speculation model also without them); for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
 repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
 its prompt, so this measures what speculation costs when it is not accepted), and the
 verification cost C(k) = time of a step verifying k drafts / a plain step (what the back-off's
@@ -19,6 +20,7 @@ measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md`
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import gc
 import json
 import statistics
@@ -233,6 +235,9 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
     plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
+    if run.device.type == "cuda" and runtime.stack is not None and name in ("bf16", run.args.spec_model):
+        eager = dataclasses.replace(runtime, stack=None)
+        plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))
     if name == run.args.spec_model:
         k = 5
         reps = repeating_prompts(net.args.vocab_size, 1, run.args.prompt_tokens)

@@ -9,12 +9,14 @@ kernel, the library's alternative to it (the weight dequantized by Triton, then 
 W4A16 / W8A16; `torch._scaled_mm` for FP8; `torch._int_mm` + the scale epilogue for W8A8) and
 dispatch's choice (`infer/dispatch.py`) with its time; ratios are torch's time / that time (> 1:
 faster than the float matmul). W8A8 and FP8 times include quantizing the activations (what a
-linear layer pays). Each CUDA cell is `triton.testing.do_bench` (L2 flushed between runs); on
-CPU a median of a few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
+linear layer pays). Each CUDA cell is GPU time per call (`gpu_time`: calls replayed from a CUDA
+graph, the L2 flushed before each, as the engine's decode steps run them); on CPU a median of a
+few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 
-`--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16} on two shapes under every
-launch config of a small grid against the default heuristic's (`kernels_sweep.md` / `.json`: what
-tunes the heuristic).
+`--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16} on three shapes under
+every launch config of a small grid (`sweep_grid`: `tl.dot` tiles and one-row programs, W4A16's
+nibble dots) against the default heuristic's (`kernels_sweep.md` / `.json`, every config's time
+in the JSON: what tunes the heuristic).
 
 Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×,
 W8A8 and FP8 at M=4096 ≥ 1.5×, nothing below 0.9×.
@@ -43,9 +45,7 @@ def _timer(device):
     import torch
 
     if device.type == "cuda":
-        import triton.testing
-
-        return lambda fn: triton.testing.do_bench(fn, warmup=25, rep=100)
+        return gpu_time
 
     def cpu_time(fn):
         fn()
@@ -58,6 +58,46 @@ def _timer(device):
 
     del torch
     return cpu_time
+
+
+def _replay_ms(graph) -> float:
+    import torch
+
+    graph.replay()
+    ts = []
+    for _ in range(5):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        graph.replay()
+        b.record()
+        b.synchronize()
+        ts.append(a.elapsed_time(b))
+    return statistics.median(ts)
+
+
+def gpu_time(fn, reps: int = 20) -> float:
+    """Milliseconds of GPU time per call of `fn`, as a decode step replayed from a CUDA graph pays
+    it: `reps` calls captured in one graph, each after a 256 MB write that flushes the L2 (the
+    weights come from HBM, as in a model's sweep over its layers), minus a graph of the flushes
+    alone. Python's launch overhead is not in it (the engine's decode steps replay graphs)."""
+    import torch
+
+    flush = torch.empty(64 * 2 ** 20, dtype=torch.int32, device="cuda")
+    stream = torch.cuda.Stream()
+    stream.wait_stream(torch.cuda.current_stream())
+    with torch.cuda.stream(stream):  # compile and warm up outside the capture
+        fn()
+        fn()
+    torch.cuda.current_stream().wait_stream(stream)
+    with_fn, flushes = torch.cuda.CUDAGraph(), torch.cuda.CUDAGraph()
+    with torch.cuda.graph(with_fn):
+        for _ in range(reps):
+            flush.zero_()
+            fn()
+    with torch.cuda.graph(flushes):
+        for _ in range(reps):
+            flush.zero_()
+    return max(_replay_ms(with_fn) - _replay_ms(flushes), 0.0) / reps
 
 
 class Layer:
@@ -108,15 +148,16 @@ def kernel_ops(L: Layer, x):
 
 
 def flipped_ops(L: Layer, x) -> dict:
-    """kind → the weight-only kernel under its default launch with the other tile orientation
-    (`W4A16Config.swap_ab` flipped): what chooses the orientation per M."""
+    """kind → the weight-only kernel under the other launch of its default: the other tile
+    orientation (`W4A16Config.swap_ab` flipped), or for a nibble-dots default the unpacking launch
+    with the weight as the wide operand. What chooses the launch per M."""
     from quantspec.kernels.w4a16 import W4A16Config, w4a16_default_config, w4a16_linear
     from quantspec.kernels.w8a16 import w8a16_default_config, w8a16_linear
 
     M, gpu = x.shape[0], x.device.type == "cuda"
     c4 = w4a16_default_config(M, L.N, L.K, L.group, gpu)
     c8 = w8a16_default_config(M, L.N, L.K, gpu)
-    c4, c8 = (W4A16Config(*c[:6], swap_ab=not c[6]) for c in (c4, c8))
+    c4, c8 = (W4A16Config(*c[:6], swap_ab=c[7] or not c[6]) for c in (c4, c8))
     return {"w4a16": lambda: w4a16_linear(x, L.w4, L.s4, L.group, config=c4),
             "w8a16": lambda: w8a16_linear(x, L.q8, L.s8h, config=c8)}
 
@@ -187,7 +228,7 @@ def markdown(result: dict) -> str:
             continue
         out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
         flip = kind in ("w4a16", "w8a16")
-        out.append(f"| K×N | M | torch ms | Triton ms (×) | {'other orientation ms (×) | ' if flip else ''}"
+        out.append(f"| K×N | M | torch ms | Triton ms (×) | {'other launch ms (×) | ' if flip else ''}"
                    f"{ALT_NAMES[kind]} ms (×) | dispatch (×) |")
         out.append("|---|---|---|---|---|---|" + ("---|" if flip else ""))
         for r in rows:
@@ -217,12 +258,25 @@ def targets(result: dict) -> list[tuple[str, float | None, float, bool]]:
     return [(w, v, t, v is not None and v >= t) for w, v, t in checks]
 
 
-SWEEP_GRID = dict(block_n=(32, 64, 128), split_k=(1, 2, 4, 8), num_warps=(4,), num_stages=(3,))
-SWEEP_SHAPES = [(4096, 4096), (4096, 14336)]
+SWEEP_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
 
 
-def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
-    """Launch configs of W4A16 / W8A16 at M ∈ {1, 16} (module docstring)."""
+def sweep_grid(kind: str, group: int) -> list[tuple]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, swap_ab, nibble_dots) launches the sweep times for
+    `kind`: `tl.dot` tiles (BLOCK_M 16) and one-row programs (BLOCK_M 1, multiply-reduce)."""
+    bk = min(128, group)
+    nibs = (False, True) if kind == "w4a16" and bk >= 128 else (False,)
+    dots = [(16, bn, bk, sk, swap, nib) for bn in (64, 128) for sk in (2, 4, 8) for swap in (False, True)
+            for nib in nibs]
+    rows = [(1, bn, bk, sk, False, nib) for bn in (16, 32, 64) for sk in (2, 4) for nib in nibs]
+    if kind == "w8a16":
+        rows = [(1, bn, k, sk, False, False) for bn in (16, 32, 64) for k in (128, 256) for sk in (2, 4)]
+    return dots + rows
+
+
+def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
+    """Launch configs of W4A16 / W8A16 at M ∈ {1, 16} (module docstring); `on_row(found)` after
+    each (kind, shape, M), so that a time-boxed run keeps what it timed."""
     import torch
 
     from quantspec import kernels
@@ -232,10 +286,6 @@ def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
     gen = torch.Generator(device=device).manual_seed(1)
     found = []
     shapes = [s for s in shapes if s in SWEEP_SHAPES] or shapes
-    grid = [(bn, sk, nw, ns, swap) for bn, sk, nw, ns in itertools.product(*SWEEP_GRID.values())
-            for swap in (False, True)]
-    if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
-        grid = grid[:2]
     for (K, N), M in itertools.product(shapes, (1, 16)):
         L = Layer(K, N, dtype, device, gen)
         x = torch.randn(M, K, device=device, generator=gen).to(dtype)
@@ -245,36 +295,46 @@ def sweep(shapes, device, bench, dtype_name: str) -> list[dict]:
                     return kernels.w4a16_linear(x, L.w4, L.s4, L.group, config=cfg)
                 return kernels.w8a16_linear(x, L.q8, L.s8h, config=cfg)
             t_default, _ = _time_or_error(bench, call)
-            best = (t_default, "default")
-            bm = 16
-            for bn, sk, nw, ns, swap in grid:
-                cfg = W4A16Config(bm, bn, min(128, L.group) if kind == "w4a16" else 128, sk, nw, ns, swap)
+            best, timed = (t_default, "default"), {}
+            grid = sweep_grid(kind, L.group)
+            if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
+                grid = grid[:2]
+            for bm, bn, bk, sk, swap, nib in grid:
+                cfg = W4A16Config(bm, bn, bk, sk, 4, 3, swap, nib)
                 t, _ = _time_or_error(bench, lambda: call(cfg))
+                timed[",".join(map(str, cfg))] = t
                 if t is not None and (best[0] is None or t < best[0]):
                     best = (t, list(cfg))
-            found.append(dict(kind=kind, K=K, N=N, M=M, default_ms=t_default, best_ms=best[0], best=best[1]))
+            found.append(dict(kind=kind, K=K, N=N, M=M, default_ms=t_default, best_ms=best[0], best=best[1],
+                              timed=timed))
             print(f"  sweep {kind} {K}x{N} M={M}: default {t_default} best {best}", flush=True)
+            if on_row is not None:
+                on_row(found)
     return found
 
 
-def _sweep_main(shapes, device, bench, dtype_name: str, name: str, out: Path | None) -> int:
-    if device.type == "cuda":  # many configs: shorter repeats
-        import triton.testing
-
-        bench = lambda fn: triton.testing.do_bench(fn, warmup=5, rep=20)  # noqa: E731
-    found = sweep(shapes, device, bench, dtype_name)
+def _sweep_markdown(found: list[dict], name: str, dtype_name: str) -> str:
     md = [f"### Launch configs of the weight-only kernels on {name} ({dtype_name})\n",
-          "| kernel | K×N | M | default ms | best ms | best (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages) |",
+          "| kernel | K×N | M | default ms | best ms | best (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, "
+          "swap_ab, nibble_dots) |",
           "|---|---|---|---|---|---|"]
     for f in found:
         d = "—" if f["default_ms"] is None else f"{f['default_ms']:.4f}"
         b = "—" if f["best_ms"] is None else f"{f['best_ms']:.4f}"
         md.append(f"| {f['kind']} | {f['K']}×{f['N']} | {f['M']} | {d} | {b} | {f['best']} |")
-    text = "\n".join(md) + "\n"
-    print(text)
-    if out:
-        (out / "kernels_sweep.md").write_text(text)
-        (out / "kernels_sweep.json").write_text(json.dumps(found, indent=1))
+    return "\n".join(md) + "\n"
+
+
+def _sweep_main(shapes, device, bench, dtype_name: str, name: str, out: Path | None) -> int:
+    if device.type == "cuda":  # many configs: fewer repeats
+        bench = lambda fn: gpu_time(fn, reps=10)  # noqa: E731
+
+    def write(found):
+        if out:
+            (out / "kernels_sweep.md").write_text(_sweep_markdown(found, name, dtype_name))
+            (out / "kernels_sweep.json").write_text(json.dumps(found, indent=1))
+    found = sweep(shapes, device, bench, dtype_name, on_row=write)
+    print(_sweep_markdown(found, name, dtype_name))
     return 0
 
 
