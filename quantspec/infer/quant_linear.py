@@ -134,9 +134,6 @@ class QuantLinear(nn.Module):
         if ia is not None and not ia.dynamic and t.input_scale is None:
             raise QuantSpecError(f"{name} has no input_scale but its scheme has static input "
                                  "activations: quantize with --calib to store one")
-        if t.input_scale is not None and not bool((t.input_scale > 0).all()):
-            raise QuantSpecError(f"{name} has an input_scale <= 0; recalibrate the model "
-                                 "(quantize with --calib)")
         if ia is not None and ia.strategy not in ("tensor", "token"):
             raise QuantSpecError(f"{name}: input activation strategy {ia.strategy!r} is "
                                  "unsupported; use tensor (static) or token (dynamic)")

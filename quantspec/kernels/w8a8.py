@@ -84,7 +84,8 @@ def _validate_act(x, scale):
                 "pass scale=None for dynamic per-token scales"
             )
         # a value check on a GPU tensor would wait on the device at every call (and cannot run
-        # inside a CUDA graph capture): there the loader checks the scale once
+        # inside a CUDA graph capture): there the artifact reader's check stands
+        # (`quant.compressed.read_quantized_linear`)
         if scale.device.type == "cpu" and not bool((scale > 0).all()):
             raise QuantSpecError("static activation scale must be > 0; recalibrate the model")
 

@@ -364,6 +364,10 @@ def test_read_errors_are_one_line():
     tensors[f"{p}.input_scale"] = torch.tensor([0.1])
     with pytest.raises(QuantSpecError, match=r"weight has shape \(16, 32\), expected \(16, 48\)"):
         read_quantized_linear(tensors, p, scheme, 16, 48)
+    tensors[f"{p}.input_scale"] = torch.tensor([0.0])  # what the GPU kernels do not check per call
+    with pytest.raises(QuantSpecError, match="input_scale is 0.0; it must be a finite value > 0"):
+        read_quantized_linear(tensors, p, scheme, 16, 32)
+    tensors[f"{p}.input_scale"] = torch.tensor([0.1])
     tensors.pop(f"{p}.weight_scale")
     with pytest.raises(QuantSpecError, match="weight_scale' is missing"):
         read_quantized_linear(tensors, p, scheme, 16, 32)
