@@ -189,3 +189,4 @@ def test_cuda_graphs_step_aside_for_hooks_and_speculation(tiny):
     finally:
         handle.remove()
     assert hooked == plain and runner.replays == 0 and len(calls) >= NEW
+
