@@ -7,7 +7,7 @@ from Python the GPU waits on the host between them. `DecodeGraphs` captures the 
 step shape and replays it, so a step costs one launch.
 
 What it takes: a step in which each of B ≤ `max_batch` sequences brings the same number q ≤ 16 of
-new tokens after a cached context — a decode step (q = 1), or the verification of q - 1 drafts
+new tokens after a cached context, at most 512 rows once padded — a decode step (q = 1), or the verification of q - 1 drafts
 per sequence (speculation at a fixed draft length; the n-gram proposer at b1) — through the
 cache's Triton attention (`TritonAttention`). Every other step (prefill, verification steps whose
 sequences bring different numbers of drafts, token trees, SDPA attention) returns None and runs
@@ -18,7 +18,9 @@ B sequences run in the graph of (the smallest bucket Bp ≥ B, q); the padding s
 key (slot -1, which the write kernel skips), attend over stale keys and are dropped. The graph
 reads its inputs from static buffers that each step fills: x, cos, sin [Bp·q, ·], the slot
 mapping [Bp·q], the context lengths [Bp] and block tables [Bp, cache.num_blocks]. Graphs belong
-to one cache: a step over another cache (a new engine) drops them and captures again.
+to one cache: a step over another cache (a new engine) drops them and captures again. Each graph
+keeps its step's activations in a memory pool of its own; at most `max_graphs` are kept, the
+least recently replayed dropped first.
 
 Numbers: the graph runs the kernels of the eager path at M = Bp·q rows instead of B·q.
 quantspec's weight-only Triton linears take one launch shape for every M up to 16, so there a row
@@ -29,6 +31,7 @@ differently in the last bit.
 from __future__ import annotations
 
 import weakref
+from collections import OrderedDict
 
 import torch
 from torch import nn
@@ -40,6 +43,8 @@ __all__ = ["DecodeGraphs", "batch_buckets"]
 
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 MAX_QUERY_ROWS = 16  # new tokens per sequence a graph takes: a decode step, or 1 + up to 15 drafts
+MAX_GRAPH_ROWS = 512  # rows of a captured step; above, launches are few beside the work (eager)
+MAX_GRAPHS = 32  # graphs kept per model (each holds its step's activations); the least recent goes
 
 
 def batch_buckets(max_batch: int) -> list[int]:
@@ -90,12 +95,12 @@ class DecodeGraphs:
     """The `StackRunner` of a CUDA model (module docstring). `layers`: the model's decoder layers;
     `max_batch`: the largest batch captured (larger decode steps run eagerly)."""
 
-    def __init__(self, layers: nn.ModuleList, max_batch: int = 256):
+    def __init__(self, layers: nn.ModuleList, max_batch: int = 256, max_graphs: int = MAX_GRAPHS):
         self.layers = layers
         self._hook_dicts = [d for m in layers.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
-        self.max_batch = max_batch
+        self.max_batch, self.max_graphs = max_batch, max_graphs
         self.buckets = batch_buckets(max_batch)
-        self.graphs: dict[tuple[int, int, bool], _Graph] = {}
+        self.graphs: OrderedDict[tuple[int, int, bool], _Graph] = OrderedDict()  # least recent first
         self._cache_ref = None
         self.replays = 0  # steps served by a graph (tests, benchmarks)
 
@@ -120,13 +125,19 @@ class DecodeGraphs:
         if shape is None:
             return None
         (B, q), cache = shape, attn.cache
+        bp = next(b for b in self.buckets if b >= B)
+        if bp * q > MAX_GRAPH_ROWS:
+            return None
         if self._cache_ref is None or self._cache_ref() is not cache:
             self.graphs.clear()  # graphs of another cache's buffers
             self._cache_ref = weakref.ref(cache)
-        bp = next(b for b in self.buckets if b >= B)
-        g = self.graphs.get((bp, q, row_invariant))
+        key = (bp, q, row_invariant)
+        g = self.graphs.get(key)
         if g is None:
+            while len(self.graphs) >= self.max_graphs:
+                self.graphs.popitem(last=False)
             g = self._capture(bp, q, x, cos, cache, row_invariant)
+        self.graphs.move_to_end(key)
         cu, seq, tables, _ = cache.kernel._step_args(attn.meta)
         g.fill(x, cos, sin, attn.meta.slot_mapping, seq, tables)
         g.graph.replay()
