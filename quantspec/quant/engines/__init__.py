@@ -14,12 +14,13 @@ The package, by concept:
   (fused layers, layer classes) the engines build;
 - `verdict`: `LayerVerdict` / `EngineVerdict`, what a verdict says;
 - `layers`: per engine layer, the config group an engine resolves and the scheme it picks;
-- `drafts`: draft modules (MTP, Medusa) and why each engine refuses them;
+- `drafts`: draft modules (MTP, Medusa, EAGLE-3): which engines refuse them, and the EAGLE-3
+  head's layers as vLLM and SGLang name and quantize them;
 - `decide`: the verdicts on a whole artifact and `quantize --target`'s refusals.
 """
 
 from quantspec.quant.engines.decide import engine_verdicts, target_refusal
-from quantspec.quant.engines.drafts import DRAFT_REFUSALS, draft_verdicts
+from quantspec.quant.engines.drafts import DRAFT_REFUSALS, draft_verdicts, eagle3_ignore, eagle3_targets
 from quantspec.quant.engines.layers import engine_layers, fused_targets
 from quantspec.quant.engines.tables import (
     ENGINE_NAMES,
@@ -37,4 +38,5 @@ __all__ = [
     "ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
     "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "LayerVerdict", "EngineVerdict", "engine_layers",
     "fused_targets", "engine_verdicts", "draft_verdicts", "DRAFT_REFUSALS", "target_refusal",
+    "eagle3_ignore", "eagle3_targets",
 ]

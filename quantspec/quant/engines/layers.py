@@ -35,11 +35,12 @@ from quantspec.quant.engines.tables import (
 from quantspec.quant.engines.verdict import LayerVerdict
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["engine_layers", "fused_targets", "target_map", "engine_layer", "quantspec_layer",
+__all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_layer",
            "transformers_layer", "kv_verdict"]
 
 _ACT_FORMATS = (FORMAT_NAIVE_QUANTIZED, FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED)
 _SHARD = re.compile(r"^(.*)\.([^.]+)$")
+FUSED_UNSEEN = "a name target for fused shards it does not see"
 
 
 def engine_layers(linears: Iterable[str]) -> dict[str, tuple[str, ...]]:
@@ -100,20 +101,27 @@ def target_map(config: QuantConfig) -> dict[str, QuantScheme]:
     return out
 
 
-def _engine_scheme(engine: str, layer: str, shards: tuple[str, ...], targets: Mapping[str, QuantScheme]
-                   ) -> QuantScheme | None:
-    """The config group `engine` resolves engine layer `layer` to (see the module docstring)."""
-    cls = LAYER_CLASSES.get(layer.rsplit(".", 1)[-1], "ReplicatedLinear")
+def _engine_scheme(engine: str, layer: str, shards: tuple[str, ...], targets: Mapping[str, QuantScheme],
+                   cls: str | None = None, shard_names: bool = True) -> QuantScheme | None:
+    """The config group `engine` resolves engine layer `layer` (of class `cls`; None: the Llama
+    layer's, `LAYER_CLASSES`) to (see the module docstring). `shard_names`: vLLM matches a fused
+    layer's shard names (its model's `packed_modules_mapping` reaches the quant config)."""
+    cls = cls or LAYER_CLASSES.get(layer.rsplit(".", 1)[-1], "ReplicatedLinear")
     by_name = next((t for t in targets if _name_match(layer, t)), None)
     by_class = next((t for t in targets if not t.startswith("re:") and t.lower() in cls.lower()),
                     None)
     by_fused = None
-    if engine == "vllm" and len(shards) > 1:
+    if engine == "vllm" and shard_names and len(shards) > 1:
         hits = [next((t for t in targets if _name_match(s, t)), None) for s in shards]
         by_fused = hits[0] if all(hits) else None
     order = (by_name, by_fused, by_class) if engine == "vllm" else (by_name, by_class)
     hit = next((t for t in order if t is not None), None)
     return None if hit is None else targets[hit]
+
+
+def ignored(layer: str, ignore: Iterable[str]) -> bool:
+    """The engine skips `layer` by its name (an exact name or an `re:` regex in `ignore`)."""
+    return any(_name_match(layer, t) for t in ignore)
 
 
 # ---- scheme selection ------------------------------------------------------------------------------
@@ -194,23 +202,37 @@ def kv_verdict(engine: str, kv: QuantArgs | None) -> tuple[str | None, str | Non
     return None, f"the {kind} KV-cache scales (it loads per-tensor FP8 scales only)", None
 
 
-def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: list[QuantScheme],
-                  targets: Mapping[str, QuantScheme], K: int | None, capability: int) -> LayerVerdict:
-    """vLLM's or SGLang's verdict on one engine layer whose shards were quantized `intended`."""
-    if any(not _same(intended[0], i) for i in intended[1:]):
+def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: list[QuantScheme | None],
+                 targets: Mapping[str, QuantScheme], K: int | None, capability: int, *,
+                 cls: str | None = None, shard_names: bool = True, ignore: Iterable[str] = (),
+                 unseen: str = FUSED_UNSEEN) -> LayerVerdict | None:
+    """vLLM's or SGLang's verdict on one engine layer whose shards (checkpoint Linears) were
+    quantized `intended` (None: float), or None when both leave it float. `cls` / `shard_names`:
+    see `_engine_scheme`; `ignore`: the config's ignore list, matched against the engine's name
+    `layer`; `unseen`: why a name target written for the checkpoint does not reach the layer."""
+    if any(i is None for i in intended) and not all(i is None for i in intended):
         return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
-    got = _engine_scheme(engine, layer, shards, targets)
+    got = None if ignored(layer, ignore) else _engine_scheme(engine, layer, shards, targets, cls, shard_names)
+    want = intended[0]
+    if want is None:
+        if got is None:
+            return None
+        v = _select(engine, got, K, len(shards), capability)
+        return LayerVerdict(None, v.num_bits, v.group_size, v.symmetric, v.input_activations,
+                            problem="it expects quantized weights where the checkpoint holds float "
+                                    "ones (the ignore list does not name it as the engine does)")
+    if any(not _same(want, i) for i in intended[1:]):
+        return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
     if got is None:
         return LayerVerdict(None, problem="no config target matches it, so it expects float weights")
     v = _select(engine, got, K, len(shards), capability)
-    want = intended[0]
     if _same(got, want):
         return v
     if v.defect and want.input_activations is None:
         # the checkpoint holds no input_scale here, so the defect's loader never runs: the layer
         # loads as static int8 with its scale unset
         v = LayerVerdict("W8A8Int8", v.num_bits, v.group_size, v.symmetric, v.input_activations)
-    return _mismatch(engine, v, got, want) if v.scheme is not None else v
+    return _mismatch(engine, v, got, want, unseen) if v.scheme is not None else v
 
 
 def quantspec_layer(s: QuantScheme) -> LayerVerdict:
@@ -246,15 +268,14 @@ def transformers_layer(s: QuantScheme) -> LayerVerdict:
     return LayerVerdict("CompressedLinear", v.num_bits, v.group_size, v.symmetric, v.input_activations)
 
 
-def _mismatch(engine: str, v: LayerVerdict, got: QuantScheme, want: QuantScheme) -> LayerVerdict:
+def _mismatch(engine: str, v: LayerVerdict, got: QuantScheme, want: QuantScheme, unseen: str) -> LayerVerdict:
     gw, ww = got.weights, want.weights
     if gw != ww:
         gg = gw.group_size if gw.strategy == "group" else "per-channel"
         wg = ww.group_size if ww.strategy == "group" else "per-channel"
         what = f"group size {gg} instead of {wg}" if (gg != wg) else "other weight args than stored"
         return LayerVerdict(None, v.num_bits, v.group_size, v.symmetric, v.input_activations,
-                            problem=f"it resolves {what} (a name target for fused shards it does "
-                                    "not see)")
+                            problem=f"it resolves {what} ({unseen})")
     a_got, a_want = _act(got.input_activations), _act(want.input_activations)
     return LayerVerdict(v.scheme, v.num_bits, v.group_size, v.symmetric, v.input_activations,
                         problem=f"the weight-only fallback (runs {a_got} activations where "
