@@ -269,7 +269,8 @@ def inspect(path: str | Path) -> dict:
 
 def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
     """`quant.engines.engine_verdicts` for the artifact in `d`: its quantized Linears with their
-    input dims (from `weight_shape` or the code tensor's shape) and whether it is a draft module."""
+    input dims (from `weight_shape` or the code tensor's shape), whether it is a draft module and,
+    for an EAGLE-3 head, its base's layer count (the index vLLM gives the head's layer)."""
     from safetensors import safe_open
 
     from quantspec.model_zoo.checkpoint import draft_kind, read_config, reading_safetensors
@@ -284,7 +285,9 @@ def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
                     dims[name] = int(h.get_tensor(k)[1])
                 elif name in dims and leaf == "weight":
                     dims[name] = int(h.get_slice(k).get_shape()[1])
-    return engine_verdicts(qc, dims, draft=draft_kind(read_config(d)))
+    cfg = read_config(d)
+    return engine_verdicts(qc, dims, draft=draft_kind(cfg),
+                           base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))
 
 
 def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None = None,

@@ -111,8 +111,10 @@ CASES = [
     ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
                           "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
     ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
-    ("quantize-eagle3-portable", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 --out {d}/q",
-     "--target"),
+    ("quantize-eagle3-bad-d2t", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 --out {d}/q",
+     "d2t"),
+    ("quantize-eagle3-transformers", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 "
+                                     "--target transformers --out {d}/q", "--target transformers"),
     ("quantize-calib-missing", "quantize --model {model} --quant-type a8w8 --target vllm --calib {d}/no-table --out {d}/q",
      "--calib"),
     ("quantize-alpha-2", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table "

@@ -140,7 +140,11 @@ def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Lin
 
 def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantConfig:
     """`config` with every grouped Linear at a group size that divides its K
-    (`QuantConfig.with_group_sizes` arranges the groups so every loader resolves them)."""
+    (`QuantConfig.with_group_sizes` arranges the groups so every loader resolves them; an EAGLE-3
+    head's groups also name its layers as vLLM and SGLang do, `engines.eagle3_targets`)."""
+    from quantspec.model_zoo.eagle3 import Eagle3Head
+    from quantspec.quant.engines import eagle3_targets
+
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
@@ -148,7 +152,7 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
             sizes[name] = resolve_group_size(mod.in_features, args.group_size)
     if all(g == config.weight_args_for(n).group_size for n, g in sizes.items()):
         return config
-    return config.with_group_sizes(sizes)
+    return config.with_group_sizes(sizes, eagle3_targets if isinstance(model, Eagle3Head) else None)
 
 
 def _check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantConfig,

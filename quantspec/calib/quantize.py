@@ -27,7 +27,7 @@ from `dataset`, or from the dataset the table names in its calibration.json.
 from __future__ import annotations
 
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -200,6 +200,7 @@ class _Source:
     model_dir: Path
     config: dict
     dtype: torch.dtype  # the checkpoint's dtype: scales and unquantized tensors are written in it
+    quant_config: object  # what is quantized: `QuantizeConfig.quant_config`, for a draft module's kind
     reader: object | None = None  # its CheckpointReader (None: an MTP module, read whole)
     table: object | None = None  # the calibration table (a8w8 types, static KV)
     calib_summary: dict = field(default_factory=dict)
@@ -227,7 +228,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     resumable, key = _run_identity(config, src, device)
     _check_disk(config, src, model, out, key)
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:
-        qconfig, input_scales, factors = config.quant_config, None, None
+        qconfig, input_scales, factors = src.quant_config, None, None
         if config.static:
             qconfig, input_scales, factors, batches = _plan_static(config, src, model, qconfig, batches, say,
                                                                    run, device)
@@ -243,26 +244,26 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 
 
 def _read_source(config: QuantizeConfig) -> _Source:
-    """The source checkpoint (its headers checked before any work) and the calibration table."""
+    """The source checkpoint (its headers checked before any work) and the calibration table.
+    A draft module is checked against `--target` here (`quant.engines.target_refusal`); an
+    EAGLE-3 head's config leaves float what the target's engines load float
+    (`quant.engines.eagle3_ignore`)."""
     from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
                                                 verify_checkpoint)
-    from quantspec.model_zoo.eagle3 import is_eagle3_config
-    from quantspec.quant.engines import target_refusal
+    from quantspec.quant.engines import eagle3_ignore, target_refusal
 
+    qconfig = config.quant_config
     with about("--model"):
         model_dir = resolve_model_dir(config.model)
         cfg = read_config(model_dir)
         if cfg.get("quantization_config"):
             raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
         kind = draft_kind(cfg)
-        what = {"mtp": "an MTP module", "medusa": "Medusa heads"}.get(kind)
-        refusal = target_refusal(config.target, config.quant_config, draft=kind) if what else None
-        if what is None and is_eagle3_config(cfg):  # vLLM / SGLang have its class; not their quantized path
-            what = "an EAGLE-3 head"
-            refusal = None if config.target == "quantspec" else (
-                f"--target {config.target}: that vLLM / SGLang load it quantized is not checked here; "
-                "pass --target quantspec")
-        if refusal is not None:  # a draft module: no transformers model class
+        what = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}.get(kind)
+        if kind == "eagle3":
+            qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
+        refusal = target_refusal(config.target, qconfig, draft=kind) if what else None
+        if refusal is not None:
             raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
         reader = None if what else CheckpointReader(model_dir)  # every header checked
         if reader is None:
@@ -270,7 +271,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         dtype = torch.float32
-    src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, reader=reader)
+    src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, quant_config=qconfig, reader=reader)
     if reader is None and (config.method != "rtn" or config.static or config.kv_cache is not None):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
                              "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
@@ -398,7 +399,7 @@ def _check_disk(config: QuantizeConfig, src: _Source, model, out: Path, key: str
     from quantspec.calib.stream import working_bytes
     from quantspec.outputs import state_dir
 
-    need = _artifact_bytes(model, config.quant_config, src.dtype)
+    need = _artifact_bytes(model, src.quant_config, src.dtype)
     need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
     if config.method == "gptq":  # a resumable run keeps the next layer's inputs (two while replacing)
         need += 2 * config.num_samples * config.seq_len * model.args.hidden_size * 4
@@ -443,7 +444,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
 
     if config.kv_cache is not None and "kv" not in run.writer.parts:
         # k_scale / v_scale per attention: [1] or [KV, 1, 1] (compressed-tensors)
-        kv = config.quant_config.kv_cache_scheme
+        kv = src.quant_config.kv_cache_scheme
         run.writer.add("kv", src.table.kv_artifact_tensors("fp8" if kv.type == "float" else "int8", kv.strategy),
                        run.writer.meta)
     cfg = dict(src.config)

@@ -56,8 +56,9 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True, help="Base model: zoo name or HF directory.")
 @click.option("--speculate-method", default="draft", show_default=True,
-              type=click.Choice(["draft", "mtp", "inference_with_reference"]))
-@click.option("--draft-model", help="Draft model (default: the base model itself) or MTP module directory.")
+              type=click.Choice(["draft", "mtp", "medusa", "eagle", "inference_with_reference"]))
+@click.option("--draft-model", help="Draft model (default: the base model itself), or the MTP module, "
+                                    "Medusa heads or EAGLE-3 head directory.")
 @click.option("--base-quant-types", default="none,weight_only_int8,weight_only_int4", show_default=True,
               help="Comma-separated rows: none, weight_only_int8, weight_only_int4, a8w8, a8w8_fp8.")
 @click.option("--draft-quant-types", default="weight_only_int8,weight_only_int4", show_default=True,

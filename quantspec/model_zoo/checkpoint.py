@@ -79,12 +79,16 @@ def read_config(model_dir: Path) -> dict:
 
 
 def draft_kind(cfg: dict) -> str | None:
-    """"mtp" / "medusa" when a config.json is a draft module's (an MTP module, Medusa heads), else
-    None: a causal LM."""
+    """"mtp" / "medusa" / "eagle3" when a config.json is a draft module's (an MTP module, Medusa
+    heads, an EAGLE-3 head), else None: a causal LM."""
+    from quantspec.model_zoo.eagle3 import is_eagle3_config
     from quantspec.model_zoo.medusa import is_medusa_config
     from quantspec.model_zoo.mtp import is_mtp_config
 
-    return "mtp" if is_mtp_config(cfg) else "medusa" if is_medusa_config(cfg) else None
+    for kind, is_it in (("mtp", is_mtp_config), ("medusa", is_medusa_config), ("eagle3", is_eagle3_config)):
+        if is_it(cfg):
+            return kind
+    return None
 
 
 def safetensors_files(model_dir: Path) -> list[Path]:

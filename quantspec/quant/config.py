@@ -18,7 +18,7 @@ import logging
 import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
-from typing import Any, Iterable, Mapping
+from typing import Any, Callable, Iterable, Mapping
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import (
@@ -212,7 +212,9 @@ class QuantConfig:
         return None if s is None else s.weights
 
     # ---- per-layer group sizes ------------------------------------------------------------------
-    def with_group_sizes(self, group_sizes: Mapping[str, int]) -> "QuantConfig":
+    def with_group_sizes(self, group_sizes: Mapping[str, int],
+                         targets_for: Callable[[Iterable[str]], tuple[str, ...]] | None = None
+                         ) -> "QuantConfig":
         """The config with each Linear in `group_sizes` quantized at its group size (-1 = per
         channel), arranged so that every loader resolves every layer to it.
 
@@ -223,6 +225,7 @@ class QuantConfig:
         layer, which SGLang matches before class names; other Linears by exact name).
         Example, hidden 192 / intermediate 512 at 128: q/k/v/o/gate/up resolve to 64, down_proj
         to 128 → the class group gets 64 and down_proj alone is name-targeted at 128.
+        `targets_for`: see `with_layer_group_sizes`.
         """
         from quantspec.quant.engines import FUSED_LAYERS
 
@@ -247,17 +250,22 @@ class QuantConfig:
             groups[group_name] = dataclasses.replace(base, weights=_with_size(base.weights, size))
             overrides.update({n: g for n, g in sizes.items() if g != size})
         config = dataclasses.replace(self, config_groups=groups, format=None)
-        return config.with_layer_group_sizes(overrides) if overrides else config
+        return config.with_layer_group_sizes(overrides, targets_for) if overrides else config
 
-    def with_layer_group_sizes(self, layer_group_sizes: Mapping[str, int]) -> "QuantConfig":
+    def with_layer_group_sizes(self, layer_group_sizes: Mapping[str, int],
+                               targets_for: Callable[[Iterable[str]], tuple[str, ...]] | None = None
+                               ) -> "QuantConfig":
         """Give some layers a different group size (-1 = per-channel) than their scheme says.
 
         Each distinct (scheme, group size) override becomes an extra config group whose
         `targets` are `engines.fused_targets` of the names (exact names, a whole fused unit as
         one regex), which outrank class targets in every compressed-tensors loader.
+        `targets_for(names)`: the targets instead, for a module the engines name otherwise than
+        its checkpoint (an EAGLE-3 head: `engines.eagle3_targets`).
         """
         from quantspec.quant.engines import fused_targets
 
+        targets_for = targets_for or fused_targets
         groups = OrderedDict(self.config_groups)
         buckets: "OrderedDict[tuple[str, int], list[str]]" = OrderedDict()
         for name in sorted(layer_group_sizes):
@@ -277,7 +285,7 @@ class QuantConfig:
             while f"group_{i}" in groups:
                 i += 1
             # the name-targeted group must not also hold the class targets of its base group
-            groups[f"group_{i}"] = QuantScheme(targets=fused_targets(names),
+            groups[f"group_{i}"] = QuantScheme(targets=targets_for(names),
                                                weights=_with_size(base.weights, g),
                                                input_activations=base.input_activations,
                                                format=base.format)

@@ -1,7 +1,8 @@
 """What a report measures: the typed `ReportConfig`, its axes, and the coordinates of one cell.
 
 A report is a matrix for one speculation method: base quant type (rows) × draft quant type
-(columns) × KV-cache type (panels). `none` on the base or draft axis means "unquantized".
+(columns) × KV-cache type (panels). The draft is a model (`draft`) or a module trained for the
+base (`mtp`, `medusa`, `eagle`: `--draft-model` names it), quantized on its own per column. `none` on the base or draft axis means "unquantized".
 `inference_with_reference` (n-gram) has no draft model, so its draft axis is the single column
 `ngram`. Every list is validated when the config is built; an unknown name raises
 `QuantSpecError` naming it and listing the valid ones.
@@ -25,6 +26,7 @@ __all__ = [
     "QUANT_CHOICES",
     "CACHEKV_CHOICES",
     "METHODS",
+    "HEAD_METHODS",
     "CALIB_QUANT_TYPES",
     "DEFAULT_BASE_QUANT_TYPES",
     "DEFAULT_DRAFT_QUANT_TYPES",
@@ -41,7 +43,10 @@ NO_QUANT = "none"  # the unquantized checkpoint
 NGRAM_COLUMN = "ngram"  # the one "draft" column of inference_with_reference
 QUANT_CHOICES = (NO_QUANT,) + tuple(t.value for t in QuantType)
 CACHEKV_CHOICES = ("none", "int8", "fp8")
-METHODS = ("draft", "mtp", "inference_with_reference")
+METHODS = ("draft", "mtp", "medusa", "eagle", "inference_with_reference")
+# methods whose draft is a module of its own, trained for the base: --draft-model names it
+HEAD_METHODS = {"mtp": "MTP_DIR (the MTP module)", "medusa": "MEDUSA_DIR (the Medusa heads)",
+                "eagle": "EAGLE3_DIR (the EAGLE-3 head)"}
 # quant types whose artifacts need static activation scales from a calibration table
 CALIB_QUANT_TYPES = (QuantType.A8W8.value, QuantType.A8W8_FP8.value)
 
@@ -137,8 +142,9 @@ class ReportConfig:
             set_("draft_quant_types", (NGRAM_COLUMN,))
         else:
             set_("draft_quant_types", parse_list(self.draft_quant_types, QUANT_CHOICES, "--draft-quant-types"))
-            if self.speculate_method == "mtp" and not self.draft_model:
-                raise QuantSpecError("--speculate-method mtp needs --draft-model MTP_DIR (the MTP module)")
+            if self.speculate_method in HEAD_METHODS and not self.draft_model:
+                raise QuantSpecError(f"--speculate-method {self.speculate_method} needs --draft-model "
+                                     f"{HEAD_METHODS[self.speculate_method]}")
             if self.draft_model is None:
                 set_("draft_model", self.model)
         set_("cachekv", parse_list(self.cachekv, CACHEKV_CHOICES, "--cachekv"))

@@ -41,6 +41,11 @@ ARTIFACTS = {
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
 # Medusa heads (the authors' layout) quantized on their own, as a draft is
 MEDUSA_ARTIFACT = ("medusa_heads_int8", dict(quant_type="weight_only_int8", target="quantspec"))
+# an EAGLE-3 head (the layout vLLM and SGLang load) quantized on its own: by default (fc float,
+# per-layer group sizes at K = 192) and for vLLM alone (fc quantized too)
+EAGLE3_ARTIFACTS = {"eagle3_head_int4": dict(quant_type="weight_only_int4", group_size=128),
+                    "eagle3_head_int8_vllm": dict(quant_type="weight_only_int8", target="vllm")}
+EAGLE3_AUX = (0, 1, 2)  # the conformance model has 2 layers: explicit ids
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle
 OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback")
@@ -110,6 +115,29 @@ def medusa_artifact(medusa_source) -> Path:
     name, opts = MEDUSA_ARTIFACT
     opts = dict(opts)
     return api.quantize(str(medusa_source), opts.pop("quant_type"), medusa_source.parent / name, **opts)
+
+
+@pytest.fixture(scope="session")
+def eagle3_head(conformance_model, tmp_path_factory):
+    """(directory, head, the base's args): a head for the conformance model with a draft
+    vocabulary of every third token, as `zoo train-draft-head --kind eagle3` saves one."""
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.eagle3 import save_eagle3
+    from quantspec.model_zoo.eagle3_train import init_eagle3
+
+    base = load_model(conformance_model)[0]
+    head = init_eagle3(base, torch.arange(1, base.args.vocab_size, 3), EAGLE3_AUX)
+    return save_eagle3(head, tmp_path_factory.mktemp("eagle3") / "head"), head, base.args
+
+
+@pytest.fixture(scope="session")
+def eagle3_artifacts(eagle3_head) -> dict[str, Path]:
+    path = eagle3_head[0]
+    out = {}
+    for name, opts in EAGLE3_ARTIFACTS.items():
+        opts = dict(opts)
+        out[name] = api.quantize(str(path), opts.pop("quant_type"), path.parent / name, **opts)
+    return out
 
 
 def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:

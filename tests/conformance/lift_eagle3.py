@@ -21,9 +21,12 @@ parallel linear / norm / embedding classes) are `Recorded*` stand-ins below: mod
 parameters have the engine's shapes and a `weight_loader(param, tensor, shard_id)` that checks
 the shard's shape, copies it into its rows and records it; `default_weight_loader` is a
 recording copy; configs the constructors read (vLLM's `VllmConfig`, SGLang's server-args
-accessors) are plain objects with the target's layer count and vocabulary. The result lists
-every parameter, which shards of it were loaded from which checkpoint tensor, and the engine's
-draft-to-target map.
+accessors) are plain objects with the target's layer count and vocabulary, and the draft's
+quantization config they resolve is a marker (`DRAFT_QC`). The result lists every parameter,
+which shards of it were loaded from which checkpoint tensor, the engine's draft-to-target map,
+and every layer the engine's EAGLE-3 code builds from a stand-in: the prefix (its name in the
+engine) and whether it was given the draft's quantization config; `fc_class` is the class the
+engine builds `fc` from.
 """
 
 from __future__ import annotations
@@ -42,6 +45,32 @@ import torch  # noqa: E402
 from torch import nn  # noqa: E402
 
 LOADS: list[dict] = []  # (param, shard, checkpoint tensor's shape) per weight_loader call
+BUILT: list[dict] = []  # (stand-in, the prefix and whether the draft's quant config) per layer the engine builds
+
+
+class _DraftQuantConfig:
+    """The marker the engines' draft quantization config resolves to here; what vLLM's
+    `AutoWeightsLoader` asks of a quantization config (no renames, no extra suffixes) it answers
+    as compressed-tensors does for a checkpoint without KV-cache scales."""
+
+    _ignore_unexpected_suffixes: list[str] = []
+
+    @staticmethod
+    def get_cache_scale_mapper():
+        from vllm.model_executor.models.utils import WeightsMapper
+
+        return WeightsMapper()
+
+    get_checkpoint_weight_mapper = get_cache_scale_mapper
+
+
+DRAFT_QC = _DraftQuantConfig()  # what the engine's draft quantization config resolves to
+
+
+def _built(role: str, k: dict, quant_config=None) -> None:
+    qc = k.get("quant_config", quant_config)
+    BUILT.append({"role": role, "prefix": k.get("prefix"), "draft_quant_config": qc is DRAFT_QC,
+                  "quant_config": None if qc is None or qc is DRAFT_QC else repr(qc)})
 MODEL_MODULE = {"vllm": "vllm.model_executor.models.llama_eagle3", "sglang": "sglang.srt.models.llama_eagle3"}
 REAL = {"vllm": [MODEL_MODULE["vllm"], "vllm.model_executor.models.utils"], "sglang": [MODEL_MODULE["sglang"]]}
 
@@ -71,14 +100,19 @@ def default_weight_loader(param, w):
 
 
 class RecordedLinear(nn.Module):
-    def __init__(self, input_size, output_size, *a, bias=False, **k):
+    def __init__(self, input_size, output_size, *a, bias=False, record=True, **k):
         super().__init__()
+        if record:
+            _built("ReplicatedLinear", k)
         self.weight = _param((output_size, input_size))
 
 
 class RecordedQKV(nn.Module):
-    def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=False, *a, **k):
+    def __init__(self, hidden_size, head_size, total_num_heads, total_num_kv_heads=None, bias=False, *a,
+                 record=True, **k):
         super().__init__()
+        if record:
+            _built("QKVParallelLinear", k)
         kv = total_num_kv_heads or total_num_heads
         q, k_ = total_num_heads * head_size, kv * head_size
         self.weight = _param((q + 2 * k_, hidden_size), {"q": (0, q), "k": (q, q + k_), "v": (q + k_, q + 2 * k_)})
@@ -93,24 +127,43 @@ class RecordedNorm(nn.Module):
 class RecordedEmbedding(nn.Module):
     def __init__(self, num_embeddings, embedding_dim, *a, **k):
         super().__init__()
+        _built("VocabParallelEmbedding", k)
+        self.weight = _param((num_embeddings, embedding_dim))
+
+
+class RecordedLMHead(RecordedEmbedding):
+    def __init__(self, num_embeddings, embedding_dim, *a, **k):
+        nn.Module.__init__(self)
+        _built("ParallelLMHead", k)
         self.weight = _param((num_embeddings, embedding_dim))
 
 
 class RecordedMLP(nn.Module):
-    def __init__(self, hidden_size, intermediate_size, *a, **k):
+    """The target's MLP (SGLang's EAGLE-3 layer builds it as `LlamaMLP(hidden, intermediate, act,
+    quant_config, prefix)`)."""
+
+    def __init__(self, hidden_size, intermediate_size, hidden_act=None, quant_config=None, prefix="", *a,
+                 record=True, **k):
         super().__init__()
+        if record:
+            _built("LlamaMLP", {"prefix": prefix, "quant_config": quant_config})
         self.gate_up_proj = nn.Module()
         self.gate_up_proj.weight = _param((2 * intermediate_size, hidden_size),
                                           {0: (0, intermediate_size), 1: (intermediate_size, 2 * intermediate_size)})
-        self.down_proj = RecordedLinear(intermediate_size, hidden_size)
+        self.down_proj = RecordedLinear(intermediate_size, hidden_size, record=False)
 
 
 class RecordedBaseLayer(nn.Module):
     """The target Llama's decoder layer as the EAGLE-3 layers subclass it (`config` keyword or
-    first positional argument, as each engine passes it)."""
+    first positional argument, as each engine passes it). Recorded: the prefix it is built with
+    and the quant config its attention and MLP get — vLLM's takes `self.get_quant_config(vllm_config)`
+    (models/llama.py `LlamaDecoderLayer.__init__`), SGLang's the `quant_config` argument."""
 
     def __init__(self, *args, config=None, **kwargs):
         super().__init__()
+        vllm_config = args[0] if args and hasattr(args[0], "speculative_config") else None
+        qc = self.get_quant_config(vllm_config) if vllm_config is not None else kwargs.get("quant_config")
+        _built("LlamaDecoderLayer", {"prefix": kwargs.get("prefix"), "quant_config": qc})
         config = config or next((a for a in args if hasattr(a, "hidden_size")), None) or CONFIG
         D, H = config.hidden_size, config.num_attention_heads
         hd = getattr(config, "head_dim", None) or D // H
@@ -118,9 +171,9 @@ class RecordedBaseLayer(nn.Module):
         self.self_attn = nn.Module()
         self.self_attn.head_dim, self.self_attn.total_num_heads = hd, H
         self.self_attn.total_num_kv_heads = config.num_key_value_heads
-        self.self_attn.qkv_proj = RecordedQKV(D, hd, H, config.num_key_value_heads)
-        self.self_attn.o_proj = RecordedLinear(H * hd, D)
-        self.mlp = RecordedMLP(D, config.intermediate_size)
+        self.self_attn.qkv_proj = RecordedQKV(D, hd, H, config.num_key_value_heads, record=False)
+        self.self_attn.o_proj = RecordedLinear(H * hd, D, record=False)
+        self.mlp = RecordedMLP(D, config.intermediate_size, record=False)
         self.input_layernorm = RecordedNorm(D)
         self.post_attention_layernorm = RecordedNorm(D)
 
@@ -136,7 +189,7 @@ def _overrides(engine: str, target_layers: int, target_vocab: int) -> dict:
         vllm_config = SimpleNamespace(speculative_config=spec, model_config=model_config, load_config=None)
         linear = {"QKVParallelLinear": RecordedQKV, "ReplicatedLinear": RecordedLinear}
         return {
-            "vllm.config": {"VllmConfig": SimpleNamespace(get_quantization_config=lambda *a: None),
+            "vllm.config": {"VllmConfig": SimpleNamespace(get_quantization_config=lambda *a: DRAFT_QC),
                             "get_current_vllm_config": lambda: vllm_config},
             "vllm.compilation.decorators": {"support_torch_compile": lambda *a, **k: (lambda cls: cls)},
             "vllm.model_executor.model_loader.reload": {"support_quantized_model_reload_from_hp_weights": lambda f: f},
@@ -144,7 +197,7 @@ def _overrides(engine: str, target_layers: int, target_vocab: int) -> dict:
             "vllm.model_executor.layers.linear": linear,
             "vllm.model_executor.layers.layernorm": {"RMSNorm": RecordedNorm},
             "vllm.model_executor.layers.vocab_parallel_embedding": {"VocabParallelEmbedding": RecordedEmbedding,
-                                                                    "ParallelLMHead": RecordedEmbedding},
+                                                                    "ParallelLMHead": RecordedLMHead},
             "vllm.model_executor.layers.logits_processor": {"LogitsProcessor": lambda *a, **k: nn.Identity()},
             "vllm.model_executor.models.llama": {"LlamaDecoderLayer": RecordedBaseLayer,
                                                  "LlamaForCausalLM": nn.Module},
@@ -158,7 +211,7 @@ def _overrides(engine: str, target_layers: int, target_vocab: int) -> dict:
         "sglang.srt.layers.linear": {"QKVParallelLinear": RecordedQKV},
         "sglang.srt.layers.layernorm": {"RMSNorm": RecordedNorm},
         "sglang.srt.layers.vocab_parallel_embedding": {"VocabParallelEmbedding": RecordedEmbedding,
-                                                       "ParallelLMHead": RecordedEmbedding},
+                                                       "ParallelLMHead": RecordedLMHead},
         "sglang.srt.layers.logits_processor": {"LogitsProcessor": lambda *a, **k: nn.Identity()},
         "sglang.srt.models.llama": {"LlamaDecoderLayer": RecordedBaseLayer, "LlamaForCausalLM": nn.Module,
                                     "LlamaMLP": RecordedMLP},
@@ -179,7 +232,7 @@ def build_and_load(engine: str, head_dir: str, target_layers: int, target_vocab:
     if engine == "vllm":
         model = mod.Eagle3LlamaForCausalLM(vllm_config=vllm_config)
     else:
-        model = mod.LlamaForCausalLMEagle3(CONFIG)
+        model = mod.LlamaForCausalLMEagle3(CONFIG, quant_config=DRAFT_QC)
     names = {id(p): n for n, p in model.named_parameters()}
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
     tensors = load_file(os.path.join(head_dir, "model.safetensors"))
@@ -190,7 +243,8 @@ def build_and_load(engine: str, head_dir: str, target_layers: int, target_vocab:
     values = {n: p.detach().tolist() for n, p in model.named_parameters()
               if n in ("model.fc.weight",) or "draft_id_to_target_id" in n}
     out = {"params": shapes, "loads": loads, "nan_left": sorted(n for n, p in model.named_parameters()
-                                                                 if bool(p.isnan().any()))}
+                                                                 if bool(p.isnan().any())),
+           "built": BUILT, "fc_class": f"{type(model.model.fc).__module__}.{type(model.model.fc).__name__}"}
     d2t = getattr(model, "draft_id_to_target_id", None)
     out["draft_id_to_target_id"] = None if d2t is None else d2t.tolist()
     hot = getattr(model, "hot_token_id", None)

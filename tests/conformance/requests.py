@@ -1,6 +1,8 @@
 """The request `lift.py` answers: per artifact, its `quantization_config`, its engine layers
 (name, the engine's class for it — read from the engine's own Llama file —, K, and each shard's
-N) and each shard's tensors (shape and dtype; `weight_shape`'s values)."""
+N) and each shard's tensors (shape and dtype; `weight_shape`'s values); and how its answer reads
+as a verdict (`lifted_status`), beside `quant.engines`' verdicts on the artifact
+(`artifact_verdicts`, as `quantspec inspect` computes them)."""
 
 from __future__ import annotations
 
@@ -9,7 +11,10 @@ from pathlib import Path
 
 from safetensors import safe_open
 
-from quantspec.quant.engines import engine_layers
+from quantspec.model_zoo.checkpoint import draft_kind, read_config
+from quantspec.quant.artifact import read_quant_config
+from quantspec.quant.engines import engine_layers, engine_verdicts
+from quantspec.quant.engines.drafts import EAGLE3_LAYERS
 
 from .engines import layer_classes
 
@@ -67,3 +72,66 @@ def build_request(src, artifacts: dict[str, Path], capability: int) -> dict:
             "attention": "model.layers.0.self_attn.attn" if cfg["quantization_config"].get("kv_cache_scheme")
             else None, "num_kv_heads": cfg["num_key_value_heads"]}
     return req
+
+
+def float_tensors(path: Path, names) -> dict[str, dict[str, dict]]:
+    """Linear name → {"weight": shape and dtype} for the Linears of `names` the artifact holds float."""
+    out = {}
+    with safe_open(str(path / "model.safetensors"), framework="pt") as h:
+        keys = set(h.keys())
+        for n in names:
+            if f"{n}.weight" in keys:
+                t = h.get_tensor(f"{n}.weight")
+                out[n] = {"weight": {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}}
+    return out
+
+
+def eagle3_request(engine: str, artifacts: dict[str, Path], target_layers: int, capability: int = 90) -> dict:
+    """A request for EAGLE-3 heads: their layers under the engine's names and classes
+    (`EAGLE3_LAYERS`, the index of vLLM's layer `target_layers`), with no `packed_modules_mapping`
+    (the draft's quant config gets none in either engine) and the float Linears' weights, which an
+    engine that picks a scheme for them meets as unexpected tensors. lm_head (float in every
+    head quantspec writes) is left out."""
+    req = {"capability": capability, "packed_modules_mapping": {}, "value_leaves": list(VALUE_LEAVES),
+           "artifacts": {}}
+    for name, path in artifacts.items():
+        cfg = json.loads((path / "config.json").read_text())
+        tensors = artifact_tensors(path)
+        shards = [s for _, ss in EAGLE3_LAYERS[engine].values() for s in ss if s != "lm_head"]
+        tensors.update(float_tensors(path, [s for s in shards if s not in tensors]))
+        shapes = linear_shapes(tensors)
+        layers = {layer.format(L=target_layers): {"class": cls, "K": shapes[ss[0]][1],
+                                                  "shards": [{"name": s, "N": shapes[s][0]} for s in ss]}
+                  for layer, (cls, ss) in EAGLE3_LAYERS[engine].items() if "lm_head" not in ss}
+        req["artifacts"][name] = {"quantization_config": cfg["quantization_config"], "layers": layers,
+                                  "tensors": tensors, "attention": None, "num_kv_heads": cfg["num_key_value_heads"]}
+    return req
+
+
+def lifted_status(res: dict) -> tuple[str, dict[str, str]]:
+    """(status, layer → "refused" / "ignores" / "loads") of one artifact's lifted answer."""
+    if res["error"]:
+        return "refused", {}
+    per = {}
+    for layer, r in res["layers"].items():
+        if r["error"] or r["load_errors"] or r["casts"]:
+            per[layer] = "refused"
+        elif r["scheme"] is not None and r["never_loaded"]:
+            per[layer] = "ignores"
+        else:
+            per[layer] = "loads"
+    kv = res["kv"]
+    kv_status = None if kv is None else "refused" if kv["error"] else \
+        "ignores" if kv["method"] is None else "loads"
+    statuses = list(per.values()) + ([kv_status] if kv_status else [])
+    status = "refused" if "refused" in statuses else "ignores" if "ignores" in statuses else "loads"
+    return status, per
+
+
+def artifact_verdicts(path: Path) -> dict:
+    """`engine_verdicts` of the artifact at `path`: its quantized Linears with their K, whether it
+    is a draft module and, for an EAGLE-3 head, its base's layer count (as `api.inspect`)."""
+    cfg = read_config(path)
+    dims = {n: s[1] for n, s in linear_shapes(artifact_tensors(path)).items()}
+    return engine_verdicts(read_quant_config(path), dims, draft=draft_kind(cfg),
+                           base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))

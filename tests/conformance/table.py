@@ -3,7 +3,7 @@ one row per artifact type, rendered by `render` (the suite fails when the file d
 
 from quantspec.quant.engines import ENGINE_NAMES, ENGINE_VERSIONS, ENGINES
 
-from .conftest import ARTIFACTS, MEDUSA_ARTIFACT, MTP_ARTIFACT
+from .conftest import ARTIFACTS, EAGLE3_ARTIFACTS, MEDUSA_ARTIFACT, MTP_ARTIFACT
 
 __all__ = ["render"]
 
@@ -27,7 +27,13 @@ Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` static activat
 has its architecture, so only quantspec runs it, and `quantize` refuses every other target.
 `{medusa}` is Medusa heads (`zoo train-draft-head --kind medusa`, the Medusa authors' layout)
 quantized on their own; unquantized heads get the same verdicts: neither vLLM nor SGLang has a
-Medusa drafter (no file of their wheels mentions Medusa), so only quantspec runs them. SGLang
+Medusa drafter (no file of their wheels mentions Medusa), so only quantspec runs them.
+`{eagle3}` are an EAGLE-3 head (`zoo train-draft-head --kind eagle3`, the layout both engines load)
+quantized on its own. Both build it with the draft's own quantization config, under their own
+layer names (vLLM `model.fc`, `model.layers.<L>.self_attn.qkv_proj`, …; SGLang `model.qkv_proj`,
+`model.self_attn.o_proj`, …), which the suite reads from their `llama_eagle3.py`; SGLang builds
+`fc` as a plain `torch.nn.Linear`, so the default target leaves `fc` float, and a per-layer group
+size is written for the engines' names too. SGLang
 refuses static int8 (`a8w8`) on its fused layers (qkv_proj, gate_up_proj) in its parameter loader,
 whatever the scale's shape or value: an upstream bug on valid compressed-tensors, which vLLM and
 transformers load. The last
@@ -75,7 +81,9 @@ def render(verdicts: dict) -> str:
              "| artifact | quantize options | " + " | ".join(ENGINE_NAMES[e] for e in ENGINES) + " |",
              "|---" * (len(ENGINES) + 2) + "|"]
     for name, per in verdicts.items():
-        opts = {**ARTIFACTS, MTP_ARTIFACT[0]: MTP_ARTIFACT[1], MEDUSA_ARTIFACT[0]: MEDUSA_ARTIFACT[1]}.get(name)
+        opts = {**ARTIFACTS, MTP_ARTIFACT[0]: MTP_ARTIFACT[1], MEDUSA_ARTIFACT[0]: MEDUSA_ARTIFACT[1],
+                **EAGLE3_ARTIFACTS}.get(name)
         shown = "(not written by quantspec)" if opts is None else _flags(opts)
         lines.append(f"| {name} | {shown} | " + " | ".join(_cell(per[e]) for e in ENGINES) + " |")
-    return "\n".join(lines) + "\n" + TAIL.format(mtp=MTP_ARTIFACT[0], medusa=MEDUSA_ARTIFACT[0])
+    return "\n".join(lines) + "\n" + TAIL.format(mtp=MTP_ARTIFACT[0], medusa=MEDUSA_ARTIFACT[0],
+                                                 eagle3=" / ".join(f"`{n}`" for n in EAGLE3_ARTIFACTS).strip("`"))

@@ -2,7 +2,12 @@
 code (`lift_eagle3.py`): the engines size every module from its config.json as quantspec does,
 their `load_weights` puts every tensor somewhere (q/k/v and gate/up into their stacked shards),
 leaves only the embedding to be shared from the target, and maps the draft vocabulary to the
-same target ids; their aux-layer choice agrees with quantspec's on the default layers."""
+same target ids; their aux-layer choice agrees with quantspec's on the default layers.
+
+Quantized on its own: the engines build the head's layers under the names and with the draft's
+quantization config that `quant.engines.drafts.EAGLE3_LAYERS` says (SGLang's `fc` a plain
+`torch.nn.Linear`), their compressed-tensors decision code (`lift.py`) picks per layer what the
+verdicts say, and SGLang's `load_weights` passes a quantized `fc` by."""
 
 from __future__ import annotations
 
@@ -14,36 +19,27 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantspec.model_zoo.checkpoint import load_model
-from quantspec.model_zoo.eagle3 import default_aux_layers, save_eagle3
-from quantspec.model_zoo.eagle3_train import init_eagle3
+from quantspec.model_zoo.eagle3 import default_aux_layers
+from quantspec.quant.engines.drafts import EAGLE3_LAYERS, SGLANG_EAGLE3_FC
+
+from .conftest import EAGLE3_AUX as AUX
+from .requests import artifact_tensors, artifact_verdicts, eagle3_request, lifted_status
 
 LIFT = Path(__file__).with_name("lift_eagle3.py")
-AUX = (0, 1, 2)  # the conformance model has 2 layers: explicit ids
 
 
-@pytest.fixture(scope="session")
-def eagle3_head(conformance_model, tmp_path_factory):
-    """A head for the conformance model with a draft vocabulary of every third token."""
-    base = load_model(conformance_model)[0]
-    head = init_eagle3(base, torch.arange(1, base.args.vocab_size, 3), AUX)
-    return save_eagle3(head, tmp_path_factory.mktemp("eagle3") / "head"), head, base.args
+def _lift(src, path: Path, args) -> dict:
+    r = subprocess.run([sys.executable, str(LIFT), src.engine, str(src.source), str(path), str(args.num_layers),
+                        str(args.vocab_size)], capture_output=True, text=True, timeout=600)
+    if r.returncode != 0 or not r.stdout.strip():
+        raise RuntimeError(f"lift_eagle3.py {src.engine} failed:\n{r.stderr[-3000:]}")
+    return json.loads(r.stdout)
 
 
 @pytest.fixture(scope="session")
 def engine_eagle3(engine_sources, eagle3_head) -> dict:
     path, _, args = eagle3_head
-    out = {}
-    for engine, src in engine_sources.items():
-        if isinstance(src, str):
-            out[engine] = src
-            continue
-        r = subprocess.run([sys.executable, str(LIFT), engine, str(src.source), str(path), str(args.num_layers),
-                            str(args.vocab_size)], capture_output=True, text=True, timeout=600)
-        if r.returncode != 0 or not r.stdout.strip():
-            raise RuntimeError(f"lift_eagle3.py {engine} failed:\n{r.stderr[-3000:]}")
-        out[engine] = json.loads(r.stdout)
-    return out
+    return {e: src if isinstance(src, str) else _lift(src, path, args) for e, src in engine_sources.items()}
 
 
 def _lifted(engine_eagle3, engine):
@@ -87,3 +83,99 @@ def test_engine_aux_layers(engine_eagle3, engine):
     aux = _lifted(engine_eagle3, engine)["aux"]
     assert aux["default"] == list(default_aux_layers(30))
     assert aux["from_config"] == (list(AUX) if engine == "vllm" else [i + 1 for i in AUX])
+
+
+# where the engines' Llama files put a decoder layer's o_proj, gate_up_proj and down_proj under the
+# prefix the layer (vLLM: attention and MLP too) is built with: the code they are named by
+LLAMA_PREFIXES = {"vllm": ('prefix=f"{prefix}.self_attn"', 'prefix=f"{prefix}.o_proj"', 'prefix=f"{prefix}.mlp"',
+                           'prefix=f"{prefix}.gate_up_proj"', 'prefix=f"{prefix}.down_proj"'),
+                  "sglang": ('prefix=add_prefix("self_attn", prefix)', 'prefix=add_prefix("o_proj", prefix)',
+                             'prefix=add_prefix("gate_up_proj", prefix)', 'prefix=add_prefix("down_proj", prefix)')}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_engine_names_and_quantizes_the_head_layers_as_the_verdicts_say(engine_eagle3, engine_sources,
+                                                                       eagle3_head, engine):
+    """The names under which the engine's EAGLE-3 code builds the head's linears (the names its
+    compressed-tensors config is matched against) are `EAGLE3_LAYERS`' — not the checkpoint's
+    `midlayer.…` — and each gets the draft's quantization config, except SGLang's `fc`: a plain
+    `torch.nn.Linear` (`SGLANG_EAGLE3_FC`)."""
+    res = _lifted(engine_eagle3, engine)["result"]
+    args = eagle3_head[2]
+    built: dict[str, list[dict]] = {}
+    for b in res["built"]:
+        built.setdefault(b["role"], []).append(b)
+    llama = engine_sources[engine].model_source()
+    assert all(piece in llama for piece in LLAMA_PREFIXES[engine]), engine
+    (layer,) = built["LlamaDecoderLayer"]
+    (qkv,), (lm_head,) = built["QKVParallelLinear"], built["ParallelLMHead"]
+    p = layer["prefix"]
+    names = {qkv["prefix"], f"{p}.self_attn.o_proj", lm_head["prefix"]}
+    if engine == "vllm":
+        (fc,) = built["ReplicatedLinear"]
+        names |= {f"{p}.mlp.gate_up_proj", f"{p}.mlp.down_proj", fc["prefix"]}
+        assert res["fc_class"].endswith(".RecordedLinear")  # the ReplicatedLinear stand-in
+    else:
+        (mlp,) = built["LlamaMLP"]
+        names |= {f"{mlp['prefix']}.gate_up_proj", f"{mlp['prefix']}.down_proj"}
+        assert res["fc_class"] == "torch.nn.modules.linear.Linear" and "ReplicatedLinear" not in built
+        assert "builds fc as a plain torch.nn.Linear without quant_config" in SGLANG_EAGLE3_FC
+    assert names == {n.format(L=args.num_layers) for n in EAGLE3_LAYERS[engine]}
+    quantizable = [b for b in res["built"] if b["role"] != "VocabParallelEmbedding"]
+    assert quantizable and all(b["draft_quant_config"] for b in quantizable), quantizable
+
+
+@pytest.fixture(scope="session")
+def lifted_eagle3(engine_sources, eagle3_artifacts, eagle3_head, tmp_path_factory) -> dict:
+    """engine → `lift.py`'s answer for the quantized heads under the engine's layer names."""
+    tmp = tmp_path_factory.mktemp("conf_lift_eagle3")
+    num_layers = eagle3_head[2].num_layers
+    return {e: src if isinstance(src, str) else src.run(eagle3_request(e, eagle3_artifacts, num_layers), tmp)
+            for e, src in engine_sources.items()}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("name", ["eagle3_head_int4", "eagle3_head_int8_vllm"])
+def test_quantized_head_verdict_matches_engine_code(lifted_eagle3, eagle3_artifacts, engine, name):
+    """Per engine layer, the engine's own compressed-tensors code picks what the verdict says:
+    the default head (fc float, o_proj / gate_up at g64 by name targets that name the engines'
+    layers too) loads in both; `--target vllm` quantizes fc, which only vLLM builds quantized."""
+    ans = lifted_eagle3[engine]
+    if isinstance(ans, str):
+        pytest.skip(ans)
+    res = ans["result"][name]
+    v = artifact_verdicts(eagle3_artifacts[name])[engine]
+    status, per_layer = lifted_status(res)
+    # SGLang's quantized fc: not a LinearBase, so not the decision code's (test_sglang_passes_a_quantized_fc_by)
+    float_only = [n for n in v.layers if n not in per_layer]
+    assert float_only == (["fc"] if (engine, name) == ("sglang", "eagle3_head_int8_vllm") else [])
+    assert v.status == "refused" if float_only else status == v.status, (v.line(), res)
+    for layer, got in per_layer.items():
+        lv = v.layers.get(layer)
+        want = "loads" if lv is None else "refused" if lv.scheme is None and lv.problem else \
+            "ignores" if lv.problem else "loads"
+        assert want == got, (layer, lv, res["layers"][layer])
+        r = res["layers"][layer]
+        assert r["scheme"] == (None if lv is None else lv.scheme), (layer, r, lv)
+        if r["scheme"] == "WNA16":
+            assert (None if r["args"]["group_size"] == -1 else r["args"]["group_size"]) == lv.group_size
+    if name == "eagle3_head_int4":
+        assert {n.rsplit(".", 1)[1]: lv.group_size for n, lv in v.layers.items()} == \
+            {"qkv_proj": 128, "o_proj": 64, "gate_up_proj": 64, "down_proj": 128}
+
+
+def test_sglang_passes_a_quantized_fc_by(engine_sources, eagle3_artifacts, eagle3_head):
+    """What `SGLANG_EAGLE3_FC` says, run: SGLang's `load_weights` meets fc's weight_packed /
+    weight_scale / weight_shape, finds no such parameter on its `torch.nn.Linear` and goes on
+    without an error; fc's weight is never loaded."""
+    src = engine_sources["sglang"]
+    if isinstance(src, str):
+        pytest.skip(src)
+    path = eagle3_artifacts["eagle3_head_int8_vllm"]
+    assert {"fc.weight_packed", "fc.weight_scale"} <= set(artifact_tensors(path)["fc"]) | \
+        {f"fc.{k}" for k in artifact_tensors(path)["fc"]}
+    res = _lift(src, path, eagle3_head[2])
+    assert "fatal" not in res, res.get("fatal")
+    out = res["result"]
+    assert out["fc_class"] == "torch.nn.modules.linear.Linear"
+    assert "model.fc.weight" in out["params"] and "model.fc.weight" not in out["loads"]

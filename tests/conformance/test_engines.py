@@ -21,24 +21,18 @@ from pathlib import Path
 import pytest
 import torch
 
-from quantspec.model_zoo.checkpoint import draft_kind, read_config
+from quantspec.model_zoo.checkpoint import read_config
 from quantspec.quant.artifact import linear_from_tensors, load_safetensors, read_quant_config
-from quantspec.quant.engines import ENGINE_VERSIONS, FUSED_LAYERS, LAYER_CLASSES, engine_verdicts
+from quantspec.quant.engines import ENGINE_VERSIONS, FUSED_LAYERS, LAYER_CLASSES
 from quantspec.quant.primitives import dequantize
 
 from . import engines as eng
 from .conftest import ARTIFACTS, MEDUSA_ARTIFACT, MTP_ARTIFACT, OTHER_LAYOUTS
-from .requests import artifact_tensors, linear_shapes
+from .requests import artifact_verdicts, lifted_status
 
 NAMES = list(ARTIFACTS) + list(OTHER_LAYOUTS)
 PORTABLE = [n for n, o in ARTIFACTS.items() if o.get("target", "portable") == "portable"]
 TABLE = Path(__file__).parents[2] / "docs" / "engines.md"
-
-
-def _verdicts(path: Path) -> dict:
-    qc = read_quant_config(path)
-    shapes = linear_shapes(artifact_tensors(path))
-    return engine_verdicts(qc, {n: s[1] for n, s in shapes.items()}, draft=draft_kind(read_config(path)))
 
 
 def _lifted(lifted, engine, name):
@@ -46,26 +40,6 @@ def _lifted(lifted, engine, name):
     if isinstance(ans, str):
         pytest.skip(ans)
     return ans["result"][name]
-
-
-def _lifted_status(res: dict) -> tuple[str, dict[str, str]]:
-    """(status, layer → "refused" / "ignores" / "loads") of one artifact's lifted answer."""
-    if res["error"]:
-        return "refused", {}
-    per = {}
-    for layer, r in res["layers"].items():
-        if r["error"] or r["load_errors"] or r["casts"]:
-            per[layer] = "refused"
-        elif r["scheme"] is not None and r["never_loaded"]:
-            per[layer] = "ignores"
-        else:
-            per[layer] = "loads"
-    kv = res["kv"]
-    kv_status = None if kv is None else "refused" if kv["error"] else \
-        "ignores" if kv["method"] is None else "loads"
-    statuses = list(per.values()) + ([kv_status] if kv_status else [])
-    status = "refused" if "refused" in statuses else "ignores" if "ignores" in statuses else "loads"
-    return status, per
 
 
 def test_pins_are_the_verdicts_versions():
@@ -92,8 +66,8 @@ def test_engine_layout_is_the_one_verdicts_assume(engine_sources, engine):
 @pytest.mark.parametrize("name", NAMES)
 def test_verdict_matches_engine_code(artifacts, lifted, engine, name):
     res = _lifted(lifted, engine, name)
-    v = _verdicts(artifacts[name])[engine]
-    status, per_layer = _lifted_status(res)
+    v = artifact_verdicts(artifacts[name])[engine]
+    status, per_layer = lifted_status(res)
     assert v.status == status, (v.line(), json.dumps(res, indent=1)[:3000])
     for layer, got in per_layer.items():
         lv = v.layers[layer]
@@ -123,13 +97,13 @@ def test_default_target_loads_as_intended(artifacts, lifted, name):
     engine's code then refuses outright: never a silent mis-run."""
     path = artifacts[name]
     qc = read_quant_config(path)
-    verdicts = _verdicts(path)
+    verdicts = artifact_verdicts(path)
     for engine in eng.ENGINE_PINS:
         res = _lifted(lifted, engine, name)
         if verdicts[engine].defect:
-            assert _lifted_status(res)[0] == "refused", (engine, res)
+            assert lifted_status(res)[0] == "refused", (engine, res)
             continue
-        assert _lifted_status(res)[0] == "loads", (engine, res)
+        assert lifted_status(res)[0] == "loads", (engine, res)
         for layer, r in res["layers"].items():
             shard = next(s for s in _shards(layer))
             s = qc.scheme_for(shard)
@@ -152,7 +126,7 @@ def test_engine_loads_the_artifacts_scales(artifacts, lifted, engine, name):
     so no shard runs with another's scale."""
     res = _lifted(lifted, engine, name)
     tensors = load_safetensors(artifacts[name])
-    status, per_layer = _lifted_status(res)
+    status, per_layer = lifted_status(res)
     checked = 0
     for layer, r in res["layers"].items():
         if per_layer.get(layer) == "refused":
@@ -176,7 +150,7 @@ def test_sglang_refuses_fused_static_int8_where_the_verdict_says(artifacts, lift
     input_scale; every other layer loads."""
     for name in ("a8w8", "a8w8_fallback"):
         res = _lifted(lifted, "sglang", name)
-        v = _verdicts(artifacts[name])["sglang"]
+        v = artifact_verdicts(artifacts[name])["sglang"]
         assert v.status == "refused" and v.defect, v.line()
         assert "_load_into_shard_id" in v.line() and f"SGLang {eng.ENGINE_PINS['sglang']}" in v.line()
         refused = 0
@@ -205,7 +179,7 @@ def test_transformers_verdict(artifacts, name, torch_threads):
     from transformers import AutoModelForCausalLM
 
     path = artifacts[name]
-    v = _verdicts(path)["transformers"]
+    v = artifact_verdicts(path)["transformers"]
     try:
         m, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32,
                                                        output_loading_info=True)
@@ -228,7 +202,7 @@ def test_mtp_module_verdict(mtp_artifact, conformance_model, engine_sources):
     from quantspec.infer.spec.mtp import load_mtp_for_inference
     from quantspec.model_zoo.checkpoint import load_model
 
-    verdicts = _verdicts(mtp_artifact)
+    verdicts = artifact_verdicts(mtp_artifact)
     assert verdicts["quantspec"].status == "loads"
     for engine in ("vllm", "sglang", "transformers"):
         assert verdicts[engine].status == "refused" and "no model class" in verdicts[engine].line()
@@ -300,7 +274,7 @@ def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, n
     path = artifacts[name]
     qc = read_quant_config(path)
     tensors = load_safetensors(path)
-    verdict = _verdicts(path)["transformers"]
+    verdict = artifact_verdicts(path)["transformers"]
     refuses = verdict.status == "refused" and "float zero points" in " ".join(verdict.reasons)
     for version, (rep, folder) in decompressed.items():
         assert rep["version"] == version
@@ -313,14 +287,15 @@ def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, n
             assert w.dtype == ours.dtype and torch.equal(w, ours), (version, lin)
 
 
-def test_engine_table_is_current(artifacts, mtp_artifact, medusa_artifact):
+def test_engine_table_is_current(artifacts, mtp_artifact, medusa_artifact, eagle3_artifacts):
     """docs/engines.md is the table of the verdicts this suite checks (QUANTSPEC_WRITE_ENGINE_TABLE=1
     rewrites it). It needs no engine wheel, so a stale table fails wherever the tests run."""
     from .table import render
 
-    text = render({**{n: _verdicts(artifacts[n]) for n in ARTIFACTS},
-                   MTP_ARTIFACT[0]: _verdicts(mtp_artifact), MEDUSA_ARTIFACT[0]: _verdicts(medusa_artifact),
-                   **{n: _verdicts(artifacts[n]) for n in OTHER_LAYOUTS}})
+    text = render({**{n: artifact_verdicts(artifacts[n]) for n in ARTIFACTS},
+                   MTP_ARTIFACT[0]: artifact_verdicts(mtp_artifact), MEDUSA_ARTIFACT[0]: artifact_verdicts(medusa_artifact),
+                   **{n: artifact_verdicts(p) for n, p in eagle3_artifacts.items()},
+                   **{n: artifact_verdicts(artifacts[n]) for n in OTHER_LAYOUTS}})
     if os.environ.get("QUANTSPEC_WRITE_ENGINE_TABLE"):
         TABLE.write_text(text)
     assert TABLE.is_file() and TABLE.read_text() == text, \

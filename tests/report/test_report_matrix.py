@@ -242,6 +242,8 @@ def test_bad_input(tiny_llama_dir, tmp_path):
         ReportConfig(out=str(tmp_path), cachekv="none,int4")
     with pytest.raises(QuantSpecError, match="mtp needs --draft-model"):
         ReportConfig(out=str(tmp_path), speculate_method="mtp")
+    with pytest.raises(QuantSpecError, match="eagle needs --draft-model EAGLE3_DIR"):
+        ReportConfig(out=str(tmp_path), speculate_method="eagle")
     blocker = tmp_path / "a_file"
     blocker.write_text("x")
     with pytest.raises(QuantSpecError, match="--out .*a_file is not a directory"):

@@ -289,20 +289,48 @@ def test_training_lowers_the_loss_and_resumes(base, tmp_path):
 
 
 @pytest.mark.parametrize("quant_type", ["weight_only_int8", "weight_only_int4"])
-def test_quantized_head_drafts_the_same_and_stays_lossless(base, head_dir, tmp_path, quant_type):
+@pytest.mark.parametrize("target", ["portable", "quantspec"])
+def test_quantized_head_drafts_the_same_and_stays_lossless(base, head_dir, tmp_path, quant_type, target):
+    """The head quantized on its own: by default (portable: what vLLM and SGLang load) fc stays
+    float and the decoder layer's Linears are quantized, with --target quantspec fc too; either
+    way quantspec loads it and greedy output equals plain decoding."""
+    from torch import nn
+
     from quantspec import api
     from quantspec.infer.quant_linear import QuantLinear
 
-    out = api.quantize(str(head_dir), quant_type, tmp_path / "q", target="quantspec",
-                       **({"group_size": 32} if quant_type == "weight_only_int4" else {}))
+    # int4 at the default group size 128: K = 64 / 192 take 64, written for the engines' names too
+    out = api.quantize(str(head_dir), quant_type, tmp_path / "q", **({} if target == "portable" else {"target": target}))
     head = load_eagle3_for_inference(out, base)
-    assert isinstance(head.fc, QuantLinear) and isinstance(head.midlayer.mlp.down_proj, QuantLinear)
+    assert isinstance(head.midlayer.mlp.down_proj, QuantLinear) and isinstance(head.midlayer.self_attn.q_proj, QuantLinear)
+    assert isinstance(head.fc, QuantLinear) == (target == "quantspec")
+    assert type(head.lm_head) is nn.Linear
     cfg = json.loads((out / "config.json").read_text())
     assert cfg["eagle_config"]["eagle_aux_hidden_state_layer_ids"] == list(AUX)
+    engines = api.inspect(out)["engines"]
+    assert engines["quantspec"]["status"] == "loads"
+    assert engines["transformers"]["status"] == "refused"
+    assert engines["vllm"]["status"] == "loads"
+    assert engines["sglang"]["status"] == ("loads" if target == "portable" else "refused")
     prompts = _prompts([12], seed=7)
     plain = [s.output_ids for s in _run(base, prompts)]
     proposer = EagleProposer(head, tree=TreeSpec(2, 2))
     assert [s.output_ids for s in _run(base, prompts, proposer, proposer.max_rows)] == plain
+
+
+def test_quantize_cli_eagle3_head_default_target(head_dir, tmp_path):
+    """`quantspec quantize --model HEAD` needs no --target; `inspect` shows the verdicts."""
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    r = CliRunner().invoke(main, ["quantize", "--model", str(head_dir), "--quant-type", "weight_only_int8",
+                                  "--out", str(tmp_path / "q")])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["inspect", str(tmp_path / "q")])
+    assert r.exit_code == 0, r.output
+    text = " ".join(r.output.split())
+    assert "no model class for an EAGLE-3 head" in text and "re:^(fc|model\\.fc)$" in text
 
 
 def test_train_draft_head_eagle3_end_to_end_and_resume(tiny_llama_dir, base, tmp_path):

@@ -1,0 +1,166 @@
+"""The verdicts on a whole artifact: one `EngineVerdict` per engine (`engine_verdicts`), and the
+one-line refusals of `quantize --target` built from them (`target_refusal`)."""
+
+from __future__ import annotations
+
+from typing import Iterable, Mapping
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.engines.drafts import EAGLE3_LAYERS, draft_refusal, eagle3_layers
+from quantspec.quant.engines.layers import (
+    engine_layer,
+    engine_layers,
+    kv_verdict,
+    quantspec_layer,
+    target_map,
+    transformers_layer,
+)
+from quantspec.quant.engines.tables import ENGINES, TARGET_ENGINES, TARGETS, engine_name
+from quantspec.quant.engines.verdict import EngineVerdict
+
+__all__ = ["engine_verdicts", "target_refusal"]
+
+
+def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Iterable[str], *,
+                    capability: int = 90, draft: str | None = None, base_layers: int | None = None
+                    ) -> dict[str, EngineVerdict]:
+    """One `EngineVerdict` per engine in `ENGINES` for an artifact with `config` whose quantized
+    Linears are `linears` (name → input dim K, or names alone when K is unknown).
+
+    `capability`: the GPU's compute capability (90 = Hopper) for the engines' FP8 choice.
+    `draft`: "mtp" / "medusa" / "eagle3" for a draft module: the engines of `DRAFT_REFUSALS`
+    refuse it; vLLM and SGLang judge an EAGLE-3 head under their own layer names
+    (`drafts.eagle3_layers`; `base_layers`: the target's layer count, see there).
+    """
+    if not isinstance(linears, Mapping):
+        linears = {n: None for n in linears}
+    targets = target_map(config)
+    layers = engine_layers(n for n in linears if config.scheme_for(n) is not None)
+    out = {}
+    for engine in ENGINES:
+        if engine in ("vllm", "sglang") and draft == "eagle3":
+            per_layer = eagle3_layers(engine, config, targets, linears, capability, base_layers)
+        else:
+            per_layer = None
+        out[engine] = draft_refusal(engine, draft) or \
+            _verdict(engine, config, targets, layers, linears, capability, per_layer)
+    return out
+
+
+def _verdict(engine, config, targets, layers, linears, capability, per_layer=None) -> EngineVerdict:
+    """One engine's verdict; `per_layer`: its layer verdicts when the caller judged them (an
+    EAGLE-3 head's engine layers), else judged here from the checkpoint's `layers`."""
+    if engine == "quantspec":
+        kv, _, _ = kv_verdict(engine, config.kv_cache_scheme)
+        per_layer = {layer: quantspec_layer(config.scheme_for(shards[0]))
+                     for layer, shards in layers.items()}
+        refused = _collapse([f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem])
+        return EngineVerdict(engine, "refused" if refused else "loads", tuple(refused), (), kv, per_layer)
+    if per_layer is None:
+        per_layer = {}
+        for layer, shards in layers.items():
+            intended = [config.scheme_for(s) for s in shards]
+            if engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
+                vs = [transformers_layer(i) for i in intended]
+                per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])
+            else:
+                per_layer[layer] = engine_layer(engine, layer, shards, intended, targets,
+                                                linears.get(shards[0]), capability)
+    refused = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme is None]
+    ignored = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme]
+    kv, kv_ignored, kv_refused = kv_verdict(engine, config.kv_cache_scheme)
+    if kv_refused:
+        refused.append(kv_refused)
+    if kv_ignored:
+        ignored.append(kv_ignored)
+    refused, ignored = _collapse(refused), _collapse(ignored)
+    fixes = _fixes(engine, config, refused + ignored)
+    status = "refused" if refused else "ignores" if ignored else "loads"
+    problems = [v for v in per_layer.values() if v.problem is not None]
+    defect = bool(problems) and all(v.defect for v in problems) and not (kv_refused or kv_ignored)
+    return EngineVerdict(engine, status, tuple(refused or ignored), tuple(fixes), kv, per_layer, defect)
+
+
+def _short(layer: str) -> str:
+    return layer.rsplit(".", 1)[-1]
+
+
+def _collapse(items: list[str]) -> list[str]:
+    """'qkv_proj: X', 'o_proj: X', ... (per decoder layer) → one 'X (qkv_proj ×2, o_proj ×2)'."""
+    by_problem: dict[str, dict[str, int]] = {}
+    for i in items:
+        layer, problem = i.split(": ", 1) if ": " in i and " " not in i.split(": ", 1)[0] else ("", i)
+        counts = by_problem.setdefault(problem, {})
+        if layer:
+            counts[layer] = counts.get(layer, 0) + 1
+    out = []
+    for problem, counts in by_problem.items():
+        where = ", ".join(f"{n} ×{c}" if c > 1 else n for n, c in counts.items())
+        out.append(f"{problem} ({where})" if where else problem)
+    return out
+
+
+def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
+    if not problems:
+        return []
+    text = " ".join(problems)
+    out = []
+    if "float zero points" in text:
+        out.append("drop --zp-dtype (integer zero points)")
+    if "packed integer zero points" in text or "asymmetric" in text:
+        out.append("drop --asym")
+    kv = config.kv_cache_scheme
+    if "KV" in text and kv is not None:
+        if engine == "transformers":
+            out.append("drop --kv-cache")
+        elif kv.type == "int":
+            out.append("use --kv-cache fp8")
+        elif kv.strategy == "attn_head":
+            out.append("use --kv-strategy tensor")
+    if "one input_scale element" in text:
+        out.append("serve it with vLLM (which loads static int8), or use --quant-type a8w8_fp8")
+    if "builds fc as a plain torch.nn.Linear" in text:
+        out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
+    if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
+                               "no config target", "the ignore list does not name it")):
+        out.append("re-quantize with this quantspec (it writes what both engines load)")
+    return out
+
+
+# ---- quantize --target ----------------------------------------------------------------------------
+
+# the Linears of a one-layer Llama with hidden 4096: `target_refusal` asks the verdicts about them
+_PROBE = {f"model.layers.0.{n}": 4096
+          for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
+                    "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+# ... and of an EAGLE-3 head on that Llama (fc reads 3 hidden states, q/k/v 2)
+_EAGLE3_PROBE = {s: 4096 * {"fc": 3, "midlayer.self_attn.q_proj": 2, "midlayer.self_attn.k_proj": 2,
+                            "midlayer.self_attn.v_proj": 2}.get(s, 1)
+                 for _, shards in EAGLE3_LAYERS["vllm"].values() for s in shards if s != "lm_head"}
+
+
+def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None) -> str | None:
+    """The one-line refusal of `quantize --target target` for a preset `config` (None: allowed).
+
+    Evaluates `engine_verdicts` on a probe Llama: an engine of the target that would refuse the
+    artifact, or ignore part of it, refuses the options up front, naming the target, what the
+    engine does and the alternative. `portable` lets through what an engine refuses only by its
+    own bug (`EngineVerdict.defect`: valid compressed-tensors, e.g. static int8 in SGLang); the
+    artifact's verdict for that engine says so. Naming that engine as the target refuses it.
+    `draft`: "mtp" / "medusa" for a draft module, which every target but quantspec refuses;
+    "eagle3" for an EAGLE-3 head, probed as one (`config` holds what the target leaves float,
+    `drafts.eagle3_ignore`).
+    """
+    if target not in TARGETS:
+        raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
+    probe = {n: k for n, k in _EAGLE3_PROBE.items() if config.scheme_for(n) is not None} \
+        if draft == "eagle3" else _PROBE
+    verdicts = engine_verdicts(config, probe, draft=draft)
+    for engine in TARGET_ENGINES[target]:
+        v = verdicts[engine]
+        if v.status != "loads" and not (target == "portable" and v.defect):
+            fix = " or ".join(f for f in v.fixes if not f.startswith("re-quantize"))
+            fix = f"{fix}, or pass --target quantspec" if fix else "pass --target quantspec"
+            return f"--target {target}: {engine_name(engine)} {v.line()}; {fix}"
+    return None

@@ -1,0 +1,282 @@
+"""Per engine layer: which engine layer holds which checkpoint Linears, which config group an
+engine resolves it to, and which of the engine's schemes (or which problem) that gives.
+
+Engine layers: vLLM and SGLang fuse q/k/v into `qkv_proj` and gate/up into `gate_up_proj`
+(`FUSED_LAYERS`) and pick one scheme per fused layer:
+- vLLM matches a layer's name (exact or `re:`), then — through the model's
+  `packed_modules_mapping` — all shard names of a fused layer, then its class name
+  (`"Linear"` is contained in every linear class name);
+- SGLang matches the name, then the class name (its Llama declares no `packed_modules_mapping`,
+  so name targets for the shards of a fused layer are never reached).
+A scheme written for the shards q/k/v therefore reaches both only as a regex that also matches
+the fused name (`fused_targets`), and a class-target group must carry the fused layers' scheme.
+"""
+
+from __future__ import annotations
+
+import re
+from typing import Iterable, Mapping
+
+from quantspec.quant.args import (
+    FORMAT_FLOAT_QUANTIZED,
+    FORMAT_INT_QUANTIZED,
+    FORMAT_NAIVE_QUANTIZED,
+    FORMAT_PACK_QUANTIZED,
+    QuantArgs,
+)
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.engines.tables import (
+    FP8_MIN_CAPABILITY,
+    FUSED_LAYERS,
+    LAYER_CLASSES,
+    SGLANG_FUSED_STATIC_INT8,
+    engine_name,
+)
+from quantspec.quant.engines.verdict import LayerVerdict
+from quantspec.quant.scheme import QuantScheme
+
+__all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_layer",
+           "transformers_layer", "kv_verdict"]
+
+_ACT_FORMATS = (FORMAT_NAIVE_QUANTIZED, FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED)
+_SHARD = re.compile(r"^(.*)\.([^.]+)$")
+FUSED_UNSEEN = "a name target for fused shards it does not see"
+
+
+def engine_layers(linears: Iterable[str]) -> dict[str, tuple[str, ...]]:
+    """Engine layer name → the checkpoint Linears it holds, for the quantized `linears`.
+
+    Example: q/k/v of `model.layers.0.self_attn` → {"model.layers.0.self_attn.qkv_proj":
+    (q_proj, k_proj, v_proj names)}; o_proj stays itself.
+    """
+    out: dict[str, tuple[str, ...]] = {}
+    names = list(linears)
+    present = set(names)
+    for name in names:
+        m = _SHARD.match(name)
+        fused = None
+        if m is not None:
+            for layer, shards in FUSED_LAYERS.items():
+                if m.group(2) in shards:
+                    members = tuple(f"{m.group(1)}.{s}" for s in shards)
+                    if all(s in present for s in members):
+                        fused = (f"{m.group(1)}.{layer}", members)
+                    break
+        key, members = fused or (name, (name,))
+        out.setdefault(key, members)
+    return out
+
+
+def fused_targets(names: Iterable[str]) -> tuple[str, ...]:
+    """Config targets for `names` that every engine resolves the same way: a whole fused unit
+    (q/k/v or gate/up of one layer) becomes one regex matching its shards and the fused layer
+    (`re:^model\\.layers\\.3\\.self_attn\\.(q_proj|k_proj|v_proj|qkv_proj)$`), anything else stays
+    an exact name."""
+    names = sorted(set(names))
+    out: list[str] = []
+    taken: set[str] = set()
+    for layer, members in engine_layers(names).items():
+        if len(members) > 1:
+            prefix, fused = _SHARD.match(layer).groups()
+            alts = "|".join(re.escape(s.rsplit(".", 1)[1]) for s in members) + f"|{fused}"
+            out.append(f"re:^{re.escape(prefix)}\\.({alts})$")
+            taken.update(members)
+    out.extend(n for n in names if n not in taken)
+    return tuple(out)
+
+
+# ---- matching ------------------------------------------------------------------------------------
+
+def _name_match(value: str, target: str) -> bool:
+    if target.startswith("re:"):
+        return re.match(target[3:], value) is not None
+    return target == value
+
+
+def target_map(config: QuantConfig) -> dict[str, QuantScheme]:
+    out: dict[str, QuantScheme] = {}
+    for s in config.config_groups.values():
+        for t in s.targets:
+            out[t] = s  # a later group re-using a target replaces the earlier one
+    return out
+
+
+def _engine_scheme(engine: str, layer: str, shards: tuple[str, ...], targets: Mapping[str, QuantScheme],
+                   cls: str | None = None, shard_names: bool = True) -> QuantScheme | None:
+    """The config group `engine` resolves engine layer `layer` (of class `cls`; None: the Llama
+    layer's, `LAYER_CLASSES`) to (see the module docstring). `shard_names`: vLLM matches a fused
+    layer's shard names (its model's `packed_modules_mapping` reaches the quant config)."""
+    cls = cls or LAYER_CLASSES.get(layer.rsplit(".", 1)[-1], "ReplicatedLinear")
+    by_name = next((t for t in targets if _name_match(layer, t)), None)
+    by_class = next((t for t in targets if not t.startswith("re:") and t.lower() in cls.lower()),
+                    None)
+    by_fused = None
+    if engine == "vllm" and shard_names and len(shards) > 1:
+        hits = [next((t for t in targets if _name_match(s, t)), None) for s in shards]
+        by_fused = hits[0] if all(hits) else None
+    order = (by_name, by_fused, by_class) if engine == "vllm" else (by_name, by_class)
+    hit = next((t for t in order if t is not None), None)
+    return None if hit is None else targets[hit]
+
+
+def ignored(layer: str, ignore: Iterable[str]) -> bool:
+    """The engine skips `layer` by its name (an exact name or an `re:` regex in `ignore`)."""
+    return any(_name_match(layer, t) for t in ignore)
+
+
+# ---- scheme selection ------------------------------------------------------------------------------
+
+def _act(ia: QuantArgs | None) -> str | None:
+    if ia is None:
+        return None
+    kind = "fp8" if ia.type == "float" else f"int{ia.num_bits}"
+    return f"{kind} {'dynamic' if ia.dynamic else 'static'}"
+
+
+def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int
+            ) -> LayerVerdict:
+    """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards."""
+    w, ia, fmt = s.weights, s.input_activations, s.format
+    g = w.group_size if w.strategy == "group" else None
+    base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric)
+    if w.zp_dtype is not None:
+        return LayerVerdict(None, **base, problem=f"float zero points ({w.zp_dtype}): {engine_name(engine)} "
+                                                  "reads integer zero points only")
+    act_fmt = fmt in _ACT_FORMATS or (engine == "sglang" and fmt == FORMAT_PACK_QUANTIZED)
+    if engine == "vllm" and fmt in _ACT_FORMATS and ia is None and w.type == "int":
+        return LayerVerdict(None, **base, problem=f"integer weight-only weights in format {fmt!r} "
+                                                  "(vLLM takes them only as pack-quantized)")
+    channel_group = w.strategy in ("channel", "group") and not w.dynamic
+    if w.type == "int" and ia is None and channel_group:
+        ok_bits = range(2, 9) if engine == "vllm" else (4, 8)
+        if fmt == FORMAT_PACK_QUANTIZED and w.num_bits in ok_bits:
+            if engine == "sglang" and g is not None and K is not None and K % g:
+                return LayerVerdict(None, **base, problem=f"group size {g} does not divide K={K}")
+            return LayerVerdict("WNA16", **base)
+        if engine == "sglang" or fmt == FORMAT_PACK_QUANTIZED:
+            return LayerVerdict(None, **base, problem=f"no scheme for {w.num_bits}-bit integer "
+                                                      f"weight-only in format {fmt!r}")
+    if act_fmt:
+        fp8_weights = w.type == "float" and w.symmetric and not w.dynamic and \
+            w.strategy in ("tensor", "channel")
+        if fp8_weights and ia is not None and ia.type == "float" and \
+                (ia.dynamic or (ia.symmetric and ia.strategy == "tensor")):
+            if capability >= FP8_MIN_CAPABILITY:
+                return LayerVerdict("W8A8Fp8", **base, input_activations=_act(ia))
+            return LayerVerdict("W8A16Fp8", **base)
+        if fp8_weights:
+            return LayerVerdict("W8A16Fp8", **base)
+        if ia is not None and w.num_bits == ia.num_bits == 8 and w.type == ia.type == "int" and \
+                w.strategy in ("tensor", "channel") and w.symmetric and not w.dynamic and \
+                not ia.dynamic and ia.strategy == "tensor":
+            if engine == "sglang" and shards > 1:
+                return LayerVerdict(None, **base, input_activations=_act(ia), defect=True,
+                                    problem=SGLANG_FUSED_STATIC_INT8)
+            return LayerVerdict("W8A8Int8", **base, input_activations=_act(ia))
+    return LayerVerdict(None, **base, problem=f"no {engine_name(engine)} scheme for weights "
+                                              f"{w.type}{w.num_bits} {w.strategy}"
+                                              f"{'' if w.symmetric else ' asymmetric'}, "
+                                              f"activations {_act(ia) or 'none'}, format {fmt!r}")
+
+
+def _same(a: QuantScheme, b: QuantScheme) -> bool:
+    return a.weights == b.weights and a.input_activations == b.input_activations
+
+
+def kv_verdict(engine: str, kv: QuantArgs | None) -> tuple[str | None, str | None, str | None]:
+    """(KV cache the engine runs, what it ignores, why it refuses) for `kv_cache_scheme`."""
+    if kv is None:
+        return None, None, None
+    kind = f"{'fp8' if kv.type == 'float' else 'int8'} per-{'head' if kv.strategy == 'attn_head' else 'tensor'}"
+    if engine == "quantspec":
+        return kind, None, None
+    if engine == "transformers":
+        return None, f"the {kind} KV-cache scales (k_scale/v_scale: it runs a float KV cache)", None
+    ok_type = kv.type == "float" and kv.num_bits == 8 and kv.symmetric and not kv.dynamic
+    if engine == "vllm":
+        if not ok_type or kv.strategy not in ("tensor", "attn_head"):
+            return None, None, f"its KV cache takes float 8-bit scales only, not {kind}"
+        return kind, None, None
+    if ok_type and kv.strategy == "tensor":
+        return kind, None, None
+    return None, f"the {kind} KV-cache scales (it loads per-tensor FP8 scales only)", None
+
+
+def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: list[QuantScheme | None],
+                 targets: Mapping[str, QuantScheme], K: int | None, capability: int, *,
+                 cls: str | None = None, shard_names: bool = True, ignore: Iterable[str] = (),
+                 unseen: str = FUSED_UNSEEN) -> LayerVerdict | None:
+    """vLLM's or SGLang's verdict on one engine layer whose shards (checkpoint Linears) were
+    quantized `intended` (None: float), or None when both leave it float. `cls` / `shard_names`:
+    see `_engine_scheme`; `ignore`: the config's ignore list, matched against the engine's name
+    `layer`; `unseen`: why a name target written for the checkpoint does not reach the layer."""
+    if any(i is None for i in intended) and not all(i is None for i in intended):
+        return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
+    got = None if ignored(layer, ignore) else _engine_scheme(engine, layer, shards, targets, cls, shard_names)
+    want = intended[0]
+    if want is None:
+        if got is None:
+            return None
+        v = _select(engine, got, K, len(shards), capability)
+        return LayerVerdict(None, v.num_bits, v.group_size, v.symmetric, v.input_activations,
+                            problem="it expects quantized weights where the checkpoint holds float "
+                                    "ones (the ignore list does not name it as the engine does)")
+    if any(not _same(want, i) for i in intended[1:]):
+        return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
+    if got is None:
+        return LayerVerdict(None, problem="no config target matches it, so it expects float weights")
+    v = _select(engine, got, K, len(shards), capability)
+    if _same(got, want):
+        return v
+    if v.defect and want.input_activations is None:
+        # the checkpoint holds no input_scale here, so the defect's loader never runs: the layer
+        # loads as static int8 with its scale unset
+        v = LayerVerdict("W8A8Int8", v.num_bits, v.group_size, v.symmetric, v.input_activations)
+    return _mismatch(engine, v, got, want, unseen) if v.scheme is not None else v
+
+
+def quantspec_layer(s: QuantScheme) -> LayerVerdict:
+    """quantspec's reader (`infer/quant_linear.py` `linear_kind`): int4 weights alone, int8 weights
+    alone or with int8 activations, fp8 weights; activations static per tensor or dynamic per
+    token."""
+    w, ia = s.weights, s.input_activations
+    g = w.group_size if w.strategy == "group" else None
+    problem = None
+    if w.type == "int" and w.num_bits not in (4, 8):
+        problem = f"{w.num_bits}-bit integer weights (quantspec runs 4 and 8 bits)"
+    elif ia is not None and w.type == "int" and (w.num_bits != 8 or ia.type != "int" or ia.num_bits != 8):
+        problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
+    elif ia is not None and ia.strategy not in ("tensor", "token"):
+        problem = f"{ia.strategy} activation scales (quantspec runs per tensor or per token)"
+    if problem is not None:
+        return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem)
+    return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia))
+
+
+def transformers_layer(s: QuantScheme) -> LayerVerdict:
+    """compressed-tensors (what transformers loads through) decompresses every format quantspec
+    writes, except float zero points (its pack-quantized decompressor unpacks every zero point
+    from int32) and packed integer zero points (transformers sizes them unpacked, [N, K/g])."""
+    w = s.weights
+    v = quantspec_layer(s)
+    if w.zp_dtype is not None:
+        return LayerVerdict(None, problem=f"float zero points ({w.zp_dtype}) fail compressed-tensors' "
+                                          "decompression")
+    if not w.symmetric and s.format == FORMAT_PACK_QUANTIZED:
+        return LayerVerdict(None, problem="packed integer zero points do not fit the shapes it "
+                                          "allocates")
+    return LayerVerdict("CompressedLinear", v.num_bits, v.group_size, v.symmetric, v.input_activations)
+
+
+def _mismatch(engine: str, v: LayerVerdict, got: QuantScheme, want: QuantScheme, unseen: str) -> LayerVerdict:
+    gw, ww = got.weights, want.weights
+    if gw != ww:
+        gg = gw.group_size if gw.strategy == "group" else "per-channel"
+        wg = ww.group_size if ww.strategy == "group" else "per-channel"
+        what = f"group size {gg} instead of {wg}" if (gg != wg) else "other weight args than stored"
+        return LayerVerdict(None, v.num_bits, v.group_size, v.symmetric, v.input_activations,
+                            problem=f"it resolves {what} ({unseen})")
+    a_got, a_want = _act(got.input_activations), _act(want.input_activations)
+    return LayerVerdict(v.scheme, v.num_bits, v.group_size, v.symmetric, v.input_activations,
+                        problem=f"the weight-only fallback (runs {a_got} activations where "
+                                f"{a_want or 'none'} were calibrated)")

@@ -1,0 +1,36 @@
+"""The facts the verdicts are computed from: the engines, the releases they describe, the
+`quantize --target` names, and the Llama layer layout vLLM and SGLang build (fused layers and the
+class of each linear), read from the engines' code at the pinned versions."""
+
+from __future__ import annotations
+
+__all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
+           "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "SGLANG_FUSED_STATIC_INT8", "engine_name"]
+
+ENGINES = ("vllm", "sglang", "transformers", "quantspec")
+ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers",
+                "quantspec": "quantspec"}
+# the releases these verdicts describe (tests/conformance fetches exactly these)
+ENGINE_VERSIONS = {"vllm": "0.33.0", "sglang": "0.5.23", "transformers": "5.24.0"}
+# `quantize --target`: "portable" = what both vLLM and SGLang load with the intended scheme
+TARGETS = ("portable",) + ENGINES
+TARGET_ENGINES = {"portable": ("vllm", "sglang"), "vllm": ("vllm",), "sglang": ("sglang",),
+                  "transformers": ("transformers",), "quantspec": ()}
+# engine layer → the checkpoint's Linears it fuses (vLLM's Llama `packed_modules_mapping`)
+FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
+# the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them)
+LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
+                 "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
+FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only
+# SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
+# input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
+# writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value
+SGLANG_FUSED_STATIC_INT8 = (f"SGLang {ENGINE_VERSIONS['sglang']}'s CompressedTensorsW8A8Int8.create_weights "
+                            "gives a fused layer one input_scale element and "
+                            "PerTensorScaleParameter._load_into_shard_id indexes it by shard, so the "
+                            "k/v and up shards' input_scale raise IndexError")
+
+
+def engine_name(engine: str) -> str:
+    """The engine's name as written ("vllm" → "vLLM")."""
+    return ENGINE_NAMES[engine]

@@ -1,0 +1,59 @@
+"""What a verdict says: the scheme an engine picks for one engine layer (`LayerVerdict`) and one
+engine's verdict on a whole artifact (`EngineVerdict`)."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import Mapping
+
+from quantspec.quant.engines.tables import engine_name
+
+__all__ = ["LayerVerdict", "EngineVerdict"]
+
+
+@dataclass(frozen=True)
+class LayerVerdict:
+    """The scheme one engine picks for one engine layer (None: left unquantized)."""
+
+    scheme: str | None
+    num_bits: int | None = None
+    group_size: int | None = None  # None: per channel (or not grouped)
+    symmetric: bool | None = None
+    input_activations: str | None = None  # "int8 static" / "fp8 static" / None
+    problem: str | None = None  # why the engine refuses or mis-runs this layer
+    defect: bool = False  # the problem is the engine's bug: the layer is valid compressed-tensors
+
+    def to_dict(self) -> dict:
+        return {"scheme": self.scheme, "num_bits": self.num_bits, "group_size": self.group_size,
+                "symmetric": self.symmetric, "input_activations": self.input_activations,
+                "problem": self.problem, "defect": self.defect}
+
+
+@dataclass(frozen=True)
+class EngineVerdict:
+    """One engine's verdict: `status` "loads" | "ignores" | "refused", the reasons (ignored parts
+    or the refusal), what to do instead, the KV cache it runs, and the scheme per engine layer.
+    `defect`: every reason is a bug of the engine on valid compressed-tensors (e.g. SGLang's
+    static int8 layers), so `--target portable` still writes the artifact."""
+
+    engine: str
+    status: str
+    reasons: tuple[str, ...] = ()
+    fixes: tuple[str, ...] = ()
+    kv_cache: str | None = None
+    layers: Mapping[str, LayerVerdict] = field(default_factory=dict)
+    defect: bool = False
+
+    def line(self) -> str:
+        """One line: "loads", "loads but ignores X" or "refused because Y"."""
+        if self.status == "loads":
+            return "loads"
+        why = "; ".join(self.reasons)
+        if self.defect:
+            why += f" (a bug in {engine_name(self.engine)}: the artifact is valid compressed-tensors)"
+        return f"loads but ignores {why}" if self.status == "ignores" else f"refused because {why}"
+
+    def to_dict(self) -> dict:
+        return {"engine": self.engine, "status": self.status, "verdict": self.line(),
+                "reasons": list(self.reasons), "fixes": list(self.fixes), "kv_cache": self.kv_cache,
+                "defect": self.defect, "layers": {n: v.to_dict() for n, v in self.layers.items()}}
