@@ -123,8 +123,10 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--device", default="auto", show_default=True, help="auto, cpu, cuda, cuda:N.")
 @click.option("--block-size", default=64, show_default=True, type=int, help="Paged KV cache block size (tokens).")
 @click.option("--speculate-method", default="none", show_default=True,
-              type=click.Choice(["none", "inference_with_reference", "draft", "mtp"]))
-@click.option("--draft-model", help="Draft model or MTP module (directory or artifact).")
+              type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa", "eagle"]))
+@click.option("--draft-model", help="Draft model, MTP module, Medusa heads or EAGLE-3 head (directory or artifact).")
+@click.option("--speculate-tree", default=None,
+              help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain.")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, type=int, help="Most drafts per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
 @click.option("--load-aware/--no-load-aware", default=True, show_default=True,

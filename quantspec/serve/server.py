@@ -42,6 +42,7 @@ class ServeConfig:
     block_size: int = 64
     speculate_method: str = "none"
     draft_model: str | None = None
+    speculate_tree: str | None = None  # medusa / eagle: a token tree DxK instead of a chain
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
@@ -60,6 +61,7 @@ class ServeConfig:
         return InferConfig(model=self.model, dtype=self.dtype, device=self.device, batch_size=self.max_batch_size,
                            max_length=self.max_length, max_new_tokens=1, block_size=self.block_size,
                            speculate_method=self.speculate_method, draft_model=self.draft_model,
+                           speculate_tree=self.speculate_tree,
                            speculate_max_draft_token_num=self.speculate_max_draft_token_num,
                            speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
                            prefill_tokens=self.max_prefill_tokens)
