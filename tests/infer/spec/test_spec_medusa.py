@@ -185,3 +185,20 @@ def test_backoff_drafts_less_where_drafts_do_not_pay_and_runs_only_the_heads_nee
     seq.last_hidden = base.model.norm.weight.new_ones(64)
     proposal = MedusaProposer(heads, base.model.norm, max_draft_tokens=3).propose([seq, seq], [1, 2])
     assert [len(t) for t in proposal.draft_token_ids] == [1, 2] and counts == [2]
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-speculate-backoff"], ["--speculate-tree", "2x2"]],
+                         ids=["backoff", "no-backoff", "tree"])
+def test_cli_infer_medusa_equals_plain_with_its_figures(tiny_llama_dir, heads_dir, tmp_path, extra):
+    from test_spec_cli import ROWS, _infer
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in ROWS))
+    plain, _ = _infer(tmp_path, tiny_llama_dir, data)
+    spec, stats = _infer(tmp_path, tiny_llama_dir, data, "--speculate-method", "medusa", "--draft-model", heads_dir,
+                         *extra, tag="medusa")
+    assert spec == plain
+    assert stats["speculate_method"] == "medusa" and stats.get("speculate_tree") == (extra[1] if extra[1:] else None)
+    assert 0 < stats["draft_steps"] <= stats["drafted_tokens"]
+    assert 1 <= len(stats["acceptance_per_position"]) <= (2 if extra[1:] else 3)  # depths / one position a head
+    assert stats["mean_accepted_length"] >= 1.0
