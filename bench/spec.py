@@ -62,7 +62,7 @@ from pathlib import Path
 
 import torch
 
-from quantspec.infer.predictor import InferConfig, Predictor
+from quantspec.infer.predictor import InferConfig, Predictor, speculation_stats
 
 DATA = Path(__file__).parent / "data" / "spec_prompts.jsonl"
 
@@ -96,25 +96,17 @@ def copy_share(prompt_ids: list[int], answer_ids: list[int], n: int = COPY_RUN) 
 def _row(name, kind, outs, wall, plain_ids, plain_tps, plain_decode_tps):
     gen = sum(len(o.token_ids) for o in outs)
     decode_tps = _decode_tps(outs, wall)
-    drafted = sum(o.drafted for o in outs)
-    accepted = sum(o.accepted for o in outs)
-    forwards = sum(o.target_forwards for o in outs)
-    npos = max((len(o.drafted_per_position) for o in outs), default=0)
-    per_pos = []
-    for j in range(npos):
-        d = sum(o.drafted_per_position[j] for o in outs if j < len(o.drafted_per_position))
-        a = sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position))
-        per_pos.append(a / d if d else 0.0)
+    spec = speculation_stats(outs)
     tps = gen / wall
     return {
         "kind": kind, "method": name, "tokens": gen, "tokens_per_s": tps,
         "ratio": tps / plain_tps if plain_tps else 1.0,
         "decode_tokens_per_s": decode_tps, "decode_ratio": decode_tps / plain_decode_tps if plain_decode_tps else 1.0,
-        "acceptance": accepted / drafted if drafted else None,
-        "per_position": per_pos,
-        "mean_accepted_length": (gen - len(outs)) / forwards if forwards else None,
+        "acceptance": spec["acceptance_rate"] if spec["drafted_tokens"] else None,
+        "per_position": spec["acceptance_per_position"],
+        "mean_accepted_length": spec["mean_accepted_length"] or None,
         "identical": [o.token_ids for o in outs] == plain_ids,
-        "drafted": drafted,
+        "drafted": spec["drafted_tokens"],
     }
 
 

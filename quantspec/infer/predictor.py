@@ -29,7 +29,8 @@ from quantspec.infer.scheduler import PREFILL_TOKENS
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.default import DEFAULT_MODEL
 
-__all__ = ["MTP_MIN_CONFIDENCE", "InferConfig", "Predictor", "RequestOutput", "read_jsonl", "write_jsonl"]
+__all__ = ["MTP_MIN_CONFIDENCE", "InferConfig", "Predictor", "RequestOutput", "read_jsonl", "speculation_stats",
+           "write_jsonl"]
 
 MTP_MIN_CONFIDENCE = 0.4  # --speculate-min-confidence's default for mtp (see InferConfig)
 DRAFT_HEADS = ("int8", "artifact")  # --speculate-draft-head (see InferConfig)
@@ -349,25 +350,49 @@ def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, 
         "peak_memory_mb": peak_memory_mb(config.device),
         "speculate_method": config.speculate_method,
     }
-    drafted = sum(o.drafted for o in outs)
     if config.speculate_method != "none":
-        forwards = sum(o.target_forwards for o in outs)
-        positions = max((len(o.drafted_per_position) for o in outs), default=0)
-        per_pos = []
-        for j in range(positions):
-            d = sum(o.drafted_per_position[j] for o in outs if j < len(o.drafted_per_position))
-            a = sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position))
-            per_pos.append(a / d if d else 0.0)
-        # tokens emitted after prefill per base forward (1.0 = no gain from speculation)
-        after_prefill = gen - len(outs)
-        stats.update({
-            "drafted_tokens": drafted,
-            "accepted_tokens": sum(o.accepted for o in outs),
-            "acceptance_rate": (sum(o.accepted for o in outs) / drafted) if drafted else 0.0,
-            "acceptance_per_position": per_pos,
-            "mean_accepted_length": after_prefill / forwards if forwards else 0.0,
-        })
+        if config.speculate_tree:  # positions are the tree's depths
+            stats["speculate_tree"] = config.speculate_tree
+        stats.update(speculation_stats(outs))
     return stats
+
+
+def speculation_stats(outs: list[RequestOutput]) -> dict:
+    """The speculation figures of a run, over all its requests:
+
+    drafted_tokens / accepted_tokens: draft rows verified / accepted (a tree counts every row).
+    acceptance_rate:          accepted_tokens / drafted_tokens.
+    draft_steps:              base forwards that verified drafts (a backed-off step drafts none).
+    accepted_per_draft_step:  accepted_tokens / draft_steps.
+    acceptance_per_position:  [j] = steps that accepted ≥ j + 1 drafts / steps that drafted
+                              ≥ j + 1; for a token tree, j + 1 is the depth (the accepted path's
+                              length over the steps whose tree reached that depth).
+    mean_accepted_length:     tokens emitted after prefill per base forward (each forward after
+                              the prefill, with or without drafts; 1.0 = no gain).
+
+    Example: one request whose decode steps drafted 3, 3, 2 tokens and accepted 3, 0, 1, then
+    ran one plain step (9 tokens in all, the first from the prefill): drafted 8, accepted 4,
+    draft_steps 3, acceptance_per_position [2/3, 1/3, 1/2], mean accepted length 8 / 4 = 2.0.
+    """
+    drafted, accepted = sum(o.drafted for o in outs), sum(o.accepted for o in outs)
+    forwards = sum(o.target_forwards for o in outs)
+    positions = max((len(o.drafted_per_position) for o in outs), default=0)
+    per_pos = []
+    for j in range(positions):
+        d = sum(o.drafted_per_position[j] for o in outs if j < len(o.drafted_per_position))
+        a = sum(o.accepted_per_position[j] for o in outs if j < len(o.accepted_per_position))
+        per_pos.append(a / d if d else 0.0)
+    steps = sum(o.drafted_per_position[0] for o in outs if o.drafted_per_position)
+    after_prefill = sum(len(o.token_ids) for o in outs) - len(outs)
+    return {
+        "drafted_tokens": drafted,
+        "accepted_tokens": accepted,
+        "acceptance_rate": accepted / drafted if drafted else 0.0,
+        "draft_steps": steps,
+        "accepted_per_draft_step": accepted / steps if steps else 0.0,
+        "acceptance_per_position": per_pos,
+        "mean_accepted_length": after_prefill / forwards if forwards else 0.0,
+    }
 
 
 def config_dict(config: InferConfig) -> dict:

@@ -122,10 +122,11 @@ class MedusaHeads(nn.Module):
         else:
             self.medusa_draft_vocab = None
 
-    def features(self, h: torch.Tensor) -> torch.Tensor:
-        """h [N, D] (after the base's final norm) → each head's features [K, N, D]."""
+    def features(self, h: torch.Tensor, count: int | None = None) -> torch.Tensor:
+        """h [N, D] (after the base's final norm) → the features of the first `count` heads
+        (None: all K) [count, N, D]. Each head reads h alone, so fewer heads cost less."""
         out = []
-        for head in self.medusa_head:
+        for head in self.medusa_head[:count]:
             x = h
             for block in list(head)[:-1]:
                 x = block(x)

@@ -9,6 +9,11 @@ None): sampling verification treats each candidate as one-hot, which keeps it lo
 
 The heads score only their draft vocabulary when the artifact has one (`medusa_draft_vocab`:
 its rows of each projection are gathered once at load, a quantized projection's dequantized).
+A step runs only the heads its deepest chain needs, all from the one hidden state.
+
+Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`): a step's cost is one call
+of the heads (`SpecCost.draft_fixed`) plus, per draft, one more head's bytes over the base's
+(`medusa_draft_cost`). Trees keep their fixed shape.
 """
 
 from __future__ import annotations
@@ -27,7 +32,7 @@ from quantspec.model_zoo.medusa import (MEDUSA_VOCAB_NAME, MedusaArgs, MedusaHea
                                         check_medusa_matches_base, is_medusa_config, load_medusa,
                                         medusa_weight_table)
 
-__all__ = ["MedusaProposer", "build_medusa_proposer", "load_medusa_for_inference"]
+__all__ = ["MedusaProposer", "build_medusa_proposer", "load_medusa_for_inference", "medusa_draft_cost"]
 
 
 def load_medusa_for_inference(path: str | Path, base: Transformer, *, dtype: torch.dtype | None = None
@@ -53,12 +58,15 @@ def load_medusa_for_inference(path: str | Path, base: Transformer, *, dtype: tor
 
 class MedusaProposer:
     """Medusa drafts for a batch of sequences (module docstring). `norm`: the base's final norm
-    (the heads read normed hidden states; the engine keeps pre-norm ones)."""
+    (the heads read normed hidden states; the engine keeps pre-norm ones); `tree`: a `DxK` spec
+    (None: a chain of at most `max_draft_tokens`); `policy`: chains' back-off (None: always the
+    budget)."""
 
     needs_hidden = True
 
-    def __init__(self, heads: MedusaHeads, norm: nn.Module, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4):
-        self.heads, self.norm, self.tree = heads, norm, tree
+    def __init__(self, heads: MedusaHeads, norm: nn.Module, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4,
+                 policy=None):
+        self.heads, self.norm, self.tree, self.policy = heads, norm, tree, policy
         n = heads.args.num_heads
         self.depth = min(n, tree.depth) if tree is not None else min(n, int(max_draft_tokens))
         self.width = tree.width if tree is not None else 1
@@ -87,40 +95,75 @@ class MedusaProposer:
         full = self.heads.projections()[k](x)  # [A, V]
         return (full, None) if self.vocab is None else (full[:, self.vocab], self.vocab)
 
+    def _depth(self, seq, budget: int) -> int:
+        """How many drafts `seq` gets this step (the policy is read every step: it learns from
+        the last)."""
+        depth = min(self.depth, budget)
+        if self.policy is not None and self.tree is None:
+            depth = self.policy.num_drafts(seq, depth)
+        return depth
+
     @torch.inference_mode()
     def propose(self, seqs: list, budgets: list[int]) -> SpecProposal:
-        live = [i for i, (s, b) in enumerate(zip(seqs, budgets)) if b > 0 and s.last_hidden is not None]
+        depths = [self._depth(s, b) for s, b in zip(seqs, budgets)]
+        live = [i for i, (s, d) in enumerate(zip(seqs, depths)) if d > 0 and s.last_hidden is not None]
         ids: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in seqs]
         parents: list[list[int] | None] = [None for _ in seqs]
         if not live:
-            return SpecProposal(ids, parents=parents if self.tree is not None else None)
+            return SpecProposal(ids, parents=parents if self.width > 1 else None)
+        need = max(depths[i] for i in live)  # heads past the deepest chain are not run
         w = self.norm.weight
         h = self.norm(torch.stack([seqs[i].last_hidden for i in live]).to(w.device, w.dtype))  # [A, D]
-        x = self.heads.features(h)  # [heads, A, D]
-        cands = []  # per depth: [A, K] token ids
-        for k in range(self.depth):
+        x = self.heads.features(h, need)  # [need, A, D]
+        tops = []
+        for k in range(need):
             scores, cols = self._logits(x[k], k)
             top = scores.float().topk(self.width, dim=-1).indices  # [A, K]
-            cands.append((top if cols is None else cols[top]).cpu())
+            tops.append(top if cols is None else cols[top])
+        cands = torch.stack(tops).cpu()  # [need, A, K]: one copy to the host
         for r, i in enumerate(live):
-            depth = min(self.depth, budgets[i])
-            tokens, par = caterpillar([cands[d][r].tolist() for d in range(depth)])
+            tokens, par = caterpillar([cands[d, r].tolist() for d in range(depths[i])])
             ids[i] = torch.tensor(tokens, dtype=torch.int64)
             parents[i] = par
         return SpecProposal(ids, parents=parents if self.width > 1 else None)
 
     def release(self, seq) -> None:
-        pass
+        if self.policy is not None:
+            self.policy.forget(seq)
+
+
+def medusa_draft_cost(heads: MedusaHeads, base: Transformer) -> tuple[float, float]:
+    """(per step, per draft) cost of Medusa drafts in base decode steps (`SpecCost.draft_fixed`,
+    `draft_per_token`). The heads run once per step from one hidden state: that call costs a
+    draft call's overhead, and each draft is one more head, bound on a CPU by reading its
+    weights: its ResBlocks and the rows it scores (the draft vocabulary's, gathered in the base's
+    dtype, else the whole projection) over the bytes a base decode step reads."""
+    from quantspec.infer.spec.mtp import _DRAFT_OVERHEAD, _bytes_touched
+
+    vocab, D = heads.medusa_draft_vocab, heads.args.hidden_size
+    itemsize = base.model.norm.weight.element_size()
+    per_head = [sum(_bytes_touched(block) for block in list(head)[:-1])
+                + (_bytes_touched(head[-1]) if vocab is None else vocab.numel() * D * itemsize)
+                for head in heads.medusa_head]
+    base_bytes = max(1, _bytes_touched(base, skip=base.model.embed_tokens))
+    return _DRAFT_OVERHEAD, max(per_head) / base_bytes
 
 
 def build_medusa_proposer(config, loaded) -> tuple[MedusaProposer, int]:
     """`--speculate-method medusa --draft-model DIR [--speculate-tree DxK]` → (proposer, the most
     draft rows a step verifies)."""
+    from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost, loaded_runtime
+
     if not config.draft_model:
         raise QuantSpecError("--speculate-method medusa needs --draft-model DIR (Medusa heads from "
                              "`quantspec zoo train-draft-head --kind medusa`)")
-    base = loaded.model
+    base, runtime = loaded.model, loaded_runtime(loaded)
     heads = load_medusa_for_inference(config.draft_model, base)
     tree = parse_tree_spec(getattr(config, "speculate_tree", None))
     proposer = MedusaProposer(heads, base.model.norm, tree=tree, max_draft_tokens=config.speculate_max_draft_token_num)
+    if tree is None and getattr(config, "speculate_backoff", True):
+        fixed, per_draft = medusa_draft_cost(heads, base)
+        cost = SpecCost.for_device(runtime.device, draft_per_token=per_draft, draft_fixed=fixed,
+                                   packed_cpu=runtime.packed_rows)
+        proposer.policy = AdaptiveDraftLength(proposer.depth, cost)
     return proposer, proposer.max_rows

@@ -19,8 +19,8 @@ each sequence gets k_b drafts chosen by a small cost model instead of always the
            accepted): EMAs over the sequence's acceptance tests (decay 0.8 per test, so they
            remember the last ~5), started from an optimistic prior so new sequences speculate.
     E(k)   = 1 + a1 · (1 + ac + ... + ac^(k-1)), expected tokens from a step with k drafts.
-    C(k)   = 1 for k = 0, else 1 + verify_fixed + k · (verify_per_token + draft_per_token):
-           the step's cost in plain decode steps of the base (`SpecCost`).
+    C(k)   = 1 for k = 0, else 1 + verify_fixed + draft_fixed + k · (verify_per_token +
+           draft_per_token): the step's cost in plain decode steps of the base (`SpecCost`).
     k_b    = min(budget, argmax over k in 0..K of E(k) / C(k)) (ties → fewer drafts).
 
 The n-gram drafter keeps these estimates per agreement class of its match (1 token, 2-3, 4 or
@@ -76,6 +76,9 @@ class SpecCost:
     verify_per_token: extra cost per verified draft row.
     draft_per_token:  the drafter's cost per drafted token (0 for n-gram; ≈ the draft model's
                       decode step over the base's for a draft model).
+    draft_fixed:      the drafter's cost per step that drafts at all, whatever k (0 where all of
+                      it is per draft; Medusa heads: the one call that runs them, whose heads each
+                      add `draft_per_token`).
 
     `for_device` gives the constants per device. On a CPU a decode forward is bound by streaming
     the weights, and extra verification rows ride along until their FMAs no longer overlap that
@@ -88,29 +91,31 @@ class SpecCost:
     verify_fixed: float = 0.5
     verify_per_token: float = 0.05
     draft_per_token: float = 0.0
+    draft_fixed: float = 0.0
 
     def __post_init__(self):
-        for name in ("verify_fixed", "verify_per_token", "draft_per_token"):
+        for name in ("verify_fixed", "verify_per_token", "draft_per_token", "draft_fixed"):
             v = getattr(self, name)
             if not isinstance(v, (int, float)) or not np.isfinite(v) or v < 0:
                 raise QuantSpecError(f"SpecCost.{name}={v!r} must be a finite number >= 0")
 
     @classmethod
     def for_device(cls, device: torch.device | str, draft_per_token: float = 0.0, *,
-                   packed_cpu: bool = False) -> "SpecCost":
+                   packed_cpu: bool = False, draft_fixed: float = 0.0) -> "SpecCost":
         """The cost model for a base on `device`; `packed_cpu`: every linear of the base computes
         all rows of a step in one pass over packed weights (`Runtime.packed_rows`)."""
+        draft = dict(draft_per_token=draft_per_token, draft_fixed=draft_fixed)
         if torch.device(device).type == "cuda":
-            return cls(verify_fixed=0.05, verify_per_token=0.01, draft_per_token=draft_per_token)
+            return cls(verify_fixed=0.05, verify_per_token=0.01, **draft)
         if packed_cpu:
-            return cls(verify_fixed=0.0, verify_per_token=0.05, draft_per_token=draft_per_token)
-        return cls(verify_fixed=0.0, verify_per_token=0.15, draft_per_token=draft_per_token)
+            return cls(verify_fixed=0.0, verify_per_token=0.05, **draft)
+        return cls(verify_fixed=0.0, verify_per_token=0.15, **draft)
 
     def step_cost(self, k: int) -> float:
         """C(k): the cost of a step with k drafts, in plain decode steps."""
         if k == 0:
             return 1.0
-        return 1.0 + self.verify_fixed + k * (self.verify_per_token + self.draft_per_token)
+        return 1.0 + self.verify_fixed + self.draft_fixed + k * (self.verify_per_token + self.draft_per_token)
 
 
 @dataclass

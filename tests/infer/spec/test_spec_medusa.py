@@ -126,3 +126,79 @@ def test_quantized_heads_draft_and_stay_lossless(base, heads_dir, tmp_path, quan
     with pytest.raises(QuantSpecError, match="--method rtn"):
         api.quantize(str(heads_dir), quant_type, tmp_path / "q2", target="quantspec", method="gptq",
                      dataset=str(heads_dir / "config.json"))
+
+
+def test_build_proposer_with_backoff_and_cli_config(base, heads_dir):
+    """Chains get the back-off (one call of the heads per step, one head's bytes per draft),
+    `speculate_backoff=False` and trees do not; greedy output stays identical either way."""
+    from types import SimpleNamespace
+
+    from quantspec.infer.predictor import InferConfig
+    from quantspec.infer.spec.mtp import _DRAFT_OVERHEAD, _bytes_touched
+    from quantspec.infer.spec.proposers import build_proposer
+
+    loaded = SimpleNamespace(model=base)
+    cfg = InferConfig(speculate_method="medusa", draft_model=str(heads_dir), speculate_max_draft_token_num=5)
+    proposer, k = build_proposer(cfg, loaded)
+    assert k == 3 and proposer.policy is not None and proposer.policy.max_draft_tokens == 3  # one draft a head
+    head_bytes = (64 * 64 + 64 + 256 * 64) * 4  # a ResBlock and the draft vocabulary's rows, fp32
+    cost = proposer.policy.cost
+    assert cost.draft_fixed == _DRAFT_OVERHEAD
+    assert cost.draft_per_token == pytest.approx(head_bytes / _bytes_touched(base, skip=base.model.embed_tokens))
+    prompts = [[5, 9, 13, 200, 7], [300, 2, 44, 44, 8, 91, 17, 3, 120, 66, 4, 19]]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    seqs = _run(base, prompts, proposer, k)
+    assert [s.output_ids for s in seqs] == plain and not proposer.policy._seqs  # released
+    off, _ = build_proposer(InferConfig(speculate_method="medusa", draft_model=str(heads_dir),
+                                        speculate_backoff=False), loaded)
+    assert off.policy is None
+    assert [s.output_ids for s in _run(base, prompts, off, off.max_rows)] == plain
+    tree, rows = build_proposer(InferConfig(speculate_method="medusa", draft_model=str(heads_dir),
+                                            speculate_tree="2x2"), loaded)
+    assert rows == 4 and tree.policy is None and tree.width == 2
+
+
+def test_backoff_drafts_less_where_drafts_do_not_pay_and_runs_only_the_heads_needed(base, heads_dir):
+    """The tiny heads are mostly wrong: where a call of the heads costs a third of a base step the
+    chain backs off (fewer drafts than always drafting, the same output); where no acceptance
+    could pay for it, it never calls the heads; a step runs only as many heads as its deepest
+    chain."""
+    from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
+
+    heads = load_medusa_for_inference(heads_dir, base)
+    counts = []
+    features = heads.features
+    heads.features = lambda h, count=None: counts.append(count) or features(h, count)
+    prompts = [[5, 9, 13, 200, 7, 40, 41], [300, 2, 44, 44, 8, 91, 17, 3, 120, 66, 4, 19]]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    eager = _run(base, prompts, MedusaProposer(heads, base.model.norm, max_draft_tokens=3), 3)
+    costly = AdaptiveDraftLength(3, SpecCost(verify_fixed=0.0, verify_per_token=0.05, draft_fixed=0.3))
+    backed = _run(base, prompts, MedusaProposer(heads, base.model.norm, max_draft_tokens=3, policy=costly), 3)
+    assert [s.output_ids for s in eager] == [s.output_ids for s in backed] == plain
+    assert 0 < sum(s.stats.drafted for s in backed) < sum(s.stats.drafted for s in eager) / 2
+    counts.clear()
+    hopeless = AdaptiveDraftLength(3, SpecCost(verify_fixed=0.5, verify_per_token=0.05, draft_fixed=3.0))
+    seqs = _run(base, prompts, MedusaProposer(heads, base.model.norm, max_draft_tokens=3, policy=hopeless), 3)
+    assert [s.output_ids for s in seqs] == plain
+    assert hopeless.probe_k == 0 and sum(s.stats.drafted for s in seqs) == 0 and counts == []
+    seq = seqs[0]
+    seq.last_hidden = base.model.norm.weight.new_ones(64)
+    proposal = MedusaProposer(heads, base.model.norm, max_draft_tokens=3).propose([seq, seq], [1, 2])
+    assert [len(t) for t in proposal.draft_token_ids] == [1, 2] and counts == [2]
+
+
+@pytest.mark.parametrize("extra", [[], ["--no-speculate-backoff"], ["--speculate-tree", "2x2"]],
+                         ids=["backoff", "no-backoff", "tree"])
+def test_cli_infer_medusa_equals_plain_with_its_figures(tiny_llama_dir, heads_dir, tmp_path, extra):
+    from test_spec_cli import ROWS, _infer
+
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in ROWS))
+    plain, _ = _infer(tmp_path, tiny_llama_dir, data)
+    spec, stats = _infer(tmp_path, tiny_llama_dir, data, "--speculate-method", "medusa", "--draft-model", heads_dir,
+                         *extra, tag="medusa")
+    assert spec == plain
+    assert stats["speculate_method"] == "medusa" and stats.get("speculate_tree") == (extra[1] if extra[1:] else None)
+    assert 0 < stats["draft_steps"] <= stats["drafted_tokens"]
+    assert 1 <= len(stats["acceptance_per_position"]) <= (2 if extra[1:] else 3)  # depths / one position a head
+    assert stats["mean_accepted_length"] >= 1.0
