@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.model_zoo.checkpoint import CheckpointReader
+from quantspec.model_zoo.checkpoint import CheckpointReader, release_free_heap
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.quant.primitives import all_finite
 
@@ -185,6 +185,7 @@ class LayerRunner:
             finally:
                 if streamed and not self.keep_layers:
                     CheckpointReader.release(layer)
+                    release_free_heap()  # the layer's and the step's temporaries: no growth per layer
             x = step.outputs
             step.inputs = step.outputs = None  # the previous activations can be freed
             if self.progress is not None:
