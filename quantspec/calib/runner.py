@@ -185,11 +185,11 @@ class LayerRunner:
             finally:
                 if streamed and not self.keep_layers:
                     CheckpointReader.release(layer)
-                    release_free_heap()  # the layer's and the step's temporaries: no growth per layer
             x = step.outputs
             step.inputs = step.outputs = None  # the previous activations can be freed
             if self.progress is not None:
                 self.progress(i, L, "done")
+        release_free_heap()  # the steps' temporaries, before what comes next (e.g. the head) allocates
         self.hidden = x
 
 
