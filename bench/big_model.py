@@ -2,19 +2,21 @@
 random-weight checkpoints with Llama-3.2-1B, Llama-3.2-3B and Llama-3.1-8B layer shapes.
 
 Each checkpoint is bf16, sharded into files of at most 2 GB with an index, as transformers writes
-them, with vocabulary 49152 (the default model's tokenizer is copied in, so every command reads
-its data as it would a real model's). Each command runs in a fresh process; its wall time and
-peak resident memory (the child's `ru_maxrss`, i.e. VmHWM: file pages it mapped count too) are
-measured from here. A step is what one step of the stream must hold: the largest decoder layer
-in float32 (what a layer is quantized in) plus, for commands with data, the calibration
-activations of one layer (inputs and outputs, [n, S, hidden] float32 each) and, for GPTQ, the
-layer's Hessians. The target of quantize / calibrate is 2 × step + 1 GB whatever the depth; a
-peak ÷ step that stays put from 1B to 8B is peak memory that does not grow with depth, and peak
-÷ checkpoint shows what loading the whole model would have cost. `infer` loads the bf16
+them, with vocabulary 49152 (the default model's tokenizer is copied in, so every command reads its
+data as it would a real model's). Each command runs in a fresh process; its wall time and peak
+resident memory (the child's `ru_maxrss`, i.e. VmHWM: file pages it mapped count too) are measured
+from here. The checkpoint is built in a process of its own: a child's `ru_maxrss` starts at its
+parent's peak (exec records the high-water mark of the memory it replaces, which a vfork'd child
+shares with its parent), so this process stays small. A step is what one step of the stream must
+hold: the largest decoder layer in float32 (what a layer is quantized in) plus, for commands with
+data, the calibration activations of one layer (inputs and outputs, [n, S, hidden] float32 each)
+and, for GPTQ, the layer's Hessians. The target of quantize / calibrate is 2 × step + 1 GB whatever
+the depth; a peak ÷ step that stays put from 1B to 8B is peak memory that does not grow with depth,
+and peak ÷ checkpoint shows what loading the whole model would have cost. `infer` loads the bf16
 checkpoint as it is (no float32 copy) and decodes a few tokens: its target is the checkpoint +
 1 GB, no second copy of the weights. `infer-int4` / `infer-int8` do the same on the int4 / int8
-artifact (quantized first where the `int4` / `int8` command has not written it): the target is
-the artifact + 1 GB, and the artifact's own size is the checkpoint column of that row.
+artifact (quantized first where the `int4` / `int8` command has not written it): the target is the
+artifact + 1 GB, and the artifact's own size is the checkpoint column of that row.
 
 Commands: `int8` (weight_only_int8, RTN), `int4` (weight_only_int4, RTN), `int4-gptq`
 (weight_only_int4 --method gptq on --num-samples × --seq-len tokens of bench/data/calib.jsonl),
@@ -39,8 +41,6 @@ import sys
 import time
 from pathlib import Path
 
-import torch
-
 from mdtable import markdown_table
 
 # (hidden, intermediate, layers, heads, kv heads, head_dim, tied embeddings) of the models named
@@ -54,7 +54,8 @@ VOCAB = 49152
 COMMANDS = ("int8", "int4", "int4-gptq", "a8w8", "infer", "infer-int4", "infer-int8")
 GB = 10**9
 SHARD_BYTES = 2 * 10**9
-DATA = Path(__file__).resolve().parent / "data" / "calib.jsonl"
+BENCH_DIR = Path(__file__).resolve().parent
+DATA = BENCH_DIR / "data" / "calib.jsonl"
 
 
 def hf_config(key: str, layers: int | None = None) -> dict:
@@ -72,6 +73,8 @@ def hf_config(key: str, layers: int | None = None) -> dict:
 def build_checkpoint(key: str, out: Path, seed: int = 0, layers: int | None = None) -> Path:
     """A random-weight bf16 checkpoint of the shape `key` (`layers`: hf_config), sharded like
     transformers' own."""
+    import torch
+
     from quantspec.model_zoo.checkpoint import resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs, hf_weight_table
 
@@ -108,6 +111,17 @@ def build_checkpoint(key: str, out: Path, seed: int = 0, layers: int | None = No
     (tmp / "model.safetensors.index.json").write_text(json.dumps({"metadata": {"total_size": total},
                                                                   "weight_map": weight_map}, indent=2))
     os.rename(tmp, out)
+    return out
+
+
+def build_apart(key: str, out: Path, env: dict, layers: int | None = None) -> Path:
+    """`build_checkpoint` in a process of its own (module docstring: this one's peak would be
+    every command's)."""
+    code = ("import sys; from pathlib import Path; sys.path.insert(0, sys.argv[1]); "
+            "from big_model import build_checkpoint; "
+            "build_checkpoint(sys.argv[2], Path(sys.argv[3]), layers=int(sys.argv[4]) or None)")
+    subprocess.run([sys.executable, "-c", code, str(BENCH_DIR), key, str(out), str(layers or 0)], env=env,
+                   check=True)
     return out
 
 
@@ -207,7 +221,7 @@ def main(argv: list[str] | None = None) -> list[dict]:
     rows = []
     for m in models:
         depth = f"-{a.layers}layers" if a.layers else ""
-        ckpt = build_checkpoint(m, root / f"{SHAPES[m][0]}{depth}-random", layers=a.layers)
+        ckpt = build_apart(m, root / f"{SHAPES[m][0]}{depth}-random", env, layers=a.layers)
         ckpt_bytes = safetensors_bytes(ckpt)
         work = root / f"{m}-out"
         for name in names:

@@ -44,7 +44,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.calib.runner import LayerRunner
-from quantspec.calib.smooth import layer_smoothed_weights
+from quantspec.calib.smooth import smoothed_weight
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.quant.args import QuantArgs
@@ -120,15 +120,15 @@ def _emulated_params(layer: nn.Module, prefix: str, input_scales: Mapping[str, t
     """{"<linear>.weight" (relative to the decoder layer `prefix`): fq(W') · row s / column s}
     for every Linear of the layer in `input_scales`, W' the weight exactly as `smooth_layer`
     with `factors` leaves it (module docstring)."""
-    smoothed = layer_smoothed_weights(layer, prefix, factors)
     out = {}
     for name in input_scales:
         if not name.startswith(prefix + "."):
             continue
         rel = name[len(prefix) + 1:]
         w0 = layer.get_submodule(rel).weight
-        w, col, row = smoothed.get(name, (w0, None, None))
+        w, col, row = smoothed_weight(layer, prefix, factors, rel) or (w0, None, None)
         wq = _fake_quant_weight(w, weight_args)  # [N, K], the artifact's codes × scales
+        del w  # one Linear's smoothed copy at a time
         if row is not None:
             wq = wq * row.to(wq.device)[:, None]
         if col is not None:
@@ -176,7 +176,12 @@ def _static_hooks(layer: nn.Module, prefix: str, input_scales: Mapping[str, torc
 @torch.no_grad()
 def _mean_nll(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, weights, device) -> float:
     """Mean next-token NLL of the last layer's outputs hidden [n, S, D], `_NLL_BATCH` windows
-    at a time through the final norm and the head (read from `weights` on a meta model)."""
+    at a time through the final norm and the head (read from `weights` on a meta model).
+
+    The NLL is `F.cross_entropy(..., reduction="sum")` of each batch's predicting rows, computed
+    as its two steps without their [B·(S−1), V] copies: log-softmax is per row, so one window's
+    rows at a time give the same numbers, and `F.nll_loss` sums the picked log-probabilities
+    [B·(S−1), 1] in the order it would pick them from the whole [B·(S−1), V] (the same sum)."""
     tied = {"weight": "model.embed_tokens.weight"} if model.args.tie_word_embeddings else None
     total, count = 0.0, 0
     with resident(model.model.norm, "model.norm", weights, device=device), \
@@ -185,8 +190,12 @@ def _mean_nll(model: nn.Module, hidden: torch.Tensor, input_ids: torch.Tensor, w
             x = input_ids[b0:b0 + _NLL_BATCH].to(hidden.device)  # [B, S]
             B, S = x.shape
             logits = model.compute_logits(hidden[b0:b0 + B].reshape(B * S, -1)).view(B, S, -1)  # [B, S, V]
-            total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]),
-                                           x[:, 1:].reshape(-1), reduction="sum"))
+            picked = torch.empty(B, S - 1, 1, dtype=logits.dtype, device=logits.device)  # log p(x_t+1)
+            for i in range(B):
+                picked[i] = torch.log_softmax(logits[i, :-1], dim=-1).gather(1, x[i, 1:, None])  # [S-1, 1]
+            del logits
+            zeros = torch.zeros(B * (S - 1), dtype=torch.long, device=picked.device)
+            total += float(F.nll_loss(picked.view(B * (S - 1), 1), zeros, reduction="sum"))
             count += B * (S - 1)
     return total / count
 
@@ -225,6 +234,7 @@ def heldback_nll(model: nn.Module, input_ids: torch.Tensor, *,
         finally:
             for h in handles:
                 h.remove()
+        del params  # the layer's emulated weights, freed before the next layer's (and the head)
     return _mean_nll(model, runner.hidden, input_ids, weights, runner.device)
 
 

@@ -41,7 +41,7 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.model_zoo.checkpoint import CheckpointReader
+from quantspec.model_zoo.checkpoint import CheckpointReader, release_free_heap
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.quant.primitives import all_finite
 
@@ -189,6 +189,7 @@ class LayerRunner:
             step.inputs = step.outputs = None  # the previous activations can be freed
             if self.progress is not None:
                 self.progress(i, L, "done")
+        release_free_heap()  # the steps' temporaries, before what comes next (e.g. the head) allocates
         self.hidden = x
 
 

@@ -76,17 +76,20 @@ def fake_quant_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
 
 
 @torch.no_grad()
-def static_linear_error(x: torch.Tensor, weights: Sequence[torch.Tensor], input_scale: torch.Tensor,
+def static_linear_error(x: torch.Tensor, weights: Iterable[torch.Tensor], input_scale: torch.Tensor,
                         kind: str, *, x_ref: torch.Tensor | None = None,
                         weights_ref: Sequence[torch.Tensor] | None = None,
-                        y_ref: Sequence[torch.Tensor] | None = None) -> tuple[float, float]:
+                        y_ref: Sequence[torch.Tensor] | None = None,
+                        quantized: bool = False) -> tuple[float, float]:
     """(Σ_i Σ_t ||ŷ_t − y_t||² / ||y_t||², number of (i, t) terms) over `weights` [N_i, K] for
     x [T, K]: the error is relative *per token*, so that their ratio is the mean per-token
-    relative error.
+    relative error. `weights` is read once, in order (a generator makes each weight when it is
+    scored, so one Linear's copies are resident at a time).
 
     ŷ = fq(x, input_scale) · fq(W)ᵀ (static per-tensor input, per-channel weights); the reference
     y = x_ref · W_refᵀ (defaults: x, weights — pass the unsmoothed pair to score a smoothing), or
     the given outputs y_ref [T, N_i] (computed once when scoring many candidates).
+    `quantized`: `weights` are fq(W) already (`fake_quant_weight`'s), used as they are.
     Why per token: SmolLM2-like models have a few tokens with massive activations (absmax ~10³
     vs ~2); a plain Σ||ŷ − y||² / Σ||y||² is dominated by those tokens and hides that a static
     scale sized for them rounds every ordinary token coarsely.
@@ -96,12 +99,14 @@ def static_linear_error(x: torch.Tensor, weights: Sequence[torch.Tensor], input_
     x = x.float()
     xq = fake_quantize(x, input_scale.float().reshape(1).to(x.device), None, static_args(kind))  # [T, K]
     xr = x if x_ref is None else x_ref.float()
-    wr = weights if weights_ref is None else weights_ref
     err = ref = 0.0
-    for i, (w, w0) in enumerate(zip(weights, wr)):
-        y = xr @ w0.float().T if y_ref is None else y_ref[i]  # [T, N]
-        yq = xq @ fake_quant_weight(w, kind).T
-        per_tok = (yq - y).pow(2).sum(dim=1) / y.pow(2).sum(dim=1).clamp(min=1e-30)  # [T]
+    for i, w in enumerate(weights):  # one Linear's temporaries at a time (`weights` may be lazy)
+        w_ref = w if weights_ref is None else weights_ref[i]
+        y = xr @ w_ref.float().T if y_ref is None else y_ref[i]  # [T, N]
+        yq = xq @ (w if quantized else fake_quant_weight(w, kind)).T  # [T, N]
+        del w, w_ref
+        per_tok = yq.sub_(y).pow_(2).sum(dim=1) / y.pow(2).sum(dim=1).clamp(min=1e-30)  # [T]
+        del yq
         err += float(per_tok.sum())
         ref += float(y.shape[0])
     return err, ref
@@ -125,8 +130,8 @@ def group_alpha_errors(x: torch.Tensor, weights: Sequence[torch.Tensor],
         s = smoothquant_scales(channel_absmax, w_absmax, float(a))  # [K]
         absmax = (channel_absmax.float() / s).amax() * clip
         scale = scale_from_absmax(absmax, kind)
-        out[float(a)] = static_linear_error(x / s, [w.float() * s for w in weights], scale, kind,
-                                            y_ref=y_ref)
+        smoothed = (w.float() * s for w in weights)  # one at a time: [N_i, K] each
+        out[float(a)] = static_linear_error(x / s, smoothed, scale, kind, y_ref=y_ref)
     return out
 
 
@@ -226,8 +231,9 @@ def linear_sensitivity(model, input_ids: torch.Tensor, input_scales: Mapping[str
                     if s is not None:
                         s = s.to(x.device)
                         x, w = x / s, w * s
-                    wq = fake_quant_weight(w, kind)
-                    e, r = static_linear_error(x, [w], input_scales[_n], kind, weights_ref=[wq])
+                    wq = fake_quant_weight(w, kind)  # [N, K]
+                    del w  # the smoothed copy: one Linear's weights at a time besides the layer's
+                    e, r = static_linear_error(x, [wq], input_scales[_n], kind, quantized=True)
                     acc = sums.setdefault(_n, [0.0, 0.0])
                     acc[0] += e
                     acc[1] += r

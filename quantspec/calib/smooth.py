@@ -44,6 +44,7 @@ from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoot
 __all__ = [
     "SMOOTH_GROUPS",
     "layer_smoothed_weights",
+    "smoothed_weight",
     "layer_smoothing_factors",
     "smoothing_factors",
     "smoothed_weights",
@@ -126,25 +127,39 @@ def smoothing_factors(model, table: ScaleTable, alpha: float | Mapping[str, floa
     return factors
 
 
+# the Linears smoothing changes (relative to a decoder layer): the groups' readers and down_proj
+# (up_proj also by its output rows, for down_proj's factor)
+_SMOOTHED = tuple(n for _, names in SMOOTH_GROUPS for n in names) + ("mlp.down_proj",)
+
+
+@torch.no_grad()
+def smoothed_weight(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor], name: str
+                    ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
+    """(weight [N, K] as `smooth_layer` leaves it, s of its input columns [K] or None, s of its
+    output rows [N] or None) of the Linear `name` (relative, e.g. "mlp.up_proj") of the decoder
+    layer `prefix`; None when `factors` leave it as it is. One Linear's copy at a time."""
+    col = factors.get(f"{prefix}.{name}") if name in _SMOOTHED else None
+    row = factors.get(f"{prefix}.mlp.down_proj") if name == "mlp.up_proj" else None
+    if col is None and row is None:
+        return None
+    w = layer.get_submodule(name).weight
+    if col is not None:
+        w = fold_into_linear(w, col.to(w.device))
+    if row is not None:  # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
+        ct = torch.promote_types(w.dtype, torch.float32)
+        w = (w.to(ct) / row.to(w.device, ct)[:, None]).to(w.dtype)
+    return w, col, row
+
+
 @torch.no_grad()
 def layer_smoothed_weights(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]
                            ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """`smoothed_weights` of one decoder layer named `prefix`."""
+    """`smoothed_weights` of one decoder layer named `prefix` (`smoothed_weight` of each Linear)."""
     out = {}
-    for _, lin_names in SMOOTH_GROUPS:
-        for n in lin_names:
-            s = factors.get(f"{prefix}.{n}")
-            if s is not None:
-                w = layer.get_submodule(n).weight
-                out[f"{prefix}.{n}"] = (fold_into_linear(w, s.to(w.device)), s, None)
-    s = factors.get(f"{prefix}.mlp.down_proj")
-    if s is not None:
-        down, up = layer.mlp.down_proj.weight, f"{prefix}.mlp.up_proj"
-        out[f"{prefix}.mlp.down_proj"] = (fold_into_linear(down, s.to(down.device)), s, None)
-        w, col, _ = out.get(up, (layer.mlp.up_proj.weight, None, None))
-        # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
-        ct = torch.promote_types(w.dtype, torch.float32)
-        out[up] = ((w.to(ct) / s.to(w.device, ct)[:, None]).to(w.dtype), col, s)
+    for n in _SMOOTHED:
+        w = smoothed_weight(layer, prefix, factors, n)
+        if w is not None:
+            out[f"{prefix}.{n}"] = w
     return out
 
 

@@ -8,7 +8,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from quantspec.calib.budget import fallback_under_budget, heldback_nll
+from quantspec.calib.budget import _NLL_BATCH, _mean_nll, fallback_under_budget, heldback_nll
 from quantspec.calib.calibrate import calibrate_model
 from quantspec.calib.sensitivity import linear_sensitivity
 from quantspec.calib.static_plan import rank_units
@@ -93,6 +93,24 @@ def test_float_nll_is_transformers_cross_entropy(tiny_llama_dir):
         logits = hf(ids).logits  # [N, S, V]
     want = float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))
     assert heldback_nll(model, ids) == pytest.approx(want, rel=1e-5)
+
+
+def test_nll_is_cross_entropys_sum_bit_for_bit(tiny_llama_dir):
+    """The head's NLL, one window's log-softmax at a time, is exactly `F.cross_entropy(sum)` over
+    each batch's [B·(S−1), V] rows (no copy of them held), for odd batches too."""
+    model, _ = load_model(tiny_llama_dir)
+    for n in (_NLL_BATCH + 1, 1):
+        ids = ids_for(4)[:n]
+        hidden = torch.randn(n, S, model.args.hidden_size, generator=torch.Generator().manual_seed(n))
+        total = 0.0
+        with torch.no_grad():
+            for b0 in range(0, n, _NLL_BATCH):
+                x = ids[b0:b0 + _NLL_BATCH]
+                B = x.shape[0]
+                logits = model.compute_logits(hidden[b0:b0 + B].reshape(B * S, -1)).view(B, S, -1)
+                total += float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), x[:, 1:].reshape(-1),
+                                               reduction="sum"))
+        assert _mean_nll(model, hidden, ids, None, "cpu") == total / (n * (S - 1))
 
 
 @pytest.mark.parametrize("fallback", [(), ("model.layers.0.mlp.down_proj",),

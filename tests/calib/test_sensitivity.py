@@ -93,6 +93,20 @@ def test_static_linear_error_matches_hand_reference():
     torch.testing.assert_close(fake_quant_weight(ws[0], "int8"), ref_fq_int8_channel(ws[0]))
 
 
+def test_static_linear_error_lazy_and_prequantized_weights_are_the_same_numbers():
+    """Weights from a generator (made when scored) and weights passed already quantized give
+    exactly the errors of the plain call."""
+    g = torch.Generator().manual_seed(2)
+    x = torch.randn(40, 24, generator=g)
+    ws = [torch.randn(7, 24, generator=g), torch.randn(5, 24, generator=g)]
+    scale = torch.tensor([x.abs().amax() / 127.5])
+    want = static_linear_error(x, ws, scale, "int8")
+    assert static_linear_error(x, (w.clone() for w in ws), scale, "int8") == want
+    wq = [fake_quant_weight(w, "int8") for w in ws]
+    assert static_linear_error(x, wq, scale, "int8", quantized=True) == \
+        static_linear_error(x, ws, scale, "int8", weights_ref=wq)
+
+
 def test_group_alpha_errors_brute_force_and_best():
     """Each α's error equals a brute-force smooth → fake-quant → matmul, and the α the search
     keeps is the grid's argmin."""

@@ -5,7 +5,7 @@ import torch
 
 from quantspec.calib.calibrate import calibrate_model
 from quantspec.calib.smooth import (SMOOTH_GROUPS, input_scales_for_model, prepare_static_quant,
-                                    smooth_model)
+                                    smooth_model, smoothed_weight, smoothing_factors)
 from quantspec.calib.tables import ScaleTable, read_table, write_table
 from quantspec.model_zoo.checkpoint import model_fingerprint
 from quantspec.errors import QuantSpecError
@@ -76,6 +76,30 @@ def test_function_unchanged(smoothed):
     s = factors["model.layers.0.self_attn.q_proj"]
     assert torch.equal(s, factors["model.layers.0.self_attn.v_proj"])
     assert s[list(OUTLIERS)].min() > 3 * s.median()  # outlier channels get the large factors
+
+
+@pytest.mark.parametrize("groups", ["all", "no_down", "down_only"])
+def test_smoothed_weight_is_the_smoothed_models(tiny_llama_dir, groups):
+    """`smoothed_weight` of each Linear, one at a time, is exactly the weight `smooth_model`
+    leaves (up_proj by its columns and / or down_proj's rows), and None where it leaves it."""
+    model = outlier_model(tiny_llama_dir)
+    table = ScaleTable(calibrate_model(model, calib_ids()))
+    heads = {"all": ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj"),
+             "no_down": ("self_attn.q_proj", "mlp.gate_proj"), "down_only": ("mlp.down_proj",)}[groups]
+    alpha = {f"model.layers.{i}.{h}": 0.5 for i in range(len(model.model.layers)) for h in heads}
+    factors = smoothing_factors(model, table, alpha)
+    ref = outlier_model(tiny_llama_dir)
+    smooth_model(ref, table, alpha)
+    for i, layer in enumerate(model.model.layers):
+        prefix = f"model.layers.{i}"
+        for rel, mod in layer.named_modules():
+            if isinstance(mod, torch.nn.Linear):
+                got = smoothed_weight(layer, prefix, factors, rel)
+                want = ref.model.layers[i].get_submodule(rel).weight
+                if torch.equal(want, mod.weight):
+                    assert got is None, rel
+                else:
+                    assert torch.equal(got[0], want), rel
 
 
 def test_smoothed_absmax_is_table_over_s(smoothed):
