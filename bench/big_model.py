@@ -38,6 +38,7 @@ import os
 import shutil
 import subprocess
 import sys
+import tempfile
 import time
 from pathlib import Path
 
@@ -143,11 +144,15 @@ def safetensors_bytes(model_dir: Path) -> int:
 def run(argv: list[str], env: dict) -> tuple[float, int]:
     """Run `quantspec ARGV` in a fresh process → (wall seconds, peak resident bytes)."""
     cmd = [sys.executable, "-c", "from quantspec.cli import main; main()", *argv]
-    t0 = time.perf_counter()
-    proc = subprocess.Popen(cmd, env=env, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
-    _, status, usage = os.wait4(proc.pid, 0)
-    wall = time.perf_counter() - t0
-    err = proc.stderr.read()
+    # the child's stderr goes to a file: a pipe nobody reads while we wait would stall a child
+    # that prints more than the pipe holds (progress of a deep model)
+    with tempfile.TemporaryFile("w+") as err_file:
+        t0 = time.perf_counter()
+        proc = subprocess.Popen(cmd, env=env, stdout=subprocess.DEVNULL, stderr=err_file, text=True)
+        _, status, usage = os.wait4(proc.pid, 0)
+        wall = time.perf_counter() - t0
+        err_file.seek(0)
+        err = err_file.read()
     if os.waitstatus_to_exitcode(status) != 0:
         raise SystemExit(f"quantspec {' '.join(argv)} failed:\n{err[-2000:]}")
     return wall, usage.ru_maxrss * 1024
