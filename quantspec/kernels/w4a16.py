@@ -86,9 +86,11 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M. Up to
     16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
     numbers do not depend on the other rows and a verification row gives what its decode step
-    gives: [16, 128] tiles with the weight as the narrow-side operand for W4A16's nibble dots, the
-    wide one for W8A16, and split-K so that a layer's weight is streamed by enough programs to
-    fill the GPU (an H100's bf16 sweep, `bench/kernels.py --sweep-only`)."""
+    gives: [16, 128] tiles, and split-K so that a layer's weight is streamed by enough programs
+    to fill the GPU. With nibble dots (unswapped) the deepest split (8) wherever K allows it: the
+    fastest at 1 and 16 rows on the Llama-3-8B shapes of an H100's bf16 sweep (`bench/kernels.py
+    --sweep-only`); without them (a group smaller than 128) swapped, split to about `SM_TARGET`
+    programs. W8A16 has its own small-M launch (`w8a16.w8a16_default_config`)."""
     if M > 64:
         return W4A16Config(64, 128, min(block_k, 64), 1, 4, 4) if M <= 256 else \
             W4A16Config(128, 128, min(block_k, 64), 1, 8, 3)
@@ -96,7 +98,9 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
         block_m = 32 if M <= 32 else 64
         split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, 64))))
         return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=True)
-    split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
+    split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2))
+    if not nibble_dots:
+        split = max(1, min(split, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
     return W4A16Config(16, 128, block_k, split, 4, 3, swap_ab=not nibble_dots, nibble_dots=nibble_dots)
 
 

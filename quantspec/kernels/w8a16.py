@@ -5,8 +5,8 @@ Because the scale is per output channel it factors out of the K sum, so the kern
 x · q and applies the scale once in the epilogue (fewer multiplies, and the int8 → float convert
 is the only dequant work in the inner loop).
 
-The launches are W4A16's (`w4a16.gpu_weight_only_config` on a GPU: `tl.dot` tiles for every M,
-split-K for small M). Split-K partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k`
+The launches are W4A16's tiles (`tl.dot` for every M on a GPU, split-K for small M), with a
+small-M shape of its own (`w8a16_default_config`). Split-K partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k`
 sums in split order.
 """
 
@@ -35,9 +35,15 @@ W8A16Config = W4A16Config
 
 
 def w8a16_default_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
-    """Launch heuristic: `w4a16.gpu_weight_only_config` on a GPU; tiny tiles on the CPU."""
+    """Launch heuristic: on a GPU, up to 16 rows one launch shape (a row's numbers do not depend
+    on the other rows): [16, 64] tiles, unswapped (`W4A16Config.swap_ab`), split-K 4 where K allows it —
+    the fastest single shape over 1 and 16 rows of the Llama-3-8B shapes in an H100's bf16 sweep
+    (`bench/kernels.py --sweep-only`); more rows `w4a16.gpu_weight_only_config`'s tiles. Tiny
+    tiles on the CPU."""
     if not on_gpu:
         return W4A16Config(1, 16, 16, 2) if M <= GEMV_MAX_M else W4A16Config(16, 16, 16, 1)
+    if M <= 16:
+        return W4A16Config(16, 64, 128, max(1, min(4, triton.cdiv(K, 128) // 2)), 4, 3)
     return gpu_weight_only_config(M, N, K, 128)
 
 

@@ -7,6 +7,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.kernels.w4a16 import (
     W4A16Config,
+    w4a16_default_config,
     w4a16_dequantize,
     w4a16_dequantize_ref,
     w4a16_linear,
@@ -76,6 +77,18 @@ def test_split_k_and_tile_configs(cfg, zero_dtype, dtype):
     y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
+
+
+def test_gpu_small_m_launch_splits_deepest():
+    """The GPU's launch for up to 16 rows with nibble dots takes the deepest split K allows, one
+    shape for every M ≤ 16, and computes the reference under the interpreter."""
+    x, wp, s, g, z, b, _ = _make(16, 2048, 128, torch.float32, asym=False, bias=False, seed=12)
+    cfg = w4a16_default_config(16, N, 2048, 128, on_gpu=True)
+    assert cfg == w4a16_default_config(1, N, 2048, 128, on_gpu=True)
+    assert cfg.nibble_dots and cfg.split_k == 8
+    y = w4a16_linear(x, wp, s, g, config=cfg)
+    torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g), rtol=1e-5, atol=1e-5)
+    assert torch.equal(w4a16_linear(x[:1], wp, s, g, config=cfg), y[:1])
 
 
 @pytest.mark.parametrize("block_m", [16, 1])

@@ -6,6 +6,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.kernels.w8a16 import (
     W8A16Config,
+    w8a16_default_config,
     w8a16_dequantize,
     w8a16_dequantize_ref,
     w8a16_linear,
@@ -43,6 +44,24 @@ def test_split_k_configs(cfg, dtype):
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(w8a16_linear(x, q, s, b, config=cfg).float(),
                                w8a16_linear_ref(x, q, s, b).float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_gpu_small_m_launch(dtype):
+    """The GPU's launch for up to 16 rows (split-K over a K that allows the full split) computes
+    the reference, and one shape for every M ≤ 16: a decode row equals the same row inside a
+    verification step."""
+    k = 1024
+    gen = torch.Generator().manual_seed(5)
+    q = torch.randint(-128, 128, (N, k), dtype=torch.int8, generator=gen)
+    s = (torch.rand(N, generator=gen) * 0.01 + 1e-3).to(dtype)
+    x = torch.randn(16, k, generator=gen).to(dtype)
+    cfg = w8a16_default_config(16, N, k, on_gpu=True)
+    assert cfg == w8a16_default_config(1, N, k, on_gpu=True) and cfg.split_k == 4
+    y = w8a16_linear(x, q, s, config=cfg)
+    tol = 1e-4 if dtype == torch.float32 else 5e-3  # K = 1024 sums of |q| ≤ 128: split order differs
+    torch.testing.assert_close(y.float(), w8a16_linear_ref(x, q, s).float(), rtol=tol, atol=tol)
+    assert torch.equal(w8a16_linear(x[:1], q, s, config=cfg), y[:1])
 
 
 def test_reference_is_scaled_matmul():
