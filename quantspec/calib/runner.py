@@ -23,7 +23,9 @@ gathers the batch's embedding rows from the checkpoint (in blocks, never the who
 reads each layer's tensors (memory-mapped, in `dtype` on `device`) just before the layer runs,
 and — unless `keep_layers=True` — returns them to `meta` once the step is done. No accelerate
 hooks: resident are one layer's weights and one layer's inputs and outputs. The caller must take
-whatever it wants from the layer (e.g. its quantized tensors) before the next step.
+whatever it wants from the layer (e.g. its quantized tensors) before the next step. The heap's
+free pages go back to the system when a streamed pass grows past its steady state, and after its
+last layer (`_HeapWatch`), so its memory does not grow with depth.
 
 `start=i, inputs=x` begins at layer i with its inputs x [n, S, D] (a resumed run), skipping the
 embedding and the layers before.
@@ -33,6 +35,7 @@ Use the iterator (`for step in LayerRunner(...)`) or the callback wrapper `run_l
 
 from __future__ import annotations
 
+import os
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Callable, Iterator
@@ -49,6 +52,9 @@ __all__ = ["DEFAULT_BATCH_SIZE", "LayerRunner", "LayerStep", "run_layers", "laye
 
 # samples per forward: 8 × 512 tokens keeps SmolLM2's attention scores (8 × 9 × 512²) ≈ 75 MB
 DEFAULT_BATCH_SIZE = 8
+# a streamed pass hands the heap's free pages back when resident memory has grown this much over
+# its steady state (`_HeapWatch`)
+HEAP_SLACK_BYTES = 64 * 2**20
 
 KVHook = Callable[[int, torch.Tensor, torch.Tensor], None]
 Progress = Callable[[int, int, str], None]  # (layer index, num layers, phase) — phase "start"/"done"
@@ -170,6 +176,7 @@ class LayerRunner:
         if not all_finite(x):
             raise QuantSpecError("model.embed_tokens produced NaN/Inf; the checkpoint is corrupt")
         L = self.num_layers
+        heap = _HeapWatch()
         for i in range(self.start, L):
             layer, name = self.model.model.layers[i], layer_prefix(i)
             if self.progress is not None:
@@ -187,10 +194,42 @@ class LayerRunner:
                     CheckpointReader.release(layer)
             x = step.outputs
             step.inputs = step.outputs = None  # the previous activations can be freed
+            if streamed:
+                heap.check()
             if self.progress is not None:
                 self.progress(i, L, "done")
         release_free_heap()  # the steps' temporaries, before what comes next (e.g. the head) allocates
         self.hidden = x
+
+
+class _HeapWatch:
+    """Hands the heap's free pages back (`release_free_heap`) when resident memory after a layer
+    has grown by more than `slack` bytes over what it was after the first layer (or the first
+    after the last trim). Temporaries freed between longer-lived tensors leave free pages that
+    glibc keeps, a little more after every layer (≈ 20 MB a layer in the α search on
+    Llama-3.2-1B's shapes), so a streamed pass would grow with depth; a trim also makes the next
+    allocations fault their pages in again (≈ 30 ms a layer on the default model, whose steps
+    keep a steady ≈ 50 MB of free pages), so a pass that does not grow is not trimmed."""
+
+    def __init__(self, slack: int = HEAP_SLACK_BYTES):
+        self.slack, self.base = slack, None
+
+    def check(self) -> None:
+        now = _resident_bytes()
+        if self.base is None:
+            self.base = now
+        elif now > self.base + self.slack:
+            release_free_heap()
+            self.base = None  # the next layer's steady state
+
+
+def _resident_bytes() -> int:
+    """This process's resident memory (0 without /proc/self/statm: then nothing is trimmed)."""
+    try:
+        with open("/proc/self/statm") as f:
+            return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+    except (OSError, ValueError, IndexError):
+        return 0
 
 
 def run_layers(model: Transformer, input_ids: torch.Tensor, *,

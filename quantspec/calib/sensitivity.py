@@ -56,6 +56,8 @@ ALPHA_GRID = (0.3, 0.4, 0.5, 0.6, 0.7, 0.8, 0.9, 0.95)
 # Linear of the group), and the static scales themselves still come from the full table
 MAX_ROWS = 2048
 DOWN_GROUP = ("mlp.down_proj",)  # the up_proj → down_proj smoothing group (relative names)
+# rows of a weight fake-quantized at a time (float32): its temporaries stay this small whatever N
+_FQ_BLOCK_BYTES = 16 * 2**20
 
 
 def static_weight_args(kind: str) -> QuantArgs:
@@ -66,30 +68,38 @@ def static_weight_args(kind: str) -> QuantArgs:
 
 @torch.no_grad()
 def fake_quant_weight(w: torch.Tensor, kind: str) -> torch.Tensor:
-    """w [N, K] → per-output-channel symmetric int8 / fp8 fake-quantized copy (float32)."""
+    """w [N, K] → per-output-channel symmetric int8 / fp8 fake-quantized copy (float32), in
+    blocks of rows of at most `_FQ_BLOCK_BYTES`: each row's scale and codes are its own, so the
+    numbers are one call's over all rows, and the temporaries stay small whatever N."""
     if w.ndim != 2:
         raise QuantSpecError(f"fake_quant_weight: w must be [N, K], got {tuple(w.shape)}")
     args = static_weight_args(kind)
-    w = w.float()
-    scale, zp = choose_qparams(w, args)
-    return fake_quantize(w, scale, zp, args)
+    out = torch.empty(w.shape, dtype=torch.float32, device=w.device)  # [N, K]
+    rows = max(1, _FQ_BLOCK_BYTES // (w.shape[1] * 4))
+    for a in range(0, w.shape[0], rows):
+        block = w[a:a + rows].float()  # [≤ rows, K]
+        scale, zp = choose_qparams(block, args)
+        out[a:a + rows] = fake_quantize(block, scale, zp, args)
+    return out
 
 
 @torch.no_grad()
-def static_linear_error(x: torch.Tensor, weights: Iterable[torch.Tensor], input_scale: torch.Tensor,
-                        kind: str, *, x_ref: torch.Tensor | None = None,
+def static_linear_error(x: torch.Tensor, weights: Sequence[torch.Tensor], input_scale: torch.Tensor,
+                        kind: str, *, smooth: torch.Tensor | None = None,
+                        x_ref: torch.Tensor | None = None,
                         weights_ref: Sequence[torch.Tensor] | None = None,
                         y_ref: Sequence[torch.Tensor] | None = None,
                         quantized: bool = False) -> tuple[float, float]:
     """(Σ_i Σ_t ||ŷ_t − y_t||² / ||y_t||², number of (i, t) terms) over `weights` [N_i, K] for
     x [T, K]: the error is relative *per token*, so that their ratio is the mean per-token
-    relative error. `weights` is read once, in order (a generator makes each weight when it is
-    scored, so one Linear's copies are resident at a time).
+    relative error.
 
     ŷ = fq(x, input_scale) · fq(W)ᵀ (static per-tensor input, per-channel weights); the reference
-    y = x_ref · W_refᵀ (defaults: x, weights — pass the unsmoothed pair to score a smoothing), or
-    the given outputs y_ref [T, N_i] (computed once when scoring many candidates).
-    `quantized`: `weights` are fq(W) already (`fake_quant_weight`'s), used as they are.
+    y = x_ref · W_refᵀ (defaults: x, weights), or the given outputs y_ref [T, N_i] (computed once
+    when scoring many candidates). `smooth` s [K]: the Linears are scored smoothed,
+    ŷ = fq(x / s, input_scale) · fq(W · s)ᵀ, each W · s made when it is scored (one Linear's
+    copies are resident at a time), against the unsmoothed reference. `quantized`: `weights`
+    are fq(W) already (`fake_quant_weight`'s), used as they are.
     Why per token: SmolLM2-like models have a few tokens with massive activations (absmax ~10³
     vs ~2); a plain Σ||ŷ − y||² / Σ||y||² is dominated by those tokens and hides that a static
     scale sized for them rounds every ordinary token coarsely.
@@ -97,15 +107,23 @@ def static_linear_error(x: torch.Tensor, weights: Iterable[torch.Tensor], input_
     if x.ndim != 2:
         raise QuantSpecError(f"static_linear_error: x must be [T, K], got {tuple(x.shape)}")
     x = x.float()
-    xq = fake_quantize(x, input_scale.float().reshape(1).to(x.device), None, static_args(kind))  # [T, K]
+    xs = x if smooth is None else x / smooth  # [T, K]
+    xq = fake_quantize(xs, input_scale.float().reshape(1).to(x.device), None, static_args(kind))  # [T, K]
+    del xs
     xr = x if x_ref is None else x_ref.float()
     err = ref = 0.0
-    for i, w in enumerate(weights):  # one Linear's temporaries at a time (`weights` may be lazy)
+    for i, w in enumerate(weights):
         w_ref = w if weights_ref is None else weights_ref[i]
         y = xr @ w_ref.float().T if y_ref is None else y_ref[i]  # [T, N]
-        yq = xq @ (w if quantized else fake_quant_weight(w, kind)).T  # [T, N]
-        del w, w_ref
-        per_tok = yq.sub_(y).pow_(2).sum(dim=1) / y.pow(2).sum(dim=1).clamp(min=1e-30)  # [T]
+        del w_ref
+        den = y.pow(2).sum(dim=1).clamp(min=1e-30)  # [T]
+        if smooth is not None:
+            w = w.float() * smooth  # [N, K]
+        wq = w if quantized else fake_quant_weight(w, kind)  # [N, K]
+        del w
+        yq = xq @ wq.T  # [T, N]
+        del wq
+        per_tok = yq.sub_(y).pow_(2).sum(dim=1) / den  # [T]
         del yq
         err += float(per_tok.sum())
         ref += float(y.shape[0])
@@ -121,18 +139,23 @@ def group_alpha_errors(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
     The static input scale for α is scale_from_absmax(max_j(c_j / s_j) · clip) — clip is the
     table's per-tensor / per-channel-max ratio (1 for minmax), as `smoothed_input_absmax` does.
+    One Linear at a time, every α over it (its outputs [T, N_i] are every α's reference), its
+    errors added to each α's in the order of `weights`.
     """
     w_absmax = weight_input_absmax(*weights)  # [K]
     x = x.float()
-    y_ref = [x @ w.float().T for w in weights]  # [T, N_i], the same for every α
-    out = {}
-    for a in alphas:
-        s = smoothquant_scales(channel_absmax, w_absmax, float(a))  # [K]
-        absmax = (channel_absmax.float() / s).amax() * clip
-        scale = scale_from_absmax(absmax, kind)
-        smoothed = (w.float() * s for w in weights)  # one at a time: [N_i, K] each
-        out[float(a)] = static_linear_error(x / s, smoothed, scale, kind, y_ref=y_ref)
-    return out
+    steps = {}  # α → (s [K], static input scale)
+    for a in dict.fromkeys(float(a) for a in alphas):
+        s = smoothquant_scales(channel_absmax, w_absmax, a)  # [K]
+        steps[a] = (s, scale_from_absmax((channel_absmax.float() / s).amax() * clip, kind))
+    sums = {a: [0.0, 0.0] for a in steps}
+    for w in weights:
+        y_ref = x @ w.float().T  # [T, N_i]
+        for a, (s, scale) in steps.items():
+            e, r = static_linear_error(x, [w], scale, kind, smooth=s, y_ref=[y_ref])
+            sums[a][0] += e
+            sums[a][1] += r
+    return {a: (e, r) for a, (e, r) in sums.items()}
 
 
 def smoothing_groups(prefix: str) -> list[tuple[str, ...]]:

@@ -93,18 +93,36 @@ def test_static_linear_error_matches_hand_reference():
     torch.testing.assert_close(fake_quant_weight(ws[0], "int8"), ref_fq_int8_channel(ws[0]))
 
 
-def test_static_linear_error_lazy_and_prequantized_weights_are_the_same_numbers():
-    """Weights from a generator (made when scored) and weights passed already quantized give
-    exactly the errors of the plain call."""
+def test_static_linear_error_smoothed_and_prequantized_are_the_same_numbers():
+    """Smoothing by s inside (W · s made per Linear) and weights passed already rounded give
+    exactly the errors of the calls that take them made outside."""
     g = torch.Generator().manual_seed(2)
     x = torch.randn(40, 24, generator=g)
+    x[:, 3] *= 30.0
     ws = [torch.randn(7, 24, generator=g), torch.randn(5, 24, generator=g)]
-    scale = torch.tensor([x.abs().amax() / 127.5])
-    want = static_linear_error(x, ws, scale, "int8")
-    assert static_linear_error(x, (w.clone() for w in ws), scale, "int8") == want
+    s = x.abs().amax(0).sqrt()
+    scale = torch.tensor([(x / s).abs().amax() / 127.5])
+    y_ref = [x @ w.T for w in ws]
+    want = static_linear_error(x / s, [w * s for w in ws], scale, "int8", y_ref=y_ref)
+    assert static_linear_error(x, ws, scale, "int8", smooth=s, y_ref=y_ref) == want
+    assert static_linear_error(x, ws, scale, "int8", smooth=s) == \
+        static_linear_error(x / s, [w * s for w in ws], scale, "int8", x_ref=x, weights_ref=ws)
     wq = [fake_quant_weight(w, "int8") for w in ws]
     assert static_linear_error(x, wq, scale, "int8", quantized=True) == \
         static_linear_error(x, ws, scale, "int8", weights_ref=wq)
+
+
+@pytest.mark.parametrize("kind", ["int8", "fp8"])
+def test_fake_quant_weight_in_row_blocks_is_one_call(monkeypatch, kind):
+    """Rounding a weight a few rows at a time gives the numbers of one call over all rows."""
+    from quantspec.calib import sensitivity
+
+    w = torch.randn(37, 16, generator=torch.Generator().manual_seed(3))
+    whole = fake_quant_weight(w, kind)
+    monkeypatch.setattr(sensitivity, "_FQ_BLOCK_BYTES", 5 * 16 * 4)  # blocks of 5 rows
+    assert torch.equal(fake_quant_weight(w, kind), whole)
+    if kind == "int8":
+        torch.testing.assert_close(whole, ref_fq_int8_channel(w))
 
 
 def test_group_alpha_errors_brute_force_and_best():
