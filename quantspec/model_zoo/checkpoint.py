@@ -256,6 +256,34 @@ class FileRange:
 
 # safetensors' dtype names of the float types a checkpoint's weights come in
 _FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
+# every safetensors dtype `CheckpointReader.read` reads with plain file reads
+_FILE_DTYPES = {**_FLOAT_DTYPES, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
+                "I64": torch.int64, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+                "F8_E5M2": torch.float8_e5m2}
+_READ_BLOCK_BYTES = 16 * 2**20  # a tensor is read (and converted) this many bytes at a time
+
+
+def read_file_range(r: "FileRange", dtype: torch.dtype | None = None) -> torch.Tensor:
+    """The tensor at `r`, read with plain file reads (no mapping: the only copy resident is the
+    result's) and converted to `dtype` a block of rows at a time."""
+    src = _FILE_DTYPES[r.dtype]
+    out = torch.empty(r.shape, dtype=dtype or src)
+    flat = out.view(-1)
+    item = src.itemsize
+    per = max(1, _READ_BLOCK_BYTES // item)  # elements a block
+    with open(r.path, "rb") as f:
+        f.seek(r.offset)
+        for a in range(0, flat.numel(), per):
+            n = min(per, flat.numel() - a)
+            if out.dtype == src:  # straight into the result
+                buf = flat[a:a + n].view(torch.uint8)
+            else:
+                buf = torch.empty(n * item, dtype=torch.uint8)
+            if f.readinto(memoryview(buf.numpy())) != n * item:
+                raise QuantSpecError(f"{r.path} is truncated; re-download or re-create it")
+            if out.dtype != src:
+                flat[a:a + n] = buf.view(src).to(out.dtype)
+    return out
 
 
 def checkpoint_float_dtype(model_dir: str | os.PathLike) -> torch.dtype | None:
@@ -303,13 +331,20 @@ class CheckpointReader:
     def read(self, names: list[str], *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
         """{name: tensor} for `names`, converted to `dtype` (default: the checkpoint's) on `device`;
-        each tensor owns its memory (none keeps its file mapped)."""
+        each tensor owns its memory, read with plain file reads (`read_file_range`: no file
+        mapping doubles a large tensor while it is copied)."""
         from safetensors import safe_open
 
         out = {}
         for f, ns in self._files_of(list(names)).items():
-            for n in ns:  # one tensor's pages mapped at a time
-                with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
+            for n in ns:
+                r = self.ranges[n]
+                if r.dtype in _FILE_DTYPES:
+                    with reading_safetensors(f):
+                        t = read_file_range(r, dtype if torch.device(device).type == "cpu" else None)
+                    out[n] = t.to(device=device, dtype=dtype or t.dtype)
+                    continue
+                with reading_safetensors(f), safe_open(str(f), framework="pt") as h:  # one tensor mapped
                     t = h.get_tensor(n)  # a view of the mapped file
                     out[n] = t.to(device=device, dtype=dtype or t.dtype, copy=True)
                     del t

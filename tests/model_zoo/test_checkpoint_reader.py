@@ -42,6 +42,29 @@ def test_reads_what_the_whole_load_reads(tiny_llama_dir, tmp_path):
         assert r.read(names)[names[0]].dtype == whole[names[0]].dtype  # the checkpoint's dtype
 
 
+@pytest.mark.parametrize("block", [7, 64, 1 << 20])
+def test_file_reads_equal_safetensors_own(tmp_path, monkeypatch, block):
+    """`read` takes each tensor with plain file reads, in blocks of any size: every dtype it
+    reads, as it is and converted, equals safetensors' own load (its mapped view converted)."""
+    monkeypatch.setattr(ckpt, "_READ_BLOCK_BYTES", block)
+    g = torch.Generator().manual_seed(0)
+    tensors = {"f32": torch.randn(5, 13, generator=g), "bf16": torch.randn(33, 7, generator=g).bfloat16(),
+               "f16": torch.randn(3, 3, 3, generator=g).half(), "i8": torch.randint(-128, 128, (9, 11), dtype=torch.int8),
+               "i32": torch.randint(-2**31, 2**31 - 1, (6,), dtype=torch.int32),
+               "fp8": torch.randn(4, 10, generator=g).to(torch.float8_e4m3fn), "scalar": torch.tensor(2.5),
+               "empty": torch.zeros(0, 4)}
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    (tmp_path / "config.json").write_text("{}")
+    r = CheckpointReader(tmp_path)
+    got = r.read(list(tensors))
+    for k, t in tensors.items():
+        assert got[k].dtype == t.dtype and got[k].shape == t.shape, k
+        assert torch.equal(got[k].reshape(-1).view(torch.uint8), t.reshape(-1).view(torch.uint8)), k
+    conv = r.read(["f32", "bf16", "f16", "i8"], dtype=torch.float32)
+    for k in conv:
+        assert torch.equal(conv[k], tensors[k].float()), k
+
+
 def test_rows_are_the_embedding_lookup_in_any_block_size(tiny_llama_dir, monkeypatch):
     r = CheckpointReader(tiny_llama_dir)
     emb = load_checkpoint_tensors(tiny_llama_dir)["model.embed_tokens.weight"]

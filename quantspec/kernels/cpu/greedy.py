@@ -33,7 +33,7 @@ import torch
 
 from quantspec.kernels.cpu.build import need
 from quantspec.kernels.cpu.gemm import packed_gemm_ref, packed_pairs_gemm_ref
-from quantspec.kernels.cpu.layouts import pack_w8_pairs
+from quantspec.kernels.cpu.layouts import PACK_BLOCK, pack_w8_pairs
 
 __all__ = ["PAIR_ABS_ERR", "has_int8_screen", "int8_screen_tables", "row_norms_up", "screen_bound",
            "screened_argmax", "screened_argmax_i8", "screened_argmax_i8_ref", "screened_argmax_pairs",
@@ -72,23 +72,26 @@ def int8_screen_tables(w: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, tor
         raise ValueError(f"int8 head screen: K = {k} is too large for its error bound (< 131072)")
     gamma = 1.01 * k * 2.0 ** -24
     slack = 1 + 2.0 ** -40
-    q = torch.empty(n, k, dtype=torch.int8)
+    packed = torch.empty(-(-n // PACK_BLOCK), k // 2, 2 * PACK_BLOCK, dtype=torch.int8)  # pack_w8_pairs' layout
     amax, scale, u, t = (torch.empty(n, dtype=dt) for dt in (torch.float64, torch.float32, torch.float32, torch.float32))
-    # in chunks of rows: float64 copies of a whole head would add ~16 bytes per weight at load
-    # (+760 MB for SmolLM2's, many GB for a large vocabulary); rows are independent
-    step = max(1, (1 << 20) // max(1, k))
+    # in chunks of whole column blocks: float64 copies of a whole head would add ~16 bytes per
+    # weight at load (+760 MB for SmolLM2's, many GB for a large vocabulary), and the codes go
+    # straight into their packed blocks (no whole-head codes beside the packed copy); rows are
+    # independent, and so are column blocks
+    step = max(1, (1 << 20) // max(1, k) // PACK_BLOCK) * PACK_BLOCK
     for r0 in range(0, n, step):
         wd = w[r0:r0 + step].double()
         am = wd.abs().amax(dim=1)
         sc = torch.where(am > 0, am / 127, torch.ones_like(am)).float()  # the fp32 scale used
         qd = torch.round(wd / sc.double()[:, None]).clamp_(-127, 127)
         deq = qd * sc.double()[:, None]
-        amax[r0:r0 + step], scale[r0:r0 + step], q[r0:r0 + step] = am, sc, qd.to(torch.int8)
+        amax[r0:r0 + step], scale[r0:r0 + step] = am, sc
+        packed[r0 // PACK_BLOCK:(r0 + step) // PACK_BLOCK] = pack_w8_pairs(qd.to(torch.int8))
         u[r0:r0 + step] = _up(((wd - deq).norm(dim=1) + gamma * wd.norm(dim=1)) * slack)
         t[r0:r0 + step] = _up(deq.norm(dim=1) * slack)
     smax = float(scale.max()) if n else 1.0
     abs_err = k * 2.0 ** -118 * (1.0 + 128.0 * smax + float(amax.max() if n else 0.0))
-    return pack_w8_pairs(q), scale, u, t, 2.0 ** -22, abs_err
+    return packed, scale, u, t, 2.0 ** -22, abs_err
 
 
 def row_norms_up(w: torch.Tensor) -> torch.Tensor:
