@@ -38,8 +38,8 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
 - eagle:             an EAGLE-3 head (`--eagle DIR`, from `quantspec zoo train-draft-head --kind
                      eagle3`) as a chain of `--eagle-chain` drafts (with the back-off) and as
                      each token tree of `--eagle-trees` (default 4x2), and quantized on its own
-                     (`--eagle-quant`) with the first tree; on a base loaded for these rows alone
-                     (the head's hooks take that base off the fused CPU stack).
+                     (`--eagle-quant`) with the first tree; the base's forwards capture the
+                     head's aux features, on the fused CPU stack as every other row's.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
 with `--rounds R` each prompt runs R times through every method (interleaved) and each method
 keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
@@ -239,8 +239,7 @@ def _mtp_methods(a, common: dict, loaded, methods: dict) -> None:
 
 def _head_methods(a, common: dict, loaded, methods: dict, kind: str) -> None:
     """Draft heads (`kind` medusa or eagle) as a chain and as token trees, plain and quantized on
-    their own. EAGLE-3 rows get a base of their own: the head's hooks on the base's layers take
-    it off the fused CPU stack, which must not slow the other rows."""
+    their own."""
     from quantspec import api
     from quantspec.paths import cache_dir
 
@@ -248,10 +247,6 @@ def _head_methods(a, common: dict, loaded, methods: dict, kind: str) -> None:
     where = getattr(a, kind)
     if not where or not (Path(where).expanduser() / "config.json").is_file():
         raise SystemExit(f"--methods {kind} needs --{kind} DIR (from `quantspec zoo train-draft-head --kind {train}`)")
-    if kind == "eagle":
-        from quantspec.infer.loader import load_for_inference
-
-        loaded = load_for_inference(common["model"])
     heads = Path(where).expanduser()
     chain = getattr(a, f"{kind}_chain")
     cfg = InferConfig(**common, speculate_method=kind, draft_model=str(heads), speculate_max_draft_token_num=chain)

@@ -51,7 +51,7 @@ from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
 
-__all__ = ["DraftLimit", "Engine", "EngineConfig", "Proposer", "SeqStats", "Sequence", "StepInfo"]
+__all__ = ["DraftLimit", "Engine", "EngineConfig", "FeatureReader", "Proposer", "SeqStats", "Sequence", "StepInfo"]
 
 
 @dataclass
@@ -89,6 +89,20 @@ class Proposer(Protocol):
         """Forget a finished sequence (free draft-side state)."""
 
 
+class FeatureReader(Protocol):
+    """A proposer that also reads the base's residual streams of every forward of the engine
+    (EAGLE-3's aux features), asked for explicitly: the engine's forwards `capture` them."""
+
+    def capture_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The layer ids whose input streams each forward captures (id `num_layers`: the last
+        layer's output)."""
+
+    def file_streams(self, rows: list[tuple[Sequence, int]], token_ids: list[int], positions: list[int],
+                     streams: tuple[torch.Tensor, ...]) -> None:
+        """One forward's rows: (sequence, its query rows) in row order, the fed tokens and their
+        positions [T], and the streams [T, D] in `capture_layers`' order."""
+
+
 class Engine:
     """Continuous batching over `model` (module docstring). `runtime`: what the device backend
     prepared for the model (`LoadedModel.runtime`); None: the model's modules, with the device's
@@ -113,8 +127,10 @@ class Engine:
         self.scheduler = Scheduler(config, self.cache.allocator)
         self._next_id = 0
         self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
-        if hasattr(proposer, "attach"):  # a drafter that reads the base's forwards (EAGLE-3's features)
-            proposer.attach(self)
+        # the residual streams a drafter reads from every forward (EAGLE-3's aux features): each
+        # forward captures them and hands them to `proposer.file_streams` (`FeatureReader`)
+        self.capture: tuple[int, ...] = (tuple(proposer.capture_layers(args.num_layers))
+                                         if hasattr(proposer, "capture_layers") else ())
         self.num_steps = 0
         # the forward of the current step, in row order: (sequence, query rows) — a prefill step
         # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and
@@ -267,7 +283,10 @@ class Engine:
         row_idx = torch.tensor(rows, device=self.device) if len(rows) < len(feed_ids) else None
         out_rows = None if self.config.all_hidden_rows else row_idx
         scored = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta), out_rows,
-                            row_invariant=row_invariant, stack=self.runtime.stack)  # [sum(1+k_b), D]
+                            row_invariant=row_invariant, stack=self.runtime.stack, capture=self.capture)  # [R, D]
+        if self.capture:
+            scored, streams = scored  # streams: the captured ids' [T, D] each
+            self.proposer.file_streams(self.forward_rows, feed_ids, positions.tolist(), streams)
         if row_idx is not None and out_rows is None:
             scored = scored[row_idx]
         ids = None

@@ -296,12 +296,13 @@ def load_eagle3(path: str | os.PathLike, base: ModelArgs | None = None, *, dtype
 
 class AuxCapture:
     """Forward (pre-)hooks on a base's decoder layers that keep its aux features of the latest
-    forward: `features()` → [T, 3·D] (the ids' residual streams, concatenated in id order).
-    `on_forward(features)`, if given, is called once a forward has passed the last id."""
+    forward: `features()` → [T, 3·D] (the ids' residual streams, concatenated in id order). For
+    forwards that cannot ask for them (training's plain attention over a whole sequence); the
+    engine's forwards ask `Transformer.forward(capture=...)` instead."""
 
-    def __init__(self, base: nn.Module, layer_ids: tuple[int, ...], on_forward=None):
+    def __init__(self, base: nn.Module, layer_ids: tuple[int, ...]):
         layers = base.model.layers
-        self.ids, self.on_forward = tuple(layer_ids), on_forward
+        self.ids = tuple(layer_ids)
         self._seen: dict[int, torch.Tensor] = {}
         self._handles = []
         for i in sorted(set(self.ids)):
@@ -310,16 +311,11 @@ class AuxCapture:
             else:  # id L: the last layer's output
                 self._handles.append(layers[i - 1].register_forward_hook(self._post(i)))
 
-    def _keep(self, i: int, x: torch.Tensor) -> None:
-        self._seen[i] = x
-        if i == max(self.ids) and self.on_forward is not None:
-            self.on_forward(self.features())
-
     def _pre(self, i):
-        return lambda _m, args: self._keep(i, args[0])
+        return lambda _m, args: self._seen.__setitem__(i, args[0])
 
     def _post(self, i):
-        return lambda _m, _args, out: self._keep(i, out)
+        return lambda _m, _args, out: self._seen.__setitem__(i, out)
 
     def features(self) -> torch.Tensor:
         return torch.cat([self._seen[i] for i in self.ids], dim=-1)  # [T, 3D]

@@ -13,6 +13,9 @@ What runs the numbers is injected rather than built in:
   are submodules: plain torch at build time, replaced by name by an inference backend;
 - the whole decoder stack: `Transformer.forward(stack=...)` takes a `StackRunner` that may run
   every layer in one call (falling back to the modules when it returns None).
+A forward asked to `capture` layer ids also returns the residual streams entering those layers
+(id L, the number of layers: the last layer's output), e.g. EAGLE-3's aux features: the module
+path keeps them in its loop, a stack runner serves the request itself or returns None.
 A forward asked for `row_invariant` rows (a decode or verification step) gives every row the
 numbers it would get alone: it passes the flag to the stack runner and to every linear that
 declares `takes_row_invariant` (an inference backend's, whose kernel choice depends on the rows).
@@ -212,9 +215,12 @@ class StackRunner(Protocol):
     """Runs every decoder layer of a model in one call (an inference backend's)."""
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn: AttentionBackend,
-                 out_rows: torch.Tensor | None, row_invariant: bool) -> torch.Tensor | None:
+                 out_rows: torch.Tensor | None, row_invariant: bool, capture: tuple[int, ...] = ()
+                 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """x [T, D] embeddings, cos / sin [T, hd] → the last layer's output ([T, D], or its
-        `out_rows` rows), or None where the modules must run."""
+        `out_rows` rows); with `capture` (layer ids), (that output, the residual stream [T, D]
+        entering each id's layer, in `capture`'s order; id L: the last layer's output over every
+        row); None where the modules must run."""
 
 
 class DenseCausalAttention:
@@ -369,14 +375,20 @@ class Transformer(nn.Module):
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
                 out_rows: torch.Tensor | None = None, *, row_invariant: bool = False,
-                stack: StackRunner | None = None) -> torch.Tensor:
+                stack: StackRunner | None = None, capture: tuple[int, ...] = ()
+                ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]]:
         """input_ids, positions: [T] → hidden [T, D] before the final norm; with `out_rows` [N]
         (int64 row indices) only those rows, [N, D]. Every row still runs through every layer's
         attention (its keys / values are cached); a stack runner may skip the last layer's o
         projection and MLP for the rows not asked for. `row_invariant`: each row's numbers as it
         gets alone, whatever the other rows (module docstring). `stack`: a `StackRunner` tried
-        before the modules."""
+        before the modules. `capture`: layer ids in 0..L → (the hidden states, the residual
+        streams [T, D] entering those layers in `capture`'s order; id L: the last layer's output,
+        every row of it whatever `out_rows`)."""
         assert input_ids.ndim == 1 and positions.shape == input_ids.shape
+        capture = tuple(capture)
+        if any(not 0 <= i <= self.args.num_layers for i in capture):
+            raise QuantSpecError(f"capture ids {capture} must lie in 0..{self.args.num_layers} (the number of layers)")
         if self.cos is None or int(positions.max()) >= self._rope_len:
             need = max(int(positions.max()) + 1, self.args.max_position_embeddings)
             self.setup_rope(need)
@@ -385,12 +397,17 @@ class Transformer(nn.Module):
         if cos.dtype != x.dtype:  # HF casts the fp32 tables to the activations' dtype
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if stack is not None:
-            out = stack(x, cos, sin, attn, out_rows, row_invariant)
+            out = stack(x, cos, sin, attn, out_rows, row_invariant, capture)
             if out is not None:
                 return out
-        for layer in self.model.layers:
+        streams: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.model.layers):
+            if i in capture:
+                streams[i] = x
             x = layer(x, cos, sin, attn, row_invariant)
-        return x if out_rows is None else x[out_rows]
+        streams[len(self.model.layers)] = x
+        out = x if out_rows is None else x[out_rows]
+        return (out, tuple(streams[i] for i in capture)) if capture else out
 
     def compute_logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """hidden: [N, D] (pre-norm) → logits [N, V] in fp32."""

@@ -1,6 +1,7 @@
 """Which CUDA graph a step replays (`infer/cuda/graphs.py`), checked without a GPU: the batch
 buckets, a graph per (bucket, rows per sequence), the least recently replayed graph dropped first,
-another cache's graphs dropped, oversized steps left to the eager path."""
+another cache's graphs dropped, oversized steps and steps that capture residual streams left to
+the eager path."""
 
 import pytest
 import torch
@@ -55,11 +56,11 @@ class _Kernel:
         return None, None, torch.zeros(1, 1), 1
 
 
-def _step(plan, cache, B, q):
+def _step(plan, cache, B, q, capture=()):
     attn = type("A", (), {})()
     attn.shape, attn.cache = (B, q), cache
     attn.meta = type("M", (), {"slot_mapping": None})()
-    return plan(torch.zeros(B * q, 3), torch.zeros(B * q, 2), None, attn, None, False)
+    return plan(torch.zeros(B * q, 3), torch.zeros(B * q, 2), None, attn, None, False, capture)
 
 
 def test_steps_replay_their_bucket_and_the_least_recent_graph_goes():
@@ -76,6 +77,7 @@ def test_steps_replay_their_bucket_and_the_least_recent_graph_goes():
     _step(plan, cache, 9, 1)  # bucket 16: the third graph drops (1, 5), the least recent
     assert list(k[:2] for k in plan.graphs) == [(4, 1), (16, 1)]
     assert _step(plan, cache, 64, MAX_GRAPH_ROWS // 64 + 1) is None  # too many rows: eager
+    assert _step(plan, cache, 4, 1, capture=(2, 0)) is None  # EAGLE-3's features: the modules keep them
     other = type("C", (), {"kernel": _Kernel()})()
     _step(plan, other, 1, 1)  # another cache: the graphs of the first are dropped
     assert list(k[:2] for k in plan.graphs) == [(1, 1)]

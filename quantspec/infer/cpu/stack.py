@@ -7,7 +7,9 @@ step beyond the weight reads is Python: about a dozen module calls and twenty te
 The extension's `DecoderPlan` (`infer/cpu/csrc/plans.cpp`) gathers each layer's tensors once and
 runs the modules' calls in their order (rms_norm, qkv linear, rope over q and k, paged attention,
 o linear, add, rms_norm, gate/up linear, silu*up, down linear, add) in one call, so its hidden
-states equal the modules' bitwise, in decode, verification and prefill steps alike.
+states equal the modules' bitwise, in decode, verification and prefill steps alike. A step asked
+to `capture` residual streams (EAGLE-3's aux features) runs one plan per segment of layers
+between the captured ids, each plan over its layers' share of the tensors and caches.
 
 It serves a step only when the modules would run exactly those kernels, and otherwise returns
 None (the modules run):
@@ -46,6 +48,7 @@ _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 # torch's registries of hooks on every module (`nn.modules.module.register_module_forward_hook`)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _EMPTY = torch.empty(0)
+_LAYER_TENSORS, _LAYER_INTS = 18, 12  # a layer's share of a plan's tensors and ints (`make_layer`)
 
 
 def _linear_spec(mod: nn.Module, dtype: torch.dtype):
@@ -175,29 +178,44 @@ class CpuLayerStack:
             return False
         return watch_holds(self._watch_dicts, self._watch_keys, self._watch_objs, self._hook_dicts)
 
-    def _plan_for(self, kernel: CpuAttention, block_size: int = 0):
-        """This stack's plan over `kernel`'s cache, for block tables of `block_size` (0: the
-        cache's; a token tree's step: 1). The cache's kernel owns it (a plan holds the cache's
-        tensors: kept by the runner, it would keep a discarded engine's cache alive)."""
+    def _plan_for(self, kernel: CpuAttention, block_size: int = 0, start: int = 0, stop: int | None = None):
+        """This stack's plan of layers [start, stop) (None: to the last) over `kernel`'s cache,
+        for block tables of `block_size` (0: the cache's; a token tree's step: 1). The cache's
+        kernel owns it (a plan holds the cache's tensors: kept by the runner, it would keep a
+        discarded engine's cache alive)."""
         plans = kernel.plans.setdefault(self, {})
         block_size = block_size or kernel.cache.block_size
-        plan = plans.get(block_size)
+        stop = len(self._layers) if stop is None else stop
+        plan = plans.get((block_size, start, stop))
         if plan is None:
             a = self.args
-            plan = plans[block_size] = cg.cpu_kernels().DecoderPlan(
-                self._tensors, self._ints, kernel.k_slots, kernel.v_slots, a.num_heads, a.num_kv_heads,
-                a.head_dim, block_size, float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5,
-                self.pairs, kernel.prefill_blocks)
+            plan = plans[(block_size, start, stop)] = cg.cpu_kernels().DecoderPlan(
+                self._tensors[_LAYER_TENSORS * start:_LAYER_TENSORS * stop],
+                self._ints[_LAYER_INTS * start:_LAYER_INTS * stop], kernel.k_slots[start:stop],
+                kernel.v_slots[start:stop], a.num_heads, a.num_kv_heads, a.head_dim, block_size,
+                float(self._layers[0].input_layernorm.eps), a.head_dim ** -0.5, self.pairs, kernel.prefill_blocks)
         return plan
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
-                 out_rows: torch.Tensor | None = None, row_invariant: bool = False) -> torch.Tensor | None:
+                 out_rows: torch.Tensor | None = None, row_invariant: bool = False, capture: tuple[int, ...] = ()
+                 ) -> torch.Tensor | tuple[torch.Tensor, tuple[torch.Tensor, ...]] | None:
         """The hidden states after the last layer (only the rows `out_rows` [N], int64, when
         given: the last layer's o projection and MLP run on those alone), or None where the
-        modules must run."""
+        modules must run. `capture` (layer ids, L: the last layer's output): the plans run the
+        layers in segments cut at the ids, and return (the hidden states, each id's residual
+        stream [T, D] in `capture`'s order), as `Transformer.forward` does."""
         if not self.serves(x, attn, row_invariant):
             return None
-        meta = attn.meta
-        plan = self._plan_for(attn.cache.kernel, meta.block_size)
-        return plan.forward(x, cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.block_tables,
-                            meta.q_lens, meta.seq_lens, out_rows)
+        meta, kernel = attn.meta, attn.cache.kernel
+        step = (cos.contiguous(), sin.contiguous(), meta.slot_mapping, meta.block_tables, meta.q_lens, meta.seq_lens)
+        if not capture:
+            return self._plan_for(kernel, meta.block_size).forward(x, *step, out_rows)
+        last = len(self._layers)
+        cuts = sorted(set(capture) | {0, last})
+        streams = {0: x}
+        for start, stop in zip(cuts, cuts[1:]):
+            rows = out_rows if stop == last and last not in capture else None  # id L wants every row
+            x = streams[stop] = self._plan_for(kernel, meta.block_size, start, stop).forward(x, *step, rows)
+        if out_rows is not None and last in capture:
+            x = x[out_rows]
+        return x, tuple(streams[i] for i in capture)

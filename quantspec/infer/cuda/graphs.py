@@ -11,8 +11,9 @@ new tokens after a cached context, at most 512 rows once padded — a decode ste
 per sequence (speculation at a fixed draft length; the n-gram proposer at b1) — through the
 cache's Triton attention (`TritonAttention`). Every other step (prefill, verification steps whose
 sequences bring different numbers of drafts, token trees, SDPA attention) returns None and runs
-eagerly, and so does every step while a forward hook sits on a module of the stack (a hook runs
-in Python, which a replay skips: EAGLE-3's feature capture, say).
+eagerly, and so does every step asked to `capture` residual streams (EAGLE-3's aux features:
+the modules keep them) or run while a forward hook sits on a module of the stack (a hook runs in
+Python, which a replay skips).
 
 B sequences run in the graph of (the smallest bucket Bp ≥ B, q); the padding sequences write no
 key (slot -1, which the write kernel skips), attend over stale keys and are dropped. The graph
@@ -120,8 +121,11 @@ class DecodeGraphs:
         return len(meta.q_lens), q
 
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
-                 out_rows: torch.Tensor | None, row_invariant: bool) -> torch.Tensor | None:
-        shape = self._step_shape(x, attn)
+                 out_rows: torch.Tensor | None, row_invariant: bool, capture: tuple[int, ...] = ()
+                 ) -> torch.Tensor | None:
+        """A step replayed by a graph, or None where it runs eagerly (a step a graph cannot
+        take, or one asked to `capture` residual streams: the modules keep them)."""
+        shape = None if capture else self._step_shape(x, attn)
         if shape is None:
             return None
         (B, q), cache = shape, attn.cache

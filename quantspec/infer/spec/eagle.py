@@ -1,9 +1,10 @@
 """`--speculate-method eagle`: an EAGLE-3 head (`model_zoo/eagle3.py`) drafts autoregressively
 over its own KV cache, as a chain or a `DxK` token tree.
 
-Features. Attached to an engine (`attach`), the proposer hooks the base's decoder layers
-(`AuxCapture`) and, after each forward, files every sequence's fed rows with their aux
-features, tokens and positions (`engine.forward_rows` gives the rows' owners). Before drafting,
+Features. The proposer names the base's layers whose input streams are its aux features
+(`capture_layers`); the engine's forwards capture them (`Transformer.forward(capture=...)`, which
+the fused CPU stack serves too) and hand each forward's rows to `file_streams`, which files every
+sequence's fed rows with their aux features, tokens and positions. Before drafting,
 a sequence's head *catches up*: the rows the verifier kept (a prompt's rows; a decode step's
 newest token and its accepted drafts, found in the fed tree by depth and token) run through the
 head, row p reading fc(aux features of p) and the token t_{p+1}, their keys / values appended to
@@ -22,7 +23,6 @@ draft in the cost model: its bytes read per token over the base's).
 
 from __future__ import annotations
 
-import weakref
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -33,7 +33,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import read_config
-from quantspec.model_zoo.eagle3 import (INT_BUFFERS, AuxCapture, Eagle3Args, Eagle3Head, check_draft_maps,
+from quantspec.model_zoo.eagle3 import (INT_BUFFERS, Eagle3Args, Eagle3Head, check_draft_maps,
                                         check_eagle3_matches_base, eagle3_weight_table, is_eagle3_config, load_eagle3)
 from quantspec.model_zoo.llama import Transformer
 
@@ -92,12 +92,7 @@ class EagleProposer:
         self.head, self.tree, self.policy = head, tree, policy
         self.depth = tree.depth if tree is not None else int(max_draft_tokens)
         self.width = tree.width if tree is not None else 1
-        self._engine = lambda: None
-        self._filed_rows: list | None = None
         self._states: dict[int, _HeadState] = {}
-        self._capture: AuxCapture | None = None
-        self._fed_ids: torch.Tensor | None = None
-        self._fed_pos: torch.Tensor | None = None
 
     @property
     def max_rows(self) -> int:
@@ -105,42 +100,23 @@ class EagleProposer:
 
     # -- features of the base's forwards ------------------------------------------------------
 
-    def attach(self, engine) -> None:
-        """Hook `engine.model` so every forward of the engine files its rows' features (module
-        docstring). The hooks hold the engine weakly and go when it does, or with `detach()`."""
-        self.detach()
-        self._engine = weakref.ref(engine)
-        self._capture = AuxCapture(engine.model, self.head.args.aux_layers(engine.model.args.num_layers),
-                                   on_forward=self._file)
-        self._pre = engine.model.register_forward_pre_hook(self._inputs)
+    def capture_layers(self, num_layers: int) -> tuple[int, ...]:
+        """The base's layers whose input streams are the head's aux features (the engine's
+        forwards capture them: `engine.FeatureReader`)."""
+        return tuple(self.head.args.aux_layers(num_layers))
 
-    def detach(self) -> None:
-        if self._capture is not None:
-            self._capture.remove()
-            self._pre.remove()
-            self._capture = None
-
-    def _inputs(self, _module, args) -> None:
-        self._fed_ids, self._fed_pos = args[0], args[1]  # [T] each
-
-    def _file(self, feats: torch.Tensor) -> None:
-        """feats [T, 3D] of this forward: each row goes to its sequence's state."""
-        engine = self._engine()
-        if engine is None:
-            self.detach()
-            return
-        rows = engine.forward_rows
-        # the engine sets a new `forward_rows` list before each of its forwards: the same list
-        # again is a forward of the model by someone else (another engine on the same base)
-        if rows is self._filed_rows or sum(q for _, q in rows) != feats.shape[0]:
-            return
-        self._filed_rows = rows
-        ids, pos = self._fed_ids.tolist(), self._fed_pos.tolist()
+    def file_streams(self, rows: list, token_ids: list[int], positions: list[int],
+                     streams: tuple[torch.Tensor, ...]) -> None:
+        """One forward of the engine: each sequence's rows ((sequence, query rows) in row order)
+        go to its state with their tokens, positions and aux features (streams [T, D] each, in
+        `capture_layers`' order)."""
+        feats = torch.cat(streams, dim=-1)  # [T, 3D]
         off = 0
         for seq, q in rows:
             st = self._state(seq)
             real = min(q, seq.num_tokens - seq.num_cached)
-            st.fed.append(_Fed(seq.num_cached, real, ids[off:off + q], pos[off:off + q], feats[off:off + q]))
+            st.fed.append(_Fed(seq.num_cached, real, token_ids[off:off + q], positions[off:off + q],
+                               feats[off:off + q]))
             off += q
 
     def _state(self, seq) -> _HeadState:

@@ -35,12 +35,12 @@ def models(tmp_path_factory):
 _PICKS = ([36, 3, 56], [1, 0], [3, 4], [1, 2, 3, 4, 5, 6, 7])
 
 
-def _steps(model, runtime, *, stack=True, kv_dtype="auto", pick=False):
+def _steps(model, runtime, *, stack=True, kv_dtype="auto", pick=False, capture=()):
     """A scripted run on a fresh cache (its attention kernel from `runtime`): two prompts
     prefilled together, a decode step, and two verification steps where the sequences bring
     different numbers of rows → all hidden states (`pick`: only the rows `_PICKS` asks for,
     through the forward's `out_rows`); `stack`: through the runtime's stack runner (else the
-    modules)."""
+    modules); `capture`: (those, each captured stream over every step's rows)."""
     a = model.args
     scales = {} if kv_dtype == "auto" else {"k_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05),
                                              "v_scale": torch.full((a.num_layers, a.num_kv_heads), 0.05)}
@@ -59,8 +59,10 @@ def _steps(model, runtime, *, stack=True, kv_dtype="auto", pick=False):
         rows = torch.tensor(_PICKS[step]) if pick else None
         with torch.no_grad():
             outs.append(model(ids, positions, PagedAttention(cache, meta), rows, row_invariant=step > 0,
-                              stack=runtime.stack if stack else None))
+                              stack=runtime.stack if stack else None, capture=capture))
         lens = seq_lens
+    if capture:
+        return torch.cat([o[0] for o in outs]), tuple(torch.cat(s) for s in zip(*(o[1] for o in outs)))
     return torch.cat(outs)
 
 
@@ -68,6 +70,14 @@ def _picked(full: torch.Tensor) -> torch.Tensor:
     """The `_PICKS` rows of a full `_steps` result."""
     starts = [0, 57, 59, 64]
     return torch.cat([full[start + torch.tensor(p)] for start, p in zip(starts, _PICKS)])
+
+
+def _three_rows(model, runtime):
+    """A fresh fp32 cache (the runtime's attention kernel) and the metadata of a 3-row prompt."""
+    a = model.args
+    cache = PagedKVCache(num_layers=a.num_layers, num_blocks=4, block_size=16, num_kv_heads=a.num_kv_heads,
+                         head_dim=a.head_dim, dtype=torch.float32, kernel=runtime.attention)
+    return cache, AttentionMetadata.build([3], [3], [cache.allocator.allocate(1)], 16, "cpu", cache.kernel)
 
 
 def _spy(runner):
@@ -129,6 +139,106 @@ def test_out_rows_are_bitwise_the_full_result_s_rows(models, name, dtype, monkey
     assert picked.shape == (sum(map(len, _PICKS)), model.args.hidden_size)
     assert torch.equal(picked, _picked(full))
     assert torch.equal(_steps(model, runtime, stack=False, pick=True), picked)
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("qwen2", torch.float32),
+                                        ("int8", torch.bfloat16), ("int4", torch.bfloat16)])
+@pytest.mark.parametrize("capture,pick", [((1, 0, "L"), False), ((1,), True), (("L", 1), True)])
+def test_captured_streams_equal_the_modules_bitwise(models, name, dtype, capture, pick):
+    """`capture` (EAGLE-3's aux features): the plans run the layers in segments cut at the ids;
+    the streams and the output (with `out_rows` too; id L: every row of the last output) are
+    bitwise the modules', and the segments' plans are kept per segment."""
+    lm = load_for_inference(models[name], dtype=dtype, tokenizer=False)
+    model, runtime = lm.model, lm.runtime
+    capture = tuple(model.args.num_layers if i == "L" else i for i in capture)  # L: the last output
+    served = _spy(runtime.stack)
+    fused, streams = _steps(model, runtime, pick=pick, capture=capture)
+    assert served == [True] * 4
+    modules, want = _steps(model, runtime, stack=False, pick=pick, capture=capture)
+    assert torch.equal(fused, modules) and len(streams) == len(capture)
+    for got, ref in zip(streams, want):
+        assert got.shape == (sum((57, 2, 5, 8)), model.args.hidden_size) and torch.equal(got, ref)
+    assert torch.equal(fused, _steps(model, runtime, pick=pick))  # the one-plan path's rows
+
+
+def test_segment_plans_are_kept_per_segment(models):
+    lm = load_for_inference(models["llama"], tokenizer=False)
+    model, runtime = lm.model, lm.runtime
+    cache, meta = _three_rows(model, runtime)
+    with torch.no_grad():
+        for capture in ((), (1,), (1,), (1, 2), (3,)):
+            model(torch.tensor([5, 6, 7]), torch.arange(3), PagedAttention(cache, meta), stack=runtime.stack,
+                  capture=capture)
+    plans = cache.kernel.plans[runtime.stack]
+    assert sorted(plans) == [(16, 0, 1), (16, 0, 3), (16, 1, 2), (16, 1, 3), (16, 2, 3)]
+    assert [plans[k].num_layers() for k in sorted(plans)] == [1, 3, 1, 2, 1]
+
+
+def _eagle_recorder(plain):
+    """An EAGLE proposer that drafts the plain run's tokens (wrong at depth 3, so some drafts are
+    accepted and some not) and records the head's state at each draft: (rows, last output)."""
+    from quantspec.infer.spec.eagle import EagleProposer
+
+    class Recorder(EagleProposer):
+        def __init__(self, *a, **k):
+            super().__init__(*a, **k)
+            self.seen = []
+
+        def _catch_up(self, seq, st):
+            self._current = (seq.seq_id, len(seq.output_ids))
+            return super()._catch_up(seq, st)
+
+        def _draft(self, st, depth):
+            self.seen.append((st.n, st.last.clone(), super()._draft(st, depth)))
+            sid, done = self._current
+            want = [plain[sid][min(done + d, len(plain[sid]) - 1)] for d in range(depth)]
+            return [[(t + 7) % 500 if d == 2 else t] + [(t + 1) % 500] * (self.width - 1) for d, t in enumerate(want)]
+
+    return Recorder
+
+
+@pytest.mark.parametrize("name,dtype", [("llama", torch.float32), ("int8", torch.bfloat16)])
+def test_eagle_on_the_fused_stack_equals_the_modules(models, tmp_path, name, dtype):
+    """EAGLE-3 (a chain and a 2x2 tree) over a base whose every step the one-call stack serves,
+    aux features included: greedy output identical to plain decoding, and the head's states and
+    drafts bitwise those of the same run on the modules."""
+    import dataclasses
+
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.sampler import SamplingParams
+    from quantspec.infer.spec.eagle import load_eagle3_for_inference
+    from quantspec.infer.spec.tree import TreeSpec
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.eagle3 import save_eagle3
+    from quantspec.model_zoo.eagle3_train import init_eagle3
+
+    head_dir = save_eagle3(init_eagle3(load_model(models["llama"])[0], torch.arange(0, 512, 2), (0, 1, 3)),
+                           tmp_path / "head")
+    lm = load_for_inference(models[name], dtype=dtype, tokenizer=False)
+    served = _spy(lm.runtime.stack)
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 21)]
+
+    def run(proposer, runtime=lm.runtime):
+        eng = Engine(lm.model, EngineConfig(block_size=16, max_batch_size=2, max_length=128, spec_max_draft_tokens=4),
+                     eos_token_ids=[], proposer=proposer, runtime=runtime)
+        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=32)) for p in prompts]
+        eng.run()
+        return [s.output_ids for s in seqs], sum(s.stats.accepted for s in seqs)
+
+    plain = dict(enumerate(run(None)[0]))
+    head = load_eagle3_for_inference(head_dir, lm.model)
+    recorder = _eagle_recorder(plain)
+    for tree in (None, TreeSpec(2, 2)):
+        fused, modules = recorder(head, tree=tree, max_draft_tokens=4), recorder(head, tree=tree, max_draft_tokens=4)
+        served.clear()
+        out, accepted = run(fused)
+        assert out == list(plain.values()) and accepted > 10
+        assert len(served) > 10 and all(served)  # every step, prefill included, on the plans
+        assert run(modules, dataclasses.replace(lm.runtime, stack=None))[0] == out
+        assert len(fused.seen) == len(modules.seen) > 10
+        for (n, last, drafts), (n2, last2, drafts2) in zip(fused.seen, modules.seen):
+            assert n == n2 and torch.equal(last, last2) and drafts == drafts2
 
 
 def test_greedy_and_speculative_generation_match_transformers(models):
@@ -220,11 +330,7 @@ def test_a_discarded_cache_is_freed(models):
 
     lm = load_for_inference(models["llama"], tokenizer=False)
     model, runtime = lm.model, lm.runtime
-    a = model.args
-    cache = PagedKVCache(num_layers=a.num_layers, num_blocks=4, block_size=16, num_kv_heads=a.num_kv_heads,
-                         head_dim=a.head_dim, dtype=torch.float32, kernel=runtime.attention)
-    table = cache.allocator.allocate(1)
-    meta = AttentionMetadata.build([3], [3], [table], 16, "cpu", cache.kernel)
+    cache, meta = _three_rows(model, runtime)
     with torch.no_grad():
         model(torch.tensor([5, 6, 7]), torch.arange(3), PagedAttention(cache, meta), stack=runtime.stack)
     assert len(cache.kernel.plans) == 1

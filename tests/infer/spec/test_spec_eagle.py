@@ -52,8 +52,6 @@ def _run(model, prompts, proposer=None, k=0, params=None, chunk=None, first_inde
     seqs = [eng.add_request(p, params or SamplingParams(max_new_tokens=40), request_index=first_index + i)
             for i, p in enumerate(prompts)]
     eng.run()
-    if proposer is not None:
-        proposer.detach()
     return seqs
 
 
@@ -86,11 +84,9 @@ def test_published_layout(head_dir, base):
 def _reference_rows(base, head, tokens):
     """From scratch: the base's aux features over `tokens`, the head over every row causally →
     (the rows' inputs (tokens, hidden [L-1, D], positions), outputs [L-1, D], keys [L-1, KV, hd])."""
-    cap = AuxCapture(base, head.args.aux_layer_ids)
     ids = torch.tensor(tokens)
-    base(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
-    feats = cap.features()
-    cap.remove()
+    _, streams = base(ids, torch.arange(len(ids)), DenseCausalAttention(1, len(ids)), capture=head.args.aux_layer_ids)
+    feats = torch.cat(streams, dim=-1)
     keys = []
 
     def attend(q, k, v):
@@ -100,6 +96,26 @@ def _reference_rows(base, head, tokens):
     n = len(tokens) - 1
     inputs = (ids[1:], head.fc(feats[:n]), torch.arange(n))
     return inputs, head(*inputs, attend), keys[0]
+
+
+@pytest.mark.parametrize("ids", [AUX, (2, 0), (1,)])
+def test_forward_capture_equals_the_hooks(base, ids):
+    """`Transformer.forward(capture=ids)` gives the streams the training's hooks (`AuxCapture`)
+    see, in `ids`' order; id L is the last layer's output over every row, whatever `out_rows`."""
+    tokens = torch.tensor(_prompts([11], seed=4)[0])
+    attn = DenseCausalAttention(1, len(tokens))
+    cap = AuxCapture(base, ids)
+    try:
+        with torch.no_grad():
+            hidden = base(tokens, torch.arange(len(tokens)), attn)
+            want = cap.features()
+    finally:
+        cap.remove()
+    with torch.no_grad():
+        out, streams = base(tokens, torch.arange(len(tokens)), attn, torch.tensor([10, 3]), capture=ids)
+    assert torch.equal(torch.cat(streams, dim=-1), want) and torch.equal(out, hidden[[10, 3]])
+    with pytest.raises(QuantSpecError, match="capture ids"):
+        base(tokens, torch.arange(len(tokens)), attn, capture=(3,))
 
 
 def _reference_chain(head, inputs, out, depth):
@@ -167,8 +183,9 @@ def test_head_cache_equals_a_recompute_with_accepted_drafts(base, head_dir, tree
 
 
 def test_forwards_of_the_base_by_another_engine_are_not_filed(base, head_dir):
-    """A plain engine on the same base runs between the EAGLE engine's steps: its forwards pass
-    the hooks, but the head's cache still equals a recompute of the EAGLE sequence alone."""
+    """A plain engine on the same base runs between the EAGLE engine's steps: the head's cache
+    still equals a recompute of the EAGLE sequence alone (only its own engine's forwards
+    capture features)."""
     prompts = _prompts([8], seed=8)
     plain = {0: _run(base, prompts)[0].output_ids}
     proposer = _Oracle(load_eagle3_for_inference(head_dir, base), max_draft_tokens=3, plain=plain)
@@ -178,7 +195,6 @@ def test_forwards_of_the_base_by_another_engine_are_not_filed(base, head_dir):
     while eng.has_work():
         eng.step()
         _run(base, _prompts([5, 6, 7, 9], seed=9 + len(seq.output_ids)))  # decode rows: 4, as the EAGLE step's
-    proposer.detach()
     assert seq.output_ids == plain[0] and seq.stats.accepted > 5
     tokens, n, k, last = proposer.kept[seq.seq_id]
     with torch.inference_mode():
