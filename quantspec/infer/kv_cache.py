@@ -18,6 +18,8 @@ the metadata of each step then says whether the kernel serves that step (`meta.k
 
 from __future__ import annotations
 
+import math
+import mmap
 from dataclasses import dataclass
 from enum import Enum
 from typing import Callable, Protocol
@@ -102,6 +104,18 @@ class BlockAllocator:
         self._num_free += len(blocks)
 
 
+def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """A zero tensor; on the CPU in fresh anonymous memory, whose pages the system zero-fills
+    when first written, so the cache's blocks take memory as sequences fill them rather than all
+    at once (a model's `--max-length` × `--batch-size` cache is mostly never written). Private
+    (a forked process gets its own copy on write), page-aligned, freed with the tensor."""
+    nbytes = dtype.itemsize * math.prod(shape)
+    if torch.device(device).type != "cpu" or nbytes == 0:
+        return torch.zeros(shape, dtype=dtype, device=device)
+    buf = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE)
+    return torch.frombuffer(buf, dtype=torch.uint8).view(dtype).view(shape)
+
+
 class AttentionKernel(Protocol):
     """A device backend's attention over one cache (writes the step's keys / values and attends)."""
 
@@ -143,8 +157,8 @@ class PagedKVCache:
         self.k_scale = None if k_scale is None else k_scale.to(device, torch.float32)
         self.v_scale = None if v_scale is None else v_scale.to(device, torch.float32)
         shape = (num_layers, num_blocks, block_size, num_kv_heads, head_dim)
-        self.k = torch.zeros(shape, dtype=storage, device=device)
-        self.v = torch.zeros(shape, dtype=storage, device=device)
+        self.k = _zeros(shape, storage, device)
+        self.v = _zeros(shape, storage, device)
         self.allocator = BlockAllocator(num_blocks)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
         self.kernel = None if kernel is None else kernel(self)

@@ -6,6 +6,8 @@ int8 max ≤ 0.1, mean ≤ 0.01 (measured 0.054 / 0.0055); fp8 max ≤ 0.3, mean
 0.133 / 0.016).
 """
 
+import os
+
 import pytest
 import torch
 
@@ -184,3 +186,24 @@ def test_cpu_attention_kernel_only_for_power_of_two_blocks():
         assert meta.fresh_prefill and meta.kernel == (takes and cache.kernel is not None)
         if cache.kernel is not None:
             assert cache.kernel.serves([512], [512]) and cache.kernel.serves([600], [600]) == takes
+
+
+def _resident_bytes() -> int:
+    with open("/proc/self/statm") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+@pytest.mark.skipif(not os.path.exists("/proc/self/statm"), reason="needs /proc")
+def test_cpu_cache_takes_memory_as_it_fills():
+    """A CPU cache's blocks are zeros that take memory only once written: a cache costs
+    next to nothing until used (1 GB here), a written block reads back, every other block reads zero."""
+    before = _resident_bytes()
+    cache = PagedKVCache(num_layers=8, num_blocks=2048, block_size=16, num_kv_heads=8, head_dim=128,
+                         dtype=torch.bfloat16)
+    assert cache.k.numel() * 2 + cache.v.numel() * 2 == 2**30
+    assert _resident_bytes() - before < 64 * 2**20
+    cache.k[3, 7].fill_(1.5)
+    assert _resident_bytes() - before < 64 * 2**20
+    assert bool((cache.k[3, 7] == 1.5).all())
+    assert sum(int(cache.k[i].count_nonzero()) for i in range(8)) == 16 * 8 * 128
+    assert sum(int(cache.v[i].count_nonzero()) for i in range(8)) == 0
