@@ -26,7 +26,7 @@ from torch import nn
 
 from quantspec.infer.dispatch import DispatchPolicy
 
-__all__ = ["Runtime", "default_runtime", "prepare", "prepare_weight", "triton_linear"]
+__all__ = ["Runtime", "default_runtime", "prepare", "prepare_head", "prepare_weight", "triton_linear"]
 
 
 @dataclass(frozen=True)
@@ -60,6 +60,15 @@ def prepare(model: nn.Module, device: torch.device | str, *, policy: DispatchPol
     loaded with."""
     device = torch.device(device)
     return _room(device).prepare(model, device, policy or DispatchPolicy(), fuse=fuse)
+
+
+def prepare_head(head: nn.Module, device: torch.device | str) -> nn.Module:
+    """Rewrite a draft head (an EAGLE-3 head, Medusa heads, the draft-vocabulary rows a proposer
+    gathered) in place for `device`, as `prepare` rewrites a model's layers: its float linears in
+    the backend's layouts, its norms, rotary and activations on the backend's kernels. → `head`."""
+    device = torch.device(device)
+    _room(device).prepare_head(head, device)
+    return head
 
 
 def default_runtime(device: torch.device | str) -> Runtime:

@@ -24,9 +24,10 @@ from torch import nn
 from quantspec.infer.dispatch import LinearKind
 from quantspec.infer.quant_linear import QuantLinear
 from quantspec.model_zoo.checkpoint import release_free_heap
+from quantspec.model_zoo.llama import MLP
 from quantspec.quant.compressed import QuantizedLinearTensors
 
-__all__ = ["fuse_projections", "stack_linears"]
+__all__ = ["fuse_mlps", "fuse_projections", "stack_linears"]
 
 
 def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
@@ -91,6 +92,22 @@ def stack_linears(mods: list[nn.Module]) -> nn.Module | None:
     return None
 
 
+def _fuse_mlp(mlp: MLP) -> int:
+    """Stack one MLP's gate/up in place → 1 when it was fused, else 0."""
+    if mlp.gate_up_proj is None and mlp.gate_proj is not None:
+        fused = stack_linears([mlp.gate_proj, mlp.up_proj])
+        if fused is not None:
+            mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
+            return 1
+    return 0
+
+
+def fuse_mlps(module: nn.Module) -> int:
+    """Fuse the gate/up projections of every `MLP` below `module` (a draft head's) in place;
+    returns how many."""
+    return sum(_fuse_mlp(m) for m in list(module.modules()) if isinstance(m, MLP))
+
+
 def fuse_projections(model: nn.Module) -> int:
     """Fuse every decoder layer's q/k/v and gate/up projections in place; returns how many
     groups were fused (two per layer when every layer qualifies)."""
@@ -102,10 +119,6 @@ def fuse_projections(model: nn.Module) -> int:
             if fused is not None:
                 attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None
                 n += 1
-        if mlp.gate_up_proj is None and mlp.gate_proj is not None:
-            fused = stack_linears([mlp.gate_proj, mlp.up_proj])
-            if fused is not None:
-                mlp.gate_up_proj, mlp.gate_proj, mlp.up_proj = fused, None, None
-                n += 1
+        n += _fuse_mlp(mlp)
         release_free_heap()  # the originals' memory, between the stacked copies: no growth per layer
     return n

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.llama import MLP, ModelArgs, RMSNorm, apply_rope, rope_cos_sin
+from quantspec.model_zoo.llama import MLP, ModelArgs, RMSNorm, RotaryEmbedding, rope_cos_sin
 from quantspec.model_zoo.mtp import base_fingerprint
 
 __all__ = ["EAGLE3_ARCHITECTURE", "AuxCapture", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
@@ -161,11 +161,12 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * a.hidden_size, a.kv_size, bias=False)
         self.v_proj = nn.Linear(2 * a.hidden_size, a.kv_size, bias=False)
         self.o_proj = nn.Linear(a.q_size, a.hidden_size, bias=False)
+        self.rotary_emb = RotaryEmbedding()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         T, H, KV, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q = apply_rope(self.q_proj(x).view(T, H, hd), cos, sin)  # [T, H, hd]
-        k = apply_rope(self.k_proj(x).view(T, KV, hd), cos, sin)  # [T, KV, hd]
+        q = self.rotary_emb(self.q_proj(x).view(T, H, hd), cos, sin)  # [T, H, hd]
+        k = self.rotary_emb(self.k_proj(x).view(T, KV, hd), cos, sin)  # [T, KV, hd]
         v = self.v_proj(x).view(T, KV, hd)
         return self.o_proj(attend(q, k, v).reshape(T, H * hd))
 

@@ -10,8 +10,9 @@
 
 `prepare(model, device, policy)` rewrites a loaded `Transformer` or a bound `MTPModule` for the
 CPU (modules replaced by name, parameters untouched) and returns the `Runtime` of what the engine
-and the drafters plug in. Where quantspec's CPU kernels are not built (or the policy keeps them
-out), it keeps torch's ops.
+and the drafters plug in; `prepare_head(head, device)` rewrites a draft head (EAGLE-3, Medusa)
+the same way. Where quantspec's CPU kernels are not built (or the policy keeps them out), it keeps
+torch's ops.
 """
 
 from __future__ import annotations
@@ -27,11 +28,11 @@ from quantspec.infer.cpu.linears import PackedInt8Linear, SkinnyLinear, all_line
 from quantspec.infer.cpu.mtp_step import CpuMTPStep
 from quantspec.infer.cpu.stack import CpuLayerStack
 from quantspec.infer.dispatch import DispatchPolicy
-from quantspec.infer.fuse import fuse_projections
+from quantspec.infer.fuse import fuse_mlps, fuse_projections
 from quantspec.kernels import cpu as cg
 from quantspec.model_zoo.mtp import MTPModule
 
-__all__ = ["default_runtime", "prepare"]
+__all__ = ["default_runtime", "prepare", "prepare_head"]
 
 
 def _attention(policy: DispatchPolicy):
@@ -96,3 +97,11 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
         greedy = GreedyHead.build(model)
     return Runtime(device=device, stack=stack, greedy=greedy, attention=base.attention, int8_head=base.int8_head,
                    ngram=base.ngram, packed_rows=all_linears_packed(model))
+
+
+def prepare_head(head: nn.Module, device: torch.device, policy: DispatchPolicy | None = None) -> nn.Module:
+    """Rewrite a draft head for the CPU as a model's layers are (`_prepare_modules`, gate/up
+    stacked first): its fp32 / bf16 linears packed, its small ops on the kernels. → `head`."""
+    fuse_mlps(head)
+    _prepare_modules(head, policy or DispatchPolicy())
+    return head

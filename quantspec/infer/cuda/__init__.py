@@ -23,7 +23,7 @@ from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.fuse import fuse_projections
 from quantspec.model_zoo.mtp import MTPModule
 
-__all__ = ["GRAPHS_SWITCH", "default_runtime", "prepare"]
+__all__ = ["GRAPHS_SWITCH", "default_runtime", "prepare", "prepare_head"]
 
 GRAPHS_SWITCH = "QUANTSPEC_CUDA_GRAPHS"  # "0": every step launches its kernels from Python (eager)
 
@@ -46,3 +46,8 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     graphs = policy.cuda_graphs and os.environ.get(GRAPHS_SWITCH, "1") != "0"
     stack = DecodeGraphs(model.model.layers) if graphs else None
     return Runtime(device=device, attention=TritonAttention.for_cache, stack=stack)
+
+
+def prepare_head(head: nn.Module, device: torch.device) -> nn.Module:
+    """A draft head on CUDA runs as loaded (its quantized linears on the Triton path)."""
+    return head

@@ -227,14 +227,15 @@ def eagle_draft_cost(head: Eagle3Head, base: Transformer) -> float:
 
 def build_eagle_proposer(config, loaded) -> tuple[EagleProposer, int]:
     """`--speculate-method eagle --draft-model DIR [--speculate-tree DxK]` → (proposer, the most
-    draft rows a step verifies)."""
+    draft rows a step verifies); the head prepared for the base's device (`backend.prepare_head`)."""
+    from quantspec.infer.backend import prepare_head
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost, loaded_runtime
 
     if not config.draft_model:
         raise QuantSpecError("--speculate-method eagle needs --draft-model DIR (an EAGLE-3 head from "
                              "`quantspec zoo train-draft-head --kind eagle3`)")
     base, runtime = loaded.model, loaded_runtime(loaded)
-    head = load_eagle3_for_inference(config.draft_model, base)
+    head = prepare_head(load_eagle3_for_inference(config.draft_model, base), base.model.norm.weight.device)
     tree = parse_tree_spec(getattr(config, "speculate_tree", None))
     k = int(config.speculate_max_draft_token_num)
     policy = None

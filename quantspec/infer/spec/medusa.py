@@ -71,14 +71,13 @@ class MedusaProposer:
         self.depth = min(n, tree.depth) if tree is not None else min(n, int(max_draft_tokens))
         self.width = tree.width if tree is not None else 1
         self.vocab = heads.medusa_draft_vocab
-        self.rows: list[nn.Module | None] = []
+        # head k's draft-vocabulary rows (empty without a draft vocabulary): a linear of their own,
+        # which a backend prepares like the heads (`backend.prepare_head`)
+        self.rows = nn.ModuleList()
         dtype = norm.weight.dtype
-        for proj in heads.projections()[:self.depth]:
-            if self.vocab is None:
-                self.rows.append(None)
-                continue
-            # the draft vocabulary's rows, gathered once (a quantized head's rows dequantized:
-            # the same numbers its kernel computes with, Vd instead of V rows a draft)
+        for proj in heads.projections()[:self.depth] if self.vocab is not None else ():
+            # gathered once (a quantized head's rows dequantized: the same numbers its kernel
+            # computes with, Vd instead of V rows a draft)
             w = proj.weight if isinstance(proj, nn.Linear) else proj.dequantized_weight(dtype)  # [V, D]
             sub = nn.Linear(w.shape[1], self.vocab.numel(), bias=False, device=w.device, dtype=dtype)
             sub.weight.data = w.detach()[self.vocab.to(w.device)].to(dtype).contiguous()  # [Vd, D]
@@ -90,10 +89,9 @@ class MedusaProposer:
 
     def _logits(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Head k's scores [A, Vd or V] and the ids of its columns (None: the full vocabulary)."""
-        if self.rows[k] is not None:
+        if self.vocab is not None:
             return self.rows[k](x), self.vocab
-        full = self.heads.projections()[k](x)  # [A, V]
-        return (full, None) if self.vocab is None else (full[:, self.vocab], self.vocab)
+        return self.heads.projections()[k](x), None  # [A, V]
 
     def _depth(self, seq, budget: int) -> int:
         """How many drafts `seq` gets this step (the policy is read every step: it learns from
@@ -151,7 +149,9 @@ def medusa_draft_cost(heads: MedusaHeads, base: Transformer) -> tuple[float, flo
 
 def build_medusa_proposer(config, loaded) -> tuple[MedusaProposer, int]:
     """`--speculate-method medusa --draft-model DIR [--speculate-tree DxK]` → (proposer, the most
-    draft rows a step verifies)."""
+    draft rows a step verifies); the heads and their gathered rows prepared for the base's device
+    (`backend.prepare_head`)."""
+    from quantspec.infer.backend import prepare_head
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost, loaded_runtime
 
     if not config.draft_model:
@@ -161,6 +161,9 @@ def build_medusa_proposer(config, loaded) -> tuple[MedusaProposer, int]:
     heads = load_medusa_for_inference(config.draft_model, base)
     tree = parse_tree_spec(getattr(config, "speculate_tree", None))
     proposer = MedusaProposer(heads, base.model.norm, tree=tree, max_draft_tokens=config.speculate_max_draft_token_num)
+    device = base.model.norm.weight.device
+    prepare_head(heads, device)
+    prepare_head(proposer.rows, device)
     if tree is None and getattr(config, "speculate_backoff", True):
         fixed, per_draft = medusa_draft_cost(heads, base)
         cost = SpecCost.for_device(runtime.device, draft_per_token=per_draft, draft_fixed=fixed,

@@ -14,6 +14,7 @@ from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.eagle import EagleProposer, load_eagle3_for_inference
 from quantspec.infer.spec.tree import TreeSpec
+from quantspec.kernels.cpu import cpu_kernels
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.eagle3 import (AuxCapture, Eagle3Args, causal_attend, default_aux_layers,
                                         eagle3_weight_table, load_eagle3, save_eagle3)
@@ -377,3 +378,29 @@ def test_cli_infer_eagle_equals_plain(tiny_llama_dir, head_dir, tmp_path, tree):
                          tag="eagle")
     assert spec == plain
     assert stats["speculate_method"] == "eagle" and stats["drafted_tokens"] > 0
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
+def test_built_proposer_drafts_with_the_head_the_backend_prepared(base, head_dir):
+    """On CPU the builder hands the head to the backend (`backend.prepare_head`): every linear
+    packed, gate/up stacked, norms / rotary / activation on the kernels; it still drafts, and
+    greedy output stays plain decoding's."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from quantspec.infer.cpu.layers import CpuRMSNorm, CpuRotary, CpuSiluAndMul
+    from quantspec.infer.cpu.linears import PackedLinear
+    from quantspec.infer.predictor import InferConfig
+    from quantspec.infer.spec.proposers import build_proposer
+
+    cfg = InferConfig(speculate_method="eagle", draft_model=str(head_dir), speculate_tree="2x2")
+    proposer, rows = build_proposer(cfg, SimpleNamespace(model=base))
+    kinds = {type(m) for m in proposer.head.modules()}
+    assert PackedLinear in kinds and nn.Linear not in kinds
+    assert {CpuRMSNorm, CpuRotary, CpuSiluAndMul} <= kinds
+    prompts = _prompts([7, 15], seed=9)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    seqs = _run(base, prompts, proposer, rows)
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(s.stats.drafted for s in seqs) > 0

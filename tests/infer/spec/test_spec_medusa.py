@@ -12,6 +12,7 @@ from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.medusa import MedusaProposer, load_medusa_for_inference
 from quantspec.infer.spec.tree import TreeSpec
+from quantspec.kernels.cpu import cpu_kernels
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.medusa import MedusaArgs, MedusaHeads, load_medusa, medusa_weight_table, save_medusa
 from quantspec.model_zoo.medusa_train import init_medusa, medusa_targets, train_medusa
@@ -202,3 +203,31 @@ def test_cli_infer_medusa_equals_plain_with_its_figures(tiny_llama_dir, heads_di
     assert 0 < stats["draft_steps"] <= stats["drafted_tokens"]
     assert 1 <= len(stats["acceptance_per_position"]) <= (2 if extra[1:] else 3)  # depths / one position a head
     assert stats["mean_accepted_length"] >= 1.0
+
+
+@pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
+@pytest.mark.parametrize("tree", [None, "2x2"])
+def test_built_proposer_drafts_with_heads_the_backend_prepared(base, heads_dir, tree):
+    """On CPU the builder hands the heads and their gathered draft-vocabulary rows to the backend
+    (`backend.prepare_head`): every linear packed; they still draft, and greedy output stays
+    plain decoding's."""
+    from types import SimpleNamespace
+
+    from torch import nn
+
+    from quantspec.infer.cpu.linears import PackedLinear
+    from quantspec.infer.predictor import InferConfig
+    from quantspec.infer.spec.proposers import build_proposer
+
+    cfg = InferConfig(speculate_method="medusa", draft_model=str(heads_dir), speculate_tree=tree)
+    proposer, rows = build_proposer(cfg, SimpleNamespace(model=base))
+    kinds = {type(m) for m in [*proposer.heads.modules(), *proposer.rows.modules()]}
+    assert PackedLinear in kinds and nn.Linear not in kinds
+    assert len(proposer.rows) == proposer.depth
+    assert all(type(r) is PackedLinear and r.out_features == 256 for r in proposer.rows)  # the draft vocabulary's
+    g = torch.Generator().manual_seed(5)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (9, 17)]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    seqs = _run(base, prompts, proposer, rows)
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(s.stats.drafted for s in seqs) > 0
