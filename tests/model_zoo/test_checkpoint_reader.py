@@ -8,6 +8,7 @@ import torch
 from safetensors.torch import save_file
 
 import quantspec.model_zoo.checkpoint as ckpt
+from quantspec.model_zoo import safetensors_io
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import (CheckpointReader, build_model, load_checkpoint_tensors, load_model,
                                             resident)
@@ -46,7 +47,7 @@ def test_reads_what_the_whole_load_reads(tiny_llama_dir, tmp_path):
 def test_file_reads_equal_safetensors_own(tmp_path, monkeypatch, block):
     """`read` takes each tensor with plain file reads, in blocks of any size: every dtype it
     reads, as it is and converted, equals safetensors' own load (its mapped view converted)."""
-    monkeypatch.setattr(ckpt, "_READ_BLOCK_BYTES", block)
+    monkeypatch.setattr(safetensors_io, "_READ_BLOCK_BYTES", block)
     g = torch.Generator().manual_seed(0)
     tensors = {"f32": torch.randn(5, 13, generator=g), "bf16": torch.randn(33, 7, generator=g).bfloat16(),
                "f16": torch.randn(3, 3, 3, generator=g).half(), "i8": torch.randint(-128, 128, (9, 11), dtype=torch.int8),
