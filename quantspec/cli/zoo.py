@@ -75,7 +75,7 @@ def train_mtp(**kw):
                    "vocabulary, as EAGLE-3 trains; hard: the cross-entropy against its argmax. medusa: hard.")
 @click.option("--num-layers", default=1, show_default=True, type=int, help="ResBlocks per head.")
 @click.option("--dataset", default=None, help="Text data besides the self-distilled chat answers.")
-@click.option("--steps", default=None, type=int, help="[default: medusa 300, eagle3 500]")
+@click.option("--steps", default=None, type=int, help="[default: medusa 300, eagle3 900]")
 @click.option("--batch-size", default=4, show_default=True, type=int,
               help="Windows' worth of positions per step (eagle3: sequences per step).")
 @click.option("--seq-len", default=256, show_default=True, type=int)

@@ -11,8 +11,14 @@ t_{p+1} at position p, attends causally over step 0's keys, and is scored agains
 Step s ≥ 1 unrolls the head on its own output: row p reads the previous step's output of row p and
 the token t_{p+1+s} at position p + s, is scored against nxt[p + 1 + s], and attends to step 0's
 keys of positions ≤ p plus its own chain's keys of steps 1..s (row p of each step) — exactly what
-the s-th draft after position p sees at inference. Step s's loss weighs `step_decay`^s. The loss
-is over the draft vocabulary (the most frequent targets); targets outside it are ignored.
+the s-th draft after position p sees at inference. Step s's loss weighs `step_decay`^s.
+
+Loss. By default (`soft_targets`) the forward KL from the base's distribution over the draft
+vocabulary at the target position (its logits there: the rows' final-normed hidden state times
+its lm_head rows of the draft vocabulary, `teacher_rows`), as EAGLE-3 trains: more signal per
+position than the argmax, which regularises a head trained on a few hundred answers. Hard targets:
+the cross-entropy against the base's argmax. Either way over the draft vocabulary (the most
+frequent targets); positions whose argmax is outside it are not scored.
 
 Initialisation (same arguments → same weights): the layer from the base's last decoder layer (q /
 k / v read the hidden half, the embedding half zero), `fc` picking the highest aux feature, the
@@ -163,9 +169,9 @@ def ttt_losses(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, nxt:
 
 
 # the default recipe (`zoo train-draft-head --kind eagle3`), ≤ 60 min on 2 CPU cores with the
-# self-distillation: the first 512 built-in chat prompts answered, 500 steps of 4 sequences
+# self-distillation: the first 512 built-in chat prompts answered, 900 steps of 4 sequences
 EAGLE3_CHAT_PROMPTS = 512
-EAGLE3_STEPS = 500
+EAGLE3_STEPS = 900
 
 
 @dataclass
