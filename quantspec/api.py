@@ -131,16 +131,20 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
 
 
 def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", out: str | Path | None = None, *,
-                     num_heads: int = 4, num_layers: int = 1, dataset: str | Path | None = None, steps: int = 300,
-                     batch_size: int = 4, seq_len: int = 256, lr: float = 1e-3, chat_prompts: list[str] | int | None = None,
+                     num_heads: int = 4, num_layers: int = 1, dataset: str | Path | None = None,
+                     steps: int | None = None, batch_size: int = 4, seq_len: int = 256, lr: float = 1e-3,
+                     chat_prompts: list[str] | int | None = None,
                      max_new_tokens: int = 160, draft_vocab_size: int = 4096, save_every: int = 100, seed: int = 0,
                      resume: bool = False, on_step=None, on_status=None, **data_options) -> dict:
     """Train a draft head for the frozen `model` (`quantspec zoo train-draft-head`) on the MTP
     recipe's self-distilled rows; `kind` "medusa": `num_heads` Medusa heads of `num_layers`
     ResBlocks in the Medusa authors' layout (`model_zoo/medusa.py`). Resumable like `train_mtp`.
-    Returns a summary dict."""
+    `steps` / `chat_prompts` None: the kind's default recipe (eagle3: `EAGLE3_STEPS` steps on the
+    first `EAGLE3_CHAT_PROMPTS` built-in prompts; medusa: 300 steps on all of them). Returns a
+    summary dict."""
     import time
 
+    from quantspec.model_zoo.eagle3_train import EAGLE3_CHAT_PROMPTS, EAGLE3_STEPS
     from quantspec.model_zoo.medusa_train import init_medusa, train_medusa
     from quantspec.model_zoo.mtp_train import FEATURES_NAME, MTPTrainConfig, check_resumable
 
@@ -150,11 +154,13 @@ def train_draft_head(kind: str = "medusa", model: str | Path = "smollm2-135m", o
         raise QuantSpecError("--out is required: the directory to write the heads to")
     if kind == "eagle3":
         return distill.train_eagle3_head(
-            model, out, dataset=dataset, steps=steps, seqs_per_step=batch_size, seq_len=seq_len, lr=lr,
-            chat_prompts=chat_prompts, max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size,
-            save_every=save_every, seed=seed, resume=resume, on_step=on_step, on_status=on_status, **data_options)
+            model, out, dataset=dataset, steps=EAGLE3_STEPS if steps is None else steps, seqs_per_step=batch_size,
+            seq_len=seq_len, lr=lr, chat_prompts=EAGLE3_CHAT_PROMPTS if chat_prompts is None else chat_prompts,
+            max_new_tokens=max_new_tokens, draft_vocab_size=draft_vocab_size, save_every=save_every, seed=seed,
+            resume=resume, on_step=on_step, on_status=on_status, **data_options)
     if num_heads < 1 or num_layers < 0:
         raise QuantSpecError(f"--num-heads {num_heads} / --num-layers {num_layers}: use >= 1 heads, >= 0 layers")
+    steps = 300 if steps is None else steps
     config = MTPTrainConfig(steps=steps, batch_tokens=batch_size * seq_len, lr=lr, save_every=save_every, seed=seed,
                             draft_vocab_size=draft_vocab_size)
     check_output_dir(out, "--out", overwrite=True)

@@ -25,7 +25,8 @@ def train_eagle3_head(model, out, *, dataset, chat_prompts, max_new_tokens, resu
 
     from quantspec.infer.hidden import generate_with_hidden
     from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.eagle3_train import Eagle3TrainConfig, init_eagle3, prepared_rows, train_eagle3
+    from quantspec.model_zoo.eagle3_train import (Eagle3TrainConfig, init_eagle3, prepared_rows, teacher_rows,
+                                                   train_eagle3)
     from quantspec.model_zoo.mtp_train import check_resumable, distill_prompts
 
     config = Eagle3TrainConfig(**train_options)
@@ -50,11 +51,13 @@ def train_eagle3_head(model, out, *, dataset, chat_prompts, max_new_tokens, resu
                                                           batch_size=gen_batch_size, on_status=on_status)]
 
     key = {"base": str(model_dir), "dataset": dataset and str(dataset), "prompts": prompts, "max_new_tokens":
-           max_new_tokens, "aux": aux_layer_ids, "num_samples": num_samples, "vocab": config.draft_vocab_size}
+           max_new_tokens, "aux": aux_layer_ids, "num_samples": num_samples, "vocab": config.draft_vocab_size,
+           "rows": "final"}  # rows with the base's final hidden states (the soft targets')
     rows, vocab, aux = prepared_rows(base, Path(out), key, sequences, config.draft_vocab_size, aux_layer_ids, say)
     data = {"base": str(model), "kind": "eagle3", "chat_prompts": len(prompts), "positions": rows.positions()}
-    res = train_eagle3(init_eagle3(base, vocab, aux), rows, config, out, resume=resume, extra_config=data,
-                       on_step=on_step)
+    head = init_eagle3(base, vocab, aux)
+    res = train_eagle3(head, rows, config, out, resume=resume, extra_config=data, on_step=on_step,
+                       teacher_weight=teacher_rows(base, head) if config.soft_targets else None)
     return {**res, **data, "out": str(out), "wall_s": round(time.perf_counter() - t0, 1)}
 
 

@@ -70,15 +70,18 @@ def train_mtp(**kw):
               "[default: 2,L/2,L-3].", callback=lambda _c, _p, v: v and [int(x) for x in v.split(",")])
 @click.option("--ttt-steps", default=4, show_default=True, type=int,
               help="eagle3: training-time-test depth (the head unrolled on its own outputs).")
+@click.option("--targets", type=click.Choice(["hard", "soft"]), default=None,
+              help="eagle3: soft (default): the forward KL from the base's distribution over the draft "
+                   "vocabulary, as EAGLE-3 trains; hard: the cross-entropy against its argmax. medusa: hard.")
 @click.option("--num-layers", default=1, show_default=True, type=int, help="ResBlocks per head.")
 @click.option("--dataset", default=None, help="Text data besides the self-distilled chat answers.")
-@click.option("--steps", default=300, show_default=True, type=int)
+@click.option("--steps", default=None, type=int, help="[default: medusa 300, eagle3 900]")
 @click.option("--batch-size", default=4, show_default=True, type=int,
               help="Windows' worth of positions per step (eagle3: sequences per step).")
 @click.option("--seq-len", default=256, show_default=True, type=int)
 @click.option("--lr", default=1e-3, show_default=True, type=float)
 @click.option("--chat-prompts", default=None, type=click.IntRange(min=1),
-              help="How many of the built-in chat prompts the base answers [default: all].")
+              help="How many of the built-in chat prompts the base answers [default: medusa all, eagle3 512].")
 @click.option("--max-new-tokens", default=160, show_default=True, type=int, help="Length of each self-distilled answer.")
 @click.option("--draft-vocab-size", default=4096, show_default=True, type=int,
               help="Tokens the heads score when drafting (the most frequent targets).")
@@ -97,11 +100,13 @@ def train_draft_head(**kw):
         acc = " top-1 " + "/".join(f"{a:.2f}" for a in accuracy) if accuracy else ""
         progress.fraction(step, total, f"loss {loss:.3f}{acc}")
 
-    kind, aux, ttt = kw["kind"], kw.pop("aux_layer_ids"), kw.pop("ttt_steps")
+    kind, aux, ttt, targets = kw["kind"], kw.pop("aux_layer_ids"), kw.pop("ttt_steps"), kw.pop("targets")
     if kind == "eagle3":
         kw.pop("num_layers")
         kw.pop("num_heads")
-        kw.update(aux_layer_ids=aux, ttt_steps=ttt)
+        kw.update(aux_layer_ids=aux, ttt_steps=ttt, soft_targets=targets != "hard")
+    elif targets == "soft":
+        raise click.UsageError("--targets soft trains --kind eagle3; Medusa heads train on hard targets")
     with Progress(f"train-draft-head ({kind})") as progress:
         res = api.train_draft_head(on_step=on_step, on_status=progress.status, **kw)
     if res["positions"] is None:

@@ -11,8 +11,14 @@ t_{p+1} at position p, attends causally over step 0's keys, and is scored agains
 Step s ≥ 1 unrolls the head on its own output: row p reads the previous step's output of row p and
 the token t_{p+1+s} at position p + s, is scored against nxt[p + 1 + s], and attends to step 0's
 keys of positions ≤ p plus its own chain's keys of steps 1..s (row p of each step) — exactly what
-the s-th draft after position p sees at inference. Step s's loss weighs `step_decay`^s. The loss
-is over the draft vocabulary (the most frequent targets); targets outside it are ignored.
+the s-th draft after position p sees at inference. Step s's loss weighs `step_decay`^s.
+
+Loss. By default (`soft_targets`) the forward KL from the base's distribution over the draft
+vocabulary at the target position (its logits there: the rows' final-normed hidden state times
+its lm_head rows of the draft vocabulary, `teacher_rows`), as EAGLE-3 trains: more signal per
+position than the argmax, which regularises a head trained on a few hundred answers. Hard targets:
+the cross-entropy against the base's argmax. Either way over the draft vocabulary (the most
+frequent targets); positions whose argmax is outside it are not scored.
 
 Initialisation (same arguments → same weights): the layer from the base's last decoder layer (q /
 k / v read the hidden half, the embedding half zero), `fc` picking the highest aux feature, the
@@ -37,16 +43,18 @@ from quantspec.model_zoo.mtp_train import (IGNORE, STATE_NAME, MTPTrainConfig, a
                                            open_optimizer, optimizer_step)
 
 __all__ = ["Eagle3Rows", "Eagle3TrainConfig", "choose_eagle3_vocab", "eagle3_rows", "init_eagle3", "prepared_rows",
-           "train_eagle3", "ttt_losses", "ttt_outputs"]
+           "teacher_rows", "train_eagle3", "ttt_losses", "ttt_outputs"]
 
 
 @dataclass
 class Eagle3Rows:
-    """Training sequences: tokens [L] int64, feats [L, 3·D] bf16, nxt [L] int64 (the base's argmax)."""
+    """Training sequences: tokens [L] int64, feats [L, 3·D] bf16, nxt [L] int64 (the base's argmax),
+    final [L, D] bf16 (the base's final-normed hidden state: its logits are final @ lm_headᵀ)."""
 
     tokens: list[torch.Tensor]
     feats: list[torch.Tensor]
     nxt: list[torch.Tensor]
+    final: list[torch.Tensor]
 
     def __len__(self) -> int:
         return len(self.tokens)
@@ -57,9 +65,10 @@ class Eagle3Rows:
 
 @torch.no_grad()
 def eagle3_rows(base: Transformer, sequences: list[torch.Tensor], aux_layer_ids: tuple[int, ...]) -> Eagle3Rows:
-    """The base's aux features and argmax at every position of each sequence (one forward each)."""
+    """The base's aux features, final-normed hidden state and argmax at every position of each
+    sequence (one forward each)."""
     cap = AuxCapture(base, aux_layer_ids)
-    rows = Eagle3Rows([], [], [])
+    rows = Eagle3Rows([], [], [], [])
     try:
         for seq in sequences:
             ids = seq.to(torch.int64)
@@ -68,6 +77,7 @@ def eagle3_rows(base: Transformer, sequences: list[torch.Tensor], aux_layer_ids:
             rows.tokens.append(ids.cpu())
             rows.feats.append(cap.features().to(torch.bfloat16).cpu())
             rows.nxt.append(base.compute_logits(hidden).argmax(-1).cpu())
+            rows.final.append(base.model.norm(hidden).to(torch.bfloat16).cpu())
     finally:
         cap.remove()
     return rows
@@ -133,10 +143,13 @@ def ttt_outputs(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, ste
 
 
 def ttt_losses(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, nxt: torch.Tensor, lut: torch.Tensor,
-               steps: int) -> tuple[list[torch.Tensor], list[float]]:
-    """The training-time test over one sequence: per step, the mean CE over its scored rows
+               steps: int, teacher: torch.Tensor | None = None) -> tuple[list[torch.Tensor], list[float]]:
+    """The training-time test over one sequence: per step, the mean loss over its scored rows
     (row p of step s against the base's choice for position p + 2 + s) and its top-1 accuracy.
-    tokens / nxt [L] int64, feats [L, 3D]; `lut` maps target ids to draft ids (IGNORE: none)."""
+    tokens / nxt [L] int64, feats [L, 3D]; `lut` maps target ids to draft ids (IGNORE: none).
+    `teacher` [L, Vd] (the base's logits over the draft vocabulary): the loss is the forward KL
+    from the base's distribution there (cross-entropy against it), else the cross-entropy
+    against its argmax. Rows whose argmax is outside the draft vocabulary are not scored."""
     n = tokens.numel() - 1
     losses, accs = [], []
     for s, hidden in enumerate(ttt_outputs(head, tokens, feats, steps)):
@@ -146,25 +159,60 @@ def ttt_losses(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, nxt:
         if not bool(ok.any()):
             break
         logits = head.logits(hidden[ok])  # [m, Vd]
-        losses.append(F.cross_entropy(logits, tgt[ok]))
+        if teacher is None:
+            losses.append(F.cross_entropy(logits, tgt[ok]))
+        else:
+            want = teacher[1 + s:n].to(hidden.device)[ok[:n - 1 - s]].float()  # [m, Vd]
+            losses.append(-(torch.softmax(want, -1) * torch.log_softmax(logits, -1)).sum(-1).mean())
         accs.append(float((logits.argmax(-1) == tgt[ok]).float().mean()))
     return losses, accs
+
+
+# the default recipe (`zoo train-draft-head --kind eagle3`), ≤ 60 min on 2 CPU cores with the
+# self-distillation: the first 512 built-in chat prompts answered, 900 steps of 4 sequences
+EAGLE3_CHAT_PROMPTS = 512
+EAGLE3_STEPS = 900
 
 
 @dataclass
 class Eagle3TrainConfig(MTPTrainConfig):
     ttt_steps: int = 4  # training-time-test depth
+    soft_targets: bool = True  # forward KL from the base's distribution over the draft vocabulary
     step_decay: float = 0.8
     seq_len: int = 256  # longest window of a sequence per example
     seqs_per_step: int = 4
 
 
+def _batch_losses(head: Eagle3Head, rows: Eagle3Rows, config: Eagle3TrainConfig, lut: torch.Tensor,
+                  teacher_weight: torch.Tensor | None, g: torch.Generator) -> tuple[list, list[list[float]]]:
+    """One step's sequences (a random window of `seq_len` of each): their training-time-test
+    losses, each weighed `step_decay`^s, and per-sequence accuracies."""
+    total, accs = [], []
+    for i in torch.randint(len(rows), (config.seqs_per_step,), generator=g).tolist():
+        L = rows.tokens[i].numel()
+        a = int(torch.randint(max(1, L - config.seq_len + 1), (1,), generator=g))
+        sl = slice(a, a + config.seq_len)
+        teacher = None
+        if config.soft_targets:
+            w = teacher_weight.to(head.norm.weight.device)
+            teacher = rows.final[i][sl].to(w.device, w.dtype) @ w.T  # [l, Vd] the base's logits
+        losses, acc = ttt_losses(head, rows.tokens[i][sl], rows.feats[i][sl], rows.nxt[i][sl], lut, config.ttt_steps,
+                                 teacher)
+        total += [config.step_decay ** s * loss for s, loss in enumerate(losses)]
+        accs.append(acc)
+    return total, accs
+
+
 def train_eagle3(head: Eagle3Head, rows: Eagle3Rows, config: Eagle3TrainConfig, out_dir: str | os.PathLike, *,
-                 resume: bool = False, extra_config: dict | None = None,
+                 resume: bool = False, extra_config: dict | None = None, teacher_weight: torch.Tensor | None = None,
                  on_step: Callable[[int, int, float, list[float]], None] | None = None) -> dict:
     """Train the head (fc, midlayer, norm, lm_head) on `rows`; checkpoints into `out_dir`. →
     {"steps", "start_step", "loss_first", "loss_last", "losses", "accuracy_last"} (accuracy: top-1
-    per training-time-test step over the last step's sequences). `on_step(step, total, loss, accs)`."""
+    per training-time-test step over the last step's sequences). `on_step(step, total, loss, accs)`.
+    `config.soft_targets` needs `teacher_weight` [Vd, D]: the base's lm_head rows of the draft
+    vocabulary in draft-id order (`teacher_rows`)."""
+    if config.soft_targets and teacher_weight is None:
+        raise QuantSpecError("soft targets need the base's lm_head rows of the draft vocabulary (teacher_weight)")
     out = Path(out_dir)
     state_path = out / STATE_NAME
     check_resumable(out, config, resume)
@@ -189,14 +237,7 @@ def train_eagle3(head: Eagle3Head, rows: Eagle3Rows, config: Eagle3TrainConfig, 
         g = torch.Generator().manual_seed(config.seed * 1_000_003 + step)
         for group in opt.param_groups:
             group["lr"] = config.lr_at(step)
-        total, accs = [], []
-        for i in torch.randint(len(rows), (config.seqs_per_step,), generator=g).tolist():
-            L = rows.tokens[i].numel()
-            a = int(torch.randint(max(1, L - config.seq_len + 1), (1,), generator=g))
-            sl = slice(a, a + config.seq_len)
-            losses, acc = ttt_losses(head, rows.tokens[i][sl], rows.feats[i][sl], rows.nxt[i][sl], lut, config.ttt_steps)
-            total += [config.step_decay ** s * loss for s, loss in enumerate(losses)]
-            accs.append(acc)
+        total, accs = _batch_losses(head, rows, config, lut, teacher_weight, g)
         if not total:
             continue
         history.append(optimizer_step(opt, torch.stack(total).sum() / config.seqs_per_step, params))
@@ -210,6 +251,13 @@ def train_eagle3(head: Eagle3Head, rows: Eagle3Rows, config: Eagle3TrainConfig, 
     head.eval()
     return {"steps": config.steps, "start_step": start, "loss_first": run_losses[0] if run_losses else None,
             "loss_last": run_losses[-1] if run_losses else None, "losses": run_losses}
+
+
+def teacher_rows(base: Transformer, head: Eagle3Head) -> torch.Tensor:
+    """The base's lm_head rows of the head's draft vocabulary, in draft-id order: [Vd, D] (a frozen
+    copy: the head's own `lm_head` starts from them and trains)."""
+    ids = head.target_ids(torch.arange(head.args.draft_vocab_size, device=head.d2t.device))
+    return base.head_weight()[ids.to(base.model.norm.weight.device)].detach().clone()
 
 
 def choose_eagle3_vocab(rows: Eagle3Rows, size: int, vocab_size: int, always=()) -> torch.Tensor:

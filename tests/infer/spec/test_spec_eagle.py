@@ -292,7 +292,8 @@ def test_training_lowers_the_loss_and_resumes(base, tmp_path):
     rows = eagle3_rows(base, seqs, AUX)
     vocab = choose_eagle3_vocab(rows, 128, 512, [0])
     assert 0 in vocab.tolist() and vocab.numel() == 128
-    cfg = Eagle3TrainConfig(steps=12, lr=3e-3, seqs_per_step=3, save_every=6, draft_vocab_size=128, ttt_steps=3)
+    cfg = Eagle3TrainConfig(steps=12, lr=3e-3, seqs_per_step=3, save_every=6, draft_vocab_size=128, ttt_steps=3,
+                          soft_targets=False)
     seen = []
     res = train_eagle3(init_eagle3(base, vocab, AUX), rows, cfg, tmp_path / "h",
                        on_step=lambda step, total, loss, acc: seen.append((step, len(acc))))
@@ -300,7 +301,8 @@ def test_training_lowers_the_loss_and_resumes(base, tmp_path):
     with pytest.raises(QuantSpecError, match="--resume"):
         train_eagle3(init_eagle3(base, vocab, AUX), rows, cfg, tmp_path / "h")
     more = train_eagle3(init_eagle3(base, vocab, AUX), rows, Eagle3TrainConfig(
-        steps=14, lr=3e-3, seqs_per_step=3, save_every=6, draft_vocab_size=128, ttt_steps=3), tmp_path / "h", resume=True)
+        steps=14, lr=3e-3, seqs_per_step=3, save_every=6, draft_vocab_size=128, ttt_steps=3, soft_targets=False),
+        tmp_path / "h", resume=True)
     assert more["start_step"] == 12 and len(more["losses"]) == 2
     assert load_eagle3(tmp_path / "h", base.args).args.draft_vocab_size == 128
 
