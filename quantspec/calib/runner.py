@@ -20,7 +20,7 @@ the layer (e.g. fp16 overflow, or a broken quantization).
 Streaming (`weights=`, a `model_zoo.checkpoint.CheckpointReader` or a checkpoint directory):
 for models larger than memory the `Transformer` is built on the `meta` device; the runner then
 gathers the batch's embedding rows from the checkpoint (in blocks, never the whole table) and
-reads each layer's tensors (memory-mapped, in `dtype` on `device`) just before the layer runs,
+reads each layer's tensors (in `dtype` on `device`) just before the layer runs,
 and — unless `keep_layers=True` — returns them to `meta` once the step is done. No accelerate
 hooks: resident are one layer's weights and one layer's inputs and outputs. The caller must take
 whatever it wants from the layer (e.g. its quantized tensors) before the next step. The heap's

@@ -2,8 +2,8 @@
 single-file or sharded safetensors → tensors, with one-line errors for what users get wrong.
 
 Two ways to read the weights: `load_model` reads the whole checkpoint into a `Transformer`;
-`CheckpointReader` reads it one module at a time (memory-mapped, each tensor copied out in the
-checkpoint's dtype and converted where it lands), so that a model larger than memory is
+`CheckpointReader` reads it one module at a time (each tensor read from its file and converted
+a block at a time), so that a model larger than memory is
 quantized or calibrated with one decoder layer resident at a time.
 
 Never builds transformers' modeling classes: architectures come from `llama.py` and weights are
@@ -221,9 +221,10 @@ class CheckpointReader:
     """A safetensors checkpoint read one module at a time.
 
     The headers are read once (`verify_checkpoint`: a missing shard or a truncated file fails
-    here, before any work). `read(names)` memory-maps the file holding each tensor, copies the
-    tensor out in the checkpoint's dtype, converts it to `dtype` / `device` and unmaps the file
-    again, so what stays resident is only what the caller keeps. `load(module, prefix)`
+    here, before any work). `read(names)` reads each tensor with plain file reads
+    (`safetensors_io.read_file_range`, converted to `dtype` a block at a time; a dtype it does not
+    know through safetensors' own mapping, one tensor at a time), so what stays resident is only
+    what the caller keeps. `load(module, prefix)`
     materialises a module built on the `meta` device (`assign=True`); `release(module)` returns
     it to `meta`; `ranges[name]` says where a tensor's bytes lie, to copy them as they are.
     """
@@ -318,7 +319,7 @@ class CheckpointReader:
 
 class CheckpointTensors(Mapping[str, torch.Tensor]):
     """A checkpoint's tensors as a read-only mapping that reads a tensor when it is looked up
-    (`CheckpointReader.read`: a copy that owns its memory, its file unmapped again), so a loader
+    (`CheckpointReader.read`: a copy that owns its memory), so a loader
     that converts tensor by tensor holds what it keeps, never a second copy of the checkpoint.
     `shapes`: name → shape from the headers, for checks that need no data."""
 
