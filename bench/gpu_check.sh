@@ -50,11 +50,11 @@ step() {
 PYTEST=(python -m pytest -v -p no:cacheprovider -rfE --tb=short --durations=10)
 if python -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=60); fi
 if [ "$CPU" = 0 ] && [ "$QUICK" = 1 ]; then
-    step gpu_tests 100 "${PYTEST[@]}" -m gpu tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
+    step gpu_tests 100 "${PYTEST[@]}" -m gpu tests/infer tests/kernels tests/calib/test_stream_cuda.py --junitxml="$DEST/gpu_tests.xml"
     step kernels 85 python bench/kernels.py --dtype fp16 --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 120
 elif [ "$CPU" = 0 ]; then
-    step gpu_tests 90 "${PYTEST[@]}" -m gpu tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
+    step gpu_tests 90 "${PYTEST[@]}" -m gpu tests/infer tests/kernels tests/calib/test_stream_cuda.py --junitxml="$DEST/gpu_tests.xml"
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
     step sweep 50 python bench/kernels.py --sweep-only --out "$DEST"

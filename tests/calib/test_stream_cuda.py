@@ -1,0 +1,72 @@
+"""Streamed quantization and calibration with the layer under work on the GPU (`--device cuda`,
+`-m gpu`) against the same streamed run on the CPU: RTN int8 bitwise (its rounding is elementwise
+IEEE arithmetic), GPTQ and the a8w8 recipe within the drift of a different summation order,
+calibration tables within float tolerance."""
+
+import pytest
+import torch
+
+from quantspec import api
+from quantspec.calib.tables import read_table
+from quantspec.model_zoo.tiny import TINY_CORPUS
+from quantspec.quant.artifact import load_safetensors, read_artifact_config
+
+pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
+
+SMALL = dict(num_samples=4, seq_len=32)
+
+
+@pytest.fixture(scope="module")
+def data(tmp_path_factory):
+    f = tmp_path_factory.mktemp("data") / "calib.txt"
+    f.write_text(TINY_CORPUS)
+    return f
+
+
+def _pair(src, tmp_path, **kw):
+    """(config, tensors) of the streamed artifact made on the CPU and on the GPU."""
+    out = []
+    for device in ("cpu", "cuda"):
+        path = api.quantize(str(src), out=tmp_path / device, device=device, **kw)
+        out.append((read_artifact_config(path)["quantization_config"], load_safetensors(path)))
+    return out
+
+
+def _codes_differ(a: torch.Tensor, b: torch.Tensor) -> float:
+    """The fraction of elements (packed words) that differ."""
+    return float((a.view(torch.uint8) != b.view(torch.uint8)).float().mean()) if a.numel() else 0.0
+
+
+def test_rtn_int8_on_the_gpu_is_the_cpu_artifact_bitwise(tiny_llama_dir, tmp_path):
+    (ca, ta), (cb, tb) = _pair(tiny_llama_dir, tmp_path, quant_type="weight_only_int8")
+    assert ca == cb and sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        assert torch.equal(ta[k].view(torch.uint8), tb[k].view(torch.uint8)), k
+
+
+@pytest.mark.parametrize("kw", [dict(quant_type="weight_only_int4", group_size=32, method="gptq"),
+                                dict(quant_type="a8w8", smoothquant_alpha=0.5, fallback_layers=0)],
+                         ids=["int4-gptq", "a8w8"])
+def test_data_recipes_on_the_gpu_match_the_cpu(kw, tiny_llama_dir, data, tmp_path):
+    if kw["quant_type"] == "a8w8":
+        kw = dict(kw, calib=str(api.calibrate(str(tiny_llama_dir), str(data), tmp_path / "table", device="cpu",
+                                              **SMALL).path), search_samples=2, holdout_samples=2, seq_len=32)
+    else:
+        kw = dict(kw, dataset=str(data), **SMALL)
+    (ca, ta), (cb, tb) = _pair(tiny_llama_dir, tmp_path, **kw)
+    assert ca == cb and sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        if ta[k].dtype.is_floating_point:
+            torch.testing.assert_close(tb[k].float(), ta[k].float(), rtol=2e-3, atol=1e-6, msg=k)
+        else:
+            assert _codes_differ(ta[k], tb[k]) < 0.05, k
+
+
+def test_calibration_on_the_gpu_matches_the_cpu(tiny_llama_dir, data, tmp_path):
+    tables = [read_table(api.calibrate(str(tiny_llama_dir), str(data), tmp_path / d, device=d, dtype="float32",
+                                       **SMALL).path) for d in ("cpu", "cuda")]
+    assert sorted(tables[0].tensors) == sorted(tables[1].tensors)
+    for k, t in tables[0].tensors.items():
+        torch.testing.assert_close(tables[1].tensors[k].float(), t.float(), rtol=1e-3, atol=1e-5, msg=k)
