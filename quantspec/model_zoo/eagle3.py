@@ -45,7 +45,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import MLP, ModelArgs, RMSNorm, RotaryEmbedding, rope_cos_sin
 from quantspec.model_zoo.mtp import base_fingerprint
 
-__all__ = ["EAGLE3_ARCHITECTURE", "AuxCapture", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
+__all__ = ["EAGLE3_ARCHITECTURE", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
            "default_aux_layers", "eagle3_weight_table", "is_eagle3_config", "load_eagle3", "save_eagle3"]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's registry and SGLang's EntryClass
@@ -293,38 +293,6 @@ def load_eagle3(path: str | os.PathLike, base: ModelArgs | None = None, *, dtype
     head.load_state_dict({k: (v if k in INT_BUFFERS else v.to(dtype)) for k, v in tensors.items()}, assign=True)
     check_draft_maps(head, str(path))
     return head.to(device).eval()
-
-
-class AuxCapture:
-    """Forward (pre-)hooks on a base's decoder layers that keep its aux features of the latest
-    forward: `features()` → [T, 3·D] (the ids' residual streams, concatenated in id order). For
-    forwards that cannot ask for them (training's plain attention over a whole sequence); the
-    engine's forwards ask `Transformer.forward(capture=...)` instead."""
-
-    def __init__(self, base: nn.Module, layer_ids: tuple[int, ...]):
-        layers = base.model.layers
-        self.ids = tuple(layer_ids)
-        self._seen: dict[int, torch.Tensor] = {}
-        self._handles = []
-        for i in sorted(set(self.ids)):
-            if i < len(layers):
-                self._handles.append(layers[i].register_forward_pre_hook(self._pre(i)))
-            else:  # id L: the last layer's output
-                self._handles.append(layers[i - 1].register_forward_hook(self._post(i)))
-
-    def _pre(self, i):
-        return lambda _m, args: self._seen.__setitem__(i, args[0])
-
-    def _post(self, i):
-        return lambda _m, _args, out: self._seen.__setitem__(i, out)
-
-    def features(self) -> torch.Tensor:
-        return torch.cat([self._seen[i] for i in self.ids], dim=-1)  # [T, 3D]
-
-    def remove(self) -> None:
-        for h in self._handles:
-            h.remove()
-        self._handles = []
 
 
 def causal_attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:

@@ -37,7 +37,7 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.eagle3 import AuxCapture, Eagle3Args, Eagle3Head, save_eagle3
+from quantspec.model_zoo.eagle3 import Eagle3Args, Eagle3Head, save_eagle3
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
 from quantspec.model_zoo.mtp_train import (IGNORE, STATE_NAME, MTPTrainConfig, atomic_torch_save, check_resumable,
                                            open_optimizer, optimizer_step)
@@ -66,20 +66,16 @@ class Eagle3Rows:
 @torch.no_grad()
 def eagle3_rows(base: Transformer, sequences: list[torch.Tensor], aux_layer_ids: tuple[int, ...]) -> Eagle3Rows:
     """The base's aux features, final-normed hidden state and argmax at every position of each
-    sequence (one forward each)."""
-    cap = AuxCapture(base, aux_layer_ids)
+    sequence (one forward each, capturing the aux layers' streams)."""
     rows = Eagle3Rows([], [], [], [])
-    try:
-        for seq in sequences:
-            ids = seq.to(torch.int64)
-            n = ids.numel()
-            hidden = base(ids, torch.arange(n), DenseCausalAttention(1, n))  # [n, D]
-            rows.tokens.append(ids.cpu())
-            rows.feats.append(cap.features().to(torch.bfloat16).cpu())
-            rows.nxt.append(base.compute_logits(hidden).argmax(-1).cpu())
-            rows.final.append(base.model.norm(hidden).to(torch.bfloat16).cpu())
-    finally:
-        cap.remove()
+    for seq in sequences:
+        ids = seq.to(torch.int64)
+        n = ids.numel()
+        hidden, streams = base(ids, torch.arange(n), DenseCausalAttention(1, n), capture=tuple(aux_layer_ids))
+        rows.tokens.append(ids.cpu())
+        rows.feats.append(torch.cat(streams, dim=-1).to(torch.bfloat16).cpu())  # [n, 3D]
+        rows.nxt.append(base.compute_logits(hidden).argmax(-1).cpu())
+        rows.final.append(base.model.norm(hidden).to(torch.bfloat16).cpu())
     return rows
 
 

@@ -16,7 +16,7 @@ from quantspec.infer.spec.eagle import EagleProposer, load_eagle3_for_inference
 from quantspec.infer.spec.tree import TreeSpec
 from quantspec.kernels.cpu import cpu_kernels
 from quantspec.model_zoo.checkpoint import load_model
-from quantspec.model_zoo.eagle3 import (AuxCapture, Eagle3Args, causal_attend, default_aux_layers,
+from quantspec.model_zoo.eagle3 import (Eagle3Args, causal_attend, default_aux_layers,
                                         eagle3_weight_table, load_eagle3, save_eagle3)
 from quantspec.model_zoo.eagle3_train import (Eagle3TrainConfig, choose_eagle3_vocab, eagle3_rows, init_eagle3,
                                               train_eagle3, ttt_outputs)
@@ -99,9 +99,39 @@ def _reference_rows(base, head, tokens):
     return inputs, head(*inputs, attend), keys[0]
 
 
+class AuxCapture:
+    """The reference of `capture`: forward (pre-)hooks on the base's decoder layers that keep the
+    residual streams of the latest forward, `features()` → [T, 3·D] in id order."""
+
+    def __init__(self, base, layer_ids: tuple[int, ...]):
+        layers = base.model.layers
+        self.ids = tuple(layer_ids)
+        self._seen: dict[int, torch.Tensor] = {}
+        self._handles = []
+        for i in sorted(set(self.ids)):
+            if i < len(layers):
+                self._handles.append(layers[i].register_forward_pre_hook(self._pre(i)))
+            else:  # id L: the last layer's output
+                self._handles.append(layers[i - 1].register_forward_hook(self._post(i)))
+
+    def _pre(self, i):
+        return lambda _m, args: self._seen.__setitem__(i, args[0])
+
+    def _post(self, i):
+        return lambda _m, _args, out: self._seen.__setitem__(i, out)
+
+    def features(self) -> torch.Tensor:
+        return torch.cat([self._seen[i] for i in self.ids], dim=-1)  # [T, 3D]
+
+    def remove(self) -> None:
+        for h in self._handles:
+            h.remove()
+        self._handles = []
+
+
 @pytest.mark.parametrize("ids", [AUX, (2, 0), (1,)])
 def test_forward_capture_equals_the_hooks(base, ids):
-    """`Transformer.forward(capture=ids)` gives the streams the training's hooks (`AuxCapture`)
+    """`Transformer.forward(capture=ids)` gives the streams forward hooks (`AuxCapture`)
     see, in `ids`' order; id L is the last layer's output over every row, whatever `out_rows`."""
     tokens = torch.tensor(_prompts([11], seed=4)[0])
     attn = DenseCausalAttention(1, len(tokens))
