@@ -101,8 +101,7 @@ def init_eagle3(base: Transformer, draft_vocab: torch.Tensor, aux_layer_ids=None
                              (mid.post_attention_layernorm, src.post_attention_layernorm), (head.norm, base.model.norm)):
             mine.weight.copy_(theirs.weight)
         head.set_draft_vocab(draft_vocab.to(w.device))
-        head.lm_head.weight.copy_(base.head_weight()[head.target_ids(torch.arange(head.args.draft_vocab_size,
-                                                                                     device=w.device))])
+        head.lm_head.weight.copy_(teacher_rows(base, head))
     return head.bind_embedding(base.model.embed_tokens)
 
 
@@ -164,7 +163,7 @@ def ttt_losses(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, nxt:
     return losses, accs
 
 
-# the default recipe (`zoo train-draft-head --kind eagle3`), ≤ 60 min on 2 CPU cores with the
+# the default recipe (`zoo train-draft-head --kind eagle3`), about an hour on 2 CPU cores with the
 # self-distillation: the first 512 built-in chat prompts answered, 900 steps of 4 sequences
 EAGLE3_CHAT_PROMPTS = 512
 EAGLE3_STEPS = 900
