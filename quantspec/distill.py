@@ -16,14 +16,15 @@ __all__ = ["base_rows", "self_distilled_rows", "train_eagle3_head"]
 def train_eagle3_head(model, out, *, dataset, chat_prompts, max_new_tokens, resume, on_step, on_status,
                       aux_layer_ids=None, split="train", text_field="text", num_samples=16, gen_batch_size=64,
                       **train_options) -> dict:
-    """`train_draft_head(kind="eagle3")`: the base's greedy answers (and `dataset` windows) → the
-    head's training rows (`model_zoo/eagle3_train.py`, reused from `out` by a later run) → the
-    training-time-test recipe."""
+    """`train_draft_head(kind="eagle3")`: the base's greedy answers (from the engine on the packed
+    bf16 stack, `infer.hidden.generate_answers`) and `dataset` windows → the head's training rows
+    (the float base's features, argmax and final state at every position, `eagle3_train.py`;
+    reused from `out` by a later run) → the training-time-test recipe."""
     import time
 
     from transformers import AutoTokenizer
 
-    from quantspec.infer.hidden import generate_with_hidden
+    from quantspec.infer.hidden import generate_answers
     from quantspec.model_zoo.checkpoint import load_model
     from quantspec.model_zoo.eagle3_train import (Eagle3TrainConfig, init_eagle3, prepared_rows, teacher_rows,
                                                    train_eagle3)
@@ -47,12 +48,13 @@ def train_eagle3_head(model, out, *, dataset, chat_prompts, max_new_tokens, resu
                 texts = load_calibration_texts(str(dataset), split=split, text_field=text_field)
             seqs += list(build_calibration_batches(texts, tok, num_samples, config.seq_len, config.seed, allow_fewer=True))
         say(f"self-distillation: the base answers {len(prompts)} chat prompts (≤ {max_new_tokens} tokens each)")
-        return seqs + [t for t, _ in generate_with_hidden(base, tok, prompts, max_new_tokens=max_new_tokens,
-                                                          batch_size=gen_batch_size, on_status=on_status)]
+        return seqs + generate_answers(model_dir, prompts, max_new_tokens=max_new_tokens, batch_size=gen_batch_size,
+                                       on_status=on_status)
 
+    # "rows": rows with the base's final hidden states (the soft targets'); "answers": whose answers
     key = {"base": str(model_dir), "dataset": dataset and str(dataset), "prompts": prompts, "max_new_tokens":
            max_new_tokens, "aux": aux_layer_ids, "num_samples": num_samples, "vocab": config.draft_vocab_size,
-           "rows": "final"}  # rows with the base's final hidden states (the soft targets')
+           "rows": "final", "answers": "engine bf16"}
     rows, vocab, aux = prepared_rows(base, Path(out), key, sequences, config.draft_vocab_size, aux_layer_ids, say)
     data = {"base": str(model), "kind": "eagle3", "chat_prompts": len(prompts), "positions": rows.positions()}
     head = init_eagle3(base, vocab, aux)

@@ -389,3 +389,17 @@ def test_cli_train_mtp(tiny_llama_dir, tmp_path):
     r = CliRunner().invoke(main, args + ["--resume", "--steps", "4"])
     assert r.exit_code == 2 and "cannot be read" in r.output and "Traceback" not in r.output, r.output
     assert state.stat().st_size == 200
+
+
+def test_generate_answers_are_the_bf16_engines_greedy_answers(tiny_llama_dir):
+    """`generate_answers` (one batched engine run) gives, for every prompt, the chat-templated
+    prompt followed by the answer `quantspec infer --dtype bfloat16` gives that prompt alone."""
+    from quantspec.infer.hidden import chat_encode, generate_answers
+    from quantspec.infer.predictor import InferConfig, Predictor
+
+    prompts = ["Tell me a story.", "What is two plus two?", "Name a colour."]
+    seqs = generate_answers(str(tiny_llama_dir), prompts, max_new_tokens=9, batch_size=2)
+    pred = Predictor(InferConfig(model=str(tiny_llama_dir), dtype="bfloat16", max_new_tokens=9, max_length=256))
+    for p, ids, seq in zip(prompts, chat_encode(pred.tokenizer, prompts), seqs):
+        assert seq.dtype == torch.int64
+        assert seq.tolist() == ids + pred.generate([p])[0].token_ids
