@@ -38,8 +38,10 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
 - eagle:             an EAGLE-3 head (`--eagle DIR`, from `quantspec zoo train-draft-head --kind
                      eagle3`) as a chain of `--eagle-chain` drafts (with the back-off) and as
                      each token tree of `--eagle-trees` (default 4x2), and quantized on its own
-                     (`--eagle-quant`) with the first tree; the base's forwards capture the
-                     head's aux features, on the fused CPU stack as every other row's.
+                     (`--eagle-quant`) with the first tree; with `--eagle-min-confidence T`,
+                     the chain and the first tree again with drafting stopped at a top-1
+                     probability below T. The base's forwards capture the head's aux features,
+                     on the fused CPU stack as every other row's.
 Methods run interleaved prompt by prompt, so load on a shared machine hits all of them alike;
 with `--rounds R` each prompt runs R times through every method (interleaved) and each method
 keeps its fastest run of the prompt (its TTFT too), which filters out interference that the
@@ -174,6 +176,9 @@ def _args():
     ap.add_argument("--eagle-trees", default="4x2", help="token trees DxK of the eagle rows (comma list)")
     ap.add_argument("--eagle-chain", type=int, default=4, help="draft tokens of the eagle chain row")
     ap.add_argument("--eagle-quant", default="", help="also run the head quantized to these types (comma list)")
+    ap.add_argument("--eagle-min-confidence", default="",
+                    help="also run the chain and the first tree with drafting stopped below these top-1 "
+                         "probabilities (comma list; --speculate-min-confidence)")
     ap.add_argument("--rounds", type=int, default=1,
                     help="run every (prompt, method) this many times, interleaved, and keep the fastest "
                          "(on a shared machine the minimum filters out other work's interference)")
@@ -254,6 +259,12 @@ def _head_methods(a, common: dict, loaded, methods: dict, kind: str) -> None:
     trees = [t for t in getattr(a, f"{kind}_trees").split(",") if t]
     for tree in trees:
         methods[f"{kind} tree {tree}"] = Predictor(dataclasses.replace(cfg, speculate_tree=tree), loaded=loaded)
+    for tau in [float(t) for t in getattr(a, f"{kind}_min_confidence", "").split(",") if t]:
+        methods[f"{kind} chain {chain}, confidence ≥ {tau}"] = Predictor(
+            dataclasses.replace(cfg, speculate_min_confidence=tau), loaded=loaded)
+        for tree in trees[:1]:
+            methods[f"{kind} tree {tree}, confidence ≥ {tau}"] = Predictor(
+                dataclasses.replace(cfg, speculate_tree=tree, speculate_min_confidence=tau), loaded=loaded)
     for qt in [q for q in getattr(a, f"{kind}_quant").split(",") if q]:
         stamp = int((heads / "model.safetensors").stat().st_mtime)
         out = cache_dir() / "bench" / f"{heads.name}.{kind}.{stamp}.{qt}"

@@ -255,9 +255,10 @@ class _Run:
             kw.update(speculate_method=c.speculate_method,
                       speculate_max_draft_token_num=c.speculate_max_draft_token_num,
                       speculate_max_ngram_size=c.speculate_max_ngram_size,
-                      # measure the pair itself: always draft k tokens (the runtime's back-off would
-                      # stop drafting for a pair that does not pay, hiding its acceptance)
-                      speculate_backoff=False)
+                      # measure the pair itself: always draft k tokens (the runtime's back-off and
+                      # a head's confidence gate would stop drafting where it does not pay, hiding
+                      # the pair's acceptance)
+                      speculate_backoff=False, speculate_min_confidence=0.0)
             if c.speculate_method == "draft":  # ... with the draft artifact's own head
                 kw["speculate_draft_head"] = "artifact"
             if draft is not None:

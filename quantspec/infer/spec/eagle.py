@@ -18,7 +18,11 @@ through `d2t`; a tree is the caterpillar of `spec/tree.py`. Drafts are determini
 None): sampling verification treats each as one-hot, which keeps it lossless.
 
 Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`, the head's cost per
-draft in the cost model: its bytes read per token over the base's).
+draft in the cost model: its bytes read per token over the base's). With `min_confidence` a
+sequence stops drafting at the first depth whose top-1 probability (over the draft vocabulary)
+is below it: a chain drafts nothing when even its first draft is unsure; a tree always drafts
+its first depth's K candidates (their spread is what a tree is for) and stops at the first
+deeper depth below it.
 """
 
 from __future__ import annotations
@@ -84,12 +88,17 @@ class _HeadState:
 
 class EagleProposer:
     """EAGLE-3 drafts for a batch of sequences (module docstring). `tree`: a `DxK` spec (None: a
-    chain of at most `max_draft_tokens`); `policy`: chains' back-off (None: always the budget)."""
+    chain of at most `max_draft_tokens`); `policy`: chains' back-off (None: always the budget);
+    `min_confidence`: the top-1 probability below which drafting stops (0: never)."""
 
     needs_hidden = False
 
-    def __init__(self, head: Eagle3Head, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4, policy=None):
+    def __init__(self, head: Eagle3Head, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4, policy=None,
+                 min_confidence: float = 0.0):
+        if not 0.0 <= min_confidence < 1.0:
+            raise QuantSpecError(f"--speculate-min-confidence {min_confidence} must be in [0, 1)")
         self.head, self.tree, self.policy = head, tree, policy
+        self.min_confidence = float(min_confidence)
         self.depth = tree.depth if tree is not None else int(max_draft_tokens)
         self.width = tree.width if tree is not None else 1
         self._states: dict[int, _HeadState] = {}
@@ -181,16 +190,21 @@ class EagleProposer:
         return True
 
     def _draft(self, st: _HeadState, depth: int) -> list[list[int]]:
-        """Top-`width` target ids at each of `depth` draft positions (top-1 first), chained on
-        the top-1."""
+        """Top-`width` target ids at each of up to `depth` draft positions (top-1 first), chained
+        on the top-1; fewer where `min_confidence` stops the chain (module docstring)."""
         head, h, pos = self.head, st.last[None], st.n - 1
         cands: list[list[int]] = []
         for d in range(depth):
             if d:
                 tok = torch.tensor([cands[-1][0]], dtype=torch.int64, device=h.device)
                 h = head(tok, h, torch.tensor([pos + d], device=h.device), self._attend(st, st.n + d - 1))
-            top = head.logits(h)[0].topk(self.width).indices  # [K] draft ids
-            cands.append(head.target_ids(top).tolist())
+            logits = head.logits(h)[0]
+            top = logits.topk(self.width)  # [K] draft ids
+            if self.min_confidence > 0 and (d or self.width == 1):
+                p = float(torch.softmax(logits.float(), dim=-1)[top.indices[0]])
+                if p < self.min_confidence:
+                    break
+            cands.append(head.target_ids(top.indices).tolist())
         return cands
 
     @torch.inference_mode()
@@ -207,6 +221,8 @@ class EagleProposer:
             if not self._catch_up(seq, st) or depth <= 0 or not seq.speculate:
                 continue
             cands = self._draft(st, depth)
+            if not cands:
+                continue
             tokens, par = caterpillar(cands)
             ids[i] = torch.tensor(tokens, dtype=torch.int64)
             parents[i] = par
@@ -243,5 +259,6 @@ def build_eagle_proposer(config, loaded) -> tuple[EagleProposer, int]:
         cost = SpecCost.for_device(runtime.device, draft_per_token=eagle_draft_cost(head, base),
                                    packed_cpu=runtime.packed_rows)
         policy = AdaptiveDraftLength(k, cost)
-    proposer = EagleProposer(head, tree=tree, max_draft_tokens=k, policy=policy)
+    proposer = EagleProposer(head, tree=tree, max_draft_tokens=k, policy=policy,
+                             min_confidence=float(getattr(config, "speculate_min_confidence", 0.0)))
     return proposer, proposer.max_rows

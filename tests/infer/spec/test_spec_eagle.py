@@ -256,6 +256,53 @@ def test_greedy_identical_to_plain(base, head_dir, tree):
     assert sum(s.stats.drafted for s in seqs) > 0
 
 
+class _Gated(EagleProposer):
+    """Records, per `_draft` call, the top-1 probability of every depth the head computed (its
+    softmax over the draft vocabulary) and the candidates drafted."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls, real = [], self.head.logits
+
+        def logits(h):
+            out = real(h)
+            self.calls[-1][0].append(float(torch.softmax(out.float(), -1).amax()))
+            return out
+
+        self.head.logits = logits
+
+    def _draft(self, st, depth):
+        self.calls.append(([], depth))
+        cands = super()._draft(st, depth)
+        self.calls[-1] = (*self.calls[-1], cands)
+        return cands
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(3, 2)])
+def test_min_confidence_stops_at_the_first_unsure_depth(base, head_dir, tree):
+    """With `min_confidence` a chain drafts the depths before the first whose top-1 probability
+    is below it (none when the first is); a tree always drafts its first depth's candidates and
+    stops at the first deeper depth below it. Greedy output stays plain decoding's."""
+    prompts = _prompts([7, 21, 3], seed=5)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    free = _Gated(load_eagle3_for_inference(head_dir, base), tree=tree, max_draft_tokens=3)
+    _run(base, prompts, free, free.max_rows)
+    tau = sorted(p for probs, _, _ in free.calls for p in probs)[len(free.calls)]  # some depths fall below
+    gated = _Gated(load_eagle3_for_inference(head_dir, base), tree=tree, max_draft_tokens=3, min_confidence=tau)
+    seqs = _run(base, prompts, gated, gated.max_rows)
+    assert [s.output_ids for s in seqs] == plain
+    stopped = 0
+    for probs, depth, cands in gated.calls:
+        first = 1 if tree is not None else 0  # a tree's first depth is never stopped
+        sure = next((d for d, p in enumerate(probs) if d >= first and p < tau), depth)
+        assert len(cands) == sure, (probs, tau, cands)
+        assert len(probs) == min(depth, sure + 1)  # no depth computed past the first unsure one
+        stopped += sure < depth
+    assert stopped > 0
+    with pytest.raises(QuantSpecError, match="must be in"):
+        EagleProposer(gated.head, min_confidence=1.0)
+
+
 def test_build_proposer_with_backoff_and_cli_config(base, head_dir):
     from types import SimpleNamespace
 
