@@ -34,7 +34,8 @@ chat prompts of `bench/data/spec_prompts.jsonl`:
                      `--medusa-chain`, default the number of tree rows) and as each token tree
                      of `--medusa-trees` (default 2x2,4x2: `medusa tree DxK`, D·K draft rows), so
                      trees and chains compare at equal verified rows; and the heads quantized on
-                     their own (`--medusa-quant`, RTN, cached) with the first tree.
+                     their own (`--medusa-quant`, RTN, cached) with the first tree; with
+                     `--medusa-min-confidence T` as eagle's `--eagle-min-confidence T`.
 - eagle:             an EAGLE-3 head (`--eagle DIR`, from `quantspec zoo train-draft-head --kind
                      eagle3`) as a chain of `--eagle-chain` drafts (with the back-off) and as
                      each token tree of `--eagle-trees` (default 4x2), and quantized on its own
@@ -172,6 +173,9 @@ def _args():
     ap.add_argument("--medusa-trees", default="2x2,4x2", help="token trees DxK of the medusa rows (comma list)")
     ap.add_argument("--medusa-chain", type=int, default=4, help="draft tokens of the medusa chain row")
     ap.add_argument("--medusa-quant", default="", help="also run the heads quantized to these types (comma list)")
+    ap.add_argument("--medusa-min-confidence", default="",
+                    help="also run the chain and the first tree with drafting stopped below these top-1 "
+                         "probabilities (comma list; --speculate-min-confidence)")
     ap.add_argument("--eagle", help="EAGLE-3 head directory (`--methods eagle`)")
     ap.add_argument("--eagle-trees", default="4x2", help="token trees DxK of the eagle rows (comma list)")
     ap.add_argument("--eagle-chain", type=int, default=4, help="draft tokens of the eagle chain row")
@@ -259,7 +263,7 @@ def _head_methods(a, common: dict, loaded, methods: dict, kind: str) -> None:
     trees = [t for t in getattr(a, f"{kind}_trees").split(",") if t]
     for tree in trees:
         methods[f"{kind} tree {tree}"] = Predictor(dataclasses.replace(cfg, speculate_tree=tree), loaded=loaded)
-    for tau in [float(t) for t in getattr(a, f"{kind}_min_confidence", "").split(",") if t]:
+    for tau in [float(t) for t in getattr(a, f"{kind}_min_confidence").split(",") if t]:
         methods[f"{kind} chain {chain}, confidence ≥ {tau}"] = Predictor(
             dataclasses.replace(cfg, speculate_min_confidence=tau), loaded=loaded)
         for tree in trees[:1]:

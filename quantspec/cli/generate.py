@@ -61,7 +61,7 @@ def _stats_table(title: str, stats: dict):
 @click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
               help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
 @click.option("--speculate-min-confidence", type=float, default=None,
-              help="mtp, eagle: stop drafting at a draft whose probability is below this (an eagle tree "
+              help="mtp, eagle, medusa: stop drafting at a draft whose probability is below this (a tree "
                    "always drafts its first depth) [default: 0.4].")
 @click.option("--speculate-draft-head", type=click.Choice(["int8", "artifact"]), default=None,
               help="draft: score drafts with the draft model's head rounded to int8 (faster on CPU, output "

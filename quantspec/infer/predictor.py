@@ -32,7 +32,7 @@ from quantspec.model_zoo.default import DEFAULT_MODEL
 __all__ = ["MTP_MIN_CONFIDENCE", "InferConfig", "Predictor", "RequestOutput", "read_jsonl", "speculation_stats",
            "write_jsonl"]
 
-MTP_MIN_CONFIDENCE = 0.4  # --speculate-min-confidence's default for mtp and eagle (see InferConfig)
+MTP_MIN_CONFIDENCE = 0.4  # --speculate-min-confidence's default for mtp, eagle and medusa (see InferConfig)
 DRAFT_HEADS = ("int8", "artifact")  # --speculate-draft-head (see InferConfig)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -70,8 +70,9 @@ class InferConfig:
     # adapt the number of drafts to measured acceptance and cost (spec/proposers.py); off: always
     # draft speculate_max_draft_token_num tokens (what a compatibility measurement wants)
     speculate_backoff: bool = True
-    # mtp, eagle: stop drafting at a draft whose top probability is below this (None: 0.4; their
-    # heads are small and often unsure: an unsure draft is mostly rejected and costs a verify row)
+    # mtp, eagle, medusa: stop drafting at a draft whose top probability is below this (None: 0.4;
+    # their heads are small and often unsure: an unsure draft is mostly rejected and costs a verify
+    # row)
     speculate_min_confidence: float | None = None
     # draft: the head the draft model drafts with (None: "int8"): "int8" = its head rounded per
     # row to int8 by the backend where it has a kernel for it (`Runtime.int8_head`: half the
@@ -98,12 +99,13 @@ class InferConfig:
             )
         self.device = resolve_device(self.device)
         if self.speculate_min_confidence is None:
-            self.speculate_min_confidence = MTP_MIN_CONFIDENCE if self.speculate_method in ("mtp", "eagle") else 0.0
+            gated = self.speculate_method in ("mtp", "eagle", "medusa")
+            self.speculate_min_confidence = MTP_MIN_CONFIDENCE if gated else 0.0
         if not 0.0 <= self.speculate_min_confidence < 1.0:
             raise QuantSpecError(f"--speculate-min-confidence {self.speculate_min_confidence} must be in [0, 1)")
-        if self.speculate_min_confidence and self.speculate_method not in ("mtp", "eagle"):
-            raise QuantSpecError("--speculate-min-confidence applies to --speculate-method mtp and eagle only; "
-                                 "drop it")
+        if self.speculate_min_confidence and self.speculate_method not in ("mtp", "eagle", "medusa"):
+            raise QuantSpecError("--speculate-min-confidence applies to --speculate-method mtp, eagle and medusa "
+                                 "only; drop it")
         if self.speculate_draft_head is not None:
             if self.speculate_draft_head not in DRAFT_HEADS:
                 raise QuantSpecError(f"--speculate-draft-head {self.speculate_draft_head!r} is not one of "

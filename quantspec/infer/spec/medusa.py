@@ -13,11 +13,14 @@ A step runs only the heads its deepest chain needs, all from the one hidden stat
 
 Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`): a step's cost is one call
 of the heads (`SpecCost.draft_fixed`) plus, per draft, one more head's bytes over the base's
-(`medusa_draft_cost`). Trees keep their fixed shape.
+(`medusa_draft_cost`). With `min_confidence` a sequence's drafts stop at the first head whose
+top-1 probability is below it, as EAGLE's do (`spec/eagle.py`): a chain may draft nothing, a
+tree always drafts its first head's candidates.
 """
 
 from __future__ import annotations
 
+import math
 from pathlib import Path
 
 import torch
@@ -60,13 +63,16 @@ class MedusaProposer:
     """Medusa drafts for a batch of sequences (module docstring). `norm`: the base's final norm
     (the heads read normed hidden states; the engine keeps pre-norm ones); `tree`: a `DxK` spec
     (None: a chain of at most `max_draft_tokens`); `policy`: chains' back-off (None: always the
-    budget)."""
+    budget); `min_confidence`: the top-1 probability below which drafting stops (0: never)."""
 
     needs_hidden = True
 
     def __init__(self, heads: MedusaHeads, norm: nn.Module, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4,
-                 policy=None):
+                 policy=None, min_confidence: float = 0.0):
+        if not 0.0 <= min_confidence < 1.0:
+            raise QuantSpecError(f"--speculate-min-confidence {min_confidence} must be in [0, 1)")
         self.heads, self.norm, self.tree, self.policy = heads, norm, tree, policy
+        self.min_confidence = float(min_confidence)
         n = heads.args.num_heads
         self.depth = min(n, tree.depth) if tree is not None else min(n, int(max_draft_tokens))
         self.width = tree.width if tree is not None else 1
@@ -113,17 +119,32 @@ class MedusaProposer:
         w = self.norm.weight
         h = self.norm(torch.stack([seqs[i].last_hidden for i in live]).to(w.device, w.dtype))  # [A, D]
         x = self.heads.features(h, need)  # [need, A, D]
-        tops = []
+        tops, sure = [], []
         for k in range(need):
             scores, cols = self._logits(x[k], k)
-            top = scores.float().topk(self.width, dim=-1).indices  # [A, K]
-            tops.append(top if cols is None else cols[top])
+            top = scores.float().topk(self.width, dim=-1)  # [A, K]
+            tops.append(top.indices if cols is None else cols[top.indices])
+            if self.min_confidence > 0:  # top-1 probability ≥ the gate, [A]
+                sure.append(top.values[:, 0] >= scores.float().logsumexp(-1) + math.log(self.min_confidence))
         cands = torch.stack(tops).cpu()  # [need, A, K]: one copy to the host
+        if sure:
+            self._gate(depths, live, torch.stack(sure).cpu())
         for r, i in enumerate(live):
+            if depths[i] == 0:
+                continue
             tokens, par = caterpillar([cands[d, r].tolist() for d in range(depths[i])])
             ids[i] = torch.tensor(tokens, dtype=torch.int64)
             parents[i] = par
         return SpecProposal(ids, parents=parents if self.width > 1 else None)
+
+    def _gate(self, depths: list[int], live: list[int], sure: torch.Tensor) -> None:
+        """Cut each live sequence's depth at its first unsure head (`sure` [need, A] bool); a
+        tree's first head is never cut."""
+        first = 0 if self.tree is None else 1
+        for r, i in enumerate(live):
+            unsure = (~sure[first:depths[i], r]).nonzero()
+            if unsure.numel():
+                depths[i] = first + int(unsure[0, 0])
 
     def release(self, seq) -> None:
         if self.policy is not None:
@@ -160,7 +181,8 @@ def build_medusa_proposer(config, loaded) -> tuple[MedusaProposer, int]:
     base, runtime = loaded.model, loaded_runtime(loaded)
     heads = load_medusa_for_inference(config.draft_model, base)
     tree = parse_tree_spec(getattr(config, "speculate_tree", None))
-    proposer = MedusaProposer(heads, base.model.norm, tree=tree, max_draft_tokens=config.speculate_max_draft_token_num)
+    proposer = MedusaProposer(heads, base.model.norm, tree=tree, max_draft_tokens=config.speculate_max_draft_token_num,
+                              min_confidence=float(getattr(config, "speculate_min_confidence", 0.0)))
     device = base.model.norm.weight.device
     prepare_head(heads, device)
     prepare_head(proposer.rows, device)

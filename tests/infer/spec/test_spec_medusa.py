@@ -107,6 +107,52 @@ def test_medusa_greedy_identical_to_plain(base, heads_dir, tree):
     assert sum(s.stats.drafted for s in seqs) > 0
 
 
+class _Gated(MedusaProposer):
+    """Records, per `propose` call (one sequence), each head's top-1 probability (its softmax over
+    the scored columns) and the number of tokens proposed."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.calls = []
+
+    def _logits(self, x, k):
+        scores, cols = super()._logits(x, k)
+        self.calls[-1][0].append(float(torch.softmax(scores.float(), -1).amax()))
+        return scores, cols
+
+    def propose(self, seqs, budgets):
+        self.calls.append(([], None))
+        out = super().propose(seqs, budgets)
+        self.calls[-1] = (self.calls[-1][0], len(out.draft_token_ids[0]))
+        return out
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(3, 2)])
+def test_min_confidence_stops_at_the_first_unsure_head(base, heads_dir, tree):
+    """With `min_confidence` a chain drafts the heads before the first whose top-1 probability is
+    below it (none when the first is); a tree always drafts its first head's candidates. Greedy
+    output stays plain decoding's."""
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (7, 21)]
+    heads = load_medusa_for_inference(heads_dir, base)
+    free = _Gated(heads, base.model.norm, tree=tree, max_draft_tokens=3)
+    for p in prompts:
+        _run(base, [p], free, free.max_rows)
+    probs = sorted(q for qs, _ in free.calls for q in qs)
+    tau = probs[len(probs) // 2]
+    gated = _Gated(heads, base.model.norm, tree=tree, max_draft_tokens=3, min_confidence=tau)
+    width, first, stopped = tree.width if tree else 1, 1 if tree else 0, 0
+    for p in prompts:
+        assert _run(base, [p], gated, gated.max_rows)[0].output_ids == _run(base, [p])[0].output_ids
+    for qs, n in gated.calls:
+        depth = next((k for k, q in enumerate(qs) if k >= first and q < tau), len(qs))
+        assert n == width * depth, (qs, tau, n)
+        stopped += depth < len(qs)
+    assert stopped > 0
+    with pytest.raises(QuantSpecError, match="must be in"):
+        MedusaProposer(heads, base.model.norm, min_confidence=-0.1)
+
+
 @pytest.mark.parametrize("quant_type", ["weight_only_int8", "weight_only_int4"])
 def test_quantized_heads_draft_and_stay_lossless(base, heads_dir, tmp_path, quant_type):
     from quantspec import api

@@ -254,7 +254,7 @@ def test_confidence_gate_config_errors():
 
     assert InferConfig(speculate_method="mtp", draft_model="x").speculate_min_confidence == MTP_MIN_CONFIDENCE
     assert InferConfig().speculate_min_confidence == 0.0
-    with pytest.raises(QuantSpecError, match="applies to --speculate-method mtp and eagle only"):
+    with pytest.raises(QuantSpecError, match="applies to --speculate-method mtp, eagle and medusa"):
         InferConfig(speculate_method="draft", speculate_min_confidence=0.3)
     with pytest.raises(QuantSpecError, match=r"must be in \[0, 1\)"):
         InferConfig(speculate_method="mtp", speculate_min_confidence=1.5)
