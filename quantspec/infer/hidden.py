@@ -4,7 +4,7 @@
 forward hook on the model, the pre-norm hidden state at every position it fed (nothing is run
 twice): what self-distillation trains an MTP module (or another draft head) on.
 `generate_answers` gives the answers alone, from the engine on the backend's packed bf16 stack
-(about twice the tokens/s of the float modules): for recipes that recompute the base's features
+(about three times the tokens/s of the float modules): for recipes that recompute the base's features
 on the answers anyway (EAGLE-3).
 """
 
