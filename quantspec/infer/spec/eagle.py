@@ -34,6 +34,7 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.mtp import check_min_confidence
 from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import read_config
@@ -95,10 +96,8 @@ class EagleProposer:
 
     def __init__(self, head: Eagle3Head, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4, policy=None,
                  min_confidence: float = 0.0):
-        if not 0.0 <= min_confidence < 1.0:
-            raise QuantSpecError(f"--speculate-min-confidence {min_confidence} must be in [0, 1)")
         self.head, self.tree, self.policy = head, tree, policy
-        self.min_confidence = float(min_confidence)
+        self.min_confidence = check_min_confidence(min_confidence)
         self.depth = tree.depth if tree is not None else int(max_draft_tokens)
         self.width = tree.width if tree is not None else 1
         self._states: dict[int, _HeadState] = {}

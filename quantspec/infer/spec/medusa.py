@@ -27,6 +27,7 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.mtp import check_min_confidence
 from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import load_checkpoint_tensors, read_config
@@ -69,10 +70,8 @@ class MedusaProposer:
 
     def __init__(self, heads: MedusaHeads, norm: nn.Module, *, tree: TreeSpec | None = None, max_draft_tokens: int = 4,
                  policy=None, min_confidence: float = 0.0):
-        if not 0.0 <= min_confidence < 1.0:
-            raise QuantSpecError(f"--speculate-min-confidence {min_confidence} must be in [0, 1)")
         self.heads, self.norm, self.tree, self.policy = heads, norm, tree, policy
-        self.min_confidence = float(min_confidence)
+        self.min_confidence = check_min_confidence(min_confidence)
         n = heads.args.num_heads
         self.depth = min(n, tree.depth) if tree is not None else min(n, int(max_draft_tokens))
         self.width = tree.width if tree is not None else 1
@@ -122,10 +121,11 @@ class MedusaProposer:
         tops, sure = [], []
         for k in range(need):
             scores, cols = self._logits(x[k], k)
-            top = scores.float().topk(self.width, dim=-1)  # [A, K]
+            scores = scores.float()
+            top = scores.topk(self.width, dim=-1)  # [A, K]
             tops.append(top.indices if cols is None else cols[top.indices])
             if self.min_confidence > 0:  # top-1 probability ≥ the gate, [A]
-                sure.append(top.values[:, 0] >= scores.float().logsumexp(-1) + math.log(self.min_confidence))
+                sure.append(top.values[:, 0] >= scores.logsumexp(-1) + math.log(self.min_confidence))
         cands = torch.stack(tops).cpu()  # [need, A, K]: one copy to the host
         if sure:
             self._gate(depths, live, torch.stack(sure).cpu())

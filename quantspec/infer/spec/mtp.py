@@ -34,7 +34,7 @@ from quantspec.model_zoo.checkpoint import read_config
 from quantspec.model_zoo.llama import Transformer
 from quantspec.model_zoo.mtp import MTPArgs, MTPModule, check_mtp_matches_base, is_mtp_config, load_mtp
 
-__all__ = ["MTPProposer", "build_mtp_proposer", "load_mtp_for_inference", "mtp_draft_cost"]
+__all__ = ["MTPProposer", "build_mtp_proposer", "check_min_confidence", "load_mtp_for_inference", "mtp_draft_cost"]
 
 # per-draft Python/launch overhead on top of the weight cost, in base decode steps (CPU, batch 1)
 _DRAFT_OVERHEAD = 0.02
@@ -165,6 +165,14 @@ def load_head_for_inference(path: Path, cfg: dict, args: Callable, base: Transfo
     return head
 
 
+def check_min_confidence(value: float) -> float:
+    """`--speculate-min-confidence` as the head drafters (MTP, EAGLE-3, Medusa) take it: a top-1
+    probability in [0, 1), below which a sequence's drafting stops (0: never)."""
+    if not 0.0 <= value < 1.0:
+        raise QuantSpecError(f"--speculate-min-confidence {value} must be in [0, 1)")
+    return float(value)
+
+
 class MTPProposer:
     """Chained MTP drafts for a batch of sequences (module docstring).
 
@@ -180,13 +188,11 @@ class MTPProposer:
                  head: nn.Module | None = None, step: Callable | None = None):
         if not mtp._shared:
             raise QuantSpecError("the MTP module is not bound to its base; call mtp.bind_base(base) first")
-        if not 0.0 <= min_confidence < 1.0:
-            raise QuantSpecError(f"--speculate-min-confidence {min_confidence} must be in [0, 1)")
         self.mtp, self.max_draft_tokens, self.policy = mtp, int(max_draft_tokens), policy
         # a sequence's drafting stops at the first draft whose top probability (over the draft
         # vocabulary) is below this: unconfident drafts are mostly rejected and each costs a verify
         # row. The choice depends only on the draft side, so verification stays lossless.
-        self.min_confidence = float(min_confidence)
+        self.min_confidence = check_min_confidence(min_confidence)
         self.head, self.step = head, step
 
     def _depth(self, h: torch.Tensor, tok: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
