@@ -15,7 +15,8 @@ import torch
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["FILE_DTYPES", "FLOAT_DTYPES", "FileRange", "read_file_range", "reading_safetensors", "safetensors_header", "safetensors_keys"]
+__all__ = ["FILE_DTYPES", "FLOAT_DTYPES", "FileRange", "read_file_range", "reading_safetensors", "safetensors_header",
+           "safetensors_keys"]
 
 
 @contextlib.contextmanager
@@ -67,8 +68,8 @@ class FileRange:
 FLOAT_DTYPES = {"F32": torch.float32, "BF16": torch.bfloat16, "F16": torch.float16, "F64": torch.float64}
 # every safetensors dtype `CheckpointReader.read` reads with plain file reads
 FILE_DTYPES = {**FLOAT_DTYPES, "I8": torch.int8, "U8": torch.uint8, "I16": torch.int16, "I32": torch.int32,
-                "I64": torch.int64, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
-                "F8_E5M2": torch.float8_e5m2}
+               "I64": torch.int64, "BOOL": torch.bool, "F8_E4M3": torch.float8_e4m3fn,
+               "F8_E5M2": torch.float8_e5m2}
 _READ_BLOCK_BYTES = 16 * 2**20  # a tensor is read (and converted) this many bytes at a time
 
 
