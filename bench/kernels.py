@@ -13,10 +13,11 @@ linear layer pays). Each CUDA cell is GPU time per call (`gpu_time`: calls repla
 graph, the L2 flushed before each, as the engine's decode steps run them); on CPU a median of a
 few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 
-`--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16} on three shapes under
-every launch config of a small grid (`sweep_grid`: `tl.dot` tiles and one-row programs, W4A16's
-nibble dots) against the default heuristic's (`kernels_sweep.md` / `.json`, every config's time
-in the JSON: what tunes the heuristic).
+`--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16} on three shapes, then at
+M ∈ {256, 4096} on 4096×14336, under every launch config of a small grid (`sweep_grid`: `tl.dot`
+tiles with and without the scale folded in, one-row programs, W4A16's nibble dots; large-M
+tiles) against the default heuristic's (`kernels_sweep.md` / `.json`, every config's time in the
+JSON: what tunes the heuristic).
 
 Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×,
 W8A8 and FP8 at M=4096 ≥ 1.5×, nothing below 0.9×.
@@ -149,8 +150,9 @@ def kernel_ops(L: Layer, x):
 
 def flipped_ops(L: Layer, x) -> dict:
     """kind → the weight-only kernel under the other launch of its default: the other tile
-    orientation (`W4A16Config.swap_ab` flipped), or for a nibble-dots default the unpacking launch
-    with the weight as the wide operand. What chooses the launch per M."""
+    orientation (`W4A16Config.swap_ab` flipped, with the exact codes and the scale after each
+    tile's MMA), or for a nibble-dots default the unpacking launch with the weight as the wide
+    operand. What chooses the launch per M."""
     from quantspec.kernels.w4a16 import W4A16Config, w4a16_default_config, w4a16_linear
     from quantspec.kernels.w8a16 import w8a16_default_config, w8a16_linear
 
@@ -259,34 +261,49 @@ def targets(result: dict) -> list[tuple[str, float | None, float, bool]]:
 
 
 SWEEP_SHAPES = [(4096, 4096), (4096, 14336), (14336, 4096)]
+SWEEP_LARGE = ((4096, 14336), (256, 4096))  # the shape and the rows of the large-M sweep
 
 
-def sweep_grid(kind: str, group: int) -> list[tuple]:
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, swap_ab, nibble_dots) launches the sweep times for
-    `kind`: `tl.dot` tiles (BLOCK_M 16) and one-row programs (BLOCK_M 1, multiply-reduce)."""
+def sweep_grid(kind: str, group: int, M: int = 1) -> list:
+    """The `W4A16Config`s the sweep times for `kind` at M rows. Up to 16 rows: `tl.dot` tiles
+    (BLOCK_M 16; swapped ones with the exact codes and with the scale folded in) and one-row
+    programs (BLOCK_M 1, multiply-reduce), W4A16's nibble dots; more rows: swapped tiles with
+    the scale folded in, and the unswapped tile whose MMA waits for each dequantized tile."""
+    from quantspec.kernels.w4a16 import W4A16Config
+
     bk = min(128, group)
+    if M > 16:
+        k64 = min(64, bk)
+        tiles = [(64, 128, k64, 3), (128, 128, k64, 3), (128, 128, bk, 3), (128, 256, k64, 3), (128, 128, k64, 4),
+                 (256, 128, k64, 3)]
+        return [W4A16Config(bm, bn, k, 1, 8, st, True, False, True) for bm, bn, k, st in tiles] + \
+            [W4A16Config(128, 128, k64, 1, 8, 3)]
     nibs = (False, True) if kind == "w4a16" and bk >= 128 else (False,)
-    dots = [(16, bn, bk, sk, swap, nib) for bn in (64, 128) for sk in (2, 4, 8) for swap in (False, True)
-            for nib in nibs]
-    rows = [(1, bn, bk, sk, False, nib) for bn in (16, 32, 64) for sk in (2, 4) for nib in nibs]
+    dots = [(16, bn, bk, sk, False, nib, False) for bn in (64, 128) for sk in (2, 4, 8) for nib in nibs]
+    folds = (False, True) if kind == "w4a16" else (False,)
+    dots += [(16, bn, bk, sk, True, False, fold) for bn in (64, 128) for sk in (2, 4, 8) for fold in folds]
+    rows = [(1, bn, bk, sk, False, nib, False) for bn in (16, 32, 64) for sk in (2, 4) for nib in nibs]
     if kind == "w8a16":
-        rows = [(1, bn, k, sk, False, False) for bn in (16, 32, 64) for k in (128, 256) for sk in (2, 4)]
-    return dots + rows
+        rows = [(1, bn, k, sk, False, False, False) for bn in (16, 32, 64) for k in (128, 256) for sk in (2, 4)]
+    return [W4A16Config(bm, bn, k, sk, 4, 3, swap, nib, fold) for bm, bn, k, sk, swap, nib, fold in dots + rows]
 
 
 def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
-    """Launch configs of W4A16 / W8A16 at M ∈ {1, 16} (module docstring); `on_row(found)` after
-    each (kind, shape, M), so that a time-boxed run keeps what it timed."""
+    """Launch configs of W4A16 / W8A16 at M ∈ {1, 16} on `shapes`, then at the large M of
+    `SWEEP_LARGE` on its shape (module docstring); `on_row(found)` after each (kind, shape, M),
+    so that a time-boxed run keeps what it timed."""
     import torch
 
     from quantspec import kernels
-    from quantspec.kernels.w4a16 import W4A16Config
 
     dtype = getattr(torch, DTYPE_NAMES[dtype_name])
     gen = torch.Generator(device=device).manual_seed(1)
     found = []
     shapes = [s for s in shapes if s in SWEEP_SHAPES] or shapes
-    for (K, N), M in itertools.product(shapes, (1, 16)):
+    runs = list(itertools.product(shapes, (1, 16)))
+    large_shape, large_ms = SWEEP_LARGE
+    runs += [(large_shape if large_shape in shapes else shapes[0], M) for M in large_ms]
+    for (K, N), M in runs:
         L = Layer(K, N, dtype, device, gen)
         x = torch.randn(M, K, device=device, generator=gen).to(dtype)
         for kind in ("w4a16", "w8a16"):
@@ -296,11 +313,12 @@ def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
                 return kernels.w8a16_linear(x, L.q8, L.s8h, config=cfg)
             t_default, _ = _time_or_error(bench, call)
             best, timed = (t_default, "default"), {}
-            grid = sweep_grid(kind, L.group)
+            grid = sweep_grid(kind, L.group, M)
+            if kind == "w8a16":  # fold_scale has no int8 meaning: one of each tile
+                grid = list(dict.fromkeys(c if not c.fold_scale else type(c)(*c[:8]) for c in grid))
             if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
                 grid = grid[:2]
-            for bm, bn, bk, sk, swap, nib in grid:
-                cfg = W4A16Config(bm, bn, bk, sk, 4, 3, swap, nib)
+            for cfg in grid:
                 t, _ = _time_or_error(bench, lambda: call(cfg))
                 timed[",".join(map(str, cfg))] = t
                 if t is not None and (best[0] is None or t < best[0]):
@@ -316,7 +334,7 @@ def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
 def _sweep_markdown(found: list[dict], name: str, dtype_name: str) -> str:
     md = [f"### Launch configs of the weight-only kernels on {name} ({dtype_name})\n",
           "| kernel | K×N | M | default ms | best ms | best (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, "
-          "swap_ab, nibble_dots) |",
+          "swap_ab, nibble_dots, fold_scale) |",
           "|---|---|---|---|---|---|"]
     for f in found:
         d = "—" if f["default_ms"] is None else f"{f['default_ms']:.4f}"

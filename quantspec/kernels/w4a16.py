@@ -14,9 +14,11 @@ Weight layout is compressed-tensors' `pack-quantized` one, read as stored (no re
 
 A k tile reads each of its int32 words once ([BLOCK_N, BLOCK_K/8]) and unpacks the 8 nibbles
 of each word into consecutive k, or (`nibble_dots`, the GPU's launch for up to 16 rows) meets the
-x columns of each nibble position in a dot of its own. On a GPU every M runs tiled `tl.dot`
-(`gpu_weight_only_config`), with split-K for the small M of decode and verification; a BLOCK_M = 1
-launch shape (one row per program, multiply-reduce) serves configs that ask for it. Split-K
+x columns of each nibble position in a dot of its own. Codes become floats without an
+int-to-float instruction (`_common.small_ints_to_float`). On a GPU every M runs tiled `tl.dot`
+(`gpu_weight_only_config`), with split-K for the small M of decode and verification, and the
+scale folded into swapped tiles above 16 rows; a BLOCK_M = 1 launch shape (one row per program,
+multiply-reduce) serves configs that ask for it. Split-K
 partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k` sums in split order
 (deterministic, no atomics).
 """
@@ -34,6 +36,7 @@ from quantspec.kernels._common import (
     check_tensor,
     dot_in_fp32,
     finish_split_k,
+    small_ints_to_float,
     split_k_output,
 )
 
@@ -45,28 +48,35 @@ GEMV_MAX_M = 4  # on the CPU interpreter, at or below this M the tests take the 
 
 
 class W4A16Config(tuple):
-    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab, nibble_dots) for one
-    launch.
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, num_warps, num_stages, swap_ab, nibble_dots,
+    fold_scale) for one launch.
 
     swap_ab: a `tl.dot` launch computes the transposed tile, weight [BLOCK_N, BLOCK_K] times
     xᵀ [BLOCK_K, BLOCK_M], so that a small M is the MMA's narrow dimension (the weight tile needs
-    no transpose) and BLOCK_N its wide one.
+    no transpose) and BLOCK_N its wide one; on Hopper the dequantized weight is then the MMA's
+    register operand, so the next tile's loads overlap the MMA.
     nibble_dots (W4A16, launches whose k tile lies in one group): the tile's words are not
     unpacked into consecutive k; nibble i of every word ([BLOCK_N, BLOCK_K/8], k = 8j + i) meets
     the x columns 8j + i in a dot of its own (or, with BLOCK_M = 1, a multiply-reduce), eight per
-    tile. The sum over k is the same; no register reshuffle between the unpack and the MMA."""
+    tile. The sum over k is the same; no register reshuffle between the unpack and the MMA.
+    fold_scale (W4A16 `tl.dot` launches): the weight tile is dequantized with its scale into x's
+    dtype before the MMA, which accumulates across tiles; without it, group-aligned tiles feed
+    the exact integer codes and scale each tile's partial sums in fp32 (more exact, but every
+    tile waits for its MMA). W8A16 applies its per-channel scale once, at the end, and ignores
+    it."""
 
     __slots__ = ()
 
     def __new__(cls, block_m: int, block_n: int, block_k: int, split_k: int = 1,
-                num_warps: int = 4, num_stages: int = 2, swap_ab: bool = False, nibble_dots: bool = False):
+                num_warps: int = 4, num_stages: int = 2, swap_ab: bool = False, nibble_dots: bool = False,
+                fold_scale: bool = False):
         for name, v in (("block_m", block_m), ("block_n", block_n), ("block_k", block_k)):
             if v < 1 or (v & (v - 1)):
                 raise QuantSpecError(f"W4A16Config.{name}={v} must be a power of two")
         if split_k < 1:
             raise QuantSpecError(f"W4A16Config.split_k={split_k} must be >= 1")
         return super().__new__(cls, (block_m, block_n, block_k, split_k, num_warps, num_stages, bool(swap_ab),
-                                     bool(nibble_dots)))
+                                     bool(nibble_dots), bool(fold_scale)))
 
     block_m = property(lambda s: s[0])
     block_n = property(lambda s: s[1])
@@ -76,6 +86,7 @@ class W4A16Config(tuple):
     num_stages = property(lambda s: s[5])
     swap_ab = property(lambda s: s[6])
     nibble_dots = property(lambda s: s[7])
+    fold_scale = property(lambda s: s[8])
 
 
 SM_TARGET = 528  # programs a small-M launch aims for: four per SM of an H100 / H200 (132 SMs)
@@ -90,14 +101,17 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     to fill the GPU. With nibble dots (unswapped) the deepest split (8) wherever K allows it: the
     fastest at 1 and 16 rows on the Llama-3-8B shapes of an H100's bf16 sweep (`bench/kernels.py
     --sweep-only`); without them (a group smaller than 128) swapped, split to about `SM_TARGET`
-    programs. W8A16 has its own small-M launch (`w8a16.w8a16_default_config`)."""
+    programs. More rows: swapped tiles with the scale folded into the weight tile, so that the
+    dequantized weight is the MMA's register operand and the MMA overlaps the next tile's loads
+    (a weight tile dequantized into shared memory makes every tile wait for its MMA). W8A16 has
+    its own small-M launch (`w8a16.w8a16_default_config`)."""
     if M > 64:
-        return W4A16Config(64, 128, min(block_k, 64), 1, 4, 4) if M <= 256 else \
-            W4A16Config(128, 128, min(block_k, 64), 1, 8, 3)
+        return W4A16Config(64, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True) if M <= 128 else \
+            W4A16Config(128, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True)
     if M > 16:
         block_m = 32 if M <= 32 else 64
         split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, 64))))
-        return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=True)
+        return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=True, fold_scale=True)
     split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2))
     if not nibble_dots:
         split = max(1, min(split, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
@@ -117,10 +131,44 @@ def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) 
 
 
 @triton.jit
-def _unpack_words(words, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
-    """words [BLOCK_N, BLOCK_K / 8] int32 → codes [BLOCK_N, BLOCK_K] int32 in [-8, 7]: word j holds
-    k = 8j .. 8j+7 in its nibbles 0..7 (stored as q + 8)."""
-    return tl.reshape((words[:, :, None] >> (tl.arange(0, 8) * 4)[None, None, :]) & 0xF, (BLOCK_N, BLOCK_K)) - 8
+def _nibbles(words, BLOCK_K: tl.constexpr):
+    """words [BLOCK_N, BLOCK_K / 8] int32 → the stored nibbles [BLOCK_N, BLOCK_K] (q + 8, in
+    0..15) in k order: word j holds k = 8j .. 8j+7 in its nibbles 0..7. Each word is repeated
+    eight times by interleaving it with itself (which keeps the copies in the thread that loaded
+    the word: no trip through shared memory), then shifted by 4·(k mod 8)."""
+    w = tl.interleave(words, words)
+    w = tl.interleave(w, w)
+    w = tl.interleave(w, w)
+    return (w >> ((tl.arange(0, BLOCK_K) % 8) * 4)[None, :]) & 0xF
+
+
+@triton.jit
+def _codes(nib, z, HAS_ZERO: tl.constexpr, DTYPE: tl.constexpr):
+    """Stored nibbles (int32, 0..15) → the codes q - zero as exact DTYPE values; `z` (integer
+    zero points in the int4 range, broadcast against `nib`) is read only with HAS_ZERO."""
+    if HAS_ZERO:  # + 64 keeps the value non-negative for `small_ints_to_float`
+        out = small_ints_to_float(nib - z + 64, 72, DTYPE)
+    else:
+        out = small_ints_to_float(nib, 8, DTYPE)
+    return out
+
+
+@triton.jit
+def _mma(w, x, acc, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr):
+    """acc + w·xᵀ ([BN, BM], SWAP_AB) or acc + x·wᵀ ([BM, BN]) for a weight tile w [BN, BK] in
+    x's dtype, or with both operands in fp32 (DOT_FP32, ieee products)."""
+    # one return at the end: the compiler still builds the statements after a return inside a
+    # constexpr branch, where the other orientation's shapes do not fit
+    if DOT_FP32:
+        if SWAP_AB:
+            out = tl.dot(w.to(tl.float32), tl.trans(x.to(tl.float32)), acc, input_precision="ieee")
+        else:
+            out = tl.dot(x.to(tl.float32), tl.trans(w.to(tl.float32)), acc, input_precision="ieee")
+    elif SWAP_AB:
+        out = tl.dot(w, tl.trans(x), acc)
+    else:
+        out = tl.dot(x, tl.trans(w), acc)
+    return out
 
 
 @triton.jit
@@ -138,34 +186,30 @@ def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n
                     mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)  # [BN, BK/8]
     g = tl.minimum(k0, K - 1) // group_size
     s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+    z = 0
     if HAS_ZERO:
-        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
+        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)[:, None]
     if SWAP_AB:
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for i in tl.static_range(8):
-        q = ((words >> (4 * i)) & 0xF) - 8  # [BN, BK/8]: k = 8j + i
-        if HAS_ZERO:
-            q = q - z[:, None]
+        nib = (words >> (4 * i)) & 0xF  # [BN, BK/8]: k = 8j + i
         cols = offs_w * 8 + i
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
                     mask=mask_m[:, None] & (cols < K)[None, :], other=0.0)  # [BM, BK/8]
         if not USE_DOT:  # one row (BLOCK_M = 1): multiply and reduce over the words
-            part += tl.sum(q.to(tl.float32)[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+            q = _codes(nib, z, HAS_ZERO, tl.float32)
+            part += tl.sum(q[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
         elif DOT_FP32:
-            w, x = q.to(tl.float32), x.to(tl.float32)
-            if SWAP_AB:
-                part += tl.dot(w, tl.trans(x), input_precision="ieee")
-            else:
-                part += tl.dot(x, tl.trans(w), input_precision="ieee")
-        elif SWAP_AB:
-            part += tl.dot(q.to(x.dtype), tl.trans(x))
+            part = _mma(_codes(nib, z, HAS_ZERO, tl.float32), x, part, SWAP_AB, True)
         else:
-            part += tl.dot(x, tl.trans(q.to(x.dtype)))
+            part = _mma(_codes(nib, z, HAS_ZERO, x.dtype), x, part, SWAP_AB, False)
     if SWAP_AB:
-        return part * s[:, None]
-    return part * s[None, :]
+        part = part * s[:, None]
+    else:
+        part = part * s[None, :]
+    return part
 
 
 @triton.jit
@@ -213,57 +257,48 @@ def _w4a16_kernel(
                 w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                 mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0,
             )  # [BN, BK/8] int32, each word read once
-            q = _unpack_words(words, BLOCK_N, BLOCK_K)  # [BN, BK]
+            nib = _nibbles(words, BLOCK_K)  # [BN, BK]
             if GROUP_ALIGNED:
                 # BLOCK_K divides group_size: the whole k tile shares one group
                 # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
                 # reads the last group, not one past the end, which may hold a NaN)
                 g = tl.minimum(k0, K - 1) // group_size
-                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)
-                if HAS_ZERO and ZERO_FLOAT:
-                    z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0.0).to(tl.float32)
-                    w = (q.to(tl.float32) - z[:, None]) * s[:, None]  # [BN, BK]
-                else:
-                    if HAS_ZERO:
-                        z = tl.load(z_ptr + offs_n * stride_zn + g, mask=mask_n, other=0).to(tl.int32)
-                        q = q - z[:, None]
-                    if SCALE_AFTER:  # exact integers; the tile's partial sums take the group's scale
-                        w = q.to(tl.float32)
-                    else:
-                        w = q.to(tl.float32) * s[:, None]  # [BN, BK]
+                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+                zidx = offs_n[:, None] * stride_zn + g
+                zmask = mask_n[:, None]
             else:
                 g = offs_k // group_size  # [BK]
-                gidx = offs_n[:, None] * stride_sn + g[None, :]
-                s = tl.load(s_ptr + gidx, mask=wmask, other=0.0).to(tl.float32)
-                if HAS_ZERO and ZERO_FLOAT:
-                    z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
-                                other=0.0).to(tl.float32)
-                    w = (q.to(tl.float32) - z) * s  # [BN, BK]
+                s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wmask, other=0.0).to(tl.float32)
+                zidx = offs_n[:, None] * stride_zn + g[None, :]
+                zmask = wmask
+            if HAS_ZERO and ZERO_FLOAT:
+                z = tl.load(z_ptr + zidx, mask=zmask, other=0.0).to(tl.float32)
+                w = (_codes(nib, 0, False, tl.float32) - z) * s  # [BN, BK]
+            else:
+                z = 0
+                if HAS_ZERO:
+                    z = tl.load(z_ptr + zidx, mask=zmask, other=0).to(tl.int32)
+                if SCALE_AFTER:  # exact integers; the tile's partial sums take the group's scale
+                    if DOT_FP32 or not USE_DOT:
+                        w = _codes(nib, z, HAS_ZERO, tl.float32)
+                    else:
+                        w = _codes(nib, z, HAS_ZERO, x.dtype)
                 else:
-                    if HAS_ZERO:
-                        z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=wmask,
-                                    other=0)
-                        q = q - z.to(tl.int32)
-                    w = q.to(tl.float32) * s  # [BN, BK]
+                    w = _codes(nib, z, HAS_ZERO, tl.float32) * s  # [BN, BK]
             if USE_DOT:
-                if SWAP_AB:
-                    if DOT_FP32:
-                        part = tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")  # [BN, BM]
+                if not DOT_FP32:
+                    w = w.to(x.dtype)
+                if SCALE_AFTER:
+                    if SWAP_AB:
+                        acc += _mma(w, x, tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32), True, DOT_FP32) * s
                     else:
-                        part = tl.dot(w.to(x.dtype), tl.trans(x))
-                    if SCALE_AFTER:
-                        part = part * s[:, None]
+                        acc += _mma(w, x, tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32), False,
+                                    DOT_FP32) * tl.trans(s)
                 else:
-                    if DOT_FP32:
-                        part = tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")  # [BM, BN]
-                    else:
-                        part = tl.dot(x, tl.trans(w.to(x.dtype)))
-                    if SCALE_AFTER:
-                        part = part * s[None, :]
-                acc += part
+                    acc = _mma(w, x, acc, SWAP_AB, DOT_FP32)
             else:
                 if SCALE_AFTER:
-                    w = w * s[:, None]
+                    w = w * s
                 prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
                 acc += tl.sum(prod, axis=2)
 
@@ -348,14 +383,14 @@ def w4a16_linear(
     device = check_same_device(x=x, w_packed=w_packed, w_scale=w_scale, w_zero=w_zero, bias=bias)
     on_gpu = device.type == "cuda"
     cfg = config or w4a16_default_config(M, N, K, group_size, on_gpu)
-    bm, bn, bk, split, warps, stages, swap, nibble = cfg
+    bm, bn, bk, split, warps, stages, swap, nibble, fold = cfg
     if bk < PACK_FACTOR:
         raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
     use_dot = bm >= 16
-    scale_after = group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point())
+    scale_after = group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point()) and not fold
     if nibble and not (scale_after and not swap and (bm == 1 or (use_dot and bk >= 16 * PACK_FACTOR))):
         raise QuantSpecError(f"W4A16Config.nibble_dots needs block_m 1, or block_m >= 16 with block_k >= "
-                             f"{16 * PACK_FACTOR}; swap_ab off, block_k dividing the group size ({group_size}) "
+                             f"{16 * PACK_FACTOR}; swap_ab and fold_scale off, block_k dividing the group size ({group_size}) "
                              f"and integer zero points; got {tuple(cfg)}")
     out = split_k_output(M, N, split, device, x.dtype)
     stride_osplit = 0 if split == 1 else M * N
@@ -395,17 +430,18 @@ def _w4_dequant_kernel(
     mask_n = offs_n < N
     words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                     mask=mask_n[:, None] & (offs_w < tl.cdiv(K, 8))[None, :], other=0)
-    q = _unpack_words(words, BLOCK_N, BLOCK_K)
+    nib = _nibbles(words, BLOCK_K)
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     g = offs_k // group_size
     s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)
     if HAS_ZERO and ZERO_FLOAT:
         z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = (q.to(tl.float32) - z) * s
+        w = (_codes(nib, 0, False, tl.float32) - z) * s
     else:
+        z = 0
         if HAS_ZERO:
-            q = q - tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0).to(tl.int32)
-        w = q.to(tl.float32) * s
+            z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0).to(tl.int32)
+        w = _codes(nib, z, HAS_ZERO, tl.float32) * s
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
 
 

@@ -23,6 +23,7 @@ from quantspec.kernels._common import (
     check_tensor,
     dot_in_fp32,
     finish_split_k,
+    small_ints_to_float,
     split_k_output,
 )
 from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, gpu_weight_only_config
@@ -80,19 +81,23 @@ def _w8a16_kernel(
             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
             mask=mask_n[:, None] & mask_k[None, :], other=0,
         )  # [BN, BK] int8
+        # int8 codes are exact in every float dtype; made without an int-to-float conversion
         if USE_DOT:
-            if SWAP_AB:  # [BN, BM]: the weight tile as the MMA's wide operand, untransposed
-                if DOT_FP32:
-                    acc += tl.dot(q.to(tl.float32), tl.trans(x.to(tl.float32)), input_precision="ieee")
+            if DOT_FP32:
+                w = small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32)
+                if SWAP_AB:  # [BN, BM]: the weight tile as the MMA's wide operand, untransposed
+                    acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
                 else:
-                    acc += tl.dot(q.to(x.dtype), tl.trans(x))
-            elif DOT_FP32:
-                acc += tl.dot(x.to(tl.float32), tl.trans(q.to(tl.float32)), input_precision="ieee")
+                    acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
-                # int8 values are exact in fp16/bf16
-                acc += tl.dot(x, tl.trans(q.to(x.dtype)))
+                w = small_ints_to_float(q.to(tl.int32) + 128, 128, x.dtype)
+                if SWAP_AB:
+                    acc = tl.dot(w, tl.trans(x), acc)
+                else:
+                    acc = tl.dot(x, tl.trans(w), acc)
         else:
-            prod = x.to(tl.float32)[:, None, :] * q.to(tl.float32)[None, :, :]  # [BM, BN, BK]
+            w = small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32)
+            prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
@@ -181,7 +186,7 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
     q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
     s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-             (q.to(tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+             (small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def w8a16_dequantize_ref(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:

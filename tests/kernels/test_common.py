@@ -1,4 +1,4 @@
-"""`triton_usable` and the shared `tl` rounding helpers vs torch."""
+"""`triton_usable` and the shared `tl` rounding and conversion helpers vs torch."""
 
 import pytest
 import torch
@@ -8,7 +8,7 @@ import triton.language as tl
 from quantspec.kernels import triton_usable
 from quantspec.errors import QuantSpecError
 from quantspec.kernels import w8a16_linear
-from quantspec.kernels._common import can_launch, round_half_even
+from quantspec.kernels._common import can_launch, round_half_even, small_ints_to_float
 
 
 def test_triton_usable_and_can_launch(monkeypatch):
@@ -37,3 +37,26 @@ def test_round_half_even_matches_torch_round():
     y = torch.empty_like(x)
     _rne_kernel[(1,)](x, y, x.numel(), BLOCK=16)
     assert torch.equal(y, torch.round(x))
+
+
+@triton.jit
+def _small_ints_kernel(v_ptr, y_ptr, OFFSET: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+    offs = tl.arange(0, BLOCK)
+    tl.store(y_ptr + offs, small_ints_to_float(tl.load(v_ptr + offs), OFFSET, DTYPE))
+
+
+@pytest.mark.skipif(not can_launch("cpu") and not torch.cuda.is_available(), reason="no triton")
+@pytest.mark.parametrize("dtype,tl_dtype", [(torch.float16, tl.float16), (torch.bfloat16, tl.bfloat16),
+                                            (torch.float32, tl.float32)])
+@pytest.mark.parametrize("offset", [8, 72, 128])
+def test_small_ints_to_float_is_exact(dtype, tl_dtype, offset):
+    """Every v in [0, 1024) becomes v - offset exactly (bf16: where that is representable, |v - offset| <
+    256, which covers every int4 and int8 code) — torch's own int-to-float cast as the reference."""
+    v = torch.arange(1024, dtype=torch.int32)
+    if not can_launch("cpu"):
+        v = v.cuda()
+    y = torch.empty(1024, dtype=dtype, device=v.device)
+    _small_ints_kernel[(1,)](v, y, OFFSET=offset, DTYPE=tl_dtype, BLOCK=1024)
+    ref = (v - offset).to(dtype)
+    keep = (v - offset).abs() < (256 if dtype == torch.bfloat16 else 2048)
+    assert torch.equal(y[keep], ref[keep])

@@ -91,6 +91,35 @@ def test_gpu_small_m_launch_splits_deepest():
     assert torch.equal(w4a16_linear(x[:1], wp, s, g, config=cfg), y[:1])
 
 
+@pytest.mark.parametrize("cfg", [W4A16Config(16, 16, 64, 2, swap_ab=True, fold_scale=True),
+                                 W4A16Config(32, 16, 64, 1, fold_scale=True),
+                                 W4A16Config(16, 16, 32, 3, swap_ab=True, fold_scale=True),
+                                 W4A16Config(1, 16, 64, 2, fold_scale=True)])
+@pytest.mark.parametrize("zero_dtype", [None, torch.int8, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fold_scale_launch(cfg, zero_dtype, dtype):
+    """`fold_scale`: group-aligned k tiles dequantize with their scale before the MMA, which
+    accumulates across tiles (swapped and not, split-K, one-row programs); the reference's
+    numbers, within one half-precision rounding of each weight."""
+    x, wp, s, g, z, b, _ = _make(19, 384, 128, dtype, asym=zero_dtype is not None, bias=True, seed=21,
+                                 zero_dtype=zero_dtype or torch.int8)
+    y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
+    r = w4a16_linear_ref(x, wp, s, g, z, b)
+    tol = 1e-5 if dtype == torch.float32 else 1e-2
+    torch.testing.assert_close(y.float(), r.float(), rtol=tol, atol=tol)
+
+
+def test_gpu_large_m_launch_is_swapped_and_folds_the_scale():
+    """More than 16 rows on a GPU: swapped tiles with the scale folded in (the dequantized weight
+    is the MMA's register operand); under the interpreter they compute the reference."""
+    for M in (17, 64, 65, 300):
+        cfg = w4a16_default_config(M, N, 256, 128, on_gpu=True)
+        assert cfg.swap_ab and cfg.fold_scale and not cfg.nibble_dots
+    x, wp, s, g, z, b, _ = _make(300, 256, 128, torch.float32, asym=True, bias=True, seed=13)
+    y = w4a16_linear(x, wp, s, g, z, b, config=w4a16_default_config(300, N, 256, 128, on_gpu=True))
+    torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g, z, b), rtol=1e-5, atol=1e-5)
+
+
 @pytest.mark.parametrize("block_m", [16, 1])
 @pytest.mark.parametrize("zero_dtype", [None, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
