@@ -1,0 +1,180 @@
+"""The GPU launches of the weight-only kernels, compiled for NVIDIA GPUs on a machine without one.
+
+The interpreter runs a kernel's Python, not the compiler: a launch can pass every interpreter
+test and still fail to compile for a GPU (a statement the compiler builds in a branch the
+interpreter never enters, an op a GPU target lacks). Here the host functions run with the
+launch configs they take on a GPU (`on_gpu=True`); each Triton launch they make is recorded
+instead of run, then compiled, in a process without the interpreter, by Triton's own compiler
+and `ptxas` for Ampere (sm_80) and Hopper (sm_90), with the argument specialization a GPU
+launch gets (16-byte aligned pointers, integers divisible by 16).
+"""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import subprocess
+import sys
+
+import pytest
+import torch
+import triton
+import triton.language as tl
+
+from quantspec.kernels import _common, w4a16, w8a16
+from quantspec.quant.packing import pack_int4
+
+_POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
+                  torch.int8: "*i8", torch.uint8: "*u8"}
+
+# run in a fresh process: imports each kernel's module from its file and compiles the launches
+_COMPILER = r"""
+import importlib.util, json, sys
+import triton
+from triton.backends.compiler import GPUTarget
+from triton.compiler import ASTSource
+
+modules, out = {}, []
+for d in json.load(sys.stdin):
+    if d["file"] not in modules:
+        spec = importlib.util.spec_from_file_location(f"m{len(modules)}", d["file"])
+        modules[d["file"]] = importlib.util.module_from_spec(spec)
+        spec.loader.exec_module(modules[d["file"]])
+    fn = getattr(modules[d["file"]], d["name"])
+    attrs = {(i,): [["tt.divisibility", 16]] for i in d["aligned"]}
+    for cc in (80, 90):
+        src = ASTSource(fn=fn, signature=d["signature"], constexprs=d["constants"], attrs=attrs)
+        try:
+            ttgir = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=d["options"]).asm["ttgir"]
+            out.append({"name": d["name"], "cc": cc, "int_to_float": "sitofp" in ttgir or "uitofp" in ttgir})
+        except Exception as e:  # the chain: the compiler's own message is in a cause
+            chain, err = [], e
+            while err is not None:
+                chain.append(f"{type(err).__name__}: {str(err).splitlines()[-1] if str(err) else ''}")
+                err = err.__cause__
+            out.append({"name": d["name"], "cc": cc, "error": " <- ".join(chain)})
+print(json.dumps(out))
+"""
+
+
+class _Recorder:
+    """Stands in for a `@triton.jit` kernel: `kernel[grid](...)` records the call, runs nothing."""
+
+    def __init__(self, fn, calls: list):
+        self.fn, self.calls = fn, calls
+
+    def __getitem__(self, grid):
+        def launch(*args, **kwargs):
+            self.calls.append(_describe(self.fn, args, kwargs))
+        return launch
+
+
+def _describe(kernel, args, kwargs) -> dict:
+    """One launch as the compiler process reads it: the kernel's file and name, its signature,
+    constexpr values, aligned arguments and options."""
+    fn = getattr(kernel, "fn", kernel)  # the interpreter's wrapper, or the function
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    params = list(inspect.signature(fn).parameters.values())
+    bound = dict(zip([p.name for p in params], args), **kwargs)
+    signature, constants, aligned = {}, {}, []
+    for i, p in enumerate(params):
+        v = bound[p.name]
+        if "constexpr" in str(p.annotation):
+            signature[p.name], constants[p.name] = "constexpr", v
+        elif isinstance(v, torch.Tensor):
+            signature[p.name] = _POINTER_TYPES[v.dtype]
+            aligned.append(i)
+        elif isinstance(v, int) and not isinstance(v, bool):
+            signature[p.name] = "i32"
+            if v % 16 == 0:
+                aligned.append(i)
+        else:
+            raise AssertionError(f"{fn.__name__}: argument {p.name}={v!r} is not a tensor or an int")
+    return {"file": fn.__code__.co_filename, "name": fn.__name__, "signature": signature, "constants": constants,
+            "aligned": aligned, "options": options}
+
+
+@pytest.fixture
+def recorded(monkeypatch):
+    """The launches made inside the test, recorded and not run."""
+    calls: list = []
+    for module, name in ((w4a16, "_w4a16_kernel"), (w4a16, "_w4_dequant_kernel"), (w8a16, "_w8a16_kernel"),
+                         (w8a16, "_w8_dequant_kernel"), (_common, "_finish_split_k_kernel")):
+        monkeypatch.setattr(module, name, _Recorder(getattr(module, name), calls))
+    return calls
+
+
+def _compile_all(calls: list[dict]) -> list[dict]:
+    """Every distinct launch compiled for sm_80 and sm_90 → one result per (launch, target)."""
+    distinct = list({json.dumps(c, sort_keys=True): c for c in calls}.values())
+    env = {k: v for k, v in os.environ.items() if k != "TRITON_INTERPRET"}
+    r = subprocess.run([sys.executable, "-c", _COMPILER], input=json.dumps(distinct), capture_output=True,
+                       text=True, env=env, timeout=600)
+    assert r.returncode == 0, r.stderr[-3000:]
+    return json.loads(r.stdout.splitlines()[-1])
+
+
+K, N, G = 512, 96, 128
+
+
+@pytest.mark.parametrize("dtype,zero", [(torch.float16, False), (torch.bfloat16, True)])
+def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
+    """Decode and verification rows (1, 16), the swapped tiles (32) and large M (300), with and
+    without integer zero points, and the dequantize kernel: they compile for sm_80 and sm_90,
+    and no weight code becomes a float by an int-to-float conversion."""
+    gen = torch.Generator().manual_seed(0)
+    wp = pack_int4(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen))
+    s = torch.rand(N, K // G, generator=gen).to(dtype)
+    z = torch.randint(-8, 8, (N, K // G), dtype=torch.int8, generator=gen) if zero else None
+    for M in (1, 16, 32, 300):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        w4a16.w4a16_linear(x, wp, s, G, z, config=w4a16.w4a16_default_config(M, N, K, G, on_gpu=True))
+    w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
+    assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
+    results = _compile_all(recorded)
+    assert [r for r in results if "error" in r] == []
+    assert len(results) >= 2 * 5
+    assert not [r for r in results if r["name"] != "_finish_split_k_kernel" and r["int_to_float"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w8a16_gpu_launches_compile(recorded, dtype):
+    gen = torch.Generator().manual_seed(1)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    s = torch.rand(N, generator=gen).to(dtype)
+    for M in (1, 16, 32, 300):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        w8a16.w8a16_linear(x, q, s, config=w8a16.w8a16_default_config(M, N, K, on_gpu=True))
+    w8a16.w8a16_dequantize(q, s.float(), dtype)
+    results = _compile_all(recorded)
+    assert [r for r in results if "error" in r] == []
+    assert len(results) >= 2 * 4
+    assert not [r for r in results if r["name"] != "_finish_split_k_kernel" and r["int_to_float"]]
+
+
+@triton.jit
+def _early_return(a, b, SWAP: tl.constexpr):
+    if SWAP:
+        return tl.dot(a, tl.trans(b))
+    return tl.dot(b, tl.trans(a))
+
+
+@triton.jit
+def _early_return_kernel(a_ptr, b_ptr, o_ptr, SWAP: tl.constexpr):
+    r16, r32 = tl.arange(0, 16), tl.arange(0, 32)
+    a = tl.load(a_ptr + r32[:, None] * 16 + r16[None, :])  # [32, 16]
+    b = tl.load(b_ptr + r16[:, None] * 16 + r16[None, :])  # [16, 16]
+    tl.store(o_ptr + r32[:, None] * 16 + r16[None, :], _early_return(a, b, SWAP))
+
+
+def test_the_compiler_sees_what_the_interpreter_does_not():
+    """A kernel the interpreter runs (it never enters the statement after the return) fails to
+    compile: the checks above can fail."""
+    a, b, o = torch.randn(32, 16), torch.randn(16, 16), torch.empty(32, 16)
+    if _common.can_launch("cpu"):
+        _early_return_kernel[(1,)](a, b, o, SWAP=True)
+        torch.testing.assert_close(o, a @ b.t())
+    results = _compile_all([_describe(_early_return_kernel, (a, b, o), {"SWAP": True, "num_warps": 4})])
+    assert len(results) == 2
+    assert all("return types" in r.get("error", "") for r in results), results
