@@ -57,7 +57,7 @@ elif [ "$CPU" = 0 ]; then
     step gpu_tests 90 "${PYTEST[@]}" -m gpu tests/infer tests/kernels tests/calib/test_stream_cuda.py --junitxml="$DEST/gpu_tests.xml"
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
-    step sweep 50 python bench/kernels.py --sweep-only --out "$DEST"
+    step sweep 70 python bench/kernels.py --sweep-only --out "$DEST"
     LEFT=$(( 470 - ($(date +%s) - START) ))
     if [ "$LEFT" -gt 30 ]; then
         step kernel_tests "$LEFT" "${PYTEST[@]}" tests/kernels --junitxml="$DEST/kernel_tests.xml"
