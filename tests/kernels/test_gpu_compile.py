@@ -97,8 +97,11 @@ def _describe(kernel, args, kwargs) -> dict:
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """The launches made inside the test, recorded and not run."""
+    """The launches made inside the test, recorded and not run, with a GPU's operand dtypes."""
     calls: list = []
+    # a GPU's dots take bf16 operands (the interpreter's take fp32)
+    for module in (w4a16, w8a16):
+        monkeypatch.setattr(module, "dot_in_fp32", lambda dtype: dtype == torch.float32)
     for module, name in ((w4a16, "_w4a16_kernel"), (w4a16, "_w4_dequant_kernel"), (w8a16, "_w8a16_kernel"),
                          (w8a16, "_w8_dequant_kernel"), (_common, "_finish_split_k_kernel")):
         monkeypatch.setattr(module, name, _Recorder(getattr(module, name), calls))
@@ -132,6 +135,7 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
         w4a16.w4a16_linear(x, wp, s, G, z, config=w4a16.w4a16_default_config(M, N, K, G, on_gpu=True))
     w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
+    assert not any(c["constants"].get("DOT_FP32") for c in recorded)
     results = _compile_all(recorded)
     assert [r for r in results if "error" in r] == []
     assert len(results) >= 2 * 5
