@@ -30,7 +30,7 @@ def main() -> None:
     ap.add_argument("--heads", required=True, help="EAGLE-3 head directories (comma list)")
     ap.add_argument("--prompts", default="chat")
     ap.add_argument("--new-tokens", type=int, default=96)
-    ap.add_argument("--trees", default="4x2", help="token trees besides the chain (comma list)")
+    ap.add_argument("--trees", default="4x2", help="token trees besides the chain, DxK or dynamic DxK:N (comma list)")
     ap.add_argument("--threads", type=int, default=1)
     a = ap.parse_args()
     torch.set_num_threads(a.threads)

@@ -1,5 +1,5 @@
 """`--speculate-method eagle`: an EAGLE-3 head (`model_zoo/eagle3.py`) drafts autoregressively
-over its own KV cache, as a chain or a `DxK` token tree.
+over its own KV cache, as a chain, a `DxK` token tree or a dynamic `DxK:N` tree.
 
 Features. The proposer names the base's layers whose input streams are its aux features
 (`capture_layers`); the engine's forwards capture them (`Transformer.forward(capture=...)`, which
@@ -14,19 +14,24 @@ Drafting. From the head's output at the newest position the head runs one row pe
 token = the previous depth's top-1 draft, hidden = the previous row's pre-norm output, position
 +1, keys / values written past the cache's valid rows (overwritten by the next catch-up: nothing
 to roll back). Each depth's top K draft-vocabulary tokens (K = 1 for a chain) map to target ids
-through `d2t`; a tree is the caterpillar of `spec/tree.py`. Drafts are deterministic (probs
-None): sampling verification treats each as one-hot, which keeps it lossless.
+through `d2t`; a tree is the caterpillar of `spec/tree.py`. A dynamic tree (`DxK:N`) runs the
+head once per depth over that depth's K best nodes by path probability (each row attends to the
+sequence's rows and its own ancestors' draft rows) and drafts the N best nodes of every depth.
+Drafts are deterministic (probs None): sampling verification treats each as one-hot, which keeps
+it lossless.
 
 Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`, the head's cost per
 draft in the cost model: its bytes read per token over the base's). With `min_confidence` a
 sequence stops drafting at the first depth whose top-1 probability (over the draft vocabulary)
 is below it: a chain drafts nothing when even its first draft is unsure; a tree always drafts
 its first depth's K candidates (their spread is what a tree is for) and stops at the first
-deeper depth below it.
+deeper depth below it; a dynamic tree always drafts from its first depth and grows past a
+depth only while that depth's best path probability is at least the threshold.
 """
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -104,7 +109,7 @@ class EagleProposer:
 
     @property
     def max_rows(self) -> int:
-        return self.depth * self.width
+        return self.tree.num_nodes if self.tree is not None else self.depth
 
     # -- features of the base's forwards ------------------------------------------------------
 
@@ -137,22 +142,47 @@ class EagleProposer:
 
     # -- the head over its cache ---------------------------------------------------------------
 
+    @staticmethod
+    def _reserve(st: _HeadState, end: int) -> None:
+        """Grow the head cache to at least `end` rows."""
+        if end > st.k.shape[0]:
+            grow = max(end, 2 * st.k.shape[0])
+            st.k = torch.cat([st.k, st.k.new_empty((grow - st.k.shape[0], *st.k.shape[1:]))])
+            st.v = torch.cat([st.v, st.v.new_empty((grow - st.v.shape[0], *st.v.shape[1:]))])
+
+    @staticmethod
+    def _sdpa(st: _HeadState, q, end: int, mask):
+        """q [m, H, hd] over cache rows 0..end-1 under mask [m, end] → [m, H, hd]."""
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[:end].transpose(0, 1)[None],
+                                             st.v[:end].transpose(0, 1)[None], attn_mask=mask,
+                                             enable_gqa=q.shape[1] != st.k.shape[1])  # (1, H, m, hd)
+        return out[0].transpose(0, 1)
+
     def _attend(self, st: _HeadState, start: int):
         """attend() for rows written from cache row `start` on: causal over rows 0..own."""
         def attend(q, k, v):  # q [m, H, hd], k / v [m, KV, hd]
             m = q.shape[0]
             end = start + m
-            if end > st.k.shape[0]:
-                grow = max(end, 2 * st.k.shape[0])
-                st.k = torch.cat([st.k, st.k.new_empty((grow - st.k.shape[0], *st.k.shape[1:]))])
-                st.v = torch.cat([st.v, st.v.new_empty((grow - st.v.shape[0], *st.v.shape[1:]))])
+            self._reserve(st, end)
             st.k[start:end], st.v[start:end] = k, v
             keys = torch.arange(end, device=q.device)
             mask = keys[None, :] <= (start + torch.arange(m, device=q.device))[:, None]  # [m, end]
-            out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[:end].transpose(0, 1)[None],
-                                                 st.v[:end].transpose(0, 1)[None], attn_mask=mask,
-                                                 enable_gqa=q.shape[1] != k.shape[1])  # (1, H, m, hd)
-            return out[0].transpose(0, 1)
+            return self._sdpa(st, q, end, mask)
+        return attend
+
+    def _attend_nodes(self, st: _HeadState, start: int, ancestors: list[list[int]]):
+        """attend() for m tree nodes written at cache rows start..start+m-1: node i attends to the
+        sequence's rows 0..n-1 and to the rows in ancestors[i] (its own, its drafted ancestors')."""
+        def attend(q, k, v):
+            m = q.shape[0]
+            end = start + m
+            self._reserve(st, end)
+            st.k[start:end], st.v[start:end] = k, v
+            mask = torch.zeros((m, end), dtype=torch.bool, device=q.device)
+            mask[:, :st.n] = True
+            for i, rows in enumerate(ancestors):
+                mask[i, rows] = True
+            return self._sdpa(st, q, end, mask)
         return attend
 
     def _catch_up(self, seq, st: _HeadState) -> bool:
@@ -206,6 +236,57 @@ class EagleProposer:
             cands.append(head.target_ids(top.indices).tolist())
         return cands
 
+    def _draft_dynamic(self, st: _HeadState, depth: int) -> tuple[list[int], list[int], list[float]]:
+        """A dynamic tree of up to `depth` depths (`spec/tree.py`'s `DxK:N`) → (target ids,
+        parent rows, path probabilities), best path probability first. Each depth runs the head
+        once over its K expanded nodes (token = the node, hidden = the output of the row that
+        proposed it, position = its depth), each attending to the sequence's rows and its own
+        ancestors. With `min_confidence` the tree grows past a depth only while that depth's best
+        path probability is at least it."""
+        head, K, n_keep = self.head, self.width, self.tree.nodes
+        logp = torch.log_softmax(head.logits(st.last[None])[0], dim=-1)
+        top = logp.topk(K)
+        score, tok = top.values.tolist(), head.target_ids(top.indices).tolist()
+        parent, level = [-1] * K, [1] * K
+        row_of: dict[int, int] = {}  # expanded node → its head cache row
+        out_of: dict[int, torch.Tensor] = {}  # expanded node → its output
+        frontier, row = list(range(K)), st.n
+        for d in range(1, depth):
+            beam = sorted(frontier, key=lambda i: -score[i])[:K]
+            if math.exp(score[beam[0]]) < self.min_confidence:
+                break
+            hidden = torch.stack([st.last if parent[i] < 0 else out_of[parent[i]] for i in beam])
+            toks = torch.tensor([tok[i] for i in beam], dtype=torch.int64, device=hidden.device)
+            pos = torch.full((len(beam),), st.n - 1 + d, device=hidden.device)
+            ancestors = []
+            for j, i in enumerate(beam):
+                row_of[i] = row + j
+                rows, a = [row + j], parent[i]
+                while a >= 0:
+                    rows.append(row_of[a])
+                    a = parent[a]
+                ancestors.append(rows)
+            h = head(toks, hidden, pos, self._attend_nodes(st, row, ancestors))  # [m, D]
+            row += len(beam)
+            lp = torch.log_softmax(head.logits(h), dim=-1).topk(K)  # [m, K]
+            ids = head.target_ids(lp.indices.flatten()).tolist()
+            vals = lp.values.tolist()
+            frontier = []
+            for j, i in enumerate(beam):
+                out_of[i] = h[j]
+                for c in range(K):
+                    frontier.append(len(score))
+                    score.append(score[i] + vals[j][c])
+                    tok.append(ids[j * K + c])
+                    parent.append(i)
+                    level.append(d + 1)
+        # a child's path probability is at most its parent's, and ties go to the shallower node:
+        # every prefix of this order is a tree
+        order = sorted(range(len(score)), key=lambda i: (-score[i], level[i], i))[:n_keep]
+        rank = {i: r for r, i in enumerate(order, start=1)}
+        return ([tok[i] for i in order], [0 if parent[i] < 0 else rank[parent[i]] for i in order],
+                [math.exp(score[i]) for i in order])
+
     @torch.inference_mode()
     def propose(self, seqs: list, budgets: list[int]) -> SpecProposal:
         ids = [torch.zeros(0, dtype=torch.int64) for _ in seqs]
@@ -219,13 +300,17 @@ class EagleProposer:
             # could pass for accepted drafts
             if not self._catch_up(seq, st) or depth <= 0 or not seq.speculate:
                 continue
-            cands = self._draft(st, depth)
-            if not cands:
-                continue
-            tokens, par = caterpillar(cands)
+            if self.tree is not None and self.tree.dynamic:
+                tokens, par, _ = self._draft_dynamic(st, depth)
+            else:
+                cands = self._draft(st, depth)
+                if not cands:
+                    continue
+                tokens, par = caterpillar(cands)
             ids[i] = torch.tensor(tokens, dtype=torch.int64)
             parents[i] = par
-        return SpecProposal(ids, parents=parents if self.width > 1 else None)
+        trees = self.width > 1 or (self.tree is not None and self.tree.dynamic)
+        return SpecProposal(ids, parents=parents if trees else None)
 
     def release(self, seq) -> None:
         self._states.pop(seq.seq_id, None)

@@ -11,6 +11,12 @@ context and to the rows on its path from the root (its ancestors and itself).
 the parent of every candidate of the next one (D·K drafts, D·K + 1 rows). The accepted path
 follows the top-1 candidates and may end in any candidate.
 
+`DxK:N` (e.g. `4x4:8`, EAGLE only): a dynamic tree, as EAGLE-2 builds it (Li et al. 2024,
+arXiv:2406.16858): at each of D depths the K candidates with the highest path probability (the
+product of the drafter's probabilities from the root) are expanded into their K best children;
+of every candidate so made, the N with the highest path probability are drafted (N drafts, N + 1
+rows). A node's path probability is at most its parent's, so the N best form a tree.
+
 Verification walks from the root. Greedy: the child whose token is the target's argmax at the
 current row is accepted; the walk ends where none is, and the target's argmax there is the bonus
 (or recovered) token, so the output is exactly plain greedy decoding's. Sampling is
@@ -43,34 +49,46 @@ __all__ = ["TreeSpec", "caterpillar", "chain_parents", "depths", "greedy_walk",
            "parse_tree_spec", "prune", "sampling_walk", "verify_trees"]
 
 MAX_TREE_ROWS = 64  # draft rows of one sequence (the CPU attention kernel's verification rows)
-_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*$")
+_SPEC = re.compile(r"^\s*(\d+)\s*[xX]\s*(\d+)\s*(?::\s*(\d+)\s*)?$")
 
 
 @dataclass(frozen=True)
 class TreeSpec:
-    """D draft positions (`depth`), K candidates per position (`width`)."""
+    """D draft positions (`depth`), K candidates per position (`width`); with `nodes` a dynamic
+    tree of that many drafts (module docstring)."""
 
     depth: int
     width: int
+    nodes: int | None = None
 
     @property
     def num_nodes(self) -> int:
-        return self.depth * self.width
+        return self.depth * self.width if self.nodes is None else self.nodes
+
+    @property
+    def dynamic(self) -> bool:
+        return self.nodes is not None
 
 
 def parse_tree_spec(text: str | TreeSpec | None) -> TreeSpec | None:
-    """`"4x2"` → TreeSpec(4, 2); None / "" → None (chains). One-line error naming the fix."""
+    """`"4x2"` → TreeSpec(4, 2); `"4x4:8"` → TreeSpec(4, 4, 8); None / "" → None (chains).
+    One-line error naming the fix."""
     if text is None or isinstance(text, TreeSpec):
         return text
     if not str(text).strip():
         return None
     m = _SPEC.match(str(text))
     if m is None:
-        raise QuantSpecError(f"--speculate-tree {text!r} is malformed; write DEPTHxWIDTH, e.g. 4x2")
-    spec = TreeSpec(int(m.group(1)), int(m.group(2)))
-    if spec.depth < 1 or spec.width < 1 or spec.num_nodes > MAX_TREE_ROWS:
-        raise QuantSpecError(f"--speculate-tree {text!r} is out of range; depth and width >= 1, "
-                             f"depth*width <= {MAX_TREE_ROWS} (e.g. 4x2)")
+        raise QuantSpecError(f"--speculate-tree {text!r} is malformed; write DEPTHxWIDTH, e.g. 4x2, or "
+                             "DEPTHxWIDTH:NODES for a dynamic tree, e.g. 4x4:8")
+    spec = TreeSpec(int(m.group(1)), int(m.group(2)), None if m.group(3) is None else int(m.group(3)))
+    if spec.depth < 1 or spec.width < 1 or spec.num_nodes < 1 or spec.num_nodes > MAX_TREE_ROWS:
+        raise QuantSpecError(f"--speculate-tree {text!r} is out of range; depth, width and nodes >= 1, "
+                             f"depth*width (or nodes) <= {MAX_TREE_ROWS} (e.g. 4x2 or 4x4:8)")
+    made = spec.width + (spec.depth - 1) * spec.width ** 2  # K at depth 1, K beams × K children below
+    if spec.dynamic and spec.nodes > made:
+        raise QuantSpecError(f"--speculate-tree {text!r} asks for more nodes than {spec.depth} depths of "
+                             f"{spec.width} candidates make ({made}); lower NODES")
     return spec
 
 

@@ -13,7 +13,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.eagle import EagleProposer, load_eagle3_for_inference
-from quantspec.infer.spec.tree import TreeSpec
+from quantspec.infer.spec.tree import TreeSpec, depths
 from quantspec.kernels.cpu import cpu_kernels
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.eagle3 import (Eagle3Args, causal_attend, default_aux_layers,
@@ -256,6 +256,103 @@ def test_greedy_identical_to_plain(base, head_dir, tree):
     assert sum(s.stats.drafted for s in seqs) > 0
 
 
+def _reference_dynamic(head, inputs, out, depth, K, N):
+    """A `DxK:N` tree from scratch: each expanded node's output recomputed over the context rows
+    and its own path (causal), candidates ranked by their path log-probability → (target ids,
+    parent rows) as the proposer lists them."""
+    toks, hidden, pos = inputs
+
+    def output(path):  # path: [(token, hidden that proposed it)] from depth 1
+        t = torch.cat([toks, torch.tensor([tk for tk, _ in path])])
+        h = torch.cat([hidden, torch.stack([hp for _, hp in path])])
+        p = torch.cat([pos, pos[-1] + 1 + torch.arange(len(path))])
+        return head(t, h, p, causal_attend)[-1]
+
+    def children(h, parent, score, level, path):
+        lp = torch.log_softmax(head.logits(h[None])[0], dim=-1).topk(K)
+        ids = head.target_ids(lp.indices).tolist()
+        return [dict(score=score + float(v), tok=t, parent=parent, level=level, path=path + [(t, h)])
+                for v, t in zip(lp.values, ids)]
+
+    nodes = children(out[-1], -1, 0.0, 1, [])
+    frontier = list(range(K))
+    for d in range(1, depth):
+        beam = sorted(frontier, key=lambda i: -nodes[i]["score"])[:K]
+        frontier = []
+        for i in beam:
+            kids = children(output(nodes[i]["path"]), i, nodes[i]["score"], d + 1, nodes[i]["path"])
+            frontier += range(len(nodes), len(nodes) + len(kids))
+            nodes += kids
+    order = sorted(range(len(nodes)), key=lambda i: (-nodes[i]["score"], nodes[i]["level"], i))[:N]
+    rank = {i: r for r, i in enumerate(order, start=1)}
+    return [nodes[i]["tok"] for i in order], [0 if nodes[i]["parent"] < 0 else rank[nodes[i]["parent"]]
+                                              for i in order]
+
+
+class _RecordedDynamic(EagleProposer):
+    """Keeps (cache rows, the newest output, the tree) of every dynamic draft."""
+
+    def __init__(self, *a, **k):
+        super().__init__(*a, **k)
+        self.drafted = []
+
+    def _draft_dynamic(self, st, depth):
+        tree = super()._draft_dynamic(st, depth)
+        self.drafted.append((st.n, st.last.clone(), depth, tree))
+        return tree
+
+
+def test_dynamic_tree_min_confidence_stops_growing_below_it(base, head_dir):
+    """A gated dynamic tree has a node at depth d + 1 only where depth d's best path probability
+    is at least the threshold, and some trees stop early; greedy output stays plain decoding's."""
+    prompts = _prompts([7, 21, 3], seed=5)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    tree = TreeSpec(4, 3, 8)
+    free = _RecordedDynamic(load_eagle3_for_inference(head_dir, base), tree=tree)
+    _run(base, prompts, free, free.max_rows)
+    best = sorted(max(p) for *_, (_, _, p) in free.drafted)
+    tau = best[len(best) // 2]  # the median first-depth best: about half the trees stop there
+    gated = _RecordedDynamic(load_eagle3_for_inference(head_dir, base), tree=tree, min_confidence=tau)
+    seqs = _run(base, prompts, gated, gated.max_rows)
+    assert [s.output_ids for s in seqs] == plain
+    stopped = 0
+    for *_, depth, (ids, parents, probs) in gated.drafted:
+        level = depths(parents)[1:]
+        for d in range(1, max(level)):
+            assert max(p for p, l in zip(probs, level) if l == d) >= tau
+        top = max(level)
+        stopped += top < depth and max(p for p, l in zip(probs, level) if l == top) < tau
+    assert stopped > 0
+
+
+@pytest.mark.parametrize("tree", [TreeSpec(3, 2, 4), TreeSpec(4, 3, 8)])
+def test_dynamic_tree_equals_a_from_scratch_search_and_greedy_is_plain(base, head_dir, tree):
+    """`DxK:N`: each depth's K best nodes run through the head in one forward, each attending to
+    the sequence and its own ancestors only; the tree equals a search that recomputes every
+    node's output from scratch; every prefix is a tree, best path first; greedy output is plain
+    decoding's."""
+    prompts = _prompts([7, 21, 3], seed=6)
+    plain = [s.output_ids for s in _run(base, prompts)]
+    proposer = _RecordedDynamic(load_eagle3_for_inference(head_dir, base), tree=tree)
+    assert proposer.max_rows == tree.nodes
+    seqs = _run(base, prompts, proposer, proposer.max_rows)
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(s.stats.drafted for s in seqs) > 0
+    (prompt,) = _prompts([9], seed=7)
+    proposer = _RecordedDynamic(load_eagle3_for_inference(head_dir, base), tree=tree)
+    tokens = _run(base, [prompt], proposer, proposer.max_rows)[0].tokens
+    head = proposer.head
+    with torch.inference_mode():
+        assert len(proposer.drafted) > 4 and proposer.drafted[0][2] == tree.depth
+        for n, last, depth, (ids, parents, _) in proposer.drafted[::4]:
+            K = tree.width  # a step near the end drafts fewer depths
+            assert len(ids) == min(tree.nodes, K + (depth - 1) * K * K)
+            assert all(p <= j for j, p in enumerate(parents))
+            inputs, out, _ = _reference_rows(base, head, tokens[:n + 1])
+            torch.testing.assert_close(last, out[-1], atol=1e-5, rtol=1e-5)
+            assert (ids, parents) == _reference_dynamic(head, inputs, out, depth, tree.width, tree.nodes)
+
+
 class _Gated(EagleProposer):
     """Records, per `_draft` call, the top-1 probability of every depth the head computed (its
     softmax over the draft vocabulary) and the candidates drafted."""
@@ -319,6 +416,9 @@ def test_build_proposer_with_backoff_and_cli_config(base, head_dir):
     tree, rows = build_proposer(InferConfig(speculate_method="eagle", draft_model=str(head_dir),
                                             speculate_tree="3x2"), loaded)
     assert rows == 6 and tree.policy is None and tree.width == 2
+    dynamic, rows = build_proposer(InferConfig(speculate_method="eagle", draft_model=str(head_dir),
+                                               speculate_tree="3x2:5"), loaded)
+    assert rows == 5 and dynamic.tree.dynamic
     with pytest.raises(QuantSpecError, match="--draft-model"):
         build_proposer(InferConfig(speculate_method="eagle"), loaded)
 
