@@ -72,8 +72,8 @@ CASES = [
                              "--speculate-tree 4y2", "--speculate-tree"),
     ("infer-tree-not-medusa", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
                               "--speculate-tree 4x2", "--speculate-tree"),
-    ("infer-dynamic-tree-medusa", "infer --model {model} --prompt hi --speculate-method medusa --draft-model "
-                                  "{d}/medusa --speculate-tree 4x2:6", "--speculate-tree"),
+    ("infer-dynamic-tree-no-nodes", "infer --model {model} --prompt hi --speculate-method medusa --draft-model "
+                                    "{d}/medusa --speculate-tree 4x2:0", "--speculate-tree"),
     ("infer-dynamic-tree-too-many", "infer --model {model} --prompt hi --speculate-method medusa --draft-model "
                                     "{d}/medusa --speculate-tree 2x2:7", "--speculate-tree"),
     ("infer-medusa-without-heads", "infer --model {model} --prompt hi --speculate-method medusa", "--draft-model"),

@@ -55,7 +55,7 @@ def _stats_table(title: str, stats: dict):
               type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa", "eagle"]))
 @click.option("--draft-model", help="Draft model, MTP module, Medusa heads or EAGLE-3 head (directory or artifact).")
 @click.option("--speculate-tree", default=None,
-              help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain; eagle: DxK:N, a dynamic tree of the N most probable drafts (e.g. 4x4:8).")
+              help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain, or DxK:N: a dynamic tree of the N most probable drafts (e.g. 4x4:8).")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, help="Draft tokens per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, help="Longest n-gram tried first.")
 @click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
@@ -127,7 +127,7 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa", "eagle"]))
 @click.option("--draft-model", help="Draft model, MTP module, Medusa heads or EAGLE-3 head (directory or artifact).")
 @click.option("--speculate-tree", default=None,
-              help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain; eagle: DxK:N, a dynamic tree of the N most probable drafts (e.g. 4x4:8).")
+              help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain, or DxK:N: a dynamic tree of the N most probable drafts (e.g. 4x4:8).")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, type=int, help="Most drafts per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
 @click.option("--load-aware/--no-load-aware", default=True, show_default=True,

@@ -42,7 +42,7 @@ class ServeConfig:
     block_size: int = 64
     speculate_method: str = "none"
     draft_model: str | None = None
-    speculate_tree: str | None = None  # medusa / eagle: a token tree DxK (eagle: or DxK:N) instead of a chain
+    speculate_tree: str | None = None  # medusa / eagle: a token tree DxK (or dynamic DxK:N) instead of a chain
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs

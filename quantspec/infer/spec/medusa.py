@@ -3,7 +3,8 @@
 Head k scores the token k + 2 ahead of the base's newest hidden state. With `--speculate-tree
 DxK` the first D heads each give their top K tokens and the proposal is the `DxK` caterpillar
 (`spec/tree.py`: the top-1 candidate of a position is the parent of the next position's
-candidates); without it a chain of the heads' top-1 tokens (at most
+candidates); with `DxK:N` the N best paths through those candidates by the product of the heads'
+probabilities (`tree.best_paths`); without a tree a chain of the heads' top-1 tokens (at most
 `speculate_max_draft_token_num`, at most one per head). Drafts are deterministic (draft probs
 None): sampling verification treats each candidate as one-hot, which keeps it lossless.
 
@@ -15,7 +16,8 @@ Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`): a step's
 of the heads (`SpecCost.draft_fixed`) plus, per draft, one more head's bytes over the base's
 (`medusa_draft_cost`). With `min_confidence` a sequence's drafts stop at the first head whose
 top-1 probability is below it, as EAGLE's do (`spec/eagle.py`): a chain may draft nothing, a
-tree always drafts its first head's candidates.
+tree always drafts its first head's candidates; a dynamic tree stops past the first depth whose
+best path probability is below it.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.mtp import check_min_confidence
-from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
+from quantspec.infer.spec.tree import TreeSpec, best_paths, caterpillar, parse_tree_spec
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import load_checkpoint_tensors, read_config
 from quantspec.model_zoo.llama import Transformer
@@ -90,7 +92,7 @@ class MedusaProposer:
 
     @property
     def max_rows(self) -> int:
-        return self.depth * self.width
+        return self.tree.num_nodes if self.tree is not None and self.tree.dynamic else self.depth * self.width
 
     def _logits(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Head k's scores [A, Vd or V] and the ids of its columns (None: the full vocabulary)."""
@@ -113,36 +115,52 @@ class MedusaProposer:
         ids: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in seqs]
         parents: list[list[int] | None] = [None for _ in seqs]
         if not live:
-            return SpecProposal(ids, parents=parents if self.width > 1 else None)
+            return SpecProposal(ids, parents=parents if self.width > 1 or (self.tree is not None and self.tree.dynamic) else None)
         need = max(depths[i] for i in live)  # heads past the deepest chain are not run
         w = self.norm.weight
         h = self.norm(torch.stack([seqs[i].last_hidden for i in live]).to(w.device, w.dtype))  # [A, D]
         x = self.heads.features(h, need)  # [need, A, D]
-        tops, sure = [], []
+        dynamic = self.tree is not None and self.tree.dynamic
+        tops, logps = [], []
         for k in range(need):
             scores, cols = self._logits(x[k], k)
             scores = scores.float()
             top = scores.topk(self.width, dim=-1)  # [A, K]
             tops.append(top.indices if cols is None else cols[top.indices])
-            if self.min_confidence > 0:  # top-1 probability ≥ the gate, [A]
-                sure.append(top.values[:, 0] >= scores.logsumexp(-1) + math.log(self.min_confidence))
+            if self.min_confidence > 0 or dynamic:
+                logps.append(top.values - scores.logsumexp(-1, keepdim=True))  # [A, K] log-probabilities
         cands = torch.stack(tops).cpu()  # [need, A, K]: one copy to the host
-        if sure:
-            self._gate(depths, live, torch.stack(sure).cpu())
+        logp = torch.stack(logps).cpu() if logps else None  # [need, A, K]
+        if self.min_confidence > 0:
+            self._gate(depths, live, logp)
         for r, i in enumerate(live):
             if depths[i] == 0:
                 continue
-            tokens, par = caterpillar([cands[d, r].tolist() for d in range(depths[i])])
+            if dynamic:
+                nodes, par = best_paths(logp[:depths[i], r].tolist(), self.tree.nodes)
+                tokens = [int(cands[len(path) - 1, r, path[-1]]) for path in nodes]
+            else:
+                tokens, par = caterpillar([cands[d, r].tolist() for d in range(depths[i])])
             ids[i] = torch.tensor(tokens, dtype=torch.int64)
             parents[i] = par
-        return SpecProposal(ids, parents=parents if self.width > 1 else None)
+        return SpecProposal(ids, parents=parents if self.width > 1 or dynamic else None)
 
-    def _gate(self, depths: list[int], live: list[int], sure: torch.Tensor) -> None:
-        """Cut each live sequence's depth at its first unsure head (`sure` [need, A] bool); a
-        tree's first head is never cut."""
+    def _gate(self, depths: list[int], live: list[int], logp: torch.Tensor) -> None:
+        """Cut each live sequence's depth (`logp` [need, A, K]: the heads' top-K log-probabilities):
+        a chain or `DxK` tree at its first unsure head (top-1 probability below the gate; a tree's
+        first head is never cut), a dynamic tree past the first depth whose best path probability
+        (the product of the heads' top-1 probabilities so far) is below the gate."""
+        gate = math.log(self.min_confidence)
+        if self.tree is not None and self.tree.dynamic:
+            unsure = logp[:, :, 0].cumsum(0) < gate  # [need, A]
+            for r, i in enumerate(live):
+                cut = unsure[:depths[i], r].nonzero()
+                if cut.numel():
+                    depths[i] = int(cut[0, 0]) + 1
+            return
         first = 0 if self.tree is None else 1
         for r, i in enumerate(live):
-            unsure = (~sure[first:depths[i], r]).nonzero()
+            unsure = (logp[first:depths[i], r, 0] < gate).nonzero()
             if unsure.numel():
                 depths[i] = first + int(unsure[0, 0])
 

@@ -424,13 +424,10 @@ def validate_spec_config(config) -> None:
     if tree:
         from quantspec.infer.spec.tree import parse_tree_spec
 
-        spec = parse_tree_spec(tree)
+        parse_tree_spec(tree)
         if method not in ("medusa", "eagle"):
             raise QuantSpecError(f"--speculate-tree drafts a token tree with --speculate-method medusa or "
                                  f"eagle; drop it for {method}")
-        if spec.dynamic and method != "eagle":
-            raise QuantSpecError(f"--speculate-tree {tree} is a dynamic tree, which --speculate-method eagle "
-                                 f"drafts; give {method} a DxK tree (e.g. {spec.depth}x{spec.width})")
 
 
 def loaded_runtime(loaded):

@@ -11,11 +11,14 @@ context and to the rows on its path from the root (its ancestors and itself).
 the parent of every candidate of the next one (D·K drafts, D·K + 1 rows). The accepted path
 follows the top-1 candidates and may end in any candidate.
 
-`DxK:N` (e.g. `4x4:8`, EAGLE only): a dynamic tree, as EAGLE-2 builds it (Li et al. 2024,
+`DxK:N` (e.g. `4x4:8`): a dynamic tree, as EAGLE-2 builds it (Li et al. 2024,
 arXiv:2406.16858): at each of D depths the K candidates with the highest path probability (the
 product of the drafter's probabilities from the root) are expanded into their K best children;
 of every candidate so made, the N with the highest path probability are drafted (N drafts, N + 1
-rows). A node's path probability is at most its parent's, so the N best form a tree.
+rows). A node's path probability is at most its parent's, so the N best form a tree. Medusa's
+heads score each position independently of the tokens before it, so a node there is a choice of
+one of the K best tokens at each position up to its depth, its path probability the product of
+those tokens' probabilities (`best_paths`).
 
 Verification walks from the root. Greedy: the child whose token is the target's argmax at the
 current row is accepted; the walk ends where none is, and the target's argmax there is the bonus
@@ -28,7 +31,7 @@ at x) that is: accepted with probability p(x), else x is removed from p. Each em
 distributed exactly as the target's filtered distribution at its row.
 
     >>> parse_tree_spec("4x2")
-    TreeSpec(depth=4, width=2)
+    TreeSpec(depth=4, width=2, nodes=None)
     >>> caterpillar([[5, 6], [7, 8]])  # (tokens, parents): depth 1 → 5, 6 under the root; 7, 8 under 5
     ([5, 6, 7, 8], [0, 0, 1, 1])
     >>> greedy_walk([5, 6, 7, 8], [0, 0, 1, 1], [6, 4, 9, 3, 2])  # argmax per row: root→6 (row 2), row 2→9
@@ -37,6 +40,7 @@ distributed exactly as the target's filtered distribution at its row.
 
 from __future__ import annotations
 
+import heapq
 import re
 from dataclasses import dataclass
 
@@ -45,7 +49,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.sampler import SamplingParams, logits_to_probs, sample, sampling_tensors
 
-__all__ = ["TreeSpec", "caterpillar", "chain_parents", "depths", "greedy_walk",
+__all__ = ["TreeSpec", "best_paths", "caterpillar", "chain_parents", "depths", "greedy_walk",
            "parse_tree_spec", "prune", "sampling_walk", "verify_trees"]
 
 MAX_TREE_ROWS = 64  # draft rows of one sequence (the CPU attention kernel's verification rows)
@@ -109,6 +113,33 @@ def caterpillar(candidates: list[list[int]]) -> tuple[list[int], list[int]]:
             parents.append(main)
         main = first
     return tokens, parents
+
+
+def best_paths(logprobs: list[list[float]], n: int) -> tuple[list[tuple[int, ...]], list[int]]:
+    """The `n` best nodes of the tree whose depth-d nodes choose one of the candidates of
+    position d: logprobs[d][c] is candidate c's log-probability at position d (independent of
+    the choices before it) and a node's score the sum along its path → (nodes as candidate
+    indices from depth 1, parent rows), best first (ties: the shallower node, then the earlier
+    choices), so that every prefix is a tree. Best-first search: a node's children are scored only
+    once it is taken.
+
+        >>> best_paths([[-0.1, -2.0], [-0.5, -0.7]], 3)  # (0,) then (0, 0) -0.6, (0, 1) -0.8
+        ([(0,), (0, 0), (0, 1)], [0, 1, 1])
+    """
+    heap = [(-lp, 1, (c,)) for c, lp in enumerate(logprobs[0])] if logprobs else []
+    heapq.heapify(heap)
+    nodes: list[tuple[int, ...]] = []
+    rank: dict[tuple[int, ...], int] = {}
+    parents: list[int] = []
+    while heap and len(nodes) < n:
+        neg, d, path = heapq.heappop(heap)
+        nodes.append(path)
+        rank[path] = len(nodes)
+        parents.append(rank.get(path[:-1], 0))
+        if d < len(logprobs):
+            for c, lp in enumerate(logprobs[d]):
+                heapq.heappush(heap, (neg - lp, d + 1, path + (c,)))
+    return nodes, parents
 
 
 def depths(parents: list[int]) -> list[int]:

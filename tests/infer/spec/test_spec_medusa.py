@@ -107,6 +107,49 @@ def test_medusa_greedy_identical_to_plain(base, heads_dir, tree):
     assert sum(s.stats.drafted for s in seqs) > 0
 
 
+@pytest.mark.parametrize("tree", [TreeSpec(3, 2, 4), TreeSpec(3, 3, 8)])
+def test_dynamic_tree_is_the_n_best_paths_and_greedy_is_plain(base, heads_dir, tree):
+    """`DxK:N`: the N most probable paths through the heads' top-K tokens (each head's
+    probabilities from its own full projection, restricted to the draft vocabulary), against
+    enumerating every path; gated, only the paths no deeper than the first depth whose best path
+    probability is below the gate; greedy output is plain decoding's."""
+    import itertools
+
+    heads = load_medusa_for_inference(heads_dir, base)
+    prompts = [[5, 9, 13, 200, 7, 40, 41], [300, 2, 44, 44, 8, 91, 17, 3, 120, 66, 4, 19]]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    proposer = MedusaProposer(heads, base.model.norm, tree=tree)
+    assert proposer.max_rows == tree.nodes
+    seqs = _run(base, prompts, proposer, proposer.max_rows)
+    assert [s.output_ids for s in seqs] == plain and sum(s.stats.drafted for s in seqs) > 0
+    seq, g = seqs[0], torch.Generator().manual_seed(4)
+    vocab = heads.medusa_draft_vocab
+    tau = 0.05  # gated: no path deeper than the first depth whose best path probability is below it
+    gated = MedusaProposer(heads, base.model.norm, tree=tree, min_confidence=tau)
+    cut = 0
+    with torch.inference_mode():
+        for _ in range(8):
+            seq.last_hidden = torch.randn(64, generator=g) * 3
+            x = heads.features(base.model.norm(seq.last_hidden)[None], tree.depth)  # [D, 1, D]
+            lp, ids = [], []
+            for k in range(tree.depth):
+                top = torch.log_softmax(heads.projections()[k](x[k])[0, vocab].float(), -1).topk(tree.width)
+                lp.append(top.values.tolist())
+                ids.append(vocab[top.indices].tolist())
+            best_path = torch.tensor([row[0] for row in lp]).cumsum(0)
+            below = (best_path < torch.tensor(tau).log()).nonzero()
+            allowed = int(below[0, 0]) + 1 if below.numel() else tree.depth
+            cut += allowed < tree.depth
+            for p, depth in ((proposer, tree.depth), (gated, allowed)):
+                proposal = p.propose([seq], [tree.depth])
+                every = [q for d in range(1, depth + 1) for q in itertools.product(range(tree.width), repeat=d)]
+                best = sorted(every, key=lambda q: (-sum(lp[d][c] for d, c in enumerate(q)), len(q), q))[:tree.nodes]
+                rank = {q: r for r, q in enumerate(best, start=1)}
+                assert proposal.draft_token_ids[0].tolist() == [ids[len(q) - 1][q[-1]] for q in best]
+                assert proposal.parents_of(0) == [rank.get(q[:-1], 0) for q in best]
+    assert cut > 0
+
+
 class _Gated(MedusaProposer):
     """Records, per `propose` call (one sequence), each head's top-1 probability (its softmax over
     the scored columns) and the number of tokens proposed."""

@@ -12,7 +12,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, ancestor_rows
 from quantspec.infer.sampler import SamplingParams
-from quantspec.infer.spec.tree import (TreeSpec, caterpillar, depths, greedy_walk, parse_tree_spec, prune,
+from quantspec.infer.spec.tree import (TreeSpec, best_paths, caterpillar, depths, greedy_walk, parse_tree_spec, prune,
                                        sampling_walk, verify_trees)
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_greedy_ids
@@ -34,6 +34,24 @@ def test_parse_tree_spec():
     for bad in ("4", "4x", "x2", "4x2x1", "0x2", "40x2", "a", "4x2:", "4x2:0", "4x2:a", "4x4:65", "4x2:15"):
         with pytest.raises(QuantSpecError, match="--speculate-tree"):
             parse_tree_spec(bad)
+
+
+@pytest.mark.parametrize("D,K,n", [(1, 3, 2), (3, 2, 5), (3, 3, 14), (4, 2, 30), (2, 4, 20)])
+def test_best_paths_are_the_n_best_of_every_path(D, K, n):
+    """Against enumerating every path: the n best by summed log-probability (ties: shallower,
+    then earlier choices), each node's parent its prefix, every prefix a tree."""
+    import itertools
+
+    g = torch.Generator().manual_seed(D * 100 + K * 10 + n)
+    lp = torch.log_softmax(torch.randn(D, K, generator=g) * 2, dim=-1).tolist()
+    lp[0][1] = lp[0][0]  # one exact tie
+    every = [p for d in range(1, D + 1) for p in itertools.product(range(K), repeat=d)]
+    want = sorted(every, key=lambda p: (-sum(lp[d][c] for d, c in enumerate(p)), len(p), p))[:n]
+    nodes, parents = best_paths(lp, n)
+    assert nodes == want
+    rank = {p: r for r, p in enumerate(nodes, start=1)}
+    assert parents == [rank.get(p[:-1], 0) for p in nodes]
+    assert all(par <= j for j, par in enumerate(parents))
 
 
 def test_caterpillar_depths_mask_prune():
