@@ -25,6 +25,7 @@ __all__ = [
     "check_tensor",
     "dot_in_fp32",
     "finish_split_k",
+    "gpu_launch",
     "grouped_tile",
     "interpreter_enabled",
     "round_half_even",
@@ -90,6 +91,13 @@ def finish_split_k(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dt
             out, bias if bias is not None else out, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
             BLOCK=block)
     return y
+
+
+def gpu_launch(device: torch.device) -> bool:
+    """Whether a launch on `device` takes a GPU's launch configs (tile sizes, native operand
+    types). Every kernel's host function asks here, so that one switch makes a CPU call record
+    the launch a GPU would get (`tests/kernels/test_gpu_compile.py`)."""
+    return device.type == "cuda"
 
 
 def triton_usable(device: torch.device | str) -> bool:

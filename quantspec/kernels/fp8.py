@@ -25,6 +25,7 @@ from quantspec.kernels._common import (
     FP8_E4M3_MAX,
     check_same_device,
     check_tensor,
+    gpu_launch,
     round_to_e4m3,
 )
 
@@ -189,7 +190,7 @@ def fp8_gemm(
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     check_fp8_device(device)
     out = torch.empty((M, N), device=device, dtype=out_dtype)
-    on_gpu = device.type == "cuda"
+    on_gpu = gpu_launch(device)
     if on_gpu:
         bm, bn, bk, warps, stages = (
             (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 16 else (16, 64, 256, 4, 4)

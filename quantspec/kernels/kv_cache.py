@@ -29,6 +29,7 @@ from quantspec.kernels._common import (
     FP8_E4M3_MAX,
     check_same_device,
     check_tensor,
+    gpu_launch,
     dot_in_fp32,
     round_half_even,
     round_to_e4m3,
@@ -339,7 +340,7 @@ def paged_attention(
         return out
     if max_q_len is None:
         max_q_len = int((cu_q_lens[1:] - cu_q_lens[:-1]).max())
-    on_gpu = device.type == "cuda"
+    on_gpu = gpu_launch(device)
     # one query tile size for every step: a row's numbers do not depend on the other rows of its
     # step (a verification row equals the decode step at its position)
     block_m = 16

@@ -36,6 +36,7 @@ from quantspec.kernels._common import (
     check_tensor,
     dot_in_fp32,
     finish_split_k,
+    gpu_launch,
     small_ints_to_float,
     split_k_output,
 )
@@ -381,8 +382,7 @@ def w4a16_linear(
     """Triton W4A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
     M, N, K = _validate(x, w_packed, w_scale, group_size, w_zero, bias)
     device = check_same_device(x=x, w_packed=w_packed, w_scale=w_scale, w_zero=w_zero, bias=bias)
-    on_gpu = device.type == "cuda"
-    cfg = config or w4a16_default_config(M, N, K, group_size, on_gpu)
+    cfg = config or w4a16_default_config(M, N, K, group_size, gpu_launch(device))
     bm, bn, bk, split, warps, stages, swap, nibble, fold = cfg
     if bk < PACK_FACTOR:
         raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
@@ -462,7 +462,7 @@ def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: 
     device = check_same_device(w_packed=w_packed, w_scale=w_scale, w_zero=w_zero)
     N = w_packed.shape[0]
     out = torch.empty((N, K), device=device, dtype=dtype)
-    bn, bk = (32, 128) if device.type == "cuda" else (16, 16)
+    bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
     _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
         w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),

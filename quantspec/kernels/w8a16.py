@@ -23,6 +23,7 @@ from quantspec.kernels._common import (
     check_tensor,
     dot_in_fp32,
     finish_split_k,
+    gpu_launch,
     small_ints_to_float,
     split_k_output,
 )
@@ -163,7 +164,7 @@ def w8a16_linear(
     """Triton W8A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
     M, N, K = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
-    bm, bn, bk, split, warps, stages, swap = (config or w8a16_default_config(M, N, K, device.type == "cuda"))[:7]
+    bm, bn, bk, split, warps, stages, swap = (config or w8a16_default_config(M, N, K, gpu_launch(device)))[:7]
     out = split_k_output(M, N, split, device, x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _w8a16_kernel[grid](
@@ -201,7 +202,7 @@ def w8a16_dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtyp
     check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N,))
     device = check_same_device(w_q=w_q, w_scale=w_scale)
     out = torch.empty((N, K), device=device, dtype=dtype)
-    bn, bk = (32, 128) if device.type == "cuda" else (16, 16)
+    bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
     _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk)
     return out

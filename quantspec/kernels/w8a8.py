@@ -26,6 +26,7 @@ from quantspec.kernels._common import (
     INT8_MIN,
     check_same_device,
     check_tensor,
+    gpu_launch,
     round_half_even,
 )
 
@@ -116,7 +117,7 @@ def quantize_act_int8(
     M, K = x.shape
     q = torch.empty((M, K), device=device, dtype=torch.int8)
     s = torch.empty((M,), device=device, dtype=torch.float32) if scale is None else scale.reshape(1)
-    block_k = min(triton.next_power_of_2(max(K, 1)), 1024 if device.type == "cuda" else 64)
+    block_k = min(triton.next_power_of_2(max(K, 1)), 1024 if gpu_launch(device) else 64)
     _quantize_act_int8_kernel[(M,)](
         x, q, s, K, x.stride(0), q.stride(0),
         DYNAMIC=scale is None, HALF_RANGE=INT8_HALF_RANGE, EPS=ZERO_SCALE_EPS, BLOCK_K=block_k,
@@ -209,7 +210,7 @@ def int8_gemm(
     M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     out = torch.empty((M, N), device=device, dtype=out_dtype)
-    if device.type == "cuda":
+    if gpu_launch(device):
         bm, bn, bk, warps, stages = (
             (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 16 else (16, 64, 256, 4, 4)
         )

@@ -1,12 +1,14 @@
-"""The GPU launches of the weight-only kernels, compiled for NVIDIA GPUs on a machine without one.
+"""Every Triton kernel's GPU launches, compiled for NVIDIA GPUs on a machine without one.
 
 The interpreter runs a kernel's Python, not the compiler: a launch can pass every interpreter
 test and still fail to compile for a GPU (a statement the compiler builds in a branch the
-interpreter never enters, an op a GPU target lacks). Here the host functions run with the
-launch configs they take on a GPU (`on_gpu=True`); each Triton launch they make is recorded
-instead of run, then compiled, in a process without the interpreter, by Triton's own compiler
-and `ptxas` for Ampere (sm_80) and Hopper (sm_90), with the argument specialization a GPU
-launch gets (16-byte aligned pointers, integers divisible by 16).
+interpreter never enters, an op a GPU target lacks). Here the host functions run on CPU tensors
+with the launch configs and operand types they take on a GPU (`_common.gpu_launch` and
+`dot_in_fp32` switched to the GPU's answers); each Triton launch they make is recorded instead
+of run, then compiled, in a process without the interpreter, by Triton's own compiler and
+`ptxas` for Ampere (sm_80) and Hopper (sm_90) (FP8 operands: Hopper only, as `check_fp8_device`
+requires), with the argument specialization a GPU launch gets (16-byte aligned pointers,
+integers divisible by 16).
 """
 
 from __future__ import annotations
@@ -22,11 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from quantspec.kernels import _common, w4a16, w8a16
+from quantspec.kernels import _common, fp8, kv_cache, w4a16, w8a8, w8a16
 from quantspec.quant.packing import pack_int4
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
-                  torch.int8: "*i8", torch.uint8: "*u8"}
+                  torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
+_MODULES = (_common, fp8, kv_cache, w4a16, w8a8, w8a16)
 
 # run in a fresh process: imports each kernel's module from its file and compiles the launches
 _COMPILER = r"""
@@ -43,7 +46,7 @@ for d in json.load(sys.stdin):
         spec.loader.exec_module(modules[d["file"]])
     fn = getattr(modules[d["file"]], d["name"])
     attrs = {(i,): [["tt.divisibility", 16]] for i in d["aligned"]}
-    for cc in (80, 90):
+    for cc in d["targets"]:
         src = ASTSource(fn=fn, signature=d["signature"], constexprs=d["constants"], attrs=attrs)
         try:
             ttgir = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=d["options"]).asm["ttgir"]
@@ -89,22 +92,26 @@ def _describe(kernel, args, kwargs) -> dict:
             signature[p.name] = "i32"
             if v % 16 == 0:
                 aligned.append(i)
+        elif isinstance(v, float):
+            signature[p.name] = "fp32"
         else:
-            raise AssertionError(f"{fn.__name__}: argument {p.name}={v!r} is not a tensor or an int")
+            raise AssertionError(f"{fn.__name__}: argument {p.name}={v!r} is not a tensor, an int or a float")
+    fp8_operands = "*fp8e4nv" in signature.values()
     return {"file": fn.__code__.co_filename, "name": fn.__name__, "signature": signature, "constants": constants,
-            "aligned": aligned, "options": options}
+            "aligned": aligned, "options": options, "targets": [90] if fp8_operands else [80, 90]}
 
 
 @pytest.fixture
 def recorded(monkeypatch):
-    """The launches made inside the test, recorded and not run, with a GPU's operand dtypes."""
+    """The launches made inside the test, recorded and not run, with a GPU's launch configs and
+    operand types (bf16 dots, not the interpreter's fp32)."""
     calls: list = []
-    # a GPU's dots take bf16 operands (the interpreter's take fp32)
-    for module in (w4a16, w8a16):
-        monkeypatch.setattr(module, "dot_in_fp32", lambda dtype: dtype == torch.float32)
-    for module, name in ((w4a16, "_w4a16_kernel"), (w4a16, "_w4_dequant_kernel"), (w8a16, "_w8a16_kernel"),
-                         (w8a16, "_w8_dequant_kernel"), (_common, "_finish_split_k_kernel")):
-        monkeypatch.setattr(module, name, _Recorder(getattr(module, name), calls))
+    for module in _MODULES:
+        monkeypatch.setattr(module, "gpu_launch", lambda device: True, raising=False)
+        monkeypatch.setattr(module, "dot_in_fp32", lambda dtype: dtype == torch.float32, raising=False)
+        for name, value in list(vars(module).items()):
+            if name.startswith("_") and name.endswith("_kernel") and hasattr(value, "fn"):
+                monkeypatch.setattr(module, name, _Recorder(value, calls))
     return calls
 
 
@@ -131,11 +138,11 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
     s = torch.rand(N, K // G, generator=gen).to(dtype)
     z = torch.randint(-8, 8, (N, K // G), dtype=torch.int8, generator=gen) if zero else None
     for M in (1, 16, 32, 300):
-        x = torch.randn(M, K, generator=gen).to(dtype)
-        w4a16.w4a16_linear(x, wp, s, G, z, config=w4a16.w4a16_default_config(M, N, K, G, on_gpu=True))
+        w4a16.w4a16_linear(torch.randn(M, K, generator=gen).to(dtype), wp, s, G, z)
     w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
+    assert {c["constants"]["BLOCK_N"] for c in recorded if c["name"] == "_w4_dequant_kernel"} == {32}
     results = _compile_all(recorded)
     assert [r for r in results if "error" in r] == []
     assert len(results) >= 2 * 5
@@ -148,13 +155,56 @@ def test_w8a16_gpu_launches_compile(recorded, dtype):
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
     s = torch.rand(N, generator=gen).to(dtype)
     for M in (1, 16, 32, 300):
-        x = torch.randn(M, K, generator=gen).to(dtype)
-        w8a16.w8a16_linear(x, q, s, config=w8a16.w8a16_default_config(M, N, K, on_gpu=True))
+        w8a16.w8a16_linear(torch.randn(M, K, generator=gen).to(dtype), q, s)
     w8a16.w8a16_dequantize(q, s.float(), dtype)
     results = _compile_all(recorded)
     assert [r for r in results if "error" in r] == []
     assert len(results) >= 2 * 4
     assert not [r for r in results if r["name"] != "_finish_split_k_kernel" and r["int_to_float"]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
+    """Activation quantizers (static and dynamic int8, static fp8) and the int8 / FP8 GEMMs at
+    decode, tile and large M."""
+    gen = torch.Generator().manual_seed(2)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    w_fp8 = (torch.randn(N, K, generator=gen) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
+    ws, xs = torch.rand(N, generator=gen) + 0.01, torch.tensor([0.02])
+    for M in (1, 32, 2048):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        w8a8.w8a8_linear(x, q, ws, xs)
+        w8a8.w8a8_linear(x, q, ws, None)
+        fp8.fp8_linear(x, w_fp8, ws, xs)
+    names = {c["name"] for c in recorded}
+    assert names == {"_quantize_act_int8_kernel", "_int8_gemm_kernel", "_quantize_act_fp8_kernel", "_fp8_gemm_kernel"}
+    assert all(not c["constants"]["UPCAST"] for c in recorded if c["name"] == "_fp8_gemm_kernel")
+    results = _compile_all(recorded)
+    assert [r for r in results if "error" in r] == []
+    assert {r["cc"] for r in results if r["name"] == "_fp8_gemm_kernel"} == {90}
+
+
+@pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
+def test_kv_cache_gpu_launches_compile(recorded, q_dtype):
+    """Quantize-on-write and paged attention over bf16, int8 and fp8 caches (decode,
+    verification and prefill rows in one batch)."""
+    gen = torch.Generator().manual_seed(3)
+    H, HKV, D, BS, NB = 8, 2, 64, 16, 8
+    bt = torch.arange(NB, dtype=torch.int32).reshape(2, 4)
+    cu = torch.tensor([0, 1, 5], dtype=torch.int32)
+    seq = torch.tensor([30, 20], dtype=torch.int32)
+    for cache in (torch.bfloat16, torch.int8, torch.float8_e4m3fn):
+        kc = torch.zeros(NB, BS, HKV, D, dtype=cache)
+        vc = torch.zeros_like(kc)
+        ks = vs = None if cache == torch.bfloat16 else torch.rand(HKV, generator=gen) + 0.01
+        k, v = torch.randn(5, HKV, D, generator=gen).to(q_dtype), torch.randn(5, HKV, D, generator=gen).to(q_dtype)
+        kv_cache.write_kv_cache(k, v, kc, vc, torch.arange(5, dtype=torch.int64), ks, vs)
+        kv_cache.paged_attention(torch.randn(5, H, D, generator=gen).to(q_dtype), kc, vc, cu, seq, bt, ks, vs,
+                                 max_q_len=4)
+    assert {c["name"] for c in recorded} == {"_write_kv_kernel", "_paged_attn_kernel"}
+    assert not any(c["constants"].get("DOT_FP32") for c in recorded)
+    results = _compile_all(recorded)
+    assert [r for r in results if "error" in r] == []
 
 
 @triton.jit
