@@ -15,7 +15,8 @@ follows the top-1 candidates and may end in any candidate.
 arXiv:2406.16858): at each of D depths the K candidates with the highest path probability (the
 product of the drafter's probabilities from the root) are expanded into their K best children;
 of every candidate so made, the N with the highest path probability are drafted (N drafts, N + 1
-rows). A node's path probability is at most its parent's, so the N best form a tree. Medusa's
+rows; an N above the K + (D - 1)·K² candidates made drafts them all). A node's path probability
+is at most its parent's, so the N best form a tree. Medusa's
 heads score each position independently of the tokens before it, so a node there is a choice of
 one of the K best tokens at each position up to its depth, its path probability the product of
 those tokens' probabilities (`best_paths`).
@@ -89,10 +90,10 @@ def parse_tree_spec(text: str | TreeSpec | None) -> TreeSpec | None:
     if spec.depth < 1 or spec.width < 1 or spec.num_nodes < 1 or spec.num_nodes > MAX_TREE_ROWS:
         raise QuantSpecError(f"--speculate-tree {text!r} is out of range; depth, width and nodes >= 1, "
                              f"depth*width (or nodes) <= {MAX_TREE_ROWS} (e.g. 4x2 or 4x4:8)")
-    made = spec.width + (spec.depth - 1) * spec.width ** 2  # K at depth 1, K beams × K children below
-    if spec.dynamic and spec.nodes > made:
+    every = sum(spec.width ** d for d in range(1, spec.depth + 1))  # the nodes of the full tree
+    if spec.dynamic and spec.nodes > every:
         raise QuantSpecError(f"--speculate-tree {text!r} asks for more nodes than {spec.depth} depths of "
-                             f"{spec.width} candidates make ({made}); lower NODES")
+                             f"{spec.width} candidates hold ({every}); lower NODES")
     return spec
 
 

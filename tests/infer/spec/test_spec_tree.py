@@ -30,8 +30,8 @@ def test_parse_tree_spec():
     assert parse_tree_spec("4x4:8") == TreeSpec(4, 4, 8)
     assert parse_tree_spec("4x4:8").num_nodes == 8 and parse_tree_spec("4x4:8").dynamic
     assert not parse_tree_spec("4x2").dynamic
-    assert parse_tree_spec("4x2:14").num_nodes == 14  # 2 at depth 1, 2 beams x 2 below: 2 + 3 * 4
-    for bad in ("4", "4x", "x2", "4x2x1", "0x2", "40x2", "a", "4x2:", "4x2:0", "4x2:a", "4x4:65", "4x2:15"):
+    assert parse_tree_spec("4x2:30").num_nodes == 30  # the full tree: 2 + 4 + 8 + 16
+    for bad in ("4", "4x", "x2", "4x2x1", "0x2", "40x2", "a", "4x2:", "4x2:0", "4x2:a", "4x4:65", "4x2:31"):
         with pytest.raises(QuantSpecError, match="--speculate-tree"):
             parse_tree_spec(bad)
 
