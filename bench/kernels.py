@@ -16,8 +16,8 @@ few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 `--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on
 4096×14336, then at M ∈ {1, 16} on two more shapes, under every launch config of a small grid
 (`sweep_grid`: `tl.dot` tiles with and without the scale folded in, one-row programs, W4A16's
-nibble dots; large-M tiles) against the default heuristic's (`kernels_sweep.md` / `.json`, every config's time in the
-JSON: what tunes the heuristic).
+nibble dots; large-M tiles) against the default heuristic's (`kernels_sweep.md` / `.json`,
+every config's time in the JSON: what tunes the heuristic).
 
 Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×,
 W8A8 and FP8 at M=4096 ≥ 1.5×, nothing below 0.9×.

@@ -187,7 +187,8 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
     q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
     s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-             (small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+             (small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty),
+             mask=mask)
 
 
 def w8a16_dequantize_ref(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:

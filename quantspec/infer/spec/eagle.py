@@ -105,6 +105,7 @@ class EagleProposer:
         self.min_confidence = check_min_confidence(min_confidence)
         self.depth = tree.depth if tree is not None else int(max_draft_tokens)
         self.width = tree.width if tree is not None else 1
+        self.dynamic = tree is not None and tree.dynamic
         self._states: dict[int, _HeadState] = {}
 
     @property
@@ -300,7 +301,7 @@ class EagleProposer:
             # could pass for accepted drafts
             if not self._catch_up(seq, st) or depth <= 0 or not seq.speculate:
                 continue
-            if self.tree is not None and self.tree.dynamic:
+            if self.dynamic:
                 tokens, par, _ = self._draft_dynamic(st, depth)
             else:
                 cands = self._draft(st, depth)
@@ -309,8 +310,7 @@ class EagleProposer:
                 tokens, par = caterpillar(cands)
             ids[i] = torch.tensor(tokens, dtype=torch.int64)
             parents[i] = par
-        trees = self.width > 1 or (self.tree is not None and self.tree.dynamic)
-        return SpecProposal(ids, parents=parents if trees else None)
+        return SpecProposal(ids, parents=parents if self.width > 1 or self.dynamic else None)
 
     def release(self, seq) -> None:
         self._states.pop(seq.seq_id, None)

@@ -77,6 +77,7 @@ class MedusaProposer:
         n = heads.args.num_heads
         self.depth = min(n, tree.depth) if tree is not None else min(n, int(max_draft_tokens))
         self.width = tree.width if tree is not None else 1
+        self.dynamic = tree is not None and tree.dynamic
         self.vocab = heads.medusa_draft_vocab
         # head k's draft-vocabulary rows (empty without a draft vocabulary): a linear of their own,
         # which a backend prepares like the heads (`backend.prepare_head`)
@@ -92,7 +93,7 @@ class MedusaProposer:
 
     @property
     def max_rows(self) -> int:
-        return self.tree.num_nodes if self.tree is not None and self.tree.dynamic else self.depth * self.width
+        return self.tree.num_nodes if self.dynamic else self.depth * self.width
 
     def _logits(self, x: torch.Tensor, k: int) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Head k's scores [A, Vd or V] and the ids of its columns (None: the full vocabulary)."""
@@ -115,12 +116,12 @@ class MedusaProposer:
         ids: list[torch.Tensor] = [torch.zeros(0, dtype=torch.int64) for _ in seqs]
         parents: list[list[int] | None] = [None for _ in seqs]
         if not live:
-            return SpecProposal(ids, parents=parents if self.width > 1 or (self.tree is not None and self.tree.dynamic) else None)
+            return SpecProposal(ids, parents=parents if self.width > 1 or self.dynamic else None)
         need = max(depths[i] for i in live)  # heads past the deepest chain are not run
         w = self.norm.weight
         h = self.norm(torch.stack([seqs[i].last_hidden for i in live]).to(w.device, w.dtype))  # [A, D]
         x = self.heads.features(h, need)  # [need, A, D]
-        dynamic = self.tree is not None and self.tree.dynamic
+        dynamic = self.dynamic
         tops, logps = [], []
         for k in range(need):
             scores, cols = self._logits(x[k], k)
@@ -151,7 +152,7 @@ class MedusaProposer:
         first head is never cut), a dynamic tree past the first depth whose best path probability
         (the product of the heads' top-1 probabilities so far) is below the gate."""
         gate = math.log(self.min_confidence)
-        if self.tree is not None and self.tree.dynamic:
+        if self.dynamic:
             unsure = logp[:, :, 0].cumsum(0) < gate  # [need, A]
             for r, i in enumerate(live):
                 cut = unsure[:depths[i], r].nonzero()
