@@ -31,6 +31,10 @@ _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16
                   torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
 _MODULES = (_common, fp8, kv_cache, w4a16, w8a8, w8a16)
 
+# the host functions run on CPU tensors, which only the interpreter takes; where a GPU runs the
+# kernels themselves (no interpreter), the `-m gpu` tests compile and run them
+pytestmark = pytest.mark.skipif(not _common.interpreter_enabled(), reason="the GPU tests compile the kernels here")
+
 # run in a fresh process: imports each kernel's module from its file and compiles the launches
 _COMPILER = r"""
 import importlib.util, json, sys
