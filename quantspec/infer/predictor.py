@@ -33,6 +33,7 @@ __all__ = ["MTP_MIN_CONFIDENCE", "InferConfig", "Predictor", "RequestOutput", "r
            "write_jsonl"]
 
 MTP_MIN_CONFIDENCE = 0.4  # --speculate-min-confidence's default for mtp, eagle and medusa (see InferConfig)
+_GATED_METHODS = ("mtp", "eagle", "medusa")  # the drafters --speculate-min-confidence applies to
 DRAFT_HEADS = ("int8", "artifact")  # --speculate-draft-head (see InferConfig)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
@@ -98,12 +99,13 @@ class InferConfig:
                 f"--src-length {self.src_length} must be in [1, --max-length {self.max_length})"
             )
         self.device = resolve_device(self.device)
+        gated = self.speculate_method in _GATED_METHODS
         if self.speculate_min_confidence is None:
-            gated = self.speculate_method in ("mtp", "eagle", "medusa")
             self.speculate_min_confidence = MTP_MIN_CONFIDENCE if gated else 0.0
-        if not 0.0 <= self.speculate_min_confidence < 1.0:
-            raise QuantSpecError(f"--speculate-min-confidence {self.speculate_min_confidence} must be in [0, 1)")
-        if self.speculate_min_confidence and self.speculate_method not in ("mtp", "eagle", "medusa"):
+        from quantspec.infer.spec.mtp import check_min_confidence
+
+        self.speculate_min_confidence = check_min_confidence(self.speculate_min_confidence)
+        if self.speculate_min_confidence and not gated:
             raise QuantSpecError("--speculate-min-confidence applies to --speculate-method mtp, eagle and medusa "
                                  "only; drop it")
         if self.speculate_draft_head is not None:
