@@ -266,8 +266,9 @@ SWEEP_LARGE = ((4096, 14336), (256, 4096))  # the shape and the rows of the larg
 def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     """The `W4A16Config`s the sweep times for `kind` at M rows. Up to 16 rows: `tl.dot` tiles
     (BLOCK_M 16; swapped ones with the exact codes and with the scale folded in) and one-row
-    programs (BLOCK_M 1, multiply-reduce), W4A16's nibble dots; more rows: swapped tiles with
-    the scale folded in, and the unswapped tile whose MMA waits for each dequantized tile."""
+    programs (BLOCK_M 1, multiply-reduce), W4A16's nibble dots; more rows: swapped tiles (W4A16's
+    with the scale folded in), and the unswapped tile whose MMA waits for each dequantized tile.
+    `fold_scale` only for W4A16: W8A16 has no per-tile scale."""
     from quantspec.kernels.w4a16 import W4A16Config
 
     bk = min(128, group)
@@ -275,7 +276,8 @@ def sweep_grid(kind: str, group: int, M: int = 1) -> list:
         k64 = min(64, bk)
         tiles = [(64, 128, k64, 3), (128, 128, k64, 3), (128, 128, bk, 3), (128, 256, k64, 3), (128, 128, k64, 4),
                  (256, 128, k64, 3)]
-        return [W4A16Config(bm, bn, k, 1, 8, st, True, False, True) for bm, bn, k, st in tiles] + \
+        fold = kind == "w4a16"  # W8A16 scales once, at the end
+        return [W4A16Config(bm, bn, k, 1, 8, st, True, False, fold) for bm, bn, k, st in tiles] + \
             [W4A16Config(128, 128, k64, 1, 8, 3)]
     nibs = (False, True) if kind == "w4a16" and bk >= 128 else (False,)
     dots = [(16, bn, bk, sk, False, nib, False) for bn in (64, 128) for sk in (2, 4, 8) for nib in nibs]
@@ -316,8 +318,6 @@ def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
             t_default, _ = _time_or_error(bench, call)
             best, timed = (t_default, "default"), {}
             grid = sweep_grid(kind, L.group, M)
-            if kind == "w8a16":  # fold_scale has no int8 meaning: one of each tile
-                grid = list(dict.fromkeys(c if not c.fold_scale else type(c)(*c[:8]) for c in grid))
             if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
                 grid = grid[:2]
             for cfg in grid:
