@@ -129,6 +129,19 @@ def _compile_all(calls: list[dict]) -> list[dict]:
     return json.loads(r.stdout.splitlines()[-1])
 
 
+def _compiled(calls: list[dict]) -> list[dict]:
+    """`_compile_all`, every launch compiled without an error."""
+    results = _compile_all(calls)
+    assert [r for r in results if "error" in r] == []
+    return results
+
+
+def _int_to_float_in_weight_kernels(results: list[dict]) -> list[dict]:
+    """The compiled launches that convert an integer to a float, less the split-K finish (which
+    sums float partials)."""
+    return [r for r in results if r["name"] != "_finish_split_k_kernel" and r["int_to_float"]]
+
+
 K, N, G = 512, 96, 128
 
 
@@ -147,10 +160,9 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
     assert {c["constants"]["BLOCK_N"] for c in recorded if c["name"] == "_w4_dequant_kernel"} == {32}
-    results = _compile_all(recorded)
-    assert [r for r in results if "error" in r] == []
+    results = _compiled(recorded)
     assert len(results) >= 2 * 5
-    assert not [r for r in results if r["name"] != "_finish_split_k_kernel" and r["int_to_float"]]
+    assert _int_to_float_in_weight_kernels(results) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -161,10 +173,9 @@ def test_w8a16_gpu_launches_compile(recorded, dtype):
     for M in (1, 16, 32, 300):
         w8a16.w8a16_linear(torch.randn(M, K, generator=gen).to(dtype), q, s)
     w8a16.w8a16_dequantize(q, s.float(), dtype)
-    results = _compile_all(recorded)
-    assert [r for r in results if "error" in r] == []
+    results = _compiled(recorded)
     assert len(results) >= 2 * 4
-    assert not [r for r in results if r["name"] != "_finish_split_k_kernel" and r["int_to_float"]]
+    assert _int_to_float_in_weight_kernels(results) == []
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
@@ -183,8 +194,7 @@ def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
     names = {c["name"] for c in recorded}
     assert names == {"_quantize_act_int8_kernel", "_int8_gemm_kernel", "_quantize_act_fp8_kernel", "_fp8_gemm_kernel"}
     assert all(not c["constants"]["UPCAST"] for c in recorded if c["name"] == "_fp8_gemm_kernel")
-    results = _compile_all(recorded)
-    assert [r for r in results if "error" in r] == []
+    results = _compiled(recorded)
     assert {r["cc"] for r in results if r["name"] == "_fp8_gemm_kernel"} == {90}
 
 
@@ -207,8 +217,7 @@ def test_kv_cache_gpu_launches_compile(recorded, q_dtype):
                                  max_q_len=4)
     assert {c["name"] for c in recorded} == {"_write_kv_kernel", "_paged_attn_kernel"}
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
-    results = _compile_all(recorded)
-    assert [r for r in results if "error" in r] == []
+    _compiled(recorded)
 
 
 @triton.jit
