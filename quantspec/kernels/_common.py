@@ -43,6 +43,7 @@ FP8_E4M3_MAX = 448.0
 # with ties to even (IEEE default rounding), i.e. exactly what torch.round does. Pure arithmetic,
 # so it runs under TRITON_INTERPRET=1 and on every GPU without libdevice.
 _RNE_MAGIC = tl.constexpr(12582912.0)
+_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 def interpreter_enabled() -> bool:
@@ -179,7 +180,7 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 
 @triton.jit
-def small_ints_to_float(v, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
+def small_ints_to_float(v, OFFSET: tl.constexpr, DTYPE: tl.constexpr, BELOW_128: tl.constexpr):
     """v - OFFSET as exact DTYPE values, for int32 v in [0, 1024): a weight code made
     non-negative. No int-to-float conversion instruction (a quarter of the FMA rate on recent
     GPUs, the limit of a dequantizing GEMV): for fp16, v goes into the mantissa of 1024.0 (bits
@@ -188,6 +189,8 @@ def small_ints_to_float(v, OFFSET: tl.constexpr, DTYPE: tl.constexpr):
     integer). Every step is exact."""
     if DTYPE == tl.float16:
         out = (v + 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + OFFSET)
+    elif DTYPE == tl.bfloat16 and BELOW_128 and not _INTERPRETED:
+        out = (v + 0x4300).to(tl.int16).to(tl.bfloat16, bitcast=True) - (128.0 + OFFSET)
     else:
         out = ((v + 0x4B000000).to(tl.float32, bitcast=True) - (8388608.0 + OFFSET)).to(DTYPE)
     return out

@@ -14,8 +14,12 @@ Weight layout is compressed-tensors' `pack-quantized` one, read as stored (no re
 
 A k tile reads each of its int32 words once ([BLOCK_N, BLOCK_K/8]) and unpacks the 8 nibbles
 of each word into consecutive k, or (`nibble_dots`, the GPU's launch for up to 16 rows) meets the
-x columns of each nibble position in a dot of its own. Codes become floats without an
-int-to-float instruction (`_common.small_ints_to_float`). On a GPU every M runs tiled `tl.dot`
+x columns of each nibble position in a dot of its own (with fp16 / bf16 operands, one dot per
+pair of nibble positions i, i + 4, which one mask of the shifted word leaves in its two 16-bit
+halves). Codes become floats without an int-to-float instruction
+(`_common.small_ints_to_float`, or its mantissa trick on both halves of a word at once). Where
+K is a multiple of BLOCK_K × SPLIT_K no tile reaches past K and the loads drop their k masks,
+so that a row's words are copied 16 bytes at a time. On a GPU every M runs tiled `tl.dot`
 (`gpu_weight_only_config`), with split-K for the small M of decode and verification, and the
 scale folded into swapped tiles above 16 rows; a BLOCK_M = 1 launch shape (one row per program,
 multiply-reduce) serves configs that ask for it. Split-K
@@ -59,7 +63,9 @@ class W4A16Config(tuple):
     nibble_dots (W4A16, launches whose k tile lies in one group): the tile's words are not
     unpacked into consecutive k; nibble i of every word ([BLOCK_N, BLOCK_K/8], k = 8j + i) meets
     the x columns 8j + i in a dot of its own (or, with BLOCK_M = 1, a multiply-reduce), eight per
-    tile. The sum over k is the same; no register reshuffle between the unpack and the MMA.
+    tile; with fp16 / bf16 operands nibbles i and i + 4 share a dot (four per tile), the two
+    16-bit halves of one masked word being the MMA's pair of consecutive k. The sum over k is
+    the same; no register reshuffle between the unpack and the MMA.
     fold_scale (W4A16 `tl.dot` launches): the weight tile is dequantized with its scale into x's
     dtype before the MMA, which accumulates across tiles; without it, group-aligned tiles feed
     the exact integer codes and scale each tile's partial sums in fp32 (more exact, but every
@@ -148,9 +154,22 @@ def _codes(nib, z, HAS_ZERO: tl.constexpr, DTYPE: tl.constexpr):
     """Stored nibbles (int32, 0..15) → the codes q - zero as exact DTYPE values; `z` (integer
     zero points in the int4 range, broadcast against `nib`) is read only with HAS_ZERO."""
     if HAS_ZERO:  # + 64 keeps the value non-negative for `small_ints_to_float`
-        out = small_ints_to_float(nib - z + 64, 72, DTYPE)
+        out = small_ints_to_float(nib - z + 64, 72, DTYPE, True)
     else:
-        out = small_ints_to_float(nib, 8, DTYPE)
+        out = small_ints_to_float(nib, 8, DTYPE, True)
+    return out
+
+
+@triton.jit
+def _scaled_codes(nib, z, s, HAS_ZERO: tl.constexpr, DTYPE: tl.constexpr):
+    """(q - zero) · scale in DTYPE, for a scale tile `s` as stored (broadcast against `nib`). A
+    code times a 16-bit float scale is exact in fp32, so one rounding gives the product however
+    it is computed: where DTYPE is fp16 / bf16 and the scale is stored in it, the product is taken
+    in DTYPE (two values per instruction on a GPU), else in fp32 and then rounded to DTYPE."""
+    if DTYPE != tl.float32 and s.dtype == DTYPE:
+        out = _codes(nib, z, HAS_ZERO, DTYPE) * s
+    else:
+        out = (_codes(nib, z, HAS_ZERO, tl.float32) * s.to(tl.float32)).to(DTYPE)
     return out
 
 
@@ -176,15 +195,15 @@ def _mma(w, x, acc, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr):
 def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, KW, group_size,
                       stride_xm, stride_wn, stride_sn, stride_zn,
                       HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                      SWAP_AB: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+                      SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
                       BLOCK_K: tl.constexpr):
     """One k tile of a launch with `nibble_dots` (`W4A16Config`): the tile's partial sums
-    ([BN, BM] with SWAP_AB, else [BM, BN]) times the group's scale, by eight dots, or for one
-    row (no USE_DOT) eight multiply-reduces. The k tile lies in one group (integer zero points
-    only)."""
+    ([BN, BM] with SWAP_AB, else [BM, BN]) times the group's scale, by four dots of 16-bit
+    operands, eight of fp32 ones, or for one row (no USE_DOT) eight multiply-reduces. The k tile
+    lies in one group (integer zero points only). EVEN_K: no tile reaches past K."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
     words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                    mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0)  # [BN, BK/8]
+                    mask=mask_n[:, None] & ((offs_w < KW) | EVEN_K)[None, :], other=0)  # [BN, BK/8]
     g = tl.minimum(k0, K - 1) // group_size
     s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
     z = 0
@@ -194,22 +213,77 @@ def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n
         part = tl.zeros((BLOCK_N, BLOCK_M), dtype=tl.float32)
     else:
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for i in tl.static_range(8):
-        nib = (words >> (4 * i)) & 0xF  # [BN, BK/8]: k = 8j + i
-        cols = offs_w * 8 + i
-        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
-                    mask=mask_m[:, None] & (cols < K)[None, :], other=0.0)  # [BM, BK/8]
-        if not USE_DOT:  # one row (BLOCK_M = 1): multiply and reduce over the words
-            q = _codes(nib, z, HAS_ZERO, tl.float32)
-            part += tl.sum(q[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
-        elif DOT_FP32:
-            part = _mma(_codes(nib, z, HAS_ZERO, tl.float32), x, part, SWAP_AB, True)
-        else:
-            part = _mma(_codes(nib, z, HAS_ZERO, x.dtype), x, part, SWAP_AB, False)
+    if USE_DOT and not DOT_FP32:
+        part = _paired_nibble_dots(x_ptr, words, z, offs_m, k0, mask_m, K, stride_xm, part, HAS_ZERO,
+                                   SWAP_AB, EVEN_K, BLOCK_K)
+    else:
+        part = _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, mask_m, K, stride_xm, part, HAS_ZERO,
+                                   USE_DOT, DOT_FP32, SWAP_AB, EVEN_K)
     if SWAP_AB:
         part = part * s[:, None]
     else:
         part = part * s[None, :]
+    return part
+
+
+@triton.jit
+def _paired_nibble_dots(x_ptr, words, z, offs_m, k0, mask_m, K, stride_xm, part,
+                        HAS_ZERO: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
+                        BLOCK_K: tl.constexpr):
+    """`_nibble_dots_tile`'s dots in x's 16-bit float type: four, each over nibbles i and i + 4
+    of every word (k = 8j + i, 8j + i + 4). One mask of a shifted word leaves those two nibbles in
+    its two 16-bit halves, which become the two values' mantissas (the fp16 / bf16 bits of
+    1024 + v / 128 + v, as `small_ints_to_float`): the word is then the pair of codes the MMA
+    takes, after one two-value subtraction."""
+    x_dtype: tl.constexpr = x_ptr.dtype.element_ty
+    magic: tl.constexpr = 0x64006400 if x_dtype == tl.float16 else 0x43004300
+    # the stored nibble is q + 8; with zero points each half holds q - z + 72
+    sub: tl.constexpr = (1024.0 if x_dtype == tl.float16 else 128.0) + (72.0 if HAS_ZERO else 8.0)
+    # x's tile [BM, BK] in one load, then the columns of each pair of nibbles: k = 8j + 4h + i
+    # (h = 0 / 1: nibble i / i + 4) as [BM, BK/8, 2(h), 2(i // 2), 2(i % 2)], split on i's bits
+    kk = k0 + tl.arange(0, BLOCK_K)
+    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                 mask=mask_m[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)
+    xt = tl.reshape(xt, (xt.shape[0], BLOCK_K // 8, 2, 2, 2))
+    x_even, x_odd = tl.split(xt)  # i % 2 = 0 / 1: [BM, BK/8, 2, 2]
+    x0, x2 = tl.split(x_even)  # i = 0, 2: [BM, BK/8, 2]
+    x1, x3 = tl.split(x_odd)  # i = 1, 3
+    for i in tl.static_range(4):
+        if i == 0:
+            xi = x0
+        elif i == 1:
+            xi = x1
+        elif i == 2:
+            xi = x2
+        else:
+            xi = x3
+        x = tl.reshape(xi, (xt.shape[0], BLOCK_K // 4))  # [BM, BK/4]: columns 8j + i, 8j + i + 4
+        t = (words >> (4 * i)) & 0x000F000F  # [BN, BK/8]: nibble i low, nibble i + 4 high
+        if HAS_ZERO:  # + 64 - z in each half (the sum is in 0..127: no carry between the halves)
+            t = t + (64 - z) * 0x00010001
+        t = t | magic
+        lo = (t & 0xFFFF).to(tl.int16).to(x_dtype, bitcast=True)
+        hi = (t >> 16).to(tl.int16).to(x_dtype, bitcast=True)
+        w = tl.reshape(tl.join(lo, hi), (lo.shape[0], BLOCK_K // 4)) - sub  # [BN, BK/4]
+        part = _mma(w, x, part, SWAP_AB, False)
+    return part
+
+
+@triton.jit
+def _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, mask_m, K, stride_xm, part,
+                        HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
+                        SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+    """`_nibble_dots_tile`'s eight dots (fp32 operands) or, for one row, multiply-reduces."""
+    for i in tl.static_range(8):
+        nib = (words >> (4 * i)) & 0xF  # [BN, BK/8]: k = 8j + i
+        cols = offs_w * 8 + i
+        x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
+                    mask=mask_m[:, None] & ((cols < K) | EVEN_K)[None, :], other=0.0)  # [BM, BK/8]
+        if not USE_DOT:  # one row (BLOCK_M = 1): multiply and reduce over the words
+            q = _codes(nib, z, HAS_ZERO, tl.float32)
+            part += tl.sum(q[None, :, :] * x.to(tl.float32)[:, None, :], axis=2)
+        else:
+            part = _mma(_codes(nib, z, HAS_ZERO, tl.float32), x, part, SWAP_AB, True)
     return part
 
 
@@ -221,7 +295,7 @@ def _w4a16_kernel(
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUP_ALIGNED: tl.constexpr, SCALE_AFTER: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -244,19 +318,19 @@ def _w4a16_kernel(
         if NIBBLE_DOTS:
             acc += _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, KW,
                                      group_size, stride_xm, stride_wn, stride_sn, stride_zn,
-                                     HAS_ZERO, USE_DOT, DOT_FP32, SWAP_AB, BLOCK_M, BLOCK_N, BLOCK_K)
+                                     HAS_ZERO, USE_DOT, DOT_FP32, SWAP_AB, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
             mask_k = offs_k < K
             x = tl.load(
                 x_ptr + offs_m[:, None] * stride_xm + offs_k[None, :],
-                mask=mask_m[:, None] & mask_k[None, :], other=0.0,
+                mask=mask_m[:, None] & (mask_k | EVEN_K)[None, :], other=0.0,
             )  # [BM, BK]
             wmask = mask_n[:, None] & mask_k[None, :]
             offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
             words = tl.load(
                 w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                mask=mask_n[:, None] & (offs_w < KW)[None, :], other=0,
+                mask=mask_n[:, None] & ((offs_w < KW) | EVEN_K)[None, :], other=0,
             )  # [BN, BK/8] int32, each word read once
             nib = _nibbles(words, BLOCK_K)  # [BN, BK]
             if GROUP_ALIGNED:
@@ -264,14 +338,15 @@ def _w4a16_kernel(
                 # (a split-K launch's last split may run a tile past K, where x is masked to 0: it
                 # reads the last group, not one past the end, which may hold a NaN)
                 g = tl.minimum(k0, K - 1) // group_size
-                s = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0).to(tl.float32)[:, None]
+                s_raw = tl.load(s_ptr + offs_n * stride_sn + g, mask=mask_n, other=0.0)[:, None]
                 zidx = offs_n[:, None] * stride_zn + g
                 zmask = mask_n[:, None]
             else:
                 g = offs_k // group_size  # [BK]
-                s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wmask, other=0.0).to(tl.float32)
+                s_raw = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=wmask, other=0.0)
                 zidx = offs_n[:, None] * stride_zn + g[None, :]
                 zmask = wmask
+            s = s_raw.to(tl.float32)
             if HAS_ZERO and ZERO_FLOAT:
                 z = tl.load(z_ptr + zidx, mask=zmask, other=0.0).to(tl.float32)
                 w = (_codes(nib, 0, False, tl.float32) - z) * s  # [BN, BK]
@@ -284,6 +359,8 @@ def _w4a16_kernel(
                         w = _codes(nib, z, HAS_ZERO, tl.float32)
                     else:
                         w = _codes(nib, z, HAS_ZERO, x.dtype)
+                elif USE_DOT and not DOT_FP32:  # the scale folded in: the MMA's operand in x's dtype
+                    w = _scaled_codes(nib, z, s_raw, HAS_ZERO, x.dtype)  # [BN, BK]
                 else:
                     w = _codes(nib, z, HAS_ZERO, tl.float32) * s  # [BN, BK]
             if USE_DOT:
@@ -409,6 +486,7 @@ def w4a16_linear(
         GROUP_ALIGNED=group_size % bk == 0,
         SCALE_AFTER=scale_after,
         USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot, NIBBLE_DOTS=nibble,
+        EVEN_K=K % (bk * split) == 0,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )
@@ -433,16 +511,16 @@ def _w4_dequant_kernel(
     nib = _nibbles(words, BLOCK_K)
     mask = mask_n[:, None] & (offs_k < K)[None, :]
     g = offs_k // group_size
-    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask, other=0.0)
     if HAS_ZERO and ZERO_FLOAT:
         z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0.0).to(tl.float32)
-        w = (_codes(nib, 0, False, tl.float32) - z) * s
+        w = ((_codes(nib, 0, False, tl.float32) - z) * s.to(tl.float32)).to(out_ptr.dtype.element_ty)
     else:
         z = 0
         if HAS_ZERO:
             z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0).to(tl.int32)
-        w = _codes(nib, z, HAS_ZERO, tl.float32) * s
-    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w.to(out_ptr.dtype.element_ty), mask=mask)
+        w = _scaled_codes(nib, z, s, HAS_ZERO, out_ptr.dtype.element_ty)
+    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w, mask=mask)
 
 
 def w4a16_dequantize_ref(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: int, K: int,

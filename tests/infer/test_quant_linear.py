@@ -439,6 +439,26 @@ _TRITON_SCRIPT = textwrap.dedent("""
             y, ref = layer.run(x, path), layer.run(x, KernelPath.DEQUANT)
             err = float((y - ref).abs().max() / ref.abs().max())
             assert err < 1e-5, (kind, g, sym, M, err)
+
+    # the CUDA layout of an int4 layer whose scales a 16-bit float holds exactly (a 16-bit
+    # checkpoint's): the kernels take them in the activations' dtype, with the reference's numbers
+    from quantspec.infer.cuda.weights import CudaWeight
+    from quantspec.infer.dispatch import LinearKind
+    sch = preset("weight_only_int4", group_size=32).config_groups["group_0"]
+    W = torch.randn(N, K) * 0.05
+    s, z = choose_qparams(W, sch.weights)
+    s = s.half().float()
+    q = quantize(W, s, z, sch.weights)
+    for dtype, narrow in ((torch.float16, torch.float16), (torch.bfloat16, torch.float32)):
+        layer = QuantLinear(QuantizedLinearTensors(q, s, None, sch.weights, None, None), dtype=dtype)
+        layer.prepared = CudaWeight(layer, LinearKind.W4A16, q, None, torch.device("cpu"))
+        assert layer.prepared.w4_scale.dtype == narrow, (dtype, layer.prepared.w4_scale.dtype)
+        for M in (1, 17):
+            x = torch.randn(M, K).to(dtype)
+            ref = layer.run(x, KernelPath.DEQUANT).float()
+            for path in (KernelPath.TRITON_W4A16, KernelPath.CUDA_DEQUANT_MM):
+                err = float((layer.run(x, path).float() - ref).abs().max() / ref.abs().max())
+                assert err < 1e-2, (dtype, path, M, err)
     print("OK")
 """)
 

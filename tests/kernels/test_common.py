@@ -40,23 +40,37 @@ def test_round_half_even_matches_torch_round():
 
 
 @triton.jit
-def _small_ints_kernel(v_ptr, y_ptr, OFFSET: tl.constexpr, DTYPE: tl.constexpr, BLOCK: tl.constexpr):
+def _small_ints_kernel(v_ptr, y_ptr, OFFSET: tl.constexpr, DTYPE: tl.constexpr, BELOW_128: tl.constexpr,
+                       BLOCK: tl.constexpr):
     offs = tl.arange(0, BLOCK)
-    tl.store(y_ptr + offs, small_ints_to_float(tl.load(v_ptr + offs), OFFSET, DTYPE))
+    tl.store(y_ptr + offs, small_ints_to_float(tl.load(v_ptr + offs), OFFSET, DTYPE, BELOW_128))
 
 
 @pytest.mark.skipif(not can_launch("cpu") and not torch.cuda.is_available(), reason="no triton")
 @pytest.mark.parametrize("dtype,tl_dtype", [(torch.float16, tl.float16), (torch.bfloat16, tl.bfloat16),
                                             (torch.float32, tl.float32)])
 @pytest.mark.parametrize("offset", [8, 72, 128])
-def test_small_ints_to_float_is_exact(dtype, tl_dtype, offset):
-    """Every v in [0, 1024) becomes v - offset exactly (bf16: where that is representable, |v - offset| <
-    256, which covers every int4 and int8 code) — torch's own int-to-float cast as the reference."""
-    v = torch.arange(1024, dtype=torch.int32)
+@pytest.mark.parametrize("below_128", [False, True])
+def test_small_ints_to_float_is_exact(dtype, tl_dtype, offset, below_128):
+    """Every v in [0, 1024) (with BELOW_128: [0, 128)) becomes v - offset exactly (bf16: where that
+    is representable, |v - offset| < 256, which covers every int4 and int8 code) — torch's own
+    int-to-float cast as the reference. On a GPU, bf16 with BELOW_128 takes bf16's own mantissa;
+    the interpreter, which cannot reinterpret int16 bits as bf16, takes the fp32 route."""
+    n = 128 if below_128 else 1024
+    v = torch.arange(n, dtype=torch.int32)
     if not can_launch("cpu"):
         v = v.cuda()
-    y = torch.empty(1024, dtype=dtype, device=v.device)
-    _small_ints_kernel[(1,)](v, y, OFFSET=offset, DTYPE=tl_dtype, BLOCK=1024)
+    y = torch.empty(n, dtype=dtype, device=v.device)
+    _small_ints_kernel[(1,)](v, y, OFFSET=offset, DTYPE=tl_dtype, BELOW_128=below_128, BLOCK=n)
     ref = (v - offset).to(dtype)
     keep = (v - offset).abs() < (256 if dtype == torch.bfloat16 else 2048)
     assert torch.equal(y[keep], ref[keep])
+
+
+@pytest.mark.parametrize("offset", [8, 72])
+def test_bf16_mantissa_of_128_holds_every_small_int(offset):
+    """The bit pattern the GPU's bf16 path builds: 0x4300 + v is bf16 128 + v for every v in
+    [0, 128), so subtracting 128 + offset leaves v - offset exactly."""
+    v = torch.arange(128, dtype=torch.int32)
+    y = (v + 0x4300).to(torch.int16).view(torch.bfloat16) - (128.0 + offset)
+    assert torch.equal(y, (v - offset).to(torch.bfloat16))

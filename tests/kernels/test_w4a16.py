@@ -120,15 +120,18 @@ def test_gpu_large_m_launch_is_swapped_and_folds_the_scale():
     torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g, z, b), rtol=1e-5, atol=1e-5)
 
 
+@pytest.mark.parametrize("K", [384, 512])
 @pytest.mark.parametrize("block_m", [16, 1])
 @pytest.mark.parametrize("zero_dtype", [None, torch.int8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_nibble_dots_launch(block_m, zero_dtype, dtype):
-    """`nibble_dots`: each nibble of the words meets its own x columns in a dot of its own; the
-    sum over k is the reference's, for split-K, dot tiles and one-row programs, and integer zero
-    points; a row's numbers do not depend on the other rows of the launch (a decode row equals the same row
-    inside a verification step)."""
-    x, wp, s, g, z, b, _ = _make(16, 384, 128, dtype, asym=zero_dtype is not None, bias=True, seed=11,
+def test_nibble_dots_launch(block_m, zero_dtype, dtype, K):
+    """`nibble_dots`: each nibble of the words meets its own x columns in a dot of its own (fp16:
+    nibbles i and i + 4 in one dot, from the two halves of a word); the sum over k is the
+    reference's, for split-K, dot tiles and one-row programs, and integer zero points, with a
+    split that runs a tile past K (384 in two splits of two 128-wide tiles) and without (512: no
+    k masks); a row's numbers do not depend on the other rows of the launch (a decode row equals
+    the same row inside a verification step)."""
+    x, wp, s, g, z, b, _ = _make(16, K, 128, dtype, asym=zero_dtype is not None, bias=True, seed=11,
                                  zero_dtype=zero_dtype or torch.int8)
     cfg = W4A16Config(block_m, 16, 128, 2, 4, 2, nibble_dots=True)
     y = w4a16_linear(x, wp, s, g, z, b, config=cfg)

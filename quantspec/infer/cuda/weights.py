@@ -1,7 +1,10 @@
 """A quantized Linear's codes laid out for CUDA (`CudaWeight`), and the Triton paths over them.
 
 Layouts: int4 codes as stored in the checkpoint's words `weight_packed` int32 [N, K/8] (what the
-Triton kernel reads), int8 codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear`
+Triton kernel reads) with their scale `w4_scale` [N, groups] (in the activations' dtype where
+that holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it into the
+weight tile by two-value multiplies, with the same numbers; else fp32), int8 codes `qweight`
+[N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear`
 runs the Triton kernels (`kernels.w4a16` / `w8a16` / `w8a8` / `fp8`) for any prepared weight:
 on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (the tests).
 """
@@ -28,12 +31,15 @@ class CudaWeight(PreparedWeight):
             fp8_native = torch.cuda.get_device_capability(device) >= (8, 9)
         super().__init__(layer_traits(layer, kind, fp8_native=fp8_native), layer.weight_scale, layer.out_features)
         self.in_features = layer.in_features
-        for name in ("qweight", "weight_packed", "weight_fp8"):
+        for name in ("qweight", "weight_packed", "w4_scale", "weight_fp8"):
             self.register_buffer(name, None)
         if kind is LinearKind.FP8:
             self.weight_fp8 = q.to(device)
         elif kind is LinearKind.W4A16:
             self.weight_packed = pack_int4(q.to(torch.int8)).to(device)  # [N, ceil(K/8)]
+            s = _w4_scale(layer)
+            narrow = s.to(layer.dtype)
+            self.w4_scale = narrow if torch.equal(narrow.float(), s) else s
         else:
             self.qweight = q.to(device=device, dtype=torch.int8)  # [N, K]
         for name, buf in list(self._buffers.items()):
@@ -60,7 +66,7 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         w = getattr(p, "weight_packed", None)
         w = w if w is not None else pack_int4(layer.codes())
         g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
-        return kernels.w4a16_linear(x, w, _w4_scale(layer), g, layer.weight_zero_point, b)
+        return kernels.w4a16_linear(x, w, _prepared_w4_scale(layer), g, layer.weight_zero_point, b)
     if path is KernelPath.TRITON_W8A16:
         return kernels.w8a16_linear(x, layer.codes(), p.w_scale_vec, b)
     if path is KernelPath.TRITON_W8A8:
@@ -85,7 +91,8 @@ def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
         w = getattr(p, "weight_packed", None)
         w = w if w is not None else pack_int4(layer.codes())
         g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
-        return kernels.w4a16_dequantize(w, _w4_scale(layer), g, layer.in_features, layer.weight_zero_point, dtype)
+        return kernels.w4a16_dequantize(w, _prepared_w4_scale(layer), g, layer.in_features,
+                                        layer.weight_zero_point, dtype)
     return kernels.w8a16_dequantize(layer.codes(), layer.prepared.w_scale_vec, dtype)
 
 
@@ -94,3 +101,9 @@ def _w4_scale(layer: QuantLinear) -> torch.Tensor:
     if layer.weight_scale.ndim == 2:
         return layer.weight_scale
     return layer.weight_scale.reshape(1, 1).expand(layer.out_features, 1).contiguous()
+
+
+def _prepared_w4_scale(layer: QuantLinear) -> torch.Tensor:
+    """`CudaWeight.w4_scale` where the layer was prepared for CUDA, else `_w4_scale`."""
+    s = getattr(layer.prepared, "w4_scale", None)
+    return s if s is not None else _w4_scale(layer)
