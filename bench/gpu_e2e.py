@@ -7,7 +7,8 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
     python bench/gpu_e2e.py --device cpu            # tiny shapes on the CPU engine (smoke)
 
 Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA graphs; bf16 and
-the speculation model also without them); for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
+the speculation model also with their layers' small ops fused, `DispatchPolicy.cuda_fused_ops`,
+and without CUDA graphs); for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
 repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
 its prompt, so this measures what speculation costs when it is not accepted), and the
 verification cost C(k) = time of a step verifying k drafts / a plain step (what the back-off's
@@ -230,11 +231,28 @@ def verify_cost(run: Run, net, runtime, drafts=(0, 1, 2, 4, 8), repeats: int = 6
     return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"step_ms": round(base * 1e3, 3)}
 
 
+def fused_runtime(run: Run, net, runtime):
+    """`runtime` with its layers' small ops as fused kernels (`DispatchPolicy.cuda_fused_ops`:
+    CUDA graphs of them on a GPU, launched eagerly under the CPU interpreter), or None where
+    Triton cannot launch or the layers cannot take them."""
+    from quantspec.infer.cuda.graphs import DecodeGraphs
+    from quantspec.infer.cuda.layers import fusable
+    from quantspec.kernels._common import can_launch
+
+    layers = net.model.layers
+    if not can_launch(run.device) or not fusable(layers, net.model.embed_tokens.weight.dtype):
+        return None
+    return dataclasses.replace(runtime, stack=DecodeGraphs(layers, fused=True))
+
+
 def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     """Every measurement of one model (module docstring), most valuable first."""
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
     plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
+    fused = fused_runtime(run, net, runtime) if name in ("bf16", run.args.spec_model) else None
+    if fused is not None:
+        plan += [(f"b{b} fused small ops", lambda b=b: decode_speed(run, net, fused, b)) for b in run.args.batch]
     if run.device.type == "cuda" and runtime.stack is not None and name in ("bf16", run.args.spec_model):
         eager = dataclasses.replace(runtime, stack=None)
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))

@@ -103,6 +103,9 @@ class DispatchPolicy:
         have that path (False: their fp32 chain; benches and tests compare the two).
     cuda_graphs: on CUDA, decode steps replay CUDA graphs of the decoder stack
         (`infer/cuda/graphs.py`); False launches every kernel from Python (eager).
+    cuda_fused_ops: on CUDA, the decoder stack runs its residual adds, norms, rotary embedding
+        and SiLU as four fused Triton kernels per layer (`infer/cuda/layers.py`) instead of the
+        modules' torch ops, in every step that does not capture residual streams.
     """
 
     cpu_packed_max_m: int = 64
@@ -112,6 +115,7 @@ class DispatchPolicy:
     cpu_kernels: bool = True
     cpu_pairs: bool = True
     cuda_graphs: bool = True
+    cuda_fused_ops: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cpu_packed_max_m", "cuda_weight_only_max_m", "cuda_scaled_mm_min_m"):

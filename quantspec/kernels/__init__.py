@@ -1,5 +1,5 @@
-"""quantspec.kernels: Triton kernels for quantized GEMMs and the quantized paged KV cache, each
-beside a torch reference (`*_ref`) with the same signature.
+"""quantspec.kernels: Triton kernels for quantized GEMMs, the quantized paged KV cache and the
+small ops between a layer's projections (`fused`), each beside a torch reference (`*_ref`) with the same signature.
 
 Mechanism only: which op to call for a device / M / quant type is decided in `infer/dispatch.py`.
 `triton_usable(device)` says whether the Triton path can run on a device at all (CUDA; on CPU
@@ -14,6 +14,8 @@ import importlib
 
 _WHERE = {
     "W4A16Config": "quantspec.kernels.w4a16",
+    "add_rms_norm": "quantspec.kernels.fused",
+    "add_rms_norm_ref": "quantspec.kernels.fused",
     "check_fp8_device": "quantspec.kernels.fp8",
     "fp8_gemm": "quantspec.kernels.fp8",
     "fp8_gemm_ref": "quantspec.kernels.fp8",
@@ -28,6 +30,10 @@ _WHERE = {
     "quantize_act_fp8_ref": "quantspec.kernels.fp8",
     "quantize_act_int8": "quantspec.kernels.w8a8",
     "quantize_act_int8_ref": "quantspec.kernels.w8a8",
+    "rope_qk_": "quantspec.kernels.fused",
+    "rope_qk_ref": "quantspec.kernels.fused",
+    "silu_mul": "quantspec.kernels.fused",
+    "silu_mul_ref": "quantspec.kernels.fused",
     "triton_usable": "quantspec.kernels._common",
     "w4a16_dequantize": "quantspec.kernels.w4a16",
     "w4a16_dequantize_ref": "quantspec.kernels.w4a16",

@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from quantspec.kernels import _common, fp8, kv_cache, w4a16, w8a8, w8a16
+from quantspec.kernels import _common, fp8, fused, kv_cache, w4a16, w8a8, w8a16
 from quantspec.quant.packing import pack_int4
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
                   torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
-_MODULES = (_common, fp8, kv_cache, w4a16, w8a8, w8a16)
+_MODULES = (_common, fp8, fused, kv_cache, w4a16, w8a8, w8a16)
 
 # the host functions run on CPU tensors, which only the interpreter takes; where a GPU runs the
 # kernels themselves (no interpreter), the `-m gpu` tests compile and run them
@@ -81,7 +81,7 @@ def _describe(kernel, args, kwargs) -> dict:
     """One launch as the compiler process reads it: the kernel's file and name, its signature,
     constexpr values, aligned arguments and options."""
     fn = getattr(kernel, "fn", kernel)  # the interpreter's wrapper, or the function
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args), **kwargs)
     signature, constants, aligned = {}, {}, []
@@ -156,9 +156,14 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
     z = torch.randint(-8, 8, (N, K // G), dtype=torch.int8, generator=gen) if zero else None
     for M in (1, 16, 32, 300):
         w4a16.w4a16_linear(torch.randn(M, K, generator=gen).to(dtype), wp, s, G, z)
+    # K = 640: five tiles in two splits, one of them past K, so the loads keep their k masks
+    w4a16.w4a16_linear(torch.randn(1, 640, generator=gen).to(dtype),
+                       pack_int4(torch.randint(-8, 8, (N, 640), dtype=torch.int8, generator=gen)),
+                       s[:, :1].repeat(1, 5), G, None if z is None else z[:, :1].repeat(1, 5))
     w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
+    assert {c["constants"]["EVEN_K"] for c in recorded if c["name"] == "_w4a16_kernel"} == {True, False}
     assert {c["constants"]["BLOCK_N"] for c in recorded if c["name"] == "_w4_dequant_kernel"} == {32}
     results = _compiled(recorded)
     assert len(results) >= 2 * 5
@@ -233,6 +238,20 @@ def _early_return_kernel(a_ptr, b_ptr, o_ptr, SWAP: tl.constexpr):
     a = tl.load(a_ptr + r32[:, None] * 16 + r16[None, :])  # [32, 16]
     b = tl.load(b_ptr + r16[:, None] * 16 + r16[None, :])  # [16, 16]
     tl.store(o_ptr + r32[:, None] * 16 + r16[None, :], _early_return(a, b, SWAP))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_fused_small_op_launches_compile(recorded, dtype):
+    """The fused residual add + RMSNorm (with and without a residual, an 8B model's width), the
+    rotary embedding of q and k (launched without fused multiply-adds) and SiLU · up."""
+    D, hd = 4096, 128
+    fused.add_rms_norm(torch.randn(2, D).to(dtype), None, torch.ones(D, dtype=dtype), 1e-5)
+    fused.add_rms_norm(torch.randn(2, D).to(dtype), torch.randn(2, D).to(dtype), torch.ones(D, dtype=dtype), 1e-5)
+    fused.rope_qk_(torch.randn(2, 6, hd).to(dtype), 5, torch.randn(2, hd).to(dtype), torch.randn(2, hd).to(dtype))
+    fused.silu_mul(torch.randn(2, 2 * 14336).to(dtype))
+    assert {c["name"] for c in recorded} == {"_add_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel"}
+    assert [c["options"].get("enable_fp_fusion") for c in recorded if c["name"] == "_rope_kernel"] == [False]
+    assert len(_compiled(recorded)) == 2 * 4
 
 
 def test_the_compiler_sees_what_the_interpreter_does_not():

@@ -1,6 +1,7 @@
 """The CUDA backend: the Triton linears of quantized layers (`weights.py`: `CudaWeight`, built by
-`QuantLinear`, and `triton_linear`), the Triton paged attention (`attention.py`) and the CUDA
-graphs of decode and verification steps (`graphs.py`), entered through `prepare`.
+`QuantLinear`, and `triton_linear`), the Triton paged attention (`attention.py`), the CUDA
+graphs of decode and verification steps (`graphs.py`) and the layers' small ops fused
+(`layers.py`), entered through `prepare`.
 
 On CUDA the generic path runs everything else: float linears are torch's (cuBLAS) and the head
 gives full logits; `prepare` stacks a model's projections (`infer/fuse.py`), hands its decode
@@ -19,6 +20,7 @@ from torch import nn
 from quantspec.infer.backend import Runtime
 from quantspec.infer.cuda.attention import TritonAttention
 from quantspec.infer.cuda.graphs import DecodeGraphs
+from quantspec.infer.cuda.layers import fusable
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.fuse import fuse_projections
 from quantspec.model_zoo.mtp import MTPModule
@@ -38,13 +40,16 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     """`model` as loaded on CUDA → its `Runtime`. `fuse`: a model's q/k/v and gate/up stacked
     into one projection each (an MTP module keeps the projections it was loaded with). With
     `policy.cuda_graphs` (and QUANTSPEC_CUDA_GRAPHS not "0"), a model's decode and uniform
-    verification steps replay CUDA graphs of its stack (`graphs.py`)."""
+    verification steps replay CUDA graphs of its stack (`graphs.py`); with
+    `policy.cuda_fused_ops` its layers run their small ops as fused kernels (`layers.py`)."""
     if isinstance(model, MTPModule):
         return default_runtime(device, policy)
     if fuse:
         fuse_projections(model)
     graphs = policy.cuda_graphs and os.environ.get(GRAPHS_SWITCH, "1") != "0"
-    stack = DecodeGraphs(model.model.layers) if graphs else None
+    layers = model.model.layers
+    fused = policy.cuda_fused_ops and fusable(layers, model.model.embed_tokens.weight.dtype)
+    stack = DecodeGraphs(layers, graphs=graphs, fused=fused) if graphs or fused else None
     return Runtime(device=device, attention=TritonAttention.for_cache, stack=stack)
 
 

@@ -15,6 +15,12 @@ eagerly, and so does every step asked to `capture` residual streams (EAGLE-3's a
 the modules keep them) or run while a forward hook sits on a module of the stack (a hook runs in
 Python, which a replay skips).
 
+With `fused` (`DispatchPolicy.cuda_fused_ops`, where `layers.fusable`), the stack runs
+`layers.fused_stack` instead of the modules, in the graphs and, eagerly, in every step they do
+not take (prefill, token trees, uneven verification steps), so that a verification row is
+computed by the decode step's kernels; steps that capture residual streams or meet a forward
+hook still run the modules. `graphs=False` keeps only that eager fused path.
+
 B sequences run in the graph of (the smallest bucket Bp ≥ B, q); the padding sequences write no
 key (slot -1, which the write kernel skips), attend over stale keys and are dropped. The graph
 reads its inputs from static buffers that each step fills: x, cos, sin [Bp·q, ·], the slot
@@ -38,6 +44,7 @@ import torch
 from torch import nn
 
 from quantspec.infer.cuda.attention import TritonAttention
+from quantspec.infer.cuda.layers import fused_stack
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention
 
 __all__ = ["DecodeGraphs", "batch_buckets"]
@@ -96,8 +103,10 @@ class DecodeGraphs:
     """The `StackRunner` of a CUDA model (module docstring). `layers`: the model's decoder layers;
     `max_batch`: the largest batch captured (larger decode steps run eagerly)."""
 
-    def __init__(self, layers: nn.ModuleList, max_batch: int = 256, max_graphs: int = MAX_GRAPHS):
+    def __init__(self, layers: nn.ModuleList, max_batch: int = 256, max_graphs: int = MAX_GRAPHS, *,
+                 graphs: bool = True, fused: bool = False):
         self.layers = layers
+        self.use_graphs, self.fused = graphs, fused
         self._hook_dicts = [d for m in layers.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.max_batch, self.max_graphs = max_batch, max_graphs
         self.buckets = batch_buckets(max_batch)
@@ -105,13 +114,16 @@ class DecodeGraphs:
         self._cache_ref = None
         self.replays = 0  # steps served by a graph (tests, benchmarks)
 
+    def _modules_only(self, capture: tuple[int, ...]) -> bool:
+        """Whether the step must run the modules: it captures residual streams, or a forward
+        hook sits on the stack (a replay or a fused layer skips Python hooks)."""
+        return bool(capture) or any(self._hook_dicts) or any(getattr(nn.modules.module, n) for n in _GLOBAL_HOOKS)
+
     def _step_shape(self, x: torch.Tensor, attn) -> tuple[int, int] | None:
         """(B, q) of a step a graph can take (B sequences of q new tokens each), else None."""
-        if not isinstance(attn, PagedAttention) or x.device.type != "cuda":
+        if not self.use_graphs or not isinstance(attn, PagedAttention) or x.device.type != "cuda":
             return None
         meta = attn.meta
-        if any(self._hook_dicts) or any(getattr(nn.modules.module, n) for n in _GLOBAL_HOOKS):
-            return None
         q = meta.q_lens[0]
         if not (meta.kernel and isinstance(attn.cache.kernel, TritonAttention) and not meta.tree_step
                 and meta.block_size == 0 and len(meta.q_lens) <= self.max_batch and q <= MAX_QUERY_ROWS
@@ -123,15 +135,18 @@ class DecodeGraphs:
     def __call__(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn,
                  out_rows: torch.Tensor | None, row_invariant: bool, capture: tuple[int, ...] = ()
                  ) -> torch.Tensor | None:
-        """A step replayed by a graph, or None where it runs eagerly (a step a graph cannot
-        take, or one asked to `capture` residual streams: the modules keep them)."""
-        shape = None if capture else self._step_shape(x, attn)
-        if shape is None:
+        """A step replayed by a graph, or with `fused` run eagerly through the fused layers, or
+        None where the modules run (module docstring)."""
+        if self._modules_only(capture):
             return None
+        shape = self._step_shape(x, attn)
+        bp = None if shape is None else next(b for b in self.buckets if b >= shape[0])
+        if shape is None or bp * shape[1] > MAX_GRAPH_ROWS:
+            if not self.fused:
+                return None
+            out = self._stack(x, cos, sin, attn, row_invariant)
+            return out if out_rows is None else out[out_rows]
         (B, q), cache = shape, attn.cache
-        bp = next(b for b in self.buckets if b >= B)
-        if bp * q > MAX_GRAPH_ROWS:
-            return None
         if self._cache_ref is None or self._cache_ref() is not cache:
             self.graphs.clear()  # graphs of another cache's buffers
             self._cache_ref = weakref.ref(cache)
@@ -149,12 +164,15 @@ class DecodeGraphs:
         out = g.out[:B * q]
         return out.clone() if out_rows is None else out[out_rows]
 
-    def _run(self, g: _Graph, cache, row_invariant: bool) -> torch.Tensor:
-        attn = PagedAttention(cache, g.meta())
-        h = g.x
+    def _stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, row_invariant: bool) -> torch.Tensor:
+        if self.fused:
+            return fused_stack(self.layers, x, cos, sin, attn, row_invariant)
         for layer in self.layers:
-            h = layer(h, g.cos, g.sin, attn, row_invariant)
-        return h
+            x = layer(x, cos, sin, attn, row_invariant)
+        return x
+
+    def _run(self, g: _Graph, cache, row_invariant: bool) -> torch.Tensor:
+        return self._stack(g.x, g.cos, g.sin, PagedAttention(cache, g.meta()), row_invariant)
 
     def _capture(self, bp: int, q: int, x: torch.Tensor, cos: torch.Tensor, cache, row_invariant: bool) -> _Graph:
         g = _Graph(bp, q, x.shape[1], cos.shape[1], cache.num_blocks, x.dtype, cos.dtype, x.device)
