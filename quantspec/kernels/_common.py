@@ -43,12 +43,16 @@ FP8_E4M3_MAX = 448.0
 # with ties to even (IEEE default rounding), i.e. exactly what torch.round does. Pure arithmetic,
 # so it runs under TRITON_INTERPRET=1 and on every GPU without libdevice.
 _RNE_MAGIC = tl.constexpr(12582912.0)
-_INTERPRETED = tl.constexpr(os.environ.get("TRITON_INTERPRET", "0") not in ("", "0"))
 
 
 def interpreter_enabled() -> bool:
     """True when Triton runs kernels through its CPU interpreter (`TRITON_INTERPRET=1`)."""
     return os.environ.get("TRITON_INTERPRET", "0") not in ("", "0")
+
+
+# what kernels branch on at compile time: the interpreter reinterprets int16 bits as bf16 wrongly
+# (read once, as triton reads TRITON_INTERPRET once)
+_INTERPRETED = tl.constexpr(interpreter_enabled())
 
 
 def dot_in_fp32(dtype: torch.dtype) -> bool:
@@ -181,12 +185,14 @@ def grouped_tile(pid, M, N, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, GROUP_
 
 @triton.jit
 def small_ints_to_float(v, OFFSET: tl.constexpr, DTYPE: tl.constexpr, BELOW_128: tl.constexpr):
-    """v - OFFSET as exact DTYPE values, for int32 v in [0, 1024): a weight code made
-    non-negative. No int-to-float conversion instruction (a quarter of the FMA rate on recent
-    GPUs, the limit of a dequantizing GEMV): for fp16, v goes into the mantissa of 1024.0 (bits
-    0x6400 + v) and 1024 + OFFSET is subtracted in fp16; for fp32 and bf16, into the mantissa of
-    2**23 and 2**23 + OFFSET is subtracted in fp32 (then, for bf16, an exact cast of a small
-    integer). Every step is exact."""
+    """v - OFFSET as exact DTYPE values, for int32 v in [0, 1024) (with BELOW_128: [0, 128)): a
+    weight code made non-negative. No int-to-float conversion instruction (a quarter of the FMA
+    rate on recent GPUs, the limit of a dequantizing GEMV): for fp16, v goes into the mantissa of
+    1024.0 (bits 0x6400 + v) and 1024 + OFFSET is subtracted in fp16; for bf16 with BELOW_128 (a
+    compiled kernel), into the mantissa of 128.0 (bits 0x4300 + v) and 128 + OFFSET is subtracted
+    in bf16; otherwise into the mantissa of 2**23, 2**23 + OFFSET subtracted in fp32 (then, for
+    bf16, an exact cast of a small integer). Every step is exact; the 16-bit subtractions take
+    two values per instruction on a GPU."""
     if DTYPE == tl.float16:
         out = (v + 0x6400).to(tl.int16).to(tl.float16, bitcast=True) - (1024.0 + OFFSET)
     elif DTYPE == tl.bfloat16 and BELOW_128 and not _INTERPRETED:

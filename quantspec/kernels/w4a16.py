@@ -218,7 +218,7 @@ def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n
                                    SWAP_AB, EVEN_K, BLOCK_K)
     else:
         part = _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, mask_m, K, stride_xm, part, HAS_ZERO,
-                                   USE_DOT, DOT_FP32, SWAP_AB, EVEN_K)
+                                   USE_DOT, SWAP_AB, EVEN_K)
     if SWAP_AB:
         part = part * s[:, None]
     else:
@@ -271,8 +271,8 @@ def _paired_nibble_dots(x_ptr, words, z, offs_m, k0, mask_m, K, stride_xm, part,
 
 @triton.jit
 def _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, mask_m, K, stride_xm, part,
-                        HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                        SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr):
+                        HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
+                        EVEN_K: tl.constexpr):
     """`_nibble_dots_tile`'s eight dots (fp32 operands) or, for one row, multiply-reduces."""
     for i in tl.static_range(8):
         nib = (words >> (4 * i)) & 0xF  # [BN, BK/8]: k = 8j + i

@@ -4,9 +4,9 @@ Layouts: int4 codes as stored in the checkpoint's words `weight_packed` int32 [N
 Triton kernel reads) with their scale `w4_scale` [N, groups] (in the activations' dtype where
 that holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it into the
 weight tile by two-value multiplies, with the same numbers; else fp32), int8 codes `qweight`
-[N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear`
-runs the Triton kernels (`kernels.w4a16` / `w8a16` / `w8a8` / `fp8`) for any prepared weight:
-on CUDA, or on CPU tensors under TRITON_INTERPRET=1 (the tests).
+[N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels (`kernels.w4a16`
+/ `w8a16` / `w8a8` / `fp8`) for any prepared weight: on CUDA, or on CPU tensors under
+TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
