@@ -231,18 +231,16 @@ def verify_cost(run: Run, net, runtime, drafts=(0, 1, 2, 4, 8), repeats: int = 6
     return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"step_ms": round(base * 1e3, 3)}
 
 
-def fused_runtime(run: Run, net, runtime):
-    """`runtime` with its layers' small ops as fused kernels (`DispatchPolicy.cuda_fused_ops`:
-    CUDA graphs of them on a GPU, launched eagerly under the CPU interpreter), or None where
-    Triton cannot launch or the layers cannot take them."""
-    from quantspec.infer.cuda.graphs import DecodeGraphs
-    from quantspec.infer.cuda.layers import fusable
-    from quantspec.kernels._common import can_launch
+def fused_runtime(run: Run, net):
+    """The CUDA runtime of `net` with its layers' small ops as fused kernels
+    (`DispatchPolicy.cuda_fused_ops`), or None off CUDA or where the layers cannot take them."""
+    from quantspec.infer.backend import prepare
+    from quantspec.infer.dispatch import DispatchPolicy
 
-    layers = net.model.layers
-    if not can_launch(run.device) or not fusable(layers, net.model.embed_tokens.weight.dtype):
+    if run.device.type != "cuda":
         return None
-    return dataclasses.replace(runtime, stack=DecodeGraphs(layers, fused=True))
+    runtime = prepare(net, run.device, policy=DispatchPolicy(cuda_fused_ops=True))
+    return runtime if getattr(runtime.stack, "fused", False) else None
 
 
 def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
@@ -250,7 +248,7 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
     plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
-    fused = fused_runtime(run, net, runtime) if name in ("bf16", run.args.spec_model) else None
+    fused = fused_runtime(run, net) if name in ("bf16", run.args.spec_model) else None
     if fused is not None:
         plan += [(f"b{b} fused small ops", lambda b=b: decode_speed(run, net, fused, b)) for b in run.args.batch]
     if run.device.type == "cuda" and runtime.stack is not None and name in ("bf16", run.args.spec_model):

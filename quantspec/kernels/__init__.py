@@ -1,5 +1,6 @@
 """quantspec.kernels: Triton kernels for quantized GEMMs, the quantized paged KV cache and the
-small ops between a layer's projections (`fused`), each beside a torch reference (`*_ref`) with the same signature.
+small ops between a layer's projections (`fused`), each beside a torch reference (`*_ref`) with
+the same signature.
 
 Mechanism only: which op to call for a device / M / quant type is decided in `infer/dispatch.py`.
 `triton_usable(device)` says whether the Triton path can run on a device at all (CUDA; on CPU
