@@ -70,11 +70,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
 
 def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.Tensor, eps: float
                      ) -> tuple[torch.Tensor, torch.Tensor]:
-    """Torch reference: the decoder layer's `x + ...` and `RMSNorm` module."""
-    import torch.nn.functional as F
+    """Torch reference: the decoder layer's `x + ...` and `model_zoo.llama.rms_norm`."""
+    from quantspec.model_zoo.llama import rms_norm
 
     h = x if residual is None else x + residual
-    return weight * F.rms_norm(h.float(), h.shape[-1:], eps=eps).to(h.dtype), h
+    return rms_norm(h, weight, eps), h
 
 
 @triton.jit

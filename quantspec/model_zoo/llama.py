@@ -46,6 +46,7 @@ __all__ = [
     "Transformer",
     "hf_weight_table",
     "project",
+    "rms_norm",
 ]
 
 # HF `architectures[0]` → our family tag. Everything here shares one module tree; the tag only
@@ -192,6 +193,11 @@ def rope_cos_sin(args: ModelArgs, max_positions: int, device=None) -> tuple[torc
     return emb.cos().to(device), emb.sin().to(device)
 
 
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """HF's LlamaRMSNorm: x normalized in fp32, rounded to x's dtype, then scaled by `weight`."""
+    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """x: [T, H, hd]; cos/sin: [T, hd] → rotated x (same dtype)."""
     half = x.shape[-1] // 2
@@ -281,8 +287,7 @@ class RMSNorm(nn.Module):
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        # HF's LlamaRMSNorm: normalise in fp32, round to the input dtype, then scale
-        return self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps).to(x.dtype)
+        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
