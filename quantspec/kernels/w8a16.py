@@ -50,6 +50,13 @@ def w8a16_default_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
 
 
 @triton.jit
+def _int8_codes(q, DTYPE: tl.constexpr):
+    """int8 codes as exact DTYPE values, without an int-to-float conversion
+    (`small_ints_to_float` of q + 128)."""
+    return small_ints_to_float(q.to(tl.int32) + 128, 128, DTYPE, False)
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
     M, N, K,
@@ -85,19 +92,19 @@ def _w8a16_kernel(
         # int8 codes are exact in every float dtype; made without an int-to-float conversion
         if USE_DOT:
             if DOT_FP32:
-                w = small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32, False)
+                w = _int8_codes(q, tl.float32)
                 if SWAP_AB:  # [BN, BM]: the weight tile as the MMA's wide operand, untransposed
                     acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
                 else:
                     acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
-                w = small_ints_to_float(q.to(tl.int32) + 128, 128, x.dtype, False)
+                w = _int8_codes(q, x.dtype)
                 if SWAP_AB:
                     acc = tl.dot(w, tl.trans(x), acc)
                 else:
                     acc = tl.dot(x, tl.trans(w), acc)
         else:
-            w = small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32, False)
+            w = _int8_codes(q, tl.float32)
             prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
     if SWAP_AB:
@@ -187,8 +194,7 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
     q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
     s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-             (small_ints_to_float(q.to(tl.int32) + 128, 128, tl.float32, False) * s[:, None]).to(out_ptr.dtype.element_ty),
-             mask=mask)
+             (_int8_codes(q, tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def w8a16_dequantize_ref(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
