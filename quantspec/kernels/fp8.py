@@ -127,7 +127,9 @@ def _fp8_gemm_kernel(
         if UPCAST:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
-            acc += tl.dot(a, tl.trans(b))
+            # max_num_imprecise_acc=0: Hopper's fp8 MMA keeps fewer bits than fp32 in its accumulator;
+            # each MMA instruction's sum is added to the fp32 accumulator instead
+            acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=0)
     a_s = tl.load(as_ptr).to(tl.float32)
     if W_PER_CHANNEL:
         b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
@@ -203,7 +205,7 @@ def fp8_gemm(
         M, N, K, x_q.stride(0), w_q.stride(0), N,
         W_PER_CHANNEL=w_scale.shape[0] == N and N != 1, HAS_BIAS=bias is not None,
         UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
-        num_warps=warps, num_stages=stages,
+        num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
     return out
 
