@@ -96,6 +96,14 @@ class W4A16Config(tuple):
     fold_scale = property(lambda s: s[8])
 
 
+def check_gpu_dot_tile(cfg: W4A16Config, device: torch.device) -> None:
+    """Raise `QuantSpecError` for a `tl.dot` launch (block_m >= 16) on a GPU whose k tile is
+    shorter than the MMA's 16 (the interpreter takes any)."""
+    if cfg.block_m >= 16 and cfg.block_k < 16 and gpu_launch(device):
+        raise QuantSpecError(f"W4A16Config.block_k={cfg.block_k} must be at least 16 for a tl.dot launch "
+                             f"(block_m >= 16) on a GPU")
+
+
 SM_TARGET = 528  # programs a small-M launch aims for: four per SM of an H100 / H200 (132 SMs)
 MAX_SPLIT_K = 8
 
@@ -127,13 +135,13 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
 
 def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:
     """Launch heuristic: `gpu_weight_only_config` on a GPU (with the largest BLOCK_K ≤ 128 that
-    divides the group size); on the CPU interpreter tiny tiles, so that the tests stay fast and
+    divides the group size, and at least the MMA's 16); on the CPU interpreter tiny tiles, so that the tests stay fast and
     exercise masking and both launch shapes."""
     if not on_gpu:
         if M <= GEMV_MAX_M:
             return W4A16Config(1, 16, 16, 2)
         return W4A16Config(16, 16, 16, 1)
-    bk = 128 if group_size % 128 == 0 else (64 if group_size % 64 == 0 else 32)
+    bk = next((b for b in (128, 64, 32) if group_size % b == 0), 16)
     return gpu_weight_only_config(M, N, K, bk, nibble_dots=bk == 128)
 
 
@@ -347,8 +355,11 @@ def _w4a16_kernel(
                 zidx = offs_n[:, None] * stride_zn + g[None, :]
                 zmask = wmask
             s = s_raw.to(tl.float32)
-            if HAS_ZERO and ZERO_FLOAT:
-                z = tl.load(z_ptr + zidx, mask=zmask, other=0.0).to(tl.float32)
+            if HAS_ZERO and (ZERO_FLOAT or not GROUP_ALIGNED):
+                # float zero points; and integer ones of a k tile across groups (one per element)
+                # read as floats: with 16-bit operands an H100 under Triton 3.6 computes wrong
+                # numbers from that tile's integer form
+                z = tl.load(z_ptr + zidx, mask=zmask, other=0).to(tl.float32)
                 w = (_codes(nib, 0, False, tl.float32) - z) * s  # [BN, BK]
             else:
                 z = 0
@@ -359,9 +370,9 @@ def _w4a16_kernel(
                         w = _codes(nib, z, HAS_ZERO, tl.float32)
                     else:
                         w = _codes(nib, z, HAS_ZERO, x.dtype)
-                elif USE_DOT and not DOT_FP32:  # the scale folded in: the MMA's operand in x's dtype
+                elif USE_DOT and not DOT_FP32 and GROUP_ALIGNED:  # the scale folded in, in x's dtype
                     w = _scaled_codes(nib, z, s_raw, HAS_ZERO, x.dtype)  # [BN, BK]
-                else:
+                else:  # a k tile across groups (a scale per element): fp32
                     w = _codes(nib, z, HAS_ZERO, tl.float32) * s  # [BN, BK]
             if USE_DOT:
                 if not DOT_FP32:
@@ -464,6 +475,7 @@ def w4a16_linear(
     if bk < PACK_FACTOR:
         raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
     use_dot = bm >= 16
+    check_gpu_dot_tile(cfg, device)
     scale_after = group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point()) and not fold
     if nibble and not (scale_after and not swap and (bm == 1 or (use_dot and bk >= 16 * PACK_FACTOR))):
         raise QuantSpecError(f"W4A16Config.nibble_dots needs block_m 1, or block_m >= 16 with block_k >= "

@@ -27,7 +27,7 @@ from quantspec.kernels._common import (
     small_ints_to_float,
     split_k_output,
 )
-from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, gpu_weight_only_config
+from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, check_gpu_dot_tile, gpu_weight_only_config
 
 __all__ = ["W8A16Config", "w8a16_default_config", "w8a16_dequantize", "w8a16_dequantize_ref", "w8a16_linear", "w8a16_linear_ref"]
 
@@ -171,7 +171,9 @@ def w8a16_linear(
     """Triton W8A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
     M, N, K = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
-    bm, bn, bk, split, warps, stages, swap = (config or w8a16_default_config(M, N, K, gpu_launch(device)))[:7]
+    cfg = config or w8a16_default_config(M, N, K, gpu_launch(device))
+    check_gpu_dot_tile(cfg, device)
+    bm, bn, bk, split, warps, stages, swap = cfg[:7]
     out = split_k_output(M, N, split, device, x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
     _w8a16_kernel[grid](

@@ -74,6 +74,10 @@ def test_split_k_and_tile_configs(cfg, zero_dtype, dtype):
     """Every launch shape (GEMV, tiles, swapped tiles; group-aligned k tiles take the scale after
     the dot) gives the reference."""
     x, wp, s, g, z, b, _ = _make(17, 88, 8, dtype, asym=True, bias=True, seed=5, zero_dtype=zero_dtype)
+    if cfg.block_m >= 16 and cfg.block_k < 16 and torch.cuda.is_available():  # a GPU's MMA: k tiles >= 16
+        with pytest.raises(QuantSpecError, match="block_k=8 must be at least 16"):
+            w4a16_linear(x, wp, s, g, z, b, config=cfg)
+        return
     y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
     tol = 1e-5 if dtype == torch.float32 else 5e-3
     torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
@@ -229,3 +233,17 @@ def test_dequantize_kernel_equals_reference(K, g, zero_dtype, dtype, same_roundi
     zf = 0 if z is None else z.float().repeat_interleave(g, 1)
     same_rounding(w, ((q.float() - zf) * s.repeat_interleave(g, 1)).to(dtype))
 
+
+
+def test_gpu_dot_tiles_need_k_16(monkeypatch):
+    """A `tl.dot` launch on a GPU needs k tiles of at least 16 (the MMA's k); one-row programs and
+    the interpreter take any."""
+    from quantspec.kernels import w4a16
+
+    cpu = torch.device("cpu")
+    w4a16.check_gpu_dot_tile(W4A16Config(16, 16, 8), cpu)  # the interpreter
+    monkeypatch.setattr(w4a16, "gpu_launch", lambda device: True)
+    w4a16.check_gpu_dot_tile(W4A16Config(1, 16, 8), cpu)
+    w4a16.check_gpu_dot_tile(W4A16Config(16, 16, 16), cpu)
+    with pytest.raises(QuantSpecError, match="block_k=8 must be at least 16"):
+        w4a16.check_gpu_dot_tile(W4A16Config(16, 16, 8), cpu)
