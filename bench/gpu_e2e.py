@@ -7,8 +7,8 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
     python bench/gpu_e2e.py --device cpu            # tiny shapes on the CPU engine (smoke)
 
 Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA graphs; bf16 and
-the speculation model also with their layers' small ops fused, `DispatchPolicy.cuda_fused_ops`,
-and without CUDA graphs); for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
+the speculation model also with their layers' small ops as torch's ops instead of fused kernels,
+`DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
 repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
 its prompt, so this measures what speculation costs when it is not accepted), and the
 verification cost C(k) = time of a step verifying k drafts / a plain step (what the back-off's
@@ -231,16 +231,16 @@ def verify_cost(run: Run, net, runtime, drafts=(0, 1, 2, 4, 8), repeats: int = 6
     return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"step_ms": round(base * 1e3, 3)}
 
 
-def fused_runtime(run: Run, net):
-    """The CUDA runtime of `net` with its layers' small ops as fused kernels
-    (`DispatchPolicy.cuda_fused_ops`), or None off CUDA or where the layers cannot take them."""
+def unfused_runtime(run: Run, net, runtime):
+    """The CUDA runtime of `net` with its layers' small ops as torch's ops
+    (`DispatchPolicy.cuda_fused_ops=False`), or None where `runtime` (the default's) does not fuse
+    them either."""
     from quantspec.infer.backend import prepare
     from quantspec.infer.dispatch import DispatchPolicy
 
-    if run.device.type != "cuda":
+    if run.device.type != "cuda" or not getattr(runtime.stack, "fused", False):
         return None
-    runtime = prepare(net, run.device, policy=DispatchPolicy(cuda_fused_ops=True))
-    return runtime if getattr(runtime.stack, "fused", False) else None
+    return prepare(net, run.device, policy=DispatchPolicy(cuda_fused_ops=False))
 
 
 def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
@@ -248,9 +248,9 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
     plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
-    fused = fused_runtime(run, net) if name in ("bf16", run.args.spec_model) else None
-    if fused is not None:
-        plan += [(f"b{b} fused small ops", lambda b=b: decode_speed(run, net, fused, b)) for b in run.args.batch]
+    unfused = unfused_runtime(run, net, runtime) if name in ("bf16", run.args.spec_model) else None
+    if unfused is not None:
+        plan += [(f"b{b} small ops unfused", lambda b=b: decode_speed(run, net, unfused, b)) for b in run.args.batch]
     if run.device.type == "cuda" and runtime.stack is not None and name in ("bf16", run.args.spec_model):
         eager = dataclasses.replace(runtime, stack=None)
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))

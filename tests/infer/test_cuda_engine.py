@@ -153,7 +153,7 @@ def test_cuda_graphs_give_the_eager_tokens(tiny, qt, dtype):
 
     eager, none = _graph_tokens(build(), prompts, graphs=False)
     graphed, runner = _graph_tokens(build(), prompts, graphs=True)
-    assert none is None and runner.replays >= NEW - 1
+    assert (none is None or not none.use_graphs and none.replays == 0) and runner.replays >= NEW - 1
     assert {(bp, q) for bp, q, _ in runner.graphs} == {(4, 1)}
     assert graphed == eager
 
