@@ -265,9 +265,10 @@ SWEEP_LARGE = ((4096, 14336), (256, 4096))  # the shape and the rows of the larg
 
 def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     """The `W4A16Config`s the sweep times for `kind` at M rows. Up to 16 rows: `tl.dot` tiles
-    (BLOCK_M 16; swapped ones with the exact codes and with the scale folded in) and one-row
-    programs (BLOCK_M 1, multiply-reduce), W4A16's nibble dots; more rows: swapped tiles (W4A16's
-    with the scale folded in), and the unswapped tile whose MMA waits for each dequantized tile.
+    (BLOCK_M 16; swapped ones with the exact codes and with the scale folded in), W4A16's nibble
+    dots, and for one row one-row programs (BLOCK_M 1, multiply-reduce); more rows: swapped tiles
+    (W4A16's with the scale folded in), and the unswapped tile whose MMA waits for each
+    dequantized tile.
     `fold_scale` only for W4A16: W8A16 has no per-tile scale."""
     from quantspec.kernels.w4a16 import W4A16Config
 
@@ -286,6 +287,8 @@ def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     rows = [(1, bn, bk, sk, False, nib, False) for bn in (16, 32, 64) for sk in (2, 4) for nib in nibs]
     if kind == "w8a16":
         rows = [(1, bn, k, sk, False, False, False) for bn in (16, 32, 64) for k in (128, 256) for sk in (2, 4)]
+    if M > 1:  # a one-row program per row reads the weight M times
+        rows = []
     return [W4A16Config(bm, bn, k, sk, 4, 3, swap, nib, fold) for bm, bn, k, sk, swap, nib, fold in dots + rows]
 
 
