@@ -1,7 +1,7 @@
 #!/usr/bin/env bash
 # The GPU path proven on a GPU, in one command: the CUDA tests, the kernel tables, the engine end
 # to end, a launch-config sweep, then BENCHMARKS.md, each step time-boxed so that a failing or slow
-# step does not eat the rest (about 8½ minutes in all on an H100).
+# step does not eat the rest (about 8 minutes in all on an H100).
 #
 #   bench/gpu_check.sh [OUTDIR]          # on a CUDA machine; OUTDIR defaults to $OUT, else out/gpu_check
 #   bench/gpu_check.sh --cpu [OUTDIR]    # the same steps on CPU: tiny shapes, Triton's interpreter
@@ -61,7 +61,7 @@ elif [ "$CPU" = 0 ]; then
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
     step sweep 70 python bench/kernels.py --sweep-only --out "$DEST"
-    LEFT=$(( 500 - ($(date +%s) - START) ))
+    LEFT=$(( 470 - ($(date +%s) - START) ))
     if [ "$LEFT" -gt 30 ]; then  # the rest of the kernel tests, on the GPU through tests/kernels/conftest.py
         step kernel_tests "$LEFT" "${PYTEST[@]}" -m "not gpu" tests/kernels --junitxml="$DEST/kernel_tests.xml"
     fi
