@@ -301,8 +301,8 @@ def test_select_kernel_cuda_rule(monkeypatch):
     monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
     t4 = _traits(LinearKind.W4A16, weight_strategy="group")
     assert select_kernel(t4, "cuda", 1, torch.bfloat16) is KernelPath.TRITON_W4A16
-    assert select_kernel(t4, "cuda", 64, torch.float16) is KernelPath.TRITON_W4A16
-    assert select_kernel(t4, "cuda", 65, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
+    assert select_kernel(t4, "cuda", 256, torch.float16) is KernelPath.TRITON_W4A16
+    assert select_kernel(t4, "cuda", 257, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
     t8 = _traits(LinearKind.W8A16)
     assert select_kernel(t8, "cuda", 8, torch.bfloat16) is KernelPath.TRITON_W8A16
     assert select_kernel(t8, "cuda", 4096, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
