@@ -61,6 +61,89 @@ def dot_in_fp32(dtype: torch.dtype) -> bool:
     return dtype == torch.float32 or (interpreter_enabled() and dtype == torch.bfloat16)
 
 
+SM_TARGET = 528  # programs a small-M launch aims for: four per SM of an H100 / H200 (132 SMs)
+MAX_SPLIT_K = 8
+
+
+def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool, split_k: int | None = None) -> tuple[int, ...]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) of an int8 / FP8 GEMM launch. On a GPU,
+    tiles by M; where they are too few to fill the GPU (small M), split-K up to about `SM_TARGET`
+    programs, bounded so that the partial sums (split · M · N words of 4 bytes, written once and
+    read once) cost at most a quarter of the weight's bytes (split ≤ K / 32M). `split_k`
+    overrides the split (tests, benchmarks). On the CPU interpreter tiny tiles."""
+    if not on_gpu:
+        bm, bn, bk, warps, stages = 16, 16, 32, 4, 1
+        split = 1
+    else:
+        bm, bn, bk, warps, stages = (
+            (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 64
+            else (64, 64, 128, 4, 4) if M > 16 else (16, 64, 128, 4, 4)
+        )
+        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles), K // (32 * max(M, 1))))
+    return bm, bn, bk, warps, stages, split if split_k is None else split_k
+
+
+@triton.jit
+def _sum_partials(p_ptr, offs, mask, MN, SPLIT: tl.constexpr):
+    """The split-K partial sums [SPLIT, MN] at `offs`, added in split order in their dtype."""
+    acc = tl.load(p_ptr + offs, mask=mask, other=0)
+    for s in tl.static_range(1, SPLIT):
+        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0)
+    return acc
+
+
+@triton.jit
+def split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
+    """[lo, hi) of the k range of this program's split (grid axis 1): whole BLOCK_K tiles, the
+    splits taking equal runs of them; with SPLIT_K == 1, [0, K)."""
+    if SPLIT_K == 1:
+        lo = 0
+        hi = K
+    else:
+        tiles = tl.cdiv(tl.cdiv(K, BLOCK_K), SPLIT_K)
+        lo = tl.program_id(1) * tiles * BLOCK_K
+        hi = tl.minimum(K, lo + tiles * BLOCK_K)
+    return lo, hi
+
+
+@triton.jit
+def _finish_scaled_split_k_kernel(p_ptr, as_ptr, bs_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr,
+                                  PER_TOKEN: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
+                                  BLOCK: tl.constexpr):
+    offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
+    mask = offs < MN
+    acc = _sum_partials(p_ptr, offs, mask, MN, SPLIT)
+    if PER_TOKEN:
+        a_s = tl.load(as_ptr + offs // N, mask=mask, other=0.0)
+    else:
+        a_s = tl.load(as_ptr + offs * 0)
+    if PER_CHANNEL:
+        b_s = tl.load(bs_ptr + offs % N, mask=mask, other=0.0)
+    else:
+        b_s = tl.load(bs_ptr + offs * 0)
+    y = acc.to(tl.float32) * a_s * b_s
+    if HAS_BIAS:
+        y = y + tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
+    tl.store(out_ptr + offs, y.to(out_ptr.dtype.element_ty), mask=mask)
+
+
+def finish_scaled_split_k(partials: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
+                          bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The int8 / FP8 GEMMs' split-K partial sums [split, M, N] (int32: exact, or fp32) → `out`
+    [M, N]: summed in split order, then the GEMMs' epilogue acc · x_scale · w_scale (+ bias) in
+    fp32 (per-token x_scale of M values or one; per-channel w_scale of N or one), without FMA
+    contraction, so that it rounds as the unsplit launch's epilogue does."""
+    split, M, N = partials.shape
+    if M * N:
+        block = 1024
+        _finish_scaled_split_k_kernel[(triton.cdiv(M * N, block),)](
+            partials, x_scale, w_scale, bias if bias is not None else w_scale, out, M * N, N, SPLIT=split,
+            PER_TOKEN=x_scale.numel() == M and M != 1, PER_CHANNEL=w_scale.numel() == N and N != 1,
+            HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=False)
+    return out
+
+
 def split_k_output(M: int, N: int, split: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
     """The output buffer of a split-K GEMM launch: [M, N] in `dtype` when split == 1, else the
     fp32 partials [split, M, N] (summed by `finish_split_k`: deterministic, no atomics)."""
@@ -74,9 +157,7 @@ def _finish_split_k_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HA
                            BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = tl.load(p_ptr + offs, mask=mask, other=0.0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0.0)
+    acc = _sum_partials(p_ptr, offs, mask, MN, SPLIT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)

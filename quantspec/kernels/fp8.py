@@ -25,8 +25,11 @@ from quantspec.kernels._common import (
     FP8_E4M3_MAX,
     check_same_device,
     check_tensor,
+    finish_scaled_split_k,
     gpu_launch,
     round_to_e4m3,
+    scaled_gemm_launch,
+    split_k_range,
 )
 
 __all__ = [
@@ -105,19 +108,21 @@ def quantize_act_fp8(
 @triton.jit
 def _fp8_gemm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_am, stride_bn, stride_om,
+    M, N, K, stride_am, stride_bn, stride_om, stride_osplit,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_lo, k_hi = split_k_range(K, BLOCK_K, SPLIT_K)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
@@ -130,16 +135,21 @@ def _fp8_gemm_kernel(
             # max_num_imprecise_acc=0: Hopper's fp8 MMA keeps fewer bits than fp32 in its accumulator;
             # each MMA instruction's sum is added to the fp32 accumulator instead
             acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=0)
-    a_s = tl.load(as_ptr).to(tl.float32)
-    if W_PER_CHANNEL:
-        b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:  # fp32 partial sums; `finish_scaled_split_k` applies the epilogue
+        tl.store(out_ptr + tl.program_id(1) * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc, mask=out_mask)
     else:
-        b_s = tl.load(bs_ptr + offs_n * 0)  # [BN], one per-tensor scale
-    y = acc * a_s * b_s[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        a_s = tl.load(as_ptr).to(tl.float32)
+        if W_PER_CHANNEL:
+            b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
+        else:
+            b_s = tl.load(bs_ptr + offs_n * 0)  # [BN], one per-tensor scale
+        y = acc * a_s * b_s[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 def _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
@@ -186,28 +196,26 @@ def fp8_gemm(
     w_scale: torch.Tensor,  # [N] or [1] fp32
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype = torch.bfloat16,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """Triton FP8 GEMM; raises `QuantSpecError` on GPUs below compute capability 8.9."""
+    """Triton FP8 GEMM; raises `QuantSpecError` on GPUs below compute capability 8.9. `split_k`
+    overrides the launch's split (`scaled_gemm_launch`; tests, benchmarks)."""
     M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     check_fp8_device(device)
     out = torch.empty((M, N), device=device, dtype=out_dtype)
     on_gpu = gpu_launch(device)
-    if on_gpu:
-        bm, bn, bk, warps, stages = (
-            (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 16 else (16, 64, 256, 4, 4)
-        )
-    else:
-        bm, bn, bk, warps, stages = 16, 16, 32, 4, 1
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    bm, bn, bk, warps, stages, split = scaled_gemm_launch(M, N, K, on_gpu, split_k)
+    part = out if split == 1 else torch.empty((split, M, N), device=device, dtype=torch.float32)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     _fp8_gemm_kernel[grid](
-        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, out,
-        M, N, K, x_q.stride(0), w_q.stride(0), N,
+        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part,
+        M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         W_PER_CHANNEL=w_scale.shape[0] == N and N != 1, HAS_BIAS=bias is not None,
-        UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
-    return out
+    return out if split == 1 else finish_scaled_split_k(part, x_scale.reshape(1), w_scale, bias, out)
 
 
 def fp8_linear_ref(

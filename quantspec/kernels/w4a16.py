@@ -36,6 +36,8 @@ import triton.language as tl
 from quantspec.errors import QuantSpecError
 from quantspec.kernels._common import (
     FLOAT_DTYPES,
+    MAX_SPLIT_K,
+    SM_TARGET,
     check_same_device,
     check_tensor,
     dot_in_fp32,
@@ -104,8 +106,6 @@ def check_gpu_dot_tile(cfg: W4A16Config, device: torch.device) -> None:
                              f"(block_m >= 16) on a GPU")
 
 
-SM_TARGET = 528  # programs a small-M launch aims for: four per SM of an H100 / H200 (132 SMs)
-MAX_SPLIT_K = 8
 
 
 def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots: bool = False) -> W4A16Config:

@@ -26,8 +26,11 @@ from quantspec.kernels._common import (
     INT8_MIN,
     check_same_device,
     check_tensor,
+    finish_scaled_split_k,
     gpu_launch,
     round_half_even,
+    scaled_gemm_launch,
+    split_k_range,
 )
 
 __all__ = [
@@ -131,19 +134,21 @@ def quantize_act_int8(
 @triton.jit
 def _int8_gemm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
-    M, N, K, stride_am, stride_bn, stride_om,
+    M, N, K, stride_am, stride_bn, stride_om, stride_osplit,
     PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
+    SPLIT_K: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
+    k_lo, k_hi = split_k_range(K, BLOCK_K, SPLIT_K)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM]
     offs_n = pid_n * BLOCK_N + tl.arange(0, BLOCK_N)  # [BN]
     mask_m = offs_m < M
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.int32)
-    for k0 in range(0, K, BLOCK_K):
+    for k0 in range(k_lo, k_hi, BLOCK_K):
         offs_k = k0 + tl.arange(0, BLOCK_K)
         mask_k = offs_k < K
         a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
@@ -151,16 +156,21 @@ def _int8_gemm_kernel(
         b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :],
                     mask=mask_n[:, None] & mask_k[None, :], other=0)  # [BN, BK] int8
         acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
-    if PER_TOKEN:
-        a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)  # [BM]
+    out_mask = mask_m[:, None] & mask_n[None, :]
+    if SPLIT_K > 1:  # exact int32 partial sums; `finish_scaled_split_k` applies the epilogue
+        tl.store(out_ptr + tl.program_id(1) * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
+                 acc, mask=out_mask)
     else:
-        a_s = tl.load(as_ptr + offs_m * 0)  # [BM], one static scale
-    b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
-    y = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
-    if HAS_BIAS:
-        y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-    tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-             y.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_n[None, :])
+        if PER_TOKEN:
+            a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)  # [BM]
+        else:
+            a_s = tl.load(as_ptr + offs_m * 0)  # [BM], one static scale
+        b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
+        y = acc.to(tl.float32) * a_s[:, None] * b_s[None, :]
+        if HAS_BIAS:
+            y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
+        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
+                 mask=out_mask)
 
 
 def _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
@@ -205,26 +215,25 @@ def int8_gemm(
     w_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype = torch.float16,
+    split_k: int | None = None,
 ) -> torch.Tensor:
-    """Triton int8 × int8 → int32 GEMM with the fp32 scale epilogue."""
+    """Triton int8 × int8 → int32 GEMM with the fp32 scale epilogue; `split_k` overrides the
+    launch's split (`scaled_gemm_launch`; tests, benchmarks). Split or not, the same numbers: the
+    partial sums are exact integers."""
     M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     out = torch.empty((M, N), device=device, dtype=out_dtype)
-    if gpu_launch(device):
-        bm, bn, bk, warps, stages = (
-            (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 16 else (16, 64, 256, 4, 4)
-        )
-    else:
-        bm, bn, bk, warps, stages = 16, 16, 32, 4, 1
-    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn),)
+    bm, bn, bk, warps, stages, split = scaled_gemm_launch(M, N, K, gpu_launch(device), split_k)
+    part = out if split == 1 else torch.empty((split, M, N), device=device, dtype=torch.int32)
+    grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     _int8_gemm_kernel[grid](
-        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, out,
-        M, N, K, x_q.stride(0), w_q.stride(0), N,
+        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part,
+        M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         PER_TOKEN=x_scale.shape[0] == M,
-        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8,
+        HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
-    return out
+    return out if split == 1 else finish_scaled_split_k(part, x_scale, w_scale, bias, out)
 
 
 def w8a8_linear_ref(

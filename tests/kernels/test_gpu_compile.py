@@ -186,7 +186,7 @@ def test_w8a16_gpu_launches_compile(recorded, dtype):
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
 def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
     """Activation quantizers (static and dynamic int8, static fp8) and the int8 / FP8 GEMMs at
-    decode, tile and large M."""
+    decode (split-K, with the launch that finishes the partial sums), tile and large M."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
     w_fp8 = (torch.randn(N, K, generator=gen) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -197,8 +197,11 @@ def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
         w8a8.w8a8_linear(x, q, ws, None)
         fp8.fp8_linear(x, w_fp8, ws, xs)
     names = {c["name"] for c in recorded}
-    assert names == {"_quantize_act_int8_kernel", "_int8_gemm_kernel", "_quantize_act_fp8_kernel", "_fp8_gemm_kernel"}
+    assert names == {"_quantize_act_int8_kernel", "_int8_gemm_kernel", "_quantize_act_fp8_kernel", "_fp8_gemm_kernel",
+                     "_finish_scaled_split_k_kernel"}
     assert all(not c["constants"]["UPCAST"] for c in recorded if c["name"] == "_fp8_gemm_kernel")
+    gemms = [c for c in recorded if c["name"] in ("_int8_gemm_kernel", "_fp8_gemm_kernel")]
+    assert {c["constants"]["SPLIT_K"] > 1 for c in gemms} == {True, False}
     results = _compiled(recorded)
     assert {r["cc"] for r in results if r["name"] == "_fp8_gemm_kernel"} == {90}
 

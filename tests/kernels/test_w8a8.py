@@ -6,6 +6,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.kernels import w8a8
+from quantspec.kernels._common import SM_TARGET, scaled_gemm_launch
 from quantspec.kernels.w8a8 import (
     int8_gemm,
     int8_gemm_ref,
@@ -58,6 +59,36 @@ def test_int8_gemm_exact(M, out_dtype):
     assert torch.equal(y, int8_gemm_ref(xq, xs, wq, ws, b, out_dtype))
     lit = (xq.double() @ wq.double().t()) * xs.double()[:, None] * ws.double() + b.double()
     torch.testing.assert_close(y.double(), lit.to(out_dtype).double(), rtol=1e-3, atol=1e-3)
+
+
+@pytest.mark.parametrize("M,split", [(1, 2), (3, 3), (17, 2), (17, 8)])
+def test_int8_gemm_split_k_is_the_unsplit_launch(M, split, same_rounding):
+    """Split-K launches (int32 partial sums, then the epilogue in a second launch; a split past
+    the k tiles stores zeros) give the unsplit launch's numbers bitwise: per-token and static
+    scales, with and without bias."""
+    gen = torch.Generator().manual_seed(M + split)
+    xq = torch.randint(-128, 128, (M, K), dtype=torch.int8, generator=gen)
+    wq = torch.randint(-128, 128, (N, K), dtype=torch.int8, generator=gen)
+    ws = torch.rand(N, generator=gen) * 0.01
+    for xs, b in ((torch.rand(M, generator=gen) * 0.1, torch.randn(N, generator=gen)), (torch.tensor([0.03]), None)):
+        for out_dtype in (torch.float32, torch.bfloat16):
+            y = int8_gemm(xq, xs, wq, ws, b, out_dtype, split_k=split)
+            assert torch.equal(y, int8_gemm(xq, xs, wq, ws, b, out_dtype, split_k=1))
+            same_rounding(y, int8_gemm_ref(xq, xs, wq, ws, b, out_dtype))
+
+
+def test_scaled_gemm_launch_splits_small_m_only():
+    """A GPU's int8 / FP8 launch splits K where its tiles cannot fill the GPU, never so far that
+    the partial sums' traffic outgrows a quarter of the weight's bytes; large M is unsplit."""
+    for (K_, N_), M in [((4096, 4096), 1), ((4096, 4096), 16), ((4096, 4096), 64), ((14336, 4096), 64),
+                        ((4096, 14336), 1), ((4096, 4096), 256), ((4096, 14336), 4096)]:
+        bm, bn, bk, _, _, split = scaled_gemm_launch(M, N_, K_, True)
+        programs = -(-M // bm) * -(-N_ // bn) * split
+        assert split == 1 or programs <= SM_TARGET + -(-M // bm) * -(-N_ // bn)
+        assert split * M * N_ * 4 * 2 <= N_ * K_ / 4 or split == 1
+        assert (split > 1) == (M <= 64), (K_, N_, M, split)
+    assert scaled_gemm_launch(1, 4096, 4096, True, split_k=3)[-1] == 3
+    assert scaled_gemm_launch(1, 4096, 4096, False)[-1] == 1
 
 
 @pytest.mark.parametrize("static", [False, True])
