@@ -80,7 +80,9 @@ def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool, split_k: int | None
             else (64, 64, 128, 4, 4) if M > 16 else (16, 64, 128, 4, 4)
         )
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
-        split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles), K // (32 * max(M, 1))))
+        # up to 16 rows one launch shape (split included): a row's numbers do not depend on the
+        # other rows, so a verification row gives what its decode step gives
+        split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles), K // (32 * max(M, 16))))
     return bm, bn, bk, warps, stages, split if split_k is None else split_k
 
 

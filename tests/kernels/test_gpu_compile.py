@@ -196,6 +196,9 @@ def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
         w8a8.w8a8_linear(x, q, ws, xs)
         w8a8.w8a8_linear(x, q, ws, None)
         fp8.fp8_linear(x, w_fp8, ws, xs)
+    x = torch.randn(1, 4 * K, generator=gen).to(dtype)  # deep enough to split K
+    w8a8.w8a8_linear(x, q.repeat(1, 4), ws, None)
+    fp8.fp8_linear(x, w_fp8.view(torch.uint8).repeat(1, 4).view(torch.float8_e4m3fn), ws, xs)
     names = {c["name"] for c in recorded}
     assert names == {"_quantize_act_int8_kernel", "_int8_gemm_kernel", "_quantize_act_fp8_kernel", "_fp8_gemm_kernel",
                      "_finish_scaled_split_k_kernel"}

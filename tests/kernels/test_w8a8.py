@@ -87,6 +87,8 @@ def test_scaled_gemm_launch_splits_small_m_only():
         assert split == 1 or programs <= SM_TARGET + -(-M // bm) * -(-N_ // bn)
         assert split * M * N_ * 4 * 2 <= N_ * K_ / 4 or split == 1
         assert (split > 1) == (M <= 64), (K_, N_, M, split)
+    for K_ in (576, 1536, 4096, 14336):  # one launch for up to 16 rows: decode and verification rows agree
+        assert len({scaled_gemm_launch(M, 4096, K_, True) for M in range(1, 17)}) == 1
     assert scaled_gemm_launch(1, 4096, 4096, True, split_k=3)[-1] == 3
     assert scaled_gemm_launch(1, 4096, 4096, False)[-1] == 1
 
