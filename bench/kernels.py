@@ -5,7 +5,8 @@ alternative each kernel competes with and what dispatch picks, in one run.
     python bench/kernels.py --device cpu          # tiny shapes under TRITON_INTERPRET=1 (smoke)
 
 Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton
-kernel, the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for
+kernel, the same kernel under its other launch (`flipped_ops`: the other tile orientation of a
+weight-only kernel; W8A8 / FP8 unsplit where the default splits K), the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for
 W4A16 / W8A16; `torch._scaled_mm` for FP8; `torch._int_mm` + the scale epilogue for W8A8) and
 dispatch's choice (`infer/dispatch.py`) with its time; ratios are torch's time / that time (> 1:
 faster than the float matmul). W8A8 and FP8 times include quantizing the activations (what a
@@ -148,10 +149,13 @@ def kernel_ops(L: Layer, x):
 
 
 def flipped_ops(L: Layer, x) -> dict:
-    """kind → the weight-only kernel under the other launch of its default: the other tile
+    """kind → the kernel under the other launch of its default. Weight-only: the other tile
     orientation (`W4A16Config.swap_ab` flipped, with the exact codes and the scale after each
     tile's MMA), or for a nibble-dots default the unpacking launch with the weight as the wide
-    operand. What chooses the launch per M."""
+    operand. W8A8 / FP8 where the default splits K: the same tiles unsplit. What chooses the
+    launch per M."""
+    from quantspec import kernels
+    from quantspec.kernels._common import scaled_gemm_launch
     from quantspec.kernels.w4a16 import W4A16Config, w4a16_default_config, w4a16_linear
     from quantspec.kernels.w8a16 import w8a16_default_config, w8a16_linear
 
@@ -159,8 +163,16 @@ def flipped_ops(L: Layer, x) -> dict:
     c4 = w4a16_default_config(M, L.N, L.K, L.group, gpu)
     c8 = w8a16_default_config(M, L.N, L.K, gpu)
     c4, c8 = (W4A16Config(*c[:6], swap_ab=c[7] or not c[6]) for c in (c4, c8))
-    return {"w4a16": lambda: w4a16_linear(x, L.w4, L.s4, L.group, config=c4),
-            "w8a16": lambda: w8a16_linear(x, L.q8, L.s8h, config=c8)}
+    ops = {"w4a16": lambda: w4a16_linear(x, L.w4, L.s4, L.group, config=c4),
+           "w8a16": lambda: w8a16_linear(x, L.q8, L.s8h, config=c8)}
+    if scaled_gemm_launch(M, L.N, L.K, gpu)[-1] > 1:
+        def w8a8_unsplit():
+            xq, xs = kernels.quantize_act_int8(x, L.x_scale)
+            return kernels.int8_gemm(xq, xs, L.q8, L.s8, None, x.dtype, split_k=1)
+        ops["w8a8"] = w8a8_unsplit
+        ops["fp8"] = lambda: kernels.fp8_gemm(kernels.quantize_act_fp8(x, L.x_scale_fp8), L.x_scale_fp8, L.w_fp8,
+                                              L.s8, None, x.dtype, split_k=1)
+    return ops
 
 
 def dispatch_pick(kind: str, device, M: int, dtype):
@@ -228,16 +240,14 @@ def markdown(result: dict) -> str:
         if not rows:
             continue
         out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
-        flip = kind in ("w4a16", "w8a16")
-        out.append(f"| K×N | M | torch ms | Triton ms (×) | {'other launch ms (×) | ' if flip else ''}"
-                   f"{ALT_NAMES[kind]} ms (×) | dispatch (×) |")
-        out.append("|---|---|---|---|---|---|" + ("---|" if flip else ""))
+        out.append(f"| K×N | M | torch ms | Triton ms (×) | other launch ms (×) | {ALT_NAMES[kind]} ms (×) | "
+                   f"dispatch (×) |")
+        out.append("|---|---|---|---|---|---|---|")
         for r in rows:
             t = r["torch_ms"]
             d = f"{r['dispatch']} {_cell(t, r['dispatch_ms'])}" if r["dispatch_ms"] else r["dispatch"]
-            f = f"{_cell(t, r.get('flipped_ms'))} | " if flip else ""
             out.append(f"| {r['K']}×{r['N']} | {r['M']} | {t:.4f} | {_cell(t, r['kernel_ms'], r['kernel_error'])} | "
-                       f"{f}{_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
+                       f"{_cell(t, r.get('flipped_ms'))} | {_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
         out.append("")
     return "\n".join(out)
 
