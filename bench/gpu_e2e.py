@@ -8,8 +8,8 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
 
 Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA graphs; bf16 and
 the speculation model also with their layers' small ops as torch's ops instead of fused kernels,
-`DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and fp8 KV cache, n-gram speculation on prompts that
-repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
+`DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and
+fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
 its prompt, so this measures what speculation costs when it is not accepted), and the
 verification cost C(k) = time of a step verifying k drafts / a plain step (what the back-off's
 `SpecCost` models), from which the speedup of speculation at an acceptance rate follows.
@@ -21,7 +21,6 @@ measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md`
 from __future__ import annotations
 
 import argparse
-import dataclasses
 import gc
 import json
 import statistics
@@ -251,8 +250,12 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     unfused = unfused_runtime(run, net, runtime) if name in ("bf16", run.args.spec_model) else None
     if unfused is not None:
         plan += [(f"b{b} small ops unfused", lambda b=b: decode_speed(run, net, unfused, b)) for b in run.args.batch]
-    if run.device.type == "cuda" and runtime.stack is not None and name in ("bf16", run.args.spec_model):
-        eager = dataclasses.replace(runtime, stack=None)
+    graphed = run.device.type == "cuda" and getattr(runtime.stack, "use_graphs", False)
+    if graphed and name in ("bf16", run.args.spec_model):
+        from quantspec.infer.backend import prepare
+        from quantspec.infer.dispatch import DispatchPolicy
+
+        eager = prepare(net, run.device, policy=DispatchPolicy(cuda_graphs=False))  # small ops as the default's
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))
     if name == run.args.spec_model:
         k = 5
