@@ -132,9 +132,11 @@ def _fp8_gemm_kernel(
         if UPCAST:
             acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
         else:
-            # max_num_imprecise_acc=0: Hopper's fp8 MMA keeps fewer bits than fp32 in its accumulator;
-            # each MMA instruction's sum is added to the fp32 accumulator instead
-            acc += tl.dot(a, tl.trans(b), max_num_imprecise_acc=0)
+            # Hopper's fp8 MMA adds in fewer bits than fp32: each k tile's dot starts from zero and
+            # its sum joins the fp32 accumulator (an fp32 add per BLOCK_K, as DeepSeek-V3 promotes
+            # every 128 k). Asking for exact accumulation (max_num_imprecise_acc=0) makes Triton
+            # convert the operands to fp16 for the pre-Hopper MMA instead.
+            acc += tl.dot(a, tl.trans(b))
     out_mask = mask_m[:, None] & mask_n[None, :]
     if SPLIT_K > 1:  # fp32 partial sums; `finish_scaled_split_k` applies the epilogue
         tl.store(out_ptr + tl.program_id(1) * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
