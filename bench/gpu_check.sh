@@ -60,7 +60,7 @@ elif [ "$CPU" = 0 ]; then
     step gpu_tests 150 "${PYTEST[@]}" -m gpu tests/calib/test_stream_cuda.py tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
-    step sweep 70 python bench/kernels.py --sweep-only --out "$DEST"
+    step sweep 100 python bench/kernels.py --sweep-only --out "$DEST"
     LEFT=$(( 470 - ($(date +%s) - START) ))
     if [ "$LEFT" -gt 30 ]; then  # the rest of the kernel tests, on the GPU through tests/kernels/conftest.py
         step kernel_tests "$LEFT" "${PYTEST[@]}" -m "not gpu" tests/kernels --junitxml="$DEST/kernel_tests.xml"

@@ -14,11 +14,12 @@ linear layer pays). Each CUDA cell is GPU time per call (`gpu_time`: calls repla
 graph, the L2 flushed before each, as the engine's decode steps run them); on CPU a median of a
 few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 
-`--sweep-only`: instead of the tables, W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on
-4096×14336, then at M ∈ {1, 16} on two more shapes, under every launch config of a small grid
-(`sweep_grid`: `tl.dot` tiles with and without the scale folded in, one-row programs, W4A16's
-nibble dots; large-M tiles) against the default heuristic's (`kernels_sweep.md` / `.json`,
-every config's time in the JSON: what tunes the heuristic).
+`--sweep-only`: instead of the tables, W8A8's int8 GEMM at M = 4096 under `SCALED_SWEEP`'s
+tiles, then W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on 4096×14336 and at M ∈ {1, 16} on two
+more shapes, under every launch config of a small grid (`sweep_grid`: `tl.dot` tiles with and
+without the scale folded in, one-row programs, W4A16's nibble dots; large-M tiles), each against
+the default heuristic's (`kernels_sweep.md` / `.json`, every config's time in the JSON: what
+tunes the heuristics).
 
 Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×,
 W8A8 and FP8 at M=4096 ≥ 1.5×, nothing below 0.9×.
@@ -165,13 +166,16 @@ def flipped_ops(L: Layer, x) -> dict:
     c4, c8 = (W4A16Config(*c[:6], swap_ab=c[7] or not c[6]) for c in (c4, c8))
     ops = {"w4a16": lambda: w4a16_linear(x, L.w4, L.s4, L.group, config=c4),
            "w8a16": lambda: w8a16_linear(x, L.q8, L.s8h, config=c8)}
-    if scaled_gemm_launch(M, L.N, L.K, gpu)[-1] > 1:
+    launch = scaled_gemm_launch(M, L.N, L.K, gpu)
+    if launch[-1] > 1:
+        unsplit = launch[:-1] + (1,)
+
         def w8a8_unsplit():
             xq, xs = kernels.quantize_act_int8(x, L.x_scale)
-            return kernels.int8_gemm(xq, xs, L.q8, L.s8, None, x.dtype, split_k=1)
+            return kernels.int8_gemm(xq, xs, L.q8, L.s8, None, x.dtype, launch=unsplit)
         ops["w8a8"] = w8a8_unsplit
         ops["fp8"] = lambda: kernels.fp8_gemm(kernels.quantize_act_fp8(x, L.x_scale_fp8), L.x_scale_fp8, L.w_fp8,
-                                              L.s8, None, x.dtype, split_k=1)
+                                              L.s8, None, x.dtype, launch=unsplit)
     return ops
 
 
@@ -302,8 +306,31 @@ def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     return [W4A16Config(bm, bn, k, sk, 4, 3, swap, nib, fold) for bm, bn, k, sk, swap, nib, fold in dots + rows]
 
 
+# W8A8's large-M tiles besides the default's (128, 256, 128, 8 warps, 3 stages)
+SCALED_SWEEP = [(128, 256, 128, 8, 4), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (256, 128, 128, 8, 3),
+                (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
+
+
+def _time_configs(bench, call, grid, found: list, record: dict, on_row) -> None:
+    """Time `call()` (the default launch) and `call(cfg)` for each cfg of `grid`; append the
+    record with the default's and the best time (every config's in `timed`)."""
+    t_default, _ = _time_or_error(bench, call)
+    best, timed = (t_default, "default"), {}
+    for cfg in grid:
+        t, _ = _time_or_error(bench, lambda: call(cfg))
+        timed[",".join(map(str, cfg))] = t
+        if t is not None and (best[0] is None or t < best[0]):
+            best = (t, list(cfg))
+    found.append(dict(record, default_ms=t_default, best_ms=best[0], best=best[1], timed=timed))
+    print(f"  sweep {record['kind']} {record['K']}x{record['N']} M={record['M']}: default {t_default} best {best}",
+          flush=True)
+    if on_row is not None:
+        on_row(found)
+
+
 def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
-    """Launch configs of W4A16 / W8A16 on the shape of `SWEEP_LARGE` at M ∈ {1, 16} and its
+    """Launch configs of W8A8's int8 GEMM at the largest M of `SWEEP_LARGE` (`SCALED_SWEEP`'s
+    tiles, unsplit), then of W4A16 / W8A16 on the shape of `SWEEP_LARGE` at M ∈ {1, 16} and its
     large M, then at M ∈ {1, 16} on the other `shapes` (module docstring); `on_row(found)` after
     each (kind, shape, M), so that a time-boxed run keeps what it timed."""
     import torch
@@ -320,6 +347,13 @@ def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
     first = large_shape if large_shape in shapes else shapes[0]
     # the targets' shape first, every M, so that a time-boxed run has what matters most
     runs = [(first, M) for M in (1, 16, *large_ms)] + [(s, M) for s in shapes if s != first for M in (1, 16)]
+    cpu = device.type == "cpu"  # the interpreter: two configs of each grid prove the sweep runs
+    K, N = first
+    L = Layer(K, N, dtype, device, gen)
+    xq, xs = kernels.quantize_act_int8(torch.randn(large_ms[-1], K, device=device, generator=gen).to(dtype), L.x_scale)
+    grid = [(16, 16, 32, 4, 1, 1), (16, 16, 32, 4, 1, 2)] if cpu else [t + (1,) for t in SCALED_SWEEP]
+    _time_configs(bench, lambda cfg=None: kernels.int8_gemm(xq, xs, L.q8, L.s8, None, dtype, launch=cfg), grid,
+                  found, dict(kind="w8a8", K=K, N=N, M=large_ms[-1]), on_row)
     for (K, N), M in runs:
         L = Layer(K, N, dtype, device, gen)
         x = torch.randn(M, K, device=device, generator=gen).to(dtype)
@@ -328,28 +362,16 @@ def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
                 if kind == "w4a16":
                     return kernels.w4a16_linear(x, L.w4, L.s4, L.group, config=cfg)
                 return kernels.w8a16_linear(x, L.q8, L.s8h, config=cfg)
-            t_default, _ = _time_or_error(bench, call)
-            best, timed = (t_default, "default"), {}
             grid = sweep_grid(kind, L.group, M)
-            if device.type == "cpu":  # the interpreter: two configs prove the sweep runs
-                grid = grid[:2]
-            for cfg in grid:
-                t, _ = _time_or_error(bench, lambda: call(cfg))
-                timed[",".join(map(str, cfg))] = t
-                if t is not None and (best[0] is None or t < best[0]):
-                    best = (t, list(cfg))
-            found.append(dict(kind=kind, K=K, N=N, M=M, default_ms=t_default, best_ms=best[0], best=best[1],
-                              timed=timed))
-            print(f"  sweep {kind} {K}x{N} M={M}: default {t_default} best {best}", flush=True)
-            if on_row is not None:
-                on_row(found)
+            _time_configs(bench, call, grid[:2] if cpu else grid, found, dict(kind=kind, K=K, N=N, M=M), on_row)
     return found
 
 
 def _sweep_markdown(found: list[dict], name: str, dtype_name: str) -> str:
-    md = [f"### Launch configs of the weight-only kernels on {name} ({dtype_name})\n",
-          "| kernel | K×N | M | default ms | best ms | best (BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, warps, stages, "
-          "swap_ab, nibble_dots, fold_scale) |",
+    md = [f"### Launch configs of the GEMM kernels on {name} ({dtype_name})\n",
+          "| kernel | K×N | M | default ms | best ms | best (W4A16 / W8A16: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, "
+          "warps, stages, swap_ab, nibble_dots, fold_scale; W8A8: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, "
+          "SPLIT_K) |",
           "|---|---|---|---|---|---|"]
     for f in found:
         d = "—" if f["default_ms"] is None else f"{f['default_ms']:.4f}"
@@ -377,7 +399,7 @@ def main(argv=None) -> int:
     ap.add_argument("--dtype", default=None, help="comma-separated fp16,bf16 (default: both on CUDA, fp32 on CPU)")
     ap.add_argument("--m", default=None, help="comma-separated rows M (default 1,16,64,256,4096; CPU 1,16)")
     ap.add_argument("--out", default=None, help="folder for kernels_<dtype>.md / .json")
-    ap.add_argument("--sweep-only", action="store_true", help="time a grid of W4A16 / W8A16 launch configs")
+    ap.add_argument("--sweep-only", action="store_true", help="time grids of W8A8 / W4A16 / W8A16 launch configs")
     args = ap.parse_args(argv)
     if args.device == "cpu":
         os.environ.setdefault("TRITON_INTERPRET", "1")

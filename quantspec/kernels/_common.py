@@ -65,12 +65,12 @@ SM_TARGET = 528  # programs a small-M launch aims for: four per SM of an H100 / 
 MAX_SPLIT_K = 8
 
 
-def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool, split_k: int | None = None) -> tuple[int, ...]:
+def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool) -> tuple[int, ...]:
     """(BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) of an int8 / FP8 GEMM launch. On a GPU,
     tiles by M; where they are too few to fill the GPU (small M), split-K up to about `SM_TARGET`
     programs, bounded so that the partial sums (split · M · N words of 4 bytes, written once and
-    read once) cost at most a quarter of the weight's bytes (split ≤ K / 32M). `split_k`
-    overrides the split (tests, benchmarks). On the CPU interpreter tiny tiles."""
+    read once) cost at most a quarter of the weight's bytes (split ≤ K / 32M). On the CPU
+    interpreter tiny tiles."""
     if not on_gpu:
         bm, bn, bk, warps, stages = 16, 16, 32, 4, 1
         split = 1
@@ -83,7 +83,7 @@ def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool, split_k: int | None
         # up to 16 rows one launch shape (split included): a row's numbers do not depend on the
         # other rows, so a verification row gives what its decode step gives
         split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles), K // (32 * max(M, 16))))
-    return bm, bn, bk, warps, stages, split if split_k is None else split_k
+    return bm, bn, bk, warps, stages, split
 
 
 @triton.jit

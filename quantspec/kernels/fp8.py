@@ -198,16 +198,17 @@ def fp8_gemm(
     w_scale: torch.Tensor,  # [N] or [1] fp32
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype = torch.bfloat16,
-    split_k: int | None = None,
+    launch: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Triton FP8 GEMM; raises `QuantSpecError` on GPUs below compute capability 8.9. `split_k`
-    overrides the launch's split (`scaled_gemm_launch`; tests, benchmarks)."""
+    """Triton FP8 GEMM; raises `QuantSpecError` on GPUs below compute capability 8.9. `launch`
+    (BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, SPLIT_K) overrides `scaled_gemm_launch` (tests,
+    benchmarks)."""
     M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     check_fp8_device(device)
     out = torch.empty((M, N), device=device, dtype=out_dtype)
     on_gpu = gpu_launch(device)
-    bm, bn, bk, warps, stages, split = scaled_gemm_launch(M, N, K, on_gpu, split_k)
+    bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, on_gpu)
     part = out if split == 1 else torch.empty((split, M, N), device=device, dtype=torch.float32)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     _fp8_gemm_kernel[grid](

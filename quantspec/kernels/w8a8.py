@@ -215,15 +215,15 @@ def int8_gemm(
     w_scale: torch.Tensor,  # [N] fp32
     bias: torch.Tensor | None = None,  # [N]
     out_dtype: torch.dtype = torch.float16,
-    split_k: int | None = None,
+    launch: tuple[int, ...] | None = None,
 ) -> torch.Tensor:
-    """Triton int8 × int8 → int32 GEMM with the fp32 scale epilogue; `split_k` overrides the
-    launch's split (`scaled_gemm_launch`; tests, benchmarks). Split or not, the same numbers: the
-    partial sums are exact integers."""
+    """Triton int8 × int8 → int32 GEMM with the fp32 scale epilogue. `launch` (BLOCK_M, BLOCK_N,
+    BLOCK_K, warps, stages, SPLIT_K) overrides `scaled_gemm_launch` (tests, benchmarks); split or
+    not, the same numbers: the partial sums are exact integers."""
     M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     out = torch.empty((M, N), device=device, dtype=out_dtype)
-    bm, bn, bk, warps, stages, split = scaled_gemm_launch(M, N, K, gpu_launch(device), split_k)
+    bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, gpu_launch(device))
     part = out if split == 1 else torch.empty((split, M, N), device=device, dtype=torch.int32)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     _int8_gemm_kernel[grid](

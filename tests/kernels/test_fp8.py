@@ -68,7 +68,7 @@ def test_split_k_gemm_matches_reference(M, split, per_channel):
     ws = torch.rand(37 if per_channel else 1, generator=gen) * 0.01
     for b in (torch.randn(37, generator=gen), None):
         for out_dtype in (torch.float32, torch.bfloat16):
-            y = fp8_gemm(xq, xs, wq, ws, b, out_dtype, split_k=split)
+            y = fp8_gemm(xq, xs, wq, ws, b, out_dtype, launch=(16, 16, 32, 4, 1, split))
             _assert_close_to_reference(y, fp8_gemm_ref(xq, xs, wq, ws, b, out_dtype), xq, wq, xs, ws, out_dtype)
 
 

@@ -72,8 +72,8 @@ def test_int8_gemm_split_k_is_the_unsplit_launch(M, split, same_rounding):
     ws = torch.rand(N, generator=gen) * 0.01
     for xs, b in ((torch.rand(M, generator=gen) * 0.1, torch.randn(N, generator=gen)), (torch.tensor([0.03]), None)):
         for out_dtype in (torch.float32, torch.bfloat16):
-            y = int8_gemm(xq, xs, wq, ws, b, out_dtype, split_k=split)
-            assert torch.equal(y, int8_gemm(xq, xs, wq, ws, b, out_dtype, split_k=1))
+            y = int8_gemm(xq, xs, wq, ws, b, out_dtype, launch=(16, 16, 32, 4, 1, split))
+            assert torch.equal(y, int8_gemm(xq, xs, wq, ws, b, out_dtype, launch=(16, 16, 32, 4, 1, 1)))
             same_rounding(y, int8_gemm_ref(xq, xs, wq, ws, b, out_dtype))
 
 
@@ -89,7 +89,6 @@ def test_scaled_gemm_launch_splits_small_m_only():
         assert (split > 1) == (M <= 64), (K_, N_, M, split)
     for K_ in (576, 1536, 4096, 14336):  # one launch for up to 16 rows: decode and verification rows agree
         assert len({scaled_gemm_launch(M, 4096, K_, True) for M in range(1, 17)}) == 1
-    assert scaled_gemm_launch(1, 4096, 4096, True, split_k=3)[-1] == 3
     assert scaled_gemm_launch(1, 4096, 4096, False)[-1] == 1
 
 
