@@ -9,10 +9,11 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
 Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA graphs; bf16 and
 the speculation model also with their layers' small ops as torch's ops instead of fused kernels,
 `DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and
-fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_with_reference`, the back-off on; a random model rarely continues
-its prompt, so this measures what speculation costs when it is not accepted), and the
-verification cost C(k) = time of a step verifying k drafts / a plain step (what the back-off's
-`SpecCost` models), from which the speedup of speculation at an acceptance rate follows.
+fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_with_reference`,
+the back-off on; a random model rarely continues its prompt, so this measures what speculation
+costs when it is not accepted), and the verification cost C(k) = time of a step verifying k
+drafts / a plain step (what the back-off's `SpecCost` models), from which the speedup of
+speculation at an acceptance rate follows.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
 measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md` holds the tables.

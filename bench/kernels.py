@@ -6,13 +6,14 @@ alternative each kernel competes with and what dispatch picks, in one run.
 
 Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton
 kernel, the same kernel under its other launch (`flipped_ops`: the other tile orientation of a
-weight-only kernel; W8A8 / FP8 unsplit where the default splits K), the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for
-W4A16 / W8A16; `torch._scaled_mm` for FP8; `torch._int_mm` + the scale epilogue for W8A8) and
-dispatch's choice (`infer/dispatch.py`) with its time; ratios are torch's time / that time (> 1:
-faster than the float matmul). W8A8 and FP8 times include quantizing the activations (what a
-linear layer pays). Each CUDA cell is GPU time per call (`gpu_time`: calls replayed from a CUDA
-graph, the L2 flushed before each, as the engine's decode steps run them); on CPU a median of a
-few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
+weight-only kernel; W8A8 / FP8 unsplit where the default splits K), the library's alternative to
+it (the weight dequantized by Triton, then cuBLAS, for W4A16 / W8A16; `torch._scaled_mm` for
+FP8; `torch._int_mm` + the scale epilogue for W8A8) and dispatch's choice (`infer/dispatch.py`)
+with its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8 and
+FP8 times include quantizing the activations (what a linear layer pays). Each CUDA cell is GPU
+time per call (`gpu_time`: calls replayed from a CUDA graph, the L2 flushed before each, as the
+engine's decode steps run them); on CPU a median of a few calls. `--out DIR` writes
+`kernels_<dtype>.md` and `.json` there.
 
 `--sweep-only`: instead of the tables, W8A8's int8 GEMM at M = 4096 under `SCALED_SWEEP`'s
 tiles, then W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on 4096×14336 and at M ∈ {1, 16} on two

@@ -82,7 +82,8 @@ def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool) -> tuple[int, ...]:
         tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
         # up to 16 rows one launch shape (split included): a row's numbers do not depend on the
         # other rows, so a verification row gives what its decode step gives
-        split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles), K // (32 * max(M, 16))))
+        split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles),
+                           K // (32 * max(M, 16))))
     return bm, bn, bk, warps, stages, split
 
 

@@ -106,8 +106,6 @@ def check_gpu_dot_tile(cfg: W4A16Config, device: torch.device) -> None:
                              f"(block_m >= 16) on a GPU")
 
 
-
-
 def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots: bool = False) -> W4A16Config:
     """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M. Up to
     16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
@@ -135,8 +133,8 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
 
 def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:
     """Launch heuristic: `gpu_weight_only_config` on a GPU (with the largest BLOCK_K ≤ 128 that
-    divides the group size, and at least the MMA's 16); on the CPU interpreter tiny tiles, so that the tests stay fast and
-    exercise masking and both launch shapes."""
+    divides the group size, and at least the MMA's 16); on the CPU interpreter tiny tiles, so
+    that the tests stay fast and exercise masking and both launch shapes."""
     if not on_gpu:
         if M <= GEMV_MAX_M:
             return W4A16Config(1, 16, 16, 2)
