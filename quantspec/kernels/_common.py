@@ -79,7 +79,7 @@ def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool) -> tuple[int, ...]:
             (128, 256, 128, 8, 3) if M >= 1024 else (64, 128, 128, 4, 4) if M > 64
             else (64, 64, 128, 4, 4) if M > 16 else (16, 64, 128, 4, 4)
         )
-        tiles = triton.cdiv(M, bm) * triton.cdiv(N, bn)
+        tiles = max(1, triton.cdiv(M, bm) * triton.cdiv(N, bn))
         # up to 16 rows one launch shape (split included): a row's numbers do not depend on the
         # other rows, so a verification row gives what its decode step gives
         split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, bk) // 2, triton.cdiv(SM_TARGET, tiles),
