@@ -164,7 +164,8 @@ def _free() -> None:
 def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, k=0, prompts=None
                  ) -> dict:
     """Decode-phase tokens/s of `batch` sequences (after their prefill), greedy; a short warm-up
-    run first. → {tok_s, accepted, drafted}."""
+    run first. → {tok_s, accepted, drafted, step_ms: the median decode step, host_ms: its median
+    time outside the forward (proposing, accepting, recording), max_step_ms: the slowest step}."""
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.sampler import SamplingParams
 
@@ -183,13 +184,18 @@ def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, 
         while any(s.num_cached == 0 for s in seqs):
             eng.step()
         run.sync()
+        steps = []
         t = time.perf_counter()
-        eng.run()
+        eng.run(on_step=lambda _: steps.append(eng.last_step))
         run.sync()
         dt = time.perf_counter() - t
     made = sum(len(s.output_ids) for s in seqs) - batch
+    decode = [st for st in steps if st.decode] or steps
     return dict(tok_s=round(made / dt, 1), drafted=sum(s.stats.drafted for s in seqs),
-                accepted=sum(s.stats.accepted for s in seqs))
+                accepted=sum(s.stats.accepted for s in seqs),
+                step_ms=round(statistics.median(st.seconds for st in decode) * 1e3, 3),
+                host_ms=round(statistics.median(st.seconds - st.forward_seconds for st in decode) * 1e3, 3),
+                max_step_ms=round(max(st.seconds for st in decode) * 1e3, 3))
 
 
 def repeating_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
@@ -297,7 +303,9 @@ def markdown(run: Run, args) -> str:
             ref = base.get(r["what"])
             x = f"{r['tok_s'] / ref:.2f}×" if ref else ""
             da = f"{r['drafted']} / {r['accepted']}" if r.get("drafted") else ""
-            lines.append(f"| {r['model']} | {r['what']} | {r['tok_s']} | {x} | {da} | |")
+            steps = (f"step {r['step_ms']} ms (host {r['host_ms']}), slowest {r['max_step_ms']}"
+                     if "host_ms" in r else "")
+            lines.append(f"| {r['model']} | {r['what']} | {r['tok_s']} | {x} | {da} | {steps} |")
         elif "step_ms" in r:
             ck = ", ".join(f"C({k})={v}" for k, v in r.items() if k.isdigit())
             lines.append(f"| {r['model']} | {r['what']} | plain step {r['step_ms']} ms | | | {ck} |")
