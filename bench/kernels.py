@@ -6,7 +6,8 @@ alternative each kernel competes with and what dispatch picks, in one run.
 
 Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton
 kernel, the same kernel under its other launch (`flipped_ops`: the other tile orientation of a
-weight-only kernel; W8A8 / FP8 unsplit where the default splits K), the library's alternative to
+weight-only kernel; W8A8 / FP8 unsplit where the default splits K), for W4A16 the kernel over
+the quartered layout (`w4a16.quarter_int4`, its own launches), the library's alternative to
 it (the weight dequantized by Triton, then cuBLAS, for W4A16 / W8A16; `torch._scaled_mm` for
 FP8; `torch._int_mm` + the scale epilogue for W8A8) and dispatch's choice (`infer/dispatch.py`)
 with its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8 and
@@ -37,7 +38,7 @@ import time
 from pathlib import Path
 
 GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N) of Llama-3-8B
-CPU_SHAPES = [(64, 48)]
+CPU_SHAPES = [(128, 48)]  # K = 128: the quartered layout applies
 GROUP_SIZE = 128
 KINDS = ("w4a16", "w8a16", "w8a8", "fp8")
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # --dtype → torch
@@ -117,6 +118,11 @@ class Layer:
         self.w = (torch.randn(N, K, device=device, generator=gen) * 0.02).to(dtype)
         self.q4 = torch.randint(-8, 8, (N, K), device=device, dtype=torch.int8, generator=gen)
         self.w4 = pack_int4(self.q4)
+        self.w4q = None  # the quartered layout (`w4a16.quarter_int4`) where K and the group allow it
+        if K % 128 == 0 and g % 128 == 0:
+            from quantspec.kernels.w4a16 import quarter_int4
+
+            self.w4q = quarter_int4(self.w4, K)
         self.s4 = (torch.rand(N, K // g, device=device, generator=gen) * 0.01 + 1e-3).to(dtype)
         self.q8 = torch.randint(-127, 128, (N, K), device=device, dtype=torch.int8, generator=gen)
         self.s8 = torch.rand(N, device=device, generator=gen) * 1e-3 + 1e-4
@@ -180,6 +186,16 @@ def flipped_ops(L: Layer, x) -> dict:
     return ops
 
 
+def quartered_op(L: Layer, x):
+    """W4A16 over the quartered layout (`w4a16.quarter_int4`, with its own launches), or None
+    where K or the group size is not a multiple of 128."""
+    from quantspec import kernels
+
+    if L.w4q is None:
+        return None
+    return lambda: kernels.w4a16_linear(x, L.w4q, L.s4, L.group, quartered=True)
+
+
 def dispatch_pick(kind: str, device, M: int, dtype):
     """→ (KernelPath, 'kernel' | 'alt' | None): what dispatch runs for this layer and call, and
     which measured column that is (None: a path this bench does not time)."""
@@ -223,11 +239,14 @@ def run_dtype(dtype_name: str, shapes, ms, device, bench) -> dict:
                 kern, alt = ops[kind]
                 t_k, err_k = _time_or_error(bench, kern)
                 t_f, _ = _time_or_error(bench, flips[kind]) if kind in flips else (None, None)
+                quartered = quartered_op(L, x) if kind == "w4a16" else None
+                t_q = None if quartered is None else _time_or_error(bench, quartered)[0]
                 t_a, err_a = (None, "n/a") if alt is None else _time_or_error(bench, alt)
                 path, col = dispatch_pick(kind, device, M, dtype)
                 t_d = {"kernel": t_k, "alt": t_a}.get(col)
                 rows.append(dict(kind=kind, K=K, N=N, M=M, torch_ms=t_ref, kernel_ms=t_k, kernel_error=err_k,
-                                 flipped_ms=t_f, alt_ms=t_a, alt_error=err_a, dispatch=path.value, dispatch_ms=t_d))
+                                 flipped_ms=t_f, quartered_ms=t_q, alt_ms=t_a, alt_error=err_a, dispatch=path.value,
+                                 dispatch_ms=t_d))
             print(f"  {dtype_name} {K}x{N} M={M} done", flush=True)
     return {"dtype": dtype_name, "device": str(device), "rows": rows}
 
@@ -245,14 +264,16 @@ def markdown(result: dict) -> str:
         if not rows:
             continue
         out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
-        out.append(f"| K×N | M | torch ms | Triton ms (×) | other launch ms (×) | {ALT_NAMES[kind]} ms (×) | "
-                   f"dispatch (×) |")
-        out.append("|---|---|---|---|---|---|---|")
+        quart = kind == "w4a16"
+        out.append(f"| K×N | M | torch ms | Triton ms (×) | other launch ms (×) | "
+                   f"{'quartered ms (×) | ' if quart else ''}{ALT_NAMES[kind]} ms (×) | dispatch (×) |")
+        out.append("|---|---|---|---|---|---|---|" + ("---|" if quart else ""))
         for r in rows:
             t = r["torch_ms"]
             d = f"{r['dispatch']} {_cell(t, r['dispatch_ms'])}" if r["dispatch_ms"] else r["dispatch"]
+            q = f"{_cell(t, r.get('quartered_ms'))} | " if quart else ""
             out.append(f"| {r['K']}×{r['N']} | {r['M']} | {t:.4f} | {_cell(t, r['kernel_ms'], r['kernel_error'])} | "
-                       f"{_cell(t, r.get('flipped_ms'))} | {_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
+                       f"{_cell(t, r.get('flipped_ms'))} | {q}{_cell(t, r['alt_ms'], r['alt_error'])} | {d} |")
         out.append("")
     return "\n".join(out)
 

@@ -25,6 +25,13 @@ scale folded into swapped tiles above 16 rows; a BLOCK_M = 1 launch shape (one r
 multiply-reduce) serves configs that ask for it. Split-K
 partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k` sums in split order
 (deterministic, no atomics).
+
+`quartered` weights (`quarter_int4`, K and the group size multiples of 128): the same codes with
+the nibbles of each 128-k block reordered so that word p holds k = 32i + 2p in nibble i and
+32i + 2p + 1 in nibble i + 4 (i = 0..3). A nibble-dots tile's pair i is then the consecutive
+k of the block's quarter i, which meets a contiguous quarter of x's columns: no shuffle of x,
+and the weight pairs are the MMA's register operand as they are (also as the swapped tiles'
+A operand, for more than 16 rows).
 """
 
 from __future__ import annotations
@@ -47,9 +54,31 @@ from quantspec.kernels._common import (
     split_k_output,
 )
 
-__all__ = ["W4A16Config", "gpu_weight_only_config", "w4a16_default_config", "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
+__all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "w4a16_default_config",
+           "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
+QUARTER_BLOCK = 128  # the k block whose nibbles `quarter_int4` reorders
+
+
+def quartered_order(K: int) -> torch.Tensor:
+    """The k read by position 8p + s of each 128-k block in the quartered layout (module
+    docstring): 32 (s mod 4) + 2p + s // 4, offset by the block's start. K % 128 == 0."""
+    pos = torch.arange(QUARTER_BLOCK)
+    p, s = pos // PACK_FACTOR, pos % PACK_FACTOR
+    local = 32 * (s % 4) + 2 * p + s // 4
+    return (torch.arange(0, K, QUARTER_BLOCK)[:, None] + local[None, :]).reshape(-1)
+
+
+def quarter_int4(w_packed: torch.Tensor, K: int) -> torch.Tensor:
+    """`pack-quantized` words [N, K/8] → the same codes in the quartered layout (module
+    docstring); K must be a multiple of 128."""
+    from quantspec.quant.packing import pack_int4, unpack_int4
+
+    if K % QUARTER_BLOCK:
+        raise QuantSpecError(f"quarter_int4: K={K} must be a multiple of {QUARTER_BLOCK}")
+    q = unpack_int4(w_packed, (w_packed.shape[0], K))
+    return pack_int4(q[:, quartered_order(K).to(q.device)]).to(w_packed.device)
 INT4_OFFSET = 8  # stored nibble = q + 8
 GEMV_MAX_M = 4  # on the CPU interpreter, at or below this M the tests take the GEMV launch shape
 
@@ -67,7 +96,7 @@ class W4A16Config(tuple):
     the x columns 8j + i in a dot of its own (or, with BLOCK_M = 1, a multiply-reduce), eight per
     tile; with fp16 / bf16 operands nibbles i and i + 4 share a dot (four per tile), the two
     16-bit halves of one masked word being the MMA's pair of consecutive k. The sum over k is
-    the same; no register reshuffle between the unpack and the MMA.
+    the same; no register reshuffle between the unpack and the MMA. Swapped or not.
     fold_scale (W4A16 `tl.dot` launches): the weight tile is dequantized with its scale into x's
     dtype before the MMA, which accumulates across tiles; without it, group-aligned tiles feed
     the exact integer codes and scale each tile's partial sums in fp32 (more exact, but every
@@ -129,6 +158,23 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     if not nibble_dots:
         split = max(1, min(split, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
     return W4A16Config(16, 128, block_k, split, 4, 3, swap_ab=not nibble_dots, nibble_dots=nibble_dots)
+
+
+def quartered_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
+    """The launch for `quartered` weights: nibble dots over 128-k tiles for every M, up to 16 rows
+    `gpu_weight_only_config`'s, more rows swapped (the weight pairs as the MMA's register operand,
+    x's quarters read from shared memory as they are); small tiles on the CPU interpreter."""
+    if not on_gpu:
+        return W4A16Config(1, 16, 128, 2, nibble_dots=True) if M <= GEMV_MAX_M else \
+            W4A16Config(16, 16, 128, 1, nibble_dots=True)
+    if M <= 16:
+        return gpu_weight_only_config(M, N, K, QUARTER_BLOCK, nibble_dots=True)
+    if M <= 64:
+        split = max(1, min(triton.cdiv(K, QUARTER_BLOCK) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, 64))))
+        return W4A16Config(32 if M <= 32 else 64, 64, QUARTER_BLOCK, split, 4, 3, swap_ab=True, nibble_dots=True)
+    if M <= 128:
+        return W4A16Config(64, 128, QUARTER_BLOCK, 1, 4, 3, swap_ab=True, nibble_dots=True)
+    return W4A16Config(128, 128, QUARTER_BLOCK, 1, 8, 3, swap_ab=True, nibble_dots=True)
 
 
 def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:
@@ -201,12 +247,13 @@ def _mma(w, x, acc, SWAP_AB: tl.constexpr, DOT_FP32: tl.constexpr):
 def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, KW, group_size,
                       stride_xm, stride_wn, stride_sn, stride_zn,
                       HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr,
-                      SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-                      BLOCK_K: tl.constexpr):
+                      SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr, QUARTERED: tl.constexpr, BLOCK_M: tl.constexpr,
+                      BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
     """One k tile of a launch with `nibble_dots` (`W4A16Config`): the tile's partial sums
     ([BN, BM] with SWAP_AB, else [BM, BN]) times the group's scale, by four dots of 16-bit
     operands, eight of fp32 ones, or for one row (no USE_DOT) eight multiply-reduces. The k tile
-    lies in one group (integer zero points only). EVEN_K: no tile reaches past K."""
+    lies in one group (integer zero points only). EVEN_K: no tile reaches past K. QUARTERED: the
+    words in `quarter_int4`'s layout (BLOCK_K = 128)."""
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)  # [BK/8] the tile's words
     words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
                     mask=mask_n[:, None] & ((offs_w < KW) | EVEN_K)[None, :], other=0)  # [BN, BK/8]
@@ -221,10 +268,10 @@ def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n
         part = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     if USE_DOT and not DOT_FP32:
         part = _paired_nibble_dots(x_ptr, words, z, offs_m, k0, mask_m, K, stride_xm, part, HAS_ZERO,
-                                   SWAP_AB, EVEN_K, BLOCK_K)
+                                   SWAP_AB, EVEN_K, QUARTERED, BLOCK_K)
     else:
-        part = _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, mask_m, K, stride_xm, part, HAS_ZERO,
-                                   USE_DOT, SWAP_AB, EVEN_K)
+        part = _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, k0, mask_m, K, stride_xm, part, HAS_ZERO,
+                                   USE_DOT, SWAP_AB, EVEN_K, QUARTERED)
     if SWAP_AB:
         part = part * s[:, None]
     else:
@@ -235,35 +282,42 @@ def _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n
 @triton.jit
 def _paired_nibble_dots(x_ptr, words, z, offs_m, k0, mask_m, K, stride_xm, part,
                         HAS_ZERO: tl.constexpr, SWAP_AB: tl.constexpr, EVEN_K: tl.constexpr,
-                        BLOCK_K: tl.constexpr):
+                        QUARTERED: tl.constexpr, BLOCK_K: tl.constexpr):
     """`_nibble_dots_tile`'s dots in x's 16-bit float type: four, each over nibbles i and i + 4
-    of every word (k = 8j + i, 8j + i + 4). One mask of a shifted word leaves those two nibbles in
-    its two 16-bit halves, which become the two values' mantissas (the fp16 / bf16 bits of
-    1024 + v / 128 + v, as `small_ints_to_float`): the word is then the pair of codes the MMA
-    takes, after one two-value subtraction."""
+    of every word (k = 8j + i, 8j + i + 4; QUARTERED: k = 32i + 2j, 32i + 2j + 1, a contiguous
+    quarter of the tile). One mask of a shifted word leaves those two nibbles in its two 16-bit
+    halves, which become the two values' mantissas (the fp16 / bf16 bits of 1024 + v / 128 + v,
+    as `small_ints_to_float`): the word is then the pair of codes the MMA takes, after one
+    two-value subtraction."""
     x_dtype: tl.constexpr = x_ptr.dtype.element_ty
     magic: tl.constexpr = 0x64006400 if x_dtype == tl.float16 else 0x43004300
     # the stored nibble is q + 8; with zero points each half holds q - z + 72
     sub: tl.constexpr = (1024.0 if x_dtype == tl.float16 else 128.0) + (72.0 if HAS_ZERO else 8.0)
-    # x's tile [BM, BK] in one load, then the columns of each pair of nibbles: k = 8j + 4h + i
-    # (h = 0 / 1: nibble i / i + 4) as [BM, BK/8, 2(h), 2(i // 2), 2(i % 2)], split on i's bits
-    kk = k0 + tl.arange(0, BLOCK_K)
-    xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
-                 mask=mask_m[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)
-    xt = tl.reshape(xt, (xt.shape[0], BLOCK_K // 8, 2, 2, 2))
-    x_even, x_odd = tl.split(xt)  # i % 2 = 0 / 1: [BM, BK/8, 2, 2]
-    x0, x2 = tl.split(x_even)  # i = 0, 2: [BM, BK/8, 2]
-    x1, x3 = tl.split(x_odd)  # i = 1, 3
+    if not QUARTERED:
+        # x's tile [BM, BK] in one load, then the columns of each pair of nibbles: k = 8j + 4h + i
+        # (h = 0 / 1: nibble i / i + 4) as [BM, BK/8, 2(h), 2(i // 2), 2(i % 2)], split on i's bits
+        kk = k0 + tl.arange(0, BLOCK_K)
+        xt = tl.load(x_ptr + offs_m[:, None] * stride_xm + kk[None, :],
+                     mask=mask_m[:, None] & ((kk < K) | EVEN_K)[None, :], other=0.0)
+        xt = tl.reshape(xt, (xt.shape[0], BLOCK_K // 8, 2, 2, 2))
+        x_even, x_odd = tl.split(xt)  # i % 2 = 0 / 1: [BM, BK/8, 2, 2]
+        x0, x2 = tl.split(x_even)  # i = 0, 2: [BM, BK/8, 2]
+        x1, x3 = tl.split(x_odd)  # i = 1, 3
     for i in tl.static_range(4):
-        if i == 0:
-            xi = x0
-        elif i == 1:
-            xi = x1
-        elif i == 2:
-            xi = x2
+        if QUARTERED:  # the tile's quarter i: columns k0 + 32i ..
+            kq = k0 + i * (BLOCK_K // 4) + tl.arange(0, BLOCK_K // 4)
+            x = tl.load(x_ptr + offs_m[:, None] * stride_xm + kq[None, :],
+                        mask=mask_m[:, None] & ((kq < K) | EVEN_K)[None, :], other=0.0)  # [BM, BK/4]
         else:
-            xi = x3
-        x = tl.reshape(xi, (xt.shape[0], BLOCK_K // 4))  # [BM, BK/4]: columns 8j + i, 8j + i + 4
+            if i == 0:
+                xi = x0
+            elif i == 1:
+                xi = x1
+            elif i == 2:
+                xi = x2
+            else:
+                xi = x3
+            x = tl.reshape(xi, (xi.shape[0], BLOCK_K // 4))  # [BM, BK/4]: columns 8j + i, 8j + i + 4
         t = (words >> (4 * i)) & 0x000F000F  # [BN, BK/8]: nibble i low, nibble i + 4 high
         if HAS_ZERO:  # + 64 - z in each half (the sum is in 0..127: no carry between the halves)
             t = t + (64 - z) * 0x00010001
@@ -276,13 +330,16 @@ def _paired_nibble_dots(x_ptr, words, z, offs_m, k0, mask_m, K, stride_xm, part,
 
 
 @triton.jit
-def _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, mask_m, K, stride_xm, part,
+def _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, k0, mask_m, K, stride_xm, part,
                         HAS_ZERO: tl.constexpr, USE_DOT: tl.constexpr, SWAP_AB: tl.constexpr,
-                        EVEN_K: tl.constexpr):
+                        EVEN_K: tl.constexpr, QUARTERED: tl.constexpr):
     """`_nibble_dots_tile`'s eight dots (fp32 operands) or, for one row, multiply-reduces."""
     for i in tl.static_range(8):
-        nib = (words >> (4 * i)) & 0xF  # [BN, BK/8]: k = 8j + i
-        cols = offs_w * 8 + i
+        nib = (words >> (4 * i)) & 0xF  # [BN, BK/8]: k = 8j + i (QUARTERED: 32 (i mod 4) + 2j + i // 4)
+        if QUARTERED:
+            cols = k0 + 32 * (i % 4) + 2 * (offs_w - k0 // 8) + i // 4
+        else:
+            cols = offs_w * 8 + i
         x = tl.load(x_ptr + offs_m[:, None] * stride_xm + cols[None, :],
                     mask=mask_m[:, None] & ((cols < K) | EVEN_K)[None, :], other=0.0)  # [BM, BK/8]
         if not USE_DOT:  # one row (BLOCK_M = 1): multiply and reduce over the words
@@ -301,7 +358,8 @@ def _w4a16_kernel(
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUP_ALIGNED: tl.constexpr, SCALE_AFTER: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
-    EVEN_K: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    EVEN_K: tl.constexpr, QUARTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -324,7 +382,8 @@ def _w4a16_kernel(
         if NIBBLE_DOTS:
             acc += _nibble_dots_tile(x_ptr, w_ptr, s_ptr, z_ptr, offs_m, offs_n, mask_m, mask_n, k0, K, KW,
                                      group_size, stride_xm, stride_wn, stride_sn, stride_zn,
-                                     HAS_ZERO, USE_DOT, DOT_FP32, SWAP_AB, EVEN_K, BLOCK_M, BLOCK_N, BLOCK_K)
+                                     HAS_ZERO, USE_DOT, DOT_FP32, SWAP_AB, EVEN_K, QUARTERED, BLOCK_M, BLOCK_N,
+                                     BLOCK_K)
         else:
             offs_k = k0 + tl.arange(0, BLOCK_K)  # [BK]
             mask_k = offs_k < K
@@ -464,21 +523,33 @@ def w4a16_linear(
     w_zero: torch.Tensor | None = None,  # [N, K/g] int8/int32, or float (float zp_dtype)
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
+    quartered: bool = False,
 ) -> torch.Tensor:
-    """Triton W4A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
+    """Triton W4A16 linear; `config` overrides the launch heuristic (tests, benchmarks).
+    `quartered`: w_packed in `quarter_int4`'s layout (K and the group size multiples of 128;
+    nibble-dots launches over 128-k tiles, `quartered_config`)."""
     M, N, K = _validate(x, w_packed, w_scale, group_size, w_zero, bias)
     device = check_same_device(x=x, w_packed=w_packed, w_scale=w_scale, w_zero=w_zero, bias=bias)
-    cfg = config or w4a16_default_config(M, N, K, group_size, gpu_launch(device))
+    if quartered and (K % QUARTER_BLOCK or group_size % QUARTER_BLOCK):
+        raise QuantSpecError(f"quartered weights need K ({K}) and the group size ({group_size}) to be "
+                             f"multiples of {QUARTER_BLOCK}")
+    if config is None:
+        cfg = quartered_config(M, N, K, gpu_launch(device)) if quartered else \
+            w4a16_default_config(M, N, K, group_size, gpu_launch(device))
+    else:
+        cfg = config
     bm, bn, bk, split, warps, stages, swap, nibble, fold = cfg
     if bk < PACK_FACTOR:
         raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
     use_dot = bm >= 16
     check_gpu_dot_tile(cfg, device)
     scale_after = group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point()) and not fold
-    if nibble and not (scale_after and not swap and (bm == 1 or (use_dot and bk >= 16 * PACK_FACTOR))):
+    if nibble and not (scale_after and (bm == 1 or (use_dot and bk >= 16 * PACK_FACTOR))):
         raise QuantSpecError(f"W4A16Config.nibble_dots needs block_m 1, or block_m >= 16 with block_k >= "
-                             f"{16 * PACK_FACTOR}; swap_ab and fold_scale off, block_k dividing the group size ({group_size}) "
+                             f"{16 * PACK_FACTOR}; fold_scale off, block_k dividing the group size ({group_size}) "
                              f"and integer zero points; got {tuple(cfg)}")
+    if quartered and not (nibble and bk == QUARTER_BLOCK):
+        raise QuantSpecError(f"quartered weights need a nibble_dots launch with block_k={QUARTER_BLOCK}; got {tuple(cfg)}")
     out = split_k_output(M, N, split, device, x.dtype)
     stride_osplit = 0 if split == 1 else M * N
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
@@ -496,7 +567,7 @@ def w4a16_linear(
         GROUP_ALIGNED=group_size % bk == 0,
         SCALE_AFTER=scale_after,
         USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot, NIBBLE_DOTS=nibble,
-        EVEN_K=K % (bk * split) == 0,
+        EVEN_K=K % (bk * split) == 0, QUARTERED=quartered,
         BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
         num_warps=warps, num_stages=stages,
     )

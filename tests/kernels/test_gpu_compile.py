@@ -148,14 +148,17 @@ K, N, G = 512, 96, 128
 @pytest.mark.parametrize("dtype,zero", [(torch.float16, False), (torch.bfloat16, True)])
 def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
     """Decode and verification rows (1, 16), the swapped tiles (32) and large M (300), with and
-    without integer zero points, and the dequantize kernel: they compile for sm_80 and sm_90,
-    and no weight code becomes a float by an int-to-float conversion."""
+    without integer zero points, over the standard and the quartered layout, and the dequantize
+    kernel: they compile for sm_80 and sm_90, and no weight code becomes a float by an
+    int-to-float conversion."""
     gen = torch.Generator().manual_seed(0)
     wp = pack_int4(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen))
     s = torch.rand(N, K // G, generator=gen).to(dtype)
     z = torch.randint(-8, 8, (N, K // G), dtype=torch.int8, generator=gen) if zero else None
     for M in (1, 16, 32, 300):
         w4a16.w4a16_linear(torch.randn(M, K, generator=gen).to(dtype), wp, s, G, z)
+        w4a16.w4a16_linear(torch.randn(M, K, generator=gen).to(dtype), w4a16.quarter_int4(wp, K), s, G, z,
+                           quartered=True)
     # K = 640: five tiles in two splits, one of them past K, so the loads keep their k masks
     w4a16.w4a16_linear(torch.randn(1, 640, generator=gen).to(dtype),
                        pack_int4(torch.randint(-8, 8, (N, 640), dtype=torch.int8, generator=gen)),
@@ -164,9 +167,11 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
     assert {c["constants"]["EVEN_K"] for c in recorded if c["name"] == "_w4a16_kernel"} == {True, False}
+    quartered = [c["constants"] for c in recorded if c["constants"].get("QUARTERED")]
+    assert {(c["SWAP_AB"], c["NIBBLE_DOTS"]) for c in quartered} == {(False, True), (True, True)}
     assert {c["constants"]["BLOCK_N"] for c in recorded if c["name"] == "_w4_dequant_kernel"} == {32}
     results = _compiled(recorded)
-    assert len(results) >= 2 * 5
+    assert len(results) >= 2 * 8
     assert _int_to_float_in_weight_kernels(results) == []
 
 

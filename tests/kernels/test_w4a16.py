@@ -13,7 +13,7 @@ from quantspec.kernels.w4a16 import (
     w4a16_linear,
     w4a16_linear_ref,
 )
-from quantspec.quant.packing import pack_int4
+from quantspec.quant.packing import pack_int4, unpack_int4
 
 N = 37  # not a multiple of any BLOCK_N
 
@@ -148,7 +148,8 @@ def test_nibble_dots_launch(block_m, zero_dtype, dtype, K):
 def test_nibble_dots_needs_a_tile_in_one_group():
     x, wp, s, g, z, b, _ = _make(1, 384, 128, torch.float32, asym=False, bias=False)
     for cfg in (W4A16Config(16, 16, 64, 1, nibble_dots=True), W4A16Config(4, 16, 128, 1, nibble_dots=True),
-                W4A16Config(1, 16, 256, 1, nibble_dots=True), W4A16Config(16, 16, 128, 1, swap_ab=True, nibble_dots=True)):
+                W4A16Config(1, 16, 256, 1, nibble_dots=True),
+                W4A16Config(16, 16, 128, 1, swap_ab=True, nibble_dots=True, fold_scale=True)):
         with pytest.raises(QuantSpecError, match="nibble_dots needs block_m 1, or block_m >= 16"):
             w4a16_linear(x, wp, s, g, config=cfg)
 
@@ -247,3 +248,49 @@ def test_gpu_dot_tiles_need_k_16(monkeypatch):
     w4a16.check_gpu_dot_tile(W4A16Config(16, 16, 16), cpu)
     with pytest.raises(QuantSpecError, match="block_k=8 must be at least 16"):
         w4a16.check_gpu_dot_tile(W4A16Config(16, 16, 8), cpu)
+
+
+def test_quarter_int4_reorders_each_128_block():
+    """`quarter_int4`: word p of a 128-k block holds k = 32i + 2p in nibble i and 32i + 2p + 1 in
+    nibble i + 4; the codes are the same."""
+    from quantspec.kernels.w4a16 import quarter_int4, quartered_order
+
+    _, wp, _, _, _, _, q = _make(1, 256, 128, torch.float32, asym=False, bias=False, seed=3)
+    quartered = unpack_int4(quarter_int4(wp, 256), (N, 256))
+    order = quartered_order(256)
+    assert torch.equal(quartered, q[:, order]) and sorted(order.tolist()) == list(range(256))
+    for p in (0, 5, 15):
+        for i in range(4):
+            assert order[8 * p + i] == 32 * i + 2 * p and order[8 * p + i + 4] == 32 * i + 2 * p + 1
+            assert order[128 + 8 * p + i] == 128 + 32 * i + 2 * p
+    with pytest.raises(QuantSpecError, match="multiple of 128"):
+        quarter_int4(wp[:, :12], 96)
+
+
+@pytest.mark.parametrize("cfg", [None, W4A16Config(16, 16, 128, 2, nibble_dots=True),
+                                 W4A16Config(16, 16, 128, 1, swap_ab=True, nibble_dots=True),
+                                 W4A16Config(32, 16, 128, 2, 4, 2, swap_ab=True, nibble_dots=True)])
+@pytest.mark.parametrize("M", [1, 3, 17])
+@pytest.mark.parametrize("asym", [False, True])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_quartered_weights_give_the_reference(cfg, M, asym, dtype):
+    """Launches over `quarter_int4`'s layout (the default `quartered_config`: one-row programs or
+    tiles; unswapped and swapped nibble dots, split-K) compute the reference of the standard
+    packing."""
+    from quantspec.kernels.w4a16 import quarter_int4
+
+    x, wp, s, g, z, b, _ = _make(M, 256, 128, dtype, asym=asym, bias=True, seed=M + asym)
+    y = w4a16_linear(x, quarter_int4(wp, 256), s, g, z, b, config=cfg, quartered=True)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
+
+
+def test_quartered_weights_need_128_blocks_and_nibble_dots():
+    from quantspec.kernels.w4a16 import quarter_int4
+
+    x, wp, s, g, _, _, _ = _make(2, 256, 64, torch.float32, asym=False, bias=False)
+    with pytest.raises(QuantSpecError, match="group size .64. to be multiples of 128"):
+        w4a16_linear(x, wp, s, g, quartered=True)
+    x, wp, s, g, _, _, _ = _make(2, 256, 128, torch.float32, asym=False, bias=False)
+    with pytest.raises(QuantSpecError, match="nibble_dots launch with block_k=128"):
+        w4a16_linear(x, quarter_int4(wp, 256), s, g, config=W4A16Config(16, 16, 64, 1), quartered=True)
