@@ -58,6 +58,8 @@ __all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_c
            "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
+INT4_OFFSET = 8  # stored nibble = q + 8
+GEMV_MAX_M = 4  # on the CPU interpreter, at or below this M the tests take the GEMV launch shape
 QUARTER_BLOCK = 128  # the k block whose nibbles `quarter_int4` reorders
 
 
@@ -79,8 +81,6 @@ def quarter_int4(w_packed: torch.Tensor, K: int) -> torch.Tensor:
         raise QuantSpecError(f"quarter_int4: K={K} must be a multiple of {QUARTER_BLOCK}")
     q = unpack_int4(w_packed, (w_packed.shape[0], K))
     return pack_int4(q[:, quartered_order(K).to(q.device)]).to(w_packed.device)
-INT4_OFFSET = 8  # stored nibble = q + 8
-GEMV_MAX_M = 4  # on the CPU interpreter, at or below this M the tests take the GEMV launch shape
 
 
 class W4A16Config(tuple):
@@ -89,8 +89,9 @@ class W4A16Config(tuple):
 
     swap_ab: a `tl.dot` launch computes the transposed tile, weight [BLOCK_N, BLOCK_K] times
     xᵀ [BLOCK_K, BLOCK_M], so that a small M is the MMA's narrow dimension (the weight tile needs
-    no transpose) and BLOCK_N its wide one; on Hopper the dequantized weight is then the MMA's
-    register operand, so the next tile's loads overlap the MMA.
+    no transpose) and BLOCK_N its wide one; on Hopper the dequantized weight is then the MMA's A
+    operand, taken from registers where its layout is the operand's (the quartered layout's
+    nibble dots; an unpacked tile is rearranged through shared memory first, sm_90 SASS shows).
     nibble_dots (W4A16, launches whose k tile lies in one group): the tile's words are not
     unpacked into consecutive k; nibble i of every word ([BLOCK_N, BLOCK_K/8], k = 8j + i) meets
     the x columns 8j + i in a dot of its own (or, with BLOCK_M = 1, a multiply-reduce), eight per
@@ -143,10 +144,10 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     to fill the GPU. With nibble dots (unswapped) the deepest split (8) wherever K allows it: the
     fastest at 1 and 16 rows on the Llama-3-8B shapes of an H100's bf16 sweep (`bench/kernels.py
     --sweep-only`); without them (a group smaller than 128) swapped, split to about `SM_TARGET`
-    programs. More rows: swapped tiles with the scale folded into the weight tile, so that the
-    dequantized weight is the MMA's register operand and the MMA overlaps the next tile's loads
-    (a weight tile dequantized into shared memory makes every tile wait for its MMA). W8A16 has
-    its own small-M launch (`w8a16.w8a16_default_config`)."""
+    programs. More rows: swapped tiles with the scale folded into the weight tile (the MMA then
+    accumulates across tiles instead of scaling each tile's sums; Triton still rearranges the
+    unpacked tile through shared memory for the MMA, which `quartered_config`'s launches avoid).
+    W8A16 has its own small-M launch (`w8a16.w8a16_default_config`)."""
     if M > 64:
         return W4A16Config(64, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True) if M <= 128 else \
             W4A16Config(128, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True)
