@@ -8,9 +8,10 @@
 #   bench/gpu_check.sh --quick [OUTDIR]  # the CUDA tests, kernel tables and end to end only (~6 min)
 #
 # Needs torch, triton, transformers, safetensors, rich, click and pytest (not gguf or
-# compressed-tensors); the calibration tests also need datasets. What the environment lacks is
-# taken from .gpu-vendor/ at the repository root, after the environment's own packages (for a
-# GPU image with Python 3.12: `pip install --no-deps --target .gpu-vendor --python-version 3.12
+# compressed-tensors); the calibration tests also need datasets. Where the environment lacks
+# pytest or datasets, .gpu-vendor/ at the repository root goes on PYTHONPATH (ahead of the
+# environment's packages, so it should hold only what the environment lacks; for a GPU image
+# with Python 3.12: `pip install --no-deps --target .gpu-vendor --python-version 3.12
 # --only-binary=:all: datasets dill multiprocess`, the versions of constraints.txt; a device
 # run carries .gpu-vendor). Writes OUTDIR/BENCHMARKS.md, the steps' logs and JSON; exits
 # non-zero when CUDA is missing (without --cpu) or a step failed.
