@@ -237,16 +237,12 @@ def verify_cost(run: Run, net, runtime, drafts=(0, 1, 2, 4, 8), repeats: int = 6
     return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"step_ms": round(base * 1e3, 3)}
 
 
-def unfused_runtime(run: Run, net, runtime):
-    """The CUDA runtime of `net` with its layers' small ops as torch's ops
-    (`DispatchPolicy.cuda_fused_ops=False`), or None where `runtime` (the default's) does not fuse
-    them either."""
+def runtime_with(run: Run, net, **policy):
+    """The runtime of `net` under a `DispatchPolicy` of the default's but for `policy`'s fields."""
     from quantspec.infer.backend import prepare
     from quantspec.infer.dispatch import DispatchPolicy
 
-    if run.device.type != "cuda" or not getattr(runtime.stack, "fused", False):
-        return None
-    return prepare(net, run.device, policy=DispatchPolicy(cuda_fused_ops=False))
+    return prepare(net, run.device, policy=DispatchPolicy(**policy))
 
 
 def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
@@ -254,15 +250,12 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
     plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
-    unfused = unfused_runtime(run, net, runtime) if name in ("bf16", run.args.spec_model) else None
-    if unfused is not None:
+    compared = run.device.type == "cuda" and name in ("bf16", run.args.spec_model)
+    if compared and getattr(runtime.stack, "fused", False):  # the same model with its small ops unfused
+        unfused = runtime_with(run, net, cuda_fused_ops=False)
         plan += [(f"b{b} small ops unfused", lambda b=b: decode_speed(run, net, unfused, b)) for b in run.args.batch]
-    graphed = run.device.type == "cuda" and getattr(runtime.stack, "use_graphs", False)
-    if graphed and name in ("bf16", run.args.spec_model):
-        from quantspec.infer.backend import prepare
-        from quantspec.infer.dispatch import DispatchPolicy
-
-        eager = prepare(net, run.device, policy=DispatchPolicy(cuda_graphs=False))  # small ops as the default's
+    if compared and getattr(runtime.stack, "use_graphs", False):  # small ops as the default's
+        eager = runtime_with(run, net, cuda_graphs=False)
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))
     if name == run.args.spec_model:
         k = 5

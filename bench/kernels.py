@@ -118,11 +118,10 @@ class Layer:
         self.w = (torch.randn(N, K, device=device, generator=gen) * 0.02).to(dtype)
         self.q4 = torch.randint(-8, 8, (N, K), device=device, dtype=torch.int8, generator=gen)
         self.w4 = pack_int4(self.q4)
-        self.w4q = None  # the quartered layout (`w4a16.quarter_int4`) where K and the group allow it
-        if K % 128 == 0 and g % 128 == 0:
-            from quantspec.kernels.w4a16 import quarter_int4
+        from quantspec.kernels.w4a16 import QUARTER_BLOCK, quarter_int4
 
-            self.w4q = quarter_int4(self.w4, K)
+        # the quartered layout (`w4a16.quarter_int4`) where K and the group allow it
+        self.w4q = quarter_int4(self.w4, K) if K % QUARTER_BLOCK == 0 and g % QUARTER_BLOCK == 0 else None
         self.s4 = (torch.rand(N, K // g, device=device, generator=gen) * 0.01 + 1e-3).to(dtype)
         self.q8 = torch.randint(-127, 128, (N, K), device=device, dtype=torch.int8, generator=gen)
         self.s8 = torch.rand(N, device=device, generator=gen) * 1e-3 + 1e-4
@@ -320,11 +319,11 @@ def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     dots = [(16, bn, bk, sk, False, nib, False) for bn in (64, 128) for sk in (2, 4, 8) for nib in nibs]
     folds = (False, True) if kind == "w4a16" else (False,)
     dots += [(16, bn, bk, sk, True, False, fold) for bn in (64, 128) for sk in (2, 4, 8) for fold in folds]
-    rows = [(1, bn, bk, sk, False, nib, False) for bn in (16, 32, 64) for sk in (2, 4) for nib in nibs]
-    if kind == "w8a16":
+    rows = []  # above one row, a one-row program per row would read the weight M times
+    if M == 1 and kind == "w8a16":
         rows = [(1, bn, k, sk, False, False, False) for bn in (16, 32, 64) for k in (128, 256) for sk in (2, 4)]
-    if M > 1:  # a one-row program per row reads the weight M times
-        rows = []
+    elif M == 1:
+        rows = [(1, bn, bk, sk, False, nib, False) for bn in (16, 32, 64) for sk in (2, 4) for nib in nibs]
     return [W4A16Config(bm, bn, k, sk, 4, 3, swap, nib, fold) for bm, bn, k, sk, swap, nib, fold in dots + rows]
 
 

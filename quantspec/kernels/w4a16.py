@@ -136,6 +136,13 @@ def check_gpu_dot_tile(cfg: W4A16Config, device: torch.device) -> None:
                              f"(block_m >= 16) on a GPU")
 
 
+def _mid_m_rows_and_split(M: int, N: int, K: int, block_k: int, block_n: int) -> tuple[int, int, int, int]:
+    """(BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K) of a swapped launch for 17–64 rows: row tiles of 32 or
+    64, split-K to about half `SM_TARGET` programs (at least two k tiles per split)."""
+    split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, block_n))))
+    return 32 if M <= 32 else 64, block_n, block_k, split
+
+
 def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots: bool = False) -> W4A16Config:
     """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M. Up to
     16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
@@ -152,9 +159,7 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
         return W4A16Config(64, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True) if M <= 128 else \
             W4A16Config(128, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True)
     if M > 16:
-        block_m = 32 if M <= 32 else 64
-        split = max(1, min(triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, 64))))
-        return W4A16Config(block_m, 64, block_k, split, 4, 3, swap_ab=True, fold_scale=True)
+        return W4A16Config(*_mid_m_rows_and_split(M, N, K, block_k, 64), 4, 3, swap_ab=True, fold_scale=True)
     split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2))
     if not nibble_dots:
         split = max(1, min(split, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
@@ -171,8 +176,7 @@ def quartered_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
     if M <= 16:
         return gpu_weight_only_config(M, N, K, QUARTER_BLOCK, nibble_dots=True)
     if M <= 64:
-        split = max(1, min(triton.cdiv(K, QUARTER_BLOCK) // 2, triton.cdiv(SM_TARGET // 2, triton.cdiv(N, 64))))
-        return W4A16Config(32 if M <= 32 else 64, 64, QUARTER_BLOCK, split, 4, 3, swap_ab=True, nibble_dots=True)
+        return W4A16Config(*_mid_m_rows_and_split(M, N, K, QUARTER_BLOCK, 64), 4, 3, swap_ab=True, nibble_dots=True)
     if M <= 128:
         return W4A16Config(64, 128, QUARTER_BLOCK, 1, 4, 3, swap_ab=True, nibble_dots=True)
     return W4A16Config(128, 128, QUARTER_BLOCK, 1, 8, 3, swap_ab=True, nibble_dots=True)
