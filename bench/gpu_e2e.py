@@ -163,9 +163,11 @@ def _free() -> None:
 
 def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, k=0, prompts=None
                  ) -> dict:
-    """Decode-phase tokens/s of `batch` sequences (after their prefill), greedy; a short warm-up
-    run first. → {tok_s, accepted, drafted, step_ms: the median decode step, host_ms: its median
-    time outside the forward (proposing, accepting, recording), max_step_ms: the slowest step}."""
+    """Decode-phase tokens/s of `batch` sequences (after their prefill), greedy; first a warm-up
+    run of the same requests, so that the step shapes the timed run meets have their CUDA graphs
+    (a shape met for the first time pays for its capture). → {tok_s, accepted, drafted, step_ms:
+    the median decode step, host_ms: its median time outside the forward (proposing, accepting,
+    recording), max_step_ms: the slowest step, captures: graphs captured during the timed run}."""
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.sampler import SamplingParams
 
@@ -179,12 +181,14 @@ def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, 
     vocab = net.args.vocab_size
     if prompts is None:
         prompts = [torch.randint(vocab, (a.prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
-    for new in (4, a.new_tokens):  # warm-up, then the timed run
-        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=new)) for p in prompts]
+    graphs = runtime.stack if hasattr(runtime.stack, "captures") else None
+    for _ in range(2):  # warm-up, then the timed run
+        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=a.new_tokens)) for p in prompts]
         while any(s.num_cached == 0 for s in seqs):
             eng.step()
         run.sync()
         steps = []
+        captured = graphs.captures if graphs is not None else 0
         t = time.perf_counter()
         eng.run(on_step=lambda _: steps.append(eng.last_step))
         run.sync()
@@ -195,7 +199,8 @@ def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, 
                 accepted=sum(s.stats.accepted for s in seqs),
                 step_ms=round(statistics.median(st.seconds for st in decode) * 1e3, 3),
                 host_ms=round(statistics.median(st.seconds - st.forward_seconds for st in decode) * 1e3, 3),
-                max_step_ms=round(max(st.seconds for st in decode) * 1e3, 3))
+                max_step_ms=round(max(st.seconds for st in decode) * 1e3, 3),
+                captures=(graphs.captures - captured) if graphs is not None else 0)
 
 
 def repeating_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
@@ -298,6 +303,8 @@ def markdown(run: Run, args) -> str:
             da = f"{r['drafted']} / {r['accepted']}" if r.get("drafted") else ""
             steps = (f"step {r['step_ms']} ms (host {r['host_ms']}), slowest {r['max_step_ms']}"
                      if "host_ms" in r else "")
+            if r.get("captures"):  # graphs the warm-up did not capture: their time is in the row
+                steps += f"; {r['captures']} graph captures"
             lines.append(f"| {r['model']} | {r['what']} | {r['tok_s']} | {x} | {da} | {steps} |")
         elif "step_ms" in r:
             ck = ", ".join(f"C({k})={v}" for k, v in r.items() if k.isdigit())

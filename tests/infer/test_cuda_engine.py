@@ -173,15 +173,17 @@ def test_cuda_graphs_take_uniform_verification_steps(tiny):
 
 
 def test_cuda_graphs_step_aside_for_hooks_and_speculation(tiny):
-    """Speculation over sequences with different numbers of drafts stays lossless (those steps
-    run eagerly); a forward hook on a layer sends every step back to the eager path, where it
-    runs."""
+    """Speculation over sequences with different numbers of drafts replays the graph of the
+    longest (each sequence's rows padded to it) and stays lossless; a forward hook on a layer
+    sends every step back to the eager path, where it runs."""
     res, args = _tensors(tiny, "weight_only_int4")
     net = quantized_model(res.tensors, args, res.config, dtype=torch.float32, device=torch.device("cuda"))[0]
-    prompts = _prompts(args.vocab_size)
+    lone = torch.randperm(args.vocab_size, generator=torch.Generator().manual_seed(9))[:30].tolist()
+    prompts = _prompts(args.vocab_size) + [lone]  # three that repeat themselves, one that does not
     plain, runner = _graph_tokens(net, prompts, graphs=True)
-    spec, _ = _graph_tokens(net, prompts, graphs=True, proposer=ReferenceProposer(2, 4), k=4)
+    spec, spec_runner = _graph_tokens(net, prompts, graphs=True, proposer=ReferenceProposer(2, 4), k=4)
     assert spec == plain and runner.replays > 0
+    assert any(q > 1 for bp, q, _ in spec_runner.graphs if bp == 4)
     calls = []
     handle = net.model.layers[0].register_forward_hook(lambda *a: calls.append(1))
     try:

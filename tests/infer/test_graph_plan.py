@@ -1,7 +1,8 @@
 """Which CUDA graph a step replays (`infer/cuda/graphs.py`), checked without a GPU: the batch
-buckets, a graph per (bucket, rows per sequence), the least recently replayed graph dropped first,
-another cache's graphs dropped, oversized steps and steps that capture residual streams left to
-the eager path."""
+buckets, a graph per (bucket, rows per sequence), a step whose sequences bring different numbers
+of rows in the graph of the longest with each sequence's rows at the start of its own, the least
+recently replayed graph dropped first, another cache's graphs dropped, oversized steps and steps
+that capture residual streams left to the eager path."""
 
 import pytest
 import torch
@@ -24,8 +25,9 @@ class _FakeGraph:
         self.graph = type("G", (), {"replay": lambda self: None})()
         self.out = torch.arange(bp * q, dtype=torch.float32)[:, None].expand(bp * q, 3)
 
-    def fill(self, *args):
+    def fill(self, x, cos, sin, slots, seq, tables, rows=None):
         self.filled += 1
+        self.rows, self.seq = rows, seq
 
 
 class _Planner:
@@ -56,11 +58,13 @@ class _Kernel:
         return None, None, torch.zeros(1, 1), 1
 
 
-def _step(plan, cache, B, q, capture=()):
+def _step(plan, cache, B, q, capture=(), q_lens=None, seq_lens=None, out_rows=None):
+    q_lens = q_lens or [q] * B
     attn = type("A", (), {})()
-    attn.shape, attn.cache = (B, q), cache
-    attn.meta = type("M", (), {"slot_mapping": None})()
-    return plan(torch.zeros(B * q, 3), torch.zeros(B * q, 2), None, attn, None, False, capture)
+    attn.shape, attn.cache = (q_lens, max(q_lens)), cache
+    attn.meta = type("M", (), {"slot_mapping": None, "seq_lens": seq_lens})()
+    rows = sum(q_lens)
+    return plan(torch.zeros(rows, 3), torch.zeros(rows, 2), None, attn, out_rows, False, capture)
 
 
 def test_steps_replay_their_bucket_and_the_least_recent_graph_goes():
@@ -81,3 +85,18 @@ def test_steps_replay_their_bucket_and_the_least_recent_graph_goes():
     other = type("C", (), {"kernel": _Kernel()})()
     _step(plan, other, 1, 1)  # another cache: the graphs of the first are dropped
     assert list(k[:2] for k in plan.graphs) == [(1, 1)]
+
+
+def test_uneven_verification_steps_replay_the_graph_of_their_longest_sequence():
+    """Sequences bringing 1, 4 and 2 rows run in the graph of (4 sequences, 4 rows each): each
+    one's rows are the first of its 4, its context as long as 4 rows make it, and the output rows
+    come back in the step's order (all of them, or the scored ones)."""
+    cache = type("C", (), {"kernel": _Kernel()})()
+    plan = _Planner.make(max_graphs=4)
+    out = _step(plan, cache, 3, 0, q_lens=[1, 4, 2], seq_lens=[10, 20, 7])
+    assert plan.captured == [(4, 4)] and plan.replays == 1
+    g = plan.graphs[(4, 4, False)]
+    assert g.rows.tolist() == [0, 4, 5, 6, 7, 8, 9] and g.seq.tolist() == [13, 20, 9]
+    assert out[:, 0].tolist() == [0, 4, 5, 6, 7, 8, 9]
+    scored = _step(plan, cache, 3, 0, q_lens=[2, 1, 4], seq_lens=[5, 6, 7], out_rows=torch.tensor([1, 2, 5]))
+    assert plan.captured == [(4, 4)] and scored[:, 0].tolist() == [1, 4, 10]

@@ -39,7 +39,7 @@ def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) 
 def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
     """`model` as loaded on CUDA → its `Runtime`. `fuse`: a model's q/k/v and gate/up stacked
     into one projection each (an MTP module keeps the projections it was loaded with). With
-    `policy.cuda_graphs` (and QUANTSPEC_CUDA_GRAPHS not "0"), a model's decode and uniform
+    `policy.cuda_graphs` (and QUANTSPEC_CUDA_GRAPHS not "0"), a model's decode and
     verification steps replay CUDA graphs of its stack (`graphs.py`); with
     `policy.cuda_fused_ops` its layers run their small ops as fused kernels (`layers.py`)."""
     if isinstance(model, MTPModule):

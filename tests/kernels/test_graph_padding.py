@@ -1,0 +1,80 @@
+"""The padded layout of `infer/cuda/graphs.DecodeGraphs` computed for real on a machine without
+a GPU: the graph runner with its capture replaced by running the captured function (the Triton
+paged attention, which the graphs require, and the fused layers under the interpreter), so that
+what a replay reads from the static buffers — padding sequences, and sequences bringing fewer
+rows than the longest — is checked against the eager step over the same rows."""
+
+import types
+
+import pytest
+import torch
+
+from quantspec.infer.cuda.graphs import DecodeGraphs
+
+
+class _Replayed(DecodeGraphs):
+    """`DecodeGraphs` on the CPU: a "graph" reruns the stack over its static buffers at each
+    replay; every graphed step is also run eagerly (after the replay, so the eager step's keys
+    are the ones later steps read) and the largest difference kept."""
+
+    def _graphable(self, x):
+        return True
+
+    def _record(self, g, run):
+        g.out = run()
+        g.graph = types.SimpleNamespace(replay=lambda: g.out.copy_(run()))
+
+    def __call__(self, x, cos, sin, attn, out_rows, row_invariant, capture=()):
+        shape = self._step_shape(x, attn)
+        out = super().__call__(x, cos, sin, attn, out_rows, row_invariant, capture)
+        if shape is not None and out is not None:
+            ref = self._stack(x, cos, sin, attn, row_invariant)
+            ref = ref if out_rows is None else ref[out_rows]
+            self.worst = max(getattr(self, "worst", 0.0), float((out - ref).abs().max() / ref.abs().max()))
+            self.shapes.append(list(attn.meta.q_lens))
+        return out
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU stand-in for a GPU's graphs")
+def test_padded_graph_rows_are_the_eager_rows(tmp_path):
+    """n-gram speculation over three sequences (each step: different numbers of drafts, three
+    sequences in the graph of four) through the replayed graphs gives the eager step's rows
+    (fp32, within MKL's row-count rounding) and the tokens of plain decoding."""
+    from dataclasses import replace
+
+    from quantspec.infer.cuda import prepare
+    from quantspec.infer.cuda.attention import TritonAttention
+    from quantspec.infer.dispatch import DispatchPolicy
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.sampler import SamplingParams
+    from quantspec.infer.spec.proposers import ReferenceProposer
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    d = build_tiny_model(tmp_path / "m", hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
+    gen = torch.Generator().manual_seed(5)
+    seg = [torch.randint(200, (12,), generator=gen).tolist() for _ in range(2)]
+    # two that repeat themselves (n-gram drafts match) and one that does not (no drafts)
+    prompts = [(s * 4)[: 20 + 7 * i] for i, s in enumerate(seg)] + [torch.randperm(200, generator=gen)[:30].tolist()]
+
+    def tokens(proposer=None, k=0, graphs=True):
+        net, _ = load_model(d)
+        runtime = prepare(net, torch.device("cpu"), DispatchPolicy(cuda_fused_ops=True))
+        stack = _Replayed(net.model.layers, max_batch=4, graphs=graphs, fused=True)
+        stack.shapes = []
+        runtime = replace(runtime, stack=stack, attention=TritonAttention)
+        eng = Engine(net, EngineConfig(max_batch_size=3, max_length=96, spec_max_draft_tokens=k),
+                     eos_token_ids=[], proposer=proposer, runtime=runtime)
+        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+        eng.run()
+        return [list(s.output_ids) for s in seqs], stack
+
+    plain, _ = tokens(graphs=False)
+    graphed, stack = tokens()
+    assert graphed == plain and stack.replays >= 9 and {k[:2] for k in stack.graphs} == {(4, 1)}
+    spec, stack = tokens(ReferenceProposer(2, 4), k=4)
+    assert spec == plain
+    uneven = [q for q in stack.shapes if len(set(q)) > 1]
+    assert uneven and any(max(q) > 1 for q in uneven)  # the steps this layout exists for were taken
+    assert stack.worst <= 1e-5
+    assert stack.captures == len(stack.graphs) and all(bp == 4 for bp, _, _ in stack.graphs)
