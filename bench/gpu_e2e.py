@@ -2,7 +2,7 @@
 quantized by quantspec (RTN; a8w8 / a8w8_fp8 with static activation scales calibrated on random
 tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the same run.
 
-    python bench/gpu_e2e.py [--out DIR] [--quant bf16,int4,int8,fp8,a8w8] [--batch 1,32]
+    python bench/gpu_e2e.py [--out DIR] [--quant bf16,int4,int4q,int8,fp8,a8w8] [--batch 1,32]
                             [--layers 32] [--prompt-tokens 256] [--new-tokens 64] [--budget-s 300]
     python bench/gpu_e2e.py --device cpu            # tiny shapes on the CPU engine (smoke)
 
@@ -13,7 +13,8 @@ fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_w
 the back-off on; a random model rarely continues its prompt, so this measures what speculation
 costs when it is not accepted), and the verification cost C(k) = time of a step verifying k
 drafts / a plain step (what the back-off's `SpecCost` models), from which the speedup of
-speculation at an acceptance rate follows.
+speculation at an acceptance rate follows. int4q is the int4 model with its codes in the
+quartered layout (`DispatchPolicy.cuda_int4_quartered`), beside int4 in the standard one.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
 measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md` holds the tables.
@@ -38,7 +39,11 @@ SHAPES = {
     "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
                  num_kv_heads=1, max_position_embeddings=1024),
 }
-QUANTS = {"int4": "weight_only_int4", "int8": "weight_only_int8", "a8w8": "a8w8", "fp8": "a8w8_fp8"}
+QUANTS = {"int4": "weight_only_int4", "int4q": "weight_only_int4", "int8": "weight_only_int8", "a8w8": "a8w8",
+          "fp8": "a8w8_fp8"}
+# a model's dispatch policy where it is not the default's: int4q is int4 with its codes in the
+# quartered layout (`DispatchPolicy.cuda_int4_quartered`)
+POLICIES = {"int4q": dict(cuda_int4_quartered=True)}
 
 
 class Run:
@@ -129,6 +134,13 @@ def calibrate(run: Run, net, args) -> tuple[dict, torch.Tensor, torch.Tensor]:
     return amax, k_amax, v_amax
 
 
+def policy_of(quant: str):
+    """The `DispatchPolicy` a model of `quant` is loaded and run with."""
+    from quantspec.infer.dispatch import DispatchPolicy
+
+    return DispatchPolicy(**POLICIES.get(quant, {}))
+
+
 def quantized(run: Run, args, quant: str, amax: dict):
     """(model, seconds to quantize) of `quant` from a fresh copy of the float model."""
     from quantspec.calib.ptq import quantize_model
@@ -149,7 +161,7 @@ def quantized(run: Run, args, quant: str, amax: dict):
     seconds = time.perf_counter() - t
     del net
     qnet, _, _ = quantized_model(res.tensors, args, res.config, dtype=run.dtype, device=run.device,
-                                 where=f"random {quant}")
+                                 policy=policy_of(quant), where=f"random {quant}")
     del res
     _free()
     return qnet, seconds
@@ -320,7 +332,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--out", default="out/gpu_e2e")
-    ap.add_argument("--quant", default="bf16,int4,int8,fp8,a8w8")
+    ap.add_argument("--quant", default="bf16,int4,int4q,int8,fp8,a8w8",
+                    help="models to build: bf16 and quantized ones (int4q: int4 in the quartered layout)")
     ap.add_argument("--batch", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
     ap.add_argument("--prompt-tokens", type=int, default=256)
@@ -351,7 +364,7 @@ def main(argv=None) -> int:
                 _free()
                 qnet, seconds = quantized(run, args, quant, amax)
                 run.record(model=quant, what="quantize (RTN, on the device)", seconds=round(seconds, 2))
-            runtime = prepare(qnet, run.device)
+            runtime = prepare(qnet, run.device, policy=policy_of(quant))
             measure_model(run, quant, qnet, runtime, kv_scales=(k_amax, v_amax))
         except Exception as e:  # noqa: BLE001 - the next model still runs
             run.record(model=quant, what="build", error=f"{type(e).__name__}: {str(e).splitlines()[0][:200]}")

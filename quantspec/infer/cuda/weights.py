@@ -3,8 +3,10 @@
 Layouts: int4 codes as stored in the checkpoint's words `weight_packed` int32 [N, K/8] (what the
 Triton kernel reads) with their scale `w4_scale` [N, groups] (in the activations' dtype where
 that holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it into the
-weight tile by two-value multiplies, with the same numbers; else fp32), int8 codes `qweight`
-[N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels (`kernels.w4a16`
+weight tile by two-value multiplies, with the same numbers; else fp32), or, with
+`DispatchPolicy.cuda_int4_quartered` where K and the group size are multiples of 128, those words
+in `kernels.w4a16.quarter_int4`'s layout (`quartered`; `k_order`: the k each position holds);
+int8 codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels (`kernels.w4a16`
 / `w8a16` / `w8a8` / `fp8`) for any prepared weight: on CUDA, or on CPU tensors under
 TRITON_INTERPRET=1 (the tests).
 """
@@ -17,6 +19,8 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import KernelPath, LinearKind
 from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
 from quantspec.quant.packing import pack_int4, unpack_int4
+
+QUARTER_BLOCK = 128  # `kernels.w4a16.QUARTER_BLOCK` (imported with triton, where the layout is built)
 
 __all__ = ["CudaWeight", "triton_linear"]
 
@@ -31,12 +35,19 @@ class CudaWeight(PreparedWeight):
             fp8_native = torch.cuda.get_device_capability(device) >= (8, 9)
         super().__init__(layer_traits(layer, kind, fp8_native=fp8_native), layer.weight_scale, layer.out_features)
         self.in_features = layer.in_features
-        for name in ("qweight", "weight_packed", "w4_scale", "weight_fp8"):
+        for name in ("qweight", "weight_packed", "w4_scale", "weight_fp8", "k_order"):
             self.register_buffer(name, None)
+        self.quartered = False
         if kind is LinearKind.FP8:
             self.weight_fp8 = q.to(device)
         elif kind is LinearKind.W4A16:
             self.weight_packed = pack_int4(q.to(torch.int8)).to(device)  # [N, ceil(K/8)]
+            if layer.policy.cuda_int4_quartered and _quarterable(layer):
+                from quantspec.kernels.w4a16 import quarter_int4, quartered_order
+
+                self.weight_packed = quarter_int4(self.weight_packed, self.in_features)
+                self.k_order = quartered_order(self.in_features).to(device)
+                self.quartered = True
             s = _w4_scale(layer)
             narrow = s.to(layer.dtype)
             self.w4_scale = narrow if torch.equal(narrow.float(), s) else s
@@ -50,7 +61,10 @@ class CudaWeight(PreparedWeight):
             return self.qweight
         if self.weight_fp8 is not None:
             return self.weight_fp8
-        return unpack_int4(self.weight_packed, (self.out_features, self.in_features))
+        q = unpack_int4(self.weight_packed, (self.out_features, self.in_features))
+        if self.quartered:  # position p holds k_order[p]
+            q = torch.empty_like(q).index_copy_(1, self.k_order, q)
+        return q
 
     def run(self, layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
         return triton_linear(layer, x, path)
@@ -65,8 +79,8 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
     if path is KernelPath.TRITON_W4A16:
         w = getattr(p, "weight_packed", None)
         w = w if w is not None else pack_int4(layer.codes())
-        g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
-        return kernels.w4a16_linear(x, w, _prepared_w4_scale(layer), g, layer.weight_zero_point, b)
+        return kernels.w4a16_linear(x, w, _prepared_w4_scale(layer), _w4_group(layer), layer.weight_zero_point, b,
+                                    quartered=getattr(p, "quartered", False))
     if path is KernelPath.TRITON_W8A16:
         return kernels.w8a16_linear(x, layer.codes(), p.w_scale_vec, b)
     if path is KernelPath.TRITON_W8A8:
@@ -78,22 +92,38 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         op = kernels.fp8_linear if path is KernelPath.TRITON_FP8 else kernels.fp8_scaled_mm_linear
         return op(x, w, p.w_scale_vec, layer.input_scale, b)
     if path is KernelPath.CUDA_DEQUANT_MM:
+        if getattr(p, "quartered", False):  # the weight's columns in the quartered order: x's too
+            x = x.index_select(1, p.k_order)
         return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)
     raise QuantSpecError(f"unknown kernel path {path!r}")
 
 
 def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
-    """The layer's [N, K] weight in `dtype` by the Triton dequantize kernels."""
+    """The layer's [N, K] weight in `dtype` by the Triton dequantize kernels (a quartered int4
+    layer's with its columns in the quartered order: each stays in its 128-k block, so in its
+    group)."""
     from quantspec import kernels
 
     if layer.traits.kind is LinearKind.W4A16:
         p = layer.prepared
         w = getattr(p, "weight_packed", None)
         w = w if w is not None else pack_int4(layer.codes())
-        g = layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
-        return kernels.w4a16_dequantize(w, _prepared_w4_scale(layer), g, layer.in_features,
+        return kernels.w4a16_dequantize(w, _prepared_w4_scale(layer), _w4_group(layer), layer.in_features,
                                         layer.weight_zero_point, dtype)
     return kernels.w8a16_dequantize(layer.codes(), layer.prepared.w_scale_vec, dtype)
+
+
+def _w4_group(layer: QuantLinear) -> int:
+    """The k per scale of an int4 layer (the whole row for a per-channel or per-tensor scale)."""
+    return layer.weight_args.group_size if layer.weight_args.strategy == "group" else layer.in_features
+
+
+def _quarterable(layer: QuantLinear) -> bool:
+    """Whether an int4 layer can take the quartered layout: K and the group size multiples of
+    128, integer zero points (the nibble-dots launches apply the scale after each tile's dot)."""
+    zp = layer.weight_zero_point
+    return (layer.in_features % QUARTER_BLOCK == 0 and _w4_group(layer) % QUARTER_BLOCK == 0
+            and (zp is None or not zp.is_floating_point()))
 
 
 def _w4_scale(layer: QuantLinear) -> torch.Tensor:
