@@ -585,28 +585,49 @@ def w4a16_linear(
 @triton.jit
 def _w4_dequant_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_wn, stride_sn, stride_zn, stride_on,
-    HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, GROUP_ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
+    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
+    """One [BLOCK_N, BLOCK_K] tile of the weight, as [BLOCK_N, BLOCK_K / 8, 8]: word j's nibble i
+    is k = 8j + i, so each thread writes the eight k of the words it loaded (no exchange between
+    threads). GROUP_ALIGNED (BLOCK_K divides the group size): the tile lies in one group, whose
+    scale (and zero point) each row loads once. EVEN_K (BLOCK_K divides K): no k masks, so that a
+    thread's words come in one vector load."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
-    offs_k = k0 + tl.arange(0, BLOCK_K)
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
     mask_n = offs_n < N
-    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :],
-                    mask=mask_n[:, None] & (offs_w < tl.cdiv(K, 8))[None, :], other=0)
-    nib = _nibbles(words, BLOCK_K)
-    mask = mask_n[:, None] & (offs_k < K)[None, :]
-    g = offs_k // group_size
-    s = tl.load(s_ptr + offs_n[:, None] * stride_sn + g[None, :], mask=mask, other=0.0)
+    if EVEN_K:
+        w_mask = mask_n[:, None]
+    else:
+        w_mask = mask_n[:, None] & (offs_w < tl.cdiv(K, 8))[None, :]
+    words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=w_mask, other=0)
+    i = tl.arange(0, 8)
+    nib = (words[:, :, None] >> (i * 4)[None, None, :]) & 0xF  # [BN, BK/8, 8]
+    offs_k = offs_w[None, :, None] * 8 + i[None, None, :]  # [1, BK/8, 8]
+    if EVEN_K:
+        mask = mask_n[:, None, None]
+    else:
+        mask = mask_n[:, None, None] & (offs_k < K)
+    if GROUP_ALIGNED:  # [BN, 1, 1]: one group per row of the tile
+        s_off = offs_n[:, None, None] * stride_sn + k0 // group_size
+        z_off = offs_n[:, None, None] * stride_zn + k0 // group_size
+        s_mask = mask_n[:, None, None]
+    else:
+        g = offs_k // group_size
+        s_off = offs_n[:, None, None] * stride_sn + g
+        z_off = offs_n[:, None, None] * stride_zn + g
+        s_mask = mask
+    s = tl.load(s_ptr + s_off, mask=s_mask, other=0.0)
     if HAS_ZERO and ZERO_FLOAT:
-        z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0.0).to(tl.float32)
+        z = tl.load(z_ptr + z_off, mask=s_mask, other=0.0).to(tl.float32)
         w = ((_codes(nib, 0, False, tl.float32) - z) * s.to(tl.float32)).to(out_ptr.dtype.element_ty)
     else:
         z = 0
         if HAS_ZERO:
-            z = tl.load(z_ptr + offs_n[:, None] * stride_zn + g[None, :], mask=mask, other=0).to(tl.int32)
+            z = tl.load(z_ptr + z_off, mask=s_mask, other=0).to(tl.int32)
         w = _scaled_codes(nib, z, s, HAS_ZERO, out_ptr.dtype.element_ty)
-    tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :], w, mask=mask)
+    tl.store(out_ptr + offs_n[:, None, None] * stride_on + offs_k, w, mask=mask)
 
 
 def w4a16_dequantize_ref(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: int, K: int,
@@ -631,6 +652,6 @@ def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: 
         w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
         w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),
         HAS_ZERO=w_zero is not None, ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(),
-        BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
     )
     return out
