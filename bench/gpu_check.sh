@@ -7,14 +7,17 @@
 #   bench/gpu_check.sh --cpu [OUTDIR]    # the same steps on CPU: tiny shapes, Triton's interpreter
 #   bench/gpu_check.sh --quick [OUTDIR]  # the CUDA tests, kernel tables and end to end only (~6 min)
 #
-# Needs torch, triton, transformers, safetensors, rich, click and pytest (not gguf or
-# compressed-tensors); the calibration tests also need datasets. Where the environment lacks
-# pytest or datasets, .gpu-vendor/ at the repository root goes on PYTHONPATH (ahead of the
+# Needs torch, triton, transformers, safetensors, rich, click and pytest (not gguf, datasets or
+# compressed-tensors: the calibration tests read their text without datasets where it is
+# missing). The server's GPU test also needs fastapi, uvicorn and prometheus_client: where the
+# environment lacks them, .gpu-vendor/ at the repository root goes on PYTHONPATH (ahead of the
 # environment's packages, so it should hold only what the environment lacks; for a GPU image
-# with Python 3.12: `pip install --no-deps --target .gpu-vendor --python-version 3.12
-# --only-binary=:all: datasets dill multiprocess`, the versions of constraints.txt; a device
-# run carries .gpu-vendor). Writes OUTDIR/BENCHMARKS.md, the steps' logs and JSON; exits
-# non-zero when CUDA is missing (without --cpu) or a step failed.
+# with Python 3.12, 18 MB: `pip install --no-deps --target .gpu-vendor --python-version 3.12
+# --only-binary=:all: -c constraints.txt fastapi starlette pydantic pydantic_core annotated-types
+# annotated-doc typing-inspection opentelemetry-api anyio sniffio idna h11 uvicorn
+# prometheus_client`; a device run carries .gpu-vendor), else that test is left out. Writes
+# OUTDIR/BENCHMARKS.md, the steps' logs and JSON; exits non-zero when CUDA is missing (without
+# --cpu) or a step failed.
 set -u
 cd "$(dirname "$0")/.."
 CPU=0
@@ -24,9 +27,12 @@ if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
 DEST=${1:-${OUT:-out/gpu_check}}
 mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
-if [ -d .gpu-vendor ] && ! python -c "import pytest, datasets" 2>/dev/null; then
+SERVE_DEPS="import fastapi, uvicorn, prometheus_client"
+if [ -d .gpu-vendor ] && ! python -c "$SERVE_DEPS" 2>/dev/null; then
     export PYTHONPATH="$PYTHONPATH:$PWD/.gpu-vendor"
 fi
+GPU_TESTS=(tests/calib/test_stream_cuda.py tests/infer tests/kernels)
+if python -c "$SERVE_DEPS" 2>/dev/null; then GPU_TESTS+=(tests/serve/test_cuda_serve.py); fi
 if [ "$CPU" = 0 ] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is_available() else 1)" 2>/dev/null; then
     echo "gpu_check.sh: no CUDA GPU here (torch.cuda.is_available() is False); pass --cpu for the CPU run" >&2
     exit 1
@@ -54,11 +60,11 @@ step() {
 PYTEST=(python -m pytest -v -p no:cacheprovider -rfE --tb=short --durations=10)
 if python -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=60); fi
 if [ "$CPU" = 0 ] && [ "$QUICK" = 1 ]; then
-    step gpu_tests 150 "${PYTEST[@]}" -m gpu tests/calib/test_stream_cuda.py tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
+    step gpu_tests 150 "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" --junitxml="$DEST/gpu_tests.xml"
     step kernels 85 python bench/kernels.py --dtype fp16 --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 120
 elif [ "$CPU" = 0 ]; then
-    step gpu_tests 150 "${PYTEST[@]}" -m gpu tests/calib/test_stream_cuda.py tests/infer tests/kernels --junitxml="$DEST/gpu_tests.xml"
+    step gpu_tests 150 "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" --junitxml="$DEST/gpu_tests.xml"
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
     step sweep 100 python bench/kernels.py --sweep-only --out "$DEST"

@@ -10,7 +10,6 @@ import dataclasses
 import threading
 import time
 
-import httpx2
 import pytest
 
 from quantspec.infer.predictor import InferConfig, Predictor
@@ -91,9 +90,17 @@ def start_server(tiny_llama_dir, tiny_loaded):
 
 
 @pytest.fixture
+def serve():
+    """serve(config, loaded=None, tweak=None): `running_server` for a test's own model and config."""
+    return running_server
+
+
+@pytest.fixture
 def metric():
     """metric(url, name) → the value of the sample `name` (with its labels, if any) on /metrics."""
     def read(url: str, name: str) -> float:
+        import httpx2
+
         for line in httpx2.get(f"{url}/metrics").text.splitlines():
             if line.startswith(name + "{") or line.startswith(name + " "):
                 return float(line.rsplit(" ", 1)[1])
