@@ -83,7 +83,9 @@ class SpecCost:
     `for_device` gives the constants per device. On a CPU a decode forward is bound by streaming
     the weights, and extra verification rows ride along until their FMAs no longer overlap that
     stream: a base whose every linear computes all rows in one pass over its packed weights
-    (`packed_cpu`) costs 0.05 a row, other bases 0.15. On a GPU a few extra rows are nearly free.
+    (`packed_cpu`) costs 0.05 a row, other bases 0.15. On a GPU a few extra rows are nearly free:
+    an H100's int4 8B-shaped step at batch 1 (CUDA graphs) cost C(1) = 1.09, C(4) = 1.11 and
+    C(8) = 1.08 plain steps (`bench/gpu_e2e.py`).
     `bench/spec_cost.py` measures whole engine steps per k beside this model, to check or
     recalibrate the constants on a device.
     """
@@ -106,7 +108,7 @@ class SpecCost:
         all rows of a step in one pass over packed weights (`Runtime.packed_rows`)."""
         draft = dict(draft_per_token=draft_per_token, draft_fixed=draft_fixed)
         if torch.device(device).type == "cuda":
-            return cls(verify_fixed=0.05, verify_per_token=0.01, **draft)
+            return cls(verify_fixed=0.085, verify_per_token=0.0025, **draft)
         if packed_cpu:
             return cls(verify_fixed=0.0, verify_per_token=0.05, **draft)
         return cls(verify_fixed=0.0, verify_per_token=0.15, **draft)
