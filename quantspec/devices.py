@@ -1,10 +1,10 @@
-"""The device a command runs on, from its `--device` flag."""
+"""The device a command runs on, from its `--device` flag; waiting for a device's queued work."""
 
 from __future__ import annotations
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["AUTO", "resolve_device"]
+__all__ = ["AUTO", "device_done", "resolve_device"]
 
 AUTO = "auto"
 _KINDS = ("cpu", "cuda")
@@ -32,3 +32,13 @@ def resolve_device(name: str, flag: str = "--device") -> str:
         if device.index is not None and device.index >= torch.cuda.device_count():
             raise QuantSpecError(f"{flag} {name}: this machine has {torch.cuda.device_count()} CUDA device(s)")
     return str(device)
+
+
+def device_done(device) -> None:
+    """Return once the work queued on `device` has run: a CUDA call returns as soon as its kernels
+    are queued, so a timing of it ends here. Nothing to wait for on the CPU."""
+    import torch
+
+    device = torch.device(device)
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)

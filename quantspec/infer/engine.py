@@ -39,6 +39,7 @@ from typing import Callable, Protocol
 
 import torch
 
+from quantspec.devices import device_done
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
@@ -203,6 +204,7 @@ class Engine:
                 for (s, n), d in zip(plan, drafts)]
         t_forward = time.perf_counter()
         scored, ids, logits = self._forward(seqs, news, drafts, row_invariant=not prefill, trees=trees)
+        device_done(self.device)  # the forward's kernels, not only their launches (the pick waits anyway)
         t_forward = time.perf_counter() - t_forward
         done = [i for i, (s, n) in enumerate(plan) if not n or s.num_cached + n == len(s.prompt_ids)]
         for s, n in plan:

@@ -36,6 +36,7 @@ import time
 
 import torch
 
+from quantspec.devices import device_done
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention
 
 __all__ = ["LoadAwareDrafts", "StepCosts", "measure_step_costs"]
@@ -168,16 +169,19 @@ class LoadAwareDrafts:
 @torch.inference_mode()
 def _time_rows(engine, rows: int, repeats: int) -> float:
     """The mean of `repeats` decode-like forwards feeding `rows` rows (spread over up to
-    max_batch_size sequences of one block each), with the greedy pick of every row (after one
-    forward that is not timed): what a step's `forward_seconds` measures."""
+    max_batch_size sequences, each after a cached block of context, as a decode or verification
+    step brings them: the forward a step takes, CUDA graphs included), with the greedy pick of
+    every row (after one forward that is not timed, which compiles and captures): what a step's
+    `forward_seconds` measures."""
     n = min(rows, engine.config.max_batch_size)
     q = [rows // n + (i < rows % n) for i in range(n)]
     bs = engine.config.block_size
-    tables = [engine.cache.allocator.allocate(-(-ql // bs)) for ql in q]
+    ctx = bs
+    tables = [engine.cache.allocator.allocate(-(-(ctx + ql) // bs)) for ql in q]
     try:
-        meta = AttentionMetadata.build(q, q, tables, bs, engine.device, engine.cache.kernel)
+        meta = AttentionMetadata.build(q, [ctx + ql for ql in q], tables, bs, engine.device, engine.cache.kernel)
         ids = torch.zeros(rows, dtype=torch.int64, device=engine.device)
-        pos = torch.cat([torch.arange(ql) for ql in q]).to(engine.device)
+        pos = torch.cat([torch.arange(ctx, ctx + ql) for ql in q]).to(engine.device)
         total = 0.0
         for i in range(repeats + 1):
             t0 = time.perf_counter()
@@ -187,6 +191,7 @@ def _time_rows(engine, rows: int, repeats: int) -> float:
                 engine.runtime.greedy(hidden)
             else:
                 engine.model.compute_logits(hidden, row_invariant=True).argmax(-1)
+            device_done(engine.device)
             total += (time.perf_counter() - t0) if i else 0.0
         return total / repeats
     finally:
