@@ -224,6 +224,42 @@ class Engine:
             self.draft_limit.observe(self.last_step, seqs, drafts, accepted)
         return events
 
+    @torch.inference_mode()
+    def dry_forward(self, q_lens: list[int]) -> float:
+        """Seconds of a decode-like forward (kernels included) of len(q_lens) sequences bringing
+        q_lens[b] rows each after a cached block of context, and the pick of every row's token:
+        what a decode (every q 1) or verification step's forward costs, through the path such a
+        step takes (the first forward of a shape captures its CUDA graph). Token 0 throughout,
+        in KV blocks taken for it and given back: no sequence changes."""
+        bs = self.config.block_size
+        tables = [self.cache.allocator.allocate(-(-(bs + q) // bs)) for q in q_lens]
+        try:
+            t0 = time.perf_counter()
+            meta = AttentionMetadata.build(q_lens, [bs + q for q in q_lens], tables, bs, self.device, self.cache.kernel)
+            ids = torch.zeros(sum(q_lens), dtype=torch.int64, device=self.device)
+            pos = torch.cat([torch.arange(bs, bs + q) for q in q_lens]).to(self.device)
+            hidden = self.model(ids, pos, PagedAttention(self.cache, meta), None, row_invariant=True,
+                                stack=self.runtime.stack)
+            if self.runtime.greedy is not None:
+                self.runtime.greedy(hidden)
+            else:
+                self.model.compute_logits(hidden, row_invariant=True).argmax(-1)
+            device_done(self.device)
+            return time.perf_counter() - t0
+        finally:
+            for t in tables:
+                self.cache.allocator.free(t)
+
+    def warm_up(self) -> None:
+        """Before serving: a dry decode step in each of the padded batch sizes the runtime's stack
+        captures CUDA graphs for (its `buckets`) that a batch of up to max_batch_size sequences
+        meets, so that no request waits while a graph is captured (a few eager steps' time) the
+        first time its batch size occurs. Nothing where the stack captures none."""
+        stack = self.runtime.stack
+        if getattr(stack, "use_graphs", False):
+            for n in sorted({min(b, self.config.max_batch_size) for b in stack.buckets}):
+                self.dry_forward([1] * n)
+
     def _propose(self, seqs: list[Sequence]
                  ) -> tuple[list[list[int]], list[torch.Tensor | None], list[list[int] | None] | None]:
         """Each decoding sequence's drafts, at most its budget, the draft probs [k_b, V] they were

@@ -71,6 +71,7 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
     """The model, its engine and the engine loop (started); `loaded`: a `LoadedModel` to reuse."""
     predictor = Predictor(config.infer_config(), loaded=loaded)
     engine = predictor.engine
+    engine.warm_up()  # CUDA: the decode steps' graphs, captured before any request waits on one
     if config.speculate_method != "none" and config.load_aware:
         from quantspec.infer.spec.load import LoadAwareDrafts, measure_step_costs
 

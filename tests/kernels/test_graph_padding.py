@@ -62,7 +62,8 @@ needs_no_gpu = pytest.mark.skipif(torch.cuda.is_available(), reason="the CPU sta
 def test_padded_graph_rows_are_the_eager_rows(tmp_path):
     """n-gram speculation over three sequences (each step: different numbers of drafts, three
     sequences in the graph of four) through the replayed graphs gives the eager step's rows
-    (fp32, within MKL's row-count rounding) and the tokens of plain decoding."""
+    (fp32, within MKL's row-count rounding) and the tokens of plain decoding; an engine warmed up
+    before its requests captures no graph while they run."""
     from quantspec.infer.sampler import SamplingParams
     from quantspec.infer.spec.proposers import ReferenceProposer
     from quantspec.model_zoo.tiny import build_tiny_model
@@ -82,6 +83,12 @@ def test_padded_graph_rows_are_the_eager_rows(tmp_path):
     plain, _ = tokens(graphs=False)
     graphed, stack = tokens()
     assert graphed == plain and stack.replays >= 9 and {k[:2] for k in stack.graphs} == {(4, 1)}
+    eng, stack = _engine(d)
+    eng.warm_up()  # what `quantspec serve` does first: the decode graphs of batches of 1 to 3 (buckets 1, 2, 4)
+    assert {k[:2] for k in stack.graphs} == {(1, 1), (2, 1), (4, 1)} and stack.captures == 3
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=10)) for p in prompts]
+    eng.run()
+    assert [list(s.output_ids) for s in seqs] == plain and stack.captures == 3  # no step waited on a capture
     spec, stack = tokens(ReferenceProposer(2, 4), k=4)
     assert spec == plain
     uneven = [q for q in stack.shapes if len(set(q)) > 1]

@@ -32,12 +32,6 @@ from __future__ import annotations
 
 import bisect
 import math
-import time
-
-import torch
-
-from quantspec.devices import device_done
-from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention
 
 __all__ = ["LoadAwareDrafts", "StepCosts", "measure_step_costs"]
 
@@ -166,37 +160,15 @@ class LoadAwareDrafts:
                 self._ema(self.accept[j], float(j < a))
 
 
-@torch.inference_mode()
 def _time_rows(engine, rows: int, repeats: int) -> float:
-    """The mean of `repeats` decode-like forwards feeding `rows` rows (spread over up to
-    max_batch_size sequences, each after a cached block of context, as a decode or verification
-    step brings them: the forward a step takes, CUDA graphs included), with the greedy pick of
-    every row (after one forward that is not timed, which compiles and captures): what a step's
+    """The mean of `repeats` decode-like forwards (`Engine.dry_forward`) feeding `rows` rows,
+    spread over up to max_batch_size sequences as a decode or verification step brings them, after
+    one that is not timed (it compiles, and captures the step's graph): what a step's
     `forward_seconds` measures."""
     n = min(rows, engine.config.max_batch_size)
     q = [rows // n + (i < rows % n) for i in range(n)]
-    bs = engine.config.block_size
-    ctx = bs
-    tables = [engine.cache.allocator.allocate(-(-(ctx + ql) // bs)) for ql in q]
-    try:
-        meta = AttentionMetadata.build(q, [ctx + ql for ql in q], tables, bs, engine.device, engine.cache.kernel)
-        ids = torch.zeros(rows, dtype=torch.int64, device=engine.device)
-        pos = torch.cat([torch.arange(ctx, ctx + ql) for ql in q]).to(engine.device)
-        total = 0.0
-        for i in range(repeats + 1):
-            t0 = time.perf_counter()
-            hidden = engine.model(ids, pos, PagedAttention(engine.cache, meta), None, row_invariant=True,
-                                  stack=engine.runtime.stack)
-            if engine.runtime.greedy is not None:
-                engine.runtime.greedy(hidden)
-            else:
-                engine.model.compute_logits(hidden, row_invariant=True).argmax(-1)
-            device_done(engine.device)
-            total += (time.perf_counter() - t0) if i else 0.0
-        return total / repeats
-    finally:
-        for t in tables:
-            engine.cache.allocator.free(t)
+    engine.dry_forward(q)
+    return sum(engine.dry_forward(q) for _ in range(repeats)) / repeats
 
 
 def measure_step_costs(engine, max_rows: int, costs: StepCosts | None = None, repeats: int = 2) -> StepCosts:
