@@ -227,17 +227,20 @@ class Engine:
     @torch.inference_mode()
     def dry_forward(self, q_lens: list[int]) -> float:
         """Seconds of a decode-like forward (kernels included) of len(q_lens) sequences bringing
-        q_lens[b] rows each after a cached block of context, and the pick of every row's token:
-        what a decode (every q 1) or verification step's forward costs, through the path such a
-        step takes (the first forward of a shape captures its CUDA graph). Token 0 throughout,
-        in KV blocks taken for it and given back: no sequence changes."""
+        q_lens[b] rows each after a cached context (what is left of one KV block, at least one
+        token), and the pick of every row's token: what a decode (every q 1) or verification
+        step's forward costs, through the path such a step takes (the first forward of a shape
+        captures its CUDA graph). Token 0 throughout, in KV blocks taken for it and given back:
+        no sequence changes."""
         bs = self.config.block_size
-        tables = [self.cache.allocator.allocate(-(-(bs + q) // bs)) for q in q_lens]
+        ctx = max(1, bs - max(q_lens))
+        tables = [self.cache.allocator.allocate(-(-(ctx + q) // bs)) for q in q_lens]
         try:
             t0 = time.perf_counter()
-            meta = AttentionMetadata.build(q_lens, [bs + q for q in q_lens], tables, bs, self.device, self.cache.kernel)
+            meta = AttentionMetadata.build(q_lens, [ctx + q for q in q_lens], tables, bs, self.device,
+                                           self.cache.kernel)
             ids = torch.zeros(sum(q_lens), dtype=torch.int64, device=self.device)
-            pos = torch.cat([torch.arange(bs, bs + q) for q in q_lens]).to(self.device)
+            pos = torch.cat([torch.arange(ctx, ctx + q) for q in q_lens]).to(self.device)
             hidden = self.model(ids, pos, PagedAttention(self.cache, meta), None, row_invariant=True,
                                 stack=self.runtime.stack)
             if self.runtime.greedy is not None:
