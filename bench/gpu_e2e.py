@@ -10,8 +10,8 @@ Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA gr
 the speculation model also with their layers' small ops as torch's ops instead of fused kernels,
 `DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and
 fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_with_reference`,
-the back-off on; a random model rarely continues its prompt, so this measures what speculation
-costs when it is not accepted), and the verification cost C(k) = time of a step verifying k
+with the back-off and without, at batch 1 and 4; a random model rarely continues its prompt, so
+this measures what speculation costs when it is not accepted), and the verification cost C(k) = time of a step verifying k
 drafts / a plain step (what the back-off's `SpecCost` models), from which the speedup of
 speculation at an acceptance rate follows. int4q is the int4 model with its codes in the
 quartered layout (`DispatchPolicy.cuda_int4_quartered`), beside int4 in the standard one.
@@ -276,16 +276,23 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))
     if name == run.args.spec_model:
         k = 5
-        reps = repeating_prompts(net.args.vocab_size, 1, run.args.prompt_tokens)
 
-        def ngram(backoff: bool):
+        def ngram(backoff: bool, batch: int = 1):
             policy = AdaptiveDraftLength(k, SpecCost.for_device(run.device)) if backoff else None
-            return decode_speed(run, net, runtime, 1, proposer=ReferenceProposer(3, k, policy=policy), k=k,
+            reps = repeating_prompts(net.args.vocab_size, batch, run.args.prompt_tokens)
+            return decode_speed(run, net, runtime, batch, proposer=ReferenceProposer(3, k, policy=policy), k=k,
                                 prompts=reps)
-        plan.append(("b1 repeating prompt, plain", lambda: decode_speed(run, net, runtime, 1, prompts=reps)))
+
+        def plain(batch: int):
+            return decode_speed(run, net, runtime, batch, prompts=repeating_prompts(net.args.vocab_size, batch,
+                                                                                     run.args.prompt_tokens))
+        plan.append(("b1 repeating prompt, plain", lambda: plain(1)))
         plan.append(("b1 repeating prompt, n-gram k=5 back-off", lambda: ngram(True)))
         plan.append(("b1 repeating prompt, n-gram k=5 always", lambda: ngram(False)))
         plan.append(("verification cost C(k)", lambda: verify_cost(run, net, runtime)))
+        # four sequences drafting different numbers of tokens: the padded verification graphs
+        plan.append(("b4 repeating prompts, plain", lambda: plain(4)))
+        plan.append(("b4 repeating prompts, n-gram k=5 always", lambda: ngram(False, 4)))
         if kv_scales is not None:
             k_amax, v_amax = kv_scales
             for kind, qmax in (("int8", 127.0), ("fp8", 448.0)):
