@@ -112,9 +112,9 @@ class DispatchPolicy:
     cuda_int4_quartered: on CUDA, int4 layers whose K and group size are multiples of 128 (and
         whose zero points, if any, are integers) keep their codes in `kernels.w4a16.quarter_int4`'s
         layout, whose nibble-dots tiles meet x's columns as they are (sm_90: a third fewer
-        instructions per k tile at 17–256 rows, no trip through shared memory); the layout
-        `bench/kernels.py`'s "quartered" column and `bench/gpu_e2e.py`'s "quartered int4" rows
-        measure against the standard one.
+        instructions per weight at 17–256 rows, no trip through shared memory); `bench/kernels.py`'s
+        "quartered" column and `bench/gpu_e2e.py`'s int4q model measure it against the standard
+        layout.
     """
 
     cpu_packed_max_m: int = 64

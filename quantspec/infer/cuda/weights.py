@@ -1,14 +1,14 @@
 """A quantized Linear's codes laid out for CUDA (`CudaWeight`), and the Triton paths over them.
 
 Layouts: int4 codes as stored in the checkpoint's words `weight_packed` int32 [N, K/8] (what the
-Triton kernel reads) with their scale `w4_scale` [N, groups] (in the activations' dtype where
-that holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it into the
-weight tile by two-value multiplies, with the same numbers; else fp32), or, with
+Triton kernel reads) with their scale `w4_scale` [N, groups] (in the activations' dtype where that
+holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it into the weight
+tile by two-value multiplies, with the same numbers; else fp32), or, with
 `DispatchPolicy.cuda_int4_quartered` where K and the group size are multiples of 128, those words
-in `kernels.w4a16.quarter_int4`'s layout (`quartered`; `k_order`: the k each position holds);
-int8 codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels (`kernels.w4a16`
-/ `w8a16` / `w8a8` / `fp8`) for any prepared weight: on CUDA, or on CPU tensors under
-TRITON_INTERPRET=1 (the tests).
+in `kernels.w4a16.quarter_int4`'s layout (`quartered`; `k_order`: the k each position holds); int8
+codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels
+(`kernels.w4a16` / `w8a16` / `w8a8` / `fp8`) for any prepared weight: on CUDA, or on CPU tensors
+under TRITON_INTERPRET=1 (the tests).
 """
 
 from __future__ import annotations
