@@ -46,6 +46,13 @@ def test_bench_refuses_bad_input(spec_cost, tmp_path):
         spec_cost.main(["--model", str(tmp_path / "missing")])
 
 
+def _cpu_kernels():
+    from quantspec.kernels import cpu as cg
+
+    return cg.cpu_kernels()
+
+
+@pytest.mark.skipif(_cpu_kernels() is None, reason="the greedy head (its prefetch) needs quantspec's CPU kernels")
 def test_prefetch_ab_times_each_step_both_ways(spec_cost, tiny_llama_dir, capsys):
     rounds, repeats, drafts = 1, 2, (0, 9)
     res = spec_cost.main(["--model", str(tiny_llama_dir), "--device", "cpu", "--threads", "1", "--drafts", "9",
