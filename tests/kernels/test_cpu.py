@@ -255,6 +255,7 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
 
     monkeypatch.setattr(build, "_state", {"tried": False, "module": None, "error": None})
     monkeypatch.setattr(build, "_build", lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")))
+    monkeypatch.setattr(build, "_lacks_avx512", lambda: False)
     monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
     if build.platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("not x86-64: the build is never tried")
@@ -262,6 +263,40 @@ def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
         assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
     assert "g++: not found" in cg.cpu_kernels_error()
     assert sum("CPU kernels unavailable" in r.message for r in caplog.records) == 1
+
+
+def test_a_cpu_without_avx512_skips_the_build_and_says_so_once(monkeypatch, caplog):
+    """Where /proc/cpuinfo shows no AVX-512 F + BW, nothing is compiled (minutes that could not
+    run here), and one warning names the reason."""
+    from quantspec.kernels.cpu import build
+
+    built = []
+    monkeypatch.setattr(build, "_state", {"tried": False, "module": None, "error": None})
+    monkeypatch.setattr(build, "_build", lambda: built.append(1))
+    monkeypatch.setattr(build, "_lacks_avx512", lambda: True)
+    monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
+    if build.platform.machine().lower() not in ("x86_64", "amd64"):
+        pytest.skip("not x86-64: the build is never tried")
+    with caplog.at_level("WARNING", logger="quantspec"):
+        assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
+    assert not built and "no AVX-512" in cg.cpu_kernels_error()
+    assert sum("CPU kernels unavailable" in r.message for r in caplog.records) == 1
+
+
+def test_avx512_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
+    from quantspec.kernels.cpu import build
+
+    real = build.Path
+
+    def cpuinfo(flags):
+        f = tmp_path / "cpuinfo"
+        f.write_text(f"processor\t: 0\nflags\t\t: {flags}\n")
+        monkeypatch.setattr(build, "Path", lambda p: f if p == "/proc/cpuinfo" else real(p))
+        return build._lacks_avx512()
+
+    assert not cpuinfo("fpu sse2 avx2 avx512f avx512bw avx512vl")
+    assert cpuinfo("fpu sse2 avx2 fma")
+    assert cpuinfo("fpu avx512f")  # F without BW
 
 
 def _attention_case(dtype, hd, G, seed):

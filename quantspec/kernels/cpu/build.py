@@ -5,8 +5,9 @@ method-shaped C++ beside their Python), each binding its ops into it (`kernels/c
 The extension is compiled at first use with `torch.utils.cpp_extension` (the machine's C++
 compiler, `-march=native`) into `paths.cache_dir() / "ext"`, keyed by the sources, the flags,
 torch's and Python's versions and the CPU; a later process loads it in milliseconds, and every
-checkout with the same sources shares one build. Without a compiler, without AVX-512, or with
-`QUANTSPEC_CPU_KERNELS=0`, `cpu_kernels()` returns None and callers keep torch's ops.
+checkout with the same sources shares one build. Without a compiler, without AVX-512 (a CPU
+whose /proc/cpuinfo lacks it is not compiled for), or with `QUANTSPEC_CPU_KERNELS=0`,
+`cpu_kernels()` returns None and callers keep torch's ops; the first two say so once.
 """
 
 from __future__ import annotations
@@ -36,6 +37,7 @@ _STALE_LOCK_S = 600  # a build takes a few minutes: a lock older than this belon
 _log = logging.getLogger("quantspec")
 _lock = threading.Lock()
 _state: dict = {"tried": False, "module": None, "error": None}
+_NO_AVX512 = "this CPU has no AVX-512 (F + BW)"
 
 
 def sources() -> list[Path]:
@@ -52,6 +54,16 @@ def _cpu_signature() -> str:
         return platform.processor() or platform.machine()
     keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
     return "\n".join(keep)
+
+
+def _lacks_avx512() -> bool:
+    """Whether /proc/cpuinfo shows a CPU without AVX-512 F + BW (False where it cannot be read:
+    the built module's own check decides there)."""
+    try:
+        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), None)
+    except OSError:
+        return False
+    return flags is not None and not {"avx512f", "avx512bw"} <= set(flags.split(":", 1)[-1].split())
 
 
 def _build_key(files: list[Path]) -> str:
@@ -106,15 +118,19 @@ def cpu_kernels() -> ModuleType | None:
             error = f"disabled by {ENV_SWITCH}=0"
         elif platform.machine().lower() not in ("x86_64", "amd64"):
             error = f"needs an x86-64 CPU with AVX-512, this is {platform.machine()}"
+        elif _lacks_avx512():  # known before a build of minutes that could not run here
+            error = _NO_AVX512
         else:
             try:
                 module = _build()
                 if not module.has_avx512():
-                    module, error = None, "this CPU has no AVX-512 (F + BW)"
+                    module, error = None, _NO_AVX512
             except Exception as e:  # no compiler, failed build: torch's ops still work
                 error = f"could not build them: {str(e).strip().splitlines()[-1] if str(e).strip() else type(e).__name__}"
                 _log.warning("quantspec: CPU kernels unavailable (%s); using torch's ops "
                              "(set %s=0 to skip the build)", error, ENV_SWITCH)
+        if error == _NO_AVX512:
+            _log.warning("quantspec: CPU kernels unavailable (%s); using torch's ops", error)
         _state.update(tried=True, module=module, error=error)
         return module
 
