@@ -250,37 +250,36 @@ def test_switch_off_falls_back_to_none():
     assert "QUANTSPEC_CPU_KERNELS=0" in out.stdout
 
 
-def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
+def _untried_build(monkeypatch, build_fn, lacks_avx512: bool):
+    """`cpu_kernels()` not yet asked in this process, with `_build` and the CPU check replaced."""
     from quantspec.kernels.cpu import build
 
-    monkeypatch.setattr(build, "_state", {"tried": False, "module": None, "error": None})
-    monkeypatch.setattr(build, "_build", lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")))
-    monkeypatch.setattr(build, "_lacks_avx512", lambda: False)
-    monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
     if build.platform.machine().lower() not in ("x86_64", "amd64"):
         pytest.skip("not x86-64: the build is never tried")
+    monkeypatch.setattr(build, "_state", {"tried": False, "module": None, "error": None})
+    monkeypatch.setattr(build, "_build", build_fn)
+    monkeypatch.setattr(build, "_lacks_avx512", lambda: lacks_avx512)
+    monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
+
+
+def _asked_twice(caplog) -> int:
+    """Ask for the kernels twice (None both times): the number of warnings that they are unavailable."""
     with caplog.at_level("WARNING", logger="quantspec"):
         assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
-    assert "g++: not found" in cg.cpu_kernels_error()
-    assert sum("CPU kernels unavailable" in r.message for r in caplog.records) == 1
+    return sum("CPU kernels unavailable" in r.message for r in caplog.records)
+
+
+def test_a_failed_build_warns_once_and_returns_none(monkeypatch, caplog):
+    _untried_build(monkeypatch, lambda: (_ for _ in ()).throw(RuntimeError("g++: not found")), False)
+    assert _asked_twice(caplog) == 1 and "g++: not found" in cg.cpu_kernels_error()
 
 
 def test_a_cpu_without_avx512_skips_the_build_and_says_so_once(monkeypatch, caplog):
     """Where /proc/cpuinfo shows no AVX-512 F + BW, nothing is compiled (minutes that could not
     run here), and one warning names the reason."""
-    from quantspec.kernels.cpu import build
-
     built = []
-    monkeypatch.setattr(build, "_state", {"tried": False, "module": None, "error": None})
-    monkeypatch.setattr(build, "_build", lambda: built.append(1))
-    monkeypatch.setattr(build, "_lacks_avx512", lambda: True)
-    monkeypatch.delenv(cg.ENV_SWITCH, raising=False)
-    if build.platform.machine().lower() not in ("x86_64", "amd64"):
-        pytest.skip("not x86-64: the build is never tried")
-    with caplog.at_level("WARNING", logger="quantspec"):
-        assert cg.cpu_kernels() is None and cg.cpu_kernels() is None
-    assert not built and "no AVX-512" in cg.cpu_kernels_error()
-    assert sum("CPU kernels unavailable" in r.message for r in caplog.records) == 1
+    _untried_build(monkeypatch, lambda: built.append(1), True)
+    assert _asked_twice(caplog) == 1 and not built and "no AVX-512" in cg.cpu_kernels_error()
 
 
 def test_avx512_is_read_from_the_cpu_flags(monkeypatch, tmp_path):
