@@ -11,9 +11,9 @@ the speculation model also with their layers' small ops as torch's ops instead o
 `DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and
 fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_with_reference`,
 with the back-off and without, at batch 1 and 4; a random model rarely continues its prompt, so
-this measures what speculation costs when it is not accepted), and the verification cost C(k) = time of a step verifying k
-drafts / a plain step (what the back-off's `SpecCost` models), from which the speedup of
-speculation at an acceptance rate follows. int4q is the int4 model with its codes in the
+this measures what speculation costs when it is not accepted), and the verification cost
+C(k) = time of a step verifying k drafts / a plain step (what the back-off's `SpecCost` models),
+from which the speedup of speculation at an acceptance rate follows. int4q is the int4 model with its codes in the
 quartered layout (`DispatchPolicy.cuda_int4_quartered`), beside int4 in the standard one.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
@@ -277,15 +277,13 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     if name == run.args.spec_model:
         k = 5
 
+        def plain(batch: int, proposer=None):
+            reps = repeating_prompts(net.args.vocab_size, batch, run.args.prompt_tokens)
+            return decode_speed(run, net, runtime, batch, proposer=proposer, k=k if proposer else 0, prompts=reps)
+
         def ngram(backoff: bool, batch: int = 1):
             policy = AdaptiveDraftLength(k, SpecCost.for_device(run.device)) if backoff else None
-            reps = repeating_prompts(net.args.vocab_size, batch, run.args.prompt_tokens)
-            return decode_speed(run, net, runtime, batch, proposer=ReferenceProposer(3, k, policy=policy), k=k,
-                                prompts=reps)
-
-        def plain(batch: int):
-            return decode_speed(run, net, runtime, batch, prompts=repeating_prompts(net.args.vocab_size, batch,
-                                                                                     run.args.prompt_tokens))
+            return plain(batch, ReferenceProposer(3, k, policy=policy))
         plan.append(("b1 repeating prompt, plain", lambda: plain(1)))
         plan.append(("b1 repeating prompt, n-gram k=5 back-off", lambda: ngram(True)))
         plan.append(("b1 repeating prompt, n-gram k=5 always", lambda: ngram(False)))

@@ -184,20 +184,19 @@ class DecodeGraphs:
             g = self._capture(bp, q, x, cos, cache, row_invariant)
         self.graphs.move_to_end(key)
         _, seq, tables, _ = cache.kernel._step_args(attn.meta)
-        if all(n == q for n in q_lens):
-            g.fill(x, cos, sin, attn.meta.slot_mapping, seq, tables)
-            g.graph.replay()
-            self.replays += 1
-            out = g.out[:x.shape[0]]
-            return out.clone() if out_rows is None else out[out_rows]
-        # each sequence's rows at the start of its q rows; its context as long as q rows make it
-        rows = torch.tensor([b * q + i for b, n in enumerate(q_lens) for i in range(n)], device=x.device)
-        seq = torch.tensor([s - n + q for s, n in zip(attn.meta.seq_lens, q_lens)], dtype=torch.int32,
-                           device=x.device)
+        rows = None  # every sequence brings q rows: the graph's first rows, in order
+        if any(n != q for n in q_lens):
+            # each sequence's rows at the start of its q rows; its context as long as q rows make it
+            rows = torch.tensor([b * q + i for b, n in enumerate(q_lens) for i in range(n)], device=x.device)
+            seq = torch.tensor([s - n + q for s, n in zip(attn.meta.seq_lens, q_lens)], dtype=torch.int32,
+                               device=x.device)
         g.fill(x, cos, sin, attn.meta.slot_mapping, seq, tables, rows)
         g.graph.replay()
         self.replays += 1
-        return g.out[rows if out_rows is None else rows[out_rows]]
+        if rows is not None:
+            return g.out[rows if out_rows is None else rows[out_rows]]
+        out = g.out[:x.shape[0]]
+        return out.clone() if out_rows is None else out[out_rows]
 
     def _stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, row_invariant: bool) -> torch.Tensor:
         if self.fused:

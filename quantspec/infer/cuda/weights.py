@@ -20,8 +20,6 @@ from quantspec.infer.dispatch import KernelPath, LinearKind
 from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
 from quantspec.quant.packing import pack_int4, unpack_int4
 
-QUARTER_BLOCK = 128  # `kernels.w4a16.QUARTER_BLOCK` (imported with triton, where the layout is built)
-
 __all__ = ["CudaWeight", "triton_linear"]
 
 
@@ -121,6 +119,8 @@ def _w4_group(layer: QuantLinear) -> int:
 def _quarterable(layer: QuantLinear) -> bool:
     """Whether an int4 layer can take the quartered layout: K and the group size multiples of
     128, integer zero points (the nibble-dots launches apply the scale after each tile's dot)."""
+    from quantspec.kernels.w4a16 import QUARTER_BLOCK  # triton: only where the layout is asked for
+
     zp = layer.weight_zero_point
     return (layer.in_features % QUARTER_BLOCK == 0 and _w4_group(layer) % QUARTER_BLOCK == 0
             and (zp is None or not zp.is_floating_point()))

@@ -46,23 +46,25 @@ def sources() -> list[Path]:
     return [_PACKAGE / h for h in _HEADERS] + cpp
 
 
-def _cpu_signature() -> str:
-    """The CPU's model and flags (what -march=native compiles for)."""
+def _cpuinfo() -> list[str] | None:
+    """The first CPU's "model name" and "flags" lines of /proc/cpuinfo (None where it cannot be read)."""
     try:
         lines = Path("/proc/cpuinfo").read_text().splitlines()
     except OSError:
-        return platform.processor() or platform.machine()
-    keep = [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
-    return "\n".join(keep)
+        return None
+    return [ln for ln in lines if ln.startswith(("model name", "flags"))][:2]
+
+
+def _cpu_signature() -> str:
+    """The CPU's model and flags (what -march=native compiles for)."""
+    lines = _cpuinfo()
+    return platform.processor() or platform.machine() if lines is None else "\n".join(lines)
 
 
 def _lacks_avx512() -> bool:
     """Whether /proc/cpuinfo shows a CPU without AVX-512 F + BW (False where it cannot be read:
     the built module's own check decides there)."""
-    try:
-        flags = next((ln for ln in Path("/proc/cpuinfo").read_text().splitlines() if ln.startswith("flags")), None)
-    except OSError:
-        return False
+    flags = next((ln for ln in _cpuinfo() or () if ln.startswith("flags")), None)
     return flags is not None and not {"avx512f", "avx512bw"} <= set(flags.split(":", 1)[-1].split())
 
 
