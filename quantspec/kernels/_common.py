@@ -31,7 +31,10 @@ __all__ = [
     "round_half_even",
     "round_to_e4m3",
     "small_ints_to_float",
-    "split_k_output",
+    "split_k_arrive",
+    "split_k_buffers",
+    "split_k_counters",
+    "split_k_sum",
     "triton_usable",
 ]
 
@@ -88,12 +91,30 @@ def scaled_gemm_launch(M: int, N: int, K: int, on_gpu: bool) -> tuple[int, ...]:
 
 
 @triton.jit
-def _sum_partials(p_ptr, offs, mask, MN, SPLIT: tl.constexpr):
-    """The split-K partial sums [SPLIT, MN] at `offs`, added in split order in their dtype."""
-    acc = tl.load(p_ptr + offs, mask=mask, other=0)
-    for s in tl.static_range(1, SPLIT):
-        acc += tl.load(p_ptr + s * MN + offs, mask=mask, other=0)
+def split_k_sum(p_ptr, mask, stride_split, SPLIT: tl.constexpr):
+    """The split-K partial sums at `p_ptr` (split s at p_ptr + s · stride_split), added in split
+    order in their dtype. Read past L1 (`.cg`): other programs of the launch wrote them. A loop,
+    not unrolled: the loads of all splits at once would hold a GEMV's tile of each in registers,
+    more than its main loop needs, and so fewer programs per SM."""
+    acc = tl.load(p_ptr, mask=mask, other=0, cache_modifier=".cg")
+    for s in tl.range(1, SPLIT):
+        acc += tl.load(p_ptr + s * stride_split, mask=mask, other=0, cache_modifier=".cg")
     return acc
+
+
+@triton.jit
+def split_k_arrive(cnt_ptr, tile, SPLIT: tl.constexpr):
+    """Called by every program of a split-K launch once its partial sums of output tile `tile`
+    are stored: → how many of the tile's splits arrived before it. The one that finds SPLIT - 1
+    is the tile's last: it sums the partials (`split_k_sum`, in split order, so the numbers do
+    not depend on which split finishes last) and applies the epilogue, and it sets the tile's
+    counter back to zero, so that the counters are zero between launches (CUDA graph replays
+    included)."""
+    tl.debug_barrier()  # every thread's partial stores come before the (release) count
+    before = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
+    # the next launch sees the reset (a kernel boundary orders them): no fence needed
+    tl.atomic_xchg(cnt_ptr + tile, 0, mask=before == SPLIT - 1, sem="relaxed")
+    return before
 
 
 @triton.jit
@@ -116,7 +137,7 @@ def _finish_scaled_split_k_kernel(p_ptr, as_ptr, bs_ptr, b_ptr, out_ptr, MN, N, 
                                   BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = _sum_partials(p_ptr, offs, mask, MN, SPLIT)
+    acc = split_k_sum(p_ptr + offs, mask, MN, SPLIT)
     if PER_TOKEN:
         a_s = tl.load(as_ptr + offs // N, mask=mask, other=0.0)
     else:
@@ -134,9 +155,10 @@ def _finish_scaled_split_k_kernel(p_ptr, as_ptr, bs_ptr, b_ptr, out_ptr, MN, N, 
 def finish_scaled_split_k(partials: torch.Tensor, x_scale: torch.Tensor, w_scale: torch.Tensor,
                           bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
     """The int8 / FP8 GEMMs' split-K partial sums [split, M, N] (int32: exact, or fp32) → `out`
-    [M, N]: summed in split order, then the GEMMs' epilogue acc · x_scale · w_scale (+ bias) in
-    fp32 (per-token x_scale of M values or one; per-channel w_scale of N or one), without FMA
-    contraction, so that it rounds as the unsplit launch's epilogue does."""
+    [M, N], in a launch of its own (where `split_k_buffers` gave no counters): summed in split
+    order, then the GEMMs' epilogue acc · x_scale · w_scale (+ bias) in fp32 (per-token x_scale
+    of M values or one; per-channel w_scale of N or one), without FMA contraction, so that it
+    rounds as the unsplit launch's epilogue does."""
     split, M, N = partials.shape
     if M * N:
         block = 1024
@@ -147,12 +169,43 @@ def finish_scaled_split_k(partials: torch.Tensor, x_scale: torch.Tensor, w_scale
     return out
 
 
-def split_k_output(M: int, N: int, split: int, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
-    """The output buffer of a split-K GEMM launch: [M, N] in `dtype` when split == 1, else the
-    fp32 partials [split, M, N] (summed by `finish_split_k`: deterministic, no atomics)."""
+# Arrival counters of split-K launches on a GPU, one set per device, made once (a GPU's launches
+# run one after another on its stream, and each leaves them zero); a launch of more output
+# tiles than this finishes in a launch of its own.
+SPLIT_K_COUNTERS = 1 << 16
+_COUNTERS: dict[torch.device, torch.Tensor] = {}
+
+
+def split_k_counters(device: torch.device, tiles: int) -> torch.Tensor | None:
+    """Zeroed int32 arrival counters for a split-K launch of `tiles` output tiles
+    (`split_k_arrive`), or None: the launch then stores its partial sums and a second launch
+    sums them (`finish_split_k`, `finish_scaled_split_k`). None where the tiles are more than
+    `SPLIT_K_COUNTERS`, or where the device's counters would first be made inside a CUDA graph
+    capture (nothing runs during a capture, so they would not be zero when the graph is not yet
+    replayed). On the CPU interpreter a fresh set per launch."""
+    if device.type != "cuda":
+        return torch.zeros(max(tiles, 1), dtype=torch.int32, device=device)
+    counters = _COUNTERS.get(device)
+    if counters is None:
+        if torch.cuda.is_current_stream_capturing():
+            return None
+        counters = _COUNTERS[device] = torch.zeros(SPLIT_K_COUNTERS, dtype=torch.int32, device=device)
+    return counters if tiles <= counters.numel() else None
+
+
+def split_k_buffers(M: int, N: int, split: int, tiles: int, device: torch.device, out_dtype: torch.dtype,
+                    part_dtype: torch.dtype = torch.float32, in_kernel: bool = True
+                    ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """(part, out, counters) of a GEMM launch of `tiles` output tiles: out [M, N] in `out_dtype`;
+    where split == 1 the launch writes it directly (part is out, no counters); otherwise part
+    holds the [split, M, N] partial sums in `part_dtype` (deterministic, no atomic adds of
+    numbers), which the tiles' last splits sum into out (`counters`), or where counters is None
+    (or `in_kernel` is False) `finish_split_k` / `finish_scaled_split_k` after the launch."""
+    out = torch.empty((M, N), device=device, dtype=out_dtype)
     if split == 1:
-        return torch.empty((M, N), device=device, dtype=dtype)
-    return torch.empty((split, M, N), device=device, dtype=torch.float32)
+        return out, out, None
+    part = torch.empty((split, M, N), device=device, dtype=part_dtype)
+    return part, out, split_k_counters(device, tiles) if in_kernel else None
 
 
 @triton.jit
@@ -160,26 +213,23 @@ def _finish_split_k_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HA
                            BLOCK: tl.constexpr):
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
-    acc = _sum_partials(p_ptr, offs, mask, MN, SPLIT)
+    acc = split_k_sum(p_ptr + offs, mask, MN, SPLIT)
     if HAS_BIAS:
         acc += tl.load(b_ptr + offs % N, mask=mask, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs, acc.to(out_ptr.dtype.element_ty), mask=mask)
 
 
-def finish_split_k(out: torch.Tensor, bias: torch.Tensor | None, dtype: torch.dtype) -> torch.Tensor:
-    """`out` from `split_k_output` after the launch → [M, N] in `dtype`. A split == 1 kernel has
-    already added the bias and cast; partials are summed in fp32 in split order, then the bias is
-    added and the sum cast, in one launch."""
-    if out.ndim == 2:
-        return out
-    split, M, N = out.shape
-    y = torch.empty((M, N), device=out.device, dtype=dtype)
+def finish_split_k(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Tensor) -> torch.Tensor:
+    """The weight-only kernels' fp32 split-K partial sums [split, M, N] → `out` [M, N], in a
+    launch of its own (where `split_k_buffers` gave no counters): summed in split order, then
+    the bias added and the sum cast, as the tiles' last splits do in the GEMM's launch."""
+    split, M, N = part.shape
     if M * N:
         block = 1024
         _finish_split_k_kernel[(triton.cdiv(M * N, block),)](
-            out, bias if bias is not None else out, y, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
+            part, bias if bias is not None else part, out, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
             BLOCK=block)
-    return y
+    return out
 
 
 def gpu_launch(device: torch.device) -> bool:

@@ -29,7 +29,10 @@ from quantspec.kernels._common import (
     gpu_launch,
     round_to_e4m3,
     scaled_gemm_launch,
+    split_k_arrive,
+    split_k_buffers,
     split_k_range,
+    split_k_sum,
 )
 
 __all__ = [
@@ -107,11 +110,11 @@ def quantize_act_fp8(
 
 @triton.jit
 def _fp8_gemm_kernel(
-    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr,
+    a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, stride_am, stride_bn, stride_om, stride_osplit,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr,
+    SPLIT_K: tl.constexpr, FINISH: tl.constexpr,
 ):
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
@@ -138,10 +141,15 @@ def _fp8_gemm_kernel(
             # convert the operands to fp16 for the pre-Hopper MMA instead.
             acc += tl.dot(a, tl.trans(b))
     out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K > 1:  # fp32 partial sums; `finish_scaled_split_k` applies the epilogue
-        tl.store(out_ptr + tl.program_id(1) * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
-                 acc, mask=out_mask)
-    else:
+    y_mask = out_mask
+    if SPLIT_K > 1:
+        p = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(p + tl.program_id(1) * stride_osplit, acc, mask=out_mask)
+        if FINISH:  # the tile's last split sums the partials and applies the epilogue
+            before = split_k_arrive(cnt_ptr, pid, SPLIT_K)
+            y_mask = out_mask & ((offs_m[:, None] * 0 + before) == SPLIT_K - 1)
+            acc = split_k_sum(p, y_mask, stride_osplit, SPLIT_K)
+    if SPLIT_K == 1 or FINISH:
         a_s = tl.load(as_ptr).to(tl.float32)
         if W_PER_CHANNEL:
             b_s = tl.load(bs_ptr + offs_n, mask=mask_n, other=0.0)  # [BN]
@@ -150,8 +158,8 @@ def _fp8_gemm_kernel(
         y = acc * a_s * b_s[None, :]
         if HAS_BIAS:
             y = y + tl.load(bias_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(out_ptr.dtype.element_ty),
-                 mask=out_mask)
+        tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], y.to(y_ptr.dtype.element_ty),
+                 mask=y_mask)
 
 
 def _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
@@ -206,19 +214,22 @@ def fp8_gemm(
     M, N, K = _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype)
     device = check_same_device(x_q=x_q, x_scale=x_scale, w_q=w_q, w_scale=w_scale, bias=bias)
     check_fp8_device(device)
-    out = torch.empty((M, N), device=device, dtype=out_dtype)
     on_gpu = gpu_launch(device)
     bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, on_gpu)
-    part = out if split == 1 else torch.empty((split, M, N), device=device, dtype=torch.float32)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
+    part, out, counters = split_k_buffers(M, N, split, grid[0], device, out_dtype, torch.float32)
     _fp8_gemm_kernel[grid](
-        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part,
+        x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part, out,
+        counters if counters is not None else out,
         M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         W_PER_CHANNEL=w_scale.shape[0] == N and N != 1, HAS_BIAS=bias is not None,
         UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
+        FINISH=counters is not None,
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
-    return out if split == 1 else finish_scaled_split_k(part, x_scale.reshape(1), w_scale, bias, out)
+    if split == 1 or counters is not None:
+        return out
+    return finish_scaled_split_k(part, x_scale.reshape(1), w_scale, bias, out)
 
 
 def fp8_linear_ref(

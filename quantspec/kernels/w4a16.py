@@ -23,8 +23,9 @@ so that a row's words are copied 16 bytes at a time. On a GPU every M runs tiled
 (`gpu_weight_only_config`), with split-K for the small M of decode and verification, and the
 scale folded into swapped tiles above 16 rows; a BLOCK_M = 1 launch shape (one row per program,
 multiply-reduce) serves configs that ask for it. Split-K
-partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k` sums in split order
-(deterministic, no atomics).
+partials go to an fp32 buffer [SPLIT_K, M, N]; each output tile's last split to finish sums
+them in split order (deterministic: no atomic adds of numbers, only an arrival count per tile,
+`_common.split_k_arrive`), or where the launch has no counters `finish_split_k` does after it.
 
 `quartered` weights (`quarter_int4`, K and the group size multiples of 128): the same codes with
 the nibbles of each 128-k block reordered so that word p holds k = 32i + 2p in nibble i and
@@ -51,7 +52,9 @@ from quantspec.kernels._common import (
     finish_split_k,
     gpu_launch,
     small_ints_to_float,
-    split_k_output,
+    split_k_arrive,
+    split_k_buffers,
+    split_k_sum,
 )
 
 __all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "w4a16_default_config",
@@ -357,14 +360,14 @@ def _single_nibble_dots(x_ptr, words, z, offs_m, offs_w, k0, mask_m, K, stride_x
 
 @triton.jit
 def _w4a16_kernel(
-    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, z_ptr, b_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, group_size,
     stride_xm, stride_wn, stride_sn, stride_zn, stride_om, stride_osplit,
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, HAS_BIAS: tl.constexpr,
     GROUP_ALIGNED: tl.constexpr, SCALE_AFTER: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
     EVEN_K: tl.constexpr, QUARTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FINISH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -456,19 +459,19 @@ def _w4a16_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    if SPLIT_K == 1:
+    y_mask = out_mask
+    if SPLIT_K > 1:
+        p = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(p + pid_k * stride_osplit, acc, mask=out_mask)
+        if FINISH:  # the tile's last split sums the partials and stores y; the others store nothing
+            before = split_k_arrive(cnt_ptr, pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+            y_mask = out_mask & ((offs_m[:, None] * 0 + before) == SPLIT_K - 1)
+            acc = split_k_sum(p, y_mask, stride_osplit, SPLIT_K)
+    if SPLIT_K == 1 or FINISH:
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)
             acc += b[None, :]
-        tl.store(
-            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty), mask=out_mask,
-        )
-    else:
-        tl.store(
-            out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
-            acc, mask=out_mask,
-        )
+        tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def _validate(x, w_packed, w_scale, group_size, w_zero, bias):
@@ -555,14 +558,17 @@ def w4a16_linear(
                              f"and integer zero points; got {tuple(cfg)}")
     if quartered and not (nibble and bk == QUARTER_BLOCK):
         raise QuantSpecError(f"quartered weights need a nibble_dots launch with block_k={QUARTER_BLOCK}; got {tuple(cfg)}")
-    out = split_k_output(M, N, split, device, x.dtype)
-    stride_osplit = 0 if split == 1 else M * N
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    # the tiles' last splits finish the sums in the small-M launch; wider tiles would need
+    # more registers for it than their main loop (fewer programs per SM)
+    part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
+                                          in_kernel=bm <= 16)
+    stride_osplit = 0 if split == 1 else M * N
     _w4a16_kernel[grid](
         x, w_packed, w_scale,
         w_zero if w_zero is not None else w_scale,
         bias if bias is not None else w_scale,
-        out,
+        part, out, counters if counters is not None else out,
         M, N, K, group_size,
         x.stride(0), w_packed.stride(0), w_scale.stride(0),
         w_zero.stride(0) if w_zero is not None else 0,
@@ -573,10 +579,10 @@ def w4a16_linear(
         SCALE_AFTER=scale_after,
         USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot, NIBBLE_DOTS=nibble,
         EVEN_K=K % (bk * split) == 0, QUARTERED=quartered,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
         num_warps=warps, num_stages=stages,
     )
-    return finish_split_k(out, bias, x.dtype)
+    return finish_split_k(part, bias, out) if split > 1 and counters is None else out
 
 
 # ---------------------------------------------------------------- dequantize (for large M)

@@ -6,8 +6,8 @@ x · q and applies the scale once in the epilogue (fewer multiplies, and the int
 is the only dequant work in the inner loop).
 
 The launches are W4A16's tiles (`tl.dot` for every M on a GPU, split-K for small M), with a
-small-M shape of its own (`w8a16_default_config`). Split-K partials go to an fp32 buffer [SPLIT_K, M, N] that `finish_split_k`
-sums in split order.
+small-M shape of its own (`w8a16_default_config`). Split-K partials go to an fp32 buffer
+[SPLIT_K, M, N] that each output tile's last split sums in split order (as W4A16's do).
 """
 
 from __future__ import annotations
@@ -25,7 +25,9 @@ from quantspec.kernels._common import (
     finish_split_k,
     gpu_launch,
     small_ints_to_float,
-    split_k_output,
+    split_k_arrive,
+    split_k_buffers,
+    split_k_sum,
 )
 from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, check_gpu_dot_tile, gpu_weight_only_config
 
@@ -58,11 +60,12 @@ def _int8_codes(q, DTYPE: tl.constexpr):
 
 @triton.jit
 def _w8a16_kernel(
-    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr,
+    x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_osplit,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
+    FINISH: tl.constexpr,
 ):
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
@@ -113,18 +116,18 @@ def _w8a16_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
     acc = acc * s[None, :]
-    if SPLIT_K == 1:
+    y_mask = out_mask
+    if SPLIT_K > 1:
+        p = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
+        tl.store(p + pid_k * stride_osplit, acc, mask=out_mask)
+        if FINISH:  # the tile's last split sums the partials and stores y; the others store nothing
+            before = split_k_arrive(cnt_ptr, pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
+            y_mask = out_mask & ((offs_m[:, None] * 0 + before) == SPLIT_K - 1)
+            acc = split_k_sum(p, y_mask, stride_osplit, SPLIT_K)
+    if SPLIT_K == 1 or FINISH:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]
-        tl.store(
-            out_ptr + offs_m[:, None] * stride_om + offs_n[None, :],
-            acc.to(out_ptr.dtype.element_ty), mask=out_mask,
-        )
-    else:
-        tl.store(
-            out_ptr + pid_k * stride_osplit + offs_m[:, None] * stride_om + offs_n[None, :],
-            acc, mask=out_mask,
-        )
+        tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
 def _validate(x, w_q, w_scale, bias):
@@ -174,17 +177,21 @@ def w8a16_linear(
     cfg = config or w8a16_default_config(M, N, K, gpu_launch(device))
     check_gpu_dot_tile(cfg, device)
     bm, bn, bk, split, warps, stages, swap = cfg[:7]
-    out = split_k_output(M, N, split, device, x.dtype)
     grid = (triton.cdiv(M, bm), triton.cdiv(N, bn), split)
+    # the tiles' last splits finish the sums in the small-M launch; wider tiles would need
+    # more registers for it than their main loop (fewer programs per SM)
+    part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
+                                          in_kernel=bm <= 16)
     _w8a16_kernel[grid](
-        x, w_q, w_scale, bias if bias is not None else w_scale, out,
+        x, w_q, w_scale, bias if bias is not None else w_scale, part, out,
+        counters if counters is not None else out,
         M, N, K,
         x.stride(0), w_q.stride(0), N, M * N,
         HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and bm >= 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
         num_warps=warps, num_stages=stages,
     )
-    return finish_split_k(out, bias, x.dtype)
+    return finish_split_k(part, bias, out) if split > 1 and counters is None else out
 
 
 @triton.jit

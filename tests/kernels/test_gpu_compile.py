@@ -165,6 +165,9 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
                        s[:, :1].repeat(1, 5), G, None if z is None else z[:, :1].repeat(1, 5))
     w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
+    finishes = {(c["constants"]["BLOCK_M"], c["constants"]["FINISH"]) for c in recorded
+                if c["name"] == "_w4a16_kernel" and c["constants"]["SPLIT_K"] > 1}
+    assert {(16, True), (32, False)} <= finishes  # the tiles' last splits sum in the small-M launch only
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
     assert {c["constants"]["EVEN_K"] for c in recorded if c["name"] == "_w4a16_kernel"} == {True, False}
     quartered = [c["constants"] for c in recorded if c["constants"].get("QUARTERED")]
@@ -189,9 +192,10 @@ def test_w8a16_gpu_launches_compile(recorded, dtype):
 
 
 @pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
-def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
+def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype, monkeypatch):
     """Activation quantizers (static and dynamic int8, static fp8) and the int8 / FP8 GEMMs at
-    decode (split-K, with the launch that finishes the partial sums), tile and large M."""
+    decode (split-K, finished by the tiles' last splits, and without counters by a launch of
+    its own), tile and large M."""
     gen = torch.Generator().manual_seed(2)
     q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
     w_fp8 = (torch.randn(N, K, generator=gen) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
@@ -204,12 +208,16 @@ def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype):
     x = torch.randn(1, 4 * K, generator=gen).to(dtype)  # deep enough to split K
     w8a8.w8a8_linear(x, q.repeat(1, 4), ws, None)
     fp8.fp8_linear(x, w_fp8.view(torch.uint8).repeat(1, 4).view(torch.float8_e4m3fn), ws, xs)
+    monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
+    w8a8.w8a8_linear(x, q.repeat(1, 4), ws, None)
+    fp8.fp8_linear(x, w_fp8.view(torch.uint8).repeat(1, 4).view(torch.float8_e4m3fn), ws, xs)
     names = {c["name"] for c in recorded}
     assert names == {"_quantize_act_int8_kernel", "_int8_gemm_kernel", "_quantize_act_fp8_kernel", "_fp8_gemm_kernel",
                      "_finish_scaled_split_k_kernel"}
     assert all(not c["constants"]["UPCAST"] for c in recorded if c["name"] == "_fp8_gemm_kernel")
     gemms = [c for c in recorded if c["name"] in ("_int8_gemm_kernel", "_fp8_gemm_kernel")]
     assert {c["constants"]["SPLIT_K"] > 1 for c in gemms} == {True, False}
+    assert {c["constants"]["FINISH"] for c in gemms if c["constants"]["SPLIT_K"] > 1} == {True, False}
     results = _compiled(recorded)
     assert {r["cc"] for r in results if r["name"] == "_fp8_gemm_kernel"} == {90}
 
