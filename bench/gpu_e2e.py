@@ -13,7 +13,9 @@ fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_w
 with the back-off and without, at batch 1 and 4; a random model rarely continues its prompt, so
 this measures what speculation costs when it is not accepted), and the verification cost
 C(k) = time of a step verifying k drafts / a plain step (what the back-off's `SpecCost` models),
-from which the speedup of speculation at an acceptance rate follows. int4q is the int4 model with its codes in the
+from which the speedup of speculation at an acceptance rate follows. For bf16 and the speculation
+model a profile of replayed decode steps at batch 1: the kernels by time per step, and the share
+of the step the device is busy. int4q is the int4 model with its codes in the
 quartered layout (`DispatchPolicy.cuda_int4_quartered`), beside int4 in the standard one.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
@@ -215,6 +217,49 @@ def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, 
                 captures=(graphs.captures - captured) if graphs is not None else 0)
 
 
+def step_profile(run: Run, net, runtime, batch: int = 1, steps: int = 8, top: int = 14) -> dict:
+    """Where a decode step's time goes: `steps` decode steps of `batch` sequences (after their
+    prefill and warm-up steps, so that the steps replay captured graphs) under torch's profiler
+    → {step_ms: the profiled steps' mean wall time, busy_ms: per step, the device's time in
+    kernels (CPU: in the ops' own code), kernels: [[name, launches per step, µs per step], ...]
+    biggest first, `top` of them}. Busy time well below the step's is time between kernels."""
+    from torch.profiler import ProfilerActivity, profile
+
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.sampler import SamplingParams
+
+    a = run.args
+    cfg = EngineConfig(max_batch_size=batch, max_length=a.prompt_tokens + 3 * steps + 16)
+    eng = Engine(net, cfg, eos_token_ids=[], runtime=runtime)
+    gen = torch.Generator().manual_seed(11)
+    for _ in range(batch):
+        eng.add_request(torch.randint(net.args.vocab_size, (a.prompt_tokens,), generator=gen).tolist(),
+                        SamplingParams(max_new_tokens=3 * steps))
+    for _ in range(steps):  # the prefill, then decode steps that capture the step's graphs
+        eng.step()
+    run.sync()
+    cuda = run.device.type == "cuda"
+    with profile(activities=[ProfilerActivity.CUDA if cuda else ProfilerActivity.CPU]) as prof:
+        t = time.perf_counter()
+        for _ in range(steps):
+            eng.step()
+        run.sync()
+        dt = time.perf_counter() - t
+    kernels = []
+    for ev in prof.key_averages():
+        if cuda:
+            us = getattr(ev, "self_device_time_total", None)
+            us = ev.self_cuda_time_total if us is None else us
+            if str(ev.device_type).endswith("CUDA") and us > 0:
+                kernels.append((ev.key, ev.count, us))
+        elif ev.self_cpu_time_total > 0:
+            kernels.append((ev.key, ev.count, ev.self_cpu_time_total))
+    kernels.sort(key=lambda k: -k[2])
+    busy = sum(k[2] for k in kernels) / steps
+    return dict(step_ms=round(dt / steps * 1e3, 3), busy_ms=round(busy / 1e3, 3),
+                kernels=[[name[:70], round(n / steps, 2), round(us / steps, 1)] for name, n, us in kernels[:top]])
+
+
 def repeating_prompts(vocab: int, n: int, length: int) -> list[list[int]]:
     """Prompts made of one random 48-token segment repeated: n-gram drafts find matches."""
     gen = torch.Generator().manual_seed(7)
@@ -267,6 +312,8 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost
 
     plan = [(f"b{b}", lambda b=b: decode_speed(run, net, runtime, b)) for b in run.args.batch]
+    if name in ("bf16", run.args.spec_model):
+        plan.append(("b1 step profile", lambda: step_profile(run, net, runtime)))
     compared = run.device.type == "cuda" and name in ("bf16", run.args.spec_model)
     if compared and getattr(runtime.stack, "fused", False):  # the same model with its small ops unfused
         unfused = runtime_with(run, net, cuda_fused_ops=False)
@@ -313,7 +360,10 @@ def markdown(run: Run, args) -> str:
              "decode-phase tokens/s (after the prefill); × = over bf16 at the same batch.\n",
              "| model | measurement | tokens/s | × bf16 | drafted / accepted | note |", "|---|---|---|---|---|---|"]
     base = {r["what"]: r.get("tok_s") for r in run.rows if r["model"] == "bf16"}
+    profiles = [r for r in run.rows if "kernels" in r]
     for r in run.rows:
+        if "kernels" in r:
+            continue
         if "tok_s" in r:
             ref = base.get(r["what"])
             x = f"{r['tok_s'] / ref:.2f}×" if ref else ""
@@ -330,6 +380,11 @@ def markdown(run: Run, args) -> str:
             lines.append(f"| {r['model']} | {r['what']} | | | | {r['seconds']} s |")
         else:
             lines.append(f"| {r['model']} | {r['what']} | | | | {r.get('error') or r.get('skipped')} |")
+    for r in profiles:
+        busy = f"{r['busy_ms']} ms ({r['busy_ms'] / r['step_ms']:.0%})" if r["step_ms"] else f"{r['busy_ms']} ms"
+        lines += ["", f"#### {r['model']}, {r['what']}: step {r['step_ms']} ms, device busy {busy}\n",
+                  "| kernel | launches per step | µs per step |", "|---|---|---|"]
+        lines += [f"| `{name}` | {n} | {us} |" for name, n, us in r["kernels"]]
     return "\n".join(lines) + "\n"
 
 
