@@ -146,6 +146,16 @@ def _mid_m_rows_and_split(M: int, N: int, K: int, block_k: int, block_n: int) ->
     return 32 if M <= 32 else 64, block_n, block_k, split
 
 
+def _wide_m_split(M: int, N: int, K: int, block_m: int, block_n: int, block_k: int) -> int:
+    """SPLIT_K of a launch of more than 64 rows: one tile per row block and column block leaves
+    most SMs idle where M and N are small (256 rows of a 4096-wide layer are 64 tiles for 132
+    SMs), so split K to about `SM_TARGET` / 2 programs (two per SM, so that one's unpacking
+    overlaps the other's MMA), with at least four k tiles per split and partial sums of at most
+    twice the weight's bytes (split · M · 4 ≤ K); 1 where the tiles alone fill the GPU."""
+    tiles = triton.cdiv(M, block_m) * triton.cdiv(N, block_n)
+    return max(1, min(round(SM_TARGET / 2 / tiles), triton.cdiv(K, block_k) // 4, K // (4 * M)))
+
+
 def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots: bool = False) -> W4A16Config:
     """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M. Up to
     16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
@@ -157,10 +167,11 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     programs. More rows: swapped tiles with the scale folded into the weight tile (the MMA then
     accumulates across tiles instead of scaling each tile's sums; Triton still rearranges the
     unpacked tile through shared memory for the MMA, which `quartered_config`'s launches avoid).
+    Above 64 rows split-K where the tiles alone would leave SMs idle (`_wide_m_split`).
     W8A16 has its own small-M launch (`w8a16.w8a16_default_config`)."""
     if M > 64:
-        return W4A16Config(64, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True) if M <= 128 else \
-            W4A16Config(128, 128, min(block_k, 64), 1, 8, 3, swap_ab=True, fold_scale=True)
+        bm, bk = (64 if M <= 128 else 128), min(block_k, 64)
+        return W4A16Config(bm, 128, bk, _wide_m_split(M, N, K, bm, 128, bk), 8, 3, swap_ab=True, fold_scale=True)
     if M > 16:
         return W4A16Config(*_mid_m_rows_and_split(M, N, K, block_k, 64), 4, 3, swap_ab=True, fold_scale=True)
     split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2))
@@ -180,9 +191,9 @@ def quartered_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
         return gpu_weight_only_config(M, N, K, QUARTER_BLOCK, nibble_dots=True)
     if M <= 64:
         return W4A16Config(*_mid_m_rows_and_split(M, N, K, QUARTER_BLOCK, 64), 4, 3, swap_ab=True, nibble_dots=True)
-    if M <= 128:
-        return W4A16Config(64, 128, QUARTER_BLOCK, 1, 4, 3, swap_ab=True, nibble_dots=True)
-    return W4A16Config(128, 128, QUARTER_BLOCK, 1, 8, 3, swap_ab=True, nibble_dots=True)
+    bm, warps = (64, 4) if M <= 128 else (128, 8)
+    return W4A16Config(bm, 128, QUARTER_BLOCK, _wide_m_split(M, N, K, bm, 128, QUARTER_BLOCK), warps, 3, swap_ab=True,
+                       nibble_dots=True)
 
 
 def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:

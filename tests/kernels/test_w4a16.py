@@ -5,8 +5,10 @@ import pytest
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.kernels._common import SM_TARGET
 from quantspec.kernels.w4a16 import (
     W4A16Config,
+    quartered_config,
     w4a16_default_config,
     w4a16_dequantize,
     w4a16_dequantize_ref,
@@ -121,6 +123,24 @@ def test_gpu_large_m_launch_is_swapped_and_folds_the_scale():
         assert cfg.swap_ab and cfg.fold_scale and not cfg.nibble_dots
     x, wp, s, g, z, b, _ = _make(300, 256, 128, torch.float32, asym=True, bias=True, seed=13)
     y = w4a16_linear(x, wp, s, g, z, b, config=w4a16_default_config(300, N, 256, 128, on_gpu=True))
+    torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g, z, b), rtol=1e-5, atol=1e-5)
+
+
+def test_gpu_wide_m_launch_fills_the_sms():
+    """Above 64 rows, where the row and column tiles alone are too few for an H100's 132 SMs,
+    the launch splits K (to about two programs per SM, the partial sums at most twice the
+    weight's bytes); where the tiles fill the GPU it does not. A split wide launch computes the
+    reference under the interpreter."""
+    for M, (K_, N_) in ((256, (4096, 4096)), (128, (14336, 4096)), (256, (4096, 6144))):
+        for cfg in (w4a16_default_config(M, N_, K_, 128, on_gpu=True), quartered_config(M, N_, K_, True)):
+            programs = -(-M // cfg.block_m) * -(-N_ // cfg.block_n) * cfg.split_k
+            assert cfg.split_k > 1 and 132 <= programs <= SM_TARGET, (M, K_, N_, cfg)
+            assert cfg.split_k * M * 4 <= K_
+    assert w4a16_default_config(4096, 4096, 4096, 128, on_gpu=True).split_k == 1
+    x, wp, s, g, z, b, _ = _make(70, 1024, 128, torch.float32, asym=True, bias=True, seed=14)
+    cfg = w4a16_default_config(70, N, 1024, 128, on_gpu=True)
+    assert cfg.split_k == 3
+    y = w4a16_linear(x, wp, s, g, z, b, config=cfg)
     torch.testing.assert_close(y, w4a16_linear_ref(x, wp, s, g, z, b), rtol=1e-5, atol=1e-5)
 
 
