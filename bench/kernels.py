@@ -398,7 +398,31 @@ def _sweep_markdown(found: list[dict], name: str, dtype_name: str) -> str:
         d = "—" if f["default_ms"] is None else f"{f['default_ms']:.4f}"
         b = "—" if f["best_ms"] is None else f"{f['best_ms']:.4f}"
         md.append(f"| {f['kind']} | {f['K']}×{f['N']} | {f['M']} | {d} | {b} | {f['best']} |")
+    shared = _best_shared_small_m(found)
+    if shared:
+        md += ["", "Up to 16 rows one launch shape serves every M (a row's numbers do not depend on the "
+               "other rows): the config with the least time over M = 1 and 16 together, beside the default's.\n",
+               "| kernel | K×N | default ms (M = 1 + 16) | best ms (M = 1 + 16) | best |", "|---|---|---|---|---|"]
+        md += [f"| {kind} | {K}×{N} | {d:.4f} | {b:.4f} | {cfg} |" for (kind, K, N), (d, b, cfg) in shared.items()]
     return "\n".join(md) + "\n"
+
+
+def _best_shared_small_m(found: list[dict]) -> dict:
+    """(kind, K, N) → (default's time, best time, best config) over M = 1 and 16 together, for
+    the weight-only kernels timed at both (configs timed at both M only)."""
+    out = {}
+    for kind in ("w4a16", "w8a16"):
+        for f1 in (f for f in found if f["kind"] == kind and f["M"] == 1):
+            f16 = next((f for f in found if (f["kind"], f["K"], f["N"], f["M"]) == (kind, f1["K"], f1["N"], 16)), None)
+            if f16 is None or f1["default_ms"] is None or f16["default_ms"] is None:
+                continue
+            both = {c: t + f16["timed"][c] for c, t in f1["timed"].items()
+                    if t is not None and f16["timed"].get(c) is not None}
+            d = f1["default_ms"] + f16["default_ms"]
+            best = min(both.items(), key=lambda kv: kv[1], default=None)
+            out[(kind, f1["K"], f1["N"])] = (d, d, "default") if best is None or best[1] >= d else \
+                (d, best[1], "[" + best[0] + "]")
+    return out
 
 
 def _sweep_main(shapes, device, bench, dtype_name: str, name: str, out: Path | None) -> int:
