@@ -169,9 +169,10 @@ def finish_scaled_split_k(partials: torch.Tensor, x_scale: torch.Tensor, w_scale
     return out
 
 
-# Arrival counters of split-K launches on a GPU, one set per device, made once (a GPU's launches
-# run one after another on its stream, and each leaves them zero); a launch of more output
-# tiles than this finishes in a launch of its own.
+# Arrival counters of split-K launches on a GPU, one set per device, made once: each launch
+# leaves them zero, and quantspec runs a device's work on one stream at a time, so no two
+# launches share them at once; a launch of more output tiles than this finishes in a launch of
+# its own.
 SPLIT_K_COUNTERS = 1 << 16
 _COUNTERS: dict[torch.device, torch.Tensor] = {}
 
