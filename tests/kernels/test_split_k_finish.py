@@ -133,6 +133,31 @@ def test_wide_weight_only_tiles_finish_in_a_launch_of_their_own(monkeypatch):
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+def test_on_a_gpu_the_last_splits_see_every_partial(monkeypatch):
+    """The GPU's own launches of a 4096-wide layer at 1 and 16 rows (W4A16 split 8, W8A16, int8):
+    the tiles' last splits give the finishing launch's numbers bitwise, launch after launch
+    (a last split that read a partial before it was visible would differ)."""
+    dev, gen = torch.device("cuda"), _gen(20)
+    K_ = N_ = 4096
+    wp = pack_int4(torch.randint(-8, 8, (N_, K_), dtype=torch.int8, generator=gen)).to(dev)
+    s4 = (torch.rand(N_, K_ // G, generator=gen) * 0.02).half().to(dev)
+    q8 = torch.randint(-127, 128, (N_, K_), dtype=torch.int8, generator=gen).to(dev)
+    s8 = (torch.rand(N_, generator=gen) * 0.01 + 0.001).to(dev)
+    for M in (1, 16):
+        x = torch.randn(M, K_, generator=gen).half().to(dev)
+        xq = torch.randint(-127, 128, (M, K_), dtype=torch.int8, generator=gen).to(dev)
+        calls = [lambda: w4a16_linear(x, wp, s4, G), lambda: w8a16_linear(x, q8, s8.half()),
+                 lambda: int8_gemm(xq, torch.full((1,), 0.02, device=dev), q8, s8, None, torch.float16)]
+        for call in calls:
+            with monkeypatch.context() as m:
+                m.setattr(_common, "split_k_counters", lambda device, tiles: None)
+                want = call()
+            for _ in range(20):
+                assert torch.equal(call(), want)
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
 def test_counters_on_a_gpu_stay_zero_across_graph_replays():
     """The device's counters are made once outside a capture; a captured split launch replays
     with the eager numbers and leaves them zero; more tiles than counters finish in a launch of
