@@ -33,6 +33,7 @@ __all__ = [
     "small_ints_to_float",
     "split_k_arrive",
     "split_k_buffers",
+    "split_k_partials",
     "split_k_counters",
     "split_k_sum",
     "triton_usable",
@@ -115,6 +116,21 @@ def split_k_arrive(cnt_ptr, tile, SPLIT: tl.constexpr):
     # the next launch sees the reset (a kernel boundary orders them): no fence needed
     tl.atomic_xchg(cnt_ptr + tile, 0, mask=before == SPLIT - 1, sem="relaxed")
     return before
+
+
+@triton.jit
+def split_k_partials(acc, p_ptr, mask, stride_split, pid_split, cnt_ptr, tile, SPLIT: tl.constexpr,
+                     FINISH: tl.constexpr):
+    """A split-K program's epilogue start: its partial sums `acc` of an output tile stored at
+    p_ptr + pid_split · stride_split under `mask`; with FINISH, the tile's last split to arrive
+    takes every split's sum (`split_k_arrive`, `split_k_sum`) → (acc, the mask its epilogue
+    stores y under: `mask` for the last split, nothing for the others)."""
+    tl.store(p_ptr + pid_split * stride_split, acc, mask=mask)
+    if FINISH:
+        before = split_k_arrive(cnt_ptr, tile, SPLIT)
+        mask = mask & ((mask.to(tl.int32) * 0 + before) == SPLIT - 1)
+        acc = split_k_sum(p_ptr, mask, stride_split, SPLIT)
+    return acc, mask
 
 
 @triton.jit

@@ -52,9 +52,8 @@ from quantspec.kernels._common import (
     finish_split_k,
     gpu_launch,
     small_ints_to_float,
-    split_k_arrive,
     split_k_buffers,
-    split_k_sum,
+    split_k_partials,
 )
 
 __all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "w4a16_default_config",
@@ -472,12 +471,9 @@ def _w4a16_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     y_mask = out_mask
     if SPLIT_K > 1:
-        p = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(p + pid_k * stride_osplit, acc, mask=out_mask)
-        if FINISH:  # the tile's last split sums the partials and stores y; the others store nothing
-            before = split_k_arrive(cnt_ptr, pid_m * tl.num_programs(1) + pid_n, SPLIT_K)
-            y_mask = out_mask & ((offs_m[:, None] * 0 + before) == SPLIT_K - 1)
-            acc = split_k_sum(p, y_mask, stride_osplit, SPLIT_K)
+        tile = pid_m * tl.num_programs(1) + pid_n
+        acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
+                                       stride_osplit, pid_k, cnt_ptr, tile, SPLIT_K, FINISH)
     if SPLIT_K == 1 or FINISH:
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)

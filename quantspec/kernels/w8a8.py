@@ -30,10 +30,9 @@ from quantspec.kernels._common import (
     gpu_launch,
     round_half_even,
     scaled_gemm_launch,
-    split_k_arrive,
     split_k_buffers,
+    split_k_partials,
     split_k_range,
-    split_k_sum,
 )
 
 __all__ = [
@@ -162,12 +161,8 @@ def _int8_gemm_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     y_mask = out_mask
     if SPLIT_K > 1:
-        p = out_ptr + offs_m[:, None] * stride_om + offs_n[None, :]
-        tl.store(p + tl.program_id(1) * stride_osplit, acc, mask=out_mask)
-        if FINISH:  # the tile's last split sums the partials and applies the epilogue
-            before = split_k_arrive(cnt_ptr, pid, SPLIT_K)
-            y_mask = out_mask & ((offs_m[:, None] * 0 + before) == SPLIT_K - 1)
-            acc = split_k_sum(p, y_mask, stride_osplit, SPLIT_K)
+        acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
+                                       stride_osplit, tl.program_id(1), cnt_ptr, pid, SPLIT_K, FINISH)
     if SPLIT_K == 1 or FINISH:
         if PER_TOKEN:
             a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)  # [BM]
