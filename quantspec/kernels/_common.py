@@ -121,15 +121,17 @@ def split_k_arrive(cnt_ptr, tile, SPLIT: tl.constexpr):
 @triton.jit
 def split_k_partials(acc, p_ptr, mask, stride_split, pid_split, cnt_ptr, tile, SPLIT: tl.constexpr,
                      FINISH: tl.constexpr):
-    """A split-K program's epilogue start: its partial sums `acc` of an output tile stored at
-    p_ptr + pid_split · stride_split under `mask`; with FINISH, the tile's last split to arrive
-    takes every split's sum (`split_k_arrive`, `split_k_sum`) → (acc, the mask its epilogue
-    stores y under: `mask` for the last split, nothing for the others)."""
-    tl.store(p_ptr + pid_split * stride_split, acc, mask=mask)
-    if FINISH:
-        before = split_k_arrive(cnt_ptr, tile, SPLIT)
-        mask = mask & ((mask.to(tl.int32) * 0 + before) == SPLIT - 1)
-        acc = split_k_sum(p_ptr, mask, stride_split, SPLIT)
+    """A GEMM program's epilogue start, for its sums `acc` of an output tile under `mask` →
+    (acc, the mask its epilogue stores y under). SPLIT == 1: both as they are. Otherwise the
+    partial sums are stored at p_ptr + pid_split · stride_split, and with FINISH the tile's last
+    split to arrive takes every split's sum (`split_k_arrive`, `split_k_sum`) under `mask`, the
+    others an empty mask; without FINISH there is no epilogue in this launch."""
+    if SPLIT > 1:
+        tl.store(p_ptr + pid_split * stride_split, acc, mask=mask)
+        if FINISH:
+            before = split_k_arrive(cnt_ptr, tile, SPLIT)
+            mask = mask & ((mask.to(tl.int32) * 0 + before) == SPLIT - 1)
+            acc = split_k_sum(p_ptr, mask, stride_split, SPLIT)
     return acc, mask
 
 

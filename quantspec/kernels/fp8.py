@@ -140,10 +140,8 @@ def _fp8_gemm_kernel(
             # convert the operands to fp16 for the pre-Hopper MMA instead.
             acc += tl.dot(a, tl.trans(b))
     out_mask = mask_m[:, None] & mask_n[None, :]
-    y_mask = out_mask
-    if SPLIT_K > 1:
-        acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
-                                       stride_osplit, tl.program_id(1), cnt_ptr, pid, SPLIT_K, FINISH)
+    acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
+                                   stride_osplit, tl.program_id(1), cnt_ptr, pid, SPLIT_K, FINISH)
     if SPLIT_K == 1 or FINISH:
         a_s = tl.load(as_ptr).to(tl.float32)
         if W_PER_CHANNEL:

@@ -469,11 +469,9 @@ def _w4a16_kernel(
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
     out_mask = mask_m[:, None] & mask_n[None, :]
-    y_mask = out_mask
-    if SPLIT_K > 1:
-        tile = pid_m * tl.num_programs(1) + pid_n
-        acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
-                                       stride_osplit, pid_k, cnt_ptr, tile, SPLIT_K, FINISH)
+    tile = pid_m * tl.num_programs(1) + pid_n
+    acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
+                                   stride_osplit, pid_k, cnt_ptr, tile, SPLIT_K, FINISH)
     if SPLIT_K == 1 or FINISH:
         if HAS_BIAS:
             b = tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)

@@ -115,11 +115,9 @@ def _w8a16_kernel(
     out_mask = mask_m[:, None] & mask_n[None, :]
     s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
     acc = acc * s[None, :]
-    y_mask = out_mask
-    if SPLIT_K > 1:
-        tile = pid_m * tl.num_programs(1) + pid_n
-        acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
-                                       stride_osplit, pid_k, cnt_ptr, tile, SPLIT_K, FINISH)
+    tile = pid_m * tl.num_programs(1) + pid_n
+    acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
+                                   stride_osplit, pid_k, cnt_ptr, tile, SPLIT_K, FINISH)
     if SPLIT_K == 1 or FINISH:
         if HAS_BIAS:
             acc += tl.load(b_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)[None, :]

@@ -159,10 +159,8 @@ def _int8_gemm_kernel(
                     mask=mask_n[:, None] & mask_k[None, :], other=0)  # [BN, BK] int8
         acc += tl.dot(a, tl.trans(b), out_dtype=tl.int32)
     out_mask = mask_m[:, None] & mask_n[None, :]
-    y_mask = out_mask
-    if SPLIT_K > 1:
-        acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
-                                       stride_osplit, tl.program_id(1), cnt_ptr, pid, SPLIT_K, FINISH)
+    acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
+                                   stride_osplit, tl.program_id(1), cnt_ptr, pid, SPLIT_K, FINISH)
     if SPLIT_K == 1 or FINISH:
         if PER_TOKEN:
             a_s = tl.load(as_ptr + offs_m, mask=mask_m, other=0.0)  # [BM]
