@@ -56,7 +56,7 @@ from quantspec.kernels._common import (
     split_k_partials,
 )
 
-__all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "w4a16_default_config",
+__all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "small_m_split", "w4a16_default_config",
            "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
@@ -155,6 +155,18 @@ def _wide_m_split(M: int, N: int, K: int, block_m: int, block_n: int, block_k: i
     return max(1, min(round(SM_TARGET / 2 / tiles), triton.cdiv(K, block_k) // 4, K // (4 * M)))
 
 
+def small_m_split(N: int, K: int, block_n: int, block_k: int) -> int:
+    """SPLIT_K of a weight-only GEMV launch (up to 16 rows, unswapped): the deepest power of two
+    up to `MAX_SPLIT_K` that keeps at least two k tiles per split and the programs (column tiles
+    times splits) within `SM_TARGET`. On an H100's sweep (`bench/kernels.py --sweep-only`) that is
+    each Llama-3-8B shape's fastest split over 1 and 16 rows, for W4A16 and W8A16 alike: 8 where
+    N is 4096, but 4 (W4A16) and 2 (W8A16) for 4096×14336, whose columns alone give 112 and 224
+    tiles: more programs than the GPU runs at once cost partial sums and arrivals, and no
+    bandwidth."""
+    cap = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2, SM_TARGET // triton.cdiv(N, block_n)))
+    return 1 << (cap.bit_length() - 1)
+
+
 def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots: bool = False) -> W4A16Config:
     """The GPU launch of a weight-only kernel (W4A16, W8A16): `tl.dot` tiles for every M. Up to
     16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
@@ -173,9 +185,10 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
         return W4A16Config(bm, 128, bk, _wide_m_split(M, N, K, bm, 128, bk), 8, 3, swap_ab=True, fold_scale=True)
     if M > 16:
         return W4A16Config(*_mid_m_rows_and_split(M, N, K, block_k, 64), 4, 3, swap_ab=True, fold_scale=True)
-    split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2))
-    if not nibble_dots:
-        split = max(1, min(split, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
+    if nibble_dots:
+        split = small_m_split(N, K, 128, block_k)
+    else:
+        split = max(1, min(MAX_SPLIT_K, triton.cdiv(K, block_k) // 2, triton.cdiv(SM_TARGET, triton.cdiv(N, 128))))
     return W4A16Config(16, 128, block_k, split, 4, 3, swap_ab=not nibble_dots, nibble_dots=nibble_dots)
 
 
@@ -195,16 +208,18 @@ def quartered_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
                        nibble_dots=True)
 
 
-def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool) -> W4A16Config:
+def w4a16_default_config(M: int, N: int, K: int, group_size: int, on_gpu: bool, *,
+                         float_zero: bool = False) -> W4A16Config:
     """Launch heuristic: `gpu_weight_only_config` on a GPU (with the largest BLOCK_K ≤ 128 that
-    divides the group size, and at least the MMA's 16); on the CPU interpreter tiny tiles, so
-    that the tests stay fast and exercise masking and both launch shapes."""
+    divides the group size, and at least the MMA's 16; nibble dots where that is 128 and the zero
+    points, if any, are integers: `float_zero` says they are floats); on the CPU interpreter tiny
+    tiles, so that the tests stay fast and exercise masking and both launch shapes."""
     if not on_gpu:
         if M <= GEMV_MAX_M:
             return W4A16Config(1, 16, 16, 2)
         return W4A16Config(16, 16, 16, 1)
     bk = next((b for b in (128, 64, 32) if group_size % b == 0), 16)
-    return gpu_weight_only_config(M, N, K, bk, nibble_dots=bk == 128)
+    return gpu_weight_only_config(M, N, K, bk, nibble_dots=bk == 128 and not float_zero)
 
 
 @triton.jit
@@ -431,9 +446,8 @@ def _w4a16_kernel(
                 zmask = wmask
             s = s_raw.to(tl.float32)
             if HAS_ZERO and (ZERO_FLOAT or not GROUP_ALIGNED):
-                # float zero points; and integer ones of a k tile across groups (one per element)
-                # read as floats: with 16-bit operands an H100 under Triton 3.6 computes wrong
-                # numbers from that tile's integer form
+                # float zero points; and integer ones of a k tile across groups (one per element,
+                # which a GPU launch gets as floats: `w4a16_linear`), subtracted in fp32
                 z = tl.load(z_ptr + zidx, mask=zmask, other=0).to(tl.float32)
                 w = (_codes(nib, 0, False, tl.float32) - z) * s  # [BN, BK]
             else:
@@ -548,7 +562,8 @@ def w4a16_linear(
                              f"multiples of {QUARTER_BLOCK}")
     if config is None:
         cfg = quartered_config(M, N, K, gpu_launch(device)) if quartered else \
-            w4a16_default_config(M, N, K, group_size, gpu_launch(device))
+            w4a16_default_config(M, N, K, group_size, gpu_launch(device),
+                                 float_zero=w_zero is not None and w_zero.is_floating_point())
     else:
         cfg = config
     bm, bn, bk, split, warps, stages, swap, nibble, fold = cfg
@@ -556,6 +571,11 @@ def w4a16_linear(
         raise QuantSpecError(f"W4A16Config.block_k={bk} must be at least {PACK_FACTOR} (one int32 word of codes)")
     use_dot = bm >= 16
     check_gpu_dot_tile(cfg, device)
+    if w_zero is not None and not w_zero.is_floating_point() and group_size % bk and gpu_launch(device):
+        # k tiles across groups read a zero point per element: from an integer tile of them an
+        # H100 under Triton 3.6 computes wrong numbers (16-bit x), from the same integers as
+        # half floats (exact up to 2048) the reference's
+        w_zero = w_zero.to(torch.float16)
     scale_after = group_size % bk == 0 and not (w_zero is not None and w_zero.is_floating_point()) and not fold
     if nibble and not (scale_after and (bm == 1 or (use_dot and bk >= 16 * PACK_FACTOR))):
         raise QuantSpecError(f"W4A16Config.nibble_dots needs block_m 1, or block_m >= 16 with block_k >= "

@@ -28,7 +28,7 @@ from quantspec.kernels._common import (
     split_k_buffers,
     split_k_partials,
 )
-from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, check_gpu_dot_tile, gpu_weight_only_config
+from quantspec.kernels.w4a16 import GEMV_MAX_M, W4A16Config, check_gpu_dot_tile, gpu_weight_only_config, small_m_split
 
 __all__ = ["W8A16Config", "w8a16_default_config", "w8a16_dequantize", "w8a16_dequantize_ref", "w8a16_linear", "w8a16_linear_ref"]
 
@@ -39,14 +39,14 @@ W8A16Config = W4A16Config
 
 def w8a16_default_config(M: int, N: int, K: int, on_gpu: bool) -> W4A16Config:
     """Launch heuristic: on a GPU, up to 16 rows one launch shape (a row's numbers do not depend
-    on the other rows): [16, 64] tiles, unswapped (`W4A16Config.swap_ab`), split-K 4 where K allows it —
-    the fastest single shape over 1 and 16 rows of the Llama-3-8B shapes in an H100's bf16 sweep
-    (`bench/kernels.py --sweep-only`); more rows `w4a16.gpu_weight_only_config`'s tiles. Tiny
-    tiles on the CPU."""
+    on the other rows): [16, 64] tiles, unswapped (`W4A16Config.swap_ab`), split-K by
+    `w4a16.small_m_split` — the fastest tiles over 1 and 16 rows of the Llama-3-8B shapes in an
+    H100's sweep (`bench/kernels.py --sweep-only`); more rows `w4a16.gpu_weight_only_config`'s
+    tiles. Tiny tiles on the CPU."""
     if not on_gpu:
         return W4A16Config(1, 16, 16, 2) if M <= GEMV_MAX_M else W4A16Config(16, 16, 16, 1)
     if M <= 16:
-        return W4A16Config(16, 64, 128, max(1, min(4, triton.cdiv(K, 128) // 2)), 4, 3)
+        return W4A16Config(16, 64, 128, small_m_split(N, K, 64, 128), 4, 3)
     return gpu_weight_only_config(M, N, K, 128)
 
 

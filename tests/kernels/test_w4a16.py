@@ -5,10 +5,12 @@ import pytest
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.kernels._common import SM_TARGET
+from quantspec.kernels import w4a16 as w4a16_module
+from quantspec.kernels._common import MAX_SPLIT_K, SM_TARGET
 from quantspec.kernels.w4a16 import (
     W4A16Config,
     quartered_config,
+    small_m_split,
     w4a16_default_config,
     w4a16_dequantize,
     w4a16_dequantize_ref,
@@ -85,9 +87,55 @@ def test_split_k_and_tile_configs(cfg, zero_dtype, dtype):
     torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
 
 
+def test_integer_zero_points_across_groups_go_to_a_gpu_launch_as_floats(monkeypatch):
+    """k tiles across groups on a GPU take integer zero points as half floats: the same numbers
+    as the integer launch (under the interpreter, with the GPU's branch forced)."""
+    x, wp, s, g, z, b, _ = _make(17, 88, 8, torch.float16, asym=True, bias=True, seed=5)
+    cfg = W4A16Config(16, 32, 16, 2, swap_ab=True)
+    ints = w4a16_linear(x, wp, s, g, z, b, config=cfg)
+    seen = []
+    real = w4a16_module._w4a16_kernel
+
+    class Spy:
+        def __getitem__(self, grid):
+            def launch(*args, **kw):
+                seen.append(args[3].dtype)
+                return real[grid](*args, **kw)
+            return launch
+
+    monkeypatch.setattr(w4a16_module, "gpu_launch", lambda device: True)
+    monkeypatch.setattr(w4a16_module, "_w4a16_kernel", Spy())
+    assert torch.equal(w4a16_linear(x, wp, s, g, z, b, config=cfg), ints)
+    assert seen == [torch.float16]
+
+
+def test_gpu_float_zero_points_take_the_unpacking_launch():
+    """Float zero points with a group of 128: the GPU's launch for up to 16 rows unpacks (nibble
+    dots need integer zero points) and computes the reference under the interpreter."""
+    x, wp, s, g, z, b, _ = _make(3, 256, 128, torch.float32, asym=True, bias=True, seed=31,
+                                 zero_dtype=torch.float32)
+    cfg = w4a16_default_config(3, N, 256, 128, on_gpu=True, float_zero=True)
+    assert not cfg.nibble_dots and w4a16_default_config(3, N, 256, 128, on_gpu=True).nibble_dots
+    torch.testing.assert_close(w4a16_linear(x, wp, s, g, z, b, config=cfg), w4a16_linear_ref(x, wp, s, g, z, b),
+                               rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("K,N_,block_n", [(4096, 4096, 128), (4096, 14336, 128), (4096, 14336, 64),
+                                          (14336, 4096, 64), (4096, 28672, 128), (1024, 37, 128)])
+def test_small_m_split_is_the_deepest_within_the_programs_target(K, N_, block_n):
+    """A power of two, at least two k tiles per split, at most `SM_TARGET` programs, and the
+    deepest such split up to `MAX_SPLIT_K`."""
+    split, tiles = small_m_split(N_, K, block_n, 128), -(-N_ // block_n)
+    assert split & (split - 1) == 0 and split <= MAX_SPLIT_K
+    assert split == 1 or (K // 128 >= 2 * split and tiles * split <= SM_TARGET)
+    deeper = 2 * split
+    assert deeper > MAX_SPLIT_K or K // 128 < 2 * deeper or tiles * deeper > SM_TARGET
+
+
 def test_gpu_small_m_launch_splits_deepest():
-    """The GPU's launch for up to 16 rows with nibble dots takes the deepest split K allows, one
-    shape for every M ≤ 16, and computes the reference under the interpreter."""
+    """The GPU's launch for up to 16 rows with nibble dots takes the deepest split K and the
+    programs target allow, one shape for every M ≤ 16, and computes the reference under the
+    interpreter."""
     x, wp, s, g, z, b, _ = _make(16, 2048, 128, torch.float32, asym=False, bias=False, seed=12)
     cfg = w4a16_default_config(16, N, 2048, 128, on_gpu=True)
     assert cfg == w4a16_default_config(1, N, 2048, 128, on_gpu=True)
