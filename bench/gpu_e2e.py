@@ -2,7 +2,7 @@
 quantized by quantspec (RTN; a8w8 / a8w8_fp8 with static activation scales calibrated on random
 tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the same run.
 
-    python bench/gpu_e2e.py [--out DIR] [--quant bf16,int4,int4q,int8,fp8,a8w8] [--batch 1,32]
+    python bench/gpu_e2e.py [--out DIR] [--quant bf16,int4,int4std,int8,fp8,a8w8] [--batch 1,32]
                             [--layers 32] [--prompt-tokens 256] [--new-tokens 64] [--budget-s 300]
     python bench/gpu_e2e.py --device cpu            # tiny shapes on the CPU engine (smoke)
 
@@ -15,8 +15,8 @@ this measures what speculation costs when it is not accepted), and the verificat
 C(k) = time of a step verifying k drafts / a plain step (what the back-off's `SpecCost` models),
 from which the speedup of speculation at an acceptance rate follows. For bf16 and the speculation
 model a profile of replayed decode steps at batch 1: the kernels by time per step, and the share
-of the step the device is busy. int4q is the int4 model with its codes in the
-quartered layout (`DispatchPolicy.cuda_int4_quartered`), beside int4 in the standard one.
+of the step the device is busy. int4std is the int4 model with its codes in the standard
+layout (`DispatchPolicy.cuda_int4_quartered` off), beside int4 in the default quartered one.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
 measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md` holds the tables.
@@ -41,11 +41,11 @@ SHAPES = {
     "tiny": dict(vocab_size=256, hidden_size=128, intermediate_size=256, num_layers=2, num_heads=2,
                  num_kv_heads=1, max_position_embeddings=1024),
 }
-QUANTS = {"int4": "weight_only_int4", "int4q": "weight_only_int4", "int8": "weight_only_int8", "a8w8": "a8w8",
+QUANTS = {"int4": "weight_only_int4", "int4std": "weight_only_int4", "int8": "weight_only_int8", "a8w8": "a8w8",
           "fp8": "a8w8_fp8"}
-# a model's dispatch policy where it is not the default's: int4q is int4 with its codes in the
-# quartered layout (`DispatchPolicy.cuda_int4_quartered`)
-POLICIES = {"int4q": dict(cuda_int4_quartered=True)}
+# a model's dispatch policy where it is not the default's: int4std is int4 with its codes in the
+# standard layout (`DispatchPolicy.cuda_int4_quartered` off)
+POLICIES = {"int4std": dict(cuda_int4_quartered=False)}
 
 
 class Run:
@@ -392,8 +392,8 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--device", choices=["cuda", "cpu"], default="cuda")
     ap.add_argument("--out", default="out/gpu_e2e")
-    ap.add_argument("--quant", default="bf16,int4,int4q,int8,fp8,a8w8",
-                    help="models to build: bf16 and quantized ones (int4q: int4 in the quartered layout)")
+    ap.add_argument("--quant", default="bf16,int4,int4std,int8,fp8,a8w8",
+                    help="models to build: bf16 and quantized ones (int4std: int4 in the standard layout)")
     ap.add_argument("--batch", default="1,32", type=lambda s: [int(x) for x in s.split(",")])
     ap.add_argument("--layers", type=int, default=0, help="decoder layers (default: the shape's)")
     ap.add_argument("--prompt-tokens", type=int, default=256)

@@ -300,10 +300,10 @@ SWEEP_LARGE = ((4096, 14336), (256, 4096))  # the shape and the rows of the larg
 
 def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     """The `W4A16Config`s the sweep times for `kind` at M rows. Up to 16 rows: `tl.dot` tiles
-    (BLOCK_M 16; swapped ones with the exact codes and with the scale folded in), W4A16's nibble
-    dots, and for one row one-row programs (BLOCK_M 1, multiply-reduce); more rows: swapped tiles
-    (W4A16's with the scale folded in), and the unswapped tile whose MMA waits for each
-    dequantized tile.
+    (BLOCK_M 16, split 2, 4 or 8, and 16 unswapped; swapped ones with the exact codes and with the
+    scale folded in), W4A16's nibble dots, and for one row one-row programs (BLOCK_M 1,
+    multiply-reduce); more rows: swapped tiles (W4A16's with the scale folded in), and the
+    unswapped tile whose MMA waits for each dequantized tile.
     `fold_scale` only for W4A16: W8A16 has no per-tile scale."""
     from quantspec.kernels.w4a16 import W4A16Config
 
@@ -317,6 +317,9 @@ def sweep_grid(kind: str, group: int, M: int = 1) -> list:
             [W4A16Config(128, 128, k64, 1, 8, 3)]
     nibs = (False, True) if kind == "w4a16" and bk >= 128 else (False,)
     dots = [(16, bn, bk, sk, False, nib, False) for bn in (64, 128) for sk in (2, 4, 8) for nib in nibs]
+    # a split of 16 (past the heuristics' MAX_SPLIT_K) for the unswapped launch the default takes:
+    # whether a launch whose columns give few tiles (K 14336, N 4096) gains from filling the SMs
+    dots += [(16, bn, bk, 16, False, nibs[-1], False) for bn in (64, 128)]
     folds = (False, True) if kind == "w4a16" else (False,)
     dots += [(16, bn, bk, sk, True, False, fold) for bn in (64, 128) for sk in (2, 4, 8) for fold in folds]
     rows = []  # above one row, a one-row program per row would read the weight M times
