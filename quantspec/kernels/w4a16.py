@@ -617,13 +617,15 @@ def w4a16_linear(
 def _w4_dequant_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_wn, stride_sn, stride_zn, stride_on,
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, GROUP_ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
-    BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUARTERED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile of the weight, as [BLOCK_N, BLOCK_K / 8, 8]: word j's nibble i
     is k = 8j + i, so each thread writes the eight k of the words it loaded (no exchange between
     threads). GROUP_ALIGNED (BLOCK_K divides the group size): the tile lies in one group, whose
     scale (and zero point) each row loads once. EVEN_K (BLOCK_K divides K): no k masks, so that a
-    thread's words come in one vector load."""
+    thread's words come in one vector load. QUARTERED: the words in `quarter_int4`'s layout, each
+    code written to its k (`quartered_order`; BLOCK_K ≤ 128, so a tile lies in one 128-k block,
+    and so in one group)."""
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -635,7 +637,11 @@ def _w4_dequant_kernel(
     words = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_w[None, :], mask=w_mask, other=0)
     i = tl.arange(0, 8)
     nib = (words[:, :, None] >> (i * 4)[None, None, :]) & 0xF  # [BN, BK/8, 8]
-    offs_k = offs_w[None, :, None] * 8 + i[None, None, :]  # [1, BK/8, 8]
+    if QUARTERED:  # position 8p + s of a 128-k block holds k = 32 (s mod 4) + 2p + s // 4
+        offs_k = ((offs_w // 16) * 128 + 2 * (offs_w % 16))[None, :, None] + \
+            (32 * (i % 4) + i // 4)[None, None, :]
+    else:
+        offs_k = offs_w[None, :, None] * 8 + i[None, None, :]  # [1, BK/8, 8]
     if EVEN_K:
         mask = mask_n[:, None, None]
     else:
@@ -670,12 +676,17 @@ def w4a16_dequantize_ref(w_packed: torch.Tensor, w_scale: torch.Tensor, group_si
 
 
 def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: int, K: int,
-                     w_zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float16) -> torch.Tensor:
+                     w_zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float16,
+                     quartered: bool = False) -> torch.Tensor:
     """Triton: the [N, K] weight in `dtype`, equal to `w4a16_dequantize_ref` bit for bit (what a
-    large-M call multiplies with cuBLAS)."""
+    large-M call multiplies with cuBLAS). `quartered`: w_packed in `quarter_int4`'s layout (K and
+    the group size multiples of 128); the weight comes out in k order all the same."""
     _validate(torch.empty((0, K), dtype=dtype, device=w_packed.device), w_packed, w_scale, group_size,
               w_zero, None)
     device = check_same_device(w_packed=w_packed, w_scale=w_scale, w_zero=w_zero)
+    if quartered and (K % QUARTER_BLOCK or group_size % QUARTER_BLOCK):
+        raise QuantSpecError(f"quartered weights need K ({K}) and the group size ({group_size}) to be "
+                             f"multiples of {QUARTER_BLOCK}")
     N = w_packed.shape[0]
     out = torch.empty((N, K), device=device, dtype=dtype)
     bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
@@ -683,6 +694,6 @@ def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: 
         w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
         w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),
         HAS_ZERO=w_zero is not None, ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(),
-        GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, QUARTERED=quartered, BLOCK_N=bn, BLOCK_K=bk,
     )
     return out

@@ -164,15 +164,17 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
                        pack_int4(torch.randint(-8, 8, (N, 640), dtype=torch.int8, generator=gen)),
                        s[:, :1].repeat(1, 5), G, None if z is None else z[:, :1].repeat(1, 5))
     w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
+    w4a16.w4a16_dequantize(w4a16.quarter_int4(wp, K), s, G, K, z, dtype, quartered=True)
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
     finishes = {(c["constants"]["BLOCK_M"], c["constants"]["FINISH"]) for c in recorded
                 if c["name"] == "_w4a16_kernel" and c["constants"]["SPLIT_K"] > 1}
     assert {(16, True), (32, False)} <= finishes  # the tiles' last splits sum in the small-M launch only
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
     assert {c["constants"]["EVEN_K"] for c in recorded if c["name"] == "_w4a16_kernel"} == {True, False}
-    quartered = [c["constants"] for c in recorded if c["constants"].get("QUARTERED")]
+    quartered = [c["constants"] for c in recorded if c["name"] == "_w4a16_kernel" and c["constants"]["QUARTERED"]]
     assert {(c["SWAP_AB"], c["NIBBLE_DOTS"]) for c in quartered} == {(False, True), (True, True)}
-    assert {c["constants"]["BLOCK_N"] for c in recorded if c["name"] == "_w4_dequant_kernel"} == {32}
+    dequant = [c["constants"] for c in recorded if c["name"] == "_w4_dequant_kernel"]
+    assert {c["BLOCK_N"] for c in dequant} == {32} and {c["QUARTERED"] for c in dequant} == {False, True}
     results = _compiled(recorded)
     assert len(results) >= 2 * 8
     assert _int_to_float_in_weight_kernels(results) == []

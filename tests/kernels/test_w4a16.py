@@ -353,6 +353,21 @@ def test_quartered_weights_give_the_reference(cfg, M, asym, dtype):
     torch.testing.assert_close(y.float(), w4a16_linear_ref(x, wp, s, g, z, b).float(), rtol=tol, atol=tol)
 
 
+@pytest.mark.parametrize("zero_dtype", [None, torch.int8, torch.float16])
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_quartered_dequantize_writes_k_order(zero_dtype, dtype):
+    """`w4a16_dequantize` of quartered words: the standard words' weight, bit for bit (which
+    `test_dequantize_kernel_equals_reference` checks against the reference)."""
+    from quantspec.kernels.w4a16 import quarter_int4
+
+    _, wp, s, g, z, _, _ = _make(1, 384, 128, torch.float32, asym=zero_dtype is not None, bias=False, seed=7,
+                                 zero_dtype=zero_dtype or torch.int8)
+    want = w4a16_dequantize(wp, s, g, 384, z, dtype)
+    assert torch.equal(w4a16_dequantize(quarter_int4(wp, 384), s, g, 384, z, dtype, quartered=True), want)
+    with pytest.raises(QuantSpecError, match=r"K \(192\) and the group size \(192\) to be multiples of 128"):
+        w4a16_dequantize(wp[:, :24].contiguous(), s[:, :1].contiguous(), 192, 192, None, dtype, quartered=True)
+
+
 def test_quartered_weights_need_128_blocks_and_nibble_dots():
     from quantspec.kernels.w4a16 import quarter_int4
 

@@ -90,16 +90,13 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         op = kernels.fp8_linear if path is KernelPath.TRITON_FP8 else kernels.fp8_scaled_mm_linear
         return op(x, w, p.w_scale_vec, layer.input_scale, b)
     if path is KernelPath.CUDA_DEQUANT_MM:
-        if getattr(p, "quartered", False):  # the weight's columns in the quartered order: x's too
-            x = x.index_select(1, p.k_order)
         return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)
     raise QuantSpecError(f"unknown kernel path {path!r}")
 
 
 def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
     """The layer's [N, K] weight in `dtype` by the Triton dequantize kernels (a quartered int4
-    layer's with its columns in the quartered order: each stays in its 128-k block, so in its
-    group)."""
+    layer's in k order too: the kernel writes each code to its k)."""
     from quantspec import kernels
 
     if layer.traits.kind is LinearKind.W4A16:
@@ -107,7 +104,7 @@ def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
         w = getattr(p, "weight_packed", None)
         w = w if w is not None else pack_int4(layer.codes())
         return kernels.w4a16_dequantize(w, _prepared_w4_scale(layer), _w4_group(layer), layer.in_features,
-                                        layer.weight_zero_point, dtype)
+                                        layer.weight_zero_point, dtype, quartered=getattr(p, "quartered", False))
     return kernels.w8a16_dequantize(layer.codes(), layer.prepared.w_scale_vec, dtype)
 
 
