@@ -15,7 +15,8 @@ this measures what speculation costs when it is not accepted), and the verificat
 C(k) = time of a step verifying k drafts / a plain step (what the back-off's `SpecCost` models),
 from which the speedup of speculation at an acceptance rate follows. For bf16 and the speculation
 model a profile of replayed decode steps at batch 1: the kernels by time per step, and the share
-of the step the device is busy. int4std is the int4 model with its codes in the standard
+of the step the device is busy, and, on a GPU of compute capability 9.0 or more, decode with the
+stack's kernels as programmatic dependent launches (`DispatchPolicy.cuda_pdl`). int4std is the int4 model with its codes in the standard
 layout (`DispatchPolicy.cuda_int4_quartered` off), beside int4 in the default quartered one.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
@@ -315,6 +316,9 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     if name in ("bf16", run.args.spec_model):
         plan.append(("b1 step profile", lambda: step_profile(run, net, runtime)))
     compared = run.device.type == "cuda" and name in ("bf16", run.args.spec_model)
+    if compared and runtime.stack is not None and torch.cuda.get_device_capability(run.device) >= (9, 0):
+        pdl = runtime_with(run, net, **POLICIES.get(name, {}), cuda_pdl=True)
+        plan += [(f"b{b} programmatic launches", lambda b=b: decode_speed(run, net, pdl, b)) for b in run.args.batch]
     if compared and getattr(runtime.stack, "fused", False):  # the same model with its small ops unfused
         unfused = runtime_with(run, net, cuda_fused_ops=False)
         plan += [(f"b{b} small ops unfused", lambda b=b: decode_speed(run, net, unfused, b)) for b in run.args.batch]

@@ -117,6 +117,12 @@ class DispatchPolicy:
         at 64 rows, and a 5% shorter decode step at batch 32, the same within 2% at batch 1);
         `bench/kernels.py`'s "quartered" column and `bench/gpu_e2e.py`'s int4std model (False)
         measure it against the standard layout.
+    cuda_pdl: on a GPU of compute capability 9.0 or more, the decoder stack's Triton kernels
+        (in the CUDA graphs and the eager fused path) are programmatic dependent launches
+        (`kernels._common.programmatic_launches`): each kernel's programs may start while the one
+        before it finishes, and wait for its writes before they read; the same numbers, a shorter
+        gap between kernels. Off by default; `bench/gpu_e2e.py`'s "programmatic launches" rows
+        measure it against the default.
     """
 
     cpu_packed_max_m: int = 64
@@ -128,6 +134,7 @@ class DispatchPolicy:
     cuda_graphs: bool = True
     cuda_fused_ops: bool = True
     cuda_int4_quartered: bool = True
+    cuda_pdl: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cpu_packed_max_m", "cuda_weight_only_max_m", "cuda_scaled_mm_min_m"):

@@ -6,8 +6,10 @@ Nothing here knows about models or quant types; it only checks tensors and launc
 
 from __future__ import annotations
 
+import contextlib
+import contextvars
 import os
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 import triton
@@ -28,6 +30,10 @@ __all__ = [
     "gpu_launch",
     "grouped_tile",
     "interpreter_enabled",
+    "pdl_begin",
+    "pdl_launch",
+    "pdl_options",
+    "programmatic_launches",
     "round_half_even",
     "round_to_e4m3",
     "small_ints_to_float",
@@ -152,7 +158,8 @@ def split_k_range(K, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr):
 @triton.jit
 def _finish_scaled_split_k_kernel(p_ptr, as_ptr, bs_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr,
                                   PER_TOKEN: tl.constexpr, PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr,
-                                  BLOCK: tl.constexpr):
+                                  BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = split_k_sum(p_ptr + offs, mask, MN, SPLIT)
@@ -179,11 +186,11 @@ def finish_scaled_split_k(partials: torch.Tensor, x_scale: torch.Tensor, w_scale
     rounds as the unsplit launch's epilogue does."""
     split, M, N = partials.shape
     if M * N:
-        block = 1024
+        block, pdl = 1024, pdl_launch(partials.device)
         _finish_scaled_split_k_kernel[(triton.cdiv(M * N, block),)](
             partials, x_scale, w_scale, bias if bias is not None else w_scale, out, M * N, N, SPLIT=split,
             PER_TOKEN=x_scale.numel() == M and M != 1, PER_CHANNEL=w_scale.numel() == N and N != 1,
-            HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=False)
+            HAS_BIAS=bias is not None, BLOCK=block, USE_PDL=pdl, enable_fp_fusion=False, **pdl_options(pdl))
     return out
 
 
@@ -229,7 +236,8 @@ def split_k_buffers(M: int, N: int, split: int, tiles: int, device: torch.device
 
 @triton.jit
 def _finish_split_k_kernel(p_ptr, b_ptr, out_ptr, MN, N, SPLIT: tl.constexpr, HAS_BIAS: tl.constexpr,
-                           BLOCK: tl.constexpr):
+                           BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < MN
     acc = split_k_sum(p_ptr + offs, mask, MN, SPLIT)
@@ -244,10 +252,10 @@ def finish_split_k(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Ten
     the bias added and the sum cast, as the tiles' last splits do in the GEMM's launch."""
     split, M, N = part.shape
     if M * N:
-        block = 1024
+        block, pdl = 1024, pdl_launch(part.device)
         _finish_split_k_kernel[(triton.cdiv(M * N, block),)](
             part, bias if bias is not None else part, out, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
-            BLOCK=block)
+            BLOCK=block, USE_PDL=pdl, **pdl_options(pdl))
     return out
 
 
@@ -256,6 +264,50 @@ def gpu_launch(device: torch.device) -> bool:
     types). Every kernel's host function asks here, so that one switch makes a CPU call record
     the launch a GPU would get (`tests/kernels/test_gpu_compile.py`)."""
     return device.type == "cuda"
+
+
+_PDL = contextvars.ContextVar("quantspec_programmatic_launches", default=False)
+
+
+@contextlib.contextmanager
+def programmatic_launches(enabled: bool = True) -> Iterator[None]:
+    """Within (in this thread): every quantspec Triton launch on a GPU of compute capability 9.0
+    or more is a programmatic dependent launch (`pdl_launch`), in CUDA graphs captured there too.
+    The GPU may then start a kernel's programs while the kernel before it finishes, instead of
+    after: each such kernel first waits for its predecessor's writes (`pdl_begin`), so the
+    numbers are the same, and the gap between two kernels (their launch and ramp) shrinks."""
+    token = _PDL.set(bool(enabled))
+    try:
+        yield
+    finally:
+        _PDL.reset(token)
+
+
+def _capability(device: torch.device) -> tuple[int, int]:
+    return torch.cuda.get_device_capability(device)
+
+
+def pdl_launch(device: torch.device) -> bool:
+    """Whether a launch on `device` is a programmatic dependent launch: inside
+    `programmatic_launches`, on a GPU of compute capability 9.0 or more (Hopper's grid dependency
+    control)."""
+    return _PDL.get() and gpu_launch(device) and _capability(device) >= (9, 0)
+
+
+def pdl_options(pdl: bool) -> dict:
+    """The launch options of a kernel launched with `USE_PDL=pdl` (none without)."""
+    return {"launch_pdl": True} if pdl else {}
+
+
+@triton.jit
+def pdl_begin(USE_PDL: tl.constexpr):
+    """A kernel's first statement. USE_PDL (a programmatic dependent launch): wait until the
+    kernel before it in the stream has completed and its writes are visible, before this kernel
+    reads or writes anything, then let the next kernel's launch begin (its programs wait in
+    their own `pdl_begin`). Without USE_PDL nothing."""
+    if USE_PDL:
+        tl.extra.cuda.gdc_wait()
+        tl.extra.cuda.gdc_launch_dependents()
 
 
 def triton_usable(device: torch.device | str) -> bool:

@@ -27,6 +27,9 @@ from quantspec.kernels._common import (
     check_tensor,
     finish_scaled_split_k,
     gpu_launch,
+    pdl_begin,
+    pdl_launch,
+    pdl_options,
     round_to_e4m3,
     scaled_gemm_launch,
     split_k_buffers,
@@ -63,7 +66,9 @@ def check_fp8_device(device: torch.device) -> None:
 
 
 @triton.jit
-def _quantize_act_fp8_kernel(x_ptr, q_ptr, s_ptr, numel, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr):
+def _quantize_act_fp8_kernel(x_ptr, q_ptr, s_ptr, numel, FP8_MAX: tl.constexpr, BLOCK: tl.constexpr,
+                             USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     offs = tl.program_id(0) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < numel
     x = tl.load(x_ptr + offs, mask=mask, other=0.0).to(tl.float32)
@@ -100,9 +105,9 @@ def quantize_act_fp8(
     _validate_act(x, scale)
     device = check_same_device(x=x, x_scale=scale)
     q = torch.empty(x.shape, device=device, dtype=FP8_DTYPE)
-    block = 1024
+    block, pdl = 1024, pdl_launch(device)
     _quantize_act_fp8_kernel[(triton.cdiv(x.numel(), block),)](
-        x, q, scale, x.numel(), FP8_MAX=FP8_E4M3_MAX, BLOCK=block
+        x, q, scale, x.numel(), FP8_MAX=FP8_E4M3_MAX, BLOCK=block, USE_PDL=pdl, **pdl_options(pdl)
     )
     return q
 
@@ -113,8 +118,9 @@ def _fp8_gemm_kernel(
     M, N, K, stride_am, stride_bn, stride_om, stride_osplit,
     W_PER_CHANNEL: tl.constexpr, HAS_BIAS: tl.constexpr, UPCAST: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, FINISH: tl.constexpr,
+    SPLIT_K: tl.constexpr, FINISH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_lo, k_hi = split_k_range(K, BLOCK_K, SPLIT_K)
@@ -211,13 +217,14 @@ def fp8_gemm(
     bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, on_gpu)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     part, out, counters = split_k_buffers(M, N, split, grid[0], device, out_dtype, torch.float32)
+    pdl = pdl_launch(device)
     _fp8_gemm_kernel[grid](
         x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         W_PER_CHANNEL=w_scale.shape[0] == N and N != 1, HAS_BIAS=bias is not None,
         UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
-        FINISH=counters is not None,
+        FINISH=counters is not None, USE_PDL=pdl, **pdl_options(pdl),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
     if split == 1 or counters is not None:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from quantspec.errors import QuantSpecError
-from quantspec.kernels._common import FLOAT_DTYPES, check_tensor
+from quantspec.kernels._common import FLOAT_DTYPES, check_tensor, pdl_begin, pdl_launch, pdl_options
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rope_qk_", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
 
@@ -27,7 +27,8 @@ __all__ = ["add_rms_norm", "add_rms_norm_ref", "rope_qk_", "rope_qk_ref", "silu_
 @triton.jit
 def _add_rms_norm_kernel(x_ptr, r_ptr, w_ptr, out_ptr, res_ptr, D, eps,
                          stride_x, stride_r, stride_o, stride_s,
-                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr):
+                         HAS_RES: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     row = tl.program_id(0)
     offs = tl.arange(0, BLOCK)
     mask = offs < D
@@ -60,10 +61,12 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
     if T:
+        pdl = pdl_launch(x.device)
         _add_rms_norm_kernel[(T,)](
             x, residual if residual is not None else x, weight, out, h, D, float(eps),
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), h.stride(0),
-            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D), USE_PDL=pdl,
+            num_warps=4 if D <= 4096 else 8, **pdl_options(pdl),
         )
     return out, h
 
@@ -79,7 +82,8 @@ def add_rms_norm_ref(x: torch.Tensor, residual: torch.Tensor | None, weight: tor
 
 @triton.jit
 def _rope_kernel(x_ptr, cos_ptr, sin_ptr, stride_t, stride_h, stride_c,
-                 HALF: tl.constexpr, BLOCK: tl.constexpr):
+                 HALF: tl.constexpr, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     t = tl.program_id(0)
     head = tl.program_id(1)
     d = tl.arange(0, BLOCK)
@@ -107,8 +111,10 @@ def rope_qk_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) 
     if hd % 2 or not 0 < heads <= x.shape[1]:
         raise QuantSpecError(f"rope_qk_: x {tuple(x.shape)} needs an even head size and 0 < heads={heads} <= {x.shape[1]}")
     if T:
+        pdl = pdl_launch(x.device)
         _rope_kernel[(T, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=hd // 2,
-                                 BLOCK=triton.next_power_of_2(hd), enable_fp_fusion=False)
+                                 BLOCK=triton.next_power_of_2(hd), USE_PDL=pdl, enable_fp_fusion=False,
+                                 **pdl_options(pdl))
     return x
 
 
@@ -122,7 +128,8 @@ def rope_qk_ref(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tenso
 
 
 @triton.jit
-def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr):
+def _silu_mul_kernel(x_ptr, out_ptr, I, stride_x, stride_o, BLOCK: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     row = tl.program_id(0)
     offs = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
     mask = offs < I
@@ -143,7 +150,9 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(I))
     if T:
-        _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block)
+        pdl = pdl_launch(gate_up.device)
+        _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
+                                                     USE_PDL=pdl, **pdl_options(pdl))
     return out
 
 

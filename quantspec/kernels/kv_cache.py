@@ -31,6 +31,9 @@ from quantspec.kernels._common import (
     check_tensor,
     gpu_launch,
     dot_in_fp32,
+    pdl_begin,
+    pdl_launch,
+    pdl_options,
     round_half_even,
     round_to_e4m3,
 )
@@ -85,8 +88,9 @@ def _check_cache(k_cache, v_cache, k_scale, v_scale):
 def _write_kv_kernel(
     k_ptr, v_ptr, kc_ptr, vc_ptr, slot_ptr, ks_ptr, vs_ptr,
     stride_kt, stride_kh, stride_vt, stride_vh, stride_slot,
-    D, KIND: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_D: tl.constexpr,
+    D, KIND: tl.constexpr, FP8_MAX: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     t = tl.program_id(0)
     h = tl.program_id(1)
     slot = tl.load(slot_ptr + t)  # int64
@@ -160,19 +164,19 @@ def write_kv_cache(
 ) -> None:
     """Triton quantize-on-write into the paged cache (in place)."""
     _check_write(key, value, k_cache, v_cache, slot_mapping, k_scale, v_scale)
-    check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
-                      slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
+    device = check_same_device(key=key, value=value, k_cache=k_cache, v_cache=v_cache,
+                               slot_mapping=slot_mapping, k_scale=k_scale, v_scale=v_scale)
     T = key.shape[0]
     if T == 0:
         return
     _, _, hkv, d = k_cache.shape
-    dummy = slot_mapping
+    dummy, pdl = slot_mapping, pdl_launch(device)
     _write_kv_kernel[(T, hkv)](
         key, value, k_cache, v_cache, slot_mapping,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), hkv * d,
         d, KIND=_kv_kind(k_cache.dtype), FP8_MAX=FP8_E4M3_MAX,
-        BLOCK_D=triton.next_power_of_2(d),
+        BLOCK_D=triton.next_power_of_2(d), USE_PDL=pdl, **pdl_options(pdl),
     )
 
 
@@ -185,8 +189,9 @@ def _paged_attn_kernel(
     sm_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
     D, block_size,
     GROUP: tl.constexpr, KIND: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     pid_m = tl.program_id(0)
     b = tl.program_id(1)
     h = tl.program_id(2)
@@ -348,13 +353,14 @@ def paged_attention(
     dot_fp32 = dot_in_fp32(q.dtype)
     dummy = seq_lens
     grid = (triton.cdiv(max_q_len, block_m), B, H)
+    pdl = pdl_launch(device)
     _paged_attn_kernel[grid](
         q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
         block_tables.stride(0), hkv * d, d, k_cache.shape[1],
         GROUP=H // hkv, KIND=_kv_kind(k_cache.dtype), DOT_FP32=dot_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)),
-        num_warps=4, num_stages=2,
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), USE_PDL=pdl,
+        num_warps=4, num_stages=2, **pdl_options(pdl),
     )
     return out

@@ -51,13 +51,16 @@ from quantspec.kernels._common import (
     dot_in_fp32,
     finish_split_k,
     gpu_launch,
+    pdl_begin,
+    pdl_launch,
+    pdl_options,
     small_ints_to_float,
     split_k_buffers,
     split_k_partials,
 )
 
-__all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "small_m_split", "w4a16_default_config",
-           "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
+__all__ = ["W4A16Config", "gpu_weight_only_config", "quarter_int4", "quartered_config", "small_m_split",
+           "w4a16_default_config", "w4a16_dequantize", "w4a16_dequantize_ref", "w4a16_linear", "w4a16_linear_ref"]
 
 PACK_FACTOR = 8  # 4-bit values per int32 word
 INT4_OFFSET = 8  # stored nibble = q + 8
@@ -392,8 +395,9 @@ def _w4a16_kernel(
     GROUP_ALIGNED: tl.constexpr, SCALE_AFTER: tl.constexpr,
     USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr, NIBBLE_DOTS: tl.constexpr,
     EVEN_K: tl.constexpr, QUARTERED: tl.constexpr, BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr,
-    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FINISH: tl.constexpr,
+    BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr, FINISH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -589,6 +593,7 @@ def w4a16_linear(
     part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
                                           in_kernel=bm <= 16)
     stride_osplit = 0 if split == 1 else M * N
+    pdl = pdl_launch(device)
     _w4a16_kernel[grid](
         x, w_packed, w_scale,
         w_zero if w_zero is not None else w_scale,
@@ -604,8 +609,8 @@ def w4a16_linear(
         SCALE_AFTER=scale_after,
         USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot, NIBBLE_DOTS=nibble,
         EVEN_K=K % (bk * split) == 0, QUARTERED=quartered,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, USE_PDL=pdl,
+        num_warps=warps, num_stages=stages, **pdl_options(pdl),
     )
     return finish_split_k(part, bias, out) if split > 1 and counters is None else out
 
@@ -617,7 +622,7 @@ def w4a16_linear(
 def _w4_dequant_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_wn, stride_sn, stride_zn, stride_on,
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, GROUP_ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
-    QUARTERED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    QUARTERED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile of the weight, as [BLOCK_N, BLOCK_K / 8, 8]: word j's nibble i
     is k = 8j + i, so each thread writes the eight k of the words it loaded (no exchange between
@@ -626,6 +631,7 @@ def _w4_dequant_kernel(
     thread's words come in one vector load. QUARTERED: the words in `quarter_int4`'s layout, each
     code written to its k (`quartered_order`; BLOCK_K ≤ 128, so a tile lies in one 128-k block,
     and so in one group)."""
+    pdl_begin(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
     offs_w = k0 // 8 + tl.arange(0, BLOCK_K // 8)
@@ -690,10 +696,12 @@ def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: 
     N = w_packed.shape[0]
     out = torch.empty((N, K), device=device, dtype=dtype)
     bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
+    pdl = pdl_launch(device)
     _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
         w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),
         HAS_ZERO=w_zero is not None, ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(),
         GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, QUARTERED=quartered, BLOCK_N=bn, BLOCK_K=bk,
+        USE_PDL=pdl, **pdl_options(pdl),
     )
     return out

@@ -24,6 +24,9 @@ from quantspec.kernels._common import (
     dot_in_fp32,
     finish_split_k,
     gpu_launch,
+    pdl_begin,
+    pdl_launch,
+    pdl_options,
     small_ints_to_float,
     split_k_buffers,
     split_k_partials,
@@ -64,8 +67,9 @@ def _w8a16_kernel(
     stride_xm, stride_wn, stride_om, stride_osplit,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    FINISH: tl.constexpr,
+    FINISH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     pid_m = tl.program_id(0)
     pid_n = tl.program_id(1)
     pid_k = tl.program_id(2)
@@ -176,21 +180,23 @@ def w8a16_linear(
     # more registers for it than their main loop (fewer programs per SM)
     part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
                                           in_kernel=bm <= 16)
+    pdl = pdl_launch(device)
     _w8a16_kernel[grid](
         x, w_q, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K,
         x.stride(0), w_q.stride(0), N, M * N,
         HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and bm >= 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
-        num_warps=warps, num_stages=stages,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, USE_PDL=pdl,
+        num_warps=warps, num_stages=stages, **pdl_options(pdl),
     )
     return finish_split_k(part, bias, out) if split > 1 and counters is None else out
 
 
 @triton.jit
 def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+    pdl_begin(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
     mask = (offs_n < N)[:, None] & (offs_k < K)[None, :]
@@ -213,6 +219,8 @@ def w8a16_dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtyp
     device = check_same_device(w_q=w_q, w_scale=w_scale)
     out = torch.empty((N, K), device=device, dtype=dtype)
     bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
+    pdl = pdl_launch(device)
     _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk)
+        w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
+        **pdl_options(pdl))
     return out

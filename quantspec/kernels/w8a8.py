@@ -28,6 +28,9 @@ from quantspec.kernels._common import (
     check_tensor,
     finish_scaled_split_k,
     gpu_launch,
+    pdl_begin,
+    pdl_launch,
+    pdl_options,
     round_half_even,
     scaled_gemm_launch,
     split_k_buffers,
@@ -58,7 +61,9 @@ INT8_HALF_RANGE = (INT8_MAX - INT8_MIN) / 2
 def _quantize_act_int8_kernel(
     x_ptr, q_ptr, s_ptr, K, stride_xm, stride_qm,
     DYNAMIC: tl.constexpr, HALF_RANGE: tl.constexpr, EPS: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     m = tl.program_id(0)
     if DYNAMIC:
         amax = tl.zeros((BLOCK_K,), dtype=tl.float32)
@@ -123,9 +128,11 @@ def quantize_act_int8(
     q = torch.empty((M, K), device=device, dtype=torch.int8)
     s = torch.empty((M,), device=device, dtype=torch.float32) if scale is None else scale.reshape(1)
     block_k = min(triton.next_power_of_2(max(K, 1)), 1024 if gpu_launch(device) else 64)
+    pdl = pdl_launch(device)
     _quantize_act_int8_kernel[(M,)](
         x, q, s, K, x.stride(0), q.stride(0),
-        DYNAMIC=scale is None, HALF_RANGE=INT8_HALF_RANGE, EPS=ZERO_SCALE_EPS, BLOCK_K=block_k,
+        DYNAMIC=scale is None, HALF_RANGE=INT8_HALF_RANGE, EPS=ZERO_SCALE_EPS, BLOCK_K=block_k, USE_PDL=pdl,
+        **pdl_options(pdl),
     )
     return q, s
 
@@ -139,8 +146,9 @@ def _int8_gemm_kernel(
     M, N, K, stride_am, stride_bn, stride_om, stride_osplit,
     PER_TOKEN: tl.constexpr, HAS_BIAS: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, GROUP_M: tl.constexpr,
-    SPLIT_K: tl.constexpr, FINISH: tl.constexpr,
+    SPLIT_K: tl.constexpr, FINISH: tl.constexpr, USE_PDL: tl.constexpr,
 ):
+    pdl_begin(USE_PDL)
     pid = tl.program_id(0)
     pid_m, pid_n = grouped_tile(pid, M, N, BLOCK_M, BLOCK_N, GROUP_M)
     k_lo, k_hi = split_k_range(K, BLOCK_K, SPLIT_K)
@@ -226,13 +234,14 @@ def int8_gemm(
     bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, gpu_launch(device))
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     part, out, counters = split_k_buffers(M, N, split, grid[0], device, out_dtype, torch.int32)
+    pdl = pdl_launch(device)
     _int8_gemm_kernel[grid](
         x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         PER_TOKEN=x_scale.shape[0] == M,
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
-        FINISH=counters is not None,
+        FINISH=counters is not None, USE_PDL=pdl, **pdl_options(pdl),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
     if split == 1 or counters is not None:

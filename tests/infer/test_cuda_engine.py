@@ -126,10 +126,10 @@ def test_cuda_runtime_takes_the_triton_attention(tiny):
     assert isinstance(eng.cache.kernel, TritonAttention)
 
 
-def _graph_tokens(net, prompts, *, graphs: bool, proposer=None, k=0):
+def _graph_tokens(net, prompts, *, graphs: bool, proposer=None, k=0, **policy):
     """Greedy tokens of `net` on CUDA with decode steps replayed from CUDA graphs or launched
-    eagerly, and the runtime's graph runner."""
-    runtime = prepare(net, "cuda", policy=DispatchPolicy(cuda_graphs=graphs))
+    eagerly (and `policy`'s other `DispatchPolicy` fields), and the runtime's graph runner."""
+    runtime = prepare(net, "cuda", policy=DispatchPolicy(cuda_graphs=graphs, **policy))
     eng = Engine(net, EngineConfig(max_batch_size=len(prompts), max_length=128, spec_max_draft_tokens=k),
                  eos_token_ids=[], proposer=proposer, runtime=runtime)
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
@@ -156,6 +156,29 @@ def test_cuda_graphs_give_the_eager_tokens(tiny, qt, dtype):
     assert (none is None or not none.use_graphs and none.replays == 0) and runner.replays >= NEW - 1
     assert {(bp, q) for bp, q, _ in runner.graphs} == {(4, 1)}
     assert graphed == eager
+
+
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (9, 0),
+                    reason="programmatic dependent launches need compute capability 9.0")
+@pytest.mark.parametrize("qt", ["weight_only_int4", "a8w8", "float"])
+def test_programmatic_launches_give_the_same_tokens(tiny, qt):
+    """With `DispatchPolicy.cuda_pdl` the stack's kernels start while the one before them ends
+    and wait for its writes: graphed and eager steps, plain and verifying three sequences, give
+    the tokens of ordinary launches (a kernel reading before its predecessor's writes land would
+    change them)."""
+    if qt == "float":
+        net = load_model(tiny[0], dtype=torch.bfloat16, device="cuda")[0]
+    else:
+        res, args = _tensors(tiny, qt)
+        net = quantized_model(res.tensors, args, res.config, dtype=torch.bfloat16, device=torch.device("cuda"))[0]
+    prompts = _prompts(net.args.vocab_size)
+    for graphs, k in ((True, 0), (False, 0), (True, 4)):
+        def tokens(pdl: bool):
+            return _graph_tokens(net, prompts, graphs=graphs, cuda_pdl=pdl, k=k,
+                                 proposer=ReferenceProposer(2, k) if k else None)
+        (ordinary, _), (overlapped, runner) = tokens(False), tokens(True)
+        assert runner.pdl and (runner.replays >= NEW - 1 if graphs else runner.replays == 0)
+        assert overlapped == ordinary, (graphs, k)
 
 
 def test_cuda_graphs_take_uniform_verification_steps(tiny):

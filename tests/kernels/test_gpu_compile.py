@@ -53,8 +53,15 @@ for d in json.load(sys.stdin):
     for cc in d["targets"]:
         src = ASTSource(fn=fn, signature=d["signature"], constexprs=d["constants"], attrs=attrs)
         try:
-            ttgir = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=d["options"]).asm["ttgir"]
-            out.append({"name": d["name"], "cc": cc, "int_to_float": "sitofp" in ttgir or "uitofp" in ttgir})
+            asm = triton.compile(src, target=GPUTarget("cuda", cc, 32), options=d["options"]).asm
+            ttgir, ptx = asm["ttgir"], asm["ptx"]
+            # where the grid dependency wait sits: before the first global memory access, or not
+            wait = ptx.find("griddepcontrol.wait")
+            mem = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async"))
+                   if i >= 0]
+            out.append({"name": d["name"], "cc": cc, "int_to_float": "sitofp" in ttgir or "uitofp" in ttgir,
+                        "waits": wait >= 0, "waits_first": wait >= 0 and all(wait < i for i in mem),
+                        "launches_dependents": "griddepcontrol.launch_dependents" in ptx})
         except Exception as e:  # the chain: the compiler's own message is in a cause
             chain, err = [], e
             while err is not None:
@@ -81,7 +88,7 @@ def _describe(kernel, args, kwargs) -> dict:
     """One launch as the compiler process reads it: the kernel's file and name, its signature,
     constexpr values, aligned arguments and options."""
     fn = getattr(kernel, "fn", kernel)  # the interpreter's wrapper, or the function
-    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion") if k in kwargs}
+    options = {k: kwargs.pop(k) for k in ("num_warps", "num_stages", "enable_fp_fusion", "launch_pdl") if k in kwargs}
     params = list(inspect.signature(fn).parameters.values())
     bound = dict(zip([p.name for p in params], args), **kwargs)
     signature, constants, aligned = {}, {}, []
@@ -100,9 +107,9 @@ def _describe(kernel, args, kwargs) -> dict:
             signature[p.name] = "fp32"
         else:
             raise AssertionError(f"{fn.__name__}: argument {p.name}={v!r} is not a tensor, an int or a float")
-    fp8_operands = "*fp8e4nv" in signature.values()
+    hopper_only = "*fp8e4nv" in signature.values() or constants.get("USE_PDL")  # FP8 operands, grid dependency control
     return {"file": fn.__code__.co_filename, "name": fn.__name__, "signature": signature, "constants": constants,
-            "aligned": aligned, "options": options, "targets": [90] if fp8_operands else [80, 90]}
+            "aligned": aligned, "options": options, "targets": [90] if hopper_only else [80, 90]}
 
 
 @pytest.fixture
@@ -273,6 +280,83 @@ def test_fused_small_op_launches_compile(recorded, dtype):
     assert {c["name"] for c in recorded} == {"_add_rms_norm_kernel", "_rope_kernel", "_silu_mul_kernel"}
     assert [c["options"].get("enable_fp_fusion") for c in recorded if c["name"] == "_rope_kernel"] == [False]
     assert len(_compiled(recorded)) == 2 * 4
+
+
+def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
+    """One GPU launch of each of quantspec's Triton kernels (recorded by the `recorded` fixture):
+    the GEMMs at decode M (split-K finished in the launch, and by a launch of its own), the
+    dequantize kernels, the activation quantizers, the paged cache's write and attention, the
+    fused small ops."""
+    gen = torch.Generator().manual_seed(4)
+    x = torch.randn(1, K, generator=gen).to(dtype)
+    wp = pack_int4(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen))
+    s4 = torch.rand(N, K // G, generator=gen).to(dtype)
+    q = torch.randint(-127, 128, (N, K), dtype=torch.int8, generator=gen)
+    ws, xs = torch.rand(N, generator=gen) + 0.01, torch.tensor([0.02])
+    w_fp8 = (torch.randn(N, K, generator=gen) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
+    w4a16.w4a16_linear(x, wp, s4, G)
+    w4a16.w4a16_dequantize(wp, s4, G, K, None, dtype)
+    w8a16.w8a16_linear(x, q, ws.to(dtype))
+    w8a16.w8a16_dequantize(q, ws, dtype)
+    w8a8.w8a8_linear(x, q, ws, xs)
+    fp8.fp8_linear(x, w_fp8, ws, xs)
+    monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
+    w4a16.w4a16_linear(x, wp, s4, G)
+    w8a8.w8a8_linear(torch.randn(1, 4 * K, generator=gen).to(dtype), q.repeat(1, 4), ws, xs)  # deep: split K
+    kc = torch.zeros(4, 16, 2, 64, dtype=dtype)
+    kv = torch.randn(3, 2, 64, generator=gen).to(dtype)
+    kv_cache.write_kv_cache(kv, kv, kc, kc.clone(), torch.arange(3, dtype=torch.int64))
+    kv_cache.paged_attention(torch.randn(3, 8, 64, generator=gen).to(dtype), kc, kc.clone(),
+                             torch.tensor([0, 3], dtype=torch.int32), torch.tensor([20], dtype=torch.int32),
+                             torch.arange(4, dtype=torch.int32).reshape(1, 4), max_q_len=3)
+    fused.add_rms_norm(torch.randn(2, 256).to(dtype), torch.randn(2, 256).to(dtype), torch.ones(256, dtype=dtype), 1e-5)
+    fused.rope_qk_(torch.randn(2, 6, 64).to(dtype), 5, torch.randn(2, 64).to(dtype), torch.randn(2, 64).to(dtype))
+    fused.silu_mul(torch.randn(2, 512).to(dtype))
+
+
+def test_programmatic_launches_wait_before_they_touch_memory(recorded, monkeypatch):
+    """Inside `programmatic_launches` on a Hopper GPU every kernel is a programmatic dependent
+    launch whose sm_90 code waits for the kernel before it (griddepcontrol.wait) before its first
+    global load, store or atomic, and lets the next one launch; outside, none is, and their code
+    has no grid dependency control."""
+    monkeypatch.setattr(_common, "_capability", lambda device: (9, 0))
+    with _common.programmatic_launches():
+        _every_kernel(torch.bfloat16, monkeypatch)
+    names = {c["name"] for c in recorded}
+    defined = {n for m in _MODULES for n, v in vars(m).items() if isinstance(v, _Recorder)}
+    assert names == defined, defined - names  # every kernel quantspec has
+    assert all(c["constants"]["USE_PDL"] and c["options"].get("launch_pdl") for c in recorded)
+    results = _compiled(recorded)
+    assert {r["cc"] for r in results} == {90}
+    assert [r["name"] for r in results if not (r["waits_first"] and r["launches_dependents"])] == []
+    recorded.clear()
+    _every_kernel(torch.bfloat16, monkeypatch)  # outside the context
+    assert not any(c["constants"]["USE_PDL"] or "launch_pdl" in c["options"] for c in recorded)
+    assert not any(r["waits"] or r["launches_dependents"] for r in _compiled(recorded) if r["cc"] == 90)
+
+
+def test_pdl_launch_needs_the_context_a_gpu_and_hopper(monkeypatch):
+    """`pdl_launch`: inside `programmatic_launches` (this thread only, reset on exit), on a
+    GPU, of compute capability 9.0 or more."""
+    import threading
+
+    cuda, cpu = torch.device("cuda", 0), torch.device("cpu")
+    monkeypatch.setattr(_common, "_capability", lambda device: (9, 0))
+    assert not _common.pdl_launch(cuda)
+    with _common.programmatic_launches():
+        assert _common.pdl_launch(cuda) and not _common.pdl_launch(cpu)
+        seen = []
+        t = threading.Thread(target=lambda: seen.append(_common.pdl_launch(cuda)))
+        t.start()
+        t.join()
+        assert seen == [False]
+        with _common.programmatic_launches(False):
+            assert not _common.pdl_launch(cuda)
+        assert _common.pdl_launch(cuda)
+        monkeypatch.setattr(_common, "_capability", lambda device: (8, 9))
+        assert not _common.pdl_launch(cuda)
+    monkeypatch.setattr(_common, "_capability", lambda device: (9, 0))
+    assert not _common.pdl_launch(cuda)
 
 
 def test_the_compiler_sees_what_the_interpreter_does_not():

@@ -41,7 +41,8 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     into one projection each (an MTP module keeps the projections it was loaded with). With
     `policy.cuda_graphs` (and QUANTSPEC_CUDA_GRAPHS not "0"), a model's decode and
     verification steps replay CUDA graphs of its stack (`graphs.py`); with
-    `policy.cuda_fused_ops` its layers run their small ops as fused kernels (`layers.py`)."""
+    `policy.cuda_fused_ops` its layers run their small ops as fused kernels (`layers.py`); with
+    `policy.cuda_pdl` the stack's kernels are programmatic dependent launches."""
     if isinstance(model, MTPModule):
         return default_runtime(device, policy)
     if fuse:
@@ -49,7 +50,7 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     graphs = policy.cuda_graphs and os.environ.get(GRAPHS_SWITCH, "1") != "0"
     layers = model.model.layers
     fused = policy.cuda_fused_ops and fusable(layers, model.model.embed_tokens.weight.dtype)
-    stack = DecodeGraphs(layers, graphs=graphs, fused=fused) if graphs or fused else None
+    stack = DecodeGraphs(layers, graphs=graphs, fused=fused, pdl=policy.cuda_pdl) if graphs or fused else None
     return Runtime(device=device, attention=TritonAttention.for_cache, stack=stack)
 
 

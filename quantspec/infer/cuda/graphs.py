@@ -19,7 +19,9 @@ With `fused` (`DispatchPolicy.cuda_fused_ops`, where `layers.fusable`), the stac
 `layers.fused_stack` instead of the modules, in the graphs and, eagerly, in every step they do
 not take (prefill, token trees, steps of more than 512 rows), so that a verification row is
 computed by the decode step's kernels; steps that capture residual streams or meet a forward
-hook still run the modules. `graphs=False` keeps only that eager fused path.
+hook still run the modules. `graphs=False` keeps only that eager fused path. With `pdl`
+(`DispatchPolicy.cuda_pdl`) the stack's Triton kernels, captured or eager, are programmatic
+dependent launches (`kernels._common.programmatic_launches`).
 
 B sequences run in the graph of (the smallest bucket Bp ≥ B, q = the largest q_b); each
 sequence's rows sit at the start of its q rows. The padding rows write no key (slot -1, which the
@@ -51,6 +53,7 @@ from torch import nn
 from quantspec.infer.cuda.attention import TritonAttention
 from quantspec.infer.cuda.layers import fused_stack
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention
+from quantspec.kernels._common import programmatic_launches
 
 __all__ = ["DecodeGraphs", "batch_buckets"]
 
@@ -121,9 +124,9 @@ class DecodeGraphs:
     `max_batch`: the largest batch captured (larger decode steps run eagerly)."""
 
     def __init__(self, layers: nn.ModuleList, max_batch: int = 256, max_graphs: int = MAX_GRAPHS, *,
-                 graphs: bool = True, fused: bool = False):
+                 graphs: bool = True, fused: bool = False, pdl: bool = False):
         self.layers = layers
-        self.use_graphs, self.fused = graphs, fused
+        self.use_graphs, self.fused, self.pdl = graphs, fused, pdl
         self._hook_dicts = [d for m in layers.modules() for d in (m._forward_hooks, m._forward_pre_hooks)]
         self.max_batch, self.max_graphs = max_batch, max_graphs
         self.buckets = batch_buckets(max_batch)
@@ -199,11 +202,12 @@ class DecodeGraphs:
         return out.clone() if out_rows is None else out[out_rows]
 
     def _stack(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attn, row_invariant: bool) -> torch.Tensor:
-        if self.fused:
-            return fused_stack(self.layers, x, cos, sin, attn, row_invariant)
-        for layer in self.layers:
-            x = layer(x, cos, sin, attn, row_invariant)
-        return x
+        with programmatic_launches(self.pdl):
+            if self.fused:
+                return fused_stack(self.layers, x, cos, sin, attn, row_invariant)
+            for layer in self.layers:
+                x = layer(x, cos, sin, attn, row_invariant)
+            return x
 
     def _run(self, g: _Graph, cache, row_invariant: bool) -> torch.Tensor:
         return self._stack(g.x, g.cos, g.sin, PagedAttention(cache, g.meta()), row_invariant)
