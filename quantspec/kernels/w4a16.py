@@ -175,10 +175,10 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     16 rows (decode, and the verification of up to 15 drafts) one launch shape, so that a row's
     numbers do not depend on the other rows and a verification row gives what its decode step
     gives: [16, 128] tiles, and split-K so that a layer's weight is streamed by enough programs
-    to fill the GPU. With nibble dots (unswapped) the deepest split (8) wherever K allows it: the
-    fastest at 1 and 16 rows on the Llama-3-8B shapes of an H100's bf16 sweep (`bench/kernels.py
-    --sweep-only`); without them (a group smaller than 128) swapped, split to about `SM_TARGET`
-    programs. More rows: swapped tiles with the scale folded into the weight tile (the MMA then
+    to fill the GPU. With nibble dots (unswapped) `small_m_split`'s: the deepest power of two
+    within `SM_TARGET` programs, the fastest at 1 and 16 rows on the Llama-3-8B shapes of an
+    H100's sweep (`bench/kernels.py --sweep-only`); without them (a group smaller than 128)
+    swapped, split to about `SM_TARGET` programs. More rows: swapped tiles with the scale folded into the weight tile (the MMA then
     accumulates across tiles instead of scaling each tile's sums; Triton still rearranges the
     unpacked tile through shared memory for the MMA, which `quartered_config`'s launches avoid).
     Above 64 rows split-K where the tiles alone would leave SMs idle (`_wide_m_split`).
