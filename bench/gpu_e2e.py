@@ -8,7 +8,9 @@ tokens), run by quantspec's engine; decode tokens/s beside the bf16 model in the
 
 Per model: decode-phase tokens/s at each batch size (decode steps replay CUDA graphs; bf16 and
 the speculation model also with their layers' small ops as torch's ops instead of fused kernels,
-`DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs); for int4 also a static int8 and
+`DispatchPolicy.cuda_fused_ops=False`, and without CUDA graphs, at batch 1); for int4 also a
+long context (`--long-context` tokens of prompt), the attention with its keys split across
+programs (`DispatchPolicy.cuda_split_kv`) at both lengths, a static int8 and
 fp8 KV cache, n-gram speculation on prompts that repeat themselves (`inference_with_reference`,
 with the back-off and without, at batch 1 and 4; a random model rarely continues its prompt, so
 this measures what speculation costs when it is not accepted), and the verification cost
@@ -176,26 +178,28 @@ def _free() -> None:
         torch.cuda.empty_cache()
 
 
-def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, k=0, prompts=None
-                 ) -> dict:
+def decode_speed(run: Run, net, runtime, batch: int, *, kv=None, proposer=None, k=0, prompts=None,
+                 prompt_tokens: int | None = None) -> dict:
     """Decode-phase tokens/s of `batch` sequences (after their prefill), greedy; first a warm-up
     run of the same requests, so that the step shapes the timed run meets have their CUDA graphs
     (a shape met for the first time pays for its capture). → {tok_s, accepted, drafted, step_ms:
     the median decode step, host_ms: its median time outside the forward (proposing, accepting,
-    recording), max_step_ms: the slowest step, captures: graphs captured during the timed run}."""
+    recording), max_step_ms: the slowest step, captures: graphs captured during the timed run}.
+    `prompt_tokens`: random prompts of that length instead of `--prompt-tokens`."""
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.sampler import SamplingParams
 
     a = run.args
+    n_prompt = prompt_tokens or a.prompt_tokens
     kv_dtype, k_scale, v_scale = kv or ("auto", None, None)
-    cfg = EngineConfig(max_batch_size=batch, max_length=a.prompt_tokens + a.new_tokens + 16,
+    cfg = EngineConfig(max_batch_size=batch, max_length=n_prompt + a.new_tokens + 16,
                        kv_cache_dtype=kv_dtype, spec_max_draft_tokens=k)
     eng = Engine(net, cfg, eos_token_ids=[], k_scale=k_scale, v_scale=v_scale, proposer=proposer,
                  runtime=runtime)
     gen = torch.Generator().manual_seed(batch)
     vocab = net.args.vocab_size
     if prompts is None:
-        prompts = [torch.randint(vocab, (a.prompt_tokens,), generator=gen).tolist() for _ in range(batch)]
+        prompts = [torch.randint(vocab, (n_prompt,), generator=gen).tolist() for _ in range(batch)]
     graphs = runtime.stack if hasattr(runtime.stack, "captures") else None
     for _ in range(2):  # warm-up, then the timed run
         seqs = [eng.add_request(p, SamplingParams(max_new_tokens=a.new_tokens)) for p in prompts]
@@ -319,9 +323,16 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
     if compared and runtime.stack is not None and torch.cuda.get_device_capability(run.device) >= (9, 0):
         pdl = runtime_with(run, net, **POLICIES.get(name, {}), cuda_pdl=True)
         plan += [(f"b{b} programmatic launches", lambda b=b: decode_speed(run, net, pdl, b)) for b in run.args.batch]
+    if compared and name == run.args.spec_model:  # keys split across programs, at this length and a long one
+        split = runtime_with(run, net, **POLICIES.get(name, {}), cuda_split_kv=True)
+        long = run.args.long_context
+        plan += [("b1 split-KV attention", lambda: decode_speed(run, net, split, 1)),
+                 (f"b1 context {long}", lambda: decode_speed(run, net, runtime, 1, prompt_tokens=long)),
+                 (f"b1 context {long}, split-KV attention",
+                  lambda: decode_speed(run, net, split, 1, prompt_tokens=long))]
     if compared and getattr(runtime.stack, "fused", False):  # the same model with its small ops unfused
         unfused = runtime_with(run, net, cuda_fused_ops=False)
-        plan += [(f"b{b} small ops unfused", lambda b=b: decode_speed(run, net, unfused, b)) for b in run.args.batch]
+        plan.append(("b1 small ops unfused", lambda: decode_speed(run, net, unfused, 1)))
     if compared and getattr(runtime.stack, "use_graphs", False):  # small ops as the default's
         eager = runtime_with(run, net, cuda_graphs=False)
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))
@@ -403,6 +414,8 @@ def main(argv=None) -> int:
     ap.add_argument("--prompt-tokens", type=int, default=256)
     ap.add_argument("--new-tokens", type=int, default=64)
     ap.add_argument("--spec-model", default="int4", help="the model speculation and KV caches are measured on")
+    ap.add_argument("--long-context", type=int, default=4096,
+                    help="the prompt length of the speculation model's long-context rows")
     ap.add_argument("--budget-s", type=float, default=300.0)
     a = ap.parse_args(argv)
     if a.device == "cuda" and not torch.cuda.is_available():

@@ -123,6 +123,11 @@ class DispatchPolicy:
         before it finishes, and wait for its writes before they read; the same numbers, a shorter
         gap between kernels. Off by default; `bench/gpu_e2e.py`'s "programmatic launches" rows
         measure it against the default.
+    cuda_split_kv: on CUDA, steps of at most 64 rows split each row's keys across programs in
+        chunks at fixed positions (`infer/cuda/attention.py`, flash-decoding: a 4096-key context
+        is read by 16 programs per head instead of one); a context within one chunk (256 keys, or
+        the cache's longest sequence / 16) gets the same numbers. Off by default;
+        `bench/gpu_e2e.py`'s "split-KV attention" rows measure it against the default.
     """
 
     cpu_packed_max_m: int = 64
@@ -135,6 +140,7 @@ class DispatchPolicy:
     cuda_fused_ops: bool = True
     cuda_int4_quartered: bool = True
     cuda_pdl: bool = False
+    cuda_split_kv: bool = False
 
     def __post_init__(self) -> None:
         for name in ("cpu_packed_max_m", "cuda_weight_only_max_m", "cuda_scaled_mm_min_m"):

@@ -129,14 +129,18 @@ class AttentionKernel(Protocol):
 
 class PagedKVCache:
     """The blocks of every layer's keys and values (module docstring). `kernel`: builds this
-    cache's `AttentionKernel` from it (a backend's, `Runtime.attention`), or returns None."""
+    cache's `AttentionKernel` from it (a backend's, `Runtime.attention`), or returns None.
+    `max_seq_len`: the longest sequence it holds (what a kernel may size its launches by), or
+    None where unknown."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
-                 kernel: Callable[["PagedKVCache"], AttentionKernel | None] | None = None):
+                 kernel: Callable[["PagedKVCache"], AttentionKernel | None] | None = None,
+                 max_seq_len: int | None = None):
         self.block_size, self.num_blocks = block_size, num_blocks
+        self.max_seq_len = max_seq_len
         self.kv_dtype = KVCacheDtype(kv_dtype)
         self.compute_dtype = dtype
         if self.kv_dtype is KVCacheDtype.AUTO:

@@ -110,17 +110,17 @@ def split_k_sum(p_ptr, mask, stride_split, SPLIT: tl.constexpr):
 
 
 @triton.jit
-def split_k_arrive(cnt_ptr, tile, SPLIT: tl.constexpr):
+def split_k_arrive(cnt_ptr, tile, splits):
     """Called by every program of a split-K launch once its partial sums of output tile `tile`
-    are stored: → how many of the tile's splits arrived before it. The one that finds SPLIT - 1
-    is the tile's last: it sums the partials (`split_k_sum`, in split order, so the numbers do
+    are stored: → how many of the tile's `splits` arrived before it. The one that finds
+    splits - 1 is the tile's last: it sums the partials (`split_k_sum`, in split order, so the numbers do
     not depend on which split finishes last) and applies the epilogue, and it sets the tile's
     counter back to zero, so that the counters are zero between launches (CUDA graph replays
     included)."""
     tl.debug_barrier()  # every thread's partial stores come before the (release) count
     before = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
     # the next launch sees the reset (a kernel boundary orders them): no fence needed
-    tl.atomic_xchg(cnt_ptr + tile, 0, mask=before == SPLIT - 1, sem="relaxed")
+    tl.atomic_xchg(cnt_ptr + tile, 0, mask=before == splits - 1, sem="relaxed")
     return before
 
 

@@ -36,6 +36,8 @@ from quantspec.kernels._common import (
     pdl_options,
     round_half_even,
     round_to_e4m3,
+    split_k_arrive,
+    split_k_counters,
 )
 
 __all__ = [
@@ -186,13 +188,23 @@ def write_kv_cache(
 @triton.jit
 def _paged_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, seq_ptr, bt_ptr, ks_ptr, vs_ptr, out_ptr,
+    acc_ptr, ml_ptr, cnt_ptr,
     sm_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
-    D, block_size,
+    D, block_size, chunk, T, H,
     GROUP: tl.constexpr, KIND: tl.constexpr, DOT_FP32: tl.constexpr,
-    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, USE_PDL: tl.constexpr,
+    BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
+    """Program (query tile × key split, sequence, head). SPLITS > 1 (`paged_attention`'s
+    kv_chunk): split s attends over the keys at absolute positions [s · chunk, (s + 1) · chunk)
+    that its tile sees (the last split: from (SPLITS - 1) · chunk on); where the tile sees keys of one split only, that split writes the output
+    as the unsplit kernel does; otherwise each split stores its unnormalized sums, row maxima and
+    row sums (acc_ptr [SPLITS, T, H, D], ml_ptr [SPLITS, T, H, 2], fp32), and the tile's last
+    split to arrive (cnt_ptr, `split_k_arrive`) combines them in split order. The splits' key
+    ranges do not depend on the step, so a row's numbers do not depend on the other rows."""
     pdl_begin(USE_PDL)
-    pid_m = tl.program_id(0)
+    pid_m = tl.program_id(0) // SPLITS
+    split = tl.program_id(0) % SPLITS
     b = tl.program_id(1)
     h = tl.program_id(2)
     kvh = h // GROUP
@@ -202,6 +214,16 @@ def _paged_attn_kernel(
         return
     seq_len = tl.load(seq_ptr + b)
     ctx = seq_len - q_len  # tokens already in the cache before this step
+    # causal: the last query of this tile sees keys up to its own position
+    kv_end = tl.minimum(seq_len, ctx + (pid_m + 1) * BLOCK_M)
+    kv_lo = 0
+    kv_hi = kv_end
+    if SPLITS > 1:
+        kv_lo = split * chunk
+        if kv_lo >= kv_end:  # no key of this split is visible to the tile
+            return
+        if split < SPLITS - 1:
+            kv_hi = tl.minimum(kv_end, kv_lo + chunk)
 
     offs_m = pid_m * BLOCK_M + tl.arange(0, BLOCK_M)  # [BM] query index inside the sequence
     offs_d = tl.arange(0, BLOCK_D)
@@ -220,11 +242,9 @@ def _paged_attn_kernel(
     m_i = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
     l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
     acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
-    # causal: the last query of this tile sees keys up to its own position
-    kv_end = tl.minimum(seq_len, ctx + (pid_m + 1) * BLOCK_M)
-    for n0 in range(0, kv_end, BLOCK_N):
+    for n0 in range(kv_lo, kv_hi, BLOCK_N):
         offs_n = n0 + tl.arange(0, BLOCK_N)  # [BN] key positions
-        mask_n = offs_n < kv_end
+        mask_n = offs_n < kv_hi
         blk = tl.load(bt_ptr + b * stride_bt + offs_n // block_size, mask=mask_n, other=0)
         slot = blk.to(tl.int64) * block_size + offs_n % block_size  # [BN]
         kv_off = slot[:, None] * stride_slot + kvh * D + offs_d[None, :]  # [BN, BD]
@@ -241,7 +261,9 @@ def _paged_attn_kernel(
         s = s * sm_scale
         visible = mask_n[None, :] & (offs_n[None, :] <= pos_q[:, None])
         s = tl.where(visible, s, float("-inf"))
-        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite: key 0 is visible to every query
+        m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite in split 0: key 0 is visible to every query
+        if SPLITS > 1:  # a later split may hold no key a row sees yet: its sums stay 0
+            m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
         alpha = tl.exp(m_i - m_new)
         p = tl.exp(s - m_new[:, None])  # [BM, BN]
         l_i = l_i * alpha + tl.sum(p, axis=1)
@@ -250,9 +272,36 @@ def _paged_attn_kernel(
         else:
             acc = acc * alpha[:, None] + tl.dot(p.to(q.dtype), v.to(q.dtype))
         m_i = m_new
+    out_mask = mask_m[:, None] & mask_d[None, :]
+    if SPLITS > 1:
+        parts = tl.minimum(tl.cdiv(kv_end, chunk), SPLITS)  # the splits that hold keys the tile sees
+        if parts > 1:
+            row = tok * H + h  # [BM] (token, head), int64
+            acc_off = row[:, None] * D + offs_d[None, :]
+            sp = split.to(tl.int64)
+            tl.store(acc_ptr + sp * T * H * D + acc_off, acc, mask=out_mask)
+            # a row that sees no key of this split: a maximum of -inf, so that its weight is 0
+            tl.store(ml_ptr + (sp * T * H + row) * 2, tl.where(l_i == 0, float("-inf"), m_i), mask=mask_m)
+            tl.store(ml_ptr + (sp * T * H + row) * 2 + 1, l_i, mask=mask_m)
+            tile = (pid_m * tl.num_programs(1) + b) * H + h
+            if split_k_arrive(cnt_ptr, tile, parts) != parts - 1:
+                return  # the tile's last split combines
+            m_all = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
+            for s_ in range(0, parts):
+                m_all = tl.maximum(m_all, tl.load(ml_ptr + (s_ * T * H + row) * 2, mask=mask_m, other=0.0,
+                                                  cache_modifier=".cg"))
+            l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
+            acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
+            for s_ in range(0, parts):  # in split order: the numbers do not depend on which split came last
+                base = (s_ * T * H + row) * 2
+                w = tl.exp(tl.load(ml_ptr + base, mask=mask_m, other=0.0, cache_modifier=".cg") - m_all)
+                l_i += tl.load(ml_ptr + base + 1, mask=mask_m, other=0.0, cache_modifier=".cg") * w
+                acc += tl.load(acc_ptr + s_ * T * H * D + acc_off, mask=out_mask, other=0.0,
+                               cache_modifier=".cg") * w[:, None]
+            l_i = tl.where(mask_m, l_i, 1.0)  # rows past the tile's queries: stored nowhere
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
-             out.to(out_ptr.dtype.element_ty), mask=mask_m[:, None] & mask_d[None, :])
+             out.to(out_ptr.dtype.element_ty), mask=out_mask)
 
 
 def _check_attn(q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables, k_scale, v_scale):
@@ -330,10 +379,18 @@ def paged_attention(
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 (int8/fp8 caches)
     v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32
     max_q_len: int | None = None,
+    kv_chunk: int | None = None,
+    kv_splits: int = 1,
 ) -> torch.Tensor:
     """Triton varlen paged attention; returns [T, num_heads, head_dim] in q.dtype.
 
     Pass `max_q_len` (the longest q_len in the batch) to avoid a device→host sync.
+    `kv_chunk` (a multiple of 64) and `kv_splits` > 1: the keys of each query tile are split
+    across `kv_splits` programs at absolute positions (chunks of `kv_chunk` keys, the last split
+    taking the rest) whose partial softmax sums the last to finish combines, so that a long
+    context is read by many programs at once (flash-decoding); a row's numbers still do not
+    depend on the other rows of its step, and a context within one chunk gets the unsplit
+    kernel's numbers. Without counters for the launch (`_common.split_k_counters`) unsplit.
     """
     T, H, hkv, d, B = _check_attn(q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables,
                                   k_scale, v_scale)
@@ -352,15 +409,28 @@ def paged_attention(
     block_n = 16 if not on_gpu else 64
     dot_fp32 = dot_in_fp32(q.dtype)
     dummy = seq_lens
-    grid = (triton.cdiv(max_q_len, block_m), B, H)
+    tiles = triton.cdiv(max_q_len, block_m)
+    splits, chunk, counters = 1, 0, None
+    if kv_splits > 1:
+        if kv_chunk is None or kv_chunk < 64 or kv_chunk % 64:
+            raise QuantSpecError(f"paged_attention: kv_chunk={kv_chunk} must be a positive multiple of 64 "
+                                 f"with kv_splits={kv_splits}")
+        counters = split_k_counters(device, tiles * B * H)
+        if counters is not None:
+            splits, chunk = kv_splits, kv_chunk
+    acc = ml = dummy
+    if splits > 1:
+        acc = torch.empty((splits, T, H, d), device=device, dtype=torch.float32)
+        ml = torch.empty((splits, T, H, 2), device=device, dtype=torch.float32)
     pdl = pdl_launch(device)
-    _paged_attn_kernel[grid](
+    _paged_attn_kernel[(tiles * splits, B, H)](
         q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
+        acc, ml, counters if counters is not None else dummy,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), hkv * d, d, k_cache.shape[1],
+        block_tables.stride(0), hkv * d, d, k_cache.shape[1], chunk, T, H,
         GROUP=H // hkv, KIND=_kv_kind(k_cache.dtype), DOT_FP32=dot_fp32,
-        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), USE_PDL=pdl,
-        num_warps=4, num_stages=2, **pdl_options(pdl),
+        BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
+        USE_PDL=pdl, num_warps=4, num_stages=2, **pdl_options(pdl),
     )
     return out

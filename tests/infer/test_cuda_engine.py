@@ -51,12 +51,13 @@ def _tensors(tiny, qt):
     return res, net.args
 
 
-def _engine_tokens(res, args, device, dtype, prompts, *, policy=None, proposer=None, k=0, kv=None):
+def _engine_tokens(res, args, device, dtype, prompts, *, policy=None, proposer=None, k=0, kv=None,
+                   max_length=128):
     net, _, _ = quantized_model(res.tensors, args, res.config, dtype=dtype, device=torch.device(device),
                                 policy=policy)
     runtime = prepare(net, device, policy=policy)
     kv_dtype, ks, vs = kv or ("auto", None, None)
-    eng = Engine(net, EngineConfig(max_batch_size=len(prompts), max_length=128, kv_cache_dtype=kv_dtype,
+    eng = Engine(net, EngineConfig(max_batch_size=len(prompts), max_length=max_length, kv_cache_dtype=kv_dtype,
                                    spec_max_draft_tokens=k),
                  eos_token_ids=[], k_scale=ks, v_scale=vs, proposer=proposer, runtime=runtime)
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
@@ -115,6 +116,23 @@ def test_cuda_ngram_speculation_is_lossless(tiny):
     plain, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts)
     spec, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, proposer=ReferenceProposer(2, 4), k=4)
     assert spec == plain
+
+
+def test_cuda_split_kv_attention_gives_the_cpu_tokens(tiny):
+    """With `DispatchPolicy.cuda_split_kv` prompts longer than a chunk (300–314 keys, two
+    splits) give the CPU engine's fp32 tokens, and n-gram speculation over them stays lossless
+    (a verification row is its decode step's, split alike)."""
+    from quantspec.infer.cuda.attention import kv_split
+
+    res, args = _tensors(tiny, "weight_only_int4")
+    prompts = [(p * 30)[: 300 + 7 * i] for i, p in enumerate(_prompts(args.vocab_size))]
+    policy = DispatchPolicy(cuda_split_kv=True)
+    assert kv_split(400 + 4 + 1) == (256, 2)
+    cpu, _ = _engine_tokens(res, args, "cpu", torch.float32, prompts, max_length=400)
+    cuda, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, policy=policy, max_length=400)
+    spec, _ = _engine_tokens(res, args, "cuda", torch.float32, prompts, policy=policy, max_length=400,
+                             proposer=ReferenceProposer(2, 4), k=4)
+    assert cuda == cpu and spec == cuda
 
 
 def test_cuda_runtime_takes_the_triton_attention(tiny):

@@ -234,7 +234,7 @@ def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype, monkeypatch):
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_kv_cache_gpu_launches_compile(recorded, q_dtype):
     """Quantize-on-write and paged attention over bf16, int8 and fp8 caches (decode,
-    verification and prefill rows in one batch)."""
+    verification and prefill rows in one batch), its keys split across programs and not."""
     gen = torch.Generator().manual_seed(3)
     H, HKV, D, BS, NB = 8, 2, 64, 16, 8
     bt = torch.arange(NB, dtype=torch.int32).reshape(2, 4)
@@ -246,9 +246,11 @@ def test_kv_cache_gpu_launches_compile(recorded, q_dtype):
         ks = vs = None if cache == torch.bfloat16 else torch.rand(HKV, generator=gen) + 0.01
         k, v = torch.randn(5, HKV, D, generator=gen).to(q_dtype), torch.randn(5, HKV, D, generator=gen).to(q_dtype)
         kv_cache.write_kv_cache(k, v, kc, vc, torch.arange(5, dtype=torch.int64), ks, vs)
-        kv_cache.paged_attention(torch.randn(5, H, D, generator=gen).to(q_dtype), kc, vc, cu, seq, bt, ks, vs,
-                                 max_q_len=4)
+        for splits in (1, 4):  # keys split across programs (flash-decoding) or not
+            kv_cache.paged_attention(torch.randn(5, H, D, generator=gen).to(q_dtype), kc, vc, cu, seq, bt, ks, vs,
+                                     max_q_len=4, kv_chunk=64, kv_splits=splits)
     assert {c["name"] for c in recorded} == {"_write_kv_kernel", "_paged_attn_kernel"}
+    assert {c["constants"]["SPLITS"] for c in recorded if c["name"] == "_paged_attn_kernel"} == {1, 4}
     assert not any(c["constants"].get("DOT_FP32") for c in recorded)
     _compiled(recorded)
 

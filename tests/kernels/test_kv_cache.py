@@ -19,12 +19,12 @@ H, HKV, D, BS, NB = 6, 2, 24, 8, 24  # GQA group 3, head_dim not a power of two,
 CACHE_DTYPES = [torch.float32, torch.float16, torch.int8, torch.float8_e4m3fn]
 
 
-def _batch(q_lens, ctx_lens, seed=0):
+def _batch(q_lens, ctx_lens, seed=0, nb=NB):
     """A batch: decode (q_len 1), verify (1 + k) and prefill sequences over shuffled blocks."""
     gen = torch.Generator().manual_seed(seed)
     B = len(q_lens)
     seq = [c + q for c, q in zip(ctx_lens, q_lens)]
-    perm = torch.randperm(NB, generator=gen)
+    perm = torch.randperm(nb, generator=gen)
     max_blocks = max(-(-s // BS) for s in seq) + 1
     bt = perm[: B * max_blocks].reshape(B, max_blocks).int()
     cu = torch.tensor([0] + torch.tensor(q_lens).cumsum(0).tolist(), dtype=torch.int32)
@@ -41,8 +41,8 @@ def _scales(dtype, gen):
     return None, None
 
 
-def _filled_cache(dtype, bt, seq, gen):
-    kc = torch.zeros(NB, BS, HKV, D, dtype=dtype)
+def _filled_cache(dtype, bt, seq, gen, nb=NB):
+    kc = torch.zeros(nb, BS, HKV, D, dtype=dtype)
     vc = torch.zeros_like(kc)
     ks, vs = _scales(dtype, gen)
     slots = torch.tensor(_slots(bt, [range(int(s)) for s in seq]), dtype=torch.int64)
@@ -99,6 +99,44 @@ def test_paged_attention_matches_reference(dtype, q_dtype):
     assert out.dtype == q_dtype and out.shape == q.shape
     tol = 1e-5 if q_dtype == torch.float32 else 5e-3
     torch.testing.assert_close(out.float(), ref.float(), rtol=tol, atol=tol)
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.int8])
+@pytest.mark.parametrize("splits", [2, 3])
+def test_split_attention_matches_reference(dtype, splits):
+    """Keys split across programs in chunks of 64 (the last split taking the rest: 2 splits of
+    a 151-key context) and combined by the last to finish: decode, verification and prefill
+    rows give the reference."""
+    q_lens, ctx = [1, 4, 17], [150, 100, 40]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=4, nb=64)
+    kc, vc, ks, vs = _filled_cache(dtype, bt, seq, gen, nb=64)
+    q = torch.randn(int(cu[-1]), H, D, generator=gen)
+    out = paged_attention(q, kc, vc, cu, seq, bt, ks, vs, kv_chunk=64, kv_splits=splits)
+    torch.testing.assert_close(out, paged_attention_ref(q, kc, vc, cu, seq, bt, ks, vs), rtol=1e-5, atol=1e-5)
+
+
+def test_split_attention_rows_do_not_depend_on_the_step():
+    """A decode row equals, bit for bit, the same row inside a verification step whose tile
+    sees one split more (position 127: the decode step's keys end at a chunk's end); a context
+    within one chunk gets the unsplit kernel's numbers."""
+    q_lens, ctx = [5], [127]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=5, nb=40)
+    kc, vc, ks, vs = _filled_cache(torch.float16, bt, seq, gen, nb=40)
+    kc.abs_()  # every score negative: a split a row does not see must not lift its maximum to 0
+    q = -torch.randn(5, H, D, generator=gen).abs()
+    split = dict(kv_chunk=64, kv_splits=4)
+    verify = paged_attention(q, kc, vc, cu, seq, bt, ks, vs, **split)
+    for i in (0, 3):  # positions 127 (2 splits when decoded) and 130 (3)
+        one = torch.tensor([0, 1], dtype=torch.int32)
+        decode = paged_attention(q[i:i + 1], kc, vc, one, torch.tensor([128 + i], dtype=torch.int32), bt, ks, vs,
+                                 **split)
+        assert torch.equal(decode[0], verify[i]), i
+    torch.testing.assert_close(verify, paged_attention(q, kc, vc, cu, seq, bt, ks, vs), rtol=1e-5, atol=1e-5)
+    short = torch.tensor([40], dtype=torch.int32)
+    assert torch.equal(paged_attention(q, kc, vc, cu, short, bt, ks, vs, **split),
+                       paged_attention(q, kc, vc, cu, short, bt, ks, vs))
+    with pytest.raises(QuantSpecError, match="kv_chunk=48 must be a positive multiple of 64"):
+        paged_attention(q, kc, vc, cu, seq, bt, ks, vs, kv_chunk=48, kv_splits=2)
 
 
 def test_reference_matches_dense_sdpa():
@@ -165,3 +203,37 @@ def test_gpu_half_queries(dtype, q_dtype):
     args = [dev(t) for t in (kc, vc, cu, seq, bt, ks, vs)]
     torch.testing.assert_close(paged_attention(q, *args).float(), paged_attention_ref(q, *args).float(),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_split_kv_chunks_and_the_steps_that_take_them(monkeypatch):
+    """`kv_split`: chunks of 256 keys, longer ones past 16 splits, none where one chunk holds
+    every sequence; `TritonAttention` with split_kv splits steps of at most 64 rows only, and
+    its split attention over a cache gives the unsplit one's numbers within rounding."""
+    from quantspec import kernels
+    from quantspec.infer.cuda.attention import TritonAttention, kv_split
+    from quantspec.infer.kv_cache import AttentionMetadata, PagedKVCache
+
+    assert kv_split(None) is None and kv_split(256) is None
+    assert kv_split(600) == (256, 3) and kv_split(8192) == (512, 16)
+    chunk, splits = kv_split(100_000)
+    assert chunk % 64 == 0 and splits <= 16 and chunk * splits >= 100_000 and chunk * (splits - 1) < 100_000
+    cache = PagedKVCache(num_layers=1, num_blocks=80, block_size=BS, num_kv_heads=HKV, head_dim=D,
+                         dtype=torch.float32, max_seq_len=600)
+    assert TritonAttention(cache).split is None and TritonAttention(cache, split_kv=True).split == (256, 3)
+    gen = torch.Generator().manual_seed(6)
+    kv = torch.randn(300, HKV, D, generator=gen)
+    tables = torch.arange(80).reshape(2, 40)
+    write = AttentionMetadata([300], [300], torch.arange(300), tables[:1], None, None)
+    TritonAttention(cache)(0, torch.randn(300, H, D, generator=gen), kv, kv.flip(0), write)
+    seen = []
+    real = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **kw: seen.append(kw["kv_splits"]) or real(*a, **kw))
+    q = torch.randn(65, H, D, generator=gen)
+    outs = {}
+    for split_kv in (False, True):
+        att = TritonAttention(cache, split_kv=split_kv)
+        for T in (1, 65):
+            meta = AttentionMetadata([T], [300], torch.full((T,), -1), tables[:1], None, None)
+            outs[split_kv, T] = att(0, q[:T], torch.zeros(T, HKV, D), torch.zeros(T, HKV, D), meta)
+    assert seen == [1, 1, 3, 1]
+    torch.testing.assert_close(outs[True, 1], outs[False, 1], rtol=1e-5, atol=1e-5)

@@ -12,6 +12,7 @@ a cache's head size): the quantized layers are laid out for CUDA when they are b
 
 from __future__ import annotations
 
+import functools
 import os
 
 import torch
@@ -33,7 +34,8 @@ GRAPHS_SWITCH = "QUANTSPEC_CUDA_GRAPHS"  # "0": every step launches its kernels 
 def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) -> Runtime:
     """CUDA's runtime for a model it did not prepare: the generic path with the Triton paged
     attention."""
-    return Runtime(device=device, attention=TritonAttention.for_cache)
+    split_kv = policy is not None and policy.cuda_split_kv
+    return Runtime(device=device, attention=functools.partial(TritonAttention.for_cache, split_kv=split_kv))
 
 
 def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
@@ -42,7 +44,8 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     `policy.cuda_graphs` (and QUANTSPEC_CUDA_GRAPHS not "0"), a model's decode and
     verification steps replay CUDA graphs of its stack (`graphs.py`); with
     `policy.cuda_fused_ops` its layers run their small ops as fused kernels (`layers.py`); with
-    `policy.cuda_pdl` the stack's kernels are programmatic dependent launches."""
+    `policy.cuda_pdl` the stack's kernels are programmatic dependent launches; with
+    `policy.cuda_split_kv` the attention splits long contexts across programs."""
     if isinstance(model, MTPModule):
         return default_runtime(device, policy)
     if fuse:
@@ -51,7 +54,8 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     layers = model.model.layers
     fused = policy.cuda_fused_ops and fusable(layers, model.model.embed_tokens.weight.dtype)
     stack = DecodeGraphs(layers, graphs=graphs, fused=fused, pdl=policy.cuda_pdl) if graphs or fused else None
-    return Runtime(device=device, attention=TritonAttention.for_cache, stack=stack)
+    return Runtime(device=device, attention=functools.partial(TritonAttention.for_cache, split_kv=policy.cuda_split_kv),
+                   stack=stack)
 
 
 def prepare_head(head: nn.Module, device: torch.device) -> nn.Module:

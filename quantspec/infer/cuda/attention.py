@@ -4,7 +4,10 @@ over it for the whole batch in one launch per layer: prefill, decode and verific
 
 Each query row is computed from its own keys only, in the same key-block order whatever else is
 in the step (one query tile size for every step), so a verification row gives the numbers of the
-decode step at that position.
+decode step at that position. With `split_kv` (`DispatchPolicy.cuda_split_kv`) a step of at most
+`SPLIT_KV_MAX_ROWS` rows splits each row's keys across programs in chunks at fixed positions
+(`kv_split`: flash-decoding), so that a long context is read by many programs at once; the
+chunks do not depend on the step, so the same holds for those steps among themselves.
 """
 
 from __future__ import annotations
@@ -18,22 +21,38 @@ from quantspec.infer.kv_cache import AttentionMetadata, PagedKVCache
 __all__ = ["TritonAttention"]
 
 SUPPORTED_HEAD_DIMS = (64, 80, 96, 128, 256)
+KV_CHUNK = 256  # the fewest keys a split reads (four of the kernel's 64-key blocks)
+MAX_KV_SPLITS = 16
+SPLIT_KV_MAX_ROWS = 64  # the partial sums of a step: splits x rows x heads x head_dim fp32 (16 MB for 32 x 128)
+
+
+def kv_split(max_seq_len: int | None) -> tuple[int, int] | None:
+    """(kv_chunk, kv_splits) of `kernels.paged_attention` for a cache of sequences up to
+    `max_seq_len` keys: chunks of `KV_CHUNK` keys, longer ones (multiples of 64) where more than
+    `MAX_KV_SPLITS` would be needed; None where one chunk holds every sequence."""
+    if not max_seq_len:
+        return None
+    per_split = -(-max_seq_len // MAX_KV_SPLITS)
+    chunk = max(KV_CHUNK, -(-per_split // 64) * 64)
+    splits = -(-max_seq_len // chunk)
+    return (chunk, splits) if splits > 1 else None
 
 
 class TritonAttention:
     """The `AttentionKernel` of one CUDA `PagedKVCache` (module docstring)."""
 
-    def __init__(self, cache: PagedKVCache):
+    def __init__(self, cache: PagedKVCache, split_kv: bool = False):
         self.cache = cache
+        self.split = kv_split(cache.max_seq_len) if split_kv else None
 
     @classmethod
-    def for_cache(cls, cache: PagedKVCache) -> "TritonAttention | None":
+    def for_cache(cls, cache: PagedKVCache, split_kv: bool = False) -> "TritonAttention | None":
         """The kernel for `cache`, or None where the Triton kernels cannot take it."""
         from quantspec.kernels import triton_usable
 
         if not triton_usable(cache.k.device) or cache.head_dim not in SUPPORTED_HEAD_DIMS:
             return None
-        return cls(cache)
+        return cls(cache, split_kv)
 
     def serves(self, q_lens: list[int], seq_lens: list[int]) -> bool:
         return True
@@ -57,5 +76,7 @@ class TritonAttention:
         vs = None if c.v_scale is None else c.v_scale[layer_idx]
         kernels.write_kv_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
         cu, seq, tables, max_q = self._step_args(meta)
-        return kernels.paged_attention(q, kc, vc, cu, seq, tables, ks, vs, max_q_len=max_q)
+        chunk, splits = self.split if self.split is not None and q.shape[0] <= SPLIT_KV_MAX_ROWS else (None, 1)
+        return kernels.paged_attention(q, kc, vc, cu, seq, tables, ks, vs, max_q_len=max_q, kv_chunk=chunk,
+                                       kv_splits=splits)
 
