@@ -217,23 +217,25 @@ def test_split_kv_chunks_and_the_steps_that_take_them(monkeypatch):
     assert kv_split(600) == (256, 3) and kv_split(8192) == (512, 16)
     chunk, splits = kv_split(100_000)
     assert chunk % 64 == 0 and splits <= 16 and chunk * splits >= 100_000 and chunk * (splits - 1) < 100_000
+    dev = torch.device("cuda" if torch.cuda.is_available() else "cpu")  # the attention calls its kernels itself
     cache = PagedKVCache(num_layers=1, num_blocks=80, block_size=BS, num_kv_heads=HKV, head_dim=D,
-                         dtype=torch.float32, max_seq_len=600)
+                         dtype=torch.float32, device=dev, max_seq_len=600)
     assert TritonAttention(cache).split is None and TritonAttention(cache, split_kv=True).split == (256, 3)
     gen = torch.Generator().manual_seed(6)
-    kv = torch.randn(300, HKV, D, generator=gen)
-    tables = torch.arange(80).reshape(2, 40)
-    write = AttentionMetadata([300], [300], torch.arange(300), tables[:1], None, None)
-    TritonAttention(cache)(0, torch.randn(300, H, D, generator=gen), kv, kv.flip(0), write)
+    kv = torch.randn(300, HKV, D, generator=gen).to(dev)
+    tables = torch.arange(80, device=dev).reshape(2, 40)
+    write = AttentionMetadata([300], [300], torch.arange(300, device=dev), tables[:1], None, None)
+    TritonAttention(cache)(0, torch.randn(300, H, D, generator=gen).to(dev), kv, kv.flip(0), write)
     seen = []
     real = kernels.paged_attention
     monkeypatch.setattr(kernels, "paged_attention", lambda *a, **kw: seen.append(kw["kv_splits"]) or real(*a, **kw))
-    q = torch.randn(65, H, D, generator=gen)
+    q = torch.randn(65, H, D, generator=gen).to(dev)
     outs = {}
     for split_kv in (False, True):
         att = TritonAttention(cache, split_kv=split_kv)
         for T in (1, 65):
-            meta = AttentionMetadata([T], [300], torch.full((T,), -1), tables[:1], None, None)
-            outs[split_kv, T] = att(0, q[:T], torch.zeros(T, HKV, D), torch.zeros(T, HKV, D), meta)
+            meta = AttentionMetadata([T], [300], torch.full((T,), -1, device=dev), tables[:1], None, None)
+            outs[split_kv, T] = att(0, q[:T], torch.zeros(T, HKV, D, device=dev), torch.zeros(T, HKV, D, device=dev),
+                                    meta)
     assert seen == [1, 1, 3, 1]
     torch.testing.assert_close(outs[True, 1], outs[False, 1], rtol=1e-5, atol=1e-5)
