@@ -1,15 +1,15 @@
 #!/usr/bin/env bash
 # The GPU path proven on a GPU, in one command: the CUDA tests, the kernel tables, the engine end
-# to end, a launch-config sweep, then BENCHMARKS.md, each step time-boxed so that a failing or slow
-# step does not eat the rest (about 8 minutes in all on an H100).
+# to end, a launch-config sweep in the time left, then BENCHMARKS.md, each step time-boxed so that
+# a failing or slow step does not eat the rest (8 minutes in all on an H100).
 #
 #   bench/gpu_check.sh [OUTDIR]          # on a CUDA machine; OUTDIR defaults to $OUT, else out/gpu_check
 #   bench/gpu_check.sh --cpu [OUTDIR]    # the same steps on CPU: tiny shapes, Triton's interpreter
 #   bench/gpu_check.sh --quick [OUTDIR]  # the CUDA tests, kernel tables and end to end only (~7 min)
-#   bench/gpu_check.sh --kernel-tests [OUTDIR]  # all the kernel tests on the GPU (~5 min): a
-#       second device call after the full check, whose 8 minutes leave that step little time;
-#       its results join OUTDIR's steps and BENCHMARKS.md (give the full check's OUTDIR: the
-#       default out/gpu_check lies in the repository, which a warm device machine keeps)
+#   bench/gpu_check.sh --rest [OUTDIR]   # the whole sweep, then the kernel tests on the GPU (~6
+#       min): a second device call after the full check, whose 8 minutes leave those steps
+#       little time; their results join OUTDIR's steps and BENCHMARKS.md (give the full check's
+#       OUTDIR: the default out/gpu_check lies in the repository, which a warm device machine keeps)
 #
 # Needs torch, triton, transformers, safetensors, rich, click and pytest (not gguf, datasets or
 # compressed-tensors: the calibration tests read their text without datasets where it is
@@ -26,11 +26,11 @@ set -u
 cd "$(dirname "$0")/.."
 CPU=0
 QUICK=0
-KTESTS=0
+REST=0
 if [ "${1:-}" = "--cpu" ]; then CPU=1; shift; fi
 if [ "${1:-}" = "--quick" ]; then QUICK=1; shift; fi
-if [ "${1:-}" = "--kernel-tests" ]; then KTESTS=1; shift; fi
-if [ "$KTESTS" = 1 ]; then DEST=${1:-out/gpu_check}; else DEST=${1:-${OUT:-out/gpu_check}}; fi
+if [ "${1:-}" = "--rest" ]; then REST=1; shift; fi
+if [ "$REST" = 1 ]; then DEST=${1:-out/gpu_check}; else DEST=${1:-${OUT:-out/gpu_check}}; fi
 mkdir -p "$DEST"
 export PYTHONPATH="$PWD${PYTHONPATH:+:$PYTHONPATH}"
 SERVE_DEPS="import fastapi, uvicorn, prometheus_client"
@@ -45,9 +45,10 @@ if [ "$CPU" = 0 ] && ! python -c "import sys, torch; sys.exit(0 if torch.cuda.is
 fi
 export QUANTSPEC_CPU_KERNELS=${QUANTSPEC_CPU_KERNELS:-0}  # the GPU run needs no CPU kernel build (minutes)
 START=$(date +%s)
-if [ "$KTESTS" = 1 ]; then  # this run's kernel_tests line replaces the full check's
+if [ "$REST" = 1 ]; then  # this run's sweep, kernel tests and report replace the full check's
     touch "$DEST/steps.tsv"
-    grep -v $'^kernel_tests\t' "$DEST/steps.tsv" > "$DEST/steps.tsv.new"; mv "$DEST/steps.tsv.new" "$DEST/steps.tsv"
+    grep -v -e $'^kernel_tests\t' -e $'^sweep\t' -e $'^report\t' "$DEST/steps.tsv" > "$DEST/steps.tsv.new"
+    mv "$DEST/steps.tsv.new" "$DEST/steps.tsv"
 else
     : > "$DEST/steps.tsv"
 fi
@@ -70,8 +71,9 @@ step() {
 # pytest-timeout (where installed) ends a test that hangs instead of the whole step
 PYTEST=(python -m pytest -v -p no:cacheprovider -rfE --tb=short --durations=10)
 if python -c "import pytest_timeout" 2>/dev/null; then PYTEST+=(--timeout=60); fi
-if [ "$CPU" = 0 ] && [ "$KTESTS" = 1 ]; then
-    step kernel_tests 400 "${PYTEST[@]}" -m "not gpu" tests/kernels --junitxml="$DEST/kernel_tests.xml"
+if [ "$CPU" = 0 ] && [ "$REST" = 1 ]; then
+    step sweep 110 python bench/kernels.py --sweep-only --out "$DEST"
+    step kernel_tests 280 "${PYTEST[@]}" -m "not gpu" tests/kernels --junitxml="$DEST/kernel_tests.xml"
 elif [ "$CPU" = 0 ] && [ "$QUICK" = 1 ]; then
     step gpu_tests 210 "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" --junitxml="$DEST/gpu_tests.xml"
     step kernels 85 python bench/kernels.py --dtype fp16 --out "$DEST"
@@ -80,11 +82,9 @@ elif [ "$CPU" = 0 ]; then
     step gpu_tests 210 "${PYTEST[@]}" -m gpu "${GPU_TESTS[@]}" --junitxml="$DEST/gpu_tests.xml"
     step kernels 150 python bench/kernels.py --out "$DEST"
     step e2e 150 python bench/gpu_e2e.py --out "$DEST" --budget-s 110
-    step sweep 110 python bench/kernels.py --sweep-only --out "$DEST"
-    LEFT=$(( 480 - ($(date +%s) - START) ))
-    if [ "$LEFT" -gt 30 ]; then  # the rest of the kernel tests, on the GPU through tests/kernels/conftest.py
-        # (whole: --kernel-tests)
-        step kernel_tests "$LEFT" "${PYTEST[@]}" -m "not gpu" tests/kernels --junitxml="$DEST/kernel_tests.xml"
+    LEFT=$(( 470 - ($(date +%s) - START) ))
+    if [ "$LEFT" -gt 20 ]; then  # the sweep writes as it goes, the target's shape first (whole: --rest)
+        step sweep "$(( LEFT < 110 ? LEFT : 110 ))" python bench/kernels.py --sweep-only --out "$DEST"
     fi
 else
     export TRITON_INTERPRET=1
