@@ -197,11 +197,12 @@ def _paged_attn_kernel(
 ):
     """Program (query tile × key split, sequence, head). SPLITS > 1 (`paged_attention`'s
     kv_chunk): split s attends over the keys at absolute positions [s · chunk, (s + 1) · chunk)
-    that its tile sees (the last split: from (SPLITS - 1) · chunk on); where the tile sees keys of one split only, that split writes the output
-    as the unsplit kernel does; otherwise each split stores its unnormalized sums, row maxima and
-    row sums (acc_ptr [SPLITS, T, H, D], ml_ptr [SPLITS, T, H, 2], fp32), and the tile's last
-    split to arrive (cnt_ptr, `split_k_arrive`) combines them in split order. The splits' key
-    ranges do not depend on the step, so a row's numbers do not depend on the other rows."""
+    that its tile sees (the last split: from (SPLITS - 1) · chunk on); where the tile sees keys
+    of one split only, that split writes the output as the unsplit kernel does; otherwise each
+    split stores its unnormalized sums, row maxima and row sums (acc_ptr [SPLITS, T, H, D],
+    ml_ptr [SPLITS, T, H, 2], fp32), and the tile's last split to arrive (cnt_ptr,
+    `split_k_arrive`) combines them in split order. The splits' key ranges do not depend on the
+    step, so a row's numbers do not depend on the other rows."""
     pdl_begin(USE_PDL)
     pid_m = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
@@ -276,27 +277,25 @@ def _paged_attn_kernel(
     if SPLITS > 1:
         parts = tl.minimum(tl.cdiv(kv_end, chunk), SPLITS)  # the splits that hold keys the tile sees
         if parts > 1:
-            row = tok * H + h  # [BM] (token, head), int64
-            acc_off = row[:, None] * D + offs_d[None, :]
-            sp = split.to(tl.int64)
-            tl.store(acc_ptr + sp * T * H * D + acc_off, acc, mask=out_mask)
+            row = (split * T + tok) * H + h  # [BM] (split, token, head), int64
+            tl.store(acc_ptr + row[:, None] * D + offs_d[None, :], acc, mask=out_mask)
             # a row that sees no key of this split: a maximum of -inf, so that its weight is 0
-            tl.store(ml_ptr + (sp * T * H + row) * 2, tl.where(l_i == 0, float("-inf"), m_i), mask=mask_m)
-            tl.store(ml_ptr + (sp * T * H + row) * 2 + 1, l_i, mask=mask_m)
+            tl.store(ml_ptr + row * 2, tl.where(l_i == 0, float("-inf"), m_i), mask=mask_m)
+            tl.store(ml_ptr + row * 2 + 1, l_i, mask=mask_m)
             tile = (pid_m * tl.num_programs(1) + b) * H + h
             if split_k_arrive(cnt_ptr, tile, parts) != parts - 1:
                 return  # the tile's last split combines
             m_all = tl.full((BLOCK_M,), float("-inf"), dtype=tl.float32)
             for s_ in range(0, parts):
-                m_all = tl.maximum(m_all, tl.load(ml_ptr + (s_ * T * H + row) * 2, mask=mask_m, other=0.0,
-                                                  cache_modifier=".cg"))
+                row = (s_ * T + tok) * H + h
+                m_all = tl.maximum(m_all, tl.load(ml_ptr + row * 2, mask=mask_m, other=0.0, cache_modifier=".cg"))
             l_i = tl.zeros((BLOCK_M,), dtype=tl.float32)
             acc = tl.zeros((BLOCK_M, BLOCK_D), dtype=tl.float32)
             for s_ in range(0, parts):  # in split order: the numbers do not depend on which split came last
-                base = (s_ * T * H + row) * 2
-                w = tl.exp(tl.load(ml_ptr + base, mask=mask_m, other=0.0, cache_modifier=".cg") - m_all)
-                l_i += tl.load(ml_ptr + base + 1, mask=mask_m, other=0.0, cache_modifier=".cg") * w
-                acc += tl.load(acc_ptr + s_ * T * H * D + acc_off, mask=out_mask, other=0.0,
+                row = (s_ * T + tok) * H + h
+                w = tl.exp(tl.load(ml_ptr + row * 2, mask=mask_m, other=0.0, cache_modifier=".cg") - m_all)
+                l_i += tl.load(ml_ptr + row * 2 + 1, mask=mask_m, other=0.0, cache_modifier=".cg") * w
+                acc += tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=out_mask, other=0.0,
                                cache_modifier=".cg") * w[:, None]
             l_i = tl.where(mask_m, l_i, 1.0)  # rows past the tile's queries: stored nowhere
     out = acc / l_i[:, None]
