@@ -18,8 +18,9 @@ C(k) = time of a step verifying k drafts / a plain step (what the back-off's `Sp
 from which the speedup of speculation at an acceptance rate follows. For bf16 and the speculation
 model a profile of replayed decode steps at batch 1: the kernels by time per step, and the share
 of the step the device is busy, and, on a GPU of compute capability 9.0 or more, decode with the
-stack's kernels as programmatic dependent launches (`DispatchPolicy.cuda_pdl`). int4std is the int4 model with its codes in the standard
-layout (`DispatchPolicy.cuda_int4_quartered` off), beside int4 in the default quartered one.
+stack's kernels as programmatic dependent launches (`DispatchPolicy.cuda_pdl`). int4std is the
+int4 model with its codes in the standard layout (`DispatchPolicy.cuda_int4_quartered` off),
+beside int4 in the default quartered one.
 
 Every measurement is appended to `e2e.jsonl` as it finishes, so a time-boxed run keeps what it
 measured; once `--budget-s` has passed the rest is recorded as skipped. `e2e.md` holds the tables.

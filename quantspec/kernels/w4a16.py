@@ -178,9 +178,10 @@ def gpu_weight_only_config(M: int, N: int, K: int, block_k: int, *, nibble_dots:
     to fill the GPU. With nibble dots (unswapped) `small_m_split`'s: the deepest power of two
     within `SM_TARGET` programs, the fastest at 1 and 16 rows on the Llama-3-8B shapes of an
     H100's sweep (`bench/kernels.py --sweep-only`); without them (a group smaller than 128)
-    swapped, split to about `SM_TARGET` programs. More rows: swapped tiles with the scale folded into the weight tile (the MMA then
-    accumulates across tiles instead of scaling each tile's sums; Triton still rearranges the
-    unpacked tile through shared memory for the MMA, which `quartered_config`'s launches avoid).
+    swapped, split to about `SM_TARGET` programs. More rows: swapped tiles with the scale folded
+    into the weight tile (the MMA then accumulates across tiles instead of scaling each tile's
+    sums; Triton still rearranges the unpacked tile through shared memory for the MMA, which
+    `quartered_config`'s launches avoid).
     Above 64 rows split-K where the tiles alone would leave SMs idle (`_wide_m_split`).
     W8A16 has its own small-M launch (`w8a16.w8a16_default_config`)."""
     if M > 64:
