@@ -305,12 +305,14 @@ def verify_cost(run: Run, net, runtime, drafts=(0, 1, 2, 4, 8), repeats: int = 6
     return {str(k): round(statistics.median(v) / base, 3) for k, v in times.items()} | {"step_ms": round(base * 1e3, 3)}
 
 
-def runtime_with(run: Run, net, **policy):
-    """The runtime of `net` under a `DispatchPolicy` of the default's but for `policy`'s fields."""
-    from quantspec.infer.backend import prepare
-    from quantspec.infer.dispatch import DispatchPolicy
+def runtime_with(run: Run, name: str, net, **policy):
+    """The runtime of model `name`'s `net` under its `DispatchPolicy` (`policy_of`) but for
+    `policy`'s fields."""
+    import dataclasses
 
-    return prepare(net, run.device, policy=DispatchPolicy(**policy))
+    from quantspec.infer.backend import prepare
+
+    return prepare(net, run.device, policy=dataclasses.replace(policy_of(name), **policy))
 
 
 def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
@@ -322,20 +324,20 @@ def measure_model(run: Run, name: str, net, runtime, kv_scales=None) -> None:
         plan.append(("b1 step profile", lambda: step_profile(run, net, runtime)))
     compared = run.device.type == "cuda" and name in ("bf16", run.args.spec_model)
     if compared and runtime.stack is not None and torch.cuda.get_device_capability(run.device) >= (9, 0):
-        pdl = runtime_with(run, net, **POLICIES.get(name, {}), cuda_pdl=True)
+        pdl = runtime_with(run, name, net, cuda_pdl=True)
         plan += [(f"b{b} programmatic launches", lambda b=b: decode_speed(run, net, pdl, b)) for b in run.args.batch]
     if compared and name == run.args.spec_model:  # keys split across programs, at this length and a long one
-        split = runtime_with(run, net, **POLICIES.get(name, {}), cuda_split_kv=True)
+        split = runtime_with(run, name, net, cuda_split_kv=True)
         long = run.args.long_context
         plan += [("b1 split-KV attention", lambda: decode_speed(run, net, split, 1)),
                  (f"b1 context {long}", lambda: decode_speed(run, net, runtime, 1, prompt_tokens=long)),
                  (f"b1 context {long}, split-KV attention",
                   lambda: decode_speed(run, net, split, 1, prompt_tokens=long))]
     if compared and getattr(runtime.stack, "fused", False):  # the same model with its small ops unfused
-        unfused = runtime_with(run, net, cuda_fused_ops=False)
+        unfused = runtime_with(run, name, net, cuda_fused_ops=False)
         plan.append(("b1 small ops unfused", lambda: decode_speed(run, net, unfused, 1)))
     if compared and getattr(runtime.stack, "use_graphs", False):  # small ops as the default's
-        eager = runtime_with(run, net, cuda_graphs=False)
+        eager = runtime_with(run, name, net, cuda_graphs=False)
         plan.append(("b1 eager (no CUDA graphs)", lambda: decode_speed(run, net, eager, 1)))
     if name == run.args.spec_model:
         k = 5

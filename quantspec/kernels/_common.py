@@ -31,8 +31,8 @@ __all__ = [
     "grouped_tile",
     "interpreter_enabled",
     "pdl_begin",
+    "pdl_kwargs",
     "pdl_launch",
-    "pdl_options",
     "programmatic_launches",
     "round_half_even",
     "round_to_e4m3",
@@ -113,10 +113,10 @@ def split_k_sum(p_ptr, mask, stride_split, SPLIT: tl.constexpr):
 def split_k_arrive(cnt_ptr, tile, splits):
     """Called by every program of a split-K launch once its partial sums of output tile `tile`
     are stored: → how many of the tile's `splits` arrived before it. The one that finds
-    splits - 1 is the tile's last: it sums the partials (`split_k_sum`, in split order, so the numbers do
-    not depend on which split finishes last) and applies the epilogue, and it sets the tile's
-    counter back to zero, so that the counters are zero between launches (CUDA graph replays
-    included)."""
+    splits - 1 is the tile's last: it sums the partials (`split_k_sum`, in split order, so the
+    numbers do not depend on which split finishes last) and applies the epilogue, and it sets the
+    tile's counter back to zero, so that the counters are zero between launches (CUDA graph
+    replays included)."""
     tl.debug_barrier()  # every thread's partial stores come before the (release) count
     before = tl.atomic_add(cnt_ptr + tile, 1, sem="acq_rel")
     # the next launch sees the reset (a kernel boundary orders them): no fence needed
@@ -186,11 +186,11 @@ def finish_scaled_split_k(partials: torch.Tensor, x_scale: torch.Tensor, w_scale
     rounds as the unsplit launch's epilogue does."""
     split, M, N = partials.shape
     if M * N:
-        block, pdl = 1024, pdl_launch(partials.device)
+        block = 1024
         _finish_scaled_split_k_kernel[(triton.cdiv(M * N, block),)](
             partials, x_scale, w_scale, bias if bias is not None else w_scale, out, M * N, N, SPLIT=split,
             PER_TOKEN=x_scale.numel() == M and M != 1, PER_CHANNEL=w_scale.numel() == N and N != 1,
-            HAS_BIAS=bias is not None, BLOCK=block, USE_PDL=pdl, enable_fp_fusion=False, **pdl_options(pdl))
+            HAS_BIAS=bias is not None, BLOCK=block, enable_fp_fusion=False, **pdl_kwargs(partials.device))
     return out
 
 
@@ -252,10 +252,10 @@ def finish_split_k(part: torch.Tensor, bias: torch.Tensor | None, out: torch.Ten
     the bias added and the sum cast, as the tiles' last splits do in the GEMM's launch."""
     split, M, N = part.shape
     if M * N:
-        block, pdl = 1024, pdl_launch(part.device)
+        block = 1024
         _finish_split_k_kernel[(triton.cdiv(M * N, block),)](
             part, bias if bias is not None else part, out, M * N, N, SPLIT=split, HAS_BIAS=bias is not None,
-            BLOCK=block, USE_PDL=pdl, **pdl_options(pdl))
+            BLOCK=block, **pdl_kwargs(part.device))
     return out
 
 
@@ -294,9 +294,10 @@ def pdl_launch(device: torch.device) -> bool:
     return _PDL.get() and gpu_launch(device) and _capability(device) >= (9, 0)
 
 
-def pdl_options(pdl: bool) -> dict:
-    """The launch options of a kernel launched with `USE_PDL=pdl` (none without)."""
-    return {"launch_pdl": True} if pdl else {}
+def pdl_kwargs(device: torch.device) -> dict:
+    """The arguments a launch on `device` adds for `pdl_begin`: its USE_PDL constexpr
+    (`pdl_launch`), and where that is true the launch option that makes it one."""
+    return {"USE_PDL": True, "launch_pdl": True} if pdl_launch(device) else {"USE_PDL": False}
 
 
 @triton.jit

@@ -28,8 +28,7 @@ from quantspec.kernels._common import (
     finish_scaled_split_k,
     gpu_launch,
     pdl_begin,
-    pdl_launch,
-    pdl_options,
+    pdl_kwargs,
     round_to_e4m3,
     scaled_gemm_launch,
     split_k_buffers,
@@ -105,9 +104,9 @@ def quantize_act_fp8(
     _validate_act(x, scale)
     device = check_same_device(x=x, x_scale=scale)
     q = torch.empty(x.shape, device=device, dtype=FP8_DTYPE)
-    block, pdl = 1024, pdl_launch(device)
+    block = 1024
     _quantize_act_fp8_kernel[(triton.cdiv(x.numel(), block),)](
-        x, q, scale, x.numel(), FP8_MAX=FP8_E4M3_MAX, BLOCK=block, USE_PDL=pdl, **pdl_options(pdl)
+        x, q, scale, x.numel(), FP8_MAX=FP8_E4M3_MAX, BLOCK=block, **pdl_kwargs(device)
     )
     return q
 
@@ -217,14 +216,13 @@ def fp8_gemm(
     bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, on_gpu)
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     part, out, counters = split_k_buffers(M, N, split, grid[0], device, out_dtype, torch.float32)
-    pdl = pdl_launch(device)
     _fp8_gemm_kernel[grid](
         x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         W_PER_CHANNEL=w_scale.shape[0] == N and N != 1, HAS_BIAS=bias is not None,
         UPCAST=not on_gpu, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
-        FINISH=counters is not None, USE_PDL=pdl, **pdl_options(pdl),
+        FINISH=counters is not None, **pdl_kwargs(device),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
     if split == 1 or counters is not None:

@@ -19,7 +19,7 @@ import triton
 import triton.language as tl
 
 from quantspec.errors import QuantSpecError
-from quantspec.kernels._common import FLOAT_DTYPES, check_tensor, pdl_begin, pdl_launch, pdl_options
+from quantspec.kernels._common import FLOAT_DTYPES, check_tensor, pdl_begin, pdl_kwargs
 
 __all__ = ["add_rms_norm", "add_rms_norm_ref", "rope_qk_", "rope_qk_ref", "silu_mul", "silu_mul_ref"]
 
@@ -61,12 +61,11 @@ def add_rms_norm(x: torch.Tensor, residual: torch.Tensor | None, weight: torch.T
     out = torch.empty_like(x)
     h = torch.empty_like(x) if residual is not None else x
     if T:
-        pdl = pdl_launch(x.device)
         _add_rms_norm_kernel[(T,)](
             x, residual if residual is not None else x, weight, out, h, D, float(eps),
             x.stride(0), residual.stride(0) if residual is not None else 0, out.stride(0), h.stride(0),
-            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D), USE_PDL=pdl,
-            num_warps=4 if D <= 4096 else 8, **pdl_options(pdl),
+            HAS_RES=residual is not None, BLOCK=triton.next_power_of_2(D), num_warps=4 if D <= 4096 else 8,
+            **pdl_kwargs(x.device),
         )
     return out, h
 
@@ -111,10 +110,8 @@ def rope_qk_(x: torch.Tensor, heads: int, cos: torch.Tensor, sin: torch.Tensor) 
     if hd % 2 or not 0 < heads <= x.shape[1]:
         raise QuantSpecError(f"rope_qk_: x {tuple(x.shape)} needs an even head size and 0 < heads={heads} <= {x.shape[1]}")
     if T:
-        pdl = pdl_launch(x.device)
         _rope_kernel[(T, heads)](x, cos, sin, x.stride(0), x.stride(1), cos.stride(0), HALF=hd // 2,
-                                 BLOCK=triton.next_power_of_2(hd), USE_PDL=pdl, enable_fp_fusion=False,
-                                 **pdl_options(pdl))
+                                 BLOCK=triton.next_power_of_2(hd), enable_fp_fusion=False, **pdl_kwargs(x.device))
     return x
 
 
@@ -150,9 +147,8 @@ def silu_mul(gate_up: torch.Tensor) -> torch.Tensor:
     out = torch.empty((T, I), dtype=gate_up.dtype, device=gate_up.device)
     block = min(1024, triton.next_power_of_2(I))
     if T:
-        pdl = pdl_launch(gate_up.device)
         _silu_mul_kernel[(T, triton.cdiv(I, block))](gate_up, out, I, gate_up.stride(0), out.stride(0), BLOCK=block,
-                                                     USE_PDL=pdl, **pdl_options(pdl))
+                                                     **pdl_kwargs(gate_up.device))
     return out
 
 

@@ -32,8 +32,7 @@ from quantspec.kernels._common import (
     gpu_launch,
     dot_in_fp32,
     pdl_begin,
-    pdl_launch,
-    pdl_options,
+    pdl_kwargs,
     round_half_even,
     round_to_e4m3,
     split_k_arrive,
@@ -172,13 +171,13 @@ def write_kv_cache(
     if T == 0:
         return
     _, _, hkv, d = k_cache.shape
-    dummy, pdl = slot_mapping, pdl_launch(device)
+    dummy = slot_mapping
     _write_kv_kernel[(T, hkv)](
         key, value, k_cache, v_cache, slot_mapping,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy,
         key.stride(0), key.stride(1), value.stride(0), value.stride(1), hkv * d,
         d, KIND=_kv_kind(k_cache.dtype), FP8_MAX=FP8_E4M3_MAX,
-        BLOCK_D=triton.next_power_of_2(d), USE_PDL=pdl, **pdl_options(pdl),
+        BLOCK_D=triton.next_power_of_2(d), **pdl_kwargs(device),
     )
 
 
@@ -421,7 +420,6 @@ def paged_attention(
     if splits > 1:
         acc = torch.empty((splits, T, H, d), device=device, dtype=torch.float32)
         ml = torch.empty((splits, T, H, 2), device=device, dtype=torch.float32)
-    pdl = pdl_launch(device)
     _paged_attn_kernel[(tiles * splits, B, H)](
         q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables,
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
@@ -430,6 +428,6 @@ def paged_attention(
         block_tables.stride(0), hkv * d, d, k_cache.shape[1], chunk, T, H,
         GROUP=H // hkv, KIND=_kv_kind(k_cache.dtype), DOT_FP32=dot_fp32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-        USE_PDL=pdl, num_warps=4, num_stages=2, **pdl_options(pdl),
+        num_warps=4, num_stages=2, **pdl_kwargs(device),
     )
     return out

@@ -52,8 +52,7 @@ from quantspec.kernels._common import (
     finish_split_k,
     gpu_launch,
     pdl_begin,
-    pdl_launch,
-    pdl_options,
+    pdl_kwargs,
     small_ints_to_float,
     split_k_buffers,
     split_k_partials,
@@ -526,6 +525,13 @@ def _validate(x, w_packed, w_scale, group_size, w_zero, bias):
     return M, N, K
 
 
+def _check_quartered(K: int, group_size: int) -> None:
+    """Raise `QuantSpecError` unless K and the group size suit `quarter_int4`'s layout."""
+    if K % QUARTER_BLOCK or group_size % QUARTER_BLOCK:
+        raise QuantSpecError(f"quartered weights need K ({K}) and the group size ({group_size}) to be "
+                             f"multiples of {QUARTER_BLOCK}")
+
+
 def w4a16_linear_ref(
     x: torch.Tensor,  # [M, K] fp32/fp16/bf16
     w_packed: torch.Tensor,  # [N, ceil(K/8)] int32
@@ -562,9 +568,8 @@ def w4a16_linear(
     nibble-dots launches over 128-k tiles, `quartered_config`)."""
     M, N, K = _validate(x, w_packed, w_scale, group_size, w_zero, bias)
     device = check_same_device(x=x, w_packed=w_packed, w_scale=w_scale, w_zero=w_zero, bias=bias)
-    if quartered and (K % QUARTER_BLOCK or group_size % QUARTER_BLOCK):
-        raise QuantSpecError(f"quartered weights need K ({K}) and the group size ({group_size}) to be "
-                             f"multiples of {QUARTER_BLOCK}")
+    if quartered:
+        _check_quartered(K, group_size)
     if config is None:
         cfg = quartered_config(M, N, K, gpu_launch(device)) if quartered else \
             w4a16_default_config(M, N, K, group_size, gpu_launch(device),
@@ -594,7 +599,6 @@ def w4a16_linear(
     part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
                                           in_kernel=bm <= 16)
     stride_osplit = 0 if split == 1 else M * N
-    pdl = pdl_launch(device)
     _w4a16_kernel[grid](
         x, w_packed, w_scale,
         w_zero if w_zero is not None else w_scale,
@@ -610,8 +614,8 @@ def w4a16_linear(
         SCALE_AFTER=scale_after,
         USE_DOT=use_dot, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and use_dot, NIBBLE_DOTS=nibble,
         EVEN_K=K % (bk * split) == 0, QUARTERED=quartered,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, USE_PDL=pdl,
-        num_warps=warps, num_stages=stages, **pdl_options(pdl),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
+        num_warps=warps, num_stages=stages, **pdl_kwargs(device),
     )
     return finish_split_k(part, bias, out) if split > 1 and counters is None else out
 
@@ -691,18 +695,16 @@ def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: 
     _validate(torch.empty((0, K), dtype=dtype, device=w_packed.device), w_packed, w_scale, group_size,
               w_zero, None)
     device = check_same_device(w_packed=w_packed, w_scale=w_scale, w_zero=w_zero)
-    if quartered and (K % QUARTER_BLOCK or group_size % QUARTER_BLOCK):
-        raise QuantSpecError(f"quartered weights need K ({K}) and the group size ({group_size}) to be "
-                             f"multiples of {QUARTER_BLOCK}")
+    if quartered:
+        _check_quartered(K, group_size)
     N = w_packed.shape[0]
     out = torch.empty((N, K), device=device, dtype=dtype)
     bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
-    pdl = pdl_launch(device)
     _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
         w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),
         HAS_ZERO=w_zero is not None, ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(),
         GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, QUARTERED=quartered, BLOCK_N=bn, BLOCK_K=bk,
-        USE_PDL=pdl, **pdl_options(pdl),
+        **pdl_kwargs(device),
     )
     return out

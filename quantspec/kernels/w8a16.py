@@ -25,8 +25,7 @@ from quantspec.kernels._common import (
     finish_split_k,
     gpu_launch,
     pdl_begin,
-    pdl_launch,
-    pdl_options,
+    pdl_kwargs,
     small_ints_to_float,
     split_k_buffers,
     split_k_partials,
@@ -180,15 +179,14 @@ def w8a16_linear(
     # more registers for it than their main loop (fewer programs per SM)
     part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
                                           in_kernel=bm <= 16)
-    pdl = pdl_launch(device)
     _w8a16_kernel[grid](
         x, w_q, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K,
         x.stride(0), w_q.stride(0), N, M * N,
         HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and bm >= 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, USE_PDL=pdl,
-        num_warps=warps, num_stages=stages, **pdl_options(pdl),
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
+        num_warps=warps, num_stages=stages, **pdl_kwargs(device),
     )
     return finish_split_k(part, bias, out) if split > 1 and counters is None else out
 
@@ -219,8 +217,6 @@ def w8a16_dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtyp
     device = check_same_device(w_q=w_q, w_scale=w_scale)
     out = torch.empty((N, K), device=device, dtype=dtype)
     bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
-    pdl = pdl_launch(device)
     _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk, USE_PDL=pdl,
-        **pdl_options(pdl))
+        w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk, **pdl_kwargs(device))
     return out

@@ -29,8 +29,7 @@ from quantspec.kernels._common import (
     finish_scaled_split_k,
     gpu_launch,
     pdl_begin,
-    pdl_launch,
-    pdl_options,
+    pdl_kwargs,
     round_half_even,
     scaled_gemm_launch,
     split_k_buffers,
@@ -128,11 +127,10 @@ def quantize_act_int8(
     q = torch.empty((M, K), device=device, dtype=torch.int8)
     s = torch.empty((M,), device=device, dtype=torch.float32) if scale is None else scale.reshape(1)
     block_k = min(triton.next_power_of_2(max(K, 1)), 1024 if gpu_launch(device) else 64)
-    pdl = pdl_launch(device)
     _quantize_act_int8_kernel[(M,)](
         x, q, s, K, x.stride(0), q.stride(0),
-        DYNAMIC=scale is None, HALF_RANGE=INT8_HALF_RANGE, EPS=ZERO_SCALE_EPS, BLOCK_K=block_k, USE_PDL=pdl,
-        **pdl_options(pdl),
+        DYNAMIC=scale is None, HALF_RANGE=INT8_HALF_RANGE, EPS=ZERO_SCALE_EPS, BLOCK_K=block_k,
+        **pdl_kwargs(device),
     )
     return q, s
 
@@ -234,14 +232,13 @@ def int8_gemm(
     bm, bn, bk, warps, stages, split = launch or scaled_gemm_launch(M, N, K, gpu_launch(device))
     grid = (triton.cdiv(M, bm) * triton.cdiv(N, bn), split)
     part, out, counters = split_k_buffers(M, N, split, grid[0], device, out_dtype, torch.int32)
-    pdl = pdl_launch(device)
     _int8_gemm_kernel[grid](
         x_q, w_q, x_scale, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K, x_q.stride(0), w_q.stride(0), N, M * N,
         PER_TOKEN=x_scale.shape[0] == M,
         HAS_BIAS=bias is not None, BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, GROUP_M=8, SPLIT_K=split,
-        FINISH=counters is not None, USE_PDL=pdl, **pdl_options(pdl),
+        FINISH=counters is not None, **pdl_kwargs(device),
         num_warps=warps, num_stages=stages, enable_fp_fusion=False,  # the epilogue rounds as the reference
     )
     if split == 1 or counters is not None:

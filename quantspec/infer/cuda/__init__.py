@@ -34,8 +34,12 @@ GRAPHS_SWITCH = "QUANTSPEC_CUDA_GRAPHS"  # "0": every step launches its kernels 
 def default_runtime(device: torch.device, policy: DispatchPolicy | None = None) -> Runtime:
     """CUDA's runtime for a model it did not prepare: the generic path with the Triton paged
     attention."""
-    split_kv = policy is not None and policy.cuda_split_kv
-    return Runtime(device=device, attention=functools.partial(TritonAttention.for_cache, split_kv=split_kv))
+    return Runtime(device=device, attention=_attention(policy))
+
+
+def _attention(policy: DispatchPolicy | None):
+    """The builder of a cache's `TritonAttention` under `policy` (`Runtime.attention`)."""
+    return functools.partial(TritonAttention.for_cache, split_kv=policy is not None and policy.cuda_split_kv)
 
 
 def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, fuse: bool = True) -> Runtime:
@@ -54,8 +58,7 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
     layers = model.model.layers
     fused = policy.cuda_fused_ops and fusable(layers, model.model.embed_tokens.weight.dtype)
     stack = DecodeGraphs(layers, graphs=graphs, fused=fused, pdl=policy.cuda_pdl) if graphs or fused else None
-    return Runtime(device=device, attention=functools.partial(TritonAttention.for_cache, split_kv=policy.cuda_split_kv),
-                   stack=stack)
+    return Runtime(device=device, attention=_attention(policy), stack=stack)
 
 
 def prepare_head(head: nn.Module, device: torch.device) -> nn.Module:
