@@ -60,6 +60,21 @@ def tiny_llama_model(tiny_llama_dir):
     return load_model(tiny_llama_dir)[0]
 
 
+@pytest.fixture(scope="session")
+def hf_logprobs(tiny_llama_dir):
+    """hf_logprobs(ids) → [len(ids), V]: transformers' log-probabilities (fp32) of the token after
+    each prefix ids[:i + 1], from the tiny Llama's checkpoint."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+
+    def run(ids: list[int]) -> torch.Tensor:
+        with torch.no_grad():
+            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+
+    return run
+
+
 def _sequence_law(next_probs, prompt: list[int], depth: int) -> dict[tuple[int, ...], float]:
     """{continuation: exact probability} of every `depth`-token continuation of `prompt`, chaining
     `next_probs(ids)` → [V] probabilities (zero outside the support)."""

@@ -43,6 +43,7 @@ from quantspec.devices import device_done
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
+from quantspec.infer.logprobs import token_logprobs
 from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
                                      sampling_tensors)
 from quantspec.infer.scheduler import EngineConfig, Scheduler
@@ -218,7 +219,7 @@ class Engine:
         new_tokens, paths = (self._accept(seqs, drafts, [draft_probs[i] for i in done], ids, logits, trees)
                              if seqs else ([], None))
         accepted = [len(t) - 1 for t in new_tokens]
-        events = self._record(seqs, drafts, new_tokens, scored, trees, paths)
+        events = self._record(seqs, drafts, new_tokens, scored, trees, paths, logits)
         self.last_step = StepInfo(not prefill, sum(map(len, news)), len(plan), sum(map(len, drafts)),
                                   time.perf_counter() - t0, t_forward)
         if not prefill and self.draft_limit is not None:
@@ -318,11 +319,16 @@ class Engine:
                                        self.device, self.cache.kernel, trees=trees)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
-        rows, offset = [], 0
-        for ql, d in zip(q_lens, drafts):
+        rows, prompt_rows, offset = [], [], 0
+        for seq, ql, d in zip(seqs, q_lens, drafts):
             rows.extend(range(offset + ql - 1 - len(d), offset + ql))
+            if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_ids):
+                # a prefill chunk's rows that predict prompt tokens (the last one's is a scored row)
+                n = min(ql, len(seq.prompt_ids) - 1 - seq.num_cached)
+                prompt_rows.append((seq, list(range(offset, offset + n))))
             offset += ql
-        row_idx = torch.tensor(rows, device=self.device) if len(rows) < len(feed_ids) else None
+        wanted = sorted(set(rows).union(*(r for _, r in prompt_rows))) if prompt_rows else rows
+        row_idx = torch.tensor(wanted, device=self.device) if len(wanted) < len(feed_ids) else None
         out_rows = None if self.config.all_hidden_rows else row_idx
         scored = self.model(input_ids, positions.to(self.device), PagedAttention(self.cache, meta), out_rows,
                             row_invariant=row_invariant, stack=self.runtime.stack, capture=self.capture)  # [R, D]
@@ -331,11 +337,30 @@ class Engine:
             self.proposer.file_streams(self.forward_rows, feed_ids, positions.tolist(), streams)
         if row_idx is not None and out_rows is None:
             scored = scored[row_idx]
+        if prompt_rows:
+            at = {r: i for i, r in enumerate(wanted)}
+            self._score_prompts(prompt_rows, scored, at)
+            if len(wanted) > len(rows):
+                scored = scored[torch.tensor([at[r] for r in rows], device=self.device)]
         ids = None
         if self.runtime.greedy is not None and all(s.params.is_greedy for s in seqs):
             ids = self.runtime.greedy(scored)
         logits = self.model.compute_logits(scored, row_invariant=row_invariant) if ids is None else None  # [sum(1+k_b), V]
         return scored, ids, logits
+
+    def _score_prompts(self, prompt_rows: list[tuple[Sequence, list[int]]], hidden: torch.Tensor,
+                       at: dict[int, int]) -> None:
+        """Each prefilling sequence that asks for `prompt_logprobs`: the log-probabilities of the
+        prompt tokens its chunk's rows predict (`prompt_rows`: the rows, counted in the fed batch;
+        `hidden[at[r]]`: row r's output), after a None for the first prompt token."""
+        for seq, rs in prompt_rows:
+            start = seq.num_cached
+            if start == 0:
+                seq.prompt_logprobs.append(None)
+            if rs:
+                logits = self.model.compute_logits(hidden[torch.tensor([at[r] for r in rs], device=self.device)])
+                seq.prompt_logprobs.extend(token_logprobs(logits, seq.prompt_ids[start + 1:start + 1 + len(rs)],
+                                                          seq.params.prompt_logprobs))
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
                 ids: list[int] | None, logits: torch.Tensor | None, trees: list[list[int] | None] | None = None
@@ -357,16 +382,20 @@ class Engine:
 
     def _record(self, seqs: list[Sequence], drafts: list[list[int]], new_tokens: list[list[int]],
                 scored: torch.Tensor, trees: list[list[int] | None] | None = None,
-                paths: list[list[int]] | None = None) -> list[tuple[Sequence, list[int]]]:
-        """Append the new tokens, count what was accepted, retire finished sequences."""
+                paths: list[list[int]] | None = None, logits: torch.Tensor | None = None
+                ) -> list[tuple[Sequence, list[int]]]:
+        """Append the new tokens (and their log-probabilities where asked for), count what was
+        accepted, retire finished sequences. `logits`: the scored rows' [R, V], where the step
+        computed them."""
         now = time.perf_counter()
         out: list[tuple[Sequence, list[int]]] = []
         first_row = 0
+        wants: list[tuple[Sequence, list[int], list[int]]] = []  # (sequence, its tokens' rows, tokens)
         for b, (seq, d, toks) in enumerate(zip(seqs, drafts, new_tokens)):
             path = list(range(len(toks))) if paths is None else paths[b]
+            base, first_row = first_row, first_row + 1 + len(d)  # this sequence's scored rows start at base
             if self.keep_hidden:  # the row whose logits produced the newest token
-                seq.last_hidden = scored[first_row + path[-1]]
-            first_row += 1 + len(d)
+                seq.last_hidden = scored[base + path[-1]]
             if paths is not None:
                 self._compact(seq, path)
             if seq.output_ids:
@@ -375,17 +404,34 @@ class Engine:
             if seq.stats.t_first_token is None:
                 seq.stats.t_first_token = now
             emitted = append_tokens(seq, toks, self.eos, self.config.max_length)
+            if seq.params.logprobs is not None and emitted:
+                wants.append((seq, [base + path[j] for j in range(len(emitted))], emitted))
             if d:
                 tree = None if trees is None else trees[b]
                 count_drafts(seq.stats, len(d), len(toks) - 1, len(emitted),
                                    None if tree is None else max(depths(tree)))
             out.append((seq, emitted))
+        if wants:
+            self._token_logprobs(wants, scored, logits)
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now
             self._free(seq)
         self.scheduler.retire_finished()
         self.num_steps += 1
         return out
+
+    def _token_logprobs(self, wants: list[tuple[Sequence, list[int], list[int]]], scored: torch.Tensor,
+                        logits: torch.Tensor | None) -> None:
+        """Append to each sequence's `logprobs` those of its new tokens, from the scored rows that
+        predicted them (`wants`: sequence, rows, tokens), through one logits computation where
+        the step had none (a greedy batch picks its ids without logits)."""
+        rows = [r for _, rs, _ in wants for r in rs]
+        idx = torch.tensor(rows, device=self.device)
+        lg = logits[idx] if logits is not None else self.model.compute_logits(scored[idx])
+        at = 0
+        for seq, rs, toks in wants:
+            seq.logprobs.extend(token_logprobs(lg[at:at + len(rs)], toks, seq.params.logprobs))
+            at += len(rs)
 
     def _compact(self, seq: Sequence, path: list[int]) -> None:
         """Move the keys / values of a tree's accepted rows (path [0, r_1, .., r_m], rows counted

@@ -38,11 +38,13 @@ __all__ = [
     "generator_for_request",
     "make_generators",
     "TOP_P_CANDIDATES",
+    "MAX_LOGPROBS",
 ]
 
 # Largest seed accepted: torch.Generator.manual_seed takes a uint64, numpy's SeedSequence any
 # non-negative int; 2**63 keeps the value representable as a signed int64 everywhere.
 _MAX_SEED = 2**63
+MAX_LOGPROBS = 20  # the most top log-probabilities a token may ask for (OpenAI's top_logprobs bound)
 
 
 class DecodeStrategy(str, enum.Enum):
@@ -73,6 +75,10 @@ class SamplingParams:
     seed:            None (torch's global generator) or an int in [0, 2**63).
     max_new_tokens:  ≥ 1.
     stop:            stop strings (non-empty), stored as a tuple so the params stay hashable.
+    logprobs:        None (off) or n in [0, MAX_LOGPROBS]: each output token's log-probability
+                     under the model (the log-softmax of its raw logits, before temperature and
+                     filters) and the n most likely tokens' (`infer.logprobs`).
+    prompt_logprobs: the same for every prompt token after the first (None: off).
     """
 
     decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
@@ -82,6 +88,8 @@ class SamplingParams:
     seed: int | None = None
     max_new_tokens: int = 128
     stop: Sequence[str] = field(default_factory=tuple)
+    logprobs: int | None = None
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         try:
@@ -131,6 +139,11 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise QuantSpecError(f"--stop {list(stop)!r} must contain only non-empty strings")
         object.__setattr__(self, "stop", stop)
+
+        for name in ("logprobs", "prompt_logprobs"):
+            v = getattr(self, name)
+            if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
+                raise QuantSpecError(f"--{name.replace('_', '-')} {v!r} must be an integer in [0, {MAX_LOGPROBS}]")
 
     @property
     def is_greedy(self) -> bool:

@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.infer.logprobs import TokenLogprob
 from quantspec.infer.sampler import SamplingParams
 
 __all__ = ["SeqStats", "Sequence", "append_tokens", "count_drafts"]
@@ -47,6 +48,10 @@ class Sequence:
     # proposer sets `needs_hidden`): what an MTP module combines with that token's embedding
     last_hidden: torch.Tensor | None = None
     speculate: bool = True  # False: this sequence gets no drafts (a per-request opt-out)
+    # with `params.logprobs`: one per output token; with `params.prompt_logprobs`: one per prompt
+    # token, None for the first (nothing predicts it)
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

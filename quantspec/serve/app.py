@@ -15,7 +15,7 @@ import contextlib
 import json
 import time
 import uuid
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -25,8 +25,9 @@ from pydantic import ValidationError
 from quantspec.errors import QuantSpecError
 from quantspec.infer.sampler import SamplingParams
 from quantspec.serve.loop import Delta, EngineLoop, Job
-from quantspec.serve.protocol import ChatCompletionRequest, CompletionRequest, GenerationRequest, error_body
-from quantspec.serve.text import TextStream, chat_prompt_ids, completion_prompt_ids, stop_check
+from quantspec.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
+                                      error_body)
+from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids, stop_check
 
 __all__ = ["ServeState", "build_app"]
 
@@ -45,6 +46,10 @@ class ServeState:
     metrics: object
     aliases: tuple[str, ...] = ("default",)
     kv_cache: str = ""  # which KV cache the engine runs (`infer.kv_cache.kv_cache_label`)
+    token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
+
+    def __post_init__(self):
+        self.token_text = TokenText(self.tokenizer)
 
 
 class BadRequest(Exception):
@@ -111,14 +116,12 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
         body = _parse(await _json(request), ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = chat_prompt_ids(state.tokenizer, messages)
-        return await _generate(state, request, body, ids, chat=True)
+        return await _generate(state, request, body, [ids], chat=True)
 
     @app.post("/v1/completions")
     async def completions(request: Request):
         body = _parse(await _json(request), CompletionRequest)
-        if isinstance(body.prompt, list) and len(body.prompt) > 1 and isinstance(body.prompt[0], str):
-            raise BadRequest("one prompt per request is supported; send a string", param="prompt")
-        ids = completion_prompt_ids(state.tokenizer, body.prompt)
+        ids = [completion_prompt_ids(state.tokenizer, p) for p in body.prompts()]
         return await _generate(state, request, body, ids, chat=False)
 
     return app
@@ -142,21 +145,35 @@ def _parse(data, model: type[GenerationRequest]):
         raise BadRequest(message, param=param) from None
 
 
-def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
-    """The engine job of a validated request; a `BadRequest` for what the model cannot do."""
+def _check(state: ServeState, body: GenerationRequest) -> None:
+    """A `BadRequest` for what no prompt of `body` can be served with."""
     if body.model is not None and body.model not in (state.model_name, *state.aliases):
         raise BadRequest(f"model {body.model!r} is not served here; use {state.model_name!r}", param="model",
                          code="model_not_found")
     if body.n != 1:
         raise BadRequest(f"n={body.n} is not supported; use n=1", param="n")
+    extra = body.model_extra or {}
+    for name, neutral in UNSUPPORTED:
+        value = extra.get(name)
+        if value is not None and (isinstance(value, bool) or value != neutral):
+            raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out (or {neutral!r})",
+                             param=name)
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
+        raise BadRequest("max_tokens=0 generates nothing; it needs echo=true (to score the prompt)",
+                         param="max_tokens")
+
+
+def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
+    """The engine job of one prompt of a checked request; a `BadRequest` for what the model cannot do."""
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if not ids:
-        raise BadRequest("the prompt is empty", param="prompt")
+        raise BadRequest("the prompt is empty", param=param)
     room = state.max_length - len(ids)
     if room < 1:
         raise BadRequest(f"the prompt has {len(ids)} tokens, over the server's --max-length {state.max_length} "
-                         "(prompt + output); shorten it",
-                         param="messages" if isinstance(body, ChatCompletionRequest) else "prompt",
-                         code="context_length_exceeded")
+                         "(prompt + output); shorten it", param=param, code="context_length_exceeded")
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
     if max_tokens is not None and max_tokens > room:
         raise BadRequest(f"max_tokens={max_tokens} + the prompt's {len(ids)} tokens is over the server's "
@@ -164,115 +181,230 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
                          code="context_length_exceeded")
     temperature = 1.0 if body.temperature is None else float(body.temperature)
     stops = body.stop_strings()
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
     try:
         params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
                                 temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
                                 top_p=1.0 if body.top_p is None else float(body.top_p), seed=body.seed,
-                                max_new_tokens=max_tokens or room, stop=stops)
+                                max_new_tokens=max_tokens or room, stop=stops, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return Job(list(ids), params, speculate=body.speculate, text_check=stop_check(state.tokenizer, stops))
 
 
-async def _generate(state: ServeState, request: Request, body: GenerationRequest, ids: list[int], *, chat: bool):
-    job = _job(state, body, ids)
-    if not state.loop.submit(job):
-        state.metrics.rejected.inc()
-        return _error(503, "the server is at capacity (its request queue is full); retry shortly",
-                      type="server_error", code="overloaded",
-                      headers={"Retry-After": str(state.loop.retry_after())})
-    out = _Output(state, body, job, chat)
+async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
+                    chat: bool):
+    _check(state, body)
+    jobs = [_job(state, body, ids) for ids in prompts]
+    for i, job in enumerate(jobs):
+        if not state.loop.submit(job):
+            for taken in jobs[:i]:
+                state.loop.abort(taken)
+            state.metrics.rejected.inc()
+            return _error(503, "the server is at capacity (its request queue is full); retry shortly",
+                          type="server_error", code="overloaded",
+                          headers={"Retry-After": str(state.loop.retry_after())})
+    echoes = [None] * len(jobs)
+    if isinstance(body, CompletionRequest) and body.echo:
+        echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()]
+    out = _Response(state, body, jobs, chat, echoes)
     if body.stream:
         return StreamingResponse(out.sse(), media_type="text/event-stream",
                                  headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
     return await out.whole(request)
 
 
-class _Output:
-    """One request's answer in OpenAI's shapes, streamed or whole."""
+class _Choice:
+    """One prompt's answer (choice `index`): its text deltas, each with the log-probability entries
+    of the tokens it brings (chat: `content` items; completions: legacy rows)."""
 
-    def __init__(self, state: ServeState, body: GenerationRequest, job: Job, chat: bool):
-        self.state, self.body, self.job, self.chat = state, body, job, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
-        self.created = int(time.time())
-        self.text = TextStream(state.tokenizer, body.stop_strings())
+    def __init__(self, resp: "_Response", index: int, job: Job, echo: str | None):
+        self.resp, self.index, self.job, self.echo = resp, index, job, echo
+        body = resp.body
+        self.text = TextStream(resp.state.tokenizer, body.stop_strings())
+        self.score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.finish_reason: str | None = None
+        self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
 
-    def _usage(self) -> dict:
-        n, p = len(self.text.ids), len(self.job.prompt_ids)
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+    @property
+    def completion_tokens(self) -> int:
+        return 0 if self.score_only else len(self.text.ids)
 
-    def _reason(self, reason: str) -> str:
-        return "stop" if self.text.stopped else FINISH_REASONS.get(reason, reason)
+    def _entries(self, ids: list[int], lps: list) -> list:
+        tt = self.resp.token_text
+        out = []
+        for tok, lp in zip(ids, lps):
+            text = tt.text(tok)
+            if self.resp.chat:
+                out.append({"token": text, "logprob": lp.logprob, "bytes": tt.bytes(tok),
+                            "top_logprobs": [{"token": tt.text(t), "logprob": v, "bytes": tt.bytes(t)}
+                                             for t, v in lp.top]})
+            else:
+                top = None
+                if lp is not None:
+                    top = {tt.text(t): v for t, v in lp.top}
+                    top.setdefault(text, lp.logprob)
+                out.append((text, None if lp is None else lp.logprob, top, self.offset))
+            self.offset += len(text)
+        return out
 
-    async def _deltas(self):
-        """(text piece, finish reason or None) per engine delta, until the last."""
+    async def deltas(self):
+        """(text piece, log-probability entries, finish reason or None) per engine delta, until the last."""
+        first = True
         while True:
             d: Delta = await self.job.queue.get()
-            piece = self.text.feed(d.token_ids)
-            if d.finish_reason is None:
-                yield piece, None
-                continue
             if d.finish_reason == "error":
                 raise RuntimeError("the engine failed on this request")
-            self.finish_reason = self._reason(d.finish_reason)
-            yield piece + self.text.finish(), self.finish_reason
+            piece, entries = "", []
+            if first and self.echo is not None:
+                piece = self.echo
+                if d.prompt_logprobs is not None:
+                    entries = self._entries(self.job.prompt_ids, d.prompt_logprobs)
+                self.offset = len(self.echo)
+            first = False
+            if not self.score_only:
+                piece += self.text.feed(d.token_ids)
+                if d.logprobs:
+                    entries += self._entries(d.token_ids, d.logprobs)
+            if d.finish_reason is None:
+                yield piece, entries, None
+                continue
+            if self.score_only:
+                self.finish_reason = "length"
+            else:
+                self.finish_reason = "stop" if self.text.stopped else FINISH_REASONS.get(d.finish_reason,
+                                                                                        d.finish_reason)
+                piece += self.text.finish()
+            yield piece, entries, self.finish_reason
             return
 
-    def _chunk(self, piece: str | None, reason: str | None, *, first: bool = False) -> dict:
+    async def collect(self) -> tuple[str, list]:
+        parts, entries = [], []
+        async for piece, e, _ in self.deltas():
+            parts.append(piece)
+            entries += e
+        return "".join(parts), entries
+
+
+class _Response:
+    """One request's answer in OpenAI's shapes, streamed or whole: a choice per prompt."""
+
+    def __init__(self, state: ServeState, body: GenerationRequest, jobs: list[Job], chat: bool,
+                 echoes: list[str | None]):
+        self.state, self.body, self.chat = state, body, chat
+        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.created = int(time.time())
+        self.token_text = state.token_text
+        self.wants_logprobs = body.logprobs if chat else body.logprobs is not None
+        self.choices = [_Choice(self, i, job, echo) for i, (job, echo) in enumerate(zip(jobs, echoes))]
+
+    def _usage(self) -> dict:
+        p = sum(len(c.job.prompt_ids) for c in self.choices)
+        n = sum(c.completion_tokens for c in self.choices)
+        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+
+    def _logprobs(self, entries: list) -> dict | None:
+        if not self.wants_logprobs:
+            return None
+        if self.chat:
+            return {"content": entries, "refusal": None}
+        tokens, lps, tops, offsets = (list(x) for x in zip(*entries)) if entries else ([], [], [], [])
+        return {"tokens": tokens, "token_logprobs": lps, "top_logprobs": tops, "text_offset": offsets}
+
+    def _chunk(self, index: int, piece: str | None, entries: list, reason: str | None, *, first: bool = False) -> dict:
+        logprobs = None if first else self._logprobs(entries)
         if self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
-            choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             kind = "chat.completion.chunk"
         else:
-            choice = {"index": 0, "text": piece or "", "logprobs": None, "finish_reason": reason}
+            choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
             kind = "text_completion"
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
+
+    def _abort(self) -> None:
+        for c in self.choices:
+            self.state.loop.abort(c.job)  # a no-op once the job is done
 
     async def sse(self):
         usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         try:
             if self.chat:
-                yield _event(self._chunk(None, None, first=True))
-            async for piece, reason in self._deltas():
-                if piece or reason:
-                    yield _event(self._chunk(piece, reason))
+                yield _event(self._chunk(0, None, [], None, first=True))
+            async for index, (piece, entries, reason) in _merged([c.deltas() for c in self.choices]):
+                if piece or reason or entries:
+                    yield _event(self._chunk(index, piece, entries, reason))
             if usage:
-                yield _event({**self._chunk(None, None), "choices": [], "usage": self._usage()})
+                yield _event({**self._chunk(0, None, [], None), "choices": [], "usage": self._usage()})
         except RuntimeError as e:
             yield _event(error_body(str(e), type="server_error"))
         finally:
-            self.state.loop.abort(self.job)  # a no-op once the job is done
+            self._abort()
         yield "data: [DONE]\n\n"
 
-    async def _collect(self) -> str:
-        parts = []
-        async for piece, _ in self._deltas():
-            parts.append(piece)
-        return "".join(parts)
-
     async def whole(self, request: Request):
-        task = asyncio.ensure_future(self._collect())
+        task = asyncio.ensure_future(asyncio.gather(*(c.collect() for c in self.choices)))
         try:
             while not task.done():
                 await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
                 if not task.done() and await request.is_disconnected():
                     task.cancel()
                     return Response(status_code=499)
-            text = task.result()
+            results = task.result()
         except RuntimeError as e:
             return _error(500, str(e), type="server_error")
         finally:
-            self.state.loop.abort(self.job)
-        if self.chat:
-            choice = {"index": 0, "message": {"role": "assistant", "content": text}, "logprobs": None,
-                      "finish_reason": self.finish_reason}
-        else:
-            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": self.finish_reason}
+            self._abort()
+        choices = []
+        for c, (text, entries) in zip(self.choices, results):
+            if self.chat:
+                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
+                                "logprobs": self._logprobs(entries), "finish_reason": c.finish_reason})
+            else:
+                choices.append({"index": c.index, "text": text, "logprobs": self._logprobs(entries),
+                                "finish_reason": c.finish_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.state.model_name, "choices": [choice],
-                "usage": self._usage()}
+                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
+
+
+async def _merged(streams: list):
+    """(index, item) from several async iterators as each yields, until all end; an exception in
+    one ends the merge with it (the others are cancelled)."""
+    if len(streams) == 1:
+        async for item in streams[0]:
+            yield 0, item
+        return
+    queue: asyncio.Queue = asyncio.Queue()
+    done = object()
+
+    async def pump(i, stream):
+        try:
+            async for item in stream:
+                await queue.put((i, item))
+            await queue.put((i, done))
+        except Exception as e:  # handed to the consumer, which raises it
+            await queue.put((i, e))
+
+    tasks = [asyncio.ensure_future(pump(i, s)) for i, s in enumerate(streams)]
+    try:
+        left = len(tasks)
+        while left:
+            i, item = await queue.get()
+            if item is done:
+                left -= 1
+            elif isinstance(item, BaseException):
+                raise item
+            else:
+                yield i, item
+    finally:
+        for t in tasks:
+            t.cancel()
 
 
 def _event(obj: dict) -> str:

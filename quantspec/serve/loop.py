@@ -21,6 +21,7 @@ from collections import deque
 from dataclasses import dataclass, field
 
 from quantspec.infer.engine import Engine, Sequence
+from quantspec.infer.logprobs import TokenLogprob
 from quantspec.infer.sampler import SamplingParams
 
 __all__ = ["Delta", "DrainRate", "EngineLoop", "Job"]
@@ -73,10 +74,14 @@ class DrainRate:
 
 @dataclass
 class Delta:
-    """Tokens a step gave a request; `finish_reason` on its last delta ("error": the engine failed)."""
+    """Tokens a step gave a request; `finish_reason` on its last delta ("error": the engine failed).
+    With `logprobs` asked for, one `TokenLogprob` per token; with `prompt_logprobs`, the prompt's
+    on the first delta that brings tokens."""
 
     token_ids: list[int]
     finish_reason: str | None = None
+    logprobs: list[TokenLogprob] | None = None
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass
@@ -199,17 +204,24 @@ class EngineLoop:
             job = self._jobs.get(seq.seq_id)
             if job is None:
                 continue
+            delta = Delta(list(toks))
+            if toks and seq.params.logprobs is not None:
+                delta.logprobs = seq.logprobs[len(seq.logprobs) - len(toks):]
             if job.t_first is None and toks:
                 job.t_first = now
+                if seq.params.prompt_logprobs is not None:
+                    delta.prompt_logprobs = list(seq.prompt_logprobs)
             if seq.finished:
-                self._retire(job, seq.finish_reason or "stop", toks)
+                self._retire(job, seq.finish_reason or "stop", delta)
             elif toks:
-                job.push(Delta(list(toks)))
+                job.push(delta)
 
-    def _retire(self, job: Job, reason: str, toks: list[int] | None = None) -> None:
+    def _retire(self, job: Job, reason: str, delta: Delta | None = None) -> None:
         job.done = True
         self._jobs.pop(job.seq.seq_id, None)
-        job.push(Delta(list(toks or []), reason))
+        delta = delta or Delta([])
+        delta.finish_reason = reason
+        job.push(delta)
         now = time.perf_counter()
         self.drain.completed(now)
         if self.metrics is not None:

@@ -1,9 +1,10 @@
 """The OpenAI request bodies the server reads, as typed pydantic models, and OpenAI-style errors.
 
-Fields the server does not use (`user`, `logprobs`, penalties, ...) are accepted and ignored;
-a field it uses with the wrong type is a 400 naming the field. `speculate` is quantspec's own
-field: `false` turns speculation off for the request (the openai client sends it with
-`extra_body={"speculate": False}`).
+Fields that do not change the answer (`user`, `metadata`, ...) are accepted and ignored; a field
+the server reads with the wrong type is a 400 naming the field, and so is a sampling knob it does
+not implement set to anything but its neutral value (`UNSUPPORTED`), never a silently different
+answer. `speculate` is quantspec's own field: `false` turns speculation off for the request (the
+openai client sends it with `extra_body={"speculate": False}`).
 """
 
 from __future__ import annotations
@@ -12,9 +13,16 @@ from typing import Annotated, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, StrictInt, StrictStr
 
-__all__ = ["ChatCompletionRequest", "CompletionRequest", "GenerationRequest", "error_body"]
+from quantspec.infer.sampler import MAX_LOGPROBS
+
+__all__ = ["UNSUPPORTED", "ChatCompletionRequest", "CompletionRequest", "GenerationRequest", "error_body"]
 
 Real = StrictInt | StrictFloat
+TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
+
+# sampling knobs the engine does not implement, with their neutral values: any other value is a 400
+UNSUPPORTED = (("presence_penalty", 0), ("frequency_penalty", 0), ("repetition_penalty", 1), ("logit_bias", {}),
+               ("best_of", 1), ("min_p", 0))
 
 
 class StreamOptions(BaseModel):
@@ -61,12 +69,36 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(GenerationRequest):
+    """`logprobs`: each output token's log-probability in `choices[].logprobs.content`, with the
+    `top_logprobs` most likely tokens of its position."""
+
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
+    logprobs: StrictBool = False
+    top_logprobs: TopLogprobs | None = None
+
+
+TokenIds = Annotated[list[StrictInt], Field(min_length=1)]
 
 
 class CompletionRequest(GenerationRequest):
-    prompt: StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | Annotated[list[StrictInt], Field(min_length=1)]
+    """`prompt`: a string, token ids, or a list of either (one choice per prompt, `index` its
+    place). `logprobs` n: each token's log-probability and its position's n most likely tokens
+    (the legacy `tokens` / `token_logprobs` / `top_logprobs` / `text_offset` object); `echo`: the
+    prompt comes back before the answer (with `logprobs`, the prompt's tokens too, the first one's
+    None); `max_tokens` 0 with `echo` scores the prompt and generates nothing."""
+
+    prompt: (StrictStr | Annotated[list[StrictStr], Field(min_length=1)] | TokenIds
+             | Annotated[list[TokenIds], Field(min_length=1)])
+    max_tokens: Annotated[StrictInt, Field(ge=0)] | None = None
+    logprobs: TopLogprobs | None = None
+    echo: StrictBool = False
+
+    def prompts(self) -> list[str | list[int]]:
+        """The prompts, one per choice: strings or token-id lists."""
+        if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
+            return [self.prompt]
+        return list(self.prompt)
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,

@@ -4,9 +4,10 @@ stop string and never sending a piece that could still become one (or half a cha
 
 from __future__ import annotations
 
+import functools
 from typing import Callable
 
-__all__ = ["TextStream", "chat_prompt_ids", "completion_prompt_ids", "stop_check"]
+__all__ = ["TextStream", "TokenText", "chat_prompt_ids", "completion_prompt_ids", "stop_check"]
 
 STOP_TAIL_TOKENS = 32  # output tokens decoded to look for a stop string after each new token
 
@@ -20,13 +21,60 @@ def chat_prompt_ids(tokenizer, messages: list[dict]) -> list[int]:
     return tokenizer("\n".join(m["content"] for m in messages)).input_ids
 
 
-def completion_prompt_ids(tokenizer, prompt: str | list) -> list[int]:
+def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     """A raw prompt's ids (`quantspec infer --no-chat-template`); a list of ints is taken as ids."""
     if isinstance(prompt, list):
-        if all(isinstance(t, int) for t in prompt):
-            return list(prompt)
-        prompt = prompt[0]
+        return list(prompt)
     return tokenizer(prompt).input_ids
+
+
+@functools.cache
+def _byte_of_char() -> dict[str, int]:
+    """The byte-level BPE alphabet (GPT-2's): the printable character standing for each byte."""
+    printable = [*range(ord("!"), ord("~") + 1), *range(ord("¡"), ord("¬") + 1), *range(ord("®"), ord("ÿ") + 1)]
+    chars, extra = {}, 0
+    for b in range(256):
+        if b in printable:
+            chars[chr(b)] = b
+        else:
+            chars[chr(256 + extra)] = b
+            extra += 1
+    return chars
+
+
+class TokenText:
+    """One token's text and bytes, as the logprobs of a response name it: `text(id)` decodes the
+    token alone (a piece of a multi-byte character decodes to U+FFFD); `bytes(id)` is the token's
+    exact UTF-8 bytes where the tokenizer is byte-level BPE (a piece of a character gets its own
+    bytes), else the text's."""
+
+    def __init__(self, tokenizer):
+        self.tokenizer = tokenizer
+        backend = getattr(tokenizer, "backend_tokenizer", None)
+        try:
+            from tokenizers.decoders import ByteLevel
+            self._byte_level = isinstance(getattr(backend, "decoder", None), ByteLevel)
+        except ImportError:
+            self._byte_level = False
+        self._text = functools.lru_cache(maxsize=65536)(self._decode)
+        self._bytes = functools.lru_cache(maxsize=65536)(self._token_bytes)
+
+    def _decode(self, token_id: int) -> str:
+        return self.tokenizer.decode([token_id])
+
+    def _token_bytes(self, token_id: int) -> list[int]:
+        if self._byte_level:
+            piece = self.tokenizer.convert_ids_to_tokens(token_id)
+            table = _byte_of_char()
+            if isinstance(piece, str) and all(c in table for c in piece):
+                return [table[c] for c in piece]
+        return list(self._text(token_id).encode("utf-8"))
+
+    def text(self, token_id: int) -> str:
+        return self._text(token_id)
+
+    def bytes(self, token_id: int) -> list[int]:
+        return self._bytes(token_id)
 
 
 def stop_check(tokenizer, stops: tuple[str, ...]) -> Callable | None:
