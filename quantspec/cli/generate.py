@@ -45,6 +45,12 @@ def _stats_table(title: str, stats: dict):
 @click.option("--top-p", default=1.0, show_default=True, help="1.0 = off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--repetition-penalty", default=1.0, show_default=True,
+              help="Divide positive logits (multiply negative ones) of tokens already in the prompt or output; 1 = off.")
+@click.option("--presence-penalty", default=0.0, show_default=True,
+              help="Subtract from the logits of tokens already in the output, in [-2, 2]; 0 = off.")
+@click.option("--frequency-penalty", default=0.0, show_default=True,
+              help="Subtract per occurrence in the output, in [-2, 2]; 0 = off. Penalized sequences are not speculated.")
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
 @click.option("--cachekv-int8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
               help="static: int8 KV cache with calibrated per-head scales.")

@@ -57,6 +57,10 @@ class InferConfig:
     top_p: float = 1.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
+    # sampling penalties (`SamplingParams`): a sequence with any of them is not speculated
+    repetition_penalty: float = 1.0
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
     chat_template: bool = True
     benchmark: bool = False
     # static KV cache: "none" | "int8" | "fp8"; scales from the artifact, or given to the Predictor
@@ -126,7 +130,9 @@ class InferConfig:
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(decode_strategy=self.decode_strategy, temperature=self.temperature,
                               top_k=self.top_k, top_p=self.top_p, seed=self.seed,
-                              max_new_tokens=self.max_new_tokens, stop=self.stop)
+                              max_new_tokens=self.max_new_tokens, stop=self.stop,
+                              repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
+                              frequency_penalty=self.frequency_penalty)
 
 
 @dataclass

@@ -39,6 +39,7 @@ __all__ = [
     "make_generators",
     "TOP_P_CANDIDATES",
     "MAX_LOGPROBS",
+    "apply_penalties",
 ]
 
 # Largest seed accepted: torch.Generator.manual_seed takes a uint64, numpy's SeedSequence any
@@ -79,6 +80,13 @@ class SamplingParams:
                      under the model (the log-softmax of its raw logits, before temperature and
                      filters) and the n most likely tokens' (`infer.logprobs`).
     prompt_logprobs: the same for every prompt token after the first (None: off).
+    presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token the
+                     output holds, once (presence) and once per occurrence (frequency), as
+                     OpenAI's API defines them; 0 = off.
+    repetition_penalty: > 0; the logit of every token in the prompt or the output is divided by
+                     it where positive and multiplied by it where not (transformers' and vLLM's
+                     definition); 1.0 = off. Penalties act before temperature and the filters,
+                     and a sequence with any of them gets no drafts (`has_penalties`).
     """
 
     decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
@@ -90,6 +98,9 @@ class SamplingParams:
     stop: Sequence[str] = field(default_factory=tuple)
     logprobs: int | None = None
     prompt_logprobs: int | None = None
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
 
     def __post_init__(self) -> None:
         try:
@@ -144,10 +155,24 @@ class SamplingParams:
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
                 raise QuantSpecError(f"--{name.replace('_', '-')} {v!r} must be an integer in [0, {MAX_LOGPROBS}]")
+        for name in ("presence_penalty", "frequency_penalty"):
+            v = getattr(self, name)
+            if not _is_real(v) or not -2.0 <= v <= 2.0:
+                raise QuantSpecError(f"--{name.replace('_', '-')} {v!r} must be a number in [-2, 2] (0 turns it off)")
+            object.__setattr__(self, name, float(v))
+        if not _is_real(self.repetition_penalty) or not 0 < self.repetition_penalty < math.inf:
+            raise QuantSpecError(f"--repetition-penalty {self.repetition_penalty!r} must be a number > 0 "
+                                 "(1 turns it off)")
+        object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
 
     @property
     def is_greedy(self) -> bool:
         return self.decode_strategy is DecodeStrategy.GREEDY
+
+    @property
+    def has_penalties(self) -> bool:
+        """True when a presence, frequency or repetition penalty is on (`apply_penalties`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
 
     @property
     def uses_filter(self) -> bool:
@@ -298,6 +323,21 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:  # [N, V] → [N] int64
     if logits.ndim != 2:
         raise QuantSpecError(f"logits must be [N, V], got {tuple(logits.shape)}")
     return logits.argmax(dim=-1)
+
+
+def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+                    output_ids: Sequence[int]) -> torch.Tensor:
+    """A row of logits [V] with `params`' penalties applied (`SamplingParams`), in place: the
+    repetition penalty over the prompt's and the output's tokens, then the frequency and presence
+    penalties over the output's; → the row."""
+    if params.repetition_penalty != 1.0:
+        seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64, device=logits.device)
+        vals = logits[seen]
+        logits[seen] = torch.where(vals > 0, vals / params.repetition_penalty, vals * params.repetition_penalty)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        ids, counts = torch.tensor(list(output_ids), dtype=torch.int64, device=logits.device).unique(return_counts=True)
+        logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    return logits
 
 
 def greedy_ids(logits: torch.Tensor) -> list[int]:  # [N, V] → N host ints

@@ -191,7 +191,9 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
                                 temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
                                 top_p=1.0 if body.top_p is None else float(body.top_p), seed=body.seed,
                                 max_new_tokens=max_tokens or room, stop=stops, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs)
+                                prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
+                                frequency_penalty=body.frequency_penalty or 0,
+                                repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return Job(list(ids), params, speculate=body.speculate, text_check=stop_check(state.tokenizer, stops))

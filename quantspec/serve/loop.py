@@ -186,7 +186,7 @@ class EngineLoop:
                 job.done = True
                 job.push(Delta([], "error"))
                 continue
-            seq.speculate = job.speculate
+            seq.speculate = seq.speculate and job.speculate
             job.seq = seq
             self._jobs[seq.seq_id] = job
             if self.metrics is not None:

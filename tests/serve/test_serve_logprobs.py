@@ -2,7 +2,8 @@
 transformers' log-softmax of the same checkpoint: chat `logprobs` / `top_logprobs` (streamed and
 whole), legacy completions `logprobs` with `echo` (lm-evaluation-harness's loglikelihood request,
 and `max_tokens` 0 to score a prompt alone), a list of prompts answered as one choice each, and
-the sampling knobs the server does not implement refused instead of ignored."""
+penalties against transformers' `generate`, and the sampling knobs the server does not implement
+refused instead of ignored."""
 
 from __future__ import annotations
 
@@ -121,9 +122,10 @@ def test_several_prompts_one_choice_each(server, reference):
     ("chat/completions", {"logprobs": True, "top_logprobs": 21}, "top_logprobs"),
     ("completions", {"logprobs": -1}, "logprobs"),
     ("completions", {"max_tokens": 0}, "max_tokens"),
-    ("completions", {"presence_penalty": 0.5}, "presence_penalty"),
-    ("chat/completions", {"frequency_penalty": 1}, "frequency_penalty"),
-    ("chat/completions", {"repetition_penalty": 1.1}, "repetition_penalty"),
+    ("completions", {"presence_penalty": 2.5}, "presence_penalty"),
+    ("chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
+    ("chat/completions", {"min_p": 0.1}, "min_p"),
+    ("completions", {"best_of": 3}, "best_of"),
     ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
     ("completions", {"prompt": [[1, 2], []]}, "prompt"),
 ])
@@ -139,6 +141,22 @@ def test_what_the_server_cannot_honour_is_a_400(server, path, body, param):
 def test_neutral_values_of_unimplemented_knobs_are_accepted(server):
     url, _ = server
     r = _post(url, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                        "max_tokens": 3, "presence_penalty": 0, "frequency_penalty": 0.0,
-                                        "logit_bias": {}, "temperature": 0})
+                                        "max_tokens": 3, "min_p": 0, "best_of": 1, "logit_bias": {}, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
+
+
+def test_repetition_penalty_equals_transformers_generate(server, tiny_llama_dir):
+    from transformers import AutoModelForCausalLM
+
+    url, state = server
+    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    ids = torch.randint(3, 500, (8,), generator=torch.Generator().manual_seed(12)).tolist() * 3
+    out = _post(url, "completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0,
+                                      "repetition_penalty": 0.5, "logprobs": 0}).json()
+    with torch.no_grad():
+        want = hf.generate(torch.tensor([ids]), max_new_tokens=12, do_sample=False, repetition_penalty=0.5,
+                           pad_token_id=0)[0, len(ids):].tolist()
+    got = [lp for lp in out["choices"][0]["logprobs"]["tokens"]]
+    assert got == [state.tokenizer.decode([t]) for t in want][:len(got)] and len(got) == out["usage"]["completion_tokens"]
+    plain = _post(url, "completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0}).json()
+    assert plain["choices"][0]["text"] != out["choices"][0]["text"]
