@@ -21,8 +21,8 @@ with decode steps) is the scheduler's (`scheduler.py`); a sequence's state and t
 end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
-`Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties has
-none either); `draft_limit` (a `DraftLimit`, e.g.
+`Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties or a
+logit bias has none either); `draft_limit` (a `DraftLimit`, e.g.
 `spec/load.py`'s) caps the drafts per sequence of each decode step and is told what the step
 cost; `last_step` describes the step that just ran.
 
@@ -45,7 +45,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.logprobs import token_logprobs
-from quantspec.infer.sampler import (SamplingParams, apply_penalties, generator_for_request, greedy_ids,
+from quantspec.infer.sampler import (SamplingParams, adjust_logits, generator_for_request, greedy_ids,
                                      logits_to_probs, sample, sampling_tensors)
 from quantspec.infer.scheduler import EngineConfig, Scheduler
 from quantspec.infer.sequence import Sequence, SeqStats, append_tokens, count_drafts
@@ -164,11 +164,14 @@ class Engine:
                 f"prompt has {len(prompt_ids)} tokens but max_length is {self.config.max_length}; "
                 f"raise --max-length or shorten the prompt"
             )
+        vocab = self.model.args.vocab_size
+        if any(not 0 <= t < vocab for t, _ in params.logit_bias):
+            raise QuantSpecError(f"logit_bias names a token outside the model's vocabulary [0, {vocab}); drop it")
         idx = self._next_id if request_index is None else request_index
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
-        seq.speculate = not params.has_penalties  # a draft's verification knows no penalties
+        seq.speculate = not params.adjusts_logits  # a draft's verification knows no penalties or biases
         self._next_id += 1
         self.scheduler.waiting.append(seq)
         return seq
@@ -219,8 +222,8 @@ class Engine:
             ids = None if ids is None else [ids[i] for i in done]
             logits = None if logits is None else logits[done]
         pick_ids, pick_logits = ids, logits
-        if any(s.params.has_penalties for s in seqs):
-            pick_ids, pick_logits = self._penalize(seqs, drafts, scored, ids, logits)
+        if any(s.params.adjusts_logits for s in seqs):
+            pick_ids, pick_logits = self._adjust(seqs, drafts, scored, ids, logits)
         new_tokens, paths = (self._accept(seqs, drafts, [draft_probs[i] for i in done], pick_ids, pick_logits, trees)
                              if seqs else ([], None))
         accepted = [len(t) - 1 for t in new_tokens]
@@ -367,26 +370,26 @@ class Engine:
                 seq.prompt_logprobs.extend(token_logprobs(logits, seq.prompt_ids[start + 1:start + 1 + len(rs)],
                                                           seq.params.prompt_logprobs))
 
-    def _penalize(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor, ids: list[int] | None,
+    def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor, ids: list[int] | None,
                   logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
         """The step's (ids, logits) to pick from, with the row of each sequence that has penalties
-        (it has no drafts) re-scored under them: in a greedy batch its id (its row's logits
+        or a logit bias (it has no drafts) re-scored under them (`sampler.adjust_logits`): in a greedy batch its id (its row's logits
         computed for it), else its row of a copy of the logits (the step's own stay raw, for
         log-probabilities)."""
         rows, r = [], 0
         for s, d in zip(seqs, drafts):
-            if s.params.has_penalties:
+            if s.params.adjusts_logits:
                 rows.append((r, s))
             r += 1 + len(d)
         if ids is not None:
             ids = list(ids)
             lg = self.model.compute_logits(scored[torch.tensor([r for r, _ in rows], device=self.device)]).float()
             for i, (r, s) in enumerate(rows):
-                ids[r] = int(apply_penalties(lg[i], s.params, s.prompt_ids, s.output_ids).argmax())
+                ids[r] = int(adjust_logits(lg[i], s.params, s.prompt_ids, s.output_ids).argmax())
             return ids, logits
         logits = logits.clone()
         for r, s in rows:
-            apply_penalties(logits[r], s.params, s.prompt_ids, s.output_ids)
+            adjust_logits(logits[r], s.params, s.prompt_ids, s.output_ids)
         return ids, logits
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],

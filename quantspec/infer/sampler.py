@@ -39,7 +39,7 @@ __all__ = [
     "make_generators",
     "TOP_P_CANDIDATES",
     "MAX_LOGPROBS",
-    "apply_penalties",
+    "adjust_logits",
 ]
 
 # Largest seed accepted: torch.Generator.manual_seed takes a uint64, numpy's SeedSequence any
@@ -85,8 +85,11 @@ class SamplingParams:
                      OpenAI's API defines them; 0 = off.
     repetition_penalty: > 0; the logit of every token in the prompt or the output is divided by
                      it where positive and multiplied by it where not (transformers' and vLLM's
-                     definition); 1.0 = off. Penalties act before temperature and the filters,
-                     and a sequence with any of them gets no drafts (`has_penalties`).
+                     definition); 1.0 = off.
+    logit_bias:      (token id, bias in [-100, 100]) pairs added to those tokens' logits (OpenAI's
+                     `logit_bias`; -100 bans a token in effect), after the penalties. Penalties and
+                     biases act before temperature and the filters, and a sequence with any of them
+                     gets no drafts (`adjusts_logits`).
     """
 
     decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
@@ -101,6 +104,7 @@ class SamplingParams:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
+    logit_bias: Sequence[tuple[int, float]] = field(default_factory=tuple)
 
     def __post_init__(self) -> None:
         try:
@@ -164,15 +168,23 @@ class SamplingParams:
             raise QuantSpecError(f"--repetition-penalty {self.repetition_penalty!r} must be a number > 0 "
                                  "(1 turns it off)")
         object.__setattr__(self, "repetition_penalty", float(self.repetition_penalty))
+        bias = tuple(tuple(pair) for pair in (self.logit_bias.items() if isinstance(self.logit_bias, dict)
+                                              else self.logit_bias))
+        for pair in bias:
+            if (len(pair) != 2 or not _is_int(pair[0]) or pair[0] < 0 or not _is_real(pair[1])
+                    or not -100 <= pair[1] <= 100):
+                raise QuantSpecError(f"logit_bias entry {pair!r} must be (token id >= 0, bias in [-100, 100])")
+        object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
 
     @property
     def is_greedy(self) -> bool:
         return self.decode_strategy is DecodeStrategy.GREEDY
 
     @property
-    def has_penalties(self) -> bool:
-        """True when a presence, frequency or repetition penalty is on (`apply_penalties`)."""
-        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0)
+    def adjusts_logits(self) -> bool:
+        """True when a presence, frequency or repetition penalty or a logit bias is on (`adjust_logits`)."""
+        return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
+                    or self.logit_bias)
 
     @property
     def uses_filter(self) -> bool:
@@ -325,11 +337,11 @@ def greedy(logits: torch.Tensor) -> torch.Tensor:  # [N, V] → [N] int64
     return logits.argmax(dim=-1)
 
 
-def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
+def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequence[int],
                     output_ids: Sequence[int]) -> torch.Tensor:
-    """A row of logits [V] with `params`' penalties applied (`SamplingParams`), in place: the
-    repetition penalty over the prompt's and the output's tokens, then the frequency and presence
-    penalties over the output's; → the row."""
+    """A row of logits [V] with `params`' penalties and logit bias applied (`SamplingParams`), in
+    place: the repetition penalty over the prompt's and the output's tokens, the frequency and
+    presence penalties over the output's, then the bias; → the row."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64, device=logits.device)
         vals = logits[seen]
@@ -337,6 +349,9 @@ def apply_penalties(logits: torch.Tensor, params: SamplingParams, prompt_ids: Se
     if output_ids and (params.frequency_penalty or params.presence_penalty):
         ids, counts = torch.tensor(list(output_ids), dtype=torch.int64, device=logits.device).unique(return_counts=True)
         logits[ids] -= params.frequency_penalty * counts.to(logits.dtype) + params.presence_penalty
+    if params.logit_bias:
+        ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=logits.device)
+        logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
     return logits
 
 

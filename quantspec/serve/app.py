@@ -186,6 +186,12 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
     else:
         logprobs = body.logprobs
         prompt_logprobs = body.logprobs if body.echo else None
+    bias = []
+    vocab = state.loop.engine.model.args.vocab_size
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise BadRequest(f"logit_bias key {key!r} must be a token id in [0, {vocab})", param="logit_bias")
+        bias.append((int(key), value))
     try:
         params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
                                 temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
@@ -193,7 +199,8 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
                                 max_new_tokens=max_tokens or room, stop=stops, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
                                 frequency_penalty=body.frequency_penalty or 0,
-                                repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty)
+                                repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
+                                logit_bias=bias)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return Job(list(ids), params, speculate=body.speculate, text_check=stop_check(state.tokenizer, stops))

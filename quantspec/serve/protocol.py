@@ -21,7 +21,7 @@ Real = StrictInt | StrictFloat
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 # sampling knobs the engine does not implement, with their neutral values: any other value is a 400
-UNSUPPORTED = (("logit_bias", {}), ("best_of", 1), ("min_p", 0))
+UNSUPPORTED = (("best_of", 1), ("min_p", 0))
 
 
 class StreamOptions(BaseModel):
@@ -31,7 +31,8 @@ class StreamOptions(BaseModel):
 
 class GenerationRequest(BaseModel):
     """What both endpoints share: the sampling knobs, streaming, the speculation opt-out. A request
-    with a penalty (`SamplingParams`' definitions) is not speculated."""
+    with a penalty or a logit bias (`SamplingParams`' definitions; the bias keyed by token id) is
+    not speculated."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
@@ -48,6 +49,7 @@ class GenerationRequest(BaseModel):
     presence_penalty: Annotated[Real, Field(ge=-2, le=2)] | None = None
     frequency_penalty: Annotated[Real, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[Real, Field(gt=0)] | None = None
+    logit_bias: dict[StrictStr, Annotated[Real, Field(ge=-100, le=100)]] | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,4 +1,4 @@
-"""Sampling penalties against independent references: the repetition penalty against transformers'
+"""Sampling penalties and logit biases against independent references: the repetition penalty against transformers'
 own `RepetitionPenaltyLogitsProcessor` and `generate`, presence and frequency penalties against
 OpenAI's formula over transformers' logits; a penalized sequence gets no drafts while the others
 in its batch keep speculating with unchanged outputs."""
@@ -10,7 +10,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
-from quantspec.infer.sampler import SamplingParams, apply_penalties
+from quantspec.infer.sampler import SamplingParams, adjust_logits
 from quantspec.infer.spec.proposers import ReferenceProposer
 
 
@@ -29,7 +29,7 @@ def test_repetition_penalty_is_transformers_processor():
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(50, generator=g) * 3
     prompt, output = [3, 7, 7, 11], [11, 20, 3, 42]
-    got = apply_penalties(logits.clone(), SamplingParams(repetition_penalty=1.7), prompt, output)
+    got = adjust_logits(logits.clone(), SamplingParams(repetition_penalty=1.7), prompt, output)
     want = RepetitionPenaltyLogitsProcessor(1.7)(torch.tensor([prompt + output]), logits[None].clone())[0]
     assert torch.allclose(got, want)
 
@@ -38,12 +38,23 @@ def test_presence_and_frequency_penalties_are_openais_formula():
     g = torch.Generator().manual_seed(1)
     logits = torch.randn(30, generator=g)
     output = [4, 4, 4, 9, 17, 9]
-    got = apply_penalties(logits.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3), [1, 2], output)
+    got = adjust_logits(logits.clone(), SamplingParams(presence_penalty=0.5, frequency_penalty=-0.3), [1, 2], output)
     want = logits.clone()
     for j in set(output):  # mu[j] - c[j] * alpha_frequency - (c[j] > 0) * alpha_presence
         want[j] -= output.count(j) * -0.3 + 0.5
     assert torch.allclose(got, want)
-    assert torch.equal(apply_penalties(logits.clone(), SamplingParams(presence_penalty=2.0), [1, 2], []), logits)
+    assert torch.equal(adjust_logits(logits.clone(), SamplingParams(presence_penalty=2.0), [1, 2], []), logits)
+
+
+def test_logit_bias_is_added_after_the_penalties():
+    logits = torch.linspace(-1, 1, 10)
+    params = SamplingParams(logit_bias={3: 5.0, 7: -100}, presence_penalty=1.0)
+    want = logits.clone()
+    want[4] -= 1.0
+    want[3] += 5.0
+    want[7] -= 100
+    assert torch.allclose(adjust_logits(logits.clone(), params, [], [4]), want)
+    assert params.logit_bias == ((3, 5.0), (7, -100.0)) and params.adjusts_logits
 
 
 def test_greedy_repetition_penalty_equals_transformers_generate(tiny_llama_model, tiny_llama_dir):
@@ -98,7 +109,24 @@ def test_a_penalized_sequence_is_not_speculated_and_the_others_are_unchanged(tin
 @pytest.mark.parametrize("kw, flag", [({"presence_penalty": 2.5}, "--presence-penalty"),
                                       ({"frequency_penalty": -3}, "--frequency-penalty"),
                                       ({"repetition_penalty": 0}, "--repetition-penalty"),
-                                      ({"repetition_penalty": float("nan")}, "--repetition-penalty")])
+                                      ({"repetition_penalty": float("nan")}, "--repetition-penalty"),
+                                      ({"logit_bias": {5: 101}}, "logit_bias"),
+                                      ({"logit_bias": {-1: 1}}, "logit_bias")])
 def test_bad_penalties_are_refused(kw, flag):
     with pytest.raises(QuantSpecError, match=flag):
         SamplingParams(**kw)
+
+
+def test_a_logit_bias_steers_greedy_decoding_and_a_foreign_token_is_refused(tiny_llama_model):
+    prompt = _prompt(10, 7)
+    eng = _engine(tiny_llama_model)
+    plain = eng.add_request(prompt, SamplingParams(max_new_tokens=8))
+    forced = eng.add_request(prompt, SamplingParams(max_new_tokens=8, logit_bias={42: 100}))
+    eng.run()
+    eng = _engine(tiny_llama_model)
+    banned = eng.add_request(prompt, SamplingParams(max_new_tokens=8, logit_bias={t: -100 for t in plain.output_ids}))
+    eng.run()
+    assert forced.output_ids == [42] * 8
+    assert not set(banned.output_ids) & set(plain.output_ids)
+    with pytest.raises(QuantSpecError, match="vocabulary"):
+        eng.add_request(prompt, SamplingParams(logit_bias={tiny_llama_model.args.vocab_size: 1.0}))

@@ -126,7 +126,9 @@ def test_several_prompts_one_choice_each(server, reference):
     ("chat/completions", {"repetition_penalty": 0}, "repetition_penalty"),
     ("chat/completions", {"min_p": 0.1}, "min_p"),
     ("completions", {"best_of": 3}, "best_of"),
-    ("completions", {"logit_bias": {"5": 10}}, "logit_bias"),
+    ("completions", {"logit_bias": {"five": 10}}, "logit_bias"),
+    ("completions", {"logit_bias": {"512": 10}}, "logit_bias"),
+    ("chat/completions", {"logit_bias": {"5": 101}}, "logit_bias"),
     ("completions", {"prompt": [[1, 2], []]}, "prompt"),
 ])
 def test_what_the_server_cannot_honour_is_a_400(server, path, body, param):
@@ -141,7 +143,7 @@ def test_what_the_server_cannot_honour_is_a_400(server, path, body, param):
 def test_neutral_values_of_unimplemented_knobs_are_accepted(server):
     url, _ = server
     r = _post(url, "chat/completions", {"model": "tiny", "messages": [{"role": "user", "content": "hi"}],
-                                        "max_tokens": 3, "min_p": 0, "best_of": 1, "logit_bias": {}, "temperature": 0})
+                                        "max_tokens": 3, "min_p": 0, "best_of": 1, "temperature": 0})
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
@@ -160,3 +162,15 @@ def test_repetition_penalty_equals_transformers_generate(server, tiny_llama_dir)
     assert got == [state.tokenizer.decode([t]) for t in want][:len(got)] and len(got) == out["usage"]["completion_tokens"]
     plain = _post(url, "completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0}).json()
     assert plain["choices"][0]["text"] != out["choices"][0]["text"]
+
+
+def test_logit_bias_steers_greedy_answers(server, reference):
+    url, state = server
+    client = _client(url)
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=6, temperature=0, logprobs=0,
+                                  logit_bias={"37": 100})
+    assert r.choices[0].logprobs.tokens == [state.tokenizer.decode([37])] * 6
+    _, (first, *_) = reference("Hello there", 1, chat=False)
+    r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=1, temperature=0, logprobs=0,
+                                  logit_bias={str(first): -100})
+    assert r.choices[0].logprobs.tokens[0] != state.tokenizer.decode([first])
