@@ -138,6 +138,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
 @click.option("--load-aware/--no-load-aware", default=True, show_default=True,
               help="Choose drafts per step from the batch size and measured step costs (no drafts where they cost more than they save).")
+@click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,
+              help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
 @one_line_errors
 @threads_option
 def serve(**kw):

@@ -1,7 +1,9 @@
 """The HTTP layer: FastAPI routes over an `EngineLoop`, in OpenAI's shapes.
 
 `/v1/chat/completions` and `/v1/completions` (streaming as server-sent events or one JSON body),
-`/v1/models`, `/health`, `/metrics`. A request is validated (`protocol.py`), tokenized
+`/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
+an API key set, every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`
+(401 otherwise). A request is validated (`protocol.py`), tokenized
 (`text.py`), turned into a `Job` and submitted; its tokens come back as deltas and leave as
 OpenAI chunks. Bad input is a 400 with an OpenAI error object, a full queue a 503 with
 Retry-After (the queue's drain time at the measured completion rate), and a client that goes away
@@ -12,12 +14,13 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import hmac
 import json
 import time
 import uuid
 from dataclasses import dataclass, field
 
-from fastapi import FastAPI, Request
+from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
@@ -25,8 +28,8 @@ from pydantic import ValidationError
 from quantspec.errors import QuantSpecError
 from quantspec.infer.sampler import SamplingParams
 from quantspec.serve.loop import Delta, EngineLoop, Job
-from quantspec.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest,
-                                      error_body)
+from quantspec.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+                                      GenerationRequest, TokenizeRequest, error_body)
 from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids, stop_check
 
 __all__ = ["ServeState", "build_app"]
@@ -46,10 +49,15 @@ class ServeState:
     metrics: object
     aliases: tuple[str, ...] = ("default",)
     kv_cache: str = ""  # which KV cache the engine runs (`infer.kv_cache.kv_cache_label`)
+    api_key: str | None = field(default=None, repr=False)  # None: no authentication
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
 
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)
+
+
+class Unauthorized(Exception):
+    pass
 
 
 class BadRequest(Exception):
@@ -95,6 +103,20 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     async def _bad(request, exc):
         return _error(400, str(exc), param=exc.param, code=exc.code)
 
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(request, exc):
+        return _error(401, "a missing or wrong API key; send the server's --api-key as 'Authorization: Bearer KEY'",
+                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def authorized(request: Request):
+        if state.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise Unauthorized()
+
+    guarded = [Depends(authorized)]
+
     @app.get("/health")
     async def health():
         if not state.loop.alive:
@@ -105,24 +127,53 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models")
+    @app.get("/v1/models", dependencies=guarded)
     async def models():
         return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
                                             "owned_by": "quantspec", "max_model_len": state.max_length,
                                             "kv_cache": state.kv_cache}]}
 
-    @app.post("/v1/chat/completions")
+    @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(request: Request):
         body = _parse(await _json(request), ChatCompletionRequest)
         messages = [{"role": m.role, "content": m.text()} for m in body.messages]
         ids = chat_prompt_ids(state.tokenizer, messages)
         return await _generate(state, request, body, [ids], chat=True)
 
-    @app.post("/v1/completions")
+    @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
         body = _parse(await _json(request), CompletionRequest)
         ids = [completion_prompt_ids(state.tokenizer, p) for p in body.prompts()]
         return await _generate(state, request, body, ids, chat=False)
+
+    @app.post("/tokenize", dependencies=guarded)
+    async def tokenize(request: Request):
+        body = _parse(await _json(request), TokenizeRequest)
+        _check_model(state, body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise BadRequest("give one of prompt and messages", param="prompt")
+        if body.messages is not None:
+            ids = chat_prompt_ids(state.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages],
+                                  add_generation_prompt=body.add_generation_prompt)
+        else:
+            ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
+        return {"count": len(ids), "max_model_len": state.max_length, "tokens": ids}
+
+    @app.post("/detokenize", dependencies=guarded)
+    async def detokenize(request: Request):
+        body = _parse(await _json(request), DetokenizeRequest)
+        _check_model(state, body.model)
+        vocab = len(state.tokenizer)
+        if any(t >= vocab for t in body.tokens):
+            raise BadRequest(f"tokens must be ids in [0, {vocab})", param="tokens")
+        return {"prompt": state.tokenizer.decode(body.tokens)}
+
+    @app.get("/tokenizer_info", dependencies=guarded)
+    async def tokenizer_info():
+        tok = state.tokenizer
+        return {"tokenizer_class": type(tok).__name__, "eos_token": tok.eos_token, "bos_token": tok.bos_token,
+                "pad_token": tok.pad_token, "unk_token": tok.unk_token,
+                "chat_template": getattr(tok, "chat_template", None), "model_max_length": state.max_length}
 
     return app
 
@@ -145,11 +196,15 @@ def _parse(data, model: type[GenerationRequest]):
         raise BadRequest(message, param=param) from None
 
 
+def _check_model(state: ServeState, model: str | None) -> None:
+    if model is not None and model not in (state.model_name, *state.aliases):
+        raise BadRequest(f"model {model!r} is not served here; use {state.model_name!r}", param="model",
+                         code="model_not_found")
+
+
 def _check(state: ServeState, body: GenerationRequest) -> None:
     """A `BadRequest` for what no prompt of `body` can be served with."""
-    if body.model is not None and body.model not in (state.model_name, *state.aliases):
-        raise BadRequest(f"model {body.model!r} is not served here; use {state.model_name!r}", param="model",
-                         code="model_not_found")
+    _check_model(state, body.model)
     if body.n != 1:
         raise BadRequest(f"n={body.n} is not supported; use n=1", param="n")
     extra = body.model_extra or {}

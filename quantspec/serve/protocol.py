@@ -15,7 +15,8 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictFloat, Stri
 
 from quantspec.infer.sampler import MAX_LOGPROBS
 
-__all__ = ["UNSUPPORTED", "ChatCompletionRequest", "CompletionRequest", "GenerationRequest", "error_body"]
+__all__ = ["UNSUPPORTED", "ChatCompletionRequest", "CompletionRequest", "DetokenizeRequest", "GenerationRequest",
+           "TokenizeRequest", "error_body"]
 
 Real = StrictInt | StrictFloat
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
@@ -104,6 +105,24 @@ class CompletionRequest(GenerationRequest):
         if isinstance(self.prompt, str) or (self.prompt and isinstance(self.prompt[0], int)):
             return [self.prompt]
         return list(self.prompt)
+
+
+class TokenizeRequest(BaseModel):
+    """`/tokenize` (vLLM's): a `prompt` as `/v1/completions` tokenizes it (`add_special_tokens`), or
+    chat `messages` as `/v1/chat/completions` does (the template; `add_generation_prompt`)."""
+
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    prompt: StrictStr | None = None
+    messages: Annotated[list[ChatMessage], Field(min_length=1)] | None = None
+    add_special_tokens: StrictBool = True
+    add_generation_prompt: StrictBool = True
+
+
+class DetokenizeRequest(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    model: StrictStr | None = None
+    tokens: list[Annotated[StrictInt, Field(ge=0)]]
 
 
 def error_body(message: str, *, type: str = "invalid_request_error", param: str | None = None,

@@ -11,7 +11,7 @@ process exits.
 from __future__ import annotations
 
 import logging
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 from quantspec.errors import QuantSpecError, positive_int
 from quantspec.infer.predictor import InferConfig, Predictor
@@ -46,6 +46,7 @@ class ServeConfig:
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
+    api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk", "max_prefill_tokens"):
@@ -82,7 +83,8 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
     loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
-                      max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache)
+                      max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
+                      api_key=config.api_key or None)
 
 
 def build(config: ServeConfig, *, loaded=None):

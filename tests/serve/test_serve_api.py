@@ -1,0 +1,59 @@
+"""`quantspec serve`'s tokenizer routes (vLLM's `/tokenize`, `/detokenize`, `/tokenizer_info`,
+which lm-evaluation-harness probes for its remote tokenizer) against the model's own tokenizer,
+and `--api-key`: the real `openai` client with the wrong key gets a 401, with the right one its
+answers; `/health` and `/metrics` stay open."""
+
+from __future__ import annotations
+
+import httpx2
+import openai
+import pytest
+
+from quantspec.serve.text import chat_prompt_ids
+
+
+def test_tokenize_detokenize_and_tokenizer_info(server):
+    url, state = server
+    tok = state.tokenizer
+    text = "The quick brown fox, 1 2 3"
+    r = httpx2.post(f"{url}/tokenize", json={"prompt": text}).json()
+    assert r["tokens"] == tok(text).input_ids and r["count"] == len(r["tokens"]) and r["max_model_len"] == 256
+    bare = httpx2.post(f"{url}/tokenize", json={"prompt": text, "add_special_tokens": False}).json()["tokens"]
+    assert bare == tok(text, add_special_tokens=False).input_ids
+    messages = [{"role": "user", "content": "Hello there"}]
+    chat = httpx2.post(f"{url}/tokenize", json={"model": "tiny", "messages": messages}).json()["tokens"]
+    assert chat == chat_prompt_ids(tok, messages)
+    assert httpx2.post(f"{url}/detokenize", json={"tokens": bare}).json() == {"prompt": tok.decode(bare)}
+    info = httpx2.get(f"{url}/tokenizer_info").json()
+    assert info["eos_token"] == tok.eos_token and info["chat_template"] == tok.chat_template
+    assert info["model_max_length"] == 256
+
+
+@pytest.mark.parametrize("path, body, param", [
+    ("tokenize", {"prompt": "a", "messages": [{"role": "user", "content": "b"}]}, "prompt"),
+    ("tokenize", {}, "prompt"),
+    ("tokenize", {"prompt": "a", "model": "other"}, "model"),
+    ("detokenize", {"tokens": [1, 100000]}, "tokens"),
+    ("detokenize", {"tokens": "abc"}, "tokens"),
+])
+def test_bad_tokenizer_requests_are_400(server, path, body, param):
+    url, _ = server
+    r = httpx2.post(f"{url}/{path}", json=body)
+    assert r.status_code == 400 and r.json()["error"]["param"] == param
+
+
+def test_api_key(start_server):
+    with start_server(api_key="s3cret", speculate_method="none") as (url, _):
+        wrong = openai.OpenAI(base_url=f"{url}/v1", api_key="nope", max_retries=0, timeout=60)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.completions.create(model="tiny", prompt="hi", max_tokens=2)
+        with pytest.raises(openai.AuthenticationError):
+            wrong.models.list()
+        right = openai.OpenAI(base_url=f"{url}/v1", api_key="s3cret", max_retries=0, timeout=60)
+        assert right.completions.create(model="tiny", prompt="hi", max_tokens=2, temperature=0).usage.completion_tokens
+        assert "".join(c.choices[0].delta.content or "" for c in right.chat.completions.create(
+            model="tiny", messages=[{"role": "user", "content": "hi"}], max_tokens=3, stream=True) if c.choices)
+        r = httpx2.post(f"{url}/tokenize", json={"prompt": "hi"})
+        assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
+        assert r.json()["error"]["code"] == "invalid_api_key"
+        assert httpx2.get(f"{url}/health").status_code == 200 and httpx2.get(f"{url}/metrics").status_code == 200
