@@ -205,8 +205,6 @@ def _check_model(state: ServeState, model: str | None) -> None:
 def _check(state: ServeState, body: GenerationRequest) -> None:
     """A `BadRequest` for what no prompt of `body` can be served with."""
     _check_model(state, body.model)
-    if body.n != 1:
-        raise BadRequest(f"n={body.n} is not supported; use n=1", param="n")
     extra = body.model_extra or {}
     for name, neutral in UNSUPPORTED:
         value = extra.get(name)
@@ -220,8 +218,9 @@ def _check(state: ServeState, body: GenerationRequest) -> None:
                          param="max_tokens")
 
 
-def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
-    """The engine job of one prompt of a checked request; a `BadRequest` for what the model cannot do."""
+def _job(state: ServeState, body: GenerationRequest, ids: list[int], index: int = 0) -> Job:
+    """The engine job of answer `index` to one prompt of a checked request; a `BadRequest` for what
+    the model cannot do."""
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if not ids:
         raise BadRequest("the prompt is empty", param=param)
@@ -258,13 +257,14 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int]) -> Job:
                                 logit_bias=bias)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
-    return Job(list(ids), params, speculate=body.speculate, text_check=stop_check(state.tokenizer, stops))
+    return Job(list(ids), params, speculate=body.speculate, index=index,
+               text_check=stop_check(state.tokenizer, stops))
 
 
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
                     chat: bool):
     _check(state, body)
-    jobs = [_job(state, body, ids) for ids in prompts]
+    jobs = [_job(state, body, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
     for i, job in enumerate(jobs):
         if not state.loop.submit(job):
             for taken in jobs[:i]:
@@ -275,7 +275,7 @@ async def _generate(state: ServeState, request: Request, body: GenerationRequest
                           headers={"Retry-After": str(state.loop.retry_after())})
     echoes = [None] * len(jobs)
     if isinstance(body, CompletionRequest) and body.echo:
-        echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts()]
+        echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)]
     out = _Response(state, body, jobs, chat, echoes)
     if body.stream:
         return StreamingResponse(out.sse(), media_type="text/event-stream",
@@ -368,7 +368,7 @@ class _Response:
         self.choices = [_Choice(self, i, job, echo) for i, (job, echo) in enumerate(zip(jobs, echoes))]
 
     def _usage(self) -> dict:
-        p = sum(len(c.job.prompt_ids) for c in self.choices)
+        p = sum(len(c.job.prompt_ids) for c in self.choices if c.job.index == 0)  # each prompt once, whatever n
         n = sum(c.completion_tokens for c in self.choices)
         return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
 
@@ -400,7 +400,8 @@ class _Response:
         usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         try:
             if self.chat:
-                yield _event(self._chunk(0, None, [], None, first=True))
+                for c in self.choices:
+                    yield _event(self._chunk(c.index, None, [], None, first=True))
             async for index, (piece, entries, reason) in _merged([c.deltas() for c in self.choices]):
                 if piece or reason or entries:
                     yield _event(self._chunk(index, piece, entries, reason))

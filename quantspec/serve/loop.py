@@ -86,9 +86,13 @@ class Delta:
 
 @dataclass
 class Job:
+    """One answer to produce: a prompt, its sampling params, and `index`, the answer's number among
+    the `n` of its prompt (its random stream: `sampler.generator_for_request(seed, index)`)."""
+
     prompt_ids: list[int]
     params: SamplingParams
     speculate: bool = True
+    index: int = 0
     text_check: object = None
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None
@@ -180,7 +184,8 @@ class EngineLoop:
             self._aborts.clear()
         for job in jobs:
             try:
-                seq = self.engine.add_request(job.prompt_ids, job.params, request_index=0, text_check=job.text_check)
+                seq = self.engine.add_request(job.prompt_ids, job.params, request_index=job.index,
+                                              text_check=job.text_check)
             except Exception:  # the front end checked the request: a bug, but not the loop's end
                 log.exception("could not add a request")
                 job.done = True

@@ -19,6 +19,7 @@ __all__ = ["UNSUPPORTED", "ChatCompletionRequest", "CompletionRequest", "Detoken
            "TokenizeRequest", "error_body"]
 
 Real = StrictInt | StrictFloat
+MAX_CHOICES = 128  # the most answers per prompt a request may ask for (`n`, OpenAI's bound)
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 # sampling knobs the engine does not implement, with their neutral values: any other value is a 400
@@ -31,7 +32,8 @@ class StreamOptions(BaseModel):
 
 
 class GenerationRequest(BaseModel):
-    """What both endpoints share: the sampling knobs, streaming, the speculation opt-out. A request
+    """What both endpoints share: the sampling knobs, `n` answers per prompt (each its own choice,
+    drawn from its own random stream), streaming, the speculation opt-out. A request
     with a penalty or a logit bias (`SamplingParams`' definitions; the bias keyed by token id) is
     not speculated."""
 
@@ -43,7 +45,7 @@ class GenerationRequest(BaseModel):
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
-    n: StrictInt = 1
+    n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1
     stream: StrictBool = False
     stream_options: StreamOptions | None = None
     speculate: StrictBool = True

@@ -1,9 +1,8 @@
-"""Log-probabilities and several prompts per request through `quantspec serve`, against
-transformers' log-softmax of the same checkpoint: chat `logprobs` / `top_logprobs` (streamed and
-whole), legacy completions `logprobs` with `echo` (lm-evaluation-harness's loglikelihood request,
-and `max_tokens` 0 to score a prompt alone), a list of prompts answered as one choice each, and
-penalties against transformers' `generate`, and the sampling knobs the server does not implement
-refused instead of ignored."""
+"""Log-probabilities and sampling knobs through `quantspec serve`, against transformers' log-softmax
+of the same checkpoint: chat `logprobs` / `top_logprobs` (streamed and whole), legacy completions
+`logprobs` with `echo` (lm-evaluation-harness's loglikelihood request, and `max_tokens` 0 to score
+a prompt alone), penalties against transformers' `generate`, a logit bias, and the sampling knobs
+the server does not implement refused instead of ignored."""
 
 from __future__ import annotations
 
@@ -99,22 +98,6 @@ def test_echo_with_max_tokens_zero_scores_the_prompt_only(server, hf_logprobs):
     assert lp["text_offset"] == sorted(lp["text_offset"]) and lp["text_offset"][-1] < len(prompt)
     echoed = _client(url).completions.create(model="tiny", prompt=prompt, max_tokens=4, temperature=0, echo=True)
     assert echoed.choices[0].text.startswith(prompt) and len(echoed.choices[0].text) > len(prompt)
-
-
-def test_several_prompts_one_choice_each(server, reference):
-    url, _ = server
-    client = _client(url)
-    prompts = ["def add(a, b):", "Hello there", "1 2 3 4 5 6 7 8"]
-    r = client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0)
-    assert [c.index for c in r.choices] == [0, 1, 2]
-    want = [reference(p, 10, chat=False) for p in prompts]
-    assert [c.text for c in r.choices] == [t for t, _ in want]
-    assert r.usage.completion_tokens == sum(len(i) for _, i in want)
-    texts = {}
-    for chunk in client.completions.create(model="tiny", prompt=prompts, max_tokens=10, temperature=0, stream=True):
-        for c in chunk.choices:
-            texts[c.index] = texts.get(c.index, "") + c.text
-    assert [texts[i] for i in range(3)] == [t for t, _ in want]
 
 
 @pytest.mark.parametrize("path, body, param", [

@@ -119,7 +119,8 @@ BAD = [
     (json.dumps({"messages": "hi"}).encode(), "messages"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "max_tokens": 100000}).encode(), "max_tokens"),
     (json.dumps({"messages": [{"role": "user", "content": "hi " * 400}]}).encode(), "messages"),
-    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 2}).encode(), "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 0}).encode(), "n"),
+    (json.dumps({"messages": [{"role": "user", "content": "hi"}], "n": 129}).encode(), "n"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "model": "gpt-4o"}).encode(), "model"),
     (json.dumps({"messages": [{"role": "user", "content": "hi"}], "stream": "yes"}).encode(), "stream"),
     (json.dumps([1, 2]).encode(), None),
@@ -141,7 +142,7 @@ def test_bad_input_is_a_400_with_an_openai_error(server, body, param):
 def test_the_openai_client_sees_a_400_as_bad_request(server):
     url, _ = server
     with pytest.raises(openai.BadRequestError):
-        _client(url).completions.create(model="tiny", prompt="x", max_tokens=10, n=3)
+        _client(url).completions.create(model="tiny", prompt="x", max_tokens=10, n=200)
 
 
 def test_models_health_and_metrics(server):
