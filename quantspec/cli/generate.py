@@ -43,6 +43,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--temperature", default=1.0, show_default=True)
 @click.option("--top-k", default=0, show_default=True, help="0 = off.")
 @click.option("--top-p", default=1.0, show_default=True, help="1.0 = off.")
+@click.option("--min-p", default=0.0, show_default=True,
+              help="Keep tokens at least this fraction as likely as the most likely one; 0 = off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
 @click.option("--repetition-penalty", default=1.0, show_default=True,

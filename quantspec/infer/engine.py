@@ -370,8 +370,8 @@ class Engine:
                 seq.prompt_logprobs.extend(token_logprobs(logits, seq.prompt_ids[start + 1:start + 1 + len(rs)],
                                                           seq.params.prompt_logprobs))
 
-    def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor, ids: list[int] | None,
-                  logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
+    def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
+                ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
         """The step's (ids, logits) to pick from, with the row of each sequence that has penalties
         or a logit bias (it has no drafts) re-scored under them (`sampler.adjust_logits`): in a greedy batch its id (its row's logits
         computed for it), else its row of a copy of the logits (the step's own stay raw, for
@@ -477,8 +477,7 @@ class Engine:
     def _sample(self, logits: torch.Tensor, seqs: list[Sequence]) -> list[int]:
         if all(s.params.is_greedy for s in seqs):
             return greedy_ids(logits)
-        temperature, top_k, top_p = sampling_tensors([s.params for s in seqs], self.device)
-        probs = logits_to_probs(logits, temperature, top_k, top_p)
+        probs = logits_to_probs(logits, *sampling_tensors([s.params for s in seqs], self.device))
         sampled = sample(probs, [s.generator for s in seqs])
         greedy = logits.argmax(dim=-1)
         return [int(greedy[i]) if s.params.is_greedy else int(sampled[i]) for i, s in enumerate(seqs)]

@@ -55,6 +55,7 @@ class InferConfig:
     temperature: float = 1.0
     top_k: int = 0
     top_p: float = 1.0
+    min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
     # sampling penalties (`SamplingParams`): a sequence with any of them is not speculated
@@ -129,7 +130,7 @@ class InferConfig:
 
     def sampling_params(self) -> SamplingParams:
         return SamplingParams(decode_strategy=self.decode_strategy, temperature=self.temperature,
-                              top_k=self.top_k, top_p=self.top_p, seed=self.seed,
+                              top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
                               max_new_tokens=self.max_new_tokens, stop=self.stop,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
                               frequency_penalty=self.frequency_penalty)

@@ -73,6 +73,8 @@ class SamplingParams:
     top_k:           keep the k most likely tokens (ties at the k-th value are kept); 0 = off.
     top_p:           keep the smallest set of most likely tokens whose mass reaches top_p;
                      in (0, 1], 1.0 = off.
+    min_p:           keep the tokens at least min_p times as likely as the most likely one (after
+                     temperature); in [0, 1], 0.0 = off.
     seed:            None (torch's global generator) or an int in [0, 2**63).
     max_new_tokens:  ≥ 1.
     stop:            stop strings (non-empty), stored as a tuple so the params stay hashable.
@@ -105,6 +107,7 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: Sequence[tuple[int, float]] = field(default_factory=tuple)
+    min_p: float = 0.0
 
     def __post_init__(self) -> None:
         try:
@@ -136,6 +139,10 @@ class SamplingParams:
         if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
             raise QuantSpecError(f"--top-p {self.top_p!r} must be in (0, 1] (1.0 turns top-p off)")
         object.__setattr__(self, "top_p", float(self.top_p))
+
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise QuantSpecError(f"--min-p {self.min_p!r} must be in [0, 1] (0 turns min-p off)")
+        object.__setattr__(self, "min_p", float(self.min_p))
 
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
             raise QuantSpecError(f"--seed {self.seed!r} must be an integer in [0, 2**63)")
@@ -188,16 +195,17 @@ class SamplingParams:
 
     @property
     def uses_filter(self) -> bool:
-        """True when sampling with top-k or top-p on (`logits_to_probs` has masking to do)."""
-        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0)
+        """True when sampling with top-k, top-p or min-p on (`logits_to_probs` has masking to do)."""
+        return not self.is_greedy and (self.top_k > 0 or self.top_p < 1.0 or self.min_p > 0.0)
 
 
 def sampling_tensors(
     params: Sequence[SamplingParams], device: torch.device | str = "cpu"
-) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
-    """Per-row (temperature [N] fp32, top_k [N] int64 | None, top_p [N] fp32 | None) for
-    `logits_to_probs`. Greedy rows get temperature 1 and no filter. top_k / top_p come back None
-    when no row uses them, so `logits_to_probs` skips the filters without a device sync."""
+) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None, torch.Tensor | None]:
+    """Per-row (temperature [N] fp32, top_k [N] int64 | None, top_p [N] fp32 | None, min_p [N]
+    fp32 | None): `logits_to_probs`' arguments after the logits, in its order. Greedy rows get
+    temperature 1 and no filter. A filter comes back None when no row uses it, so
+    `logits_to_probs` skips it without a device sync."""
     temperature = torch.tensor(
         [1.0 if p.is_greedy else p.temperature for p in params], dtype=torch.float32, device=device
     )  # [N]
@@ -210,7 +218,11 @@ def sampling_tensors(
         top_p = torch.tensor(
             [1.0 if p.is_greedy else p.top_p for p in params], dtype=torch.float32, device=device
         )  # [N]
-    return temperature, top_k, top_p
+    min_p = None
+    if any(not p.is_greedy and p.min_p > 0.0 for p in params):
+        min_p = torch.tensor([0.0 if p.is_greedy else p.min_p for p in params], dtype=torch.float32,
+                             device=device)  # [N]
+    return temperature, top_k, top_p, min_p
 
 
 def logits_to_probs(
@@ -218,8 +230,12 @@ def logits_to_probs(
     temperature: torch.Tensor,  # [N] float, > 0
     top_k: torch.Tensor | None = None,  # [N] int, 0 = off; None = off for all rows
     top_p: torch.Tensor | None = None,  # [N] float in (0, 1], 1 = off; None = off for all rows
+    min_p: torch.Tensor | None = None,  # [N] float in [0, 1], 0 = off; None = off for all rows
 ) -> torch.Tensor:  # [N, V] fp32
-    """Temperature, then top-k, then top-p masking, renormalised; per-row parameters.
+    """Temperature, then min-p, top-k and top-p masking, renormalised; per-row parameters.
+
+    Min-p keeps every token whose probability is at least min_p times the most likely token's
+    (a ratio no renormalisation changes, so its place in the order does not matter).
 
     Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept).
     Top-p keeps the smallest prefix of the tokens sorted by probability (after top-k) whose mass
@@ -240,11 +256,15 @@ def logits_to_probs(
     n = logits.shape[0]
     if temperature.shape != (n,):
         raise QuantSpecError(f"temperature must be [N]={n}, got {tuple(temperature.shape)}")
-    for name, t in (("top_k", top_k), ("top_p", top_p)):
+    for name, t in (("top_k", top_k), ("top_p", top_p), ("min_p", min_p)):
         if t is not None and t.shape != (n,):
             raise QuantSpecError(f"{name} must be [N]={n} or None, got {tuple(t.shape)}")
 
     logits = logits.float() / temperature.float().unsqueeze(1)  # [N, V] fp32 (a new tensor)
+    if min_p is not None and bool((min_p > 0).any()):
+        # p_i >= min_p * p_max  <=>  logit_i >= logit_max + log(min_p)  (log 0 = -inf: the row is kept)
+        floor = logits.max(dim=-1, keepdim=True).values + torch.log(min_p.to(logits.device, torch.float32)).unsqueeze(1)
+        logits.masked_fill_(logits < floor, float("-inf"))
     if top_k is not None and bool((top_k > 0).any()):
         _mask_top_k_(logits, top_k.to(device=logits.device, dtype=torch.int64))
     if top_p is not None and bool((top_p < 1.0).any()):

@@ -249,7 +249,8 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int], index: int 
     try:
         params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
                                 temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
-                                top_p=1.0 if body.top_p is None else float(body.top_p), seed=body.seed,
+                                top_p=1.0 if body.top_p is None else float(body.top_p),
+                                min_p=float(body.min_p or 0), seed=body.seed,
                                 max_new_tokens=max_tokens or room, stop=stops, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
                                 frequency_penalty=body.frequency_penalty or 0,

@@ -23,7 +23,7 @@ MAX_CHOICES = 128  # the most answers per prompt a request may ask for (`n`, Ope
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
 # sampling knobs the engine does not implement, with their neutral values: any other value is a 400
-UNSUPPORTED = (("best_of", 1), ("min_p", 0))
+UNSUPPORTED = (("best_of", 1),)
 
 
 class StreamOptions(BaseModel):
@@ -43,6 +43,7 @@ class GenerationRequest(BaseModel):
     temperature: Annotated[Real, Field(ge=0, le=2)] | None = None
     top_p: Annotated[Real, Field(gt=0, le=1)] | None = None
     top_k: Annotated[StrictInt, Field(ge=-1)] | None = None
+    min_p: Annotated[Real, Field(ge=0, le=1)] | None = None
     seed: Annotated[StrictInt, Field(ge=0, lt=2**63)] | None = None
     stop: StrictStr | list[StrictStr] | None = None
     n: Annotated[StrictInt, Field(ge=1, le=MAX_CHOICES)] = 1

@@ -51,6 +51,8 @@ def test_params_defaults_and_normalisation():
         ({"top_k": True}, "--top-k"),
         ({"top_p": 0.0}, "--top-p"),
         ({"top_p": 1.5}, "--top-p"),
+        ({"min_p": -0.1}, "--min-p"),
+        ({"min_p": 1.5}, "--min-p"),
         ({"seed": -3}, "seed"),
         ({"seed": 2**63}, "seed"),
         ({"seed": "7"}, "seed"),
@@ -65,15 +67,15 @@ def test_params_reject_bad_values(kwargs, field):
 
 
 def test_sampling_tensors_skip_unused_filters():
-    temp, top_k, top_p = sampling_tensors(
+    temp, top_k, top_p, min_p = sampling_tensors(
         [SamplingParams(), SamplingParams("sampling", temperature=0.5)]
     )
-    assert temp.tolist() == [1.0, 0.5] and top_k is None and top_p is None
-    temp, top_k, top_p = sampling_tensors(
-        [SamplingParams(top_k=3), SamplingParams("sampling", top_p=0.9)]
+    assert temp.tolist() == [1.0, 0.5] and top_k is None and top_p is None and min_p is None
+    temp, top_k, top_p, min_p = sampling_tensors(
+        [SamplingParams(top_k=3, min_p=0.2), SamplingParams("sampling", top_p=0.9)]
     )
-    # the greedy row's top_k does not count: greedy rows are never filtered
-    assert top_k is None
+    # the greedy row's top_k and min_p do not count: greedy rows are never filtered
+    assert top_k is None and min_p is None
     assert top_p.tolist() == pytest.approx([1.0, 0.9])
 
 
@@ -287,3 +289,20 @@ def test_greedy_ids_equals_torch_argmax():
         assert greedy_ids(x) == x.argmax(dim=-1).tolist()
     with pytest.raises(QuantSpecError, match="logits must be"):
         greedy_ids(logits[0])
+
+
+@pytest.mark.parametrize("min_p", [0.05, 0.3, 1.0])
+def test_min_p_is_transformers_warper(min_p):
+    """min-p after temperature against transformers' `MinPLogitsWarper`; a row with min_p 0 is left
+    alone (the per-row off switch) and greedy rows never filter."""
+    from transformers import MinPLogitsWarper
+
+    g = torch.Generator().manual_seed(3)
+    logits = torch.randn(3, 40, generator=g) * 2
+    temp = torch.tensor([1.0, 0.7, 1.6])
+    got = logits_to_probs(logits, temp, None, None, torch.tensor([min_p, min_p, 0.0]))
+    scaled = logits / temp[:, None]
+    want = torch.softmax(MinPLogitsWarper(min_p, min_tokens_to_keep=1)(None, scaled.clone()), dim=-1)
+    assert torch.allclose(got[:2], want[:2], atol=1e-6)
+    assert torch.allclose(got[2], torch.softmax(scaled[2], dim=-1), atol=1e-6)
+    assert sampling_tensors([SamplingParams(min_p=0.5)])[3] is None

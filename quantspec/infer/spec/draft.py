@@ -23,7 +23,7 @@ KV bookkeeping. For each sequence the drafter remembers how many leading positio
 
 Drafts. A greedy request gets the draft's argmax (deterministic drafts: probs None). A sampling
 request gets drafts sampled from q = logits_to_probs(draft logits, the request's temperature /
-top-k / top-p), returned with q as [k, V_base] rows (zero on padding ids), so `verify` accepts
+top-k / top-p / min-p), returned with q as [k, V_base] rows (zero on padding ids), so `verify` accepts
 with min(1, p/q) and resamples from max(0, p - q): the output stays distributed exactly as the
 base alone. Draws come from a per-sequence generator derived from the request's generator, so
 seeded runs are reproducible and batch-invariant.
@@ -216,8 +216,8 @@ class DraftModelProposer:
         probs: list[torch.Tensor | None] = [None] * len(seqs)
         rows = [i for i, s in enumerate(seqs) if not s.params.is_greedy]
         if rows:
-            temperature, top_k, top_p = sampling_tensors([seqs[i].params for i in rows], self.device)
-            q = logits_to_probs(logits[rows], temperature, top_k, top_p)  # [S, vocab]
+            q = logits_to_probs(logits[rows],
+                                *sampling_tensors([seqs[i].params for i in rows], self.device))  # [S, vocab]
             drawn = sample(q, [states[i].generator for i in rows])  # [S]
             if self.target_vocab_size > self.vocab_size:  # padding ids: never drafted, q = 0
                 q = torch.nn.functional.pad(q, (0, self.target_vocab_size - self.vocab_size))  # [S, V_base]

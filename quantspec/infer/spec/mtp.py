@@ -8,7 +8,7 @@ That pair (h_i, t_{i+1}) is exactly the MTP's input, so a step drafts, batched o
     for j in 1..k:  h = mtp(h, t);  t = pick(mtp.draft_logits(h))       # chained drafts
 
 pick = argmax for greedy requests (draft probs None: deterministic drafts), or a draw from
-q = logits_to_probs(draft logits, the request's temperature / top-k / top-p) for sampling
+q = logits_to_probs(draft logits, the request's temperature and filters) for sampling
 requests, returned as the draft probs so the verifier's rejection sampling stays lossless.
 Recompute-free: the MTP block's attention is window-1 (see `model_zoo/mtp.py`), so it keeps no
 KV cache and there is nothing to roll back when drafts are rejected — the next step starts from
@@ -214,8 +214,7 @@ class MTPProposer:
             rows = torch.tensor(samp, device=dev)
             params = [seqs[live[r]].params for r in samp]
             full = mtp.to_full_vocab(logits[rows])  # [S, V], -inf outside the draft vocabulary
-            temp, top_k, top_p = sampling_tensors(params, dev)
-            q = logits_to_probs(full, temp, top_k, top_p)  # [S, V]
+            q = logits_to_probs(full, *sampling_tensors(params, dev))  # [S, V]
             nxt[rows] = sample(q, [seqs[live[r]].generator for r in samp])
             for n, r in enumerate(samp):
                 probs[live[r]].append(q[n])

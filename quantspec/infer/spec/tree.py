@@ -242,8 +242,8 @@ def verify_trees(trees: list[tuple[list[int], list[int]]], draft_probs: list[tor
             ids = target_ids[start:start + n] if target_ids is not None else logits[start:start + n].argmax(-1).tolist()
             path, out = greedy_walk(tokens, parents, ids)
         else:
-            temp, top_k, top_p = sampling_tensors([params[b]] * n, logits.device)
-            p_rows = logits_to_probs(logits[start:start + n], temp, top_k, top_p)  # [1 + n, V]
+            p_rows = logits_to_probs(logits[start:start + n],
+                                     *sampling_tensors([params[b]] * n, logits.device))  # [1 + n, V]
             path, out = sampling_walk(tokens, parents, p_rows, draft_probs[b], generators[b])
         paths.append(path)
         outs.append(out)

@@ -13,7 +13,7 @@ positions (position j scores the token after x_1..x_j; position 0 scores x_1):
 
 Sampling is lossless rejection sampling (Leviathan et al. 2023, arXiv:2211.17192; Chen et al.
 2023, arXiv:2302.01318): every emitted token is distributed exactly as the target's filtered
-distribution p = logits_to_probs(logits, temperature, top_k, top_p) of that sequence. For
+distribution p = logits_to_probs(logits, temperature, top_k, top_p, min_p) of that sequence. For
 deterministic drafts (draft probs None: n-gram, greedy draft model) q is one-hot at x, so x is
 accepted with probability p(x) and a rejection samples from p with x removed, renormalised.
 Reference design: vLLM `v1/sample/rejection_sampler.py`.
@@ -109,15 +109,14 @@ def _target_probs(target_logits: torch.Tensor, lay: _Layout, seqs: list[int], nu
     s_rows = torch.cat(
         [torch.arange(num_draft[b] + 1, device=device) + lay.start_host[b] for b in seqs]
     )  # [R]
-    temp, top_k, top_p = sampling_tensors([sampling_params[b] for b in seqs], device)
+    temp, *filters = sampling_tensors([sampling_params[b] for b in seqs], device)
     rep = lay.k[torch.tensor(seqs, device=device)] + 1  # [S]
     # all-sampling batches (the common case) skip the [R, V] gather copy
     s_logits = target_logits if len(seqs) == len(num_draft) else target_logits[s_rows]
     p = logits_to_probs(
         s_logits,
         temp.repeat_interleave(rep),
-        None if top_k is None else top_k.repeat_interleave(rep),
-        None if top_p is None else top_p.repeat_interleave(rep),
+        *(None if f is None else f.repeat_interleave(rep) for f in filters),  # top_k, top_p, min_p
     )  # [R, V] fp32
     return p, torch.cumsum(rep, 0) - rep
 

@@ -12,7 +12,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
-from quantspec.infer.sampler import SamplingParams, logits_to_probs
+from quantspec.infer.sampler import SamplingParams, logits_to_probs, sampling_tensors
 from quantspec.infer.spec.draft import DraftModelProposer, check_draft_compatible, common_vocab_size
 from quantspec.infer.spec.proposers import AdaptiveDraftLength, SpecCost
 from quantspec.model_zoo.checkpoint import load_model
@@ -170,22 +170,23 @@ def test_draft_batch_of_128_equals_batch_1(base, close_draft):
 
 def _next_probs(model, params):
     """ids → the next token's probabilities under `model` with `params` (the shared 512 tokens)."""
-    temp = torch.tensor([params.temperature])
-    top_k = torch.tensor([params.top_k])
+    tensors = sampling_tensors([params])
 
     def next_probs(ids):
         h = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
-        return logits_to_probs(model.compute_logits(h[-1:])[:, :512], temp, top_k)[0]
+        return logits_to_probs(model.compute_logits(h[-1:])[:, :512], *tensors)[0]
 
     return next_probs
 
 
-def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft, sequence_law, pooled_chisquare):
+@pytest.mark.parametrize("filters", [{"top_k": 3}, {"min_p": 0.3}])
+def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft, sequence_law, pooled_chisquare, filters):
     """Chi-square over the first 4 sampled tokens (token 1 from prefill, tokens 2-3 drafted and
     verified, token 4 the bonus or a plain step): speculation with a draft of different weights
-    (q != p) reproduces the base's exact joint distribution, and not the draft's."""
+    (q != p) reproduces the base's exact joint distribution, and not the draft's, under top-k or
+    min-p."""
     draft = far_draft  # vocab 576 → sliced to the shared 512
-    params = SamplingParams(decode_strategy="sampling", temperature=1.5, top_k=3, seed=5, max_new_tokens=4)
+    params = SamplingParams(decode_strategy="sampling", temperature=1.5, seed=5, max_new_tokens=4, **filters)
     (prompt,) = _prompts([8], seed=4)
     exact = sequence_law(_next_probs(base, params), prompt, 4)
     exact_draft = sequence_law(_next_probs(draft, params), prompt, 4)
@@ -202,7 +203,7 @@ def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft, seque
             accepted += s.stats.accepted
         n += len(seqs)
     assert drafted >= 2 * n and 0 < accepted < drafted  # every sequence verified sampled drafts
-    assert set(counts) <= set(exact)  # nothing outside the top-k support
+    assert set(counts) <= set(exact)  # nothing outside the filtered support
     assert pooled_chisquare(counts, exact, n) > 1e-3
     draft_counts_fit = {c: v for c, v in counts.items() if c in exact_draft}
     assert sum(draft_counts_fit.values()) < n or pooled_chisquare(counts, exact_draft, n) < 1e-6
