@@ -36,7 +36,9 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     """Generate for `prompts` or the `src` rows of a jsonl `data_file`.
 
     Returns (outputs, stats). With `output_file`, writes each input row plus `output` (text) and
-    `output_token_ids`, atomically. `config` is an `infer.predictor.InferConfig`; `calib` is a
+    `output_token_ids` (with `config.logprobs`: `output_logprobs`, one per token, and for n > 0
+    `output_top_logprobs`, the n most likely [token id, log-probability] pairs of each position),
+    atomically. `config` is an `infer.predictor.InferConfig`; `calib` is a
     calibration table whose KV scales the static KV cache of `config.cachekv` uses.
     """
     from quantspec.infer.predictor import Predictor, read_jsonl, write_jsonl
@@ -45,6 +47,8 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
         raise QuantSpecError("give either --prompt or --data-file (not both)")
     if output_file is not None:
         check_output_file(output_file, "--output-file")
+    elif config.logprobs is not None:
+        raise QuantSpecError("--logprobs goes into the --output-file rows; add --output-file FILE.jsonl")
     rows = read_jsonl(data_file) if data_file is not None else [{"src": p} for p in prompts]
     kv_scales = None
     if calib is not None:
@@ -55,8 +59,18 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     predictor = Predictor(config, kv_scales=kv_scales)
     outs, stats = predictor.run([r["src"] for r in rows], on_text=on_text)
     if output_file is not None:
-        write_jsonl(output_file, [dict(r, output=o.text, output_token_ids=o.token_ids) for r, o in zip(rows, outs)])
+        write_jsonl(output_file, [dict(r, output=o.text, output_token_ids=o.token_ids, **_logprob_fields(config, o))
+                                  for r, o in zip(rows, outs)])
     return outs, stats
+
+
+def _logprob_fields(config, out) -> dict:
+    if config.logprobs is None:
+        return {}
+    fields = {"output_logprobs": [lp.logprob for lp in out.logprobs]}
+    if config.logprobs:
+        fields["output_top_logprobs"] = [[list(pair) for pair in lp.top] for lp in out.logprobs]
+    return fields
 
 
 def serve(config, *, on_ready=None) -> None:

@@ -142,3 +142,24 @@ def test_infer_without_the_cpu_kernels_matches_transformers(tiny_llama_dir):
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                       eos_token_id=2, pad_token_id=0)
     assert r.stdout.strip() == tok.decode(out[0, ids.shape[1]:], skip_special_tokens=True).strip()
+
+
+def test_logprobs_go_into_the_output_rows(tmp_path, tiny_llama_dir, hf_logprobs):
+    from transformers import AutoTokenizer
+
+    tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
+    data, out = tmp_path / "in.jsonl", tmp_path / "out.jsonl"
+    data.write_text(json.dumps({"src": "hello there"}) + "\n")
+    r = run("infer", "--model", tiny_llama_dir, "--data-file", data, "--output-file", out, "--no-chat-template",
+            "--max-new-tokens", 5, "--logprobs", 2)
+    assert r.exit_code == 0, r.output
+    (row,) = [json.loads(line) for line in out.read_text().splitlines()]
+    prompt = tok("hello there").input_ids
+    ref = hf_logprobs(prompt + row["output_token_ids"])[len(prompt) - 1:]
+    for j, (t, lp, top) in enumerate(zip(row["output_token_ids"], row["output_logprobs"], row["output_top_logprobs"])):
+        assert abs(lp - float(ref[j, t])) < 1e-4
+        assert [i for i, _ in top] == ref[j].topk(2).indices.tolist()
+    assert len(row["output_logprobs"]) == len(row["output_token_ids"])
+    assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--prompt", "hi", "--logprobs", 2), "--output-file")
+    assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--data-file", data, "--output-file", out,
+                              "--logprobs", 21), "--logprobs")

@@ -28,7 +28,8 @@ def _stats_table(title: str, stats: dict):
               help="Zoo name, local HF directory, quantspec artifact, or hub id.")
 @click.option("--prompt", help="One prompt; its answer streams to the terminal.")
 @click.option("--data-file", type=click.Path(dir_okay=False), help="jsonl with a `src` field per line.")
-@click.option("--output-file", type=click.Path(dir_okay=False), help="jsonl: each input row + output, output_token_ids.")
+@click.option("--output-file", type=click.Path(dir_okay=False),
+              help="jsonl: each input row + output, output_token_ids (and output_logprobs with --logprobs).")
 @click.option("--batch-size", default=1, show_default=True, help="Sequences decoded together.")
 @click.option("--src-length", type=int, default=None, help="Max prompt tokens [default: max-length - max-new-tokens].")
 @click.option("--max-length", default=2048, show_default=True, help="Max prompt + generated tokens per sequence.")
@@ -47,6 +48,8 @@ def _stats_table(title: str, stats: dict):
               help="Keep tokens at least this fraction as likely as the most likely one; 0 = off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--logprobs", type=int, default=None,
+              help="Write each output token's log-probability, and the N most likely tokens', into the --output-file rows.")
 @click.option("--repetition-penalty", default=1.0, show_default=True,
               help="Divide positive logits (multiply negative ones) of tokens already in the prompt or output; 1 = off.")
 @click.option("--presence-penalty", default=0.0, show_default=True,

@@ -25,6 +25,7 @@ import torch
 from quantspec.devices import resolve_device
 from quantspec.errors import QuantSpecError, about
 from quantspec.infer.engine import Engine, EngineConfig, Sequence
+from quantspec.infer.logprobs import TokenLogprob
 from quantspec.infer.scheduler import PREFILL_TOKENS
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.default import DEFAULT_MODEL
@@ -62,6 +63,7 @@ class InferConfig:
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
+    logprobs: int | None = None  # each output token's log-probability and its n most likely tokens'
     chat_template: bool = True
     benchmark: bool = False
     # static KV cache: "none" | "int8" | "fp8"; scales from the artifact, or given to the Predictor
@@ -133,7 +135,7 @@ class InferConfig:
                               top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
                               max_new_tokens=self.max_new_tokens, stop=self.stop,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty)
+                              frequency_penalty=self.frequency_penalty, logprobs=self.logprobs)
 
 
 @dataclass
@@ -150,6 +152,7 @@ class RequestOutput:
     accepted: int = 0
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
+    logprobs: list[TokenLogprob] = field(default_factory=list)  # with InferConfig.logprobs: one per token
 
 
 def resolve_dtype(config: InferConfig) -> torch.dtype:
@@ -333,7 +336,7 @@ class Predictor:
                 finish_reason=seq.finish_reason or "", truncated_prompt=truncated, ttft_s=ttft, tpot_s=tpot,
                 target_forwards=st.target_forwards, drafted=st.drafted, accepted=st.accepted,
                 accepted_per_position=list(st.accepted_per_position),
-                drafted_per_position=list(st.drafted_per_position),
+                drafted_per_position=list(st.drafted_per_position), logprobs=list(seq.logprobs),
             ))
         return outs
 
