@@ -60,6 +60,31 @@ def tiny_llama_model(tiny_llama_dir):
     return load_model(tiny_llama_dir)[0]
 
 
+class AnswerOracle:
+    """A proposer that drafts the next tokens of known answers (`answers[seq_id]`), so that every
+    draft is accepted."""
+
+    needs_hidden = False
+
+    def __init__(self, answers: list[list[int]]):
+        self.answers = answers
+
+    def propose(self, seqs, budgets):
+        from quantspec.infer.spec.types import SpecProposal
+
+        return SpecProposal.from_token_lists([self.answers[s.seq_id][len(s.output_ids):len(s.output_ids) + b]
+                                              for s, b in zip(seqs, budgets)])
+
+    def release(self, seq):
+        pass
+
+
+@pytest.fixture(scope="session")
+def answer_oracle():
+    """`AnswerOracle`: answer_oracle(answers) drafts answers[seq_id]'s next tokens."""
+    return AnswerOracle
+
+
 @pytest.fixture(scope="session")
 def hf_logprobs(tiny_llama_dir):
     """hf_logprobs(ids) → [len(ids), V]: transformers' log-probabilities (fp32) of the token after

@@ -48,6 +48,7 @@ def _stats_table(title: str, stats: dict):
               help="Keep tokens at least this fraction as likely as the most likely one; 0 = off.")
 @click.option("--seed", type=int, default=None)
 @click.option("--stop", multiple=True, help="Stop string (repeatable).")
+@click.option("--ignore-eos", is_flag=True, help="Generate --max-new-tokens tokens whatever EOS the model emits.")
 @click.option("--logprobs", type=int, default=None,
               help="Write each output token's log-probability, and the N most likely tokens', into the --output-file rows.")
 @click.option("--repetition-penalty", default=1.0, show_default=True,

@@ -171,7 +171,7 @@ class Engine:
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
-        seq.speculate = not params.adjusts_logits  # a draft's verification knows no penalties or biases
+        seq.speculate = not params.adjusts_logits  # a draft's verification knows no penalties, biases or masks
         self._next_id += 1
         self.scheduler.waiting.append(seq)
         return seq
@@ -372,8 +372,8 @@ class Engine:
 
     def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
                 ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
-        """The step's (ids, logits) to pick from, with the row of each sequence that has penalties
-        or a logit bias (it has no drafts) re-scored under them (`sampler.adjust_logits`): in a greedy batch its id (its row's logits
+        """The step's (ids, logits) to pick from, with the row of each sequence that has penalties,
+        a logit bias or min_tokens (it has no drafts) re-scored under them (`_adjust_row`): in a greedy batch its id (its row's logits
         computed for it), else its row of a copy of the logits (the step's own stay raw, for
         log-probabilities)."""
         rows, r = [], 0
@@ -385,12 +385,22 @@ class Engine:
             ids = list(ids)
             lg = self.model.compute_logits(scored[torch.tensor([r for r, _ in rows], device=self.device)]).float()
             for i, (r, s) in enumerate(rows):
-                ids[r] = int(adjust_logits(lg[i], s.params, s.prompt_ids, s.output_ids).argmax())
+                ids[r] = int(self._adjust_row(lg[i], s).argmax())
             return ids, logits
         logits = logits.clone()
         for r, s in rows:
-            adjust_logits(logits[r], s.params, s.prompt_ids, s.output_ids)
+            self._adjust_row(logits[r], s)
         return ids, logits
+
+    def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
+        """`row` [V] of `seq`'s next token, in place: EOS and stop tokens masked while the output is
+        shorter than `min_tokens`, then the penalties and bias (`sampler.adjust_logits`)."""
+        p = seq.params
+        if len(seq.output_ids) < p.min_tokens:
+            ends = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
+            row[torch.tensor(sorted(t for t in ends if t < row.shape[0]), dtype=torch.int64, device=row.device)] = \
+                float("-inf")
+        return adjust_logits(row, p, seq.prompt_ids, seq.output_ids)
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
                 ids: list[int] | None, logits: torch.Tensor | None, trees: list[list[int] | None] | None = None

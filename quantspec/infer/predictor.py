@@ -64,6 +64,7 @@ class InferConfig:
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0
     logprobs: int | None = None  # each output token's log-probability and its n most likely tokens'
+    ignore_eos: bool = False  # generate max_new_tokens whatever the model says (fixed-length benchmarks)
     chat_template: bool = True
     benchmark: bool = False
     # static KV cache: "none" | "int8" | "fp8"; scales from the artifact, or given to the Predictor
@@ -135,7 +136,8 @@ class InferConfig:
                               top_k=self.top_k, top_p=self.top_p, min_p=self.min_p, seed=self.seed,
                               max_new_tokens=self.max_new_tokens, stop=self.stop,
                               repetition_penalty=self.repetition_penalty, presence_penalty=self.presence_penalty,
-                              frequency_penalty=self.frequency_penalty, logprobs=self.logprobs)
+                              frequency_penalty=self.frequency_penalty, logprobs=self.logprobs,
+                              ignore_eos=self.ignore_eos)
 
 
 @dataclass

@@ -75,6 +75,11 @@ class SamplingParams:
                      in (0, 1], 1.0 = off.
     min_p:           keep the tokens at least min_p times as likely as the most likely one (after
                      temperature); in [0, 1], 0.0 = off.
+    ignore_eos:      the model's EOS tokens do not end the sequence (fixed-length benchmarks).
+    stop_token_ids:  token ids that end the sequence like an EOS (emitted, then finish "stop").
+    min_tokens:      no EOS, stop token or stop string ends the sequence before this many output
+                     tokens: the EOS and stop tokens' logits are masked until then (a sequence with
+                     min_tokens > 0 gets no drafts, as with a penalty).
     seed:            None (torch's global generator) or an int in [0, 2**63).
     max_new_tokens:  ≥ 1.
     stop:            stop strings (non-empty), stored as a tuple so the params stay hashable.
@@ -108,6 +113,9 @@ class SamplingParams:
     repetition_penalty: float = 1.0
     logit_bias: Sequence[tuple[int, float]] = field(default_factory=tuple)
     min_p: float = 0.0
+    ignore_eos: bool = False
+    stop_token_ids: Sequence[int] = field(default_factory=tuple)
+    min_tokens: int = 0
 
     def __post_init__(self) -> None:
         try:
@@ -182,6 +190,15 @@ class SamplingParams:
                     or not -100 <= pair[1] <= 100):
                 raise QuantSpecError(f"logit_bias entry {pair!r} must be (token id >= 0, bias in [-100, 100])")
         object.__setattr__(self, "logit_bias", tuple((int(t), float(b)) for t, b in bias))
+        stop_ids = tuple(self.stop_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in stop_ids):
+            raise QuantSpecError(f"stop_token_ids {list(stop_ids)!r} must be token ids >= 0")
+        object.__setattr__(self, "stop_token_ids", tuple(int(t) for t in stop_ids))
+        object.__setattr__(self, "ignore_eos", bool(self.ignore_eos))
+        if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
+            raise QuantSpecError(f"min_tokens {self.min_tokens!r} must be an integer in [0, max_new_tokens "
+                                 f"{self.max_new_tokens}]")
+        object.__setattr__(self, "min_tokens", int(self.min_tokens))
 
     @property
     def is_greedy(self) -> bool:
@@ -189,9 +206,10 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when a presence, frequency or repetition penalty or a logit bias is on (`adjust_logits`)."""
+        """True when a presence, frequency or repetition penalty, a logit bias or min_tokens is on
+        (`adjust_logits`, and the engine's masking of EOS and stop tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias)
+                    or self.logit_bias or self.min_tokens)
 
     @property
     def uses_filter(self) -> bool:

@@ -63,19 +63,24 @@ class Sequence:
 
 
 def append_tokens(seq: Sequence, toks: list[int], eos: set[int], max_length: int) -> list[int]:
-    """Append `toks` to `seq` up to the first that ends it (EOS, max_new_tokens, `max_length`, a
-    stop string), setting its finish reason; → the tokens appended."""
+    """Append `toks` to `seq` up to the first that ends it (EOS unless `ignore_eos`, a stop token,
+    max_new_tokens, `max_length`, a stop string; EOS, stop tokens and strings only from
+    `min_tokens` output tokens on), setting its finish reason; → the tokens appended."""
+    p = seq.params
     emitted = []
     for t in toks:
         seq.output_ids.append(t)
         emitted.append(t)
-        if t in eos:
+        may_stop = len(seq.output_ids) >= p.min_tokens
+        if may_stop and t in eos and not p.ignore_eos:
             seq.finished, seq.finish_reason = True, "eos"
-        elif len(seq.output_ids) >= seq.params.max_new_tokens:
+        elif may_stop and t in p.stop_token_ids:
+            seq.finished, seq.finish_reason = True, "stop"
+        elif len(seq.output_ids) >= p.max_new_tokens:
             seq.finished, seq.finish_reason = True, "length"
         elif seq.num_tokens >= max_length:
             seq.finished, seq.finish_reason = True, "max_length"
-        elif seq.text_check is not None and seq.text_check(seq) is not None:
+        elif may_stop and seq.text_check is not None and seq.text_check(seq) is not None:
             seq.finished, seq.finish_reason = True, "stop"
         if seq.finished:
             break

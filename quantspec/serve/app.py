@@ -255,7 +255,8 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int], index: int 
                                 prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
                                 frequency_penalty=body.frequency_penalty or 0,
                                 repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
-                                logit_bias=bias)
+                                logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
+                                min_tokens=body.min_tokens)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return Job(list(ids), params, speculate=body.speculate, index=index,

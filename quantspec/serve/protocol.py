@@ -33,9 +33,9 @@ class StreamOptions(BaseModel):
 
 class GenerationRequest(BaseModel):
     """What both endpoints share: the sampling knobs, `n` answers per prompt (each its own choice,
-    drawn from its own random stream), streaming, the speculation opt-out. A request
-    with a penalty or a logit bias (`SamplingParams`' definitions; the bias keyed by token id) is
-    not speculated."""
+    drawn from its own random stream), streaming, the speculation opt-out, and vLLM's
+    `ignore_eos`, `stop_token_ids` and `min_tokens`. A request with a penalty, a logit bias (keyed
+    by token id) or `min_tokens` (`SamplingParams`' definitions) is not speculated."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
@@ -54,6 +54,9 @@ class GenerationRequest(BaseModel):
     frequency_penalty: Annotated[Real, Field(ge=-2, le=2)] | None = None
     repetition_penalty: Annotated[Real, Field(gt=0)] | None = None
     logit_bias: dict[StrictStr, Annotated[Real, Field(ge=-100, le=100)]] | None = None
+    ignore_eos: StrictBool = False
+    stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
+    min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -70,8 +70,9 @@ def test_asking_for_logprobs_does_not_change_the_tokens(tiny_llama_model):
     assert run() == run(logprobs=5, prompt_logprobs=1)
 
 
-class _Chain:
-    """Drafts the next `k` tokens of known answers (all accepted)."""
+class _Tree:
+    """A caterpillar of width 2 around the answers: the right token first at each depth (the path
+    runs through rows 1, 3, 5, ..., so its keys and values move), a wrong one second."""
 
     needs_hidden = False
 
@@ -79,30 +80,21 @@ class _Chain:
         self.answers = answers
 
     def propose(self, seqs, budgets):
-        return SpecProposal.from_token_lists([self.answers[s.seq_id][len(s.output_ids):len(s.output_ids) + b]
-                                              for s, b in zip(seqs, budgets)])
-
-    def release(self, seq):
-        pass
-
-
-class _Tree(_Chain):
-    """A caterpillar of width 2 around the answers: the right token first at each depth (the path
-    runs through rows 1, 3, 5, ..., so its keys and values move), a wrong one second."""
-
-    def propose(self, seqs, budgets):
         ids, parents = [], []
         for s, b in zip(seqs, budgets):
-            ans = self.answers[s.seq_id]
-            cands = [[ans[p], (ans[p] + 1) % 500] for p in range(len(s.output_ids), min(len(ans), len(s.output_ids) + b // 2))]
+            ans, at = self.answers[s.seq_id], len(s.output_ids)
+            cands = [[ans[p], (ans[p] + 1) % 500] for p in range(at, min(len(ans), at + b // 2))]
             tokens, par = caterpillar(cands) if cands else ([], [])
             ids.append(torch.tensor(tokens, dtype=torch.int64))
             parents.append(par)
         return SpecProposal(ids, parents=parents)
 
+    def release(self, seq):
+        pass
 
-@pytest.mark.parametrize("proposer", [_Chain, _Tree])
-def test_speculation_gives_the_plain_logprobs(tiny_llama_model, hf_logprobs, proposer):
+
+@pytest.mark.parametrize("tree", [False, True])
+def test_speculation_gives_the_plain_logprobs(tiny_llama_model, hf_logprobs, answer_oracle, tree):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (11, 26)]
     params = SamplingParams(max_new_tokens=20, logprobs=2)
@@ -116,7 +108,7 @@ def test_speculation_gives_the_plain_logprobs(tiny_llama_model, hf_logprobs, pro
         return seqs
 
     plain = run()
-    spec = run(proposer([s.output_ids for s in plain]))
+    spec = run((_Tree if tree else answer_oracle)([s.output_ids for s in plain]))
     assert sum(s.stats.accepted for s in spec) > 10
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids

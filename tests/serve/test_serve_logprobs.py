@@ -157,3 +157,26 @@ def test_logit_bias_steers_greedy_answers(server, reference):
     r = client.completions.create(model="tiny", prompt="Hello there", max_tokens=1, temperature=0, logprobs=0,
                                   logit_bias={str(first): -100})
     assert r.choices[0].logprobs.tokens[0] != state.tokenizer.decode([first])
+
+
+def test_ignore_eos_stop_token_ids_and_min_tokens(server, reference):
+    """An EOS forced by a logit bias ends the answer at once, unless `ignore_eos` or before
+    `min_tokens`; a stop token ends it where it appears."""
+    url, state = server
+    eos = min(state.loop.engine.eos)
+    base = {"model": "tiny", "prompt": "Hello there", "max_tokens": 9, "temperature": 0,
+            "logit_bias": {str(eos): 100}}
+
+    def tokens(**body):
+        return _post(url, "completions", {**base, **body}).json()["usage"]["completion_tokens"]
+
+    first = _post(url, "completions", base).json()
+    assert first["usage"]["completion_tokens"] == 1 and first["choices"][0]["finish_reason"] == "stop"
+    assert tokens(ignore_eos=True) == 9
+    assert tokens(min_tokens=5) == 6  # the EOS may come once 5 tokens are out
+    _, ids = reference("Hello there", 8, chat=False)
+    out = _post(url, "completions", {"model": "tiny", "prompt": "Hello there", "max_tokens": 8, "temperature": 0,
+                                      "stop_token_ids": [ids[2]]}).json()
+    assert out["usage"]["completion_tokens"] == ids.index(ids[2]) + 1 and out["choices"][0]["finish_reason"] == "stop"
+    bad = _post(url, "completions", {**base, "min_tokens": 10})
+    assert bad.status_code == 400 and "min_tokens" in bad.json()["error"]["message"]

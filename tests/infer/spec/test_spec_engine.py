@@ -13,7 +13,6 @@ from quantspec.infer.engine import Engine, EngineConfig, SeqStats
 from quantspec.infer.predictor import InferConfig
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.proposers import AdaptiveDraftLength, ReferenceProposer, SpecCost, build_proposer
-from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import load_model
 
 torch.set_num_threads(1)
@@ -66,23 +65,7 @@ def test_ngram_greedy_identical_to_plain(model, batch, adaptive):
         assert s.stats.target_forwards == len(s.output_ids) - 1 - s.stats.accepted
 
 
-class _Oracle:
-    """Drafts the next `k` tokens of a known greedy answer (all of them accepted)."""
-
-    needs_hidden = False
-
-    def __init__(self, answer):
-        self.answer = answer
-
-    def propose(self, seqs, budgets):
-        return SpecProposal.from_token_lists([self.answer[len(s.output_ids):len(s.output_ids) + b]
-                                              for s, b in zip(seqs, budgets)])
-
-    def release(self, seq):
-        pass
-
-
-def test_stats_count_only_emitted_drafts_when_the_sequence_ends_inside_them(model):
+def test_stats_count_only_emitted_drafts_when_the_sequence_ends_inside_them(model, answer_oracle):
     """An EOS inside an accepted run of drafts: the verifier accepts the drafts after it too, but
     they are never emitted, so they are not counted (acceptance, per position)."""
     prompt = _prompts([12], seed=4)[0]
@@ -90,7 +73,7 @@ def test_stats_count_only_emitted_drafts_when_the_sequence_ends_inside_them(mode
     eos = answer[3]
     assert eos not in answer[:3]  # the answer then ends at its 4th token
     eng = Engine(model, EngineConfig(block_size=16, max_batch_size=1, max_length=256, spec_max_draft_tokens=8),
-                 eos_token_ids=[eos], proposer=_Oracle(answer))
+                 eos_token_ids=[eos], proposer=answer_oracle([answer]))
     seq = eng.add_request(prompt, SamplingParams(max_new_tokens=12), request_index=0)
     eng.run()
     # step 1 prefills (token 1); step 2 verifies 8 drafts = tokens 2..9, all accepted by the
