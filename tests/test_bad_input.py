@@ -35,6 +35,8 @@ CASES = [
     ("infer-top-p-0", "infer --model {model} --prompt hi --decode-strategy sampling --top-p 0", "--top-p"),
     ("infer-presence-penalty-3", "infer --model {model} --prompt hi --presence-penalty 3", "--presence-penalty"),
     ("infer-repetition-penalty-0", "infer --model {model} --prompt hi --repetition-penalty 0", "--repetition-penalty"),
+    ("infer-min-p-2", "infer --model {model} --prompt hi --decode-strategy sampling --min-p 2", "--min-p"),
+    ("infer-logprobs-no-output-file", "infer --model {model} --prompt hi --logprobs 2", "--output-file"),
     ("infer-top-k-neg", "infer --model {model} --prompt hi --decode-strategy sampling --top-k -1", "--top-k"),
     ("infer-draft-num-neg", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
                             "--speculate-max-draft-token-num -1", "--speculate-max-draft-token-num"),
