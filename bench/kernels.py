@@ -17,7 +17,8 @@ engine's decode steps run them); on CPU a median of a few calls. `--out DIR` wri
 `kernels_<dtype>.md` and `.json` there.
 
 `--sweep-only`: instead of the tables, W8A8's int8 GEMM at M = 4096 under `SCALED_SWEEP`'s
-tiles, then W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on 4096×14336 and at M ∈ {1, 16} on two
+tiles, W4A16's dequantize (what a large M multiplies with cuBLAS) under `DEQUANT_SWEEP`'s tiles
+on each shape, then W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on 4096×14336 and at M ∈ {1, 16} on two
 more shapes, under every launch config of a small grid (`sweep_grid`: `tl.dot` tiles with and
 without the scale folded in, one-row programs, W4A16's nibble dots; large-M tiles), each against
 the default heuristic's (`kernels_sweep.md` / `.json`, every config's time in the JSON: what
@@ -330,6 +331,11 @@ def sweep_grid(kind: str, group: int, M: int = 1) -> list:
     return [W4A16Config(bm, bn, k, sk, 4, 3, swap, nib, fold) for bm, bn, k, sk, swap, nib, fold in dots + rows]
 
 
+# W4A16's dequantize tiles (BLOCK_N, BLOCK_K, warps) besides the default's `w4a16.DEQUANT_BLOCK`:
+# longer rows of k per tile (whole KB of each row written at once), fewer rows
+DEQUANT_SWEEP = [(16, 256, 4), (8, 512, 4), (4, 1024, 4), (16, 512, 4), (8, 1024, 4), (16, 1024, 8), (32, 512, 8),
+                 (64, 128, 4), (32, 256, 4), (64, 256, 8)]
+
 # W8A8's large-M tiles besides the default's (128, 256, 128, 8 warps, 3 stages)
 SCALED_SWEEP = [(128, 256, 128, 8, 4), (128, 128, 128, 8, 4), (128, 128, 128, 4, 4), (256, 128, 128, 8, 3),
                 (128, 256, 64, 8, 4), (64, 256, 128, 4, 4)]
@@ -354,7 +360,7 @@ def _time_configs(bench, call, grid, found: list, record: dict, on_row) -> None:
 
 def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
     """Launch configs of W8A8's int8 GEMM at the largest M of `SWEEP_LARGE` (`SCALED_SWEEP`'s
-    tiles, unsplit), then of W4A16 / W8A16 on the shape of `SWEEP_LARGE` at M ∈ {1, 16} and its
+    tiles, unsplit), of W4A16's dequantize on each shape (`DEQUANT_SWEEP`), then of W4A16 / W8A16 on the shape of `SWEEP_LARGE` at M ∈ {1, 16} and its
     large M, then at M ∈ {1, 16} on the other `shapes` (module docstring); `on_row(found)` after
     each (kind, shape, M), so that a time-boxed run keeps what it timed."""
     import torch
@@ -378,6 +384,12 @@ def sweep(shapes, device, bench, dtype_name: str, on_row=None) -> list[dict]:
     grid = [(16, 16, 32, 4, 1, 1), (16, 16, 32, 4, 1, 2)] if cpu else [t + (1,) for t in SCALED_SWEEP]
     _time_configs(bench, lambda cfg=None: kernels.int8_gemm(xq, xs, L.q8, L.s8, None, dtype, launch=cfg), grid,
                   found, dict(kind="w8a8", K=K, N=N, M=large_ms[-1]), on_row)
+    for K, N in [first] + [s for s in shapes if s != first]:
+        L = Layer(K, N, dtype, device, gen)
+        _time_configs(bench, lambda cfg=None, L=L: kernels.w4a16_dequantize(L.w4, L.s4, L.group, L.K, None, dtype,
+                                                                             block=cfg),
+                      DEQUANT_SWEEP[:2] if cpu else DEQUANT_SWEEP, found, dict(kind="w4a16_dequant", K=K, N=N, M="—"),
+                      on_row)
     for (K, N), M in runs:
         L = Layer(K, N, dtype, device, gen)
         x = torch.randn(M, K, device=device, generator=gen).to(dtype)
@@ -395,7 +407,7 @@ def _sweep_markdown(found: list[dict], name: str, dtype_name: str) -> str:
     md = [f"### Launch configs of the GEMM kernels on {name} ({dtype_name})\n",
           "| kernel | K×N | M | default ms | best ms | best (W4A16 / W8A16: BLOCK_M, BLOCK_N, BLOCK_K, SPLIT_K, "
           "warps, stages, swap_ab, nibble_dots, fold_scale; W8A8: BLOCK_M, BLOCK_N, BLOCK_K, warps, stages, "
-          "SPLIT_K) |",
+          "SPLIT_K; W4A16 dequantize: BLOCK_N, BLOCK_K, warps) |",
           "|---|---|---|---|---|---|"]
     for f in found:
         d = "—" if f["default_ms"] is None else f"{f['default_ms']:.4f}"

@@ -627,15 +627,18 @@ def w4a16_linear(
 def _w4_dequant_kernel(
     w_ptr, s_ptr, z_ptr, out_ptr, N, K, group_size, stride_wn, stride_sn, stride_zn, stride_on,
     HAS_ZERO: tl.constexpr, ZERO_FLOAT: tl.constexpr, GROUP_ALIGNED: tl.constexpr, EVEN_K: tl.constexpr,
-    QUARTERED: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr,
+    QUARTERED: tl.constexpr, WORD_GROUPS: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr,
+    USE_PDL: tl.constexpr,
 ):
     """One [BLOCK_N, BLOCK_K] tile of the weight, as [BLOCK_N, BLOCK_K / 8, 8]: word j's nibble i
     is k = 8j + i, so each thread writes the eight k of the words it loaded (no exchange between
     threads). GROUP_ALIGNED (BLOCK_K divides the group size): the tile lies in one group, whose
-    scale (and zero point) each row loads once. EVEN_K (BLOCK_K divides K): no k masks, so that a
+    scale (and zero point) each row loads once; else WORD_GROUPS (the group size a multiple of 8,
+    or quartered words): the eight codes of a word share a group, whose scale each word loads
+    once; else each code loads its own. EVEN_K (BLOCK_K divides K): no k masks, so that a
     thread's words come in one vector load. QUARTERED: the words in `quarter_int4`'s layout, each
-    code written to its k (`quartered_order`; BLOCK_K ≤ 128, so a tile lies in one 128-k block,
-    and so in one group)."""
+    code written to its k (`quartered_order`, word by word, so any BLOCK_K; a tile of up to 128
+    k lies in one 128-k block, and so in one group of a multiple of 128)."""
     pdl_begin(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     k0 = tl.program_id(1) * BLOCK_K
@@ -661,6 +664,14 @@ def _w4_dequant_kernel(
         s_off = offs_n[:, None, None] * stride_sn + k0 // group_size
         z_off = offs_n[:, None, None] * stride_zn + k0 // group_size
         s_mask = mask_n[:, None, None]
+    elif WORD_GROUPS:  # [BN, BK/8, 1]: one group per word
+        if QUARTERED:
+            g = ((offs_w // 16) * 128 // group_size)[None, :, None]
+        else:
+            g = (offs_w * 8 // group_size)[None, :, None]
+        s_off = offs_n[:, None, None] * stride_sn + g
+        z_off = offs_n[:, None, None] * stride_zn + g
+        s_mask = w_mask[:, :, None]
     else:
         g = offs_k // group_size
         s_off = offs_n[:, None, None] * stride_sn + g
@@ -686,12 +697,17 @@ def w4a16_dequantize_ref(w_packed: torch.Tensor, w_scale: torch.Tensor, group_si
     return dequantize_groupwise(unpack_int4(w_packed, K), w_scale.float(), w_zero, group_size).to(dtype)
 
 
+DEQUANT_BLOCK = (32, 128, 4)  # the GPU's dequantize tile: BLOCK_N, BLOCK_K, warps (`w4a16_dequantize`)
+
+
 def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: int, K: int,
                      w_zero: torch.Tensor | None = None, dtype: torch.dtype = torch.float16,
-                     quartered: bool = False) -> torch.Tensor:
+                     quartered: bool = False, block: tuple[int, int, int] | None = None) -> torch.Tensor:
     """Triton: the [N, K] weight in `dtype`, equal to `w4a16_dequantize_ref` bit for bit (what a
     large-M call multiplies with cuBLAS). `quartered`: w_packed in `quarter_int4`'s layout (K and
-    the group size multiples of 128); the weight comes out in k order all the same."""
+    the group size multiples of 128); the weight comes out in k order all the same. `block`:
+    (BLOCK_N, BLOCK_K, warps) of the launch, powers of two with BLOCK_K ≥ 8 (default
+    `DEQUANT_BLOCK` on a GPU; `bench/kernels.py --sweep-only` times others)."""
     _validate(torch.empty((0, K), dtype=dtype, device=w_packed.device), w_packed, w_scale, group_size,
               w_zero, None)
     device = check_same_device(w_packed=w_packed, w_scale=w_scale, w_zero=w_zero)
@@ -699,12 +715,15 @@ def w4a16_dequantize(w_packed: torch.Tensor, w_scale: torch.Tensor, group_size: 
         _check_quartered(K, group_size)
     N = w_packed.shape[0]
     out = torch.empty((N, K), device=device, dtype=dtype)
-    bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
+    bn, bk, warps = block or (DEQUANT_BLOCK if gpu_launch(device) else (16, 16, 4))
+    if any(v < 1 or v & (v - 1) for v in (bn, bk, warps)) or bk < PACK_FACTOR:
+        raise QuantSpecError(f"w4a16_dequantize: block {(bn, bk, warps)} must be powers of two with BLOCK_K >= 8")
     _w4_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
         w_packed, w_scale, w_zero if w_zero is not None else w_scale, out, N, K, group_size,
         w_packed.stride(0), w_scale.stride(0), w_zero.stride(0) if w_zero is not None else 0, out.stride(0),
         HAS_ZERO=w_zero is not None, ZERO_FLOAT=w_zero is not None and w_zero.is_floating_point(),
-        GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, QUARTERED=quartered, BLOCK_N=bn, BLOCK_K=bk,
+        GROUP_ALIGNED=group_size % bk == 0, EVEN_K=K % bk == 0, QUARTERED=quartered,
+        WORD_GROUPS=quartered or group_size % PACK_FACTOR == 0, BLOCK_N=bn, BLOCK_K=bk, num_warps=warps,
         **pdl_kwargs(device),
     )
     return out

@@ -172,6 +172,9 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
                        s[:, :1].repeat(1, 5), G, None if z is None else z[:, :1].repeat(1, 5))
     w4a16.w4a16_dequantize(wp, s, G, K, z, dtype)
     w4a16.w4a16_dequantize(w4a16.quarter_int4(wp, K), s, G, K, z, dtype, quartered=True)
+    for block in ((8, 512, 4), (16, 1024, 8)):  # tiles across groups, as the sweep times them
+        w4a16.w4a16_dequantize(wp, s, G, K, z, dtype, block=block)
+        w4a16.w4a16_dequantize(w4a16.quarter_int4(wp, K), s, G, K, z, dtype, quartered=True, block=block)
     assert {c["name"] for c in recorded} == {"_w4a16_kernel", "_finish_split_k_kernel", "_w4_dequant_kernel"}
     finishes = {(c["constants"]["BLOCK_M"], c["constants"]["FINISH"]) for c in recorded
                 if c["name"] == "_w4a16_kernel" and c["constants"]["SPLIT_K"] > 1}
@@ -181,7 +184,9 @@ def test_w4a16_gpu_launches_compile(recorded, dtype, zero):
     quartered = [c["constants"] for c in recorded if c["name"] == "_w4a16_kernel" and c["constants"]["QUARTERED"]]
     assert {(c["SWAP_AB"], c["NIBBLE_DOTS"]) for c in quartered} == {(False, True), (True, True)}
     dequant = [c["constants"] for c in recorded if c["name"] == "_w4_dequant_kernel"]
-    assert {c["BLOCK_N"] for c in dequant} == {32} and {c["QUARTERED"] for c in dequant} == {False, True}
+    assert {(c["BLOCK_N"], c["BLOCK_K"]) for c in dequant} == {(32, 128), (8, 512), (16, 1024)}
+    assert {c["QUARTERED"] for c in dequant} == {False, True}
+    assert {c["GROUP_ALIGNED"] for c in dequant} == {False, True} and all(c["WORD_GROUPS"] for c in dequant)
     results = _compiled(recorded)
     assert len(results) >= 2 * 8
     assert _int_to_float_in_weight_kernels(results) == []

@@ -377,3 +377,22 @@ def test_quartered_weights_need_128_blocks_and_nibble_dots():
     x, wp, s, g, _, _, _ = _make(2, 256, 128, torch.float32, asym=False, bias=False)
     with pytest.raises(QuantSpecError, match="nibble_dots launch with block_k=128"):
         w4a16_linear(x, quarter_int4(wp, 256), s, g, config=W4A16Config(16, 16, 64, 1), quartered=True)
+
+
+@pytest.mark.parametrize("block", [(8, 256, 4), (4, 1024, 8), (16, 64, 2), (2, 512, 4)])
+@pytest.mark.parametrize("quartered", [False, True])
+def test_dequantize_tiles_of_any_shape(block, quartered, same_rounding):
+    """The tiles `bench/kernels.py --sweep-only` times: every (BLOCK_N, BLOCK_K, warps) gives the
+    reference's weight, standard or quartered words, k tiles within a group or across groups."""
+    from quantspec.kernels.w4a16 import quarter_int4
+
+    x, wp, s, g, z, _, _ = _make(1, 1024, 128, torch.float32, asym=True, bias=False, seed=3, zero_dtype=torch.int8)
+    want = w4a16_dequantize_ref(wp, s, g, 1024, z, torch.float16)
+    words = quarter_int4(wp, 1024) if quartered else wp
+    same_rounding(w4a16_dequantize(words, s, g, 1024, z, torch.float16, quartered=quartered, block=block), want)
+
+
+def test_dequantize_block_must_be_powers_of_two():
+    _, wp, s, g, _, _, _ = _make(1, 256, 128, torch.float32, asym=False, bias=False)
+    with pytest.raises(QuantSpecError, match="powers of two"):
+        w4a16_dequantize(wp, s, g, 256, None, torch.float16, block=(12, 128, 4))
