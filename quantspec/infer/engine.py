@@ -21,10 +21,14 @@ with decode steps) is the scheduler's (`scheduler.py`); a sequence's state and t
 end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
-`Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties or a
-logit bias has none either); `draft_limit` (a `DraftLimit`, e.g.
-`spec/load.py`'s) caps the drafts per sequence of each decode step and is told what the step
-cost; `last_step` describes the step that just ran.
+`Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties, a
+logit bias or `min_tokens` has none either); `draft_limit` (a `DraftLimit`, e.g. `spec/load.py`'s)
+caps the drafts per sequence of each decode step and is told what the step cost; `last_step`
+describes the step that just ran.
+
+Log-probabilities (`SamplingParams.logprobs` / `prompt_logprobs`): `_forward` also keeps the rows
+of a prefill chunk that predict prompt tokens, `_record` scores each emitted token at the row that
+predicted it (a tree's accepted path), from the raw logits (before penalties and biases).
 
 Token trees (`spec/tree.py`): a proposal may give a sequence's drafts parents; its rows then sit
 at the positions of their depths, attend under a tree mask in the same ragged batch, and after
@@ -373,9 +377,9 @@ class Engine:
     def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
                 ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
         """The step's (ids, logits) to pick from, with the row of each sequence that has penalties,
-        a logit bias or min_tokens (it has no drafts) re-scored under them (`_adjust_row`): in a greedy batch its id (its row's logits
-        computed for it), else its row of a copy of the logits (the step's own stay raw, for
-        log-probabilities)."""
+        a logit bias or min_tokens (it has no drafts) re-scored under them (`_adjust_row`): in a
+        greedy batch its id (its row's logits computed for it), else its row of a copy of the
+        logits (the step's own stay raw, for log-probabilities)."""
         rows, r = [], 0
         for s, d in zip(seqs, drafts):
             if s.params.adjusts_logits:

@@ -286,8 +286,8 @@ async def _generate(state: ServeState, request: Request, body: GenerationRequest
 
 
 class _Choice:
-    """One prompt's answer (choice `index`): its text deltas, each with the log-probability entries
-    of the tokens it brings (chat: `content` items; completions: legacy rows)."""
+    """One answer (choice `index`): its text deltas, each with the log-probability entries of the
+    tokens it brings (chat: `content` items; completions: legacy rows)."""
 
     def __init__(self, resp: "_Response", index: int, job: Job, echo: str | None):
         self.resp, self.index, self.job, self.echo = resp, index, job, echo
@@ -358,7 +358,7 @@ class _Choice:
 
 
 class _Response:
-    """One request's answer in OpenAI's shapes, streamed or whole: a choice per prompt."""
+    """One request's answers in OpenAI's shapes, streamed or whole: `n` choices per prompt."""
 
     def __init__(self, state: ServeState, body: GenerationRequest, jobs: list[Job], chat: bool,
                  echoes: list[str | None]):
