@@ -48,7 +48,7 @@ from quantspec.devices import device_done
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
-from quantspec.infer.logprobs import token_logprobs
+from quantspec.infer.logprobs import score_new_tokens, score_prompt_rows
 from quantspec.infer.sampler import (SamplingParams, adjust_logits, generator_for_request, greedy_ids,
                                      logits_to_probs, sample, sampling_tensors)
 from quantspec.infer.scheduler import EngineConfig, Scheduler
@@ -351,7 +351,7 @@ class Engine:
             scored = scored[row_idx]
         if prompt_rows:
             at = {r: i for i, r in enumerate(wanted)}
-            self._score_prompts(prompt_rows, scored, at)
+            score_prompt_rows(self.model, prompt_rows, scored, at)
             if len(wanted) > len(rows):
                 scored = scored[torch.tensor([at[r] for r in rows], device=self.device)]
         ids = None
@@ -359,20 +359,6 @@ class Engine:
             ids = self.runtime.greedy(scored)
         logits = self.model.compute_logits(scored, row_invariant=row_invariant) if ids is None else None  # [sum(1+k_b), V]
         return scored, ids, logits
-
-    def _score_prompts(self, prompt_rows: list[tuple[Sequence, list[int]]], hidden: torch.Tensor,
-                       at: dict[int, int]) -> None:
-        """Each prefilling sequence that asks for `prompt_logprobs`: the log-probabilities of the
-        prompt tokens its chunk's rows predict (`prompt_rows`: the rows, counted in the fed batch;
-        `hidden[at[r]]`: row r's output), after a None for the first prompt token."""
-        for seq, rs in prompt_rows:
-            start = seq.num_cached
-            if start == 0:
-                seq.prompt_logprobs.append(None)
-            if rs:
-                logits = self.model.compute_logits(hidden[torch.tensor([at[r] for r in rs], device=self.device)])
-                seq.prompt_logprobs.extend(token_logprobs(logits, seq.prompt_ids[start + 1:start + 1 + len(rs)],
-                                                          seq.params.prompt_logprobs))
 
     def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
                 ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
@@ -456,26 +442,13 @@ class Engine:
                                    None if tree is None else max(depths(tree)))
             out.append((seq, emitted))
         if wants:
-            self._token_logprobs(wants, scored, logits)
+            score_new_tokens(self.model, wants, scored, logits)
         for seq in [s for s in seqs if s.finished]:
             seq.stats.t_finish = now
             self._free(seq)
         self.scheduler.retire_finished()
         self.num_steps += 1
         return out
-
-    def _token_logprobs(self, wants: list[tuple[Sequence, list[int], list[int]]], scored: torch.Tensor,
-                        logits: torch.Tensor | None) -> None:
-        """Append to each sequence's `logprobs` those of its new tokens, from the scored rows that
-        predicted them (`wants`: sequence, rows, tokens), through one logits computation where
-        the step had none (a greedy batch picks its ids without logits)."""
-        rows = [r for _, rs, _ in wants for r in rs]
-        idx = torch.tensor(rows, device=self.device)
-        lg = logits[idx] if logits is not None else self.model.compute_logits(scored[idx])
-        at = 0
-        for seq, rs, toks in wants:
-            seq.logprobs.extend(token_logprobs(lg[at:at + len(rs)], toks, seq.params.logprobs))
-            at += len(rs)
 
     def _compact(self, seq: Sequence, path: list[int]) -> None:
         """Move the keys / values of a tree's accepted rows (path [0, r_1, .., r_m], rows counted

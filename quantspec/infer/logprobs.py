@@ -15,7 +15,7 @@ from dataclasses import dataclass
 
 import torch
 
-__all__ = ["LOGPROB_FLOOR", "TokenLogprob", "token_logprobs"]
+__all__ = ["LOGPROB_FLOOR", "TokenLogprob", "score_new_tokens", "score_prompt_rows", "token_logprobs"]
 
 LOGPROB_FLOOR = -9999.0
 ROWS_PER_CHUNK = 256  # rows of logits turned into log-probabilities at a time (a long prompt's [P, V])
@@ -51,3 +51,33 @@ def token_logprobs(logits: torch.Tensor, token_ids: list[int], n: int) -> list[T
             tops = [()] * len(chosen)
         out.extend(TokenLogprob(t, c, r, top) for t, c, r, top in zip(ids.tolist(), chosen, rank, tops))
     return out
+
+
+def score_prompt_rows(model, prompt_rows: list[tuple[object, list[int]]], hidden: torch.Tensor,
+                      at: dict[int, int]) -> None:
+    """A prefill step's part (the engine's `_forward`): each prefilling sequence that asks for
+    `prompt_logprobs` gets the log-probabilities of the prompt tokens its chunk's rows predict
+    (`prompt_rows`: (sequence, its rows counted in the fed batch); `hidden[at[r]]`: row r's
+    output before the final norm), after a None for the first prompt token."""
+    for seq, rs in prompt_rows:
+        start = seq.num_cached
+        if start == 0:
+            seq.prompt_logprobs.append(None)
+        if rs:
+            logits = model.compute_logits(hidden[torch.tensor([at[r] for r in rs], device=hidden.device)])
+            seq.prompt_logprobs.extend(token_logprobs(logits, seq.prompt_ids[start + 1:start + 1 + len(rs)],
+                                                      seq.params.prompt_logprobs))
+
+
+def score_new_tokens(model, wants: list[tuple[object, list[int], list[int]]], scored: torch.Tensor,
+                     logits: torch.Tensor | None) -> None:
+    """A step's part (the engine's `_record`): each sequence of `wants` (sequence, the scored rows
+    that predicted its new tokens, the tokens) gets their log-probabilities appended to its
+    `logprobs`, from the step's raw `logits` of the scored rows, or (a greedy batch picks its ids
+    without logits) from one `compute_logits` over those rows of `scored`."""
+    idx = torch.tensor([r for _, rs, _ in wants for r in rs], device=scored.device)
+    lg = logits[idx.to(logits.device)] if logits is not None else model.compute_logits(scored[idx])
+    at = 0
+    for seq, rs, toks in wants:
+        seq.logprobs.extend(token_logprobs(lg[at:at + len(rs)], toks, seq.params.logprobs))
+        at += len(rs)

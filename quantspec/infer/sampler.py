@@ -126,31 +126,7 @@ class SamplingParams:
                 f"{[s.value for s in DecodeStrategy]}"
             ) from None
         object.__setattr__(self, "decode_strategy", strategy)
-
-        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
-            raise QuantSpecError(
-                f"--temperature {self.temperature!r} must be a finite number; pass e.g. 1.0"
-            )
-        if strategy is DecodeStrategy.SAMPLING and self.temperature <= 0:
-            raise QuantSpecError(
-                f"--temperature {self.temperature} must be > 0 with --decode-strategy sampling; "
-                "use --decode-strategy greedy for deterministic decoding"
-            )
-        if self.temperature < 0:
-            raise QuantSpecError(f"--temperature {self.temperature} must be >= 0")
-        object.__setattr__(self, "temperature", float(self.temperature))
-
-        if not _is_int(self.top_k) or self.top_k < 0:
-            raise QuantSpecError(f"--top-k {self.top_k!r} must be an integer >= 0 (0 turns top-k off)")
-        object.__setattr__(self, "top_k", int(self.top_k))
-
-        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
-            raise QuantSpecError(f"--top-p {self.top_p!r} must be in (0, 1] (1.0 turns top-p off)")
-        object.__setattr__(self, "top_p", float(self.top_p))
-
-        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
-            raise QuantSpecError(f"--min-p {self.min_p!r} must be in [0, 1] (0 turns min-p off)")
-        object.__setattr__(self, "min_p", float(self.min_p))
+        self._check_filters(strategy)
 
         if self.seed is not None and (not _is_int(self.seed) or not 0 <= self.seed < _MAX_SEED):
             raise QuantSpecError(f"--seed {self.seed!r} must be an integer in [0, 2**63)")
@@ -169,7 +145,11 @@ class SamplingParams:
         if not all(isinstance(s, str) and s for s in stop):
             raise QuantSpecError(f"--stop {list(stop)!r} must contain only non-empty strings")
         object.__setattr__(self, "stop", stop)
+        self._check_extras()
 
+    def _check_extras(self) -> None:
+        """Validate and normalise what goes beyond decoding proper: log-probabilities, penalties,
+        the logit bias and the stop rules."""
         for name in ("logprobs", "prompt_logprobs"):
             v = getattr(self, name)
             if v is not None and (not _is_int(v) or not 0 <= v <= MAX_LOGPROBS):
@@ -199,6 +179,33 @@ class SamplingParams:
             raise QuantSpecError(f"min_tokens {self.min_tokens!r} must be an integer in [0, max_new_tokens "
                                  f"{self.max_new_tokens}]")
         object.__setattr__(self, "min_tokens", int(self.min_tokens))
+
+    def _check_filters(self, strategy: DecodeStrategy) -> None:
+        """Validate and normalise the temperature and the top-k / top-p / min-p filters."""
+        if not _is_real(self.temperature) or not math.isfinite(self.temperature):
+            raise QuantSpecError(
+                f"--temperature {self.temperature!r} must be a finite number; pass e.g. 1.0"
+            )
+        if strategy is DecodeStrategy.SAMPLING and self.temperature <= 0:
+            raise QuantSpecError(
+                f"--temperature {self.temperature} must be > 0 with --decode-strategy sampling; "
+                "use --decode-strategy greedy for deterministic decoding"
+            )
+        if self.temperature < 0:
+            raise QuantSpecError(f"--temperature {self.temperature} must be >= 0")
+        object.__setattr__(self, "temperature", float(self.temperature))
+
+        if not _is_int(self.top_k) or self.top_k < 0:
+            raise QuantSpecError(f"--top-k {self.top_k!r} must be an integer >= 0 (0 turns top-k off)")
+        object.__setattr__(self, "top_k", int(self.top_k))
+
+        if not _is_real(self.top_p) or not (0.0 < self.top_p <= 1.0):
+            raise QuantSpecError(f"--top-p {self.top_p!r} must be in (0, 1] (1.0 turns top-p off)")
+        object.__setattr__(self, "top_p", float(self.top_p))
+
+        if not _is_real(self.min_p) or not (0.0 <= self.min_p <= 1.0):
+            raise QuantSpecError(f"--min-p {self.min_p!r} must be in [0, 1] (0 turns min-p off)")
+        object.__setattr__(self, "min_p", float(self.min_p))
 
     @property
     def is_greedy(self) -> bool:

@@ -103,19 +103,7 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     async def _bad(request, exc):
         return _error(400, str(exc), param=exc.param, code=exc.code)
 
-    @app.exception_handler(Unauthorized)
-    async def _unauthorized(request, exc):
-        return _error(401, "a missing or wrong API key; send the server's --api-key as 'Authorization: Bearer KEY'",
-                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
-
-    async def authorized(request: Request):
-        if state.api_key is None:
-            return
-        scheme, _, token = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
-            raise Unauthorized()
-
-    guarded = [Depends(authorized)]
+    guarded = _api_key_check(app, state)
 
     @app.get("/health")
     async def health():
@@ -146,6 +134,33 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
         ids = [completion_prompt_ids(state.tokenizer, p) for p in body.prompts()]
         return await _generate(state, request, body, ids, chat=False)
 
+    _tokenizer_routes(app, state, guarded)
+    return app
+
+
+def _api_key_check(app: FastAPI, state: ServeState) -> list:
+    """The route dependencies that ask for `state.api_key` as a bearer token (none asked where it
+    is None), and the 401 they answer without it."""
+
+    @app.exception_handler(Unauthorized)
+    async def _unauthorized(request, exc):
+        return _error(401, "a missing or wrong API key; send the server's --api-key as 'Authorization: Bearer KEY'",
+                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+
+    async def authorized(request: Request):
+        if state.api_key is None:
+            return
+        scheme, _, token = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not hmac.compare_digest(token.strip().encode(), state.api_key.encode()):
+            raise Unauthorized()
+
+    return [Depends(authorized)]
+
+
+def _tokenizer_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
+    """vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info` on `app` (what lm-evaluation-harness
+    probes for its remote tokenizer), behind `guarded` (the API key's check)."""
+
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request):
         body = _parse(await _json(request), TokenizeRequest)
@@ -175,7 +190,6 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
                 "pad_token": tok.pad_token, "unk_token": tok.unk_token,
                 "chat_template": getattr(tok, "chat_template", None), "model_max_length": state.max_length}
 
-    return app
 
 
 async def _json(request: Request):
