@@ -2,10 +2,10 @@
 for each token.
 
 A token's log-probability is the log-softmax of the model's raw logits at the row that predicted
-it (before temperature, top-k and top-p: the model's own distribution, as vLLM reports by
-default), with the token's rank among all tokens (1: the most likely) and the `n` most likely
-tokens of that row. The rows come from the forward that scored the token: speculation changes
-which forward that is, not the numbers' meaning. -inf is reported as `LOGPROB_FLOOR`, which JSON
+it (before penalties, biases, temperature and the filters: the model's own distribution, as vLLM
+reports by default), with the token's rank among all tokens (1: the most likely) and the `n` most
+likely tokens of that row. The rows come from the forward that scored the token: speculation
+changes which forward that is, not the numbers' meaning. -inf is reported as `LOGPROB_FLOOR`, which JSON
 can carry.
 """
 
