@@ -84,8 +84,8 @@ class SamplingParams:
     max_new_tokens:  ≥ 1.
     stop:            stop strings (non-empty), stored as a tuple so the params stay hashable.
     logprobs:        None (off) or n in [0, MAX_LOGPROBS]: each output token's log-probability
-                     under the model (the log-softmax of its raw logits, before temperature and
-                     filters) and the n most likely tokens' (`infer.logprobs`).
+                     under the model (the log-softmax of its raw logits, before penalties, bias,
+                     temperature and filters) and the n most likely tokens' (`infer.logprobs`).
     prompt_logprobs: the same for every prompt token after the first (None: off).
     presence_penalty, frequency_penalty: in [-2, 2]; subtracted from the logit of every token the
                      output holds, once (presence) and once per occurrence (frequency), as
