@@ -265,7 +265,8 @@ def _job(state: ServeState, body: GenerationRequest, ids: list[int], index: int 
                                 temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
                                 top_p=1.0 if body.top_p is None else float(body.top_p),
                                 min_p=float(body.min_p or 0), seed=body.seed,
-                                max_new_tokens=max_tokens or room, stop=stops, logprobs=logprobs,
+                                max_new_tokens=1 if max_tokens == 0 else max_tokens or room,  # 0: one token, dropped
+                                stop=stops, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
                                 frequency_penalty=body.frequency_penalty or 0,
                                 repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,

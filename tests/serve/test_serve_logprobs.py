@@ -80,11 +80,14 @@ def test_lm_eval_loglikelihood_request(server, hf_logprobs):
         assert abs(lp["token_logprobs"][-1] - float(last.max())) < ATOL
 
 
-def test_echo_with_max_tokens_zero_scores_the_prompt_only(server, hf_logprobs):
+def test_echo_with_max_tokens_zero_scores_the_prompt_only(server, hf_logprobs, metric):
     url, state = server
     prompt = "The quick brown fox"
+    generated = metric(url, 'quantspec_generation_tokens_total{model_name="tiny"}')
     out = _post(url, "completions", {"model": "tiny", "prompt": prompt, "max_tokens": 0, "echo": True,
                                       "logprobs": 2}).json()
+    # the engine runs the prefill and one step (its token is dropped), not a whole answer
+    assert metric(url, 'quantspec_generation_tokens_total{model_name="tiny"}') == generated + 1
     choice = out["choices"][0]
     ids = state.tokenizer(prompt).input_ids
     assert choice["text"] == prompt and choice["finish_reason"] == "length"
