@@ -260,7 +260,7 @@ def logits_to_probs(
     """Temperature, then min-p, top-k and top-p masking, renormalised; per-row parameters.
 
     Min-p keeps every token whose probability is at least min_p times the most likely token's
-    (a ratio no renormalisation changes, so its place in the order does not matter).
+    (after temperature); top-k and top-p then act on what it keeps.
 
     Top-k keeps every token whose logit is >= the k-th largest (ties at the boundary are kept).
     Top-p keeps the smallest prefix of the tokens sorted by probability (after top-k) whose mass
