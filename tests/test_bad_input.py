@@ -42,6 +42,8 @@ CASES = [
                             "--speculate-max-draft-token-num -1", "--speculate-max-draft-token-num"),
     ("infer-ngram-0", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
                       "--speculate-max-ngram-size 0", "--speculate-max-ngram-size"),
+    ("infer-prefix-caching-eagle", "infer --model {model} --prompt hi --speculate-method eagle --draft-model {d} "
+                                   "--enable-prefix-caching", "--enable-prefix-caching"),
     ("infer-no-prompt", "infer --model {model}", "--prompt"),
     ("infer-prompt-and-data", "infer --model {model} --prompt hi --data-file {d}/ok.jsonl", "--data-file"),
     ("infer-data-missing", "infer --model {model} --data-file {d}/missing.jsonl", "--data-file"),

@@ -78,6 +78,8 @@ def _stats_table(title: str, stats: dict):
 @click.option("--speculate-draft-head", type=click.Choice(["int8", "artifact"]), default=None,
               help="draft: score drafts with the draft model's head rounded to int8 (faster on CPU, output "
                    "unchanged) or with its own head [default: int8].")
+@click.option("--enable-prefix-caching", is_flag=True,
+              help="Prompts skip the prefill of whole KV blocks an earlier prompt or answer filled (shared system prompts, few-shot preambles).")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @one_line_errors
@@ -144,6 +146,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
 @click.option("--load-aware/--no-load-aware", default=True, show_default=True,
               help="Choose drafts per step from the batch size and measured step costs (no drafts where they cost more than they save).")
+@click.option("--enable-prefix-caching", is_flag=True,
+              help="Prompts skip the prefill of whole KV blocks an earlier request filled (shared system prompts, a chat's earlier turns).")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
 @one_line_errors
@@ -158,7 +162,8 @@ def serve(**kw):
     console = err_console()
 
     def ready(url, kv_cache):
-        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, KV cache {kv_cache}  "
+        cache = f"KV cache {kv_cache}" + (", prefix caching" if config.enable_prefix_caching else "")
+        console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, {cache}  "
                       "(Ctrl-C or SIGTERM stops, draining requests in flight)")
 
     try:

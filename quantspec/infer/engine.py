@@ -16,9 +16,9 @@ What the device backend prepared (`infer.backend.Runtime`: a one-call layer stac
 greedy picker, the cache's attention kernel) is handed in as `runtime` and plugged in here; a
 model the backend did not prepare runs its modules.
 
-Which sequences a step serves (admission, the prefill token budget, chunked prefill alternating
-with decode steps) is the scheduler's (`scheduler.py`); a sequence's state and the rules that
-end it are `sequence.py`'s.
+Which sequences a step serves (admission, prefix caching, the prefill token budget, chunked
+prefill alternating with decode steps) is the scheduler's (`scheduler.py`); a sequence's state
+and the rules that end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
 `Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties, a
@@ -49,6 +49,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.logprobs import score_new_tokens, score_prompt_rows
+from quantspec.infer.prefix_cache import PrefixCachingAllocator
 from quantspec.infer.sampler import (SamplingParams, adjust_logits, generator_for_request, greedy_ids,
                                      logits_to_probs, sample, sampling_tensors)
 from quantspec.infer.scheduler import EngineConfig, Scheduler
@@ -132,13 +133,18 @@ class Engine:
         )
         if args.max_position_embeddings < config.max_length:
             model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)
-        self.scheduler = Scheduler(config, self.cache.allocator)
         self._next_id = 0
         self.keep_hidden = bool(getattr(proposer, "needs_hidden", False))
         # the residual streams a drafter reads from every forward (EAGLE-3's aux features): each
         # forward captures them and hands them to `proposer.file_streams` (`FeatureReader`)
         self.capture: tuple[int, ...] = (tuple(proposer.capture_layers(args.num_layers))
                                          if hasattr(proposer, "capture_layers") else ())
+        if config.prefix_caching:
+            if self.capture or config.all_hidden_rows:  # they read every prompt row of the base
+                raise QuantSpecError("prefix caching skips prompt rows that --speculate-method eagle (and a "
+                                     "hidden-state reader) reads; drop --enable-prefix-caching")
+            self.cache.allocator = PrefixCachingAllocator(self.cache.num_blocks, config.block_size)
+        self.scheduler = Scheduler(config, self.cache.allocator)
         self.num_steps = 0
         # the forward of the current step, in row order: (sequence, query rows) — a prefill step
         # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and
@@ -232,6 +238,8 @@ class Engine:
                              if seqs else ([], None))
         accepted = [len(t) - 1 for t in new_tokens]
         events = self._record(seqs, drafts, new_tokens, scored, trees, paths, logits)
+        for s, _ in plan:  # (a finished one was committed when its blocks were freed)
+            self.scheduler.commit(s)
         self.last_step = StepInfo(not prefill, sum(map(len, news)), len(plan), sum(map(len, drafts)),
                                   time.perf_counter() - t0, t_forward)
         if not prefill and self.draft_limit is not None:

@@ -92,6 +92,9 @@ class InferConfig:
     # (EngineConfig.prefill_chunk); None: whole prompts
     prefill_chunk: int | None = None
     prefill_tokens: int = PREFILL_TOKENS  # prompt tokens per prefill step, at most
+    # prompts skip the prefill of leading KV blocks an earlier prompt or answer filled (a shared
+    # system prompt, few-shot examples, a chat's earlier turns); EngineConfig.prefix_caching
+    enable_prefix_caching: bool = False
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -122,6 +125,9 @@ class InferConfig:
                                      f"{', '.join(DRAFT_HEADS)}")
             if self.speculate_method != "draft":
                 raise QuantSpecError("--speculate-draft-head applies to --speculate-method draft only; drop it")
+        if self.enable_prefix_caching and self.speculate_method == "eagle":
+            raise QuantSpecError("--enable-prefix-caching skips prompt rows whose features the EAGLE-3 head reads; "
+                                 "drop it or use another --speculate-method")
         self.stop = tuple(self.stop)
         # the speculation's, the engine's and the sampler's own checks, before any model is loaded
         from quantspec.infer.spec.proposers import validate_spec_config
@@ -152,6 +158,7 @@ class RequestOutput:
     target_forwards: int = 0
     drafted: int = 0
     accepted: int = 0
+    cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with InferConfig.logprobs: one per token
@@ -241,7 +248,7 @@ class Predictor:
             EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk,
-                         prefill_tokens=config.prefill_tokens),
+                         prefill_tokens=config.prefill_tokens, prefix_caching=config.enable_prefix_caching),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )
@@ -337,6 +344,7 @@ class Predictor:
                 text=self._text(seq.output_ids), token_ids=list(seq.output_ids), prompt_tokens=len(ids),
                 finish_reason=seq.finish_reason or "", truncated_prompt=truncated, ttft_s=ttft, tpot_s=tpot,
                 target_forwards=st.target_forwards, drafted=st.drafted, accepted=st.accepted,
+                cached_prompt_tokens=st.cached_tokens,
                 accepted_per_position=list(st.accepted_per_position),
                 drafted_per_position=list(st.drafted_per_position), logprobs=list(seq.logprobs),
             ))
@@ -367,6 +375,8 @@ def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, 
         "peak_memory_mb": peak_memory_mb(config.device),
         "speculate_method": config.speculate_method,
     }
+    if config.enable_prefix_caching:
+        stats["cached_prompt_tokens"] = sum(o.cached_prompt_tokens for o in outs)
     if config.speculate_method != "none":
         if config.speculate_tree:  # positions are the tree's depths
             stats["speculate_tree"] = config.speculate_tree

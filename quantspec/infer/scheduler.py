@@ -13,6 +13,11 @@ decodes, never both (decode rows are row-invariant, prefill rows are not; see `e
 - With `prefill_chunk`, a decode step follows each prefill step while sequences are decoding:
   running streams are delayed by at most one prefill step's forward at a time. Without it,
   admitted prompts are prefilled before any decode step.
+
+With `prefix_caching` (`prefix_cache.py`) an admitted prompt starts on the cached blocks of its
+longest cached run of whole leading blocks, its prefill skipping their tokens, and a sequence's
+blocks become findable as their positions fill with committed tokens (`commit`, after each step
+and when the sequence is freed).
 """
 
 from __future__ import annotations
@@ -21,6 +26,7 @@ from dataclasses import dataclass
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.kv_cache import BlockAllocator, KVCacheDtype
+from quantspec.infer.prefix_cache import block_hashes
 from quantspec.infer.sequence import Sequence
 
 __all__ = ["PREFILL_TOKENS", "EngineConfig", "Scheduler"]
@@ -48,6 +54,9 @@ class EngineConfig:
     prefill_chunk: int | None = None
     # prompt tokens per prefill step, at most (a longer prompt or chunk still goes in one step)
     prefill_tokens: int = PREFILL_TOKENS
+    # automatic prefix caching (`prefix_cache.py`): a prompt skips the prefill of its leading whole
+    # blocks that the cache holds from earlier sequences; needs a `PrefixCachingAllocator`
+    prefix_caching: bool = False
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -84,8 +93,31 @@ class Scheduler:
             seq.block_table.extend(self.allocator.allocate(need, after=after))
 
     def free(self, seq: Sequence) -> None:
+        self.commit(seq)
         self.allocator.free(seq.block_table)
         seq.block_table = []
+
+    def _match(self, seq: Sequence) -> None:
+        """With prefix caching, start `seq` on the cached blocks of its prompt's longest cached run
+        of whole leading blocks (never its last token; none where it asks for prompt
+        log-probabilities, which need every prompt row)."""
+        bs = self.config.block_size
+        if seq.params.prompt_logprobs is not None:
+            return
+        hashes = block_hashes(seq.prompt_ids, bs, num_blocks=(len(seq.prompt_ids) - 1) // bs)
+        seq.block_table = self.allocator.match(hashes, len(seq.prompt_ids))
+        seq.block_hashes = hashes[:len(seq.block_table)]
+        seq.num_cached = seq.stats.cached_tokens = len(seq.block_table) * bs
+
+    def commit(self, seq: Sequence) -> None:
+        """With prefix caching, make the blocks of `seq` findable whose every position holds a
+        committed token's keys and values (a prompt's prefilled tokens, emitted output tokens)."""
+        n = min(seq.num_cached, seq.num_tokens) // self.config.block_size
+        if self.config.prefix_caching and seq.block_table and n > len(seq.block_hashes):
+            known = len(seq.block_hashes)
+            seq.block_hashes = block_hashes(seq.tokens, self.config.block_size, seq.block_hashes, n)
+            for block, h in zip(seq.block_table[known:n], seq.block_hashes[known:]):
+                self.allocator.register(block, h)
 
     def _reserve(self, seq: Sequence) -> None:
         """At admission, take every block the sequence can reach (its prompt, max_new_tokens and
@@ -93,7 +125,7 @@ class Scheduler:
         by the attention (no per-step gathers). Otherwise only the prompt's blocks."""
         reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
         positions = reach + self.config.spec_max_draft_tokens + 1
-        if -(-positions // self.config.block_size) > self.allocator.num_free:
+        if -(-positions // self.config.block_size) - len(seq.block_table) > self.allocator.num_free:
             positions = len(seq.prompt_ids) + 1
         self.ensure_blocks(seq, positions)
 
@@ -108,6 +140,8 @@ class Scheduler:
                     raise QuantSpecError("the KV cache cannot hold one prompt; raise num_blocks")
                 break
             seq = self.waiting.pop(0)
+            if self.config.prefix_caching:
+                self._match(seq)
             self._reserve(seq)
             self.running.append(seq)
 

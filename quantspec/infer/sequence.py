@@ -24,6 +24,7 @@ class SeqStats:
     t_arrival: float = 0.0
     t_first_token: float | None = None
     t_finish: float | None = None
+    cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
     target_forwards: int = 0  # forwards of the base model this sequence took part in after prefill
     drafted: int = 0
     accepted: int = 0
@@ -52,6 +53,9 @@ class Sequence:
     # token, None for the first (nothing predicts it)
     logprobs: list[TokenLogprob] = field(default_factory=list)
     prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
+    # with prefix caching: the hashes of the leading blocks of `block_table` that are findable
+    # (`prefix_cache.block_hashes`)
+    block_hashes: list[bytes] = field(default_factory=list)
 
     @property
     def tokens(self) -> list[int]:

@@ -385,9 +385,12 @@ class _Response:
         self.choices = [_Choice(self, i, job, echo) for i, (job, echo) in enumerate(zip(jobs, echoes))]
 
     def _usage(self) -> dict:
-        p = sum(len(c.job.prompt_ids) for c in self.choices if c.job.index == 0)  # each prompt once, whatever n
-        n = sum(c.completion_tokens for c in self.choices)
-        return {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        firsts = [c.job for c in self.choices if c.job.index == 0]  # each prompt once, whatever n
+        p, n = sum(len(j.prompt_ids) for j in firsts), sum(c.completion_tokens for c in self.choices)
+        usage = {"prompt_tokens": p, "completion_tokens": n, "total_tokens": p + n}
+        if self.state.loop.engine.config.prefix_caching:  # as OpenAI reports its prompt caching
+            usage["prompt_tokens_details"] = {"cached_tokens": sum(j.seq.stats.cached_tokens for j in firsts if j.seq)}
+        return usage
 
     def _logprobs(self, entries: list) -> dict | None:
         if not self.wants_logprobs:

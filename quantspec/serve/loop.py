@@ -22,6 +22,7 @@ from dataclasses import dataclass, field
 
 from quantspec.infer.engine import Engine, Sequence
 from quantspec.infer.logprobs import TokenLogprob
+from quantspec.infer.prefix_cache import PrefixCachingAllocator
 from quantspec.infer.sampler import SamplingParams
 
 __all__ = ["Delta", "DrainRate", "EngineLoop", "Job"]
@@ -118,6 +119,7 @@ class EngineLoop:
         self._waiting = 0  # the engine's queue length, as the loop last saw it ...
         self._slots = engine.config.max_batch_size  # ... and the free places in its running batch
         self.drain = DrainRate()
+        self._prefix_counted = (0, 0)  # the prefix cache's (queries, hits) the metrics hold
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="quantspec-engine", daemon=True)
 
@@ -259,6 +261,10 @@ class EngineLoop:
         m.waiting.set(self._waiting + inbox)
         m.kv_total.set(alloc.num_blocks - 1)
         m.kv_used.set(alloc.num_blocks - 1 - alloc.num_free)
+        if isinstance(alloc, PrefixCachingAllocator):  # its totals since start, as counters
+            m.prefix_queries.inc(alloc.queries - self._prefix_counted[0])
+            m.prefix_hits.inc(alloc.hits - self._prefix_counted[1])
+            self._prefix_counted = (alloc.queries, alloc.hits)
         limit = eng.draft_limit
         if limit is not None:
             m.draft_cap.set(getattr(limit, "last_cap", 0))

@@ -46,6 +46,7 @@ class ServeConfig:
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
+    enable_prefix_caching: bool = False  # prompts skip the prefill of cached leading KV blocks
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
@@ -65,7 +66,8 @@ class ServeConfig:
                            speculate_tree=self.speculate_tree,
                            speculate_max_draft_token_num=self.speculate_max_draft_token_num,
                            speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
-                           prefill_tokens=self.max_prefill_tokens)
+                           prefill_tokens=self.max_prefill_tokens,
+                           enable_prefix_caching=self.enable_prefix_caching)
 
 
 def load(config: ServeConfig, *, loaded=None) -> ServeState:
