@@ -86,16 +86,34 @@ def answer_oracle():
 
 
 @pytest.fixture(scope="session")
-def hf_logprobs(tiny_llama_dir):
-    """hf_logprobs(ids) → [len(ids), V]: transformers' log-probabilities (fp32) of the token after
-    each prefix ids[:i + 1], from the tiny Llama's checkpoint."""
+def hf_tiny_llama(tiny_llama_dir):
+    """The tiny Llama's checkpoint loaded by transformers (fp32, eval): the independent reference
+    the engine's tokens and log-probabilities are checked against; tests must not change it."""
     from transformers import AutoModelForCausalLM
 
-    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def hf_greedy(hf_tiny_llama):
+    """hf_greedy(prompt ids, n) → the n tokens transformers' greedy `generate` appends (no EOS)."""
+
+    def run(prompt: list[int], n: int) -> list[int]:
+        out = hf_tiny_llama.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
+                                     eos_token_id=None, pad_token_id=0)
+        return out[0, len(prompt):].tolist()
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def hf_logprobs(hf_tiny_llama):
+    """hf_logprobs(ids) → [len(ids), V]: transformers' log-probabilities (fp32) of the token after
+    each prefix ids[:i + 1], from the tiny Llama's checkpoint."""
 
     def run(ids: list[int]) -> torch.Tensor:
         with torch.no_grad():
-            return torch.log_softmax(model(torch.tensor([ids])).logits[0].float(), dim=-1)
+            return torch.log_softmax(hf_tiny_llama(torch.tensor([ids])).logits[0].float(), dim=-1)
 
     return run
 

@@ -121,7 +121,7 @@ def test_prompt_longer_than_src_length(tiny_llama_dir):
     assert r.exit_code == 0 and "truncated" in r.stderr
 
 
-def test_infer_without_the_cpu_kernels_matches_transformers(tiny_llama_dir):
+def test_infer_without_the_cpu_kernels_matches_transformers(tiny_llama_dir, hf_tiny_llama):
     """QUANTSPEC_CPU_KERNELS=0 (no compiler, or switched off): `infer` runs on torch's ops alone
     and its greedy text is transformers' greedy text."""
     import os
@@ -129,7 +129,7 @@ def test_infer_without_the_cpu_kernels_matches_transformers(tiny_llama_dir):
     import sys
 
     import torch
-    from transformers import AutoModelForCausalLM, AutoTokenizer
+    from transformers import AutoTokenizer
 
     env = dict(os.environ, QUANTSPEC_CPU_KERNELS="0")
     r = subprocess.run([sys.executable, "-c", "from quantspec.cli import main; main()", "infer", "--model", str(tiny_llama_dir),
@@ -137,7 +137,7 @@ def test_infer_without_the_cpu_kernels_matches_transformers(tiny_llama_dir):
                         "--dtype", "float32"], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0, r.stderr[-2000:]
     tok = AutoTokenizer.from_pretrained(tiny_llama_dir)
-    hf = AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    hf = hf_tiny_llama
     ids = torch.tensor([tok("the quick brown fox").input_ids])
     out = hf.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=12, do_sample=False,
                       eos_token_id=2, pad_token_id=0)

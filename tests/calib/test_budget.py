@@ -83,12 +83,10 @@ def setup(tiny_llama_dir):
     return model, table, factors, scales
 
 
-def test_float_nll_is_transformers_cross_entropy(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
+def test_float_nll_is_transformers_cross_entropy(tiny_llama_dir, hf_tiny_llama):
     model, _ = load_model(tiny_llama_dir)
     ids = ids_for(1)
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    hf = hf_tiny_llama
     with torch.no_grad():
         logits = hf(ids).logits  # [N, S, V]
     want = float(F.cross_entropy(logits[:, :-1].reshape(-1, logits.shape[-1]), ids[:, 1:].reshape(-1)))

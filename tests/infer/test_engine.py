@@ -15,11 +15,9 @@ from quantspec.model_zoo.checkpoint import load_model
 
 
 @pytest.fixture(scope="module")
-def llama(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
+def llama(tiny_llama_dir, hf_tiny_llama):
     model, _ = load_model(tiny_llama_dir)
-    return model, AutoModelForCausalLM.from_pretrained(tiny_llama_dir, dtype=torch.float32)
+    return model, hf_tiny_llama
 
 
 def _hf_greedy(hf, prompt, n):

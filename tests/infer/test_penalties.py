@@ -57,10 +57,8 @@ def test_logit_bias_is_added_after_the_penalties():
     assert params.logit_bias == ((3, 5.0), (7, -100.0)) and params.adjusts_logits
 
 
-def test_greedy_repetition_penalty_equals_transformers_generate(tiny_llama_model, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+def test_greedy_repetition_penalty_equals_transformers_generate(tiny_llama_model, hf_tiny_llama):
+    hf = hf_tiny_llama
     prompt = _prompt(17, 2)
     eng = _engine(tiny_llama_model)
     seq = eng.add_request(prompt, SamplingParams(max_new_tokens=24, repetition_penalty=1.8))

@@ -58,19 +58,6 @@ def _prompts(lengths, seed):
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
 
 
-def _hf_greedy(hf, prompt, n):
-    out = hf.generate(torch.tensor([prompt]), max_new_tokens=n, min_new_tokens=n, do_sample=False,
-                      eos_token_id=None, pad_token_id=0)
-    return out[0, len(prompt):].tolist()
-
-
-@pytest.fixture(scope="module")
-def hf(tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
-
-
 def _engine(model, **kw):
     kw = {"block_size": 8, "max_batch_size": 4, "max_length": 256, "prefix_caching": True, **kw}
     return Engine(model, EngineConfig(**kw), eos_token_ids=[])
@@ -92,7 +79,8 @@ def _fed_rows(eng):
 
 
 @pytest.mark.parametrize("chunk", [None, 8])
-def test_a_prompt_on_cached_blocks_skips_them_and_answers_as_transformers(tiny_llama_model, hf, hf_logprobs, chunk):
+def test_a_prompt_on_cached_blocks_skips_them_and_answers_as_transformers(tiny_llama_model, hf_greedy, hf_logprobs,
+                                                                       chunk):
     system, q1, q2 = _prompts([21, 5, 11], seed=3)
     eng = _engine(tiny_llama_model, prefill_chunk=chunk)
     fed = _fed_rows(eng)
@@ -104,18 +92,18 @@ def test_a_prompt_on_cached_blocks_skips_them_and_answers_as_transformers(tiny_l
     eng.run()
     assert second.stats.cached_tokens == 16  # two whole blocks of the shared 21 tokens
     assert sum(fed) == len(system + q2) - 16
-    assert second.output_ids == _hf_greedy(hf, system + q2, 10)
+    assert second.output_ids == hf_greedy(system + q2, 10)
     ref = hf_logprobs(system + q2 + second.output_ids)
     for j, lp in enumerate(second.logprobs):
         assert lp.logprob == pytest.approx(float(ref[len(system + q2) - 1 + j, lp.token_id]), abs=1e-4)
 
 
-def test_the_next_turn_of_a_chat_reuses_the_answer_s_blocks(tiny_llama_model, hf, answer_oracle):
+def test_the_next_turn_of_a_chat_reuses_the_answer_s_blocks(tiny_llama_model, hf_greedy, answer_oracle):
     """Turn two's prompt is turn one's prompt and answer and more: it finds the blocks the answer
     filled (emitted tokens are committed), also where the answer came from verified drafts, but
     not the block of the answer's last token, whose keys and values no forward wrote."""
     prompt, more = _prompts([12, 6], seed=5)
-    answer = _hf_greedy(hf, prompt, 20)
+    answer = hf_greedy(prompt, 20)
     eng = Engine(tiny_llama_model, EngineConfig(block_size=8, max_batch_size=2, max_length=256, prefix_caching=True,
                                                 spec_max_draft_tokens=4),
                  eos_token_ids=[], proposer=answer_oracle([answer, []]))
@@ -126,11 +114,11 @@ def test_the_next_turn_of_a_chat_reuses_the_answer_s_blocks(tiny_llama_model, hf
     two = eng.add_request(turn2, SamplingParams(max_new_tokens=8))
     eng.run()
     assert two.stats.cached_tokens == 24  # 12 + 20 tokens fill 4 blocks, the 4th without its last position
-    assert two.output_ids == _hf_greedy(hf, turn2, 8)
+    assert two.output_ids == hf_greedy(turn2, 8)
 
 
 def test_concurrent_prompts_share_nothing_until_one_is_prefilled_and_blocks_outlive_their_sequence(
-        tiny_llama_model, hf):
+        tiny_llama_model, hf_greedy):
     system, a, b, c = _prompts([17, 3, 4, 5], seed=7)
     eng = _engine(tiny_llama_model)
     s1, s2 = (eng.add_request(system + q, SamplingParams(max_new_tokens=5)) for q in (a, b))
@@ -140,10 +128,10 @@ def test_concurrent_prompts_share_nothing_until_one_is_prefilled_and_blocks_outl
     assert (s1.stats.cached_tokens, s2.stats.cached_tokens, s3.stats.cached_tokens) == (0, 0, 16)
     assert eng.cache.allocator.num_free == eng.cache.num_blocks - 1  # every block back (findable ones evictable)
     for s, q in ((s1, a), (s2, b), (s3, c)):
-        assert s.output_ids == _hf_greedy(hf, system + q, 5)
+        assert s.output_ids == hf_greedy(system + q, 5)
 
 
-def test_a_full_cache_evicts_old_prefixes_and_stays_exact(tiny_llama_model, hf):
+def test_a_full_cache_evicts_old_prefixes_and_stays_exact(tiny_llama_model, hf_greedy):
     """A cache of 12 blocks serves distinct prompts one after another: old blocks are evicted as
     new ones are needed, and a prompt seen again finds what is left of it."""
     prompts = _prompts([30, 30, 30], seed=9)
@@ -158,7 +146,7 @@ def test_a_full_cache_evicts_old_prefixes_and_stays_exact(tiny_llama_model, hf):
     eng.run()
     assert again.stats.cached_tokens == 24  # (30 - 1) // 8 blocks of the last prompt but one remain
     for (out, _), p in zip(outs + [(again.output_ids, 0)], prompts + prompts[:1] + prompts[2:]):
-        assert out == _hf_greedy(hf, p, 4)
+        assert out == hf_greedy(p, 4)
 
 
 def test_a_request_for_prompt_logprobs_prefills_everything(tiny_llama_model, hf_logprobs):

@@ -42,10 +42,8 @@ def test_ignore_eos_and_stop_token_ids(tiny_llama_model, answer_oracle):
     assert seq.stats.accepted > 0  # the stop token came inside accepted drafts
 
 
-def test_min_tokens_equals_transformers_min_new_tokens(tiny_llama_model, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+def test_min_tokens_equals_transformers_min_new_tokens(tiny_llama_model, hf_tiny_llama):
+    hf = hf_tiny_llama
     prompt = _prompt(2)
     answer = _run(tiny_llama_model, prompt, SamplingParams(max_new_tokens=12), []).output_ids
     eos = answer[2]

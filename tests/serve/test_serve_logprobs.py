@@ -133,11 +133,9 @@ def test_neutral_values_of_unimplemented_knobs_are_accepted(server):
     assert r.status_code == 200 and r.json()["choices"][0]["logprobs"] is None
 
 
-def test_repetition_penalty_equals_transformers_generate(server, tiny_llama_dir):
-    from transformers import AutoModelForCausalLM
-
+def test_repetition_penalty_equals_transformers_generate(server, hf_tiny_llama):
     url, state = server
-    hf = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32).eval()
+    hf = hf_tiny_llama
     ids = torch.randint(3, 500, (8,), generator=torch.Generator().manual_seed(12)).tolist() * 3
     out = _post(url, "completions", {"model": "tiny", "prompt": ids, "max_tokens": 12, "temperature": 0,
                                       "repetition_penalty": 0.5, "logprobs": 0}).json()
