@@ -4,7 +4,7 @@
 `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
 an API key set, every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`
 (401 otherwise). A request is validated (`protocol.py`), tokenized
-(`text.py`), turned into a `Job` and submitted; its tokens come back as deltas and leave as
+(`text.py`), checked and turned into a `Job` per answer (`jobs.py`) and submitted; its tokens come back as deltas and leave as
 OpenAI chunks. Bad input is a 400 with an OpenAI error object, a full queue a 503 with
 Retry-After (the queue's drain time at the measured completion rate), and a client that goes away
 has its sequence aborted. No model logic lives here.
@@ -25,12 +25,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
-from quantspec.errors import QuantSpecError
-from quantspec.infer.sampler import SamplingParams
+from quantspec.serve.jobs import BadRequest, check_model, check_request, make_job, request_params
 from quantspec.serve.loop import Delta, EngineLoop, Job
-from quantspec.serve.protocol import (UNSUPPORTED, ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
+from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest, error_body)
-from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids, stop_check
+from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids
 
 __all__ = ["ServeState", "build_app"]
 
@@ -58,12 +57,6 @@ class ServeState:
 
 class Unauthorized(Exception):
     pass
-
-
-class BadRequest(Exception):
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
-        super().__init__(message)
-        self.param, self.code = param, code
 
 
 def _error(status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None,
@@ -164,7 +157,7 @@ def _tokenizer_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
     @app.post("/tokenize", dependencies=guarded)
     async def tokenize(request: Request):
         body = _parse(await _json(request), TokenizeRequest)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give one of prompt and messages", param="prompt")
         if body.messages is not None:
@@ -177,7 +170,7 @@ def _tokenizer_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
     @app.post("/detokenize", dependencies=guarded)
     async def detokenize(request: Request):
         body = _parse(await _json(request), DetokenizeRequest)
-        _check_model(state, body.model)
+        check_model(state, body.model)
         vocab = len(state.tokenizer)
         if any(t >= vocab for t in body.tokens):
             raise BadRequest(f"tokens must be ids in [0, {vocab})", param="tokens")
@@ -210,78 +203,11 @@ def _parse(data, model: type[GenerationRequest]):
         raise BadRequest(message, param=param) from None
 
 
-def _check_model(state: ServeState, model: str | None) -> None:
-    if model is not None and model not in (state.model_name, *state.aliases):
-        raise BadRequest(f"model {model!r} is not served here; use {state.model_name!r}", param="model",
-                         code="model_not_found")
-
-
-def _check(state: ServeState, body: GenerationRequest) -> None:
-    """A `BadRequest` for what no prompt of `body` can be served with."""
-    _check_model(state, body.model)
-    extra = body.model_extra or {}
-    for name, neutral in UNSUPPORTED:
-        value = extra.get(name)
-        if value is not None and (isinstance(value, bool) or value != neutral):
-            raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out (or {neutral!r})",
-                             param=name)
-    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
-        raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
-    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
-        raise BadRequest("max_tokens=0 generates nothing; it needs echo=true (to score the prompt)",
-                         param="max_tokens")
-
-
-def _job(state: ServeState, body: GenerationRequest, ids: list[int], index: int = 0) -> Job:
-    """The engine job of answer `index` to one prompt of a checked request; a `BadRequest` for what
-    the model cannot do."""
-    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
-    if not ids:
-        raise BadRequest("the prompt is empty", param=param)
-    room = state.max_length - len(ids)
-    if room < 1:
-        raise BadRequest(f"the prompt has {len(ids)} tokens, over the server's --max-length {state.max_length} "
-                         "(prompt + output); shorten it", param=param, code="context_length_exceeded")
-    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
-    if max_tokens is not None and max_tokens > room:
-        raise BadRequest(f"max_tokens={max_tokens} + the prompt's {len(ids)} tokens is over the server's "
-                         f"--max-length {state.max_length}; ask for at most {room}", param="max_tokens",
-                         code="context_length_exceeded")
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
-    stops = body.stop_strings()
-    if isinstance(body, ChatCompletionRequest):
-        logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
-    else:
-        logprobs = body.logprobs
-        prompt_logprobs = body.logprobs if body.echo else None
-    bias = []
-    vocab = state.loop.engine.model.args.vocab_size
-    for key, value in (body.logit_bias or {}).items():
-        if not key.isdigit() or int(key) >= vocab:
-            raise BadRequest(f"logit_bias key {key!r} must be a token id in [0, {vocab})", param="logit_bias")
-        bias.append((int(key), value))
-    try:
-        params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
-                                temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
-                                top_p=1.0 if body.top_p is None else float(body.top_p),
-                                min_p=float(body.min_p or 0), seed=body.seed,
-                                max_new_tokens=1 if max_tokens == 0 else max_tokens or room,  # 0: one token, dropped
-                                stop=stops, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
-                                frequency_penalty=body.frequency_penalty or 0,
-                                repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
-                                logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
-                                min_tokens=body.min_tokens)
-    except QuantSpecError as e:
-        raise BadRequest(str(e)) from None
-    return Job(list(ids), params, speculate=body.speculate, index=index,
-               text_check=stop_check(state.tokenizer, stops))
-
-
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
                     chat: bool):
-    _check(state, body)
-    jobs = [_job(state, body, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
+    check_request(state, body)
+    shared = request_params(state, body)
+    jobs = [make_job(state, body, shared, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
     for i, job in enumerate(jobs):
         if not state.loop.submit(job):
             for taken in jobs[:i]:

@@ -1,0 +1,108 @@
+"""An OpenAI request → the engine's jobs: the checks every prompt of a request passes (`BadRequest`
+for what the server cannot serve, with the field to change), the sampling params and stop-string
+hook its answers share, and one `Job` per answer of each prompt."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import TYPE_CHECKING, Callable
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.sampler import SamplingParams
+from quantspec.serve.loop import Job
+from quantspec.serve.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
+from quantspec.serve.text import stop_check
+
+if TYPE_CHECKING:
+    from quantspec.serve.app import ServeState
+
+__all__ = ["BadRequest", "check_model", "check_request", "make_job", "request_params"]
+
+
+class BadRequest(Exception):
+    """A 400: `message` says what is wrong, `param` names the field, `code` OpenAI's error code."""
+
+    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+        super().__init__(message)
+        self.param, self.code = param, code
+
+
+def check_model(state: ServeState, model: str | None) -> None:
+    if model is not None and model not in (state.model_name, *state.aliases):
+        raise BadRequest(f"model {model!r} is not served here; use {state.model_name!r}", param="model",
+                         code="model_not_found")
+
+
+def check_request(state: ServeState, body: GenerationRequest) -> None:
+    """A `BadRequest` for what no prompt of `body` can be served with."""
+    check_model(state, body.model)
+    extra = body.model_extra or {}
+    for name, neutral in UNSUPPORTED:
+        value = extra.get(name)
+        if value is not None and (isinstance(value, bool) or value != neutral):
+            raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out (or {neutral!r})",
+                             param=name)
+    if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
+        raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
+    if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
+        raise BadRequest("max_tokens=0 generates nothing; it needs echo=true (to score the prompt)",
+                         param="max_tokens")
+
+
+def request_params(state: ServeState, body: GenerationRequest) -> tuple[SamplingParams, Callable | None]:
+    """What every answer of a checked request shares: its sampling params (`max_new_tokens` the
+    server's --max-length: `make_job` sets each prompt's) and its stop-string hook; a `BadRequest`
+    for what the model cannot do."""
+    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    stops = body.stop_strings()
+    if isinstance(body, ChatCompletionRequest):
+        logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
+    else:
+        logprobs = body.logprobs
+        prompt_logprobs = body.logprobs if body.echo else None
+    bias = []
+    vocab = state.loop.engine.model.args.vocab_size
+    for key, value in (body.logit_bias or {}).items():
+        if not key.isdigit() or int(key) >= vocab:
+            raise BadRequest(f"logit_bias key {key!r} must be a token id in [0, {vocab})", param="logit_bias")
+        bias.append((int(key), value))
+    try:
+        params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
+                                temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
+                                top_p=1.0 if body.top_p is None else float(body.top_p),
+                                min_p=float(body.min_p or 0), seed=body.seed, max_new_tokens=state.max_length,
+                                stop=stops, logprobs=logprobs,
+                                prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
+                                frequency_penalty=body.frequency_penalty or 0,
+                                repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
+                                logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
+                                min_tokens=body.min_tokens)
+    except QuantSpecError as e:
+        raise BadRequest(str(e)) from None
+    return params, stop_check(state.tokenizer, stops)
+
+
+def make_job(state: ServeState, body: GenerationRequest, shared: tuple[SamplingParams, Callable | None],
+         ids: list[int], index: int = 0) -> Job:
+    """The engine job of answer `index` to one prompt of a checked request, on the request's
+    `shared` params and stop hook (`request_params`); a `BadRequest` for a prompt too long."""
+    param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
+    if not ids:
+        raise BadRequest("the prompt is empty", param=param)
+    room = state.max_length - len(ids)
+    if room < 1:
+        raise BadRequest(f"the prompt has {len(ids)} tokens, over the server's --max-length {state.max_length} "
+                         "(prompt + output); shorten it", param=param, code="context_length_exceeded")
+    max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is not None and max_tokens > room:
+        raise BadRequest(f"max_tokens={max_tokens} + the prompt's {len(ids)} tokens is over the server's "
+                         f"--max-length {state.max_length}; ask for at most {room}", param="max_tokens",
+                         code="context_length_exceeded")
+    params, text_check = shared
+    try:  # max_tokens 0 (echo): one token, dropped
+        params = dataclasses.replace(params, max_new_tokens=1 if max_tokens == 0 else max_tokens or room)
+    except QuantSpecError as e:  # min_tokens over this prompt's room
+        raise BadRequest(str(e)) from None
+    return Job(list(ids), params, speculate=body.speculate, index=index, text_check=text_check)
+
+
