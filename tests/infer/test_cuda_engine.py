@@ -233,3 +233,22 @@ def test_cuda_graphs_step_aside_for_hooks_and_speculation(tiny):
         handle.remove()
     assert hooked == plain and runner.replays == 0 and len(calls) >= NEW
 
+
+
+def test_cuda_prefix_caching_gives_the_cpu_tokens(tiny):
+    """Prompts that start on cached blocks (the attention reading a block table whose first blocks
+    another sequence filled) give the uncached CPU engine's fp32 tokens."""
+    res, args = _tensors(tiny, "weight_only_int4")
+    shared = (_prompts(args.vocab_size)[0] * 5)[:100]
+    prompts = [shared + p[:9] for p in _prompts(args.vocab_size)]
+    cpu, _ = _engine_tokens(res, args, "cpu", torch.float32, prompts, max_length=160)
+    net, _, _ = quantized_model(res.tensors, args, res.config, dtype=torch.float32, device=torch.device("cuda"))
+    eng = Engine(net, EngineConfig(max_batch_size=1, max_length=160, block_size=16, prefix_caching=True),
+                 eos_token_ids=[], runtime=prepare(net, "cuda"))
+    outs, cached = [], []
+    for p in prompts:
+        seq = eng.add_request(p, SamplingParams(max_new_tokens=NEW))
+        eng.run()
+        outs.append(list(seq.output_ids))
+        cached.append(seq.stats.cached_tokens)
+    assert outs == cpu and cached == [0, 96, 96]
