@@ -44,6 +44,9 @@ CASES = [
                       "--speculate-max-ngram-size 0", "--speculate-max-ngram-size"),
     ("infer-prefix-caching-eagle", "infer --model {model} --prompt hi --speculate-method eagle --draft-model {d} "
                                    "--enable-prefix-caching", "--enable-prefix-caching"),
+    ("infer-regex-bad", "infer --model {model} --prompt hi --regex '([a-z'", "--regex"),
+    ("infer-regex-and-choice", "infer --model {model} --prompt hi --regex a --choice b", "--choice"),
+    ("infer-json-schema-missing", "infer --model {model} --prompt hi --json-schema {d}/missing.json", "--json-schema"),
     ("infer-no-prompt", "infer --model {model}", "--prompt"),
     ("infer-prompt-and-data", "infer --model {model} --prompt hi --data-file {d}/ok.jsonl", "--data-file"),
     ("infer-data-missing", "infer --model {model} --data-file {d}/missing.jsonl", "--data-file"),

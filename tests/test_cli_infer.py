@@ -163,3 +163,49 @@ def test_logprobs_go_into_the_output_rows(tmp_path, tiny_llama_dir, hf_logprobs)
     assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--prompt", "hi", "--logprobs", 2), "--output-file")
     assert_one_line_error(run("infer", "--model", tiny_llama_dir, "--data-file", data, "--output-file", out,
                               "--logprobs", 21), "--logprobs")
+
+
+def test_structured_output_flags_hold_every_answer(tmp_path, tiny_llama_dir):
+    import re
+
+    import pytest
+
+    pytest.importorskip("xgrammar")
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(json.dumps({"src": s}) for s in ["a b c", "hello there", "x"]))
+    schema = tmp_path / "schema.json"
+    schema.write_text(json.dumps({"type": "object", "properties": {"n": {"type": "integer", "minimum": 0}},
+                                  "required": ["n"], "additionalProperties": False}))
+    grammar = tmp_path / "g.ebnf"
+    grammar.write_text('root ::= "ab" ("cd")*')
+
+    def outputs(*flags):
+        out = tmp_path / "out.jsonl"
+        r = run("infer", "--model", tiny_llama_dir, "--data-file", data, "--output-file", out, "--batch-size", 2,
+                "--max-new-tokens", 24, "--no-chat-template", "--decode-strategy", "sampling", "--seed", 1, *flags)
+        assert r.exit_code == 0, r.output
+        return [json.loads(line)["output"] for line in out.read_text().splitlines()]
+
+    assert all(re.fullmatch(r"[0-9]{2}:[a-z]{2}", o) for o in outputs("--regex", r"[0-9]{2}:[a-z]{2}"))
+    assert all(o in ("left", "right") for o in outputs("--choice", "left", "--choice", "right"))
+    assert all(re.fullmatch(r"ab(cd)*", o) for o in outputs("--grammar", grammar))
+    for o in outputs("--json-schema", schema):
+        assert o.startswith('{"n": ')  # a prefix of the schema's JSON, whole where the answer ended
+        if o.endswith("}"):
+            assert isinstance(json.loads(o)["n"], int)
+
+
+def test_prefix_caching_flag_reports_cached_tokens_and_keeps_the_answers(tmp_path, tiny_llama_dir):
+    preamble = "the quick brown fox jumps over the lazy dog " * 6
+    data = tmp_path / "in.jsonl"
+    data.write_text("\n".join(json.dumps({"src": preamble + q}) for q in ["a b c", "hello there", "x y"]))
+    answers = []
+    for flags in ((), ("--enable-prefix-caching",)):
+        out, stats = tmp_path / "out.jsonl", tmp_path / "stats.json"
+        r = run("infer", "--model", tiny_llama_dir, "--data-file", data, "--output-file", out, "--block-size", 16,
+                "--max-new-tokens", 6, "--no-chat-template", "--stats-file", stats, *flags)
+        assert r.exit_code == 0, r.output
+        answers.append([json.loads(line)["output_token_ids"] for line in out.read_text().splitlines()])
+        cached = json.loads(stats.read_text()).get("cached_prompt_tokens")
+    assert answers[1] == answers[0]
+    assert cached is not None and cached >= 2 * 16 and cached % 16 == 0

@@ -23,6 +23,31 @@ def _stats_table(title: str, stats: dict):
     return table
 
 
+def _structured_output(json_schema, regex, choice, grammar) -> dict:
+    """`InferConfig`'s structured_output and the flag that gave it, from infer's flags (at most one)."""
+    import json
+    from pathlib import Path
+
+    given = [(f, v) for f, v in (("--json-schema", json_schema), ("--regex", regex), ("--choice", choice),
+                                 ("--grammar", grammar)) if v]
+    if len(given) > 1:
+        raise QuantSpecError(f"give one of {given[0][0]} and {given[1][0]}")
+    if not given:
+        return {}
+    flag, value = given[0]
+    if flag in ("--json-schema", "--grammar"):
+        path = Path(value)
+        if not path.is_file():
+            raise QuantSpecError(f"{flag} {value} does not exist" if not path.exists() else f"{flag} {value} is not a file")
+        try:
+            value = path.read_text(encoding="utf-8")
+        except UnicodeDecodeError:
+            raise QuantSpecError(f"{flag} {value}: not UTF-8; save the file as UTF-8") from None
+    kind = {"--json-schema": "json", "--regex": "regex", "--choice": "choice", "--grammar": "grammar"}[flag]
+    spec = json.dumps(list(value)) if kind == "choice" else value
+    return {"structured_output": (kind, spec), "structured_flag": flag}
+
+
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True,
               help="Zoo name, local HF directory, quantspec artifact, or hub id.")
@@ -78,6 +103,10 @@ def _stats_table(title: str, stats: dict):
 @click.option("--speculate-draft-head", type=click.Choice(["int8", "artifact"]), default=None,
               help="draft: score drafts with the draft model's head rounded to int8 (faster on CPU, output "
                    "unchanged) or with its own head [default: int8].")
+@click.option("--json-schema", type=click.Path(dir_okay=False), help="Hold each answer to the JSON schema in this file.")
+@click.option("--regex", help="Hold each answer to this regular expression.")
+@click.option("--choice", multiple=True, help="Each answer is one of these strings (repeatable).")
+@click.option("--grammar", type=click.Path(dir_okay=False), help="Hold each answer to the EBNF grammar in this file (start rule: root).")
 @click.option("--enable-prefix-caching", is_flag=True,
               help="Prompts skip the prefill of whole KV blocks an earlier prompt or answer filled (shared system prompts, few-shot preambles).")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
@@ -85,7 +114,7 @@ def _stats_table(title: str, stats: dict):
 @one_line_errors
 @threads_option
 def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, calib,
-          **kw):
+          json_schema, regex, choice, grammar, **kw):
     """Generate text with a model or a quantized artifact (optionally speculating)."""
     import json
 
@@ -98,6 +127,7 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     cachekv = "int8" if cachekv_int8_type == "static" else "fp8" if cachekv_fp8_type == "static" else "none"
     if prompt is None and data_file is None:
         raise QuantSpecError("give --prompt TEXT or --data-file FILE.jsonl")
+    kw.update(_structured_output(json_schema, regex, choice, grammar))
     config = api.InferConfig(chat_template=not no_chat_template, cachekv=cachekv, **kw)
     if stats_file:
         check_output_file(stats_file, "--stats-file")

@@ -55,6 +55,7 @@ from quantspec.infer.sampler import (SamplingParams, adjust_logits, generator_fo
 from quantspec.infer.scheduler import EngineConfig, Scheduler
 from quantspec.infer.sequence import Sequence, SeqStats, append_tokens, count_drafts
 from quantspec.infer.spec.tree import depths, prune, verify_trees
+from quantspec.infer.structured import advance, guide_matcher, mask_logits
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
@@ -182,6 +183,7 @@ class Engine:
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
         seq.speculate = not params.adjusts_logits  # a draft's verification knows no penalties, biases or masks
+        seq.guide = None if params.guide is None else guide_matcher(params.guide)
         self._next_id += 1
         self.scheduler.waiting.append(seq)
         return seq
@@ -392,13 +394,15 @@ class Engine:
 
     def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
         """`row` [V] of `seq`'s next token, in place: EOS and stop tokens masked while the output is
-        shorter than `min_tokens`, then the penalties and bias (`sampler.adjust_logits`)."""
+        shorter than `min_tokens`, then the penalties and bias (`sampler.adjust_logits`), then what
+        its guide rules out (`structured.mask_logits`)."""
         p = seq.params
         if len(seq.output_ids) < p.min_tokens:
             ends = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
             row[torch.tensor(sorted(t for t in ends if t < row.shape[0]), dtype=torch.int64, device=row.device)] = \
                 float("-inf")
-        return adjust_logits(row, p, seq.prompt_ids, seq.output_ids)
+        adjust_logits(row, p, seq.prompt_ids, seq.output_ids)
+        return row if seq.guide is None else mask_logits(seq.guide, row)
 
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
                 ids: list[int] | None, logits: torch.Tensor | None, trees: list[list[int] | None] | None = None
@@ -442,6 +446,8 @@ class Engine:
             if seq.stats.t_first_token is None:
                 seq.stats.t_first_token = now
             emitted = append_tokens(seq, toks, self.eos, self.config.max_length)
+            if seq.guide is not None:
+                advance(seq.guide, emitted)
             if seq.params.logprobs is not None and emitted:
                 wants.append((seq, [base + path[j] for j in range(len(emitted))], emitted))
             if d:

@@ -16,7 +16,7 @@ from __future__ import annotations
 import json
 import resource
 import time
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Callable
 
@@ -95,6 +95,10 @@ class InferConfig:
     # prompts skip the prefill of leading KV blocks an earlier prompt or answer filled (a shared
     # system prompt, few-shot examples, a chat's earlier turns); EngineConfig.prefix_caching
     enable_prefix_caching: bool = False
+    # structured output (`infer.structured`): (kind, spec), e.g. ("regex", "[0-9]+"), and the flag
+    # that asked for it (what an error names)
+    structured_output: tuple[str, str] | None = None
+    structured_flag: str = "--structured-output"
 
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
@@ -125,6 +129,10 @@ class InferConfig:
                                      f"{', '.join(DRAFT_HEADS)}")
             if self.speculate_method != "draft":
                 raise QuantSpecError("--speculate-draft-head applies to --speculate-method draft only; drop it")
+        if self.structured_output is not None:
+            from quantspec.infer.structured import Guide
+
+            Guide(*self.structured_output)  # a known kind
         if self.enable_prefix_caching and self.speculate_method == "eagle":
             raise QuantSpecError("--enable-prefix-caching skips prompt rows whose features the EAGLE-3 head reads; "
                                  "drop it or use another --speculate-method")
@@ -290,6 +298,16 @@ class Predictor:
             return ids[-limit:], True
         return ids, False
 
+    def _guide(self):
+        """The compiled structured output of `structured_output` (an error names its flag)."""
+        from quantspec.infer.structured import Guide, GuideCompiler
+
+        try:
+            compiler = GuideCompiler(self.tokenizer, self.loaded.model.args.vocab_size, sorted(self.engine.eos))
+            return compiler.compile(Guide(*self.config.structured_output))
+        except QuantSpecError as e:
+            raise QuantSpecError(f"{self.config.structured_flag}: {e}") from None
+
     def _stop_check(self):
         stops = self.config.stop
         if not stops:
@@ -315,6 +333,8 @@ class Predictor:
     def generate(self, srcs: list[str], on_text: Callable[[str], None] | None = None) -> list[RequestOutput]:
         """Generate for every prompt; `on_text` streams the text of a single prompt as it grows."""
         params = self.config.sampling_params()
+        if self.config.structured_output is not None:
+            params = replace(params, guide=self._guide())
         encoded = [self.encode(s, row=i + 1 if len(srcs) > 1 else None) for i, s in enumerate(srcs)]
         check = self._stop_check()
         seqs = [self.engine.add_request(ids, params, request_index=i, text_check=check)

@@ -97,6 +97,9 @@ class SamplingParams:
                      `logit_bias`; -100 bans a token in effect), after the penalties. Penalties and
                      biases act before temperature and the filters, and a sequence with any of them
                      gets no drafts (`adjusts_logits`).
+    guide:           None, or a compiled structured-output grammar (`infer.structured`): the
+                     logits of every token the answer cannot continue with are masked, after the
+                     penalties and bias; a guided sequence gets no drafts either.
     """
 
     decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
@@ -116,6 +119,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     min_tokens: int = 0
+    guide: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
         try:
@@ -213,10 +217,11 @@ class SamplingParams:
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when a presence, frequency or repetition penalty, a logit bias or min_tokens is on
-        (`adjust_logits`, and the engine's masking of EOS and stop tokens)."""
+        """True when a presence, frequency or repetition penalty, a logit bias, min_tokens or a guide
+        is on (`adjust_logits`, and the engine's masking of EOS and stop tokens and of what a guide
+        rules out)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.guide is not None)
 
     @property
     def uses_filter(self) -> bool:

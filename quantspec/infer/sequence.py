@@ -49,6 +49,7 @@ class Sequence:
     # proposer sets `needs_hidden`): what an MTP module combines with that token's embedding
     last_hidden: torch.Tensor | None = None
     speculate: bool = True  # False: this sequence gets no drafts (a per-request opt-out)
+    guide: object | None = None  # with `params.guide`: its matcher (`infer.structured.guide_matcher`)
     # with `params.logprobs`: one per output token; with `params.prompt_logprobs`: one per prompt
     # token, None for the first (nothing predicts it)
     logprobs: list[TokenLogprob] = field(default_factory=list)

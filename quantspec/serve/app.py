@@ -50,9 +50,20 @@ class ServeState:
     kv_cache: str = ""  # which KV cache the engine runs (`infer.kv_cache.kv_cache_label`)
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
+    _guides: object = field(default=None, init=False, repr=False)
 
     def __post_init__(self):
         self.token_text = TokenText(self.tokenizer)
+
+    def guide_compiler(self):
+        """The structured-output compiler for the served tokenizer (`infer.structured`), built when
+        a request first asks for one."""
+        if self._guides is None:
+            from quantspec.infer.structured import GuideCompiler
+
+            engine = self.loop.engine
+            self._guides = GuideCompiler(self.tokenizer, engine.model.args.vocab_size, sorted(engine.eos))
+        return self._guides
 
 
 class Unauthorized(Exception):

@@ -5,10 +5,12 @@ hook its answers share, and one `Job` per answer of each prompt."""
 from __future__ import annotations
 
 import dataclasses
+import json
 from typing import TYPE_CHECKING, Callable
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.sampler import SamplingParams
+from quantspec.infer.structured import Guide
 from quantspec.serve.loop import Job
 from quantspec.serve.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
 from quantspec.serve.text import stop_check
@@ -16,7 +18,7 @@ from quantspec.serve.text import stop_check
 if TYPE_CHECKING:
     from quantspec.serve.app import ServeState
 
-__all__ = ["BadRequest", "check_model", "check_request", "make_job", "request_params"]
+__all__ = ["BadRequest", "check_model", "check_request", "make_job", "request_guide", "request_params"]
 
 
 class BadRequest(Exception):
@@ -66,6 +68,11 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
         if not key.isdigit() or int(key) >= vocab:
             raise BadRequest(f"logit_bias key {key!r} must be a token id in [0, {vocab})", param="logit_bias")
         bias.append((int(key), value))
+    guide, field_name = request_guide(body)
+    try:
+        compiled = None if guide is None else state.guide_compiler().compile(guide)
+    except QuantSpecError as e:
+        raise BadRequest(str(e), param=field_name) from None
     try:
         params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
                                 temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
@@ -76,10 +83,34 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
                                 frequency_penalty=body.frequency_penalty or 0,
                                 repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
                                 logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
-                                min_tokens=body.min_tokens)
+                                min_tokens=body.min_tokens, guide=compiled)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return params, stop_check(state.tokenizer, stops)
+
+
+def request_guide(body: GenerationRequest) -> tuple[Guide | None, str | None]:
+    """The structured output `body` asks for (OpenAI's `response_format` or vLLM's
+    `structured_outputs`; "text" asks for none) and the field that asked; a `BadRequest` for two."""
+    asked = []
+    fmt = body.response_format
+    if fmt is not None and fmt.type == "json_object":
+        asked.append((Guide("json_object"), "response_format"))
+    elif fmt is not None and fmt.type == "json_schema":
+        if fmt.json_schema is None:
+            raise BadRequest("response_format of type json_schema needs json_schema.schema", param="response_format")
+        asked.append((Guide("json", json.dumps(fmt.json_schema.json_schema)), "response_format"))
+    so = body.structured_outputs
+    if so is not None:
+        for kind, value in (("json", so.json_spec), ("regex", so.regex), ("choice", so.choice),
+                            ("grammar", so.grammar), ("json_object", so.json_object or None)):
+            if value is not None:
+                spec = value if isinstance(value, str) else "" if value is True else json.dumps(value)
+                asked.append((Guide(kind, spec), "structured_outputs"))
+    if len(asked) > 1:
+        raise BadRequest("give one structured output (response_format, or one field of structured_outputs)",
+                         param=asked[1][1])
+    return asked[0] if asked else (None, None)
 
 
 def make_job(state: ServeState, body: GenerationRequest, shared: tuple[SamplingParams, Callable | None],

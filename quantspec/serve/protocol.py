@@ -3,7 +3,7 @@
 Fields that do not change the answer (`user`, `metadata`, ...) are accepted and ignored; a field
 the server reads with the wrong type is a 400 naming the field, and so is a sampling knob it does
 not implement set to anything but its neutral value (`UNSUPPORTED`), never a silently different
-answer. `speculate` is quantspec's own field: `false` turns speculation off for the request (the
+answer; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
 openai client sends it with `extra_body={"speculate": False}`).
 """
 
@@ -31,11 +31,39 @@ class StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+class JsonSchemaFormat(BaseModel):
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    name: StrictStr | None = None
+    json_schema: dict = Field(alias="schema")
+    strict: StrictBool | None = None
+
+
+class ResponseFormat(BaseModel):
+    """OpenAI's `response_format`: plain text, any JSON object, or JSON that fits `json_schema.schema`."""
+
+    model_config = ConfigDict(extra="allow")
+    type: Literal["text", "json_object", "json_schema"]
+    json_schema: JsonSchemaFormat | None = None
+
+
+class StructuredOutputs(BaseModel):
+    """vLLM's `structured_outputs`: exactly one of a JSON schema (`json`, an object or its text),
+    a regular expression, a list of choices, an EBNF grammar, or any JSON (`json_object`)."""
+
+    model_config = ConfigDict(extra="allow", populate_by_name=True)
+    json_spec: dict | StrictStr | None = Field(None, alias="json")
+    regex: StrictStr | None = None
+    choice: Annotated[list[StrictStr], Field(min_length=1)] | None = None
+    grammar: StrictStr | None = None
+    json_object: StrictBool | None = None
+
+
 class GenerationRequest(BaseModel):
     """What both endpoints share: the sampling knobs, `n` answers per prompt (each its own choice,
-    drawn from its own random stream), streaming, the speculation opt-out, and vLLM's
-    `ignore_eos`, `stop_token_ids` and `min_tokens`. A request with a penalty, a logit bias (keyed
-    by token id) or `min_tokens` (`SamplingParams`' definitions) is not speculated."""
+    drawn from its own random stream), streaming, the speculation opt-out, vLLM's `ignore_eos`,
+    `stop_token_ids` and `min_tokens`, and structured outputs (OpenAI's `response_format`, vLLM's
+    `structured_outputs`). A request with a penalty, a logit bias (keyed by token id),
+    `min_tokens` (`SamplingParams`' definitions) or a structured output is not speculated."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
@@ -57,6 +85,8 @@ class GenerationRequest(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    response_format: ResponseFormat | None = None
+    structured_outputs: StructuredOutputs | None = None
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])

@@ -1,0 +1,110 @@
+"""Structured outputs: an answer held to a JSON schema, to any JSON, to a regular expression, to an
+EBNF grammar or to one of a list of choices, by masking each step's logits to the tokens that keep
+the answer a prefix of a valid one. The grammars, their compilation against the vocabulary and the
+per-sequence matchers are xgrammar's (the engine vLLM and SGLang use for the same fields).
+
+A `Guide` is what a request asks for (plain data); `GuideCompiler.compile` turns it into a
+compiled grammar for one tokenizer (cached: a schema sent by every request compiles once), which a
+request carries as `SamplingParams.guide`. The engine gives each such sequence a matcher
+(`guide_matcher`), masks its next-token logits with it (`mask_logits`, after penalties and bias)
+and advances it by every emitted token (`advance`). Once the answer is complete only the stop
+tokens are allowed, so it ends there. Guided sequences get no drafts (a draft's verification
+knows no grammar), like penalized ones.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from functools import lru_cache
+
+import torch
+
+from quantspec.errors import QuantSpecError
+
+__all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "advance", "guide_matcher", "mask_logits"]
+
+# json: a JSON schema (JSON text); json_object: any JSON object; regex: a regular expression;
+# grammar: an EBNF grammar (xgrammar's dialect of GBNF, `root` its start rule); choice: one of the
+# strings of a JSON list
+GUIDE_KINDS = ("json", "json_object", "regex", "grammar", "choice")
+_NATIVE_PREFIX = re.compile(r"^(\[[^\]]*\] \S+:\d+: )?(Check failed: \(.*?\) is false: )?")
+
+
+@dataclass(frozen=True)
+class Guide:
+    """What an answer must match: `kind` (one of `GUIDE_KINDS`) and its `spec` as text."""
+
+    kind: str
+    spec: str = ""
+
+    def __post_init__(self):
+        if self.kind not in GUIDE_KINDS:
+            raise QuantSpecError(f"structured output kind {self.kind!r} is not one of {', '.join(GUIDE_KINDS)}")
+
+
+def _native_message(e: Exception) -> str:
+    """xgrammar's error without the native source location: its first line."""
+    return _NATIVE_PREFIX.sub("", str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__)
+
+
+class GuideCompiler:
+    """Compiles `Guide`s for one tokenizer; `vocab_size` is the model's (its logits' width, which
+    may pass the tokenizer's), `stop_token_ids` the tokens that end an answer (the EOS)."""
+
+    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]):
+        try:
+            import xgrammar as xgr
+        except ImportError:
+            raise QuantSpecError("structured outputs need xgrammar; pip install xgrammar") from None
+        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        self._compiler = xgr.GrammarCompiler(info, max_threads=1)
+        self.compile = lru_cache(maxsize=64)(self._compile)
+
+    def _compile(self, guide: Guide):
+        c = self._compiler
+        try:
+            if guide.kind == "json":
+                return c.compile_json_schema(guide.spec, any_whitespace=False)
+            if guide.kind == "json_object":
+                return c.compile_builtin_json_grammar()
+            if guide.kind == "regex":
+                return c.compile_regex(guide.spec)
+            if guide.kind == "grammar":
+                return c.compile_grammar(guide.spec)
+            choices = json.loads(guide.spec)
+            if not choices or not all(isinstance(x, str) and x for x in choices):
+                raise QuantSpecError("a choice guide needs a non-empty list of non-empty strings")
+            return c.compile_grammar("root ::= " + " | ".join(json.dumps(x) for x in choices))
+        except QuantSpecError:
+            raise
+        except Exception as e:  # xgrammar's parse errors (RuntimeError, ValueError, its own)
+            raise QuantSpecError(f"the {guide.kind} of the structured output does not compile: "
+                                 f"{_native_message(e)}") from None
+
+
+def guide_matcher(compiled):
+    """A fresh matcher of one sequence's answer over a compiled guide."""
+    import xgrammar as xgr
+
+    return xgr.GrammarMatcher(compiled)
+
+
+def mask_logits(matcher, row: torch.Tensor) -> torch.Tensor:
+    """row [V] fp32, in place: -inf at every token the answer so far cannot continue with."""
+    import xgrammar as xgr
+
+    bitmask = xgr.allocate_token_bitmask(1, row.shape[-1])
+    matcher.fill_next_token_bitmask(bitmask)
+    xgr.apply_token_bitmask_inplace(row.view(1, -1), bitmask.to(row.device))
+    return row
+
+
+def advance(matcher, tokens: list[int]) -> None:
+    """Feed the emitted tokens to the matcher (each one the mask allowed)."""
+    for t in tokens:
+        if matcher.is_terminated():
+            break
+        if not matcher.accept_token(t):
+            raise QuantSpecError(f"token {t} broke its structured output; a masking bug")
