@@ -30,6 +30,10 @@ Log-probabilities (`SamplingParams.logprobs` / `prompt_logprobs`): `_forward` al
 of a prefill chunk that predict prompt tokens, `_record` scores each emitted token at the row that
 predicted it (a tree's accepted path), from the raw logits (before penalties and biases).
 
+A sequence's own rules on its logits (min_tokens, penalties, bias, a structured output's grammar)
+shape what the picker and verifier see (`adjust.py`); a guided sequence's matcher advances by
+every emitted token (`sequence.append_tokens`).
+
 Token trees (`spec/tree.py`): a proposal may give a sequence's drafts parents; its rows then sit
 at the positions of their depths, attend under a tree mask in the same ragged batch, and after
 verification the keys and values of the accepted path move into the slots that follow the
@@ -46,16 +50,17 @@ import torch
 
 from quantspec.devices import device_done
 from quantspec.errors import QuantSpecError
+from quantspec.infer.adjust import adjust_step, guide_drafts
 from quantspec.infer.backend import Runtime, default_runtime
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.logprobs import score_new_tokens, score_prompt_rows
 from quantspec.infer.prefix_cache import PrefixCachingAllocator
-from quantspec.infer.sampler import (SamplingParams, adjust_logits, generator_for_request, greedy_ids,
-                                     logits_to_probs, sample, sampling_tensors)
+from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
+                                     sampling_tensors)
 from quantspec.infer.scheduler import EngineConfig, Scheduler
 from quantspec.infer.sequence import Sequence, SeqStats, append_tokens, count_drafts
 from quantspec.infer.spec.tree import depths, prune, verify_trees
-from quantspec.infer.structured import advance, guide_matcher, mask_logits
+from quantspec.infer.structured import guide_matcher
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_proposal
 from quantspec.model_zoo.llama import Transformer
@@ -182,7 +187,7 @@ class Engine:
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
-        seq.speculate = not params.adjusts_logits  # a draft's verification knows no penalties, biases or masks
+        seq.speculate = not params.blocks_drafts  # a draft's verification knows no penalties or biases
         seq.guide = None if params.guide is None else guide_matcher(params.guide)
         self._next_id += 1
         self.scheduler.waiting.append(seq)
@@ -235,7 +240,7 @@ class Engine:
             logits = None if logits is None else logits[done]
         pick_ids, pick_logits = ids, logits
         if any(s.params.adjusts_logits for s in seqs):
-            pick_ids, pick_logits = self._adjust(seqs, drafts, scored, ids, logits)
+            pick_ids, pick_logits = adjust_step(self.model, self.eos, seqs, drafts, scored, ids, logits)
         new_tokens, paths = (self._accept(seqs, drafts, [draft_probs[i] for i in done], pick_ids, pick_logits, trees)
                              if seqs else ([], None))
         accepted = [len(t) - 1 for t in new_tokens]
@@ -312,6 +317,7 @@ class Engine:
                 keep = torch.tensor(kept, dtype=torch.int64)
             drafts[i] = ids[keep].tolist()
             probs[i] = None if q is None else q[keep.to(q.device) if par is not None else keep]
+        guide_drafts(seqs, drafts, probs, trees)  # guided sequences: chains, of drafts their grammar allows
         return drafts, probs, (trees if any(t is not None for t in trees) else None)
 
     def _feed(self, seqs: list[Sequence], news: list[list[int]]) -> tuple[list[int], list[int], list[int]]:
@@ -370,40 +376,6 @@ class Engine:
         logits = self.model.compute_logits(scored, row_invariant=row_invariant) if ids is None else None  # [sum(1+k_b), V]
         return scored, ids, logits
 
-    def _adjust(self, seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
-                ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
-        """The step's (ids, logits) to pick from, with the row of each sequence that has penalties,
-        a logit bias or min_tokens (it has no drafts) re-scored under them (`_adjust_row`): in a
-        greedy batch its id (its row's logits computed for it), else its row of a copy of the
-        logits (the step's own stay raw, for log-probabilities)."""
-        rows, r = [], 0
-        for s, d in zip(seqs, drafts):
-            if s.params.adjusts_logits:
-                rows.append((r, s))
-            r += 1 + len(d)
-        if ids is not None:
-            ids = list(ids)
-            lg = self.model.compute_logits(scored[torch.tensor([r for r, _ in rows], device=self.device)]).float()
-            for i, (r, s) in enumerate(rows):
-                ids[r] = int(self._adjust_row(lg[i], s).argmax())
-            return ids, logits
-        logits = logits.clone()
-        for r, s in rows:
-            self._adjust_row(logits[r], s)
-        return ids, logits
-
-    def _adjust_row(self, row: torch.Tensor, seq: Sequence) -> torch.Tensor:
-        """`row` [V] of `seq`'s next token, in place: EOS and stop tokens masked while the output is
-        shorter than `min_tokens`, then the penalties and bias (`sampler.adjust_logits`), then what
-        its guide rules out (`structured.mask_logits`)."""
-        p = seq.params
-        if len(seq.output_ids) < p.min_tokens:
-            ends = set(p.stop_token_ids) | (set() if p.ignore_eos else self.eos)
-            row[torch.tensor(sorted(t for t in ends if t < row.shape[0]), dtype=torch.int64, device=row.device)] = \
-                float("-inf")
-        adjust_logits(row, p, seq.prompt_ids, seq.output_ids)
-        return row if seq.guide is None else mask_logits(seq.guide, row)
-
     def _accept(self, seqs: list[Sequence], drafts: list[list[int]], draft_probs: list[torch.Tensor | None],
                 ids: list[int] | None, logits: torch.Tensor | None, trees: list[list[int] | None] | None = None
                 ) -> tuple[list[list[int]], list[list[int]] | None]:
@@ -446,8 +418,6 @@ class Engine:
             if seq.stats.t_first_token is None:
                 seq.stats.t_first_token = now
             emitted = append_tokens(seq, toks, self.eos, self.config.max_length)
-            if seq.guide is not None:
-                advance(seq.guide, emitted)
             if seq.params.logprobs is not None and emitted:
                 wants.append((seq, [base + path[j] for j in range(len(emitted))], emitted))
             if d:

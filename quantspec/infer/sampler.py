@@ -99,7 +99,7 @@ class SamplingParams:
                      gets no drafts (`adjusts_logits`).
     guide:           None, or a compiled structured-output grammar (`infer.structured`): the
                      logits of every token the answer cannot continue with are masked, after the
-                     penalties and bias; a guided sequence gets no drafts either.
+                     penalties and bias; drafts are verified under the mask (`infer.adjust`).
     """
 
     decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
@@ -216,12 +216,17 @@ class SamplingParams:
         return self.decode_strategy is DecodeStrategy.GREEDY
 
     @property
-    def adjusts_logits(self) -> bool:
-        """True when a presence, frequency or repetition penalty, a logit bias, min_tokens or a guide
-        is on (`adjust_logits`, and the engine's masking of EOS and stop tokens and of what a guide
-        rules out)."""
+    def blocks_drafts(self) -> bool:
+        """True when a presence, frequency or repetition penalty, a logit bias or min_tokens is on
+        (`adjust_logits`, and the engine's masking of EOS and stop tokens): a draft's verification
+        knows nothing of them, so such a sequence gets no drafts."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.guide is not None)
+                    or self.logit_bias or self.min_tokens)
+
+    @property
+    def adjusts_logits(self) -> bool:
+        """True when the logits are adjusted before a pick: `blocks_drafts`, or a guide."""
+        return self.blocks_drafts or self.guide is not None
 
     @property
     def uses_filter(self) -> bool:

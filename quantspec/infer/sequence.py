@@ -13,6 +13,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.errors import QuantSpecError
 from quantspec.infer.logprobs import TokenLogprob
 from quantspec.infer.sampler import SamplingParams
 
@@ -69,16 +70,21 @@ class Sequence:
 
 def append_tokens(seq: Sequence, toks: list[int], eos: set[int], max_length: int) -> list[int]:
     """Append `toks` to `seq` up to the first that ends it (EOS unless `ignore_eos`, a stop token,
-    max_new_tokens, `max_length`, a stop string; EOS, stop tokens and strings only from
-    `min_tokens` output tokens on), setting its finish reason; → the tokens appended."""
+    the end of its structured output, max_new_tokens, `max_length`, a stop string; EOS, stop
+    tokens and strings only from `min_tokens` output tokens on), setting its finish reason and
+    feeding its guide's matcher; → the tokens appended."""
     p = seq.params
     emitted = []
     for t in toks:
         seq.output_ids.append(t)
         emitted.append(t)
+        if seq.guide is not None and not seq.guide.accept_token(t):
+            raise QuantSpecError(f"token {t} broke its structured output; a masking bug")
         may_stop = len(seq.output_ids) >= p.min_tokens
         if may_stop and t in eos and not p.ignore_eos:
             seq.finished, seq.finish_reason = True, "eos"
+        elif seq.guide is not None and seq.guide.is_terminated():  # the answer is whole: its stop token
+            seq.finished, seq.finish_reason = True, "stop"
         elif may_stop and t in p.stop_token_ids:
             seq.finished, seq.finish_reason = True, "stop"
         elif len(seq.output_ids) >= p.max_new_tokens:

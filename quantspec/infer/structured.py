@@ -7,9 +7,9 @@ A `Guide` is what a request asks for (plain data); `GuideCompiler.compile` turns
 compiled grammar for one tokenizer (cached: a schema sent by every request compiles once), which a
 request carries as `SamplingParams.guide`. The engine gives each such sequence a matcher
 (`guide_matcher`), masks its next-token logits with it (`mask_logits`, after penalties and bias)
-and advances it by every emitted token (`advance`). Once the answer is complete only the stop
-tokens are allowed, so it ends there. Guided sequences get no drafts (a draft's verification
-knows no grammar), like penalized ones.
+and feeds it every emitted token (`sequence.append_tokens`). Once the answer is complete only the
+stop tokens are allowed, and the sequence ends with one (whatever the engine's EOS set). A guided sequence's chain of drafts is verified under the
+mask of each draft's position (`mask_rows`; `infer/adjust.py`).
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "advance", "guide_matcher", "mask_logits"]
+__all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "guide_matcher", "mask_logits", "mask_rows", "valid_prefix"]
 
 # json: a JSON schema (JSON text); json_object: any JSON object; regex: a regular expression;
 # grammar: an EBNF grammar (xgrammar's dialect of GBNF, `root` its start rule); choice: one of the
@@ -101,10 +101,26 @@ def mask_logits(matcher, row: torch.Tensor) -> torch.Tensor:
     return row
 
 
-def advance(matcher, tokens: list[int]) -> None:
-    """Feed the emitted tokens to the matcher (each one the mask allowed)."""
-    for t in tokens:
-        if matcher.is_terminated():
+def mask_rows(matcher, drafts: list[int], rows: torch.Tensor) -> torch.Tensor:
+    """rows [1 + k, V] fp32 of a sequence's fed token and its k drafts, in place: row j masked with
+    the grammar's state after drafts[:j]. Past a draft the grammar rules out (or the end of the
+    answer) the rows are left as they are: verification rejects that draft, so they are never used.
+    The matcher is back where it was."""
+    n = 0
+    for j in range(rows.shape[0]):
+        if n < j or matcher.is_terminated():
             break
-        if not matcher.accept_token(t):
-            raise QuantSpecError(f"token {t} broke its structured output; a masking bug")
+        mask_logits(matcher, rows[j])
+        if j < len(drafts) and matcher.accept_token(drafts[j]):
+            n += 1
+    matcher.rollback(n)
+    return rows
+
+
+def valid_prefix(matcher, drafts: list[int]) -> int:
+    """How many leading `drafts` the grammar allows from the matcher's state (which it keeps)."""
+    n = 0
+    while n < len(drafts) and not matcher.is_terminated() and matcher.accept_token(drafts[n]):
+        n += 1
+    matcher.rollback(n)
+    return n

@@ -62,8 +62,9 @@ class GenerationRequest(BaseModel):
     """What both endpoints share: the sampling knobs, `n` answers per prompt (each its own choice,
     drawn from its own random stream), streaming, the speculation opt-out, vLLM's `ignore_eos`,
     `stop_token_ids` and `min_tokens`, and structured outputs (OpenAI's `response_format`, vLLM's
-    `structured_outputs`). A request with a penalty, a logit bias (keyed by token id),
-    `min_tokens` (`SamplingParams`' definitions) or a structured output is not speculated."""
+    `structured_outputs`). A request with a penalty, a logit bias (keyed by token id) or
+    `min_tokens` (`SamplingParams`' definitions) is not speculated; a structured output's drafts
+    are verified under its grammar."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None

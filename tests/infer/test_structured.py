@@ -50,7 +50,6 @@ def test_a_json_schema_answer_parses_and_fits_the_schema(tiny_llama_model, guide
     value = json.loads(tok.decode(seq.output_ids[:-1]), strict=False)  # xgrammar lets control characters into strings
     assert set(value) == {"name", "age"} and isinstance(value["name"], str) and len(value["name"]) <= 8
     assert isinstance(value["age"], int) and 0 <= value["age"] <= 99
-    assert seq.speculate is False
 
 
 @pytest.mark.parametrize("pattern", [r"[0-9]{3}-[a-z]{2,4}", r"(yes|no), because [a-z ]{1,12}\."])
@@ -111,3 +110,24 @@ def test_a_bad_guide_is_one_clear_error(guides, guide, says):
 def test_an_unknown_kind_is_refused():
     with pytest.raises(QuantSpecError, match="json_object"):
         Guide("yaml", "")
+
+
+def test_drafts_of_a_guided_sequence_are_cut_and_verified_under_the_grammar(tiny_llama_model, guides, answer_oracle):
+    """Drafting the guided answer itself, every draft is accepted; drafting text the schema rules
+    out, the drafts are cut before the forward or rejected; the answer is the guided one either way."""
+    tok, compiler = guides
+    prompt = _prompt(tok)
+    guide = compiler.compile(Guide("json", json.dumps(SCHEMA)))
+    want = _run(tiny_llama_model, prompt, Guide("json", json.dumps(SCHEMA)), compiler, n=80).output_ids
+    junk = tok("hello there, no json here at all", add_special_tokens=False)["input_ids"] * 4
+    for answers, all_accepted in (([want], True), ([junk], False)):
+        eng = Engine(tiny_llama_model, EngineConfig(block_size=16, max_batch_size=1, max_length=256,
+                                                    spec_max_draft_tokens=4),
+                     eos_token_ids=[EOS], proposer=answer_oracle(answers))
+        seq = eng.add_request(prompt, SamplingParams(max_new_tokens=80, guide=guide))
+        eng.run()
+        assert seq.output_ids == want
+        if all_accepted:
+            assert seq.stats.drafted > 0 and seq.stats.accepted == seq.stats.drafted
+        else:  # most junk is cut (a few tokens fit inside a JSON string, and are rejected)
+            assert seq.stats.drafted < seq.stats.target_forwards and seq.stats.accepted < seq.stats.drafted

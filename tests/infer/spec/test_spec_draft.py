@@ -347,3 +347,73 @@ def test_draft_head_option_is_checked():
     with pytest.raises(QuantSpecError, match="applies to --speculate-method draft only"):
         InferConfig(model="m", speculate_method="inference_with_reference", speculate_draft_head="int8")
     assert InferConfig(model="m", speculate_method="draft", draft_model="d", speculate_draft_head="artifact")
+
+
+# -- structured outputs: drafts verified under the grammar ------------------------------------------
+
+
+def _guide(tiny_tokenizer_dir, pattern):
+    pytest.importorskip("xgrammar")
+    from transformers import AutoTokenizer
+
+    from quantspec.infer.structured import Guide, GuideCompiler
+
+    tok = AutoTokenizer.from_pretrained(tiny_tokenizer_dir)
+    return tok, GuideCompiler(tok, 512, [2]).compile(Guide("regex", pattern))
+
+
+def test_guided_greedy_with_drafts_equals_guided_plain(base, close_draft, tiny_tokenizer_dir):
+    """A draft model proposes freely; the grammar cuts what it rules out and the rows are verified
+    under its masks: the guided greedy answers are those of guided decoding without drafts."""
+    tok, guide = _guide(tiny_tokenizer_dir, "[a-z ]{4,60}")
+    prompts = _prompts([5, 17, 30], seed=0)
+    params = SamplingParams(max_new_tokens=30, guide=guide)
+    plain = _ids(_run(base, prompts, params))
+    seqs = _run(base, prompts, params, proposer=_proposer(close_draft, base, batch=3), batch=3)
+    assert _ids(seqs) == plain
+    assert all(s.speculate for s in seqs) and sum(s.stats.accepted for s in seqs) > 0
+    for s in seqs:
+        text = tok.decode(s.output_ids, skip_special_tokens=True)
+        assert 4 <= len(text) <= 60 and set(text) <= set("abcdefghijklmnopqrstuvwxyz ")
+
+
+def _guided_next_probs(model, params, guide, prompt_len):
+    """ids → the next token's probabilities under `model`, `params` and the guide's mask after the
+    answer so far (a fresh matcher fed the answer: no drafts, no rollback)."""
+    from quantspec.infer.structured import guide_matcher, mask_logits
+
+    tensors = sampling_tensors([params])
+
+    def next_probs(ids):
+        matcher = guide_matcher(guide)
+        for t in ids[prompt_len:]:
+            assert matcher.accept_token(t)
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        logits = model.compute_logits(h[-1:])[:, :512].float()
+        mask_logits(matcher, logits[0])
+        return logits_to_probs(logits, *tensors)[0]
+
+    return next_probs
+
+
+def test_guided_sampled_drafts_reproduce_the_guided_distribution(base, far_draft, tiny_tokenizer_dir, sequence_law,
+                                                                 pooled_chisquare):
+    """Chi-square over 4 sampled tokens: sampled drafts of a different model (q ignores the
+    grammar), verified under the grammar's masks, reproduce guided sampling's exact law."""
+    _, guide = _guide(tiny_tokenizer_dir, "[a-z]{40,}")  # no end within 4 tokens
+    params = SamplingParams(decode_strategy="sampling", temperature=1.5, seed=5, max_new_tokens=4, top_k=3,
+                            guide=guide)
+    (prompt,) = _prompts([8], seed=4)
+    exact = sequence_law(_guided_next_probs(base, params, guide, len(prompt)), prompt, 4)
+    n, counts, drafted, accepted = 0, {}, 0, 0
+    for rnd in range(12):
+        prop = _proposer(far_draft, base, k=2, batch=128, max_length=32)
+        seqs = _run(base, [prompt] * 128, params, proposer=prop, batch=128, k=2, max_length=32, offset=rnd * 128)
+        for s in seqs:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+            drafted += s.stats.drafted
+            accepted += s.stats.accepted
+        n += len(seqs)
+    assert drafted >= n and 0 < accepted < drafted
+    assert set(counts) <= set(exact)  # nothing the grammar or top-k rules out
+    assert pooled_chisquare(counts, exact, n) > 1e-3

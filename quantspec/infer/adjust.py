@@ -1,0 +1,83 @@
+"""A step's logits as each sequence's own rules shape them before a token is picked: EOS and stop
+tokens masked until `min_tokens`, the penalties and logit bias (`sampler.adjust_logits`), and a
+structured output's mask (`structured.py`). The raw logits stay the step's own (log-probabilities
+are the model's); what the picker and the verifier see is adjusted.
+
+Drafts: a sequence with penalties, a bias or `min_tokens` has none (a draft's verification knows
+nothing of them). A guided sequence may have a chain of drafts: its row j is masked with the
+grammar's state after its first j drafts, so verification accepts exactly the drafts the guided
+target would have produced (greedy), or keeps the rejection-sampling guarantee against the guided
+distribution (sampling). Deterministic drafts the grammar rules out are cut before the forward
+(`guide_drafts`): such a draft is rejected with certainty and the row that replaces it is the
+guided distribution itself, so cutting changes nothing but the wasted rows.
+"""
+
+from __future__ import annotations
+
+import torch
+
+from quantspec.infer.sampler import adjust_logits
+from quantspec.infer.sequence import Sequence
+from quantspec.infer.structured import mask_logits, mask_rows, valid_prefix
+
+__all__ = ["adjust_step", "guide_drafts"]
+
+
+def _adjust_row(row: torch.Tensor, seq: Sequence, eos: set[int]) -> torch.Tensor:
+    """`row` [V] of `seq`'s next token, in place: EOS and stop tokens masked while the output is
+    shorter than `min_tokens`, then the penalties and bias, then what its guide rules out."""
+    p = seq.params
+    if len(seq.output_ids) < p.min_tokens:
+        ends = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
+        row[torch.tensor(sorted(t for t in ends if t < row.shape[0]), dtype=torch.int64, device=row.device)] = \
+            float("-inf")
+    adjust_logits(row, p, seq.prompt_ids, seq.output_ids)
+    return row if seq.guide is None else mask_logits(seq.guide, row)
+
+
+def _adjust_rows(rows: torch.Tensor, seq: Sequence, drafts: list[int], eos: set[int]) -> torch.Tensor:
+    """rows [1 + k, V] of `seq` (its fed token's row, then one per draft), in place."""
+    if drafts:  # only a guided sequence has drafts among those adjusted
+        return mask_rows(seq.guide, drafts, rows)
+    _adjust_row(rows[0], seq, eos)
+    return rows
+
+
+def adjust_step(model, eos: set[int], seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
+                ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
+    """The step's (ids, logits) to pick from, with the rows of each sequence whose params adjust
+    its logits (`SamplingParams.adjusts_logits`) adjusted: in a greedy batch (`ids`, no logits)
+    its ids re-picked from logits computed for its rows, else its rows of a copy of `logits`
+    [R, V]. `scored` [R, D]: the step's scored rows, each sequence's 1 + len(drafts) in order."""
+    spans, r = [], 0
+    for s, d in zip(seqs, drafts):
+        if s.params.adjusts_logits:
+            spans.append((r, s, d))
+        r += 1 + len(d)
+    if ids is not None:
+        ids = list(ids)
+        at = torch.tensor([r + j for r, _, d in spans for j in range(1 + len(d))], device=scored.device)
+        lg = model.compute_logits(scored[at]).float()
+        i = 0
+        for r, s, d in spans:
+            picked = _adjust_rows(lg[i:i + 1 + len(d)], s, d, eos).argmax(-1).tolist()
+            ids[r:r + 1 + len(d)] = picked
+            i += 1 + len(d)
+        return ids, logits
+    logits = logits.clone()
+    for r, s, d in spans:
+        _adjust_rows(logits[r:r + 1 + len(d)], s, d, eos)
+    return ids, logits
+
+
+def guide_drafts(seqs: list[Sequence], drafts: list[list[int]], probs: list, trees: list | None) -> None:
+    """In place, before the forward: a guided sequence keeps a chain of drafts only (a tree's
+    branches would each need their own grammar state), and of deterministic drafts (probs None)
+    the ones its grammar allows from the start."""
+    for i, s in enumerate(seqs):
+        if s.guide is None or not drafts[i]:
+            continue
+        if trees is not None and trees[i] is not None:
+            drafts[i], probs[i], trees[i] = [], None, None
+        elif probs[i] is None:
+            drafts[i] = drafts[i][:valid_prefix(s.guide, drafts[i])]
