@@ -179,6 +179,20 @@ def _next_probs(model, params):
     return next_probs
 
 
+def _sampled_counts(base, draft, prompt, params, rounds=12):
+    """{continuation: count} of 128 × `rounds` sampled answers to `prompt` with `draft` proposing 2
+    sampled drafts a step, and the drafts verified and accepted in all."""
+    counts, drafted, accepted = {}, 0, 0
+    for rnd in range(rounds):
+        prop = _proposer(draft, base, k=2, batch=128, max_length=32)
+        seqs = _run(base, [prompt] * 128, params, proposer=prop, batch=128, k=2, max_length=32, offset=rnd * 128)
+        for s in seqs:
+            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
+            drafted += s.stats.drafted
+            accepted += s.stats.accepted
+    return counts, drafted, accepted
+
+
 @pytest.mark.parametrize("filters", [{"top_k": 3}, {"min_p": 0.3}])
 def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft, sequence_law, pooled_chisquare, filters):
     """Chi-square over the first 4 sampled tokens (token 1 from prefill, tokens 2-3 drafted and
@@ -193,15 +207,8 @@ def test_sampled_drafts_reproduce_the_target_distribution(base, far_draft, seque
     tv = 0.5 * sum(abs(exact.get(c, 0) - exact_draft.get(c, 0)) for c in set(exact) | set(exact_draft))
     assert tv > 0.4  # q really differs from p
 
-    n, counts, drafted, accepted = 0, {}, 0, 0
-    for rnd in range(12):
-        prop = _proposer(draft, base, k=2, batch=128, max_length=32)
-        seqs = _run(base, [prompt] * 128, params, proposer=prop, batch=128, k=2, max_length=32, offset=rnd * 128)
-        for s in seqs:
-            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
-            drafted += s.stats.drafted
-            accepted += s.stats.accepted
-        n += len(seqs)
+    counts, drafted, accepted = _sampled_counts(base, draft, prompt, params)
+    n = sum(counts.values())
     assert drafted >= 2 * n and 0 < accepted < drafted  # every sequence verified sampled drafts
     assert set(counts) <= set(exact)  # nothing outside the filtered support
     assert pooled_chisquare(counts, exact, n) > 1e-3
@@ -405,15 +412,8 @@ def test_guided_sampled_drafts_reproduce_the_guided_distribution(base, far_draft
                             guide=guide)
     (prompt,) = _prompts([8], seed=4)
     exact = sequence_law(_guided_next_probs(base, params, guide, len(prompt)), prompt, 4)
-    n, counts, drafted, accepted = 0, {}, 0, 0
-    for rnd in range(12):
-        prop = _proposer(far_draft, base, k=2, batch=128, max_length=32)
-        seqs = _run(base, [prompt] * 128, params, proposer=prop, batch=128, k=2, max_length=32, offset=rnd * 128)
-        for s in seqs:
-            counts[tuple(s.output_ids)] = counts.get(tuple(s.output_ids), 0) + 1
-            drafted += s.stats.drafted
-            accepted += s.stats.accepted
-        n += len(seqs)
+    counts, drafted, accepted = _sampled_counts(base, far_draft, prompt, params)
+    n = sum(counts.values())
     assert drafted >= n and 0 < accepted < drafted
     assert set(counts) <= set(exact)  # nothing the grammar or top-k rules out
     assert pooled_chisquare(counts, exact, n) > 1e-3
