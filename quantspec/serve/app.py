@@ -30,6 +30,7 @@ from quantspec.serve.loop import Delta, EngineLoop, Job
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest, error_body)
 from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids
+from quantspec.serve.tools import ToolCalls, tool_guide
 
 __all__ = ["ServeState", "build_app"]
 
@@ -128,8 +129,9 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(request: Request):
         body = _parse(await _json(request), ChatCompletionRequest)
-        messages = [{"role": m.role, "content": m.text()} for m in body.messages]
-        ids = chat_prompt_ids(state.tokenizer, messages)
+        messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
+        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+        ids = chat_prompt_ids(state.tokenizer, messages, tools=tools)
         return await _generate(state, request, body, [ids], chat=True)
 
     @app.post("/v1/completions", dependencies=guarded)
@@ -248,6 +250,9 @@ class _Choice:
         self.score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.finish_reason: str | None = None
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
+        # a forced tool call: the answer goes out as `tool_calls` (`serve/tools.py`)
+        self.tools = ToolCalls(body) if resp.chat and tool_guide(body) is not None else None
+        self.sofar = ""  # the text sent so far
 
     @property
     def completion_tokens(self) -> int:
@@ -289,6 +294,7 @@ class _Choice:
                 piece += self.text.feed(d.token_ids)
                 if d.logprobs:
                     entries += self._entries(d.token_ids, d.logprobs)
+            self.sofar += piece
             if d.finish_reason is None:
                 yield piece, entries, None
                 continue
@@ -297,7 +303,8 @@ class _Choice:
             else:
                 self.finish_reason = "stop" if self.text.stopped else FINISH_REASONS.get(d.finish_reason,
                                                                                         d.finish_reason)
-                piece += self.text.finish()
+                rest = self.text.finish()
+                piece, self.sofar = piece + rest, self.sofar + rest
             yield piece, entries, self.finish_reason
             return
 
@@ -339,7 +346,12 @@ class _Response:
 
     def _chunk(self, index: int, piece: str | None, entries: list, reason: str | None, *, first: bool = False) -> dict:
         logprobs = None if first else self._logprobs(entries)
-        if self.chat:
+        tools = self.choices[index].tools if self.chat and not first else None
+        if tools is not None:
+            delta, reason = tools.delta(piece or "", reason, self.choices[index].sofar)
+            choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
+            kind = "chat.completion.chunk"
+        elif self.chat:
             delta = {"role": "assistant", "content": ""} if first else ({"content": piece} if piece else {})
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             kind = "chat.completion.chunk"
@@ -386,8 +398,10 @@ class _Response:
         choices = []
         for c, (text, entries) in zip(self.choices, results):
             if self.chat:
-                choices.append({"index": c.index, "message": {"role": "assistant", "content": text},
-                                "logprobs": self._logprobs(entries), "finish_reason": c.finish_reason})
+                message, reason = (({"role": "assistant", "content": text}, c.finish_reason) if c.tools is None
+                                   else c.tools.message(text, c.finish_reason))
+                choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(entries),
+                                "finish_reason": reason})
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": self._logprobs(entries),
                                 "finish_reason": c.finish_reason})

@@ -14,6 +14,7 @@ from quantspec.infer.structured import Guide
 from quantspec.serve.loop import Job
 from quantspec.serve.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
 from quantspec.serve.text import stop_check
+from quantspec.serve.tools import ToolChoiceError, tool_guide
 
 if TYPE_CHECKING:
     from quantspec.serve.app import ServeState
@@ -90,9 +91,16 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
 
 
 def request_guide(body: GenerationRequest) -> tuple[Guide | None, str | None]:
-    """The structured output `body` asks for (OpenAI's `response_format` or vLLM's
-    `structured_outputs`; "text" asks for none) and the field that asked; a `BadRequest` for two."""
+    """The structured output `body` asks for (a forced `tool_choice`, OpenAI's `response_format` or
+    vLLM's `structured_outputs`; "text" asks for none) and the field that asked; a `BadRequest` for
+    two, or for tools the server cannot serve."""
     asked = []
+    try:
+        tool = tool_guide(body)
+    except ToolChoiceError as e:
+        raise BadRequest(str(e), param=e.param) from None
+    if tool is not None:
+        asked.append((tool, "tool_choice"))
     fmt = body.response_format
     if fmt is not None and fmt.type == "json_object":
         asked.append((Guide("json_object"), "response_format"))
@@ -108,7 +116,8 @@ def request_guide(body: GenerationRequest) -> tuple[Guide | None, str | None]:
                 spec = value if isinstance(value, str) else "" if value is True else json.dumps(value)
                 asked.append((Guide(kind, spec), "structured_outputs"))
     if len(asked) > 1:
-        raise BadRequest("give one structured output (response_format, or one field of structured_outputs)",
+        raise BadRequest("give one structured output (response_format, one field of structured_outputs, or a "
+                         "forced tool_choice)",
                          param=asked[1][1])
     return asked[0] if asked else (None, None)
 

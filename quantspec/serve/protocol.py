@@ -111,14 +111,41 @@ class ChatMessage(BaseModel):
         return self.content or ""
 
 
+class FunctionDef(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+    description: StrictStr | None = None
+    parameters: dict | None = None  # a JSON schema of the arguments object
+
+
+class Tool(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: FunctionDef
+
+
+class NamedFunction(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    name: StrictStr
+
+
+class NamedToolChoice(BaseModel):
+    model_config = ConfigDict(extra="allow")
+    type: Literal["function"] = "function"
+    function: NamedFunction
+
+
 class ChatCompletionRequest(GenerationRequest):
     """`logprobs`: each output token's log-probability in `choices[].logprobs.content`, with the
-    `top_logprobs` most likely tokens of its position."""
+    `top_logprobs` most likely tokens of its position. `tools` / `tool_choice`: OpenAI's; a call
+    is made where `tool_choice` forces one (`serve/tools.py`)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
     logprobs: StrictBool = False
     top_logprobs: TopLogprobs | None = None
+    tools: list[Tool] | None = None
+    tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]

@@ -12,11 +12,15 @@ __all__ = ["TextStream", "TokenText", "chat_prompt_ids", "completion_prompt_ids"
 STOP_TAIL_TOKENS = 32  # output tokens decoded to look for a stop string after each new token
 
 
-def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True) -> list[int]:
-    """The chat template over `messages` with the assistant's turn opened (what `quantspec infer`
-    feeds for one user message; `add_generation_prompt` False: not opened)."""
+def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
+                    tools: list[dict] | None = None) -> list[int]:
+    """The chat template over `messages` (and `tools`, for a template that shows them) with the
+    assistant's turn opened (what `quantspec infer` feeds for one user message;
+    `add_generation_prompt` False: not opened)."""
     if getattr(tokenizer, "chat_template", None):
-        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt)
+        kw = {"tools": tools} if tools else {}
+        text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
+                                             **kw)
         return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer("\n".join(m["content"] for m in messages)).input_ids
 

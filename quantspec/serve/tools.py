@@ -1,0 +1,122 @@
+"""Tool calls on `/v1/chat/completions` when `tool_choice` forces one, as vLLM serves them without a
+model-specific parser: the answer is held by a structured output (`infer.structured`) to the JSON
+a call needs, and comes back as OpenAI's `tool_calls`.
+
+- `tool_choice` naming a function: the answer is that function's arguments, a JSON object of its
+  `parameters` schema (any object where it has none); one call.
+- `"required"`: the answer is a JSON array of one or more `{"name": ..., "parameters": {...}}`,
+  each the name of a listed tool and arguments of its schema; one call each.
+- `"none"`: no call; the tools only reach the chat template.
+- `"auto"` (OpenAI's default with tools) would need a parser of the model's own tool-call syntax,
+  which this server does not have: it is a 400 naming `tool_choice`, never an answer that
+  silently ignores the tools.
+
+Streaming: a named call's arguments stream as they are generated; a `"required"` answer's calls
+come in the last chunk, each whole.
+"""
+
+from __future__ import annotations
+
+import json
+import uuid
+
+from quantspec.infer.structured import Guide
+from quantspec.serve.protocol import ChatCompletionRequest
+
+__all__ = ["ToolCalls", "tool_guide"]
+
+ANY_OBJECT = {"type": "object"}
+
+
+class ToolChoiceError(ValueError):
+    """What is wrong with a request's tools, for a 400 naming `param`."""
+
+    def __init__(self, message: str, param: str):
+        super().__init__(message)
+        self.param = param
+
+
+def _forced(body: ChatCompletionRequest) -> str | dict | None:
+    """The tool_choice that forces a call ("required" or {"name"}), or None."""
+    choice = body.tool_choice
+    if not body.tools:
+        if choice not in (None, "none"):
+            raise ToolChoiceError("tool_choice needs tools", param="tool_choice")
+        return None
+    if choice is None or choice == "auto":
+        raise ToolChoiceError("tool_choice 'auto' needs a parser of the model's tool-call syntax, which this server "
+                              "does not have; send tool_choice 'required', 'none' or a named function",
+                              param="tool_choice")
+    if choice == "none":
+        return None
+    if choice == "required":
+        return "required"
+    names = [t.function.name for t in body.tools]
+    if choice.function.name not in names:
+        raise ToolChoiceError(f"tool_choice names {choice.function.name!r}, which is not among the tools "
+                              f"({', '.join(names)})", param="tool_choice")
+    return {"name": choice.function.name}
+
+
+def tool_guide(body) -> Guide | None:
+    """The structured output a forced tool call needs (None where `body` forces none); a
+    `ToolChoiceError` for tools it cannot serve."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    forced = _forced(body)
+    if forced is None:
+        return None
+    schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in body.tools}
+    if forced != "required":
+        return Guide("json", json.dumps(schemas[forced["name"]]))
+    calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
+              "required": ["name", "parameters"]} for name, schema in schemas.items()]
+    return Guide("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
+
+
+def _call(name: str, arguments: str) -> dict:
+    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+class ToolCalls:
+    """One choice's answer as tool calls: `message` (whole) and `delta` (streamed)."""
+
+    def __init__(self, body: ChatCompletionRequest):
+        forced = _forced(body)
+        self.name = None if forced == "required" else forced["name"]
+        self._streamed = False
+
+    def _calls(self, text: str) -> list[dict] | None:
+        if self.name is not None:
+            return [_call(self.name, text)]
+        try:
+            return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+        except (ValueError, KeyError, TypeError):  # an answer cut short by max_tokens
+            return None
+
+    def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
+        """(the assistant message, the finish reason) of a whole answer: its calls, finish
+        "tool_calls"; an answer cut by max_tokens keeps finish "length" (a named call's
+        arguments as far as they came, a cut array as content)."""
+        calls = self._calls(text)
+        if calls is None:
+            return {"role": "assistant", "content": text}, reason
+        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+
+    def delta(self, piece: str, reason: str | None, text_so_far: str) -> tuple[dict, str | None]:
+        """A streamed chunk's delta for `piece` (the text so far ends with it), and its finish reason."""
+        if self.name is not None:
+            delta = {}
+            if piece or not self._streamed:
+                call = {"index": 0, "function": {"arguments": piece}}
+                if not self._streamed:
+                    call = {"index": 0, **_call(self.name, piece)}
+                    self._streamed = True
+                delta = {"tool_calls": [call]}
+            return delta, ("tool_calls" if reason == "stop" else reason)
+        if reason is None:
+            return {}, None
+        message, reason = self.message(text_so_far, reason)
+        if "tool_calls" not in message:
+            return {"content": text_so_far}, reason
+        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason
