@@ -3,13 +3,14 @@ and Poisson arrivals against OpenAI-compatible servers, measured side by side in
 
     python bench/serve.py [--model smollm2-135m] [--servers none,inference_with_reference]
                           [--url NAME=http://127.0.0.1:8000 ...] [--prompts bench/data/spec_prompts.jsonl]
-                          [--kind code_edit|chat|all] [--max-tokens 128] [--concurrency 1,4,16,64]
+                          [--kind code_edit|chat|all] [--preamble FILE] [--max-tokens 128] [--concurrency 1,4,16,64]
                           [--rates 0.5,1] [--requests N] [--rounds 1] [--threads 2] [--peer llama.cpp]
                           [--llama-python /work/llama-venv/bin/python] [--gguf M.gguf] [--json out.json]
 
 Servers: each name in `--servers` is a `quantspec serve` this script starts on a free port of
-127.0.0.1 (`none` = no speculation, else a `--speculate-method`), plus any `--url NAME=URL`
-already running. `--peer llama.cpp` adds llama.cpp's server (llama-cpp-python's `[server]`
+127.0.0.1 (`none` = no speculation, else a `--speculate-method`; a `+prefix` suffix turns on
+`--enable-prefix-caching`), plus any `--url NAME=URL` already running. `--preamble FILE` sends
+that text as every request's system message (a shared system prompt, what prefix caching is for). `--peer llama.cpp` adds llama.cpp's server (llama-cpp-python's `[server]`
 extra, run by `--llama-python`, e.g. a venv of its own) on a free port, serving `--gguf` (default:
 the GGUF the default model comes from, Q4_1: 4-bit, group 32, a float scale and min per group),
 and says why it is skipped when that Python cannot import it. Against it, serve the same weights
@@ -19,8 +20,8 @@ streams no usage, so its output tokens are counted as the streamed chunks that c
 streams a token per chunk).
 
 Per run (one server × one load level): request throughput, output tokens/s, TTFT / TPOT / ITL
-mean, p50 and p99 (ms), and for quantspec servers the acceptance of the drafts verified in the
-run (from `/metrics`). Load levels run one after another and, within a level, every server in
+mean, p50 and p99 (ms), for quantspec servers the acceptance of the drafts verified in the
+run (from `/metrics`), and the share of prompt tokens a server reports cached (`usage`). Load levels run one after another and, within a level, every server in
 turn (the order rotating by round), so load from other processes on a shared machine hits every
 server alike. Every request streams (usage in the last chunk); greedy (temperature 0).
 Prints a markdown table and the ratios of each server to the first; `--json` writes everything.
@@ -57,6 +58,8 @@ class RequestResult:
     e2e: float = 0.0
     output_tokens: int = 0
     itl: list[float] = field(default_factory=list)
+    prompt_tokens: int = 0
+    cached_tokens: int = 0  # of the prompt's, as the server's usage reports them
 
 
 @dataclass
@@ -72,6 +75,7 @@ class RunResult:
     tpot_ms: dict
     itl_ms: dict
     acceptance: float | None = None
+    cached_share: float = 0.0  # prompt tokens reported cached / prompt tokens
 
 
 def _stats(xs: list[float]) -> dict:
@@ -108,7 +112,8 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, path: str = "/health"
 
 def start_quantspec(method: str, args) -> tuple[subprocess.Popen, str]:
     """`quantspec serve` with speculation `method` ("none": without; "METHOD:K": at most K drafts
-    per step) on a free port."""
+    per step; a "+prefix" suffix: with prefix caching) on a free port."""
+    method, _, opts = method.partition("+")
     method, _, k = method.partition(":")
     port = _free_port()
     cmd = [sys.executable, "-m", "quantspec.cli", "serve", "--model", args.model, "--port", str(port),
@@ -116,6 +121,10 @@ def start_quantspec(method: str, args) -> tuple[subprocess.Popen, str]:
            "--threads", str(args.threads), "--speculate-method", method]
     if k:
         cmd += ["--speculate-max-draft-token-num", k]
+    if opts == "prefix":
+        cmd += ["--enable-prefix-caching"]
+    elif opts:
+        raise SystemExit(f"--servers {method}+{opts}: the only option is +prefix")
     if args.draft_model and method in ("draft", "mtp"):
         cmd += ["--draft-model", args.draft_model]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -165,13 +174,15 @@ def start_llama_cpp(args) -> tuple[subprocess.Popen, str]:
 
 # -- load generation ----------------------------------------------------------------------------
 
-async def one_request(client, model: str, prompt: str, max_tokens: int) -> RequestResult:
+async def one_request(client, model: str, prompt: str, max_tokens: int, preamble: str | None = None
+                      ) -> RequestResult:
     t0 = time.perf_counter()
     first = last = None
-    itl, tokens, chunks = [], 0, 0
+    itl, tokens, chunks, usage = [], 0, 0, None
+    messages = ([{"role": "system", "content": preamble}] if preamble else []) + [{"role": "user", "content": prompt}]
     try:
         stream = await client.chat.completions.create(
-            model=model, messages=[{"role": "user", "content": prompt}], max_tokens=max_tokens, temperature=0,
+            model=model, messages=messages, max_tokens=max_tokens, temperature=0,
             stream=True, stream_options={"include_usage": True})
         async for chunk in stream:
             now = time.perf_counter()
@@ -183,15 +194,17 @@ async def one_request(client, model: str, prompt: str, max_tokens: int) -> Reque
                     itl.append(now - last)
                 last = now
             if chunk.usage is not None:
-                tokens = chunk.usage.completion_tokens
+                tokens, usage = chunk.usage.completion_tokens, chunk.usage
     except Exception as e:  # noqa: BLE001 - a failed request is counted, not fatal
         print(f"  request failed: {type(e).__name__}: {e}", file=sys.stderr)
         return RequestResult(False)
     end = time.perf_counter()
-    return RequestResult(True, (first or end) - t0, end - t0, tokens or chunks, itl)
+    details = getattr(usage, "prompt_tokens_details", None)
+    return RequestResult(True, (first or end) - t0, end - t0, tokens or chunks, itl,
+                         getattr(usage, "prompt_tokens", 0) or 0, getattr(details, "cached_tokens", 0) or 0)
 
 
-async def closed_loop(client, model, prompts, n, concurrency, max_tokens) -> list[RequestResult]:
+async def closed_loop(client, model, prompts, n, concurrency, max_tokens, preamble=None) -> list[RequestResult]:
     """`n` requests, `concurrency` in flight at any time."""
     todo = list(range(n))
     results: list[RequestResult] = []
@@ -199,18 +212,19 @@ async def closed_loop(client, model, prompts, n, concurrency, max_tokens) -> lis
     async def worker():
         while todo:
             i = todo.pop(0)
-            results.append(await one_request(client, model, prompts[i % len(prompts)], max_tokens))
+            results.append(await one_request(client, model, prompts[i % len(prompts)], max_tokens, preamble))
 
     await asyncio.gather(*(worker() for _ in range(concurrency)))
     return results
 
 
-async def poisson(client, model, prompts, n, rate, max_tokens, seed=0) -> list[RequestResult]:
+async def poisson(client, model, prompts, n, rate, max_tokens, preamble=None, seed=0) -> list[RequestResult]:
     """`n` requests arriving as a Poisson process of `rate` per second."""
     rng = random.Random(seed)
     tasks = []
     for i in range(n):
-        tasks.append(asyncio.ensure_future(one_request(client, model, prompts[i % len(prompts)], max_tokens)))
+        tasks.append(asyncio.ensure_future(one_request(client, model, prompts[i % len(prompts)], max_tokens,
+                                                       preamble)))
         await asyncio.sleep(rng.expovariate(rate))
     return list(await asyncio.gather(*tasks))
 
@@ -243,9 +257,9 @@ def run_one(name: str, url: str, load: tuple[str, float], prompts: list[str], ar
             model = (await client.models.list()).data[0].id
             if kind == "c":
                 n = args.requests or max(2 * int(value), len(prompts))
-                return await closed_loop(client, model, prompts, n, int(value), args.max_tokens)
+                return await closed_loop(client, model, prompts, n, int(value), args.max_tokens, args.preamble_text)
             n = args.requests or max(8, len(prompts))
-            return await poisson(client, model, prompts, n, value, args.max_tokens)
+            return await poisson(client, model, prompts, n, value, args.max_tokens, args.preamble_text)
 
     t0 = time.perf_counter()
     results = asyncio.run(go())
@@ -258,7 +272,8 @@ def run_one(name: str, url: str, load: tuple[str, float], prompts: list[str], ar
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return RunResult(name, f"{'c' if kind == 'c' else 'rate'}={value:g}", len(results), len(results) - len(ok), wall,
                      len(ok) / wall, sum(r.output_tokens for r in ok) / wall, _stats([r.ttft for r in ok]),
-                     _stats(tpots), _stats([x for r in ok for x in r.itl]), acceptance)
+                     _stats(tpots), _stats([x for r in ok for x in r.itl]), acceptance,
+                     sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)))
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -276,6 +291,7 @@ def parse_args(argv=None):
     ap.add_argument("--gguf", default=None, help="the peer's GGUF [default: the default model's own]")
     ap.add_argument("--prompts", default=str(DEFAULT_PROMPTS), help="jsonl with a `src` field (and `kind`)")
     ap.add_argument("--kind", default="all", help="keep only rows of this `kind` (code_edit, chat) or all")
+    ap.add_argument("--preamble", default=None, help="a text file sent as every request's system message")
     ap.add_argument("--max-tokens", type=int, default=128)
     ap.add_argument("--concurrency", default="1,4,16,64", help="fixed-concurrency levels ('' for none)")
     ap.add_argument("--rates", default="", help="Poisson arrival rates, requests/s ('' for none)")
@@ -288,6 +304,7 @@ def parse_args(argv=None):
     args = ap.parse_args(argv)
     args.concurrency = [int(c) for c in args.concurrency.split(",") if c.strip()]
     args.rates = [float(r) for r in args.rates.split(",") if r.strip()]
+    args.preamble_text = Path(args.preamble).read_text(encoding="utf-8") if args.preamble else None
     if not args.concurrency and not args.rates:
         ap.error("give --concurrency or --rates")
     if any(c < 1 for c in args.concurrency) or any(r <= 0 for r in args.rates) or args.rounds < 1:
@@ -319,11 +336,12 @@ def summarize(runs: list[RunResult]) -> tuple[str, list[dict]]:
         table.append([load, server, r.requests - r.failed, f"{r.req_per_s:.2f}", f"{r.output_tok_per_s:.1f}",
                       f"{ratio:.2f}", f"{r.ttft_ms['mean']:.0f} / {r.ttft_ms['p50']:.0f} / {r.ttft_ms['p99']:.0f}",
                       f"{r.tpot_ms['mean']:.1f} / {r.tpot_ms['p50']:.1f} / {r.tpot_ms['p99']:.1f}",
-                      f"{r.itl_ms['mean']:.1f} / {r.itl_ms['p50']:.1f} / {r.itl_ms['p99']:.1f}", acc])
+                      f"{r.itl_ms['mean']:.1f} / {r.itl_ms['p50']:.1f} / {r.itl_ms['p99']:.1f}", acc,
+                      f"{100 * r.cached_share:.0f}%"])
         rows.append({**asdict(r), "vs_first": ratio})
     headers = ["load", "server", "ok", "req/s", "out tok/s", f"vs {servers[0]}", "TTFT ms mean/p50/p99",
-               "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "acceptance"]
-    return markdown_table(headers, table, "llrrrrrrrr"), rows
+               "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "acceptance", "cached"]
+    return markdown_table(headers, table, "llrrrrrrrrr"), rows
 
 
 def measure(servers: dict[str, str], prompts: list[str], args) -> list[RunResult]:

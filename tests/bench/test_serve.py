@@ -21,3 +21,16 @@ def test_serve_bench_measures_both_servers_side_by_side(serve_bench, tiny_llama_
     assert len(runs) == 4 and all(r["requests"] == 3 and r["failed"] == 0 for r in runs)
     assert all(r["output_tok_per_s"] > 0 and r["ttft_ms"]["p99"] >= r["ttft_ms"]["p50"] > 0 for r in runs)
     assert out["runs"] == runs
+
+
+def test_serve_bench_measures_prefix_caching_with_a_shared_preamble(serve_bench, tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"kind": "chat", "src": s}) for s in ("a b a b", "hello there")))
+    preamble = tmp_path / "system.txt"
+    preamble.write_text("the quick brown fox jumps over the lazy dog " * 12)
+    out = serve_bench.main(["--model", str(tiny_llama_dir), "--servers", "none,none+prefix", "--concurrency", "1",
+                            "--requests", "4", "--max-tokens", "4", "--prompts", str(prompts), "--max-length", "512",
+                            "--threads", "1", "--preamble", str(preamble)])
+    share = {r["server"]: r["cached_share"] for r in out["runs"]}
+    assert share["quantspec none"] == 0 and share["quantspec none+prefix"] > 0.5
+    assert "| cached |" in out["table"]
