@@ -183,6 +183,9 @@ class SamplingParams:
             raise QuantSpecError(f"min_tokens {self.min_tokens!r} must be an integer in [0, max_new_tokens "
                                  f"{self.max_new_tokens}]")
         object.__setattr__(self, "min_tokens", int(self.min_tokens))
+        if self.min_tokens and self.guide is not None:  # it could mask the only token the grammar allows
+            raise QuantSpecError("min_tokens does not combine with a structured output, whose grammar says where "
+                                 "the answer ends; drop min_tokens")
 
     def _check_filters(self, strategy: DecodeStrategy) -> None:
         """Validate and normalise the temperature and the top-k / top-p / min-p filters."""

@@ -74,6 +74,7 @@ def test_structured_outputs_regex_choice_and_grammar(server, reference):
     ({"response_format": {"type": "json_object"}, "structured_outputs": {"regex": "a"}}, "structured_outputs"),
     ({"response_format": {"type": "json_schema"}}, "response_format"),
     ({"response_format": {"type": "xml"}}, "response_format"),
+    ({"response_format": {"type": "json_object"}, "min_tokens": 2}, "min_tokens"),
 ])
 def test_bad_structured_outputs_are_400(server, body, param):
     url, _ = server
