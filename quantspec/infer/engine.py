@@ -183,6 +183,8 @@ class Engine:
         vocab = self.model.args.vocab_size
         if any(not 0 <= t < vocab for t, _ in params.logit_bias):
             raise QuantSpecError(f"logit_bias names a token outside the model's vocabulary [0, {vocab}); drop it")
+        if any(t >= vocab for t in params.allowed_token_ids):
+            raise QuantSpecError(f"allowed_token_ids names a token outside the model's vocabulary [0, {vocab}); drop it")
         idx = self._next_id if request_index is None else request_index
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)

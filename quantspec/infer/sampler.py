@@ -97,6 +97,8 @@ class SamplingParams:
                      `logit_bias`; -100 bans a token in effect), after the penalties. Penalties and
                      biases act before temperature and the filters, and a sequence with any of them
                      gets no drafts (`adjusts_logits`).
+    allowed_token_ids: the only tokens the answer may hold (vLLM's); empty = off; a sequence with
+                     them gets no drafts.
     guide:           None, or a compiled structured-output grammar (`infer.structured`): the
                      logits of every token the answer cannot continue with are masked, after the
                      penalties and bias; drafts are verified under the mask (`infer.adjust`).
@@ -119,6 +121,7 @@ class SamplingParams:
     ignore_eos: bool = False
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     min_tokens: int = 0
+    allowed_token_ids: Sequence[int] = field(default_factory=tuple)
     guide: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -182,6 +185,10 @@ class SamplingParams:
         if not _is_int(self.min_tokens) or not 0 <= self.min_tokens <= self.max_new_tokens:
             raise QuantSpecError(f"min_tokens {self.min_tokens!r} must be an integer in [0, max_new_tokens "
                                  f"{self.max_new_tokens}]")
+        allowed = tuple(self.allowed_token_ids)
+        if not all(_is_int(t) and t >= 0 for t in allowed):
+            raise QuantSpecError("allowed_token_ids must be token ids (integers >= 0)")
+        object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
         object.__setattr__(self, "min_tokens", int(self.min_tokens))
         if self.min_tokens and self.guide is not None:  # it could mask the only token the grammar allows
             raise QuantSpecError("min_tokens does not combine with a structured output, whose grammar says where "
@@ -224,7 +231,7 @@ class SamplingParams:
         (`adjust_logits`, and the engine's masking of EOS and stop tokens): a draft's verification
         knows nothing of them, so such a sequence gets no drafts."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -399,7 +406,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequ
                     output_ids: Sequence[int]) -> torch.Tensor:
     """A row of logits [V] with `params`' penalties and logit bias applied (`SamplingParams`), in
     place: the repetition penalty over the prompt's and the output's tokens, the frequency and
-    presence penalties over the output's, then the bias; → the row."""
+    presence penalties over the output's, then the bias, then -inf outside `allowed_token_ids`;
+    → the row."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64, device=logits.device)
         vals = logits[seen]
@@ -410,6 +418,11 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequ
     if params.logit_bias:
         ids = torch.tensor([t for t, _ in params.logit_bias], dtype=torch.int64, device=logits.device)
         logits[ids] += torch.tensor([b for _, b in params.logit_bias], dtype=logits.dtype, device=logits.device)
+    if params.allowed_token_ids:
+        keep = torch.tensor(params.allowed_token_ids, dtype=torch.int64, device=logits.device)
+        kept = logits[keep]
+        logits.fill_(float("-inf"))
+        logits[keep] = kept
     return logits
 
 

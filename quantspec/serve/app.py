@@ -129,14 +129,13 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(request: Request):
         body = _parse(await _json(request), ChatCompletionRequest)
-        messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
-        tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
-        ids = chat_prompt_ids(state.tokenizer, messages, tools=tools)
-        return await _generate(state, request, body, [ids], chat=True)
+        check_request(state, body)
+        return await _generate(state, request, body, [_chat_ids(state, body)], chat=True)
 
     @app.post("/v1/completions", dependencies=guarded)
     async def completions(request: Request):
         body = _parse(await _json(request), CompletionRequest)
+        check_request(state, body)
         ids = [completion_prompt_ids(state.tokenizer, p) for p in body.prompts()]
         return await _generate(state, request, body, ids, chat=False)
 
@@ -216,9 +215,20 @@ def _parse(data, model: type[GenerationRequest]):
         raise BadRequest(message, param=param) from None
 
 
+def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
+    """The prompt ids of a chat request: its messages (and tools) through the chat template."""
+    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
+    tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    try:
+        return chat_prompt_ids(state.tokenizer, messages, body.add_generation_prompt, tools=tools,
+                               continue_final_message=body.continue_final_message,
+                               template_kwargs=body.chat_template_kwargs)
+    except Exception as e:  # the template's own checks (jinja2's raise_exception, transformers')
+        raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
+
+
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
                     chat: bool):
-    check_request(state, body)
     shared = request_params(state, body)
     jobs = [make_job(state, body, shared, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
     for i, job in enumerate(jobs):
@@ -246,7 +256,8 @@ class _Choice:
     def __init__(self, resp: "_Response", index: int, job: Job, echo: str | None):
         self.resp, self.index, self.job, self.echo = resp, index, job, echo
         body = resp.body
-        self.text = TextStream(resp.state.tokenizer, body.stop_strings())
+        self.text = TextStream(resp.state.tokenizer, body.stop_strings(), skip_special_tokens=body.skip_special_tokens,
+                               include_stop=body.include_stop_str_in_output)
         self.score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.finish_reason: str | None = None
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)

@@ -40,11 +40,13 @@ def check_request(state: ServeState, body: GenerationRequest) -> None:
     """A `BadRequest` for what no prompt of `body` can be served with."""
     check_model(state, body.model)
     extra = body.model_extra or {}
-    for name, neutral in UNSUPPORTED:
+    for name, neutral, instead in UNSUPPORTED:
         value = extra.get(name)
-        if value is not None and (isinstance(value, bool) or value != neutral):
-            raise BadRequest(f"{name}={value!r} is not supported by this server; leave it out (or {neutral!r})",
-                             param=name)
+        if value is not None and (isinstance(value, bool) != isinstance(neutral, bool) or value != neutral):
+            hint = f"leave it out (or {neutral!r})" + (f"; use {instead}" if instead else "")
+            raise BadRequest(f"{name}={value!r} is not supported by this server; {hint}", param=name)
+    if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
+        raise BadRequest("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
@@ -63,8 +65,10 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
     else:
         logprobs = body.logprobs
         prompt_logprobs = body.logprobs if body.echo else None
-    bias = []
     vocab = state.loop.engine.model.args.vocab_size
+    if any(t >= vocab for t in body.allowed_token_ids or ()):
+        raise BadRequest(f"allowed_token_ids must be token ids in [0, {vocab})", param="allowed_token_ids")
+    bias = []
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab:
             raise BadRequest(f"logit_bias key {key!r} must be a token id in [0, {vocab})", param="logit_bias")
@@ -84,7 +88,8 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
                                 frequency_penalty=body.frequency_penalty or 0,
                                 repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
                                 logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
-                                min_tokens=body.min_tokens, guide=compiled)
+                                min_tokens=body.min_tokens, allowed_token_ids=body.allowed_token_ids or (),
+                                guide=compiled)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return params, stop_check(state.tokenizer, stops)
@@ -129,6 +134,8 @@ def make_job(state: ServeState, body: GenerationRequest, shared: tuple[SamplingP
     param = "messages" if isinstance(body, ChatCompletionRequest) else "prompt"
     if not ids:
         raise BadRequest("the prompt is empty", param=param)
+    if body.truncate_prompt_tokens is not None:
+        ids = ids[-body.truncate_prompt_tokens:]
     room = state.max_length - len(ids)
     if room < 1:
         raise BadRequest(f"the prompt has {len(ids)} tokens, over the server's --max-length {state.max_length} "

@@ -1,9 +1,11 @@
 """The OpenAI request bodies the server reads, as typed pydantic models, and OpenAI-style errors.
 
 Fields that do not change the answer (`user`, `metadata`, ...) are accepted and ignored; a field
-the server reads with the wrong type is a 400 naming the field, and so is a sampling knob it does
-not implement set to anything but its neutral value (`UNSUPPORTED`), never a silently different
-answer; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
+the server reads with the wrong type is a 400 naming the field, and so is a field of OpenAI's or
+vLLM's it does not implement set to anything but its neutral value (`UNSUPPORTED`), never a
+silently different answer. vLLM's `allowed_token_ids`, `truncate_prompt_tokens`,
+`skip_special_tokens`, `include_stop_str_in_output`, and for chat `add_generation_prompt`,
+`continue_final_message` and `chat_template_kwargs`, apply as vLLM defines them; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
 openai client sends it with `extra_body={"speculate": False}`).
 """
 
@@ -22,8 +24,16 @@ Real = StrictInt | StrictFloat
 MAX_CHOICES = 128  # the most answers per prompt a request may ask for (`n`, OpenAI's bound)
 TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 
-# sampling knobs the engine does not implement, with their neutral values: any other value is a 400
-UNSUPPORTED = (("best_of", 1),)
+# fields of OpenAI's or vLLM's requests the server does not implement, with their neutral values (any
+# other value is a 400) and what to send instead, if anything
+UNSUPPORTED = (
+    ("best_of", 1, ""), ("use_beam_search", False, ""), ("length_penalty", 1.0, ""), ("bad_words", [], "logit_bias"),
+    ("prompt_logprobs", None, "echo with logprobs on /v1/completions"), ("echo", False, "/v1/completions"),
+    ("spaces_between_special_tokens", True, ""), ("logits_processors", None, ""), ("priority", 0, ""),
+    ("guided_json", None, "structured_outputs.json"), ("guided_regex", None, "structured_outputs.regex"),
+    ("guided_choice", None, "structured_outputs.choice"), ("guided_grammar", None, "structured_outputs.grammar"),
+    ("functions", None, "tools"), ("function_call", None, "tool_choice"),
+)
 
 
 class StreamOptions(BaseModel):
@@ -86,6 +96,10 @@ class GenerationRequest(BaseModel):
     ignore_eos: StrictBool = False
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
+    allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
+    truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # keep the prompt's last n tokens
+    skip_special_tokens: StrictBool = True
+    include_stop_str_in_output: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
 
@@ -146,6 +160,9 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    add_generation_prompt: StrictBool = True
+    continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
+    chat_template_kwargs: dict | None = None  # extra variables of the chat template
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]

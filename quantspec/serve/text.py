@@ -13,14 +13,16 @@ STOP_TAIL_TOKENS = 32  # output tokens decoded to look for a stop string after e
 
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
-                    tools: list[dict] | None = None) -> list[int]:
+                    tools: list[dict] | None = None, continue_final_message: bool = False,
+                    template_kwargs: dict | None = None) -> list[int]:
     """The chat template over `messages` (and `tools`, for a template that shows them) with the
     assistant's turn opened (what `quantspec infer` feeds for one user message;
-    `add_generation_prompt` False: not opened)."""
+    `add_generation_prompt` False: not opened; `continue_final_message`: the last message left
+    open, to be continued); `template_kwargs`: more variables of the template."""
     if getattr(tokenizer, "chat_template", None):
-        kw = {"tools": tools} if tools else {}
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
-                                             **kw)
+                                             continue_final_message=continue_final_message, **kw)
         return tokenizer(text, add_special_tokens=False).input_ids
     return tokenizer("\n".join(m["content"] for m in messages)).input_ids
 
@@ -96,22 +98,25 @@ def stop_check(tokenizer, stops: tuple[str, ...]) -> Callable | None:
 
 class TextStream:
     """Output ids → text deltas. `feed(ids)` returns the text that is now safe to send: up to the
-    first stop string, and short of a trailing partial character or a tail that a stop string
-    could still start with; `finish()` returns the rest."""
+    first stop string (`include_stop`: through it), and short of a trailing partial character or
+    a tail that a stop string could still start with; `finish()` returns the rest.
+    `skip_special_tokens` False: special tokens' texts stay in."""
 
-    def __init__(self, tokenizer, stops: tuple[str, ...] = ()):
+    def __init__(self, tokenizer, stops: tuple[str, ...] = (), *, skip_special_tokens: bool = True,
+                 include_stop: bool = False):
         self.tokenizer, self.stops = tokenizer, stops
+        self.skip_special_tokens, self.include_stop = skip_special_tokens, include_stop
         self.ids: list[int] = []
         self.sent = 0  # characters of the text sent so far
         self.stopped = False
         self._hold = max((len(s) for s in stops), default=1) - 1
 
     def text(self) -> str:
-        text = self.tokenizer.decode(self.ids, skip_special_tokens=True)
+        text = self.tokenizer.decode(self.ids, skip_special_tokens=self.skip_special_tokens)
         for s in self.stops:
             i = text.find(s)
             if i >= 0:
-                text, self.stopped = text[:i], True
+                text, self.stopped = text[:i + len(s) if self.include_stop else i], True
         return text
 
     def feed(self, ids: list[int]) -> str:
