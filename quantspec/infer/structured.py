@@ -58,7 +58,11 @@ class GuideCompiler:
             import xgrammar as xgr
         except ImportError:
             raise QuantSpecError("structured outputs need xgrammar; pip install xgrammar") from None
-        info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size, stop_token_ids=list(stop_token_ids))
+        try:
+            info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
+                                                      stop_token_ids=list(stop_token_ids))
+        except Exception as e:  # a tokenizer xgrammar cannot read, or one larger than the model's vocabulary
+            raise QuantSpecError(f"structured outputs are unavailable for this tokenizer: {_native_message(e)}") from None
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self.compile = lru_cache(maxsize=64)(self._compile)
 
