@@ -303,8 +303,7 @@ class Predictor:
         from quantspec.infer.structured import Guide, GuideCompiler
 
         try:
-            compiler = GuideCompiler(self.tokenizer, self.loaded.model.args.vocab_size, sorted(self.engine.eos))
-            return compiler.compile(Guide(*self.config.structured_output))
+            return GuideCompiler.for_engine(self.tokenizer, self.engine).compile(Guide(*self.config.structured_output))
         except QuantSpecError as e:
             raise QuantSpecError(f"{self.config.structured_flag}: {e}") from None
 

@@ -66,6 +66,11 @@ class GuideCompiler:
         self._compiler = xgr.GrammarCompiler(info, max_threads=1)
         self.compile = lru_cache(maxsize=64)(self._compile)
 
+    @classmethod
+    def for_engine(cls, tokenizer, engine) -> "GuideCompiler":
+        """The compiler of an `Engine`'s guides: its model's vocabulary, its EOS tokens as the stops."""
+        return cls(tokenizer, engine.model.args.vocab_size, sorted(engine.eos))
+
     def _compile(self, guide: Guide):
         c = self._compiler
         try:
