@@ -3,9 +3,9 @@
 `/v1/chat/completions` and `/v1/completions` (streaming as server-sent events or one JSON body),
 `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
 an API key set, every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`
-(401 otherwise). A request is validated (`protocol.py`), tokenized
-(`text.py`), checked and turned into a `Job` per answer (`jobs.py`) and submitted; its tokens come back as deltas and leave as
-OpenAI chunks. Bad input is a 400 with an OpenAI error object, a full queue a 503 with
+(401 otherwise). A request is validated (`protocol.py`), tokenized (`text.py`), checked and
+turned into a `Job` per answer (`jobs.py`) and submitted; its tokens come back as deltas and
+leave as OpenAI chunks. Bad input is a 400 with an OpenAI error object, a full queue a 503 with
 Retry-After (the queue's drain time at the measured completion rate), and a client that goes away
 has its sequence aborted. No model logic lives here.
 """
@@ -30,7 +30,7 @@ from quantspec.serve.loop import Delta, EngineLoop, Job
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest, error_body)
 from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids
-from quantspec.serve.tools import ToolCalls, tool_guide
+from quantspec.serve.tools import tool_calls
 
 __all__ = ["ServeState", "build_app"]
 
@@ -62,8 +62,7 @@ class ServeState:
         if self._guides is None:
             from quantspec.infer.structured import GuideCompiler
 
-            engine = self.loop.engine
-            self._guides = GuideCompiler(self.tokenizer, engine.model.args.vocab_size, sorted(engine.eos))
+            self._guides = GuideCompiler.for_engine(self.tokenizer, self.loop.engine)
         return self._guides
 
 
@@ -262,8 +261,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
         # a forced tool call: the answer goes out as `tool_calls` (`serve/tools.py`)
-        self.tools = ToolCalls(body) if resp.chat and tool_guide(body) is not None else None
-        self.sofar = ""  # the text sent so far
+        self.tools = tool_calls(body)
 
     @property
     def completion_tokens(self) -> int:
@@ -305,7 +303,6 @@ class _Choice:
                 piece += self.text.feed(d.token_ids)
                 if d.logprobs:
                     entries += self._entries(d.token_ids, d.logprobs)
-            self.sofar += piece
             if d.finish_reason is None:
                 yield piece, entries, None
                 continue
@@ -314,8 +311,7 @@ class _Choice:
             else:
                 self.finish_reason = "stop" if self.text.stopped else FINISH_REASONS.get(d.finish_reason,
                                                                                         d.finish_reason)
-                rest = self.text.finish()
-                piece, self.sofar = piece + rest, self.sofar + rest
+                piece += self.text.finish()
             yield piece, entries, self.finish_reason
             return
 
@@ -359,7 +355,7 @@ class _Response:
         logprobs = None if first else self._logprobs(entries)
         tools = self.choices[index].tools if self.chat and not first else None
         if tools is not None:
-            delta, reason = tools.delta(piece or "", reason, self.choices[index].sofar)
+            delta, reason = tools.delta(piece or "", reason, self.choices[index].text.text)
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             kind = "chat.completion.chunk"
         elif self.chat:

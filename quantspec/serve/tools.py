@@ -19,11 +19,12 @@ from __future__ import annotations
 
 import json
 import uuid
+from typing import Callable
 
 from quantspec.infer.structured import Guide
 from quantspec.serve.protocol import ChatCompletionRequest
 
-__all__ = ["ToolCalls", "tool_guide"]
+__all__ = ["ToolCalls", "tool_calls", "tool_guide"]
 
 ANY_OBJECT = {"type": "object"}
 
@@ -78,12 +79,18 @@ def _call(name: str, arguments: str) -> dict:
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
 
 
-class ToolCalls:
-    """One choice's answer as tool calls: `message` (whole) and `delta` (streamed)."""
+def tool_calls(body) -> "ToolCalls | None":
+    """A choice's `ToolCalls` where `body` forces a call (a checked request), else None."""
+    forced = _forced(body) if isinstance(body, ChatCompletionRequest) else None
+    return None if forced is None else ToolCalls(None if forced == "required" else forced["name"])
 
-    def __init__(self, body: ChatCompletionRequest):
-        forced = _forced(body)
-        self.name = None if forced == "required" else forced["name"]
+
+class ToolCalls:
+    """One choice's answer as tool calls: `message` (whole) and `delta` (streamed); `name`: the
+    named function's (None: "required", an array of calls)."""
+
+    def __init__(self, name: str | None):
+        self.name = name
         self._streamed = False
 
     def _calls(self, text: str) -> list[dict] | None:
@@ -103,8 +110,9 @@ class ToolCalls:
             return {"role": "assistant", "content": text}, reason
         return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
 
-    def delta(self, piece: str, reason: str | None, text_so_far: str) -> tuple[dict, str | None]:
-        """A streamed chunk's delta for `piece` (the text so far ends with it), and its finish reason."""
+    def delta(self, piece: str, reason: str | None, text: Callable[[], str]) -> tuple[dict, str | None]:
+        """A streamed chunk's delta for `piece`, and its finish reason; `text()`: the whole answer
+        (asked for at the end of a "required" answer only)."""
         if self.name is not None:
             delta = {}
             if piece or not self._streamed:
@@ -116,7 +124,7 @@ class ToolCalls:
             return delta, ("tool_calls" if reason == "stop" else reason)
         if reason is None:
             return {}, None
-        message, reason = self.message(text_so_far, reason)
+        message, reason = self.message(text(), reason)
         if "tool_calls" not in message:
-            return {"content": text_so_far}, reason
+            return {"content": message["content"]}, reason
         return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason
