@@ -22,7 +22,7 @@ and the rules that end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
 `Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties, a
-logit bias or `min_tokens` has none either); `draft_limit` (a `DraftLimit`, e.g. `spec/load.py`'s)
+logit bias, `min_tokens` or `allowed_token_ids` has none either); `draft_limit` (a `DraftLimit`, e.g. `spec/load.py`'s)
 caps the drafts per sequence of each decode step and is told what the step cost; `last_step`
 describes the step that just ran.
 

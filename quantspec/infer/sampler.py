@@ -96,7 +96,7 @@ class SamplingParams:
     logit_bias:      (token id, bias in [-100, 100]) pairs added to those tokens' logits (OpenAI's
                      `logit_bias`; -100 bans a token in effect), after the penalties. Penalties and
                      biases act before temperature and the filters, and a sequence with any of them
-                     gets no drafts (`adjusts_logits`).
+                     gets no drafts (`blocks_drafts`).
     allowed_token_ids: the only tokens the answer may hold (vLLM's); empty = off; a sequence with
                      them gets no drafts.
     guide:           None, or a compiled structured-output grammar (`infer.structured`): the
@@ -227,9 +227,9 @@ class SamplingParams:
 
     @property
     def blocks_drafts(self) -> bool:
-        """True when a presence, frequency or repetition penalty, a logit bias or min_tokens is on
-        (`adjust_logits`, and the engine's masking of EOS and stop tokens): a draft's verification
-        knows nothing of them, so such a sequence gets no drafts."""
+        """True when a presence, frequency or repetition penalty, a logit bias, min_tokens or
+        allowed_token_ids is on (`adjust_logits`, and the engine's masking of EOS and stop tokens):
+        a draft's verification knows nothing of them, so such a sequence gets no drafts."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.allowed_token_ids)
 
