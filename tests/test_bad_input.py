@@ -44,6 +44,9 @@ CASES = [
                       "--speculate-max-ngram-size 0", "--speculate-max-ngram-size"),
     ("infer-prefix-caching-eagle", "infer --model {model} --prompt hi --speculate-method eagle --draft-model {d} "
                                    "--enable-prefix-caching", "--enable-prefix-caching"),
+    ("infer-kv-cache-memory-no-unit", "infer --model {model} --prompt hi --kv-cache-memory 4", "--kv-cache-memory"),
+    ("infer-kv-cache-memory-too-small", "infer --model {model} --prompt hi --kv-cache-memory 64KiB",
+     "--kv-cache-memory"),
     ("infer-regex-bad", "infer --model {model} --prompt hi --regex '([a-z'", "--regex"),
     ("infer-regex-and-choice", "infer --model {model} --prompt hi --regex a --choice b", "--choice"),
     ("infer-json-schema-missing", "infer --model {model} --prompt hi --json-schema {d}/missing.json", "--json-schema"),

@@ -109,6 +109,8 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
 @click.option("--grammar", type=click.Path(dir_okay=False), help="Hold each answer to the EBNF grammar in this file (start rule: root).")
 @click.option("--enable-prefix-caching", is_flag=True,
               help="Prompts skip the prefill of whole KV blocks an earlier prompt or answer filled (shared system prompts, few-shot preambles).")
+@click.option("--kv-cache-memory", default=None,
+              help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --batch-size sequences of --max-length].")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @one_line_errors
@@ -178,6 +180,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Choose drafts per step from the batch size and measured step costs (no drafts where they cost more than they save).")
 @click.option("--enable-prefix-caching", is_flag=True,
               help="Prompts skip the prefill of whole KV blocks an earlier request filled (shared system prompts, a chat's earlier turns).")
+@click.option("--kv-cache-memory", default=None,
+              help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --max-batch-size sequences of --max-length].")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
 @one_line_errors

@@ -17,7 +17,8 @@ greedy picker, the cache's attention kernel) is handed in as `runtime` and plugg
 model the backend did not prepare runs its modules.
 
 Which sequences a step serves (admission, prefix caching, the prefill token budget, chunked
-prefill alternating with decode steps) is the scheduler's (`scheduler.py`); a sequence's state
+prefill alternating with decode steps, preemption in a cache smaller than the batch) is the
+scheduler's (`scheduler.py`); a sequence's state
 and the rules that end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
@@ -52,7 +53,7 @@ from quantspec.devices import device_done
 from quantspec.errors import QuantSpecError
 from quantspec.infer.adjust import adjust_step, guide_drafts
 from quantspec.infer.backend import Runtime, default_runtime
-from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
+from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, kv_block_bytes
 from quantspec.infer.logprobs import score_new_tokens, score_prompt_rows
 from quantspec.infer.prefix_cache import PrefixCachingAllocator
 from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
@@ -131,8 +132,11 @@ class Engine:
         self.dtype = model.model.norm.weight.dtype
         self.runtime = runtime or default_runtime(self.device)
         self.eos = set(eos_token_ids if eos_token_ids is not None else args.eos_token_ids)
+        block_bytes = kv_block_bytes(num_layers=args.num_layers, block_size=config.block_size,
+                                     num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype,
+                                     kv_dtype=config.kv_cache_dtype)
         self.cache = PagedKVCache(
-            num_layers=args.num_layers, num_blocks=config.blocks_needed(), block_size=config.block_size,
+            num_layers=args.num_layers, num_blocks=config.blocks_needed(block_bytes), block_size=config.block_size,
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
             kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kernel=self.runtime.attention,
             max_seq_len=config.max_length + config.spec_max_draft_tokens + 1,
@@ -150,7 +154,8 @@ class Engine:
                 raise QuantSpecError("prefix caching skips prompt rows that --speculate-method eagle (and a "
                                      "hidden-state reader) reads; drop --enable-prefix-caching")
             self.cache.allocator = PrefixCachingAllocator(self.cache.num_blocks, config.block_size)
-        self.scheduler = Scheduler(config, self.cache.allocator)
+        self.scheduler = Scheduler(config, self.cache.allocator,
+                                   release=proposer.release if proposer is not None else None)
         self.num_steps = 0
         # the forward of the current step, in row order: (sequence, query rows) — a prefill step
         # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and
@@ -226,15 +231,15 @@ class Engine:
         prefill = plan[0][1] > 0
         drafts, draft_probs, trees = self._propose(seqs) if not prefill else ([[] for _ in seqs], [None for _ in seqs],
                                                                               None)
-        news = [s.prompt_ids[s.num_cached:s.num_cached + n] if n else s.tokens[s.num_cached:] + d
+        news = [s.tokens[s.num_cached:s.num_cached + n] if n else s.tokens[s.num_cached:] + d
                 for (s, n), d in zip(plan, drafts)]
         t_forward = time.perf_counter()
         scored, ids, logits = self._forward(seqs, news, drafts, row_invariant=not prefill, trees=trees)
         device_done(self.device)  # the forward's kernels, not only their launches (the pick waits anyway)
         t_forward = time.perf_counter() - t_forward
-        done = [i for i, (s, n) in enumerate(plan) if not n or s.num_cached + n == len(s.prompt_ids)]
+        done = [i for i, (s, n) in enumerate(plan) if not n or s.num_cached + n == s.prefill_len]
         for s, n in plan:
-            if n and s.num_cached + n < len(s.prompt_ids):  # a chunk of a longer prompt: no token yet
+            if n and s.num_cached + n < s.prefill_len:  # a chunk of a longer prefill: no token yet
                 s.num_cached += n
         if len(done) < len(seqs):
             scored, seqs, drafts = scored[done], [seqs[i] for i in done], [[] for _ in done]
@@ -265,7 +270,15 @@ class Engine:
         no sequence changes."""
         bs = self.config.block_size
         ctx = max(1, bs - max(q_lens))
-        tables = [self.cache.allocator.allocate(-(-(ctx + q) // bs)) for q in q_lens]
+        alloc, own, tables = self.cache.allocator, [], []
+        for q in q_lens:
+            n = -(-(ctx + q) // bs)
+            shared = [t for t in own if len(t) >= n]
+            if n > alloc.num_free and shared:  # a cache smaller than the batch: sequences share blocks
+                tables.append(shared[len(tables) % len(shared)])
+            else:
+                own.append(alloc.allocate(n))
+                tables.append(own[-1])
         try:
             t0 = time.perf_counter()
             meta = AttentionMetadata.build(q_lens, [ctx + q for q in q_lens], tables, bs, self.device,
@@ -281,8 +294,8 @@ class Engine:
             device_done(self.device)
             return time.perf_counter() - t0
         finally:
-            for t in tables:
-                self.cache.allocator.free(t)
+            for t in own:
+                alloc.free(t)
 
     def warm_up(self) -> None:
         """Before serving: a dry decode step in each of the padded batch sizes the runtime's stack
@@ -352,7 +365,8 @@ class Engine:
         rows, prompt_rows, offset = [], [], 0
         for seq, ql, d in zip(seqs, q_lens, drafts):
             rows.extend(range(offset + ql - 1 - len(d), offset + ql))
-            if seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_ids):
+            if (seq.params.prompt_logprobs is not None and seq.num_cached < len(seq.prompt_ids)
+                    and len(seq.prompt_logprobs) < len(seq.prompt_ids)):  # (not again after a preemption)
                 # a prefill chunk's rows that predict prompt tokens (the last one's is a scored row)
                 n = min(ql, len(seq.prompt_ids) - 1 - seq.num_cached)
                 prompt_rows.append((seq, list(range(offset, offset + n))))

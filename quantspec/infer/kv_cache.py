@@ -31,7 +31,7 @@ from quantspec.errors import QuantSpecError
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
-    "ancestor_rows", "grouped_attention", "kv_cache_label",
+    "ancestor_rows", "grouped_attention", "kv_block_bytes", "kv_cache_label",
 ]
 
 _PAD_BLOCK = 0
@@ -125,6 +125,14 @@ class AttentionKernel(Protocol):
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
                  meta: "AttentionMetadata") -> torch.Tensor:
         """q [T, H, hd], k / v [T, KV, hd] → [T, H, hd]."""
+
+
+def kv_block_bytes(*, num_layers: int, block_size: int, num_kv_heads: int, head_dim: int, dtype: torch.dtype,
+                   kv_dtype: KVCacheDtype | str = KVCacheDtype.AUTO) -> int:
+    """Bytes one block of a `PagedKVCache` takes: keys and values of every layer, stored in the
+    model's `dtype` or, for a static int8 / fp8 cache, one byte each."""
+    itemsize = dtype.itemsize if KVCacheDtype(kv_dtype) is KVCacheDtype.AUTO else 1
+    return 2 * num_layers * block_size * num_kv_heads * head_dim * itemsize
 
 
 class PagedKVCache:

@@ -95,6 +95,10 @@ class InferConfig:
     # prompts skip the prefill of leading KV blocks an earlier prompt or answer filled (a shared
     # system prompt, few-shot examples, a chat's earlier turns); EngineConfig.prefix_caching
     enable_prefix_caching: bool = False
+    # bytes of KV cache ("4GiB" as the flag writes it): a batch holds the sequences its blocks
+    # do, preempting the newest where they run out (EngineConfig.kv_cache_memory); None: enough
+    # for batch_size sequences of max_length
+    kv_cache_memory: int | str | None = None
     # structured output (`infer.structured`): (kind, spec), e.g. ("regex", "[0-9]+"), and the flag
     # that asked for it (what an error names)
     structured_output: tuple[str, str] | None = None
@@ -136,13 +140,18 @@ class InferConfig:
         if self.enable_prefix_caching and self.speculate_method == "eagle":
             raise QuantSpecError("--enable-prefix-caching skips prompt rows whose features the EAGLE-3 head reads; "
                                  "drop it or use another --speculate-method")
+        if isinstance(self.kv_cache_memory, str):
+            from quantspec.sizes import parse_size
+
+            self.kv_cache_memory = parse_size(self.kv_cache_memory, "--kv-cache-memory")
         self.stop = tuple(self.stop)
         # the speculation's, the engine's and the sampler's own checks, before any model is loaded
         from quantspec.infer.spec.proposers import validate_spec_config
 
         validate_spec_config(self)
         EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length,
-                     prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens)
+                     prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens,
+                     kv_cache_memory=self.kv_cache_memory)
         self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
@@ -167,6 +176,7 @@ class RequestOutput:
     drafted: int = 0
     accepted: int = 0
     cached_prompt_tokens: int = 0  # prompt tokens found in the prefix cache (not prefilled)
+    preemptions: int = 0  # times its KV blocks were taken back and recomputed (--kv-cache-memory)
     accepted_per_position: list[int] = field(default_factory=list)
     drafted_per_position: list[int] = field(default_factory=list)
     logprobs: list[TokenLogprob] = field(default_factory=list)  # with InferConfig.logprobs: one per token
@@ -256,7 +266,8 @@ class Predictor:
             EngineConfig(block_size=config.block_size, max_batch_size=config.batch_size,
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk,
-                         prefill_tokens=config.prefill_tokens, prefix_caching=config.enable_prefix_caching),
+                         prefill_tokens=config.prefill_tokens, prefix_caching=config.enable_prefix_caching,
+                         kv_cache_memory=config.kv_cache_memory),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )
@@ -363,7 +374,7 @@ class Predictor:
                 text=self._text(seq.output_ids), token_ids=list(seq.output_ids), prompt_tokens=len(ids),
                 finish_reason=seq.finish_reason or "", truncated_prompt=truncated, ttft_s=ttft, tpot_s=tpot,
                 target_forwards=st.target_forwards, drafted=st.drafted, accepted=st.accepted,
-                cached_prompt_tokens=st.cached_tokens,
+                cached_prompt_tokens=st.cached_tokens, preemptions=st.preemptions,
                 accepted_per_position=list(st.accepted_per_position),
                 drafted_per_position=list(st.drafted_per_position), logprobs=list(seq.logprobs),
             ))
@@ -396,6 +407,8 @@ def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, 
     }
     if config.enable_prefix_caching:
         stats["cached_prompt_tokens"] = sum(o.cached_prompt_tokens for o in outs)
+    if config.kv_cache_memory is not None:
+        stats["preemptions"] = sum(o.preemptions for o in outs)
     if config.speculate_method != "none":
         if config.speculate_tree:  # positions are the tree's depths
             stats["speculate_tree"] = config.speculate_tree

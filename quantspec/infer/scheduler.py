@@ -18,16 +18,30 @@ With `prefix_caching` (`prefix_cache.py`) an admitted prompt starts on the cache
 longest cached run of whole leading blocks, its prefill skipping their tokens, and a sequence's
 blocks become findable as their positions fill with committed tokens (`commit`, after each step
 and when the sequence is freed).
+
+KV blocks. A cache of the default size holds `max_batch_size` sequences of `max_length`: a
+sequence takes at admission every block it can reach, and no step ever waits for one. A smaller
+cache (`kv_cache_memory`) admits a sequence while the free blocks hold its prompt and a reserve
+(`watermark`) for the running ones to grow into, gives blocks as positions fill, and when a
+decoding sequence needs a block that none is free for, preempts the most recently admitted
+sequence (recompute, as vLLM does): its blocks go back, it waits at the head of the queue, and
+once readmitted a prefill of every token it had restores its keys and values and gives its next
+token (`Sequence.prefill_len`). Sampled sequences keep their random streams, so a preemption
+changes an answer only by the rounding of a prefill against decode steps (as chunked prefill and
+prefix caching do); with prefix caching, its committed blocks are found again. A sequence gets
+no drafts in a step the free blocks cannot hold them in.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Callable
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.kv_cache import BlockAllocator, KVCacheDtype
 from quantspec.infer.prefix_cache import block_hashes
 from quantspec.infer.sequence import Sequence
+from quantspec.sizes import format_size
 
 __all__ = ["PREFILL_TOKENS", "EngineConfig", "Scheduler"]
 
@@ -57,6 +71,10 @@ class EngineConfig:
     # automatic prefix caching (`prefix_cache.py`): a prompt skips the prefill of its leading whole
     # blocks that the cache holds from earlier sequences; needs a `PrefixCachingAllocator`
     prefix_caching: bool = False
+    # bytes of keys and values the cache holds (every layer): as many blocks as fit, and a batch
+    # of as many sequences as they hold, up to max_batch_size, preempting where they run out
+    # (module docstring); None: `num_blocks`, else enough for max_batch_size sequences of max_length
+    kv_cache_memory: int | None = None
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -69,21 +87,48 @@ class EngineConfig:
             raise QuantSpecError(f"--prefill-chunk {self.prefill_chunk} must be >= 1")
         if isinstance(self.prefill_tokens, bool) or self.prefill_tokens < 1:
             raise QuantSpecError(f"--max-prefill-tokens {self.prefill_tokens} must be >= 1")
+        if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool) or self.kv_cache_memory < 1):
+            raise QuantSpecError(f"--kv-cache-memory {self.kv_cache_memory} must be a positive size (e.g. 4GiB)")
         self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
 
-    def blocks_needed(self) -> int:
-        per_seq = -(-(self.max_length + self.spec_max_draft_tokens + 1) // self.block_size)
-        return self.num_blocks or (self.max_batch_size * per_seq + 1)
+    @property
+    def blocks_per_sequence(self) -> int:
+        """The blocks one sequence of max_length takes with its verification rows."""
+        return -(-(self.max_length + self.spec_max_draft_tokens + 1) // self.block_size)
+
+    def blocks_needed(self, block_bytes: int | None = None) -> int:
+        """The cache's blocks (the padding block included): `num_blocks`, or what
+        `kv_cache_memory` holds at `block_bytes` a block (at least one sequence of max_length,
+        else a clear error), or max_batch_size full sequences'."""
+        if self.num_blocks:
+            return self.num_blocks
+        if self.kv_cache_memory is None or not block_bytes:
+            return self.max_batch_size * self.blocks_per_sequence + 1
+        n = self.kv_cache_memory // block_bytes
+        if n - 1 < self.blocks_per_sequence:
+            need = (self.blocks_per_sequence + 1) * block_bytes
+            raise QuantSpecError(
+                f"--kv-cache-memory {format_size(self.kv_cache_memory)} holds {max(0, n - 1) * self.block_size} "
+                f"tokens of KV cache; one sequence of --max-length {self.max_length} needs {format_size(need)}: "
+                f"raise --kv-cache-memory or lower --max-length")
+        return n
 
 
 class Scheduler:
     """The waiting queue and the running batch over the cache's `allocator` (module docstring)."""
 
-    def __init__(self, config: EngineConfig, allocator: BlockAllocator):
+    def __init__(self, config: EngineConfig, allocator: BlockAllocator,
+                 release: Callable[[Sequence], None] | None = None):
         self.config, self.allocator = config, allocator
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._prefilled_last = False  # the previous step was a prefill (chunked prefill alternates)
+        # a cache smaller than max_batch_size full sequences: blocks as positions fill, preemption
+        full = config.max_batch_size * config.blocks_per_sequence + 1
+        self.bounded = allocator.num_blocks < full
+        self.watermark = max(1, allocator.num_blocks // 100) if self.bounded else 0
+        self.release = release  # told of a preempted sequence (its drafter's state goes with its blocks)
+        self.num_preemptions = 0
 
     def ensure_blocks(self, seq: Sequence, num_positions: int) -> None:
         """Give `seq` the blocks of its first `num_positions` positions."""
@@ -104,10 +149,12 @@ class Scheduler:
         bs = self.config.block_size
         if seq.params.prompt_logprobs is not None:
             return
-        hashes = block_hashes(seq.prompt_ids, bs, num_blocks=(len(seq.prompt_ids) - 1) // bs)
-        seq.block_table = self.allocator.match(hashes, len(seq.prompt_ids))
+        hashes = block_hashes(seq.tokens, bs, num_blocks=(seq.prefill_len - 1) // bs)
+        seq.block_table = self.allocator.match(hashes, seq.prefill_len)
         seq.block_hashes = hashes[:len(seq.block_table)]
-        seq.num_cached = seq.stats.cached_tokens = len(seq.block_table) * bs
+        seq.num_cached = len(seq.block_table) * bs
+        if not seq.stats.preemptions:  # (what its recompute finds is not its prompt's)
+            seq.stats.cached_tokens = seq.num_cached
 
     def commit(self, seq: Sequence) -> None:
         """With prefix caching, make the blocks of `seq` findable whose every position holds a
@@ -120,30 +167,58 @@ class Scheduler:
                 self.allocator.register(block, h)
 
     def _reserve(self, seq: Sequence) -> None:
-        """At admission, take every block the sequence can reach (its prompt, max_new_tokens and
-        the draft room) as one run when the cache has it: consecutive blocks are read as a view
-        by the attention (no per-step gathers). Otherwise only the prompt's blocks."""
-        reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
-        positions = reach + self.config.spec_max_draft_tokens + 1
-        if -(-positions // self.config.block_size) - len(seq.block_table) > self.allocator.num_free:
-            positions = len(seq.prompt_ids) + 1
+        """At admission, take the blocks of what the sequence's prefill computes and its first
+        token. In a cache of the default size, every block it can reach (its prompt,
+        max_new_tokens and the draft room) as one run when the cache has it: consecutive blocks
+        are read as a view by the attention (no per-step gathers)."""
+        positions = seq.prefill_len + 1
+        if not self.bounded:
+            reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
+            room = -(-(reach + self.config.spec_max_draft_tokens + 1) // self.config.block_size)
+            if room - len(seq.block_table) <= self.allocator.num_free:
+                positions = reach + self.config.spec_max_draft_tokens + 1
         self.ensure_blocks(seq, positions)
 
     def admit(self) -> None:
-        """Move waiting sequences into the running batch while it has room."""
-        # num_blocks is sized for max_batch_size full-length sequences, so admission only has to
-        # respect the batch size; a smaller user-set num_blocks is checked against the prompt.
+        """Move waiting sequences into the running batch while it has room: a free slot, and free
+        blocks for the prefill (beyond the watermark, in a bounded cache)."""
         while self.waiting and len(self.running) < self.config.max_batch_size:
-            prompt_blocks = -(-(len(self.waiting[0].prompt_ids) + 1) // self.config.block_size)
-            if self.allocator.num_free < prompt_blocks:
+            seq = self.waiting[0]
+            blocks = -(-(seq.prefill_len + 1) // self.config.block_size)
+            if self.allocator.num_free < blocks + (self.watermark if self.running else 0):
                 if not self.running:
-                    raise QuantSpecError("the KV cache cannot hold one prompt; raise num_blocks")
+                    raise QuantSpecError("the KV cache cannot hold one prompt; raise --kv-cache-memory")
                 break
-            seq = self.waiting.pop(0)
+            self.waiting.pop(0)
             if self.config.prefix_caching:
                 self._match(seq)
             self._reserve(seq)
             self.running.append(seq)
+
+    def preempt(self, seq: Sequence) -> None:
+        """Take `seq`'s blocks back and queue it first, to be prefilled again from its first token
+        (module docstring)."""
+        self.free(seq)
+        seq.num_cached, seq.block_hashes, seq.prefill_len = 0, [], seq.num_tokens
+        self.running.remove(seq)
+        self.waiting.insert(0, seq)
+        self.num_preemptions += 1
+        seq.stats.preemptions += 1
+        if self.release is not None:
+            self.release(seq)
+
+    def _make_room(self) -> None:
+        """Before a decode step: the blocks of every decoding sequence's next position, preempting
+        the most recently admitted sequences (the one in need too, if it is the newest) while the
+        cache has too few."""
+        for seq in list(self.running):
+            if seq not in self.running or seq.prefilling:
+                continue
+            need = -(-seq.num_tokens // self.config.block_size) - len(seq.block_table)
+            while need > self.allocator.num_free and seq in self.running:
+                self.preempt(self.running[-1])
+            if seq in self.running:
+                self.ensure_blocks(seq, seq.num_tokens)
 
     def prefill_batch(self) -> list[tuple[Sequence, int]]:
         """The admitted prompts that prefill this step and how many of their tokens: in admission
@@ -152,8 +227,8 @@ class Scheduler:
         chunk = self.config.prefill_chunk
         fresh, tokens = [], 0
         for s in self.running:
-            if not s.output_ids:
-                n = len(s.prompt_ids) - s.num_cached
+            if s.prefilling:
+                n = s.prefill_len - s.num_cached
                 n = min(n, chunk) if chunk else n
                 if fresh and tokens + n > self.config.prefill_tokens:
                     break
@@ -166,10 +241,14 @@ class Scheduler:
         token counts), or every decoding sequence (count 0: its new token and drafts)."""
         self.admit()
         fresh = self.prefill_batch()
-        decoding = any(s.output_ids for s in self.running)
+        decoding = any(not s.prefilling for s in self.running)
         prefill = bool(fresh) and not (self.config.prefill_chunk and self._prefilled_last and decoding)
         self._prefilled_last = prefill
-        return fresh if prefill else [(s, 0) for s in self.running if s.output_ids]
+        if prefill:
+            return fresh
+        if self.bounded:
+            self._make_room()
+        return [(s, 0) for s in self.running if not s.prefilling]
 
     def remove(self, seq: Sequence) -> None:
         """Take `seq` out of the queue and the batch (an abort)."""
@@ -185,4 +264,10 @@ class Scheduler:
             return 0
         left_new = seq.params.max_new_tokens - len(seq.output_ids) - 1
         left_len = self.config.max_length - seq.num_tokens - 1
-        return max(0, min(cap, left_new, left_len))
+        budget = max(0, min(cap, left_new, left_len))
+        if budget and self.bounded:  # room for the most rows a proposal brings (a tree's may pass its depth)
+            need = -(-(seq.num_tokens + self.config.spec_max_draft_tokens) // self.config.block_size)
+            if need - len(seq.block_table) > self.allocator.num_free:
+                return 0
+            self.ensure_blocks(seq, seq.num_tokens + self.config.spec_max_draft_tokens)
+        return budget

@@ -4,6 +4,9 @@ rules that end it (EOS, max_new_tokens, max_length, a stop string).
 KV bookkeeping: after a step, a sequence's cache holds `num_cached = len(tokens) - 1` positions
 (its newest token is fed next step); during a chunked prefill it holds the chunks fed so far.
 Rejected draft slots are "rolled back" simply by not counting them: the next step overwrites them.
+A prefill computes the first `prefill_len` tokens: the prompt, or for a sequence the scheduler
+preempted (its blocks taken back), every token it had, so that its KV is recomputed and its next
+token comes from the last row, as a prompt's first token does.
 """
 
 from __future__ import annotations
@@ -26,6 +29,7 @@ class SeqStats:
     t_first_token: float | None = None
     t_finish: float | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)
+    preemptions: int = 0  # times the scheduler took its KV blocks back (and recomputed them)
     target_forwards: int = 0  # forwards of the base model this sequence took part in after prefill
     drafted: int = 0
     accepted: int = 0
@@ -58,6 +62,16 @@ class Sequence:
     # with prefix caching: the hashes of the leading blocks of `block_table` that are findable
     # (`prefix_cache.block_hashes`)
     block_hashes: list[bytes] = field(default_factory=list)
+    prefill_len: int = -1  # the leading tokens a prefill computes (-1: the prompt's; module docstring)
+
+    def __post_init__(self):
+        if self.prefill_len < 0:
+            self.prefill_len = len(self.prompt_ids)
+
+    @property
+    def prefilling(self) -> bool:
+        """Its prefill is not done yet (admitted or waiting, a chunk or more of it still to run)."""
+        return self.num_cached < self.prefill_len
 
     @property
     def tokens(self) -> list[int]:

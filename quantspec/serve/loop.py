@@ -120,6 +120,7 @@ class EngineLoop:
         self._slots = engine.config.max_batch_size  # ... and the free places in its running batch
         self.drain = DrainRate()
         self._prefix_counted = (0, 0)  # the prefix cache's (queries, hits) the metrics hold
+        self._preemptions_counted = 0  # the scheduler's preemptions the metrics hold
         self._stop = False
         self._thread = threading.Thread(target=self._run, name="quantspec-engine", daemon=True)
 
@@ -265,6 +266,8 @@ class EngineLoop:
             m.prefix_queries.inc(alloc.queries - self._prefix_counted[0])
             m.prefix_hits.inc(alloc.hits - self._prefix_counted[1])
             self._prefix_counted = (alloc.queries, alloc.hits)
+        m.preemptions.inc(eng.scheduler.num_preemptions - self._preemptions_counted)
+        self._preemptions_counted = eng.scheduler.num_preemptions
         limit = eng.draft_limit
         if limit is not None:
             m.draft_cap.set(getattr(limit, "last_cap", 0))

@@ -1,6 +1,6 @@
 """Prometheus metrics of one server, in a registry of its own (two servers in one process do not
 share counters): requests running / waiting, KV blocks, TTFT / TPOT / end-to-end histograms,
-token and prefix-cache counters and the speculation counters (drafts, drafted and accepted tokens, per position)."""
+token, prefix-cache and preemption counters and the speculation counters (drafts, drafted and accepted tokens, per position)."""
 
 from __future__ import annotations
 
@@ -41,6 +41,8 @@ class Metrics:
         self.prefix_queries = counter("prefix_cache_queries_total",
                                       "Prompt tokens looked up in the prefix cache (with --enable-prefix-caching).")
         self.prefix_hits = counter("prefix_cache_hits_total", "Prompt tokens found in the prefix cache (not prefilled).")
+        self.preemptions = counter("num_preemptions_total",
+                                   "Sequences whose KV blocks were taken back to be recomputed (--kv-cache-memory).")
         self.generation_tokens = counter("generation_tokens_total", "Generated tokens.")
         self.drafts = counter("spec_drafts_total", "Verification steps of a sequence that carried drafts.")
         self.draft_tokens = counter("spec_draft_tokens_total", "Draft tokens verified.")

@@ -47,6 +47,7 @@ class ServeConfig:
     speculate_max_ngram_size: int = 3
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
     enable_prefix_caching: bool = False  # prompts skip the prefill of cached leading KV blocks
+    kv_cache_memory: int | str | None = None  # KV cache bytes ("4GiB"); None: max_batch_size full sequences
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
@@ -67,7 +68,8 @@ class ServeConfig:
                            speculate_max_draft_token_num=self.speculate_max_draft_token_num,
                            speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
                            prefill_tokens=self.max_prefill_tokens,
-                           enable_prefix_caching=self.enable_prefix_caching)
+                           enable_prefix_caching=self.enable_prefix_caching,
+                           kv_cache_memory=self.kv_cache_memory)
 
 
 def load(config: ServeConfig, *, loaded=None) -> ServeState:

@@ -21,24 +21,12 @@ from quantspec.model_zoo.tiny import build_tiny_model
 
 torch.set_num_threads(1)
 
-NOISE = 0.01  # weight noise of the "close" draft: acceptance ~60%, different per sequence
 FAR_NOISE = 0.2  # relative weight noise of the "far" draft (q far from p, same likely tokens)
 
 
 @pytest.fixture(scope="module")
 def base(tiny_llama_dir):
     return load_model(tiny_llama_dir)[0]
-
-
-@pytest.fixture(scope="module")
-def close_draft(tiny_llama_dir):
-    """The base with a little weight noise: agrees with it most of the time, not always."""
-    model, _ = load_model(tiny_llama_dir)
-    g = torch.Generator().manual_seed(1)
-    with torch.no_grad():
-        for p in model.parameters():
-            p.add_(NOISE * torch.randn(p.shape, generator=g))
-    return model
 
 
 @pytest.fixture(scope="module")
