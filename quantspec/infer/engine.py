@@ -177,7 +177,7 @@ class Engine:
     # -- requests ------------------------------------------------------------------------------
 
     def add_request(self, prompt_ids: list[int], params: SamplingParams, *, request_index: int | None = None,
-                    text_check=None) -> Sequence:
+                    text_check=None, priority: int = 0) -> Sequence:
         if not prompt_ids:
             raise QuantSpecError("empty prompt; give at least one token")
         if len(prompt_ids) >= self.config.max_length:
@@ -190,14 +190,17 @@ class Engine:
             raise QuantSpecError(f"logit_bias names a token outside the model's vocabulary [0, {vocab}); drop it")
         if any(t >= vocab for t in params.allowed_token_ids):
             raise QuantSpecError(f"allowed_token_ids names a token outside the model's vocabulary [0, {vocab}); drop it")
+        if priority and self.config.scheduling_policy != "priority":
+            raise QuantSpecError(f"priority {priority} needs --scheduling-policy priority")
         idx = self._next_id if request_index is None else request_index
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
         seq.speculate = not params.blocks_drafts  # a draft's verification knows no penalties or biases
         seq.guide = None if params.guide is None else guide_matcher(params.guide)
+        seq.priority = priority
         self._next_id += 1
-        self.scheduler.waiting.append(seq)
+        self.scheduler.enqueue(seq)
         return seq
 
     def has_work(self) -> bool:

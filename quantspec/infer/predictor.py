@@ -99,6 +99,7 @@ class InferConfig:
     # do, preempting the newest where they run out (EngineConfig.kv_cache_memory); None: enough
     # for batch_size sequences of max_length
     kv_cache_memory: int | str | None = None
+    scheduling_policy: str = "fcfs"  # EngineConfig.scheduling_policy
     # structured output (`infer.structured`): (kind, spec), e.g. ("regex", "[0-9]+"), and the flag
     # that asked for it (what an error names)
     structured_output: tuple[str, str] | None = None
@@ -151,7 +152,7 @@ class InferConfig:
         validate_spec_config(self)
         EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length,
                      prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens,
-                     kv_cache_memory=self.kv_cache_memory)
+                     kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy)
         self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
@@ -267,7 +268,7 @@ class Predictor:
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk,
                          prefill_tokens=config.prefill_tokens, prefix_caching=config.enable_prefix_caching,
-                         kv_cache_memory=config.kv_cache_memory),
+                         kv_cache_memory=config.kv_cache_memory, scheduling_policy=config.scheduling_policy),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )

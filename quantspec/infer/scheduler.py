@@ -22,18 +22,26 @@ and when the sequence is freed).
 KV blocks. A cache of the default size holds `max_batch_size` sequences of `max_length`: a
 sequence takes at admission every block it can reach, and no step ever waits for one. A smaller
 cache (`kv_cache_memory`) admits a sequence while the free blocks hold its prompt and a reserve
-(`watermark`) for the running ones to grow into, gives blocks as positions fill, and when a
-decoding sequence needs a block that none is free for, preempts the most recently admitted
-sequence (recompute, as vLLM does): its blocks go back, it waits at the head of the queue, and
-once readmitted a prefill of every token it had restores its keys and values and gives its next
-token (`Sequence.prefill_len`). Sampled sequences keep their random streams, so a preemption
+(`watermark`) for the running ones to grow into; the sequence takes every block it can reach
+where the free blocks also hold the prompts still waiting, else blocks as positions fill; and when a
+decoding sequence needs a block that none is free for, preempts the running sequence that
+arrived last (recompute, as vLLM does): its blocks go back, it waits ahead of every request that
+came after it, and once readmitted a prefill of every token it had restores its keys and values
+and gives its next token (`Sequence.prefill_len`). Sampled sequences keep their random streams, so a preemption
 changes an answer only by the rounding of a prefill against decode steps (as chunked prefill and
 prefix caching do); with prefix caching, its committed blocks are found again. A sequence gets
 no drafts in a step the free blocks cannot hold them in.
+
+Order. Under the "fcfs" `scheduling_policy` requests are admitted in arrival order and the most
+recently arrived running sequence is the one preempted. Under "priority" (vLLM's) each request
+has a `priority` (lower first; 0 by default) and the order is (priority, arrival): the waiting
+queue is kept in it, the last running sequence in it is the one preempted, and a request that
+finds no free slot or blocks preempts running sequences of a larger priority value to make them.
 """
 
 from __future__ import annotations
 
+import bisect
 from dataclasses import dataclass
 from typing import Callable
 
@@ -43,11 +51,17 @@ from quantspec.infer.prefix_cache import block_hashes
 from quantspec.infer.sequence import Sequence
 from quantspec.sizes import format_size
 
-__all__ = ["PREFILL_TOKENS", "EngineConfig", "Scheduler"]
+__all__ = ["PREFILL_TOKENS", "SCHEDULING_POLICIES", "EngineConfig", "Scheduler"]
 
 # prompt tokens one prefill step takes at most, by default: one huge forward over every prompt of a
 # batch spills its activations ([T, intermediate] fp32) out of the caches; a few medium ones do not
 PREFILL_TOKENS = 1024
+SCHEDULING_POLICIES = ("fcfs", "priority")
+
+
+def _rank(seq: Sequence) -> tuple[int, int]:
+    """A sequence's place in the scheduling order: (priority, arrival)."""
+    return seq.priority, seq.seq_id
 
 
 @dataclass
@@ -75,6 +89,8 @@ class EngineConfig:
     # of as many sequences as they hold, up to max_batch_size, preempting where they run out
     # (module docstring); None: `num_blocks`, else enough for max_batch_size sequences of max_length
     kv_cache_memory: int | None = None
+    # "fcfs": arrival order; "priority": each request's priority first (module docstring)
+    scheduling_policy: str = "fcfs"
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -89,6 +105,9 @@ class EngineConfig:
             raise QuantSpecError(f"--max-prefill-tokens {self.prefill_tokens} must be >= 1")
         if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool) or self.kv_cache_memory < 1):
             raise QuantSpecError(f"--kv-cache-memory {self.kv_cache_memory} must be a positive size (e.g. 4GiB)")
+        if self.scheduling_policy not in SCHEDULING_POLICIES:
+            raise QuantSpecError(f"--scheduling-policy {self.scheduling_policy!r} is not one of "
+                                 f"{', '.join(SCHEDULING_POLICIES)}")
         self.kv_cache_dtype = KVCacheDtype(self.kv_cache_dtype)
 
     @property
@@ -166,42 +185,56 @@ class Scheduler:
             for block, h in zip(seq.block_table[known:n], seq.block_hashes[known:]):
                 self.allocator.register(block, h)
 
-    def _reserve(self, seq: Sequence) -> None:
+    def _reserve(self, seq: Sequence, spare: int) -> None:
         """At admission, take the blocks of what the sequence's prefill computes and its first
-        token. In a cache of the default size, every block it can reach (its prompt,
-        max_new_tokens and the draft room) as one run when the cache has it: consecutive blocks
-        are read as a view by the attention (no per-step gathers)."""
+        token, and where `spare` of the free blocks can go to it, every block it can reach (its
+        prompt, max_new_tokens and the draft room) as one run: consecutive blocks are read as a
+        view by the attention (no per-step gathers)."""
         positions = seq.prefill_len + 1
-        if not self.bounded:
-            reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
-            room = -(-(reach + self.config.spec_max_draft_tokens + 1) // self.config.block_size)
-            if room - len(seq.block_table) <= self.allocator.num_free:
-                positions = reach + self.config.spec_max_draft_tokens + 1
+        reach = min(len(seq.prompt_ids) + seq.params.max_new_tokens, self.config.max_length)
+        room = -(-(reach + self.config.spec_max_draft_tokens + 1) // self.config.block_size)
+        if room - len(seq.block_table) <= spare:
+            positions = reach + self.config.spec_max_draft_tokens + 1
         self.ensure_blocks(seq, positions)
+
+    def enqueue(self, seq: Sequence) -> None:
+        """Queue `seq` in its place: the waiting queue is in (priority, arrival) order."""
+        bisect.insort(self.waiting, seq, key=_rank)
 
     def admit(self) -> None:
         """Move waiting sequences into the running batch while it has room: a free slot, and free
-        blocks for the prefill (beyond the watermark, in a bounded cache)."""
-        while self.waiting and len(self.running) < self.config.max_batch_size:
+        blocks for the prefill (beyond the watermark, in a bounded cache); under the priority
+        policy, room made by preempting running sequences of a larger priority value. A sequence
+        takes every block it can reach where the cache is of the default size, or in a bounded one
+        where that leaves the blocks of the waiting prompts and the watermark free."""
+        bs = self.config.block_size
+        pending = sum(-(-(s.prefill_len + 1) // bs) for s in self.waiting) if self.bounded else 0
+        while self.waiting:
             seq = self.waiting[0]
-            blocks = -(-(seq.prefill_len + 1) // self.config.block_size)
-            if self.allocator.num_free < blocks + (self.watermark if self.running else 0):
+            blocks = -(-(seq.prefill_len + 1) // bs)
+            slot = len(self.running) < self.config.max_batch_size
+            if not slot or self.allocator.num_free < blocks + (self.watermark if self.running else 0):
                 if not self.running:
                     raise QuantSpecError("the KV cache cannot hold one prompt; raise --kv-cache-memory")
+                last = max(self.running, key=_rank)
+                if self.config.scheduling_policy == "priority" and last.priority > seq.priority:
+                    self.preempt(last)
+                    continue
                 break
             self.waiting.pop(0)
+            pending -= blocks
             if self.config.prefix_caching:
                 self._match(seq)
-            self._reserve(seq)
+            self._reserve(seq, self.allocator.num_free - (pending + self.watermark if self.bounded else 0))
             self.running.append(seq)
 
     def preempt(self, seq: Sequence) -> None:
-        """Take `seq`'s blocks back and queue it first, to be prefilled again from its first token
-        (module docstring)."""
+        """Take `seq`'s blocks back and queue it in its place, to be prefilled again from its first
+        token (module docstring)."""
         self.free(seq)
         seq.num_cached, seq.block_hashes, seq.prefill_len = 0, [], seq.num_tokens
         self.running.remove(seq)
-        self.waiting.insert(0, seq)
+        self.enqueue(seq)
         self.num_preemptions += 1
         seq.stats.preemptions += 1
         if self.release is not None:
@@ -209,14 +242,14 @@ class Scheduler:
 
     def _make_room(self) -> None:
         """Before a decode step: the blocks of every decoding sequence's next position, preempting
-        the most recently admitted sequences (the one in need too, if it is the newest) while the
-        cache has too few."""
+        the last running sequences in the scheduling order (the one in need too, if it is the
+        last) while the cache has too few."""
         for seq in list(self.running):
             if seq not in self.running or seq.prefilling:
                 continue
             need = -(-seq.num_tokens // self.config.block_size) - len(seq.block_table)
             while need > self.allocator.num_free and seq in self.running:
-                self.preempt(self.running[-1])
+                self.preempt(max(self.running, key=_rank))
             if seq in self.running:
                 self.ensure_blocks(seq, seq.num_tokens)
 

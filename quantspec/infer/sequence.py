@@ -63,6 +63,7 @@ class Sequence:
     # (`prefix_cache.block_hashes`)
     block_hashes: list[bytes] = field(default_factory=list)
     prefill_len: int = -1  # the leading tokens a prefill computes (-1: the prompt's; module docstring)
+    priority: int = 0  # under the "priority" scheduling policy, lower runs first (`scheduler.py`)
 
     def __post_init__(self):
         if self.prefill_len < 0:
