@@ -9,7 +9,8 @@ and Poisson arrivals against OpenAI-compatible servers, measured side by side in
 
 Servers: each name in `--servers` is a `quantspec serve` this script starts on a free port of
 127.0.0.1 (`none` = no speculation, else a `--speculate-method`; a `+prefix` suffix turns on
-`--enable-prefix-caching`), plus any `--url NAME=URL` already running. `--preamble FILE` sends
+`--enable-prefix-caching`, `+kv=SIZE` sets `--kv-cache-memory SIZE`), plus any `--url NAME=URL`
+already running. `--preamble FILE` sends
 that text as every request's system message (a shared system prompt, what prefix caching is for). `--peer llama.cpp` adds llama.cpp's server (llama-cpp-python's `[server]`
 extra, run by `--llama-python`, e.g. a venv of its own) on a free port, serving `--gguf` (default:
 the GGUF the default model comes from, Q4_1: 4-bit, group 32, a float scale and min per group),
@@ -21,7 +22,8 @@ streams a token per chunk).
 
 Per run (one server × one load level): request throughput, output tokens/s, TTFT / TPOT / ITL
 mean, p50 and p99 (ms), for quantspec servers the acceptance of the drafts verified in the
-run (from `/metrics`), and the share of prompt tokens a server reports cached (`usage`). Load levels run one after another and, within a level, every server in
+run and the sequences it preempted (from `/metrics`), the peak resident memory of a server this
+script started (so far), and the share of prompt tokens a server reports cached (`usage`). Load levels run one after another and, within a level, every server in
 turn (the order rotating by round), so load from other processes on a shared machine hits every
 server alike. Every request streams (usage in the last chunk); greedy (temperature 0).
 Prints a markdown table and the ratios of each server to the first; `--json` writes everything.
@@ -76,6 +78,8 @@ class RunResult:
     itl_ms: dict
     acceptance: float | None = None
     cached_share: float = 0.0  # prompt tokens reported cached / prompt tokens
+    preemptions: int | None = None  # sequences the server preempted during the run
+    peak_rss_mib: float | None = None  # the server process's peak resident memory so far
 
 
 def _stats(xs: list[float]) -> dict:
@@ -112,8 +116,9 @@ def _wait_healthy(url: str, proc: subprocess.Popen | None, path: str = "/health"
 
 def start_quantspec(method: str, args) -> tuple[subprocess.Popen, str]:
     """`quantspec serve` with speculation `method` ("none": without; "METHOD:K": at most K drafts
-    per step; a "+prefix" suffix: with prefix caching) on a free port."""
-    method, _, opts = method.partition("+")
+    per step; a "+prefix" suffix: with prefix caching; "+kv=SIZE": with --kv-cache-memory SIZE)
+    on a free port."""
+    method, *opts = method.split("+")
     method, _, k = method.partition(":")
     port = _free_port()
     cmd = [sys.executable, "-m", "quantspec.cli", "serve", "--model", args.model, "--port", str(port),
@@ -121,10 +126,13 @@ def start_quantspec(method: str, args) -> tuple[subprocess.Popen, str]:
            "--threads", str(args.threads), "--speculate-method", method]
     if k:
         cmd += ["--speculate-max-draft-token-num", k]
-    if opts == "prefix":
-        cmd += ["--enable-prefix-caching"]
-    elif opts:
-        raise SystemExit(f"--servers {method}+{opts}: the only option is +prefix")
+    for opt in opts:
+        if opt == "prefix":
+            cmd += ["--enable-prefix-caching"]
+        elif opt.startswith("kv="):
+            cmd += ["--kv-cache-memory", opt[3:]]
+        else:
+            raise SystemExit(f"--servers {method}+{opt}: the options are +prefix and +kv=SIZE")
     if args.draft_model and method in ("draft", "mtp"):
         cmd += ["--draft-model", args.draft_model]
     env = {**os.environ, "PYTHONPATH": str(ROOT)}
@@ -229,28 +237,40 @@ async def poisson(client, model, prompts, n, rate, max_tokens, preamble=None, se
     return list(await asyncio.gather(*tasks))
 
 
-def _spec_counters(url: str) -> tuple[float, float] | None:
+def _counters(url: str) -> dict[str, float]:
+    """The speculation and preemption counters on a quantspec server's /metrics ({} for a peer)."""
     import httpx2
 
     try:
         text = httpx2.get(f"{url}/metrics", timeout=5).text
     except httpx2.HTTPError:
-        return None
+        return {}
     vals = {}
     for line in text.splitlines():
-        for name in ("quantspec_spec_draft_tokens_total", "quantspec_spec_accepted_tokens_total"):
+        for name in ("quantspec_spec_draft_tokens_total", "quantspec_spec_accepted_tokens_total",
+                     "quantspec_num_preemptions_total"):
             if line.startswith(name + "{"):
                 vals[name] = float(line.rsplit(" ", 1)[1])
-    if len(vals) < 2:
-        return None
-    return vals["quantspec_spec_draft_tokens_total"], vals["quantspec_spec_accepted_tokens_total"]
+    return vals
 
 
-def run_one(name: str, url: str, load: tuple[str, float], prompts: list[str], args) -> RunResult:
+def peak_rss_mib(pid: int) -> float | None:
+    """A process's peak resident memory (VmHWM), MiB; None where /proc does not say."""
+    try:
+        for line in Path(f"/proc/{pid}/status").read_text().splitlines():
+            if line.startswith("VmHWM:"):
+                return int(line.split()[1]) / 1024
+    except OSError:
+        pass
+    return None
+
+
+def run_one(name: str, url: str, load: tuple[str, float], prompts: list[str], args,
+            pid: int | None = None) -> RunResult:
     import openai
 
     kind, value = load
-    before = _spec_counters(url)
+    before = _counters(url)
 
     async def go():
         async with openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=3600) as client:
@@ -264,16 +284,21 @@ def run_one(name: str, url: str, load: tuple[str, float], prompts: list[str], ar
     t0 = time.perf_counter()
     results = asyncio.run(go())
     wall = time.perf_counter() - t0
-    after = _spec_counters(url)
-    acceptance = None
-    if before and after and after[0] > before[0]:
-        acceptance = (after[1] - before[1]) / (after[0] - before[0])
+    after = _counters(url)
+    drafted, accepted, preempted = ("quantspec_spec_draft_tokens_total", "quantspec_spec_accepted_tokens_total",
+                                    "quantspec_num_preemptions_total")
+    acceptance = preemptions = None
+    if drafted in before and drafted in after and after[drafted] > before[drafted]:
+        acceptance = (after[accepted] - before[accepted]) / (after[drafted] - before[drafted])
+    if preempted in before and preempted in after:
+        preemptions = int(after[preempted] - before[preempted])
     ok = [r for r in results if r.ok]
     tpots = [(r.e2e - r.ttft) / (r.output_tokens - 1) for r in ok if r.output_tokens > 1]
     return RunResult(name, f"{'c' if kind == 'c' else 'rate'}={value:g}", len(results), len(results) - len(ok), wall,
                      len(ok) / wall, sum(r.output_tokens for r in ok) / wall, _stats([r.ttft for r in ok]),
                      _stats(tpots), _stats([x for r in ok for x in r.itl]), acceptance,
-                     sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)))
+                     sum(r.cached_tokens for r in ok) / max(1, sum(r.prompt_tokens for r in ok)), preemptions,
+                     None if pid is None else peak_rss_mib(pid))
 
 
 # -- the run ------------------------------------------------------------------------------------
@@ -337,21 +362,23 @@ def summarize(runs: list[RunResult]) -> tuple[str, list[dict]]:
                       f"{ratio:.2f}", f"{r.ttft_ms['mean']:.0f} / {r.ttft_ms['p50']:.0f} / {r.ttft_ms['p99']:.0f}",
                       f"{r.tpot_ms['mean']:.1f} / {r.tpot_ms['p50']:.1f} / {r.tpot_ms['p99']:.1f}",
                       f"{r.itl_ms['mean']:.1f} / {r.itl_ms['p50']:.1f} / {r.itl_ms['p99']:.1f}", acc,
-                      f"{100 * r.cached_share:.0f}%"])
+                      f"{100 * r.cached_share:.0f}%", "" if r.preemptions is None else r.preemptions,
+                      "" if r.peak_rss_mib is None else f"{r.peak_rss_mib:.0f}"])
         rows.append({**asdict(r), "vs_first": ratio})
     headers = ["load", "server", "ok", "req/s", "out tok/s", f"vs {servers[0]}", "TTFT ms mean/p50/p99",
-               "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "acceptance", "cached"]
-    return markdown_table(headers, table, "llrrrrrrrrr"), rows
+               "TPOT ms mean/p50/p99", "ITL ms mean/p50/p99", "acceptance", "cached", "preempted", "peak RSS MiB"]
+    return markdown_table(headers, table, "llrrrrrrrrrrr"), rows
 
 
-def measure(servers: dict[str, str], prompts: list[str], args) -> list[RunResult]:
+def measure(servers: dict[str, str], prompts: list[str], args, pids: dict[str, int] | None = None
+            ) -> list[RunResult]:
     loads = [("c", float(c)) for c in args.concurrency] + [("rate", r) for r in args.rates]
     names, runs = list(servers), []
     for load in loads:
         for rnd in range(args.rounds):
             order = names[rnd % len(names):] + names[: rnd % len(names)]
             for name in order:
-                r = run_one(name, servers[name], load, prompts, args)
+                r = run_one(name, servers[name], load, prompts, args, (pids or {}).get(name))
                 print(f"{r.load:>9} {name:>26}: {r.output_tok_per_s:7.1f} out tok/s, TTFT p50 {r.ttft_ms['p50']:.0f} ms"
                       f" p99 {r.ttft_ms['p99']:.0f} ms" + ("" if r.acceptance is None else
                                                             f", acceptance {100 * r.acceptance:.0f}%"), flush=True)
@@ -364,12 +391,14 @@ def main(argv: list[str] | None = None) -> dict:
     prompts = load_prompts(args.prompts, args.kind)
     servers: dict[str, str] = {}
     procs: list[subprocess.Popen] = []
+    pids: dict[str, int] = {}
     notes = []
     try:
         for method in [m for m in args.servers.split(",") if m.strip()]:
             proc, url = start_quantspec(method, args)
             procs.append(proc)
             servers[f"quantspec {method}"] = url
+            pids[f"quantspec {method}"] = proc.pid
         for spec in args.url:
             name, _, url = spec.partition("=")
             _wait_healthy(url, None)
@@ -380,12 +409,13 @@ def main(argv: list[str] | None = None) -> dict:
                 proc, url = start_llama_cpp(args)
                 procs.append(proc)
                 servers["llama.cpp"] = url
+                pids["llama.cpp"] = proc.pid
             else:
                 notes.append(why)
                 print(why)
         if not servers:
             raise SystemExit("no server to measure: give --servers or --url")
-        runs = measure(servers, prompts, args)
+        runs = measure(servers, prompts, args, pids)
     finally:
         for proc in procs:
             proc.send_signal(signal.SIGTERM)

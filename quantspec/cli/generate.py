@@ -182,6 +182,12 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Prompts skip the prefill of whole KV blocks an earlier request filled (shared system prompts, a chat's earlier turns).")
 @click.option("--kv-cache-memory", default=None,
               help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --max-batch-size sequences of --max-length].")
+@click.option("--scheduling-policy", default="fcfs", show_default=True, type=click.Choice(["fcfs", "priority"]),
+              help="fcfs: requests in arrival order; priority: a request's 'priority' first (lower first, 0 by default), preempting running requests of a larger one.")
+@click.option("--enable-auto-tool-choice", is_flag=True,
+              help="Serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool calls, found by --tool-call-parser.")
+@click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json"]),
+              help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3) or llama3_json (Llama 3.1-3.3).")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
 @one_line_errors

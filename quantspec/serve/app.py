@@ -50,6 +50,7 @@ class ServeState:
     aliases: tuple[str, ...] = ("default",)
     kv_cache: str = ""  # which KV cache the engine runs (`infer.kv_cache.kv_cache_label`)
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
+    tool_parser: object = None  # the model's tool-call syntax, for tool_choice "auto" (`tool_parsers.py`)
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
     _guides: object = field(default=None, init=False, repr=False)
 
@@ -216,7 +217,8 @@ def _parse(data, model: type[GenerationRequest]):
 
 def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     """The prompt ids of a chat request: its messages (and tools) through the chat template."""
-    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
+    messages = [_template_message({**(m.model_extra or {}), "role": m.role, "content": m.text()})
+                for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     try:
         return chat_prompt_ids(state.tokenizer, messages, body.add_generation_prompt, tools=tools,
@@ -224,6 +226,24 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
                                template_kwargs=body.chat_template_kwargs)
     except Exception as e:  # the template's own checks (jinja2's raise_exception, transformers')
         raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
+
+
+def _template_message(message: dict) -> dict:
+    """A message as chat templates read it: an assistant's `tool_calls` arguments as objects, not
+    OpenAI's JSON text (what transformers' tool-use templates expect, and vLLM hands them)."""
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:  # not JSON: the template gets the text
+                pass
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
@@ -260,8 +280,8 @@ class _Choice:
         self.score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.finish_reason: str | None = None
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
-        # a forced tool call: the answer goes out as `tool_calls` (`serve/tools.py`)
-        self.tools = tool_calls(body)
+        # a forced tool call, or "auto" under a parser: the answer goes out as `tool_calls` (`serve/tools.py`)
+        self.tools = tool_calls(body, resp.state.tool_parser)
 
     @property
     def completion_tokens(self) -> int:

@@ -45,6 +45,9 @@ def check_request(state: ServeState, body: GenerationRequest) -> None:
         if value is not None and (isinstance(value, bool) != isinstance(neutral, bool) or value != neutral):
             hint = f"leave it out (or {neutral!r})" + (f"; use {instead}" if instead else "")
             raise BadRequest(f"{name}={value!r} is not supported by this server; {hint}", param=name)
+    if body.priority and state.loop.engine.config.scheduling_policy != "priority":
+        raise BadRequest(f"priority={body.priority} needs a server started with --scheduling-policy priority; "
+                         "leave it out (or 0)", param="priority")
     if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
         raise BadRequest("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
@@ -73,7 +76,7 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
         if not key.isdigit() or int(key) >= vocab:
             raise BadRequest(f"logit_bias key {key!r} must be a token id in [0, {vocab})", param="logit_bias")
         bias.append((int(key), value))
-    guide, field_name = request_guide(body)
+    guide, field_name = request_guide(body, auto_tools=state.tool_parser is not None)
     try:
         compiled = None if guide is None else state.guide_compiler().compile(guide)
     except QuantSpecError as e:
@@ -95,13 +98,13 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
     return params, stop_check(state.tokenizer, stops)
 
 
-def request_guide(body: GenerationRequest) -> tuple[Guide | None, str | None]:
+def request_guide(body: GenerationRequest, auto_tools: bool = False) -> tuple[Guide | None, str | None]:
     """The structured output `body` asks for (a forced `tool_choice`, OpenAI's `response_format` or
     vLLM's `structured_outputs`; "text" asks for none) and the field that asked; a `BadRequest` for
-    two, or for tools the server cannot serve."""
+    two, or for tools the server cannot serve (`auto_tools`: it has a tool-call parser)."""
     asked = []
     try:
-        tool = tool_guide(body)
+        tool = tool_guide(body, auto_tools)
     except ToolChoiceError as e:
         raise BadRequest(str(e), param=e.param) from None
     if tool is not None:
@@ -150,6 +153,7 @@ def make_job(state: ServeState, body: GenerationRequest, shared: tuple[SamplingP
         params = dataclasses.replace(params, max_new_tokens=1 if max_tokens == 0 else max_tokens or room)
     except QuantSpecError as e:  # min_tokens over this prompt's room
         raise BadRequest(str(e)) from None
-    return Job(list(ids), params, speculate=body.speculate, index=index, text_check=text_check)
+    return Job(list(ids), params, speculate=body.speculate, index=index, text_check=text_check,
+               priority=body.priority)
 
 

@@ -95,6 +95,7 @@ class Job:
     speculate: bool = True
     index: int = 0
     text_check: object = None
+    priority: int = 0  # under --scheduling-policy priority, lower first
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -188,7 +189,7 @@ class EngineLoop:
         for job in jobs:
             try:
                 seq = self.engine.add_request(job.prompt_ids, job.params, request_index=job.index,
-                                              text_check=job.text_check)
+                                              text_check=job.text_check, priority=job.priority)
             except Exception:  # the front end checked the request: a bug, but not the loop's end
                 log.exception("could not add a request")
                 job.done = True

@@ -5,7 +5,8 @@ the server reads with the wrong type is a 400 naming the field, and so is a fiel
 vLLM's it does not implement set to anything but its neutral value (`UNSUPPORTED`), never a
 silently different answer. vLLM's `allowed_token_ids`, `truncate_prompt_tokens`,
 `skip_special_tokens`, `include_stop_str_in_output`, and for chat `add_generation_prompt`,
-`continue_final_message` and `chat_template_kwargs`, apply as vLLM defines them; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
+`continue_final_message` and `chat_template_kwargs`, apply as vLLM defines them, and so does
+`priority` on a server started with `--scheduling-policy priority`; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
 openai client sends it with `extra_body={"speculate": False}`).
 """
 
@@ -29,7 +30,7 @@ TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 UNSUPPORTED = (
     ("best_of", 1, ""), ("use_beam_search", False, ""), ("length_penalty", 1.0, ""), ("bad_words", [], "logit_bias"),
     ("prompt_logprobs", None, "echo with logprobs on /v1/completions"), ("echo", False, "/v1/completions"),
-    ("spaces_between_special_tokens", True, ""), ("logits_processors", None, ""), ("priority", 0, ""),
+    ("spaces_between_special_tokens", True, ""), ("logits_processors", None, ""),
     ("guided_json", None, "structured_outputs.json"), ("guided_regex", None, "structured_outputs.regex"),
     ("guided_choice", None, "structured_outputs.choice"), ("guided_grammar", None, "structured_outputs.grammar"),
     ("functions", None, "tools"), ("function_call", None, "tool_choice"),
@@ -102,6 +103,7 @@ class GenerationRequest(BaseModel):
     include_stop_str_in_output: StrictBool = False
     response_format: ResponseFormat | None = None
     structured_outputs: StructuredOutputs | None = None
+    priority: StrictInt = 0  # vLLM's: lower first, under --scheduling-policy priority
 
     def stop_strings(self) -> tuple[str, ...]:
         stops = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -152,7 +154,8 @@ class NamedToolChoice(BaseModel):
 class ChatCompletionRequest(GenerationRequest):
     """`logprobs`: each output token's log-probability in `choices[].logprobs.content`, with the
     `top_logprobs` most likely tokens of its position. `tools` / `tool_choice`: OpenAI's; a call
-    is made where `tool_choice` forces one (`serve/tools.py`)."""
+    is made where `tool_choice` forces one, or found in the answer under "auto" by the server's
+    tool-call parser (`serve/tools.py`)."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None

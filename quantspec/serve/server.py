@@ -19,6 +19,7 @@ from quantspec.model_zoo.default import DEFAULT_MODEL
 from quantspec.serve.app import ServeState, build_app
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.metrics import Metrics
+from quantspec.serve.tool_parsers import TOOL_PARSERS, tool_parser
 
 __all__ = ["ServeConfig", "build", "load", "run"]
 
@@ -48,6 +49,9 @@ class ServeConfig:
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
     enable_prefix_caching: bool = False  # prompts skip the prefill of cached leading KV blocks
     kv_cache_memory: int | str | None = None  # KV cache bytes ("4GiB"); None: max_batch_size full sequences
+    scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders admission and preemption
+    enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls found by `tool_call_parser`
+    tool_call_parser: str | None = None  # a key of `tool_parsers.TOOL_PARSERS`
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
@@ -57,6 +61,13 @@ class ServeConfig:
             raise QuantSpecError(f"--port {self.port!r} must be in [0, 65535] (0: any free port)")
         if not self.drain_timeout >= 0:
             raise QuantSpecError(f"--drain-timeout {self.drain_timeout!r} must be >= 0 seconds")
+        if self.enable_auto_tool_choice and self.tool_call_parser is None:
+            raise QuantSpecError("--enable-auto-tool-choice needs --tool-call-parser NAME (the model's tool-call "
+                                 f"syntax: {', '.join(TOOL_PARSERS)})")
+        if self.tool_call_parser is not None and self.tool_call_parser not in TOOL_PARSERS:
+            raise QuantSpecError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
+        if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
+            raise QuantSpecError("--tool-call-parser is read for tool_choice 'auto' only; add --enable-auto-tool-choice")
         self.served_model_name = self.served_model_name or self.model
         self.infer_config()  # the engine's and speculation's own checks, before anything loads
 
@@ -69,7 +80,7 @@ class ServeConfig:
                            speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
                            prefill_tokens=self.max_prefill_tokens,
                            enable_prefix_caching=self.enable_prefix_caching,
-                           kv_cache_memory=self.kv_cache_memory)
+                           kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy)
 
 
 def load(config: ServeConfig, *, loaded=None) -> ServeState:
@@ -88,7 +99,8 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
                       max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
-                      api_key=config.api_key or None)
+                      api_key=config.api_key or None,
+                      tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None)
 
 
 def build(config: ServeConfig, *, loaded=None):

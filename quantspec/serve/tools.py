@@ -1,4 +1,4 @@
-"""Tool calls on `/v1/chat/completions` when `tool_choice` forces one, as vLLM serves them without a
+"""Tool calls on `/v1/chat/completions`. Where `tool_choice` forces one, as vLLM serves them without a
 model-specific parser: the answer is held by a structured output (`infer.structured`) to the JSON
 a call needs, and comes back as OpenAI's `tool_calls`.
 
@@ -7,9 +7,10 @@ a call needs, and comes back as OpenAI's `tool_calls`.
 - `"required"`: the answer is a JSON array of one or more `{"name": ..., "parameters": {...}}`,
   each the name of a listed tool and arguments of its schema; one call each.
 - `"none"`: no call; the tools only reach the chat template.
-- `"auto"` (OpenAI's default with tools) would need a parser of the model's own tool-call syntax,
-  which this server does not have: it is a 400 naming `tool_choice`, never an answer that
-  silently ignores the tools.
+- `"auto"` (OpenAI's default with tools): the model answers freely, and the parser of its own
+  tool-call syntax the server was started with (`--enable-auto-tool-choice --tool-call-parser`,
+  `tool_parsers.py`) finds its calls; without one it is a 400 naming `tool_choice`, never an
+  answer that silently ignores the tools.
 
 Streaming: a named call's arguments stream as they are generated; a `"required"` answer's calls
 come in the last chunk, each whole.
@@ -18,11 +19,11 @@ come in the last chunk, each whole.
 from __future__ import annotations
 
 import json
-import uuid
 from typing import Callable
 
 from quantspec.infer.structured import Guide
 from quantspec.serve.protocol import ChatCompletionRequest
+from quantspec.serve.tool_parsers import AutoToolCalls, call_entry
 
 __all__ = ["ToolCalls", "tool_calls", "tool_guide"]
 
@@ -37,17 +38,20 @@ class ToolChoiceError(ValueError):
         self.param = param
 
 
-def _forced(body: ChatCompletionRequest) -> str | dict | None:
-    """The tool_choice that forces a call ("required" or {"name"}), or None."""
+def _forced(body: ChatCompletionRequest, auto: bool = False) -> str | dict | None:
+    """The tool_choice that forces a call ("required" or {"name"}), or None (none forced, or
+    "auto" where the server has a parser: `auto`)."""
     choice = body.tool_choice
     if not body.tools:
         if choice not in (None, "none"):
             raise ToolChoiceError("tool_choice needs tools", param="tool_choice")
         return None
     if choice is None or choice == "auto":
-        raise ToolChoiceError("tool_choice 'auto' needs a parser of the model's tool-call syntax, which this server "
-                              "does not have; send tool_choice 'required', 'none' or a named function",
-                              param="tool_choice")
+        if auto:
+            return None
+        raise ToolChoiceError("tool_choice 'auto' needs a server started with --enable-auto-tool-choice "
+                              "--tool-call-parser NAME (a parser of the model's tool-call syntax); send tool_choice "
+                              "'required', 'none' or a named function", param="tool_choice")
     if choice == "none":
         return None
     if choice == "required":
@@ -59,12 +63,12 @@ def _forced(body: ChatCompletionRequest) -> str | dict | None:
     return {"name": choice.function.name}
 
 
-def tool_guide(body) -> Guide | None:
+def tool_guide(body, auto: bool = False) -> Guide | None:
     """The structured output a forced tool call needs (None where `body` forces none); a
-    `ToolChoiceError` for tools it cannot serve."""
+    `ToolChoiceError` for tools it cannot serve (`auto`: the server has a tool-call parser)."""
     if not isinstance(body, ChatCompletionRequest):
         return None
-    forced = _forced(body)
+    forced = _forced(body, auto)
     if forced is None:
         return None
     schemas = {t.function.name: t.function.parameters or ANY_OBJECT for t in body.tools}
@@ -75,14 +79,17 @@ def tool_guide(body) -> Guide | None:
     return Guide("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
 
 
-def _call(name: str, arguments: str) -> dict:
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
-
-
-def tool_calls(body) -> "ToolCalls | None":
-    """A choice's `ToolCalls` where `body` forces a call (a checked request), else None."""
-    forced = _forced(body) if isinstance(body, ChatCompletionRequest) else None
-    return None if forced is None else ToolCalls(None if forced == "required" else forced["name"])
+def tool_calls(body, parser=None) -> "ToolCalls | AutoToolCalls | None":
+    """A choice's `ToolCalls` where `body` (a checked request) forces a call, its `AutoToolCalls`
+    where it leaves the choice to the model and the server has a tool-call `parser`, else None."""
+    if not isinstance(body, ChatCompletionRequest):
+        return None
+    forced = _forced(body, parser is not None)
+    if forced is not None:
+        return ToolCalls(None if forced == "required" else forced["name"])
+    if parser is not None and body.tools and body.tool_choice in (None, "auto"):
+        return AutoToolCalls(parser)
+    return None
 
 
 class ToolCalls:
@@ -95,9 +102,9 @@ class ToolCalls:
 
     def _calls(self, text: str) -> list[dict] | None:
         if self.name is not None:
-            return [_call(self.name, text)]
+            return [call_entry(self.name, text)]
         try:
-            return [_call(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
+            return [call_entry(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
         except (ValueError, KeyError, TypeError):  # an answer cut short by max_tokens
             return None
 
@@ -118,7 +125,7 @@ class ToolCalls:
             if piece or not self._streamed:
                 call = {"index": 0, "function": {"arguments": piece}}
                 if not self._streamed:
-                    call = {"index": 0, **_call(self.name, piece)}
+                    call = {"index": 0, **call_entry(self.name, piece)}
                     self._streamed = True
                 delta = {"tool_calls": [call]}
             return delta, ("tool_calls" if reason == "stop" else reason)

@@ -34,3 +34,16 @@ def test_serve_bench_measures_prefix_caching_with_a_shared_preamble(serve_bench,
     share = {r["server"]: r["cached_share"] for r in out["runs"]}
     assert share["quantspec none"] == 0 and share["quantspec none+prefix"] > 0.5
     assert "| cached |" in out["table"]
+
+
+def test_serve_bench_reports_preemptions_of_a_small_kv_cache_and_peak_memory(serve_bench, tiny_llama_dir, tmp_path):
+    prompts = tmp_path / "p.jsonl"
+    prompts.write_text("\n".join(json.dumps({"kind": "chat", "src": f"tell me a story number {i}"}) for i in range(4)))
+    # the tiny model's KV is 32 KiB per 64-token block: 224 KiB holds 6 blocks, one 256-token sequence and one more
+    out = serve_bench.main(["--model", str(tiny_llama_dir), "--servers", "none,none+kv=224KiB", "--concurrency", "4",
+                            "--requests", "8", "--max-tokens", "96", "--prompts", str(prompts), "--max-length", "256",
+                            "--max-batch-size", "8", "--threads", "1"])
+    runs = {r["server"]: r for r in out["runs"]}
+    assert runs["quantspec none"]["preemptions"] == 0 and runs["quantspec none+kv=224KiB"]["preemptions"] > 0
+    assert all(r["failed"] == 0 and r["peak_rss_mib"] > 0 for r in runs.values())
+    assert "| preempted |" in out["table"]

@@ -50,15 +50,15 @@ def tiny_loaded(tiny_llama_dir):
 
 @pytest.fixture(scope="module")
 def reference(tiny_llama_dir, tiny_loaded):
-    """reference(prompt, max_tokens, chat=True) → (text, token ids) of `quantspec infer` (greedy,
-    no speculation, batch 1)."""
+    """reference(prompt, max_tokens, chat=True, stop=(), ignore_eos=False) → (text, token ids) of
+    `quantspec infer` (greedy, no speculation, batch 1)."""
     cache = {}
 
-    def run(prompt: str, max_tokens: int, chat: bool = True, stop=()):
-        key = (prompt, max_tokens, chat, tuple(stop))
+    def run(prompt: str, max_tokens: int, chat: bool = True, stop=(), ignore_eos: bool = False):
+        key = (prompt, max_tokens, chat, tuple(stop), ignore_eos)
         if key not in cache:
             config = InferConfig(model=str(tiny_llama_dir), max_new_tokens=max_tokens, max_length=256,
-                                 chat_template=chat, stop=tuple(stop))
+                                 chat_template=chat, stop=tuple(stop), ignore_eos=ignore_eos)
             out = Predictor(config, loaded=tiny_loaded).generate([prompt])[0]
             cache[key] = (out.text, out.token_ids)
         return cache[key]

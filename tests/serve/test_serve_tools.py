@@ -1,7 +1,7 @@
 """Forced tool calls through `quantspec serve` with the real `openai` client: a named function's
 arguments fit its schema, `"required"` gives calls of listed tools, streamed calls add up to the
-whole ones, and what the server cannot do (`"auto"`, an unknown name) is a 400 naming
-`tool_choice`."""
+whole ones, and what the server cannot do (`"auto"` without a tool-call parser, an unknown name)
+is a 400 naming `tool_choice`."""
 
 from __future__ import annotations
 
