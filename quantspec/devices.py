@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["AUTO", "device_done", "resolve_device"]
+__all__ = ["AUTO", "device_done", "device_memory_budget", "resolve_device"]
 
 AUTO = "auto"
 _KINDS = ("cpu", "cuda")
@@ -42,3 +42,18 @@ def device_done(device) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+def device_memory_budget(device, utilization: float) -> int | None:
+    """Bytes a CUDA device can still give this process so that no more than `utilization` of its
+    memory is in use (by anyone: the weights already loaded, other processes), less a headroom
+    for a step's activations and the libraries' workspaces (1 GiB, or 4% of the device where that
+    is more); None on the CPU, whose memory is the system's."""
+    import torch
+
+    device = torch.device(device)
+    if device.type != "cuda":
+        return None
+    free, total = torch.cuda.mem_get_info(device)
+    headroom = max(2**30, int(0.04 * total))
+    return int(utilization * total) - (total - free) - headroom

@@ -110,7 +110,9 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
 @click.option("--enable-prefix-caching", is_flag=True,
               help="Prompts skip the prefill of whole KV blocks an earlier prompt or answer filled (shared system prompts, few-shot preambles).")
 @click.option("--kv-cache-memory", default=None,
-              help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --batch-size sequences of --max-length].")
+              help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --batch-size sequences of --max-length, on CUDA at most what --gpu-memory-utilization leaves].")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
+              help="CUDA, without --kv-cache-memory: the share of the GPU's memory in use at most once the KV cache is allocated.")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @one_line_errors
@@ -181,7 +183,9 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--enable-prefix-caching", is_flag=True,
               help="Prompts skip the prefill of whole KV blocks an earlier request filled (shared system prompts, a chat's earlier turns).")
 @click.option("--kv-cache-memory", default=None,
-              help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --max-batch-size sequences of --max-length].")
+              help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --max-batch-size sequences of --max-length, on CUDA at most what --gpu-memory-utilization leaves].")
+@click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
+              help="CUDA, without --kv-cache-memory: the share of the GPU's memory in use at most once the KV cache is allocated.")
 @click.option("--scheduling-policy", default="fcfs", show_default=True, type=click.Choice(["fcfs", "priority"]),
               help="fcfs: requests in arrival order; priority: a request's 'priority' first (lower first, 0 by default), preempting running requests of a larger one.")
 @click.option("--enable-auto-tool-choice", is_flag=True,

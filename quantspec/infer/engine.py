@@ -49,7 +49,7 @@ from typing import Callable, Protocol
 
 import torch
 
-from quantspec.devices import device_done
+from quantspec.devices import device_done, device_memory_budget
 from quantspec.errors import QuantSpecError
 from quantspec.infer.adjust import adjust_step, guide_drafts
 from quantspec.infer.backend import Runtime, default_runtime
@@ -136,7 +136,8 @@ class Engine:
                                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype,
                                      kv_dtype=config.kv_cache_dtype)
         self.cache = PagedKVCache(
-            num_layers=args.num_layers, num_blocks=config.blocks_needed(block_bytes), block_size=config.block_size,
+            num_layers=args.num_layers, block_size=config.block_size,
+            num_blocks=config.blocks_needed(block_bytes, device_memory_budget(self.device, config.gpu_memory_utilization)),
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
             kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kernel=self.runtime.attention,
             max_seq_len=config.max_length + config.spec_max_draft_tokens + 1,

@@ -100,6 +100,7 @@ class InferConfig:
     # for batch_size sequences of max_length
     kv_cache_memory: int | str | None = None
     scheduling_policy: str = "fcfs"  # EngineConfig.scheduling_policy
+    gpu_memory_utilization: float = 0.9  # on CUDA, without kv_cache_memory (EngineConfig)
     # structured output (`infer.structured`): (kind, spec), e.g. ("regex", "[0-9]+"), and the flag
     # that asked for it (what an error names)
     structured_output: tuple[str, str] | None = None
@@ -152,7 +153,8 @@ class InferConfig:
         validate_spec_config(self)
         EngineConfig(block_size=self.block_size, max_batch_size=self.batch_size, max_length=self.max_length,
                      prefill_chunk=self.prefill_chunk, prefill_tokens=self.prefill_tokens,
-                     kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy)
+                     kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
+                     gpu_memory_utilization=self.gpu_memory_utilization)
         self.sampling_params()
 
     def sampling_params(self) -> SamplingParams:
@@ -268,7 +270,8 @@ class Predictor:
                          max_length=config.max_length, kv_cache_dtype="auto" if cachekv == "none" else cachekv,
                          spec_max_draft_tokens=max_drafts, prefill_chunk=config.prefill_chunk,
                          prefill_tokens=config.prefill_tokens, prefix_caching=config.enable_prefix_caching,
-                         kv_cache_memory=config.kv_cache_memory, scheduling_policy=config.scheduling_policy),
+                         kv_cache_memory=config.kv_cache_memory, scheduling_policy=config.scheduling_policy,
+                         gpu_memory_utilization=config.gpu_memory_utilization),
             eos_token_ids=self.loaded.eos_token_ids, k_scale=k_scale, v_scale=v_scale, proposer=proposer,
             runtime=self.loaded.runtime,
         )
@@ -408,7 +411,7 @@ def summarize(outs: list[RequestOutput], wall_s: float, config: InferConfig, *, 
     }
     if config.enable_prefix_caching:
         stats["cached_prompt_tokens"] = sum(o.cached_prompt_tokens for o in outs)
-    if config.kv_cache_memory is not None:
+    if config.kv_cache_memory is not None or any(o.preemptions for o in outs):  # (a cache cut to the GPU's memory)
         stats["preemptions"] = sum(o.preemptions for o in outs)
     if config.speculate_method != "none":
         if config.speculate_tree:  # positions are the tree's depths

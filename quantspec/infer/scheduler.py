@@ -91,6 +91,9 @@ class EngineConfig:
     kv_cache_memory: int | None = None
     # "fcfs": arrival order; "priority": each request's priority first (module docstring)
     scheduling_policy: str = "fcfs"
+    # on CUDA, without kv_cache_memory: the share of the device's memory in use at most once the
+    # cache is allocated; a default-size cache that would pass it is cut to what fits (bounded)
+    gpu_memory_utilization: float = 0.9
 
     def __post_init__(self):
         if self.block_size < 1 or self.block_size & (self.block_size - 1):
@@ -105,6 +108,8 @@ class EngineConfig:
             raise QuantSpecError(f"--max-prefill-tokens {self.prefill_tokens} must be >= 1")
         if self.kv_cache_memory is not None and (isinstance(self.kv_cache_memory, bool) or self.kv_cache_memory < 1):
             raise QuantSpecError(f"--kv-cache-memory {self.kv_cache_memory} must be a positive size (e.g. 4GiB)")
+        if isinstance(self.gpu_memory_utilization, bool) or not 0 < self.gpu_memory_utilization <= 1:
+            raise QuantSpecError(f"--gpu-memory-utilization {self.gpu_memory_utilization!r} must be in (0, 1]")
         if self.scheduling_policy not in SCHEDULING_POLICIES:
             raise QuantSpecError(f"--scheduling-policy {self.scheduling_policy!r} is not one of "
                                  f"{', '.join(SCHEDULING_POLICIES)}")
@@ -115,21 +120,26 @@ class EngineConfig:
         """The blocks one sequence of max_length takes with its verification rows."""
         return -(-(self.max_length + self.spec_max_draft_tokens + 1) // self.block_size)
 
-    def blocks_needed(self, block_bytes: int | None = None) -> int:
-        """The cache's blocks (the padding block included): `num_blocks`, or what
-        `kv_cache_memory` holds at `block_bytes` a block (at least one sequence of max_length,
-        else a clear error), or max_batch_size full sequences'."""
+    def blocks_needed(self, block_bytes: int | None = None, device_budget: int | None = None) -> int:
+        """The cache's blocks (the padding block included): `num_blocks`; or what
+        `kv_cache_memory` holds at `block_bytes` a block; or max_batch_size full sequences', cut to
+        what `device_budget` bytes hold where they are fewer (`devices.device_memory_budget`).
+        A memory that cannot hold one sequence of max_length is a clear error."""
         if self.num_blocks:
             return self.num_blocks
-        if self.kv_cache_memory is None or not block_bytes:
-            return self.max_batch_size * self.blocks_per_sequence + 1
-        n = self.kv_cache_memory // block_bytes
+        full = self.max_batch_size * self.blocks_per_sequence + 1
+        memory, flag = self.kv_cache_memory, "--kv-cache-memory"
+        if memory is None and device_budget is not None and block_bytes and full * block_bytes > device_budget:
+            memory, flag = max(0, device_budget), "--gpu-memory-utilization"
+        if memory is None or not block_bytes:
+            return full
+        n = memory // block_bytes
         if n - 1 < self.blocks_per_sequence:
             need = (self.blocks_per_sequence + 1) * block_bytes
             raise QuantSpecError(
-                f"--kv-cache-memory {format_size(self.kv_cache_memory)} holds {max(0, n - 1) * self.block_size} "
-                f"tokens of KV cache; one sequence of --max-length {self.max_length} needs {format_size(need)}: "
-                f"raise --kv-cache-memory or lower --max-length")
+                f"the KV cache gets {format_size(memory)} ({flag}), {max(0, n - 1) * self.block_size} tokens; "
+                f"one sequence of --max-length {self.max_length} needs {format_size(need)}: raise {flag} or "
+                f"lower --max-length")
         return n
 
 

@@ -50,6 +50,7 @@ class ServeConfig:
     enable_prefix_caching: bool = False  # prompts skip the prefill of cached leading KV blocks
     kv_cache_memory: int | str | None = None  # KV cache bytes ("4GiB"); None: max_batch_size full sequences
     scheduling_policy: str = "fcfs"  # "priority": requests' `priority` orders admission and preemption
+    gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: the device share in use at most
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls found by `tool_call_parser`
     tool_call_parser: str | None = None  # a key of `tool_parsers.TOOL_PARSERS`
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
@@ -80,7 +81,8 @@ class ServeConfig:
                            speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
                            prefill_tokens=self.max_prefill_tokens,
                            enable_prefix_caching=self.enable_prefix_caching,
-                           kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy)
+                           kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
+                           gpu_memory_utilization=self.gpu_memory_utilization)
 
 
 def load(config: ServeConfig, *, loaded=None) -> ServeState:

@@ -252,3 +252,28 @@ def test_cuda_prefix_caching_gives_the_cpu_tokens(tiny):
         outs.append(list(seq.output_ids))
         cached.append(seq.stats.cached_tokens)
     assert outs == cpu and cached == [0, 96, 96]
+
+
+def test_cuda_cache_cut_to_the_memory_budget_preempts_and_gives_the_cpu_tokens(tiny):
+    """A default-size cache bigger than --gpu-memory-utilization leaves is cut to what fits, and
+    the sequences it cannot hold at once are preempted and recomputed: the CPU engine's tokens."""
+    from quantspec.devices import device_memory_budget
+    from quantspec.infer.kv_cache import kv_block_bytes
+
+    res, args = _tensors(tiny, "weight_only_int4")
+    prompts = _prompts(args.vocab_size, n=6)
+    cpu, _ = _engine_tokens(res, args, "cpu", torch.float32, prompts, max_length=160)
+    net, _, _ = quantized_model(res.tensors, args, res.config, dtype=torch.float32, device=torch.device("cuda"))
+    block = kv_block_bytes(num_layers=args.num_layers, block_size=16, num_kv_heads=args.num_kv_heads,
+                           head_dim=args.head_dim, dtype=torch.float32)
+    runtime = prepare(net, "cuda")
+    torch.cuda.synchronize()
+    free, total = torch.cuda.mem_get_info()
+    headroom = max(2**30, int(0.04 * total))
+    util = (total - free + headroom + 20 * block) / total  # about 20 blocks: one sequence (11) and some more
+    eng = Engine(net, EngineConfig(max_batch_size=6, max_length=160, block_size=16, gpu_memory_utilization=util),
+                 eos_token_ids=[], runtime=runtime)
+    assert eng.scheduler.bounded and 12 <= eng.cache.num_blocks <= 20 and device_memory_budget("cuda", util) > 0
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+    eng.run()
+    assert [list(s.output_ids) for s in seqs] == cpu and eng.scheduler.num_preemptions > 0

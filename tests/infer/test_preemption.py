@@ -147,3 +147,14 @@ def test_infer_reports_preemptions_and_answers_as_an_unbounded_cache(tiny_llama_
     tight, stats = Predictor(InferConfig(**common, kv_cache_memory="200KiB")).run(srcs)
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert stats["preemptions"] == sum(o.preemptions for o in tight) > 0 and "preemptions" not in roomy_stats
+
+
+def test_a_device_budget_cuts_only_a_cache_that_would_not_fit():
+    config = EngineConfig(block_size=16, max_batch_size=8, max_length=100)  # 7 blocks a sequence, 57 in all
+    assert config.blocks_needed(1000, device_budget=10**6) == 57          # fits: the default size
+    assert config.blocks_needed(1000, device_budget=20_500) == 20          # cut to the budget
+    with pytest.raises(QuantSpecError, match="raise --gpu-memory-utilization or lower --max-length"):
+        config.blocks_needed(1000, device_budget=5_000)
+    assert EngineConfig(kv_cache_memory=64_000, max_length=100, block_size=16).blocks_needed(1000, 10**9) == 64
+    with pytest.raises(QuantSpecError, match="--gpu-memory-utilization"):
+        EngineConfig(gpu_memory_utilization=1.5)
