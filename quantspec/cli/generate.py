@@ -190,6 +190,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="fcfs: requests in arrival order; priority: a request's 'priority' first (lower first, 0 by default), preempting running requests of a larger one.")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="Serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool calls, found by --tool-call-parser.")
+@click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1"]),
+              help="Chat answers' thinking (up to </think>: DeepSeek-R1 and its distillations, QwQ) goes to reasoning_content, the rest to content.")
 @click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json"]),
               help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3) or llama3_json (Llama 3.1-3.3).")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,

@@ -30,6 +30,7 @@ from quantspec.serve.loop import Delta, EngineLoop, Job
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest, error_body)
 from quantspec.serve.text import TextStream, TokenText, chat_prompt_ids, completion_prompt_ids
+from quantspec.serve.reasoning import ReasoningStream
 from quantspec.serve.tools import tool_calls
 
 __all__ = ["ServeState", "build_app"]
@@ -51,6 +52,7 @@ class ServeState:
     kv_cache: str = ""  # which KV cache the engine runs (`infer.kv_cache.kv_cache_label`)
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     tool_parser: object = None  # the model's tool-call syntax, for tool_choice "auto" (`tool_parsers.py`)
+    reasoning_parser: object = None  # where chat answers' thinking ends (`reasoning.py`)
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
     _guides: object = field(default=None, init=False, repr=False)
 
@@ -282,6 +284,9 @@ class _Choice:
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
         # a forced tool call, or "auto" under a parser: the answer goes out as `tool_calls` (`serve/tools.py`)
         self.tools = tool_calls(body, resp.state.tool_parser)
+        # a reasoning model's thinking, split from the content (not where a grammar holds the answer)
+        parser = resp.state.reasoning_parser if resp.chat and job.params.guide is None else None
+        self.reasoning = None if parser is None else ReasoningStream(parser)
 
     @property
     def completion_tokens(self) -> int:
@@ -374,6 +379,9 @@ class _Response:
     def _chunk(self, index: int, piece: str | None, entries: list, reason: str | None, *, first: bool = False) -> dict:
         logprobs = None if first else self._logprobs(entries)
         tools = self.choices[index].tools if self.chat and not first else None
+        thought = ""
+        if self.choices[index].reasoning is not None and not first:
+            thought, piece = self.choices[index].reasoning.feed(piece or "", reason is not None)
         if tools is not None:
             delta, reason = tools.delta(piece or "", reason, self.choices[index].text.text)
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
@@ -385,6 +393,8 @@ class _Response:
         else:
             choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
             kind = "text_completion"
+        if thought:
+            choice["delta"] = {**choice["delta"], "reasoning_content": thought, "reasoning": thought}
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
 
@@ -425,8 +435,13 @@ class _Response:
         choices = []
         for c, (text, entries) in zip(self.choices, results):
             if self.chat:
+                thought = None
+                if c.reasoning is not None:
+                    thought, text = c.reasoning.parser.split(text)
                 message, reason = (({"role": "assistant", "content": text}, c.finish_reason) if c.tools is None
-                                   else c.tools.message(text, c.finish_reason))
+                                   else c.tools.message(text or "", c.finish_reason))
+                if c.reasoning is not None:
+                    message.update(reasoning_content=thought, reasoning=thought)
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(entries),
                                 "finish_reason": reason})
             else:

@@ -19,6 +19,7 @@ from quantspec.model_zoo.default import DEFAULT_MODEL
 from quantspec.serve.app import ServeState, build_app
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.metrics import Metrics
+from quantspec.serve.reasoning import REASONING_PARSERS, reasoning_parser
 from quantspec.serve.tool_parsers import TOOL_PARSERS, tool_parser
 
 __all__ = ["ServeConfig", "build", "load", "run"]
@@ -53,6 +54,7 @@ class ServeConfig:
     gpu_memory_utilization: float = 0.9  # on CUDA without kv_cache_memory: the device share in use at most
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls found by `tool_call_parser`
     tool_call_parser: str | None = None  # a key of `tool_parsers.TOOL_PARSERS`
+    reasoning_parser: str | None = None  # a key of `reasoning.REASONING_PARSERS`: thinking split from content
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
@@ -69,6 +71,9 @@ class ServeConfig:
             raise QuantSpecError(f"--tool-call-parser {self.tool_call_parser!r} is not one of {', '.join(TOOL_PARSERS)}")
         if self.tool_call_parser is not None and not self.enable_auto_tool_choice:
             raise QuantSpecError("--tool-call-parser is read for tool_choice 'auto' only; add --enable-auto-tool-choice")
+        if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
+            raise QuantSpecError(f"--reasoning-parser {self.reasoning_parser!r} is not one of "
+                                 f"{', '.join(REASONING_PARSERS)}")
         self.served_model_name = self.served_model_name or self.model
         self.infer_config()  # the engine's and speculation's own checks, before anything loads
 
@@ -102,7 +107,8 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
                       max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
                       api_key=config.api_key or None,
-                      tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None)
+                      tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None,
+                      reasoning_parser=reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None)
 
 
 def build(config: ServeConfig, *, loaded=None):

@@ -27,12 +27,21 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "call_entry",
-           "tool_parser"]
+           "held_tail", "tool_parser"]
 
 
 def call_entry(name: str, arguments: str) -> dict:
     """One of OpenAI's `tool_calls` entries, with a fresh id."""
     return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
+
+
+def held_tail(text: str, tag: str) -> int:
+    """The length of the longest end of `text` that begins `tag`: what a stream holds back until
+    the next piece says whether the tag follows."""
+    for k in range(min(len(tag) - 1, len(text)), 0, -1):
+        if tag.startswith(text[-k:]):
+            return k
+    return 0
 
 
 @dataclass
@@ -80,10 +89,7 @@ class HermesParser:
         start = text.find(self.START)
         if start >= 0:
             return start, True
-        for k in range(min(len(self.START) - 1, len(text)), 0, -1):  # a tail that may begin the tag
-            if self.START.startswith(text[-k:]):
-                return len(text) - k, False
-        return len(text), False
+        return len(text) - held_tail(text, self.START), False
 
 
 class Llama3JsonParser:

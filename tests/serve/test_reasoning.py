@@ -1,0 +1,78 @@
+"""The deepseek_r1 reasoning parser: a whole answer's thinking and content, the same answer
+streamed in pieces cut anywhere, and through the server with the real `openai` client (the tiny
+model's tokens replaced by a script's, as a reasoning model would write them) in
+`reasoning_content`, streamed or whole; a guided answer is not split."""
+
+from __future__ import annotations
+
+import importlib.util
+
+import openai
+import pytest
+
+from quantspec.serve.reasoning import DeepSeekR1Reasoning, ReasoningStream
+
+P = DeepSeekR1Reasoning()
+
+
+@pytest.mark.parametrize("text, split", [
+    ("<think>\nCount: 9.8 > 9.11.\n</think>\n\n9.8 is greater.", ("\nCount: 9.8 > 9.11.\n", "\n\n9.8 is greater.")),
+    ("Count them.</think>9.8", ("Count them.", "9.8")),          # the <think> was in the prompt
+    ("<think>Still counting", ("Still counting", None)),          # cut short: all thinking
+    ("</think>Just the answer.", (None, "Just the answer.")),
+    ("An answer that mentions <think> in passing.</think>", ("An answer that mentions <think> in passing.", None)),
+])
+def test_deepseek_r1_splits_thinking_from_content(text, split):
+    assert P.split(text) == split
+    for cuts in ([], [1], [2, 3, 4, 5, 6, 7, 8], list(range(1, len(text)))):
+        s = ReasoningStream(P)
+        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+        out = [s.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+        reasoning, content = "".join(r for r, _ in out), "".join(c for _, c in out)
+        assert (reasoning or None, content or None) == split, cuts
+
+
+SCRIPT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
+
+
+def _scripted(tokenizer):
+    """A `start_server` tweak: every request's tokens become SCRIPT's, in steps of 3."""
+    ids = tokenizer(SCRIPT, add_special_tokens=False)["input_ids"]
+
+    def tweak(state):
+        engine = state.loop.engine
+        step = engine.step
+        given: dict[int, int] = {}
+
+        def scripted():
+            events = step()
+            out = []
+            for seq, toks in events:
+                at = given.get(seq.seq_id, 0)
+                given[seq.seq_id] = at + len(toks)
+                out.append((seq, ids[at:at + len(toks)]))
+            return out
+
+        engine.step = scripted
+
+    return tweak, len(ids)
+
+
+def test_the_server_returns_the_thinking_as_reasoning_content(start_server, tiny_loaded):
+    tweak, n = _scripted(tiny_loaded.tokenizer)
+    with start_server(reasoning_parser="deepseek_r1", speculate_method="none", tweak=tweak) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=n, temperature=0,
+                  extra_body={"ignore_eos": True})
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert msg.content == "\n\nHello there!"
+        assert msg.reasoning_content == msg.reasoning == "\nThe user greets me.\n"
+        chunks = list(client.chat.completions.create(stream=True, **kw))
+        deltas = [c.choices[0].delta for c in chunks if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == "\nThe user greets me.\n"
+        assert "".join(d.content or "" for d in deltas) == "\n\nHello there!"
+        if importlib.util.find_spec("xgrammar") is None:
+            return
+        guided = client.chat.completions.create(**{**kw, "response_format": {"type": "json_object"}}).choices[0].message
+        # (the grammar ends the answer when the real tokens close a JSON object: a prefix of the script)
+        assert guided.content.startswith("<think>") and guided.model_extra.get("reasoning_content") is None
