@@ -219,8 +219,7 @@ def _parse(data, model: type[GenerationRequest]):
 
 def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     """The prompt ids of a chat request: its messages (and tools) through the chat template."""
-    messages = [_template_message({**(m.model_extra or {}), "role": m.role, "content": m.text()})
-                for m in body.messages]
+    messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
     try:
         return chat_prompt_ids(state.tokenizer, messages, body.add_generation_prompt, tools=tools,
@@ -228,24 +227,6 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
                                template_kwargs=body.chat_template_kwargs)
     except Exception as e:  # the template's own checks (jinja2's raise_exception, transformers')
         raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
-
-
-def _template_message(message: dict) -> dict:
-    """A message as chat templates read it: an assistant's `tool_calls` arguments as objects, not
-    OpenAI's JSON text (what transformers' tool-use templates expect, and vLLM hands them)."""
-    calls = message.get("tool_calls")
-    if message["role"] != "assistant" or not isinstance(calls, list):
-        return message
-    out = []
-    for call in calls:
-        fn = call.get("function") if isinstance(call, dict) else None
-        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
-            try:
-                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
-            except ValueError:  # not JSON: the template gets the text
-                pass
-        out.append(call)
-    return {**message, "tool_calls": out}
 
 
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
@@ -281,6 +262,7 @@ class _Choice:
                                include_stop=body.include_stop_str_in_output)
         self.score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.finish_reason: str | None = None
+        self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
         # a forced tool call, or "auto" under a parser: the answer goes out as `tool_calls` (`serve/tools.py`)
         self.tools = tool_calls(body, resp.state.tool_parser)
@@ -337,6 +319,10 @@ class _Choice:
                 self.finish_reason = "stop" if self.text.stopped else FINISH_REASONS.get(d.finish_reason,
                                                                                         d.finish_reason)
                 piece += self.text.finish()
+                last = self.job.seq.output_ids[-1] if self.job.seq is not None and self.job.seq.output_ids else None
+                self.stop_reason = (self.text.stop_str if self.text.stopped else
+                                    last if d.finish_reason == "stop" and last in self.job.params.stop_token_ids
+                                    else None)
             yield piece, entries, self.finish_reason
             return
 
@@ -395,6 +381,8 @@ class _Response:
             kind = "text_completion"
         if thought:
             choice["delta"] = {**choice["delta"], "reasoning_content": thought, "reasoning": thought}
+        if reason is not None:
+            choice["stop_reason"] = self.choices[index].stop_reason
         return {"id": self.id, "object": kind, "created": self.created, "model": self.state.model_name,
                 "choices": [choice]}
 
@@ -404,13 +392,14 @@ class _Response:
 
     async def sse(self):
         usage = self.body.stream_options is not None and self.body.stream_options.include_usage
+        every = usage and self.body.stream_options.continuous_usage_stats  # the usage so far in each chunk
         try:
             if self.chat:
                 for c in self.choices:
-                    yield _event(self._chunk(c.index, None, [], None, first=True))
+                    yield _event(self._chunk(c.index, None, [], None, first=True), self._usage() if every else None)
             async for index, (piece, entries, reason) in _merged([c.deltas() for c in self.choices]):
                 if piece or reason or entries:
-                    yield _event(self._chunk(index, piece, entries, reason))
+                    yield _event(self._chunk(index, piece, entries, reason), self._usage() if every else None)
             if usage:
                 yield _event({**self._chunk(0, None, [], None), "choices": [], "usage": self._usage()})
         except RuntimeError as e:
@@ -443,10 +432,10 @@ class _Response:
                 if c.reasoning is not None:
                     message.update(reasoning_content=thought, reasoning=thought)
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(entries),
-                                "finish_reason": reason})
+                                "finish_reason": reason, "stop_reason": c.stop_reason})
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": self._logprobs(entries),
-                                "finish_reason": c.finish_reason})
+                                "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
         return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                 "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
 
@@ -485,5 +474,7 @@ async def _merged(streams: list):
             t.cancel()
 
 
-def _event(obj: dict) -> str:
+def _event(obj: dict, usage: dict | None = None) -> str:
+    if usage is not None:
+        obj = {**obj, "usage": usage}
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

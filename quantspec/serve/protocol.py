@@ -38,8 +38,12 @@ UNSUPPORTED = (
 
 
 class StreamOptions(BaseModel):
+    """OpenAI's `include_usage` (a last chunk with the request's usage) and vLLM's
+    `continuous_usage_stats` (with it: the usage so far in every chunk)."""
+
     model_config = ConfigDict(extra="allow")
     include_usage: StrictBool = False
+    continuous_usage_stats: StrictBool = False
 
 
 class JsonSchemaFormat(BaseModel):

@@ -5,6 +5,7 @@ stop string and never sending a piece that could still become one (or half a cha
 from __future__ import annotations
 
 import functools
+import json
 from typing import Callable
 
 __all__ = ["TextStream", "TokenText", "chat_prompt_ids", "completion_prompt_ids", "stop_check"]
@@ -18,13 +19,33 @@ def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool
     """The chat template over `messages` (and `tools`, for a template that shows them) with the
     assistant's turn opened (what `quantspec infer` feeds for one user message;
     `add_generation_prompt` False: not opened; `continue_final_message`: the last message left
-    open, to be continued); `template_kwargs`: more variables of the template."""
+    open, to be continued); `template_kwargs`: more variables of the template. An assistant
+    message's `tool_calls` reach the template with their arguments as objects."""
+    messages = [_template_message(m) for m in messages]
     if getattr(tokenizer, "chat_template", None):
         kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kw)
         return tokenizer(text, add_special_tokens=False).input_ids
-    return tokenizer("\n".join(m["content"] for m in messages)).input_ids
+    return tokenizer("\n".join(m["content"] or "" for m in messages)).input_ids
+
+
+def _template_message(message: dict) -> dict:
+    """A message as chat templates read it: an assistant's `tool_calls` arguments as objects, not
+    OpenAI's JSON text (what transformers' tool-use templates expect, and vLLM hands them)."""
+    calls = message.get("tool_calls")
+    if message["role"] != "assistant" or not isinstance(calls, list):
+        return message
+    out = []
+    for call in calls:
+        fn = call.get("function") if isinstance(call, dict) else None
+        if isinstance(fn, dict) and isinstance(fn.get("arguments"), str):
+            try:
+                call = {**call, "function": {**fn, "arguments": json.loads(fn["arguments"])}}
+            except ValueError:  # not JSON: the template gets the text
+                pass
+        out.append(call)
+    return {**message, "tool_calls": out}
 
 
 def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
@@ -109,6 +130,7 @@ class TextStream:
         self.ids: list[int] = []
         self.sent = 0  # characters of the text sent so far
         self.stopped = False
+        self.stop_str: str | None = None  # the stop string the text ends at, once `stopped`
         self._hold = max((len(s) for s in stops), default=1) - 1
 
     def text(self) -> str:
@@ -116,7 +138,7 @@ class TextStream:
         for s in self.stops:
             i = text.find(s)
             if i >= 0:
-                text, self.stopped = text[:i + len(s) if self.include_stop else i], True
+                text, self.stopped, self.stop_str = text[:i + len(s) if self.include_stop else i], True, s
         return text
 
     def feed(self, ids: list[int]) -> str:

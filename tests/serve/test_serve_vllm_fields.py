@@ -89,3 +89,33 @@ def test_neutral_values_of_those_fields_are_served(server):
     r = _post(url, "completions", {"prompt": "hi", "max_tokens": 2, "use_beam_search": False, "best_of": 1,
                                    "bad_words": [], "length_penalty": 1.0})
     assert r.status_code == 200
+
+
+def test_stop_reason_names_the_stop_string_or_token_that_ended_the_answer(server, hf_greedy, tiny_loaded):
+    url, _ = server
+    prompt = _ids(12, 3)
+    greedy = hf_greedy(prompt, 12)
+    text = tiny_loaded.tokenizer.decode(greedy, skip_special_tokens=True)
+    stop = text[len(text) // 2:len(text) // 2 + 2]
+    by_string = _post(url, "completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                           "stop": [stop]}).json()["choices"][0]
+    assert by_string["finish_reason"] == "stop" and by_string["stop_reason"] == stop
+    by_token = _post(url, "completions", {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True,
+                                          "stop_token_ids": [greedy[4]]}).json()["choices"][0]
+    assert by_token["finish_reason"] == "stop" and by_token["stop_reason"] == greedy[4]
+    by_length = _post(url, "chat/completions", {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 3,
+                                                "temperature": 0, "ignore_eos": True}).json()["choices"][0]
+    assert by_length["finish_reason"] == "length" and by_length["stop_reason"] is None
+
+
+def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(server):
+    import json
+
+    url, _ = server
+    body = {"model": "tiny", "prompt": _ids(8, 4), "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stream": True, "stream_options": {"include_usage": True, "continuous_usage_stats": True}}
+    with httpx2.stream("POST", f"{url}/v1/completions", json=body, timeout=60) as r:
+        chunks = [json.loads(line[6:]) for line in r.iter_lines() if line.startswith("data: {")]
+    counts = [c["usage"]["completion_tokens"] for c in chunks]
+    assert all(c["usage"]["prompt_tokens"] == 8 for c in chunks) and counts == sorted(counts) and counts[-1] == 6
+    assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["stop_reason"] is None
