@@ -4,12 +4,14 @@ structured output's mask (`structured.py`). The raw logits stay the step's own (
 are the model's); what the picker and the verifier see is adjusted.
 
 Drafts: a sequence with penalties, a bias or `min_tokens` has none (a draft's verification knows
-nothing of them). A guided sequence may have a chain of drafts: its row j is masked with the
-grammar's state after its first j drafts, so verification accepts exactly the drafts the guided
-target would have produced (greedy), or keeps the rejection-sampling guarantee against the guided
-distribution (sampling). Deterministic drafts the grammar rules out are cut before the forward
-(`guide_drafts`): such a draft is rejected with certainty and the row that replaces it is the
-guided distribution itself, so cutting changes nothing but the wasted rows.
+nothing of them). A guided sequence may have drafts, a chain or a token tree: each row is masked
+with the grammar's state after the drafts on its path, so verification accepts exactly the drafts
+the guided target would have produced (greedy), or keeps the rejection-sampling guarantee against
+the guided distribution (sampling). A chain's deterministic drafts the grammar rules out are cut
+before the forward (`guide_drafts`): such a draft is rejected with certainty and the row that
+replaces it is the guided distribution itself, so cutting changes nothing but the wasted rows. A
+tree keeps its nodes (a node the grammar rules out is rejected like any other, and its subtree
+with it).
 """
 
 from __future__ import annotations
@@ -35,49 +37,49 @@ def _adjust_row(row: torch.Tensor, seq: Sequence, eos: set[int]) -> torch.Tensor
     return row if seq.guide is None else mask_logits(seq.guide, row)
 
 
-def _adjust_rows(rows: torch.Tensor, seq: Sequence, drafts: list[int], eos: set[int]) -> torch.Tensor:
-    """rows [1 + k, V] of `seq` (its fed token's row, then one per draft), in place."""
+def _adjust_rows(rows: torch.Tensor, seq: Sequence, drafts: list[int], eos: set[int],
+                 parents: list[int] | None = None) -> torch.Tensor:
+    """rows [1 + k, V] of `seq` (its fed token's row, then one per draft; `parents`: a tree's), in place."""
     if drafts:  # only a guided sequence has drafts among those adjusted
-        return mask_rows(seq.guide, drafts, rows)
+        return mask_rows(seq.guide, drafts, rows, parents)
     _adjust_row(rows[0], seq, eos)
     return rows
 
 
 def adjust_step(model, eos: set[int], seqs: list[Sequence], drafts: list[list[int]], scored: torch.Tensor,
-                ids: list[int] | None, logits: torch.Tensor | None) -> tuple[list[int] | None, torch.Tensor | None]:
+                ids: list[int] | None, logits: torch.Tensor | None, trees: list[list[int] | None] | None = None
+                ) -> tuple[list[int] | None, torch.Tensor | None]:
     """The step's (ids, logits) to pick from, with the rows of each sequence whose params adjust
     its logits (`SamplingParams.adjusts_logits`) adjusted: in a greedy batch (`ids`, no logits)
     its ids re-picked from logits computed for its rows, else its rows of a copy of `logits`
-    [R, V]. `scored` [R, D]: the step's scored rows, each sequence's 1 + len(drafts) in order."""
+    [R, V]. `scored` [R, D]: the step's scored rows, each sequence's 1 + len(drafts) in order;
+    `trees`: each sequence's draft parents where it drafted a tree."""
     spans, r = [], 0
-    for s, d in zip(seqs, drafts):
+    for i, (s, d) in enumerate(zip(seqs, drafts)):
         if s.params.adjusts_logits:
-            spans.append((r, s, d))
+            spans.append((r, s, d, None if trees is None else trees[i]))
         r += 1 + len(d)
     if ids is not None:
         ids = list(ids)
-        at = torch.tensor([r + j for r, _, d in spans for j in range(1 + len(d))], device=scored.device)
+        at = torch.tensor([r + j for r, _, d, _ in spans for j in range(1 + len(d))], device=scored.device)
         lg = model.compute_logits(scored[at]).float()
         i = 0
-        for r, s, d in spans:
-            picked = _adjust_rows(lg[i:i + 1 + len(d)], s, d, eos).argmax(-1).tolist()
+        for r, s, d, par in spans:
+            picked = _adjust_rows(lg[i:i + 1 + len(d)], s, d, eos, par).argmax(-1).tolist()
             ids[r:r + 1 + len(d)] = picked
             i += 1 + len(d)
         return ids, logits
     logits = logits.clone()
-    for r, s, d in spans:
-        _adjust_rows(logits[r:r + 1 + len(d)], s, d, eos)
+    for r, s, d, par in spans:
+        _adjust_rows(logits[r:r + 1 + len(d)], s, d, eos, par)
     return ids, logits
 
 
 def guide_drafts(seqs: list[Sequence], drafts: list[list[int]], probs: list, trees: list | None) -> None:
-    """In place, before the forward: a guided sequence keeps a chain of drafts only (a tree's
-    branches would each need their own grammar state), and of deterministic drafts (probs None)
-    the ones its grammar allows from the start."""
+    """In place, before the forward: of a guided sequence's chain of deterministic drafts (probs
+    None), the ones its grammar allows from the start (a tree is kept whole)."""
     for i, s in enumerate(seqs):
-        if s.guide is None or not drafts[i]:
+        if s.guide is None or not drafts[i] or (trees is not None and trees[i] is not None):
             continue
-        if trees is not None and trees[i] is not None:
-            drafts[i], probs[i], trees[i] = [], None, None
-        elif probs[i] is None:
+        if probs[i] is None:
             drafts[i] = drafts[i][:valid_prefix(s.guide, drafts[i])]

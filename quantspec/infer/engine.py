@@ -251,7 +251,7 @@ class Engine:
             logits = None if logits is None else logits[done]
         pick_ids, pick_logits = ids, logits
         if any(s.params.adjusts_logits for s in seqs):
-            pick_ids, pick_logits = adjust_step(self.model, self.eos, seqs, drafts, scored, ids, logits)
+            pick_ids, pick_logits = adjust_step(self.model, self.eos, seqs, drafts, scored, ids, logits, trees)
         new_tokens, paths = (self._accept(seqs, drafts, [draft_probs[i] for i in done], pick_ids, pick_logits, trees)
                              if seqs else ([], None))
         accepted = [len(t) - 1 for t in new_tokens]
@@ -336,7 +336,7 @@ class Engine:
                 keep = torch.tensor(kept, dtype=torch.int64)
             drafts[i] = ids[keep].tolist()
             probs[i] = None if q is None else q[keep.to(q.device) if par is not None else keep]
-        guide_drafts(seqs, drafts, probs, trees)  # guided sequences: chains, of drafts their grammar allows
+        guide_drafts(seqs, drafts, probs, trees)  # guided chains: the drafts their grammar allows
         return drafts, probs, (trees if any(t is not None for t in trees) else None)
 
     def _feed(self, seqs: list[Sequence], news: list[list[int]]) -> tuple[list[int], list[int], list[int]]:

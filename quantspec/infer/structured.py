@@ -8,8 +8,9 @@ compiled grammar for one tokenizer (cached: a schema sent by every request compi
 request carries as `SamplingParams.guide`. The engine gives each such sequence a matcher
 (`guide_matcher`), masks its next-token logits with it (`mask_logits`, after penalties and bias)
 and feeds it every emitted token (`sequence.append_tokens`). Once the answer is complete only the
-stop tokens are allowed, and the sequence ends with one (whatever the engine's EOS set). A guided sequence's chain of drafts is verified under the
-mask of each draft's position (`mask_rows`; `infer/adjust.py`).
+stop tokens are allowed, and the sequence ends with one (whatever the engine's EOS set). A guided
+sequence's drafts, a chain or a token tree, are verified under the mask of each draft's position
+(`mask_rows`; `infer/adjust.py`).
 """
 
 from __future__ import annotations
@@ -110,19 +111,27 @@ def mask_logits(matcher, row: torch.Tensor) -> torch.Tensor:
     return row
 
 
-def mask_rows(matcher, drafts: list[int], rows: torch.Tensor) -> torch.Tensor:
+def mask_rows(matcher, drafts: list[int], rows: torch.Tensor, parents: list[int] | None = None) -> torch.Tensor:
     """rows [1 + k, V] fp32 of a sequence's fed token and its k drafts, in place: row j masked with
-    the grammar's state after drafts[:j]. Past a draft the grammar rules out (or the end of the
-    answer) the rows are left as they are: verification rejects that draft, so they are never used.
-    The matcher is back where it was."""
-    n = 0
+    the grammar's state after the drafts on its path, drafts[:j] for a chain, or for a token tree
+    (`parents[i]`: the row of draft i's parent, `spec/tree.py`) the drafts from the root down to
+    row j. Past a draft the grammar rules out (or the end of the answer) the rows are left as they
+    are: verification rejects that draft, so they are never used. The matcher is back where it was."""
+    if parents is None:
+        parents = list(range(len(drafts)))
     for j in range(rows.shape[0]):
-        if n < j or matcher.is_terminated():
-            break
-        mask_logits(matcher, rows[j])
-        if j < len(drafts) and matcher.accept_token(drafts[j]):
+        path, node = [], j
+        while node:
+            path.append(drafts[node - 1])
+            node = parents[node - 1]
+        n = 0
+        for t in reversed(path):
+            if matcher.is_terminated() or not matcher.accept_token(t):
+                break
             n += 1
-    matcher.rollback(n)
+        if n == len(path) and not matcher.is_terminated():
+            mask_logits(matcher, rows[j])
+        matcher.rollback(n)
     return rows
 
 
