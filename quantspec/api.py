@@ -75,8 +75,9 @@ def _logprob_fields(config, out) -> dict:
 
 def serve(config, *, on_ready=None) -> None:
     """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
-    then drain the requests in flight and return. `on_ready(url, kv_cache)` is called once the
-    model is loaded (`kv_cache`: which KV cache the engine runs)."""
+    then drain the requests in flight and return. `on_ready(url, kv_cache, sampling_defaults)` is
+    called once the model is loaded (`kv_cache`: which KV cache the engine runs;
+    `sampling_defaults`: what requests that leave those fields out get, from --generation-config)."""
     from quantspec.serve import run
 
     run(config, on_ready=on_ready)

@@ -190,6 +190,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="fcfs: requests in arrival order; priority: a request's 'priority' first (lower first, 0 by default), preempting running requests of a larger one.")
 @click.option("--enable-auto-tool-choice", is_flag=True,
               help="Serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool calls, found by --tool-call-parser.")
+@click.option("--generation-config", default="auto", show_default=True,
+              help="Defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens): auto, the model's generation_config.json; vllm, none (OpenAI's); or a directory holding one.")
 @click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1"]),
               help="Chat answers' thinking (up to </think>: DeepSeek-R1 and its distillations, QwQ) goes to reasoning_content, the rest to content.")
 @click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json"]),
@@ -207,10 +209,13 @@ def serve(**kw):
     config = api.ServeConfig(**kw)
     console = err_console()
 
-    def ready(url, kv_cache):
+    def ready(url, kv_cache, defaults):
         cache = f"KV cache {kv_cache}" + (", prefix caching" if config.enable_prefix_caching else "")
         console.print(f"[green]serving[/] {config.served_model_name} at {url}/v1, {cache}  "
                       "(Ctrl-C or SIGTERM stops, draining requests in flight)")
+        if defaults:
+            console.print("requests that leave them out get the model's generation config: "
+                          + ", ".join(f"{k}={v}" for k, v in defaults.items()) + " (--generation-config vllm: none)")
 
     try:
         api.serve(config, on_ready=ready)

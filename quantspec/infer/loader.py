@@ -118,6 +118,23 @@ def read_eos_token_ids(model_dir: Path, cfg: dict, tokenizer=None) -> list[int]:
     return list(dict.fromkeys(ids))
 
 
+SAMPLING_DEFAULT_KEYS = ("temperature", "top_p", "top_k", "min_p", "repetition_penalty", "max_new_tokens")
+
+
+def read_sampling_defaults(model_dir: Path) -> dict:
+    """The sampling fields a model's generation_config.json sets (those vLLM reads as request
+    defaults: `SAMPLING_DEFAULT_KEYS`); {} where it has none or no such file."""
+    gen = Path(model_dir) / "generation_config.json"
+    if not gen.is_file():
+        return {}
+    try:
+        cfg = json.loads(gen.read_text())
+    except json.JSONDecodeError:
+        raise QuantSpecError(f"{gen} is not valid JSON; repair or delete it") from None
+    return {k: cfg[k] for k in SAMPLING_DEFAULT_KEYS if isinstance(cfg.get(k), (int, float))
+            and not isinstance(cfg.get(k), bool)}
+
+
 def _attn_prefix(i: int) -> str:
     return f"model.layers.{i}.self_attn"
 

@@ -53,6 +53,9 @@ class ServeState:
     api_key: str | None = field(default=None, repr=False)  # None: no authentication
     tool_parser: object = None  # the model's tool-call syntax, for tool_choice "auto" (`tool_parsers.py`)
     reasoning_parser: object = None  # where chat answers' thinking ends (`reasoning.py`)
+    # what a request that leaves out temperature, top_p, top_k, min_p, repetition_penalty or
+    # max_tokens gets (the model's generation_config.json: `loader.read_sampling_defaults`)
+    sampling_defaults: dict = field(default_factory=dict)
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
     _guides: object = field(default=None, init=False, repr=False)
 

@@ -61,7 +61,12 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
     """What every answer of a checked request shares: its sampling params (`max_new_tokens` the
     server's --max-length: `make_job` sets each prompt's) and its stop-string hook; a `BadRequest`
     for what the model cannot do."""
-    temperature = 1.0 if body.temperature is None else float(body.temperature)
+    d = state.sampling_defaults
+
+    def given(value, name: str, neutral):  # the request's value, else the model's default, else OpenAI's
+        return value if value is not None else d.get(name, neutral)
+
+    temperature = float(given(body.temperature, "temperature", 1.0))
     stops = body.stop_strings()
     if isinstance(body, ChatCompletionRequest):
         logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
@@ -83,13 +88,13 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
         raise BadRequest(str(e), param=field_name) from None
     try:
         params = SamplingParams(decode_strategy="greedy" if temperature == 0 else "sampling",
-                                temperature=temperature or 1.0, top_k=max(0, body.top_k or 0),
-                                top_p=1.0 if body.top_p is None else float(body.top_p),
-                                min_p=float(body.min_p or 0), seed=body.seed, max_new_tokens=state.max_length,
+                                temperature=temperature or 1.0, top_k=max(0, int(given(body.top_k, "top_k", 0))),
+                                top_p=float(given(body.top_p, "top_p", 1.0)),
+                                min_p=float(given(body.min_p, "min_p", 0)), seed=body.seed, max_new_tokens=state.max_length,
                                 stop=stops, logprobs=logprobs,
                                 prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
                                 frequency_penalty=body.frequency_penalty or 0,
-                                repetition_penalty=1 if body.repetition_penalty is None else body.repetition_penalty,
+                                repetition_penalty=given(body.repetition_penalty, "repetition_penalty", 1),
                                 logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
                                 min_tokens=body.min_tokens, allowed_token_ids=body.allowed_token_ids or (),
                                 guide=compiled)
@@ -144,6 +149,8 @@ def make_job(state: ServeState, body: GenerationRequest, shared: tuple[SamplingP
         raise BadRequest(f"the prompt has {len(ids)} tokens, over the server's --max-length {state.max_length} "
                          "(prompt + output); shorten it", param=param, code="context_length_exceeded")
     max_tokens = getattr(body, "max_completion_tokens", None) or body.max_tokens
+    if max_tokens is None and "max_new_tokens" in state.sampling_defaults:  # the model's default, within the room
+        max_tokens = min(max(1, int(state.sampling_defaults["max_new_tokens"])), room)
     if max_tokens is not None and max_tokens > room:
         raise BadRequest(f"max_tokens={max_tokens} + the prompt's {len(ids)} tokens is over the server's "
                          f"--max-length {state.max_length}; ask for at most {room}", param="max_tokens",

@@ -12,8 +12,10 @@ from __future__ import annotations
 
 import logging
 from dataclasses import dataclass, field
+from pathlib import Path
 
 from quantspec.errors import QuantSpecError, positive_int
+from quantspec.infer.loader import read_sampling_defaults
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.model_zoo.default import DEFAULT_MODEL
 from quantspec.serve.app import ServeState, build_app
@@ -55,6 +57,9 @@ class ServeConfig:
     enable_auto_tool_choice: bool = False  # tool_choice "auto": the model's calls found by `tool_call_parser`
     tool_call_parser: str | None = None  # a key of `tool_parsers.TOOL_PARSERS`
     reasoning_parser: str | None = None  # a key of `reasoning.REASONING_PARSERS`: thinking split from content
+    # request defaults of the sampling fields a request leaves out: "auto" the model's
+    # generation_config.json (as vLLM), "vllm" none (OpenAI's), or a directory holding one
+    generation_config: str = "auto"
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
@@ -74,6 +79,8 @@ class ServeConfig:
         if self.reasoning_parser is not None and self.reasoning_parser not in REASONING_PARSERS:
             raise QuantSpecError(f"--reasoning-parser {self.reasoning_parser!r} is not one of "
                                  f"{', '.join(REASONING_PARSERS)}")
+        if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
+            raise QuantSpecError(f"--generation-config {self.generation_config!r} is not auto, vllm or a directory")
         self.served_model_name = self.served_model_name or self.model
         self.infer_config()  # the engine's and speculation's own checks, before anything loads
 
@@ -102,13 +109,17 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
         rows = min(config.max_batch_size * (1 + k), 256)
         engine.draft_limit = LoadAwareDrafts(k, measure_step_costs(engine, rows))
     metrics = Metrics(config.served_model_name)
+    defaults = ({} if config.generation_config == "vllm" else
+                read_sampling_defaults(predictor.loaded.model_dir if config.generation_config == "auto"
+                                       else Path(config.generation_config).expanduser()))
     loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
                       max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
                       api_key=config.api_key or None,
                       tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None,
-                      reasoning_parser=reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None)
+                      reasoning_parser=reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
+                      sampling_defaults=defaults)
 
 
 def build(config: ServeConfig, *, loaded=None):
@@ -126,9 +137,9 @@ def uvicorn_server(app, config: ServeConfig):
 
 
 def run(config: ServeConfig, *, on_ready=None) -> None:
-    """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url, kv_cache)`
-    is called once the model is loaded, before uvicorn binds."""
+    """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url, kv_cache,
+    sampling_defaults)` is called once the model is loaded, before uvicorn binds."""
     app, state = build(config)
     if on_ready is not None:
-        on_ready(f"http://{config.host}:{config.port}", state.kv_cache)
+        on_ready(f"http://{config.host}:{config.port}", state.kv_cache, state.sampling_defaults)
     uvicorn_server(app, config).run()
