@@ -56,6 +56,7 @@ class ServeState:
     # what a request that leaves out temperature, top_p, top_k, min_p, repetition_penalty or
     # max_tokens gets (the model's generation_config.json: `loader.read_sampling_defaults`)
     sampling_defaults: dict = field(default_factory=dict)
+    chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's (--chat-template)
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
     _guides: object = field(default=None, init=False, repr=False)
 
@@ -179,7 +180,7 @@ def _tokenizer_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
             raise BadRequest("give one of prompt and messages", param="prompt")
         if body.messages is not None:
             ids = chat_prompt_ids(state.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages],
-                                  add_generation_prompt=body.add_generation_prompt)
+                                  add_generation_prompt=body.add_generation_prompt, chat_template=state.chat_template)
         else:
             ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"count": len(ids), "max_model_len": state.max_length, "tokens": ids}
@@ -227,7 +228,7 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     try:
         return chat_prompt_ids(state.tokenizer, messages, body.add_generation_prompt, tools=tools,
                                continue_final_message=body.continue_final_message,
-                               template_kwargs=body.chat_template_kwargs)
+                               template_kwargs=body.chat_template_kwargs, chat_template=state.chat_template)
     except Exception as e:  # the template's own checks (jinja2's raise_exception, transformers')
         raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
 

@@ -60,6 +60,8 @@ class ServeConfig:
     # request defaults of the sampling fields a request leaves out: "auto" the model's
     # generation_config.json (as vLLM), "vllm" none (OpenAI's), or a directory holding one
     generation_config: str = "auto"
+    # a Jinja chat template in place of the tokenizer's: a file, or the template's text; read when built
+    chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
 
     def __post_init__(self):
@@ -81,6 +83,8 @@ class ServeConfig:
                                  f"{', '.join(REASONING_PARSERS)}")
         if self.generation_config not in ("auto", "vllm") and not Path(self.generation_config).expanduser().is_dir():
             raise QuantSpecError(f"--generation-config {self.generation_config!r} is not auto, vllm or a directory")
+        if self.chat_template is not None:
+            self.chat_template = _template_text(self.chat_template)
         self.served_model_name = self.served_model_name or self.model
         self.infer_config()  # the engine's and speculation's own checks, before anything loads
 
@@ -95,6 +99,18 @@ class ServeConfig:
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
                            gpu_memory_utilization=self.gpu_memory_utilization)
+
+
+def _template_text(value: str) -> str:
+    """`--chat-template`: a file's text, or `value` itself where it is a Jinja template."""
+    path = Path(value).expanduser()
+    if "{{" not in value and "{%" not in value:
+        try:
+            return path.read_text(encoding="utf-8")
+        except (OSError, UnicodeDecodeError) as e:
+            raise QuantSpecError(f"--chat-template {value}: not a readable template file nor a template "
+                                 f"({type(e).__name__})") from None
+    return value
 
 
 def load(config: ServeConfig, *, loaded=None) -> ServeState:
@@ -119,7 +135,7 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
                       api_key=config.api_key or None,
                       tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None,
                       reasoning_parser=reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
-                      sampling_defaults=defaults)
+                      sampling_defaults=defaults, chat_template=config.chat_template)
 
 
 def build(config: ServeConfig, *, loaded=None):

@@ -15,15 +15,17 @@ STOP_TAIL_TOKENS = 32  # output tokens decoded to look for a stop string after e
 
 def chat_prompt_ids(tokenizer, messages: list[dict], add_generation_prompt: bool = True,
                     tools: list[dict] | None = None, continue_final_message: bool = False,
-                    template_kwargs: dict | None = None) -> list[int]:
+                    template_kwargs: dict | None = None, chat_template: str | None = None) -> list[int]:
     """The chat template over `messages` (and `tools`, for a template that shows them) with the
     assistant's turn opened (what `quantspec infer` feeds for one user message;
     `add_generation_prompt` False: not opened; `continue_final_message`: the last message left
-    open, to be continued); `template_kwargs`: more variables of the template. An assistant
-    message's `tool_calls` reach the template with their arguments as objects."""
+    open, to be continued); `template_kwargs`: more variables of the template; `chat_template`:
+    a template (Jinja text) in place of the tokenizer's. An assistant message's `tool_calls`
+    reach the template with their arguments as objects."""
     messages = [_template_message(m) for m in messages]
-    if getattr(tokenizer, "chat_template", None):
-        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {})}
+    if chat_template or getattr(tokenizer, "chat_template", None):
+        kw = {**(template_kwargs or {}), **({"tools": tools} if tools else {}),
+              **({"chat_template": chat_template} if chat_template else {})}
         text = tokenizer.apply_chat_template(messages, tokenize=False, add_generation_prompt=add_generation_prompt,
                                              continue_final_message=continue_final_message, **kw)
         return tokenizer(text, add_special_tokens=False).input_ids

@@ -57,3 +57,24 @@ def test_api_key(start_server):
         assert r.status_code == 401 and r.headers["www-authenticate"] == "Bearer"
         assert r.json()["error"]["code"] == "invalid_api_key"
         assert httpx2.get(f"{url}/health").status_code == 200 and httpx2.get(f"{url}/metrics").status_code == 200
+
+
+def test_a_chat_template_of_the_server_s_own_replaces_the_tokenizer_s(start_server, tmp_path, tiny_loaded):
+    from quantspec.errors import QuantSpecError
+    from quantspec.serve.server import ServeConfig
+
+    template = "{% for m in messages %}[{{ m.role }}] {{ m.content }}\n{% endfor %}{% if add_generation_prompt %}[answer] {% endif %}"
+    (tmp_path / "t.jinja").write_text(template)
+    tok = tiny_loaded.tokenizer
+    before = tok.chat_template
+    msgs = [{"role": "user", "content": "hi there"}]
+    for given in (template, str(tmp_path / "t.jinja")):
+        with start_server(chat_template=given) as (url, _):
+            r = httpx2.post(f"{url}/tokenize", json={"messages": msgs}).json()
+            assert r["tokens"] == tok("[user] hi there\n[answer] ", add_special_tokens=False).input_ids
+            chat = httpx2.post(f"{url}/v1/chat/completions", json={"model": "tiny", "messages": msgs, "max_tokens": 2,
+                                                                  "temperature": 0}).json()
+            assert chat["usage"]["prompt_tokens"] == r["count"]
+    assert tok.chat_template == before  # the shared tokenizer is untouched
+    with pytest.raises(QuantSpecError, match="--chat-template"):
+        ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
