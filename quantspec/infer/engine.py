@@ -18,8 +18,7 @@ model the backend did not prepare runs its modules.
 
 Which sequences a step serves (admission, prefix caching, the prefill token budget, chunked
 prefill alternating with decode steps, preemption in a cache smaller than the batch) is the
-scheduler's (`scheduler.py`); a sequence's state
-and the rules that end it are `sequence.py`'s.
+scheduler's (`scheduler.py`); a sequence's state and the rules that end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
 `Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties, a

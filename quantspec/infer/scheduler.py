@@ -21,16 +21,17 @@ and when the sequence is freed).
 
 KV blocks. A cache of the default size holds `max_batch_size` sequences of `max_length`: a
 sequence takes at admission every block it can reach, and no step ever waits for one. A smaller
-cache (`kv_cache_memory`) admits a sequence while the free blocks hold its prompt and a reserve
-(`watermark`) for the running ones to grow into; the sequence takes every block it can reach
-where the free blocks also hold the prompts still waiting, else blocks as positions fill; and when a
-decoding sequence needs a block that none is free for, preempts the running sequence that
-arrived last (recompute, as vLLM does): its blocks go back, it waits ahead of every request that
-came after it, and once readmitted a prefill of every token it had restores its keys and values
-and gives its next token (`Sequence.prefill_len`). Sampled sequences keep their random streams, so a preemption
-changes an answer only by the rounding of a prefill against decode steps (as chunked prefill and
-prefix caching do); with prefix caching, its committed blocks are found again. A sequence gets
-no drafts in a step the free blocks cannot hold them in.
+cache (`kv_cache_memory`, or one cut to a GPU's memory) admits a sequence while the free blocks
+hold its prompt and a reserve (`watermark`) for the running ones to grow into; the sequence takes
+every block it can reach where the free blocks also hold the prompts still waiting, else blocks
+as positions fill; and when a decoding sequence needs a block that none is free for, the
+scheduler preempts the running sequence that arrived last (recompute, as vLLM does): its blocks
+go back, it waits ahead of every request that came after it, and once readmitted a prefill of
+every token it had restores its keys and values and gives its next token
+(`Sequence.prefill_len`). Sampled sequences keep their random streams, so a preemption changes an
+answer only by the rounding of a prefill against decode steps (as chunked prefill and prefix
+caching do); with prefix caching, its committed blocks are found again. A sequence gets no drafts
+in a step the free blocks cannot hold them in.
 
 Order. Under the "fcfs" `scheduling_policy` requests are admitted in arrival order and the most
 recently arrived running sequence is the one preempted. Under "priority" (vLLM's) each request
