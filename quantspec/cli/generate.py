@@ -158,10 +158,12 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--host", default="127.0.0.1", show_default=True, help="Address to bind.")
 @click.option("--port", default=8000, show_default=True, type=int, help="Port to bind (0: any free port).")
 @click.option("--served-model-name", default=None, help="The model name clients send [default: --model].")
-@click.option("--max-batch-size", default=16, show_default=True, type=int, help="Sequences decoded together.")
+@click.option("--max-batch-size", "--max-num-seqs", "max_batch_size", default=16, show_default=True, type=int,
+              help="Sequences decoded together (vLLM's --max-num-seqs).")
 @click.option("--max-queue", default=256, show_default=True, type=int,
               help="Requests that may wait for the batch; more are answered 503 with Retry-After.")
-@click.option("--max-length", default=2048, show_default=True, type=int, help="Max prompt + generated tokens per request.")
+@click.option("--max-length", "--max-model-len", "max_length", default=2048, show_default=True, type=int,
+              help="Max prompt + generated tokens per request (vLLM's --max-model-len).")
 @click.option("--prefill-chunk", default=256, show_default=True, type=int,
               help="Prompt tokens per chunk: prompts are prefilled a chunk per step, between decode steps.")
 @click.option("--max-prefill-tokens", default=1024, show_default=True, type=int,
