@@ -121,6 +121,11 @@ class EngineConfig:
         """The blocks one sequence of max_length takes with its verification rows."""
         return -(-(self.max_length + self.spec_max_draft_tokens + 1) // self.block_size)
 
+    @property
+    def full_blocks(self) -> int:
+        """The default cache's blocks: max_batch_size sequences of max_length, and the padding block."""
+        return self.max_batch_size * self.blocks_per_sequence + 1
+
     def blocks_needed(self, block_bytes: int | None = None, device_budget: int | None = None) -> int:
         """The cache's blocks (the padding block included): `num_blocks`; or what
         `kv_cache_memory` holds at `block_bytes` a block; or max_batch_size full sequences', cut to
@@ -128,7 +133,7 @@ class EngineConfig:
         A memory that cannot hold one sequence of max_length is a clear error."""
         if self.num_blocks:
             return self.num_blocks
-        full = self.max_batch_size * self.blocks_per_sequence + 1
+        full = self.full_blocks
         memory, flag = self.kv_cache_memory, "--kv-cache-memory"
         if memory is None and device_budget is not None and block_bytes and full * block_bytes > device_budget:
             memory, flag = max(0, device_budget), "--gpu-memory-utilization"
@@ -154,8 +159,7 @@ class Scheduler:
         self.running: list[Sequence] = []
         self._prefilled_last = False  # the previous step was a prefill (chunked prefill alternates)
         # a cache smaller than max_batch_size full sequences: blocks as positions fill, preemption
-        full = config.max_batch_size * config.blocks_per_sequence + 1
-        self.bounded = allocator.num_blocks < full
+        self.bounded = allocator.num_blocks < config.full_blocks
         self.watermark = max(1, allocator.num_blocks // 100) if self.bounded else 0
         self.release = release  # told of a preempted sequence (its drafter's state goes with its blocks)
         self.num_preemptions = 0
@@ -227,7 +231,7 @@ class Scheduler:
             if not slot or self.allocator.num_free < blocks + (self.watermark if self.running else 0):
                 if not self.running:
                     raise QuantSpecError("the KV cache cannot hold one prompt; raise --kv-cache-memory")
-                last = max(self.running, key=_rank)
+                last = self._last_running()
                 if self.config.scheduling_policy == "priority" and last.priority > seq.priority:
                     self.preempt(last)
                     continue
@@ -251,17 +255,21 @@ class Scheduler:
         if self.release is not None:
             self.release(seq)
 
+    def _last_running(self) -> Sequence:
+        """The running sequence last in the scheduling order: the one preempted first."""
+        return max(self.running, key=_rank)
+
     def _make_room(self) -> None:
         """Before a decode step: the blocks of every decoding sequence's next position, preempting
         the last running sequences in the scheduling order (the one in need too, if it is the
-        last) while the cache has too few."""
+        last) while the cache has too few. (A preempted sequence is prefilling again: skipped.)"""
         for seq in list(self.running):
-            if seq not in self.running or seq.prefilling:
+            if seq.prefilling:
                 continue
             need = -(-seq.num_tokens // self.config.block_size) - len(seq.block_table)
-            while need > self.allocator.num_free and seq in self.running:
-                self.preempt(max(self.running, key=_rank))
-            if seq in self.running:
+            while need > self.allocator.num_free and not seq.prefilling:
+                self.preempt(self._last_running())
+            if not seq.prefilling:
                 self.ensure_blocks(seq, seq.num_tokens)
 
     def prefill_batch(self) -> list[tuple[Sequence, int]]:
