@@ -79,6 +79,38 @@ class AnswerOracle:
         pass
 
 
+class CaterpillarOracle:
+    """A proposer that drafts caterpillar trees (`spec.tree.caterpillar`): `candidates(seq,
+    budget)` gives a sequence's candidate tokens per depth, the first of each depth the parent of
+    the next depth's."""
+
+    needs_hidden = False
+
+    def __init__(self, candidates):
+        self.candidates = candidates
+
+    def propose(self, seqs, budgets):
+        from quantspec.infer.spec.tree import caterpillar
+        from quantspec.infer.spec.types import SpecProposal
+
+        ids, parents = [], []
+        for s, b in zip(seqs, budgets):
+            cands = self.candidates(s, b)
+            tokens, par = caterpillar(cands) if cands else ([], [])
+            ids.append(torch.tensor(tokens, dtype=torch.int64))
+            parents.append(par)
+        return SpecProposal(ids, parents=parents)
+
+    def release(self, seq):
+        pass
+
+
+@pytest.fixture(scope="session")
+def caterpillar_oracle():
+    """`CaterpillarOracle`: caterpillar_oracle(candidates) drafts the trees `candidates(seq, budget)` lists."""
+    return CaterpillarOracle
+
+
 @pytest.fixture(scope="session")
 def answer_oracle():
     """`AnswerOracle`: answer_oracle(answers) drafts answers[seq_id]'s next tokens."""

@@ -12,8 +12,6 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.logprobs import token_logprobs
 from quantspec.infer.sampler import MAX_LOGPROBS, SamplingParams
-from quantspec.infer.spec.tree import caterpillar
-from quantspec.infer.spec.types import SpecProposal
 
 ATOL = 1e-4
 
@@ -70,31 +68,18 @@ def test_asking_for_logprobs_does_not_change_the_tokens(tiny_llama_model):
     assert run() == run(logprobs=5, prompt_logprobs=1)
 
 
-class _Tree:
-    """A caterpillar of width 2 around the answers: the right token first at each depth (the path
+def _tree_around(answers):
+    """Caterpillars of width 2 around the answers: the right token first at each depth (the path
     runs through rows 1, 3, 5, ..., so its keys and values move), a wrong one second."""
-
-    needs_hidden = False
-
-    def __init__(self, answers):
-        self.answers = answers
-
-    def propose(self, seqs, budgets):
-        ids, parents = [], []
-        for s, b in zip(seqs, budgets):
-            ans, at = self.answers[s.seq_id], len(s.output_ids)
-            cands = [[ans[p], (ans[p] + 1) % 500] for p in range(at, min(len(ans), at + b // 2))]
-            tokens, par = caterpillar(cands) if cands else ([], [])
-            ids.append(torch.tensor(tokens, dtype=torch.int64))
-            parents.append(par)
-        return SpecProposal(ids, parents=parents)
-
-    def release(self, seq):
-        pass
+    def candidates(s, b):
+        ans, at = answers[s.seq_id], len(s.output_ids)
+        return [[ans[p], (ans[p] + 1) % 500] for p in range(at, min(len(ans), at + b // 2))]
+    return candidates
 
 
 @pytest.mark.parametrize("tree", [False, True])
-def test_speculation_gives_the_plain_logprobs(tiny_llama_model, hf_logprobs, answer_oracle, tree):
+def test_speculation_gives_the_plain_logprobs(tiny_llama_model, hf_logprobs, answer_oracle, caterpillar_oracle,
+                                               tree):
     g = torch.Generator().manual_seed(7)
     prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (11, 26)]
     params = SamplingParams(max_new_tokens=20, logprobs=2)
@@ -108,7 +93,8 @@ def test_speculation_gives_the_plain_logprobs(tiny_llama_model, hf_logprobs, ans
         return seqs
 
     plain = run()
-    spec = run((_Tree if tree else answer_oracle)([s.output_ids for s in plain]))
+    answers = [s.output_ids for s in plain]
+    spec = run(caterpillar_oracle(_tree_around(answers)) if tree else answer_oracle(answers))
     assert sum(s.stats.accepted for s in spec) > 10
     for p, s in zip(plain, spec):
         assert s.output_ids == p.output_ids

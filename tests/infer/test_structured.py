@@ -7,7 +7,6 @@ import json
 import re
 
 import pytest
-import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.engine import Engine, EngineConfig
@@ -134,40 +133,21 @@ def test_drafts_of_a_guided_sequence_are_cut_and_verified_under_the_grammar(tiny
             assert seq.stats.drafted < seq.stats.target_forwards and seq.stats.accepted < seq.stats.drafted
 
 
-class _TreeOracle:
-    """Drafts a caterpillar tree: at each depth the `spine` token first (the parent of the next
-    depth) and the `other` one beside it; `spine` / `other`: 'want' (the guided answer's next
-    token) or 'junk'."""
-
-    needs_hidden = False
-
-    def __init__(self, want, junk, spine):
-        self.want, self.junk, self.spine = want, junk, spine
-
-    def propose(self, seqs, budgets):
-        from quantspec.infer.spec.tree import caterpillar
-        from quantspec.infer.spec.types import SpecProposal
-
-        ids, parents = [], []
-        for s, b in zip(seqs, budgets):
-            at = len(s.output_ids)
-            pairs = [[self.want[at + d], self.junk[(at + d) % len(self.junk)]] for d in range(min(b, 3))
-                     if at + d < len(self.want)]
-            if self.spine == "junk":
-                pairs = [p[::-1] for p in pairs]
-            tokens, par = caterpillar(pairs) if pairs else ([], [])
-            ids.append(torch.tensor(tokens, dtype=torch.int64))
-            parents.append(par)
-        return SpecProposal(ids, parents=parents)
-
-    def release(self, seq):
-        pass
+def _pairs(want, junk, spine):
+    """Caterpillar candidates: at each depth the `spine` token first (the parent of the next depth)
+    and the other beside it; `spine`: 'want' (the guided answer's next token) or 'junk'."""
+    def candidates(s, b):
+        at = len(s.output_ids)
+        pairs = [[want[at + d], junk[(at + d) % len(junk)]] for d in range(min(b, 3)) if at + d < len(want)]
+        return [p[::-1] for p in pairs] if spine == "junk" else pairs
+    return candidates
 
 
 @pytest.mark.parametrize("spine", ["want", "junk"])
 @pytest.mark.parametrize("strategy", ["greedy", "sampling"])
 def test_a_token_tree_of_a_guided_sequence_is_verified_under_the_grammar_of_each_path(tiny_llama_model, guides,
-                                                                                      spine, strategy):
+                                                                                      caterpillar_oracle, spine,
+                                                                                      strategy):
     """Trees whose branches hold the guided answer and text the schema rules out: the answer is
     valid, greedy the guided one itself, and the tree's rows were verified (greedy: the answer's
     drafts accepted, past the first depth where they are on the spine)."""
@@ -179,7 +159,7 @@ def test_a_token_tree_of_a_guided_sequence_is_verified_under_the_grammar_of_each
     junk = tok("hello there, no json here at all", add_special_tokens=False)["input_ids"]
     eng = Engine(tiny_llama_model, EngineConfig(block_size=16, max_batch_size=1, max_length=256,
                                                 spec_max_draft_tokens=6),
-                 eos_token_ids=[EOS], proposer=_TreeOracle(want, junk, spine))
+                 eos_token_ids=[EOS], proposer=caterpillar_oracle(_pairs(want, junk, spine)))
     seq = eng.add_request(prompt, SamplingParams(max_new_tokens=80, guide=compiler.compile(guide), **kw))
     eng.run()
     assert seq.stats.drafted > 0
