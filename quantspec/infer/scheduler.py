@@ -223,7 +223,7 @@ class Scheduler:
         takes every block it can reach where the cache is of the default size, or in a bounded one
         where that leaves the blocks of the waiting prompts and the watermark free."""
         bs = self.config.block_size
-        pending = sum(-(-(s.prefill_len + 1) // bs) for s in self.waiting) if self.bounded else 0
+        pending = None  # the waiting prompts' blocks (bounded cache), summed once a sequence is admitted
         while self.waiting:
             seq = self.waiting[0]
             blocks = -(-(seq.prefill_len + 1) // bs)
@@ -236,6 +236,8 @@ class Scheduler:
                     self.preempt(last)
                     continue
                 break
+            if pending is None:
+                pending = sum(-(-(s.prefill_len + 1) // bs) for s in self.waiting) if self.bounded else 0
             self.waiting.pop(0)
             pending -= blocks
             if self.config.prefix_caching:
