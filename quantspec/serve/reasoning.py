@@ -27,13 +27,9 @@ class DeepSeekR1Reasoning:
     START, END = "<think>", "</think>"
 
     def split(self, text: str) -> tuple[str | None, str | None]:
-        """(reasoning, content) of a whole answer, None for an empty part."""
-        before, tag, after = text.partition(self.START)
-        if tag and not before.strip():
-            text = after
-        reasoning, end, content = text.partition(self.END)
-        if not end:
-            return text or None, None
+        """(reasoning, content) of a whole answer, None for an empty part: the stream's cut of
+        the answer as one last piece."""
+        reasoning, content = ReasoningStream(self).feed(text, final=True)
         return reasoning or None, content or None
 
 
