@@ -99,6 +99,9 @@ class SamplingParams:
                      gets no drafts (`blocks_drafts`).
     allowed_token_ids: the only tokens the answer may hold (vLLM's); empty = off; a sequence with
                      them gets no drafts.
+    bad_words:       token-id sequences the output may not hold (vLLM's `bad_words`, tokenized): a
+                     sequence's last token is masked wherever the output ends with the ones before
+                     it (a one-token sequence always); empty = off; a sequence with them gets no drafts.
     guide:           None, or a compiled structured-output grammar (`infer.structured`): the
                      logits of every token the answer cannot continue with are masked, after the
                      penalties and bias; drafts are verified under the mask (`infer.adjust`).
@@ -122,6 +125,7 @@ class SamplingParams:
     stop_token_ids: Sequence[int] = field(default_factory=tuple)
     min_tokens: int = 0
     allowed_token_ids: Sequence[int] = field(default_factory=tuple)
+    bad_words: Sequence[Sequence[int]] = field(default_factory=tuple)
     guide: object | None = field(default=None, compare=False)
 
     def __post_init__(self) -> None:
@@ -189,6 +193,10 @@ class SamplingParams:
         if not all(_is_int(t) and t >= 0 for t in allowed):
             raise QuantSpecError("allowed_token_ids must be token ids (integers >= 0)")
         object.__setattr__(self, "allowed_token_ids", tuple(int(t) for t in allowed))
+        bad = tuple(tuple(w) for w in self.bad_words)
+        if not all(w and all(_is_int(t) and t >= 0 for t in w) for w in bad):
+            raise QuantSpecError("bad_words must be non-empty sequences of token ids (integers >= 0)")
+        object.__setattr__(self, "bad_words", tuple(tuple(int(t) for t in w) for w in bad))
         object.__setattr__(self, "min_tokens", int(self.min_tokens))
         if self.min_tokens and self.guide is not None:  # it could mask the only token the grammar allows
             raise QuantSpecError("min_tokens does not combine with a structured output, whose grammar says where "
@@ -227,11 +235,11 @@ class SamplingParams:
 
     @property
     def blocks_drafts(self) -> bool:
-        """True when a presence, frequency or repetition penalty, a logit bias, min_tokens or
-        allowed_token_ids is on (`adjust_logits`, and the engine's masking of EOS and stop tokens):
-        a draft's verification knows nothing of them, so such a sequence gets no drafts."""
+        """True when a presence, frequency or repetition penalty, a logit bias, min_tokens,
+        allowed_token_ids or bad_words is on (`adjust_logits`, and the engine's masking of EOS and
+        stop tokens): a draft's verification knows nothing of them, so such a sequence gets no drafts."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
-                    or self.logit_bias or self.min_tokens or self.allowed_token_ids)
+                    or self.logit_bias or self.min_tokens or self.allowed_token_ids or self.bad_words)
 
     @property
     def adjusts_logits(self) -> bool:
@@ -406,8 +414,8 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequ
                     output_ids: Sequence[int]) -> torch.Tensor:
     """A row of logits [V] with `params`' penalties and logit bias applied (`SamplingParams`), in
     place: the repetition penalty over the prompt's and the output's tokens, the frequency and
-    presence penalties over the output's, then the bias, then -inf outside `allowed_token_ids`;
-    → the row."""
+    presence penalties over the output's, then the bias, then -inf outside `allowed_token_ids` and
+    at the last token of each of `bad_words` the output ends with the rest of; → the row."""
     if params.repetition_penalty != 1.0:
         seen = torch.tensor(sorted(set(prompt_ids).union(output_ids)), dtype=torch.int64, device=logits.device)
         vals = logits[seen]
@@ -423,6 +431,10 @@ def adjust_logits(logits: torch.Tensor, params: SamplingParams, prompt_ids: Sequ
         kept = logits[keep]
         logits.fill_(float("-inf"))
         logits[keep] = kept
+    banned = [w[-1] for w in params.bad_words
+              if len(w) - 1 <= len(output_ids) and tuple(output_ids[len(output_ids) - len(w) + 1:]) == w[:-1]]
+    if banned:
+        logits[torch.tensor(banned, dtype=torch.int64, device=logits.device)] = float("-inf")
     return logits
 
 

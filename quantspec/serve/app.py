@@ -26,6 +26,7 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from pydantic import ValidationError
 
 from quantspec.serve.jobs import BadRequest, check_model, check_request, make_job, request_params
+from quantspec.serve.logprob_shapes import chat_entries, legacy_entries, vllm_prompt_logprobs
 from quantspec.serve.loop import Delta, EngineLoop, Job
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest, error_body)
@@ -248,6 +249,8 @@ async def _generate(state: ServeState, request: Request, body: GenerationRequest
     echoes = [None] * len(jobs)
     if isinstance(body, CompletionRequest) and body.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)]
+    elif chat and body.echo and (body.messages[-1].role == "assistant" or not body.add_generation_prompt):
+        echoes = [body.messages[-1].text()] * len(jobs)  # vLLM's: the last message, in the answer's role
     out = _Response(state, body, jobs, chat, echoes)
     if body.stream:
         return StreamingResponse(out.sse(), media_type="text/event-stream",
@@ -268,6 +271,7 @@ class _Choice:
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
+        self.prompt_logprobs: list | None = None  # vLLM's, where asked for
         # a forced tool call, or "auto" under a parser: the answer goes out as `tool_calls` (`serve/tools.py`)
         self.tools = tool_calls(body, resp.state.tool_parser)
         # a reasoning model's thinking, split from the content (not where a grammar holds the answer)
@@ -279,21 +283,9 @@ class _Choice:
         return 0 if self.score_only else len(self.text.ids)
 
     def _entries(self, ids: list[int], lps: list) -> list:
-        tt = self.resp.token_text
-        out = []
-        for tok, lp in zip(ids, lps):
-            text = tt.text(tok)
-            if self.resp.chat:
-                out.append({"token": text, "logprob": lp.logprob, "bytes": tt.bytes(tok),
-                            "top_logprobs": [{"token": tt.text(t), "logprob": v, "bytes": tt.bytes(t)}
-                                             for t, v in lp.top]})
-            else:
-                top = None
-                if lp is not None:
-                    top = {tt.text(t): v for t, v in lp.top}
-                    top.setdefault(text, lp.logprob)
-                out.append((text, None if lp is None else lp.logprob, top, self.offset))
-            self.offset += len(text)
+        if self.resp.chat:
+            return chat_entries(self.resp.token_text, ids, lps)
+        out, self.offset = legacy_entries(self.resp.token_text, ids, lps, self.resp.body.logprobs, self.offset)
         return out
 
     async def deltas(self):
@@ -304,7 +296,10 @@ class _Choice:
             if d.finish_reason == "error":
                 raise RuntimeError("the engine failed on this request")
             piece, entries = "", []
-            if first and self.echo is not None:
+            if first and d.prompt_logprobs is not None and self.resp.body.prompt_logprobs is not None:
+                self.prompt_logprobs = vllm_prompt_logprobs(self.resp.token_text, self.job.prompt_ids,
+                                                            d.prompt_logprobs, self.resp.body.prompt_logprobs)
+            if first and self.echo is not None and not self.resp.chat:
                 piece = self.echo
                 if d.prompt_logprobs is not None:
                     entries = self._entries(self.job.prompt_ids, d.prompt_logprobs)
@@ -400,7 +395,11 @@ class _Response:
         try:
             if self.chat:
                 for c in self.choices:
-                    yield _event(self._chunk(c.index, None, [], None, first=True), self._usage() if every else None)
+                    chunk = self._chunk(c.index, None, [], None, first=True)
+                    yield _event(chunk, self._usage() if every else None)
+                    if c.echo:  # chat `echo`: the last message's text, before the answer's
+                        chunk["choices"][0]["delta"] = {"content": c.echo}
+                        yield _event(chunk, self._usage() if every else None)
             async for index, (piece, entries, reason) in _merged([c.deltas() for c in self.choices]):
                 if piece or reason or entries:
                     yield _event(self._chunk(index, piece, entries, reason), self._usage() if every else None)
@@ -435,13 +434,20 @@ class _Response:
                                    else c.tools.message(text or "", c.finish_reason))
                 if c.reasoning is not None:
                     message.update(reasoning_content=thought, reasoning=thought)
+                if c.echo is not None:
+                    message["content"] = c.echo + (message["content"] or "")
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(entries),
                                 "finish_reason": reason, "stop_reason": c.stop_reason})
             else:
                 choices.append({"index": c.index, "text": text, "logprobs": self._logprobs(entries),
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
-        return {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
-                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
+                if self.body.prompt_logprobs is not None:
+                    choices[-1]["prompt_logprobs"] = c.prompt_logprobs
+        out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
+               "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
+        if self.chat and self.body.prompt_logprobs is not None:  # vLLM's place for a chat request's
+            out["prompt_logprobs"] = self.choices[0].prompt_logprobs
+        return out
 
 
 async def _merged(streams: list):

@@ -13,7 +13,7 @@ from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.structured import Guide
 from quantspec.serve.loop import Job
 from quantspec.serve.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
-from quantspec.serve.text import stop_check
+from quantspec.serve.text import bad_words_ids, stop_check
 from quantspec.serve.tools import ToolChoiceError, tool_guide
 
 if TYPE_CHECKING:
@@ -50,6 +50,10 @@ def check_request(state: ServeState, body: GenerationRequest) -> None:
                          "leave it out (or 0)", param="priority")
     if isinstance(body, ChatCompletionRequest) and body.continue_final_message and body.add_generation_prompt:
         raise BadRequest("continue_final_message needs add_generation_prompt=false", param="continue_final_message")
+    if body.prompt_logprobs is not None and body.stream:  # as vLLM: the prompt's scores are not streamed
+        raise BadRequest("prompt_logprobs is not available with stream=true; leave one out", param="prompt_logprobs")
+    if any(not w.strip() for w in body.bad_words or ()):
+        raise BadRequest("bad_words holds an empty word; leave it out", param="bad_words")
     if isinstance(body, ChatCompletionRequest) and body.top_logprobs is not None and not body.logprobs:
         raise BadRequest("top_logprobs needs logprobs=true", param="top_logprobs")
     if isinstance(body, CompletionRequest) and body.max_tokens == 0 and not body.echo:
@@ -69,13 +73,16 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
     temperature = float(given(body.temperature, "temperature", 1.0))
     stops = body.stop_strings()
     if isinstance(body, ChatCompletionRequest):
-        logprobs, prompt_logprobs = (body.top_logprobs or 0) if body.logprobs else None, None
+        logprobs, echoed = (body.top_logprobs or 0) if body.logprobs else None, None
     else:
-        logprobs = body.logprobs
-        prompt_logprobs = body.logprobs if body.echo else None
+        logprobs, echoed = body.logprobs, body.logprobs if body.echo else None
+    asked = [n for n in (echoed, body.prompt_logprobs) if n is not None]  # the engine scores the most asked
     vocab = state.loop.engine.model.args.vocab_size
     if any(t >= vocab for t in body.allowed_token_ids or ()):
         raise BadRequest(f"allowed_token_ids must be token ids in [0, {vocab})", param="allowed_token_ids")
+    bad_words = bad_words_ids(state.tokenizer, body.bad_words or [])
+    if any(t >= vocab for w in bad_words for t in w):
+        raise BadRequest(f"bad_words tokenize to ids outside the model's vocabulary [0, {vocab})", param="bad_words")
     bias = []
     for key, value in (body.logit_bias or {}).items():
         if not key.isdigit() or int(key) >= vocab:
@@ -92,12 +99,12 @@ def request_params(state: ServeState, body: GenerationRequest) -> tuple[Sampling
                                 top_p=float(given(body.top_p, "top_p", 1.0)),
                                 min_p=float(given(body.min_p, "min_p", 0)), seed=body.seed, max_new_tokens=state.max_length,
                                 stop=stops, logprobs=logprobs,
-                                prompt_logprobs=prompt_logprobs, presence_penalty=body.presence_penalty or 0,
+                                prompt_logprobs=max(asked, default=None), presence_penalty=body.presence_penalty or 0,
                                 frequency_penalty=body.frequency_penalty or 0,
                                 repetition_penalty=given(body.repetition_penalty, "repetition_penalty", 1),
                                 logit_bias=bias, ignore_eos=body.ignore_eos, stop_token_ids=body.stop_token_ids or (),
                                 min_tokens=body.min_tokens, allowed_token_ids=body.allowed_token_ids or (),
-                                guide=compiled)
+                                bad_words=bad_words, guide=compiled)
     except QuantSpecError as e:
         raise BadRequest(str(e)) from None
     return params, stop_check(state.tokenizer, stops)

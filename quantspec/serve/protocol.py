@@ -3,9 +3,9 @@
 Fields that do not change the answer (`user`, `metadata`, ...) are accepted and ignored; a field
 the server reads with the wrong type is a 400 naming the field, and so is a field of OpenAI's or
 vLLM's it does not implement set to anything but its neutral value (`UNSUPPORTED`), never a
-silently different answer. vLLM's `allowed_token_ids`, `truncate_prompt_tokens`,
-`skip_special_tokens`, `include_stop_str_in_output`, and for chat `add_generation_prompt`,
-`continue_final_message` and `chat_template_kwargs`, apply as vLLM defines them, and so does
+silently different answer. vLLM's `allowed_token_ids`, `bad_words`, `prompt_logprobs`,
+`truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output`, and for chat
+`add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `echo`, apply as vLLM defines them, and so does
 `priority` on a server started with `--scheduling-policy priority`; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
 openai client sends it with `extra_body={"speculate": False}`).
 """
@@ -28,8 +28,7 @@ TopLogprobs = Annotated[StrictInt, Field(ge=0, le=MAX_LOGPROBS)]
 # fields of OpenAI's or vLLM's requests the server does not implement, with their neutral values (any
 # other value is a 400) and what to send instead, if anything
 UNSUPPORTED = (
-    ("best_of", 1, ""), ("use_beam_search", False, ""), ("length_penalty", 1.0, ""), ("bad_words", [], "logit_bias"),
-    ("prompt_logprobs", None, "echo with logprobs on /v1/completions"), ("echo", False, "/v1/completions"),
+    ("best_of", 1, ""), ("use_beam_search", False, ""), ("length_penalty", 1.0, ""),
     ("spaces_between_special_tokens", True, ""), ("logits_processors", None, ""),
     ("guided_json", None, "structured_outputs.json"), ("guided_regex", None, "structured_outputs.regex"),
     ("guided_choice", None, "structured_outputs.choice"), ("guided_grammar", None, "structured_outputs.grammar"),
@@ -78,8 +77,10 @@ class GenerationRequest(BaseModel):
     drawn from its own random stream), streaming, the speculation opt-out, vLLM's `ignore_eos`,
     `stop_token_ids` and `min_tokens`, and structured outputs (OpenAI's `response_format`, vLLM's
     `structured_outputs`). A request with a penalty, a logit bias (keyed by token id) or
-    `min_tokens` (`SamplingParams`' definitions) is not speculated; a structured output's drafts
-    are verified under its grammar."""
+    `min_tokens` (`SamplingParams`' definitions) is not speculated, nor is one with vLLM's
+    `bad_words`; a structured output's drafts are verified under its grammar. vLLM's
+    `prompt_logprobs` n: each prompt token's log-probability, rank and its position's n most likely
+    tokens, in vLLM's shape (not with `stream`)."""
 
     model_config = ConfigDict(extra="allow")
     model: StrictStr | None = None
@@ -102,6 +103,8 @@ class GenerationRequest(BaseModel):
     stop_token_ids: list[Annotated[StrictInt, Field(ge=0)]] | None = None
     min_tokens: Annotated[StrictInt, Field(ge=0)] = 0
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
+    bad_words: list[StrictStr] | None = None  # vLLM's: words the answer may not hold
+    prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's log-probability and n most likely
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # keep the prompt's last n tokens
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False
@@ -159,7 +162,8 @@ class ChatCompletionRequest(GenerationRequest):
     """`logprobs`: each output token's log-probability in `choices[].logprobs.content`, with the
     `top_logprobs` most likely tokens of its position. `tools` / `tool_choice`: OpenAI's; a call
     is made where `tool_choice` forces one, or found in the answer under "auto" by the server's
-    tool-call parser (`serve/tools.py`)."""
+    tool-call parser (`serve/tools.py`). `echo` (vLLM's): an answer in the role of the last message
+    starts with that message's text."""
 
     messages: Annotated[list[ChatMessage], Field(min_length=1)]
     max_completion_tokens: Annotated[StrictInt, Field(ge=1)] | None = None
@@ -170,6 +174,7 @@ class ChatCompletionRequest(GenerationRequest):
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict | None = None  # extra variables of the chat template
+    echo: StrictBool = False
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]

@@ -8,7 +8,7 @@ import functools
 import json
 from typing import Callable
 
-__all__ = ["TextStream", "TokenText", "chat_prompt_ids", "completion_prompt_ids", "stop_check"]
+__all__ = ["TextStream", "TokenText", "bad_words_ids", "chat_prompt_ids", "completion_prompt_ids", "stop_check"]
 
 STOP_TAIL_TOKENS = 32  # output tokens decoded to look for a stop string after each new token
 
@@ -55,6 +55,18 @@ def completion_prompt_ids(tokenizer, prompt: str | list[int]) -> list[int]:
     if isinstance(prompt, list):
         return list(prompt)
     return tokenizer(prompt).input_ids
+
+
+def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
+    """vLLM's tokenization of `bad_words`: each word's ids as the text starts with it, and again
+    after a space where that makes a token sequence of the same length with another first token
+    (the word in the middle of a text, for tokenizers that mark a leading space)."""
+    out: list[list[int]] = []
+    for word in words:
+        ids = tokenizer(word.lstrip(), add_special_tokens=False).input_ids
+        spaced = tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
+        out += [ids] if not ids else [ids] + ([spaced] if spaced[0] != ids[0] and len(spaced) == len(ids) else [])
+    return [w for w in out if w]
 
 
 @functools.cache

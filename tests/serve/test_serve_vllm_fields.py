@@ -69,12 +69,10 @@ def test_continue_final_message_leaves_the_last_turn_open(server, tiny_loaded):
 
 @pytest.mark.parametrize("route, field, value, hint", [
     ("completions", "use_beam_search", True, ""),
-    ("completions", "bad_words", ["x"], "logit_bias"),
     ("completions", "guided_json", {"type": "object"}, "structured_outputs.json"),
     ("completions", "best_of", 2, ""),
-    ("completions", "prompt_logprobs", 1, "echo"),
-    ("chat/completions", "echo", True, "/v1/completions"),
     ("chat/completions", "functions", [{"name": "f"}], "tools"),
+    ("chat/completions", "guided_regex", "a+", "structured_outputs.regex"),
 ])
 def test_fields_the_server_does_not_implement_are_400(server, route, field, value, hint):
     url, _ = server
