@@ -60,13 +60,15 @@ class _Choice:
         return 0 if self.score_only else len(self.text.ids)
 
     def _entries(self, ids: list[int], lps: list) -> list:
+        as_ids = self.resp.body.return_tokens_as_token_ids
         if self.resp.chat:
-            return chat_entries(self.resp.token_text, ids, lps)
-        out, self.offset = legacy_entries(self.resp.token_text, ids, lps, self.resp.body.logprobs, self.offset)
+            return chat_entries(self.resp.token_text, ids, lps, as_ids)
+        out, self.offset = legacy_entries(self.resp.token_text, ids, lps, self.resp.body.logprobs, self.offset, as_ids)
         return out
 
     async def deltas(self):
-        """(text piece, log-probability entries, finish reason or None) per engine delta, until the last."""
+        """(text piece, log-probability entries, finish reason or None, the delta's token ids) per
+        engine delta, until the last."""
         first = True
         while True:
             d: Delta = await self.job.queue.get()
@@ -86,8 +88,9 @@ class _Choice:
                 piece += self.text.feed(d.token_ids)
                 if d.logprobs:
                     entries += self._entries(d.token_ids, d.logprobs)
+            ids = [] if self.score_only else list(d.token_ids)
             if d.finish_reason is None:
-                yield piece, entries, None
+                yield piece, entries, None, ids
                 continue
             if self.score_only:
                 self.finish_reason = "length"
@@ -99,12 +102,12 @@ class _Choice:
                 self.stop_reason = (self.text.stop_str if self.text.stopped else
                                     last if d.finish_reason == "stop" and last in self.job.params.stop_token_ids
                                     else None)
-            yield piece, entries, self.finish_reason
+            yield piece, entries, self.finish_reason, ids
             return
 
     async def collect(self) -> tuple[str, list]:
         parts, entries = [], []
-        async for piece, e, _ in self.deltas():
+        async for piece, e, _, _ in self.deltas():
             parts.append(piece)
             entries += e
         return "".join(parts), entries
@@ -173,13 +176,23 @@ class Answers:
             if self.chat:
                 for c in self.choices:
                     chunk = self._chunk(c.index, None, [], None, first=True)
+                    if self.body.return_token_ids:
+                        chunk["prompt_token_ids"] = c.job.prompt_ids
                     yield _event(chunk, self._usage() if every else None)
                     if c.echo:  # chat `echo`: the last message's text, before the answer's
                         chunk["choices"][0]["delta"] = {"content": c.echo}
+                        chunk.pop("prompt_token_ids", None)
                         yield _event(chunk, self._usage() if every else None)
-            async for index, (piece, entries, reason) in _merged([c.deltas() for c in self.choices]):
-                if piece or reason or entries:
-                    yield _event(self._chunk(index, piece, entries, reason), self._usage() if every else None)
+            started = set()  # choices whose first chunk has gone out
+            async for index, (piece, entries, reason, ids) in _merged([c.deltas() for c in self.choices]):
+                if piece or reason or entries or (ids and self.body.return_token_ids):
+                    chunk = self._chunk(index, piece, entries, reason)
+                    if self.body.return_token_ids:  # vLLM's: each chunk's token ids, the prompt's first
+                        if not self.chat and index not in started:
+                            chunk["choices"][0]["prompt_token_ids"] = self.choices[index].job.prompt_ids
+                        chunk["choices"][0]["token_ids"] = ids
+                    started.add(index)
+                    yield _event(chunk, self._usage() if every else None)
             if usage:
                 yield _event({**self._chunk(0, None, [], None), "choices": [], "usage": self._usage()})
         except RuntimeError as e:
@@ -220,10 +233,16 @@ class Answers:
                                 "finish_reason": c.finish_reason, "stop_reason": c.stop_reason})
                 if self.body.prompt_logprobs is not None:
                     choices[-1]["prompt_logprobs"] = c.prompt_logprobs
+                if self.body.return_token_ids:
+                    choices[-1]["prompt_token_ids"] = c.job.prompt_ids
+            if self.body.return_token_ids:
+                choices[-1]["token_ids"] = list(c.text.ids)
         out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
         if self.chat and self.body.prompt_logprobs is not None:  # vLLM's place for a chat request's
             out["prompt_logprobs"] = self.choices[0].prompt_logprobs
+        if self.chat and self.body.return_token_ids:
+            out["prompt_token_ids"] = self.choices[0].job.prompt_ids
         return out
 
 

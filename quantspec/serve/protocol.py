@@ -4,7 +4,7 @@ Fields that do not change the answer (`user`, `metadata`, ...) are accepted and 
 the server reads with the wrong type is a 400 naming the field, and so is a field of OpenAI's or
 vLLM's it does not implement set to anything but its neutral value (`UNSUPPORTED`), never a
 silently different answer. vLLM's `allowed_token_ids`, `bad_words`, `prompt_logprobs`,
-`truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output`, and for chat
+`return_token_ids`, `return_tokens_as_token_ids`, `truncate_prompt_tokens`, `skip_special_tokens`, `include_stop_str_in_output`, and for chat
 `add_generation_prompt`, `continue_final_message`, `chat_template_kwargs` and `echo`, apply as vLLM defines them, and so does
 `priority` on a server started with `--scheduling-policy priority`; `response_format` and `structured_outputs` hold the answer to a form (`infer.structured`). `speculate` is quantspec's own field: `false` turns speculation off for the request (the
 openai client sends it with `extra_body={"speculate": False}`).
@@ -105,6 +105,8 @@ class GenerationRequest(BaseModel):
     allowed_token_ids: Annotated[list[Annotated[StrictInt, Field(ge=0)]], Field(min_length=1)] | None = None
     bad_words: list[StrictStr] | None = None  # vLLM's: words the answer may not hold
     prompt_logprobs: TopLogprobs | None = None  # vLLM's: each prompt token's log-probability and n most likely
+    return_token_ids: StrictBool = False  # vLLM's: the prompt's and each answer's token ids beside the text
+    return_tokens_as_token_ids: StrictBool = False  # vLLM's: logprobs name tokens "token_id:{id}"
     truncate_prompt_tokens: Annotated[StrictInt, Field(ge=1)] | None = None  # keep the prompt's last n tokens
     skip_special_tokens: StrictBool = True
     include_stop_str_in_output: StrictBool = False

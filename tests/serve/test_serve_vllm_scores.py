@@ -1,8 +1,12 @@
-"""vLLM's `prompt_logprobs`, `bad_words` and chat `echo` through `quantspec serve`: prompt scores
-against transformers' log-softmax of the same checkpoint, banned words against transformers'
-`generate(bad_words_ids=...)`, and the echoed last message against the answer without it."""
+"""vLLM's `prompt_logprobs`, `bad_words`, chat `echo`, `return_token_ids` and
+`return_tokens_as_token_ids` through `quantspec serve`: prompt scores against transformers'
+log-softmax of the same checkpoint, banned words against transformers'
+`generate(bad_words_ids=...)`, the echoed last message against the answer without it, and token
+ids against the tokenizer and `quantspec infer`."""
 
 from __future__ import annotations
+
+import json
 
 import httpx2
 import openai
@@ -116,3 +120,55 @@ def test_chat_echo_puts_the_last_message_before_the_answer(server, stream):
     assert content({**base, "echo": True}) == "one two" + plain
     user_last = {"messages": msgs[:1], "max_tokens": 4, "temperature": 0}  # the answer's role is not the user's
     assert content({**user_last, "echo": True}) == content(user_last)
+
+
+def _sse(url: str, route: str, body: dict) -> list[dict]:
+    with httpx2.stream("POST", f"{url}/v1/{route}", json={"model": "tiny", "stream": True, **body}, timeout=60) as r:
+        lines = [line[6:] for line in r.iter_lines() if line.startswith("data: ")]
+    assert lines[-1] == "[DONE]"
+    return [json.loads(x) for x in lines[:-1]]
+
+
+def test_return_token_ids_on_completions_whole_and_streamed(server, reference, tiny_loaded):
+    url, _ = server
+    text, want = reference("Hello there", 8, chat=False)
+    body = {"prompt": "Hello there", "max_tokens": 8, "temperature": 0, "return_token_ids": True}
+    choice = _post(url, "completions", body).json()["choices"][0]
+    assert choice["prompt_token_ids"] == tiny_loaded.tokenizer("Hello there").input_ids
+    assert choice["token_ids"] == want and choice["text"] == text
+    chunks = _sse(url, "completions", {**body, "n": 2})
+    for index in (0, 1):
+        mine = [c["choices"][0] for c in chunks if c["choices"][0]["index"] == index]
+        assert mine[0]["prompt_token_ids"] == choice["prompt_token_ids"]
+        assert all("prompt_token_ids" not in c for c in mine[1:])
+        assert [t for c in mine for t in c["token_ids"]] == want
+    assert "token_ids" not in _post(url, "completions", {**body, "return_token_ids": False}).json()["choices"][0]
+
+
+def test_return_token_ids_on_chat_through_the_openai_client(server, reference):
+    url, state = server
+    client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+    msgs = [{"role": "user", "content": "Tell me a story"}]
+    text, want = reference("Tell me a story", 10)
+    r = client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                       extra_body={"return_token_ids": True})
+    assert r.model_extra["prompt_token_ids"] == chat_prompt_ids(state.tokenizer, msgs)
+    assert r.choices[0].model_extra["token_ids"] == want and r.choices[0].message.content == text
+    chunks = list(client.chat.completions.create(model="tiny", messages=msgs, max_tokens=10, temperature=0,
+                                                 stream=True, extra_body={"return_token_ids": True}))
+    assert chunks[0].model_extra["prompt_token_ids"] == r.model_extra["prompt_token_ids"]
+    assert [t for c in chunks[1:] for t in c.choices[0].model_extra["token_ids"]] == want
+
+
+def test_return_tokens_as_token_ids_names_logprob_tokens_by_id(server):
+    url, _ = server
+    body = {"prompt": "Hello there", "max_tokens": 6, "temperature": 0, "logprobs": 2, "return_token_ids": True}
+    plain = _post(url, "completions", body).json()["choices"][0]
+    named = _post(url, "completions", {**body, "return_tokens_as_token_ids": True}).json()["choices"][0]
+    assert named["logprobs"]["tokens"] == [f"token_id:{t}" for t in plain["token_ids"]]
+    assert named["logprobs"]["text_offset"] == plain["logprobs"]["text_offset"]
+    assert all(all(k.startswith("token_id:") for k in top) for top in named["logprobs"]["top_logprobs"])
+    chat = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 4, "temperature": 0, "logprobs": True,
+            "top_logprobs": 1, "return_token_ids": True, "return_tokens_as_token_ids": True}
+    choice = _post(url, "chat/completions", chat).json()["choices"][0]
+    assert [c["token"] for c in choice["logprobs"]["content"]] == [f"token_id:{t}" for t in choice["token_ids"]]
