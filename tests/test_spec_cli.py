@@ -155,3 +155,47 @@ def _infer_chat(tmp_path, data_file, *extra, tag):
     assert r.exit_code == 0, r.output
     rows = [json.loads(line) for line in out.read_text().splitlines()]
     return [row["output_token_ids"] for row in rows], json.loads(stats.read_text())
+
+
+def test_vllm_speculative_config_runs_the_same_ngram_speculation(tmp_path, tiny_llama_dir, data_file):
+    plain, _ = _infer(tmp_path, tiny_llama_dir, data_file)
+    config = '{"method": "ngram", "num_speculative_tokens": 3, "prompt_lookup_max": 3, "prompt_lookup_min": 2}'
+    spec, stats = _infer(tmp_path, tiny_llama_dir, data_file, "--speculative-config", config, tag="vllm")
+    assert spec == plain and stats["speculate_method"] == "inference_with_reference"
+    assert stats["drafted_tokens"] > 0 and 1 <= len(stats["acceptance_per_position"]) <= 3
+
+
+@pytest.mark.parametrize("extra, needles", [
+    (["--speculative-config", "{method: ngram}"], ["--speculative-config", "not JSON"]),
+    (["--speculative-config", '["ngram"]'], ["JSON object"]),
+    (["--speculative-config", '{"method": "ngram", "disable_by_batch_size": 4}'], ["disable_by_batch_size"]),
+    (["--speculative-config", '{"method": "lookahead"}'], ["lookahead", "ngram"]),
+    (["--speculative-config", '{"method": "eagle3"}'], ["eagle3", "model"]),
+    (["--speculative-config", '{"method": "ngram", "num_speculative_tokens": 0}'], ["num_speculative_tokens"]),
+    (["--speculative-config", '{"method": "ngram"}', "--speculate-method", "draft"], ["--speculate-method", "give one"]),
+    (["--speculate-method", "inference_with_reference", "--speculate-min-ngram-size", 4,
+      "--speculate-max-ngram-size", 3], ["--speculate-min-ngram-size"]),
+])
+def test_bad_speculative_config_is_one_line(tiny_llama_dir, extra, needles):
+    r = run("infer", "--model", tiny_llama_dir, "--prompt", "hi", "--max-new-tokens", 2, *extra)
+    assert_one_line_error(r, *needles)
+    assert r.exit_code == 2
+
+
+def test_speculative_config_maps_onto_quantspec_flags(tiny_llama_model):
+    from types import SimpleNamespace
+
+    from quantspec.api import InferConfig
+    from quantspec.cli.speculative import read_speculative_config
+    from quantspec.infer.spec.proposers import build_proposer
+
+    assert read_speculative_config('{"method": "eagle3", "model": "h/", "num_speculative_tokens": 4}') == {
+        "speculate_method": "eagle", "draft_model": "h/", "speculate_max_draft_token_num": 4}
+    assert read_speculative_config('{"model": "d/"}') == {"speculate_method": "draft", "draft_model": "d/"}
+    assert read_speculative_config('{"method": "deepseek_mtp", "model": "m/"}')["speculate_method"] == "mtp"
+    sizes = [(c["speculate_min_ngram_size"], c["speculate_max_ngram_size"]) for c in map(read_speculative_config, (
+        '{"method": "ngram"}', '{"method": "ngram", "prompt_lookup_max": 4}', '{"method": "ngram", "prompt_lookup_min": 2}'))]
+    assert sizes == [(5, 5), (4, 4), (2, 2)]  # vLLM's defaults
+    proposer, _ = build_proposer(InferConfig(speculate_method="inference_with_reference", speculate_min_ngram_size=2),
+                                 SimpleNamespace(model=tiny_llama_model))
+    assert (proposer.min_ngram_size, proposer.max_ngram_size) == (2, 3)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import click
 
 from quantspec.cli.group import main, one_line_errors, threads_option
+from quantspec.cli.speculative import speculative_config_option
 from quantspec.errors import QuantSpecError
 
 
@@ -95,6 +96,7 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
               help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain, or DxK:N: a dynamic tree of the N most probable drafts (e.g. 4x4:8).")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, help="Draft tokens per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, help="Longest n-gram tried first.")
+@click.option("--speculate-min-ngram-size", default=1, show_default=True, type=int, help="Shortest n-gram tried.")
 @click.option("--speculate-backoff/--no-speculate-backoff", default=True, show_default=True,
               help="Adapt drafts per sequence to measured acceptance and cost (never much slower than plain decoding).")
 @click.option("--speculate-min-confidence", type=float, default=None,
@@ -117,6 +119,7 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
 @click.option("--stats-file", type=click.Path(dir_okay=False), help="Write the benchmark statistics as JSON.")
 @one_line_errors
 @threads_option
+@speculative_config_option
 def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, calib,
           json_schema, regex, choice, grammar, **kw):
     """Generate text with a model or a quantized artifact (optionally speculating)."""
@@ -180,6 +183,7 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="medusa, eagle: verify a token tree DxK (D draft positions, K candidates each, e.g. 4x2) instead of a chain, or DxK:N: a dynamic tree of the N most probable drafts (e.g. 4x4:8).")
 @click.option("--speculate-max-draft-token-num", default=5, show_default=True, type=int, help="Most drafts per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True, type=int, help="Longest n-gram tried first.")
+@click.option("--speculate-min-ngram-size", default=1, show_default=True, type=int, help="Shortest n-gram tried.")
 @click.option("--load-aware/--no-load-aware", default=True, show_default=True,
               help="Choose drafts per step from the batch size and measured step costs (no drafts where they cost more than they save).")
 @click.option("--enable-prefix-caching", is_flag=True,
@@ -204,6 +208,7 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
 @one_line_errors
 @threads_option
+@speculative_config_option
 def serve(**kw):
     """Serve a model over OpenAI's HTTP API (chat and completions, streaming, /metrics)."""
     from quantspec import api

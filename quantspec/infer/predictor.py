@@ -74,6 +74,7 @@ class InferConfig:
     draft_model: str | None = None
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
+    speculate_min_ngram_size: int = 1  # n-gram: the shortest suffix tried
     # medusa, eagle: a token tree "DxK" (D draft positions, K candidates each; spec/tree.py), None: a chain
     speculate_tree: str | None = None
     # adapt the number of drafts to measured acceptance and cost (spec/proposers.py); off: always

@@ -49,6 +49,7 @@ class ServeConfig:
     speculate_tree: str | None = None  # medusa / eagle: a token tree DxK (or dynamic DxK:N) instead of a chain
     speculate_max_draft_token_num: int = 5
     speculate_max_ngram_size: int = 3
+    speculate_min_ngram_size: int = 1
     load_aware: bool = True  # cap drafts per step by the batch and measured step costs
     enable_prefix_caching: bool = False  # prompts skip the prefill of cached leading KV blocks
     kv_cache_memory: int | str | None = None  # KV cache bytes ("4GiB"); None: max_batch_size full sequences
@@ -94,7 +95,8 @@ class ServeConfig:
                            speculate_method=self.speculate_method, draft_model=self.draft_model,
                            speculate_tree=self.speculate_tree,
                            speculate_max_draft_token_num=self.speculate_max_draft_token_num,
-                           speculate_max_ngram_size=self.speculate_max_ngram_size, prefill_chunk=self.prefill_chunk,
+                           speculate_max_ngram_size=self.speculate_max_ngram_size,
+                           speculate_min_ngram_size=self.speculate_min_ngram_size, prefill_chunk=self.prefill_chunk,
                            prefill_tokens=self.max_prefill_tokens,
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,

@@ -411,6 +411,9 @@ def validate_spec_config(config) -> None:
     n = config.speculate_max_ngram_size
     if isinstance(n, bool) or not isinstance(n, int) or n < 1:
         raise QuantSpecError(f"--speculate-max-ngram-size {n!r} must be an int >= 1 (e.g. 3)")
+    lo = getattr(config, "speculate_min_ngram_size", 1)
+    if isinstance(lo, bool) or not isinstance(lo, int) or not 1 <= lo <= n:
+        raise QuantSpecError(f"--speculate-min-ngram-size {lo!r} must be an int in [1, --speculate-max-ngram-size {n}]")
     if method == "inference_with_reference" and config.draft_model:
         raise QuantSpecError(
             "--draft-model is not used by --speculate-method inference_with_reference (n-gram drafts "
@@ -456,6 +459,7 @@ def build_proposer(config, loaded):
         cost = SpecCost.for_device(runtime.device, packed_cpu=runtime.packed_rows)
         policy = AdaptiveDraftLength(k, cost) if getattr(config, "speculate_backoff", True) else None
         proposer = ReferenceProposer(config.speculate_max_ngram_size, k, policy=policy, matchers=runtime.ngram,
+                                     min_ngram_size=getattr(config, "speculate_min_ngram_size", 1),
                                      stop_ids=getattr(loaded, "eos_token_ids", ()),
                                      newline_runs=NewlineRuns.from_tokenizer(getattr(loaded, "tokenizer", None)))
         return proposer, k

@@ -1,0 +1,89 @@
+"""vLLM's `--speculative-config` (a JSON object) on `quantspec infer` and `quantspec serve`, read
+into quantspec's own speculation flags, so a vLLM command line carries over:
+
+    --speculative-config '{"method": "ngram", "num_speculative_tokens": 5, "prompt_lookup_max": 4}'
+    --speculative-config '{"method": "eagle3", "model": "smol.eagle3/", "num_speculative_tokens": 4}'
+
+`method` ngram → `inference_with_reference`, eagle / eagle3 → `eagle` (quantspec serves EAGLE-3
+heads), medusa, mtp / deepseek_mtp → `mtp`, draft_model (or a `model` without a method) →
+`draft`; `model` → `--draft-model`, `num_speculative_tokens` → `--speculate-max-draft-token-num`,
+`prompt_lookup_max` / `prompt_lookup_min` → `--speculate-max-ngram-size` /
+`--speculate-min-ngram-size`, with vLLM's defaults (one bound gives the other; neither: both 5). A key quantspec does not read, or a flag it would contradict, is
+one line naming it (exit 2), never a silently different setup."""
+
+from __future__ import annotations
+
+import functools
+import json
+
+import click
+
+from quantspec.errors import QuantSpecError
+
+__all__ = ["read_speculative_config", "speculative_config_option"]
+
+METHODS = {"ngram": "inference_with_reference", "eagle": "eagle", "eagle3": "eagle", "medusa": "medusa",
+           "mtp": "mtp", "deepseek_mtp": "mtp", "draft_model": "draft"}
+# vLLM's key → quantspec's flag (its keyword)
+KEYS = {"model": "draft_model", "num_speculative_tokens": "speculate_max_draft_token_num",
+        "prompt_lookup_max": "speculate_max_ngram_size", "prompt_lookup_min": "speculate_min_ngram_size"}
+VLLM_NGRAM_SIZE = 5  # vLLM's n-gram size where the config gives neither bound
+
+
+def _positive(key: str, value) -> int:
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise QuantSpecError(f"--speculative-config {key} {value!r} must be an integer >= 1")
+    return value
+
+
+def read_speculative_config(text: str) -> dict:
+    """The flags (keyword → value) a `--speculative-config` JSON object stands for."""
+    try:
+        spec = json.loads(text)
+    except ValueError as e:
+        raise QuantSpecError(f"--speculative-config is not JSON ({e}); give an object such as "
+                             "'{\"method\": \"ngram\", \"num_speculative_tokens\": 5}'") from None
+    if not isinstance(spec, dict):
+        raise QuantSpecError("--speculative-config must be a JSON object, e.g. '{\"method\": \"ngram\"}'")
+    unknown = sorted(set(spec) - set(KEYS) - {"method"})
+    if unknown:
+        raise QuantSpecError(f"--speculative-config key {unknown[0]!r} is not read by quantspec; use "
+                             f"{', '.join(['method', *KEYS])}")
+    method = spec.get("method", "draft_model" if "model" in spec else None)
+    if method not in METHODS:
+        raise QuantSpecError(f"--speculative-config method {method!r} is not one of {', '.join(METHODS)}")
+    out = {"speculate_method": METHODS[method]}
+    for key, flag in KEYS.items():
+        if key in spec:
+            out[flag] = spec[key] if key == "model" else _positive(key, spec[key])
+    if "model" in spec and not isinstance(spec["model"], str):
+        raise QuantSpecError("--speculative-config model must be a path (a string)")
+    if method != "ngram" and "model" not in spec:
+        raise QuantSpecError(f"--speculative-config method {method!r} needs \"model\": the draft's directory")
+    if out["speculate_method"] == "inference_with_reference":  # vLLM's n-gram sizes: one gives the other, else 5
+        lo, hi = out.get("speculate_min_ngram_size"), out.get("speculate_max_ngram_size")
+        out["speculate_min_ngram_size"] = lo or hi or VLLM_NGRAM_SIZE
+        out["speculate_max_ngram_size"] = hi or lo or VLLM_NGRAM_SIZE
+    return out
+
+
+def speculative_config_option(fn):
+    """Add `--speculative-config JSON` to a command with the `--speculate-*` flags and apply it
+    before the command runs (under `one_line_errors`, so a bad config is one line)."""
+
+    @click.option("--speculative-config", default=None,
+                  help="vLLM's speculative config as JSON (method, model, num_speculative_tokens, prompt_lookup_max, "
+                       "prompt_lookup_min), in place of the --speculate-* flags and --draft-model.")
+    @functools.wraps(fn)
+    def wrapper(*args, speculative_config=None, **kwargs):
+        if speculative_config is not None:
+            ctx = click.get_current_context()
+            flags = read_speculative_config(speculative_config)
+            for name in ("speculate_method", *KEYS.values()):
+                if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT):
+                    raise QuantSpecError(f"--{name.replace('_', '-')} and --speculative-config both set the "
+                                         "speculation; give one")
+            kwargs.update(flags)
+        return fn(*args, **kwargs)
+
+    return wrapper
