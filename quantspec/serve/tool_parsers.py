@@ -13,9 +13,13 @@ A call whose JSON does not parse, or that names no function, leaves the whole an
 what the model wrote reaches the client, never a call made up from part of it.
 
 `AutoToolCalls` is one choice's answer under a parser, whole (`message`) or streamed (`delta`):
-content streams as it is generated, text that may begin a call is held back until it is clear,
-and once a call has begun the rest of the answer is parsed at its end, its calls arriving whole
-in the last chunk (finish reason "tool_calls").
+content streams as it is generated, and text that may begin a call is held back until it is
+clear. Streamed, a call written as `{"name": ..., "arguments": {...}` (the parsers' formats, in
+that order) goes out as vLLM's parsers send it: its id and name once the name is complete, then
+its arguments' JSON text as it is generated (the model's own text, which decodes to the object
+the whole answer gives); a call written otherwise arrives whole once the answer ends. Once a
+call has gone out, the answer is calls: a later one that does not parse is dropped, and one cut
+by `max_tokens` ends with the arguments written so far (finish "length"), as in vLLM.
 """
 
 from __future__ import annotations
@@ -26,8 +30,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "call_entry",
-           "held_tail", "tool_parser"]
+__all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "Partial", "call_entry",
+           "held_tail", "partial_call", "tool_parser"]
 
 
 def call_entry(name: str, arguments: str) -> dict:
@@ -50,6 +54,55 @@ class Parsed:
 
     content: str | None
     calls: list[tuple[str, str]] = field(default_factory=list)
+
+
+_HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+
+
+@dataclass
+class Partial:
+    """A call as far as it is written: its name, its arguments' JSON text so far, whether that
+    text is whole, and where the call's object ends in the text it was read from (None: not yet)."""
+
+    name: str
+    arguments: str
+    done: bool
+    end: int | None = None
+
+
+def _json_value_end(text: str, start: int) -> int | None:
+    """The end of the JSON object or array that starts at `text[start]`, None while it is open."""
+    depth, in_string, escaped = 0, False, False
+    for i in range(start, len(text)):
+        ch = text[i]
+        if in_string:
+            escaped, in_string = (False, True) if escaped else (ch == "\\", ch != '"')
+        elif ch == '"':
+            in_string = True
+        elif ch in "{[":
+            depth += 1
+        elif ch in "}]":
+            depth -= 1
+            if depth == 0:
+                return i + 1
+    return None
+
+
+def partial_call(text: str, at: int = 0) -> Partial | None:
+    """The call written from `text[at]` on, as far as it goes, where it starts with its name and
+    then an object of arguments; None where it does not (yet)."""
+    m = _HEAD.match(text, at)
+    if m is None or m.end() >= len(text) or text[m.end()] != "{":
+        return None
+    try:
+        name = json.loads(f'"{m.group(1)}"')
+    except ValueError:
+        return None
+    end = _json_value_end(text, m.end())
+    if end is None:
+        return Partial(name, text[m.end():], False)
+    close = re.compile(r"\s*\}").match(text, end)
+    return Partial(name, text[m.end():end], True, close.end() if close else None)
 
 
 def _call(obj) -> tuple[str, str] | None:
@@ -82,6 +135,17 @@ class HermesParser:
             calls.append(call)
         content = text[:start]
         return Parsed(content if content.strip() else None, calls)
+
+    def partials(self, text: str) -> list[Partial]:
+        """The calls of a streamed answer as far as they are written (`partial_call`), in order,
+        up to the first that is not."""
+        out = []
+        for m in re.finditer(re.escape(self.START), text):
+            p = partial_call(text, m.end())
+            if p is None:
+                break
+            out.append(p)
+        return out
 
     def split(self, text: str, sent: int) -> tuple[int, bool]:
         """(how much of `text` is content for sure, whether a call has begun), `sent` characters
@@ -116,6 +180,22 @@ class Llama3JsonParser:
                 at += 1
         return Parsed(None, calls)
 
+    def partials(self, text: str) -> list[Partial]:
+        """As `HermesParser.partials`: the calls one after another, separated by ";"."""
+        body = text.lstrip()
+        body = body.removeprefix(self.TAG)
+        out, at = [], 0
+        while True:
+            p = partial_call(body, at)
+            if p is None:
+                return out
+            out.append(p)
+            if p.end is None:
+                return out
+            at = p.end
+            while at < len(body) and body[at] in " \t\r\n;":
+                at += 1
+
     def split(self, text: str, sent: int) -> tuple[int, bool]:
         """As `HermesParser.split`: a call can only be the whole answer, so once content has been
         streamed the rest is content too."""
@@ -146,6 +226,7 @@ class AutoToolCalls:
         self._text = ""
         self._sent = 0  # characters of the answer streamed as content
         self._in_call = False
+        self._calls: list[list] = []  # per call streamed: [its entry's id, characters of its arguments sent]
 
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
         """(the assistant message, the finish reason) of a whole answer."""
@@ -165,15 +246,40 @@ class AutoToolCalls:
             safe, self._in_call = self.parser.split(self._text, self._sent)
             if safe > self._sent:
                 out, self._sent = self._text[self._sent:safe], safe
-        if reason is None:
-            return ({"content": out} if out else {}), None
-        if self._in_call:
-            parsed = self.parser.parse(self._text)
+        calls = self._stream_calls() if self._in_call else []
+        if reason is not None and not self._calls:  # no call has gone out: the whole answer decides
+            parsed = self.parser.parse(self._text) if self._in_call else Parsed(None)
             if parsed.calls:
-                delta = {"tool_calls": [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls)]}
-                if out:
-                    delta["content"] = out
-                return delta, "tool_calls" if reason == "stop" else reason
-        out += self._text[self._sent:]  # held-back text that began no call, or a call that did not parse
-        self._sent = len(self._text)
-        return ({"content": out} if out else {}), reason
+                calls = [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls)]
+                reason = "tool_calls" if reason == "stop" else reason
+            else:  # held-back text that began no call, or a call that did not parse
+                out += self._text[self._sent:]
+                self._sent = len(self._text)
+        elif reason is not None:
+            calls += self._rest_of_calls(len(self._calls))
+            reason = "tool_calls" if reason == "stop" else reason
+        delta = {"content": out} if out else {}
+        if calls:
+            delta["tool_calls"] = calls
+        return delta, reason
+
+    def _stream_calls(self) -> list[dict]:
+        """The tool-call deltas the answer so far adds: a call's id and name once they are
+        written, then its arguments' new text."""
+        out = []
+        for i, p in enumerate(self.parser.partials(self._text)):
+            if i == len(self._calls):
+                entry = call_entry(p.name, "")
+                self._calls.append([entry["id"], 0])
+                out.append({"index": i, **entry})
+            sent = self._calls[i][1]
+            if len(p.arguments) > sent:
+                out.append({"index": i, "function": {"arguments": p.arguments[sent:]}})
+                self._calls[i][1] = len(p.arguments)
+        return out
+
+    def _rest_of_calls(self, streamed: int) -> list[dict]:
+        """At the answer's end, once calls have gone out: the whole calls after the `streamed`
+        ones that the whole answer holds and its partial reading did not reach."""
+        parsed = self.parser.parse(self._text)
+        return [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls) if i >= streamed]

@@ -1,6 +1,6 @@
 """The tool-call parsers on literal answers (what vLLM's parsers of the same names read from them),
-and an answer streamed in pieces cut anywhere: its content deltas and calls are the whole
-answer's."""
+and an answer streamed in pieces cut anywhere: its content deltas and calls, put together as a
+client does (by `index`), are the whole answer's; a call's arguments go out as they are written."""
 
 from __future__ import annotations
 
@@ -43,16 +43,32 @@ def test_llama3_json_reads_one_or_several_calls():
         assert Llama3JsonParser().parse(text).calls == []
 
 
-def _stream(parser, text, cuts):
-    """Feed `text` cut at `cuts` → (content streamed, calls of the last delta, finish reason)."""
+def _merge(deltas: list[dict]) -> list[dict]:
+    """Tool-call deltas put together by `index`, as the openai client's stream helpers do: the
+    first of a call brings its id, type and name, the rest add to its arguments."""
+    calls: dict[int, dict] = {}
+    for d in deltas:
+        call = calls.setdefault(d["index"], {"index": d["index"], "function": {"arguments": ""}})
+        for key in ("id", "type"):
+            if key in d:
+                assert key not in call, d  # once per call
+                call[key] = d[key]
+        if "name" in d.get("function", {}):
+            call["function"]["name"] = d["function"]["name"]
+        call["function"]["arguments"] += d.get("function", {}).get("arguments", "")
+    return [calls[i] for i in sorted(calls)]
+
+
+def _stream(parser, text, cuts, last="stop"):
+    """Feed `text` cut at `cuts` → (content streamed, the calls put together, finish reason)."""
     tc = AutoToolCalls(parser)
     pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
     content, calls, reason = "", [], None
     for i, piece in enumerate(pieces):
-        delta, reason = tc.delta(piece, "stop" if i == len(pieces) - 1 else None)
+        delta, reason = tc.delta(piece, last if i == len(pieces) - 1 else None)
         content += delta.get("content", "")
         calls += delta.get("tool_calls", [])
-    return content, calls, reason
+    return content, _merge(calls), reason
 
 
 @pytest.mark.parametrize("cuts", [[], [3], [13, 15, 20], list(range(1, 80))])
@@ -79,6 +95,39 @@ def test_an_answer_without_calls_streams_as_content_in_full(parser, text):
 def test_llama3_json_streams_text_before_deciding_nothing():
     tc = AutoToolCalls(Llama3JsonParser())
     assert tc.delta("  ", None) == ({}, None)             # whitespace: a call may still follow
-    assert tc.delta("{\"name\"", None) == ({}, None)      # a call has begun: held to the end
+    assert tc.delta("{\"name\"", None) == ({}, None)      # a call has begun: its name is not written yet
     delta, reason = tc.delta(': "get_time", "parameters": {}}', "stop")
-    assert reason == "tool_calls" and delta["tool_calls"][0]["function"] == {"name": "get_time", "arguments": "{}"}
+    assert reason == "tool_calls"
+    assert _merge(delta["tool_calls"])[0]["function"] == {"name": "get_time", "arguments": "{}"}
+
+
+@pytest.mark.parametrize("parser, text", [
+    (HermesParser(), f"Sure. <tool_call>{WEATHER}</tool_call>\n<tool_call>{TIME}</tool_call>"),
+    (Llama3JsonParser(), WEATHER.replace("arguments", "parameters") + "; " + TIME),
+])
+def test_arguments_stream_as_they_are_written(parser, text):
+    """Fed a character at a time: each call's name goes out before its arguments are done, its
+    arguments in pieces, and the pieces decode to the whole answer's arguments."""
+    tc = AutoToolCalls(parser)
+    deltas, named_at, args_at = [], {}, {}
+    for i, ch in enumerate(text):
+        delta, _ = tc.delta(ch, "stop" if i == len(text) - 1 else None)
+        for d in delta.get("tool_calls", []):
+            deltas.append(d)
+            if "name" in d.get("function", {}):
+                named_at[d["index"]] = i
+            if d.get("function", {}).get("arguments"):
+                args_at.setdefault(d["index"], []).append(i)
+    whole, _ = tc.message(text, "stop")
+    calls = _merge(deltas)
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]]
+    first_args = text.index('"city"')  # the first call's arguments are under way here
+    assert named_at[0] < first_args < args_at[0][-1] and len(args_at[0]) > 5 and named_at[1] > args_at[0][-1]
+
+
+def test_a_call_cut_by_max_tokens_ends_with_the_arguments_so_far():
+    text = 'Sure. <tool_call>{"name": "get_weather", "arguments": {"city": "Par'
+    content, calls, reason = _stream(HermesParser(), text, list(range(1, len(text))), last="length")
+    assert content == "Sure. " and reason == "length"
+    assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
