@@ -173,6 +173,7 @@ class ChatCompletionRequest(GenerationRequest):
     top_logprobs: TopLogprobs | None = None
     tools: list[Tool] | None = None
     tool_choice: Literal["none", "auto", "required"] | NamedToolChoice | None = None
+    parallel_tool_calls: StrictBool = True  # OpenAI's: false, at most one call
     add_generation_prompt: StrictBool = True
     continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict | None = None  # extra variables of the chat template

@@ -31,7 +31,7 @@ from dataclasses import dataclass, field
 from typing import Callable
 
 __all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "Partial", "call_entry",
-           "held_tail", "partial_call", "tool_parser"]
+           "held_tail", "partial_call", "partials_from", "tool_parser"]
 
 
 def call_entry(name: str, arguments: str) -> dict:
@@ -103,6 +103,22 @@ def partial_call(text: str, at: int = 0) -> Partial | None:
         return Partial(name, text[m.end():], False)
     close = re.compile(r"\s*\}").match(text, end)
     return Partial(name, text[m.end():end], True, close.end() if close else None)
+
+
+def partials_from(text: str, at: int, between: str) -> list[Partial]:
+    """The calls written one after another from `text[at]` on, with characters of `between`
+    between them, as far as they go (`partial_call`)."""
+    out = []
+    while True:
+        p = partial_call(text, at)
+        if p is None:
+            return out
+        out.append(p)
+        if p.end is None:
+            return out
+        at = p.end
+        while at < len(text) and text[at] in between:
+            at += 1
 
 
 def _call(obj) -> tuple[str, str] | None:
@@ -182,19 +198,7 @@ class Llama3JsonParser:
 
     def partials(self, text: str) -> list[Partial]:
         """As `HermesParser.partials`: the calls one after another, separated by ";"."""
-        body = text.lstrip()
-        body = body.removeprefix(self.TAG)
-        out, at = [], 0
-        while True:
-            p = partial_call(body, at)
-            if p is None:
-                return out
-            out.append(p)
-            if p.end is None:
-                return out
-            at = p.end
-            while at < len(body) and body[at] in " \t\r\n;":
-                at += 1
+        return partials_from(text.lstrip().removeprefix(self.TAG), 0, " \t\r\n;")
 
     def split(self, text: str, sent: int) -> tuple[int, bool]:
         """As `HermesParser.split`: a call can only be the whole answer, so once content has been
@@ -221,8 +225,8 @@ class AutoToolCalls:
     """One choice's answer under a tool-call parser (module docstring), with the interface of
     `tools.ToolCalls`."""
 
-    def __init__(self, parser):
-        self.parser = parser
+    def __init__(self, parser, most: int | None = None):
+        self.parser, self.most = parser, most  # most: the calls kept (OpenAI's parallel_tool_calls false: 1)
         self._text = ""
         self._sent = 0  # characters of the answer streamed as content
         self._in_call = False
@@ -233,7 +237,7 @@ class AutoToolCalls:
         parsed = self.parser.parse(text)
         if not parsed.calls:
             return {"role": "assistant", "content": text}, reason
-        calls = [call_entry(n, a) for n, a in parsed.calls]
+        calls = [call_entry(n, a) for n, a in parsed.calls[:self.most]]
         return ({"role": "assistant", "content": parsed.content, "tool_calls": calls},
                 "tool_calls" if reason == "stop" else reason)
 
@@ -250,7 +254,7 @@ class AutoToolCalls:
         if reason is not None and not self._calls:  # no call has gone out: the whole answer decides
             parsed = self.parser.parse(self._text) if self._in_call else Parsed(None)
             if parsed.calls:
-                calls = [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls)]
+                calls = [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls[:self.most])]
                 reason = "tool_calls" if reason == "stop" else reason
             else:  # held-back text that began no call, or a call that did not parse
                 out += self._text[self._sent:]
@@ -267,7 +271,7 @@ class AutoToolCalls:
         """The tool-call deltas the answer so far adds: a call's id and name once they are
         written, then its arguments' new text."""
         out = []
-        for i, p in enumerate(self.parser.partials(self._text)):
+        for i, p in enumerate(self.parser.partials(self._text)[:self.most]):
             if i == len(self._calls):
                 entry = call_entry(p.name, "")
                 self._calls.append([entry["id"], 0])
@@ -282,4 +286,4 @@ class AutoToolCalls:
         """At the answer's end, once calls have gone out: the whole calls after the `streamed`
         ones that the whole answer holds and its partial reading did not reach."""
         parsed = self.parser.parse(self._text)
-        return [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls) if i >= streamed]
+        return [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls[:self.most]) if i >= streamed]

@@ -12,8 +12,11 @@ a call needs, and comes back as OpenAI's `tool_calls`.
   `tool_parsers.py`) finds its calls; without one it is a 400 naming `tool_choice`, never an
   answer that silently ignores the tools.
 
-Streaming: a named call's arguments stream as they are generated; a `"required"` answer's calls
-come in the last chunk, each whole.
+OpenAI's `parallel_tool_calls` false: at most one call (a "required" array of one; "auto": the
+first the model writes).
+
+Streaming: a named call's arguments stream as they are generated, and so do each call's of a
+`"required"` answer (its id and name first, then its arguments' text), as vLLM streams them.
 """
 
 from __future__ import annotations
@@ -23,7 +26,7 @@ from typing import Callable
 
 from quantspec.infer.structured import Guide
 from quantspec.serve.protocol import ChatCompletionRequest
-from quantspec.serve.tool_parsers import AutoToolCalls, call_entry
+from quantspec.serve.tool_parsers import AutoToolCalls, Parsed, call_entry, partials_from
 
 __all__ = ["ToolCalls", "tool_calls", "tool_guide"]
 
@@ -76,7 +79,10 @@ def tool_guide(body, auto: bool = False) -> Guide | None:
         return Guide("json", json.dumps(schemas[forced["name"]]))
     calls = [{"type": "object", "properties": {"name": {"type": "string", "enum": [name]}, "parameters": schema},
               "required": ["name", "parameters"]} for name, schema in schemas.items()]
-    return Guide("json", json.dumps({"type": "array", "minItems": 1, "items": {"anyOf": calls}}))
+    array = {"type": "array", "minItems": 1, "items": {"anyOf": calls}}
+    if body.parallel_tool_calls is False:
+        array["maxItems"] = 1
+    return Guide("json", json.dumps(array))
 
 
 def tool_calls(body, parser=None) -> "ToolCalls | AutoToolCalls | None":
@@ -85,53 +91,58 @@ def tool_calls(body, parser=None) -> "ToolCalls | AutoToolCalls | None":
     if not isinstance(body, ChatCompletionRequest):
         return None
     forced = _forced(body, parser is not None)
+    most = 1 if body.parallel_tool_calls is False else None
+    if forced == "required":
+        return AutoToolCalls(RequiredCalls(), most)
     if forced is not None:
-        return ToolCalls(None if forced == "required" else forced["name"])
+        return ToolCalls(forced["name"])
     if parser is not None and body.tools and body.tool_choice in (None, "auto"):
-        return AutoToolCalls(parser)
+        return AutoToolCalls(parser, most)
     return None
 
 
-class ToolCalls:
-    """One choice's answer as tool calls: `message` (whole) and `delta` (streamed); `name`: the
-    named function's (None: "required", an array of calls)."""
+class RequiredCalls:
+    """The JSON array of `{"name": ..., "parameters": {...}}` a "required" answer is held to, read
+    as `tool_parsers` reads a model's own syntax: no content; the calls whole, or as far as they
+    are written (an array cut by max_tokens is content, whole)."""
 
-    def __init__(self, name: str | None):
+    def parse(self, text: str) -> Parsed:
+        try:  # xgrammar lets control characters into strings
+            calls = [(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text, strict=False)]
+        except (ValueError, KeyError, TypeError):
+            return Parsed(text)
+        return Parsed(None, calls)
+
+    def split(self, text: str, sent: int) -> tuple[int, bool]:
+        return 0, True
+
+    def partials(self, text: str) -> list:
+        head = text.lstrip()
+        return partials_from(head, 1, " \t\r\n,") if head.startswith("[") else []
+
+
+class ToolCalls:
+    """One choice's answer as a call of the named function `name`: `message` (whole) and `delta`
+    (streamed); the answer is the call's arguments."""
+
+    def __init__(self, name: str):
         self.name = name
         self._streamed = False
 
-    def _calls(self, text: str) -> list[dict] | None:
-        if self.name is not None:
-            return [call_entry(self.name, text)]
-        try:
-            return [call_entry(c["name"], json.dumps(c["parameters"], ensure_ascii=False)) for c in json.loads(text)]
-        except (ValueError, KeyError, TypeError):  # an answer cut short by max_tokens
-            return None
-
     def message(self, text: str, reason: str | None) -> tuple[dict, str | None]:
-        """(the assistant message, the finish reason) of a whole answer: its calls, finish
-        "tool_calls"; an answer cut by max_tokens keeps finish "length" (a named call's
-        arguments as far as they came, a cut array as content)."""
-        calls = self._calls(text)
-        if calls is None:
-            return {"role": "assistant", "content": text}, reason
-        return {"role": "assistant", "content": None, "tool_calls": calls}, "tool_calls" if reason == "stop" else reason
+        """(the assistant message, the finish reason) of a whole answer: its call, finish
+        "tool_calls"; an answer cut by max_tokens keeps finish "length" and the arguments as far
+        as they came."""
+        return ({"role": "assistant", "content": None, "tool_calls": [call_entry(self.name, text)]},
+                "tool_calls" if reason == "stop" else reason)
 
-    def delta(self, piece: str, reason: str | None, text: Callable[[], str]) -> tuple[dict, str | None]:
-        """A streamed chunk's delta for `piece`, and its finish reason; `text()`: the whole answer
-        (asked for at the end of a "required" answer only)."""
-        if self.name is not None:
-            delta = {}
-            if piece or not self._streamed:
-                call = {"index": 0, "function": {"arguments": piece}}
-                if not self._streamed:
-                    call = {"index": 0, **call_entry(self.name, piece)}
-                    self._streamed = True
-                delta = {"tool_calls": [call]}
-            return delta, ("tool_calls" if reason == "stop" else reason)
-        if reason is None:
-            return {}, None
-        message, reason = self.message(text(), reason)
-        if "tool_calls" not in message:
-            return {"content": message["content"]}, reason
-        return {"tool_calls": [{"index": i, **c} for i, c in enumerate(message["tool_calls"])]}, reason
+    def delta(self, piece: str, reason: str | None, text: Callable[[], str] | None = None) -> tuple[dict, str | None]:
+        """A streamed chunk's delta for `piece`, and its finish reason."""
+        delta = {}
+        if piece or not self._streamed:
+            call = {"index": 0, "function": {"arguments": piece}}
+            if not self._streamed:
+                call = {"index": 0, **call_entry(self.name, piece)}
+                self._streamed = True
+            delta = {"tool_calls": [call]}
+        return delta, ("tool_calls" if reason == "stop" else reason)

@@ -68,8 +68,13 @@ def test_required_gives_calls_of_listed_tools(server):
             assert json.loads(call.function.arguments)["zone"] in ("UTC", "CET")
     streamed = [tc for chunk in client.chat.completions.create(**kw, stream=True) if chunk.choices
                 for tc in chunk.choices[0].delta.tool_calls or []]
-    assert [(tc.function.name, tc.function.arguments) for tc in streamed] == \
-        [(c.function.name, c.function.arguments) for c in choice.message.tool_calls]
+    assert len(streamed) > 2 * len(choice.message.tool_calls)  # each call's arguments come in pieces
+    merged = {}
+    for tc in streamed:  # as a client puts them together: by index, the arguments' pieces joined
+        name, args = merged.get(tc.index, (None, ""))
+        merged[tc.index] = (name or tc.function.name, args + (tc.function.arguments or ""))
+    assert [(n, json.loads(a, strict=False)) for _, (n, a) in sorted(merged.items())] == \
+        [(c.function.name, json.loads(c.function.arguments, strict=False)) for c in choice.message.tool_calls]
     cut = client.chat.completions.create(**{**kw, "max_tokens": 3}).choices[0]  # cut short: the raw text
     assert cut.finish_reason == "length" and cut.message.content.startswith("[") and not cut.message.tool_calls
 
@@ -94,3 +99,13 @@ def test_tool_choices_the_server_cannot_serve_are_400(server, extra):
         _client(url).chat.completions.create(model="tiny", messages=MSGS, max_tokens=4, **extra)
     err = e.value.body
     assert err["param"] in ("tool_choice", "response_format") and "\n" not in err["message"]
+
+
+def test_parallel_tool_calls_false_holds_a_required_answer_to_one_call():
+    from quantspec.serve.protocol import ChatCompletionRequest
+    from quantspec.serve.tools import tool_guide
+
+    body = dict(messages=MSGS, tools=[WEATHER, TIME], tool_choice="required")
+    assert "maxItems" not in json.loads(tool_guide(ChatCompletionRequest(**body)).spec)
+    one = json.loads(tool_guide(ChatCompletionRequest(**body, parallel_tool_calls=False)).spec)
+    assert one["maxItems"] == 1 and one["minItems"] == 1

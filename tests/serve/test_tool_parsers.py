@@ -131,3 +131,25 @@ def test_a_call_cut_by_max_tokens_ends_with_the_arguments_so_far():
     content, calls, reason = _stream(HermesParser(), text, list(range(1, len(text))), last="length")
     assert content == "Sure. " and reason == "length"
     assert calls[0]["function"] == {"name": "get_weather", "arguments": '{"city": "Par'}
+
+
+def test_parallel_tool_calls_false_keeps_the_first_call():
+    text = f"<tool_call>{WEATHER}</tool_call><tool_call>{TIME}</tool_call>"
+    whole, reason = AutoToolCalls(HermesParser(), most=1).message(text, "stop")
+    assert [c["function"]["name"] for c in whole["tool_calls"]] == ["get_weather"] and reason == "tool_calls"
+    tc = AutoToolCalls(HermesParser(), most=1)
+    deltas = [d for i, ch in enumerate(text) for d in tc.delta(ch, "stop" if i == len(text) - 1 else None)[0]
+              .get("tool_calls", [])]
+    assert [c["function"]["name"] for c in _merge(deltas)] == ["get_weather"]
+
+
+def test_required_calls_stream_from_their_json_array():
+    from quantspec.serve.tools import RequiredCalls
+
+    text = '[{"name": "get_weather", "parameters": {"city": "Paris"}}, {"name": "get_time", "parameters": {}}]'
+    content, calls, reason = _stream(RequiredCalls(), text, list(range(1, len(text))))
+    assert content == "" and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"}), ("get_time", {})]
+    cut = text[:30]
+    assert AutoToolCalls(RequiredCalls()).message(cut, "length") == ({"role": "assistant", "content": cut}, "length")
