@@ -170,19 +170,32 @@ class Answers:
             self.state.loop.abort(c.job)  # a no-op once the job is done
 
     async def sse(self):
+        """The answers as server-sent events, then `[DONE]`."""
+        async for obj in self.chunks():
+            yield _event(obj)
+        yield "data: [DONE]\n\n"
+
+    async def chunks(self):
+        """The answers as OpenAI's stream chunks (dicts), each with the usage so far where the
+        request asks for it, the last with the request's usage where it asks for that; an engine
+        failure ends them with an error object."""
         usage = self.body.stream_options is not None and self.body.stream_options.include_usage
         every = usage and self.body.stream_options.continuous_usage_stats  # the usage so far in each chunk
+
+        def out(chunk: dict) -> dict:
+            return {**chunk, "usage": self._usage()} if every else chunk
+
         try:
             if self.chat:
                 for c in self.choices:
                     chunk = self._chunk(c.index, None, [], None, first=True)
                     if self.body.return_token_ids:
                         chunk["prompt_token_ids"] = c.job.prompt_ids
-                    yield _event(chunk, self._usage() if every else None)
+                    yield out(chunk)
                     if c.echo:  # chat `echo`: the last message's text, before the answer's
-                        chunk["choices"][0]["delta"] = {"content": c.echo}
+                        chunk = {**chunk, "choices": [{**chunk["choices"][0], "delta": {"content": c.echo}}]}
                         chunk.pop("prompt_token_ids", None)
-                        yield _event(chunk, self._usage() if every else None)
+                        yield out(chunk)
             started = set()  # choices whose first chunk has gone out
             async for index, (piece, entries, reason, ids) in _merged([c.deltas() for c in self.choices]):
                 if piece or reason or entries or (ids and self.body.return_token_ids):
@@ -192,14 +205,13 @@ class Answers:
                             chunk["choices"][0]["prompt_token_ids"] = self.choices[index].job.prompt_ids
                         chunk["choices"][0]["token_ids"] = ids
                     started.add(index)
-                    yield _event(chunk, self._usage() if every else None)
+                    yield out(chunk)
             if usage:
-                yield _event({**self._chunk(0, None, [], None), "choices": [], "usage": self._usage()})
+                yield {**self._chunk(0, None, [], None), "choices": [], "usage": self._usage()}
         except RuntimeError as e:
-            yield _event(error_body(str(e), type="server_error"))
+            yield error_body(str(e), type="server_error")
         finally:
             self._abort()
-        yield "data: [DONE]\n\n"
 
     async def whole(self, request: Request):
         task = asyncio.ensure_future(asyncio.gather(*(c.collect() for c in self.choices)))
@@ -280,7 +292,5 @@ async def _merged(streams: list):
             t.cancel()
 
 
-def _event(obj: dict, usage: dict | None = None) -> str:
-    if usage is not None:
-        obj = {**obj, "usage": usage}
+def _event(obj: dict) -> str:
     return f"data: {json.dumps(obj, ensure_ascii=False)}\n\n"

@@ -1,7 +1,7 @@
 """The HTTP layer: FastAPI routes over an `EngineLoop`, in OpenAI's shapes.
 
 `/v1/chat/completions` and `/v1/completions` (streaming as server-sent events or one JSON body),
-`/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
+OpenAI's `/v1/responses` over the chat pipeline (`responses.py`), `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
 an API key set, every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`
 (401 otherwise). A request is validated (`protocol.py`), tokenized (`text.py`), checked and
 turned into a `Job` per answer (`jobs.py`) and submitted; its tokens come back as deltas and
@@ -27,6 +27,7 @@ from quantspec.serve.jobs import BadRequest, check_model, check_request, make_jo
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest)
+from quantspec.serve.responses import ResponsesRequest, chat_request, response_events, whole_response
 from quantspec.serve.text import TokenText, chat_prompt_ids, completion_prompt_ids
 
 __all__ = ["ServeState", "build_app"]
@@ -133,8 +134,24 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
         ids = [completion_prompt_ids(state.tokenizer, p) for p in body.prompts()]
         return await _generate(state, request, body, ids, chat=False)
 
+    _responses_route(app, state, guarded)
     _tokenizer_routes(app, state, guarded)
     return app
+
+
+def _responses_route(app: FastAPI, state: ServeState, guarded: list) -> None:
+    @app.post("/v1/responses", dependencies=guarded)
+    async def responses(request: Request):
+        asked = _parse(await _json(request), ResponsesRequest)
+        body = _parse(chat_request(asked), ChatCompletionRequest)
+        check_request(state, body)
+        out = _submit(state, body, [_chat_ids(state, body)], chat=True)
+        if not isinstance(out, Answers):
+            return out
+        if body.stream:
+            return _sse(response_events(asked, state.model_name, out.chunks()))
+        chat = await out.whole(request)
+        return chat if not isinstance(chat, dict) else whole_response(asked, chat)
 
 
 def _api_key_check(app: FastAPI, state: ServeState) -> list:
@@ -223,6 +240,21 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
 
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
                     chat: bool):
+    out = _submit(state, body, prompts, chat=chat)
+    if not isinstance(out, Answers):
+        return out
+    if body.stream:
+        return _sse(out.sse())
+    return await out.whole(request)
+
+
+def _sse(events) -> StreamingResponse:
+    return StreamingResponse(events, media_type="text/event-stream",
+                             headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
+
+
+def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]], *, chat: bool):
+    """A checked request's jobs submitted to the loop → its `Answers`, or a 503 where the queue is full."""
     shared = request_params(state, body)
     jobs = [make_job(state, body, shared, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
     for i, job in enumerate(jobs):
@@ -238,8 +270,4 @@ async def _generate(state: ServeState, request: Request, body: GenerationRequest
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)]
     elif chat and body.echo and (body.messages[-1].role == "assistant" or not body.add_generation_prompt):
         echoes = [body.messages[-1].text()] * len(jobs)  # vLLM's: the last message, in the answer's role
-    out = Answers(state, body, jobs, chat, echoes)
-    if body.stream:
-        return StreamingResponse(out.sse(), media_type="text/event-stream",
-                                 headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
-    return await out.whole(request)
+    return Answers(state, body, jobs, chat, echoes)
