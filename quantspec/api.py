@@ -73,14 +73,15 @@ def _logprob_fields(config, out) -> dict:
     return fields
 
 
-def serve(config, *, on_ready=None) -> None:
+def serve(config, *, on_ready=None, on_stats=None) -> None:
     """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
     then drain the requests in flight and return. `on_ready(url, kv_cache, sampling_defaults)` is
     called once the model is loaded (`kv_cache`: which KV cache the engine runs;
-    `sampling_defaults`: what requests that leave those fields out get, from --generation-config)."""
+    `sampling_defaults`: what requests that leave those fields out get, from --generation-config).
+    `on_stats(line)` gets a line of throughput, queue and KV-cache use every 10 s while busy."""
     from quantspec.serve import run
 
-    run(config, on_ready=on_ready)
+    run(config, on_ready=on_ready, on_stats=on_stats)
 
 
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,

@@ -204,6 +204,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Chat answers' thinking (up to </think>: DeepSeek-R1 and its distillations, QwQ) goes to reasoning_content, the rest to content.")
 @click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json"]),
               help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3) or llama3_json (Llama 3.1-3.3).")
+@click.option("--disable-log-stats", is_flag=True,
+              help="No stats line (throughput, running / waiting requests, KV-cache use, draft acceptance) every 10 s while busy.")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
 @one_line_errors
@@ -227,7 +229,7 @@ def serve(**kw):
                           + ", ".join(f"{k}={v}" for k, v in defaults.items()) + " (--generation-config vllm: none)")
 
     try:
-        api.serve(config, on_ready=ready)
+        api.serve(config, on_ready=ready, on_stats=lambda line: console.print(line, highlight=False, markup=False))
     except (Terminated, KeyboardInterrupt):
         pass
     console.print("stopped")

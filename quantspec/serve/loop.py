@@ -110,8 +110,9 @@ class Job:
 class EngineLoop:
     """Steps `engine` in a thread of its own (module docstring)."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, metrics=None):
+    def __init__(self, engine: Engine, *, max_queue: int, metrics=None, stats_log=None):
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
+        self.stats_log = stats_log  # the periodic stats line (`metrics.StatsLog`), or None
         self._inbox: deque[Job] = deque()
         self._aborts: deque[Job] = deque()
         self._lock = threading.Lock()
@@ -167,6 +168,8 @@ class EngineLoop:
     def _run(self) -> None:
         while not self._stop:
             self._take()
+            if self.stats_log is not None:
+                self.stats_log.tick(time.perf_counter())
             if not self.engine.has_work():
                 self._wake.wait(IDLE_WAIT_S)
                 self._wake.clear()
@@ -214,6 +217,8 @@ class EngineLoop:
             if job is None:
                 continue
             delta = Delta(list(toks))
+            if self.metrics is not None:
+                self.metrics.generation_tokens.inc(len(toks))
             if toks and seq.params.logprobs is not None:
                 delta.logprobs = seq.logprobs[len(seq.logprobs) - len(toks):]
             if job.t_first is None and toks:

@@ -1,12 +1,15 @@
 """Prometheus metrics of one server, in a registry of its own (two servers in one process do not
 share counters): requests running / waiting, KV blocks, TTFT / TPOT / end-to-end histograms,
-token, prefix-cache and preemption counters and the speculation counters (drafts, drafted and accepted tokens, per position)."""
+token, prefix-cache and preemption counters and the speculation counters (drafts, drafted and accepted tokens, per position);
+and `StatsLog`, the periodic line of them vLLM's servers print."""
 
 from __future__ import annotations
 
+from typing import Callable
+
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 
-__all__ = ["Metrics"]
+__all__ = ["Metrics", "StatsLog"]
 
 PREFIX = "quantspec"
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
@@ -59,7 +62,6 @@ class Metrics:
         """Count a sequence that left the engine (finished or aborted)."""
         st, n = seq.stats, len(seq.output_ids)
         self.requests.labels(finish_reason=reason, **self.labels).inc()
-        self.generation_tokens.inc(n)
         if ttft is not None:
             self.ttft.observe(ttft)
             self.e2e.observe(e2e)
@@ -75,3 +77,48 @@ class Metrics:
 
     def render(self) -> bytes:
         return generate_latest(self.registry)
+
+    def value(self, name: str) -> float:
+        """The current value of metric `name` (without the prefix; a counter's with `_total`)."""
+        return self.registry.get_sample_value(f"{PREFIX}_{name}", self.labels) or 0.0
+
+
+STATS_INTERVAL_S = 10.0
+_TOTALS = ("prompt_tokens_total", "generation_tokens_total", "prefix_cache_queries_total", "prefix_cache_hits_total",
+           "spec_drafts_total", "spec_draft_tokens_total", "spec_accepted_tokens_total")
+
+
+class StatsLog:
+    """Every `interval` seconds while the server is busy, one line to `emit`, as vLLM's servers log
+    them: prompt and generation throughput since the last line, running and waiting requests,
+    KV-cache use, and where they apply the prefix-cache hit rate and the draft acceptance (rate
+    and mean accepted length) of the requests that finished meanwhile. An idle server logs nothing."""
+
+    def __init__(self, metrics: Metrics, emit: Callable[[str], None], interval: float = STATS_INTERVAL_S,
+                 now: float = 0.0):
+        self.metrics, self.emit, self.interval = metrics, emit, interval
+        self._t, self._totals = now, {k: metrics.value(k) for k in _TOTALS}
+
+    def tick(self, now: float) -> str | None:
+        """The line due at `now` (emitted), else None."""
+        if now - self._t < self.interval:
+            return None
+        m = self.metrics
+        totals = {k: m.value(k) for k in _TOTALS}
+        d = {k: totals[k] - self._totals[k] for k in _TOTALS}
+        dt, self._t, self._totals = now - self._t, now, totals
+        running, waiting = int(m.value("requests_running")), int(m.value("requests_waiting"))
+        if not any(d.values()) and not running and not waiting:
+            return None
+        used, total = m.value("kv_blocks_used"), m.value("kv_blocks_total")
+        line = (f"Avg prompt throughput: {d['prompt_tokens_total'] / dt:.1f} tokens/s, "
+                f"Avg generation throughput: {d['generation_tokens_total'] / dt:.1f} tokens/s, "
+                f"Running: {running} reqs, Waiting: {waiting} reqs, "
+                f"KV cache usage: {100 * used / max(total, 1):.1f}%")
+        if d["prefix_cache_queries_total"]:
+            line += f", Prefix cache hit rate: {100 * d['prefix_cache_hits_total'] / d['prefix_cache_queries_total']:.1f}%"
+        if d["spec_draft_tokens_total"]:
+            line += (f", Draft acceptance rate: {100 * d['spec_accepted_tokens_total'] / d['spec_draft_tokens_total']:.1f}%"
+                     f", Mean acceptance length: {1 + d['spec_accepted_tokens_total'] / d['spec_drafts_total']:.2f}")
+        self.emit(line)
+        return line

@@ -11,6 +11,7 @@ process exits.
 from __future__ import annotations
 
 import logging
+import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
@@ -20,7 +21,7 @@ from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.model_zoo.default import DEFAULT_MODEL
 from quantspec.serve.app import ServeState, build_app
 from quantspec.serve.loop import EngineLoop
-from quantspec.serve.metrics import Metrics
+from quantspec.serve.metrics import Metrics, StatsLog
 from quantspec.serve.reasoning import REASONING_PARSERS, reasoning_parser
 from quantspec.serve.tool_parsers import TOOL_PARSERS, tool_parser
 
@@ -64,6 +65,7 @@ class ServeConfig:
     # a Jinja chat template in place of the tokenizer's: a file, or the template's text; read when built
     chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
+    disable_log_stats: bool = False  # no periodic stats line (`metrics.StatsLog`)
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk", "max_prefill_tokens"):
@@ -115,8 +117,10 @@ def _template_text(value: str) -> str:
     return value
 
 
-def load(config: ServeConfig, *, loaded=None) -> ServeState:
-    """The model, its engine and the engine loop (started); `loaded`: a `LoadedModel` to reuse."""
+def load(config: ServeConfig, *, loaded=None, on_stats=None) -> ServeState:
+    """The model, its engine and the engine loop (started); `loaded`: a `LoadedModel` to reuse;
+    `on_stats(line)`: where the periodic stats lines go (none without it or with
+    `disable_log_stats`)."""
     predictor = Predictor(config.infer_config(), loaded=loaded)
     engine = predictor.engine
     engine.warm_up()  # CUDA: the decode steps' graphs, captured before any request waits on one
@@ -130,7 +134,9 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
     defaults = ({} if config.generation_config == "vllm" else
                 read_sampling_defaults(predictor.loaded.model_dir if config.generation_config == "auto"
                                        else Path(config.generation_config).expanduser()))
-    loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics)
+    stats = None if on_stats is None or config.disable_log_stats else StatsLog(metrics, on_stats,
+                                                                              now=time.perf_counter())
+    loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics, stats_log=stats)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
                       max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
@@ -140,9 +146,9 @@ def load(config: ServeConfig, *, loaded=None) -> ServeState:
                       sampling_defaults=defaults, chat_template=config.chat_template)
 
 
-def build(config: ServeConfig, *, loaded=None):
+def build(config: ServeConfig, *, loaded=None, on_stats=None):
     """(FastAPI app, its state): the app stops the engine loop when it shuts down."""
-    state = load(config, loaded=loaded)
+    state = load(config, loaded=loaded, on_stats=on_stats)
     return build_app(state, on_shutdown=lambda: state.loop.stop(timeout=10)), state
 
 
@@ -154,10 +160,11 @@ def uvicorn_server(app, config: ServeConfig):
     return uvicorn.Server(uv)
 
 
-def run(config: ServeConfig, *, on_ready=None) -> None:
+def run(config: ServeConfig, *, on_ready=None, on_stats=None) -> None:
     """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url, kv_cache,
-    sampling_defaults)` is called once the model is loaded, before uvicorn binds."""
-    app, state = build(config)
+    sampling_defaults)` is called once the model is loaded, before uvicorn binds; `on_stats(line)`
+    gets the periodic stats lines."""
+    app, state = build(config, on_stats=on_stats)
     if on_ready is not None:
         on_ready(f"http://{config.host}:{config.port}", state.kv_cache, state.sampling_defaults)
     uvicorn_server(app, config).run()
