@@ -204,6 +204,11 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Chat answers' thinking (up to </think>: DeepSeek-R1 and its distillations, QwQ) goes to reasoning_content, the rest to content.")
 @click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json"]),
               help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3) or llama3_json (Llama 3.1-3.3).")
+@click.option("--allowed-origins", default="",
+              help="Browser origins answered with CORS headers: a JSON list (vLLM's form) or comma-separated; \"*\": any [default: none, no CORS].")
+@click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, Authorization) from those origins.")
+@click.option("--ssl-keyfile", default=None, help="Serve HTTPS with this PEM private key (with --ssl-certfile).")
+@click.option("--ssl-certfile", default=None, help="Serve HTTPS with this PEM certificate (with --ssl-keyfile).")
 @click.option("--disable-log-stats", is_flag=True,
               help="No stats line (throughput, running / waiting requests, KV-cache use, draft acceptance) every 10 s while busy.")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,

@@ -19,6 +19,7 @@ from dataclasses import dataclass, field
 
 from fastapi import Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
+from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
@@ -83,8 +84,10 @@ def _validation_message(exc) -> tuple[str, str | None]:
     return (f"{param}: {e.get('msg')}" if param else e.get("msg", "invalid request")), param
 
 
-def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
-    """The routes over `state`; `on_shutdown()` runs when the server stops (after the drain)."""
+def build_app(state: ServeState, *, on_shutdown=None, allowed_origins: tuple[str, ...] = (),
+              allow_credentials: bool = False) -> FastAPI:
+    """The routes over `state`; `on_shutdown()` runs when the server stops (after the drain).
+    `allowed_origins`: the browser origins answered with CORS headers ("*": any; none: no CORS)."""
 
     @contextlib.asynccontextmanager
     async def lifespan(app):
@@ -93,6 +96,9 @@ def build_app(state: ServeState, *, on_shutdown=None) -> FastAPI:
             on_shutdown()
 
     app = FastAPI(title="quantspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    if allowed_origins:
+        app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
+                           allow_methods=["*"], allow_headers=["*"])
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request, exc):

@@ -10,6 +10,7 @@ process exits.
 
 from __future__ import annotations
 
+import json
 import logging
 import time
 from dataclasses import dataclass, field
@@ -66,6 +67,12 @@ class ServeConfig:
     chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
     disable_log_stats: bool = False  # no periodic stats line (`metrics.StatsLog`)
+    # deployment: browser origins answered with CORS headers (vLLM's JSON list, or comma-separated;
+    # "*": any), TLS (both files, PEM)
+    allowed_origins: tuple[str, ...] | str = ()
+    allow_credentials: bool = False
+    ssl_keyfile: str | None = None
+    ssl_certfile: str | None = None
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk", "max_prefill_tokens"):
@@ -88,6 +95,12 @@ class ServeConfig:
             raise QuantSpecError(f"--generation-config {self.generation_config!r} is not auto, vllm or a directory")
         if self.chat_template is not None:
             self.chat_template = _template_text(self.chat_template)
+        self.allowed_origins = _origins(self.allowed_origins)
+        if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
+            raise QuantSpecError("TLS needs both --ssl-keyfile and --ssl-certfile")
+        for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
+            if path is not None and not Path(path).expanduser().is_file():
+                raise QuantSpecError(f"{flag} {path}: no such file")
         self.served_model_name = self.served_model_name or self.model
         self.infer_config()  # the engine's and speculation's own checks, before anything loads
 
@@ -103,6 +116,22 @@ class ServeConfig:
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
                            gpu_memory_utilization=self.gpu_memory_utilization)
+
+
+def _origins(value: tuple[str, ...] | str) -> tuple[str, ...]:
+    """`--allowed-origins`: vLLM's JSON list (`'["https://a.example"]'`) or comma-separated origins."""
+    if not isinstance(value, str):
+        return tuple(value)
+    if value.strip().startswith("["):
+        try:
+            origins = json.loads(value)
+        except ValueError:
+            origins = None
+        if not isinstance(origins, list) or not all(isinstance(o, str) for o in origins):
+            raise QuantSpecError(f"--allowed-origins {value!r} is not a JSON list of origins; give "
+                                 "'[\"https://app.example\"]' or comma-separated origins")
+        return tuple(origins)
+    return tuple(o.strip() for o in value.split(",") if o.strip())
 
 
 def _template_text(value: str) -> str:
@@ -149,14 +178,16 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None) -> ServeState:
 def build(config: ServeConfig, *, loaded=None, on_stats=None):
     """(FastAPI app, its state): the app stops the engine loop when it shuts down."""
     state = load(config, loaded=loaded, on_stats=on_stats)
-    return build_app(state, on_shutdown=lambda: state.loop.stop(timeout=10)), state
+    return build_app(state, on_shutdown=lambda: state.loop.stop(timeout=10), allowed_origins=config.allowed_origins,
+                     allow_credentials=config.allow_credentials), state
 
 
 def uvicorn_server(app, config: ServeConfig):
     import uvicorn
 
     uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
-                        timeout_graceful_shutdown=config.drain_timeout, lifespan="on")
+                        timeout_graceful_shutdown=config.drain_timeout, lifespan="on",
+                        ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
     return uvicorn.Server(uv)
 
 
@@ -166,5 +197,6 @@ def run(config: ServeConfig, *, on_ready=None, on_stats=None) -> None:
     gets the periodic stats lines."""
     app, state = build(config, on_stats=on_stats)
     if on_ready is not None:
-        on_ready(f"http://{config.host}:{config.port}", state.kv_cache, state.sampling_defaults)
+        scheme = "https" if config.ssl_certfile else "http"
+        on_ready(f"{scheme}://{config.host}:{config.port}", state.kv_cache, state.sampling_defaults)
     uvicorn_server(app, config).run()

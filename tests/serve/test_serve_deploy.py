@@ -1,0 +1,68 @@
+"""What deploying `quantspec serve` takes beyond one machine's loopback: CORS for browser origins
+(`--allowed-origins`, none by default), HTTPS (`--ssl-keyfile` / `--ssl-certfile`), and one-line
+errors for their bad values."""
+
+from __future__ import annotations
+
+import shutil
+import subprocess
+
+import httpx2
+import pytest
+from click.testing import CliRunner
+
+from quantspec.errors import QuantSpecError
+from quantspec.serve.server import ServeConfig
+
+APP, OTHER = "https://app.example", "https://other.example"
+
+
+def _preflight(url: str, origin: str) -> httpx2.Response:
+    return httpx2.options(f"{url}/v1/chat/completions", headers={
+        "Origin": origin, "Access-Control-Request-Method": "POST", "Access-Control-Request-Headers": "content-type"})
+
+
+def test_cors_answers_the_allowed_origins_only(start_server, server):
+    with start_server(allowed_origins=f'["{APP}"]') as (url, _):
+        ok = _preflight(url, APP)
+        assert ok.status_code == 200 and ok.headers["access-control-allow-origin"] == APP
+        assert "access-control-allow-origin" not in _preflight(url, OTHER).headers
+        r = httpx2.get(f"{url}/v1/models", headers={"Origin": APP})
+        assert r.status_code == 200 and r.headers["access-control-allow-origin"] == APP
+    url, _ = server  # started without --allowed-origins: no CORS at all
+    assert "access-control-allow-origin" not in _preflight(url, APP).headers
+    assert "access-control-allow-origin" not in httpx2.get(f"{url}/v1/models", headers={"Origin": APP}).headers
+
+
+@pytest.mark.skipif(shutil.which("openssl") is None, reason="needs the openssl command")
+def test_https_with_a_key_and_certificate(start_server, tmp_path):
+    key, cert = tmp_path / "key.pem", tmp_path / "cert.pem"
+    subprocess.run(["openssl", "req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", str(key), "-out", str(cert),
+                    "-days", "1", "-subj", "/CN=127.0.0.1"], check=True, capture_output=True)
+    with start_server(ssl_keyfile=str(key), ssl_certfile=str(cert)) as (url, _):
+        secure = url.replace("http://", "https://")
+        r = httpx2.post(f"{secure}/v1/completions", json={"prompt": "hi", "max_tokens": 2}, verify=False, timeout=60)
+        assert r.status_code == 200 and r.json()["usage"]["completion_tokens"] == 2
+        with pytest.raises(httpx2.HTTPError):  # plain HTTP on the TLS port
+            httpx2.get(f"{url}/health", timeout=10)
+
+
+@pytest.mark.parametrize("kw, needle", [
+    ({"ssl_keyfile": "key.pem"}, "--ssl-certfile"),
+    ({"ssl_keyfile": "/nonexistent/key.pem", "ssl_certfile": "/nonexistent/cert.pem"}, "no such file"),
+    ({"allowed_origins": '["https://a.example"'}, "--allowed-origins"),
+])
+def test_bad_deployment_flags_are_one_line(kw, needle):
+    with pytest.raises(QuantSpecError, match=needle.replace("-", "\\-")):
+        ServeConfig(**kw)
+    from quantspec.cli import main
+
+    args = [a for k, v in kw.items() for a in (f"--{k.replace('_', '-')}", v)]
+    r = CliRunner().invoke(main, ["serve", *args])
+    assert r.exit_code == 2 and needle in r.stderr and len(r.stderr.strip().splitlines()) == 1
+
+
+def test_origins_read_as_vllm_s_json_list_or_comma_separated():
+    assert ServeConfig(allowed_origins='["*"]').allowed_origins == ("*",)
+    assert ServeConfig(allowed_origins=f"{APP}, {OTHER}").allowed_origins == (APP, OTHER)
+    assert ServeConfig().allowed_origins == ()
