@@ -211,11 +211,12 @@ def test_prefix_caching_flag_reports_cached_tokens_and_keeps_the_answers(tmp_pat
     assert cached is not None and cached >= 2 * 16 and cached % 16 == 0
 
 
-def test_serve_takes_vllm_s_names_of_its_length_and_batch_flags():
+def test_serve_takes_vllm_s_names_of_its_length_batch_and_prefill_flags():
     from quantspec.cli import main
 
     serve = main.commands["serve"]
-    ctx = serve.make_context("serve", ["--max-model-len", "512", "--max-num-seqs", "32"])
+    ctx = serve.make_context("serve", ["--max-model-len", "512", "--max-num-seqs", "32", "--max-num-batched-tokens", "4096"])
     assert ctx.params["max_length"] == 512 and ctx.params["max_batch_size"] == 32
+    assert ctx.params["max_prefill_tokens"] == 4096
     ctx = serve.make_context("serve", ["--max-length", "300", "--max-batch-size", "3"])
     assert ctx.params["max_length"] == 300 and ctx.params["max_batch_size"] == 3

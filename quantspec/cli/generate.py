@@ -169,8 +169,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Max prompt + generated tokens per request (vLLM's --max-model-len).")
 @click.option("--prefill-chunk", default=256, show_default=True, type=int,
               help="Prompt tokens per chunk: prompts are prefilled a chunk per step, between decode steps.")
-@click.option("--max-prefill-tokens", default=1024, show_default=True, type=int,
-              help="Prompt tokens per prefill step, at most (chunks of several prompts share a step).")
+@click.option("--max-prefill-tokens", "--max-num-batched-tokens", "max_prefill_tokens", default=1024, show_default=True,
+              type=int, help="Prompt tokens per prefill step, at most (chunks of several prompts share a step; vLLM's --max-num-batched-tokens).")
 @click.option("--drain-timeout", default=30.0, show_default=True, type=float,
               help="On SIGTERM, seconds to let requests in flight finish.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]))
