@@ -8,6 +8,10 @@ names read:
 - `llama3_json` (Llama 3.1, 3.2, 3.3): the answer, after an optional `<|python_tag|>`, is a JSON
   object `{"name": ..., "parameters": {...}}` ("arguments" is read too), or several separated by
   ";"; an answer that does not start with `{` is content.
+- `pythonic` (Llama 3.2 and 4 with a pythonic tool template, ToolACE): the answer, after an
+  optional `<|python_start|>`, is a Python list of calls with keyword arguments of literal values,
+  `[get_weather(city="Paris"), get_time()]`; it is read as Python syntax, never run; its calls
+  arrive whole once the answer ends.
 
 A call whose JSON does not parse, or that names no function, leaves the whole answer as content:
 what the model wrote reaches the client, never a call made up from part of it.
@@ -30,8 +34,8 @@ import uuid
 from dataclasses import dataclass, field
 from typing import Callable
 
-__all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "Partial", "call_entry",
-           "held_tail", "partial_call", "partials_from", "tool_parser"]
+__all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "Partial", "PythonicParser",
+           "call_entry", "held_tail", "partial_call", "partials_from", "tool_parser"]
 
 
 def call_entry(name: str, arguments: str) -> dict:
@@ -129,6 +133,19 @@ def _call(obj) -> tuple[str, str] | None:
     return obj["name"], args if isinstance(args, str) else json.dumps(args, ensure_ascii=False)
 
 
+def _split_whole_answer(text: str, sent: int, opener: str, tag: str) -> tuple[int, bool]:
+    """`split` of a syntax whose calls are the whole answer, starting with `opener` (or `tag`):
+    undecided while the answer is blank or a start of `tag`, else all content or all calls."""
+    if sent:
+        return len(text), False
+    head = text.lstrip()
+    if head.startswith(opener) or head.startswith(tag):
+        return 0, True
+    if not head or tag.startswith(head):
+        return 0, False
+    return len(text), False
+
+
 class HermesParser:
     """`<tool_call>{...}</tool_call>` blocks after optional content (module docstring)."""
 
@@ -203,17 +220,49 @@ class Llama3JsonParser:
     def split(self, text: str, sent: int) -> tuple[int, bool]:
         """As `HermesParser.split`: a call can only be the whole answer, so once content has been
         streamed the rest is content too."""
-        if sent:
-            return len(text), False
-        head = text.lstrip()
-        if head.startswith("{") or head.startswith(self.TAG):
-            return 0, True
-        if not head or self.TAG.startswith(head):
-            return 0, False
-        return len(text), False
+        return _split_whole_answer(text, sent, "{", self.TAG)
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser)}
+class PythonicParser:
+    """An answer that is a Python list of calls with literal keyword arguments (module docstring)."""
+
+    name = "pythonic"
+    START, END = "<|python_start|>", "<|python_end|>"
+
+    def _body(self, text: str) -> str:
+        return text.strip().removeprefix(self.START).removesuffix(self.END).strip()
+
+    def parse(self, text: str) -> Parsed:
+        import ast
+
+        body = self._body(text)
+        if not body.startswith("["):
+            return Parsed(text)
+        try:
+            tree = ast.parse(body, mode="eval").body
+            if not isinstance(tree, ast.List) or not tree.elts:
+                return Parsed(text)
+            calls = []
+            for call in tree.elts:
+                if not isinstance(call, ast.Call) or not isinstance(call.func, ast.Name) or call.args:
+                    return Parsed(text)
+                args = {kw.arg: ast.literal_eval(kw.value) for kw in call.keywords if kw.arg is not None}
+                if len(args) != len(call.keywords):  # a **spread
+                    return Parsed(text)
+                calls.append((call.func.id, json.dumps(args, ensure_ascii=False)))
+        except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+            return Parsed(text)
+        return Parsed(None, calls)
+
+    def split(self, text: str, sent: int) -> tuple[int, bool]:
+        """As `Llama3JsonParser.split`, for an answer that starts with `[`."""
+        return _split_whole_answer(text, sent, "[", self.START)
+
+    def partials(self, text: str) -> list[Partial]:
+        return []  # Python syntax: the calls are read once the answer is whole
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
 
 
 def tool_parser(name: str):

@@ -8,7 +8,7 @@ import json
 
 import pytest
 
-from quantspec.serve.tool_parsers import AutoToolCalls, HermesParser, Llama3JsonParser
+from quantspec.serve.tool_parsers import AutoToolCalls, HermesParser, Llama3JsonParser, Parsed
 
 WEATHER = '{"name": "get_weather", "arguments": {"city": "Paris", "unit": "C"}}'
 TIME = '{"name": "get_time", "arguments": {"tz": "UTC"}}'
@@ -153,3 +153,29 @@ def test_required_calls_stream_from_their_json_array():
         [("get_weather", {"city": "Paris"}), ("get_time", {})]
     cut = text[:30]
     assert AutoToolCalls(RequiredCalls()).message(cut, "length") == ({"role": "assistant", "content": cut}, "length")
+
+
+def test_pythonic_reads_a_list_of_calls_with_literal_arguments():
+    from quantspec.serve.tool_parsers import PythonicParser
+
+    p = PythonicParser().parse('[get_weather(city="Paris", days=3, units=["C", "F"]), get_time()]')
+    assert p.content is None and _calls(p) == [("get_weather", {"city": "Paris", "days": 3, "units": ["C", "F"]}),
+                                               ("get_time", {})]
+    wrapped = PythonicParser().parse('<|python_start|>[f(x={"a": None, "b": True})]<|python_end|>')
+    assert _calls(wrapped) == [("f", {"x": {"a": None, "b": True}})]
+    for text in ("It is sunny.", "[1, 2]", "[f(g())]", "[f(1)]", "[f(**kw)]", "[os.system(cmd='x')]", "[f(x=",
+                 "[]", "[f(x=open('y'))]"):
+        assert PythonicParser().parse(text) == Parsed(text), text
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [4, 9, 30]])
+def test_pythonic_streams_content_or_gives_the_calls_at_the_end(cuts):
+    from quantspec.serve.tool_parsers import PythonicParser
+
+    text = '[get_weather(city="Paris")]'
+    content, calls, reason = _stream(PythonicParser(), text, cuts)
+    assert content == "" and reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [("get_weather", {"city": "Paris"})]
+    content, calls, reason = _stream(PythonicParser(), "Paris is sunny [citation].", cuts)
+    assert content == "Paris is sunny [citation]." and calls == [] and reason == "stop"
