@@ -42,8 +42,6 @@ CASES = [
                             "--speculate-max-draft-token-num -1", "--speculate-max-draft-token-num"),
     ("infer-ngram-0", "infer --model {model} --prompt hi --speculate-method inference_with_reference "
                       "--speculate-max-ngram-size 0", "--speculate-max-ngram-size"),
-    ("infer-prefix-caching-eagle", "infer --model {model} --prompt hi --speculate-method eagle --draft-model {d} "
-                                   "--enable-prefix-caching", "--enable-prefix-caching"),
     ("infer-kv-cache-memory-no-unit", "infer --model {model} --prompt hi --kv-cache-memory 4", "--kv-cache-memory"),
     ("infer-kv-cache-memory-too-small", "infer --model {model} --prompt hi --kv-cache-memory 64KiB",
      "--kv-cache-memory"),

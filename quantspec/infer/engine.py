@@ -150,10 +150,14 @@ class Engine:
         self.capture: tuple[int, ...] = (tuple(proposer.capture_layers(args.num_layers))
                                          if hasattr(proposer, "capture_layers") else ())
         if config.prefix_caching:
-            if self.capture or config.all_hidden_rows:  # they read every prompt row of the base
-                raise QuantSpecError("prefix caching skips prompt rows that --speculate-method eagle (and a "
-                                     "hidden-state reader) reads; drop --enable-prefix-caching")
+            # a reader of every prompt row of the base needs those rows, unless it keeps what it
+            # read of cached blocks itself (EAGLE-3's head: `use_prefix_cache`)
+            if config.all_hidden_rows or (self.capture and not hasattr(proposer, "use_prefix_cache")):
+                raise QuantSpecError("prefix caching skips prompt rows that this drafter reads; drop "
+                                     "--enable-prefix-caching")
             self.cache.allocator = PrefixCachingAllocator(self.cache.num_blocks, config.block_size)
+            if self.capture:
+                proposer.use_prefix_cache(config.block_size, self.cache.num_blocks)
         self.scheduler = Scheduler(config, self.cache.allocator,
                                    release=proposer.release if proposer is not None else None)
         self.num_steps = 0

@@ -140,9 +140,6 @@ class InferConfig:
             from quantspec.infer.structured import Guide
 
             Guide(*self.structured_output)  # a known kind
-        if self.enable_prefix_caching and self.speculate_method == "eagle":
-            raise QuantSpecError("--enable-prefix-caching skips prompt rows whose features the EAGLE-3 head reads; "
-                                 "drop it or use another --speculate-method")
         if isinstance(self.kv_cache_memory, str):
             from quantspec.sizes import parse_size
 

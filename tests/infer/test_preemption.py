@@ -122,19 +122,25 @@ def _drafters(base, close_draft, answers):
     }
 
 
-@pytest.mark.parametrize("method", ["ngram", "draft", "mtp", "eagle", "oracle"])
+@pytest.mark.parametrize("method, prefix", [("ngram", False), ("draft", False), ("mtp", False), ("eagle", False),
+                                            ("oracle", False), ("eagle", True), ("oracle", True)])
 def test_speculation_stays_lossless_across_preemptions(tiny_llama_model, close_draft, hf_greedy, answer_oracle,
-                                                       method):
+                                                       method, prefix):
+    """With prefix caching a readmitted sequence finds its own blocks again (EAGLE-3's head: its
+    rows of them too)."""
     prompts = _prompts([10, 14, 7, 12, 9], seed=3)
     prompts[0] = prompts[0][:5] * 2  # something for the n-gram drafter to find
     want = [hf_greedy(p, 40) for p in prompts]
     proposer = _drafters(tiny_llama_model, close_draft, answer_oracle(want))[method]
-    eng = _engine(tiny_llama_model, blocks=13, proposer=proposer, k=4)
+    # with prefix caching, a cache of 18 blocks still preempts and keeps some blocks of the preempted
+    eng = _engine(tiny_llama_model, blocks=18 if prefix else 13, proposer=proposer, k=4, prefix_caching=prefix)
     seqs = _serve(eng, prompts, SamplingParams(max_new_tokens=40))
     assert eng.scheduler.num_preemptions > 0
     assert [s.output_ids for s in seqs] == want
     if method in ("draft", "oracle"):
         assert sum(s.stats.accepted for s in seqs) > 0
+    if prefix:  # readmitted sequences found their own blocks (and EAGLE-3's head filed its rows of blocks)
+        assert eng.cache.allocator.hits > 0 and (method != "eagle" or len(proposer.blocks) > 0)
 
 
 def test_infer_reports_preemptions_and_answers_as_an_unbounded_cache(tiny_llama_dir):

@@ -20,6 +20,11 @@ sequence's rows and its own ancestors' draft rows) and drafts the N best nodes o
 Drafts are deterministic (probs None): sampling verification treats each as one-hot, which keeps
 it lossless.
 
+Prefix caching. With the base's prefix cache on (`use_prefix_cache`), the head files its rows of
+every whole block it passes in a store found by the same block hashes (`spec/head_blocks.py`); a
+sequence whose first rows the base took from the cache gets the head rows before them from it (no
+drafts where the store lacks one of its blocks).
+
 Chains get the back-off of `spec/proposers.py` (`AdaptiveDraftLength`, the head's cost per
 draft in the cost model: its bytes read per token over the base's). With `min_confidence` a
 sequence stops drafting at the first depth whose top-1 probability (over the draft vocabulary)
@@ -39,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.head_blocks import HeadBlockStore
 from quantspec.infer.spec.mtp import check_min_confidence
 from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
 from quantspec.infer.spec.types import SpecProposal
@@ -90,6 +96,7 @@ class _HeadState:
     n: int = 0
     last: torch.Tensor | None = None  # [D]
     fed: list[_Fed] = field(default_factory=list)
+    hashes: list[bytes] = field(default_factory=list)  # its whole blocks' prefix-cache hashes, as filed
 
 
 class EagleProposer:
@@ -107,6 +114,12 @@ class EagleProposer:
         self.width = tree.width if tree is not None else 1
         self.dynamic = tree is not None and tree.dynamic
         self._states: dict[int, _HeadState] = {}
+        self.blocks: HeadBlockStore | None = None  # with the base's prefix cache: head rows by block
+
+    def use_prefix_cache(self, block_size: int, capacity: int) -> None:
+        """The base's engine caches prefix blocks: keep the head's rows of whole blocks too, so a
+        prompt whose leading blocks the base skips gets its head rows from them (`head_blocks`)."""
+        self.blocks = HeadBlockStore(block_size, capacity)
 
     @property
     def max_rows(self) -> int:
@@ -206,6 +219,8 @@ class EagleProposer:
             feats.append(f.feats[keep])
             positions.extend(f.start + i for i in range(len(keep)))
         st.fed.clear()
+        if positions and st.n == 0 and positions[0] > 0 and not self._restore(toks, st, feats, positions):
+            return False
         if not positions:
             return st.last is not None
         if positions[0] != st.n or positions[-1] + 1 >= len(toks):
@@ -213,10 +228,28 @@ class EagleProposer:
         dev = st.k.device
         pos = torch.tensor(positions, device=dev)
         nxt = torch.tensor([toks[p + 1] for p in positions], dtype=torch.int64, device=dev)
-        hidden = self.head.fc(torch.cat(feats).to(st.k.dtype))  # [m, D]
+        raw = torch.cat(feats)  # [m, 3D]
+        hidden = self.head.fc(raw.to(st.k.dtype))  # [m, D]
         out = self.head(nxt, hidden, pos, self._attend(st, st.n))  # [m, D]
         st.n += len(positions)
         st.last = out[-1]
+        if self.blocks is not None:
+            self.blocks.file(toks, st.hashes, st.k, st.v, positions, raw)
+        return True
+
+    def _restore(self, toks: list[int], st: _HeadState, feats: list, positions: list[int]) -> bool:
+        """A sequence whose first rows the base took from its prefix cache: the head rows before
+        them from the block store, and the last skipped row's features put before this catch-up's
+        (False where the store lacks a block: the sequence then drafts nothing)."""
+        found = None if self.blocks is None else self.blocks.restore(toks, positions[0])
+        if found is None:
+            return False
+        k, v, feat = found
+        self._reserve(st, len(k) + 1)
+        st.k[:len(k)], st.v[:len(k)] = k, v
+        st.n = len(k)
+        feats.insert(0, feat[None])
+        positions.insert(0, st.n)
         return True
 
     def _draft(self, st: _HeadState, depth: int) -> list[list[int]]:

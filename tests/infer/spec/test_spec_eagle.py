@@ -545,18 +545,21 @@ def test_train_draft_head_eagle3_end_to_end_and_resume(tiny_llama_dir, base, tmp
     assert any("reusing" in m for m in said)  # the second run takes the saved rows
 
 
-@pytest.mark.parametrize("tree", [None, "3x2"])
-def test_cli_infer_eagle_equals_plain(tiny_llama_dir, head_dir, tmp_path, tree):
+@pytest.mark.parametrize("tree, prefix", [(None, False), ("3x2", False), (None, True)])
+def test_cli_infer_eagle_equals_plain(tiny_llama_dir, head_dir, tmp_path, tree, prefix):
     from test_spec_cli import ROWS, _infer
 
     data = tmp_path / "in.jsonl"
-    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in ROWS))
+    rows = ROWS if not prefix else [ROWS[0] + " " + r for r in ROWS]  # with prefix caching: a shared preamble
+    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in rows))
     plain, _ = _infer(tmp_path, tiny_llama_dir, data)
-    extra = ["--speculate-method", "eagle", "--draft-model", head_dir, "--speculate-max-draft-token-num", 3]
-    spec, stats = _infer(tmp_path, tiny_llama_dir, data, *extra, *(["--speculate-tree", tree] if tree else []),
-                         tag="eagle")
+    extra = ["--speculate-method", "eagle", "--draft-model", head_dir, "--speculate-max-draft-token-num", 3,
+             *(["--speculate-tree", tree] if tree else []),
+             *(["--enable-prefix-caching", "--block-size", 16] if prefix else [])]
+    spec, stats = _infer(tmp_path, tiny_llama_dir, data, *extra, tag="eagle")
     assert spec == plain
     assert stats["speculate_method"] == "eagle" and stats["drafted_tokens"] > 0
+    assert (stats.get("cached_prompt_tokens", 0) > 0) == prefix
 
 
 @pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU kernels are not built here")
@@ -583,3 +586,44 @@ def test_built_proposer_drafts_with_the_head_the_backend_prepared(base, head_dir
     seqs = _run(base, prompts, proposer, rows)
     assert [s.output_ids for s in seqs] == plain
     assert sum(s.stats.drafted for s in seqs) > 0
+
+
+def test_prefix_cached_prompts_get_the_head_rows_of_their_cached_blocks(base, head_dir):
+    """With prefix caching, a prompt that shares whole blocks with an earlier one skips their
+    prefill; the head's rows for them come from the block store, equal to a from-scratch
+    recompute, so the sequence drafts from its first step and stays plain decoding's."""
+    shared = _prompts([37], seed=21)[0]
+    prompts = [shared + tail for tail in _prompts([5, 9], seed=22)]
+    plain = {i: s.output_ids for i, s in enumerate(_run(base, prompts))}
+    proposer = _Oracle(load_eagle3_for_inference(head_dir, base), max_draft_tokens=3, plain=plain)
+    eng = Engine(base, EngineConfig(block_size=16, max_batch_size=1, max_length=160, spec_max_draft_tokens=3,
+                                    prefix_caching=True), eos_token_ids=[], proposer=proposer)
+    seqs = []
+    for i, p in enumerate(prompts):  # one after the other: the second finds the first's blocks
+        seqs.append(eng.add_request(p, SamplingParams(max_new_tokens=40), request_index=i))
+        eng.run()
+    assert [s.output_ids for s in seqs] == [plain[0], plain[1]]
+    second = seqs[1]
+    assert second.stats.cached_tokens == 32 and len(proposer.blocks) >= 2
+    assert second.stats.drafted_per_position[0] >= 10  # it drafted from its first decode step
+    tokens, n, k, last = proposer.kept[second.seq_id]
+    with torch.inference_mode():
+        _, out, keys = _reference_rows(base, proposer.head, tokens[:n + 1])
+    torch.testing.assert_close(k, keys, atol=1e-5, rtol=1e-5)
+    torch.testing.assert_close(last, out[n - 1], atol=1e-5, rtol=1e-5)
+
+
+def test_a_block_missing_from_the_head_store_means_no_drafts_not_wrong_ones(base, head_dir):
+    shared = _prompts([40], seed=23)[0]
+    prompts = [shared + tail for tail in _prompts([4, 6], seed=24)]
+    plain = [s.output_ids for s in _run(base, prompts)]
+    proposer = EagleProposer(load_eagle3_for_inference(head_dir, base), max_draft_tokens=3)
+    eng = Engine(base, EngineConfig(block_size=16, max_batch_size=1, max_length=160, spec_max_draft_tokens=3,
+                                    prefix_caching=True), eos_token_ids=[], proposer=proposer)
+    first = eng.add_request(prompts[0], SamplingParams(max_new_tokens=30))
+    eng.run()
+    proposer.blocks = type(proposer.blocks)(16, 0)  # an empty store beside the base's cached blocks
+    second = eng.add_request(prompts[1], SamplingParams(max_new_tokens=30), request_index=1)
+    eng.run()
+    assert [first.output_ids, second.output_ids] == [plain[0][:30], plain[1][:30]]
+    assert second.stats.cached_tokens == 32 and second.stats.drafted == 0 and first.stats.drafted > 0
