@@ -36,10 +36,11 @@ def heads(tiny_llama_dir, tmp_path_factory):
     return {"eagle": save_eagle3(eagle, d / "eagle3"), "medusa": save_medusa(medusa, d / "medusa")}
 
 
-@pytest.mark.parametrize("method,tree,load_aware", [("eagle", None, False), ("eagle", "2x2", True),
-                                                     ("medusa", "2x2", True), ("medusa", None, False)])
-def test_concurrent_greedy_answers_equal_plain_decoding(method, tree, load_aware, heads, start_server, reference,
-                                                        metric):
+@pytest.mark.parametrize("method,tree,load_aware,prefix", [("eagle", None, False, False), ("eagle", "2x2", True, False),
+                                                            ("medusa", "2x2", True, False), ("medusa", None, False, False),
+                                                            ("eagle", None, False, True)])
+def test_concurrent_greedy_answers_equal_plain_decoding(method, tree, load_aware, prefix, heads, start_server,
+                                                        reference, metric):
     want = {p: reference(p, 20)[0] for p in PROMPTS}
 
     async def one(client, i):
@@ -49,12 +50,15 @@ def test_concurrent_greedy_answers_equal_plain_decoding(method, tree, load_aware
         return prompt, r.choices[0].message.content
 
     with start_server(speculate_method=method, draft_model=str(heads[method]), speculate_tree=tree,
-                      speculate_max_draft_token_num=3, load_aware=load_aware) as (url, _):
+                      speculate_max_draft_token_num=3, load_aware=load_aware, enable_prefix_caching=prefix,
+                      block_size=16 if prefix else 64) as (url, _):
         async def main():
             client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=120)
             return await asyncio.gather(*(one(client, i) for i in range(16)))
 
         results = asyncio.run(main())
         drafted = metric(url, "quantspec_spec_draft_tokens_total")
+        hits = metric(url, "quantspec_prefix_cache_hits_total") if prefix else 0
     assert all(text == want[p] for p, text in results)
+    assert hits > 0 or not prefix  # the chat template's shared head, and repeated prompts
     assert drafted > 0 or load_aware  # the load-aware cap may find drafts not worth their rows
