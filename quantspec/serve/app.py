@@ -23,6 +23,7 @@ from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
+from quantspec import __version__
 from quantspec.serve.answers import Answers, error_response
 from quantspec.serve.jobs import BadRequest, check_model, check_request, make_job, request_params
 from quantspec.serve.loop import EngineLoop
@@ -121,12 +122,6 @@ def build_app(state: ServeState, *, on_shutdown=None, allowed_origins: tuple[str
     async def metrics():
         return Response(state.metrics.render(), media_type="text/plain; version=0.0.4; charset=utf-8")
 
-    @app.get("/v1/models", dependencies=guarded)
-    async def models():
-        return {"object": "list", "data": [{"id": state.model_name, "object": "model", "created": 0,
-                                            "owned_by": "quantspec", "max_model_len": state.max_length,
-                                            "kv_cache": state.kv_cache}]}
-
     @app.post("/v1/chat/completions", dependencies=guarded)
     async def chat(request: Request):
         body = _parse(await _json(request), ChatCompletionRequest)
@@ -140,9 +135,31 @@ def build_app(state: ServeState, *, on_shutdown=None, allowed_origins: tuple[str
         ids = [completion_prompt_ids(state.tokenizer, p) for p in body.prompts()]
         return await _generate(state, request, body, ids, chat=False)
 
+    _model_routes(app, state, guarded)
     _responses_route(app, state, guarded)
     _tokenizer_routes(app, state, guarded)
     return app
+
+
+def _model_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
+    def card() -> dict:
+        return {"id": state.model_name, "object": "model", "created": 0, "owned_by": "quantspec",
+                "max_model_len": state.max_length, "kv_cache": state.kv_cache}
+
+    @app.get("/v1/models", dependencies=guarded)
+    async def models():
+        return {"object": "list", "data": [card()]}
+
+    @app.get("/v1/models/{model:path}", dependencies=guarded)
+    async def model(model: str):  # the openai client's models.retrieve
+        if model not in (state.model_name, *state.aliases):
+            return error_response(404, f"model {model!r} is not served here; use {state.model_name!r}",
+                                  param="model", code="model_not_found")
+        return {**card(), "id": model}
+
+    @app.get("/version")
+    async def version():
+        return {"version": __version__}
 
 
 def _responses_route(app: FastAPI, state: ServeState, guarded: list) -> None:

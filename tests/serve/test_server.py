@@ -148,6 +148,12 @@ def test_the_openai_client_sees_a_400_as_bad_request(server):
 def test_models_health_and_metrics(server):
     url, _ = server
     assert [m.id for m in _client(url).models.list()] == ["tiny"]
+    assert _client(url).models.retrieve("tiny").id == "tiny" and _client(url).models.retrieve("default").id == "default"
+    with pytest.raises(openai.NotFoundError):
+        _client(url).models.retrieve("gpt-4")
+    from quantspec import __version__
+
+    assert httpx2.get(f"{url}/version").json() == {"version": __version__}
     assert httpx2.get(f"{url}/health").json() == {"status": "ok", "kv_cache": "float (float32)"}
     _chat(_client(url), PROMPTS[7], 8)
     text = httpx2.get(f"{url}/metrics").text
