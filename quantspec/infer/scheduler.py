@@ -43,6 +43,7 @@ finds no free slot or blocks preempts running sequences of a larger priority val
 from __future__ import annotations
 
 import bisect
+import time
 from dataclasses import dataclass
 from typing import Callable
 
@@ -244,6 +245,8 @@ class Scheduler:
                 self._match(seq)
             self._reserve(seq, self.allocator.num_free - (pending + self.watermark if self.bounded else 0))
             self.running.append(seq)
+            if seq.stats.t_scheduled is None:
+                seq.stats.t_scheduled = time.perf_counter()
 
     def preempt(self, seq: Sequence) -> None:
         """Take `seq`'s blocks back and queue it in its place, to be prefilled again from its first

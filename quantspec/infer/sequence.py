@@ -26,6 +26,7 @@ __all__ = ["SeqStats", "Sequence", "append_tokens", "count_drafts"]
 @dataclass
 class SeqStats:
     t_arrival: float = 0.0
+    t_scheduled: float | None = None  # first admitted into the running batch (the queue's end)
     t_first_token: float | None = None
     t_finish: float | None = None
     cached_tokens: int = 0  # prompt tokens found in the prefix cache (their prefill skipped)

@@ -1,6 +1,7 @@
 """Prometheus metrics of one server, in a registry of its own (two servers in one process do not
 share counters): requests running / waiting, KV blocks, TTFT / TPOT / end-to-end histograms,
-token, prefix-cache and preemption counters and the speculation counters (drafts, drafted and accepted tokens, per position);
+per-request queue / prefill / decode time and prompt / generation token histograms, token,
+prefix-cache and preemption counters and the speculation counters (drafts, drafted and accepted tokens, per position);
 and `StatsLog`, the periodic line of them vLLM's servers print."""
 
 from __future__ import annotations
@@ -12,6 +13,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, gene
 __all__ = ["Metrics", "StatsLog"]
 
 PREFIX = "quantspec"
+TOKEN_BUCKETS = (1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000, 5000, 10000, 20000, 50000, 100000)
 LATENCY_BUCKETS = (0.005, 0.01, 0.025, 0.05, 0.075, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75, 1.0, 1.5, 2.0, 3.0, 5.0,
                    7.5, 10.0, 20.0, 40.0, 80.0)
 
@@ -28,8 +30,8 @@ class Metrics:
             c = Counter(f"{PREFIX}_{name}", doc, labelnames=list(labels) + list(extra), registry=r)
             return c if extra else c.labels(**labels)
 
-        def hist(name, doc):
-            return Histogram(f"{PREFIX}_{name}", doc, labelnames=list(labels), buckets=LATENCY_BUCKETS,
+        def hist(name, doc, buckets=LATENCY_BUCKETS):
+            return Histogram(f"{PREFIX}_{name}", doc, labelnames=list(labels), buckets=buckets,
                              registry=r).labels(**labels)
 
         self.labels = labels
@@ -55,6 +57,12 @@ class Metrics:
         self.accepted_at = counter("spec_accepted_tokens_per_position_total", "Draft tokens accepted, by position.",
                                    ["position"])
         self.ttft = hist("time_to_first_token_seconds", "From arrival to the first token.")
+        self.queue_time = hist("request_queue_time_seconds", "From reaching the engine to joining the running batch.")
+        self.prefill_time = hist("request_prefill_time_seconds", "From joining the running batch to the first token.")
+        self.decode_time = hist("request_decode_time_seconds", "From the first token to the last.")
+        self.request_prompt_tokens = hist("request_prompt_tokens", "Prompt tokens per finished request.", TOKEN_BUCKETS)
+        self.request_generation_tokens = hist("request_generation_tokens", "Generated tokens per finished request.",
+                                              TOKEN_BUCKETS)
         self.tpot = hist("time_per_output_token_seconds", "Mean time per output token after the first.")
         self.e2e = hist("e2e_request_latency_seconds", "From arrival to the last token.")
 
@@ -62,6 +70,13 @@ class Metrics:
         """Count a sequence that left the engine (finished or aborted)."""
         st, n = seq.stats, len(seq.output_ids)
         self.requests.labels(finish_reason=reason, **self.labels).inc()
+        self.request_prompt_tokens.observe(len(seq.prompt_ids))
+        self.request_generation_tokens.observe(n)
+        if st.t_scheduled is not None:
+            self.queue_time.observe(max(0.0, st.t_scheduled - st.t_arrival))
+            if st.t_first_token is not None:
+                self.prefill_time.observe(max(0.0, st.t_first_token - st.t_scheduled))
+                self.decode_time.observe(max(0.0, (st.t_finish or st.t_first_token) - st.t_first_token))
         if ttft is not None:
             self.ttft.observe(ttft)
             self.e2e.observe(e2e)

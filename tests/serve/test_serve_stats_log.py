@@ -1,13 +1,15 @@
 """The periodic stats line (`metrics.StatsLog`, what vLLM's servers log) against the counters it
-reads, and the generation-token counter counting tokens as they are generated, not at a
-request's end."""
+reads, the generation-token counter counting tokens as they are generated, not at a request's
+end, and the per-request queue / prefill / decode time and token histograms."""
 
 from __future__ import annotations
 
+import asyncio
 import re
 import time
 
 import httpx2
+import openai
 import pytest
 
 from quantspec.serve.metrics import Metrics, StatsLog
@@ -78,3 +80,26 @@ def test_disable_log_stats_leaves_the_loop_without_a_line(tiny_llama_dir, tiny_l
         assert (state.loop.stats_log is None) == flag
     finally:
         state.loop.stop(timeout=10)
+
+
+def test_request_histograms_split_queue_prefill_and_decode(start_server, slow_steps, metric):
+    """One place in the batch, two requests at once: the second waits for the first, and its
+    queue time shows it; token histograms add up to the requests' usage."""
+    with start_server(tweak=slow_steps(0.02), max_batch_size=1, speculate_method="none") as (url, _):
+        async def main():
+            client = openai.AsyncOpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+            return await asyncio.gather(*(client.completions.create(
+                model="tiny", prompt=p, max_tokens=12, temperature=0, extra_body={"ignore_eos": True})
+                for p in ("Hello there", "A much longer prompt than the first one")))
+
+        answers = asyncio.run(main())
+
+        def hist(name, part):
+            return metric(url, f'quantspec_{name}_{part}{{model_name="tiny"}}')
+
+        assert hist("request_queue_time_seconds", "count") == 2
+        assert hist("request_queue_time_seconds", "sum") >= 11 * 0.02  # the second waited for the first's steps
+        assert hist("request_prefill_time_seconds", "count") == hist("request_decode_time_seconds", "count") == 2
+        assert hist("request_decode_time_seconds", "sum") >= 2 * 10 * 0.02
+        assert hist("request_prompt_tokens", "sum") == sum(a.usage.prompt_tokens for a in answers)
+        assert hist("request_generation_tokens", "sum") == 24
