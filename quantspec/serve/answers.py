@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import re
 import time
 import uuid
 from typing import TYPE_CHECKING
@@ -23,10 +24,39 @@ from quantspec.serve.tools import tool_calls
 if TYPE_CHECKING:
     from quantspec.serve.app import ServeState
 
-__all__ = ["Answers", "error_response"]
+__all__ = ["Answers", "RequestIdHeader", "error_response", "request_id"]
 
 DISCONNECT_POLL_S = 0.25
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "max_length": "length"}
+
+
+_REQUEST_ID = re.compile(r"[A-Za-z0-9._:-]{1,128}")
+
+
+def request_id(request: Request) -> str | None:
+    """The client's `X-Request-Id` (as vLLM reads it), where it is a plain id: the answer's id is
+    made of it, so the client's logs and the answer name the same request."""
+    rid = request.headers.get("x-request-id")
+    return rid if rid is not None and _REQUEST_ID.fullmatch(rid) else None
+
+
+class RequestIdHeader:
+    """ASGI middleware: a request's `X-Request-Id` comes back on its response (streamed ones too)."""
+
+    def __init__(self, app):
+        self.app = app
+
+    async def __call__(self, scope, receive, send):
+        rid = dict(scope.get("headers") or ()).get(b"x-request-id") if scope["type"] == "http" else None
+        if rid is None:
+            return await self.app(scope, receive, send)
+
+        async def send_with_id(message):
+            if message["type"] == "http.response.start":
+                message = {**message, "headers": [*message.get("headers", ()), (b"x-request-id", rid)]}
+            await send(message)
+
+        return await self.app(scope, receive, send_with_id)
 
 
 def error_response(status: int, message: str, *, type: str = "invalid_request_error", param=None, code=None,
@@ -117,9 +147,9 @@ class Answers:
     """One request's answers (module docstring)."""
 
     def __init__(self, state: ServeState, body: GenerationRequest, jobs: list[Job], chat: bool,
-                 echoes: list[str | None]):
+                 echoes: list[str | None], request_id: str | None = None):
         self.state, self.body, self.chat = state, body, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + uuid.uuid4().hex
+        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
         self.created = int(time.time())
         self.token_text = state.token_text
         self.wants_logprobs = body.logprobs if chat else body.logprobs is not None

@@ -24,7 +24,7 @@ from fastapi.responses import Response, StreamingResponse
 from pydantic import ValidationError
 
 from quantspec import __version__
-from quantspec.serve.answers import Answers, error_response
+from quantspec.serve.answers import Answers, RequestIdHeader, error_response, request_id
 from quantspec.serve.jobs import BadRequest, check_model, check_request, make_job, request_params
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
@@ -97,6 +97,7 @@ def build_app(state: ServeState, *, on_shutdown=None, allowed_origins: tuple[str
             on_shutdown()
 
     app = FastAPI(title="quantspec", docs_url=None, redoc_url=None, openapi_url=None, lifespan=lifespan)
+    app.add_middleware(RequestIdHeader)
     if allowed_origins:
         app.add_middleware(CORSMiddleware, allow_origins=list(allowed_origins), allow_credentials=allow_credentials,
                            allow_methods=["*"], allow_headers=["*"])
@@ -168,13 +169,14 @@ def _responses_route(app: FastAPI, state: ServeState, guarded: list) -> None:
         asked = _parse(await _json(request), ResponsesRequest)
         body = _parse(chat_request(asked), ChatCompletionRequest)
         check_request(state, body)
-        out = _submit(state, body, [_chat_ids(state, body)], chat=True)
+        rid = request_id(request)
+        out = _submit(state, body, [_chat_ids(state, body)], chat=True, request_id=rid)
         if not isinstance(out, Answers):
             return out
         if body.stream:
-            return _sse(response_events(asked, state.model_name, out.chunks()))
+            return _sse(response_events(asked, state.model_name, out.chunks(), rid))
         chat = await out.whole(request)
-        return chat if not isinstance(chat, dict) else whole_response(asked, chat)
+        return chat if not isinstance(chat, dict) else whole_response(asked, chat, rid)
 
 
 def _api_key_check(app: FastAPI, state: ServeState) -> list:
@@ -263,7 +265,7 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
 
 async def _generate(state: ServeState, request: Request, body: GenerationRequest, prompts: list[list[int]], *,
                     chat: bool):
-    out = _submit(state, body, prompts, chat=chat)
+    out = _submit(state, body, prompts, chat=chat, request_id=request_id(request))
     if not isinstance(out, Answers):
         return out
     if body.stream:
@@ -276,8 +278,10 @@ def _sse(events) -> StreamingResponse:
                              headers={"Cache-Control": "no-cache", "X-Accel-Buffering": "no"})
 
 
-def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]], *, chat: bool):
-    """A checked request's jobs submitted to the loop → its `Answers`, or a 503 where the queue is full."""
+def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]], *, chat: bool,
+            request_id: str | None = None):
+    """A checked request's jobs submitted to the loop → its `Answers` (ids made of `request_id`
+    where the client sent one), or a 503 where the queue is full."""
     shared = request_params(state, body)
     jobs = [make_job(state, body, shared, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
     for i, job in enumerate(jobs):
@@ -293,4 +297,4 @@ def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]]
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)]
     elif chat and body.echo and (body.messages[-1].role == "assistant" or not body.add_generation_prompt):
         echoes = [body.messages[-1].text()] * len(jobs)  # vLLM's: the last message, in the answer's role
-    return Answers(state, body, jobs, chat, echoes)
+    return Answers(state, body, jobs, chat, echoes, request_id)

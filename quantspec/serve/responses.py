@@ -163,9 +163,9 @@ class ResponseItems:
     and arguments), with the stream events each piece makes (`events` grows; each event is
     numbered), and the Response itself (`response`)."""
 
-    def __init__(self, body: ResponsesRequest, model: str):
+    def __init__(self, body: ResponsesRequest, model: str, request_id: str | None = None):
         self.body, self.model = body, model
-        self.id, self.created = "resp_" + uuid.uuid4().hex, int(time.time())
+        self.id, self.created = "resp_" + (request_id or uuid.uuid4().hex), int(time.time())
         self.items: list[dict] = []
         self.events: list[dict] = []  # taken by the stream as they come (`take`)
         self._sequence = 0
@@ -274,19 +274,19 @@ def _feed(items: ResponseItems, delta: dict) -> None:
         items.call(tc.get("index", 0), fn.get("arguments") or "", tc.get("id"), fn.get("name"))
 
 
-def whole_response(body: ResponsesRequest, chat: dict) -> dict:
+def whole_response(body: ResponsesRequest, chat: dict, request_id: str | None = None) -> dict:
     """The Response of a whole chat answer `chat` (its body)."""
-    items = ResponseItems(body, chat["model"])
+    items = ResponseItems(body, chat["model"], request_id)
     choice = chat["choices"][0]
     message = choice["message"]
     _feed(items, {**message, "tool_calls": [{**tc, "index": i} for i, tc in enumerate(message.get("tool_calls") or [])]})
     return items.finish(chat.get("usage"), choice["finish_reason"])
 
 
-async def response_events(body: ResponsesRequest, model: str, chunks):
+async def response_events(body: ResponsesRequest, model: str, chunks, request_id: str | None = None):
     """The Responses stream (server-sent events, each named by its type) of a chat answer's
     `chunks` (`Answers.chunks`)."""
-    items = ResponseItems(body, model)
+    items = ResponseItems(body, model, request_id)
     items.start()
     for event in items.take():
         yield event

@@ -170,3 +170,23 @@ def test_models_health_and_metrics(server):
                  "time_per_output_token_seconds_bucket", "spec_drafts_total", "spec_draft_tokens_total",
                  "spec_accepted_tokens_total"):
         assert f"quantspec_{name}" in text
+
+
+def test_a_client_s_request_id_names_the_answer_and_comes_back(server):
+    url, _ = server
+    head = {"X-Request-Id": "job-42.a"}
+    chat = {"model": "tiny", "messages": [{"role": "user", "content": "hi"}], "max_tokens": 2}
+    r = httpx2.post(f"{url}/v1/chat/completions", json=chat, headers=head, timeout=60)
+    assert r.headers["x-request-id"] == "job-42.a" and r.json()["id"] == "chatcmpl-job-42.a"
+    with httpx2.stream("POST", f"{url}/v1/completions", json={"model": "tiny", "prompt": "hi", "max_tokens": 2,
+                                                              "stream": True}, headers=head, timeout=60) as s:
+        first = json.loads(next(line for line in s.iter_lines() if line.startswith("data: "))[6:])
+        assert s.headers["x-request-id"] == "job-42.a" and first["id"] == "cmpl-job-42.a"
+    resp = httpx2.post(f"{url}/v1/responses", json={"model": "tiny", "input": "hi", "max_output_tokens": 2},
+                       headers=head, timeout=60)
+    assert resp.json()["id"] == "resp_job-42.a"
+    bad = httpx2.post(f"{url}/v1/chat/completions", json={**chat, "n": 0}, headers=head, timeout=60)
+    assert bad.status_code == 400 and bad.headers["x-request-id"] == "job-42.a"
+    odd = httpx2.post(f"{url}/v1/chat/completions", json=chat, headers={"X-Request-Id": "a b/c"}, timeout=60)
+    assert odd.headers["x-request-id"] == "a b/c" and "a b" not in odd.json()["id"]  # not a plain id: not in the body
+    assert "x-request-id" not in httpx2.post(f"{url}/v1/chat/completions", json=chat, timeout=60).headers
