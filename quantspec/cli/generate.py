@@ -82,7 +82,7 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
 @click.option("--presence-penalty", default=0.0, show_default=True,
               help="Subtract from the logits of tokens already in the output, in [-2, 2]; 0 = off.")
 @click.option("--frequency-penalty", default=0.0, show_default=True,
-              help="Subtract per occurrence in the output, in [-2, 2]; 0 = off. Penalized sequences are not speculated.")
+              help="Subtract per occurrence in the output, in [-2, 2]; 0 = off.")
 @click.option("--no-chat-template", is_flag=True, help="Send the prompt as raw text.")
 @click.option("--cachekv-int8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
               help="static: int8 KV cache with calibrated per-head scales.")

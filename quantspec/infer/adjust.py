@@ -3,11 +3,12 @@ tokens masked until `min_tokens`, the penalties and logit bias (`sampler.adjust_
 structured output's mask (`structured.py`). The raw logits stay the step's own (log-probabilities
 are the model's); what the picker and the verifier see is adjusted.
 
-Drafts: a sequence with penalties, a bias or `min_tokens` has none (a draft's verification knows
-nothing of them). A guided sequence may have drafts, a chain or a token tree: each row is masked
-with the grammar's state after the drafts on its path, so verification accepts exactly the drafts
-the guided target would have produced (greedy), or keeps the rejection-sampling guarantee against
-the guided distribution (sampling). A chain's deterministic drafts the grammar rules out are cut
+Drafts: each row of a sequence's drafts, a chain or a token tree, is adjusted as the row of plain
+decoding at that point would be: the penalties, `min_tokens` and `bad_words` over the output
+followed by the drafts on the row's path, the bias and `allowed_token_ids` as they are, then the
+grammar's mask in its state after those drafts. So verification accepts exactly the drafts the
+adjusted target would have produced (greedy), or keeps the rejection-sampling guarantee against
+the adjusted distribution (sampling). A chain's deterministic drafts the grammar rules out are cut
 before the forward (`guide_drafts`): such a draft is rejected with certainty and the row that
 replaces it is the guided distribution itself, so cutting changes nothing but the wasted rows. A
 tree keeps its nodes (a node the grammar rules out is rejected like any other, and its subtree
@@ -20,29 +21,35 @@ import torch
 
 from quantspec.infer.sampler import adjust_logits
 from quantspec.infer.sequence import Sequence
+from quantspec.infer.spec.tree import row_paths
 from quantspec.infer.structured import mask_logits, mask_rows, valid_prefix
 
 __all__ = ["adjust_step", "guide_drafts"]
 
 
-def _adjust_row(row: torch.Tensor, seq: Sequence, eos: set[int]) -> torch.Tensor:
-    """`row` [V] of `seq`'s next token, in place: EOS and stop tokens masked while the output is
-    shorter than `min_tokens`, then the penalties and bias, then what its guide rules out."""
+def _penalize(row: torch.Tensor, seq: Sequence, eos: set[int], path: list[int]) -> None:
+    """`row` [V] of the token after `seq`'s output and then `path`, in place: EOS and stop tokens
+    masked while that is shorter than `min_tokens`, then the penalties, bias and banned words."""
     p = seq.params
-    if len(seq.output_ids) < p.min_tokens:
+    output = list(seq.output_ids) + path
+    if len(output) < p.min_tokens:
         ends = set(p.stop_token_ids) | (set() if p.ignore_eos else eos)
         row[torch.tensor(sorted(t for t in ends if t < row.shape[0]), dtype=torch.int64, device=row.device)] = \
             float("-inf")
-    adjust_logits(row, p, seq.prompt_ids, seq.output_ids)
-    return row if seq.guide is None else mask_logits(seq.guide, row)
+    adjust_logits(row, p, seq.prompt_ids, output)
 
 
 def _adjust_rows(rows: torch.Tensor, seq: Sequence, drafts: list[int], eos: set[int],
                  parents: list[int] | None = None) -> torch.Tensor:
-    """rows [1 + k, V] of `seq` (its fed token's row, then one per draft; `parents`: a tree's), in place."""
-    if drafts:  # only a guided sequence has drafts among those adjusted
-        return mask_rows(seq.guide, drafts, rows, parents)
-    _adjust_row(rows[0], seq, eos)
+    """rows [1 + k, V] of `seq` (its fed token's row, then one per draft; `parents`: a tree's), in
+    place: each as plain decoding would adjust it after the drafts on its path (module docstring)."""
+    if seq.params.has_logit_rules:
+        for row, path in zip(rows, row_paths(drafts, parents)):
+            _penalize(row, seq, eos, path)
+    if seq.guide is not None and drafts:
+        mask_rows(seq.guide, drafts, rows, parents)
+    elif seq.guide is not None:
+        mask_logits(seq.guide, rows[0])
     return rows
 
 

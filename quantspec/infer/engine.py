@@ -21,8 +21,7 @@ prefill alternating with decode steps, preemption in a cache smaller than the ba
 scheduler's (`scheduler.py`); a sequence's state and the rules that end it are `sequence.py`'s.
 
 Serving hooks: `abort(seq)` retires a sequence between steps and frees its KV blocks at once;
-`Sequence.speculate = False` gives a sequence no drafts (a sequence with sampling penalties, a
-logit bias, `min_tokens` or `allowed_token_ids` has none either); `draft_limit` (a `DraftLimit`, e.g. `spec/load.py`'s)
+`Sequence.speculate = False` gives a sequence no drafts (a request's opt-out); `draft_limit` (a `DraftLimit`, e.g. `spec/load.py`'s)
 caps the drafts per sequence of each decode step and is told what the step cost; `last_step`
 describes the step that just ran.
 
@@ -200,7 +199,6 @@ class Engine:
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
-        seq.speculate = not params.blocks_drafts  # a draft's verification knows no penalties or biases
         seq.guide = None if params.guide is None else guide_matcher(params.guide)
         seq.priority = priority
         self._next_id += 1

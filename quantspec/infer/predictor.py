@@ -59,7 +59,7 @@ class InferConfig:
     min_p: float = 0.0
     seed: int | None = None
     stop: tuple[str, ...] = ()
-    # sampling penalties (`SamplingParams`): a sequence with any of them is not speculated
+    # sampling penalties (`SamplingParams`), verified under speculation row by row (`infer.adjust`)
     repetition_penalty: float = 1.0
     presence_penalty: float = 0.0
     frequency_penalty: float = 0.0

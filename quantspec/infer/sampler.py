@@ -78,8 +78,7 @@ class SamplingParams:
     ignore_eos:      the model's EOS tokens do not end the sequence (fixed-length benchmarks).
     stop_token_ids:  token ids that end the sequence like an EOS (emitted, then finish "stop").
     min_tokens:      no EOS, stop token or stop string ends the sequence before this many output
-                     tokens: the EOS and stop tokens' logits are masked until then (a sequence with
-                     min_tokens > 0 gets no drafts, as with a penalty).
+                     tokens: the EOS and stop tokens' logits are masked until then.
     seed:            None (torch's global generator) or an int in [0, 2**63).
     max_new_tokens:  ≥ 1.
     stop:            stop strings (non-empty), stored as a tuple so the params stay hashable.
@@ -95,13 +94,12 @@ class SamplingParams:
                      definition); 1.0 = off.
     logit_bias:      (token id, bias in [-100, 100]) pairs added to those tokens' logits (OpenAI's
                      `logit_bias`; -100 bans a token in effect), after the penalties. Penalties and
-                     biases act before temperature and the filters, and a sequence with any of them
-                     gets no drafts (`blocks_drafts`).
-    allowed_token_ids: the only tokens the answer may hold (vLLM's); empty = off; a sequence with
-                     them gets no drafts.
+                     biases act before temperature and the filters; drafts are verified with each
+                     row adjusted after the drafts on its path (`infer.adjust`).
+    allowed_token_ids: the only tokens the answer may hold (vLLM's); empty = off.
     bad_words:       token-id sequences the output may not hold (vLLM's `bad_words`, tokenized): a
                      sequence's last token is masked wherever the output ends with the ones before
-                     it (a one-token sequence always); empty = off; a sequence with them gets no drafts.
+                     it (a one-token sequence always); empty = off.
     guide:           None, or a compiled structured-output grammar (`infer.structured`): the
                      logits of every token the answer cannot continue with are masked, after the
                      penalties and bias; drafts are verified under the mask (`infer.adjust`).
@@ -234,17 +232,17 @@ class SamplingParams:
         return self.decode_strategy is DecodeStrategy.GREEDY
 
     @property
-    def blocks_drafts(self) -> bool:
+    def has_logit_rules(self) -> bool:
         """True when a presence, frequency or repetition penalty, a logit bias, min_tokens,
         allowed_token_ids or bad_words is on (`adjust_logits`, and the engine's masking of EOS and
-        stop tokens): a draft's verification knows nothing of them, so such a sequence gets no drafts."""
+        stop tokens before min_tokens)."""
         return bool(self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1.0
                     or self.logit_bias or self.min_tokens or self.allowed_token_ids or self.bad_words)
 
     @property
     def adjusts_logits(self) -> bool:
-        """True when the logits are adjusted before a pick: `blocks_drafts`, or a guide."""
-        return self.blocks_drafts or self.guide is not None
+        """True when the logits are adjusted before a pick: `has_logit_rules`, or a guide."""
+        return self.has_logit_rules or self.guide is not None
 
     @property
     def uses_filter(self) -> bool:

@@ -23,6 +23,7 @@ from functools import lru_cache
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.spec.tree import row_paths
 
 __all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "guide_matcher", "mask_logits", "mask_rows", "valid_prefix"]
 
@@ -117,15 +118,9 @@ def mask_rows(matcher, drafts: list[int], rows: torch.Tensor, parents: list[int]
     (`parents[i]`: the row of draft i's parent, `spec/tree.py`) the drafts from the root down to
     row j. Past a draft the grammar rules out (or the end of the answer) the rows are left as they
     are: verification rejects that draft, so they are never used. The matcher is back where it was."""
-    if parents is None:
-        parents = list(range(len(drafts)))
-    for j in range(rows.shape[0]):
-        path, node = [], j
-        while node:
-            path.append(drafts[node - 1])
-            node = parents[node - 1]
+    for j, path in enumerate(row_paths(drafts, parents)):
         n = 0
-        for t in reversed(path):
+        for t in path:
             if matcher.is_terminated() or not matcher.accept_token(t):
                 break
             n += 1

@@ -76,9 +76,9 @@ class GenerationRequest(BaseModel):
     """What both endpoints share: the sampling knobs, `n` answers per prompt (each its own choice,
     drawn from its own random stream), streaming, the speculation opt-out, vLLM's `ignore_eos`,
     `stop_token_ids` and `min_tokens`, and structured outputs (OpenAI's `response_format`, vLLM's
-    `structured_outputs`). A request with a penalty, a logit bias (keyed by token id) or
-    `min_tokens` (`SamplingParams`' definitions) is not speculated, nor is one with vLLM's
-    `bad_words`; a structured output's drafts are verified under its grammar. vLLM's
+    `structured_outputs`). Penalties, a logit bias (keyed by token id), `min_tokens` and vLLM's
+    `bad_words` follow `SamplingParams`' definitions; drafts are verified under them and under a
+    structured output's grammar, each row after the drafts on its path (`infer.adjust`). vLLM's
     `prompt_logprobs` n: each prompt token's log-probability, rank and its position's n most likely
     tokens, in vLLM's shape (not with `stream`)."""
 

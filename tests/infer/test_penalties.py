@@ -1,7 +1,7 @@
 """Sampling penalties and logit biases against independent references: the repetition penalty against transformers'
 own `RepetitionPenaltyLogitsProcessor` and `generate`, presence and frequency penalties against
-OpenAI's formula over transformers' logits; a penalized sequence gets no drafts while the others
-in its batch keep speculating with unchanged outputs."""
+OpenAI's formula over transformers' logits; a penalized sequence speculates (each draft row
+penalized after the drafts before it) with the answer of plain decoding, beside others in its batch."""
 
 from __future__ import annotations
 
@@ -86,8 +86,8 @@ def test_greedy_presence_and_frequency_penalties_equal_a_transformers_loop(tiny_
     assert seq.output_ids == out
 
 
-def test_a_penalized_sequence_is_not_speculated_and_the_others_are_unchanged(tiny_llama_model):
-    prompts = [_prompt(8, 4) * 3, _prompt(12, 5), _prompt(6, 6) * 4]
+def test_a_penalized_sequence_speculates_and_every_answer_is_unchanged(tiny_llama_model):
+    prompts = [_prompt(8, 4) * 3, _prompt(12, 5) * 3, _prompt(6, 6) * 4]
     params = [SamplingParams(max_new_tokens=30), SamplingParams(max_new_tokens=30, repetition_penalty=1.3),
               SamplingParams(decode_strategy="sampling", max_new_tokens=30, seed=4)]
 
@@ -98,7 +98,7 @@ def test_a_penalized_sequence_is_not_speculated_and_the_others_are_unchanged(tin
         return seqs
 
     mixed = run([0, 1, 2], ReferenceProposer(3, 4))
-    assert mixed[1].stats.drafted == 0 and mixed[0].stats.drafted > 0 and mixed[2].stats.drafted > 0
+    assert all(s.stats.drafted > 0 for s in mixed)
     # each as it runs alone (sampling draws through the verifier where it has drafts: alone, with them too)
     assert [s.output_ids for s in mixed] == [run([i], ReferenceProposer(3, 4))[0].output_ids for i in range(3)]
     assert mixed[1].output_ids == run([1])[0].output_ids

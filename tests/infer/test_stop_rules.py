@@ -42,7 +42,7 @@ def test_ignore_eos_and_stop_token_ids(tiny_llama_model, answer_oracle):
     assert seq.stats.accepted > 0  # the stop token came inside accepted drafts
 
 
-def test_min_tokens_equals_transformers_min_new_tokens(tiny_llama_model, hf_tiny_llama):
+def test_min_tokens_equals_transformers_min_new_tokens(tiny_llama_model, hf_tiny_llama, answer_oracle):
     hf = hf_tiny_llama
     prompt = _prompt(2)
     answer = _run(tiny_llama_model, prompt, SamplingParams(max_new_tokens=12), []).output_ids
@@ -54,7 +54,12 @@ def test_min_tokens_equals_transformers_min_new_tokens(tiny_llama_model, hf_tiny
                            eos_token_id=eos, pad_token_id=0)[0, len(prompt):].tolist()
     assert seq.output_ids == want and len(seq.output_ids) >= 8
     assert seq.output_ids[:2] == answer[:2] and seq.output_ids[2] != eos  # the EOS was masked at position 3
-    assert not seq.speculate
+    # drafted: the unmasked answer (its EOS at position 3, rejected there) and the masked one
+    for drafts in (answer, want):
+        spec = _run(tiny_llama_model, prompt, SamplingParams(max_new_tokens=12, min_tokens=8), [eos],
+                    answer_oracle([drafts]))
+        assert spec.output_ids == want and spec.stats.drafted > 0
+    assert spec.stats.accepted > 0
 
 
 @pytest.mark.parametrize("kw", [{"min_tokens": 20, "max_new_tokens": 10}, {"min_tokens": -1},

@@ -102,6 +102,18 @@ def chain_parents(k: int) -> list[int]:
     return list(range(k))
 
 
+def row_paths(tokens: list[int], parents: list[int] | None) -> list[list[int]]:
+    """Per row j of a sequence's 1 + k verified rows (its fed token's, then one per draft): the
+    drafts from the root down to row j — a chain's tokens[:j] (`parents` None), a tree's by its
+    parents (draft i's parent is row parents[i], before it)."""
+    if parents is None:
+        return [tokens[:j] for j in range(len(tokens) + 1)]
+    out: list[list[int]] = [[]]
+    for t, parent in zip(tokens, parents):
+        out.append(out[parent] + [t])
+    return out
+
+
 def caterpillar(candidates: list[list[int]]) -> tuple[list[int], list[int]]:
     """Candidates per draft position (top-1 first) → (tokens, parents) of the `DxK` tree."""
     tokens: list[int] = []

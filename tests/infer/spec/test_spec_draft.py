@@ -405,3 +405,38 @@ def test_guided_sampled_drafts_reproduce_the_guided_distribution(base, far_draft
     assert drafted >= n and 0 < accepted < drafted
     assert set(counts) <= set(exact)  # nothing the grammar or top-k rules out
     assert pooled_chisquare(counts, exact, n) > 1e-3
+
+
+def _penalized_next_probs(model, params, prompt_len):
+    """ids → the next token's probabilities under `model` and `params`, with OpenAI's presence and
+    frequency penalties over the answer so far written out (mu[j] - c[j] * frequency - presence)."""
+    tensors = sampling_tensors([params])
+
+    def next_probs(ids):
+        h = model(torch.tensor(ids), torch.arange(len(ids)), DenseCausalAttention(1, len(ids)))
+        logits = model.compute_logits(h[-1:])[:, :512].float()
+        out = ids[prompt_len:]
+        for j in set(out):
+            logits[0, j] -= out.count(j) * params.frequency_penalty + params.presence_penalty
+        return logits_to_probs(logits, *tensors)[0]
+
+    return next_probs
+
+
+def test_penalized_sampled_drafts_reproduce_the_penalized_distribution(base, far_draft, sequence_law,
+                                                                       pooled_chisquare):
+    """Chi-square over 4 sampled tokens: sampled drafts of a different model, each row verified
+    with the penalties of the answer and the drafts before it, reproduce penalized sampling's
+    exact law."""
+    params = SamplingParams(decode_strategy="sampling", temperature=1.5, seed=5, max_new_tokens=4, top_k=3,
+                            presence_penalty=-2.0, frequency_penalty=-1.5)  # repeats favoured: a law apart
+    (prompt,) = _prompts([8], seed=4)
+    exact = sequence_law(_penalized_next_probs(base, params, len(prompt)), prompt, 4)
+    plain = sequence_law(_next_probs(base, dataclasses.replace(params, presence_penalty=0, frequency_penalty=0)),
+                         prompt, 4)
+    assert 0.5 * sum(abs(exact.get(c, 0) - plain.get(c, 0)) for c in set(exact) | set(plain)) > 0.1
+    counts, drafted, accepted = _sampled_counts(base, far_draft, prompt, params)
+    n = sum(counts.values())
+    assert drafted >= n and 0 < accepted < drafted
+    assert set(counts) <= set(exact)
+    assert pooled_chisquare(counts, exact, n) > 1e-3

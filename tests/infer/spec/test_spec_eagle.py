@@ -627,3 +627,18 @@ def test_a_block_missing_from_the_head_store_means_no_drafts_not_wrong_ones(base
     eng.run()
     assert [first.output_ids, second.output_ids] == [plain[0][:30], plain[1][:30]]
     assert second.stats.cached_tokens == 32 and second.stats.drafted == 0 and first.stats.drafted > 0
+
+
+@pytest.mark.parametrize("tree", [None, TreeSpec(3, 2)])
+def test_penalized_greedy_with_drafts_equals_plain(base, head_dir, tree):
+    """Penalties, a bias and banned words adjust each draft row as plain decoding's row after the
+    drafts on its path (a tree's by its parents): the answers are plain decoding's."""
+    prompts = _prompts([7, 21, 3], seed=31)
+    params = SamplingParams(max_new_tokens=40, repetition_penalty=1.4, frequency_penalty=2.0, logit_bias={5: 2.0},
+                            bad_words=[(prompts[1][2], prompts[1][3])], min_tokens=5)
+    plain = [s.output_ids for s in _run(base, prompts, params=params)]
+    proposer = EagleProposer(load_eagle3_for_inference(head_dir, base), tree=tree, max_draft_tokens=3)
+    seqs = _run(base, prompts, proposer, proposer.max_rows, params=params)
+    assert [s.output_ids for s in seqs] == plain
+    assert sum(s.stats.drafted for s in seqs) > 0 and sum(s.stats.accepted for s in seqs) > 0
+    assert plain != [s.output_ids for s in _run(base, prompts)]  # the rules changed the answers

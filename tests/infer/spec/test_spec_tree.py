@@ -13,7 +13,7 @@ from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, ancestor_rows
 from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.spec.tree import (TreeSpec, best_paths, caterpillar, depths, greedy_walk, parse_tree_spec, prune,
-                                       sampling_walk, verify_trees)
+                                       row_paths, sampling_walk, verify_trees)
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.infer.spec.verify import verify_greedy_ids
 
@@ -260,3 +260,9 @@ def test_tree_sampling_through_the_engine_is_reproducible(tiny_llama_model):
     runs = [[s.output_ids for s in _engine_run(tiny_llama_model, prompts, proposer=_TreeOracle(greedy), k=6,
                                                 params=params)] for _ in range(2)]
     assert runs[0] == runs[1] and all(len(o) == 40 for o in runs[0])
+
+
+def test_row_paths_are_the_drafts_from_the_root():
+    tokens, parents = caterpillar([[10, 11], [20, 21], [30, 31]])
+    assert row_paths(tokens, parents) == [[], [10], [11], [10, 20], [10, 21], [10, 20, 30], [10, 20, 31]]
+    assert row_paths([5, 6, 7], None) == [[], [5], [5, 6], [5, 6, 7]] == row_paths([5, 6, 7], [0, 1, 2])
