@@ -21,7 +21,7 @@ Drafts are deterministic (probs None): sampling verification treats each as one-
 it lossless.
 
 Prefix caching. With the base's prefix cache on (`use_prefix_cache`), the head files its rows of
-every whole block it passes in a store found by the same block hashes (`spec/head_blocks.py`); a
+every whole block it passes in a store found by the scheduler's block hashes (`spec/head_blocks.py`); a
 sequence whose first rows the base took from the cache gets the head rows before them from it (no
 drafts where the store lacks one of its blocks).
 
@@ -96,7 +96,6 @@ class _HeadState:
     n: int = 0
     last: torch.Tensor | None = None  # [D]
     fed: list[_Fed] = field(default_factory=list)
-    hashes: list[bytes] = field(default_factory=list)  # its whole blocks' prefix-cache hashes, as filed
 
 
 class EagleProposer:
@@ -219,7 +218,7 @@ class EagleProposer:
             feats.append(f.feats[keep])
             positions.extend(f.start + i for i in range(len(keep)))
         st.fed.clear()
-        if positions and st.n == 0 and positions[0] > 0 and not self._restore(toks, st, feats, positions):
+        if positions and st.n == 0 and positions[0] > 0 and not self._restore(seq, st, feats, positions):
             return False
         if not positions:
             return st.last is not None
@@ -234,14 +233,14 @@ class EagleProposer:
         st.n += len(positions)
         st.last = out[-1]
         if self.blocks is not None:
-            self.blocks.file(toks, st.hashes, st.k, st.v, positions, raw)
+            self.blocks.file(seq.block_hashes, st.k, st.v, positions, raw)
         return True
 
-    def _restore(self, toks: list[int], st: _HeadState, feats: list, positions: list[int]) -> bool:
+    def _restore(self, seq, st: _HeadState, feats: list, positions: list[int]) -> bool:
         """A sequence whose first rows the base took from its prefix cache: the head rows before
         them from the block store, and the last skipped row's features put before this catch-up's
         (False where the store lacks a block: the sequence then drafts nothing)."""
-        found = None if self.blocks is None else self.blocks.restore(toks, positions[0])
+        found = None if self.blocks is None else self.blocks.restore(seq.block_hashes, positions[0])
         if found is None:
             return False
         k, v, feat = found

@@ -10,7 +10,8 @@ and the features of the block's last position, with which a sequence whose cache
 the block computes that row with its own next token. Restoring m blocks gives rows 0..mB - 2 and
 the features of row mB - 1: exactly what the skipped prefill would have given the head.
 
-Entries are found by the prefix cache's own block hashes and kept least recently used first out,
+Entries are found by the hashes the scheduler gives a sequence's blocks (`Sequence.block_hashes`:
+the matched ones at admission, then each as it fills) and kept least recently used first out,
 at most `capacity` (the base cache's block count: a block the base can still hand out has its
 entry unless it was evicted here first; a missing entry only means no drafts for that sequence).
 """
@@ -20,8 +21,6 @@ from __future__ import annotations
 from collections import OrderedDict
 
 import torch
-
-from quantspec.infer.prefix_cache import block_hashes
 
 __all__ = ["HeadBlockStore"]
 
@@ -43,14 +42,15 @@ class HeadBlockStore:
         while len(self._entries) > self.capacity:
             self._entries.popitem(last=False)
 
-    def restore(self, tokens: list[int], cached: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
-        """For a sequence whose first `cached` tokens (whole blocks) the base skipped: the keys and
-        values of head rows 0..cached - 2 and the features of position cached - 1, or None where an
-        entry is missing."""
-        if cached <= 0 or cached % self.block_size:
+    def restore(self, hashes: list[bytes], cached: int) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor] | None:
+        """For a sequence whose first `cached` tokens (whole blocks, their hashes leading `hashes`)
+        the base skipped: the keys and values of head rows 0..cached - 2 and the features of
+        position cached - 1, or None where an entry is missing."""
+        m = cached // self.block_size
+        if cached <= 0 or cached % self.block_size or len(hashes) < m:
             return None
         found = []
-        for h in block_hashes(tokens, self.block_size, num_blocks=cached // self.block_size):
+        for h in hashes[:m]:
             entry = self._entries.get(h)
             if entry is None:
                 return None
@@ -58,16 +58,14 @@ class HeadBlockStore:
             found.append(entry)
         return torch.cat([e[0] for e in found]), torch.cat([e[1] for e in found]), found[-1][2]
 
-    def file(self, tokens: list[int], hashes: list[bytes], k: torch.Tensor, v: torch.Tensor, positions: list[int],
+    def file(self, hashes: list[bytes], k: torch.Tensor, v: torch.Tensor, positions: list[int],
              feats: torch.Tensor) -> None:
         """After a catch-up that computed the head rows at `positions` (their features `feats`
         [m, 3D]; k / v: the sequence's head cache, valid past them): an entry for each block whose
-        last position is among them. `hashes`: the sequence's block hashes so far, extended here."""
+        last position is among them and whose hash `hashes` (the sequence's) holds."""
         B = self.block_size
         for i, q in enumerate(positions):
-            if (q + 1) % B:
-                continue
             b = q // B
-            hashes[:] = block_hashes(tokens, B, start=hashes, num_blocks=b + 1)
-            lo = max(b * B - 1, 0)
-            self.put(hashes[b], k[lo:q], v[lo:q], feats[i])
+            if (q + 1) % B == 0 and b < len(hashes):
+                lo = max(b * B - 1, 0)
+                self.put(hashes[b], k[lo:q], v[lo:q], feats[i])
