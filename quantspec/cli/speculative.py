@@ -8,8 +8,9 @@ into quantspec's own speculation flags, so a vLLM command line carries over:
 heads), medusa, mtp / deepseek_mtp → `mtp`, draft_model (or a `model` without a method) →
 `draft`; `model` → `--draft-model`, `num_speculative_tokens` → `--speculate-max-draft-token-num`,
 `prompt_lookup_max` / `prompt_lookup_min` → `--speculate-max-ngram-size` /
-`--speculate-min-ngram-size`, with vLLM's defaults (one bound gives the other; neither: both 5). A key quantspec does not read, or a flag it would contradict, is
-one line naming it (exit 2), never a silently different setup."""
+`--speculate-min-ngram-size`, with vLLM's defaults (one bound gives the other; neither: both 5).
+A key quantspec does not read, or a flag it would contradict, is one line naming it (exit 2),
+never a silently different setup."""
 
 from __future__ import annotations
 

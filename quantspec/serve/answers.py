@@ -178,7 +178,7 @@ class Answers:
         if self.choices[index].reasoning is not None and not first:
             thought, piece = self.choices[index].reasoning.feed(piece or "", reason is not None)
         if tools is not None:
-            delta, reason = tools.delta(piece or "", reason, self.choices[index].text.text)
+            delta, reason = tools.delta(piece or "", reason)
             choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
             kind = "chat.completion.chunk"
         elif self.chat:

@@ -25,7 +25,7 @@ from pydantic import ValidationError
 
 from quantspec import __version__
 from quantspec.serve.answers import Answers, RequestIdHeader, error_response, request_id
-from quantspec.serve.jobs import BadRequest, check_model, check_request, make_job, request_params
+from quantspec.serve.jobs import BadRequest, check_model, check_request, make_job, request_params, serves
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest)
@@ -153,7 +153,7 @@ def _model_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
 
     @app.get("/v1/models/{model:path}", dependencies=guarded)
     async def model(model: str):  # the openai client's models.retrieve
-        if model not in (state.model_name, *state.aliases):
+        if not serves(state, model):
             return error_response(404, f"model {model!r} is not served here; use {state.model_name!r}",
                                   param="model", code="model_not_found")
         return {**card(), "id": model}
@@ -186,7 +186,7 @@ def _api_key_check(app: FastAPI, state: ServeState) -> list:
     @app.exception_handler(Unauthorized)
     async def _unauthorized(request, exc):
         return error_response(401, "a missing or wrong API key; send the server's --api-key as 'Authorization: Bearer KEY'",
-                      code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
+                              code="invalid_api_key", headers={"WWW-Authenticate": "Bearer"})
 
     async def authorized(request: Request):
         if state.api_key is None:
@@ -290,8 +290,8 @@ def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]]
                 state.loop.abort(taken)
             state.metrics.rejected.inc()
             return error_response(503, "the server is at capacity (its request queue is full); retry shortly",
-                          type="server_error", code="overloaded",
-                          headers={"Retry-After": str(state.loop.retry_after())})
+                                  type="server_error", code="overloaded",
+                                  headers={"Retry-After": str(state.loop.retry_after())})
     echoes = [None] * len(jobs)
     if isinstance(body, CompletionRequest) and body.echo:
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)]

@@ -19,7 +19,7 @@ from quantspec.serve.tools import ToolChoiceError, tool_guide
 if TYPE_CHECKING:
     from quantspec.serve.app import ServeState
 
-__all__ = ["BadRequest", "check_model", "check_request", "make_job", "request_guide", "request_params"]
+__all__ = ["BadRequest", "check_model", "check_request", "make_job", "request_guide", "request_params", "serves"]
 
 
 class BadRequest(Exception):
@@ -30,8 +30,13 @@ class BadRequest(Exception):
         self.param, self.code = param, code
 
 
+def serves(state: ServeState, model: str) -> bool:
+    """Whether `model` names the served model (its name or an alias)."""
+    return model in (state.model_name, *state.aliases)
+
+
 def check_model(state: ServeState, model: str | None) -> None:
-    if model is not None and model not in (state.model_name, *state.aliases):
+    if model is not None and not serves(state, model):
         raise BadRequest(f"model {model!r} is not served here; use {state.model_name!r}", param="model",
                          code="model_not_found")
 

@@ -48,10 +48,10 @@ class ResponsesRequest(BaseModel):
     background: StrictBool | None = None
 
 
-# Responses fields that do not reach the chat request (read here, or accepted and not acted on)
-_OWN = {"input", "instructions", "max_output_tokens", "tools", "tool_choice", "text", "reasoning", "previous_response_id",
-        "background", "store", "include", "metadata", "user", "truncation", "service_tier", "prompt_cache_key",
-        "safety_identifier", "stream_options"}
+# Responses fields beside `ResponsesRequest`'s that do not reach the chat request (accepted, not
+# acted on; `stream_options` is the chat request's own)
+_OWN = {"store", "include", "metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
+        "stream_options"}
 
 
 def _text_of(content, where: str) -> str:

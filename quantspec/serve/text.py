@@ -64,9 +64,13 @@ def bad_words_ids(tokenizer, words: list[str]) -> list[list[int]]:
     out: list[list[int]] = []
     for word in words:
         ids = tokenizer(word.lstrip(), add_special_tokens=False).input_ids
+        if not ids:
+            continue
+        out.append(ids)
         spaced = tokenizer(" " + word.lstrip(), add_special_tokens=False).input_ids
-        out += [ids] if not ids else [ids] + ([spaced] if spaced[0] != ids[0] and len(spaced) == len(ids) else [])
-    return [w for w in out if w]
+        if spaced[0] != ids[0] and len(spaced) == len(ids):
+            out.append(spaced)
+    return out
 
 
 @functools.cache

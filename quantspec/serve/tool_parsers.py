@@ -32,7 +32,6 @@ import json
 import re
 import uuid
 from dataclasses import dataclass, field
-from typing import Callable
 
 __all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "Partial", "PythonicParser",
            "call_entry", "held_tail", "partial_call", "partials_from", "tool_parser"]
@@ -61,16 +60,16 @@ class Parsed:
 
 
 _HEAD = re.compile(r'\s*\{\s*"name"\s*:\s*"((?:[^"\\]|\\.)*)"\s*,\s*"(?:arguments|parameters)"\s*:\s*')
+_CLOSE = re.compile(r"\s*\}")  # the call object's own end, after its arguments
 
 
 @dataclass
 class Partial:
-    """A call as far as it is written: its name, its arguments' JSON text so far, whether that
-    text is whole, and where the call's object ends in the text it was read from (None: not yet)."""
+    """A call as far as it is written: its name, its arguments' JSON text so far, and where the
+    call's object ends in the text it was read from (None: not yet)."""
 
     name: str
     arguments: str
-    done: bool
     end: int | None = None
 
 
@@ -104,9 +103,9 @@ def partial_call(text: str, at: int = 0) -> Partial | None:
         return None
     end = _json_value_end(text, m.end())
     if end is None:
-        return Partial(name, text[m.end():], False)
-    close = re.compile(r"\s*\}").match(text, end)
-    return Partial(name, text[m.end():end], True, close.end() if close else None)
+        return Partial(name, text[m.end():])
+    close = _CLOSE.match(text, end)
+    return Partial(name, text[m.end():end], close.end() if close else None)
 
 
 def partials_from(text: str, at: int, between: str) -> list[Partial]:
@@ -290,9 +289,8 @@ class AutoToolCalls:
         return ({"role": "assistant", "content": parsed.content, "tool_calls": calls},
                 "tool_calls" if reason == "stop" else reason)
 
-    def delta(self, piece: str, reason: str | None, text: Callable[[], str] | None = None) -> tuple[dict, str | None]:
-        """A streamed chunk's delta for `piece` and its finish reason (`text` is not needed: the
-        pieces are kept)."""
+    def delta(self, piece: str, reason: str | None) -> tuple[dict, str | None]:
+        """A streamed chunk's delta for `piece` and its finish reason."""
         self._text += piece
         out = ""
         if not self._in_call:

@@ -22,7 +22,6 @@ Streaming: a named call's arguments stream as they are generated, and so do each
 from __future__ import annotations
 
 import json
-from typing import Callable
 
 from quantspec.infer.structured import Guide
 from quantspec.serve.protocol import ChatCompletionRequest
@@ -136,7 +135,7 @@ class ToolCalls:
         return ({"role": "assistant", "content": None, "tool_calls": [call_entry(self.name, text)]},
                 "tool_calls" if reason == "stop" else reason)
 
-    def delta(self, piece: str, reason: str | None, text: Callable[[], str] | None = None) -> tuple[dict, str | None]:
+    def delta(self, piece: str, reason: str | None) -> tuple[dict, str | None]:
         """A streamed chunk's delta for `piece`, and its finish reason."""
         delta = {}
         if piece or not self._streamed:
