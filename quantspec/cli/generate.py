@@ -209,6 +209,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, Authorization) from those origins.")
 @click.option("--ssl-keyfile", default=None, help="Serve HTTPS with this PEM private key (with --ssl-certfile).")
 @click.option("--ssl-certfile", default=None, help="Serve HTTPS with this PEM certificate (with --ssl-keyfile).")
+@click.option("--max-stored-responses", default=1000, show_default=True, type=click.IntRange(min=0),
+              help="Responses API answers kept (least recently used out) for previous_response_id, background runs and retrieval; 0: none.")
 @click.option("--disable-log-stats", is_flag=True,
               help="No stats line (throughput, running / waiting requests, KV-cache use, draft acceptance) every 10 s while busy.")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,

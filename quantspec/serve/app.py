@@ -1,7 +1,7 @@
 """The HTTP layer: FastAPI routes over an `EngineLoop`, in OpenAI's shapes.
 
 `/v1/chat/completions` and `/v1/completions` (streaming as server-sent events or one JSON body),
-OpenAI's `/v1/responses` over the chat pipeline (`responses.py`), `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
+OpenAI's `/v1/responses` over the chat pipeline (`responses.py`; stored ones, `response_store.py`), `/v1/models`, vLLM's `/tokenize`, `/detokenize` and `/tokenizer_info`, `/health`, `/metrics`. With
 an API key set, every route but `/health` and `/metrics` wants `Authorization: Bearer <key>`
 (401 otherwise). A request is validated (`protocol.py`), tokenized (`text.py`), checked and
 turned into a `Job` per answer (`jobs.py`) and submitted; its tokens come back as deltas and
@@ -16,8 +16,9 @@ import contextlib
 import hmac
 import json
 from dataclasses import dataclass, field
+from typing import Annotated, Literal
 
-from fastapi import Depends, FastAPI, Request
+from fastapi import Depends, FastAPI, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.middleware.cors import CORSMiddleware
 from fastapi.responses import Response, StreamingResponse
@@ -29,10 +30,14 @@ from quantspec.serve.jobs import BadRequest, check_model, check_request, make_jo
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.protocol import (ChatCompletionRequest, CompletionRequest, DetokenizeRequest,
                                       GenerationRequest, TokenizeRequest)
-from quantspec.serve.responses import ResponsesRequest, chat_request, response_events, whole_response
+from quantspec.serve.response_store import ResponseStore, Stored
+from quantspec.serve.responses import (ResponseItems, ResponsesRequest, chat_request, input_items, response_events,
+                                       whole_response)
 from quantspec.serve.text import TokenText, chat_prompt_ids, completion_prompt_ids
 
-__all__ = ["ServeState", "build_app"]
+__all__ = ["DEFAULT_STORED_RESPONSES", "ServeState", "build_app"]
+
+DEFAULT_STORED_RESPONSES = 1000  # Responses kept for previous_response_id and retrieval (--max-stored-responses)
 
 
 @dataclass
@@ -53,6 +58,7 @@ class ServeState:
     # max_tokens gets (the model's generation_config.json: `loader.read_sampling_defaults`)
     sampling_defaults: dict = field(default_factory=dict)
     chat_template: str | None = None  # a Jinja chat template in place of the tokenizer's (--chat-template)
+    responses: ResponseStore = field(default_factory=lambda: ResponseStore(DEFAULT_STORED_RESPONSES))
     token_text: TokenText = field(init=False)  # the tokens' texts and bytes that logprobs name
     _guides: object = field(default=None, init=False, repr=False)
 
@@ -109,7 +115,7 @@ def build_app(state: ServeState, *, on_shutdown=None, allowed_origins: tuple[str
 
     @app.exception_handler(BadRequest)
     async def _bad(request, exc):
-        return error_response(400, str(exc), param=exc.param, code=exc.code)
+        return error_response(exc.status, str(exc), param=exc.param, code=exc.code)
 
     guarded = _api_key_check(app, state)
 
@@ -137,7 +143,7 @@ def build_app(state: ServeState, *, on_shutdown=None, allowed_origins: tuple[str
         return await _generate(state, request, body, ids, chat=False)
 
     _model_routes(app, state, guarded)
-    _responses_route(app, state, guarded)
+    _responses_routes(app, state, guarded)
     _tokenizer_routes(app, state, guarded)
     return app
 
@@ -163,20 +169,64 @@ def _model_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
         return {"version": __version__}
 
 
-def _responses_route(app: FastAPI, state: ServeState, guarded: list) -> None:
+def _responses_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
+    """OpenAI's Responses API: create (whole, streamed or in the background), retrieve, cancel,
+    delete, and list a response's input items."""
+
     @app.post("/v1/responses", dependencies=guarded)
-    async def responses(request: Request):
+    async def create(request: Request):
         asked = _parse(await _json(request), ResponsesRequest)
-        body = _parse(chat_request(asked), ChatCompletionRequest)
+        inputs = input_items(asked)
+        earlier = state.responses.earlier(asked)
+        body = _parse(chat_request(asked, earlier + inputs), ChatCompletionRequest)
         check_request(state, body)
         rid = request_id(request)
         out = _submit(state, body, [_chat_ids(state, body)], chat=True, request_id=rid)
         if not isinstance(out, Answers):
             return out
+        entry = state.responses.entry(ResponseItems(asked, state.model_name, rid), inputs, earlier)
+        if asked.background:
+            state.responses.background(entry, out.chunks(), stream=body.stream)
+            return _sse(entry.replay()) if body.stream else entry.items.response()
         if body.stream:
-            return _sse(response_events(asked, state.model_name, out.chunks(), rid))
+            return _sse(_kept(state, entry, response_events(entry.items, out.chunks())))
         chat = await out.whole(request)
-        return chat if not isinstance(chat, dict) else whole_response(asked, chat, rid)
+        if not isinstance(chat, dict):
+            return chat
+        response = whole_response(entry.items, chat)
+        state.responses.keep(entry)
+        return response
+
+    @app.get("/v1/responses/{rid}", dependencies=guarded)
+    async def retrieve(rid: str, stream: bool = False, starting_after: int | None = None):
+        entry = state.responses.get(rid)
+        if not stream:
+            return entry.items.response()
+        if entry.events is None:
+            raise BadRequest("only a streamed background response can be streamed again; leave stream out",
+                             param="stream")
+        return _sse(entry.replay(starting_after))
+
+    @app.post("/v1/responses/{rid}/cancel", dependencies=guarded)
+    async def cancel(rid: str):
+        return await state.responses.cancel(rid)
+
+    @app.delete("/v1/responses/{rid}", dependencies=guarded)
+    async def delete(rid: str):
+        return state.responses.delete(rid)
+
+    @app.get("/v1/responses/{rid}/input_items", dependencies=guarded)
+    async def listed(rid: str, limit: Annotated[int, Query(ge=1, le=100)] = 20,
+                     order: Literal["asc", "desc"] = "desc", after: str | None = None):
+        return state.responses.input_items(rid, limit=limit, order=order, after=after)
+
+
+async def _kept(state: ServeState, entry: Stored, events):
+    """`events` passed on; the response stored once they end with it finished."""
+    async for event in events:
+        yield event
+    if entry.items.status in ("completed", "incomplete"):
+        state.responses.keep(entry)
 
 
 def _api_key_check(app: FastAPI, state: ServeState) -> list:

@@ -23,11 +23,12 @@ __all__ = ["BadRequest", "check_model", "check_request", "make_job", "request_gu
 
 
 class BadRequest(Exception):
-    """A 400: `message` says what is wrong, `param` names the field, `code` OpenAI's error code."""
+    """A 400 (or another client error's `status`): `message` says what is wrong, `param` names the
+    field, `code` OpenAI's error code."""
 
-    def __init__(self, message: str, param: str | None = None, code: str | None = None):
+    def __init__(self, message: str, param: str | None = None, code: str | None = None, status: int = 400):
         super().__init__(message)
-        self.param, self.code = param, code
+        self.param, self.code, self.status = param, code, status
 
 
 def serves(state: ServeState, model: str) -> bool:

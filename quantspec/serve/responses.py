@@ -6,11 +6,12 @@ chat answer becomes a Response: `output` items (a `reasoning` item under a reaso
 `status` "incomplete" where `max_output_tokens` cut it. Streamed, it is the Responses event
 sequence (`response.created` ... `response.completed`), each event with its `sequence_number`.
 
-Responses are not stored: `previous_response_id` and `background` are a 400 (send the
-conversation in `input`), and `store` is read as false. Tools other than functions, and input
-other than text, function calls and their outputs (images, files), are a 400 naming the item.
-vLLM's sampling fields beside them (`top_k`, `seed`, `stop`, `speculate`, ...) reach the chat
-request as they are.
+`include` "message.output_text.logprobs" gives each `output_text` the log-probabilities of the
+answer's tokens (with `top_logprobs` alternatives). A stored response (`response_store.py`) is
+continued by `previous_response_id`: its conversation (earlier inputs and outputs, not its
+instructions) goes before the new input. Tools other than functions, and input other than text,
+function calls and their outputs (images, files), are a 400 naming the item. vLLM's sampling
+fields beside them (`top_k`, `seed`, `stop`, `speculate`, ...) reach the chat request as they are.
 """
 
 from __future__ import annotations
@@ -25,7 +26,14 @@ from pydantic import BaseModel, ConfigDict, Field, StrictBool, StrictStr
 from quantspec.serve.jobs import BadRequest
 from quantspec.serve.protocol import Real
 
-__all__ = ["ResponseItems", "ResponsesRequest", "chat_request", "response_events", "whole_response"]
+__all__ = ["ResponseItems", "ResponsesRequest", "chat_request", "input_items", "response_events", "whole_response"]
+
+OUTPUT_LOGPROBS = "message.output_text.logprobs"
+# `include` values: the one that adds to what this server answers, and those that name items a
+# server of function tools and text never makes (accepted; there is nothing to add)
+INCLUDES = (OUTPUT_LOGPROBS, "reasoning.encrypted_content", "code_interpreter_call.outputs",
+            "computer_call_output.output.image_url", "file_search_call.results", "message.input_image.image_url",
+            "web_search_call.action.sources", "web_search_call.results")
 
 
 class ResponsesRequest(BaseModel):
@@ -45,12 +53,15 @@ class ResponsesRequest(BaseModel):
     text: dict | None = None
     reasoning: dict | None = None
     previous_response_id: StrictStr | None = None
-    background: StrictBool | None = None
+    background: StrictBool = False
+    store: StrictBool = True  # OpenAI's default: kept for `previous_response_id` and retrieval
+    include: list[StrictStr] | None = None
+    top_logprobs: Annotated[int, Field(ge=0, le=20, strict=True)] | None = None
 
 
 # Responses fields beside `ResponsesRequest`'s that do not reach the chat request (accepted, not
 # acted on; `stream_options` is the chat request's own)
-_OWN = {"store", "include", "metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
+_OWN = {"metadata", "user", "truncation", "service_tier", "prompt_cache_key", "safety_identifier",
         "stream_options"}
 
 
@@ -69,12 +80,28 @@ def _text_of(content, where: str) -> str:
     return "".join(parts)
 
 
-def _messages(body: ResponsesRequest) -> list[dict]:
-    """The chat messages of `instructions` and `input`."""
-    items = [{"role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
-    messages = [{"role": "system", "content": body.instructions}] if body.instructions else []
+def input_items(body: ResponsesRequest) -> list[dict]:
+    """`body.input` as Response input items, each with an id (a string is one user message; a
+    message's text content becomes its list of text parts), checked as `_messages` reads them."""
+    items = [{"type": "message", "role": "user", "content": body.input}] if isinstance(body.input, str) else body.input
+    out = []
+    for item in items:
+        item = {"type": "message", **item}
+        if item["type"] == "message" and isinstance(item.get("content"), str):
+            kind = "output_text" if item.get("role") == "assistant" else "input_text"
+            item["content"] = [{"type": kind, "text": item["content"]}]
+        prefix = {"message": "msg_", "function_call": "fc_", "function_call_output": "fco_"}.get(item["type"], "item_")
+        item.setdefault("id", prefix + uuid.uuid4().hex)
+        out.append(item)
+    _messages(None, out)
+    return out
+
+
+def _messages(instructions: str | None, items: list[dict]) -> list[dict]:
+    """The chat messages of `instructions` and input (or earlier output) `items`."""
+    messages = [{"role": "system", "content": instructions}] if instructions else []
     for i, item in enumerate(items):
-        where, kind = f"input[{i}]", item.get("type", "message") if isinstance(item, dict) else None
+        where, kind = f"input[{i}]", item.get("type", "message")
         if kind == "message" and item.get("role") in ("system", "developer", "user", "assistant"):
             messages.append({"role": item["role"], "content": _text_of(item.get("content"), where)})
         elif kind == "function_call":
@@ -124,20 +151,18 @@ def _tools(body: ResponsesRequest) -> dict:
     return out
 
 
-def chat_request(body: ResponsesRequest) -> dict:
-    """The chat request (a body for `ChatCompletionRequest`) that answers `body`."""
-    if body.previous_response_id is not None:
-        raise BadRequest("responses are not stored here; send the conversation in input instead of "
-                         "previous_response_id", param="previous_response_id")
-    if body.background:
-        raise BadRequest("background responses are not served (responses are not stored); leave background out",
-                         param="background")
+def chat_request(body: ResponsesRequest, items: list[dict]) -> dict:
+    """The chat request (a body for `ChatCompletionRequest`) that answers `body`, whose input
+    items, after any earlier conversation, are `items`."""
     chat = {k: v for k, v in (body.model_extra or {}).items() if k not in _OWN}
-    for name, neutral in (("n", 1), ("top_logprobs", 0)):
-        if chat.pop(name, neutral) not in (neutral, None):
-            raise BadRequest(f"{name} is not served on /v1/responses (one answer, no log-probabilities); use "
-                             "/v1/chat/completions", param=name)
-    chat.update(model=body.model, messages=_messages(body), temperature=body.temperature, top_p=body.top_p,
+    if chat.pop("n", 1) not in (1, None):
+        raise BadRequest("n is not served on /v1/responses (one answer); use /v1/chat/completions", param="n")
+    unknown = [name for name in body.include or () if name not in INCLUDES]
+    if unknown:
+        raise BadRequest(f"include {unknown[0]!r} is not one of {', '.join(INCLUDES)}", param="include")
+    if OUTPUT_LOGPROBS in (body.include or ()):
+        chat.update(logprobs=True, top_logprobs=body.top_logprobs or 0)
+    chat.update(model=body.model, messages=_messages(body.instructions, items), temperature=body.temperature, top_p=body.top_p,
                 stream=body.stream, parallel_tool_calls=body.parallel_tool_calls, **_tools(body))
     if body.max_output_tokens is not None:
         chat["max_completion_tokens"] = body.max_output_tokens
@@ -159,18 +184,23 @@ def _usage(usage: dict | None) -> dict | None:
 
 
 class ResponseItems:
-    """A Response's output items as an answer's pieces arrive (thinking, text, calls' ids, names
-    and arguments), with the stream events each piece makes (`events` grows; each event is
-    numbered), and the Response itself (`response`)."""
+    """A Response's output items as an answer's pieces arrive (thinking, text with its tokens'
+    log-probabilities, calls' ids, names and arguments), with the stream events each piece makes
+    (`events` grows; each event is numbered), and the Response itself (`response`) in its
+    `status`: queued, in_progress, then completed, incomplete, failed or cancelled."""
 
-    def __init__(self, body: ResponsesRequest, model: str, request_id: str | None = None):
-        self.body, self.model = body, model
+    def __init__(self, body: ResponsesRequest, model: str, request_id: str | None = None, status: str = "in_progress"):
+        self.body, self.model, self.status = body, model, status
         self.id, self.created = "resp_" + (request_id or uuid.uuid4().hex), int(time.time())
         self.items: list[dict] = []
         self.events: list[dict] = []  # taken by the stream as they come (`take`)
+        self.usage: dict | None = None
+        self.reason: str | None = None  # the chat answer's finish reason
+        self.stored = False  # whether the store keeps it (what `store` says of it)
         self._sequence = 0
         self._open: dict | None = None  # the item pieces now go to
         self._calls: dict[int, dict] = {}  # a chat call index → its item
+        self._logprobs: list = []  # entries of tokens whose text has not reached output_text yet
 
     def event(self, kind: str, **fields) -> None:
         self.events.append({"type": kind, "sequence_number": self._sequence, **fields})
@@ -182,20 +212,24 @@ class ResponseItems:
         self.events.clear()
         return out
 
-    def response(self, status: str, usage: dict | None = None, reason: str | None = None) -> dict:
+    def response(self, error: str | None = None) -> dict:
+        """The Response as it stands; `error`: the message of a failed one."""
         b = self.body
-        return {"id": self.id, "object": "response", "created_at": self.created, "status": status, "error": None,
-                "incomplete_details": {"reason": "max_output_tokens"} if reason == "length" else None,
+        return {"id": self.id, "object": "response", "created_at": self.created, "status": self.status,
+                "error": {"code": "server_error", "message": error} if error else None,
+                "incomplete_details": {"reason": "max_output_tokens"} if self.status == "incomplete" else None,
                 "instructions": b.instructions, "max_output_tokens": b.max_output_tokens, "model": self.model,
-                "output": self.items, "parallel_tool_calls": b.parallel_tool_calls, "previous_response_id": None,
-                "reasoning": b.reasoning, "store": False, "temperature": b.temperature,
+                "output": self.items, "parallel_tool_calls": b.parallel_tool_calls,
+                "previous_response_id": b.previous_response_id, "reasoning": b.reasoning, "store": self.stored,
+                "background": b.background, "temperature": b.temperature, "top_logprobs": b.top_logprobs,
                 "text": b.text or {"format": {"type": "text"}}, "tool_choice": b.tool_choice or "auto",
-                "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": _usage(usage),
-                "user": None, "metadata": {}}
+                "tools": b.tools or [], "top_p": b.top_p, "truncation": "disabled", "usage": _usage(self.usage),
+                "user": None, "metadata": (b.model_extra or {}).get("metadata") or {}}
 
     def start(self) -> None:
-        self.event("response.created", response=self.response("in_progress"))
-        self.event("response.in_progress", response=self.response("in_progress"))
+        self.status = "in_progress"
+        self.event("response.created", response=self.response())
+        self.event("response.in_progress", response=self.response())
 
     def _add(self, item: dict) -> dict:
         self.close()
@@ -207,6 +241,11 @@ class ResponseItems:
 
     def _where(self, item: dict) -> dict:
         return {"item_id": item["id"], "output_index": self.items.index(item)}
+
+    def logprobs(self, entries: list) -> None:
+        """Log-probability entries of the answer's next tokens (chat `logprobs.content` items): they
+        go with the next output text."""
+        self._logprobs.extend(entries)
 
     def thinking(self, piece: str) -> None:
         item = self._open
@@ -220,11 +259,14 @@ class ResponseItems:
         item = self._open
         if item is None or item["type"] != "message":
             item = self._add({"type": "message", "id": "msg_" + uuid.uuid4().hex, "status": "in_progress",
-                              "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": []}]})
-            self.event("response.content_part.added", content_index=0, part=dict(item["content"][0]),
+                              "role": "assistant", "content": [{"type": "output_text", "text": "", "annotations": [],
+                                                               "logprobs": []}]})
+            self.event("response.content_part.added", content_index=0, part={**item["content"][0], "logprobs": []},
                         **self._where(item))
+        entries, self._logprobs = self._logprobs, []
         item["content"][0]["text"] += piece
-        self.event("response.output_text.delta", content_index=0, delta=piece, logprobs=[], **self._where(item))
+        item["content"][0]["logprobs"] += entries
+        self.event("response.output_text.delta", content_index=0, delta=piece, logprobs=entries, **self._where(item))
 
     def call(self, index: int, arguments: str, call_id: str | None = None, name: str | None = None) -> None:
         """A call's first piece (its `call_id` and `name`) or more of its arguments."""
@@ -245,8 +287,8 @@ class ResponseItems:
         item["status"] = "completed"
         where = self._where(item)
         if item["type"] == "message":
-            self.event("response.output_text.done", content_index=0, text=item["content"][0]["text"], logprobs=[],
-                        **where)
+            self.event("response.output_text.done", content_index=0, text=item["content"][0]["text"],
+                        logprobs=item["content"][0]["logprobs"], **where)
             self.event("response.content_part.done", content_index=0, part=item["content"][0], **where)
         elif item["type"] == "reasoning":
             self.event("response.reasoning_text.done", content_index=0, text=item["content"][0]["text"], **where)
@@ -257,14 +299,23 @@ class ResponseItems:
     def finish(self, usage: dict | None, reason: str | None) -> dict:
         """The closing events and the finished Response."""
         self.close()
-        status = "incomplete" if reason == "length" else "completed"
-        response = self.response(status, usage, reason)
-        self.event(f"response.{status}", response=response)
+        self.usage, self.reason = usage, reason
+        self.status = "incomplete" if reason == "length" else "completed"
+        response = self.response()
+        self.event(f"response.{self.status}", response=response)
         return response
 
+    def fail(self, message: str) -> None:
+        """The closing events of a response the engine could not finish."""
+        self.status = "failed"
+        self.event("error", message=message, code="server_error", param=None)
+        self.event("response.failed", response=self.response(message))
 
-def _feed(items: ResponseItems, delta: dict) -> None:
-    """One chat delta's (or a whole message's) pieces into `items`."""
+
+def _feed(items: ResponseItems, delta: dict, logprobs: dict | None = None) -> None:
+    """One chat delta's (or a whole message's) pieces, and its tokens' `logprobs`, into `items`."""
+    if logprobs:
+        items.logprobs(logprobs.get("content") or [])
     if delta.get("reasoning_content"):
         items.thinking(delta["reasoning_content"])
     if delta.get("content"):
@@ -274,32 +325,29 @@ def _feed(items: ResponseItems, delta: dict) -> None:
         items.call(tc.get("index", 0), fn.get("arguments") or "", tc.get("id"), fn.get("name"))
 
 
-def whole_response(body: ResponsesRequest, chat: dict, request_id: str | None = None) -> dict:
-    """The Response of a whole chat answer `chat` (its body)."""
-    items = ResponseItems(body, chat["model"], request_id)
+def whole_response(items: ResponseItems, chat: dict) -> dict:
+    """The finished Response in `items` of a whole chat answer `chat` (its body)."""
     choice = chat["choices"][0]
     message = choice["message"]
-    _feed(items, {**message, "tool_calls": [{**tc, "index": i} for i, tc in enumerate(message.get("tool_calls") or [])]})
+    _feed(items, {**message, "tool_calls": [{**tc, "index": i} for i, tc in enumerate(message.get("tool_calls") or [])]},
+          choice.get("logprobs"))
     return items.finish(chat.get("usage"), choice["finish_reason"])
 
 
-async def response_events(body: ResponsesRequest, model: str, chunks, request_id: str | None = None):
+async def response_events(items: ResponseItems, chunks):
     """The Responses stream (server-sent events, each named by its type) of a chat answer's
-    `chunks` (`Answers.chunks`)."""
-    items = ResponseItems(body, model, request_id)
+    `chunks` (`Answers.chunks`), the Response built in `items` as they go."""
     items.start()
     for event in items.take():
         yield event
     usage = reason = None
     async for chunk in chunks:
         if "error" in chunk:
-            items.event("error", message=chunk["error"]["message"], code="server_error", param=None)
-            items.event("response.failed", response={**items.response("failed"), "error": {
-                "code": "server_error", "message": chunk["error"]["message"]}})
+            items.fail(chunk["error"]["message"])
             break
         usage = chunk.get("usage") or usage
         for choice in chunk.get("choices", []):
-            _feed(items, choice.get("delta", {}))
+            _feed(items, choice.get("delta", {}), choice.get("logprobs"))
             reason = choice.get("finish_reason") or reason
         for event in items.take():
             yield event

@@ -20,10 +20,11 @@ from quantspec.errors import QuantSpecError, positive_int
 from quantspec.infer.loader import read_sampling_defaults
 from quantspec.infer.predictor import InferConfig, Predictor
 from quantspec.model_zoo.default import DEFAULT_MODEL
-from quantspec.serve.app import ServeState, build_app
+from quantspec.serve.app import DEFAULT_STORED_RESPONSES, ServeState, build_app
 from quantspec.serve.loop import EngineLoop
 from quantspec.serve.metrics import Metrics, StatsLog
 from quantspec.serve.reasoning import REASONING_PARSERS, reasoning_parser
+from quantspec.serve.response_store import ResponseStore
 from quantspec.serve.tool_parsers import TOOL_PARSERS, tool_parser
 
 __all__ = ["ServeConfig", "build", "load", "run"]
@@ -67,6 +68,7 @@ class ServeConfig:
     chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
     disable_log_stats: bool = False  # no periodic stats line (`metrics.StatsLog`)
+    max_stored_responses: int = DEFAULT_STORED_RESPONSES  # Responses API answers kept (`response_store.py`)
     # deployment: browser origins answered with CORS headers (vLLM's JSON list, or comma-separated;
     # "*": any), TLS (both files, PEM)
     allowed_origins: tuple[str, ...] | str = ()
@@ -79,6 +81,9 @@ class ServeConfig:
             positive_int(name, getattr(self, name))
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise QuantSpecError(f"--port {self.port!r} must be in [0, 65535] (0: any free port)")
+        if isinstance(self.max_stored_responses, bool) or not isinstance(self.max_stored_responses, int) \
+                or self.max_stored_responses < 0:
+            raise QuantSpecError(f"--max-stored-responses {self.max_stored_responses!r} must be an int >= 0 (0: none)")
         if not self.drain_timeout >= 0:
             raise QuantSpecError(f"--drain-timeout {self.drain_timeout!r} must be >= 0 seconds")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -172,7 +177,8 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None) -> ServeState:
                       api_key=config.api_key or None,
                       tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None,
                       reasoning_parser=reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
-                      sampling_defaults=defaults, chat_template=config.chat_template)
+                      sampling_defaults=defaults, chat_template=config.chat_template,
+                      responses=ResponseStore(config.max_stored_responses))
 
 
 def build(config: ServeConfig, *, loaded=None, on_stats=None):

@@ -75,7 +75,8 @@ def test_sigterm_drains_the_request_in_flight_then_exits(tiny_llama_dir):
 
 
 @pytest.mark.parametrize("args,flag", [(["--max-queue", "0"], "--max-queue"), (["--port", "x"], "--port"),
-                                       (["--speculate-method", "mtp"], "--draft-model")])
+                                       (["--speculate-method", "mtp"], "--draft-model"),
+                                       (["--max-stored-responses", "-1"], "--max-stored-responses")])
 def test_bad_flags_are_one_line_and_exit_2(args, flag):
     r = subprocess.run([sys.executable, "-m", "quantspec.cli", "serve", *args], cwd=ROOT, env=ENV,
                        capture_output=True, text=True, timeout=120)

@@ -2,7 +2,7 @@
 helper (which rebuilds the Response from the events and checks their order): the answer is the
 chat answer of the same messages (`quantspec infer`'s for one user turn), usage counts the chat
 template's tokens, function tools come back as `function_call` items, and what the server does not
-serve is a 400 naming the field."""
+serve is a 400 naming the field. Stored responses: test_serve_responses_store.py."""
 
 from __future__ import annotations
 
@@ -97,8 +97,9 @@ def test_a_json_schema_text_format_holds_the_answer(server):
 
 
 @pytest.mark.parametrize("body, param", [
-    ({"previous_response_id": "resp_1"}, "previous_response_id"),
-    ({"background": True}, "background"),
+    ({"background": True, "store": False}, "background"),
+    ({"include": ["file_search_call.results", "message.output_text.tokens"]}, "include"),
+    ({"include": ["message.output_text.logprobs"], "top_logprobs": 21}, "top_logprobs"),
     ({"tools": [{"type": "web_search"}]}, "tools"),
     ({"input": [{"role": "user", "content": [{"type": "input_image", "image_url": "x"}]}]}, "input[0].content"),
     ({"input": [{"type": "computer_call"}]}, "input"),
@@ -107,7 +108,6 @@ def test_a_json_schema_text_format_holds_the_answer(server):
     ({"tool_choice": {"type": "function"}}, "tool_choice"),
     ({"input": [{"role": "tool", "content": "x"}]}, "input"),
     ({"n": 2}, "n"),
-    ({"top_logprobs": 3}, "top_logprobs"),
 ])
 def test_what_the_server_does_not_serve_is_a_400(server, body, param):
     url, _ = server
