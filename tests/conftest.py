@@ -44,6 +44,13 @@ def tiny_qwen2_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_qwen3_dir(tmp_path_factory) -> Path:
+    """2-layer Qwen3 (per-head q / k norms), hidden 64, 4 heads of size 32 (q/k/v wider than the
+    hidden size, as in Qwen3's configs) / 2 KV heads, vocab 512, untied, seed 0."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3"), "qwen3", head_dim=32)
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """The tiny byte-level BPE tokenizer (variant 0, vocab 512), saved with save_pretrained."""
     out = tmp_path_factory.mktemp("tiny_tokenizer")

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, SmolLM2) as plain nn.Modules.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as plain nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules, rotary
 embeddings (default, linear, dynamic-free llama3 scaling) and the HF weight-name table that
@@ -55,8 +55,9 @@ ARCHITECTURES = {
     "LlamaForCausalLM": "llama",
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
 
 
 @dataclass
@@ -79,6 +80,7 @@ class ModelArgs:
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False
+    qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary embedding
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -144,6 +146,7 @@ class ModelArgs:
             qkv_bias=True if arch == "qwen2" else attention_bias,
             o_bias=False if arch == "qwen2" else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
+            qk_norm=arch == "qwen3",
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -300,6 +303,8 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
         self.qkv_proj: nn.Module | None = None  # q/k/v stacked in one projection (`infer.fuse`)
+        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary_emb = RotaryEmbedding()
 
     def forward(self, x, cos, sin, attn: AttentionBackend, row_invariant: bool = False):
@@ -307,12 +312,17 @@ class Attention(nn.Module):
         H, KV, hd = self.num_heads, self.num_kv_heads, self.head_dim
         if self.qkv_proj is not None:
             qkv = project(self.qkv_proj, x, row_invariant).view(T, H + 2 * KV, hd)
-            qk = self.rotary_emb(qkv[:, :H + KV], cos, sin)  # q and k rotated in one pass
+            qk = qkv[:, :H + KV]
+            if self.q_norm is not None:
+                qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+            qk = self.rotary_emb(qk, cos, sin)  # q and k rotated in one pass
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
         else:
             q = project(self.q_proj, x, row_invariant).view(T, H, hd)  # [T, H, hd]
             k = project(self.k_proj, x, row_invariant).view(T, KV, hd)  # [T, KV, hd]
             v = project(self.v_proj, x, row_invariant).view(T, KV, hd)
+            if self.q_norm is not None:
+                q, k = self.q_norm(q), self.k_norm(k)
             q, k = self.rotary_emb(q, cos, sin), self.rotary_emb(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
         return project(self.o_proj, out.reshape(T, self.num_heads * self.head_dim), row_invariant)
@@ -441,6 +451,9 @@ def layer_weight_table(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...
         if args.qkv_bias:
             table[p + f"self_attn.{name}.bias"] = (out_f,)
     table[p + "self_attn.o_proj.weight"] = (D, args.q_size)
+    if args.qk_norm:
+        table[p + "self_attn.q_norm.weight"] = (args.head_dim,)
+        table[p + "self_attn.k_norm.weight"] = (args.head_dim,)
     if args.o_bias:
         table[p + "self_attn.o_proj.bias"] = (D,)
     table[p + "mlp.gate_proj.weight"] = (I, D)

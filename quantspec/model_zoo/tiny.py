@@ -7,7 +7,7 @@ This file owns:
   special tokens and a SmolLM2-like chat template. Same arguments -> identical vocab every run;
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
-- `build_tiny_model`: a Llama / Qwen2 / Mistral checkpoint (transformers' own classes) with a
+- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Mistral checkpoint (transformers' own classes) with a
   fixed seed, written with `save_pretrained` as safetensors (optionally sharded), plus the
   tokenizer and a generation config whose eos is `<|im_end|>`.
 
@@ -19,7 +19,8 @@ decoding is decided by rounding noise and any quantization flips it. Instead:
   stays aligned with the input token's own row and greedy decoding just repeats the last token,
 - every Linear weight is N(0, 1/fan_in) (each projection roughly preserves scale, so the
   attention and MLP blocks matter as much as the embedding),
-- Qwen2's q/k/v biases are N(0, 0.1^2) (non-zero so that bias handling is exercised),
+- Qwen2's q/k/v biases are N(0, 0.1^2) (non-zero so that bias handling is exercised), and
+  Qwen3's per-head q / k norm gains U(0.5, 1.5) (not ones, so that they are exercised),
 - the final RMSNorm gain is set to the constant that makes the std of the logits over the vocab,
   measured on a fixed probe sequence, equal `LOGIT_STD` (3 nats): peaked but not one-hot.
 Padding rows (`vocab_pad_to`) of the embedding and the untied lm_head are zero, so their logit is
@@ -78,7 +79,7 @@ QKV_BIAS_STD = 0.1
 # Shard size for `sharded=True`: small enough that the tiny default model gets several shards.
 TINY_MAX_SHARD_SIZE = "100KB"
 
-TINY_ARCHS = ("llama", "qwen2", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
 
 TINY_CORPUS = """\
 The quick brown fox jumps over the lazy dog. A small model can still learn a great deal from a
@@ -209,12 +210,14 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 51
     return hf_tok
 
 
-def _make_config(arch: str, **kw):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config
+def _make_config(arch: str, head_dim: int | None = None, **kw):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
     if arch not in classes:
         raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(classes)}")
+    if head_dim is not None or arch == "qwen3":  # Qwen3's config has a head_dim of its own (default 128)
+        kw["head_dim"] = head_dim or kw["hidden_size"] // kw["num_attention_heads"]
     return classes[arch](**kw)
 
 
@@ -234,6 +237,8 @@ def _init_weights(model, vocab_real: int, tie: bool, probe_ids: torch.Tensor) ->
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
         elif name.endswith(".bias"):
             p.normal_(0.0, QKV_BIAS_STD)
+        elif name.endswith(("q_norm.weight", "k_norm.weight")):
+            p.uniform_(0.5, 1.5)
         else:  # RMSNorm gains
             p.fill_(1.0)
     if tie:
@@ -285,6 +290,7 @@ def build_tiny_model(
     heads: int = 4,
     kv_heads: int = 2,
     intermediate: int = 128,
+    head_dim: int | None = None,
     vocab_pad_to: int | None = None,
     tie_word_embeddings: bool = False,
     rope_scaling: dict | None = None,
@@ -299,7 +305,8 @@ def build_tiny_model(
     The directory holds config.json, safetensors weights (`model.safetensors`, or shards plus
     `model.safetensors.index.json` when `sharded`), generation_config.json (eos `<|im_end|>`)
     and the tiny tokenizer (`tokenizer_variant`). `vocab_pad_to` rounds the model's vocab up to
-    a multiple (extra rows have no token). `rope_scaling` is a HF rope dict, e.g.
+    a multiple (extra rows have no token). `head_dim`: the attention heads' size where it is not
+    hidden / heads (as Qwen3's configs set it). `rope_scaling` is a HF rope dict, e.g.
     {"rope_type": "linear", "factor": 2.0}. Same arguments -> bit-identical weights.
     """
     from transformers import GenerationConfig
@@ -313,22 +320,10 @@ def build_tiny_model(
     bos, eos, pad = (tok.convert_tokens_to_ids(t) for t in (BOS_TOKEN, EOS_TOKEN, UNK_PAD_TOKEN))
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
-    config = _make_config(
-        arch,
-        vocab_size=vocab,
-        hidden_size=hidden,
-        intermediate_size=intermediate,
-        num_hidden_layers=num_layers,
-        num_attention_heads=heads,
-        num_key_value_heads=kv_heads,
-        max_position_embeddings=max_position_embeddings,
-        tie_word_embeddings=tie_word_embeddings,
-        rope_parameters=rope,
-        bos_token_id=bos,
-        eos_token_id=eos,
-        pad_token_id=pad,
-        rms_norm_eps=1e-6,
-    )
+    config = _make_config(arch, head_dim, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+                          num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
+                          max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
+                          rope_parameters=rope, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, rms_norm_eps=1e-6)
 
     model = _seeded_model(config, tok, vocab_real, tie_word_embeddings, seed).to(dtype)
     save_kw = {"max_shard_size": TINY_MAX_SHARD_SIZE} if sharded else {"max_shard_size": "10GB"}

@@ -21,7 +21,7 @@ def _full_forward(model, ids):
     return model(ids.reshape(-1), pos, DenseCausalAttention(n, S)).view(n, S, -1)
 
 
-@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 def test_runner_reproduces_full_forward(arch_dir, request):
     model, _ = load_model(request.getfixturevalue(arch_dir))
     ids = _ids(5, 19, model.args.vocab_size)

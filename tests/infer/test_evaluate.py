@@ -27,7 +27,7 @@ def _hf_ppl(model_dir, win):
     return math.exp(nll / n)
 
 
-@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir"])
+@pytest.mark.parametrize("arch_dir", ["tiny_llama_dir", "tiny_qwen2_dir", "tiny_qwen3_dir"])
 @pytest.mark.parametrize("batch_size", [1, 3])
 def test_perplexity_matches_transformers(arch_dir, batch_size, request):
     model_dir = request.getfixturevalue(arch_dir)

@@ -80,11 +80,13 @@ def test_fused_ops_refuse_bad_shapes():
         silu_mul(torch.randn(2, 7))
 
 
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fused_stack_computes_the_layers(tmp_path, dtype):
-    """`fused_stack` over a tiny Llama's fused projections gives the modules' layer loop's last
-    hidden states (within a few roundings of the dtype, over two layers), for a prefill and a
-    decode row; the layers are `fusable` only with fused projections and norms in the dtype."""
+def test_fused_stack_computes_the_layers(tmp_path, dtype, arch):
+    """`fused_stack` over a tiny Llama's (or Qwen3's: per-head q / k norms) fused projections
+    gives the modules' layer loop's last hidden states (within a few roundings of the dtype, over
+    two layers), for a prefill and a decode row; the layers are `fusable` only with fused
+    projections and norms in the dtype."""
     from quantspec.infer.cuda.layers import fusable, fused_stack
     from quantspec.infer.fuse import fuse_projections
     from quantspec.model_zoo.checkpoint import load_model
@@ -92,7 +94,7 @@ def test_fused_stack_computes_the_layers(tmp_path, dtype):
     from quantspec.model_zoo.tiny import build_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    d = build_tiny_model(tmp_path / "m", hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
+    d = build_tiny_model(tmp_path / "m", arch, hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
     net, _ = load_model(d, dtype=dtype, device=device)
     layers = net.model.layers
     assert not fusable(layers, dtype)

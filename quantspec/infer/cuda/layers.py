@@ -47,6 +47,9 @@ def fused_stack(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: 
         h, residual = kernels.add_rms_norm(residual if delta is None else delta, None if delta is None else residual,
                                            norm.weight, norm.eps)
         qkv = project(a.qkv_proj, h, row_invariant).view(T, H + 2 * KV, hd)
+        if a.q_norm is not None:  # Qwen3: q and k normalized per head before the rotary embedding
+            qkv[:, :H] = a.q_norm(qkv[:, :H])
+            qkv[:, H:H + KV] = a.k_norm(qkv[:, H:H + KV])
         kernels.rope_qk_(qkv, H + KV, cos, sin)
         out = attn(a.layer_idx, qkv[:, :H], qkv[:, H:H + KV], qkv[:, H + KV:])  # [T, H, hd]
         delta = project(a.o_proj, out.reshape(T, H * hd), row_invariant)

@@ -16,8 +16,9 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU k
 
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
-    """head_dim 64 (the CPU attention kernel's size): a Llama, a Qwen2 (q/k/v biases), and the
-    Llama's int8 and int4 (group 32, asymmetric) artifacts."""
+    """head_dim 64 (the CPU attention kernel's size): a Llama, a Qwen2 (q/k/v biases), a Qwen3
+    (per-head q / k norms, which the plans do not compute), and the Llama's int8 and int4 (group
+    32, asymmetric) artifacts."""
     from quantspec import api
     from quantspec.model_zoo.tiny import build_tiny_model
 
@@ -25,7 +26,8 @@ def models(tmp_path_factory):
     llama = build_tiny_model(root / "llama", "llama", hidden=256, heads=4, kv_heads=2, intermediate=256,
                              num_layers=3, seed=5)
     qwen2 = build_tiny_model(root / "qwen2", "qwen2", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=6)
-    return {"llama": llama, "qwen2": qwen2,
+    qwen3 = build_tiny_model(root / "qwen3", "qwen3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=7)
+    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3,
             "int8": api.quantize(llama, "weight_only_int8", root / "w8"),
             "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
 
@@ -308,6 +310,7 @@ def test_the_modules_run_where_the_plan_would_not_be_their_computation(models):
 def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
     assert load_for_inference(models["llama"], tokenizer=False, fuse=False).runtime.stack is None
     assert load_for_inference(models["llama"], dtype=torch.bfloat16, tokenizer=False).runtime.stack is None
+    assert load_for_inference(models["qwen3"], tokenizer=False).runtime.stack is None  # q / k norms: the modules
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert load_for_inference(models["llama"], tokenizer=False).runtime.stack is None
 
