@@ -200,8 +200,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens): auto, the model's generation_config.json; vllm, none (OpenAI's); or a directory holding one.")
 @click.option("--chat-template", default=None,
               help="A Jinja chat template (a file, or the template itself) in place of the tokenizer's.")
-@click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1"]),
-              help="Chat answers' thinking (up to </think>: DeepSeek-R1 and its distillations, QwQ) goes to reasoning_content, the rest to content.")
+@click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1", "qwen3"]),
+              help="Chat answers' thinking (up to </think>) goes to reasoning_content, the rest to content: deepseek_r1 (DeepSeek-R1 and its distillations, QwQ: always thinks first), qwen3 (thinks where the answer or the prompt opens <think>; enable_thinking false: all content).")
 @click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json", "pythonic"]),
               help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.1-3.3) or pythonic ([f(a=1)]: Llama 3.2 / 4 with a pythonic template).")
 @click.option("--allowed-origins", default="",

@@ -27,6 +27,7 @@ if TYPE_CHECKING:
 __all__ = ["Answers", "RequestIdHeader", "error_response", "request_id"]
 
 DISCONNECT_POLL_S = 0.25
+PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens a reasoning parser reads (a `<think>` the template left open)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "max_length": "length"}
 
 
@@ -83,7 +84,10 @@ class _Choice:
         self.tools = tool_calls(body, resp.state.tool_parser)
         # a reasoning model's thinking, split from the content (not where a grammar holds the answer)
         parser = resp.state.reasoning_parser if resp.chat and job.params.guide is None else None
-        self.reasoning = None if parser is None else ReasoningStream(parser)
+        self.reasoning = None
+        if parser is not None:  # whether it starts thinking may hang on the prompt's last tokens
+            tail = resp.state.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:])
+            self.reasoning = ReasoningStream(parser, parser.thinks_first(tail))
 
     @property
     def completion_tokens(self) -> int:
@@ -261,7 +265,7 @@ class Answers:
             if self.chat:
                 thought = None
                 if c.reasoning is not None:
-                    thought, text = c.reasoning.parser.split(text)
+                    thought, text = c.reasoning.parser.split(text, c.reasoning.thinking_first)
                 message, reason = (({"role": "assistant", "content": text}, c.finish_reason) if c.tools is None
                                    else c.tools.message(text or "", c.finish_reason))
                 if c.reasoning is not None:

@@ -6,6 +6,10 @@ names read an answer: the model's thinking goes to the message's `reasoning_cont
   up to `</think>` (after a `<think>` where the answer starts with one; the chat template often
   writes it into the prompt); an answer without `</think>` is thinking cut short: all of it is
   reasoning and there is no content.
+- `qwen3` (Qwen3, hybrid or thinking-only): the answer thinks where it starts with `<think>` or
+  the prompt leaves one open (a thinking-only template writes it there); then as `deepseek_r1`.
+  Otherwise, as with `enable_thinking: false` (the template closes an empty thinking block in
+  the prompt), all of it is content.
 
 A request whose answer a structured output or a forced tool call holds (its grammar starts at the
 first token, with no thinking) is not split. Streamed, thinking streams as `reasoning_content`
@@ -17,7 +21,7 @@ from __future__ import annotations
 
 from quantspec.serve.tool_parsers import held_tail
 
-__all__ = ["REASONING_PARSERS", "DeepSeekR1Reasoning", "ReasoningStream", "reasoning_parser"]
+__all__ = ["REASONING_PARSERS", "DeepSeekR1Reasoning", "Qwen3Reasoning", "ReasoningStream", "reasoning_parser"]
 
 
 class DeepSeekR1Reasoning:
@@ -26,14 +30,28 @@ class DeepSeekR1Reasoning:
     name = "deepseek_r1"
     START, END = "<think>", "</think>"
 
-    def split(self, text: str) -> tuple[str | None, str | None]:
+    def thinks_first(self, prompt_tail: str) -> bool:
+        """Whether an answer after a prompt ending in `prompt_tail` starts in its thinking (before
+        any `<think>` of its own)."""
+        return True
+
+    def split(self, text: str, thinking: bool = True) -> tuple[str | None, str | None]:
         """(reasoning, content) of a whole answer, None for an empty part: the stream's cut of
-        the answer as one last piece."""
-        reasoning, content = ReasoningStream(self).feed(text, final=True)
+        the answer as one last piece; `thinking`: `thinks_first` of its prompt."""
+        reasoning, content = ReasoningStream(self, thinking).feed(text, final=True)
         return reasoning or None, content or None
 
 
-REASONING_PARSERS = {p.name: p for p in (DeepSeekR1Reasoning,)}
+class Qwen3Reasoning(DeepSeekR1Reasoning):
+    """Thinking where the answer opens it or the prompt left it open (module docstring)."""
+
+    name = "qwen3"
+
+    def thinks_first(self, prompt_tail: str) -> bool:
+        return prompt_tail.rfind(self.START) > prompt_tail.rfind(self.END)
+
+
+REASONING_PARSERS = {p.name: p for p in (DeepSeekR1Reasoning, Qwen3Reasoning)}
 
 
 def reasoning_parser(name: str):
@@ -42,13 +60,14 @@ def reasoning_parser(name: str):
 
 
 class ReasoningStream:
-    """One streamed answer cut into its reasoning and content pieces (module docstring)."""
+    """One streamed answer cut into its reasoning and content pieces (module docstring);
+    `thinking`: whether it starts in its thinking (the parser's `thinks_first` of its prompt)."""
 
-    def __init__(self, parser):
-        self.parser = parser
+    def __init__(self, parser, thinking: bool = True):
+        self.parser, self.thinking_first = parser, thinking
         self._text = ""
         self._sent = 0  # characters of the answer streamed (as reasoning, then as content)
-        self._thinking = True
+        self._thinking = thinking
         self._start_checked = False
 
     def feed(self, piece: str, final: bool) -> tuple[str, str]:
@@ -61,7 +80,7 @@ class ReasoningStream:
                 return "", ""
             self._start_checked = True
             if head.startswith(p.START):
-                self._sent = len(self._text) - len(head) + len(p.START)
+                self._sent, self._thinking = len(self._text) - len(head) + len(p.START), True
         reasoning = content = ""
         if self._thinking:
             end = self._text.find(p.END, self._sent)

@@ -1,7 +1,8 @@
-"""The deepseek_r1 reasoning parser: a whole answer's thinking and content, the same answer
-streamed in pieces cut anywhere, and through the server with the real `openai` client (the tiny
-model's tokens replaced by a script's, as a reasoning model would write them) in
-`reasoning_content`, streamed or whole; a guided answer is not split."""
+"""The deepseek_r1 and qwen3 reasoning parsers: a whole answer's thinking and content, the same
+answer streamed in pieces cut anywhere, and through the server with the real `openai` client (the
+tiny model's tokens replaced by a script's, as a reasoning model would write them) in
+`reasoning_content`, streamed or whole; qwen3 reads whether the prompt left `<think>` open; a
+guided answer is not split."""
 
 from __future__ import annotations
 
@@ -10,9 +11,16 @@ import importlib.util
 import openai
 import pytest
 
-from quantspec.serve.reasoning import DeepSeekR1Reasoning, ReasoningStream
+from quantspec.serve.reasoning import DeepSeekR1Reasoning, Qwen3Reasoning, ReasoningStream
 
-P = DeepSeekR1Reasoning()
+P, Q = DeepSeekR1Reasoning(), Qwen3Reasoning()
+
+
+def _streamed(parser, text, cuts, thinking=True):
+    s = ReasoningStream(parser, thinking)
+    pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
+    out = [s.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
+    return "".join(r for r, _ in out) or None, "".join(c for _, c in out) or None
 
 
 @pytest.mark.parametrize("text, split", [
@@ -23,21 +31,32 @@ P = DeepSeekR1Reasoning()
     ("An answer that mentions <think> in passing.</think>", ("An answer that mentions <think> in passing.", None)),
 ])
 def test_deepseek_r1_splits_thinking_from_content(text, split):
-    assert P.split(text) == split
+    assert P.split(text) == split and P.thinks_first("<|im_start|>assistant\n")
     for cuts in ([], [1], [2, 3, 4, 5, 6, 7, 8], list(range(1, len(text)))):
-        s = ReasoningStream(P)
-        pieces = [text[a:b] for a, b in zip([0, *cuts], [*cuts, len(text)])]
-        out = [s.feed(p, i == len(pieces) - 1) for i, p in enumerate(pieces)]
-        reasoning, content = "".join(r for r, _ in out), "".join(c for _, c in out)
-        assert (reasoning or None, content or None) == split, cuts
+        assert _streamed(P, text, cuts) == split, cuts
+
+
+@pytest.mark.parametrize("prompt_tail, text, split", [
+    ("<|im_start|>assistant\n", "<think>\nHm.\n</think>\n\nYes.", ("\nHm.\n", "\n\nYes.")),  # thinking on
+    ("<|im_start|>assistant\n", "<think>Cut sh", ("Cut sh", None)),
+    ("assistant\n<think>\n\n</think>\n\n", "Just the answer.", (None, "Just the answer.")),  # enable_thinking false
+    ("<|im_start|>assistant\n", "An answer.</think> with a stray tag", (None, "An answer.</think> with a stray tag")),
+    ("<|im_start|>assistant\n<think>\n", "Hm.\n</think>\n\nYes.", ("Hm.\n", "\n\nYes.")),  # thinking-only template
+    ("<|im_start|>assistant\n<think>\n", "Still going", ("Still going", None)),
+])
+def test_qwen3_thinks_where_the_answer_or_the_prompt_opens_it(prompt_tail, text, split):
+    thinking = Q.thinks_first(prompt_tail)
+    assert Q.split(text, thinking) == split
+    for cuts in ([], [1], [2, 3, 4, 5, 6, 7, 8], list(range(1, len(text)))):
+        assert _streamed(Q, text, cuts, thinking) == split, cuts
 
 
 SCRIPT = "<think>\nThe user greets me.\n</think>\n\nHello there!"
 
 
-def _scripted(tokenizer):
-    """A `start_server` tweak: every request's tokens become SCRIPT's, in steps of 3."""
-    ids = tokenizer(SCRIPT, add_special_tokens=False)["input_ids"]
+def _scripted(tokenizer, script: str = SCRIPT):
+    """A `start_server` tweak: every request's tokens become `script`'s, as the engine steps."""
+    ids = tokenizer(script, add_special_tokens=False)["input_ids"]
 
     def tweak(state):
         engine = state.loop.engine
@@ -76,3 +95,25 @@ def test_the_server_returns_the_thinking_as_reasoning_content(start_server, tiny
         guided = client.chat.completions.create(**{**kw, "response_format": {"type": "json_object"}}).choices[0].message
         # (the grammar ends the answer when the real tokens close a JSON object: a prefix of the script)
         assert guided.content.startswith("<think>") and guided.model_extra.get("reasoning_content") is None
+
+
+ANSWER = "Hello there!</think> again"
+OPEN_THINK = ("{% for m in messages %}<|im_start|>{{ m['role'] }}\n{{ m['content'] }}<|im_end|>\n{% endfor %}"
+              "<|im_start|>assistant\n<think>\n")
+
+
+@pytest.mark.parametrize("template, reasoning, content", [
+    (None, None, ANSWER),  # no <think> anywhere: all content
+    (OPEN_THINK, "Hello there!", " again"),  # the template leaves <think> open: thinking first
+])
+def test_qwen3_on_the_server_reads_the_prompt(start_server, tiny_loaded, template, reasoning, content):
+    tweak, n = _scripted(tiny_loaded.tokenizer, ANSWER)
+    with start_server(reasoning_parser="qwen3", speculate_method="none", tweak=tweak, chat_template=template) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=n, temperature=0,
+                  extra_body={"ignore_eos": True})
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert (msg.model_extra.get("reasoning_content"), msg.content) == (reasoning, content)
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
+        assert "".join(d.content or "" for d in deltas) == content
