@@ -1,8 +1,7 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as plain nn.Modules.
 
-This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules, rotary
-embeddings (default, linear, dynamic-free llama3 scaling) and the HF weight-name table that
-`load_state_dict` is checked against. Module attribute names mirror HF's, so a checkpoint's tensor
+This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
+tables: `rope.py`) and the HF weight-name table that `load_state_dict` is checked against. Module attribute names mirror HF's, so a checkpoint's tensor
 names (and compressed-tensors' `...q_proj.weight_packed`) map one to one.
 
 What runs the numbers is injected rather than built in:
@@ -25,7 +24,6 @@ Tokens are flattened over the batch (`[T, D]`, no padding); positions come with 
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass, field
 from typing import Protocol
 
@@ -34,6 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin
 
 __all__ = [
     "ARCHITECTURES",
@@ -44,9 +43,11 @@ __all__ = [
     "SiluAndMul",
     "StackRunner",
     "Transformer",
+    "apply_rope",
     "hf_weight_table",
     "project",
     "rms_norm",
+    "rope_cos_sin",
 ]
 
 # HF `architectures[0]` → our family tag. Everything here shares one module tree; the tag only
@@ -94,10 +95,10 @@ class ModelArgs:
             )
         if self.rope_scaling is not None:
             rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rope_type not in _ROPE_TYPES:
+            if rope_type not in ROPE_TYPES:
                 raise QuantSpecError(
                     f"rope_scaling type {rope_type!r} is not supported; supported: "
-                    f"{', '.join(sorted(_ROPE_TYPES))}"
+                    f"{', '.join(sorted(ROPE_TYPES))}"
                 )
 
     @property
@@ -152,63 +153,9 @@ class ModelArgs:
         )
 
 
-# ---------------------------------------------------------------------------------------------
-# rotary embeddings
-
-
-def _default_inv_freq(args: ModelArgs) -> torch.Tensor:
-    d = args.head_dim
-    return 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
-
-
-def _linear_inv_freq(args: ModelArgs) -> torch.Tensor:
-    return _default_inv_freq(args) / float(args.rope_scaling["factor"])
-
-
-def _llama3_inv_freq(args: ModelArgs) -> torch.Tensor:
-    """Llama 3.1 frequency-dependent scaling (long wavelengths slowed by `factor`, short ones
-    kept, a smooth ramp between `low_freq_factor` and `high_freq_factor`)."""
-    s = args.rope_scaling
-    inv_freq = _default_inv_freq(args)
-    factor, low, high = float(s["factor"]), float(s["low_freq_factor"]), float(s["high_freq_factor"])
-    old_ctx = float(s["original_max_position_embeddings"])
-    low_wavelen, high_wavelen = old_ctx / low, old_ctx / high
-    wavelen = 2 * math.pi / inv_freq
-    scaled = torch.where(wavelen > low_wavelen, inv_freq / factor, inv_freq)
-    smooth = (old_ctx / wavelen - low) / (high - low)
-    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
-    is_medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
-    return torch.where(is_medium, smoothed, scaled)
-
-
-_ROPE_TYPES = {"default": _default_inv_freq, "linear": _linear_inv_freq, "llama3": _llama3_inv_freq}
-
-
-def rope_cos_sin(args: ModelArgs, max_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[max_positions, head_dim]` in fp32 (HF's rotate-half convention)."""
-    rope_type = "default"
-    if args.rope_scaling is not None:
-        rope_type = args.rope_scaling.get("rope_type", args.rope_scaling.get("type", "default"))
-    inv_freq = _ROPE_TYPES[rope_type](args).to(torch.float32)
-    t = torch.arange(max_positions, dtype=torch.float32)
-    freqs = torch.outer(t, inv_freq)  # [P, hd/2]
-    emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
-    return emb.cos().to(device), emb.sin().to(device)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: x normalized in fp32, rounded to x's dtype, then scaled by `weight`."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, hd]; cos/sin: [T, hd] → rotated x (same dtype)."""
-    half = x.shape[-1] // 2
-    x1, x2 = x[..., :half], x[..., half:]
-    rotated = torch.cat([-x2, x1], dim=-1)
-    if cos.dtype != x.dtype:
-        cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-    return x * cos[:, None, :] + rotated * sin[:, None, :]
 
 
 # ---------------------------------------------------------------------------------------------

@@ -31,7 +31,7 @@ def _theirs(model_dir, ids):
         return hf(ids).logits
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen2", "mistral"])
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "mistral"])
 def test_logits_match_transformers(tmp_path, arch):
     d = build_tiny_model(tmp_path / arch, arch)
     ids = torch.randint(3, 500, (2, 37), generator=torch.Generator().manual_seed(0))
@@ -46,6 +46,22 @@ def test_llama3_rope_scaling_and_tied_embeddings_match_transformers(tmp_path):
     d = build_tiny_model(tmp_path / "l3", "llama", rope_scaling=scaling, tie_word_embeddings=True)
     ids = torch.randint(3, 500, (1, 150), generator=torch.Generator().manual_seed(1))
     torch.testing.assert_close(_ours(d, ids), _theirs(d, ids), atol=LOGITS_ATOL, rtol=0)
+
+
+@pytest.mark.parametrize("yarn", [
+    {"factor": 4.0, "original_max_position_embeddings": 64},  # Qwen3's long-context form
+    {"factor": 8.0, "original_max_position_embeddings": 32, "beta_fast": 16, "mscale": 0.7, "mscale_all_dim": 1.0},
+    {"factor": 2.0, "original_max_position_embeddings": 48, "attention_factor": 1.3, "truncate": False},
+])
+def test_yarn_rope_scaling_matches_transformers(tmp_path, yarn):
+    """Positions past the original context, where YaRN's interpolation and attention factor act."""
+    d = build_tiny_model(tmp_path / "yarn", "qwen3", rope_scaling={"rope_type": "yarn", **yarn},
+                         max_position_embeddings=256)
+    ids = torch.randint(3, 500, (1, 150), generator=torch.Generator().manual_seed(2))
+    ours, theirs = _ours(d, ids), _theirs(d, ids)
+    torch.testing.assert_close(ours, theirs, atol=LOGITS_ATOL, rtol=0)
+    plain = build_tiny_model(tmp_path / "plain", "qwen3", max_position_embeddings=256)  # the same seed, no YaRN
+    assert (_ours(plain, ids) - theirs).abs().max() > 1e-2
 
 
 def test_sharded_checkpoint_loads_like_single_file(tmp_path):
