@@ -139,6 +139,14 @@ CASES = [
                             "--out {d}/q", "--smoothquant-alpha"),
     ("quantize-zp-dtype-sym", "quantize --model {model} --quant-type weight_only_int4 --zp-dtype float16 "
                               "--out {d}/q", "--asym"),
+    ("quantize-dynamic-weight-only", "quantize --model {model} --quant-type weight_only_int8 --activations dynamic "
+                                     "--out {d}/q", "--activations"),
+    ("quantize-dynamic-alpha", "quantize --model {model} --quant-type a8w8 --activations dynamic "
+                               "--smoothquant-alpha 0.5 --out {d}/q", "--smoothquant-alpha"),
+    ("quantize-dynamic-fallback", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic "
+                                  "--a8w8-fallback-layers 1 --out {d}/q", "--a8w8-fallback"),
+    ("quantize-dynamic-calib", "quantize --model {model} --quant-type a8w8 --activations dynamic "
+                               "--calib {d}/no-table --out {d}/q", "--calib"),
     ("quantize-kv-no-calib", "quantize --model {model} --quant-type weight_only_int8 --kv-cache int8 --out {d}/q",
      "--calib"),
     # what the --target's engines would refuse or ignore (portable: vLLM and SGLang)

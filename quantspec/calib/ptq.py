@@ -255,6 +255,7 @@ class _LayerQuantizer:
             raise QuantSpecError("the config quantizes no Linear of this model; check --ignore and "
                                  "the config's targets")
         self.layer_args = {n: config.weight_args_for(n) for n in self.linears}
+        self.formats = {n: config.scheme_for(n).format for n in self.linears}  # dynamic inputs: no input_scale
         self.in_scales = _check_input_scales(self.layer_args, config, input_scales)
         self.block_size, self.damp, self.act_order = block_size, damp, act_order
         self.scale_dtype, self.out_dtype, self.smooth = scale_dtype, out_dtype, smooth or {}
@@ -313,7 +314,7 @@ class _LayerQuantizer:
             args = self.layer_args[name]
             tensors.update(linear_to_tensors(name, qt.contiguous(), s.contiguous(),
                                              None if args.symmetric else zp.contiguous(), args,
-                                             input_scale=self.in_scales.get(name)))
+                                             input_scale=self.in_scales.get(name), format=self.formats[name]))
         return tensors
 
     def rest_part(self, model: nn.Module, outside: list[str]) -> dict:

@@ -82,6 +82,7 @@ class QuantizeConfig:
     seq_len: int = 512
     seed: int = 0
     calib: str | None = None
+    activations: str = "static"  # a8w8 types: "static" calibrated input scales, or "dynamic" per token
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
     kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
@@ -127,7 +128,7 @@ class QuantizeConfig:
         kv_strategy = self._check_target()
         config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
                         weight_observer=observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
-                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
+                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations)
         refusal = target_refusal(self.target, config)
         if refusal is not None:
             raise QuantSpecError(refusal)
@@ -152,7 +153,7 @@ class QuantizeConfig:
     @property
     def static(self) -> bool:
         """Static input activations (a8w8, a8w8_fp8): a calibration table is needed."""
-        return self.quant_type in ("a8w8", "a8w8_fp8")
+        return self.quant_type in ("a8w8", "a8w8_fp8") and self.activations == "static"
 
     @property
     def by_rank(self) -> bool:
@@ -167,15 +168,19 @@ class QuantizeConfig:
 
     def _check_static_recipe(self) -> None:
         a = self.smoothquant_alpha
+        dynamic = self.activations == "dynamic"
         if a is not None:
             if not self.static:
-                raise QuantSpecError("--smoothquant-alpha only helps a8w8 / a8w8_fp8 (it moves activation "
-                                     "outliers into the weights); drop it")
+                raise QuantSpecError("--smoothquant-alpha only helps a8w8 / a8w8_fp8 with static activation scales "
+                                     "(it moves activation outliers into the weights); drop it"
+                                     + (" or --activations dynamic" if dynamic else ""))
             if a not in ALPHA_CHOICES and (isinstance(a, (str, bool)) or not 0 < a < 1):
                 raise QuantSpecError(f"--smoothquant-alpha {a} must be in (0, 1), 'auto' or 'none'")
         if (self.by_rank or self.fallback_budget is not None) and not self.static:
-            raise QuantSpecError("the --a8w8-fallback-* flags are for a8w8 / a8w8_fp8 (weight-only types have "
-                                 "no activation quantization to fall back from); drop them")
+            raise QuantSpecError("the --a8w8-fallback-* flags are for a8w8 / a8w8_fp8 with static activation "
+                                 "scales (" + ("dynamic per-token scales need no fallback" if dynamic else
+                                              "weight-only types have no activation quantization to fall back from")
+                                 + "); drop them")
         if self.by_rank and self.fallback_budget is not None:
             raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
                                  "--a8w8-fallback-layers / --a8w8-fallback-threshold")
@@ -185,6 +190,10 @@ class QuantizeConfig:
         n = self.fallback_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise QuantSpecError(f"--a8w8-fallback-layers {n} must be 0 (no fallback) or more")
+        if self.calib is not None and not self.static and self.kv_cache is None:
+            raise QuantSpecError(f"--calib gives static activation and KV-cache scales, and {self.quant_type}"
+                                 + (" with --activations dynamic" if dynamic else "") + " reads neither "
+                                 "without --kv-cache; drop --calib")
         if self.static and self.calib is None:
             raise QuantSpecError(f"{self.quant_type} needs static activation scales; run `quantspec calibrate "
                                  "--out DIR` and pass --calib DIR")
@@ -458,7 +467,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target")}
+                          "kv_strategy", "target", "activations")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

@@ -37,6 +37,9 @@ def _gib(n) -> str:
 @click.option("--seq-len", default=512, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
+@click.option("--activations", default="static", show_default=True, type=click.Choice(["static", "dynamic"]),
+              help="a8w8 types: input scales calibrated per tensor (needs --calib) or computed per token at run "
+                   "time (llm-compressor's W8A8 / FP8_DYNAMIC; no --calib, SmoothQuant or fallback)")
 @click.option("--smoothquant-alpha", default=None,
               help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
                    "smoothing group on calibration data; the default) or 'none'")
@@ -68,7 +71,7 @@ def _gib(n) -> str:
 @one_line_errors
 @threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
-             dataset, split, text_field, num_samples, seq_len, seed, calib, smoothquant_alpha,
+             dataset, split, text_field, num_samples, seq_len, seed, calib, activations, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable"):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
@@ -91,7 +94,8 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             ignore=tuple(ignore), act_order=act_order,
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                            calib=calib, smoothquant_alpha=smoothquant_alpha, overwrite=overwrite,
+                            calib=calib, activations=activations, smoothquant_alpha=smoothquant_alpha,
+                            overwrite=overwrite,
                             kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
                             fallback_layers=fallback_layers,
                             fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,

@@ -10,7 +10,12 @@ from quantspec.quant.args import MIN_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS", "default_weight_observer", "preset"]
+__all__ = ["ACTIVATIONS", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS", "default_weight_observer",
+           "preset"]
+
+# how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
+# in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
+ACTIVATIONS = ("static", "dynamic")
 
 
 WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose_qparams)
@@ -44,7 +49,7 @@ def default_weight_observer(quant_type: QuantType | str) -> str:
 def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
-           weight_observer: str | None = None) -> QuantConfig:
+           weight_observer: str | None = None, activations: str = "static") -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights (8-bit "pack-quantized").
@@ -55,11 +60,20 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     `kv_cache` ("int8" | "fp8" | None) adds a static KV-cache scheme (`kv_strategy` "attn_head"
     = one scale per KV head, or "tensor"). `weight_observer` "mse" searches each weight scale's
     range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
-    None → `default_weight_observer(quant_type)`.
+    None → `default_weight_observer(quant_type)`. `activations` "dynamic": the a8w8 types' inputs
+    quantized per token at run time instead (no input scales in the artifact).
     """
     qt = QuantType.parse(quant_type)
     weight_observer = weight_observer or default_weight_observer(qt)
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
+    if activations not in ACTIVATIONS:
+        raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
+    inputs = PRESET_INPUTS.get(qt)
+    if activations == "dynamic":
+        if inputs is None:
+            raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} keeps float "
+                                 "activations); drop it")
+        inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
     if qt is QuantType.WEIGHT_ONLY_INT4:
         layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
     else:
@@ -67,7 +81,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **layout)
     if weight_observer != "minmax":
         w = w.replace(observer=weight_observer)
-    scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=PRESET_INPUTS.get(qt))
+    scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=inputs)
     return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore),
                        kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
 

@@ -36,6 +36,8 @@ ARTIFACTS = {
                                  kv_cache="fp8", kv_strategy="head", target="vllm"),
     "a8w8_kv_int8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0,
                          kv_cache="int8", target="quantspec"),
+    "a8w8_dynamic": dict(quant_type="a8w8", activations="dynamic"),
+    "a8w8_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
@@ -68,7 +70,7 @@ def artifacts(conformance_model, tmp_path_factory) -> dict[str, Path]:
     for name, opts in ARTIFACTS.items():
         opts = dict(opts)
         qt = opts.pop("quant_type")
-        if qt.startswith("a8w8") or opts.get("kv_cache"):
+        if (qt.startswith("a8w8") and opts.get("activations") != "dynamic") or opts.get("kv_cache"):
             opts.update(calib=str(calib), dataset=str(data), seq_len=32, holdout_samples=2,
                         search_samples=2)
         out[name] = api.quantize(str(conformance_model), qt, root / name, **opts)

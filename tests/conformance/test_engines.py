@@ -84,7 +84,7 @@ def test_verdict_matches_engine_code(artifacts, lifted, engine, name):
             if "symmetric" in args:
                 assert args["symmetric"] == lv.symmetric
             if "is_static_input_scheme" in args:
-                assert bool(args["is_static_input_scheme"]) == (lv.input_activations is not None)
+                assert bool(args["is_static_input_scheme"]) == (lv.input_activations or "").endswith("static")
     if res["kv"] is not None:
         assert (v.kv_cache is not None) == (res["kv"]["method"] is not None and not res["kv"]["error"])
 
@@ -113,7 +113,8 @@ def test_default_target_loads_as_intended(artifacts, lifted, name):
                 g = s.weights.group_size if s.weights.strategy == "group" else -1
                 assert args["group_size"] == g, (engine, layer, args, g)
             else:
-                assert bool(args.get("is_static_input_scheme")) == (s.input_activations is not None)
+                ia = s.input_activations
+                assert bool(args.get("is_static_input_scheme")) == (ia is not None and not ia.dynamic)
 
 
 @pytest.mark.parametrize("engine", list(eng.ENGINE_PINS))

@@ -119,7 +119,8 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
         elif kv.strategy == "attn_head":
             out.append("use --kv-strategy tensor")
     if "one input_scale element" in text:
-        out.append("serve it with vLLM (which loads static int8), or use --quant-type a8w8_fp8")
+        out.append("serve it with vLLM (which loads static int8), or use --activations dynamic or "
+                   "--quant-type a8w8_fp8")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",

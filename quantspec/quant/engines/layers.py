@@ -168,8 +168,8 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
             return LayerVerdict("W8A16Fp8", **base)
         if ia is not None and w.num_bits == ia.num_bits == 8 and w.type == ia.type == "int" and \
                 w.strategy in ("tensor", "channel") and w.symmetric and not w.dynamic and \
-                not ia.dynamic and ia.strategy == "tensor":
-            if engine == "sglang" and shards > 1:
+                ia.strategy == ("token" if ia.dynamic else "tensor"):
+            if engine == "sglang" and shards > 1 and not ia.dynamic:  # (dynamic: no input_scale to load)
                 return LayerVerdict(None, **base, input_activations=_act(ia), defect=True,
                                     problem=SGLANG_FUSED_STATIC_INT8)
             return LayerVerdict("W8A8Int8", **base, input_activations=_act(ia))
