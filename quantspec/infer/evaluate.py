@@ -59,6 +59,7 @@ def windows(token_ids: torch.Tensor, seq_len: int, max_windows: int | None = Non
     return token_ids[: n * seq_len].view(n, seq_len)
 
 
+@torch.no_grad()  # scoring only: no autograd graph over the windows (a model's parameters may want grads)
 def perplexity(model: Transformer, token_ids: torch.Tensor, *, seq_len: int = 512,
                max_windows: int | None = None, batch_size: int = 4,
                kv_cache_dtype: KVCacheDtype | str = KVCacheDtype.AUTO,
