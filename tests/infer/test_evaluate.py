@@ -76,3 +76,16 @@ def test_bad_eval_inputs(tiny_llama_dir, tmp_path):
     empty.write_text("  \n")
     with pytest.raises(QuantSpecError, match="--text-file: .*empty"):
         api.evaluate(str(tiny_llama_dir), text_file=empty)
+
+
+def test_perplexity_builds_no_autograd_graph(tiny_llama_dir):
+    """Scoring a model whose parameters want grads records nothing for backward."""
+    model, _ = load_model(tiny_llama_dir)
+    for p in model.parameters():
+        p.requires_grad_(True)
+    seen = []
+    handle = model.model.norm.register_forward_hook(lambda m, i, o: seen.append(o.requires_grad))
+    ids = torch.randint(3, 500, (130,), generator=torch.Generator().manual_seed(0))
+    res = perplexity(model, ids, seq_len=64, max_windows=2)
+    handle.remove()
+    assert res.num_windows == 2 and seen and not any(seen)
