@@ -52,9 +52,9 @@ def infer(config, prompts: list[str] | None = None, *, data_file: str | Path | N
     rows = read_jsonl(data_file) if data_file is not None else [{"src": p} for p in prompts]
     kv_scales = None
     if calib is not None:
-        if config.cachekv == "none":
-            raise QuantSpecError("--calib gives static KV-cache scales: add --cachekv-int8-type static or "
-                                 "--cachekv-fp8-type static, or drop --calib")
+        if config.cachekv in ("none", "float"):
+            raise QuantSpecError("--calib gives static KV-cache scales: add --kv-cache-dtype fp8 or int8 (or "
+                                 "--cachekv-int8-type / --cachekv-fp8-type static), or drop --calib")
         kv_scales = table_kv_scales(calib, config.model, config.cachekv)
     predictor = Predictor(config, kv_scales=kv_scales)
     outs, stats = predictor.run([r["src"] for r in rows], on_text=on_text)
@@ -78,10 +78,14 @@ def serve(config, *, on_ready=None, on_stats=None) -> None:
     then drain the requests in flight and return. `on_ready(url, kv_cache, sampling_defaults)` is
     called once the model is loaded (`kv_cache`: which KV cache the engine runs;
     `sampling_defaults`: what requests that leave those fields out get, from --generation-config).
-    `on_stats(line)` gets a line of throughput, queue and KV-cache use every 10 s while busy."""
+    `on_stats(line)` gets a line of throughput, queue and KV-cache use every 10 s while busy.
+    `config.calib`: the calibration table whose KV scales a static `config.kv_cache_dtype` uses."""
     from quantspec.serve import run
 
-    run(config, on_ready=on_ready, on_stats=on_stats)
+    kv_scales = None
+    if config.calib is not None:
+        kv_scales = table_kv_scales(config.calib, config.model, config.infer_config().cachekv)
+    run(config, on_ready=on_ready, on_stats=on_stats, kv_scales=kv_scales)
 
 
 def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = None, out: str | Path | None = None,

@@ -74,6 +74,12 @@ CASES = [
     ("infer-draft-model-no-method", "infer --model {model} --prompt hi --draft-model {model}",
      "--speculate-method"),
     ("infer-kv-int8-no-scales", "infer --model {model} --prompt hi --cachekv-int8-type static", "--calib"),
+    ("infer-kv-dtype-no-scales", "infer --model {model} --prompt hi --kv-cache-dtype fp8", "--calib"),
+    ("infer-kv-dtype-and-cachekv", "infer --model {model} --prompt hi --kv-cache-dtype fp8 "
+                                   "--cachekv-int8-type static", "--kv-cache-dtype"),
+    ("infer-kv-dtype-float-calib", "infer --model {model} --prompt hi --kv-cache-dtype float --calib {d}/no-table",
+     "--kv-cache-dtype"),
+    ("serve-calib-no-kv-dtype", "serve --model {model} --calib {d}/no-table", "--kv-cache-dtype"),
     ("infer-kv-two-types", "infer --model {model} --prompt hi --cachekv-int8-type static "
                            "--cachekv-fp8-type static", "--cachekv-int8-type"),
     ("infer-min-confidence-ngram", "infer --model {model} --prompt hi --speculate-method inference_with_reference "

@@ -76,6 +76,22 @@ def test_infer_says_it_runs_the_artifacts_kv_cache(tmp_path, tiny_llama_dir):
             "--benchmark", "--stats-file", stats)
     assert r.exit_code == 0, r.output
     assert json.loads(stats.read_text())["kv_cache"] == "fp8 static (the artifact's scales)"
+    # vLLM's --kv-cache-dtype: float runs the model's dtype over the artifact's scales; int8 with
+    # --calib is --cachekv-int8-type static
+    r = run("infer", "--model", art, "--prompt", "the quick", "--no-chat-template", "--max-new-tokens", 4,
+            "--kv-cache-dtype", "float", "--benchmark", "--stats-file", stats)
+    assert r.exit_code == 0, r.output
+    assert json.loads(stats.read_text())["kv_cache"] == "float (float32)"
+    outs = []
+    for flags in (("--kv-cache-dtype", "int8"), ("--cachekv-int8-type", "static")):
+        out = tmp_path / f"{flags[0]}.jsonl"
+        r = run("infer", "--model", tiny_llama_dir, "--prompt", "the quick", "--no-chat-template",
+                "--max-new-tokens", 6, *flags, "--calib", calib, "--output-file", out, "--benchmark",
+                "--stats-file", stats)
+        assert r.exit_code == 0, r.output
+        assert json.loads(stats.read_text())["kv_cache"] == "int8 static (the calibration table's scales)"
+        outs.append(json.loads(out.read_text())["output_token_ids"])
+    assert outs[0] == outs[1]
 
 
 def test_sampling_flags_are_seeded(tiny_llama_dir):

@@ -8,6 +8,14 @@ from quantspec.cli.group import main, one_line_errors, threads_option
 from quantspec.cli.speculative import speculative_config_option
 from quantspec.errors import QuantSpecError
 
+# vLLM's --kv-cache-dtype values and int8 (`InferConfig.cachekv` reads them)
+KV_CACHE_CHOICES = ("auto", "fp8", "fp8_e4m3", "int8", "float")
+
+kv_cache_dtype_option = click.option(
+    "--kv-cache-dtype", default="auto", show_default=True, type=click.Choice(KV_CACHE_CHOICES),
+    help="KV cache: auto (the artifact's static int8 / fp8 scales where it has them, else the model's dtype), "
+         "fp8 / fp8_e4m3 or int8 (static, scales from the artifact or --calib), float (the model's dtype "
+         "even where the artifact has KV scales).")
 
 def _stats_table(title: str, stats: dict):
     from rich.table import Table
@@ -89,6 +97,7 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
 @click.option("--cachekv-fp8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
               help="static: FP8 E4M3 KV cache with calibrated per-head scales.")
 @click.option("--calib", type=click.Path(file_okay=False), help="Calibration directory (scale tables) for a static KV cache.")
+@kv_cache_dtype_option
 @click.option("--speculate-method", default="none", show_default=True,
               type=click.Choice(["none", "inference_with_reference", "draft", "mtp", "medusa", "eagle"]))
 @click.option("--draft-model", help="Draft model, MTP module, Medusa heads or EAGLE-3 head (directory or artifact).")
@@ -121,7 +130,7 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
 @threads_option
 @speculative_config_option
 def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_int8_type, cachekv_fp8_type, calib,
-          json_schema, regex, choice, grammar, **kw):
+          kv_cache_dtype, json_schema, regex, choice, grammar, **kw):
     """Generate text with a model or a quantized artifact (optionally speculating)."""
     import json
 
@@ -132,6 +141,10 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
     if cachekv_int8_type == "static" and cachekv_fp8_type == "static":
         raise QuantSpecError("choose one of --cachekv-int8-type and --cachekv-fp8-type")
     cachekv = "int8" if cachekv_int8_type == "static" else "fp8" if cachekv_fp8_type == "static" else "none"
+    if kv_cache_dtype != "auto":
+        if cachekv != "none":
+            raise QuantSpecError("choose one of --kv-cache-dtype and --cachekv-int8-type / --cachekv-fp8-type")
+        cachekv = kv_cache_dtype
     if prompt is None and data_file is None:
         raise QuantSpecError("give --prompt TEXT or --data-file FILE.jsonl")
     kw.update(_structured_output(json_schema, regex, choice, grammar))
@@ -209,6 +222,9 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, Authorization) from those origins.")
 @click.option("--ssl-keyfile", default=None, help="Serve HTTPS with this PEM private key (with --ssl-certfile).")
 @click.option("--ssl-certfile", default=None, help="Serve HTTPS with this PEM certificate (with --ssl-keyfile).")
+@kv_cache_dtype_option
+@click.option("--calib", type=click.Path(file_okay=False),
+              help="Calibration directory whose KV scales a static --kv-cache-dtype fp8 / int8 cache uses (over the artifact's).")
 @click.option("--max-stored-responses", default=1000, show_default=True, type=click.IntRange(min=0),
               help="Responses API answers kept (least recently used out) for previous_response_id, background runs and retrieval; 0: none.")
 @click.option("--disable-log-stats", is_flag=True,

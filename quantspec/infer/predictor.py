@@ -30,7 +30,7 @@ from quantspec.infer.scheduler import PREFILL_TOKENS
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.default import DEFAULT_MODEL
 
-__all__ = ["MTP_MIN_CONFIDENCE", "InferConfig", "Predictor", "RequestOutput", "read_jsonl", "speculation_stats",
+__all__ = ["KV_CACHE_DTYPES", "MTP_MIN_CONFIDENCE", "InferConfig", "Predictor", "RequestOutput", "read_jsonl", "speculation_stats",
            "write_jsonl"]
 
 MTP_MIN_CONFIDENCE = 0.4  # --speculate-min-confidence's default for mtp, eagle and medusa (see InferConfig)
@@ -39,6 +39,11 @@ DRAFT_HEADS = ("int8", "artifact")  # --speculate-draft-head (see InferConfig)
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16,
            "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16}
+
+
+# vLLM's --kv-cache-dtype values (and int8) → `InferConfig.cachekv`: auto, the artifact's own static
+# KV scheme where it has one, else the model's dtype; float, the model's dtype whatever it holds
+KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8", "float": "float"}
 
 
 @dataclass
@@ -67,7 +72,9 @@ class InferConfig:
     ignore_eos: bool = False  # generate max_new_tokens whatever the model says (fixed-length benchmarks)
     chat_template: bool = True
     benchmark: bool = False
-    # static KV cache: "none" | "int8" | "fp8"; scales from the artifact, or given to the Predictor
+    # static KV cache: "int8" | "fp8" (scales from the artifact, or given to the Predictor); "none":
+    # the artifact's own static scheme where it has one; "float": the model's dtype whatever it
+    # holds; vLLM's --kv-cache-dtype names are read as these (`KV_CACHE_DTYPES`)
     cachekv: str = "none"
     # speculative decoding
     speculate_method: str = "none"
@@ -110,6 +117,9 @@ class InferConfig:
     def __post_init__(self):
         if self.dtype != "auto" and self.dtype not in _DTYPES:
             raise QuantSpecError(f"--dtype {self.dtype!r} is not supported; use auto or one of {', '.join(_DTYPES)}")
+        self.cachekv = KV_CACHE_DTYPES.get(self.cachekv, self.cachekv)
+        if self.cachekv not in KV_CACHE_DTYPES.values():
+            raise QuantSpecError(f"--kv-cache-dtype {self.cachekv!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_new_tokens < 1:
             raise QuantSpecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
         if self.max_length <= 1:
@@ -253,6 +263,8 @@ class Predictor:
         cachekv = config.cachekv
         if cachekv == "none" and getattr(self.loaded, "kv_cache_dtype", None) and kv_scales is None:
             cachekv = self.loaded.kv_cache_dtype  # an artifact with k_scale/v_scale: no flag needed
+        elif cachekv == "float":
+            cachekv = "none"
         if cachekv != "none":
             k_scale, v_scale = kv_scales if kv_scales is not None else self._artifact_kv_scales(cachekv)
         from quantspec.infer.kv_cache import kv_cache_label
@@ -278,8 +290,8 @@ class Predictor:
         if self.loaded.k_scale is not None:
             return self.loaded.k_scale, self.loaded.v_scale
         raise QuantSpecError(
-            f"--cachekv-{kind}-type static needs KV scales: pass --calib DIR from `quantspec calibrate`, "
-            f"or use an artifact quantized with --kv-cache {kind}"
+            f"a static {kind} KV cache (--kv-cache-dtype {kind}, --cachekv-{kind}-type static) needs KV scales: "
+            f"pass --calib DIR from `quantspec calibrate`, or use an artifact quantized with --kv-cache {kind}"
         )
 
     def _proposer(self):

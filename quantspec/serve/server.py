@@ -18,7 +18,7 @@ from pathlib import Path
 
 from quantspec.errors import QuantSpecError, positive_int
 from quantspec.infer.loader import read_sampling_defaults
-from quantspec.infer.predictor import InferConfig, Predictor
+from quantspec.infer.predictor import KV_CACHE_DTYPES, InferConfig, Predictor
 from quantspec.model_zoo.default import DEFAULT_MODEL
 from quantspec.serve.app import DEFAULT_STORED_RESPONSES, ServeState, build_app
 from quantspec.serve.loop import EngineLoop
@@ -69,6 +69,10 @@ class ServeConfig:
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
     disable_log_stats: bool = False  # no periodic stats line (`metrics.StatsLog`)
     max_stored_responses: int = DEFAULT_STORED_RESPONSES  # Responses API answers kept (`response_store.py`)
+    # KV cache (vLLM's names, `infer.predictor.KV_CACHE_DTYPES`): auto (the artifact's static scheme
+    # if any), fp8 / fp8_e4m3 / int8 (static; scales from `calib`, else the artifact's), float
+    kv_cache_dtype: str = "auto"
+    calib: str | None = None
     # deployment: browser origins answered with CORS headers (vLLM's JSON list, or comma-separated;
     # "*": any), TLS (both files, PEM)
     allowed_origins: tuple[str, ...] | str = ()
@@ -106,6 +110,8 @@ class ServeConfig:
         for flag, path in (("--ssl-keyfile", self.ssl_keyfile), ("--ssl-certfile", self.ssl_certfile)):
             if path is not None and not Path(path).expanduser().is_file():
                 raise QuantSpecError(f"{flag} {path}: no such file")
+        if self.calib is not None and KV_CACHE_DTYPES.get(self.kv_cache_dtype) not in ("fp8", "int8"):
+            raise QuantSpecError("--calib gives static KV-cache scales: add --kv-cache-dtype fp8 or int8, or drop --calib")
         self.served_model_name = self.served_model_name or self.model
         self.infer_config()  # the engine's and speculation's own checks, before anything loads
 
@@ -120,7 +126,8 @@ class ServeConfig:
                            prefill_tokens=self.max_prefill_tokens,
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
-                           gpu_memory_utilization=self.gpu_memory_utilization)
+                           gpu_memory_utilization=self.gpu_memory_utilization,
+                           cachekv=self.kv_cache_dtype)
 
 
 def _origins(value: tuple[str, ...] | str) -> tuple[str, ...]:
@@ -151,11 +158,14 @@ def _template_text(value: str) -> str:
     return value
 
 
-def load(config: ServeConfig, *, loaded=None, on_stats=None) -> ServeState:
+def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> ServeState:
     """The model, its engine and the engine loop (started); `loaded`: a `LoadedModel` to reuse;
     `on_stats(line)`: where the periodic stats lines go (none without it or with
-    `disable_log_stats`)."""
-    predictor = Predictor(config.infer_config(), loaded=loaded)
+    `disable_log_stats`); `kv_scales`: the (k, v) scales of `config.calib` for a static KV cache
+    (`api.serve` reads them)."""
+    if config.calib is not None and kv_scales is None:
+        raise QuantSpecError("--calib's KV scales were not read: serve through api.serve, which reads them")
+    predictor = Predictor(config.infer_config(), loaded=loaded, kv_scales=kv_scales)
     engine = predictor.engine
     engine.warm_up()  # CUDA: the decode steps' graphs, captured before any request waits on one
     if config.speculate_method != "none" and config.load_aware:
@@ -181,9 +191,9 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None) -> ServeState:
                       responses=ResponseStore(config.max_stored_responses))
 
 
-def build(config: ServeConfig, *, loaded=None, on_stats=None):
+def build(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None):
     """(FastAPI app, its state): the app stops the engine loop when it shuts down."""
-    state = load(config, loaded=loaded, on_stats=on_stats)
+    state = load(config, loaded=loaded, on_stats=on_stats, kv_scales=kv_scales)
     return build_app(state, on_shutdown=lambda: state.loop.stop(timeout=10), allowed_origins=config.allowed_origins,
                      allow_credentials=config.allow_credentials), state
 
@@ -197,11 +207,11 @@ def uvicorn_server(app, config: ServeConfig):
     return uvicorn.Server(uv)
 
 
-def run(config: ServeConfig, *, on_ready=None, on_stats=None) -> None:
+def run(config: ServeConfig, *, on_ready=None, on_stats=None, kv_scales=None) -> None:
     """Serve until SIGTERM or Ctrl-C (drained, see the module docstring). `on_ready(url, kv_cache,
     sampling_defaults)` is called once the model is loaded, before uvicorn binds; `on_stats(line)`
-    gets the periodic stats lines."""
-    app, state = build(config, on_stats=on_stats)
+    gets the periodic stats lines; `kv_scales`: as `load`'s."""
+    app, state = build(config, on_stats=on_stats, kv_scales=kv_scales)
     if on_ready is not None:
         scheme = "https" if config.ssl_certfile else "http"
         on_ready(f"{scheme}://{config.host}:{config.port}", state.kv_cache, state.sampling_defaults)
