@@ -215,8 +215,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="A Jinja chat template (a file, or the template itself) in place of the tokenizer's.")
 @click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1", "qwen3"]),
               help="Chat answers' thinking (up to </think>) goes to reasoning_content, the rest to content: deepseek_r1 (DeepSeek-R1 and its distillations, QwQ: always thinks first), qwen3 (thinks where the answer or the prompt opens <think>; enable_thinking false: all content).")
-@click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json", "pythonic"]),
-              help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.1-3.3) or pythonic ([f(a=1)]: Llama 3.2 / 4 with a pythonic template).")
+@click.option("--tool-call-parser", default=None, type=click.Choice(["hermes", "llama3_json", "pythonic", "mistral"]),
+              help="The model's tool-call syntax: hermes (<tool_call> blocks: Hermes, Qwen 2.5 / 3), llama3_json (Llama 3.1-3.3), pythonic ([f(a=1)]: Llama 3.2 / 4 with a pythonic template) or mistral ([TOOL_CALLS]: Mistral's models).")
 @click.option("--allowed-origins", default="",
               help="Browser origins answered with CORS headers: a JSON list (vLLM's form) or comma-separated; \"*\": any [default: none, no CORS].")
 @click.option("--allow-credentials", is_flag=True, help="CORS: allow credentials (cookies, Authorization) from those origins.")

@@ -73,15 +73,18 @@ class _Choice:
     def __init__(self, resp: "Answers", index: int, job: Job, echo: str | None):
         self.resp, self.index, self.job, self.echo = resp, index, job, echo
         body = resp.body
-        self.text = TextStream(resp.state.tokenizer, body.stop_strings(), skip_special_tokens=body.skip_special_tokens,
+        # a forced tool call, or "auto" under a parser: the answer goes out as `tool_calls` (`serve/tools.py`)
+        self.tools = tool_calls(body, resp.state.tool_parser)
+        keep = getattr(getattr(self.tools, "parser", None), "keeps_special_tokens", False)  # e.g. mistral's [TOOL_CALLS]
+        self.text = TextStream(resp.state.tokenizer, body.stop_strings(),
+                               skip_special_tokens=body.skip_special_tokens and not keep,
                                include_stop=body.include_stop_str_in_output)
         self.score_only = isinstance(body, CompletionRequest) and body.max_tokens == 0
         self.finish_reason: str | None = None
         self.stop_reason: str | int | None = None  # vLLM's: the stop string or stop token id that ended it
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
         self.prompt_logprobs: list | None = None  # vLLM's, where asked for
-        # a forced tool call, or "auto" under a parser: the answer goes out as `tool_calls` (`serve/tools.py`)
-        self.tools = tool_calls(body, resp.state.tool_parser)
+        self.ids: list[int] = []  # the answer's token ids (a stop token too, whose text is not shown)
         # a reasoning model's thinking, split from the content (not where a grammar holds the answer)
         parser = resp.state.reasoning_parser if resp.chat and job.params.guide is None else None
         self.reasoning = None
@@ -91,7 +94,7 @@ class _Choice:
 
     @property
     def completion_tokens(self) -> int:
-        return 0 if self.score_only else len(self.text.ids)
+        return 0 if self.score_only else len(self.ids)
 
     def _entries(self, ids: list[int], lps: list) -> list:
         as_ids = self.resp.body.return_tokens_as_token_ids
@@ -99,6 +102,15 @@ class _Choice:
             return chat_entries(self.resp.token_text, ids, lps, as_ids)
         out, self.offset = legacy_entries(self.resp.token_text, ids, lps, self.resp.body.logprobs, self.offset, as_ids)
         return out
+
+    def _shown(self, d: Delta) -> list[int]:
+        """The ids of `d` whose text the answer shows: all but a stop token (EOS, a stop_token_ids
+        one) that ended it, as vLLM, unless the request asks for it (include_stop_str_in_output)."""
+        ids = d.token_ids
+        if d.finish_reason in ("eos", "stop") and ids and not self.resp.body.include_stop_str_in_output and \
+                (ids[-1] in self.resp.state.loop.engine.eos or ids[-1] in self.job.params.stop_token_ids):
+            return ids[:-1]
+        return ids
 
     async def deltas(self):
         """(text piece, log-probability entries, finish reason or None, the delta's token ids) per
@@ -119,7 +131,8 @@ class _Choice:
                 self.offset = len(self.echo)
             first = False
             if not self.score_only:
-                piece += self.text.feed(d.token_ids)
+                self.ids += d.token_ids
+                piece += self.text.feed(self._shown(d))
                 if d.logprobs:
                     entries += self._entries(d.token_ids, d.logprobs)
             ids = [] if self.score_only else list(d.token_ids)
@@ -282,7 +295,7 @@ class Answers:
                 if self.body.return_token_ids:
                     choices[-1]["prompt_token_ids"] = c.job.prompt_ids
             if self.body.return_token_ids:
-                choices[-1]["token_ids"] = list(c.text.ids)
+                choices[-1]["token_ids"] = list(c.ids)
         out = {"id": self.id, "object": "chat.completion" if self.chat else "text_completion",
                "created": self.created, "model": self.state.model_name, "choices": choices, "usage": self._usage()}
         if self.chat and self.body.prompt_logprobs is not None:  # vLLM's place for a chat request's

@@ -12,6 +12,12 @@ names read:
   optional `<|python_start|>`, is a Python list of calls with keyword arguments of literal values,
   `[get_weather(city="Paris"), get_time()]`; it is read as Python syntax, never run; its calls
   arrive whole once the answer ends.
+- `mistral` (Mistral 7B v0.3, Mistral Small / Nemo / Large, Ministral, Devstral, Magistral): the
+  text before `[TOOL_CALLS]` is content; after it, a JSON list of `{"name": ..., "arguments":
+  {...}}` (tokenizers up to v7), or `name[ARGS]{...}` per call, each after its own `[TOOL_CALLS]`
+  (v11 on; a `[CALL_ID]id` before `[ARGS]` is skipped). `[TOOL_CALLS]` is a special token, so its
+  answers are decoded with special tokens kept (`keeps_special_tokens`), and its call ids are 9
+  letters and digits, the only ids Mistral's chat templates take back.
 
 A call whose JSON does not parse, or that names no function, leaves the whole answer as content:
 what the model wrote reaches the client, never a call made up from part of it.
@@ -33,13 +39,15 @@ import re
 import uuid
 from dataclasses import dataclass, field
 
-__all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "Parsed", "Partial", "PythonicParser",
+__all__ = ["TOOL_PARSERS", "AutoToolCalls", "HermesParser", "Llama3JsonParser", "MistralParser", "Parsed", "Partial",
+           "PythonicParser",
            "call_entry", "held_tail", "partial_call", "partials_from", "tool_parser"]
 
 
-def call_entry(name: str, arguments: str) -> dict:
-    """One of OpenAI's `tool_calls` entries, with a fresh id."""
-    return {"id": "call_" + uuid.uuid4().hex[:24], "type": "function", "function": {"name": name, "arguments": arguments}}
+def call_entry(name: str, arguments: str, call_id: str | None = None) -> dict:
+    """One of OpenAI's `tool_calls` entries, with `call_id` or a fresh id."""
+    return {"id": call_id or "call_" + uuid.uuid4().hex[:24], "type": "function",
+            "function": {"name": name, "arguments": arguments}}
 
 
 def held_tail(text: str, tag: str) -> int:
@@ -261,7 +269,79 @@ class PythonicParser:
         return []  # Python syntax: the calls are read once the answer is whole
 
 
-TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser)}
+class MistralParser:
+    """Content, then `[TOOL_CALLS]` and the calls as a JSON list or as `name[ARGS]{...}` (module docstring)."""
+
+    name = "mistral"
+    TAG, ARGS, CALL_ID = "[TOOL_CALLS]", "[ARGS]", "[CALL_ID]"
+    keeps_special_tokens = True  # [TOOL_CALLS] is one
+
+    @staticmethod
+    def call_id() -> str:
+        return uuid.uuid4().hex[:9]
+
+    def _named(self, text: str, at: int) -> list[Partial]:
+        """The `name[ARGS]{...}` calls from `text[at]` on, each after a [TOOL_CALLS], as far as written."""
+        out = []
+        while text.startswith(self.TAG, at):
+            args = text.find(self.ARGS, at)
+            if args < 0:
+                break
+            name = text[at + len(self.TAG):args].split(self.CALL_ID)[0].strip()
+            start = args + len(self.ARGS)
+            while start < len(text) and text[start].isspace():
+                start += 1
+            if not name or start >= len(text) or text[start] != "{":
+                break
+            end = _json_value_end(text, start)
+            out.append(Partial(name, text[start:end or len(text)], end))
+            if end is None:
+                break
+            at = end + len(text[end:]) - len(text[end:].lstrip())
+        return out
+
+    def partials(self, text: str) -> list[Partial]:
+        at = text.find(self.TAG)
+        if at < 0:
+            return []
+        after = at + len(self.TAG)
+        body = text[after:].lstrip()
+        if body.startswith("["):  # a JSON list of calls
+            return partials_from(text, len(text) - len(body) + 1, " \t\r\n,")
+        return self._named(text, at)
+
+    def parse(self, text: str) -> Parsed:
+        at = text.find(self.TAG)
+        if at < 0:
+            return Parsed(text)
+        content = text[:at] if text[:at].strip() else None
+        body = text[at + len(self.TAG):].strip()
+        if body.startswith("["):
+            try:
+                calls = [_call(obj) for obj in json.loads(body)]
+            except (ValueError, TypeError):
+                return Parsed(text)
+        else:
+            named = self._named(text, at)
+            if not named or named[-1].end is None or text[named[-1].end:].strip():
+                return Parsed(text)  # a call cut short, or text after the calls
+            try:
+                calls = [(p.name, json.dumps(json.loads(p.arguments), ensure_ascii=False)) for p in named]
+            except ValueError:
+                return Parsed(text)
+        if not calls or any(c is None for c in calls):
+            return Parsed(text)
+        return Parsed(content, calls)
+
+    def split(self, text: str, sent: int) -> tuple[int, bool]:
+        """As `HermesParser.split`, for `[TOOL_CALLS]`."""
+        start = text.find(self.TAG)
+        if start >= 0:
+            return start, True
+        return len(text) - held_tail(text, self.TAG), False
+
+
+TOOL_PARSERS = {p.name: p for p in (HermesParser, Llama3JsonParser, PythonicParser, MistralParser)}
 
 
 def tool_parser(name: str):
@@ -275,6 +355,7 @@ class AutoToolCalls:
 
     def __init__(self, parser, most: int | None = None):
         self.parser, self.most = parser, most  # most: the calls kept (OpenAI's parallel_tool_calls false: 1)
+        self._new_id = getattr(parser, "call_id", lambda: None)  # the call ids the model's template takes back
         self._text = ""
         self._sent = 0  # characters of the answer streamed as content
         self._in_call = False
@@ -285,7 +366,7 @@ class AutoToolCalls:
         parsed = self.parser.parse(text)
         if not parsed.calls:
             return {"role": "assistant", "content": text}, reason
-        calls = [call_entry(n, a) for n, a in parsed.calls[:self.most]]
+        calls = [call_entry(n, a, self._new_id()) for n, a in parsed.calls[:self.most]]
         return ({"role": "assistant", "content": parsed.content, "tool_calls": calls},
                 "tool_calls" if reason == "stop" else reason)
 
@@ -301,7 +382,7 @@ class AutoToolCalls:
         if reason is not None and not self._calls:  # no call has gone out: the whole answer decides
             parsed = self.parser.parse(self._text) if self._in_call else Parsed(None)
             if parsed.calls:
-                calls = [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls[:self.most])]
+                calls = [{"index": i, **call_entry(n, a, self._new_id())} for i, (n, a) in enumerate(parsed.calls[:self.most])]
                 reason = "tool_calls" if reason == "stop" else reason
             else:  # held-back text that began no call, or a call that did not parse
                 out += self._text[self._sent:]
@@ -320,7 +401,7 @@ class AutoToolCalls:
         out = []
         for i, p in enumerate(self.parser.partials(self._text)[:self.most]):
             if i == len(self._calls):
-                entry = call_entry(p.name, "")
+                entry = call_entry(p.name, "", self._new_id())
                 self._calls.append([entry["id"], 0])
                 out.append({"index": i, **entry})
             sent = self._calls[i][1]
@@ -333,4 +414,5 @@ class AutoToolCalls:
         """At the answer's end, once calls have gone out: the whole calls after the `streamed`
         ones that the whole answer holds and its partial reading did not reach."""
         parsed = self.parser.parse(self._text)
-        return [{"index": i, **call_entry(n, a)} for i, (n, a) in enumerate(parsed.calls[:self.most]) if i >= streamed]
+        return [{"index": i, **call_entry(n, a, self._new_id())} for i, (n, a) in enumerate(parsed.calls[:self.most])
+                if i >= streamed]

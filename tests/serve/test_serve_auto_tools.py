@@ -78,3 +78,19 @@ def test_the_flags_go_together():
         ServeConfig(enable_auto_tool_choice=True)
     with pytest.raises(QuantSpecError, match="--enable-auto-tool-choice"):
         ServeConfig(tool_call_parser="hermes")
+
+
+@pytest.mark.parametrize("call", ['[TOOL_CALLS]get_weather[ARGS]{"city": "Paris"}',
+                                  '[TOOL_CALLS] [{"name": "get_weather", "arguments": {"city": "Paris"}}]'])
+def test_mistral_s_calls_come_back_with_ids_its_templates_take(start_server, call):
+    with start_server(enable_auto_tool_choice=True, tool_call_parser="mistral") as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        choice = _ask(client, "Checking. " + call).choices[0]
+        assert choice.finish_reason == "tool_calls" and choice.message.content.strip() == "Checking.", choice
+        (got,) = choice.message.tool_calls
+        assert (got.function.name, json.loads(got.function.arguments)) == ("get_weather", {"city": "Paris"})
+        assert len(got.id) == 9 and got.id.isalnum()
+        chunks = list(_ask(client, "Checking. " + call, stream=True))
+        streamed = [t for c in chunks if c.choices for t in (c.choices[0].delta.tool_calls or [])]
+        assert chunks[-1].choices[0].finish_reason == "tool_calls" and streamed[0].function.name == "get_weather"
+        assert json.loads("".join(t.function.arguments or "" for t in streamed)) == {"city": "Paris"}

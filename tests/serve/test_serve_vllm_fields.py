@@ -117,3 +117,26 @@ def test_continuous_usage_stats_give_the_usage_so_far_in_every_chunk(server):
     counts = [c["usage"]["completion_tokens"] for c in chunks]
     assert all(c["usage"]["prompt_tokens"] == 8 for c in chunks) and counts == sorted(counts) and counts[-1] == 6
     assert chunks[-1]["choices"] == [] and chunks[-2]["choices"][0]["stop_reason"] is None
+
+
+def test_the_stop_token_s_own_text_is_not_the_answer_s(server, hf_greedy, tiny_loaded):
+    """As vLLM: the EOS or stop_token_ids token that ends an answer counts in its usage and token
+    ids, not in its text (not even with skip_special_tokens false), unless include_stop_str_in_output."""
+    url, state = server
+    tok = tiny_loaded.tokenizer
+    eos = min(state.loop.engine.eos)
+    base = {"model": "tiny", "prompt": _ids(6, 3), "max_tokens": 5, "temperature": 0, "logit_bias": {str(eos): 100},
+            "skip_special_tokens": False, "return_token_ids": True}
+    r = _post(url, "completions", base).json()
+    assert r["choices"][0]["text"] == "" and r["choices"][0]["token_ids"] == [eos] and r["usage"]["completion_tokens"] == 1
+    kept = _post(url, "completions", {**base, "include_stop_str_in_output": True}).json()["choices"][0]["text"]
+    assert kept == tok.decode([eos])
+    prompt = _ids(12, 3)
+    greedy = hf_greedy(prompt, 12)
+    body = {"prompt": prompt, "max_tokens": 12, "temperature": 0, "ignore_eos": True, "stop_token_ids": [greedy[4]],
+            "skip_special_tokens": False}
+    cut = greedy[:greedy.index(greedy[4]) + 1]
+    got = _post(url, "completions", body).json()
+    assert got["choices"][0]["text"] == tok.decode(cut[:-1]) and got["usage"]["completion_tokens"] == len(cut)
+    assert _post(url, "completions", {**body, "include_stop_str_in_output": True}).json()["choices"][0]["text"] == \
+        tok.decode(cut)

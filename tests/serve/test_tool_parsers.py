@@ -179,3 +179,62 @@ def test_pythonic_streams_content_or_gives_the_calls_at_the_end(cuts):
         [("get_weather", {"city": "Paris"})]
     content, calls, reason = _stream(PythonicParser(), "Paris is sunny [citation].", cuts)
     assert content == "Paris is sunny [citation]." and calls == [] and reason == "stop"
+
+
+MISTRAL_V3 = f'Checking. [TOOL_CALLS] [{WEATHER}, {TIME}]'
+MISTRAL_V11 = 'Checking.[TOOL_CALLS]get_weather[ARGS]{"city": "Paris", "unit": "C"}[TOOL_CALLS]get_time[ARGS]{"tz": "UTC"}'
+MISTRAL_CALL_ID = '[TOOL_CALLS]get_weather[CALL_ID]a1b2c3d4e[ARGS]{"city": "Paris", "unit": "C"}'
+
+
+@pytest.mark.parametrize("text", [MISTRAL_V3, MISTRAL_V11])
+def test_mistral_reads_both_of_its_call_layouts(text):
+    from quantspec.serve.tool_parsers import MistralParser
+
+    p = MistralParser().parse(text)
+    assert p.content.strip() == "Checking."
+    assert _calls(p) == [("get_weather", {"city": "Paris", "unit": "C"}), ("get_time", {"tz": "UTC"})]
+    assert _calls(MistralParser().parse(MISTRAL_CALL_ID)) == [("get_weather", {"city": "Paris", "unit": "C"})]
+    for bad in ("No calls here [1].", "[TOOL_CALLS] [{\"name\": \"f\", \"argum", "[TOOL_CALLS]get_weather[ARGS]{\"ci",
+                "[TOOL_CALLS]get_weather{\"city\": 1}", "[TOOL_CALLS]f[ARGS]{}trailing words", "[TOOL_CALLS] [1, 2]"):
+        assert MistralParser().parse(bad) == Parsed(bad), bad
+
+
+@pytest.mark.parametrize("text", [MISTRAL_V3, MISTRAL_V11])
+@pytest.mark.parametrize("cuts", [[], [5, 13, 14, 30], "each"])
+def test_mistral_streams_content_then_calls_with_template_ids(text, cuts):
+    """Streamed in any pieces: the content before [TOOL_CALLS], then the calls as the whole answer
+    has them, with the 9-character ids Mistral's chat templates accept back."""
+    from quantspec.serve.tool_parsers import MistralParser
+
+    cuts = list(range(1, len(text))) if cuts == "each" else cuts
+    content, calls, reason = _stream(MistralParser(), text, cuts)
+    whole, whole_reason = AutoToolCalls(MistralParser()).message(text, "stop")
+    assert content.strip() == whole["content"].strip() == "Checking." and reason == whole_reason == "tool_calls"
+    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
+        [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in whole["tool_calls"]]
+    assert all(len(c["id"]) == 9 and c["id"].isalnum() for c in [*calls, *whole["tool_calls"]])
+
+
+def test_mistral_answers_keep_special_tokens(tiny_loaded):
+    """[TOOL_CALLS] is a special token in Mistral's tokenizers: an answer under the mistral parser is
+    decoded with special tokens kept, whatever the request's skip_special_tokens."""
+    from quantspec.serve.answers import _Choice
+    from quantspec.serve.protocol import ChatCompletionRequest
+    from quantspec.serve.tool_parsers import MistralParser
+
+    class State:
+        tokenizer, tool_parser, reasoning_parser = tiny_loaded.tokenizer, MistralParser(), None
+
+    class Resp:
+        state, chat = State(), True
+
+    class Job:
+        class params:
+            guide = None
+        prompt_ids = [1, 2]
+
+    tools = [{"type": "function", "function": {"name": "f", "parameters": {"type": "object"}}}]
+    for parser, keeps in ((MistralParser(), True), (HermesParser(), False)):
+        State.tool_parser = parser
+        Resp.body = ChatCompletionRequest.model_validate({"messages": [{"role": "user", "content": "x"}], "tools": tools})
+        assert _Choice(Resp(), 0, Job(), None).text.skip_special_tokens is (not keeps)
