@@ -199,7 +199,7 @@ class Engine:
         seq = Sequence(self._next_id, list(prompt_ids), params,
                        generator_for_request(params.seed, idx, self.device), text_check=text_check)
         seq.stats.t_arrival = time.perf_counter()
-        seq.guide = None if params.guide is None else guide_matcher(params.guide)
+        seq.guide = None if params.guide is None else guide_matcher(params.guide, params.guide_after)
         seq.priority = priority
         self._next_id += 1
         self.scheduler.enqueue(seq)

@@ -103,6 +103,9 @@ class SamplingParams:
     guide:           None, or a compiled structured-output grammar (`infer.structured`): the
                      logits of every token the answer cannot continue with are masked, after the
                      penalties and bias; drafts are verified under the mask (`infer.adjust`).
+    guide_after:     None, or (start ids, end ids, thinking first) of a reasoning model's thinking
+                     tags: the guide holds the answer after its thinking only
+                     (`infer.structured.AfterThinking`).
     """
 
     decode_strategy: DecodeStrategy | str = DecodeStrategy.GREEDY
@@ -125,6 +128,7 @@ class SamplingParams:
     allowed_token_ids: Sequence[int] = field(default_factory=tuple)
     bad_words: Sequence[Sequence[int]] = field(default_factory=tuple)
     guide: object | None = field(default=None, compare=False)
+    guide_after: tuple | None = None
 
     def __post_init__(self) -> None:
         try:

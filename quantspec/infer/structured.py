@@ -11,6 +11,10 @@ and feeds it every emitted token (`sequence.append_tokens`). Once the answer is 
 stop tokens are allowed, and the sequence ends with one (whatever the engine's EOS set). A guided
 sequence's drafts, a chain or a token tree, are verified under the mask of each draft's position
 (`mask_rows`; `infer/adjust.py`).
+
+A reasoning model's answer can be held to its guide after its thinking only
+(`SamplingParams.guide_after`, `AfterThinking`): the thinking, up to the token ids of its closing
+tag, is free; the grammar holds what follows, as vLLM's structured outputs with a reasoning parser.
 """
 
 from __future__ import annotations
@@ -25,7 +29,8 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.tree import row_paths
 
-__all__ = ["GUIDE_KINDS", "Guide", "GuideCompiler", "guide_matcher", "mask_logits", "mask_rows", "valid_prefix"]
+__all__ = ["GUIDE_KINDS", "AfterThinking", "Guide", "GuideCompiler", "guide_matcher", "mask_logits", "mask_rows",
+           "valid_prefix"]
 
 # json: a JSON schema (JSON text); json_object: any JSON object; regex: a regular expression;
 # grammar: an EBNF grammar (xgrammar's dialect of GBNF, `root` its start rule); choice: one of the
@@ -95,11 +100,66 @@ class GuideCompiler:
                                  f"{_native_message(e)}") from None
 
 
-def guide_matcher(compiled):
-    """A fresh matcher of one sequence's answer over a compiled guide."""
+def guide_matcher(compiled, after: tuple | None = None):
+    """A fresh matcher of one sequence's answer over a compiled guide; `after` (start ids, end ids,
+    thinking first): held to it only after its thinking (`AfterThinking`)."""
     import xgrammar as xgr
 
-    return xgr.GrammarMatcher(compiled)
+    matcher = xgr.GrammarMatcher(compiled)
+    return matcher if after is None else AfterThinking(matcher, *after)
+
+
+class AfterThinking:
+    """A guide's matcher (xgrammar's interface: accept_token, rollback, is_terminated,
+    fill_next_token_bitmask) that holds an answer to its grammar after its thinking only: tokens
+    through the closing tag's ids `end` pass unmasked. `thinking`: the answer starts in its
+    thinking (the prompt opened it); otherwise it thinks only where its first token is `start`
+    (the opening tag, one token), and is held to the grammar from its first token else."""
+
+    def __init__(self, matcher, start: tuple[int, ...], end: tuple[int, ...], thinking: bool):
+        self.matcher, self.start, self.end, self.thinking = matcher, tuple(start), tuple(end), thinking
+        self._toks: list[int] = []
+        self._from: int | None = None if thinking else 0  # where the grammar starts (None: still thinking)
+
+    def accept_token(self, t: int) -> bool:
+        if self._from is None:
+            self._toks.append(t)
+            if tuple(self._toks[-len(self.end):]) == self.end:
+                self._from = len(self._toks)
+            return True
+        if not self._toks and not self.thinking and (t,) == self.start:
+            self._toks.append(t)
+            self._from = None
+            return True
+        if not self.matcher.accept_token(t):
+            return False
+        self._toks.append(t)
+        return True
+
+    def rollback(self, n: int) -> None:
+        fed = 0
+        for _ in range(n):
+            if self._from is not None and len(self._toks) > self._from:
+                fed += 1
+            self._toks.pop()
+        if fed:
+            self.matcher.rollback(fed)
+        if self._from is not None and len(self._toks) < self._from:
+            self._from = None  # back inside the thinking
+        if not self._toks and not self.thinking:
+            self._from = 0
+
+    def is_terminated(self) -> bool:
+        return self._from is not None and self.matcher.is_terminated()
+
+    def fill_next_token_bitmask(self, bitmask, index: int = 0) -> None:
+        if self._from is None:
+            bitmask[index].fill_(-1)  # thinking: every token
+            return
+        self.matcher.fill_next_token_bitmask(bitmask, index)
+        if not self._toks and not self.thinking and len(self.start) == 1:  # the answer may open its thinking
+            word, bit = divmod(self.start[0], 32)
+            bitmask[index, word] |= (1 << bit) - (1 << 32 if bit == 31 else 0)
 
 
 def mask_logits(matcher, row: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from fastapi.responses import JSONResponse, Response
 from quantspec.serve.logprob_shapes import chat_entries, legacy_entries, vllm_prompt_logprobs
 from quantspec.serve.loop import Delta, Job
 from quantspec.serve.protocol import CompletionRequest, GenerationRequest, error_body
-from quantspec.serve.reasoning import ReasoningStream
+from quantspec.serve.reasoning import ReasoningStream, prompt_thinks
 from quantspec.serve.text import TextStream
 from quantspec.serve.tools import tool_calls
 
@@ -27,7 +27,6 @@ if TYPE_CHECKING:
 __all__ = ["Answers", "RequestIdHeader", "error_response", "request_id"]
 
 DISCONNECT_POLL_S = 0.25
-PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens a reasoning parser reads (a `<think>` the template left open)
 FINISH_REASONS = {"eos": "stop", "stop": "stop", "length": "length", "max_length": "length"}
 
 
@@ -85,12 +84,13 @@ class _Choice:
         self.offset = 0  # characters of this choice's text before the next token (legacy text_offset)
         self.prompt_logprobs: list | None = None  # vLLM's, where asked for
         self.ids: list[int] = []  # the answer's token ids (a stop token too, whose text is not shown)
-        # a reasoning model's thinking, split from the content (not where a grammar holds the answer)
-        parser = resp.state.reasoning_parser if resp.chat and job.params.guide is None else None
+        # a reasoning model's thinking, split from the content (where a grammar holds the answer:
+        # only if it holds it after the thinking)
+        free = job.params.guide is None or job.params.guide_after is not None
+        parser = resp.state.reasoning_parser if resp.chat and free else None
         self.reasoning = None
         if parser is not None:  # whether it starts thinking may hang on the prompt's last tokens
-            tail = resp.state.tokenizer.decode(job.prompt_ids[-PROMPT_TAIL_TOKENS:])
-            self.reasoning = ReasoningStream(parser, parser.thinks_first(tail))
+            self.reasoning = ReasoningStream(parser, prompt_thinks(parser, resp.state.tokenizer, job.prompt_ids))
 
     @property
     def completion_tokens(self) -> int:

@@ -13,6 +13,7 @@ from quantspec.infer.sampler import SamplingParams
 from quantspec.infer.structured import Guide
 from quantspec.serve.loop import Job
 from quantspec.serve.protocol import UNSUPPORTED, ChatCompletionRequest, CompletionRequest, GenerationRequest
+from quantspec.serve.reasoning import thinking_guide
 from quantspec.serve.text import bad_words_ids, stop_check
 from quantspec.serve.tools import ToolChoiceError, tool_guide
 
@@ -169,8 +170,12 @@ def make_job(state: ServeState, body: GenerationRequest, shared: tuple[SamplingP
                          f"--max-length {state.max_length}; ask for at most {room}", param="max_tokens",
                          code="context_length_exceeded")
     params, text_check = shared
+    after = None
+    if params.guide is not None and state.reasoning_parser is not None and isinstance(body, ChatCompletionRequest):
+        after = thinking_guide(state.reasoning_parser, state.tokenizer, ids)  # the grammar after the thinking
     try:  # max_tokens 0 (echo): one token, dropped
-        params = dataclasses.replace(params, max_new_tokens=1 if max_tokens == 0 else max_tokens or room)
+        params = dataclasses.replace(params, max_new_tokens=1 if max_tokens == 0 else max_tokens or room,
+                                     guide_after=after)
     except QuantSpecError as e:  # min_tokens over this prompt's room
         raise BadRequest(str(e)) from None
     return Job(list(ids), params, speculate=body.speculate, index=index, text_check=text_check,

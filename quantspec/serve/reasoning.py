@@ -11,8 +11,10 @@ names read an answer: the model's thinking goes to the message's `reasoning_cont
   Otherwise, as with `enable_thinking: false` (the template closes an empty thinking block in
   the prompt), all of it is content.
 
-A request whose answer a structured output or a forced tool call holds (its grammar starts at the
-first token, with no thinking) is not split. Streamed, thinking streams as `reasoning_content`
+A request whose answer a structured output or a forced tool call holds is held to it after the
+thinking (`thinking_guide`: the engine's `AfterThinking`), and split as any other; where the
+tags are not single tokens and the answer might not think, the grammar starts at the first token
+and the answer is not split. Streamed, thinking streams as `reasoning_content`
 deltas and the rest as `content` deltas; text that may be the start of a tag is held back until
 it is clear.
 """
@@ -21,7 +23,10 @@ from __future__ import annotations
 
 from quantspec.serve.tool_parsers import held_tail
 
-__all__ = ["REASONING_PARSERS", "DeepSeekR1Reasoning", "Qwen3Reasoning", "ReasoningStream", "reasoning_parser"]
+__all__ = ["PROMPT_TAIL_TOKENS", "REASONING_PARSERS", "DeepSeekR1Reasoning", "Qwen3Reasoning", "ReasoningStream",
+           "prompt_thinks", "reasoning_parser", "thinking_guide"]
+
+PROMPT_TAIL_TOKENS = 16  # the prompt's last tokens a parser reads (a `<think>` the template left open)
 
 
 class DeepSeekR1Reasoning:
@@ -57,6 +62,21 @@ REASONING_PARSERS = {p.name: p for p in (DeepSeekR1Reasoning, Qwen3Reasoning)}
 def reasoning_parser(name: str):
     """The parser called `name` (a key of `REASONING_PARSERS`)."""
     return REASONING_PARSERS[name]()
+
+
+def prompt_thinks(parser, tokenizer, prompt_ids: list[int]) -> bool:
+    """Whether an answer to `prompt_ids` starts in its thinking (`thinks_first` of the prompt's end)."""
+    return parser.thinks_first(tokenizer.decode(prompt_ids[-PROMPT_TAIL_TOKENS:]))
+
+
+def thinking_guide(parser, tokenizer, prompt_ids: list[int]) -> tuple | None:
+    """`SamplingParams.guide_after` of a guided answer to `prompt_ids`: (the opening tag's ids, the
+    closing tag's ids, whether it starts thinking); None where the grammar must hold it from its
+    first token (an answer that might not think, whose opening tag is not one token)."""
+    start = tuple(tokenizer.encode(parser.START, add_special_tokens=False))
+    end = tuple(tokenizer.encode(parser.END, add_special_tokens=False))
+    thinking = prompt_thinks(parser, tokenizer, prompt_ids)
+    return (start, end, thinking) if thinking or len(start) == 1 else None
 
 
 class ReasoningStream:

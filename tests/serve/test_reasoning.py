@@ -2,7 +2,7 @@
 answer streamed in pieces cut anywhere, and through the server with the real `openai` client (the
 tiny model's tokens replaced by a script's, as a reasoning model would write them) in
 `reasoning_content`, streamed or whole; qwen3 reads whether the prompt left `<think>` open; a
-guided answer is not split."""
+guided answer is held to its grammar after the thinking, and split."""
 
 from __future__ import annotations
 
@@ -93,8 +93,9 @@ def test_the_server_returns_the_thinking_as_reasoning_content(start_server, tiny
         if importlib.util.find_spec("xgrammar") is None:
             return
         guided = client.chat.completions.create(**{**kw, "response_format": {"type": "json_object"}}).choices[0].message
-        # (the grammar ends the answer when the real tokens close a JSON object: a prefix of the script)
-        assert guided.content.startswith("<think>") and guided.model_extra.get("reasoning_content") is None
+        # the grammar holds the answer after its thinking (deepseek_r1 always thinks first): split as any
+        assert guided.model_extra.get("reasoning_content") == "\nThe user greets me.\n"
+        assert guided.content == "\n\nHello there!"
 
 
 ANSWER = "Hello there!</think> again"
@@ -117,3 +118,23 @@ def test_qwen3_on_the_server_reads_the_prompt(start_server, tiny_loaded, templat
         deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
         assert "".join(getattr(d, "reasoning_content", None) or "" for d in deltas) == (reasoning or "")
         assert "".join(d.content or "" for d in deltas) == content
+
+
+@pytest.mark.parametrize("parser, tail, after", [
+    (P, "<|im_start|>assistant\n", True),  # deepseek_r1: thinks first
+    (Q, "assistant\n<think>\n\n</think>\n\n", False),  # qwen3, enable_thinking false
+    (Q, "assistant\n<think>\n", True),  # qwen3, a thinking-only template
+])
+def test_a_guided_request_is_held_after_the_thinking(tiny_loaded, parser, tail, after):
+    """The job of a guided chat request under a reasoning parser carries the thinking tags' ids for
+    the engine (`guide_after`) where its answer may think; the tiny tokenizer's `<think>` is not one
+    token, so an answer that does not start thinking is held from its first token."""
+    from quantspec.serve.reasoning import thinking_guide
+
+    tok = tiny_loaded.tokenizer
+    got = thinking_guide(parser, tok, tok(tail, add_special_tokens=False)["input_ids"])
+    if after:
+        start, end, thinking = got
+        assert thinking and tok.decode(list(start)) == "<think>" and tok.decode(list(end)) == "</think>"
+    else:
+        assert got is None
