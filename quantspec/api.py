@@ -268,7 +268,7 @@ def inspect(path: str | Path) -> dict:
                      "format": s.format,
                      "input_activations": None if s.input_activations is None
                      else f"{s.input_activations.type}{s.input_activations.num_bits} "
-                          f"{s.input_activations.strategy} static"}
+                          f"{s.input_activations.strategy} {'dynamic' if s.input_activations.dynamic else 'static'}"}
     src = prov.get("source_size_bytes")
     out.update(
         quant_type=None if qc.quant_type is None else qc.quant_type.value,
@@ -282,8 +282,9 @@ def inspect(path: str | Path) -> dict:
     )
     out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(d, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
-        # a8w8 types: how many Linears run static activations, and which fell back (W8A16)
-        out["static_activation_linears"] = sum(d["input_activations"] is not None
+        # a8w8 types: how many Linears quantize their activations (static or dynamic), which fell back (W8A16)
+        out["activation_linears"] = sum(d["input_activations"] is not None for d in layers.values())
+        out["static_activation_linears"] = sum((d["input_activations"] or "").endswith("static")
                                                for d in layers.values())
         out["fallback_layers"] = [n for n, d in layers.items() if d["input_activations"] is None]
         plan = (prov.get("calibration") or {}).get("static_plan")

@@ -46,6 +46,10 @@ def test_dynamic_artifact_runs_in_transformers_as_in_quantspec(tiny_llama_dir, t
     assert json.loads((out / "quantspec.json").read_text())["provenance"]["args"]["activations"] == "dynamic"
     info = api.inspect(out)
     assert {e: v["status"] for e, v in info["engines"].items()} == dict.fromkeys(info["engines"], "loads")
+    assert (info["activation_linears"], info["static_activation_linears"]) == (len(info["layers"]), 0)
+    assert {d["input_activations"] for d in info["layers"].values()} == {f"{act_type}8 token dynamic"}
+    r = CliRunner().invoke(main, ["inspect", str(out)], env={"COLUMNS": "200"})
+    assert "dynamic activations" in r.output and "static" not in r.output
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)(IDS[None]).logits[0]
     # per-token codes flip on a summation-order ulp, so compare in compressed-tensors' order

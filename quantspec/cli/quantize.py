@@ -168,9 +168,10 @@ def inspect(path, as_json):
     if info.get("source_size_bytes"):
         head.add_row("source weights", _gib(info["source_size_bytes"]))
         head.add_row("compression ratio", f"{info['compression_ratio']}x")
-    if info.get("static_activation_linears") is not None:
-        head.add_row("static activations", f"{info['static_activation_linears']} of "
-                                           f"{len(info['layers'])} Linears")
+    if info.get("activation_linears") is not None:
+        static = info["static_activation_linears"]
+        kind = "static" if static == info["activation_linears"] else "dynamic" if not static else "quantized"
+        head.add_row(f"{kind} activations", f"{info['activation_linears']} of {len(info['layers'])} Linears")
         for key, value in _fallback_rows(info.get("fallback")):
             head.add_row(key, value)
     if info.get("kv_cache"):
