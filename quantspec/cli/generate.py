@@ -227,6 +227,12 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Calibration directory whose KV scales a static --kv-cache-dtype fp8 / int8 cache uses (over the artifact's).")
 @click.option("--max-stored-responses", default=1000, show_default=True, type=click.IntRange(min=0),
               help="Responses API answers kept (least recently used out) for previous_response_id, background runs and retrieval; 0: none.")
+@click.option("--enable-log-requests", is_flag=True,
+              help="A line per request accepted (id, prompt tokens, sampling; never its text) and per one done (output tokens, first-token and total time).")
+@click.option("--root-path", default="", help="The path prefix (e.g. /llm) of a reverse proxy that serves the API under it and strips it before forwarding (ASGI root_path, as vLLM's).")
+@click.option("--uvicorn-log-level", default="warning", show_default=True,
+              type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
+              help="uvicorn's own logs (debug and trace add its access log).")
 @click.option("--disable-log-stats", is_flag=True,
               help="No stats line (throughput, running / waiting requests, KV-cache use, draft acceptance) every 10 s while busy.")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,

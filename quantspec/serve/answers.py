@@ -8,7 +8,6 @@ import asyncio
 import json
 import re
 import time
-import uuid
 from typing import TYPE_CHECKING
 
 from fastapi import Request
@@ -164,9 +163,9 @@ class Answers:
     """One request's answers (module docstring)."""
 
     def __init__(self, state: ServeState, body: GenerationRequest, jobs: list[Job], chat: bool,
-                 echoes: list[str | None], request_id: str | None = None):
+                 echoes: list[str | None], answer_id: str):
         self.state, self.body, self.chat = state, body, chat
-        self.id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+        self.id = answer_id  # chatcmpl-… / cmpl-…, of the client's X-Request-Id where it sent one
         self.created = int(time.time())
         self.token_text = state.token_text
         self.wants_logprobs = body.logprobs if chat else body.logprobs is not None

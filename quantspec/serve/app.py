@@ -15,6 +15,7 @@ from __future__ import annotations
 import contextlib
 import hmac
 import json
+import uuid
 from dataclasses import dataclass, field
 from typing import Annotated, Literal
 
@@ -334,6 +335,9 @@ def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]]
     where the client sent one), or a 503 where the queue is full."""
     shared = request_params(state, body)
     jobs = [make_job(state, body, shared, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
+    answer_id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
+    for i, job in enumerate(jobs):
+        job.request_id = answer_id if len(jobs) == 1 else f"{answer_id}-{i}"
     for i, job in enumerate(jobs):
         if not state.loop.submit(job):
             for taken in jobs[:i]:
@@ -347,4 +351,4 @@ def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]]
         echoes = [p if isinstance(p, str) else state.tokenizer.decode(p) for p in body.prompts() for _ in range(body.n)]
     elif chat and body.echo and (body.messages[-1].role == "assistant" or not body.add_generation_prompt):
         echoes = [body.messages[-1].text()] * len(jobs)  # vLLM's: the last message, in the answer's role
-    return Answers(state, body, jobs, chat, echoes, request_id)
+    return Answers(state, body, jobs, chat, echoes, answer_id)

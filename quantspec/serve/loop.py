@@ -96,6 +96,7 @@ class Job:
     index: int = 0
     text_check: object = None
     priority: int = 0  # under --scheduling-policy priority, lower first
+    request_id: str = ""  # the answer's id (what request logs name)
     queue: asyncio.Queue = field(default_factory=asyncio.Queue)
     loop: asyncio.AbstractEventLoop | None = None
     t_arrival: float = field(default_factory=time.perf_counter)
@@ -107,12 +108,34 @@ class Job:
         self.loop.call_soon_threadsafe(self.queue.put_nowait, delta)
 
 
+def accepted_line(job: Job) -> str:
+    """The log line of a request accepted (`--enable-log-requests`): its id, prompt length and
+    sampling, never its text."""
+    p = job.params
+    sampling = "greedy" if p.decode_strategy.value == "greedy" else \
+        f"temperature {p.temperature:g}, top_p {p.top_p:g}, top_k {p.top_k}, seed {p.seed}"
+    extra = ", guided" if p.guide is not None else ""
+    return (f"request {job.request_id or '-'} accepted: {len(job.prompt_ids)} prompt tokens, max_tokens "
+            f"{p.max_new_tokens}, {sampling}{extra}, speculate {'on' if job.speculate else 'off'}")
+
+
+def finished_line(job: Job, reason: str, ttft: float | None, e2e: float) -> str:
+    """The log line of a request that left the engine (finished, aborted or failed)."""
+    seq = job.seq
+    out = 0 if seq is None else len(seq.output_ids)
+    cached = 0 if seq is None else seq.stats.cached_tokens
+    first = "no token" if ttft is None else f"first token {ttft * 1e3:.0f} ms"
+    return (f"request {job.request_id or '-'} {reason}: {out} output tokens, {first}, {e2e:.2f} s in all"
+            + (f", {cached} prompt tokens cached" if cached else ""))
+
+
 class EngineLoop:
     """Steps `engine` in a thread of its own (module docstring)."""
 
-    def __init__(self, engine: Engine, *, max_queue: int, metrics=None, stats_log=None):
+    def __init__(self, engine: Engine, *, max_queue: int, metrics=None, stats_log=None, request_log=None):
         self.engine, self.max_queue, self.metrics = engine, max_queue, metrics
         self.stats_log = stats_log  # the periodic stats line (`metrics.StatsLog`), or None
+        self.request_log = request_log  # request_log(line): a line per request accepted and per one done
         self._inbox: deque[Job] = deque()
         self._aborts: deque[Job] = deque()
         self._lock = threading.Lock()
@@ -147,6 +170,8 @@ class EngineLoop:
             job.loop = job.loop or asyncio.get_running_loop()
             self._inbox.append(job)
         self._wake.set()
+        if self.request_log is not None:
+            self.request_log(accepted_line(job))
         return True
 
     def retry_after(self) -> int:
@@ -238,9 +263,11 @@ class EngineLoop:
         job.push(delta)
         now = time.perf_counter()
         self.drain.completed(now)
+        ttft = None if job.t_first is None else job.t_first - job.t_arrival
         if self.metrics is not None:
-            ttft = None if job.t_first is None else job.t_first - job.t_arrival
             self.metrics.finished(job.seq, reason, ttft, now - job.t_arrival)
+        if self.request_log is not None:
+            self.request_log(finished_line(job, reason, ttft, now - job.t_arrival))
 
     def _fail_all(self, reason: str = "error") -> None:
         for job in list(self._jobs.values()):

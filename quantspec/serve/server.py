@@ -30,6 +30,7 @@ from quantspec.serve.tool_parsers import TOOL_PARSERS, tool_parser
 __all__ = ["ServeConfig", "build", "load", "run"]
 
 log = logging.getLogger("quantspec.serve")
+UVICORN_LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")
 
 
 @dataclass
@@ -68,6 +69,9 @@ class ServeConfig:
     chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
     disable_log_stats: bool = False  # no periodic stats line (`metrics.StatsLog`)
+    enable_log_requests: bool = False  # a line per request accepted and per one done (`loop.accepted_line`)
+    root_path: str = ""  # ASGI root_path: the prefix a reverse proxy serves the API under and strips
+    uvicorn_log_level: str = "warning"
     max_stored_responses: int = DEFAULT_STORED_RESPONSES  # Responses API answers kept (`response_store.py`)
     # KV cache (vLLM's names, `infer.predictor.KV_CACHE_DTYPES`): auto (the artifact's static scheme
     # if any), fp8 / fp8_e4m3 / int8 (static; scales from `calib`, else the artifact's), float
@@ -88,6 +92,11 @@ class ServeConfig:
         if isinstance(self.max_stored_responses, bool) or not isinstance(self.max_stored_responses, int) \
                 or self.max_stored_responses < 0:
             raise QuantSpecError(f"--max-stored-responses {self.max_stored_responses!r} must be an int >= 0 (0: none)")
+        if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
+            raise QuantSpecError(f"--uvicorn-log-level {self.uvicorn_log_level!r} is not one of "
+                                 f"{', '.join(UVICORN_LOG_LEVELS)}")
+        if self.root_path and not self.root_path.startswith("/"):
+            raise QuantSpecError(f"--root-path {self.root_path!r} must start with '/', e.g. /llm")
         if not self.drain_timeout >= 0:
             raise QuantSpecError(f"--drain-timeout {self.drain_timeout!r} must be >= 0 seconds")
         if self.enable_auto_tool_choice and self.tool_call_parser is None:
@@ -160,8 +169,8 @@ def _template_text(value: str) -> str:
 
 def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> ServeState:
     """The model, its engine and the engine loop (started); `loaded`: a `LoadedModel` to reuse;
-    `on_stats(line)`: where the periodic stats lines go (none without it or with
-    `disable_log_stats`); `kv_scales`: the (k, v) scales of `config.calib` for a static KV cache
+    `on_stats(line)`: where the periodic stats lines (none without it or with `disable_log_stats`)
+    and, with `enable_log_requests`, the request lines go; `kv_scales`: the (k, v) scales of `config.calib` for a static KV cache
     (`api.serve` reads them)."""
     if config.calib is not None and kv_scales is None:
         raise QuantSpecError("--calib's KV scales were not read: serve through api.serve, which reads them")
@@ -180,7 +189,8 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> 
                                        else Path(config.generation_config).expanduser()))
     stats = None if on_stats is None or config.disable_log_stats else StatsLog(metrics, on_stats,
                                                                               now=time.perf_counter())
-    loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics, stats_log=stats)
+    request_log = on_stats if config.enable_log_requests else None
+    loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics, stats_log=stats, request_log=request_log)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
                       max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
@@ -201,7 +211,8 @@ def build(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None):
 def uvicorn_server(app, config: ServeConfig):
     import uvicorn
 
-    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level="warning", access_log=False,
+    uv = uvicorn.Config(app, host=config.host, port=config.port, log_level=config.uvicorn_log_level,
+                        access_log=config.uvicorn_log_level in ("debug", "trace"), root_path=config.root_path,
                         timeout_graceful_shutdown=config.drain_timeout, lifespan="on",
                         ssl_keyfile=config.ssl_keyfile, ssl_certfile=config.ssl_certfile)
     return uvicorn.Server(uv)

@@ -19,10 +19,11 @@ START_TIMEOUT_S = 30
 
 
 @contextlib.contextmanager
-def running_server(config: ServeConfig, *, loaded=None, tweak=None, kv_scales=None):
+def running_server(config: ServeConfig, *, loaded=None, tweak=None, kv_scales=None, on_stats=None):
     """Yield (base url, ServeState) of a server for `config` (its port: any free one); `tweak(state)`
-    runs before it listens; `kv_scales`: `config.calib`'s (what `api.serve` reads)."""
-    app, state = build(dataclasses.replace(config, port=0), loaded=loaded, kv_scales=kv_scales)
+    runs before it listens; `kv_scales`: `config.calib`'s (what `api.serve` reads); `on_stats(line)`:
+    where its log lines go."""
+    app, state = build(dataclasses.replace(config, port=0), loaded=loaded, kv_scales=kv_scales, on_stats=on_stats)
     if tweak is not None:
         tweak(state)
     server = uvicorn_server(app, dataclasses.replace(config, port=0))
@@ -81,11 +82,12 @@ def server(tiny_llama_dir, tiny_loaded):
 
 @pytest.fixture
 def start_server(tiny_llama_dir, tiny_loaded):
-    """start_server(**ServeConfig overrides, tweak=None, kv_scales=None): a context manager over a
-    tiny-model server."""
+    """start_server(**ServeConfig overrides, tweak=None, kv_scales=None, on_stats=None): a context
+    manager over a tiny-model server."""
 
-    def start(tweak=None, kv_scales=None, **kw):
-        return running_server(tiny_config(tiny_llama_dir, **kw), loaded=tiny_loaded, tweak=tweak, kv_scales=kv_scales)
+    def start(tweak=None, kv_scales=None, on_stats=None, **kw):
+        return running_server(tiny_config(tiny_llama_dir, **kw), loaded=tiny_loaded, tweak=tweak, kv_scales=kv_scales,
+                              on_stats=on_stats)
 
     return start
 

@@ -1,6 +1,7 @@
 """What deploying `quantspec serve` takes beyond one machine's loopback: CORS for browser origins
-(`--allowed-origins`, none by default), HTTPS (`--ssl-keyfile` / `--ssl-certfile`), and one-line
-errors for their bad values."""
+(`--allowed-origins`, none by default), HTTPS (`--ssl-keyfile` / `--ssl-certfile`), the path
+prefix of a reverse proxy that strips it (`--root-path`), request logs (`--enable-log-requests`), and one-line errors
+for their bad values."""
 
 from __future__ import annotations
 
@@ -51,6 +52,7 @@ def test_https_with_a_key_and_certificate(start_server, tmp_path):
     ({"ssl_keyfile": "key.pem"}, "--ssl-certfile"),
     ({"ssl_keyfile": "/nonexistent/key.pem", "ssl_certfile": "/nonexistent/cert.pem"}, "no such file"),
     ({"allowed_origins": '["https://a.example"'}, "--allowed-origins"),
+    ({"root_path": "llm"}, "--root-path"),
 ])
 def test_bad_deployment_flags_are_one_line(kw, needle):
     with pytest.raises(QuantSpecError, match=needle.replace("-", "\\-")):
@@ -66,3 +68,25 @@ def test_origins_read_as_vllm_s_json_list_or_comma_separated():
     assert ServeConfig(allowed_origins='["*"]').allowed_origins == ("*",)
     assert ServeConfig(allowed_origins=f"{APP}, {OTHER}").allowed_origins == (APP, OTHER)
     assert ServeConfig().allowed_origins == ()
+
+
+def test_request_logs_name_each_request_and_never_its_text(start_server):
+    import openai
+
+    lines = []
+    with start_server(enable_log_requests=True, on_stats=lines.append) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        r = client.chat.completions.create(model="tiny", messages=[{"role": "user", "content": "secret words"}],
+                                           max_tokens=5, temperature=0, extra_headers={"X-Request-Id": "abc"})
+        client.completions.create(model="tiny", prompt="hello", max_tokens=2, n=2, temperature=0.5, seed=1)
+    mine = [line for line in lines if "chatcmpl-abc" in line]
+    assert len(mine) == 2 and "accepted" in mine[0] and "greedy" in mine[0]
+    assert f"{r.usage.completion_tokens} output tokens" in mine[1] and "first token" in mine[1]
+    assert sum(" accepted: " in line and "cmpl-" in line and "-1 " in line for line in lines) == 1  # n=2: its own ids
+    assert not any("secret" in line for line in lines)
+
+
+def test_root_path_serves_behind_a_proxy_that_strips_its_prefix(start_server):
+    """As vLLM's (uvicorn's root_path): the proxy serves /llm/v1/... and forwards /v1/..."""
+    with start_server(root_path="/llm") as (url, _):
+        assert httpx2.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
