@@ -80,6 +80,8 @@ CASES = [
     ("infer-kv-dtype-float-calib", "infer --model {model} --prompt hi --kv-cache-dtype float --calib {d}/no-table",
      "--kv-cache-dtype"),
     ("serve-calib-no-kv-dtype", "serve --model {model} --calib {d}/no-table", "--kv-cache-dtype"),
+    ("serve-tensor-parallel", "serve --model {model} -tp 2", "--tensor-parallel-size"),
+    ("serve-quantization-float-model", "serve --model {model} --quantization compressed-tensors", "--quantization"),
     ("infer-kv-two-types", "infer --model {model} --prompt hi --cachekv-int8-type static "
                            "--cachekv-fp8-type static", "--cachekv-int8-type"),
     ("infer-min-confidence-ngram", "infer --model {model} --prompt hi --speculate-method inference_with_reference "

@@ -122,6 +122,7 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
               help="Prompts skip the prefill of whole KV blocks an earlier prompt or answer filled (shared system prompts, few-shot preambles).")
 @click.option("--kv-cache-memory", default=None,
               help="KV cache size (e.g. 4GiB): the batch holds the sequences it does, the newest preempted and recomputed where it runs out [default: --batch-size sequences of --max-length, on CUDA at most what --gpu-memory-utilization leaves].")
+@click.option("--enforce-eager", is_flag=True, help="On CUDA: no CUDA graphs for the decode steps (as vLLM's).")
 @click.option("--gpu-memory-utilization", default=0.9, show_default=True, type=float,
               help="CUDA, without --kv-cache-memory: the share of the GPU's memory in use at most once the KV cache is allocated.")
 @click.option("--benchmark", is_flag=True, help="Print TTFT, TPOT, tokens/s and peak memory.")
@@ -233,6 +234,13 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
 @click.option("--uvicorn-log-level", default="warning", show_default=True,
               type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               help="uvicorn's own logs (debug and trace add its access log).")
+@click.option("--enforce-eager", is_flag=True, help="On CUDA: no CUDA graphs for the decode steps (as vLLM's).")
+@click.option("--tensor-parallel-size", "-tp", default=1, type=int, help="vLLM's: 1 (quantspec serves on one device).")
+@click.option("--pipeline-parallel-size", "-pp", default=1, type=int, help="vLLM's: 1 (quantspec serves on one device).")
+@click.option("--trust-remote-code", is_flag=True,
+              help="Accepted as vLLM's: quantspec builds the architectures it runs from its own code and runs none of a checkpoint's.")
+@click.option("--quantization", "-q", default=None, type=click.Choice(["compressed-tensors"]),
+              help="vLLM's: the artifact's own format, checked against --model (compressed-tensors, what quantspec writes).")
 @click.option("--disable-log-stats", is_flag=True,
               help="No stats line (throughput, running / waiting requests, KV-cache use, draft acceptance) every 10 s while busy.")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,

@@ -109,6 +109,7 @@ class InferConfig:
     kv_cache_memory: int | str | None = None
     scheduling_policy: str = "fcfs"  # EngineConfig.scheduling_policy
     gpu_memory_utilization: float = 0.9  # on CUDA, without kv_cache_memory (EngineConfig)
+    enforce_eager: bool = False  # on CUDA: no CUDA graphs for the decode steps (vLLM's --enforce-eager)
     # structured output (`infer.structured`): (kind, spec), e.g. ("regex", "[0-9]+"), and the flag
     # that asked for it (what an error names)
     structured_output: tuple[str, str] | None = None
@@ -254,10 +255,13 @@ class Predictor:
         KV-cache scales (k, v) [num_layers, num_kv_heads] for `config.cachekv`, which override an
         artifact's own (`api.infer` reads them from a calibration table)."""
         self.config = config
+        from quantspec.infer.dispatch import DispatchPolicy
         from quantspec.infer.loader import load_for_inference
 
         with about("--model"):
-            self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device)
+            policy = DispatchPolicy(cuda_graphs=False) if config.enforce_eager else None
+            self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device,
+                                                       policy=policy)
         self.tokenizer = self.loaded.tokenizer
         k_scale = v_scale = None
         cachekv = config.cachekv

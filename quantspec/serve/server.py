@@ -71,6 +71,13 @@ class ServeConfig:
     disable_log_stats: bool = False  # no periodic stats line (`metrics.StatsLog`)
     enable_log_requests: bool = False  # a line per request accepted and per one done (`loop.accepted_line`)
     root_path: str = ""  # ASGI root_path: the prefix a reverse proxy serves the API under and strips
+    # vLLM launch flags: no CUDA graphs; one device (1 only); no remote code is ever run (accepted);
+    # the checkpoint's own quantization ("compressed-tensors", checked against --model)
+    enforce_eager: bool = False
+    tensor_parallel_size: int = 1
+    pipeline_parallel_size: int = 1
+    trust_remote_code: bool = False
+    quantization: str | None = None
     uvicorn_log_level: str = "warning"
     max_stored_responses: int = DEFAULT_STORED_RESPONSES  # Responses API answers kept (`response_store.py`)
     # KV cache (vLLM's names, `infer.predictor.KV_CACHE_DTYPES`): auto (the artifact's static scheme
@@ -95,6 +102,15 @@ class ServeConfig:
         if self.uvicorn_log_level not in UVICORN_LOG_LEVELS:
             raise QuantSpecError(f"--uvicorn-log-level {self.uvicorn_log_level!r} is not one of "
                                  f"{', '.join(UVICORN_LOG_LEVELS)}")
+        for flag, n in (("--tensor-parallel-size", self.tensor_parallel_size),
+                        ("--pipeline-parallel-size", self.pipeline_parallel_size)):
+            if n != 1:
+                raise QuantSpecError(f"{flag} {n}: quantspec serves a model on one device per process; pass 1 (or "
+                                     "leave it out) and run one server per device behind a load balancer")
+        if self.quantization not in (None, "compressed-tensors"):
+            raise QuantSpecError(f"--quantization {self.quantization!r}: quantspec serves compressed-tensors "
+                                 "artifacts (their config says so); write one with `quantspec quantize` and leave "
+                                 "--quantization out")
         if self.root_path and not self.root_path.startswith("/"):
             raise QuantSpecError(f"--root-path {self.root_path!r} must start with '/', e.g. /llm")
         if not self.drain_timeout >= 0:
@@ -136,7 +152,7 @@ class ServeConfig:
                            enable_prefix_caching=self.enable_prefix_caching,
                            kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
                            gpu_memory_utilization=self.gpu_memory_utilization,
-                           cachekv=self.kv_cache_dtype)
+                           cachekv=self.kv_cache_dtype, enforce_eager=self.enforce_eager)
 
 
 def _origins(value: tuple[str, ...] | str) -> tuple[str, ...]:
@@ -175,6 +191,9 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> 
     if config.calib is not None and kv_scales is None:
         raise QuantSpecError("--calib's KV scales were not read: serve through api.serve, which reads them")
     predictor = Predictor(config.infer_config(), loaded=loaded, kv_scales=kv_scales)
+    if config.quantization is not None and predictor.loaded.quant_config is None:
+        raise QuantSpecError(f"--quantization {config.quantization}: {config.model} is not quantized; leave "
+                             "--quantization out, or serve an artifact of `quantspec quantize`")
     engine = predictor.engine
     engine.warm_up()  # CUDA: the decode steps' graphs, captured before any request waits on one
     if config.speculate_method != "none" and config.load_aware:

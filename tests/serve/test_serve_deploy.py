@@ -90,3 +90,27 @@ def test_root_path_serves_behind_a_proxy_that_strips_its_prefix(start_server):
     """As vLLM's (uvicorn's root_path): the proxy serves /llm/v1/... and forwards /v1/..."""
     with start_server(root_path="/llm") as (url, _):
         assert httpx2.get(f"{url}/v1/models").json()["data"][0]["id"] == "tiny"
+
+
+def test_vllm_s_launch_flags(tiny_llama_dir, monkeypatch):
+    """What a vLLM command line brings: --enforce-eager turns CUDA graphs off in the dispatch policy
+    the model loads with; one device only; --quantization is the artifact's own format."""
+    from quantspec.infer import loader
+    from quantspec.infer.predictor import InferConfig, Predictor
+
+    seen = []
+    real = loader.load_for_inference
+
+    def spy(*a, **kw):
+        seen.append(kw.get("policy"))
+        return real(*a, **kw)
+
+    monkeypatch.setattr(loader, "load_for_inference", spy)
+    Predictor(InferConfig(model=str(tiny_llama_dir), max_new_tokens=2, enforce_eager=True))
+    Predictor(InferConfig(model=str(tiny_llama_dir), max_new_tokens=2))
+    assert seen[0].cuda_graphs is False and seen[1] is None
+    assert ServeConfig(model=str(tiny_llama_dir), enforce_eager=True).infer_config().enforce_eager
+    assert ServeConfig(tensor_parallel_size=1, pipeline_parallel_size=1, trust_remote_code=True).quantization is None
+    for kw, flag in (({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"), ({"quantization": "awq"}, "--quantization")):
+        with pytest.raises(QuantSpecError, match=flag):
+            ServeConfig(**kw)
