@@ -350,6 +350,7 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
         raise QuantSpecError("--calib gives static KV-cache scales: add --kv-cache-dtype int8 or fp8, or drop --calib")
     with about("--model"):
         em = load_for_inference(str(model), dtype=dtypes[dtype], device=resolve_device(device))
+    em.args.check_context(seq_len, "--seq-len")
     kind, k_scale, v_scale, origin = _eval_kv_cache(em, kv_cache_dtype, calib)
     with about("--text-file" if text_file is not None else "--dataset"):
         ids = _eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,

@@ -297,6 +297,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     device = resolve_device(config.device)
     with about("--model"):  # every shard's header checked before any work
         net, model_dir, reader = _load_for_calibration(config.model)
+    net.args.check_context(config.seq_len, "--seq-len")  # its windows run full attention
     say("reading the dataset")
     with about("--dataset"):
         texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)

@@ -234,6 +234,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     src = _read_source(config)
     batches = _gptq_batches(config, src, say)
     model = _skeleton(config, src)
+    if src.reader is not None and (config.method == "gptq" or config.static):  # windows run full attention
+        model.args.check_context(config.seq_len, "--seq-len")
     resumable, key = _run_identity(config, src, device)
     _check_disk(config, src, model, out, key)
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:

@@ -263,6 +263,7 @@ class Predictor:
             self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device,
                                                        policy=policy)
         self.tokenizer = self.loaded.tokenizer
+        self.loaded.args.check_context(config.max_length, "--max-length")
         k_scale = v_scale = None
         cachekv = config.cachekv
         if cachekv == "none" and getattr(self.loaded, "kv_cache_dtype", None) and kv_scales is None:

@@ -82,6 +82,9 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary embedding
+    # the tokens a layer attends back at most (Mistral v0.1's 4096; Qwen's with use_sliding_window);
+    # quantspec attends to the whole context, which equals it up to this length (`check_context`)
+    sliding_window: int | None = None
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -100,6 +103,13 @@ class ModelArgs:
                     f"rope_scaling type {rope_type!r} is not supported; supported: "
                     f"{', '.join(sorted(ROPE_TYPES))}"
                 )
+
+    def check_context(self, length: int, flag: str) -> None:
+        """Refuse, naming `flag`, a context longer than the model's sliding window."""
+        if self.sliding_window is not None and length > self.sliding_window:
+            raise QuantSpecError(f"{flag} {length} is over this model's sliding window of {self.sliding_window} tokens "
+                                 "(config.json sliding_window): quantspec attends to the whole context, the same "
+                                 f"up to {self.sliding_window} tokens only; use {flag} {self.sliding_window} or less")
 
     @property
     def q_size(self) -> int:
@@ -148,6 +158,7 @@ class ModelArgs:
             o_bias=False if arch == "qwen2" else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch == "qwen3",
+            sliding_window=_sliding_window(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -156,6 +167,21 @@ class ModelArgs:
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: x normalized in fp32, rounded to x's dtype, then scaled by `weight`."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window of a config's layers where any has one: Mistral's `sliding_window`;
+    Qwen's where `use_sliding_window` (and a layer type) says its layers use it."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if arch == "mistral":
+        return window
+    layer_types = cfg.get("layer_types") or ()
+    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and (
+            not layer_types or "sliding_attention" in layer_types):
+        return window
+    return None
 
 
 # ---------------------------------------------------------------------------------------------
