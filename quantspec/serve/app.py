@@ -337,8 +337,7 @@ def _submit(state: ServeState, body: GenerationRequest, prompts: list[list[int]]
     jobs = [make_job(state, body, shared, ids, j) for ids in prompts for j in range(body.n)]  # choice i: prompt i // n
     answer_id = ("chatcmpl-" if chat else "cmpl-") + (request_id or uuid.uuid4().hex)
     for i, job in enumerate(jobs):
-        job.request_id = answer_id if len(jobs) == 1 else f"{answer_id}-{i}"
-    for i, job in enumerate(jobs):
+        job.request_id = answer_id if len(jobs) == 1 else f"{answer_id}-{i}"  # what request logs name
         if not state.loop.submit(job):
             for taken in jobs[:i]:
                 state.loop.abort(taken)
