@@ -331,7 +331,9 @@ def whole_response(items: ResponseItems, chat: dict) -> dict:
     message = choice["message"]
     _feed(items, {**message, "tool_calls": [{**tc, "index": i} for i, tc in enumerate(message.get("tool_calls") or [])]},
           choice.get("logprobs"))
-    return items.finish(chat.get("usage"), choice["finish_reason"])
+    response = items.finish(chat.get("usage"), choice["finish_reason"])
+    items.events.clear()  # no stream reads them (a stored response keeps none)
+    return response
 
 
 async def response_events(items: ResponseItems, chunks):

@@ -114,11 +114,13 @@ def test_fused_stack_computes_the_layers(tmp_path, dtype, arch):
     assert float((got.float() - ref.float()).abs().max()) <= 8 * TOL[dtype] * scale
 
 
-def test_cuda_runtime_with_fused_ops_keeps_greedy_and_speculation(tmp_path, monkeypatch):
+@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+def test_cuda_runtime_with_fused_ops_keeps_greedy_and_speculation(tmp_path, monkeypatch, arch):
     """The CUDA backend's runtime with `cuda_fused_ops` (on a machine without CUDA, its eager
-    fused path under the interpreter; with CUDA, graphs too): every step goes through the fused
-    layers, greedy tokens are the modules' (fp32), and n-gram speculation over three sequences
-    with different draft counts gives the tokens of plain decoding."""
+    fused path under the interpreter; with CUDA, graphs too), for a Llama and a Qwen3 (q / k
+    norms): every step goes through the fused layers, greedy tokens are the modules' (fp32), and
+    n-gram speculation over three sequences with different draft counts gives the tokens of plain
+    decoding."""
     from quantspec.infer.cuda import graphs, prepare
     from quantspec.infer.dispatch import DispatchPolicy
     from quantspec.infer.engine import Engine, EngineConfig
@@ -128,7 +130,7 @@ def test_cuda_runtime_with_fused_ops_keeps_greedy_and_speculation(tmp_path, monk
     from quantspec.model_zoo.tiny import build_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    d = build_tiny_model(tmp_path / "m", hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
+    d = build_tiny_model(tmp_path / "m", arch, hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
     calls = []
     real = graphs.fused_stack
     monkeypatch.setattr(graphs, "fused_stack", lambda *a: calls.append(a[1].shape[0]) or real(*a))
