@@ -204,7 +204,7 @@ class Answers:
         else:
             choice = {"index": index, "text": piece or "", "logprobs": logprobs, "finish_reason": reason}
             kind = "text_completion"
-        if thought:
+        if thought and self.body.include_reasoning:
             choice["delta"] = {**choice["delta"], "reasoning_content": thought, "reasoning": thought}
         if reason is not None:
             choice["stop_reason"] = self.choices[index].stop_reason
@@ -281,7 +281,8 @@ class Answers:
                 message, reason = (({"role": "assistant", "content": text}, c.finish_reason) if c.tools is None
                                    else c.tools.message(text or "", c.finish_reason))
                 if c.reasoning is not None:
-                    message.update(reasoning_content=thought, reasoning=thought)
+                    if self.body.include_reasoning:
+                        message.update(reasoning_content=thought, reasoning=thought)
                 if c.echo is not None:
                     message["content"] = c.echo + (message["content"] or "")
                 choices.append({"index": c.index, "message": message, "logprobs": self._logprobs(entries),

@@ -309,7 +309,7 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     try:
         return chat_prompt_ids(state.tokenizer, messages, body.add_generation_prompt, tools=tools,
                                continue_final_message=body.continue_final_message,
-                               template_kwargs=body.chat_template_kwargs, chat_template=state.chat_template)
+                               template_kwargs=body.template_kwargs(), chat_template=state.chat_template)
     except Exception as e:  # the template's own checks (jinja2's raise_exception, transformers')
         raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
 

@@ -178,6 +178,15 @@ class ChatCompletionRequest(GenerationRequest):
     continue_final_message: StrictBool = False  # the last (assistant) message is continued, not closed
     chat_template_kwargs: dict | None = None  # extra variables of the chat template
     echo: StrictBool = False
+    # OpenAI's, to templates that read it (as a chat_template_kwargs variable, as vLLM hands it on)
+    reasoning_effort: StrictStr | None = None
+    include_reasoning: StrictBool = True  # vLLM's: false leaves a reasoning parser's thinking out of the answer
+
+    def template_kwargs(self) -> dict | None:
+        """`chat_template_kwargs` with `reasoning_effort` where the request gives one."""
+        if self.reasoning_effort is None:
+            return self.chat_template_kwargs
+        return {"reasoning_effort": self.reasoning_effort, **(self.chat_template_kwargs or {})}
 
 
 TokenIds = Annotated[list[StrictInt], Field(min_length=1)]

@@ -138,3 +138,27 @@ def test_a_guided_request_is_held_after_the_thinking(tiny_loaded, parser, tail, 
         assert thinking and tok.decode(list(start)) == "<think>" and tok.decode(list(end)) == "</think>"
     else:
         assert got is None
+
+
+EFFORT = "{% for m in messages %}{{ m['content'] }}{% endfor %} effort={{ reasoning_effort | default('none') }}"
+
+
+def test_reasoning_effort_reaches_the_template_and_include_reasoning_false_drops_the_thinking(start_server,
+                                                                                              tiny_loaded):
+    tweak, n = _scripted(tiny_loaded.tokenizer)
+    with start_server(reasoning_parser="deepseek_r1", speculate_method="none", tweak=tweak,
+                      chat_template=EFFORT) as (url, _):
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        kw = dict(model="tiny", messages=[{"role": "user", "content": "Hi"}], max_tokens=n, temperature=0,
+                  extra_body={"ignore_eos": True, "return_token_ids": True})
+        for effort in ("low", "high"):
+            r = client.chat.completions.create(reasoning_effort=effort, **kw)
+            assert tiny_loaded.tokenizer.decode(r.model_extra["prompt_token_ids"]).endswith(f"effort={effort}")
+        plain = client.chat.completions.create(**kw)
+        assert tiny_loaded.tokenizer.decode(plain.model_extra["prompt_token_ids"]).endswith("effort=none")
+        kw["extra_body"]["include_reasoning"] = False
+        msg = client.chat.completions.create(**kw).choices[0].message
+        assert msg.content == "\n\nHello there!" and msg.model_extra.get("reasoning_content") is None
+        deltas = [c.choices[0].delta for c in client.chat.completions.create(stream=True, **kw) if c.choices]
+        assert not any(getattr(d, "reasoning_content", None) for d in deltas)
+        assert "".join(d.content or "" for d in deltas) == "\n\nHello there!"
