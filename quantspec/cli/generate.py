@@ -212,6 +212,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Serve tool_choice 'auto' (OpenAI's default with tools): the model's own tool calls, found by --tool-call-parser.")
 @click.option("--generation-config", default="auto", show_default=True,
               help="Defaults of the sampling fields a request leaves out (temperature, top_p, top_k, min_p, repetition_penalty, max_tokens): auto, the model's generation_config.json; vllm, none (OpenAI's); or a directory holding one.")
+@click.option("--override-generation-config", default=None,
+              help="JSON of request defaults over the generation config's, e.g. '{\"temperature\": 0.6, \"top_p\": 0.95}' (temperature, top_p, top_k, min_p, repetition_penalty, max_new_tokens).")
 @click.option("--chat-template", default=None,
               help="A Jinja chat template (a file, or the template itself) in place of the tokenizer's.")
 @click.option("--reasoning-parser", default=None, type=click.Choice(["deepseek_r1", "qwen3"]),

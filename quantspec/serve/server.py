@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.infer.loader import read_sampling_defaults
+from quantspec.infer.loader import SAMPLING_DEFAULT_KEYS, read_sampling_defaults
 from quantspec.infer.predictor import KV_CACHE_DTYPES, InferConfig, Predictor
 from quantspec.model_zoo.default import DEFAULT_MODEL
 from quantspec.serve.app import DEFAULT_STORED_RESPONSES, ServeState, build_app
@@ -65,6 +65,8 @@ class ServeConfig:
     # request defaults of the sampling fields a request leaves out: "auto" the model's
     # generation_config.json (as vLLM), "vllm" none (OpenAI's), or a directory holding one
     generation_config: str = "auto"
+    # vLLM's --override-generation-config: JSON of those defaults, over what generation_config gives
+    override_generation_config: str | dict | None = None
     # a Jinja chat template in place of the tokenizer's: a file, or the template's text; read when built
     chat_template: str | None = None
     api_key: str | None = field(default=None, repr=False)  # clients must send it as a bearer token
@@ -129,6 +131,7 @@ class ServeConfig:
             raise QuantSpecError(f"--generation-config {self.generation_config!r} is not auto, vllm or a directory")
         if self.chat_template is not None:
             self.chat_template = _template_text(self.chat_template)
+        self.override_generation_config = _overrides(self.override_generation_config)
         self.allowed_origins = _origins(self.allowed_origins)
         if (self.ssl_keyfile is None) != (self.ssl_certfile is None):
             raise QuantSpecError("TLS needs both --ssl-keyfile and --ssl-certfile")
@@ -153,6 +156,28 @@ class ServeConfig:
                            kv_cache_memory=self.kv_cache_memory, scheduling_policy=self.scheduling_policy,
                            gpu_memory_utilization=self.gpu_memory_utilization,
                            cachekv=self.kv_cache_dtype, enforce_eager=self.enforce_eager)
+
+
+def _overrides(value: str | dict | None) -> dict:
+    """`--override-generation-config`: a JSON object of request defaults (`SAMPLING_DEFAULT_KEYS`,
+    numbers; vLLM's `max_tokens` / `max_new_tokens` for the output length)."""
+    if value is None:
+        return {}
+    if isinstance(value, str):
+        try:
+            value = json.loads(value)
+        except json.JSONDecodeError as e:
+            raise QuantSpecError(f"--override-generation-config is not JSON: {e.msg}") from None
+    if not isinstance(value, dict):
+        raise QuantSpecError("--override-generation-config must be a JSON object, e.g. '{\"temperature\": 0.6}'")
+    out = {}
+    for key, v in value.items():
+        name = "max_new_tokens" if key == "max_tokens" else key
+        if name not in SAMPLING_DEFAULT_KEYS or isinstance(v, bool) or not isinstance(v, (int, float)):
+            raise QuantSpecError(f"--override-generation-config {key}={v!r}: give numbers for "
+                                 f"{', '.join(SAMPLING_DEFAULT_KEYS)}")
+        out[name] = v
+    return out
 
 
 def _origins(value: tuple[str, ...] | str) -> tuple[str, ...]:
@@ -206,6 +231,7 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> 
     defaults = ({} if config.generation_config == "vllm" else
                 read_sampling_defaults(predictor.loaded.model_dir if config.generation_config == "auto"
                                        else Path(config.generation_config).expanduser()))
+    defaults.update(config.override_generation_config)
     stats = None if on_stats is None or config.disable_log_stats else StatsLog(metrics, on_stats,
                                                                               now=time.perf_counter())
     request_log = on_stats if config.enable_log_requests else None

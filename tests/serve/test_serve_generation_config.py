@@ -67,3 +67,18 @@ def test_a_generation_config_that_is_no_directory_is_refused():
 
     with pytest.raises(QuantSpecError, match="--generation-config"):
         ServeConfig(generation_config="/nowhere/at/all")
+
+
+def test_override_generation_config_wins_over_the_model_s(serve, configured_model, reference):
+    from quantspec.errors import QuantSpecError
+    from quantspec.serve.server import ServeConfig
+
+    config = ServeConfig(model=str(configured_model), served_model_name="tiny", max_batch_size=4, max_length=256,
+                         override_generation_config='{"max_tokens": 3, "top_k": 1, "temperature": 1.5}')
+    with serve(config) as (url, state):
+        assert state.sampling_defaults == {"temperature": 1.5, "top_k": 1, "max_new_tokens": 3}
+        client = openai.OpenAI(base_url=f"{url}/v1", api_key="none", max_retries=0, timeout=60)
+        assert _ask(client) == (reference(PROMPT, 3, chat=False, ignore_eos=True)[0], 3)  # top_k 1 still greedy
+    for bad in ('{"temperature": "hot"}', '{"seed": 1}', "[1]", "{oops"):
+        with pytest.raises(QuantSpecError, match="--override-generation-config"):
+            ServeConfig(override_generation_config=bad)
