@@ -10,8 +10,9 @@ names read:
   ";"; an answer that does not start with `{` is content.
 - `pythonic` (Llama 3.2 and 4 with a pythonic tool template, ToolACE): the answer, after an
   optional `<|python_start|>`, is a Python list of calls with keyword arguments of literal values,
-  `[get_weather(city="Paris"), get_time()]`; it is read as Python syntax, never run; its calls
-  arrive whole once the answer ends.
+  `[get_weather(city="Paris"), get_time()]`; it is read as Python syntax, never run. Streamed, a
+  call's arguments go out a keyword argument at a time, each once it is written whole (as the
+  JSON of the arguments so far, which the whole call's JSON continues).
 - `mistral` (Mistral 7B v0.3, Mistral Small / Nemo / Large, Ministral, Devstral, Magistral): the
   text before `[TOOL_CALLS]` is content; after it, a JSON list of `{"name": ..., "arguments":
   {...}}` (tokenizers up to v7), or `name[ARGS]{...}` per call, each after its own `[TOOL_CALLS]`
@@ -266,7 +267,66 @@ class PythonicParser:
         return _split_whole_answer(text, sent, "[", self.START)
 
     def partials(self, text: str) -> list[Partial]:
-        return []  # Python syntax: the calls are read once the answer is whole
+        """The calls as far as written, each with the JSON of its whole keyword arguments so far
+        (its closing brace once the call is closed), up to the first that does not read."""
+        import ast
+
+        body = text.strip().removeprefix(self.START).lstrip()
+        if not body.startswith("["):
+            return []
+        out, at = [], 1
+        while (m := _PY_CALL.match(body, at)) is not None:
+            kwargs, closed, at = _python_parts(body, m.end(), ")")
+            args = {}
+            for part in kwargs:
+                key, eq, value = part.partition("=")
+                try:
+                    if not eq or not key.strip().isidentifier():
+                        return out
+                    args[key.strip()] = ast.literal_eval(value.strip())
+                except (SyntaxError, ValueError, TypeError, MemoryError, RecursionError):
+                    return out
+            whole = json.dumps(args, ensure_ascii=False)
+            out.append(Partial(m.group(1), whole if closed else whole[:-1], at if closed else None))
+            if not closed:
+                return out
+            while at < len(body) and body[at] in " \t\r\n,":
+                at += 1
+        return out
+
+
+_PY_CALL = re.compile(r"\s*([A-Za-z_][A-Za-z0-9_]*)\s*\(")
+
+
+def _python_parts(text: str, at: int, closer: str) -> tuple[list[str], bool, int]:
+    """The comma-separated parts of a bracketed Python expression from `text[at]` (just inside its
+    opening bracket), as far as written: (the parts written whole, whether `closer` closed it,
+    where the scan stopped). Strings and nested brackets are skipped over."""
+    parts, depth, quote, start, i = [], 0, None, at, at
+    while i < len(text):
+        ch = text[i]
+        if quote is not None:
+            if ch == "\\":
+                i += 1
+            elif ch == quote:
+                quote = None
+        elif ch in "'\"":
+            quote = ch
+        elif ch in "([{":
+            depth += 1
+        elif ch in ")]}" and depth:
+            depth -= 1
+        elif ch in ")]}":
+            if ch != closer:
+                return parts, False, i
+            if text[start:i].strip():
+                parts.append(text[start:i])
+            return parts, True, i + 1
+        elif ch == "," and not depth:
+            parts.append(text[start:i])
+            start = i + 1
+        i += 1
+    return parts, False, len(text)
 
 
 class MistralParser:

@@ -168,17 +168,39 @@ def test_pythonic_reads_a_list_of_calls_with_literal_arguments():
         assert PythonicParser().parse(text) == Parsed(text), text
 
 
-@pytest.mark.parametrize("cuts", [[], [1], [4, 9, 30]])
-def test_pythonic_streams_content_or_gives_the_calls_at_the_end(cuts):
+PYTHONIC = '<|python_start|>[get_weather(city="Paris, FR", days=3, units=["C", "F"]), get_time()]<|python_end|>'
+
+
+@pytest.mark.parametrize("cuts", [[], [1], [4, 9, 30], "each"])
+def test_pythonic_streams_content_or_its_calls(cuts):
     from quantspec.serve.tool_parsers import PythonicParser
 
-    text = '[get_weather(city="Paris")]'
-    content, calls, reason = _stream(PythonicParser(), text, cuts)
+    cuts = list(range(1, len(PYTHONIC))) if cuts == "each" else cuts
+    content, calls, reason = _stream(PythonicParser(), PYTHONIC, cuts)
+    whole, _ = AutoToolCalls(PythonicParser()).message(PYTHONIC, "stop")
     assert content == "" and reason == "tool_calls"
-    assert [(c["function"]["name"], json.loads(c["function"]["arguments"])) for c in calls] == \
-        [("get_weather", {"city": "Paris"})]
+    assert [(c["function"]["name"], c["function"]["arguments"]) for c in calls] == \
+        [(c["function"]["name"], c["function"]["arguments"]) for c in whole["tool_calls"]]
+    assert json.loads(calls[0]["function"]["arguments"]) == {"city": "Paris, FR", "days": 3, "units": ["C", "F"]}
     content, calls, reason = _stream(PythonicParser(), "Paris is sunny [citation].", cuts)
     assert content == "Paris is sunny [citation]." and calls == [] and reason == "stop"
+
+
+def test_pythonic_arguments_go_out_a_keyword_at_a_time():
+    """Fed a character at a time: a call's name goes out once its `(` is written, then each
+    keyword argument once it is whole (never a string cut short), the pieces the whole call's JSON."""
+    from quantspec.serve.tool_parsers import PythonicParser
+
+    tc = AutoToolCalls(PythonicParser())
+    sent = {}
+    for i, ch in enumerate(PYTHONIC):
+        delta, _ = tc.delta(ch, "stop" if i == len(PYTHONIC) - 1 else None)
+        for d in delta.get("tool_calls", []):
+            sent.setdefault(d["index"], []).append((i, d.get("function", {}).get("arguments", "")))
+    pieces = [a for _, a in sent[0] if a]
+    assert pieces[:3] == ["{", '"city": "Paris, FR"', ', "days": 3']  # each whole argument, in order
+    assert sent[0][0][0] == PYTHONIC.index("(") and sent[1][0][0] > sent[0][-1][0]
+    assert json.loads("".join(pieces)) == {"city": "Paris, FR", "days": 3, "units": ["C", "F"]}
 
 
 MISTRAL_V3 = f'Checking. [TOOL_CALLS] [{WEATHER}, {TIME}]'
