@@ -102,7 +102,8 @@ def test_artifacts_run_in_transformers_as_in_quantspec(tiny_qwen3_dir, qwen3_tab
 
 def test_speculation_on_a_qwen3_base_keeps_plain_greedy(tiny_qwen3_dir, tmp_path):
     """n-gram drafts and an EAGLE-3 head (a Llama layer over the Qwen3 base's features, the layout
-    vLLM and SGLang load for Qwen3 bases: no q / k norms) leave greedy answers as plain decoding's."""
+    vLLM and SGLang load for Qwen3 bases: no q / k norms), float or FP8 with dynamic activations,
+    leave greedy answers as plain decoding's."""
     import json
 
     from quantspec.infer.predictor import InferConfig, Predictor
@@ -115,10 +116,13 @@ def test_speculation_on_a_qwen3_base_keeps_plain_greedy(tiny_qwen3_dir, tmp_path
     cfg = json.loads((head / "config.json").read_text())
     assert cfg["head_dim"] == 32 and "q_norm" not in (head / "model.safetensors").read_bytes().decode("latin-1")
     prompts = ["The quick brown fox", "Once upon a time, in a quiet village by the sea"]
+    # the head quantized on its own, FP8 with per-token activations: no base hidden states to calibrate on
+    fp8 = api.quantize(str(head), "a8w8_fp8", tmp_path / "eagle3.fp8", activations="dynamic")
     runs = {}
     for method, extra in (("none", {}), ("inference_with_reference", {}),
-                          ("eagle", {"draft_model": str(head), "speculate_tree": "2x2"})):
-        config = InferConfig(model=str(tiny_qwen3_dir), max_new_tokens=24, max_length=128, speculate_method=method,
-                             **extra)
+                          ("eagle", {"draft_model": str(head), "speculate_tree": "2x2"}),
+                          ("eagle-fp8", {"draft_model": str(fp8)})):
+        config = InferConfig(model=str(tiny_qwen3_dir), max_new_tokens=24, max_length=128,
+                             speculate_method=method.split("-")[0], **extra)
         runs[method] = [o.token_ids for o in Predictor(config).generate(prompts)]
-    assert runs["inference_with_reference"] == runs["none"] and runs["eagle"] == runs["none"]
+    assert runs["inference_with_reference"] == runs["eagle"] == runs["eagle-fp8"] == runs["none"]

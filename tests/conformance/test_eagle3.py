@@ -135,11 +135,12 @@ def lifted_eagle3(engine_sources, eagle3_artifacts, eagle3_head, tmp_path_factor
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("name", ["eagle3_head_int4", "eagle3_head_int8_vllm"])
+@pytest.mark.parametrize("name", ["eagle3_head_int4", "eagle3_head_fp8_dynamic", "eagle3_head_int8_vllm"])
 def test_quantized_head_verdict_matches_engine_code(lifted_eagle3, eagle3_artifacts, engine, name):
     """Per engine layer, the engine's own compressed-tensors code picks what the verdict says:
     the default head (fc float, o_proj / gate_up at g64 by name targets that name the engines'
-    layers too) loads in both; `--target vllm` quantizes fc, which only vLLM builds quantized."""
+    layers too) loads in both, and so does its FP8 with dynamic activations (no calibration of the
+    base's hidden states); `--target vllm` quantizes fc, which only vLLM builds quantized."""
     ans = lifted_eagle3[engine]
     if isinstance(ans, str):
         pytest.skip(ans)
