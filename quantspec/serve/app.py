@@ -85,7 +85,8 @@ def _validation_message(exc) -> tuple[str, str | None]:
     if not errors:
         return "invalid request", None
     e = errors[0]
-    loc = [str(p) for p in e.get("loc", ()) if p != "body"]
+    loc = [str(p) for p in e.get("loc", ())]
+    loc = loc[1:] if loc[:1] in (["body"], ["query"], ["path"]) else loc  # where FastAPI read it
     if e.get("type") == "json_invalid":
         return f"malformed JSON: {e.get('msg', '')}", None
     param = ".".join(loc) or None
@@ -199,7 +200,7 @@ def _responses_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
         return response
 
     @app.get("/v1/responses/{rid}", dependencies=guarded)
-    async def retrieve(rid: str, stream: bool = False, starting_after: int | None = None):
+    async def retrieve(rid: str, stream: bool = False, starting_after: Annotated[int, Query(ge=0)] | None = None):
         entry = state.responses.get(rid)
         if not stream:
             return entry.items.response()

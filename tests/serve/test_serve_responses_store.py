@@ -113,6 +113,8 @@ def test_a_streamed_background_response_is_read_again_from_any_event(server, ref
     again = list(client.responses.retrieve(rid, stream=True, starting_after=3))
     assert [e.sequence_number for e in again] == list(range(4, len(events)))
     assert again[-1].response.output_text == text
+    bad = httpx2.get(f"{url}/v1/responses/{rid}", params={"stream": "true", "starting_after": -2}, timeout=60)
+    assert bad.status_code == 400 and bad.json()["error"]["param"] == "starting_after"
     with pytest.raises(openai.BadRequestError):  # a response that was not a streamed background run
         list(client.responses.retrieve(client.responses.create(model="tiny", input="hi", max_output_tokens=2).id,
                                        stream=True))
