@@ -32,7 +32,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin
+from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_type
 
 __all__ = [
     "ARCHITECTURES",
@@ -96,13 +96,11 @@ class ModelArgs:
                 f"num_attention_heads={self.num_heads} is not a multiple of "
                 f"num_key_value_heads={self.num_kv_heads}; fix config.json"
             )
-        if self.rope_scaling is not None:
-            rope_type = self.rope_scaling.get("rope_type", self.rope_scaling.get("type", "default"))
-            if rope_type not in ROPE_TYPES:
-                raise QuantSpecError(
-                    f"rope_scaling type {rope_type!r} is not supported; supported: "
-                    f"{', '.join(sorted(ROPE_TYPES))}"
-                )
+        if rope_type(self) not in ROPE_TYPES:
+            raise QuantSpecError(
+                f"rope_scaling type {rope_type(self)!r} is not supported; supported: "
+                f"{', '.join(sorted(ROPE_TYPES))}"
+            )
 
     def check_context(self, length: int, flag: str) -> None:
         """Refuse, naming `flag`, a context longer than the model's sliding window."""

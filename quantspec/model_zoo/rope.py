@@ -12,7 +12,7 @@ import math
 
 import torch
 
-__all__ = ["ROPE_TYPES", "apply_rope", "rope_attention_factor", "rope_cos_sin"]
+__all__ = ["ROPE_TYPES", "apply_rope", "rope_attention_factor", "rope_cos_sin", "rope_type"]
 
 
 def _default_inv_freq(args) -> torch.Tensor:
@@ -74,7 +74,8 @@ ROPE_TYPES = {"default": _default_inv_freq, "linear": _linear_inv_freq, "llama3"
               "yarn": _yarn_inv_freq}
 
 
-def _rope_type(args) -> str:
+def rope_type(args) -> str:
+    """The `rope_scaling` kind of `args` (`rope_type`, or the older `type`; "default" without one)."""
     s = args.rope_scaling
     return "default" if s is None else s.get("rope_type", s.get("type", "default"))
 
@@ -82,7 +83,7 @@ def _rope_type(args) -> str:
 def rope_attention_factor(args) -> float:
     """What cos and sin are scaled by: YaRN's attention factor (`attention_factor`, else from
     `factor`, `mscale` and `mscale_all_dim`), 1 otherwise."""
-    if _rope_type(args) != "yarn":
+    if rope_type(args) != "yarn":
         return 1.0
     s = args.rope_scaling
     if s.get("attention_factor") is not None:
@@ -99,7 +100,7 @@ def rope_attention_factor(args) -> float:
 
 def rope_cos_sin(args, max_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
     """cos/sin tables `[max_positions, head_dim]` in fp32 (HF's rotate-half convention)."""
-    inv_freq = ROPE_TYPES[_rope_type(args)](args).to(torch.float32)
+    inv_freq = ROPE_TYPES[rope_type(args)](args).to(torch.float32)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [P, hd/2]
     emb = torch.cat([freqs, freqs], dim=-1)  # [P, hd]
