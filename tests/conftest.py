@@ -51,6 +51,27 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def calibration_table(tmp_path_factory):
+    """calibration_table(model_dir) → a `quantspec calibrate` table of a tiny model on the tiny
+    corpus (4 windows of 32 tokens, fp32): made once per model per session; tests only read it."""
+    from quantspec import api
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    made = {}
+
+    def make(model_dir) -> Path:
+        key = str(model_dir)
+        if key not in made:
+            d = tmp_path_factory.mktemp("calib")
+            (d / "calib.txt").write_text(TINY_CORPUS)
+            made[key] = api.calibrate(key, str(d / "calib.txt"), d / "table", num_samples=4, seq_len=32,
+                                      dtype="float32").path
+        return made[key]
+
+    return make
+
+
+@pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """The tiny byte-level BPE tokenizer (variant 0, vocab 512), saved with save_pretrained."""
     out = tmp_path_factory.mktemp("tiny_tokenizer")

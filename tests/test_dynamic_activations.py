@@ -14,7 +14,6 @@ from quantspec.cli import main
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.loader import load_for_inference
 from quantspec.model_zoo.llama import DenseCausalAttention
-from quantspec.model_zoo.tiny import TINY_CORPUS
 from quantspec.quant.artifact import load_safetensors
 
 torch.set_num_threads(1)
@@ -61,10 +60,8 @@ def test_dynamic_artifact_runs_in_transformers_as_in_quantspec(tiny_llama_dir, t
     assert (fp32 - theirs).abs().max() > 1e-3  # activations were quantized
 
 
-def test_dynamic_activations_with_a_static_kv_cache(tiny_llama_dir, tmp_path):
-    (tmp_path / "calib.txt").write_text(TINY_CORPUS)
-    table = api.calibrate(str(tiny_llama_dir), str(tmp_path / "calib.txt"), tmp_path / "table", num_samples=4,
-                          seq_len=32, dtype="float32").path
+def test_dynamic_activations_with_a_static_kv_cache(tiny_llama_dir, calibration_table, tmp_path):
+    table = calibration_table(tiny_llama_dir)
     out = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "fp8", activations="dynamic", kv_cache="fp8",
                        calib=table)
     tensors = load_safetensors(out)

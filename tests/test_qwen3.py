@@ -12,7 +12,6 @@ from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.loader import load_for_inference
 from quantspec.infer.sampler import SamplingParams
 from quantspec.model_zoo.llama import DenseCausalAttention
-from quantspec.model_zoo.tiny import TINY_CORPUS
 
 torch.set_num_threads(1)
 IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
@@ -72,11 +71,8 @@ def test_engine_greedy_equals_transformers_generate(tiny_qwen3_dir, hf_qwen3):
 
 
 @pytest.fixture(scope="module")
-def qwen3_table(tiny_qwen3_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("qwen3_calib")
-    (d / "calib.txt").write_text(TINY_CORPUS)
-    return api.calibrate(str(tiny_qwen3_dir), str(d / "calib.txt"), d / "table", num_samples=4, seq_len=32,
-                         dtype="float32").path
+def qwen3_table(tiny_qwen3_dir, calibration_table):
+    return calibration_table(tiny_qwen3_dir)
 
 
 @pytest.mark.parametrize("quant_type, options", [

@@ -12,18 +12,14 @@ import torch
 from quantspec import api
 from quantspec.errors import QuantSpecError
 from quantspec.infer.predictor import InferConfig, Predictor
-from quantspec.model_zoo.tiny import TINY_CORPUS
 from quantspec.serve.server import ServeConfig
 
 PROMPT = "Tell me a story"
 
 
 @pytest.fixture(scope="module")
-def table(tiny_llama_dir, tmp_path_factory):
-    d = tmp_path_factory.mktemp("kv_table")
-    (d / "calib.txt").write_text(TINY_CORPUS)
-    return api.calibrate(str(tiny_llama_dir), str(d / "calib.txt"), d / "table", num_samples=4, seq_len=32,
-                         dtype="float32").path
+def table(tiny_llama_dir, calibration_table):
+    return calibration_table(tiny_llama_dir)
 
 
 def _infer(model, cachekv, kv_scales=None, loaded=None) -> str:
@@ -61,6 +57,13 @@ def test_float_overrides_an_artifact_s_kv_scales(tiny_llama_dir, serve, table, t
     with serve(ServeConfig(**base, kv_cache_dtype="float"), loaded=loaded) as (url, state):
         assert "fp8" not in state.kv_cache and state.loop.engine.cache.k.dtype == torch.float32
         assert _served(url) == _infer(art, "float", loaded=loaded)
+
+
+def test_the_cli_offers_the_kv_cache_dtypes_the_engine_reads():
+    from quantspec.cli.generate import KV_CACHE_CHOICES
+    from quantspec.infer.predictor import KV_CACHE_DTYPES
+
+    assert KV_CACHE_CHOICES == tuple(KV_CACHE_DTYPES)
 
 
 def test_calib_without_a_static_kv_cache_is_refused(tiny_llama_dir, table):
