@@ -109,8 +109,9 @@ def fuse_mlps(module: nn.Module) -> int:
 
 
 def fuse_projections(model: nn.Module) -> int:
-    """Fuse every decoder layer's q/k/v and gate/up projections in place; returns how many
-    groups were fused (two per layer when every layer qualifies)."""
+    """Fuse every decoder layer's q/k/v and gate/up projections (every expert's of a mixture of
+    experts) in place; returns how many groups were fused (two per dense layer when every layer
+    qualifies)."""
     n = 0
     for layer in model.model.layers:
         attn, mlp = layer.self_attn, layer.mlp
@@ -119,6 +120,6 @@ def fuse_projections(model: nn.Module) -> int:
             if fused is not None:
                 attn.qkv_proj, attn.q_proj, attn.k_proj, attn.v_proj = fused, None, None, None
                 n += 1
-        n += _fuse_mlp(mlp)
+        n += _fuse_mlp(mlp) if isinstance(mlp, MLP) else fuse_mlps(mlp)  # a mixture of experts: each expert's
         release_free_heap()  # the originals' memory, between the stacked copies: no growth per layer
     return n

@@ -57,8 +57,9 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3"}
+_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
 
 
 @dataclass
@@ -85,6 +86,14 @@ class ModelArgs:
     # the tokens a layer attends back at most (Mistral v0.1's 4096; Qwen's with use_sliding_window);
     # quantspec attends to the whole context, which equals it up to this length (`check_context`)
     sliding_window: int | None = None
+    # mixture of experts (Qwen3-MoE): the MLP of a layer not in `dense_layers` is `num_experts`
+    # MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token by a router
+    # (`moe.SparseMoE`); 0 experts: every MLP is dense
+    num_experts: int = 0
+    experts_per_token: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = True
+    dense_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
 
@@ -101,6 +110,13 @@ class ModelArgs:
                 f"rope_scaling type {rope_type(self)!r} is not supported; supported: "
                 f"{', '.join(sorted(ROPE_TYPES))}"
             )
+        if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
+            raise QuantSpecError(f"num_experts_per_tok={self.experts_per_token} must lie in 1..num_experts="
+                                 f"{self.num_experts}; fix config.json")
+
+    def is_moe_layer(self, i: int) -> bool:
+        """Whether decoder layer i's MLP is a mixture of experts."""
+        return self.num_experts > 0 and i not in self.dense_layers
 
     def check_context(self, length: int, flag: str) -> None:
         """Refuse, naming `flag`, a context longer than the model's sliding window."""
@@ -155,8 +171,9 @@ class ModelArgs:
             qkv_bias=True if arch == "qwen2" else attention_bias,
             o_bias=False if arch == "qwen2" else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch == "qwen3",
+            qk_norm=arch in ("qwen3", "qwen3_moe"),
             sliding_window=_sliding_window(cfg, arch),
+            **_moe_fields(cfg),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
@@ -176,10 +193,23 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     if arch == "mistral":
         return window
     layer_types = cfg.get("layer_types") or ()
-    if arch in ("qwen2", "qwen3") and cfg.get("use_sliding_window") and (
+    if arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window") and (
             not layer_types or "sliding_attention" in layer_types):
         return window
     return None
+
+
+def _moe_fields(cfg: dict) -> dict:
+    """ModelArgs' mixture-of-experts fields of a Qwen3-MoE config (none for a dense one): a layer
+    is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step` stride."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    if not experts:
+        return {}
+    step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+    return {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or 0),
+            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "dense_layers": dense}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -300,11 +330,12 @@ class Attention(nn.Module):
 
 
 class MLP(nn.Module):
-    def __init__(self, args: ModelArgs):
+    def __init__(self, args: ModelArgs, intermediate: int | None = None):
         super().__init__()
-        self.gate_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.up_proj = nn.Linear(args.hidden_size, args.intermediate_size, bias=args.mlp_bias)
-        self.down_proj = nn.Linear(args.intermediate_size, args.hidden_size, bias=args.mlp_bias)
+        inter = intermediate or args.intermediate_size
+        self.gate_proj = nn.Linear(args.hidden_size, inter, bias=args.mlp_bias)
+        self.up_proj = nn.Linear(args.hidden_size, inter, bias=args.mlp_bias)
+        self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
         self.gate_up_proj: nn.Module | None = None  # gate/up stacked in one projection (`infer.fuse`)
         self.act_fn = SiluAndMul()
 
@@ -321,7 +352,12 @@ class DecoderLayer(nn.Module):
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
-        self.mlp = MLP(args)
+        if args.is_moe_layer(layer_idx):
+            from quantspec.model_zoo.moe import SparseMoE  # moe builds on this file's MLP
+
+            self.mlp: nn.Module = SparseMoE(args)
+        else:
+            self.mlp = MLP(args)
 
     def forward(self, x, cos, sin, attn, row_invariant: bool = False):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
@@ -412,8 +448,8 @@ class Transformer(nn.Module):
         return w.detach()
 
 
-def layer_weight_table(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...]]:
-    """The tensors of one decoder layer named `prefix` (e.g. "model.layers.3."), with shapes."""
+def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
+    """The tensors of decoder layer `layer_idx` named `prefix` (e.g. "model.layers.3."), with shapes."""
     D, I, p = args.hidden_size, args.intermediate_size, prefix
     table: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (D,),
                                          p + "post_attention_layernorm.weight": (D,)}
@@ -427,12 +463,15 @@ def layer_weight_table(args: ModelArgs, prefix: str) -> dict[str, tuple[int, ...
         table[p + "self_attn.k_norm.weight"] = (args.head_dim,)
     if args.o_bias:
         table[p + "self_attn.o_proj.bias"] = (D,)
-    table[p + "mlp.gate_proj.weight"] = (I, D)
-    table[p + "mlp.up_proj.weight"] = (I, D)
-    table[p + "mlp.down_proj.weight"] = (D, I)
-    if args.mlp_bias:
-        for name, n in (("gate_proj", I), ("up_proj", I), ("down_proj", D)):
-            table[p + f"mlp.{name}.bias"] = (n,)
+    mlps = [(p + "mlp.", I)]
+    if args.is_moe_layer(layer_idx):  # the router, then each expert's MLP
+        table[p + "mlp.gate.weight"] = (args.num_experts, D)
+        mlps = [(p + f"mlp.experts.{e}.", args.moe_intermediate_size) for e in range(args.num_experts)]
+    for m, inter in mlps:
+        table.update({m + "gate_proj.weight": (inter, D), m + "up_proj.weight": (inter, D),
+                      m + "down_proj.weight": (D, inter)})
+        if args.mlp_bias:
+            table.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (D,)})
     return table
 
 
@@ -445,7 +484,7 @@ def hf_weight_table(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     D, V = args.hidden_size, args.vocab_size
     table: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
     for i in range(args.num_layers):
-        table.update(layer_weight_table(args, f"model.layers.{i}."))
+        table.update(layer_weight_table(args, f"model.layers.{i}.", i))
     if not args.tie_word_embeddings:
         table["lm_head.weight"] = (V, D)
     return table

@@ -7,7 +7,7 @@ This file owns:
   special tokens and a SmolLM2-like chat template. Same arguments -> identical vocab every run;
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
-- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Mistral checkpoint (transformers' own classes) with a
+- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen3-MoE / Mistral checkpoint (transformers' own classes) with a
   fixed seed, written with `save_pretrained` as safetensors (optionally sharded), plus the
   tokenizer and a generation config whose eos is `<|im_end|>`.
 
@@ -79,7 +79,13 @@ QKV_BIAS_STD = 0.1
 # Shard size for `sharded=True`: small enough that the tiny default model gets several shards.
 TINY_MAX_SHARD_SIZE = "100KB"
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen3_moe")
+# a tiny Qwen3-MoE's experts unless `build_tiny_model(moe=...)` says otherwise (HF config keys;
+# moe_intermediate_size defaults to half the dense intermediate)
+TINY_MOE = {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True}
+# the routers' weights are N(0, ROUTER_GAIN^2 / fan_in): spread logits keep the top-k
+# choice away from ties, so rounding noise rarely flips which experts a token takes
+ROUTER_GAIN = 3.0
 
 TINY_CORPUS = """\
 The quick brown fox jumps over the lazy dog. A small model can still learn a great deal from a
@@ -210,14 +216,17 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 51
     return hf_tok
 
 
-def _make_config(arch: str, head_dim: int | None = None, **kw):
-    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config
+def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None, **kw):
+    from transformers import LlamaConfig, MistralConfig, Qwen2Config, Qwen3Config, Qwen3MoeConfig
 
-    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig}
+    classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
+               "qwen3_moe": Qwen3MoeConfig}
     if arch not in classes:
         raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(classes)}")
-    if head_dim is not None or arch == "qwen3":  # Qwen3's config has a head_dim of its own (default 128)
+    if head_dim is not None or arch.startswith("qwen3"):  # Qwen3's config has a head_dim of its own (default 128)
         kw["head_dim"] = head_dim or kw["hidden_size"] // kw["num_attention_heads"]
+    if arch == "qwen3_moe":
+        kw.update({"moe_intermediate_size": kw["intermediate_size"] // 2, **TINY_MOE, **(moe or {})})
     return classes[arch](**kw)
 
 
@@ -233,8 +242,10 @@ def _init_weights(model, vocab_real: int, tie: bool, probe_ids: torch.Tensor) ->
             p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
             p[vocab_real:].zero_()
             p[: len(SPECIAL_TOKENS)].zero_()  # special tokens are ids 0..2, see build_tiny_tokenizer
-        elif p.ndim == 2:  # Linear weight [out, in]
-            p.normal_(0.0, 1.0 / math.sqrt(p.shape[1]))
+        elif name.endswith("mlp.gate.weight"):  # a mixture of experts' router [E, D]
+            p.normal_(0.0, ROUTER_GAIN / math.sqrt(p.shape[1]))
+        elif p.ndim in (2, 3):  # Linear weight [out, in]; experts' stacked [E, out, in]
+            p.normal_(0.0, 1.0 / math.sqrt(p.shape[-1]))
         elif name.endswith(".bias"):
             p.normal_(0.0, QKV_BIAS_STD)
         elif name.endswith(("q_norm.weight", "k_norm.weight")):
@@ -299,6 +310,7 @@ def build_tiny_model(
     dtype: torch.dtype = torch.float32,
     sharded: bool = False,
     tokenizer_variant: int = 0,
+    moe: dict | None = None,
 ) -> Path:
     """Write a tiny random HF checkpoint of `arch` to `out_dir` and return that path.
 
@@ -307,7 +319,9 @@ def build_tiny_model(
     and the tiny tokenizer (`tokenizer_variant`). `vocab_pad_to` rounds the model's vocab up to
     a multiple (extra rows have no token). `head_dim`: the attention heads' size where it is not
     hidden / heads (as Qwen3's configs set it). `rope_scaling` is a HF rope dict, e.g.
-    {"rope_type": "linear", "factor": 2.0}. Same arguments -> bit-identical weights.
+    {"rope_type": "linear", "factor": 2.0}. `moe`: a qwen3_moe model's expert settings in HF
+    config keys over `TINY_MOE` (e.g. {"mlp_only_layers": [1]}). Same arguments -> bit-identical
+    weights.
     """
     from transformers import GenerationConfig
 
@@ -320,7 +334,7 @@ def build_tiny_model(
     bos, eos, pad = (tok.convert_tokens_to_ids(t) for t in (BOS_TOKEN, EOS_TOKEN, UNK_PAD_TOKEN))
 
     rope = {"rope_type": "default", "rope_theta": 10000.0, **(rope_scaling or {})}
-    config = _make_config(arch, head_dim, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
+    config = _make_config(arch, head_dim, moe, vocab_size=vocab, hidden_size=hidden, intermediate_size=intermediate,
                           num_hidden_layers=num_layers, num_attention_heads=heads, num_key_value_heads=kv_heads,
                           max_position_embeddings=max_position_embeddings, tie_word_embeddings=tie_word_embeddings,
                           rope_parameters=rope, bos_token_id=bos, eos_token_id=eos, pad_token_id=pad, rms_norm_eps=1e-6)

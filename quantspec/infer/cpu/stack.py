@@ -39,6 +39,7 @@ from quantspec.infer.cpu.linears import PackedInt8Linear, PackedLinear
 from quantspec.infer.kv_cache import PagedAttention
 from quantspec.infer.quant_linear import QuantLinear
 from quantspec.kernels import cpu as cg
+from quantspec.model_zoo.llama import MLP
 
 __all__ = ["ENV_SWITCH", "CpuLayerStack", "layer_plan_args", "linear_plan_args", "watch_holds"]
 
@@ -96,6 +97,8 @@ def layer_plan_args(layer: nn.Module, args, dtype: torch.dtype, eps: float, tens
     layer's calls."""
     attn, mlp = layer.self_attn, layer.mlp
     norms = (layer.input_layernorm, layer.post_attention_layernorm)
+    if not isinstance(mlp, MLP):  # a mixture of experts: the plans run one dense MLP
+        return False
     if (any(type(n) is not CpuRMSNorm or n.weight.dtype != dtype or n.eps != eps for n in norms)
             or type(attn.rotary_emb) is not CpuRotary or type(mlp.act_fn) is not CpuSiluAndMul
             or attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None  # no q/k norms in plans

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantspec.model_zoo.llama import RMSNorm, project
+from quantspec.model_zoo.llama import MLP, RMSNorm, project
 
 __all__ = ["fusable", "fused_stack"]
 
@@ -24,7 +24,7 @@ def fusable(layers: nn.ModuleList, dtype: torch.dtype) -> bool:
     gate/up projections (`infer.fuse`), RMSNorms whose weights are in `dtype`."""
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
-        if a.qkv_proj is None or m.gate_up_proj is None:
+        if not isinstance(m, MLP) or a.qkv_proj is None or m.gate_up_proj is None:  # MLP: not a mixture of experts
             return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if type(norm) is not RMSNorm or norm.weight.dtype != dtype:
