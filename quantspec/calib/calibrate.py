@@ -48,6 +48,7 @@ from quantspec.calib.observers import (
 )
 from quantspec.calib.ptq import PartSink, layer_key
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner
+from quantspec.model_zoo.moe import all_experts
 from quantspec.calib.tables import INPUT_ABSMAX, INPUT_CHANNEL_ABSMAX, write_table
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.model_zoo.checkpoint import CheckpointReader, model_fingerprint
@@ -258,7 +259,8 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
             obs = LayerObservers(step.name, observer, percentile, kv_observer)
             cleanup = obs.attach(step.layer)
             try:
-                step.forward(obs.kv_hook)
+                with all_experts(step.layer):  # every expert's input range from every token (model_zoo.moe)
+                    step.forward(obs.kv_hook)
             finally:
                 cleanup()
             sink.write(layer_key(step.index), obs.compute(), {},

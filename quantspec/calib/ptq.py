@@ -53,6 +53,7 @@ from quantspec.calib.smooth import smooth_layer
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.llama import Transformer
+from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
@@ -380,7 +381,12 @@ def _layer_groups(prefix: str, layer: nn.Module, linears: Mapping[str, nn.Linear
     for name, mod in layer.named_modules():
         full = f"{prefix}.{name}"
         if isinstance(mod, nn.Linear) and full in linears and full not in taken:
-            groups.append([full])
+            group = [full]
+            up = full.removesuffix("gate_proj") + "up_proj"  # an expert's gate/up read one input
+            if full.endswith(".gate_proj") and up in linears:
+                group.append(up)
+            groups.append(group)
+            taken.update(group)
     return groups
 
 
@@ -445,12 +451,14 @@ def _gptq_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: P
             smooth_layer(step.layer, step.name, q.smooth)
         accs, cleanup = _gptq_hooks(step, q, one_pass)
         try:
-            step.forward()
+            with all_experts(step.layer):  # every expert's Hessian from every token (model_zoo.moe)
+                step.forward()
         finally:
             cleanup()
-        if not one_pass:  # two passes: quantize, then re-run so the next layer sees its outputs
-            for group, acc in accs.items():
-                q.quantize_group(list(group), acc.take())
+        for group, acc in accs.items():
+            if not one_pass or acc.H is not None:  # two passes, or a Linear the forward never reached
+                q.quantize_group(list(group), acc.take() if acc.num_samples else None)
+        if not one_pass:  # then re-run so the next layer sees the quantized layer's outputs
             step.propagate()
         losses, q.losses = q.losses, {}
         sink.write(layer_key(step.index), q.part(step.name, step.layer), losses,

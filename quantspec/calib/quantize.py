@@ -261,6 +261,8 @@ def _read_source(config: QuantizeConfig) -> _Source:
     (`quant.engines.eagle3_ignore`)."""
     from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
                                                 verify_checkpoint)
+    from quantspec.model_zoo.llama import ModelArgs
+    from quantspec.model_zoo.moe import ROUTER_IGNORE
     from quantspec.quant.engines import eagle3_ignore, target_refusal
 
     qconfig = config.quant_config
@@ -273,9 +275,12 @@ def _read_source(config: QuantizeConfig) -> _Source:
         what = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}.get(kind)
         if kind == "eagle3":
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
-        refusal = target_refusal(config.target, qconfig, draft=kind) if what else None
+        moe = kind is None and ModelArgs.from_hf_config(cfg).num_experts > 0
+        if moe and ROUTER_IGNORE not in qconfig.ignore:
+            qconfig = replace(qconfig, ignore=(*qconfig.ignore, ROUTER_IGNORE))  # routers stay float
+        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) if what or moe else None
         if refusal is not None:
-            raise QuantSpecError(f"{model_dir} is {what}: {refusal}")
+            raise QuantSpecError(f"{model_dir} is {what or 'a mixture of experts'}: {refusal}")
         reader = None if what else CheckpointReader(model_dir)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)

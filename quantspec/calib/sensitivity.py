@@ -30,6 +30,7 @@ from torch import nn
 
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerStep, run_layers
 from quantspec.calib.smooth import SMOOTH_GROUPS
+from quantspec.model_zoo.llama import MLP
 from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader
@@ -158,10 +159,11 @@ def group_alpha_errors(x: torch.Tensor, weights: Sequence[torch.Tensor],
     return {a: (e, r) for a, (e, r) in sums.items()}
 
 
-def smoothing_groups(prefix: str) -> list[tuple[str, ...]]:
-    """The smoothing groups of one decoder layer, as full Linear names."""
-    return [tuple(f"{prefix}.{n}" for n in names) for _, names in SMOOTH_GROUPS] + \
-        [tuple(f"{prefix}.{n}" for n in DOWN_GROUP)]
+def smoothing_groups(prefix: str, dense: bool = True) -> list[tuple[str, ...]]:
+    """The smoothing groups of one decoder layer, as full Linear names; of a layer whose MLP is a
+    mixture of experts (`dense` False), the attention's alone (`smooth.layer_smooth_groups`)."""
+    groups = [tuple(f"{prefix}.{n}" for n in names) for _, names in SMOOTH_GROUPS]
+    return groups + [tuple(f"{prefix}.{n}" for n in DOWN_GROUP)] if dense else groups[:1]
 
 
 def _sample_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
@@ -194,8 +196,9 @@ def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, 
     state: dict = {}
 
     def before(step: LayerStep):
-        groups = smoothing_groups(step.name)
-        if not smooth_down:
+        dense = isinstance(step.layer.mlp, MLP)
+        groups = smoothing_groups(step.name, dense)
+        if not smooth_down and dense:
             groups = groups[:-1]
         bufs: dict[str, list[torch.Tensor]] = {g[0]: [] for g in groups}
         handles = []

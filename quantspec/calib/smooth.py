@@ -37,6 +37,7 @@ from torch import nn
 from quantspec.calib.tables import ScaleTable, read_table
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
+from quantspec.model_zoo.llama import MLP
 from quantspec.quant.primitives import scale_from_absmax
 from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoothquant_scales,
                                          weight_input_absmax)
@@ -83,8 +84,10 @@ def layer_smoothing_factors(layer: nn.Module, prefix: str, table: ScaleTable,
     """`smoothing_factors` of one decoder layer named `prefix` (e.g. "model.layers.3")."""
     per_group = isinstance(alpha, Mapping)
     factors: dict[str, torch.Tensor] = {}
-    groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS]
-    if smooth_down:
+    dense = isinstance(layer.mlp, MLP)  # a mixture of experts' inputs are not smoothed
+    groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS
+              if dense or lin_names[0].startswith("self_attn.")]
+    if smooth_down and dense:
         groups.append((("mlp.down_proj",), None))
     for lin_names, norm_shape in groups:
         names = [f"{prefix}.{n}" for n in lin_names]
@@ -187,8 +190,8 @@ def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tens
             norm = getattr(layer, norm_name)
             norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device))[0])
     s = factors.get(f"{prefix}.mlp.down_proj")
-    up = layer.mlp.up_proj
-    if s is not None and up.bias is not None:
+    up = layer.mlp.up_proj if s is not None else None
+    if up is not None and up.bias is not None:
         up.bias.copy_(fold_into_norm(up.bias, s.to(up.bias.device))[0])
     for name, (w, _, _) in weights.items():
         layer.get_submodule(name[len(prefix) + 1:]).weight.copy_(w)
@@ -251,15 +254,22 @@ def _shared_group_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Ten
     static int8 layer keeps one input_scale for the fused layer (the last shard's it loads): a
     shard written with another scale would run with the wrong one. The group's Linears read one
     tensor, so their observed ranges agree and the largest is each one's own scale; taking it
-    makes the artifact's shared value explicit rather than a coincidence of the observer."""
+    makes the artifact's shared value explicit rather than a coincidence of the observer. A
+    mixture of experts is one fused layer in those engines, with one input scale for all its
+    experts' gate/up and one for their down projections (vLLM takes the largest): so here too."""
     prefixes = {n.rsplit(".", 2)[0] for n in scales}
-    for prefix in prefixes:
-        for _, names in SMOOTH_GROUPS:
-            members = [f"{prefix}.{n}" for n in names if f"{prefix}.{n}" in scales]
-            if len(members) > 1:
-                top = torch.stack([scales[m].reshape(()) for m in members]).amax()
-                for m in members:
-                    scales[m] = top.reshape(scales[m].shape).clone()
+    groups = [[f"{prefix}.{n}" for n in names if f"{prefix}.{n}" in scales]
+              for prefix in prefixes for _, names in SMOOTH_GROUPS]
+    experts: dict[str, list[str]] = {}  # a mixture of experts': one scale per layer for gate/up, one for down
+    for n in scales:
+        head, sep, tail = n.partition(".mlp.experts.")
+        if sep:
+            experts.setdefault(f"{head}/{'down' if tail.endswith('down_proj') else 'gate_up'}", []).append(n)
+    for members in [*groups, *experts.values()]:
+        if len(members) > 1:
+            top = torch.stack([scales[m].reshape(()) for m in members]).amax()
+            for m in members:
+                scales[m] = top.reshape(scales[m].shape).clone()
     return scales
 
 
