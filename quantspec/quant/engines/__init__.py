@@ -14,6 +14,7 @@ The package, by concept:
   (fused layers, layer classes) the engines build;
 - `verdict`: `LayerVerdict` / `EngineVerdict`, what a verdict says;
 - `layers`: per engine layer, the config group an engine resolves and the scheme it picks;
+- `moe`: a mixture of experts' fused-MoE layers, as vLLM and SGLang judge them;
 - `drafts`: draft modules (MTP, Medusa, EAGLE-3): which engines refuse them, and the EAGLE-3
   head's layers as vLLM and SGLang name and quantize them;
 - `decide`: the verdicts on a whole artifact and `quantize --target`'s refusals.

@@ -17,7 +17,8 @@ from quantspec.quant.engines.layers import (
     transformers_layer,
 )
 from quantspec.quant.engines.tables import ENGINES, TARGET_ENGINES, TARGETS, engine_name
-from quantspec.quant.engines.verdict import EngineVerdict
+from quantspec.quant.engines.moe import PROJECTIONS, TRANSFORMERS_REFUSAL, moe_layer
+from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
 
 __all__ = ["engine_verdicts", "target_refusal"]
 
@@ -61,7 +62,10 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
         per_layer = {}
         for layer, shards in layers.items():
             intended = [config.scheme_for(s) for s in shards]
-            if engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
+            if layer.endswith(".mlp.experts"):  # a fused-MoE layer (`moe`)
+                per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
+                    else moe_layer(engine, layer, config, targets)
+            elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
                 vs = [transformers_layer(i) for i in intended]
                 per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])
             else:
@@ -108,7 +112,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     out = []
     if "float zero points" in text:
         out.append("drop --zp-dtype (integer zero points)")
-    if "packed integer zero points" in text or "asymmetric" in text:
+    if "packed integer zero points" in text or "asymmetric" in text or "symmetric weights only" in text:
         out.append("drop --asym")
     kv = config.kv_cache_scheme
     if "KV" in text and kv is not None:
@@ -121,6 +125,10 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if "one input_scale element" in text:
         out.append("serve it with vLLM (which loads static int8), or use --activations dynamic or "
                    "--quant-type a8w8_fp8")
+    if "static int8 activations" in text:
+        out.append("use --activations dynamic or --quant-type a8w8_fp8")
+    elif "takes int8 activations" in text:
+        out.append("use --quant-type a8w8_fp8")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
@@ -135,13 +143,16 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
 _PROBE = {f"model.layers.0.{n}": 4096
           for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
+# ... and of its mixture-of-experts twin (two experts in place of the MLP)
+_MOE_PROBE = {**{n: k for n, k in _PROBE.items() if ".mlp." not in n},
+              **{f"model.layers.0.mlp.experts.{e}.{p}": 4096 for e in range(2) for p in PROJECTIONS}}
 # ... and of an EAGLE-3 head on that Llama (fc reads 3 hidden states, q/k/v 2)
 _EAGLE3_PROBE = {s: 4096 * {"fc": 3, "midlayer.self_attn.q_proj": 2, "midlayer.self_attn.k_proj": 2,
                             "midlayer.self_attn.v_proj": 2}.get(s, 1)
                  for _, shards in EAGLE3_LAYERS["vllm"].values() for s in shards if s != "lm_head"}
 
 
-def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None) -> str | None:
+def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None, moe: bool = False) -> str | None:
     """The one-line refusal of `quantize --target target` for a preset `config` (None: allowed).
 
     Evaluates `engine_verdicts` on a probe Llama: an engine of the target that would refuse the
@@ -151,12 +162,12 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
     artifact's verdict for that engine says so. Naming that engine as the target refuses it.
     `draft`: "mtp" / "medusa" for a draft module, which every target but quantspec refuses;
     "eagle3" for an EAGLE-3 head, probed as one (`config` holds what the target leaves float,
-    `drafts.eagle3_ignore`).
+    `drafts.eagle3_ignore`). `moe`: the model's MLPs are mixtures of experts, probed as two.
     """
     if target not in TARGETS:
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
     probe = {n: k for n, k in _EAGLE3_PROBE.items() if config.scheme_for(n) is not None} \
-        if draft == "eagle3" else _PROBE
+        if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
     verdicts = engine_verdicts(config, probe, draft=draft)
     for engine in TARGET_ENGINES[target]:
         v = verdicts[engine]

@@ -32,6 +32,7 @@ from quantspec.quant.engines.tables import (
     SGLANG_FUSED_STATIC_INT8,
     engine_name,
 )
+from quantspec.quant.engines.moe import EXPERT, expert_layers
 from quantspec.quant.engines.verdict import LayerVerdict
 from quantspec.quant.scheme import QuantScheme
 
@@ -47,12 +48,18 @@ def engine_layers(linears: Iterable[str]) -> dict[str, tuple[str, ...]]:
     """Engine layer name → the checkpoint Linears it holds, for the quantized `linears`.
 
     Example: q/k/v of `model.layers.0.self_attn` → {"model.layers.0.self_attn.qkv_proj":
-    (q_proj, k_proj, v_proj names)}; o_proj stays itself.
+    (q_proj, k_proj, v_proj names)}; o_proj stays itself; every expert's Linears of
+    `model.layers.0.mlp.experts.*` → "model.layers.0.mlp.experts" (`moe.expert_layers`).
     """
     out: dict[str, tuple[str, ...]] = {}
     names = list(linears)
     present = set(names)
+    experts = expert_layers(names)  # a mixture of experts: one fused-MoE layer per decoder layer
     for name in names:
+        e = EXPERT.match(name)
+        if e is not None:
+            out.setdefault(e.group(1), experts[e.group(1)])
+            continue
         m = _SHARD.match(name)
         fused = None
         if m is not None:
