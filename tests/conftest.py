@@ -51,6 +51,55 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def transformers_model():
+    """transformers_model(path) → transformers' own fp32 model of the checkpoint at `path`, in eval mode."""
+    from transformers import AutoModelForCausalLM
+
+    return lambda path: AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
+
+
+@pytest.fixture(scope="session")
+def logits_of(transformers_model):
+    """logits_of(model_or_path, ids [T]) → [T, V]: a quantspec `Transformer`'s logits over one
+    sequence (plain causal attention), or transformers' own of the checkpoint at a path."""
+    from quantspec.model_zoo.llama import DenseCausalAttention
+
+    def run(source, ids: torch.Tensor) -> torch.Tensor:
+        with torch.no_grad():
+            if isinstance(source, (str, Path)):
+                return transformers_model(source)(ids[None]).logits[0]
+            T = ids.numel()
+            return source.compute_logits(source(ids, torch.arange(T), DenseCausalAttention(1, T)))
+
+    return run
+
+
+@pytest.fixture(scope="session")
+def engine_decodes_as_generate():
+    """engine_decodes_as_generate(model_dir, hf_model): quantspec's engine decodes, one request at a
+    time and three joining and leaving one running batch, the 20 tokens transformers' greedy
+    `generate` appends to each of three random prompts (asserted)."""
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.sampler import SamplingParams
+
+    def check(model_dir, hf_model) -> None:
+        lm = load_for_inference(model_dir, tokenizer=False)
+        g = torch.Generator().manual_seed(0)
+        prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 40)]
+        want = [hf_model.generate(torch.tensor([p]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
+                                  eos_token_id=None, pad_token_id=0)[0, len(p):].tolist() for p in prompts]
+        for batch in (1, 3):
+            eng = Engine(lm.model, EngineConfig(block_size=16, max_batch_size=batch, max_length=128),
+                         eos_token_ids=[], runtime=lm.runtime)
+            seqs = [eng.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
+            eng.run()
+            assert [s.output_ids for s in seqs] == want
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def calibration_table(tmp_path_factory):
     """calibration_table(model_dir) → a `quantspec calibrate` table of a tiny model on the tiny
     corpus (4 windows of 32 tokens, fp32): made once per model per session; tests only read it."""

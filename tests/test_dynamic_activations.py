@@ -51,8 +51,13 @@ def test_dynamic_artifact_runs_in_transformers_as_in_quantspec(tiny_llama_dir, t
     assert "dynamic activations" in r.output and "static" not in r.output
     with torch.no_grad():
         theirs = AutoModelForCausalLM.from_pretrained(str(out), dtype=torch.float32)(IDS[None]).logits[0]
-    # per-token codes flip on a summation-order ulp, so compare in compressed-tensors' order
-    ours = _logits(load_for_inference(out, tokenizer=False, policy=DispatchPolicy(fast=False)).model)
+    # per-token codes flip on a summation-order ulp, so compare in compressed-tensors' order, every
+    # float op torch's own (quantspec's CPU kernels, where they build, reduce in another order)
+    from quantspec.kernels.cpu import build
+
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(build, "_state", {"tried": True, "module": None, "error": "off: the reference's order"})
+        ours = _logits(load_for_inference(out, tokenizer=False, policy=DispatchPolicy(fast=False)).model)
     torch.testing.assert_close(ours, theirs, rtol=1e-4, atol=1e-4)
     fast = _logits(load_for_inference(out, tokenizer=False).model)  # the fast kernels: close, not equal
     assert (fast - theirs).abs().max() < 0.25 * theirs.abs().max()

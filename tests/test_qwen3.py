@@ -8,66 +8,33 @@ import torch
 
 from quantspec import api
 from quantspec.infer.dispatch import DispatchPolicy
-from quantspec.infer.engine import Engine, EngineConfig
 from quantspec.infer.loader import load_for_inference
-from quantspec.infer.sampler import SamplingParams
-from quantspec.model_zoo.llama import DenseCausalAttention
 
 torch.set_num_threads(1)
 IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
 TOL = dict(rtol=1e-4, atol=1e-4)
 
 
-def _hf(path):
-    from transformers import AutoModelForCausalLM
-
-    return AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32).eval()
-
-
-def _hf_logits(path) -> torch.Tensor:
-    with torch.no_grad():
-        return _hf(path)(IDS[None]).logits[0]
-
-
-def _logits(model) -> torch.Tensor:
-    T = IDS.numel()
-    with torch.no_grad():
-        return model.compute_logits(model(IDS, torch.arange(T), DenseCausalAttention(1, T)))
-
-
 @pytest.fixture(scope="module")
-def hf_qwen3(tiny_qwen3_dir):
-    return _hf(tiny_qwen3_dir)
+def hf_qwen3(tiny_qwen3_dir, transformers_model):
+    return transformers_model(tiny_qwen3_dir)
 
 
-def test_logits_match_transformers_fused_or_not(tiny_qwen3_dir, hf_qwen3):
+def test_logits_match_transformers_fused_or_not(tiny_qwen3_dir, hf_qwen3, logits_of):
     with torch.no_grad():
         want = hf_qwen3(IDS[None]).logits[0]
     for fuse in (True, False):
         lm = load_for_inference(tiny_qwen3_dir, tokenizer=False, fuse=fuse)
         attn = lm.model.model.layers[0].self_attn
         assert attn.q_norm is not None and attn.num_heads * attn.head_dim == 2 * lm.args.hidden_size
-        torch.testing.assert_close(_logits(lm.model), want, **TOL)
+        torch.testing.assert_close(logits_of(lm.model, IDS), want, **TOL)
     with torch.no_grad():  # the norms' gains are read: ones in their place change the logits
         attn.q_norm.weight.fill_(1.0)
-    assert (_logits(lm.model) - want).abs().max() > 1e-2
+    assert (logits_of(lm.model, IDS) - want).abs().max() > 1e-2
 
 
-def test_engine_greedy_equals_transformers_generate(tiny_qwen3_dir, hf_qwen3):
-    lm = load_for_inference(tiny_qwen3_dir, tokenizer=False)
-    g = torch.Generator().manual_seed(0)
-    prompts = [torch.randint(3, 500, (n,), generator=g).tolist() for n in (5, 17, 40)]
-    want = []
-    for p in prompts:
-        out = hf_qwen3.generate(torch.tensor([p]), max_new_tokens=20, min_new_tokens=20, do_sample=False,
-                                eos_token_id=None, pad_token_id=0)
-        want.append(out[0, len(p):].tolist())
-    for batch in (1, 3):  # alone, and joining and leaving one running batch
-        eng = Engine(lm.model, EngineConfig(block_size=16, max_batch_size=batch, max_length=128), eos_token_ids=[],
-                     runtime=lm.runtime)
-        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=20)) for p in prompts]
-        eng.run()
-        assert [s.output_ids for s in seqs] == want
+def test_engine_greedy_equals_transformers_generate(tiny_qwen3_dir, hf_qwen3, engine_decodes_as_generate):
+    engine_decodes_as_generate(tiny_qwen3_dir, hf_qwen3)
 
 
 @pytest.fixture(scope="module")
@@ -81,18 +48,19 @@ def qwen3_table(tiny_qwen3_dir, calibration_table):
     ("a8w8", {"kv_cache": "int8", "target": "quantspec"}),
     ("a8w8_fp8", {"kv_cache": "fp8"}),
 ])
-def test_artifacts_run_in_transformers_as_in_quantspec(tiny_qwen3_dir, qwen3_table, tmp_path, quant_type, options):
+def test_artifacts_run_in_transformers_as_in_quantspec(tiny_qwen3_dir, qwen3_table, tmp_path, quant_type, options,
+                                                       logits_of):
     calib = qwen3_table if quant_type.startswith("a8w8") else None
     art = api.quantize(str(tiny_qwen3_dir), quant_type, tmp_path / quant_type, calib=calib, **options)
-    theirs = _hf_logits(art)  # transformers runs a float KV cache: so does this forward
+    theirs = logits_of(art, IDS)  # transformers runs a float KV cache: so does this forward
     # compressed-tensors' order of operations for fp8 activations (see test_interop_transformers.py)
     policy = DispatchPolicy(fast=False) if quant_type == "a8w8_fp8" else None
     lm = load_for_inference(art, tokenizer=False, policy=policy)
-    torch.testing.assert_close(_logits(lm.model), theirs, **TOL)
+    torch.testing.assert_close(logits_of(lm.model, IDS), theirs, **TOL)
     if options.get("kv_cache"):
         L, KV = lm.args.num_layers, lm.args.num_kv_heads
         assert lm.k_scale is not None and lm.k_scale.numel() in (L, L * KV) and bool((lm.k_scale > 0).all())
-    fp32 = _logits(load_for_inference(tiny_qwen3_dir, tokenizer=False).model)
+    fp32 = logits_of(load_for_inference(tiny_qwen3_dir, tokenizer=False).model, IDS)
     assert (fp32 - theirs).abs().max() > 1e-3  # the comparison has teeth: quantization moved the logits
 
 

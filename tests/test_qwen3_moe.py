@@ -1,0 +1,197 @@
+"""Qwen3-MoE (a router over per-token top-k experts in place of the MLP) against transformers'
+own Qwen3-MoE: quantspec's forward and its engine's greedy decoding; quantspec's artifacts of it,
+whose weights compressed-tensors itself decompresses into a checkpoint that transformers runs to
+the same logits; calibration that sees every expert; and the engines' verdicts on its experts."""
+
+import json
+import shutil
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantspec import api
+from quantspec.errors import QuantSpecError
+from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.loader import load_for_inference
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.moe import ROUTER_IGNORE, SparseMoE
+from quantspec.model_zoo.tiny import build_tiny_model
+
+torch.set_num_threads(1)
+IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71, 400, 64, 9])
+TOL = dict(rtol=1e-4, atol=1e-4)
+EXPERTS = 4
+
+
+@pytest.fixture(scope="module")
+def moe_dir(tmp_path_factory):
+    """3 layers: 0 and 2 sparse (4 experts, top 2, intermediate 64), 1 dense (mlp_only_layers)."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", num_layers=3,
+                            moe={"mlp_only_layers": [1]})
+
+
+def _decompressed(art, out):
+    """The float checkpoint of artifact `art`: each quantized Linear's weight as compressed-tensors'
+    own compressor for the artifact's format decompresses it, every other tensor as stored (norms
+    smoothed by the recipe included)."""
+    from compressed_tensors.compressors.base import BaseCompressor
+    from compressed_tensors.quantization import QuantizationConfig
+
+    cfg = json.loads((art / "config.json").read_text())
+    qc = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
+    scheme = next(iter(qc.config_groups.values()))  # one group: every K here takes the group size
+    packed = load_file(str(art / "model.safetensors"))
+    comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
+    names = {k.rsplit(".", 1)[0] for k in packed if k.endswith(".weight_scale")}
+    dense = {k: v for k, v in packed.items() if k.rsplit(".", 1)[0] not in names}
+    for n in names:
+        local = {k[len(n) + 1:]: v for k, v in packed.items() if k.startswith(n + ".")
+                 and k[len(n) + 1:] not in ("input_scale", "input_zero_point")}
+        dense[f"{n}.weight"] = comp.decompress(local, scheme)["weight"].float().contiguous()
+    out.mkdir()
+    save_file(dense, str(out / "model.safetensors"))
+    (out / "config.json").write_text(json.dumps(cfg))
+    return out, names
+
+
+def test_logits_match_transformers_fused_or_not(moe_dir, logits_of):
+    want = logits_of(moe_dir, IDS)
+    for fuse in (True, False):
+        lm = load_for_inference(moe_dir, tokenizer=False, fuse=fuse)
+        layers = lm.model.model.layers
+        assert [type(x.mlp) is SparseMoE for x in layers] == [True, False, True]
+        torch.testing.assert_close(logits_of(lm.model, IDS), want, **TOL)
+    model, _ = load_model(moe_dir)
+    torch.testing.assert_close(logits_of(model, IDS), want, **TOL)
+    with torch.no_grad():  # the router decides: a different routing changes the logits
+        model.model.layers[0].mlp.gate.weight.mul_(-1.0)
+    assert (logits_of(model, IDS) - want).abs().max() > 1e-2
+
+
+def test_every_expert_is_routed_to_and_counts(moe_dir, logits_of):
+    model, _ = load_model(moe_dir)
+    moe = model.model.layers[0].mlp
+    seen = []
+    hooks = [e.register_forward_pre_hook(lambda m, a, i=i: seen.append(i)) for i, e in enumerate(moe.experts)]
+    want = logits_of(model, IDS)
+    for h in hooks:
+        h.remove()
+    assert sorted(set(seen)) == list(range(EXPERTS))
+    with torch.no_grad():
+        moe.experts[int(seen[0])].down_proj.weight.zero_()
+    assert (logits_of(model, IDS) - want).abs().max() > 1e-3
+
+
+def test_engine_greedy_equals_transformers_generate(moe_dir, transformers_model, engine_decodes_as_generate):
+    engine_decodes_as_generate(moe_dir, transformers_model(moe_dir))
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    path = tmp_path_factory.mktemp("moe_corpus") / "corpus.txt"
+    path.write_text(TINY_CORPUS * 2)
+    return path
+
+
+@pytest.mark.parametrize("quant_type, options", [
+    ("weight_only_int8", {}),
+    ("weight_only_int4", {"group_size": 32}),
+    ("weight_only_int4", {"group_size": 32, "method": "gptq"}),
+])
+def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(moe_dir, corpus, tmp_path,
+                                                                          quant_type, options, logits_of):
+    if options.get("method") == "gptq":
+        options = {**options, "dataset": str(corpus), "num_samples": 8, "seq_len": 32}
+    art = api.quantize(str(moe_dir), quant_type, tmp_path / "art", **options)
+    cfg = json.loads((art / "config.json").read_text())["quantization_config"]
+    assert ROUTER_IGNORE in cfg["ignore"]
+    ref, names = _decompressed(art, tmp_path / "dense")
+    experts = {n for n in names if ".mlp.experts." in n}
+    assert len(experts) == 2 * EXPERTS * 3 and not any(n.endswith("mlp.gate") for n in names)
+    theirs = logits_of(ref, IDS)
+    lm = load_for_inference(art, tokenizer=False)
+    torch.testing.assert_close(logits_of(lm.model, IDS), theirs, **TOL)
+    assert (logits_of(moe_dir, IDS) - theirs).abs().max() > 1e-3  # quantization moved the logits
+
+
+def test_gptq_quantizes_every_expert_from_every_token(moe_dir):
+    """Calibration runs every expert on every token (model_zoo.moe.all_experts): GPTQ gives each
+    expert's Linears their own loss, none falls back to round-to-nearest."""
+    from quantspec.calib.ptq import PartSink, quantize_model
+    from quantspec.quant.presets import preset
+
+    model, _ = load_model(moe_dir)
+    ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
+    config = preset("weight_only_int4", group_size=32, ignore=("lm_head", ROUTER_IGNORE))
+    sink = PartSink()
+    quantize_model(model, config, "gptq", calib_batches=ids, sink=sink)
+    losses = sink.losses
+    for layer in (0, 2):
+        for e in range(EXPERTS):
+            p = f"model.layers.{layer}.mlp.experts.{e}"
+            assert f"{p}.gate_proj+{p}.up_proj" in losses and f"{p}.down_proj" in losses
+
+
+def test_calibration_sees_every_expert_and_static_scales_are_one_per_layer(moe_dir, calibration_table, tmp_path,
+                                                                           logits_of):
+    from quantspec.calib.tables import read_table
+
+    table = read_table(calibration_table(moe_dir), model_dir=moe_dir)
+    gate = [float(table.input_absmax(f"model.layers.0.mlp.experts.{e}.gate_proj")) for e in range(EXPERTS)]
+    assert min(gate) == max(gate) > 0  # every expert saw every token, not only those routed to it
+    art = api.quantize(str(moe_dir), "a8w8_fp8", tmp_path / "fp8", calib=calibration_table(moe_dir))
+    t = load_file(str(art / "model.safetensors"))
+    for proj in ("gate_proj", "up_proj", "down_proj"):
+        s = {float(t[f"model.layers.2.mlp.experts.{e}.{proj}.input_scale"]) for e in range(EXPERTS)}
+        assert len(s) == 1  # one input scale per fused-MoE layer and projection, as vLLM runs it
+    assert "model.layers.0.mlp.gate.weight" in t and t["model.layers.0.mlp.gate.weight"].is_floating_point()
+    # the reference: compressed-tensors' decompressed weights, its fake-quantized FP8 inputs
+    from compressed_tensors.quantization import QuantizationConfig
+    from compressed_tensors.quantization.lifecycle.forward import fake_quantize
+
+    qc = QuantizationConfig.model_validate(json.loads((art / "config.json").read_text())["quantization_config"])
+    args = next(iter(qc.config_groups.values())).input_activations
+    ref, names = _decompressed(art, tmp_path / "dense")
+    model, _ = load_model(ref)
+    for n in names:
+        scale = t[f"{n}.input_scale"]
+        model.get_submodule(n).register_forward_pre_hook(
+            lambda m, a, scale=scale: (fake_quantize(a[0], scale, torch.zeros_like(scale), args),))
+    lm = load_for_inference(art, tokenizer=False, policy=DispatchPolicy(fast=False))
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(model, IDS), **TOL)
+
+
+def test_engine_verdicts_on_experts(moe_dir, calibration_table, tmp_path, transformers_model):
+    with pytest.raises(QuantSpecError, match="--target portable: SGLang refused.*int8 activations.*a8w8_fp8"):
+        api.quantize(str(moe_dir), "a8w8", tmp_path / "dyn", activations="dynamic")
+    dyn = api.quantize(str(moe_dir), "a8w8", tmp_path / "dyn", activations="dynamic", target="vllm")
+    verdicts = api.inspect(dyn)["engines"]
+    assert verdicts["vllm"]["status"] == "loads" and verdicts["quantspec"]["status"] == "loads"
+    assert verdicts["vllm"]["layers"]["model.layers.0.mlp.experts"]["scheme"] == "W8A8Int8MoE"
+    assert verdicts["sglang"]["status"] == "refused" and "int8 activations" in verdicts["sglang"]["verdict"]
+    assert verdicts["transformers"]["status"] == "refused"
+    with pytest.raises(Exception):  # transformers' own loader does refuse the quantized experts
+        transformers_model(dyn)
+    with pytest.raises(QuantSpecError, match="no MoE kernel takes static int8 activations.*--activations dynamic"):
+        api.quantize(str(moe_dir), "a8w8", tmp_path / "static", calib=calibration_table(moe_dir))
+    assert not (tmp_path / "static").exists()
+    with pytest.raises(QuantSpecError, match="--target sglang.*symmetric weights only.*drop --asym"):
+        api.quantize(str(moe_dir), "weight_only_int4", tmp_path / "asym", symmetric=False, target="sglang")
+    quantspec_only = api.quantize(str(moe_dir), "a8w8", tmp_path / "qs", calib=calibration_table(moe_dir),
+                                  target="quantspec")
+    assert api.inspect(quantspec_only)["engines"]["vllm"]["status"] == "refused"
+    shutil.rmtree(quantspec_only)
+
+
+def test_ngram_speculation_on_a_moe_base_keeps_plain_greedy(moe_dir):
+    from quantspec.infer.predictor import InferConfig, Predictor
+
+    prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def quantize(x, scale):"]
+    runs = {}
+    for method in ("none", "inference_with_reference"):
+        config = InferConfig(model=str(moe_dir), max_new_tokens=24, max_length=128, speculate_method=method)
+        runs[method] = [o.token_ids for o in Predictor(config).generate(prompts)]
+    assert runs["inference_with_reference"] == runs["none"]
