@@ -145,12 +145,16 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     head's groups also name its layers as vLLM and SGLang do, `engines.eagle3_targets`)."""
     from quantspec.model_zoo.eagle3 import Eagle3Head
     from quantspec.quant.engines import eagle3_targets
+    from quantspec.quant.engines.moe import expert_layers
 
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
         if args.strategy == "group":
             sizes[name] = resolve_group_size(mod.in_features, args.group_size)
+    for members in expert_layers(sizes).values():  # one scheme per fused-MoE layer: one group size
+        common = -1 if any(sizes[n] == -1 for n in members) else min(sizes[n] for n in members)
+        sizes.update(dict.fromkeys(members, common))
     if all(g == config.weight_args_for(n).group_size for n, g in sizes.items()):
         return config
     return config.with_group_sizes(sizes, eagle3_targets if isinstance(model, Eagle3Head) else None)
@@ -275,8 +279,9 @@ class _LayerQuantizer:
         buckets: dict[QuantArgs, list[str]] = {}
         for n in names:
             a = self.layer_args[n]
-            key = a if a.strategy in ("channel", "group") else (a, n)  # per-tensor: alone
-            buckets.setdefault(key, []).append(n)
+            # per-tensor args too: the Linears of one input take one scale, the largest, as the
+            # engines' fused layers run them (they requantize a fused layer's shards to it)
+            buckets.setdefault(a, []).append(n)
         for b, members in enumerate(buckets.values()):
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
             if hessian is None and args.strategy in ("channel", "group"):

@@ -263,6 +263,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
                                                 verify_checkpoint)
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.model_zoo.moe import ROUTER_IGNORE
+    from quantspec.quant.presets import for_experts
     from quantspec.quant.engines import eagle3_ignore, target_refusal
 
     qconfig = config.quant_config
@@ -277,7 +278,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
         moe = kind is None and ModelArgs.from_hf_config(cfg).num_experts > 0
         if moe and ROUTER_IGNORE not in qconfig.ignore:
-            qconfig = replace(qconfig, ignore=(*qconfig.ignore, ROUTER_IGNORE))  # routers stay float
+            qconfig = for_experts(replace(qconfig, ignore=(*qconfig.ignore, ROUTER_IGNORE)))  # routers stay float
         refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) if what or moe else None
         if refusal is not None:
             raise QuantSpecError(f"{model_dir} is {what or 'a mixture of experts'}: {refusal}")
@@ -369,7 +370,8 @@ def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, sa
                 "(SmoothQuant α search, fallback ranking)"
                 + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
                    "held-back windows") + ", one layer at a time")
-        (base,) = qconfig.config_groups.values()  # the a8w8 presets are one group
+        # the a8w8 presets' one class-target group (a mixture of experts' experts have one more)
+        base = next(s for s in qconfig.config_groups.values() if "Linear" in s.targets)
         plan = plan_static_quant(net, table, config.quant_type, smoothquant_alpha=alpha, input_ids=search_ids,
                                  fallback_layers=config.fallback_layers or 0,
                                  fallback_threshold=config.fallback_threshold, fallback_budget=budget,

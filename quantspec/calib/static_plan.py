@@ -34,6 +34,7 @@ from quantspec.calib.sensitivity import (ALPHA_GRID, linear_sensitivity, search_
 from quantspec.calib.smooth import input_scales_for_model, smooth_layer, smoothing_factors
 from quantspec.calib.tables import ScaleTable
 from quantspec.errors import QuantSpecError
+from quantspec.quant.engines.moe import EXPERT
 from quantspec.model_zoo.checkpoint import CheckpointReader
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig
@@ -221,6 +222,7 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
         scales = input_scales_for_model(table, model, qt, smooth=factors)
         sens = linear_sensitivity(model, input_ids, scales, kind, smooth=factors,
                                   batch_size=batch_size, **stream)
+        sens = {n: e for n, e in sens.items() if not EXPERT.match(n)}  # no engine loads an MoE layer of 2 schemes
         if fallback_budget is not None:
             rule = {"by": "budget", "budget_pct": float(fallback_budget)}
             budget, units = _units_under_budget(model, sens, scales, factors, holdout_ids, fallback_budget, kind,

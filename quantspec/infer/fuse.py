@@ -8,7 +8,8 @@ product as before (rows are stacked, K is untouched).
 
 Float linears are stacked by concatenating weights (and biases). Quantized ones are stacked from
 their codes and per-row scales / zero points, which is exact when they share one scheme: the same
-weight args (channel or group strategy: per-row qparams), the same input args and static input
+weight args (channel or group strategy: per-row qparams; per tensor: one scale, the same in every
+member, as quantize writes the Linears of one input), the same input args and static input
 scale (a8w8's q/k/v read the same smoothed input, so their calibrated scales agree). Otherwise
 the layer is left unfused. The stacked module replaces the originals (set to None), so memory is
 unchanged; `model_zoo.llama` uses it when present. It runs before a backend rewrites the float
@@ -39,8 +40,10 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
     first = mods[0]
     w = first.weight_args
-    if w.strategy not in ("channel", "group"):
-        return None  # one scale per tensor: the members' scales differ
+    per_tensor = w.strategy not in ("channel", "group")
+    if per_tensor and not all(_same_tensor(m.weight_scale, first.weight_scale)
+                              and _same_tensor(m.weight_zero_point, first.weight_zero_point) for m in mods[1:]):
+        return None  # one scale per tensor: stacked only where the members share it
     for m in mods[1:]:
         if (m.weight_args != w or m.input_args != first.input_args or m.dtype != first.dtype
                 or m.in_features != first.in_features or m.traits.kind is not first.traits.kind
@@ -58,8 +61,8 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
     q = torch.cat(codes)
     del codes  # the members' unpacked codes: only the stacked ones stay while it is packed
     t = QuantizedLinearTensors(
-        q=q, scale=torch.cat([m.weight_scale for m in mods]),
-        zero_point=None if zps[0] is None else torch.cat(zps),
+        q=q, scale=first.weight_scale if per_tensor else torch.cat([m.weight_scale for m in mods]),
+        zero_point=None if zps[0] is None else zps[0] if per_tensor else torch.cat(zps),
         weight_args=w, input_args=first.input_args, input_scale=first.input_scale,
         input_zero_point=first.input_zero_point,
         bias=None if first.bias is None else torch.cat([m.bias for m in mods]).float(),

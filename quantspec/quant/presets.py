@@ -3,6 +3,7 @@ quantize writes, and the default weight observer per type."""
 
 from __future__ import annotations
 
+from dataclasses import replace
 from typing import Iterable
 
 from quantspec.errors import QuantSpecError
@@ -10,8 +11,8 @@ from quantspec.quant.args import MIN_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS", "default_weight_observer",
-           "preset"]
+__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+           "default_weight_observer", "for_experts", "preset"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
 # in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
@@ -84,6 +85,25 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=inputs)
     return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore),
                        kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
+
+
+# a mixture of experts' expert Linears (Qwen-style names), as one config target
+EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+
+
+def for_experts(config: QuantConfig) -> QuantConfig:
+    """`config` for a model whose MLPs are mixtures of experts: where its Linears take FP8 weights
+    per channel with static per-tensor FP8 inputs, the experts take per-tensor weights instead
+    (llm-compressor's static FP8 scheme), the one static FP8 layout vLLM's and SGLang's fused-MoE
+    layers load (per-channel weights there need dynamic per-token inputs)."""
+    base = next((s for s in config.config_groups.values() if "Linear" in s.targets), None)
+    ia = None if base is None else base.input_activations
+    if base is None or base.weights.type != "float" or base.weights.strategy != "channel" \
+            or ia is None or ia.dynamic:
+        return config
+    experts = QuantScheme(targets=(EXPERT_TARGET,), weights=base.weights.replace(strategy="tensor"),
+                          input_activations=ia, format=base.format)
+    return replace(config, config_groups={**config.config_groups, "experts": experts})
 
 
 def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | None, weight_observer: str) -> None:
