@@ -31,6 +31,15 @@ def moe_dir(tmp_path_factory):
                             moe={"mlp_only_layers": [1]})
 
 
+def _scheme_of(qc, name: str):
+    """compressed-tensors' precedence for a Linear: a regex target before the class name."""
+    import re
+
+    hits = [(0 if t.startswith("re:") and re.match(t[3:], name) else 1 if t == "Linear" else None, g)
+            for g in qc.config_groups.values() for t in g.targets]
+    return min((h for h in hits if h[0] is not None), key=lambda h: h[0])[1]
+
+
 def _decompressed(art, out):
     """The float checkpoint of artifact `art`: each quantized Linear's weight as compressed-tensors'
     own compressor for the artifact's format decompresses it, every other tensor as stored (norms
@@ -40,14 +49,14 @@ def _decompressed(art, out):
 
     cfg = json.loads((art / "config.json").read_text())
     qc = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
-    scheme = next(iter(qc.config_groups.values()))  # one group: every K here takes the group size
     packed = load_file(str(art / "model.safetensors"))
-    comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
     names = {k.rsplit(".", 1)[0] for k in packed if k.endswith(".weight_scale")}
     dense = {k: v for k, v in packed.items() if k.rsplit(".", 1)[0] not in names}
     for n in names:
+        scheme = _scheme_of(qc, n)
         local = {k[len(n) + 1:]: v for k, v in packed.items() if k.startswith(n + ".")
                  and k[len(n) + 1:] not in ("input_scale", "input_zero_point")}
+        comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
         dense[f"{n}.weight"] = comp.decompress(local, scheme)["weight"].float().contiguous()
     out.mkdir()
     save_file(dense, str(out / "model.safetensors"))
@@ -153,33 +162,32 @@ def test_calibration_sees_every_expert_and_static_scales_are_one_per_layer(moe_d
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
     qc = QuantizationConfig.model_validate(json.loads((art / "config.json").read_text())["quantization_config"])
-    args = next(iter(qc.config_groups.values())).input_activations
+    assert _scheme_of(qc, "model.layers.0.mlp.experts.3.down_proj").weights.strategy == "tensor"  # as engines load
+    assert _scheme_of(qc, "model.layers.0.self_attn.q_proj").weights.strategy == "channel"
     ref, names = _decompressed(art, tmp_path / "dense")
     model, _ = load_model(ref)
     for n in names:
-        scale = t[f"{n}.input_scale"]
+        scale, args = t[f"{n}.input_scale"], _scheme_of(qc, n).input_activations
         model.get_submodule(n).register_forward_pre_hook(
-            lambda m, a, scale=scale: (fake_quantize(a[0], scale, torch.zeros_like(scale), args),))
+            lambda m, a, scale=scale, args=args: (fake_quantize(a[0], scale, torch.zeros_like(scale), args),))
     lm = load_for_inference(art, tokenizer=False, policy=DispatchPolicy(fast=False))
     torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(model, IDS), **TOL)
 
 
 def test_engine_verdicts_on_experts(moe_dir, calibration_table, tmp_path, transformers_model):
-    with pytest.raises(QuantSpecError, match="--target portable: SGLang refused.*int8 activations.*a8w8_fp8"):
+    with pytest.raises(QuantSpecError, match="--target portable: SGLang refused.*NPUs only.*a8w8_fp8"):
         api.quantize(str(moe_dir), "a8w8", tmp_path / "dyn", activations="dynamic")
     dyn = api.quantize(str(moe_dir), "a8w8", tmp_path / "dyn", activations="dynamic", target="vllm")
     verdicts = api.inspect(dyn)["engines"]
     assert verdicts["vllm"]["status"] == "loads" and verdicts["quantspec"]["status"] == "loads"
     assert verdicts["vllm"]["layers"]["model.layers.0.mlp.experts"]["scheme"] == "W8A8Int8MoE"
-    assert verdicts["sglang"]["status"] == "refused" and "int8 activations" in verdicts["sglang"]["verdict"]
+    assert verdicts["sglang"]["status"] == "refused" and "NPUs only" in verdicts["sglang"]["verdict"]
     assert verdicts["transformers"]["status"] == "refused"
     with pytest.raises(Exception):  # transformers' own loader does refuse the quantized experts
         transformers_model(dyn)
     with pytest.raises(QuantSpecError, match="no MoE kernel takes static int8 activations.*--activations dynamic"):
         api.quantize(str(moe_dir), "a8w8", tmp_path / "static", calib=calibration_table(moe_dir))
     assert not (tmp_path / "static").exists()
-    with pytest.raises(QuantSpecError, match="--target sglang.*symmetric weights only.*drop --asym"):
-        api.quantize(str(moe_dir), "weight_only_int4", tmp_path / "asym", symmetric=False, target="sglang")
     quantspec_only = api.quantize(str(moe_dir), "a8w8", tmp_path / "qs", calib=calibration_table(moe_dir),
                                   target="quantspec")
     assert api.inspect(quantspec_only)["engines"]["vllm"]["status"] == "refused"

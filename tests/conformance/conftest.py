@@ -204,15 +204,8 @@ def lifted(engine_sources, artifacts, tmp_path_factory) -> dict:
     """engine → `lift.py`'s answer for every artifact (or the skip reason)."""
     from .requests import build_request
 
-    tmp = tmp_path_factory.mktemp("conf_lift")
-    out = {}
-    for engine, src in engine_sources.items():
-        if isinstance(src, str):
-            out[engine] = src
-            continue
-        for capability in (90,):
-            out[engine] = src.run(build_request(src, artifacts, capability), tmp)
-    return out
+    return eng.run_engines(engine_sources, lambda src: build_request(src, artifacts, 90),
+                       tmp_path_factory.mktemp("conf_lift"))
 
 
 @pytest.fixture(scope="session")

@@ -123,21 +123,29 @@ class EngineSource:
         declares none: the loader then takes `getattr(model_class, ..., {})`)."""
         return class_literal(self.model_source(), "LlamaForCausalLM", "packed_modules_mapping") or {}
 
-    def run(self, request: dict, tmp: Path) -> dict:
-        """Run `lift.py` on `request` in a fresh interpreter; → its JSON."""
-        req = tmp / f"request-{self.engine}.json"
+    def run(self, request: dict, tmp: Path, script: Path = LIFT) -> dict:
+        """Run `script` (`lift.py`, or another driver taking the same arguments) on `request` in
+        a fresh interpreter; → its JSON."""
+        req = tmp / f"request-{self.engine}-{script.stem}.json"
         req.write_text(json.dumps(request))
         t0 = time.perf_counter()
-        r = subprocess.run([sys.executable, str(LIFT), self.engine, str(self.source), str(self.ct_dir),
+        r = subprocess.run([sys.executable, str(script), self.engine, str(self.source), str(self.ct_dir),
                             str(req)], capture_output=True, text=True, timeout=600,
                            env={**os.environ, "PYTHONNOUSERSITE": "1"})
         self.timings["run"] = time.perf_counter() - t0
         if r.returncode != 0 or not r.stdout.strip():
-            raise RuntimeError(f"lift.py {self.engine} failed:\n{r.stderr[-3000:]}")
+            raise RuntimeError(f"{script.name} {self.engine} failed:\n{r.stderr[-3000:]}")
         out = json.loads(r.stdout)
         if "fatal" in out:
-            raise RuntimeError(f"lift.py {self.engine}:\n{out['fatal']}")
+            raise RuntimeError(f"{script.name} {self.engine}:\n{out['fatal']}")
         return out
+
+
+def run_engines(engine_sources: dict, request_for, tmp: Path, script: Path = LIFT) -> dict:
+    """engine → `script`'s answer to `request_for(source)` (or the reason the engine is unavailable,
+    as `engine_sources` gives it)."""
+    return {engine: src if isinstance(src, str) else src.run(request_for(src), tmp, script)
+            for engine, src in engine_sources.items()}
 
 
 def pinned_compressed_tensors(metadata: Path) -> str:

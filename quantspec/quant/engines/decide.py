@@ -64,7 +64,7 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
             intended = [config.scheme_for(s) for s in shards]
             if layer.endswith(".mlp.experts"):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
-                    else moe_layer(engine, layer, config, targets)
+                    else moe_layer(engine, layer, config)
             elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
                 vs = [transformers_layer(i) for i in intended]
                 per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])
@@ -112,7 +112,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     out = []
     if "float zero points" in text:
         out.append("drop --zp-dtype (integer zero points)")
-    if "packed integer zero points" in text or "asymmetric" in text or "symmetric weights only" in text:
+    if "packed integer zero points" in text or "asymmetric" in text:
         out.append("drop --asym")
     kv = config.kv_cache_scheme
     if "KV" in text and kv is not None:
@@ -127,7 +127,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
                    "--quant-type a8w8_fp8")
     if "static int8 activations" in text:
         out.append("use --activations dynamic or --quant-type a8w8_fp8")
-    elif "takes int8 activations" in text:
+    elif "int8-activation experts" in text:
         out.append("use --quant-type a8w8_fp8")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
