@@ -277,8 +277,9 @@ def _read_source(config: QuantizeConfig) -> _Source:
         if kind == "eagle3":
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
         moe = kind is None and ModelArgs.from_hf_config(cfg).num_experts > 0
-        if moe and ROUTER_IGNORE not in qconfig.ignore:
-            qconfig = for_experts(replace(qconfig, ignore=(*qconfig.ignore, ROUTER_IGNORE)))  # routers stay float
+        if moe:  # routers and shared-expert gates stay float
+            qconfig = for_experts(replace(qconfig, ignore=(*qconfig.ignore,
+                                                           *(i for i in ROUTER_IGNORE if i not in qconfig.ignore))))
         refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) if what or moe else None
         if refusal is not None:
             raise QuantSpecError(f"{model_dir} is {what or 'a mixture of experts'}: {refusal}")

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, SmolLM2) as plain nn.Modules.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, SmolLM2) as plain nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
 tables: `rope.py`) and the HF weight-name table that `load_state_dict` is checked against. Module attribute names mirror HF's, so a checkpoint's tensor
@@ -57,9 +57,10 @@ ARCHITECTURES = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
 }
-_MODEL_TYPES = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "qwen3_moe": "qwen3_moe"}
+_MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 
 
 @dataclass
@@ -86,13 +87,15 @@ class ModelArgs:
     # the tokens a layer attends back at most (Mistral v0.1's 4096; Qwen's with use_sliding_window);
     # quantspec attends to the whole context, which equals it up to this length (`check_context`)
     sliding_window: int | None = None
-    # mixture of experts (Qwen3-MoE): the MLP of a layer not in `dense_layers` is `num_experts`
-    # MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token by a router
+    # mixture of experts (Qwen2-MoE, Qwen3-MoE): the MLP of a layer not in `dense_layers` is
+    # `num_experts` MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token by
+    # a router, plus (Qwen2-MoE) a gated shared expert of `shared_expert_intermediate_size`
     # (`moe.SparseMoE`); 0 experts: every MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0
     moe_intermediate_size: int = 0
-    norm_topk_prob: bool = True
+    norm_topk_prob: bool = False
+    shared_expert_intermediate_size: int = 0
     dense_layers: tuple[int, ...] = ()
     bos_token_id: int | None = None
     eos_token_ids: list[int] = field(default_factory=list)
@@ -168,10 +171,10 @@ class ModelArgs:
             rope_scaling=scaling,
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias=True if arch == "qwen2" else attention_bias,
-            o_bias=False if arch == "qwen2" else attention_bias,
+            qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(arch, attention_bias),
+            o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch in ("qwen3", "qwen3_moe"),
+            qk_norm=arch.startswith("qwen3"),
             sliding_window=_sliding_window(cfg, arch),
             **_moe_fields(cfg),
             bos_token_id=cfg.get("bos_token_id"),
@@ -193,15 +196,16 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     if arch == "mistral":
         return window
     layer_types = cfg.get("layer_types") or ()
-    if arch in ("qwen2", "qwen3", "qwen3_moe") and cfg.get("use_sliding_window") and (
+    if arch.startswith("qwen") and cfg.get("use_sliding_window") and (
             not layer_types or "sliding_attention" in layer_types):
         return window
     return None
 
 
 def _moe_fields(cfg: dict) -> dict:
-    """ModelArgs' mixture-of-experts fields of a Qwen3-MoE config (none for a dense one): a layer
-    is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step` stride."""
+    """ModelArgs' mixture-of-experts fields of a Qwen2-MoE / Qwen3-MoE config (none for a dense
+    one): a layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
+    stride; defaults are transformers'."""
     experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
     if not experts:
         return {}
@@ -209,7 +213,8 @@ def _moe_fields(cfg: dict) -> dict:
     dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
     return {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or 0),
             "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", True)), "dense_layers": dense}
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "dense_layers": dense,
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -464,9 +469,12 @@ def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict
     if args.o_bias:
         table[p + "self_attn.o_proj.bias"] = (D,)
     mlps = [(p + "mlp.", I)]
-    if args.is_moe_layer(layer_idx):  # the router, then each expert's MLP
+    if args.is_moe_layer(layer_idx):  # the router, each expert's MLP, a shared expert and its gate
         table[p + "mlp.gate.weight"] = (args.num_experts, D)
         mlps = [(p + f"mlp.experts.{e}.", args.moe_intermediate_size) for e in range(args.num_experts)]
+        if args.shared_expert_intermediate_size:
+            table[p + "mlp.shared_expert_gate.weight"] = (1, D)
+            mlps.append((p + "mlp.shared_expert.", args.shared_expert_intermediate_size))
     for m, inter in mlps:
         table.update({m + "gate_proj.weight": (inter, D), m + "up_proj.weight": (inter, D),
                       m + "down_proj.weight": (D, inter)})

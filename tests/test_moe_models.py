@@ -1,7 +1,9 @@
-"""Qwen3-MoE (a router over per-token top-k experts in place of the MLP) against transformers'
-own Qwen3-MoE: quantspec's forward and its engine's greedy decoding; quantspec's artifacts of it,
-whose weights compressed-tensors itself decompresses into a checkpoint that transformers runs to
-the same logits; calibration that sees every expert; and the engines' verdicts on its experts."""
+"""Mixtures of experts against transformers' own classes: Qwen3-MoE (a router over per-token
+top-k experts in place of the MLP, renormalized top-k weights) and Qwen2-MoE (unnormalized weights,
+plus a sigmoid-gated shared expert, q/k/v biases). quantspec's forward and its engine's greedy
+decoding; quantspec's artifacts, whose weights compressed-tensors itself decompresses into a
+checkpoint that transformers runs to the same logits; calibration that sees every expert; and the
+engines' verdicts on the experts."""
 
 import json
 import shutil
@@ -24,11 +26,20 @@ TOL = dict(rtol=1e-4, atol=1e-4)
 EXPERTS = 4
 
 
+def _tiny_moe(tmp_path_factory, arch):
+    """3 layers: 0 and 2 sparse (4 experts, top 2, intermediate 64), 1 dense (mlp_only_layers)."""
+    return build_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), arch, num_layers=3,
+                            moe={"mlp_only_layers": [1]})
+
+
 @pytest.fixture(scope="module")
 def moe_dir(tmp_path_factory):
-    """3 layers: 0 and 2 sparse (4 experts, top 2, intermediate 64), 1 dense (mlp_only_layers)."""
-    return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen3_moe"), "qwen3_moe", num_layers=3,
-                            moe={"mlp_only_layers": [1]})
+    return _tiny_moe(tmp_path_factory, "qwen3_moe")
+
+
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+def any_moe_dir(request, tmp_path_factory):
+    return _tiny_moe(tmp_path_factory, request.param)
 
 
 def _scheme_of(qc, name: str):
@@ -51,7 +62,7 @@ def _decompressed(art, out):
     qc = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
     packed = load_file(str(art / "model.safetensors"))
     names = {k.rsplit(".", 1)[0] for k in packed if k.endswith(".weight_scale")}
-    dense = {k: v for k, v in packed.items() if k.rsplit(".", 1)[0] not in names}
+    dense = {k: v for k, v in packed.items() if k.rsplit(".", 1)[0] not in names or k.endswith(".bias")}
     for n in names:
         scheme = _scheme_of(qc, n)
         local = {k[len(n) + 1:]: v for k, v in packed.items() if k.startswith(n + ".")
@@ -64,22 +75,28 @@ def _decompressed(art, out):
     return out, names
 
 
-def test_logits_match_transformers_fused_or_not(moe_dir, logits_of):
-    want = logits_of(moe_dir, IDS)
+def test_logits_match_transformers_fused_or_not(any_moe_dir, logits_of):
+    want = logits_of(any_moe_dir, IDS)
     for fuse in (True, False):
-        lm = load_for_inference(moe_dir, tokenizer=False, fuse=fuse)
+        lm = load_for_inference(any_moe_dir, tokenizer=False, fuse=fuse)
         layers = lm.model.model.layers
         assert [type(x.mlp) is SparseMoE for x in layers] == [True, False, True]
         torch.testing.assert_close(logits_of(lm.model, IDS), want, **TOL)
-    model, _ = load_model(moe_dir)
+    model, _ = load_model(any_moe_dir)
     torch.testing.assert_close(logits_of(model, IDS), want, **TOL)
-    with torch.no_grad():  # the router decides: a different routing changes the logits
-        model.model.layers[0].mlp.gate.weight.mul_(-1.0)
-    assert (logits_of(model, IDS) - want).abs().max() > 1e-2
+    moe = model.model.layers[0].mlp
+    assert (moe.shared_expert is not None) == ("qwen2_moe" in any_moe_dir.name)
+    gates = [moe.gate] + ([moe.shared_expert_gate] if moe.shared_expert is not None else [])
+    for gate in gates:  # the router decides the routing, the shared gate the shared expert's share
+        with torch.no_grad():
+            gate.weight.mul_(-1.0)
+        assert (logits_of(model, IDS) - want).abs().max() > 1e-2
+        with torch.no_grad():
+            gate.weight.mul_(-1.0)
 
 
-def test_every_expert_is_routed_to_and_counts(moe_dir, logits_of):
-    model, _ = load_model(moe_dir)
+def test_every_expert_is_routed_to_and_counts(any_moe_dir, logits_of):
+    model, _ = load_model(any_moe_dir)
     moe = model.model.layers[0].mlp
     seen = []
     hooks = [e.register_forward_pre_hook(lambda m, a, i=i: seen.append(i)) for i, e in enumerate(moe.experts)]
@@ -92,8 +109,8 @@ def test_every_expert_is_routed_to_and_counts(moe_dir, logits_of):
     assert (logits_of(model, IDS) - want).abs().max() > 1e-3
 
 
-def test_engine_greedy_equals_transformers_generate(moe_dir, transformers_model, engine_decodes_as_generate):
-    engine_decodes_as_generate(moe_dir, transformers_model(moe_dir))
+def test_engine_greedy_equals_transformers_generate(any_moe_dir, transformers_model, engine_decodes_as_generate):
+    engine_decodes_as_generate(any_moe_dir, transformers_model(any_moe_dir))
 
 
 @pytest.fixture(scope="module")
@@ -110,20 +127,23 @@ def corpus(tmp_path_factory):
     ("weight_only_int4", {"group_size": 32}),
     ("weight_only_int4", {"group_size": 32, "method": "gptq"}),
 ])
-def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(moe_dir, corpus, tmp_path,
+def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(any_moe_dir, corpus, tmp_path,
                                                                           quant_type, options, logits_of):
     if options.get("method") == "gptq":
         options = {**options, "dataset": str(corpus), "num_samples": 8, "seq_len": 32}
-    art = api.quantize(str(moe_dir), quant_type, tmp_path / "art", **options)
+    art = api.quantize(str(any_moe_dir), quant_type, tmp_path / "art", **options)
     cfg = json.loads((art / "config.json").read_text())["quantization_config"]
-    assert ROUTER_IGNORE in cfg["ignore"]
+    assert set(ROUTER_IGNORE) <= set(cfg["ignore"])
     ref, names = _decompressed(art, tmp_path / "dense")
     experts = {n for n in names if ".mlp.experts." in n}
-    assert len(experts) == 2 * EXPERTS * 3 and not any(n.endswith("mlp.gate") for n in names)
+    assert len(experts) == 2 * EXPERTS * 3 and not any(n.endswith(("mlp.gate", "gate.weight")) for n in names)
+    shared = {n for n in names if ".shared_expert." in n}  # Qwen2-MoE's shared expert: quantized, its gate not
+    assert len(shared) == (2 * 3 if "qwen2_moe" in any_moe_dir.name else 0)
+    assert not any(n.endswith("shared_expert_gate") for n in names)
     theirs = logits_of(ref, IDS)
     lm = load_for_inference(art, tokenizer=False)
     torch.testing.assert_close(logits_of(lm.model, IDS), theirs, **TOL)
-    assert (logits_of(moe_dir, IDS) - theirs).abs().max() > 1e-3  # quantization moved the logits
+    assert (logits_of(any_moe_dir, IDS) - theirs).abs().max() > 1e-3  # quantization moved the logits
 
 
 def test_gptq_quantizes_every_expert_from_every_token(moe_dir):
@@ -134,7 +154,7 @@ def test_gptq_quantizes_every_expert_from_every_token(moe_dir):
 
     model, _ = load_model(moe_dir)
     ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
-    config = preset("weight_only_int4", group_size=32, ignore=("lm_head", ROUTER_IGNORE))
+    config = preset("weight_only_int4", group_size=32, ignore=("lm_head", *ROUTER_IGNORE))
     sink = PartSink()
     quantize_model(model, config, "gptq", calib_batches=ids, sink=sink)
     losses = sink.losses
