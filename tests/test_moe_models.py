@@ -1,6 +1,6 @@
 """Mixtures of experts against transformers' own classes: Qwen3-MoE (a router over per-token
-top-k experts in place of the MLP, renormalized top-k weights) and Qwen2-MoE (unnormalized weights,
-plus a sigmoid-gated shared expert, q/k/v biases). quantspec's forward and its engine's greedy
+top-k experts in place of the MLP, renormalized top-k weights), Qwen2-MoE (unnormalized weights,
+plus a sigmoid-gated shared expert, q/k/v biases) and Mixtral (every layer sparse, its own names). quantspec's forward and its engine's greedy
 decoding; quantspec's artifacts, whose weights compressed-tensors itself decompresses into a
 checkpoint that transformers runs to the same logits; calibration that sees every expert; and the
 engines' verdicts on the experts."""
@@ -17,7 +17,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.loader import load_for_inference
 from quantspec.model_zoo.checkpoint import load_model
-from quantspec.model_zoo.moe import ROUTER_IGNORE, SparseMoE
+from quantspec.model_zoo.moe import SparseMoE, router_ignore
 from quantspec.model_zoo.tiny import build_tiny_model
 
 torch.set_num_threads(1)
@@ -27,9 +27,15 @@ EXPERTS = 4
 
 
 def _tiny_moe(tmp_path_factory, arch):
-    """3 layers: 0 and 2 sparse (4 experts, top 2, intermediate 64), 1 dense (mlp_only_layers)."""
+    """3 layers of 4 experts, top 2: Qwen's 0 and 2 sparse (expert intermediate 64), 1 dense
+    (mlp_only_layers); Mixtral's all sparse (expert intermediate 128)."""
     return build_tiny_model(tmp_path_factory.mktemp(f"tiny_{arch}"), arch, num_layers=3,
-                            moe={"mlp_only_layers": [1]})
+                            moe=None if arch == "mixtral" else {"mlp_only_layers": [1]})
+
+
+def _sparse(model_dir) -> list[int]:
+    args = load_model(model_dir)[0].args
+    return [i for i in range(args.num_layers) if args.is_moe_layer(i)]
 
 
 @pytest.fixture(scope="module")
@@ -37,7 +43,7 @@ def moe_dir(tmp_path_factory):
     return _tiny_moe(tmp_path_factory, "qwen3_moe")
 
 
-@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe"])
+@pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
 def any_moe_dir(request, tmp_path_factory):
     return _tiny_moe(tmp_path_factory, request.param)
 
@@ -80,7 +86,8 @@ def test_logits_match_transformers_fused_or_not(any_moe_dir, logits_of):
     for fuse in (True, False):
         lm = load_for_inference(any_moe_dir, tokenizer=False, fuse=fuse)
         layers = lm.model.model.layers
-        assert [type(x.mlp) is SparseMoE for x in layers] == [True, False, True]
+        assert [type(x.mlp) is SparseMoE for x in layers] == \
+            [True, "mixtral" in any_moe_dir.name, True]
         torch.testing.assert_close(logits_of(lm.model, IDS), want, **TOL)
     model, _ = load_model(any_moe_dir)
     torch.testing.assert_close(logits_of(model, IDS), want, **TOL)
@@ -133,10 +140,10 @@ def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(any_m
         options = {**options, "dataset": str(corpus), "num_samples": 8, "seq_len": 32}
     art = api.quantize(str(any_moe_dir), quant_type, tmp_path / "art", **options)
     cfg = json.loads((art / "config.json").read_text())["quantization_config"]
-    assert set(ROUTER_IGNORE) <= set(cfg["ignore"])
+    assert set(router_ignore(load_model(any_moe_dir)[0].args)) <= set(cfg["ignore"])
     ref, names = _decompressed(art, tmp_path / "dense")
-    experts = {n for n in names if ".mlp.experts." in n}
-    assert len(experts) == 2 * EXPERTS * 3 and not any(n.endswith(("mlp.gate", "gate.weight")) for n in names)
+    experts = {n for n in names if ".experts." in n}
+    assert len(experts) == len(_sparse(any_moe_dir)) * EXPERTS * 3 and not any(n.endswith(".gate") for n in names)
     shared = {n for n in names if ".shared_expert." in n}  # Qwen2-MoE's shared expert: quantized, its gate not
     assert len(shared) == (2 * 3 if "qwen2_moe" in any_moe_dir.name else 0)
     assert not any(n.endswith("shared_expert_gate") for n in names)
@@ -154,7 +161,7 @@ def test_gptq_quantizes_every_expert_from_every_token(moe_dir):
 
     model, _ = load_model(moe_dir)
     ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
-    config = preset("weight_only_int4", group_size=32, ignore=("lm_head", *ROUTER_IGNORE))
+    config = preset("weight_only_int4", group_size=32, ignore=("lm_head", *router_ignore(model.args)))
     sink = PartSink()
     quantize_model(model, config, "gptq", calib_batches=ids, sink=sink)
     losses = sink.losses

@@ -52,7 +52,7 @@ from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
 from quantspec.calib.smooth import smooth_layer
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
-from quantspec.model_zoo.llama import Transformer
+from quantspec.model_zoo.llama import MLP, Transformer
 from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, resolve_group_size
@@ -383,15 +383,17 @@ def _layer_groups(prefix: str, layer: nn.Module, linears: Mapping[str, nn.Linear
         if members:
             groups.append(members)
             taken.update(members)
+    name_of = {id(mod): f"{prefix}.{name}" for name, mod in layer.named_modules()}
     for name, mod in layer.named_modules():
         full = f"{prefix}.{name}"
-        if isinstance(mod, nn.Linear) and full in linears and full not in taken:
-            group = [full]
-            up = full.removesuffix("gate_proj") + "up_proj"  # an expert's gate/up read one input
-            if full.endswith(".gate_proj") and up in linears:
-                group.append(up)
-            groups.append(group)
-            taken.update(group)
+        if isinstance(mod, MLP):  # an expert's (or shared expert's) gate / up read one input
+            pair = [name_of.get(id(mod.gate_proj)), name_of.get(id(mod.up_proj))]
+            if all(n in linears and n not in taken for n in pair):
+                groups.append(pair)
+                taken.update(pair)
+        elif isinstance(mod, nn.Linear) and full in linears and full not in taken:
+            groups.append([full])
+            taken.add(full)
     return groups
 
 

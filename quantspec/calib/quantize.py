@@ -262,7 +262,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
                                                 verify_checkpoint)
     from quantspec.model_zoo.llama import ModelArgs
-    from quantspec.model_zoo.moe import ROUTER_IGNORE
+    from quantspec.model_zoo.moe import router_ignore
     from quantspec.quant.presets import for_experts
     from quantspec.quant.engines import eagle3_ignore, target_refusal
 
@@ -276,10 +276,11 @@ def _read_source(config: QuantizeConfig) -> _Source:
         what = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}.get(kind)
         if kind == "eagle3":
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
-        moe = kind is None and ModelArgs.from_hf_config(cfg).num_experts > 0
+        args = ModelArgs.from_hf_config(cfg) if kind is None else None
+        moe = args is not None and args.num_experts > 0
         if moe:  # routers and shared-expert gates stay float
             qconfig = for_experts(replace(qconfig, ignore=(*qconfig.ignore,
-                                                           *(i for i in ROUTER_IGNORE if i not in qconfig.ignore))))
+                                                           *(i for i in router_ignore(args) if i not in qconfig.ignore))))
         refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) if what or moe else None
         if refusal is not None:
             raise QuantSpecError(f"{model_dir} is {what or 'a mixture of experts'}: {refusal}")

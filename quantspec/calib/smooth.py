@@ -38,6 +38,7 @@ from quantspec.calib.tables import ScaleTable, read_table
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.llama import MLP
+from quantspec.quant.engines.moe import EXPERT
 from quantspec.quant.primitives import scale_from_absmax
 from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoothquant_scales,
                                          weight_input_absmax)
@@ -262,9 +263,10 @@ def _shared_group_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Ten
               for prefix in prefixes for _, names in SMOOTH_GROUPS]
     experts: dict[str, list[str]] = {}  # a mixture of experts': one scale per layer for gate/up, one for down
     for n in scales:
-        head, sep, tail = n.partition(".mlp.experts.")
-        if sep:
-            experts.setdefault(f"{head}/{'down' if tail.endswith('down_proj') else 'gate_up'}", []).append(n)
+        m = EXPERT.match(n)
+        if m is not None:
+            experts.setdefault(f"{m.group(1)}/{'down' if m.group(3) in ('down_proj', 'w2') else 'gate_up'}",
+                               []).append(n)
     for members in [*groups, *experts.values()]:
         if len(members) > 1:
             top = torch.stack([scales[m].reshape(()) for m in members]).amax()

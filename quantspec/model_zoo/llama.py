@@ -59,6 +59,7 @@ ARCHITECTURES = {
     "Qwen3ForCausalLM": "qwen3",
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 _MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 
@@ -176,10 +177,16 @@ class ModelArgs:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch.startswith("qwen3"),
             sliding_window=_sliding_window(cfg, arch),
-            **_moe_fields(cfg),
+            **_moe_fields(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
         )
+
+
+def _moe_fields(cfg: dict, arch: str) -> dict:
+    from quantspec.model_zoo.moe import moe_fields  # moe builds on this file's modules
+
+    return moe_fields(cfg, arch)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -193,28 +200,13 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    if arch == "mistral":
+    if arch in ("mistral", "mixtral"):
         return window
     layer_types = cfg.get("layer_types") or ()
     if arch.startswith("qwen") and cfg.get("use_sliding_window") and (
             not layer_types or "sliding_attention" in layer_types):
         return window
     return None
-
-
-def _moe_fields(cfg: dict) -> dict:
-    """ModelArgs' mixture-of-experts fields of a Qwen2-MoE / Qwen3-MoE config (none for a dense
-    one): a layer is sparse unless listed in `mlp_only_layers` or off the `decoder_sparse_step`
-    stride; defaults are transformers'."""
-    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
-    if not experts:
-        return {}
-    step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
-    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
-    return {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or 0),
-            "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
-            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "dense_layers": dense,
-            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
 
 
 # ---------------------------------------------------------------------------------------------
@@ -360,9 +352,15 @@ class DecoderLayer(nn.Module):
         if args.is_moe_layer(layer_idx):
             from quantspec.model_zoo.moe import SparseMoE  # moe builds on this file's MLP
 
-            self.mlp: nn.Module = SparseMoE(args)
+            # Mixtral names it block_sparse_moe; `mlp` reaches it all the same (`__getattr__`)
+            setattr(self, "block_sparse_moe" if args.arch == "mixtral" else "mlp", SparseMoE(args))
         else:
             self.mlp = MLP(args)
+
+    def __getattr__(self, name: str):
+        if name == "mlp" and "block_sparse_moe" in self._modules:
+            return self._modules["block_sparse_moe"]
+        return super().__getattr__(name)
 
     def forward(self, x, cos, sin, attn, row_invariant: bool = False):
         x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
@@ -468,18 +466,16 @@ def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict
         table[p + "self_attn.k_norm.weight"] = (args.head_dim,)
     if args.o_bias:
         table[p + "self_attn.o_proj.bias"] = (D,)
-    mlps = [(p + "mlp.", I)]
-    if args.is_moe_layer(layer_idx):  # the router, each expert's MLP, a shared expert and its gate
-        table[p + "mlp.gate.weight"] = (args.num_experts, D)
-        mlps = [(p + f"mlp.experts.{e}.", args.moe_intermediate_size) for e in range(args.num_experts)]
-        if args.shared_expert_intermediate_size:
-            table[p + "mlp.shared_expert_gate.weight"] = (1, D)
-            mlps.append((p + "mlp.shared_expert.", args.shared_expert_intermediate_size))
-    for m, inter in mlps:
-        table.update({m + "gate_proj.weight": (inter, D), m + "up_proj.weight": (inter, D),
-                      m + "down_proj.weight": (D, inter)})
-        if args.mlp_bias:
-            table.update({m + "gate_proj.bias": (inter,), m + "up_proj.bias": (inter,), m + "down_proj.bias": (D,)})
+    mlps = [(p + "mlp.", I, ("gate_proj", "up_proj", "down_proj"))]
+    if args.is_moe_layer(layer_idx):
+        from quantspec.model_zoo.moe import moe_weight_table
+
+        mlps = moe_weight_table(args, p, table)
+    for m, inter, (gate, up, down) in mlps:
+        for name, shape in ((gate, (inter, D)), (up, (inter, D)), (down, (D, inter))):
+            table[f"{m}{name}.weight"] = shape
+            if args.mlp_bias:
+                table[f"{m}{name}.bias"] = shape[:1]
     return table
 
 

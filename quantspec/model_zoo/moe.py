@@ -1,9 +1,11 @@
-"""The sparse mixture-of-experts MLP of Qwen2-MoE and Qwen3-MoE, as plain nn.Modules.
+"""The sparse mixture-of-experts MLP of Qwen2-MoE, Qwen3-MoE and Mixtral, as plain nn.Modules.
 
 `SparseMoE` mirrors HF's on-disk names: the router is `mlp.gate` (a Linear [E, D], never
 quantized: llm-compressor and the serving engines keep it in float) and expert e is
 `mlp.experts.{e}` with its own `gate_proj` / `up_proj` / `down_proj` (`llama.MLP`), so each expert's
-Linears are quantized, stored and loaded by name like a dense MLP's. Qwen2-MoE adds a shared
+Linears are quantized, stored and loaded by name like a dense MLP's. Mixtral's block is
+`block_sparse_moe` and its experts' Linears `w1` / `w3` / `w2` (`NamedMLP`: the same MLP under
+those names; code reaches them as gate / up / down all the same). Qwen2-MoE adds a shared
 expert every token takes (`mlp.shared_expert`, an MLP quantized like a dense one) scaled by
 sigmoid(`mlp.shared_expert_gate`(x)) (a Linear [1, D], float like the router).
 
@@ -29,11 +31,69 @@ from torch import nn
 
 from quantspec.model_zoo.llama import MLP, ModelArgs, project
 
-__all__ = ["ROUTER_IGNORE", "SparseMoE", "all_experts", "route"]
+__all__ = ["MIXTRAL_NAMES", "NamedMLP", "SparseMoE", "all_experts", "moe_fields", "moe_weight_table",
+           "route", "router_ignore"]
 
-# the routers' and shared-expert gates' names as compressed-tensors `ignore` entries
-# (llm-compressor's for Qwen-style MoE)
-ROUTER_IGNORE = ("re:.*mlp.gate$", "re:.*mlp.shared_expert_gate$")
+# Mixtral's names of an expert's gate / up / down projections
+MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
+
+
+def router_ignore(args: ModelArgs) -> tuple[str, ...]:
+    """The routers' and shared-expert gates' names as compressed-tensors `ignore` entries
+    (llm-compressor's), for a model of `args`."""
+    if args.arch == "mixtral":
+        return ("re:.*block_sparse_moe.gate$",)
+    return ("re:.*mlp.gate$",) + (("re:.*mlp.shared_expert_gate$",) if args.shared_expert_intermediate_size else ())
+
+
+def moe_fields(cfg: dict, arch: str) -> dict:
+    """ModelArgs' mixture-of-experts fields of a Qwen2-MoE / Qwen3-MoE / Mixtral config (none for
+    a dense one): a Qwen layer is sparse unless listed in `mlp_only_layers` or off the
+    `decoder_sparse_step` stride, every Mixtral layer is (its experts as wide as
+    `intermediate_size`, their weights always renormalized); defaults are transformers'."""
+    experts = int(cfg.get("num_experts") or cfg.get("num_local_experts") or 0)  # transformers 5 writes the latter
+    if not experts:
+        return {}
+    common = {"num_experts": experts, "experts_per_token": int(cfg.get("num_experts_per_tok") or 0)}
+    if arch == "mixtral":
+        return {**common, "moe_intermediate_size": int(cfg["intermediate_size"]), "norm_topk_prob": True}
+    step, only = int(cfg.get("decoder_sparse_step") or 1), set(cfg.get("mlp_only_layers") or ())
+    dense = tuple(i for i in range(cfg["num_hidden_layers"]) if i in only or (i + 1) % step)
+    return {**common, "moe_intermediate_size": int(cfg["moe_intermediate_size"]),
+            "norm_topk_prob": bool(cfg.get("norm_topk_prob", False)), "dense_layers": dense,
+            "shared_expert_intermediate_size": int(cfg.get("shared_expert_intermediate_size") or 0)}
+
+
+def moe_weight_table(args: ModelArgs, prefix: str, table: dict) -> list[tuple[str, int, tuple[str, str, str]]]:
+    """Add a sparse layer's router (and shared-expert gate) tensors to `table`; → the prefix, width
+    and gate / up / down names of each of its MLPs (the experts', the shared expert's), whose
+    tensors the caller adds."""
+    D, block = args.hidden_size, prefix + ("block_sparse_moe." if args.arch == "mixtral" else "mlp.")
+    plain = ("gate_proj", "up_proj", "down_proj")
+    names = tuple(MIXTRAL_NAMES[n] for n in plain) if args.arch == "mixtral" else plain
+    table[block + "gate.weight"] = (args.num_experts, D)
+    mlps = [(block + f"experts.{e}.", args.moe_intermediate_size, names) for e in range(args.num_experts)]
+    if args.shared_expert_intermediate_size:
+        table[block + "shared_expert_gate.weight"] = (1, D)
+        mlps.append((block + "shared_expert.", args.shared_expert_intermediate_size, plain))
+    return mlps
+
+
+class NamedMLP(MLP):
+    """`llama.MLP` with its gate / up / down Linears registered under other names (`names`, e.g.
+    Mixtral's w1 / w3 / w2): state dicts use those, attribute access either."""
+
+    def __init__(self, args: ModelArgs, intermediate: int, names: dict[str, str]):
+        super().__init__(args, intermediate)
+        self.__dict__["_names"] = dict(names)
+        self.__dict__["_modules"] = {names.get(k, k): v for k, v in self._modules.items()}
+
+    def __getattr__(self, name: str):
+        names = self.__dict__.get("_names", {})
+        return super().__getattr__(names.get(name, name))
+
+    def __setattr__(self, name: str, value) -> None:
+        super().__setattr__(self.__dict__.get("_names", {}).get(name, name), value)
 
 
 def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
@@ -52,7 +112,9 @@ class SparseMoE(nn.Module):
         super().__init__()
         self.top_k, self.normalize = args.experts_per_token, args.norm_topk_prob
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
-        self.experts = nn.ModuleList(MLP(args, args.moe_intermediate_size) for _ in range(args.num_experts))
+        inter = args.moe_intermediate_size
+        self.experts = nn.ModuleList(NamedMLP(args, inter, MIXTRAL_NAMES) if args.arch == "mixtral" else
+                                     MLP(args, inter) for _ in range(args.num_experts))
         self.calibrating = False  # every expert sees every token (`all_experts`)
         shared = args.shared_expert_intermediate_size
         self.shared_expert = MLP(args, shared) if shared else None

@@ -7,7 +7,7 @@ This file owns:
   special tokens and a SmolLM2-like chat template. Same arguments -> identical vocab every run;
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
-- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral checkpoint (transformers' own classes) with a
+- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral / Mixtral checkpoint (transformers' own classes) with a
   fixed seed, written with `save_pretrained` as safetensors (optionally sharded), plus the
   tokenizer and a generation config whose eos is `<|im_end|>`.
 
@@ -79,12 +79,14 @@ QKV_BIAS_STD = 0.1
 # Shard size for `sharded=True`: small enough that the tiny default model gets several shards.
 TINY_MAX_SHARD_SIZE = "100KB"
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
 # a tiny MoE's experts unless `build_tiny_model(moe=...)` says otherwise (HF config keys;
-# moe_intermediate_size, and Qwen2-MoE's shared expert's, default to half the dense intermediate);
+# moe_intermediate_size, and Qwen2-MoE's shared expert's, default to half the dense intermediate;
+# Mixtral's experts take the dense intermediate);
 # Qwen3-MoE renormalizes the top-k weights as its published configs do, Qwen2-MoE does not
 TINY_MOE = {"qwen3_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": True},
-            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False}}
+            "qwen2_moe": {"num_experts": 4, "num_experts_per_tok": 2, "norm_topk_prob": False},
+            "mixtral": {"num_local_experts": 4, "num_experts_per_tok": 2}}
 # the routers' weights are N(0, ROUTER_GAIN^2 / fan_in): spread logits keep the top-k
 # choice away from ties, so rounding noise rarely flips which experts a token takes
 ROUTER_GAIN = 3.0
@@ -219,19 +221,20 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 51
 
 
 def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None, **kw):
-    from transformers import (LlamaConfig, MistralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
                               Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig}
+               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
     if arch not in classes:
         raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(classes)}")
     if head_dim is not None or arch.startswith("qwen3"):  # Qwen3's config has a head_dim of its own (default 128)
         kw["head_dim"] = head_dim or kw["hidden_size"] // kw["num_attention_heads"]
-    if arch in TINY_MOE:
+    if arch in TINY_MOE:  # Mixtral's experts are `intermediate_size` wide
         half = kw["intermediate_size"] // 2
-        shared = {"shared_expert_intermediate_size": half} if arch == "qwen2_moe" else {}
-        kw.update({"moe_intermediate_size": half, **shared, **TINY_MOE[arch], **(moe or {})})
+        widths = {"moe_intermediate_size": half, "shared_expert_intermediate_size": half} \
+            if arch == "qwen2_moe" else {} if arch == "mixtral" else {"moe_intermediate_size": half}
+        kw.update({**widths, **TINY_MOE[arch], **(moe or {})})
     return classes[arch](**kw)
 
 

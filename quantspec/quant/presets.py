@@ -87,8 +87,8 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
                        kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
 
 
-# a mixture of experts' expert Linears (Qwen-style names), as one config target
-EXPERT_TARGET = r"re:.*mlp\.experts\.\d+\.(gate_proj|up_proj|down_proj)$"
+# a mixture of experts' expert Linears (Qwen's and Mixtral's names), as one config target
+EXPERT_TARGET = r"re:.*\.experts\.\d+\.(gate_proj|up_proj|down_proj|w1|w3|w2)$"
 
 
 def for_experts(config: QuantConfig) -> QuantConfig:

@@ -5,7 +5,8 @@ Run as a program in a fresh interpreter (one per engine, as `lift.py`):
     python lift_moe.py ENGINE SOURCE_DIR CT_DIR REQUEST.json  →  JSON on stdout
 
 REQUEST.json: {"capability": 90, "packed_modules_mapping": the engine's Qwen3-MoE class's,
-"artifacts": {name: {"quantization_config": ..., "layers": [fused-MoE layer names]}}}. For each layer the engine's `CompressedTensorsConfig.get_quant_method`
+"artifacts": {name: {"quantization_config": ..., "layers": [fused-MoE layer names], "ckpt_names":
+[the checkpoint's gate, up, down names]}}}. For each layer the engine's `CompressedTensorsConfig.get_quant_method`
 runs unchanged on a layer object of the engine's fused-MoE class: vLLM's
 `CompressedTensorsMoEMethod.get_moe_method` (the schemes of expert 0's gate / up / down
 projections, resolved by the engine's own target matching, and the method they select), SGLang's
@@ -17,7 +18,8 @@ backend, and vLLM's other MoE method classes are stubs named as the engine's (th
 constructor asks its oracle for Marlin, which takes channel and group scales alike on a GPU of
 capability 8.0 and up), so for those the answer is the class vLLM's decision code selects; the
 layer object (an `nn.Module` subclassing the engine's
-stubbed `RoutedExperts` / `FusedMoE`, with vLLM's checkpoint projection names) is built here.
+stubbed `RoutedExperts` / `FusedMoE`, with the checkpoint's projection names as vLLM's model
+files give them, e.g. Mixtral's w1 / w3 / w2) is built here.
 The answer per layer: the selected class's name, or the error the engine's code raised.
 """
 
@@ -43,7 +45,7 @@ MOE_CLASS = {"vllm": ("vllm.model_executor.layers.fused_moe", "RoutedExperts"),
              "sglang": ("sglang.srt.layers.moe.fused_moe_triton", "FusedMoE")}
 
 
-def _moe_layer(engine: str):
+def _moe_layer(engine: str, names: list[str]):
     import importlib
 
     import torch
@@ -51,8 +53,7 @@ def _moe_layer(engine: str):
     mod, name = MOE_CLASS[engine]
     base = getattr(importlib.import_module(mod), name)
     layer = type(name, (torch.nn.Module, base), {})()
-    layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = \
-        "gate_proj", "up_proj", "down_proj"
+    layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = names
     layer.moe_config = lift.Stub()  # read by the method constructors only
     return layer
 
@@ -67,7 +68,7 @@ def run(engine: str, request: dict) -> dict:
         cfg = ctmod.CompressedTensorsConfig.from_config(json.loads(json.dumps(art["quantization_config"])))
         cfg.packed_modules_mapping = request["packed_modules_mapping"]
         for lname in art["layers"]:
-            layer = _moe_layer(engine)
+            layer = _moe_layer(engine, art.get("ckpt_names", ["gate_proj", "up_proj", "down_proj"]))
             try:
                 method = cfg.get_quant_method(layer, lname)
                 chosen = getattr(layer, "scheme", None) if engine == "sglang" else method

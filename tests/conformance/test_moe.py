@@ -1,6 +1,7 @@
 """A mixture of experts' fused-MoE layers against the engines' own decision code
-(`lift_moe.py`): for every artifact type quantspec writes of a Qwen3-MoE model, and for one layout
-it does not write (FP8 experts per channel with static inputs), the method vLLM's and SGLang's
+(`lift_moe.py`): for every artifact type quantspec writes of a Qwen3-MoE model, the portable ones
+of a Mixtral model (its experts named w1 / w3 / w2), and one layout quantspec does not write (FP8
+experts per channel with static inputs), the method vLLM's and SGLang's
 code selects for each layer's experts, or its refusal, is the verdict `inspect` prints and
 `quantize --target` refuses by."""
 
@@ -18,8 +19,12 @@ from quantspec.model_zoo.tiny import build_tiny_model
 from . import engines as eng
 
 LIFT = Path(__file__).with_name("lift_moe.py")
+# the models' fused-MoE layers and the names the engines' model files give their experts' gate / up / down
+MODELS = {"qwen3_moe": (("model.layers.0.mlp.experts", "model.layers.1.mlp.experts"),
+                        ("gate_proj", "up_proj", "down_proj")),
+          "mixtral": (("model.layers.0.block_sparse_moe.experts", "model.layers.1.block_sparse_moe.experts"),
+                      ("w1", "w3", "w2"))}
 MODEL_FILES = {"vllm": "vllm/model_executor/models/qwen3_moe.py", "sglang": "sglang/srt/models/qwen3_moe.py"}
-LAYERS = ("model.layers.0.mlp.experts", "model.layers.1.mlp.experts")
 # name → (quantize options, whether it needs the calibration table); all written whatever the
 # engines say (target quantspec), so that every verdict meets the engines' code
 ARTIFACTS = {
@@ -31,50 +36,61 @@ ARTIFACTS = {
     "a8w8_dynamic": (dict(quant_type="a8w8", activations="dynamic"), False),
     "a8w8": (dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0), True),
 }
+MIXTRAL_ARTIFACTS = ("weight_only_int4", "a8w8_fp8", "a8w8_fp8_dynamic")
+CASES = [("qwen3_moe", n) for n in [*ARTIFACTS, "a8w8_fp8_channel_experts"]] + \
+    [("mixtral", n) for n in MIXTRAL_ARTIFACTS]
 
 
 @pytest.fixture(scope="module")
-def moe_artifacts(tmp_path_factory, calibration_table) -> dict[str, Path]:
+def moe_artifacts(tmp_path_factory, calibration_table) -> dict[tuple[str, str], Path]:
     """Hidden 192 (the experts' gate / up take g64 at --group-size 128), expert intermediate 128
     (down takes g128 alone): quantize gives each MoE layer one group size."""
     root = tmp_path_factory.mktemp("conf_moe")
-    model = build_tiny_model(root / "model", "qwen3_moe", hidden=192, heads=4, kv_heads=2, intermediate=256)
     out = {}
-    for name, (options, static) in ARTIFACTS.items():
-        calib = calibration_table(model) if static else None
-        out[name] = api.quantize(str(model), out=root / name, calib=calib, target="quantspec", **options)
+    for arch, intermediate in (("qwen3_moe", 256), ("mixtral", 128)):
+        model = build_tiny_model(root / arch, arch, hidden=192, heads=4, kv_heads=2, intermediate=intermediate)
+        for name, (options, static) in ARTIFACTS.items():
+            if arch == "mixtral" and name not in MIXTRAL_ARTIFACTS:
+                continue
+            calib = calibration_table(model) if static else None
+            out[arch, name] = api.quantize(str(model), out=root / f"{arch}.{name}", calib=calib, target="quantspec",
+                                           **options)
     # what quantspec does not write: FP8 experts per channel with static per-tensor inputs
     other = root / "a8w8_fp8_channel_experts"
-    shutil.copytree(out["a8w8_fp8"], other)
+    shutil.copytree(out["qwen3_moe", "a8w8_fp8"], other)
     cfg = json.loads((other / "config.json").read_text())
     del cfg["quantization_config"]["config_groups"]["experts"]
     (other / "config.json").write_text(json.dumps(cfg))
-    out[other.name] = other
+    out["qwen3_moe", other.name] = other
     return out
 
 
 @pytest.fixture(scope="module")
 def lifted_moe(engine_sources, moe_artifacts, tmp_path_factory) -> dict:
-    configs = {n: json.loads((p / "config.json").read_text())["quantization_config"] for n, p in moe_artifacts.items()}
+    """engine → {(model, artifact): {layer: the engine's answer}} (or the skip reason)."""
+    configs = {k: json.loads((p / "config.json").read_text())["quantization_config"] for k, p in moe_artifacts.items()}
 
     def request(src):
         mapping = eng.class_literal((src.source / MODEL_FILES[src.engine]).read_text(), "Qwen3MoeForCausalLM",
                                     "packed_modules_mapping") or {}
         return {"capability": 90, "packed_modules_mapping": mapping,
-                "artifacts": {n: {"quantization_config": c, "layers": list(LAYERS)} for n, c in configs.items()}}
+                "artifacts": {f"{arch}/{n}": {"quantization_config": c, "layers": list(MODELS[arch][0]),
+                                              "ckpt_names": list(MODELS[arch][1])}
+                              for (arch, n), c in configs.items()}}
 
     out = eng.run_engines(engine_sources, request, tmp_path_factory.mktemp("conf_lift_moe"), LIFT)
-    return {e: r if isinstance(r, str) else r["result"] for e, r in out.items()}
+    return {e: r if isinstance(r, str) else {tuple(k.split("/")): v for k, v in r["result"].items()}
+            for e, r in out.items()}
 
 
 @pytest.mark.parametrize("engine", list(eng.ENGINE_PINS))
-@pytest.mark.parametrize("name", [*ARTIFACTS, "a8w8_fp8_channel_experts"])
-def test_moe_verdict_matches_engine_code(lifted_moe, moe_artifacts, engine, name):
+@pytest.mark.parametrize("case", CASES, ids=["/".join(c) for c in CASES])
+def test_moe_verdict_matches_engine_code(lifted_moe, moe_artifacts, engine, case):
     if isinstance(lifted_moe[engine], str):
         pytest.skip(lifted_moe[engine])
-    verdict = api.inspect(moe_artifacts[name])["engines"][engine]
-    for layer in LAYERS:
-        theirs, ours = lifted_moe[engine][name][layer], verdict["layers"][layer]
+    verdict = api.inspect(moe_artifacts[case])["engines"][engine]
+    for layer in MODELS[case[0]][0]:
+        theirs, ours = lifted_moe[engine][case][layer], verdict["layers"][layer]
         if ours["scheme"] is None:
             assert theirs["method"] is None and theirs["error"], (layer, theirs, ours)
         else:
@@ -84,9 +100,10 @@ def test_moe_verdict_matches_engine_code(lifted_moe, moe_artifacts, engine, name
 
 def test_portable_moe_artifacts_load_in_both_engines(lifted_moe):
     """What `--target portable` lets through for a mixture of experts loads in vLLM and SGLang:
-    int8 / int4 weight-only (symmetric or not) and FP8, static or dynamic."""
+    int8 / int4 weight-only (symmetric or not) and FP8, static or dynamic; Mixtral's too."""
+    portable = ["weight_only_int8", "weight_only_int4", "weight_only_int4_asym", "a8w8_fp8", "a8w8_fp8_dynamic"]
     for engine, res in lifted_moe.items():
         if isinstance(res, str):
             pytest.skip(res)
-        for name in ("weight_only_int8", "weight_only_int4", "weight_only_int4_asym", "a8w8_fp8", "a8w8_fp8_dynamic"):
-            assert all(res[name][layer]["error"] is None for layer in LAYERS), (engine, name, res[name])
+        for case in [("qwen3_moe", n) for n in portable] + [("mixtral", n) for n in MIXTRAL_ARTIFACTS]:
+            assert all(res[case][layer]["error"] is None for layer in MODELS[case[0]][0]), (engine, case, res[case])

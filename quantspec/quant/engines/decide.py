@@ -62,7 +62,7 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
         per_layer = {}
         for layer, shards in layers.items():
             intended = [config.scheme_for(s) for s in shards]
-            if layer.endswith(".mlp.experts"):  # a fused-MoE layer (`moe`)
+            if layer.endswith((".mlp.experts", ".block_sparse_moe.experts")):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
                     else moe_layer(engine, layer, config)
             elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear

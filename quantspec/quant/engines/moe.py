@@ -1,11 +1,13 @@
 """Mixture-of-experts layers: how vLLM and SGLang judge a layer's experts.
 
-Both engines load a layer's experts into one fused-MoE layer (`model.layers.N.mlp.experts`) with
+Both engines load a layer's experts into one fused-MoE layer (`model.layers.N.mlp.experts`;
+Mixtral's `model.layers.N.block_sparse_moe.experts`, projections w1 / w3 / w2) with
 one quantization method for all of them. Their decision code (vLLM's
 `CompressedTensorsMoEMethod.get_moe_method` and MoE method constructors, SGLang's
 `CompressedTensorsConfig.get_moe_scheme` and MoE scheme constructors, at the pinned versions):
 - the schemes of expert 0's gate / up / down projections, each resolved by name as a Linear's
-  is, must be equal (weights, input activations, format);
+  is, must be equal (weights, input activations, format); SGLang resolves them under the names
+  gate_proj / up_proj / down_proj whatever the checkpoint's (Mixtral's are w1 / w3 / w2);
 - int4 / int8 weights alone in pack-quantized format (SGLang: the config's top-level format)
   load (WNA16, symmetric or not);
 - FP8 weights load per tensor with per-tensor inputs (static or dynamic), or per channel with
@@ -27,10 +29,11 @@ from quantspec.quant.config import QuantConfig
 from quantspec.quant.engines.verdict import LayerVerdict
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["EXPERT", "PROJECTIONS", "TRANSFORMERS_REFUSAL", "expert_layers", "moe_layer"]
+__all__ = ["EXPERT", "MIXTRAL_PROJECTIONS", "PROJECTIONS", "TRANSFORMERS_REFUSAL", "expert_layers", "moe_layer"]
 
-EXPERT = re.compile(r"^(.*\.mlp\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj)$")
+EXPERT = re.compile(r"^(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
+MIXTRAL_PROJECTIONS = ("w1", "w3", "w2")  # Mixtral's names of gate / up / down
 TRANSFORMERS_REFUSAL = "transformers fuses experts into 3-D tensors at load, which take no quantized weights"
 
 
@@ -74,11 +77,18 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig) -> tuple[str | Non
 
 def moe_layer(engine: str, layer: str, config: QuantConfig) -> LayerVerdict | None:
     """vLLM's or SGLang's verdict on the fused-MoE layer `layer` (None: left float)."""
-    schemes = [config.scheme_for(f"{layer}.0.{p}") for p in PROJECTIONS]
+    names = MIXTRAL_PROJECTIONS if ".block_sparse_moe." in f"{layer}." else PROJECTIONS
+    intended = [config.scheme_for(f"{layer}.0.{p}") for p in names]
+    # SGLang looks every layer's experts up as gate_proj / up_proj / down_proj, vLLM by the
+    # checkpoint's names
+    schemes = [config.scheme_for(f"{layer}.0.{p}") for p in PROJECTIONS] if engine == "sglang" else intended
     if len({_key(s, config) for s in schemes}) > 1:
         return LayerVerdict(None, problem="its experts' gate / up / down projections have different "
                                           "schemes (one per MoE layer)")
     s = schemes[0]
+    if _key(s, config) != _key(intended[0], config):
+        return LayerVerdict(None, problem="SGLang resolves its experts' scheme under the names gate_proj / "
+                                          "up_proj / down_proj, which the config quantizes otherwise")
     if s is None:
         return None
     kind, problem = _method(engine, s, config)
