@@ -158,12 +158,17 @@ def test_engine_greedy_runs_are_unchanged(tmp_path):
     lm = load_for_inference(src, tokenizer=False)
     model, head = lm.model, lm.runtime.greedy
     assert isinstance(head, GreedyHead)
-    calls = []
-    real = head.__call__
-    head_spy = lambda h: calls.append(h.shape[0]) or real(h)  # noqa: E731
+    calls, declined = [], []  # the rows of the steps the screen picked for, of those it left to the logits
+
+    def head_spy(h):
+        ids = head(h)
+        (declined if ids is None else calls).append(h.shape[0])
+        return ids
+
     for proposer in (None, ReferenceProposer(2, 6), _RepeatDrafter(10)):
         assert _greedy_run(lm, head_spy, proposer) == _greedy_run(lm, None, proposer)
     assert calls and min(calls) == 1 and max(calls) <= head.max_rows
+    assert all(r > head.max_rows for r in declined)  # beyond its rows only (11: the screens without AVX512-BF16)
     if head.i8 is not None:  # both screens served this run
         assert any(c <= head.i8_rows for c in calls) and any(c > head.i8_rows for c in calls)
     h = torch.randn(1, 128)
