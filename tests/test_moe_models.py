@@ -221,12 +221,26 @@ def test_engine_verdicts_on_experts(moe_dir, calibration_table, tmp_path, transf
     shutil.rmtree(quantspec_only)
 
 
-def test_ngram_speculation_on_a_moe_base_keeps_plain_greedy(moe_dir):
+def test_speculation_on_a_moe_base_keeps_plain_greedy(any_moe_dir, tmp_path):
+    """n-gram drafts, an MTP module and an EAGLE-3 head (dense layers over the MoE base's
+    features; the EAGLE-3 head as vLLM and SGLang load it) leave greedy answers as plain
+    decoding's."""
     from quantspec.infer.predictor import InferConfig, Predictor
+    from quantspec.model_zoo.eagle3 import save_eagle3
+    from quantspec.model_zoo.eagle3_train import init_eagle3
+    from quantspec.model_zoo.mtp import save_mtp
+    from quantspec.model_zoo.mtp_train import init_mtp
 
+    base, _ = load_model(any_moe_dir)
+    head = save_eagle3(init_eagle3(base, torch.arange(0, 512, 2), (0, 1, 3)), tmp_path / "eagle3")
+    mtp = save_mtp(init_mtp(base, torch.arange(base.args.vocab_size), seed=0), tmp_path / "mtp")
+    for draft in (head, mtp):  # dense draft layers, whatever the base
+        assert "experts" not in (draft / "model.safetensors").read_bytes()[:20000].decode("latin-1")
     prompts = ["The quick brown fox jumps over the lazy dog. The quick brown fox", "def quantize(x, scale):"]
     runs = {}
-    for method in ("none", "inference_with_reference"):
-        config = InferConfig(model=str(moe_dir), max_new_tokens=24, max_length=128, speculate_method=method)
+    for method, extra in (("none", {}), ("inference_with_reference", {}), ("mtp", {"draft_model": str(mtp)}),
+                          ("eagle", {"draft_model": str(head), "speculate_tree": "2x2"})):
+        config = InferConfig(model=str(any_moe_dir), max_new_tokens=24, max_length=128, speculate_method=method,
+                             **extra)
         runs[method] = [o.token_ids for o in Predictor(config).generate(prompts)]
-    assert runs["inference_with_reference"] == runs["none"]
+    assert runs["inference_with_reference"] == runs["mtp"] == runs["eagle"] == runs["none"]

@@ -21,7 +21,8 @@ the cross-entropy against the base's argmax. Either way over the draft vocabular
 frequent targets); positions whose argmax is outside it are not scored.
 
 Initialisation (same arguments → same weights): the layer from the base's last decoder layer (q /
-k / v read the hidden half, the embedding half zero), `fc` picking the highest aux feature, the
+k / v read the hidden half, the embedding half zero; of a mixture of experts, the MLP as
+`moe.warm_mlp` picks it), `fc` picking the highest aux feature, the
 final norm and `lm_head`'s rows from the base's. Checkpoints are resumable
 (`mtp_train.check_resumable`).
 """
@@ -39,6 +40,7 @@ import torch.nn.functional as F
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.eagle3 import Eagle3Args, Eagle3Head, save_eagle3
 from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
+from quantspec.model_zoo.moe import copy_mlp, warm_mlp
 from quantspec.model_zoo.mtp_train import (IGNORE, STATE_NAME, MTPTrainConfig, atomic_torch_save, check_resumable,
                                            open_optimizer, optimizer_step)
 
@@ -95,8 +97,7 @@ def init_eagle3(base: Transformer, draft_vocab: torch.Tensor, aux_layer_ids=None
             mine.zero_()
             mine[:, D:].copy_(getattr(src.self_attn, name).weight)
         mid.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
-        for name in ("gate_proj", "up_proj", "down_proj"):
-            getattr(mid.mlp, name).weight.copy_(getattr(src.mlp, name).weight)
+        copy_mlp(mid.mlp, warm_mlp(base, mid.mlp))
         for mine, theirs in ((mid.hidden_norm, src.input_layernorm), (mid.input_layernorm, src.input_layernorm),
                              (mid.post_attention_layernorm, src.post_attention_layernorm), (head.norm, base.model.norm)):
             mine.weight.copy_(theirs.weight)

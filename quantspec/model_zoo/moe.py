@@ -16,6 +16,9 @@ weights, then plus the gated shared expert's.
 Every row's numbers depend on that row alone (the experts run on the rows routed to them), so a
 row-invariant forward passes the flag to each expert.
 
+Draft layers (MTP, EAGLE-3) of a mixture of experts are dense; `warm_mlp` picks the base MLP
+they start from.
+
 Calibration (`all_experts`) runs every expert on every token, as llm-compressor does by default:
 an expert few calibration tokens are routed to still gets a full Hessian (GPTQ) and activation
 range (static scales); the layer's output still sums only the routed experts' outputs.
@@ -31,8 +34,8 @@ from torch import nn
 
 from quantspec.model_zoo.llama import MLP, ModelArgs, project
 
-__all__ = ["MIXTRAL_NAMES", "NamedMLP", "SparseMoE", "all_experts", "moe_fields", "moe_weight_table",
-           "route", "router_ignore"]
+__all__ = ["MIXTRAL_NAMES", "NamedMLP", "SparseMoE", "all_experts", "copy_mlp", "moe_fields", "moe_weight_table",
+           "route", "router_ignore", "warm_mlp"]
 
 # Mixtral's names of an expert's gate / up / down projections
 MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -149,3 +152,24 @@ def all_experts(model: nn.Module):
     finally:
         for m in moes:
             m.calibrating = False
+
+
+def warm_mlp(base: nn.Module, like: MLP) -> MLP | None:
+    """The base's MLP a fresh draft layer's MLP (`like`) starts from: the last layer's; of a
+    mixture of experts, the last dense layer's, else the last layer's expert 0 where it has the
+    draft's shapes (None: the draft keeps its own initialization)."""
+    for layer in reversed(base.model.layers):
+        if isinstance(layer.mlp, MLP):
+            return layer.mlp
+    expert = base.model.layers[-1].mlp.experts[0]
+    return expert if expert.down_proj.weight.shape == like.down_proj.weight.shape else None
+
+
+@torch.no_grad()
+def copy_mlp(dst: MLP, src: MLP | None) -> None:
+    """dst's gate / up / down weights (and biases) set to src's; nothing for src None."""
+    for name in ("gate_proj", "up_proj", "down_proj") if src is not None else ():
+        mine, theirs = getattr(dst, name), getattr(src, name)
+        mine.weight.copy_(theirs.weight)
+        if mine.bias is not None:
+            mine.bias.copy_(theirs.bias)

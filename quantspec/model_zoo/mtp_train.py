@@ -35,7 +35,8 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.model_zoo.llama import DenseCausalAttention, Transformer
+from quantspec.model_zoo.llama import MLP, DenseCausalAttention, Transformer
+from quantspec.model_zoo.moe import copy_mlp, warm_mlp
 from quantspec.model_zoo.mtp import MTPArgs, MTPModule, save_mtp
 
 __all__ = [
@@ -180,7 +181,8 @@ def choose_draft_vocab(features: MTPFeatures, size: int, vocab_size: int, always
 
 @torch.no_grad()
 def init_mtp(base: Transformer, draft_vocab: torch.Tensor, seed: int = 0) -> MTPModule:
-    """A fresh MTP for `base`: the block starts as a copy of the base's last decoder layer and the
+    """A fresh MTP for `base`: the block starts as a copy of the base's last decoder layer (of a
+    mixture of experts, its MLP from `warm_mlp`) and the
     final norm as the base's (a head that already reads the base's residual stream), eh_proj
     random (uniform, fan-in scaled, from `seed`), so training starts from "predict with the base's
     last layer" rather than from noise. Same arguments → same weights."""
@@ -190,7 +192,13 @@ def init_mtp(base: Transformer, draft_vocab: torch.Tensor, seed: int = 0) -> MTP
     bound = 1.0 / math.sqrt(w.shape[1])
     g = torch.Generator().manual_seed(seed)
     w.copy_(torch.empty(w.shape).uniform_(-bound, bound, generator=g))
-    mtp.model.layers[0].load_state_dict(base.model.layers[-1].state_dict())
+    block, last = mtp.model.layers[0], base.model.layers[-1]
+    if isinstance(last.mlp, MLP):
+        block.load_state_dict(last.state_dict())
+    else:  # a mixture of experts: attention and norms from the last layer, the MLP as `warm_mlp` picks it
+        block.load_state_dict({k: v for k, v in last.state_dict().items()
+                               if not k.startswith(("mlp.", "block_sparse_moe."))}, strict=False)
+        copy_mlp(block.mlp, warm_mlp(base, block.mlp))
     mtp.model.norm.weight.copy_(base.model.norm.weight)
     mtp.set_draft_vocab(draft_vocab)
     return mtp.bind_base(base)
