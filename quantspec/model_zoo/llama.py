@@ -88,9 +88,9 @@ class ModelArgs:
     # the tokens a layer attends back at most (Mistral v0.1's 4096; Qwen's with use_sliding_window);
     # quantspec attends to the whole context, which equals it up to this length (`check_context`)
     sliding_window: int | None = None
-    # mixture of experts (Qwen2-MoE, Qwen3-MoE): the MLP of a layer not in `dense_layers` is
-    # `num_experts` MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token by
-    # a router, plus (Qwen2-MoE) a gated shared expert of `shared_expert_intermediate_size`
+    # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): the MLP of a layer not in `dense_layers`
+    # is `num_experts` MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token
+    # by a router, plus (Qwen2-MoE) a gated shared expert of `shared_expert_intermediate_size`
     # (`moe.SparseMoE`); 0 experts: every MLP is dense
     num_experts: int = 0
     experts_per_token: int = 0

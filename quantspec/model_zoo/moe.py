@@ -10,7 +10,8 @@ expert every token takes (`mlp.shared_expert`, an MLP quantized like a dense one
 sigmoid(`mlp.shared_expert_gate`(x)) (a Linear [1, D], float like the router).
 
 Routing is HF's: softmax over the router's logits in float32, the top `experts_per_token`
-probabilities, renormalized to sum to 1 where `norm_topk_prob`, cast to the activations' dtype;
+probabilities, renormalized to sum to 1 where `norm_topk_prob`, cast to the activations' dtype
+(Mixtral's stay float32);
 each token's output is the sum, in expert order, of its chosen experts' outputs times their
 weights, then plus the gated shared expert's.
 Every row's numbers depend on that row alone (the experts run on the rows routed to them), so a
@@ -99,13 +100,14 @@ class NamedMLP(MLP):
         super().__setattr__(self.__dict__.get("_names", {}).get(name, name), value)
 
 
-def route(logits: torch.Tensor, k: int, normalize: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    """Router logits [T, E] → (weights [T, k] in the logits' dtype, expert ids [T, k])."""
+def route(logits: torch.Tensor, k: int, normalize: bool, fp32: bool = False) -> tuple[torch.Tensor, torch.Tensor]:
+    """Router logits [T, E] → (weights [T, k] in the logits' dtype, or float32 where `fp32`
+    (Mixtral's), expert ids [T, k])."""
     probs = F.softmax(logits, dim=-1, dtype=torch.float32)
     weights, ids = torch.topk(probs, k, dim=-1)
     if normalize:
         weights = weights / weights.sum(dim=-1, keepdim=True)
-    return weights.to(logits.dtype), ids
+    return (weights if fp32 else weights.to(logits.dtype)), ids
 
 
 class SparseMoE(nn.Module):
@@ -113,7 +115,7 @@ class SparseMoE(nn.Module):
 
     def __init__(self, args: ModelArgs):
         super().__init__()
-        self.top_k, self.normalize = args.experts_per_token, args.norm_topk_prob
+        self.top_k, self.normalize, self.fp32 = args.experts_per_token, args.norm_topk_prob, args.arch == "mixtral"
         self.gate = nn.Linear(args.hidden_size, args.num_experts, bias=False)
         inter = args.moe_intermediate_size
         self.experts = nn.ModuleList(NamedMLP(args, inter, MIXTRAL_NAMES) if args.arch == "mixtral" else
@@ -124,7 +126,7 @@ class SparseMoE(nn.Module):
         self.shared_expert_gate = nn.Linear(args.hidden_size, 1, bias=False) if shared else None
 
     def forward(self, x: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        weights, ids = route(project(self.gate, x, row_invariant), self.top_k, self.normalize)
+        weights, ids = route(project(self.gate, x, row_invariant), self.top_k, self.normalize, self.fp32)
         out = torch.zeros_like(x)
         hit = range(len(self.experts)) if self.calibrating else torch.unique(ids).tolist()
         for e in hit:  # ascending: each row sums its experts in one order
