@@ -107,3 +107,24 @@ def test_portable_moe_artifacts_load_in_both_engines(lifted_moe):
             pytest.skip(res)
         for case in [("qwen3_moe", n) for n in portable] + [("mixtral", n) for n in MIXTRAL_ARTIFACTS]:
             assert all(res[case][layer]["error"] is None for layer in MODELS[case[0]][0]), (engine, case, res[case])
+
+
+# docs/moe.md's table: row label → the artifacts it speaks for
+DOC_ROWS = {"weight_only_int8 / int4 (sym or asym)": ("weight_only_int8", "weight_only_int4", "weight_only_int4_asym"),
+            "a8w8_fp8, static or dynamic": ("a8w8_fp8", "a8w8_fp8_dynamic"),
+            "a8w8 `--activations dynamic`": ("a8w8_dynamic",),
+            "a8w8 static": ("a8w8",)}
+
+
+def test_docs_moe_table_says_what_the_verdicts_say(moe_artifacts):
+    """Each cell of docs/moe.md's table starts with the status every artifact of its row gets."""
+    doc = (Path(__file__).parents[2] / "docs" / "moe.md").read_text()
+    rows = {cells[0]: cells[1:] for line in doc.splitlines() if line.startswith("| ")
+            for cells in [[c.strip() for c in line.strip("|").split("|")]]}
+    assert set(DOC_ROWS) <= set(rows)
+    for label, names in DOC_ROWS.items():
+        for name in names:
+            verdicts = api.inspect(moe_artifacts["qwen3_moe", name])["engines"]
+            for engine, cell in zip(("vllm", "sglang", "transformers"), rows[label]):
+                status = verdicts[engine]["status"]
+                assert cell.split()[0] == ("loads" if status == "loads" else "refused"), (label, name, engine, cell)
