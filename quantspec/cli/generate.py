@@ -237,6 +237,8 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               type=click.Choice(["critical", "error", "warning", "info", "debug", "trace"]),
               help="uvicorn's own logs (debug and trace add its access log).")
 @click.option("--enforce-eager", is_flag=True, help="On CUDA: no CUDA graphs for the decode steps (as vLLM's).")
+@click.option("--seed", default=None, type=int,
+              help="vLLM's: seeds the random stream of the requests that send no seed of their own.")
 @click.option("--tensor-parallel-size", "-tp", default=1, type=int, help="vLLM's: 1 (quantspec serves on one device).")
 @click.option("--pipeline-parallel-size", "-pp", default=1, type=int, help="vLLM's: 1 (quantspec serves on one device).")
 @click.option("--trust-remote-code", is_flag=True,

@@ -16,6 +16,8 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
+import torch
+
 from quantspec.errors import QuantSpecError, positive_int
 from quantspec.infer.loader import SAMPLING_DEFAULT_KEYS, read_sampling_defaults
 from quantspec.infer.predictor import KV_CACHE_DTYPES, InferConfig, Predictor
@@ -82,6 +84,7 @@ class ServeConfig:
     quantization: str | None = None
     uvicorn_log_level: str = "warning"
     max_stored_responses: int = DEFAULT_STORED_RESPONSES  # Responses API answers kept (`response_store.py`)
+    seed: int | None = None  # vLLM's --seed: torch's global generator seeded, the stream of requests sending none
     # KV cache (vLLM's names, `infer.predictor.KV_CACHE_DTYPES`): auto (the artifact's static scheme
     # if any), fp8 / fp8_e4m3 / int8 (static; scales from `calib`, else the artifact's), float
     kv_cache_dtype: str = "auto"
@@ -96,6 +99,9 @@ class ServeConfig:
     def __post_init__(self):
         for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk", "max_prefill_tokens"):
             positive_int(name, getattr(self, name))
+        if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
+                                      or not 0 <= self.seed < 2 ** 63):
+            raise QuantSpecError(f"--seed {self.seed!r} must be an integer in [0, 2**63)")
         if isinstance(self.port, bool) or not isinstance(self.port, int) or not 0 <= self.port <= 65535:
             raise QuantSpecError(f"--port {self.port!r} must be in [0, 65535] (0: any free port)")
         if isinstance(self.max_stored_responses, bool) or not isinstance(self.max_stored_responses, int) \
@@ -236,6 +242,8 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> 
                                                                               now=time.perf_counter())
     request_log = on_stats if config.enable_log_requests else None
     loop = EngineLoop(engine, max_queue=config.max_queue, metrics=metrics, stats_log=stats, request_log=request_log)
+    if config.seed is not None:  # after the warm-up forwards: the first request meets the seed's stream
+        torch.manual_seed(config.seed)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
                       max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,

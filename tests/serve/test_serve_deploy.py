@@ -53,6 +53,7 @@ def test_https_with_a_key_and_certificate(start_server, tmp_path):
     ({"ssl_keyfile": "/nonexistent/key.pem", "ssl_certfile": "/nonexistent/cert.pem"}, "no such file"),
     ({"allowed_origins": '["https://a.example"'}, "--allowed-origins"),
     ({"root_path": "llm"}, "--root-path"),
+    ({"seed": "-1"}, "--seed"),
 ])
 def test_bad_deployment_flags_are_one_line(kw, needle):
     with pytest.raises(QuantSpecError, match=needle.replace("-", "\\-")):
@@ -114,3 +115,15 @@ def test_vllm_s_launch_flags(tiny_llama_dir, monkeypatch):
     for kw, flag in (({"pipeline_parallel_size": 2}, "--pipeline-parallel-size"), ({"quantization": "awq"}, "--quantization")):
         with pytest.raises(QuantSpecError, match=flag):
             ServeConfig(**kw)
+
+
+def test_seed_makes_the_unseeded_stream_reproducible(start_server):
+    """--seed N: a server started again with the same seed samples the same answer to the same
+    first request that sends no seed; another seed, another answer."""
+    def first_answer(seed):
+        with start_server(seed=seed, speculate_method="none") as (url, state):
+            r = httpx2.post(f"{url}/v1/completions", json={"prompt": "Once upon a time", "max_tokens": 24,
+                                                          "temperature": 1.0}, timeout=60)
+            return r.json()["choices"][0]["text"]
+
+    assert first_answer(7) == first_answer(7) != first_answer(8)
