@@ -249,15 +249,24 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="No stats line (throughput, running / waiting requests, KV-cache use, draft acceptance) every 10 s while busy.")
 @click.option("--api-key", default=None, envvar="QUANTSPEC_API_KEY", show_envvar=True,
               help="Clients must send 'Authorization: Bearer KEY' (every route but /health and /metrics).")
+@click.argument("model_tag", required=False, metavar="[MODEL]")
 @one_line_errors
 @threads_option
 @speculative_config_option
-def serve(**kw):
-    """Serve a model over OpenAI's HTTP API (chat and completions, streaming, /metrics)."""
+def serve(model_tag, **kw):
+    """Serve a model over OpenAI's HTTP API (chat and completions, streaming, /metrics).
+
+    MODEL, as vLLM's `vllm serve MODEL`, is another way to give --model."""
+    from click.core import ParameterSource
+
     from quantspec import api
     from quantspec.console import err_console
-    from quantspec.errors import Terminated
+    from quantspec.errors import QuantSpecError, Terminated
 
+    if model_tag is not None:
+        if click.get_current_context().get_parameter_source("model") is not ParameterSource.DEFAULT:
+            raise QuantSpecError(f"the model is given twice ({model_tag} and --model {kw['model']}); give it once")
+        kw["model"] = model_tag
     config = api.ServeConfig(**kw)
     console = err_console()
 

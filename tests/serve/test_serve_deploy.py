@@ -127,3 +127,17 @@ def test_seed_makes_the_unseeded_stream_reproducible(start_server):
             return r.json()["choices"][0]["text"]
 
     assert first_answer(7) == first_answer(7) != first_answer(8)
+
+
+def test_the_model_as_vllm_serve_s_positional_argument(tiny_llama_dir, monkeypatch):
+    """`quantspec serve MODEL` (as `vllm serve MODEL`) is --model; both at once is one line, exit 2."""
+    from quantspec import api
+    from quantspec.cli import main
+
+    served = []
+    monkeypatch.setattr(api, "serve", lambda config, **kw: served.append(config))
+    r = CliRunner().invoke(main, ["serve", str(tiny_llama_dir), "--port", "0"])
+    assert r.exit_code == 0, r.output
+    assert served[0].model == str(tiny_llama_dir) and served[0].served_model_name == str(tiny_llama_dir)
+    r = CliRunner().invoke(main, ["serve", str(tiny_llama_dir), "--model", "smollm2-135m"])
+    assert r.exit_code == 2 and "given twice" in r.stderr and len(r.stderr.strip().splitlines()) == 1
