@@ -265,7 +265,8 @@ def serve(model_tag, **kw):
 
     if model_tag is not None:
         if click.get_current_context().get_parameter_source("model") is not ParameterSource.DEFAULT:
-            raise QuantSpecError(f"the model is given twice ({model_tag} and --model {kw['model']}); give it once")
+            raise QuantSpecError(f"the model is given twice ({model_tag} and --model {kw['model']}); give it once "
+                                 "(--served-model-name takes one name)")
         kw["model"] = model_tag
     config = api.ServeConfig(**kw)
     console = err_console()
