@@ -244,3 +244,16 @@ def test_speculation_on_a_moe_base_keeps_plain_greedy(any_moe_dir, tmp_path):
                              **extra)
         runs[method] = [o.token_ids for o in Predictor(config).generate(prompts)]
     assert runs["inference_with_reference"] == runs["mtp"] == runs["eagle"] == runs["none"]
+
+
+def test_routing_settings_are_part_of_the_model_s_fingerprint(moe_dir, tmp_path):
+    """A calibration table or artifact of a model is refused for the same weights routed otherwise
+    (another top-k): the routing settings are in the fingerprint, as the weights are."""
+    from quantspec.model_zoo.checkpoint import model_fingerprint
+
+    other = tmp_path / "top1"
+    shutil.copytree(moe_dir, other)
+    cfg = json.loads((other / "config.json").read_text())
+    cfg["num_experts_per_tok"] = 1
+    (other / "config.json").write_text(json.dumps(cfg))
+    assert model_fingerprint(other) != model_fingerprint(moe_dir)

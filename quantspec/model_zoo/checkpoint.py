@@ -388,8 +388,13 @@ def _sha16(data: bytes) -> str:
     return hashlib.sha256(data).hexdigest()[:16]
 
 
+# ... and those of a mixture of experts (hashed where present: a dense model's hash is unchanged)
+_MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_intermediate_size",
+               "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
+
+
 def _arch_hash(cfg: Mapping[str, Any]) -> str:
-    arch = {k: cfg.get(k) for k in _ARCH_FIELDS}
+    arch = {k: cfg.get(k) for k in _ARCH_FIELDS} | {k: cfg[k] for k in _MOE_FIELDS if k in cfg}
     return _sha16(json.dumps(arch, sort_keys=True, default=str).encode())
 
 
