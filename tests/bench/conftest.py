@@ -28,6 +28,11 @@ def _bench(name: str):
 
 
 @pytest.fixture(scope="module")
+def moe_bench():
+    yield from _bench("moe")
+
+
+@pytest.fixture(scope="module")
 def spec_cost():
     yield from _bench("spec_cost")
 
