@@ -219,6 +219,14 @@ def test_engine_verdicts_on_experts(moe_dir, calibration_table, tmp_path, transf
                                   target="quantspec")
     assert api.inspect(quantspec_only)["engines"]["vllm"]["status"] == "refused"
     shutil.rmtree(quantspec_only)
+    # one expert left float: the engines run every expert with expert 0's scheme
+    skip_one = ("re:.*experts\\.0\\..*",)
+    with pytest.raises(QuantSpecError, match="experts were quantized with different schemes"):
+        api.quantize(str(moe_dir), "weight_only_int8", tmp_path / "skip", ignore=skip_one)
+    mixed = api.quantize(str(moe_dir), "weight_only_int8", tmp_path / "skip", ignore=skip_one, target="quantspec")
+    verdicts = api.inspect(mixed)["engines"]
+    assert verdicts["vllm"]["status"] == verdicts["sglang"]["status"] == "refused"
+    assert verdicts["quantspec"]["status"] == "loads"
 
 
 def test_speculation_on_a_moe_base_keeps_plain_greedy(any_moe_dir, tmp_path):

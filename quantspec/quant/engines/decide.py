@@ -64,7 +64,7 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
             intended = [config.scheme_for(s) for s in shards]
             if layer.endswith((".mlp.experts", ".block_sparse_moe.experts")):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
-                    else moe_layer(engine, layer, config)
+                    else moe_layer(engine, layer, config, shards)
             elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
                 vs = [transformers_layer(i) for i in intended]
                 per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])

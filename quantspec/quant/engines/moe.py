@@ -75,10 +75,15 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig) -> tuple[str | Non
     return None, "no MoE kernel takes static int8 activations"
 
 
-def moe_layer(engine: str, layer: str, config: QuantConfig) -> LayerVerdict | None:
-    """vLLM's or SGLang's verdict on the fused-MoE layer `layer` (None: left float)."""
+def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str] = ()) -> LayerVerdict | None:
+    """vLLM's or SGLang's verdict on the fused-MoE layer `layer` whose quantized expert Linears are
+    `shards` (None: left float)."""
     names = MIXTRAL_PROJECTIONS if ".block_sparse_moe." in f"{layer}." else PROJECTIONS
     intended = [config.scheme_for(f"{layer}.0.{p}") for p in names]
+    first = {p: _key(i, config) for p, i in zip(names, intended)}
+    if any(_key(config.scheme_for(n), config) != first.get(EXPERT.match(n).group(3)) for n in shards):
+        return LayerVerdict(None, problem="its experts were quantized with different schemes (the engines "
+                                          "run every expert with expert 0's)")
     # SGLang looks every layer's experts up as gate_proj / up_proj / down_proj, vLLM by the
     # checkpoint's names
     schemes = [config.scheme_for(f"{layer}.0.{p}") for p in PROJECTIONS] if engine == "sglang" else intended
