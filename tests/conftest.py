@@ -51,6 +51,13 @@ def tiny_qwen3_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tiny_phi3_dir(tmp_path_factory) -> Path:
+    """2-layer Phi-3 (q/k/v stored as one qkv_proj, gate/up as one gate_up_proj), hidden 64, 4
+    heads / 2 KV heads, vocab 512, untied, seed 0."""
+    return build_tiny_model(tmp_path_factory.mktemp("tiny_phi3"), "phi3")
+
+
+@pytest.fixture(scope="session")
 def transformers_model():
     """transformers_model(path) → transformers' own fp32 model of the checkpoint at `path`, in eval mode."""
     from transformers import AutoModelForCausalLM

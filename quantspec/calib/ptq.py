@@ -52,6 +52,7 @@ from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
 from quantspec.calib.smooth import smooth_layer
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
+from quantspec.model_zoo.layout import checkpoint_config, fuse_tensors
 from quantspec.model_zoo.llama import MLP, Transformer
 from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
@@ -246,6 +247,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
         summary.update(block_size=block_size, damp=damp, act_order=act_order,
                        calibration_tokens=int(calib_batches.numel()),
                        gptq_loss_total=float(sum(sink.losses.values())))
+    # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
+    config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)
 
 
@@ -265,7 +268,8 @@ class _LayerQuantizer:
         self.block_size, self.damp, self.act_order = block_size, damp, act_order
         self.scale_dtype, self.out_dtype, self.smooth = scale_dtype, out_dtype, smooth or {}
         self.weights, self.device = weights, torch.device(device or "cpu")
-        self.tied = bool(getattr(getattr(model, "args", None), "tie_word_embeddings", False))
+        self.args = getattr(model, "args", None)
+        self.tied = bool(getattr(self.args, "tie_word_embeddings", False))
         self.results: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name → (q, s, zp)
         self.losses: dict[str, float] = {}
 
@@ -308,7 +312,8 @@ class _LayerQuantizer:
 
     def part(self, prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
         """The artifact's tensors of `module` (named `prefix`): its quantized Linears in
-        compressed-tensors names + every other tensor (norms, biases) cast to `out_dtype`."""
+        compressed-tensors names + every other tensor (norms, biases) cast to `out_dtype`, in the
+        checkpoint's layout (a fused checkpoint's parts stacked: `layout.fuse_tensors`)."""
         tensors: dict[str, torch.Tensor] = {}
         mine = [n for n in self.results if n.startswith(prefix + ".") or n == prefix]
         quantized = {f"{n}.weight" for n in mine}
@@ -321,7 +326,7 @@ class _LayerQuantizer:
             tensors.update(linear_to_tensors(name, qt.contiguous(), s.contiguous(),
                                              None if args.symmetric else zp.contiguous(), args,
                                              input_scale=self.in_scales.get(name), format=self.formats[name]))
-        return tensors
+        return fuse_tensors(self.args, tensors)
 
     def rest_part(self, model: nn.Module, outside: list[str]) -> dict:
         """The tensors outside the decoder layers (a tied head is the embedding, not written

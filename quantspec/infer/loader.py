@@ -44,6 +44,7 @@ from quantspec.model_zoo.checkpoint import (
     release_free_heap,
     resolve_model_dir,
 )
+from quantspec.model_zoo.layout import SplitTensors, checkpoint_name
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
@@ -172,12 +173,13 @@ def _is_trivial_g_idx(g_idx: torch.Tensor, K: int, group_size: int | None) -> bo
 
 
 def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[str, Any]:
-    """{Linear name: its scheme} for every Linear the config quantizes; refuses quantized
+    """{Linear name: its scheme} for every Linear the config quantizes (a part of a fused
+    checkpoint module takes that module's: `layout.checkpoint_name`); refuses quantized
     embeddings (which quantspec does not run)."""
     out = {}
     for name, mod in net.named_modules():
         if isinstance(mod, nn.Linear):
-            scheme = qc.scheme_for(name, ("Linear",))
+            scheme = qc.scheme_for(checkpoint_name(net.args, name), ("Linear",))
             if scheme is not None:
                 if scheme.weights is None:
                     raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
@@ -273,7 +275,8 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
     `QuantLinear`s on `device`, k_scale, v_scale). Every name and shape is checked against `args`
     and `qc`; `where` names the source in messages. The model is not yet prepared for its device
     (`infer.backend.prepare`)."""
-    shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+    tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
+    shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
     net = build_model(args, device="meta")
     quantized = _quantized_modules(net, qc, where)

@@ -23,7 +23,8 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
+from quantspec.model_zoo.layout import FUSED, ShapedTensors, part_shape, part_tensor, split_plan
+from quantspec.model_zoo.llama import ARCHITECTURES, ModelArgs, Transformer, hf_weight_table
 from quantspec.model_zoo.safetensors_io import (FILE_DTYPES, FLOAT_DTYPES, FileRange, read_file_range,
                                                 reading_safetensors, safetensors_header, safetensors_keys)
 
@@ -227,6 +228,9 @@ class CheckpointReader:
     what the caller keeps. `load(module, prefix)`
     materialises a module built on the `meta` device (`assign=True`); `release(module)` returns
     it to `meta`; `ranges[name]` says where a tensor's bytes lie, to copy them as they are.
+    A checkpoint whose config.json fuses modules (Phi-3's `qkv_proj`, `layout.py`) is read under
+    its parts' names: `shapes` and `read` give the parts (rows cut from the fused tensor, which
+    `ranges` alone names).
     """
 
     def __init__(self, model_dir: str | os.PathLike):
@@ -238,7 +242,11 @@ class CheckpointReader:
                 if name != "__metadata__":
                     b, end = e["data_offsets"]
                     self.ranges[name] = FileRange(f, start + b, end - b, e["dtype"], tuple(e["shape"]))
-        self.shapes = {n: r.shape for n, r in self.ranges.items()}
+        self.splits = _split_plan(self.model_dir, self.ranges)
+        fused = {src for src, _, _, _ in self.splits.values()}
+        self.shapes = {n: r.shape for n, r in self.ranges.items() if n not in fused}
+        for name, (src, lo, hi, total) in self.splits.items():
+            self.shapes[name] = part_shape(src, self.ranges[src].shape, lo, hi, total)
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         """The bytes `names` (default: every tensor) take in the checkpoint."""
@@ -260,8 +268,17 @@ class CheckpointReader:
         mapping doubles a large tensor while it is copied)."""
         from safetensors import safe_open
 
+        names = list(names)
+        parts = [n for n in names if n in self.splits]
         out = {}
-        for f, ns in self._files_of(list(names)).items():
+        if parts:
+            whole = self.read(sorted({self.splits[n][0] for n in parts}), dtype=dtype, device=device)
+            for n in parts:
+                src, lo, hi, total = self.splits[n]
+                out[n] = part_tensor(src, whole[src], lo, hi, total)
+            del whole
+            names = [n for n in names if n not in self.splits]
+        for f, ns in self._files_of(names).items():
             for n in ns:
                 r = self.ranges[n]
                 if r.dtype in FILE_DTYPES:
@@ -273,7 +290,7 @@ class CheckpointReader:
                     t = h.get_tensor(n)  # a view of the mapped file
                     out[n] = t.to(device=device, dtype=dtype or t.dtype, copy=True)
                     del t
-        return out
+        return {n: out[n] for n in [*parts, *names]}
 
     def rows(self, name: str, ids: torch.Tensor, *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> torch.Tensor:
@@ -317,7 +334,7 @@ class CheckpointReader:
         module.to_empty(device="meta")
 
 
-class CheckpointTensors(Mapping[str, torch.Tensor]):
+class CheckpointTensors(ShapedTensors):
     """A checkpoint's tensors as a read-only mapping that reads a tensor when it is looked up
     (`CheckpointReader.read`: a copy that owns its memory), so a loader
     that converts tensor by tensor holds what it keeps, never a second copy of the checkpoint.
@@ -327,18 +344,24 @@ class CheckpointTensors(Mapping[str, torch.Tensor]):
         self.reader, self.shapes = reader, reader.shapes
 
     def __getitem__(self, name: str) -> torch.Tensor:
-        if name not in self.reader.ranges:
+        if name not in self.shapes:
             raise KeyError(name)
         return self.reader.read([name])[name]
 
-    def __contains__(self, name: object) -> bool:
-        return name in self.reader.ranges
 
-    def __iter__(self) -> Iterator[str]:
-        return iter(self.reader.ranges)
-
-    def __len__(self) -> int:
-        return len(self.reader.ranges)
+def _split_plan(model_dir: Path, names) -> dict:
+    """`layout.split_plan` for the checkpoint in `model_dir` (none without a config.json naming an
+    architecture that fuses modules)."""
+    path = model_dir / "config.json"
+    if not path.is_file():
+        return {}
+    try:
+        cfg = json.loads(path.read_text())
+    except json.JSONDecodeError:
+        return {}  # read_config names the problem where the config is needed
+    if not any(ARCHITECTURES.get(a) in FUSED for a in cfg.get("architectures") or ()):
+        return {}
+    return split_plan(ModelArgs.from_hf_config(cfg), names)
 
 
 @contextlib.contextmanager
@@ -373,8 +396,8 @@ def release_free_heap() -> None:
 # ---------------------------------------------------------------------------------------------
 # fingerprints: `"<arch>-<weights>"`, 16 hex digits of a sha256 over config.json's architecture
 # fields and 16 of a sha256 over the bytes of a few small weight tensors (every 1-D tensor — norms,
-# biases — plus layer 0's `k_proj.weight`), so two models of the same shape but different weights
-# differ. A quantized artifact's weights are not its source's, so its fingerprint is the source
+# biases — plus layer 0's `k_proj.weight`, or its fused `qkv_proj.weight`), so two models of the
+# same shape but different weights differ. A quantized artifact's weights are not its source's, so its fingerprint is the source
 # model's, read from its `quantspec.json` provenance (`model_fingerprint`).
 
 # config.json fields that define the architecture
@@ -398,6 +421,10 @@ def _arch_hash(cfg: Mapping[str, Any]) -> str:
     return _sha16(json.dumps(arch, sort_keys=True, default=str).encode())
 
 
+# the 2-D weights hashed beside every 1-D tensor: layer 0's k_proj (the q/k/v of a fused checkpoint)
+_HASHED_WEIGHTS = ("model.layers.0.self_attn.k_proj.weight", "model.layers.0.self_attn.qkv_proj.weight")
+
+
 def _weights_hash(model_dir: Path) -> str:
     from safetensors import safe_open
 
@@ -407,7 +434,7 @@ def _weights_hash(model_dir: Path) -> str:
             for name in sorted(st.keys()):
                 sl = st.get_slice(name)
                 shape = sl.get_shape()
-                if len(shape) == 1 or name == "model.layers.0.self_attn.k_proj.weight":
+                if len(shape) == 1 or name in _HASHED_WEIGHTS:
                     t = st.get_tensor(name).contiguous()
                     h.update(name.encode())
                     h.update(str(t.dtype).encode())

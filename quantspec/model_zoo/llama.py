@@ -1,8 +1,10 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, SmolLM2) as plain nn.Modules.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2) as plain nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
-tables: `rope.py`) and the HF weight-name table that `load_state_dict` is checked against. Module attribute names mirror HF's, so a checkpoint's tensor
-names (and compressed-tensors' `...q_proj.weight_packed`) map one to one.
+tables: `rope.py`); the HF weight-name table that `load_state_dict` is checked against is
+`layout.py`'s. Module attribute names mirror HF's, so a checkpoint's tensor names (and
+compressed-tensors' `...q_proj.weight_packed`) map one to one, except where a checkpoint fuses
+modules (Phi-3's `qkv_proj` / `gate_up_proj`: `layout.py` splits and re-fuses them).
 
 What runs the numbers is injected rather than built in:
 - attention: the model computes q/k/v and rotary, then calls an `AttentionBackend`
@@ -32,6 +34,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.layout import hf_weight_table, layer_weight_table
 from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_type
 
 __all__ = [
@@ -45,6 +48,7 @@ __all__ = [
     "Transformer",
     "apply_rope",
     "hf_weight_table",
+    "layer_weight_table",
     "project",
     "rms_norm",
     "rope_cos_sin",
@@ -60,6 +64,7 @@ ARCHITECTURES = {
     "Qwen2MoeForCausalLM": "qwen2_moe",
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
+    "Phi3ForCausalLM": "phi3",
 }
 _MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 
@@ -123,7 +128,14 @@ class ModelArgs:
         return self.num_experts > 0 and i not in self.dense_layers
 
     def check_context(self, length: int, flag: str) -> None:
-        """Refuse, naming `flag`, a context longer than the model's sliding window."""
+        """Refuse, naming `flag`, a context longer than the model's sliding window, or than the
+        original context of a LongRoPE model (quantspec runs its short factors: `rope.py`)."""
+        if rope_type(self) in ("longrope", "su"):
+            short = int(self.rope_scaling["original_max_position_embeddings"])
+            if length > short:
+                raise QuantSpecError(f"{flag} {length} is over this model's original context of {short} tokens "
+                                     "(rope_scaling longrope): quantspec runs its short factors, which hold up to "
+                                     f"{short} tokens; use {flag} {short} or less")
         if self.sliding_window is not None and length > self.sliding_window:
             raise QuantSpecError(f"{flag} {length} is over this model's sliding window of {self.sliding_window} tokens "
                                  "(config.json sliding_window): quantspec attends to the whole context, the same "
@@ -158,6 +170,14 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(cfg.get("attention_bias", False))
+        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
+        if partial not in (None, 1, 1.0):
+            raise QuantSpecError(f"partial_rotary_factor {partial} (rotary embedding on part of each head) is not "
+                                 "supported; supported: models that rotate whole heads")
+        longrope = bool(scaling) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su")
+        if longrope and "original_max_position_embeddings" not in scaling:  # Phi-3 keeps it beside the dict
+            scaling = {**scaling, "original_max_position_embeddings": cfg.get("original_max_position_embeddings")
+                       or cfg.get("max_position_embeddings", 4096)}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -195,12 +215,12 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def _sliding_window(cfg: dict, arch: str) -> int | None:
-    """The attention window of a config's layers where any has one: Mistral's `sliding_window`;
+    """The attention window of a config's layers where any has one: Mistral's and Phi-3's `sliding_window`;
     Qwen's where `use_sliding_window` (and a layer type) says its layers use it."""
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    if arch in ("mistral", "mixtral"):
+    if arch in ("mistral", "mixtral", "phi3"):
         return window
     layer_types = cfg.get("layer_types") or ()
     if arch.startswith("qwen") and cfg.get("use_sliding_window") and (
@@ -449,46 +469,3 @@ class Transformer(nn.Module):
             with torch.no_grad():
                 w = head(eye).t()
         return w.detach()
-
-
-def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
-    """The tensors of decoder layer `layer_idx` named `prefix` (e.g. "model.layers.3."), with shapes."""
-    D, I, p = args.hidden_size, args.intermediate_size, prefix
-    table: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (D,),
-                                         p + "post_attention_layernorm.weight": (D,)}
-    for name, out_f in (("q_proj", args.q_size), ("k_proj", args.kv_size), ("v_proj", args.kv_size)):
-        table[p + f"self_attn.{name}.weight"] = (out_f, D)
-        if args.qkv_bias:
-            table[p + f"self_attn.{name}.bias"] = (out_f,)
-    table[p + "self_attn.o_proj.weight"] = (D, args.q_size)
-    if args.qk_norm:
-        table[p + "self_attn.q_norm.weight"] = (args.head_dim,)
-        table[p + "self_attn.k_norm.weight"] = (args.head_dim,)
-    if args.o_bias:
-        table[p + "self_attn.o_proj.bias"] = (D,)
-    mlps = [(p + "mlp.", I, ("gate_proj", "up_proj", "down_proj"))]
-    if args.is_moe_layer(layer_idx):
-        from quantspec.model_zoo.moe import moe_weight_table
-
-        mlps = moe_weight_table(args, p, table)
-    for m, inter, (gate, up, down) in mlps:
-        for name, shape in ((gate, (inter, D)), (up, (inter, D)), (down, (D, inter))):
-            table[f"{m}{name}.weight"] = shape
-            if args.mlp_bias:
-                table[f"{m}{name}.bias"] = shape[:1]
-    return table
-
-
-def hf_weight_table(args: ModelArgs) -> dict[str, tuple[int, ...]]:
-    """Every tensor a HF checkpoint of this architecture must hold, with its shape.
-
-    Loading asserts the checkpoint against this table (missing, unexpected, mis-shaped names are
-    one clear error) instead of trusting `load_state_dict` to say something useful.
-    """
-    D, V = args.hidden_size, args.vocab_size
-    table: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (V, D), "model.norm.weight": (D,)}
-    for i in range(args.num_layers):
-        table.update(layer_weight_table(args, f"model.layers.{i}.", i))
-    if not args.tie_word_embeddings:
-        table["lm_head.weight"] = (V, D)
-    return table

@@ -1,9 +1,12 @@
 """Rotary position embeddings: the cos / sin tables of a model's `rope_scaling` (none, `linear`,
-`llama3`, `yarn`), as transformers computes them, and their rotate-half application.
+`llama3`, `yarn`, `longrope`), as transformers computes them, and their rotate-half application.
 
 A table function takes the model's `ModelArgs` (`head_dim`, `rope_theta`, `rope_scaling`,
-`max_position_embeddings`) and returns the inverse frequencies `[head_dim / 2]`; YaRN also
-scales cos and sin by its attention factor (`rope_attention_factor`).
+`max_position_embeddings`) and returns the inverse frequencies `[head_dim / 2]`; YaRN and LongRoPE
+also scale cos and sin by their attention factor (`rope_attention_factor`). LongRoPE (Phi-3 / 3.5
+long-context models) divides each frequency by its `short_factor` within the original context and
+by its `long_factor` past it, switching for the whole sequence as it grows; quantspec builds the
+short table and keeps contexts within the original one (`ModelArgs.check_context`).
 """
 
 from __future__ import annotations
@@ -40,7 +43,8 @@ def _llama3_inv_freq(args) -> torch.Tensor:
     return torch.where(is_medium, smoothed, scaled)
 
 
-def _yarn_factor(args) -> float:
+def _scaling_factor(args) -> float:
+    """YaRN's and LongRoPE's `factor`, else the ratio of the extended context to the original."""
     s = args.rope_scaling
     if s.get("factor") is not None:
         return float(s["factor"])
@@ -52,7 +56,7 @@ def _yarn_inv_freq(args) -> torch.Tensor:
     the original context are interpolated by `factor`, those that turn more than `beta_fast`
     times kept, a linear ramp between."""
     s, d, base = args.rope_scaling, args.head_dim, args.rope_theta
-    factor = _yarn_factor(args)
+    factor = _scaling_factor(args)
     old_ctx = float(s.get("original_max_position_embeddings") or args.max_position_embeddings)
     beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
 
@@ -70,8 +74,19 @@ def _yarn_inv_freq(args) -> torch.Tensor:
     return extrapolation / factor * ramp + extrapolation * (1 - ramp)
 
 
+def _longrope_inv_freq(args) -> torch.Tensor:
+    """LongRoPE's short table: each frequency divided by its `short_factor` (module docstring)."""
+    short = torch.tensor(args.rope_scaling["short_factor"], dtype=torch.float64)
+    if short.numel() != args.head_dim // 2:
+        from quantspec.errors import QuantSpecError
+
+        raise QuantSpecError(f"rope_scaling short_factor has {short.numel()} entries where head_dim "
+                             f"{args.head_dim} needs {args.head_dim // 2}; fix config.json")
+    return _default_inv_freq(args) / short
+
+
 ROPE_TYPES = {"default": _default_inv_freq, "linear": _linear_inv_freq, "llama3": _llama3_inv_freq,
-              "yarn": _yarn_inv_freq}
+              "yarn": _yarn_inv_freq, "longrope": _longrope_inv_freq, "su": _longrope_inv_freq}
 
 
 def rope_type(args) -> str:
@@ -82,13 +97,20 @@ def rope_type(args) -> str:
 
 def rope_attention_factor(args) -> float:
     """What cos and sin are scaled by: YaRN's attention factor (`attention_factor`, else from
-    `factor`, `mscale` and `mscale_all_dim`), 1 otherwise."""
+    `factor`, `mscale` and `mscale_all_dim`), LongRoPE's (`attention_factor`, else
+    sqrt(1 + ln factor / ln original context)), 1 otherwise."""
+    s = args.rope_scaling
+    if rope_type(args) in ("longrope", "su"):
+        if s.get("attention_factor") is not None:
+            return float(s["attention_factor"])
+        factor = _scaling_factor(args)
+        old = float(s["original_max_position_embeddings"])
+        return 1.0 if factor <= 1 else math.sqrt(1 + math.log(factor) / math.log(old))
     if rope_type(args) != "yarn":
         return 1.0
-    s = args.rope_scaling
     if s.get("attention_factor") is not None:
         return float(s["attention_factor"])
-    factor = _yarn_factor(args)
+    factor = _scaling_factor(args)
 
     def mscale(m: float) -> float:
         return 1.0 if factor <= 1 else 0.1 * m * math.log(factor) + 1.0

@@ -7,7 +7,8 @@ This file owns:
   special tokens and a SmolLM2-like chat template. Same arguments -> identical vocab every run;
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
-- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral / Mixtral checkpoint (transformers' own classes) with a
+- `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral / Mixtral / Phi-3 checkpoint
+  (transformers' own classes) with a
   fixed seed, written with `save_pretrained` as safetensors (optionally sharded), plus the
   tokenizer and a generation config whose eos is `<|im_end|>`.
 
@@ -79,7 +80,7 @@ QKV_BIAS_STD = 0.1
 # Shard size for `sharded=True`: small enough that the tiny default model gets several shards.
 TINY_MAX_SHARD_SIZE = "100KB"
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "phi3")
 # a tiny MoE's experts unless `build_tiny_model(moe=...)` says otherwise (HF config keys;
 # moe_intermediate_size, and Qwen2-MoE's shared expert's, default to half the dense intermediate;
 # Mixtral's experts take the dense intermediate);
@@ -221,11 +222,11 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 51
 
 
 def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None, **kw):
-    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Qwen2Config, Qwen2MoeConfig, Qwen3Config,
-                              Qwen3MoeConfig)
+    from transformers import (LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config, Qwen2MoeConfig,
+                              Qwen3Config, Qwen3MoeConfig)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
-               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig}
+               "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "phi3": Phi3Config}
     if arch not in classes:
         raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(classes)}")
     if head_dim is not None or arch.startswith("qwen3"):  # Qwen3's config has a head_dim of its own (default 128)
@@ -235,6 +236,9 @@ def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None
         widths = {"moe_intermediate_size": half, "shared_expert_intermediate_size": half} \
             if arch == "qwen2_moe" else {} if arch == "mixtral" else {"moe_intermediate_size": half}
         kw.update({**widths, **TINY_MOE[arch], **(moe or {})})
+    if arch == "phi3":  # LongRoPE's original context; Phi-3's configs set it beside max_position_embeddings
+        kw.setdefault("original_max_position_embeddings",
+                      kw["rope_parameters"].get("original_max_position_embeddings", kw["max_position_embeddings"]))
     return classes[arch](**kw)
 
 
