@@ -54,9 +54,12 @@ def linear_shapes(tensors: dict) -> dict[str, tuple[int, int]]:
     return out
 
 
-def build_request(src, artifacts: dict[str, Path], capability: int) -> dict:
+def build_request(src, artifacts: dict[str, Path], capability: int, packed: dict | None = None) -> dict:
+    """The request for `artifacts` of the engine `src`: its Llama's layer classes and
+    `packed_modules_mapping` (or `packed`, another model class's)."""
     classes = layer_classes(src.model_source())
-    req = {"capability": capability, "packed_modules_mapping": src.packed_modules_mapping(),
+    req = {"capability": capability,
+           "packed_modules_mapping": src.packed_modules_mapping() if packed is None else packed,
            "value_leaves": list(VALUE_LEAVES), "artifacts": {}}
     for name, path in artifacts.items():
         cfg = json.loads((path / "config.json").read_text())
