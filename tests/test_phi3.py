@@ -71,10 +71,35 @@ def test_longrope_short_factors_and_attention_factor(tmp_path, transformers_mode
         ModelArgs.from_hf_config(json.loads((d / "config.json").read_text())).check_context(100, "--max-length")
 
 
-def test_partial_rotary_is_refused(tiny_phi3_dir):
-    cfg = json.loads((tiny_phi3_dir / "config.json").read_text())
-    cfg["rope_parameters"]["partial_rotary_factor"] = 0.75
-    with pytest.raises(QuantSpecError, match="partial_rotary_factor 0.75"):
+@pytest.fixture(scope="module")
+def partial_dir(tmp_path_factory):
+    """Phi-4-mini's rotary layout: the leading 3/4 of each head turned (12 of 16 dims), LongRoPE
+    factors for those 6 frequencies."""
+    g = torch.Generator().manual_seed(2)
+    rope = {"rope_type": "longrope", "partial_rotary_factor": 0.75, "original_max_position_embeddings": 64,
+            "short_factor": (1 + torch.rand(6, generator=g)).tolist(), "long_factor": (2 + torch.rand(6)).tolist()}
+    return build_tiny_model(tmp_path_factory.mktemp("phi3_partial"), "phi3", rope_scaling=rope,
+                            max_position_embeddings=256)
+
+
+def test_partial_rotary_matches_transformers(partial_dir, transformers_model, logits_of, engine_decodes_as_generate,
+                                             tmp_path):
+    """A rotary embedding over part of each head (the rest passed unrotated): logits fused and
+    unfused, the engine's greedy decoding, and an int4 artifact that transformers runs."""
+    hf = transformers_model(partial_dir)
+    with torch.no_grad():
+        want = hf(IDS[None]).logits[0]
+    for fuse in (True, False):
+        lm = load_for_inference(partial_dir, tokenizer=False, fuse=fuse)
+        assert lm.args.rotary_dim == 12 and lm.model.cos.shape[-1] == 12
+        torch.testing.assert_close(logits_of(lm.model, IDS), want, **TOL)
+    engine_decodes_as_generate(partial_dir, hf)
+    art = api.quantize(str(partial_dir), "weight_only_int4", tmp_path / "w4", group_size=32)
+    torch.testing.assert_close(logits_of(load_for_inference(art, tokenizer=False).model, IDS), logits_of(art, IDS),
+                               **TOL)
+    cfg = json.loads((partial_dir / "config.json").read_text())
+    cfg["rope_parameters"]["partial_rotary_factor"] = 0.3125  # 5 of 16: no pairs to rotate
+    with pytest.raises(QuantSpecError, match="partial_rotary_factor gives 5 rotary dimensions of a head of 16"):
         ModelArgs.from_hf_config(cfg)
 
 
@@ -189,3 +214,44 @@ def test_config_names_whole_units_only():
         layout.checkpoint_config(ARGS, preset("a8w8", ignore=(names[1],)))
     assert layout.checkpoint_name(ARGS, names[2]) == "model.layers.0.self_attn.qkv_proj"
     assert layout.checkpoint_name(ARGS, "model.layers.0.self_attn.o_proj") == "model.layers.0.self_attn.o_proj"
+
+
+def test_speculation_on_a_partial_rotary_base_keeps_plain_greedy(partial_dir, tmp_path):
+    """n-gram drafts and an EAGLE-3 head whose layer turns the same part of each head as its base
+    (`partial_rotary_factor` in its config, which vLLM's Llama layer reads), saved and read back,
+    leave greedy answers as plain decoding's."""
+    from quantspec.infer.predictor import InferConfig, Predictor
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.eagle3 import load_eagle3, save_eagle3
+    from quantspec.model_zoo.eagle3_train import init_eagle3
+
+    base, _ = load_model(partial_dir)
+    head = save_eagle3(init_eagle3(base, torch.arange(0, 512, 2), (0, 1, 2)), tmp_path / "eagle3")
+    assert json.loads((head / "config.json").read_text())["partial_rotary_factor"] == 0.75
+    assert load_eagle3(head).args.layer.rotary_dim == 12
+    prompts = ["The quick brown fox", "Once upon a time"]  # within the 64 tokens of the original context
+    runs = {}
+    for method, extra in (("none", {}), ("inference_with_reference", {}),
+                          ("eagle", {"draft_model": str(head), "speculate_tree": "2x2"})):
+        config = InferConfig(model=str(partial_dir), max_new_tokens=12, max_length=64, speculate_method=method,
+                             **extra)
+        runs[method] = [o.token_ids for o in Predictor(config).generate(prompts)]
+    assert runs["inference_with_reference"] == runs["eagle"] == runs["none"]
+
+
+def test_mtp_on_a_partial_rotary_base_keeps_plain_greedy(partial_dir, tmp_path):
+    """An MTP module of a partial-rotary base, saved and read back, turns the same part of each
+    head; speculating with it leaves greedy answers as plain decoding's."""
+    from quantspec.infer.predictor import InferConfig, Predictor
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.mtp import MTPArgs, save_mtp
+    from quantspec.model_zoo.mtp_train import init_mtp
+
+    base, _ = load_model(partial_dir)
+    out = tmp_path / "mtp"
+    save_mtp(init_mtp(base, torch.arange(base.args.vocab_size), seed=0), out)
+    assert MTPArgs.from_config(json.loads((out / "config.json").read_text())).block.rotary_dim == 12
+    runs = [[o.token_ids for o in Predictor(InferConfig(model=str(partial_dir), max_new_tokens=12, max_length=64,
+                                                        speculate_method=m, **extra)).generate(["Once upon a time"])]
+            for m, extra in (("none", {}), ("mtp", {"draft_model": str(out)}))]
+    assert runs[0] == runs[1]

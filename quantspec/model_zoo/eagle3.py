@@ -108,7 +108,7 @@ class Eagle3Args:
             "vocab_size": b.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False, "bias": False, "eagle_config": eagle, "quantspec": qs,
-        }
+        } | ({"partial_rotary_factor": b.rotary_dim / b.head_dim} if b.rotary_dim != b.head_dim else {})
 
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config.json") -> "Eagle3Args":

@@ -81,6 +81,7 @@ class ModelArgs:
     num_heads: int = 32
     num_kv_heads: int = 32
     head_dim: int = 0  # 0: hidden_size // num_heads
+    rotary_dim: int = 0  # the leading dims of each head the rotary embedding turns (partial_rotary_factor); 0: all
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -109,6 +110,12 @@ class ModelArgs:
     def __post_init__(self):
         if self.head_dim == 0:
             self.head_dim = self.hidden_size // self.num_heads
+        if self.rotary_dim == 0:
+            self.rotary_dim = self.head_dim
+        if not (0 < self.rotary_dim <= self.head_dim and self.rotary_dim % 2 == 0):
+            raise QuantSpecError(f"partial_rotary_factor gives {self.rotary_dim} rotary dimensions of a head of "
+                                 f"{self.head_dim}; it must give an even number from 2 to {self.head_dim}; "
+                                 "fix config.json")
         if self.num_heads % self.num_kv_heads:
             raise QuantSpecError(
                 f"num_attention_heads={self.num_heads} is not a multiple of "
@@ -170,10 +177,8 @@ class ModelArgs:
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(cfg.get("attention_bias", False))
-        partial = rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor", 1.0))
-        if partial not in (None, 1, 1.0):
-            raise QuantSpecError(f"partial_rotary_factor {partial} (rotary embedding on part of each head) is not "
-                                 "supported; supported: models that rotate whole heads")
+        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
         longrope = bool(scaling) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su")
         if longrope and "original_max_position_embeddings" not in scaling:  # Phi-3 keeps it beside the dict
             scaling = {**scaling, "original_max_position_embeddings": cfg.get("original_max_position_embeddings")
@@ -187,6 +192,7 @@ class ModelArgs:
             num_heads=cfg["num_attention_heads"],
             num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             head_dim=cfg.get("head_dim") or 0,
+            rotary_dim=int(head_dim * partial),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
             rope_theta=float(theta),
             rope_scaling=scaling,

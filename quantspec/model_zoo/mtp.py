@@ -114,7 +114,8 @@ class MTPArgs:
             "num_key_value_heads": b.num_kv_heads,
             "head_dim": b.head_dim,
             "rms_norm_eps": b.rms_norm_eps,
-            "rope_parameters": {"rope_theta": b.rope_theta, "rope_type": "default"},
+            "rope_parameters": {"rope_theta": b.rope_theta, "rope_type": "default"}
+            | ({"partial_rotary_factor": b.rotary_dim / b.head_dim} if b.rotary_dim != b.head_dim else {}),
             "max_position_embeddings": b.max_position_embeddings,
             "vocab_size": b.vocab_size,
             "tie_word_embeddings": b.tie_word_embeddings,

@@ -1,12 +1,14 @@
 """Rotary position embeddings: the cos / sin tables of a model's `rope_scaling` (none, `linear`,
 `llama3`, `yarn`, `longrope`), as transformers computes them, and their rotate-half application.
 
-A table function takes the model's `ModelArgs` (`head_dim`, `rope_theta`, `rope_scaling`,
-`max_position_embeddings`) and returns the inverse frequencies `[head_dim / 2]`; YaRN and LongRoPE
+A table function takes the model's `ModelArgs` (`rotary_dim`, `rope_theta`, `rope_scaling`,
+`max_position_embeddings`) and returns the inverse frequencies `[rotary_dim / 2]`; YaRN and LongRoPE
 also scale cos and sin by their attention factor (`rope_attention_factor`). LongRoPE (Phi-3 / 3.5
 long-context models) divides each frequency by its `short_factor` within the original context and
 by its `long_factor` past it, switching for the whole sequence as it grows; quantspec builds the
 short table and keeps contexts within the original one (`ModelArgs.check_context`).
+`rotary_dim` is the head size, or its leading `partial_rotary_factor` part (Phi-4-mini): the
+tables are that wide and the rest of each head passes unrotated (`apply_rope`).
 """
 
 from __future__ import annotations
@@ -15,11 +17,16 @@ import math
 
 import torch
 
-__all__ = ["ROPE_TYPES", "apply_rope", "rope_attention_factor", "rope_cos_sin", "rope_type"]
+__all__ = ["ROPE_TYPES", "apply_rope", "rope_attention_factor", "rope_cos_sin", "rope_type", "rotary_dim"]
+
+
+def rotary_dim(args) -> int:
+    """The leading dimensions of each head the rotary embedding turns (all of them by default)."""
+    return getattr(args, "rotary_dim", 0) or args.head_dim
 
 
 def _default_inv_freq(args) -> torch.Tensor:
-    d = args.head_dim
+    d = rotary_dim(args)
     return 1.0 / (args.rope_theta ** (torch.arange(0, d, 2, dtype=torch.float64) / d))
 
 
@@ -55,7 +62,7 @@ def _yarn_inv_freq(args) -> torch.Tensor:
     """YaRN (Qwen2.5 / Qwen3 long context): dimensions that turn fewer than `beta_slow` times over
     the original context are interpolated by `factor`, those that turn more than `beta_fast`
     times kept, a linear ramp between."""
-    s, d, base = args.rope_scaling, args.head_dim, args.rope_theta
+    s, d, base = args.rope_scaling, rotary_dim(args), args.rope_theta
     factor = _scaling_factor(args)
     old_ctx = float(s.get("original_max_position_embeddings") or args.max_position_embeddings)
     beta_fast, beta_slow = float(s.get("beta_fast") or 32), float(s.get("beta_slow") or 1)
@@ -77,11 +84,11 @@ def _yarn_inv_freq(args) -> torch.Tensor:
 def _longrope_inv_freq(args) -> torch.Tensor:
     """LongRoPE's short table: each frequency divided by its `short_factor` (module docstring)."""
     short = torch.tensor(args.rope_scaling["short_factor"], dtype=torch.float64)
-    if short.numel() != args.head_dim // 2:
+    if short.numel() != rotary_dim(args) // 2:
         from quantspec.errors import QuantSpecError
 
-        raise QuantSpecError(f"rope_scaling short_factor has {short.numel()} entries where head_dim "
-                             f"{args.head_dim} needs {args.head_dim // 2}; fix config.json")
+        raise QuantSpecError(f"rope_scaling short_factor has {short.numel()} entries where a rotary embedding "
+                             f"over {rotary_dim(args)} dimensions needs {rotary_dim(args) // 2}; fix config.json")
     return _default_inv_freq(args) / short
 
 
@@ -121,7 +128,7 @@ def rope_attention_factor(args) -> float:
 
 
 def rope_cos_sin(args, max_positions: int, device=None) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin tables `[max_positions, head_dim]` in fp32 (HF's rotate-half convention)."""
+    """cos/sin tables `[max_positions, rotary_dim]` in fp32 (HF's rotate-half convention)."""
     inv_freq = ROPE_TYPES[rope_type(args)](args).to(torch.float32)
     t = torch.arange(max_positions, dtype=torch.float32)
     freqs = torch.outer(t, inv_freq)  # [P, hd/2]
@@ -131,7 +138,11 @@ def rope_cos_sin(args, max_positions: int, device=None) -> tuple[torch.Tensor, t
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """x: [T, H, hd]; cos/sin: [T, hd] → rotated x (same dtype)."""
+    """x: [T, H, hd]; cos/sin: [T, r] → x with the leading r dimensions of each head rotated (r
+    = hd: all of them), the rest passed as they are (same dtype)."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat([apply_rope(x[..., :r], cos, sin), x[..., r:]], dim=-1)
     half = x.shape[-1] // 2
     x1, x2 = x[..., :half], x[..., half:]
     rotated = torch.cat([-x2, x1], dim=-1)

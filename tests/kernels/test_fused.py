@@ -80,10 +80,22 @@ def test_fused_ops_refuse_bad_shapes():
         silu_mul(torch.randn(2, 7))
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+# the tiny models of the fused-stack tests: Llama, Qwen3 (per-head q / k norms) and a Phi-3 whose
+# rotary embedding turns half of each head (partial_rotary_factor, as Phi-4-mini's 3/4)
+ARCHS = {"llama": {}, "qwen3": {}, "phi3-partial": {"rope_scaling": {"partial_rotary_factor": 0.5}}}
+
+
+def _tiny(path, arch):
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    return build_tiny_model(path, arch.split("-")[0], hidden=128, heads=2, kv_heads=1, intermediate=256,
+                            num_layers=2, **ARCHS[arch])
+
+
+@pytest.mark.parametrize("arch", list(ARCHS))
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_fused_stack_computes_the_layers(tmp_path, dtype, arch):
-    """`fused_stack` over a tiny Llama's (or Qwen3's: per-head q / k norms) fused projections
+    """`fused_stack` over a tiny model's (`ARCHS`) fused projections
     gives the modules' layer loop's last hidden states (within a few roundings of the dtype, over
     two layers), for a prefill and a decode row; the layers are `fusable` only with fused
     projections and norms in the dtype."""
@@ -91,11 +103,9 @@ def test_fused_stack_computes_the_layers(tmp_path, dtype, arch):
     from quantspec.infer.fuse import fuse_projections
     from quantspec.model_zoo.checkpoint import load_model
     from quantspec.model_zoo.llama import DenseCausalAttention
-    from quantspec.model_zoo.tiny import build_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    d = build_tiny_model(tmp_path / "m", arch, hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
-    net, _ = load_model(d, dtype=dtype, device=device)
+    net, _ = load_model(_tiny(tmp_path / "m", arch), dtype=dtype, device=device)
     layers = net.model.layers
     assert not fusable(layers, dtype)
     fuse_projections(net)
@@ -114,11 +124,10 @@ def test_fused_stack_computes_the_layers(tmp_path, dtype, arch):
     assert float((got.float() - ref.float()).abs().max()) <= 8 * TOL[dtype] * scale
 
 
-@pytest.mark.parametrize("arch", ["llama", "qwen3"])
+@pytest.mark.parametrize("arch", list(ARCHS))
 def test_cuda_runtime_with_fused_ops_keeps_greedy_and_speculation(tmp_path, monkeypatch, arch):
     """The CUDA backend's runtime with `cuda_fused_ops` (on a machine without CUDA, its eager
-    fused path under the interpreter; with CUDA, graphs too), for a Llama and a Qwen3 (q / k
-    norms): every step goes through the fused layers, greedy tokens are the modules' (fp32), and
+    fused path under the interpreter; with CUDA, graphs too), for each of `ARCHS`: every step goes through the fused layers, greedy tokens are the modules' (fp32), and
     n-gram speculation over three sequences with different draft counts gives the tokens of plain
     decoding."""
     from quantspec.infer.cuda import graphs, prepare
@@ -127,10 +136,9 @@ def test_cuda_runtime_with_fused_ops_keeps_greedy_and_speculation(tmp_path, monk
     from quantspec.infer.sampler import SamplingParams
     from quantspec.infer.spec.proposers import ReferenceProposer
     from quantspec.model_zoo.checkpoint import load_model
-    from quantspec.model_zoo.tiny import build_tiny_model
 
     device = "cuda" if torch.cuda.is_available() else "cpu"
-    d = build_tiny_model(tmp_path / "m", arch, hidden=128, heads=2, kv_heads=1, intermediate=256, num_layers=2)
+    d = _tiny(tmp_path / "m", arch)
     calls = []
     real = graphs.fused_stack
     monkeypatch.setattr(graphs, "fused_stack", lambda *a: calls.append(a[1].shape[0]) or real(*a))

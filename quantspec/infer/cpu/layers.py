@@ -42,8 +42,8 @@ class CpuRotary(RotaryEmbedding):
     """The rotary embedding by `kernels.cpu.rope`."""
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        if _kernel_rows(x) and x.stride(-1) == 1 and cos.dtype == x.dtype:
-            return cg.rope(x, cos.contiguous(), sin.contiguous())
+        if _kernel_rows(x) and x.stride(-1) == 1 and cos.dtype == x.dtype and cos.shape[-1] == x.shape[-1]:
+            return cg.rope(x, cos.contiguous(), sin.contiguous())  # whole heads (partial rotary: the modules')
         return super().forward(x, cos, sin)
 
 

@@ -102,7 +102,8 @@ def layer_plan_args(layer: nn.Module, args, dtype: torch.dtype, eps: float, tens
     if (any(type(n) is not CpuRMSNorm or n.weight.dtype != dtype or n.eps != eps for n in norms)
             or type(attn.rotary_emb) is not CpuRotary or type(mlp.act_fn) is not CpuSiluAndMul
             or attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None  # no q/k norms in plans
-            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (args.num_heads, args.num_kv_heads, args.head_dim)):
+            or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (args.num_heads, args.num_kv_heads, args.head_dim)
+            or args.rotary_dim != args.head_dim):  # the plans rotate whole heads
         return False
     tensors += [norms[0].weight, norms[1].weight]
     for part in _PARTS:

@@ -14,7 +14,7 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantspec.model_zoo.llama import MLP, RMSNorm, project
+from quantspec.model_zoo.llama import MLP, RMSNorm, apply_rope, project
 
 __all__ = ["fusable", "fused_stack"]
 
@@ -50,7 +50,10 @@ def fused_stack(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: 
         if a.q_norm is not None:  # Qwen3: q and k normalized per head before the rotary embedding
             qkv[:, :H] = a.q_norm(qkv[:, :H])
             qkv[:, H:H + KV] = a.k_norm(qkv[:, H:H + KV])
-        kernels.rope_qk_(qkv, H + KV, cos, sin)
+        if cos.shape[-1] == hd:
+            kernels.rope_qk_(qkv, H + KV, cos, sin)
+        else:  # partial rotary: the leading cos.shape[-1] dims of each head (the kernel turns whole heads)
+            qkv[:, :H + KV] = apply_rope(qkv[:, :H + KV], cos, sin)
         out = attn(a.layer_idx, qkv[:, :H], qkv[:, H:H + KV], qkv[:, H + KV:])  # [T, H, hd]
         delta = project(a.o_proj, out.reshape(T, H * hd), row_invariant)
         norm = layer.post_attention_layernorm

@@ -27,7 +27,10 @@ def models(tmp_path_factory):
                              num_layers=3, seed=5)
     qwen2 = build_tiny_model(root / "qwen2", "qwen2", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=6)
     qwen3 = build_tiny_model(root / "qwen3", "qwen3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=7)
-    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3,
+    phi3 = build_tiny_model(root / "phi3", "phi3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=8)
+    partial = build_tiny_model(root / "partial", "phi3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=9,
+                               rope_scaling={"partial_rotary_factor": 0.5})
+    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3, "phi3_partial": partial,
             "int8": api.quantize(llama, "weight_only_int8", root / "w8"),
             "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
 
@@ -243,20 +246,21 @@ def test_eagle_on_the_fused_stack_equals_the_modules(models, tmp_path, name, dty
             assert n == n2 and torch.equal(last, last2) and drafts == drafts2
 
 
-def test_greedy_and_speculative_generation_match_transformers(models):
+@pytest.mark.parametrize("name", ["llama", "phi3"])
+def test_greedy_and_speculative_generation_match_transformers(models, name):
     """Through the engine (prefill, decode, n-gram verification) the fused stack gives
-    transformers' greedy tokens."""
+    transformers' greedy tokens (a Llama; a Phi-3, whose checkpoint fuses q/k/v and gate/up)."""
     from transformers import AutoModelForCausalLM
 
     from quantspec.infer.engine import Engine, EngineConfig
     from quantspec.infer.sampler import SamplingParams
     from quantspec.infer.spec.proposers import ReferenceProposer
 
-    lm = load_for_inference(models["llama"], tokenizer=False)
+    lm = load_for_inference(models[name], tokenizer=False)
     model = lm.model
     served = _spy(lm.runtime.stack)
     prompt = [5, 9, 300, 41, 7, 5, 9, 300, 41, 7, 5, 9]
-    hf = AutoModelForCausalLM.from_pretrained(models["llama"], dtype=torch.float32)
+    hf = AutoModelForCausalLM.from_pretrained(models[name], dtype=torch.float32)
     with torch.no_grad():
         want = hf.generate(torch.tensor([prompt]), max_new_tokens=24, do_sample=False)[0, len(prompt):].tolist()
     for proposer in (None, ReferenceProposer(2, 4)):
@@ -311,6 +315,8 @@ def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
     assert load_for_inference(models["llama"], tokenizer=False, fuse=False).runtime.stack is None
     assert load_for_inference(models["llama"], dtype=torch.bfloat16, tokenizer=False).runtime.stack is None
     assert load_for_inference(models["qwen3"], tokenizer=False).runtime.stack is None  # q / k norms: the modules
+    # a rotary embedding over part of each head: the plans turn whole heads
+    assert load_for_inference(models["phi3_partial"], tokenizer=False).runtime.stack is None
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert load_for_inference(models["llama"], tokenizer=False).runtime.stack is None
 
