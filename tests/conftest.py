@@ -82,6 +82,31 @@ def logits_of(transformers_model):
 
 
 @pytest.fixture(scope="session")
+def artifact_runs_as_in_transformers(logits_of, calibration_table):
+    """artifact_runs_as_in_transformers(model_dir, quant_type, out, ids, **options) → the artifact
+    `api.quantize` writes (a8w8 types calibrated on the tiny corpus), after asserting that
+    quantspec runs it to transformers' logits over `ids` (compressed-tensors' order of operations
+    for fp8 activations) and that those differ from the float model's (the check has teeth)."""
+    from quantspec import api
+    from quantspec.infer.dispatch import DispatchPolicy
+    from quantspec.infer.loader import load_for_inference
+
+    def check(model_dir, quant_type: str, out, ids: torch.Tensor, **options) -> Path:
+        calib = calibration_table(model_dir) if quant_type.startswith("a8w8") and \
+            options.get("activations") != "dynamic" else None
+        art = api.quantize(str(model_dir), quant_type, out, calib=calib, **options)
+        theirs = logits_of(art, ids)  # transformers runs a float KV cache: so does this forward
+        policy = DispatchPolicy(fast=False) if quant_type == "a8w8_fp8" else None
+        lm = load_for_inference(art, tokenizer=False, policy=policy)
+        torch.testing.assert_close(logits_of(lm.model, ids), theirs, rtol=1e-4, atol=1e-4)
+        fp32 = logits_of(load_for_inference(model_dir, tokenizer=False).model, ids)
+        assert (fp32 - theirs).abs().max() > 1e-3
+        return art
+
+    return check
+
+
+@pytest.fixture(scope="session")
 def engine_decodes_as_generate():
     """engine_decodes_as_generate(model_dir, hf_model): quantspec's engine decodes, one request at a
     time and three joining and leaving one running batch, the 20 tokens transformers' greedy

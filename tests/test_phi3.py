@@ -12,7 +12,6 @@ from safetensors import safe_open
 
 from quantspec import api
 from quantspec.errors import QuantSpecError
-from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.loader import load_for_inference
 from quantspec.model_zoo import layout
 from quantspec.model_zoo.llama import ModelArgs
@@ -103,31 +102,19 @@ def test_partial_rotary_matches_transformers(partial_dir, transformers_model, lo
         ModelArgs.from_hf_config(cfg)
 
 
-@pytest.fixture(scope="module")
-def phi3_table(tiny_phi3_dir, calibration_table):
-    return calibration_table(tiny_phi3_dir)
-
-
 @pytest.mark.parametrize("quant_type, options", [
     ("weight_only_int8", {}),
     ("weight_only_int4", {"group_size": 32}),
     ("a8w8", {"kv_cache": "int8", "target": "quantspec"}),
     ("a8w8_fp8", {"kv_cache": "fp8"}),
 ])
-def test_artifacts_keep_the_fused_layout_and_run_in_transformers(tiny_phi3_dir, phi3_table, tmp_path, quant_type,
-                                                                 options, logits_of):
-    calib = phi3_table if quant_type.startswith("a8w8") else None
-    art = api.quantize(str(tiny_phi3_dir), quant_type, tmp_path / quant_type, calib=calib, **options)
+def test_artifacts_keep_the_fused_layout_and_run_in_transformers(tiny_phi3_dir, tmp_path, quant_type, options,
+                                                                 artifact_runs_as_in_transformers):
+    art = artifact_runs_as_in_transformers(tiny_phi3_dir, quant_type, tmp_path / quant_type, IDS, **options)
     names = _names(art)
     assert not any(re.search(r"\.(q|k|v|gate|up)_proj\.", n) for n in names)
     packed = "weight_packed" if quant_type.startswith("weight_only") else "weight"
     assert {f"model.layers.0.self_attn.qkv_proj.{packed}", f"model.layers.1.mlp.gate_up_proj.{packed}"} <= names
-    theirs = logits_of(art, IDS)
-    policy = DispatchPolicy(fast=False) if quant_type == "a8w8_fp8" else None
-    lm = load_for_inference(art, tokenizer=False, policy=policy)
-    torch.testing.assert_close(logits_of(lm.model, IDS), theirs, **TOL)
-    fp32 = logits_of(load_for_inference(tiny_phi3_dir, tokenizer=False).model, IDS)
-    assert (fp32 - theirs).abs().max() > 1e-3  # quantization moved the logits: the comparison has teeth
 
 
 def test_gptq_artifact_runs_in_transformers(tiny_phi3_dir, tmp_path, logits_of):

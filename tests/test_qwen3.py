@@ -7,7 +7,6 @@ import pytest
 import torch
 
 from quantspec import api
-from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.loader import load_for_inference
 
 torch.set_num_threads(1)
@@ -37,31 +36,19 @@ def test_engine_greedy_equals_transformers_generate(tiny_qwen3_dir, hf_qwen3, en
     engine_decodes_as_generate(tiny_qwen3_dir, hf_qwen3)
 
 
-@pytest.fixture(scope="module")
-def qwen3_table(tiny_qwen3_dir, calibration_table):
-    return calibration_table(tiny_qwen3_dir)
-
-
 @pytest.mark.parametrize("quant_type, options", [
     ("weight_only_int8", {}),
     ("weight_only_int4", {"group_size": 32}),
     ("a8w8", {"kv_cache": "int8", "target": "quantspec"}),
     ("a8w8_fp8", {"kv_cache": "fp8"}),
 ])
-def test_artifacts_run_in_transformers_as_in_quantspec(tiny_qwen3_dir, qwen3_table, tmp_path, quant_type, options,
-                                                       logits_of):
-    calib = qwen3_table if quant_type.startswith("a8w8") else None
-    art = api.quantize(str(tiny_qwen3_dir), quant_type, tmp_path / quant_type, calib=calib, **options)
-    theirs = logits_of(art, IDS)  # transformers runs a float KV cache: so does this forward
-    # compressed-tensors' order of operations for fp8 activations (see test_interop_transformers.py)
-    policy = DispatchPolicy(fast=False) if quant_type == "a8w8_fp8" else None
-    lm = load_for_inference(art, tokenizer=False, policy=policy)
-    torch.testing.assert_close(logits_of(lm.model, IDS), theirs, **TOL)
+def test_artifacts_run_in_transformers_as_in_quantspec(tiny_qwen3_dir, tmp_path, quant_type, options,
+                                                       artifact_runs_as_in_transformers):
+    art = artifact_runs_as_in_transformers(tiny_qwen3_dir, quant_type, tmp_path / quant_type, IDS, **options)
     if options.get("kv_cache"):
+        lm = load_for_inference(art, tokenizer=False)
         L, KV = lm.args.num_layers, lm.args.num_kv_heads
         assert lm.k_scale is not None and lm.k_scale.numel() in (L, L * KV) and bool((lm.k_scale > 0).all())
-    fp32 = logits_of(load_for_inference(tiny_qwen3_dir, tokenizer=False).model, IDS)
-    assert (fp32 - theirs).abs().max() > 1e-3  # the comparison has teeth: quantization moved the logits
 
 
 def test_speculation_on_a_qwen3_base_keeps_plain_greedy(tiny_qwen3_dir, tmp_path):

@@ -416,8 +416,12 @@ _MOE_FIELDS = ("num_experts", "num_local_experts", "num_experts_per_tok", "moe_i
                "shared_expert_intermediate_size", "norm_topk_prob", "decoder_sparse_step", "mlp_only_layers")
 
 
+# ... and the per-layer rotary layouts (hashed where present)
+_ROPE_FIELDS = ("no_rope_layers", "partial_rotary_factor", "original_max_position_embeddings")
+
+
 def _arch_hash(cfg: Mapping[str, Any]) -> str:
-    arch = {k: cfg.get(k) for k in _ARCH_FIELDS} | {k: cfg[k] for k in _MOE_FIELDS if k in cfg}
+    arch = {k: cfg.get(k) for k in _ARCH_FIELDS} | {k: cfg[k] for k in (*_MOE_FIELDS, *_ROPE_FIELDS) if k in cfg}
     return _sha16(json.dumps(arch, sort_keys=True, default=str).encode())
 
 

@@ -1,4 +1,4 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2) as plain nn.Modules.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2 / 3) as plain nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
 tables: `rope.py`); the HF weight-name table that `load_state_dict` is checked against is
@@ -65,6 +65,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "SmolLM3ForCausalLM": "smollm3",
 }
 _MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 
@@ -82,6 +83,7 @@ class ModelArgs:
     num_kv_heads: int = 32
     head_dim: int = 0  # 0: hidden_size // num_heads
     rotary_dim: int = 0  # the leading dims of each head the rotary embedding turns (partial_rotary_factor); 0: all
+    nope_layers: tuple[int, ...] = ()  # layers whose attention takes no rotary embedding (SmolLM3's NoPE layers)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -203,6 +205,7 @@ class ModelArgs:
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch.startswith("qwen3"),
             sliding_window=_sliding_window(cfg, arch),
+            nope_layers=_nope_layers(cfg, arch),
             **_moe_fields(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -213,6 +216,19 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
     from quantspec.model_zoo.moe import moe_fields  # moe builds on this file's modules
 
     return moe_fields(cfg, arch)
+
+
+def _nope_layers(cfg: dict, arch: str) -> tuple[int, ...]:
+    """SmolLM3's layers without a rotary embedding: `no_rope_layers` holds 1 where a layer takes
+    one (default: all but every `no_rope_layer_interval`-th)."""
+    if arch != "smollm3":
+        return ()
+    n = cfg["num_hidden_layers"]
+    uses = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
+                                         for i in range(n)]
+    if len(uses) != n:
+        raise QuantSpecError(f"no_rope_layers has {len(uses)} entries for {n} layers; fix config.json")
+    return tuple(i for i, use in enumerate(uses) if not use)
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -229,7 +245,7 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     if arch in ("mistral", "mixtral", "phi3"):
         return window
     layer_types = cfg.get("layer_types") or ()
-    if arch.startswith("qwen") and cfg.get("use_sliding_window") and (
+    if arch.startswith(("qwen", "smollm3")) and cfg.get("use_sliding_window") and (
             not layer_types or "sliding_attention" in layer_types):
         return window
     return None
@@ -330,6 +346,7 @@ class Attention(nn.Module):
         self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary_emb = RotaryEmbedding()
+        self.use_rope = layer_idx not in args.nope_layers  # False: a NoPE layer (positions from the mask alone)
 
     def forward(self, x, cos, sin, attn: AttentionBackend, row_invariant: bool = False):
         T = x.shape[0]
@@ -339,7 +356,8 @@ class Attention(nn.Module):
             qk = qkv[:, :H + KV]
             if self.q_norm is not None:
                 qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
-            qk = self.rotary_emb(qk, cos, sin)  # q and k rotated in one pass
+            if self.use_rope:
+                qk = self.rotary_emb(qk, cos, sin)  # q and k rotated in one pass
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
         else:
             q = project(self.q_proj, x, row_invariant).view(T, H, hd)  # [T, H, hd]
@@ -347,7 +365,8 @@ class Attention(nn.Module):
             v = project(self.v_proj, x, row_invariant).view(T, KV, hd)
             if self.q_norm is not None:
                 q, k = self.q_norm(q), self.k_norm(k)
-            q, k = self.rotary_emb(q, cos, sin), self.rotary_emb(k, cos, sin)
+            if self.use_rope:
+                q, k = self.rotary_emb(q, cos, sin), self.rotary_emb(k, cos, sin)
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
         return project(self.o_proj, out.reshape(T, self.num_heads * self.head_dim), row_invariant)
 

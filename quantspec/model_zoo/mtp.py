@@ -95,7 +95,7 @@ class MTPArgs:
     @classmethod
     def for_base(cls, base: ModelArgs, draft_vocab_size: int | None = None) -> "MTPArgs":
         block = ModelArgs(**{**base.__dict__, "num_layers": 1, "eos_token_ids": list(base.eos_token_ids),
-                             "num_experts": 0, "dense_layers": ()})  # a dense block whatever the base
+                             "num_experts": 0, "dense_layers": (), "nope_layers": ()})  # a dense block whatever the base
         arch = next(k for k, v in ARCHITECTURES.items() if v == base.arch)
         vd = base.vocab_size if draft_vocab_size is None else min(int(draft_vocab_size), base.vocab_size)
         if vd < 1:

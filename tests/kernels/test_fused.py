@@ -80,9 +80,10 @@ def test_fused_ops_refuse_bad_shapes():
         silu_mul(torch.randn(2, 7))
 
 
-# the tiny models of the fused-stack tests: Llama, Qwen3 (per-head q / k norms) and a Phi-3 whose
-# rotary embedding turns half of each head (partial_rotary_factor, as Phi-4-mini's 3/4)
-ARCHS = {"llama": {}, "qwen3": {}, "phi3-partial": {"rope_scaling": {"partial_rotary_factor": 0.5}}}
+# the tiny models of the fused-stack tests: Llama, Qwen3 (per-head q / k norms), a Phi-3 whose
+# rotary embedding turns half of each head (partial_rotary_factor, as Phi-4-mini's 3/4) and a
+# SmolLM3 whose second layer takes none (NoPE)
+ARCHS = {"llama": {}, "qwen3": {}, "phi3-partial": {"rope_scaling": {"partial_rotary_factor": 0.5}}, "smollm3": {}}
 
 
 def _tiny(path, arch):

@@ -103,7 +103,7 @@ def layer_plan_args(layer: nn.Module, args, dtype: torch.dtype, eps: float, tens
             or type(attn.rotary_emb) is not CpuRotary or type(mlp.act_fn) is not CpuSiluAndMul
             or attn.qkv_proj is None or mlp.gate_up_proj is None or attn.q_norm is not None  # no q/k norms in plans
             or (attn.num_heads, attn.num_kv_heads, attn.head_dim) != (args.num_heads, args.num_kv_heads, args.head_dim)
-            or args.rotary_dim != args.head_dim):  # the plans rotate whole heads
+            or args.rotary_dim != args.head_dim or not attn.use_rope):  # the plans rotate whole heads, every layer
         return False
     tensors += [norms[0].weight, norms[1].weight]
     for part in _PARTS:

@@ -50,7 +50,9 @@ def fused_stack(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: 
         if a.q_norm is not None:  # Qwen3: q and k normalized per head before the rotary embedding
             qkv[:, :H] = a.q_norm(qkv[:, :H])
             qkv[:, H:H + KV] = a.k_norm(qkv[:, H:H + KV])
-        if cos.shape[-1] == hd:
+        if not a.use_rope:  # a NoPE layer
+            pass
+        elif cos.shape[-1] == hd:
             kernels.rope_qk_(qkv, H + KV, cos, sin)
         else:  # partial rotary: the leading cos.shape[-1] dims of each head (the kernel turns whole heads)
             qkv[:, :H + KV] = apply_rope(qkv[:, :H + KV], cos, sin)

@@ -30,7 +30,8 @@ def models(tmp_path_factory):
     phi3 = build_tiny_model(root / "phi3", "phi3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=8)
     partial = build_tiny_model(root / "partial", "phi3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=9,
                                rope_scaling={"partial_rotary_factor": 0.5})
-    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3, "phi3_partial": partial,
+    smollm3 = build_tiny_model(root / "smollm3", "smollm3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=10)
+    return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3, "phi3_partial": partial, "smollm3": smollm3,
             "int8": api.quantize(llama, "weight_only_int8", root / "w8"),
             "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
 
@@ -317,6 +318,7 @@ def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
     assert load_for_inference(models["qwen3"], tokenizer=False).runtime.stack is None  # q / k norms: the modules
     # a rotary embedding over part of each head: the plans turn whole heads
     assert load_for_inference(models["phi3_partial"], tokenizer=False).runtime.stack is None
+    assert load_for_inference(models["smollm3"], tokenizer=False).runtime.stack is None  # a layer without rotary
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert load_for_inference(models["llama"], tokenizer=False).runtime.stack is None
 
