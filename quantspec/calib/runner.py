@@ -148,9 +148,12 @@ class LayerRunner:
             return self._inputs.to(self.device, self.dtype)
         emb = self.model.model.embed_tokens
         if emb.weight.device.type == "meta":  # gather the batch's rows from the checkpoint
-            return self.weights.rows("model.embed_tokens.weight", self.input_ids, dtype=self.dtype,
-                                     device=self.device)  # [n, S, D]
-        return emb(self.input_ids.to(self.device)).to(self.dtype)  # [n, S, D]
+            x = self.weights.rows("model.embed_tokens.weight", self.input_ids, dtype=self.dtype,
+                                  device=self.device)  # [n, S, D]
+        else:
+            x = emb(self.input_ids.to(self.device)).to(self.dtype)  # [n, S, D]
+        m = getattr(getattr(self.model, "args", None), "embedding_multiplier", 1.0)  # Granite's
+        return x if m == 1.0 else x * m
 
     @torch.no_grad()
     def _run_layer(self, step: LayerStep, kv_hook: KVHook | None) -> torch.Tensor:

@@ -42,7 +42,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.llama import MLP, ModelArgs, RMSNorm, RotaryEmbedding, rope_cos_sin
+from quantspec.model_zoo.llama import MLP, NEUTRAL_MULTIPLIERS, ModelArgs, RMSNorm, RotaryEmbedding, rope_cos_sin
 from quantspec.model_zoo.mtp import base_fingerprint
 
 __all__ = ["EAGLE3_ARCHITECTURE", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
@@ -86,7 +86,7 @@ class Eagle3Args:
     def for_base(cls, base: ModelArgs, draft_vocab_size: int, aux_layer_ids=None) -> "Eagle3Args":
         layer = ModelArgs(**{**base.__dict__, "num_layers": 1, "tie_word_embeddings": False, "qk_norm": False,
                              "eos_token_ids": list(base.eos_token_ids), "num_experts": 0,
-                             "dense_layers": (), "nope_layers": ()})  # a dense Llama layer whatever the base
+                             "dense_layers": (), "nope_layers": (), **NEUTRAL_MULTIPLIERS})  # a dense Llama layer whatever the base
         ids = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)
         if ids == default_aux_layers(base.num_layers):
             ids = None

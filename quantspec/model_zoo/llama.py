@@ -1,4 +1,5 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2 / 3) as plain nn.Modules.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2 / 3, Granite) as plain
+nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
 tables: `rope.py`); the HF weight-name table that `load_state_dict` is checked against is
@@ -34,6 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.hf_config import layer_fields, rope_fields
 from quantspec.model_zoo.layout import hf_weight_table, layer_weight_table
 from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_type
 
@@ -66,8 +68,12 @@ ARCHITECTURES = {
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
     "SmolLM3ForCausalLM": "smollm3",
+    "GraniteForCausalLM": "granite",
 }
 _MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
+# Granite's multipliers at the values that scale nothing (every other architecture's)
+NEUTRAL_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 0.0,
+                       "logits_scaling": 1.0}
 
 
 @dataclass
@@ -84,6 +90,13 @@ class ModelArgs:
     head_dim: int = 0  # 0: hidden_size // num_heads
     rotary_dim: int = 0  # the leading dims of each head the rotary embedding turns (partial_rotary_factor); 0: all
     nope_layers: tuple[int, ...] = ()  # layers whose attention takes no rotary embedding (SmolLM3's NoPE layers)
+    # Granite's scalars: embeddings × embedding_multiplier, each block's output × residual_multiplier
+    # before its residual add, attention scores × attention_multiplier (0: head_dim ** -0.5), logits
+    # ÷ logits_scaling
+    embedding_multiplier: float = 1.0
+    residual_multiplier: float = 1.0
+    attention_multiplier: float = 0.0
+    logits_scaling: float = 1.0  # (NEUTRAL_MULTIPLIERS: the values that scale nothing)
     rms_norm_eps: float = 1e-5
     rope_theta: float = 10000.0
     rope_scaling: dict | None = None
@@ -151,6 +164,11 @@ class ModelArgs:
                                  f"up to {self.sliding_window} tokens only; use {flag} {self.sliding_window} or less")
 
     @property
+    def multiplied(self) -> bool:
+        """Whether Granite's multipliers scale anything (stack runners that leave them out decline)."""
+        return any(getattr(self, k) != v for k, v in NEUTRAL_MULTIPLIERS.items())
+
+    @property
     def q_size(self) -> int:
         return self.num_heads * self.head_dim
 
@@ -172,19 +190,9 @@ class ModelArgs:
                 f"unsupported architecture {found!r}; supported: "
                 f"{', '.join(sorted(ARCHITECTURES))}"
             )
-        # transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
-        rope = dict(cfg.get("rope_parameters") or {})
-        theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
-        scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
         eos = cfg.get("eos_token_id")
         eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
         attention_bias = bool(cfg.get("attention_bias", False))
-        partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
-        head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-        longrope = bool(scaling) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su")
-        if longrope and "original_max_position_embeddings" not in scaling:  # Phi-3 keeps it beside the dict
-            scaling = {**scaling, "original_max_position_embeddings": cfg.get("original_max_position_embeddings")
-                       or cfg.get("max_position_embeddings", 4096)}
         return cls(
             arch=arch,
             vocab_size=cfg["vocab_size"],
@@ -194,18 +202,15 @@ class ModelArgs:
             num_heads=cfg["num_attention_heads"],
             num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
             head_dim=cfg.get("head_dim") or 0,
-            rotary_dim=int(head_dim * partial),
             rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            rope_theta=float(theta),
-            rope_scaling=scaling,
+            **rope_fields(cfg),
             max_position_embeddings=cfg.get("max_position_embeddings", 4096),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
             qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(arch, attention_bias),
             o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
             mlp_bias=bool(cfg.get("mlp_bias", False)),
             qk_norm=arch.startswith("qwen3"),
-            sliding_window=_sliding_window(cfg, arch),
-            nope_layers=_nope_layers(cfg, arch),
+            **layer_fields(cfg, arch),
             **_moe_fields(cfg, arch),
             bos_token_id=cfg.get("bos_token_id"),
             eos_token_ids=eos_ids,
@@ -218,37 +223,9 @@ def _moe_fields(cfg: dict, arch: str) -> dict:
     return moe_fields(cfg, arch)
 
 
-def _nope_layers(cfg: dict, arch: str) -> tuple[int, ...]:
-    """SmolLM3's layers without a rotary embedding: `no_rope_layers` holds 1 where a layer takes
-    one (default: all but every `no_rope_layer_interval`-th)."""
-    if arch != "smollm3":
-        return ()
-    n = cfg["num_hidden_layers"]
-    uses = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
-                                         for i in range(n)]
-    if len(uses) != n:
-        raise QuantSpecError(f"no_rope_layers has {len(uses)} entries for {n} layers; fix config.json")
-    return tuple(i for i, use in enumerate(uses) if not use)
-
-
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """HF's LlamaRMSNorm: x normalized in fp32, rounded to x's dtype, then scaled by `weight`."""
     return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
-
-
-def _sliding_window(cfg: dict, arch: str) -> int | None:
-    """The attention window of a config's layers where any has one: Mistral's and Phi-3's `sliding_window`;
-    Qwen's where `use_sliding_window` (and a layer type) says its layers use it."""
-    window = cfg.get("sliding_window")
-    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
-        return None
-    if arch in ("mistral", "mixtral", "phi3"):
-        return window
-    layer_types = cfg.get("layer_types") or ()
-    if arch.startswith(("qwen", "smollm3")) and cfg.get("use_sliding_window") and (
-            not layer_types or "sliding_attention" in layer_types):
-        return window
-    return None
 
 
 # ---------------------------------------------------------------------------------------------
@@ -347,6 +324,8 @@ class Attention(nn.Module):
         self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
         self.rotary_emb = RotaryEmbedding()
         self.use_rope = layer_idx not in args.nope_layers  # False: a NoPE layer (positions from the mask alone)
+        # Granite's attention_multiplier as a factor on q: the backends scale scores by head_dim ** -0.5
+        self.q_scale = args.attention_multiplier * args.head_dim ** 0.5 if args.attention_multiplier else None
 
     def forward(self, x, cos, sin, attn: AttentionBackend, row_invariant: bool = False):
         T = x.shape[0]
@@ -359,6 +338,8 @@ class Attention(nn.Module):
             if self.use_rope:
                 qk = self.rotary_emb(qk, cos, sin)  # q and k rotated in one pass
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
+            if self.q_scale is not None:
+                q = q * self.q_scale
         else:
             q = project(self.q_proj, x, row_invariant).view(T, H, hd)  # [T, H, hd]
             k = project(self.k_proj, x, row_invariant).view(T, KV, hd)  # [T, KV, hd]
@@ -367,6 +348,8 @@ class Attention(nn.Module):
                 q, k = self.q_norm(q), self.k_norm(k)
             if self.use_rope:
                 q, k = self.rotary_emb(q, cos, sin), self.rotary_emb(k, cos, sin)
+            if self.q_scale is not None:
+                q = q * self.q_scale
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
         return project(self.o_proj, out.reshape(T, self.num_heads * self.head_dim), row_invariant)
 
@@ -391,6 +374,7 @@ class MLP(nn.Module):
 class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
+        self.residual_multiplier = args.residual_multiplier  # Granite's: each block's output before its add
         self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
         self.self_attn = Attention(args, layer_idx)
         self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
@@ -408,8 +392,11 @@ class DecoderLayer(nn.Module):
         return super().__getattr__(name)
 
     def forward(self, x, cos, sin, attn, row_invariant: bool = False):
-        x = x + self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
-        return x + self.mlp(self.post_attention_layernorm(x), row_invariant)
+        r = self.residual_multiplier
+        h = self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
+        x = x + (h if r == 1.0 else h * r)
+        h = self.mlp(self.post_attention_layernorm(x), row_invariant)
+        return x + (h if r == 1.0 else h * r)
 
 
 class Decoder(nn.Module):
@@ -463,7 +450,7 @@ class Transformer(nn.Module):
             need = max(int(positions.max()) + 1, self.args.max_position_embeddings)
             self.setup_rope(need)
         cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
-        x = self.model.embed_tokens(input_ids)  # [T, D]
+        x = self.embed(input_ids)  # [T, D]
         if cos.dtype != x.dtype:  # HF casts the fp32 tables to the activations' dtype
             cos, sin = cos.to(x.dtype), sin.to(x.dtype)
         if stack is not None:
@@ -479,9 +466,15 @@ class Transformer(nn.Module):
         out = x if out_rows is None else x[out_rows]
         return (out, tuple(streams[i] for i in capture)) if capture else out
 
+    def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
+        """The embeddings the first layer takes (Granite's × embedding_multiplier)."""
+        x = self.model.embed_tokens(input_ids)
+        return x if self.args.embedding_multiplier == 1.0 else x * self.args.embedding_multiplier
+
     def compute_logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        """hidden: [N, D] (pre-norm) → logits [N, V] in fp32."""
-        return project(self.lm_head, self.model.norm(hidden), row_invariant).float()
+        """hidden: [N, D] (pre-norm) → logits [N, V] in fp32 (Granite's ÷ logits_scaling)."""
+        logits = project(self.lm_head, self.model.norm(hidden), row_invariant).float()
+        return logits if self.args.logits_scaling == 1.0 else logits / self.args.logits_scaling
 
     def head_weight(self) -> torch.Tensor:
         """The head's effective weight [V, D]: a float head's own (an inference-packed one

@@ -43,6 +43,7 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import (
     ARCHITECTURES,
+    NEUTRAL_MULTIPLIERS,
     DecoderLayer,
     ModelArgs,
     RMSNorm,
@@ -116,6 +117,10 @@ class MTPArgs:
             "rms_norm_eps": b.rms_norm_eps,
             "rope_parameters": {"rope_theta": b.rope_theta, "rope_type": "default"}
             | ({"partial_rotary_factor": b.rotary_dim / b.head_dim} if b.rotary_dim != b.head_dim else {}),
+            # the block is the base's layer: Granite's multipliers as its base has them
+            **({k: getattr(b, k) for k in NEUTRAL_MULTIPLIERS} | {"attention_multiplier": b.attention_multiplier
+                                                                  or b.head_dim ** -0.5}
+               if b.arch == "granite" else {}),
             "max_position_embeddings": b.max_position_embeddings,
             "vocab_size": b.vocab_size,
             "tie_word_embeddings": b.tie_word_embeddings,

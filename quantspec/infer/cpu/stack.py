@@ -155,8 +155,8 @@ class CpuLayerStack:
         if kernels is None or not hasattr(kernels, "DecoderPlan") or not layers:
             return None
         args = model.args
-        if args.head_dim not in (64, 128) or args.num_heads % args.num_kv_heads:
-            return None
+        if args.head_dim not in (64, 128) or args.num_heads % args.num_kv_heads or args.multiplied:
+            return None  # (Granite's multipliers: the plans leave them out)
         norm = layers[0].input_layernorm
         if norm.weight.dtype not in (torch.float32, torch.bfloat16) or norm.weight.device.type != "cpu":
             return None

@@ -21,10 +21,13 @@ __all__ = ["fusable", "fused_stack"]
 
 def fusable(layers: nn.ModuleList, dtype: torch.dtype) -> bool:
     """Whether `fused_stack` takes these layers with activations of `dtype`: fused q/k/v and
-    gate/up projections (`infer.fuse`), RMSNorms whose weights are in `dtype`."""
+    gate/up projections (`infer.fuse`), RMSNorms whose weights are in `dtype`, and none of
+    Granite's multipliers (which the layer loop here leaves out)."""
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         if not isinstance(m, MLP) or a.qkv_proj is None or m.gate_up_proj is None:  # MLP: not a mixture of experts
+            return False
+        if layer.residual_multiplier != 1.0 or a.q_scale is not None:
             return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
             if type(norm) is not RMSNorm or norm.weight.dtype != dtype:

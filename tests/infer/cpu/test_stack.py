@@ -17,8 +17,9 @@ pytestmark = pytest.mark.skipif(cpu_kernels() is None, reason="quantspec's CPU k
 @pytest.fixture(scope="module")
 def models(tmp_path_factory):
     """head_dim 64 (the CPU attention kernel's size): a Llama, a Qwen2 (q/k/v biases), a Qwen3
-    (per-head q / k norms, which the plans do not compute), and the Llama's int8 and int4 (group
-    32, asymmetric) artifacts."""
+    (per-head q / k norms, which the plans do not compute), a Phi-3 (fused checkpoint), one with a
+    half-head rotary embedding, a SmolLM3 (a NoPE layer), a Granite (multipliers), and the Llama's
+    int8 and int4 (group 32, asymmetric) artifacts."""
     from quantspec import api
     from quantspec.model_zoo.tiny import build_tiny_model
 
@@ -31,7 +32,9 @@ def models(tmp_path_factory):
     partial = build_tiny_model(root / "partial", "phi3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=9,
                                rope_scaling={"partial_rotary_factor": 0.5})
     smollm3 = build_tiny_model(root / "smollm3", "smollm3", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=10)
+    granite = build_tiny_model(root / "granite", "granite", hidden=256, heads=4, kv_heads=2, intermediate=256, seed=11)
     return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3, "phi3_partial": partial, "smollm3": smollm3,
+            "granite": granite,
             "int8": api.quantize(llama, "weight_only_int8", root / "w8"),
             "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
 
@@ -319,6 +322,7 @@ def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
     # a rotary embedding over part of each head: the plans turn whole heads
     assert load_for_inference(models["phi3_partial"], tokenizer=False).runtime.stack is None
     assert load_for_inference(models["smollm3"], tokenizer=False).runtime.stack is None  # a layer without rotary
+    assert load_for_inference(models["granite"], tokenizer=False).runtime.stack is None  # Granite's multipliers
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert load_for_inference(models["llama"], tokenizer=False).runtime.stack is None
 

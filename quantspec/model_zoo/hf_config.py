@@ -1,0 +1,64 @@
+"""The fields of `ModelArgs` that a HF `config.json` spells in more than one way or that only some
+architectures have: the rotary embedding's (`rope_fields`) and the per-layer layout's
+(`layer_fields`: sliding windows, NoPE layers, Granite's multipliers)."""
+
+from __future__ import annotations
+
+from quantspec.errors import QuantSpecError
+
+__all__ = ["layer_fields", "rope_fields"]
+
+
+def rope_fields(cfg: dict) -> dict:
+    """rope_theta, rope_scaling (None for the default rotary embedding) and rotary_dim."""
+    # transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    rope = dict(cfg.get("rope_parameters") or {})
+    theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
+    scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
+    partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    longrope = bool(scaling) and scaling.get("rope_type", scaling.get("type")) in ("longrope", "su")
+    if longrope and "original_max_position_embeddings" not in scaling:  # Phi-3 keeps it beside the dict
+        scaling = {**scaling, "original_max_position_embeddings": cfg.get("original_max_position_embeddings")
+                   or cfg.get("max_position_embeddings", 4096)}
+    return {"rope_theta": float(theta), "rope_scaling": scaling, "rotary_dim": int(head_dim * partial)}
+
+
+def layer_fields(cfg: dict, arch: str) -> dict:
+    """sliding_window, nope_layers and (Granite) the embedding, residual, attention and logits
+    multipliers."""
+    out = {"sliding_window": _sliding_window(cfg, arch), "nope_layers": _nope_layers(cfg, arch)}
+    if arch == "granite":
+        out.update(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
+                   residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
+                   attention_multiplier=float(cfg.get("attention_multiplier", 1.0)),
+                   logits_scaling=float(cfg.get("logits_scaling", 1.0)))
+    return out
+
+
+def _sliding_window(cfg: dict, arch: str) -> int | None:
+    """The attention window of a config's layers where any has one: Mistral's and Phi-3's `sliding_window`;
+    Qwen's where `use_sliding_window` (and a layer type) says its layers use it."""
+    window = cfg.get("sliding_window")
+    if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
+        return None
+    if arch in ("mistral", "mixtral", "phi3"):
+        return window
+    layer_types = cfg.get("layer_types") or ()
+    if arch.startswith(("qwen", "smollm3")) and cfg.get("use_sliding_window") and (
+            not layer_types or "sliding_attention" in layer_types):
+        return window
+    return None
+
+
+def _nope_layers(cfg: dict, arch: str) -> tuple[int, ...]:
+    """SmolLM3's layers without a rotary embedding: `no_rope_layers` holds 1 where a layer takes
+    one (default: all but every `no_rope_layer_interval`-th)."""
+    if arch != "smollm3":
+        return ()
+    n = cfg["num_hidden_layers"]
+    uses = cfg.get("no_rope_layers") or [int((i + 1) % int(cfg.get("no_rope_layer_interval", 4)) != 0)
+                                         for i in range(n)]
+    if len(uses) != n:
+        raise QuantSpecError(f"no_rope_layers has {len(uses)} entries for {n} layers; fix config.json")
+    return tuple(i for i, use in enumerate(uses) if not use)
