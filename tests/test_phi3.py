@@ -242,3 +242,28 @@ def test_mtp_on_a_partial_rotary_base_keeps_plain_greedy(partial_dir, tmp_path):
                                                         speculate_method=m, **extra)).generate(["Once upon a time"])]
             for m, extra in (("none", {}), ("mtp", {"draft_model": str(out)}))]
     assert runs[0] == runs[1]
+
+
+def test_ignore_takes_fused_units_whole(tiny_phi3_dir, tmp_path, logits_of):
+    """`--ignore` names a fused module (the checkpoint's name) and it stays float, whole; a part of
+    one is refused in one line naming the flag before any work, and nothing is written."""
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    fused = "model.layers.0.self_attn.qkv_proj"
+    art = api.quantize(str(tiny_phi3_dir), "weight_only_int8", tmp_path / "w8", ignore=("lm_head", fused))
+    names = _names(art)
+    assert f"{fused}.weight" in names and f"{fused}.weight_packed" not in names
+    assert "model.layers.1.self_attn.qkv_proj.weight_packed" in names
+    assert json.loads((art / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head", fused]
+    lm = load_for_inference(art, tokenizer=False, fuse=False)
+    assert isinstance(lm.model.model.layers[0].self_attn.k_proj, torch.nn.Linear)
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(art, IDS), **TOL)
+    out = tmp_path / "refused"
+    result = CliRunner().invoke(main, ["quantize", "--model", str(tiny_phi3_dir), "--quant-type", "weight_only_int8",
+                                       "--ignore", "model.layers.0.self_attn.k_proj", "--out", str(out)])
+    err = result.stderr.strip()
+    assert result.exit_code == 2 and len(err.splitlines()) == 1 and "Traceback" not in result.output, result.output
+    assert "--ignore names model.layers.0.self_attn.k_proj without the rest of" in err and f"name {fused}" in err
+    assert not out.exists() and not any(p.name.startswith(".refused") for p in tmp_path.iterdir())

@@ -234,6 +234,11 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     src = _read_source(config)
     batches = _gptq_batches(config, src, say)
     model = _skeleton(config, src)
+    if src.reader is not None:  # a fused checkpoint's modules (Phi-3's qkv_proj) by their parts' names, named whole
+        from quantspec.model_zoo.layout import checkpoint_config, part_config
+
+        src.quant_config = part_config(model.args, src.quant_config)
+        checkpoint_config(model.args, src.quant_config)  # refuses a unit named in part, before any work
     if src.reader is not None and (config.method == "gptq" or config.static):  # windows run full attention
         model.args.check_context(config.seq_len, "--seq-len")
     resumable, key = _run_identity(config, src, device)

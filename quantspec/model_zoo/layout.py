@@ -14,7 +14,8 @@ translated at the edges only:
   `checkpoint_config` renames a `quantization_config`'s module names (whole units only), so an
   artifact keeps the layout transformers, vLLM and SGLang load (their Phi-3 classes hold
   `qkv_proj` / `gate_up_proj` as single Linears: one scheme, one input scale per unit);
-- `checkpoint_name` maps a part's module name to the checkpoint's, for scheme lookups.
+- `checkpoint_name` maps a part's module name to the checkpoint's, for scheme lookups, and
+  `part_config` a config's fused names (`--ignore model.layers.0.self_attn.qkv_proj`) to the parts'.
 
 A fused compressed-tensors Linear splits by rows: codes and per-row scales and zero points are
 rows of the parts' (zero points packed along rows, 32 / bits per word, split on word
@@ -36,8 +37,9 @@ from quantspec.errors import QuantSpecError
 if TYPE_CHECKING:
     from quantspec.model_zoo.llama import ModelArgs
 
-__all__ = ["FUSED", "ShapedTensors", "SplitTensors", "checkpoint_config", "checkpoint_name", "fuse_tensors", "fused_units",
-           "hf_weight_table", "layer_weight_table", "part_shape", "part_tensor", "split_plan"]
+__all__ = ["FUSED", "ShapedTensors", "SplitTensors", "checkpoint_config", "checkpoint_name", "fuse_tensors",
+           "fused_units", "hf_weight_table", "layer_weight_table", "part_config", "part_shape", "part_tensor",
+           "split_plan"]
 
 # arch → (fused module, its parts in row order), relative to a decoder layer
 FUSED: dict[str, tuple[tuple[str, tuple[str, ...]], ...]] = {
@@ -104,7 +106,7 @@ def _word_rows(shape0: int, lo: int, hi: int, total: int, name: str) -> slice:
     per = -(-total // shape0)  # rows per word
     if -(-total // per) != shape0 or lo % per or (hi % per and hi != total):
         raise QuantSpecError(f"{name}: its {shape0} packed rows do not split at row {lo} / {hi} of {total}; "
-                             "re-quantize the model unfused")
+                             "quantize the model with symmetric weights (no zero points)")
     return slice(lo // per, -(-hi // per))
 
 
@@ -227,10 +229,33 @@ def _fuse_leaf(name: str, parts: list[torch.Tensor], spans) -> torch.Tensor:
     return parts[0]
 
 
+def part_config(args, config):
+    """`config` with every exact fused module name in its ignore list and its groups' targets
+    replaced by its parts' names (what the quantizers, which work on the parts, match); the
+    converse of `checkpoint_config`."""
+    from dataclasses import replace
+
+    units = fused_units(args)
+    if not units:
+        return config
+
+    def expand(names: tuple[str, ...]) -> tuple[str, ...]:
+        out: list[str] = []
+        for n in names:
+            m = _LAYER.match(n)
+            spans = next((s for f, s in units if m and m.group(2) == f), None)
+            out += [n] if spans is None else [f"{m.group(1)}.{p}" for p, _, _ in spans]
+        return tuple(out)
+
+    groups = {k: replace(s, targets=expand(tuple(s.targets))) for k, s in config.config_groups.items()}
+    return replace(config, config_groups=groups, ignore=expand(tuple(config.ignore)))
+
+
 def checkpoint_config(args, config):
     """`config` (a `QuantConfig` in the parts' module names) with every exact module name in its
     ignore list and its groups' targets renamed to the fused module's, a unit named whole or
-    not at all."""
+    not at all; an exact fused module name stays as it is (the parts match it through
+    `checkpoint_name`)."""
     from dataclasses import replace
 
     units = fused_units(args)
@@ -247,15 +272,15 @@ def checkpoint_config(args, config):
             layer = fused.rsplit(".", 2)[0]
             spans = next(s for f, s in units if fused.endswith("." + f))
             if any(f"{layer}.{p}" not in names for p, _, _ in spans):
-                raise QuantSpecError(f"{where} names {n} without the rest of {fused}; a {args.arch} checkpoint "
-                                     "quantizes it as one module")
+                raise QuantSpecError(f"{where} names {n} without the rest of {fused}: a {args.arch} checkpoint "
+                                     f"stores them as one module; name {fused} instead")
             if fused not in out:
                 out.append(fused)
         return tuple(out)
 
     groups = {k: replace(s, targets=rename(tuple(s.targets), f"config group {k}"))
               for k, s in config.config_groups.items()}
-    return replace(config, config_groups=groups, ignore=rename(tuple(config.ignore), "ignore"))
+    return replace(config, config_groups=groups, ignore=rename(tuple(config.ignore), "--ignore"))
 
 
 def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
