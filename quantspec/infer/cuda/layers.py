@@ -53,11 +53,9 @@ def fused_stack(layers: nn.ModuleList, x: torch.Tensor, cos: torch.Tensor, sin: 
         if a.q_norm is not None:  # Qwen3: q and k normalized per head before the rotary embedding
             qkv[:, :H] = a.q_norm(qkv[:, :H])
             qkv[:, H:H + KV] = a.k_norm(qkv[:, H:H + KV])
-        if not a.use_rope:  # a NoPE layer
-            pass
-        elif cos.shape[-1] == hd:
+        if a.use_rope and cos.shape[-1] == hd:  # (a NoPE layer turns nothing)
             kernels.rope_qk_(qkv, H + KV, cos, sin)
-        else:  # partial rotary: the leading cos.shape[-1] dims of each head (the kernel turns whole heads)
+        elif a.use_rope:  # partial rotary: the leading cos.shape[-1] dims of each head (the kernel turns whole heads)
             qkv[:, :H + KV] = apply_rope(qkv[:, :H + KV], cos, sin)
         out = attn(a.layer_idx, qkv[:, :H], qkv[:, H:H + KV], qkv[:, H + KV:])  # [T, H, hd]
         delta = project(a.o_proj, out.reshape(T, H * hd), row_invariant)
