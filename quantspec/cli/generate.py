@@ -66,7 +66,9 @@ def _structured_output(json_schema, regex, choice, grammar) -> dict:
               help="jsonl: each input row + output, output_token_ids (and output_logprobs with --logprobs).")
 @click.option("--batch-size", default=1, show_default=True, help="Sequences decoded together.")
 @click.option("--src-length", type=int, default=None, help="Max prompt tokens [default: max-length - max-new-tokens].")
-@click.option("--max-length", default=2048, show_default=True, help="Max prompt + generated tokens per sequence.")
+@click.option("--max-length", default=None, type=int,
+              help="Max prompt + generated tokens per sequence [default: 2048, or the model's sliding window or "
+                   "original context where shorter].")
 @click.option("--max-new-tokens", default=256, show_default=True)
 @click.option("--truncate-prompt", is_flag=True, help="Keep the last src-length tokens of a longer prompt instead of refusing it.")
 @click.option("--dtype", default="auto", show_default=True, type=click.Choice(["auto", "float32", "bfloat16", "float16"]),
@@ -179,8 +181,9 @@ def infer(prompt, data_file, output_file, stats_file, no_chat_template, cachekv_
               help="Sequences decoded together (vLLM's --max-num-seqs).")
 @click.option("--max-queue", default=256, show_default=True, type=int,
               help="Requests that may wait for the batch; more are answered 503 with Retry-After.")
-@click.option("--max-length", "--max-model-len", "max_length", default=2048, show_default=True, type=int,
-              help="Max prompt + generated tokens per request (vLLM's --max-model-len).")
+@click.option("--max-length", "--max-model-len", "max_length", default=None, type=int,
+              help="Max prompt + generated tokens per request (vLLM's --max-model-len) [default: 2048, or the "
+                   "model's sliding window or original context where shorter].")
 @click.option("--prefill-chunk", default=256, show_default=True, type=int,
               help="Prompt tokens per chunk: prompts are prefilled a chunk per step, between decode steps.")
 @click.option("--max-prefill-tokens", "--max-num-batched-tokens", "max_prefill_tokens", default=1024, show_default=True,

@@ -46,6 +46,10 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 KV_CACHE_DTYPES = {"auto": "none", "fp8": "fp8", "fp8_e4m3": "fp8", "int8": "int8", "float": "float"}
 
 
+# prompt + generated tokens per sequence when --max-length is not given (and the model allows it)
+DEFAULT_MAX_LENGTH = 2048
+
+
 @dataclass
 class InferConfig:
     model: str = DEFAULT_MODEL
@@ -53,7 +57,11 @@ class InferConfig:
     device: str = "auto"
     batch_size: int = 1
     src_length: int | None = None
-    max_length: int = 2048
+    # None: DEFAULT_MAX_LENGTH, or the model's context limit where shorter (a sliding window, a
+    # LongRoPE model's original context: `ModelArgs.context_limit`), with src_length following it
+    max_length: int | None = None
+    # (whether --max-length / --src-length were given, set from them: `_fit_default_lengths`)
+    lengths_given: tuple[bool, bool] = field(default=(True, True), init=False, repr=False, compare=False)
     max_new_tokens: int = 256
     truncate_prompt: bool = False
     block_size: int = 64
@@ -123,6 +131,9 @@ class InferConfig:
             raise QuantSpecError(f"--kv-cache-dtype {self.cachekv!r} is not one of {', '.join(KV_CACHE_DTYPES)}")
         if self.max_new_tokens < 1:
             raise QuantSpecError(f"--max-new-tokens must be >= 1, got {self.max_new_tokens}")
+        self.lengths_given = (self.max_length is not None, self.src_length is not None)
+        if self.max_length is None:
+            self.max_length = DEFAULT_MAX_LENGTH
         if self.max_length <= 1:
             raise QuantSpecError(f"--max-length must be > 1, got {self.max_length}")
         if self.src_length is None:
@@ -247,6 +258,20 @@ def peak_memory_mb(device: str) -> float:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024  # Linux: KiB
 
 
+def _fit_default_lengths(config: InferConfig, args) -> InferConfig:
+    """`config` with a default --max-length (and the --src-length it implies) lowered to the
+    model's context limit where that is shorter, said once on stderr."""
+    limit = args.context_limit()
+    if config.lengths_given[0] or limit is None or config.max_length <= limit:
+        return config
+    import logging
+
+    logging.getLogger("quantspec").warning(f"quantspec: --max-length {limit} (this model's "
+                                           f"{'sliding window' if limit == args.sliding_window else 'original context'}"
+                                           "; give --max-length to choose another)")
+    return replace(config, max_length=limit, src_length=config.src_length if config.lengths_given[1] else None)
+
+
 class Predictor:
     """Loads a model (plain HF directory, zoo name, or quantspec artifact) and generates."""
 
@@ -254,7 +279,6 @@ class Predictor:
         """`loaded`: a `LoadedModel` to reuse (else `config.model` is loaded); `kv_scales`: static
         KV-cache scales (k, v) [num_layers, num_kv_heads] for `config.cachekv`, which override an
         artifact's own (`api.infer` reads them from a calibration table)."""
-        self.config = config
         from quantspec.infer.dispatch import DispatchPolicy
         from quantspec.infer.loader import load_for_inference
 
@@ -262,6 +286,7 @@ class Predictor:
             policy = DispatchPolicy(cuda_graphs=False) if config.enforce_eager else None
             self.loaded = loaded or load_for_inference(config.model, dtype=resolve_dtype(config), device=config.device,
                                                        policy=policy)
+        self.config = config = _fit_default_lengths(config, self.loaded.args)
         self.tokenizer = self.loaded.tokenizer
         self.loaded.args.check_context(config.max_length, "--max-length")
         k_scale = v_scale = None

@@ -149,6 +149,14 @@ class ModelArgs:
         """Whether decoder layer i's MLP is a mixture of experts."""
         return self.num_experts > 0 and i not in self.dense_layers
 
+    def context_limit(self) -> int | None:
+        """The longest context quantspec runs as the model computes it (`check_context`), None:
+        any up to the position tables."""
+        limits = [self.sliding_window] if self.sliding_window is not None else []
+        if rope_type(self) in ("longrope", "su"):
+            limits.append(int(self.rope_scaling["original_max_position_embeddings"]))
+        return min(limits) if limits else None
+
     def check_context(self, length: int, flag: str) -> None:
         """Refuse, naming `flag`, a context longer than the model's sliding window, or than the
         original context of a LongRoPE model (quantspec runs its short factors: `rope.py`)."""

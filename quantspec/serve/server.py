@@ -43,7 +43,7 @@ class ServeConfig:
     served_model_name: str | None = None  # the name clients send as `model` (default: --model)
     max_batch_size: int = 16
     max_queue: int = 256
-    max_length: int = 2048
+    max_length: int | None = None  # None: InferConfig's default (2048, or the model's context limit)
     prefill_chunk: int = 256
     max_prefill_tokens: int = 1024  # prompt tokens per prefill step (chunks of several prompts)
     drain_timeout: float = 30.0
@@ -98,7 +98,8 @@ class ServeConfig:
 
     def __post_init__(self):
         for name in ("max_batch_size", "max_queue", "max_length", "prefill_chunk", "max_prefill_tokens"):
-            positive_int(name, getattr(self, name))
+            if name != "max_length" or self.max_length is not None:
+                positive_int(name, getattr(self, name))
         if self.seed is not None and (isinstance(self.seed, bool) or not isinstance(self.seed, int)
                                       or not 0 <= self.seed < 2 ** 63):
             raise QuantSpecError(f"--seed {self.seed!r} must be an integer in [0, 2**63)")
@@ -246,7 +247,7 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> 
         torch.manual_seed(config.seed)
     loop.start()
     return ServeState(loop=loop, tokenizer=predictor.tokenizer, model_name=config.served_model_name,
-                      max_length=config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
+                      max_length=predictor.config.max_length, metrics=metrics, kv_cache=predictor.kv_cache,
                       api_key=config.api_key or None,
                       tool_parser=tool_parser(config.tool_call_parser) if config.enable_auto_tool_choice else None,
                       reasoning_parser=reasoning_parser(config.reasoning_parser) if config.reasoning_parser else None,
