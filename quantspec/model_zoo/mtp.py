@@ -247,16 +247,21 @@ class MTPModule(nn.Module):
     def draft_logits(self, mtp_hidden: torch.Tensor, head: nn.Module | None = None) -> torch.Tensor:
         """mtp_hidden: [N, D] → logits over the draft vocabulary [N, Vd] fp32 (map column j to
         token `draft_vocab_ids[j]`). `head`: a module computing the product with the shared head's
-        rows (an inference backend's, e.g. those rows rounded to int8); None: `F.linear` with them."""
+        rows (an inference backend's, e.g. those rows rounded to int8); None: `F.linear` with them.
+        Divided by the base's `logits_scaling` (Granite's), as its own logits are."""
         x = self.model.norm(mtp_hidden)
-        return (head(x) if head is not None else F.linear(x, self._shared["head"])).float()
+        return self._scaled((head(x) if head is not None else F.linear(x, self._shared["head"])).float())
 
     def teacher_logits(self, base_hidden: torch.Tensor) -> torch.Tensor:
         """The base's own logits over the draft vocabulary for its pre-norm hidden states
         [N, D] → [N, Vd] fp32 (the soft targets of `zoo train-mtp`)."""
         if not self._shared:
             raise QuantSpecError("MTP module is not bound to its base; call bind_base(base) first")
-        return F.linear(self._shared["base_norm"](base_hidden), self._shared["head"]).float()
+        return self._scaled(F.linear(self._shared["base_norm"](base_hidden), self._shared["head"]).float())
+
+    def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
+        s = self.args.block.logits_scaling
+        return logits if s == 1.0 else logits / s
 
     def full_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] → [N, V] fp32 with -inf outside the draft vocabulary (for sampled drafts)."""
