@@ -14,6 +14,7 @@ Lengths: `max_length` bounds prompt + generated tokens of one sequence (it sizes
 from __future__ import annotations
 
 import json
+import logging
 import resource
 import time
 from dataclasses import asdict, dataclass, field, replace
@@ -57,8 +58,7 @@ class InferConfig:
     device: str = "auto"
     batch_size: int = 1
     src_length: int | None = None
-    # None: DEFAULT_MAX_LENGTH, or the model's context limit where shorter (a sliding window, a
-    # LongRoPE model's original context: `ModelArgs.context_limit`), with src_length following it
+    # None: DEFAULT_MAX_LENGTH, or the model's context limit where shorter (`_fit_default_lengths`)
     max_length: int | None = None
     # (whether --max-length / --src-length were given, set from them: `_fit_default_lengths`)
     lengths_given: tuple[bool, bool] = field(default=(True, True), init=False, repr=False, compare=False)
@@ -264,11 +264,9 @@ def _fit_default_lengths(config: InferConfig, args) -> InferConfig:
     limit = args.context_limit()
     if config.lengths_given[0] or limit is None or config.max_length <= limit:
         return config
-    import logging
-
-    logging.getLogger("quantspec").warning(f"quantspec: --max-length {limit} (this model's "
-                                           f"{'sliding window' if limit == args.sliding_window else 'original context'}"
-                                           "; give --max-length to choose another)")
+    what = "sliding window" if limit == args.sliding_window else "original context"
+    logging.getLogger("quantspec").warning(f"quantspec: --max-length {limit} (this model's {what}; give "
+                                           "--max-length to choose another)")
     return replace(config, max_length=limit, src_length=config.src_length if config.lengths_given[1] else None)
 
 
