@@ -184,7 +184,8 @@ def test_split_and_fuse_are_inverse_on_every_leaf(qargs, with_input):
         {n for n in parts if n.endswith("input_scale")}
     for n, t in parts.items():
         if n.endswith("input_scale"):
-            unit = [v for k, v in parts.items() if k.endswith("input_scale") and ("self_attn" in k) == ("self_attn" in n)]
+            unit = [v for k, v in parts.items()
+                    if k.endswith("input_scale") and ("self_attn" in k) == ("self_attn" in n)]
             torch.testing.assert_close(back[n], torch.stack(unit).amax(0))
         else:
             assert back.shapes[n] == tuple(t.shape) and torch.equal(back[n], t), n

@@ -397,8 +397,9 @@ def release_free_heap() -> None:
 # fingerprints: `"<arch>-<weights>"`, 16 hex digits of a sha256 over config.json's architecture
 # fields and 16 of a sha256 over the bytes of a few small weight tensors (every 1-D tensor — norms,
 # biases — plus layer 0's `k_proj.weight`, or its fused `qkv_proj.weight`), so two models of the
-# same shape but different weights differ. A quantized artifact's weights are not its source's, so its fingerprint is the source
-# model's, read from its `quantspec.json` provenance (`model_fingerprint`).
+# same shape but different weights differ. A quantized artifact's weights are not its source's, so
+# its fingerprint is the source model's, read from its `quantspec.json` provenance
+# (`model_fingerprint`).
 
 # config.json fields that define the architecture
 _ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size",

@@ -96,7 +96,7 @@ class MTPArgs:
     @classmethod
     def for_base(cls, base: ModelArgs, draft_vocab_size: int | None = None) -> "MTPArgs":
         block = ModelArgs(**{**base.__dict__, "num_layers": 1, "eos_token_ids": list(base.eos_token_ids),
-                             "num_experts": 0, "dense_layers": (), "nope_layers": ()})  # a dense block whatever the base
+                             "num_experts": 0, "dense_layers": (), "nope_layers": ()})  # a dense block, every base
         arch = next(k for k, v in ARCHITECTURES.items() if v == base.arch)
         vd = base.vocab_size if draft_vocab_size is None else min(int(draft_vocab_size), base.vocab_size)
         if vd < 1:
@@ -117,10 +117,10 @@ class MTPArgs:
             "rms_norm_eps": b.rms_norm_eps,
             "rope_parameters": {"rope_theta": b.rope_theta, "rope_type": "default"}
             | ({"partial_rotary_factor": b.rotary_dim / b.head_dim} if b.rotary_dim != b.head_dim else {}),
-            # the block is the base's layer: Granite's multipliers as its base has them
-            **({k: getattr(b, k) for k in NEUTRAL_MULTIPLIERS} | {"attention_multiplier": b.attention_multiplier
-                                                                  or b.head_dim ** -0.5}
-               if b.arch == "granite" else {}),
+            # the block is the base's layer: Granite's multipliers as its base has them (a Granite
+            # config's attention_multiplier is the score scale itself; 0 here is head_dim ** -0.5)
+            **({k: getattr(b, k) for k in NEUTRAL_MULTIPLIERS}
+               | {"attention_multiplier": b.attention_multiplier or b.head_dim ** -0.5} if b.arch == "granite" else {}),
             "max_position_embeddings": b.max_position_embeddings,
             "vocab_size": b.vocab_size,
             "tie_word_embeddings": b.tie_word_embeddings,

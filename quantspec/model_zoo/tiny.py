@@ -8,10 +8,9 @@ This file owns:
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
 - `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral / Mixtral / Phi-3 / SmolLM3 /
-  Granite checkpoint
-  (transformers' own classes) with a
-  fixed seed, written with `save_pretrained` as safetensors (optionally sharded), plus the
-  tokenizer and a generation config whose eos is `<|im_end|>`.
+  Granite checkpoint (transformers' own classes) with a fixed seed, written with `save_pretrained`
+  as safetensors (optionally sharded), plus the tokenizer and a generation config whose eos is
+  `<|im_end|>`.
 
 Weight scaling (why the init is not transformers' default): with std-0.02 init the final hidden
 state barely depends on the input and the logits are near uniform (spread ~0.1 nat), so greedy
