@@ -338,15 +338,24 @@ class CheckpointTensors(ShapedTensors):
     """A checkpoint's tensors as a read-only mapping that reads a tensor when it is looked up
     (`CheckpointReader.read`: a copy that owns its memory), so a loader
     that converts tensor by tensor holds what it keeps, never a second copy of the checkpoint.
-    `shapes`: name → shape from the headers, for checks that need no data."""
+    `shapes`: name → shape from the headers, for checks that need no data. A fused checkpoint's
+    part is cut from its fused tensor, the last of which is kept, so looking up a unit's parts one
+    after another reads it once."""
 
     def __init__(self, reader: CheckpointReader):
         self.reader, self.shapes = reader, reader.shapes
+        self._fused: tuple[str, torch.Tensor] | None = None  # (name, tensor) of the last fused tensor read
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        return self.reader.read([name])[name]
+        if name not in self.reader.splits:
+            return self.reader.read([name])[name]
+        src, lo, hi, total = self.reader.splits[name]
+        if self._fused is None or self._fused[0] != src:
+            self._fused = None  # the previous unit's tensor is freed before the next is read
+            self._fused = (src, self.reader.read([src])[src])
+        return part_tensor(src, self._fused[1], lo, hi, total)
 
 
 def _split_plan(model_dir: Path, names) -> dict:

@@ -28,7 +28,8 @@ largest (what vLLM does for separately stored shards).
 from __future__ import annotations
 
 import re
-from typing import TYPE_CHECKING, Iterator, Mapping
+from dataclasses import replace
+from typing import TYPE_CHECKING, Callable, Iterator, Mapping
 
 import torch
 
@@ -110,13 +111,19 @@ def _word_rows(shape0: int, lo: int, hi: int, total: int, name: str) -> slice:
     return slice(lo // per, -(-hi // per))
 
 
-def part_shape(name: str, shape: tuple[int, ...], lo: int, hi: int, total: int) -> tuple[int, ...]:
-    """The shape of rows lo..hi of the fused tensor `name` of `shape` (see the module docstring)."""
-    leaf = name.rsplit(".", 1)[-1]
+def _rows_of_parts(leaf: str, shape: tuple[int, ...], rows: int) -> bool:
+    """Whether a tensor of `leaf` and `shape` in a unit of `rows` rows holds rows of the parts
+    (else it is the unit's own: a per-tensor scale, an input scale, `weight_g_idx`)."""
     n = 1
     for d in shape:
         n *= d
-    if leaf not in _ROW_LEAVES or not shape or n == 1 < total:  # the unit's own (a per-tensor scale)
+    return leaf in _ROW_LEAVES and bool(shape) and not n == 1 < rows
+
+
+def part_shape(name: str, shape: tuple[int, ...], lo: int, hi: int, total: int) -> tuple[int, ...]:
+    """The shape of rows lo..hi of the fused tensor `name` of `shape` (see the module docstring)."""
+    leaf = name.rsplit(".", 1)[-1]
+    if not _rows_of_parts(leaf, shape, total):
         return tuple(shape)
     if shape[0] == total:
         return (hi - lo, *shape[1:])
@@ -213,14 +220,12 @@ def _fuse_leaf(name: str, parts: list[torch.Tensor], spans) -> torch.Tensor:
     total = spans[-1][2]
     if leaf == "weight_shape":
         return torch.tensor([total, int(parts[0][1])], dtype=parts[0].dtype)
-    rows = [hi - lo for _, lo, hi in spans]
-    if leaf in _ROW_LEAVES and parts[0].ndim and not parts[0].numel() == 1 < rows[0]:
-        if any(t.shape[0] != r for t, r in zip(parts, rows)):  # packed along rows: whole words per part
-            per = [-(-r // t.shape[0]) for t, r in zip(parts, rows)]
-            if len(set(per)) != 1 or any(r % per[0] for r in rows[:-1]):
-                raise QuantSpecError(f"{name}: the parts' packed rows do not stack into whole words; "
-                                     "quantize with symmetric weights")
-        return torch.cat([t.contiguous() for t in parts])
+    if _rows_of_parts(leaf, tuple(parts[0].shape), total):
+        fused = torch.cat([t.contiguous() for t in parts])
+        if fused.shape[0] != total:  # packed along rows: each part must split back on whole words
+            for _, lo, hi in spans:
+                _word_rows(fused.shape[0], lo, hi, total, name)
+        return fused
     if leaf in _MAX_LEAVES:
         return torch.stack(parts).amax(0)
     if any(not torch.equal(parts[0], t) for t in parts[1:]):
@@ -233,13 +238,9 @@ def part_config(args, config):
     """`config` with every exact fused module name in its ignore list and its groups' targets
     replaced by its parts' names (what the quantizers, which work on the parts, match); the
     converse of `checkpoint_config`."""
-    from dataclasses import replace
-
     units = fused_units(args)
-    if not units:
-        return config
 
-    def expand(names: tuple[str, ...]) -> tuple[str, ...]:
+    def expand(names: tuple[str, ...], where: str) -> tuple[str, ...]:
         out: list[str] = []
         for n in names:
             m = _LAYER.match(n)
@@ -247,8 +248,15 @@ def part_config(args, config):
             out += [n] if spans is None else [f"{m.group(1)}.{p}" for p, _, _ in spans]
         return tuple(out)
 
-    groups = {k: replace(s, targets=expand(tuple(s.targets))) for k, s in config.config_groups.items()}
-    return replace(config, config_groups=groups, ignore=expand(tuple(config.ignore)))
+    return _with_names(config, expand) if units else config
+
+
+def _with_names(config, rename: Callable[[tuple[str, ...], str], tuple[str, ...]]):
+    """`config` with its groups' targets and its ignore list each passed through `rename(names,
+    what names them)`."""
+    groups = {k: replace(s, targets=rename(tuple(s.targets), f"config group {k}"))
+              for k, s in config.config_groups.items()}
+    return replace(config, config_groups=groups, ignore=rename(tuple(config.ignore), "--ignore"))
 
 
 def checkpoint_config(args, config):
@@ -256,11 +264,7 @@ def checkpoint_config(args, config):
     ignore list and its groups' targets renamed to the fused module's, a unit named whole or
     not at all; an exact fused module name stays as it is (the parts match it through
     `checkpoint_name`)."""
-    from dataclasses import replace
-
     units = fused_units(args)
-    if not units:
-        return config
 
     def rename(names: tuple[str, ...], where: str) -> tuple[str, ...]:
         out: list[str] = []
@@ -278,9 +282,7 @@ def checkpoint_config(args, config):
                 out.append(fused)
         return tuple(out)
 
-    groups = {k: replace(s, targets=rename(tuple(s.targets), f"config group {k}"))
-              for k, s in config.config_groups.items()}
-    return replace(config, config_groups=groups, ignore=rename(tuple(config.ignore), "--ignore"))
+    return _with_names(config, rename) if units else config
 
 
 def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:

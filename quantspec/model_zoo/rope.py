@@ -17,6 +17,8 @@ import math
 
 import torch
 
+from quantspec.errors import QuantSpecError
+
 __all__ = ["ROPE_TYPES", "apply_rope", "rope_attention_factor", "rope_cos_sin", "rope_type", "rotary_dim"]
 
 
@@ -85,8 +87,6 @@ def _longrope_inv_freq(args) -> torch.Tensor:
     """LongRoPE's short table: each frequency divided by its `short_factor` (module docstring)."""
     short = torch.tensor(args.rope_scaling["short_factor"], dtype=torch.float64)
     if short.numel() != rotary_dim(args) // 2:
-        from quantspec.errors import QuantSpecError
-
         raise QuantSpecError(f"rope_scaling short_factor has {short.numel()} entries where a rotary embedding "
                              f"over {rotary_dim(args)} dimensions needs {rotary_dim(args) // 2}; fix config.json")
     return _default_inv_freq(args) / short
