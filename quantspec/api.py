@@ -252,8 +252,8 @@ def inspect(path: str | Path) -> dict:
     out = {"path": str(d), "quantized": qc is not None, "size_bytes": _dir_bytes(d),
            "weights_bytes": weights_bytes, "num_tensors": len(names)}
     if qc is None:  # a draft module's verdicts need no quantization_config
-        kind = draft_kind(read_config(d))
-        return out if kind is None else {**out, "engines": {e: v.to_dict() for e, v in draft_verdicts(kind).items()}}
+        kind = draft_kind(c := read_config(d))
+        return out if kind is None else {**out, "engines": {e: v.to_dict() for e, v in draft_verdicts(kind, c).items()}}
     layers = {}
     for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(".weight_scale")}):
         s = qc.scheme_for(n)
@@ -313,7 +313,7 @@ def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
                 elif name in dims and leaf == "weight":
                     dims[name] = int(h.get_slice(k).get_shape()[1])
     cfg = read_config(d)
-    return engine_verdicts(qc, dims, draft=draft_kind(cfg),
+    return engine_verdicts(qc, dims, draft=draft_kind(cfg), draft_config=cfg,
                            base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))
 
 

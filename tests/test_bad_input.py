@@ -112,6 +112,10 @@ CASES = [
                                      "--draft-model {d}/eagle_aux9", "--draft-model"),
     ("infer-eagle-d2t-outside", "infer --model {model} --prompt hi --speculate-method eagle "
                                 "--draft-model {d}/eagle_badd2t", "--draft-model"),
+    ("infer-eagle-speculators-dflash", "infer --model {model} --prompt hi --speculate-method eagle "
+                                       "--draft-model {d}/speculators_dflash", "--draft-model"),
+    ("infer-eagle-speculators-other-embedding", "infer --model {model} --prompt hi --speculate-method eagle "
+                                                "--draft-model {d}/speculators_other_embed", "--draft-model"),
     ("infer-device-cuda", "infer --model {model} --prompt hi --device cuda", "--device"),
     ("train-eagle3-aux-out-of-range", "zoo train-draft-head --kind eagle3 --model {model} --aux-layer-ids 0,1,9 "
                                       "--out {d}/head", "--aux-layer-ids"),
@@ -137,6 +141,8 @@ CASES = [
      "d2t"),
     ("quantize-eagle3-transformers", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 "
                                      "--target transformers --out {d}/q", "--target transformers"),
+    ("quantize-eagle3-sglang-variant", "quantize --model {d}/speculators_head --quant-type weight_only_int8 "
+                                       "--target sglang --out {d}/q", "--target"),
     ("quantize-calib-missing", "quantize --model {model} --quant-type a8w8 --target vllm --calib {d}/no-table --out {d}/q",
      "--calib"),
     ("quantize-alpha-2", "quantize --model {model} --quant-type a8w8 --calib {d}/no-table "
@@ -291,6 +297,16 @@ def _eagle3_inputs(d: Path) -> None:
     bad = Eagle3Head(Eagle3Args.for_base(base(), 8, (0, 1, 2)))
     bad.d2t.fill_(9999)
     save_eagle3(bad, d / "eagle_badd2t")
+    # speculators-format heads: one SGLang runs otherwise than trained, one trained on another
+    # embedding, and a speculators model of another algorithm
+    import torch
+    from speculators_heads import write_speculators_head
+
+    write_speculators_head(d / "speculators_head", torch.zeros(512, 64), "llama-default")
+    write_speculators_head(d / "speculators_other_embed", torch.randn(512, 64), "llama-plain")
+    dflash = write_speculators_head(d / "speculators_dflash", torch.zeros(512, 64), "llama-plain")
+    cfg = json.loads((dflash / "config.json").read_text())
+    (dflash / "config.json").write_text(json.dumps({**cfg, "speculators_model_type": "dflash"}))
 
 
 def _medusa_inputs(d: Path) -> None:

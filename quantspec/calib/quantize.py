@@ -262,14 +262,15 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 def _read_source(config: QuantizeConfig) -> _Source:
     """The source checkpoint (its headers checked before any work) and the calibration table.
     A draft module is checked against `--target` here (`quant.engines.target_refusal`); an
-    EAGLE-3 head's config leaves float what the target's engines load float
-    (`quant.engines.eagle3_ignore`)."""
+    EAGLE-3 head's config, in the plain layout whatever the source's format, leaves float what
+    the target's engines load float (`quant.engines.eagle3_ignore`)."""
     from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
                                                 verify_checkpoint)
+    from quantspec.model_zoo.eagle3 import Eagle3Args
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.model_zoo.moe import router_ignore
     from quantspec.quant.presets import for_experts
-    from quantspec.quant.engines import eagle3_ignore, target_refusal
+    from quantspec.quant.engines import eagle3_ignore, eagle3_refusal, target_refusal
 
     qconfig = config.quant_config
     with about("--model"):
@@ -281,12 +282,16 @@ def _read_source(config: QuantizeConfig) -> _Source:
         what = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}.get(kind)
         if kind == "eagle3":
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
+            cfg = Eagle3Args.from_config(cfg, str(model_dir / "config.json")).to_config()
         args = ModelArgs.from_hf_config(cfg) if kind is None else None
         moe = args is not None and args.num_experts > 0
         if moe:  # routers and shared-expert gates stay float
             qconfig = for_experts(replace(qconfig, ignore=(*qconfig.ignore,
                                                            *(i for i in router_ignore(args) if i not in qconfig.ignore))))
         refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) if what or moe else None
+        unfit = eagle3_refusal("sglang", cfg) if kind == "eagle3" and config.target == "sglang" else None
+        if unfit is not None:  # the float head already: no quantization makes it SGLang's
+            refusal = f"--target sglang: {unfit}; pass --target vllm (or quantspec)"
         if refusal is not None:
             raise QuantSpecError(f"{model_dir} is {what or 'a mixture of experts'}: {refusal}")
         reader = None if what else CheckpointReader(model_dir)  # every header checked

@@ -64,10 +64,8 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
             name, allow_patterns=["*.json", "*.safetensors", "tokenizer*", "*.model", "*.txt"]
         ))
     except Exception as e:  # offline, gated, or a typo — all surface as one line
-        raise QuantSpecError(
-            f"could not fetch {name!r} from the hub ({type(e).__name__}); download it first and pass "
-            f"the local directory"
-        ) from None
+        raise QuantSpecError(f"could not fetch {name!r} from the hub ({type(e).__name__}); download it first "
+                             "and pass the local directory") from None
 
 
 def read_config(model_dir: Path) -> dict:
@@ -86,10 +84,13 @@ def draft_kind(cfg: dict) -> str | None:
     from quantspec.model_zoo.eagle3 import is_eagle3_config
     from quantspec.model_zoo.medusa import is_medusa_config
     from quantspec.model_zoo.mtp import is_mtp_config
+    from quantspec.model_zoo.speculators import eagle3_config, is_speculators_config
 
     for kind, is_it in (("mtp", is_mtp_config), ("medusa", is_medusa_config), ("eagle3", is_eagle3_config)):
         if is_it(cfg):
             return kind
+    if is_speculators_config(cfg):
+        eagle3_config(cfg)  # a speculators model of another algorithm: its one-line refusal
     return None
 
 

@@ -28,6 +28,12 @@ fingerprint. A head on the default aux layers writes no layer ids: the engines r
 the output of layer i), and without them both capture the default layers. A head on other
 layers writes them in vLLM's (quantspec's) sense. Tensors: `eagle3_weight_table` (the published
 names).
+
+Variants (`VARIANT_FLAGS`, read as vLLM reads them; the speculators format's options, which
+`model_zoo/speculators.py` reads): `norm_before_residual` adds the attention to hidden_norm(g);
+`norm_before_fc` RMS-normalizes the concatenated aux features (`input_norm`), `fc_norm` each
+one (`fc_norm.i`), before `fc`; `norm_output` chains norm(out) instead of out; a Qwen3 decoder
+layer (`Eagle3Qwen3ForCausalLM`) normalizes each head's q and k. Any number of aux layers.
 """
 
 from __future__ import annotations
@@ -44,20 +50,27 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import MLP, NEUTRAL_MULTIPLIERS, ModelArgs, RMSNorm, RotaryEmbedding, rope_cos_sin
 from quantspec.model_zoo.mtp import base_fingerprint
+from quantspec.model_zoo.speculators import LAYER_ARCHITECTURES, eagle3_config, is_speculators_config, to_plain_names
 
 __all__ = ["EAGLE3_ARCHITECTURE", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
            "default_aux_layers", "eagle3_weight_table", "is_eagle3_config", "load_eagle3", "save_eagle3"]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's registry and SGLang's EntryClass
-_ARCH_NAMES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM")
+_ARCH_NAMES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")
 INT_BUFFERS = ("d2t", "t2d")  # kept in their own dtypes on load
+# the layer variants vLLM reads from a head's config (speculators' EAGLE-3 options), all off in the
+# plain layout
+VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
+
 # attend(q [T, H, hd], k [T, KV, hd], v [T, KV, hd]) -> [T, H, hd]: the head's KV cache policy
 Attend = Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor]
 
 
 def is_eagle3_config(cfg: dict) -> bool:
-    """An EAGLE-3 head's config.json (an EAGLE-3 architecture, or an `eagle_config` block)."""
-    return any(a in _ARCH_NAMES for a in cfg.get("architectures") or ()) or "eagle_config" in cfg
+    """An EAGLE-3 head's config.json (an EAGLE-3 architecture, an `eagle_config` block, or the
+    speculators format's EAGLE-3, `model_zoo/speculators.py`)."""
+    return any(a in _ARCH_NAMES for a in cfg.get("architectures") or ()) or "eagle_config" in cfg \
+        or cfg.get("speculators_model_type") == "eagle3"
 
 
 def default_aux_layers(num_layers: int) -> tuple[int, int, int]:
@@ -73,10 +86,19 @@ class Eagle3Args:
     target_hidden_size: int
     base_num_layers: int | None = None
     base_fingerprint: str | None = None
+    norm_before_residual: bool = False  # the attention's residual is hidden_norm(g), not g
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the concatenated aux features
+    fc_norm: bool = False  # one RMSNorm per aux feature (`fc_norm.i`) before the concatenation
+    norm_output: bool = False  # the next draft row's hidden is norm(out), not the pre-norm out
 
     @property
     def num_aux(self) -> int:
         return 3 if self.aux_layer_ids is None else len(self.aux_layer_ids)
+
+    @property
+    def variants(self) -> tuple[str, ...]:
+        """The config flags set on this head beyond the plain EAGLE-3 layer (`VARIANT_FLAGS`)."""
+        return tuple(f for f in VARIANT_FLAGS if getattr(self, f))
 
     def aux_layers(self, num_layers: int) -> tuple[int, ...]:
         """The aux layer ids on a base of `num_layers` layers."""
@@ -94,14 +116,17 @@ class Eagle3Args:
         return cls(layer, int(draft_vocab_size), ids, base.hidden_size, base.num_layers, base_fingerprint(base))
 
     def to_config(self) -> dict:
+        """The head's config.json in the plain layout (the variants' flags where set, as vLLM
+        reads them; a Qwen3 layer under vLLM's `Eagle3Qwen3ForCausalLM`)."""
         b = self.layer
         qs = {k: v for k, v in (("base_num_layers", self.base_num_layers),
                                 ("base_fingerprint", self.base_fingerprint)) if v is not None}
         eagle = {"use_aux_hidden_state": True}
         if self.aux_layer_ids is not None:
             eagle["eagle_aux_hidden_state_layer_ids"] = list(self.aux_layer_ids)
+        model_type = "qwen3" if b.qk_norm else "llama"
         return {
-            "architectures": [EAGLE3_ARCHITECTURE], "model_type": "llama",
+            "architectures": [LAYER_ARCHITECTURES[model_type][0]], "model_type": model_type,
             "hidden_size": b.hidden_size, "intermediate_size": b.intermediate_size, "num_hidden_layers": 1,
             "num_attention_heads": b.num_heads, "num_key_value_heads": b.num_kv_heads, "head_dim": b.head_dim,
             "hidden_act": "silu", "rms_norm_eps": b.rms_norm_eps, "rope_theta": b.rope_theta,
@@ -109,31 +134,41 @@ class Eagle3Args:
             "vocab_size": b.vocab_size, "draft_vocab_size": self.draft_vocab_size,
             "target_hidden_size": self.target_hidden_size, "tie_word_embeddings": False,
             "attention_bias": False, "mlp_bias": False, "bias": False, "eagle_config": eagle, "quantspec": qs,
-        } | ({"partial_rotary_factor": b.rotary_dim / b.head_dim} if b.rotary_dim != b.head_dim else {})
+        } | ({"partial_rotary_factor": b.rotary_dim / b.head_dim} if b.rotary_dim != b.head_dim else {}) \
+            | dict.fromkeys(self.variants, True)
 
     @classmethod
     def from_config(cls, cfg: dict, where: str = "config.json") -> "Eagle3Args":
-        if not is_eagle3_config(cfg):
+        """The head's args from its config.json, plain or speculators format."""
+        if is_speculators_config(cfg):
+            cfg = eagle3_config(cfg, where)
+        elif not is_eagle3_config(cfg):
             raise QuantSpecError(f"{where} is not an EAGLE-3 head (architectures {cfg.get('architectures')}); "
                                  "train one with `quantspec zoo train-draft-head --kind eagle3`")
         if cfg.get("num_hidden_layers", 1) != 1:
             raise QuantSpecError(f"{where}: num_hidden_layers {cfg.get('num_hidden_layers')}; quantspec runs "
                                  "EAGLE-3 heads of one decoder layer (midlayer)")
-        layer = ModelArgs.from_hf_config({**cfg, "architectures": ["LlamaForCausalLM"]})
+        qwen3 = "Eagle3Qwen3ForCausalLM" in (cfg.get("architectures") or ()) or cfg.get("model_type") == "qwen3"
+        causal_lm = LAYER_ARCHITECTURES["qwen3" if qwen3 else "llama"][1]  # the layer's own class
+        layer = ModelArgs.from_hf_config({**cfg, "architectures": [causal_lm]})
         layer.tie_word_embeddings = False
         eagle = cfg.get("eagle_config") or {}
         ids = eagle.get("eagle_aux_hidden_state_layer_ids") or cfg.get("eagle_aux_hidden_state_layer_ids")
-        if ids is not None and (len(ids) != 3 or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
-            raise QuantSpecError(f"{where}: eagle_config.eagle_aux_hidden_state_layer_ids must list 3 layer ids "
-                                 f"(got {ids!r}), e.g. [2, L // 2, L - 3] for a base of L layers")
-        if eagle.get("use_aux_hidden_state") is False or eagle.get("norm_before_fc") or cfg.get("fc_norm"):
-            raise QuantSpecError(f"{where}: only the plain EAGLE-3 layout (aux hidden states through fc, no "
-                                 "norm_before_fc / fc_norm) runs here")
+        if ids is not None and (not ids or not all(isinstance(i, int) and not isinstance(i, bool) for i in ids)):
+            raise QuantSpecError(f"{where}: eagle_aux_hidden_state_layer_ids must list layer ids (got {ids!r}), "
+                                 "e.g. [2, L // 2, L - 3] for a base of L layers")
+        if eagle.get("use_aux_hidden_state") is False:
+            raise QuantSpecError(f"{where}: use_aux_hidden_state false; quantspec runs EAGLE-3 heads that read "
+                                 "the base's aux hidden states through fc")
+        flags = {f: bool(eagle.get(f, cfg.get(f, False))) for f in VARIANT_FLAGS}
+        if flags["norm_before_fc"] and flags["fc_norm"]:
+            raise QuantSpecError(f"{where}: norm_before_fc and fc_norm are both set; a head has one of them "
+                                 "(a single RMSNorm over the aux features, or one per feature)")
         vd = cfg.get("draft_vocab_size") or layer.vocab_size
         qs = cfg.get("quantspec") or {}
         return cls(layer, int(vd), None if ids is None else tuple(ids),
                    int(cfg.get("target_hidden_size") or layer.hidden_size),
-                   qs.get("base_num_layers"), qs.get("base_fingerprint"))
+                   qs.get("base_num_layers"), qs.get("base_fingerprint"), **flags)
 
 
 def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "the EAGLE-3 head") -> None:
@@ -154,7 +189,8 @@ def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "t
 
 
 class Eagle3Attention(nn.Module):
-    """Attention of the head's layer: q/k/v read the 2·D input, o writes D."""
+    """Attention of the head's layer: q/k/v read the 2·D input, o writes D; a Qwen3 layer
+    RMS-normalizes each head's q and k before the rotary embedding."""
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -163,21 +199,27 @@ class Eagle3Attention(nn.Module):
         self.k_proj = nn.Linear(2 * a.hidden_size, a.kv_size, bias=False)
         self.v_proj = nn.Linear(2 * a.hidden_size, a.kv_size, bias=False)
         self.o_proj = nn.Linear(a.q_size, a.hidden_size, bias=False)
+        if a.qk_norm:
+            self.q_norm, self.k_norm = RMSNorm(a.head_dim, a.rms_norm_eps), RMSNorm(a.head_dim, a.rms_norm_eps)
+        else:
+            self.q_norm = self.k_norm = nn.Identity()
         self.rotary_emb = RotaryEmbedding()
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, attend: Attend) -> torch.Tensor:
         T, H, KV, hd = x.shape[0], self.num_heads, self.num_kv_heads, self.head_dim
-        q = self.rotary_emb(self.q_proj(x).view(T, H, hd), cos, sin)  # [T, H, hd]
-        k = self.rotary_emb(self.k_proj(x).view(T, KV, hd), cos, sin)  # [T, KV, hd]
+        q = self.rotary_emb(self.q_norm(self.q_proj(x).view(T, H, hd)), cos, sin)  # [T, H, hd]
+        k = self.rotary_emb(self.k_norm(self.k_proj(x).view(T, KV, hd)), cos, sin)  # [T, KV, hd]
         v = self.v_proj(x).view(T, KV, hd)
         return self.o_proj(attend(q, k, v).reshape(T, H * hd))
 
 
 class Eagle3Layer(nn.Module):
-    """`midlayer`: the decoder layer over [input_layernorm(embedding) ; hidden_norm(hidden)]."""
+    """`midlayer`: the decoder layer over [input_layernorm(embedding) ; hidden_norm(hidden)];
+    `norm_before_residual`: the attention adds to hidden_norm(hidden), not to hidden."""
 
-    def __init__(self, a: ModelArgs):
+    def __init__(self, a: ModelArgs, norm_before_residual: bool = False):
         super().__init__()
+        self.norm_before_residual = norm_before_residual
         self.hidden_norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.input_layernorm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.self_attn = Eagle3Attention(a)
@@ -185,8 +227,9 @@ class Eagle3Layer(nn.Module):
         self.mlp = MLP(a)
 
     def forward(self, emb, hidden, cos, sin, attend: Attend) -> torch.Tensor:
-        x = torch.cat([self.input_layernorm(emb), self.hidden_norm(hidden)], dim=-1)  # [T, 2D]
-        h = hidden + self.self_attn(x, cos, sin, attend)
+        normed = self.hidden_norm(hidden)
+        x = torch.cat([self.input_layernorm(emb), normed], dim=-1)  # [T, 2D]
+        h = (normed if self.norm_before_residual else hidden) + self.self_attn(x, cos, sin, attend)
         return h + self.mlp(self.post_attention_layernorm(h))
 
 
@@ -197,17 +240,35 @@ class Eagle3Head(nn.Module):
         super().__init__()
         self.args = args
         a, n = args.layer, args.num_aux
-        self.fc = nn.Linear(n * args.target_hidden_size, a.hidden_size, bias=False)
-        self.midlayer = Eagle3Layer(a)
+        T = args.target_hidden_size
+        if args.norm_before_fc:
+            self.input_norm = RMSNorm(n * T, a.rms_norm_eps)
+        if args.fc_norm:
+            self.fc_norm = nn.ModuleList(RMSNorm(T, a.rms_norm_eps) for _ in range(n))
+        self.fc = nn.Linear(n * T, a.hidden_size, bias=False)
+        self.midlayer = Eagle3Layer(a, args.norm_before_residual)
         self.norm = RMSNorm(a.hidden_size, a.rms_norm_eps)
         self.lm_head = nn.Linear(a.hidden_size, args.draft_vocab_size, bias=False)
         self.register_buffer("d2t", torch.zeros(args.draft_vocab_size, dtype=torch.int64))
         self.register_buffer("t2d", torch.zeros(a.vocab_size, dtype=torch.bool))
         self._embed: list[nn.Module] = []  # the base's (a list: not a submodule, not saved)
+        self.own_embed: tuple[str, torch.Tensor] | None = None  # a head file's copy, until bound
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
 
     def bind_embedding(self, embed: nn.Module) -> "Eagle3Head":
+        """Read the base's embedding. A head file's own copy (`own_embed`: where it came from,
+        the tensor) must be that embedding: the head runs on the base's, where vLLM would run a
+        distinct copy of its own, so a head trained on another embedding is refused here."""
+        if self.own_embed is not None:
+            where, own = self.own_embed
+            base = embed.weight.detach()
+            if own.shape != base.shape or not torch.allclose(own.to(base.device, torch.float32), base.float(),
+                                                             rtol=1e-2, atol=1e-3):
+                raise QuantSpecError(f"{where}: the head's embed_tokens differs from the base's embedding; the "
+                                     "head belongs to another base: pass its own base, or train one with "
+                                     "`quantspec zoo train-draft-head --kind eagle3 --model BASE`")
+            self.own_embed = None
         self._embed[:] = [embed]
         return self
 
@@ -217,6 +278,15 @@ class Eagle3Head(nn.Module):
         self.d2t.copy_(ids - torch.arange(ids.numel(), device=ids.device))
         self.t2d.zero_()
         self.t2d[ids] = True
+
+    def fuse(self, aux: torch.Tensor) -> torch.Tensor:
+        """The base's aux features [T, n·T_D] (the aux layers' rows side by side) → the head's
+        hidden [T, D]: `fc`, after `input_norm` or the per-feature `fc_norm` where the head has them."""
+        if self.args.norm_before_fc:
+            aux = self.input_norm(aux)
+        if self.args.fc_norm:
+            aux = torch.cat([norm(x) for norm, x in zip(self.fc_norm, aux.chunk(self.args.num_aux, dim=-1))], dim=-1)
+        return self.fc(aux)
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -230,23 +300,29 @@ class Eagle3Head(nn.Module):
 
     def forward(self, tokens: torch.Tensor, hidden: torch.Tensor, positions: torch.Tensor, attend: Attend
                 ) -> torch.Tensor:
-        """tokens [T] (t_{p+1}), hidden [T, D] (fc'd aux features or the head's own output),
-        positions [T] (p) → the head's pre-norm output [T, D]."""
+        """tokens [T] (t_{p+1}), hidden [T, D] (`fuse`d aux features or the head's own output),
+        positions [T] (p) → the head's output [T, D], the next draft row's hidden: pre-norm, or
+        normed with `norm_output`."""
         emb = self._embed[0](tokens).to(hidden.dtype)  # [T, D]
         cos, sin = self.rope(positions, hidden.dtype)
-        return self.midlayer(emb, hidden, cos, sin, attend)
+        out = self.midlayer(emb, hidden, cos, sin, attend)
+        return self.norm(out) if self.args.norm_output else out
 
     def logits(self, out: torch.Tensor) -> torch.Tensor:
-        """out [T, D] (pre-norm) → draft logits [T, Vd] fp32."""
-        return self.lm_head(self.norm(out)).float()
+        """out [T, D] (`forward`'s) → draft logits [T, Vd] fp32."""
+        return self.lm_head(out if self.args.norm_output else self.norm(out)).float()
 
 
 def eagle3_weight_table(args: Eagle3Args) -> dict[str, tuple[int, ...]]:
     """Every tensor of an unquantized head, with its shape (the names vLLM and SGLang read)."""
-    a, D = args.layer, args.layer.hidden_size
+    a, D, n, T = args.layer, args.layer.hidden_size, args.num_aux, args.target_hidden_size
     p = "midlayer."
-    return {
-        "fc.weight": (D, args.num_aux * args.target_hidden_size),
+    variant = ({"input_norm.weight": (n * T,)} if args.norm_before_fc else {}) \
+        | ({f"fc_norm.{i}.weight": (T,) for i in range(n)} if args.fc_norm else {}) \
+        | ({p + "self_attn.q_norm.weight": (a.head_dim,), p + "self_attn.k_norm.weight": (a.head_dim,)}
+           if a.qk_norm else {})
+    return variant | {
+        "fc.weight": (D, n * T),
         p + "hidden_norm.weight": (D,), p + "input_layernorm.weight": (D,),
         p + "self_attn.q_proj.weight": (a.q_size, 2 * D), p + "self_attn.k_proj.weight": (a.kv_size, 2 * D),
         p + "self_attn.v_proj.weight": (a.kv_size, 2 * D), p + "self_attn.o_proj.weight": (D, a.q_size),
@@ -287,13 +363,18 @@ def load_eagle3(path: str | os.PathLike, base: ModelArgs | None = None, *, dtype
     args = Eagle3Args.from_config(cfg, where=str(path / "config.json"))
     if base is not None:
         check_eagle3_matches_base(args, base, where=f"EAGLE-3 head {path}")
-    tensors = load_checkpoint_tensors(path)
-    tensors.pop("embed_tokens.weight", None)  # a copy of the base's: the head reads the base's own
+    tensors = to_plain_names(load_checkpoint_tensors(path))
+    own_embed = tensors.pop("embed_tokens.weight", None)  # a copy of the base's (checked when bound)
+    if not {"d2t", "t2d"} & set(tensors) and args.draft_vocab_size == args.layer.vocab_size:
+        # a head over the whole vocabulary may leave out its (identity) maps, as vLLM allows
+        tensors["d2t"] = torch.zeros(args.draft_vocab_size, dtype=torch.int64)
+        tensors["t2d"] = torch.ones(args.layer.vocab_size, dtype=torch.bool)
     check_exactly_table(tensors, eagle3_weight_table(args), str(path), "an EAGLE-3 head")
     with torch.device("meta"):
         head = Eagle3Head(args)
     head.load_state_dict({k: (v if k in INT_BUFFERS else v.to(dtype)) for k, v in tensors.items()}, assign=True)
     check_draft_maps(head, str(path))
+    head.own_embed = None if own_embed is None else (str(path), own_embed)
     return head.to(device).eval()
 
 

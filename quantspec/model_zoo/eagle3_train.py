@@ -128,7 +128,7 @@ def ttt_outputs(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, ste
     L, dev = tokens.numel(), head.norm.weight.device
     n = L - 1  # rows p = 0..L-2 read t_{p+1}
     p = torch.arange(n, device=dev)
-    hidden = head.fc(feats[:n].to(dev, head.norm.weight.dtype))  # [n, D]
+    hidden = head.fuse(feats[:n].to(dev, head.norm.weight.dtype))  # [n, D]
     attend = _ttt_attend([], [])
     outs = []
     for s in range(min(steps, n)):

@@ -26,7 +26,8 @@ quantization config they resolve is a marker (`DRAFT_QC`). The result lists ever
 which shards of it were loaded from which checkpoint tensor, the engine's draft-to-target map,
 and every layer the engine's EAGLE-3 code builds from a stand-in: the prefix (its name in the
 engine) and whether it was given the draft's quantization config; `fc_class` is the class the
-engine builds `fc` from.
+engine builds `fc` from; `variant`, how the engine's model read the head's layer variants
+(vLLM's residual-norm method, the norms before `fc`, `norm_output`, the number of aux features).
 """
 
 from __future__ import annotations
@@ -250,6 +251,13 @@ def build_and_load(engine: str, head_dir: str, target_layers: int, target_vocab:
     hot = getattr(model, "hot_token_id", None)
     out["hot_token_id"] = None if hot is None else hot.tolist()
     out["fc_input_size"] = shapes.get("model.fc.weight", [None, None])[1]
+    inner = model.model
+    residual = getattr(inner.layers[0], "_residual_norm", None)  # vLLM's choice; SGLang has none
+    out["variant"] = {"residual_norm": None if residual is None else residual.__name__,
+                      "norm_before_fc": getattr(inner, "input_norm", None) is not None,
+                      "fc_norm": getattr(inner, "fc_norm", None) is not None,
+                      "norm_output": bool(getattr(inner, "norm_output", False)),
+                      "num_aux": getattr(inner, "num_aux_hidden_states", None)}
     out["sample"] = {n: float(torch.tensor(v).float().sum()) for n, v in values.items()}
     return out
 

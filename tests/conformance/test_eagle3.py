@@ -12,6 +12,7 @@ verdicts say, and SGLang's `load_weights` passes a quantized `fc` by."""
 from __future__ import annotations
 
 import json
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -180,3 +181,103 @@ def test_sglang_passes_a_quantized_fc_by(engine_sources, eagle3_artifacts, eagle
     out = res["result"]
     assert out["fc_class"] == "torch.nn.modules.linear.Linear"
     assert "model.fc.weight" in out["params"] and "model.fc.weight" not in out["loads"]
+
+
+# speculators-format heads (tests/speculators_heads.py) of a Llama layer, each read by quantspec and
+# written back in the plain layout with its variants' flags
+LIFTED_VARIANTS = ("llama-default", "llama-two-aux-fc-norm", "llama-norm-before-fc")
+
+
+@pytest.fixture(scope="session")
+def variant_heads(conformance_model, tmp_path_factory) -> tuple[dict, object]:
+    """variant → (the speculators head, quantspec's plain-layout head of it); the base's args."""
+    from speculators_heads import write_speculators_head
+
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.eagle3 import load_eagle3, save_eagle3
+
+    base = load_model(conformance_model)[0]
+    tmp, out = tmp_path_factory.mktemp("conf_speculators"), {}
+    for v in LIFTED_VARIANTS:
+        spec = write_speculators_head(tmp / v / "speculators", base.model.embed_tokens.weight.detach(), v)
+        out[v] = (spec, save_eagle3(load_eagle3(spec, base.args), tmp / v / "plain"))
+    return out, base.args
+
+
+@pytest.fixture(scope="session")
+def lifted_variants(engine_sources, variant_heads) -> dict:
+    heads, args = variant_heads
+    return {e: src if isinstance(src, str) else {v: _lift(src, plain, args) for v, (_, plain) in heads.items()}
+            for e, src in engine_sources.items()}
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+@pytest.mark.parametrize("variant", LIFTED_VARIANTS)
+def test_engine_reads_the_head_variants_as_quantspec_does(lifted_variants, variant_heads, engine_sources,
+                                                          engine, variant):
+    """The engine's EAGLE-3 model, built from the plain config quantspec writes for a speculators
+    head, loads every tensor of it (the norms before `fc` too) and reads `norm_before_fc`,
+    `fc_norm`, `norm_output` and the number of aux features as quantspec does; vLLM also picks its
+    residual from hidden_norm(hidden) exactly where quantspec does. SGLang's decoder layer has no
+    such choice, so the verdicts refuse SGLang a head with `norm_before_residual`."""
+    from quantspec.model_zoo.eagle3 import Eagle3Args
+    from quantspec.quant.engines import draft_verdicts
+
+    ans = lifted_variants[engine]
+    if isinstance(ans, str):
+        pytest.skip(ans)
+    res = ans[variant]
+    assert "fatal" not in res, res.get("fatal")
+    out = res["result"]
+    _, plain = variant_heads[0][variant]
+    cfg = json.loads((plain / "config.json").read_text())
+    a = Eagle3Args.from_config(cfg)
+    assert set(out["loads"]) == set(out["params"]) - {"model.embed_tokens.weight"}
+    assert out["nan_left"] == ["model.embed_tokens.weight"]
+    assert out["fc_input_size"] == a.num_aux * variant_heads[1].hidden_size
+    got = out["variant"]
+    assert (got["norm_before_fc"], got["fc_norm"], got["norm_output"], got["num_aux"]) == \
+        (a.norm_before_fc, a.fc_norm, a.norm_output, a.num_aux)
+    sglang = draft_verdicts("eagle3", cfg)["sglang"]
+    if engine == "vllm":
+        assert got["residual_norm"] == ("_norm_before_residual" if a.norm_before_residual else "_norm_after_residual")
+    else:
+        code = (engine_sources["sglang"].source / "sglang/srt/models/llama_eagle3.py").read_text()
+        assert got["residual_norm"] is None and "norm_before_residual" not in code
+        assert sglang.status == ("refused" if a.norm_before_residual else "loads"), sglang.line()
+
+
+def test_vllm_flattens_a_speculators_config_as_quantspec_does(engine_sources, tmp_path):
+    """vLLM's own `update_eagle3` (speculators/algos.py, over the `transformer_layer_config` that
+    `SpeculatorsConfig` starts from) gives every key it sets the value quantspec's reading of the
+    same file gives it: the architecture for the layer (registered in vLLM, not in SGLang), the
+    draft vocabulary, the aux layers and the variants' flags, `norm_before_residual` true where the
+    file leaves it out."""
+    import runpy
+
+    from speculators_heads import VARIANTS, write_speculators_head
+
+    from quantspec.model_zoo.speculators import eagle3_config
+
+    src = engine_sources["vllm"]
+    if isinstance(src, str):
+        pytest.skip(src)
+    spec_dir = src.source / "vllm/transformers_utils/configs/speculators"
+    assert 'config_dict.get("transformer_layer_config", {})' in (spec_dir / "base.py").read_text()
+    update = runpy.run_path(str(spec_dir / "algos.py"))["SUPPORTED_SPECULATORS_TYPES"]["eagle3"]
+    registry = (src.source / "vllm/model_executor/models/registry.py").read_text()
+    model_class = {name: (module, cls) for name, module, cls in
+                   re.findall(r'"(\w+)": \(\s*"(\w+)",\s*"(\w+)",?\s*\)', registry)}
+    for variant, (kind, _, _) in VARIANTS.items():
+        path = write_speculators_head(tmp_path / variant, torch.zeros(96, 32), variant)
+        cfg = json.loads((path / "config.json").read_text())
+        vllm = dict(cfg["transformer_layer_config"])
+        update(config_dict=cfg, pre_trained_config=vllm)
+        ours = eagle3_config(cfg)
+        # architectures: two names of one vLLM class; quantspec's is the one SGLang knows too
+        assert model_class[ours["architectures"][0]] == model_class[vllm["architectures"][0]], variant
+        assert {k: ours.get(k, False) for k in vllm if k != "architectures"} == \
+            {k: v for k, v in vllm.items() if k != "architectures"}, variant
+        sglang = engine_sources["sglang"]
+        if not isinstance(sglang, str):
+            assert (ours["architectures"][0] in sglang.architectures()) == (kind == "llama")

@@ -52,6 +52,7 @@ from quantspec.model_zoo.checkpoint import read_config
 from quantspec.model_zoo.eagle3 import (INT_BUFFERS, Eagle3Args, Eagle3Head, check_draft_maps,
                                         check_eagle3_matches_base, eagle3_weight_table, is_eagle3_config, load_eagle3)
 from quantspec.model_zoo.llama import Transformer
+from quantspec.model_zoo.speculators import is_speculators_config
 
 __all__ = ["EagleProposer", "build_eagle_proposer", "load_eagle3_for_inference"]
 
@@ -64,7 +65,7 @@ def load_eagle3_for_inference(path: str | Path, base: Transformer, *, dtype: tor
         raise QuantSpecError(f"--draft-model {path} has no config.json; pass a head from "
                              "`quantspec zoo train-draft-head --kind eagle3`")
     cfg = read_config(path)
-    if not is_eagle3_config(cfg):
+    if not (is_eagle3_config(cfg) or is_speculators_config(cfg)):  # another speculators model: from_config says so
         raise QuantSpecError(f"--draft-model {path} is not an EAGLE-3 head (architectures {cfg.get('architectures')}); "
                              "pass a head from `quantspec zoo train-draft-head --kind eagle3`")
     from quantspec.infer.spec.mtp import HeadKind, load_head_for_inference
@@ -228,7 +229,7 @@ class EagleProposer:
         pos = torch.tensor(positions, device=dev)
         nxt = torch.tensor([toks[p + 1] for p in positions], dtype=torch.int64, device=dev)
         raw = torch.cat(feats)  # [m, 3D]
-        hidden = self.head.fc(raw.to(st.k.dtype))  # [m, D]
+        hidden = self.head.fuse(raw.to(st.k.dtype))  # [m, D]
         out = self.head(nxt, hidden, pos, self._attend(st, st.n))  # [m, D]
         st.n += len(positions)
         st.last = out[-1]

@@ -21,7 +21,7 @@ The package, by concept:
 """
 
 from quantspec.quant.engines.decide import engine_verdicts, target_refusal
-from quantspec.quant.engines.drafts import DRAFT_REFUSALS, draft_verdicts, eagle3_ignore, eagle3_targets
+from quantspec.quant.engines.drafts import DRAFT_REFUSALS, draft_verdicts, eagle3_ignore, eagle3_refusal, eagle3_targets
 from quantspec.quant.engines.layers import engine_layers, fused_targets
 from quantspec.quant.engines.tables import (
     ENGINE_NAMES,
@@ -39,5 +39,5 @@ __all__ = [
     "ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
     "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "LayerVerdict", "EngineVerdict", "engine_layers",
     "fused_targets", "engine_verdicts", "draft_verdicts", "DRAFT_REFUSALS", "target_refusal",
-    "eagle3_ignore", "eagle3_targets",
+    "eagle3_ignore", "eagle3_refusal", "eagle3_targets",
 ]

@@ -24,15 +24,16 @@ __all__ = ["engine_verdicts", "target_refusal"]
 
 
 def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Iterable[str], *,
-                    capability: int = 90, draft: str | None = None, base_layers: int | None = None
-                    ) -> dict[str, EngineVerdict]:
+                    capability: int = 90, draft: str | None = None, base_layers: int | None = None,
+                    draft_config: dict | None = None) -> dict[str, EngineVerdict]:
     """One `EngineVerdict` per engine in `ENGINES` for an artifact with `config` whose quantized
     Linears are `linears` (name → input dim K, or names alone when K is unknown).
 
     `capability`: the GPU's compute capability (90 = Hopper) for the engines' FP8 choice.
     `draft`: "mtp" / "medusa" / "eagle3" for a draft module: the engines of `DRAFT_REFUSALS`
     refuse it; vLLM and SGLang judge an EAGLE-3 head under their own layer names
-    (`drafts.eagle3_layers`; `base_layers`: the target's layer count, see there).
+    (`drafts.eagle3_layers`; `base_layers`: the target's layer count, see there), and refuse
+    one they would run otherwise than trained (`drafts.eagle3_refusal` on its `draft_config`).
     """
     if not isinstance(linears, Mapping):
         linears = {n: None for n in linears}
@@ -44,7 +45,7 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
             per_layer = eagle3_layers(engine, config, targets, linears, capability, base_layers)
         else:
             per_layer = None
-        out[engine] = draft_refusal(engine, draft) or \
+        out[engine] = draft_refusal(engine, draft, draft_config) or \
             _verdict(engine, config, targets, layers, linears, capability, per_layer)
     return out
 

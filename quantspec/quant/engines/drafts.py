@@ -19,6 +19,11 @@ EAGLE-3: vLLM (`Eagle3LlamaForCausalLM`, vllm/model_executor/models/llama_eagle3
 So a head portable to both leaves `fc` float (`eagle3_ignore`), and a name target reaches the
 engines only when it also names their layers (`eagle3_targets`). transformers has no EAGLE-3
 class.
+
+The head's layer variants (`model_zoo.eagle3.VARIANT_FLAGS`, a Qwen3 decoder layer) and the
+speculators format are vLLM's: SGLang's EAGLE-3 class adds the attention to the raw hidden state
+whatever the config says, has no q / k norms and no EAGLE-3 class for a Qwen3 layer, and reads
+no speculators config (`eagle3_refusal`).
 """
 
 from __future__ import annotations
@@ -33,7 +38,7 @@ from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["DRAFT_REFUSALS", "EAGLE3_LAYERS", "SGLANG_EAGLE3_FC", "draft_verdicts", "draft_refusal",
-           "eagle3_layers", "eagle3_ignore", "eagle3_targets"]
+           "eagle3_layers", "eagle3_ignore", "eagle3_refusal", "eagle3_targets"]
 
 _QKV = tuple(f"midlayer.self_attn.{s}_proj" for s in "qkv")
 _GATE_UP = ("midlayer.mlp.gate_proj", "midlayer.mlp.up_proj")
@@ -82,18 +87,43 @@ DRAFT_REFUSALS = {
 }
 
 
-def draft_verdicts(draft: str) -> dict[str, EngineVerdict]:
-    """The verdicts on an unquantized draft module of kind `draft` ("mtp" / "medusa" / "eagle3"):
-    quantspec loads it, the engines in `DRAFT_REFUSALS[draft]` refuse it, the others load it."""
-    return {e: draft_refusal(e, draft) or EngineVerdict(e, "loads") for e in ENGINES}
+def draft_verdicts(draft: str, config: dict | None = None) -> dict[str, EngineVerdict]:
+    """The verdicts on an unquantized draft module of kind `draft` ("mtp" / "medusa" / "eagle3")
+    with config.json `config`: quantspec loads it, the engines in `DRAFT_REFUSALS[draft]` refuse
+    it (and SGLang an EAGLE-3 head it would run otherwise than trained, `eagle3_refusal`), the
+    others load it."""
+    return {e: draft_refusal(e, draft, config) or EngineVerdict(e, "loads") for e in ENGINES}
 
 
-def draft_refusal(engine: str, draft: str | None) -> EngineVerdict | None:
-    """`engine`'s refusal of a draft module of kind `draft` (None: not a draft, or loaded)."""
+def draft_refusal(engine: str, draft: str | None, config: dict | None = None) -> EngineVerdict | None:
+    """`engine`'s refusal of a draft module of kind `draft` with config.json `config` (None:
+    not a draft, or loaded)."""
     why = None if draft is None else DRAFT_REFUSALS[draft].get(engine)
-    if why is None:
+    if why is not None:
+        return EngineVerdict(engine, "refused", (why,), ("serve it with quantspec",))
+    why = eagle3_refusal(engine, config) if draft == "eagle3" and config is not None else None
+    return None if why is None else EngineVerdict(engine, "refused", (why,), ("serve it with vLLM or quantspec",))
+
+
+def eagle3_refusal(engine: str, config: dict) -> str | None:
+    """Why `engine` cannot run the EAGLE-3 head of config.json `config` as it was trained (None:
+    it can). Only SGLang has such limits (module docstring)."""
+    from quantspec.model_zoo.eagle3 import Eagle3Args
+    from quantspec.model_zoo.speculators import is_speculators_config
+
+    if engine != "sglang":
         return None
-    return EngineVerdict(engine, "refused", (why,), ("serve it with quantspec",))
+    sglang = f"SGLang {ENGINE_VERSIONS['sglang']}"
+    if is_speculators_config(config):
+        return f"{sglang} reads no speculators-format config (no 'speculators' model type or converter)"
+    args = Eagle3Args.from_config(config)
+    if args.layer.qk_norm:
+        return (f"{sglang} has no EAGLE-3 class for a Qwen3 decoder layer (no Eagle3Qwen3ForCausalLM; its "
+                "LlamaForCausalLMEagle3 has no q_norm / k_norm and its load_weights skips them)")
+    if args.norm_before_residual:
+        return (f"{sglang}'s LlamaForCausalLMEagle3 adds the attention to the raw hidden state (its decoder "
+                "layer reads no norm_before_residual), not to hidden_norm(hidden) as the head was trained")
+    return None
 
 
 def eagle3_layers(engine: str, config: QuantConfig, targets: Mapping[str, QuantScheme],
