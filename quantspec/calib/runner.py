@@ -165,7 +165,7 @@ class LayerRunner:
             b = xb.shape[0]
             cos = self._cos.repeat(b, 1)  # [b*S, hd]
             sin = self._sin.repeat(b, 1)
-            attn = DenseCausalAttention(b, S, kv_hook)
+            attn = DenseCausalAttention(b, S, kv_hook, window=getattr(self.model.args, "attention_window", None))
             yb = step.layer(xb.reshape(b * S, D), cos, sin, attn)  # [b*S, D]
             if not all_finite(yb):
                 raise QuantSpecError(f"{step.name} produced NaN/Inf on calibration samples "

@@ -8,12 +8,15 @@ Layout (shared with `kernels/kv_cache.py`):
 
 A step's `AttentionMetadata` describes B sequences, each bringing q_len_b ≥ 1 new tokens
 (prefill: the prompt; decode: 1; speculative verification: 1 + k). Query i of sequence b sits at
-position seq_len_b - q_len_b + i and attends keys 0..that position. Block 0 is never handed out:
-padded block-table entries point at it, so gathers stay in bounds.
+position seq_len_b - q_len_b + i and attends keys 0..that position; with a sliding window W
+(`ModelArgs.attention_window`, every layer's) only the last W of them (p - W < key ≤ p), read
+for a decode row as the cache's last W slots, for verification rows as the same slots each.
+Block 0 is never handed out: padded block-table entries point at it, so gathers stay in bounds.
 
 `PagedAttention` attends with torch's SDPA. A device backend may give a cache an
 `AttentionKernel` of its own, chosen once when the cache is built (`PagedKVCache(kernel=...)`);
-the metadata of each step then says whether the kernel serves that step (`meta.kernel`).
+the metadata of each step then says whether the kernel serves that step (`meta.kernel`): never a
+step whose window leaves out keys (the kernels attend to whole contexts).
 """
 
 from __future__ import annotations
@@ -28,6 +31,8 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
+from quantspec.infer.attention_masks import ancestor_rows, batched_mask, sequence_mask
+from quantspec.model_zoo.llama import window_mask
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
@@ -139,15 +144,16 @@ class PagedKVCache:
     """The blocks of every layer's keys and values (module docstring). `kernel`: builds this
     cache's `AttentionKernel` from it (a backend's, `Runtime.attention`), or returns None.
     `max_seq_len`: the longest sequence it holds (what a kernel may size its launches by), or
-    None where unknown."""
+    None where unknown. `window`: the model's sliding window (`ModelArgs.attention_window`),
+    which every step's `AttentionMetadata` is built with."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  kernel: Callable[["PagedKVCache"], AttentionKernel | None] | None = None,
-                 max_seq_len: int | None = None):
-        self.block_size, self.num_blocks = block_size, num_blocks
+                 max_seq_len: int | None = None, window: int | None = None):
+        self.block_size, self.num_blocks, self.window = block_size, num_blocks, window
         self.max_seq_len = max_seq_len
         self.kv_dtype = KVCacheDtype(kv_dtype)
         self.compute_dtype = dtype
@@ -271,6 +277,10 @@ class AttentionMetadata:
     # token trees (`spec/tree.py`): per sequence None (causal rows) or its drafts' parent rows
     trees: list[list[int] | None] | None = None
     block_size: int = 0  # of `block_tables` when it is not the cache's (tree steps: 1, slot ids)
+    # the sliding window where it leaves out keys of some row of this step (else None); per-sequence
+    # path: the first key each sequence's rows attend (`lows`; its masks are over all its keys)
+    window: int | None = None
+    lows: list[int] | None = None
 
     @property
     def fresh_prefill(self) -> bool:
@@ -280,11 +290,15 @@ class AttentionMetadata:
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device, kernel: AttentionKernel | None = None,
-              trees: list[list[int] | None] | None = None) -> "AttentionMetadata":
+              trees: list[list[int] | None] | None = None, window: int | None = None) -> "AttentionMetadata":
         """The layout of a step; `kernel`: the cache's attention kernel (`PagedKVCache.kernel`),
         which takes the step when it serves it (then SDPA's layout is not built). `trees`: per
         sequence None or the parent rows of its drafts (its new rows are a token tree: each
-        attends to the context and its path from the root, not to every earlier row)."""
+        attends to the context and its path from the root, not to every earlier row).
+        `window`: the cache's sliding window (`PagedKVCache.window`)."""
+        window = window if window is not None and max(seq_lens) > window else None  # it leaves keys out
+        if window is not None:
+            kernel = None
         if trees is not None and any(t is not None for t in trees):
             meta = cls._tree_build(q_lens, seq_lens, block_tables, block_size, device, kernel, trees)
             if meta is not None:
@@ -300,9 +314,13 @@ class AttentionMetadata:
         for b, table in enumerate(block_tables):
             n = min(len(table), max_blocks)
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)
-        meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None, trees=trees)
+        meta = cls(q_lens, seq_lens, slot_mapping, tables.to(device), None, None, trees=trees, window=window)
         meta.kernel = kernel is not None and kernel.serves(q_lens, seq_lens) and not meta.tree_step
-        if meta.kernel or meta.fresh_prefill:
+        if meta.kernel:
+            return meta
+        if meta.fresh_prefill:  # causal SDPA, or masks where the window leaves keys out
+            if window is not None:
+                meta.masks = [window_mask(sl, sl, window).to(device) if sl > window else None for sl in seq_lens]
             return meta
         if B <= PER_SEQUENCE_MAX_BATCH:
             meta._per_sequence(block_tables, block_size, device)
@@ -343,37 +361,22 @@ class AttentionMetadata:
         return meta
 
     def _per_sequence(self, block_tables: list[list[int]], block_size: int, device) -> None:
-        self.spans, self.masks = [], []
+        self.spans, self.masks, self.lows = [], [], []
+        w = self.window
         for b, (ql, sl, table) in enumerate(zip(self.q_lens, self.seq_lens, block_tables)):
             nb = -(-sl // block_size)
             run = table[nb - 1] - table[0] == nb - 1 and all(
                 table[j + 1] == table[j] + 1 for j in range(nb - 1))
             self.spans.append((table[0], nb) if run else None)
-            # query i (position sl - ql + i) sees keys 0 .. sl - ql + i (of a tree: its path)
-            tree = None if self.trees is None else self.trees[b]
-            if ql > 1 and tree is not None:
-                m = torch.ones(ql, sl, dtype=torch.bool)
-                m[:, sl - ql:] = ancestor_rows(tree, ql)
-                self.masks.append(m.to(device))
-                continue
-            self.masks.append(None if ql == 1 else (
-                torch.arange(sl, device=device)[None, :] <= torch.arange(sl - ql, sl, device=device)[:, None]))
+            self.lows.append(0 if w is None else max(0, sl - ql + 1 - w))  # the first row's first key
+            mask = sequence_mask(ql, sl, None if self.trees is None else self.trees[b], w)
+            self.masks.append(None if mask is None else mask.to(device))
 
     def _batched(self, L: int, device) -> None:
-        B, q_max = len(self.q_lens), max(self.q_lens)
-        pos = torch.zeros(B, q_max, dtype=torch.int64)
-        valid_q = torch.zeros(B, q_max, dtype=torch.bool)
-        for b, (ql, sl) in enumerate(zip(self.q_lens, self.seq_lens)):
-            pos[b, :ql] = torch.arange(sl - ql, sl)
-            valid_q[b, :ql] = True
-        # padded query rows attend to key 0 only, so softmax stays finite; they are dropped
-        mask = torch.arange(L)[None, None, :] <= pos[:, :, None]  # [B, Qmax, L]
-        for b, (ql, sl) in enumerate(zip(self.q_lens, self.seq_lens)):
-            if self.trees is not None and self.trees[b] is not None:
-                mask[b, :ql, sl - ql:sl] = ancestor_rows(self.trees[b], ql)
+        mask, valid_q = batched_mask(self.q_lens, self.seq_lens, self.trees, self.window, L)
         bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
         self.bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
-        if any(ql != q_max for ql in self.q_lens):
+        if any(ql != max(self.q_lens) for ql in self.q_lens):
             self.q_index = valid_q.view(-1).nonzero().squeeze(1).to(device)
 
 
@@ -405,7 +408,11 @@ class PagedAttention:
                 else:  # the cache (for a fresh quantized cache: its rounded values)
                     span = None if meta.spans is None else meta.spans[b]
                     kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl)
-                if fresh:
+                mask = None if meta.masks is None else meta.masks[b]
+                lo = 0 if meta.lows is None else meta.lows[b]
+                if fresh and mask is not None:  # a prompt longer than the window
+                    out[start:start + n] = _folded_gqa_attention(qb, kb, vb, mask)
+                elif fresh:
                     o = F.scaled_dot_product_attention(
                         qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
                         is_causal=True, enable_gqa=gqa)  # (1, H, n, hd)
@@ -415,13 +422,14 @@ class PagedAttention:
                     # exactly its own keys, the very call a decode step makes at that position.
                     # One masked call would round differently (bf16 outputs differ by an ulp),
                     # enough to flip greedy picks: speculation would no longer be lossless.
-                    first = sl - n
+                    first, w = sl - n, meta.window or sl
                     tree = meta.trees is not None and meta.trees[b] is not None
                     for i in range(n):
-                        keys = meta.masks[b][i] if tree else slice(0, first + i + 1)
+                        keys = mask[i] if tree else slice(max(0, first + i + 1 - w), first + i + 1)
                         out[start + i] = _folded_gqa_attention(qb[i:i + 1], kb[keys], vb[keys], None)[0]
-                else:
-                    out[start:start + n] = _folded_gqa_attention(qb, kb, vb, meta.masks[b])
+                else:  # a window's rows: from their first key on (a decode row: no mask at all)
+                    out[start:start + n] = _folded_gqa_attention(qb, kb[lo:], vb[lo:],
+                                                                 None if mask is None else mask[:, lo:])
                 start += n
             return out
         B, q_max = meta.bias.shape[0], meta.bias.shape[2]
@@ -436,19 +444,6 @@ class PagedAttention:
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                            attn_mask=meta.bias.to(q.dtype), enable_gqa=gqa)  # (B, H, Qmax, hd)
         return o.transpose(1, 2).reshape(-1, H, hd)[slice(None) if meta.q_index is None else meta.q_index]
-
-
-def ancestor_rows(parents: list[int] | None, q_len: int) -> torch.Tensor:
-    """[q_len, q_len] bool: new row i attends new row j (a tree's path; causal for None)."""
-    if parents is None:
-        return torch.ones(q_len, q_len, dtype=torch.bool).tril()
-    assert len(parents) == q_len - 1, (len(parents), q_len)
-    m = torch.zeros(q_len, q_len, dtype=torch.bool)
-    m[0, 0] = True
-    for j, p in enumerate(parents, start=1):
-        m[j] = m[p]
-        m[j, j] = True
-    return m
 
 
 def _folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None

@@ -73,7 +73,8 @@ def eagle3_rows(base: Transformer, sequences: list[torch.Tensor], aux_layer_ids:
     for seq in sequences:
         ids = seq.to(torch.int64)
         n = ids.numel()
-        hidden, streams = base(ids, torch.arange(n), DenseCausalAttention(1, n), capture=tuple(aux_layer_ids))
+        hidden, streams = base(ids, torch.arange(n), DenseCausalAttention(1, n, window=base.args.attention_window),
+                               capture=tuple(aux_layer_ids))
         rows.tokens.append(ids.cpu())
         rows.feats.append(torch.cat(streams, dim=-1).to(torch.bfloat16).cpu())  # [n, 3D]
         rows.nxt.append(base.compute_logits(hidden).argmax(-1).cpu())

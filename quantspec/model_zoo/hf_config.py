@@ -1,12 +1,52 @@
-"""The fields of `ModelArgs` that a HF `config.json` spells in more than one way or that only some
-architectures have: the rotary embedding's (`rope_fields`) and the per-layer layout's
-(`layer_fields`: sliding windows, NoPE layers, Granite's multipliers)."""
+"""`ModelArgs`' fields from a HF `config.json` (`args_fields`), with those it spells in more than
+one way or that only some architectures have: the rotary embedding's (`rope_fields`) and the
+per-layer layout's (`layer_fields`: sliding windows, NoPE layers, Granite's multipliers)."""
 
 from __future__ import annotations
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["layer_fields", "rope_fields"]
+__all__ = ["args_fields", "layer_fields", "rope_fields"]
+
+
+def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
+    """`ModelArgs`' keyword arguments for a config.json; `architectures`: HF class → family tag.
+    `architectures` names the class that wrote the weights; model_type is only a fallback for
+    configs that omit it."""
+    from quantspec.model_zoo.moe import moe_fields  # moe builds on the model's modules
+
+    listed = cfg.get("architectures") or []
+    arch = next((architectures[n] for n in listed if n in architectures), None)
+    if arch is None and not listed:
+        arch = {v: v for v in architectures.values()}.get(cfg.get("model_type", ""))
+    if arch is None:
+        found = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
+        raise QuantSpecError(f"unsupported architecture {found!r}; supported: {', '.join(sorted(architectures))}")
+    eos = cfg.get("eos_token_id")
+    eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
+    attention_bias = bool(cfg.get("attention_bias", False))
+    return dict(
+        arch=arch,
+        vocab_size=cfg["vocab_size"],
+        hidden_size=cfg["hidden_size"],
+        intermediate_size=cfg["intermediate_size"],
+        num_layers=cfg["num_hidden_layers"],
+        num_heads=cfg["num_attention_heads"],
+        num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
+        head_dim=cfg.get("head_dim") or 0,
+        rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
+        **rope_fields(cfg),
+        max_position_embeddings=cfg.get("max_position_embeddings", 4096),
+        tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(arch, attention_bias),
+        o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
+        mlp_bias=bool(cfg.get("mlp_bias", False)),
+        qk_norm=arch.startswith("qwen3"),
+        **layer_fields(cfg, arch),
+        **moe_fields(cfg, arch),
+        bos_token_id=cfg.get("bos_token_id"),
+        eos_token_ids=eos_ids,
+    )
 
 
 def rope_fields(cfg: dict) -> dict:
@@ -25,9 +65,11 @@ def rope_fields(cfg: dict) -> dict:
 
 
 def layer_fields(cfg: dict, arch: str) -> dict:
-    """sliding_window, nope_layers and (Granite) the embedding, residual, attention and logits
-    multipliers."""
-    out = {"sliding_window": _sliding_window(cfg, arch), "nope_layers": _nope_layers(cfg, arch)}
+    """sliding_window (and whether every layer slides: `WINDOW_EVERY_LAYER`), nope_layers and
+    (Granite) the embedding, residual, attention and logits multipliers."""
+    window = _sliding_window(cfg, arch)
+    out = {"sliding_window": window, "nope_layers": _nope_layers(cfg, arch),
+           "window_every_layer": window is not None and arch in WINDOW_EVERY_LAYER}
     if arch == "granite":
         out.update(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                    residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
@@ -36,13 +78,18 @@ def layer_fields(cfg: dict, arch: str) -> dict:
     return out
 
 
+# the families whose every layer attends within `sliding_window` (transformers' Mistral, Mixtral and
+# Phi-3 pass it to each layer); Qwen's and SmolLM3's pick their sliding layers family by family
+WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3")
+
+
 def _sliding_window(cfg: dict, arch: str) -> int | None:
     """The attention window of a config's layers where any has one: Mistral's and Phi-3's `sliding_window`;
     Qwen's where `use_sliding_window` (and a layer type) says its layers use it."""
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    if arch in ("mistral", "mixtral", "phi3"):
+    if arch in WINDOW_EVERY_LAYER:
         return window
     layer_types = cfg.get("layer_types") or ()
     if arch.startswith(("qwen", "smollm3")) and cfg.get("use_sliding_window") and (

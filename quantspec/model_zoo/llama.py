@@ -35,7 +35,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.hf_config import layer_fields, rope_fields
+from quantspec.model_zoo.hf_config import args_fields
 from quantspec.model_zoo.layout import hf_weight_table, layer_weight_table
 from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_type
 
@@ -54,6 +54,7 @@ __all__ = [
     "project",
     "rms_norm",
     "rope_cos_sin",
+    "window_mask",
 ]
 
 # HF `architectures[0]` → our family tag. Everything here shares one module tree; the tag only
@@ -70,7 +71,6 @@ ARCHITECTURES = {
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
 }
-_MODEL_TYPES = {v: v for v in ARCHITECTURES.values()}
 # Granite's multipliers at the values that scale nothing (every other architecture's)
 NEUTRAL_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 0.0,
                        "logits_scaling": 1.0}
@@ -106,9 +106,11 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary embedding
-    # the tokens a layer attends back at most (Mistral v0.1's 4096; Qwen's with use_sliding_window);
-    # quantspec attends to the whole context, which equals it up to this length (`check_context`)
+    # the tokens a layer attends back at most (Mistral v0.1's 4096, Phi-3's; Qwen's with
+    # use_sliding_window): quantspec slides where every layer does (`attention_window`), else attends
+    # to the whole context, which equals the model's up to this length (`check_context`)
     sliding_window: int | None = None
+    window_every_layer: bool = False
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): the MLP of a layer not in `dense_layers`
     # is `num_experts` MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token
     # by a router, plus (Qwen2-MoE) a gated shared expert of `shared_expert_intermediate_size`
@@ -149,10 +151,16 @@ class ModelArgs:
         """Whether decoder layer i's MLP is a mixture of experts."""
         return self.num_experts > 0 and i not in self.dense_layers
 
+    @property
+    def attention_window(self) -> int | None:
+        """The window every layer attends within (the keys of the last this many positions,
+        its own included), as the engine runs it; None: the whole context."""
+        return self.sliding_window if self.window_every_layer else None
+
     def context_limit(self) -> int | None:
         """The longest context quantspec runs as the model computes it (`check_context`), None:
         any up to the position tables."""
-        limits = [self.sliding_window] if self.sliding_window is not None else []
+        limits = [self.sliding_window] if self.sliding_window is not None and not self.window_every_layer else []
         if rope_type(self) in ("longrope", "su"):
             limits.append(int(self.rope_scaling["original_max_position_embeddings"]))
         return min(limits) if limits else None
@@ -166,7 +174,7 @@ class ModelArgs:
                 raise QuantSpecError(f"{flag} {length} is over this model's original context of {short} tokens "
                                      "(rope_scaling longrope): quantspec runs its short factors, which hold up to "
                                      f"{short} tokens; use {flag} {short} or less")
-        if self.sliding_window is not None and length > self.sliding_window:
+        if self.sliding_window is not None and not self.window_every_layer and length > self.sliding_window:
             raise QuantSpecError(f"{flag} {length} is over this model's sliding window of {self.sliding_window} tokens "
                                  "(config.json sliding_window): quantspec attends to the whole context, the same "
                                  f"up to {self.sliding_window} tokens only; use {flag} {self.sliding_window} or less")
@@ -186,49 +194,8 @@ class ModelArgs:
 
     @classmethod
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
-        # `architectures` names the class that wrote the weights; model_type is only a fallback
-        # for configs that omit it.
-        listed = cfg.get("architectures") or []
-        arch = next((ARCHITECTURES[n] for n in listed if n in ARCHITECTURES), None)
-        if arch is None and not listed:
-            arch = _MODEL_TYPES.get(cfg.get("model_type", ""))
-        if arch is None:
-            found = (cfg.get("architectures") or [cfg.get("model_type", "?")])[0]
-            raise QuantSpecError(
-                f"unsupported architecture {found!r}; supported: "
-                f"{', '.join(sorted(ARCHITECTURES))}"
-            )
-        eos = cfg.get("eos_token_id")
-        eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
-        attention_bias = bool(cfg.get("attention_bias", False))
-        return cls(
-            arch=arch,
-            vocab_size=cfg["vocab_size"],
-            hidden_size=cfg["hidden_size"],
-            intermediate_size=cfg["intermediate_size"],
-            num_layers=cfg["num_hidden_layers"],
-            num_heads=cfg["num_attention_heads"],
-            num_kv_heads=cfg.get("num_key_value_heads") or cfg["num_attention_heads"],
-            head_dim=cfg.get("head_dim") or 0,
-            rms_norm_eps=cfg.get("rms_norm_eps", 1e-6),
-            **rope_fields(cfg),
-            max_position_embeddings=cfg.get("max_position_embeddings", 4096),
-            tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
-            qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(arch, attention_bias),
-            o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
-            mlp_bias=bool(cfg.get("mlp_bias", False)),
-            qk_norm=arch.startswith("qwen3"),
-            **layer_fields(cfg, arch),
-            **_moe_fields(cfg, arch),
-            bos_token_id=cfg.get("bos_token_id"),
-            eos_token_ids=eos_ids,
-        )
-
-
-def _moe_fields(cfg: dict, arch: str) -> dict:
-    from quantspec.model_zoo.moe import moe_fields  # moe builds on this file's modules
-
-    return moe_fields(cfg, arch)
+        """The args of a HF config.json (`hf_config.args_fields`)."""
+        return cls(**args_fields(cfg, ARCHITECTURES))
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -262,10 +229,12 @@ class DenseCausalAttention:
 
     Used by evaluation and calibration (no KV cache). `kv_hook(layer_idx, k, v)` — if given —
     sees each layer's keys and values `[B, S, KV, hd]`, e.g. for the KV-cache scale observers.
+    `window`: each query attends to the keys of the last `window` positions (`attention_window`).
     """
 
-    def __init__(self, batch: int, seq_len: int, kv_hook=None):
+    def __init__(self, batch: int, seq_len: int, kv_hook=None, window: int | None = None):
         self.batch, self.seq_len, self.kv_hook = batch, seq_len, kv_hook
+        self.mask = None if window is None or seq_len <= window else window_mask(seq_len, seq_len, window)
 
     def __call__(self, layer_idx, q, k, v):
         B, S = self.batch, self.seq_len
@@ -275,10 +244,18 @@ class DenseCausalAttention:
         if self.kv_hook is not None:
             self.kv_hook(layer_idx, k, v)
         out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=True,
-            enable_gqa=q.shape[2] != k.shape[2],
+            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.mask is None,
+            attn_mask=None if self.mask is None else self.mask.to(q.device), enable_gqa=q.shape[2] != k.shape[2],
         )  # (B, H, S, hd)
         return out.transpose(1, 2).reshape(B * S, *out.shape[1:2], out.shape[-1])
+
+
+def window_mask(q_len: int, seq_len: int, window: int | None) -> torch.Tensor:
+    """[q_len, seq_len] bool (True = attend): the last q_len of seq_len positions over all of them,
+    causal and, with `window`, within the last `window` positions (transformers' sliding-window
+    mask: q - k < window)."""
+    d = torch.arange(seq_len - q_len, seq_len)[:, None] - torch.arange(seq_len)[None, :]
+    return (d >= 0) & (d < window) if window is not None else d >= 0
 
 
 # ---------------------------------------------------------------------------------------------

@@ -155,34 +155,3 @@ def test_head_weight_of_float_packed_and_opaque_heads(tiny_llama_model):
 
         model.lm_head = PackedLinear(model.lm_head.inner)
         assert torch.equal(model.head_weight(), w)
-
-
-def test_a_sliding_window_bounds_the_context(tmp_path):
-    """Mistral v0.1's sliding_window (or Qwen's, where use_sliding_window says its layers use it):
-    quantspec's full attention is the model's only up to the window, so a longer context is refused
-    by the flag that asks for it, and the default one is the window; within it the logits are
-    transformers' (which slides)."""
-    from quantspec.api import evaluate
-    from quantspec.infer.predictor import InferConfig, Predictor
-
-    d = build_tiny_model(tmp_path / "m", "mistral")
-    cfg = json.loads((d / "config.json").read_text())
-    cfg["sliding_window"] = 48
-    (d / "config.json").write_text(json.dumps(cfg))
-    assert ModelArgs.from_hf_config(cfg).sliding_window == 48
-    ids = torch.randint(3, 500, (1, 48), generator=torch.Generator().manual_seed(3))
-    torch.testing.assert_close(_ours(d, ids), _theirs(d, ids), atol=LOGITS_ATOL, rtol=0)
-    with pytest.raises(QuantSpecError, match="--max-length 64 is over this model's sliding window of 48"):
-        Predictor(InferConfig(model=str(d), max_length=64, max_new_tokens=4))
-    Predictor(InferConfig(model=str(d), max_length=48, max_new_tokens=4))
-    fitted = Predictor(InferConfig(model=str(d), max_new_tokens=4)).config  # no --max-length: the window's
-    assert (fitted.max_length, fitted.src_length) == (48, 44)
-    assert Predictor(InferConfig(model=str(d), max_new_tokens=4, src_length=20)).config.src_length == 20
-    (tmp_path / "t.txt").write_text("the quick brown fox jumps over the lazy dog " * 20)
-    with pytest.raises(QuantSpecError, match="--seq-len 64"):
-        evaluate(str(d), text_file=str(tmp_path / "t.txt"), seq_len=64)
-    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
-            "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 32}
-    assert ModelArgs.from_hf_config({**base, "use_sliding_window": False}).sliding_window is None
-    assert ModelArgs.from_hf_config({**base, "use_sliding_window": True}).sliding_window == 32
-    assert ModelArgs.from_hf_config({**base, "architectures": ["LlamaForCausalLM"]}).sliding_window is None

@@ -1,0 +1,137 @@
+"""Sliding-window attention (Mistral v0.1, Mixtral, Phi-3: every layer attends within
+`sliding_window`): past the window quantspec computes what transformers computes (logits, greedy
+generation, perplexity), on every attention path of the engine (fresh prompts, chunked prefill,
+decode, the batched path, speculative verification as chains and trees, in fp32 and bf16), each
+equal to plain decoding; families that pick their sliding layers one by one still bound the
+context by the window."""
+
+import json
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.engine import Engine, EngineConfig
+from quantspec.infer.sampler import SamplingParams
+from quantspec.infer.spec.eagle import EagleProposer
+from quantspec.infer.spec.proposers import ReferenceProposer
+from quantspec.infer.spec.tree import TreeSpec
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.eagle3_train import init_eagle3
+from quantspec.model_zoo.llama import DenseCausalAttention, ModelArgs
+from quantspec.model_zoo.tiny import build_tiny_model
+
+torch.set_num_threads(1)
+WINDOW = 16
+
+
+@pytest.fixture(scope="module")
+def mistral_dir(tmp_path_factory):
+    d = build_tiny_model(tmp_path_factory.mktemp("swa") / "m", "mistral")
+    cfg = json.loads((d / "config.json").read_text())
+    (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": WINDOW}))
+    return d
+
+
+@pytest.fixture(scope="module")
+def hf(mistral_dir):
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32)
+    assert model.config.sliding_window == WINDOW
+    return model.eval()
+
+
+def _ids(lengths, seed):
+    g = torch.Generator().manual_seed(seed)
+    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
+
+
+def _run(model, prompts, *, new=24, proposer=None, k=0, chunk=None, batch=None):
+    eng = Engine(model, EngineConfig(block_size=8, max_batch_size=batch or len(prompts), max_length=128,
+                                     spec_max_draft_tokens=k, prefill_chunk=chunk), eos_token_ids=[],
+                 proposer=proposer)
+    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=new), request_index=i) for i, p in enumerate(prompts)]
+    eng.run()
+    return [s.output_ids for s in seqs]
+
+
+def test_the_window_is_run_not_refused(mistral_dir):
+    args = ModelArgs.from_hf_config(json.loads((mistral_dir / "config.json").read_text()))
+    assert (args.sliding_window, args.attention_window, args.context_limit()) == (WINDOW, WINDOW, None)
+    args.check_context(100, "--max-length")  # no refusal: the engine slides
+
+
+def test_logits_past_the_window_equal_transformers(mistral_dir, hf):
+    model = load_model(mistral_dir)[0]
+    ids = torch.tensor(_ids([50, 50], seed=1))
+    with torch.no_grad():
+        theirs = hf(ids).logits
+        ours = model.compute_logits(model(ids.reshape(-1), torch.arange(50).repeat(2),
+                                          DenseCausalAttention(2, 50, window=WINDOW))).view(2, 50, -1)
+        full = model.compute_logits(model(ids.reshape(-1), torch.arange(50).repeat(2),
+                                          DenseCausalAttention(2, 50))).view(2, 50, -1)
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+    assert (full - theirs)[:, WINDOW:].abs().max() > 1e-2  # the window matters past it
+
+
+def test_greedy_past_the_window_equals_transformers_generate(mistral_dir, hf):
+    model = load_model(mistral_dir)[0]
+    prompts = _ids([5, 30], seed=2)
+    ours = _run(model, prompts, new=30)
+    for p, got in zip(prompts, ours):
+        with torch.no_grad():
+            out = hf.generate(torch.tensor([p]), max_new_tokens=30, do_sample=False, pad_token_id=0)
+        assert got == out[0, len(p):].tolist()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_every_attention_path_equals_plain_decoding(mistral_dir, dtype):
+    """Prompts longer and shorter than the window, alone (per-sequence path) and 20 at once (the
+    batched path), prefilled in chunks, verified with n-gram chains and EAGLE-3 trees: the same
+    tokens as plain decoding one prompt at a time."""
+    model = load_model(mistral_dir, dtype=dtype)[0]
+    prompts = _ids([4, 12, 40], seed=3)
+    prompts.append((prompts[1] * 4)[:40])  # repeats: the n-gram drafter finds matches
+    plain = [_run(model, [p], new=40)[0] for p in prompts]
+    assert _run(model, prompts, new=40) == plain
+    assert _run(model, prompts, new=40, chunk=7) == plain
+    many = (prompts * 5)[:20]
+    assert _run(model, many, new=40) == [plain[i % len(prompts)] for i in range(20)]
+    ngram = ReferenceProposer(2, 3)
+    assert _run(model, prompts, new=40, proposer=ngram, k=3) == plain
+    head = init_eagle3(model, torch.arange(0, 512, 2), (0, 1, 2)).to(dtype).bind_embedding(model.model.embed_tokens)
+    tree = EagleProposer(head, tree=TreeSpec(2, 2))
+    assert _run(model, prompts, new=40, proposer=tree, k=tree.max_rows) == plain
+
+
+def test_perplexity_past_the_window_is_transformers(mistral_dir, hf):
+    """`eval`'s paged path over windows of 48 tokens (three sliding windows each)."""
+    from quantspec.infer.evaluate import perplexity
+
+    ids = torch.tensor(_ids([96], seed=4)[0])
+    res = perplexity(load_model(mistral_dir)[0], ids, seq_len=48, batch_size=2)
+    with torch.no_grad():
+        logp = torch.log_softmax(hf(ids.view(2, 48)).logits[:, :-1].float(), dim=-1)
+    nll = -logp.gather(2, ids.view(2, 48)[:, 1:, None]).mean().item()
+    assert res.num_windows == 2 and res.nll == pytest.approx(nll, abs=1e-5)
+
+
+def test_qwen_sliding_layers_still_bound_the_context():
+    """Qwen's `use_sliding_window` slides some layers only (family by family rules): the context
+    stays within the window, where full attention is the model's."""
+    base = {"architectures": ["Qwen2ForCausalLM"], "vocab_size": 10, "hidden_size": 8, "intermediate_size": 8,
+            "num_hidden_layers": 1, "num_attention_heads": 2, "sliding_window": 32, "use_sliding_window": True}
+    args = ModelArgs.from_hf_config(base)
+    assert (args.sliding_window, args.attention_window, args.context_limit()) == (32, None, 32)
+    with pytest.raises(QuantSpecError, match="--max-length 64 is over this model's sliding window of 32"):
+        args.check_context(64, "--max-length")
+    assert ModelArgs.from_hf_config({**base, "use_sliding_window": False}).sliding_window is None
+    assert ModelArgs.from_hf_config({**base, "architectures": ["LlamaForCausalLM"]}).sliding_window is None
+
+
+def test_default_length_is_not_lowered_to_a_window_the_engine_runs(mistral_dir):
+    from quantspec.infer.predictor import InferConfig, Predictor
+
+    assert Predictor(InferConfig(model=str(mistral_dir), max_new_tokens=4)).config.max_length == 2048
+    Predictor(InferConfig(model=str(mistral_dir), max_length=64, max_new_tokens=4))
