@@ -135,3 +135,16 @@ def test_default_length_is_not_lowered_to_a_window_the_engine_runs(mistral_dir):
 
     assert Predictor(InferConfig(model=str(mistral_dir), max_new_tokens=4)).config.max_length == 2048
     Predictor(InferConfig(model=str(mistral_dir), max_length=64, max_new_tokens=4))
+
+
+def test_calibration_runs_the_window(mistral_dir, hf):
+    """The calibration runner's layer-by-layer forward (what calibrate, GPTQ and SmoothQuant see)
+    slides too: its last hidden state is transformers' past the window."""
+    from quantspec.calib.runner import run_layers
+
+    model = load_model(mistral_dir)[0]
+    ids = torch.tensor(_ids([40, 40], seed=5))
+    with torch.no_grad():
+        theirs = hf(ids, output_hidden_states=True).hidden_states[-1]  # after the final norm
+        ours = model.model.norm(run_layers(model, ids, batch_size=2))
+    torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
