@@ -73,6 +73,21 @@ def _logprob_fields(config, out) -> dict:
     return fields
 
 
+def speculator_flags(model: str | Path) -> dict | None:
+    """For a speculators-format EAGLE-3 head given as the model (vLLM's `vllm serve SPECULATOR`),
+    the `infer` / `serve` keywords it stands for (its verifier as the model, the head as the
+    draft, its drafts per step); None for anything else."""
+    from quantspec.model_zoo.checkpoint import read_config
+    from quantspec.model_zoo.speculators import is_speculators_config, speculation_flags
+
+    path = Path(str(model)).expanduser()
+    try:
+        cfg = read_config(path) if (path / "config.json").is_file() else {}
+    except QuantSpecError:  # not JSON: the model's loading says so, naming --model
+        return None
+    return speculation_flags(cfg, str(path)) if is_speculators_config(cfg) else None
+
+
 def serve(config, *, on_ready=None, on_stats=None) -> None:
     """Serve `config.model` over OpenAI's HTTP API (`serve.ServeConfig`) until SIGTERM or Ctrl-C,
     then drain the requests in flight and return. `on_ready(url, kv_cache, sampling_defaults)` is

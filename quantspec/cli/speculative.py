@@ -10,7 +10,8 @@ heads), medusa, mtp / deepseek_mtp → `mtp`, draft_model (or a `model` without 
 `prompt_lookup_max` / `prompt_lookup_min` → `--speculate-max-ngram-size` /
 `--speculate-min-ngram-size`, with vLLM's defaults (one bound gives the other; neither: both 5).
 A key quantspec does not read, or a flag it would contradict, is one line naming it (exit 2),
-never a silently different setup."""
+never a silently different setup. A speculators-format EAGLE-3 head given as the model stands
+for its verifier speculating with it, as in vLLM (`_speculator_as_model`)."""
 
 from __future__ import annotations
 
@@ -77,14 +78,39 @@ def speculative_config_option(fn):
                        "prompt_lookup_min), in place of the --speculate-* flags and --draft-model.")
     @functools.wraps(fn)
     def wrapper(*args, speculative_config=None, **kwargs):
+        ctx = click.get_current_context()
+
+        def given(name: str) -> bool:
+            return ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT)
+
         if speculative_config is not None:
-            ctx = click.get_current_context()
             flags = read_speculative_config(speculative_config)
             for name in ("speculate_method", *KEYS.values()):
-                if ctx.get_parameter_source(name) not in (None, click.core.ParameterSource.DEFAULT):
+                if given(name):
                     raise QuantSpecError(f"--{name.replace('_', '-')} and --speculative-config both set the "
                                          "speculation; give one")
             kwargs.update(flags)
+        _speculator_as_model(kwargs, given, speculative_config is not None)
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+def _speculator_as_model(kwargs: dict, given, configured: bool) -> None:
+    """A speculators-format EAGLE-3 head given as the model (`--model` or serve's MODEL), as in
+    vLLM's `vllm serve SPECULATOR`: its verifier becomes the model, speculating with the head
+    (`api.speculator_flags`); --speculate-max-draft-token-num still overrides its drafts per step."""
+    from quantspec import api
+
+    key = "model_tag" if kwargs.get("model_tag") else "model"
+    flags = None if kwargs.get(key) is None else api.speculator_flags(kwargs[key])
+    if flags is None:
+        return
+    if configured or given("speculate_method") or given("draft_model"):
+        raise QuantSpecError(f"{kwargs[key]} is a speculators head, which names its own speculation (its verifier "
+                             "speculating with it); drop --speculate-method / --draft-model / --speculative-config, "
+                             "or pass the base as --model and the head as --draft-model")
+    kwargs[key] = flags.pop("model")
+    if given("speculate_max_draft_token_num"):
+        flags.pop("speculate_max_draft_token_num", None)
+    kwargs.update(flags)

@@ -12,6 +12,10 @@ the file leaves it out, and the architecture vLLM registers for the layer's mode
 
 Its tensors name the decoder layer `layers.0.` where the plain layout says `midlayer.`
 (`to_plain_names`), and may carry `embed_tokens.weight`, a copy of the verifier's embedding.
+
+Given as the model itself (vLLM's `vllm serve SPECULATOR`), a head stands for its verifier
+speculating with it (`speculation_flags`): `speculators_config.verifier.name_or_path` is the
+model, the head the draft, `proposal_methods[0].speculative_tokens` the drafts per step.
 """
 
 from __future__ import annotations
@@ -20,7 +24,7 @@ from typing import Mapping, TypeVar
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["LAYER_ARCHITECTURES", "eagle3_config", "is_speculators_config", "to_plain_names"]
+__all__ = ["LAYER_ARCHITECTURES", "eagle3_config", "is_speculators_config", "speculation_flags", "to_plain_names"]
 
 # transformer_layer_config model_type → (vLLM's EAGLE-3 architecture, the layer's causal-LM class)
 LAYER_ARCHITECTURES = {"llama": ("LlamaForCausalLMEagle3", "LlamaForCausalLM"),
@@ -66,3 +70,21 @@ def eagle3_config(cfg: dict, where: str = "config.json") -> dict:
 def to_plain_names(tensors: Mapping[str, T]) -> dict[str, T]:
     """A speculators head's tensors under the plain layout's names (`layers.0.` → `midlayer.`)."""
     return {("midlayer." + k[len("layers.0."):] if k.startswith("layers.0.") else k): v for k, v in tensors.items()}
+
+
+def speculation_flags(cfg: dict, head_dir: str) -> dict:
+    """The `infer` / `serve` keywords a speculators head given as the model stands for (module
+    docstring): model (the verifier), speculate_method, draft_model and, where the config
+    names it, speculate_max_draft_token_num."""
+    eagle3_config(cfg, f"{head_dir}/config.json")  # an EAGLE-3 head quantspec reads, or its refusal
+    spec = cfg.get("speculators_config") or {}
+    verifier = (spec.get("verifier") or {}).get("name_or_path")
+    if not isinstance(verifier, str) or not verifier:
+        raise QuantSpecError(f"--model {head_dir} is a speculators head without speculators_config.verifier."
+                             "name_or_path; pass the base as --model and the head as --draft-model")
+    out = {"model": verifier, "speculate_method": "eagle", "draft_model": head_dir}
+    methods = spec.get("proposal_methods") or [{}]
+    tokens = methods[0].get("speculative_tokens") if isinstance(methods[0], dict) else None
+    if isinstance(tokens, int) and not isinstance(tokens, bool) and tokens >= 1:
+        out["speculate_max_draft_token_num"] = tokens
+    return out

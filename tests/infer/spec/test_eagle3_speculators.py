@@ -202,3 +202,61 @@ def test_a_head_with_another_embedding_is_refused(base, tmp_path):
     path = _write(tmp_path / "h", base, "llama-plain", embed=other)
     with pytest.raises(QuantSpecError, match="embed_tokens differs from the base's embedding"):
         load_eagle3_for_inference(path, base)
+
+
+def _as_model(path, verifier, tokens=3):
+    """The head's speculators_config names `verifier` and `tokens` drafts per step."""
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = str(verifier)
+    cfg["speculators_config"]["proposal_methods"][0]["speculative_tokens"] = tokens
+    (path / "config.json").write_text(json.dumps(cfg))
+    return path
+
+
+def test_a_speculators_head_as_the_model_speculates_for_its_verifier(base, tiny_llama_dir, tmp_path):
+    """vLLM's `vllm serve SPECULATOR`: the head given as --model runs its verifier speculating
+    with it, its speculative_tokens drafts per step, to plain greedy's tokens."""
+    from test_spec_cli import ROWS, _infer
+
+    head = _as_model(_write(tmp_path / "h", base, "llama-default"), tiny_llama_dir)
+    data = tmp_path / "in.jsonl"
+    data.write_text("".join(json.dumps({"src": s}) + "\n" for s in ROWS))
+    plain, _ = _infer(tmp_path, tiny_llama_dir, data)
+    spec, stats = _infer(tmp_path, head, data, tag="speculator")
+    assert spec == plain
+    assert stats["speculate_method"] == "eagle" and stats["drafted_tokens"] > 0
+    assert len(stats["acceptance_per_position"]) <= 3
+    _, stats = _infer(tmp_path, head, data, "--speculate-max-draft-token-num", 1, tag="one")
+    assert len(stats["acceptance_per_position"]) == 1  # the flag overrides the head's own
+
+
+@pytest.mark.parametrize("extra, needle", [
+    (["--speculate-method", "inference_with_reference"], "names its own speculation"),
+    (["--speculative-config", '{"method": "ngram"}'], "names its own speculation"),
+])
+def test_a_speculators_head_as_the_model_refuses_other_speculation(base, tiny_llama_dir, tmp_path, extra, needle):
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    head = _as_model(_write(tmp_path / "h", base, "llama-plain"), tiny_llama_dir)
+    r = CliRunner().invoke(main, ["infer", "--model", str(head), "--prompt", "hi", *extra])
+    assert r.exit_code == 2 and needle in r.output and "Traceback" not in r.output
+
+
+def test_serve_takes_a_speculators_head_as_its_model(base, tiny_llama_dir, tmp_path, monkeypatch):
+    """`quantspec serve SPECULATOR` (vLLM's `vllm serve SPECULATOR`) serves the verifier with the
+    head drafting: the server's config, as serve builds it."""
+    from click.testing import CliRunner
+
+    from quantspec import api
+    from quantspec.cli import main
+
+    head = _as_model(_write(tmp_path / "h", base, "llama-plain"), tiny_llama_dir, tokens=4)
+    seen = []
+    monkeypatch.setattr(api, "serve", lambda config, **kw: seen.append(config))
+    r = CliRunner().invoke(main, ["serve", str(head)])
+    assert r.exit_code == 0, r.output
+    (config,) = seen
+    assert (config.model, config.speculate_method, config.draft_model, config.speculate_max_draft_token_num) == \
+        (str(tiny_llama_dir), "eagle", str(head), 4)
