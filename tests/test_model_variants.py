@@ -1,6 +1,8 @@
 """Llama variants with a twist of their own, against transformers' own classes: SmolLM3 (layers
-without a rotary embedding, `no_rope_layers`) and Granite (embeddings, block outputs, attention
-scores and logits each scaled by a multiplier of its config). For each: quantspec's forward,
+without a rotary embedding, `no_rope_layers`), Granite (embeddings, block outputs, attention
+scores and logits each scaled by a multiplier of its config) and OLMo 2 (post-norm layers: each
+block's output normalized before its add, no norm before attention or the MLP; q and k
+normalized over the whole projection). For each: quantspec's forward,
 fused or not, its engine's greedy decoding, its artifacts (calibrated and GPTQ) run by
 transformers through compressed-tensors to the same logits, and speculation (n-gram, an EAGLE-3
 head, an MTP module) keeping plain greedy output; then what is particular to each."""
@@ -20,7 +22,7 @@ IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
 TOL = dict(rtol=1e-4, atol=1e-4)
 # 2 layers, hidden 64, 4 / 2 KV heads: SmolLM3's layer 1 takes no rotary embedding, Granite's
 # multipliers are `GRANITE_MULTIPLIERS`
-ARCHS = ("smollm3", "granite")
+ARCHS = ("smollm3", "granite", "olmo2")
 
 
 @pytest.fixture(scope="module", params=ARCHS)
@@ -127,3 +129,39 @@ def test_granite_every_multiplier_counts(variant, logits_of):
         assert (logits_of(net, IDS) - want).abs().max() > 1e-2, k
     fused = load_for_inference(d, tokenizer=False)  # the fused stacks leave the multipliers to the modules
     assert not fusable(fused.model.model.layers, torch.float32) and fused.runtime.stack is None
+
+
+def test_olmo2_post_norms_and_whole_projection_qk_norms(variant, logits_of, tmp_path, calibration_table):
+    """OLMo 2's layers read the raw residual: SmoothQuant has no norm to fold q/k/v's or gate/up's
+    factors into and smooths down_proj alone (through up_proj's rows), in the default a8w8 recipe
+    too, whose artifact transformers runs to quantspec's logits; per-head q / k norms would be
+    another model; the fused stacks leave the layers to the modules."""
+    from quantspec.calib.smooth import smoothing_factors
+    from quantspec.calib.tables import read_table
+    from quantspec.infer.cuda.layers import fusable
+    from quantspec.quant.artifact import read_provenance
+
+    _, d, hf = _only(variant, "olmo2")
+    lm = load_for_inference(d, tokenizer=False, fuse=False)
+    a = lm.args
+    assert a.post_norms and a.qk_norm and not a.qk_norm_per_head
+    layer = lm.model.model.layers[0]
+    assert layer.input_layernorm is None and layer.self_attn.q_norm.weight.shape == (a.q_size,)
+    with torch.no_grad():
+        want = hf(IDS[None]).logits[0]
+    moved = load_for_inference(d, tokenizer=False, fuse=False).model
+    for lyr in moved.model.layers:  # the same gains read per head move the logits
+        lyr.self_attn.qk_norm_per_head = True
+        for norm in (lyr.self_attn.q_norm, lyr.self_attn.k_norm):
+            norm.weight = torch.nn.Parameter(norm.weight[:a.head_dim].clone())
+    assert (logits_of(moved, IDS) - want).abs().max() > 1e-2
+    factors = smoothing_factors(lm.model, read_table(calibration_table(d)), 0.5)
+    assert factors and all(n.endswith("mlp.down_proj") for n in factors)
+    art = api.quantize(str(d), "a8w8", tmp_path / "a8w8", calib=calibration_table(d))  # default recipe: α search
+    torch.testing.assert_close(logits_of(load_for_inference(art, tokenizer=False).model, IDS), logits_of(art, IDS),
+                               **TOL)
+    alphas = read_provenance(art)["provenance"]["calibration"]["static_plan"]["smoothquant_alphas"]
+    assert alphas and all(n.endswith("mlp.down_proj") for n in alphas), alphas
+    fused = load_for_inference(d, tokenizer=False)
+    assert not fusable(fused.model.model.layers, torch.float32) and fused.runtime.stack is None
+

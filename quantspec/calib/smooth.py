@@ -14,7 +14,8 @@ output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's
 by s_j (the pairing AWQ / llm-compressor use for `up_proj → down_proj`). It matters on real
 models: SmolLM2's down_proj inputs carry "massive activations" (absmax ≈ 3.6e3 against a median
 channel max of ≈ 2.5), which no per-tensor static int8 scale survives. o_proj (after attention)
-is not smoothed and keeps its plain static scale.
+is not smoothed and keeps its plain static scale. A layer whose blocks read the raw residual
+(OLMo 2's post-norm layers: no norm before attention or the MLP) has only the last group.
 
 After smoothing, a smoothed Linear sees X / s, whose per-channel absmax is the table's
 `input_channel_absmax / s` (exact: dividing a channel by a positive constant divides its max by
@@ -87,7 +88,7 @@ def layer_smoothing_factors(layer: nn.Module, prefix: str, table: ScaleTable,
     factors: dict[str, torch.Tensor] = {}
     dense = isinstance(layer.mlp, MLP)  # a mixture of experts' inputs are not smoothed
     groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS
-              if dense or lin_names[0].startswith("self_attn.")]
+              if (dense or lin_names[0].startswith("self_attn.")) and not getattr(layer, "post_norms", False)]
     if smooth_down and dense:
         groups.append((("mlp.down_proj",), None))
     for lin_names, norm_shape in groups:

@@ -99,8 +99,11 @@ def init_eagle3(base: Transformer, draft_vocab: torch.Tensor, aux_layer_ids=None
             mine[:, D:].copy_(getattr(src.self_attn, name).weight)
         mid.self_attn.o_proj.weight.copy_(src.self_attn.o_proj.weight)
         copy_mlp(mid.mlp, warm_mlp(base, mid.mlp))
-        for mine, theirs in ((mid.hidden_norm, src.input_layernorm), (mid.input_layernorm, src.input_layernorm),
-                             (mid.post_attention_layernorm, src.post_attention_layernorm), (head.norm, base.model.norm)):
+        norms = [(head.norm, base.model.norm)]
+        if not src.post_norms:  # a post-norm base's (OLMo 2's) norms sit elsewhere: the head's start at ones
+            norms += [(mid.hidden_norm, src.input_layernorm), (mid.input_layernorm, src.input_layernorm),
+                      (mid.post_attention_layernorm, src.post_attention_layernorm)]
+        for mine, theirs in norms:
             mine.weight.copy_(theirs.weight)
         head.set_draft_vocab(draft_vocab.to(w.device))
         head.lm_head.weight.copy_(teacher_rows(base, head))

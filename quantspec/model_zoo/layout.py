@@ -288,16 +288,17 @@ def checkpoint_config(args, config):
 def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
     """The tensors of decoder layer `layer_idx` named `prefix` (e.g. "model.layers.3."), with shapes."""
     D, I, p = args.hidden_size, args.intermediate_size, prefix
-    table: dict[str, tuple[int, ...]] = {p + "input_layernorm.weight": (D,),
-                                         p + "post_attention_layernorm.weight": (D,)}
+    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if args.post_norms else \
+        ("input_layernorm", "post_attention_layernorm")
+    table: dict[str, tuple[int, ...]] = {f"{p}{n}.weight": (D,) for n in norms}
     for name, out_f in (("q_proj", args.q_size), ("k_proj", args.kv_size), ("v_proj", args.kv_size)):
         table[p + f"self_attn.{name}.weight"] = (out_f, D)
         if args.qkv_bias:
             table[p + f"self_attn.{name}.bias"] = (out_f,)
     table[p + "self_attn.o_proj.weight"] = (D, args.q_size)
     if args.qk_norm:
-        table[p + "self_attn.q_norm.weight"] = (args.head_dim,)
-        table[p + "self_attn.k_norm.weight"] = (args.head_dim,)
+        table[p + "self_attn.q_norm.weight"] = (args.head_dim if args.qk_norm_per_head else args.q_size,)
+        table[p + "self_attn.k_norm.weight"] = (args.head_dim if args.qk_norm_per_head else args.kv_size,)
     if args.o_bias:
         table[p + "self_attn.o_proj.bias"] = (D,)
     mlps = [(p + "mlp.", I, ("gate_proj", "up_proj", "down_proj"))]

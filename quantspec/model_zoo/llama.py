@@ -68,6 +68,7 @@ ARCHITECTURES = {
     "Qwen3MoeForCausalLM": "qwen3_moe",
     "MixtralForCausalLM": "mixtral",
     "Phi3ForCausalLM": "phi3",
+    "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
 }
@@ -106,6 +107,10 @@ class ModelArgs:
     o_bias: bool = False
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary embedding
+    qk_norm_per_head: bool = True  # False (OLMo 2): q and k normalized over the whole projection
+    # OLMo 2: no norm before attention or MLP; each block's output is normalized before its add
+    # (`post_attention_layernorm`, `post_feedforward_layernorm`), norms scaling in fp32
+    post_norms: bool = False
     # the tokens a layer attends back at most (Mistral v0.1's 4096, Phi-3's; Qwen's with
     # use_sliding_window): quantspec slides where every layer does (`attention_window`), else attends
     # to the whole context, which equals the model's up to this length (`check_context`)
@@ -286,12 +291,17 @@ class SiluAndMul(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float):
+    """HF's LlamaRMSNorm (`rms_norm`); `fp32_scale`: the weight scales the fp32 normalized x
+    before the cast (OLMo 2's)."""
+
+    def __init__(self, dim: int, eps: float, fp32_scale: bool = False):
         super().__init__()
-        self.eps = eps
+        self.eps, self.fp32_scale = eps, fp32_scale
         self.weight = nn.Parameter(torch.ones(dim))
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.fp32_scale:
+            return (self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)).to(x.dtype)
         return rms_norm(x, self.weight, self.eps)
 
 
@@ -305,8 +315,9 @@ class Attention(nn.Module):
         self.v_proj = nn.Linear(args.hidden_size, args.kv_size, bias=args.qkv_bias)
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
         self.qkv_proj: nn.Module | None = None  # q/k/v stacked in one projection (`infer.fuse`)
-        self.q_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
-        self.k_norm = RMSNorm(args.head_dim, args.rms_norm_eps) if args.qk_norm else None
+        n, self.qk_norm_per_head = (args.head_dim if args.qk_norm_per_head else None), args.qk_norm_per_head
+        self.q_norm = RMSNorm(n or args.q_size, args.rms_norm_eps, args.post_norms) if args.qk_norm else None
+        self.k_norm = RMSNorm(n or args.kv_size, args.rms_norm_eps, args.post_norms) if args.qk_norm else None
         self.rotary_emb = RotaryEmbedding()
         self.use_rope = layer_idx not in args.nope_layers  # False: a NoPE layer (positions from the mask alone)
         # Granite's attention_multiplier as a factor on q: the backends scale scores by head_dim ** -0.5
@@ -319,7 +330,7 @@ class Attention(nn.Module):
             qkv = project(self.qkv_proj, x, row_invariant).view(T, H + 2 * KV, hd)
             qk = qkv[:, :H + KV]
             if self.q_norm is not None:
-                qk = torch.cat([self.q_norm(qk[:, :H]), self.k_norm(qk[:, H:])], dim=1)
+                qk = torch.cat(self._qk_norm(qk[:, :H], qk[:, H:]), dim=1)
             if self.use_rope:
                 qk = self.rotary_emb(qk, cos, sin)  # q and k rotated in one pass
             q, k, v = qk[:, :H], qk[:, H:], qkv[:, H + KV:]
@@ -330,13 +341,20 @@ class Attention(nn.Module):
             k = project(self.k_proj, x, row_invariant).view(T, KV, hd)  # [T, KV, hd]
             v = project(self.v_proj, x, row_invariant).view(T, KV, hd)
             if self.q_norm is not None:
-                q, k = self.q_norm(q), self.k_norm(k)
+                q, k = self._qk_norm(q, k)
             if self.use_rope:
                 q, k = self.rotary_emb(q, cos, sin), self.rotary_emb(k, cos, sin)
             if self.q_scale is not None:
                 q = q * self.q_scale
         out = attn(self.layer_idx, q, k, v)  # [T, H, hd]
         return project(self.o_proj, out.reshape(T, self.num_heads * self.head_dim), row_invariant)
+
+    def _qk_norm(self, q: torch.Tensor, k: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """q [T, H, hd], k [T, KV, hd] normalized per head, or over each whole projection."""
+        if self.qk_norm_per_head:
+            return self.q_norm(q), self.k_norm(k)
+        T = q.shape[0]
+        return self.q_norm(q.reshape(T, -1)).view(q.shape), self.k_norm(k.reshape(T, -1)).view(k.shape)
 
 
 class MLP(nn.Module):
@@ -360,9 +378,13 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.residual_multiplier = args.residual_multiplier  # Granite's: each block's output before its add
-        self.input_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_norms = args.post_norms  # OLMo 2's (`ModelArgs.post_norms`): no input_layernorm
+        D, eps = args.hidden_size, args.rms_norm_eps
+        self.input_layernorm = None if args.post_norms else RMSNorm(D, eps)
         self.self_attn = Attention(args, layer_idx)
-        self.post_attention_layernorm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.post_attention_layernorm = RMSNorm(D, eps, args.post_norms)
+        if args.post_norms:
+            self.post_feedforward_layernorm = RMSNorm(D, eps, True)
         if args.is_moe_layer(layer_idx):
             from quantspec.model_zoo.moe import SparseMoE  # moe builds on this file's MLP
 
@@ -377,6 +399,9 @@ class DecoderLayer(nn.Module):
         return super().__getattr__(name)
 
     def forward(self, x, cos, sin, attn, row_invariant: bool = False):
+        if self.post_norms:
+            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, row_invariant))
+            return x + self.post_feedforward_layernorm(self.mlp(x, row_invariant))
         r = self.residual_multiplier
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
         x = x + (h if r == 1.0 else h * r)

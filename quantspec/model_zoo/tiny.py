@@ -8,7 +8,7 @@ This file owns:
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
 - `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral / Mixtral / Phi-3 / SmolLM3 /
-  Granite checkpoint (transformers' own classes) with a fixed seed, written with `save_pretrained`
+  Granite / OLMo 2 checkpoint (transformers' own classes) with a fixed seed, written with `save_pretrained`
   as safetensors (optionally sharded), plus the tokenizer and a generation config whose eos is
   `<|im_end|>`.
 
@@ -83,7 +83,8 @@ GRANITE_MULTIPLIERS = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, 
 # Shard size for `sharded=True`: small enough that the tiny default model gets several shards.
 TINY_MAX_SHARD_SIZE = "100KB"
 
-TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "smollm3", "granite")
+TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "smollm3", "granite",
+              "olmo2")
 # a tiny MoE's experts unless `build_tiny_model(moe=...)` says otherwise (HF config keys;
 # moe_intermediate_size, and Qwen2-MoE's shared expert's, default to half the dense intermediate;
 # Mixtral's experts take the dense intermediate);
@@ -225,12 +226,12 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 51
 
 
 def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None, **kw):
-    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Phi3Config, Qwen2Config,
-                              Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
+    from transformers import (GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config, Phi3Config,
+                              Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "phi3": Phi3Config,
-               "smollm3": SmolLM3Config, "granite": GraniteConfig}
+               "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config}
     if arch not in classes:
         raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(classes)}")
     if head_dim is not None or arch.startswith("qwen3"):  # Qwen3's config has a head_dim of its own (default 128)

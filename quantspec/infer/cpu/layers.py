@@ -69,7 +69,7 @@ def use_cpu_layer_kernels(model: nn.Module) -> int:
     for name, m in model.named_modules():
         if not name:
             continue
-        if type(m) is RMSNorm and _owner_dtype_ok(m):
+        if type(m) is RMSNorm and not m.fp32_scale and _owner_dtype_ok(m):  # the kernel: HF Llama's rounding
             targets.append((name, CpuRMSNorm(m)))
         elif type(m) in (RotaryEmbedding, SiluAndMul):
             owner = model.get_submodule(name.rpartition(".")[0])

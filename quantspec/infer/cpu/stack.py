@@ -157,8 +157,8 @@ class CpuLayerStack:
         args = model.args
         if args.head_dim not in (64, 128) or args.num_heads % args.num_kv_heads or args.multiplied:
             return None  # (Granite's multipliers: the plans leave them out)
-        norm = layers[0].input_layernorm
-        if norm.weight.dtype not in (torch.float32, torch.bfloat16) or norm.weight.device.type != "cpu":
+        norm = layers[0].input_layernorm  # None: OLMo 2's post-norm layers, which the plans do not run
+        if norm is None or norm.weight.dtype not in (torch.float32, torch.bfloat16) or norm.weight.device.type != "cpu":
             return None
         tensors: list[torch.Tensor] = []
         ints: list[int] = []
