@@ -1,6 +1,7 @@
 """Artifacts of the architectures that vLLM and SGLang build with model classes of their own beyond
 Llama's, against the engines' own code: Phi-3 (q/k/v stored as one `qkv_proj`, gate/up as one
-`gate_up_proj`) and Granite. Both engines' registries build each class; vLLM's Phi-3 class names
+`gate_up_proj`), Granite and OLMo 2 (SGLang's class; vLLM builds OLMo 2 through its Transformers
+backend). Both engines' registries build each class; vLLM's Phi-3 class names
 its fused modules as the checkpoint does (so the module names quantspec writes in `ignore` and the
 config groups are the names its compressed-tensors matching compares); and the lifted decision
 code (`lift.py`, with the class's own `packed_modules_mapping`) picks a scheme for each layer and
@@ -30,7 +31,9 @@ from .requests import artifact_tensors, artifact_verdicts, build_request, lifted
 MODELS = {"phi3": ("Phi3ForCausalLM", {"vllm": "vllm/model_executor/models/phi3.py",
                                        "sglang": "sglang/srt/models/llama.py"}),
           "granite": ("GraniteForCausalLM", {"vllm": "vllm/model_executor/models/granite.py",
-                                             "sglang": "sglang/srt/models/granite.py"})}
+                                             "sglang": "sglang/srt/models/granite.py"}),
+          # vLLM's registry maps Olmo2ForCausalLM to its Transformers backend: no class of its own to lift
+          "olmo2": ("Olmo2ForCausalLM", {"sglang": "sglang/srt/models/olmo2.py"})}
 ARTIFACTS = {
     "weight_only_int8": (dict(quant_type="weight_only_int8"), False),
     "weight_only_int4": (dict(quant_type="weight_only_int4", group_size=128), False),
@@ -66,7 +69,10 @@ def arch_artifacts(request, tmp_path_factory, calibration_table):
 @pytest.fixture(scope="module")
 def arch_lifted(engine_sources, arch_artifacts, tmp_path_factory):
     arch, artifacts = arch_artifacts
-    return eng.run_engines(engine_sources, lambda src: build_request(src, artifacts, 90, _packed(src, arch)),
+    cls, files = MODELS[arch]
+    sources = {e: src if isinstance(src, str) or e in files else f"{e} builds {cls} through its Transformers backend"
+               for e, src in engine_sources.items()}
+    return eng.run_engines(sources, lambda src: build_request(src, artifacts, 90, _packed(src, arch)),
                            tmp_path_factory.mktemp(f"conf_{arch}_lift"))
 
 
