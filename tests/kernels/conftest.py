@@ -7,11 +7,17 @@ process does not change other test directories. A machine with CUDA keeps the re
 """
 
 import os
+import sys
 
 import pytest
 import torch
 
 if not torch.cuda.is_available():
+    if "triton" in sys.modules and "TRITON_INTERPRET" not in os.environ:
+        # every kernel test would fail with "Cannot call @triton.jit'd outside of the scope of a kernel"
+        raise pytest.UsageError("triton was imported before tests/kernels could set TRITON_INTERPRET=1: a test "
+                                "module collected earlier imports it (transformers' modeling modules do); import "
+                                "those inside the tests")
     os.environ.setdefault("TRITON_INTERPRET", "1")
 
 

@@ -11,9 +11,6 @@ import pytest
 import torch
 import torch.nn.functional as F
 from torch import nn
-from transformers import LlamaConfig, Qwen3Config
-from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
-from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.spec.eagle import EagleProposer, load_eagle3_for_inference
@@ -25,8 +22,21 @@ from speculators_heads import VARIANTS, write_speculators_head
 from test_spec_eagle import _prompts, _run
 
 torch.set_num_threads(1)
-LAYERS = {"llama": (LlamaConfig, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding),
-          "qwen3": (Qwen3Config, Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding)}
+
+
+def _layer_classes(kind: str) -> tuple:
+    """transformers' (config, decoder layer, norm, rotary embedding) of a `kind` layer; imported
+    here, not at collection: transformers' modeling modules import triton, which the kernel tests
+    must import first (tests/kernels/conftest.py)."""
+    if kind == "llama":
+        from transformers import LlamaConfig
+        from transformers.models.llama.modeling_llama import LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+
+        return LlamaConfig, LlamaDecoderLayer, LlamaRMSNorm, LlamaRotaryEmbedding
+    from transformers import Qwen3Config
+    from transformers.models.qwen3.modeling_qwen3 import Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
+
+    return Qwen3Config, Qwen3DecoderLayer, Qwen3RMSNorm, Qwen3RotaryEmbedding
 
 
 @pytest.fixture(scope="module")
@@ -49,7 +59,7 @@ class SpeculatorsReference(nn.Module):
         cfg = json.loads((path / "config.json").read_text())
         self.cfg, self.embed = cfg, embed
         tl = dict(cfg["transformer_layer_config"])
-        config_cls, layer_cls, norm_cls, rotary_cls = LAYERS[tl.pop("model_type")]
+        config_cls, layer_cls, norm_cls, rotary_cls = _layer_classes(tl.pop("model_type"))
         c = config_cls(**tl)
         c._attn_implementation = "eager"
         D, n = c.hidden_size, len(cfg["eagle_aux_hidden_state_layer_ids"])
