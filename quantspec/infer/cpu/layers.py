@@ -30,7 +30,7 @@ class CpuRMSNorm(RMSNorm):
 
     def __init__(self, norm: RMSNorm):
         nn.Module.__init__(self)
-        self.eps, self.weight = norm.eps, norm.weight
+        self.eps, self.weight, self.fp32_scale = norm.eps, norm.weight, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and _kernel_rows(x) and self.weight.dtype == x.dtype:
