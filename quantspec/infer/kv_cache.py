@@ -32,7 +32,6 @@ import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.attention_masks import ancestor_rows, batched_mask, sequence_mask
-from quantspec.model_zoo.llama import window_mask
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
@@ -320,7 +319,8 @@ class AttentionMetadata:
             return meta
         if meta.fresh_prefill:  # causal SDPA, or masks where the window leaves keys out
             if window is not None:
-                meta.masks = [window_mask(sl, sl, window).to(device) if sl > window else None for sl in seq_lens]
+                meta.masks = [sequence_mask(sl, sl, None, window).to(device) if sl > window else None
+                              for sl in seq_lens]
             return meta
         if B <= PER_SEQUENCE_MAX_BATCH:
             meta._per_sequence(block_tables, block_size, device)
