@@ -48,11 +48,12 @@ def sequence_mask(q_len: int, seq_len: int, tree: list[int] | None, window: int 
     return m
 
 
-def batched_mask(q_lens: list[int], seq_lens: list[int], trees: list[list[int] | None] | None,
-                 window: int | None, L: int) -> tuple[torch.Tensor, torch.Tensor]:
-    """The batched path's [B, Qmax, L] mask over each sequence's gathered keys, and which of the
-    [B, Qmax] query slots are real. Padded query slots attend to key 0 only, so softmax stays
-    finite; they are dropped."""
+def batched_mask(q_lens: list[int], seq_lens: list[int], trees: list[list[int] | None] | None, L: int
+                 ) -> tuple[torch.Tensor, torch.Tensor]:
+    """The batched path's [B, Qmax, L] mask over each sequence's gathered keys (whole contexts: a
+    step whose window leaves keys out attends per sequence), and which of the [B, Qmax] query
+    slots are real. Padded query slots attend to key 0 only, so softmax stays finite; they are
+    dropped."""
     B, q_max = len(q_lens), max(q_lens)
     pos = torch.zeros(B, q_max, dtype=torch.int64)
     valid_q = torch.zeros(B, q_max, dtype=torch.bool)
@@ -61,9 +62,7 @@ def batched_mask(q_lens: list[int], seq_lens: list[int], trees: list[list[int] |
         valid_q[b, :ql] = True
     keys = torch.arange(L)[None, None, :]
     mask = keys <= pos[:, :, None]  # [B, Qmax, L]
-    if window is not None:
-        mask &= keys > pos[:, :, None] - window
     for b, (ql, sl) in enumerate(zip(q_lens, seq_lens)):
         if trees is not None and trees[b] is not None and ql > 1:
-            mask[b, :ql, :sl] = sequence_mask(ql, sl, trees[b], window)
+            mask[b, :ql, :sl] = sequence_mask(ql, sl, trees[b], None)
     return mask, valid_q

@@ -256,9 +256,10 @@ class AttentionMetadata:
     """One step's batch layout, built once and shared by every layer.
 
     Two ways to attend over the cache, chosen here once per step:
-    - per sequence (B ≤ `PER_SEQUENCE_MAX_BATCH`): each sequence's keys are read as a view of the
-      cache when its blocks are consecutive (`spans`), and SDPA runs on exactly its `seq_len` keys
-      (a causal mask `masks[b]` only when it brings several query tokens);
+    - per sequence (B ≤ `PER_SEQUENCE_MAX_BATCH`, or any B whose window leaves keys out: each row
+      then gets the keys and arithmetic it gets alone, which bf16 needs): each sequence's keys
+      are read as a view of the cache when its blocks are consecutive (`spans`), and SDPA runs on
+      exactly its `seq_len` keys (a causal mask `masks[b]` only when it brings several rows);
     - batched (larger B, e.g. 128 short sequences): the blocks of every sequence are gathered into
       [B, L] and one SDPA call runs under the additive mask `bias` (padded keys masked).
     """
@@ -322,7 +323,7 @@ class AttentionMetadata:
                 meta.masks = [sequence_mask(sl, sl, None, window).to(device) if sl > window else None
                               for sl in seq_lens]
             return meta
-        if B <= PER_SEQUENCE_MAX_BATCH:
+        if B <= PER_SEQUENCE_MAX_BATCH or window is not None:
             meta._per_sequence(block_tables, block_size, device)
         else:
             meta._batched(max_blocks * block_size, device)
@@ -373,7 +374,7 @@ class AttentionMetadata:
             self.masks.append(None if mask is None else mask.to(device))
 
     def _batched(self, L: int, device) -> None:
-        mask, valid_q = batched_mask(self.q_lens, self.seq_lens, self.trees, self.window, L)
+        mask, valid_q = batched_mask(self.q_lens, self.seq_lens, self.trees, L)
         bias = torch.zeros(mask.shape, dtype=torch.float32).masked_fill_(~mask, float("-inf"))
         self.bias = bias.unsqueeze(1).to(device)  # [B, 1, Qmax, L]
         if any(ql != max(self.q_lens) for ql in self.q_lens):
