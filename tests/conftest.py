@@ -76,7 +76,7 @@ def logits_of(transformers_model):
             if isinstance(source, (str, Path)):
                 return transformers_model(source)(ids[None]).logits[0]
             T = ids.numel()
-            return source.compute_logits(source(ids, torch.arange(T), DenseCausalAttention(1, T)))
+            return source.compute_logits(source(ids, torch.arange(T), DenseCausalAttention.of(source.args, 1, T)))
 
     return run
 

@@ -135,7 +135,7 @@ class LayerRunner:
         if inputs is not None and tuple(inputs.shape) != (n, S, model.args.hidden_size):
             raise QuantSpecError(f"inputs {tuple(inputs.shape)} do not fit a batch {n} × {S} of this model")
         self.start, self._inputs = start, inputs
-        self._cos, self._sin = _rope_tables(model, S, self.device)  # [S, hd]
+        self._tables = _rope_tables(model, S, self.device)  # {local: (cos, sin) [S, hd]}
 
     @property
     def num_layers(self) -> int:
@@ -152,8 +152,7 @@ class LayerRunner:
                                   device=self.device)  # [n, S, D]
         else:
             x = emb(self.input_ids.to(self.device)).to(self.dtype)  # [n, S, D]
-        m = getattr(getattr(self.model, "args", None), "embedding_multiplier", 1.0)  # Granite's
-        return x if m == 1.0 else x * m
+        return self.model.args.scale_embeddings(x)
 
     @torch.no_grad()
     def _run_layer(self, step: LayerStep, kv_hook: KVHook | None) -> torch.Tensor:
@@ -163,9 +162,8 @@ class LayerRunner:
         for b0 in range(0, n, self.batch_size):
             xb = x[b0:b0 + self.batch_size]  # [b, S, D]
             b = xb.shape[0]
-            cos = self._cos.repeat(b, 1)  # [b*S, hd]
-            sin = self._sin.repeat(b, 1)
-            attn = DenseCausalAttention(b, S, kv_hook, window=getattr(self.model.args, "attention_window", None))
+            cos, sin = (t.repeat(b, 1) for t in self._tables[step.layer.self_attn.local_rope])  # [b*S, hd]
+            attn = DenseCausalAttention.of(self.model.args, b, S, kv_hook)
             yb = step.layer(xb.reshape(b * S, D), cos, sin, attn)  # [b*S, D]
             if not all_finite(yb):
                 raise QuantSpecError(f"{step.name} produced NaN/Inf on calibration samples "
@@ -273,12 +271,15 @@ def _drive(runner, before, after, kv_hook, sequential) -> None:
 # helpers
 
 
-def _rope_tables(model: Transformer, S: int, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos/sin [S, hd] for positions 0..S-1: rows of the table `Transformer.setup_rope` builds
-    (built here on meta models), so streamed and whole-model forwards see the same numbers."""
+def _rope_tables(model: Transformer, S: int, device: torch.device) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """{whether for Gemma 3's window layers (`Attention.local_rope`): cos/sin [S, hd] for positions
+    0..S-1}: rows of the tables `Transformer.setup_rope` builds (built here on meta models), so
+    streamed and whole-model forwards see the same numbers."""
     from quantspec.model_zoo.llama import rope_cos_sin
 
     if model.cos is not None and model.cos.device.type != "meta" and model._rope_len >= S:
-        return model.cos[:S].to(device), model.sin[:S].to(device)
-    cos, sin = rope_cos_sin(model.args, max(S, model.args.max_position_embeddings))
-    return cos[:S].to(device), sin[:S].to(device)
+        tables = {False: (model.cos, model.sin), True: (model.local_cos, model.local_sin)}
+    else:
+        n, local = max(S, model.args.max_position_embeddings), model.args.local_rope_args()
+        tables = {False: rope_cos_sin(model.args, n), True: (None, None) if local is None else rope_cos_sin(local, n)}
+    return {k: (cos[:S].to(device), sin[:S].to(device)) for k, (cos, sin) in tables.items() if cos is not None}

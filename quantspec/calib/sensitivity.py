@@ -161,8 +161,8 @@ def group_alpha_errors(x: torch.Tensor, weights: Sequence[torch.Tensor],
 
 def smoothing_groups(prefix: str, dense: bool = True, pre_norms: bool = True) -> list[tuple[str, ...]]:
     """The smoothing groups of one decoder layer, as full Linear names; of a layer whose MLP is a
-    mixture of experts (`dense` False), the attention's alone; of a post-norm layer (`pre_norms`
-    False: OLMo 2's), down_proj's alone (`smooth.layer_smoothing_factors`)."""
+    mixture of experts (`dense` False), the attention's alone; of a layer with no norm before its
+    blocks (`pre_norms` False: OLMo 2's), down_proj's alone (`smooth.layer_smoothing_factors`)."""
     groups = [tuple(f"{prefix}.{n}" for n in names) for _, names in SMOOTH_GROUPS] if pre_norms else []
     return groups + [tuple(f"{prefix}.{n}" for n in DOWN_GROUP)] if dense else groups[:1]
 
@@ -198,7 +198,7 @@ def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, 
 
     def before(step: LayerStep):
         dense = isinstance(step.layer.mlp, MLP)
-        groups = smoothing_groups(step.name, dense, not getattr(step.layer, "post_norms", False))
+        groups = smoothing_groups(step.name, dense, getattr(step.layer, "pre_norms", True))
         if not smooth_down and dense:
             groups = groups[:-1]
         bufs: dict[str, list[torch.Tensor]] = {g[0]: [] for g in groups}

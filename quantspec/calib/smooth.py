@@ -7,7 +7,7 @@ Linear" that `calib/ptq.py::quantize_model(..., input_scales=...)` consumes.
 
 Smoothing groups per decoder layer (where X / s folds exactly into a preceding op):
     input_layernorm          → self_attn.q_proj, k_proj, v_proj   (γ / s)
-    post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s)
+    post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s; Gemma 3: pre_feedforward_layernorm)
     mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
 The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
 output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
@@ -46,6 +46,7 @@ from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoot
 
 __all__ = [
     "SMOOTH_GROUPS",
+    "layer_norm_groups",
     "layer_smoothed_weights",
     "smoothed_weight",
     "layer_smoothing_factors",
@@ -64,6 +65,17 @@ SMOOTH_GROUPS: tuple[tuple[str, tuple[str, ...]], ...] = (
     ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),
 )
 _KINDS = {"a8w8": "int8", "a8w8_fp8": "fp8"}
+
+
+def layer_norm_groups(layer: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
+    """`SMOOTH_GROUPS` of one decoder layer: none where the blocks read the raw residual (OLMo 2's
+    post-norm layers); gate/up after `pre_feedforward_layernorm` where each block's output is
+    normalized too (Gemma 3's four norms, which scale by 1 + weight: `fold_into_norm`)."""
+    if not getattr(layer, "pre_norms", True):
+        return ()
+    if getattr(layer, "post_norms", False):
+        return SMOOTH_GROUPS[0], ("pre_feedforward_layernorm", SMOOTH_GROUPS[1][1])
+    return SMOOTH_GROUPS
 
 
 def _layers(model) -> nn.ModuleList:
@@ -87,8 +99,8 @@ def layer_smoothing_factors(layer: nn.Module, prefix: str, table: ScaleTable,
     per_group = isinstance(alpha, Mapping)
     factors: dict[str, torch.Tensor] = {}
     dense = isinstance(layer.mlp, MLP)  # a mixture of experts' inputs are not smoothed
-    groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in SMOOTH_GROUPS
-              if (dense or lin_names[0].startswith("self_attn.")) and not getattr(layer, "post_norms", False)]
+    groups = [(lin_names, getattr(layer, norm_name).weight.shape) for norm_name, lin_names in layer_norm_groups(layer)
+              if dense or lin_names[0].startswith("self_attn.")]
     if smooth_down and dense:
         groups.append((("mlp.down_proj",), None))
     for lin_names, norm_shape in groups:
@@ -186,11 +198,12 @@ def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tens
     named `prefix` in place: each norm's γ (and each up_proj's output row and bias) divided by s,
     the Linears reading it with their input columns multiplied by s (`layer_smoothed_weights`)."""
     weights = layer_smoothed_weights(layer, prefix, factors)
-    for norm_name, lin_names in SMOOTH_GROUPS:
+    for norm_name, lin_names in layer_norm_groups(layer):
         s = factors.get(f"{prefix}.{lin_names[0]}")
         if s is not None:
             norm = getattr(layer, norm_name)
-            norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device))[0])
+            norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device),
+                                             unit_offset=getattr(norm, "unit_offset", False))[0])
     s = factors.get(f"{prefix}.mlp.down_proj")
     up = layer.mlp.up_proj if s is not None else None
     if up is not None and up.bias is not None:

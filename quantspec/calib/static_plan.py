@@ -246,7 +246,7 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
 def _layer_groups(model) -> list[tuple[str, ...]]:
     """Every smoothing group of `model`'s decoder layers, as full Linear names."""
     return [g for i in range(len(model.model.layers))
-            for g in smoothing_groups(f"model.layers.{i}", not model.args.is_moe_layer(i), not model.args.post_norms)]
+            for g in smoothing_groups(f"model.layers.{i}", not model.args.is_moe_layer(i), model.args.pre_norms)]
 
 
 def _choose_alphas(model, table: ScaleTable, smoothquant_alpha, input_ids, kind: str, alphas,

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import torch
 
-from quantspec.model_zoo.llama import window_mask
+from quantspec.model_zoo.attention import window_mask
 
 __all__ = ["ancestor_rows", "batched_mask", "sequence_mask"]
 

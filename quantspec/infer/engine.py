@@ -139,6 +139,7 @@ class Engine:
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
             kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kernel=self.runtime.attention,
             max_seq_len=config.max_length + config.spec_max_draft_tokens + 1, window=args.attention_window,
+            window_layers=args.window_layers,
         )
         if args.max_position_embeddings < config.max_length:
             model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)
@@ -287,7 +288,8 @@ class Engine:
         try:
             t0 = time.perf_counter()
             meta = AttentionMetadata.build(q_lens, [ctx + q for q in q_lens], tables, bs, self.device,
-                                           self.cache.kernel, window=self.cache.window)
+                                           self.cache.kernel, window=self.cache.window,
+                                           window_layers=self.cache.window_layers)
             ids = torch.zeros(sum(q_lens), dtype=torch.int64, device=self.device)
             pos = torch.cat([torch.arange(ctx, ctx + q) for q in q_lens]).to(self.device)
             hidden = self.model(ids, pos, PagedAttention(self.cache, meta), None, row_invariant=True,
@@ -364,7 +366,8 @@ class Engine:
                                else sl - ql + torch.tensor(depths(trees[b]))  # a tree row: its depth
                                for b, (ql, sl) in enumerate(zip(q_lens, seq_lens))])
         meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], self.config.block_size,
-                                       self.device, self.cache.kernel, trees=trees, window=self.cache.window)
+                                       self.device, self.cache.kernel, trees=trees, window=self.cache.window,
+                                       window_layers=self.cache.window_layers)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
         rows, prompt_rows, offset = [], [], 0

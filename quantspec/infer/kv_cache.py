@@ -9,8 +9,9 @@ Layout (shared with `kernels/kv_cache.py`):
 A step's `AttentionMetadata` describes B sequences, each bringing q_len_b ≥ 1 new tokens
 (prefill: the prompt; decode: 1; speculative verification: 1 + k). Query i of sequence b sits at
 position seq_len_b - q_len_b + i and attends keys 0..that position; with a sliding window W
-(`ModelArgs.attention_window`, every layer's) only the last W of them (p - W < key ≤ p), read
-for a decode row as the cache's last W slots, for verification rows as the same slots each.
+(`ModelArgs.attention_window`), in the layers that slide it, only the last W of them (p - W < key
+≤ p), read for a decode row as the cache's last W slots, for verification rows as the same slots
+each.
 Block 0 is never handed out: padded block-table entries point at it, so gathers stay in bounds.
 
 `PagedAttention` attends with torch's SDPA. A device backend may give a cache an
@@ -143,16 +144,20 @@ class PagedKVCache:
     """The blocks of every layer's keys and values (module docstring). `kernel`: builds this
     cache's `AttentionKernel` from it (a backend's, `Runtime.attention`), or returns None.
     `max_seq_len`: the longest sequence it holds (what a kernel may size its launches by), or
-    None where unknown. `window`: the model's sliding window (`ModelArgs.attention_window`),
-    which every step's `AttentionMetadata` is built with."""
+    None where unknown. `window`: the model's sliding window (`ModelArgs.attention_window`) and
+    `window_layers` the layers that slide it (None: every layer), which every step's
+    `AttentionMetadata` is built with."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
                  kv_dtype: KVCacheDtype = KVCacheDtype.AUTO,
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  kernel: Callable[["PagedKVCache"], AttentionKernel | None] | None = None,
-                 max_seq_len: int | None = None, window: int | None = None):
+                 max_seq_len: int | None = None, window: int | None = None,
+                 window_layers: tuple[int, ...] | None = None):
         self.block_size, self.num_blocks, self.window = block_size, num_blocks, window
+        self.window_layers = None if window_layers is None or set(window_layers) >= set(range(num_layers)) \
+            else frozenset(window_layers)
         self.max_seq_len = max_seq_len
         self.kv_dtype = KVCacheDtype(kv_dtype)
         self.compute_dtype = dtype
@@ -281,6 +286,8 @@ class AttentionMetadata:
     # path: the first key each sequence's rows attend (`lows`; its masks are over all its keys)
     window: int | None = None
     lows: list[int] | None = None
+    window_layers: frozenset[int] | None = None  # where only these layers slide (Gemma 3), the
+    whole: "AttentionMetadata | None" = None  # layout of the others
 
     @property
     def fresh_prefill(self) -> bool:
@@ -290,13 +297,20 @@ class AttentionMetadata:
     @classmethod
     def build(cls, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]],
               block_size: int, device, kernel: AttentionKernel | None = None,
-              trees: list[list[int] | None] | None = None, window: int | None = None) -> "AttentionMetadata":
+              trees: list[list[int] | None] | None = None, window: int | None = None,
+              window_layers: frozenset[int] | None = None) -> "AttentionMetadata":
         """The layout of a step; `kernel`: the cache's attention kernel (`PagedKVCache.kernel`),
         which takes the step when it serves it (then SDPA's layout is not built). `trees`: per
         sequence None or the parent rows of its drafts (its new rows are a token tree: each
         attends to the context and its path from the root, not to every earlier row).
-        `window`: the cache's sliding window (`PagedKVCache.window`)."""
+        `window`, `window_layers`: the cache's sliding window and the layers that slide it
+        (`PagedKVCache.window_layers`; the others then read the step's `whole` layout)."""
         window = window if window is not None and max(seq_lens) > window else None  # it leaves keys out
+        if window is not None and window_layers is not None:
+            meta = cls.build(q_lens, seq_lens, block_tables, block_size, device, trees=trees, window=window)
+            meta.window_layers = window_layers
+            meta.whole = cls.build(q_lens, seq_lens, block_tables, block_size, device, kernel, trees)
+            return meta
         if window is not None:
             kernel = None
         if trees is not None and any(t is not None for t in trees):
@@ -394,6 +408,8 @@ class PagedAttention:
     def __call__(self, layer_idx: int, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         """q: [T, H, hd]; k, v: [T, KV, hd] → [T, H, hd]."""
         meta, cache = self.meta, self.cache
+        if meta.whole is not None and layer_idx not in meta.window_layers:  # a layer that does not slide
+            meta = meta.whole
         if meta.kernel:  # the cache's kernel writes k / v and attends for the whole batch
             return cache.kernel(layer_idx, q, k, v, meta)
         cache.write(layer_idx, k, v, meta.slot_mapping)

@@ -73,7 +73,7 @@ def eagle3_rows(base: Transformer, sequences: list[torch.Tensor], aux_layer_ids:
     for seq in sequences:
         ids = seq.to(torch.int64)
         n = ids.numel()
-        hidden, streams = base(ids, torch.arange(n), DenseCausalAttention(1, n, window=base.args.attention_window),
+        hidden, streams = base(ids, torch.arange(n), DenseCausalAttention.of(base.args, 1, n),
                                capture=tuple(aux_layer_ids))
         rows.tokens.append(ids.cpu())
         rows.feats.append(torch.cat(streams, dim=-1).to(torch.bfloat16).cpu())  # [n, 3D]
@@ -103,8 +103,8 @@ def init_eagle3(base: Transformer, draft_vocab: torch.Tensor, aux_layer_ids=None
         if not src.post_norms:  # a post-norm base's (OLMo 2's) norms sit elsewhere: the head's start at ones
             norms += [(mid.hidden_norm, src.input_layernorm), (mid.input_layernorm, src.input_layernorm),
                       (mid.post_attention_layernorm, src.post_attention_layernorm)]
-        for mine, theirs in norms:
-            mine.weight.copy_(theirs.weight)
+        for mine, theirs in norms:  # (the scale of a Gemma norm is 1 + its weight)
+            mine.weight.copy_(theirs.weight + 1.0 if theirs.unit_offset else theirs.weight)
         head.set_draft_vocab(draft_vocab.to(w.device))
         head.lm_head.weight.copy_(teacher_rows(base, head))
     return head.bind_embedding(base.model.embed_tokens)

@@ -25,7 +25,7 @@ def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
     eos = cfg.get("eos_token_id")
     eos_ids = [] if eos is None else ([eos] if isinstance(eos, int) else list(eos))
     attention_bias = bool(cfg.get("attention_bias", False))
-    return dict(
+    out = dict(
         arch=arch,
         vocab_size=cfg["vocab_size"],
         hidden_size=cfg["hidden_size"],
@@ -41,19 +41,23 @@ def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
         qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(arch, attention_bias),
         o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
-        qk_norm=arch.startswith("qwen3") or arch == "olmo2",
-        qk_norm_per_head=arch != "olmo2", post_norms=arch == "olmo2",
+        qk_norm=arch.startswith("qwen3") or arch in ("olmo2", "gemma3"),
+        qk_norm_per_head=arch != "olmo2", post_norms=arch in ("olmo2", "gemma3"), pre_norms=arch != "olmo2",
         **layer_fields(cfg, arch),
         **moe_fields(cfg, arch),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
+    return {**out, **gemma_fields(cfg)} if arch == "gemma3" else out
 
 
 def rope_fields(cfg: dict) -> dict:
     """rope_theta, rope_scaling (None for the default rotary embedding) and rotary_dim."""
-    # transformers 5 writes `rope_parameters`; older configs `rope_theta` + `rope_scaling`.
+    # transformers 5 writes `rope_parameters` (per layer type for Gemma 3: the full layers' here);
+    # older configs `rope_theta` + `rope_scaling`.
     rope = dict(cfg.get("rope_parameters") or {})
+    if "full_attention" in rope:
+        rope = dict(rope["full_attention"] or {})
     theta = rope.pop("rope_theta", cfg.get("rope_theta", 10000.0))
     scaling = cfg.get("rope_scaling") or (rope if rope.get("rope_type", "default") != "default" else None)
     partial = float(rope.get("partial_rotary_factor", cfg.get("partial_rotary_factor")) or 1.0)
@@ -65,12 +69,35 @@ def rope_fields(cfg: dict) -> dict:
     return {"rope_theta": float(theta), "rope_scaling": scaling, "rotary_dim": int(head_dim * partial)}
 
 
+def gemma_fields(cfg: dict) -> dict:
+    """Gemma 3's: four norms a layer, each scaling by 1 + weight; gelu-tanh MLPs; embeddings ×
+    √hidden_size; scores × query_pre_attn_scalar ** -0.5; the window layers' own rotary base
+    (`rope_local_base_freq`, or transformers 5's `rope_parameters.sliding_attention`)."""
+    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
+        if cfg.get(key):
+            raise QuantSpecError(f"config.json {key}={cfg[key]!r}: quantspec runs Gemma 3's causal attention without "
+                                 "logit soft-capping; use a Gemma 3 decoder without it")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if local.get("rope_type", "default") != "default":
+        raise QuantSpecError(f"rope_parameters.sliding_attention rope_type {local['rope_type']!r} is not supported "
+                             "(Gemma 3's local layers turn by the default rotary embedding); fix config.json")
+    head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
+    scalar = float(cfg.get("query_pre_attn_scalar") or head_dim)
+    return dict(pre_norms=True, norm_unit_offset=True, hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
+                embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
+                attention_multiplier=0.0 if scalar == head_dim else scalar ** -0.5,
+                local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+                tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
+                **({} if "rope_theta" in cfg or "rope_parameters" in cfg else {"rope_theta": 1e6}),
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+
+
 def layer_fields(cfg: dict, arch: str) -> dict:
-    """sliding_window (and whether every layer slides: `WINDOW_EVERY_LAYER`), nope_layers and
-    (Granite) the embedding, residual, attention and logits multipliers."""
+    """sliding_window and the layers that slide it (`window_layers`), nope_layers and (Granite) the
+    embedding, residual, attention and logits multipliers."""
     window = _sliding_window(cfg, arch)
     out = {"sliding_window": window, "nope_layers": _nope_layers(cfg, arch),
-           "window_every_layer": window is not None and arch in WINDOW_EVERY_LAYER}
+           "window_layers": () if window is None else _window_layers(cfg, arch)}
     if arch == "granite":
         out.update(embedding_multiplier=float(cfg.get("embedding_multiplier", 1.0)),
                    residual_multiplier=float(cfg.get("residual_multiplier", 1.0)),
@@ -80,8 +107,24 @@ def layer_fields(cfg: dict, arch: str) -> dict:
 
 
 # the families whose every layer attends within `sliding_window` (transformers' Mistral, Mixtral and
-# Phi-3 pass it to each layer); Qwen's and SmolLM3's pick their sliding layers family by family
+# Phi-3 pass it to each layer); Gemma 3's `layer_types` name its sliding layers; Qwen's and SmolLM3's
+# pick theirs family by family, which quantspec does not follow (it attends to the whole context)
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3")
+
+
+def _window_layers(cfg: dict, arch: str) -> tuple[int, ...]:
+    n = cfg["num_hidden_layers"]
+    if arch in WINDOW_EVERY_LAYER:
+        return tuple(range(n))
+    if arch != "gemma3":
+        return ()
+    types = cfg.get("layer_types") or [  # (configs before transformers 5: every `sliding_window_pattern`-th is full)
+        "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
+        for i in range(n)]
+    if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
+        raise QuantSpecError(f"layer_types {types!r} must name sliding_attention or full_attention for each of the "
+                             f"{n} layers; fix config.json")
+    return tuple(i for i, t in enumerate(types) if t == "sliding_attention")
 
 
 def _sliding_window(cfg: dict, arch: str) -> int | None:
@@ -90,7 +133,7 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    if arch in WINDOW_EVERY_LAYER:
+    if arch in WINDOW_EVERY_LAYER or arch == "gemma3":
         return window
     layer_types = cfg.get("layer_types") or ()
     if arch.startswith(("qwen", "smollm3")) and cfg.get("use_sliding_window") and (

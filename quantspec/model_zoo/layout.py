@@ -288,8 +288,8 @@ def checkpoint_config(args, config):
 def layer_weight_table(args: ModelArgs, prefix: str, layer_idx: int = 0) -> dict[str, tuple[int, ...]]:
     """The tensors of decoder layer `layer_idx` named `prefix` (e.g. "model.layers.3."), with shapes."""
     D, I, p = args.hidden_size, args.intermediate_size, prefix
-    norms = ("post_attention_layernorm", "post_feedforward_layernorm") if args.post_norms else \
-        ("input_layernorm", "post_attention_layernorm")
+    norms = ("input_layernorm",) * args.pre_norms + ("post_attention_layernorm",) + (
+        ("post_feedforward_layernorm",) + ("pre_feedforward_layernorm",) * args.pre_norms if args.post_norms else ())
     table: dict[str, tuple[int, ...]] = {f"{p}{n}.weight": (D,) for n in norms}
     for name, out_f in (("q_proj", args.q_size), ("k_proj", args.kv_size), ("v_proj", args.kv_size)):
         table[p + f"self_attn.{name}.weight"] = (out_f, D)

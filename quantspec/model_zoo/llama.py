@@ -1,8 +1,9 @@
-"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2 / 3, Granite) as plain
-nn.Modules.
+"""The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2 / 3, Granite, OLMo 2,
+Gemma 3) as plain nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
-tables: `rope.py`); the HF weight-name table that `load_state_dict` is checked against is
+tables: `rope.py`; norms, activations and the rotary embedding: `ops.py`; dense causal attention:
+`attention.py`); the HF weight-name table that `load_state_dict` is checked against is
 `layout.py`'s. Module attribute names mirror HF's, so a checkpoint's tensor names (and
 compressed-tensors' `...q_proj.weight_packed`) map one to one, except where a checkpoint fuses
 modules (Phi-3's `qkv_proj` / `gate_up_proj`: `layout.py` splits and re-fuses them).
@@ -11,8 +12,8 @@ What runs the numbers is injected rather than built in:
 - attention: the model computes q/k/v and rotary, then calls an `AttentionBackend`
   (`backend(layer_idx, q, k, v) -> out`), so the same modules run with the paged KV cache of
   `infer/` and with the plain causal attention (and observers) of `calib/`;
-- linears, norms, the rotary embedding (`RotaryEmbedding`) and the MLP's activation (`SiluAndMul`)
-  are submodules: plain torch at build time, replaced by name by an inference backend;
+- linears, norms, the rotary embedding (`RotaryEmbedding`) and the MLP's activation (`SiluAndMul`,
+  `GeluTanhAndMul`) are submodules: plain torch at build time, replaced by name by an inference backend;
 - the whole decoder stack: `Transformer.forward(stack=...)` takes a `StackRunner` that may run
   every layer in one call (falling back to the modules when it returns None).
 A forward asked to `capture` layer ids also returns the residual streams entering those layers
@@ -27,16 +28,17 @@ Tokens are flattened over the batch (`[T, D]`, no padding); positions come with 
 
 from __future__ import annotations
 
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from typing import Protocol
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.attention import DenseCausalAttention, window_mask
 from quantspec.model_zoo.hf_config import args_fields
 from quantspec.model_zoo.layout import hf_weight_table, layer_weight_table
+from quantspec.model_zoo.ops import ACTIVATIONS, GeluTanhAndMul, RMSNorm, RotaryEmbedding, SiluAndMul, rms_norm
 from quantspec.model_zoo.rope import ROPE_TYPES, apply_rope, rope_cos_sin, rope_type
 
 __all__ = [
@@ -71,6 +73,7 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Gemma3ForCausalLM": "gemma3",
 }
 # Granite's multipliers at the values that scale nothing (every other architecture's)
 NEUTRAL_MULTIPLIERS = {"embedding_multiplier": 1.0, "residual_multiplier": 1.0, "attention_multiplier": 0.0,
@@ -108,14 +111,20 @@ class ModelArgs:
     mlp_bias: bool = False
     qk_norm: bool = False  # Qwen3: each head's q and k RMS-normalized (over head_dim) before the rotary embedding
     qk_norm_per_head: bool = True  # False (OLMo 2): q and k normalized over the whole projection
-    # OLMo 2: no norm before attention or MLP; each block's output is normalized before its add
-    # (`post_attention_layernorm`, `post_feedforward_layernorm`), norms scaling in fp32
+    # OLMo 2, Gemma 3: each block's output is normalized before its add (`post_attention_layernorm`,
+    # `post_feedforward_layernorm`), every norm scaling in fp32; with `pre_norms` (Gemma 3) the
+    # MLP's input norm is `pre_feedforward_layernorm`, without (OLMo 2) the blocks read the residual
     post_norms: bool = False
-    # the tokens a layer attends back at most (Mistral v0.1's 4096, Phi-3's; Qwen's with
-    # use_sliding_window): quantspec slides where every layer does (`attention_window`), else attends
-    # to the whole context, which equals the model's up to this length (`check_context`)
+    pre_norms: bool = True  # input_layernorm before attention, a norm before the MLP
+    norm_unit_offset: bool = False  # Gemma: every norm scales by 1 + weight
+    hidden_act: str = "silu"  # the MLP's gate activation: silu, or Gemma's gelu_pytorch_tanh
+    # the tokens a layer attends back at most (Mistral v0.1's 4096, Phi-3's, Gemma 3's local layers';
+    # Qwen's with use_sliding_window): the layers in `window_layers` attend within it
+    # (`attention_window`); with none there, quantspec attends to the whole context, which equals
+    # the model's up to this length (`check_context`)
     sliding_window: int | None = None
-    window_every_layer: bool = False
+    window_layers: tuple[int, ...] = ()
+    local_rope_theta: float = 0.0  # Gemma 3: the window layers' rotary base (default rope); 0: every layer's tables
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): the MLP of a layer not in `dense_layers`
     # is `num_experts` MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token
     # by a router, plus (Qwen2-MoE) a gated shared expert of `shared_expert_intermediate_size`
@@ -148,6 +157,9 @@ class ModelArgs:
                 f"rope_scaling type {rope_type(self)!r} is not supported; supported: "
                 f"{', '.join(sorted(ROPE_TYPES))}"
             )
+        if self.hidden_act not in ACTIVATIONS:
+            raise QuantSpecError(f"hidden_act {self.hidden_act!r} is not supported; supported: "
+                                 f"{', '.join(ACTIVATIONS)}; fix config.json")
         if self.num_experts and not 1 <= self.experts_per_token <= self.num_experts:
             raise QuantSpecError(f"num_experts_per_tok={self.experts_per_token} must lie in 1..num_experts="
                                  f"{self.num_experts}; fix config.json")
@@ -158,31 +170,48 @@ class ModelArgs:
 
     @property
     def attention_window(self) -> int | None:
-        """The window every layer attends within (the keys of the last this many positions,
-        its own included), as the engine runs it; None: the whole context."""
-        return self.sliding_window if self.window_every_layer else None
+        """The window the layers of `window_layers` attend within (the keys of the last this many
+        positions, its own included), as the engine runs it; None: every layer the whole context."""
+        return self.sliding_window if self.window_layers else None
 
     def context_limit(self) -> int | None:
         """The longest context quantspec runs as the model computes it (`check_context`), None:
         any up to the position tables."""
-        limits = [self.sliding_window] if self.sliding_window is not None and not self.window_every_layer else []
+        limits = [self.sliding_window] if self._unslid_window else []
         if rope_type(self) in ("longrope", "su"):
             limits.append(int(self.rope_scaling["original_max_position_embeddings"]))
         return min(limits) if limits else None
 
+    @property
+    def _unslid_window(self) -> bool:
+        return self.sliding_window is not None and not self.window_layers
+
     def check_context(self, length: int, flag: str) -> None:
-        """Refuse, naming `flag`, a context longer than the model's sliding window, or than the
-        original context of a LongRoPE model (quantspec runs its short factors: `rope.py`)."""
+        """Refuse, naming `flag`, a context longer than the model's sliding window where no layer
+        slides it, or than the original context of a LongRoPE model (quantspec runs its short
+        factors: `rope.py`)."""
         if rope_type(self) in ("longrope", "su"):
             short = int(self.rope_scaling["original_max_position_embeddings"])
             if length > short:
                 raise QuantSpecError(f"{flag} {length} is over this model's original context of {short} tokens "
                                      "(rope_scaling longrope): quantspec runs its short factors, which hold up to "
                                      f"{short} tokens; use {flag} {short} or less")
-        if self.sliding_window is not None and not self.window_every_layer and length > self.sliding_window:
+        if self._unslid_window and length > self.sliding_window:
             raise QuantSpecError(f"{flag} {length} is over this model's sliding window of {self.sliding_window} tokens "
                                  "(config.json sliding_window): quantspec attends to the whole context, the same "
                                  f"up to {self.sliding_window} tokens only; use {flag} {self.sliding_window} or less")
+
+    def local_rope_args(self) -> "ModelArgs | None":
+        """The args of the rotary tables Gemma 3's window layers turn by; None: every layer the model's."""
+        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=None) if self.local_rope_theta else None
+
+    def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
+        """The embeddings the first layer takes: Granite's × embedding_multiplier; Gemma's ×
+        √hidden_size rounded to the embeddings' dtype, as transformers scales them."""
+        m = self.embedding_multiplier
+        if m != 1.0 and self.arch.startswith("gemma"):
+            m = float(torch.tensor(m, dtype=x.dtype))
+        return x if m == 1.0 else x * m
 
     @property
     def multiplied(self) -> bool:
@@ -201,11 +230,6 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         """The args of a HF config.json (`hf_config.args_fields`)."""
         return cls(**args_fields(cfg, ARCHITECTURES))
-
-
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """HF's LlamaRMSNorm: x normalized in fp32, rounded to x's dtype, then scaled by `weight`."""
-    return weight * F.rms_norm(x.float(), x.shape[-1:], eps=eps).to(x.dtype)
 
 
 # ---------------------------------------------------------------------------------------------
@@ -229,40 +253,6 @@ class StackRunner(Protocol):
         row); None where the modules must run."""
 
 
-class DenseCausalAttention:
-    """Plain causal attention over a dense `[B, S]` batch flattened to `T = B*S` tokens.
-
-    Used by evaluation and calibration (no KV cache). `kv_hook(layer_idx, k, v)` — if given —
-    sees each layer's keys and values `[B, S, KV, hd]`, e.g. for the KV-cache scale observers.
-    `window`: each query attends to the keys of the last `window` positions (`attention_window`).
-    """
-
-    def __init__(self, batch: int, seq_len: int, kv_hook=None, window: int | None = None):
-        self.batch, self.seq_len, self.kv_hook = batch, seq_len, kv_hook
-        self.mask = None if window is None or seq_len <= window else window_mask(seq_len, seq_len, window)
-
-    def __call__(self, layer_idx, q, k, v):
-        B, S = self.batch, self.seq_len
-        q = q.view(B, S, *q.shape[1:])
-        k = k.view(B, S, *k.shape[1:])
-        v = v.view(B, S, *v.shape[1:])
-        if self.kv_hook is not None:
-            self.kv_hook(layer_idx, k, v)
-        out = F.scaled_dot_product_attention(
-            q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=self.mask is None,
-            attn_mask=None if self.mask is None else self.mask.to(q.device), enable_gqa=q.shape[2] != k.shape[2],
-        )  # (B, H, S, hd)
-        return out.transpose(1, 2).reshape(B * S, *out.shape[1:2], out.shape[-1])
-
-
-def window_mask(q_len: int, seq_len: int, window: int | None) -> torch.Tensor:
-    """[q_len, seq_len] bool (True = attend): the last q_len of seq_len positions over all of them,
-    causal and, with `window`, within the last `window` positions (transformers' sliding-window
-    mask: q - k < window)."""
-    d = torch.arange(seq_len - q_len, seq_len)[:, None] - torch.arange(seq_len)[None, :]
-    return (d >= 0) & (d < window) if window is not None else d >= 0
-
-
 # ---------------------------------------------------------------------------------------------
 # modules
 
@@ -273,36 +263,6 @@ def project(linear: nn.Module, x: torch.Tensor, row_invariant: bool) -> torch.Te
     if row_invariant and getattr(type(linear), "takes_row_invariant", False):
         return linear(x, row_invariant=True)
     return linear(x)
-
-
-class RotaryEmbedding(nn.Module):
-    """The rotary embedding of x [T, heads, hd] by cos / sin [T, hd] (`apply_rope`)."""
-
-    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-        return apply_rope(x, cos, sin)
-
-
-class SiluAndMul(nn.Module):
-    """silu(gate) * up of a fused gate/up projection's output [..., 2 I] → [..., I]."""
-
-    def forward(self, gate_up: torch.Tensor) -> torch.Tensor:
-        gate, up = gate_up.chunk(2, dim=-1)
-        return F.silu(gate) * up
-
-
-class RMSNorm(nn.Module):
-    """HF's LlamaRMSNorm (`rms_norm`); `fp32_scale`: the weight scales the fp32 normalized x
-    before the cast (OLMo 2's)."""
-
-    def __init__(self, dim: int, eps: float, fp32_scale: bool = False):
-        super().__init__()
-        self.eps, self.fp32_scale = eps, fp32_scale
-        self.weight = nn.Parameter(torch.ones(dim))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if self.fp32_scale:
-            return (self.weight * F.rms_norm(x.float(), x.shape[-1:], eps=self.eps)).to(x.dtype)
-        return rms_norm(x, self.weight, self.eps)
 
 
 class Attention(nn.Module):
@@ -316,10 +276,12 @@ class Attention(nn.Module):
         self.o_proj = nn.Linear(args.q_size, args.hidden_size, bias=args.o_bias)
         self.qkv_proj: nn.Module | None = None  # q/k/v stacked in one projection (`infer.fuse`)
         n, self.qk_norm_per_head = (args.head_dim if args.qk_norm_per_head else None), args.qk_norm_per_head
-        self.q_norm = RMSNorm(n or args.q_size, args.rms_norm_eps, args.post_norms) if args.qk_norm else None
-        self.k_norm = RMSNorm(n or args.kv_size, args.rms_norm_eps, args.post_norms) if args.qk_norm else None
+        self.q_norm = RMSNorm.of(args, n or args.q_size) if args.qk_norm else None
+        self.k_norm = RMSNorm.of(args, n or args.kv_size) if args.qk_norm else None
         self.rotary_emb = RotaryEmbedding()
         self.use_rope = layer_idx not in args.nope_layers  # False: a NoPE layer (positions from the mask alone)
+        # Gemma 3's window layers turn by their own rotary tables (`Transformer.local_cos`)
+        self.local_rope = bool(args.local_rope_theta) and layer_idx in args.window_layers
         # Granite's attention_multiplier as a factor on q: the backends scale scores by head_dim ** -0.5
         self.q_scale = args.attention_multiplier * args.head_dim ** 0.5 if args.attention_multiplier else None
 
@@ -365,12 +327,13 @@ class MLP(nn.Module):
         self.up_proj = nn.Linear(args.hidden_size, inter, bias=args.mlp_bias)
         self.down_proj = nn.Linear(inter, args.hidden_size, bias=args.mlp_bias)
         self.gate_up_proj: nn.Module | None = None  # gate/up stacked in one projection (`infer.fuse`)
-        self.act_fn = SiluAndMul()
+        self.act = ACTIVATIONS[args.hidden_act]
+        self.act_fn = SiluAndMul() if args.hidden_act == "silu" else GeluTanhAndMul()
 
     def forward(self, x, row_invariant: bool = False):
         if self.gate_up_proj is not None:
             return project(self.down_proj, self.act_fn(project(self.gate_up_proj, x, row_invariant)), row_invariant)
-        h = F.silu(project(self.gate_proj, x, row_invariant)) * project(self.up_proj, x, row_invariant)
+        h = self.act(project(self.gate_proj, x, row_invariant)) * project(self.up_proj, x, row_invariant)
         return project(self.down_proj, h, row_invariant)
 
 
@@ -378,13 +341,14 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.residual_multiplier = args.residual_multiplier  # Granite's: each block's output before its add
-        self.post_norms = args.post_norms  # OLMo 2's (`ModelArgs.post_norms`): no input_layernorm
-        D, eps = args.hidden_size, args.rms_norm_eps
-        self.input_layernorm = None if args.post_norms else RMSNorm(D, eps)
+        # `ModelArgs.post_norms` / `pre_norms`: OLMo 2's layers have no input_layernorm, Gemma 3's four norms
+        self.post_norms, self.pre_norms, D = args.post_norms, args.pre_norms, args.hidden_size
+        self.input_layernorm = RMSNorm.of(args, D) if args.pre_norms else None
         self.self_attn = Attention(args, layer_idx)
-        self.post_attention_layernorm = RMSNorm(D, eps, args.post_norms)
+        self.post_attention_layernorm = RMSNorm.of(args, D)
         if args.post_norms:
-            self.post_feedforward_layernorm = RMSNorm(D, eps, True)
+            self.post_feedforward_layernorm = RMSNorm.of(args, D)
+            self.pre_feedforward_layernorm = RMSNorm.of(args, D) if args.pre_norms else None
         if args.is_moe_layer(layer_idx):
             from quantspec.model_zoo.moe import SparseMoE  # moe builds on this file's MLP
 
@@ -400,8 +364,10 @@ class DecoderLayer(nn.Module):
 
     def forward(self, x, cos, sin, attn, row_invariant: bool = False):
         if self.post_norms:
-            x = x + self.post_attention_layernorm(self.self_attn(x, cos, sin, attn, row_invariant))
-            return x + self.post_feedforward_layernorm(self.mlp(x, row_invariant))
+            a = x if self.input_layernorm is None else self.input_layernorm(x)
+            x = x + self.post_attention_layernorm(self.self_attn(a, cos, sin, attn, row_invariant))
+            m = x if self.pre_feedforward_layernorm is None else self.pre_feedforward_layernorm(x)
+            return x + self.post_feedforward_layernorm(self.mlp(m, row_invariant))
         r = self.residual_multiplier
         h = self.self_attn(self.input_layernorm(x), cos, sin, attn, row_invariant)
         x = x + (h if r == 1.0 else h * r)
@@ -416,7 +382,7 @@ class Decoder(nn.Module):
         super().__init__()
         self.embed_tokens = nn.Embedding(args.vocab_size, args.hidden_size)
         self.layers = nn.ModuleList(DecoderLayer(args, i) for i in range(args.num_layers))
-        self.norm = RMSNorm(args.hidden_size, args.rms_norm_eps)
+        self.norm = RMSNorm.of(args, args.hidden_size)
 
 
 class Transformer(nn.Module):
@@ -433,11 +399,16 @@ class Transformer(nn.Module):
         self._rope_len = 0
         self.cos: torch.Tensor | None = None
         self.sin: torch.Tensor | None = None
+        self.local_cos: torch.Tensor | None = None  # Gemma 3's window layers' (`ModelArgs.local_rope_theta`)
+        self.local_sin: torch.Tensor | None = None
 
     def setup_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the rotary tables; called after weights are materialised."""
         device = device or self.model.norm.weight.device
         self.cos, self.sin = rope_cos_sin(self.args, max_positions, device)
+        local = self.args.local_rope_args()
+        if local is not None:
+            self.local_cos, self.local_sin = rope_cos_sin(local, max_positions, device)
         self._rope_len = max_positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,
@@ -459,11 +430,12 @@ class Transformer(nn.Module):
         if self.cos is None or int(positions.max()) >= self._rope_len:
             need = max(int(positions.max()) + 1, self.args.max_position_embeddings)
             self.setup_rope(need)
-        cos, sin = self.cos[positions], self.sin[positions]  # [T, hd]
         x = self.embed(input_ids)  # [T, D]
-        if cos.dtype != x.dtype:  # HF casts the fp32 tables to the activations' dtype
-            cos, sin = cos.to(x.dtype), sin.to(x.dtype)
-        if stack is not None:
+        # HF casts the fp32 tables to the activations' dtype
+        cos, sin = self.cos[positions].to(x.dtype), self.sin[positions].to(x.dtype)  # [T, hd]
+        local = None if self.local_cos is None else (self.local_cos[positions].to(x.dtype),
+                                                     self.local_sin[positions].to(x.dtype))
+        if stack is not None and local is None:  # (stack runners turn every layer by one table)
             out = stack(x, cos, sin, attn, out_rows, row_invariant, capture)
             if out is not None:
                 return out
@@ -471,15 +443,14 @@ class Transformer(nn.Module):
         for i, layer in enumerate(self.model.layers):
             if i in capture:
                 streams[i] = x
-            x = layer(x, cos, sin, attn, row_invariant)
+            x = layer(x, *(local if layer.self_attn.local_rope else (cos, sin)), attn, row_invariant)
         streams[len(self.model.layers)] = x
         out = x if out_rows is None else x[out_rows]
         return (out, tuple(streams[i] for i in capture)) if capture else out
 
     def embed(self, input_ids: torch.Tensor) -> torch.Tensor:
-        """The embeddings the first layer takes (Granite's × embedding_multiplier)."""
-        x = self.model.embed_tokens(input_ids)
-        return x if self.args.embedding_multiplier == 1.0 else x * self.args.embedding_multiplier
+        """The embeddings the first layer takes (`ModelArgs.scale_embeddings`)."""
+        return self.args.scale_embeddings(self.model.embed_tokens(input_ids))
 
     def compute_logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
         """hidden: [N, D] (pre-norm) → logits [N, V] in fp32 (Granite's ÷ logits_scaling)."""

@@ -161,7 +161,7 @@ def extract_features(base: Transformer, sequences: list[torch.Tensor] | torch.Te
             B = chunk.shape[0]
             pos = torch.arange(L).repeat(B)
             hidden = base(chunk.reshape(-1).to(base.model.norm.weight.device), pos.to(base.model.norm.weight.device),
-                          DenseCausalAttention(B, L, window=base.args.attention_window)).view(B, L, -1)  # [B, L, D]
+                          DenseCausalAttention.of(base.args, B, L)).view(B, L, -1)  # [B, L, D]
             preds = None
             if self_distill:
                 preds = base.compute_logits(hidden[:, :-1].reshape(B * (L - 1), -1)).argmax(-1).view(B, L - 1).cpu()

@@ -64,16 +64,18 @@ def smoothquant_scales(act_absmax: torch.Tensor, weight_absmax: torch.Tensor, al
 
 
 @torch.no_grad()
-def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor,
-                   norm_bias: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor | None]:
-    """γ / s (and β / s): the norm now outputs X / s. Returns new tensors in γ's dtype."""
+def fold_into_norm(norm_weight: torch.Tensor, s: torch.Tensor, norm_bias: torch.Tensor | None = None, *,
+                   unit_offset: bool = False) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """γ / s (and β / s): the norm now outputs X / s. Returns new tensors in γ's dtype.
+    `unit_offset`: the norm scales by γ = 1 + weight (Gemma's); the new weight is γ / s - 1."""
     _check_vec("norm_weight", norm_weight)
     _check_vec("s", s)
     if norm_weight.shape != s.shape:
         raise QuantSpecError(f"norm weight {tuple(norm_weight.shape)} and s {tuple(s.shape)} "
                              "must both be [K]")
     ct = torch.promote_types(norm_weight.dtype, torch.float32)  # at least fp32 for the divide
-    new_w = (norm_weight.to(ct) / s.to(ct)).to(norm_weight.dtype)
+    one = 1.0 if unit_offset else 0.0
+    new_w = ((norm_weight.to(ct) + one) / s.to(ct) - one).to(norm_weight.dtype)
     new_b = None if norm_bias is None else (norm_bias.to(ct) / s.to(ct)).to(norm_bias.dtype)
     return new_w, new_b
 

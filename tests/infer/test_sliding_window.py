@@ -11,15 +11,10 @@ import pytest
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.engine import Engine, EngineConfig
-from quantspec.infer.sampler import SamplingParams
-from quantspec.infer.spec.eagle import EagleProposer
-from quantspec.infer.spec.proposers import ReferenceProposer
-from quantspec.infer.spec.tree import TreeSpec
 from quantspec.model_zoo.checkpoint import load_model
-from quantspec.model_zoo.eagle3_train import init_eagle3
 from quantspec.model_zoo.llama import DenseCausalAttention, ModelArgs
 from quantspec.model_zoo.tiny import build_tiny_model
+from window_paths import assert_every_path_is_plain_decoding, decode as _run, random_prompts as _ids
 
 torch.set_num_threads(1)
 WINDOW = 16
@@ -40,20 +35,6 @@ def hf(mistral_dir):
     model = AutoModelForCausalLM.from_pretrained(mistral_dir, dtype=torch.float32)
     assert model.config.sliding_window == WINDOW
     return model.eval()
-
-
-def _ids(lengths, seed):
-    g = torch.Generator().manual_seed(seed)
-    return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
-
-
-def _run(model, prompts, *, new=24, proposer=None, k=0, chunk=None, batch=None):
-    eng = Engine(model, EngineConfig(block_size=8, max_batch_size=batch or len(prompts), max_length=128,
-                                     spec_max_draft_tokens=k, prefill_chunk=chunk), eos_token_ids=[],
-                 proposer=proposer)
-    seqs = [eng.add_request(p, SamplingParams(max_new_tokens=new), request_index=i) for i, p in enumerate(prompts)]
-    eng.run()
-    return [s.output_ids for s in seqs]
 
 
 def test_the_window_is_run_not_refused(mistral_dir):
@@ -87,22 +68,7 @@ def test_greedy_past_the_window_equals_transformers_generate(mistral_dir, hf):
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_every_attention_path_equals_plain_decoding(mistral_dir, dtype):
-    """Prompts longer and shorter than the window, alone (per-sequence path) and 20 at once (the
-    batched path), prefilled in chunks, verified with n-gram chains and EAGLE-3 trees: the same
-    tokens as plain decoding one prompt at a time."""
-    model = load_model(mistral_dir, dtype=dtype)[0]
-    prompts = _ids([4, 12, 40], seed=3)
-    prompts.append((prompts[1] * 4)[:40])  # repeats: the n-gram drafter finds matches
-    plain = [_run(model, [p], new=40)[0] for p in prompts]
-    assert _run(model, prompts, new=40) == plain
-    assert _run(model, prompts, new=40, chunk=7) == plain
-    many = (prompts * 5)[:20]
-    assert _run(model, many, new=40) == [plain[i % len(prompts)] for i in range(20)]
-    ngram = ReferenceProposer(2, 3)
-    assert _run(model, prompts, new=40, proposer=ngram, k=3) == plain
-    head = init_eagle3(model, torch.arange(0, 512, 2), (0, 1, 2)).to(dtype).bind_embedding(model.model.embed_tokens)
-    tree = EagleProposer(head, tree=TreeSpec(2, 2))
-    assert _run(model, prompts, new=40, proposer=tree, k=tree.max_rows) == plain
+    assert_every_path_is_plain_decoding(load_model(mistral_dir, dtype=dtype)[0], dtype)
 
 
 def test_perplexity_past_the_window_is_transformers(mistral_dir, hf):

@@ -30,7 +30,7 @@ class CpuRMSNorm(RMSNorm):
 
     def __init__(self, norm: RMSNorm):
         nn.Module.__init__(self)
-        self.eps, self.weight, self.fp32_scale = norm.eps, norm.weight, False
+        self.eps, self.weight, self.fp32_scale, self.unit_offset = norm.eps, norm.weight, False, False
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dim() == 2 and _kernel_rows(x) and self.weight.dtype == x.dtype:

@@ -14,23 +14,25 @@ from __future__ import annotations
 import torch
 from torch import nn
 
-from quantspec.model_zoo.llama import MLP, RMSNorm, apply_rope, project
+from quantspec.model_zoo.llama import MLP, RMSNorm, SiluAndMul, apply_rope, project
 
 __all__ = ["fusable", "fused_stack"]
 
 
 def fusable(layers: nn.ModuleList, dtype: torch.dtype) -> bool:
     """Whether `fused_stack` takes these layers with activations of `dtype`: fused q/k/v and
-    gate/up projections (`infer.fuse`), RMSNorms whose weights are in `dtype`, and none of
-    Granite's multipliers (which the layer loop here leaves out)."""
+    gate/up projections (`infer.fuse`), Llama's RMSNorms with weights in `dtype`, silu MLPs, and
+    none of Granite's multipliers (which the layer loop here leaves out)."""
     for layer in layers:
         a, m = layer.self_attn, layer.mlp
         if not isinstance(m, MLP) or a.qkv_proj is None or m.gate_up_proj is None:  # MLP: not a mixture of experts
             return False
-        if layer.residual_multiplier != 1.0 or a.q_scale is not None:
+        if layer.residual_multiplier != 1.0 or a.q_scale is not None or layer.post_norms or a.local_rope:
+            return False  # (OLMo 2's and Gemma 3's norms sit elsewhere; Gemma's window layers turn by other tables)
+        if type(m.act_fn) is not SiluAndMul:
             return False
         for norm in (layer.input_layernorm, layer.post_attention_layernorm):
-            if type(norm) is not RMSNorm or norm.weight.dtype != dtype:
+            if type(norm) is not RMSNorm or norm.fp32_scale or norm.weight.dtype != dtype:
                 return False
     return True
 
