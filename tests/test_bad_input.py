@@ -70,7 +70,7 @@ CASES = [
     ("infer-shard-missing", "infer --model {d}/shard_missing --prompt hi", "model-00002-of-00002.safetensors"),
     ("infer-shard-truncated", "infer --model {d}/shard_truncated --prompt hi", "model-00002-of-00002.safetensors"),
     ("infer-model-bad-config", "infer --model {d}/badconfig --prompt hi", "--model"),
-    ("infer-gemma3-softcapping", "infer --model {d}/gemma_softcap --prompt hi", "--model"),
+    ("infer-gemma-embedding-model", "infer --model {d}/gemma_bidirectional --prompt hi", "--model"),
     ("infer-draft-without-model", "infer --model {model} --prompt hi --speculate-method draft", "--draft-model"),
     ("infer-draft-model-no-method", "infer --model {model} --prompt hi --draft-model {model}",
      "--speculate-method"),
@@ -278,11 +278,11 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
     bad = d / "badconfig"
     shutil.copytree(model, bad)
     (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
-    soft = d / "gemma_softcap"  # a Gemma 2-style soft-capped attention in a Gemma 3 config
-    shutil.copytree(model, soft)
-    (soft / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()),
-                                                  "architectures": ["Gemma3ForCausalLM"],
-                                                  "attn_logit_softcapping": 50.0}))
+    embedding = d / "gemma_bidirectional"  # EmbeddingGemma's attention: no causal LM
+    shutil.copytree(model, embedding)
+    (embedding / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()),
+                                                       "architectures": ["Gemma3ForCausalLM"],
+                                                       "use_bidirectional_attention": True}))
     shutil.copytree(quantized, d / "quantized")
     _medusa_inputs(d)
     _eagle3_inputs(d)

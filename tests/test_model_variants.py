@@ -2,8 +2,9 @@
 without a rotary embedding, `no_rope_layers`), Granite (embeddings, block outputs, attention
 scores and logits each scaled by a multiplier of its config), OLMo 2 (post-norm layers: each
 block's output normalized before its add, no norm before attention or the MLP; q and k
-normalized over the whole projection) and Gemma 3 (four 1 + weight norms a layer, gelu-tanh MLPs,
-every other layer sliding a window with rotary tables of its own: `test_gemma3.py`). For each: quantspec's forward,
+normalized over the whole projection) and Gemma 2 / 3 (four 1 + weight norms a layer, gelu-tanh
+MLPs, every other layer sliding a window; Gemma 2's scores and logits soft-capped, Gemma 3's window
+layers turning by rotary tables of their own: `test_gemma.py`). For each: quantspec's forward,
 fused or not, its engine's greedy decoding, its artifacts (calibrated and GPTQ) run by
 transformers through compressed-tensors to the same logits, and speculation (n-gram, an EAGLE-3
 head, an MTP module) keeping plain greedy output; then what is particular to each."""
@@ -23,7 +24,7 @@ IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
 TOL = dict(rtol=1e-4, atol=1e-4)
 # 2 layers, hidden 64, 4 / 2 KV heads: SmolLM3's layer 1 takes no rotary embedding, Granite's
 # multipliers are `GRANITE_MULTIPLIERS`
-ARCHS = ("smollm3", "granite", "olmo2", "gemma3")
+ARCHS = ("smollm3", "granite", "olmo2", "gemma2", "gemma3")
 
 
 @pytest.fixture(scope="module", params=ARCHS)

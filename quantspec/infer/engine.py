@@ -139,7 +139,7 @@ class Engine:
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
             kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kernel=self.runtime.attention,
             max_seq_len=config.max_length + config.spec_max_draft_tokens + 1, window=args.attention_window,
-            window_layers=args.window_layers,
+            window_layers=args.window_layers, softcap=args.attn_softcap,
         )
         if args.max_position_embeddings < config.max_length:
             model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)

@@ -90,7 +90,7 @@ def perplexity(model: Transformer, token_ids: torch.Tensor, *, seq_len: int = 51
                          block_size=block_size, num_kv_heads=args.num_kv_heads,
                          head_dim=args.head_dim, dtype=dtype, device=device,
                          kv_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, window=args.attention_window,
-                         window_layers=args.window_layers)
+                         window_layers=args.window_layers, softcap=args.attn_softcap)
     total_nll, total_tokens = 0.0, 0
     for w0 in range(0, W, B):
         batch = win[w0:w0 + B].to(device)  # [b, S]

@@ -33,6 +33,7 @@ import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.attention_masks import ancestor_rows, batched_mask, sequence_mask
+from quantspec.model_zoo.attention import folded_gqa_attention, grouped_attention, window_mask
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
@@ -146,7 +147,8 @@ class PagedKVCache:
     `max_seq_len`: the longest sequence it holds (what a kernel may size its launches by), or
     None where unknown. `window`: the model's sliding window (`ModelArgs.attention_window`) and
     `window_layers` the layers that slide it (None: every layer), which every step's
-    `AttentionMetadata` is built with."""
+    `AttentionMetadata` is built with. `softcap`: Gemma 2's score cap (`model_zoo.attention`),
+    which the kernels do not apply: a capped cache has none."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",
@@ -154,11 +156,11 @@ class PagedKVCache:
                  k_scale: torch.Tensor | None = None, v_scale: torch.Tensor | None = None,
                  kernel: Callable[["PagedKVCache"], AttentionKernel | None] | None = None,
                  max_seq_len: int | None = None, window: int | None = None,
-                 window_layers: tuple[int, ...] | None = None):
+                 window_layers: tuple[int, ...] | None = None, softcap: float = 0.0):
         self.block_size, self.num_blocks, self.window = block_size, num_blocks, window
         self.window_layers = None if window_layers is None or set(window_layers) >= set(range(num_layers)) \
             else frozenset(window_layers)
-        self.max_seq_len = max_seq_len
+        self.max_seq_len, self.softcap = max_seq_len, softcap
         self.kv_dtype = KVCacheDtype(kv_dtype)
         self.compute_dtype = dtype
         if self.kv_dtype is KVCacheDtype.AUTO:
@@ -183,7 +185,7 @@ class PagedKVCache:
         self.v = _zeros(shape, storage, device)
         self.allocator = BlockAllocator(num_blocks)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.kernel = None if kernel is None else kernel(self)
+        self.kernel = None if kernel is None or softcap else kernel(self)
 
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x: [T, KV, hd] → storage dtype."""
@@ -413,7 +415,7 @@ class PagedAttention:
         if meta.kernel:  # the cache's kernel writes k / v and attends for the whole batch
             return cache.kernel(layer_idx, q, k, v, meta)
         cache.write(layer_idx, k, v, meta.slot_mapping)
-        gqa = q.shape[1] != k.shape[1]
+        gqa, cap = q.shape[1] != k.shape[1], cache.softcap
         if meta.bias is None:  # per sequence: fresh prompts, or decode / verify of a few sequences
             out = torch.empty_like(q)
             start = 0
@@ -427,8 +429,9 @@ class PagedAttention:
                     kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl)
                 mask = None if meta.masks is None else meta.masks[b]
                 lo = 0 if meta.lows is None else meta.lows[b]
-                if fresh and mask is not None:  # a prompt longer than the window
-                    out[start:start + n] = _folded_gqa_attention(qb, kb, vb, mask)
+                if fresh and (mask is not None or cap):  # a prompt longer than the window; capped scores
+                    mask = window_mask(n, n, None).to(q.device) if mask is None else mask
+                    out[start:start + n] = folded_gqa_attention(qb, kb, vb, mask, cap)
                 elif fresh:
                     o = F.scaled_dot_product_attention(
                         qb.transpose(0, 1)[None], kb.transpose(0, 1)[None], vb.transpose(0, 1)[None],
@@ -443,10 +446,10 @@ class PagedAttention:
                     tree = meta.trees is not None and meta.trees[b] is not None
                     for i in range(n):
                         keys = mask[i] if tree else slice(max(0, first + i + 1 - w), first + i + 1)
-                        out[start + i] = _folded_gqa_attention(qb[i:i + 1], kb[keys], vb[keys], None)[0]
+                        out[start + i] = folded_gqa_attention(qb[i:i + 1], kb[keys], vb[keys], None, cap)[0]
                 else:  # a window's rows: from their first key on (a decode row: no mask at all)
-                    out[start:start + n] = _folded_gqa_attention(qb, kb[lo:], vb[lo:],
-                                                                 None if mask is None else mask[:, lo:])
+                    out[start:start + n] = folded_gqa_attention(qb, kb[lo:], vb[lo:],
+                                                                None if mask is None else mask[:, lo:], cap)
                 start += n
             return out
         B, q_max = meta.bias.shape[0], meta.bias.shape[2]
@@ -458,42 +461,9 @@ class PagedAttention:
             qp[meta.q_index] = q
             qp = qp.view(B, q_max, H, hd)
         kc, vc = cache.gather(layer_idx, meta.block_tables)  # (B, L, KV, hd)
+        if cap:
+            out = grouped_attention(qp, kc, vc, meta.bias, cap)  # (B, Qmax, H, hd)
+            return out.reshape(-1, H, hd)[slice(None) if meta.q_index is None else meta.q_index]
         o = F.scaled_dot_product_attention(qp.transpose(1, 2), kc.transpose(1, 2), vc.transpose(1, 2),
                                            attn_mask=meta.bias.to(q.dtype), enable_gqa=gqa)  # (B, H, Qmax, hd)
         return o.transpose(1, 2).reshape(-1, H, hd)[slice(None) if meta.q_index is None else meta.q_index]
-
-
-def _folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: torch.Tensor | None
-                          ) -> torch.Tensor:
-    """A few queries of one sequence over its keys, each KV head read once.
-
-    q: [n, H, hd]; k, v: [L, KV, hd] (any strides, e.g. a view of the cache); mask: [n, L] bool
-    (True = attend) or None → [n, H, hd]. The G = H / KV query heads that share a KV head become
-    G*n query rows of that head (row g*n + i), so SDPA streams each KV head once instead of once
-    per query head (SDPA's `enable_gqa` on CPU costs ~6x more in bf16 for one query).
-    """
-    n, H, hd = q.shape
-    KV = k.shape[1]
-    G = H // KV
-    qf = q.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(1, KV, G * n, hd)
-    m = None if mask is None else mask.repeat(G, 1)  # [G*n, L]
-    o = F.scaled_dot_product_attention(qf, k.transpose(0, 1)[None], v.transpose(0, 1)[None], attn_mask=m)
-    return o.view(KV, G, n, hd).permute(2, 0, 1, 3).reshape(n, H, hd)
-
-
-def grouped_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, bias: torch.Tensor) -> torch.Tensor:
-    """Attention with grouped KV heads and an additive mask, without repeating K/V.
-
-    q: [B, Q, H, hd]; k, v: [B, L, KV, hd]; bias: [B, 1, Q, L] → [B, Q, H, hd]. Query head h
-    reads KV head h // (H // KV) (HF's `repeat_kv` convention). For a handful of query rows this
-    is two small batched matmuls, much cheaper on CPU than SDPA's masked math path.
-    """
-    B, Q, H, hd = q.shape
-    KV, L = k.shape[2], k.shape[1]
-    G = H // KV
-    qg = q.view(B, Q, KV, G, hd).permute(0, 2, 3, 1, 4).reshape(B, KV, G * Q, hd)  # (B, KV, G*Q, hd)
-    scores = torch.matmul(qg, k.permute(0, 2, 3, 1)) * (hd ** -0.5)  # (B, KV, G*Q, L)
-    scores = scores.view(B, KV, G, Q, L) + bias.unsqueeze(2).to(scores.dtype)  # bias (B, 1, 1, Q, L)
-    probs = torch.softmax(scores.float(), dim=-1).to(v.dtype).view(B, KV, G * Q, L)
-    out = torch.matmul(probs, v.transpose(1, 2))  # (B, KV, G*Q, hd)
-    return out.view(B, KV, G, Q, hd).permute(0, 3, 1, 2, 4).reshape(B, Q, H, hd)

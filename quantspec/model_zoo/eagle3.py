@@ -110,7 +110,7 @@ class Eagle3Args:
         layer = ModelArgs(**{**base.__dict__, "num_layers": 1, "tie_word_embeddings": False, "qk_norm": False,
                              "qk_norm_per_head": True, "post_norms": False, "pre_norms": True,
                              "norm_unit_offset": False, "hidden_act": "silu", "sliding_window": None,
-                             "window_layers": (), "local_rope_theta": 0.0,
+                             "window_layers": (), "local_rope_theta": 0.0, "attn_softcap": 0.0, "logit_softcap": 0.0,
                              "eos_token_ids": list(base.eos_token_ids), "num_experts": 0,
                              "dense_layers": (), "nope_layers": (), **NEUTRAL_MULTIPLIERS})
         ids = None if aux_layer_ids is None else tuple(int(i) for i in aux_layer_ids)

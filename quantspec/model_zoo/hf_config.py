@@ -42,13 +42,13 @@ def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
         o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
         qk_norm=arch.startswith("qwen3") or arch in ("olmo2", "gemma3"),
-        qk_norm_per_head=arch != "olmo2", post_norms=arch in ("olmo2", "gemma3"), pre_norms=arch != "olmo2",
+        qk_norm_per_head=arch != "olmo2", post_norms=arch in ("olmo2", "gemma2", "gemma3"), pre_norms=arch != "olmo2",
         **layer_fields(cfg, arch),
         **moe_fields(cfg, arch),
         bos_token_id=cfg.get("bos_token_id"),
         eos_token_ids=eos_ids,
     )
-    return {**out, **gemma_fields(cfg)} if arch == "gemma3" else out
+    return {**out, **gemma_fields(cfg, arch)} if arch.startswith("gemma") else out
 
 
 def rope_fields(cfg: dict) -> dict:
@@ -69,15 +69,15 @@ def rope_fields(cfg: dict) -> dict:
     return {"rope_theta": float(theta), "rope_scaling": scaling, "rotary_dim": int(head_dim * partial)}
 
 
-def gemma_fields(cfg: dict) -> dict:
-    """Gemma 3's: four norms a layer, each scaling by 1 + weight; gelu-tanh MLPs; embeddings ×
-    √hidden_size; scores × query_pre_attn_scalar ** -0.5; the window layers' own rotary base
+def gemma_fields(cfg: dict, arch: str) -> dict:
+    """Gemma 2's and 3's: four norms a layer, each scaling by 1 + weight; gelu-tanh MLPs;
+    embeddings × √hidden_size; scores × query_pre_attn_scalar ** -0.5; scores and logits
+    soft-capped where the config says (Gemma 2); Gemma 3's window layers' own rotary base
     (`rope_local_base_freq`, or transformers 5's `rope_parameters.sliding_attention`)."""
-    for key in ("attn_logit_softcapping", "final_logit_softcapping", "use_bidirectional_attention"):
-        if cfg.get(key):
-            raise QuantSpecError(f"config.json {key}={cfg[key]!r}: quantspec runs Gemma 3's causal attention without "
-                                 "logit soft-capping; use a Gemma 3 decoder without it")
-    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {}
+    if cfg.get("use_bidirectional_attention"):
+        raise QuantSpecError("config.json use_bidirectional_attention=true: an embedding model (EmbeddingGemma); "
+                             "quantspec runs causal decoders: use a Gemma causal LM")
+    local = (cfg.get("rope_parameters") or {}).get("sliding_attention") or {} if arch == "gemma3" else {}
     if local.get("rope_type", "default") != "default":
         raise QuantSpecError(f"rope_parameters.sliding_attention rope_type {local['rope_type']!r} is not supported "
                              "(Gemma 3's local layers turn by the default rotary embedding); fix config.json")
@@ -86,9 +86,12 @@ def gemma_fields(cfg: dict) -> dict:
     return dict(pre_norms=True, norm_unit_offset=True, hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
                 embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
                 attention_multiplier=0.0 if scalar == head_dim else scalar ** -0.5,
-                local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0))),
+                local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
+                if arch == "gemma3" else 0.0,
+                attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
+                logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
-                **({} if "rope_theta" in cfg or "rope_parameters" in cfg else {"rope_theta": 1e6}),
+                **({} if "rope_theta" in cfg or "rope_parameters" in cfg or arch != "gemma3" else {"rope_theta": 1e6}),
                 rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
 
 
@@ -107,7 +110,7 @@ def layer_fields(cfg: dict, arch: str) -> dict:
 
 
 # the families whose every layer attends within `sliding_window` (transformers' Mistral, Mixtral and
-# Phi-3 pass it to each layer); Gemma 3's `layer_types` name its sliding layers; Qwen's and SmolLM3's
+# Phi-3 pass it to each layer); Gemma's `layer_types` name its sliding layers; Qwen's and SmolLM3's
 # pick theirs family by family, which quantspec does not follow (it attends to the whole context)
 WINDOW_EVERY_LAYER = ("mistral", "mixtral", "phi3")
 
@@ -116,11 +119,12 @@ def _window_layers(cfg: dict, arch: str) -> tuple[int, ...]:
     n = cfg["num_hidden_layers"]
     if arch in WINDOW_EVERY_LAYER:
         return tuple(range(n))
-    if arch != "gemma3":
+    if not arch.startswith("gemma"):
         return ()
-    types = cfg.get("layer_types") or [  # (configs before transformers 5: every `sliding_window_pattern`-th is full)
-        "full_attention" if (i + 1) % int(cfg.get("sliding_window_pattern", 6)) == 0 else "sliding_attention"
-        for i in range(n)]
+    # configs before transformers 5: every `sliding_window_pattern`-th layer is full (Gemma 2: every other)
+    every = int(cfg.get("sliding_window_pattern", 6)) if arch == "gemma3" else 2
+    types = cfg.get("layer_types") or ["full_attention" if (i + 1) % every == 0 else "sliding_attention"
+                                       for i in range(n)]
     if len(types) != n or set(types) - {"sliding_attention", "full_attention"}:
         raise QuantSpecError(f"layer_types {types!r} must name sliding_attention or full_attention for each of the "
                              f"{n} layers; fix config.json")
@@ -133,7 +137,7 @@ def _sliding_window(cfg: dict, arch: str) -> int | None:
     window = cfg.get("sliding_window")
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
-    if arch in WINDOW_EVERY_LAYER or arch == "gemma3":
+    if arch in WINDOW_EVERY_LAYER or arch.startswith("gemma"):
         return window
     layer_types = cfg.get("layer_types") or ()
     if arch.startswith(("qwen", "smollm3")) and cfg.get("use_sliding_window") and (

@@ -1,5 +1,5 @@
 """The Llama family (Llama 2/3, Mistral, Qwen2, Qwen3, their MoE, Phi-3, SmolLM2 / 3, Granite, OLMo 2,
-Gemma 3) as plain nn.Modules.
+Gemma 2 / 3) as plain nn.Modules.
 
 This file owns the architecture: `ModelArgs` read from a HF `config.json`, the modules (rotary
 tables: `rope.py`; norms, activations and the rotary embedding: `ops.py`; dense causal attention:
@@ -73,6 +73,7 @@ ARCHITECTURES = {
     "Olmo2ForCausalLM": "olmo2",
     "SmolLM3ForCausalLM": "smollm3",
     "GraniteForCausalLM": "granite",
+    "Gemma2ForCausalLM": "gemma2",
     "Gemma3ForCausalLM": "gemma3",
 }
 # Granite's multipliers at the values that scale nothing (every other architecture's)
@@ -125,6 +126,9 @@ class ModelArgs:
     sliding_window: int | None = None
     window_layers: tuple[int, ...] = ()
     local_rope_theta: float = 0.0  # Gemma 3: the window layers' rotary base (default rope); 0: every layer's tables
+    # Gemma 2: scores and logits soft-capped, s → cap · tanh(s / cap) (`model_zoo.attention`); 0: not capped
+    attn_softcap: float = 0.0
+    logit_softcap: float = 0.0
     # mixture of experts (Qwen2-MoE, Qwen3-MoE, Mixtral): the MLP of a layer not in `dense_layers`
     # is `num_experts` MLPs of `moe_intermediate_size`, `experts_per_token` of them mixed per token
     # by a router, plus (Qwen2-MoE) a gated shared expert of `shared_expert_intermediate_size`
@@ -212,6 +216,12 @@ class ModelArgs:
         if m != 1.0 and self.arch.startswith("gemma"):
             m = float(torch.tensor(m, dtype=x.dtype))
         return x if m == 1.0 else x * m
+
+    def scale_logits(self, logits: torch.Tensor) -> torch.Tensor:
+        """The head's output as the model's logits: Granite's ÷ logits_scaling, Gemma 2's soft cap."""
+        if self.logits_scaling != 1.0:
+            logits = logits / self.logits_scaling
+        return torch.tanh(logits / self.logit_softcap) * self.logit_softcap if self.logit_softcap else logits
 
     @property
     def multiplied(self) -> bool:
@@ -453,9 +463,8 @@ class Transformer(nn.Module):
         return self.args.scale_embeddings(self.model.embed_tokens(input_ids))
 
     def compute_logits(self, hidden: torch.Tensor, row_invariant: bool = False) -> torch.Tensor:
-        """hidden: [N, D] (pre-norm) → logits [N, V] in fp32 (Granite's ÷ logits_scaling)."""
-        logits = project(self.lm_head, self.model.norm(hidden), row_invariant).float()
-        return logits if self.args.logits_scaling == 1.0 else logits / self.args.logits_scaling
+        """hidden: [N, D] (pre-norm) → logits [N, V] in fp32 (`ModelArgs.scale_logits`)."""
+        return self.args.scale_logits(project(self.lm_head, self.model.norm(hidden), row_invariant).float())
 
     def head_weight(self) -> torch.Tensor:
         """The head's effective weight [V, D]: a float head's own (an inference-packed one

@@ -123,7 +123,8 @@ class MTPArgs:
                | {"attention_multiplier": b.attention_multiplier or b.head_dim ** -0.5} if b.arch == "granite" else {}),
             # Gemma 3's score scale and activation (`hf_config.gemma_fields`)
             **({"query_pre_attn_scalar": round(b.attention_multiplier ** -2, 6) if b.attention_multiplier
-                else b.head_dim, "hidden_activation": b.hidden_act} if b.arch == "gemma3" else {}),
+                else b.head_dim, "hidden_activation": b.hidden_act, "attn_logit_softcapping": b.attn_softcap or None,
+                "final_logit_softcapping": b.logit_softcap or None} if b.arch.startswith("gemma") else {}),
             "max_position_embeddings": b.max_position_embeddings,
             "vocab_size": b.vocab_size,
             "tie_word_embeddings": b.tie_word_embeddings,
@@ -251,7 +252,7 @@ class MTPModule(nn.Module):
         """mtp_hidden: [N, D] → logits over the draft vocabulary [N, Vd] fp32 (map column j to
         token `draft_vocab_ids[j]`). `head`: a module computing the product with the shared head's
         rows (an inference backend's, e.g. those rows rounded to int8); None: `F.linear` with them.
-        Divided by the base's `logits_scaling` (Granite's), as its own logits are."""
+        Scaled as the base scales its own (`ModelArgs.scale_logits`: Granite's, Gemma 2's soft cap)."""
         x = self.model.norm(mtp_hidden)
         return self._scaled((head(x) if head is not None else F.linear(x, self._shared["head"])).float())
 
@@ -263,8 +264,7 @@ class MTPModule(nn.Module):
         return self._scaled(F.linear(self._shared["base_norm"](base_hidden), self._shared["head"]).float())
 
     def _scaled(self, logits: torch.Tensor) -> torch.Tensor:
-        s = self.args.block.logits_scaling
-        return logits if s == 1.0 else logits / s
+        return self.args.block.scale_logits(logits)
 
     def full_logits(self, mtp_hidden: torch.Tensor) -> torch.Tensor:
         """[N, D] → [N, V] fp32 with -inf outside the draft vocabulary (for sampled drafts)."""

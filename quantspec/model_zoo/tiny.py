@@ -8,7 +8,7 @@ This file owns:
   `variant=1` trains on a transformed corpus and yields a *different* vocab (for "draft tokenizer
   differs from base" tests).
 - `build_tiny_model`: a Llama / Qwen2 / Qwen3 / Qwen2-MoE / Qwen3-MoE / Mistral / Mixtral / Phi-3 / SmolLM3 /
-  Granite / OLMo 2 / Gemma 3 checkpoint (transformers' own classes) with a fixed seed, written with `save_pretrained`
+  Granite / OLMo 2 / Gemma 2 / Gemma 3 checkpoint (transformers' own classes) with a fixed seed, written with `save_pretrained`
   as safetensors (optionally sharded), plus the tokenizer and a generation config whose eos is
   `<|im_end|>`.
 
@@ -80,15 +80,17 @@ QKV_BIAS_STD = 0.1
 # Granite's multipliers in a tiny model: each far enough from 1 that leaving one out shows
 GRANITE_MULTIPLIERS = {"embedding_multiplier": 4.0, "residual_multiplier": 0.5, "attention_multiplier": 0.05,
                        "logits_scaling": 2.0}
-# Gemma 3 in a tiny model: every other layer slides a window shorter than the tests' prompts, the
-# window layers turn by a rotary base of their own, and scores are scaled by 1 / √(2 head_dim)
-GEMMA3_LAYOUT = {"sliding_window": 6}
+# Gemma in a tiny model: every other layer slides a window shorter than the tests' prompts and
+# scores are scaled by 1 / √(2 head_dim); Gemma 3's window layers turn by a rotary base of their
+# own; Gemma 2's caps are low enough to bend the tiny model's scores and logits
+GEMMA_LAYOUT = {"sliding_window": 6}
 GEMMA3_LOCAL_THETA = 100.0
+GEMMA2_SOFTCAPS = {"attn_logit_softcapping": 2.0, "final_logit_softcapping": 4.0}
 # Shard size for `sharded=True`: small enough that the tiny default model gets several shards.
 TINY_MAX_SHARD_SIZE = "100KB"
 
 TINY_ARCHS = ("llama", "qwen2", "qwen3", "mistral", "qwen2_moe", "qwen3_moe", "mixtral", "phi3", "smollm3", "granite",
-              "olmo2", "gemma3")
+              "olmo2", "gemma2", "gemma3")
 # a tiny MoE's experts unless `build_tiny_model(moe=...)` says otherwise (HF config keys;
 # moe_intermediate_size, and Qwen2-MoE's shared expert's, default to half the dense intermediate;
 # Mixtral's experts take the dense intermediate);
@@ -230,12 +232,13 @@ def build_tiny_tokenizer(out_dir: str | Path | None = None, vocab_size: int = 51
 
 
 def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None, **kw):
-    from transformers import (Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
+    from transformers import (Gemma2Config, Gemma3TextConfig, GraniteConfig, LlamaConfig, MistralConfig, MixtralConfig, Olmo2Config,
                               Phi3Config, Qwen2Config, Qwen2MoeConfig, Qwen3Config, Qwen3MoeConfig, SmolLM3Config)
 
     classes = {"llama": LlamaConfig, "qwen2": Qwen2Config, "qwen3": Qwen3Config, "mistral": MistralConfig,
                "qwen2_moe": Qwen2MoeConfig, "qwen3_moe": Qwen3MoeConfig, "mixtral": MixtralConfig, "phi3": Phi3Config,
-               "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config, "gemma3": Gemma3TextConfig}
+               "smollm3": SmolLM3Config, "granite": GraniteConfig, "olmo2": Olmo2Config, "gemma2": Gemma2Config,
+               "gemma3": Gemma3TextConfig}
     if arch not in classes:
         raise QuantSpecError(f"arch={arch!r} is not a tiny architecture; use one of {list(classes)}")
     if head_dim is not None or arch.startswith(("qwen3", "gemma")):  # their configs have a head_dim of their own
@@ -253,11 +256,14 @@ def _make_config(arch: str, head_dim: int | None = None, moe: dict | None = None
     if arch == "granite":  # multipliers of Granite 3's kind (its 8B: 12, 0.22, 1/128, 16), none of them 1
         for k, v in GRANITE_MULTIPLIERS.items():
             kw.setdefault(k, v)
-    if arch == "gemma3":
-        kw.update(GEMMA3_LAYOUT, query_pre_attn_scalar=2 * (head_dim or kw["hidden_size"] // kw["num_attention_heads"]),
+    if arch.startswith("gemma"):
+        kw.update(GEMMA_LAYOUT, query_pre_attn_scalar=2 * (head_dim or kw["hidden_size"] // kw["num_attention_heads"]),
                   layer_types=["sliding_attention" if (i + 1) % 2 else "full_attention"
-                               for i in range(kw["num_hidden_layers"])],
-                  rope_parameters={"full_attention": kw["rope_parameters"],
+                               for i in range(kw["num_hidden_layers"])])
+    if arch == "gemma2":
+        kw.update(GEMMA2_SOFTCAPS)
+    if arch == "gemma3":
+        kw.update(rope_parameters={"full_attention": kw["rope_parameters"],
                                    "sliding_attention": {"rope_type": "default", "rope_theta": GEMMA3_LOCAL_THETA}})
     return classes[arch](**kw)
 

@@ -1,7 +1,7 @@
 """Artifacts of the architectures that vLLM and SGLang build with model classes of their own beyond
 Llama's, against the engines' own code: Phi-3 (q/k/v stored as one `qkv_proj`, gate/up as one
 `gate_up_proj`), Granite, OLMo 2 (SGLang's class; vLLM builds OLMo 2 through its Transformers
-backend) and Gemma 3 (`Gemma3ForCausalLM`, its norms and window layers). Both engines' registries build each class; vLLM's Phi-3 class names
+backend) and Gemma 2 / 3 (their norms, window layers and soft caps). Both engines' registries build each class; vLLM's Phi-3 class names
 its fused modules as the checkpoint does (so the module names quantspec writes in `ignore` and the
 config groups are the names its compressed-tensors matching compares); and the lifted decision
 code (`lift.py`, with the class's own `packed_modules_mapping`) picks a scheme for each layer and
@@ -34,6 +34,8 @@ MODELS = {"phi3": ("Phi3ForCausalLM", {"vllm": "vllm/model_executor/models/phi3.
                                              "sglang": "sglang/srt/models/granite.py"}),
           # vLLM's registry maps Olmo2ForCausalLM to its Transformers backend: no class of its own to lift
           "olmo2": ("Olmo2ForCausalLM", {"sglang": "sglang/srt/models/olmo2.py"}),
+          "gemma2": ("Gemma2ForCausalLM", {"vllm": "vllm/model_executor/models/gemma2.py",
+                                           "sglang": "sglang/srt/models/gemma2.py"}),
           "gemma3": ("Gemma3ForCausalLM", {"vllm": "vllm/model_executor/models/gemma3.py",
                                            "sglang": "sglang/srt/models/gemma3_causal.py"})}
 ARTIFACTS = {

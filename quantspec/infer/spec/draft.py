@@ -147,7 +147,7 @@ class DraftModelProposer:
             num_layers=args.num_layers, num_blocks=max_batch_size * per_seq + 1, block_size=block_size,
             num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=model.model.norm.weight.dtype,
             device=self.device, kernel=self.runtime.attention, window=args.attention_window,
-            window_layers=args.window_layers,
+            window_layers=args.window_layers, softcap=args.attn_softcap,
         )
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_forwards = 0  # draft forwards run (for benchmarks)
