@@ -71,6 +71,7 @@ CASES = [
     ("infer-shard-truncated", "infer --model {d}/shard_truncated --prompt hi", "model-00002-of-00002.safetensors"),
     ("infer-model-bad-config", "infer --model {d}/badconfig --prompt hi", "--model"),
     ("infer-gemma-embedding-model", "infer --model {d}/gemma_bidirectional --prompt hi", "--model"),
+    ("infer-model-no-tokenizer", "infer --model {d}/no_tokenizer --prompt hi", "--model"),
     ("infer-draft-without-model", "infer --model {model} --prompt hi --speculate-method draft", "--draft-model"),
     ("infer-draft-model-no-method", "infer --model {model} --prompt hi --draft-model {model}",
      "--speculate-method"),
@@ -278,6 +279,10 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
     bad = d / "badconfig"
     shutil.copytree(model, bad)
     (bad / "config.json").write_text('{"model_type": "llama", "hidden_size": ')
+    no_tokenizer = d / "no_tokenizer"
+    shutil.copytree(model, no_tokenizer)
+    for f in no_tokenizer.glob("tokenizer*"):
+        f.unlink()
     embedding = d / "gemma_bidirectional"  # EmbeddingGemma's attention: no causal LM
     shutil.copytree(model, embedding)
     (embedding / "config.json").write_text(json.dumps({**json.loads((model / "config.json").read_text()),

@@ -2,13 +2,11 @@
 
 Owns the user-facing policy around the engine: chat templates, the `src_length` / `max_length`
 limits and what happens to a prompt over them, stop strings, streaming text for one prompt, the
-output rows, and the benchmark statistics (TTFT, TPOT, tokens/s, peak memory, and acceptance
-figures when speculating).
+output rows, and the benchmark statistics (TTFT, TPOT, tokens/s, peak memory, acceptance).
 
 Lengths: `max_length` bounds prompt + generated tokens of one sequence (it sizes the KV cache);
-`src_length` bounds the prompt (default `max_length - max_new_tokens`). A prompt over
-`src_length` is refused with its row number, or — with `truncate_prompt` — cut to its last
-`src_length` tokens (the end of a prompt carries the question).
+`src_length` the prompt (default `max_length - max_new_tokens`). A prompt over `src_length` is
+refused with its row number, or (`truncate_prompt`) cut to its last `src_length` tokens.
 """
 
 from __future__ import annotations
@@ -334,6 +332,8 @@ class Predictor:
 
     def encode(self, src: str, row: int | None = None) -> tuple[list[int], bool]:
         tok = self.tokenizer
+        if tok is None:
+            raise QuantSpecError(f"--model {self.loaded.model_dir} has no tokenizer files; copy the source model's into it")
         if self.config.chat_template and getattr(tok, "chat_template", None):
             text = tok.apply_chat_template([{"role": "user", "content": src}], tokenize=False,
                                            add_generation_prompt=True)
