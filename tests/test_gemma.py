@@ -5,7 +5,8 @@ base and sliding window, 1 + weight norms, the score scale, embeddings × √hid
 Gemma 2: the soft caps of scores and logits); every attention path of the engine with some layers
 sliding and some not equal to plain decoding, in fp32 and bf16 (Gemma 2's capped scores also in the
 batched path's one gathered call); generation, perplexity and the calibration runner past the
-window; SmoothQuant folding into Gemma's norms."""
+window; SmoothQuant folding into Gemma's norms; Gemma 3's multimodal checkpoints read, run and
+quantized as the text decoder they hold."""
 
 import dataclasses
 import json
@@ -248,3 +249,64 @@ def test_gemma2_capped_batched_path_equals_plain_decoding(gemma2, tmp_path, dtyp
     (d / "config.json").write_text(json.dumps({**json.loads((gemma_dir / "config.json").read_text()),
                                                "sliding_window": 512}))
     assert_every_path_is_plain_decoding(load_model(d, dtype=dtype)[0], dtype)
+
+
+# ---- Gemma 3's multimodal checkpoints ---------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def gemma3_multimodal(gemma3, tmp_path_factory):
+    """A `Gemma3ForConditionalGeneration` holding the tiny Gemma 3's decoder beside a tiny SigLIP
+    tower, as transformers saves it (`language_model.model.*`, `vision_tower.*`, ...)."""
+    import shutil
+
+    from transformers import Gemma3Config, Gemma3ForConditionalGeneration
+
+    d, hf = gemma3
+    text = json.loads((d / "config.json").read_text())
+    cfg = Gemma3Config(text_config=text, vision_config=dict(hidden_size=32, intermediate_size=64, num_hidden_layers=1,
+                                                            num_attention_heads=2, image_size=28, patch_size=14),
+                       mm_tokens_per_image=4, boi_token_index=509, eoi_token_index=510, image_token_index=511,
+                       eos_token_id=text["eos_token_id"], bos_token_id=text["bos_token_id"],
+                       tie_word_embeddings=text["tie_word_embeddings"])
+    mm = Gemma3ForConditionalGeneration(cfg).eval()
+    mm.model.language_model.load_state_dict(hf.model.state_dict())
+    mm.lm_head.load_state_dict(hf.lm_head.state_dict())
+    out = tmp_path_factory.mktemp("gemma3mm") / "m"
+    mm.save_pretrained(out)
+    for f in d.iterdir():
+        if f.name.startswith(("tokenizer", "special_tokens", "generation_config")):
+            shutil.copy(f, out / f.name)
+    return out, mm
+
+
+def test_gemma3_multimodal_reads_as_its_text_decoder(gemma3, gemma3_multimodal):
+    from safetensors import safe_open
+
+    (d, _), (mm_dir, mm) = gemma3, gemma3_multimodal
+    with safe_open(str(mm_dir / "model.safetensors"), "pt") as f:
+        assert any(k.startswith("vision_tower.") for k in f.keys())
+        assert "language_model.model.layers.0.self_attn.q_proj.weight" in f.keys()
+    model = load_model(mm_dir)[0]
+    assert model.args == load_model(d)[0].args
+    ids = torch.tensor(random_prompts([20], seed=7)[0])
+    with torch.no_grad():
+        want = mm(input_ids=ids[None]).logits[0]
+    torch.testing.assert_close(_logits(model, ids), want, atol=1e-4, rtol=0)
+
+
+@pytest.mark.parametrize("quant_type, options", [("weight_only_int4", {"group_size": 32}),
+                                                 ("a8w8", {"kv_cache": "int8", "target": "quantspec"})])
+def test_gemma3_multimodal_artifact_is_the_text_model(gemma3_multimodal, tmp_path, quant_type, options,
+                                                       artifact_runs_as_in_transformers):
+    """The artifact is the text-only `Gemma3ForCausalLM` (what transformers, vLLM and SGLang load
+    as Gemma 3 1B), which transformers runs to quantspec's logits."""
+    from quantspec.quant.artifact import load_safetensors
+
+    ids = torch.tensor(random_prompts([13], seed=8)[0])
+    art = artifact_runs_as_in_transformers(gemma3_multimodal[0], quant_type, tmp_path / quant_type, ids, **options)
+    cfg = json.loads((art / "config.json").read_text())
+    assert cfg["architectures"] == ["Gemma3ForCausalLM"] and "vision_config" not in cfg
+    names = list(load_safetensors(art))
+    assert "model.layers.0.self_attn.q_proj.weight_packed" in names or "model.layers.0.self_attn.q_proj.weight" in names
+    assert not any(n.startswith(("vision_tower.", "multi_modal_projector.", "language_model.")) for n in names)

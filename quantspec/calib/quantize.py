@@ -232,6 +232,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
     device = resolve_device(config.device)
     src = _read_source(config)
+    if src.reader is not None and src.reader.stored:  # `model_zoo.multimodal`
+        say("reading the text decoder of a multimodal checkpoint (the artifact leaves its vision tower out)")
     batches = _gptq_batches(config, src, say)
     model = _skeleton(config, src)
     if src.reader is not None:  # a fused checkpoint's modules (Phi-3's qkv_proj) by their parts' names, named whole
@@ -298,8 +300,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
         if reader is None:
             verify_checkpoint(model_dir)
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
-    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
-        dtype = torch.float32
+    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, quant_config=qconfig, reader=reader)
     if reader is None and (config.method != "rtn" or config.static or config.kv_cache is not None):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "

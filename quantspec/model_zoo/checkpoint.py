@@ -2,12 +2,10 @@
 single-file or sharded safetensors → tensors, with one-line errors for what users get wrong.
 
 Two ways to read the weights: `load_model` reads the whole checkpoint into a `Transformer`;
-`CheckpointReader` reads it one module at a time (each tensor read from its file and converted
-a block at a time), so that a model larger than memory is
-quantized or calibrated with one decoder layer resident at a time.
+`CheckpointReader` reads it one module at a time (each tensor read from its file and converted a
+block at a time), so a model larger than memory is quantized or calibrated one layer at a time.
 
-Never builds transformers' modeling classes: architectures come from `llama.py` and weights are
-checked against its HF weight-name table.
+Never builds transformers' modeling classes: architectures and weight-name tables are `llama.py`'s.
 """
 
 from __future__ import annotations
@@ -25,6 +23,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.layout import FUSED, ShapedTensors, part_shape, part_tensor, split_plan
 from quantspec.model_zoo.llama import ARCHITECTURES, ModelArgs, Transformer, hf_weight_table
+from quantspec.model_zoo.multimodal import stored_names, text_decoder_config
 from quantspec.model_zoo.safetensors_io import (FILE_DTYPES, FLOAT_DTYPES, FileRange, read_file_range,
                                                 reading_safetensors, safetensors_header, safetensors_keys)
 
@@ -70,8 +69,9 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
 def read_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
-    try:
-        return json.loads(path.read_text())
+    try:  # (a multimodal checkpoint's: the text decoder's, `multimodal.py`)
+        cfg = json.loads(path.read_text())
+        return text_decoder_config(cfg) or cfg
     except FileNotFoundError:
         raise QuantSpecError(f"{model_dir} has no config.json; pass a HF model directory") from None
     except json.JSONDecodeError as e:
@@ -222,16 +222,15 @@ def checkpoint_float_dtype(model_dir: str | os.PathLike) -> torch.dtype | None:
 class CheckpointReader:
     """A safetensors checkpoint read one module at a time.
 
-    The headers are read once (`verify_checkpoint`: a missing shard or a truncated file fails
-    here, before any work). `read(names)` reads each tensor with plain file reads
-    (`safetensors_io.read_file_range`, converted to `dtype` a block at a time; a dtype it does not
-    know through safetensors' own mapping, one tensor at a time), so what stays resident is only
-    what the caller keeps. `load(module, prefix)`
-    materialises a module built on the `meta` device (`assign=True`); `release(module)` returns
-    it to `meta`; `ranges[name]` says where a tensor's bytes lie, to copy them as they are.
-    A checkpoint whose config.json fuses modules (Phi-3's `qkv_proj`, `layout.py`) is read under
-    its parts' names: `shapes` and `read` give the parts (rows cut from the fused tensor, which
-    `ranges` alone names).
+    The headers are read once (`verify_checkpoint`: a missing shard or a truncated file fails here,
+    before any work). `read(names)` reads each tensor with plain file reads (`read_file_range`,
+    converted to `dtype` a block at a time; a dtype it does not know through safetensors' own
+    mapping, one tensor at a time), so what stays resident is only what the caller keeps.
+    `load(module, prefix)` materialises a module built on `meta` (`assign=True`); `release(module)`
+    returns it to `meta`; `ranges[name]` says where a tensor's bytes lie, to copy them as they are.
+    A checkpoint whose config.json fuses modules (Phi-3's `qkv_proj`, `layout.py`) is read under its
+    parts' names (rows cut from the fused tensor, which `ranges` alone names); a multimodal one's
+    text decoder under a text model's names (`multimodal.py`; `stored`: those names' in the files).
     """
 
     def __init__(self, model_dir: str | os.PathLike):
@@ -243,6 +242,8 @@ class CheckpointReader:
                 if name != "__metadata__":
                     b, end = e["data_offsets"]
                     self.ranges[name] = FileRange(f, start + b, end - b, e["dtype"], tuple(e["shape"]))
+        self.stored = stored_names(self.model_dir, self.ranges) or {}  # a multimodal one's text decoder
+        self.ranges = {n: self.ranges[s] for n, s in self.stored.items()} if self.stored else self.ranges
         self.splits = _split_plan(self.model_dir, self.ranges)
         fused = {src for src, _, _, _ in self.splits.values()}
         self.shapes = {n: r.shape for n, r in self.ranges.items() if n not in fused}
@@ -288,7 +289,7 @@ class CheckpointReader:
                     out[n] = t.to(device=device, dtype=dtype or t.dtype)
                     continue
                 with reading_safetensors(f), safe_open(str(f), framework="pt") as h:  # one tensor mapped
-                    t = h.get_tensor(n)  # a view of the mapped file
+                    t = h.get_tensor(self.stored.get(n, n))  # a view of the mapped file
                     out[n] = t.to(device=device, dtype=dtype or t.dtype, copy=True)
                     del t
         return {n: out[n] for n in [*parts, *names]}
@@ -305,7 +306,7 @@ class CheckpointReader:
         out = None
         step = max(1, _ROW_BLOCK_BYTES // max(1, self.ranges[name].nbytes // V))
         with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
-            sl = h.get_slice(name)
+            sl = h.get_slice(self.stored.get(name, name))
             for a in range(0, V, step):
                 sel = (flat >= a) & (flat < a + step)
                 if bool(sel.any()):
@@ -394,9 +395,9 @@ def resident(module: torch.nn.Module, prefix: str, weights: CheckpointReader | N
 
 
 def release_free_heap() -> None:
-    """Hand the heap's free pages back to the system (glibc's `malloc_trim`; a no-op elsewhere).
-    A module read, used and freed after another leaves free pages between the live allocations,
-    which glibc keeps: without this, resident memory grows with the number of layers streamed."""
+    """Hand the heap's free pages back to the system (glibc's `malloc_trim`; a no-op elsewhere). A
+    module read, used and freed after another leaves free pages between live allocations, which
+    glibc keeps: without it, resident memory grows with the number of layers streamed."""
     try:
         ctypes.CDLL("libc.so.6").malloc_trim(0)
     except (OSError, AttributeError):
@@ -412,10 +413,9 @@ def release_free_heap() -> None:
 # (`model_fingerprint`).
 
 # config.json fields that define the architecture
-_ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size",
-                "num_hidden_layers", "num_attention_heads", "num_key_value_heads", "head_dim",
-                "vocab_size", "tie_word_embeddings", "rms_norm_eps", "rope_theta",
-                "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias")
+_ARCH_FIELDS = ("architectures", "model_type", "hidden_size", "intermediate_size", "num_hidden_layers",
+                "num_attention_heads", "num_key_value_heads", "head_dim", "vocab_size", "tie_word_embeddings",
+                "rms_norm_eps", "rope_theta", "rope_parameters", "rope_scaling", "attention_bias", "mlp_bias")
 
 
 def _sha16(data: bytes) -> str:
