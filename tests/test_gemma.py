@@ -221,6 +221,21 @@ def test_gemma2_hub_config():
     assert (a.hidden_act, a.attention_multiplier, a.embedding_multiplier) == ("gelu_pytorch_tanh", 0.0, 8.0)
 
 
+@pytest.mark.parametrize("arch", ["Gemma2ForCausalLM", "Gemma3ForCausalLM"])
+def test_keys_a_config_leaves_out_take_transformers_defaults(arch):
+    """Caps, window, score scale, layer types and rotary bases as transformers' config classes
+    fill them in."""
+    from transformers import Gemma2Config, Gemma3TextConfig
+
+    sparse = {"vocab_size": 64, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 6,
+              "num_attention_heads": 8, "head_dim": 16}
+    config = {"Gemma2ForCausalLM": Gemma2Config, "Gemma3ForCausalLM": Gemma3TextConfig}[arch](**sparse).to_dict()
+    ours = ModelArgs.from_hf_config({**sparse, "architectures": [arch]})
+    theirs = ModelArgs.from_hf_config({**config, "architectures": [arch]})
+    assert ours == dataclasses.replace(theirs, bos_token_id=None, eos_token_ids=[])  # (ids: the checkpoint's)
+    assert ours.attention_multiplier == 256 ** -0.5 and (ours.sliding_window, ours.num_kv_heads) == (4096, 4)
+
+
 def test_gemma2_softcaps_count(gemma2):
     gemma_dir, hf = gemma2
     """Each cap, left out, moves the logits away from transformers'; the logits stay within the cap."""

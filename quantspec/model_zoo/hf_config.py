@@ -72,8 +72,9 @@ def rope_fields(cfg: dict) -> dict:
 def gemma_fields(cfg: dict, arch: str) -> dict:
     """Gemma 2's and 3's: four norms a layer, each scaling by 1 + weight; gelu-tanh MLPs;
     embeddings × √hidden_size; scores × query_pre_attn_scalar ** -0.5; scores and logits
-    soft-capped where the config says (Gemma 2); Gemma 3's window layers' own rotary base
-    (`rope_local_base_freq`, or transformers 5's `rope_parameters.sliding_attention`)."""
+    soft-capped (Gemma 2); Gemma 3's window layers' own rotary base (`rope_local_base_freq`, or
+    transformers 5's `rope_parameters.sliding_attention`). Keys a config leaves out take
+    transformers' defaults (query_pre_attn_scalar 256, 4 KV heads, the context; Gemma 2's caps)."""
     if cfg.get("use_bidirectional_attention"):
         raise QuantSpecError("config.json use_bidirectional_attention=true: an embedding model (EmbeddingGemma); "
                              "quantspec runs causal decoders: use a Gemma causal LM")
@@ -82,17 +83,19 @@ def gemma_fields(cfg: dict, arch: str) -> dict:
         raise QuantSpecError(f"rope_parameters.sliding_attention rope_type {local['rope_type']!r} is not supported "
                              "(Gemma 3's local layers turn by the default rotary embedding); fix config.json")
     head_dim = cfg.get("head_dim") or cfg["hidden_size"] // cfg["num_attention_heads"]
-    scalar = float(cfg.get("query_pre_attn_scalar") or head_dim)
+    scalar = float(cfg.get("query_pre_attn_scalar") or 256)
+    caps = {"attn_logit_softcapping": 50.0, "final_logit_softcapping": 30.0} if arch == "gemma2" else {}
     return dict(pre_norms=True, norm_unit_offset=True, hidden_act=cfg.get("hidden_activation") or "gelu_pytorch_tanh",
                 embedding_multiplier=float(cfg["hidden_size"]) ** 0.5,
                 attention_multiplier=0.0 if scalar == head_dim else scalar ** -0.5,
                 local_rope_theta=float(local.get("rope_theta", cfg.get("rope_local_base_freq", 10000.0)))
                 if arch == "gemma3" else 0.0,
-                attn_softcap=float(cfg.get("attn_logit_softcapping") or 0.0),
-                logit_softcap=float(cfg.get("final_logit_softcapping") or 0.0),
+                attn_softcap=float(cfg.get("attn_logit_softcapping", caps.get("attn_logit_softcapping")) or 0.0),
+                logit_softcap=float(cfg.get("final_logit_softcapping", caps.get("final_logit_softcapping")) or 0.0),
                 tie_word_embeddings=bool(cfg.get("tie_word_embeddings", True)),
                 **({} if "rope_theta" in cfg or "rope_parameters" in cfg or arch != "gemma3" else {"rope_theta": 1e6}),
-                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)))
+                rms_norm_eps=float(cfg.get("rms_norm_eps", 1e-6)), num_kv_heads=cfg.get("num_key_value_heads") or 4,
+                max_position_embeddings=cfg.get("max_position_embeddings", 8192 if arch == "gemma2" else 131072))
 
 
 def layer_fields(cfg: dict, arch: str) -> dict:
@@ -134,7 +137,7 @@ def _window_layers(cfg: dict, arch: str) -> tuple[int, ...]:
 def _sliding_window(cfg: dict, arch: str) -> int | None:
     """The attention window of a config's layers where any has one: Mistral's and Phi-3's `sliding_window`;
     Qwen's where `use_sliding_window` (and a layer type) says its layers use it."""
-    window = cfg.get("sliding_window")
+    window = cfg.get("sliding_window", 4096 if arch.startswith("gemma") else None)  # (transformers' Gemma default)
     if not isinstance(window, int) or isinstance(window, bool) or window <= 0:
         return None
     if arch in WINDOW_EVERY_LAYER or arch.startswith("gemma"):
