@@ -83,6 +83,7 @@ CASES = [
      "--kv-cache-dtype"),
     ("serve-calib-no-kv-dtype", "serve --model {model} --calib {d}/no-table", "--kv-cache-dtype"),
     ("serve-tensor-parallel", "serve --model {model} -tp 2", "--tensor-parallel-size"),
+    ("serve-model-no-tokenizer", "serve --model {d}/no_tokenizer", "--model"),
     ("serve-quantization-float-model", "serve --model {model} --quantization compressed-tensors", "--quantization"),
     ("infer-kv-two-types", "infer --model {model} --prompt hi --cachekv-int8-type static "
                            "--cachekv-fp8-type static", "--cachekv-int8-type"),

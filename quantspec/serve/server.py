@@ -226,6 +226,9 @@ def load(config: ServeConfig, *, loaded=None, on_stats=None, kv_scales=None) -> 
     if config.quantization is not None and predictor.loaded.quant_config is None:
         raise QuantSpecError(f"--quantization {config.quantization}: {config.model} is not quantized; leave "
                              "--quantization out, or serve an artifact of `quantspec quantize`")
+    if predictor.tokenizer is None:
+        raise QuantSpecError(f"--model {predictor.loaded.model_dir} has no tokenizer files, which the server "
+                             "encodes prompts and decodes answers with; copy the source model's into it")
     engine = predictor.engine
     engine.warm_up()  # CUDA: the decode steps' graphs, captured before any request waits on one
     if config.speculate_method != "none" and config.load_aware:
