@@ -261,8 +261,8 @@ def _tokenizer_routes(app: FastAPI, state: ServeState, guarded: list) -> None:
         if (body.prompt is None) == (body.messages is None):
             raise BadRequest("give one of prompt and messages", param="prompt")
         if body.messages is not None:
-            ids = chat_prompt_ids(state.tokenizer, [{"role": m.role, "content": m.text()} for m in body.messages],
-                                  add_generation_prompt=body.add_generation_prompt, chat_template=state.chat_template)
+            ids = _rendered(state, [{"role": m.role, "content": m.text()} for m in body.messages],
+                            add_generation_prompt=body.add_generation_prompt)
         else:
             ids = state.tokenizer(body.prompt, add_special_tokens=body.add_special_tokens).input_ids
         return {"count": len(ids), "max_model_len": state.max_length, "tokens": ids}
@@ -307,10 +307,15 @@ def _chat_ids(state: ServeState, body: ChatCompletionRequest) -> list[int]:
     """The prompt ids of a chat request: its messages (and tools) through the chat template."""
     messages = [{**(m.model_extra or {}), "role": m.role, "content": m.text()} for m in body.messages]
     tools = [t.model_dump(exclude_none=True) for t in body.tools or []]
+    return _rendered(state, messages, add_generation_prompt=body.add_generation_prompt, tools=tools,
+                     continue_final_message=body.continue_final_message, template_kwargs=body.template_kwargs())
+
+
+def _rendered(state: ServeState, messages: list[dict], **kw) -> list[int]:
+    """`chat_prompt_ids` with the served template; a template that refuses the messages (e.g.
+    Gemma's, which has no system role) is the request's error (400), not the server's."""
     try:
-        return chat_prompt_ids(state.tokenizer, messages, body.add_generation_prompt, tools=tools,
-                               continue_final_message=body.continue_final_message,
-                               template_kwargs=body.template_kwargs(), chat_template=state.chat_template)
+        return chat_prompt_ids(state.tokenizer, messages, chat_template=state.chat_template, **kw)
     except Exception as e:  # the template's own checks (jinja2's raise_exception, transformers')
         raise BadRequest(f"the chat template cannot render these messages: {e}", param="messages") from None
 

@@ -78,3 +78,17 @@ def test_a_chat_template_of_the_server_s_own_replaces_the_tokenizer_s(start_serv
     assert tok.chat_template == before  # the shared tokenizer is untouched
     with pytest.raises(QuantSpecError, match="--chat-template"):
         ServeConfig(chat_template=str(tmp_path / "missing.jinja"))
+
+
+def test_a_template_that_refuses_the_messages_is_a_400_on_every_endpoint(start_server):
+    """Gemma's chat template raises on a system message: /tokenize and /v1/chat/completions answer
+    400 naming `messages`, and the server goes on serving."""
+    template = ("{% if messages[0]['role'] == 'system' %}{{ raise_exception('System role not supported') }}{% endif %}"
+                "{% for m in messages %}<{{ m.role }}>{{ m.content }}{% endfor %}")
+    msgs = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "hi"}]
+    with start_server(chat_template=template) as (url, _):
+        for path, extra in (("/tokenize", {}), ("/v1/chat/completions", {"model": "tiny", "max_tokens": 2})):
+            r = httpx2.post(f"{url}{path}", json={"messages": msgs, **extra})
+            assert r.status_code == 400, (path, r.text)
+            assert r.json()["error"]["param"] == "messages" and "System role not supported" in r.text
+        assert httpx2.post(f"{url}/tokenize", json={"messages": msgs[1:]}).status_code == 200
