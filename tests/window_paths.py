@@ -18,11 +18,11 @@ def random_prompts(lengths, seed) -> list[list[int]]:
     return [torch.randint(3, 500, (n,), generator=g).tolist() for n in lengths]
 
 
-def decode(model, prompts, *, new=24, proposer=None, k=0, chunk=None, batch=None) -> list[list[int]]:
-    """Greedy tokens of each prompt, all in one engine (block size 8, no eos)."""
+def decode(model, prompts, *, new=24, proposer=None, k=0, chunk=None, batch=None, runtime=None) -> list[list[int]]:
+    """Greedy tokens of each prompt, all in one engine (block size 8, no eos; `runtime`: a backend's)."""
     eng = Engine(model, EngineConfig(block_size=8, max_batch_size=batch or len(prompts), max_length=128,
                                      spec_max_draft_tokens=k, prefill_chunk=chunk), eos_token_ids=[],
-                 proposer=proposer)
+                 proposer=proposer, runtime=runtime)
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=new), request_index=i) for i, p in enumerate(prompts)]
     eng.run()
     return [s.output_ids for s in seqs]

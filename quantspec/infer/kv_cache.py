@@ -16,8 +16,9 @@ Block 0 is never handed out: padded block-table entries point at it, so gathers 
 
 `PagedAttention` attends with torch's SDPA. A device backend may give a cache an
 `AttentionKernel` of its own, chosen once when the cache is built (`PagedKVCache(kernel=...)`);
-the metadata of each step then says whether the kernel serves that step (`meta.kernel`): never a
-step whose window leaves out keys (the kernels attend to whole contexts).
+the metadata of each step then says whether the kernel serves that step (`meta.kernel`): a step
+whose window leaves out keys only where the kernel slides it, a capped cache only where the kernel
+caps (`AttentionKernel`).
 """
 
 from __future__ import annotations
@@ -123,7 +124,9 @@ def _zeros(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | st
 
 
 class AttentionKernel(Protocol):
-    """A device backend's attention over one cache (writes the step's keys / values and attends)."""
+    """A device backend's attention over one cache (writes the step's keys / values and attends).
+    A kernel whose class sets `slides` applies the cache's sliding window in its window layers
+    (token trees aside); one that sets `caps`, the cache's score cap. Others get no such step."""
 
     def serves(self, q_lens: list[int], seq_lens: list[int]) -> bool:
         """Whether it takes a step of these sequences (else SDPA does)."""
@@ -185,7 +188,9 @@ class PagedKVCache:
         self.v = _zeros(shape, storage, device)
         self.allocator = BlockAllocator(num_blocks)
         self.num_kv_heads, self.head_dim = num_kv_heads, head_dim
-        self.kernel = None if kernel is None or softcap else kernel(self)
+        self.kernel = None if kernel is None else kernel(self)
+        if softcap and not getattr(self.kernel, "caps", False):
+            self.kernel = None
 
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x: [T, KV, hd] → storage dtype."""
@@ -306,8 +311,11 @@ class AttentionMetadata:
         sequence None or the parent rows of its drafts (its new rows are a token tree: each
         attends to the context and its path from the root, not to every earlier row).
         `window`, `window_layers`: the cache's sliding window and the layers that slide it
-        (`PagedKVCache.window_layers`; the others then read the step's `whole` layout)."""
+        (`PagedKVCache.window_layers`; on the torch path the others read the step's `whole` layout)."""
         window = window if window is not None and max(seq_lens) > window else None  # it leaves keys out
+        tree = trees is not None and any(t is not None for t in trees)
+        if window is not None and getattr(kernel, "slides", False) and not tree and kernel.serves(q_lens, seq_lens):
+            window = None  # the kernel takes the whole step, each layer with its own window
         if window is not None and window_layers is not None:
             meta = cls.build(q_lens, seq_lens, block_tables, block_size, device, trees=trees, window=window)
             meta.window_layers = window_layers
@@ -315,7 +323,7 @@ class AttentionMetadata:
             return meta
         if window is not None:
             kernel = None
-        if trees is not None and any(t is not None for t in trees):
+        if tree:
             meta = cls._tree_build(q_lens, seq_lens, block_tables, block_size, device, kernel, trees)
             if meta is not None:
                 return meta

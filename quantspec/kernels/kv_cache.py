@@ -189,10 +189,10 @@ def _paged_attn_kernel(
     q_ptr, kc_ptr, vc_ptr, cu_ptr, seq_ptr, bt_ptr, ks_ptr, vs_ptr, out_ptr,
     acc_ptr, ml_ptr, cnt_ptr,
     sm_scale, stride_qt, stride_qh, stride_ot, stride_oh, stride_bt, stride_slot,
-    D, block_size, chunk, T, H,
+    D, block_size, chunk, T, H, window, softcap,
     GROUP: tl.constexpr, KIND: tl.constexpr, DOT_FP32: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_D: tl.constexpr, SPLITS: tl.constexpr,
-    USE_PDL: tl.constexpr,
+    USE_PDL: tl.constexpr, WINDOW: tl.constexpr, SOFTCAP: tl.constexpr,
 ):
     """Program (query tile × key split, sequence, head). SPLITS > 1 (`paged_attention`'s
     kv_chunk): split s attends over the keys at absolute positions [s · chunk, (s + 1) · chunk)
@@ -201,7 +201,10 @@ def _paged_attn_kernel(
     split stores its unnormalized sums, row maxima and row sums (acc_ptr [SPLITS, T, H, D],
     ml_ptr [SPLITS, T, H, 2], fp32), and the tile's last split to arrive (cnt_ptr,
     `split_k_arrive`) combines them in split order. The splits' key ranges do not depend on the
-    step, so a row's numbers do not depend on the other rows."""
+    step, so a row's numbers do not depend on the other rows. WINDOW (unsplit only): a query at p
+    attends keys p - window < key ≤ p, from the key block (on the same grid from 0) holding the
+    tile's first such key; blocks a row sees nothing of leave its sums exactly 0, so a row's
+    numbers still do not depend on the tile. SOFTCAP: scores s → softcap · tanh(s / softcap)."""
     pdl_begin(USE_PDL)
     pid_m = tl.program_id(0) // SPLITS
     split = tl.program_id(0) % SPLITS
@@ -218,6 +221,8 @@ def _paged_attn_kernel(
     kv_end = tl.minimum(seq_len, ctx + (pid_m + 1) * BLOCK_M)
     kv_lo = 0
     kv_hi = kv_end
+    if WINDOW:
+        kv_lo = (tl.maximum(ctx + pid_m * BLOCK_M - window + 1, 0) // BLOCK_N) * BLOCK_N
     if SPLITS > 1:
         kv_lo = split * chunk
         if kv_lo >= kv_end:  # no key of this split is visible to the tile
@@ -259,13 +264,20 @@ def _paged_attn_kernel(
         else:
             s = tl.dot(q, tl.trans(k.to(q.dtype)))
         s = s * sm_scale
+        if SOFTCAP:  # softcap · tanh(s / softcap), tanh through exp (2 / (1 + e^-2x) - 1)
+            s = softcap * (2.0 / (1.0 + tl.exp(-2.0 * s / softcap)) - 1.0)
         visible = mask_n[None, :] & (offs_n[None, :] <= pos_q[:, None])
+        if WINDOW:
+            visible = visible & (offs_n[None, :] > pos_q[:, None] - window)
         s = tl.where(visible, s, float("-inf"))
         m_new = tl.maximum(m_i, tl.max(s, axis=1))  # finite in split 0: key 0 is visible to every query
         if SPLITS > 1:  # a later split may hold no key a row sees yet: its sums stay 0
             m_new = tl.where(m_new == float("-inf"), 0.0, m_new)
-        alpha = tl.exp(m_i - m_new)
-        p = tl.exp(s - m_new[:, None])  # [BM, BN]
+        m_use = m_new
+        if WINDOW:  # a block before a row's window: exp(-inf - 0) = 0 leaves its sums 0, its max -inf
+            m_use = tl.where(m_new == float("-inf"), 0.0, m_new)
+        alpha = tl.exp(m_i - m_use)
+        p = tl.exp(s - m_use[:, None])  # [BM, BN]
         l_i = l_i * alpha + tl.sum(p, axis=1)
         if DOT_FP32:
             acc = acc * alpha[:, None] + tl.dot(p, v, input_precision="ieee")
@@ -297,6 +309,8 @@ def _paged_attn_kernel(
                 acc += tl.load(acc_ptr + row[:, None] * D + offs_d[None, :], mask=out_mask, other=0.0,
                                cache_modifier=".cg") * w[:, None]
             l_i = tl.where(mask_m, l_i, 1.0)  # rows past the tile's queries: stored nowhere
+    if WINDOW:  # rows past the tile's queries may see no key of the loop's: stored nowhere
+        l_i = tl.where(mask_m, l_i, 1.0)
     out = acc / l_i[:, None]
     tl.store(out_ptr + tok[:, None] * stride_ot + h * stride_oh + offs_d[None, :],
              out.to(out_ptr.dtype.element_ty), mask=out_mask)
@@ -334,8 +348,12 @@ def paged_attention_ref(
     k_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32 (int8/fp8 caches)
     v_scale: torch.Tensor | None = None,  # [num_kv_heads] fp32
     max_q_len: int | None = None,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
-    """Torch reference, one sequence at a time in fp32; returns [T, num_heads, head_dim] in q.dtype."""
+    """Torch reference, one sequence at a time in fp32; returns [T, num_heads, head_dim] in q.dtype.
+    `window`: a query at p attends keys p - window < key ≤ p; `softcap`: scores s → softcap ·
+    tanh(s / softcap)."""
     T, H, hkv, d, B = _check_attn(q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables,
                                   k_scale, v_scale)
     from quantspec.kernels._quant_bridge import dequantize
@@ -361,8 +379,12 @@ def paged_attention_ref(
         v = v.float().repeat_interleave(group, dim=1)
         qb = q[cu[b]: cu[b + 1]].float()  # [L, H, D]
         scores = torch.einsum("lhd,shd->hls", qb, k) / math.sqrt(d)  # [H, L, S]
+        if softcap:
+            scores = torch.tanh(scores / softcap) * softcap
         pos = torch.arange(S - L, S, device=q.device)[:, None]  # [L, 1]
-        scores = scores.masked_fill(torch.arange(S, device=q.device)[None, :] > pos, float("-inf"))
+        keys = torch.arange(S, device=q.device)[None, :]
+        hidden = (keys > pos) | (keys <= pos - window) if window is not None else keys > pos
+        scores = scores.masked_fill(hidden, float("-inf"))
         out[cu[b]: cu[b + 1]] = torch.einsum("hls,shd->lhd", scores.softmax(-1), v).to(q.dtype)
     return out
 
@@ -379,6 +401,8 @@ def paged_attention(
     max_q_len: int | None = None,
     kv_chunk: int | None = None,
     kv_splits: int = 1,
+    window: int | None = None,
+    softcap: float = 0.0,
 ) -> torch.Tensor:
     """Triton varlen paged attention; returns [T, num_heads, head_dim] in q.dtype.
 
@@ -389,6 +413,8 @@ def paged_attention(
     context is read by many programs at once (flash-decoding); a row's numbers still do not
     depend on the other rows of its step, and a context within one chunk gets the unsplit
     kernel's numbers. Without counters for the launch (`_common.split_k_counters`) unsplit.
+    `window` (a sliding window: a query at p attends keys p - window < key ≤ p; unsplit) and
+    `softcap` (scores s → softcap · tanh(s / softcap)) as `paged_attention_ref`.
     """
     T, H, hkv, d, B = _check_attn(q, k_cache, v_cache, cu_q_lens, seq_lens, block_tables,
                                   k_scale, v_scale)
@@ -409,7 +435,7 @@ def paged_attention(
     dummy = seq_lens
     tiles = triton.cdiv(max_q_len, block_m)
     splits, chunk, counters = 1, 0, None
-    if kv_splits > 1:
+    if kv_splits > 1 and window is None:
         if kv_chunk is None or kv_chunk < 64 or kv_chunk % 64:
             raise QuantSpecError(f"paged_attention: kv_chunk={kv_chunk} must be a positive multiple of 64 "
                                  f"with kv_splits={kv_splits}")
@@ -425,9 +451,9 @@ def paged_attention(
         k_scale if k_scale is not None else dummy, v_scale if v_scale is not None else dummy, out,
         acc, ml, counters if counters is not None else dummy,
         1.0 / math.sqrt(d), q.stride(0), q.stride(1), out.stride(0), out.stride(1),
-        block_tables.stride(0), hkv * d, d, k_cache.shape[1], chunk, T, H,
+        block_tables.stride(0), hkv * d, d, k_cache.shape[1], chunk, T, H, window or 0, float(softcap),
         GROUP=H // hkv, KIND=_kv_kind(k_cache.dtype), DOT_FP32=dot_fp32,
         BLOCK_M=block_m, BLOCK_N=block_n, BLOCK_D=max(16, triton.next_power_of_2(d)), SPLITS=splits,
-        num_warps=4, num_stages=2, **pdl_kwargs(device),
+        WINDOW=window is not None, SOFTCAP=bool(softcap), num_warps=4, num_stages=2, **pdl_kwargs(device),
     )
     return out

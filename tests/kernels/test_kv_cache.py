@@ -239,3 +239,79 @@ def test_split_kv_chunks_and_the_steps_that_take_them(monkeypatch):
                                     meta)
     assert seen == [1, 1, 3, 1]
     torch.testing.assert_close(outs[True, 1], outs[False, 1], rtol=1e-5, atol=1e-5)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.int8])
+@pytest.mark.parametrize("window, softcap", [(5, 0.0), (20, 0.0), (None, 2.0), (7, 3.0)])
+def test_window_and_softcap_match_reference(dtype, window, softcap):
+    """A sliding window (keys p - window < key ≤ p) shorter than some contexts and longer than
+    others, and soft-capped scores: decode, verification, prefill and mid-prefill rows give the
+    reference; the reference itself is the masked, capped attention written out per row."""
+    q_lens, ctx = [1, 4, 17, 5], [13, 9, 0, 30]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=6)
+    kc, vc, ks, vs = _filled_cache(dtype, bt, seq, gen)
+    q = torch.randn(int(cu[-1]), H, D, generator=gen) * 2
+    out = paged_attention(q, kc, vc, cu, seq, bt, ks, vs, window=window, softcap=softcap)
+    ref = paged_attention_ref(q, kc, vc, cu, seq, bt, ks, vs, window=window, softcap=softcap)
+    torch.testing.assert_close(out, ref, rtol=2e-5, atol=2e-5)
+    assert (ref - paged_attention_ref(q, kc, vc, cu, seq, bt, ks, vs)).abs().max() > 1e-2  # they matter
+    # the reference, written out for the mid-prefill sequence's last row (position 34)
+    b, row = 3, int(cu[-1]) - 1
+    blocks = bt[b, : -(-int(seq[b]) // BS)].long()
+    k = kc[blocks].reshape(-1, HKV, D)[:35].float()
+    v = vc[blocks].reshape(-1, HKV, D)[:35].float()
+    if ks is not None:
+        k, v = k * ks[None, :, None], v * vs[None, :, None]
+    lo = 0 if window is None else 35 - window
+    s = torch.einsum("hd,shd->hs", q[row], k[lo:].repeat_interleave(H // HKV, 1)) / math.sqrt(D)
+    s = torch.tanh(s / softcap) * softcap if softcap else s
+    want = torch.einsum("hs,shd->hd", s.softmax(-1), v[lo:].repeat_interleave(H // HKV, 1))
+    torch.testing.assert_close(ref[row], want, rtol=1e-5, atol=1e-5)
+
+
+def test_window_rows_do_not_depend_on_the_step():
+    """With a window, a decode row equals, bit for bit, the same row inside a verification step
+    whose tile starts its keys blocks earlier (the rows before it see keys the decode row's
+    window has left)."""
+    q_lens, ctx = [6], [40]
+    bt, cu, seq, gen = _batch(q_lens, ctx, seed=7, nb=40)
+    kc, vc, ks, vs = _filled_cache(torch.float16, bt, seq, gen, nb=40)
+    q = torch.randn(6, H, D, generator=gen).half()
+    verify = paged_attention(q, kc, vc, cu, seq, bt, ks, vs, window=16, softcap=5.0)
+    one = torch.tensor([0, 1], dtype=torch.int32)
+    for i in range(6):
+        decode = paged_attention(q[i:i + 1], kc, vc, one, torch.tensor([41 + i], dtype=torch.int32), bt, ks, vs,
+                                 window=16, softcap=5.0)
+        assert torch.equal(decode[0], verify[i]), i
+
+
+@pytest.mark.parametrize("arch", ["mistral", "gemma2", "gemma3"])
+def test_engine_on_the_triton_kernel_slides_and_caps_as_the_torch_path(arch, tmp_path, monkeypatch):
+    """The engine over a cache whose attention is `TritonAttention` (run by the interpreter):
+    every layer sliding (Mistral), every other one with capped scores (Gemma 2) or with rotary
+    tables of its own (Gemma 3), past the window, with n-gram verification: the kernel takes
+    every step and the tokens are the torch path's."""
+    import json
+
+    from quantspec import kernels
+    from quantspec.infer.backend import Runtime
+    from quantspec.infer.cuda.attention import TritonAttention
+    from quantspec.infer.spec.proposers import ReferenceProposer
+    from quantspec.model_zoo.checkpoint import load_model
+    from quantspec.model_zoo.tiny import build_tiny_model
+    from window_paths import decode, random_prompts
+
+    d = build_tiny_model(tmp_path / arch, arch)
+    if arch == "mistral":
+        cfg = json.loads((d / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, "sliding_window": 6}))
+    model = load_model(d)[0]
+    prompts = random_prompts([9, 3], seed=8)
+    prompts[1] = (prompts[0] * 2)[:12]  # repeats: the n-gram drafter finds matches
+    torch_path = decode(model, prompts, new=10, proposer=ReferenceProposer(2, 3), k=3)
+    windows = []
+    real = kernels.paged_attention
+    monkeypatch.setattr(kernels, "paged_attention", lambda *a, **kw: windows.append(kw["window"]) or real(*a, **kw))
+    runtime = Runtime(device=torch.device("cpu"), attention=TritonAttention)
+    assert decode(model, prompts, new=10, proposer=ReferenceProposer(2, 3), k=3, runtime=runtime) == torch_path
+    assert 6 in windows and (None in windows) == (arch != "mistral")

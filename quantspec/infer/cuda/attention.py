@@ -7,7 +7,9 @@ in the step (one query tile size for every step), so a verification row gives th
 decode step at that position. With `split_kv` (`DispatchPolicy.cuda_split_kv`) a step of at most
 `SPLIT_KV_MAX_ROWS` rows splits each row's keys across programs in chunks at fixed positions
 (`kv_split`: flash-decoding), so that a long context is read by many programs at once; the
-chunks do not depend on the step, so the same holds for those steps among themselves.
+chunks do not depend on the step, so the same holds for those steps among themselves. The
+kernel applies the cache's sliding window in its window layers (their keys unsplit) and Gemma 2's
+score cap, so such models' steps stay on it (token trees past a window aside).
 """
 
 from __future__ import annotations
@@ -39,7 +41,10 @@ def kv_split(max_seq_len: int | None) -> tuple[int, int] | None:
 
 
 class TritonAttention:
-    """The `AttentionKernel` of one CUDA `PagedKVCache` (module docstring)."""
+    """The `AttentionKernel` of one CUDA `PagedKVCache` (module docstring); it applies the cache's
+    sliding window in its window layers and its score cap (`slides`, `caps`)."""
+
+    slides = caps = True
 
     def __init__(self, cache: PagedKVCache, split_kv: bool = False):
         self.cache = cache
@@ -77,6 +82,8 @@ class TritonAttention:
         kernels.write_kv_cache(k, v, kc, vc, meta.slot_mapping, ks, vs)
         cu, seq, tables, max_q = self._step_args(meta)
         chunk, splits = self.split if self.split is not None and q.shape[0] <= SPLIT_KV_MAX_ROWS else (None, 1)
+        window = c.window if c.window is not None and (c.window_layers is None or layer_idx in c.window_layers) \
+            else None  # (a windowed layer's keys are not split)
         return kernels.paged_attention(q, kc, vc, cu, seq, tables, ks, vs, max_q_len=max_q, kv_chunk=chunk,
-                                       kv_splits=splits)
+                                       kv_splits=splits, window=window, softcap=c.softcap)
 
