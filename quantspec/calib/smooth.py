@@ -7,7 +7,7 @@ Linear" that `calib/ptq.py::quantize_model(..., input_scales=...)` consumes.
 
 Smoothing groups per decoder layer (where X / s folds exactly into a preceding op):
     input_layernorm          → self_attn.q_proj, k_proj, v_proj   (γ / s)
-    post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s; Gemma 3: pre_feedforward_layernorm)
+    post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s; Gemma: pre_feedforward_layernorm)
     mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
 The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
 output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
@@ -70,7 +70,7 @@ _KINDS = {"a8w8": "int8", "a8w8_fp8": "fp8"}
 def layer_norm_groups(layer: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """`SMOOTH_GROUPS` of one decoder layer: none where the blocks read the raw residual (OLMo 2's
     post-norm layers); gate/up after `pre_feedforward_layernorm` where each block's output is
-    normalized too (Gemma 3's four norms, which scale by 1 + weight: `fold_into_norm`)."""
+    normalized too (Gemma's four norms, which scale by 1 + weight: `fold_into_norm`)."""
     if not getattr(layer, "pre_norms", True):
         return ()
     if getattr(layer, "post_norms", False):

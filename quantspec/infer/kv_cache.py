@@ -150,8 +150,8 @@ class PagedKVCache:
     `max_seq_len`: the longest sequence it holds (what a kernel may size its launches by), or
     None where unknown. `window`: the model's sliding window (`ModelArgs.attention_window`) and
     `window_layers` the layers that slide it (None: every layer), which every step's
-    `AttentionMetadata` is built with. `softcap`: Gemma 2's score cap (`model_zoo.attention`),
-    which the kernels do not apply: a capped cache has none."""
+    `AttentionMetadata` is built with. `softcap`: Gemma 2's score cap (`model_zoo.attention`); a
+    capped cache keeps only a kernel that caps (`AttentionKernel`)."""
 
     def __init__(self, *, num_layers: int, num_blocks: int, block_size: int, num_kv_heads: int,
                  head_dim: int, dtype: torch.dtype, device: torch.device | str = "cpu",

@@ -78,7 +78,8 @@ def folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     q: [n, H, hd]; k, v: [L, KV, hd] (any strides, e.g. a view of the cache); mask: [n, L] bool
     (True = attend) or None → [n, H, hd]. The G = H / KV query heads that share a KV head become
     G*n query rows of that head (row g*n + i), so SDPA streams each KV head once instead of once
-    per query head (SDPA's `enable_gqa` on CPU costs ~6x more in bf16 for one query).
+    per query head (SDPA's `enable_gqa` on CPU costs ~6x more in bf16 for one query). `softcap`:
+    the scores capped and run explicitly (module docstring; 0: SDPA).
     """
     n, H, hd = q.shape
     KV = k.shape[1]

@@ -351,7 +351,7 @@ class DecoderLayer(nn.Module):
     def __init__(self, args: ModelArgs, layer_idx: int):
         super().__init__()
         self.residual_multiplier = args.residual_multiplier  # Granite's: each block's output before its add
-        # `ModelArgs.post_norms` / `pre_norms`: OLMo 2's layers have no input_layernorm, Gemma 3's four norms
+        # `ModelArgs.post_norms` / `pre_norms`: OLMo 2's layers have no input_layernorm; Gemma's have four norms
         self.post_norms, self.pre_norms, D = args.post_norms, args.pre_norms, args.hidden_size
         self.input_layernorm = RMSNorm.of(args, D) if args.pre_norms else None
         self.self_attn = Attention(args, layer_idx)
