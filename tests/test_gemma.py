@@ -23,23 +23,26 @@ from window_paths import assert_every_path_is_plain_decoding, decode, random_pro
 torch.set_num_threads(1)
 WINDOW = GEMMA_LAYOUT["sliding_window"]
 # Gemma-3-1B's config.json as Google publishes it (transformers 4.50's keys), shrunk
-GEMMA3_HUB_CONFIG = {"architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": None, "bos_token_id": 2,
-              "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 16,
-              "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64, "intermediate_size": 96,
-              "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
-              "num_hidden_layers": 8, "num_key_value_heads": 1, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-06,
-              "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
-              "sliding_window_pattern": 6, "vocab_size": 512}
+GEMMA3_HUB_CONFIG = {
+    "architectures": ["Gemma3ForCausalLM"], "attn_logit_softcapping": None, "bos_token_id": 2,
+    "eos_token_id": [1, 106], "final_logit_softcapping": None, "head_dim": 16,
+    "hidden_activation": "gelu_pytorch_tanh", "hidden_size": 64, "intermediate_size": 96,
+    "max_position_embeddings": 32768, "model_type": "gemma3_text", "num_attention_heads": 4,
+    "num_hidden_layers": 8, "num_key_value_heads": 1, "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-06,
+    "rope_local_base_freq": 10000, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": 512,
+    "sliding_window_pattern": 6, "vocab_size": 512
+}
 
 # gemma-2-2b's config.json as Google publishes it, shrunk
-GEMMA2_HUB_CONFIG = {"architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "bos_token_id": 2,
-              "cache_implementation": "hybrid", "eos_token_id": [1, 107], "final_logit_softcapping": 30.0,
-              "head_dim": 16, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
-              "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 8192, "model_type": "gemma2",
-              "num_attention_heads": 8, "num_hidden_layers": 4, "num_key_value_heads": 4, "pad_token_id": 0,
-              "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
-              "vocab_size": 512}
-
+GEMMA2_HUB_CONFIG = {
+    "architectures": ["Gemma2ForCausalLM"], "attn_logit_softcapping": 50.0, "bos_token_id": 2,
+    "cache_implementation": "hybrid", "eos_token_id": [1, 107], "final_logit_softcapping": 30.0,
+    "head_dim": 16, "hidden_act": "gelu_pytorch_tanh", "hidden_activation": "gelu_pytorch_tanh",
+    "hidden_size": 64, "intermediate_size": 96, "max_position_embeddings": 8192, "model_type": "gemma2",
+    "num_attention_heads": 8, "num_hidden_layers": 4, "num_key_value_heads": 4, "pad_token_id": 0,
+    "query_pre_attn_scalar": 16, "rms_norm_eps": 1e-06, "rope_theta": 10000.0, "sliding_window": 4096,
+    "vocab_size": 512
+}
 
 
 def _built(tmp_path_factory, arch: str, **kw):
