@@ -121,7 +121,7 @@ class MTPArgs:
             # config's attention_multiplier is the score scale itself; 0 here is head_dim ** -0.5)
             **({k: getattr(b, k) for k in NEUTRAL_MULTIPLIERS}
                | {"attention_multiplier": b.attention_multiplier or b.head_dim ** -0.5} if b.arch == "granite" else {}),
-            # Gemma 3's score scale and activation (`hf_config.gemma_fields`)
+            # Gemma's score scale, activation and caps (`hf_config.gemma_fields`)
             **({"query_pre_attn_scalar": round(b.attention_multiplier ** -2, 6) if b.attention_multiplier
                 else b.head_dim, "hidden_activation": b.hidden_act, "attn_logit_softcapping": b.attn_softcap or None,
                 "final_logit_softcapping": b.logit_softcap or None} if b.arch.startswith("gemma") else {}),
