@@ -275,11 +275,10 @@ def _rope_tables(model: Transformer, S: int, device: torch.device) -> dict[bool,
     """{whether for Gemma 3's window layers (`Attention.local_rope`): cos/sin [S, hd] for positions
     0..S-1}: rows of the tables `Transformer.setup_rope` builds (built here on meta models), so
     streamed and whole-model forwards see the same numbers."""
-    from quantspec.model_zoo.llama import rope_cos_sin
+    from quantspec.model_zoo.llama import rope_tables
 
     if model.cos is not None and model.cos.device.type != "meta" and model._rope_len >= S:
         tables = {False: (model.cos, model.sin), True: (model.local_cos, model.local_sin)}
     else:
-        n, local = max(S, model.args.max_position_embeddings), model.args.local_rope_args()
-        tables = {False: rope_cos_sin(model.args, n), True: (None, None) if local is None else rope_cos_sin(local, n)}
+        tables = rope_tables(model.args, max(S, model.args.max_position_embeddings))
     return {k: (cos[:S].to(device), sin[:S].to(device)) for k, (cos, sin) in tables.items() if cos is not None}

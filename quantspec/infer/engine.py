@@ -51,7 +51,7 @@ from quantspec.devices import device_done, device_memory_budget
 from quantspec.errors import QuantSpecError
 from quantspec.infer.adjust import adjust_step, guide_drafts
 from quantspec.infer.backend import Runtime, default_runtime
-from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache, kv_block_bytes
+from quantspec.infer.kv_cache import PagedAttention, PagedKVCache, kv_block_bytes
 from quantspec.infer.logprobs import score_new_tokens, score_prompt_rows
 from quantspec.infer.prefix_cache import PrefixCachingAllocator
 from quantspec.infer.sampler import (SamplingParams, generator_for_request, greedy_ids, logits_to_probs, sample,
@@ -133,13 +133,11 @@ class Engine:
         block_bytes = kv_block_bytes(num_layers=args.num_layers, block_size=config.block_size,
                                      num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype,
                                      kv_dtype=config.kv_cache_dtype)
-        self.cache = PagedKVCache(
-            num_layers=args.num_layers, block_size=config.block_size,
+        self.cache = PagedKVCache.of(
+            args, block_size=config.block_size,
             num_blocks=config.blocks_needed(block_bytes, device_memory_budget(self.device, config.gpu_memory_utilization)),
-            num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=self.dtype, device=self.device,
-            kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, kernel=self.runtime.attention,
-            max_seq_len=config.max_length + config.spec_max_draft_tokens + 1, window=args.attention_window,
-            window_layers=args.window_layers, softcap=args.attn_softcap,
+            dtype=self.dtype, device=self.device, kv_dtype=config.kv_cache_dtype, k_scale=k_scale, v_scale=v_scale,
+            kernel=self.runtime.attention, max_seq_len=config.max_length + config.spec_max_draft_tokens + 1,
         )
         if args.max_position_embeddings < config.max_length:
             model.setup_rope(config.max_length + config.spec_max_draft_tokens + 1, self.device)
@@ -287,9 +285,7 @@ class Engine:
                 tables.append(own[-1])
         try:
             t0 = time.perf_counter()
-            meta = AttentionMetadata.build(q_lens, [ctx + q for q in q_lens], tables, bs, self.device,
-                                           self.cache.kernel, window=self.cache.window,
-                                           window_layers=self.cache.window_layers)
+            meta = self.cache.metadata(q_lens, [ctx + q for q in q_lens], tables, self.device)
             ids = torch.zeros(sum(q_lens), dtype=torch.int64, device=self.device)
             pos = torch.cat([torch.arange(ctx, ctx + q) for q in q_lens]).to(self.device)
             hidden = self.model(ids, pos, PagedAttention(self.cache, meta), None, row_invariant=True,
@@ -365,9 +361,7 @@ class Engine:
         positions = torch.cat([torch.arange(sl - ql, sl) if trees is None or trees[b] is None
                                else sl - ql + torch.tensor(depths(trees[b]))  # a tree row: its depth
                                for b, (ql, sl) in enumerate(zip(q_lens, seq_lens))])
-        meta = AttentionMetadata.build(q_lens, seq_lens, [s.block_table for s in seqs], self.config.block_size,
-                                       self.device, self.cache.kernel, trees=trees, window=self.cache.window,
-                                       window_layers=self.cache.window_layers)
+        meta = self.cache.metadata(q_lens, seq_lens, [s.block_table for s in seqs], self.device, trees)
         input_ids = torch.tensor(feed_ids, dtype=torch.int64, device=self.device)
         self.forward_rows = list(zip(seqs, q_lens))
         rows, prompt_rows, offset = [], [], 0

@@ -22,7 +22,7 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.infer.kv_cache import AttentionMetadata, KVCacheDtype, PagedAttention, PagedKVCache
+from quantspec.infer.kv_cache import KVCacheDtype, PagedAttention, PagedKVCache
 from quantspec.model_zoo.llama import Transformer
 
 __all__ = ["PerplexityResult", "perplexity", "windows"]
@@ -86,19 +86,15 @@ def perplexity(model: Transformer, token_ids: torch.Tensor, *, seq_len: int = 51
         model.setup_rope(max(S, args.max_position_embeddings), device)
     blocks_per_seq = -(-S // block_size)
     B = min(batch_size, W)
-    cache = PagedKVCache(num_layers=args.num_layers, num_blocks=B * blocks_per_seq + 1,
-                         block_size=block_size, num_kv_heads=args.num_kv_heads,
-                         head_dim=args.head_dim, dtype=dtype, device=device,
-                         kv_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale, window=args.attention_window,
-                         window_layers=args.window_layers, softcap=args.attn_softcap)
+    cache = PagedKVCache.of(args, num_blocks=B * blocks_per_seq + 1, block_size=block_size, dtype=dtype,
+                            device=device, kv_dtype=kv_cache_dtype, k_scale=k_scale, v_scale=v_scale)
     total_nll, total_tokens = 0.0, 0
     for w0 in range(0, W, B):
         batch = win[w0:w0 + B].to(device)  # [b, S]
         b = batch.shape[0]
         tables = [cache.allocator.allocate(blocks_per_seq) for _ in range(b)]
         try:
-            meta = AttentionMetadata.build([S] * b, [S] * b, tables, block_size, device, window=cache.window,
-                                             window_layers=cache.window_layers)
+            meta = cache.metadata([S] * b, [S] * b, tables, device)
             hidden = model(batch.reshape(-1), torch.arange(S, device=device).repeat(b),
                            PagedAttention(cache, meta))  # [b*S, D]
             hidden = hidden.view(b, S, -1)

@@ -34,7 +34,7 @@ import torch.nn.functional as F
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.attention_masks import ancestor_rows, batched_mask, sequence_mask
-from quantspec.model_zoo.attention import folded_gqa_attention, grouped_attention, window_mask
+from quantspec.model_zoo.attention import folded_gqa_attention, grouped_attention
 
 __all__ = [
     "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
@@ -191,6 +191,19 @@ class PagedKVCache:
         self.kernel = None if kernel is None else kernel(self)
         if softcap and not getattr(self.kernel, "caps", False):
             self.kernel = None
+
+    @classmethod
+    def of(cls, args, **kw) -> "PagedKVCache":
+        """The cache of a model of `ModelArgs` args: its layers, KV heads and head size, its sliding
+        window in its window layers and its score cap; `kw`: the other arguments."""
+        return cls(num_layers=args.num_layers, num_kv_heads=args.num_kv_heads, head_dim=args.head_dim,
+                   window=args.attention_window, window_layers=args.window_layers, softcap=args.attn_softcap, **kw)
+
+    def metadata(self, q_lens: list[int], seq_lens: list[int], block_tables: list[list[int]], device,
+                 trees: list[list[int] | None] | None = None) -> "AttentionMetadata":
+        """`AttentionMetadata.build` of a step over this cache (its blocks, kernel and window)."""
+        return AttentionMetadata.build(q_lens, seq_lens, block_tables, self.block_size, device, self.kernel, trees,
+                                       self.window, self.window_layers)
 
     def _store(self, x: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
         """x: [T, KV, hd] → storage dtype."""
@@ -438,7 +451,7 @@ class PagedAttention:
                 mask = None if meta.masks is None else meta.masks[b]
                 lo = 0 if meta.lows is None else meta.lows[b]
                 if fresh and (mask is not None or cap):  # a prompt longer than the window; capped scores
-                    mask = window_mask(n, n, None).to(q.device) if mask is None else mask
+                    mask = sequence_mask(n, n, None, None) if mask is None else mask  # (None for one row)
                     out[start:start + n] = folded_gqa_attention(qb, kb, vb, mask, cap)
                 elif fresh:
                     o = F.scaled_dot_product_attention(

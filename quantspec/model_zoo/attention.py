@@ -31,6 +31,10 @@ class DenseCausalAttention:
         self.batch, self.seq_len, self.kv_hook, self.softcap = batch, seq_len, kv_hook, softcap
         self.mask = None if window is None or seq_len <= window else window_mask(seq_len, seq_len, window)
         self.window_layers = None if window_layers is None else frozenset(window_layers)
+        # capped scores run explicitly under an additive mask: {whether the layer's window: [S, S]}
+        self.bias = {} if not softcap else {
+            w: torch.zeros(seq_len, seq_len).masked_fill_(~m, float("-inf"))
+            for w, m in ((False, window_mask(seq_len, seq_len, None)), (True, self.mask)) if m is not None}
 
     @classmethod
     def of(cls, args, batch: int, seq_len: int, kv_hook=None) -> "DenseCausalAttention":
@@ -47,9 +51,8 @@ class DenseCausalAttention:
             self.kv_hook(layer_idx, k, v)
         mask = self.mask if self.window_layers is None or layer_idx in self.window_layers else None
         if self.softcap:
-            keep = window_mask(S, S, None) if mask is None else mask
-            bias = torch.zeros(S, S).masked_fill_(~keep, float("-inf")).to(q.device)
-            return grouped_attention(q, k, v, bias.expand(B, 1, S, S), self.softcap).reshape(B * S, *q.shape[2:])
+            bias = self.bias[mask is not None].to(q.device).expand(B, 1, S, S)
+            return grouped_attention(q, k, v, bias, self.softcap).reshape(B * S, *q.shape[2:])
         out = F.scaled_dot_product_attention(
             q.transpose(1, 2), k.transpose(1, 2), v.transpose(1, 2), is_causal=mask is None,
             attn_mask=None if mask is None else mask.to(q.device), enable_gqa=q.shape[2] != k.shape[2],
@@ -85,7 +88,7 @@ def folded_gqa_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask
     KV = k.shape[1]
     G = H // KV
     qf = q.view(n, KV, G, hd).permute(1, 2, 0, 3).reshape(1, KV, G * n, hd)
-    m = None if mask is None else mask.repeat(G, 1)  # [G*n, L]
+    m = None if mask is None else mask.to(q.device).repeat(G, 1)  # [G*n, L]
     kt, vt = k.transpose(0, 1)[None], v.transpose(0, 1)[None]
     if softcap:
         scores = _capped_scores(qf, kt, softcap)

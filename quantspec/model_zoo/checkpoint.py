@@ -242,9 +242,9 @@ class CheckpointReader:
                 if name != "__metadata__":
                     b, end = e["data_offsets"]
                     self.ranges[name] = FileRange(f, start + b, end - b, e["dtype"], tuple(e["shape"]))
-        self.stored = stored_names(self.model_dir, self.ranges) or {}  # a multimodal one's text decoder
+        self.stored = stored_names(cfg := _raw_config(self.model_dir), self.ranges) or {}  # multimodal: the decoder's
         self.ranges = {n: self.ranges[s] for n, s in self.stored.items()} if self.stored else self.ranges
-        self.splits = _split_plan(self.model_dir, self.ranges)
+        self.splits = _split_plan(cfg, self.ranges)
         fused = {src for src, _, _, _ in self.splits.values()}
         self.shapes = {n: r.shape for n, r in self.ranges.items() if n not in fused}
         for name, (src, lo, hi, total) in self.splits.items():
@@ -360,16 +360,16 @@ class CheckpointTensors(ShapedTensors):
         return part_tensor(src, self._fused[1], lo, hi, total)
 
 
-def _split_plan(model_dir: Path, names) -> dict:
-    """`layout.split_plan` for the checkpoint in `model_dir` (none without a config.json naming an
-    architecture that fuses modules)."""
-    path = model_dir / "config.json"
-    if not path.is_file():
-        return {}
+def _raw_config(model_dir: Path) -> dict:
+    """config.json as on disk; {} where missing or not JSON (`read_config` names the problem)."""
     try:
-        cfg = json.loads(path.read_text())
-    except json.JSONDecodeError:
-        return {}  # read_config names the problem where the config is needed
+        return json.loads((model_dir / "config.json").read_text())
+    except (OSError, json.JSONDecodeError):
+        return {}
+
+
+def _split_plan(cfg: dict, names) -> dict:
+    """`layout.split_plan` for a checkpoint of config.json `cfg` (none unless its architecture fuses)."""
     if not any(ARCHITECTURES.get(a) in FUSED for a in cfg.get("architectures") or ()):
         return {}
     return split_plan(ModelArgs.from_hf_config(cfg), names)

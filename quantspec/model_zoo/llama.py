@@ -56,6 +56,7 @@ __all__ = [
     "project",
     "rms_norm",
     "rope_cos_sin",
+    "rope_tables",
     "window_mask",
 ]
 
@@ -205,10 +206,6 @@ class ModelArgs:
                                  "(config.json sliding_window): quantspec attends to the whole context, the same "
                                  f"up to {self.sliding_window} tokens only; use {flag} {self.sliding_window} or less")
 
-    def local_rope_args(self) -> "ModelArgs | None":
-        """The args of the rotary tables Gemma 3's window layers turn by; None: every layer the model's."""
-        return replace(self, rope_theta=self.local_rope_theta, rope_scaling=None) if self.local_rope_theta else None
-
     def scale_embeddings(self, x: torch.Tensor) -> torch.Tensor:
         """The embeddings the first layer takes: Granite's × embedding_multiplier; Gemma's ×
         √hidden_size rounded to the embeddings' dtype, as transformers scales them."""
@@ -240,6 +237,17 @@ class ModelArgs:
     def from_hf_config(cls, cfg: dict) -> "ModelArgs":
         """The args of a HF config.json (`hf_config.args_fields`)."""
         return cls(**args_fields(cfg, ARCHITECTURES))
+
+
+def rope_tables(args: ModelArgs, max_positions: int, device=None) -> dict[bool, tuple[torch.Tensor, torch.Tensor]]:
+    """{whether for Gemma 3's window layers (`Attention.local_rope`): cos / sin [max_positions,
+    rotary_dim]}: the model's tables, and where its window layers turn by a rotary base of their own
+    (`local_rope_theta`, the default rope), theirs."""
+    tables = {False: rope_cos_sin(args, max_positions, device)}
+    if args.local_rope_theta:
+        tables[True] = rope_cos_sin(replace(args, rope_theta=args.local_rope_theta, rope_scaling=None),
+                                    max_positions, device)
+    return tables
 
 
 # ---------------------------------------------------------------------------------------------
@@ -415,10 +423,8 @@ class Transformer(nn.Module):
     def setup_rope(self, max_positions: int, device=None) -> None:
         """(Re)build the rotary tables; called after weights are materialised."""
         device = device or self.model.norm.weight.device
-        self.cos, self.sin = rope_cos_sin(self.args, max_positions, device)
-        local = self.args.local_rope_args()
-        if local is not None:
-            self.local_cos, self.local_sin = rope_cos_sin(local, max_positions, device)
+        tables = rope_tables(self.args, max_positions, device)
+        (self.cos, self.sin), (self.local_cos, self.local_sin) = tables[False], tables.get(True, (None, None))
         self._rope_len = max_positions
 
     def forward(self, input_ids: torch.Tensor, positions: torch.Tensor, attn: AttentionBackend,

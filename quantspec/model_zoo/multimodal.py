@@ -8,8 +8,6 @@ and SGLang load as they load Gemma 3 1B. The vision tower and projector are left
 
 from __future__ import annotations
 
-import json
-from pathlib import Path
 from typing import Iterable
 
 __all__ = ["TEXT_DECODERS", "stored_names", "text_decoder_config"]
@@ -38,15 +36,11 @@ def text_decoder_config(cfg: dict) -> dict | None:
     return {**text, **{k: cfg[k] for k in _TOP_KEYS if cfg.get(k) is not None}, "architectures": [causal]}
 
 
-def stored_names(model_dir: Path, names: Iterable[str]) -> dict[str, str] | None:
+def stored_names(cfg: dict, names: Iterable[str]) -> dict[str, str] | None:
     """{a text model's tensor name: the name the checkpoint stores it under} of the text decoder
-    of the multimodal checkpoint in `model_dir` (`language_model.model.X` or
+    of a multimodal checkpoint whose config.json (as on disk) is `cfg` (`language_model.model.X` or
     `model.language_model.X` → `model.X`; `language_model.lm_head.X` → `lm_head.X`); None where
     the checkpoint is not one."""
-    try:
-        cfg = json.loads((Path(model_dir) / "config.json").read_text())
-    except (OSError, json.JSONDecodeError):
-        return None  # read_config names the problem where the config is needed
     if _decoder(cfg) is None:
         return None
     out = {}

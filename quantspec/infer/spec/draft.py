@@ -143,12 +143,9 @@ class DraftModelProposer:
         self.device = model.model.norm.weight.device
         self.runtime = runtime or default_runtime(self.device)
         per_seq = -(-(max_length + max_draft_tokens + 1) // block_size)
-        self.cache = PagedKVCache(
-            num_layers=args.num_layers, num_blocks=max_batch_size * per_seq + 1, block_size=block_size,
-            num_kv_heads=args.num_kv_heads, head_dim=args.head_dim, dtype=model.model.norm.weight.dtype,
-            device=self.device, kernel=self.runtime.attention, window=args.attention_window,
-            window_layers=args.window_layers, softcap=args.attn_softcap,
-        )
+        self.cache = PagedKVCache.of(args, num_blocks=max_batch_size * per_seq + 1, block_size=block_size,
+                                     dtype=model.model.norm.weight.dtype, device=self.device,
+                                     kernel=self.runtime.attention)
         self._seqs: dict[int, _DraftSeq] = {}
         self.num_forwards = 0  # draft forwards run (for benchmarks)
 
@@ -199,9 +196,7 @@ class DraftModelProposer:
             if need > 0:
                 after = st.block_table[-1] if st.block_table else None
                 st.block_table.extend(self.cache.allocator.allocate(need, after=after))
-        meta = AttentionMetadata.build(q_lens, seq_lens, [st.block_table for st in states], self.block_size,
-                                       self.device, self.cache.kernel, window=self.cache.window,
-                                       window_layers=self.cache.window_layers)
+        meta = self.cache.metadata(q_lens, seq_lens, [st.block_table for st in states], self.device)
         ids = torch.tensor([t for f in feeds for t in f], dtype=torch.int64, device=self.device)  # [T]
         positions = torch.cat([torch.arange(s, s + q) for s, q in zip(starts, q_lens)]).to(self.device)  # [T]
         last = torch.tensor(np.cumsum(q_lens) - 1, device=self.device)  # [A]
