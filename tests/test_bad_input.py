@@ -140,6 +140,12 @@ CASES = [
     ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
                           "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
     ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
+    ("quantize-act-order-rtn", "quantize --model {model} --quant-type weight_only_int4 --act-order --out {d}/q",
+     "--act-order"),
+    ("quantize-awq-no-data", "quantize --model {model} --quant-type weight_only_int4 --method awq --out {d}/q",
+     "--dataset"),
+    ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
+                          "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-eagle3-bad-d2t", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 --out {d}/q",
      "d2t"),
     ("quantize-eagle3-transformers", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 "

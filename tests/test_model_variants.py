@@ -5,7 +5,7 @@ block's output normalized before its add, no norm before attention or the MLP; q
 normalized over the whole projection) and Gemma 2 / 3 (four 1 + weight norms a layer, gelu-tanh
 MLPs, every other layer sliding a window; Gemma 2's scores and logits soft-capped, Gemma 3's window
 layers turning by rotary tables of their own: `test_gemma.py`). For each: quantspec's forward,
-fused or not, its engine's greedy decoding, its artifacts (calibrated and GPTQ) run by
+fused or not, its engine's greedy decoding, its artifacts (calibrated, GPTQ and AWQ) run by
 transformers through compressed-tensors to the same logits, and speculation (n-gram, an EAGLE-3
 head, an MTP module) keeping plain greedy output; then what is particular to each."""
 
@@ -57,10 +57,11 @@ def test_artifacts_run_in_transformers_as_in_quantspec(variant, tmp_path, quant_
     artifact_runs_as_in_transformers(variant[1], quant_type, tmp_path / quant_type, IDS, **options)
 
 
-def test_gptq_artifact_runs_in_transformers(variant, tmp_path, logits_of):
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])  # AWQ's factors folded into norms and rows
+def test_data_method_artifact_runs_in_transformers(variant, tmp_path, logits_of, method):
     data = tmp_path / "calib.txt"
     data.write_text("The quick brown fox jumps over the lazy dog. " * 60)
-    art = api.quantize(str(variant[1]), "weight_only_int4", tmp_path / "gptq", method="gptq", group_size=32,
+    art = api.quantize(str(variant[1]), "weight_only_int4", tmp_path / method, method=method, group_size=32,
                        dataset=str(data), num_samples=4, seq_len=32)
     torch.testing.assert_close(logits_of(load_for_inference(art, tokenizer=False).model, IDS), logits_of(art, IDS),
                                **TOL)

@@ -31,9 +31,10 @@ def _run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
-def test_quantize_inspect_eval_gptq(tiny_llama_dir, corpus_files, tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])
+def test_quantize_inspect_eval_with_data(method, tiny_llama_dir, corpus_files, tmp_path):
     out = tmp_path / "w4"
-    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", "gptq",
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", method,
              "--group-size", "128", "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4",
              "--seq-len", "32", "--out", out)
     assert r.exit_code == 0, r.output
@@ -48,7 +49,9 @@ def test_quantize_inspect_eval_gptq(tiny_llama_dir, corpus_files, tmp_path):
     assert q.weight_args_for("model.layers.0.self_attn.q_proj").group_size == 64  # K = 64
     assert q.weight_args_for("model.layers.0.mlp.down_proj").group_size == 128
     prov = q.provenance
-    assert prov["method"] == "gptq" and prov["calibration"]["num_samples"] == 4
+    assert prov["method"] == method and prov["calibration"]["num_samples"] == 4
+    assert all(prov["ptq"][f"{m}_loss_total"] > 0 for m in method.split("+"))
+    assert prov["ptq"]["calibration_tokens"] == 4 * 32
     info = api.inspect(out)
     assert info["layers"]["model.layers.1.mlp.down_proj"]["bits"] == 4
     assert len(info["layers"]) == 14

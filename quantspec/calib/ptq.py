@@ -21,6 +21,9 @@ and the two methods:
   * two passes (memory-bounded, mini-batches): hooks accumulate all Hessians from the
     unquantized layer, the layer is quantized, then re-run (`propagate`) so the next layer sees
     the quantized outputs.
+- `awq`: Lin et al. (arXiv:2306.00978) through `calib.awq`: per layer, activation-aware factors
+  folded into the layer, then round-to-nearest; two passes like GPTQ's. `awq+gptq`: the factors,
+  then GPTQ on the layer (one more forward for the Hessians of its scaled inputs).
 
 Weight types: int8 per-channel, int4 group (sym/asym) or per-channel, FP8 E4M3 per-channel; the
 a8w8 types also need static per-tensor input scales (from `quantspec calibrate`), stored as
@@ -58,13 +61,15 @@ from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
-from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_quantize
+from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
 
-__all__ = ["METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
+__all__ = ["DATA_METHODS", "METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
            "quantized_linears", "resolve_layer_group_sizes"]
 
-METHODS = ("rtn", "gptq")
+# awq+gptq: AWQ's factors folded, then GPTQ's rounding (llm-compressor's AWQModifier + GPTQModifier)
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the model
 # Linears of one decoder layer that read the same input tensor (names relative to the layer).
 SHARED_INPUT_GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -78,8 +83,6 @@ DEFAULT_MAX_PASS_TOKENS = 65536
 # ... and while the MLP's four [tokens, intermediate] float32 tensors of that forward fit in this
 DEFAULT_MAX_PASS_BYTES = 2 * 2**30
 _MLP_LIVE_TENSORS = 4
-# round-to-nearest works on blocks of rows of at most this many float32 bytes
-_RTN_BLOCK_BYTES = 32 * 2**20
 # the dtype layers read from a checkpoint are quantized in
 QUANT_DTYPE = torch.float32
 # the part of the artifact's tensors outside the decoder layers
@@ -189,14 +192,14 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
     if any(s.weights is None for s in config.config_groups.values()):
         raise QuantSpecError("quantize_model quantizes weights; a config group without weights "
                              "(activation-only) is unsupported")
-    if method == "gptq":
+    if method in DATA_METHODS:
         if calib_batches is None:
-            raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
+            raise QuantSpecError(f"--method {method} needs calibration data; pass --dataset (a local "
                                  ".txt/.json/.jsonl/.parquet file or a hub id)")
         if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.type == "float" for s in config.config_groups.values()):
-            raise QuantSpecError("GPTQ rounds to an integer grid; use --method rtn for FP8 weights")
+            raise QuantSpecError(f"{method.upper()} rounds to an integer grid; use --method rtn for FP8 weights")
 
 
 @torch.no_grad()
@@ -230,23 +233,32 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                         device=device, smooth=smooth,
                         out_dtype=out_dtype or next(model.parameters()).dtype)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
-    if method == "gptq" and outside:
-        raise QuantSpecError(f"GPTQ quantizes decoder-layer Linears only; add {outside[0]} to "
+    if method in DATA_METHODS and outside:
+        raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {outside[0]} to "
                              "--ignore or use --method rtn")
+    steps = method.split("+")
+    if "awq" in steps:
+        from quantspec.calib.awq import check_awq
+
+        check_awq(config, q.layer_args)
     sink = sink if sink is not None else PartSink()
     if REST not in sink.done:
         sink.write(REST, q.rest_part(model, outside), {})
     if method == "rtn":
         _rtn_layers(model, q, sink, progress)
     else:
-        _gptq_layers(model, calib_batches, q, sink, batch_size=batch_size, progress=progress,
-                     one_pass=_one_pass(model, calib_batches, max_pass_tokens, max_pass_bytes))
+        one_pass = method == "gptq" and _one_pass(model, calib_batches, max_pass_tokens, max_pass_bytes)
+        _data_layers(model, calib_batches, q, sink, method=method, batch_size=batch_size, progress=progress,
+                     one_pass=one_pass)
     summary = {"method": method, "num_quantized_linears": len(q.linears),
                "seconds": round(time.perf_counter() - t0, 3)}
-    if method == "gptq":
-        summary.update(block_size=block_size, damp=damp, act_order=act_order,
-                       calibration_tokens=int(calib_batches.numel()),
-                       gptq_loss_total=float(sum(sink.losses.values())))
+    if "gptq" in steps:
+        summary.update(block_size=block_size, damp=damp, act_order=act_order)
+    if method in DATA_METHODS:  # AWQ's objectives are keyed "awq:<group>" (`calib.awq.awq_layer`)
+        summary["calibration_tokens"] = int(calib_batches.numel())
+        for step in steps:
+            summary[f"{step}_loss_total"] = float(sum(v for k, v in sink.losses.items()
+                                                      if k.startswith("awq:") == (step == "awq")))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)
@@ -290,7 +302,7 @@ class _LayerQuantizer:
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
             if hessian is None and args.strategy in ("channel", "group"):
                 for n, m in zip(members, mods):  # rows are independent: no concatenation
-                    self.results[n] = _rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype)
+                    self.results[n] = rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype)
                 continue
             W = torch.cat([m.weight for m in mods])  # [ΣN, K]
             sd = self.scale_dtype or W.dtype
@@ -353,25 +365,6 @@ class _LayerQuantizer:
         return tensors
 
 
-def _rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
-                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
-    """Round-to-nearest of `weight` [N, K] under per-row (channel / group) `args`, in blocks of
-    rows of at most `_RTN_BLOCK_BYTES` (float32), so its temporaries stay small whatever N;
-    `weight` is overwritten with its dequantized values. → (q [N, K], scale, zero_point or None),
-    the same numbers as one `rtn_quantize` call over all rows."""
-    rows = max(1, _RTN_BLOCK_BYTES // (weight.shape[1] * 4))
-    qs, scales, zps = [], [], []
-    for a in range(0, weight.shape[0], rows):
-        block = weight[a:a + rows]  # [≤ rows, K]
-        r = rtn_quantize(block, args, scale_dtype=scale_dtype)
-        block.copy_(r.weight_dq)
-        qs.append(r.q)
-        scales.append(r.scale)
-        zps.append(r.zero_point)
-    zp = None if zps[0] is None else torch.cat(zps)
-    return torch.cat(qs), torch.cat(scales), zp
-
-
 def _one_pass(model, calib_batches: torch.Tensor, max_pass_tokens: int, max_pass_bytes: int) -> bool:
     """GPTQ's one-pass schedule: all samples in one forward (module docstring)."""
     tokens = calib_batches.numel()
@@ -426,6 +419,19 @@ def _rtn_layers(model, q: _LayerQuantizer, sink: PartSink, progress) -> None:
             progress(i, len(layers), "done")
 
 
+def _gptq_layer(step, q: _LayerQuantizer, one_pass: bool) -> None:
+    """Quantize the decoder layer of `step` with GPTQ (its forward builds the Hessians)."""
+    accs, cleanup = _gptq_hooks(step, q, one_pass)
+    try:
+        with all_experts(step.layer):  # every expert's Hessian from every token (model_zoo.moe)
+            step.forward()
+    finally:
+        cleanup()
+    for group, acc in accs.items():
+        if not one_pass or acc.H is not None:  # two passes, or a Linear the forward never reached
+            q.quantize_group(list(group), acc.take() if acc.num_samples else None)
+
+
 def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
     """Forward pre-hooks that build each shared-input group's Hessian (and, in one pass,
     quantize the group before the forward goes on) → (accumulators, cleanup)."""
@@ -447,8 +453,10 @@ def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
     return accs, cleanup
 
 
-def _gptq_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: PartSink, *,
-                 batch_size: int, progress, one_pass: bool) -> None:
+def _data_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: PartSink, *,
+                 method: str, batch_size: int, progress, one_pass: bool) -> None:
+    """GPTQ or AWQ, layer by layer on the calibration batch (two passes: each layer re-run once
+    quantized, so the next calibrates on its outputs)."""
     L = len(model.model.layers)
     start = next((i for i in range(L) if layer_key(i) not in sink.done), L)
     if start == L:
@@ -461,15 +469,15 @@ def _gptq_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: P
     for step in runner:
         if q.smooth:
             smooth_layer(step.layer, step.name, q.smooth)
-        accs, cleanup = _gptq_hooks(step, q, one_pass)
-        try:
-            with all_experts(step.layer):  # every expert's Hessian from every token (model_zoo.moe)
-                step.forward()
-        finally:
-            cleanup()
-        for group, acc in accs.items():
-            if not one_pass or acc.H is not None:  # two passes, or a Linear the forward never reached
-                q.quantize_group(list(group), acc.take() if acc.num_samples else None)
+        if method.startswith("awq"):
+            from quantspec.calib.awq import awq_layer
+
+            q.losses.update(awq_layer(step, q.linears, q.layer_args))
+        if method.endswith("gptq"):  # on the inputs as AWQ's factors left them
+            _gptq_layer(step, q, one_pass)
+        else:
+            for group in _layer_groups(step.name, step.layer, q.linears):
+                q.quantize_group(group, None)
         if not one_pass:  # then re-run so the next layer sees the quantized layer's outputs
             step.propagate()
         losses, q.losses = q.losses, {}

@@ -5,7 +5,7 @@ artifact directory.
 applies (quant type, method, group size, zero points, the a8w8 recipe's knobs, the data they
 need) fails when the config is built, in one line naming the flag. `run_quantize` then runs the
 phases in order — check the output location and the device, read the source's headers and the
-calibration table, check the disk has room for the artifact, gather GPTQ's data, plan the
+calibration table, check the disk has room for the artifact, gather GPTQ's / AWQ's data, plan the
 static-activation recipe (a8w8 types), quantize layer by layer (`calib.ptq`), write the artifact
 atomically (`quant.artifact`) — each a small function below.
 
@@ -13,7 +13,7 @@ Models larger than memory: the model is built on the `meta` device and every pas
 measurements and the quantization itself — reads one decoder layer at a time from the
 checkpoint's safetensors (`model_zoo.checkpoint.CheckpointReader`) onto `device`, quantizes it
 and writes its tensors into the run's working directory (`calib.stream`), so resident memory is
-one layer's weights, its calibration activations and (GPTQ) its Hessians, whatever the depth.
+one layer's weights, its calibration activations and (GPTQ, AWQ) its Hessians, whatever the depth.
 A big run keeps that directory when it does not complete, and the same command resumes it from
 the last finished layer (`calib.stream`).
 
@@ -53,6 +53,8 @@ Progress = Callable[[int, int, str], None]
 class QuantizeConfig:
     """Everything `quantize` needs; every rule is checked when the config is built.
 
+    `method`: "rtn", "gptq", "awq" or "awq+gptq" (`calib.ptq.METHODS`; all but rtn read
+    `dataset`, and AWQ is for the weight-only types).
     `smoothquant_alpha`: None (the recipe's default: "auto" for the a8w8 types), "auto", "none"
     or a number in (0, 1). `device`: where each layer is quantized (`devices.resolve_device`);
     `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
@@ -99,7 +101,7 @@ class QuantizeConfig:
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        from quantspec.calib.ptq import METHODS
+        from quantspec.calib.ptq import DATA_METHODS, METHODS
         from quantspec.quant.args import QuantType
         from quantspec.quant.presets import default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
@@ -112,15 +114,22 @@ class QuantizeConfig:
         if self.out is None:
             raise QuantSpecError("--out is required: the directory to write the artifact to")
         self._check_static_recipe()
-        if self.method == "gptq":
+        if self.method.startswith("awq") and not qt.value.startswith("weight_only"):
+            raise QuantSpecError(f"--method {self.method} is for weight-only types ({qt.value} quantizes activations "
+                                 "too); use --method rtn or gptq")
+        if self.method in DATA_METHODS:
             if self.dataset is None and not (self.static and self.calib is not None):
-                raise QuantSpecError("--method gptq needs calibration data; pass --dataset (a local "
+                raise QuantSpecError(f"--method {self.method} needs calibration data; pass --dataset (a local "
                                      ".txt/.json/.jsonl/.parquet file or a hub id)")
             positive_int("num_samples", self.num_samples)
             positive_int("seq_len", self.seq_len)
+        if self.method.endswith("gptq"):
             positive_int("block_size", self.block_size)
             if not self.damp > 0:
                 raise QuantSpecError(f"--damp {self.damp} must be > 0 (e.g. 0.01)")
+        elif self.act_order:
+            raise QuantSpecError(f"--act-order orders GPTQ's columns and --method {self.method} runs no GPTQ; "
+                                 "use --method gptq or awq+gptq, or drop --act-order")
         if self.zp_dtype is not None and self.zp_dtype not in ZP_DTYPES:
             raise QuantSpecError(f"--zp-dtype {self.zp_dtype!r}: use int, {', '.join(ZP_DTYPES)}")
         observer = self.weight_observer or default_weight_observer(qt)
@@ -241,7 +250,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
 
         src.quant_config = part_config(model.args, src.quant_config)
         checkpoint_config(model.args, src.quant_config)  # refuses a unit named in part, before any work
-    if src.reader is not None and (config.method == "gptq" or config.static):  # windows run full attention
+    if src.reader is not None and (config.method != "rtn" or config.static):  # windows run full attention
         model.args.check_context(config.seq_len, "--seq-len")
     resumable, key = _run_identity(config, src, device)
     _check_disk(config, src, model, out, key)
@@ -250,7 +259,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
         if config.static:
             qconfig, input_scales, factors, batches = _plan_static(config, src, model, qconfig, batches, say,
                                                                    run, device)
-        sink = run.sink(keep_inputs=config.method == "gptq")
+        sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))
         say(f"quantizing {src.model_dir} one layer at a time ({device})")
         res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
@@ -304,7 +313,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, quant_config=qconfig, reader=reader)
     if reader is None and (config.method != "rtn" or config.static or config.kv_cache is not None):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
-                             "weight_only_int8 / weight_only_int4 (GPTQ and static activation or KV "
+                             "weight_only_int8 / weight_only_int4 (GPTQ, AWQ and static activation or KV "
                              "scales need its base's hidden states)")
     if config.static or config.kv_cache is not None:  # read before the model: a bad table fails at once
         from quantspec.calib.tables import read_table
@@ -336,9 +345,9 @@ def _skeleton(config: QuantizeConfig, src: _Source):
 
 
 def _gptq_batches(config: QuantizeConfig, src: _Source, say) -> torch.Tensor | None:
-    """GPTQ's calibration tokens [n, S] from `--dataset` (None for RTN, or when GPTQ takes the
-    table's own windows)."""
-    if config.method != "gptq" or config.dataset is None:
+    """GPTQ's / AWQ's calibration tokens [n, S] from `--dataset` (None for RTN, or when GPTQ
+    takes the table's own windows)."""
+    if config.method == "rtn" or config.dataset is None:
         return None
     from transformers import AutoTokenizer
 
@@ -427,12 +436,12 @@ def _check_disk(config: QuantizeConfig, src: _Source, model, out: Path, key: str
     from the checkpoint's shapes and the scheme) and the run's working files."""
     import shutil
 
-    from quantspec.calib.stream import working_bytes
+    from quantspec.calib.stream import artifact_bytes, working_bytes
     from quantspec.outputs import state_dir
 
-    need = _artifact_bytes(model, src.quant_config, src.dtype)
+    need = artifact_bytes(model, src.quant_config, src.dtype)
     need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
-    if config.method == "gptq":  # a resumable run keeps the next layer's inputs (two while replacing)
+    if config.method != "rtn":  # a resumable run keeps the next layer's inputs (two while replacing)
         need += 2 * config.num_samples * config.seq_len * model.args.hidden_size * 4
     anchor = out
     while not anchor.exists() and anchor.parent != anchor:
@@ -442,28 +451,6 @@ def _check_disk(config: QuantizeConfig, src: _Source, model, out: Path, key: str
         raise QuantSpecError(f"not enough disk space for --out {out}: the artifact and its working files need "
                              f"about {need / 1e9:.1f} GB and {free / 1e9:.1f} GB are free there; free some "
                              "space or choose another --out")
-
-
-def _artifact_bytes(model, qconfig, dtype: torch.dtype) -> int:
-    """The artifact's tensor bytes, estimated from the model's shapes (on `meta`) and the
-    scheme: quantized weights at their bits plus their scales and zero points, the rest in
-    `dtype`."""
-    from quantspec.calib.ptq import quantized_linears
-    from quantspec.quant.config import resolve_group_size
-
-    elem = torch.tensor([], dtype=dtype).element_size()
-    linears = quantized_linears(model, qconfig)
-    total = 0
-    for name, t in model.state_dict().items():
-        mod = name.rsplit(".", 1)[0]
-        if name.endswith(".weight") and mod in linears:
-            args = qconfig.weight_args_for(mod)
-            N, K = t.shape
-            groups = K // resolve_group_size(K, args.group_size) if args.strategy == "group" else 1
-            total += N * K * args.num_bits // 8 + N * groups * elem * (1 if args.symmetric else 2)
-        else:
-            total += t.numel() * elem
-    return total
 
 
 def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: float) -> Path:

@@ -9,6 +9,7 @@ Smoothing groups per decoder layer (where X / s folds exactly into a preceding o
     input_layernorm          → self_attn.q_proj, k_proj, v_proj   (γ / s)
     post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s; Gemma: pre_feedforward_layernorm)
     mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
+    self_attn.v_proj (output rows) → self_attn.o_proj              (AWQ only, `calib.awq`)
 The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
 output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
 by s_j (the pairing AWQ / llm-compressor use for `up_proj → down_proj`). It matters on real
@@ -45,11 +46,13 @@ from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoot
                                          weight_input_absmax)
 
 __all__ = [
+    "ROW_FOLDS",
     "SMOOTH_GROUPS",
     "layer_norm_groups",
     "layer_smoothed_weights",
     "smoothed_weight",
     "layer_smoothing_factors",
+    "row_factor",
     "smoothing_factors",
     "smoothed_weights",
     "smooth_layer",
@@ -144,9 +147,27 @@ def smoothing_factors(model, table: ScaleTable, alpha: float | Mapping[str, floa
     return factors
 
 
-# the Linears smoothing changes (relative to a decoder layer): the groups' readers and down_proj
-# (up_proj also by its output rows, for down_proj's factor)
-_SMOOTHED = tuple(n for _, names in SMOOTH_GROUPS for n in names) + ("mlp.down_proj",)
+# Linears whose output rows absorb 1 / s of the Linear reading them (exact: down_proj reads
+# act(gate) · up, o_proj reads attention's weighted sum of v, both linear in the row)
+ROW_FOLDS = {"mlp.up_proj": "mlp.down_proj", "self_attn.v_proj": "self_attn.o_proj"}
+# the Linears smoothing changes (relative to a decoder layer): the groups' readers, the row folds'
+# readers by their columns and the row folds' sources by their rows
+_SMOOTHED = tuple(n for _, names in SMOOTH_GROUPS for n in names) + tuple(ROW_FOLDS.values())
+
+
+def row_factor(layer: nn.Module, name: str, s: torch.Tensor) -> torch.Tensor:
+    """The factor [N] that divides the output rows of `name` (a `ROW_FOLDS` key) for its reader's
+    column factor s [K]. v_proj → o_proj under grouped-query attention: o_proj's column (h, d)
+    reads KV head h // (H / KV), so s must be equal across the query heads of a KV head (as
+    `calib.awq` chooses it) and v_proj's row (g, d) takes that value."""
+    if name != "self_attn.v_proj":
+        return s
+    attn = layer.self_attn
+    H, KV, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    grouped = s.view(KV, H // KV, hd)
+    if not torch.equal(grouped, grouped[:, :1].expand_as(grouped)):
+        raise QuantSpecError("an o_proj factor must be equal across the query heads that share a KV head")
+    return grouped[:, 0].reshape(KV * hd)
 
 
 @torch.no_grad()
@@ -156,13 +177,15 @@ def smoothed_weight(layer: nn.Module, prefix: str, factors: Mapping[str, torch.T
     output rows [N] or None) of the Linear `name` (relative, e.g. "mlp.up_proj") of the decoder
     layer `prefix`; None when `factors` leave it as it is. One Linear's copy at a time."""
     col = factors.get(f"{prefix}.{name}") if name in _SMOOTHED else None
-    row = factors.get(f"{prefix}.mlp.down_proj") if name == "mlp.up_proj" else None
+    row = factors.get(f"{prefix}.{ROW_FOLDS[name]}") if name in ROW_FOLDS else None
+    if row is not None:
+        row = row_factor(layer, name, row)
     if col is None and row is None:
         return None
     w = layer.get_submodule(name).weight
     if col is not None:
         w = fold_into_linear(w, col.to(w.device))
-    if row is not None:  # up_proj's output row j / s_j: the γ / s rule of fold_into_norm, applied per row
+    if row is not None:  # output row j / s_j: the γ / s rule of fold_into_norm, applied per row
         ct = torch.promote_types(w.dtype, torch.float32)
         w = (w.to(ct) / row.to(w.device, ct)[:, None]).to(w.dtype)
     return w, col, row
@@ -185,7 +208,7 @@ def smoothed_weights(model, factors: Mapping[str, torch.Tensor]
     """{linear name: (weight [N, K] as `smooth_model` leaves it, s of its input columns [K] or
     None, s of its output rows [N] or None)} for every Linear that smoothing with `factors`
     (`smoothing_factors`) changes; the model is not modified. Column j is multiplied by s_j;
-    up_proj's row j is divided by down_proj's s_j."""
+    up_proj's (v_proj's) row j is divided by down_proj's (o_proj's) s_j (`row_factor`)."""
     out = {}
     for i, layer in enumerate(_layers(model)):
         out.update(layer_smoothed_weights(layer, f"model.layers.{i}", factors))
@@ -195,8 +218,9 @@ def smoothed_weights(model, factors: Mapping[str, torch.Tensor]
 @torch.no_grad()
 def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]) -> None:
     """Fold `factors` (`smoothing_factors`, keyed by full Linear names) into the decoder layer
-    named `prefix` in place: each norm's γ (and each up_proj's output row and bias) divided by s,
-    the Linears reading it with their input columns multiplied by s (`layer_smoothed_weights`)."""
+    named `prefix` in place: each norm's γ (and the output rows and bias of each `ROW_FOLDS`
+    source) divided by s, the Linears reading it with their input columns multiplied by s
+    (`layer_smoothed_weights`)."""
     weights = layer_smoothed_weights(layer, prefix, factors)
     for norm_name, lin_names in layer_norm_groups(layer):
         s = factors.get(f"{prefix}.{lin_names[0]}")
@@ -204,10 +228,11 @@ def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tens
             norm = getattr(layer, norm_name)
             norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device),
                                              unit_offset=getattr(norm, "unit_offset", False))[0])
-    s = factors.get(f"{prefix}.mlp.down_proj")
-    up = layer.mlp.up_proj if s is not None else None
-    if up is not None and up.bias is not None:
-        up.bias.copy_(fold_into_norm(up.bias, s.to(up.bias.device))[0])
+    for name, reader in ROW_FOLDS.items():
+        s = factors.get(f"{prefix}.{reader}")
+        bias = layer.get_submodule(name).bias if s is not None else None
+        if bias is not None:
+            bias.copy_(fold_into_norm(bias, row_factor(layer, name, s).to(bias.device))[0])
     for name, (w, _, _) in weights.items():
         layer.get_submodule(name[len(prefix) + 1:]).weight.copy_(w)
 

@@ -14,8 +14,8 @@ directory beside `--out`, and build `--out` from it at the end (atomically, `out
   (their output would be replaced anyway), unless their run is still alive.
 
 `Run.sink()` is the `calib.ptq.PartSink` quantize writes through: each part goes to a
-`quant.shards.ShardWriter` (whose state says which parts are done) and, for GPTQ in a resumable
-run, the next layer's inputs [n, S, D] go beside it (`inputs-<part>.safetensors`), named in the
+`quant.shards.ShardWriter` (whose state says which parts are done) and, for GPTQ and AWQ in a
+resumable run, the next layer's inputs [n, S, D] go beside it (`inputs-<part>.safetensors`), named in the
 same atomic state update as the part, so a killed run always restarts from a layer whose inputs
 are on disk. `Run.save` / `Run.load` keep other results a resumed run reuses (the a8w8 plan, a
 calibration's table entries).
@@ -34,13 +34,14 @@ from typing import Any, Iterator
 
 import torch
 
-from quantspec.calib.ptq import PartSink, layer_key
+from quantspec.calib.ptq import PartSink, layer_key, quantized_linears
 from quantspec.errors import QuantSpecError
 from quantspec.outputs import pid_alive, state_dir, state_dirs, temporary_sibling
+from quantspec.quant.config import resolve_group_size
 from quantspec.quant.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, write_safetensors
 
-__all__ = ["RESUMABLE_MIN_BYTES", "Run", "StreamSink", "file_stats", "notice", "open_run", "run_key",
-           "say_resume", "working_bytes"]
+__all__ = ["RESUMABLE_MIN_BYTES", "Run", "StreamSink", "artifact_bytes", "file_stats", "notice", "open_run",
+           "run_key", "say_resume", "working_bytes"]
 
 # a run over a checkpoint this large keeps a resumable state (smaller ones redo their few minutes)
 RESUMABLE_MIN_BYTES = 2**30
@@ -139,6 +140,25 @@ def say_resume(sink: StreamSink, num_layers: int) -> None:
         nxt = next((i for i in range(num_layers) if layer_key(i) not in sink.done), num_layers)
         where = f"layer {nxt + 1}/{num_layers}" if nxt < num_layers else "the end"
         notice(f"resuming at {where} from the state of an interrupted run ({sink.writer.dir.parent.name})")
+
+
+def artifact_bytes(model, qconfig, dtype: torch.dtype) -> int:
+    """The artifact's tensor bytes, estimated from the model's shapes (on `meta`) and the
+    scheme: quantized weights at their bits plus their scales and zero points, the rest in
+    `dtype`."""
+    elem = torch.tensor([], dtype=dtype).element_size()
+    linears = quantized_linears(model, qconfig)
+    total = 0
+    for name, t in model.state_dict().items():
+        mod = name.rsplit(".", 1)[0]
+        if name.endswith(".weight") and mod in linears:
+            args = qconfig.weight_args_for(mod)
+            N, K = t.shape
+            groups = K // resolve_group_size(K, args.group_size) if args.strategy == "group" else 1
+            total += N * K * args.num_bits // 8 + N * groups * elem * (1 if args.symmetric else 2)
+        else:
+            total += t.numel() * elem
+    return total
 
 
 def working_bytes(d: Path) -> int:

@@ -14,7 +14,10 @@ def _gib(n) -> str:
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
 @click.option("--quant-type", required=True, help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8")
-@click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq"]))
+@click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
+              help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
+                   "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types; all "
+                   "but rtn need --dataset)")
 @click.option("--group-size", default=128, show_default=True, type=int,
               help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
 @click.option("--sym/--asym", "symmetric", default=True, show_default=True)

@@ -34,7 +34,10 @@ from quantspec.quant.args import QuantArgs
 from quantspec.quant.primitives import (choose_qparams, dequantize, quantize, storage_dtype,
                                         zero_point_dtype)
 
-__all__ = ["HessianAccumulator", "GPTQResult", "gptq_quantize", "rtn_quantize"]
+__all__ = ["HessianAccumulator", "GPTQResult", "gptq_quantize", "rtn_by_rows", "rtn_quantize"]
+
+# `rtn_by_rows` works on blocks of rows of at most this many float32 bytes
+RTN_BLOCK_BYTES = 32 * 2**20
 
 
 class HessianAccumulator:
@@ -110,6 +113,25 @@ def rtn_quantize(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
     return GPTQResult(q=q, scale=scale, zero_point=zp,
                       weight_dq=dequantize(q, scale, zp, args, dtype=weight.dtype),
                       loss=float("nan"), args=args)
+
+
+def rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """Round-to-nearest of `weight` [N, K] under per-row (channel / group) `args`, in blocks of
+    rows of at most `RTN_BLOCK_BYTES` (float32), so its temporaries stay small whatever N;
+    `weight` is overwritten with its dequantized values. → (q [N, K], scale, zero_point or None),
+    the same numbers as one `rtn_quantize` call over all rows."""
+    rows = max(1, RTN_BLOCK_BYTES // (weight.shape[1] * 4))
+    qs, scales, zps = [], [], []
+    for a in range(0, weight.shape[0], rows):
+        block = weight[a:a + rows]  # [≤ rows, K]
+        r = rtn_quantize(block, args, scale_dtype=scale_dtype)
+        block.copy_(r.weight_dq)
+        qs.append(r.q)
+        scales.append(r.scale)
+        zps.append(r.zero_point)
+    zp = None if zps[0] is None else torch.cat(zps)
+    return torch.cat(qs), torch.cat(scales), zp
 
 
 def _check_weight(weight: torch.Tensor, args: QuantArgs) -> None:

@@ -157,7 +157,7 @@ def test_a8w8_needs_input_scales(tiny_llama_dir):
 def test_bad_requests(tiny_llama_dir):
     model, _ = load_model(tiny_llama_dir)
     with pytest.raises(QuantSpecError, match="unknown method"):
-        quantize_model(model, preset("weight_only_int8"), "awq")
+        quantize_model(model, preset("weight_only_int8"), "smoothrounding")
     with pytest.raises(QuantSpecError, match="--dataset"):
         quantize_model(model, preset("weight_only_int8"), "gptq")
     with pytest.raises(QuantSpecError, match="no Linear"):

@@ -1,0 +1,219 @@
+"""AWQ: activation-aware weight quantization (Lin et al. 2023, arXiv:2306.00978), weight-only.
+
+A few input channels of a Linear carry most of its output (those whose activations are large);
+rounding their weights costs the most. AWQ multiplies those weight columns by s > 1 before
+rounding (their relative rounding error shrinks) and divides the input channel by s where that
+is free: in the op that produces it. The model computes the same function in float; only the
+rounding moves.
+
+Terms:
+- **Smoothing group** (llm-compressor's "mapping"): an op whose output absorbs a per-channel
+  1 / s exactly, and the Linears that read that output (their input columns × s), per decoder
+  layer, in order:
+      input_layernorm            → q_proj, k_proj, v_proj          (γ / s)
+      v_proj (output rows)       → o_proj                          (grouped-query attention: one
+                                                                    s per KV channel, shared by
+                                                                    the query heads reading it)
+      post_attention_layernorm   → gate_proj, up_proj              (Gemma: pre_feedforward_layernorm)
+      up_proj (output rows)      → down_proj
+  A mixture of experts' MLP and a layer without pre-norms (OLMo 2) skip the groups they lack.
+  The folds are `calib.smooth`'s (`smooth_layer`, `ROW_FOLDS`).
+- **Candidates** (llm-compressor's duo scaling): s(α) = x̄^α / (w̄^(1-α) + 1e-4), normalised
+  by √(max s · min s), for α = 0, 1/20, …, 19/20; and s = 1 (no scaling), so the search is never
+  worse than round-to-nearest on its objective. x̄ [K] is each input channel's mean |x| over the
+  calibration tokens; w̄ [K] the mean over the group's rows of |w| / the max |w| of its
+  quantization group.
+- **Objective**: the output error of the group's quantized Linears, Σ ||X Wᵀ − (X / s) Q(W·s)ᵀ||²
+  (the paper's Eq. 4), computed as Σ_rows ΔW H ΔWᵀ with ΔW = Q(W·s) / s − W and H = Σ_t x_t x_tᵀ
+  over every calibration token (`HessianAccumulator`): K² work per weight row whatever the number
+  of tokens. Q is round-to-nearest with min/max ranges under each Linear's own args.
+
+The chosen factors are folded into the layer, which is then rounded under the config's args
+(their observer included), and re-run so the next layer calibrates on the quantized layer's
+outputs. Row scaling of v_proj / up_proj commutes with their per-row (channel, group) scales, so
+each group's choice does not depend on the groups after it.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Mapping, Sequence
+
+import torch
+from torch import nn
+
+from quantspec.calib.smooth import layer_norm_groups, smooth_layer
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.llama import MLP
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.gptq import HessianAccumulator, rtn_quantize
+
+__all__ = ["AWQ_GRID", "AWQGroup", "ChannelStats", "ScaleChoice", "awq_layer", "candidate_scales",
+           "check_awq", "layer_awq_groups", "output_error", "relative_weight_mean", "search_scale"]
+
+AWQ_GRID = 20  # α = 0, 1/20, …, 19/20 (llm-compressor's n_grid)
+_DUO_EPS = 1e-4  # w̄^(1-α) + eps: a column of zeros does not divide by zero
+_MIN_SCALE = 1e-4
+
+
+def check_awq(config, layer_args: Mapping[str, QuantArgs]) -> None:
+    """AWQ is weight-only (it scales the inputs an activation quantizer would see) and rounds
+    integer weights with per-row scales (channel or group strategy); `config`: a `QuantConfig`."""
+    if any(s.input_activations is not None for s in config.config_groups.values()):
+        raise QuantSpecError("AWQ is for weight-only quantization (it scales the inputs the activation "
+                             "quantizer would see); use --method rtn or gptq for a8w8")
+    for name, a in layer_args.items():
+        if a.type != "int" or a.strategy not in ("channel", "group"):
+            raise QuantSpecError(f"AWQ scales integer weights with per-channel or per-group scales ({name} "
+                                 f"is {a.num_bits}-bit {a.type}, {a.strategy}); use --method rtn or gptq")
+
+
+class ChannelStats:
+    """Running statistics of one input [..., K]: H = 2/n Σ x xᵀ [K, K] and mean |x| [K]."""
+
+    def __init__(self, in_features: int, device: torch.device | str = "cpu"):
+        self.hessian = HessianAccumulator(in_features, device=device)
+        self.abs_sum = torch.zeros(in_features, device=device, dtype=torch.float64)
+
+    @torch.no_grad()
+    def update(self, x: torch.Tensor) -> None:
+        self.hessian.update(x)
+        self.abs_sum += x.reshape(-1, x.shape[-1]).abs().sum(0, dtype=torch.float64)
+
+    @property
+    def mean_abs(self) -> torch.Tensor:
+        return (self.abs_sum / max(self.hessian.num_samples, 1)).float()  # [K]
+
+
+def relative_weight_mean(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs]) -> torch.Tensor:
+    """w̄ [K]: the mean over every row of `weights` ([N_i, K]) of |w| / the max |w| of its
+    quantization group (a whole row for per-channel args).
+
+    Example: one weight [[1, 2], [4, 4]], per channel → rows [0.5, 1] and [1, 1] → [0.75, 1].
+    """
+    parts = []
+    for w, a in zip(weights, args):
+        N, K = w.shape
+        g = a.group_size if a.strategy == "group" else K
+        wa = w.detach().float().abs().view(N, K // g, g)
+        parts.append((wa / (wa.amax(-1, keepdim=True) + 1e-6)).view(N, K))
+    return torch.cat(parts).mean(0)
+
+
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, grid: int = AWQ_GRID
+                     ) -> list[tuple[float | None, torch.Tensor]]:
+    """[(α, s [K])]: s = 1 (α None), then duo scaling for α = i / grid (module docstring)."""
+    out: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones_like(x_mean))]
+    for i in range(grid):
+        ratio = i / grid
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + _DUO_EPS)).clamp(min=_MIN_SCALE)
+        s = s / (s.max() * s.min()).sqrt()
+        out.append((ratio, torch.where(torch.isfinite(s), s, torch.ones_like(s))))
+    return out
+
+
+def output_error(weight: torch.Tensor, args: QuantArgs, s: torch.Tensor, hessian: torch.Tensor) -> float:
+    """Σ_rows ΔW H ΔWᵀ for ΔW = Q(W·s) / s − W: the output error ||X Wᵀ − (X / s) Q(W·s)ᵀ||² of
+    the inputs whose H = Σ x xᵀ is `hessian` [K, K] (round-to-nearest with min/max ranges)."""
+    w = weight.float()  # [N, K]
+    minmax = args.replace(observer=None) if args.observer else args
+    dw = rtn_quantize(w * s, minmax).weight_dq.float().div_(s).sub_(w)  # [N, K]
+    return float((dw @ hessian).mul_(dw).sum())
+
+
+@dataclass(frozen=True)
+class ScaleChoice:
+    """The factor chosen for one group (`s` [K], or None: no scaling), its α and objective, and
+    the objective without scaling (round-to-nearest's)."""
+
+    s: torch.Tensor | None
+    ratio: float | None
+    loss: float
+    rtn_loss: float
+
+
+def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], stats: ChannelStats,
+                 tie: torch.Tensor | None = None, grid: int = AWQ_GRID) -> ScaleChoice:
+    """The candidate (`candidate_scales`) with the least summed `output_error` over `weights`
+    ([N_i, K], each rounded under its own args) for inputs with statistics `stats`.
+
+    `tie` [K] (long): column j takes the factor of free channel tie[j] (o_proj under grouped-query
+    attention); x̄ and w̄ of the tied columns are averaged, and the returned s is per column."""
+    H = stats.hessian.compute()  # [K, K]
+    x_mean, w_mean = stats.mean_abs.to(H.device), relative_weight_mean(weights, args).to(H.device)
+    if tie is not None:
+        x_mean, w_mean = _tied_mean(x_mean, tie), _tied_mean(w_mean, tie)
+    best = rtn = None
+    for ratio, s in candidate_scales(x_mean, w_mean, grid):
+        full = s if tie is None else s[tie]
+        loss = sum(output_error(w, a, full, H) for w, a in zip(weights, args))
+        if ratio is None:
+            rtn = loss
+        if best is None or loss < best[2]:
+            best = (full, ratio, loss)
+    s, ratio, loss = best
+    return ScaleChoice(s=None if ratio is None else s, ratio=ratio, loss=loss, rtn_loss=rtn)
+
+
+def _tied_mean(v: torch.Tensor, tie: torch.Tensor) -> torch.Tensor:
+    n = int(tie.max()) + 1
+    total = torch.zeros(n, dtype=v.dtype, device=v.device).index_add_(0, tie, v)
+    return total / torch.bincount(tie, minlength=n).to(v.dtype)
+
+
+@dataclass(frozen=True)
+class AWQGroup:
+    """One smoothing group of a decoder layer (names relative to it): the Linears reading the
+    scaled channels, and `tie` (o_proj under grouped-query attention) or None."""
+
+    readers: tuple[str, ...]
+    tie: torch.Tensor | None = None
+
+
+def layer_awq_groups(layer: nn.Module) -> list[AWQGroup]:
+    """The decoder layer's smoothing groups, in forward order (module docstring)."""
+    dense = isinstance(layer.mlp, MLP)
+    norms = [names for _, names in layer_norm_groups(layer)]
+    groups = [AWQGroup(n) for n in norms if n[0].startswith("self_attn.")]
+    attn = layer.self_attn
+    H, KV, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
+    tie = None if H == KV else (torch.arange(H)[:, None] // (H // KV) * hd + torch.arange(hd)).reshape(-1)
+    groups.append(AWQGroup(("self_attn.o_proj",), tie))
+    if dense:
+        groups += [AWQGroup(n) for n in norms if n[0].startswith("mlp.")]
+        groups.append(AWQGroup(("mlp.down_proj",)))
+    return groups
+
+
+@torch.no_grad()
+def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, QuantArgs]
+              ) -> dict[str, float]:
+    """Run the decoder layer of `step` (`calib.runner.LayerStep`) over its calibration inputs,
+    choose each group's factor and fold it into the layer; → {"awq:<group>": objective after scaling}.
+
+    `linears` / `layer_args`: the quantized Linears (full names) and their weight args. A group
+    none of whose readers is quantized is left as it is."""
+    groups = [(g, [f"{step.name}.{r}" for r in g.readers]) for g in layer_awq_groups(step.layer)]
+    groups = [(g, names) for g, names in groups if any(n in linears for n in names)]
+    stats, handles = {}, []
+    for g, names in groups:
+        head = step.layer.get_submodule(g.readers[0])
+        st = stats[names[0]] = ChannelStats(head.in_features, device=head.weight.device)
+        handles.append(head.register_forward_pre_hook(lambda _m, inputs, st=st: st.update(inputs[0])))
+    try:
+        step.forward()
+    finally:
+        for h in handles:
+            h.remove()
+    factors, losses = {}, {}
+    for g, names in groups:
+        quantized = [n for n in names if n in linears]
+        if not stats[names[0]].hessian.num_samples:
+            continue  # never reached (no calibration token)
+        choice = search_scale([linears[n].weight for n in quantized], [layer_args[n] for n in quantized],
+                              stats[names[0]], g.tie)
+        losses["awq:" + "+".join(quantized)] = choice.loss
+        if choice.s is not None:
+            factors.update({n: choice.s.cpu() for n in names})
+    smooth_layer(step.layer, step.name, factors)
+    return losses

@@ -1,0 +1,181 @@
+"""AWQ (`calib.awq`): the objective against the output error written out from the inputs, the
+search against a brute-force pass over the candidates, the folds exact in float on every
+architecture's layers (grouped-query v → o included), and the quantized model's error."""
+
+import pytest
+import torch
+
+from quantspec.calib.awq import (AWQ_GRID, ChannelStats, awq_layer, candidate_scales, layer_awq_groups,
+                                 output_error, relative_weight_mean, search_scale)
+from quantspec.calib.ptq import quantize_model, quantized_linears
+from quantspec.calib.runner import LayerRunner
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import load_model
+from quantspec.model_zoo.tiny import build_tiny_model
+from quantspec.quant.args import QuantArgs
+from quantspec.quant.presets import preset
+
+torch.set_num_threads(1)
+INT4_G16 = QuantArgs(num_bits=4, symmetric=True, strategy="group", group_size=16)
+IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
+
+
+def _fake_int4(w: torch.Tensor, g: int) -> torch.Tensor:
+    """Symmetric int4 round-to-nearest per group of g columns, written out: scale = absmax / 7.5."""
+    N, K = w.shape
+    wg = w.reshape(N, K // g, g)
+    scale = wg.abs().amax(-1, keepdim=True) / 7.5
+    return (torch.clamp(torch.round(wg / scale), -8, 7) * scale).reshape(N, K)
+
+
+def _outlier_inputs(T=400, K=64, seed=0) -> torch.Tensor:
+    """Inputs [T, K] whose channels 3 and 40 run 30× larger than the rest (AWQ's case)."""
+    g = torch.Generator().manual_seed(seed)
+    x = torch.randn(T, K, generator=g)
+    x[:, [3, 40]] *= 30
+    return x
+
+
+def _stats(x: torch.Tensor) -> ChannelStats:
+    st = ChannelStats(x.shape[1])
+    for part in x.split(150):
+        st.update(part)
+    return st
+
+
+def test_relative_weight_mean_worked_example():
+    w = torch.tensor([[1.0, 2.0], [4.0, 4.0]])
+    per_channel = QuantArgs(num_bits=4, strategy="channel")
+    torch.testing.assert_close(relative_weight_mean([w], [per_channel]), torch.tensor([0.75, 1.0]), atol=1e-5, rtol=0)
+
+
+def test_candidates_are_identity_then_duo_scaling():
+    x_mean, w_mean = torch.tensor([4.0, 1.0, 0.25]), torch.tensor([1.0, 0.5, 0.5])
+    cands = candidate_scales(x_mean, w_mean)
+    assert len(cands) == AWQ_GRID + 1 and cands[0][0] is None and torch.equal(cands[0][1], torch.ones(3))
+    ratio, s = cands[11]
+    raw = x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4)
+    torch.testing.assert_close(s, raw / (raw.max() * raw.min()).sqrt())
+    torch.testing.assert_close(s.max() * s.min(), torch.tensor(1.0))
+
+
+def test_output_error_is_the_output_error_of_the_inputs():
+    x = _outlier_inputs()
+    w = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
+    s = torch.rand(64, generator=torch.Generator().manual_seed(2)) + 0.5
+    st = _stats(x)
+    want = (x.double() @ w.double().T - (x / s).double() @ _fake_int4(w * s, 16).double().T
+            ).pow(2).sum() * 2 / x.shape[0]  # H = 2/n Σ x xᵀ; float64: the outputs are large, their difference small
+    got = output_error(w, INT4_G16, s, st.hessian.compute())
+    assert got == pytest.approx(float(want), rel=1e-4)
+    torch.testing.assert_close(st.mean_abs, x.abs().mean(0))
+
+
+def test_search_takes_the_best_candidate_and_beats_rounding_on_outlier_channels():
+    x = _outlier_inputs()
+    g = torch.Generator().manual_seed(3)
+    ws = [torch.randn(24, 64, generator=g), torch.randn(8, 64, generator=g)]
+    choice = search_scale(ws, [INT4_G16, INT4_G16], _stats(x))
+
+    def brute(s):  # in float64: the outputs are large and their difference small
+        return sum(float((x.double() @ w.double().T - (x / s).double() @ _fake_int4(w * s, 16).double().T)
+                         .pow(2).sum()) for w in ws) * 2 / x.shape[0]
+
+    x_mean = x.abs().mean(0)
+    w_mean = torch.cat([(w.abs().reshape(-1, 4, 16) / (w.abs().reshape(-1, 4, 16).amax(-1, keepdim=True) + 1e-6))
+                        .reshape(-1, 64) for w in ws]).mean(0)
+    losses = [brute(s) for _, s in candidate_scales(x_mean, w_mean)]
+    best = min(range(len(losses)), key=losses.__getitem__)
+    assert best > 0 and choice.ratio == (best - 1) / AWQ_GRID
+    # (the returned factor's own: the reference's x̄ differs in the last bits, which can flip a rounding)
+    assert choice.loss == pytest.approx(brute(choice.s), rel=1e-4)
+    assert choice.rtn_loss == pytest.approx(losses[0], rel=1e-4)
+    assert choice.loss < 0.6 * choice.rtn_loss  # the outlier channels' weights round finer
+
+
+def test_tied_factor_is_equal_across_the_query_heads_of_a_kv_head():
+    x = _outlier_inputs(K=64)
+    w = torch.randn(16, 64, generator=torch.Generator().manual_seed(4))
+    tie = (torch.arange(4)[:, None] // 2 * 16 + torch.arange(16)).reshape(-1)  # 4 heads of 16, 2 KV heads
+    s = search_scale([w], [INT4_G16], _stats(x), tie).s
+    assert s is not None and torch.equal(s.view(2, 2, 16)[:, 0], s.view(2, 2, 16)[:, 1])
+
+
+def _fold_in_float(model, ids):
+    """Run AWQ's search and folds layer by layer on `model` (nothing rounded) → the losses."""
+    linears = quantized_linears(model, preset("weight_only_int4", group_size=16))
+    args = {n: QuantArgs(num_bits=4, strategy="group", group_size=16) for n in linears}
+    losses = {}
+    for step in LayerRunner(model, ids, keep_layers=True):
+        losses.update(awq_layer(step, linears, args))
+        step.propagate()
+    return losses
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2", "qwen3", "phi3", "qwen2_moe", "olmo2", "gemma3", "granite"])
+def test_folds_leave_the_float_model_as_it_was(arch, tmp_path, logits_of):
+    """The chosen factors folded (norms, v_proj / up_proj rows and biases, the readers' columns)
+    give the float model's logits; a wrong fold (e.g. o_proj's factor not tied per KV head) would not."""
+    d = build_tiny_model(tmp_path / arch, arch)
+    ref, _ = load_model(d)
+    model, _ = load_model(d)
+    want = logits_of(ref, IDS)
+    ids = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(0))
+    losses = _fold_in_float(model, ids)
+    layer = model.model.layers[0]
+    groups = {g.readers[0] for g in layer_awq_groups(layer)}
+    assert "self_attn.o_proj" in groups and ("mlp.down_proj" in groups) == (arch != "qwen2_moe")
+    assert len(losses) == 2 * len(groups)
+    changed = [n for n, p in model.state_dict().items() if not torch.equal(p, ref.state_dict()[n])]
+    assert any(".self_attn.o_proj." in n for n in changed) and any(".self_attn.v_proj." in n for n in changed)
+    torch.testing.assert_close(logits_of(model, IDS), want, rtol=1e-4, atol=1e-4)
+
+
+def _outlier_model(tmp_path):
+    """The tiny Llama with a few channels of each norm 25× larger: outlier input channels."""
+    from safetensors.torch import load_file, save_file
+
+    d = build_tiny_model(tmp_path / "llama", "llama")
+    tensors = load_file(d / "model.safetensors")
+    for name, t in tensors.items():
+        if name.endswith("layernorm.weight"):
+            t[[5, 17, 50]] *= 25
+    save_file(tensors, d / "model.safetensors", metadata={"format": "pt"})
+    return d
+
+
+def test_awq_beats_rounding_without_it_on_outlier_channels(tmp_path):
+    from quantspec.model_zoo.llama import DenseCausalAttention
+
+    d = _outlier_model(tmp_path)
+    ids = torch.randint(3, 500, (6, 48), generator=torch.Generator().manual_seed(1))
+    n, S = ids.shape
+
+    def hidden(m):
+        with torch.no_grad():
+            return m(ids.reshape(-1), torch.arange(S).repeat(n), DenseCausalAttention(n, S))
+
+    ref, _ = load_model(d)
+    target = hidden(ref)
+    errs = {}
+    for method in ("rtn", "awq", "gptq", "awq+gptq"):
+        m, _ = load_model(d)
+        res = quantize_model(m, preset("weight_only_int4", group_size=32, weight_observer="minmax"), method,
+                             ids if method != "rtn" else None)
+        errs[method] = (hidden(m) - target).pow(2).mean().item()
+    assert res.summary["awq_loss_total"] > 0 and res.summary["gptq_loss_total"] > 0
+    assert res.summary["calibration_tokens"] == ids.numel()
+    assert errs["awq"] < 0.85 * errs["rtn"], errs  # 0.74× here
+    assert errs["awq+gptq"] < errs["gptq"], errs  # 0.79× here
+
+
+def test_bad_requests(tiny_llama_dir):
+    model, _ = load_model(tiny_llama_dir)
+    ids = torch.randint(3, 500, (2, 16))
+    with pytest.raises(QuantSpecError, match="--dataset"):
+        quantize_model(model, preset("weight_only_int4"), "awq")
+    with pytest.raises(QuantSpecError, match="weight-only"):
+        quantize_model(model, preset("a8w8"), "awq", ids, input_scales={n: 0.05 for n in quantized_linears(
+            model, preset("a8w8"))})
+    with pytest.raises(QuantSpecError, match="integer grid"):
+        quantize_model(model, preset("a8w8_fp8", activations="dynamic"), "awq", ids)
