@@ -179,3 +179,14 @@ def test_bad_requests(tiny_llama_dir):
             model, preset("a8w8"))})
     with pytest.raises(QuantSpecError, match="integer grid"):
         quantize_model(model, preset("a8w8_fp8", activations="dynamic"), "awq", ids)
+
+
+@pytest.mark.parametrize("method", ["awq", "awq+gptq"])
+def test_artifact_runs_in_transformers_as_in_quantspec(method, tiny_qwen2_dir, tmp_path,
+                                                       artifact_runs_as_in_transformers):
+    """The folded norms, v_proj rows and biases travel in the artifact: transformers, through
+    compressed-tensors, computes quantspec's logits from it (Qwen2: q/k/v biases)."""
+    data = tmp_path / "calib.txt"
+    data.write_text("The quick brown fox jumps over the lazy dog. " * 60)
+    artifact_runs_as_in_transformers(tiny_qwen2_dir, "weight_only_int4", tmp_path / "art", IDS, method=method,
+                                     group_size=32, dataset=str(data), num_samples=4, seq_len=32)
