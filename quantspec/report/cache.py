@@ -4,7 +4,8 @@ An entry's key is a hash of what determines its content — never of a path or a
 - calibration table: model fingerprint + dataset fingerprint (a local file's bytes, else the hub
   id) + samples + sequence length + dtype;
 - quantized artifact: model fingerprint + the quant config (`quant.presets.preset(...).to_dict()`)
-  + method + the calibration key when the type needs static scales + the quantspec version.
+  + method + the calibration key when the type needs static scales (the data's fingerprint,
+  samples and length when the method reads data without one) + the quantspec version.
 So a second report on the same model reuses every artifact, and a changed checkpoint, dataset or
 quant config gets a new entry. Entries are written by `calib` / `api.quantize` atomically and
 counted as present only when complete (`calibration.json` / `config.json` exists).
@@ -63,8 +64,11 @@ class ArtifactCache:
         return out, key
 
     def artifact(self, model: str, quant_type: str, *, method: str, group_size: int,
-                 calib: tuple[Path, str] | None, symmetric: bool = True, zp_dtype: str | None = None) -> Path:
-        """The directory of `model` quantized to `quant_type` (the model itself for `none`)."""
+                 calib: tuple[Path, str] | None, symmetric: bool = True, zp_dtype: str | None = None,
+                 data: tuple[str, int, int] | None = None) -> Path:
+        """The directory of `model` quantized to `quant_type` (the model itself for `none`);
+        `data`: (dataset, samples, sequence length) for a method that reads calibration data
+        where no table gives it (GPTQ, AWQ on the weight-only types)."""
         from quantspec import __version__
         if quant_type == NO_QUANT:
             return self.pipeline.resolve(model)
@@ -73,13 +77,16 @@ class ArtifactCache:
             raise QuantSpecError(f"{quant_type} needs static activation scales; pass --calib-dataset")
         parts = {"kind": "artifact", "model": self.fingerprint(model),
                  "quant_config": _preset(quant_type, group_size, symmetric, zp_dtype).to_dict(), "method": method,
-                 "calibration": calib[1] if needs_calib else None, "quantspec": __version__}
+                 "calibration": calib[1] if needs_calib else None, "quantspec": __version__,
+                 "data": None if data is None else (self.dataset_fingerprint(data[0]), *data[1:])}
         key = content_key(parts)
         out = self.root / f"{_slug(model)}-{quant_type}-{key}"
         if not (out / "config.json").is_file():
             self.root.mkdir(parents=True, exist_ok=True)
+            more = {} if data is None else dict(zip(("dataset", "num_samples", "seq_len"), data))
             self.pipeline.quantize(model, quant_type, out, calib=calib[0] if needs_calib else None,
-                                   method=method, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype))
+                                   method=method, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype),
+                                   **more)
             if not (out / "config.json").is_file():
                 raise RuntimeError(f"quantize wrote no artifact at {out}")
             self.built.append(out.name)

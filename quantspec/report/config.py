@@ -148,6 +148,7 @@ class ReportConfig:
             if self.draft_model is None:
                 set_("draft_model", self.model)
         set_("cachekv", parse_list(self.cachekv, CACHEKV_CHOICES, "--cachekv"))
+        self._check_quant_method()
         for name in ("calib_num_samples", "calib_seq_len", "eval_windows", "eval_seq_len", "max_new_tokens",
                      "speculate_max_draft_token_num", "speculate_max_ngram_size"):
             positive_int(name, getattr(self, name))
@@ -159,6 +160,17 @@ class ReportConfig:
             p = getattr(self, name)
             if p is not None and not Path(p).expanduser().is_file():
                 raise QuantSpecError(f"--{name.replace('_', '-')} {p} does not exist; check the path")
+
+    def _check_quant_method(self) -> None:
+        from quantspec.calib.ptq import METHODS as QUANT_METHODS
+
+        if self.quant_method not in QUANT_METHODS:
+            raise QuantSpecError(f"--quant-method {self.quant_method!r} unknown; use one of: {', '.join(QUANT_METHODS)}")
+        full = set(self.base_quant_types) | (set(self.draft_quant_types) if self.speculate_method == "draft" else set())
+        static = sorted(full & set(CALIB_QUANT_TYPES))
+        if self.quant_method.startswith("awq") and static:
+            raise QuantSpecError(f"--quant-method {self.quant_method} is for weight-only types, not {static[0]}; "
+                                 "drop it from the quant types or use --quant-method rtn or gptq")
 
     @property
     def needs_calibration(self) -> bool:

@@ -223,14 +223,19 @@ class _Run:
         c = self.config
 
         def build():
-            dataset = c.calib_dataset or str(self._builtin_file("builtin-calib.txt", DEFAULT_CALIB_TEXT))
-            # the built-in text holds ~1000 tokens: two windows of 256 for the table and one held
-            # back for a8w8's fallback budget; pass --calib-dataset for more
-            num_samples = c.calib_num_samples if c.calib_dataset else min(c.calib_num_samples, 2)
-            return self.cache.calibration(model, dataset, num_samples=num_samples,
-                                          seq_len=c.calib_seq_len, dtype=_float_dtype(c.dtype))
+            dataset, num_samples, seq_len = self.calibration_data()
+            return self.cache.calibration(model, dataset, num_samples=num_samples, seq_len=seq_len,
+                                          dtype=_float_dtype(c.dtype))
 
         return self._memoized(("calib", model), build)
+
+    def calibration_data(self) -> tuple[str, int, int]:
+        """(dataset, samples, sequence length) of the tables and of GPTQ / AWQ on weight-only types."""
+        c = self.config
+        dataset = c.calib_dataset or str(self._builtin_file("builtin-calib.txt", DEFAULT_CALIB_TEXT))
+        # the built-in text holds ~1000 tokens: two windows of 256 for the table and one held
+        # back for a8w8's fallback budget; pass --calib-dataset for more
+        return dataset, c.calib_num_samples if c.calib_dataset else min(c.calib_num_samples, 2), c.calib_seq_len
 
     def artifact(self, model: str, quant_type: str) -> Path:
         c = self.config
@@ -239,8 +244,11 @@ class _Run:
             from quantspec.report.config import CALIB_QUANT_TYPES
 
             calib = self.calibration(model) if quant_type in CALIB_QUANT_TYPES else None
-            return self.cache.artifact(model, quant_type, method=c.quant_method, group_size=c.group_size,
-                                       calib=calib, symmetric=c.symmetric, zp_dtype=c.zp_dtype)
+            # a draft head (MTP, Medusa, EAGLE-3) reads no data alone: it is rounded to nearest
+            method = c.quant_method if model == c.model or c.speculate_method == "draft" else "rtn"
+            data = self.calibration_data() if method != "rtn" and calib is None else None
+            return self.cache.artifact(model, quant_type, method=method, group_size=c.group_size,
+                                       calib=calib, symmetric=c.symmetric, zp_dtype=c.zp_dtype, data=data)
 
         return self._memoized(("artifact", model, quant_type), build)
 

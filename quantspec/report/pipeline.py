@@ -115,7 +115,8 @@ class Pipeline:
                                    seq_len=seq_len, dtype=dtype, overwrite=True)
 
     def quantize(self, model: str, quant_type: str, out: Path, *, calib: Path | None, method: str,
-                 group_size: int, symmetric: bool = True, zp_dtype: str | None = None) -> None:
+                 group_size: int, symmetric: bool = True, zp_dtype: str | None = None, **data) -> None:
+        """`api.quantize`; `data`: dataset, num_samples, seq_len for GPTQ / AWQ without a table."""
         if self._quantize is None:
             raise Unsupported("quantize is not available in this build (api.quantize missing)")
         int4 = {"symmetric": symmetric, "zp_dtype": zp_dtype} if quant_type == "weight_only_int4" else {}
@@ -123,7 +124,7 @@ class Pipeline:
         # (float zero points, MTP modules)
         call_with_supported_kwargs(self._quantize, model, quant_type, str(out), method=method,
                                    group_size=group_size, calib=None if calib is None else str(calib),
-                                   overwrite=True, target="quantspec", **int4)
+                                   overwrite=True, target="quantspec", **int4, **data)
 
     def perplexity(self, model: str, text_file: Path, *, windows: int, seq_len: int, dtype: str,
                    device: str) -> float:

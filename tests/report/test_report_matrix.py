@@ -279,3 +279,25 @@ def test_int4_recipe_asym_float_zero_points(tiny_llama_dir, tmp_path, cache_dir)
     assert all(qc.config_groups["group_0"].weights.zp_dtype is None for qc in int8)
     with pytest.raises(QuantSpecError, match="--zp-dtype needs --asym"):
         ReportConfig(out=str(tmp_path), zp_dtype="float16")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_data_methods_quantize_weight_only_columns_on_the_calibration_data(method, tiny_llama_dir, tmp_path,
+                                                                            cache_dir):
+    """--quant-method gptq / awq+gptq on weight-only types read the report's calibration data (no
+    table holds it), key their cache entries by it, and a draft model quantizes the same way."""
+    from quantspec.quant.artifact import read_provenance
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    run_report(_config(tiny_llama_dir, tmp_path / "r", cache_dir, speculate_method="draft",
+                       base_quant_types="weight_only_int4", draft_quant_types="weight_only_int8",
+                       quant_method=method, calib_dataset=str(calib), group_size=32), ScriptedPipeline())
+    built = [p for p in Path(cache_dir).iterdir() if (p / "config.json").is_file()
+             and read_provenance(p)["provenance"]["method"] == method]
+    kinds = {name for p in built for name in ("weight_only_int4", "weight_only_int8") if f"-{name}-" in p.name}
+    assert kinds == {"weight_only_int4", "weight_only_int8"}
+    prov = read_provenance(built[0])["provenance"]
+    assert prov["calibration"]["dataset"] == str(calib) and prov["calibration"]["num_samples"] == 4
+    with pytest.raises(QuantSpecError, match="--quant-method awq is for weight-only types, not a8w8"):
+        ReportConfig(out=str(tmp_path), quant_method="awq", base_quant_types="none,a8w8")
