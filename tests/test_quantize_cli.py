@@ -31,6 +31,15 @@ def _run(*args):
     return CliRunner().invoke(main, [str(a) for a in args], catch_exceptions=False)
 
 
+def test_method_choices_are_the_pipelines():
+    """The CLI (which imports no torch) lists the methods quantize runs."""
+    from quantspec.quant.presets import METHODS
+
+    for command in ("quantize", "report"):
+        option = next(p for p in main.commands[command].params if p.name in ("method", "quant_method"))
+        assert tuple(option.type.choices) == METHODS
+
+
 @pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])
 def test_quantize_inspect_eval_with_data(method, tiny_llama_dir, corpus_files, tmp_path):
     out = tmp_path / "w4"

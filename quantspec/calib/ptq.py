@@ -61,14 +61,13 @@ from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
+from quantspec.quant.presets import METHODS
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
 
 __all__ = ["DATA_METHODS", "METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
            "quantized_linears", "resolve_layer_group_sizes"]
 
-# awq+gptq: AWQ's factors folded, then GPTQ's rounding (llm-compressor's AWQModifier + GPTQModifier)
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the model
 # Linears of one decoder layer that read the same input tensor (names relative to the layer).
 SHARED_INPUT_GROUPS = (

@@ -11,7 +11,7 @@ from quantspec.quant.args import MIN_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "METHODS", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "default_weight_observer", "for_experts", "preset"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -20,6 +20,9 @@ ACTIVATIONS = ("static", "dynamic")
 
 
 WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose_qparams)
+# how quantize rounds the weights (`calib.ptq`); awq+gptq: AWQ's factors folded, then GPTQ's
+# rounding (llm-compressor's AWQModifier + GPTQModifier)
+METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {

@@ -162,7 +162,7 @@ class ReportConfig:
                 raise QuantSpecError(f"--{name.replace('_', '-')} {p} does not exist; check the path")
 
     def _check_quant_method(self) -> None:
-        from quantspec.calib.ptq import METHODS as QUANT_METHODS
+        from quantspec.quant.presets import METHODS as QUANT_METHODS
 
         if self.quant_method not in QUANT_METHODS:
             raise QuantSpecError(f"--quant-method {self.quant_method!r} unknown; use one of: {', '.join(QUANT_METHODS)}")
