@@ -5,7 +5,7 @@ This file owns `quantize_model`: which Linears a config quantizes (compressed-te
 and norms are not Linears and stay as they are), the per-layer group sizes (`resolve_group_size`:
 a requested group size that does not divide a layer's K — SmolLM2's 576 with 128 — becomes the
 largest power of two ≤ it that does, arranged into config groups by `QuantConfig.with_group_sizes`),
-and the two methods:
+and the methods (`quant.presets.METHODS`):
 
 - `rtn`: round-to-nearest with min/max qparams per weight (no data).
 - `gptq`: Frantar et al. (arXiv:2210.17323) through `quant.gptq.gptq_quantize`, layer by layer
@@ -235,8 +235,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     if method in DATA_METHODS and outside:
         raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {outside[0]} to "
                              "--ignore or use --method rtn")
-    steps = method.split("+")
-    if "awq" in steps:
+    parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
+    if "awq" in parts:
         from quantspec.calib.awq import check_awq
 
         check_awq(config, q.layer_args)
@@ -251,13 +251,13 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                      one_pass=one_pass)
     summary = {"method": method, "num_quantized_linears": len(q.linears),
                "seconds": round(time.perf_counter() - t0, 3)}
-    if "gptq" in steps:
+    if "gptq" in parts:
         summary.update(block_size=block_size, damp=damp, act_order=act_order)
     if method in DATA_METHODS:  # AWQ's objectives are keyed "awq:<group>" (`calib.awq.awq_layer`)
         summary["calibration_tokens"] = int(calib_batches.numel())
-        for step in steps:
-            summary[f"{step}_loss_total"] = float(sum(v for k, v in sink.losses.items()
-                                                      if k.startswith("awq:") == (step == "awq")))
+        for part in parts:
+            summary[f"{part}_loss_total"] = float(sum(v for k, v in sink.losses.items()
+                                                      if k.startswith("awq:") == (part == "awq")))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)

@@ -53,7 +53,7 @@ Progress = Callable[[int, int, str], None]
 class QuantizeConfig:
     """Everything `quantize` needs; every rule is checked when the config is built.
 
-    `method`: "rtn", "gptq", "awq" or "awq+gptq" (`calib.ptq.METHODS`; all but rtn read
+    `method`: "rtn", "gptq", "awq" or "awq+gptq" (`quant.presets.METHODS`; all but rtn read
     `dataset`, and AWQ is for the weight-only types).
     `smoothquant_alpha`: None (the recipe's default: "auto" for the a8w8 types), "auto", "none"
     or a number in (0, 1). `device`: where each layer is quantized (`devices.resolve_device`);
