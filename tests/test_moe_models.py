@@ -133,10 +133,11 @@ def corpus(tmp_path_factory):
     ("weight_only_int8", {}),
     ("weight_only_int4", {"group_size": 32}),
     ("weight_only_int4", {"group_size": 32, "method": "gptq"}),
+    ("weight_only_int4", {"group_size": 32, "method": "awq+gptq"}),  # AWQ scales the attention only
 ])
 def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(any_moe_dir, corpus, tmp_path,
                                                                           quant_type, options, logits_of):
-    if options.get("method") == "gptq":
+    if options.get("method", "rtn") != "rtn":
         options = {**options, "dataset": str(corpus), "num_samples": 8, "seq_len": 32}
     art = api.quantize(str(any_moe_dir), quant_type, tmp_path / "art", **options)
     cfg = json.loads((art / "config.json").read_text())["quantization_config"]
@@ -153,7 +154,8 @@ def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(any_m
     assert (logits_of(any_moe_dir, IDS) - theirs).abs().max() > 1e-3  # quantization moved the logits
 
 
-def test_gptq_quantizes_every_expert_from_every_token(moe_dir):
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+def test_gptq_quantizes_every_expert_from_every_token(moe_dir, method):
     """Calibration runs every expert on every token (model_zoo.moe.all_experts): GPTQ gives each
     expert's Linears their own loss, none falls back to round-to-nearest."""
     from quantspec.calib.ptq import PartSink, quantize_model
@@ -163,7 +165,7 @@ def test_gptq_quantizes_every_expert_from_every_token(moe_dir):
     ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
     config = preset("weight_only_int4", group_size=32, ignore=("lm_head", *router_ignore(model.args)))
     sink = PartSink()
-    quantize_model(model, config, "gptq", calib_batches=ids, sink=sink)
+    quantize_model(model, config, method, calib_batches=ids, sink=sink)
     losses = sink.losses
     for layer in (0, 2):
         for e in range(EXPERTS):

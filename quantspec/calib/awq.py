@@ -186,13 +186,15 @@ def layer_awq_groups(layer: nn.Module) -> list[AWQGroup]:
 
 
 @torch.no_grad()
-def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, QuantArgs]
-              ) -> dict[str, float]:
+def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, QuantArgs],
+              hessians: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
     """Run the decoder layer of `step` (`calib.runner.LayerStep`) over its calibration inputs,
     choose each group's factor and fold it into the layer; → {"awq:<group>": objective after scaling}.
 
     `linears` / `layer_args`: the quantized Linears (full names) and their weight args. A group
-    none of whose readers is quantized is left as it is."""
+    none of whose readers is quantized is left as it is. `hessians`, when given, receives
+    {first reader of each group: H [K, K] of its inputs as the fold leaves them} — the inputs
+    become X / s, so H becomes H / (s sᵀ): what GPTQ would accumulate from the folded layer."""
     groups = [(g, [f"{step.name}.{r}" for r in g.readers]) for g in layer_awq_groups(step.layer)]
     groups = [(g, names) for g, names in groups if any(n in linears for n in names)]
     stats, handles = {}, []
@@ -215,5 +217,8 @@ def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, Q
         losses["awq:" + "+".join(quantized)] = choice.loss
         if choice.s is not None:
             factors.update({n: choice.s.cpu() for n in names})
+        if hessians is not None:
+            H = stats[names[0]].hessian.take()  # [K, K]
+            hessians[names[0]] = H if choice.s is None else H.div_(choice.s[:, None] * choice.s[None, :])
     smooth_layer(step.layer, step.name, factors)
     return losses

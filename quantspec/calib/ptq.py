@@ -23,7 +23,8 @@ and the methods (`quant.presets.METHODS`):
     the quantized outputs.
 - `awq`: Lin et al. (arXiv:2306.00978) through `calib.awq`: per layer, activation-aware factors
   folded into the layer, then round-to-nearest; two passes like GPTQ's. `awq+gptq`: the factors,
-  then GPTQ on the layer (one more forward for the Hessians of its scaled inputs).
+  then GPTQ on the layer, with the Hessians of AWQ's statistics (a sparse layer's experts: from
+  one more forward).
 
 Weight types: int8 per-channel, int4 group (sym/asym) or per-channel, FP8 E4M3 per-channel; the
 a8w8 types also need static per-tensor input scales (from `quantspec calibrate`), stored as
@@ -468,15 +469,20 @@ def _data_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: P
     for step in runner:
         if q.smooth:
             smooth_layer(step.layer, step.name, q.smooth)
+        hessians = {} if method == "awq+gptq" else None  # AWQ's statistics are GPTQ's Hessians
         if method.startswith("awq"):
             from quantspec.calib.awq import awq_layer
 
-            q.losses.update(awq_layer(step, q.linears, q.layer_args))
-        if method.endswith("gptq"):  # on the inputs as AWQ's factors left them
+            q.losses.update(awq_layer(step, q.linears, q.layer_args, hessians))
+        groups = _layer_groups(step.name, step.layer, q.linears)
+        if hessians and all(g[0] in hessians for g in groups):  # of the inputs as AWQ's factors left them
+            for g in groups:
+                q.quantize_group(g, hessians.pop(g[0]))
+        elif method.endswith("gptq"):  # (a mixture of experts' experts: from the forward)
             _gptq_layer(step, q, one_pass)
         else:
-            for group in _layer_groups(step.name, step.layer, q.linears):
-                q.quantize_group(group, None)
+            for g in groups:
+                q.quantize_group(g, None)
         if not one_pass:  # then re-run so the next layer sees the quantized layer's outputs
             step.propagate()
         losses, q.losses = q.losses, {}

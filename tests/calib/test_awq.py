@@ -190,3 +190,26 @@ def test_artifact_runs_in_transformers_as_in_quantspec(method, tiny_qwen2_dir, t
     data.write_text("The quick brown fox jumps over the lazy dog. " * 60)
     artifact_runs_as_in_transformers(tiny_qwen2_dir, "weight_only_int4", tmp_path / "art", IDS, method=method,
                                      group_size=32, dataset=str(data), num_samples=4, seq_len=32)
+
+
+def test_hessians_handed_to_gptq_are_those_of_the_folded_layer(tiny_llama_dir):
+    """awq+gptq skips a forward: H / (s sᵀ) of AWQ's statistics equals the Hessian GPTQ's hooks
+    accumulate from the folded layer's inputs."""
+    from quantspec.quant.gptq import HessianAccumulator
+
+    model, _ = load_model(tiny_llama_dir)
+    linears = quantized_linears(model, preset("weight_only_int4", group_size=16))
+    args = {n: QuantArgs(num_bits=4, strategy="group", group_size=16) for n in linears}
+    ids = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(0))
+    step = next(iter(LayerRunner(model, ids, keep_layers=True)))
+    handed: dict = {}
+    awq_layer(step, linears, args, handed)
+    heads = [f"model.layers.0.{n}" for n in ("self_attn.q_proj", "self_attn.o_proj", "mlp.gate_proj", "mlp.down_proj")]
+    assert sorted(handed) == sorted(heads)
+    accs = {n: HessianAccumulator(linears[n].in_features) for n in heads}
+    hooks = [linears[n].register_forward_pre_hook(lambda _m, a, n=n: accs[n].update(a[0])) for n in heads]
+    step.forward()
+    for h in hooks:
+        h.remove()
+    for n in heads:
+        torch.testing.assert_close(handed[n], accs[n].compute(), rtol=1e-4, atol=1e-5 * accs[n].H.abs().max().item())
