@@ -114,7 +114,8 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, grid: int = AWQ
 
 def output_error(weight: torch.Tensor, args: QuantArgs, s: torch.Tensor, hessian: torch.Tensor) -> float:
     """Σ_rows ΔW H ΔWᵀ for ΔW = Q(W·s) / s − W: the output error ||X Wᵀ − (X / s) Q(W·s)ᵀ||² of
-    the inputs whose H = Σ x xᵀ is `hessian` [K, K] (round-to-nearest with min/max ranges)."""
+    the inputs X whose `hessian` [K, K] is H = c Σ x xᵀ, times c (`ChannelStats`: c = 2 / n);
+    Q rounds to nearest with min/max ranges."""
     w = weight.float()  # [N, K]
     minmax = args.replace(observer=None) if args.observer else args
     dw = rtn_quantize(w * s, minmax).weight_dq.float().div_(s).sub_(w)  # [N, K]
