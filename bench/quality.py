@@ -1,14 +1,14 @@
 """Held-out perplexity of the default model under each weight-only scheme, side by side.
 
-Rows: fp32, weight_only_int8 RTN (and GPTQ), weight_only_int4 RTN and GPTQ (act-order, static
-groups; one g64 row without act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, and `--asym --group-size 32` RTN sanity rows (the default model's
+Rows: fp32, weight_only_int8 RTN (and GPTQ), weight_only_int4 RTN, GPTQ (act-order, static
+groups; one g64 row without act-order), AWQ and AWQ + GPTQ (act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, and `--asym --group-size 32` RTN sanity rows (the default model's
 weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a float min m, so the
 float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
 int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
 `-minmax` rows take plain min/max scales for comparison.
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
-Calibration (GPTQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
+Calibration (GPTQ, AWQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
 model itself (temperature 0.8, top-p 0.95) on 80 varied topics, disjoint from the held-out prose,
 which was written by hand. (Calibrating on the Python language reference instead — code-heavy,
 another domain — made GPTQ better than RTN on that domain but worse on the held-out prose.)
@@ -44,11 +44,18 @@ ROWS = {
     "int4-gptq-g64": ("weight_only_int4", "gptq", 64, True, True),
     "int4-gptq-g32": ("weight_only_int4", "gptq", 32, True, True),
     "int4-gptq-g64-noact": ("weight_only_int4", "gptq", 64, True, False),
+    "int4-awq-g128": ("weight_only_int4", "awq", 128, True, False),
+    "int4-awq-g64": ("weight_only_int4", "awq", 64, True, False),
+    "int4-awq-g32": ("weight_only_int4", "awq", 32, True, False),
+    "int4-awq-gptq-g128": ("weight_only_int4", "awq+gptq", 128, True, True),
+    "int4-awq-gptq-g64": ("weight_only_int4", "awq+gptq", 64, True, True),
+    "int4-awq-gptq-g32": ("weight_only_int4", "awq+gptq", 32, True, True),
     "int4-rtn-asym-g32": ("weight_only_int4", "rtn", 32, False, False),
     "int4-rtn-asym-g32-fzp": ("weight_only_int4", "rtn", 32, False, False, "float16"),
     # int4 defaults to the MSE weight observer; these rows take plain min/max scales
     "int4-rtn-g64-minmax": ("weight_only_int4", "rtn", 64, True, False, None, "minmax"),
     "int4-gptq-g64-minmax": ("weight_only_int4", "gptq", 64, True, True, None, "minmax"),
+    "int4-awq-g64-minmax": ("weight_only_int4", "awq", 64, True, False, None, "minmax"),
 }
 
 
@@ -85,7 +92,7 @@ def main() -> None:
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
                              zp_dtype=zp, weight_observer=observer, act_order=act_order,
                              target="quantspec" if zp else "portable",
-                             dataset=a.calib if method == "gptq" else None,
+                             dataset=a.calib if method != "rtn" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)
                 q_time = time.perf_counter() - t0
                 info = api.inspect(path)
@@ -111,7 +118,7 @@ def main() -> None:
         cells.append([r["row"], ",".join(map(str, r["groups"])) or "-", f"{r['ppl']:.3f}", delta, qs,
                       f"{r['size_bytes'] / 2**20:.1f}"])
     table = (f"held-out perplexity, {a.model}, {results[0]['tokens']} predicted tokens "
-             f"(seq_len {a.eval_seq_len}); GPTQ on {a.num_samples} × {a.seq_len} calibration tokens; "
+             f"(seq_len {a.eval_seq_len}); GPTQ and AWQ on {a.num_samples} × {a.seq_len} calibration tokens; "
              f"{a.threads} thread(s)\n\n" +
              markdown_table(["scheme", "group sizes used", "ppl", "Δ vs fp32", "quantize s", "size MiB"],
                             cells, "llrrrr"))

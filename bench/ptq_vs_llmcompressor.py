@@ -1,15 +1,17 @@
-"""GPTQ W4A16 g64 on the default model: quantspec vs llm-compressor, same calibration tokens, same
-machine, one run; prints wall time and held-out perplexity of both artifacts (quantspec reads the
-compressed-tensors checkpoint llm-compressor writes).
+"""GPTQ or AWQ, W4A16 g64 on the default model: quantspec vs llm-compressor, same calibration
+tokens, same machine, one run; prints wall time and held-out perplexity of both artifacts (quantspec
+reads the compressed-tensors checkpoint llm-compressor writes).
 
     python -m venv --system-site-packages /tmp/lcvenv && /tmp/lcvenv/bin/pip install --no-deps llmcompressor
-    python bench/gptq_vs_llmcompressor.py --llmcompressor-python /tmp/lcvenv/bin/python [--threads 2]
-        [--weight-observers minmax,mse]
+    python bench/ptq_vs_llmcompressor.py --llmcompressor-python /tmp/lcvenv/bin/python [--method gptq|awq]
+        [--threads 2] [--weight-observers minmax,mse]
 
 Calibration: the texts of `bench/data/calib.jsonl` joined and cut into 64 × 512-token windows;
 llm-compressor gets the token ids, quantspec a jsonl with one decoded window per row (its dataset
 reader tokenizes again: the same text, up to BPE merges at the window edges). Held-out text:
-`bench/data/heldout.txt` (never used for calibration).
+`bench/data/heldout.txt` (never used for calibration). llm-compressor runs its defaults:
+`GPTQModifier` (block 128, dampening 0.01, its static act-order) or `AWQModifier` (its Llama
+mappings, duo scaling, 20-point grid, each mapping's loss on its parent module's output).
 """
 
 from __future__ import annotations
@@ -31,19 +33,25 @@ torch.set_num_threads(int(sys.argv[3]))
 from datasets import Dataset
 from transformers import AutoModelForCausalLM
 from llmcompressor import oneshot
+from llmcompressor.modifiers.awq import AWQModifier
 from llmcompressor.modifiers.quantization import GPTQModifier
 from compressed_tensors.quantization import QuantizationArgs, QuantizationScheme
+if not torch.cuda.is_available():  # llm-compressor pins its activation cache, which needs a GPU
+    torch.Tensor.pin_memory = lambda self, *a, **k: self
 windows = json.load(open(sys.argv[2]))
 L = len(windows[0])
 ds = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * L for _ in windows]})
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
     num_bits=4, type="int", symmetric=True, strategy="group", group_size=64))
-recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], block_size=128,
-                      dampening_frac=0.01)
+if sys.argv[5] == "gptq":
+    recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], block_size=128,
+                          dampening_frac=0.01)
+else:
+    recipe = AWQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"])
 t = time.perf_counter()
 oneshot(model=model, dataset=ds, recipe=recipe, max_seq_length=L, num_calibration_samples=len(windows))
-print("GPTQ_SECONDS", time.perf_counter() - t, flush=True)
+print("PTQ_SECONDS", time.perf_counter() - t, flush=True)
 model.save_pretrained(sys.argv[4], save_compressed=True)
 from transformers import AutoTokenizer
 AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[4])
@@ -53,11 +61,12 @@ AutoTokenizer.from_pretrained(sys.argv[1]).save_pretrained(sys.argv[4])
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--llmcompressor-python", help="a python with llmcompressor installed (skipped if absent)")
+    ap.add_argument("--method", choices=("gptq", "awq"), default="gptq")
     ap.add_argument("--threads", type=int, default=2)
     ap.add_argument("--num-samples", type=int, default=64)
     ap.add_argument("--seq-len", type=int, default=512)
     ap.add_argument("--act-order", action=argparse.BooleanOptionalAction, default=True,
-                    help="quantspec with --act-order (its best g64 setting; llm-compressor runs its defaults)")
+                    help="quantspec GPTQ with --act-order (its best g64 setting; llm-compressor runs its defaults)")
     ap.add_argument("--weight-observers", default="minmax,mse",
                     help="quantspec rows: one per weight observer (--weight-observer)")
     a = ap.parse_args()
@@ -79,7 +88,7 @@ def main() -> None:
     if len(ids) < n * L:
         raise SystemExit(f"calib.jsonl has {len(ids)} tokens, fewer than {n} x {L}")
     windows = [ids[i * L:(i + 1) * L] for i in range(n)]
-    work = Path(tempfile.mkdtemp(prefix="gptq_bench_"))
+    work = Path(tempfile.mkdtemp(prefix="ptq_bench_"))
     win_file = work / "windows.json"
     win_file.write_text(json.dumps(windows))
     # the same windows as text rows for quantspec's dataset reader (one window per row; each
@@ -91,8 +100,9 @@ def main() -> None:
     for obs in [o for o in a.weight_observers.split(",") if o]:
         out = work / f"quantspec-{obs}"
         t = time.perf_counter()
-        api.quantize(str(model_dir), "weight_only_int4", out, method="gptq", group_size=64, dataset=str(jsonl),
-                     num_samples=n, seq_len=L, act_order=a.act_order, weight_observer=obs, overwrite=True)
+        api.quantize(str(model_dir), "weight_only_int4", out, method=a.method, group_size=64, dataset=str(jsonl),
+                     num_samples=n, seq_len=L, act_order=a.act_order and a.method == "gptq", weight_observer=obs,
+                     overwrite=True)
         rows.append((f"quantspec (--weight-observer {obs})", time.perf_counter() - t, out))
 
     if a.llmcompressor_python and Path(a.llmcompressor_python).exists():
@@ -102,9 +112,9 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
         t = time.perf_counter()
         res = subprocess.run([a.llmcompressor_python, str(script), str(model_dir), str(win_file), str(a.threads),
-                              str(lc_out)], capture_output=True, text=True, env=env)
+                              str(lc_out), a.method], capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t
-        line = next((x for x in res.stdout.splitlines() if x.startswith("GPTQ_SECONDS")), None)
+        line = next((x for x in res.stdout.splitlines() if x.startswith("PTQ_SECONDS")), None)
         if res.returncode != 0 or line is None:
             print(res.stdout[-2000:], res.stderr[-4000:], file=sys.stderr)
             raise SystemExit("llm-compressor run failed")
@@ -113,9 +123,10 @@ def main() -> None:
 
     heldout = HERE / "data" / "heldout.txt"
     fp32 = api.evaluate(str(model_dir), text_file=str(heldout), seq_len=512)["perplexity"]
-    print(f"\n## GPTQ W4A16 g64, {DEFAULT_MODEL}, {n} x {L} calibration tokens, {a.threads} thread(s)"
-          f"{', quantspec act-order' if a.act_order else ''}\n")
-    print("| tool | GPTQ wall s | held-out ppl | vs fp32 |")
+    act_order = a.act_order and a.method == "gptq"
+    print(f"\n## {a.method.upper()} W4A16 g64, {DEFAULT_MODEL}, {n} x {L} calibration tokens, {a.threads} thread(s)"
+          f"{', quantspec act-order' if act_order else ''}\n")
+    print(f"| tool | {a.method.upper()} wall s | held-out ppl | vs fp32 |")
     print("|---|---:|---:|---:|")
     print(f"| fp32 | - | {fp32:.3f} | - |")
     for name, secs, path in rows:
