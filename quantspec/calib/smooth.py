@@ -8,8 +8,8 @@ Linear" that `calib/ptq.py::quantize_model(..., input_scales=...)` consumes.
 Smoothing groups per decoder layer (where X / s folds exactly into a preceding op):
     input_layernorm          → self_attn.q_proj, k_proj, v_proj   (γ / s)
     post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s; Gemma: pre_feedforward_layernorm)
-    mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
     self_attn.v_proj (output rows) → self_attn.o_proj              (AWQ only, `calib.awq`)
+    mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
 The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
 output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
 by s_j (the pairing AWQ / llm-compressor use for `up_proj → down_proj`). It matters on real

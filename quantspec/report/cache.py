@@ -77,8 +77,9 @@ class ArtifactCache:
             raise QuantSpecError(f"{quant_type} needs static activation scales; pass --calib-dataset")
         parts = {"kind": "artifact", "model": self.fingerprint(model),
                  "quant_config": _preset(quant_type, group_size, symmetric, zp_dtype).to_dict(), "method": method,
-                 "calibration": calib[1] if needs_calib else None, "quantspec": __version__,
-                 "data": None if data is None else (self.dataset_fingerprint(data[0]), *data[1:])}
+                 "calibration": calib[1] if needs_calib else None, "quantspec": __version__}
+        if data is not None:  # a method reading data without a table: keyed by the data too
+            parts["data"] = (self.dataset_fingerprint(data[0]), *data[1:])
         key = content_key(parts)
         out = self.root / f"{_slug(model)}-{quant_type}-{key}"
         if not (out / "config.json").is_file():
