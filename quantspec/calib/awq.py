@@ -140,7 +140,10 @@ def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], sta
 
     `tie` [K] (long): column j takes the factor of free channel tie[j] (o_proj under grouped-query
     attention); x̄ and w̄ of the tied columns are averaged, and the returned s is per column."""
-    H = stats.hessian.compute()  # [K, K]
+    H = stats.hessian.H  # [K, K], read in place: a copy would double the largest tensor a layer holds
+    if H is None or not stats.hessian.num_samples:
+        raise QuantSpecError("search_scale needs statistics of calibration inputs (none were fed, or "
+                             "their Hessian was taken)")
     x_mean, w_mean = stats.mean_abs.to(H.device), relative_weight_mean(weights, args).to(H.device)
     if tie is not None:
         x_mean, w_mean = _tied_mean(x_mean, tie), _tied_mean(w_mean, tie)
