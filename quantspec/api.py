@@ -275,15 +275,7 @@ def inspect(path: str | Path) -> dict:
         if s is None or s.weights is None:
             raise QuantSpecError(f"{d}: {n} has quantized tensors but the quantization_config does "
                                  "not quantize it; the artifact is inconsistent")
-        w = s.weights
-        layers[n] = {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
-                     "group_size": w.group_size if w.strategy == "group" else None,
-                     "symmetric": w.symmetric,
-                     "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
-                     "format": s.format,
-                     "input_activations": None if s.input_activations is None
-                     else f"{s.input_activations.type}{s.input_activations.num_bits} "
-                          f"{s.input_activations.strategy} {'dynamic' if s.input_activations.dynamic else 'static'}"}
+        layers[n] = _layer_info(s)
     src = prov.get("source_size_bytes")
     out.update(
         quant_type=None if qc.quant_type is None else qc.quant_type.value,
@@ -309,9 +301,21 @@ def inspect(path: str | Path) -> dict:
     return out
 
 
+def _layer_info(s) -> dict:
+    """One quantized Linear's row of `inspect`'s `layers`, from its scheme."""
+    w, ia = s.weights, s.input_activations
+    return {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
+            "group_size": w.group_size if w.strategy == "group" else None,
+            "block": None if w.block_structure is None else list(w.block_structure),
+            "symmetric": w.symmetric, "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
+            "format": s.format,
+            "input_activations": None if ia is None
+            else f"{ia.type}{ia.num_bits} {ia.strategy} {'dynamic' if ia.dynamic else 'static'}"}
+
+
 def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
     """`quant.engines.engine_verdicts` for the artifact in `d`: its quantized Linears with their
-    input dims (from `weight_shape` or the code tensor's shape), whether it is a draft module and,
+    input and output dims (from `weight_shape` or the code tensor's shape), whether it is a draft module and,
     for an EAGLE-3 head, its base's layer count (the index vLLM gives the head's layer)."""
     from safetensors import safe_open
 
@@ -319,16 +323,17 @@ def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
     from quantspec.quant.engines import engine_verdicts
 
     dims: dict[str, int | None] = dict.fromkeys(layers)
+    rows: dict[str, int] = {}
     for f in files:
         with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
             for k in h.keys():
                 name, _, leaf = k.rpartition(".")
-                if name in dims and leaf == "weight_shape":
-                    dims[name] = int(h.get_tensor(k)[1])
-                elif name in dims and leaf == "weight":
-                    dims[name] = int(h.get_slice(k).get_shape()[1])
+                shape = h.get_tensor(k).tolist() if name in dims and leaf == "weight_shape" else \
+                    h.get_slice(k).get_shape() if name in dims and leaf == "weight" else None
+                if shape is not None:
+                    rows[name], dims[name] = int(shape[0]), int(shape[1])
     cfg = read_config(d)
-    return engine_verdicts(qc, dims, draft=draft_kind(cfg), draft_config=cfg,
+    return engine_verdicts(qc, dims, draft=draft_kind(cfg), draft_config=cfg, rows=rows,
                            base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))
 
 

@@ -146,6 +146,12 @@ CASES = [
      "--dataset"),
     ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-weight-block-int8", "quantize --model {model} --quant-type weight_only_int8 --weight-block 128 "
+                                   "--out {d}/q", "--weight-block"),
+    ("quantize-weight-block-odd", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 96 --out {d}/q",
+     "--weight-block"),
+    ("quantize-weight-block-static", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 128 "
+                                     "--activations static --out {d}/q", "--activations"),
     ("quantize-eagle3-bad-d2t", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 --out {d}/q",
      "d2t"),
     ("quantize-eagle3-transformers", "quantize --model {d}/eagle_badd2t --quant-type weight_only_int8 "

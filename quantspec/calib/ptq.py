@@ -60,7 +60,7 @@ from quantspec.model_zoo.layout import checkpoint_config, fuse_tensors
 from quantspec.model_zoo.llama import MLP, Transformer
 from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.config import QuantConfig, resolve_group_size
+from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.presets import METHODS
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
@@ -144,22 +144,24 @@ def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Lin
 
 
 def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantConfig:
-    """`config` with every grouped Linear at a group size that divides its K
+    """`config` with every grouped Linear at a group size that divides its K and every block
+    Linear at a block that tiles it, one size per fused unit (q/k/v, gate/up, a fused-MoE layer)
     (`QuantConfig.with_group_sizes` arranges the groups so every loader resolves them; an EAGLE-3
     head's groups also name its layers as vLLM and SGLang do, `engines.eagle3_targets`)."""
     from quantspec.model_zoo.eagle3 import Eagle3Head
-    from quantspec.quant.engines import eagle3_targets
-    from quantspec.quant.engines.moe import expert_layers
+    from quantspec.quant.engines import eagle3_targets, engine_layers
 
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
         if args.strategy == "group":
             sizes[name] = resolve_group_size(mod.in_features, args.group_size)
-    for members in expert_layers(sizes).values():  # one scheme per fused-MoE layer: one group size
+        elif args.strategy == "block":
+            sizes[name] = resolve_block_size(mod.in_features, mod.out_features, args.block_structure)
+    for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size
         common = -1 if any(sizes[n] == -1 for n in members) else min(sizes[n] for n in members)
         sizes.update(dict.fromkeys(members, common))
-    if all(g == config.weight_args_for(n).group_size for n, g in sizes.items()):
+    if all(g == layer_size(config.weight_args_for(n)) for n, g in sizes.items()):
         return config
     return config.with_group_sizes(sizes, eagle3_targets if isinstance(model, Eagle3Head) else None)
 
@@ -300,8 +302,8 @@ class _LayerQuantizer:
             buckets.setdefault(a, []).append(n)
         for b, members in enumerate(buckets.values()):
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
-            if hessian is None and args.strategy in ("channel", "group"):
-                for n, m in zip(members, mods):  # rows are independent: no concatenation
+            if hessian is None and args.strategy in ("channel", "group", "block"):
+                for n, m in zip(members, mods):  # rows (of blocks) are independent: no concatenation
                     self.results[n] = rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype)
                 continue
             W = torch.cat([m.weight for m in mods])  # [ΣN, K]

@@ -84,7 +84,9 @@ class QuantizeConfig:
     seq_len: int = 512
     seed: int = 0
     calib: str | None = None
-    activations: str = "static"  # a8w8 types: "static" calibrated input scales, or "dynamic" per token
+    activations: str | None = None  # a8w8 types: "static" calibrated input scales, or "dynamic" at run time;
+    # None: dynamic with `weight_block`, else static
+    weight_block: int | None = None  # a8w8_fp8: FP8 weights in blocks of this side (FP8_BLOCK)
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
     kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
@@ -103,11 +105,14 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
         from quantspec.quant.args import QuantType
-        from quantspec.quant.presets import default_weight_observer, preset
+        from quantspec.quant.presets import check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
+        if self.activations is None:
+            object.__setattr__(self, "activations", "static" if self.weight_block is None else "dynamic")
+        check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
         if self.method not in METHODS:
             raise QuantSpecError(f"unknown --method {self.method!r}; use one of: {', '.join(METHODS)}")
@@ -137,7 +142,8 @@ class QuantizeConfig:
         kv_strategy = self._check_target()
         config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
                         weight_observer=observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
-                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations)
+                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations,
+                        weight_block=self.weight_block)
         refusal = target_refusal(self.target, config)
         if refusal is not None:
             raise QuantSpecError(refusal)
@@ -476,7 +482,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target", "activations")}
+                          "kv_strategy", "target", "activations", "weight_block")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

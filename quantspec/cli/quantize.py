@@ -40,9 +40,13 @@ def _gib(n) -> str:
 @click.option("--seq-len", default=512, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
-@click.option("--activations", default="static", show_default=True, type=click.Choice(["static", "dynamic"]),
+@click.option("--activations", default=None, type=click.Choice(["static", "dynamic"]),
               help="a8w8 types: input scales calibrated per tensor (needs --calib) or computed per token at run "
-                   "time (llm-compressor's W8A8 / FP8_DYNAMIC; no --calib, SmoothQuant or fallback)")
+                   "time (llm-compressor's W8A8 / FP8_DYNAMIC; no --calib, SmoothQuant or fallback) "
+                   "[default: static; dynamic with --weight-block]")
+@click.option("--weight-block", default=None, type=int,
+              help="a8w8_fp8: one weight scale per N × N block and inputs quantized per token in groups of N "
+                   "at run time (llm-compressor's FP8_BLOCK, e.g. 128; shrunk per layer to a block that tiles it)")
 @click.option("--smoothquant-alpha", default=None,
               help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
                    "smoothing group on calibration data; the default) or 'none'")
@@ -74,7 +78,7 @@ def _gib(n) -> str:
 @one_line_errors
 @threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
-             dataset, split, text_field, num_samples, seq_len, seed, calib, activations, smoothquant_alpha,
+             dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable"):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
@@ -97,7 +101,8 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             ignore=tuple(ignore), act_order=act_order,
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                            calib=calib, activations=activations, smoothquant_alpha=smoothquant_alpha,
+                            calib=calib, activations=activations, weight_block=weight_block,
+                            smoothquant_alpha=smoothquant_alpha,
                             overwrite=overwrite,
                             kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
                             fallback_layers=fallback_layers,
@@ -189,7 +194,8 @@ def inspect(path, as_json):
     rows = Counter()
     for name, d in info["layers"].items():
         kind = name.rsplit(".", 1)[-1]
-        rows[(kind, d["type"], d["bits"], d["strategy"], d["group_size"], d["symmetric"],
+        size = "×".join(map(str, d["block"])) if d.get("block") else d["group_size"]
+        rows[(kind, d["type"], d["bits"], d["strategy"], size, d["symmetric"],
               d.get("zp_dtype") or "-", d["input_activations"] or "-")] += 1
     t = Table(title="quantized Linears")
     for col in ("module", "count", "weights", "granularity", "symmetric", "zero point",
@@ -197,7 +203,7 @@ def inspect(path, as_json):
         t.add_column(col)
     for (kind, typ, bits, strat, g, sym, zp, act), n in sorted(rows.items(),
                                                               key=lambda r: str(r[0])):
-        gran = f"group {g}" if strat == "group" else strat
+        gran = f"{strat} {g}" if strat in ("group", "block") else strat
         t.add_row(kind, str(n), f"{typ}{bits}", gran, "yes" if sym else "no", zp, act)
     console.print(t)
 

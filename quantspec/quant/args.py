@@ -43,7 +43,7 @@ STATUS_COMPRESSED = "compressed"
 MIN_GROUP_SIZE = 16
 
 _TYPES = ("int", "float")
-_STRATEGIES = ("tensor", "channel", "group", "token", "attn_head")
+_STRATEGIES = ("tensor", "channel", "group", "block", "token", "attn_head")
 _ACTIVATION_STRATEGIES = ("tensor", "token", "group", "attn_head")
 _ACTORDER = {"weight": "weight", "static": "weight"}
 # float zero-point dtypes (compressed-tensors' `zp_dtype`): the zero point is cast, not rounded,
@@ -125,6 +125,24 @@ def _checked_strategy(strategy, group_size) -> str:
     return strategy
 
 
+def _checked_block(block_structure, strategy: str) -> tuple[int, int] | None:
+    """(rows, columns) of a block strategy's blocks ([bn, bk], or compressed-tensors' older
+    "bnxbk" string); None for every other strategy."""
+    if strategy != "block":
+        if block_structure is not None:
+            raise _err(_W, f"block_structure needs strategy 'block', got strategy {strategy!r}")
+        return None
+    b = block_structure.lower().split("x") if isinstance(block_structure, str) else block_structure
+    try:
+        dims = tuple(int(v) if isinstance(v, str) else v for v in b)
+    except (TypeError, ValueError):
+        dims = ()
+    if len(dims) != 2 or not all(isinstance(v, int) and not isinstance(v, bool) and v > 0 for v in dims):
+        raise _err(_W, f"strategy 'block' needs block_structure [rows, columns] of two positive ints, "
+                       f"got {block_structure!r}; e.g. [128, 128]")
+    return dims
+
+
 def _check_dynamic(dynamic, strategy: str) -> None:
     if not isinstance(dynamic, bool):
         raise _err(_W, f"dynamic must be True or False, got {dynamic!r} "
@@ -161,8 +179,10 @@ class QuantArgs:
 
     `strategy` decides the granularity of the scales: `tensor` (one), `channel` (one per output
     row of a weight [N, K] → [N, 1]), `group` (one per `group_size` consecutive input columns →
-    [N, K // g]), `token` (one per row of an activation, dynamic only), `attn_head` (one per KV
-    head, KV cache only → [H, 1, 1]). Left as None it is inferred like compressed-tensors does:
+    [N, K // g]; for an activation, per row and group), `block` (one per `block_structure`
+    [bn, bk] tile of a weight → [ceil(N / bn), ceil(K / bk)], compressed-tensors' FP8_BLOCK),
+    `token` (one per row of an activation, dynamic only), `attn_head` (one per KV head, KV
+    cache only → [H, 1, 1]). Left as None it is inferred like compressed-tensors does:
     no group_size → tensor, group_size > 0 → group, group_size == -1 → channel.
 
     `zp_dtype` (asymmetric int args only): None keeps integer zero points (compressed-tensors'
@@ -179,12 +199,14 @@ class QuantArgs:
     observer: str | None = None
     actorder: str | None = None
     zp_dtype: str | None = None
+    block_structure: tuple[int, int] | None = None
 
     def __post_init__(self) -> None:
         t = _checked_type(self.num_bits, self.type, self.symmetric)
         object.__setattr__(self, "type", t)
         strategy = _checked_strategy(self.strategy, self.group_size)
         object.__setattr__(self, "strategy", strategy)
+        object.__setattr__(self, "block_structure", _checked_block(self.block_structure, strategy))
         _check_dynamic(self.dynamic, strategy)
         if self.actorder is not None:
             object.__setattr__(self, "actorder", _checked_actorder(self.actorder))
@@ -227,6 +249,8 @@ class QuantArgs:
             d["observer"] = self.observer
         if self.zp_dtype is not None:
             d["zp_dtype"] = f"torch.{self.zp_dtype}"  # compressed-tensors writes str(torch.dtype)
+        if self.block_structure is not None:
+            d["block_structure"] = list(self.block_structure)
         return d
 
     @classmethod
@@ -240,16 +264,13 @@ class QuantArgs:
         unknown = sorted(set(d) - known)
         if unknown:
             raise _err(where, f"unknown key(s) {unknown}; remove them")
-        if d.get("block_structure") is not None:
-            raise _err(where, "block quantization (block_structure) is unsupported; "
-                              "re-quantize with strategy 'channel' or 'group'")
         if d.get("scale_dtype") is not None:
             raise _err(where, f"scale_dtype={d['scale_dtype']!r} (MX/NV FP4 scales) is "
                               "unsupported; use float scales")
         strategy = d.get("strategy")
-        if strategy in ("block", "tensor_group"):
-            raise _err(where, f"strategy {strategy!r} is unsupported; use tensor, channel, "
-                              "group, token or attn_head")
+        if strategy == "tensor_group":
+            raise _err(where, "strategy 'tensor_group' (NVFP4's global scales) is unsupported; use "
+                              "tensor, channel, group, block, token or attn_head")
         dynamic = d.get("dynamic", False)
         if isinstance(dynamic, str):
             raise _err(where, f"dynamic={dynamic!r} (locally dynamic) is unsupported")
@@ -275,6 +296,7 @@ class QuantArgs:
                 observer=d.get("observer"),
                 actorder=actorder,
                 zp_dtype=zp_dtype,
+                block_structure=d.get("block_structure"),
             )
         except QuantSpecError as e:
             raise QuantSpecError(f"{where}: {e}") from None

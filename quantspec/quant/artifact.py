@@ -150,6 +150,9 @@ def _check_scale_shape(prefix: str, scale: torch.Tensor, args: QuantArgs, N: int
             raise QuantSpecError(f"{prefix}: group_size {args.group_size} does not divide K={K}")
     elif args.strategy == "channel":
         want = (N, 1)
+    elif args.strategy == "block":
+        bn, bk = args.block_structure
+        want = (-(-N // bn), -(-K // bk))
     else:
         want = (1,)
     if tuple(scale.shape) != want:

@@ -101,13 +101,16 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
             raise QuantSpecError(f"{prefix}: group_size {w.group_size} does not divide K={K}; "
                                  "re-quantize this layer with a group size that divides it")
         sshape: tuple[int, ...] | None = (N, K // w.group_size)
+    elif w.strategy == "block":
+        bn, bk = w.block_structure
+        sshape = (-(-N // bn), -(-K // bk))
     elif w.strategy == "channel":
         sshape = (N, 1)
     elif w.strategy == "tensor":
         sshape = None
     else:
         raise QuantSpecError(f"{prefix}: weight strategy {w.strategy!r} is unsupported; use "
-                             "tensor, channel or group")
+                             "tensor, channel, group or block")
     out: dict[str, tuple[int, ...] | None] = {}
     if fmt == FORMAT_PACK_QUANTIZED:
         if w.type != "int" or w.num_bits not in (4, 8):

@@ -35,7 +35,7 @@ from quantspec.quant.scheme import QuantScheme
 
 _LOG = logging.getLogger(__name__)
 
-__all__ = ["QuantConfig", "resolve_group_size"]
+__all__ = ["QuantConfig", "layer_size", "resolve_block_size", "resolve_group_size"]
 
 
 def _infer_quant_type(groups: Mapping[str, QuantScheme]) -> QuantType | None:
@@ -247,7 +247,7 @@ class QuantConfig:
                 continue
             pool = [g for n, g in sizes.items() if n.rsplit(".", 1)[-1] in fused] or list(sizes.values())
             size = max(set(pool), key=lambda g: (pool.count(g), g))
-            groups[group_name] = dataclasses.replace(base, weights=_with_size(base.weights, size))
+            groups[group_name] = _with_size(base, size)
             overrides.update({n: g for n, g in sizes.items() if g != size})
         config = dataclasses.replace(self, config_groups=groups, format=None)
         return config.with_layer_group_sizes(overrides, targets_for) if overrides else config
@@ -274,7 +274,7 @@ class QuantConfig:
             if s is None or s.weights is None:
                 raise QuantSpecError(f"with_layer_group_sizes: {name!r} is not quantized by this "
                                      "config; drop it from the overrides")
-            current = s.weights.group_size if s.weights.strategy == "group" else -1
+            current = layer_size(s.weights)
             if g == current:
                 continue
             group_name = next(n for n, v in self.config_groups.items() if v is s)
@@ -285,10 +285,7 @@ class QuantConfig:
             while f"group_{i}" in groups:
                 i += 1
             # the name-targeted group must not also hold the class targets of its base group
-            groups[f"group_{i}"] = QuantScheme(targets=targets_for(names),
-                                               weights=_with_size(base.weights, g),
-                                               input_activations=base.input_activations,
-                                               format=base.format)
+            groups[f"group_{i}"] = dataclasses.replace(_with_size(base, g), targets=targets_for(names))
             i += 1
         return dataclasses.replace(self, config_groups=groups, format=None)
 
@@ -298,8 +295,28 @@ class QuantConfig:
                 "provenance": copy.deepcopy(dict(self.provenance))}
 
 
-def _with_size(w: QuantArgs, g: int) -> QuantArgs:
-    return w.replace(group_size=g, strategy="group" if g > 0 else "channel")
+def layer_size(w: QuantArgs) -> int:
+    """The size a layer's weights are tiled at: the group size, a block's side, or -1 (per
+    channel or per tensor)."""
+    if w.strategy == "group":
+        return w.group_size
+    return w.block_structure[1] if w.strategy == "block" else -1
+
+
+def _with_size(s: QuantScheme, g: int) -> QuantScheme:
+    """Scheme `s` at size `g`: group size g, or g × g blocks with inputs in groups of g; -1: per
+    channel (a block scheme's inputs then per token)."""
+    w, ia = s.weights, s.input_activations
+    if w.strategy == "block":
+        if g > 0:
+            w = w.replace(block_structure=(g, g))
+            ia = ia if ia is None else ia.replace(group_size=g)
+        else:
+            w = w.replace(strategy="channel", block_structure=None)
+            ia = ia if ia is None else ia.replace(strategy="token", group_size=None)
+    else:
+        w = w.replace(group_size=g, strategy="group" if g > 0 else "channel")
+    return dataclasses.replace(s, weights=w, input_activations=ia)
 
 
 def _match_name(name: str, target: str) -> bool:
@@ -335,3 +352,22 @@ def resolve_group_size(K: int, requested: int) -> int:
     return -1
 
 
+
+
+def resolve_block_size(K: int, N: int, requested: tuple[int, int]) -> int:
+    """The side of the square blocks for a layer [N, K] when `requested` (bn, bk) was asked for:
+    the largest power of two ≤ min(bn, bk) and ≥ 16 that divides both N and K (the engines
+    quantize the inputs in groups of the block's width, and split fused layers on block rows);
+    -1 (per channel) when none exists. Example: N=192, K=576, (128, 128) → 64."""
+    side = min(requested)
+    g = 1 << (side.bit_length() - 1)
+    while g >= MIN_GROUP_SIZE and (K % g or N % g):
+        g //= 2
+    if g < MIN_GROUP_SIZE:
+        _LOG.warning("no power-of-two block in [%d, %d] tiles a [%d, %d] weight; using per-channel "
+                     "scales for this layer", MIN_GROUP_SIZE, side, N, K)
+        return -1
+    if g != side:
+        _LOG.info("%d × %d blocks do not tile a [%d, %d] weight; using %d × %d for this layer",
+                  side, side, N, K, g, g)
+    return g

@@ -120,8 +120,11 @@ def rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
     """Round-to-nearest of `weight` [N, K] under per-row (channel / group) `args`, in blocks of
     rows of at most `RTN_BLOCK_BYTES` (float32), so its temporaries stay small whatever N;
     `weight` is overwritten with its dequantized values. → (q [N, K], scale, zero_point or None),
-    the same numbers as one `rtn_quantize` call over all rows."""
+    the same numbers as one `rtn_quantize` call over all rows (block args: whole block rows)."""
     rows = max(1, RTN_BLOCK_BYTES // (weight.shape[1] * 4))
+    if args.strategy == "block":
+        bn = args.block_structure[0]
+        rows = max(bn, rows // bn * bn)
     qs, scales, zps = [], [], []
     for a in range(0, weight.shape[0], rows):
         block = weight[a:a + rows]  # [≤ rows, K]
@@ -140,9 +143,9 @@ def _check_weight(weight: torch.Tensor, args: QuantArgs) -> None:
                              f"{getattr(weight, 'shape', type(weight))}")
     if not isinstance(args, QuantArgs):
         raise QuantSpecError(f"args must be QuantArgs, got {type(args).__name__}")
-    if args.strategy not in ("tensor", "channel", "group"):
+    if args.strategy not in ("tensor", "channel", "group", "block"):
         raise QuantSpecError(f"weight strategy {args.strategy!r} unsupported; use tensor, "
-                             "channel or group")
+                             "channel, group or block")
     if args.strategy == "group" and weight.shape[1] % args.group_size:
         raise QuantSpecError(f"group_size {args.group_size} does not divide K={weight.shape[1]}; "
                              "use quant.config.resolve_group_size to pick one")
@@ -200,6 +203,8 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
 def _check_gptq_inputs(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *,
                        block_size: int, damp: float) -> None:
     _check_weight(weight, args)
+    if args.strategy == "block":
+        raise QuantSpecError("GPTQ has no rule for block scales; use --method rtn")
     K = weight.shape[1]
     if not isinstance(hessian, torch.Tensor) or hessian.shape != (K, K):
         raise QuantSpecError(f"hessian must be [K, K] = [{K}, {K}], got "

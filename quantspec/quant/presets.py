@@ -12,7 +12,7 @@ from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["ACTIVATIONS", "EXPERT_TARGET", "METHODS", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
-           "default_weight_observer", "for_experts", "preset"]
+           "check_weight_block", "default_weight_observer", "for_experts", "preset"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
 # in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
@@ -53,7 +53,8 @@ def default_weight_observer(quant_type: QuantType | str) -> str:
 def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
-           weight_observer: str | None = None, activations: str = "static") -> QuantConfig:
+           weight_observer: str | None = None, activations: str = "static",
+           weight_block: int | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights (8-bit "pack-quantized").
@@ -66,10 +67,15 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
     None → `default_weight_observer(quant_type)`. `activations` "dynamic": the a8w8 types' inputs
     quantized per token at run time instead (no input scales in the artifact).
+    `weight_block` b (a8w8_fp8 with dynamic activations): FP8 weights with one scale per b × b
+    block and inputs quantized per token and group of b columns at run time (compressed-tensors'
+    FP8_BLOCK; DeepSeek-V3's and Qwen3's FP8 checkpoints); `resolve_layer_group_sizes` shrinks
+    it per layer to a block that tiles the layer.
     """
     qt = QuantType.parse(quant_type)
     weight_observer = weight_observer or default_weight_observer(qt)
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
+    check_weight_block(qt, weight_block, activations, weight_observer)
     if activations not in ACTIVATIONS:
         raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
     inputs = PRESET_INPUTS.get(qt)
@@ -80,6 +86,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
         inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
     if qt is QuantType.WEIGHT_ONLY_INT4:
         layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
+    elif weight_block is not None:
+        layout = {"strategy": "block", "block_structure": (weight_block, weight_block)}
+        inputs = inputs.replace(strategy="group", group_size=weight_block)
     else:
         layout = {}
     w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **layout)
@@ -126,6 +135,24 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
                              f"{MIN_GROUP_SIZE}, e.g. 128")
     if qt is QuantType.A8W8_FP8 and not symmetric:
         raise QuantSpecError("a8w8_fp8 is symmetric only; drop --asym")
+
+
+def check_weight_block(qt: QuantType, weight_block, activations: str, weight_observer: str = "minmax") -> None:
+    """Refuse, naming the flag, a `weight_block` that `qt` or the other knobs do not take."""
+    if weight_block is None:
+        return
+    if qt is not QuantType.A8W8_FP8:
+        raise QuantSpecError(f"--weight-block is for a8w8_fp8 (FP8 block scales); drop it for {qt.value}")
+    if isinstance(weight_block, bool) or not isinstance(weight_block, int) or weight_block < MIN_GROUP_SIZE \
+            or weight_block & (weight_block - 1):
+        raise QuantSpecError(f"--weight-block {weight_block!r} must be a power of two ≥ {MIN_GROUP_SIZE}, "
+                             "e.g. 128")
+    if activations != "dynamic":
+        raise QuantSpecError("--weight-block quantizes the inputs per token group at run time; use "
+                             "--activations dynamic (or leave --activations out)")
+    if weight_observer != "minmax":
+        raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for block scales; use minmax "
+                             "(or leave it out)")
 
 
 def _kv_cache_args(kv_cache: str | None, kv_strategy: str) -> QuantArgs | None:

@@ -19,9 +19,10 @@ A scale that comes out 0 (an all-zero row) is replaced by the dtype's eps.
 1, 0.99, ..., 0.80 minimising sum |x - fake_quant(x)|^2.4 (compressed-tensors' MSE observer
 defaults; GPTQ's `mse` option), see `mse_qparams`.
 
-Scale shapes by strategy, for a weight [N, K]: tensor → [1], channel → [N, 1], group → [N, K/g];
-for an activation [..., K]: tensor → [1], token → [..., 1]; for K/V states [B, H, T, D]:
-attn_head → [H, 1, 1].
+Scale shapes by strategy, for a weight [N, K]: tensor → [1], channel → [N, 1], group → [N, K/g],
+block [bn, bk] → [ceil(N/bn), ceil(K/bk)] (a partial edge block is padded with zeros, as
+compressed-tensors pads it); for an activation [..., K]: tensor → [1], token → [..., 1], group →
+[..., K/g]; for K/V states [B, H, T, D]: attn_head → [H, 1, 1].
 """
 
 from __future__ import annotations
@@ -98,10 +99,25 @@ def _group_size(args: QuantArgs, K: int) -> int:
     return g
 
 
+def _blocks(x: torch.Tensor, args: QuantArgs) -> torch.Tensor:
+    """A weight [N, K] zero-padded to whole blocks and viewed as [N/bn, bn, K/bk, bk]."""
+    if x.ndim != 2:
+        raise QuantSpecError(f"block qparams need a 2-D weight [N, K], got shape {tuple(x.shape)}")
+    bn, bk = args.block_structure
+    N, K = x.shape
+    pad_n, pad_k = -N % bn, -K % bk
+    if pad_n or pad_k:
+        x = torch.nn.functional.pad(x, (0, pad_k, 0, pad_n))
+    return x.reshape((N + pad_n) // bn, bn, (K + pad_k) // bk, bk)
+
+
 def minmax(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
     """Per-strategy (min, max) of `x`, shaped like the scales (see module docstring)."""
     _check_float("x", x)
     s = args.strategy
+    if s == "block":
+        xb = _blocks(x, args)
+        return xb.amin(dim=(1, 3)), xb.amax(dim=(1, 3))  # [N/bn, K/bk]
     if s == "tensor":
         mn, mx = torch.aminmax(x)
         return mn.reshape(1), mx.reshape(1)
@@ -205,6 +221,8 @@ def mse_qparams(x: torch.Tensor, args: QuantArgs, *, grid: int = MSE_GRID,
     of x: the search allocates nothing that size per candidate.
     """
     _check_float("x", x)
+    if args.strategy == "block":
+        raise QuantSpecError("the MSE search has no rule for block scales; use the minmax observer")
     xf = x.float()
     mn, mx = minmax(xf, args)
     best_scale = best_zp = best_err = None
@@ -227,7 +245,18 @@ def mse_qparams(x: torch.Tensor, args: QuantArgs, *, grid: int = MSE_GRID,
 
 def _broadcast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
                args: QuantArgs):
-    """Reshape x to [..., K/g, g] and scale/zp to [..., K/g, 1] for group strategy."""
+    """(x, scale, zp, restore) broadcastable against each other: for group strategy x as
+    [..., K/g, g] and scale/zp [..., K/g, 1]; for block strategy x as [N/bn, bn, K/bk, bk] (padded)
+    and scale/zp [N/bn, 1, K/bk, 1]. `restore(t)` takes a result of x's view back to x's shape
+    (None: no view was taken)."""
+    if args.strategy == "block":
+        N, K = x.shape
+        xb = _blocks(x, args)
+        if tuple(scale.shape) != (xb.shape[0], xb.shape[2]):
+            raise QuantSpecError(f"scale has shape {tuple(scale.shape)} but a [{N}, {K}] weight in "
+                                 f"{list(args.block_structure)} blocks needs {(xb.shape[0], xb.shape[2])}")
+        zb = None if zero_point is None else zero_point[:, None, :, None]
+        return xb, scale[:, None, :, None], zb, lambda t: t.reshape(-1, xb.shape[2] * xb.shape[3])[:N, :K]
     if args.strategy != "group":
         return x, scale, zero_point, None
     K = x.shape[-1]
@@ -240,7 +269,7 @@ def _broadcast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
                              f"needs {K // g}")
     xg = x.unflatten(-1, (K // g, g))  # [..., K/g, g]
     zg = None if zero_point is None else zero_point.unsqueeze(-1)
-    return xg, scale.unsqueeze(-1), zg, x.shape
+    return xg, scale.unsqueeze(-1), zg, lambda t: t.flatten(start_dim=-2)
 
 
 def _check_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None, args: QuantArgs) -> None:
@@ -263,7 +292,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | No
     _check_float("x", x)
     _check_qparams(scale, zero_point, args)
     out_dtype = storage_dtype(args) if dtype is None else dtype
-    xs, s, zp, shape = _broadcast(x, scale, zero_point, args)
+    xs, s, zp, restore = _broadcast(x, scale, zero_point, args)
     scaled = _to_grid_(xs / s, zp, args)
     if args.type == "float":
         q = scaled.to(torch.float8_e4m3fn)
@@ -271,7 +300,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | No
     else:
         q = scaled
     q = q.to(out_dtype)
-    return q if shape is None else q.flatten(start_dim=-2)
+    return q if restore is None else restore(q).contiguous()
 
 
 # The steps of quantize / dequantize on a tensor of their own, in place: the same numbers as
@@ -299,8 +328,10 @@ def _fake_quantize_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                         zero_point: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
     """`fake_quantize(x, scale, zero_point, args)` written into `out` (contiguous, x's shape) for
     x and scale of out's dtype (float32 in `mse_qparams`), with no temporary the size of x."""
-    xs, s, zp, shape = _broadcast(x, scale, zero_point, args)
-    o = out if shape is None else out.unflatten(-1, xs.shape[-2:])  # a view of out
+    if args.strategy == "block":  # a padded block view is no view of out
+        return out.copy_(fake_quantize(x, scale, zero_point, args))
+    xs, s, zp, restore = _broadcast(x, scale, zero_point, args)
+    o = out if restore is None else out.unflatten(-1, xs.shape[-2:])  # a view of out
     _to_grid_(torch.div(xs, s, out=o), zp, args)
     if args.type == "float":
         o.copy_(o.to(torch.float8_e4m3fn))  # fp8's rounding (a 1-byte temporary)
@@ -320,9 +351,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
         raise QuantSpecError(f"zero_point shape {tuple(zero_point.shape)} must equal scale shape "
                              f"{tuple(scale.shape)}")
     out_dtype = scale.dtype if dtype is None else dtype
-    qs, s, zp, shape = _broadcast(q, scale, zero_point, args)
+    if args.strategy == "block":  # padding takes float codes (exact: int8 and E4M3 ⊂ fp32)
+        q = q.to(scale.dtype)
+    qs, s, zp, restore = _broadcast(q, scale, zero_point, args)
     x = _from_grid_(qs.to(s.dtype, copy=True), s, zp).to(out_dtype)
-    return x if shape is None else x.flatten(start_dim=-2)
+    return x if restore is None else restore(x).contiguous()
 
 
 @torch.no_grad()

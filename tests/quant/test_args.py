@@ -26,6 +26,7 @@ def _ct_dump(preset_name, **kw):
     ("W4A16_ASYM", "pack-quantized", QuantType.WEIGHT_ONLY_INT4),
     ("W8A8", "int-quantized", QuantType.A8W8),
     ("FP8", "float-quantized", QuantType.A8W8_FP8),
+    ("FP8_BLOCK", "float-quantized", QuantType.A8W8_FP8),
 ])
 def test_reads_compressed_tensors_presets(name, fmt, qt):
     d = _ct_dump(name, format=fmt)
@@ -35,6 +36,7 @@ def test_reads_compressed_tensors_presets(name, fmt, qt):
     w = cfg.config_groups["group_0"].weights
     assert (w.num_bits, w.type, w.symmetric, w.strategy, w.group_size) == (
         ct_w.num_bits, ct_w.type, ct_w.symmetric, ct_w.strategy, ct_w.group_size)
+    assert w.block_structure == (None if ct_w.block_structure is None else tuple(ct_w.block_structure))
     # writing it back gives compressed-tensors' JSON, with the per-group format filled in
     assert d["config_groups"]["group_0"]["format"] is None
     d["config_groups"]["group_0"]["format"] = fmt
@@ -79,7 +81,9 @@ def test_preset_contents():
     (dict(num_bits=4, group_size=64, strategy="channel"), "group_size"),
     (dict(type="fp4"), "type"),
     (dict(strategy="token"), "dynamic"),
-    (dict(strategy="block"), "strategy"),
+    (dict(strategy="block"), "block_structure"),
+    (dict(strategy="channel", block_structure=(64, 64)), "block_structure"),
+    (dict(type="float", strategy="block", block_structure=(0, 64)), "block_structure"),
     (dict(group_size=0), "group_size"),
 ])
 def test_illegal_args_name_the_field(kw, field):
@@ -97,8 +101,10 @@ def test_from_dict_rejects_unknown_and_unsupported():
             QuantConfig.from_dict(_ct_dump("W4A16", format=fmt))
     with pytest.raises(QuantSpecError, match="quant_method"):
         QuantConfig.from_dict({"quant_method": "gptq", "config_groups": {}})
-    with pytest.raises(QuantSpecError, match="block quantization.*unsupported"):
-        QuantConfig.from_dict(_ct_dump("FP8_BLOCK", format="float-quantized"))
+    d = _ct_dump("FP8_BLOCK", format="float-quantized")
+    d["config_groups"]["group_0"]["weights"]["block_structure"] = [128]
+    with pytest.raises(QuantSpecError, match=r"block_structure \[rows, columns\]"):
+        QuantConfig.from_dict(d)
 
 
 @pytest.mark.parametrize("K,req,want", [(576, 128, 64), (1536, 128, 128), (576, 64, 64),
@@ -203,3 +209,53 @@ def test_float_zp_dtype_validation():
     cfg = preset("weight_only_int4", group_size=128, symmetric=False, zp_dtype="float32")
     cfg = cfg.with_layer_group_sizes({"model.layers.0.self_attn.q_proj": 64})
     assert cfg.weight_args_for("model.layers.0.self_attn.q_proj").zp_dtype == "float32"
+
+
+def test_weight_block_preset_is_compressed_tensors_fp8_block():
+    """`preset("a8w8_fp8", weight_block=128, activations="dynamic")` is compressed-tensors'
+    FP8_BLOCK scheme, JSON for JSON; other sides change the block and the input groups alike."""
+    ours = preset("a8w8_fp8", activations="dynamic", weight_block=128).to_dict()
+    assert ours["config_groups"]["group_0"] == _ct_dump("FP8_BLOCK", format="float-quantized")[
+        "config_groups"]["group_0"] | {"format": "float-quantized"}
+    g = preset("a8w8_fp8", activations="dynamic", weight_block=64).config_groups["group_0"]
+    assert g.weights.block_structure == (64, 64) and g.input_activations.group_size == 64
+
+
+@pytest.mark.parametrize("kw,named", [
+    (dict(quant_type="weight_only_int8", weight_block=128), "--weight-block is for a8w8_fp8"),
+    (dict(quant_type="a8w8_fp8", weight_block=128), "--activations dynamic"),
+    (dict(quant_type="a8w8_fp8", weight_block=96, activations="dynamic"), "power of two"),
+    (dict(quant_type="a8w8_fp8", weight_block=8, activations="dynamic"), "power of two"),
+    (dict(quant_type="a8w8_fp8", weight_block=128, activations="dynamic", weight_observer="mse"), "minmax"),
+])
+def test_weight_block_refusals_name_the_flag(kw, named):
+    with pytest.raises(QuantSpecError, match=named):
+        preset(**kw)
+
+
+@pytest.mark.parametrize("K,N,req,want", [(576, 576, 128, 64), (576, 192, 128, 64), (1536, 4096, 128, 128),
+                                          (192, 96, 128, 32), (4096, 1024, 64, 64), (100, 128, 128, -1),
+                                          (256, 128, (64, 128), 64)])
+def test_resolve_block_size(K, N, req, want):
+    from quantspec.quant.config import resolve_block_size
+
+    assert resolve_block_size(K, N, req if isinstance(req, tuple) else (req, req)) == want
+
+
+def test_block_sizes_per_layer_keep_inputs_in_step():
+    """Per-layer block sizes: the base group takes the fused shards' block, others are
+    name-targeted, each with its input groups at the block's width; -1 falls back to per-channel
+    weights with per-token inputs."""
+    base = preset("a8w8_fp8", activations="dynamic", weight_block=128)
+    names = {f"model.layers.0.{n}": 32 for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj")}
+    names |= {"model.layers.0.mlp.down_proj": 64, "model.layers.0.self_attn.o_proj": -1}
+    qc = base.with_group_sizes(names)
+    for n, side in names.items():
+        s = qc.scheme_for(n)
+        if side > 0:
+            assert s.weights.block_structure == (side, side) and s.input_activations.group_size == side, n
+        else:
+            assert s.weights.strategy == "channel" and s.input_activations.strategy == "token", n
+    assert qc.config_groups["group_0"].weights.block_structure == (32, 32)
+    QuantConfig.from_dict(qc.to_dict())  # valid compressed-tensors JSON, read back
+    ctq.QuantizationConfig.model_validate(qc.to_dict())

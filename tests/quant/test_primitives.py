@@ -22,6 +22,9 @@ CASES = [
     dict(num_bits=8, symmetric=True, strategy="tensor"),
     dict(num_bits=8, type="float", strategy="channel"),
     dict(num_bits=8, type="float", strategy="tensor"),
+    dict(num_bits=8, type="float", strategy="block", block_structure=[16, 64]),  # tiles the weight
+    dict(num_bits=8, type="float", strategy="block", block_structure=[32, 128]),  # 48 rows: a partial block row
+    dict(num_bits=8, type="float", strategy="block", block_structure=[64, 96]),  # partial on both sides
 ]
 
 
