@@ -133,6 +133,10 @@ def _set_qparams(model, seen: dict[str, torch.Tensor]) -> None:
         elif args.strategy == "channel":
             scale, zp = _minmax_qparams(W, args, (-1,))
             scale, zp = scale[:, None], zp[:, None]
+        elif args.strategy == "block":  # zero-padded to whole blocks, as compressed-tensors pads
+            bn, bk = args.block_structure
+            Wp = torch.nn.functional.pad(W, (0, -W.shape[1] % bk, 0, -W.shape[0] % bn))
+            scale, zp = _minmax_qparams(Wp.unflatten(1, (-1, bk)).unflatten(0, (-1, bn)), args, (1, 3))
         else:
             scale, zp = _minmax_qparams(W, args, None)
         mod.weight_scale.data.copy_(scale.reshape(mod.weight_scale.shape))
@@ -195,6 +199,9 @@ SCHEMES = {  # name → (scheme, kv_cache_scheme)
     "fp8_static_channel_weights": (lambda: _scheme(dict(FP8, strategy="channel"), FP8_STATIC), None),
     "fp8_dynamic_channel_weights": (lambda: _preset("FP8_DYNAMIC"), None),
     "fp8_dynamic_tensor_weights": (lambda: _scheme(dict(FP8, strategy="tensor"), FP8_DYNAMIC), None),
+    "fp8_block": (lambda: _preset("FP8_BLOCK"), None),  # 128 × 128: k/v's rows end mid-block
+    "fp8_block_64": (lambda: _scheme(dict(FP8, strategy="block", block_structure=[64, 64]),
+                                     dict(FP8, strategy="group", group_size=64, dynamic=True)), None),
     "w4a16_g32": (lambda: _scheme(dict(num_bits=4, strategy="group", group_size=32)), None),
     "w4a16_g64": (lambda: _scheme(dict(num_bits=4, strategy="group", group_size=64)), None),
     "w4a16_g128": (lambda: _preset("W4A16"), None),
@@ -256,7 +263,6 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     ("W4A8", "W4A8"),
     ("W4AFP8", "W4AFP8"),
     ("W3A16", "3-bit"),
-    ("FP8_BLOCK", "block quantization"),
     ("NVFP4A16", "nvfp4-pack-quantized"),
     ("MXFP4A16", "mxfp4-pack-quantized"),
 ])

@@ -129,3 +129,21 @@ def test_float_zero_point_artifact(tiny_llama_dir, tmp_path):
     torch.testing.assert_close(logits(lm.model, IDS), want, **TOL)
     fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
     assert (fp32 - want).abs().max() > 1e-3
+
+
+def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path):
+    """`quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK, blocks fitted per layer):
+    transformers (compressed-tensors decompressing, and quantizing each input per token and group
+    at run time) gives quantspec's logits."""
+    from quantspec import api
+    from quantspec.infer.quant_linear import QuantLinear
+
+    art = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "fp8_block", weight_block=128)
+    theirs = _hf_logits(art)
+    lm = load_for_inference(art, tokenizer=False)
+    layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.weight_args.strategy == "block" for m in layers)
+    torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)
+    for m in layers:  # teeth: the same weights with float inputs are far from it
+        m.input_args = None
+    assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3

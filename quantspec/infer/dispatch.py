@@ -26,14 +26,17 @@ CPU, torch's ops:
   scale, `torch._int_mm` (exact int32 accumulation), then acc · x_scale · w_scale (+ bias): the
   `int8_gemm_ref` epilogue. Asymmetric → the reference;
 - a8w8_fp8: x quantized to fp8 with its static scale and upcast (exact), a float matmul against
-  the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue.
+  the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue;
+  block scales (FP8_BLOCK): x fake-quantized per token and group, a float matmul against the
+  weight dequantized once at load (the reference's numbers, without its per-call dequantize).
 
 CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
 M ≤ `cuda_weight_only_max_m`; above it the GEMM is compute-bound and cuBLAS runs on the weight
 dequantized by a Triton kernel (`w4a16_dequantize` / `w8a16_dequantize`, which amortises over
 the rows); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp8_linear` below
 `cuda_scaled_mm_min_m` rows, torch's `_scaled_mm` (cuBLASLt's FP8 GEMM, `fp8_scaled_mm_linear`)
-from there for fp16 / bf16 activations; what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
+from there for fp16 / bf16 activations; block-scaled fp8 with dynamic per-group inputs:
+`fp8_block_linear` for every M; what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
 sm_89) → the reference, dequantize + matmul.
 """
 
@@ -72,10 +75,12 @@ class KernelPath(str, enum.Enum):
     CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu)
     CPU_INT_MM = "cpu_int_mm"  # int8 activations × int8 weights via torch._int_mm
     CPU_FP8_UPCAST = "cpu_fp8_upcast"  # fp8 codes upcast (exact), float matmul, scale epilogue
+    CPU_FP8_BLOCK = "cpu_fp8_block"  # x fake-quantized per token group, matmul on the weight dequantized at load
     TRITON_W4A16 = "triton_w4a16"
     TRITON_W8A16 = "triton_w8a16"
     TRITON_W8A8 = "triton_w8a8"
     TRITON_FP8 = "triton_fp8"
+    TRITON_FP8_BLOCK = "triton_fp8_block"  # x quantized per token group, block-scaled fp8 GEMM
     CUDA_DEQUANT_MM = "cuda_dequant_mm"  # Triton dequantize to the activation dtype + cuBLAS
     CUDA_SCALED_MM = "cuda_scaled_mm"  # x quantized by Triton, torch._scaled_mm (cuBLASLt / CUTLASS FP8)
 
@@ -157,7 +162,7 @@ class LinearTraits:
     kind: LinearKind
     dtype: torch.dtype  # the model (compute) dtype the layer was prepared for
     weight_symmetric: bool
-    weight_strategy: str  # tensor / channel / group
+    weight_strategy: str  # tensor / channel / group / block
     act_mode: str | None  # None (weight-only), "static" or "dynamic"
     act_symmetric: bool = True
     cpu_int8pack: bool = False  # layout allows torch._weight_int8pack_mm
@@ -183,6 +188,8 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.TRITON_W8A8 if ok else KernelPath.DEQUANT
+    if t.weight_strategy == "block":
+        return KernelPath.TRITON_FP8_BLOCK if t.fp8_native and t.act_mode == "dynamic" else KernelPath.DEQUANT
     if not (t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")):
         return KernelPath.DEQUANT
     # `_scaled_mm` writes bf16: half-precision activations only (an fp32 model keeps fp32 outputs)
@@ -207,6 +214,8 @@ def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchP
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.CPU_INT_MM if ok else KernelPath.DEQUANT
+    if t.weight_strategy == "block":
+        return KernelPath.CPU_FP8_BLOCK
     ok = t.act_mode is not None and t.weight_strategy in ("channel", "tensor")
     return KernelPath.CPU_FP8_UPCAST if ok else KernelPath.DEQUANT
 

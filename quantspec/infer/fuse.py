@@ -8,8 +8,9 @@ product as before (rows are stacked, K is untouched).
 
 Float linears are stacked by concatenating weights (and biases). Quantized ones are stacked from
 their codes and per-row scales / zero points, which is exact when they share one scheme: the same
-weight args (channel or group strategy: per-row qparams; per tensor: one scale, the same in every
-member, as quantize writes the Linears of one input), the same input args and static input
+weight args (channel or group strategy: per-row qparams; block strategy: per block row, where every
+member but the last ends on a block boundary; per tensor: one scale, the same in every member, as
+quantize writes the Linears of one input), the same input args and static input
 scale (a8w8's q/k/v read the same smoothed input, so their calibrated scales agree). Otherwise
 the layer is left unfused. The stacked module replaces the originals (set to None), so memory is
 unchanged; `model_zoo.llama` uses it when present. It runs before a backend rewrites the float
@@ -40,7 +41,9 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
     first = mods[0]
     w = first.weight_args
-    per_tensor = w.strategy not in ("channel", "group")
+    per_tensor = w.strategy not in ("channel", "group", "block")
+    if w.strategy == "block" and any(m.out_features % w.block_structure[0] for m in mods[:-1]):
+        return None  # block rows stack only where each member ends on a block boundary
     if per_tensor and not all(_same_tensor(m.weight_scale, first.weight_scale)
                               and _same_tensor(m.weight_zero_point, first.weight_zero_point) for m in mods[1:]):
         return None  # one scale per tensor: stacked only where the members share it

@@ -32,7 +32,8 @@ __all__ = ["PreparedWeight", "QuantLinear", "aligned", "layer_traits", "linear_k
 # re-homed
 _ALIGN_BYTES = 64
 _TRITON_PATHS = frozenset({KernelPath.TRITON_W4A16, KernelPath.TRITON_W8A16, KernelPath.TRITON_W8A8,
-                           KernelPath.TRITON_FP8, KernelPath.CUDA_DEQUANT_MM, KernelPath.CUDA_SCALED_MM})
+                           KernelPath.TRITON_FP8, KernelPath.TRITON_FP8_BLOCK, KernelPath.CUDA_DEQUANT_MM,
+                           KernelPath.CUDA_SCALED_MM})
 
 
 def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
@@ -109,7 +110,7 @@ class PreparedWeight(nn.Module):
 class QuantLinear(nn.Module):
     """A Linear whose weight is int4 / int8 / fp8 codes + scales (+ static input scale).
 
-    Buffers (fp32 scales): weight_scale [N, K/g] | [N, 1] | [1], weight_zero_point like it
+    Buffers (fp32 scales): weight_scale [N, K/g] | [N, 1] | [1] | [N/bn, K/bk] (blocks), weight_zero_point like it
     (asymmetric; int8, or fp32 for a float zp_dtype) or None, input_scale [1] / input_zero_point
     [1] (static activations) or None, bias [N] (model dtype) or None. `prepared`: the codes in
     the device backend's layouts (`PreparedWeight`). The layer is prepared for one device and
@@ -134,9 +135,9 @@ class QuantLinear(nn.Module):
         if ia is not None and not ia.dynamic and t.input_scale is None:
             raise QuantSpecError(f"{name} has no input_scale but its scheme has static input "
                                  "activations: quantize with --calib to store one")
-        if ia is not None and ia.strategy not in ("tensor", "token"):
+        if ia is not None and ia.strategy not in ("tensor", "token") and not (ia.strategy == "group" and ia.dynamic):
             raise QuantSpecError(f"{name}: input activation strategy {ia.strategy!r} is "
-                                 "unsupported; use tensor (static) or token (dynamic)")
+                                 "unsupported; use tensor (static), token or group (dynamic)")
         self.name = name
         self.out_features, self.in_features = t.q.shape
         self.weight_args, self.input_args = w, ia
@@ -171,10 +172,12 @@ class QuantLinear(nn.Module):
         only a packed layout is kept."""
         return self.prepared.codes()
 
-    def dequantized_weight(self, dtype: torch.dtype | None = None) -> torch.Tensor:
-        """dequantize(q, scale, zp) from quant/primitives (fp32), as `dtype` → [N, K]."""
-        w = dequantize(self.codes(), self.weight_scale, self.weight_zero_point, self.weight_args,
-                       dtype=torch.float32)
+    def dequantized_weight(self, dtype: torch.dtype | None = None, codes: torch.Tensor | None = None
+                           ) -> torch.Tensor:
+        """dequantize(q, scale, zp) from quant/primitives (fp32), as `dtype` → [N, K]; `codes`:
+        q (default `codes()`)."""
+        w = dequantize(self.codes() if codes is None else codes, self.weight_scale, self.weight_zero_point,
+                       self.weight_args, dtype=torch.float32)
         return w.to(dtype or self.dtype)
 
     def _act_qparams(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
@@ -229,12 +232,20 @@ class QuantLinear(nn.Module):
             return triton_linear(self, x, path)
         return self.prepared.run(self, x, path)
 
+    def fake_quantized_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x [M, K] as the layer's input quantizer leaves it (dequantize(quantize(x)) in fp32, in
+        x's dtype); x itself for float inputs."""
+        if self.input_args is None:
+            return x
+        xq, s, z = self.quantize_input(x)
+        return dequantize(xq, s, z, self.input_args, dtype=torch.float32).to(x.dtype)
+
+    def linear_on(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
+        """F.linear(x, w, bias) in x's dtype."""
+        return F.linear(x, w.to(x.dtype), None if self.bias is None else self.bias.to(x.dtype))
+
     def _dequant(self, x: torch.Tensor) -> torch.Tensor:
-        if self.input_args is not None:
-            xq, s, z = self.quantize_input(x)
-            x = dequantize(xq, s, z, self.input_args, dtype=torch.float32).to(x.dtype)
-        w = self.dequantized_weight(x.dtype)
-        return F.linear(x, w, None if self.bias is None else self.bias.to(x.dtype))
+        return self.linear_on(self.fake_quantized_input(x), self.dequantized_weight(x.dtype))
 
     def extra_repr(self) -> str:
         w = self.weight_args

@@ -39,11 +39,13 @@ from quantspec.kernels._common import (
 __all__ = [
     "FP8_MIN_CAPABILITY",
     "check_fp8_device",
+    "check_gemm_operands",
     "fp8_gemm",
     "fp8_gemm_ref",
     "fp8_linear",
     "fp8_linear_ref",
     "fp8_scaled_mm_linear",
+    "fp8_tile_dot",
     "quantize_act_fp8",
     "quantize_act_fp8_ref",
 ]
@@ -112,6 +114,25 @@ def quantize_act_fp8(
 
 
 @triton.jit
+def fp8_tile_dot(a_ptr, b_ptr, offs_m, offs_n, offs_k, mask_m, mask_n, K, stride_am, stride_bn,
+                 UPCAST: tl.constexpr):
+    """The fp32 [BM, BN] dot of one k tile of fp8 x [M, K] and w [N, K] (row-major), from zero.
+
+    Hopper's fp8 MMA adds in fewer bits than fp32: each k tile's dot starts from zero and its sum
+    joins the caller's fp32 accumulator (an fp32 add per tile, as DeepSeek-V3 promotes every
+    128 k). Asking for exact accumulation (max_num_imprecise_acc=0) makes Triton convert the
+    operands to fp16 for the pre-Hopper MMA instead. UPCAST (the interpreter): fp32 operands."""
+    mask_k = offs_k < K
+    a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
+                mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8
+    b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :],
+                mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK] fp8
+    if UPCAST:
+        return tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
+    return tl.dot(a, tl.trans(b))
+
+
+@triton.jit
 def _fp8_gemm_kernel(
     a_ptr, b_ptr, as_ptr, bs_ptr, bias_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K, stride_am, stride_bn, stride_om, stride_osplit,
@@ -130,20 +151,8 @@ def _fp8_gemm_kernel(
     mask_n = offs_n < N
     acc = tl.zeros((BLOCK_M, BLOCK_N), dtype=tl.float32)
     for k0 in range(k_lo, k_hi, BLOCK_K):
-        offs_k = k0 + tl.arange(0, BLOCK_K)
-        mask_k = offs_k < K
-        a = tl.load(a_ptr + offs_m[:, None] * stride_am + offs_k[None, :],
-                    mask=mask_m[:, None] & mask_k[None, :], other=0.0)  # [BM, BK] fp8
-        b = tl.load(b_ptr + offs_n[:, None] * stride_bn + offs_k[None, :],
-                    mask=mask_n[:, None] & mask_k[None, :], other=0.0)  # [BN, BK] fp8
-        if UPCAST:
-            acc += tl.dot(a.to(tl.float32), tl.trans(b.to(tl.float32)), input_precision="ieee")
-        else:
-            # Hopper's fp8 MMA adds in fewer bits than fp32: each k tile's dot starts from zero and
-            # its sum joins the fp32 accumulator (an fp32 add per BLOCK_K, as DeepSeek-V3 promotes
-            # every 128 k). Asking for exact accumulation (max_num_imprecise_acc=0) makes Triton
-            # convert the operands to fp16 for the pre-Hopper MMA instead.
-            acc += tl.dot(a, tl.trans(b))
+        acc += fp8_tile_dot(a_ptr, b_ptr, offs_m, offs_n, k0 + tl.arange(0, BLOCK_K), mask_m, mask_n, K,
+                            stride_am, stride_bn, UPCAST)
     out_mask = mask_m[:, None] & mask_n[None, :]
     acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
                                    stride_osplit, tl.program_id(1), cnt_ptr, pid, SPLIT_K, FINISH)
@@ -160,23 +169,30 @@ def _fp8_gemm_kernel(
                  mask=y_mask)
 
 
-def _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+def check_gemm_operands(x_q, w_q, bias, out_dtype) -> tuple[int, int, int]:
+    """(M, N, K) of an FP8 GEMM's codes x_q [M, K] and w_q [N, K], after checking them, the bias
+    [N] and the output dtype."""
     check_tensor(x_q, "x_q", ndim=2, dtypes=(FP8_DTYPE,))
     check_tensor(w_q, "w_q", ndim=2, dtypes=(FP8_DTYPE,))
     M, K = x_q.shape
     N = w_q.shape[0]
     if w_q.shape[1] != K:
         raise QuantSpecError(f"w_q has K={w_q.shape[1]} but x_q has K={K}; shapes must agree")
+    if bias is not None:
+        check_tensor(bias, "bias", dtypes=FLOAT_DTYPES, shape=(N,))
+    if out_dtype not in FLOAT_DTYPES:
+        raise QuantSpecError(f"out_dtype={out_dtype} must be float32, float16 or bfloat16")
+    return M, N, K
+
+
+def _validate_gemm(x_q, x_scale, w_q, w_scale, bias, out_dtype):
+    M, N, K = check_gemm_operands(x_q, w_q, bias, out_dtype)
     check_tensor(x_scale, "x_scale", dtypes=(torch.float32,))
     if x_scale.numel() != 1:
         raise QuantSpecError(f"x_scale must hold one static value, got shape {list(x_scale.shape)}")
     check_tensor(w_scale, "w_scale", ndim=1, dtypes=(torch.float32,))
     if w_scale.shape[0] not in (1, N):
         raise QuantSpecError(f"w_scale has {w_scale.shape[0]} values; expected 1 or N={N}")
-    if bias is not None:
-        check_tensor(bias, "bias", dtypes=FLOAT_DTYPES, shape=(N,))
-    if out_dtype not in FLOAT_DTYPES:
-        raise QuantSpecError(f"out_dtype={out_dtype} must be float32, float16 or bfloat16")
     return M, N, K
 
 

@@ -440,6 +440,17 @@ _TRITON_SCRIPT = textwrap.dedent("""
             err = float((y - ref).abs().max() / ref.abs().max())
             assert err < 1e-5, (kind, g, sym, M, err)
 
+    # FP8 block scales (a partial block row: 24 rows in 16-row blocks), per-group dynamic inputs
+    g = preset("a8w8_fp8", activations="dynamic", weight_block=16).config_groups["group_0"]
+    W = torch.randn(N, K) * 0.05
+    s, _ = choose_qparams(W, g.weights)
+    layer = QuantLinear(QuantizedLinearTensors(quantize(W, s, None, g.weights), s, None, g.weights,
+                                               g.input_activations, None, bias=torch.randn(N) * 0.1))
+    for M in (1, 3, 17):
+        x = torch.randn(M, K)
+        y, ref = layer.run(x, KernelPath.TRITON_FP8_BLOCK), layer.run(x, KernelPath.DEQUANT)
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, M
+
     # the CUDA layout of an int4 layer whose scales a 16-bit float holds exactly (a 16-bit
     # checkpoint's): the kernels take them in the activations' dtype, with the reference's numbers
     from quantspec.infer.cuda.weights import CudaWeight
@@ -520,3 +531,58 @@ def test_decode_steps_take_the_row_invariant_path_for_any_m(kind, policy):
     for i in (0, 41, 79):
         assert torch.equal(layer(x[i:i + 1]), y[i:i + 1])
     _check(y, _reference(t, x), torch.bfloat16)
+
+
+# ---------------------------------------------------------------- FP8 block scales
+
+def _block_tensors(N, K, side, seed=0):
+    """A random FP8_BLOCK layer (side × side weight blocks, inputs per token and group of side)."""
+    g = preset("a8w8_fp8", activations="dynamic", weight_block=side).config_groups["group_0"]
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=gen) * 0.05
+    s, _ = choose_qparams(W, g.weights)
+    return QuantizedLinearTensors(q=quantize(W, s, None, g.weights), scale=s, zero_point=None,
+                                  weight_args=g.weights, input_args=g.input_activations,
+                                  bias=torch.randn(N, generator=gen) * 0.1)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("N,K,side", [(96, 128, 32), (100, 192, 64)])  # 100 rows: a partial block row
+def test_fp8_block_layer(N, K, side, dtype):
+    t = _block_tensors(N, K, side, seed=N)
+    assert t.scale.shape == (-(-N // side), K // side)
+    layer = QuantLinear(t, dtype=dtype)
+    x = (torch.randn(5, K, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    assert layer.kernel_for(x) is KernelPath.CPU_FP8_BLOCK
+    y = layer(x)
+    assert torch.equal(y, layer.run(x, KernelPath.DEQUANT))  # the reference's numbers, weight dequantized once
+    _check(y, _reference(t, x), dtype)
+    assert torch.equal(layer.codes().view(torch.uint8), t.q.view(torch.uint8))
+    # the inputs are quantized per group: a float x gives other outputs
+    plain = x.float() @ layer.dequantized_weight(torch.float32).t() + t.bias
+    assert (y.float() - plain).abs().max() > 1e-4
+
+
+def test_fp8_block_layers_stack_on_block_boundaries():
+    """q/k/v-style stacking of block layers is exact where every member but the last ends on a
+    block row; otherwise the layers stay apart."""
+    from quantspec.infer.fuse import stack_linears
+
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    mods = [QuantLinear(_block_tensors(n, 64, 32, seed=n)) for n in (64, 32, 40)]
+    fused = stack_linears(mods)
+    assert fused is not None and fused.weight_scale.shape == (5, 2)  # 2 + 1 + 2 block rows
+    assert torch.equal(fused(x), torch.cat([m(x) for m in mods], -1))
+    assert stack_linears([mods[2], mods[0]]) is None  # 40 rows end mid-block
+
+
+def test_select_kernel_block_rule(monkeypatch):
+    import quantspec.kernels as kernels
+
+    block = _traits(LinearKind.FP8, weight_strategy="block", act_mode="dynamic")
+    assert select_kernel(block, "cpu", 1, torch.float32) is KernelPath.CPU_FP8_BLOCK
+    assert select_kernel(block, "cpu", 1, torch.float32, DispatchPolicy(fast=False)) is KernelPath.DEQUANT
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
+    native = _traits(LinearKind.FP8, weight_strategy="block", act_mode="dynamic", fp8_native=True)
+    assert select_kernel(native, "cuda", 4096, torch.bfloat16) is KernelPath.TRITON_FP8_BLOCK
+    assert select_kernel(block, "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT  # below sm_89

@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from quantspec.kernels import _common, fp8, fused, kv_cache, w4a16, w8a8, w8a16
+from quantspec.kernels import _common, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16
 from quantspec.quant.packing import pack_int4
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
                   torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
-_MODULES = (_common, fp8, fused, kv_cache, w4a16, w8a8, w8a16)
+_MODULES = (_common, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16)
 
 # the host functions run on CPU tensors, which only the interpreter takes; where a GPU runs the
 # kernels themselves (no interpreter), the `-m gpu` tests compile and run them
@@ -234,6 +234,23 @@ def test_w8a8_and_fp8_gpu_launches_compile(recorded, dtype, monkeypatch):
     assert {c["constants"]["FINISH"] for c in gemms if c["constants"]["SPLIT_K"] > 1} == {True, False}
     results = _compiled(recorded)
     assert {r["cc"] for r in results if r["name"] == "_fp8_gemm_kernel"} == {90}
+
+
+@pytest.mark.parametrize("dtype", [torch.float16, torch.bfloat16])
+def test_fp8_block_gpu_launches_compile(recorded, dtype):
+    """The per-group FP8 activation quantizer and the block-scaled FP8 GEMM at decode, tile and
+    large M, for 128 × 128 and 64 × 64 blocks (a partial block row: N = 200)."""
+    gen = torch.Generator().manual_seed(5)
+    N, K = 200, 512
+    w_fp8 = (torch.randn(N, K, generator=gen) * 20).clamp(-448, 448).to(torch.float8_e4m3fn)
+    for side in (128, 64):
+        ws = torch.rand(-(-N // side), K // side, generator=gen) + 0.01
+        for M in (1, 32, 2048):
+            fp8_block.fp8_block_linear(torch.randn(M, K, generator=gen).to(dtype), w_fp8, ws, (side, side))
+    assert {c["name"] for c in recorded} == {"_quantize_act_fp8_group_kernel", "_fp8_block_gemm_kernel"}
+    assert all(not c["constants"]["UPCAST"] for c in recorded if c["name"] == "_fp8_block_gemm_kernel")
+    results = _compiled(recorded)
+    assert {r["cc"] for r in results} == {90}
 
 
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])

@@ -11,7 +11,9 @@ Layouts, by what runs (`infer/dispatch.py` picks the path):
   g / g' groups of g' with repeated scales).
 - otherwise row-major int8 codes `qweight` [N, K], or for fp8 the codes upcast once to the model
   dtype `weight_upcast` [N, K] (exact: E4M3 ⊂ bf16 ⊂ fp32; converting fp8 on CPU per call costs
-  more than the matmul).
+  more than the matmul); fp8 with block scales keeps its codes `weight_fp8` [N, K] and the
+  weight dequantized once to the model dtype, `weight_dequant` [N, K] (a block's scale cannot
+  wait for the epilogue: it changes along K).
 The row path (`row_path`: the op a decode-sized call takes, decided once) gives each row the
 same numbers whatever M.
 """
@@ -31,7 +33,7 @@ CPU_INT4_GROUP_SIZES = (256, 128, 64, 32)  # what `_weight_int4pack_mm_for_cpu` 
 CPU_INT8PACK_K_MULTIPLE = 16  # `_weight_int8pack_mm` crashes / is wrong for other K (torch 2.13)
 CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses other N
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
-_LAYOUTS = ("qweight", "weight_upcast", "int4pack", "int4_scales_zeros", "int8pack_scale", "int4_cpu",
+_LAYOUTS = ("qweight", "weight_upcast", "weight_fp8", "weight_dequant", "int4pack", "int4_scales_zeros", "int8pack_scale", "int4_cpu",
             "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "bias_fp32")
 
 
@@ -88,7 +90,10 @@ class CpuWeight(PreparedWeight):
         for name in _LAYOUTS:
             self.register_buffer(name, None)
         scale, zp = layer.weight_scale, layer.weight_zero_point
-        if kind is LinearKind.FP8:
+        if kind is LinearKind.FP8 and traits.weight_strategy == "block":
+            self.weight_fp8 = q.to(device)
+            self.weight_dequant = layer.dequantized_weight(layer.dtype, codes=self.weight_fp8)
+        elif kind is LinearKind.FP8:
             self.weight_upcast = q.to(device).to(layer.dtype)  # [N, K], exact
         else:
             self.qweight = q.to(device=device, dtype=torch.int8)  # [N, K]
@@ -141,6 +146,8 @@ class CpuWeight(PreparedWeight):
             return self.qweight
         if self.weight_upcast is not None:
             return self.weight_upcast
+        if self.weight_fp8 is not None:
+            return self.weight_fp8
         if self.int8_cpu is not None:
             return cg.unpack_w8(self.int8_cpu, self.out_features)
         return cg.unpack_w4(self.int4_cpu, self.out_features)
@@ -183,6 +190,8 @@ class CpuWeight(PreparedWeight):
             xq, s, _ = layer.quantize_input(x)  # [M, K] float8_e4m3fn
             acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
             return layer.epilogue(acc.float(), s, x.dtype)
+        if path is KernelPath.CPU_FP8_BLOCK:
+            return layer.linear_on(layer.fake_quantized_input(x), self.weight_dequant)
         return super().run(layer, x, path)
 
     def plan_linear(self, layer: QuantLinear, dtype: torch.dtype):

@@ -7,7 +7,7 @@ tile by two-value multiplies, with the same numbers; else fp32), or, with
 `DispatchPolicy.cuda_int4_quartered` where K and the group size are multiples of 128, those words
 in `kernels.w4a16.quarter_int4`'s layout (`quartered`; `k_order`: the k each position holds); int8
 codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels
-(`kernels.w4a16` / `w8a16` / `w8a8` / `fp8`) for any prepared weight: on CUDA, or on CPU tensors
+(`kernels.w4a16` / `w8a16` / `w8a8` / `fp8` / `fp8_block`) for any prepared weight: on CUDA, or on CPU tensors
 under TRITON_INTERPRET=1 (the tests).
 """
 
@@ -89,6 +89,10 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
         op = kernels.fp8_linear if path is KernelPath.TRITON_FP8 else kernels.fp8_scaled_mm_linear
         return op(x, w, p.w_scale_vec, layer.input_scale, b)
+    if path is KernelPath.TRITON_FP8_BLOCK:
+        w = layer.codes()
+        w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
+        return kernels.fp8_block_linear(x, w, layer.weight_scale, layer.weight_args.block_structure, b)
     if path is KernelPath.CUDA_DEQUANT_MM:
         return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)
     raise QuantSpecError(f"unknown kernel path {path!r}")
