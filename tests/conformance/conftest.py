@@ -38,6 +38,9 @@ ARTIFACTS = {
                          kv_cache="int8", target="quantspec"),
     "a8w8_dynamic": dict(quant_type="a8w8", activations="dynamic"),
     "a8w8_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
+    # FP8_BLOCK at 128: shrunk per fused unit to blocks that tile it (q/k/v 32, the rest 64), so
+    # a class group and a name-targeted group of other blocks, merged q/k/v block scales
+    "a8w8_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
@@ -51,7 +54,8 @@ EAGLE3_ARTIFACTS = {"eagle3_head_int4": dict(quant_type="weight_only_int4", grou
 EAGLE3_AUX = (0, 1, 2)  # the conformance model has 2 layers: explicit ids
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle
-OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback")
+OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback",
+                 "fp8_block64_every_layer")
 
 
 @pytest.fixture(scope="session")
@@ -71,7 +75,8 @@ def artifacts(conformance_model, tmp_path_factory) -> dict[str, Path]:
     for name, opts in ARTIFACTS.items():
         opts = dict(opts)
         qt = opts.pop("quant_type")
-        if (qt.startswith("a8w8") and opts.get("activations") != "dynamic") or opts.get("kv_cache"):
+        if (qt.startswith("a8w8") and opts.get("activations") != "dynamic" and "weight_block" not in opts) \
+                or opts.get("kv_cache"):
             opts.update(calib=str(calib), dataset=str(data), seq_len=32, holdout_samples=2,
                         search_samples=2)
         out[name] = api.quantize(str(conformance_model), qt, root / name, **opts)
@@ -145,14 +150,16 @@ def eagle3_artifacts(eagle3_head) -> dict[str, Path]:
 
 def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
     """W8A16 as `int-quantized`; mixed int4 group sizes with exact names for every shard; an a8w8
-    fallback named shard by shard as an `int-quantized` weight-only group."""
+    fallback named shard by shard as an `int-quantized` weight-only group; FP8 64 × 64 blocks on
+    every layer (a tool that does not fit blocks per layer: k_proj's 96 rows end mid-block)."""
     from safetensors.torch import load_file, save_file
 
     from quantspec.quant.packing import unpack_int32
 
     src = arts[{"w8a16_int_quantized": "weight_only_int8",
                 "w4a16_shard_named_groups": "weight_only_int4",
-                "a8w8_shard_named_fallback": "a8w8"}[name]]
+                "a8w8_shard_named_fallback": "a8w8",
+                "fp8_block64_every_layer": "a8w8_fp8_block"}[name]]
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     qc = cfg["quantization_config"]
@@ -174,6 +181,8 @@ def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
         g64["targets"] = small
         g128["weights"]["group_size"] = 128
         qc["config_groups"] = {"group_0": g128, "group_1": g64}
+    elif name == "fp8_block64_every_layer":
+        _reblock(t, qc, 64)
     else:  # fall back q/k/v of layer 0, named shard by shard
         shards = [f"model.layers.0.self_attn.{s}_proj" for s in "qkv"]
         for s in shards:
@@ -185,6 +194,25 @@ def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
     (dst / "config.json").write_text(json.dumps(cfg, indent=2))
     save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
     return dst
+
+
+def _reblock(t: dict, qc: dict, side: int) -> None:
+    """Every FP8 block Linear of `t` re-quantized at side × side blocks under one class group."""
+    from quantspec.quant.args import QuantArgs
+    from quantspec.quant.config import QuantConfig
+    from quantspec.quant.primitives import choose_qparams, dequantize, quantize
+
+    config = QuantConfig.from_dict(qc)
+    args = QuantArgs(type="float", strategy="block", block_structure=(side, side))
+    for k in [k for k in t if k.endswith(".weight_scale")]:
+        p = k.rsplit(".", 1)[0]
+        w = dequantize(t[f"{p}.weight"], t[k], None, config.weight_args_for(p))
+        t[k], _ = choose_qparams(w, args)
+        t[f"{p}.weight"] = quantize(w, t[k], None, args)
+    group = qc["config_groups"]["group_0"]
+    group["weights"]["block_structure"] = [side, side]
+    group["input_activations"]["group_size"] = side
+    qc["config_groups"] = {"group_0": group}
 
 
 @pytest.fixture(scope="session")

@@ -21,7 +21,8 @@ engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed
 `get_quant_method(layer, prefix)`, `scheme.create_weights(...)` — then loads each checkpoint
 shard's tensors through the created parameters' own `load_qkv_weight` /
 `load_merged_column_weight` / `load_row_parallel_weight` with the shard ids and offsets a fused
-linear passes them (q/k/v; 0/1 with the running offset). The answer gives, per layer, the loaded
+linear passes them (q/k/v; 0/1 with the running offset; for an FP8 block scale both counted in
+block rows, rounded up, as the engines' fused linears count them). The answer gives, per layer, the loaded
 values of the scale parameters the request names (`value_leaves`), so the caller can compare them
 with the artifact's tensors.
 """
@@ -58,7 +59,7 @@ REAL = {
                                "utils.fp8_utils")]
     + ["vllm.scalar_type", "vllm.model_executor.parameter"],
     "sglang": [_CT["sglang"] + m for m in ("compressed_tensors", "utils", "schemes")]
-    + [P["sglang"] + m for m in ("base_config", "marlin_utils", "utils")]
+    + [P["sglang"] + m for m in ("base_config", "marlin_utils", "utils", "fp8_utils")]
     + ["sglang.srt.layers.parameter"],
 }
 # SGLang's schemes package imports every scheme module: all of them are its own code
@@ -240,7 +241,9 @@ def _overrides(engine: str, capability: int) -> dict:
     return {
         "sglang.srt.utils": {"is_cuda": lambda: True, "is_hip": lambda: False, "is_npu": lambda: False,
                              "is_xpu": lambda: False, "is_cpu": lambda: False,
-                             "get_bool_env_var": lambda *a, **k: False},
+                             "get_bool_env_var": lambda *a, **k: False,
+                             "get_device_capability": lambda *a, **k: tuple(cap),
+                             "get_cuda_version": lambda *a, **k: (12, 8)},
         "sglang.srt.runtime_context": {"get_platform": lambda: Platform()},
         "sglang.srt.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
                                    "get_tensor_model_parallel_world_size": lambda: 1},
@@ -293,6 +296,8 @@ def _layer(engine: str, kind: str, cls_name: str):
     Base = getattr(importlib.import_module(mod), base)
     cls = type(cls_name, (torch.nn.Module, Base), {})
     layer = cls()
+    if engine == "sglang" and kind == "linear":
+        layer.tp_group = None  # SGLang's linears keep their group: None is one rank (its fp8_utils reads it)
     return layer
 
 
@@ -313,13 +318,17 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
             if p is None:
                 errors.append(f"unexpected tensor {leaf}")
                 continue
+            at, size = offset, shard["N"]
+            if type(p).__name__ == "BlockQuantScaleParameter":  # the fused linear counts in block rows
+                bn = layer.weight_block_size[0]
+                at, size = -(-at // bn), -(-size // bn)
             try:
                 if cls_name == "QKVParallelLinear":
-                    p.load_qkv_weight(loaded_weight=t, num_heads=1, shard_id=sid, shard_offset=offset,
-                                      shard_size=shard["N"], **rank)
+                    p.load_qkv_weight(loaded_weight=t, num_heads=1, shard_id=sid, shard_offset=at,
+                                      shard_size=size, **rank)
                 elif cls_name == "MergedColumnParallelLinear":
-                    p.load_merged_column_weight(loaded_weight=t, shard_id=sid, shard_offset=offset,
-                                                shard_size=shard["N"], **rank)
+                    p.load_merged_column_weight(loaded_weight=t, shard_id=sid, shard_offset=at,
+                                                shard_size=size, **rank)
                 elif rank:  # SGLang's RowParallelLinear: with the rank, else without it
                     try:
                         p.load_row_parallel_weight(t, **rank)

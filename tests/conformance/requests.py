@@ -131,10 +131,12 @@ def lifted_status(res: dict) -> tuple[str, dict[str, str]]:
     return status, per
 
 
-def artifact_verdicts(path: Path) -> dict:
-    """`engine_verdicts` of the artifact at `path`: its quantized Linears with their K, whether it
-    is a draft module and, for an EAGLE-3 head, its base's layer count (as `api.inspect`)."""
+def artifact_verdicts(path: Path, capability: int = 90) -> dict:
+    """`engine_verdicts` of the artifact at `path`: its quantized Linears with their K and N,
+    whether it is a draft module and, for an EAGLE-3 head, its base's layer count (as
+    `api.inspect`); on a GPU of `capability`."""
     cfg = read_config(path)
-    dims = {n: s[1] for n, s in linear_shapes(artifact_tensors(path)).items()}
-    return engine_verdicts(read_quant_config(path), dims, draft=draft_kind(cfg),
+    shapes = linear_shapes(artifact_tensors(path))
+    dims, rows = {n: s[1] for n, s in shapes.items()}, {n: s[0] for n, s in shapes.items()}
+    return engine_verdicts(read_quant_config(path), dims, rows=rows, capability=capability, draft=draft_kind(cfg),
                            base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))

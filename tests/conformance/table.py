@@ -21,7 +21,7 @@ by; the suite checks every cell against the engines' code, layer by layer. This 
 """
 
 TAIL = """
-Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` static activations,
+Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` quantized activations,
 `CompressedLinear` compressed-tensors in transformers, `QuantLinear` quantspec's own.
 `{mtp}` is an MTP module (`zoo train-mtp`) quantized on its own: no engine's model registry
 has its architecture, so only quantspec runs it, and `quantize` refuses every other target.
@@ -36,10 +36,14 @@ layer names (vLLM `model.fc`, `model.layers.<L>.self_attn.qkv_proj`, …; SGLang
 size is written for the engines' names too. SGLang
 refuses static int8 (`a8w8`) on its fused layers (qkv_proj, gate_up_proj) in its parameter loader,
 whatever the scale's shape or value: an upstream bug on valid compressed-tensors, which vLLM and
-transformers load. The last
-three rows are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
-`int-quantized`, mixed int4 group sizes named shard by shard, and an a8w8 fallback named shard by
-shard as an `int-quantized` weight-only group.
+transformers load. `a8w8_fp8_block` is FP8_BLOCK (`--weight-block 128`): one FP8 scale per
+weight block, shrunk per fused unit to a block that tiles it (32 × 32 for q/k/v here, 64 × 64 for
+the rest), inputs quantized per token and group at run time. The last
+four rows are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
+`int-quantized`, mixed int4 group sizes named shard by shard, an a8w8 fallback named shard by
+shard as an `int-quantized` weight-only group, and 64 × 64 FP8 blocks on every layer, whose k_proj
+rows (96) end mid-block: both engines split a fused layer's block scales by whole block rows and
+refuse it.
 """
 
 
@@ -58,7 +62,7 @@ def _flags(opts: dict) -> str:
 
 
 def _scheme(v) -> str:
-    g = f"g{v.group_size}" if v.group_size else "channel"
+    g = f"block {v.block[0]}×{v.block[1]}" if v.block else f"g{v.group_size}" if v.group_size else "channel"
     sym = "" if v.symmetric in (True, None) else " asym"
     act = f" + {v.input_activations}" if v.input_activations else ""
     return f"{v.scheme} {v.num_bits}-bit {g}{sym}{act}"

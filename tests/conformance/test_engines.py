@@ -144,6 +144,28 @@ def test_engine_loads_the_artifacts_scales(artifacts, lifted, engine, name):
     assert checked or status == "refused", res
 
 
+def test_fp8_verdicts_below_sm89_match_engine_code(artifacts, engine_sources, tmp_path):
+    """On a GPU without FP8 MMA (capability 8.0) both engines fall back to FP8 weight-only: per
+    channel in both, blocks in vLLM only (SGLang's W8A16Fp8 refuses them in `create_weights`)."""
+    from .requests import build_request
+
+    names = ["a8w8_fp8_dynamic", "a8w8_fp8_block"]
+    sub = {n: artifacts[n] for n in names}
+    answers = eng.run_engines(engine_sources, lambda src: build_request(src, sub, 80), tmp_path)
+    for engine in eng.ENGINE_PINS:
+        if isinstance(answers[engine], str):
+            pytest.skip(answers[engine])
+        for name in names:
+            res = answers[engine]["result"][name]
+            v = artifact_verdicts(artifacts[name], capability=80)[engine]
+            status, per_layer = lifted_status(res)
+            assert v.status == status, (engine, name, v.line(), json.dumps(res)[:2000])
+            for layer, r in res["layers"].items():
+                if per_layer[layer] == "loads":
+                    assert r["scheme"] == v.layers[layer].scheme == "W8A16Fp8", (engine, name, layer)
+        assert (lifted_status(answers[engine]["result"]["a8w8_fp8_block"])[0] == "refused") == (engine == "sglang")
+
+
 def test_sglang_refuses_fused_static_int8_where_the_verdict_says(artifacts, lifted):
     """SGLang's refusal of a static int8 artifact is the code path its verdict names: each fused
     layer's only load errors are the k/v (up) shards' input_scale raising IndexError in
@@ -284,8 +306,19 @@ def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, n
         theirs = load_safetensors(folder / f"{path.name}.safetensors")
         for lin, w in theirs.items():
             lq = linear_from_tensors(tensors, lin, qc)
-            ours = dequantize(lq.q, lq.scale, lq.zero_point, lq.args)
+            args = lq.args
+            if args.strategy == "block" and _release(version) < (0, 20) and \
+                    any(d % b for d, b in zip(lq.q.shape, args.block_structure)):
+                # releases before 0.20 decompress without the args, taking the block from the
+                # scale's shape (rows // scale rows): wrong where an edge block is partial
+                args = args.replace(block_structure=tuple(d // s for d, s in zip(lq.q.shape, lq.scale.shape)))
+                assert args != lq.args
+            ours = dequantize(lq.q, lq.scale, lq.zero_point, args)
             assert w.dtype == ours.dtype and torch.equal(w, ours), (version, lin)
+
+
+def _release(version: str) -> tuple[int, ...]:
+    return tuple(int(p) for p in version.split(".")[:2])
 
 
 def test_engine_table_is_current(artifacts, mtp_artifact, medusa_artifact, eagle3_artifacts):

@@ -25,7 +25,8 @@ __all__ = ["engine_verdicts", "target_refusal"]
 
 def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Iterable[str], *,
                     capability: int = 90, draft: str | None = None, base_layers: int | None = None,
-                    draft_config: dict | None = None) -> dict[str, EngineVerdict]:
+                    draft_config: dict | None = None, rows: Mapping[str, int] | None = None
+                    ) -> dict[str, EngineVerdict]:
     """One `EngineVerdict` per engine in `ENGINES` for an artifact with `config` whose quantized
     Linears are `linears` (name → input dim K, or names alone when K is unknown).
 
@@ -34,6 +35,8 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
     refuse it; vLLM and SGLang judge an EAGLE-3 head under their own layer names
     (`drafts.eagle3_layers`; `base_layers`: the target's layer count, see there), and refuse
     one they would run otherwise than trained (`drafts.eagle3_refusal` on its `draft_config`).
+    `rows`: the Linears' output dims N, where known (a fused layer's FP8 blocks must split at its
+    shards).
     """
     if not isinstance(linears, Mapping):
         linears = {n: None for n in linears}
@@ -46,11 +49,11 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
         else:
             per_layer = None
         out[engine] = draft_refusal(engine, draft, draft_config) or \
-            _verdict(engine, config, targets, layers, linears, capability, per_layer)
+            _verdict(engine, config, targets, layers, linears, capability, per_layer, rows or {})
     return out
 
 
-def _verdict(engine, config, targets, layers, linears, capability, per_layer=None) -> EngineVerdict:
+def _verdict(engine, config, targets, layers, linears, capability, per_layer=None, rows=None) -> EngineVerdict:
     """One engine's verdict; `per_layer`: its layer verdicts when the caller judged them (an
     EAGLE-3 head's engine layers), else judged here from the checkpoint's `layers`."""
     if engine == "quantspec":
@@ -71,7 +74,8 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
                 per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])
             else:
                 per_layer[layer] = engine_layer(engine, layer, shards, intended, targets,
-                                                linears.get(shards[0]), capability)
+                                                linears.get(shards[0]), capability,
+                                                rows=tuple((rows or {}).get(s) for s in shards))
     refused = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme is None]
     ignored = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme]
     kv, kv_ignored, kv_refused = kv_verdict(engine, config.kv_cache_scheme)

@@ -15,7 +15,7 @@ the fused name (`fused_targets`), and a class-target group must carry the fused 
 from __future__ import annotations
 
 import re
-from typing import Iterable, Mapping
+from typing import Iterable, Mapping, Sequence
 
 from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
@@ -140,12 +140,13 @@ def _act(ia: QuantArgs | None) -> str | None:
     return f"{kind} {'dynamic' if ia.dynamic else 'static'}"
 
 
-def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int
-            ) -> LayerVerdict:
-    """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards."""
+def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,
+            rows: Sequence[int | None] = ()) -> LayerVerdict:
+    """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards
+    (of `rows` output rows each, where known)."""
     w, ia, fmt = s.weights, s.input_activations, s.format
     g = w.group_size if w.strategy == "group" else None
-    base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric)
+    base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure)
     if w.zp_dtype is not None:
         return LayerVerdict(None, **base, problem=f"float zero points ({w.zp_dtype}): {engine_name(engine)} "
                                                   "reads integer zero points only")
@@ -165,14 +166,23 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
                                                       f"weight-only in format {fmt!r}")
     if act_fmt:
         fp8_weights = w.type == "float" and w.symmetric and not w.dynamic and \
-            w.strategy in ("tensor", "channel")
+            w.strategy in ("tensor", "channel", "block")
+        w8a16 = LayerVerdict("W8A16Fp8", **base)
+        split = [n for n in rows[:-1] if n is not None and w.strategy == "block" and n % w.block_structure[0]]
+        if fp8_weights and split:  # `validate_fp8_block_shape`: a merged linear splits its scales by block rows
+            return LayerVerdict(None, **base, problem=f"FP8 blocks of {w.block_structure[0]} rows do not split its "
+                                                      f"fused shards (one has {split[0]} rows)")
+        if fp8_weights and w.strategy == "block" and engine == "sglang":  # its W8A16Fp8 takes no blocks
+            w8a16 = LayerVerdict(None, **base, problem=f"FP8 block weights below compute capability "
+                                                       f"{FP8_MIN_CAPABILITY / 10:.1f} (its weight-only FP8 takes "
+                                                       "per-channel or per-tensor scales)")
         if fp8_weights and ia is not None and ia.type == "float" and \
                 (ia.dynamic or (ia.symmetric and ia.strategy == "tensor")):
             if capability >= FP8_MIN_CAPABILITY:
                 return LayerVerdict("W8A8Fp8", **base, input_activations=_act(ia))
-            return LayerVerdict("W8A16Fp8", **base)
+            return w8a16
         if fp8_weights:
-            return LayerVerdict("W8A16Fp8", **base)
+            return w8a16
         if ia is not None and w.num_bits == ia.num_bits == 8 and w.type == ia.type == "int" and \
                 w.strategy in ("tensor", "channel") and w.symmetric and not w.dynamic and \
                 ia.strategy == ("token" if ia.dynamic else "tensor"):
@@ -212,11 +222,12 @@ def kv_verdict(engine: str, kv: QuantArgs | None) -> tuple[str | None, str | Non
 def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: list[QuantScheme | None],
                  targets: Mapping[str, QuantScheme], K: int | None, capability: int, *,
                  cls: str | None = None, shard_names: bool = True, ignore: Iterable[str] = (),
-                 unseen: str = FUSED_UNSEEN) -> LayerVerdict | None:
+                 unseen: str = FUSED_UNSEEN, rows: Sequence[int | None] = ()) -> LayerVerdict | None:
     """vLLM's or SGLang's verdict on one engine layer whose shards (checkpoint Linears) were
     quantized `intended` (None: float), or None when both leave it float. `cls` / `shard_names`:
     see `_engine_scheme`; `ignore`: the config's ignore list, matched against the engine's name
-    `layer`; `unseen`: why a name target written for the checkpoint does not reach the layer."""
+    `layer`; `unseen`: why a name target written for the checkpoint does not reach the layer;
+    `rows`: the shards' output rows, where known."""
     if any(i is None for i in intended) and not all(i is None for i in intended):
         return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
     got = None if ignored(layer, ignore) else _engine_scheme(engine, layer, shards, targets, cls, shard_names)
@@ -224,7 +235,7 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
     if want is None:
         if got is None:
             return None
-        v = _select(engine, got, K, len(shards), capability)
+        v = _select(engine, got, K, len(shards), capability, rows)
         return LayerVerdict(None, v.num_bits, v.group_size, v.symmetric, v.input_activations,
                             problem="it expects quantized weights where the checkpoint holds float "
                                     "ones (the ignore list does not name it as the engine does)")
@@ -232,7 +243,7 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
         return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
     if got is None:
         return LayerVerdict(None, problem="no config target matches it, so it expects float weights")
-    v = _select(engine, got, K, len(shards), capability)
+    v = _select(engine, got, K, len(shards), capability, rows)
     if _same(got, want):
         return v
     if v.defect and want.input_activations is None:
@@ -253,11 +264,11 @@ def quantspec_layer(s: QuantScheme) -> LayerVerdict:
         problem = f"{w.num_bits}-bit integer weights (quantspec runs 4 and 8 bits)"
     elif ia is not None and w.type == "int" and (w.num_bits != 8 or ia.type != "int" or ia.num_bits != 8):
         problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
-    elif ia is not None and ia.strategy not in ("tensor", "token"):
-        problem = f"{ia.strategy} activation scales (quantspec runs per tensor or per token)"
+    elif ia is not None and ia.strategy not in ("tensor", "token") and not (ia.strategy == "group" and ia.dynamic):
+        problem = f"{ia.strategy} activation scales (quantspec runs per tensor, per token or per group)"
     if problem is not None:
-        return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem)
-    return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia))
+        return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem, block=w.block_structure)
+    return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia), block=w.block_structure)
 
 
 def transformers_layer(s: QuantScheme) -> LayerVerdict:
@@ -272,7 +283,8 @@ def transformers_layer(s: QuantScheme) -> LayerVerdict:
     if not w.symmetric and s.format == FORMAT_PACK_QUANTIZED:
         return LayerVerdict(None, problem="packed integer zero points do not fit the shapes it "
                                           "allocates")
-    return LayerVerdict("CompressedLinear", v.num_bits, v.group_size, v.symmetric, v.input_activations)
+    return LayerVerdict("CompressedLinear", v.num_bits, v.group_size, v.symmetric, v.input_activations,
+                        block=v.block)
 
 
 def _mismatch(engine: str, v: LayerVerdict, got: QuantScheme, want: QuantScheme, unseen: str) -> LayerVerdict:

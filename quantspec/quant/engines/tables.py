@@ -21,7 +21,7 @@ FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 # the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them)
 LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
                  "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
-FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only
+FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only (SGLang: no blocks)
 # SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
 # input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
 # writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value

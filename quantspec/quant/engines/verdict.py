@@ -22,9 +22,11 @@ class LayerVerdict:
     input_activations: str | None = None  # "int8 static" / "fp8 static" / None
     problem: str | None = None  # why the engine refuses or mis-runs this layer
     defect: bool = False  # the problem is the engine's bug: the layer is valid compressed-tensors
+    block: tuple[int, int] | None = None  # FP8 block scales: (rows, columns) of a block
 
     def to_dict(self) -> dict:
         return {"scheme": self.scheme, "num_bits": self.num_bits, "group_size": self.group_size,
+                "block": None if self.block is None else list(self.block),
                 "symmetric": self.symmetric, "input_activations": self.input_activations,
                 "problem": self.problem, "defect": self.defect}
 
