@@ -9,7 +9,9 @@ to the fp32 row of the same run. `static_rows()` is importable (bench/quality.py
 rows to its own table).
 
 Row suffixes: `-dynamic` `quantize --quant-type T --activations dynamic` (per-token input scales
-at run time: no table); `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
+at run time: no table); `-block128` `quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK:
+one weight scale per block, shrunk per layer to one that tiles it, inputs per token and group at
+run time); `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
 the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (act-order, on the
 calibration data, after smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α;
@@ -44,6 +46,7 @@ HERE = Path(__file__).parent
 FALLBACK = 8  # fused units of the "-fb" rows (--fallback); 8 of 120 units on SmolLM2
 DEFAULT = "default"  # the quantize default for this setting (no flag passed)
 DYNAMIC = "dynamic"  # in the alpha column: `--activations dynamic` (per-token scales, no table, no smoothing)
+BLOCK = "block128"  # in the alpha column: `--weight-block 128` (FP8_BLOCK: per-group dynamic inputs, no table)
 # name: (quant_type or None for fp32, smoothquant alpha ("auto" = searched per group, None = off),
 #        kv cache "int8" / "fp8" / None, fallback units (W8A16, measured-worst first; "fb" =
 #        the --fallback count)[, method])
@@ -54,6 +57,7 @@ ROWS = {
     "a8w8_fp8-default": ("a8w8_fp8", DEFAULT, None, DEFAULT),
     "a8w8-dynamic": ("a8w8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-dynamic": ("a8w8_fp8", DYNAMIC, None, DEFAULT),
+    "a8w8_fp8-block128": ("a8w8_fp8", BLOCK, None, DEFAULT),
     "fp32+kv-int8": (None, None, "int8", 0),
     "fp32+kv-fp8": (None, None, "fp8", 0),
     "a8w8": ("a8w8", None, None, 0),
@@ -119,12 +123,15 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                           act_order=True) if method == "gptq" else {}
                 if alpha == DYNAMIC:
                     kw["activations"] = DYNAMIC
+                elif alpha == BLOCK:
+                    kw["weight_block"] = 128
                 elif alpha != DEFAULT:
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
                 artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}-{method}",
-                                              calib=None if alpha == DYNAMIC else table, method=method, **kw)
+                                              calib=None if alpha in (DYNAMIC, BLOCK) else table,
+                                              method=method, **kw)
                 q_time = round(time.perf_counter() - t1, 1)
             path = artifacts[key]
             plan = (api.inspect(str(path)).get("calibration") or {}).get("static_plan")
@@ -159,8 +166,9 @@ def markdown(calib_info: dict, rows: list[dict]) -> str:
         else:
             fb = f"{r['fallback']} units, {n} Linears" if r.get("fallback") else "—"
         q = "" if r.get("quantize_s") is None else f"{r['quantize_s']:.0f}"
-        dynamic = r["smoothquant_alpha"] == DYNAMIC  # per-token activations: no smoothing
-        alpha = "— (dynamic activations)" if dynamic else r["smoothquant_alpha"] or "—"
+        alpha = {DYNAMIC: "— (dynamic activations)",  # per-token activations: no smoothing
+                 BLOCK: "— (128² blocks, dynamic per-group activations)"}.get(r["smoothquant_alpha"])
+        alpha = alpha or r["smoothquant_alpha"] or "—"
         cells.append([r["row"], r["quant_type"], alpha, fb, r["kv_cache"],
                       f"{r['perplexity']:.4f}", d, t, q])
     lines = [markdown_table(["row", "weights × activations", "SmoothQuant α", "W8A16 fallback",
