@@ -34,9 +34,10 @@ ARTIFACTS = {
     "a8w8_fp8": (dict(quant_type="a8w8_fp8", smoothquant_alpha="none", fallback_layers=0), True),
     "a8w8_fp8_dynamic": (dict(quant_type="a8w8_fp8", activations="dynamic"), False),
     "a8w8_dynamic": (dict(quant_type="a8w8", activations="dynamic"), False),
+    "a8w8_fp8_block": (dict(quant_type="a8w8_fp8", weight_block=128), False),
     "a8w8": (dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0), True),
 }
-MIXTRAL_ARTIFACTS = ("weight_only_int4", "a8w8_fp8", "a8w8_fp8_dynamic")
+MIXTRAL_ARTIFACTS = ("weight_only_int4", "a8w8_fp8", "a8w8_fp8_dynamic", "a8w8_fp8_block")
 CASES = [("qwen3_moe", n) for n in [*ARTIFACTS, "a8w8_fp8_channel_experts"]] + \
     [("mixtral", n) for n in MIXTRAL_ARTIFACTS]
 

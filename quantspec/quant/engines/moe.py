@@ -64,10 +64,11 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig) -> tuple[str | Non
         return None, "its experts' weight-only scheme is not pack-quantized int4 / int8"
     if w.type == "float" and ia.type == "float":
         if (w.strategy, ia.strategy) == ("tensor", "tensor") or \
-                ((w.strategy, ia.strategy) == ("channel", "token") and ia.dynamic):
+                ((w.strategy, ia.strategy) == ("channel", "token") and ia.dynamic) or \
+                (w.strategy == "block" and ia.dynamic):
             return "W8A8Fp8MoE", None
-        return None, "FP8 experts take per-tensor weights with per-tensor inputs, or per-channel " \
-                     "weights with dynamic per-token inputs"
+        return None, "FP8 experts take per-tensor weights with per-tensor inputs, per-channel weights " \
+                     "with dynamic per-token inputs, or block weights with dynamic inputs"
     if w.type == "int" and ia.type == "int" and ia.dynamic and w.strategy == "channel" and ia.strategy == "token":
         if engine == "sglang":
             return None, "SGLang runs int8-activation experts on NPUs only"
@@ -100,4 +101,4 @@ def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str
     w, ia = s.weights, s.input_activations
     group = w.group_size if w.strategy == "group" else None
     act = None if ia is None else f"{'fp8' if ia.type == 'float' else 'int8'} {'dynamic' if ia.dynamic else 'static'}"
-    return LayerVerdict(kind, w.num_bits, group, w.symmetric, act, problem=problem)
+    return LayerVerdict(kind, w.num_bits, group, w.symmetric, act, problem=problem, block=w.block_structure)
