@@ -255,6 +255,7 @@ def inspect(path: str | Path) -> dict:
                                                 safetensors_keys)
     from quantspec.quant.artifact import read_provenance, read_quant_config
     from quantspec.quant.engines import draft_verdicts
+    from quantspec.quant.hf_fp8 import HF_FP8_METHOD
 
     with about("PATH"):
         d = resolve_model_dir(path)
@@ -269,8 +270,9 @@ def inspect(path: str | Path) -> dict:
     if qc is None:  # a draft module's verdicts need no quantization_config
         kind = draft_kind(c := read_config(d))
         return out if kind is None else {**out, "engines": {e: v.to_dict() for e, v in draft_verdicts(kind, c).items()}}
+    scale_leaf = "." + qc.tensor_names.get("weight_scale", "weight_scale")
     layers = {}
-    for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(".weight_scale")}):
+    for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(scale_leaf)}):
         s = qc.scheme_for(n)
         if s is None or s.weights is None:
             raise QuantSpecError(f"{d}: {n} has quantized tensors but the quantization_config does "
@@ -287,7 +289,11 @@ def inspect(path: str | Path) -> dict:
         method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
     )
-    out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(d, qc, files, layers).items()}
+    if (read_config(d).get("quantization_config") or {}).get("quant_method") == HF_FP8_METHOD:
+        # vLLM, SGLang and transformers read it with their own FP8 method, not compressed-tensors'
+        out["format"] = "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)"
+    else:
+        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(d, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
         # a8w8 types: how many Linears quantize their activations (static or dynamic), which fell back (W8A16)
         out["activation_linears"] = sum(d["input_activations"] is not None for d in layers.values())

@@ -147,3 +147,78 @@ def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path):
     for m in layers:  # teeth: the same weights with float inputs are far from it
         m.input_args = None
     assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
+
+
+def _write_hf_fp8(src: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:
+    """`src` as transformers' fine-grained FP8 checkpoint (`quant_method: "fp8"`, E4M3 weights,
+    `weight_scale_inv` per [bn, bk] block, zero-padded at the edges), written with plain torch →
+    {Linear: its dequantized weight}."""
+    import json
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, out)
+    tensors, dense = load_file(str(out / "model.safetensors")), {}
+    for k in [k for k in tensors if k.endswith("_proj.weight")]:
+        w = tensors[k].float()
+        N, K = w.shape
+        bn, bk = block
+        nb, kb = -(-N // bn), -(-K // bk)
+        blocks = torch.nn.functional.pad(w, (0, kb * bk - K, 0, nb * bn - N)).reshape(nb, bn, kb, bk)
+        scale = blocks.abs().amax(dim=(1, 3)) / 448.0  # [nb, kb]
+        s = scale.repeat_interleave(bn, 0).repeat_interleave(bk, 1)[:N, :K]
+        q = (w / s).clamp(-448, 448).to(torch.float8_e4m3fn)
+        tensors[k], tensors[k[:-len("weight")] + "weight_scale_inv"] = q, scale
+        dense[k[:-len(".weight")]] = q.float() * s
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": list(block)}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return dense
+
+
+@pytest.mark.parametrize("block", [(32, 32), (48, 32)])  # 48 rows: partial edge blocks
+def test_we_load_transformers_fp8_checkpoint(tiny_llama_dir, tmp_path, block):
+    """A fine-grained FP8 checkpoint in transformers' own format (Qwen3-*-FP8's, DeepSeek-V3's):
+    quantspec's dequantized weights equal the writer's, and where the blocks tile the weights
+    transformers' (which dequantizes without a GPU, and refuses partial edge blocks), and so do
+    the logits with float inputs; quantspec quantizes the inputs per token and group as vLLM
+    does, which moves them."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.infer.quant_linear import QuantLinear
+
+    dense = _write_hf_fp8(tiny_llama_dir, tmp_path / "fp8", block)
+    lm = load_for_inference(tmp_path / "fp8", tokenizer=False, fuse=False)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert len(layers) == len(dense) == 7 * lm.args.num_layers
+    for name, m in layers.items():
+        assert m.weight_args.block_structure == block and m.input_args.group_size == block[1]
+        assert torch.equal(m.dequantized_weight(torch.float32), dense[name]), name
+    if any(d % b for w in dense.values() for d, b in zip(w.shape, block)):
+        with pytest.raises(RuntimeError, match="CONVERSION"):
+            AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32)
+        return
+    hf = AutoModelForCausalLM.from_pretrained(str(tmp_path / "fp8"), dtype=torch.float32)
+    with torch.no_grad():
+        theirs = hf(IDS).logits[0]
+    for name in layers:
+        assert torch.equal(hf.get_submodule(name).weight.float(), dense[name]), name
+    quantized_inputs = logits(lm.model, IDS)
+    for m in layers.values():
+        m.input_args = None
+    torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)
+    assert (quantized_inputs - theirs).abs().max() > 1e-3
+
+
+def test_fp8_checkpoint_whose_groups_do_not_divide_k_is_one_line(tiny_llama_dir, tmp_path):
+    """128-wide blocks on a 64-wide model: the inputs' groups (a block's width) cannot tile K, as
+    in vLLM; refused at load in one line."""
+    from quantspec.errors import QuantSpecError
+
+    _write_hf_fp8(tiny_llama_dir, tmp_path / "fp8", (128, 128))
+    with pytest.raises(QuantSpecError, match=r"input groups of 128 do not divide K=64") as e:
+        load_for_inference(tmp_path / "fp8", tokenizer=False)
+    assert "\n" not in str(e.value)

@@ -44,7 +44,7 @@ from quantspec.model_zoo.checkpoint import (
     release_free_heap,
     resolve_model_dir,
 )
-from quantspec.model_zoo.layout import SplitTensors, checkpoint_name
+from quantspec.model_zoo.layout import RenamedLeaves, SplitTensors, checkpoint_name
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
@@ -275,6 +275,8 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
     `QuantLinear`s on `device`, k_scale, v_scale). Every name and shape is checked against `args`
     and `qc`; `where` names the source in messages. The model is not yet prepared for its device
     (`infer.backend.prepare`)."""
+    if qc.tensor_names:  # tensors another tool names otherwise (`quant.hf_fp8`)
+        tensors = RenamedLeaves(tensors, qc.tensor_names)
     tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
     shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}

@@ -138,6 +138,9 @@ class QuantLinear(nn.Module):
         if ia is not None and ia.strategy not in ("tensor", "token") and not (ia.strategy == "group" and ia.dynamic):
             raise QuantSpecError(f"{name}: input activation strategy {ia.strategy!r} is "
                                  "unsupported; use tensor (static), token or group (dynamic)")
+        if ia is not None and ia.strategy == "group" and t.q.shape[1] % ia.group_size:
+            raise QuantSpecError(f"{name}: input groups of {ia.group_size} do not divide K={t.q.shape[1]} "
+                                 "(its scheme's group size, a block's width); re-quantize it with blocks that tile it")
         self.name = name
         self.out_features, self.in_features = t.q.shape
         self.weight_args, self.input_args = w, ia

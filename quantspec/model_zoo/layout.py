@@ -102,12 +102,13 @@ def split_plan(args, names) -> dict[str, tuple[str, int, int, int]]:
 
 
 def _word_rows(shape0: int, lo: int, hi: int, total: int, name: str) -> slice:
-    """The rows of a tensor packed along its rows (`shape0` words for `total` rows) that hold
-    rows lo..hi."""
-    per = -(-total // shape0)  # rows per word
+    """The rows of a tensor with one row per run of the unit's rows (`shape0` for `total` rows:
+    packed zero-point words, FP8 block rows) that hold rows lo..hi."""
+    per = -(-total // shape0)  # rows per word / block
     if -(-total // per) != shape0 or lo % per or (hi % per and hi != total):
-        raise QuantSpecError(f"{name}: its {shape0} packed rows do not split at row {lo} / {hi} of {total}; "
-                             "quantize the model with symmetric weights (no zero points)")
+        fix = "quantize the model with symmetric weights (no zero points)" if name.endswith("zero_point") \
+            else "re-quantize it with blocks that end where its parts do"
+        raise QuantSpecError(f"{name}: its {shape0} rows do not split at row {lo} / {hi} of {total}; {fix}")
     return slice(lo // per, -(-hi // per))
 
 
@@ -127,7 +128,7 @@ def part_shape(name: str, shape: tuple[int, ...], lo: int, hi: int, total: int) 
         return tuple(shape)
     if shape[0] == total:
         return (hi - lo, *shape[1:])
-    if leaf == "weight_zero_point":
+    if leaf in ("weight_zero_point", "weight_scale"):  # packed zero points, FP8 block scales
         s = _word_rows(shape[0], lo, hi, total, name)
         return (s.stop - s.start, *shape[1:])
     raise QuantSpecError(f"{name} has {shape[0]} rows where its fused module has {total}; the checkpoint and "
@@ -184,6 +185,27 @@ class SplitTensors(ShapedTensors):
         if name not in self.shapes:
             raise KeyError(name)
         return self.base[name]
+
+
+class RenamedLeaves(ShapedTensors):
+    """A mapping of checkpoint tensors seen with some leaf names replaced: `leaves` maps the name
+    shown to the stored one (`{"weight_scale": "weight_scale_inv"}` shows `x.weight_scale` for a
+    stored `x.weight_scale_inv`)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], leaves: Mapping[str, str]):
+        self.base = tensors
+        stored = {v: k for k, v in leaves.items()}
+        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        self.names = {}  # shown → stored
+        for k in base_shapes:
+            module, _, leaf = k.rpartition(".")
+            self.names[f"{module}.{stored[leaf]}" if leaf in stored and module else k] = k
+        self.shapes = {shown: tuple(base_shapes[k]) for shown, k in self.names.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        return self.base[self.names[name]]
 
 
 def fuse_tensors(args, tensors: Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ from quantspec.quant.args import (
     QuantType,
     _err,
 )
+from quantspec.quant.hf_fp8 import HF_FP8_METHOD, config_from_hf_fp8
 from quantspec.quant.scheme import QuantScheme
 
 _LOG = logging.getLogger(__name__)
@@ -73,6 +74,9 @@ class QuantConfig:
     quant_type: QuantType | None = None
     provenance: Mapping[str, Any] = field(default_factory=dict)
     quantization_status: str = STATUS_COMPRESSED
+    # compressed-tensors leaf name → the checkpoint's, where it names a tensor otherwise
+    # (transformers' block FP8 checkpoints: weight_scale → weight_scale_inv, `quant.hf_fp8`)
+    tensor_names: Mapping[str, str] = field(default_factory=dict)
 
     def __post_init__(self) -> None:
         w = "QuantConfig"
@@ -131,14 +135,17 @@ class QuantConfig:
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
-        """Read a `quantization_config` written by compressed-tensors / llm-compressor / us."""
+        """Read a `quantization_config` written by compressed-tensors / llm-compressor / us, or an
+        FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`)."""
         w = "quantization_config"
         if not isinstance(d, Mapping):
             raise _err(w, f"expected a mapping, got {type(d).__name__}")
         qm = d.get("quant_method", QUANT_METHOD)
+        if qm == HF_FP8_METHOD:
+            return config_from_hf_fp8(d)
         if qm != QUANT_METHOD:
-            raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads "
-                          f"{QUANT_METHOD!r} checkpoints only")
+            raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r} "
+                          f"and {HF_FP8_METHOD!r} checkpoints")
         known = {"config_groups", "quant_method", "kv_cache_scheme", "format",
                  "quantization_status", "global_compression_ratio", "ignore",
                  "moe_sparsity_config", "sparsity_config", "transform_config", "version"}

@@ -259,3 +259,42 @@ def test_block_sizes_per_layer_keep_inputs_in_step():
     assert qc.config_groups["group_0"].weights.block_structure == (32, 32)
     QuantConfig.from_dict(qc.to_dict())  # valid compressed-tensors JSON, read back
     ctq.QuantizationConfig.model_validate(qc.to_dict())
+
+
+def test_reads_transformers_fp8_configs():
+    """`quant_method: "fp8"` configs (transformers' fine-grained FP8, vLLM's per-tensor FP8) as
+    the compressed-tensors schemes they are; their skipped modules as transformers matches them."""
+    from transformers.quantizers.quantizers_utils import should_convert_module
+
+    skip = ["mlp.gate", "model.layers.1", "model.layers.2.*attn"]
+    fine = QuantConfig.from_dict({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                  "weight_block_size": [128, 128], "modules_to_not_convert": skip})
+    g = fine.config_groups["group_0"]
+    assert g.weights.block_structure == (128, 128) and g.weights.type == "float"
+    assert (g.input_activations.strategy, g.input_activations.group_size, g.input_activations.dynamic) == \
+        ("group", 128, True)
+    assert fine.tensor_names == {"weight_scale": "weight_scale_inv"} and fine.quant_type is QuantType.A8W8_FP8
+    assert fine.scheme_for("lm_head") is None
+    for i in (0, 1, 2, 11):
+        for m in ("mlp.gate", "mlp.gate_proj", "mlp.up_proj", "self_attn.q_proj"):
+            name = f"model.layers.{i}.{m}"
+            assert (fine.scheme_for(name) is g) == should_convert_module(name, skip), name
+    static = QuantConfig.from_dict({"quant_method": "fp8", "activation_scheme": "static"})
+    s = static.config_groups["group_0"]
+    assert (s.weights.strategy, s.input_activations.strategy, s.input_activations.dynamic) == ("tensor", "tensor", False)
+    assert static.tensor_names == {}
+    dynamic = QuantConfig.from_dict({"quant_method": "fp8", "activation_scheme": "dynamic"}).config_groups["group_0"]
+    assert (dynamic.input_activations.strategy, dynamic.input_activations.dynamic) == ("token", True)
+
+
+@pytest.mark.parametrize("cfg,named", [
+    ({"fmt": "e5m2"}, "fmt 'e5m2'"),
+    ({"weight_block_size": [128, 128], "activation_scheme": "static"}, "activation_scheme 'dynamic'"),
+    ({"weight_block_size": [128]}, "weight_block_size"),
+    ({"activation_scheme": "mixed"}, "activation_scheme 'mixed'"),
+    ({"bogus": 1}, "bogus"),
+])
+def test_transformers_fp8_config_refusals_name_the_field(cfg, named):
+    with pytest.raises(QuantSpecError, match=named) as e:
+        QuantConfig.from_dict({"quant_method": "fp8", **cfg})
+    assert "\n" not in str(e.value)
