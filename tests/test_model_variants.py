@@ -15,6 +15,7 @@ import pytest
 import torch
 
 from quantspec import api
+from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.loader import load_for_inference
 from quantspec.model_zoo.llama import NEUTRAL_MULTIPLIERS
 from quantspec.model_zoo.tiny import GRANITE_MULTIPLIERS, build_tiny_model
@@ -121,7 +122,8 @@ def test_granite_every_multiplier_counts(variant, logits_of):
     from quantspec.model_zoo.checkpoint import build_model
 
     _, d, hf = _only(variant, "granite")
-    lm = load_for_inference(d, tokenizer=False, fuse=False)
+    # the float linears keep their weights (quantspec's CPU kernels pack them otherwise)
+    lm = load_for_inference(d, tokenizer=False, fuse=False, policy=DispatchPolicy(cpu_kernels=False))
     assert {k: getattr(lm.args, k) for k in GRANITE_MULTIPLIERS} == GRANITE_MULTIPLIERS
     with torch.no_grad():
         want = hf(IDS[None]).logits[0]
@@ -145,7 +147,7 @@ def test_olmo2_post_norms_and_whole_projection_qk_norms(variant, logits_of, tmp_
     from quantspec.quant.artifact import read_provenance
 
     _, d, hf = _only(variant, "olmo2")
-    lm = load_for_inference(d, tokenizer=False, fuse=False)
+    lm = load_for_inference(d, tokenizer=False, fuse=False, policy=DispatchPolicy(cpu_kernels=False))
     a = lm.args
     assert a.post_norms and a.qk_norm and not a.qk_norm_per_head
     layer = lm.model.model.layers[0]

@@ -499,6 +499,18 @@ def test_cuda_quant_linear_matches_reference(kind, g, sym, M):
     _check(y, _reference(t, x), torch.bfloat16)
 
 
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available() or torch.cuda.get_device_capability() < (8, 9),
+                    reason="needs CUDA with compute capability >= 8.9")
+@pytest.mark.parametrize("M", [1, 17, 200])
+def test_cuda_fp8_block_layer_matches_reference(M):
+    t = _block_tensors(384, 1024, 128, seed=M)
+    layer = QuantLinear(t, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(M, 1024).bfloat16()
+    assert layer.kernel_for(x.cuda()) is KernelPath.TRITON_FP8_BLOCK
+    _check(layer(x.cuda()).cpu(), _reference(t, x), torch.bfloat16)
+
+
 @pytest.mark.parametrize("kind,g", [("weight_only_int8", 128), ("weight_only_int4", 32)])
 def test_packed_ops_survive_unaligned_buffers(kind, g):
     """Views at odd offsets (weights straight out of a safetensors buffer, a row slice of x)

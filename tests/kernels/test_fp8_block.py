@@ -39,6 +39,13 @@ def test_group_quantizer_bit_exact(dtype):
     assert float(s[2, 1]) == torch.finfo(torch.float32).eps
 
 
+def _close(y, ref):
+    """Within 1e-5 on the CPU; on a GPU, whose fp8 MMA adds a k tile's products in fewer bits
+    than fp32, within 2e-3 of the output's magnitude."""
+    tol = 2e-3 * float(ref.abs().max()) if torch.cuda.is_available() else 1e-5
+    torch.testing.assert_close(y, ref, rtol=0 if torch.cuda.is_available() else 1e-5, atol=tol)
+
+
 @pytest.mark.parametrize("M,N,K,block", [(1, 96, 128, (32, 32)), (5, 200, 256, (64, 64)), (17, 64, 192, (32, 64)),
                                          (33, 130, 128, (128, 128))])
 def test_block_gemm_matches_reference(M, N, K, block):
@@ -48,12 +55,12 @@ def test_block_gemm_matches_reference(M, N, K, block):
     xq, xs = quantize_act_fp8_group_ref(x, block[1])
     y = fp8_block_gemm(xq, xs, wq, ws, block, bias, torch.float32)
     ref = fp8_block_gemm_ref(xq, xs, wq, ws, block, bias, torch.float32)
-    torch.testing.assert_close(y, ref, rtol=1e-5, atol=1e-5)
+    _close(y, ref)
     # the layer's reference numbers: dequantized inputs and weights, one matmul
     ia = QuantArgs(type="float", strategy="group", group_size=block[1], dynamic=True)
     xhat = dequantize(xq, xs, None, ia)
     dense = xhat @ dequantize(wq, ws, None, args).t() + bias
-    torch.testing.assert_close(fp8_block_linear(x, wq, ws, block, bias), dense, rtol=1e-5, atol=1e-5)
+    _close(fp8_block_linear(x, wq, ws, block, bias), dense)
     torch.testing.assert_close(fp8_block_linear_ref(x, wq, ws, block, bias), dense, rtol=1e-5, atol=1e-5)
     # the scales are read per block: a wrong block row changes the output
     ws2 = ws.clone()
