@@ -359,8 +359,6 @@ def resolve_group_size(K: int, requested: int) -> int:
     return -1
 
 
-
-
 def resolve_block_size(K: int, N: int, requested: tuple[int, int]) -> int:
     """The side of the square blocks for a layer [N, K] when `requested` (bn, bk) was asked for:
     the largest power of two ≤ min(bn, bk) and ≥ 16 that divides both N and K (the engines
