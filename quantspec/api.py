@@ -227,7 +227,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
     `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
     zp_dtype, weight_observer, ignore, act_order, block_size, damp, dataset, split, text_field,
-    num_samples, seq_len, seed, calib, smoothquant_alpha, kv_cache, kv_strategy, target,
+    num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha, kv_cache, kv_strategy, target,
     fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples,
     overwrite), checked when the config is built. `target` defaults to "portable" (what vLLM and
     SGLang load with the intended scheme); options only quantspec runs (float zero points, int8
