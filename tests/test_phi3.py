@@ -12,6 +12,7 @@ from safetensors import safe_open
 
 from quantspec import api
 from quantspec.errors import QuantSpecError
+from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.loader import load_for_inference
 from quantspec.model_zoo import layout
 from quantspec.model_zoo.llama import ModelArgs
@@ -257,7 +258,8 @@ def test_ignore_takes_fused_units_whole(tiny_phi3_dir, tmp_path, logits_of):
     assert f"{fused}.weight" in names and f"{fused}.weight_packed" not in names
     assert "model.layers.1.self_attn.qkv_proj.weight_packed" in names
     assert json.loads((art / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head", fused]
-    lm = load_for_inference(art, tokenizer=False, fuse=False)
+    # the float linears stay Linears (quantspec's CPU kernels pack them otherwise)
+    lm = load_for_inference(art, tokenizer=False, fuse=False, policy=DispatchPolicy(cpu_kernels=False))
     assert isinstance(lm.model.model.layers[0].self_attn.k_proj, torch.nn.Linear)
     torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(art, IDS), **TOL)
     out = tmp_path / "refused"

@@ -308,8 +308,8 @@ def test_fused_small_op_launches_compile(recorded, dtype):
 
 def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
     """One GPU launch of each of quantspec's Triton kernels (recorded by the `recorded` fixture):
-    the GEMMs at decode M (split-K finished in the launch, and by a launch of its own), the
-    dequantize kernels, the activation quantizers, the paged cache's write and attention, the
+    the GEMMs at decode M (split-K finished in the launch, and by a launch of its own; FP8 with
+    block scales), the dequantize kernels, the activation quantizers, the paged cache's write and attention, the
     fused small ops."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, K, generator=gen).to(dtype)
@@ -324,6 +324,7 @@ def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
     w8a16.w8a16_dequantize(q, ws, dtype)
     w8a8.w8a8_linear(x, q, ws, xs)
     fp8.fp8_linear(x, w_fp8, ws, xs)
+    fp8_block.fp8_block_linear(x, w_fp8, torch.rand(-(-N // 64), K // 64, generator=gen) + 0.01, (64, 64))
     monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
     w4a16.w4a16_linear(x, wp, s4, G)
     w8a8.w8a8_linear(torch.randn(1, 4 * K, generator=gen).to(dtype), q.repeat(1, 4), ws, xs)  # deep: split K
