@@ -289,11 +289,12 @@ def inspect(path: str | Path) -> dict:
         method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
     )
-    if (read_config(d).get("quantization_config") or {}).get("quant_method") == HF_FP8_METHOD:
+    cfg = read_config(d)
+    if (cfg.get("quantization_config") or {}).get("quant_method") == HF_FP8_METHOD:
         # vLLM, SGLang and transformers read it with their own FP8 method, not compressed-tensors'
         out["format"] = "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)"
     else:
-        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(d, qc, files, layers).items()}
+        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(cfg, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
         # a8w8 types: how many Linears quantize their activations (static or dynamic), which fell back (W8A16)
         out["activation_linears"] = sum(d["input_activations"] is not None for d in layers.values())
@@ -319,13 +320,13 @@ def _layer_info(s) -> dict:
             else f"{ia.type}{ia.num_bits} {ia.strategy} {'dynamic' if ia.dynamic else 'static'}"}
 
 
-def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
-    """`quant.engines.engine_verdicts` for the artifact in `d`: its quantized Linears with their
+def _engine_verdicts(cfg: dict, qc, files, layers: dict) -> dict:
+    """`quant.engines.engine_verdicts` for the artifact of config.json `cfg`: its quantized Linears with their
     input and output dims (from `weight_shape` or the code tensor's shape), whether it is a draft module and,
     for an EAGLE-3 head, its base's layer count (the index vLLM gives the head's layer)."""
     from safetensors import safe_open
 
-    from quantspec.model_zoo.checkpoint import draft_kind, read_config, reading_safetensors
+    from quantspec.model_zoo.checkpoint import draft_kind, reading_safetensors
     from quantspec.quant.engines import engine_verdicts
 
     dims: dict[str, int | None] = dict.fromkeys(layers)
@@ -334,11 +335,10 @@ def _engine_verdicts(d: Path, qc, files, layers: dict) -> dict:
         with reading_safetensors(f), safe_open(str(f), framework="pt") as h:
             for k in h.keys():
                 name, _, leaf = k.rpartition(".")
-                shape = h.get_tensor(k).tolist() if name in dims and leaf == "weight_shape" else \
-                    h.get_slice(k).get_shape() if name in dims and leaf == "weight" else None
-                if shape is not None:
-                    rows[name], dims[name] = int(shape[0]), int(shape[1])
-    cfg = read_config(d)
+                if name not in dims or leaf not in ("weight_shape", "weight"):
+                    continue
+                shape = h.get_tensor(k).tolist() if leaf == "weight_shape" else h.get_slice(k).get_shape()
+                rows[name], dims[name] = int(shape[0]), int(shape[1])
     return engine_verdicts(qc, dims, draft=draft_kind(cfg), draft_config=cfg, rows=rows,
                            base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))
 

@@ -224,6 +224,12 @@ class QuantArgs:
         """Largest quantized value (int: 2^(b-1) - 1; fp8 E4M3: 448)."""
         return float(2 ** (self.num_bits - 1) - 1) if self.type == "int" else 448.0
 
+    def block_grid(self, N: int, K: int) -> tuple[int, int]:
+        """(block rows, block columns) of block args over a weight [N, K], a partial edge block
+        counted: the shape of its scale."""
+        bn, bk = self.block_structure
+        return -(-N // bn), -(-K // bk)
+
     @property
     def is_fp8(self) -> bool:
         return self.type == "float"

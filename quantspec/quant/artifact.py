@@ -151,8 +151,7 @@ def _check_scale_shape(prefix: str, scale: torch.Tensor, args: QuantArgs, N: int
     elif args.strategy == "channel":
         want = (N, 1)
     elif args.strategy == "block":
-        bn, bk = args.block_structure
-        want = (-(-N // bn), -(-K // bk))
+        want = args.block_grid(N, K)
     else:
         want = (1,)
     if tuple(scale.shape) != want:

@@ -102,8 +102,7 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
                                  "re-quantize this layer with a group size that divides it")
         sshape: tuple[int, ...] | None = (N, K // w.group_size)
     elif w.strategy == "block":
-        bn, bk = w.block_structure
-        sshape = (-(-N // bn), -(-K // bk))
+        sshape = w.block_grid(N, K)
     elif w.strategy == "channel":
         sshape = (N, 1)
     elif w.strategy == "tensor":

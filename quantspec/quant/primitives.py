@@ -327,9 +327,8 @@ def _from_grid_(q: torch.Tensor, s: torch.Tensor, zp: torch.Tensor | None) -> to
 def _fake_quantize_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
                         zero_point: torch.Tensor | None, args: QuantArgs) -> torch.Tensor:
     """`fake_quantize(x, scale, zero_point, args)` written into `out` (contiguous, x's shape) for
-    x and scale of out's dtype (float32 in `mse_qparams`), with no temporary the size of x."""
-    if args.strategy == "block":  # a padded block view is no view of out
-        return out.copy_(fake_quantize(x, scale, zero_point, args))
+    x and scale of out's dtype (float32 in `mse_qparams`), with no temporary the size of x; not
+    for block args (a padded block view is no view of `out`; `mse_qparams` refuses them)."""
     xs, s, zp, restore = _broadcast(x, scale, zero_point, args)
     o = out if restore is None else out.unflatten(-1, xs.shape[-2:])  # a view of out
     _to_grid_(torch.div(xs, s, out=o), zp, args)
