@@ -20,7 +20,9 @@ from typing import Any, Mapping
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["FORMAT_FLOAT_QUANTIZED", "FORMAT_INT_QUANTIZED", "FORMAT_MIXED_PRECISION", "FORMAT_NAIVE_QUANTIZED", "FORMAT_PACK_QUANTIZED", "MIN_GROUP_SIZE", "QUANT_METHOD", "STATUS_COMPRESSED", "SUPPORTED_FORMATS", "ZP_FLOAT_DTYPES", "QuantArgs", "QuantType"]
+__all__ = ["FORMAT_FLOAT_QUANTIZED", "FORMAT_INT_QUANTIZED", "FORMAT_MIXED_PRECISION", "FORMAT_NAIVE_QUANTIZED",
+           "FORMAT_NVFP4_PACK_QUANTIZED", "FORMAT_PACK_QUANTIZED", "MIN_GROUP_SIZE", "NVFP4_GROUP_SIZE", "QUANT_METHOD",
+           "STATUS_COMPRESSED", "SUPPORTED_FORMATS", "ZP_FLOAT_DTYPES", "QuantArgs", "QuantType"]
 
 
 QUANT_METHOD = "compressed-tensors"
@@ -29,22 +31,29 @@ FORMAT_INT_QUANTIZED = "int-quantized"
 FORMAT_FLOAT_QUANTIZED = "float-quantized"
 FORMAT_NAIVE_QUANTIZED = "naive-quantized"
 FORMAT_MIXED_PRECISION = "mixed-precision"
+FORMAT_NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
 # formats whose tensors quantspec can read and write (the rest of compressed-tensors' formats —
-# sparse, marlin, nvfp4/mxfp — are refused on load with one line)
+# sparse, marlin, mxfp — are refused on load with one line)
 SUPPORTED_FORMATS = (
     FORMAT_PACK_QUANTIZED,
     FORMAT_INT_QUANTIZED,
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_NAIVE_QUANTIZED,
+    FORMAT_NVFP4_PACK_QUANTIZED,
 )
 STATUS_COMPRESSED = "compressed"
 # smallest group size `resolve_group_size` hands out: torch's CPU int4 op takes 32..256 and the
 # Triton kernels need a power of two ≥ 16
 MIN_GROUP_SIZE = 16
+# NVFP4: E2M1 values in groups of 16 along K, one FP8 E4M3 scale per group under one fp32 global
+# scale per tensor (strategy "tensor_group")
+NVFP4_GROUP_SIZE = 16
+_NVFP4_SCALE_DTYPE = "float8_e4m3fn"
 
 _TYPES = ("int", "float")
-_STRATEGIES = ("tensor", "channel", "group", "block", "token", "attn_head")
-_ACTIVATION_STRATEGIES = ("tensor", "token", "group", "attn_head")
+_STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token", "attn_head")
+_ACTIVATION_STRATEGIES = ("tensor", "token", "group", "tensor_group", "attn_head")
+_GROUPED = ("group", "tensor_group")  # the strategies that take a group_size
 _ACTORDER = {"weight": "weight", "static": "weight"}
 # float zero-point dtypes (compressed-tensors' `zp_dtype`): the zero point is cast, not rounded,
 # so w = (q - zp) * scale can sit on a float-offset grid such as GGUF Q4_1 (w = d*q + m)
@@ -54,12 +63,14 @@ _ZP_INT_DTYPES = ("int8", "int16", "int32", "int64", "uint8")
 
 
 class QuantType(str, enum.Enum):
-    """The four quantization types quantspec produces (names from the project documents)."""
+    """The quantization types quantspec produces."""
 
     WEIGHT_ONLY_INT8 = "weight_only_int8"  # int8 weights, per output channel
     WEIGHT_ONLY_INT4 = "weight_only_int4"  # int4 weights, per group along K
     A8W8 = "a8w8"  # int8 per-channel weights + static per-tensor int8 activation scales
     A8W8_FP8 = "a8w8_fp8"  # FP8 E4M3 per-channel weights + static per-tensor FP8 activations
+    WEIGHT_ONLY_NVFP4 = "weight_only_nvfp4"  # NVFP4 weights, float activations (NVFP4A16)
+    NVFP4 = "nvfp4"  # NVFP4 weights × NVFP4 activations (per-group scales at run time, static global)
 
     @classmethod
     def parse(cls, value: "QuantType | str") -> "QuantType":
@@ -88,11 +99,11 @@ def _checked_type(num_bits, type_, symmetric) -> str:
         raise _err(_W, f"type must be 'int' or 'float', got {type_!r}")
     if t == "int" and not 2 <= num_bits <= 8:
         raise _err(_W, f"num_bits={num_bits} unsupported for type 'int'; use 2..8 (4 or 8)")
-    if t == "float" and num_bits != 8:
-        raise _err(_W, f"num_bits={num_bits} unsupported for type 'float'; only FP8 "
-                       "(num_bits=8, E4M3) is supported")
+    if t == "float" and num_bits not in (8, 4):
+        raise _err(_W, f"num_bits={num_bits} unsupported for type 'float'; quantspec runs FP8 "
+                       "(num_bits=8, E4M3) and NVFP4 (num_bits=4, E2M1)")
     if t == "float" and not symmetric:
-        raise _err(_W, "asymmetric FP8 is unsupported; set symmetric=True")
+        raise _err(_W, f"asymmetric FP{num_bits} is unsupported; set symmetric=True")
     return t
 
 
@@ -115,9 +126,9 @@ def _checked_strategy(strategy, group_size) -> str:
     strategy = str(strategy).lower()
     if strategy not in _STRATEGIES:
         raise _err(_W, f"strategy {strategy!r} unsupported; use one of {', '.join(_STRATEGIES)}")
-    if strategy == "group" and (group_size is None or group_size <= 0):
-        raise _err(_W, "strategy 'group' needs group_size > 0; set group_size (e.g. 128)")
-    if group_size is not None and group_size > 0 and strategy != "group":
+    if strategy in _GROUPED and (group_size is None or group_size <= 0):
+        raise _err(_W, f"strategy {strategy!r} needs group_size > 0; set group_size (e.g. 128)")
+    if group_size is not None and group_size > 0 and strategy not in _GROUPED:
         raise _err(_W, f"group_size={group_size} needs strategy 'group', "
                        f"got strategy {strategy!r}")
     if group_size == -1 and strategy != "channel":
@@ -143,10 +154,22 @@ def _checked_block(block_structure, strategy: str) -> tuple[int, int] | None:
     return dims
 
 
-def _check_dynamic(dynamic, strategy: str) -> None:
+def _checked_dynamic(dynamic, strategy: str) -> bool | str:
+    """True | False, or "local" (NVFP4 inputs: group scales at run time under a static global
+    scale, compressed-tensors' `DynamicType.LOCAL`)."""
+    if isinstance(dynamic, enum.Enum):
+        dynamic = dynamic.value
+    if isinstance(dynamic, str) and dynamic.lower() == "local":
+        if strategy != "tensor_group":
+            raise _err(_W, f"dynamic='local' needs strategy 'tensor_group' (NVFP4 inputs), got {strategy!r}")
+        return "local"
     if not isinstance(dynamic, bool):
-        raise _err(_W, f"dynamic must be True or False, got {dynamic!r} "
-                       "(locally dynamic scales are unsupported)")
+        raise _err(_W, f"dynamic must be True, False or 'local', got {dynamic!r}")
+    _check_dynamic(dynamic, strategy)
+    return dynamic
+
+
+def _check_dynamic(dynamic: bool, strategy: str) -> None:
     if strategy == "token" and not dynamic:
         raise _err(_W, "strategy 'token' is only possible with dynamic=True")
     if dynamic and strategy not in ("token", "tensor", "group"):
@@ -173,6 +196,25 @@ def _checked_zp_dtype(zp_dtype, t: str, symmetric) -> str:
     return z
 
 
+def _checked_fp4(a: "QuantArgs", t: str, strategy: str) -> str | None:
+    """The scale dtype of NVFP4 args ("float8_e4m3fn"), after checking the layout NVFP4 takes;
+    None for every other type (which takes no `scale_dtype`)."""
+    fp4 = t == "float" and a.num_bits == 4
+    if fp4 and (strategy != "tensor_group" or a.group_size != NVFP4_GROUP_SIZE):
+        raise _err(_W, f"FP4 takes NVFP4's layout: strategy 'tensor_group' with group_size "
+                       f"{NVFP4_GROUP_SIZE} (got {strategy!r}, group_size={a.group_size}); MXFP4 is unsupported")
+    if strategy == "tensor_group" and not fp4:
+        raise _err(_W, f"strategy 'tensor_group' is NVFP4's (type 'float', num_bits 4); got "
+                       f"{a.num_bits}-bit {t}")
+    if a.scale_dtype is None:
+        return _NVFP4_SCALE_DTYPE if fp4 else None
+    sd = str(a.scale_dtype).removeprefix("torch.")
+    if not fp4 or sd != _NVFP4_SCALE_DTYPE:
+        raise _err(_W, f"scale_dtype {a.scale_dtype!r} unsupported here: only NVFP4 args take one "
+                       f"({_NVFP4_SCALE_DTYPE})")
+    return sd
+
+
 @dataclass(frozen=True)
 class QuantArgs:
     """How one tensor (a weight, an activation, the KV cache) is quantized.
@@ -188,6 +230,12 @@ class QuantArgs:
     `zp_dtype` (asymmetric int args only): None keeps integer zero points (compressed-tensors'
     default); "float16" | "bfloat16" | "float32" stores the zero point as that float, unrounded
     (compressed-tensors' `zp_dtype`), so the grid's offset need not be a whole step.
+
+    NVFP4 (type "float", num_bits 4): E2M1 values, strategy `tensor_group` with group_size 16 —
+    one FP8 E4M3 scale per group of 16 along K ([N, K/16]) under one fp32 global scale per
+    tensor; `scale_dtype` "float8_e4m3fn" (compressed-tensors writes it; None reads as it).
+    Its input activations take `dynamic="local"`: group scales computed at run time under a
+    static (calibrated) global scale.
     """
 
     num_bits: int = 8
@@ -200,6 +248,7 @@ class QuantArgs:
     actorder: str | None = None
     zp_dtype: str | None = None
     block_structure: tuple[int, int] | None = None
+    scale_dtype: str | None = None
 
     def __post_init__(self) -> None:
         t = _checked_type(self.num_bits, self.type, self.symmetric)
@@ -207,7 +256,8 @@ class QuantArgs:
         strategy = _checked_strategy(self.strategy, self.group_size)
         object.__setattr__(self, "strategy", strategy)
         object.__setattr__(self, "block_structure", _checked_block(self.block_structure, strategy))
-        _check_dynamic(self.dynamic, strategy)
+        object.__setattr__(self, "dynamic", _checked_dynamic(self.dynamic, strategy))
+        object.__setattr__(self, "scale_dtype", _checked_fp4(self, t, strategy))
         if self.actorder is not None:
             object.__setattr__(self, "actorder", _checked_actorder(self.actorder))
         if self.zp_dtype is not None:
@@ -216,13 +266,15 @@ class QuantArgs:
     # ---- derived -------------------------------------------------------------------------
     @property
     def q_min(self) -> float:
-        """Smallest quantized value (int: -2^(b-1); fp8 E4M3: -448)."""
-        return -float(2 ** (self.num_bits - 1)) if self.type == "int" else -448.0
+        """Smallest quantized value (int: -2^(b-1); fp8 E4M3: -448; fp4 E2M1: -6)."""
+        return -float(2 ** (self.num_bits - 1)) if self.type == "int" else -self.q_max
 
     @property
     def q_max(self) -> float:
-        """Largest quantized value (int: 2^(b-1) - 1; fp8 E4M3: 448)."""
-        return float(2 ** (self.num_bits - 1) - 1) if self.type == "int" else 448.0
+        """Largest quantized value (int: 2^(b-1) - 1; fp8 E4M3: 448; fp4 E2M1: 6)."""
+        if self.type == "int":
+            return float(2 ** (self.num_bits - 1) - 1)
+        return 6.0 if self.num_bits == 4 else 448.0
 
     def block_grid(self, N: int, K: int) -> tuple[int, int]:
         """(block rows, block columns) of block args over a weight [N, K], a partial edge block
@@ -232,7 +284,12 @@ class QuantArgs:
 
     @property
     def is_fp8(self) -> bool:
-        return self.type == "float"
+        return self.type == "float" and self.num_bits == 8
+
+    @property
+    def is_fp4(self) -> bool:
+        """NVFP4: E2M1 values with FP8 group scales under a global scale."""
+        return self.type == "float" and self.num_bits == 4
 
     def replace(self, **changes: Any) -> "QuantArgs":
         """A copy with some fields changed (validated again)."""
@@ -257,6 +314,8 @@ class QuantArgs:
             d["zp_dtype"] = f"torch.{self.zp_dtype}"  # compressed-tensors writes str(torch.dtype)
         if self.block_structure is not None:
             d["block_structure"] = list(self.block_structure)
+        if self.scale_dtype is not None:
+            d["scale_dtype"] = f"torch.{self.scale_dtype}"
         return d
 
     @classmethod
@@ -270,16 +329,14 @@ class QuantArgs:
         unknown = sorted(set(d) - known)
         if unknown:
             raise _err(where, f"unknown key(s) {unknown}; remove them")
-        if d.get("scale_dtype") is not None:
-            raise _err(where, f"scale_dtype={d['scale_dtype']!r} (MX/NV FP4 scales) is "
-                              "unsupported; use float scales")
+        scale_dtype = d.get("scale_dtype")
+        if scale_dtype is not None:
+            scale_dtype = str(scale_dtype).removeprefix("torch.")
+            if scale_dtype in ("uint8", "float8_e8m0fnu"):
+                raise _err(where, f"scale_dtype={d['scale_dtype']!r} (MXFP4 / MXFP8 exponent scales) is "
+                                  "unsupported; quantspec runs NVFP4 (FP8 group scales) and float scales")
         strategy = d.get("strategy")
-        if strategy == "tensor_group":
-            raise _err(where, "strategy 'tensor_group' (NVFP4's global scales) is unsupported; use "
-                              "tensor, channel, group, block, token or attn_head")
         dynamic = d.get("dynamic", False)
-        if isinstance(dynamic, str):
-            raise _err(where, f"dynamic={dynamic!r} (locally dynamic) is unsupported")
         actorder = d.get("actorder")
         if actorder is False:
             actorder = None
@@ -303,6 +360,7 @@ class QuantArgs:
                 actorder=actorder,
                 zp_dtype=zp_dtype,
                 block_structure=d.get("block_structure"),
+                scale_dtype=scale_dtype,
             )
         except QuantSpecError as e:
             raise QuantSpecError(f"{where}: {e}") from None

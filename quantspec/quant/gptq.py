@@ -102,21 +102,22 @@ class GPTQResult:
     perm: torch.Tensor | None = None
 
 
-def rtn_quantize(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None
-                 ) -> GPTQResult:
-    """Round-to-nearest with min/max qparams (the baseline GPTQ improves on)."""
+def rtn_quantize(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype | None = None,
+                 global_scale: torch.Tensor | None = None) -> GPTQResult:
+    """Round-to-nearest with min/max qparams (the baseline GPTQ improves on); NVFP4 args under
+    `global_scale` (default: the weight's own)."""
     _check_weight(weight, args)
     w = weight.float()
-    scale, zp = choose_qparams(w, args)
-    scale = scale.to(scale_dtype or weight.dtype)
-    q = quantize(w, scale, zp, args)
+    scale, zp = choose_qparams(w, args, global_scale)
+    scale = scale.to(scale_dtype or weight.dtype)  # NVFP4's FP8 values: exact in every float dtype
+    q = quantize(w, scale, zp, args, global_scale=global_scale)
     return GPTQResult(q=q, scale=scale, zero_point=zp,
-                      weight_dq=dequantize(q, scale, zp, args, dtype=weight.dtype),
+                      weight_dq=dequantize(q, scale, zp, args, dtype=weight.dtype, global_scale=global_scale),
                       loss=float("nan"), args=args)
 
 
-def rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
-                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+def rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype,
+                global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """Round-to-nearest of `weight` [N, K] under per-row (channel / group) `args`, in blocks of
     rows of at most `RTN_BLOCK_BYTES` (float32), so its temporaries stay small whatever N;
     `weight` is overwritten with its dequantized values. → (q [N, K], scale, zero_point or None),
@@ -128,7 +129,7 @@ def rtn_by_rows(weight: torch.Tensor, args: QuantArgs, scale_dtype: torch.dtype
     qs, scales, zps = [], [], []
     for a in range(0, weight.shape[0], rows):
         block = weight[a:a + rows]  # [≤ rows, K]
-        r = rtn_quantize(block, args, scale_dtype=scale_dtype)
+        r = rtn_quantize(block, args, scale_dtype=scale_dtype, global_scale=global_scale)
         block.copy_(r.weight_dq)
         qs.append(r.q)
         scales.append(r.scale)
@@ -143,9 +144,9 @@ def _check_weight(weight: torch.Tensor, args: QuantArgs) -> None:
                              f"{getattr(weight, 'shape', type(weight))}")
     if not isinstance(args, QuantArgs):
         raise QuantSpecError(f"args must be QuantArgs, got {type(args).__name__}")
-    if args.strategy not in ("tensor", "channel", "group", "block"):
+    if args.strategy not in ("tensor", "channel", "group", "tensor_group", "block"):
         raise QuantSpecError(f"weight strategy {args.strategy!r} unsupported; use tensor, "
-                             "channel, group or block")
+                             "channel, group, tensor_group or block")
     if args.strategy == "group" and weight.shape[1] % args.group_size:
         raise QuantSpecError(f"group_size {args.group_size} does not divide K={weight.shape[1]}; "
                              "use quant.config.resolve_group_size to pick one")

@@ -7,11 +7,11 @@ from dataclasses import replace
 from typing import Iterable
 
 from quantspec.errors import QuantSpecError
-from quantspec.quant.args import MIN_GROUP_SIZE, QuantArgs, QuantType
+from quantspec.quant.args import MIN_GROUP_SIZE, NVFP4_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "METHODS", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "METHODS", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -30,6 +30,9 @@ PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.A8W8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
+    QuantType.WEIGHT_ONLY_NVFP4: QuantArgs(num_bits=4, type="float", strategy="tensor_group",
+                                           group_size=NVFP4_GROUP_SIZE),
+    QuantType.NVFP4: QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE),
 }
 # the static per-tensor input activations of the types that quantize them (the rest keep float inputs)
 PRESET_INPUTS: dict[QuantType, QuantArgs] = {
@@ -37,7 +40,12 @@ PRESET_INPUTS: dict[QuantType, QuantArgs] = {
                               observer="minmax"),
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False,
                                   observer="minmax"),
+    # group scales at run time under a calibrated global scale (compressed-tensors' NVFP4 preset)
+    QuantType.NVFP4: QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE,
+                               dynamic="local", observer="static_minmax"),
 }
+# NVFP4's types: E2M1 weights in groups of 16 with FP8 scales under a global scale
+NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:
@@ -62,6 +70,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32") gives float zero points.
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").
     a8w8_fp8: FP8 E4M3 per-channel weights + static per-tensor FP8 input scales ("float-quantized").
+    weight_only_nvfp4 / nvfp4: NVFP4 weights (E2M1 in groups of 16, FP8 group scales, a global
+    scale per tensor; "nvfp4-pack-quantized"), float inputs (compressed-tensors' NVFP4A16) or
+    NVFP4 inputs with group scales at run time under a calibrated global scale (its NVFP4).
     `kv_cache` ("int8" | "fp8" | None) adds a static KV-cache scheme (`kv_strategy` "attn_head"
     = one scale per KV head, or "tensor"). `weight_observer` "mse" searches each weight scale's
     range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
@@ -80,9 +91,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
         raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
     inputs = PRESET_INPUTS.get(qt)
     if activations == "dynamic":
-        if inputs is None:
-            raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} keeps float "
-                                 "activations); drop it")
+        if inputs is None or qt in NVFP4_TYPES:
+            why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
+            raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} {why}); drop it")
         inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
     if qt is QuantType.WEIGHT_ONLY_INT4:
         layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
@@ -133,8 +144,11 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")
-    if qt is QuantType.A8W8_FP8 and not symmetric:
-        raise QuantSpecError("a8w8_fp8 is symmetric only; drop --asym")
+    if qt in (QuantType.A8W8_FP8, *NVFP4_TYPES) and not symmetric:
+        raise QuantSpecError(f"{qt.value} is symmetric only; drop --asym")
+    if qt in NVFP4_TYPES and weight_observer != "minmax":
+        raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for NVFP4's scales; use minmax "
+                             "(or leave it out)")
 
 
 def check_weight_block(qt: QuantType, weight_block, activations: str, weight_observer: str = "minmax") -> None:

@@ -13,13 +13,18 @@ int, b bits:  q_min = -2^(b-1), q_max = 2^(b-1) - 1 (int4: [-8, 7], int8: [-128,
   (min is clamped to ≤ 0 and max to ≥ 0 first, so 0.0 is always representable)
   quantize:    q = round_half_even(clamp(x / scale + zero_point, q_min, q_max))
 fp8 E4M3:     scale = absmax / 448, q = float8_e4m3fn(clamp(x / scale, -448, 448))
-dequantize:   x̂ = (q - zero_point) * scale, computed in the scale's dtype.
+NVFP4 (E2M1, strategy tensor_group, groups of 16, `global_scale` g = 448·6/absmax of the tensor,
+              `quant.fp4`): local = float8_e4m3fn(clamp(g · absmax_group / 6, ±448)) (0 → 0.125),
+              the effective scale local / g; q = E2M1(clamp(x / (local / g), -6, 6)) rounded to
+              nearest, ties to even, kept in float8_e4m3fn
+dequantize:   x̂ = (q - zero_point) * scale, computed in the scale's dtype (NVFP4: * (local / g)).
 A scale that comes out 0 (an all-zero row) is replaced by the dtype's eps.
 `observer: "mse"` args (weights): the range is shrunk per scale group to the factor p in
 1, 0.99, ..., 0.80 minimising sum |x - fake_quant(x)|^2.4 (compressed-tensors' MSE observer
 defaults; GPTQ's `mse` option), see `mse_qparams`.
 
-Scale shapes by strategy, for a weight [N, K]: tensor → [1], channel → [N, 1], group → [N, K/g],
+Scale shapes by strategy, for a weight [N, K]: tensor → [1], channel → [N, 1], group and
+tensor_group → [N, K/g],
 block [bn, bk] → [ceil(N/bn), ceil(K/bk)] (a partial edge block is padded with zeros, as
 compressed-tensors pads it); for an activation [..., K]: tensor → [1], token → [..., 1], group →
 [..., K/g]; for K/V states [B, H, T, D]: attn_head → [H, 1, 1].
@@ -31,6 +36,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
+from quantspec.quant.fp4 import global_scale_from_absmax, local_scales, round_to_e2m1
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -72,7 +78,7 @@ def quant_range(args: QuantArgs) -> tuple[float, float]:
 
 
 def storage_dtype(args: QuantArgs) -> torch.dtype:
-    """The dtype codes are stored in: int8 for int ≤ 8 bits, float8_e4m3fn for fp8."""
+    """The dtype codes are stored in: int8 for int ≤ 8 bits, float8_e4m3fn for fp8 and E2M1."""
     return torch.float8_e4m3fn if args.type == "float" else torch.int8
 
 
@@ -126,7 +132,7 @@ def minmax(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor
             raise QuantSpecError(f"per-channel qparams need a 2-D weight [N, K], got shape "
                                  f"{tuple(x.shape)}")
         return x.amin(dim=1, keepdim=True), x.amax(dim=1, keepdim=True)  # [N, 1]
-    if s == "group":
+    if s in ("group", "tensor_group"):
         if x.ndim < 1:
             raise QuantSpecError("per-group qparams need at least one dim")
         g = _group_size(args, x.shape[-1])
@@ -142,9 +148,11 @@ def minmax(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor
     raise QuantSpecError(f"strategy {s!r} has no qparams rule")  # unreachable: args validated
 
 
-def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantArgs
-                        ) -> tuple[torch.Tensor, torch.Tensor]:
+def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: QuantArgs,
+                        global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) from observed min/max, exactly as compressed-tensors computes them.
+
+    NVFP4 args (`global_scale` fp32 [1] required): the local FP8 scales, as float32 values.
 
     scale has the dtype of `min_vals`; zero_point has `zero_point_dtype(args)`: int8 (int args),
     float8_e4m3fn (fp8) or the float `args.zp_dtype` (unrounded), all zeros when symmetric.
@@ -159,6 +167,8 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
     dtype = min_vals.dtype
     min_vals = torch.minimum(min_vals, torch.zeros_like(min_vals))
     max_vals = torch.maximum(max_vals, torch.zeros_like(max_vals))
+    if args.is_fp4:
+        return local_scales(torch.maximum(min_vals.abs(), max_vals.abs()), global_scale)
     q_min, q_max = quant_range(args)
     bit_range = torch.tensor(q_max - q_min, dtype=dtype, device=min_vals.device)
     eps = torch.finfo(dtype).eps
@@ -184,8 +194,15 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
     return scale, zero_point
 
 
-def choose_qparams(x: torch.Tensor, args: QuantArgs) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero_point) for `x` under `args`: min/max, or the MSE search for `observer="mse"`."""
+def choose_qparams(x: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scale, zero_point) for `x` under `args`: min/max, or the MSE search for `observer="mse"`.
+    NVFP4 args: local scales under `global_scale` (default: the one of x's own absmax)."""
+    if args.is_fp4:
+        mn, mx = minmax(x, args)
+        if global_scale is None:
+            global_scale = global_scale_from_absmax(torch.maximum(mn.abs(), mx.abs()))
+        return qparams_from_minmax(mn, mx, args, global_scale)
     if args.observer == "mse":
         return mse_qparams(x, args)
     return qparams_from_minmax(*minmax(x, args), args)
@@ -257,7 +274,7 @@ def _broadcast(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
                                  f"{list(args.block_structure)} blocks needs {(xb.shape[0], xb.shape[2])}")
         zb = None if zero_point is None else zero_point[:, None, :, None]
         return xb, scale[:, None, :, None], zb, lambda t: t.reshape(-1, xb.shape[2] * xb.shape[3])[:N, :K]
-    if args.strategy != "group":
+    if args.strategy not in ("group", "tensor_group"):
         return x, scale, zero_point, None
     K = x.shape[-1]
     g = _group_size(args, K)
@@ -282,17 +299,29 @@ def _check_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None, args: Q
                              f"{tuple(scale.shape)}")
 
 
+def _effective_scale(scale: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
+    """NVFP4: local / global (compressed-tensors divides the same way); every other type: scale."""
+    if not args.is_fp4:
+        return scale
+    if global_scale is None:
+        raise QuantSpecError("NVFP4 codes need their global scale (weight_global_scale / input_global_scale)")
+    return scale / global_scale.to(scale.device)
+
+
 @torch.no_grad()
 def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-             args: QuantArgs, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """Codes for `x`: round(clamp(x / scale + zp)) (int) or float8(clamp(x / scale)) (fp8).
+             args: QuantArgs, dtype: torch.dtype | None = None,
+             global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """Codes for `x`: round(clamp(x / scale + zp)) (int), float8(clamp(x / scale)) (fp8), or
+    E2M1(clamp(x / (scale / global_scale))) (NVFP4).
 
     Returns `dtype` (default: `storage_dtype(args)`, i.e. int8 or float8_e4m3fn), same shape as x.
     """
     _check_float("x", x)
-    _check_qparams(scale, zero_point, args)
+    _check_qparams(scale, None if args.is_fp4 else zero_point, args)
     out_dtype = storage_dtype(args) if dtype is None else dtype
-    xs, s, zp, restore = _broadcast(x, scale, zero_point, args)
+    scale = _effective_scale(scale, args, global_scale)
+    xs, s, zp, restore = _broadcast(x, scale, None if args.is_fp4 else zero_point, args)
     scaled = _to_grid_(xs / s, zp, args)
     if args.type == "float":
         q = scaled.to(torch.float8_e4m3fn)
@@ -314,6 +343,8 @@ def _to_grid_(scaled: torch.Tensor, zp: torch.Tensor | None, args: QuantArgs) ->
     if zp is not None:
         scaled.add_(zp.to(scaled.dtype))
     scaled.clamp_(q_min, q_max)
+    if args.is_fp4:
+        return round_to_e2m1(scaled)
     return scaled if args.type == "float" else scaled.round_()
 
 
@@ -340,8 +371,10 @@ def _fake_quantize_into(out: torch.Tensor, x: torch.Tensor, scale: torch.Tensor,
 
 @torch.no_grad()
 def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-               args: QuantArgs, dtype: torch.dtype | None = None) -> torch.Tensor:
-    """(q - zero_point) * scale in the scale's dtype, returned as `dtype` (default scale's)."""
+               args: QuantArgs, dtype: torch.dtype | None = None,
+               global_scale: torch.Tensor | None = None) -> torch.Tensor:
+    """(q - zero_point) * scale in the scale's dtype, returned as `dtype` (default scale's);
+    NVFP4: q * (scale / global_scale)."""
     if not isinstance(q, torch.Tensor) or q.dtype not in _CODE_DTYPES:
         raise QuantSpecError(f"q must be an int8/int32/float8 code tensor, got "
                              f"{getattr(q, 'dtype', type(q).__name__)}")
@@ -350,6 +383,8 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
         raise QuantSpecError(f"zero_point shape {tuple(zero_point.shape)} must equal scale shape "
                              f"{tuple(scale.shape)}")
     out_dtype = scale.dtype if dtype is None else dtype
+    if args.is_fp4:
+        scale, zero_point = _effective_scale(scale, args, global_scale), None
     if args.strategy == "block":  # padding takes float codes (exact: int8 and E4M3 ⊂ fp32)
         q = q.to(scale.dtype)
     qs, s, zp, restore = _broadcast(q, scale, zero_point, args)
@@ -359,10 +394,11 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
 
 @torch.no_grad()
 def fake_quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | None,
-                  args: QuantArgs) -> torch.Tensor:
+                  args: QuantArgs, global_scale: torch.Tensor | None = None) -> torch.Tensor:
     """dequantize(quantize(x)) in one call; returns x's dtype and shape."""
-    q = quantize(x, scale, zero_point, args, dtype=x.dtype if args.type == "int" else None)
-    return dequantize(q, scale, zero_point, args, dtype=x.dtype)
+    q = quantize(x, scale, zero_point, args, dtype=x.dtype if args.type == "int" else None,
+                 global_scale=global_scale)
+    return dequantize(q, scale, zero_point, args, dtype=x.dtype, global_scale=global_scale)
 
 
 # ---------------------------------------------------------------------------------------------
