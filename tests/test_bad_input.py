@@ -146,6 +146,15 @@ CASES = [
      "--dataset"),
     ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-nvfp4-no-calib", "quantize --model {model} --quant-type nvfp4 --out {d}/q", "--calib"),
+    ("quantize-nvfp4-gptq", "quantize --model {model} --quant-type weight_only_nvfp4 --method gptq "
+                            "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-nvfp4-asym", "quantize --model {model} --quant-type weight_only_nvfp4 --asym --out {d}/q", "--asym"),
+    ("quantize-nvfp4-dynamic", "quantize --model {model} --quant-type nvfp4 --activations dynamic --calib {d}/t "
+                               "--out {d}/q",
+     "--activations"),
+    ("quantize-nvfp4-mse", "quantize --model {model} --quant-type weight_only_nvfp4 --weight-observer mse "
+                           "--out {d}/q", "--weight-observer"),
     ("quantize-weight-block-int8", "quantize --model {model} --quant-type weight_only_int8 --weight-block 128 "
                                    "--out {d}/q", "--weight-block"),
     ("quantize-weight-block-odd", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 96 --out {d}/q",

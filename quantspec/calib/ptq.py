@@ -62,6 +62,7 @@ from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
+from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.presets import METHODS
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
@@ -106,9 +107,7 @@ class PartSink:
     """
 
     def __init__(self) -> None:
-        self.tensors: dict[str, torch.Tensor] = {}
-        self.losses: dict[str, float] = {}
-        self.done: set[str] = set()
+        self.tensors, self.losses, self.done = {}, {}, set()  # name → tensor, group → loss, part keys
 
     def write(self, key: str, tensors: dict[str, torch.Tensor], losses: dict[str, float],
               inputs: torch.Tensor | None = None) -> None:
@@ -172,11 +171,12 @@ def _check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantCon
     for name in layer_args_in:
         scheme = config.scheme_for(name)
         ia = scheme.input_activations
-        if ia is None or ia.dynamic:
+        if ia is None or (ia.dynamic and not ia.is_fp4):
             continue
         if input_scales is None or name not in input_scales:
             qt = config.quant_type.value if config.quant_type else "this scheme"
-            raise QuantSpecError(f"{qt} needs static activation scales and none were given for "
+            what = "input global scales" if ia.is_fp4 else "static activation scales"
+            raise QuantSpecError(f"{qt} needs {what} and none were given for "
                                  f"{name}; run `quantspec calibrate` and pass --calib DIR")
         s = torch.as_tensor(input_scales[name], dtype=torch.float32).reshape(-1)
         if s.numel() != 1 or not torch.isfinite(s).all() or float(s) <= 0:
@@ -201,7 +201,8 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
         if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.type == "float" for s in config.config_groups.values()):
-            raise QuantSpecError(f"{method.upper()} rounds to an integer grid; use --method rtn for FP8 weights")
+            raise QuantSpecError(f"{method.upper()} rounds to an integer grid; use --method rtn for FP8 and "
+                                 "NVFP4 weights")
 
 
 @torch.no_grad()
@@ -220,7 +221,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
 
     calib_batches: LongTensor [n, S] (GPTQ only). input_scales: Linear name → static input scale
-    (a8w8 / a8w8_fp8). scale_dtype: dtype of the stored weight scales (default: the weight's);
+    (a8w8 / a8w8_fp8) or input global scale (nvfp4). scale_dtype: dtype of the stored weight scales (default: the weight's);
     out_dtype: dtype of the unquantized tensors written (default: the model's).
     weights / device: a model on `meta` is read from `weights` one layer at a time onto `device`;
     smooth: {Linear: s [K]} folded into each layer before it is quantized (`calib.smooth`);
@@ -285,6 +286,7 @@ class _LayerQuantizer:
         self.args = getattr(model, "args", None)
         self.tied = bool(getattr(self.args, "tie_word_embeddings", False))
         self.results: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name → (q, s, zp)
+        self.global_scales: dict[str, torch.Tensor] = {}  # NVFP4: name → the global scale of its input's group
         self.losses: dict[str, float] = {}
 
     def resident(self, module: nn.Module, prefix: str):
@@ -302,9 +304,13 @@ class _LayerQuantizer:
             buckets.setdefault(a, []).append(n)
         for b, members in enumerate(buckets.values()):
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
-            if hessian is None and args.strategy in ("channel", "group", "block"):
+            g = None
+            if args.is_fp4:  # one global scale for the Linears of one input, as the engines' fused layers take it
+                g = global_scale_from_absmax(torch.stack([m.weight.abs().amax() for m in mods]))
+                self.global_scales.update(dict.fromkeys(members, g))
+            if hessian is None and args.strategy in ("channel", "group", "tensor_group", "block"):
                 for n, m in zip(members, mods):  # rows (of blocks) are independent: no concatenation
-                    self.results[n] = rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype)
+                    self.results[n] = rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype, g)
                 continue
             W = torch.cat([m.weight for m in mods])  # [ΣN, K]
             sd = self.scale_dtype or W.dtype
@@ -336,10 +342,11 @@ class _LayerQuantizer:
                 tensors[name] = t.to(self.out_dtype) if t.is_floating_point() else t
         for name in mine:
             qt, s, zp = self.results.pop(name)
-            args = self.layer_args[name]
+            args, ins = self.layer_args[name], {"input_scale": self.in_scales.get(name)}
+            ins = {"input_global_scale": ins["input_scale"]} if args.is_fp4 else ins
             tensors.update(linear_to_tensors(name, qt.contiguous(), s.contiguous(),
-                                             None if args.symmetric else zp.contiguous(), args,
-                                             input_scale=self.in_scales.get(name), format=self.formats[name]))
+                                             None if args.symmetric else zp.contiguous(), args, **ins,
+                                             format=self.formats[name], global_scale=self.global_scales.pop(name, None)))
         return fuse_tensors(self.args, tensors)
 
     def rest_part(self, model: nn.Module, outside: list[str]) -> dict:

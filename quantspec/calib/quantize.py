@@ -60,9 +60,9 @@ class QuantizeConfig:
     `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
     "sglang", "transformers", "quantspec"): options an engine of the target would refuse or ignore
     fail here, in one line naming the target and the alternative (`quant.engines.target_refusal`).
-    `fallback_layers` / `fallback_threshold` choose the a8w8 fallback
-    units by their measured error instead of `fallback_budget` (percent over the weight-only
-    model on `holdout_samples` held-back windows; None → `calib.budget.DEFAULT_BUDGET_PCT`).
+    `fallback_layers` / `fallback_threshold` choose the a8w8 fallback units by their measured error
+    instead of `fallback_budget` (percent over the weight-only model on `holdout_samples`
+    held-back windows; None → `calib.budget.DEFAULT_BUDGET_PCT`).
     """
 
     model: str = "smollm2-135m"
@@ -122,6 +122,8 @@ class QuantizeConfig:
         if self.method.startswith("awq") and not qt.value.startswith("weight_only"):
             raise QuantSpecError(f"--method {self.method} is for weight-only types ({qt.value} quantizes activations "
                                  "too); use --method rtn or gptq")
+        if self.method != "rtn" and qt.value in ("a8w8_fp8", "weight_only_nvfp4", "nvfp4"):
+            raise QuantSpecError(f"--method {self.method} rounds to an integer grid; use --method rtn for {qt.value}")
         if self.method in DATA_METHODS:
             if self.dataset is None and not (self.static and self.calib is not None):
                 raise QuantSpecError(f"--method {self.method} needs calibration data; pass --dataset (a local "
@@ -137,11 +139,10 @@ class QuantizeConfig:
                                  "use --method gptq or awq+gptq, or drop --act-order")
         if self.zp_dtype is not None and self.zp_dtype not in ZP_DTYPES:
             raise QuantSpecError(f"--zp-dtype {self.zp_dtype!r}: use int, {', '.join(ZP_DTYPES)}")
-        observer = self.weight_observer or default_weight_observer(qt)
-        object.__setattr__(self, "weight_observer", observer)
+        object.__setattr__(self, "weight_observer", self.weight_observer or default_weight_observer(qt))
         kv_strategy = self._check_target()
         config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
-                        weight_observer=observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
+                        weight_observer=self.weight_observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
                         ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations,
                         weight_block=self.weight_block)
         refusal = target_refusal(self.target, config)
@@ -169,6 +170,11 @@ class QuantizeConfig:
     def static(self) -> bool:
         """Static input activations (a8w8, a8w8_fp8): a calibration table is needed."""
         return self.quant_type in ("a8w8", "a8w8_fp8") and self.activations == "static"
+
+    @property
+    def calibrated_inputs(self) -> bool:
+        """Input scales from a calibration table: static a8w8 / a8w8_fp8 ones, NVFP4's global ones."""
+        return self.static or self.quant_type == "nvfp4"
 
     @property
     def by_rank(self) -> bool:
@@ -205,12 +211,12 @@ class QuantizeConfig:
         n = self.fallback_layers
         if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
             raise QuantSpecError(f"--a8w8-fallback-layers {n} must be 0 (no fallback) or more")
-        if self.calib is not None and not self.static and self.kv_cache is None:
+        if self.calib is not None and not self.calibrated_inputs and self.kv_cache is None:
             raise QuantSpecError(f"--calib gives static activation and KV-cache scales, and {self.quant_type}"
                                  + (" with --activations dynamic" if dynamic else "") + " reads neither "
                                  "without --kv-cache; drop --calib")
-        if self.static and self.calib is None:
-            raise QuantSpecError(f"{self.quant_type} needs static activation scales; run `quantspec calibrate "
+        if self.calibrated_inputs and self.calib is None:
+            raise QuantSpecError(f"{self.quant_type} needs calibrated activation ranges; run `quantspec calibrate "
                                  "--out DIR` and pass --calib DIR")
         if self.kv_cache is not None and self.calib is None:
             raise QuantSpecError(f"--kv-cache {self.kv_cache} stores static KV scales in the artifact; run "
@@ -265,6 +271,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
         if config.static:
             qconfig, input_scales, factors, batches = _plan_static(config, src, model, qconfig, batches, say,
                                                                    run, device)
+        elif config.calibrated_inputs:  # NVFP4's input global scales
+            input_scales = src.table.nvfp4_input_global_scales(model)
         sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))
         say(f"quantizing {src.model_dir} one layer at a time ({device})")
@@ -317,11 +325,11 @@ def _read_source(config: QuantizeConfig) -> _Source:
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
     dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
     src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, quant_config=qconfig, reader=reader)
-    if reader is None and (config.method != "rtn" or config.static or config.kv_cache is not None):
+    if reader is None and (config.method != "rtn" or config.calibrated_inputs or config.kv_cache is not None):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
                              "weight_only_int8 / weight_only_int4 (GPTQ, AWQ and static activation or KV "
                              "scales need its base's hidden states)")
-    if config.static or config.kv_cache is not None:  # read before the model: a bad table fails at once
+    if config.calibrated_inputs or config.kv_cache is not None:  # read before the model: a bad table fails at once
         from quantspec.calib.tables import read_table
 
         with about("--calib"):
@@ -418,9 +426,8 @@ def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, sa
 
 
 def _run_identity(config: QuantizeConfig, src: _Source, device: str) -> tuple[bool, str]:
-    """(whether the run keeps a state to resume from, the key of everything its output depends
-    on: the checkpoint's files, the table's, the data file's, the options, the version, the
-    device kind)."""
+    """(whether the run keeps a state to resume from, the key of everything its output depends on:
+    the checkpoint's files, the table's, the data file's, the options, the version, the device)."""
     from dataclasses import fields
 
     from quantspec import __version__

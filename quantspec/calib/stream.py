@@ -154,7 +154,7 @@ def artifact_bytes(model, qconfig, dtype: torch.dtype) -> int:
         if name.endswith(".weight") and mod in linears:
             args = qconfig.weight_args_for(mod)
             N, K = t.shape
-            groups = K // resolve_group_size(K, args.group_size) if args.strategy == "group" else 1
+            groups = K // resolve_group_size(K, args.group_size) if args.strategy in ("group", "tensor_group") else 1
             total += N * K * args.num_bits // 8 + N * groups * elem * (1 if args.symmetric else 2)
         else:
             total += t.numel() * elem

@@ -114,6 +114,14 @@ class ScaleTable:
         """The per-tensor absmax of `linear`'s input (0-d float32)."""
         return self._get(f"{linear}.{INPUT_ABSMAX}", f"input absmax for {linear}")
 
+    def nvfp4_input_global_scales(self, model) -> dict[str, torch.Tensor]:
+        """NVFP4's input global scale of every Linear in the table: 448 · 6 / its input's absmax
+        (the table checked against `model` first)."""
+        from quantspec.quant.fp4 import global_scale_from_absmax
+
+        self.check_model(model)
+        return {n: global_scale_from_absmax(self.input_absmax(n)) for n in self.linear_names}
+
     def input_channel_absmax(self, linear: str) -> torch.Tensor:
         """max |X_j| per input channel of `linear`: [K] float32 (for SmoothQuant)."""
         return self._get(f"{linear}.{INPUT_CHANNEL_ABSMAX}", f"per-channel input absmax for {linear}")

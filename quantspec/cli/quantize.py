@@ -13,7 +13,8 @@ def _gib(n) -> str:
 
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
-@click.option("--quant-type", required=True, help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8")
+@click.option("--quant-type", required=True,
+              help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_nvfp4 | nvfp4 (nvfp4: needs --calib)")
 @click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
                    "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types; all "
@@ -39,7 +40,8 @@ def _gib(n) -> str:
 @click.option("--num-samples", default=128, show_default=True, type=int)
 @click.option("--seq-len", default=512, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
-@click.option("--calib", default=None, type=click.Path(), help="calibration table dir (a8w8 types)")
+@click.option("--calib", default=None, type=click.Path(),
+              help="calibration table dir (a8w8 types: input scales; nvfp4: input global scales)")
 @click.option("--activations", default=None, type=click.Choice(["static", "dynamic"]),
               help="a8w8 types: input scales calibrated per tensor (needs --calib) or computed per token at run "
                    "time (llm-compressor's W8A8 / FP8_DYNAMIC; no --calib, SmoothQuant or fallback) "

@@ -15,6 +15,9 @@ Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_p
 - int-quantized (int8 weights with quantized input activations, W8A8): `weight` int8 [N, K],
   `weight_scale` [N, 1] (+ `weight_zero_point` int8 when asymmetric).
 - float-quantized (fp8): `weight` float8_e4m3fn [N, K], `weight_scale` [N, 1] or [1].
+- nvfp4-pack-quantized (NVFP4): `weight_packed` uint8 [N, K/2] (two E2M1 codes a byte,
+  `quant.fp4.pack_fp4`), `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` fp32 [1],
+  and with NVFP4 inputs `input_global_scale` fp32 [1].
 - static input activations: `input_scale` [1] (+ `input_zero_point` when asymmetric).
 KV cache, on the attention module `{attn}` (e.g. `model.layers.0.self_attn`): `k_scale`,
 `v_scale`, shaped [1] (strategy tensor) or [H_kv, 1, 1] (strategy attn_head).
@@ -38,6 +41,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import reading_safetensors
 from quantspec.outputs import atomic_dir
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs
+from quantspec.quant.fp4 import pack_fp4, unpack_fp4
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import scheme_format
 from quantspec.quant.packing import pack_int32, unpack_int32
@@ -90,16 +94,31 @@ class LinearQuant:
     args: QuantArgs
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None  # NVFP4's weight_global_scale
+    input_global_scale: torch.Tensor | None = None  # NVFP4 inputs'
+
+
+def _nvfp4_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
+                   input_global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if global_scale is None:
+        raise QuantSpecError(f"{prefix}: NVFP4 weights need their global scale")
+    out = {f"{prefix}.weight_packed": pack_fp4(q), f"{prefix}.weight_scale": scale.to(torch.float8_e4m3fn),
+           f"{prefix}.weight_global_scale": global_scale.detach().float().reshape(1)}
+    if input_global_scale is not None:
+        out[f"{prefix}.input_global_scale"] = input_global_scale.detach().float().reshape(1)
+    return out
 
 
 def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
                       zero_point: torch.Tensor | None, args: QuantArgs, *,
                       input_scale: torch.Tensor | None = None,
                       input_zero_point: torch.Tensor | None = None,
-                      format: str | None = None) -> dict[str, torch.Tensor]:
+                      format: str | None = None, global_scale: torch.Tensor | None = None,
+                      input_global_scale: torch.Tensor | None = None) -> dict[str, torch.Tensor]:
     """The compressed-tensors tensors for one quantized Linear (names in the module docstring).
 
-    q [N, K]: codes from `primitives.quantize` (int8 in [q_min, q_max], or float8_e4m3fn).
+    q [N, K]: codes from `primitives.quantize` (int8 in [q_min, q_max], or float8_e4m3fn: fp8
+    or E2M1 values). NVFP4: `scale` the local scales, `global_scale` / `input_global_scale` fp32.
     `format`: the Linear's scheme format; None → `scheme_format` (int weights with an
     `input_scale` are int-quantized, without one pack-quantized).
     """
@@ -113,6 +132,8 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
         raise QuantSpecError(f"{prefix}: weight_scale must be a float tensor, got {scale.dtype}")
     N, K = q.shape
     _check_scale_shape(prefix, scale, args, N, K)
+    if args.is_fp4:
+        return _nvfp4_tensors(prefix, q, scale, global_scale, input_global_scale)
     out: dict[str, torch.Tensor] = {}
     packs = _packs(args, format, input_scale is not None)
     if packs:
@@ -144,7 +165,7 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
 
 
 def _check_scale_shape(prefix: str, scale: torch.Tensor, args: QuantArgs, N: int, K: int) -> None:
-    if args.strategy == "group":
+    if args.strategy in ("group", "tensor_group"):
         want = (N, K // args.group_size)
         if K % args.group_size:
             raise QuantSpecError(f"{prefix}: group_size {args.group_size} does not divide K={K}")
@@ -185,6 +206,12 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
         return tensors[key]
 
     scale = get("weight_scale")
+    if args.is_fp4:
+        q = unpack_fp4(get("weight_packed"), get("weight_packed").shape[1] * 2)
+        _check_scale_shape(prefix, scale, args, *q.shape)
+        return LinearQuant(q=q, scale=scale.float(), zero_point=None, args=args,
+                           global_scale=get("weight_global_scale").float(),
+                           input_global_scale=tensors.get(f"{prefix}.input_global_scale"))
     packs = _packs(args, format, f"{prefix}.input_scale" in tensors)
     if packs:
         shape = tuple(int(v) for v in get("weight_shape").tolist())

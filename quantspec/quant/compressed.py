@@ -22,9 +22,11 @@ from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_INT_QUANTIZED,
     FORMAT_NAIVE_QUANTIZED,
+    FORMAT_NVFP4_PACK_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     QuantArgs,
 )
+from quantspec.quant.fp4 import unpack_fp4
 from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.packing import unpack_int4
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
@@ -37,8 +39,10 @@ _WORD_BITS = 32
 @dataclass
 class QuantizedLinearTensors:
     """One quantized Linear decoded from a checkpoint: codes q [N, K] (int8 in [q_min, q_max]
-    or float8_e4m3fn), scale / zero point shaped per strategy (zero point None when symmetric),
-    the static input scale / zero point (None when weight-only or dynamic) and the float bias."""
+    or float8_e4m3fn: fp8 or E2M1 values), scale / zero point shaped per strategy (zero point
+    None when symmetric), the static input scale / zero point (None when weight-only or dynamic)
+    and the float bias. NVFP4: `scale` the local scales (fp32 values of FP8), `global_scale` and,
+    with NVFP4 inputs, `input_global_scale` (fp32 [1])."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -48,6 +52,8 @@ class QuantizedLinearTensors:
     input_scale: torch.Tensor | None = None
     input_zero_point: torch.Tensor | None = None
     bias: torch.Tensor | None = None
+    global_scale: torch.Tensor | None = None
+    input_global_scale: torch.Tensor | None = None
 
 
 def _packed_words(cols: int, num_bits: int) -> int:
@@ -86,6 +92,23 @@ def _unpack_words(packed: torch.Tensor, num_bits: int, shape: tuple[int, int], p
                          "runs 4- and 8-bit int weights")
 
 
+def _scale_shape(prefix: str, w: QuantArgs, N: int, K: int) -> tuple[int, ...] | None:
+    """The weight scale's shape per strategy (None: per tensor, [1] or [])."""
+    if w.strategy in ("group", "tensor_group"):
+        if K % w.group_size:
+            raise QuantSpecError(f"{prefix}: group_size {w.group_size} does not divide K={K}; "
+                                 "re-quantize this layer with a group size that divides it")
+        return N, K // w.group_size
+    if w.strategy == "block":
+        return w.block_grid(N, K)
+    if w.strategy == "channel":
+        return N, 1
+    if w.strategy == "tensor":
+        return None
+    raise QuantSpecError(f"{prefix}: weight strategy {w.strategy!r} is unsupported; use "
+                         "tensor, channel, group, tensor_group or block")
+
+
 def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
                             in_features: int) -> dict[str, tuple[int, ...] | None]:
     """The tensors a checkpoint must hold for one quantized Linear, with their shapes
@@ -96,20 +119,11 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
                              "quantized weights (or add the module to `ignore`)")
     N, K = out_features, in_features
     fmt = scheme.format
-    if w.strategy == "group":
-        if K % w.group_size:
-            raise QuantSpecError(f"{prefix}: group_size {w.group_size} does not divide K={K}; "
-                                 "re-quantize this layer with a group size that divides it")
-        sshape: tuple[int, ...] | None = (N, K // w.group_size)
-    elif w.strategy == "block":
-        sshape = w.block_grid(N, K)
-    elif w.strategy == "channel":
-        sshape = (N, 1)
-    elif w.strategy == "tensor":
-        sshape = None
-    else:
-        raise QuantSpecError(f"{prefix}: weight strategy {w.strategy!r} is unsupported; use "
-                             "tensor, channel, group or block")
+    sshape = _scale_shape(prefix, w, N, K)
+    if fmt == FORMAT_NVFP4_PACK_QUANTIZED:  # two codes a byte, the local scales, the global scales
+        return {f"{prefix}.weight_packed": (N, K // 2), f"{prefix}.weight_scale": sshape,
+                f"{prefix}.weight_global_scale": None,
+                **({f"{prefix}.input_global_scale": None} if scheme.input_activations is not None else {})}
     out: dict[str, tuple[int, ...] | None] = {}
     if fmt == FORMAT_PACK_QUANTIZED:
         if w.type != "int" or w.num_bits not in (4, 8):
@@ -185,6 +199,8 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
     scale = tensors[f"{prefix}.weight_scale"]
     if not scale.is_floating_point():
         raise QuantSpecError(f"{prefix}.weight_scale has dtype {scale.dtype}; expected a float")
+    if w.is_fp4:
+        return _nvfp4_linear(tensors, prefix, scheme, in_features)
     if w.strategy == "tensor":
         scale = _scalar(f"{prefix}.weight_scale", scale)
     if scheme.format == FORMAT_PACK_QUANTIZED:
@@ -196,6 +212,22 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
     return QuantizedLinearTensors(q=q, scale=scale, zero_point=zp, weight_args=w, input_args=ia,
                                   input_scale=in_scale, input_zero_point=in_zp,
                                   bias=tensors.get(f"{prefix}.bias"))
+
+
+def _nvfp4_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantScheme,
+                  K: int) -> QuantizedLinearTensors:
+    """An nvfp4-pack-quantized Linear: E2M1 codes as float8_e4m3fn, local scales as fp32 and the
+    global scales, each global a finite value > 0."""
+    q = unpack_fp4(tensors[f"{prefix}.weight_packed"], K)
+    ia = scheme.input_activations
+    g = {k: _scalar(f"{prefix}.{k}", tensors[f"{prefix}.{k}"]).float()
+         for k in ("weight_global_scale", "input_global_scale") if ia is not None or k[0] == "w"}
+    for k, v in g.items():
+        if not bool(torch.isfinite(v).all()) or not bool((v > 0).all()):
+            raise QuantSpecError(f"{prefix}.{k} is {float(v)}; it must be a finite value > 0 — re-quantize the model")
+    return QuantizedLinearTensors(q=q, scale=tensors[f"{prefix}.weight_scale"].float(), zero_point=None,
+                                  weight_args=scheme.weights, input_args=ia, bias=tensors.get(f"{prefix}.bias"),
+                                  global_scale=g["weight_global_scale"], input_global_scale=g.get("input_global_scale"))
 
 
 def _check_present(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple | None]) -> None:

@@ -74,7 +74,7 @@ class ArtifactCache:
             return self.pipeline.resolve(model)
         needs_calib = quant_type in CALIB_QUANT_TYPES
         if needs_calib and calib is None:
-            raise QuantSpecError(f"{quant_type} needs static activation scales; pass --calib-dataset")
+            raise QuantSpecError(f"{quant_type} needs calibrated activation ranges; pass --calib-dataset")
         parts = {"kind": "artifact", "model": self.fingerprint(model),
                  "quant_config": _preset(quant_type, group_size, symmetric, zp_dtype).to_dict(), "method": method,
                  "calibration": calib[1] if needs_calib else None, "quantspec": __version__}

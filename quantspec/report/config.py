@@ -48,7 +48,7 @@ METHODS = ("draft", "mtp", "medusa", "eagle", "inference_with_reference")
 HEAD_METHODS = {"mtp": "MTP_DIR (the MTP module)", "medusa": "MEDUSA_DIR (the Medusa heads)",
                 "eagle": "EAGLE3_DIR (the EAGLE-3 head)"}
 # quant types whose artifacts need static activation scales from a calibration table
-CALIB_QUANT_TYPES = (QuantType.A8W8.value, QuantType.A8W8_FP8.value)
+CALIB_QUANT_TYPES = (QuantType.A8W8.value, QuantType.A8W8_FP8.value, QuantType.NVFP4.value)
 
 # The default cell set: chosen so that `quantspec report` on smollm2-135m finishes within 20
 # minutes on 2 CPU cores (measured; see docs/report.md).

@@ -261,7 +261,7 @@ def test_cli_bad_input_is_one_line(tmp_path):
     assert res.exit_code == 2
     assert res.output.strip().splitlines() == [
         "error: --base-quant-types: unknown quant type 'int3'; use one of: none, weight_only_int8, "
-        "weight_only_int4, a8w8, a8w8_fp8"]
+        "weight_only_int4, a8w8, a8w8_fp8, weight_only_nvfp4, nvfp4"]
 
 
 def test_int4_recipe_asym_float_zero_points(tiny_llama_dir, tmp_path, cache_dir):
