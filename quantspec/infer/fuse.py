@@ -11,7 +11,8 @@ their codes and per-row scales / zero points, which is exact when they share one
 weight args (channel or group strategy: per-row qparams; block strategy: per block row, where every
 member but the last ends on a block boundary; per tensor: one scale, the same in every member, as
 quantize writes the Linears of one input), the same input args and static input
-scale (a8w8's q/k/v read the same smoothed input, so their calibrated scales agree). Otherwise
+scale (a8w8's q/k/v read the same smoothed input, so their calibrated scales agree) and, for
+NVFP4, the same global scales (quantize gives the Linears of one input one). Otherwise
 the layer is left unfused. The stacked module replaces the originals (set to None), so memory is
 unchanged; `model_zoo.llama` uses it when present. It runs before a backend rewrites the float
 linears (`infer.backend.prepare`). Quantizers never see fused models: they load checkpoints
@@ -41,7 +42,7 @@ def _same_tensor(a: torch.Tensor | None, b: torch.Tensor | None) -> bool:
 def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
     first = mods[0]
     w = first.weight_args
-    per_tensor = w.strategy not in ("channel", "group", "block")
+    per_tensor = w.strategy not in ("channel", "group", "tensor_group", "block")
     if w.strategy == "block" and any(m.out_features % w.block_structure[0] for m in mods[:-1]):
         return None  # block rows stack only where each member ends on a block boundary
     if per_tensor and not all(_same_tensor(m.weight_scale, first.weight_scale)
@@ -52,12 +53,14 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
                 or m.in_features != first.in_features or m.traits.kind is not first.traits.kind
                 or not _same_tensor(m.input_scale, first.input_scale)
                 or not _same_tensor(m.input_zero_point, first.input_zero_point)
+                or not _same_tensor(m.weight_global_scale, first.weight_global_scale)
+                or not _same_tensor(m.input_global_scale, first.input_global_scale)
                 or (m.bias is None) != (first.bias is None)):
             return None
     codes = []
     for m in mods:
         c = m.codes()
-        if first.traits.kind is LinearKind.FP8:
+        if first.traits.kind in (LinearKind.FP8, LinearKind.FP4):
             c = c.to(torch.float8_e4m3fn)  # the fp8 codes upcast exactly on CPU; back to fp8
         codes.append(c)
     zps = [m.weight_zero_point for m in mods]
@@ -69,6 +72,7 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
         weight_args=w, input_args=first.input_args, input_scale=first.input_scale,
         input_zero_point=first.input_zero_point,
         bias=None if first.bias is None else torch.cat([m.bias for m in mods]).float(),
+        global_scale=first.weight_global_scale, input_global_scale=first.input_global_scale,
     )
     device = first.weight_scale.device
     name = first.name.rsplit(".", 1)[0] + ".fused" if first.name else ""

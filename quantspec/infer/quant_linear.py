@@ -32,7 +32,8 @@ __all__ = ["PreparedWeight", "QuantLinear", "aligned", "layer_traits", "linear_k
 # re-homed
 _ALIGN_BYTES = 64
 _TRITON_PATHS = frozenset({KernelPath.TRITON_W4A16, KernelPath.TRITON_W8A16, KernelPath.TRITON_W8A8,
-                           KernelPath.TRITON_FP8, KernelPath.TRITON_FP8_BLOCK, KernelPath.CUDA_DEQUANT_MM,
+                           KernelPath.TRITON_FP8, KernelPath.TRITON_FP8_BLOCK, KernelPath.TRITON_NVFP4,
+                           KernelPath.CUDA_DEQUANT_MM,
                            KernelPath.CUDA_SCALED_MM})
 
 
@@ -47,6 +48,8 @@ def aligned(t: torch.Tensor | None) -> torch.Tensor | None:
 def linear_kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
     """What a layer with weight args `w` and input args `ia` computes; refuses what quantspec does
     not run."""
+    if w.is_fp4:
+        return LinearKind.FP4
     if w.type == "float":
         return LinearKind.FP8
     if w.num_bits == 4:
@@ -112,7 +115,8 @@ class QuantLinear(nn.Module):
 
     Buffers (fp32 scales): weight_scale [N, K/g] | [N, 1] | [1] | [N/bn, K/bk] (blocks), weight_zero_point like it
     (asymmetric; int8, or fp32 for a float zp_dtype) or None, input_scale [1] / input_zero_point
-    [1] (static activations) or None, bias [N] (model dtype) or None. `prepared`: the codes in
+    [1] (static activations) or None, bias [N] (model dtype) or None; NVFP4: weight_global_scale
+    [1] and, with NVFP4 inputs, input_global_scale [1] (else None). `prepared`: the codes in
     the device backend's layouts (`PreparedWeight`). The layer is prepared for one device and
     dtype (`device`, `dtype` at construction); move a model by loading it again.
 
@@ -135,10 +139,14 @@ class QuantLinear(nn.Module):
         if ia is not None and not ia.dynamic and t.input_scale is None:
             raise QuantSpecError(f"{name} has no input_scale but its scheme has static input "
                                  "activations: quantize with --calib to store one")
-        if ia is not None and ia.strategy not in ("tensor", "token") and not (ia.strategy == "group" and ia.dynamic):
+        if ia is not None and ia.strategy not in ("tensor", "token") and not (
+                ia.strategy in ("group", "tensor_group") and ia.dynamic):
             raise QuantSpecError(f"{name}: input activation strategy {ia.strategy!r} is "
                                  "unsupported; use tensor (static), token or group (dynamic)")
-        if ia is not None and ia.strategy == "group" and t.q.shape[1] % ia.group_size:
+        if ia is not None and ia.is_fp4 and t.input_global_scale is None:
+            raise QuantSpecError(f"{name} has no input_global_scale but its scheme has NVFP4 inputs: "
+                                 "quantize with --calib to store one")
+        if ia is not None and ia.strategy in ("group", "tensor_group") and t.q.shape[1] % ia.group_size:
             raise QuantSpecError(f"{name}: input groups of {ia.group_size} do not divide K={t.q.shape[1]} "
                                  "(its scheme's group size, a block's width); re-quantize it with blocks that tile it")
         self.name = name
@@ -159,6 +167,8 @@ class QuantLinear(nn.Module):
                              else t.input_zero_point.detach().reshape(1).to(device))
         self.register_buffer("bias", None if t.bias is None
                              else t.bias.detach().to(device=device, dtype=dtype))
+        for buf, v in (("weight_global_scale", t.global_scale), ("input_global_scale", t.input_global_scale)):
+            self.register_buffer(buf, None if v is None else v.detach().reshape(1).to(device, torch.float32))
         from quantspec.infer.backend import prepare_weight
 
         self.prepared = prepare_weight(self, kind, t.q.detach(), t.bias, device)
@@ -180,20 +190,20 @@ class QuantLinear(nn.Module):
         """dequantize(q, scale, zp) from quant/primitives (fp32), as `dtype` → [N, K]; `codes`:
         q (default `codes()`)."""
         w = dequantize(self.codes() if codes is None else codes, self.weight_scale, self.weight_zero_point,
-                       self.weight_args, dtype=torch.float32)
+                       self.weight_args, dtype=torch.float32, global_scale=self.weight_global_scale)
         return w.to(dtype or self.dtype)
 
     def _act_qparams(self, xf: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor | None]:
         ia = self.input_args
-        if ia.dynamic:
-            return choose_qparams(xf, ia)  # [M, 1] per token (or [1] per tensor)
+        if ia.dynamic:  # [M, 1] per token, [1] per tensor, [M, K/g] per group
+            return choose_qparams(xf, ia, global_scale=self.input_global_scale)
         return self.input_scale, self.input_zero_point
 
     def quantize_input(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
         """(codes, scale, zero point) of x [M, K] under the input args, computed in fp32."""
         xf = x.float()
         s, z = self._act_qparams(xf)
-        return quantize(xf, s, z, self.input_args), s, z
+        return quantize(xf, s, z, self.input_args, global_scale=self.input_global_scale), s, z
 
     def epilogue(self, acc: torch.Tensor, x_scale: torch.Tensor, out_dtype: torch.dtype) -> torch.Tensor:
         """acc [M, N] fp32 · x_scale ([1] or [M, 1]) · w_scale [N] (+ bias), in the order of
@@ -241,7 +251,8 @@ class QuantLinear(nn.Module):
         if self.input_args is None:
             return x
         xq, s, z = self.quantize_input(x)
-        return dequantize(xq, s, z, self.input_args, dtype=torch.float32).to(x.dtype)
+        return dequantize(xq, s, z, self.input_args, dtype=torch.float32,
+                          global_scale=self.input_global_scale).to(x.dtype)
 
     def linear_on(self, x: torch.Tensor, w: torch.Tensor) -> torch.Tensor:
         """F.linear(x, w, bias) in x's dtype."""

@@ -565,7 +565,7 @@ def test_fp8_block_layer(N, K, side, dtype):
     assert t.scale.shape == (-(-N // side), K // side)
     layer = QuantLinear(t, dtype=dtype)
     x = (torch.randn(5, K, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
-    assert layer.kernel_for(x) is KernelPath.CPU_FP8_BLOCK
+    assert layer.kernel_for(x) is KernelPath.CPU_DEQUANTIZED
     y = layer(x)
     assert torch.equal(y, layer.run(x, KernelPath.DEQUANT))  # the reference's numbers, weight dequantized once
     _check(y, _reference(t, x), dtype)
@@ -592,7 +592,7 @@ def test_select_kernel_block_rule(monkeypatch):
     import quantspec.kernels as kernels
 
     block = _traits(LinearKind.FP8, weight_strategy="block", act_mode="dynamic")
-    assert select_kernel(block, "cpu", 1, torch.float32) is KernelPath.CPU_FP8_BLOCK
+    assert select_kernel(block, "cpu", 1, torch.float32) is KernelPath.CPU_DEQUANTIZED
     assert select_kernel(block, "cpu", 1, torch.float32, DispatchPolicy(fast=False)) is KernelPath.DEQUANT
     monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
     native = _traits(LinearKind.FP8, weight_strategy="block", act_mode="dynamic", fp8_native=True)

@@ -37,7 +37,7 @@ def same_rounding():
 _KERNELS = ("w4a16_linear", "w8a16_linear", "w8a8_linear", "int8_gemm", "quantize_act_int8", "fp8_gemm",
             "fp8_linear", "quantize_act_fp8", "paged_attention", "write_kv_cache", "w4a16_dequantize",
             "w8a16_dequantize", "add_rms_norm", "rope_qk_", "silu_mul", "fp8_block_gemm", "fp8_block_linear",
-            "quantize_act_fp8_group")
+            "quantize_act_fp8_group", "nvfp4_linear", "quantize_act_nvfp4")
 
 
 def _on_cuda(fn):

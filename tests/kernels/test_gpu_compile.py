@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from quantspec.kernels import _common, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16
+from quantspec.kernels import _common, fp4, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16
 from quantspec.quant.packing import pack_int4
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
                   torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
-_MODULES = (_common, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16)
+_MODULES = (_common, fp4, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16)
 
 # the host functions run on CPU tensors, which only the interpreter takes; where a GPU runs the
 # kernels themselves (no interpreter), the `-m gpu` tests compile and run them
@@ -253,6 +253,44 @@ def test_fp8_block_gpu_launches_compile(recorded, dtype):
     assert {r["cc"] for r in results} == {90}
 
 
+def _nvfp4_weight(N: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K/2], local scales float8_e4m3fn [N, K/16], global scale fp32 [1]): any
+    bytes are valid codes; the scales positive FP8 values."""
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    scale = (torch.rand(N, K // 16, generator=gen) * 400 + 0.01).to(torch.float8_e4m3fn)
+    return packed, scale, torch.tensor([1000.0])
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_nvfp4_gpu_launches_compile(recorded, dtype, monkeypatch):
+    """The NVFP4 linear, weight-only (fp32 x: fp32 dots) and W4A4 (fp16 dots), at decode
+    (split-K finished by the tiles' last splits, and by a launch of its own), tile and large M,
+    and the activation quantizer: the GEMM compiles for sm_80 and sm_90 (no fp8 instruction) and
+    converts no weight code from an integer."""
+    gen = torch.Generator().manual_seed(6)
+    N, K = 200, 2048
+    packed, scale, g = _nvfp4_weight(N, K, gen)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    for M in (1, 32, 300):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        fp4.nvfp4_linear(x, packed, scale, g, bias)
+        fp4.nvfp4_linear(x, packed, scale, g, None, torch.tensor([50.0]))
+    fp4.quantize_act_nvfp4(torch.randn(3, K, generator=gen).to(dtype), torch.tensor([50.0]))
+    monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
+    fp4.nvfp4_linear(torch.randn(1, K, generator=gen).to(dtype), packed, scale, g, bias)
+    assert {c["name"] for c in recorded} == {"_nvfp4_linear_kernel", "_quantize_act_nvfp4_kernel",
+                                             "_finish_split_k_kernel"}
+    gemms = [c["constants"] for c in recorded if c["name"] == "_nvfp4_linear_kernel"]
+    assert {c["W4A4"] for c in gemms} == {True, False}
+    assert {c["DOT_FP32"] for c in gemms if not c["W4A4"]} == {dtype == torch.float32}
+    assert not any(c["DOT_FP32"] for c in gemms if c["W4A4"])
+    assert {c["SPLIT_K"] > 1 for c in gemms} == {True, False}
+    assert {c["FINISH"] for c in gemms if c["SPLIT_K"] > 1} == {True, False}
+    results = _compiled(recorded)
+    assert {r["cc"] for r in results if r["name"] == "_nvfp4_linear_kernel"} == {80, 90}
+    assert [r for r in results if r["name"] == "_nvfp4_linear_kernel" and r["int_to_float"]] == []
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_kv_cache_gpu_launches_compile(recorded, q_dtype):
     """Quantize-on-write and paged attention over bf16, int8 and fp8 caches (decode,
@@ -309,7 +347,7 @@ def test_fused_small_op_launches_compile(recorded, dtype):
 def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
     """One GPU launch of each of quantspec's Triton kernels (recorded by the `recorded` fixture):
     the GEMMs at decode M (split-K finished in the launch, and by a launch of its own; FP8 with
-    block scales), the dequantize kernels, the activation quantizers, the paged cache's write and attention, the
+    block scales; NVFP4 W4A4), the dequantize kernels, the activation quantizers, the paged cache's write and attention, the
     fused small ops."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, K, generator=gen).to(dtype)
@@ -325,6 +363,9 @@ def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
     w8a8.w8a8_linear(x, q, ws, xs)
     fp8.fp8_linear(x, w_fp8, ws, xs)
     fp8_block.fp8_block_linear(x, w_fp8, torch.rand(-(-N // 64), K // 64, generator=gen) + 0.01, (64, 64))
+    packed, scale, g = _nvfp4_weight(N, K, gen)
+    fp4.nvfp4_linear(x, packed, scale, g, None, torch.tensor([50.0]))
+    fp4.quantize_act_nvfp4(x, torch.tensor([50.0]))
     monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
     w4a16.w4a16_linear(x, wp, s4, G)
     w8a8.w8a8_linear(torch.randn(1, 4 * K, generator=gen).to(dtype), q.repeat(1, 4), ws, xs)  # deep: split K

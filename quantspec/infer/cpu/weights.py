@@ -90,7 +90,7 @@ class CpuWeight(PreparedWeight):
         for name in _LAYOUTS:
             self.register_buffer(name, None)
         scale, zp = layer.weight_scale, layer.weight_zero_point
-        if kind is LinearKind.FP8 and traits.weight_strategy == "block":
+        if kind is LinearKind.FP4 or (kind is LinearKind.FP8 and traits.weight_strategy == "block"):
             self.weight_fp8 = q.to(device)
             self.weight_dequant = layer.dequantized_weight(layer.dtype, codes=self.weight_fp8)
         elif kind is LinearKind.FP8:
@@ -190,7 +190,7 @@ class CpuWeight(PreparedWeight):
             xq, s, _ = layer.quantize_input(x)  # [M, K] float8_e4m3fn
             acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
             return layer.epilogue(acc.float(), s, x.dtype)
-        if path is KernelPath.CPU_FP8_BLOCK:
+        if path is KernelPath.CPU_DEQUANTIZED:
             return layer.linear_on(layer.fake_quantized_input(x), self.weight_dequant)
         return super().run(layer, x, path)
 

@@ -6,7 +6,8 @@ holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it 
 tile by two-value multiplies, with the same numbers; else fp32), or, with
 `DispatchPolicy.cuda_int4_quartered` where K and the group size are multiples of 128, those words
 in `kernels.w4a16.quarter_int4`'s layout (`quartered`; `k_order`: the k each position holds); int8
-codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K]. `triton_linear` runs the Triton kernels
+codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K], NVFP4 codes two a byte `weight_packed` uint8 [N, K/2]
+with their FP8 local scales `fp4_scale` [N, K/16]. `triton_linear` runs the Triton kernels
 (`kernels.w4a16` / `w8a16` / `w8a8` / `fp8` / `fp8_block`) for any prepared weight: on CUDA, or on CPU tensors
 under TRITON_INTERPRET=1 (the tests).
 """
@@ -18,6 +19,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import KernelPath, LinearKind
 from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
+from quantspec.quant.fp4 import pack_fp4, unpack_fp4
 from quantspec.quant.packing import pack_int4, unpack_int4
 
 __all__ = ["CudaWeight", "triton_linear"]
@@ -31,12 +33,17 @@ class CudaWeight(PreparedWeight):
         fp8_native = False
         if kind is LinearKind.FP8 and torch.cuda.is_available():
             fp8_native = torch.cuda.get_device_capability(device) >= (8, 9)
-        super().__init__(layer_traits(layer, kind, fp8_native=fp8_native), layer.weight_scale, layer.out_features)
+        fp4_tiles = kind is LinearKind.FP4 and layer.in_features % 32 == 0
+        super().__init__(layer_traits(layer, kind, fp8_native=fp8_native, fp4_tiles=fp4_tiles), layer.weight_scale,
+                         layer.out_features)
         self.in_features = layer.in_features
-        for name in ("qweight", "weight_packed", "w4_scale", "weight_fp8", "k_order"):
+        for name in ("qweight", "weight_packed", "w4_scale", "weight_fp8", "k_order", "fp4_scale"):
             self.register_buffer(name, None)
         self.quartered = False
-        if kind is LinearKind.FP8:
+        if kind is LinearKind.FP4:  # two E2M1 codes a byte and the FP8 local scales, as stored
+            self.weight_packed = pack_fp4(q).to(device)  # [N, K/2]
+            self.fp4_scale = layer.weight_scale.to(device, torch.float8_e4m3fn)  # [N, K/16], exact
+        elif kind is LinearKind.FP8:
             self.weight_fp8 = q.to(device)
         elif kind is LinearKind.W4A16:
             self.weight_packed = pack_int4(q.to(torch.int8)).to(device)  # [N, ceil(K/8)]
@@ -59,6 +66,8 @@ class CudaWeight(PreparedWeight):
             return self.qweight
         if self.weight_fp8 is not None:
             return self.weight_fp8
+        if self.fp4_scale is not None:
+            return unpack_fp4(self.weight_packed, self.in_features)
         q = unpack_int4(self.weight_packed, (self.out_features, self.in_features))
         if self.quartered:  # position p holds k_order[p]
             q = torch.empty_like(q).index_copy_(1, self.k_order, q)
@@ -93,6 +102,12 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         w = layer.codes()
         w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
         return kernels.fp8_block_linear(x, w, layer.weight_scale, layer.weight_args.block_structure, b)
+    if path is KernelPath.TRITON_NVFP4:
+        if getattr(p, "fp4_scale", None) is not None:
+            packed, scale = p.weight_packed, p.fp4_scale
+        else:  # a layer prepared for the CPU (tests under the interpreter)
+            packed, scale = pack_fp4(layer.codes()), layer.weight_scale.to(torch.float8_e4m3fn)
+        return kernels.nvfp4_linear(x, packed, scale, layer.weight_global_scale, b, layer.input_global_scale)
     if path is KernelPath.CUDA_DEQUANT_MM:
         return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)
     raise QuantSpecError(f"unknown kernel path {path!r}")

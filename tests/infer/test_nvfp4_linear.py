@@ -1,0 +1,140 @@
+"""NVFP4 `QuantLinear`s (weight-only and with NVFP4 inputs): every path against an fp64
+reference written with `quant.primitives`, the dispatch rule, q/k/v-style stacking (one global
+scale or none), the checkpoint reader's refusals, and the Triton path's wiring under the
+interpreter (a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
+
+import os
+import subprocess
+import sys
+import textwrap
+
+import pytest
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.infer.dispatch import DispatchPolicy, KernelPath, LinearKind, LinearTraits, select_kernel
+from quantspec.infer.quant_linear import QuantLinear
+from quantspec.quant import QuantScheme, choose_qparams, dequantize, quantize
+from quantspec.quant.artifact import linear_to_tensors
+from quantspec.quant.compressed import QuantizedLinearTensors, read_quantized_linear
+from quantspec.quant.fp4 import global_scale_from_absmax
+from quantspec.quant.presets import preset
+
+
+def _nvfp4(N, K, *, inputs: bool, seed=0, weight_global=None):
+    """A random NVFP4 layer ("nvfp4" with inputs, else "weight_only_nvfp4"), its weight global
+    scale `weight_global` (default: its own)."""
+    g = preset("nvfp4" if inputs else "weight_only_nvfp4").config_groups["group_0"]
+    gen = torch.Generator().manual_seed(seed)
+    W = torch.randn(N, K, generator=gen) * 0.05
+    wg = global_scale_from_absmax(W.abs().amax()) if weight_global is None else weight_global
+    s, _ = choose_qparams(W, g.weights, wg)
+    return QuantizedLinearTensors(q=quantize(W, s, None, g.weights, global_scale=wg), scale=s, zero_point=None,
+                                  weight_args=g.weights, input_args=g.input_activations,
+                                  bias=torch.randn(N, generator=gen) * 0.1, global_scale=wg,
+                                  input_global_scale=global_scale_from_absmax(torch.tensor(3.0)) if inputs else None)
+
+
+def _reference(t: QuantizedLinearTensors, x: torch.Tensor) -> torch.Tensor:
+    """fp64 y = x̂ @ dequantize(q)ᵀ + b; x̂: x's NVFP4 fake quantization (fp32) with NVFP4 inputs."""
+    xr = x.float()
+    if t.input_args is not None:
+        s, _ = choose_qparams(xr, t.input_args, t.input_global_scale)
+        xr = dequantize(quantize(xr, s, None, t.input_args, global_scale=t.input_global_scale), s, None,
+                        t.input_args, dtype=torch.float32, global_scale=t.input_global_scale)
+    w = dequantize(t.q, t.scale, None, t.weight_args, dtype=torch.float32, global_scale=t.global_scale)
+    return xr.double() @ w.to(x.dtype).double().t() + t.bias.to(x.dtype).double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize("inputs", [False, True])
+def test_nvfp4_layer(inputs, dtype):
+    t = _nvfp4(80, 96, inputs=inputs, seed=3)
+    layer = QuantLinear(t, dtype=dtype)
+    x = (torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
+    assert layer.traits.kind is LinearKind.FP4 and layer.kernel_for(x) is KernelPath.CPU_DEQUANTIZED
+    y = layer(x)
+    assert torch.equal(y, layer.run(x, KernelPath.DEQUANT))  # the reference's numbers, weight dequantized once
+    ref = _reference(t, x)
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    assert torch.equal(layer.codes().view(torch.uint8), t.q.view(torch.uint8))
+    if inputs:  # the inputs are quantized: a float x gives other outputs
+        plain = x.float() @ layer.dequantized_weight(torch.float32).t() + t.bias
+        assert (y.float() - plain).abs().max() > 1e-3
+
+
+def test_nvfp4_layers_stack_only_under_one_global_scale():
+    from quantspec.infer.fuse import stack_linears
+
+    g = global_scale_from_absmax(torch.tensor(0.3))
+    mods = [QuantLinear(_nvfp4(n, 64, inputs=True, seed=n, weight_global=g)) for n in (64, 32, 32)]
+    x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
+    fused = stack_linears(mods)
+    assert fused is not None and torch.equal(fused.weight_global_scale, g.reshape(1))
+    assert torch.equal(fused(x), torch.cat([m(x) for m in mods], -1))
+    own = QuantLinear(_nvfp4(32, 64, inputs=True, seed=9))  # its own global scale
+    assert stack_linears([mods[0], own]) is None
+
+
+def test_select_kernel_nvfp4_rule(monkeypatch):
+    import quantspec.kernels as kernels
+
+    def traits(**kw):
+        return LinearTraits(kind=LinearKind.FP4, dtype=torch.bfloat16, weight_symmetric=True,
+                            weight_strategy="tensor_group", act_mode="dynamic", **kw)
+
+    assert select_kernel(traits(), "cpu", 1, torch.bfloat16) is KernelPath.CPU_DEQUANTIZED
+    assert select_kernel(traits(), "cpu", 1, torch.bfloat16, DispatchPolicy(fast=False)) is KernelPath.DEQUANT
+    monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
+    for M in (1, 4096):
+        assert select_kernel(traits(fp4_tiles=True), "cuda", M, torch.bfloat16) is KernelPath.TRITON_NVFP4
+    assert select_kernel(traits(), "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT  # K not a multiple of 32
+
+
+def test_reader_takes_the_stored_tensors_and_refuses_missing_globals():
+    for inputs in (False, True):
+        t = _nvfp4(48, 64, inputs=inputs, seed=1)
+        scheme = QuantScheme(targets=("Linear",), weights=t.weight_args, input_activations=t.input_args)
+        stored = linear_to_tensors("l", t.q, t.scale, None, t.weight_args, global_scale=t.global_scale,
+                                   input_global_scale=t.input_global_scale)
+        assert stored["l.weight_packed"].dtype == torch.uint8 and stored["l.weight_scale"].dtype == torch.float8_e4m3fn
+        got = read_quantized_linear(stored, "l", scheme, 48, 64)
+        assert torch.equal(got.q.view(torch.uint8), t.q.view(torch.uint8)) and torch.equal(got.scale, t.scale)
+        assert torch.equal(got.global_scale, t.global_scale)
+        if inputs:
+            assert torch.equal(got.input_global_scale, t.input_global_scale)
+            with pytest.raises(QuantSpecError, match="input_global_scale"):
+                read_quantized_linear({k: v for k, v in stored.items() if "input_global" not in k}, "l", scheme, 48, 64)
+        bad = dict(stored, **{"l.weight_global_scale": torch.zeros(1)})
+        with pytest.raises(QuantSpecError, match="weight_global_scale is 0.0"):
+            read_quantized_linear(bad, "l", scheme, 48, 64)
+
+
+_TRITON_SCRIPT = textwrap.dedent("""
+    import sys, torch
+    sys.path.insert(0, %r)
+    from test_nvfp4_linear import _nvfp4
+    from quantspec.infer.cuda.weights import CudaWeight
+    from quantspec.infer.dispatch import KernelPath, LinearKind
+    from quantspec.infer.quant_linear import QuantLinear
+    for inputs in (False, True):
+        for dtype in (torch.float32, torch.float16):
+            layer = QuantLinear(_nvfp4(48, 64, inputs=inputs, seed=2), dtype=dtype)
+            cpu_prepared = layer.prepared
+            for prepared in (cpu_prepared, CudaWeight(layer, LinearKind.FP4, layer.codes(), None, torch.device("cpu"))):
+                layer.prepared = prepared
+                for M in (1, 3, 17):
+                    x = torch.randn(M, 64).to(dtype)
+                    y, ref = layer.run(x, KernelPath.TRITON_NVFP4).float(), layer.run(x, KernelPath.DEQUANT).float()
+                    err = float((y - ref).abs().max() / ref.abs().max())
+                    assert err < (1e-5 if dtype == torch.float32 else 5e-3), (inputs, dtype, M, err)
+            assert torch.equal(layer.prepared.codes().view(torch.uint8), cpu_prepared.codes().view(torch.uint8))
+    print("OK")
+""" % os.path.dirname(os.path.abspath(__file__)))
+
+
+def test_triton_nvfp4_path_matches_reference_under_interpreter():
+    env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
+    r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
