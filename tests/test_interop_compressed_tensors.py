@@ -91,7 +91,7 @@ def _observe(model) -> dict[str, torch.Tensor]:
         if hasattr(mod, "kv_cache"):
             hooks.append(register_key_hook(mod, lambda m, k, n=name: seen.setdefault(f"{n}.k", k)))
             hooks.append(register_value_hook(mod, lambda m, v, n=name: seen.setdefault(f"{n}.v", v)))
-        elif scheme.input_activations is not None and not scheme.input_activations.dynamic:
+        elif scheme.input_activations is not None and scheme.input_activations.dynamic in (False, "local"):
             hooks.append(mod.register_forward_pre_hook(
                 lambda m, a, n=name: seen.setdefault(n, a[0].detach())))
     model.apply(disable_quantization)
@@ -128,6 +128,9 @@ def _set_qparams(model, seen: dict[str, torch.Tensor]) -> None:
                 p.data.copy_(scale.reshape(p.shape))
             continue
         args, W = scheme.weights, mod.weight.data  # [N, K]
+        if args.strategy == "tensor_group":  # NVFP4: group scales under the tensor's global scale
+            _set_nvfp4_qparams(mod, scheme, W, seen.get(name))
+            continue
         if args.strategy == "group":
             scale, zp = _minmax_qparams(W.unflatten(-1, (-1, args.group_size)), args, (-1,))
         elif args.strategy == "channel":
@@ -147,6 +150,22 @@ def _set_qparams(model, seen: dict[str, torch.Tensor]) -> None:
             mod.input_scale.data.copy_(scale.reshape(mod.input_scale.shape))
 
 
+def _set_nvfp4_qparams(mod, scheme, W: torch.Tensor, x: torch.Tensor | None) -> None:
+    """compressed-tensors' `generate_gparam` on the weight's (and the seen input's) min / max, and
+    `calculate_qparams` per group of 16 under the weight's global scale (each Linear its own: a
+    checkpoint whose fused shards' global scales differ)."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+    from compressed_tensors.quantization.utils.helpers import generate_gparam
+
+    g = generate_gparam(W.min(), W.max())
+    Wg = W.unflatten(-1, (-1, scheme.weights.group_size))
+    scale, _ = calculate_qparams(Wg.amin(-1), Wg.amax(-1), scheme.weights, global_scale=g)
+    mod.weight_global_scale.data.copy_(g)
+    mod.weight_scale.data.copy_(scale.reshape(mod.weight_scale.shape))
+    if x is not None:
+        mod.input_global_scale.data.copy_(generate_gparam(x.min(), x.max()))
+
+
 def write_with_compressed_tensors(src: Path, out: Path, scheme, kv_cache_scheme=None):
     """`src` quantized by compressed-tensors' own lifecycle and compressor with `scheme` (a
     `QuantizationScheme` targeting Linear) and `kv_cache_scheme`, saved at `out` with the
@@ -161,6 +180,8 @@ def write_with_compressed_tensors(src: Path, out: Path, scheme, kv_cache_scheme=
                                   kv_cache_scheme=kv_cache_scheme)
     ct_q.apply_quantization_config(model, cfg)
     _set_qparams(model, _observe(model))
+    with torch.no_grad():  # its fake-quantized forward (NVFP4's compressed one decompresses to bf16 only)
+        model.fake_quantized_logits = model(IDS).logits[0]
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(str(out))
@@ -169,6 +190,17 @@ def write_with_compressed_tensors(src: Path, out: Path, scheme, kv_cache_scheme=
         if (src / f).is_file():
             shutil.copy(src / f, out / f)
     return model
+
+
+def _ct_decompressed(path: Path, name: str, scheme) -> torch.Tensor:
+    """compressed-tensors' NVFP4 decompressor on Linear `name`'s tensors as saved (bf16)."""
+    from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
+
+    from quantspec.quant.artifact import load_safetensors
+
+    stored = load_safetensors(path)
+    state = {k.removeprefix(name + "."): v for k, v in stored.items() if k.startswith(name + ".")}
+    return NVFP4PackedCompressor.decompress(state, scheme)["weight"]
 
 
 def _args(**kw):
@@ -208,6 +240,8 @@ SCHEMES = {  # name → (scheme, kv_cache_scheme)
     "w4a16_channel": (lambda: _scheme(dict(num_bits=4, strategy="channel")), None),
     "fp8_kv_per_tensor": (lambda: _preset("FP8"), lambda: _args(**FP8, strategy="tensor")),
     "fp8_kv_per_head": (lambda: _preset("FP8_DYNAMIC"), lambda: _args(**FP8, strategy="attn_head")),
+    "nvfp4a16": (lambda: _preset("NVFP4A16"), None),
+    "nvfp4": (lambda: _preset("NVFP4"), None),
 }
 
 
@@ -242,18 +276,27 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
 
     scheme, kv = (f() if f is not None else None for f in SCHEMES[name])
     model = write_with_compressed_tensors(tiny_llama_128, tmp_path / name, scheme, kv)
-    with torch.no_grad():
-        theirs = model(IDS).logits[0]  # [T, V]: decompresses, fake-quantizes activations and K/V
+    nvfp4 = scheme.weights.strategy == "tensor_group"
+    if nvfp4:  # decompressed to bf16 only: its fp32 numbers are its forward before compression
+        theirs = model.fake_quantized_logits
+    else:
+        with torch.no_grad():
+            theirs = model(IDS).logits[0]  # [T, V]: decompresses, fake-quantizes activations and K/V
     lm = load_for_inference(tmp_path / name, tokenizer=False, fuse=False)
     assert lm.kv_cache_dtype == (None if kv is None else "fp8")
     torch.testing.assert_close(paged_logits(lm), theirs, **TOL)
     linears = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(linears) == 7 * lm.args.num_layers
     for n, ql in linears.items():
-        assert torch.equal(ql.dequantized_weight(), model.get_submodule(n).weight.data), n
+        want = model.get_submodule(n).weight.data if not nvfp4 else _ct_decompressed(tmp_path / name, n, scheme)
+        assert torch.equal(ql.dequantized_weight(want.dtype), want), n
     if kv is not None:  # teeth: quantspec's float KV cache is far from it
         assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
-    if scheme.input_activations is not None or kv is not None:
+    if nvfp4 and scheme.input_activations is not None:  # teeth: the same weights with float inputs
+        for ql in linears.values():
+            ql.input_args = None
+        assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
+    elif scheme.input_activations is not None or kv is not None:
         model.apply(disable_quantization)  # the same weights, float activations and K / V
         with torch.no_grad():
             assert (model(IDS).logits[0] - theirs).abs().max() > 1e-3
@@ -263,7 +306,6 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     ("W4A8", "W4A8"),
     ("W4AFP8", "W4AFP8"),
     ("W3A16", "3-bit"),
-    ("NVFP4A16", "nvfp4-pack-quantized"),
     ("MXFP4A16", "mxfp4-pack-quantized"),
 ])
 def test_scheme_we_do_not_run_is_one_line(tiny_llama_128, tmp_path, preset, named):

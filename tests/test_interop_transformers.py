@@ -222,3 +222,39 @@ def test_fp8_checkpoint_whose_groups_do_not_divide_k_is_one_line(tiny_llama_dir,
     with pytest.raises(QuantSpecError, match=r"input groups of 128 do not divide K=64") as e:
         load_for_inference(tmp_path / "fp8", tokenizer=False)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4"])
+def test_transformers_loads_our_nvfp4_artifact(tiny_llama_dir, calibration_table, tmp_path, quant_type):
+    """NVFP4 (`nvfp4-pack-quantized`), where compressed-tensors decompresses to bf16 only, so both
+    run in bf16: NVFP4A16 gives quantspec's logits; for nvfp4 transformers holds the stored input
+    global scales (it quantizes the inputs in bf16, quantspec in fp32 as vLLM's kernels do: the
+    fp32 numbers are compressed-tensors' own, tests/test_interop_compressed_tensors.py). q/k/v and
+    gate/up share their weight global scale, as the engines' fused layers need."""
+    from transformers import AutoModelForCausalLM
+
+    from quantspec import api
+    from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.quant.artifact import load_safetensors
+
+    calib = str(calibration_table(tiny_llama_dir)) if quant_type == "nvfp4" else None
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / quant_type, calib=calib)
+    stored = load_safetensors(art)
+    for part, units in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
+        g = [stored[f"model.layers.0.{part}.{u}.weight_global_scale"] for u in units]
+        assert all(torch.equal(x, g[0]) for x in g)
+    hf = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.bfloat16)
+    with torch.no_grad():
+        theirs = hf(IDS).logits[0].float()
+    lm = load_for_inference(art, tokenizer=False, dtype=torch.bfloat16)
+    layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all(m.weight_args.is_fp4 for m in layers)
+    ours = logits(lm.model, IDS).float()
+    fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
+    if quant_type == "weight_only_nvfp4":
+        torch.testing.assert_close(ours, theirs, **TOL)
+        assert (fp32 - theirs).abs().max() > 1e-3  # teeth: the float model is far from both
+        return
+    q = hf.model.layers[0].self_attn.q_proj
+    assert torch.equal(q.input_global_scale.data.reshape(-1), stored["model.layers.0.self_attn.q_proj.input_global_scale"])
+    assert q.quantization_scheme.input_activations.dynamic == "local"

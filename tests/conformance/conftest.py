@@ -41,6 +41,9 @@ ARTIFACTS = {
     # FP8_BLOCK at 128: shrunk per fused unit to blocks that tile it (q/k/v 32, the rest 64), so
     # a class group and a name-targeted group of other blocks, merged q/k/v block scales
     "a8w8_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128),
+    # NVFP4: one weight global scale per fused unit; W4A4 runs weight-only below sm_100 (Hopper)
+    "weight_only_nvfp4": dict(quant_type="weight_only_nvfp4"),
+    "nvfp4": dict(quant_type="nvfp4"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
@@ -77,7 +80,7 @@ def artifacts(conformance_model, tmp_path_factory) -> dict[str, Path]:
         opts = dict(opts)
         qt = opts.pop("quant_type")
         if (qt.startswith("a8w8") and opts.get("activations") != "dynamic" and "weight_block" not in opts) \
-                or opts.get("kv_cache"):
+                or opts.get("kv_cache") or qt == "nvfp4":
             opts.update(calib=str(calib), dataset=str(data), seq_len=32, holdout_samples=2,
                         search_samples=2)
         out[name] = api.quantize(str(conformance_model), qt, root / name, **opts)

@@ -15,7 +15,8 @@ those files import that is not installed (CUDA kernels, ...). `OVERRIDES` gives 
 whose values the decisions read: the platform (a GPU of compute capability `capability`), tensor
 parallelism (rank 0 of 1), loggers, and "no transforms".
 
-What is not the engines' code, and so stated here: the driver below builds one layer object per
+What is not the engines' code, and so stated here: vLLM's NVFP4 kernel registry is answered by
+`_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer); the driver below builds one layer object per
 engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed `LinearBase` /
 `Attention` / `RadixAttention`) and calls the engine's entry points on it —
 `get_quant_method(layer, prefix)`, `scheme.create_weights(...)` — then loads each checkpoint
@@ -232,6 +233,7 @@ def _overrides(engine: str, capability: int) -> dict:
 
     if engine == "vllm":
         return {
+            "vllm.model_executor.kernels.linear": {"init_nvfp4_linear_kernel": _nvfp4_kernel_oracle(cap.to_int())},
             "vllm.platforms": {"current_platform": Platform()},
             "vllm.logger": {"init_logger": logger},
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
@@ -251,6 +253,20 @@ def _overrides(engine: str, capability: int) -> dict:
                                            "get_attention_tp_size": lambda: 1},
         "sglang.srt.layers.quantization.fp8_utils": {"cutlass_fp8_supported": lambda: True},
     }
+
+
+def _nvfp4_kernel_oracle(capability: int):
+    """vLLM's `init_nvfp4_linear_kernel` (kernels/linear/__init__.py) as its CUDA registry
+    resolves on a GPU of `capability` without FlashInfer: the FP4-tensor-core kernels
+    (`CutlassNvFp4LinearKernel`, `cutlass_fp4_supported`: sm_100) for W4A4, else the first
+    weight-only one that runs, FP4 Marlin (`is_fp4_marlin_supported`: sm_75); an object of a
+    class of that name (the kernel modules themselves ask FlashInfer and CUDA, so they are not
+    lifted)."""
+    def init_nvfp4_linear_kernel(use_a16: bool = False):
+        name = "CutlassNvFp4LinearKernel" if capability >= 100 and not use_a16 else \
+            "MarlinNvFp4LinearKernel" if capability >= 75 else "EmulationNvFp4LinearKernel"
+        return type(name, (), {})()
+    return init_nvfp4_linear_kernel
 
 
 def install(engine: str, source: str, capability: int) -> None:
@@ -275,7 +291,7 @@ def _scheme_args(scheme) -> dict:
     d = {}
     own = vars(scheme)  # the scheme's own attributes (its stubbed base class answers anything)
     for k in ("num_bits", "group_size", "symmetric", "strategy", "is_static_input_scheme",
-              "input_symmetric"):
+              "input_symmetric", "use_a16", "has_input_global_scale"):
         if k in own:
             v = own[k]
             d[k] = v if isinstance(v, (int, bool, str, type(None))) else str(v)
@@ -284,6 +300,8 @@ def _scheme_args(scheme) -> dict:
     wq = own.get("weight_quant")
     if wq is not None:
         d.update(num_bits=wq.num_bits, symmetric=wq.symmetric, strategy=str(getattr(wq.strategy, "value", wq.strategy)))
+    if "kernel" in own:  # vLLM's NVFP4 scheme: the kernel its registry picks (`_nvfp4_kernel_oracle`)
+        d["kernel"] = type(own["kernel"]).__name__
     if "strategy" in d and not isinstance(d["strategy"], str):
         d["strategy"] = str(d["strategy"])
     return d

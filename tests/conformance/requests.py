@@ -21,7 +21,10 @@ from .engines import layer_classes
 
 # the tensors whose values a request carries (the rest go as shapes: `lift.py` loads zeros) and
 # whose loaded parameters the answer returns
-VALUE_LEAVES = ("input_scale", "weight_scale", "weight_zero_point")
+VALUE_LEAVES = ("input_scale", "weight_scale", "weight_zero_point", "weight_global_scale", "input_global_scale")
+# the engines' weight-only NVFP4 runs (SGLang's scheme for a W4A4 checkpoint below sm_100, vLLM's
+# FP4 Marlin kernel): a checkpoint's NVFP4 input quantization is set aside
+_WEIGHT_ONLY_NVFP4 = {"has_input_global_scale": True, "kernel": "MarlinNvFp4LinearKernel"}
 
 
 def artifact_tensors(path: Path) -> dict[str, dict[str, dict]]:
@@ -49,6 +52,8 @@ def linear_shapes(tensors: dict) -> dict[str, tuple[int, int]]:
     for name, t in tensors.items():
         if "weight_shape" in t:
             out[name] = tuple(t["weight_shape"]["data"])
+        elif "weight_packed" in t:  # NVFP4: two codes a byte, no weight_shape
+            out[name] = (t["weight_packed"]["shape"][0], 2 * t["weight_packed"]["shape"][1])
         else:
             out[name] = tuple(t["weight"]["shape"])
     return out
@@ -120,6 +125,8 @@ def lifted_status(res: dict) -> tuple[str, dict[str, str]]:
         if r["error"] or r["load_errors"] or r["casts"]:
             per[layer] = "refused"
         elif r["scheme"] is not None and r["never_loaded"]:
+            per[layer] = "ignores"
+        elif "input_global_scale" in r["values"] and any(r["args"].get(k) == v for k, v in _WEIGHT_ONLY_NVFP4.items()):
             per[layer] = "ignores"
         else:
             per[layer] = "loads"

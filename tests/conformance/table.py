@@ -43,7 +43,12 @@ four rows are valid compressed-tensors layouts that quantspec reads but does not
 `int-quantized`, mixed int4 group sizes named shard by shard, an a8w8 fallback named shard by
 shard as an `int-quantized` weight-only group, and 64 × 64 FP8 blocks on every layer, whose k_proj
 rows (96) end mid-block: both engines split a fused layer's block scales by whole block rows and
-refuse it.
+refuse it. `weight_only_nvfp4` / `nvfp4` are NVFP4: E2M1 weights with an FP8 scale per group of 16
+under one fp32 global scale per tensor (shared by a fused layer's shards, as both engines' fused
+layers take one), and for `nvfp4` inputs quantized the same way at run time under calibrated
+global scales. The table's GPU is Hopper (9.0), where both engines run `nvfp4`'s weights alone
+(FP4 Marlin) and set its input quantization aside; on Blackwell (10.0) both run it as W4A4, which
+`quantize --target portable` probes; on Turing (7.5) vLLM still runs NVFP4 and SGLang refuses it.
 """
 
 

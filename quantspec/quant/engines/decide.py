@@ -16,7 +16,7 @@ from quantspec.quant.engines.layers import (
     target_map,
     transformers_layer,
 )
-from quantspec.quant.engines.tables import ENGINES, TARGET_ENGINES, TARGETS, engine_name
+from quantspec.quant.engines.tables import ENGINES, NVFP4_W4A4_CAPABILITY, TARGET_ENGINES, TARGETS, engine_name
 from quantspec.quant.engines.moe import PROJECTIONS, TRANSFORMERS_REFUSAL, moe_layer
 from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
 
@@ -68,7 +68,7 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
             intended = [config.scheme_for(s) for s in shards]
             if layer.endswith((".mlp.experts", ".block_sparse_moe.experts")):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
-                    else moe_layer(engine, layer, config, shards)
+                    else moe_layer(engine, layer, config, shards, capability)
             elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
                 vs = [transformers_layer(i) for i in intended]
                 per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])
@@ -173,7 +173,11 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
     probe = {n: k for n, k in _EAGLE3_PROBE.items() if config.scheme_for(n) is not None} \
         if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
-    verdicts = engine_verdicts(config, probe, draft=draft)
+    # NVFP4 inputs are for FP4 tensor cores: probed on the GPU they are made for (below it both
+    # engines run the weights alone, which `inspect`'s Hopper verdict says)
+    fp4_inputs = any(s.input_activations is not None and s.input_activations.is_fp4
+                     for s in config.config_groups.values())
+    verdicts = engine_verdicts(config, probe, draft=draft, capability=NVFP4_W4A4_CAPABILITY if fp4_inputs else 90)
     for engine in TARGET_ENGINES[target]:
         v = verdicts[engine]
         if v.status != "loads" and not (target == "portable" and v.defect):

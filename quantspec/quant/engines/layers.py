@@ -29,6 +29,8 @@ from quantspec.quant.engines.tables import (
     FP8_MIN_CAPABILITY,
     FUSED_LAYERS,
     LAYER_CLASSES,
+    NVFP4_MIN_CAPABILITY,
+    NVFP4_W4A4_CAPABILITY,
     SGLANG_FUSED_STATIC_INT8,
     engine_name,
 )
@@ -136,8 +138,30 @@ def ignored(layer: str, ignore: Iterable[str]) -> bool:
 def _act(ia: QuantArgs | None) -> str | None:
     if ia is None:
         return None
+    if ia.is_fp4:
+        return "nvfp4 dynamic (static global scale)"
     kind = "fp8" if ia.type == "float" else f"int{ia.num_bits}"
     return f"{kind} {'dynamic' if ia.dynamic else 'static'}"
+
+
+def _nvfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict:
+    """Both engines pick their NVFP4 scheme from the args alone (any format): W4A4 on FP4 tensor
+    cores, weight-only FP4 Marlin below them (an NVFP4 input's scales then unused), nothing below
+    their minimum."""
+    w, ia = s.weights, s.input_activations
+    if w.group_size != 16 or (ia is not None and not (ia.is_fp4 and ia.strategy == "tensor_group")):
+        return LayerVerdict(None, **base, problem=f"{engine_name(engine)} runs FP4 weights in NVFP4's layout only "
+                                                  "(groups of 16 with NVFP4 inputs or none)")
+    if capability < NVFP4_MIN_CAPABILITY[engine]:
+        return LayerVerdict(None, **base, problem=f"NVFP4 below compute capability "
+                                                  f"{NVFP4_MIN_CAPABILITY[engine] / 10:.1f}")
+    if ia is None:  # vLLM: its one NVFP4 scheme, built with use_a16
+        return LayerVerdict("W4A16Fp4" if engine == "sglang" else "W4A4Fp4", **base)
+    if capability >= NVFP4_W4A4_CAPABILITY:
+        return LayerVerdict("W4A4Fp4", **base, input_activations=_act(ia))
+    return LayerVerdict("W4A16Fp4" if engine == "sglang" else "W4A4Fp4", **base,
+                        problem=f"NVFP4 input quantization below compute capability "
+                                f"{NVFP4_W4A4_CAPABILITY / 10:.1f} (it runs the weights with FP4 Marlin, inputs float)")
 
 
 def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,
@@ -145,8 +169,10 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
     """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards
     (of `rows` output rows each, where known)."""
     w, ia, fmt = s.weights, s.input_activations, s.format
-    g = w.group_size if w.strategy == "group" else None
+    g = w.group_size if w.strategy in ("group", "tensor_group") else None
     base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure)
+    if w.is_fp4:
+        return _nvfp4(engine, s, capability, base)
     if w.zp_dtype is not None:
         return LayerVerdict(None, **base, problem=f"float zero points ({w.zp_dtype}): {engine_name(engine)} "
                                                   "reads integer zero points only")
@@ -258,13 +284,16 @@ def quantspec_layer(s: QuantScheme) -> LayerVerdict:
     alone or with int8 activations, fp8 weights; activations static per tensor or dynamic per
     token."""
     w, ia = s.weights, s.input_activations
-    g = w.group_size if w.strategy == "group" else None
+    g = w.group_size if w.strategy in ("group", "tensor_group") else None
     problem = None
     if w.type == "int" and w.num_bits not in (4, 8):
         problem = f"{w.num_bits}-bit integer weights (quantspec runs 4 and 8 bits)"
     elif ia is not None and w.type == "int" and (w.num_bits != 8 or ia.type != "int" or ia.num_bits != 8):
         problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
-    elif ia is not None and ia.strategy not in ("tensor", "token") and not (ia.strategy == "group" and ia.dynamic):
+    elif ia is not None and ia.type == "float" and ia.is_fp4 != w.is_fp4:
+        problem = f"{w.num_bits}-bit {w.type} weights with {_act(ia)} activations"
+    elif ia is not None and ia.strategy not in ("tensor", "token") and not (
+            ia.strategy in ("group", "tensor_group") and ia.dynamic):
         problem = f"{ia.strategy} activation scales (quantspec runs per tensor, per token or per group)"
     if problem is not None:
         return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem, block=w.block_structure)

@@ -13,7 +13,10 @@ one quantization method for all of them. Their decision code (vLLM's
 - FP8 weights load per tensor with per-tensor inputs (static or dynamic), or per channel with
   dynamic per-token inputs; per-channel weights with static inputs fail the constructor's check;
 - int8 weights per channel with dynamic per-token inputs load in vLLM; SGLang implements them on
-  NPUs only; static int8 inputs are refused by both.
+  NPUs only; static int8 inputs are refused by both;
+- NVFP4 weights, alone or with NVFP4 inputs, load in both (vLLM's one NVFP4 MoE method, SGLang's
+  W4A16 / W4A4 ones); below compute capability 10.0 both run the weights alone (FP4 Marlin) and set
+  the inputs' quantization aside.
 The conformance suite runs that code on quantspec's MoE artifacts (`tests/conformance/lift_moe.py`)
 and checks these verdicts against it. transformers 5 fuses a checkpoint's experts into 3-D
 tensors at load, which no compressed-tensors scheme covers: it refuses quantized experts.
@@ -26,6 +29,7 @@ from typing import Iterable
 
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED
 from quantspec.quant.config import QuantConfig
+from quantspec.quant.engines.tables import NVFP4_W4A4_CAPABILITY
 from quantspec.quant.engines.verdict import LayerVerdict
 from quantspec.quant.scheme import QuantScheme
 
@@ -53,9 +57,26 @@ def _key(s: QuantScheme | None, config: QuantConfig) -> tuple | None:
     return None if s is None else (s.weights, s.input_activations, s.format or config.format)
 
 
-def _method(engine: str, s: QuantScheme, config: QuantConfig) -> tuple[str | None, str | None]:
-    """(the MoE method the engine's code selects for scheme `s`, or None; the problem when None)."""
+def _nvfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | None, str | None]:
     w, ia = s.weights, s.input_activations
+    if ia is not None and not ia.is_fp4:
+        return None, "NVFP4 experts take NVFP4 inputs or none"
+    if engine == "vllm":
+        kind = "W4A4Nvfp4MoE"
+    else:
+        kind = "W4A4Nvfp4MoE" if ia is not None and capability >= NVFP4_W4A4_CAPABILITY else "W4A16Nvfp4MoE"
+    if ia is not None and capability < NVFP4_W4A4_CAPABILITY:
+        return kind, (f"NVFP4 input quantization below compute capability {NVFP4_W4A4_CAPABILITY / 10:.1f} "
+                      "(it runs the experts' weights with FP4 Marlin, inputs float)")
+    return kind, None
+
+
+def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 90) -> tuple[str | None, str | None]:
+    """(the MoE method the engine's code selects for scheme `s`, or None; the problem: why it
+    refuses, or what it sets aside)."""
+    w, ia = s.weights, s.input_activations
+    if w.is_fp4:
+        return _nvfp4_method(engine, s, capability)
     if ia is None:
         fmt = config.format if engine == "sglang" else (s.format or config.format)
         if w.type == "int" and w.num_bits in (4, 8) and w.strategy in ("group", "channel") \
@@ -76,9 +97,10 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig) -> tuple[str | Non
     return None, "no MoE kernel takes static int8 activations"
 
 
-def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str] = ()) -> LayerVerdict | None:
+def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str] = (),
+              capability: int = 90) -> LayerVerdict | None:
     """vLLM's or SGLang's verdict on the fused-MoE layer `layer` whose quantized expert Linears are
-    `shards` (None: left float)."""
+    `shards` (None: left float), on a GPU of `capability`."""
     names = MIXTRAL_PROJECTIONS if ".block_sparse_moe." in f"{layer}." else PROJECTIONS
     intended = [config.scheme_for(f"{layer}.0.{p}") for p in names]
     first = {p: _key(i, config) for p, i in zip(names, intended)}
@@ -97,8 +119,9 @@ def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str
                                           "up_proj / down_proj, which the config quantizes otherwise")
     if s is None:
         return None
-    kind, problem = _method(engine, s, config)
+    kind, problem = _method(engine, s, config, capability)
     w, ia = s.weights, s.input_activations
-    group = w.group_size if w.strategy == "group" else None
-    act = None if ia is None else f"{'fp8' if ia.type == 'float' else 'int8'} {'dynamic' if ia.dynamic else 'static'}"
+    group = w.group_size if w.strategy in ("group", "tensor_group") else None
+    act = None if ia is None else "nvfp4 dynamic (static global scale)" if ia.is_fp4 else \
+        f"{'fp8' if ia.type == 'float' else 'int8'} {'dynamic' if ia.dynamic else 'static'}"
     return LayerVerdict(kind, w.num_bits, group, w.symmetric, act, problem=problem, block=w.block_structure)

@@ -5,7 +5,8 @@ class of each linear), read from the engines' code at the pinned versions."""
 from __future__ import annotations
 
 __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
-           "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "SGLANG_FUSED_STATIC_INT8", "engine_name"]
+           "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
+           "SGLANG_FUSED_STATIC_INT8", "engine_name"]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers",
@@ -22,6 +23,11 @@ FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
                  "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only (SGLang: no blocks)
+# NVFP4: FP4 tensor cores (Blackwell) run W4A4; below, both engines serve an NVFP4 checkpoint weight-only
+# (FP4 Marlin: vLLM's `init_nvfp4_linear_kernel`, SGLang's CompressedTensorsW4A16Fp4), its
+# input quantization ignored; vLLM's scheme asks for 7.5, SGLang's weight-only one for 8.0
+NVFP4_W4A4_CAPABILITY = 100
+NVFP4_MIN_CAPABILITY = {"vllm": 75, "sglang": 80}
 # SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
 # input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
 # writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value
