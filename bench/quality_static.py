@@ -11,7 +11,9 @@ rows to its own table).
 Row suffixes: `-dynamic` `quantize --quant-type T --activations dynamic` (per-token input scales
 at run time: no table); `-block128` `quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK:
 one weight scale per block, shrunk per layer to one that tiles it, inputs per token and group at
-run time); `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
+run time); `weight_only_nvfp4` / `nvfp4-default`: NVFP4 weights (E2M1, FP8 scales per group of 16
+under a global scale), with float inputs / with NVFP4 inputs under the table's global scales;
+`-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
 the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (act-order, on the
 calibration data, after smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α;
@@ -47,6 +49,7 @@ FALLBACK = 8  # fused units of the "-fb" rows (--fallback); 8 of 120 units on Sm
 DEFAULT = "default"  # the quantize default for this setting (no flag passed)
 DYNAMIC = "dynamic"  # in the alpha column: `--activations dynamic` (per-token scales, no table, no smoothing)
 BLOCK = "block128"  # in the alpha column: `--weight-block 128` (FP8_BLOCK: per-group dynamic inputs, no table)
+PLAIN = "plain"  # in the alpha column: no flag and no table (weight_only_nvfp4)
 # name: (quant_type or None for fp32, smoothquant alpha ("auto" = searched per group, None = off),
 #        kv cache "int8" / "fp8" / None, fallback units (W8A16, measured-worst first; "fb" =
 #        the --fallback count)[, method])
@@ -58,6 +61,8 @@ ROWS = {
     "a8w8-dynamic": ("a8w8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-dynamic": ("a8w8_fp8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-block128": ("a8w8_fp8", BLOCK, None, DEFAULT),
+    "weight_only_nvfp4": ("weight_only_nvfp4", PLAIN, None, DEFAULT),
+    "nvfp4-default": ("nvfp4", DEFAULT, None, DEFAULT),
     "fp32+kv-int8": (None, None, "int8", 0),
     "fp32+kv-fp8": (None, None, "fp8", 0),
     "a8w8": ("a8w8", None, None, 0),
@@ -125,12 +130,12 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     kw["activations"] = DYNAMIC
                 elif alpha == BLOCK:
                     kw["weight_block"] = 128
-                elif alpha != DEFAULT:
+                elif alpha not in (DEFAULT, PLAIN):
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
                 artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}-{method}",
-                                              calib=None if alpha in (DYNAMIC, BLOCK) else table,
+                                              calib=None if alpha in (DYNAMIC, BLOCK, PLAIN) else table,
                                               method=method, **kw)
                 q_time = round(time.perf_counter() - t1, 1)
             path = artifacts[key]

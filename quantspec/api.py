@@ -312,7 +312,7 @@ def _layer_info(s) -> dict:
     """One quantized Linear's row of `inspect`'s `layers`, from its scheme."""
     w, ia = s.weights, s.input_activations
     return {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
-            "group_size": w.group_size if w.strategy == "group" else None,
+            "group_size": w.group_size if w.strategy in ("group", "tensor_group") else None,
             "block": None if w.block_structure is None else list(w.block_structure),
             "symmetric": w.symmetric, "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
             "format": s.format,

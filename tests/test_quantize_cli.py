@@ -144,6 +144,39 @@ def test_quantize_fp8_blocks(tiny_qwen2_dir, tmp_path):
     assert r.exit_code == 0 and "block 32×32" in r.output
 
 
+def test_quantize_nvfp4(tiny_llama_dir, calibration_table, corpus_files, tmp_path):
+    """`--quant-type nvfp4 --calib T`: NVFP4 weights with one weight global scale per fused unit
+    (the largest of its weights' ranges: 448 · 6 / max |w|), each input's global scale 448 · 6 /
+    its calibrated absmax; inspect shows the groups of 16; the artifact runs."""
+    from quantspec.calib.tables import read_table
+    from quantspec.quant.artifact import load_safetensors
+    from quantspec.quant.fp4 import global_scale_from_absmax
+
+    table = calibration_table(tiny_llama_dir)
+    out = tmp_path / "nvfp4"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "nvfp4", "--calib", table, "--out", out)
+    assert r.exit_code == 0, r.output
+    t, absmax = load_safetensors(out), read_table(table)
+    src = load_safetensors(tiny_llama_dir)
+    for unit in (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"), ("o_proj",), ("down_proj",)):
+        part = "self_attn" if unit[0] in ("q_proj", "o_proj") else "mlp"
+        names = [f"model.layers.1.{part}.{u}" for u in unit]
+        want = global_scale_from_absmax(torch.stack([src[f"{n}.weight"].float().abs().amax() for n in names]))
+        for n in names:
+            assert torch.equal(t[f"{n}.weight_global_scale"], want), n
+            assert torch.equal(t[f"{n}.input_global_scale"], global_scale_from_absmax(absmax.input_absmax(n)))
+            N, K = src[f"{n}.weight"].shape
+            assert t[f"{n}.weight_packed"].shape == (N, K // 2) and t[f"{n}.weight_scale"].shape == (N, K // 16)
+    info = api.inspect(out)
+    assert info["quant_type"] == "nvfp4" and info["format"] == "nvfp4-pack-quantized"
+    assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("tensor_group", 16)}
+    r = _run("inspect", out)
+    assert r.exit_code == 0 and "tensor_group 16" in r.output
+    ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
+                         "--seq-len", "64", "--max-windows", "2", "--json").stdout)
+    assert ev["perplexity"] > 1
+
+
 def test_quantize_mse_weight_observer(tiny_llama_dir, corpus_files, tmp_path):
     """--weight-observer mse: recorded as the weights' observer, the stored scales are the MSE
     search's on each weight (never worse than min/max on its error), and the artifact runs."""

@@ -205,7 +205,7 @@ def inspect(path, as_json):
         t.add_column(col)
     for (kind, typ, bits, strat, g, sym, zp, act), n in sorted(rows.items(),
                                                               key=lambda r: str(r[0])):
-        gran = f"{strat} {g}" if strat in ("group", "block") else strat
+        gran = f"{strat} {g}" if strat in ("group", "tensor_group", "block") else strat
         t.add_row(kind, str(n), f"{typ}{bits}", gran, "yes" if sym else "no", zp, act)
     console.print(t)
 
