@@ -147,8 +147,8 @@ CASES = [
     ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-nvfp4-no-calib", "quantize --model {model} --quant-type nvfp4 --out {d}/q", "--calib"),
-    ("quantize-nvfp4-gptq", "quantize --model {model} --quant-type weight_only_nvfp4 --method gptq "
-                            "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-nvfp4-awq", "quantize --model {model} --quant-type weight_only_nvfp4 --method awq "
+                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-nvfp4-asym", "quantize --model {model} --quant-type weight_only_nvfp4 --asym --out {d}/q", "--asym"),
     ("quantize-nvfp4-dynamic", "quantize --model {model} --quant-type nvfp4 --activations dynamic --calib {d}/t "
                                "--out {d}/q",

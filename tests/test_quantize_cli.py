@@ -175,6 +175,15 @@ def test_quantize_nvfp4(tiny_llama_dir, calibration_table, corpus_files, tmp_pat
     ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
                          "--seq-len", "64", "--max-windows", "2", "--json").stdout)
     assert ev["perplexity"] > 1
+    # GPTQ rounds NVFP4 too: the same global scales, other codes, recorded as the method
+    gq = tmp_path / "nvfp4_gptq"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "nvfp4", "--calib", table, "--method", "gptq",
+             "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4", "--seq-len", "32", "--out", gq)
+    assert r.exit_code == 0, r.output
+    g = load_safetensors(gq)
+    assert all(torch.equal(g[k], t[k]) for k in t if k.endswith("global_scale"))
+    assert not torch.equal(g["model.layers.1.mlp.down_proj.weight_packed"], t["model.layers.1.mlp.down_proj.weight_packed"])
+    assert api.inspect(gq)["method"] == "gptq"
 
 
 def test_quantize_mse_weight_observer(tiny_llama_dir, corpus_files, tmp_path):

@@ -200,9 +200,9 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
                                  ".txt/.json/.jsonl/.parquet file or a hub id)")
         if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
-        if any(s.weights.type == "float" for s in config.config_groups.values()):
-            raise QuantSpecError(f"{method.upper()} rounds to an integer grid; use --method rtn for FP8 and "
-                                 "NVFP4 weights")
+        if any(s.weights.is_fp8 or (s.weights.is_fp4 and "awq" in method) for s in config.config_groups.values()):
+            raise QuantSpecError(f"{method.upper()} has no rule for FP8 (or, with AWQ, NVFP4) weights; use --method "
+                                 "rtn")
 
 
 @torch.no_grad()
@@ -319,10 +319,10 @@ class _LayerQuantizer:
             else:
                 r = gptq_quantize(W, hessian, args, block_size=self.block_size, damp=self.damp,
                                   act_order=self.act_order, scale_dtype=sd,
-                                  consume_hessian=b == len(buckets) - 1)
+                                  consume_hessian=b == len(buckets) - 1, global_scale=g)
                 self.losses[members[0] if len(members) == 1 else "+".join(members)] = r.loss
             row = 0
-            per_row = args.strategy in ("channel", "group")
+            per_row = args.strategy in ("channel", "group", "tensor_group")
             for n, m in zip(members, mods):
                 sl = slice(row, row + m.out_features)
                 self.results[n] = (r.q[sl], r.scale[sl] if per_row else r.scale,

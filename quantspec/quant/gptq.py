@@ -19,6 +19,10 @@ Terms:
 
 GPTQ is row-independent: layers that share an input (q/k/v, gate/up) can be concatenated along N
 and quantized in one call with their shared Hessian.
+
+NVFP4 (tensor_group) runs like groups of 16 whose local scales are set under one global scale,
+fixed before the loop from the weight it is given (or the caller's, for Linears that share one):
+llm-compressor's GPTQ on NVFP4.
 """
 
 from __future__ import annotations
@@ -31,6 +35,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
+from quantspec.quant.fp4 import E2M1_MAX, global_scale_from_absmax, round_to_e2m1
 from quantspec.quant.primitives import (choose_qparams, dequantize, quantize, storage_dtype,
                                         zero_point_dtype)
 
@@ -147,7 +152,7 @@ def _check_weight(weight: torch.Tensor, args: QuantArgs) -> None:
     if args.strategy not in ("tensor", "channel", "group", "tensor_group", "block"):
         raise QuantSpecError(f"weight strategy {args.strategy!r} unsupported; use tensor, "
                              "channel, group, tensor_group or block")
-    if args.strategy == "group" and weight.shape[1] % args.group_size:
+    if args.strategy in ("group", "tensor_group") and weight.shape[1] % args.group_size:
         raise QuantSpecError(f"group_size {args.group_size} does not divide K={weight.shape[1]}; "
                              "use quant.config.resolve_group_size to pick one")
 
@@ -168,7 +173,8 @@ def _single_thread():
 @torch.no_grad()
 def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *,
                   block_size: int = 128, damp: float = 0.01, act_order: bool = False,
-                  scale_dtype: torch.dtype | None = None, consume_hessian: bool = False) -> GPTQResult:
+                  scale_dtype: torch.dtype | None = None, consume_hessian: bool = False,
+                  global_scale: torch.Tensor | None = None) -> GPTQResult:
     """Quantize weight [N, K] with GPTQ given the input Hessian [K, K] (see module docstring).
 
     Scales are rounded to `scale_dtype` (default: the weight's dtype, as compressed-tensors
@@ -177,26 +183,30 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, 
     `consume_hessian`: the caller hands `hessian` over (e.g. `HessianAccumulator.take()`): it is
     damped and factorised in place and left empty, so no copy of it is made and its memory is
     freed as soon as it is factorised (a down_proj's [I, I] is the largest tensor of a layer).
+    NVFP4 args: local scales under `global_scale` (default: the weight's own).
     """
+    if args.is_fp4 and global_scale is None:
+        global_scale = global_scale_from_absmax(weight.detach().float().abs().amax())
     on_cpu = weight.device.type == "cpu"
     with _single_thread() if on_cpu else contextlib.nullcontext():
-        return _gptq(weight, hessian, args, block_size=block_size, damp=damp,
-                     act_order=act_order, scale_dtype=scale_dtype, consume=consume_hessian)
+        return _gptq(weight, hessian, args, block_size=block_size, damp=damp, act_order=act_order,
+                     scale_dtype=scale_dtype, consume=consume_hessian, global_scale=global_scale)
 
 
 def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block_size: int,
-          damp: float, act_order: bool, scale_dtype: torch.dtype | None, consume: bool) -> GPTQResult:
+          damp: float, act_order: bool, scale_dtype: torch.dtype | None, consume: bool,
+          global_scale: torch.Tensor | None) -> GPTQResult:
     _check_gptq_inputs(weight, hessian, args, block_size=block_size, damp=damp)
-    group = args.strategy == "group"
+    group = args.strategy in ("group", "tensor_group")
     if group:  # whole groups per block, so each group's qparams see its updated columns
         g = args.group_size
         block_size = max(g, (block_size // g) * g)
-    W, H, grid = _prepare(weight, hessian, args, scale_dtype or weight.dtype, act_order, consume)
+    W, H, grid = _prepare(weight, hessian, args, scale_dtype or weight.dtype, act_order, consume, global_scale)
     U = _inverse_factor(H, damp)  # [K, K]; H is left empty
     Q, loss = _quantize_columns(W, U, args, grid, block_size)
     if grid.perm is not None:
         Q = Q[:, torch.argsort(grid.perm)]
-    weight_dq = dequantize(Q, grid.scale, grid.zero_point, args, dtype=weight.dtype)
+    weight_dq = dequantize(Q, grid.scale, grid.zero_point, args, dtype=weight.dtype, global_scale=global_scale)
     return GPTQResult(q=Q, scale=grid.scale, zero_point=grid.zero_point, weight_dq=weight_dq,
                       loss=float(loss.sum()), args=args, perm=grid.perm)
 
@@ -225,16 +235,18 @@ class _Grid:
     scale: torch.Tensor
     zero_point: torch.Tensor
     perm: torch.Tensor | None
+    global_scale: torch.Tensor | None = None  # NVFP4's
 
 
 def _prepare(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, sdtype: torch.dtype,
-             act_order: bool, consume: bool) -> tuple[torch.Tensor, torch.Tensor, _Grid]:
+             act_order: bool, consume: bool, global_scale: torch.Tensor | None
+             ) -> tuple[torch.Tensor, torch.Tensor, _Grid]:
     """float32 copies of the weight [N, K] and Hessian [K, K] (`consume`: the Hessian itself,
     `hessian` left empty) with dead columns handled, in the order GPTQ visits the columns, and
     the grid (per-channel / per-tensor and static-group qparams are computed here, from the
     weight with its dead columns zeroed)."""
     N, K = weight.shape
-    group = args.strategy == "group"
+    group = args.strategy in ("group", "tensor_group")
     W = weight.detach().to(torch.float32).clone()  # [N, K]
     H = hessian.detach().to(device=W.device, dtype=torch.float32, copy=not consume)  # [K, K]
     if consume:
@@ -244,7 +256,7 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, sdtyp
     W[:, dead] = 0.0
     scale = zp = perm = None
     if not group or act_order:  # static groups: from the original weight, original column order
-        scale, zp = choose_qparams(W, args)  # [N, 1], [1] or [N, K/g]
+        scale, zp = choose_qparams(W, args, global_scale)  # [N, 1], [1] or [N, K/g]
         scale = scale.to(sdtype)
     if act_order:
         perm = torch.argsort(torch.diag(H), descending=True)
@@ -253,7 +265,7 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, sdtyp
     elif group:
         scale = torch.empty(N, K // args.group_size, dtype=sdtype, device=W.device)
         zp = torch.empty(N, K // args.group_size, dtype=zero_point_dtype(args), device=W.device)
-    return W, H, _Grid(scale, zp, perm)
+    return W, H, _Grid(scale, zp, perm, global_scale)
 
 
 def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
@@ -280,6 +292,7 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
     Q = torch.empty(N, K, dtype=storage_dtype(args), device=W.device)  # codes, visiting order
     loss = torch.zeros(N, dtype=torch.float32, device=W.device)
     col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" else args
+    quant_column = _fp4_column if args.is_fp4 else _column
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = W[:, i1:i2].clone()  # [N, B]
@@ -289,8 +302,7 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
             col = i1 + i
             s, z = _column_qparams(W1, i, col, args, col_args, grid)
             w = W1[:, i:i + 1]  # [N, 1]
-            q = quantize(w, s, z, col_args)
-            dq = dequantize(q, s, z, col_args, dtype=torch.float32)
+            q, dq = quant_column(w, s, z, col_args, grid)
             Q[:, col:col + 1] = q
             err = (w - dq) / U1[i, i]  # [N, 1]
             loss += err.squeeze(1).square() / 2
@@ -301,11 +313,27 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
     return Q, loss
 
 
+def _column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantArgs, grid: _Grid
+            ) -> tuple[torch.Tensor, torch.Tensor]:
+    """(codes, dequantized fp32) of one column w [N, 1] under its scale / zero point."""
+    q = quantize(w, s, z, col_args)
+    return q, dequantize(q, s, z, col_args, dtype=torch.float32)
+
+
+def _fp4_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantArgs, grid: _Grid
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_column` for NVFP4: E2M1 codes of w / (s / global) (the group's local scale s [N, 1]) and
+    their values, `primitives.quantize` / `dequantize`'s operations on one column."""
+    eff = s / grid.global_scale
+    q = round_to_e2m1((w / eff).clamp_(-E2M1_MAX, E2M1_MAX)).to(torch.float8_e4m3fn)
+    return q, q.to(eff.dtype) * eff
+
+
 def _column_qparams(W1: torch.Tensor, i: int, col: int, args: QuantArgs, col_args: QuantArgs,
                     grid: _Grid) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) of column `col` (column i of the block W1 [N, B]); a group's first
     column (without act-order) fixes its group's qparams from the updated weights."""
-    if args.strategy != "group":
+    if args.strategy not in ("group", "tensor_group"):
         return grid.scale, grid.zero_point
     g = args.group_size
     if grid.perm is not None:
@@ -313,7 +341,7 @@ def _column_qparams(W1: torch.Tensor, i: int, col: int, args: QuantArgs, col_arg
     else:
         gi = col // g
         if col % g == 0:  # a group's first column: qparams of its updated weights
-            s, z = choose_qparams(W1[:, i:i + g], col_args)  # [N, 1]
+            s, z = choose_qparams(W1[:, i:i + g], col_args, grid.global_scale)  # [N, 1]
             grid.scale[:, gi:gi + 1] = s.to(grid.scale.dtype)
             grid.zero_point[:, gi:gi + 1] = z
     return grid.scale[:, gi:gi + 1], grid.zero_point[:, gi:gi + 1]
