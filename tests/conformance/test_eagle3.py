@@ -136,7 +136,8 @@ def lifted_eagle3(engine_sources, eagle3_artifacts, eagle3_head, tmp_path_factor
 
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
-@pytest.mark.parametrize("name", ["eagle3_head_int4", "eagle3_head_fp8_dynamic", "eagle3_head_int8_vllm"])
+@pytest.mark.parametrize("name", ["eagle3_head_int4", "eagle3_head_fp8_dynamic", "eagle3_head_int8_vllm",
+                                  "eagle3_head_nvfp4a16"])
 def test_quantized_head_verdict_matches_engine_code(lifted_eagle3, eagle3_artifacts, engine, name):
     """Per engine layer, the engine's own compressed-tensors code picks what the verdict says:
     the default head (fc float, o_proj / gate_up at g64 by name targets that name the engines'

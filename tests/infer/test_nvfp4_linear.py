@@ -138,3 +138,16 @@ def test_triton_nvfp4_path_matches_reference_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
+
+
+@pytest.mark.gpu
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("inputs", [False, True])
+@pytest.mark.parametrize("M", [1, 17, 300])
+def test_cuda_nvfp4_layer_matches_reference(inputs, M):
+    t = _nvfp4(384, 1024, inputs=inputs, seed=M)
+    layer = QuantLinear(t, dtype=torch.bfloat16, device="cuda")
+    x = torch.randn(M, 1024).bfloat16()
+    assert layer.kernel_for(x.cuda()) is KernelPath.TRITON_NVFP4
+    y, ref = layer(x.cuda()).cpu().double(), _reference(t, x)
+    torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

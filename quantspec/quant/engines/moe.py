@@ -58,7 +58,7 @@ def _key(s: QuantScheme | None, config: QuantConfig) -> tuple | None:
 
 
 def _nvfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | None, str | None]:
-    w, ia = s.weights, s.input_activations
+    ia = s.input_activations
     if ia is not None and not ia.is_fp4:
         return None, "NVFP4 experts take NVFP4 inputs or none"
     if engine == "vllm":
