@@ -293,6 +293,8 @@ def inspect(path: str | Path) -> dict:
     if (cfg.get("quantization_config") or {}).get("quant_method") == HF_FP8_METHOD:
         # vLLM, SGLang and transformers read it with their own FP8 method, not compressed-tensors'
         out["format"] = "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)"
+    elif qc.source == "modelopt":  # likewise with their ModelOpt method
+        out["format"] = "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint, read by vLLM's and SGLang's ModelOpt method)"
     else:
         out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(cfg, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):

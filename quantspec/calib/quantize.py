@@ -122,8 +122,9 @@ class QuantizeConfig:
         if self.method.startswith("awq") and not qt.value.startswith("weight_only"):
             raise QuantSpecError(f"--method {self.method} is for weight-only types ({qt.value} quantizes activations "
                                  "too); use --method rtn or gptq")
-        if self.method != "rtn" and qt.value in ("a8w8_fp8", "weight_only_nvfp4", "nvfp4"):
-            raise QuantSpecError(f"--method {self.method} rounds to an integer grid; use --method rtn for {qt.value}")
+        if self.method != "rtn" and (qt.value == "a8w8_fp8" or "awq" in self.method and "nvfp4" in qt.value):
+            alt = "rtn or gptq" if "nvfp4" in qt.value else "rtn"
+            raise QuantSpecError(f"--method {self.method} has no rule for {qt.value}'s scales; use --method {alt}")
         if self.method in DATA_METHODS:
             if self.dataset is None and not (self.static and self.calib is not None):
                 raise QuantSpecError(f"--method {self.method} needs calibration data; pass --dataset (a local "
@@ -432,7 +433,6 @@ def _run_identity(config: QuantizeConfig, src: _Source, device: str) -> tuple[bo
 
     from quantspec import __version__
     from quantspec.calib.stream import RESUMABLE_MIN_BYTES, file_stats, run_key
-
     skip = {"out", "overwrite", "restart", "resumable", "device"}
     identity = {"options": {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in skip},
                 "model": file_stats(src.model_dir), "calib": file_stats(config.calib),

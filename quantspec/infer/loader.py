@@ -277,6 +277,10 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
     (`infer.backend.prepare`)."""
     if qc.tensor_names:  # tensors another tool names otherwise (`quant.hf_fp8`)
         tensors = RenamedLeaves(tensors, qc.tensor_names)
+    if qc.source == "modelopt":  # ModelOpt's names and reciprocal global scales (`quant.modelopt`)
+        from quantspec.quant.modelopt import ModelOptTensors
+
+        tensors = ModelOptTensors(tensors, qc)
     tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
     shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}

@@ -21,6 +21,7 @@ from typing import Any, Iterable, Iterator, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.hf_config import modelopt_sidecar
 from quantspec.model_zoo.layout import FUSED, ShapedTensors, part_shape, part_tensor, split_plan
 from quantspec.model_zoo.llama import ARCHITECTURES, ModelArgs, Transformer, hf_weight_table
 from quantspec.model_zoo.multimodal import stored_names, text_decoder_config
@@ -32,8 +33,7 @@ __all__ = ["build_model", "check_checkpoint", "checkpoint_float_dtype", "Checkpo
            "reading_safetensors", "release_free_heap", "resident", "resolve_model_dir", "safetensors_files",
            "safetensors_header", "safetensors_keys", "save_module", "verify_checkpoint"]
 
-# Tensors some HF checkpoints carry that are recomputed here.
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
+_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # tensors some HF checkpoints carry that are recomputed here
 
 
 def resolve_model_dir(model: str | os.PathLike) -> Path:
@@ -69,9 +69,9 @@ def resolve_model_dir(model: str | os.PathLike) -> Path:
 
 def read_config(model_dir: Path) -> dict:
     path = Path(model_dir) / "config.json"
-    try:  # (a multimodal checkpoint's: the text decoder's, `multimodal.py`)
+    try:  # (a multimodal checkpoint's: the text decoder's, `multimodal.py`; an older ModelOpt export's sidecar)
         cfg = json.loads(path.read_text())
-        return text_decoder_config(cfg) or cfg
+        return modelopt_sidecar(model_dir, text_decoder_config(cfg) or cfg)
     except FileNotFoundError:
         raise QuantSpecError(f"{model_dir} has no config.json; pass a HF model directory") from None
     except json.JSONDecodeError as e:

@@ -1,12 +1,16 @@
 """`ModelArgs`' fields from a HF `config.json` (`args_fields`), with those it spells in more than
 one way or that only some architectures have: the rotary embedding's (`rope_fields`) and the
-per-layer layout's (`layer_fields`: sliding windows, NoPE layers, Granite's multipliers)."""
+per-layer layout's (`layer_fields`: sliding windows, NoPE layers, Granite's multipliers); and
+the quantization config an older ModelOpt export keeps beside config.json (`modelopt_sidecar`)."""
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
+
 from quantspec.errors import QuantSpecError
 
-__all__ = ["args_fields", "layer_fields", "rope_fields"]
+__all__ = ["args_fields", "layer_fields", "rope_fields", "modelopt_sidecar"]
 
 
 def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
@@ -160,3 +164,22 @@ def _nope_layers(cfg: dict, arch: str) -> tuple[int, ...]:
     if len(uses) != n:
         raise QuantSpecError(f"no_rope_layers has {len(uses)} entries for {n} layers; fix config.json")
     return tuple(i for i, use in enumerate(uses) if not use)
+
+
+MODELOPT_SIDECAR = "hf_quant_config.json"
+
+
+def modelopt_sidecar(model_dir, cfg: dict) -> dict:
+    """`cfg` with an older ModelOpt export's quantization config — its `hf_quant_config.json`
+    (`{"producer": ..., "quantization": {"quant_algo": ...}}`), where config.json holds none — as
+    `quantization_config` (`quant_method: "modelopt"`, `quant.modelopt`); else `cfg` itself."""
+    side = Path(model_dir) / MODELOPT_SIDECAR
+    if cfg.get("quantization_config") or not side.is_file():
+        return cfg
+    try:
+        d = json.loads(side.read_text())
+    except (OSError, ValueError) as e:
+        raise QuantSpecError(f"{side} is not readable JSON ({e}); re-download it") from None
+    if not isinstance(d, dict) or not isinstance(d.get("quantization"), dict):
+        raise QuantSpecError(f"{side} has no 'quantization' object; re-download it")
+    return {**cfg, "quantization_config": {"quant_method": "modelopt", "quantization": d["quantization"]}}

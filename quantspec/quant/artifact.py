@@ -39,6 +39,7 @@ from safetensors import safe_open
 
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import reading_safetensors
+from quantspec.model_zoo.hf_config import modelopt_sidecar
 from quantspec.outputs import atomic_dir
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs
 from quantspec.quant.fp4 import pack_fp4, unpack_fp4
@@ -317,7 +318,7 @@ def read_artifact_config(path: str | os.PathLike) -> dict:
     if not p.is_file():
         raise QuantSpecError(f"no {CONFIG_NAME} in {path}; point at a model/artifact directory")
     try:
-        return json.loads(p.read_text())
+        return modelopt_sidecar(path, json.loads(p.read_text()))
     except json.JSONDecodeError as e:
         raise QuantSpecError(f"{p} is not valid JSON ({e.msg} at line {e.lineno}); "
                              "re-download or re-create it") from None

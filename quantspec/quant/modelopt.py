@@ -1,0 +1,117 @@
+"""NVFP4 checkpoints in NVIDIA ModelOpt's own format (`quantization_config.quant_method:
+"modelopt"`, or the older `hf_quant_config.json` beside config.json, which
+`model_zoo.hf_config.modelopt_sidecar` reads into it), read as the
+compressed-tensors scheme they are.
+
+`quant_algo` "NVFP4" (W4A4) or "W4A16_NVFP4"; per quantized Linear the checkpoint holds
+- `weight` uint8 [N, K/2]: two E2M1 codes a byte, compressed-tensors' `weight_packed` layout;
+- `weight_scale` float8_e4m3fn [N, K/16]: the local scales, as compressed-tensors stores them;
+- `weight_scale_2` fp32 (one value): the reciprocal of compressed-tensors' `weight_global_scale`;
+- `input_scale` fp32 (W4A4): the reciprocal of its `input_global_scale`;
+and an FP8 KV cache (`kv_cache_quant_algo: "FP8"`, or a `kv_cache_scheme` of 8-bit floats) keeps
+its per-tensor `k_scale` / `v_scale` on `self_attn.k_proj` / `v_proj`. These are compressed-tensors'
+own conversion rules (its `ModelOptNvfp4Converter`) and vLLM's loader's. `exclude_modules` /
+`ignore` entries match a module name exactly, as a substring or as a shell wildcard (vLLM's
+`is_layer_excluded`). `config_from_modelopt` gives the `QuantConfig` (its `source` is
+"modelopt"); `ModelOptTensors` shows a checkpoint's tensors under compressed-tensors' names.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import re
+from typing import Any, Mapping
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.layout import ShapedTensors
+from quantspec.quant.args import FORMAT_NVFP4_PACK_QUANTIZED, NVFP4_GROUP_SIZE, QuantArgs, QuantType
+
+__all__ = ["MODELOPT_METHOD", "ModelOptTensors", "config_from_modelopt"]
+
+MODELOPT_METHOD = "modelopt"
+_ALGOS = {"NVFP4": True, "W4A16_NVFP4": False}  # quant_algo → NVFP4 inputs
+_W = "quantization_config (quant_method 'modelopt')"
+# shown (compressed-tensors) leaf → (stored leaf, how the value is shown: as stored, or 1 / it as [1])
+_LEAVES = {"weight_packed": ("weight", "same"), "weight_global_scale": ("weight_scale_2", "reciprocal"),
+           "input_global_scale": ("input_scale", "reciprocal")}
+_KV = re.compile(r"^(.*\.self_attn)\.([kv])_proj\.([kv])_scale$")
+
+
+def _fields(d: Mapping[str, Any]) -> tuple[str, str | None, list, Any]:
+    """(quant_algo, KV algo, exclude list, group size) of config.json's block or the sidecar's."""
+    if "quantization" in d:  # hf_quant_config.json: {"producer": ..., "quantization": {...}}
+        q = d["quantization"]
+        if not isinstance(q, Mapping):
+            raise QuantSpecError(f"{_W}: 'quantization' must be a mapping")
+        return str(q.get("quant_algo") or ""), q.get("kv_cache_quant_algo"), q.get("exclude_modules") or [], \
+            q.get("group_size")
+    kv = d.get("kv_cache_scheme")
+    kv_algo = "FP8" if isinstance(kv, Mapping) and kv.get("type") == "float" and kv.get("num_bits") == 8 else \
+        (None if kv is None else "other")
+    return str(d.get("quant_algo") or ""), kv_algo, d.get("ignore", d.get("exclude_modules")) or [], d.get("group_size")
+
+
+def config_from_modelopt(d: Mapping[str, Any]):
+    """The `QuantConfig` of a ModelOpt checkpoint's quantization config (config.json's block or
+    the sidecar's); one line naming the field for what quantspec does not run."""
+    from quantspec.quant.config import QuantConfig
+    from quantspec.quant.scheme import QuantScheme
+
+    algo, kv_algo, exclude, group = _fields(d)
+    algo = algo.upper()
+    if algo not in _ALGOS:
+        raise QuantSpecError(f"{_W}: quant_algo {algo or None!r} is unsupported; quantspec runs ModelOpt's "
+                             f"{' and '.join(_ALGOS)} checkpoints (quantize the original for another type)")
+    if group not in (None, NVFP4_GROUP_SIZE, str(NVFP4_GROUP_SIZE)):
+        raise QuantSpecError(f"{_W}: group_size {group!r} is not NVFP4's {NVFP4_GROUP_SIZE}")
+    if kv_algo is not None and str(kv_algo).upper() != "FP8":
+        raise QuantSpecError(f"{_W}: KV cache {kv_algo!r} is unsupported; quantspec reads FP8 KV-cache scales")
+    if not isinstance(exclude, list) or not all(isinstance(e, str) and e for e in exclude):
+        raise QuantSpecError(f"{_W}: exclude_modules / ignore must list module names or wildcards")
+    ignore = tuple(dict.fromkeys(["lm_head"] + [p for e in exclude for p in (
+        f"re:.*{re.escape(e)}.*", "re:" + fnmatch.translate(e))]))
+    weights = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
+    inputs = weights.replace(dynamic="local") if _ALGOS[algo] else None
+    scheme = QuantScheme(targets=("Linear",), weights=weights, input_activations=inputs,
+                         format=FORMAT_NVFP4_PACK_QUANTIZED)
+    kv = None if kv_algo is None else QuantArgs(num_bits=8, type="float", strategy="tensor")
+    return QuantConfig(config_groups={"group_0": scheme}, ignore=ignore, kv_cache_scheme=kv,
+                       format=FORMAT_NVFP4_PACK_QUANTIZED, source=MODELOPT_METHOD,
+                       quant_type=QuantType.NVFP4 if inputs is not None else QuantType.WEIGHT_ONLY_NVFP4)
+
+
+class ModelOptTensors(ShapedTensors):
+    """A ModelOpt checkpoint's tensors under compressed-tensors' names (module docstring): each
+    quantized Linear's (those `config` quantizes whose stored `weight_scale_2` is there) `weight`
+    shown as `weight_packed`, `weight_scale_2` / `input_scale` as their reciprocals
+    `weight_global_scale` / `input_global_scale`, and `self_attn.k_proj.k_scale` as
+    `self_attn.k_scale` (`v` likewise)."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], config):
+        self.base = tensors
+        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        self.names: dict[str, tuple[str, str]] = {}  # shown → (stored, "same" | "reciprocal" | "scalar")
+        quantized = {k.rsplit(".", 1)[0] for k in base_shapes if k.endswith(".weight_scale_2")}
+        for k in base_shapes:
+            module, _, leaf = k.rpartition(".")
+            kv = _KV.match(k)
+            if kv is not None and kv.group(2) == kv.group(3):
+                self.names[f"{kv.group(1)}.{kv.group(2)}_scale"] = (k, "scalar")  # one per tensor, as [1]
+                continue
+            shown = next((s for s, (stored, _) in _LEAVES.items() if stored == leaf), None)
+            if shown is not None and module in quantized and config.scheme_for(module) is not None:
+                self.names[f"{module}.{shown}"] = (k, _LEAVES[shown][1])
+            else:
+                self.names[k] = (k, "same")
+        self.shapes = {shown: tuple(base_shapes[k]) if how == "same" else (1,) for shown, (k, how) in self.names.items()}
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.names:
+            raise KeyError(name)
+        stored, how = self.names[name]
+        t = self.base[stored]
+        if how == "same":
+            return t
+        return (1.0 / t.float() if how == "reciprocal" else t.float()).reshape(1)

@@ -1,0 +1,101 @@
+"""NVFP4 checkpoints in NVIDIA ModelOpt's own format (`quant.modelopt`), written here with plain
+torch from a quantspec NVFP4 artifact by compressed-tensors' conversion rules read backwards
+(`weight_packed` → `weight`, the global scales → their reciprocals `weight_scale_2` /
+`input_scale`, `self_attn.k_scale` → `self_attn.k_proj.k_scale`): config.json's
+`quant_method: "modelopt"` block and the older `hf_quant_config.json`. quantspec runs them with
+the artifact's numbers, honours `exclude_modules` wildcards, and refuses to quantize them."""
+
+import importlib.util
+import json
+import shutil
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from quantspec import api
+from quantspec.errors import QuantSpecError
+from quantspec.infer.loader import load_for_inference
+from quantspec.infer.quant_linear import QuantLinear
+from quantspec.quant.artifact import load_safetensors
+
+_spec = importlib.util.spec_from_file_location(
+    "quantspec_test_interop_helpers_mo", Path(__file__).parent / "test_interop_transformers.py")
+_helpers = importlib.util.module_from_spec(_spec)
+_spec.loader.exec_module(_helpers)
+FLOAT = "model.layers.1.mlp.down_proj"  # left float: a ModelOpt wildcard names it
+
+
+def _to_modelopt(art: Path, out: Path, sidecar: bool) -> None:
+    shutil.copytree(art, out)
+    (out / "quantspec.json").unlink()
+    t = load_safetensors(art)
+    mo = {}
+    for k, v in t.items():
+        module, _, leaf = k.rpartition(".")
+        if leaf == "weight_packed":
+            mo[f"{module}.weight"] = v
+        elif leaf in ("weight_global_scale", "input_global_scale"):
+            mo[f"{module}.{'weight_scale_2' if leaf.startswith('weight') else 'input_scale'}"] = (1.0 / v).reshape(())
+        elif leaf in ("k_scale", "v_scale"):
+            mo[f"{module}.{leaf[0]}_proj.{leaf}"] = v.float().reshape(())
+        else:
+            mo[k] = v
+    (out / "model.safetensors").unlink()
+    save_file(mo, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    del cfg["quantization_config"]
+    exclude = ["lm_head", "model.layers.1.mlp.down*"]
+    if sidecar:
+        (out / "hf_quant_config.json").write_text(json.dumps({
+            "producer": {"name": "modelopt", "version": "0.29.0"},
+            "quantization": {"quant_algo": "NVFP4", "kv_cache_quant_algo": "FP8", "group_size": 16,
+                             "exclude_modules": exclude}}))
+    else:
+        cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "NVFP4", "group_size": 16,
+                                      "ignore": exclude, "kv_cache_scheme": {"num_bits": 8, "type": "float",
+                                                                            "dynamic": False}}
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.fixture(scope="module")
+def nvfp4_artifact(tiny_llama_dir, calibration_table, tmp_path_factory) -> Path:
+    return api.quantize(str(tiny_llama_dir), "nvfp4", tmp_path_factory.mktemp("mo") / "nvfp4",
+                        calib=str(calibration_table(tiny_llama_dir)), kv_cache="fp8", ignore=(FLOAT,))
+
+
+def _logits(path: Path):
+    """(logits of one prefill through the paged cache running the checkpoint's FP8 KV cache, the model)."""
+    lm = load_for_inference(path, tokenizer=False)
+    return _helpers._paged_logits(lm), lm
+
+
+@pytest.mark.parametrize("sidecar", [False, True])
+def test_we_run_modelopt_nvfp4(nvfp4_artifact, tmp_path, sidecar):
+    out = tmp_path / "modelopt"
+    _to_modelopt(nvfp4_artifact, out, sidecar)
+    ours, lm_art = _logits(nvfp4_artifact)
+    theirs, lm = _logits(out)
+    assert lm.kv_cache_dtype == lm_art.kv_cache_dtype == "fp8"
+    assert torch.allclose(lm.k_scale, lm_art.k_scale) and torch.allclose(lm.v_scale, lm_art.v_scale)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert layers and all(m.weight_args.is_fp4 and m.input_args.is_fp4 for m in layers.values())
+    assert not any(FLOAT in n for n in layers)  # the wildcard left it float
+    torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
+    info = api.inspect(out)
+    assert info["format"].startswith("modelopt NVFP4") and info["quant_type"] == "nvfp4"
+    with pytest.raises(QuantSpecError, match="already quantized"):
+        api.quantize(str(out), "weight_only_int8", tmp_path / "again")
+
+
+def test_modelopt_algorithms_quantspec_does_not_run_are_one_line(nvfp4_artifact, tmp_path):
+    out = tmp_path / "modelopt"
+    _to_modelopt(nvfp4_artifact, out, sidecar=False)
+    cfg = json.loads((out / "config.json").read_text())
+    for algo, named in (("W4A8_AWQ", "quant_algo 'W4A8_AWQ'"), ("MIXED_PRECISION", "quant_algo")):
+        cfg["quantization_config"]["quant_algo"] = algo
+        (out / "config.json").write_text(json.dumps(cfg))
+        with pytest.raises(QuantSpecError, match=named) as e:
+            load_for_inference(out, tokenizer=False)
+        assert "\n" not in str(e.value)
