@@ -290,11 +290,11 @@ def inspect(path: str | Path) -> dict:
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
     )
     cfg = read_config(d)
-    if (cfg.get("quantization_config") or {}).get("quant_method") == HF_FP8_METHOD:
-        # vLLM, SGLang and transformers read it with their own FP8 method, not compressed-tensors'
-        out["format"] = "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)"
-    elif qc.source == "modelopt":  # likewise with their ModelOpt method
-        out["format"] = "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint, read by vLLM's and SGLang's ModelOpt method)"
+    own = {HF_FP8_METHOD: "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)",
+           "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)"}.get(
+        cfg["quantization_config"].get("quant_method"))
+    if own is not None:  # vLLM, SGLang and transformers read it with their own method, not compressed-tensors'
+        out["format"] = own
     else:
         out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(cfg, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
