@@ -247,6 +247,11 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     return run_quantize(config, progress=progress, on_status=on_status)
 
 
+# checkpoints in another tool's own format, which the engines read with their own method for it
+_OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)",
+                "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)"}
+
+
 def inspect(path: str | Path) -> dict:
     """What an artifact (or plain checkpoint) holds: scheme, per-Linear bits / group size,
     size on disk and compression ratio vs the source (from provenance), and each engine's
@@ -255,8 +260,6 @@ def inspect(path: str | Path) -> dict:
                                                 safetensors_keys)
     from quantspec.quant.artifact import read_provenance, read_quant_config
     from quantspec.quant.engines import draft_verdicts
-    from quantspec.quant.hf_fp8 import HF_FP8_METHOD
-
     with about("PATH"):
         d = resolve_model_dir(path)
         qc = read_quant_config(d)
@@ -290,9 +293,7 @@ def inspect(path: str | Path) -> dict:
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
     )
     cfg = read_config(d)
-    own = {HF_FP8_METHOD: "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)",
-           "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)"}.get(
-        cfg["quantization_config"].get("quant_method"))
+    own = _OWN_FORMATS.get(cfg["quantization_config"].get("quant_method"))
     if own is not None:  # vLLM, SGLang and transformers read it with their own method, not compressed-tensors'
         out["format"] = own
     else:
