@@ -4,28 +4,25 @@ alternative each kernel competes with and what dispatch picks, in one run.
     python bench/kernels.py [--dtype fp16,bf16] [--m 1,16,64,256,4096] [--out DIR] [--sweep-only]
     python bench/kernels.py --device cpu          # tiny shapes under TRITON_INTERPRET=1 (smoke)
 
-Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton
-kernel, the same kernel under its other launch (`flipped_ops`: the other tile orientation of a
-weight-only kernel; W8A8 / FP8 unsplit where the default splits K), for W4A16 the kernel over
-the quartered layout (`w4a16.quarter_int4`, its own launches), the library's alternative to
-it (the weight dequantized by Triton, then cuBLAS, for W4A16 / W8A16; `torch._scaled_mm` for
-FP8; `torch._int_mm` + the scale epilogue for W8A8) and dispatch's choice (`infer/dispatch.py`)
-with its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8 and
-FP8 times include quantizing the activations (what a linear layer pays). Each CUDA cell is GPU
-time per call (`gpu_time`: calls replayed from a CUDA graph, the L2 flushed before each, as the
-engine's decode steps run them); on CPU a median of a few calls. `--out DIR` writes
-`kernels_<dtype>.md` and `.json` there.
+Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton kernel, the same
+kernel under its other launch (`flipped_ops`: the other tile orientation of a weight-only kernel; W8A8 / FP8 unsplit
+where the default splits K), for W4A16 the kernel over the quartered layout (`w4a16.quarter_int4`, its own
+launches), the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for W4A16 / W8A16;
+`torch._scaled_mm` for FP8; `torch._int_mm` + the scale epilogue for W8A8) and dispatch's choice
+(`infer/dispatch.py`) with its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8,
+FP8 and NVFP4 (W4A4: no library alternative) times include quantizing the activations (what a linear layer pays). Each CUDA cell is GPU time per call
+(`gpu_time`: calls replayed from a CUDA graph, the L2 flushed before each, as the engine's decode steps run them);
+on CPU a median of a few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 
-`--sweep-only`: instead of the tables, W8A8's int8 GEMM at M = 4096 under `SCALED_SWEEP`'s
-tiles, W4A16's dequantize (what a large M multiplies with cuBLAS) under `DEQUANT_SWEEP`'s tiles
-on each shape, then W4A16 and W8A16 at M ∈ {1, 16, 256, 4096} on 4096×14336 and at M ∈ {1, 16} on two
-more shapes, under every launch config of a small grid (`sweep_grid`: `tl.dot` tiles with and
-without the scale folded in, one-row programs, W4A16's nibble dots; large-M tiles), each against
-the default heuristic's (`kernels_sweep.md` / `.json`, every config's time in the JSON: what
+`--sweep-only`: instead of the tables, W8A8's int8 GEMM at M = 4096 under `SCALED_SWEEP`'s tiles, W4A16's dequantize
+(what a large M multiplies with cuBLAS) under `DEQUANT_SWEEP`'s tiles on each shape, then W4A16 and W8A16 at M ∈ {1,
+16, 256, 4096} on 4096×14336 and at M ∈ {1, 16} on two more shapes, under every launch config of a small grid
+(`sweep_grid`: `tl.dot` tiles with and without the scale folded in, one-row programs, W4A16's nibble dots; large-M
+tiles), each against the default heuristic's (`kernels_sweep.md` / `.json`, every config's time in the JSON: what
 tunes the heuristics).
 
-Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×,
-W8A8 and FP8 at M=4096 ≥ 1.5×, nothing below 0.9×.
+Targets (H100 / H200, through dispatch): W4A16 M=1 ≥ 3.0× at 4096×14336, W8A16 M=1 ≥ 1.8×, W8A8 and FP8 at M=4096
+≥ 1.5×, nothing below 0.9×.
 """
 
 from __future__ import annotations
@@ -41,9 +38,9 @@ from pathlib import Path
 GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N) of Llama-3-8B
 CPU_SHAPES = [(128, 48)]  # K = 128: the quartered layout applies
 GROUP_SIZE = 128
-KINDS = ("w4a16", "w8a16", "w8a8", "fp8")
+KINDS = ("w4a16", "w8a16", "w8a8", "fp8", "nvfp4")
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # --dtype → torch
-ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
+ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm", "nvfp4": "—"}
 
 
 def _timer(device):
@@ -128,8 +125,10 @@ class Layer:
         self.s8 = torch.rand(N, device=device, generator=gen) * 1e-3 + 1e-4
         self.s8h = self.s8.to(dtype)
         self.w_fp8 = self.w.float().div(1e-3).clamp(-448, 448).to(torch.float8_e4m3fn)
-        self.x_scale = torch.tensor([0.02], device=device)
-        self.x_scale_fp8 = torch.tensor([4.0 / 448], device=device)
+        self.x_scale, self.x_scale_fp8 = torch.tensor([0.02], device=device), torch.tensor([4.0 / 448], device=device)
+        self.p4 = torch.randint(0, 256, (N, K // 2), device=device, dtype=torch.uint8, generator=gen)  # NVFP4 codes
+        self.sfp4 = (torch.rand(N, K // 16, device=device, generator=gen) * 400 + 0.01).to(torch.float8_e4m3fn)
+        self.g4, self.g4x = torch.tensor([1000.0], device=device), torch.tensor([500.0], device=device)
 
 
 def kernel_ops(L: Layer, x):
@@ -153,6 +152,7 @@ def kernel_ops(L: Layer, x):
         "w8a8": (lambda: kernels.w8a8_linear(x, L.q8, L.s8, L.x_scale), int_mm if cuda else None),
         "fp8": (lambda: kernels.fp8_linear(x, L.w_fp8, L.s8, L.x_scale_fp8),
                 (lambda: kernels.fp8_scaled_mm_linear(x, L.w_fp8, L.s8, L.x_scale_fp8)) if cuda else None),
+        "nvfp4": (lambda: kernels.nvfp4_linear(x, L.p4, L.sfp4, L.g4, None, L.g4x), None),  # W4A4
     }
 
 
@@ -202,9 +202,10 @@ def dispatch_pick(kind: str, device, M: int, dtype):
     from quantspec.infer.dispatch import KernelPath, LinearKind, LinearTraits, select_kernel
 
     fp8_native = device.type == "cuda" and __import__("torch").cuda.get_device_capability(device) >= (8, 9)
-    traits = LinearTraits(kind=LinearKind(kind), dtype=dtype, weight_symmetric=True,
-                          weight_strategy="group" if kind == "w4a16" else "channel",
-                          act_mode="static" if kind in ("w8a8", "fp8") else None, fp8_native=fp8_native)
+    strategy = {"w4a16": "group", "nvfp4": "tensor_group"}.get(kind, "channel")
+    traits = LinearTraits(kind=LinearKind("fp4" if kind == "nvfp4" else kind), dtype=dtype, weight_symmetric=True,
+                          weight_strategy=strategy, act_mode={"w8a8": "static", "fp8": "static", "nvfp4": "dynamic"}.get(kind),
+                          fp8_native=fp8_native, fp4_tiles=True)
     path = select_kernel(traits, device, M, dtype)
     if path.value.startswith("triton"):
         return path, "kernel"
@@ -290,7 +291,7 @@ def targets(result: dict) -> list[tuple[str, float | None, float, bool]]:
               ("W8A16 M=1 4096×14336", ratio("w8a16", 4096, 14336, 1), 1.8),
               ("W8A8 M=4096 4096×14336", ratio("w8a8", 4096, 14336, 4096), 1.5),
               ("FP8 M=4096 4096×14336", ratio("fp8", 4096, 14336, 4096), 1.5)]
-    ratios = [r["torch_ms"] / r["dispatch_ms"] for r in result["rows"] if r["dispatch_ms"]]
+    ratios = [r["torch_ms"] / r["dispatch_ms"] for r in result["rows"] if r["dispatch_ms"] and r["kind"] != "nvfp4"]
     checks.append(("lowest dispatch ratio, any cell", min(ratios) if ratios else None, 0.9))
     return [(w, v, t, v is not None and v >= t) for w, v, t in checks]
 
