@@ -186,6 +186,15 @@ def test_quantize_nvfp4(tiny_llama_dir, calibration_table, corpus_files, tmp_pat
     assert api.inspect(gq)["method"] == "gptq"
 
 
+def test_nvfp4_layer_whose_k_takes_no_group_of_16_is_one_line(tmp_path):
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    model = build_tiny_model(tmp_path / "k72", "llama", hidden=72, heads=4, kv_heads=2, intermediate=128)
+    with pytest.raises(QuantSpecError, match=r"do not tile K=72; add --ignore model\.layers\.0\.self_attn\.q_proj"):
+        api.quantize(str(model), "weight_only_nvfp4", tmp_path / "out")
+    assert not (tmp_path / "out").exists()
+
+
 def test_quantize_mse_weight_observer(tiny_llama_dir, corpus_files, tmp_path):
     """--weight-observer mse: recorded as the weights' observer, the stored scales are the MSE
     search's on each weight (never worse than min/max on its error), and the artifact runs."""

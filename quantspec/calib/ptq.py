@@ -157,6 +157,8 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
             sizes[name] = resolve_group_size(mod.in_features, args.group_size)
         elif args.strategy == "block":
             sizes[name] = resolve_block_size(mod.in_features, mod.out_features, args.block_structure)
+        elif args.strategy == "tensor_group" and mod.in_features % args.group_size:
+            raise QuantSpecError(f"{name}: NVFP4's groups of {args.group_size} do not tile K={mod.in_features}; add --ignore {name}")
     for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size
         common = -1 if any(sizes[n] == -1 for n in members) else min(sizes[n] for n in members)
         sizes.update(dict.fromkeys(members, common))
@@ -201,8 +203,7 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
         if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.is_fp8 or (s.weights.is_fp4 and "awq" in method) for s in config.config_groups.values()):
-            raise QuantSpecError(f"{method.upper()} has no rule for FP8 (or, with AWQ, NVFP4) weights; use --method "
-                                 "rtn")
+            raise QuantSpecError(f"{method.upper()} has no rule for FP8 (or, with AWQ, NVFP4) weights; use --method rtn")
 
 
 @torch.no_grad()

@@ -49,6 +49,8 @@ layers take one), and for `nvfp4` inputs quantized the same way at run time unde
 global scales. The table's GPU is Hopper (9.0), where both engines run `nvfp4`'s weights alone
 (FP4 Marlin) and set its input quantization aside; on Blackwell (10.0) both run it as W4A4, which
 `quantize --target portable` probes; on Turing (7.5) vLLM still runs NVFP4 and SGLang refuses it.
+transformers runs NVFP4 artifacts in bf16 or fp16 (compressed-tensors decompresses NVFP4 weights to
+bf16), and quantizes `nvfp4`'s inputs in that dtype where quantspec and vLLM's kernels use fp32.
 """
 
 
