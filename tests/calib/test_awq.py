@@ -177,8 +177,10 @@ def test_bad_requests(tiny_llama_dir):
     with pytest.raises(QuantSpecError, match="weight-only"):
         quantize_model(model, preset("a8w8"), "awq", ids, input_scales={n: 0.05 for n in quantized_linears(
             model, preset("a8w8"))})
-    with pytest.raises(QuantSpecError, match="integer grid"):
+    with pytest.raises(QuantSpecError, match="no rule for FP8"):
         quantize_model(model, preset("a8w8_fp8", activations="dynamic"), "awq", ids)
+    with pytest.raises(QuantSpecError, match="with AWQ, NVFP4"):
+        quantize_model(model, preset("weight_only_nvfp4"), "awq", ids)
 
 
 @pytest.mark.parametrize("method", ["awq", "awq+gptq"])
