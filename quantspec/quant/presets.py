@@ -25,14 +25,14 @@ WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
+_NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
 PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.WEIGHT_ONLY_INT8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.A8W8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
-    QuantType.WEIGHT_ONLY_NVFP4: QuantArgs(num_bits=4, type="float", strategy="tensor_group",
-                                           group_size=NVFP4_GROUP_SIZE),
-    QuantType.NVFP4: QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE),
+    QuantType.WEIGHT_ONLY_NVFP4: _NVFP4_WEIGHTS,
+    QuantType.NVFP4: _NVFP4_WEIGHTS,
 }
 # the static per-tensor input activations of the types that quantize them (the rest keep float inputs)
 PRESET_INPUTS: dict[QuantType, QuantArgs] = {
@@ -41,8 +41,7 @@ PRESET_INPUTS: dict[QuantType, QuantArgs] = {
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="tensor", dynamic=False,
                                   observer="minmax"),
     # group scales at run time under a calibrated global scale (compressed-tensors' NVFP4 preset)
-    QuantType.NVFP4: QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE,
-                               dynamic="local", observer="static_minmax"),
+    QuantType.NVFP4: _NVFP4_WEIGHTS.replace(dynamic="local", observer="static_minmax"),
 }
 # NVFP4's types: E2M1 weights in groups of 16 with FP8 scales under a global scale
 NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)

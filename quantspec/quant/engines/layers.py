@@ -35,7 +35,7 @@ from quantspec.quant.engines.tables import (
     engine_name,
 )
 from quantspec.quant.engines.moe import EXPERT, expert_layers
-from quantspec.quant.engines.verdict import LayerVerdict
+from quantspec.quant.engines.verdict import LayerVerdict, activation_label as _act, nvfp4_inputs_set_aside
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_layer",
@@ -135,15 +135,6 @@ def ignored(layer: str, ignore: Iterable[str]) -> bool:
 
 # ---- scheme selection ------------------------------------------------------------------------------
 
-def _act(ia: QuantArgs | None) -> str | None:
-    if ia is None:
-        return None
-    if ia.is_fp4:
-        return "nvfp4 dynamic (static global scale)"
-    kind = "fp8" if ia.type == "float" else f"int{ia.num_bits}"
-    return f"{kind} {'dynamic' if ia.dynamic else 'static'}"
-
-
 def _nvfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict:
     """Both engines pick their NVFP4 scheme from the args alone (any format): W4A4 on FP4 tensor
     cores, weight-only FP4 Marlin below them (an NVFP4 input's scales then unused), nothing below
@@ -160,8 +151,7 @@ def _nvfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVer
     if capability >= NVFP4_W4A4_CAPABILITY:
         return LayerVerdict("W4A4Fp4", **base, input_activations=_act(ia))
     return LayerVerdict("W4A16Fp4" if engine == "sglang" else "W4A4Fp4", **base,
-                        problem=f"NVFP4 input quantization below compute capability "
-                                f"{NVFP4_W4A4_CAPABILITY / 10:.1f} (it runs the weights with FP4 Marlin, inputs float)")
+                        problem=nvfp4_inputs_set_aside("the weights"))
 
 
 def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,

@@ -30,7 +30,7 @@ from typing import Iterable
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.engines.tables import NVFP4_W4A4_CAPABILITY
-from quantspec.quant.engines.verdict import LayerVerdict
+from quantspec.quant.engines.verdict import LayerVerdict, activation_label, nvfp4_inputs_set_aside
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["EXPERT", "MIXTRAL_PROJECTIONS", "PROJECTIONS", "TRANSFORMERS_REFUSAL", "expert_layers", "moe_layer"]
@@ -66,8 +66,7 @@ def _nvfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | N
     else:
         kind = "W4A4Nvfp4MoE" if ia is not None and capability >= NVFP4_W4A4_CAPABILITY else "W4A16Nvfp4MoE"
     if ia is not None and capability < NVFP4_W4A4_CAPABILITY:
-        return kind, (f"NVFP4 input quantization below compute capability {NVFP4_W4A4_CAPABILITY / 10:.1f} "
-                      "(it runs the experts' weights with FP4 Marlin, inputs float)")
+        return kind, nvfp4_inputs_set_aside("the experts' weights")
     return kind, None
 
 
@@ -122,6 +121,5 @@ def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str
     kind, problem = _method(engine, s, config, capability)
     w, ia = s.weights, s.input_activations
     group = w.group_size if w.strategy in ("group", "tensor_group") else None
-    act = None if ia is None else "nvfp4 dynamic (static global scale)" if ia.is_fp4 else \
-        f"{'fp8' if ia.type == 'float' else 'int8'} {'dynamic' if ia.dynamic else 'static'}"
-    return LayerVerdict(kind, w.num_bits, group, w.symmetric, act, problem=problem, block=w.block_structure)
+    return LayerVerdict(kind, w.num_bits, group, w.symmetric, activation_label(ia), problem=problem,
+                        block=w.block_structure)

@@ -6,9 +6,27 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import Mapping
 
-from quantspec.quant.engines.tables import engine_name
+from quantspec.quant.engines.tables import NVFP4_W4A4_CAPABILITY, engine_name
 
-__all__ = ["LayerVerdict", "EngineVerdict"]
+__all__ = ["LayerVerdict", "EngineVerdict", "activation_label", "nvfp4_inputs_set_aside"]
+
+
+def activation_label(ia) -> str | None:
+    """A verdict's name for input activation args `ia` ("int8 static", "fp8 dynamic", NVFP4's;
+    None: float inputs)."""
+    if ia is None:
+        return None
+    if ia.is_fp4:
+        return "nvfp4 dynamic (static global scale)"
+    kind = "fp8" if ia.type == "float" else f"int{ia.num_bits}"
+    return f"{kind} {'dynamic' if ia.dynamic else 'static'}"
+
+
+def nvfp4_inputs_set_aside(what: str) -> str:
+    """The problem of an engine that runs `what` (a layer's weights, its experts') with FP4 Marlin
+    below FP4 tensor cores, setting NVFP4 input quantization aside."""
+    return (f"NVFP4 input quantization below compute capability {NVFP4_W4A4_CAPABILITY / 10:.1f} "
+            f"(it runs {what} with FP4 Marlin, inputs float)")
 
 
 @dataclass(frozen=True)
