@@ -165,15 +165,24 @@ def _quantize_act_nvfp4_kernel(x_ptr, q_ptr, s_ptr, g_ptr, M, K, stride_xm, BLOC
 
 
 @triton.jit
-def _nvfp4_weight_tile(w_ptr, s_ptr, offs_n, mask_n, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
-                       BLOCK_K: tl.constexpr):
-    """The weight tile [BLOCK_N, BLOCK_K] at columns k0.. as code · local scale in fp32 (exact;
-    the global scale is the epilogue's): bytes [BN, BK/2] → low and high nibbles, joined into k
-    order (k = 2j + h), times each group's scale ([BN, BK/16] bytes). Past K or N: zeros."""
+def _fp4_codes_tile(w_ptr, offs_n, mask_n, k0, K, stride_wn, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr):
+    """The E2M1 codes of the packed weight's tile [BLOCK_N, BLOCK_K] at columns k0.. (k0 even) as
+    fp32 values: bytes [BN, BK/2] → low and high nibbles, joined into k order (k = 2j + h). Past
+    K or N: zeros. NVFP4's and MXFP4's (`kernels.mxfp4`) layout alike."""
     offs_b = k0 // 2 + tl.arange(0, BLOCK_K // 2)  # [BK/2] the tile's bytes
     b = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_b[None, :],
                 mask=mask_n[:, None] & (offs_b < K // 2)[None, :], other=0).to(tl.int32)  # [BN, BK/2]
     codes = tl.join(_e2m1_values(b & 0xF), _e2m1_values(b >> 4))  # [BN, BK/2, 2]
+    return tl.reshape(codes, (BLOCK_N, BLOCK_K))
+
+
+@triton.jit
+def _nvfp4_weight_tile(w_ptr, s_ptr, offs_n, mask_n, k0, K, stride_wn, stride_sn, BLOCK_N: tl.constexpr,
+                       BLOCK_K: tl.constexpr):
+    """The weight tile [BLOCK_N, BLOCK_K] at columns k0.. as code · local scale in fp32 (exact;
+    the global scale is the epilogue's): the codes (`_fp4_codes_tile`) times each group's scale
+    ([BN, BK/16] bytes). Past K or N: zeros."""
+    codes = _fp4_codes_tile(w_ptr, offs_n, mask_n, k0, K, stride_wn, BLOCK_N, BLOCK_K)  # [BN, BK]
     offs_g = k0 // 16 + tl.arange(0, BLOCK_K // 16)  # [BK/16] the tile's groups
     s = tl.load(s_ptr + offs_n[:, None] * stride_sn + offs_g[None, :],
                 mask=mask_n[:, None] & (offs_g < K // 16)[None, :], other=0).to(tl.int32)  # [BN, BK/16]

@@ -24,12 +24,12 @@ import torch
 import triton
 import triton.language as tl
 
-from quantspec.kernels import _common, fp4, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16
+from quantspec.kernels import _common, fp4, fp8, fp8_block, fused, kv_cache, mxfp4, w4a16, w8a8, w8a16
 from quantspec.quant.packing import pack_int4
 
 _POINTER_TYPES = {torch.float32: "*fp32", torch.float16: "*fp16", torch.bfloat16: "*bf16", torch.int32: "*i32",
                   torch.int64: "*i64", torch.int8: "*i8", torch.uint8: "*u8", torch.float8_e4m3fn: "*fp8e4nv"}
-_MODULES = (_common, fp4, fp8, fp8_block, fused, kv_cache, w4a16, w8a8, w8a16)
+_MODULES = (_common, fp4, fp8, fp8_block, fused, kv_cache, mxfp4, w4a16, w8a8, w8a16)
 
 # the host functions run on CPU tensors, which only the interpreter takes; where a GPU runs the
 # kernels themselves (no interpreter), the `-m gpu` tests compile and run them
@@ -60,6 +60,7 @@ for d in json.load(sys.stdin):
             mem = [i for i in (ptx.find(op) for op in ("ld.global", "st.global", "atom.", "red.", "cp.async"))
                    if i >= 0]
             out.append({"name": d["name"], "cc": cc, "int_to_float": "sitofp" in ttgir or "uitofp" in ttgir,
+                        "ftz": ".ftz" in ptx,  # fp32 subnormals flushed to zero somewhere
                         "waits": wait >= 0, "waits_first": wait >= 0 and all(wait < i for i in mem),
                         "launches_dependents": "griddepcontrol.launch_dependents" in ptx})
         except Exception as e:  # the chain: the compiler's own message is in a cause
@@ -291,6 +292,45 @@ def test_nvfp4_gpu_launches_compile(recorded, dtype, monkeypatch):
     assert [r for r in results if r["name"] == "_nvfp4_linear_kernel" and r["int_to_float"]] == []
 
 
+def _mxfp4_weight(N: int, K: int, gen: torch.Generator) -> tuple[torch.Tensor, torch.Tensor]:
+    """(packed uint8 [N, K/2], E8M0 exponents uint8 [N, K/32]): any bytes are valid codes, and
+    any exponent byte a scale."""
+    packed = torch.randint(0, 256, (N, K // 2), dtype=torch.uint8, generator=gen)
+    return packed, torch.randint(0, 255, (N, K // 32), dtype=torch.uint8, generator=gen)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16, torch.bfloat16])
+def test_mxfp4_gpu_launches_compile(recorded, dtype, monkeypatch):
+    """The MXFP4 linear, weight-only (fp32 x: fp32 dots) and W4A4 (fp16 dots), at decode
+    (split-K finished by the tiles' last splits, and by a launch of its own), tile and large M,
+    and the activation quantizer: the GEMM compiles for sm_80 and sm_90 (no fp8 instruction);
+    neither makes a weight code or scale by an int-to-float conversion, nor flushes a subnormal
+    (the scale 2**-127 of exponent 0 is one)."""
+    gen = torch.Generator().manual_seed(8)
+    N, K = 200, 2048
+    packed, scale = _mxfp4_weight(N, K, gen)
+    bias = torch.randn(N, generator=gen).to(dtype)
+    for M in (1, 32, 300):
+        x = torch.randn(M, K, generator=gen).to(dtype)
+        mxfp4.mxfp4_linear(x, packed, scale, bias)
+        mxfp4.mxfp4_linear(x, packed, scale, quantize_input=True)
+    mxfp4.quantize_act_mxfp4(torch.randn(3, K, generator=gen).to(dtype))
+    monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
+    mxfp4.mxfp4_linear(torch.randn(1, K, generator=gen).to(dtype), packed, scale, bias)
+    assert {c["name"] for c in recorded} == {"_mxfp4_linear_kernel", "_quantize_act_mxfp4_kernel",
+                                             "_finish_split_k_kernel"}
+    gemms = [c["constants"] for c in recorded if c["name"] == "_mxfp4_linear_kernel"]
+    assert {c["W4A4"] for c in gemms} == {True, False}
+    assert {c["DOT_FP32"] for c in gemms if not c["W4A4"]} == {dtype == torch.float32}
+    assert not any(c["DOT_FP32"] for c in gemms if c["W4A4"])
+    assert {c["SPLIT_K"] > 1 for c in gemms} == {True, False}
+    assert {c["FINISH"] for c in gemms if c["SPLIT_K"] > 1} == {True, False}
+    results = _compiled(recorded)
+    mx = [r for r in results if r["name"] in ("_mxfp4_linear_kernel", "_quantize_act_mxfp4_kernel")]
+    assert {r["cc"] for r in mx if r["name"] == "_mxfp4_linear_kernel"} == {80, 90}  # its codes: fp8 stores, sm_90
+    assert [r for r in mx if r["int_to_float"] or r["ftz"]] == []
+
+
 @pytest.mark.parametrize("q_dtype", [torch.float16, torch.bfloat16])
 def test_kv_cache_gpu_launches_compile(recorded, q_dtype):
     """Quantize-on-write and paged attention over bf16, int8 and fp8 caches (decode,
@@ -347,8 +387,8 @@ def test_fused_small_op_launches_compile(recorded, dtype):
 def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
     """One GPU launch of each of quantspec's Triton kernels (recorded by the `recorded` fixture):
     the GEMMs at decode M (split-K finished in the launch, and by a launch of its own; FP8 with
-    block scales; NVFP4 W4A4), the dequantize kernels, the activation quantizers, the paged cache's write and attention, the
-    fused small ops."""
+    block scales; NVFP4 and MXFP4 W4A4), the dequantize kernels, the activation quantizers, the
+    paged cache's write and attention, the fused small ops."""
     gen = torch.Generator().manual_seed(4)
     x = torch.randn(1, K, generator=gen).to(dtype)
     wp = pack_int4(torch.randint(-8, 8, (N, K), dtype=torch.int8, generator=gen))
@@ -366,6 +406,9 @@ def _every_kernel(dtype: torch.dtype, monkeypatch) -> None:
     packed, scale, g = _nvfp4_weight(N, K, gen)
     fp4.nvfp4_linear(x, packed, scale, g, None, torch.tensor([50.0]))
     fp4.quantize_act_nvfp4(x, torch.tensor([50.0]))
+    mx_packed, mx_scale = _mxfp4_weight(N, K, gen)
+    mxfp4.mxfp4_linear(x, mx_packed, mx_scale, quantize_input=True)
+    mxfp4.quantize_act_mxfp4(x)
     monkeypatch.setattr(_common, "split_k_counters", lambda device, tiles: None)
     w4a16.w4a16_linear(x, wp, s4, G)
     w8a8.w8a8_linear(torch.randn(1, 4 * K, generator=gen).to(dtype), q.repeat(1, 4), ws, xs)  # deep: split K
