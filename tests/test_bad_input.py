@@ -155,6 +155,11 @@ CASES = [
      "--activations"),
     ("quantize-nvfp4-mse", "quantize --model {model} --quant-type weight_only_nvfp4 --weight-observer mse "
                            "--out {d}/q", "--weight-observer"),
+    ("quantize-mxfp4-awq", "quantize --model {model} --quant-type weight_only_mxfp4 --method awq "
+                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-mxfp4-asym", "quantize --model {model} --quant-type weight_only_mxfp4 --asym --out {d}/q", "--asym"),
+    ("quantize-mxfp4-dynamic", "quantize --model {model} --quant-type mxfp4 --activations dynamic --out {d}/q",
+     "--activations"),
     ("quantize-weight-block-int8", "quantize --model {model} --quant-type weight_only_int8 --weight-block 128 "
                                    "--out {d}/q", "--weight-block"),
     ("quantize-weight-block-odd", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 96 --out {d}/q",
@@ -198,6 +203,10 @@ CASES = [
                                     "--calib {d}/no-table --out {d}/q", "--quant-type a8w8_fp8"),
     ("quantize-target-transformers-asym", "quantize --model {model} --quant-type weight_only_int4 --asym "
                                           "--target transformers --out {d}/q", "--asym"),
+    ("quantize-target-portable-mxfp4", "quantize --model {model} --quant-type weight_only_mxfp4 --out {d}/q",
+     "--target vllm"),
+    ("quantize-target-sglang-mxfp4", "quantize --model {model} --quant-type mxfp4 --target sglang --out {d}/q",
+     "--quant-type weight_only_nvfp4"),
     ("quantize-kv-strategy-no-kv", "quantize --model {model} --quant-type weight_only_int8 --kv-strategy tensor "
                                    "--out {d}/q", "--kv-cache"),
     ("quantize-out-not-empty", "quantize --model {model} --quant-type weight_only_int8 --out {d}/busy",

@@ -193,14 +193,16 @@ def write_with_compressed_tensors(src: Path, out: Path, scheme, kv_cache_scheme=
 
 
 def _ct_decompressed(path: Path, name: str, scheme) -> torch.Tensor:
-    """compressed-tensors' NVFP4 decompressor on Linear `name`'s tensors as saved (bf16)."""
+    """compressed-tensors' NVFP4 / MXFP4 decompressor on Linear `name`'s tensors as saved (bf16)."""
+    from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 
     from quantspec.quant.artifact import load_safetensors
 
     stored = load_safetensors(path)
     state = {k.removeprefix(name + "."): v for k, v in stored.items() if k.startswith(name + ".")}
-    return NVFP4PackedCompressor.decompress(state, scheme)["weight"]
+    mx = scheme.weights.strategy == "group"
+    return (MXFP4PackedCompressor if mx else NVFP4PackedCompressor).decompress(state, scheme)["weight"]
 
 
 def _args(**kw):
@@ -242,6 +244,8 @@ SCHEMES = {  # name → (scheme, kv_cache_scheme)
     "fp8_kv_per_head": (lambda: _preset("FP8_DYNAMIC"), lambda: _args(**FP8, strategy="attn_head")),
     "nvfp4a16": (lambda: _preset("NVFP4A16"), None),
     "nvfp4": (lambda: _preset("NVFP4"), None),
+    "mxfp4a16": (lambda: _preset("MXFP4A16"), None),
+    "mxfp4": (lambda: _preset("MXFP4"), None),
 }
 
 
@@ -276,8 +280,8 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
 
     scheme, kv = (f() if f is not None else None for f in SCHEMES[name])
     model = write_with_compressed_tensors(tiny_llama_128, tmp_path / name, scheme, kv)
-    nvfp4 = scheme.weights.strategy == "tensor_group"
-    if nvfp4:  # decompressed to bf16 only: its fp32 numbers are its forward before compression
+    fp4 = scheme.weights.type == "float" and scheme.weights.num_bits == 4
+    if fp4:  # decompressed to bf16 only: its fp32 numbers are its forward before compression
         theirs = model.fake_quantized_logits
     else:
         with torch.no_grad():
@@ -288,11 +292,11 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     linears = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
     assert len(linears) == 7 * lm.args.num_layers
     for n, ql in linears.items():
-        want = model.get_submodule(n).weight.data if not nvfp4 else _ct_decompressed(tmp_path / name, n, scheme)
+        want = model.get_submodule(n).weight.data if not fp4 else _ct_decompressed(tmp_path / name, n, scheme)
         assert torch.equal(ql.dequantized_weight(want.dtype), want), n
     if kv is not None:  # teeth: quantspec's float KV cache is far from it
         assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
-    if nvfp4 and scheme.input_activations is not None:  # teeth: the same weights with float inputs
+    if fp4 and scheme.input_activations is not None:  # teeth: the same weights with float inputs
         for ql in linears.values():
             ql.input_args = None
         assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
@@ -306,7 +310,7 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     ("W4A8", "W4A8"),
     ("W4AFP8", "W4AFP8"),
     ("W3A16", "3-bit"),
-    ("MXFP4A16", "mxfp4-pack-quantized"),
+    ("MXFP6A16", "mxfp6-pack-quantized"),
 ])
 def test_scheme_we_do_not_run_is_one_line(tiny_llama_128, tmp_path, preset, named):
     """compressed-tensors' checkpoint of a scheme quantspec does not run (scales filled with a

@@ -224,13 +224,14 @@ def test_fp8_checkpoint_whose_groups_do_not_divide_k_is_one_line(tiny_llama_dir,
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4"])
-def test_transformers_loads_our_nvfp4_artifact(tiny_llama_dir, calibration_table, tmp_path, quant_type):
-    """NVFP4 (`nvfp4-pack-quantized`), where compressed-tensors decompresses to bf16 only, so both
-    run in bf16: NVFP4A16 gives quantspec's logits; for nvfp4 transformers holds the stored input
-    global scales (it quantizes the inputs in bf16, quantspec in fp32 as vLLM's kernels do: the
-    fp32 numbers are compressed-tensors' own, tests/test_interop_compressed_tensors.py). q/k/v and
-    gate/up share their weight global scale, as the engines' fused layers need."""
+@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4", "weight_only_mxfp4", "mxfp4"])
+def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, tmp_path, quant_type):
+    """NVFP4 / MXFP4 (`nvfp4-` / `mxfp4-pack-quantized`), where compressed-tensors decompresses to
+    bf16 only, so both run in bf16: the weight-only types give quantspec's logits; for nvfp4
+    transformers holds the stored input global scales, for mxfp4 it quantizes the inputs per group
+    of 32 at run time (in bf16, quantspec in fp32 as vLLM's kernels do: the fp32 numbers are
+    compressed-tensors' own, tests/test_interop_compressed_tensors.py). NVFP4's q/k/v and gate/up
+    share their weight global scale, as the engines' fused layers need."""
     from transformers import AutoModelForCausalLM
 
     from quantspec import api
@@ -238,11 +239,11 @@ def test_transformers_loads_our_nvfp4_artifact(tiny_llama_dir, calibration_table
     from quantspec.quant.artifact import load_safetensors
 
     calib = str(calibration_table(tiny_llama_dir)) if quant_type == "nvfp4" else None
-    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / quant_type, calib=calib)
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / quant_type, calib=calib, target="transformers")
     stored = load_safetensors(art)
     for part, units in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("mlp", ("gate_proj", "up_proj"))):
-        g = [stored[f"model.layers.0.{part}.{u}.weight_global_scale"] for u in units]
-        assert all(torch.equal(x, g[0]) for x in g)
+        g = [stored.get(f"model.layers.0.{part}.{u}.weight_global_scale") for u in units]
+        assert all(x is None if "mx" in quant_type else torch.equal(x, g[0]) for x in g)
     hf = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.bfloat16)
     with torch.no_grad():
         theirs = hf(IDS).logits[0].float()
@@ -251,10 +252,15 @@ def test_transformers_loads_our_nvfp4_artifact(tiny_llama_dir, calibration_table
     assert layers and all(m.weight_args.is_fp4 for m in layers)
     ours = logits(lm.model, IDS).float()
     fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
-    if quant_type == "weight_only_nvfp4":
+    if quant_type.startswith("weight_only"):
         torch.testing.assert_close(ours, theirs, **TOL)
         assert (fp32 - theirs).abs().max() > 1e-3  # teeth: the float model is far from both
         return
     q = hf.model.layers[0].self_attn.q_proj
+    if quant_type == "mxfp4":
+        ia = q.quantization_scheme.input_activations
+        assert (ia.dynamic, ia.strategy, ia.group_size) == (True, "group", 32)
+        assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max() < (fp32 - theirs).abs().max()
+        return
     assert torch.equal(q.input_global_scale.data.reshape(-1), stored["model.layers.0.self_attn.q_proj.input_global_scale"])
     assert q.quantization_scheme.input_activations.dynamic == "local"

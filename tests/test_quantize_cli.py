@@ -186,12 +186,47 @@ def test_quantize_nvfp4(tiny_llama_dir, calibration_table, corpus_files, tmp_pat
     assert api.inspect(gq)["method"] == "gptq"
 
 
-def test_nvfp4_layer_whose_k_takes_no_group_of_16_is_one_line(tmp_path):
+@pytest.mark.parametrize("quant_type", ["weight_only_mxfp4", "mxfp4"])
+def test_quantize_mxfp4(tiny_llama_dir, corpus_files, tmp_path, quant_type):
+    """`--quant-type weight_only_mxfp4 | mxfp4`: E2M1 codes two a byte and one E8M0 exponent per
+    group of 32 — compressed-tensors' MXFP4 numbers on the source weights (its own
+    `calculate_qparams`), no global scale and nothing calibrated; inspect shows the groups of 32;
+    GPTQ rounds it too; the artifact runs."""
+    from quantspec.quant.artifact import load_safetensors
+    from quantspec.quant.fp4 import mx_exponents, pack_fp4, round_to_e2m1
+
+    out = tmp_path / quant_type
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--target", "quantspec", "--out", out)
+    assert r.exit_code == 0, r.output
+    t, src = load_safetensors(out), load_safetensors(tiny_llama_dir)
+    assert not any(k.endswith(("global_scale", "input_scale")) for k in t)
+    n = "model.layers.1.mlp.down_proj"
+    W = src[f"{n}.weight"]
+    Wg = W.unflatten(-1, (-1, 32))
+    e = mx_exponents(Wg.abs().amax(-1))
+    assert t[f"{n}.weight_scale"].dtype == torch.uint8 and torch.equal(t[f"{n}.weight_scale"], e)
+    s = (2.0 ** (e.float() - 127)).to(W.dtype).unsqueeze(-1)
+    assert torch.equal(t[f"{n}.weight_packed"], pack_fp4(round_to_e2m1((Wg / s).clamp(-6, 6)).flatten(1)))
+    info = api.inspect(out)
+    assert info["quant_type"] == quant_type and info["format"] == "mxfp4-pack-quantized"
+    assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("group", 32)}
+    ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
+                         "--seq-len", "64", "--max-windows", "2", "--json").stdout)
+    assert ev["perplexity"] > 1
+    gq = tmp_path / f"{quant_type}_gptq"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--method", "gptq", "--target", "quantspec",
+             "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4", "--seq-len", "32", "--out", gq)
+    assert r.exit_code == 0, r.output
+    assert not torch.equal(load_safetensors(gq)[f"{n}.weight_packed"], t[f"{n}.weight_packed"])
+
+
+@pytest.mark.parametrize("quant_type,group", [("weight_only_nvfp4", 16), ("weight_only_mxfp4", 32)])
+def test_fp4_layer_whose_k_takes_no_group_is_one_line(tmp_path, quant_type, group):
     from quantspec.model_zoo.tiny import build_tiny_model
 
     model = build_tiny_model(tmp_path / "k72", "llama", hidden=72, heads=4, kv_heads=2, intermediate=128)
-    with pytest.raises(QuantSpecError, match=r"do not tile K=72; add --ignore model\.layers\.0\.self_attn\.q_proj"):
-        api.quantize(str(model), "weight_only_nvfp4", tmp_path / "out")
+    with pytest.raises(QuantSpecError, match=rf"groups of {group} do not tile K=72; add --ignore model\.layers\.0\.self_attn\.q_proj"):
+        api.quantize(str(model), quant_type, tmp_path / "out", target="quantspec")
     assert not (tmp_path / "out").exists()
 
 

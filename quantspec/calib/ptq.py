@@ -62,7 +62,7 @@ from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, resolve_group_size
 from quantspec.quant.artifact import linear_to_tensors
-from quantspec.quant.fp4 import global_scale_from_absmax
+from quantspec.quant.fp4 import check_groups_tile, global_scale_from_absmax
 from quantspec.quant.presets import METHODS
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
@@ -153,12 +153,12 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
-        if args.strategy == "group":
+        if args.is_fp4:  # FP4's group size is the format's own
+            check_groups_tile(name, mod.in_features, args.group_size, "MXFP4" if args.is_mx else "NVFP4")
+        elif args.strategy == "group":
             sizes[name] = resolve_group_size(mod.in_features, args.group_size)
         elif args.strategy == "block":
             sizes[name] = resolve_block_size(mod.in_features, mod.out_features, args.block_structure)
-        elif args.strategy == "tensor_group" and mod.in_features % args.group_size:
-            raise QuantSpecError(f"{name}: NVFP4's groups of {args.group_size} do not tile K={mod.in_features}; add --ignore {name}")
     for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size
         common = -1 if any(sizes[n] == -1 for n in members) else min(sizes[n] for n in members)
         sizes.update(dict.fromkeys(members, common))
@@ -173,11 +173,11 @@ def _check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantCon
     for name in layer_args_in:
         scheme = config.scheme_for(name)
         ia = scheme.input_activations
-        if ia is None or (ia.dynamic and not ia.is_fp4):
+        if ia is None or (ia.dynamic and not ia.is_nvfp4):
             continue
         if input_scales is None or name not in input_scales:
             qt = config.quant_type.value if config.quant_type else "this scheme"
-            what = "input global scales" if ia.is_fp4 else "static activation scales"
+            what = "input global scales" if ia.is_nvfp4 else "static activation scales"
             raise QuantSpecError(f"{qt} needs {what} and none were given for "
                                  f"{name}; run `quantspec calibrate` and pass --calib DIR")
         s = torch.as_tensor(input_scales[name], dtype=torch.float32).reshape(-1)
@@ -203,7 +203,7 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
         if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.is_fp8 or (s.weights.is_fp4 and "awq" in method) for s in config.config_groups.values()):
-            raise QuantSpecError(f"{method.upper()} has no rule for FP8 (or, with AWQ, NVFP4) weights; use --method rtn")
+            raise QuantSpecError(f"{method.upper()} has no rule for FP8 (or, with AWQ, FP4) weights; use --method rtn")
 
 
 @torch.no_grad()
@@ -306,7 +306,7 @@ class _LayerQuantizer:
         for b, members in enumerate(buckets.values()):
             args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
             g = None
-            if args.is_fp4:  # one global scale for the Linears of one input, as the engines' fused layers take it
+            if args.is_nvfp4:  # one global scale for the Linears of one input, as the engines' fused layers take it
                 g = global_scale_from_absmax(torch.stack([m.weight.abs().amax() for m in mods]))
                 self.global_scales.update(dict.fromkeys(members, g))
             if hessian is None and args.strategy in ("channel", "group", "tensor_group", "block"):

@@ -29,7 +29,8 @@ CPU, torch's ops:
   the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue;
   block scales (FP8_BLOCK): x fake-quantized per token and group, a float matmul against the
   weight dequantized once at load (the reference's numbers, without its per-call dequantize);
-- NVFP4 (weight-only, or with NVFP4 inputs fake-quantized per row and group of 16): the same.
+- NVFP4 / MXFP4 (weight-only, or with FP4 inputs fake-quantized per row and group of 16 / 32):
+  the same.
 
 CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
 M ≤ `cuda_weight_only_max_m`; above it the GEMM is compute-bound and cuBLAS runs on the weight
@@ -37,8 +38,9 @@ dequantized by a Triton kernel (`w4a16_dequantize` / `w8a16_dequantize`, which a
 the rows); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp8_linear` below
 `cuda_scaled_mm_min_m` rows, torch's `_scaled_mm` (cuBLASLt's FP8 GEMM, `fp8_scaled_mm_linear`)
 from there for fp16 / bf16 activations; block-scaled fp8 with dynamic per-group inputs:
-`fp8_block_linear` for every M; NVFP4 (weight-only or NVFP4 inputs, K a multiple of 32): `nvfp4_linear`
-for every M (any compute capability: it decodes E2M1 without FP4 or FP8 instructions); what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
+`fp8_block_linear` for every M; NVFP4 / MXFP4 (weight-only or FP4 inputs, K a multiple of 32):
+`nvfp4_linear` / `mxfp4_linear` for every M (any compute capability: they decode E2M1 without FP4
+or FP8 instructions); what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
 sm_89) → the reference, dequantize + matmul.
 """
 
@@ -65,7 +67,7 @@ class LinearKind(str, enum.Enum):
     W8A16 = "w8a16"  # int8 weights, float activations (weight_only_int8)
     W8A8 = "w8a8"  # int8 weights × int8 activations (a8w8)
     FP8 = "fp8"  # fp8 E4M3 weights (× fp8 activations: a8w8_fp8; or fp8 weight-only)
-    FP4 = "fp4"  # NVFP4 weights (× NVFP4 activations: nvfp4; or weight-only: weight_only_nvfp4)
+    FP4 = "fp4"  # NVFP4 / MXFP4 weights (× FP4 activations: nvfp4, mxfp4; or weight-only)
 
 
 class KernelPath(str, enum.Enum):
@@ -85,6 +87,7 @@ class KernelPath(str, enum.Enum):
     TRITON_FP8 = "triton_fp8"
     TRITON_FP8_BLOCK = "triton_fp8_block"  # x quantized per token group, block-scaled fp8 GEMM
     TRITON_NVFP4 = "triton_nvfp4"  # E2M1 nibbles decoded in the GEMM (x quantized in it for NVFP4 inputs)
+    TRITON_MXFP4 = "triton_mxfp4"  # the same with E8M0 group scales (x quantized in it for MXFP4 inputs)
     CUDA_DEQUANT_MM = "cuda_dequant_mm"  # Triton dequantize to the activation dtype + cuBLAS
     CUDA_SCALED_MM = "cuda_scaled_mm"  # x quantized by Triton, torch._scaled_mm (cuBLASLt / CUTLASS FP8)
 
@@ -174,7 +177,7 @@ class LinearTraits:
     cpu_gemv: bool = False  # quantspec's CPU kernels are built here and take this layout
     cpu_pairs: bool = False  # ... and run bf16 x through AVX512-BF16's dot product (int4: even groups)
     fp8_native: bool = False  # CUDA device with compute capability >= 8.9
-    fp4_tiles: bool = False  # NVFP4 with K a multiple of 32: the Triton NVFP4 kernel's k tiles hold it
+    fp4_tiles: bool = False  # FP4 with K a multiple of 32: the Triton FP4 kernels' k tiles hold it
 
 
 def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.dtype,
@@ -193,8 +196,10 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.TRITON_W8A8 if ok else KernelPath.DEQUANT
-    if t.kind is LinearKind.FP4:
-        return KernelPath.TRITON_NVFP4 if t.fp4_tiles else KernelPath.DEQUANT
+    if t.kind is LinearKind.FP4:  # MXFP4's strategy is "group", NVFP4's "tensor_group"
+        if not t.fp4_tiles:
+            return KernelPath.DEQUANT
+        return KernelPath.TRITON_MXFP4 if t.weight_strategy == "group" else KernelPath.TRITON_NVFP4
     if t.weight_strategy == "block":
         return KernelPath.TRITON_FP8_BLOCK if t.fp8_native and t.act_mode == "dynamic" else KernelPath.DEQUANT
     if not (t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")):

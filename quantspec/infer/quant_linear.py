@@ -33,6 +33,7 @@ __all__ = ["PreparedWeight", "QuantLinear", "aligned", "layer_traits", "linear_k
 _ALIGN_BYTES = 64
 _TRITON_PATHS = frozenset({KernelPath.TRITON_W4A16, KernelPath.TRITON_W8A16, KernelPath.TRITON_W8A8,
                            KernelPath.TRITON_FP8, KernelPath.TRITON_FP8_BLOCK, KernelPath.TRITON_NVFP4,
+                           KernelPath.TRITON_MXFP4,
                            KernelPath.CUDA_DEQUANT_MM,
                            KernelPath.CUDA_SCALED_MM})
 
@@ -143,7 +144,7 @@ class QuantLinear(nn.Module):
                 ia.strategy in ("group", "tensor_group") and ia.dynamic):
             raise QuantSpecError(f"{name}: input activation strategy {ia.strategy!r} is "
                                  "unsupported; use tensor (static), token or group (dynamic)")
-        if ia is not None and ia.is_fp4 and t.input_global_scale is None:
+        if ia is not None and ia.is_nvfp4 and t.input_global_scale is None:
             raise QuantSpecError(f"{name} has no input_global_scale but its scheme has NVFP4 inputs: "
                                  "quantize with --calib to store one")
         if ia is not None and ia.strategy in ("group", "tensor_group") and t.q.shape[1] % ia.group_size:

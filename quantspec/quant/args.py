@@ -21,7 +21,8 @@ from typing import Any, Mapping
 from quantspec.errors import QuantSpecError
 
 __all__ = ["FORMAT_FLOAT_QUANTIZED", "FORMAT_INT_QUANTIZED", "FORMAT_MIXED_PRECISION", "FORMAT_NAIVE_QUANTIZED",
-           "FORMAT_NVFP4_PACK_QUANTIZED", "FORMAT_PACK_QUANTIZED", "MIN_GROUP_SIZE", "NVFP4_GROUP_SIZE", "QUANT_METHOD",
+           "FORMAT_MXFP4_PACK_QUANTIZED", "FORMAT_NVFP4_PACK_QUANTIZED", "FORMAT_PACK_QUANTIZED", "MIN_GROUP_SIZE",
+           "MXFP4_GROUP_SIZE", "NVFP4_GROUP_SIZE", "QUANT_METHOD",
            "STATUS_COMPRESSED", "SUPPORTED_FORMATS", "ZP_FLOAT_DTYPES", "QuantArgs", "QuantType"]
 
 
@@ -32,14 +33,16 @@ FORMAT_FLOAT_QUANTIZED = "float-quantized"
 FORMAT_NAIVE_QUANTIZED = "naive-quantized"
 FORMAT_MIXED_PRECISION = "mixed-precision"
 FORMAT_NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
+FORMAT_MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
 # formats whose tensors quantspec can read and write (the rest of compressed-tensors' formats —
-# sparse, marlin, mxfp — are refused on load with one line)
+# sparse, marlin, MXFP6 / MXFP8 — are refused on load with one line)
 SUPPORTED_FORMATS = (
     FORMAT_PACK_QUANTIZED,
     FORMAT_INT_QUANTIZED,
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_NAIVE_QUANTIZED,
     FORMAT_NVFP4_PACK_QUANTIZED,
+    FORMAT_MXFP4_PACK_QUANTIZED,
 )
 STATUS_COMPRESSED = "compressed"
 # smallest group size `resolve_group_size` hands out: torch's CPU int4 op takes 32..256 and the
@@ -49,6 +52,10 @@ MIN_GROUP_SIZE = 16
 # scale per tensor (strategy "tensor_group")
 NVFP4_GROUP_SIZE = 16
 _NVFP4_SCALE_DTYPE = "float8_e4m3fn"
+# MXFP4 (OCP microscaling): E2M1 values in groups of 32 along K, one power-of-two scale per group
+# stored as its E8M0 exponent (uint8, bias 127), no global scale (strategy "group")
+MXFP4_GROUP_SIZE = 32
+_MX_SCALE_DTYPE = "uint8"
 
 _TYPES = ("int", "float")
 _STRATEGIES = ("tensor", "channel", "group", "tensor_group", "block", "token", "attn_head")
@@ -71,6 +78,8 @@ class QuantType(str, enum.Enum):
     A8W8_FP8 = "a8w8_fp8"  # FP8 E4M3 per-channel weights + static per-tensor FP8 activations
     WEIGHT_ONLY_NVFP4 = "weight_only_nvfp4"  # NVFP4 weights, float activations (NVFP4A16)
     NVFP4 = "nvfp4"  # NVFP4 weights × NVFP4 activations (per-group scales at run time, static global)
+    WEIGHT_ONLY_MXFP4 = "weight_only_mxfp4"  # MXFP4 weights, float activations (MXFP4A16)
+    MXFP4 = "mxfp4"  # MXFP4 weights × MXFP4 activations (power-of-two group scales at run time)
 
     @classmethod
     def parse(cls, value: "QuantType | str") -> "QuantType":
@@ -101,7 +110,7 @@ def _checked_type(num_bits, type_, symmetric) -> str:
         raise _err(_W, f"num_bits={num_bits} unsupported for type 'int'; use 2..8 (4 or 8)")
     if t == "float" and num_bits not in (8, 4):
         raise _err(_W, f"num_bits={num_bits} unsupported for type 'float'; quantspec runs FP8 "
-                       "(num_bits=8, E4M3) and NVFP4 (num_bits=4, E2M1)")
+                       "(num_bits=8, E4M3) and NVFP4 / MXFP4 (num_bits=4, E2M1)")
     if t == "float" and not symmetric:
         raise _err(_W, f"asymmetric FP{num_bits} is unsupported; set symmetric=True")
     return t
@@ -197,22 +206,27 @@ def _checked_zp_dtype(zp_dtype, t: str, symmetric) -> str:
 
 
 def _checked_fp4(a: "QuantArgs", t: str, strategy: str) -> str | None:
-    """The scale dtype of NVFP4 args ("float8_e4m3fn"), after checking the layout NVFP4 takes;
-    None for every other type (which takes no `scale_dtype`)."""
+    """The scale dtype of FP4 args — "float8_e4m3fn" (NVFP4) or "uint8" (MXFP4's E8M0
+    exponents) — after checking the layout each takes; None for every other type (which takes
+    no `scale_dtype`)."""
     fp4 = t == "float" and a.num_bits == 4
-    if fp4 and (strategy != "tensor_group" or a.group_size != NVFP4_GROUP_SIZE):
-        raise _err(_W, f"FP4 takes NVFP4's layout: strategy 'tensor_group' with group_size "
-                       f"{NVFP4_GROUP_SIZE} (got {strategy!r}, group_size={a.group_size}); MXFP4 is unsupported")
+    sd = None if a.scale_dtype is None else str(a.scale_dtype).removeprefix("torch.")
+    if sd == "float8_e8m0fnu":
+        sd = _MX_SCALE_DTYPE  # the same exponent byte under torch's own E8M0 dtype
+    mx = fp4 and strategy == "group"
+    if fp4 and not ((strategy == "tensor_group" and a.group_size == NVFP4_GROUP_SIZE and sd in (None, _NVFP4_SCALE_DTYPE))
+                    or (mx and a.group_size == MXFP4_GROUP_SIZE and sd == _MX_SCALE_DTYPE)):
+        raise _err(_W, f"FP4 takes NVFP4's layout (strategy 'tensor_group', group_size {NVFP4_GROUP_SIZE}, "
+                       f"scale_dtype {_NVFP4_SCALE_DTYPE}) or MXFP4's (strategy 'group', group_size "
+                       f"{MXFP4_GROUP_SIZE}, scale_dtype {_MX_SCALE_DTYPE}); got {strategy!r}, "
+                       f"group_size={a.group_size}, scale_dtype={a.scale_dtype!r}")
     if strategy == "tensor_group" and not fp4:
         raise _err(_W, f"strategy 'tensor_group' is NVFP4's (type 'float', num_bits 4); got "
                        f"{a.num_bits}-bit {t}")
-    if a.scale_dtype is None:
-        return _NVFP4_SCALE_DTYPE if fp4 else None
-    sd = str(a.scale_dtype).removeprefix("torch.")
-    if not fp4 or sd != _NVFP4_SCALE_DTYPE:
-        raise _err(_W, f"scale_dtype {a.scale_dtype!r} unsupported here: only NVFP4 args take one "
-                       f"({_NVFP4_SCALE_DTYPE})")
-    return sd
+    if sd is not None and not fp4:
+        raise _err(_W, f"scale_dtype {a.scale_dtype!r} unsupported here: only FP4 args take one "
+                       f"({_NVFP4_SCALE_DTYPE} for NVFP4, {_MX_SCALE_DTYPE} for MXFP4)")
+    return (_MX_SCALE_DTYPE if mx else _NVFP4_SCALE_DTYPE) if fp4 else None
 
 
 @dataclass(frozen=True)
@@ -236,6 +250,11 @@ class QuantArgs:
     tensor; `scale_dtype` "float8_e4m3fn" (compressed-tensors writes it; None reads as it).
     Its input activations take `dynamic="local"`: group scales computed at run time under a
     static (calibrated) global scale.
+
+    MXFP4 (type "float", num_bits 4, strategy `group` with group_size 32, `scale_dtype` "uint8"):
+    E2M1 values with one power-of-two scale per group of 32 along K, stored as its E8M0 exponent
+    byte ([N, K/32]); no global scale. Its input activations are `dynamic=True` with the same
+    layout (scales computed at run time).
     """
 
     num_bits: int = 8
@@ -288,8 +307,18 @@ class QuantArgs:
 
     @property
     def is_fp4(self) -> bool:
-        """NVFP4: E2M1 values with FP8 group scales under a global scale."""
+        """E2M1 values: NVFP4 or MXFP4."""
         return self.type == "float" and self.num_bits == 4
+
+    @property
+    def is_mx(self) -> bool:
+        """MXFP4: E2M1 values with power-of-two (E8M0) group scales and no global scale."""
+        return self.is_fp4 and self.scale_dtype == _MX_SCALE_DTYPE
+
+    @property
+    def is_nvfp4(self) -> bool:
+        """NVFP4: E2M1 values with FP8 group scales under a per-tensor global scale."""
+        return self.is_fp4 and not self.is_mx
 
     def replace(self, **changes: Any) -> "QuantArgs":
         """A copy with some fields changed (validated again)."""
@@ -332,9 +361,9 @@ class QuantArgs:
         scale_dtype = d.get("scale_dtype")
         if scale_dtype is not None:
             scale_dtype = str(scale_dtype).removeprefix("torch.")
-            if scale_dtype in ("uint8", "float8_e8m0fnu"):
-                raise _err(where, f"scale_dtype={d['scale_dtype']!r} (MXFP4 / MXFP8 exponent scales) is "
-                                  "unsupported; quantspec runs NVFP4 (FP8 group scales) and float scales")
+            if scale_dtype in ("uint8", "float8_e8m0fnu") and not (d.get("type") == "float" and d.get("num_bits") == 4):
+                raise _err(where, f"scale_dtype={d['scale_dtype']!r} (MXFP6 / MXFP8 exponent scales) is "
+                                  "unsupported; quantspec runs MXFP4, NVFP4 and float scales")
         strategy = d.get("strategy")
         dynamic = d.get("dynamic", False)
         actorder = d.get("actorder")

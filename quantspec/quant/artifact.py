@@ -18,6 +18,8 @@ Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_p
 - nvfp4-pack-quantized (NVFP4): `weight_packed` uint8 [N, K/2] (two E2M1 codes a byte,
   `quant.fp4.pack_fp4`), `weight_scale` float8_e4m3fn [N, K/16], `weight_global_scale` fp32 [1],
   and with NVFP4 inputs `input_global_scale` fp32 [1].
+- mxfp4-pack-quantized (MXFP4): `weight_packed` as NVFP4's, `weight_scale` uint8 [N, K/32] (each
+  group's E8M0 exponent: its scale is 2^(e - 127)); no global scale.
 - static input activations: `input_scale` [1] (+ `input_zero_point` when asymmetric).
 KV cache, on the attention module `{attn}` (e.g. `model.layers.0.self_attn`): `k_scale`,
 `v_scale`, shaped [1] (strategy tensor) or [H_kv, 1, 1] (strategy attn_head).
@@ -42,7 +44,7 @@ from quantspec.model_zoo.checkpoint import reading_safetensors
 from quantspec.model_zoo.hf_config import modelopt_sidecar
 from quantspec.outputs import atomic_dir
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs
-from quantspec.quant.fp4 import pack_fp4, unpack_fp4
+from quantspec.quant.fp4 import mx_exponents_of, mx_values, pack_fp4, unpack_fp4
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import scheme_format
 from quantspec.quant.packing import pack_int32, unpack_int32
@@ -99,8 +101,10 @@ class LinearQuant:
     input_global_scale: torch.Tensor | None = None  # NVFP4 inputs'
 
 
-def _nvfp4_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor, global_scale: torch.Tensor | None,
-                   input_global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+def _fp4_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor, args: QuantArgs,
+                 global_scale: torch.Tensor | None, input_global_scale: torch.Tensor | None) -> dict[str, torch.Tensor]:
+    if args.is_mx:
+        return {f"{prefix}.weight_packed": pack_fp4(q), f"{prefix}.weight_scale": mx_exponents_of(scale)}
     if global_scale is None:
         raise QuantSpecError(f"{prefix}: NVFP4 weights need their global scale")
     out = {f"{prefix}.weight_packed": pack_fp4(q), f"{prefix}.weight_scale": scale.to(torch.float8_e4m3fn),
@@ -119,7 +123,8 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
     """The compressed-tensors tensors for one quantized Linear (names in the module docstring).
 
     q [N, K]: codes from `primitives.quantize` (int8 in [q_min, q_max], or float8_e4m3fn: fp8
-    or E2M1 values). NVFP4: `scale` the local scales, `global_scale` / `input_global_scale` fp32.
+    or E2M1 values). NVFP4: `scale` the local scales, `global_scale` / `input_global_scale` fp32;
+    MXFP4: `scale` the power-of-two scales (stored as their E8M0 exponents).
     `format`: the Linear's scheme format; None → `scheme_format` (int weights with an
     `input_scale` are int-quantized, without one pack-quantized).
     """
@@ -134,7 +139,7 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
     N, K = q.shape
     _check_scale_shape(prefix, scale, args, N, K)
     if args.is_fp4:
-        return _nvfp4_tensors(prefix, q, scale, global_scale, input_global_scale)
+        return _fp4_tensors(prefix, q, scale, args, global_scale, input_global_scale)
     out: dict[str, torch.Tensor] = {}
     packs = _packs(args, format, input_scale is not None)
     if packs:
@@ -210,6 +215,8 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
     if args.is_fp4:
         q = unpack_fp4(get("weight_packed"), get("weight_packed").shape[1] * 2)
         _check_scale_shape(prefix, scale, args, *q.shape)
+        if args.is_mx:
+            return LinearQuant(q=q, scale=mx_values(scale, torch.float32), zero_point=None, args=args)
         return LinearQuant(q=q, scale=scale.float(), zero_point=None, args=args,
                            global_scale=get("weight_global_scale").float(),
                            input_global_scale=tensors.get(f"{prefix}.input_global_scale"))

@@ -22,11 +22,12 @@ from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_INT_QUANTIZED,
     FORMAT_NAIVE_QUANTIZED,
+    FORMAT_MXFP4_PACK_QUANTIZED,
     FORMAT_NVFP4_PACK_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     QuantArgs,
 )
-from quantspec.quant.fp4 import unpack_fp4
+from quantspec.quant.fp4 import mx_values, unpack_fp4
 from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.packing import unpack_int4
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
@@ -42,7 +43,8 @@ class QuantizedLinearTensors:
     or float8_e4m3fn: fp8 or E2M1 values), scale / zero point shaped per strategy (zero point
     None when symmetric), the static input scale / zero point (None when weight-only or dynamic)
     and the float bias. NVFP4: `scale` the local scales (fp32 values of FP8), `global_scale` and,
-    with NVFP4 inputs, `input_global_scale` (fp32 [1])."""
+    with NVFP4 inputs, `input_global_scale` (fp32 [1]); MXFP4: `scale` the power-of-two group
+    scales (fp32)."""
 
     q: torch.Tensor
     scale: torch.Tensor
@@ -124,6 +126,8 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
         return {f"{prefix}.weight_packed": (N, K // 2), f"{prefix}.weight_scale": sshape,
                 f"{prefix}.weight_global_scale": None,
                 **({f"{prefix}.input_global_scale": None} if scheme.input_activations is not None else {})}
+    if fmt == FORMAT_MXFP4_PACK_QUANTIZED:  # two codes a byte, the E8M0 exponents
+        return {f"{prefix}.weight_packed": (N, K // 2), f"{prefix}.weight_scale": sshape}
     out: dict[str, tuple[int, ...] | None] = {}
     if fmt == FORMAT_PACK_QUANTIZED:
         if w.type != "int" or w.num_bits not in (4, 8):
@@ -197,6 +201,8 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
     _check_present(tensors, expected_linear_tensors(prefix, scheme, out_features, in_features))
     w = scheme.weights
     scale = tensors[f"{prefix}.weight_scale"]
+    if w.is_mx:
+        return _mxfp4_linear(tensors, prefix, scheme, in_features)
     if not scale.is_floating_point():
         raise QuantSpecError(f"{prefix}.weight_scale has dtype {scale.dtype}; expected a float")
     if w.is_fp4:
@@ -228,6 +234,20 @@ def _nvfp4_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: Quan
     return QuantizedLinearTensors(q=q, scale=tensors[f"{prefix}.weight_scale"].float(), zero_point=None,
                                   weight_args=scheme.weights, input_args=ia, bias=tensors.get(f"{prefix}.bias"),
                                   global_scale=g["weight_global_scale"], input_global_scale=g.get("input_global_scale"))
+
+
+def _mxfp4_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantScheme,
+                  K: int) -> QuantizedLinearTensors:
+    """An mxfp4-pack-quantized Linear: E2M1 codes as float8_e4m3fn and each group's power-of-two
+    scale as fp32, from its E8M0 byte (255, E8M0's NaN, refused)."""
+    e = tensors[f"{prefix}.weight_scale"]
+    if e.dtype != torch.uint8:
+        raise QuantSpecError(f"{prefix}.weight_scale has dtype {e.dtype}; MXFP4 stores uint8 E8M0 exponents")
+    if bool((e == 255).any()):
+        raise QuantSpecError(f"{prefix}.weight_scale holds E8M0's NaN (255); re-quantize the model")
+    return QuantizedLinearTensors(q=unpack_fp4(tensors[f"{prefix}.weight_packed"], K), scale=mx_values(e, torch.float32),
+                                  zero_point=None, weight_args=scheme.weights, input_args=scheme.input_activations,
+                                  bias=tensors.get(f"{prefix}.bias"))
 
 
 def _check_present(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple | None]) -> None:

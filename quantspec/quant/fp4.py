@@ -1,5 +1,6 @@
-"""NVFP4's numbers that FP8 and int have no counterpart of: rounding to the E2M1 grid, the
-per-tensor global scale, and compressed-tensors' `nvfp4-pack-quantized` byte layout.
+"""FP4's numbers that FP8 and int have no counterpart of: rounding to the E2M1 grid, NVFP4's
+per-tensor global scale, MXFP4's power-of-two scales, and compressed-tensors' `nvfp4-pack-quantized`
+/ `mxfp4-pack-quantized` byte layout (the same for both).
 
 E2M1 holds ±{0, 0.5, 1, 1.5, 2, 3, 4, 6}. quantspec keeps E2M1 codes in float8_e4m3fn tensors
 (every E2M1 value, -0.0 included, is an E4M3 value), so the FP8 code paths carry them unchanged.
@@ -8,6 +9,11 @@ An NVFP4 tensor's effective scale per group of 16 is `local / global`: `local` a
 `input_global_scale`) = 448 · 6 / absmax, so the largest group's local scale lands on FP8's top
 (compressed-tensors' `generate_gparam`). The rest of NVFP4's numbers — group min/max, local
 scales, quantize, dequantize — are `quant.primitives`' with `global_scale=`.
+
+An MXFP4 group of 32 has one power-of-two scale 2^(e - 127), stored as its E8M0 exponent byte e
+(`weight_scale` uint8), and no global scale: e = 127 + floor(log2(absmax rounded to a power of
+two)) - 2, the rounding up where absmax's mantissa is ≥ 1.75 (so the group's largest value maps
+into E2M1's ±6), compressed-tensors' `generate_mx_scales`.
 """
 
 from __future__ import annotations
@@ -16,8 +22,8 @@ import torch
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["E2M1_MAX", "E2M1_VALUES", "global_scale_from_absmax", "local_scales", "pack_fp4", "round_to_e2m1",
-           "unpack_fp4"]
+__all__ = ["E2M1_MAX", "E2M1_VALUES", "check_groups_tile", "global_scale_from_absmax", "local_scales", "mx_exponents", "mx_exponents_of", "mx_scales",
+           "mx_values", "pack_fp4", "round_to_e2m1", "unpack_fp4"]
 
 E2M1_MAX = 6.0
 # the eight magnitudes in nibble order: code c (0..7) is E2M1_VALUES[c], bit 3 the sign
@@ -27,6 +33,12 @@ _FP8_MAX = 448.0
 # of the grid, ties to the even mantissa (compressed-tensors' `cast_to_fp4`)
 _BUCKETS = ((5.0, 6.0, False), (3.5, 4.0, True), (2.5, 3.0, False), (1.75, 2.0, True),
             (1.25, 1.5, False), (0.75, 1.0, True), (0.25, 0.5, False))
+
+
+def check_groups_tile(name: str, K: int, group_size: int, fmt: str) -> None:
+    """Refuse, naming `--ignore`, a Linear `name` whose K the format's (`fmt`) groups do not tile."""
+    if K % group_size:
+        raise QuantSpecError(f"{name}: {fmt}'s groups of {group_size} do not tile K={K}; add --ignore {name}")
 
 
 def round_to_e2m1(x: torch.Tensor) -> torch.Tensor:
@@ -62,6 +74,55 @@ def local_scales(absmax: torch.Tensor, global_scale: torch.Tensor | None) -> tup
     s = s.clamp(-_FP8_MAX, _FP8_MAX).to(torch.float8_e4m3fn).to(s.dtype)
     s = torch.where(s == 0, torch.full_like(s, 0.125), s)
     return s, torch.zeros(s.shape, dtype=torch.float8_e4m3fn, device=s.device)
+
+
+# (int view, mantissa bits, exponent bits) of the float dtypes MX scales are computed in
+_BITS = {torch.float32: (torch.int32, 23, 8), torch.bfloat16: (torch.int16, 7, 8),
+         torch.float16: (torch.int16, 10, 5), torch.float64: (torch.int64, 52, 11)}
+_E2M1_MANTISSA, _E2M1_EMAX = 1, 2  # E2M1's mantissa bits; floor(log2(6))
+
+
+def _round_to_power_of_two(x: torch.Tensor) -> torch.Tensor:
+    """x ≥ 0 rounded to a power of two in its dtype: down, or up where its mantissa is ≥ 1.75
+    (compressed-tensors' `round_to_power_2` for E2M1: add half of E2M1's last mantissa step in
+    x's bits, keep sign and exponent)."""
+    int_dtype, mant, expo = _BITS[x.dtype]
+    bits = x.contiguous().view(int_dtype).to(torch.int64)
+    keep = ((1 << (expo + 1)) - 1) << mant
+    out = (bits + (1 << (mant - _E2M1_MANTISSA - 1))) & keep
+    if int_dtype is torch.int16:
+        out = torch.where(out >= 1 << 15, out - (1 << 16), out)  # back into int16's range
+    return out.to(int_dtype).view(x.dtype)
+
+
+def mx_exponents(absmax: torch.Tensor) -> torch.Tensor:
+    """The E8M0 exponents (uint8, bias 127) of groups with `absmax`, computed in absmax's dtype:
+    127 + floor(log2(absmax rounded to a power of two)) - 2, clamped to [0, 255]."""
+    e = 127 + torch.floor(torch.log2(_round_to_power_of_two(absmax))) - _E2M1_EMAX
+    return torch.round(torch.clamp(e, 0, 255)).to(torch.uint8)
+
+
+def mx_values(exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The scales 2^(e - 127) of E8M0 exponents as `dtype` (compressed-tensors' decompression,
+    exact for every e in bf16 and fp32)."""
+    return (2.0 ** (exponents.to(torch.int32) - 127).to(torch.bfloat16)).to(dtype)
+
+
+def mx_scales(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zero points) of MXFP4 groups with `absmax`: the power-of-two values of
+    `mx_exponents` in absmax's dtype, one that underflows it (fp16) replaced by 1 as
+    compressed-tensors replaces it (uint8's eps); zero points float8_e4m3fn zeros (as NVFP4's)."""
+    e = mx_exponents(absmax)
+    s = (2.0 ** (e.to(torch.int32) - 127).float()).to(absmax.dtype)
+    s = torch.where(s == 0, torch.ones_like(s), s)
+    return s, torch.zeros(s.shape, dtype=torch.float8_e4m3fn, device=s.device)
+
+
+def mx_exponents_of(scales: torch.Tensor) -> torch.Tensor:
+    """The E8M0 bytes that store power-of-two `scales` (127 + log2; a scale that underflowed to 0
+    stores 2^-127)."""
+    e = 127 + torch.floor(torch.log2(scales.float().clamp(min=2.0 ** -127)))
+    return e.clamp(0, 255).to(torch.int32).to(torch.uint8)
 
 
 def pack_fp4(q: torch.Tensor) -> torch.Tensor:

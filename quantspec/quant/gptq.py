@@ -185,7 +185,7 @@ def gptq_quantize(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, 
     freed as soon as it is factorised (a down_proj's [I, I] is the largest tensor of a layer).
     NVFP4 args: local scales under `global_scale` (default: the weight's own).
     """
-    if args.is_fp4 and global_scale is None:
+    if args.is_nvfp4 and global_scale is None:
         global_scale = global_scale_from_absmax(weight.detach().float().abs().amax())
     on_cpu = weight.device.type == "cpu"
     with _single_thread() if on_cpu else contextlib.nullcontext():
@@ -291,7 +291,8 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
     N, K = W.shape
     Q = torch.empty(N, K, dtype=storage_dtype(args), device=W.device)  # codes, visiting order
     loss = torch.zeros(N, dtype=torch.float32, device=W.device)
-    col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" else args
+    # a column's qparams: per row (int groups); FP4 groups keep their args (a group's g columns → [N, 1])
+    col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" and not args.is_fp4 else args
     quant_column = _fp4_column if args.is_fp4 else _column
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
@@ -322,9 +323,10 @@ def _column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantAr
 
 def _fp4_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantArgs, grid: _Grid
                 ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_column` for NVFP4: E2M1 codes of w / (s / global) (the group's local scale s [N, 1]) and
-    their values, `primitives.quantize` / `dequantize`'s operations on one column."""
-    eff = s / grid.global_scale
+    """`_column` for FP4: E2M1 codes of w / (s / global) (NVFP4: the group's local scale s [N, 1];
+    MXFP4: w / s, its power-of-two scale) and their values, `primitives.quantize` / `dequantize`'s
+    operations on one column."""
+    eff = s if grid.global_scale is None else s / grid.global_scale
     q = round_to_e2m1((w / eff).clamp_(-E2M1_MAX, E2M1_MAX)).to(torch.float8_e4m3fn)
     return q, q.to(eff.dtype) * eff
 

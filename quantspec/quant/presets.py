@@ -7,11 +7,11 @@ from dataclasses import replace
 from typing import Iterable
 
 from quantspec.errors import QuantSpecError
-from quantspec.quant.args import MIN_GROUP_SIZE, NVFP4_GROUP_SIZE, QuantArgs, QuantType
+from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "METHODS", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "FP4_TYPES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -26,6 +26,8 @@ METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 _NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
+_MXFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="group", group_size=MXFP4_GROUP_SIZE,
+                           scale_dtype="uint8")
 PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.WEIGHT_ONLY_INT8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
@@ -33,6 +35,8 @@ PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
     QuantType.WEIGHT_ONLY_NVFP4: _NVFP4_WEIGHTS,
     QuantType.NVFP4: _NVFP4_WEIGHTS,
+    QuantType.WEIGHT_ONLY_MXFP4: _MXFP4_WEIGHTS,
+    QuantType.MXFP4: _MXFP4_WEIGHTS,
 }
 # the static per-tensor input activations of the types that quantize them (the rest keep float inputs)
 PRESET_INPUTS: dict[QuantType, QuantArgs] = {
@@ -42,9 +46,14 @@ PRESET_INPUTS: dict[QuantType, QuantArgs] = {
                                   observer="minmax"),
     # group scales at run time under a calibrated global scale (compressed-tensors' NVFP4 preset)
     QuantType.NVFP4: _NVFP4_WEIGHTS.replace(dynamic="local", observer="static_minmax"),
+    # power-of-two group scales at run time (compressed-tensors' MXFP4 preset)
+    QuantType.MXFP4: _MXFP4_WEIGHTS.replace(dynamic=True),
 }
 # NVFP4's types: E2M1 weights in groups of 16 with FP8 scales under a global scale
 NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)
+# MXFP4's types: E2M1 weights in groups of 32 with power-of-two (E8M0) scales
+MXFP4_TYPES = (QuantType.WEIGHT_ONLY_MXFP4, QuantType.MXFP4)
+FP4_TYPES = NVFP4_TYPES + MXFP4_TYPES
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:
@@ -72,6 +81,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     weight_only_nvfp4 / nvfp4: NVFP4 weights (E2M1 in groups of 16, FP8 group scales, a global
     scale per tensor; "nvfp4-pack-quantized"), float inputs (compressed-tensors' NVFP4A16) or
     NVFP4 inputs with group scales at run time under a calibrated global scale (its NVFP4).
+    weight_only_mxfp4 / mxfp4: MXFP4 weights (E2M1 in groups of 32, power-of-two scales stored as
+    E8M0 exponents; "mxfp4-pack-quantized"), float inputs (MXFP4A16) or MXFP4 inputs with their
+    scales at run time (compressed-tensors' MXFP4); nothing to calibrate.
     `kv_cache` ("int8" | "fp8" | None) adds a static KV-cache scheme (`kv_strategy` "attn_head"
     = one scale per KV head, or "tensor"). `weight_observer` "mse" searches each weight scale's
     range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
@@ -90,7 +102,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
         raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
     inputs = PRESET_INPUTS.get(qt)
     if activations == "dynamic":
-        if inputs is None or qt in NVFP4_TYPES:
+        if inputs is None or qt in FP4_TYPES:
             why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
             raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} {why}); drop it")
         inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
@@ -143,10 +155,10 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")
-    if qt in (QuantType.A8W8_FP8, *NVFP4_TYPES) and not symmetric:
+    if qt in (QuantType.A8W8_FP8, *FP4_TYPES) and not symmetric:
         raise QuantSpecError(f"{qt.value} is symmetric only; drop --asym")
-    if qt in NVFP4_TYPES and weight_observer != "minmax":
-        raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for NVFP4's scales; use minmax "
+    if qt in FP4_TYPES and weight_observer != "minmax":
+        raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for FP4's group scales; use minmax "
                              "(or leave it out)")
 
 

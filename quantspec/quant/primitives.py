@@ -17,6 +17,9 @@ NVFP4 (E2M1, strategy tensor_group, groups of 16, `global_scale` g = 448·6/absm
               `quant.fp4`): local = float8_e4m3fn(clamp(g · absmax_group / 6, ±448)) (0 → 0.125),
               the effective scale local / g; q = E2M1(clamp(x / (local / g), -6, 6)) rounded to
               nearest, ties to even, kept in float8_e4m3fn
+MXFP4 (E2M1, strategy group, groups of 32, scale_dtype uint8, `quant.fp4`): scale = 2^(e - 127),
+              e = 127 + floor(log2(absmax_group rounded to a power of two)) - 2 (the E8M0 byte
+              stored), computed in absmax's dtype; q = E2M1(clamp(x / scale, -6, 6))
 dequantize:   x̂ = (q - zero_point) * scale, computed in the scale's dtype (NVFP4: * (local / g)).
 A scale that comes out 0 (an all-zero row) is replaced by the dtype's eps.
 `observer: "mse"` args (weights): the range is shrunk per scale group to the factor p in
@@ -36,7 +39,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.fp4 import global_scale_from_absmax, local_scales, round_to_e2m1
+from quantspec.quant.fp4 import global_scale_from_absmax, local_scales, mx_scales, round_to_e2m1
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -152,7 +155,8 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
                         global_scale: torch.Tensor | None = None) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) from observed min/max, exactly as compressed-tensors computes them.
 
-    NVFP4 args (`global_scale` fp32 [1] required): the local FP8 scales, as float32 values.
+    NVFP4 args (`global_scale` fp32 [1] required): the local FP8 scales, as float32 values;
+    MXFP4 args: the power-of-two scales (`quant.fp4.mx_scales`).
 
     scale has the dtype of `min_vals`; zero_point has `zero_point_dtype(args)`: int8 (int args),
     float8_e4m3fn (fp8) or the float `args.zp_dtype` (unrounded), all zeros when symmetric.
@@ -167,6 +171,8 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
     dtype = min_vals.dtype
     min_vals = torch.minimum(min_vals, torch.zeros_like(min_vals))
     max_vals = torch.maximum(max_vals, torch.zeros_like(max_vals))
+    if args.is_mx:
+        return mx_scales(torch.maximum(min_vals.abs(), max_vals.abs()))
     if args.is_fp4:
         return local_scales(torch.maximum(min_vals.abs(), max_vals.abs()), global_scale)
     q_min, q_max = quant_range(args)
@@ -198,7 +204,7 @@ def choose_qparams(x: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor 
                    ) -> tuple[torch.Tensor, torch.Tensor]:
     """(scale, zero_point) for `x` under `args`: min/max, or the MSE search for `observer="mse"`.
     NVFP4 args: local scales under `global_scale` (default: the one of x's own absmax)."""
-    if args.is_fp4:
+    if args.is_nvfp4:
         mn, mx = minmax(x, args)
         if global_scale is None:
             global_scale = global_scale_from_absmax(torch.maximum(mn.abs(), mx.abs()))
@@ -301,7 +307,7 @@ def _check_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None, args: Q
 
 def _effective_scale(scale: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
     """NVFP4: local / global (compressed-tensors divides the same way); every other type: scale."""
-    if not args.is_fp4:
+    if not args.is_nvfp4:
         return scale
     if global_scale is None:
         raise QuantSpecError("NVFP4 codes need their global scale (weight_global_scale / input_global_scale)")

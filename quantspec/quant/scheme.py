@@ -14,6 +14,7 @@ from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_INT_QUANTIZED,
     FORMAT_MIXED_PRECISION,
+    FORMAT_MXFP4_PACK_QUANTIZED,
     FORMAT_NVFP4_PACK_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     SUPPORTED_FORMATS,
@@ -27,7 +28,8 @@ __all__ = ["QuantScheme", "scheme_format"]
 def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None = None) -> str:
     """The compressed-tensors format name for a scheme's weights.
 
-    NVFP4 → "nvfp4-pack-quantized" (two E2M1 codes per uint8 `weight_packed`); fp8 →
+    NVFP4 → "nvfp4-pack-quantized" and MXFP4 → "mxfp4-pack-quantized" (two E2M1 codes per uint8
+    `weight_packed`); fp8 →
     "float-quantized" (float8_e4m3fn `weight`); int with quantized input activations (W8A8)
     → "int-quantized" (plain int8 `weight`); int weight-only (W4A16, W8A16) → "pack-quantized"
     (int32 words), what compressed-tensors writes for them and the only integer weight-only
@@ -36,12 +38,29 @@ def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None
     if weights is None:
         raise QuantSpecError("scheme_format: a scheme without weights has no weight format")
     if weights.is_fp4:
-        return FORMAT_NVFP4_PACK_QUANTIZED
+        return FORMAT_MXFP4_PACK_QUANTIZED if weights.is_mx else FORMAT_NVFP4_PACK_QUANTIZED
     if weights.type == "float":
         return FORMAT_FLOAT_QUANTIZED
     if weights.num_bits < 8 or input_activations is None:
         return FORMAT_PACK_QUANTIZED
     return FORMAT_INT_QUANTIZED
+
+
+_FP4_FORMATS = (FORMAT_NVFP4_PACK_QUANTIZED, FORMAT_MXFP4_PACK_QUANTIZED)
+
+
+def _check_fp4_inputs(weights: QuantArgs | None, ia: QuantArgs, where: str) -> None:
+    """FP4 inputs go with FP4 weights of their own kind, and FP4 weights take those inputs or
+    none: NVFP4 inputs are tensor_group with dynamic 'local', MXFP4 inputs group 32, dynamic."""
+    fp4_weights = weights is not None and weights.is_fp4
+    if not (ia.is_fp4 or fp4_weights):
+        return
+    if fp4_weights and ia.is_fp4 and ia.is_mx == weights.is_mx \
+            and ia.dynamic == (True if weights.is_mx else "local"):
+        return
+    raise _err(where, "FP4 inputs go with FP4 weights of their kind, and FP4 weights take those inputs or float "
+                      "inputs: NVFP4 inputs are tensor_group with dynamic 'local' (or none: NVFP4A16), MXFP4 "
+                      "inputs group 32 with dynamic true (or none: MXFP4A16)")
 
 
 @dataclass(frozen=True)
@@ -77,10 +96,7 @@ class QuantScheme:
             if ia.strategy not in _ACTIVATION_STRATEGIES or ia.strategy == "attn_head":
                 raise _err(w, f"input_activations strategy {ia.strategy!r} unsupported; use "
                               "tensor (static) or token (dynamic)")
-            fp4_weights = self.weights is not None and self.weights.is_fp4
-            if (ia.is_fp4 or fp4_weights) and not (fp4_weights and ia.is_fp4 and ia.dynamic == "local"):
-                raise _err(w, "NVFP4 inputs go with NVFP4 weights, and NVFP4 weights take NVFP4 inputs "
-                              "(tensor_group, dynamic 'local') or float inputs (NVFP4A16)")
+            _check_fp4_inputs(self.weights, ia, w)
         if self.weights is None and ia is None:
             raise _err(w, "a scheme needs weights and/or input_activations")
         fmt = self.format
@@ -90,9 +106,11 @@ class QuantScheme:
             raise _err(w, f"format {fmt!r} is unsupported; use one of {', '.join(SUPPORTED_FORMATS)}")
         if fmt == FORMAT_PACK_QUANTIZED and self.weights is not None and self.weights.type != "int":
             raise _err(w, "format 'pack-quantized' needs int weights; use 'float-quantized' for FP8")
-        if self.weights is not None and (fmt == FORMAT_NVFP4_PACK_QUANTIZED) != self.weights.is_fp4:
+        if self.weights is not None and (fmt in _FP4_FORMATS or self.weights.is_fp4) \
+                and fmt != scheme_format(self.weights, ia):
             raise _err(w, f"format {fmt!r} does not hold {self.weights.num_bits}-bit {self.weights.type} weights; "
-                          f"NVFP4 weights are stored as '{FORMAT_NVFP4_PACK_QUANTIZED}'")
+                          f"NVFP4 weights are stored as '{FORMAT_NVFP4_PACK_QUANTIZED}', MXFP4 weights as "
+                          f"'{FORMAT_MXFP4_PACK_QUANTIZED}'")
         object.__setattr__(self, "format", fmt)
 
     def to_dict(self) -> dict:

@@ -1,6 +1,6 @@
-"""NVFP4 `QuantLinear`s (weight-only and with NVFP4 inputs): every path against an fp64
+"""NVFP4 and MXFP4 `QuantLinear`s (weight-only and with FP4 inputs): every path against an fp64
 reference written with `quant.primitives`, the dispatch rule, q/k/v-style stacking (one global
-scale or none), the checkpoint reader's refusals, and the Triton path's wiring under the
+scale or none), the checkpoint reader's refusals, and the Triton paths' wiring under the
 interpreter (a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
 
 import os
@@ -21,12 +21,19 @@ from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.presets import preset
 
 
-def _nvfp4(N, K, *, inputs: bool, seed=0, weight_global=None):
-    """A random NVFP4 layer ("nvfp4" with inputs, else "weight_only_nvfp4"), its weight global
-    scale `weight_global` (default: its own)."""
-    g = preset("nvfp4" if inputs else "weight_only_nvfp4").config_groups["group_0"]
+FORMATS = ("nvfp4", "mxfp4")
+
+
+def _fp4_layer(N, K, *, inputs: bool, seed=0, weight_global=None, fmt="nvfp4"):
+    """A random FP4 layer ("nvfp4" / "mxfp4" with inputs, else the weight-only type); NVFP4's
+    weight global scale `weight_global` (default: its own)."""
+    g = preset(fmt if inputs else f"weight_only_{fmt}").config_groups["group_0"]
     gen = torch.Generator().manual_seed(seed)
     W = torch.randn(N, K, generator=gen) * 0.05
+    if fmt == "mxfp4":
+        s, _ = choose_qparams(W, g.weights)
+        return QuantizedLinearTensors(q=quantize(W, s, None, g.weights), scale=s, zero_point=None, weight_args=g.weights,
+                                      input_args=g.input_activations, bias=torch.randn(N, generator=gen) * 0.1)
     wg = global_scale_from_absmax(W.abs().amax()) if weight_global is None else weight_global
     s, _ = choose_qparams(W, g.weights, wg)
     return QuantizedLinearTensors(q=quantize(W, s, None, g.weights, global_scale=wg), scale=s, zero_point=None,
@@ -36,7 +43,7 @@ def _nvfp4(N, K, *, inputs: bool, seed=0, weight_global=None):
 
 
 def _reference(t: QuantizedLinearTensors, x: torch.Tensor) -> torch.Tensor:
-    """fp64 y = x̂ @ dequantize(q)ᵀ + b; x̂: x's NVFP4 fake quantization (fp32) with NVFP4 inputs."""
+    """fp64 y = x̂ @ dequantize(q)ᵀ + b; x̂: x's FP4 fake quantization (fp32) with FP4 inputs."""
     xr = x.float()
     if t.input_args is not None:
         s, _ = choose_qparams(xr, t.input_args, t.input_global_scale)
@@ -46,10 +53,11 @@ def _reference(t: QuantizedLinearTensors, x: torch.Tensor) -> torch.Tensor:
     return xr.double() @ w.to(x.dtype).double().t() + t.bias.to(x.dtype).double()
 
 
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inputs", [False, True])
-def test_nvfp4_layer(inputs, dtype):
-    t = _nvfp4(80, 96, inputs=inputs, seed=3)
+def test_fp4_layer(inputs, dtype, fmt):
+    t = _fp4_layer(80, 96, inputs=inputs, seed=3, fmt=fmt)
     layer = QuantLinear(t, dtype=dtype)
     x = (torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
     assert layer.traits.kind is LinearKind.FP4 and layer.kernel_for(x) is KernelPath.CPU_DEQUANTIZED
@@ -68,12 +76,12 @@ def test_nvfp4_layers_stack_only_under_one_global_scale():
     from quantspec.infer.fuse import stack_linears
 
     g = global_scale_from_absmax(torch.tensor(0.3))
-    mods = [QuantLinear(_nvfp4(n, 64, inputs=True, seed=n, weight_global=g)) for n in (64, 32, 32)]
+    mods = [QuantLinear(_fp4_layer(n, 64, inputs=True, seed=n, weight_global=g)) for n in (64, 32, 32)]
     x = torch.randn(3, 64, generator=torch.Generator().manual_seed(0))
     fused = stack_linears(mods)
     assert fused is not None and torch.equal(fused.weight_global_scale, g.reshape(1))
     assert torch.equal(fused(x), torch.cat([m(x) for m in mods], -1))
-    own = QuantLinear(_nvfp4(32, 64, inputs=True, seed=9))  # its own global scale
+    own = QuantLinear(_fp4_layer(32, 64, inputs=True, seed=9))  # its own global scale
     assert stack_linears([mods[0], own]) is None
 
 
@@ -90,11 +98,26 @@ def test_select_kernel_nvfp4_rule(monkeypatch):
     for M in (1, 4096):
         assert select_kernel(traits(fp4_tiles=True), "cuda", M, torch.bfloat16) is KernelPath.TRITON_NVFP4
     assert select_kernel(traits(), "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT  # K not a multiple of 32
+    mx = LinearTraits(kind=LinearKind.FP4, dtype=torch.bfloat16, weight_symmetric=True, weight_strategy="group",
+                      act_mode=None, fp4_tiles=True)
+    assert select_kernel(mx, "cuda", 7, torch.bfloat16) is KernelPath.TRITON_MXFP4
+
+
+def test_mxfp4_reader_takes_the_exponent_bytes_and_refuses_e8m0_nan():
+    t = _fp4_layer(48, 64, inputs=True, seed=1, fmt="mxfp4")
+    scheme = QuantScheme(targets=("Linear",), weights=t.weight_args, input_activations=t.input_args)
+    stored = linear_to_tensors("l", t.q, t.scale, None, t.weight_args)
+    assert stored.keys() == {"l.weight_packed", "l.weight_scale"} and stored["l.weight_scale"].dtype == torch.uint8
+    got = read_quantized_linear(stored, "l", scheme, 48, 64)
+    assert torch.equal(got.q.view(torch.uint8), t.q.view(torch.uint8)) and torch.equal(got.scale, t.scale)
+    bad = dict(stored, **{"l.weight_scale": torch.full_like(stored["l.weight_scale"], 255)})
+    with pytest.raises(QuantSpecError, match="NaN"):
+        read_quantized_linear(bad, "l", scheme, 48, 64)
 
 
 def test_reader_takes_the_stored_tensors_and_refuses_missing_globals():
     for inputs in (False, True):
-        t = _nvfp4(48, 64, inputs=inputs, seed=1)
+        t = _fp4_layer(48, 64, inputs=inputs, seed=1)
         scheme = QuantScheme(targets=("Linear",), weights=t.weight_args, input_activations=t.input_args)
         stored = linear_to_tensors("l", t.q, t.scale, None, t.weight_args, global_scale=t.global_scale,
                                    input_global_scale=t.input_global_scale)
@@ -114,27 +137,28 @@ def test_reader_takes_the_stored_tensors_and_refuses_missing_globals():
 _TRITON_SCRIPT = textwrap.dedent("""
     import sys, torch
     sys.path.insert(0, %r)
-    from test_nvfp4_linear import _nvfp4
+    from test_fp4_linear import _fp4_layer
     from quantspec.infer.cuda.weights import CudaWeight
     from quantspec.infer.dispatch import KernelPath, LinearKind
     from quantspec.infer.quant_linear import QuantLinear
-    for inputs in (False, True):
-        for dtype in (torch.float32, torch.float16):
-            layer = QuantLinear(_nvfp4(48, 64, inputs=inputs, seed=2), dtype=dtype)
-            cpu_prepared = layer.prepared
-            for prepared in (cpu_prepared, CudaWeight(layer, LinearKind.FP4, layer.codes(), None, torch.device("cpu"))):
-                layer.prepared = prepared
-                for M in (1, 3, 17):
-                    x = torch.randn(M, 64).to(dtype)
-                    y, ref = layer.run(x, KernelPath.TRITON_NVFP4).float(), layer.run(x, KernelPath.DEQUANT).float()
-                    err = float((y - ref).abs().max() / ref.abs().max())
-                    assert err < (1e-5 if dtype == torch.float32 else 5e-3), (inputs, dtype, M, err)
-            assert torch.equal(layer.prepared.codes().view(torch.uint8), cpu_prepared.codes().view(torch.uint8))
+    for fmt, path in (("nvfp4", KernelPath.TRITON_NVFP4), ("mxfp4", KernelPath.TRITON_MXFP4)):
+        for inputs in (False, True):
+            for dtype in (torch.float32, torch.float16):
+                layer = QuantLinear(_fp4_layer(48, 64, inputs=inputs, seed=2, fmt=fmt), dtype=dtype)
+                cpu_prepared = layer.prepared
+                for prepared in (cpu_prepared, CudaWeight(layer, LinearKind.FP4, layer.codes(), None, torch.device("cpu"))):
+                    layer.prepared = prepared
+                    for M in (1, 3, 17):
+                        x = torch.randn(M, 64).to(dtype)
+                        y, ref = layer.run(x, path).float(), layer.run(x, KernelPath.DEQUANT).float()
+                        err = float((y - ref).abs().max() / ref.abs().max())
+                        assert err < (1e-5 if dtype == torch.float32 else 5e-3), (fmt, inputs, dtype, M, err)
+                assert torch.equal(layer.prepared.codes().view(torch.uint8), cpu_prepared.codes().view(torch.uint8))
     print("OK")
 """ % os.path.dirname(os.path.abspath(__file__)))
 
 
-def test_triton_nvfp4_path_matches_reference_under_interpreter():
+def test_triton_fp4_paths_match_reference_under_interpreter():
     env = dict(os.environ, TRITON_INTERPRET="1", OMP_NUM_THREADS="1")
     r = subprocess.run([sys.executable, "-c", _TRITON_SCRIPT], env=env, capture_output=True, text=True, timeout=300)
     assert r.returncode == 0 and "OK" in r.stdout, r.stderr[-3000:]
@@ -142,12 +166,13 @@ def test_triton_nvfp4_path_matches_reference_under_interpreter():
 
 @pytest.mark.gpu
 @pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")
+@pytest.mark.parametrize("fmt", FORMATS)
 @pytest.mark.parametrize("inputs", [False, True])
 @pytest.mark.parametrize("M", [1, 17, 300])
-def test_cuda_nvfp4_layer_matches_reference(inputs, M):
-    t = _nvfp4(384, 1024, inputs=inputs, seed=M)
+def test_cuda_fp4_layer_matches_reference(inputs, M, fmt):
+    t = _fp4_layer(384, 1024, inputs=inputs, seed=M, fmt=fmt)
     layer = QuantLinear(t, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(M, 1024).bfloat16()
-    assert layer.kernel_for(x.cuda()) is KernelPath.TRITON_NVFP4
+    assert layer.kernel_for(x.cuda()) is (KernelPath.TRITON_MXFP4 if fmt == "mxfp4" else KernelPath.TRITON_NVFP4)
     y, ref = layer(x.cuda()).cpu().double(), _reference(t, x)
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

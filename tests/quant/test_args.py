@@ -29,6 +29,8 @@ def _ct_dump(preset_name, **kw):
     ("FP8_BLOCK", "float-quantized", QuantType.A8W8_FP8),
     ("NVFP4A16", "nvfp4-pack-quantized", QuantType.WEIGHT_ONLY_NVFP4),
     ("NVFP4", "nvfp4-pack-quantized", QuantType.NVFP4),
+    ("MXFP4A16", "mxfp4-pack-quantized", QuantType.WEIGHT_ONLY_MXFP4),
+    ("MXFP4", "mxfp4-pack-quantized", QuantType.MXFP4),
 ])
 def test_reads_compressed_tensors_presets(name, fmt, qt):
     d = _ct_dump(name, format=fmt)
@@ -56,7 +58,8 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
     # integer weight-only schemes are pack-quantized at 8 bits too (compressed-tensors' W8A16)
     want_fmt = {"weight_only_int8": "pack-quantized", "weight_only_int4": "pack-quantized",
                 "a8w8": "int-quantized", "a8w8_fp8": "float-quantized",
-                "weight_only_nvfp4": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized"}[qt.value]
+                "weight_only_nvfp4": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
+                "weight_only_mxfp4": "mxfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}[qt.value]
     assert ours["format"] == want_fmt and ours["config_groups"]["group_0"]["format"] == want_fmt
     assert QuantConfig.from_dict(ours).to_dict() == ours
 
@@ -83,6 +86,7 @@ def test_preset_contents():
     (dict(type="float", num_bits=6), "num_bits"),
     (dict(type="float", num_bits=4), "tensor_group"),
     (dict(type="float", num_bits=4, strategy="group", group_size=32), "MXFP4"),
+    (dict(type="float", num_bits=4, strategy="group", group_size=16, scale_dtype="uint8"), "group_size 32"),
     (dict(type="float", num_bits=4, strategy="tensor_group", group_size=32), "group_size 16"),
     (dict(num_bits=4, strategy="tensor_group", group_size=16), "NVFP4"),
     (dict(type="float", num_bits=4, strategy="tensor_group", group_size=16, scale_dtype="uint8"), "scale_dtype"),
@@ -100,25 +104,26 @@ def test_illegal_args_name_the_field(kw, field):
         QuantArgs(**kw)
 
 
-@pytest.mark.parametrize("qt,ct_name", [("nvfp4", "NVFP4"), ("weight_only_nvfp4", "NVFP4A16")])
-def test_nvfp4_presets_are_compressed_tensors_own(qt, ct_name):
-    """quantspec's NVFP4 types write compressed-tensors' own NVFP4 / NVFP4A16 schemes, and read
-    the JSON llm-compressor writes for them."""
+@pytest.mark.parametrize("qt,ct_name", [("nvfp4", "NVFP4"), ("weight_only_nvfp4", "NVFP4A16"),
+                                        ("mxfp4", "MXFP4"), ("weight_only_mxfp4", "MXFP4A16")])
+def test_fp4_presets_are_compressed_tensors_own(qt, ct_name):
+    """quantspec's FP4 types write compressed-tensors' own NVFP4 / NVFP4A16 / MXFP4 / MXFP4A16
+    schemes, and read the JSON llm-compressor writes for them; MXFP4 with FP8 inputs and MXFP6
+    are refused in one line."""
     ours = preset(qt).config_groups["group_0"]
     theirs = ctq.preset_name_to_scheme(ct_name, ["Linear"])
     for field in ("weights", "input_activations"):
         a, b = getattr(ours, field), getattr(theirs, field)
         assert (a is None) == (b is None)
         if a is not None:
-            assert ctq.QuantizationArgs.model_validate(a.to_dict()) == b
+            # (the JSON: compressed-tensors leaves zp_dtype out of it, and MXFP4's default differs from its preset's)
+            assert ctq.QuantizationArgs.model_validate(a.to_dict()).model_dump() == b.model_dump()
             assert QuantArgs.from_dict(json.loads(json.dumps(b.model_dump(), default=str))) == a
-    assert ours.format == "nvfp4-pack-quantized"
-    mx = _ct_dump("MXFP4A16", format="mxfp4-pack-quantized")
-    with pytest.raises(QuantSpecError, match="mxfp4-pack-quantized"):
-        QuantConfig.from_dict(mx)
-    mx["format"] = mx["config_groups"]["group_0"]["format"] = None
-    with pytest.raises(QuantSpecError, match="MXFP4"):
-        QuantConfig.from_dict(mx)
+    assert ours.format == f"{ct_name[:5].lower()}-pack-quantized"
+    with pytest.raises(QuantSpecError, match="FP4 inputs"):
+        QuantConfig.from_dict(_ct_dump("MXFP4XFP8", format="mxfp4-pack-quantized"))
+    with pytest.raises(QuantSpecError, match="MXFP6"):
+        QuantConfig.from_dict(_ct_dump("MXFP6A16", format="mixed-precision"))
 
 
 def test_from_dict_rejects_unknown_and_unsupported():
@@ -126,7 +131,7 @@ def test_from_dict_rejects_unknown_and_unsupported():
     d["config_groups"]["group_0"]["weights"]["bogus"] = 1
     with pytest.raises(QuantSpecError, match="bogus"):
         QuantConfig.from_dict(d)
-    for fmt in ("marlin-24", "mxfp4-pack-quantized", "sparse-24-bitmask"):
+    for fmt in ("marlin-24", "mxfp6-pack-quantized", "sparse-24-bitmask"):
         with pytest.raises(QuantSpecError, match=f"format '{fmt}' is unsupported"):
             QuantConfig.from_dict(_ct_dump("W4A16", format=fmt))
     with pytest.raises(QuantSpecError, match="quant_method"):

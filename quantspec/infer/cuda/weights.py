@@ -6,9 +6,10 @@ holds it exactly, as a 16-bit checkpoint's scales are: the kernels then fold it 
 tile by two-value multiplies, with the same numbers; else fp32), or, with
 `DispatchPolicy.cuda_int4_quartered` where K and the group size are multiples of 128, those words
 in `kernels.w4a16.quarter_int4`'s layout (`quartered`; `k_order`: the k each position holds); int8
-codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K], NVFP4 codes two a byte `weight_packed` uint8 [N, K/2]
-with their FP8 local scales `fp4_scale` [N, K/16]. `triton_linear` runs the Triton kernels
-(`kernels.w4a16` / `w8a16` / `w8a8` / `fp8` / `fp8_block`) for any prepared weight: on CUDA, or on CPU tensors
+codes `qweight` [N, K], fp8 codes `weight_fp8` [N, K], NVFP4 / MXFP4 codes two a byte `weight_packed`
+uint8 [N, K/2] with their group scales' bytes `fp4_scale` (FP8 E4M3 [N, K/16] / E8M0 uint8 [N, K/32]).
+`triton_linear` runs the Triton kernels (`kernels.w4a16` / `w8a16` / `w8a8` / `fp8` / `fp8_block` /
+`fp4` / `mxfp4`) for any prepared weight: on CUDA, or on CPU tensors
 under TRITON_INTERPRET=1 (the tests).
 """
 
@@ -19,7 +20,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import KernelPath, LinearKind
 from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
-from quantspec.quant.fp4 import pack_fp4, unpack_fp4
+from quantspec.quant.fp4 import mx_exponents_of, pack_fp4, unpack_fp4
 from quantspec.quant.packing import pack_int4, unpack_int4
 
 __all__ = ["CudaWeight", "triton_linear"]
@@ -40,9 +41,9 @@ class CudaWeight(PreparedWeight):
         for name in ("qweight", "weight_packed", "w4_scale", "weight_fp8", "k_order", "fp4_scale"):
             self.register_buffer(name, None)
         self.quartered = False
-        if kind is LinearKind.FP4:  # two E2M1 codes a byte and the FP8 local scales, as stored
+        if kind is LinearKind.FP4:  # two E2M1 codes a byte and the group scales' bytes, as stored
             self.weight_packed = pack_fp4(q).to(device)  # [N, K/2]
-            self.fp4_scale = layer.weight_scale.to(device, torch.float8_e4m3fn)  # [N, K/16], exact
+            self.fp4_scale = _fp4_scale_bytes(layer).to(device)
         elif kind is LinearKind.FP8:
             self.weight_fp8 = q.to(device)
         elif kind is LinearKind.W4A16:
@@ -77,6 +78,13 @@ class CudaWeight(PreparedWeight):
         return triton_linear(layer, x, path)
 
 
+def _fp4_scale_bytes(layer: QuantLinear) -> torch.Tensor:
+    """An FP4 layer's group scales as stored: FP8 E4M3 (NVFP4, exact) or E8M0 exponents (MXFP4)."""
+    if layer.weight_args.is_mx:
+        return mx_exponents_of(layer.weight_scale)  # [N, K/32]
+    return layer.weight_scale.to(torch.float8_e4m3fn)  # [N, K/16]
+
+
 def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
     """x [M, K] → [M, N] through the Triton kernel of `path` over `layer`'s prepared codes."""
     from quantspec import kernels
@@ -102,11 +110,13 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         w = layer.codes()
         w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
         return kernels.fp8_block_linear(x, w, layer.weight_scale, layer.weight_args.block_structure, b)
-    if path is KernelPath.TRITON_NVFP4:
+    if path in (KernelPath.TRITON_NVFP4, KernelPath.TRITON_MXFP4):
         if getattr(p, "fp4_scale", None) is not None:
             packed, scale = p.weight_packed, p.fp4_scale
         else:  # a layer prepared for the CPU (tests under the interpreter)
-            packed, scale = pack_fp4(layer.codes()), layer.weight_scale.to(torch.float8_e4m3fn)
+            packed, scale = pack_fp4(layer.codes()), _fp4_scale_bytes(layer)
+        if path is KernelPath.TRITON_MXFP4:
+            return kernels.mxfp4_linear(x, packed, scale, b, quantize_input=layer.input_args is not None)
         return kernels.nvfp4_linear(x, packed, scale, layer.weight_global_scale, b, layer.input_global_scale)
     if path is KernelPath.CUDA_DEQUANT_MM:
         return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)
