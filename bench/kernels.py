@@ -6,13 +6,13 @@ alternative each kernel competes with and what dispatch picks, in one run.
 
 Per quant type one table: rows (K×N, M); columns torch's matmul on the float weight, the Triton kernel, the same
 kernel under its other launch (`flipped_ops`: the other tile orientation of a weight-only kernel; W8A8 / FP8 unsplit
-where the default splits K), for W4A16 the kernel over the quartered layout (`w4a16.quarter_int4`, its own
-launches), the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for W4A16 / W8A16;
-`torch._scaled_mm` for FP8; `torch._int_mm` + the scale epilogue for W8A8) and dispatch's choice
-(`infer/dispatch.py`) with its time; ratios are torch's time / that time (> 1: faster than the float matmul). W8A8,
-FP8 and NVFP4 (W4A4: no library alternative) times include quantizing the activations (what a linear layer pays). Each CUDA cell is GPU time per call
-(`gpu_time`: calls replayed from a CUDA graph, the L2 flushed before each, as the engine's decode steps run them);
-on CPU a median of a few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
+where the default splits K), for W4A16 the kernel over the quartered layout (`w4a16.quarter_int4`, its own launches),
+the library's alternative to it (the weight dequantized by Triton, then cuBLAS, for W4A16 / W8A16; `torch._scaled_mm`
+for FP8; `torch._int_mm` + the scale epilogue for W8A8) and dispatch's choice (`infer/dispatch.py`) with its time;
+ratios are torch's time / that time (> 1: faster than the float matmul). W8A8, FP8, NVFP4 and MXFP4 (W4A4: no library
+alternative) times include quantizing the activations (what a linear layer pays). Each CUDA cell is GPU time per call
+(`gpu_time`: calls replayed from a CUDA graph, the L2 flushed before each, as the engine's decode steps run them); on
+CPU a median of a few calls. `--out DIR` writes `kernels_<dtype>.md` and `.json` there.
 
 `--sweep-only`: instead of the tables, W8A8's int8 GEMM at M = 4096 under `SCALED_SWEEP`'s tiles, W4A16's dequantize
 (what a large M multiplies with cuBLAS) under `DEQUANT_SWEEP`'s tiles on each shape, then W4A16 and W8A16 at M ∈ {1,
@@ -38,9 +38,10 @@ from pathlib import Path
 GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N) of Llama-3-8B
 CPU_SHAPES = [(128, 48)]  # K = 128: the quartered layout applies
 GROUP_SIZE = 128
-KINDS = ("w4a16", "w8a16", "w8a8", "fp8", "nvfp4")
+KINDS = ("w4a16", "w8a16", "w8a8", "fp8", "nvfp4", "mxfp4")
+FP4_KINDS = {"nvfp4": "tensor_group", "mxfp4": "group"}  # their weight strategies (W4A4, no library alternative)
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # --dtype → torch
-ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm", "nvfp4": "—"}
+ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
 
 
 def _timer(device):
@@ -111,8 +112,7 @@ class Layer:
         from quantspec.quant.packing import pack_int4
 
         self.K, self.N, self.dtype, self.device = K, N, dtype, device
-        g = min(GROUP_SIZE, K)
-        self.group = g
+        self.group = g = min(GROUP_SIZE, K)
         self.w = (torch.randn(N, K, device=device, generator=gen) * 0.02).to(dtype)
         self.q4 = torch.randint(-8, 8, (N, K), device=device, dtype=torch.int8, generator=gen)
         self.w4 = pack_int4(self.q4)
@@ -129,12 +129,12 @@ class Layer:
         self.p4 = torch.randint(0, 256, (N, K // 2), device=device, dtype=torch.uint8, generator=gen)  # NVFP4 codes
         self.sfp4 = (torch.rand(N, K // 16, device=device, generator=gen) * 400 + 0.01).to(torch.float8_e4m3fn)
         self.g4, self.g4x = torch.tensor([1000.0], device=device), torch.tensor([500.0], device=device)
+        self.smx = torch.randint(110, 130, (N, K // 32), device=device, dtype=torch.uint8, generator=gen)  # E8M0
 
 
 def kernel_ops(L: Layer, x):
-    """kind → (Triton kernel fn, the library's alternative fn or None) for x [M, K]: the
-    alternatives are what dispatch runs instead of the kernel (dequantize by Triton + cuBLAS for
-    the weight-only types, `_scaled_mm` for FP8); W8A8's is `torch._int_mm` + the epilogue."""
+    """kind → (Triton kernel fn, the library's alternative fn or None) for x [M, K]: what dispatch runs instead of
+    the kernel (Triton's dequantize + cuBLAS for weight-only, `_scaled_mm` for FP8, `_int_mm` + the epilogue for W8A8)."""
     import torch
 
     from quantspec import kernels
@@ -153,15 +153,15 @@ def kernel_ops(L: Layer, x):
         "fp8": (lambda: kernels.fp8_linear(x, L.w_fp8, L.s8, L.x_scale_fp8),
                 (lambda: kernels.fp8_scaled_mm_linear(x, L.w_fp8, L.s8, L.x_scale_fp8)) if cuda else None),
         "nvfp4": (lambda: kernels.nvfp4_linear(x, L.p4, L.sfp4, L.g4, None, L.g4x), None),  # W4A4
+        "mxfp4": (lambda: kernels.mxfp4_linear(x, L.p4, L.smx, quantize_input=True), None),  # W4A4
     }
 
 
 def flipped_ops(L: Layer, x) -> dict:
-    """kind → the kernel under the other launch of its default. Weight-only: the other tile
-    orientation (`W4A16Config.swap_ab` flipped, with the exact codes and the scale after each
-    tile's MMA), or for a nibble-dots default the unpacking launch with the weight as the wide
-    operand. W8A8 / FP8 where the default splits K: the same tiles unsplit. What chooses the
-    launch per M."""
+    """kind → the kernel under the other launch of its default. Weight-only: the other tile orientation
+    (`W4A16Config.swap_ab` flipped, with the exact codes and the scale after each tile's MMA), or for a nibble-dots
+    default the unpacking launch with the weight as the wide operand. W8A8 / FP8 where the default splits K: the
+    same tiles unsplit. What chooses the launch per M."""
     from quantspec import kernels
     from quantspec.kernels._common import scaled_gemm_launch
     from quantspec.kernels.w4a16 import W4A16Config, w4a16_default_config, w4a16_linear
@@ -202,10 +202,10 @@ def dispatch_pick(kind: str, device, M: int, dtype):
     from quantspec.infer.dispatch import KernelPath, LinearKind, LinearTraits, select_kernel
 
     fp8_native = device.type == "cuda" and __import__("torch").cuda.get_device_capability(device) >= (8, 9)
-    strategy = {"w4a16": "group", "nvfp4": "tensor_group"}.get(kind, "channel")
-    traits = LinearTraits(kind=LinearKind("fp4" if kind == "nvfp4" else kind), dtype=dtype, weight_symmetric=True,
-                          weight_strategy=strategy, act_mode={"w8a8": "static", "fp8": "static", "nvfp4": "dynamic"}.get(kind),
-                          fp8_native=fp8_native, fp4_tiles=True)
+    strategy = {"w4a16": "group", **FP4_KINDS}.get(kind, "channel")
+    act_mode = "dynamic" if kind in FP4_KINDS else {"w8a8": "static", "fp8": "static"}.get(kind)
+    traits = LinearTraits(kind=LinearKind("fp4" if kind in FP4_KINDS else kind), dtype=dtype, weight_symmetric=True,
+                          weight_strategy=strategy, act_mode=act_mode, fp8_native=fp8_native, fp4_tiles=True)
     path = select_kernel(traits, device, M, dtype)
     if path.value.startswith("triton"):
         return path, "kernel"
@@ -267,7 +267,7 @@ def markdown(result: dict) -> str:
         out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
         quart = kind == "w4a16"
         out.append(f"| K×N | M | torch ms | Triton ms (×) | other launch ms (×) | "
-                   f"{'quartered ms (×) | ' if quart else ''}{ALT_NAMES[kind]} ms (×) | dispatch (×) |")
+                   f"{'quartered ms (×) | ' if quart else ''}{ALT_NAMES.get(kind, '—')} ms (×) | dispatch (×) |")
         out.append("|---|---|---|---|---|---|---|" + ("---|" if quart else ""))
         for r in rows:
             t = r["torch_ms"]
@@ -291,7 +291,7 @@ def targets(result: dict) -> list[tuple[str, float | None, float, bool]]:
               ("W8A16 M=1 4096×14336", ratio("w8a16", 4096, 14336, 1), 1.8),
               ("W8A8 M=4096 4096×14336", ratio("w8a8", 4096, 14336, 4096), 1.5),
               ("FP8 M=4096 4096×14336", ratio("fp8", 4096, 14336, 4096), 1.5)]
-    ratios = [r["torch_ms"] / r["dispatch_ms"] for r in result["rows"] if r["dispatch_ms"] and r["kind"] != "nvfp4"]
+    ratios = [r["torch_ms"] / r["dispatch_ms"] for r in result["rows"] if r["dispatch_ms"] and r["kind"] not in FP4_KINDS]
     checks.append(("lowest dispatch ratio, any cell", min(ratios) if ratios else None, 0.9))
     return [(w, v, t, v is not None and v >= t) for w, v, t in checks]
 

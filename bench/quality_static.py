@@ -13,6 +13,9 @@ at run time: no table); `-block128` `quantize --quant-type a8w8_fp8 --weight-blo
 one weight scale per block, shrunk per layer to one that tiles it, inputs per token and group at
 run time); `weight_only_nvfp4` / `nvfp4-default`: NVFP4 weights (E2M1, FP8 scales per group of 16
 under a global scale), with float inputs / with NVFP4 inputs under the table's global scales;
+`weight_only_mxfp4` / `mxfp4`: MXFP4 weights (E2M1, power-of-two scales per group of 32), with
+float inputs / with MXFP4 inputs quantized at run time (no table; written for `--target quantspec`:
+the row measures the numbers, `docs/engines.md` says which engine loads them);
 `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
 the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (act-order, on the
@@ -49,7 +52,7 @@ FALLBACK = 8  # fused units of the "-fb" rows (--fallback); 8 of 120 units on Sm
 DEFAULT = "default"  # the quantize default for this setting (no flag passed)
 DYNAMIC = "dynamic"  # in the alpha column: `--activations dynamic` (per-token scales, no table, no smoothing)
 BLOCK = "block128"  # in the alpha column: `--weight-block 128` (FP8_BLOCK: per-group dynamic inputs, no table)
-PLAIN = "plain"  # in the alpha column: no flag and no table (weight_only_nvfp4)
+PLAIN = "plain"  # in the alpha column: no flag and no table (weight_only_nvfp4, the MXFP4 types)
 # name: (quant_type or None for fp32, smoothquant alpha ("auto" = searched per group, None = off),
 #        kv cache "int8" / "fp8" / None, fallback units (W8A16, measured-worst first; "fb" =
 #        the --fallback count)[, method])
@@ -65,6 +68,10 @@ ROWS = {
     "weight_only_nvfp4-gptq": ("weight_only_nvfp4", PLAIN, None, DEFAULT, "gptq"),
     "nvfp4-default": ("nvfp4", DEFAULT, None, DEFAULT),
     "nvfp4-default-gptq": ("nvfp4", DEFAULT, None, DEFAULT, "gptq"),
+    "weight_only_mxfp4": ("weight_only_mxfp4", PLAIN, None, DEFAULT),
+    "weight_only_mxfp4-gptq": ("weight_only_mxfp4", PLAIN, None, DEFAULT, "gptq"),
+    "mxfp4": ("mxfp4", PLAIN, None, DEFAULT),
+    "mxfp4-gptq": ("mxfp4", PLAIN, None, DEFAULT, "gptq"),
     "fp32+kv-int8": (None, None, "int8", 0),
     "fp32+kv-fp8": (None, None, "fp8", 0),
     "a8w8": ("a8w8", None, None, 0),
@@ -136,6 +143,8 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
+                if "mxfp4" in qt:
+                    kw["target"] = "quantspec"
                 artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}-{method}",
                                               calib=None if alpha in (DYNAMIC, BLOCK, PLAIN) else table,
                                               method=method, **kw)
