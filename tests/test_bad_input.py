@@ -147,16 +147,14 @@ CASES = [
     ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-nvfp4-no-calib", "quantize --model {model} --quant-type nvfp4 --out {d}/q", "--calib"),
-    ("quantize-nvfp4-awq", "quantize --model {model} --quant-type weight_only_nvfp4 --method awq "
-                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-nvfp4-asym", "quantize --model {model} --quant-type weight_only_nvfp4 --asym --out {d}/q", "--asym"),
     ("quantize-nvfp4-dynamic", "quantize --model {model} --quant-type nvfp4 --activations dynamic --calib {d}/t "
                                "--out {d}/q",
      "--activations"),
     ("quantize-nvfp4-mse", "quantize --model {model} --quant-type weight_only_nvfp4 --weight-observer mse "
                            "--out {d}/q", "--weight-observer"),
-    ("quantize-mxfp4-awq", "quantize --model {model} --quant-type weight_only_mxfp4 --method awq "
-                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-mxfp4-awq", "quantize --model {model} --quant-type mxfp4 --method awq --dataset {d}/calib.txt "
+                           "--out {d}/q", "--method"),
     ("quantize-mxfp4-asym", "quantize --model {model} --quant-type weight_only_mxfp4 --asym --out {d}/q", "--asym"),
     ("quantize-mxfp4-dynamic", "quantize --model {model} --quant-type mxfp4 --activations dynamic --out {d}/q",
      "--activations"),

@@ -26,12 +26,15 @@ Terms:
 - **Objective**: the output error of the group's quantized Linears, Σ ||X Wᵀ − (X / s) Q(W·s)ᵀ||²
   (the paper's Eq. 4), computed as Σ_rows ΔW H ΔWᵀ with ΔW = Q(W·s) / s − W and H = Σ_t x_t x_tᵀ
   over every calibration token (`HessianAccumulator`): K² work per weight row whatever the number
-  of tokens. Q is round-to-nearest with min/max ranges under each Linear's own args.
+  of tokens. Q is round-to-nearest with min/max ranges under each Linear's own args (NVFP4:
+  under one global scale for the group's Linears, as quantize gives a fused unit one).
 
 The chosen factors are folded into the layer, which is then rounded under the config's args
 (their observer included), and re-run so the next layer calibrates on the quantized layer's
-outputs. Row scaling of v_proj / up_proj commutes with their per-row (channel, group) scales, so
-each group's choice does not depend on the groups after it.
+outputs. Row scaling of v_proj / up_proj commutes with their per-row (channel, group) integer
+scales, so each group's choice does not depend on the groups after it; FP4's group scales (FP8
+values under a global scale, or powers of two) round again after it, so there a row's codes can
+move with the later fold (llm-compressor searches FP4 the same way).
 """
 
 from __future__ import annotations
@@ -46,6 +49,7 @@ from quantspec.calib.smooth import layer_norm_groups, smooth_layer
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.llama import MLP
 from quantspec.quant.args import QuantArgs
+from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.gptq import HessianAccumulator, rtn_quantize
 
 __all__ = ["AWQ_GRID", "AWQGroup", "ChannelStats", "ScaleChoice", "awq_layer", "candidate_scales",
@@ -58,13 +62,14 @@ _MIN_SCALE = 1e-4
 
 def check_awq(config, layer_args: Mapping[str, QuantArgs]) -> None:
     """AWQ is weight-only (it scales the inputs an activation quantizer would see) and rounds
-    integer weights with per-row scales (channel or group strategy); `config`: a `QuantConfig`."""
+    weights with per-row scales (integer channel or group strategy, NVFP4, MXFP4); `config`: a
+    `QuantConfig`."""
     if any(s.input_activations is not None for s in config.config_groups.values()):
         raise QuantSpecError("AWQ is for weight-only quantization (it scales the inputs the activation "
                              "quantizer would see); use --method rtn or gptq for a8w8")
     for name, a in layer_args.items():
-        if a.type != "int" or a.strategy not in ("channel", "group"):
-            raise QuantSpecError(f"AWQ scales integer weights with per-channel or per-group scales ({name} "
+        if not a.is_fp4 and (a.type != "int" or a.strategy not in ("channel", "group")):
+            raise QuantSpecError(f"AWQ scales integer or FP4 weights with per-channel or per-group scales ({name} "
                                  f"is {a.num_bits}-bit {a.type}, {a.strategy}); use --method rtn or gptq")
 
 
@@ -94,7 +99,7 @@ def relative_weight_mean(weights: Sequence[torch.Tensor], args: Sequence[QuantAr
     parts = []
     for w, a in zip(weights, args):
         N, K = w.shape
-        g = a.group_size if a.strategy == "group" else K
+        g = a.group_size if a.strategy in ("group", "tensor_group") else K
         wa = w.detach().float().abs().view(N, K // g, g)
         parts.append((wa / (wa.amax(-1, keepdim=True) + 1e-6)).view(N, K))
     return torch.cat(parts).mean(0)
@@ -112,13 +117,14 @@ def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, grid: int = AWQ
     return out
 
 
-def output_error(weight: torch.Tensor, args: QuantArgs, s: torch.Tensor, hessian: torch.Tensor) -> float:
+def output_error(weight: torch.Tensor, args: QuantArgs, s: torch.Tensor, hessian: torch.Tensor,
+                 global_scale: torch.Tensor | None = None) -> float:
     """Σ_rows ΔW H ΔWᵀ for ΔW = Q(W·s) / s − W: the output error ||X Wᵀ − (X / s) Q(W·s)ᵀ||² of
     the inputs X whose `hessian` [K, K] is H = c Σ x xᵀ, times c (`ChannelStats`: c = 2 / n);
-    Q rounds to nearest with min/max ranges."""
+    Q rounds to nearest with min/max ranges (NVFP4: under `global_scale`, default W·s's own)."""
     w = weight.float()  # [N, K]
     minmax = args.replace(observer=None) if args.observer else args
-    dw = rtn_quantize(w * s, minmax).weight_dq.float().div_(s).sub_(w)  # [N, K]
+    dw = rtn_quantize(w * s, minmax, global_scale=global_scale).weight_dq.float().div_(s).sub_(w)  # [N, K]
     return float((dw @ hessian).mul_(dw).sum())
 
 
@@ -150,7 +156,10 @@ def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], sta
     best = rtn = None
     for ratio, s in candidate_scales(x_mean, w_mean, grid):
         full = s if tie is None else s[tie]
-        loss = sum(output_error(w, a, full, H) for w, a in zip(weights, args))
+        g = None  # NVFP4: the group's Linears share a global scale, as quantize writes them
+        if args[0].is_nvfp4:
+            g = global_scale_from_absmax(torch.stack([(w.float() * full).abs().amax() for w in weights]))
+        loss = sum(output_error(w, a, full, H, g) for w, a in zip(weights, args))
         if ratio is None:
             rtn = loss
         if best is None or loss < best[2]:

@@ -105,7 +105,7 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
         from quantspec.quant.args import QuantType
-        from quantspec.quant.presets import FP4_TYPES, check_weight_block, default_weight_observer, preset
+        from quantspec.quant.presets import check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
@@ -122,9 +122,8 @@ class QuantizeConfig:
         if self.method.startswith("awq") and not qt.value.startswith("weight_only"):
             raise QuantSpecError(f"--method {self.method} is for weight-only types ({qt.value} quantizes activations "
                                  "too); use --method rtn or gptq")
-        if self.method != "rtn" and (qt is QuantType.A8W8_FP8 or "awq" in self.method and qt in FP4_TYPES):
-            alt = "rtn or gptq" if qt in FP4_TYPES else "rtn"
-            raise QuantSpecError(f"--method {self.method} has no rule for {qt.value}'s scales; use --method {alt}")
+        if self.method != "rtn" and qt is QuantType.A8W8_FP8:
+            raise QuantSpecError(f"--method {self.method} has no rule for {qt.value}'s scales; use --method rtn")
         if self.method in DATA_METHODS:
             if self.dataset is None and not (self.static and self.calib is not None):
                 raise QuantSpecError(f"--method {self.method} needs calibration data; pass --dataset (a local "

@@ -144,7 +144,9 @@ def _outlier_model(tmp_path):
     return d
 
 
-def test_awq_beats_rounding_without_it_on_outlier_channels(tmp_path):
+def _outlier_errors(tmp_path, config, methods):
+    """({method: mean squared error of the quantized outlier model's hidden states}, the last
+    method's quantize summary)."""
     from quantspec.model_zoo.llama import DenseCausalAttention
 
     d = _outlier_model(tmp_path)
@@ -158,13 +160,18 @@ def test_awq_beats_rounding_without_it_on_outlier_channels(tmp_path):
     ref, _ = load_model(d)
     target = hidden(ref)
     errs = {}
-    for method in ("rtn", "awq", "gptq", "awq+gptq"):
+    for method in methods:
         m, _ = load_model(d)
-        res = quantize_model(m, preset("weight_only_int4", group_size=32, weight_observer="minmax"), method,
-                             ids if method != "rtn" else None)
+        res = quantize_model(m, config, method, ids if method != "rtn" else None)
         errs[method] = (hidden(m) - target).pow(2).mean().item()
-    assert res.summary["awq_loss_total"] > 0 and res.summary["gptq_loss_total"] > 0
-    assert res.summary["calibration_tokens"] == ids.numel()
+    return errs, res.summary
+
+
+def test_awq_beats_rounding_without_it_on_outlier_channels(tmp_path):
+    errs, summary = _outlier_errors(tmp_path, preset("weight_only_int4", group_size=32, weight_observer="minmax"),
+                                    ("rtn", "awq", "gptq", "awq+gptq"))
+    assert summary["awq_loss_total"] > 0 and summary["gptq_loss_total"] > 0
+    assert summary["calibration_tokens"] == 6 * 48
     assert errs["awq"] < 0.85 * errs["rtn"], errs  # 0.74× here
     assert errs["awq+gptq"] < errs["gptq"], errs  # 0.79× here
 
@@ -179,8 +186,18 @@ def test_bad_requests(tiny_llama_dir):
             model, preset("a8w8"))})
     with pytest.raises(QuantSpecError, match="no rule for FP8"):
         quantize_model(model, preset("a8w8_fp8", activations="dynamic"), "awq", ids)
-    with pytest.raises(QuantSpecError, match="with AWQ, NVFP4"):
-        quantize_model(model, preset("weight_only_nvfp4"), "awq", ids)
+    with pytest.raises(QuantSpecError, match="weight-only"):
+        quantize_model(model, preset("mxfp4"), "awq", ids)
+
+
+@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "weight_only_mxfp4"])
+def test_awq_on_fp4_weights(tmp_path, quant_type):
+    """AWQ with FP4 weights (NVFP4: one global scale per fused unit in the search as in the
+    artifact; MXFP4: power-of-two group scales): less output error than rounding alone on
+    outlier channels."""
+    errs, summary = _outlier_errors(tmp_path, preset(quant_type), ("rtn", "awq"))
+    assert summary["awq_loss_total"] > 0
+    assert errs["awq"] < (0.6 if "nv" in quant_type else 0.9) * errs["rtn"], errs  # 0.45× / 0.87× here
 
 
 @pytest.mark.parametrize("method", ["awq", "awq+gptq"])
