@@ -44,6 +44,10 @@ ARTIFACTS = {
     # NVFP4: one weight global scale per fused unit; W4A4 runs weight-only below sm_100 (Hopper)
     "weight_only_nvfp4": dict(quant_type="weight_only_nvfp4"),
     "nvfp4": dict(quant_type="nvfp4"),
+    # MXFP4: E2M1 in groups of 32 with power-of-two (E8M0) scales; SGLang has no MXFP4 Linear
+    # scheme, so --target vllm
+    "weight_only_mxfp4": dict(quant_type="weight_only_mxfp4", target="vllm"),
+    "mxfp4": dict(quant_type="mxfp4", target="vllm"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))
@@ -55,7 +59,8 @@ EAGLE3_ARTIFACTS = {"eagle3_head_int4": dict(quant_type="weight_only_int4", grou
                     "eagle3_head_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
                     "eagle3_head_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128),
                     "eagle3_head_nvfp4a16": dict(quant_type="weight_only_nvfp4"),
-                    "eagle3_head_int8_vllm": dict(quant_type="weight_only_int8", target="vllm")}
+                    "eagle3_head_int8_vllm": dict(quant_type="weight_only_int8", target="vllm"),
+                    "eagle3_head_mxfp4a16_vllm": dict(quant_type="weight_only_mxfp4", target="vllm")}
 EAGLE3_AUX = (0, 1, 2)  # the conformance model has 2 layers: explicit ids
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle

@@ -15,8 +15,11 @@ those files import that is not installed (CUDA kernels, ...). `OVERRIDES` gives 
 whose values the decisions read: the platform (a GPU of compute capability `capability`), tensor
 parallelism (rank 0 of 1), loggers, and "no transforms".
 
-What is not the engines' code, and so stated here: vLLM's NVFP4 kernel registry is answered by
-`_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer); the driver below builds one layer object per
+What is not the engines' code, and so stated here: vLLM's NVFP4 and MXFP4 kernel registries are
+answered by `_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer) and
+`_mxfp4_kernel_oracle` (the rule it applies with FlashInfer's kernels usable: vLLM's wheel requires
+flashinfer-python, nvidia-cutlass-dsl and ninja; without them it takes FP4 Marlin on Blackwell
+too); the driver below builds one layer object per
 engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed `LinearBase` /
 `Attention` / `RadixAttention`) and calls the engine's entry points on it —
 `get_quant_method(layer, prefix)`, `scheme.create_weights(...)` — then loads each checkpoint
@@ -25,7 +28,8 @@ shard's tensors through the created parameters' own `load_qkv_weight` /
 linear passes them (q/k/v; 0/1 with the running offset; for an FP8 block scale both counted in
 block rows, rounded up, as the engines' fused linears count them). The answer gives, per layer, the loaded
 values of the scale parameters the request names (`value_leaves`), so the caller can compare them
-with the artifact's tensors.
+with the artifact's tensors, and whether the config group the engine resolved for it quantizes
+its inputs (`inputs`, from the engine's own `get_scheme_dict`).
 """
 
 from __future__ import annotations
@@ -233,7 +237,8 @@ def _overrides(engine: str, capability: int) -> dict:
 
     if engine == "vllm":
         return {
-            "vllm.model_executor.kernels.linear": {"init_nvfp4_linear_kernel": _nvfp4_kernel_oracle(cap.to_int())},
+            "vllm.model_executor.kernels.linear": {"init_nvfp4_linear_kernel": _nvfp4_kernel_oracle(cap.to_int()),
+                                                   "init_mxfp4_linear_kernel": _mxfp4_kernel_oracle(cap.to_int())},
             "vllm.platforms": {"current_platform": Platform()},
             "vllm.logger": {"init_logger": logger},
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
@@ -269,6 +274,26 @@ def _nvfp4_kernel_oracle(capability: int):
     return init_nvfp4_linear_kernel
 
 
+def _mxfp4_kernel_oracle(capability: int):
+    """vLLM's `init_mxfp4_linear_kernel` (kernels/linear/__init__.py, `_POSSIBLE_MXFP4_KERNELS`) as
+    its CUDA registry resolves on a GPU of `capability` with FlashInfer's kernels usable: the first
+    kernel that runs and implements the requested inputs — FlashInfer's W4A4
+    (`FlashInferMxFp4LinearKernel`: sm_100 and up, MXFP4 inputs only, quantized at run time), then
+    FP4 Marlin (`MarlinMxFp4LinearKernel`: `is_fp4_marlin_supported`, sm_75; weight-only, a
+    requested input quantization ignored); below sm_75 none of the default install's kernels runs
+    and the registry raises. An object of a class of that name whose `quantizes_inputs` says what
+    the kernel does with the inputs (the kernel modules ask FlashInfer and CUDA, so they are not
+    lifted)."""
+    def init_mxfp4_linear_kernel(activation_quant_key=None):
+        mxfp4_inputs = getattr(activation_quant_key, "__name__", None) == "kMxfp4Dynamic"
+        if capability >= 100 and mxfp4_inputs:
+            return type("FlashInferMxFp4LinearKernel", (), {"quantizes_inputs": True})()
+        if capability >= 75:
+            return type("MarlinMxFp4LinearKernel", (), {"quantizes_inputs": False})()
+        raise ValueError("Failed to find a kernel that can implement the MXFP4 linear layer.")
+    return init_mxfp4_linear_kernel
+
+
 def install(engine: str, source: str, capability: int) -> None:
     global SCHEME_PACKAGE_PREFIX
     import torch
@@ -300,8 +325,10 @@ def _scheme_args(scheme) -> dict:
     wq = own.get("weight_quant")
     if wq is not None:
         d.update(num_bits=wq.num_bits, symmetric=wq.symmetric, strategy=str(getattr(wq.strategy, "value", wq.strategy)))
-    if "kernel" in own:  # vLLM's NVFP4 scheme: the kernel its registry picks (`_nvfp4_kernel_oracle`)
+    if "kernel" in own:  # vLLM's FP4 schemes: the kernel its registry picks (`_nvfp4_kernel_oracle`, `_mxfp4_...`)
         d["kernel"] = type(own["kernel"]).__name__
+        if hasattr(own["kernel"], "quantizes_inputs"):
+            d["kernel_quantizes_inputs"] = own["kernel"].quantizes_inputs
     if "strategy" in d and not isinstance(d["strategy"], str):
         d["strategy"] = str(d["strategy"])
     return d
@@ -396,6 +423,8 @@ def run(engine: str, request: dict) -> dict:
                 r["method"] = type(method).__name__ if method is not None else None
                 continue
             r["scheme"], r["args"] = _short(type(scheme).__name__), _scheme_args(scheme)
+            resolved = cfg.get_scheme_dict(layer, lname)
+            r["inputs"] = resolved is not None and resolved.get("input_activations") is not None
             try:
                 sizes = [s["N"] for s in spec["shards"]]
                 scheme.create_weights(layer=layer, output_size=sum(sizes), input_size=spec["K"],

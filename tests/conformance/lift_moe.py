@@ -6,7 +6,8 @@ Run as a program in a fresh interpreter (one per engine, as `lift.py`):
 
 REQUEST.json: {"capability": 90, "packed_modules_mapping": the engine's Qwen3-MoE class's,
 "artifacts": {name: {"quantization_config": ..., "layers": [fused-MoE layer names], "ckpt_names":
-[the checkpoint's gate, up, down names]}}}. For each layer the engine's `CompressedTensorsConfig.get_quant_method`
+[the checkpoint's gate, up, down names], optionally "experts": {"num_experts", "hidden",
+"intermediate"}}}}. For each layer the engine's `CompressedTensorsConfig.get_quant_method`
 runs unchanged on a layer object of the engine's fused-MoE class: vLLM's
 `CompressedTensorsMoEMethod.get_moe_method` (the schemes of expert 0's gate / up / down
 projections, resolved by the engine's own target matching, and the method they select), SGLang's
@@ -19,8 +20,23 @@ constructor asks its oracle for Marlin, which takes channel and group scales ali
 capability 8.0 and up), so for those the answer is the class vLLM's decision code selects; the
 layer object (an `nn.Module` subclassing the engine's
 stubbed `RoutedExperts` / `FusedMoE`, with the checkpoint's projection names as vLLM's model
-files give them, e.g. Mixtral's w1 / w3 / w2) is built here.
-The answer per layer: the selected class's name, or the error the engine's code raised.
+files give them, e.g. Mixtral's w1 / w3 / w2, and the `moe_config` of a gated MLP: two w13
+shards) is built here.
+
+MXFP4 experts run their methods' own code too: vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod`
+(its constructor picks the experts' kernel) and SGLang's `Mxfp4MoEMethod`
+(quantization/mxfp4.py). What is not the engines' code: `CutlassExpertsMxfp4._supports_current_device`
+is answered by `_cutlass_mxfp4_oracle` (its C++ `mxfp4_experts_quant_supported`:
+csrc/quantization/fp4/mxfp4_experts_quant.cu, `mxfp4_experts_quant_sm_supported`, capability
+100 ≤ c < 120 in a CUDA ≥ 12.9 build, which vLLM's cu13 wheels are), and vLLM's base
+`FusedMoEMethodBase.__init__`, a stub here, does not keep `moe`, so the driver sets it as the
+base does. Where the request gives an artifact's "experts", the method's `create_weights` runs
+on the layer and the answer lists the parameters it made.
+
+The answer per layer: the selected class's name (SGLang: its scheme's, or the method's where it
+bypasses schemes, as for MXFP4), vLLM's experts kernel class where the method picks one
+(`experts`), the parameters `create_weights` made (`params`: name → [shape, dtype]), or the
+error the engine's code raised.
 """
 
 from __future__ import annotations
@@ -35,17 +51,37 @@ import lift  # noqa: E402 — the stub machinery of the compressed-tensors lift
 
 _MOE = lift._CT["vllm"] + "compressed_tensors_moe"
 lift.REAL["vllm"] += [_MOE, _MOE + ".compressed_tensors_moe", _MOE + ".compressed_tensors_moe_w8a8_fp8",
-                      _MOE + ".compressed_tensors_moe_w8a8_int8"]
+                      _MOE + ".compressed_tensors_moe_w8a8_int8", _MOE + ".compressed_tensors_moe_w4a4_mxfp4"]
+lift.REAL["sglang"] += ["sglang.srt.layers.quantization.mxfp4"]
 # the GPU-kernel oracles those two constructors call last, after their checks
 _ORACLES = {"vllm.model_executor.layers.fused_moe.oracle.fp8": {"select_fp8_moe_backend": lambda **k: (None, None)},
             "vllm.model_executor.layers.fused_moe.oracle.int8": {"select_int8_moe_backend": lambda **k: (None, None)}}
+
+
+def _cutlass_mxfp4_oracle(capability: int) -> dict:
+    """vLLM's `CutlassExpertsMxfp4` (fused_moe/experts/cutlass_moe.py) as far as the MXFP4 MoE
+    method's constructor asks it: whether the GPU runs its W4A4 experts (module docstring)."""
+    class CutlassExpertsMxfp4:
+        @staticmethod
+        def _supports_current_device() -> bool:
+            return 100 <= capability < 120
+    return {"vllm.model_executor.layers.fused_moe.experts.cutlass_moe": {"CutlassExpertsMxfp4": CutlassExpertsMxfp4}}
+
+
 _overrides = lift._overrides
-lift._overrides = lambda engine, capability: {**_overrides(engine, capability), **_ORACLES}
+lift._overrides = lambda engine, capability: {**_overrides(engine, capability), **_ORACLES,
+                                              **_cutlass_mxfp4_oracle(capability)}
 MOE_CLASS = {"vllm": ("vllm.model_executor.layers.fused_moe", "RoutedExperts"),
              "sglang": ("sglang.srt.layers.moe.fused_moe_triton", "FusedMoE")}
 
 
-def _moe_layer(engine: str, names: list[str]):
+class _GatedMoeConfig(lift.Stub):
+    """vLLM's `FusedMoEConfig` of a gated MLP (gate and up in w13) as the methods read it."""
+
+    w13_num_shards = 2
+
+
+def _moe_layer(engine: str, names: list[str], experts: dict | None = None):
     import importlib
 
     import torch
@@ -54,8 +90,22 @@ def _moe_layer(engine: str, names: list[str]):
     base = getattr(importlib.import_module(mod), name)
     layer = type(name, (torch.nn.Module, base), {})()
     layer.ckpt_gate_proj_name, layer.ckpt_up_proj_name, layer.ckpt_down_proj_name = names
-    layer.moe_config = lift.Stub()  # read by the method constructors only
+    layer.moe_config = _GatedMoeConfig()  # read by the method constructors and create_weights
+    if experts:  # what SGLang's FusedMoE keeps and its MXFP4 method's create_weights reads
+        layer.num_local_experts, layer.hidden_size = experts["num_experts"], experts["hidden"]
+        layer.intermediate_size_per_partition = experts["intermediate"]
     return layer
+
+
+def _create(engine: str, method, layer, experts: dict) -> dict:
+    """The parameters `method.create_weights` makes on `layer` for `experts`: name → [shape, dtype]."""
+    import torch
+
+    if engine == "vllm" and "moe" not in vars(method):
+        method.moe = layer.moe_config  # what vLLM's FusedMoEMethodBase.__init__ keeps (stubbed here)
+    method.create_weights(layer, num_experts=experts["num_experts"], hidden_size=experts["hidden"],
+                          intermediate_size_per_partition=experts["intermediate"], params_dtype=torch.bfloat16)
+    return {n: [list(p.shape), str(p.dtype).removeprefix("torch.")] for n, p in layer.named_parameters()}
 
 
 def run(engine: str, request: dict) -> dict:
@@ -68,11 +118,18 @@ def run(engine: str, request: dict) -> dict:
         cfg = ctmod.CompressedTensorsConfig.from_config(json.loads(json.dumps(art["quantization_config"])))
         cfg.packed_modules_mapping = request["packed_modules_mapping"]
         for lname in art["layers"]:
-            layer = _moe_layer(engine, art.get("ckpt_names", ["gate_proj", "up_proj", "down_proj"]))
+            experts = art.get("experts")
+            layer = _moe_layer(engine, art.get("ckpt_names", ["gate_proj", "up_proj", "down_proj"]), experts)
             try:
                 method = cfg.get_quant_method(layer, lname)
-                chosen = getattr(layer, "scheme", None) if engine == "sglang" else method
-                res[lname] = {"method": None if chosen is None else type(chosen).__name__, "error": None}
+                scheme = getattr(layer, "scheme", None)
+                chosen = method if engine == "vllm" else scheme if scheme is not None else \
+                    method if type(method).__name__ == "Mxfp4MoEMethod" else None
+                r = res[lname] = {"method": None if chosen is None else type(chosen).__name__, "error": None}
+                if chosen is not None and vars(chosen).get("experts_cls") is not None:  # (a stub answers anything)
+                    r["experts"] = chosen.experts_cls.__name__
+                if experts and chosen is not None:
+                    r["params"] = _create(engine, method, layer, experts)
             except Exception as e:  # noqa: BLE001 — the engine's code refusing is the answer
                 where = traceback.extract_tb(e.__traceback__)[-1].name
                 res[lname] = {"method": None, "error": f"{type(e).__name__} at {where}: {str(e)[:200]}"}

@@ -51,6 +51,18 @@ global scales. The table's GPU is Hopper (9.0), where both engines run `nvfp4`'s
 `quantize --target portable` probes; on Turing (7.5) vLLM still runs NVFP4 and SGLang refuses it.
 transformers runs NVFP4 artifacts in bf16 or fp16 (compressed-tensors decompresses NVFP4 weights to
 bf16), and quantizes `nvfp4`'s inputs in that dtype where quantspec and vLLM's kernels use fp32.
+`weight_only_mxfp4` / `mxfp4` are MXFP4 (OCP microscaling): E2M1 weights with one power-of-two
+scale per group of 32, stored as its E8M0 exponent byte, no global scale, and for `mxfp4` inputs
+quantized the same way at run time. vLLM runs them with its one MXFP4 scheme
+(`CompressedTensorsW4A4Mxfp4`, from compute capability 8.0), which asks its kernel registry for
+MXFP4 inputs whatever the checkpoint says: FP4 Marlin below 10.0 runs the weights alone (`mxfp4`'s
+input quantization set aside), FlashInfer's W4A4 kernel from 10.0 quantizes the inputs
+(`weight_only_mxfp4`'s too); on Turing (7.5) it refuses them. transformers runs them in bf16
+(compressed-tensors decompresses MXFP4 weights to bf16 too). SGLang has no MXFP4 Linear scheme,
+so `quantize` writes MXFP4 for `--target vllm` (or quantspec) only. MXFP4 experts (Qwen3-MoE,
+Mixtral): vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod` runs CUTLASS W4A4 experts on 10.x-11.x
+and Marlin experts elsewhere; SGLang's `Mxfp4MoEMethod` makes GPT-OSS's parameters (`w13_weight`),
+which take none of the checkpoint's per-expert `weight_packed`, so SGLang refuses them too.
 """
 
 

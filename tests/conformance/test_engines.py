@@ -172,16 +172,14 @@ def _fp4_inputs(qc) -> bool:
     return any(g.input_activations is not None and g.input_activations.is_fp4 for g in qc.config_groups.values())
 
 
-def test_nvfp4_verdicts_by_capability_match_engine_code(artifacts, engine_sources, tmp_path):
-    """NVFP4 on Blackwell (10.0): both engines run W4A4 (NVFP4 inputs) and weight-only NVFP4 with
-    every scale loaded as stored — what `quantize --target portable` probes for nvfp4; below 10.0
-    (9.0: the suite's other tests) W4A4 runs weight-only; on Turing (7.5) vLLM still runs FP4
-    Marlin and SGLang refuses (its weight-only NVFP4 asks for 8.0)."""
+def _by_capability(artifacts, engine_sources, tmp_path, names, caps):
+    """The engines' own answers for artifacts `names` on GPUs of compute capabilities `caps`, each
+    checked against the verdict's status: (cap, engine, name, the engine's answer, the verdict,
+    status, per-layer status) per artifact."""
     from .requests import build_request
 
-    names = ["weight_only_nvfp4", "nvfp4"]
     sub = {n: artifacts[n] for n in names}
-    for cap in (100, 75):
+    for cap in caps:
         (tmp_path / str(cap)).mkdir()
         answers = eng.run_engines(engine_sources, lambda src: build_request(src, sub, cap), tmp_path / str(cap))
         for engine in eng.ENGINE_PINS:
@@ -192,19 +190,51 @@ def test_nvfp4_verdicts_by_capability_match_engine_code(artifacts, engine_source
                 v = artifact_verdicts(artifacts[name], capability=cap)[engine]
                 status, per_layer = lifted_status(res)
                 assert v.status == status, (cap, engine, name, v.line(), json.dumps(res)[:2000])
-                for layer, r in res["layers"].items():
-                    if per_layer[layer] == "loads":
-                        assert r["scheme"] == v.layers[layer].scheme, (cap, engine, layer, r)
-                        assert r["args"].get("kernel", "CutlassNvFp4LinearKernel") != "MarlinNvFp4LinearKernel" \
-                            or name == "weight_only_nvfp4", (cap, engine, layer, r)
-                if cap == 100:
-                    assert status == "loads", (engine, name, res)
-                    for layer, r in res["layers"].items():  # every shard's global scales, as stored
-                        assert {"weight_global_scale", *(["input_global_scale"] if name == "nvfp4" else [])} \
-                            <= set(r["values"]), (engine, layer, r["values"].keys())
-            if cap == 75:
-                assert lifted_status(answers[engine]["result"]["weight_only_nvfp4"])[0] == \
-                    ("refused" if engine == "sglang" else "loads")
+                yield cap, engine, name, res, v, status, per_layer
+
+
+def test_nvfp4_verdicts_by_capability_match_engine_code(artifacts, engine_sources, tmp_path):
+    """NVFP4 on Blackwell (10.0): both engines run W4A4 (NVFP4 inputs) and weight-only NVFP4 with
+    every scale loaded as stored — what `quantize --target portable` probes for nvfp4; below 10.0
+    (9.0: the suite's other tests) W4A4 runs weight-only; on Turing (7.5) vLLM still runs FP4
+    Marlin and SGLang refuses (its weight-only NVFP4 asks for 8.0)."""
+    for cap, engine, name, res, v, status, per_layer in _by_capability(
+            artifacts, engine_sources, tmp_path, ["weight_only_nvfp4", "nvfp4"], (100, 75)):
+        for layer, r in res["layers"].items():
+            if per_layer[layer] == "loads":
+                assert r["scheme"] == v.layers[layer].scheme, (cap, engine, layer, r)
+                assert r["args"].get("kernel", "CutlassNvFp4LinearKernel") != "MarlinNvFp4LinearKernel" \
+                    or name == "weight_only_nvfp4", (cap, engine, layer, r)
+        if cap == 100:
+            assert status == "loads", (engine, name, res)
+            for layer, r in res["layers"].items():  # every shard's global scales, as stored
+                assert {"weight_global_scale", *(["input_global_scale"] if name == "nvfp4" else [])} \
+                    <= set(r["values"]), (engine, layer, r["values"].keys())
+        if cap == 75 and name == "weight_only_nvfp4":
+            assert status == ("refused" if engine == "sglang" else "loads")
+
+
+# vLLM's MXFP4 kernels by compute capability (`lift._mxfp4_kernel_oracle`): none at 7.5 (its scheme asks
+# for 8.0), FP4 Marlin below 10.0, FlashInfer's W4A4 kernel from 10.0
+MXFP4_KERNELS = {75: None, 80: "MarlinMxFp4LinearKernel", 100: "FlashInferMxFp4LinearKernel"}
+
+
+def test_mxfp4_verdicts_by_capability_match_engine_code(artifacts, engine_sources, tmp_path):
+    """MXFP4 where vLLM's kernel choice changes (9.0: the suite's other tests): on Turing (7.5) its
+    MXFP4 scheme refuses to run; from 8.0 it runs FP4 Marlin, weight-only (an `mxfp4` artifact's
+    input quantization set aside); from 10.0 FlashInfer's W4A4 kernel, which quantizes the inputs
+    to MXFP4 whatever the checkpoint says (a `weight_only_mxfp4` artifact's too) — every layer's
+    E8M0 scales loaded as stored. SGLang has no MXFP4 Linear scheme on any GPU."""
+    for cap, engine, name, res, v, status, per_layer in _by_capability(
+            artifacts, engine_sources, tmp_path, ["weight_only_mxfp4", "mxfp4"], MXFP4_KERNELS):
+        kernel = MXFP4_KERNELS[cap]
+        want = "refused" if engine == "sglang" or kernel is None else \
+            "loads" if (name == "mxfp4") == (cap >= 100) else "ignores"
+        assert status == want, (cap, engine, name, v.line())
+        for layer, r in res["layers"].items():
+            if per_layer[layer] != "refused":
+                assert r["scheme"] == v.layers[layer].scheme == "W4A4Mxfp4", (cap, engine, layer, r)
+                assert r["args"]["kernel"] == kernel and "weight_scale" in r["values"], (cap, layer, r)
 
 
 def test_sglang_refuses_fused_static_int8_where_the_verdict_says(artifacts, lifted):
@@ -244,8 +274,9 @@ def test_transformers_verdict(artifacts, name, torch_threads):
 
     path = artifacts[name]
     v = artifact_verdicts(path)["transformers"]
-    # compressed-tensors decompresses NVFP4 weights to bf16 only: such a model runs in bf16
-    dtype = torch.bfloat16 if read_quant_config(path).format == "nvfp4-pack-quantized" else torch.float32
+    # compressed-tensors decompresses FP4 (NVFP4, MXFP4) weights to bf16 only: such a model runs in bf16
+    dtype = torch.bfloat16 if read_quant_config(path).format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") \
+        else torch.float32
     try:
         m, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
         with torch.no_grad():

@@ -134,6 +134,9 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
         out.append("use --activations dynamic or --quant-type a8w8_fp8")
     elif "int8-activation experts" in text:
         out.append("use --quant-type a8w8_fp8")
+    if engine == "sglang" and "MXFP4" in text:
+        out.append("pass --target vllm (vLLM runs MXFP4) or use --quant-type weight_only_nvfp4 / nvfp4 (NVFP4, "
+                   "which SGLang runs)")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
@@ -173,8 +176,9 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
     probe = {n: k for n, k in _EAGLE3_PROBE.items() if config.scheme_for(n) is not None} \
         if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
-    # NVFP4 inputs are for FP4 tensor cores: probed on the GPU they are made for (below it both
-    # engines run the weights alone, which `inspect`'s Hopper verdict says)
+    # FP4 inputs (NVFP4, MXFP4) are for FP4 tensor cores: probed on the GPU they are made for
+    # (below it the engines run the weights alone, which `inspect`'s Hopper verdict says);
+    # weight-only FP4 on Hopper, the default (where vLLM runs MXFP4A16 weight-only, as written)
     fp4_inputs = any(s.input_activations is not None and s.input_activations.is_fp4
                      for s in config.config_groups.values())
     verdicts = engine_verdicts(config, probe, draft=draft, capability=NVFP4_W4A4_CAPABILITY if fp4_inputs else 90)

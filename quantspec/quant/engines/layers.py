@@ -26,16 +26,26 @@ from quantspec.quant.args import (
 )
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.engines.tables import (
+    ENGINE_VERSIONS,
     FP8_MIN_CAPABILITY,
     FUSED_LAYERS,
     LAYER_CLASSES,
+    MXFP4_MIN_CAPABILITY,
+    MXFP4_W4A4_CAPABILITY,
     NVFP4_MIN_CAPABILITY,
     NVFP4_W4A4_CAPABILITY,
     SGLANG_FUSED_STATIC_INT8,
     engine_name,
 )
 from quantspec.quant.engines.moe import EXPERT, expert_layers
-from quantspec.quant.engines.verdict import LayerVerdict, activation_label as _act, nvfp4_inputs_set_aside
+from quantspec.quant.engines.verdict import (
+    MXFP4_INPUTS,
+    LayerVerdict,
+    activation_label as _act,
+    mxfp4_inputs_quantized,
+    mxfp4_inputs_set_aside,
+    nvfp4_inputs_set_aside,
+)
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_layer",
@@ -154,6 +164,32 @@ def _nvfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVer
                         problem=nvfp4_inputs_set_aside("the weights"))
 
 
+# SGLang's compressed-tensors Linear schemes (`_get_scheme_from_parts`): FP4 in NVFP4's layout only,
+# and format 'mxfp4-pack-quantized' is not among its activation-quantization formats, so an
+# MXFP4 Linear raises "No compressed-tensors compatible scheme was found."
+SGLANG_MXFP4_LINEAR = (f"SGLang {ENGINE_VERSIONS['sglang']} has no Linear scheme for MXFP4 weights (its "
+                       "compressed-tensors schemes take FP4 in NVFP4's layout only; MXFP4 in fused-MoE experts only)")
+
+
+def _mxfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict:
+    """vLLM's one MXFP4 scheme, `CompressedTensorsW4A4Mxfp4` (from 8.0, MXFP4 inputs or none):
+    its kernel registry takes FlashInfer's W4A4 kernel from 10.0, which quantizes the inputs to
+    MXFP4 even where the checkpoint leaves them float, and FP4 Marlin (weight-only) below.
+    SGLang has none (`SGLANG_MXFP4_LINEAR`)."""
+    ia = s.input_activations
+    if engine == "sglang":
+        return LayerVerdict(None, **base, problem=SGLANG_MXFP4_LINEAR)
+    if capability < MXFP4_MIN_CAPABILITY:
+        return LayerVerdict(None, **base, problem=f"MXFP4 below compute capability {MXFP4_MIN_CAPABILITY / 10:.1f}")
+    if capability >= MXFP4_W4A4_CAPABILITY:
+        problem = None if ia is not None else mxfp4_inputs_quantized(
+            f"from compute capability {MXFP4_W4A4_CAPABILITY / 10:.1f}", "FlashInfer's W4A4 kernel")
+        return LayerVerdict("W4A4Mxfp4", **base, input_activations=MXFP4_INPUTS, problem=problem)
+    problem = None if ia is None else mxfp4_inputs_set_aside(
+        "the weights", f"below compute capability {MXFP4_W4A4_CAPABILITY / 10:.1f}")
+    return LayerVerdict("W4A4Mxfp4", **base, problem=problem)
+
+
 def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,
             rows: Sequence[int | None] = ()) -> LayerVerdict:
     """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards
@@ -162,7 +198,7 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
     g = w.group_size if w.strategy in ("group", "tensor_group") else None
     base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure)
     if w.is_fp4:
-        return _nvfp4(engine, s, capability, base)
+        return (_mxfp4 if w.is_mx else _nvfp4)(engine, s, capability, base)
     if w.zp_dtype is not None:
         return LayerVerdict(None, **base, problem=f"float zero points ({w.zp_dtype}): {engine_name(engine)} "
                                                   "reads integer zero points only")

@@ -16,7 +16,11 @@ one quantization method for all of them. Their decision code (vLLM's
   NPUs only; static int8 inputs are refused by both;
 - NVFP4 weights, alone or with NVFP4 inputs, load in both (vLLM's one NVFP4 MoE method, SGLang's
   W4A16 / W4A4 ones); below compute capability 10.0 both run the weights alone (FP4 Marlin) and set
-  the inputs' quantization aside.
+  the inputs' quantization aside;
+- MXFP4 weights, alone or with MXFP4 inputs, take vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod`:
+  CUTLASS W4A4 experts on compute capability 10.x-11.x (the inputs quantized to MXFP4 at run time,
+  a weight-only checkpoint's too), Marlin experts (weight-only) elsewhere. SGLang picks its
+  GPT-OSS method for them (`SGLANG_MXFP4_MOE`), which loads no compressed-tensors expert weights.
 The conformance suite runs that code on quantspec's MoE artifacts (`tests/conformance/lift_moe.py`)
 and checks these verdicts against it. transformers 5 fuses a checkpoint's experts into 3-D
 tensors at load, which no compressed-tensors scheme covers: it refuses quantized experts.
@@ -29,16 +33,31 @@ from typing import Iterable
 
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.engines.tables import NVFP4_W4A4_CAPABILITY
-from quantspec.quant.engines.verdict import LayerVerdict, activation_label, nvfp4_inputs_set_aside
+from quantspec.quant.engines.tables import ENGINE_VERSIONS, MXFP4_MOE_W4A4_CAPABILITIES, NVFP4_W4A4_CAPABILITY
+from quantspec.quant.engines.verdict import (
+    LayerVerdict,
+    activation_label,
+    mxfp4_inputs_quantized,
+    mxfp4_inputs_set_aside,
+    nvfp4_inputs_set_aside,
+)
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["EXPERT", "MIXTRAL_PROJECTIONS", "PROJECTIONS", "TRANSFORMERS_REFUSAL", "expert_layers", "moe_layer"]
+__all__ = ["EXPERT", "MIXTRAL_PROJECTIONS", "PROJECTIONS", "SGLANG_MXFP4_MOE", "TRANSFORMERS_REFUSAL", "expert_layers",
+           "moe_layer"]
 
 EXPERT = re.compile(r"^(.*\.(?:mlp|block_sparse_moe)\.experts)\.(\d+)\.(gate_proj|up_proj|down_proj|w1|w3|w2)$")
 PROJECTIONS = ("gate_proj", "up_proj", "down_proj")
 MIXTRAL_PROJECTIONS = ("w1", "w3", "w2")  # Mixtral's names of gate / up / down
 TRANSFORMERS_REFUSAL = "transformers fuses experts into 3-D tensors at load, which take no quantized weights"
+# SGLang's `CompressedTensorsConfig.get_quant_method` sends every fused-MoE layer of an MXFP4 config
+# (`_is_mxfp4_moe`) to `Mxfp4MoEMethod` (quantization/mxfp4.py), which `create_weights` GPT-OSS's
+# parameters w13_weight / w2_weight (+ _scale, _bias); `FusedMoE.make_expert_params_mapping`
+# maps a checkpoint's experts.<e>.<proj>.weight_packed to w13_weight_packed / w2_weight_packed
+SGLANG_MXFP4_MOE = (f"SGLang {ENGINE_VERSIONS['sglang']} runs MXFP4 experts with Mxfp4MoEMethod, whose weight "
+                    "parameters are GPT-OSS's w13_weight / w2_weight: the checkpoint's per-expert weight_packed "
+                    "maps to w13_weight_packed / w2_weight_packed, which no parameter takes, so the experts' "
+                    "weights never load (Qwen3-MoE's load_weights skips them, Mixtral's raises KeyError)")
 
 
 def expert_layers(linears: Iterable[str]) -> dict[str, tuple[str, ...]]:
@@ -70,10 +89,26 @@ def _nvfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | N
     return kind, None
 
 
+def _mxfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | None, str | None]:
+    if engine == "sglang":
+        return None, SGLANG_MXFP4_MOE
+    ia, w4a4 = s.input_activations, capability in MXFP4_MOE_W4A4_CAPABILITIES
+    where = "on compute capability 10.x-11.x" if w4a4 else \
+        "below compute capability 10.0" if capability < MXFP4_MOE_W4A4_CAPABILITIES.start else \
+        f"on compute capability {capability / 10:.1f} (its W4A4 experts run on 10.x-11.x)"
+    if w4a4 and ia is None:
+        return "W4A4Mxfp4MoE", mxfp4_inputs_quantized(where, "CUTLASS's W4A4 MoE kernel")
+    if not w4a4 and ia is not None:
+        return "W4A4Mxfp4MoE", mxfp4_inputs_set_aside("the experts' weights", where)
+    return "W4A4Mxfp4MoE", None
+
+
 def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 90) -> tuple[str | None, str | None]:
     """(the MoE method the engine's code selects for scheme `s`, or None; the problem: why it
     refuses, or what it sets aside)."""
     w, ia = s.weights, s.input_activations
+    if w.is_mx:
+        return _mxfp4_method(engine, s, capability)
     if w.is_fp4:
         return _nvfp4_method(engine, s, capability)
     if ia is None:

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
            "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
+           "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
            "SGLANG_FUSED_STATIC_INT8", "engine_name"]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
@@ -28,6 +29,14 @@ FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP
 # input quantization ignored; vLLM's scheme asks for 7.5, SGLang's weight-only one for 8.0
 NVFP4_W4A4_CAPABILITY = 100
 NVFP4_MIN_CAPABILITY = {"vllm": 75, "sglang": 80}
+# MXFP4 (vLLM only: SGLang has no MXFP4 Linear scheme): `CompressedTensorsW4A4Mxfp4` asks for 8.0
+# and always requests MXFP4 inputs from `init_mxfp4_linear_kernel`, whose CUDA registry takes
+# FlashInfer's W4A4 kernel from 10.0 (inputs quantized at run time, whatever the checkpoint says)
+# and FP4 Marlin (weight-only, inputs float) below; its MoE method runs CUTLASS W4A4 on 10.x-11.x
+# (`mxfp4_experts_quant_supported`) and Marlin experts (weight-only) elsewhere
+MXFP4_MIN_CAPABILITY = 80
+MXFP4_W4A4_CAPABILITY = 100
+MXFP4_MOE_W4A4_CAPABILITIES = range(100, 120)
 # SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
 # input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
 # writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value

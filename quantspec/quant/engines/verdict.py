@@ -8,14 +8,19 @@ from typing import Mapping
 
 from quantspec.quant.engines.tables import NVFP4_W4A4_CAPABILITY, engine_name
 
-__all__ = ["LayerVerdict", "EngineVerdict", "activation_label", "nvfp4_inputs_set_aside"]
+__all__ = ["MXFP4_INPUTS", "LayerVerdict", "EngineVerdict", "activation_label", "nvfp4_inputs_set_aside",
+           "mxfp4_inputs_set_aside", "mxfp4_inputs_quantized"]
+
+MXFP4_INPUTS = "mxfp4 dynamic"  # MXFP4 inputs: power-of-two group scales computed at run time
 
 
 def activation_label(ia) -> str | None:
-    """A verdict's name for input activation args `ia` ("int8 static", "fp8 dynamic", NVFP4's;
-    None: float inputs)."""
+    """A verdict's name for input activation args `ia` ("int8 static", "fp8 dynamic", NVFP4's,
+    MXFP4's; None: float inputs)."""
     if ia is None:
         return None
+    if ia.is_mx:
+        return MXFP4_INPUTS
     if ia.is_fp4:
         return "nvfp4 dynamic (static global scale)"
     kind = "fp8" if ia.type == "float" else f"int{ia.num_bits}"
@@ -27,6 +32,21 @@ def nvfp4_inputs_set_aside(what: str) -> str:
     below FP4 tensor cores, setting NVFP4 input quantization aside."""
     return (f"NVFP4 input quantization below compute capability {NVFP4_W4A4_CAPABILITY / 10:.1f} "
             f"(it runs {what} with FP4 Marlin, inputs float)")
+
+
+def mxfp4_inputs_set_aside(what: str, where: str) -> str:
+    """The problem of vLLM running `what` (a layer's weights, its experts') with FP4 Marlin `where`
+    (a compute capability its MXFP4 W4A4 kernels do not run on), setting MXFP4 input quantization
+    aside."""
+    return f"MXFP4 input quantization {where} (it runs {what} with FP4 Marlin, inputs float)"
+
+
+def mxfp4_inputs_quantized(where: str, kernel: str) -> str:
+    """The problem of vLLM running an MXFP4 weight-only layer with `kernel`, a W4A4 kernel that
+    quantizes the layer's inputs to MXFP4 at run time, `where` (the compute capabilities it runs
+    on): its MXFP4 code asks for MXFP4 inputs whatever the checkpoint says."""
+    return (f"that the checkpoint's inputs are float {where} (vLLM's MXFP4 code asks for MXFP4 inputs "
+            f"and runs {kernel}, which quantizes them at run time)")
 
 
 @dataclass(frozen=True)
