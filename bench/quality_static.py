@@ -20,7 +20,8 @@ the row measures the numbers, `docs/engines.md` says which engine loads them);
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
 the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (act-order, on the
 calibration data, after smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α;
-`-sqauto` α searched per smoothing group (`smoothquant_alpha="auto"`); `-fb` the `--fallback`
+`-awq` / `-awq+gptq` AWQ's activation-aware factors folded in before
+rounding to nearest / before GPTQ (act-order); `-sqauto` α searched per smoothing group (`smoothquant_alpha="auto"`); `-fb` the `--fallback`
 fused units with the largest measured static-activation error kept at float activations (W8A16 /
 FP8 weight-only; `calib/static_plan.py`); rows without `-sq` / `-fb` pass
 `smoothquant_alpha="none"` / `fallback_layers=0`. The fallback layers are listed in the JSON
@@ -66,10 +67,14 @@ ROWS = {
     "a8w8_fp8-block128": ("a8w8_fp8", BLOCK, None, DEFAULT),
     "weight_only_nvfp4": ("weight_only_nvfp4", PLAIN, None, DEFAULT),
     "weight_only_nvfp4-gptq": ("weight_only_nvfp4", PLAIN, None, DEFAULT, "gptq"),
+    "weight_only_nvfp4-awq": ("weight_only_nvfp4", PLAIN, None, DEFAULT, "awq"),
+    "weight_only_nvfp4-awq+gptq": ("weight_only_nvfp4", PLAIN, None, DEFAULT, "awq+gptq"),
     "nvfp4-default": ("nvfp4", DEFAULT, None, DEFAULT),
     "nvfp4-default-gptq": ("nvfp4", DEFAULT, None, DEFAULT, "gptq"),
     "weight_only_mxfp4": ("weight_only_mxfp4", PLAIN, None, DEFAULT),
     "weight_only_mxfp4-gptq": ("weight_only_mxfp4", PLAIN, None, DEFAULT, "gptq"),
+    "weight_only_mxfp4-awq": ("weight_only_mxfp4", PLAIN, None, DEFAULT, "awq"),
+    "weight_only_mxfp4-awq+gptq": ("weight_only_mxfp4", PLAIN, None, DEFAULT, "awq+gptq"),
     "mxfp4": ("mxfp4", PLAIN, None, DEFAULT),
     "mxfp4-gptq": ("mxfp4", PLAIN, None, DEFAULT, "gptq"),
     "fp32+kv-int8": (None, None, "int8", 0),
@@ -133,8 +138,9 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
             key = (qt, alpha, fb, method)
             if key not in artifacts:
                 t1 = time.perf_counter()
-                kw = dict(dataset=calib_data, num_samples=num_samples, seq_len=seq_len,
-                          act_order=True) if method == "gptq" else {}
+                kw = dict(dataset=calib_data, num_samples=num_samples, seq_len=seq_len) if method != "rtn" else {}
+                if "gptq" in method:
+                    kw["act_order"] = True
                 if alpha == DYNAMIC:
                     kw["activations"] = DYNAMIC
                 elif alpha == BLOCK:
