@@ -23,7 +23,7 @@ import torch
 from quantspec.errors import QuantSpecError
 
 __all__ = ["E2M1_MAX", "E2M1_VALUES", "check_groups_tile", "global_scale_from_absmax", "local_scales", "mx_exponents", "mx_exponents_of", "mx_scales",
-           "mx_values", "pack_fp4", "round_to_e2m1", "unpack_fp4"]
+           "e2m1_codes", "e2m1_nibbles", "mx_values", "pack_fp4", "round_to_e2m1", "unpack_fp4"]
 
 E2M1_MAX = 6.0
 # the eight magnitudes in nibble order: code c (0..7) is E2M1_VALUES[c], bit 3 the sign
@@ -131,12 +131,18 @@ def pack_fp4(q: torch.Tensor) -> torch.Tensor:
     (compressed-tensors' `pack_fp4_to_uint8`)."""
     if q.ndim != 2 or q.shape[1] % 2:
         raise QuantSpecError(f"NVFP4 codes must be [N, K] with K even, got {tuple(q.shape)}")
+    nib = e2m1_nibbles(q)
+    return nib[:, 0::2] | (nib[:, 1::2] << 4)
+
+
+def e2m1_nibbles(q: torch.Tensor) -> torch.Tensor:
+    """E2M1 codes q (any float dtype holding grid values) → uint8 nibbles of q's shape: the index
+    of |q| in `E2M1_VALUES` | sign << 3."""
     qf = q.float()
     mag = (qf.abs() * 2).to(torch.uint8)  # 0, 1, 2, 3, 4, 6, 8, 12
     idx = torch.searchsorted(torch.tensor([0, 1, 2, 3, 4, 6, 8, 12], dtype=torch.uint8, device=q.device),
                              mag.to(torch.int64)).to(torch.uint8)
-    nib = idx | (torch.signbit(qf).to(torch.uint8) << 3)
-    return nib[:, 0::2] | (nib[:, 1::2] << 4)
+    return idx | (torch.signbit(qf).to(torch.uint8) << 3)
 
 
 def unpack_fp4(packed: torch.Tensor, K: int) -> torch.Tensor:
@@ -144,7 +150,11 @@ def unpack_fp4(packed: torch.Tensor, K: int) -> torch.Tensor:
     if packed.dtype != torch.uint8 or packed.ndim != 2 or packed.shape[1] * 2 != K:
         raise QuantSpecError(f"NVFP4 weight_packed must be uint8 [N, {K // 2}], got {packed.dtype} "
                              f"{tuple(packed.shape)}; the checkpoint is corrupt")
+    return e2m1_codes(torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], K))
+
+
+def e2m1_codes(nibbles: torch.Tensor) -> torch.Tensor:
+    """Nibbles (uint8, `e2m1_nibbles`) → their E2M1 codes as float8_e4m3fn (the inverse)."""
     table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32,
-                         device=packed.device)
-    nib = torch.stack((packed & 0x0F, packed >> 4), dim=-1).reshape(packed.shape[0], K)
-    return table[nib.to(torch.int64)].to(torch.float8_e4m3fn)
+                         device=nibbles.device)
+    return table[nibbles.to(torch.int64)].to(torch.float8_e4m3fn)

@@ -2,8 +2,9 @@
 the same signature.
 
 `y = x @ Wᵀ (+ b)` for rows of x (fp32 or bf16): `packed_gemm` / `packed_w8_gemm` /
-`packed_w4_gemm` over fp32 / int8 (per-channel scale) / int4 (group scale, optional zero point)
-weights in column blocks (`layouts.pack_dense`, `pack_w8`, `pack_w4`), any number of rows,
+`packed_w4_gemm` / `packed_fp4_gemm` over fp32 / int8 (per-channel scale) / int4 (group scale,
+optional zero point) / FP4 (E2M1 codes, group scale: NVFP4, MXFP4) weights in column blocks
+(`layouts.pack_dense`, `pack_w8`, `pack_w4`, `pack_fp4_blocks`), any number of rows,
 dequantizing in registers; `dense_gemv` over row-major fp32 / bf16 weights for a few rows;
 `packed_pairs_gemm` over a bf16 weight in k-pairs (`pack_pairs`) for bf16 x through AVX512-BF16's
 dot product, which the int8 / int4 GEMMs also take for bf16 x with `pairs=True` (where the CPU has
@@ -16,11 +17,12 @@ from __future__ import annotations
 import torch
 
 from quantspec.kernels.cpu.build import need
-from quantspec.kernels.cpu.layouts import unblock, unpack_dense, unpack_pairs, unpack_w4
+from quantspec.kernels.cpu.layouts import unblock, unpack_dense, unpack_fp4_blocks, unpack_pairs, unpack_w4
+from quantspec.quant.fp4 import E2M1_VALUES
 
 __all__ = ["K_MULTIPLE", "X_DTYPES", "dense_gemv", "dense_gemv_ref", "packed_gemm", "packed_gemm_ref",
-           "packed_pairs_gemm", "packed_pairs_gemm_ref", "packed_w4_gemm", "packed_w4_gemm_ref", "packed_w8_gemm",
-           "packed_w8_gemm_ref"]
+           "packed_fp4_gemm", "packed_fp4_gemm_ref", "packed_pairs_gemm", "packed_pairs_gemm_ref", "packed_w4_gemm",
+           "packed_w4_gemm_ref", "packed_w8_gemm", "packed_w8_gemm_ref"]
 
 X_DTYPES = (torch.float32, torch.bfloat16)  # activation dtypes every kernel takes
 K_MULTIPLE = 16  # `dense_gemv` takes K % 16 == 0 (the packed kernels take any K)
@@ -83,4 +85,19 @@ def packed_w4_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, of
                        group: int, n: int, bias: torch.Tensor | None = None, *, pairs: bool = True) -> torch.Tensor:
     u = unpack_w4(q, n).float() + 8
     w = u * unblock(scale, n).repeat_interleave(group, 1) + unblock(offset, n).repeat_interleave(group, 1)
+    return _finish(x.float() @ w.t(), bias, x.dtype)
+
+
+def packed_fp4_gemm(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, n: int,
+                    bias: torch.Tensor | None = None, *, pairs: bool = True) -> torch.Tensor:
+    """x [M, K] (any M); q, scale from `pack_fp4_blocks`; groups of `group` k → [M, n] in x.dtype,
+    w = e2m1(nibble) · scale in fp32; `pairs`: bf16 x through AVX512-BF16's dot product where the
+    CPU has it (E2M1 values are exact in bf16)."""
+    return need().packed_fp4_gemm(x, q, scale, group, n, bias, pairs)
+
+
+def packed_fp4_gemm_ref(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor, group: int, n: int,
+                        bias: torch.Tensor | None = None, *, pairs: bool = True) -> torch.Tensor:
+    table = torch.tensor(E2M1_VALUES + tuple(-v for v in E2M1_VALUES), dtype=torch.float32)
+    w = table[unpack_fp4_blocks(q, n).long()] * unblock(scale, n).repeat_interleave(group, 1)
     return _finish(x.float() @ w.t(), bias, x.dtype)

@@ -9,8 +9,8 @@ from __future__ import annotations
 
 import torch
 
-__all__ = ["PACK_BLOCK", "pack_dense", "pack_pairs", "pack_w4", "pack_w8", "pack_w8_pairs", "unblock",
-           "unpack_dense", "unpack_pairs", "unpack_w4", "unpack_w8", "unpack_w8_pairs"]
+__all__ = ["PACK_BLOCK", "pack_dense", "pack_fp4_blocks", "pack_pairs", "pack_w4", "pack_w8", "pack_w8_pairs", "unblock",
+           "unpack_dense", "unpack_fp4_blocks", "unpack_pairs", "unpack_w4", "unpack_w8", "unpack_w8_pairs"]
 
 PACK_BLOCK = 32  # output features per column block
 
@@ -126,12 +126,32 @@ def pack_w4(q: torch.Tensor, scale: torch.Tensor, neg_zs: torch.Tensor) -> tuple
     32 b + j + 16 in its high one, each as the unsigned q + 8, so w = (q + 8) * scale + offset
     with offset = neg_zs - 8 * scale."""
     u = _blocks(q.to(torch.int8)).view(torch.uint8) + 8  # [NB, K, 32]; mod 256: the unsigned q + 8
-    packed = (u[:, :, :16] | (u[:, :, 16:] << 4)).contiguous()
     s = _blocks(scale.float())
-    return packed, s, _blocks(neg_zs.float()) - 8 * s
+    return _nibble_pairs(u), s, _blocks(neg_zs.float()) - 8 * s
+
+
+def _nibble_pairs(u: torch.Tensor) -> torch.Tensor:
+    """Nibbles [NB, K, 32] → bytes [NB, K, 16]: column j in the low nibble, j + 16 in the high."""
+    return (u[:, :, :16] | (u[:, :, 16:] << 4)).contiguous()
+
+
+def _nibbles_of(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """Inverse of `_nibble_pairs` and the column blocks → uint8 nibbles [n, K]."""
+    return unblock(torch.cat([packed & 0x0F, packed >> 4], dim=2), n)
 
 
 def unpack_w4(packed: torch.Tensor, n: int) -> torch.Tensor:
     """The codes [n, K] of `pack_w4`'s bytes."""
-    u = torch.cat([packed & 0x0F, packed >> 4], dim=2)  # [NB, K, 32]
-    return unblock((u - 8).view(torch.int8), n)  # mod 256: the signed code
+    return (_nibbles_of(packed, n) - 8).view(torch.int8)  # mod 256: the signed code
+
+
+def pack_fp4_blocks(nibbles: torch.Tensor, scale: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+    """E2M1 nibbles [N, K] (uint8: magnitude index | sign << 3, `quant.fp4.e2m1_nibbles`) and
+    their group scales [N, G] (fp32, w = e2m1(nibble) · scale) → (bytes [NB, K, 16], scale
+    [NB, G, 32]) in `pack_w4`'s byte layout; the padding rows are nibble 0, the value 0."""
+    return _nibble_pairs(_blocks(nibbles.to(torch.uint8))), _blocks(scale.float())
+
+
+def unpack_fp4_blocks(packed: torch.Tensor, n: int) -> torch.Tensor:
+    """The nibbles [n, K] of `pack_fp4_blocks`' bytes."""
+    return _nibbles_of(packed, n)

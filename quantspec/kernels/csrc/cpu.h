@@ -241,6 +241,8 @@ at::Tensor packed_w8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
 at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
                           const at::Tensor& neg_zs, int64_t group, int64_t N,
                           const c10::optional<at::Tensor>& bias, bool pairs);
+at::Tensor packed_fp4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group,
+                           int64_t N, const c10::optional<at::Tensor>& bias, bool pairs);
 at::Tensor paged_attention(const at::Tensor& q, const at::Tensor& k_new, const at::Tensor& v_new,
                            at::Tensor k_cache, at::Tensor v_cache, const at::Tensor& slot_mapping,
                            const at::Tensor& block_tables, const std::vector<int64_t>& q_lens,

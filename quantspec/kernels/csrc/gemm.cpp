@@ -3,7 +3,8 @@
 //
 // y[m, n] = sum_k x[m, k] * w[n, k]  (+ bias[n]); w dequantized on the fly:
 //   fp32 / bf16: w as stored;  int8: q[n, k] * scale[n];
-//   int4: (q[n, k] - zp[n, g]) * scale[n, g], g = k / group (scale / zp fp32; zp optional).
+//   int4: (q[n, k] - zp[n, g]) * scale[n, g], g = k / group (scale / zp fp32; zp optional);
+//   fp4: e2m1(q[n, k]) * scale[n, g] (NVFP4 / MXFP4: the group's scale already over the global).
 // x is fp32 or bf16 (converted once to fp32); accumulation in fp32; y in x's dtype.
 //
 // Two layouts. Row-major [N, K] weights (`dense_gemv`) are read one weight row per tile of up to
@@ -234,7 +235,14 @@ inline void packed_rows(const MakeLoader& make, int64_t K, const void* x, const 
   }
 }
 
-// int4 block b: the k-step loader keeps the current group's scale / neg_zs vectors
+// E2M1's sixteen values in nibble order (bit 3 the sign): the FP4 codebook of the loaders below
+inline __m512 e2m1_table_f32() {
+  return _mm512_set_ps(-6.f, -4.f, -3.f, -2.f, -1.5f, -1.f, -0.5f, -0.f, 6.f, 4.f, 3.f, 2.f, 1.5f, 1.f, 0.5f, 0.f);
+}
+
+// int4 block b: the k-step loader keeps the current group's scale / neg_zs vectors. FP4: the
+// nibble is an E2M1 code, looked up in E2M1's values and scaled (no zero point: z unread)
+template <bool FP4 = false>
 struct I4BlockLoader {
   const uint8_t* q; const float* s; const float* z; int64_t K, G, group, b;
   mutable int64_t g = -1, next = 0;  // the current group; the k where the next one starts
@@ -244,22 +252,31 @@ struct I4BlockLoader {
       ++g;
       next += group;
       const float* sp = s + (b * G + g) * 32;
-      const float* zp = z + (b * G + g) * 32;
       s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
-      z0 = _mm512_loadu_ps(zp); z1 = _mm512_loadu_ps(zp + 16);
+      if constexpr (!FP4) {
+        const float* zp = z + (b * G + g) * 32;
+        z0 = _mm512_loadu_ps(zp); z1 = _mm512_loadu_ps(zp + 16);
+      }
     }
     const __m512i v = _mm512_cvtepu8_epi32(_mm_loadu_si128(reinterpret_cast<const __m128i*>(q + (b * K + k) * 16)));
-    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));  // code + 8
+    const __m512i lo = _mm512_and_si512(v, _mm512_set1_epi32(0x0F));  // int4: code + 8; FP4: the E2M1 nibble
     const __m512i hi = _mm512_srli_epi32(v, 4);
-    w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s0, z0);
-    w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s1, z1);
+    if constexpr (FP4) {
+      const __m512 table = e2m1_table_f32();
+      w0 = _mm512_mul_ps(_mm512_permutexvar_ps(lo, table), s0);
+      w1 = _mm512_mul_ps(_mm512_permutexvar_ps(hi, table), s1);
+    } else {
+      w0 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(lo), s0, z0);
+      w1 = _mm512_fmadd_ps(_mm512_cvtepi32_ps(hi), s1, z1);
+    }
   }
 };
 
 #if QS_BF16DOT
 // int4 block b for the pair path: k-pair p → its codes as bf16 pairs (a table lookup of the nibble:
 // q = nibble − 8, exact in bf16), plus the group's scale and zero vectors; `xsum` [M, G] holds
-// each row's group sums of x
+// each row's group sums of x. FP4: the nibble's E2M1 value (exact in bf16), zero vectors 0
+template <bool FP4 = false>
 struct I4PairLoader {
   const uint8_t* q; const float* s; const float* z; const float* xsum; int64_t K, G, group, b;
   inline void operator()(int64_t p, __m512& w0, __m512& w1) const {
@@ -270,7 +287,11 @@ struct I4PairLoader {
     // word 2j = nibble of row 2p, word 2j + 1 = row 2p + 1: low nibbles (columns 0-15), high (16-31)
     const __m512i lo = _mm512_ternarylogic_epi32(u0, _mm512_slli_epi32(u1, 16), nib, 0xA8);  // (u0 | u1 << 16) & nib
     const __m512i hi = _mm512_ternarylogic_epi32(_mm512_srli_epi32(u0, 4), _mm512_slli_epi32(u1, 12), nib, 0xA8);
-    const __m512i table = _mm512_set_epi16(  // bf16(n - 8) at word n (n < 16), zero above
+    const __m512i table = FP4 ? _mm512_set_epi16(  // bf16(e2m1(n)) at word n (n < 16), zero above
+        0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
+        int16_t(0xC0C0), int16_t(0xC080), int16_t(0xC040), int16_t(0xC000), int16_t(0xBFC0), int16_t(0xBF80),
+        int16_t(0xBF00), int16_t(0x8000), 0x40C0, 0x4080, 0x4040, 0x4000, 0x3FC0, 0x3F80, 0x3F00, 0x0000)
+      : _mm512_set_epi16(  // bf16(n - 8) at word n (n < 16), zero above
         0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0, 0,
         0x40E0, 0x40C0, 0x40A0, 0x4080, 0x4040, 0x4000, 0x3F80, 0x0000,
         int16_t(0xBF80), int16_t(0xC000), int16_t(0xC040), int16_t(0xC080), int16_t(0xC0A0), int16_t(0xC0C0),
@@ -281,9 +302,13 @@ struct I4PairLoader {
   // scale_g and zero_g = offset_g + 8 scale_g of the block's 32 outputs
   inline void group_vectors(int64_t g, __m512& s0, __m512& s1, __m512& z0, __m512& z1) const {
     const float* sp = s + (b * G + g) * 32;
+    s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
+    if constexpr (FP4) {
+      z0 = z1 = _mm512_setzero_ps();
+      return;
+    }
     const float* zp = z + (b * G + g) * 32;
     const __m512 eight = _mm512_set1_ps(8.f);
-    s0 = _mm512_loadu_ps(sp); s1 = _mm512_loadu_ps(sp + 16);
     z0 = _mm512_fmadd_ps(eight, s0, _mm512_loadu_ps(zp)); z1 = _mm512_fmadd_ps(eight, s1, _mm512_loadu_ps(zp + 16));
   }
 };
@@ -349,32 +374,22 @@ at::Tensor packed_w8_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
 #endif
 }
 
-// y = x @ dequant(q)^T (+ bias); q packed [NB, K, 16] uint8 (pack_w4), scale / offset [NB, G, 32]
-// fp32 with w = (code + 8) * scale + offset, groups of `group` consecutive k (K % group == 0)
-at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
-                          const at::Tensor& neg_zs, int64_t group, int64_t N,
-                          const c10::optional<at::Tensor>& bias, bool pairs) {
-  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(2) == 16,
-              "packed_w4_gemm: q must be contiguous uint8 [NB, K, 16]");
-  const int64_t NB = q.size(0), K = q.size(1);
-  check_blocks(NB, N, "packed_w4_gemm");
-  TORCH_CHECK(group > 0 && K % group == 0, "packed_w4_gemm: group ", group, " must divide K=", K);
-  const int64_t G = K / group;
-  check_x(x, K, "packed_w4_gemm", 1);
-  TORCH_CHECK(scale.sizes() == neg_zs.sizes() && scale.dim() == 3 && scale.size(0) == NB
-              && scale.size(1) == G && scale.size(2) == 32, "packed_w4_gemm: scale / neg_zs must be [NB, G, 32]");
-  const float* s = opt_f32(scale, NB * G * 32, "packed_w4_gemm: scale");
-  const float* z = opt_f32(neg_zs, NB * G * 32, "packed_w4_gemm: neg_zs");
-  const float* b = opt_f32(bias, N, "packed_w4_gemm: bias");
+namespace {
+
+// the int4 / FP4 GEMM over nibbles q [NB, K, 16] and group vectors s (and z: int4) [NB, G, 32]
+template <bool FP4>
+at::Tensor nibble_gemm(const at::Tensor& x, const at::Tensor& q, const float* s, const float* z, int64_t group,
+                       int64_t N, const float* b, bool pairs) {
+  const int64_t NB = q.size(0), K = q.size(1), G = K / group;
 #if QS_AVX512
   const uint8_t* qp = q.data_ptr<uint8_t>();
 #if QS_BF16DOT
   if (use_pair_path(x, K, pairs) && group % 2 == 0) {
     const int64_t M = x.size(0);
     at::Tensor y = at::empty({M, N}, x.options());
-    std::vector<float> xsum(M * G);  // each row's group sums: 16 lanes over the group, then reduced
+    std::vector<float> xsum(M * G);  // each row's group sums: 16 lanes over the group, then reduced (int4's zeros)
     const at::BFloat16* xp = x.data_ptr<at::BFloat16>();
-    for (int64_t m = 0; m < M; ++m)
+    for (int64_t m = 0; m < M && !FP4; ++m)
       for (int64_t g = 0; g < G; ++g) {
         const at::BFloat16* xg = xp + m * K + g * group;
         __m512 acc = _mm512_setzero_ps();
@@ -385,18 +400,56 @@ at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Te
         }
         xsum[m * G + g] = _mm512_reduce_add_ps(acc);
       }
-    auto make = [&](int64_t blk) { return I4PairLoader{qp, s, z, xsum.data(), K, G, group, blk}; };
+    auto make = [&](int64_t blk) { return I4PairLoader<FP4>{qp, s, z, xsum.data(), K, G, group, blk}; };
     if (M && N) packed_q_run<kInt4Pairs>(make, xp, M, K, N, NB, nullptr, b, y.data_ptr<at::BFloat16>(), K * 16);
     return y;
   }
 #endif
-  auto make = [&](int64_t blk) { return I4BlockLoader{qp, s, z, K, G, group, blk}; };
+  auto make = [&](int64_t blk) { return I4BlockLoader<FP4>{qp, s, z, K, G, group, blk}; };
   return gemm_out(x, N, [&](const float* xf, auto* y) {
     packed_q_run(make, xf, x.size(0), K, N, NB, nullptr, b, y, K * 16);
   });
 #else
   TORCH_CHECK(false, "quantspec CPU kernels were built without AVX-512");
 #endif
+}
+
+// the checks of a nibble GEMM's operands; G
+int64_t check_nibbles(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group, int64_t N,
+                      const char* who) {
+  TORCH_CHECK(q.dim() == 3 && q.is_contiguous() && q.scalar_type() == at::kByte && q.size(2) == 16,
+              who, ": q must be contiguous uint8 [NB, K, 16]");
+  const int64_t NB = q.size(0), K = q.size(1);
+  check_blocks(NB, N, who);
+  TORCH_CHECK(group > 0 && K % group == 0, who, ": group ", group, " must divide K=", K);
+  check_x(x, K, who, 1);
+  TORCH_CHECK(scale.dim() == 3 && scale.size(0) == NB && scale.size(1) == K / group && scale.size(2) == 32,
+              who, ": scale must be [NB, G, 32]");
+  return K / group;
+}
+
+}  // namespace
+
+// y = x @ dequant(q)^T (+ bias); q packed [NB, K, 16] uint8 (pack_w4), scale / offset [NB, G, 32]
+// fp32 with w = (code + 8) * scale + offset, groups of `group` consecutive k (K % group == 0)
+at::Tensor packed_w4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale,
+                          const at::Tensor& neg_zs, int64_t group, int64_t N,
+                          const c10::optional<at::Tensor>& bias, bool pairs) {
+  const int64_t G = check_nibbles(x, q, scale, group, N, "packed_w4_gemm");
+  TORCH_CHECK(scale.sizes() == neg_zs.sizes(), "packed_w4_gemm: scale / neg_zs must be [NB, G, 32]");
+  const int64_t NB = q.size(0);
+  const float* s = opt_f32(scale, NB * G * 32, "packed_w4_gemm: scale");
+  const float* z = opt_f32(neg_zs, NB * G * 32, "packed_w4_gemm: neg_zs");
+  return nibble_gemm<false>(x, q, s, z, group, N, opt_f32(bias, N, "packed_w4_gemm: bias"), pairs);
+}
+
+// y = x @ dequant(q)^T (+ bias); q packed [NB, K, 16] uint8 of E2M1 nibbles (pack_fp4_blocks),
+// scale [NB, G, 32] fp32 with w = e2m1(nibble) * scale (NVFP4's local / global, MXFP4's 2^e)
+at::Tensor packed_fp4_gemm(const at::Tensor& x, const at::Tensor& q, const at::Tensor& scale, int64_t group,
+                           int64_t N, const c10::optional<at::Tensor>& bias, bool pairs) {
+  const int64_t G = check_nibbles(x, q, scale, group, N, "packed_fp4_gemm");
+  const float* s = opt_f32(scale, q.size(0) * G * 32, "packed_fp4_gemm: scale");
+  return nibble_gemm<true>(x, q, s, nullptr, group, N, opt_f32(bias, N, "packed_fp4_gemm: bias"), pairs);
 }
 
 // y = x @ w^T (+ bias) for bf16 x and a bf16 weight packed in k-pairs, int32 [NB, K/2, 32]
@@ -455,4 +508,6 @@ static qs_bind::Register bind_gemm([](pybind11::module_& m) {
         py::arg("bias") = py::none(), py::arg("pairs") = true);
   m.def("packed_w4_gemm", &packed_w4_gemm, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("neg_zs"),
         py::arg("group"), py::arg("n"), py::arg("bias") = py::none(), py::arg("pairs") = true);
+  m.def("packed_fp4_gemm", &packed_fp4_gemm, py::arg("x"), py::arg("q"), py::arg("scale"), py::arg("group"),
+        py::arg("n"), py::arg("bias") = py::none(), py::arg("pairs") = true);
 });
