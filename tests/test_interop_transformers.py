@@ -247,7 +247,9 @@ def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, 
     hf = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.bfloat16)
     with torch.no_grad():
         theirs = hf(IDS).logits[0].float()
-    lm = load_for_inference(art, tokenizer=False, dtype=torch.bfloat16)
+    # the weights dequantized to bf16, as transformers does (without quantspec's CPU FP4 kernel,
+    # whose weights stay fp32)
+    lm = load_for_inference(art, tokenizer=False, dtype=torch.bfloat16, policy=DispatchPolicy(cpu_kernels=False))
     layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.weight_args.is_fp4 for m in layers)
     ours = logits(lm.model, IDS).float()
@@ -255,6 +257,8 @@ def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, 
     if quant_type.startswith("weight_only"):
         torch.testing.assert_close(ours, theirs, **TOL)
         assert (fp32 - theirs).abs().max() > 1e-3  # teeth: the float model is far from both
+        kernel = logits(load_for_inference(art, tokenizer=False, dtype=torch.bfloat16).model, IDS).float()
+        assert (kernel - theirs).abs().max() < 0.02 * theirs.abs().max() < (fp32 - theirs).abs().max()
         return
     q = hf.model.layers[0].self_attn.q_proj
     if quant_type == "mxfp4":

@@ -11,7 +11,10 @@ CPU, where quantspec's CPU kernels are built (`LinearTraits.cpu_gemv`, `Dispatch
   column blocks) for fp32 or bf16 x, any M;
 - weight-only int4 with groups dividing K (or per channel): with bf16 x on a CPU with
   AVX512-BF16 (`LinearTraits.cpu_pairs`) `packed_w4_gemm`'s pair path for every M; else torch's
-  packed int4 op for bf16 x and M ≤ `cpu_packed_max_m`, and `packed_w4_gemm` otherwise.
+  packed int4 op for bf16 x and M ≤ `cpu_packed_max_m`, and `packed_w4_gemm` otherwise;
+- NVFP4 / MXFP4 (weight-only, or with FP4 inputs fake-quantized per row and group of 16 / 32 in
+  torch first): `packed_fp4_gemm` over the E2M1 nibbles and one fp32 scale per group (NVFP4's
+  local over global, MXFP4's power of two) for fp32 or bf16 x, any M.
 Each of these computes a row's numbers the same way whatever M.
 
 CPU, torch's ops:
@@ -29,8 +32,7 @@ CPU, torch's ops:
   the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue;
   block scales (FP8_BLOCK): x fake-quantized per token and group, a float matmul against the
   weight dequantized once at load (the reference's numbers, without its per-call dequantize);
-- NVFP4 / MXFP4 (weight-only, or with FP4 inputs fake-quantized per row and group of 16 / 32):
-  the same.
+  NVFP4 / MXFP4 without quantspec's kernels (or fp16 x) the same.
 
 CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
 M ≤ `cuda_weight_only_max_m`; above it the GEMM is compute-bound and cuBLAS runs on the weight
@@ -78,6 +80,7 @@ class KernelPath(str, enum.Enum):
     CPU_INT4PACK = "cpu_int4pack"  # torch._weight_int4pack_mm_for_cpu
     CPU_GEMV_INT8 = "cpu_gemv_int8"  # quantspec's CPU kernel (kernels/cpu)
     CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu)
+    CPU_GEMV_FP4 = "cpu_gemv_fp4"  # quantspec's CPU kernel over E2M1 nibbles (x fake-quantized first for FP4 inputs)
     CPU_INT_MM = "cpu_int_mm"  # int8 activations × int8 weights via torch._int_mm
     CPU_FP8_UPCAST = "cpu_fp8_upcast"  # fp8 codes upcast (exact), float matmul, scale epilogue
     CPU_DEQUANTIZED = "cpu_dequantized"  # x fake-quantized per group, matmul on the weight dequantized at load
@@ -95,7 +98,7 @@ class KernelPath(str, enum.Enum):
 # the CPU ops whose numbers for a row do not depend on the other rows of the call: a decode row
 # and the same row inside a verification step agree bitwise on them
 ROW_PATHS = frozenset({KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
-                       KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4})
+                       KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_FP4})
 
 
 @dataclass(frozen=True)
@@ -226,7 +229,9 @@ def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchP
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.CPU_INT_MM if ok else KernelPath.DEQUANT
-    if t.kind is LinearKind.FP4 or t.weight_strategy == "block":
+    if t.kind is LinearKind.FP4:
+        return KernelPath.CPU_GEMV_FP4 if gemv_ok else KernelPath.CPU_DEQUANTIZED
+    if t.weight_strategy == "block":
         return KernelPath.CPU_DEQUANTIZED
     ok = t.act_mode is not None and t.weight_strategy in ("channel", "tensor")
     return KernelPath.CPU_FP8_UPCAST if ok else KernelPath.DEQUANT

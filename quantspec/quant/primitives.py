@@ -53,6 +53,7 @@ __all__ = [
     "mse_qparams",
     "quantize",
     "dequantize",
+    "effective_scale",
     "fake_quantize",
     "KV_KINDS",
     "static_args",
@@ -305,7 +306,7 @@ def _check_qparams(scale: torch.Tensor, zero_point: torch.Tensor | None, args: Q
                              f"{tuple(scale.shape)}")
 
 
-def _effective_scale(scale: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
+def effective_scale(scale: torch.Tensor, args: QuantArgs, global_scale: torch.Tensor | None) -> torch.Tensor:
     """NVFP4: local / global (compressed-tensors divides the same way); every other type: scale."""
     if not args.is_nvfp4:
         return scale
@@ -326,7 +327,7 @@ def quantize(x: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | No
     _check_float("x", x)
     _check_qparams(scale, None if args.is_fp4 else zero_point, args)
     out_dtype = storage_dtype(args) if dtype is None else dtype
-    scale = _effective_scale(scale, args, global_scale)
+    scale = effective_scale(scale, args, global_scale)
     xs, s, zp, restore = _broadcast(x, scale, None if args.is_fp4 else zero_point, args)
     scaled = _to_grid_(xs / s, zp, args)
     if args.type == "float":
@@ -390,7 +391,7 @@ def dequantize(q: torch.Tensor, scale: torch.Tensor, zero_point: torch.Tensor | 
                              f"{tuple(scale.shape)}")
     out_dtype = scale.dtype if dtype is None else dtype
     if args.is_fp4:
-        scale, zero_point = _effective_scale(scale, args, global_scale), None
+        scale, zero_point = effective_scale(scale, args, global_scale), None
     if args.strategy == "block":  # padding takes float codes (exact: int8 and E4M3 ⊂ fp32)
         q = q.to(scale.dtype)
     qs, s, zp, restore = _broadcast(q, scale, zero_point, args)

@@ -57,16 +57,31 @@ def _reference(t: QuantizedLinearTensors, x: torch.Tensor) -> torch.Tensor:
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 @pytest.mark.parametrize("inputs", [False, True])
 def test_fp4_layer(inputs, dtype, fmt):
+    """Every CPU path of an FP4 layer against the fp64 reference: quantspec's FP4 kernel where it
+    is built (the layer then holds the codes as nibbles and one fp32 scale per group, about a byte
+    a weight, and no dequantized copy; a row's output does not depend on the rows beside it), the
+    weight dequantized once otherwise — the reference's numbers exactly."""
+    from quantspec.kernels import cpu as cg
+
     t = _fp4_layer(80, 96, inputs=inputs, seed=3, fmt=fmt)
     layer = QuantLinear(t, dtype=dtype)
     x = (torch.randn(5, 96, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
-    assert layer.traits.kind is LinearKind.FP4 and layer.kernel_for(x) is KernelPath.CPU_DEQUANTIZED
+    kernel = cg.cpu_kernels() is not None
+    assert layer.traits.kind is LinearKind.FP4
+    assert layer.kernel_for(x) is (KernelPath.CPU_GEMV_FP4 if kernel else KernelPath.CPU_DEQUANTIZED)
     y = layer(x)
-    assert torch.equal(y, layer.run(x, KernelPath.DEQUANT))  # the reference's numbers, weight dequantized once
     ref = _reference(t, x)
     tol = 1e-5 if dtype == torch.float32 else 2e-2
-    torch.testing.assert_close(y.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    paths = [KernelPath.CPU_DEQUANTIZED] + [KernelPath.CPU_GEMV_FP4] * kernel
+    for got in [y] + [layer.run(x, p) for p in paths]:
+        torch.testing.assert_close(got.double(), ref, rtol=tol, atol=tol * float(ref.abs().max()))
+    assert torch.equal(layer.run(x, KernelPath.CPU_DEQUANTIZED), layer.run(x, KernelPath.DEQUANT))
     assert torch.equal(layer.codes().view(torch.uint8), t.q.view(torch.uint8))
+    if kernel:
+        held = {k: b for k, b in layer.prepared.named_buffers() if b is not None}
+        assert set(held) == {"fp4_cpu", "fp4_cpu_scale", "bias_fp32"} | ({"w_scale_vec"} & set(held)), set(held)
+        assert sum(b.numel() * b.element_size() for k, b in held.items() if k.startswith("fp4")) <= 96 * 96 * 1.0
+        assert all(torch.equal(layer(x[i:i + 1]), y[i:i + 1]) for i in range(5))
     if inputs:  # the inputs are quantized: a float x gives other outputs
         plain = x.float() @ layer.dequantized_weight(torch.float32).t() + t.bias
         assert (y.float() - plain).abs().max() > 1e-3
@@ -93,6 +108,9 @@ def test_select_kernel_nvfp4_rule(monkeypatch):
                             weight_strategy="tensor_group", act_mode="dynamic", **kw)
 
     assert select_kernel(traits(), "cpu", 1, torch.bfloat16) is KernelPath.CPU_DEQUANTIZED
+    for M in (1, 4096):  # quantspec's FP4 kernel for every M of the prepared dtype
+        assert select_kernel(traits(cpu_gemv=True), "cpu", M, torch.bfloat16) is KernelPath.CPU_GEMV_FP4
+    assert select_kernel(traits(cpu_gemv=True), "cpu", 1, torch.float16) is KernelPath.CPU_DEQUANTIZED
     assert select_kernel(traits(), "cpu", 1, torch.bfloat16, DispatchPolicy(fast=False)) is KernelPath.DEQUANT
     monkeypatch.setattr(kernels, "triton_usable", lambda device: True)
     for M in (1, 4096):

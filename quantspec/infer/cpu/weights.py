@@ -3,17 +3,19 @@
 Layouts, by what runs (`infer/dispatch.py` picks the path):
 - quantspec's packed kernels (`kernels.cpu`, where built): int8 codes in column blocks
   `int8_cpu` [NB, K, 32]; int4 codes as nibbles `int4_cpu` [NB, K, 16] with per-group
-  `int4_cpu_scale` / `int4_cpu_offset` [NB, G, 32]. These are then the codes' only copy
-  (`codes()` unpacks them); `bias_fp32` [N] is the bias the kernels add.
+  `int4_cpu_scale` / `int4_cpu_offset` [NB, G, 32]; NVFP4 / MXFP4 codes as E2M1 nibbles
+  `fp4_cpu` [NB, K, 16] with one fp32 scale per group `fp4_cpu_scale` [NB, G, 32] (NVFP4's local
+  over its global, as dequantize divides). These are then the codes' only copy (`codes()` unpacks
+  them); `bias_fp32` [N] is the bias the kernels add.
 - torch's packed ops (bf16 / fp16 models): `int8pack_scale` [N] in the model dtype beside the
   row-major codes; `int4pack` + `int4_scales_zeros` [K/g', N, 2] (`_convert_weight_to_int4pack_for_cpu`,
   w = (u − 8)·scale + zero with u the unsigned nibble, so zero = −zp·scale and a group of g is
   g / g' groups of g' with repeated scales).
 - otherwise row-major int8 codes `qweight` [N, K], or for fp8 the codes upcast once to the model
   dtype `weight_upcast` [N, K] (exact: E4M3 ⊂ bf16 ⊂ fp32; converting fp8 on CPU per call costs
-  more than the matmul); fp8 with block scales keeps its codes `weight_fp8` [N, K] and the
-  weight dequantized once to the model dtype, `weight_dequant` [N, K] (a block's scale cannot
-  wait for the epilogue: it changes along K).
+  more than the matmul); fp8 with block scales (and FP4 without quantspec's kernels) keeps its
+  codes `weight_fp8` [N, K] and the weight dequantized once to the model dtype, `weight_dequant`
+  [N, K] (a block's scale cannot wait for the epilogue: it changes along K).
 The row path (`row_path`: the op a decode-sized call takes, decided once) gives each row the
 same numbers whatever M.
 """
@@ -26,6 +28,8 @@ from quantspec.infer.dispatch import ROW_PATHS, KernelPath, LinearKind, select_k
 from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
 from quantspec.kernels import cpu as cg
 from quantspec.quant.args import QuantArgs
+from quantspec.quant.fp4 import e2m1_codes, e2m1_nibbles
+from quantspec.quant.primitives import effective_scale
 
 __all__ = ["CPU_INT4_GROUP_SIZES", "CpuWeight"]
 
@@ -34,19 +38,19 @@ CPU_INT8PACK_K_MULTIPLE = 16  # `_weight_int8pack_mm` crashes / is wrong for oth
 CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses other N
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _LAYOUTS = ("qweight", "weight_upcast", "weight_fp8", "weight_dequant", "int4pack", "int4_scales_zeros", "int8pack_scale", "int4_cpu",
-            "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "bias_fp32")
+            "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "fp4_cpu", "fp4_cpu_scale", "bias_fp32")
 
 
 def _group(w: QuantArgs, K: int) -> int | None:
-    return w.group_size if w.strategy == "group" else K if w.strategy == "channel" else None
+    return w.group_size if w.strategy in ("group", "tensor_group") else K if w.strategy == "channel" else None
 
 
 def _gemv_layout(kind: LinearKind, w: QuantArgs, K: int) -> bool:
     """Whether quantspec's CPU kernels take this layer's layout (int8: symmetric per channel or
-    tensor; int4: groups dividing K, or per channel)."""
+    tensor; int4: groups dividing K, or per channel; FP4: groups dividing K)."""
     if kind is LinearKind.W8A16:
         return w.symmetric and w.strategy in ("channel", "tensor")
-    if kind is LinearKind.W4A16:
+    if kind in (LinearKind.W4A16, LinearKind.FP4):
         g = _group(w, K)
         return g is not None and 0 < g and K % g == 0
     return False
@@ -90,7 +94,9 @@ class CpuWeight(PreparedWeight):
         for name in _LAYOUTS:
             self.register_buffer(name, None)
         scale, zp = layer.weight_scale, layer.weight_zero_point
-        if kind is LinearKind.FP4 or (kind is LinearKind.FP8 and traits.weight_strategy == "block"):
+        if kind is LinearKind.FP4 and traits.cpu_gemv:
+            self._pack_fp4(layer, q)
+        elif kind is LinearKind.FP4 or (kind is LinearKind.FP8 and traits.weight_strategy == "block"):
             self.weight_fp8 = q.to(device)
             self.weight_dequant = layer.dequantized_weight(layer.dtype, codes=self.weight_fp8)
         elif kind is LinearKind.FP8:
@@ -117,7 +123,8 @@ class CpuWeight(PreparedWeight):
             if kind is LinearKind.W4A16 and self.int4_cpu is None:
                 self._pack_w4(q, scale, zp)
             self.qweight = None
-        if self.row_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8) and bias is not None:
+        if self.row_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_FP4) \
+                and bias is not None:
             self.bias_fp32 = bias.detach().to(device, torch.float32)
         for name, buf in list(self._buffers.items()):
             self._buffers[name] = aligned(buf)
@@ -141,6 +148,11 @@ class CpuWeight(PreparedWeight):
     def _pack_w8(self) -> None:
         self.int8_cpu = cg.pack_w8(self.qweight)  # [NB, K, 32]
 
+    def _pack_fp4(self, layer: QuantLinear, q: torch.Tensor) -> None:
+        # dequantize's own per-group scale (fp32), so the kernel's weights are the reference's
+        s = effective_scale(layer.weight_scale, layer.weight_args, layer.weight_global_scale).float()
+        self.fp4_cpu, self.fp4_cpu_scale = cg.pack_fp4_blocks(e2m1_nibbles(q), s.reshape(self.out_features, -1))
+
     def codes(self) -> torch.Tensor:
         if self.qweight is not None:
             return self.qweight
@@ -150,6 +162,8 @@ class CpuWeight(PreparedWeight):
             return self.weight_fp8
         if self.int8_cpu is not None:
             return cg.unpack_w8(self.int8_cpu, self.out_features)
+        if self.fp4_cpu is not None:
+            return e2m1_codes(cg.unpack_fp4_blocks(self.fp4_cpu, self.out_features))
         return cg.unpack_w4(self.int4_cpu, self.out_features)
 
     def gemv_bias(self, layer: QuantLinear) -> torch.Tensor | None:
@@ -190,8 +204,15 @@ class CpuWeight(PreparedWeight):
             xq, s, _ = layer.quantize_input(x)  # [M, K] float8_e4m3fn
             acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
             return layer.epilogue(acc.float(), s, x.dtype)
-        if path is KernelPath.CPU_DEQUANTIZED:
-            return layer.linear_on(layer.fake_quantized_input(x), self.weight_dequant)
+        if path is KernelPath.CPU_GEMV_FP4:
+            if self.fp4_cpu is None:  # prepared for the dequantized path (tests force this one)
+                self._pack_fp4(layer, self.codes())
+            g = self.in_features // self.fp4_cpu_scale.shape[1]
+            return cg.packed_fp4_gemm(layer.fake_quantized_input(x).contiguous(), self.fp4_cpu, self.fp4_cpu_scale,
+                                      g, self.out_features, self.gemv_bias(layer), pairs=self.pairs)
+        if path is KernelPath.CPU_DEQUANTIZED:  # (an FP4 layer prepared for its kernel: x of another dtype)
+            w = self.weight_dequant if self.weight_dequant is not None else layer.dequantized_weight(x.dtype)
+            return layer.linear_on(layer.fake_quantized_input(x), w)
         return super().run(layer, x, path)
 
     def plan_linear(self, layer: QuantLinear, dtype: torch.dtype):
@@ -208,6 +229,9 @@ class CpuWeight(PreparedWeight):
         if self.row_path is KernelPath.CPU_GEMV_INT4 and self.int4_cpu is not None:
             group = self.in_features // self.int4_cpu_scale.shape[1]
             return 2, (self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset, bias), N, group
+        if self.row_path is KernelPath.CPU_GEMV_FP4 and self.fp4_cpu is not None and layer.input_args is None:
+            group = self.in_features // self.fp4_cpu_scale.shape[1]
+            return 4, (self.fp4_cpu, self.fp4_cpu_scale, empty, bias), N, group
         if self.row_path is KernelPath.CPU_INT4PACK and self.int4pack is not None:
             # torch's op: the bias is added in the output's dtype, as `run` does
             bias = empty if layer.bias is None else layer.bias.to(dtype)

@@ -36,7 +36,10 @@ def models(tmp_path_factory):
     return {"llama": llama, "qwen2": qwen2, "qwen3": qwen3, "phi3": phi3, "phi3_partial": partial, "smollm3": smollm3,
             "granite": granite,
             "int8": api.quantize(llama, "weight_only_int8", root / "w8"),
-            "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False)}
+            "int4": api.quantize(llama, "weight_only_int4", root / "w4", group_size=32, symmetric=False),
+            "nvfp4": api.quantize(llama, "weight_only_nvfp4", root / "nv4"),
+            "mxfp4": api.quantize(llama, "weight_only_mxfp4", root / "mx4", target="quantspec"),
+            "mxfp4 inputs": api.quantize(llama, "mxfp4", root / "mx4a4", target="quantspec")}
 
 
 # rows `_steps(..., pick=True)` asks for in each step (of 57, 2, 5, 8): each prompt's last row and
@@ -102,7 +105,9 @@ def _spy(runner):
                                         # pair path where the CPU has AVX512-BF16, and on torch's
                                         # packed op (the path without it)
                                         ("int8", torch.bfloat16), ("int4", torch.bfloat16),
-                                        ("int4 torch op", torch.bfloat16)])
+                                        ("int4 torch op", torch.bfloat16),
+                                        # FP4 weights on quantspec's FP4 kernel (E2M1 nibbles)
+                                        ("nvfp4", torch.float32), ("mxfp4", torch.bfloat16)])
 def test_fused_stack_equals_the_modules_bitwise(models, name, dtype, monkeypatch):
     from quantspec.infer.dispatch import KernelPath
     from quantspec.kernels import cpu as cg
@@ -118,6 +123,8 @@ def test_fused_stack_equals_the_modules_bitwise(models, name, dtype, monkeypatch
     if name == "int4" and dtype == torch.bfloat16:
         want = KernelPath.CPU_GEMV_INT4 if pairs else KernelPath.CPU_INT4PACK
         assert model.model.layers[0].mlp.down_proj.prepared.row_path is want
+    if name.endswith("fp4"):
+        assert model.model.layers[0].mlp.down_proj.prepared.row_path is KernelPath.CPU_GEMV_FP4
     served = _spy(runner)
     fused = _steps(model, runtime)
     assert served == [True] * 4  # prefill (37 + 20 rows), decode, both verification steps
@@ -323,6 +330,8 @@ def test_no_plan_where_a_layer_is_not_all_kernels(models, monkeypatch):
     assert load_for_inference(models["phi3_partial"], tokenizer=False).runtime.stack is None
     assert load_for_inference(models["smollm3"], tokenizer=False).runtime.stack is None  # a layer without rotary
     assert load_for_inference(models["granite"], tokenizer=False).runtime.stack is None  # Granite's multipliers
+    # MXFP4 inputs are quantized per row and group before the FP4 kernel: the modules do that
+    assert load_for_inference(models["mxfp4 inputs"], tokenizer=False).runtime.stack is None
     monkeypatch.setenv(ENV_SWITCH, "0")
     assert load_for_inference(models["llama"], tokenizer=False).runtime.stack is None
 

@@ -17,7 +17,7 @@ namespace {
 
 // kind 0: packed fp32 (a); 1: int8 (a = q, b = scale); 2: int4 (a = q, b = scale, c = neg_zs);
 // 3: torch's packed int4 op for bf16 / fp16 x (a = int4pack, b = scales_zeros, bias in x's dtype
-// added after it, as QuantLinear does)
+// added after it, as QuantLinear does); 4: FP4 weights, float inputs (a = E2M1 nibbles, b = scale)
 struct LinearSpec {
   int64_t kind = 0, N = 0, group = 0;
   at::Tensor a, b, c;
@@ -29,6 +29,7 @@ at::Tensor run_linear(const LinearSpec& s, const at::Tensor& x, bool pairs) {
     case 0: return packed_gemm(x, s.a, s.N, s.bias);
     case 1: return packed_w8_gemm(x, s.a, s.b, s.N, s.bias, pairs);
     case 2: return packed_w4_gemm(x, s.a, s.b, s.c, s.group, s.N, s.bias, pairs);
+    case 4: return packed_fp4_gemm(x, s.a, s.b, s.group, s.N, s.bias, pairs);
     default: {
       at::Tensor xa = x.contiguous();  // the op needs an allocator-aligned x (QuantLinear's _aligned)
       if (reinterpret_cast<uintptr_t>(xa.data_ptr()) % 64 != 0) xa = xa.clone();
@@ -47,7 +48,7 @@ struct LayerWeights {
 };
 
 LinearSpec make_linear(const at::Tensor* t, const int64_t* n, const char* who) {
-  TORCH_CHECK(n[0] >= 0 && n[0] <= 3, who, ": linear kind must be 0, 1, 2 or 3");
+  TORCH_CHECK(n[0] >= 0 && n[0] <= 4, who, ": linear kind must be 0 to 4");
   LinearSpec s;
   s.kind = n[0]; s.N = n[1]; s.group = n[2];
   s.a = t[0]; s.b = t[1]; s.c = t[2];
