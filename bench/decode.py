@@ -51,6 +51,17 @@ def bench_engine(loaded, prompt, new_tokens, batch, outputs: list | None = None,
     return total / dt, (total - batch) / (time.perf_counter() - t_prefill)
 
 
+def held_mib(model) -> float:
+    """MiB of the tensors a loaded model holds (parameters and buffers, each storage once): the
+    weights in the layouts its kernels read."""
+    seen = {}
+    for t in [*model.parameters(), *model.buffers()]:
+        if t is not None and t.device.type == "cpu":
+            st = t.untyped_storage()
+            seen[st.data_ptr()] = st.nbytes()
+    return sum(seen.values()) / 2**20
+
+
 def bench_hf(hf, prompt, new_tokens, batch) -> float:
     ids = torch.tensor([prompt] * batch)
     t = time.perf_counter()
@@ -73,7 +84,7 @@ def _artifacts(model_dir, quant: str) -> list:
         qt = {"int8": "weight_only_int8", "int4": "weight_only_int4"}.get(qt, qt)
         out = cache_dir() / "bench" / f"{DEFAULT_MODEL}.{qt}"
         if not (out / "config.json").exists():
-            api.quantize(str(model_dir), qt, out, overwrite=True)
+            api.quantize(str(model_dir), qt, out, overwrite=True, target="quantspec")  # MXFP4 too
         quants.append((qt, load_for_inference(out, dtype=auto_dtype(out))))
     return quants
 
@@ -84,7 +95,7 @@ def main():
     ap.add_argument("--new-tokens", type=int, default=256)
     ap.add_argument("--threads", type=int, default=0, help="torch threads (0: torch's default)")
     ap.add_argument("--batches", default="1,8")
-    ap.add_argument("--quant", default="", help="comma list of weight_only_int8,weight_only_int4 (or int8,int4)")
+    ap.add_argument("--quant", default="", help="comma list of quant types (int8, int4: weight_only_int8 / int4)")
     ap.add_argument("--rounds", type=int, default=3, help="interleaved fp32 / quant rounds (medians)")
     a = ap.parse_args()
     if a.threads:
@@ -117,7 +128,7 @@ def main():
                 runs[qt].append(bench_engine(qloaded, prompt, a.new_tokens, 1))
         med = {k: (statistics.median(r[0] for r in v), statistics.median(r[1] for r in v)) for k, v in runs.items()}
         base_b1, base_decode = med["fp32"]
-        quant_rows = [(qt, *med[qt]) for qt, _ in quants]
+        quant_rows = [(qt, *med[qt], held_mib(q.model)) for qt, q in quants]
 
     print(f"\n## decode: {a.prompt_tokens}-token prompt, {a.new_tokens} new tokens, "
           f"{torch.get_num_threads()} threads\n")
@@ -129,12 +140,12 @@ def main():
         print(f"\nbatch {batches[-1]} / batch {batches[0]} throughput (quantspec): end to end "
               f"{rows[-1][1] / base_b1:.2f}x, decode phase {rows[-1][3] / rows[0][3]:.2f}x")
     if quant_rows:
-        print(f"\nweight-only artifacts vs fp32, batch 1, median of {a.rounds} interleaved rounds "
-              f"(fp32: {base_b1:.1f} tok/s, decode phase {base_decode:.1f})\n")
-        print("| quant type (batch 1, --dtype auto) | tok/s | vs fp32 | decode-phase tok/s | vs fp32 |")
-        print("|---|---:|---:|---:|---:|")
-        for qt, tps, decode in quant_rows:
-            print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x |")
+        print(f"\nartifacts vs fp32, batch 1, median of {a.rounds} interleaved rounds "
+              f"(fp32: {base_b1:.1f} tok/s, decode phase {base_decode:.1f}, {held_mib(loaded.model):.0f} MiB held)\n")
+        print("| quant type (batch 1, --dtype auto) | tok/s | vs fp32 | decode-phase tok/s | vs fp32 | MiB held |")
+        print("|---|---:|---:|---:|---:|---:|")
+        for qt, tps, decode, mib in quant_rows:
+            print(f"| {qt} | {tps:.1f} | {tps / base_b1:.2f}x | {decode:.1f} | {decode / base_decode:.2f}x | {mib:.0f} |")
     fused_ab([("fp32", loaded)] + quants, prompt, a.new_tokens, a.rounds)
 
 

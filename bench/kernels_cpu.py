@@ -9,9 +9,10 @@ as in a decode step. For each weight type and number of rows M: milliseconds per
 layers (or per head call) for torch's op and for quantspec's kernel, and the ratio.
 torch's ops: fp32 `mm(W, xᵀ)` (the skinny path of infer/cpu/linears.py) for M ≤ 4 and
 `F.linear` above, bf16 `F.linear`, int8 `_weight_int8pack_mm` (bf16 x), int4
-`_weight_int4pack_mm_for_cpu` (bf16 x, g32). quantspec's: `packed_gemm` (fp32, column blocks),
+`_weight_int4pack_mm_for_cpu` (bf16 x, g32), NVFP4 `F.linear` on the weight dequantized to bf16
+(the path without quantspec's kernels). quantspec's: `packed_gemm` (fp32, column blocks),
 `packed_pairs_gemm` (bf16 in k-pairs; `dense_gemv`, row-major, without AVX512-BF16),
-`packed_w8_gemm`, `packed_w4_gemm` (bf16 x: their pair path).
+`packed_w8_gemm`, `packed_w4_gemm`, `packed_fp4_gemm` (NVFP4's groups of 16; bf16 x: their pair path).
 
 Compute-rate table (`--rate-rows`): GFLOP/s of `packed_gemm` over the fp32 layers at M rows beside
 torch's sgemm on a large square product (2048³, the machine's practical fp32 peak): where the
@@ -43,6 +44,7 @@ import torch
 import torch.nn.functional as F
 
 from quantspec.kernels import cpu as cg
+from quantspec.quant.fp4 import e2m1_codes
 
 LAYER_SHAPES = [(960, 576), (576, 576), (3072, 576), (576, 1536)]
 HEAD = (49152, 576)
@@ -86,6 +88,11 @@ def _make(kind: str, N: int, K: int):
         q = torch.randint(-127, 128, (N, K), dtype=torch.int8)
         s = torch.rand(N) * 0.01
         return (q, s.bfloat16()), (cg.pack_w8(q), s, N)
+    if kind == "nvfp4":
+        nib = torch.randint(0, 16, (N, K), dtype=torch.uint8)
+        s = torch.rand(N, K // 16) * 0.01
+        w = e2m1_codes(nib).float() * s.repeat_interleave(16, 1)
+        return (w.bfloat16(),), (*cg.pack_fp4_blocks(nib, s), 16, N)
     q = torch.randint(-8, 8, (N, K), dtype=torch.int8)
     g = 32
     s = torch.rand(N, K // g) * 0.01
@@ -101,19 +108,21 @@ def _torch_op(kind: str):
         "bf16": lambda x, w: F.linear(x, w),
         "int8": lambda x, q, s: torch._weight_int8pack_mm(x, q, s),
         "int4": lambda x, tp, g, sz: torch._weight_int4pack_mm_for_cpu(x, tp, g, sz),
+        "nvfp4": lambda x, w: F.linear(x, w),
     }[kind]
 
 
 def _ours(kind: str):
     bf16 = cg.packed_pairs_gemm if cg.pair_path_available() else cg.dense_gemv
-    return {"fp32": cg.packed_gemm, "bf16": bf16, "int8": cg.packed_w8_gemm, "int4": cg.packed_w4_gemm}[kind]
+    return {"fp32": cg.packed_gemm, "bf16": bf16, "int8": cg.packed_w8_gemm, "int4": cg.packed_w4_gemm,
+            "nvfp4": cg.packed_fp4_gemm}[kind]
 
 
 def main():
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=0)
     ap.add_argument("--rows", default="1,2,4,8,16,64,128")
-    ap.add_argument("--kinds", default="fp32,bf16,int8,int4")
+    ap.add_argument("--kinds", default="fp32,bf16,int8,int4,nvfp4")
     ap.add_argument("--layers", type=int, default=30)
     ap.add_argument("--rate-rows", default="1,4,8,11,16,130", help="rows of the compute-rate table ('' skips it)")
     ap.add_argument("--prefill-rows", default="130,512", help="rows of the prefill table ('' skips it)")
