@@ -133,7 +133,7 @@ def corpus(tmp_path_factory):
     ("weight_only_int8", {}),
     ("weight_only_int4", {"group_size": 32}),
     ("weight_only_int4", {"group_size": 32, "method": "gptq"}),
-    ("weight_only_int4", {"group_size": 32, "method": "awq+gptq"}),  # AWQ scales the attention only
+    ("weight_only_int4", {"group_size": 32, "method": "awq+gptq"}),  # the router folded, stored float
 ])
 def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(any_moe_dir, corpus, tmp_path,
                                                                           quant_type, options, logits_of):

@@ -16,8 +16,13 @@ Terms:
                                                                     the query heads reading it)
       post_attention_layernorm   → gate_proj, up_proj              (Gemma: pre_feedforward_layernorm)
       up_proj (output rows)      → down_proj
-  A mixture of experts' MLP and a layer without pre-norms (OLMo 2) skip the groups they lack.
-  The folds are `calib.smooth`'s (`smooth_layer`, `ROW_FOLDS`).
+  A sparse layer's post-attention norm feeds the router (and Qwen2-MoE's shared-expert gate),
+  every expert's gate / up and the shared expert's: one group, whose factor the float router's
+  columns take too (the routing stays exact), searched on the summed error of every expert's
+  gate / up; then each expert's (and the shared expert's) up → down is a group of its own. As in
+  calibration, every expert runs on every token here (`model_zoo.moe.all_experts`), so each
+  expert's error is weighed over all calibration tokens. A layer without pre-norms (OLMo 2)
+  skips the norm groups. The folds are `calib.smooth`'s (`smooth_layer`, `row_folds`).
 - **Candidates** (llm-compressor's duo scaling): s(α) = x̄^α / (w̄^(1-α) + 1e-4), normalised
   by √(max s · min s), for α = 0, 1/20, …, 19/20; and s = 1 (no scaling), so the search is never
   worse than round-to-nearest on its objective. x̄ [K] is each input channel's mean |x| over the
@@ -27,7 +32,8 @@ Terms:
   (the paper's Eq. 4), computed as Σ_rows ΔW H ΔWᵀ with ΔW = Q(W·s) / s − W and H = Σ_t x_t x_tᵀ
   over every calibration token (`HessianAccumulator`): K² work per weight row whatever the number
   of tokens. Q is round-to-nearest with min/max ranges under each Linear's own args (NVFP4:
-  under one global scale for the group's Linears, as quantize gives a fused unit one).
+  under one global scale for each fused unit of the group — q / k / v, gate / up, an expert's
+  gate / up — as quantize gives a fused unit one).
 
 The chosen factors are folded into the layer, which is then rounded under the config's args
 (their observer included), and re-run so the next layer calibrates on the quantized layer's
@@ -45,9 +51,9 @@ from typing import Mapping, Sequence
 import torch
 from torch import nn
 
-from quantspec.calib.smooth import layer_norm_groups, smooth_layer
+from quantspec.calib.smooth import layer_mlps, layer_norm_groups, smooth_layer
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.llama import MLP
+from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.gptq import HessianAccumulator, rtn_quantize
@@ -140,12 +146,15 @@ class ScaleChoice:
 
 
 def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], stats: ChannelStats,
-                 tie: torch.Tensor | None = None, grid: int = AWQ_GRID) -> ScaleChoice:
+                 tie: torch.Tensor | None = None, grid: int = AWQ_GRID,
+                 units: Sequence[object] | None = None) -> ScaleChoice:
     """The candidate (`candidate_scales`) with the least summed `output_error` over `weights`
     ([N_i, K], each rounded under its own args) for inputs with statistics `stats`.
 
     `tie` [K] (long): column j takes the factor of free channel tie[j] (o_proj under grouped-query
-    attention); x̄ and w̄ of the tied columns are averaged, and the returned s is per column."""
+    attention); x̄ and w̄ of the tied columns are averaged, and the returned s is per column.
+    `units`: per weight, the fused unit it belongs to (NVFP4: one global scale per unit, as
+    quantize writes them; default: all one unit)."""
     H = stats.hessian.H  # [K, K], read in place: a copy would double the largest tensor a layer holds
     if H is None or not stats.hessian.num_samples:
         raise QuantSpecError("search_scale needs statistics of calibration inputs (none were fed, or "
@@ -156,10 +165,13 @@ def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], sta
     best = rtn = None
     for ratio, s in candidate_scales(x_mean, w_mean, grid):
         full = s if tie is None else s[tie]
-        g = None  # NVFP4: the group's Linears share a global scale, as quantize writes them
+        g = [None] * len(weights)  # NVFP4: a unit's Linears share a global scale, as quantize writes them
         if args[0].is_nvfp4:
-            g = global_scale_from_absmax(torch.stack([(w.float() * full).abs().amax() for w in weights]))
-        loss = sum(output_error(w, a, full, H, g) for w, a in zip(weights, args))
+            absmax = [(w.float() * full).abs().amax() for w in weights]
+            of = list(units) if units is not None else [0] * len(weights)
+            top = {u: global_scale_from_absmax(torch.stack([m for m, v in zip(absmax, of) if v == u])) for u in of}
+            g = [top[u] for u in of]
+        loss = sum(output_error(w, a, full, H, gi) for w, a, gi in zip(weights, args, g))
         if ratio is None:
             rtn = loss
         if best is None or loss < best[2]:
@@ -185,17 +197,14 @@ class AWQGroup:
 
 def layer_awq_groups(layer: nn.Module) -> list[AWQGroup]:
     """The decoder layer's smoothing groups, in forward order (module docstring)."""
-    dense = isinstance(layer.mlp, MLP)
     norms = [names for _, names in layer_norm_groups(layer)]
     groups = [AWQGroup(n) for n in norms if n[0].startswith("self_attn.")]
     attn = layer.self_attn
     H, KV, hd = attn.num_heads, attn.num_kv_heads, attn.head_dim
     tie = None if H == KV else (torch.arange(H)[:, None] // (H // KV) * hd + torch.arange(hd)).reshape(-1)
     groups.append(AWQGroup(("self_attn.o_proj",), tie))
-    if dense:
-        groups += [AWQGroup(n) for n in norms if n[0].startswith("mlp.")]
-        groups.append(AWQGroup(("mlp.down_proj",)))
-    return groups
+    groups += [AWQGroup(n) for n in norms if not n[0].startswith("self_attn.")]
+    return groups + [AWQGroup((down,)) for _, down in layer_mlps(layer)]
 
 
 @torch.no_grad()
@@ -216,7 +225,8 @@ def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, Q
         st = stats[names[0]] = ChannelStats(head.in_features, device=head.weight.device)
         handles.append(head.register_forward_pre_hook(lambda _m, inputs, st=st: st.update(inputs[0])))
     try:
-        step.forward()
+        with all_experts(step.layer):  # every expert's inputs from every token (module docstring)
+            step.forward()
     finally:
         for h in handles:
             h.remove()
@@ -226,8 +236,9 @@ def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, Q
         if not stats[names[0]].hessian.num_samples:
             continue  # never reached (no calibration token)
         choice = search_scale([linears[n].weight for n in quantized], [layer_args[n] for n in quantized],
-                              stats[names[0]], g.tie)
-        losses["awq:" + "+".join(quantized)] = choice.loss
+                              stats[names[0]], g.tie, units=[n.rsplit(".", 1)[0] for n in quantized])
+        losses["awq:" + ("+".join(quantized) if len(quantized) <= 3 else
+                         f"{quantized[0]}+{len(quantized) - 1} more")] = choice.loss
         if choice.s is not None:
             factors.update({n: choice.s.cpu() for n in names})
         if hessians is not None:

@@ -10,6 +10,10 @@ Smoothing groups per decoder layer (where X / s folds exactly into a preceding o
     post_attention_layernorm → mlp.gate_proj, up_proj             (γ / s; Gemma: pre_feedforward_layernorm)
     self_attn.v_proj (output rows) → self_attn.o_proj              (AWQ only, `calib.awq`)
     mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
+A sparse layer's post-attention norm feeds its router (and Qwen2-MoE's shared-expert gate), every
+expert's gate / up and the shared expert's: its group lists them all, the router first (its
+columns take s too, which keeps the routing exact), and each expert's up → down is a row fold of
+its own. SmoothQuant leaves a sparse layer's MLP as it is; AWQ (`calib.awq`) scales it.
 The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
 output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
 by s_j (the pairing AWQ / llm-compressor use for `up_proj → down_proj`). It matters on real
@@ -40,19 +44,22 @@ from quantspec.calib.tables import ScaleTable, read_table
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.llama import MLP
+from quantspec.model_zoo.moe import SparseMoE
 from quantspec.quant.engines.moe import EXPERT
 from quantspec.quant.primitives import scale_from_absmax
 from quantspec.quant.smoothquant import (fold_into_linear, fold_into_norm, smoothquant_scales,
                                          weight_input_absmax)
 
 __all__ = [
-    "ROW_FOLDS",
     "SMOOTH_GROUPS",
+    "layer_mlps",
     "layer_norm_groups",
     "layer_smoothed_weights",
     "smoothed_weight",
     "layer_smoothing_factors",
+    "moe_norm_readers",
     "row_factor",
+    "row_folds",
     "smoothing_factors",
     "smoothed_weights",
     "smooth_layer",
@@ -73,12 +80,36 @@ _KINDS = {"a8w8": "int8", "a8w8_fp8": "fp8"}
 def layer_norm_groups(layer: nn.Module) -> tuple[tuple[str, tuple[str, ...]], ...]:
     """`SMOOTH_GROUPS` of one decoder layer: none where the blocks read the raw residual (OLMo 2's
     post-norm layers); gate/up after `pre_feedforward_layernorm` where each block's output is
-    normalized too (Gemma's four norms, which scale by 1 + weight: `fold_into_norm`)."""
+    normalized too (Gemma's four norms, which scale by 1 + weight: `fold_into_norm`); a sparse
+    layer's MLP group is `moe_norm_readers`'."""
     if not getattr(layer, "pre_norms", True):
         return ()
     if getattr(layer, "post_norms", False):
         return SMOOTH_GROUPS[0], ("pre_feedforward_layernorm", SMOOTH_GROUPS[1][1])
+    if isinstance(getattr(layer, "mlp", None), SparseMoE):
+        return SMOOTH_GROUPS[0], (SMOOTH_GROUPS[1][0], moe_norm_readers(layer))
     return SMOOTH_GROUPS
+
+
+def _relative_names(layer: nn.Module) -> dict[int, str]:
+    return {id(mod): name for name, mod in layer.named_modules()}
+
+
+def moe_norm_readers(layer: nn.Module) -> tuple[str, ...]:
+    """The Linears (relative to the sparse decoder `layer`) that read its post-attention norm's
+    output: the router, the shared-expert gate, then every expert's gate / up and the shared
+    expert's, under the names the checkpoint uses (Mixtral's block_sparse_moe, w1 / w3)."""
+    moe, name_of = layer.mlp, _relative_names(layer)
+    floats = [moe.gate] + ([moe.shared_expert_gate] if moe.shared_expert_gate is not None else [])
+    mlps = list(moe.experts) + ([moe.shared_expert] if moe.shared_expert is not None else [])
+    return tuple(name_of[id(m)] for m in floats + [p for mlp in mlps for p in (mlp.gate_proj, mlp.up_proj)])
+
+
+def layer_mlps(layer: nn.Module) -> list[tuple[str, str]]:
+    """(up, down) names (relative to the decoder `layer`) of each of its MLPs: the dense one, or
+    every expert's and the shared expert's."""
+    name_of = _relative_names(layer)
+    return [(name_of[id(m.up_proj)], name_of[id(m.down_proj)]) for m in layer.modules() if isinstance(m, MLP)]
 
 
 def _layers(model) -> nn.ModuleList:
@@ -147,16 +178,15 @@ def smoothing_factors(model, table: ScaleTable, alpha: float | Mapping[str, floa
     return factors
 
 
-# Linears whose output rows absorb 1 / s of the Linear reading them (exact: down_proj reads
-# act(gate) · up, o_proj reads attention's weighted sum of v, both linear in the row)
-ROW_FOLDS = {"mlp.up_proj": "mlp.down_proj", "self_attn.v_proj": "self_attn.o_proj"}
-# the Linears smoothing changes (relative to a decoder layer): the groups' readers, the row folds'
-# readers by their columns and the row folds' sources by their rows
-_SMOOTHED = tuple(n for _, names in SMOOTH_GROUPS for n in names) + tuple(ROW_FOLDS.values())
+def row_folds(layer: nn.Module) -> dict[str, str]:
+    """{Linear whose output rows absorb 1 / s: the Linear reading them} of the decoder `layer`
+    (relative names): v_proj → o_proj and every MLP's up → down (exact: down_proj reads
+    act(gate) · up, o_proj reads attention's weighted sum of v, both linear in the row)."""
+    return {"self_attn.v_proj": "self_attn.o_proj", **dict(layer_mlps(layer))}
 
 
 def row_factor(layer: nn.Module, name: str, s: torch.Tensor) -> torch.Tensor:
-    """The factor [N] that divides the output rows of `name` (a `ROW_FOLDS` key) for its reader's
+    """The factor [N] that divides the output rows of `name` (a `row_folds` key) for its reader's
     column factor s [K]. v_proj → o_proj under grouped-query attention: o_proj's column (h, d)
     reads KV head h // (H / KV), so s must be equal across the query heads of a KV head (as
     `calib.awq` chooses it) and v_proj's row (g, d) takes that value."""
@@ -171,13 +201,16 @@ def row_factor(layer: nn.Module, name: str, s: torch.Tensor) -> torch.Tensor:
 
 
 @torch.no_grad()
-def smoothed_weight(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor], name: str
+def smoothed_weight(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor], name: str,
+                    folds: Mapping[str, str] | None = None
                     ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None] | None:
     """(weight [N, K] as `smooth_layer` leaves it, s of its input columns [K] or None, s of its
     output rows [N] or None) of the Linear `name` (relative, e.g. "mlp.up_proj") of the decoder
-    layer `prefix`; None when `factors` leave it as it is. One Linear's copy at a time."""
-    col = factors.get(f"{prefix}.{name}") if name in _SMOOTHED else None
-    row = factors.get(f"{prefix}.{ROW_FOLDS[name]}") if name in ROW_FOLDS else None
+    layer `prefix`; None when `factors` leave it as it is. One Linear's copy at a time. `folds`:
+    the layer's `row_folds`, when the caller has them."""
+    folds = row_folds(layer) if folds is None else folds
+    col = factors.get(f"{prefix}.{name}")  # factors are keyed by the Linears that read the scaled channels
+    row = factors.get(f"{prefix}.{folds[name]}") if name in folds else None
     if row is not None:
         row = row_factor(layer, name, row)
     if col is None and row is None:
@@ -195,9 +228,9 @@ def smoothed_weight(layer: nn.Module, prefix: str, factors: Mapping[str, torch.T
 def layer_smoothed_weights(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]
                            ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
     """`smoothed_weights` of one decoder layer named `prefix` (`smoothed_weight` of each Linear)."""
-    out = {}
-    for n in _SMOOTHED:
-        w = smoothed_weight(layer, prefix, factors, n)
+    out, folds = {}, row_folds(layer)
+    for n, mod in layer.named_modules():
+        w = smoothed_weight(layer, prefix, factors, n, folds) if isinstance(mod, nn.Linear) else None
         if w is not None:
             out[f"{prefix}.{n}"] = w
     return out
@@ -218,7 +251,7 @@ def smoothed_weights(model, factors: Mapping[str, torch.Tensor]
 @torch.no_grad()
 def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]) -> None:
     """Fold `factors` (`smoothing_factors`, keyed by full Linear names) into the decoder layer
-    named `prefix` in place: each norm's γ (and the output rows and bias of each `ROW_FOLDS`
+    named `prefix` in place: each norm's γ (and the output rows and bias of each `row_folds`
     source) divided by s, the Linears reading it with their input columns multiplied by s
     (`layer_smoothed_weights`)."""
     weights = layer_smoothed_weights(layer, prefix, factors)
@@ -228,7 +261,7 @@ def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tens
             norm = getattr(layer, norm_name)
             norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device),
                                              unit_offset=getattr(norm, "unit_offset", False))[0])
-    for name, reader in ROW_FOLDS.items():
+    for name, reader in row_folds(layer).items():
         s = factors.get(f"{prefix}.{reader}")
         bias = layer.get_submodule(name).bias if s is not None else None
         if bias is not None:

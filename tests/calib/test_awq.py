@@ -1,6 +1,7 @@
 """AWQ (`calib.awq`): the objective against the output error written out from the inputs, the
 search against a brute-force pass over the candidates, the folds exact in float on every
-architecture's layers (grouped-query v → o included), and the quantized model's error."""
+architecture's layers (grouped-query v → o, a mixture of experts' router and experts included),
+and the quantized model's error."""
 
 import pytest
 import torch
@@ -131,11 +132,40 @@ def test_folds_leave_the_float_model_as_it_was(arch, tmp_path, logits_of):
     torch.testing.assert_close(logits_of(model, IDS), want, rtol=1e-4, atol=1e-4)
 
 
-def _outlier_model(tmp_path):
-    """The tiny Llama with a few channels of each norm 25× larger: outlier input channels."""
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+def test_moe_folds_scale_router_and_experts_and_leave_the_float_model(arch, tmp_path, logits_of):
+    """A sparse layer's post-attention norm group takes the router (and Qwen2-MoE's shared-expert
+    gate), every expert's gate / up and the shared expert's; each expert's up → down is a group.
+    Folded, the float model's logits stay (the routing too: a router left unscaled would route
+    the scaled inputs elsewhere)."""
+    d = _outlier_model(tmp_path, arch)
+    ref, _ = load_model(d)
+    model, _ = load_model(d)
+    want = logits_of(ref, IDS)
+    layer = model.model.layers[0]
+    moe = "block_sparse_moe" if arch == "mixtral" else "mlp"
+    up, down = ("w3", "w2") if arch == "mixtral" else ("up_proj", "down_proj")
+    mlps = [f"{moe}.experts.{e}" for e in range(4)] + ([f"{moe}.shared_expert"] if arch == "qwen2_moe" else [])
+    groups = [g.readers for g in layer_awq_groups(layer)]
+    norm_group = next(g for g in groups if g[0] == f"{moe}.gate")
+    assert len(norm_group) == 2 * len(mlps) + 1 + (arch == "qwen2_moe")
+    assert {(f"{m}.{'down_proj' if 'shared' in m else down}",) for m in mlps} <= set(groups)
+    ids = torch.randint(3, 500, (4, 24), generator=torch.Generator().manual_seed(0))
+    losses = _fold_in_float(model, ids)
+    assert any(k.endswith("more") for k in losses)  # the experts' gate / up: one objective
+    changed = {n for n, p in model.state_dict().items() if not torch.equal(p, ref.state_dict()[n])}
+    floats = [f"{moe}.gate"] + ([f"{moe}.shared_expert_gate"] if arch == "qwen2_moe" else [])
+    for rel in floats + [f"{m}.{p}" for m in mlps for p in ((up, down) if "shared" not in m else ("up_proj",))]:
+        assert f"model.layers.0.{rel}.weight" in changed, rel
+    torch.testing.assert_close(logits_of(model, IDS), want, rtol=1e-4, atol=1e-4)
+
+
+def _outlier_model(tmp_path, arch="llama"):
+    """A tiny model (Llama's by default) with a few channels of each norm 25× larger: outlier
+    input channels."""
     from safetensors.torch import load_file, save_file
 
-    d = build_tiny_model(tmp_path / "llama", "llama")
+    d = build_tiny_model(tmp_path / arch, arch)
     tensors = load_file(d / "model.safetensors")
     for name, t in tensors.items():
         if name.endswith("layernorm.weight"):
@@ -144,12 +174,12 @@ def _outlier_model(tmp_path):
     return d
 
 
-def _outlier_errors(tmp_path, config, methods):
+def _outlier_errors(tmp_path, config, methods, arch="llama"):
     """({method: mean squared error of the quantized outlier model's hidden states}, the last
     method's quantize summary)."""
     from quantspec.model_zoo.llama import DenseCausalAttention
 
-    d = _outlier_model(tmp_path)
+    d = _outlier_model(tmp_path, arch)
     ids = torch.randint(3, 500, (6, 48), generator=torch.Generator().manual_seed(1))
     n, S = ids.shape
 
@@ -174,6 +204,21 @@ def test_awq_beats_rounding_without_it_on_outlier_channels(tmp_path):
     assert summary["calibration_tokens"] == 6 * 48
     assert errs["awq"] < 0.85 * errs["rtn"], errs  # 0.74× here
     assert errs["awq+gptq"] < errs["gptq"], errs  # 0.79× here
+
+
+def test_awq_beats_rounding_without_it_on_experts(tmp_path):
+    """Only the experts quantized (attention and routers float): their groups' factors give less
+    output error than rounding alone on outlier channels (with no expert group, AWQ would be
+    rounding alone here), and GPTQ after them less again."""
+    from quantspec.model_zoo.moe import router_ignore
+
+    d = build_tiny_model(tmp_path / "cfg", "qwen3_moe")
+    config = preset("weight_only_int4", group_size=32, weight_observer="minmax",
+                    ignore=("lm_head", r"re:.*self_attn\..*", *router_ignore(load_model(d)[0].args)))
+    errs, summary = _outlier_errors(tmp_path, config, ("rtn", "awq", "gptq", "awq+gptq"), arch="qwen3_moe")
+    assert summary["awq_loss_total"] > 0
+    assert errs["awq"] < 0.85 * errs["rtn"], errs  # 0.59× here
+    assert errs["awq+gptq"] < 0.5 * errs["awq"], errs  # 0.32× here
 
 
 def test_bad_requests(tiny_llama_dir):
