@@ -18,11 +18,11 @@ Terms:
       up_proj (output rows)      → down_proj
   A sparse layer's post-attention norm feeds the router (and Qwen2-MoE's shared-expert gate),
   every expert's gate / up and the shared expert's: one group, whose factor the float router's
-  columns take too (the routing stays exact), searched on the summed error of every expert's
-  gate / up; then each expert's (and the shared expert's) up → down is a group of its own. As in
-  calibration, every expert runs on every token here (`model_zoo.moe.all_experts`), so each
-  expert's error is weighed over all calibration tokens. A layer without pre-norms (OLMo 2)
-  skips the norm groups. The folds are `calib.smooth`'s (`smooth_layer`, `row_folds`).
+  columns take too (its logits stay the float model's, up to rounding), searched on the summed
+  error of every expert's gate / up; then each expert's (and the shared expert's) up → down is a
+  group of its own. As in calibration, every expert runs on every token here
+  (`model_zoo.moe.all_experts`), so each expert's error is weighed over all calibration tokens.
+  A layer without pre-norms (OLMo 2) skips the norm groups. The folds are `calib.smooth`'s (`smooth_layer`, `row_folds`).
 - **Candidates** (llm-compressor's duo scaling): s(α) = x̄^α / (w̄^(1-α) + 1e-4), normalised
   by √(max s · min s), for α = 0, 1/20, …, 19/20; and s = 1 (no scaling), so the search is never
   worse than round-to-nearest on its objective. x̄ [K] is each input channel's mean |x| over the

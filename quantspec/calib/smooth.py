@@ -12,7 +12,7 @@ Smoothing groups per decoder layer (where X / s folds exactly into a preceding o
     mlp.up_proj (output rows) → mlp.down_proj                     (optional, `smooth_down`)
 A sparse layer's post-attention norm feeds its router (and Qwen2-MoE's shared-expert gate), every
 expert's gate / up and the shared expert's: its group lists them all, the router first (its
-columns take s too, which keeps the routing exact), and each expert's up → down is a row fold of
+columns take s too, which keeps its logits), and each expert's up → down is a row fold of
 its own. SmoothQuant leaves a sparse layer's MLP as it is; AWQ (`calib.awq`) scales it.
 The last one is exact because down_proj reads silu(gate(x)) · up(x), which is linear in up's
 output: dividing row j of up_proj's weight (and bias) by s_j divides down_proj's input channel j
