@@ -5,7 +5,8 @@ groups; one g64 row without act-order), AWQ and AWQ + GPTQ (act-order) at group 
 weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a float min m, so the
 float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
 int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
-`-minmax` rows take plain min/max scales for comparison.
+`-minmax` rows take plain min/max scales for comparison; the `-down8` rows keep down_proj at int8
+(`--layer-quant-type`).
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
 Calibration (GPTQ, AWQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
@@ -32,8 +33,9 @@ from mdtable import markdown_table
 from quantspec import api
 
 HERE = Path(__file__).parent
+DOWN_INT8 = r"re:.*mlp\.down_proj$=weight_only_int8"
 ROWS = {
-    # name: (quant_type, method, group_size, symmetric, act_order[, zp_dtype])
+    # name: (quant_type, method, group_size, symmetric, act_order[, zp_dtype[, observer[, layer quant types]]])
     "fp32": None,
     "int8-rtn": ("weight_only_int8", "rtn", 128, True, False),
     "int8-gptq": ("weight_only_int8", "gptq", 128, True, True),
@@ -56,6 +58,9 @@ ROWS = {
     "int4-rtn-g64-minmax": ("weight_only_int4", "rtn", 64, True, False, None, "minmax"),
     "int4-gptq-g64-minmax": ("weight_only_int4", "gptq", 64, True, True, None, "minmax"),
     "int4-awq-g64-minmax": ("weight_only_int4", "awq", 64, True, False, None, "minmax"),
+    # mixed precision (`--layer-quant-type`): int8 down_proj beside int4 elsewhere
+    "int4-rtn-g64-down8": ("weight_only_int4", "rtn", 64, True, False, None, None, (DOWN_INT8,)),
+    "int4-gptq-g64-down8": ("weight_only_int4", "gptq", 64, True, True, None, None, (DOWN_INT8,)),
 }
 
 
@@ -86,11 +91,11 @@ def main() -> None:
             q_time, size, path = None, None, a.model
             if spec is not None:
                 qt, method, g, sym, act_order, *extra = spec
-                zp, observer = (list(extra) + [None, None])[:2]
+                zp, observer, layers = (list(extra) + [None, None, ()])[:3]
                 path = work / name
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
-                             zp_dtype=zp, weight_observer=observer, act_order=act_order,
+                             zp_dtype=zp, weight_observer=observer, act_order=act_order, layer_quant_types=layers,
                              target="quantspec" if zp else "portable",
                              dataset=a.calib if method != "rtn" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)

@@ -226,7 +226,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     """Quantize a checkpoint into an artifact directory at `out`; returns its path.
 
     `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
-    zp_dtype, weight_observer, ignore, act_order, block_size, damp, dataset, split, text_field,
+    zp_dtype, weight_observer, ignore, layer_quant_types, act_order, block_size, damp, dataset, split, text_field,
     num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha, kv_cache, kv_strategy, target,
     fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples,
     overwrite), checked when the config is built. `target` defaults to "portable" (what vLLM and

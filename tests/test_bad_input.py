@@ -158,6 +158,19 @@ CASES = [
     ("quantize-mxfp4-asym", "quantize --model {model} --quant-type weight_only_mxfp4 --asym --out {d}/q", "--asym"),
     ("quantize-mxfp4-dynamic", "quantize --model {model} --quant-type mxfp4 --activations dynamic --out {d}/q",
      "--activations"),
+    ("quantize-layer-type-no-type", "quantize --model {model} --quant-type weight_only_int4 "
+                                    "--layer-quant-type re:.*down_proj$ --out {d}/q", "--layer-quant-type"),
+    ("quantize-layer-type-a8w8", "quantize --model {model} --quant-type weight_only_int4 "
+                                 "--layer-quant-type re:.*down_proj$=a8w8 --out {d}/q", "--layer-quant-type"),
+    ("quantize-layer-type-matches-nothing", "quantize --model {model} --quant-type weight_only_int4 "
+                                            "--layer-quant-type re:.*nope$=weight_only_int8 --out {d}/q",
+     "--layer-quant-type"),
+    ("quantize-layer-type-splits-qkv", "quantize --model {model} --quant-type weight_only_int4 "
+                                       "--layer-quant-type re:.*q_proj$=weight_only_int8 --out {d}/q",
+     "--layer-quant-type"),
+    ("quantize-layer-type-static", "quantize --model {model} --quant-type a8w8 --calib {d}/table "
+                                   "--layer-quant-type re:.*down_proj$=weight_only_int8 --out {d}/q",
+     "--layer-quant-type"),
     ("quantize-weight-block-int8", "quantize --model {model} --quant-type weight_only_int8 --weight-block 128 "
                                    "--out {d}/q", "--weight-block"),
     ("quantize-weight-block-odd", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 96 --out {d}/q",

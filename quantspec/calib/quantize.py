@@ -35,7 +35,6 @@ import torch
 
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
-from quantspec.quant.shards import DEFAULT_MAX_SHARD_BYTES
 
 __all__ = ["COPIED_FILES", "QuantizeConfig", "run_quantize"]
 
@@ -74,6 +73,7 @@ class QuantizeConfig:
     zp_dtype: str | None = None
     weight_observer: str | None = None  # None: `quant.presets.default_weight_observer`
     ignore: tuple[str, ...] = ()
+    layer_quant_types: tuple[str, ...] = ()  # "TARGET=QUANT_TYPE": those Linears at another weight-only type
     act_order: bool = False
     block_size: int = 128
     damp: float = 0.01
@@ -101,6 +101,8 @@ class QuantizeConfig:
     restart: bool = False  # discard the state an interrupted run left for `out`
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
+    # quant_config's groups of `layer_quant_types`: group key → the spec that made it
+    layer_groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
@@ -114,6 +116,8 @@ class QuantizeConfig:
             object.__setattr__(self, "activations", "static" if self.weight_block is None else "dynamic")
         check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
+        if isinstance(self.layer_quant_types, str):
+            object.__setattr__(self, "layer_quant_types", (self.layer_quant_types,))
         if self.method not in METHODS:
             raise QuantSpecError(f"unknown --method {self.method!r}; use one of: {', '.join(METHODS)}")
         if self.out is None:
@@ -139,13 +143,20 @@ class QuantizeConfig:
                                  "use --method gptq or awq+gptq, or drop --act-order")
         if self.zp_dtype is not None and self.zp_dtype not in ZP_DTYPES:
             raise QuantSpecError(f"--zp-dtype {self.zp_dtype!r}: use int, {', '.join(ZP_DTYPES)}")
+        observer = self.weight_observer  # as given: a layer's own type takes it too (`calib.layer_types`)
         object.__setattr__(self, "weight_observer", self.weight_observer or default_weight_observer(qt))
         kv_strategy = self._check_target()
         config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
                         weight_observer=self.weight_observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
                         ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations,
                         weight_block=self.weight_block)
-        refusal = target_refusal(self.target, config)
+        if self.layer_quant_types:  # judged once its targets name the model's Linears (`run_quantize`)
+            from quantspec.calib.layer_types import with_layer_types
+
+            config, groups = with_layer_types(config, qt, self.layer_quant_types, group_size=self.group_size,
+                                              symmetric=self.symmetric, zp_dtype=self.zp_dtype, observer=observer)
+            object.__setattr__(self, "layer_groups", groups)
+        refusal = None if self.layer_quant_types else target_refusal(self.target, config)
         if refusal is not None:
             raise QuantSpecError(refusal)
         object.__setattr__(self, "quant_config", config)
@@ -245,7 +256,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     decoder layer, `on_status(message)` at each phase (reading, measuring, writing).
     """
     from quantspec.calib.ptq import decoder_layers, quantize_model
-    from quantspec.calib.stream import open_run, say_resume
+    from quantspec.calib.stream import check_disk, open_run, run_identity, say_resume
     from quantspec.devices import resolve_device
 
     t0 = time.perf_counter()
@@ -255,17 +266,21 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     src = _read_source(config)
     if src.reader is not None and src.reader.stored:  # `model_zoo.multimodal`
         say("reading the text decoder of a multimodal checkpoint (the artifact leaves its vision tower out)")
-    batches = _gptq_batches(config, src, say)
     model = _skeleton(config, src)
     if src.reader is not None:  # a fused checkpoint's modules (Phi-3's qkv_proj) by their parts' names, named whole
         from quantspec.model_zoo.layout import checkpoint_config, part_config
 
         src.quant_config = part_config(model.args, src.quant_config)
         checkpoint_config(model.args, src.quant_config)  # refuses a unit named in part, before any work
+    if config.layer_quant_types:
+        from quantspec.calib.layer_types import resolve_layer_types
+
+        src.quant_config = resolve_layer_types(model, src.quant_config, config.layer_groups, config.target)
+    batches = _gptq_batches(config, src, say)
     if src.reader is not None and (config.method != "rtn" or config.static):  # windows run full attention
         model.args.check_context(config.seq_len, "--seq-len")
-    resumable, key = _run_identity(config, src, device)
-    _check_disk(config, src, model, out, key)
+    resumable, key = run_identity(config, src, device)
+    check_disk(config, src, model, out, key)
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:
         qconfig, input_scales, factors = src.quant_config, None, None
         if config.static:
@@ -313,7 +328,12 @@ def _read_source(config: QuantizeConfig) -> _Source:
         if moe:  # routers and shared-expert gates stay float
             qconfig = for_experts(replace(qconfig, ignore=(*qconfig.ignore,
                                                            *(i for i in router_ignore(args) if i not in qconfig.ignore))))
-        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) if what or moe else None
+        if what and config.layer_quant_types:
+            raise QuantSpecError(f"--layer-quant-type is for base models, and {model_dir} is {what}; quantize it "
+                                 "with one --quant-type")
+        # with --layer-quant-type, judged once its targets name the model's Linears (`run_quantize`)
+        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) \
+            if (what or moe) and not config.layer_quant_types else None
         unfit = eagle3_refusal("sglang", cfg) if kind == "eagle3" and config.target == "sglang" else None
         if unfit is not None:  # the float head already: no quantization makes it SGLang's
             refusal = f"--target sglang: {unfit}; pass --target vllm (or quantspec)"
@@ -425,46 +445,6 @@ def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, sa
             batches)
 
 
-def _run_identity(config: QuantizeConfig, src: _Source, device: str) -> tuple[bool, str]:
-    """(whether the run keeps a state to resume from, the key of everything its output depends on:
-    the checkpoint's files, the table's, the data file's, the options, the version, the device)."""
-    from dataclasses import fields
-
-    from quantspec import __version__
-    from quantspec.calib.stream import RESUMABLE_MIN_BYTES, file_stats, run_key
-    skip = {"out", "overwrite", "restart", "resumable", "device"}
-    identity = {"options": {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in skip},
-                "model": file_stats(src.model_dir), "calib": file_stats(config.calib),
-                "dataset": file_stats(config.dataset),
-                "version": __version__, "device": torch.device(device).type}
-    resumable = config.resumable
-    if resumable is None:
-        resumable = src.reader is not None and src.reader.nbytes() >= RESUMABLE_MIN_BYTES
-    return bool(resumable), run_key(identity)
-
-
-def _check_disk(config: QuantizeConfig, src: _Source, model, out: Path, key: str) -> None:
-    """Refuse, before any work, an `out` whose filesystem lacks room for the artifact (estimated
-    from the checkpoint's shapes and the scheme) and the run's working files."""
-    import shutil
-
-    from quantspec.calib.stream import artifact_bytes, working_bytes
-    from quantspec.outputs import state_dir
-
-    need = artifact_bytes(model, src.quant_config, src.dtype)
-    need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
-    if config.method != "rtn":  # a resumable run keeps the next layer's inputs (two while replacing)
-        need += 2 * config.num_samples * config.seq_len * model.args.hidden_size * 4
-    anchor = out
-    while not anchor.exists() and anchor.parent != anchor:
-        anchor = anchor.parent
-    free = shutil.disk_usage(anchor).free + working_bytes(state_dir(out, key))
-    if free < need:
-        raise QuantSpecError(f"not enough disk space for --out {out}: the artifact and its working files need "
-                             f"about {need / 1e9:.1f} GB and {free / 1e9:.1f} GB are free there; free some "
-                             "space or choose another --out")
-
-
 def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: float) -> Path:
     """The artifact: the source config + `quantization_config`, the tensors the run wrote (+ KV
     scales), the tokenizer files and `quantspec.json` provenance."""
@@ -488,7 +468,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target", "activations", "weight_block")}
+                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

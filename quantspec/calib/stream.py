@@ -40,8 +40,8 @@ from quantspec.outputs import pid_alive, state_dir, state_dirs, temporary_siblin
 from quantspec.quant.config import resolve_group_size
 from quantspec.quant.shards import DEFAULT_MAX_SHARD_BYTES, ShardWriter, write_safetensors
 
-__all__ = ["RESUMABLE_MIN_BYTES", "Run", "StreamSink", "artifact_bytes", "file_stats", "notice", "open_run",
-           "run_key", "say_resume", "working_bytes"]
+__all__ = ["RESUMABLE_MIN_BYTES", "Run", "StreamSink", "artifact_bytes", "check_disk", "file_stats", "notice", "open_run",
+           "run_identity", "run_key", "say_resume", "working_bytes"]
 
 # a run over a checkpoint this large keeps a resumable state (smaller ones redo their few minutes)
 RESUMABLE_MIN_BYTES = 2**30
@@ -234,3 +234,39 @@ def open_run(out: str | os.PathLike, key: str, *, resumable: bool, restart: bool
             _remove_empty(out.parent, top)
         raise
     shutil.rmtree(d, ignore_errors=True)
+
+
+def run_identity(config, src, device: str) -> tuple[bool, str]:
+    """(whether the quantize run of `config` (`calib.quantize.QuantizeConfig`) on `src` (its
+    source) keeps a state to resume from, the key of everything its output depends on: the
+    checkpoint's files, the table's, the data file's, the options, the version, the device)."""
+    from dataclasses import fields
+
+    from quantspec import __version__
+
+    skip = {"out", "overwrite", "restart", "resumable", "device"}
+    identity = {"options": {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in skip},
+                "model": file_stats(src.model_dir), "calib": file_stats(config.calib),
+                "dataset": file_stats(config.dataset),
+                "version": __version__, "device": torch.device(device).type}
+    resumable = config.resumable
+    if resumable is None:
+        resumable = src.reader is not None and src.reader.nbytes() >= RESUMABLE_MIN_BYTES
+    return bool(resumable), run_key(identity)
+
+
+def check_disk(config, src, model, out: Path, key: str) -> None:
+    """Refuse, before any work, an `out` whose filesystem lacks room for the quantize run's
+    artifact (estimated from the checkpoint's shapes and the scheme) and its working files."""
+    need = artifact_bytes(model, src.quant_config, src.dtype)
+    need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
+    if config.method != "rtn":  # a resumable run keeps the next layer's inputs (two while replacing)
+        need += 2 * config.num_samples * config.seq_len * model.args.hidden_size * 4
+    anchor = out
+    while not anchor.exists() and anchor.parent != anchor:
+        anchor = anchor.parent
+    free = shutil.disk_usage(anchor).free + working_bytes(state_dir(out, key))
+    if free < need:
+        raise QuantSpecError(f"not enough disk space for --out {out}: the artifact and its working files need "
+                             f"about {need / 1e9:.1f} GB and {free / 1e9:.1f} GB are free there; free some "
+                             "space or choose another --out")

@@ -32,6 +32,9 @@ def _gib(n) -> str:
                    "with the least |w - q(w)|^2.4 (RTN, and each GPTQ group); auto: mse for "
                    "weight_only_int4, minmax for the 8-bit types")
 @click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
+@click.option("--layer-quant-type", "layer_quant_types", multiple=True, metavar="TARGET=QUANT_TYPE",
+              help="the Linears a module name or re:regex names at another weight-only type, e.g. "
+                   "'re:.*mlp.down_proj$=weight_only_int8' (repeatable; --quant-type weight-only too)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
 @click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ damping (fraction of mean diag H)")
@@ -80,7 +83,8 @@ def _gib(n) -> str:
               help="start over: discard the state an interrupted run of a big model left beside --out")
 @one_line_errors
 @threads_option
-def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, act_order, gptq_block_size, damp,
+def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
+             act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable"):
@@ -101,7 +105,7 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
         path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
                             symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
                             weight_observer=None if weight_observer == "auto" else weight_observer,
-                            ignore=tuple(ignore), act_order=act_order,
+                            ignore=tuple(ignore), layer_quant_types=tuple(layer_quant_types), act_order=act_order,
                             block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, activations=activations, weight_block=weight_block,

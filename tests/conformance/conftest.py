@@ -48,6 +48,11 @@ ARTIFACTS = {
     # scheme, so --target vllm
     "weight_only_mxfp4": dict(quant_type="weight_only_mxfp4", target="vllm"),
     "mxfp4": dict(quant_type="mxfp4", target="vllm"),
+    # mixed precision (--layer-quant-type): int4 g128, int8 down_proj, NVFP4 q / k / v (config
+    # format mixed-precision, a config group per type)
+    "weight_only_mixed": dict(quant_type="weight_only_int4", group_size=128,
+                              layer_quant_types=(r"re:.*mlp\.down_proj$=weight_only_int8",
+                                                 r"re:.*self_attn\.[qkv]_proj$=weight_only_nvfp4")),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

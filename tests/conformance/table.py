@@ -63,11 +63,15 @@ so `quantize` writes MXFP4 for `--target vllm` (or quantspec) only. MXFP4 expert
 Mixtral): vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod` runs CUTLASS W4A4 experts on 10.x-11.x
 and Marlin experts elsewhere; SGLang's `Mxfp4MoEMethod` makes GPT-OSS's parameters (`w13_weight`),
 which take none of the checkpoint's per-expert `weight_packed`, so SGLang refuses them too.
+`weight_only_mixed` is mixed precision (`--layer-quant-type`): a config group per type, each
+naming its Linears as the engines match them (a fused unit as one regex that also names the fused
+layer); both engines pick a scheme per layer.
 """
 
 
 # QuantizeConfig field → the `quantspec quantize` flag
-FLAGS = {"fallback_layers": "a8w8-fallback-layers", "fallback_threshold": "a8w8-fallback-threshold"}
+FLAGS = {"fallback_layers": "a8w8-fallback-layers", "fallback_threshold": "a8w8-fallback-threshold",
+         "layer_quant_types": "layer-quant-type"}
 
 
 def _flags(opts: dict) -> str:
@@ -75,6 +79,8 @@ def _flags(opts: dict) -> str:
     for k, v in opts.items():
         if k == "symmetric":
             out.append("--sym" if v else "--asym")
+        elif isinstance(v, tuple):  # a repeatable flag
+            out += [f"--{FLAGS.get(k, k.replace('_', '-'))} '{x}'" for x in v]
         else:
             out.append(f"--{FLAGS.get(k, k.replace('_', '-'))} {v}")
     return " ".join(out)

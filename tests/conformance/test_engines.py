@@ -275,8 +275,8 @@ def test_transformers_verdict(artifacts, name, torch_threads):
     path = artifacts[name]
     v = artifact_verdicts(path)["transformers"]
     # compressed-tensors decompresses FP4 (NVFP4, MXFP4) weights to bf16 only: such a model runs in bf16
-    dtype = torch.bfloat16 if read_quant_config(path).format in ("nvfp4-pack-quantized", "mxfp4-pack-quantized") \
-        else torch.float32
+    fp4 = any(s.weights.is_fp4 for s in read_quant_config(path).config_groups.values())
+    dtype = torch.bfloat16 if fp4 else torch.float32
     try:
         m, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
         with torch.no_grad():

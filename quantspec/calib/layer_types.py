@@ -1,0 +1,117 @@
+"""Mixed precision: `quantize --layer-quant-type TARGET=QUANT_TYPE` gives the Linears a target names
+another weight-only type than the model's `--quant-type`, in a config group of their own.
+
+- A TARGET is a module name or `re:` regex, as `--ignore` takes (and compressed-tensors matches:
+  an exact name or regex outranks the model's class target "Linear" in every loader).
+- The model's type and every layer's type are weight-only (`LAYER_TYPES`): nothing to calibrate,
+  and vLLM and SGLang pick a scheme per layer for them.
+- A layer's type takes the same knobs as the model's where it has them (group size, --asym and
+  --zp-dtype for int4, --asym for int8) and its own default weight observer unless
+  --weight-observer names one (`with_layer_types`).
+- Once the model's Linears are known, each layer group is retargeted at the Linears it
+  quantizes as every engine resolves them (`resolve_layer_types`: a fused unit as one regex that
+  also names the fused layer, which SGLang matches, other Linears by exact name), and `--target`
+  is judged on that config. A target must name whole fused units (q / k / v, gate / up), and no
+  experts of a mixture of experts (one scheme per fused-MoE layer: the model's type).
+"""
+
+from __future__ import annotations
+
+import re
+from dataclasses import replace
+from typing import Iterable, Mapping
+
+from torch import nn
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.args import QuantType
+from quantspec.quant.config import QuantConfig
+
+__all__ = ["LAYER_TYPES", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
+
+# the quant types a layer may take beside the model's own, and the model's own with them
+LAYER_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_NVFP4,
+               QuantType.WEIGHT_ONLY_MXFP4)
+
+
+def parse_layer_type(spec: str) -> tuple[str, QuantType]:
+    """"TARGET=QUANT_TYPE" → (target, type), refusing in one line naming --layer-quant-type what
+    is not one."""
+    target, sep, name = str(spec).rpartition("=")
+    if not sep or not target or not name:
+        raise QuantSpecError(f"--layer-quant-type {spec!r} must be TARGET=QUANT_TYPE, e.g. "
+                             "'re:.*mlp.down_proj$=weight_only_int8'")
+    if target.startswith("re:"):
+        try:
+            re.compile(target[3:])
+        except re.error as e:
+            raise QuantSpecError(f"--layer-quant-type {spec!r}: {target[3:]!r} is not a regex ({e})") from None
+    try:
+        qt = QuantType.parse(name)
+    except QuantSpecError:
+        qt = None
+    if qt not in LAYER_TYPES:
+        raise QuantSpecError(f"--layer-quant-type {spec!r}: a layer may take "
+                             f"{', '.join(t.value for t in LAYER_TYPES)} (weight-only types)")
+    return target, qt
+
+
+def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable[str], *, group_size: int,
+                     symmetric: bool, zp_dtype: str | None, observer: str | None) -> tuple[QuantConfig, dict[str, str]]:
+    """`config` (the preset of the model's `quant_type`) with a config group per spec of `specs`
+    ("TARGET=QUANT_TYPE") holding that type's preset under the knobs it takes (module docstring);
+    → (that config, {new group key: its spec})."""
+    from quantspec.quant.presets import default_weight_observer, preset
+
+    specs = (specs,) if isinstance(specs, str) else tuple(specs)
+    layers = [parse_layer_type(s) for s in specs]
+    if quant_type not in LAYER_TYPES:
+        raise QuantSpecError(f"--layer-quant-type mixes weight-only types, and --quant-type {quant_type.value} "
+                             "quantizes activations too; use a weight-only --quant-type (float layers: --ignore)")
+    targets = [t for t, _ in layers]
+    dup = next((t for t in targets if targets.count(t) > 1), None)
+    if dup is not None:
+        raise QuantSpecError(f"--layer-quant-type names {dup!r} twice; give each target one quant type")
+    groups, keys = dict(config.config_groups), {}
+    for i, (spec, (target, qt)) in enumerate(zip(specs, layers), start=len(groups)):
+        integer = qt in (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4)
+        scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
+                        zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
+                        weight_observer=observer or default_weight_observer(qt)).config_groups["group_0"]
+        keys[f"group_{i}"] = spec
+        groups[f"group_{i}"] = replace(scheme, targets=(target,))
+    return replace(config, config_groups=groups, format=None), keys
+
+
+def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[str, str], target: str) -> QuantConfig:
+    """`config` with its groups `specs` keys (group key → the spec that made it,
+    `with_layer_types`) retargeted at the Linears of `model` they quantize, as every engine
+    resolves them (`engines.fused_targets`), after the checks of the module docstring and
+    `--target`'s (`engines.target_refusal`), each refused in one line."""
+    from quantspec.calib.ptq import quantized_linears
+    from quantspec.quant.engines import engine_layers, fused_targets, target_refusal
+    from quantspec.quant.engines.moe import EXPERT
+
+    linears = list(quantized_linears(model, config))
+    governed = {k: [n for n in linears if config.scheme_for(n) is config.config_groups[k]] for k in specs}
+    for k, names in governed.items():
+        if not names:
+            raise QuantSpecError(f"--layer-quant-type {specs[k]!r} names no quantized Linear of this model "
+                                 f"(e.g. {linears[0] if linears else 'none'}); fix its target")
+        expert = next((n for n in names if EXPERT.match(n)), None)
+        if expert is not None:
+            raise QuantSpecError(f"--layer-quant-type {specs[k]!r} names experts of a mixture of experts ({expert}), "
+                                 "which take --quant-type; narrow the target to dense Linears")
+    for fused, members in engine_layers(linears).items():
+        if len({id(config.scheme_for(n)) for n in members}) > 1:
+            parts = sorted({n.rsplit(".", 1)[-1] for n in members})
+            raise QuantSpecError(f"--layer-quant-type gives the parts of {fused} ({', '.join(parts)}) different "
+                                 "quant types, and vLLM and SGLang run it as one layer; name all of its parts")
+    groups = dict(config.config_groups)
+    for k, names in governed.items():
+        groups[k] = replace(groups[k], targets=fused_targets(names))
+    config = replace(config, config_groups=groups)
+    refusal = target_refusal(target, config, moe=getattr(model.args, "num_experts", 0) > 0)
+    if refusal is not None:
+        raise QuantSpecError(refusal)
+    return config
