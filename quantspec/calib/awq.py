@@ -167,9 +167,11 @@ def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], sta
         full = s if tie is None else s[tie]
         g = [None] * len(weights)  # NVFP4: a unit's Linears share a global scale, as quantize writes them
         if args[0].is_nvfp4:
-            absmax = [(w.float() * full).abs().amax() for w in weights]
             of = list(units) if units is not None else [0] * len(weights)
-            top = {u: global_scale_from_absmax(torch.stack([m for m, v in zip(absmax, of) if v == u])) for u in of}
+            absmax: dict[object, list[torch.Tensor]] = {}
+            for w, u in zip(weights, of):
+                absmax.setdefault(u, []).append((w.float() * full).abs().amax())
+            top = {u: global_scale_from_absmax(torch.stack(ms)) for u, ms in absmax.items()}
             g = [top[u] for u in of]
         loss = sum(output_error(w, a, full, H, gi) for w, a, gi in zip(weights, args, g))
         if ratio is None:

@@ -63,7 +63,7 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
     → (that config, {new group key: its spec})."""
     from quantspec.quant.presets import default_weight_observer, preset
 
-    specs = (specs,) if isinstance(specs, str) else tuple(specs)
+    specs = tuple(specs)
     layers = [parse_layer_type(s) for s in specs]
     if quant_type not in LAYER_TYPES:
         raise QuantSpecError(f"--layer-quant-type mixes weight-only types, and --quant-type {quant_type.value} "

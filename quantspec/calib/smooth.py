@@ -225,10 +225,12 @@ def smoothed_weight(layer: nn.Module, prefix: str, factors: Mapping[str, torch.T
 
 
 @torch.no_grad()
-def layer_smoothed_weights(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor]
+def layer_smoothed_weights(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tensor],
+                           folds: Mapping[str, str] | None = None
                            ) -> dict[str, tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]]:
-    """`smoothed_weights` of one decoder layer named `prefix` (`smoothed_weight` of each Linear)."""
-    out, folds = {}, row_folds(layer)
+    """`smoothed_weights` of one decoder layer named `prefix` (`smoothed_weight` of each Linear);
+    `folds`: the layer's `row_folds`, when the caller has them."""
+    out, folds = {}, row_folds(layer) if folds is None else folds
     for n, mod in layer.named_modules():
         w = smoothed_weight(layer, prefix, factors, n, folds) if isinstance(mod, nn.Linear) else None
         if w is not None:
@@ -254,14 +256,15 @@ def smooth_layer(layer: nn.Module, prefix: str, factors: Mapping[str, torch.Tens
     named `prefix` in place: each norm's γ (and the output rows and bias of each `row_folds`
     source) divided by s, the Linears reading it with their input columns multiplied by s
     (`layer_smoothed_weights`)."""
-    weights = layer_smoothed_weights(layer, prefix, factors)
+    folds = row_folds(layer)
+    weights = layer_smoothed_weights(layer, prefix, factors, folds)
     for norm_name, lin_names in layer_norm_groups(layer):
         s = factors.get(f"{prefix}.{lin_names[0]}")
         if s is not None:
             norm = getattr(layer, norm_name)
             norm.weight.copy_(fold_into_norm(norm.weight, s.to(norm.weight.device),
                                              unit_offset=getattr(norm, "unit_offset", False))[0])
-    for name, reader in row_folds(layer).items():
+    for name, reader in folds.items():
         s = factors.get(f"{prefix}.{reader}")
         bias = layer.get_submodule(name).bias if s is not None else None
         if bias is not None:
