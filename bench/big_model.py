@@ -20,6 +20,8 @@ artifact + 1 GB, and the artifact's own size is the checkpoint column of that ro
 
 Commands: `int8` (weight_only_int8, RTN), `int4` (weight_only_int4, RTN), `int4-gptq`
 (weight_only_int4 --method gptq on --num-samples × --seq-len tokens of bench/data/calib.jsonl),
+`fp8-int4-gptq` (the same from a block-FP8 artifact of the checkpoint, written first, whose weights
+are decompressed a layer at a time),
 `a8w8` (calibrate on those tokens, then quantize --quant-type a8w8 with its default recipe:
 α search and the fallback under the error budget, every pass one layer at a time), `infer`,
 `infer-int4`, `infer-int8`.
@@ -28,6 +30,7 @@ Commands: `int8` (weight_only_int8, RTN), `int4` (weight_only_int4, RTN), `int4-
     python bench/big_model.py --models 3b --commands int4-gptq
     python bench/big_model.py --models 8b --commands int8          # needs ≈ 40 GB of disk
     python bench/big_model.py --models 3b --commands int4-gptq --layers 2   # the same step, in minutes
+    python bench/big_model.py --models 1b --commands int4-gptq,fp8-int4-gptq --layers 4
 """
 
 from __future__ import annotations
@@ -52,7 +55,7 @@ SHAPES = {
     "tiny": ("tiny", 128, 256, 3, 4, 2, 32, False),  # for the smoke test
 }
 VOCAB = 49152
-COMMANDS = ("int8", "int4", "int4-gptq", "a8w8", "infer", "infer-int4", "infer-int8")
+COMMANDS = ("int8", "int4", "int4-gptq", "fp8-int4-gptq", "a8w8", "infer", "infer-int4", "infer-int8")
 GB = 10**9
 SHARD_BYTES = 2 * 10**9
 BENCH_DIR = Path(__file__).resolve().parent
@@ -170,6 +173,14 @@ def commands(name: str, ckpt: Path, work: Path, a) -> list[tuple[str, list[str],
     if name == "int4-gptq":
         return [("quantize int4 gptq", [*q, "--quant-type", "weight_only_int4", "--method", "gptq", *data,
                                         "--out", str(work / "int4-gptq")], tokens, True, None)]
+    if name == "fp8-int4-gptq":  # a block-FP8 source, as FP8 releases ship, decompressed a layer at a time
+        fp8 = work / "fp8"
+        first = [] if (fp8 / "config.json").is_file() else [
+            ("quantize fp8 block", [*q, "--quant-type", "a8w8_fp8", "--weight-block", "128", "--out", str(fp8)], 0,
+             False, None)]
+        return [*first, ("quantize int4 gptq from fp8",
+                         ["quantize", "--model", str(fp8), "--device", a.device, "--overwrite", "--quant-type",
+                          "weight_only_int4", "--method", "gptq", *data, "--out", str(work / name)], tokens, True, None)]
     infer = ["infer", "--device", a.device, "--prompt", "Hello", "--no-chat-template", "--max-new-tokens", "4"]
     if name == "infer":
         return [("infer bf16", [*infer, "--model", str(ckpt)], 0, False, ckpt)]

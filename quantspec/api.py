@@ -291,6 +291,7 @@ def inspect(path: str | Path) -> dict:
         compression_ratio=None if not src else round(src / weights_bytes, 3),
         method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
+        source_quantization=prov.get("source_quantization"),
     )
     cfg = read_config(d)
     own = _OWN_FORMATS.get(cfg["quantization_config"].get("quant_method"))

@@ -152,6 +152,75 @@ def calibration_table(tmp_path_factory):
     return make
 
 
+def _ct_scheme_of(qc, name: str):
+    """compressed-tensors' precedence for a Linear: an exact name, then a regex target, then the
+    class name."""
+    import re
+
+    hits = [(0 if t == name else 1 if t.startswith("re:") and re.match(t[3:], name) else 2 if t == "Linear" else None,
+             g) for g in qc.config_groups.values() for t in g.targets]
+    return min((h for h in hits if h[0] is not None), key=lambda h: h[0])[1]
+
+
+@pytest.fixture(scope="session")
+def ct_scheme_of():
+    """ct_scheme_of(qc, name): the scheme of compressed-tensors' `QuantizationConfig` `qc` that
+    governs Linear `name`, by compressed-tensors' precedence."""
+    return _ct_scheme_of
+
+
+def _ct_fp4_fp32(comp, local: dict, scheme) -> torch.Tensor:
+    """An NVFP4 / MXFP4 weight as compressed-tensors' FP4 compressor decompresses it, its own steps
+    (`unpack_fp4_from_uint8`, the compressor's scale, `dequantize`) run in fp32 where its
+    `decompress` runs them in bf16."""
+    from compressed_tensors.compressors.nvfp4.helpers import unpack_fp4_from_uint8
+    from compressed_tensors.quantization.lifecycle.forward import dequantize
+
+    packed = local["weight_packed"]
+    q = unpack_fp4_from_uint8(packed, packed.shape[0], packed.shape[1] * 2, dtype=torch.float32)
+    return dequantize(x_q=q, scale=comp._decompress_scale(local["weight_scale"], torch.float32), args=scheme.weights,
+                      global_scale=local.get("weight_global_scale"), dtype=torch.float32).contiguous()
+
+
+@pytest.fixture(scope="session")
+def ct_decompressed():
+    """ct_decompressed(art, out) → (out, the decompressed Linears' names): the float checkpoint
+    of artifact `art` in directory `out`, each quantized Linear's weight as compressed-tensors' own
+    compressor for its scheme's format decompresses it (in fp32: `_ct_fp4_fp32`), every other
+    tensor as stored (norms smoothed by a recipe included) but KV-cache scales, config.json
+    without its quantization_config."""
+    import json
+
+    from safetensors.torch import save_file
+
+    from quantspec.quant.artifact import load_safetensors
+
+    def make(art, out):
+        from compressed_tensors.compressors.base import BaseCompressor
+        from compressed_tensors.quantization import QuantizationConfig
+
+        cfg = json.loads((art / "config.json").read_text())
+        qc = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
+        packed = load_safetensors(art)
+        names = {k.rsplit(".", 1)[0] for k in packed if k.endswith(".weight_scale")}
+        dense = {k: v for k, v in packed.items() if k.rsplit(".", 1)[0] not in names or k.endswith(".bias")}
+        dense = {k: v for k, v in dense.items() if not k.endswith((".k_scale", ".v_scale"))}
+        for n in names:
+            scheme = _ct_scheme_of(qc, n)
+            local = {k[len(n) + 1:]: v for k, v in packed.items() if k.startswith(n + ".")
+                     and k[len(n) + 1:] not in ("input_scale", "input_zero_point")}
+            fmt = scheme.format or qc.format
+            comp = BaseCompressor.get_value_from_registry(fmt)
+            dense[f"{n}.weight"] = _ct_fp4_fp32(comp, local, scheme) if fmt.endswith("fp4-pack-quantized") \
+                else comp.decompress(local, scheme)["weight"].float().contiguous()
+        out.mkdir()
+        save_file(dense, str(out / "model.safetensors"))
+        (out / "config.json").write_text(json.dumps(cfg))
+        return out, names
+
+    return make
+
+
 @pytest.fixture(scope="session")
 def tiny_tokenizer_dir(tmp_path_factory) -> Path:
     """The tiny byte-level BPE tokenizer (variant 0, vocab 512), saved with save_pretrained."""

@@ -229,7 +229,9 @@ CASES = [
      "--model"),
     ("quantize-model-truncated", "quantize --model {d}/truncated --quant-type weight_only_int8 --out {d}/q",
      "--model"),
-    ("quantize-already-quantized", "quantize --model {d}/quantized --quant-type weight_only_int8 --out {d}/q",
+    ("quantize-source-format-unknown", "quantize --model {d}/quantized_gptq --quant-type weight_only_int4 --out {d}/q",
+     "--model"),
+    ("quantize-quantized-draft", "quantize --model {d}/medusa_quantized --quant-type weight_only_int8 --out {d}/q",
      "--model"),
     ("quantize-shard-missing", "quantize --model {d}/shard_missing --quant-type weight_only_int8 --out {d}/q",
      "model-00002-of-00002.safetensors"),
@@ -257,7 +259,7 @@ CASES = [
     ("calibrate-out-not-empty", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/busy", "--overwrite"),
     ("calibrate-out-read-only", "calibrate --model {model} --dataset {d}/calib.txt --out {ro}/c", "--out"),
     ("calibrate-out-under-file", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/a_file/c", "--out"),
-    ("calibrate-quantized-model", "calibrate --model {d}/quantized --dataset {d}/calib.txt --out {d}/c",
+    ("calibrate-source-format-unknown", "calibrate --model {d}/quantized_gptq --dataset {d}/calib.txt --out {d}/c",
      "--model"),
     ("calibrate-shard-truncated", "calibrate --model {d}/shard_truncated --dataset {d}/calib.txt --out {d}/c",
      "model-00002-of-00002.safetensors"),
@@ -331,6 +333,10 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
                                                        "architectures": ["Gemma3ForCausalLM"],
                                                        "use_bidirectional_attention": True}))
     shutil.copytree(quantized, d / "quantized")
+    shutil.copytree(quantized, d / "quantized_gptq")  # AutoGPTQ's own format, which quantspec does not read
+    cfg = json.loads((d / "quantized_gptq" / "config.json").read_text())
+    (d / "quantized_gptq" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}))
     _medusa_inputs(d)
     _eagle3_inputs(d)
 
@@ -369,6 +375,10 @@ def _medusa_inputs(d: Path) -> None:
     from quantspec.model_zoo.medusa import MedusaArgs, MedusaHeads, save_medusa
 
     save_medusa(MedusaHeads(MedusaArgs(2, 1, 64, 512, 8)), d / "medusa")
+    shutil.copytree(d / "medusa", d / "medusa_quantized")
+    cfg = json.loads((d / "medusa_quantized" / "config.json").read_text())
+    (d / "medusa_quantized" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
+        "quant_method": "compressed-tensors", "config_groups": {}}}))
     save_medusa(MedusaHeads(MedusaArgs(2, 1, 32, 512)), d / "medusa_otherbase")
     bad = MedusaHeads(MedusaArgs(2, 1, 64, 512, 8))
     bad.medusa_draft_vocab.copy_(torch.arange(8) + 9999)

@@ -3,7 +3,8 @@ torch from a quantspec NVFP4 artifact by compressed-tensors' conversion rules re
 (`weight_packed` → `weight`, the global scales → their reciprocals `weight_scale_2` /
 `input_scale`, `self_attn.k_scale` → `self_attn.k_proj.k_scale`): config.json's
 `quant_method: "modelopt"` block and the older `hf_quant_config.json`. quantspec runs them with
-the artifact's numbers, honours `exclude_modules` wildcards, and refuses to quantize them."""
+the artifact's numbers and honours `exclude_modules` wildcards (`quantize` reads them as the float
+checkpoint they decompress to: tests/test_quantize_from_quantized.py)."""
 
 import importlib.util
 import json
@@ -85,8 +86,6 @@ def test_we_run_modelopt_nvfp4(nvfp4_artifact, tmp_path, sidecar):
     torch.testing.assert_close(theirs, ours, rtol=1e-4, atol=1e-4)
     info = api.inspect(out)
     assert info["format"].startswith("modelopt NVFP4") and info["quant_type"] == "nvfp4"
-    with pytest.raises(QuantSpecError, match="already quantized"):
-        api.quantize(str(out), "weight_only_int8", tmp_path / "again")
 
 
 def test_modelopt_algorithms_quantspec_does_not_run_are_one_line(nvfp4_artifact, tmp_path):

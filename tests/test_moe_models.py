@@ -10,7 +10,7 @@ import shutil
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
+from safetensors.torch import load_file
 
 from quantspec import api
 from quantspec.errors import QuantSpecError
@@ -46,39 +46,6 @@ def moe_dir(tmp_path_factory):
 @pytest.fixture(scope="module", params=["qwen3_moe", "qwen2_moe", "mixtral"])
 def any_moe_dir(request, tmp_path_factory):
     return _tiny_moe(tmp_path_factory, request.param)
-
-
-def _scheme_of(qc, name: str):
-    """compressed-tensors' precedence for a Linear: a regex target before the class name."""
-    import re
-
-    hits = [(0 if t.startswith("re:") and re.match(t[3:], name) else 1 if t == "Linear" else None, g)
-            for g in qc.config_groups.values() for t in g.targets]
-    return min((h for h in hits if h[0] is not None), key=lambda h: h[0])[1]
-
-
-def _decompressed(art, out):
-    """The float checkpoint of artifact `art`: each quantized Linear's weight as compressed-tensors'
-    own compressor for the artifact's format decompresses it, every other tensor as stored (norms
-    smoothed by the recipe included)."""
-    from compressed_tensors.compressors.base import BaseCompressor
-    from compressed_tensors.quantization import QuantizationConfig
-
-    cfg = json.loads((art / "config.json").read_text())
-    qc = QuantizationConfig.model_validate(cfg.pop("quantization_config"))
-    packed = load_file(str(art / "model.safetensors"))
-    names = {k.rsplit(".", 1)[0] for k in packed if k.endswith(".weight_scale")}
-    dense = {k: v for k, v in packed.items() if k.rsplit(".", 1)[0] not in names or k.endswith(".bias")}
-    for n in names:
-        scheme = _scheme_of(qc, n)
-        local = {k[len(n) + 1:]: v for k, v in packed.items() if k.startswith(n + ".")
-                 and k[len(n) + 1:] not in ("input_scale", "input_zero_point")}
-        comp = BaseCompressor.get_value_from_registry(scheme.format or qc.format)
-        dense[f"{n}.weight"] = comp.decompress(local, scheme)["weight"].float().contiguous()
-    out.mkdir()
-    save_file(dense, str(out / "model.safetensors"))
-    (out / "config.json").write_text(json.dumps(cfg))
-    return out, names
 
 
 def test_logits_match_transformers_fused_or_not(any_moe_dir, logits_of):
@@ -136,13 +103,14 @@ def corpus(tmp_path_factory):
     ("weight_only_int4", {"group_size": 32, "method": "awq+gptq"}),  # the router folded, stored float
 ])
 def test_weight_only_artifacts_run_as_compressed_tensors_decompresses_them(any_moe_dir, corpus, tmp_path,
-                                                                          quant_type, options, logits_of):
+                                                                          quant_type, options, logits_of,
+                                                                          ct_decompressed):
     if options.get("method", "rtn") != "rtn":
         options = {**options, "dataset": str(corpus), "num_samples": 8, "seq_len": 32}
     art = api.quantize(str(any_moe_dir), quant_type, tmp_path / "art", **options)
     cfg = json.loads((art / "config.json").read_text())["quantization_config"]
     assert set(router_ignore(load_model(any_moe_dir)[0].args)) <= set(cfg["ignore"])
-    ref, names = _decompressed(art, tmp_path / "dense")
+    ref, names = ct_decompressed(art, tmp_path / "dense")
     experts = {n for n in names if ".experts." in n}
     assert len(experts) == len(_sparse(any_moe_dir)) * EXPERTS * 3 and not any(n.endswith(".gate") for n in names)
     shared = {n for n in names if ".shared_expert." in n}  # Qwen2-MoE's shared expert: quantized, its gate not
@@ -174,7 +142,7 @@ def test_gptq_quantizes_every_expert_from_every_token(moe_dir, method):
 
 
 def test_calibration_sees_every_expert_and_static_scales_are_one_per_layer(moe_dir, calibration_table, tmp_path,
-                                                                           logits_of):
+                                                                           logits_of, ct_decompressed, ct_scheme_of):
     from quantspec.calib.tables import read_table
 
     table = read_table(calibration_table(moe_dir), model_dir=moe_dir)
@@ -191,12 +159,12 @@ def test_calibration_sees_every_expert_and_static_scales_are_one_per_layer(moe_d
     from compressed_tensors.quantization.lifecycle.forward import fake_quantize
 
     qc = QuantizationConfig.model_validate(json.loads((art / "config.json").read_text())["quantization_config"])
-    assert _scheme_of(qc, "model.layers.0.mlp.experts.3.down_proj").weights.strategy == "tensor"  # as engines load
-    assert _scheme_of(qc, "model.layers.0.self_attn.q_proj").weights.strategy == "channel"
-    ref, names = _decompressed(art, tmp_path / "dense")
+    assert ct_scheme_of(qc, "model.layers.0.mlp.experts.3.down_proj").weights.strategy == "tensor"  # as engines load
+    assert ct_scheme_of(qc, "model.layers.0.self_attn.q_proj").weights.strategy == "channel"
+    ref, names = ct_decompressed(art, tmp_path / "dense")
     model, _ = load_model(ref)
     for n in names:
-        scale, args = t[f"{n}.input_scale"], _scheme_of(qc, n).input_activations
+        scale, args = t[f"{n}.input_scale"], ct_scheme_of(qc, n).input_activations
         model.get_submodule(n).register_forward_pre_hook(
             lambda m, a, scale=scale, args=args: (fake_quantize(a[0], scale, torch.zeros_like(scale), args),))
     lm = load_for_inference(art, tokenizer=False, policy=DispatchPolicy(fast=False))

@@ -269,16 +269,16 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
 
 
 def _load_for_calibration(model: str):
-    """(the model on `meta`, its directory, its CheckpointReader)."""
+    """(the model on `meta`, its directory, its CheckpointReader: a quantized checkpoint's
+    `quant.decompressed.DecompressedReader`)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint, read_config, resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs
 
+    from quantspec.quant.decompressed import source_reader
+
     model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
-    if cfg.get("quantization_config"):
-        raise QuantSpecError(f"{model_dir} is a quantized artifact; calibrate the original "
-                             "(unquantized) model it was made from")
-    reader = CheckpointReader(model_dir)
+    reader = source_reader(model_dir, cfg)  # a quantized checkpoint: the float one it decompresses to
     args = ModelArgs.from_hf_config(cfg)
     check_checkpoint(reader.shapes, args, str(model_dir))
     return build_model(args, "meta"), model_dir, reader

@@ -258,6 +258,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     from quantspec.calib.ptq import decoder_layers, quantize_model
     from quantspec.calib.stream import check_disk, open_run, run_identity, say_resume
     from quantspec.devices import resolve_device
+    from quantspec.quant.decompressed import source_quantization
 
     t0 = time.perf_counter()
     say = on_status or (lambda _m: None)
@@ -266,6 +267,9 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     src = _read_source(config)
     if src.reader is not None and src.reader.stored:  # `model_zoo.multimodal`
         say("reading the text decoder of a multimodal checkpoint (the artifact leaves its vision tower out)")
+    if (was := source_quantization(src.reader)) is not None:
+        say(f"decompressing the checkpoint's {was['quant_type'] or was['format']} weights ({was['quant_method']}) "
+            "a layer at a time")
     model = _skeleton(config, src)
     if src.reader is not None:  # a fused checkpoint's modules (Phi-3's qkv_proj) by their parts' names, named whole
         from quantspec.model_zoo.layout import checkpoint_config, part_config
@@ -304,21 +308,21 @@ def _read_source(config: QuantizeConfig) -> _Source:
     A draft module is checked against `--target` here (`quant.engines.target_refusal`); an
     EAGLE-3 head's config, in the plain layout whatever the source's format, leaves float what
     the target's engines load float (`quant.engines.eagle3_ignore`)."""
-    from quantspec.model_zoo.checkpoint import (CheckpointReader, draft_kind, read_config, resolve_model_dir,
-                                                verify_checkpoint)
+    from quantspec.model_zoo.checkpoint import draft_kind, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.eagle3 import Eagle3Args
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.model_zoo.moe import router_ignore
     from quantspec.quant.presets import for_experts
+    from quantspec.quant.decompressed import source_reader
     from quantspec.quant.engines import eagle3_ignore, eagle3_refusal, target_refusal
 
     qconfig = config.quant_config
     with about("--model"):
         model_dir = resolve_model_dir(config.model)
         cfg = read_config(model_dir)
-        if cfg.get("quantization_config"):
-            raise QuantSpecError(f"{model_dir} is already quantized; quantize the original checkpoint")
         kind = draft_kind(cfg)
+        if cfg.get("quantization_config") and kind is not None:
+            raise QuantSpecError(f"{model_dir} is a quantized draft module; quantize the float one it was made from")
         what = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}.get(kind)
         if kind == "eagle3":
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
@@ -339,7 +343,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
             refusal = f"--target sglang: {unfit}; pass --target vllm (or quantspec)"
         if refusal is not None:
             raise QuantSpecError(f"{model_dir} is {what or 'a mixture of experts'}: {refusal}")
-        reader = None if what else CheckpointReader(model_dir)  # every header checked
+        reader = None if what else source_reader(model_dir, cfg)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)
     dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
@@ -451,6 +455,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
     from quantspec import __version__
     from quantspec.model_zoo.checkpoint import model_fingerprint
     from quantspec.quant.artifact import write_artifact
+    from quantspec.quant.decompressed import source_quantization
 
     if config.kv_cache is not None and "kv" not in run.writer.parts:
         # k_scale / v_scale per attention: [1] or [KV, 1, 1] (compressed-tensors)
@@ -465,6 +470,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "source_model": str(config.model), "source_dir": str(src.model_dir),
         "source_size_bytes": sum(f.stat().st_size for f in src.model_dir.glob("*.safetensors")),
         "model_fingerprint": model_fingerprint(src.model_dir),
+        "source_quantization": source_quantization(src.reader),
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",

@@ -180,6 +180,9 @@ def inspect(path, as_json):
     if info.get("ignore") is not None:
         head.add_row("ignore", ", ".join(info["ignore"]) or "-")
     head.add_row("weights on disk", _gib(info["weights_bytes"]))
+    if info.get("source_quantization"):  # the source was itself quantized: its weights were decompressed
+        was = info["source_quantization"]
+        head.add_row("quantized from", f"{was['quant_type'] or was['format']} ({was['quant_method']})")
     if info.get("source_size_bytes"):
         head.add_row("source weights", _gib(info["source_size_bytes"]))
         head.add_row("compression ratio", f"{info['compression_ratio']}x")

@@ -9,8 +9,8 @@ This file owns the model-level half of reading an artifact (the Linear-level hal
   targets (`scheme_for(name)`, compressed-tensors' matching rules) is replaced by a
   `QuantLinear` built from its tensors, the remaining float tensors (embeddings, norms, ignored
   Linears such as `lm_head`, biases) are loaded with `assign=True`, and the whole checkpoint is
-  checked against the expected names and shapes first (missing, mis-shaped and unexpected tensors
-  are one clear error each). Tied embeddings stay tied unless the checkpoint quantized `lm_head`.
+  checked against the expected names and shapes first (`quant.artifact_plan`: missing,
+  mis-shaped and unexpected tensors are one clear error each). Tied embeddings stay tied unless the checkpoint quantized `lm_head`.
 - static KV-cache scales: `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], [], [H_kv],
   or [H_kv, 1, 1]; per-tensor ones broadcast to every KV head) → `k_scale`, `v_scale`
   [num_layers, num_kv_heads] fp32, with the cache dtype from `kv_cache_scheme` (int8 / fp8).
@@ -27,7 +27,6 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
-from torch import nn
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, prepare
@@ -36,24 +35,19 @@ from quantspec.infer.quant_linear import QuantLinear, linear_kind
 from quantspec.model_zoo.checkpoint import (
     CheckpointReader,
     CheckpointTensors,
-    build_model,
-    check_against_table,
     checkpoint_float_dtype,
     load_model,
     read_config,
     release_free_heap,
     resolve_model_dir,
 )
-from quantspec.model_zoo.layout import RenamedLeaves, SplitTensors, checkpoint_name
-from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
+from quantspec.model_zoo.llama import ModelArgs, Transformer
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
-from quantspec.quant.compressed import expected_linear_tensors
+from quantspec.quant.artifact_plan import KV_NAMES, attn_prefix, plan_artifact
 
 __all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "quantized_model", "read_eos_token_ids"]
 
-_IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)
-_KV_NAMES = ("k_scale", "v_scale")
 _TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "tokenizer.model", "vocab.json")
 
 
@@ -136,18 +130,14 @@ def read_sampling_defaults(model_dir: Path) -> dict:
             and not isinstance(cfg.get(k), bool)}
 
 
-def _attn_prefix(i: int) -> str:
-    return f"model.layers.{i}.self_attn"
-
-
 def _kv_scales(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """[L, KV] fp32 k/v scales from per-layer `self_attn.{k,v}_scale` tensors."""
     out = []
-    for kind in _KV_NAMES:
+    for kind in KV_NAMES:
         rows = []
         for i in range(args.num_layers):
-            name = f"{_attn_prefix(i)}.{kind}"
+            name = f"{attn_prefix(i)}.{kind}"
             if name not in tensors:
                 raise QuantSpecError(f"{where} has a kv_cache_scheme but lacks {name}; "
                                      "re-quantize with --calib (a calibration table with KV scales)")
@@ -166,99 +156,6 @@ def _kv_scales(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str
     return out[0], out[1]
 
 
-def _is_trivial_g_idx(g_idx: torch.Tensor, K: int, group_size: int | None) -> bool:
-    if g_idx.numel() != K or not group_size or group_size <= 0:
-        return False
-    return torch.equal(g_idx.to(torch.int64).reshape(-1), torch.arange(K) // group_size)
-
-
-def _quantized_modules(net: Transformer, qc: QuantConfig, where: str) -> dict[str, Any]:
-    """{Linear name: its scheme} for every Linear the config quantizes (a part of a fused
-    checkpoint module takes that module's: `layout.checkpoint_name`); refuses quantized
-    embeddings (which quantspec does not run)."""
-    out = {}
-    for name, mod in net.named_modules():
-        if isinstance(mod, nn.Linear):
-            scheme = qc.scheme_for(checkpoint_name(net.args, name), ("Linear",))
-            if scheme is not None:
-                if scheme.weights is None:
-                    raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
-                                         "which quantspec does not run; add it to `ignore`")
-                try:  # a scheme quantspec does not run is named before its tensors are read
-                    linear_kind(scheme.weights, scheme.input_activations)
-                except QuantSpecError as e:
-                    raise QuantSpecError(f"{where}: {name}: {e}") from None
-                out[name] = scheme
-        elif isinstance(mod, nn.Embedding):
-            scheme = qc.scheme_for(name, ("Embedding",))
-            if scheme is not None and scheme.weights is not None:
-                raise QuantSpecError(f"{where}: {name} (an embedding) is quantized; quantspec keeps "
-                                     "embeddings in float — re-quantize with it in `ignore`")
-    if not out:
-        raise QuantSpecError(f"{where}: the quantization_config targets no Linear of this model "
-                             "(check config_groups targets and ignore)")
-    return out
-
-
-def _float_table(args: ModelArgs, net: Transformer, quantized: dict, shapes: Mapping[str, tuple],
-                 where: str) -> tuple[dict[str, tuple], dict[str, dict]]:
-    """(the float tensors the checkpoint must hold, with shapes; the compressed names per quantized
-    Linear), the float ones checked against the checkpoint's `shapes`."""
-    table = hf_weight_table(args)
-    if "lm_head" in quantized and "lm_head.weight" not in table:
-        table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
-    q_expected: dict[str, dict] = {}
-    for name, scheme in quantized.items():
-        lin = net.get_submodule(name)
-        table.pop(f"{name}.weight", None)
-        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
-    missing = [n for n in table if n not in shapes]
-    if missing:
-        more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
-        raise QuantSpecError(f"{where} lacks {', '.join(missing[:3])}{more}; the "
-                             "checkpoint is incomplete")
-    check_against_table(shapes, table, where)
-    return table, q_expected
-
-
-def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expected: dict, where: str) -> set[str]:
-    """The quantized Linears' tensors a checkpoint may hold: the expected ones, zero points of
-    symmetric args (all zero) and a trivial act-order index, which compressed-tensors may store
-    and which are dropped; anything else of theirs is refused."""
-    allowed: set[str] = set()
-    for name, exp in q_expected.items():
-        allowed.update(exp)
-        for opt in ("input_zero_point", "weight_zero_point"):
-            key = f"{name}.{opt}"
-            if key in tensors and key not in exp:
-                if bool((tensors[key].float() != 0).any()):
-                    raise QuantSpecError(f"{where}: {key} is non-zero but the config says the "
-                                         "args are symmetric; the checkpoint and config disagree")
-                allowed.add(key)
-        gkey = f"{name}.weight_g_idx"
-        if gkey in tensors:
-            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
-                                     quantized[name].weights.group_size):
-                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
-                                     "which quantspec does not run; re-quantize with static "
-                                     "act-order groups (quantspec's --act-order)")
-            allowed.add(gkey)
-    return allowed
-
-
-def _refuse_unexpected(names: set[str], allowed: set[str], kv_names: set[str], args: ModelArgs, where: str) -> None:
-    unexpected = sorted(names - allowed)
-    if unexpected:
-        u = unexpected[0]
-        if u in kv_names:
-            raise QuantSpecError(f"{where}: {u} is present but config.json has no "
-                                 "kv_cache_scheme; add it or drop the KV scales")
-        more = f" (+{len(unexpected) - 1} more)" if len(unexpected) > 1 else ""
-        raise QuantSpecError(f"{where}: unexpected tensor {u}{more} for this {args.arch} "
-                             "checkpoint and its quantization_config; the checkpoint and "
-                             "config.json disagree")
-
-
 def _load_quantized(model_dir: Path, args: ModelArgs, qc: QuantConfig, *,
                     dtype: torch.dtype, device: torch.device, policy: DispatchPolicy | None
                     ) -> tuple[Transformer, torch.Tensor | None, torch.Tensor | None]:
@@ -275,27 +172,12 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
     `QuantLinear`s on `device`, k_scale, v_scale). Every name and shape is checked against `args`
     and `qc`; `where` names the source in messages. The model is not yet prepared for its device
     (`infer.backend.prepare`)."""
-    if qc.tensor_names:  # tensors another tool names otherwise (`quant.hf_fp8`)
-        tensors = RenamedLeaves(tensors, qc.tensor_names)
-    if qc.source == "modelopt":  # ModelOpt's names and reciprocal global scales (`quant.modelopt`)
-        from quantspec.quant.modelopt import ModelOptTensors
-
-        tensors = ModelOptTensors(tensors, qc)
-    tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
-    shapes = tensors.shapes
-    names = {k for k in shapes if not k.endswith(_IGNORED_SUFFIXES)}
-    net = build_model(args, device="meta")
-    quantized = _quantized_modules(net, qc, where)
-    lm_head_quantized = "lm_head" in quantized
-    if args.tie_word_embeddings and not lm_head_quantized:
-        names.discard("lm_head.weight")  # some exporters write the tied copy anyway
-    float_table, q_expected = _float_table(args, net, quantized, shapes, where)
-    allowed = set(float_table) | _optional_tensors(tensors, net, quantized, q_expected, where)
+    plan = plan_artifact(tensors, args, qc, where=where,
+                         check_scheme=lambda s: linear_kind(s.weights, s.input_activations))
+    tensors, net, quantized = plan.tensors, plan.net, plan.quantized
     k_scale = v_scale = None
-    kv_names = {f"{_attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in _KV_NAMES}
     if qc.kv_cache_scheme is not None:
         k_scale, v_scale = _kv_scales(tensors, args, where)
-        allowed |= kv_names
     # quantized Linears first: a missing or mis-shaped compressed tensor is named precisely
     for name, scheme in quantized.items():
         lin = net.get_submodule(name)
@@ -303,12 +185,12 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
                                       dtype=dtype, device=device, policy=policy)
         net.set_submodule(name, ql)
         release_free_heap()  # the codes' temporaries, freed between kept layouts: no growth per layer
-    _refuse_unexpected(names, allowed, kv_names, args, where)
+    plan.refuse_unexpected(args, where)
     q_biases = {f"{name}.bias" for name in quantized}  # already inside their QuantLinear
-    float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in float_table
+    float_state = {k: tensors[k].to(device=device, dtype=dtype) for k in plan.float_table
                    if k not in q_biases}
     net.load_state_dict(float_state, strict=False, assign=True)
-    if args.tie_word_embeddings and not lm_head_quantized:
+    if args.tie_word_embeddings and "lm_head" not in quantized:
         net.lm_head.weight = net.model.embed_tokens.weight
     left = [n for n, p in list(net.named_parameters()) + list(net.named_buffers())
             if p is not None and p.is_meta]

@@ -32,7 +32,7 @@ from quantspec.quant.scheme import QuantScheme
 from quantspec.quant.packing import unpack_int4
 from quantspec.quant.primitives import storage_dtype, zero_point_dtype
 
-__all__ = ["QuantizedLinearTensors", "expected_linear_tensors", "read_quantized_linear"]
+__all__ = ["QuantizedLinearTensors", "check_present", "expected_linear_tensors", "read_quantized_linear"]
 
 _WORD_BITS = 32
 
@@ -163,9 +163,9 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
     return out
 
 
-def _check_shape(name: str, t: torch.Tensor, shape: tuple[int, ...] | None) -> None:
-    if shape is not None and tuple(t.shape) != tuple(shape):
-        raise QuantSpecError(f"{name} has shape {tuple(t.shape)}, expected {tuple(shape)} from "
+def _check_shape(name: str, have: tuple[int, ...], shape: tuple[int, ...] | None) -> None:
+    if shape is not None and tuple(have) != tuple(shape):
+        raise QuantSpecError(f"{name} has shape {tuple(have)}, expected {tuple(shape)} from "
                              "config.json; the checkpoint does not match its config")
 
 
@@ -198,7 +198,7 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
     Raises `QuantSpecError` naming the first missing or mis-shaped tensor; a static a8w8 /
     a8w8_fp8 scheme without `input_scale` says to re-quantize with calibration.
     """
-    _check_present(tensors, expected_linear_tensors(prefix, scheme, out_features, in_features))
+    check_present(tensors, expected_linear_tensors(prefix, scheme, out_features, in_features))
     w = scheme.weights
     scale = tensors[f"{prefix}.weight_scale"]
     if w.is_mx:
@@ -250,8 +250,11 @@ def _mxfp4_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: Quan
                                   bias=tensors.get(f"{prefix}.bias"))
 
 
-def _check_present(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple | None]) -> None:
-    """Refuse the first tensor of `expected` ({name: shape or None}) missing or mis-shaped."""
+def check_present(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, tuple | None]) -> None:
+    """Refuse the first tensor of `expected` ({name: shape or None}, `expected_linear_tensors`)
+    missing or mis-shaped; a mapping that knows its `shapes` (`layout.ShapedTensors`) is checked
+    without reading any data."""
+    shapes = getattr(tensors, "shapes", None)
     for name, shape in expected.items():
         if name not in tensors:
             if name.endswith(".input_scale"):
@@ -260,7 +263,7 @@ def _check_present(tensors: Mapping[str, torch.Tensor], expected: Mapping[str, t
                                      "(a calibration table) to store one")
             raise QuantSpecError(f"tensor {name!r} is missing from the checkpoint; it is "
                                  "incomplete — re-download or re-create it")
-        _check_shape(name, tensors[name], shape)
+        _check_shape(name, shapes[name] if shapes is not None else tuple(tensors[name].shape), shape)
 
 
 def _packed_weight(tensors: Mapping[str, torch.Tensor], prefix: str, w: QuantArgs, shape: tuple[int, int],

@@ -1,6 +1,6 @@
 """`bench/big_model.py`: it builds the sharded random checkpoint it claims to and measures every
 command it lists (infer on the bf16 checkpoint and on a quantized artifact too, quantizing it
-first where no command has), with a step size that follows the shape and each command's target."""
+first where no command has; GPTQ from a block-FP8 artifact it writes first), with a step size that follows the shape and each command's target."""
 
 import json
 
@@ -10,10 +10,11 @@ pytestmark = pytest.mark.bench
 
 
 def test_builds_a_sharded_checkpoint_and_measures_each_command(big_model, tmp_path, capsys):
-    rows = big_model.main(["--models", "tiny", "--commands", "int8,a8w8,infer,infer-int8,infer-int4", "--num-samples",
-                           "4", "--seq-len", "32", "--device", "cpu", "--dir", str(tmp_path), "--keep"])
+    rows = big_model.main(["--models", "tiny", "--commands", "int8,a8w8,infer,infer-int8,infer-int4,fp8-int4-gptq",
+                           "--num-samples", "4", "--seq-len", "32", "--device", "cpu", "--dir", str(tmp_path), "--keep"])
     assert [r["command"] for r in rows] == ["quantize int8", "calibrate", "quantize a8w8", "infer bf16", "infer int8",
-                                            "quantize int4", "infer int4"]
+                                            "quantize int4", "infer int4", "quantize fp8 block",
+                                            "quantize int4 gptq from fp8"]
     assert all(r["peak_gb"] > 0 and r["wall_s"] > 0 and r["ratio"] > 0 for r in rows)
     ckpt = tmp_path / "tiny-random"
     index = json.loads((ckpt / "model.safetensors.index.json").read_text())

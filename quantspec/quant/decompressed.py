@@ -1,0 +1,116 @@
+"""A quantized checkpoint read as the float checkpoint it decompresses to, so `quantize` and
+`calibrate` take an FP8, NVFP4, MXFP4, int8 or int4 checkpoint (compressed-tensors, transformers'
+and vLLM's own FP8, ModelOpt's NVFP4) as their source the way they take a float one: a block-FP8
+release quantized to int4 with GPTQ, an int8 artifact re-quantized with another recipe.
+
+Every format the inference loader runs is read, after the same checks (`quant.artifact_plan`:
+the whole checkpoint against its config, from its headers, before any work). Each quantized
+Linear's `weight` is shown as `dequantize(q, scale, zero point)` of its compressed tensors in
+fp32 (`quant.primitives.dequantize`, the numbers every quantspec kernel computes with), read when
+looked up: a layer at a time, as from a float checkpoint. The source's static input scales and
+KV-cache scales are not shown (a new artifact calibrates its own); every other tensor is the
+checkpoint's own, and its bytes are copied as they are where the new artifact keeps it float.
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Iterable, Mapping
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import CheckpointReader, CheckpointTensors, read_config
+from quantspec.model_zoo.layout import ShapedTensors
+from quantspec.model_zoo.llama import ModelArgs
+from quantspec.quant.artifact_plan import plan_artifact
+from quantspec.quant.compressed import check_present, read_quantized_linear
+from quantspec.quant.config import QuantConfig
+from quantspec.quant.primitives import dequantize
+
+__all__ = ["DecompressedReader", "DecompressedTensors", "source_quantization", "source_reader"]
+
+
+class DecompressedTensors(ShapedTensors):
+    """A quantized checkpoint's tensors (a dict, or a `CheckpointTensors` that reads on lookup)
+    seen as the float checkpoint they decompress to (module docstring); `weights` maps each
+    decompressed `{Linear}.weight` to its Linear."""
+
+    def __init__(self, tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, where: str):
+        plan = plan_artifact(tensors, args, qc, where=where)
+        for exp in plan.q_expected.values():
+            check_present(plan.tensors, exp)
+        plan.refuse_unexpected(args, where)
+        self.plan = plan
+        self.weights = {f"{name}.weight": name for name in plan.quantized}
+        self.shapes = {k: tuple(s) for k, s in plan.float_table.items()}
+        for w, name in self.weights.items():
+            lin = plan.net.get_submodule(name)
+            self.shapes[w] = (lin.out_features, lin.in_features)
+
+    def __getitem__(self, name: str) -> torch.Tensor:
+        if name not in self.shapes:
+            raise KeyError(name)
+        module = self.weights.get(name)
+        if module is None:
+            return self.plan.tensors[name]
+        N, K = self.shapes[name]
+        t = read_quantized_linear(self.plan.tensors, module, self.plan.quantized[module], N, K)
+        return dequantize(t.q, t.scale, t.zero_point, t.weight_args, dtype=torch.float32,
+                          global_scale=t.global_scale)
+
+
+class DecompressedReader(CheckpointReader):
+    """A `CheckpointReader` over a quantized checkpoint that reads it as the float checkpoint it
+    decompresses to (`DecompressedTensors`): `shapes` are the float checkpoint's, `read` returns
+    decompressed weights, `ranges` names only the tensors kept as stored (copied as they are).
+    `source` is the checkpoint's `QuantConfig`, `source_method` its `quant_method`."""
+
+    def __init__(self, model_dir: str | os.PathLike, cfg: dict | None = None):
+        raw = CheckpointReader(model_dir)
+        cfg = read_config(raw.model_dir) if cfg is None else cfg
+        self.raw, self.model_dir = raw, raw.model_dir
+        self.source = QuantConfig.from_dict(cfg["quantization_config"])
+        self.source_method = str(cfg["quantization_config"].get("quant_method") or "compressed-tensors")
+        self.view = DecompressedTensors(CheckpointTensors(raw), ModelArgs.from_hf_config(cfg), self.source,
+                                        str(raw.model_dir))
+        self.shapes = dict(self.view.shapes)
+        self.stored, self.splits = raw.stored, {}
+        self.ranges = {n: r for n, r in raw.ranges.items() if n in self.shapes and n not in self.view.weights}
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        """The bytes `names` (default: every tensor of the checkpoint, as stored) take: a
+        decompressed weight's are its fp32 values'."""
+        if names is None:
+            return self.raw.nbytes()
+        return sum(4 * self.shapes[n][0] * self.shapes[n][1] if n in self.view.weights else self.ranges[n].nbytes
+                   for n in names)
+
+    def read(self, names: list[str], *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        """{name: tensor} for `names` (decompressed weights in fp32 unless `dtype` says), each
+        owning its memory."""
+        out = {}
+        for n in names:
+            if n not in self.shapes:
+                raise QuantSpecError(f"{self.model_dir} lacks {n}; the checkpoint is incomplete")
+            t = self.view[n]
+            out[n] = t.to(device=device, dtype=dtype or t.dtype)
+            del t
+        return out
+
+
+def source_reader(model_dir: str | os.PathLike, cfg: dict) -> CheckpointReader:
+    """The reader of a source checkpoint of config.json `cfg`: a `DecompressedReader` when it is
+    quantized, else a `CheckpointReader`."""
+    return DecompressedReader(model_dir, cfg) if cfg.get("quantization_config") else CheckpointReader(model_dir)
+
+
+def source_quantization(reader: CheckpointReader) -> dict | None:
+    """What a quantized source was (for an artifact's provenance): its quant_method, format and
+    quant type; None for a float source."""
+    qc = getattr(reader, "source", None)
+    if qc is None:
+        return None
+    return {"quant_method": reader.source_method, "format": qc.format,
+            "quant_type": getattr(qc.quant_type, "value", qc.quant_type)}
