@@ -235,10 +235,17 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     `quantization_config` (compressed-tensors layout), the tensors in compressed-tensors names, the
     tokenizer files, and `quantspec.json` provenance; written atomically (`calib.quantize`).
     `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at each
-    phase.
+    phase. `quant_type="keep"` copies a compressed-tensors artifact's weights as they are and adds
+    the KV-cache scales of `calib` (`kv_cache`, `kv_strategy`, `target`, `overwrite` apply;
+    `calib.keep`).
     """
+    from quantspec.calib.keep import KEEP, run_keep
     from quantspec.calib.quantize import QuantizeConfig, run_quantize
 
+    if quant_type == KEEP:  # the artifact's weights as they are, KV-cache scales added
+        options = {k: str(v) if isinstance(v, Path) else v for k, v in options.items() if k != "restart"}
+        return run_keep({"model": str(model), "quant_type": quant_type, "out": None if out is None else str(out),
+                         **options}, say=on_status or (lambda _m: None))
     try:
         config = QuantizeConfig(model=str(model), quant_type=quant_type, out=None if out is None else str(out),
                                 **{k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
@@ -249,7 +256,9 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
 # checkpoints in another tool's own format, which the engines read with their own method for it
 _OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)",
-                "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)"}
+                "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)",
+                "gptq": "gptq (AutoGPTQ's / GPTQModel's own checkpoint)",
+                "awq": "awq (AutoAWQ's own checkpoint)"}
 
 
 def inspect(path: str | Path) -> dict:
@@ -259,6 +268,7 @@ def inspect(path: str | Path) -> dict:
     from quantspec.model_zoo.checkpoint import (draft_kind, read_config, resolve_model_dir, safetensors_files,
                                                 safetensors_keys)
     from quantspec.quant.artifact import read_provenance, read_quant_config
+    from quantspec.quant.autoquant import AUTOQUANT_METHODS, SCALE_LEAF
     from quantspec.quant.engines import draft_verdicts
     with about("PATH"):
         d = resolve_model_dir(path)
@@ -273,7 +283,7 @@ def inspect(path: str | Path) -> dict:
     if qc is None:  # a draft module's verdicts need no quantization_config
         kind = draft_kind(c := read_config(d))
         return out if kind is None else {**out, "engines": {e: v.to_dict() for e, v in draft_verdicts(kind, c).items()}}
-    scale_leaf = "." + qc.tensor_names.get("weight_scale", "weight_scale")
+    scale_leaf = "." + qc.tensor_names.get("weight_scale", SCALE_LEAF if qc.source in AUTOQUANT_METHODS else "weight_scale")
     layers = {}
     for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(scale_leaf)}):
         s = qc.scheme_for(n)

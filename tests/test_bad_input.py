@@ -30,6 +30,7 @@ CASES = [
     ("infer-max-length-1", "infer --model {model} --prompt hi --max-length 1", "--max-length"),
     ("infer-src-length-over", "infer --model {model} --prompt hi --max-length 64 --src-length 64", "--src-length"),
     ("infer-block-size-3", "infer --model {model} --prompt hi --block-size 3", "--block-size"),
+    ("infer-gptq-desc-act", "infer --model {d}/gptq_desc_act --prompt hi", "--model"),
     ("infer-temperature-neg", "infer --model {model} --prompt hi --decode-strategy sampling --temperature -1",
      "--temperature"),
     ("infer-top-p-0", "infer --model {model} --prompt hi --decode-strategy sampling --top-p 0", "--top-p"),
@@ -229,8 +230,11 @@ CASES = [
      "--model"),
     ("quantize-model-truncated", "quantize --model {d}/truncated --quant-type weight_only_int8 --out {d}/q",
      "--model"),
-    ("quantize-source-format-unknown", "quantize --model {d}/quantized_gptq --quant-type weight_only_int4 --out {d}/q",
+    ("quantize-source-format-unknown", "quantize --model {d}/quantized_bnb --quant-type weight_only_int4 --out {d}/q",
      "--model"),
+    ("quantize-keep-method", "quantize --model {d}/quantized --quant-type keep --calib {d}/c --kv-cache fp8 "
+                             "--method gptq --out {d}/q", "--method"),
+    ("quantize-keep-no-kv", "quantize --model {d}/quantized --quant-type keep --out {d}/q", "--kv-cache"),
     ("quantize-quantized-draft", "quantize --model {d}/medusa_quantized --quant-type weight_only_int8 --out {d}/q",
      "--model"),
     ("quantize-shard-missing", "quantize --model {d}/shard_missing --quant-type weight_only_int8 --out {d}/q",
@@ -259,7 +263,7 @@ CASES = [
     ("calibrate-out-not-empty", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/busy", "--overwrite"),
     ("calibrate-out-read-only", "calibrate --model {model} --dataset {d}/calib.txt --out {ro}/c", "--out"),
     ("calibrate-out-under-file", "calibrate --model {model} --dataset {d}/calib.txt --out {d}/a_file/c", "--out"),
-    ("calibrate-source-format-unknown", "calibrate --model {d}/quantized_gptq --dataset {d}/calib.txt --out {d}/c",
+    ("calibrate-source-format-unknown", "calibrate --model {d}/quantized_bnb --dataset {d}/calib.txt --out {d}/c",
      "--model"),
     ("calibrate-shard-truncated", "calibrate --model {d}/shard_truncated --dataset {d}/calib.txt --out {d}/c",
      "model-00002-of-00002.safetensors"),
@@ -333,10 +337,12 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
                                                        "architectures": ["Gemma3ForCausalLM"],
                                                        "use_bidirectional_attention": True}))
     shutil.copytree(quantized, d / "quantized")
-    shutil.copytree(quantized, d / "quantized_gptq")  # AutoGPTQ's own format, which quantspec does not read
-    cfg = json.loads((d / "quantized_gptq" / "config.json").read_text())
-    (d / "quantized_gptq" / "config.json").write_text(json.dumps({**cfg, "quantization_config": {
-        "quant_method": "gptq", "bits": 4, "group_size": 128, "desc_act": False, "sym": True}}))
+    for name, qc in (("quantized_bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True}),  # not read
+                     ("gptq_desc_act", {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
+                                        "sym": True})):  # rows reordered: vLLM refuses them too
+        shutil.copytree(quantized, d / name)
+        cfg = json.loads((d / name / "config.json").read_text())
+        (d / name / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))
     _medusa_inputs(d)
     _eagle3_inputs(d)
 

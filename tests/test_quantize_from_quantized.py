@@ -196,3 +196,70 @@ def test_inspect_says_what_the_source_was(tiny_llama_dir, tmp_path):
     assert "quantized from" in shown.output and "a8w8_fp8 (fp8)" in shown.output
     assert api.inspect(api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "w8"))["source_quantization"] \
         is None
+
+
+def _kv_keep(source: Path, table: Path, out: Path, **options) -> Path:
+    return api.quantize(str(source), "keep", out, calib=str(table), **{"kv_cache": "fp8", **options})
+
+
+def test_keep_adds_kv_scales_and_copies_every_weight_byte(tiny_llama_dir, tmp_path, calibration_table):
+    """`--quant-type keep`: a weight-only artifact written without KV-cache scales gets the fp8 ones
+    of a table calibrated on the artifact itself; every other tensor is the source's, byte for
+    byte; both engines load it with those scales, and quantspec runs an FP8 KV cache with them."""
+    from quantspec.calib.tables import read_table
+    from quantspec.infer.loader import load_for_inference
+
+    src = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "w4", group_size=32)
+    table = calibration_table(src)
+    art = _kv_keep(src, table, tmp_path / "w4kv")
+    before, after = load_safetensors(src), load_safetensors(art)
+    kv = {k for k in after if k.endswith((".k_scale", ".v_scale"))}
+    assert len(kv) == 4 and set(after) - kv == set(before)
+    assert all(after[k].dtype == before[k].dtype and torch.equal(after[k], before[k]) for k in before)
+    want = read_table(table, model_dir=src).kv_artifact_tensors("fp8", "tensor")
+    assert all(torch.equal(after[k], want[k]) for k in kv)
+    cfg_src, cfg = (json.loads((p / "config.json").read_text())["quantization_config"] for p in (src, art))
+    assert cfg == {**cfg_src, "kv_cache_scheme": cfg["kv_cache_scheme"]}
+    assert cfg["kv_cache_scheme"]["type"] == "float" and cfg["kv_cache_scheme"]["strategy"] == "tensor"
+    info = api.inspect(art)
+    assert info["engines"]["vllm"]["status"] == info["engines"]["sglang"]["status"] == "loads"
+    assert info["quant_type"] == "weight_only_int4" and info["method"] == "rtn"
+    prov = read_provenance(art)["provenance"]
+    assert prov["kv_cache"] == "fp8" and prov["kv_calibration"]["calib"] == str(table)
+    lm = load_for_inference(art, tokenizer=False)
+    k = torch.stack([want[f"model.layers.{i}.self_attn.k_scale"].float().reshape(1).expand(lm.args.num_kv_heads)
+                     for i in range(2)])
+    assert lm.kv_cache_dtype == "fp8" and torch.equal(lm.k_scale, k)
+
+
+def test_keep_replaces_an_earlier_kv_scheme(tiny_llama_dir, tmp_path, calibration_table):
+    table = calibration_table(tiny_llama_dir)
+    src = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "w8", calib=str(table), kv_cache="int8",
+                       target="quantspec")
+    art = _kv_keep(src, calibration_table(src), tmp_path / "w8fp8")
+    cfg = json.loads((art / "config.json").read_text())["quantization_config"]
+    assert cfg["kv_cache_scheme"]["type"] == "float"
+    assert load_safetensors(art)["model.layers.1.self_attn.v_scale"].shape == (1,)  # per tensor, not per head
+
+
+@pytest.mark.parametrize("options, named", [
+    ({"method": "gptq"}, "--method"),
+    ({"group_size": 32}, "--group-size"),
+    ({"kv_cache": None}, "--kv-cache"),
+    ({"kv_cache": "int8"}, "--target portable"),
+])
+def test_keep_refuses_what_it_cannot_honour(tiny_llama_dir, tmp_path, calibration_table, options, named):
+    src = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "w8")
+    with pytest.raises(QuantSpecError, match=named) as e:
+        _kv_keep(src, calibration_table(tiny_llama_dir), tmp_path / "out", **options)
+    assert "\n" not in str(e.value) and not (tmp_path / "out").exists()
+
+
+def test_keep_refuses_a_float_model_and_another_tool_s_format(tiny_llama_dir, tmp_path, calibration_table):
+    table = calibration_table(tiny_llama_dir)
+    with pytest.raises(QuantSpecError, match="not quantized"):
+        _kv_keep(tiny_llama_dir, table, tmp_path / "out")
+    _transformers._write_hf_fp8(tiny_llama_dir, tmp_path / "fp8", (32, 32))
+    with pytest.raises(QuantSpecError, match="a8w8_fp8 --weight-block"):
+        _kv_keep(tmp_path / "fp8", table, tmp_path / "out")
+    assert not (tmp_path / "out").exists()

@@ -15,7 +15,8 @@ def _gib(n) -> str:
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
 @click.option("--quant-type", required=True,
               help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_nvfp4 | nvfp4 | "
-                   "weight_only_mxfp4 | mxfp4 (nvfp4: needs --calib)")
+                   "weight_only_mxfp4 | mxfp4 (nvfp4: needs --calib) | keep (an artifact's weights as they are, "
+                   "with --calib and --kv-cache: KV-cache scales added)")
 @click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
                    "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types; all "

@@ -4,7 +4,8 @@ loader builds `QuantLinear`s from the plan, `quant.decompressed` shows the float
 decompresses to).
 
 The tensors are seen under compressed-tensors' names whatever tool wrote them (transformers'
-FP8 names through `RenamedLeaves`, ModelOpt's through `quant.modelopt.ModelOptTensors`) and a
+FP8 names through `RenamedLeaves`, ModelOpt's through `quant.modelopt.ModelOptTensors`, GPTQ's and
+AWQ's through `quant.autoquant.AutoQuantTensors`) and a
 fused checkpoint's modules under their parts' names (`SplitTensors`). Every float tensor the
 model needs is present with its shape, each quantized Linear's compressed tensors are known by
 name and shape (`expected_linear_tensors`), and the names left over are refused by
@@ -24,6 +25,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import build_model, check_against_table
 from quantspec.model_zoo.layout import RenamedLeaves, SplitTensors, checkpoint_name
 from quantspec.model_zoo.llama import ModelArgs, Transformer, hf_weight_table
+from quantspec.quant.autoquant import AUTOQUANT_METHODS, AutoQuantTensors
 from quantspec.quant.compressed import expected_linear_tensors
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
@@ -40,9 +42,11 @@ def attn_prefix(i: int) -> str:
 
 
 def _is_trivial_g_idx(g_idx: torch.Tensor, K: int, group_size: int | None) -> bool:
-    if g_idx.numel() != K or not group_size or group_size <= 0:
+    """Whether `g_idx` says the groups in order (per channel: one group of every row)."""
+    if g_idx.numel() != K:
         return False
-    return torch.equal(g_idx.to(torch.int64).reshape(-1), torch.arange(K) // group_size)
+    g = group_size if group_size and group_size > 0 else K
+    return torch.equal(g_idx.to(torch.int64).reshape(-1), torch.arange(K) // g)
 
 
 def _quantized_modules(net: Transformer, qc: QuantConfig, where: str,
@@ -168,6 +172,8 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
         from quantspec.quant.modelopt import ModelOptTensors
 
         tensors = ModelOptTensors(tensors, qc)
+    elif qc.source in AUTOQUANT_METHODS:  # their own packing, repacked as compressed-tensors' (`quant.autoquant`)
+        tensors = AutoQuantTensors(tensors, qc)
     tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
     shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(IGNORED_SUFFIXES)}

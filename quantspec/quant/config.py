@@ -81,7 +81,8 @@ class QuantConfig:
     # compressed-tensors leaf name → the checkpoint's, where it names a tensor otherwise
     # (transformers' block FP8 checkpoints: weight_scale → weight_scale_inv, `quant.hf_fp8`)
     tensor_names: Mapping[str, str] = field(default_factory=dict)
-    # the format of a checkpoint another tool wrote in its own layout ("modelopt": `quant.modelopt`)
+    # the format of a checkpoint another tool wrote in its own layout ("modelopt": `quant.modelopt`;
+    # "gptq", "awq": `quant.autoquant`)
     source: str | None = None
 
     def __post_init__(self) -> None:
@@ -142,8 +143,9 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
         """Read a `quantization_config` written by compressed-tensors / llm-compressor / us, an
-        FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`) or a ModelOpt NVFP4
-        checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`)."""
+        FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`), a ModelOpt NVFP4
+        checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`) or a GPTQ / AWQ one's
+        (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`)."""
         w = "quantization_config"
         if not isinstance(d, Mapping):
             raise _err(w, f"expected a mapping, got {type(d).__name__}")
@@ -154,9 +156,13 @@ class QuantConfig:
             from quantspec.quant.modelopt import config_from_modelopt
 
             return config_from_modelopt(d)
+        if qm in ("gptq", "awq"):  # `quant.autoquant.AUTOQUANT_METHODS`
+            from quantspec.quant.autoquant import config_from_autoquant
+
+            return config_from_autoquant(d)
         if qm != QUANT_METHOD:
             raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r}, "
-                          f"{HF_FP8_METHOD!r} and 'modelopt' (NVFP4) checkpoints")
+                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4), 'gptq' and 'awq' checkpoints")
         known = {"config_groups", "quant_method", "kv_cache_scheme", "format",
                  "quantization_status", "global_compression_ratio", "ignore",
                  "moe_sparsity_config", "sparsity_config", "transform_config", "version"}

@@ -5,8 +5,8 @@ release quantized to int4 with GPTQ, an int8 artifact re-quantized with another 
 
 Every format the inference loader runs is read, after the same checks (`quant.artifact_plan`:
 the whole checkpoint against its config, from its headers, before any work). Each quantized
-Linear's `weight` is shown as `dequantize(q, scale, zero point)` of its compressed tensors in
-fp32 (`quant.primitives.dequantize`, the numbers every quantspec kernel computes with), read when
+Linear's `weight` is shown as `dequantize(q, scale, zero point)` of its compressed tensors, computed
+in fp32 (`quant.primitives.dequantize`; exact for int and FP8 codes under 16-bit scales), read when
 looked up: a layer at a time, as from a float checkpoint. The source's static input scales and
 KV-cache scales are not shown (a new artifact calibrates its own); every other tensor is the
 checkpoint's own, and its bytes are copied as they are where the new artifact keeps it float.
@@ -56,8 +56,9 @@ class DecompressedTensors(ShapedTensors):
             return self.plan.tensors[name]
         N, K = self.shapes[name]
         t = read_quantized_linear(self.plan.tensors, module, self.plan.quantized[module], N, K)
-        return dequantize(t.q, t.scale, t.zero_point, t.weight_args, dtype=torch.float32,
-                          global_scale=t.global_scale)
+        # in fp32: (q − z) · s of 8-bit codes and a 16-bit scale is exact there, rounded in the scale's dtype
+        zp = t.zero_point.float() if t.zero_point is not None and t.zero_point.is_floating_point() else t.zero_point
+        return dequantize(t.q, t.scale.float(), zp, t.weight_args, dtype=torch.float32, global_scale=t.global_scale)
 
 
 class DecompressedReader(CheckpointReader):

@@ -1,0 +1,122 @@
+"""`quantize --quant-type keep`: a compressed-tensors artifact whose weights are copied as they are,
+with the static KV-cache scales of a calibration table added (`--calib T --kv-cache fp8|int8`).
+
+This is how an artifact written without KV-cache scales (by llm-compressor, by quantspec without
+`--kv-cache`) gets them without re-quantizing its weights, which would round them a second time.
+The table is checked against the artifact's model (`calib.tables.read_table`; `calibrate --model
+ARTIFACT` measures one on the artifact itself, read as the float checkpoint it decompresses to).
+Every tensor but the KV scales is copied byte for byte; `quantization_config` is the source's with
+its `kv_cache_scheme` set (an earlier one replaced); the provenance is the source's, with the
+calibration and the KV cache added. Written atomically, as every artifact.
+"""
+
+from __future__ import annotations
+
+import shutil
+import tempfile
+from pathlib import Path
+
+from quantspec.errors import QuantSpecError, about
+
+__all__ = ["KEEP", "run_keep"]
+
+KEEP = "keep"
+# what `--quant-type keep` reads; every other option of `QuantizeConfig` must stay at its default
+_KEPT_OPTIONS = ("model", "quant_type", "out", "calib", "kv_cache", "kv_strategy", "target", "overwrite", "device")
+
+
+def _check_options(options: dict) -> None:
+    from dataclasses import fields
+
+    from quantspec.calib.quantize import QuantizeConfig
+
+    defaults = {f.name: f.default for f in fields(QuantizeConfig) if f.init}
+    unknown = sorted(set(options) - set(defaults))
+    if unknown:
+        raise QuantSpecError(f"quantize: unexpected option {unknown[0]!r}")
+    for name, value in options.items():
+        if name not in _KEPT_OPTIONS and value != defaults[name] and not (value == () and defaults[name] == ()):
+            flag = "--" + name.replace("_", "-")
+            raise QuantSpecError(f"--quant-type keep copies the artifact's quantized weights as they are, so {flag} "
+                                 "does not apply; drop it, or quantize the model with a --quant-type")
+    if options.get("kv_cache") is None or options.get("calib") is None:
+        raise QuantSpecError("--quant-type keep adds KV-cache scales to an artifact: pass --kv-cache fp8|int8 and "
+                             "--calib DIR (from `quantspec calibrate --model ARTIFACT`)")
+
+
+def _kv_args(kind: str, strategy: str | None, target: str):
+    """The KV-cache args of `--kv-cache kind --kv-strategy strategy`, refused where `target` would."""
+    from quantspec.calib.quantize import KV_STRATEGIES
+    from quantspec.quant.engines import TARGETS, target_refusal
+    from quantspec.quant.presets import preset
+
+    if target not in TARGETS:
+        raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
+    strategy = strategy or ("head" if target == "quantspec" else "tensor")
+    if strategy not in KV_STRATEGIES:
+        raise QuantSpecError(f"--kv-strategy {strategy!r}: use {' or '.join(KV_STRATEGIES)}")
+    probe = preset("weight_only_int8", kv_cache=kind, kv_strategy=KV_STRATEGIES[strategy])
+    refusal = target_refusal(target, probe)
+    if refusal is not None:
+        raise QuantSpecError(refusal)
+    return probe.kv_cache_scheme
+
+
+def _source(model: str):
+    """(directory, config.json, its QuantConfig) of a compressed-tensors artifact."""
+    from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir, verify_checkpoint
+    from quantspec.quant.config import QuantConfig
+
+    with about("--model"):
+        d = resolve_model_dir(model)
+        cfg = read_config(d)
+        qd = cfg.get("quantization_config")
+        if not qd:
+            raise QuantSpecError(f"{d} is not quantized; --quant-type keep adds KV-cache scales to an artifact "
+                                 "(quantize this model with a --quant-type and --kv-cache)")
+        qc = QuantConfig.from_dict(qd)
+        if qc.source is not None or qc.tensor_names:
+            raise QuantSpecError(f"{d} is a {qd.get('quant_method')!r} checkpoint, which keeps no KV-cache scheme "
+                                 "that engines read; quantize it to its own scheme (e.g. a8w8_fp8 --weight-block "
+                                 "128) with --kv-cache instead")
+        verify_checkpoint(d)
+    return d, cfg, qc
+
+
+def run_keep(options: dict, say=lambda _m: None) -> Path:
+    """The artifact at `options["out"]`: the source's tensors and the table's KV scales (module docstring)."""
+    from quantspec import __version__
+    from quantspec.calib.quantize import COPIED_FILES
+    from quantspec.calib.tables import read_table
+    from quantspec.model_zoo.checkpoint import CheckpointReader
+    from quantspec.outputs import check_output_dir
+    from quantspec.quant.artifact import read_provenance, write_artifact
+    from quantspec.quant.shards import ShardWriter
+
+    _check_options(options)
+    if options.get("out") is None:
+        raise QuantSpecError("--out is required: the directory to write the artifact to")
+    out = check_output_dir(options["out"], "--out", overwrite=bool(options.get("overwrite")))
+    kv = _kv_args(options["kv_cache"], options.get("kv_strategy"), options.get("target", "portable"))
+    d, cfg, qc = _source(options["model"])
+    with about("--calib"):
+        table = read_table(options["calib"], model_dir=d)
+    ranges = CheckpointReader(d).ranges
+    kept = [n for n in ranges if not n.endswith((".k_scale", ".v_scale"))]  # an earlier KV scheme's are replaced
+    say(f"copying the quantized weights of {d} and adding {options['kv_cache']} KV-cache scales")
+    cfg = {**cfg, "quantization_config": {**cfg["quantization_config"], "kv_cache_scheme": kv.to_dict()}}
+    meta = read_provenance(d)
+    provenance = {**(meta.get("provenance") or {}), "kv_cache": options["kv_cache"],
+                  "kv_calibration": {"calib": str(options["calib"]), "quantspec_version": __version__, **table.meta}}
+    extra = {f: d / f for f in COPIED_FILES if (d / f).is_file()}
+    parts = Path(tempfile.mkdtemp(prefix=f".{out.name}.keep-", dir=out.parent if out.parent.is_dir() else None))
+    try:
+        writer = ShardWriter(parts)
+        for f in dict.fromkeys(ranges[n].path for n in kept):  # a part per source file: bytes copied, not loaded
+            writer.add(str(f), {n: ranges[n] for n in kept if ranges[n].path == f})
+        writer.add("kv", table.kv_artifact_tensors(options["kv_cache"], kv.strategy))
+        return write_artifact(out, writer, cfg, extra_files=extra, overwrite=bool(options.get("overwrite")),
+                              provenance={"quant_type": meta.get("quant_type") or getattr(qc.quant_type, "value", None),
+                                          "provenance": provenance})
+    finally:
+        shutil.rmtree(parts, ignore_errors=True)

@@ -1,0 +1,153 @@
+"""GPTQ and AWQ checkpoints in AutoGPTQ's / GPTQModel's and AutoAWQ's own formats (`quant.autoquant`),
+written here with plain numpy by the layouts vLLM's own test utilities pack them in (`gptq_pack`:
+codes of consecutive rows in a word; `awq_pack`: columns interleaved [0, 2, 4, 6, 1, 3, 5, 7], then
+codes of consecutive columns in a word), from codes and scales the test chose. quantspec runs them
+with the writer's weights ((q − z) · s) and the logits transformers gives those weights, leaves float what the config leaves float, quantizes from them,
+and refuses in one line what vLLM refuses."""
+
+import json
+import shutil
+from pathlib import Path
+
+import numpy
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantspec import api
+from quantspec.errors import QuantSpecError
+from quantspec.infer.loader import auto_dtype, load_for_inference
+from quantspec.infer.quant_linear import QuantLinear
+from quantspec.quant.artifact import load_safetensors
+
+IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
+LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+
+
+def _pack_rows(q: numpy.ndarray, bits: int) -> torch.Tensor:
+    """vLLM's `pack_rows`: q [K, N] unsigned → int32 [K / (32 / bits), N]."""
+    per = 32 // bits
+    out = numpy.zeros((q.shape[0] // per, q.shape[1]), dtype=numpy.uint32)
+    for i in range(per):
+        out |= q[i::per, :].astype(numpy.uint32) << (bits * i)
+    return torch.from_numpy(out.astype(numpy.int32))
+
+
+def _pack_cols_awq(q: numpy.ndarray) -> torch.Tensor:
+    """vLLM's `awq_pack` (4 bits): q [R, N] unsigned → int32 [R, N / 8]."""
+    q = q.reshape(-1, 8)[:, [0, 2, 4, 6, 1, 3, 5, 7]].reshape(q.shape)
+    out = numpy.zeros((q.shape[0], q.shape[1] // 8), dtype=numpy.uint32)
+    for i in range(8):
+        out |= q[:, i::8].astype(numpy.uint32) << (4 * i)
+    return torch.from_numpy(out.astype(numpy.int32))
+
+
+def _codes(w: torch.Tensor, bits: int, group: int, sym: bool):
+    """RTN of w [N, K] in groups along K → (q [K, N] unsigned, scales [G, N] fp16, zeros [G, N] or
+    None, the dequantized weight [N, K] (q − z) · s, exact in fp32)."""
+    N, K = w.shape
+    g = K if group == -1 else group
+    wg = w.float().reshape(N, K // g, g)
+    top = (1 << bits) - 1
+    if sym:
+        s = (wg.abs().amax(-1) / ((top + 1) // 2 - 0.5)).clamp(min=1e-6).half()
+        z = torch.full_like(s, (top + 1) // 2, dtype=torch.float32)
+    else:
+        lo, hi = wg.amin(-1).clamp(max=0), wg.amax(-1).clamp(min=0)
+        s = ((hi - lo) / top).clamp(min=1e-6).half()
+        z = (-lo / s.float()).round().clamp(0, top)
+    q = (wg / s.float()[..., None] + z[..., None]).round().clamp(0, top)
+    deq = ((q - z[..., None]) * s.float()[..., None]).reshape(N, K)  # exact in fp32
+    return (q.reshape(N, K).t().to(torch.int32).numpy(), s.t().contiguous(),
+            None if sym else z.t().to(torch.int32).numpy(), deq)
+
+
+def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, skip: tuple[str, ...] = (),
+           lm_head: bool = False) -> dict[str, torch.Tensor]:
+    """`src` as a GPTQ (symmetric) or AWQ (zero points) checkpoint → {Linear: its dequantized weight}."""
+    shutil.copytree(src, out)
+    tensors, dense = load_file(str(out / "model.safetensors")), {}
+    names = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and
+             (k.rsplit(".", 2)[-2] in LINEARS or (lm_head and k == "lm_head.weight"))]
+    for n in names:
+        if any(s in n for s in skip):
+            continue
+        w = tensors.pop(f"{n}.weight")
+        q, s, z, dense[n] = _codes(w, bits, group, sym=method == "gptq")
+        tensors[f"{n}.scales"] = s
+        if method == "gptq":
+            tensors[f"{n}.qweight"] = _pack_rows(q, bits)
+            g = q.shape[0] if group == -1 else group
+            # AutoGPTQ's zeros, stored less one (unused: symmetric)
+            tensors[f"{n}.qzeros"] = _pack_rows(numpy.full((q.shape[1], q.shape[0] // g), (1 << (bits - 1)) - 1),
+                                                bits).t().contiguous()
+            tensors[f"{n}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+        else:
+            tensors[f"{n}.qweight"], tensors[f"{n}.qzeros"] = _pack_cols_awq(q), _pack_cols_awq(z)
+    save_file(tensors, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
+                                  "sym": True, "lm_head": lm_head, "damp_percent": 0.01,
+                                  "checkpoint_format": "gptq"} if method == "gptq" else \
+        {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm",
+         "modules_to_not_convert": list(skip) or None}
+    (out / "config.json").write_text(json.dumps(cfg))
+    return dense
+
+
+def _dense_checkpoint(src: Path, out: Path, dense: dict) -> Path:
+    shutil.copytree(src, out)
+    tensors = load_file(str(src / "model.safetensors"))
+    tensors.update({f"{n}.weight": w.float() for n, w in dense.items()})
+    save_file(tensors, str(out / "model.safetensors"))
+    return out
+
+
+@pytest.mark.parametrize("method, bits, group, skip, lm_head", [
+    ("gptq", 4, 32, (), False),
+    ("gptq", 8, 32, (), True),
+    ("gptq", 4, -1, (), False),
+    ("awq", 4, 32, (), False),
+    ("awq", 4, 16, ("down_proj",), False),
+])
+def test_we_run_gptq_and_awq_checkpoints(tiny_llama_dir, tmp_path, logits_of, method, bits, group, skip, lm_head):
+    dense = _write(tiny_llama_dir, tmp_path / method, method, bits, group, skip, lm_head)
+    lm = load_for_inference(tmp_path / method, tokenizer=False, fuse=False)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert sorted(layers) == sorted(dense) and len(layers) == (7 - len(skip)) * 2 + lm_head
+    for name, m in layers.items():
+        assert m.weight_args.num_bits == bits and m.weight_args.symmetric == (method == "gptq")
+        assert torch.equal(m.dequantized_weight(torch.float32), dense[name].float()), name
+    assert not any(s in n for n in layers for s in skip)  # left float
+    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+    assert auto_dtype(tmp_path / method) == torch.bfloat16
+    info = api.inspect(tmp_path / method)
+    assert info["format"].startswith(method) and info["quant_type"] == f"weight_only_int{bits}"
+    assert len(info["layers"]) == len(layers)
+
+
+def test_quantizing_from_gptq_equals_quantizing_its_weights(tiny_llama_dir, tmp_path):
+    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq")
+    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    a, b = (api.quantize(str(src), "weight_only_int8", tmp_path / f"w8_{i}") for i, src in
+            enumerate((tmp_path / "gptq", ref)))
+    ta, tb = load_safetensors(a), load_safetensors(b)
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"desc_act": True}, "desc_act"),
+    ({"sym": False}, "sym: false"),
+    ({"bits": 3}, "bits 3"),
+    ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "dynamic"),
+    ({"quant_method": "awq", "version": "gemv", "zero_point": True}, "version 'gemv'"),
+])
+def test_what_vllm_refuses_is_one_line(tiny_llama_dir, tmp_path, edit, named):
+    _write(tiny_llama_dir, tmp_path / "gptq", "gptq")
+    cfg = json.loads((tmp_path / "gptq" / "config.json").read_text())
+    cfg["quantization_config"].update(edit)
+    (tmp_path / "gptq" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantSpecError, match=named) as e:
+        load_for_inference(tmp_path / "gptq", tokenizer=False)
+    assert "\n" not in str(e.value)
