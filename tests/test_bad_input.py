@@ -161,8 +161,11 @@ CASES = [
      "--activations"),
     ("quantize-layer-type-no-type", "quantize --model {model} --quant-type weight_only_int4 "
                                     "--layer-quant-type re:.*down_proj$ --out {d}/q", "--layer-quant-type"),
-    ("quantize-layer-type-a8w8", "quantize --model {model} --quant-type weight_only_int4 "
-                                 "--layer-quant-type re:.*down_proj$=a8w8 --out {d}/q", "--layer-quant-type"),
+    ("quantize-layer-type-nvfp4", "quantize --model {model} --quant-type weight_only_int4 "
+                                  "--layer-quant-type re:.*down_proj$=nvfp4 --out {d}/q", "--layer-quant-type"),
+    ("quantize-layer-type-fp8-gptq", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
+                                     "--dataset {d}/calib.txt --layer-quant-type re:.*down_proj$=a8w8_fp8 --out {d}/q",
+     "--method"),
     ("quantize-layer-type-matches-nothing", "quantize --model {model} --quant-type weight_only_int4 "
                                             "--layer-quant-type re:.*nope$=weight_only_int8 --out {d}/q",
      "--layer-quant-type"),

@@ -95,15 +95,67 @@ def test_refused_before_any_work(tiny_llama_dir, tmp_path, layers, match):
 
 @pytest.mark.parametrize("spec, quant_type, match", [
     ("re:.*down_proj$", "weight_only_int4", "TARGET=QUANT_TYPE"),
-    ("re:.*down_proj$=int3", "weight_only_int4", "weight-only types"),
-    ("re:.*down_proj$=a8w8", "weight_only_int4", "weight-only types"),
+    ("re:.*down_proj$=int3", "weight_only_int4", "need no calibration table"),
+    ("re:.*down_proj$=nvfp4", "weight_only_int4", "need no calibration table"),
     ("re:(.*down_proj$=weight_only_int8", "weight_only_int4", "not a regex"),
-    ("re:.*down_proj$=weight_only_int8", "a8w8_fp8", "quantizes activations too"),
+    ("re:.*down_proj$=weight_only_int8", "a8w8_fp8", "--activations dynamic"),
+    ("re:.*down_proj$=weight_only_int8", "a8w8", "--activations dynamic"),
 ])
 def test_bad_specs(spec, quant_type, match, tmp_path):
     with pytest.raises(QuantSpecError, match=match):
-        api.quantize("smollm2-135m", quant_type, tmp_path / "art", layer_quant_types=(spec,),
-                     activations="dynamic" if quant_type == "a8w8_fp8" else None)
+        api.quantize("smollm2-135m", quant_type, tmp_path / "art", layer_quant_types=(spec,))
+
+
+@pytest.mark.parametrize("quant_type, layers, method, want", [
+    # llm-compressor's FP8_DYNAMIC attention beside W4A16 MLPs
+    ("weight_only_int4", (r"re:.*self_attn\.[qkvo]_proj$=a8w8_fp8",), "rtn",
+     {"q_proj": ("float", True), "o_proj": ("float", True), "gate_proj": ("int", False)}),
+    # W8A8 (int8, per-token inputs) with W4A16 MLPs, GPTQ on both
+    ("a8w8", (r"re:.*mlp\.(gate|up|down)_proj$=weight_only_int4",), "gptq",
+     {"q_proj": ("int", True), "down_proj": ("int", False)}),
+    # FP8 blocks with MXFP4 (W4A4, MX inputs at run time) MLPs
+    ("a8w8_fp8", (r"re:.*mlp\.(gate|up|down)_proj$=mxfp4",), "rtn",
+     {"q_proj": ("float", True), "up_proj": ("float", True)}),
+])
+def test_layers_with_inputs_quantized_at_run_time(tiny_llama_dir, tmp_path, corpus, quant_type, layers, method,
+                                                  want, artifact_runs_as_in_transformers):
+    """Layer types whose inputs are quantized at run time need no table, so they mix like weight-only
+    ones: transformers, through compressed-tensors, runs the artifact to quantspec's logits, each
+    Linear holds its own scheme, and both engines (vLLM alone for MXFP4, whose inputs it quantizes on
+    Blackwell only) load it per layer."""
+    options = {"dataset": str(corpus), "num_samples": 4, "seq_len": 32} if method != "rtn" else {}
+    if quant_type != "weight_only_int4":
+        options.update(activations="dynamic") if quant_type == "a8w8" else options.update(weight_block=32)
+    if any("mxfp4" in spec for spec in layers):
+        options.update(target="vllm")
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", group_size=32, method=method,
+                       layer_quant_types=layers, **options) if "mxfp4" in layers[0] else \
+        artifact_runs_as_in_transformers(tiny_llama_dir, quant_type, tmp_path / "art", IDS, group_size=32,
+                                         method=method, layer_quant_types=layers, **options)
+    config = read_quant_config(art)
+    for short, (kind, inputs) in want.items():
+        name = f"model.layers.1.{'self_attn' if short[0] in 'qkvo' else 'mlp'}.{short}"
+        scheme = config.scheme_for(name)
+        assert scheme.weights.type == kind and (scheme.input_activations is not None) == inputs, name
+        assert scheme.input_activations is None or scheme.input_activations.dynamic
+    engines = api.inspect(art)["engines"]
+    if "mxfp4" in layers[0]:  # below Blackwell vLLM runs MXFP4 weights with float inputs, as for an mxfp4 model
+        assert engines["vllm"]["status"] == "ignores" and "MXFP4 input" in engines["vllm"]["verdict"]
+        assert engines["vllm"]["layers"]["model.layers.0.self_attn.qkv_proj"]["problem"] is None
+    else:
+        assert engines["vllm"]["status"] == engines["sglang"]["status"] == "loads", engines
+
+
+@pytest.mark.parametrize("quant_type, layers, method, match", [
+    ("weight_only_int4", (r"re:.*self_attn\.[qkvo]_proj$=a8w8_fp8",), "gptq", "no rule for FP8 scales"),
+    ("weight_only_int4", (r"re:.*self_attn\.[qkvo]_proj$=a8w8",), "awq", "weight-only layers"),
+])
+def test_methods_refuse_the_layers_they_have_no_rule_for(tiny_llama_dir, tmp_path, corpus, quant_type, layers,
+                                                         method, match):
+    with pytest.raises(QuantSpecError, match=match):
+        api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", method=method, dataset=str(corpus),
+                     layer_quant_types=layers)
+    assert not (tmp_path / "art").exists()
 
 
 @pytest.mark.parametrize("target, layers", [(r"re:.*self_attn\.(q|k|v)_proj$", (0, 1)),

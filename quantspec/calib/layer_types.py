@@ -1,13 +1,17 @@
 """Mixed precision: `quantize --layer-quant-type TARGET=QUANT_TYPE` gives the Linears a target names
-another weight-only type than the model's `--quant-type`, in a config group of their own.
+another type than the model's `--quant-type`, in a config group of their own.
 
 - A TARGET is a module name or `re:` regex, as `--ignore` takes (and compressed-tensors matches:
   an exact name or regex outranks the model's class target "Linear" in every loader).
-- The model's type and every layer's type are weight-only (`LAYER_TYPES`): nothing to calibrate,
-  and vLLM and SGLang pick a scheme per layer for them.
+- The model's type and every layer's type need no calibration table (`LAYER_TYPES`): weight-only
+  types, and those whose inputs are quantized at run time — a8w8 and a8w8_fp8 with per-token
+  input scales (llm-compressor's W8A8 and FP8_DYNAMIC), mxfp4. vLLM and SGLang pick a scheme per
+  layer for each (e.g. FP8 attention beside int4 MLPs). The model's a8w8 types must then be
+  `--activations dynamic` (static input scales come from the a8w8 recipe, which plans one type).
 - A layer's type takes the same knobs as the model's where it has them (group size, --asym and
-  --zp-dtype for int4, --asym for int8) and its own default weight observer unless
-  --weight-observer names one (`with_layer_types`).
+  --zp-dtype for int4, --asym for int8, --weight-block for a8w8_fp8 beside an a8w8_fp8 model) and
+  its own default weight observer unless --weight-observer names one (`with_layer_types`). GPTQ
+  has no rule for FP8 scales, and AWQ is for weight-only layers: those methods refuse such groups.
 - Once the model's Linears are known, each layer group is retargeted at the Linears it
   quantizes as every engine resolves them (`resolve_layer_types`: a fused unit as one regex that
   also names the fused layer, which SGLang matches, other Linears by exact name), and `--target`
@@ -27,11 +31,14 @@ from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
 
-__all__ = ["LAYER_TYPES", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
+__all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
-# the quant types a layer may take beside the model's own, and the model's own with them
-LAYER_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_NVFP4,
-               QuantType.WEIGHT_ONLY_MXFP4)
+# the quant types a layer may take beside the model's own, and the model's own with them: weight-only
+# ones, and those whose inputs are quantized at run time (a8w8 types with per-token scales)
+WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_NVFP4,
+                     QuantType.WEIGHT_ONLY_MXFP4)
+DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4)
+LAYER_TYPES = WEIGHT_ONLY_TYPES + DYNAMIC_TYPES
 
 
 def parse_layer_type(spec: str) -> tuple[str, QuantType]:
@@ -52,32 +59,53 @@ def parse_layer_type(spec: str) -> tuple[str, QuantType]:
         qt = None
     if qt not in LAYER_TYPES:
         raise QuantSpecError(f"--layer-quant-type {spec!r}: a layer may take "
-                             f"{', '.join(t.value for t in LAYER_TYPES)} (weight-only types)")
+                             f"{', '.join(t.value for t in LAYER_TYPES)} (types that need no calibration table)")
     return target, qt
 
 
+def check_model_type(quant_type: QuantType, activations: str) -> None:
+    """Refuse a model type that --layer-quant-type cannot sit beside (module docstring)."""
+    if quant_type not in LAYER_TYPES or (quant_type in (QuantType.A8W8, QuantType.A8W8_FP8) and activations != "dynamic"):
+        raise QuantSpecError(f"--layer-quant-type mixes types that need no calibration table, and --quant-type "
+                             f"{quant_type.value} with static input scales needs one; add --activations dynamic, or "
+                             "use a weight-only --quant-type")
+
+
+def _check_method(spec: str, qt: QuantType, method: str) -> None:
+    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES:
+        raise QuantSpecError(f"--method {method} is for weight-only layers, and --layer-quant-type {spec!r} "
+                             "quantizes activations; use --method rtn or gptq")
+    if method != "rtn" and qt is QuantType.A8W8_FP8:
+        raise QuantSpecError(f"--method {method} has no rule for FP8 scales, and --layer-quant-type {spec!r} is "
+                             "a8w8_fp8; use --method rtn")
+
+
 def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable[str], *, group_size: int,
-                     symmetric: bool, zp_dtype: str | None, observer: str | None) -> tuple[QuantConfig, dict[str, str]]:
-    """`config` (the preset of the model's `quant_type`) with a config group per spec of `specs`
-    ("TARGET=QUANT_TYPE") holding that type's preset under the knobs it takes (module docstring);
-    → (that config, {new group key: its spec})."""
+                     symmetric: bool, zp_dtype: str | None, observer: str | None, activations: str = "static",
+                     weight_block: int | None = None, method: str = "rtn") -> tuple[QuantConfig, dict[str, str]]:
+    """`config` (the preset of the model's `quant_type`, its inputs `activations`) with a config
+    group per spec of `specs` ("TARGET=QUANT_TYPE") holding that type's preset under the knobs it
+    takes (module docstring), each checked against `method`; → (that config, {new group key: its
+    spec})."""
     from quantspec.quant.presets import default_weight_observer, preset
 
     specs = tuple(specs)
     layers = [parse_layer_type(s) for s in specs]
-    if quant_type not in LAYER_TYPES:
-        raise QuantSpecError(f"--layer-quant-type mixes weight-only types, and --quant-type {quant_type.value} "
-                             "quantizes activations too; use a weight-only --quant-type (float layers: --ignore)")
+    check_model_type(quant_type, activations)
     targets = [t for t, _ in layers]
     dup = next((t for t in targets if targets.count(t) > 1), None)
     if dup is not None:
         raise QuantSpecError(f"--layer-quant-type names {dup!r} twice; give each target one quant type")
     groups, keys = dict(config.config_groups), {}
     for i, (spec, (target, qt)) in enumerate(zip(specs, layers), start=len(groups)):
+        _check_method(spec, qt, method)
         integer = qt in (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4)
+        a8w8 = qt in (QuantType.A8W8, QuantType.A8W8_FP8)
+        block = weight_block if qt is QuantType.A8W8_FP8 and quant_type is QuantType.A8W8_FP8 else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
-                        weight_observer=observer or default_weight_observer(qt)).config_groups["group_0"]
+                        weight_observer=observer or default_weight_observer(qt),
+                        activations="dynamic" if a8w8 else "static", weight_block=block).config_groups["group_0"]
         keys[f"group_{i}"] = spec
         groups[f"group_{i}"] = replace(scheme, targets=(target,))
     return replace(config, config_groups=groups, format=None), keys

@@ -73,7 +73,7 @@ class QuantizeConfig:
     zp_dtype: str | None = None
     weight_observer: str | None = None  # None: `quant.presets.default_weight_observer`
     ignore: tuple[str, ...] = ()
-    layer_quant_types: tuple[str, ...] = ()  # "TARGET=QUANT_TYPE": those Linears at another weight-only type
+    layer_quant_types: tuple[str, ...] = ()  # "TARGET=QUANT_TYPE": those Linears at another type (`calib.layer_types`)
     act_order: bool = False
     block_size: int = 128
     damp: float = 0.01
@@ -118,6 +118,10 @@ class QuantizeConfig:
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
         if isinstance(self.layer_quant_types, str):
             object.__setattr__(self, "layer_quant_types", (self.layer_quant_types,))
+        if self.layer_quant_types:  # before the static recipe's checks: mixed types take no table
+            from quantspec.calib.layer_types import check_model_type
+
+            check_model_type(qt, self.activations)
         if self.method not in METHODS:
             raise QuantSpecError(f"unknown --method {self.method!r}; use one of: {', '.join(METHODS)}")
         if self.out is None:
@@ -151,15 +155,22 @@ class QuantizeConfig:
                         ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations,
                         weight_block=self.weight_block)
         if self.layer_quant_types:  # judged once its targets name the model's Linears (`run_quantize`)
-            from quantspec.calib.layer_types import with_layer_types
-
-            config, groups = with_layer_types(config, qt, self.layer_quant_types, group_size=self.group_size,
-                                              symmetric=self.symmetric, zp_dtype=self.zp_dtype, observer=observer)
-            object.__setattr__(self, "layer_groups", groups)
+            config = self._with_layer_types(config, qt, observer)
         refusal = None if self.layer_quant_types else target_refusal(self.target, config)
         if refusal is not None:
             raise QuantSpecError(refusal)
         object.__setattr__(self, "quant_config", config)
+
+    def _with_layer_types(self, config, qt, observer: str | None):
+        """`config` with a group per `layer_quant_types` spec (`calib.layer_types.with_layer_types`)."""
+        from quantspec.calib.layer_types import with_layer_types
+
+        config, groups = with_layer_types(config, qt, self.layer_quant_types, group_size=self.group_size,
+                                          symmetric=self.symmetric, zp_dtype=self.zp_dtype, observer=observer,
+                                          activations=self.activations, weight_block=self.weight_block,
+                                          method=self.method)
+        object.__setattr__(self, "layer_groups", groups)
+        return config
 
     def _check_target(self) -> str:
         """Check `target` and `kv_strategy` and settle the KV strategy (per head for the

@@ -34,8 +34,10 @@ def _gib(n) -> str:
                    "weight_only_int4, minmax for the 8-bit types")
 @click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
 @click.option("--layer-quant-type", "layer_quant_types", multiple=True, metavar="TARGET=QUANT_TYPE",
-              help="the Linears a module name or re:regex names at another weight-only type, e.g. "
-                   "'re:.*mlp.down_proj$=weight_only_int8' (repeatable; --quant-type weight-only too)")
+              help="the Linears a module name or re:regex names at another type, e.g. "
+                   "'re:.*mlp.down_proj$=weight_only_int8' or 're:.*self_attn.*=a8w8_fp8' (repeatable; types that "
+                   "need no calibration table: weight-only ones, and a8w8 / a8w8_fp8 / mxfp4 with inputs "
+                   "quantized at run time)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
 @click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ damping (fraction of mean diag H)")

@@ -53,6 +53,9 @@ ARTIFACTS = {
     "weight_only_mixed": dict(quant_type="weight_only_int4", group_size=128,
                               layer_quant_types=(r"re:.*mlp\.down_proj$=weight_only_int8",
                                                  r"re:.*self_attn\.[qkv]_proj$=weight_only_nvfp4")),
+    # ... with FP8_DYNAMIC attention (inputs quantized per token at run time) beside int4 MLPs
+    "mixed_fp8_dynamic": dict(quant_type="weight_only_int4", group_size=128,
+                              layer_quant_types=(r"re:.*self_attn\.[qkvo]_proj$=a8w8_fp8",)),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

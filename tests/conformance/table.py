@@ -65,7 +65,8 @@ and Marlin experts elsewhere; SGLang's `Mxfp4MoEMethod` makes GPT-OSS's paramete
 which take none of the checkpoint's per-expert `weight_packed`, so SGLang refuses them too.
 `weight_only_mixed` is mixed precision (`--layer-quant-type`): a config group per type, each
 naming its Linears as the engines match them (a fused unit as one regex that also names the fused
-layer); both engines pick a scheme per layer.
+layer); both engines pick a scheme per layer. `mixed_fp8_dynamic` gives the attention's Linears
+FP8 weights and per-token FP8 inputs (llm-compressor's FP8_DYNAMIC) beside int4 MLPs.
 """
 
 

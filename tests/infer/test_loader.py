@@ -272,8 +272,8 @@ def test_unsupported_format_and_method(artifacts, tmp_path):
     with pytest.raises(QuantSpecError, match="'marlin-24' is unsupported.*pack-quantized"):
         load_for_inference(art)
     _edit_config(art, lambda c: c.__setitem__("quantization_config",
-                                              {"quant_method": "gptq", "bits": 4}))
-    with pytest.raises(QuantSpecError, match="quant_method 'gptq' is unsupported"):
+                                              {"quant_method": "bitsandbytes", "load_in_4bit": True}))
+    with pytest.raises(QuantSpecError, match="quant_method 'bitsandbytes' is unsupported"):
         load_for_inference(art)
 
 
