@@ -30,7 +30,7 @@ CASES = [
     ("infer-max-length-1", "infer --model {model} --prompt hi --max-length 1", "--max-length"),
     ("infer-src-length-over", "infer --model {model} --prompt hi --max-length 64 --src-length 64", "--src-length"),
     ("infer-block-size-3", "infer --model {model} --prompt hi --block-size 3", "--block-size"),
-    ("infer-gptq-desc-act", "infer --model {d}/gptq_desc_act --prompt hi", "--model"),
+    ("infer-gptq-asym", "infer --model {d}/gptq_asym --prompt hi", "--model"),
     ("infer-temperature-neg", "infer --model {model} --prompt hi --decode-strategy sampling --temperature -1",
      "--temperature"),
     ("infer-top-p-0", "infer --model {model} --prompt hi --decode-strategy sampling --top-p 0", "--top-p"),
@@ -341,8 +341,8 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
                                                        "use_bidirectional_attention": True}))
     shutil.copytree(quantized, d / "quantized")
     for name, qc in (("quantized_bnb", {"quant_method": "bitsandbytes", "load_in_4bit": True}),  # not read
-                     ("gptq_desc_act", {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": True,
-                                        "sym": True})):  # rows reordered: vLLM refuses them too
+                     ("gptq_asym", {"quant_method": "gptq", "bits": 4, "group_size": 32, "desc_act": False,
+                                    "sym": False})):  # vLLM runs symmetric GPTQ only
         shutil.copytree(quantized, d / name)
         cfg = json.loads((d / name / "config.json").read_text())
         (d / name / "config.json").write_text(json.dumps({**cfg, "quantization_config": qc}))

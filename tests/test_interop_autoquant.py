@@ -2,8 +2,9 @@
 written here with plain numpy by the layouts vLLM's own test utilities pack them in (`gptq_pack`:
 codes of consecutive rows in a word; `awq_pack`: columns interleaved [0, 2, 4, 6, 1, 3, 5, 7], then
 codes of consecutive columns in a word), from codes and scales the test chose. quantspec runs them
-with the writer's weights ((q − z) · s) and the logits transformers gives those weights, leaves float what the config leaves float, quantizes from them,
-and refuses in one line what vLLM refuses."""
+with the writer's weights ((q − z) · s) and the logits transformers gives those weights, leaves
+float what the config leaves float, quantizes from them (desc_act's permuted groups too, which it
+refuses to run, as vLLM does), and refuses in one line what vLLM refuses."""
 
 import json
 import shutil
@@ -21,6 +22,15 @@ from quantspec.infer.quant_linear import QuantLinear
 from quantspec.quant.artifact import load_safetensors
 
 IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71])
+
+
+@pytest.fixture(scope="module")
+def corpus(tmp_path_factory):
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    path = tmp_path_factory.mktemp("corpus") / "corpus.txt"
+    path.write_text(TINY_CORPUS * 2)
+    return path
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
 
 
@@ -42,9 +52,14 @@ def _pack_cols_awq(q: numpy.ndarray) -> torch.Tensor:
     return torch.from_numpy(out.astype(numpy.int32))
 
 
-def _codes(w: torch.Tensor, bits: int, group: int, sym: bool):
-    """RTN of w [N, K] in groups along K → (q [K, N] unsigned, scales [G, N] fp16, zeros [G, N] or
-    None, the dequantized weight [N, K] (q − z) · s, exact in fp32)."""
+def _codes(w: torch.Tensor, bits: int, group: int, sym: bool, perm: torch.Tensor | None = None):
+    """RTN of w [N, K] in groups along K (of the columns in the order `perm`, desc_act's, when
+    given) → (q [K, N] unsigned, scales [G, N] fp16, zeros [G, N] or None, the dequantized weight
+    [N, K] (q − z) · s, exact in fp32)."""
+    if perm is not None:
+        inv = torch.argsort(perm)
+        q, s, z, deq = _codes(w[:, perm], bits, group, sym)
+        return q[inv.numpy()], s, z, deq[:, inv]
     N, K = w.shape
     g = K if group == -1 else group
     wg = w.float().reshape(N, K // g, g)
@@ -63,8 +78,9 @@ def _codes(w: torch.Tensor, bits: int, group: int, sym: bool):
 
 
 def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, skip: tuple[str, ...] = (),
-           lm_head: bool = False) -> dict[str, torch.Tensor]:
-    """`src` as a GPTQ (symmetric) or AWQ (zero points) checkpoint → {Linear: its dequantized weight}."""
+           lm_head: bool = False, desc_act: bool = False) -> dict[str, torch.Tensor]:
+    """`src` as a GPTQ (symmetric; `desc_act`: groups of columns in a random order, its `g_idx`
+    permuted) or AWQ (zero points) checkpoint → {Linear: its dequantized weight}."""
     shutil.copytree(src, out)
     tensors, dense = load_file(str(out / "model.safetensors")), {}
     names = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and
@@ -73,7 +89,8 @@ def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, sk
         if any(s in n for s in skip):
             continue
         w = tensors.pop(f"{n}.weight")
-        q, s, z, dense[n] = _codes(w, bits, group, sym=method == "gptq")
+        perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(len(dense))) if desc_act else None
+        q, s, z, dense[n] = _codes(w, bits, group, sym=method == "gptq", perm=perm)
         tensors[f"{n}.scales"] = s
         if method == "gptq":
             tensors[f"{n}.qweight"] = _pack_rows(q, bits)
@@ -81,12 +98,13 @@ def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, sk
             # AutoGPTQ's zeros, stored less one (unused: symmetric)
             tensors[f"{n}.qzeros"] = _pack_rows(numpy.full((q.shape[1], q.shape[0] // g), (1 << (bits - 1)) - 1),
                                                 bits).t().contiguous()
-            tensors[f"{n}.g_idx"] = torch.arange(q.shape[0], dtype=torch.int32) // g
+            order = torch.arange(q.shape[0]) if perm is None else torch.argsort(perm)  # column k's rank
+            tensors[f"{n}.g_idx"] = (order // g).to(torch.int32)
         else:
             tensors[f"{n}.qweight"], tensors[f"{n}.qzeros"] = _pack_cols_awq(q), _pack_cols_awq(z)
     save_file(tensors, str(out / "model.safetensors"))
     cfg = json.loads((out / "config.json").read_text())
-    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": False,
+    cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
                                   "sym": True, "lm_head": lm_head, "damp_percent": 0.01,
                                   "checkpoint_format": "gptq"} if method == "gptq" else \
         {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm",
@@ -136,8 +154,30 @@ def test_quantizing_from_gptq_equals_quantizing_its_weights(tiny_llama_dir, tmp_
     assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
 
 
+def test_desc_act_is_refused_where_run_and_requantized_into_static_groups(tiny_llama_dir, tmp_path, corpus):
+    """A permuted g_idx (desc_act), which vLLM no longer runs: one line naming the command that
+    re-quantizes it; that command decompresses it column by column, as the float checkpoint of
+    its weights quantizes."""
+    from quantspec.quant.decompressed import DecompressedReader
+
+    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq", desc_act=True)
+    with pytest.raises(QuantSpecError, match="desc_act.*--method gptq --act-order") as e:
+        load_for_inference(tmp_path / "gptq", tokenizer=False)
+    assert "\n" not in str(e.value)
+    reader = DecompressedReader(tmp_path / "gptq")
+    assert len(reader.view.plan.permuted) == 14
+    for n, w in dense.items():
+        assert torch.equal(reader.read([f"{n}.weight"])[f"{n}.weight"], w), n
+    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    options = dict(method="gptq", act_order=True, group_size=32, dataset=str(corpus), num_samples=4, seq_len=32)
+    a, b = (api.quantize(str(src), "weight_only_int4", tmp_path / f"w4_{i}", **options)
+            for i, src in enumerate((tmp_path / "gptq", ref)))
+    ta, tb = load_safetensors(a), load_safetensors(b)
+    assert sorted(ta) == sorted(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert load_for_inference(a, tokenizer=False).quant_config.quant_type.value == "weight_only_int4"
+
+
 @pytest.mark.parametrize("edit, named", [
-    ({"desc_act": True}, "desc_act"),
     ({"sym": False}, "sym: false"),
     ({"bits": 3}, "bits 3"),
     ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "dynamic"),

@@ -100,10 +100,12 @@ def _float_table(args: ModelArgs, net: Transformer, quantized: dict, shapes: Map
     return table, q_expected
 
 
-def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expected: dict, where: str) -> set[str]:
+def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expected: dict, where: str,
+                      permuted: set[str] | None) -> set[str]:
     """The quantized Linears' tensors a checkpoint may hold: the expected ones, zero points of
     symmetric args (all zero) and a trivial act-order index, which compressed-tensors may store
-    and which are dropped; anything else of theirs is refused."""
+    and which are dropped; anything else of theirs is refused. A permuted act-order index is
+    refused too, unless `permuted` (a set) collects the Linears that hold one."""
     allowed: set[str] = set()
     for name, exp in q_expected.items():
         allowed.update(exp)
@@ -116,11 +118,15 @@ def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expect
                 allowed.add(key)
         gkey = f"{name}.weight_g_idx"
         if gkey in tensors:
-            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features,
-                                     quantized[name].weights.group_size):
-                raise QuantSpecError(f"{where}: {gkey} holds a permuted act-order group index, "
-                                     "which quantspec does not run; re-quantize with static "
-                                     "act-order groups (quantspec's --act-order)")
+            w = quantized[name].weights
+            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features, w.group_size):
+                if permuted is None:
+                    raise QuantSpecError(
+                        f"{where}: {gkey} holds a permuted act-order group index (GPTQ's desc_act), which neither "
+                        "quantspec nor vLLM runs; re-quantize it into static act-order groups: quantspec quantize "
+                        f"--model {where} --quant-type weight_only_int{w.num_bits} --method gptq --act-order "
+                        "--dataset D")
+                permuted.add(name)
             allowed.add(gkey)
     return allowed
 
@@ -153,6 +159,7 @@ class ArtifactPlan:
     names: set[str]
     allowed: set[str]
     kv_names: set[str]
+    permuted: set[str]  # Linears whose act-order index is permuted (only with `permuted_g_idx`)
 
     def refuse_unexpected(self, args: ModelArgs, where: str) -> None:
         """One line naming the first tensor that neither the model nor the config explains."""
@@ -160,12 +167,13 @@ class ArtifactPlan:
 
 
 def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, *,
-                  where: str = "the artifact",
-                  check_scheme: Callable[[QuantScheme], object] | None = None) -> ArtifactPlan:
+                  where: str = "the artifact", check_scheme: Callable[[QuantScheme], object] | None = None,
+                  permuted_g_idx: bool = False) -> ArtifactPlan:
     """The `ArtifactPlan` of an artifact's tensors (a dict, or a mapping that reads each when
     looked up); refuses, one line each, what no loader takes: a scheme `check_scheme` refuses
     (a `QuantSpecError`), a quantized embedding, a float tensor missing or mis-shaped, an
-    optional compressed tensor that contradicts the config."""
+    optional compressed tensor that contradicts the config, and a permuted act-order index unless
+    `permuted_g_idx` (a reader that dequantizes its Linears can follow one)."""
     if qc.tensor_names:  # tensors another tool names otherwise (`quant.hf_fp8`)
         tensors = RenamedLeaves(tensors, qc.tensor_names)
     if qc.source == "modelopt":  # ModelOpt's names and reciprocal global scales (`quant.modelopt`)
@@ -182,8 +190,9 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
     if args.tie_word_embeddings and "lm_head" not in quantized:
         names.discard("lm_head.weight")  # some exporters write the tied copy anyway
     float_table, q_expected = _float_table(args, net, quantized, shapes, where)
-    allowed = set(float_table) | _optional_tensors(tensors, net, quantized, q_expected, where)
+    permuted: set[str] | None = set() if permuted_g_idx else None
+    allowed = set(float_table) | _optional_tensors(tensors, net, quantized, q_expected, where, permuted)
     kv_names = {f"{attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in KV_NAMES}
     if qc.kv_cache_scheme is not None:
         allowed |= kv_names
-    return ArtifactPlan(tensors, net, quantized, float_table, q_expected, names, allowed, kv_names)
+    return ArtifactPlan(tensors, net, quantized, float_table, q_expected, names, allowed, kv_names, permuted or set())

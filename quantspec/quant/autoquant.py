@@ -6,9 +6,10 @@ scale per group, which vLLM runs with its own `auto_gptq` / `auto_awq` methods.
 - GPTQ: `qweight` [K / (32 / bits), N] int32, each word `32 / bits` codes of consecutive rows
   (row k in bits `bits · (k mod 32 / bits)`), unsigned with the symmetric offset (8 for 4 bits,
   128 for 8); `scales` [K / group, N]; `qzeros` (unused: symmetric); `g_idx` [K], the group of each
-  row. As in vLLM, symmetric 4- and 8-bit weights only and no `desc_act` reordering (a permuted
-  `g_idx`); `lm_head: true` quantizes the head; `modules_in_block_to_quantize` names the Linears
-  quantized in each block.
+  row. As in vLLM, symmetric 4- and 8-bit weights only; `desc_act` reordering (a permuted `g_idx`)
+  is refused where the checkpoint is run and followed where it is decompressed
+  (`quant.artifact_plan`); `lm_head: true` quantizes the head; `modules_in_block_to_quantize` names
+  the Linears quantized in each block.
 - AWQ (`version: "gemm"`, AutoAWQ's default): `qweight` [K, N / 8] int32, each word 8 codes of
   consecutive columns in AWQ's interleaved order (nibble i holds column `AWQ_ORDER[i]`), unsigned
   in [0, 15]; `qzeros` [K / group, N / 8] packed alike; `scales` [K / group, N]: w = (q − z) · s.
@@ -67,9 +68,6 @@ def _gptq(d: Mapping[str, Any]) -> tuple[QuantArgs, list[str], tuple[str, ...]]:
         raise _err("gptq", f"bits {bits} is unsupported; quantspec runs 4- and 8-bit GPTQ weights")
     if d.get("sym", True) is not True:
         raise _err("gptq", "asymmetric weights (sym: false) are unsupported, as in vLLM; use a symmetric checkpoint")
-    if d.get("desc_act") and group != -1:
-        raise _err("gptq", "desc_act: true (rows reordered by a permuted g_idx) is unsupported, as in vLLM; use a "
-                           "checkpoint with desc_act: false or static act-order groups")
     if d.get("dynamic"):
         raise _err("gptq", "per-module overrides (dynamic) are unsupported; use one scheme for every module")
     if d.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):

@@ -9,7 +9,9 @@ Linear's `weight` is shown as `dequantize(q, scale, zero point)` of its compress
 in fp32 (`quant.primitives.dequantize`; exact for int and FP8 codes under 16-bit scales), read when
 looked up: a layer at a time, as from a float checkpoint. The source's static input scales and
 KV-cache scales are not shown (a new artifact calibrates its own); every other tensor is the
-checkpoint's own, and its bytes are copied as they are where the new artifact keeps it float.
+checkpoint's own, and its bytes are copied as they are where the new artifact keeps it float. A
+permuted act-order index (GPTQ's desc_act), which no engine runs any more, is followed here, so
+such a checkpoint re-quantizes into static act-order groups that they do.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ class DecompressedTensors(ShapedTensors):
     decompressed `{Linear}.weight` to its Linear."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, where: str):
-        plan = plan_artifact(tensors, args, qc, where=where)
+        plan = plan_artifact(tensors, args, qc, where=where, permuted_g_idx=True)
         for exp in plan.q_expected.values():
             check_present(plan.tensors, exp)
         plan.refuse_unexpected(args, where)
@@ -58,6 +60,10 @@ class DecompressedTensors(ShapedTensors):
         t = read_quantized_linear(self.plan.tensors, module, self.plan.quantized[module], N, K)
         # in fp32: (q − z) · s of 8-bit codes and a 16-bit scale is exact there, rounded in the scale's dtype
         zp = t.zero_point.float() if t.zero_point is not None and t.zero_point.is_floating_point() else t.zero_point
+        if module in self.plan.permuted:  # column k in group g_idx[k] (GPTQ's desc_act)
+            g = self.plan.tensors[f"{module}.weight_g_idx"].long().reshape(-1)
+            z = 0.0 if zp is None else zp.float()[:, g]
+            return (t.q.float() - z) * t.scale.float()[:, g]
         return dequantize(t.q, t.scale.float(), zp, t.weight_args, dtype=torch.float32, global_scale=t.global_scale)
 
 
