@@ -35,7 +35,7 @@ def _check_options(options: dict) -> None:
     if unknown:
         raise QuantSpecError(f"quantize: unexpected option {unknown[0]!r}")
     for name, value in options.items():
-        if name not in _KEPT_OPTIONS and value != defaults[name] and not (value == () and defaults[name] == ()):
+        if name not in _KEPT_OPTIONS and value != defaults[name]:
             flag = "--" + name.replace("_", "-")
             raise QuantSpecError(f"--quant-type keep copies the artifact's quantized weights as they are, so {flag} "
                                  "does not apply; drop it, or quantize the model with a --quant-type")

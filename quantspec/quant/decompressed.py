@@ -1,7 +1,8 @@
 """A quantized checkpoint read as the float checkpoint it decompresses to, so `quantize` and
 `calibrate` take an FP8, NVFP4, MXFP4, int8 or int4 checkpoint (compressed-tensors, transformers'
-and vLLM's own FP8, ModelOpt's NVFP4) as their source the way they take a float one: a block-FP8
-release quantized to int4 with GPTQ, an int8 artifact re-quantized with another recipe.
+and vLLM's own FP8, ModelOpt's NVFP4, GPTQ's and AWQ's own formats) as their source the way they
+take a float one: a block-FP8 release quantized to int4 with GPTQ, an int8 artifact re-quantized
+with another recipe.
 
 Every format the inference loader runs is read, after the same checks (`quant.artifact_plan`:
 the whole checkpoint against its config, from its headers, before any work). Each quantized
@@ -10,8 +11,8 @@ in fp32 (`quant.primitives.dequantize`; exact for int and FP8 codes under 16-bit
 looked up: a layer at a time, as from a float checkpoint. The source's static input scales and
 KV-cache scales are not shown (a new artifact calibrates its own); every other tensor is the
 checkpoint's own, and its bytes are copied as they are where the new artifact keeps it float. A
-permuted act-order index (GPTQ's desc_act), which no engine runs any more, is followed here, so
-such a checkpoint re-quantizes into static act-order groups that they do.
+permuted act-order index (GPTQ's desc_act), which vLLM no longer runs, is followed here, so such a
+checkpoint re-quantizes into static act-order groups, which it does.
 """
 
 from __future__ import annotations
