@@ -191,3 +191,14 @@ def test_what_vllm_refuses_is_one_line(tiny_llama_dir, tmp_path, edit, named):
     with pytest.raises(QuantSpecError, match=named) as e:
         load_for_inference(tmp_path / "gptq", tokenizer=False)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("method, leaf", [("awq", "scales"), ("awq", "qzeros"), ("gptq", "scales")])
+def test_a_missing_tensor_is_named_as_stored(tiny_llama_dir, tmp_path, method, leaf):
+    _write(tiny_llama_dir, tmp_path / method, method)
+    tensors = load_file(str(tmp_path / method / "model.safetensors"))
+    del tensors[f"model.layers.1.mlp.up_proj.{leaf}"]
+    save_file(tensors, str(tmp_path / method / "model.safetensors"))
+    with pytest.raises(QuantSpecError, match=f"'model.layers.1.mlp.up_proj.{leaf}' is missing") as e:
+        load_for_inference(tmp_path / method, tokenizer=False)
+    assert "\n" not in str(e.value)

@@ -145,12 +145,15 @@ class AutoQuantTensors(ShapedTensors):
         rows, cols = base_shapes[f"{module}.qweight"]
         N, K = (cols * per, rows) if self.method == "awq" else (cols, rows * per)
         self.dims[module] = (N, K, w)
-        shown = {"weight_packed": (N, packed_words(K, w.num_bits)), "weight_shape": (2,)}
-        if f"{module}.{SCALE_LEAF}" in base_shapes:  # else named missing by the loader's checks
-            G = base_shapes[f"{module}.{SCALE_LEAF}"][0]
-            shown["weight_scale"] = (N, G)
-            if not w.symmetric and f"{module}.qzeros" in base_shapes:
-                shown["weight_zero_point"] = (packed_words(N, w.num_bits), G)
+        needed = (SCALE_LEAF,) if w.symmetric else (SCALE_LEAF, "qzeros")
+        missing = next((f"{module}.{leaf}" for leaf in needed if f"{module}.{leaf}" not in base_shapes), None)
+        if missing is not None:  # named as stored: the compressed-tensors names are this view's
+            raise QuantSpecError(f"tensor {missing!r} is missing from the checkpoint; it is incomplete — "
+                                 "re-download or re-create it")
+        G = base_shapes[f"{module}.{SCALE_LEAF}"][0]
+        shown = {"weight_packed": (N, packed_words(K, w.num_bits)), "weight_shape": (2,), "weight_scale": (N, G)}
+        if not w.symmetric:
+            shown["weight_zero_point"] = (packed_words(N, w.num_bits), G)
         if f"{module}.g_idx" in base_shapes:
             shown["weight_g_idx"] = tuple(base_shapes[f"{module}.g_idx"])
         if f"{module}.bias" in base_shapes:
