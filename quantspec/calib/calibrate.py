@@ -273,7 +273,6 @@ def _load_for_calibration(model: str):
     `quant.decompressed.DecompressedReader`)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint, read_config, resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs
-
     from quantspec.quant.decompressed import source_reader
 
     model_dir = resolve_model_dir(model)

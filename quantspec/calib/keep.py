@@ -46,15 +46,10 @@ def _check_options(options: dict) -> None:
 
 def _kv_args(kind: str, strategy: str | None, target: str):
     """The KV-cache args of `--kv-cache kind --kv-strategy strategy`, refused where `target` would."""
-    from quantspec.calib.quantize import KV_STRATEGIES
-    from quantspec.quant.engines import TARGETS, target_refusal
-    from quantspec.quant.presets import preset
+    from quantspec.quant.engines import target_refusal
+    from quantspec.quant.presets import KV_STRATEGIES, preset, settle_kv_strategy
 
-    if target not in TARGETS:
-        raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
-    strategy = strategy or ("head" if target == "quantspec" else "tensor")
-    if strategy not in KV_STRATEGIES:
-        raise QuantSpecError(f"--kv-strategy {strategy!r}: use {' or '.join(KV_STRATEGIES)}")
+    strategy = settle_kv_strategy(target, strategy)
     probe = preset("weight_only_int8", kv_cache=kind, kv_strategy=KV_STRATEGIES[strategy])
     refusal = target_refusal(target, probe)
     if refusal is not None:

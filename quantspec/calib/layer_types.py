@@ -81,17 +81,16 @@ def _check_method(spec: str, qt: QuantType, method: str) -> None:
 
 
 def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable[str], *, group_size: int,
-                     symmetric: bool, zp_dtype: str | None, observer: str | None, activations: str = "static",
+                     symmetric: bool, zp_dtype: str | None, observer: str | None,
                      weight_block: int | None = None, method: str = "rtn") -> tuple[QuantConfig, dict[str, str]]:
-    """`config` (the preset of the model's `quant_type`, its inputs `activations`) with a config
-    group per spec of `specs` ("TARGET=QUANT_TYPE") holding that type's preset under the knobs it
-    takes (module docstring), each checked against `method`; → (that config, {new group key: its
-    spec})."""
+    """`config` (the preset of the model's `quant_type`, which `check_model_type` let through)
+    with a config group per spec of `specs` ("TARGET=QUANT_TYPE") holding that type's preset under
+    the knobs it takes (module docstring), each checked against `method`; → (that config, {new
+    group key: its spec})."""
     from quantspec.quant.presets import default_weight_observer, preset
 
     specs = tuple(specs)
     layers = [parse_layer_type(s) for s in specs]
-    check_model_type(quant_type, activations)
     targets = [t for t, _ in layers]
     dup = next((t for t in targets if targets.count(t) > 1), None)
     if dup is not None:

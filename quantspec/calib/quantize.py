@@ -43,7 +43,6 @@ COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.j
                 "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
 ALPHA_CHOICES = ("auto", "none")  # --smoothquant-alpha besides a number in (0, 1)
 ZP_DTYPES = ("float16", "bfloat16", "float32")
-KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # --kv-strategy → compressed-tensors' strategy
 
 Progress = Callable[[int, int, str], None]
 
@@ -107,7 +106,7 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
         from quantspec.quant.args import QuantType
-        from quantspec.quant.presets import check_weight_block, default_weight_observer, preset
+        from quantspec.quant.presets import KV_STRATEGIES, check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
@@ -167,21 +166,15 @@ class QuantizeConfig:
 
         config, groups = with_layer_types(config, qt, self.layer_quant_types, group_size=self.group_size,
                                           symmetric=self.symmetric, zp_dtype=self.zp_dtype, observer=observer,
-                                          activations=self.activations, weight_block=self.weight_block,
-                                          method=self.method)
+                                          weight_block=self.weight_block, method=self.method)
         object.__setattr__(self, "layer_groups", groups)
         return config
 
     def _check_target(self) -> str:
-        """Check `target` and `kv_strategy` and settle the KV strategy (per head for the
-        quantspec target, else per tensor, which both engines load); → the strategy."""
-        from quantspec.quant.engines import TARGETS
+        """Check `target` and `kv_strategy` and settle the KV strategy (`settle_kv_strategy`); → the strategy."""
+        from quantspec.quant.presets import settle_kv_strategy
 
-        if self.target not in TARGETS:
-            raise QuantSpecError(f"unknown --target {self.target!r}; use one of: {', '.join(TARGETS)}")
-        kv_strategy = self.kv_strategy or ("head" if self.target == "quantspec" else "tensor")
-        if kv_strategy not in KV_STRATEGIES:
-            raise QuantSpecError(f"--kv-strategy {kv_strategy!r}: use {' or '.join(KV_STRATEGIES)}")
+        kv_strategy = settle_kv_strategy(self.target, self.kv_strategy)
         if self.kv_strategy is not None and self.kv_cache is None:
             raise QuantSpecError("--kv-strategy shapes the KV-cache scales of --kv-cache; add --kv-cache "
                                  "or drop it")

@@ -45,7 +45,6 @@ from quantspec.model_zoo.llama import ModelArgs, Transformer
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import read_provenance
 from quantspec.quant.artifact_plan import KV_NAMES, attn_prefix, plan_artifact
-from quantspec.quant.autoquant import AUTOQUANT_METHODS
 
 __all__ = ["LoadedModel", "auto_dtype", "load_for_inference", "quantized_model", "read_eos_token_ids"]
 
@@ -214,12 +213,9 @@ def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> 
     qc = read_config(model_dir).get("quantization_config") or {}
     if not qc:
         return torch.bfloat16 if checkpoint_float_dtype(model_dir) == torch.bfloat16 else torch.float32
-    if qc.get("quant_method") in AUTOQUANT_METHODS:  # int weights only, whatever their fields (`quant.autoquant`)
-        return torch.bfloat16
-    groups = qc.get("config_groups") or {}
-    weight_only = bool(groups) and all(
-        (g.get("weights") or {}).get("type", "int") == "int" and not g.get("input_activations")
-        for g in groups.values())
+    schemes = QuantConfig.from_dict(qc).config_groups.values()  # any format quantspec reads, as its schemes
+    weight_only = bool(schemes) and all((s.weights is None or s.weights.type == "int") and s.input_activations is None
+                                        for s in schemes)
     return torch.bfloat16 if weight_only else torch.float32
 
 

@@ -11,8 +11,8 @@ from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_S
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "FP4_TYPES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
-           "check_weight_block", "default_weight_observer", "for_experts", "preset"]
+__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "FP4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+           "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
 # in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
@@ -189,3 +189,19 @@ def _kv_cache_args(kv_cache: str | None, kv_strategy: str) -> QuantArgs | None:
         raise QuantSpecError(f"--kv-cache {kv_cache!r} unsupported; use int8 or fp8")
     return QuantArgs(num_bits=8, type="int" if kind == "int8" else "float", symmetric=True,
                      strategy=kv_strategy, dynamic=False)
+
+
+KV_STRATEGIES = {"tensor": "tensor", "head": "attn_head"}  # --kv-strategy → compressed-tensors' strategy
+
+
+def settle_kv_strategy(target: str, kv_strategy: str | None) -> str:
+    """`--kv-strategy` under `--target`, both checked: as given, else per head for the quantspec
+    target and per tensor for the others (which both engines load)."""
+    from quantspec.quant.engines import TARGETS
+
+    if target not in TARGETS:
+        raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
+    kv_strategy = kv_strategy or ("head" if target == "quantspec" else "tensor")
+    if kv_strategy not in KV_STRATEGIES:
+        raise QuantSpecError(f"--kv-strategy {kv_strategy!r}: use {' or '.join(KV_STRATEGIES)}")
+    return kv_strategy
