@@ -6,7 +6,7 @@ weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a flo
 float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
 int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
 `-minmax` rows take plain min/max scales for comparison; the `-down8` rows keep down_proj at int8
-(`--layer-quant-type`).
+and the `-head8` / `-head4` rows quantize the output head too (`--layer-quant-type`).
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
 Calibration (GPTQ, AWQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
@@ -34,6 +34,8 @@ from quantspec import api
 
 HERE = Path(__file__).parent
 DOWN_INT8 = r"re:.*mlp\.down_proj$=weight_only_int8"
+HEAD_INT8 = "lm_head=weight_only_int8"
+HEAD_INT4 = "lm_head=weight_only_int4"
 ROWS = {
     # name: (quant_type, method, group_size, symmetric, act_order[, zp_dtype[, observer[, layer quant types]]])
     "fp32": None,
@@ -61,6 +63,13 @@ ROWS = {
     # mixed precision (`--layer-quant-type`): int8 down_proj beside int4 elsewhere
     "int4-rtn-g64-down8": ("weight_only_int4", "rtn", 64, True, False, None, None, (DOWN_INT8,)),
     "int4-gptq-g64-down8": ("weight_only_int4", "gptq", 64, True, True, None, None, (DOWN_INT8,)),
+    # a quantized output head (untied from the embedding, which stays float; GPTQ on the last
+    # layer's normed outputs where the method is GPTQ)
+    "int4-rtn-g64-head8": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT8,)),
+    "int4-gptq-g64-head8": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT8,)),
+    "int4-rtn-g64-head4": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT4,)),
+    "int4-gptq-g64-head4": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT4,)),
+    "int8-rtn-head8": ("weight_only_int8", "rtn", 128, True, False, None, None, (HEAD_INT8,)),
 }
 
 

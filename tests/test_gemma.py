@@ -314,7 +314,9 @@ def test_gemma3_multimodal_reads_as_its_text_decoder(gemma3, gemma3_multimodal):
 
 
 @pytest.mark.parametrize("quant_type, options", [("weight_only_int4", {"group_size": 32}),
-                                                 ("a8w8", {"kv_cache": "int8", "target": "quantspec"})])
+                                                 ("a8w8", {"kv_cache": "int8", "target": "quantspec"}),
+                                                 ("weight_only_int4", {"group_size": 32,  # its tied head untied
+                                                                       "layer_quant_types": ("lm_head=weight_only_int8",)})])
 def test_gemma3_multimodal_artifact_is_the_text_model(gemma3_multimodal, tmp_path, quant_type, options,
                                                        artifact_runs_as_in_transformers):
     """The artifact is the text-only `Gemma3ForCausalLM` (what transformers, vLLM and SGLang load

@@ -17,6 +17,13 @@ another type than the model's `--quant-type`, in a config group of their own.
   also names the fused layer, which SGLang matches, other Linears by exact name), and `--target`
   is judged on that config. A target must name whole fused units (q / k / v, gate / up), and no
   experts of a mixture of experts (one scheme per fused-MoE layer: the model's type).
+- The output head (`lm_head`), which every other target leaves float, is quantized where a target
+  names it (`lm_head=weight_only_int8`; a regex that matches the name): vLLM and SGLang build it as
+  a `ParallelLMHead` and take its scheme by name only, never by the class target "Linear". GPTQ
+  (`gptq`, `awq+gptq`) calibrates it on the last decoder layer's normed outputs, after the layers;
+  `rtn` and `awq` round it to nearest. A tied head is untied: the artifact keeps the embedding
+  float beside the quantized head and sets `tie_word_embeddings` false (llm-compressor unties a
+  quantized head too).
 """
 
 from __future__ import annotations
@@ -33,6 +40,7 @@ from quantspec.quant.config import QuantConfig
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
+HEAD = "lm_head"  # the output head: quantized only where a target names it
 # the quant types a layer may take beside the model's own, and the model's own with them: weight-only
 # ones, and those whose inputs are quantized at run time (a8w8 types with per-token scales)
 WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_NVFP4,
@@ -107,7 +115,15 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
                         activations="dynamic" if a8w8 else "static", weight_block=block).config_groups["group_0"]
         keys[f"group_{i}"] = spec
         groups[f"group_{i}"] = replace(scheme, targets=(target,))
-    return replace(config, config_groups=groups, format=None), keys
+    ignore = config.ignore
+    if any(_names_head(t) for t in targets):  # the head is quantized only where a target names it
+        ignore = tuple(i for i in ignore if i != HEAD)
+    return replace(config, config_groups=groups, format=None, ignore=ignore), keys
+
+
+def _names_head(target: str) -> bool:
+    """`target` names the output head, as compressed-tensors and the engines match it by name."""
+    return re.match(target[3:], HEAD) is not None if target.startswith("re:") else target == HEAD
 
 
 def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[str, str], target: str) -> QuantConfig:

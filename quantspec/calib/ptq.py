@@ -1,11 +1,11 @@
 """Post-training quantization of a loaded model: a `QuantConfig` + a method → artifact tensors.
 
-This file owns `quantize_model`: which Linears a config quantizes (compressed-tensors matching:
-`ignore` first — `lm_head` by default — then exact names > `re:` regexes > class names; embeddings
-and norms are not Linears and stay as they are), the per-layer group sizes (`resolve_group_size`:
-a requested group size that does not divide a layer's K — SmolLM2's 576 with 128 — becomes the
-largest power of two ≤ it that does, arranged into config groups by `QuantConfig.with_group_sizes`),
-and the methods (`quant.presets.METHODS`):
+This file owns `quantize_model`: it quantizes the Linears a config names (`calib.targets`:
+compressed-tensors matching, `ignore` first — `lm_head` by default — then exact names > `re:`
+regexes > class names; embeddings and norms are not Linears and stay as they are) at per-layer
+group sizes (a requested group size that does not divide a layer's K — SmolLM2's 576 with 128 —
+becomes the largest power of two ≤ it that does, arranged into config groups by
+`QuantConfig.with_group_sizes`), with the methods (`quant.presets.METHODS`):
 
 - `rtn`: round-to-nearest with min/max qparams per weight (no data).
 - `gptq`: Frantar et al. (arXiv:2210.17323) through `quant.gptq.gptq_quantize`, layer by layer
@@ -54,15 +54,16 @@ from torch import nn
 
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
 from quantspec.calib.smooth import smooth_layer
+from quantspec.calib.targets import check_input_scales, quantized_linears, resolve_layer_group_sizes
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.layout import checkpoint_config, fuse_tensors
 from quantspec.model_zoo.llama import MLP, Transformer
 from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, resolve_group_size
+from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import linear_to_tensors
-from quantspec.quant.fp4 import check_groups_tile, global_scale_from_absmax
+from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.presets import METHODS
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
@@ -130,65 +131,7 @@ class PTQResult:
     summary: dict = field(default_factory=dict)  # method, timings, GPTQ losses, ...
 
 
-def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
-    """Linear name → module for every Linear the config quantizes (ignore list honoured)."""
-    out = {}
-    for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
-            classes = tuple(c.__name__ for c in type(mod).__mro__)
-            scheme = config.scheme_for(name, classes)
-            if scheme is not None and scheme.weights is not None:
-                out[name] = mod
-    return out
-
-
-def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantConfig:
-    """`config` with every grouped Linear at a group size that divides its K and every block
-    Linear at a block that tiles it, one size per fused unit (q/k/v, gate/up, a fused-MoE layer)
-    (`QuantConfig.with_group_sizes` arranges the groups so every loader resolves them; an EAGLE-3
-    head's groups also name its layers as vLLM and SGLang do, `engines.eagle3_targets`)."""
-    from quantspec.model_zoo.eagle3 import Eagle3Head
-    from quantspec.quant.engines import eagle3_targets, engine_layers
-
-    sizes = {}
-    for name, mod in quantized_linears(model, config).items():
-        args = config.weight_args_for(name)
-        if args.is_fp4:  # FP4's group size is the format's own
-            check_groups_tile(name, mod.in_features, args.group_size, "MXFP4" if args.is_mx else "NVFP4")
-        elif args.strategy == "group":
-            sizes[name] = resolve_group_size(mod.in_features, args.group_size)
-        elif args.strategy == "block":
-            sizes[name] = resolve_block_size(mod.in_features, mod.out_features, args.block_structure)
-    for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size
-        common = -1 if any(sizes[n] == -1 for n in members) else min(sizes[n] for n in members)
-        sizes.update(dict.fromkeys(members, common))
-    if all(g == layer_size(config.weight_args_for(n)) for n, g in sizes.items()):
-        return config
-    return config.with_group_sizes(sizes, eagle3_targets if isinstance(model, Eagle3Head) else None)
-
-
-def _check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantConfig,
-                        input_scales: Mapping[str, torch.Tensor | float] | None) -> dict[str, torch.Tensor]:
-    out = {}
-    for name in layer_args_in:
-        scheme = config.scheme_for(name)
-        ia = scheme.input_activations
-        if ia is None or (ia.dynamic and not ia.is_nvfp4):
-            continue
-        if input_scales is None or name not in input_scales:
-            qt = config.quant_type.value if config.quant_type else "this scheme"
-            what = "input global scales" if ia.is_nvfp4 else "static activation scales"
-            raise QuantSpecError(f"{qt} needs {what} and none were given for "
-                                 f"{name}; run `quantspec calibrate` and pass --calib DIR")
-        s = torch.as_tensor(input_scales[name], dtype=torch.float32).reshape(-1)
-        if s.numel() != 1 or not torch.isfinite(s).all() or float(s) <= 0:
-            raise QuantSpecError(f"input scale for {name} must be one positive finite number, got "
-                                 f"{s.tolist()[:4]}; re-run `quantspec calibrate`")
-        out[name] = s
-    return out
-
-
-def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
+def _check_request(method: str, config: QuantConfig, calib_batches, model: nn.Module) -> None:
     if method not in METHODS:
         raise QuantSpecError(f"unknown method {method!r}; use one of: {', '.join(METHODS)}")
     if not isinstance(config, QuantConfig):
@@ -204,6 +147,13 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.is_fp8 for s in config.config_groups.values()):
             raise QuantSpecError(f"{method.upper()} has no rule for FP8 weights; use --method rtn")
+        # the output head is calibrated on the last layer's outputs (GPTQ) or rounded to nearest
+        # (AWQ: no norm of its own to fold factors into); another Linear outside the layers (a
+        # draft head's) has no calibration path
+        beyond = [n for n in quantized_linears(model, config) if not n.startswith("model.layers.") and n != "lm_head"]
+        if beyond:
+            raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {beyond[0]} to "
+                                 "--ignore or use --method rtn")
 
 
 @torch.no_grad()
@@ -229,7 +179,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     sink: where the parts go (default: kept in memory, `PTQResult.tensors`).
     progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
     """
-    _check_request(method, config, calib_batches)
+    _check_request(method, config, calib_batches, model)
     t0 = time.perf_counter()
     config = resolve_layer_group_sizes(model, config)
     q = _LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
@@ -237,35 +187,46 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                         device=device, smooth=smooth,
                         out_dtype=out_dtype or next(model.parameters()).dtype)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
-    if method in DATA_METHODS and outside:
-        raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {outside[0]} to "
-                             "--ignore or use --method rtn")
     parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
     if "awq" in parts:
         from quantspec.calib.awq import check_awq
 
         check_awq(config, q.layer_args)
     sink = sink if sink is not None else PartSink()
-    if REST not in sink.done:
-        sink.write(REST, q.rest_part(model, outside), {})
+    # GPTQ's head: its Hessian is of the last layer's normed outputs, so its part follows the layers
+    head_gptq = "gptq" in parts and "lm_head" in outside
+    if not head_gptq:
+        _write_rest(model, q, sink, outside)
     if method == "rtn":
         _rtn_layers(model, q, sink, progress)
     else:
         one_pass = method == "gptq" and _one_pass(model, calib_batches, max_pass_tokens, max_pass_bytes)
-        _data_layers(model, calib_batches, q, sink, method=method, batch_size=batch_size, progress=progress,
-                     one_pass=one_pass)
+        last = _data_layers(model, calib_batches, q, sink, method=method, batch_size=batch_size,
+                            progress=progress, one_pass=one_pass, keep_last=head_gptq)
+        if head_gptq:
+            _write_rest(model, q, sink, outside, gptq_head=True,
+                        head_inputs=last if last is not None else sink.inputs_for(len(model.model.layers)))
     summary = {"method": method, "num_quantized_linears": len(q.linears),
                "seconds": round(time.perf_counter() - t0, 3)}
     if "gptq" in parts:
         summary.update(block_size=block_size, damp=damp, act_order=act_order)
-    if method in DATA_METHODS:  # AWQ's objectives are keyed "awq:<group>" (`calib.awq.awq_layer`)
-        summary["calibration_tokens"] = int(calib_batches.numel())
-        for part in parts:
-            summary[f"{part}_loss_total"] = float(sum(v for k, v in sink.losses.items()
-                                                      if k.startswith("awq:") == (part == "awq")))
+    if method in DATA_METHODS:
+        summary.update(_data_summary(parts, sink, calib_batches, [] if head_gptq else outside))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)
+
+
+def _data_summary(parts: list[str], sink: PartSink, calib_batches: torch.Tensor, rtn_linears: list[str]) -> dict:
+    """What a GPTQ / AWQ run adds to the summary: its tokens, the Linears it rounded to nearest,
+    each method's loss total (AWQ's objectives are keyed "awq:<group>", `calib.awq.awq_layer`)."""
+    out: dict = {"calibration_tokens": int(calib_batches.numel())}
+    if rtn_linears:
+        out["rtn_linears"] = rtn_linears
+    for part in parts:
+        out[f"{part}_loss_total"] = float(sum(v for k, v in sink.losses.items()
+                                              if k.startswith("awq:") == (part == "awq")))
+    return out
 
 
 class _LayerQuantizer:
@@ -280,7 +241,7 @@ class _LayerQuantizer:
                                  "the config's targets")
         self.layer_args = {n: config.weight_args_for(n) for n in self.linears}
         self.formats = {n: config.scheme_for(n).format for n in self.linears}  # dynamic inputs: no input_scale
-        self.in_scales = _check_input_scales(self.layer_args, config, input_scales)
+        self.in_scales = check_input_scales(self.layer_args, config, input_scales)
         self.block_size, self.damp, self.act_order = block_size, damp, act_order
         self.scale_dtype, self.out_dtype, self.smooth = scale_dtype, out_dtype, smooth or {}
         self.weights, self.device = weights, torch.device(device or "cpu")
@@ -350,15 +311,24 @@ class _LayerQuantizer:
                                              format=self.formats[name], global_scale=self.global_scales.pop(name, None)))
         return fuse_tensors(self.args, tensors)
 
-    def rest_part(self, model: nn.Module, outside: list[str]) -> dict:
+    def rest_part(self, model: nn.Module, outside: list[str], head_inputs: torch.Tensor | None = None) -> dict:
         """The tensors outside the decoder layers (a tied head is the embedding, not written
         twice); a Linear there that the config quantizes (e.g. an un-ignored lm_head) with
-        round-to-nearest. From a model on `meta`, a tensor whose checkpoint dtype is `out_dtype`
-        is copied from the checkpoint's bytes, never loaded."""
+        round-to-nearest, or the head with GPTQ on the last decoder layer's outputs `head_inputs`
+        [n, S, D]. A quantized tied head is untied first: the embedding is written float beside
+        it (and the artifact's config unties them). From a model on `meta`, a tensor whose
+        checkpoint dtype is `out_dtype` is copied from the checkpoint's bytes, never loaded."""
         tensors: dict = {}
         for name in outside:
-            with self.resident(model.get_submodule(name), name) as mod:
-                self.quantize_group([name], None)
+            mod, rename = model.get_submodule(name), None
+            if name == "lm_head" and self.tied:  # the artifact unties a quantized head: the embedding stays float
+                w = mod.weight.detach()
+                mod.weight = nn.Parameter(w.clone() if w.device.type != "meta" else torch.empty_like(w),
+                                          requires_grad=False)
+                rename = {"weight": "model.embed_tokens.weight"}
+            hessian = None if name != "lm_head" or head_inputs is None else self.head_hessian(model, head_inputs)
+            with resident(mod, name, self.weights, dtype=QUANT_DTYPE, device=self.device, rename=rename) as mod:
+                self.quantize_group([name], hessian)
                 tensors.update(self.part(name, mod))
         state = model.state_dict()
         for key, t in state.items():
@@ -373,6 +343,31 @@ class _LayerQuantizer:
             else:
                 tensors[key] = self.weights.read([key], dtype=QUANT_DTYPE)[key].to(self.out_dtype)
         return tensors
+
+    def head_hessian(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """GPTQ's Hessian of the output head: of the final norm of `hidden` [n, S, D], the last
+        decoder layer's outputs."""
+        norm = model.model.norm
+        acc = HessianAccumulator(hidden.shape[-1], device=self.device)
+        with self.resident(norm, "model.norm"):
+            w = norm.weight
+            for chunk in hidden.split(8):  # samples at a time: the normed copy stays small
+                acc.update(norm(chunk.to(device=w.device, dtype=w.dtype)).float())
+        return acc.take()
+
+
+def _write_rest(model, q: "_LayerQuantizer", sink: PartSink, outside: list[str], *, gptq_head: bool = False,
+                head_inputs: torch.Tensor | None = None) -> None:
+    """The part outside the decoder layers, once (`_LayerQuantizer.rest_part`); `gptq_head`: the
+    head by GPTQ on `head_inputs`, the last decoder layer's outputs."""
+    if REST in sink.done:
+        return
+    if gptq_head and head_inputs is None:
+        raise QuantSpecError("the interrupted run kept no outputs of the last decoder layer for GPTQ's head; "
+                             "start over with --restart")
+    tensors = q.rest_part(model, outside, head_inputs)
+    losses, q.losses = q.losses, {}
+    sink.write(REST, tensors, losses)
 
 
 def _one_pass(model, calib_batches: torch.Tensor, max_pass_tokens: int, max_pass_bytes: int) -> bool:
@@ -464,13 +459,15 @@ def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
 
 
 def _data_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: PartSink, *,
-                 method: str, batch_size: int, progress, one_pass: bool) -> None:
+                 method: str, batch_size: int, progress, one_pass: bool, keep_last: bool = False
+                 ) -> torch.Tensor | None:
     """GPTQ or AWQ, layer by layer on the calibration batch (two passes: each layer re-run once
-    quantized, so the next calibrates on its outputs)."""
+    quantized, so the next calibrates on its outputs) → the last layer's outputs [n, S, D] (None
+    when an earlier run quantized every layer); `keep_last`: the sink keeps them too."""
     L = len(model.model.layers)
     start = next((i for i in range(L) if layer_key(i) not in sink.done), L)
     if start == L:
-        return
+        return None
     n = calib_batches.shape[0]
     streamed = q.weights is not None
     runner = LayerRunner(model, calib_batches, batch_size=n if one_pass else batch_size, weights=q.weights,
@@ -497,4 +494,5 @@ def _data_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: P
             step.propagate()
         losses, q.losses = q.losses, {}
         sink.write(layer_key(step.index), q.part(step.name, step.layer), losses,
-                   inputs=step.outputs if step.index + 1 < L else None)
+                   inputs=step.outputs if step.index + 1 < L or keep_last else None)
+    return runner.hidden  # (the steps' outputs are freed as the runner moves on)

@@ -32,10 +32,12 @@ def _gib(n) -> str:
               help="weight scales: min/max, or mse = per scale, the clipping of the range (down to 0.8) "
                    "with the least |w - q(w)|^2.4 (RTN, and each GPTQ group); auto: mse for "
                    "weight_only_int4, minmax for the 8-bit types")
-@click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head always)")
+@click.option("--ignore", multiple=True, help="module name or re:regex to keep unquantized (repeatable; lm_head unless a "
+              "--layer-quant-type names it)")
 @click.option("--layer-quant-type", "layer_quant_types", multiple=True, metavar="TARGET=QUANT_TYPE",
               help="the Linears a module name or re:regex names at another type, e.g. "
-                   "'re:.*mlp.down_proj$=weight_only_int8' or 're:.*self_attn.*=a8w8_fp8' (repeatable; types that "
+                   "'re:.*mlp.down_proj$=weight_only_int8' or 're:.*self_attn.*=a8w8_fp8'; 'lm_head=weight_only_int8' "
+                   "quantizes the output head (repeatable; types that "
                    "need no calibration table: weight-only ones, and a8w8 / a8w8_fp8 / mxfp4 with inputs "
                    "quantized at run time)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")

@@ -183,20 +183,36 @@ def _refuse_layer(layer):
 def test_a_state_written_halfway_is_resumed_from_its_last_complete_part(tiny_llama_dir, tmp_path, monkeypatch):
     kw = dict(quant_type="weight_only_int8", resumable=True)
     ref = api.quantize(str(tiny_llama_dir), out=tmp_path / "ref", **kw)
+    _killed_at_save(3, monkeypatch, tiny_llama_dir, tmp_path / "art", kw)  # rest, layer 0, then killed
+    out = api.quantize(str(tiny_llama_dir), out=tmp_path / "art", progress=_refuse_layer(0), **kw)
+    _assert_bitwise(out, ref)
+
+
+def _killed_at_save(n: int, monkeypatch, model, out, kw) -> None:
+    """A quantize run into `out` killed before the state of its `n`-th part is written."""
     save = stream.ShardWriter._save
     calls = []
 
-    def dies_on_the_third(self):  # rest, layer 0, then killed before layer 1's state is written
+    def dies(self):
         calls.append(1)
-        if len(calls) == 3:
+        if len(calls) == n:
             raise SystemExit("killed")
         save(self)
 
-    monkeypatch.setattr(stream.ShardWriter, "_save", dies_on_the_third)
+    monkeypatch.setattr(stream.ShardWriter, "_save", dies)
     with pytest.raises(SystemExit):
-        api.quantize(str(tiny_llama_dir), out=tmp_path / "art", **kw)
+        api.quantize(str(model), out=out, **kw)
     monkeypatch.undo()
-    out = api.quantize(str(tiny_llama_dir), out=tmp_path / "art", progress=_refuse_layer(0), **kw)
+
+
+def test_gptq_on_the_head_resumes_from_the_last_layers_outputs(tiny_llama_dir, data, tmp_path, monkeypatch):
+    """GPTQ quantizes the output head after the layers, on the last one's outputs: a run killed
+    before the head's part is written resumes there from the outputs its state kept."""
+    kw = dict(quant_type="weight_only_int4", group_size=32, method="gptq", dataset=str(data), num_samples=4,
+              seq_len=32, resumable=True, layer_quant_types=("lm_head=weight_only_int8",))
+    ref = api.quantize(str(tiny_llama_dir), out=tmp_path / "ref", **kw)
+    _killed_at_save(3, monkeypatch, tiny_llama_dir, tmp_path / "art", kw)  # layers 0 and 1, then killed
+    out = api.quantize(str(tiny_llama_dir), out=tmp_path / "art", progress=_refuse_layer(1), **kw)
     _assert_bitwise(out, ref)
 
 

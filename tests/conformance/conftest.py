@@ -56,6 +56,13 @@ ARTIFACTS = {
     # ... with FP8_DYNAMIC attention (inputs quantized per token at run time) beside int4 MLPs
     "mixed_fp8_dynamic": dict(quant_type="weight_only_int4", group_size=128,
                               layer_quant_types=(r"re:.*self_attn\.[qkvo]_proj$=a8w8_fp8",)),
+    # a quantized output head (a `ParallelLMHead` in both engines, its scheme taken by name): int8
+    # per channel beside int4 layers, and FP8 per token beside FP8_DYNAMIC layers
+    "head_int8": dict(quant_type="weight_only_int4", group_size=128, layer_quant_types=("lm_head=weight_only_int8",)),
+    "head_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic", layer_quant_types=("lm_head=a8w8_fp8",)),
+    # ... and with FP8 block scales, which neither engine's head loader takes
+    "head_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128, layer_quant_types=("lm_head=a8w8_fp8",),
+                           target="quantspec"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

@@ -26,7 +26,9 @@ engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed
 shard's tensors through the created parameters' own `load_qkv_weight` /
 `load_merged_column_weight` / `load_row_parallel_weight` with the shard ids and offsets a fused
 linear passes them (q/k/v; 0/1 with the running offset; for an FP8 block scale both counted in
-block rows, rounded up, as the engines' fused linears count them). The answer gives, per layer, the loaded
+block rows, rounded up, as the engines' fused linears count them), and an output head's
+(`ParallelLMHead`, over its padded vocabulary) through the engine's own
+`VocabParallelEmbedding.weight_loader`, compiled from its file. The answer gives, per layer, the loaded
 values of the scale parameters the request names (`value_leaves`), so the caller can compare them
 with the artifact's tensors, and whether the config group the engine resolved for it quantizes
 its inputs (`inputs`, from the engine's own `get_scheme_dict`).
@@ -70,12 +72,18 @@ REAL = {
 # SGLang's schemes package imports every scheme module: all of them are its own code
 SCHEME_PACKAGE = {"vllm": None, "sglang": _CT["sglang"] + "schemes"}
 # the engines' layer classes the decisions look at (isinstance checks), by module
+VOCAB = {"vllm": "vllm.model_executor.layers.vocab_parallel_embedding",
+         "sglang": "sglang.srt.layers.vocab_parallel_embedding"}
 LAYER_BASES = {
     "vllm": {"linear": ("vllm.model_executor.layers.linear", "LinearBase"),
-             "attention": ("vllm.model_executor.layers.attention", "Attention")},
+             "attention": ("vllm.model_executor.layers.attention", "Attention"),
+             "lm_head": (VOCAB["vllm"], "ParallelLMHead")},
     "sglang": {"linear": ("sglang.srt.layers.linear", "LinearBase"),
-               "attention": ("sglang.srt.layers.radix_attention", "RadixAttention")},
+               "attention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
+               "lm_head": (VOCAB["sglang"], "ParallelLMHead")},
 }
+PARAMETERS = {"vllm": "vllm.model_executor.parameter", "sglang": "sglang.srt.layers.parameter"}
+VOCAB_CODE: dict = {}  # engine → its `_vocab_code`, once installed
 
 
 # ---- stubs -----------------------------------------------------------------------------------------
@@ -346,6 +354,40 @@ def _layer(engine: str, kind: str, cls_name: str):
     return layer
 
 
+def _vocab_code(engine: str, source: str) -> dict:
+    """The engine's own `pad_vocab_size` (with its `DEFAULT_VOCAB_PADDING_SIZE`) and
+    `VocabParallelEmbedding.weight_loader`, the loader every parameter of an output head
+    (`ParallelLMHead`) is loaded through, compiled from its wheel's file: the module itself
+    imports the engine's distributed runtime, which is not lifted."""
+    import ast
+
+    import torch
+
+    path = os.path.join(source, *VOCAB[engine].split(".")) + ".py"
+    tree = ast.parse(open(path).read(), path)
+    keep = [n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "pad_vocab_size"
+            or isinstance(n, ast.Assign) and any(getattr(t, "id", None) == "DEFAULT_VOCAB_PADDING_SIZE"
+                                                 for t in n.targets)]
+    cls = next(n for n in tree.body if isinstance(n, ast.ClassDef) and n.name == "VocabParallelEmbedding")
+    keep += [n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == "weight_loader"]
+    ns = {"torch": torch, "Parameter": torch.nn.Parameter,
+          "UninitializedParameter": torch.nn.parameter.UninitializedParameter,
+          "BasevLLMParameter": importlib.import_module(PARAMETERS[engine]).BasevLLMParameter}
+    exec(compile(ast.Module(body=keep, type_ignores=[]), path, "exec"), ns)  # noqa: S102 — the engine's code
+    return ns
+
+
+def _head(engine: str, vocab: int):
+    """An output head of `vocab` tokens as the engine's `ParallelLMHead` holds it on one rank:
+    its padded row count and its own weight loader (`_vocab_code`)."""
+    code = VOCAB_CODE[engine]
+    layer = _layer(engine, "lm_head", "ParallelLMHead")
+    layer.org_vocab_size, layer.tp_size, layer.use_presharded_weights = vocab, 1, False
+    layer.shard_indices = types.SimpleNamespace(org_vocab_start_index=0, org_vocab_end_index=vocab)
+    layer.weight_loader = types.MethodType(code["weight_loader"], layer)
+    return layer, code["pad_vocab_size"](vocab)
+
+
 def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
           ) -> tuple[list[str], list[str], list[str]]:
     """Load every shard's tensors through the parameters' own loaders, with the arguments the
@@ -368,7 +410,9 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
                 bn = layer.weight_block_size[0]
                 at, size = -(-at // bn), -(-size // bn)
             try:
-                if cls_name == "QKVParallelLinear":
+                if cls_name == "ParallelLMHead":
+                    layer.weight_loader(p, t)
+                elif cls_name == "QKVParallelLinear":
                     p.load_qkv_weight(loaded_weight=t, num_heads=1, shard_id=sid, shard_offset=at,
                                       shard_size=size, **rank)
                 elif cls_name == "MergedColumnParallelLinear":
@@ -412,7 +456,9 @@ def run(engine: str, request: dict) -> dict:
             r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": [],
                  "casts": [], "values": {}}
             res["layers"][lname] = r
-            layer = _layer(engine, "linear", spec["class"])
+            head = spec["class"] == "ParallelLMHead"
+            layer, rows = _head(engine, spec["shards"][0]["N"]) if head else \
+                (_layer(engine, "linear", spec["class"]), None)
             try:
                 method = cfg.get_quant_method(layer, lname)
             except Exception as e:  # noqa: BLE001
@@ -426,7 +472,7 @@ def run(engine: str, request: dict) -> dict:
             resolved = cfg.get_scheme_dict(layer, lname)
             r["inputs"] = resolved is not None and resolved.get("input_activations") is not None
             try:
-                sizes = [s["N"] for s in spec["shards"]]
+                sizes = [rows] if head else [s["N"] for s in spec["shards"]]  # a head: padded rows
                 scheme.create_weights(layer=layer, output_size=sum(sizes), input_size=spec["K"],
                                       output_partition_sizes=sizes, input_size_per_partition=spec["K"],
                                       params_dtype=torch.bfloat16, weight_loader=None)
@@ -471,6 +517,7 @@ def main() -> None:
     import transformers  # noqa: F401
 
     install(engine, source, int(json.load(open(request)).get("capability", 90)))
+    VOCAB_CODE[engine] = _vocab_code(engine, source)
     try:
         out = {"result": run(engine, json.load(open(request))),
                "compressed_tensors": compressed_tensors.__version__,

@@ -72,7 +72,7 @@ def build_request(src, artifacts: dict[str, Path], capability: int, packed: dict
         shapes = linear_shapes(tensors)
         layers = {}
         for layer, shards in engine_layers(sorted(tensors)).items():
-            attr = layer.rsplit(".", 1)[1]
+            attr = layer.rsplit(".", 1)[-1]
             layers[layer] = {"class": classes[attr], "K": shapes[shards[0]][1],
                              "shards": [{"name": s, "N": shapes[s][0]} for s in shards]}
         req["artifacts"][name] = {

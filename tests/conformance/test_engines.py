@@ -262,8 +262,8 @@ def test_sglang_refuses_fused_static_int8_where_the_verdict_says(artifacts, lift
 
 
 def _shards(layer: str):
-    prefix, leaf = layer.rsplit(".", 1)
-    return [f"{prefix}.{s}" for s in FUSED_LAYERS.get(leaf, (leaf,))]
+    prefix, _, leaf = layer.rpartition(".")
+    return [f"{prefix}.{s}" if prefix else s for s in FUSED_LAYERS.get(leaf, (leaf,))]
 
 
 @pytest.mark.parametrize("name", NAMES)

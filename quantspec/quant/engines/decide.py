@@ -176,6 +176,8 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
     probe = {n: k for n, k in _EAGLE3_PROBE.items() if config.scheme_for(n) is not None} \
         if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
+    if draft is None and config.scheme_for("lm_head") is not None:  # a quantized output head
+        probe = {**probe, "lm_head": 4096}
     # FP4 inputs (NVFP4, MXFP4) are for FP4 tensor cores: probed on the GPU they are made for
     # (below it the engines run the weights alone, which `inspect`'s Hopper verdict says);
     # weight-only FP4 on Hopper, the default (where vLLM runs MXFP4A16 weight-only, as written)

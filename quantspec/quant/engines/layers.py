@@ -29,6 +29,7 @@ from quantspec.quant.engines.tables import (
     ENGINE_VERSIONS,
     FP8_MIN_CAPABILITY,
     FUSED_LAYERS,
+    HEAD_BLOCK_SCALES,
     LAYER_CLASSES,
     MXFP4_MIN_CAPABILITY,
     MXFP4_W4A4_CAPABILITY,
@@ -296,6 +297,9 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
     if got is None:
         return LayerVerdict(None, problem="no config target matches it, so it expects float weights")
     v = _select(engine, got, K, len(shards), capability, rows)
+    if layer == "lm_head" and got.weights.strategy == "block":
+        return LayerVerdict(None, v.num_bits, v.group_size, v.symmetric, v.input_activations,
+                            problem=HEAD_BLOCK_SCALES, block=v.block)
     if _same(got, want):
         return v
     if v.defect and want.input_activations is None:

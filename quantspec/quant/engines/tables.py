@@ -7,7 +7,7 @@ from __future__ import annotations
 __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
            "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
            "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
-           "SGLANG_FUSED_STATIC_INT8", "engine_name"]
+           "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "engine_name"]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers",
@@ -20,9 +20,15 @@ TARGET_ENGINES = {"portable": ("vllm", "sglang"), "vllm": ("vllm",), "sglang": (
                   "transformers": ("transformers",), "quantspec": ()}
 # engine layer → the checkpoint's Linears it fuses (vLLM's Llama `packed_modules_mapping`)
 FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("gate_proj", "up_proj")}
-# the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them)
+# the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them but
+# the output head's, whose scheme both take by name only)
 LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
-                 "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear"}
+                 "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear", "lm_head": "ParallelLMHead"}
+# the output head's loader (`VocabParallelEmbedding.weight_loader` in both engines) shards every
+# parameter with an output dim by vocabulary row and asserts it holds one row per token, which
+# an FP8 block scale ([vocab / block, K / block]) does not; SGLang refuses the scheme up front
+HEAD_BLOCK_SCALES = ("its output-head loader (VocabParallelEmbedding.weight_loader) takes one scale row per "
+                     "vocabulary row, not FP8 block scales")
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only (SGLang: no blocks)
 # NVFP4: FP4 tensor cores (Blackwell) run W4A4; below, both engines serve an NVFP4 checkpoint weight-only
 # (FP4 Marlin: vLLM's `init_nvfp4_linear_kernel`, SGLang's CompressedTensorsW4A16Fp4), its
