@@ -142,6 +142,13 @@ def test_only_a_target_naming_the_head_quantizes_it(tiny_llama_dir, tmp_path):
     assert json.loads((art / "config.json").read_text())["quantization_config"]["ignore"] == ["lm_head"]
 
 
+def test_ignoring_the_head_and_naming_it_is_refused(tiny_llama_dir, tmp_path):
+    with pytest.raises(QuantSpecError, match="--ignore lm_head keeps the head float"):
+        api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "a", ignore=("lm_head",),
+                     layer_quant_types=("lm_head=weight_only_int8",))
+    assert not (tmp_path / "a").exists()
+
+
 def test_block_scales_on_the_head_are_refused_for_the_engines(tiny_llama_dir, tmp_path):
     opts = dict(activations="dynamic", weight_block=32, layer_quant_types=("lm_head=a8w8_fp8",))
     with pytest.raises(QuantSpecError, match=r"--target portable: vLLM refused because its output-head loader"):

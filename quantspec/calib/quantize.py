@@ -167,6 +167,8 @@ class QuantizeConfig:
         config, groups = with_layer_types(config, qt, self.layer_quant_types, group_size=self.group_size,
                                           symmetric=self.symmetric, zp_dtype=self.zp_dtype, observer=observer,
                                           weight_block=self.weight_block, method=self.method)
+        if "lm_head" in self.ignore and "lm_head" not in config.ignore:
+            raise QuantSpecError("--ignore lm_head keeps the head float and a --layer-quant-type names it; drop one")
         object.__setattr__(self, "layer_groups", groups)
         return config
 
