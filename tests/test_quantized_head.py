@@ -157,3 +157,13 @@ def test_block_scales_on_the_head_are_refused_for_the_engines(tiny_llama_dir, tm
     art = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "b", target="quantspec", **opts)
     assert list(_tensors(art)["lm_head.weight_scale"].shape) == [512 // 32, 64 // 32]
     assert _our_logits(art).shape == (IDS.shape[1], 512)
+
+
+def test_data_methods_take_the_head_but_no_other_linear_outside_the_layers():
+    from quantspec.calib.targets import check_outside
+
+    for method in ("rtn", "gptq", "awq", "awq+gptq"):
+        check_outside(method, ["lm_head"])
+    check_outside("rtn", ["fc", "lm_head"])
+    with pytest.raises(QuantSpecError, match="GPTQ quantizes decoder-layer Linears only; add fc to --ignore"):
+        check_outside("gptq", ["lm_head", "fc"])

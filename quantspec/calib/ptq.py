@@ -54,7 +54,7 @@ from torch import nn
 
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
 from quantspec.calib.smooth import smooth_layer
-from quantspec.calib.targets import check_input_scales, quantized_linears, resolve_layer_group_sizes
+from quantspec.calib.targets import check_input_scales, check_outside, quantized_linears, resolve_layer_group_sizes
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.layout import checkpoint_config, fuse_tensors
@@ -64,14 +64,13 @@ from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.fp4 import global_scale_from_absmax
-from quantspec.quant.presets import METHODS
+from quantspec.quant.presets import DATA_METHODS, METHODS
 from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
 from quantspec.quant.shards import SAFETENSORS_DTYPES
 
 __all__ = ["DATA_METHODS", "METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
            "quantized_linears", "resolve_layer_group_sizes"]
 
-DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the model
 # Linears of one decoder layer that read the same input tensor (names relative to the layer).
 SHARED_INPUT_GROUPS = (
     ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"),
@@ -131,7 +130,7 @@ class PTQResult:
     summary: dict = field(default_factory=dict)  # method, timings, GPTQ losses, ...
 
 
-def _check_request(method: str, config: QuantConfig, calib_batches, model: nn.Module) -> None:
+def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
     if method not in METHODS:
         raise QuantSpecError(f"unknown method {method!r}; use one of: {', '.join(METHODS)}")
     if not isinstance(config, QuantConfig):
@@ -147,13 +146,6 @@ def _check_request(method: str, config: QuantConfig, calib_batches, model: nn.Mo
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
         if any(s.weights.is_fp8 for s in config.config_groups.values()):
             raise QuantSpecError(f"{method.upper()} has no rule for FP8 weights; use --method rtn")
-        # the output head is calibrated on the last layer's outputs (GPTQ) or rounded to nearest
-        # (AWQ: no norm of its own to fold factors into); another Linear outside the layers (a
-        # draft head's) has no calibration path
-        beyond = [n for n in quantized_linears(model, config) if not n.startswith("model.layers.") and n != "lm_head"]
-        if beyond:
-            raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {beyond[0]} to "
-                                 "--ignore or use --method rtn")
 
 
 @torch.no_grad()
@@ -179,7 +171,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     sink: where the parts go (default: kept in memory, `PTQResult.tensors`).
     progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
     """
-    _check_request(method, config, calib_batches, model)
+    _check_request(method, config, calib_batches)
     t0 = time.perf_counter()
     config = resolve_layer_group_sizes(model, config)
     q = _LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
@@ -187,6 +179,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                         device=device, smooth=smooth,
                         out_dtype=out_dtype or next(model.parameters()).dtype)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
+    check_outside(method, outside)
     parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
     if "awq" in parts:
         from quantspec.calib.awq import check_awq

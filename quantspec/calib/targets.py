@@ -1,6 +1,6 @@
-"""Which Linears a `QuantConfig` quantizes in a model, at which group or block size, and the static
-input scales they need: the questions PTQ asks of a config before it quantizes anything
-(`calib.ptq`)."""
+"""Which Linears a `QuantConfig` quantizes in a model, at which group or block size, the static
+input scales they need, and which of them a method can quantize: the questions PTQ asks of a
+config before it quantizes anything (`calib.ptq`)."""
 
 from __future__ import annotations
 
@@ -13,8 +13,9 @@ from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, resolve_group_size
 from quantspec.quant.fp4 import check_groups_tile
+from quantspec.quant.presets import DATA_METHODS
 
-__all__ = ["check_input_scales", "quantized_linears", "resolve_layer_group_sizes"]
+__all__ = ["check_input_scales", "check_outside", "quantized_linears", "resolve_layer_group_sizes"]
 
 
 def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
@@ -73,3 +74,13 @@ def check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantConf
                                  f"{s.tolist()[:4]}; re-run `quantspec calibrate`")
         out[name] = s
     return out
+
+
+def check_outside(method: str, outside: list[str]) -> None:
+    """GPTQ / AWQ on the quantized Linears `outside` the decoder layers: the output head is
+    calibrated on the last layer's outputs (GPTQ) or rounded to nearest (AWQ: no norm of its own
+    to fold factors into); another one (a draft head's) has no calibration path."""
+    beyond = [n for n in outside if n != "lm_head"]
+    if method in DATA_METHODS and beyond:
+        raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {beyond[0]} to "
+                             "--ignore or use --method rtn")

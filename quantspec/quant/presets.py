@@ -11,7 +11,7 @@ from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_S
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "EXPERT_TARGET", "FP4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -23,6 +23,7 @@ WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose
 # how quantize rounds the weights (`calib.ptq`); awq+gptq: AWQ's factors folded, then GPTQ's
 # rounding (llm-compressor's AWQModifier + GPTQModifier)
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the model
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 _NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
