@@ -6,7 +6,8 @@ weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a flo
 float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
 int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
 `-minmax` rows take plain min/max scales for comparison; the `-down8` rows keep down_proj at int8
-and the `-head8` / `-head4` rows quantize the output head too (`--layer-quant-type`).
+and the `-head8` / `-head4` rows quantize the output head too, the `-emb8` / `-emb4` rows the input
+embedding too (`--layer-quant-type`; the embedding rows for `--target vllm`, the engine that loads them).
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
 Calibration (GPTQ, AWQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
@@ -36,6 +37,8 @@ HERE = Path(__file__).parent
 DOWN_INT8 = r"re:.*mlp\.down_proj$=weight_only_int8"
 HEAD_INT8 = "lm_head=weight_only_int8"
 HEAD_INT4 = "lm_head=weight_only_int4"
+EMB_INT8 = "model.embed_tokens=weight_only_int8"
+EMB_INT4 = "model.embed_tokens=weight_only_int4"
 ROWS = {
     # name: (quant_type, method, group_size, symmetric, act_order[, zp_dtype[, observer[, layer quant types]]])
     "fp32": None,
@@ -70,6 +73,11 @@ ROWS = {
     "int4-rtn-g64-head4": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT4,)),
     "int4-gptq-g64-head4": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT4,)),
     "int8-rtn-head8": ("weight_only_int8", "rtn", 128, True, False, None, None, (HEAD_INT8,)),
+    # ... and a quantized input embedding (rows rounded to nearest under every method)
+    "int4-rtn-g64-head8-emb8": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT8, EMB_INT8)),
+    "int4-rtn-g64-head8-emb4": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT8, EMB_INT4)),
+    "int4-gptq-g64-head8-emb4": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT8, EMB_INT4)),
+    "int8-rtn-head8-emb8": ("weight_only_int8", "rtn", 128, True, False, None, None, (HEAD_INT8, EMB_INT8)),
 }
 
 
@@ -105,7 +113,8 @@ def main() -> None:
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
                              zp_dtype=zp, weight_observer=observer, act_order=act_order, layer_quant_types=layers,
-                             target="quantspec" if zp else "portable",
+                             target="quantspec" if zp else "vllm" if EMB_INT8 in layers or EMB_INT4 in layers
+                             else "portable",
                              dataset=a.calib if method != "rtn" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)
                 q_time = time.perf_counter() - t0

@@ -38,6 +38,12 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 
 
 @pytest.fixture(scope="session")
+def tied_llama_dir(tmp_path_factory) -> Path:
+    """The same Llama with its output head tied to its embedding."""
+    return build_tiny_model(tmp_path_factory.mktemp("tied_llama"), "llama", tie_word_embeddings=True)
+
+
+@pytest.fixture(scope="session")
 def tiny_qwen2_dir(tmp_path_factory) -> Path:
     """2-layer Qwen2 (q/k/v bias), hidden 64, 4 heads / 2 KV heads, vocab 512, untied, seed 0."""
     return build_tiny_model(tmp_path_factory.mktemp("tiny_qwen2"), "qwen2")

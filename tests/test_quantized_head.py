@@ -14,34 +14,17 @@ from pathlib import Path
 
 import pytest
 import torch
-from safetensors.torch import load_file
 
+from artifact_files import hf_logits, tensors as _tensors
 from quantspec import api
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.attention import DenseCausalAttention
 from quantspec.infer.loader import load_for_inference
-from quantspec.model_zoo.tiny import TINY_CORPUS, build_tiny_model
+from quantspec.model_zoo.tiny import TINY_CORPUS
 
 pytest.importorskip("compressed_tensors.quantization", reason="compressed-tensors is not installed")
 
 IDS = torch.tensor([[7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71]])
-
-
-@pytest.fixture(scope="module")
-def tied_llama(tmp_path_factory) -> Path:
-    return build_tiny_model(tmp_path_factory.mktemp("tied"), "llama", tie_word_embeddings=True)
-
-
-def _tensors(path: Path) -> dict[str, torch.Tensor]:
-    return load_file(str(path / "model.safetensors"))
-
-
-def _hf_logits(path: Path) -> torch.Tensor:
-    from transformers import AutoModelForCausalLM
-
-    m = AutoModelForCausalLM.from_pretrained(str(path), dtype=torch.float32)
-    with torch.no_grad():
-        return m(IDS).logits[0]
 
 
 def _our_logits(path: Path) -> torch.Tensor:
@@ -51,14 +34,14 @@ def _our_logits(path: Path) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("head_type,group", [("weight_only_int8", None), ("weight_only_int4", 32)])
-def test_tied_head_is_untied_and_quantized(tied_llama, tmp_path, ct_decompressed, head_type, group):
-    art = api.quantize(str(tied_llama), "weight_only_int4", tmp_path / "a", group_size=32,
+def test_tied_head_is_untied_and_quantized(tied_llama_dir, tmp_path, ct_decompressed, head_type, group):
+    art = api.quantize(str(tied_llama_dir), "weight_only_int4", tmp_path / "a", group_size=32,
                        layer_quant_types=(f"lm_head={head_type}",))
-    plain = api.quantize(str(tied_llama), "weight_only_int4", tmp_path / "plain", group_size=32)
+    plain = api.quantize(str(tied_llama_dir), "weight_only_int4", tmp_path / "plain", group_size=32)
     cfg = json.loads((art / "config.json").read_text())
     assert cfg["tie_word_embeddings"] is False
     assert "lm_head" not in cfg["quantization_config"]["ignore"]
-    ours, src = _tensors(art), _tensors(tied_llama)
+    ours, src = _tensors(art), _tensors(tied_llama_dir)
     assert torch.equal(ours["model.embed_tokens.weight"], src["model.embed_tokens.weight"])
     assert "lm_head.weight" not in ours and "lm_head.weight_packed" in ours
     same = _tensors(plain)  # the decoder layers are quantized as without the head
@@ -78,7 +61,7 @@ def test_tied_head_is_untied_and_quantized(tied_llama, tmp_path, ct_decompressed
     assert ((w - e).abs() <= step / 2 + 1e-6)[inside].all()
     assert not torch.equal(w, e)
     # transformers runs the artifact as quantspec does
-    torch.testing.assert_close(_our_logits(art), _hf_logits(art), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_our_logits(art), hf_logits(art, IDS), rtol=1e-4, atol=1e-4)
 
 
 def test_head_under_gptq_is_calibrated_on_the_last_layer(tiny_llama_dir, tmp_path):
@@ -121,7 +104,7 @@ def test_head_under_gptq_is_calibrated_on_the_last_layer(tiny_llama_dir, tmp_pat
     e_got = err(dequantize(got.q, got.scale, got.zero_point, got.args, dtype=torch.float32))
     assert e_got == pytest.approx(err(want.weight_dq), rel=1e-3)
     assert e_got < 0.8 * err(rtn_quantize(w.clone(), qc.weight_args_for("lm_head")).weight_dq)
-    torch.testing.assert_close(_our_logits(gptq), _hf_logits(gptq), rtol=1e-4, atol=1e-4)
+    torch.testing.assert_close(_our_logits(gptq), hf_logits(gptq, IDS), rtol=1e-4, atol=1e-4)
 
 
 def test_head_under_awq_is_rounded_to_nearest(tiny_llama_dir, tmp_path):

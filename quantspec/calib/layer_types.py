@@ -24,6 +24,11 @@ another type than the model's `--quant-type`, in a config group of their own.
   `rtn` and `awq` round it to nearest. A tied head is untied: the artifact keeps the embedding
   float beside the quantized head and sets `tie_word_embeddings` false (llm-compressor unties a
   quantized head too).
+- The input embedding (`model.embed_tokens`) is quantized where a target names it
+  (`model.embed_tokens=weight_only_int4`): integer weight-only types with symmetric codes, the
+  layout vLLM looks rows up in (`CompressedTensorsEmbeddingWNA16Int`: pack-quantized, no zero
+  point), rounded to nearest under every method (a lookup: each row's error is its own). A tied
+  model is untied: the head stays float (a copy of the embedding) unless a target names it too.
 """
 
 from __future__ import annotations
@@ -34,6 +39,7 @@ from typing import Iterable, Mapping
 
 from torch import nn
 
+from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
@@ -105,8 +111,11 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
         raise QuantSpecError(f"--layer-quant-type names {dup!r} twice; give each target one quant type")
     groups, keys = dict(config.config_groups), {}
     for i, (spec, (target, qt)) in enumerate(zip(specs, layers), start=len(groups)):
-        _check_method(spec, qt, method)
         integer = qt in (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4)
+        if _names(target, EMBED):
+            _check_embedding(spec, qt, integer, symmetric, zp_dtype)
+        else:
+            _check_method(spec, qt, method)
         a8w8 = qt in (QuantType.A8W8, QuantType.A8W8_FP8)
         block = weight_block if qt is QuantType.A8W8_FP8 and quant_type is QuantType.A8W8_FP8 else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
@@ -116,14 +125,23 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
         keys[f"group_{i}"] = spec
         groups[f"group_{i}"] = replace(scheme, targets=(target,))
     ignore = config.ignore
-    if any(_names_head(t) for t in targets):  # the head is quantized only where a target names it
+    if any(_names(t, HEAD) for t in targets):  # the head is quantized only where a target names it
         ignore = tuple(i for i in ignore if i != HEAD)
     return replace(config, config_groups=groups, format=None, ignore=ignore), keys
 
 
-def _names_head(target: str) -> bool:
-    """`target` names the output head, as compressed-tensors and the engines match it by name."""
-    return re.match(target[3:], HEAD) is not None if target.startswith("re:") else target == HEAD
+def _names(target: str, module: str) -> bool:
+    """`target` names `module`, as compressed-tensors and the engines match a module by name."""
+    return re.match(target[3:], module) is not None if target.startswith("re:") else target == module
+
+
+def _check_embedding(spec: str, qt: QuantType, integer: bool, symmetric: bool, zp_dtype: str | None) -> None:
+    if not integer:
+        raise QuantSpecError(f"--layer-quant-type {spec!r} names the embedding ({EMBED}), which takes "
+                             "weight_only_int8 or weight_only_int4 (vLLM looks up integer rows only)")
+    if not symmetric or zp_dtype is not None:
+        raise QuantSpecError(f"--layer-quant-type {spec!r} names the embedding ({EMBED}), whose codes are "
+                             "symmetric (vLLM's embedding lookup has no zero point); drop --asym / --zp-dtype")
 
 
 def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[str, str], target: str) -> QuantConfig:

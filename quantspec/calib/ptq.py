@@ -54,7 +54,7 @@ from torch import nn
 
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
 from quantspec.calib.smooth import smooth_layer
-from quantspec.calib.targets import check_input_scales, check_outside, quantized_linears, resolve_layer_group_sizes
+from quantspec.calib.targets import EMBED, check_input_scales, check_outside, quantized_linears, resolve_layer_group_sizes
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, resident
 from quantspec.model_zoo.layout import checkpoint_config, fuse_tensors
@@ -204,7 +204,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     if "gptq" in parts:
         summary.update(block_size=block_size, damp=damp, act_order=act_order)
     if method in DATA_METHODS:
-        summary.update(_data_summary(parts, sink, calib_batches, [] if head_gptq else outside))
+        rtn = [n for n in outside if not (head_gptq and n == "lm_head")]  # rounded to nearest
+        summary.update(_data_summary(parts, sink, calib_batches, rtn))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)
@@ -306,11 +307,13 @@ class _LayerQuantizer:
 
     def rest_part(self, model: nn.Module, outside: list[str], head_inputs: torch.Tensor | None = None) -> dict:
         """The tensors outside the decoder layers (a tied head is the embedding, not written
-        twice); a Linear there that the config quantizes (e.g. an un-ignored lm_head) with
-        round-to-nearest, or the head with GPTQ on the last decoder layer's outputs `head_inputs`
-        [n, S, D]. A quantized tied head is untied first: the embedding is written float beside
-        it (and the artifact's config unties them). From a model on `meta`, a tensor whose
-        checkpoint dtype is `out_dtype` is copied from the checkpoint's bytes, never loaded."""
+        twice); a module there that the config quantizes (an un-ignored lm_head, a named
+        embedding) with round-to-nearest, or the head with GPTQ on the last decoder layer's
+        outputs `head_inputs` [n, S, D]. A tied model with either quantized is untied (and the
+        artifact's config unties them): a quantized head beside the float embedding, a quantized
+        embedding beside a float copy of itself as the head, or both quantized. From a model on
+        `meta`, a tensor whose checkpoint dtype is `out_dtype` is copied from the checkpoint's
+        bytes, never loaded."""
         tensors: dict = {}
         for name in outside:
             mod, rename = model.get_submodule(name), None
@@ -327,14 +330,17 @@ class _LayerQuantizer:
         for key, t in state.items():
             if key.startswith("model.layers.") or key in tensors or key.rsplit(".", 1)[0] in outside:
                 continue
+            src = key
             if key == "lm_head.weight" and self.tied:
-                continue
+                if EMBED not in outside:
+                    continue
+                src = f"{EMBED}.weight"  # the untied head: the float embedding's copy
             if t.device.type != "meta":
                 tensors[key] = t.to(self.out_dtype) if t.is_floating_point() else t
-            elif key in self.weights.ranges and self.weights.ranges[key].dtype == SAFETENSORS_DTYPES.get(self.out_dtype):
-                tensors[key] = self.weights.ranges[key]
+            elif src in self.weights.ranges and self.weights.ranges[src].dtype == SAFETENSORS_DTYPES.get(self.out_dtype):
+                tensors[key] = self.weights.ranges[src]
             else:
-                tensors[key] = self.weights.read([key], dtype=QUANT_DTYPE)[key].to(self.out_dtype)
+                tensors[key] = self.weights.read([src], dtype=QUANT_DTYPE)[src].to(self.out_dtype)
         return tensors
 
     def head_hessian(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:

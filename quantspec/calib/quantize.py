@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
 
@@ -470,8 +471,9 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
                        run.writer.meta)
     cfg = dict(src.config)
     cfg["quantization_config"] = res.config.to_dict()
-    if cfg.get("tie_word_embeddings") and res.config.scheme_for("lm_head") is not None:
-        cfg["tie_word_embeddings"] = False  # a quantized head beside the float embedding (`PTQ.rest_part`)
+    untie = res.config.scheme_for("lm_head") is not None or res.config.scheme_for(EMBED, ("Embedding",)) is not None
+    if cfg.get("tie_word_embeddings") and untie:
+        cfg["tie_word_embeddings"] = False  # the head and the embedding written apart (`PTQ.rest_part`)
     extra = {f: src.model_dir / f for f in COPIED_FILES if (src.model_dir / f).is_file()}
     provenance = {
         "quantspec_version": __version__,

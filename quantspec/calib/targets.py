@@ -15,19 +15,29 @@ from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, 
 from quantspec.quant.fp4 import check_groups_tile
 from quantspec.quant.presets import DATA_METHODS
 
-__all__ = ["check_input_scales", "check_outside", "quantized_linears", "resolve_layer_group_sizes"]
+__all__ = ["EMBED", "check_input_scales", "check_outside", "in_features", "quantized_linears",
+           "resolve_layer_group_sizes"]
+
+EMBED = "model.embed_tokens"  # the input embedding: quantized only where a target names it
 
 
-def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Linear]:
-    """Linear name → module for every Linear the config quantizes (ignore list honoured)."""
+def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Module]:
+    """Module name → module for every Linear the config quantizes (ignore list honoured), and the
+    input embedding (an `nn.Embedding`, its rows quantized as a Linear's) where a config group
+    names it."""
     out = {}
     for name, mod in model.named_modules():
-        if isinstance(mod, nn.Linear):
+        if isinstance(mod, (nn.Linear, nn.Embedding)):
             classes = tuple(c.__name__ for c in type(mod).__mro__)
             scheme = config.scheme_for(name, classes)
             if scheme is not None and scheme.weights is not None:
                 out[name] = mod
     return out
+
+
+def in_features(mod: nn.Module) -> int:
+    """The dim a quantized module's weight rows span: a Linear's input dim, an embedding's width."""
+    return mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.in_features
 
 
 def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantConfig:
@@ -42,9 +52,9 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
         if args.is_fp4:  # FP4's group size is the format's own
-            check_groups_tile(name, mod.in_features, args.group_size, "MXFP4" if args.is_mx else "NVFP4")
+            check_groups_tile(name, in_features(mod), args.group_size, "MXFP4" if args.is_mx else "NVFP4")
         elif args.strategy == "group":
-            sizes[name] = resolve_group_size(mod.in_features, args.group_size)
+            sizes[name] = resolve_group_size(in_features(mod), args.group_size)
         elif args.strategy == "block":
             sizes[name] = resolve_block_size(mod.in_features, mod.out_features, args.block_structure)
     for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size
@@ -79,8 +89,9 @@ def check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantConf
 def check_outside(method: str, outside: list[str]) -> None:
     """GPTQ / AWQ on the quantized Linears `outside` the decoder layers: the output head is
     calibrated on the last layer's outputs (GPTQ) or rounded to nearest (AWQ: no norm of its own
-    to fold factors into); another one (a draft head's) has no calibration path."""
-    beyond = [n for n in outside if n != "lm_head"]
+    to fold factors into), the embedding rounded to nearest (a lookup: each row's error is its
+    own); another one (a draft head's) has no calibration path."""
+    beyond = [n for n in outside if n not in ("lm_head", EMBED)]
     if method in DATA_METHODS and beyond:
         raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {beyond[0]} to "
                              "--ignore or use --method rtn")

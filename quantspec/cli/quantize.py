@@ -37,7 +37,8 @@ def _gib(n) -> str:
 @click.option("--layer-quant-type", "layer_quant_types", multiple=True, metavar="TARGET=QUANT_TYPE",
               help="the Linears a module name or re:regex names at another type, e.g. "
                    "'re:.*mlp.down_proj$=weight_only_int8' or 're:.*self_attn.*=a8w8_fp8'; 'lm_head=weight_only_int8' "
-                   "quantizes the output head (repeatable; types that "
+                   "quantizes the output head, 'model.embed_tokens=weight_only_int4' the input embedding (vLLM "
+                   "only: --target vllm) (repeatable; types that "
                    "need no calibration table: weight-only ones, and a8w8 / a8w8_fp8 / mxfp4 with inputs "
                    "quantized at run time)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")

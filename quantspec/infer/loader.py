@@ -7,10 +7,12 @@ This file owns the model-level half of reading an artifact (the Linear-level hal
   `quantization_config` → `QuantConfig.from_dict` (an unsupported method / format is one line
   naming it and the supported ones); the model is built on `meta`, every Linear the config
   targets (`scheme_for(name)`, compressed-tensors' matching rules) is replaced by a
-  `QuantLinear` built from its tensors, the remaining float tensors (embeddings, norms, ignored
+  `QuantLinear` built from its tensors (a quantized input embedding by a `QuantEmbedding`), the
+  remaining float tensors (embeddings, norms, ignored
   Linears such as `lm_head`, biases) are loaded with `assign=True`, and the whole checkpoint is
   checked against the expected names and shapes first (`quant.artifact_plan`: missing,
-  mis-shaped and unexpected tensors are one clear error each). Tied embeddings stay tied unless the checkpoint quantized `lm_head`.
+  mis-shaped and unexpected tensors are one clear error each). Tied embeddings stay tied unless
+  the checkpoint quantized `lm_head`.
 - static KV-cache scales: `model.layers.{i}.self_attn.k_scale` / `v_scale` ([1], [], [H_kv],
   or [H_kv, 1, 1]; per-tensor ones broadcast to every KV head) → `k_scale`, `v_scale`
   [num_layers, num_kv_heads] fp32, with the cache dtype from `kv_cache_scheme` (int8 / fp8).
@@ -27,10 +29,12 @@ from pathlib import Path
 from typing import Any, Mapping
 
 import torch
+from torch import nn
 
 from quantspec.errors import QuantSpecError
 from quantspec.infer.backend import Runtime, prepare
 from quantspec.infer.dispatch import DispatchPolicy
+from quantspec.infer.quant_embedding import QuantEmbedding, check_embedding_scheme
 from quantspec.infer.quant_linear import QuantLinear, linear_kind
 from quantspec.model_zoo.checkpoint import (
     CheckpointReader,
@@ -173,7 +177,8 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
     and `qc`; `where` names the source in messages. The model is not yet prepared for its device
     (`infer.backend.prepare`)."""
     plan = plan_artifact(tensors, args, qc, where=where,
-                         check_scheme=lambda s: linear_kind(s.weights, s.input_activations))
+                         check_scheme=lambda s: linear_kind(s.weights, s.input_activations),
+                         check_embedding=check_embedding_scheme)
     tensors, net, quantized = plan.tensors, plan.net, plan.quantized
     k_scale = v_scale = None
     if qc.kv_cache_scheme is not None:
@@ -181,8 +186,12 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
     # quantized Linears first: a missing or mis-shaped compressed tensor is named precisely
     for name, scheme in quantized.items():
         lin = net.get_submodule(name)
-        ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
-                                      dtype=dtype, device=device, policy=policy)
+        if isinstance(lin, nn.Embedding):
+            ql = QuantEmbedding.from_tensors(tensors, name, scheme, lin.num_embeddings, lin.embedding_dim,
+                                             dtype=dtype, device=device)
+        else:
+            ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
+                                          dtype=dtype, device=device, policy=policy)
         net.set_submodule(name, ql)
         release_free_heap()  # the codes' temporaries, freed between kept layouts: no growth per layer
     plan.refuse_unexpected(args, where)

@@ -265,9 +265,11 @@ class Eagle3Head(nn.Module):
         distinct copy of its own, so a head trained on another embedding is refused here."""
         if self.own_embed is not None:
             where, own = self.own_embed
-            base = embed.weight.detach()
+            quantized = hasattr(embed, "dequantized")  # a `QuantEmbedding`: within half its largest step
+            base = embed.dequantized() if quantized else embed.weight.detach()
+            atol = 1e-3 + (float(embed.scale.abs().max()) / 2 if quantized else 0.0)
             if own.shape != base.shape or not torch.allclose(own.to(base.device, torch.float32), base.float(),
-                                                             rtol=1e-2, atol=1e-3):
+                                                             rtol=1e-2, atol=atol):
                 raise QuantSpecError(f"{where}: the head's embed_tokens differs from the base's embedding; the "
                                      "head belongs to another base: pass its own base, or train one with "
                                      "`quantspec zoo train-draft-head --kind eagle3 --model BASE`")

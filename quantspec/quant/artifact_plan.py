@@ -30,7 +30,7 @@ from quantspec.quant.compressed import expected_linear_tensors
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ArtifactPlan", "IGNORED_SUFFIXES", "KV_NAMES", "attn_prefix", "plan_artifact"]
+__all__ = ["ArtifactPlan", "IGNORED_SUFFIXES", "KV_NAMES", "attn_prefix", "plan_artifact", "weight_dims"]
 
 IGNORED_SUFFIXES = (".rotary_emb.inv_freq",)  # recomputed tensors some exporters write
 KV_NAMES = ("k_scale", "v_scale")
@@ -39,6 +39,13 @@ KV_NAMES = ("k_scale", "v_scale")
 def attn_prefix(i: int) -> str:
     """The attention module of decoder layer `i` (where its KV-cache scales live)."""
     return f"model.layers.{i}.self_attn"
+
+
+def weight_dims(mod: nn.Module) -> tuple[int, int]:
+    """A quantized module's weight [N, K]: a Linear's (out, in), an embedding's (rows, width)."""
+    if isinstance(mod, nn.Embedding):
+        return mod.num_embeddings, mod.embedding_dim
+    return mod.out_features, mod.in_features
 
 
 def _is_trivial_g_idx(g_idx: torch.Tensor, K: int, group_size: int | None) -> bool:
@@ -50,29 +57,35 @@ def _is_trivial_g_idx(g_idx: torch.Tensor, K: int, group_size: int | None) -> bo
 
 
 def _quantized_modules(net: Transformer, qc: QuantConfig, where: str,
-                       check_scheme: Callable[[QuantScheme], object] | None) -> dict[str, QuantScheme]:
-    """{Linear name: its scheme} for every Linear the config quantizes (a part of a fused
-    checkpoint module takes that module's: `layout.checkpoint_name`); refuses quantized
-    embeddings (which quantspec does not run) and a scheme `check_scheme` refuses."""
+                       check_scheme: Callable[[QuantScheme], object] | None,
+                       check_embedding: Callable[[QuantScheme], object] | None = None) -> dict[str, QuantScheme]:
+    """{module name: its scheme} for every Linear the config quantizes (a part of a fused
+    checkpoint module takes that module's: `layout.checkpoint_name`) and a quantized input
+    embedding; refuses a scheme `check_scheme` (a Linear's) or `check_embedding` refuses, and a
+    tied head beside a quantized embedding (no float weights to tie it to)."""
     out = {}
     for name, mod in net.named_modules():
-        if isinstance(mod, nn.Linear):
-            scheme = qc.scheme_for(checkpoint_name(net.args, name), ("Linear",))
-            if scheme is not None:
-                if scheme.weights is None:
-                    raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
-                                         "which quantspec does not run; add it to `ignore`")
-                try:  # a scheme quantspec does not run is named before its tensors are read
-                    if check_scheme is not None:
-                        check_scheme(scheme)
-                except QuantSpecError as e:
-                    raise QuantSpecError(f"{where}: {name}: {e}") from None
-                out[name] = scheme
-        elif isinstance(mod, nn.Embedding):
-            scheme = qc.scheme_for(name, ("Embedding",))
-            if scheme is not None and scheme.weights is not None:
-                raise QuantSpecError(f"{where}: {name} (an embedding) is quantized; quantspec keeps "
-                                     "embeddings in float — re-quantize with it in `ignore`")
+        embedding = isinstance(mod, nn.Embedding)
+        if not embedding and not isinstance(mod, nn.Linear):
+            continue
+        scheme = qc.scheme_for(name, ("Embedding",)) if embedding else \
+            qc.scheme_for(checkpoint_name(net.args, name), ("Linear",))
+        if scheme is None or (embedding and scheme.weights is None):
+            continue
+        if scheme.weights is None:
+            raise QuantSpecError(f"{where}: {name} has activation-only quantization, "
+                                 "which quantspec does not run; add it to `ignore`")
+        check = check_embedding if embedding else check_scheme
+        try:  # a scheme quantspec does not run is named before its tensors are read
+            if check is not None:
+                check(scheme)
+        except QuantSpecError as e:
+            raise QuantSpecError(f"{where}: {name}: {e}") from None
+        if embedding and net.args.tie_word_embeddings and qc.scheme_for("lm_head") is None:
+            raise QuantSpecError(f"{where}: {name} is quantized and config.json ties the output head to it "
+                                 "(tie_word_embeddings), which leaves the head no float weights; re-quantize "
+                                 "with quantspec (it unties them) or set tie_word_embeddings false with an lm_head")
+        out[name] = scheme
     if not out:
         raise QuantSpecError(f"{where}: the quantization_config targets no Linear of this model "
                              "(check config_groups targets and ignore)")
@@ -88,9 +101,8 @@ def _float_table(args: ModelArgs, net: Transformer, quantized: dict, shapes: Map
         table["lm_head.weight"] = (args.vocab_size, args.hidden_size)
     q_expected: dict[str, dict] = {}
     for name, scheme in quantized.items():
-        lin = net.get_submodule(name)
         table.pop(f"{name}.weight", None)
-        q_expected[name] = expected_linear_tensors(name, scheme, lin.out_features, lin.in_features)
+        q_expected[name] = expected_linear_tensors(name, scheme, *weight_dims(net.get_submodule(name)))
     missing = [n for n in table if n not in shapes]
     if missing:
         more = f" (+{len(missing) - 3} more)" if len(missing) > 3 else ""
@@ -119,7 +131,7 @@ def _optional_tensors(tensors: dict, net: Transformer, quantized: dict, q_expect
         gkey = f"{name}.weight_g_idx"
         if gkey in tensors:
             w = quantized[name].weights
-            if not _is_trivial_g_idx(tensors[gkey], net.get_submodule(name).in_features, w.group_size):
+            if not _is_trivial_g_idx(tensors[gkey], weight_dims(net.get_submodule(name))[1], w.group_size):
                 if permuted is None:
                     raise QuantSpecError(
                         f"{where}: {gkey} holds a permuted act-order group index (GPTQ's desc_act), which neither "
@@ -168,10 +180,12 @@ class ArtifactPlan:
 
 def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, *,
                   where: str = "the artifact", check_scheme: Callable[[QuantScheme], object] | None = None,
+                  check_embedding: Callable[[QuantScheme], object] | None = None,
                   permuted_g_idx: bool = False) -> ArtifactPlan:
     """The `ArtifactPlan` of an artifact's tensors (a dict, or a mapping that reads each when
-    looked up); refuses, one line each, what no loader takes: a scheme `check_scheme` refuses
-    (a `QuantSpecError`), a quantized embedding, a float tensor missing or mis-shaped, an
+    looked up); refuses, one line each, what no loader takes: a scheme `check_scheme` (a
+    Linear's) or `check_embedding` (a quantized input embedding's) refuses (a `QuantSpecError`),
+    a quantized embedding the head is tied to, a float tensor missing or mis-shaped, an
     optional compressed tensor that contradicts the config, and a permuted act-order index unless
     `permuted_g_idx` (a reader that dequantizes its Linears can follow one)."""
     if qc.tensor_names:  # tensors another tool names otherwise (`quant.hf_fp8`)
@@ -186,7 +200,7 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
     shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(IGNORED_SUFFIXES)}
     net = build_model(args, device="meta")
-    quantized = _quantized_modules(net, qc, where, check_scheme)
+    quantized = _quantized_modules(net, qc, where, check_scheme, check_embedding)
     if args.tie_word_embeddings and "lm_head" not in quantized:
         names.discard("lm_head.weight")  # some exporters write the tied copy anyway
     float_table, q_expected = _float_table(args, net, quantized, shapes, where)

@@ -267,7 +267,10 @@ class QuantConfig:
         for group_name, sizes in by_base.items():
             base = groups[group_name]
             if not any(not t.startswith("re:") and "." not in t for t in base.targets):
-                overrides.update(sizes)  # a name-targeted group keeps its size; others move out
+                if len(set(sizes.values())) == 1:  # a name-targeted group whose Linears agree: resized whole
+                    groups[group_name] = _with_size(base, next(iter(sizes.values())))
+                else:  # else it keeps its size; the others move out
+                    overrides.update(sizes)
                 continue
             pool = [g for n, g in sizes.items() if n.rsplit(".", 1)[-1] in fused] or list(sizes.values())
             size = max(set(pool), key=lambda g: (pool.count(g), g))

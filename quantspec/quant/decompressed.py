@@ -26,7 +26,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader, CheckpointTensors, read_config
 from quantspec.model_zoo.layout import ShapedTensors
 from quantspec.model_zoo.llama import ModelArgs
-from quantspec.quant.artifact_plan import plan_artifact
+from quantspec.quant.artifact_plan import plan_artifact, weight_dims
 from quantspec.quant.compressed import check_present, read_quantized_linear
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.primitives import dequantize
@@ -48,8 +48,7 @@ class DecompressedTensors(ShapedTensors):
         self.weights = {f"{name}.weight": name for name in plan.quantized}
         self.shapes = {k: tuple(s) for k, s in plan.float_table.items()}
         for w, name in self.weights.items():
-            lin = plan.net.get_submodule(name)
-            self.shapes[w] = (lin.out_features, lin.in_features)
+            self.shapes[w] = weight_dims(plan.net.get_submodule(name))
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:

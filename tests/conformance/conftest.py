@@ -63,6 +63,12 @@ ARTIFACTS = {
     # ... and with FP8 block scales, which neither engine's head loader takes
     "head_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128, layer_quant_types=("lm_head=a8w8_fp8",),
                            target="quantspec"),
+    # a quantized input embedding (vLLM's `CompressedTensorsEmbeddingWNA16Int`; SGLang and
+    # transformers load none): int4 groups beside int4 layers, int8 rows beside an int8 head
+    "embed_int4": dict(quant_type="weight_only_int4", group_size=128, target="vllm",
+                       layer_quant_types=("model.embed_tokens=weight_only_int4",)),
+    "embed_int8_head_int8": dict(quant_type="weight_only_int8", target="vllm",
+                                 layer_quant_types=("model.embed_tokens=weight_only_int8", "lm_head=weight_only_int8")),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

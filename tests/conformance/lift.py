@@ -27,8 +27,9 @@ shard's tensors through the created parameters' own `load_qkv_weight` /
 `load_merged_column_weight` / `load_row_parallel_weight` with the shard ids and offsets a fused
 linear passes them (q/k/v; 0/1 with the running offset; for an FP8 block scale both counted in
 block rows, rounded up, as the engines' fused linears count them), and an output head's
-(`ParallelLMHead`, over its padded vocabulary) through the engine's own
-`VocabParallelEmbedding.weight_loader`, compiled from its file. The answer gives, per layer, the loaded
+(`ParallelLMHead`, over its padded vocabulary) and an input embedding's (`VocabParallelEmbedding`,
+with the parameters its quant method creates as the layer's `__init__` asks) through the engine's
+own `VocabParallelEmbedding.weight_loader`, compiled from its file. The answer gives, per layer, the loaded
 values of the scale parameters the request names (`value_leaves`), so the caller can compare them
 with the artifact's tensors, and whether the config group the engine resolved for it quantizes
 its inputs (`inputs`, from the engine's own `get_scheme_dict`).
@@ -61,7 +62,7 @@ REAL = {
         "schemes.compressed_tensors_w8a8_int8", "schemes.compressed_tensors_w8a8_mxfp8",
         "schemes.compressed_tensors_w8a16_fp8", "schemes.compressed_tensors_wNa4",
         "schemes.compressed_tensors_wNa8", "schemes.compressed_tensors_wNa8o8",
-        "schemes.compressed_tensors_wNa16")]
+        "schemes.compressed_tensors_wNa16", "compressed_tensors_embedding")]
     + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils",
                                "utils.fp8_utils")]
     + ["vllm.scalar_type", "vllm.model_executor.parameter"],
@@ -77,13 +78,16 @@ VOCAB = {"vllm": "vllm.model_executor.layers.vocab_parallel_embedding",
 LAYER_BASES = {
     "vllm": {"linear": ("vllm.model_executor.layers.linear", "LinearBase"),
              "attention": ("vllm.model_executor.layers.attention", "Attention"),
-             "lm_head": (VOCAB["vllm"], "ParallelLMHead")},
+             "lm_head": (VOCAB["vllm"], "ParallelLMHead"),
+             "embedding": (VOCAB["vllm"], "VocabParallelEmbedding")},
     "sglang": {"linear": ("sglang.srt.layers.linear", "LinearBase"),
                "attention": ("sglang.srt.layers.radix_attention", "RadixAttention"),
-               "lm_head": (VOCAB["sglang"], "ParallelLMHead")},
+               "lm_head": (VOCAB["sglang"], "ParallelLMHead"),
+               "embedding": (VOCAB["sglang"], "VocabParallelEmbedding")},
 }
 PARAMETERS = {"vllm": "vllm.model_executor.parameter", "sglang": "sglang.srt.layers.parameter"}
 VOCAB_CODE: dict = {}  # engine → its `_vocab_code`, once installed
+VOCAB_CLASSES = {"ParallelLMHead": "lm_head", "VocabParallelEmbedding": "embedding"}  # loaded by vocabulary row
 
 
 # ---- stubs -----------------------------------------------------------------------------------------
@@ -377,11 +381,12 @@ def _vocab_code(engine: str, source: str) -> dict:
     return ns
 
 
-def _head(engine: str, vocab: int):
-    """An output head of `vocab` tokens as the engine's `ParallelLMHead` holds it on one rank:
-    its padded row count and its own weight loader (`_vocab_code`)."""
+def _head(engine: str, vocab: int, kind: str = "lm_head"):
+    """An output head of `vocab` tokens as the engine's `ParallelLMHead` holds it on one rank
+    (`kind` "embedding": an input embedding, its `VocabParallelEmbedding`): its padded row count
+    and its own weight loader (`_vocab_code`)."""
     code = VOCAB_CODE[engine]
-    layer = _layer(engine, "lm_head", "ParallelLMHead")
+    layer = _layer(engine, kind, LAYER_BASES[engine][kind][1])
     layer.org_vocab_size, layer.tp_size, layer.use_presharded_weights = vocab, 1, False
     layer.shard_indices = types.SimpleNamespace(org_vocab_start_index=0, org_vocab_end_index=vocab)
     layer.weight_loader = types.MethodType(code["weight_loader"], layer)
@@ -410,7 +415,7 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
                 bn = layer.weight_block_size[0]
                 at, size = -(-at // bn), -(-size // bn)
             try:
-                if cls_name == "ParallelLMHead":
+                if cls_name in VOCAB_CLASSES:
                     layer.weight_loader(p, t)
                 elif cls_name == "QKVParallelLinear":
                     p.load_qkv_weight(loaded_weight=t, num_heads=1, shard_id=sid, shard_offset=at,
@@ -456,8 +461,8 @@ def run(engine: str, request: dict) -> dict:
             r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": [],
                  "casts": [], "values": {}}
             res["layers"][lname] = r
-            head = spec["class"] == "ParallelLMHead"
-            layer, rows = _head(engine, spec["shards"][0]["N"]) if head else \
+            head = spec["class"] in VOCAB_CLASSES
+            layer, rows = _head(engine, spec["shards"][0]["N"], VOCAB_CLASSES[spec["class"]]) if head else \
                 (_layer(engine, "linear", spec["class"]), None)
             try:
                 method = cfg.get_quant_method(layer, lname)
@@ -465,6 +470,9 @@ def run(engine: str, request: dict) -> dict:
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
             scheme = getattr(layer, "scheme", None)
+            if spec["class"] == "VocabParallelEmbedding":
+                _embedding(engine, layer, method, rows, spec, tensors, request, r)
+                continue
             if scheme is None:
                 r["method"] = type(method).__name__ if method is not None else None
                 continue
@@ -481,13 +489,7 @@ def run(engine: str, request: dict) -> dict:
                 continue
             r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
                                                                     spec["shards"], tensors)
-            params = dict(layer.named_parameters())
-            # the loaded values of the scales the request sent (the parameters as loaded, before
-            # the engine's post-processing)
-            r["values"] = {leaf: {"dtype": str(params[leaf].dtype).removeprefix("torch."),
-                                  "data": params[leaf].detach().float().reshape(-1).tolist()}
-                           for leaf in request["value_leaves"] if leaf in params
-                           and leaf not in r["never_loaded"]}
+            r["values"] = _values(layer, request, r)
         if art.get("attention"):
             attn = _layer(engine, "attention", "Attention" if engine == "vllm" else "RadixAttention")
             attn.num_kv_heads = art["num_kv_heads"]
@@ -497,6 +499,40 @@ def run(engine: str, request: dict) -> dict:
             except Exception as e:  # noqa: BLE001
                 res["kv"] = {"method": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
     return out
+
+
+def _embedding(engine: str, layer, method, rows: int, spec: dict, tensors: dict, request: dict, r: dict) -> None:
+    """An input embedding: the method the engine's `get_quant_method` gave it creates its
+    parameters as `VocabParallelEmbedding.__init__` asks (over the padded vocabulary, with the
+    layer's own weight loader), and every tensor of the artifact is loaded through that loader.
+    Where the engine gives none, it builds its `UnquantizedEmbeddingMethod`, whose one
+    parameter, `weight`, the compressed tensors cannot fill (that method's module imports the
+    distributed runtime, so its one parameter is stated here)."""
+    import torch
+
+    if method is None:
+        r["method"] = None
+        r["load_errors"] = [f"unexpected tensor {leaf}" for leaf in tensors.get(spec["shards"][0]["name"], {})]
+        r["never_loaded"] = ["weight"]
+        return
+    r["scheme"], r["args"] = _short(type(method).__name__), _scheme_args(method)
+    try:
+        method.create_weights(layer, spec["K"], [rows], spec["K"], rows, params_dtype=torch.bfloat16,
+                              weight_loader=layer.weight_loader)
+    except Exception as e:  # noqa: BLE001
+        r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
+        return
+    r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"], spec["shards"], tensors)
+    r["values"] = _values(layer, request, r)
+
+
+def _values(layer, request: dict, r: dict) -> dict:
+    """The loaded values of the scales the request sent (the parameters as loaded, before the
+    engine's post-processing)."""
+    params = dict(layer.named_parameters())
+    return {leaf: {"dtype": str(params[leaf].dtype).removeprefix("torch."),
+                   "data": params[leaf].detach().float().reshape(-1).tolist()}
+            for leaf in request["value_leaves"] if leaf in params and leaf not in r["never_loaded"]}
 
 
 def _tensor(spec):

@@ -73,6 +73,15 @@ by name only (never by the class target "Linear") and load it through
 `VocabParallelEmbedding.weight_loader`, which wants one scale row per vocabulary row: both load
 per-channel heads, and neither loads FP8 block scales there (vLLM's loader asserts, SGLang refuses
 the scheme), so a block head is `--target quantspec` only.
+`embed_int4` / `embed_int8_head_int8` quantize the input embedding
+(`--layer-quant-type model.embed_tokens=TYPE`, `--target vllm`). vLLM gives a `VocabParallelEmbedding`
+its `CompressedTensorsEmbeddingWNA16Int`, which dequantizes only the rows a step looks up from
+`weight_packed` / `weight_scale` (weight-only INT per channel or group, symmetric: it has no zero
+point, and any other scheme raises ValueError at `get_quant_method`). SGLang's compressed-tensors
+method leaves the embedding float and its Llama loader skips `weight_packed` with a warning, so the
+rows would run unloaded; transformers' weight initialization reads `embed_tokens.weight`, which
+compressed-tensors' compressed embedding does not have. Both are refused, and so is a tied head
+(vLLM would tie it to an embedding with no `weight`): quantspec unties it.
 """
 
 

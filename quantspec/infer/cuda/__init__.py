@@ -56,7 +56,7 @@ def prepare(model: nn.Module, device: torch.device, policy: DispatchPolicy, *, f
         fuse_projections(model)
     graphs = policy.cuda_graphs and os.environ.get(GRAPHS_SWITCH, "1") != "0"
     layers = model.model.layers
-    fused = policy.cuda_fused_ops and fusable(layers, model.model.embed_tokens.weight.dtype)
+    fused = policy.cuda_fused_ops and fusable(layers, model.model.norm.weight.dtype)
     stack = DecodeGraphs(layers, graphs=graphs, fused=fused, pdl=policy.cuda_pdl) if graphs or fused else None
     return Runtime(device=device, attention=_attention(policy), stack=stack)
 

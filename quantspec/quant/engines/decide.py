@@ -12,11 +12,19 @@ from quantspec.quant.engines.layers import (
     engine_layer,
     engine_layers,
     kv_verdict,
+    quantspec_embedding,
     quantspec_layer,
     target_map,
     transformers_layer,
 )
-from quantspec.quant.engines.tables import ENGINES, NVFP4_W4A4_CAPABILITY, TARGET_ENGINES, TARGETS, engine_name
+from quantspec.quant.engines.tables import (
+    ENGINES,
+    NVFP4_W4A4_CAPABILITY,
+    TARGET_ENGINES,
+    TARGETS,
+    TRANSFORMERS_EMBEDDING,
+    engine_name,
+)
 from quantspec.quant.engines.moe import PROJECTIONS, TRANSFORMERS_REFUSAL, moe_layer
 from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
 
@@ -41,7 +49,7 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
     if not isinstance(linears, Mapping):
         linears = {n: None for n in linears}
     targets = target_map(config)
-    layers = engine_layers(n for n in linears if config.scheme_for(n) is not None)
+    layers = engine_layers(n for n in linears if _scheme(config, n) is not None)
     out = {}
     for engine in ENGINES:
         if engine in ("vllm", "sglang") and draft == "eagle3":
@@ -58,17 +66,19 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
     EAGLE-3 head's engine layers), else judged here from the checkpoint's `layers`."""
     if engine == "quantspec":
         kv, _, _ = kv_verdict(engine, config.kv_cache_scheme)
-        per_layer = {layer: quantspec_layer(config.scheme_for(shards[0]))
-                     for layer, shards in layers.items()}
+        per_layer = {layer: (quantspec_embedding if _short(layer) == "embed_tokens" else quantspec_layer)(
+                     _scheme(config, shards[0])) for layer, shards in layers.items()}
         refused = _collapse([f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem])
         return EngineVerdict(engine, "refused" if refused else "loads", tuple(refused), (), kv, per_layer)
     if per_layer is None:
         per_layer = {}
         for layer, shards in layers.items():
-            intended = [config.scheme_for(s) for s in shards]
+            intended = [_scheme(config, s) for s in shards]
             if layer.endswith((".mlp.experts", ".block_sparse_moe.experts")):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
                     else moe_layer(engine, layer, config, shards, capability)
+            elif engine == "transformers" and _short(layer) == "embed_tokens":
+                per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_EMBEDDING)
             elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
                 vs = [transformers_layer(i) for i in intended]
                 per_layer[layer] = next((x for x in vs if x.problem is not None), vs[0])
@@ -89,6 +99,11 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
     problems = [v for v in per_layer.values() if v.problem is not None]
     defect = bool(problems) and all(v.defect for v in problems) and not (kv_refused or kv_ignored)
     return EngineVerdict(engine, status, tuple(refused or ignored), tuple(fixes), kv, per_layer, defect)
+
+
+def _scheme(config: QuantConfig, name: str):
+    """The scheme of checkpoint module `name` (the input embedding matched as an `Embedding`)."""
+    return config.scheme_for(name, ("Embedding",) if _short(name) == "embed_tokens" else ("Linear",))
 
 
 def _short(layer: str) -> str:
@@ -137,6 +152,10 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if engine == "sglang" and "MXFP4" in text:
         out.append("pass --target vllm (vLLM runs MXFP4) or use --quant-type weight_only_nvfp4 / nvfp4 (NVFP4, "
                    "which SGLang runs)")
+    if "has no quantized embedding" in text:
+        out.append("pass --target vllm (vLLM looks up quantized embedding rows) or leave model.embed_tokens float")
+    elif "compressed embedding" in text:
+        out.append("leave model.embed_tokens float")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
@@ -178,6 +197,8 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
         if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
     if draft is None and config.scheme_for("lm_head") is not None:  # a quantized output head
         probe = {**probe, "lm_head": 4096}
+    if draft is None and _scheme(config, "model.embed_tokens") is not None:  # ... embedding
+        probe = {**probe, "model.embed_tokens": 4096}
     # FP4 inputs (NVFP4, MXFP4) are for FP4 tensor cores: probed on the GPU they are made for
     # (below it the engines run the weights alone, which `inspect`'s Hopper verdict says);
     # weight-only FP4 on Hopper, the default (where vLLM runs MXFP4A16 weight-only, as written)

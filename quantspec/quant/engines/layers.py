@@ -35,7 +35,9 @@ from quantspec.quant.engines.tables import (
     MXFP4_W4A4_CAPABILITY,
     NVFP4_MIN_CAPABILITY,
     NVFP4_W4A4_CAPABILITY,
+    SGLANG_EMBEDDING,
     SGLANG_FUSED_STATIC_INT8,
+    VLLM_EMBEDDING,
     engine_name,
 )
 from quantspec.quant.engines.moe import EXPERT, expert_layers
@@ -49,8 +51,8 @@ from quantspec.quant.engines.verdict import (
 )
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_layer",
-           "transformers_layer", "kv_verdict"]
+__all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_embedding",
+           "quantspec_layer", "transformers_layer", "kv_verdict"]
 
 _ACT_FORMATS = (FORMAT_NAIVE_QUANTIZED, FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED)
 _SHARD = re.compile(r"^(.*)\.([^.]+)$")
@@ -285,6 +287,8 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
         return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
     got = None if ignored(layer, ignore) else _engine_scheme(engine, layer, shards, targets, cls, shard_names)
     want = intended[0]
+    if layer.rsplit(".", 1)[-1] == "embed_tokens":
+        return _embedding(engine, got if engine == "vllm" else None, want, unseen)
     if want is None:
         if got is None:
             return None
@@ -309,6 +313,30 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
     return _mismatch(engine, v, got, want, unseen) if v.scheme is not None else v
 
 
+def _embedding(engine: str, got: QuantScheme | None, want: QuantScheme | None, unseen: str) -> LayerVerdict | None:
+    """vLLM's or SGLang's verdict on the input embedding stored `want` (None: float) that the engine
+    resolves to `got` (SGLang: never quantized): `VLLM_EMBEDDING`, `SGLANG_EMBEDDING`."""
+    if want is None and got is None:
+        return None
+    if want is None:
+        return LayerVerdict(None, problem="it expects quantized weights where the checkpoint holds float "
+                                          "ones (the ignore list does not name it as the engine does)")
+    w = want.weights
+    base = dict(num_bits=w.num_bits, group_size=w.group_size if w.strategy == "group" else None,
+                symmetric=w.symmetric)
+    if engine == "sglang":
+        return LayerVerdict(None, **base, problem=SGLANG_EMBEDDING)
+    if got is None:
+        return LayerVerdict(None, **base, problem="no config target matches it, so it expects float weights")
+    g = got.weights
+    if g.type != "int" or g.strategy not in ("channel", "group") or g.dynamic or got.input_activations is not None \
+            or got.format != FORMAT_PACK_QUANTIZED or not g.symmetric:
+        return LayerVerdict(None, **base, problem=VLLM_EMBEDDING)
+    if not _same(got, want):
+        return _mismatch(engine, LayerVerdict("EmbeddingWNA16Int", **base), got, want, unseen)
+    return LayerVerdict("EmbeddingWNA16Int", **base)
+
+
 def quantspec_layer(s: QuantScheme) -> LayerVerdict:
     """quantspec's reader (`infer/quant_linear.py` `linear_kind`): int4 weights alone, int8 weights
     alone or with int8 activations, fp8 weights; activations static per tensor or dynamic per
@@ -328,6 +356,19 @@ def quantspec_layer(s: QuantScheme) -> LayerVerdict:
     if problem is not None:
         return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem, block=w.block_structure)
     return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia), block=w.block_structure)
+
+
+def quantspec_embedding(s: QuantScheme) -> LayerVerdict:
+    """quantspec's reader of a quantized input embedding (`infer/quant_embedding.py`): 4- and
+    8-bit integer weight-only codes per row or per group."""
+    w = s.weights
+    g = w.group_size if w.strategy == "group" else None
+    ok = w.type == "int" and w.num_bits in (4, 8) and w.strategy in ("channel", "group") and s.input_activations is None
+    if not ok:
+        return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(s.input_activations),
+                            problem=f"a {w.type}{w.num_bits} {w.strategy} embedding (quantspec looks up 4- and "
+                                    "8-bit integer weight-only rows)")
+    return LayerVerdict("QuantEmbedding", w.num_bits, g, w.symmetric)
 
 
 def transformers_layer(s: QuantScheme) -> LayerVerdict:

@@ -7,7 +7,8 @@ from __future__ import annotations
 __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
            "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
            "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
-           "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "engine_name"]
+           "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "VLLM_EMBEDDING", "SGLANG_EMBEDDING",
+           "TRANSFORMERS_EMBEDDING", "engine_name"]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers",
@@ -23,12 +24,24 @@ FUSED_LAYERS = {"qkv_proj": ("q_proj", "k_proj", "v_proj"), "gate_up_proj": ("ga
 # the class of each Llama linear in vLLM / SGLang (name matching: "Linear" is in all of them but
 # the output head's, whose scheme both take by name only)
 LAYER_CLASSES = {"qkv_proj": "QKVParallelLinear", "gate_up_proj": "MergedColumnParallelLinear",
-                 "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear", "lm_head": "ParallelLMHead"}
+                 "o_proj": "RowParallelLinear", "down_proj": "RowParallelLinear", "lm_head": "ParallelLMHead",
+                 "embed_tokens": "VocabParallelEmbedding"}
 # the output head's loader (`VocabParallelEmbedding.weight_loader` in both engines) shards every
 # parameter with an output dim by vocabulary row and asserts it holds one row per token, which
 # an FP8 block scale ([vocab / block, K / block]) does not; SGLang refuses the scheme up front
 HEAD_BLOCK_SCALES = ("its output-head loader (VocabParallelEmbedding.weight_loader) takes one scale row per "
                      "vocabulary row, not FP8 block scales")
+# a quantized input embedding (`VocabParallelEmbedding`): vLLM's `get_quant_method` gives it
+# `CompressedTensorsEmbeddingWNA16Int` (weight-only INT per channel or group, rows looked up from
+# `weight_packed` / `weight_scale`, no zero point) and raises ValueError on any other scheme;
+# SGLang's leaves it float, and its Llama `load_weights` skips `weight_packed` with a warning
+VLLM_EMBEDDING = ("its compressed-tensors embeddings take weight-only INT per channel or group (WNA16), "
+                  "pack-quantized and symmetric only")
+SGLANG_EMBEDDING = (f"SGLang {ENGINE_VERSIONS['sglang']} has no quantized embedding (it builds embed_tokens "
+                    "float and its loader skips weight_packed with a warning, leaving the rows unloaded)")
+TRANSFORMERS_EMBEDDING = (f"transformers {ENGINE_VERSIONS['transformers']}'s weight initialization reads "
+                          "embed_tokens.weight, which compressed-tensors' compressed embedding does not have "
+                          "(AttributeError)")
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only (SGLang: no blocks)
 # NVFP4: FP4 tensor cores (Blackwell) run W4A4; below, both engines serve an NVFP4 checkpoint weight-only
 # (FP4 Marlin: vLLM's `init_nvfp4_linear_kernel`, SGLang's CompressedTensorsW4A16Fp4), its
