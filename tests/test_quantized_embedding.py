@@ -81,10 +81,11 @@ def test_embedding_and_head_both_quantized(tied_llama_dir, tmp_path):
     assert _our_logits(art).shape == (IDS.shape[1], 512)
 
 
-def test_untied_model_keeps_its_head_and_rounds_the_embedding_under_gptq(tiny_llama_dir, tmp_path):
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_untied_model_keeps_its_head_and_rounds_the_embedding_under_data_methods(tiny_llama_dir, tmp_path, method):
     data = tmp_path / "calib.txt"
     data.write_text(TINY_CORPUS)
-    art = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "a", group_size=32, method="gptq",
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "a", group_size=32, method=method,
                        dataset=str(data), num_samples=4, seq_len=32, target="vllm",
                        layer_quant_types=(f"{EMBED}=weight_only_int8",))
     ours, src = _tensors(art), _tensors(tiny_llama_dir)
