@@ -180,3 +180,9 @@ def test_requantizing_reads_the_embedding_decompressed(tied_llama_dir, tmp_path)
     again = api.quantize(str(art), "weight_only_int8", tmp_path / "b")
     rows = load_for_inference(art, tokenizer=False, dtype=torch.float32).model.model.embed_tokens.dequantized()
     torch.testing.assert_close(_tensors(again)[f"{EMBED}.weight"].float(), rows, rtol=0, atol=0)
+    # GPTQ from it: the calibration windows' rows are looked up in the decompressed table
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    gptq = api.quantize(str(art), "weight_only_int4", tmp_path / "c", group_size=32, method="gptq",
+                        dataset=str(data), num_samples=4, seq_len=32)
+    torch.testing.assert_close(_tensors(gptq)[f"{EMBED}.weight"].float(), rows, rtol=0, atol=0)

@@ -107,6 +107,16 @@ class DecompressedReader(CheckpointReader):
         return out
 
 
+    def rows(self, name: str, ids: torch.Tensor, *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+        """The rows `ids` of `name` [V, D] → [..., D]; a quantized embedding's from its table
+        decompressed whole (its codes are not laid out in rows of the float checkpoint)."""
+        if name not in self.view.weights:
+            return super().rows(name, ids, dtype=dtype, device=device)
+        table = self.read([name], dtype=dtype)[name]
+        return table[ids.reshape(-1).cpu()].view(*ids.shape, table.shape[1]).to(device)
+
+
 def source_reader(model_dir: str | os.PathLike, cfg: dict) -> CheckpointReader:
     """The reader of a source checkpoint of config.json `cfg`: a `DecompressedReader` when it is
     quantized, else a `CheckpointReader`."""
