@@ -29,7 +29,9 @@ linear passes them (q/k/v; 0/1 with the running offset; for an FP8 block scale b
 block rows, rounded up, as the engines' fused linears count them), and an output head's
 (`ParallelLMHead`, over its padded vocabulary) and an input embedding's (`VocabParallelEmbedding`,
 with the parameters its quant method creates as the layer's `__init__` asks) through the engine's
-own `VocabParallelEmbedding.weight_loader`, compiled from its file. The answer gives, per layer, the loaded
+own `VocabParallelEmbedding.weight_loader`, compiled from its file; an embedding's rows
+`embedding_ids` are then looked up by the engine's own method (vLLM's Triton kernel, in Triton's
+interpreter) and returned as `rows`. The answer gives, per layer, the loaded
 values of the scale parameters the request names (`value_leaves`), so the caller can compare them
 with the artifact's tensors, and whether the config group the engine resolved for it quantizes
 its inputs (`inputs`, from the engine's own `get_scheme_dict`).
@@ -215,6 +217,8 @@ SCHEME_PACKAGE_PREFIX = "\0"
 
 
 def _overrides(engine: str, capability: int) -> dict:
+    import triton
+    import triton.language  # noqa: F401
     class Capability(tuple):
         def to_int(self):
             return self[0] * 10 + self[1]
@@ -256,6 +260,8 @@ def _overrides(engine: str, capability: int) -> dict:
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
                                  "get_tensor_model_parallel_world_size": lambda: 1},
             _CT["vllm"] + "transform.linear": {"get_linear_transform_schemes": lambda *a, **k: ([], [])},
+            # the embedding's lookup kernel runs in Triton's interpreter (`main` sets TRITON_INTERPRET)
+            "vllm.triton_utils": {"triton": triton, "tl": triton.language},
         }
     return {
         "sglang.srt.utils": {"is_cuda": lambda: True, "is_hip": lambda: False, "is_npu": lambda: False,
@@ -516,14 +522,22 @@ def _embedding(engine: str, layer, method, rows: int, spec: dict, tensors: dict,
         r["never_loaded"] = ["weight"]
         return
     r["scheme"], r["args"] = _short(type(method).__name__), _scheme_args(method)
-    try:
-        method.create_weights(layer, spec["K"], [rows], spec["K"], rows, params_dtype=torch.bfloat16,
+    try:  # as in a float32 model: the lookup's rows come out in the scales' dtype, and Triton's
+        # interpreter casts fp32 to bf16 by truncation where a GPU rounds to nearest
+        method.create_weights(layer, spec["K"], [rows], spec["K"], rows, params_dtype=torch.float32,
                               weight_loader=layer.weight_loader)
     except Exception as e:  # noqa: BLE001
         r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
         return
     r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"], spec["shards"], tensors)
     r["values"] = _values(layer, request, r)
+    ids = request.get("embedding_ids")
+    if ids and not (r["load_errors"] or r["never_loaded"]):  # the rows its own lookup gives
+        layer.weight_packed.data = layer.weight_packed.data.contiguous()
+        try:
+            r["rows"] = method.embedding(layer, torch.tensor(ids)).float().tolist()
+        except Exception as e:  # noqa: BLE001
+            r["rows_error"] = f"{type(e).__name__}: {str(e)[:200]}"
 
 
 def _values(layer, request: dict, r: dict) -> dict:
@@ -547,6 +561,7 @@ def _tensor(spec):
 
 def main() -> None:
     engine, source, ct_dir, request = sys.argv[1:5]
+    os.environ["TRITON_INTERPRET"] = "1"  # before triton is imported: kernels run on CPU tensors
     sys.path.insert(0, ct_dir)
     import compressed_tensors  # noqa: F401 — the engine's pinned release, before anything else
     import torch  # noqa: F401

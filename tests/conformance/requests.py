@@ -22,6 +22,9 @@ from .engines import layer_classes
 # the tensors whose values a request carries (the rest go as shapes: `lift.py` loads zeros) and
 # whose loaded parameters the answer returns
 VALUE_LEAVES = ("input_scale", "weight_scale", "weight_zero_point", "weight_global_scale", "input_global_scale")
+# an input embedding's codes travel too, and the engine looks these rows up (`lift.py`'s `rows`)
+EMBED = "embed_tokens"
+EMBEDDING_IDS = (0, 1, 7, 255, 300, 511)
 # the engines' weight-only NVFP4 runs (SGLang's scheme for a W4A4 checkpoint below sm_100, vLLM's
 # FP4 Marlin kernel): a checkpoint's NVFP4 input quantization is set aside
 _WEIGHT_ONLY_NVFP4 = {"has_input_global_scale": True, "kernel": "MarlinNvFp4LinearKernel"}
@@ -41,7 +44,7 @@ def artifact_tensors(path: Path) -> dict[str, dict[str, dict]]:
             if name in linears:
                 t = h.get_tensor(k)
                 spec = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                if leaf == "weight_shape" or leaf in VALUE_LEAVES:
+                if leaf == "weight_shape" or leaf in VALUE_LEAVES or (name.endswith(EMBED) and leaf == "weight_packed"):
                     spec["data"] = t.tolist()
                 out.setdefault(name, {})[leaf] = spec
     return out
@@ -65,7 +68,7 @@ def build_request(src, artifacts: dict[str, Path], capability: int, packed: dict
     classes = layer_classes(src.model_source())
     req = {"capability": capability,
            "packed_modules_mapping": src.packed_modules_mapping() if packed is None else packed,
-           "value_leaves": list(VALUE_LEAVES), "artifacts": {}}
+           "value_leaves": list(VALUE_LEAVES), "embedding_ids": list(EMBEDDING_IDS), "artifacts": {}}
     for name, path in artifacts.items():
         cfg = json.loads((path / "config.json").read_text())
         tensors = artifact_tensors(path)

@@ -146,6 +146,23 @@ def test_engine_loads_the_artifacts_scales(artifacts, lifted, engine, name):
     assert checked or status == "refused", res
 
 
+@pytest.mark.parametrize("name", [n for n, o in ARTIFACTS.items() if any(
+    t.startswith("model.embed_tokens=") for t in o.get("layer_quant_types", ()))])
+def test_vllm_looks_up_the_embedding_rows_quantspec_does(artifacts, lifted, name):
+    """vLLM's own lookup (`CompressedTensorsEmbeddingWNA16Int.embedding`, its Triton kernel run in
+    Triton's interpreter, a float32 model's parameters) of rows `EMBEDDING_IDS` from the
+    artifact's codes gives quantspec's rows exactly: the same codes times the same scales."""
+    from quantspec.infer.loader import load_for_inference
+
+    from .requests import EMBEDDING_IDS
+
+    r = _lifted(lifted, "vllm", name)["layers"]["model.embed_tokens"]
+    assert "rows" in r, r.get("rows_error") or r
+    emb = load_for_inference(artifacts[name], tokenizer=False, dtype=torch.float32).model.model.embed_tokens
+    want = emb(torch.tensor(EMBEDDING_IDS))
+    assert want.abs().amax() > 0 and torch.equal(torch.tensor(r["rows"]), want)
+
+
 def test_fp8_verdicts_below_sm89_match_engine_code(artifacts, engine_sources, tmp_path):
     """On a GPU without FP8 MMA (capability 8.0) both engines fall back to FP8 weight-only: per
     channel in both, blocks in vLLM only (SGLang's W8A16Fp8 refuses them in `create_weights`)."""
