@@ -18,22 +18,16 @@ from quantspec.errors import QuantSpecError
 from quantspec.quant.compressed import read_quantized_linear
 from quantspec.quant.packing import pack_int32, unpack_int32
 from quantspec.quant.primitives import dequantize
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import QuantScheme, embedding_problem
 
 __all__ = ["QuantEmbedding", "check_embedding_scheme"]
 
 
 def check_embedding_scheme(scheme: QuantScheme) -> None:
-    """Refuse, in one line, an embedding scheme quantspec does not look up: it runs 4- and 8-bit
-    integer weights per row or per group of a row, with no input quantization (an embedding's
-    inputs are token ids)."""
-    w = scheme.weights
-    if w.type != "int" or w.num_bits not in (4, 8) or w.strategy not in ("channel", "group") \
-            or scheme.input_activations is not None:
-        raise QuantSpecError(f"a quantized embedding runs 4- or 8-bit integer weight-only codes per row or group; "
-                             f"this one is {w.type}{w.num_bits} {w.strategy}"
-                             f"{' with quantized inputs' if scheme.input_activations is not None else ''}; "
-                             "re-quantize with the embedding float or weight_only_int8 / int4")
+    """Refuse, in one line, an embedding scheme quantspec does not look up (`embedding_problem`)."""
+    problem = embedding_problem(scheme)
+    if problem is not None:
+        raise QuantSpecError(f"{problem}; re-quantize with the embedding float or weight_only_int8 / int4")
 
 
 class QuantEmbedding(nn.Module):

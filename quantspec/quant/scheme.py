@@ -22,7 +22,7 @@ from quantspec.quant.args import (
     _err,
 )
 
-__all__ = ["QuantScheme", "scheme_format"]
+__all__ = ["QuantScheme", "embedding_problem", "scheme_format"]
 
 
 def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None = None) -> str:
@@ -158,3 +158,12 @@ class QuantScheme:
             raise QuantSpecError(msg if msg.startswith(where) else f"{where}: {msg}") from None
 
 
+def embedding_problem(scheme: QuantScheme) -> str | None:
+    """Why quantspec does not look up an input embedding quantized with `scheme` (None: it does):
+    it runs 4- and 8-bit integer weight-only codes per row or per group of a row (an embedding's
+    inputs are token ids)."""
+    w, ia = scheme.weights, scheme.input_activations
+    if w.type == "int" and w.num_bits in (4, 8) and w.strategy in ("channel", "group") and ia is None:
+        return None
+    return (f"a {w.type}{w.num_bits} {w.strategy} embedding{' with quantized inputs' if ia is not None else ''} "
+            "(quantspec looks up 4- and 8-bit integer weight-only rows, per row or group)")

@@ -49,7 +49,7 @@ from quantspec.quant.engines.verdict import (
     mxfp4_inputs_set_aside,
     nvfp4_inputs_set_aside,
 )
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import QuantScheme, embedding_problem
 
 __all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_embedding",
            "quantspec_layer", "transformers_layer", "kv_verdict"]
@@ -363,11 +363,9 @@ def quantspec_embedding(s: QuantScheme) -> LayerVerdict:
     8-bit integer weight-only codes per row or per group."""
     w = s.weights
     g = w.group_size if w.strategy == "group" else None
-    ok = w.type == "int" and w.num_bits in (4, 8) and w.strategy in ("channel", "group") and s.input_activations is None
-    if not ok:
-        return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(s.input_activations),
-                            problem=f"a {w.type}{w.num_bits} {w.strategy} embedding (quantspec looks up 4- and "
-                                    "8-bit integer weight-only rows)")
+    problem = embedding_problem(s)
+    if problem is not None:
+        return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(s.input_activations), problem=problem)
     return LayerVerdict("QuantEmbedding", w.num_bits, g, w.symmetric)
 
 
