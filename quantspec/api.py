@@ -286,7 +286,7 @@ def inspect(path: str | Path) -> dict:
     scale_leaf = "." + qc.tensor_names.get("weight_scale", SCALE_LEAF if qc.source in AUTOQUANT_METHODS else "weight_scale")
     layers = {}
     for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(scale_leaf)}):
-        s = qc.scheme_for(n, ("Embedding",) if n.endswith("embed_tokens") else ("Linear",))
+        s = qc.module_scheme(n)
         if s is None or s.weights is None:
             raise QuantSpecError(f"{d}: {n} has quantized tensors but the quantization_config does "
                                  "not quantize it; the artifact is inconsistent")

@@ -471,7 +471,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
                        run.writer.meta)
     cfg = dict(src.config)
     cfg["quantization_config"] = res.config.to_dict()
-    untie = res.config.scheme_for("lm_head") is not None or res.config.scheme_for(EMBED, ("Embedding",)) is not None
+    untie = res.config.scheme_for("lm_head") is not None or res.config.module_scheme(EMBED) is not None
     if cfg.get("tie_word_embeddings") and untie:
         cfg["tie_word_embeddings"] = False  # the head and the embedding written apart (`PTQ.rest_part`)
     extra = {f: src.model_dir / f for f in COPIED_FILES if (src.model_dir / f).is_file()}

@@ -11,12 +11,12 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
+from quantspec.quant.artifact_plan import weight_dims
 from quantspec.quant.config import QuantConfig, layer_size, resolve_block_size, resolve_group_size
 from quantspec.quant.fp4 import check_groups_tile
 from quantspec.quant.presets import DATA_METHODS
 
-__all__ = ["EMBED", "check_input_scales", "check_outside", "in_features", "quantized_linears",
-           "resolve_layer_group_sizes"]
+__all__ = ["EMBED", "check_input_scales", "check_outside", "quantized_linears", "resolve_layer_group_sizes"]
 
 EMBED = "model.embed_tokens"  # the input embedding: quantized only where a target names it
 
@@ -35,11 +35,6 @@ def quantized_linears(model: nn.Module, config: QuantConfig) -> dict[str, nn.Mod
     return out
 
 
-def in_features(mod: nn.Module) -> int:
-    """The dim a quantized module's weight rows span: a Linear's input dim, an embedding's width."""
-    return mod.embedding_dim if isinstance(mod, nn.Embedding) else mod.in_features
-
-
 def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantConfig:
     """`config` with every grouped Linear at a group size that divides its K and every block
     Linear at a block that tiles it, one size per fused unit (q/k/v, gate/up, a fused-MoE layer)
@@ -52,9 +47,9 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
         if args.is_fp4:  # FP4's group size is the format's own
-            check_groups_tile(name, in_features(mod), args.group_size, "MXFP4" if args.is_mx else "NVFP4")
+            check_groups_tile(name, weight_dims(mod)[1], args.group_size, "MXFP4" if args.is_mx else "NVFP4")
         elif args.strategy == "group":
-            sizes[name] = resolve_group_size(in_features(mod), args.group_size)
+            sizes[name] = resolve_group_size(weight_dims(mod)[1], args.group_size)
         elif args.strategy == "block":
             sizes[name] = resolve_block_size(mod.in_features, mod.out_features, args.block_structure)
     for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size

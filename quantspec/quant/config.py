@@ -230,6 +230,11 @@ class QuantConfig:
                 return target_to_scheme[t]
         return None
 
+    def module_scheme(self, module_name: str) -> QuantScheme | None:
+        """`scheme_for` a checkpoint module known by name only, as the engines build it: the input
+        embedding (`*.embed_tokens`) an `Embedding`, every other module a `Linear`."""
+        return self.scheme_for(module_name, ("Embedding",) if module_name.endswith("embed_tokens") else ("Linear",))
+
     def weight_args_for(self, module_name: str, module_classes: Iterable[str] = ("Linear",)
                         ) -> QuantArgs | None:
         s = self.scheme_for(module_name, module_classes)

@@ -106,7 +106,6 @@ class DecompressedReader(CheckpointReader):
             del t
         return out
 
-
     def rows(self, name: str, ids: torch.Tensor, *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> torch.Tensor:
         """The rows `ids` of `name` [V, D] → [..., D]; a quantized embedding's from its table

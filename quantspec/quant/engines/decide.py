@@ -49,7 +49,7 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
     if not isinstance(linears, Mapping):
         linears = {n: None for n in linears}
     targets = target_map(config)
-    layers = engine_layers(n for n in linears if _scheme(config, n) is not None)
+    layers = engine_layers(n for n in linears if config.module_scheme(n) is not None)
     out = {}
     for engine in ENGINES:
         if engine in ("vllm", "sglang") and draft == "eagle3":
@@ -67,13 +67,13 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
     if engine == "quantspec":
         kv, _, _ = kv_verdict(engine, config.kv_cache_scheme)
         per_layer = {layer: (quantspec_embedding if _short(layer) == "embed_tokens" else quantspec_layer)(
-                     _scheme(config, shards[0])) for layer, shards in layers.items()}
+                     config.module_scheme(shards[0])) for layer, shards in layers.items()}
         refused = _collapse([f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem])
         return EngineVerdict(engine, "refused" if refused else "loads", tuple(refused), (), kv, per_layer)
     if per_layer is None:
         per_layer = {}
         for layer, shards in layers.items():
-            intended = [_scheme(config, s) for s in shards]
+            intended = [config.module_scheme(s) for s in shards]
             if layer.endswith((".mlp.experts", ".block_sparse_moe.experts")):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
                     else moe_layer(engine, layer, config, shards, capability)
@@ -99,11 +99,6 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
     problems = [v for v in per_layer.values() if v.problem is not None]
     defect = bool(problems) and all(v.defect for v in problems) and not (kv_refused or kv_ignored)
     return EngineVerdict(engine, status, tuple(refused or ignored), tuple(fixes), kv, per_layer, defect)
-
-
-def _scheme(config: QuantConfig, name: str):
-    """The scheme of checkpoint module `name` (the input embedding matched as an `Embedding`)."""
-    return config.scheme_for(name, ("Embedding",) if _short(name) == "embed_tokens" else ("Linear",))
 
 
 def _short(layer: str) -> str:
@@ -197,7 +192,7 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
         if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
     if draft is None and config.scheme_for("lm_head") is not None:  # a quantized output head
         probe = {**probe, "lm_head": 4096}
-    if draft is None and _scheme(config, "model.embed_tokens") is not None:  # ... embedding
+    if draft is None and config.module_scheme("model.embed_tokens") is not None:  # ... embedding
         probe = {**probe, "model.embed_tokens": 4096}
     # FP4 inputs (NVFP4, MXFP4) are for FP4 tensor cores: probed on the GPU they are made for
     # (below it the engines run the weights alone, which `inspect`'s Hopper verdict says);

@@ -285,10 +285,10 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
     `rows`: the shards' output rows, where known."""
     if any(i is None for i in intended) and not all(i is None for i in intended):
         return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
-    got = None if ignored(layer, ignore) else _engine_scheme(engine, layer, shards, targets, cls, shard_names)
+    embedding = layer.rsplit(".", 1)[-1] == "embed_tokens"
+    got = None if ignored(layer, ignore) or (embedding and engine != "vllm") else \
+        _engine_scheme(engine, layer, shards, targets, cls, shard_names)  # SGLang: never a quantized embedding
     want = intended[0]
-    if layer.rsplit(".", 1)[-1] == "embed_tokens":
-        return _embedding(engine, got if engine == "vllm" else None, want, unseen)
     if want is None:
         if got is None:
             return None
@@ -298,6 +298,8 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
                                     "ones (the ignore list does not name it as the engine does)")
     if any(not _same(want, i) for i in intended[1:]):
         return LayerVerdict(None, problem="its fused shards were quantized with different schemes")
+    if embedding:
+        return _embedding(engine, got, want, unseen)
     if got is None:
         return LayerVerdict(None, problem="no config target matches it, so it expects float weights")
     v = _select(engine, got, K, len(shards), capability, rows)
@@ -313,14 +315,9 @@ def engine_layer(engine: str, layer: str, shards: tuple[str, ...], intended: lis
     return _mismatch(engine, v, got, want, unseen) if v.scheme is not None else v
 
 
-def _embedding(engine: str, got: QuantScheme | None, want: QuantScheme | None, unseen: str) -> LayerVerdict | None:
-    """vLLM's or SGLang's verdict on the input embedding stored `want` (None: float) that the engine
+def _embedding(engine: str, got: QuantScheme | None, want: QuantScheme, unseen: str) -> LayerVerdict:
+    """vLLM's or SGLang's verdict on the input embedding stored quantized `want` that the engine
     resolves to `got` (SGLang: never quantized): `VLLM_EMBEDDING`, `SGLANG_EMBEDDING`."""
-    if want is None and got is None:
-        return None
-    if want is None:
-        return LayerVerdict(None, problem="it expects quantized weights where the checkpoint holds float "
-                                          "ones (the ignore list does not name it as the engine does)")
     w = want.weights
     base = dict(num_bits=w.num_bits, group_size=w.group_size if w.strategy == "group" else None,
                 symmetric=w.symmetric)
