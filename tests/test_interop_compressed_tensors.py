@@ -246,6 +246,11 @@ SCHEMES = {  # name → (scheme, kv_cache_scheme)
     "nvfp4": (lambda: _preset("NVFP4"), None),
     "mxfp4a16": (lambda: _preset("MXFP4A16"), None),
     "mxfp4": (lambda: _preset("MXFP4"), None),
+    # int4 weights with 8-bit inputs per token (stored int-quantized: one code an int8)
+    "w4a8": (lambda: _preset("W4A8"), None),
+    "w4afp8": (lambda: _preset("W4AFP8"), None),
+    "w4a8_g32_asym": (lambda: _scheme(dict(num_bits=4, strategy="group", group_size=32, symmetric=False),
+                                      dict(num_bits=8, type="int", strategy="token", dynamic=True)), None),
 }
 
 
@@ -307,8 +312,6 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
 
 
 @pytest.mark.parametrize("preset,named", [
-    ("W4A8", "W4A8"),
-    ("W4AFP8", "W4AFP8"),
     ("W3A16", "3-bit"),
     ("MXFP6A16", "mxfp6-pack-quantized"),
 ])

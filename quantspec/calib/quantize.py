@@ -85,7 +85,7 @@ class QuantizeConfig:
     seed: int = 0
     calib: str | None = None
     activations: str | None = None  # a8w8 types: "static" calibrated input scales, or "dynamic" at run time;
-    # None: dynamic with `weight_block`, else static
+    # None: dynamic with `weight_block` and for the a8w4 types (dynamic only), else static
     weight_block: int | None = None  # a8w8_fp8: FP8 weights in blocks of this side (FP8_BLOCK)
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
@@ -113,7 +113,8 @@ class QuantizeConfig:
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
         if self.activations is None:
-            object.__setattr__(self, "activations", "static" if self.weight_block is None else "dynamic")
+            dynamic = self.weight_block is not None or qt in (QuantType.A8W4, QuantType.A8W4_FP8)
+            object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
         check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
         if isinstance(self.layer_quant_types, str):

@@ -54,11 +54,12 @@ def linear_kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
     if w.type == "float":
         return LinearKind.FP8
     if w.num_bits == 4:
-        if ia is not None:
-            name = "W4AFP8" if ia.type == "float" else f"W4A{ia.num_bits}"
-            raise QuantSpecError(f"int4 weights with quantized activations ({name}) are "
-                                 "unsupported; use weight_only_int4 (W4A16)")
-        return LinearKind.W4A16
+        if ia is not None and not (ia.num_bits == 8 and ia.dynamic is True and ia.strategy == "token"):
+            raise QuantSpecError(f"int4 weights take float inputs (W4A16) or 8-bit inputs quantized per token at "
+                                 f"run time (W4A8, W4AFP8), not {ia.num_bits}-bit {ia.type} inputs "
+                                 f"{'quantized at run time' if ia.dynamic else 'with static scales'} per "
+                                 f"{ia.strategy}; re-quantize with --quant-type a8w4 or weight_only_int4")
+        return LinearKind.W4A16  # W4A8: the int4 kernels on x as its quantizer leaves it (`QuantLinear.run`)
     if w.num_bits == 8:
         if ia is None:
             return LinearKind.W8A16
@@ -227,7 +228,7 @@ class QuantLinear(nn.Module):
         if (p.row_path is not None and x.dim() == 2 and x.dtype == self.dtype
                 and x.shape[1] == self.in_features and x.device.type == "cpu" and 0 < x.shape[0]
                 and (x.shape[0] <= p.row_limit or row_invariant)):
-            return p.run(self, x, p.row_path)
+            return p.run(self, self._w4a8_input(x), p.row_path)
         if x.shape[-1] != self.in_features:
             raise QuantSpecError(f"{self.name or 'QuantLinear'}: input has {x.shape[-1]} features, "
                                  f"expected {self.in_features}")
@@ -240,11 +241,21 @@ class QuantLinear(nn.Module):
         """Run one path on x [M, K] → [M, N] (tests call it to force a path)."""
         if path is KernelPath.DEQUANT:
             return self._dequant(x)
+        x = self._w4a8_input(x)
         if path in _TRITON_PATHS:  # the CUDA backend's kernels (on CPU tensors under the interpreter)
             from quantspec.infer.backend import triton_linear
 
             return triton_linear(self, x, path)
         return self.prepared.run(self, x, path)
+
+    def _w4a8_input(self, x: torch.Tensor) -> torch.Tensor:
+        """x as the int4 kernels take it: quantized per token and dequantized for a W4A8 / W4AFP8
+        layer (the numbers of an integer or FP8 GEMM with the scales in its epilogue, up to the
+        order of fp32 sums), x itself for every other layer (the other kernels quantize x, or
+        take it float)."""
+        if self.input_args is None or self.weight_args.num_bits != 4 or self.weight_args.type != "int":
+            return x
+        return self.fake_quantized_input(x)
 
     def fake_quantized_input(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the layer's input quantizer leaves it (dequantize(quantize(x)) in fp32, in

@@ -80,6 +80,8 @@ class QuantType(str, enum.Enum):
     NVFP4 = "nvfp4"  # NVFP4 weights × NVFP4 activations (per-group scales at run time, static global)
     WEIGHT_ONLY_MXFP4 = "weight_only_mxfp4"  # MXFP4 weights, float activations (MXFP4A16)
     MXFP4 = "mxfp4"  # MXFP4 weights × MXFP4 activations (power-of-two group scales at run time)
+    A8W4 = "a8w4"  # int4 group-wise weights × int8 activations quantized per token at run time (W4A8)
+    A8W4_FP8 = "a8w4_fp8"  # int4 group-wise weights × FP8 activations quantized per token at run time (W4AFP8)
 
     @classmethod
     def parse(cls, value: "QuantType | str") -> "QuantType":

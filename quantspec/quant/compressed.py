@@ -144,9 +144,9 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
             else:
                 out[f"{prefix}.weight_zero_point"] = None
     elif fmt in (FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED, FORMAT_NAIVE_QUANTIZED):
-        if w.type == "int" and w.num_bits != 8:
+        if w.type == "int" and w.num_bits not in (4, 8):
             raise QuantSpecError(f"{prefix}: {w.num_bits}-bit int weights in format {fmt!r} are "
-                                 "unsupported; quantspec runs them as pack-quantized")
+                                 "unsupported; quantspec runs 4- and 8-bit int weights")
         out[f"{prefix}.weight"] = (N, K)
         if not w.symmetric:
             out[f"{prefix}.weight_zero_point"] = sshape
@@ -293,6 +293,11 @@ def _plain_weight(tensors: Mapping[str, torch.Tensor], prefix: str,
     if q.dtype != storage_dtype(w):
         raise QuantSpecError(f"{prefix}.weight has dtype {q.dtype}, expected "
                              f"{storage_dtype(w)} for {w.num_bits}-bit {w.type} weights")
+    if w.type == "int" and w.num_bits < 8 and q.numel():  # sub-byte codes, one an int8 (compressed-tensors' W4A8)
+        lo, hi = -(1 << (w.num_bits - 1)), (1 << (w.num_bits - 1)) - 1  # signed with or without a zero point
+        if int(q.min()) < lo or int(q.max()) > hi:
+            raise QuantSpecError(f"{prefix}.weight holds codes outside [{lo}, {hi}], the range of "
+                                 f"{w.num_bits}-bit weights; the checkpoint and its config disagree")
     if w.symmetric:
         return q, None
     zp = tensors[f"{prefix}.weight_zero_point"]

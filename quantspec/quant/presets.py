@@ -11,7 +11,7 @@ from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_S
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -24,6 +24,10 @@ WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose
 # rounding (llm-compressor's AWQModifier + GPTQModifier)
 METHODS = ("rtn", "gptq", "awq", "awq+gptq")
 DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the model
+# int4 weights with 8-bit inputs quantized per token at run time (llm-compressor's W4A8 / W4AFP8)
+A8W4_TYPES = (QuantType.A8W4, QuantType.A8W4_FP8)
+# the types whose weights are int4 per group (or channel): --group-size, the mse observer
+INT4_TYPES = (QuantType.WEIGHT_ONLY_INT4, *A8W4_TYPES)
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 _NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
@@ -34,6 +38,8 @@ PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.A8W8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
+    QuantType.A8W4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
+    QuantType.A8W4_FP8: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.WEIGHT_ONLY_NVFP4: _NVFP4_WEIGHTS,
     QuantType.NVFP4: _NVFP4_WEIGHTS,
     QuantType.WEIGHT_ONLY_MXFP4: _MXFP4_WEIGHTS,
@@ -49,6 +55,9 @@ PRESET_INPUTS: dict[QuantType, QuantArgs] = {
     QuantType.NVFP4: _NVFP4_WEIGHTS.replace(dynamic="local", observer="static_minmax"),
     # power-of-two group scales at run time (compressed-tensors' MXFP4 preset)
     QuantType.MXFP4: _MXFP4_WEIGHTS.replace(dynamic=True),
+    # per token at run time (compressed-tensors' W4A8 and W4AFP8 presets)
+    QuantType.A8W4: QuantArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
+    QuantType.A8W4_FP8: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
 }
 # NVFP4's types: E2M1 weights in groups of 16 with FP8 scales under a global scale
 NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)
@@ -58,19 +67,19 @@ FP4_TYPES = NVFP4_TYPES + MXFP4_TYPES
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:
-    """mse for weight_only_int4, minmax for the 8-bit types.
+    """mse for the int4 types (weight_only_int4, a8w4, a8w4_fp8), minmax for the others.
 
     With 16 levels the clipping search pays: on the default model GPTQ g64 (64 × 512 calibration
     tokens, act-order) held-out ppl 28.19 → 26.74, RTN g64 31.51 → 31.02; at 8 bits min/max is
     already close to the best range, and the a8w8 weights are smoothed against their inputs.
     """
-    return "mse" if QuantType.parse(quant_type) is QuantType.WEIGHT_ONLY_INT4 else "minmax"
+    return "mse" if QuantType.parse(quant_type) in INT4_TYPES else "minmax"
 
 
 def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
-           weight_observer: str | None = None, activations: str = "static",
+           weight_observer: str | None = None, activations: str | None = None,
            weight_block: int | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
@@ -79,6 +88,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32") gives float zero points.
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").
     a8w8_fp8: FP8 E4M3 per-channel weights + static per-tensor FP8 input scales ("float-quantized").
+    a8w4 / a8w4_fp8: int4 group-wise weights as weight_only_int4's ("pack-quantized"; `group_size`
+    applies, and `symmetric` for a8w4) with int8 / FP8 inputs quantized per token at run time
+    (compressed-tensors' W4A8 / W4AFP8); nothing to calibrate.
     weight_only_nvfp4 / nvfp4: NVFP4 weights (E2M1 in groups of 16, FP8 group scales, a global
     scale per tensor; "nvfp4-pack-quantized"), float inputs (compressed-tensors' NVFP4A16) or
     NVFP4 inputs with group scales at run time under a calibrated global scale (its NVFP4).
@@ -89,7 +101,8 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     = one scale per KV head, or "tensor"). `weight_observer` "mse" searches each weight scale's
     range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
     None → `default_weight_observer(quant_type)`. `activations` "dynamic": the a8w8 types' inputs
-    quantized per token at run time instead (no input scales in the artifact).
+    quantized per token at run time instead (no input scales in the artifact); None: "dynamic"
+    for the a8w4 types, else "static".
     `weight_block` b (a8w8_fp8 with dynamic activations): FP8 weights with one scale per b × b
     block and inputs quantized per token and group of b columns at run time (compressed-tensors'
     FP8_BLOCK; DeepSeek-V3's and Qwen3's FP8 checkpoints); `resolve_layer_group_sizes` shrinks
@@ -97,17 +110,22 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     """
     qt = QuantType.parse(quant_type)
     weight_observer = weight_observer or default_weight_observer(qt)
+    activations = activations or ("dynamic" if qt in A8W4_TYPES else "static")
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
     check_weight_block(qt, weight_block, activations, weight_observer)
     if activations not in ACTIVATIONS:
         raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
     inputs = PRESET_INPUTS.get(qt)
-    if activations == "dynamic":
+    if qt in A8W4_TYPES:
+        if activations != "dynamic":
+            raise QuantSpecError(f"{qt.value} quantizes its inputs per token at run time (the W4A8 layouts vLLM "
+                                 "runs); use --activations dynamic (or leave --activations out)")
+    elif activations == "dynamic":
         if inputs is None or qt in FP4_TYPES:
             why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
             raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} {why}); drop it")
         inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
-    if qt is QuantType.WEIGHT_ONLY_INT4:
+    if qt in INT4_TYPES:
         layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
     elif weight_block is not None:
         layout = {"strategy": "block", "block_structure": (weight_block, weight_block)}
@@ -152,11 +170,11 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
                                  f"drop it for {qt.value}")
         if symmetric:
             raise QuantSpecError(f"--zp-dtype {zp_dtype} needs asymmetric weights; add --asym")
-    if qt is QuantType.WEIGHT_ONLY_INT4 and group_size != -1 and (
+    if qt in INT4_TYPES and group_size != -1 and (
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")
-    if qt in (QuantType.A8W8_FP8, *FP4_TYPES) and not symmetric:
+    if qt in (QuantType.A8W8_FP8, QuantType.A8W4_FP8, *FP4_TYPES) and not symmetric:
         raise QuantSpecError(f"{qt.value} is symmetric only; drop --asym")
     if qt in FP4_TYPES and weight_observer != "minmax":
         raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for FP4's group scales; use minmax "

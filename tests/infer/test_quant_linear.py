@@ -147,6 +147,8 @@ def test_fp8_cpu_path_equals_kernel_reference():
     ("weight_only_int4", 64, False, KernelPath.CPU_INT4PACK),
     ("weight_only_int4", -1, True, KernelPath.CPU_INT4PACK),
     ("weight_only_int4", 32, "float16", KernelPath.CPU_INT4PACK),  # zero = -zp·scale, float zp
+    ("a8w4", 32, True, KernelPath.CPU_INT4PACK),  # x quantized per token first
+    ("a8w4_fp8", 64, True, KernelPath.CPU_INT4PACK),
 ])
 def test_cpu_fast_path_is_taken_when_allowed(monkeypatch, kind, g, sym, path):
     """torch's packed ops (the policy's `cpu_kernels=False`, or a machine without quantspec's)."""
@@ -189,6 +191,9 @@ def cpu_kernels():
     ("weight_only_int4", 64, False, torch.float32, KernelPath.CPU_GEMV_INT4),
     ("weight_only_int4", -1, True, torch.float32, KernelPath.CPU_GEMV_INT4),
     ("weight_only_int4", 32, "float16", torch.float32, KernelPath.CPU_GEMV_INT4),
+    ("a8w4", 32, True, torch.float32, KernelPath.CPU_GEMV_INT4),  # x quantized per token first
+    ("a8w4", 64, False, torch.bfloat16, KernelPath.CPU_GEMV_INT4),
+    ("a8w4_fp8", 32, True, torch.float32, KernelPath.CPU_GEMV_INT4),
 ])
 def test_cpu_kernels_path(kind, g, sym, dtype, path):
     """quantspec's CPU kernels serve every number of rows of bf16 / fp32 x (prefill too), equal
@@ -421,7 +426,10 @@ _TRITON_SCRIPT = textwrap.dedent("""
              ("weight_only_int4", -1, "bfloat16", KernelPath.TRITON_W4A16),
              ("weight_only_int8", 128, True, KernelPath.TRITON_W8A16),
              ("a8w8", 128, True, KernelPath.TRITON_W8A8),
-             ("a8w8_fp8", 128, True, KernelPath.TRITON_FP8)]
+             ("a8w8_fp8", 128, True, KernelPath.TRITON_FP8),
+             ("a8w4", 32, True, KernelPath.TRITON_W4A16),
+             ("a8w4", 32, False, KernelPath.CUDA_DEQUANT_MM),
+             ("a8w4_fp8", 32, True, KernelPath.TRITON_W4A16)]
     N, K = 24, 64
     for kind, g, sym, path in cases:
         zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
@@ -430,7 +438,7 @@ _TRITON_SCRIPT = textwrap.dedent("""
         s, z = choose_qparams(W, sch.weights)
         q = quantize(W, s, z, sch.weights)
         ia = sch.input_activations
-        xs = choose_qparams(torch.randn(32, K), ia)[0] if ia is not None else None
+        xs = choose_qparams(torch.randn(32, K), ia)[0] if ia is not None and not ia.dynamic else None
         t = QuantizedLinearTensors(q, s, None if sym else z, sch.weights, ia, xs,
                                    bias=torch.randn(N) * 0.1)
         layer = QuantLinear(t)
@@ -489,7 +497,7 @@ def test_triton_paths_match_reference_under_interpreter():
 @pytest.mark.parametrize("kind,g,sym", [("weight_only_int4", 128, True),
                                         ("weight_only_int4", 64, False),
                                         ("weight_only_int8", 128, True), ("a8w8", 128, True),
-                                        ("a8w8_fp8", 128, True)])
+                                        ("a8w8_fp8", 128, True), ("a8w4", 128, True), ("a8w4_fp8", 128, True)])
 @pytest.mark.parametrize("M", [1, 3, 17, 200])
 def test_cuda_quant_linear_matches_reference(kind, g, sym, M):
     t = _make(kind, 384, 1024, group_size=g, symmetric=sym, bias=True, seed=M)

@@ -26,6 +26,8 @@ def _ct_dump(preset_name, **kw):
     ("W4A16_ASYM", "pack-quantized", QuantType.WEIGHT_ONLY_INT4),
     ("W8A8", "int-quantized", QuantType.A8W8),
     ("FP8", "float-quantized", QuantType.A8W8_FP8),
+    ("W4A8", "int-quantized", QuantType.A8W4),
+    ("W4AFP8", "int-quantized", QuantType.A8W4_FP8),
     ("FP8_BLOCK", "float-quantized", QuantType.A8W8_FP8),
     ("NVFP4A16", "nvfp4-pack-quantized", QuantType.WEIGHT_ONLY_NVFP4),
     ("NVFP4", "nvfp4-pack-quantized", QuantType.NVFP4),
@@ -55,9 +57,11 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
     assert json.loads(json.dumps(theirs.model_dump(), default=str)) == ours
     assert ours["quant_method"] == "compressed-tensors"
     assert ours["quantization_status"] == "compressed"
-    # integer weight-only schemes are pack-quantized at 8 bits too (compressed-tensors' W8A16)
+    # integer weight-only schemes are pack-quantized at 8 bits too (compressed-tensors' W8A16), and
+    # int4 weights with 8-bit inputs too (vLLM's W4A8 schemes read `weight_packed`)
     want_fmt = {"weight_only_int8": "pack-quantized", "weight_only_int4": "pack-quantized",
                 "a8w8": "int-quantized", "a8w8_fp8": "float-quantized",
+                "a8w4": "pack-quantized", "a8w4_fp8": "pack-quantized",
                 "weight_only_nvfp4": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
                 "weight_only_mxfp4": "mxfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}[qt.value]
     assert ours["format"] == want_fmt and ours["config_groups"]["group_0"]["format"] == want_fmt

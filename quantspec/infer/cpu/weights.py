@@ -226,13 +226,13 @@ class CpuWeight(PreparedWeight):
         N = self.out_features
         if self.row_path is KernelPath.CPU_GEMV_INT8 and self.int8_cpu is not None:
             return 1, (self.int8_cpu, self.w_scale_vec, empty, bias), N, 0
-        if self.row_path is KernelPath.CPU_GEMV_INT4 and self.int4_cpu is not None:
+        if self.row_path is KernelPath.CPU_GEMV_INT4 and self.int4_cpu is not None and layer.input_args is None:
             group = self.in_features // self.int4_cpu_scale.shape[1]
             return 2, (self.int4_cpu, self.int4_cpu_scale, self.int4_cpu_offset, bias), N, group
         if self.row_path is KernelPath.CPU_GEMV_FP4 and self.fp4_cpu is not None and layer.input_args is None:
             group = self.in_features // self.fp4_cpu_scale.shape[1]
             return 4, (self.fp4_cpu, self.fp4_cpu_scale, empty, bias), N, group
-        if self.row_path is KernelPath.CPU_INT4PACK and self.int4pack is not None:
+        if self.row_path is KernelPath.CPU_INT4PACK and self.int4pack is not None and layer.input_args is None:
             # torch's op: the bias is added in the output's dtype, as `run` does
             bias = empty if layer.bias is None else layer.bias.to(dtype)
             return 3, (self.int4pack, self.int4_scales_zeros, empty, bias), N, self.traits.cpu_int4_group

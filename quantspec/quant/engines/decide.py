@@ -147,6 +147,11 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if engine == "sglang" and "MXFP4" in text:
         out.append("pass --target vllm (vLLM runs MXFP4) or use --quant-type weight_only_nvfp4 / nvfp4 (NVFP4, "
                    "which SGLang runs)")
+    if "8-bit inputs in fused-MoE experts only" in text:
+        out.append("pass --target vllm with --quant-type a8w4_fp8 (vLLM runs FP8 inputs on Hopper), or use "
+                   "--quant-type weight_only_int4")
+    if "before Humming" in text:
+        out.append("use --quant-type a8w4_fp8 (FP8 inputs, which vLLM quantizes on Hopper) or weight_only_int4")
     if "has no quantized embedding" in text:
         out.append("pass --target vllm (vLLM looks up quantized embedding rows) or leave model.embed_tokens float")
     elif "compressed embedding" in text:

@@ -37,7 +37,10 @@ from quantspec.quant.engines.tables import (
     NVFP4_W4A4_CAPABILITY,
     SGLANG_EMBEDDING,
     SGLANG_FUSED_STATIC_INT8,
+    SGLANG_W4A8,
     VLLM_EMBEDDING,
+    VLLM_W4A8_INT_INPUTS,
+    W4A8_FP8_CAPABILITY,
     engine_name,
 )
 from quantspec.quant.engines.moe import EXPERT, expert_layers
@@ -193,6 +196,32 @@ def _mxfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVer
     return LayerVerdict("W4A4Mxfp4", **base, problem=problem)
 
 
+def _w4a8(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict | None:
+    """The verdict on int weights (sub-byte) with 8-bit inputs quantized per token at run time
+    (W4A8, W4AFP8), pack-quantized (`tables.VLLM_W4A8_INT_INPUTS`, `SGLANG_W4A8`); None for
+    every other scheme."""
+    w, ia = s.weights, s.input_activations
+    if not (w.type == "int" and w.num_bits < 8 and ia is not None and ia.num_bits == 8 and ia.dynamic is True
+            and ia.strategy == "token" and s.format == FORMAT_PACK_QUANTIZED
+            and w.strategy in ("channel", "group") and not w.dynamic):
+        return None
+    if engine == "sglang":
+        return LayerVerdict(None, **base, input_activations=_act(ia), problem=SGLANG_W4A8)
+    if ia.type == "int":
+        if not ia.symmetric:
+            return LayerVerdict(None, **base, input_activations=_act(ia),
+                                problem="asymmetric int8 inputs (CompressedTensorsWNA8Int takes symmetric ones)")
+        return LayerVerdict("WNA8Int", **base, input_activations=_act(ia), problem=VLLM_W4A8_INT_INPUTS)
+    if capability != W4A8_FP8_CAPABILITY:
+        return LayerVerdict(None, **base, input_activations=_act(ia),
+                            problem=f"int4 weights with FP8 inputs on compute capability {capability / 10:.1f} "
+                                    f"(its W4A8 FP8 scheme runs on {W4A8_FP8_CAPABILITY / 10:.1f} only)")
+    if w.num_bits != 4 or w.strategy != "group" or not (w.symmetric and ia.symmetric):
+        return LayerVerdict(None, **base, input_activations=_act(ia),
+                            problem="FP8 inputs beside other than symmetric int4 group-wise weights")
+    return LayerVerdict("W4A8Fp8", **base, input_activations=_act(ia))
+
+
 def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,
             rows: Sequence[int | None] = ()) -> LayerVerdict:
     """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards
@@ -210,6 +239,9 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
         return LayerVerdict(None, **base, problem=f"integer weight-only weights in format {fmt!r} "
                                                   "(vLLM takes them only as pack-quantized)")
     channel_group = w.strategy in ("channel", "group") and not w.dynamic
+    w4a8 = _w4a8(engine, s, capability, base)
+    if w4a8 is not None:
+        return w4a8
     if w.type == "int" and ia is None and channel_group:
         ok_bits = range(2, 9) if engine == "vllm" else (4, 8)
         if fmt == FORMAT_PACK_QUANTIZED and w.num_bits in ok_bits:
@@ -335,15 +367,18 @@ def _embedding(engine: str, got: QuantScheme | None, want: QuantScheme, unseen: 
 
 
 def quantspec_layer(s: QuantScheme) -> LayerVerdict:
-    """quantspec's reader (`infer/quant_linear.py` `linear_kind`): int4 weights alone, int8 weights
-    alone or with int8 activations, fp8 weights; activations static per tensor or dynamic per
-    token."""
+    """quantspec's reader (`infer/quant_linear.py` `linear_kind`): int4 weights alone or with 8-bit
+    activations per token at run time, int8 weights alone or with int8 activations, fp8 weights;
+    activations static per tensor or dynamic per token."""
     w, ia = s.weights, s.input_activations
     g = w.group_size if w.strategy in ("group", "tensor_group") else None
     problem = None
     if w.type == "int" and w.num_bits not in (4, 8):
         problem = f"{w.num_bits}-bit integer weights (quantspec runs 4 and 8 bits)"
-    elif ia is not None and w.type == "int" and (w.num_bits != 8 or ia.type != "int" or ia.num_bits != 8):
+    elif ia is not None and w.type == "int" and w.num_bits == 4 and not (
+            ia.num_bits == 8 and ia.dynamic is True and ia.strategy == "token"):
+        problem = f"4-bit weights with {_act(ia)} activations per {ia.strategy} (quantspec runs 8-bit ones per token)"
+    elif ia is not None and w.type == "int" and w.num_bits == 8 and (ia.type != "int" or ia.num_bits != 8):
         problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
     elif ia is not None and ia.type == "float" and ia.is_fp4 != w.is_fp4:
         problem = f"{w.num_bits}-bit {w.type} weights with {_act(ia)} activations"
