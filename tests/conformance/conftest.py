@@ -38,6 +38,10 @@ ARTIFACTS = {
                          kv_cache="int8", target="quantspec"),
     "a8w8_dynamic": dict(quant_type="a8w8", activations="dynamic"),
     "a8w8_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
+    # int4 weights with 8-bit inputs per token at run time (W4A8 / W4AFP8): vLLM picks
+    # CompressedTensorsWNA8Int / W4A8Fp8 (Hopper), SGLang has no Linear scheme for them
+    "a8w4": dict(quant_type="a8w4", group_size=128, target="quantspec"),
+    "a8w4_fp8": dict(quant_type="a8w4_fp8", group_size=128, target="quantspec"),
     # FP8_BLOCK at 128: shrunk per fused unit to blocks that tile it (q/k/v 32, the rest 64), so
     # a class group and a name-targeted group of other blocks, merged q/k/v block scales
     "a8w8_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128),
@@ -86,7 +90,7 @@ EAGLE3_AUX = (0, 1, 2)  # the conformance model has 2 layers: explicit ids
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle
 OTHER_LAYOUTS = ("w8a16_int_quantized", "w4a16_shard_named_groups", "a8w8_shard_named_fallback",
-                 "fp8_block64_every_layer")
+                 "fp8_block64_every_layer", "w4a8_int_quantized")
 
 
 @pytest.fixture(scope="session")
@@ -180,7 +184,8 @@ def eagle3_artifacts(eagle3_head) -> dict[str, Path]:
 
 
 def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
-    """W8A16 as `int-quantized`; mixed int4 group sizes with exact names for every shard; an a8w8
+    """W8A16 as `int-quantized`, and W4A8 (compressed-tensors' default for its W4A8 preset: a code
+    per int8); mixed int4 group sizes with exact names for every shard; an a8w8
     fallback named shard by shard as an `int-quantized` weight-only group; FP8 64 × 64 blocks on
     every layer (a tool that does not fit blocks per layer: k_proj's 96 rows end mid-block)."""
     from safetensors.torch import load_file, save_file
@@ -190,17 +195,18 @@ def _other_layout(name: str, arts: dict[str, Path], dst: Path) -> Path:
     src = arts[{"w8a16_int_quantized": "weight_only_int8",
                 "w4a16_shard_named_groups": "weight_only_int4",
                 "a8w8_shard_named_fallback": "a8w8",
-                "fp8_block64_every_layer": "a8w8_fp8_block"}[name]]
+                "fp8_block64_every_layer": "a8w8_fp8_block", "w4a8_int_quantized": "a8w4"}[name]]
     shutil.copytree(src, dst)
     cfg = json.loads((dst / "config.json").read_text())
     qc = cfg["quantization_config"]
     t = load_file(str(dst / "model.safetensors"))
     groups = qc["config_groups"]
-    if name == "w8a16_int_quantized":
+    if name in ("w8a16_int_quantized", "w4a8_int_quantized"):
+        bits = 8 if name == "w8a16_int_quantized" else 4
         for k in [k for k in t if k.endswith(".weight_packed")]:
             p = k.rsplit(".", 1)[0]
             shape = tuple(t.pop(f"{p}.weight_shape").tolist())
-            t[f"{p}.weight"] = unpack_int32(t.pop(k), 8, shape)
+            t[f"{p}.weight"] = unpack_int32(t.pop(k), bits, shape)
         for g in groups.values():
             g["format"] = "int-quantized"
         qc["format"] = "int-quantized"

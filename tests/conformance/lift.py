@@ -19,7 +19,8 @@ What is not the engines' code, and so stated here: vLLM's NVFP4 and MXFP4 kernel
 answered by `_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer) and
 `_mxfp4_kernel_oracle` (the rule it applies with FlashInfer's kernels usable: vLLM's wheel requires
 flashinfer-python, nvidia-cutlass-dsl and ninja; without them it takes FP4 Marlin on Blackwell
-too); the driver below builds one layer object per
+too), and its mixed-precision registry, where a scheme asks it (the W4A8 ones), by `_mp_kernel_oracle`
+(the `can_implement` rules of the CUDA kernels it tries first); the driver below builds one layer object per
 engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed `LinearBase` /
 `Attention` / `RadixAttention`) and calls the engine's entry points on it —
 `get_quant_method(layer, prefix)`, `scheme.create_weights(...)` — then loads each checkpoint
@@ -254,7 +255,9 @@ def _overrides(engine: str, capability: int) -> dict:
     if engine == "vllm":
         return {
             "vllm.model_executor.kernels.linear": {"init_nvfp4_linear_kernel": _nvfp4_kernel_oracle(cap.to_int()),
-                                                   "init_mxfp4_linear_kernel": _mxfp4_kernel_oracle(cap.to_int())},
+                                                   "init_mxfp4_linear_kernel": _mxfp4_kernel_oracle(cap.to_int()),
+                                                   "choose_mp_linear_kernel": _mp_kernel_oracle(cap.to_int()),
+                                                   "MPLinearLayerConfig": _MPLinearLayerConfig},
             "vllm.platforms": {"current_platform": Platform()},
             "vllm.logger": {"init_logger": logger},
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
@@ -312,6 +315,48 @@ def _mxfp4_kernel_oracle(capability: int):
     return init_mxfp4_linear_kernel
 
 
+def _mp_kernel_oracle(capability: int):
+    """vLLM's `choose_mp_linear_kernel` (kernels/linear/__init__.py, `_POSSIBLE_KERNELS[CUDA]`) on a
+    GPU of `capability`: the first kernel whose `can_implement` takes the layer's config, by the
+    rules of the kernels it tries first — CUTLASS W4A8 (9.0 exactly, FP8 activations, signed int4
+    without zero points, groups of 128, K and N multiples of 128, bf16 out), Machete (9.0, 16-bit
+    activations, its GPTQ / AWQ types, groups -1 / 64 / 128, K a multiple of 64 and N of 128),
+    Marlin (from 7.5, its GPTQ / AWQ types, groups -1 / 32 / 64 / 128; it pads misaligned
+    tiles) — else Humming, last in the list (vLLM's wheel requires humming-kernels; Exllama and
+    Triton W4A16 between them take 16-bit activations only and are not modelled). A class of
+    that name whose `quantizes_inputs` says whether the kernel quantizes the layer's inputs as
+    its config group asks: CUTLASS W4A8 does; Humming does for 8-bit activations or where the
+    scheme gives the layer `_humming_input_quant_config` (the driver reads it after
+    `create_weights`, `None` here); the others run the activations as they come."""
+    def choose_mp_linear_kernel(c, compute_capability=None):
+        import torch
+        from vllm.scalar_type import scalar_types as st
+
+        K, N = c.partition_weight_shape
+        g, zp, act = c.group_size, c.zero_points, c.act_type
+        half = act in (torch.float16, torch.bfloat16)
+        gptq_awq = (st.uint4, st.uint8) if zp else (st.uint4b8, st.uint8b128)
+        if capability == 90 and act == torch.float8_e4m3fn and not zp and c.weight_type == st.int4 and g == 128 \
+                and K % 128 == 0 and N % 128 == 0 and getattr(c, "out_type", None) == torch.bfloat16:
+            name = "CutlassW4A8LinearKernel"
+        elif capability == 90 and half and c.weight_type in gptq_awq and g in (-1, 64, 128) \
+                and K % 64 == 0 and N % 128 == 0:
+            name = "MacheteLinearKernel"
+        elif capability >= 75 and c.weight_type in ((st.uint4,) if zp else (st.uint4b8, st.uint8b128)) \
+                and g in (-1, 32, 64, 128):
+            name = "MarlinLinearKernel"
+        else:
+            name = "HummingLinearKernel"
+        quantizes = True if name == "CutlassW4A8LinearKernel" else \
+            (act.itemsize == 1 or None) if name == "HummingLinearKernel" else False
+        return type(name, (), {"quantizes_inputs": quantizes, "__init__": lambda self, *a, **k: None})
+    return choose_mp_linear_kernel
+
+
+class _MPLinearLayerConfig(types.SimpleNamespace):
+    """vLLM's `MPLinearLayerConfig` (a dataclass of the layer's shapes and types), as the oracle reads it."""
+
+
 def install(engine: str, source: str, capability: int) -> None:
     global SCHEME_PACKAGE_PREFIX
     import torch
@@ -343,7 +388,7 @@ def _scheme_args(scheme) -> dict:
     wq = own.get("weight_quant")
     if wq is not None:
         d.update(num_bits=wq.num_bits, symmetric=wq.symmetric, strategy=str(getattr(wq.strategy, "value", wq.strategy)))
-    if "kernel" in own:  # vLLM's FP4 schemes: the kernel its registry picks (`_nvfp4_kernel_oracle`, `_mxfp4_...`)
+    if "kernel" in own:  # the kernel vLLM's registry picks (`_nvfp4_kernel_oracle`, `_mxfp4_...`, `_mp_...`)
         d["kernel"] = type(own["kernel"]).__name__
         if hasattr(own["kernel"], "quantizes_inputs"):
             d["kernel_quantizes_inputs"] = own["kernel"].quantizes_inputs
@@ -493,6 +538,9 @@ def run(engine: str, request: dict) -> dict:
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
                 continue
+            r["args"] = _scheme_args(scheme)  # with the kernel a scheme picks in create_weights
+            if r["args"].get("kernel_quantizes_inputs", False) is None:  # Humming: the layer's input config
+                r["args"]["kernel_quantizes_inputs"] = hasattr(layer, "_humming_input_quant_config")
             r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
                                                                     spec["shards"], tensors)
             r["values"] = _values(layer, request, r)

@@ -38,12 +38,12 @@ refuses static int8 (`a8w8`) on its fused layers (qkv_proj, gate_up_proj) in its
 whatever the scale's shape or value: an upstream bug on valid compressed-tensors, which vLLM and
 transformers load. `a8w8_fp8_block` is FP8_BLOCK (`--weight-block 128`): one FP8 scale per
 weight block, shrunk per fused unit to a block that tiles it (32 × 32 for q/k/v here, 64 × 64 for
-the rest), inputs quantized per token and group at run time. The last
-four rows are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
+the rest), inputs quantized per token and group at run time. The rows "(not written by quantspec)"
+are valid compressed-tensors layouts that quantspec reads but does not write: W8A16 as
 `int-quantized`, mixed int4 group sizes named shard by shard, an a8w8 fallback named shard by
-shard as an `int-quantized` weight-only group, and 64 × 64 FP8 blocks on every layer, whose k_proj
+shard as an `int-quantized` weight-only group, 64 × 64 FP8 blocks on every layer, whose k_proj
 rows (96) end mid-block: both engines split a fused layer's block scales by whole block rows and
-refuse it. `weight_only_nvfp4` / `nvfp4` are NVFP4: E2M1 weights with an FP8 scale per group of 16
+refuse it, and W4A8 as `int-quantized` (below). `weight_only_nvfp4` / `nvfp4` are NVFP4: E2M1 weights with an FP8 scale per group of 16
 under one fp32 global scale per tensor (shared by a fused layer's shards, as both engines' fused
 layers take one), and for `nvfp4` inputs quantized the same way at run time under calibrated
 global scales. The table's GPU is Hopper (9.0), where both engines run `nvfp4`'s weights alone
@@ -82,6 +82,18 @@ method leaves the embedding float and its Llama loader skips `weight_packed` wit
 rows would run unloaded; transformers' weight initialization reads `embed_tokens.weight`, which
 compressed-tensors' compressed embedding does not have. Both are refused, and so is a tied head
 (vLLM would tie it to an embedding with no `weight`): quantspec unties it.
+`a8w4` / `a8w4_fp8` are W4A8 / W4AFP8 (compressed-tensors' presets): int4 weights pack-quantized as
+weight-only int4's, with int8 / FP8 inputs quantized per token at run time. vLLM gives `a8w4` its
+`CompressedTensorsWNA8Int`, which asks its kernel registry for a kernel with the model's float
+activations: Machete (Hopper) or Marlin take the layer first and run the weights with float
+inputs, before Humming, the one kernel that reads the input quantization the scheme hands the
+layer (the suite answers the registry by those kernels' `can_implement` rules). `a8w4_fp8` is
+`CompressedTensorsW4A8Fp8` on Hopper only (CUTLASS W4A8), whose constructor takes int4 groups of
+128 only, so the conformance model's layers resolved to groups of 64 are refused. SGLang's W4A8
+schemes are fused-MoE ones: no Linear scheme takes either. `w4a8_int_quantized` is `a8w4` stored
+the way compressed-tensors stores its W4A8 preset by default (`int-quantized`, a code per int8):
+vLLM's `CompressedTensorsW4A8Int` takes it, and on CUDA only Humming takes its signed int4 codes,
+given no input quantization, so the inputs run float there too.
 """
 
 

@@ -40,6 +40,7 @@ from quantspec.quant.engines.tables import (
     SGLANG_W4A8,
     VLLM_EMBEDDING,
     VLLM_W4A8_INT_INPUTS,
+    VLLM_W4A8_INT_QUANTIZED_INPUTS,
     W4A8_FP8_CAPABILITY,
     engine_name,
 )
@@ -197,29 +198,42 @@ def _mxfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVer
 
 
 def _w4a8(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict | None:
-    """The verdict on int weights (sub-byte) with 8-bit inputs quantized per token at run time
-    (W4A8, W4AFP8), pack-quantized (`tables.VLLM_W4A8_INT_INPUTS`, `SGLANG_W4A8`); None for
-    every other scheme."""
-    w, ia = s.weights, s.input_activations
+    """The verdict on sub-byte int weights with 8-bit inputs quantized per token at run time
+    (W4A8, W4AFP8; `tables.VLLM_W4A8_INT_INPUTS`, `SGLANG_W4A8`); None for every other scheme.
+    vLLM: FP8 inputs → `CompressedTensorsW4A8Fp8` (Hopper, int4 groups of 128, `weight_packed`);
+    int8 inputs → `CompressedTensorsWNA8Int` (pack-quantized) or `CompressedTensorsW4A8Int`
+    (int-quantized: a code per int8), both set the input quantization aside on CUDA."""
+    w, ia, fmt = s.weights, s.input_activations, s.format
     if not (w.type == "int" and w.num_bits < 8 and ia is not None and ia.num_bits == 8 and ia.dynamic is True
-            and ia.strategy == "token" and s.format == FORMAT_PACK_QUANTIZED
-            and w.strategy in ("channel", "group") and not w.dynamic):
+            and ia.strategy == "token" and w.strategy in ("channel", "group") and not w.dynamic
+            and fmt in (FORMAT_PACK_QUANTIZED, *_ACT_FORMATS)):
         return None
+    act = _act(ia)
     if engine == "sglang":
-        return LayerVerdict(None, **base, input_activations=_act(ia), problem=SGLANG_W4A8)
-    if ia.type == "int":
+        return LayerVerdict(None, **base, input_activations=act, problem=SGLANG_W4A8)
+    if ia.type == "float":
+        problem = None
+        if capability != W4A8_FP8_CAPABILITY:
+            problem = (f"int4 weights with FP8 inputs on compute capability {capability / 10:.1f} (its W4A8 FP8 "
+                       f"scheme runs on {W4A8_FP8_CAPABILITY / 10:.1f} only)")
+        elif w.num_bits != 4 or w.strategy != "group" or not (w.symmetric and ia.symmetric):
+            problem = "FP8 inputs beside other than symmetric int4 group-wise weights"
+        elif w.group_size != 128:  # CompressedTensorsW4A8Fp8.__init__ raises ValueError
+            problem = (f"int4 weights in groups of {w.group_size} with FP8 inputs (its W4A8 FP8 scheme takes "
+                       "groups of 128 only)")
+        elif fmt != FORMAT_PACK_QUANTIZED:
+            problem = f"its W4A8 FP8 scheme loads weight_packed, which format {fmt!r} does not hold"
+        return LayerVerdict("W4A8Fp8" if problem is None else None, **base, input_activations=act, problem=problem)
+    if fmt == FORMAT_PACK_QUANTIZED:
         if not ia.symmetric:
-            return LayerVerdict(None, **base, input_activations=_act(ia),
+            return LayerVerdict(None, **base, input_activations=act,
                                 problem="asymmetric int8 inputs (CompressedTensorsWNA8Int takes symmetric ones)")
-        return LayerVerdict("WNA8Int", **base, input_activations=_act(ia), problem=VLLM_W4A8_INT_INPUTS)
-    if capability != W4A8_FP8_CAPABILITY:
-        return LayerVerdict(None, **base, input_activations=_act(ia),
-                            problem=f"int4 weights with FP8 inputs on compute capability {capability / 10:.1f} "
-                                    f"(its W4A8 FP8 scheme runs on {W4A8_FP8_CAPABILITY / 10:.1f} only)")
-    if w.num_bits != 4 or w.strategy != "group" or not (w.symmetric and ia.symmetric):
-        return LayerVerdict(None, **base, input_activations=_act(ia),
-                            problem="FP8 inputs beside other than symmetric int4 group-wise weights")
-    return LayerVerdict("W4A8Fp8", **base, input_activations=_act(ia))
+        return LayerVerdict("WNA8Int", **base, input_activations=act, problem=VLLM_W4A8_INT_INPUTS)
+    if w.num_bits != 4 or not w.symmetric:
+        return LayerVerdict(None, **base, input_activations=act,
+                            problem=f"{w.num_bits}-bit{'' if w.symmetric else ' asymmetric'} weights with int8 inputs "
+                                    f"in format {fmt!r} (its W4A8 scheme takes symmetric int4 there)")
+    return LayerVerdict("W4A8Int", **base, input_activations=act, problem=VLLM_W4A8_INT_QUANTIZED_INPUTS)
 
 
 def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,
