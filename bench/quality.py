@@ -7,7 +7,8 @@ float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer 
 int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
 `-minmax` rows take plain min/max scales for comparison; the `-down8` rows keep down_proj at int8
 and the `-head8` / `-head4` rows quantize the output head too, the `-emb8` / `-emb4` rows the input
-embedding too (`--layer-quant-type`; the embedding rows for `--target vllm`, the engine that loads them).
+embedding too (`--layer-quant-type`; the embedding rows for `--target vllm`, the engine that loads them);
+the `w4a8-` / `w4afp8-` rows quantize the inputs per token at run time too (int8 / FP8).
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
 Calibration (GPTQ, AWQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
@@ -78,7 +79,21 @@ ROWS = {
     "int4-rtn-g64-head8-emb4": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT8, EMB_INT4)),
     "int4-gptq-g64-head8-emb4": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT8, EMB_INT4)),
     "int8-rtn-head8-emb8": ("weight_only_int8", "rtn", 128, True, False, None, None, (HEAD_INT8, EMB_INT8)),
+    # int4 weights with inputs quantized per token at run time: int8 (a8w4, W4A8) and FP8 (a8w4_fp8, W4AFP8)
+    "w4a8-rtn-g64": ("a8w4", "rtn", 64, True, False),
+    "w4a8-gptq-g64": ("a8w4", "gptq", 64, True, True),
+    "w4afp8-rtn-g64": ("a8w4_fp8", "rtn", 64, True, False),
+    "w4afp8-gptq-g64": ("a8w4_fp8", "gptq", 64, True, True),
 }
+
+
+def _target(quant_type: str, zp_dtype: str | None, layers: tuple) -> str:
+    """The --target a row's artifact is written for: quantspec for float zero points and the W4A8
+    types (engines set their inputs aside or refuse them on the default model's shapes), vLLM
+    for a quantized embedding, else portable."""
+    if zp_dtype or quant_type.startswith("a8w4"):
+        return "quantspec"
+    return "vllm" if EMB_INT8 in layers or EMB_INT4 in layers else "portable"
 
 
 def main() -> None:
@@ -113,8 +128,7 @@ def main() -> None:
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
                              zp_dtype=zp, weight_observer=observer, act_order=act_order, layer_quant_types=layers,
-                             target="quantspec" if zp else "vllm" if EMB_INT8 in layers or EMB_INT4 in layers
-                             else "portable",
+                             target=_target(qt, zp, layers),
                              dataset=a.calib if method != "rtn" else None,
                              num_samples=a.num_samples, seq_len=a.seq_len)
                 q_time = time.perf_counter() - t0

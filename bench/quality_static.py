@@ -9,7 +9,8 @@ to the fp32 row of the same run. `static_rows()` is importable (bench/quality.py
 rows to its own table).
 
 Row suffixes: `-dynamic` `quantize --quant-type T --activations dynamic` (per-token input scales
-at run time: no table); `-block128` `quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK:
+at run time: no table; a8w4 / a8w4_fp8 take no other); `-dynamic-sqA` the same with SmoothQuant at
+a fixed α A from the table's channel ranges (`--smoothquant-alpha A --calib TABLE`); `-block128` `quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK:
 one weight scale per block, shrunk per layer to one that tiles it, inputs per token and group at
 run time); `weight_only_nvfp4` / `nvfp4-default`: NVFP4 weights (E2M1, FP8 scales per group of 16
 under a global scale), with float inputs / with NVFP4 inputs under the table's global scales;
@@ -65,6 +66,15 @@ ROWS = {
     "a8w8-dynamic": ("a8w8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-dynamic": ("a8w8_fp8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-block128": ("a8w8_fp8", BLOCK, None, DEFAULT),
+    # inputs per token at run time, SmoothQuant at a fixed α from the table's channel ranges
+    "a8w8-dynamic-sq0.5": ("a8w8", (DYNAMIC, 0.5), None, DEFAULT),
+    "a8w8-dynamic-sq0.8": ("a8w8", (DYNAMIC, 0.8), None, DEFAULT),
+    "a8w4-dynamic": ("a8w4", DYNAMIC, None, DEFAULT),
+    "a8w4-dynamic-sq0.5": ("a8w4", (DYNAMIC, 0.5), None, DEFAULT),
+    "a8w4-dynamic-sq0.8": ("a8w4", (DYNAMIC, 0.8), None, DEFAULT),
+    "a8w4-dynamic-sq0.5-gptq": ("a8w4", (DYNAMIC, 0.5), None, DEFAULT, "gptq"),
+    "a8w4_fp8-dynamic": ("a8w4_fp8", DYNAMIC, None, DEFAULT),
+    "a8w4_fp8-dynamic-sq0.5": ("a8w4_fp8", (DYNAMIC, 0.5), None, DEFAULT),
     "weight_only_nvfp4": ("weight_only_nvfp4", PLAIN, None, DEFAULT),
     "weight_only_nvfp4-gptq": ("weight_only_nvfp4", PLAIN, None, DEFAULT, "gptq"),
     "weight_only_nvfp4-awq": ("weight_only_nvfp4", PLAIN, None, DEFAULT, "awq"),
@@ -143,15 +153,18 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     kw["act_order"] = True
                 if alpha == DYNAMIC:
                     kw["activations"] = DYNAMIC
+                elif isinstance(alpha, tuple):  # (DYNAMIC, α): per-token inputs, SmoothQuant at α
+                    kw.update(activations=DYNAMIC, smoothquant_alpha=alpha[1])
                 elif alpha == BLOCK:
                     kw["weight_block"] = 128
                 elif alpha not in (DEFAULT, PLAIN):
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
-                if "mxfp4" in qt:
+                if "mxfp4" in qt or qt.startswith("a8w4"):
                     kw["target"] = "quantspec"
-                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{alpha}-{fb}-{method}",
+                tag = "-".join(map(str, alpha)) if isinstance(alpha, tuple) else alpha
+                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{tag}-{fb}-{method}",
                                               calib=None if alpha in (DYNAMIC, BLOCK, PLAIN) else table,
                                               method=method, **kw)
                 q_time = round(time.perf_counter() - t1, 1)
@@ -188,8 +201,10 @@ def markdown(calib_info: dict, rows: list[dict]) -> str:
         else:
             fb = f"{r['fallback']} units, {n} Linears" if r.get("fallback") else "—"
         q = "" if r.get("quantize_s") is None else f"{r['quantize_s']:.0f}"
-        alpha = {DYNAMIC: "— (dynamic activations)",  # per-token activations: no smoothing
-                 BLOCK: "— (128² blocks, dynamic per-group activations)"}.get(r["smoothquant_alpha"])
+        a = r["smoothquant_alpha"]
+        alpha = f"{a[1]} (dynamic activations)" if isinstance(a, tuple) else \
+            {DYNAMIC: "— (dynamic activations)",  # per-token activations: no smoothing
+             BLOCK: "— (128² blocks, dynamic per-group activations)"}.get(a)
         alpha = alpha or r["smoothquant_alpha"] or "—"
         cells.append([r["row"], r["quant_type"], alpha, fb, r["kv_cache"],
                       f"{r['perplexity']:.4f}", d, t, q])

@@ -123,3 +123,46 @@ def test_refusals_name_the_fix(tiny_llama_dir, tmp_path, quant_type, kw, named):
         api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "x", **kw)
     assert named in str(e.value) and "\n" not in str(e.value)
     assert not (tmp_path / "x").exists()
+
+
+def _with_outlier_channels(src, dst):
+    """`src` with four input channels of every norm scaled 40× (the channel outliers SmoothQuant
+    is for; the float model's function changes, which both runs below share)."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(src, dst)
+    t = load_file(str(dst / "model.safetensors"))
+    for k in t:
+        if k.endswith("layernorm.weight"):
+            t[k][:4] *= 40
+    save_file(t, str(dst / "model.safetensors"), metadata={"format": "pt"})
+    return dst
+
+
+@pytest.mark.parametrize("quant_type,kw", [("a8w4", {}), ("a8w8", dict(activations="dynamic"))])
+def test_smoothquant_beside_inputs_quantized_per_token(tiny_llama_dir, calibration_table, tmp_path, quant_type, kw):
+    """`--smoothquant-alpha A --calib T` beside per-token inputs: each norm takes γ / s with s from
+    the table's channel ranges (`quant.smoothquant`), and the outlier channels no longer set
+    every token's int8 step: the logits come closer to the float model's."""
+    from quantspec.quant.smoothquant import smoothquant_scales
+
+    src = _with_outlier_channels(tiny_llama_dir, tmp_path / "src")
+    table = calibration_table(src)
+    base = dict(group_size=32, target="quantspec", **kw)
+    plain = api.quantize(str(src), quant_type, tmp_path / "plain", **base)
+    smooth = api.quantize(str(src), quant_type, tmp_path / "smooth", calib=str(table), smoothquant_alpha=0.5, **base)
+    ours, source = _tensors(smooth), _tensors(src)
+    assert json.loads((smooth / "quantspec.json").read_text())["provenance"]["calibration"]["smoothquant_alpha"] == 0.5
+    # the first norm: γ / s, s = max|X_j|^α / max|W_:,j|^(1-α) over q / k / v's columns
+    from quantspec.calib.tables import read_table
+
+    x_max = read_table(table).input_channel_absmax("model.layers.0.self_attn.q_proj")
+    w = torch.cat([source[f"model.layers.0.self_attn.{p}_proj.weight"] for p in "qkv"])
+    s = smoothquant_scales(x_max, w.abs().amax(0), 0.5)
+    g = "model.layers.0.input_layernorm.weight"
+    torch.testing.assert_close(ours[g], source[g] / s, rtol=1e-5, atol=1e-6)
+    fp32 = _logits(load_for_inference(src, tokenizer=False))
+    err = {p.name: float((_logits(load_for_inference(p, tokenizer=False)) - fp32).abs().mean()) for p in (plain, smooth)}
+    assert err["smooth"] < 0.8 * err["plain"], err

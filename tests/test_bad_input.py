@@ -201,6 +201,8 @@ CASES = [
                                      "--out {d}/q", "--activations"),
     ("quantize-dynamic-alpha", "quantize --model {model} --quant-type a8w8 --activations dynamic "
                                "--smoothquant-alpha 0.5 --out {d}/q", "--smoothquant-alpha"),
+    ("quantize-dynamic-alpha-auto", "quantize --model {model} --quant-type a8w4 --smoothquant-alpha auto "
+                                    "--calib {d}/no-table --target quantspec --out {d}/q", "--smoothquant-alpha"),
     ("quantize-dynamic-fallback", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic "
                                   "--a8w8-fallback-layers 1 --out {d}/q", "--a8w8-fallback"),
     ("quantize-dynamic-calib", "quantize --model {model} --quant-type a8w8 --activations dynamic "

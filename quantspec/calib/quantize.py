@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.calib.recipe_checks import check_activation_recipe, per_token_smoothing, smooths_per_token
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
@@ -42,7 +43,6 @@ __all__ = ["COPIED_FILES", "QuantizeConfig", "run_quantize"]
 # files copied from the source model into an artifact (those that exist)
 COPIED_FILES = ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json", "vocab.json", "merges.txt",
                 "tokenizer.model", "added_tokens.json", "chat_template.jinja", "generation_config.json")
-ALPHA_CHOICES = ("auto", "none")  # --smoothquant-alpha besides a number in (0, 1)
 ZP_DTYPES = ("float16", "bfloat16", "float32")
 
 Progress = Callable[[int, int, str], None]
@@ -54,8 +54,8 @@ class QuantizeConfig:
 
     `method`: "rtn", "gptq", "awq" or "awq+gptq" (`quant.presets.METHODS`; all but rtn read
     `dataset`, and AWQ is for the weight-only types).
-    `smoothquant_alpha`: None (the recipe's default: "auto" for the a8w8 types), "auto", "none"
-    or a number in (0, 1). `device`: where each layer is quantized (`devices.resolve_device`);
+    `smoothquant_alpha`: None (the recipe's default: "auto" for the static a8w8 types, no smoothing
+    for inputs quantized per token), "auto", "none" or a number in (0, 1) (`calib.recipe_checks`). `device`: where each layer is quantized (`devices.resolve_device`);
     `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
     "sglang", "transformers", "quantspec"): options an engine of the target would refuse or ignore
     fail here, in one line naming the target and the alternative (`quant.engines.target_refusal`).
@@ -127,7 +127,7 @@ class QuantizeConfig:
             raise QuantSpecError(f"unknown --method {self.method!r}; use one of: {', '.join(METHODS)}")
         if self.out is None:
             raise QuantSpecError("--out is required: the directory to write the artifact to")
-        self._check_static_recipe()
+        check_activation_recipe(self)
         if self.method.startswith("awq") and not qt.value.startswith("weight_only"):
             raise QuantSpecError(f"--method {self.method} is for weight-only types ({qt.value} quantizes activations "
                                  "too); use --method rtn or gptq")
@@ -206,41 +206,6 @@ class QuantizeConfig:
         alpha = "auto" if self.smoothquant_alpha is None else self.smoothquant_alpha
         return None if alpha == "none" else alpha
 
-    def _check_static_recipe(self) -> None:
-        a = self.smoothquant_alpha
-        dynamic = self.activations == "dynamic"
-        if a is not None:
-            if not self.static:
-                raise QuantSpecError("--smoothquant-alpha only helps a8w8 / a8w8_fp8 with static activation scales "
-                                     "(it moves activation outliers into the weights); drop it"
-                                     + (" or --activations dynamic" if dynamic else ""))
-            if a not in ALPHA_CHOICES and (isinstance(a, (str, bool)) or not 0 < a < 1):
-                raise QuantSpecError(f"--smoothquant-alpha {a} must be in (0, 1), 'auto' or 'none'")
-        if (self.by_rank or self.fallback_budget is not None) and not self.static:
-            raise QuantSpecError("the --a8w8-fallback-* flags are for a8w8 / a8w8_fp8 with static activation "
-                                 "scales (" + ("dynamic per-token scales need no fallback" if dynamic else
-                                              "weight-only types have no activation quantization to fall back from")
-                                 + "); drop them")
-        if self.by_rank and self.fallback_budget is not None:
-            raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
-                                 "--a8w8-fallback-layers / --a8w8-fallback-threshold")
-        if self.fallback_budget is not None and not self.fallback_budget > 0:
-            raise QuantSpecError(f"--a8w8-fallback-budget {self.fallback_budget} must be a positive percentage, "
-                                 "e.g. 1.5")
-        n = self.fallback_layers
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
-            raise QuantSpecError(f"--a8w8-fallback-layers {n} must be 0 (no fallback) or more")
-        if self.calib is not None and not self.calibrated_inputs and self.kv_cache is None:
-            raise QuantSpecError(f"--calib gives static activation and KV-cache scales, and {self.quant_type}"
-                                 + (" with --activations dynamic" if dynamic else "") + " reads neither "
-                                 "without --kv-cache; drop --calib")
-        if self.calibrated_inputs and self.calib is None:
-            raise QuantSpecError(f"{self.quant_type} needs calibrated activation ranges; run `quantspec calibrate "
-                                 "--out DIR` and pass --calib DIR")
-        if self.kv_cache is not None and self.calib is None:
-            raise QuantSpecError(f"--kv-cache {self.kv_cache} stores static KV scales in the artifact; run "
-                                 "`quantspec calibrate --out DIR` and pass --calib DIR")
-
 
 @dataclass
 class _Source:
@@ -300,6 +265,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
                                                                    run, device)
         elif config.calibrated_inputs:  # NVFP4's input global scales
             input_scales = src.table.nvfp4_input_global_scales(model)
+        elif smooths_per_token(config):
+            factors = per_token_smoothing(config, src, model, say)
         sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))
         say(f"quantizing {src.model_dir} one layer at a time ({device})")
@@ -361,7 +328,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
                              "weight_only_int8 / weight_only_int4 (GPTQ, AWQ and static activation or KV "
                              "scales need its base's hidden states)")
-    if config.calibrated_inputs or config.kv_cache is not None:  # read before the model: a bad table fails at once
+    if config.calibrated_inputs or config.kv_cache is not None or smooths_per_token(config):  # read before the model
         from quantspec.calib.tables import read_table
 
         with about("--calib"):

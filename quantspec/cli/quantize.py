@@ -62,7 +62,8 @@ def _gib(n) -> str:
                    "at run time (llm-compressor's FP8_BLOCK, e.g. 128; shrunk per layer to a block that tiles it)")
 @click.option("--smoothquant-alpha", default=None,
               help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
-                   "smoothing group on calibration data; the default) or 'none'")
+                   "smoothing group on calibration data; the default) or 'none'; inputs quantized per token "
+                   "(--activations dynamic, a8w4 types): a number with --calib (channel ranges), default none")
 @click.option("--a8w8-fallback-budget", "fallback_budget", default=None, type=float,
               help="a8w8 types: keep the fewest fused units (q/k/v, gate/up, o_proj, down_proj) at "
                    "float activations (W8A16) that hold the perplexity on held-back calibration "

@@ -1,0 +1,108 @@
+"""The activation recipe's flags, checked (`check_activation_recipe`), and SmoothQuant for inputs
+quantized per token at run time (`per_token_smoothing`).
+
+SmoothQuant (`calib.smooth`) divides each input channel of a smoothing group by s and multiplies
+the weight's columns by it, folded into the norm (or up_proj's rows) before them: the float
+model is unchanged and the channel outliers move into the weights. The static a8w8 types search
+α per group against their static scales (`calib.static_plan`); the types whose inputs are
+quantized per token (a8w8 and a8w8_fp8 with `--activations dynamic`, a8w4, a8w4_fp8: llm-compressor's
+SmoothQuant + W8A8 / W4A8 recipes) take one α for every group, and s from the calibration table's
+per-channel input ranges (`--calib`), as llm-compressor's SmoothQuantModifier takes them from its
+calibration pass.
+"""
+
+from __future__ import annotations
+
+from typing import Callable
+
+from quantspec.errors import QuantSpecError
+
+__all__ = ["ALPHA_CHOICES", "PER_TOKEN_TYPES", "check_activation_recipe", "per_token_smoothing", "smooths_per_token"]
+
+ALPHA_CHOICES = ("auto", "none")  # --smoothquant-alpha besides a number in (0, 1)
+# the types whose inputs `--activations dynamic` quantizes per token (or token group) at run time
+PER_TOKEN_TYPES = ("a8w8", "a8w8_fp8", "a8w4", "a8w4_fp8")
+
+
+def _per_token(c) -> bool:
+    return c.activations == "dynamic" and c.quant_type in PER_TOKEN_TYPES
+
+
+def smooths_per_token(c) -> bool:
+    """Whether `c` (a `QuantizeConfig`) smooths inputs that are quantized per token: a number for
+    `--smoothquant-alpha` beside such inputs."""
+    a = c.smoothquant_alpha
+    return _per_token(c) and a is not None and a not in ALPHA_CHOICES
+
+
+def _check_smoothing(c) -> None:
+    a = c.smoothquant_alpha
+    if a is None:
+        return
+    if not (c.static or _per_token(c)):
+        raise QuantSpecError(f"--smoothquant-alpha moves activation outliers into the weights, and {c.quant_type} "
+                             "keeps float activations; drop it")
+    if a not in ALPHA_CHOICES and (isinstance(a, (str, bool)) or not 0 < a < 1):
+        raise QuantSpecError(f"--smoothquant-alpha {a} must be in (0, 1), 'auto' or 'none'")
+    if c.static:
+        return
+    if a == "auto":
+        raise QuantSpecError("--smoothquant-alpha auto searches α against static activation scales; give inputs "
+                             "quantized per token a number, e.g. 0.5 (or drop it)")
+    if smooths_per_token(c) and c.layer_quant_types:
+        raise QuantSpecError("--smoothquant-alpha folds into the norms that every --layer-quant-type layer reads "
+                             "too; drop one of them")
+    if smooths_per_token(c) and c.calib is None:
+        raise QuantSpecError(f"--smoothquant-alpha {a} takes each input channel's range from a calibration table; "
+                             "run `quantspec calibrate --out DIR` and pass --calib DIR")
+
+
+def _check_fallback(c) -> None:
+    dynamic = c.activations == "dynamic"
+    if (c.by_rank or c.fallback_budget is not None) and not c.static:
+        raise QuantSpecError("the --a8w8-fallback-* flags are for a8w8 / a8w8_fp8 with static activation "
+                             "scales (" + ("dynamic per-token scales need no fallback" if dynamic else
+                                          "weight-only types have no activation quantization to fall back from")
+                             + "); drop them")
+    if c.by_rank and c.fallback_budget is not None:
+        raise QuantSpecError("choose the fallback one way: --a8w8-fallback-budget, or "
+                             "--a8w8-fallback-layers / --a8w8-fallback-threshold")
+    if c.fallback_budget is not None and not c.fallback_budget > 0:
+        raise QuantSpecError(f"--a8w8-fallback-budget {c.fallback_budget} must be a positive percentage, "
+                             "e.g. 1.5")
+    n = c.fallback_layers
+    if n is not None and (isinstance(n, bool) or not isinstance(n, int) or n < 0):
+        raise QuantSpecError(f"--a8w8-fallback-layers {n} must be 0 (no fallback) or more")
+
+
+def check_activation_recipe(c) -> None:
+    """Refuse, in one line naming the flag, what `c` (a `QuantizeConfig`) asks of the activation
+    recipe and cannot have: SmoothQuant beside float inputs, `auto` or no table beside inputs
+    quantized per token; the a8w8 fallback beside other than static scales; `--calib` that
+    nothing reads; static scales or KV scales without one."""
+    _check_smoothing(c)
+    _check_fallback(c)
+    dynamic = c.activations == "dynamic"
+    if c.calib is not None and not c.calibrated_inputs and c.kv_cache is None and not smooths_per_token(c):
+        raise QuantSpecError(f"--calib gives static activation and KV-cache scales and SmoothQuant's channel ranges, "
+                             f"and {c.quant_type}" + (" with --activations dynamic" if dynamic else "")
+                             + " reads none of them without --kv-cache or --smoothquant-alpha; drop --calib")
+    if c.calibrated_inputs and c.calib is None:
+        raise QuantSpecError(f"{c.quant_type} needs calibrated activation ranges; run `quantspec calibrate "
+                             "--out DIR` and pass --calib DIR")
+    if c.kv_cache is not None and c.calib is None:
+        raise QuantSpecError(f"--kv-cache {c.kv_cache} stores static KV scales in the artifact; run "
+                             "`quantspec calibrate --out DIR` and pass --calib DIR")
+
+
+def per_token_smoothing(c, src, model, say: Callable[[str], None]) -> dict:
+    """{Linear name: s [K]} of SmoothQuant at `c.smoothquant_alpha` for every smoothing group of
+    `model` (the checkpoint read a layer at a time from `src.reader`), from `src.table`'s channel
+    ranges; recorded in the provenance."""
+    from quantspec.calib.smooth import smoothing_factors
+
+    src.table.check_model(model)
+    alpha = float(c.smoothquant_alpha)
+    say(f"SmoothQuant α = {alpha} from the table's channel ranges")
+    src.calib_summary.update(smoothquant_alpha=alpha)
+    return smoothing_factors(model, src.table, alpha, weights=src.reader)
