@@ -253,9 +253,21 @@ class QuantLinear(nn.Module):
         layer (the numbers of an integer or FP8 GEMM with the scales in its epilogue, up to the
         order of fp32 sums), x itself for every other layer (the other kernels quantize x, or
         take it float)."""
-        if self.input_args is None or self.weight_args.num_bits != 4 or self.weight_args.type != "int":
+        ia = self.input_args
+        if ia is None or self.weight_args.num_bits != 4 or self.weight_args.type != "int":
             return x
-        return self.fake_quantized_input(x)
+        if not ia.symmetric:
+            return self.fake_quantized_input(x)
+        # symmetric per token: `fake_quantized_input`'s numbers (compressed-tensors' scale absmax /
+        # (q_max - q_min) * 2, eps for an all-zero row; clamp, round half to even or the E4M3 cast;
+        # codes times scale) in a few in-place ops, as a decode step runs it once per layer
+        xf = x.float()
+        lim = 448.0 if ia.type == "float" else 127.5
+        s = xf.abs().amax(-1, keepdim=True).div_(lim)
+        s.masked_fill_(s == 0, torch.finfo(torch.float32).eps)
+        q = (xf / s).clamp_(-lim if ia.type == "float" else -128.0, 448.0 if ia.type == "float" else 127.0)
+        q = q.to(torch.float8_e4m3fn).float() if ia.type == "float" else q.round_()
+        return q.mul_(s).to(x.dtype)
 
     def fake_quantized_input(self, x: torch.Tensor) -> torch.Tensor:
         """x [M, K] as the layer's input quantizer leaves it (dequantize(quantize(x)) in fp32, in

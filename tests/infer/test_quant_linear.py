@@ -606,3 +606,17 @@ def test_select_kernel_block_rule(monkeypatch):
     native = _traits(LinearKind.FP8, weight_strategy="block", act_mode="dynamic", fp8_native=True)
     assert select_kernel(native, "cuda", 4096, torch.bfloat16) is KernelPath.TRITON_FP8_BLOCK
     assert select_kernel(block, "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT  # below sm_89
+
+
+@pytest.mark.parametrize("kind", ["a8w4", "a8w4_fp8"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_w4a8_input_quantizer_is_the_primitives(kind, dtype):
+    """A W4A8 layer's own per-token quantizer (the kernels' input) gives `quantize` /
+    `dequantize`'s numbers bitwise: rows of every magnitude, an all-zero row, ties at .5."""
+    layer = QuantLinear(_make(kind, 16, 64, group_size=32), dtype=dtype)
+    x = torch.randn(9, 64) * torch.logspace(-6, 3, 9)[:, None]
+    x[4] = 0
+    x[5] = torch.arange(64) - 31.5  # absmax 31.5: x / s lands on halves
+    x = x.to(dtype)
+    assert torch.equal(layer._w4a8_input(x), layer.fake_quantized_input(x))
+    assert not torch.equal(layer._w4a8_input(x), x)
