@@ -84,6 +84,8 @@ ROWS = {
     "w4a8-gptq-g64": ("a8w4", "gptq", 64, True, True),
     "w4afp8-rtn-g64": ("a8w4_fp8", "rtn", 64, True, False),
     "w4afp8-gptq-g64": ("a8w4_fp8", "gptq", 64, True, True),
+    "w4a8-awq-gptq-g64": ("a8w4", "awq+gptq", 64, True, True),
+    "w4afp8-awq-gptq-g64": ("a8w4_fp8", "awq+gptq", 64, True, True),
 }
 
 

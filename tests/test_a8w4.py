@@ -113,7 +113,7 @@ def test_gptq_and_a_layer_type(tiny_llama_dir, tmp_path):
 @pytest.mark.parametrize("quant_type,kw,named", [
     ("a8w4", dict(activations="static"), "--activations dynamic"),
     ("a8w4_fp8", dict(symmetric=False, target="vllm"), "drop --asym"),
-    ("a8w4", dict(method="awq", dataset="x"), "--method rtn or gptq"),
+    ("a8w4", dict(method="awq", target="quantspec"), "--dataset"),  # AWQ takes per-token inputs: data needed
     ("a8w4", dict(), "--target"),  # portable: SGLang has no such Linear scheme, vLLM sets the inputs aside
     ("a8w4", dict(target="vllm"), "a8w4_fp8"),
     ("a8w4_fp8", dict(target="sglang"), "--target vllm"),
@@ -166,3 +166,19 @@ def test_smoothquant_beside_inputs_quantized_per_token(tiny_llama_dir, calibrati
     fp32 = _logits(load_for_inference(src, tokenizer=False))
     err = {p.name: float((_logits(load_for_inference(p, tokenizer=False)) - fp32).abs().mean()) for p in (plain, smooth)}
     assert err["smooth"] < 0.8 * err["plain"], err
+
+
+def test_awq_folds_its_factors_before_the_per_token_quantizer(tiny_llama_dir, tmp_path):
+    """AWQ (+ GPTQ) on a8w4: the weights, norms and codes are weight-only int4's of the same run
+    (the factors come from float inputs either way), the inputs quantized per token after them."""
+    data = tmp_path / "d.txt"
+    data.write_text(" ".join(str(i) for i in range(2000)))
+    kw = dict(group_size=32, method="awq+gptq", act_order=True, dataset=str(data), num_samples=4, seq_len=32)
+    a = api.quantize(str(tiny_llama_dir), "a8w4", tmp_path / "a", target="quantspec", **kw)
+    w = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "w", **kw)
+    ours, w4, src = _tensors(a), _tensors(w), _tensors(tiny_llama_dir)
+    assert ours.keys() == w4.keys() and all(torch.equal(ours[k], t) for k, t in w4.items())
+    g = "model.layers.0.input_layernorm.weight"
+    assert not torch.equal(ours[g], src[g])  # the factors are folded into the norm
+    lm = load_for_inference(a, tokenizer=False)
+    assert all(m.input_args is not None for m in lm.model.modules() if isinstance(m, QuantLinear))

@@ -67,12 +67,15 @@ _MIN_SCALE = 1e-4
 
 
 def check_awq(config, layer_args: Mapping[str, QuantArgs]) -> None:
-    """AWQ is weight-only (it scales the inputs an activation quantizer would see) and rounds
-    weights with per-row scales (integer channel or group strategy, NVFP4, MXFP4); `config`: a
-    `QuantConfig`."""
-    if any(s.input_activations is not None for s in config.config_groups.values()):
-        raise QuantSpecError("AWQ is for weight-only quantization (it scales the inputs the activation "
-                             "quantizer would see); use --method rtn or gptq for a8w8")
+    """AWQ folds its factors into the inputs before their quantizer sees them: float inputs and
+    inputs quantized per token at run time take them, inputs with static or per-group scales do
+    not (those scales are fitted to the unscaled inputs). It rounds weights with per-row scales
+    (integer channel or group strategy, NVFP4, MXFP4); `config`: a `QuantConfig`."""
+    for s in config.config_groups.values():
+        ia = s.input_activations
+        if ia is not None and not (ia.dynamic is True and ia.strategy == "token"):
+            raise QuantSpecError("AWQ's factors fold into the inputs, which static or per-group input scales are "
+                                 "fitted without; use --method rtn or gptq (or inputs quantized per token)")
     for name, a in layer_args.items():
         if not a.is_fp4 and (a.type != "int" or a.strategy not in ("channel", "group")):
             raise QuantSpecError(f"AWQ scales integer or FP4 weights with per-channel or per-group scales ({name} "

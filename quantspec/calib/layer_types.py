@@ -11,7 +11,8 @@ another type than the model's `--quant-type`, in a config group of their own.
 - A layer's type takes the same knobs as the model's where it has them (group size, --asym and
   --zp-dtype for int4, --asym for int8, --weight-block for a8w8_fp8 beside an a8w8_fp8 model) and
   its own default weight observer unless --weight-observer names one (`with_layer_types`). GPTQ
-  has no rule for FP8 scales, and AWQ is for weight-only layers: those methods refuse such groups.
+  has no rule for FP8 scales, and AWQ is for weight-only layers and those whose inputs are
+  quantized per token (its factors fold in before their quantizer): those methods refuse other groups.
 - Once the model's Linears are known, each layer group is retargeted at the Linears it
   quantizes as every engine resolves them (`resolve_layer_types`: a fused unit as one regex that
   also names the fused layer, which SGLang matches, other Linears by exact name), and `--target`
@@ -53,6 +54,8 @@ WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, Qua
                      QuantType.WEIGHT_ONLY_MXFP4)
 DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4, QuantType.A8W4, QuantType.A8W4_FP8)
 LAYER_TYPES = WEIGHT_ONLY_TYPES + DYNAMIC_TYPES
+# ... of those, the ones whose inputs are quantized per token (AWQ's factors fold in before them)
+PER_TOKEN_LAYER_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.A8W4, QuantType.A8W4_FP8)
 
 
 def parse_layer_type(spec: str) -> tuple[str, QuantType]:
@@ -86,9 +89,9 @@ def check_model_type(quant_type: QuantType, activations: str) -> None:
 
 
 def _check_method(spec: str, qt: QuantType, method: str) -> None:
-    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES:
-        raise QuantSpecError(f"--method {method} is for weight-only layers, and --layer-quant-type {spec!r} "
-                             "quantizes activations; use --method rtn or gptq")
+    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_LAYER_TYPES:
+        raise QuantSpecError(f"--method {method} is for weight-only layers and inputs quantized per token, and "
+                             f"--layer-quant-type {spec!r} quantizes its inputs per group; use --method rtn or gptq")
     if method != "rtn" and qt is QuantType.A8W8_FP8:
         raise QuantSpecError(f"--method {method} has no rule for FP8 scales, and --layer-quant-type {spec!r} is "
                              "a8w8_fp8; use --method rtn")

@@ -53,7 +53,7 @@ class QuantizeConfig:
     """Everything `quantize` needs; every rule is checked when the config is built.
 
     `method`: "rtn", "gptq", "awq" or "awq+gptq" (`quant.presets.METHODS`; all but rtn read
-    `dataset`, and AWQ is for the weight-only types).
+    `dataset`; AWQ is for the weight-only types and inputs quantized per token).
     `smoothquant_alpha`: None (the recipe's default: "auto" for the static a8w8 types, no smoothing
     for inputs quantized per token), "auto", "none" or a number in (0, 1) (`calib.recipe_checks`). `device`: where each layer is quantized (`devices.resolve_device`);
     `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
@@ -128,9 +128,6 @@ class QuantizeConfig:
         if self.out is None:
             raise QuantSpecError("--out is required: the directory to write the artifact to")
         check_activation_recipe(self)
-        if self.method.startswith("awq") and not qt.value.startswith("weight_only"):
-            raise QuantSpecError(f"--method {self.method} is for weight-only types ({qt.value} quantizes activations "
-                                 "too); use --method rtn or gptq")
         if self.method != "rtn" and qt is QuantType.A8W8_FP8:
             raise QuantSpecError(f"--method {self.method} has no rule for {qt.value}'s scales; use --method rtn")
         if self.method in DATA_METHODS:

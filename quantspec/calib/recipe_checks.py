@@ -78,10 +78,16 @@ def _check_fallback(c) -> None:
 def check_activation_recipe(c) -> None:
     """Refuse, in one line naming the flag, what `c` (a `QuantizeConfig`) asks of the activation
     recipe and cannot have: SmoothQuant beside float inputs, `auto` or no table beside inputs
-    quantized per token; the a8w8 fallback beside other than static scales; `--calib` that
-    nothing reads; static scales or KV scales without one."""
+    quantized per token; the a8w8 fallback beside other than static scales; AWQ's factors beside
+    input scales fitted without them; `--calib` that nothing reads; static scales or KV scales
+    without one."""
     _check_smoothing(c)
     _check_fallback(c)
+    if c.method.startswith("awq") and not (c.quant_type.startswith("weight_only") or
+                                           (_per_token(c) and c.weight_block is None)):
+        raise QuantSpecError(f"--method {c.method} is for weight-only types and inputs quantized per token at run "
+                             f"time ({c.quant_type} quantizes its inputs with scales fitted to the unscaled "
+                             "inputs); use --method rtn or gptq")
     dynamic = c.activations == "dynamic"
     if c.calib is not None and not c.calibrated_inputs and c.kv_cache is None and not smooths_per_token(c):
         raise QuantSpecError(f"--calib gives static activation and KV-cache scales and SmoothQuant's channel ranges, "

@@ -20,8 +20,8 @@ def _gib(n) -> str:
                    "with --calib and --kv-cache: KV-cache scales added)")
 @click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
-                   "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types; all "
-                   "but rtn need --dataset)")
+                   "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types and inputs "
+                   "quantized per token; all but rtn need --dataset)")
 @click.option("--group-size", default=128, show_default=True, type=int,
               help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
 @click.option("--sym/--asym", "symmetric", default=True, show_default=True)

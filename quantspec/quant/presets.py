@@ -118,8 +118,8 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     inputs = PRESET_INPUTS.get(qt)
     if qt in A8W4_TYPES:
         if activations != "dynamic":
-            raise QuantSpecError(f"{qt.value} quantizes its inputs per token at run time (the W4A8 layouts vLLM "
-                                 "runs); use --activations dynamic (or leave --activations out)")
+            raise QuantSpecError(f"{qt.value} quantizes its inputs per token at run time (llm-compressor's W4A8 / "
+                                 "W4AFP8 schemes); use --activations dynamic (or leave --activations out)")
     elif activations == "dynamic":
         if inputs is None or qt in FP4_TYPES:
             why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
