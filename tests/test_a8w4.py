@@ -80,6 +80,17 @@ def test_artifact_is_compressed_tensors_preset_and_runs_as_transformers_does(tin
     assert (_logits(lm) - want).abs().max() < 0.5 * (_logits(load_for_inference(plain, tokenizer=False)) - want).abs().max()
 
 
+def test_auto_dtype_runs_the_int4_kernels_in_bf16(tiny_llama_dir, tmp_path):
+    """`--dtype auto` on CPU: bf16 for W4A8 / W4AFP8, as for weight-only int4 (the same int4 kernels),
+    fp32 for int8 weights with int8 inputs (the int8 GEMM path)."""
+    from quantspec.infer.loader import auto_dtype
+
+    for qt, kw, want in (("a8w4", {}, torch.bfloat16), ("a8w4_fp8", {}, torch.bfloat16),
+                         ("weight_only_int4", {}, torch.bfloat16), ("a8w8", dict(activations="dynamic"), torch.float32)):
+        art = api.quantize(str(tiny_llama_dir), qt, tmp_path / qt, group_size=32, target="quantspec", **kw)
+        assert auto_dtype(art) == want, qt
+
+
 def test_decoder_plans_leave_w4a8_layers_to_the_layer(tiny_llama_dir, tmp_path):
     """The CPU decode plans run a layer's int4 kernel on x as given, so they take weight-only int4
     layers and leave W4A8 ones to `QuantLinear` (which quantizes x first)."""
@@ -144,8 +155,8 @@ def _with_outlier_channels(src, dst):
 @pytest.mark.parametrize("quant_type,kw", [("a8w4", {}), ("a8w8", dict(activations="dynamic"))])
 def test_smoothquant_beside_inputs_quantized_per_token(tiny_llama_dir, calibration_table, tmp_path, quant_type, kw):
     """`--smoothquant-alpha A --calib T` beside per-token inputs: each norm takes γ / s with s from
-    the table's channel ranges (`quant.smoothquant`), and the outlier channels no longer set
-    every token's int8 step: the logits come closer to the float model's."""
+    the table's channel ranges (`quant.smoothquant`), so the outlier channels do not set every
+    token's int8 step: the logits are closer to the float model's than without it."""
     from quantspec.quant.smoothquant import smoothquant_scales
 
     src = _with_outlier_channels(tiny_llama_dir, tmp_path / "src")

@@ -5,9 +5,10 @@ another type than the model's `--quant-type`, in a config group of their own.
   an exact name or regex outranks the model's class target "Linear" in every loader).
 - The model's type and every layer's type need no calibration table (`LAYER_TYPES`): weight-only
   types, and those whose inputs are quantized at run time — a8w8 and a8w8_fp8 with per-token
-  input scales (llm-compressor's W8A8 and FP8_DYNAMIC), a8w4 and a8w4_fp8 (W4A8, W4AFP8), mxfp4. vLLM and SGLang pick a scheme per
-  layer for each (e.g. FP8 attention beside int4 MLPs). The model's a8w8 types must then be
-  `--activations dynamic` (static input scales come from the a8w8 recipe, which plans one type).
+  input scales (llm-compressor's W8A8 and FP8_DYNAMIC), a8w4 and a8w4_fp8 (W4A8, W4AFP8),
+  mxfp4. vLLM and SGLang pick a scheme per layer for each (e.g. FP8 attention beside int4 MLPs).
+  The model's a8w8 types must then be `--activations dynamic` (static input scales come from the
+  a8w8 recipe, which plans one type).
 - A layer's type takes the same knobs as the model's where it has them (group size, --asym and
   --zp-dtype for int4, --asym for int8, --weight-block for a8w8_fp8 beside an a8w8_fp8 model) and
   its own default weight observer unless --weight-observer names one (`with_layer_types`). GPTQ
@@ -119,12 +120,12 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
             _check_embedding(spec, qt, integer, symmetric, zp_dtype)
         else:
             _check_method(spec, qt, method)
-        a8w8 = qt in (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.A8W4, QuantType.A8W4_FP8)
+        per_token = qt in PER_TOKEN_LAYER_TYPES
         block = weight_block if qt is QuantType.A8W8_FP8 and quant_type is QuantType.A8W8_FP8 else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
                         weight_observer=observer or default_weight_observer(qt),
-                        activations="dynamic" if a8w8 else "static", weight_block=block).config_groups["group_0"]
+                        activations="dynamic" if per_token else "static", weight_block=block).config_groups["group_0"]
         keys[f"group_{i}"] = spec
         groups[f"group_{i}"] = replace(scheme, targets=(target,))
     ignore = config.ignore

@@ -213,7 +213,8 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
 def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> torch.dtype:
     """The activation dtype `--dtype auto` picks: float16 on CUDA (what the Triton kernels are
     tuned for); on CPU bfloat16 for weight-only int8/int4 artifacts (torch's packed int8/int4 CPU
-    kernels take bf16 activations and are ~10x slower in fp32) and for an unquantized checkpoint
+    kernels take bf16 activations and are ~10x slower in fp32), for int4 weights with inputs
+    quantized per token (W4A8 / W4AFP8: the same int4 kernels) and for an unquantized checkpoint
     stored in bfloat16 (its weights are loaded as they are, never a float32 copy unless asked),
     float32 for everything else."""
     if torch.device(device).type == "cuda":
@@ -223,9 +224,11 @@ def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> 
     if not qc:
         return torch.bfloat16 if checkpoint_float_dtype(model_dir) == torch.bfloat16 else torch.float32
     schemes = QuantConfig.from_dict(qc).config_groups.values()  # any format quantspec reads, as its schemes
-    weight_only = bool(schemes) and all((s.weights is None or s.weights.type == "int") and s.input_activations is None
-                                        for s in schemes)
-    return torch.bfloat16 if weight_only else torch.float32
+    def int_kernels(s) -> bool:  # weight-only int, or int4 codes beside inputs quantized per token
+        ia = s.input_activations
+        return (s.weights is None or s.weights.type == "int") and (ia is None or (
+            s.weights is not None and s.weights.num_bits == 4 and ia.dynamic is True and ia.strategy == "token"))
+    return torch.bfloat16 if schemes and all(int_kernels(s) for s in schemes) else torch.float32
 
 
 def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,
