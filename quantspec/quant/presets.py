@@ -113,18 +113,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     activations = activations or ("dynamic" if qt in A8W4_TYPES else "static")
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
     check_weight_block(qt, weight_block, activations, weight_observer)
-    if activations not in ACTIVATIONS:
-        raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
-    inputs = PRESET_INPUTS.get(qt)
-    if qt in A8W4_TYPES:
-        if activations != "dynamic":
-            raise QuantSpecError(f"{qt.value} quantizes its inputs per token at run time (llm-compressor's W4A8 / "
-                                 "W4AFP8 schemes); use --activations dynamic (or leave --activations out)")
-    elif activations == "dynamic":
-        if inputs is None or qt in FP4_TYPES:
-            why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
-            raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} {why}); drop it")
-        inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
+    inputs = _inputs(qt, activations)
     if qt in INT4_TYPES:
         layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
     elif weight_block is not None:
@@ -138,6 +127,25 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=inputs)
     return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore),
                        kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
+
+
+def _inputs(qt: QuantType, activations: str) -> QuantArgs | None:
+    """The input args of `qt` under `activations` ("static" | "dynamic"), refusing in one line
+    naming the flag what the type does not take."""
+    if activations not in ACTIVATIONS:
+        raise QuantSpecError(f"--activations {activations!r}: use {' or '.join(ACTIVATIONS)}")
+    inputs = PRESET_INPUTS.get(qt)
+    if qt in A8W4_TYPES:
+        if activations != "dynamic":
+            raise QuantSpecError(f"{qt.value} quantizes its inputs per token at run time (llm-compressor's W4A8 / "
+                                 "W4AFP8 schemes); use --activations dynamic (or leave --activations out)")
+        return inputs
+    if activations == "dynamic":
+        if inputs is None or qt in FP4_TYPES:
+            why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
+            raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} {why}); drop it")
+        inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
+    return inputs
 
 
 # a mixture of experts' expert Linears (Qwen's and Mixtral's names), as one config target

@@ -388,9 +388,9 @@ def _scheme_args(scheme) -> dict:
     wq = own.get("weight_quant")
     if wq is not None:
         d.update(num_bits=wq.num_bits, symmetric=wq.symmetric, strategy=str(getattr(wq.strategy, "value", wq.strategy)))
-    if "kernel" in own:  # the kernel vLLM's registry picks (`_nvfp4_kernel_oracle`, `_mxfp4_...`, `_mp_...`)
+    if "kernel" in own and not isinstance(own["kernel"], Stub):  # the kernel an oracle answers (`_nvfp4_kernel_oracle`, ...)
         d["kernel"] = type(own["kernel"]).__name__
-        if hasattr(own["kernel"], "quantizes_inputs"):
+        if "quantizes_inputs" in vars(type(own["kernel"])):
             d["kernel_quantizes_inputs"] = own["kernel"].quantizes_inputs
     if "strategy" in d and not isinstance(d["strategy"], str):
         d["strategy"] = str(d["strategy"])
