@@ -42,6 +42,7 @@ from quantspec.quant.engines.tables import (
     VLLM_W4A8_INT_INPUTS,
     VLLM_W4A8_INT_QUANTIZED_INPUTS,
     W4A8_FP8_CAPABILITY,
+    W4A8_INT_MIN_CAPABILITY,
     engine_name,
 )
 from quantspec.quant.engines.moe import EXPERT, expert_layers
@@ -225,6 +226,9 @@ def _w4a8(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerd
             problem = f"its W4A8 FP8 scheme loads weight_packed, which format {fmt!r} does not hold"
         return LayerVerdict("W4A8Fp8" if problem is None else None, **base, input_activations=act, problem=problem)
     if fmt == FORMAT_PACK_QUANTIZED:
+        if capability < W4A8_INT_MIN_CAPABILITY:
+            return LayerVerdict(None, **base, input_activations=act, problem=f"int4 weights with int8 inputs below "
+                                f"compute capability {W4A8_INT_MIN_CAPABILITY / 10:.1f}")
         if not ia.symmetric:
             return LayerVerdict(None, **base, input_activations=act,
                                 problem="asymmetric int8 inputs (CompressedTensorsWNA8Int takes symmetric ones)")

@@ -8,9 +8,8 @@ __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGI
            "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
            "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
            "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "VLLM_EMBEDDING", "SGLANG_EMBEDDING",
-           "TRANSFORMERS_EMBEDDING", "W4A8_FP8_CAPABILITY", "VLLM_W4A8_INT_INPUTS", "VLLM_W4A8_INT_QUANTIZED_INPUTS",
-           "SGLANG_W4A8",
-           "engine_name"]
+           "TRANSFORMERS_EMBEDDING", "W4A8_FP8_CAPABILITY", "W4A8_INT_MIN_CAPABILITY", "VLLM_W4A8_INT_INPUTS",
+           "VLLM_W4A8_INT_QUANTIZED_INPUTS", "SGLANG_W4A8", "engine_name"]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers",
@@ -45,14 +44,16 @@ TRANSFORMERS_EMBEDDING = (f"transformers {ENGINE_VERSIONS['transformers']}'s wei
                           "embed_tokens.weight, which compressed-tensors' compressed embedding does not have "
                           "(AttributeError)")
 # int4 weights with 8-bit inputs quantized per token (W4A8, W4AFP8), pack-quantized: vLLM's
-# `CompressedTensorsWNA8Int` takes int8 inputs from 7.5, but asks `choose_mp_linear_kernel` for a kernel
-# with the model's float activations, and the CUDA list offers Machete (9.0) and Marlin, which run
-# the codes with float inputs, before Humming, the one kernel that reads the layer's
-# `_humming_input_quant_config` (an int-quantized checkpoint's `CompressedTensorsW4A8Int` gets Humming,
-# the one CUDA kernel that takes signed int4, with no such config); `CompressedTensorsW4A8Fp8` (CUTLASS W4A8, else Humming) takes FP8
-# inputs on compute capability 9.0 exactly (`_is_fp8_w4a8_sm90`). SGLang has no such Linear scheme
-# (its W4A8 schemes are fused-MoE ones), so `_get_scheme_from_parts` raises
+# `CompressedTensorsWNA8Int` takes int8 inputs from 7.5, but asks `choose_mp_linear_kernel` for a
+# kernel with the model's float activations, and the CUDA list offers Machete (9.0) and Marlin,
+# which run the codes with float inputs, before Humming, the one kernel that reads the layer's
+# `_humming_input_quant_config` (an int-quantized checkpoint's `CompressedTensorsW4A8Int` gets
+# Humming, the one CUDA kernel that takes signed int4, with no such config);
+# `CompressedTensorsW4A8Fp8` (CUTLASS W4A8, else Humming) takes FP8 inputs on compute capability 9.0
+# exactly (`_is_fp8_w4a8_sm90`). SGLang has no such Linear scheme (its W4A8 schemes are fused-MoE
+# ones), so `_get_scheme_from_parts` raises
 W4A8_FP8_CAPABILITY = 90
+W4A8_INT_MIN_CAPABILITY = 75  # CompressedTensorsWNA8Int.get_min_capability
 VLLM_W4A8_INT_INPUTS = ("int8 input quantization (CompressedTensorsWNA8Int asks for a kernel with float "
                         "activations and gets Machete or Marlin, which run the int4 weights with inputs float, "
                         "before Humming, the one kernel that quantizes them)")
