@@ -86,8 +86,8 @@ def check_activation_recipe(c) -> None:
     if c.method.startswith("awq") and not (c.quant_type.startswith("weight_only") or
                                            (_per_token(c) and c.weight_block is None)):
         raise QuantSpecError(f"--method {c.method} is for weight-only types and inputs quantized per token at run "
-                             f"time ({c.quant_type} quantizes its inputs with scales fitted to the unscaled "
-                             "inputs); use --method rtn or gptq")
+                             f"time ({c.quant_type} quantizes its inputs with static or per-group scales); use "
+                             "--method rtn or gptq")
     dynamic = c.activations == "dynamic"
     if c.calib is not None and not c.calibrated_inputs and c.kv_cache is None and not smooths_per_token(c):
         raise QuantSpecError(f"--calib gives static activation and KV-cache scales and SmoothQuant's channel ranges, "
