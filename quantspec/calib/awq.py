@@ -73,7 +73,7 @@ def check_awq(config, layer_args: Mapping[str, QuantArgs]) -> None:
     (integer channel or group strategy, NVFP4, MXFP4); `config`: a `QuantConfig`."""
     for s in config.config_groups.values():
         ia = s.input_activations
-        if ia is not None and not (ia.dynamic is True and ia.strategy == "token"):
+        if ia is not None and not ia.per_token:
             raise QuantSpecError("AWQ's factors fold into the inputs, which static or per-group input scales are "
                                  "fitted without; use --method rtn or gptq (or inputs quantized per token)")
     for name, a in layer_args.items():

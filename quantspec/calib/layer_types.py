@@ -45,6 +45,7 @@ from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
+from quantspec.quant.presets import PER_TOKEN_TYPES
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
@@ -55,8 +56,6 @@ WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, Qua
                      QuantType.WEIGHT_ONLY_MXFP4)
 DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4, QuantType.A8W4, QuantType.A8W4_FP8)
 LAYER_TYPES = WEIGHT_ONLY_TYPES + DYNAMIC_TYPES
-# ... of those, the ones whose inputs are quantized per token (AWQ's factors fold in before them)
-PER_TOKEN_LAYER_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.A8W4, QuantType.A8W4_FP8)
 
 
 def parse_layer_type(spec: str) -> tuple[str, QuantType]:
@@ -90,7 +89,7 @@ def check_model_type(quant_type: QuantType, activations: str) -> None:
 
 
 def _check_method(spec: str, qt: QuantType, method: str) -> None:
-    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_LAYER_TYPES:
+    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES:  # AWQ folds in before a per-token quantizer
         raise QuantSpecError(f"--method {method} is for weight-only layers and inputs quantized per token, and "
                              f"--layer-quant-type {spec!r} quantizes its inputs per group; use --method rtn or gptq")
     if method != "rtn" and qt is QuantType.A8W8_FP8:
@@ -120,7 +119,7 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
             _check_embedding(spec, qt, integer, symmetric, zp_dtype)
         else:
             _check_method(spec, qt, method)
-        per_token = qt in PER_TOKEN_LAYER_TYPES
+        per_token = qt in PER_TOKEN_TYPES
         block = weight_block if qt is QuantType.A8W8_FP8 and quant_type is QuantType.A8W8_FP8 else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,

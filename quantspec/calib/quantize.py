@@ -55,7 +55,8 @@ class QuantizeConfig:
     `method`: "rtn", "gptq", "awq" or "awq+gptq" (`quant.presets.METHODS`; all but rtn read
     `dataset`; AWQ is for the weight-only types and inputs quantized per token).
     `smoothquant_alpha`: None (the recipe's default: "auto" for the static a8w8 types, no smoothing
-    for inputs quantized per token), "auto", "none" or a number in (0, 1) (`calib.recipe_checks`). `device`: where each layer is quantized (`devices.resolve_device`);
+    for inputs quantized per token), "auto", "none" or a number in (0, 1) (`calib.recipe_checks`).
+    `device`: where each layer is quantized (`devices.resolve_device`);
     `resumable` / `restart`: see `calib.stream`. `target` ("portable" = vLLM and SGLang, "vllm",
     "sglang", "transformers", "quantspec"): options an engine of the target would refuse or ignore
     fail here, in one line naming the target and the alternative (`quant.engines.target_refusal`).
@@ -107,13 +108,13 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
         from quantspec.quant.args import QuantType
-        from quantspec.quant.presets import KV_STRATEGIES, check_weight_block, default_weight_observer, preset
+        from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
         if self.activations is None:
-            dynamic = self.weight_block is not None or qt in (QuantType.A8W4, QuantType.A8W4_FP8)
+            dynamic = self.weight_block is not None or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
         check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))

@@ -16,12 +16,11 @@ from __future__ import annotations
 from typing import Callable
 
 from quantspec.errors import QuantSpecError
+from quantspec.quant.presets import PER_TOKEN_TYPES
 
-__all__ = ["ALPHA_CHOICES", "PER_TOKEN_TYPES", "check_activation_recipe", "per_token_smoothing", "smooths_per_token"]
+__all__ = ["ALPHA_CHOICES", "check_activation_recipe", "per_token_smoothing", "smooths_per_token"]
 
 ALPHA_CHOICES = ("auto", "none")  # --smoothquant-alpha besides a number in (0, 1)
-# the types whose inputs `--activations dynamic` quantizes per token (or token group) at run time
-PER_TOKEN_TYPES = ("a8w8", "a8w8_fp8", "a8w4", "a8w4_fp8")
 
 
 def _per_token(c) -> bool:

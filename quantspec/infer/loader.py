@@ -47,6 +47,7 @@ from quantspec.model_zoo.checkpoint import (
 )
 from quantspec.model_zoo.llama import ModelArgs, Transformer
 from quantspec.quant.config import QuantConfig
+from quantspec.quant.scheme import is_w4a8
 from quantspec.quant.artifact import read_provenance
 from quantspec.quant.artifact_plan import KV_NAMES, attn_prefix, plan_artifact
 
@@ -224,11 +225,10 @@ def auto_dtype(model: str | os.PathLike, device: torch.device | str = "cpu") -> 
     if not qc:
         return torch.bfloat16 if checkpoint_float_dtype(model_dir) == torch.bfloat16 else torch.float32
     schemes = QuantConfig.from_dict(qc).config_groups.values()  # any format quantspec reads, as its schemes
-    def int_kernels(s) -> bool:  # weight-only int, or int4 codes beside inputs quantized per token
-        ia = s.input_activations
-        return (s.weights is None or s.weights.type == "int") and (ia is None or (
-            s.weights is not None and s.weights.num_bits == 4 and ia.dynamic is True and ia.strategy == "token"))
-    return torch.bfloat16 if schemes and all(int_kernels(s) for s in schemes) else torch.float32
+    int_kernels = bool(schemes) and all(  # weight-only int, or int4 codes beside inputs quantized per token
+        (s.weights is None or s.weights.type == "int") and s.input_activations is None
+        or is_w4a8(s.weights, s.input_activations) for s in schemes)
+    return torch.bfloat16 if int_kernels else torch.float32
 
 
 def load_for_inference(model: str | os.PathLike, *, dtype: torch.dtype = torch.float32,

@@ -21,7 +21,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.infer.dispatch import (FLOAT_DTYPES, DispatchPolicy, KernelPath, LinearKind, LinearTraits,
                                       select_kernel)
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import QuantScheme, is_w4a8
 from quantspec.quant.compressed import QuantizedLinearTensors, read_quantized_linear
 from quantspec.quant.primitives import choose_qparams, dequantize, quantize
 
@@ -54,7 +54,7 @@ def linear_kind(w: QuantArgs, ia: QuantArgs | None) -> LinearKind:
     if w.type == "float":
         return LinearKind.FP8
     if w.num_bits == 4:
-        if ia is not None and not (ia.num_bits == 8 and ia.dynamic is True and ia.strategy == "token"):
+        if ia is not None and not is_w4a8(w, ia):
             raise QuantSpecError(f"int4 weights take float inputs (W4A16) or 8-bit inputs quantized per token at "
                                  f"run time (W4A8, W4AFP8), not {ia.num_bits}-bit {ia.type} inputs "
                                  f"{'quantized at run time' if ia.dynamic else 'with static scales'} per "

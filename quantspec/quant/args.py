@@ -304,6 +304,11 @@ class QuantArgs:
         return -(-N // bn), -(-K // bk)
 
     @property
+    def per_token(self) -> bool:
+        """Quantized per token at run time (one scale per row, computed from the row)."""
+        return self.dynamic is True and self.strategy == "token"
+
+    @property
     def is_fp8(self) -> bool:
         return self.type == "float" and self.num_bits == 8
 

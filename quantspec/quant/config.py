@@ -32,7 +32,7 @@ from quantspec.quant.args import (
     _err,
 )
 from quantspec.quant.hf_fp8 import HF_FP8_METHOD, config_from_hf_fp8
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import QuantScheme, is_w4a8
 
 _LOG = logging.getLogger(__name__)
 
@@ -54,7 +54,7 @@ def _infer_quant_type(groups: Mapping[str, QuantScheme]) -> QuantType | None:
             found.add(QuantType.A8W8_FP8)
         elif w.num_bits == 4 and a is None:
             found.add(QuantType.WEIGHT_ONLY_INT4)
-        elif w.num_bits == 4 and a.num_bits == 8 and a.dynamic is True and a.strategy == "token":
+        elif is_w4a8(w, a):
             found.add(QuantType.A8W4 if a.type == "int" else QuantType.A8W4_FP8)
         elif w.num_bits == 8 and a is None:
             found.add(QuantType.WEIGHT_ONLY_INT8)

@@ -11,7 +11,7 @@ from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_S
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -28,6 +28,8 @@ DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the 
 A8W4_TYPES = (QuantType.A8W4, QuantType.A8W4_FP8)
 # the types whose weights are int4 per group (or channel): --group-size, the mse observer
 INT4_TYPES = (QuantType.WEIGHT_ONLY_INT4, *A8W4_TYPES)
+# the types whose inputs `--activations dynamic` quantizes per token (a8w4's only way) at run time
+PER_TOKEN_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, *A8W4_TYPES)
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 _NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)

@@ -22,7 +22,14 @@ from quantspec.quant.args import (
     _err,
 )
 
-__all__ = ["QuantScheme", "embedding_problem", "scheme_format"]
+__all__ = ["QuantScheme", "embedding_problem", "is_w4a8", "scheme_format"]
+
+
+def is_w4a8(weights: QuantArgs | None, inputs: QuantArgs | None) -> bool:
+    """int4 weights with 8-bit (int8 or FP8) inputs quantized per token at run time: W4A8 /
+    W4AFP8, the one scheme of int4 codes with quantized inputs that quantspec runs."""
+    return (weights is not None and weights.type == "int" and weights.num_bits == 4 and inputs is not None
+            and inputs.num_bits == 8 and inputs.per_token)
 
 
 def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None = None) -> str:

@@ -54,7 +54,7 @@ from quantspec.quant.engines.verdict import (
     mxfp4_inputs_set_aside,
     nvfp4_inputs_set_aside,
 )
-from quantspec.quant.scheme import QuantScheme, embedding_problem
+from quantspec.quant.scheme import QuantScheme, embedding_problem, is_w4a8
 
 __all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_embedding",
            "quantspec_layer", "transformers_layer", "kv_verdict"]
@@ -205,8 +205,8 @@ def _w4a8(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerd
     int8 inputs → `CompressedTensorsWNA8Int` (pack-quantized) or `CompressedTensorsW4A8Int`
     (int-quantized: a code per int8), both set the input quantization aside on CUDA."""
     w, ia, fmt = s.weights, s.input_activations, s.format
-    if not (w.type == "int" and w.num_bits < 8 and ia is not None and ia.num_bits == 8 and ia.dynamic is True
-            and ia.strategy == "token" and w.strategy in ("channel", "group") and not w.dynamic
+    if not (w.type == "int" and w.num_bits < 8 and ia is not None and ia.num_bits == 8 and ia.per_token
+            and w.strategy in ("channel", "group") and not w.dynamic
             and fmt in (FORMAT_PACK_QUANTIZED, *_ACT_FORMATS)):
         return None
     act = _act(ia)
@@ -393,8 +393,7 @@ def quantspec_layer(s: QuantScheme) -> LayerVerdict:
     problem = None
     if w.type == "int" and w.num_bits not in (4, 8):
         problem = f"{w.num_bits}-bit integer weights (quantspec runs 4 and 8 bits)"
-    elif ia is not None and w.type == "int" and w.num_bits == 4 and not (
-            ia.num_bits == 8 and ia.dynamic is True and ia.strategy == "token"):
+    elif ia is not None and w.type == "int" and w.num_bits == 4 and not is_w4a8(w, ia):
         problem = f"4-bit weights with {_act(ia)} activations per {ia.strategy} (quantspec runs 8-bit ones per token)"
     elif ia is not None and w.type == "int" and w.num_bits == 8 and (ia.type != "int" or ia.num_bits != 8):
         problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
