@@ -19,6 +19,7 @@ from quantspec.infer.loader import load_for_inference
 from quantspec.model_zoo.checkpoint import load_model
 from quantspec.model_zoo.moe import SparseMoE, router_ignore
 from quantspec.model_zoo.tiny import build_tiny_model
+from quantspec.quant.args import QuantType
 
 torch.set_num_threads(1)
 IDS = torch.tensor([7, 300, 41, 12, 99, 5, 260, 17, 33, 2, 150, 8, 71, 400, 64, 9])
@@ -197,6 +198,38 @@ def test_engine_verdicts_on_experts(moe_dir, calibration_table, tmp_path, transf
     verdicts = api.inspect(mixed)["engines"]
     assert verdicts["vllm"]["status"] == verdicts["sglang"]["status"] == "refused"
     assert verdicts["quantspec"]["status"] == "loads"
+
+
+def test_w4a8_expert_verdicts_judge_the_model_s_sizes(moe_dir, tmp_path):
+    """int4 experts with 8-bit inputs: vLLM's W4AFP8 experts need groups of 128 and hidden / expert
+    sizes that are multiples of 256, judged on the model's own sizes before any work; int8 inputs
+    it runs on CPUs only; SGLang's quantize the inputs with one FP8 scale per tensor (`inspect`)."""
+    from quantspec.quant.engines import engine_verdicts
+    from quantspec.quant.presets import preset
+
+    with pytest.raises(QuantSpecError, match=r"multiples of 256 \(hidden size 64, intermediate size 64\)"):
+        api.quantize(str(moe_dir), "a8w4_fp8", tmp_path / "fp8", group_size=128, target="vllm")
+    assert not (tmp_path / "fp8").exists()
+    layer = "model.layers.0.mlp.experts"
+
+    def verdicts(qt, group, hidden, inter, capability=90):  # one layer of two experts
+        config = preset(QuantType(qt), group_size=group)
+        linears = {f"{layer}.{e}.{p}": inter if p == "down_proj" else hidden
+                   for e in range(2) for p in ("gate_proj", "up_proj", "down_proj")}
+        return engine_verdicts(config, linears, capability=capability)
+
+    v = verdicts("a8w4_fp8", 128, 2048, 768)
+    assert (v["vllm"].status, v["vllm"].layers[layer].scheme) == ("loads", "W4A8Fp8MoE")
+    assert v["sglang"].status == "ignores" and "one dynamic scale per tensor" in v["sglang"].reasons[0]
+    assert "multiples of 256 (intermediate size 1408)" in verdicts("a8w4_fp8", 128, 2048, 1408)["vllm"].reasons[0]
+    assert "groups of 128 only" in verdicts("a8w4_fp8", 64, 2048, 768)["vllm"].reasons[0]
+    assert "Humming" in verdicts("a8w4_fp8", 128, 2048, 768, capability=70)["vllm"].reasons[0]
+    assert verdicts("a8w4_fp8", 128, 2048, 768, capability=80)["vllm"].status == "loads"
+    assert "compute capability 9.0" in verdicts("a8w4_fp8", 128, 2048, 768, capability=80)["sglang"].reasons[0]
+    int8 = verdicts("a8w4", 128, 2048, 768)
+    assert int8["vllm"].status == "refused" and "CPUs only" in int8["vllm"].reasons[0]
+    assert any("a8w4_fp8" in f for f in int8["vllm"].fixes)
+    assert "int8 input quantization" in int8["sglang"].reasons[0] and int8["sglang"].layers[layer].scheme == "W4AFP8MoE"
 
 
 def test_speculation_on_a_moe_base_keeps_plain_greedy(any_moe_dir, tmp_path):

@@ -43,6 +43,7 @@ from torch import nn
 
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.moe import expert_dims
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.presets import PER_TOKEN_TYPES
@@ -175,7 +176,8 @@ def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[st
     for k, names in governed.items():
         groups[k] = replace(groups[k], targets=fused_targets(names))
     config = replace(config, config_groups=groups)
-    refusal = target_refusal(target, config, moe=getattr(model.args, "num_experts", 0) > 0)
+    refusal = target_refusal(target, config, moe=getattr(model.args, "num_experts", 0) > 0,
+                             expert_dims=expert_dims(model.args))
     if refusal is not None:
         raise QuantSpecError(refusal)
     return config

@@ -284,7 +284,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     from quantspec.model_zoo.checkpoint import draft_kind, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.eagle3 import Eagle3Args
     from quantspec.model_zoo.llama import ModelArgs
-    from quantspec.model_zoo.moe import router_ignore
+    from quantspec.model_zoo.moe import expert_dims, router_ignore
     from quantspec.quant.presets import for_experts
     from quantspec.quant.decompressed import source_reader
     from quantspec.quant.engines import eagle3_ignore, eagle3_refusal, target_refusal
@@ -309,7 +309,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
             raise QuantSpecError(f"--layer-quant-type is for base models, and {model_dir} is {what}; quantize it "
                                  "with one --quant-type")
         # with --layer-quant-type, judged once its targets name the model's Linears (`run_quantize`)
-        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe) \
+        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe, expert_dims=expert_dims(args)) \
             if (what or moe) and not config.layer_quant_types else None
         unfit = eagle3_refusal("sglang", cfg) if kind == "eagle3" and config.target == "sglang" else None
         if unfit is not None:  # the float head already: no quantization makes it SGLang's

@@ -36,7 +36,7 @@ from torch import nn
 from quantspec.model_zoo.llama import MLP, ModelArgs, project
 
 __all__ = ["MIXTRAL_NAMES", "NamedMLP", "SparseMoE", "all_experts", "copy_mlp", "moe_fields", "moe_weight_table",
-           "route", "router_ignore", "warm_mlp"]
+           "expert_dims", "route", "router_ignore", "warm_mlp"]
 
 # Mixtral's names of an expert's gate / up / down projections
 MIXTRAL_NAMES = {"gate_proj": "w1", "up_proj": "w3", "down_proj": "w2"}
@@ -48,6 +48,13 @@ def router_ignore(args: ModelArgs) -> tuple[str, ...]:
     if args.arch == "mixtral":
         return ("re:.*block_sparse_moe.gate$",)
     return ("re:.*mlp.gate$",) + (("re:.*mlp.shared_expert_gate$",) if args.shared_expert_intermediate_size else ())
+
+
+def expert_dims(args: ModelArgs | None) -> tuple[int, int] | None:
+    """(hidden size, expert intermediate size) of a mixture of experts of `args`; None for a dense model."""
+    if args is None or not getattr(args, "num_experts", 0):
+        return None
+    return args.hidden_size, args.moe_intermediate_size
 
 
 def moe_fields(cfg: dict, arch: str) -> dict:

@@ -9,6 +9,7 @@ not), and vLLM's experts kernel is checked by compute capability."""
 
 from __future__ import annotations
 
+import ast
 import json
 import shutil
 from pathlib import Path
@@ -44,10 +45,27 @@ ARTIFACTS = {
     "weight_only_mxfp4": (dict(quant_type="weight_only_mxfp4"), False),
     "mxfp4": (dict(quant_type="mxfp4"), False),
 }
+# int4 experts with 8-bit inputs (W4A8, W4AFP8): name → (hidden size, quantize options), of a Qwen3-MoE
+# model whose experts are 256 wide (vLLM's W4AFP8 experts take groups of 128 and sizes that are
+# multiples of 256)
+W4A8_ARTIFACTS = {
+    "a8w4": (256, dict(quant_type="a8w4", group_size=128)),
+    "a8w4_asym": (256, dict(quant_type="a8w4", group_size=128, symmetric=False)),
+    "a8w4_fp8": (256, dict(quant_type="a8w4_fp8", group_size=128)),
+    "a8w4_fp8_g64": (256, dict(quant_type="a8w4_fp8", group_size=64)),
+    "a8w4_fp8_hidden384": (384, dict(quant_type="a8w4_fp8", group_size=128)),
+    # the attention at another type: int4 weight-only (the checkpoint pack-quantized throughout), FP8
+    "a8w4_fp8_int4_attention": (256, dict(quant_type="a8w4_fp8", group_size=128,
+                                          layer_quant_types=("re:.*self_attn.*=weight_only_int4",))),
+    "a8w4_fp8_fp8_attention": (256, dict(quant_type="a8w4_fp8", group_size=128,
+                                         layer_quant_types=("re:.*self_attn.*=a8w8_fp8",))),
+}
 MIXTRAL_ARTIFACTS = ("weight_only_int4", "a8w8_fp8", "a8w8_fp8_dynamic", "a8w8_fp8_block", "nvfp4",
                      "weight_only_mxfp4", "mxfp4")
 MXFP4 = ("weight_only_mxfp4", "mxfp4")
-CASES = [("qwen3_moe", n) for n in [*ARTIFACTS, "a8w8_fp8_channel_experts"]] + \
+# artifacts whose experts' methods make their parameters in the request (`_moe_request`)
+CREATES = (*MXFP4, *W4A8_ARTIFACTS)
+CASES = [("qwen3_moe", n) for n in [*ARTIFACTS, "a8w8_fp8_channel_experts", *W4A8_ARTIFACTS]] + \
     [("mixtral", n) for n in MIXTRAL_ARTIFACTS]
 
 
@@ -65,6 +83,13 @@ def moe_artifacts(tmp_path_factory, calibration_table) -> dict[tuple[str, str], 
             calib = calibration_table(model) if static else None
             out[arch, name] = api.quantize(str(model), out=root / f"{arch}.{name}", calib=calib, target="quantspec",
                                            **options)
+    for hidden in sorted({h for h, _ in W4A8_ARTIFACTS.values()}):
+        model = build_tiny_model(root / f"qwen3_moe_{hidden}", "qwen3_moe", hidden=hidden, heads=4, kv_heads=2,
+                                 intermediate=512)
+        for name, (h, options) in W4A8_ARTIFACTS.items():
+            if h == hidden:
+                out["qwen3_moe", name] = api.quantize(str(model), out=root / f"qwen3_moe.{name}", target="quantspec",
+                                                      **options)
     # what quantspec does not write: FP8 experts per channel with static per-tensor inputs
     other = root / "a8w8_fp8_channel_experts"
     shutil.copytree(out["qwen3_moe", "a8w8_fp8"], other)
@@ -90,7 +115,8 @@ def _experts(path: Path, arch: str) -> dict[str, dict[str, tuple[list[int], str]
     return out
 
 
-_DTYPES = {"U8": "uint8", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "I32": "int32"}
+_DTYPES = {"U8": "uint8", "I8": "int8", "F32": "float32", "BF16": "bfloat16", "F16": "float16", "I32": "int32",
+           "I64": "int64"}
 
 
 def _moe_request(moe_artifacts: dict, names, capability: int):
@@ -104,7 +130,7 @@ def _moe_request(moe_artifacts: dict, names, capability: int):
             path = moe_artifacts[arch, n]
             art = arts[f"{arch}/{n}"] = {"quantization_config": json.loads((path / "config.json").read_text())[
                 "quantization_config"], "layers": list(MODELS[arch][0]), "ckpt_names": list(MODELS[arch][1])}
-            if n in MXFP4:
+            if n in CREATES:
                 gate, down = (_experts(path, arch)[p]["weight_packed"][0] for p in MODELS[arch][1][::2])
                 num = len({k.split(".")[5] for k in _keys(path) if k.startswith(MODELS[arch][0][0] + ".")})
                 art["experts"] = {"num_experts": num, "hidden": down[0], "intermediate": gate[0]}
@@ -138,11 +164,26 @@ def _unloaded(theirs: dict, experts: dict) -> list[str]:
     for i, (proj, leaves) in enumerate(experts.items()):
         for leaf, (shape, dtype) in leaves.items():
             name = f"{'w2' if i == 2 else 'w13'}_{leaf}"
-            want = shape if i == 2 else [2 * shape[0], *shape[1:]]
+            # gate's and up's rows stacked in w13; their weight_shape [2] (one per expert), not stacked
+            want = shape if i == 2 or leaf == "weight_shape" else [2 * shape[0], *shape[1:]]
             got = theirs["params"].get(name)
-            if got is None or got[0][1:] != want or got[1] != dtype:
+            if got is None or got[0][1:] != want or not _takes(got[1], dtype, leaf):
                 out.append(f"{proj}.{leaf} → {name}: {got}")
     return out
+
+
+def _takes(param: str, tensor: str, leaf: str) -> bool:
+    """Whether a parameter of dtype `param` takes a checkpoint tensor of dtype `tensor` as the engines'
+    weight loaders copy it (`param.data.copy_`): codes and FP8 / FP4 scale bytes as they are (the same
+    dtype), float scales into the parameter's float dtype, a weight_shape's sizes in any dtype."""
+    floats = ("float32", "bfloat16", "float16")
+    return leaf == "weight_shape" or param == tensor or (tensor in floats and param in floats)
+
+
+# (engine, artifact) → ((the method its code selects, no error), what quantspec's refusal names): layers
+# the engine loads whose kernel runs them otherwise, as `test_sglang_w4a8_experts_kernel` reads from
+# its source (SGLang's CUTLASS W4A8 experts run groups of 128 whatever the checkpoint's)
+KERNEL_REFUSALS = {("sglang", "a8w4_fp8_g64"): (("CompressedTensorsW4AFP8MoE", None), "groups of 128")}
 
 
 @pytest.mark.parametrize("engine", list(eng.ENGINE_PINS))
@@ -153,7 +194,10 @@ def test_moe_verdict_matches_engine_code(lifted_moe, moe_artifacts, engine, case
     verdict = api.inspect(moe_artifacts[case])["engines"][engine]
     for layer in MODELS[case[0]][0]:
         theirs, ours = lifted_moe[engine][case][layer], verdict["layers"][layer]
-        if ours["scheme"] is None and "params" in theirs:  # refused where the weights load
+        if (engine, case[1]) in KERNEL_REFUSALS:  # the engine's code loads what its kernel runs otherwise
+            assert (theirs["method"], theirs["error"]) == KERNEL_REFUSALS[engine, case[1]][0], (layer, theirs)
+            assert ours["scheme"] is None and KERNEL_REFUSALS[engine, case[1]][1] in ours["problem"], ours
+        elif ours["scheme"] is None and "params" in theirs:  # refused where the weights load
             assert _unloaded(theirs, _experts(moe_artifacts[case], case[0])), (layer, theirs, ours)
         elif ours["scheme"] is None:
             assert theirs["method"] is None and theirs["error"], (layer, theirs, ours)
@@ -204,6 +248,68 @@ def test_mxfp4_experts_by_capability_match_engine_code(engine_sources, moe_artif
         assert '"experts.w13_"' in layer and 'f"experts.{expert_id}.{weight_name}."' in layer
 
 
+# vLLM's W4AFP8 experts by compute capability (`lift_moe._w4a8_experts_oracle`): none below 7.5,
+# CUTLASS W4A8 on 9.0, Humming's elsewhere
+W4A8_EXPERTS = {70: None, 80: "HummingGroupedExperts", 90: "CutlassExpertsW4A8Fp8", 100: "HummingGroupedExperts"}
+
+
+def test_w4a8_experts_by_capability_match_engine_code(engine_sources, moe_artifacts, tmp_path):
+    """int4 experts with 8-bit inputs, by compute capability: vLLM's W4AFP8 method picks CUTLASS W4A8
+    experts on Hopper and Humming's from 7.5 (none below: refused), its parameters taking every
+    expert tensor quantspec writes, and refuses int8 inputs on every GPU (CPU-only backend);
+    SGLang's W4AFP8 scheme takes both input types on every GPU but asks for 9.0, which quantspec's
+    verdict holds it to. quantspec's verdict says the same at each capability."""
+    cases = [("qwen3_moe", "a8w4"), ("qwen3_moe", "a8w4_fp8")]
+    layer = MODELS["qwen3_moe"][0][0]
+    for cap, kernel in W4A8_EXPERTS.items():
+        (tmp_path / str(cap)).mkdir()
+        out = eng.run_engines(engine_sources, _moe_request(moe_artifacts, cases, cap), tmp_path / str(cap), LIFT)
+        for engine, ans in out.items():
+            if isinstance(ans, str):
+                pytest.skip(ans)
+            for case in cases:
+                theirs = ans["result"]["/".join(case)][layer]
+                ours = artifact_verdicts(moe_artifacts[case], capability=cap)[engine].layers[layer]
+                if engine == "sglang":
+                    assert (theirs["method"], theirs["min_capability"]) == ("CompressedTensorsW4AFP8MoE", 90), theirs
+                    assert (ours.scheme is None) == (cap < theirs["min_capability"]), (cap, case, ours)
+                    assert ours.scheme is None or "one dynamic scale per tensor" in ours.problem, ours
+                elif case[1] == "a8w4" or kernel is None:
+                    assert theirs["method"] is None and "NotImplementedError" in theirs["error"], (cap, case, theirs)
+                    assert ours.scheme is None, (cap, case, ours)
+                else:
+                    assert (theirs["method"], theirs["experts"]) == ("CompressedTensorsW4A8Fp8MoEMethod", kernel)
+                    assert not _unloaded(theirs, _experts(moe_artifacts[case], "qwen3_moe")), theirs
+                    assert (ours.scheme, ours.problem) == ("W4A8Fp8MoE", None), (cap, ours)
+
+
+def test_sglang_w4a8_experts_kernel(engine_sources, moe_artifacts):
+    """What SGLang's W4AFP8 experts' kernel does, read from its source (`cutlass_w4a8_moe`): both
+    grouped GEMMs take a group size of 128 as a literal, and the inputs get one dynamic FP8 scale
+    per tensor ((1,)-shaped) when none is given, as the scheme never gives one. quantspec's
+    verdicts say so: groups of 64 refused, groups of 128 with that input quantization named."""
+    src = engine_sources["sglang"]
+    if isinstance(src, str):
+        pytest.skip(src)
+    tree = ast.parse((src.source / "sglang/srt/layers/moe/cutlass_w4a8_moe.py").read_text())
+    fn = next(n for n in tree.body if isinstance(n, ast.FunctionDef) and n.name == "cutlass_w4a8_moe")
+    calls = [n for n in ast.walk(fn) if isinstance(n, ast.Call) and getattr(n.func, "id", None) == "cutlass_w4a8_moe_mm"]
+    assert len(calls) == 2 and all(ast.literal_eval(c.args[-2]) == 128 for c in calls), ast.dump(fn)[:300]
+    # `if a1_scale is None: a1_scale = torch.full((1,), ...)`, `if a2_scale is None: a2_scale = torch.zeros(1, ...)`
+    defaults = {n.test.left.id: n.body[0].value for n in ast.walk(fn) if isinstance(n, ast.If)
+                and isinstance(n.test, ast.Compare) and isinstance(n.test.ops[0], ast.Is)}
+    assert ast.literal_eval(defaults["a1_scale"].args[0]) == (1,) and ast.literal_eval(defaults["a2_scale"].args[0]) == 1
+    scheme = (src.source / "sglang/srt/layers/quantization/compressed_tensors/schemes/"
+              "compressed_tensors_w4a8_fp8_moe.py").read_text()
+    assert "layer.a13_scale = None" in scheme and "layer.a2_scale = None" in scheme
+    layer = MODELS["qwen3_moe"][0][0]
+    g64 = api.inspect(moe_artifacts["qwen3_moe", "a8w4_fp8_g64"])["engines"]["sglang"]["layers"][layer]
+    assert g64["scheme"] is None and "groups of 128 whatever the checkpoint's" in g64["problem"]
+    for name in ("a8w4", "a8w4_fp8"):
+        v = api.inspect(moe_artifacts["qwen3_moe", name])["engines"]["sglang"]["layers"][layer]
+        assert v["scheme"] == "W4AFP8MoE" and "one dynamic scale per tensor" in v["problem"], v
+
+
 def test_portable_moe_artifacts_load_in_both_engines(lifted_moe):
     """What `--target portable` lets through for a mixture of experts loads in vLLM and SGLang:
     int8 / int4 weight-only (symmetric or not), FP8 static or dynamic, NVFP4; Mixtral's too."""
@@ -224,7 +330,10 @@ DOC_ROWS = {"weight_only_int8 / int4 (sym or asym)": ("weight_only_int8", "weigh
             "weight_only_nvfp4": ("weight_only_nvfp4",),
             "nvfp4": ("nvfp4",),
             "weight_only_mxfp4": ("weight_only_mxfp4",),
-            "mxfp4": ("mxfp4",)}
+            "mxfp4": ("mxfp4",),
+            "a8w4 (W4A8)": ("a8w4",),
+            "a8w4_fp8 (W4AFP8) `--group-size 128`": ("a8w4_fp8",),
+            "a8w4_fp8 `--group-size 128`, attention `weight_only_int4`": ("a8w4_fp8_int4_attention",)}
 
 
 def test_docs_moe_table_says_what_the_verdicts_say(moe_artifacts):

@@ -76,7 +76,7 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
             intended = [config.module_scheme(s) for s in shards]
             if layer.endswith((".mlp.experts", ".block_sparse_moe.experts")):  # a fused-MoE layer (`moe`)
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_REFUSAL) if engine == "transformers" \
-                    else moe_layer(engine, layer, config, shards, capability)
+                    else moe_layer(engine, layer, config, shards, capability, linears)
             elif engine == "transformers" and _short(layer) == "embed_tokens":
                 per_layer[layer] = LayerVerdict(None, problem=TRANSFORMERS_EMBEDDING)
             elif engine == "transformers":  # compressed-tensors' own matching, per checkpoint Linear
@@ -150,6 +150,12 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if "8-bit inputs in fused-MoE experts only" in text:
         out.append("pass --target vllm with --quant-type a8w4_fp8 (vLLM runs FP8 inputs on Hopper), or use "
                    "--quant-type weight_only_int4")
+    if "int4 experts with int8 inputs on CPUs only" in text:
+        out.append("use --quant-type a8w4_fp8 (vLLM runs int4 experts with FP8 inputs)")
+    if "pack-quantized throughout" in text:
+        out.append("leave the other Linears float (--ignore 're:.*self_attn.*') or weight-only int4")
+    if "groups of 128" in text:
+        out.append("use --group-size 128")
     if "before Humming" in text:
         out.append("use --quant-type a8w4_fp8 (FP8 inputs, which vLLM quantizes on Hopper) or weight_only_int4")
     if "has no quantized embedding" in text:
@@ -170,16 +176,23 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
 _PROBE = {f"model.layers.0.{n}": 4096
           for n in ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
                     "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")}
-# ... and of its mixture-of-experts twin (two experts in place of the MLP)
-_MOE_PROBE = {**{n: k for n, k in _PROBE.items() if ".mlp." not in n},
-              **{f"model.layers.0.mlp.experts.{e}.{p}": 4096 for e in range(2) for p in PROJECTIONS}}
+
+
+def _moe_probe(hidden: int = 4096, intermediate: int = 4096) -> dict[str, int]:
+    """The probe's mixture-of-experts twin: two experts of `intermediate` in place of the MLP."""
+    return {**{n: k for n, k in _PROBE.items() if ".mlp." not in n},
+            **{f"model.layers.0.mlp.experts.{e}.{p}": intermediate if p == "down_proj" else hidden
+               for e in range(2) for p in PROJECTIONS}}
+
+
 # ... and of an EAGLE-3 head on that Llama (fc reads 3 hidden states, q/k/v 2)
 _EAGLE3_PROBE = {s: 4096 * {"fc": 3, "midlayer.self_attn.q_proj": 2, "midlayer.self_attn.k_proj": 2,
                             "midlayer.self_attn.v_proj": 2}.get(s, 1)
                  for _, shards in EAGLE3_LAYERS["vllm"].values() for s in shards if s != "lm_head"}
 
 
-def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None, moe: bool = False) -> str | None:
+def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None, moe: bool = False,
+                   expert_dims: tuple[int, int] | None = None) -> str | None:
     """The one-line refusal of `quantize --target target` for a preset `config` (None: allowed).
 
     Evaluates `engine_verdicts` on a probe Llama: an engine of the target that would refuse the
@@ -189,12 +202,13 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
     artifact's verdict for that engine says so. Naming that engine as the target refuses it.
     `draft`: "mtp" / "medusa" for a draft module, which every target but quantspec refuses;
     "eagle3" for an EAGLE-3 head, probed as one (`config` holds what the target leaves float,
-    `drafts.eagle3_ignore`). `moe`: the model's MLPs are mixtures of experts, probed as two.
+    `drafts.eagle3_ignore`). `moe`: the model's MLPs are mixtures of experts, probed as two, of
+    the model's hidden and expert intermediate sizes where `expert_dims` gives them.
     """
     if target not in TARGETS:
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
     probe = {n: k for n, k in _EAGLE3_PROBE.items() if config.scheme_for(n) is not None} \
-        if draft == "eagle3" else _MOE_PROBE if moe else _PROBE
+        if draft == "eagle3" else _moe_probe(*(expert_dims or ())) if moe else _PROBE
     if draft is None and config.scheme_for("lm_head") is not None:  # a quantized output head
         probe = {**probe, "lm_head": 4096}
     if draft is None and config.module_scheme("model.embed_tokens") is not None:  # ... embedding

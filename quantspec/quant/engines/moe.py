@@ -17,6 +17,11 @@ one quantization method for all of them. Their decision code (vLLM's
 - NVFP4 weights, alone or with NVFP4 inputs, load in both (vLLM's one NVFP4 MoE method, SGLang's
   W4A16 / W4A4 ones); below compute capability 10.0 both run the weights alone (FP4 Marlin) and set
   the inputs' quantization aside;
+- int4 weights with 8-bit inputs per token (W4A8, W4AFP8): vLLM runs FP8 inputs with
+  `CompressedTensorsW4A8Fp8MoEMethod` (symmetric, groups of 128, hidden and intermediate sizes
+  multiples of 256; CUTLASS W4A8 experts on compute capability 9.0, Humming's from 7.5) and
+  int8 inputs on CPUs only; SGLang runs both with `CompressedTensorsW4AFP8MoE` on 9.0, groups of
+  128, quantizing the inputs to FP8 with one scale per tensor (`engines.tables`);
 - MXFP4 weights, alone or with MXFP4 inputs, take vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod`:
   CUTLASS W4A4 experts on compute capability 10.x-11.x (the inputs quantized to MXFP4 at run time,
   a weight-only checkpoint's too), Marlin experts (weight-only) elsewhere. SGLang picks its
@@ -29,11 +34,21 @@ tensors at load, which no compressed-tensors scheme covers: it refuses quantized
 from __future__ import annotations
 
 import re
-from typing import Iterable
+from typing import Iterable, Mapping
 
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.engines.tables import ENGINE_VERSIONS, MXFP4_MOE_W4A4_CAPABILITIES, NVFP4_W4A4_CAPABILITY
+from quantspec.quant.engines.tables import (
+    ENGINE_VERSIONS,
+    MXFP4_MOE_W4A4_CAPABILITIES,
+    NVFP4_W4A4_CAPABILITY,
+    SGLANG_W4A8_MOE_CAPABILITY,
+    SGLANG_W4A8_MOE_INPUTS,
+    VLLM_W4A8_INT_MOE,
+    W4A8_MOE_ALIGN,
+    W4A8_MOE_GROUP,
+    W4A8_MOE_MIN_CAPABILITY,
+)
 from quantspec.quant.engines.verdict import (
     LayerVerdict,
     activation_label,
@@ -103,9 +118,53 @@ def _mxfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | N
     return "W4A4Mxfp4MoE", None
 
 
-def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 90) -> tuple[str | None, str | None]:
+def _vllm_w4a8(s: QuantScheme, capability: int, dims: tuple[int | None, int | None]) -> tuple[str | None, str | None]:
+    """vLLM's W4A8 / W4AFP8 experts, checked in the order its code checks them (`engines.tables`)."""
+    w, ia = s.weights, s.input_activations
+    if ia.type == "int":
+        return (None, VLLM_W4A8_INT_MOE) if w.symmetric and ia.strategy == "token" else \
+            (None, "asymmetric int4 experts or int8 inputs not per token (its W4A8 MoE methods take symmetric "
+                   "weights with per-token inputs)")
+    if not (w.symmetric and ia.symmetric and w.strategy == "group" and ia.strategy == "token"):
+        return None, "its W4AFP8 experts take symmetric int4 groups with symmetric FP8 inputs per token"
+    if w.group_size != W4A8_MOE_GROUP:
+        return None, (f"CompressedTensorsW4A8Fp8MoEMethod takes groups of {W4A8_MOE_GROUP} only (the experts' "
+                      f"group size is {w.group_size})")
+    if capability < W4A8_MOE_MIN_CAPABILITY:
+        return None, (f"its W4A8 experts (CUTLASS on 9.0, Humming from {W4A8_MOE_MIN_CAPABILITY / 10:.1f}) "
+                      f"do not run on compute capability {capability / 10:.1f}")
+    off = [f"{what} {d}" for what, d in zip(("hidden size", "intermediate size"), dims)
+           if d is not None and d % W4A8_MOE_ALIGN]
+    if off:
+        return None, (f"CompressedTensorsW4A8Fp8MoEMethod.create_weights asserts the experts' hidden and "
+                      f"intermediate sizes are multiples of {W4A8_MOE_ALIGN} ({', '.join(off)})")
+    return "W4A8Fp8MoE", None
+
+
+def _sglang_w4a8(s: QuantScheme, config: QuantConfig, capability: int) -> tuple[str | None, str | None]:
+    """SGLang's W4A8 / W4AFP8 experts (`engines.tables`): one scheme for int8 and FP8 inputs."""
+    w, ia = s.weights, s.input_activations
+    if not w.symmetric:
+        return None, "asymmetric int4 experts (its W4AFP8 experts take symmetric weights only)"
+    if config.format != FORMAT_PACK_QUANTIZED:  # SGLang's `_is_wint4afp8` reads the top-level format
+        return None, (f"its W4AFP8 experts take a checkpoint that is {FORMAT_PACK_QUANTIZED} throughout (this "
+                      f"one's format is {config.format!r})")
+    if capability < SGLANG_W4A8_MOE_CAPABILITY:
+        return None, (f"CompressedTensorsW4AFP8MoE runs CUTLASS W4A8 experts, which ask for compute capability "
+                      f"{SGLANG_W4A8_MOE_CAPABILITY / 10:.1f} (the scheme's get_min_capability, which SGLang does not "
+                      "check for fused-MoE layers)")
+    if w.group_size != W4A8_MOE_GROUP:
+        return None, (f"its CUTLASS W4A8 experts (cutlass_w4a8_moe) run groups of {W4A8_MOE_GROUP} whatever the "
+                      f"checkpoint's, so g{w.group_size} experts would compute wrong outputs")
+    what = "int8 input quantization" if ia.type == "int" else \
+        "per-token FP8 input scales" if ia.strategy == "token" else "the experts' FP8 input scales"
+    return "W4AFP8MoE", SGLANG_W4A8_MOE_INPUTS.format(what=what)
+
+
+def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 90,
+            dims: tuple[int | None, int | None] = (None, None)) -> tuple[str | None, str | None]:
     """(the MoE method the engine's code selects for scheme `s`, or None; the problem: why it
-    refuses, or what it sets aside)."""
+    refuses, or what it sets aside). `dims`: the experts' hidden and intermediate sizes, where known."""
     w, ia = s.weights, s.input_activations
     if w.is_mx:
         return _mxfp4_method(engine, s, capability)
@@ -129,18 +188,17 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 
             return None, "SGLang runs int8-activation experts on NPUs only"
         return "W8A8Int8MoE", None
     if w.type == "int" and w.num_bits == 4 and ia.num_bits == 8 and ia.dynamic:
-        # vLLM selects CompressedTensorsW4A8Fp8MoEMethod (groups of 128) / W4A8Int8MoEMethod (Arm CPUs),
-        # SGLang CompressedTensorsW4AFP8MoE for int8 and FP8 inputs alike: kernel-level rules the
-        # conformance suite does not lift, so no target promises them
-        return None, "its W4A8 / W4AFP8 experts' methods are not among those quantspec checks against the engine's code"
+        return _vllm_w4a8(s, capability, dims) if engine == "vllm" else _sglang_w4a8(s, config, capability)
     return None, "no MoE kernel takes static int8 activations"
 
 
 def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str] = (),
-              capability: int = 90) -> LayerVerdict | None:
+              capability: int = 90, linears: Mapping[str, int | None] | None = None) -> LayerVerdict | None:
     """vLLM's or SGLang's verdict on the fused-MoE layer `layer` whose quantized expert Linears are
-    `shards` (None: left float), on a GPU of `capability`."""
+    `shards` (None: left float), on a GPU of `capability`; `linears`: Linear name → input dim K,
+    where known (the experts' hidden size is expert 0's gate's K, their intermediate size its down's)."""
     names = MIXTRAL_PROJECTIONS if ".block_sparse_moe." in f"{layer}." else PROJECTIONS
+    dims = tuple((linears or {}).get(f"{layer}.0.{p}") for p in (names[0], names[2]))
     intended = [config.scheme_for(f"{layer}.0.{p}") for p in names]
     first = {p: _key(i, config) for p, i in zip(names, intended)}
     if any(_key(config.scheme_for(n), config) != first.get(EXPERT.match(n).group(3)) for n in shards):
@@ -158,7 +216,7 @@ def moe_layer(engine: str, layer: str, config: QuantConfig, shards: Iterable[str
                                           "up_proj / down_proj, which the config quantizes otherwise")
     if s is None:
         return None
-    kind, problem = _method(engine, s, config, capability)
+    kind, problem = _method(engine, s, config, capability, dims)
     w, ia = s.weights, s.input_activations
     group = w.group_size if w.strategy in ("group", "tensor_group") else None
     return LayerVerdict(kind, w.num_bits, group, w.symmetric, activation_label(ia), problem=problem,

@@ -9,7 +9,9 @@ __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGI
            "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
            "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "VLLM_EMBEDDING", "SGLANG_EMBEDDING",
            "TRANSFORMERS_EMBEDDING", "W4A8_FP8_CAPABILITY", "W4A8_INT_MIN_CAPABILITY", "VLLM_W4A8_INT_INPUTS",
-           "VLLM_W4A8_INT_QUANTIZED_INPUTS", "SGLANG_W4A8", "engine_name"]
+           "VLLM_W4A8_INT_QUANTIZED_INPUTS", "SGLANG_W4A8", "W4A8_MOE_GROUP", "W4A8_MOE_ALIGN",
+           "W4A8_MOE_MIN_CAPABILITY", "SGLANG_W4A8_MOE_CAPABILITY", "VLLM_W4A8_INT_MOE", "SGLANG_W4A8_MOE_INPUTS",
+           "engine_name"]
 
 ENGINES = ("vllm", "sglang", "transformers", "quantspec")
 ENGINE_NAMES = {"vllm": "vLLM", "sglang": "SGLang", "transformers": "transformers",
@@ -62,6 +64,23 @@ VLLM_W4A8_INT_QUANTIZED_INPUTS = ("int8 input quantization (CompressedTensorsW4A
                                   "is given no input quantization: the inputs run float)")
 SGLANG_W4A8 = (f"SGLang {ENGINE_VERSIONS['sglang']} runs int4 weights with 8-bit inputs in fused-MoE experts only "
                "(no compressed-tensors Linear scheme takes them)")
+# int4 experts with 8-bit inputs per token (W4A8 / W4AFP8 fused-MoE layers). vLLM: FP8 inputs take
+# `CompressedTensorsW4A8Fp8MoEMethod`, whose constructor asserts symmetric weights in groups of 128 and
+# asks `select_w4a8_moe_backend` for CUTLASS W4A8 experts (9.0) or Humming's (from 7.5, FP8 inputs),
+# and whose `create_weights` asserts hidden and intermediate sizes that are multiples of 256 (CUTLASS's
+# int4 reorder); int8 inputs take `CompressedTensorsW4A8Int8MoEMethod`, whose one backend runs on CPUs
+# (Arm's CPU_INT4), so on a GPU it raises. SGLang: `CompressedTensorsW4AFP8MoE` for int8 and FP8 inputs
+# alike (symmetric pack-quantized int4), whose `cutlass_w4a8_moe` quantizes the experts' inputs to FP8
+# with one dynamic scale per tensor and runs groups of 128 whatever the checkpoint's; the scheme asks
+# for 9.0 (`get_min_capability`), which SGLang's MoE path does not check before its first forward
+W4A8_MOE_GROUP = 128
+W4A8_MOE_ALIGN = 256
+W4A8_MOE_MIN_CAPABILITY = 75
+SGLANG_W4A8_MOE_CAPABILITY = 90
+VLLM_W4A8_INT_MOE = (f"vLLM {ENGINE_VERSIONS['vllm']} runs int4 experts with int8 inputs on CPUs only "
+                     "(CompressedTensorsW4A8Int8MoEMethod's one backend is Arm's CPU_INT4)")
+SGLANG_W4A8_MOE_INPUTS = ("{what} (CompressedTensorsW4AFP8MoE's CUTLASS kernel quantizes the experts' inputs to "
+                          "FP8 with one dynamic scale per tensor)")
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only (SGLang: no blocks)
 # NVFP4: FP4 tensor cores (Blackwell) run W4A4; below, both engines serve an NVFP4 checkpoint weight-only
 # (FP4 Marlin: vLLM's `init_nvfp4_linear_kernel`, SGLang's CompressedTensorsW4A16Fp4), its
