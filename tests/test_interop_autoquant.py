@@ -78,26 +78,31 @@ def _codes(w: torch.Tensor, bits: int, group: int, sym: bool, perm: torch.Tensor
 
 
 def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, skip: tuple[str, ...] = (),
-           lm_head: bool = False, desc_act: bool = False) -> dict[str, torch.Tensor]:
+           lm_head: bool = False, desc_act: bool = False, modules: dict | None = None,
+           dynamic: dict | None = None) -> dict[str, torch.Tensor]:
     """`src` as a GPTQ (symmetric; `desc_act`: groups of columns in a random order, its `g_idx`
-    permuted) or AWQ (zero points) checkpoint → {Linear: its dequantized weight}."""
+    permuted) or AWQ (zero points) checkpoint → {Linear: its dequantized weight}. `modules`: Linear →
+    its own (bits, group), or None to store it float, as GPTQModel's `dynamic` rules (written to
+    the config) give it."""
     shutil.copytree(src, out)
     tensors, dense = load_file(str(out / "model.safetensors")), {}
     names = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and
              (k.rsplit(".", 2)[-2] in LINEARS or (lm_head and k == "lm_head.weight"))]
     for n in names:
-        if any(s in n for s in skip):
+        own = (modules or {}).get(n, (bits, group))
+        if any(s in n for s in skip) or own is None:
             continue
         w = tensors.pop(f"{n}.weight")
         perm = torch.randperm(w.shape[1], generator=torch.Generator().manual_seed(len(dense))) if desc_act else None
-        q, s, z, dense[n] = _codes(w, bits, group, sym=method == "gptq", perm=perm)
+        nb, ng = own
+        q, s, z, dense[n] = _codes(w, nb, ng, sym=method == "gptq", perm=perm)
         tensors[f"{n}.scales"] = s
         if method == "gptq":
-            tensors[f"{n}.qweight"] = _pack_rows(q, bits)
-            g = q.shape[0] if group == -1 else group
+            tensors[f"{n}.qweight"] = _pack_rows(q, nb)
+            g = q.shape[0] if ng == -1 else ng
             # AutoGPTQ's zeros, stored less one (unused: symmetric)
-            tensors[f"{n}.qzeros"] = _pack_rows(numpy.full((q.shape[1], q.shape[0] // g), (1 << (bits - 1)) - 1),
-                                                bits).t().contiguous()
+            tensors[f"{n}.qzeros"] = _pack_rows(numpy.full((q.shape[1], q.shape[0] // g), (1 << (nb - 1)) - 1),
+                                                nb).t().contiguous()
             order = torch.arange(q.shape[0]) if perm is None else torch.argsort(perm)  # column k's rank
             tensors[f"{n}.g_idx"] = (order // g).to(torch.int32)
         else:
@@ -106,7 +111,8 @@ def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, sk
     cfg = json.loads((out / "config.json").read_text())
     cfg["quantization_config"] = {"quant_method": "gptq", "bits": bits, "group_size": group, "desc_act": desc_act,
                                   "sym": True, "lm_head": lm_head, "damp_percent": 0.01,
-                                  "checkpoint_format": "gptq"} if method == "gptq" else \
+                                  "checkpoint_format": "gptq", **({"dynamic": dynamic} if dynamic else {})} \
+        if method == "gptq" else \
         {"quant_method": "awq", "bits": bits, "group_size": group, "zero_point": True, "version": "gemm",
          "modules_to_not_convert": list(skip) or None}
     (out / "config.json").write_text(json.dumps(cfg))
@@ -145,8 +151,39 @@ def test_we_run_gptq_and_awq_checkpoints(tiny_llama_dir, tmp_path, logits_of, me
     assert len(info["layers"]) == len(layers)
 
 
-def test_quantizing_from_gptq_equals_quantizing_its_weights(tiny_llama_dir, tmp_path):
-    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq")
+# GPTQModel's per-module rules, first match deciding: layer 0 at 8 bits (its up_proj too, though the
+# negative rule after it names it), every other up_proj float, down_proj in groups of 16
+NAMES = [f"model.layers.{i}.{'self_attn' if p[0] in 'qkvo' else 'mlp'}.{p}" for i in range(2) for p in LINEARS]
+DYNAMIC = {"+:.*layers\\.0\\..*": {"bits": 8}, "-:.*up_proj": {}, ".*down_proj": {"group_size": 16}}
+
+
+def _dynamic_modules(names) -> dict:
+    """What `DYNAMIC` gives each Linear, written out by hand: (bits, group), or None (float)."""
+    return {n: (8, 32) if ".layers.0." in n else None if n.endswith("up_proj") else
+            (4, 16) if n.endswith("down_proj") else (4, 32) for n in names}
+
+
+def test_gptqmodel_dynamic_rules_give_each_module_its_own_scheme(tiny_llama_dir, tmp_path, logits_of):
+    """A GPTQModel checkpoint with per-module rules (`dynamic`) runs with each Linear's own bits and
+    group size, the ones a negative rule names stay float, and its logits are those of its weights."""
+    modules = _dynamic_modules(NAMES)
+    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq", modules=modules, dynamic=DYNAMIC)
+    lm = load_for_inference(tmp_path / "gptq", tokenizer=False, fuse=False)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert sorted(layers) == sorted(n for n, own in modules.items() if own is not None) == sorted(dense)
+    for name, m in layers.items():
+        assert (m.weight_args.num_bits, m.weight_args.group_size) == modules[name], name
+        assert torch.equal(m.dequantized_weight(torch.float32), dense[name].float()), name
+    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+    info = api.inspect(tmp_path / "gptq")
+    assert {n: (d["bits"], d["group_size"]) for n, d in info["layers"].items()} == \
+        {n: own for n, own in modules.items() if own is not None}
+
+
+@pytest.mark.parametrize("rules", [None, DYNAMIC], ids=["one-scheme", "dynamic"])
+def test_quantizing_from_gptq_equals_quantizing_its_weights(tiny_llama_dir, tmp_path, rules):
+    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq", modules=rules and _dynamic_modules(NAMES), dynamic=rules)
     ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
     a, b = (api.quantize(str(src), "weight_only_int8", tmp_path / f"w8_{i}") for i, src in
             enumerate((tmp_path / "gptq", ref)))
@@ -180,7 +217,10 @@ def test_desc_act_is_refused_where_run_and_requantized_into_static_groups(tiny_l
 @pytest.mark.parametrize("edit, named", [
     ({"sym": False}, "sym: false"),
     ({"bits": 3}, "bits 3"),
-    ({"dynamic": {"+:.*down_proj": {"bits": 8}}}, "dynamic"),
+    ({"dynamic": {"+:.*down_proj": {"bits": 3}}}, "dynamic rule '\\+:.\\*down_proj': bits 3"),
+    ({"dynamic": {".*down_proj": {"sym": False}}}, "dynamic rule '.\\*down_proj': asymmetric"),
+    ({"dynamic": {"-:.*(down": {}}}, "is not a regex"),
+    ({"dynamic": {".*down_proj": 8}}, "dynamic must map module regexes"),
     ({"quant_method": "awq", "version": "gemv", "zero_point": True}, "version 'gemv'"),
 ])
 def test_what_vllm_refuses_is_one_line(tiny_llama_dir, tmp_path, edit, named):

@@ -9,7 +9,12 @@ scale per group, which vLLM runs with its own `auto_gptq` / `auto_awq` methods.
   row. As in vLLM, symmetric 4- and 8-bit weights only; `desc_act` reordering (a permuted `g_idx`)
   is refused where the checkpoint is run and followed where it is decompressed
   (`quant.artifact_plan`); `lm_head: true` quantizes the head; `modules_in_block_to_quantize` names
-  the Linears quantized in each block.
+  the Linears quantized in each block. GPTQModel's per-module rules (`dynamic`: {regex: overrides},
+  tried in order against each module's name with `re.match`, the first that matches deciding; a
+  `-:` rule leaves the module float, a `+:` or bare one overrides `bits`, `group_size` and `sym`;
+  `desc_act` is read from the tensors, as the base's) are read as vLLM's `get_dynamic_override` reads them: a config group per positive
+  rule, an ignore entry per negative one, each regex guarded against the earlier rules' patterns
+  (compressed-tensors' matching has no order; the guards make at most one rule match a module).
 - AWQ (`version: "gemm"`, AutoAWQ's default): `qweight` [K, N / 8] int32, each word 8 codes of
   consecutive columns in AWQ's interleaved order (nibble i holds column `AWQ_ORDER[i]`), unsigned
   in [0, 15]; `qzeros` [K / group, N / 8] packed alike; `scales` [K / group, N]: w = (q − z) · s.
@@ -68,8 +73,6 @@ def _gptq(d: Mapping[str, Any]) -> tuple[QuantArgs, list[str], tuple[str, ...]]:
         raise _err("gptq", f"bits {bits} is unsupported; quantspec runs 4- and 8-bit GPTQ weights")
     if d.get("sym", True) is not True:
         raise _err("gptq", "asymmetric weights (sym: false) are unsupported, as in vLLM; use a symmetric checkpoint")
-    if d.get("dynamic"):
-        raise _err("gptq", "per-module overrides (dynamic) are unsupported; use one scheme for every module")
     if d.get("checkpoint_format", "gptq") not in ("gptq", "gptq_v2"):
         raise _err("gptq", f"checkpoint_format {d['checkpoint_format']!r} is unsupported; use 'gptq' or 'gptq_v2'")
     blocks = d.get("modules_in_block_to_quantize") or []
@@ -78,6 +81,42 @@ def _gptq(d: Mapping[str, Any]) -> tuple[QuantArgs, list[str], tuple[str, ...]]:
         raise _err("gptq", "modules_in_block_to_quantize must list module names")
     targets = (f"re:.*\\.(?:{'|'.join(re.escape(n) for n in names)})$",) if names else ("Linear",)
     return _weights("gptq", bits, group, True), [] if d.get("lm_head") else ["lm_head"], targets
+
+
+def _dynamic(d: Mapping[str, Any], bits: int, group: int, targets: tuple[str, ...]
+             ) -> tuple[dict[tuple[str, ...], QuantArgs], list[str], tuple[str, ...]]:
+    """GPTQModel's `dynamic` rules (module docstring) → ({targets: weight args} of the positive
+    rules, the ignore entries of the negative ones, the base group's targets). A rule's regex
+    is `(?!p1)…(?!pk)(?:p)`: p where no earlier rule's pattern matches (`re.match` anchors
+    both at the start), and only among the Linears the base group quantizes."""
+    rules = d.get("dynamic") or {}
+    if not isinstance(rules, Mapping) or not all(isinstance(k, str) and isinstance(v, Mapping)
+                                                 for k, v in rules.items()):
+        raise _err("gptq", 'dynamic must map module regexes to overrides, e.g. {"+:.*down_proj": {"bits": 8}}')
+    among = "" if targets == ("Linear",) else f"(?={targets[0][3:]})"  # the Linears quantized at all
+    groups: dict[tuple[str, ...], QuantArgs] = {}
+    ignore, earlier = [], ""
+    for key, over in rules.items():
+        pattern = key[2:] if key.startswith(("-:", "+:")) else key
+        try:
+            re.compile(pattern)
+        except re.error as e:
+            raise _err("gptq", f"dynamic rule {key!r} is not a regex ({e})") from None
+        target = f"re:{earlier}{among}(?:{pattern})"
+        earlier += f"(?!{pattern})"
+        if key.startswith("-:"):
+            ignore.append(target)
+            continue
+        b = _int(over, ("bits",), "gptq", bits)
+        g = _int(over, ("group_size",), "gptq", group)
+        if b not in (4, 8):
+            raise _err("gptq", f"dynamic rule {key!r}: bits {b} is unsupported; quantspec runs 4- and 8-bit GPTQ weights")
+        if over.get("sym", True) is not True:
+            raise _err("gptq", f"dynamic rule {key!r}: asymmetric weights (sym: false) are unsupported, as in vLLM; "
+                               "use a symmetric checkpoint")
+        groups[(target,)] = _weights("gptq", b, g, True)
+    base = targets if not rules or targets == ("Linear",) else (f"re:{earlier}{targets[0][3:]}",)
+    return groups, ignore, base
 
 
 def _awq(d: Mapping[str, Any]) -> tuple[QuantArgs, list[str], tuple[str, ...]]:
@@ -106,9 +145,16 @@ def config_from_autoquant(d: Mapping[str, Any]):
 
     method = d["quant_method"]
     weights, ignore, targets = (_gptq if method == "gptq" else _awq)(d)
-    scheme = QuantScheme(targets=targets, weights=weights, format=FORMAT_PACK_QUANTIZED)
+    rules: dict = {}
+    if method == "gptq":
+        group = weights.group_size if weights.strategy == "group" else -1
+        rules, negative, targets = _dynamic(d, weights.num_bits, group, targets)
+        ignore = [*ignore, *negative]
+    groups = {"group_0": QuantScheme(targets=targets, weights=weights, format=FORMAT_PACK_QUANTIZED)}
+    groups.update({f"dynamic_{i}": QuantScheme(targets=t, weights=w, format=FORMAT_PACK_QUANTIZED)
+                   for i, (t, w) in enumerate(rules.items())})
     qt = QuantType.WEIGHT_ONLY_INT4 if weights.num_bits == 4 else QuantType.WEIGHT_ONLY_INT8
-    return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore), format=FORMAT_PACK_QUANTIZED,
+    return QuantConfig(config_groups=groups, ignore=tuple(ignore), format=FORMAT_PACK_QUANTIZED,
                        quant_type=qt, source=method)
 
 
