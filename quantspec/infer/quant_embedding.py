@@ -17,7 +17,7 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.quant.compressed import read_quantized_linear
 from quantspec.quant.packing import pack_int32, unpack_int32
-from quantspec.quant.primitives import dequantize
+from quantspec.quant.primitives import dequantize, quantize
 from quantspec.quant.scheme import QuantScheme, embedding_problem
 
 __all__ = ["QuantEmbedding", "check_embedding_scheme"]
@@ -68,6 +68,18 @@ class QuantEmbedding(nn.Module):
         if host and (int(flat.min()) < 0 or int(flat.max()) >= self.num_embeddings):
             raise IndexError(f"token id out of range [0, {self.num_embeddings})")
         return self.rows(flat).view(*ids.shape, self.embedding_dim)
+
+    def codes_match(self, table: torch.Tensor, *, tolerance: float = 0.01) -> bool:
+        """Whether `table` [V, D] (a float copy of the embedding these codes were made from) rounds to
+        these codes under these scales and zero points: at most `tolerance` of its elements one code
+        off (a tie rounded the other way in another dtype), none further."""
+        if tuple(table.shape) != (self.num_embeddings, self.embedding_dim):
+            return False
+        ours = unpack_int32(self.packed, self.args.num_bits, tuple(table.shape)).to(torch.int32)
+        theirs = quantize(table.to(self.scale.device, self.scale.dtype), self.scale, self.zero_point, self.args,
+                          dtype=torch.int32)
+        off = (ours - theirs).abs()
+        return int(off.max()) <= 1 and float((off > 0).float().mean()) <= tolerance
 
     def dequantized(self) -> torch.Tensor:
         """The whole [V, D] table dequantized (a copy, in `dtype`)."""

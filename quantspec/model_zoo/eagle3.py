@@ -261,15 +261,18 @@ class Eagle3Head(nn.Module):
 
     def bind_embedding(self, embed: nn.Module) -> "Eagle3Head":
         """Read the base's embedding. A head file's own copy (`own_embed`: where it came from,
-        the tensor) must be that embedding: the head runs on the base's, where vLLM would run a
-        distinct copy of its own, so a head trained on another embedding is refused here."""
+        the tensor) must be that embedding (a quantized one's float source: rounding to its codes):
+        the head runs on the base's, where vLLM would run a distinct copy of its own, so a head
+        trained on another embedding is refused here."""
         if self.own_embed is not None:
             where, own = self.own_embed
-            quantized = hasattr(embed, "dequantized")  # a `QuantEmbedding`: within half its largest step
-            base = embed.dequantized() if quantized else embed.weight.detach()
-            atol = 1e-3 + (float(embed.scale.abs().max()) / 2 if quantized else 0.0)
-            if own.shape != base.shape or not torch.allclose(own.to(base.device, torch.float32), base.float(),
-                                                             rtol=1e-2, atol=atol):
+            if hasattr(embed, "codes_match"):  # a `QuantEmbedding`: the copy must round to its codes
+                same = embed.codes_match(own)
+            else:
+                base = embed.weight.detach()
+                same = own.shape == base.shape and torch.allclose(own.to(base.device, torch.float32), base.float(),
+                                                                  rtol=1e-2, atol=1e-3)
+            if not same:
                 raise QuantSpecError(f"{where}: the head's embed_tokens differs from the base's embedding; the "
                                      "head belongs to another base: pass its own base, or train one with "
                                      "`quantspec zoo train-draft-head --kind eagle3 --model BASE`")

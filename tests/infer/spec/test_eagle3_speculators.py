@@ -214,6 +214,29 @@ def test_a_head_with_another_embedding_is_refused(base, tmp_path):
         load_eagle3_for_inference(path, base)
 
 
+@pytest.mark.parametrize("embed_type", ["weight_only_int8", "weight_only_int4"])
+def test_a_head_s_own_embedding_is_checked_against_a_quantized_base_s(base, tiny_llama_dir, tmp_path, embed_type):
+    """A base whose embedding is quantized (`QuantEmbedding`): a head carrying a copy of the float
+    embedding the base was quantized from binds to it (it rounds to the base's codes, though the mse
+    observer clips some of them further than half a step), and a head carrying another embedding is
+    still refused."""
+    from quantspec import api
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.quant_embedding import QuantEmbedding
+
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "base", target="quantspec",
+                       layer_quant_types=(f"model.embed_tokens={embed_type}",))
+    qbase = load_for_inference(art, tokenizer=False).model
+    assert isinstance(qbase.model.embed_tokens, QuantEmbedding)
+    gap = (qbase.model.embed_tokens.dequantized() - base.model.embed_tokens.weight.detach()).abs().max()
+    assert gap > 1e-3  # the quantized rows are not the float ones: the check must allow the steps
+    head = load_eagle3_for_inference(_write(tmp_path / "own", base, "llama-plain"), qbase)
+    assert head.own_embed is None and head._embed[0] is qbase.model.embed_tokens
+    other = base.model.embed_tokens.weight.detach() + 0.5 * torch.randn(base.model.embed_tokens.weight.shape)
+    with pytest.raises(QuantSpecError, match="embed_tokens differs from the base's embedding"):
+        load_eagle3_for_inference(_write(tmp_path / "other", base, "llama-plain", embed=other), qbase)
+
+
 def _as_model(path, verifier, tokens=3):
     """The head's speculators_config names `verifier` and `tokens` drafts per step."""
     cfg = json.loads((path / "config.json").read_text())
