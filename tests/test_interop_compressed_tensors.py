@@ -286,6 +286,7 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     scheme, kv = (f() if f is not None else None for f in SCHEMES[name])
     model = write_with_compressed_tensors(tiny_llama_128, tmp_path / name, scheme, kv)
     fp4 = scheme.weights.type == "float" and scheme.weights.num_bits == 4
+    seen = _layer_io(model) if name.startswith("w4a8") else None
     if fp4:  # decompressed to bf16 only: its fp32 numbers are its forward before compression
         theirs = model.fake_quantized_logits
     else:
@@ -293,8 +294,13 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
             theirs = model(IDS).logits[0]  # [T, V]: decompresses, fake-quantizes activations and K/V
     lm = load_for_inference(tmp_path / name, tokenizer=False, fuse=False)
     assert lm.kv_cache_dtype == (None if kv is None else "fp8")
-    torch.testing.assert_close(paged_logits(lm), theirs, **TOL)
     linears = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    if seen is None:
+        torch.testing.assert_close(paged_logits(lm), theirs, **TOL)
+    else:  # int4 kernels beside int8 inputs per token: layer by layer (`_layer_io`)
+        assert sorted(seen) == sorted(linears)
+        for n, (x, y) in seen.items():
+            torch.testing.assert_close(linears[n](x), y, rtol=1e-5, atol=1e-6)
     assert len(linears) == 7 * lm.args.num_layers
     for n, ql in linears.items():
         want = model.get_submodule(n).weight.data if not fp4 else _ct_decompressed(tmp_path / name, n, scheme)
@@ -308,7 +314,23 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     elif scheme.input_activations is not None or kv is not None:
         model.apply(disable_quantization)  # the same weights, float activations and K / V
         with torch.no_grad():
-            assert (model(IDS).logits[0] - theirs).abs().max() > 1e-3
+            floats = (model(IDS).logits[0] - theirs).abs().max()
+        assert floats > 1e-3
+        if seen is not None:  # end to end, much closer to transformers than float inputs are
+            assert (paged_logits(lm) - theirs).abs().max() < 0.5 * floats
+
+
+def _layer_io(model) -> dict:
+    """{Linear name: (its input, its output)} of `model`'s next forward, filled by hooks. Where
+    int4 weights meet int8 / FP8 inputs quantized per token, the layers are compared, not the
+    logits: quantspec's int4 kernels sum in another order than the dequantized matmul, and one
+    input code rounded the other way downstream (on some CPUs, not others) moves a whole run's
+    logits by ~1e-2."""
+    seen = {}
+    for n, mod in model.named_modules():
+        if isinstance(mod, torch.nn.Linear) and n != "lm_head":
+            mod.register_forward_hook(lambda m, a, o, n=n: seen.__setitem__(n, (a[0][0].detach(), o[0].detach())))
+    return seen
 
 
 @pytest.mark.parametrize("preset,named", [
