@@ -258,7 +258,8 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 _OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)",
                 "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)",
                 "gptq": "gptq (AutoGPTQ's / GPTQModel's own checkpoint)",
-                "awq": "awq (AutoAWQ's own checkpoint)"}
+                "awq": "awq (AutoAWQ's own checkpoint)",
+                "auto-round": "auto-round (Intel AutoRound's own checkpoint)"}
 
 
 def inspect(path: str | Path) -> dict:

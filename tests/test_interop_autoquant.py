@@ -181,6 +181,62 @@ def test_gptqmodel_dynamic_rules_give_each_module_its_own_scheme(tiny_llama_dir,
         {n: own for n, own in modules.items() if own is not None}
 
 
+# an AutoRound config's per-layer settings and what they give each Linear, written out by hand
+AUTOROUND = {"block_name_to_quantize": "model.layers", "extra_config": {
+    "model.layers.0.mlp.down_proj": {"bits": 8, "group_size": 16}, r".*layers\.1\.self_attn\.o_proj": {"bits": 16},
+    r".*\.up_proj": {"group_size": 16}}}
+
+
+def _autoround_modules(names, method) -> dict:
+    return {n: (8, 16) if n == "model.layers.0.mlp.down_proj" and method == "gptq" else
+            None if n == "model.layers.1.self_attn.o_proj" else (4, 16) if n.endswith("up_proj") else (4, 32)
+            for n in names}
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_autoround_checkpoints_run_with_each_layer_s_settings(tiny_llama_dir, tmp_path, logits_of, method):
+    """An AutoRound checkpoint (AutoGPTQ's layout or AutoAWQ's) with per-layer settings
+    (`extra_config`: a full name, regexes, 16 bits for float) runs each Linear with its own bits and
+    group size, and gives the logits of its weights."""
+    modules = _autoround_modules(NAMES, method)
+    dense = _write(tiny_llama_dir, tmp_path / "ar", method, modules=modules)
+    cfg = json.loads((tmp_path / "ar" / "config.json").read_text())
+    extra = dict(AUTOROUND["extra_config"])
+    if method == "awq":  # AutoAWQ's layout holds 4-bit codes only
+        del extra["model.layers.0.mlp.down_proj"]
+    cfg["quantization_config"] = {"quant_method": "auto-round", "bits": 4, "group_size": 32, "sym": method == "gptq",
+                                  "data_type": "int", "packing_format": f"auto_round:auto_{method}", "iters": 200,
+                                  **AUTOROUND, "extra_config": extra}
+    (tmp_path / "ar" / "config.json").write_text(json.dumps(cfg))
+    lm = load_for_inference(tmp_path / "ar", tokenizer=False, fuse=False)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert sorted(layers) == sorted(n for n, own in modules.items() if own is not None) == sorted(dense)
+    for name, m in layers.items():
+        assert (m.weight_args.num_bits, m.weight_args.group_size) == modules[name], name
+        assert torch.equal(m.dequantized_weight(torch.float32), dense[name].float()), name
+    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+    assert api.inspect(tmp_path / "ar")["format"].startswith("auto-round")
+
+
+@pytest.mark.parametrize("edit, named", [
+    ({"data_type": "mx_fp"}, "data_type 'mx_fp'"),
+    ({"packing_format": "auto_round"}, "packing_format 'auto_round'"),
+    ({"sym": False}, "asymmetric weights in AutoGPTQ's layout"),
+    ({"act_bits": 8}, "act_bits 8"),
+    ({"extra_config": {"model.layers.0.mlp.down_proj": {"bits": 3}}}, "down_proj'\\]: 3-bit"),
+    ({"extra_config": {"(": {}}}, "is not a regex"),
+])
+def test_autoround_configs_quantspec_does_not_read_are_one_line(tiny_llama_dir, tmp_path, edit, named):
+    _write(tiny_llama_dir, tmp_path / "ar", "gptq")
+    cfg = json.loads((tmp_path / "ar" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "auto-round", "bits": 4, "group_size": 32, "sym": True, **edit}
+    (tmp_path / "ar" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantSpecError, match=named) as e:
+        load_for_inference(tmp_path / "ar", tokenizer=False)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("rules", [None, DYNAMIC], ids=["one-scheme", "dynamic"])
 def test_quantizing_from_gptq_equals_quantizing_its_weights(tiny_llama_dir, tmp_path, rules):
     dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq", modules=rules and _dynamic_modules(NAMES), dynamic=rules)

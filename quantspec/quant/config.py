@@ -65,6 +65,25 @@ def _infer_quant_type(groups: Mapping[str, QuantScheme]) -> QuantType | None:
     return found.pop() if len(found) == 1 else None
 
 
+def _own_format_reader(quant_method: str):
+    """The reader of a checkpoint in another tool's own format (its `quant_method`), or None."""
+    if quant_method == HF_FP8_METHOD:
+        return config_from_hf_fp8
+    if quant_method == "modelopt":
+        from quantspec.quant.modelopt import config_from_modelopt
+
+        return config_from_modelopt
+    if quant_method in ("gptq", "awq"):  # `quant.autoquant.AUTOQUANT_METHODS`
+        from quantspec.quant.autoquant import config_from_autoquant
+
+        return config_from_autoquant
+    if quant_method == "auto-round":  # `quant.autoround.AUTOROUND_METHOD`
+        from quantspec.quant.autoround import config_from_autoround
+
+        return config_from_autoround
+    return None
+
+
 @dataclass(frozen=True)
 class QuantConfig:
     """A model's quantization: named config groups, the ignore list and the KV-cache args.
@@ -146,25 +165,19 @@ class QuantConfig:
     def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
         """Read a `quantization_config` written by compressed-tensors / llm-compressor / us, an
         FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`), a ModelOpt NVFP4
-        checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`) or a GPTQ / AWQ one's
-        (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`)."""
+        checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`), a GPTQ / AWQ one's
+        (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`) or an AutoRound one's
+        (`quant_method: "auto-round"`, `quant.autoround`)."""
         w = "quantization_config"
         if not isinstance(d, Mapping):
             raise _err(w, f"expected a mapping, got {type(d).__name__}")
         qm = d.get("quant_method", QUANT_METHOD)
-        if qm == HF_FP8_METHOD:
-            return config_from_hf_fp8(d)
-        if qm == "modelopt":
-            from quantspec.quant.modelopt import config_from_modelopt
-
-            return config_from_modelopt(d)
-        if qm in ("gptq", "awq"):  # `quant.autoquant.AUTOQUANT_METHODS`
-            from quantspec.quant.autoquant import config_from_autoquant
-
-            return config_from_autoquant(d)
+        reader = _own_format_reader(qm)
+        if reader is not None:
+            return reader(d)
         if qm != QUANT_METHOD:
             raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r}, "
-                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4), 'gptq' and 'awq' checkpoints")
+                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4), 'gptq', 'awq' and 'auto-round' checkpoints")
         known = {"config_groups", "quant_method", "kv_cache_scheme", "format",
                  "quantization_status", "global_compression_ratio", "ignore",
                  "moe_sparsity_config", "sparsity_config", "transform_config", "version"}
