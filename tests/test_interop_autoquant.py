@@ -32,6 +32,7 @@ def corpus(tmp_path_factory):
     path.write_text(TINY_CORPUS * 2)
     return path
 LINEARS = ("q_proj", "k_proj", "v_proj", "o_proj", "gate_proj", "up_proj", "down_proj")
+MIXTRAL_EXPERTS = ("w1", "w2", "w3")  # Mixtral's experts' gate / down / up
 
 
 def _pack_rows(q: numpy.ndarray, bits: int) -> torch.Tensor:
@@ -87,7 +88,7 @@ def _write(src: Path, out: Path, method: str, bits: int = 4, group: int = 32, sk
     shutil.copytree(src, out)
     tensors, dense = load_file(str(out / "model.safetensors")), {}
     names = [k[:-len(".weight")] for k in tensors if k.endswith(".weight") and
-             (k.rsplit(".", 2)[-2] in LINEARS or (lm_head and k == "lm_head.weight"))]
+             (k.rsplit(".", 2)[-2] in LINEARS + MIXTRAL_EXPERTS or (lm_head and k == "lm_head.weight"))]
     for n in names:
         own = (modules or {}).get(n, (bits, group))
         if any(s in n for s in skip) or own is None:
@@ -235,6 +236,25 @@ def test_autoround_configs_quantspec_does_not_read_are_one_line(tiny_llama_dir, 
     with pytest.raises(QuantSpecError, match=named) as e:
         load_for_inference(tmp_path / "ar", tokenizer=False)
     assert "\n" not in str(e.value)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_mixture_of_experts_checkpoints_keep_their_float_routers(tmp_path, logits_of, arch, method):
+    """A GPTQ / AWQ checkpoint of a mixture of experts (experts and attention quantized, the routers
+    and Qwen2-MoE's shared-expert gate stored float, no module list in the config): the Linears
+    stored float run float, as vLLM reads them by their tensors' dtypes, and the logits are those
+    of the checkpoint's weights (transformers' own run of the float checkpoint)."""
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / arch, arch, num_layers=2)
+    dense = _write(src, tmp_path / method, method)
+    assert any(".experts." in n for n in dense) and not any(n.endswith(("mlp.gate", "gate.weight")) for n in dense)
+    lm = load_for_inference(tmp_path / method, tokenizer=False, fuse=False)
+    layers = {n for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert layers == set(dense)
+    ref = _dense_checkpoint(src, tmp_path / "dense", dense)
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
 
 
 @pytest.mark.parametrize("rules", [None, DYNAMIC], ids=["one-scheme", "dynamic"])

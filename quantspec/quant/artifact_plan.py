@@ -201,6 +201,9 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
     names = {k for k in shapes if not k.endswith(IGNORED_SUFFIXES)}
     net = build_model(args, device="meta")
     quantized = _quantized_modules(net, qc, where, check_scheme, check_embedding)
+    if qc.source in AUTOQUANT_METHODS:  # a Linear a GPTQ / AWQ checkpoint stores float (a mixture of
+        # experts' router) is float, as vLLM finds the quantized ones by their tensors' dtypes
+        quantized = {n: s for n, s in quantized.items() if f"{n}.weight" not in shapes}
     if args.tie_word_embeddings and "lm_head" not in quantized:
         names.discard("lm_head.weight")  # some exporters write the tied copy anyway
     float_table, q_expected = _float_table(args, net, quantized, shapes, where)
