@@ -88,6 +88,63 @@ def test_we_run_modelopt_nvfp4(nvfp4_artifact, tmp_path, sidecar):
     assert info["format"].startswith("modelopt NVFP4") and info["quant_type"] == "nvfp4"
 
 
+_ct_spec = importlib.util.spec_from_file_location(
+    "quantspec_test_interop_helpers_ct", Path(__file__).parent / "test_interop_compressed_tensors.py")
+_ct = importlib.util.module_from_spec(_ct_spec)
+_ct_spec.loader.exec_module(_ct)
+
+
+def _fp8_to_modelopt(ct: Path, out: Path, algo: str, kv: bool) -> None:
+    """compressed-tensors' FP8 checkpoint at `ct` as ModelOpt stores it: per-tensor scales as 0-d
+    scalars, per-channel ones as [N], KV scales on k_proj / v_proj, the `quant_algo` block."""
+    shutil.copytree(ct, out)
+    mo = {}
+    for k, v in load_safetensors(ct).items():
+        module, _, leaf = k.rpartition(".")
+        if leaf in ("k_scale", "v_scale"):
+            mo[f"{module}.{leaf[0]}_proj.{leaf}"] = v.float().reshape(())
+        elif leaf in ("weight_scale", "input_scale") and algo == "FP8":
+            mo[k] = v.reshape(())
+        elif leaf == "weight_scale" and algo == "FP8_PER_CHANNEL_PER_TOKEN":
+            mo[k] = v.reshape(-1)
+        else:
+            mo[k] = v
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    save_file(mo, str(out / "model.safetensors"))
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": algo, "ignore": ["lm_head"],
+                                  **({"kv_cache_scheme": {"num_bits": 8, "type": "float", "dynamic": False}}
+                                     if kv else {})}
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("algo, preset, kv", [
+    ("FP8", "FP8", True),
+    ("FP8_PER_CHANNEL_PER_TOKEN", "FP8_DYNAMIC", False),
+    ("FP8_PB_WO", "FP8_BLOCK", False),
+])
+def test_we_run_modelopt_fp8(tmp_path, algo, preset, kv):
+    """ModelOpt's FP8 checkpoints (the `nvidia/*-FP8` releases' "FP8": static per-tensor inputs and
+    an FP8 KV cache; per-channel weights with inputs per token; 128 × 128 weight blocks) run with
+    the numbers of compressed-tensors' own checkpoint of the same scheme, which they are renamed from."""
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "src", "llama", hidden=128, intermediate=256)
+    kv_scheme = _ct._args(**_ct.FP8, strategy="tensor") if kv else None
+    _ct.write_with_compressed_tensors(src, tmp_path / "ct", _ct._preset(preset), kv_scheme)
+    _fp8_to_modelopt(tmp_path / "ct", tmp_path / "mo", algo, kv)
+    (ours, lm_ct), (theirs, lm) = _logits(tmp_path / "ct"), _logits(tmp_path / "mo")
+    assert lm.kv_cache_dtype == lm_ct.kv_cache_dtype == ("fp8" if kv else None)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert sorted(layers) == sorted(n for n, m in lm_ct.model.named_modules() if isinstance(m, QuantLinear))
+    assert all(m.weight_args == lm_ct.quant_config.scheme_for(n).weights for n, m in layers.items())
+    assert torch.equal(theirs, ours)
+    assert (theirs - _logits(src)[0]).abs().max() > 1e-3  # teeth: the float model's differ
+    info = api.inspect(tmp_path / "mo")
+    assert info["format"].startswith("modelopt") and info["quant_type"] == "a8w8_fp8"
+
+
 def test_modelopt_algorithms_quantspec_does_not_run_are_one_line(nvfp4_artifact, tmp_path):
     out = tmp_path / "modelopt"
     _to_modelopt(nvfp4_artifact, out, sidecar=False)

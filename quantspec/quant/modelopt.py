@@ -1,9 +1,16 @@
-"""NVFP4 checkpoints in NVIDIA ModelOpt's own format (`quantization_config.quant_method:
+"""NVFP4 and FP8 checkpoints in NVIDIA ModelOpt's own format (`quantization_config.quant_method:
 "modelopt"`, or the older `hf_quant_config.json` beside config.json, which
 `model_zoo.hf_config.modelopt_sidecar` reads into it), read as the
 compressed-tensors scheme they are.
 
-`quant_algo` "NVFP4" (W4A4) or "W4A16_NVFP4"; per quantized Linear the checkpoint holds
+FP8 (`quant_algo`, as vLLM's ModelOpt method resolves them): "FP8" (the `nvidia/*-FP8` releases:
+FP8 weights with one scale each and static per-tensor FP8 inputs), "FP8_PER_CHANNEL_PER_TOKEN"
+(a scale per output channel, inputs per token at run time) and "FP8_PB_WO" (a scale per 128 × 128
+block, inputs per group of 128 at run time); their tensors carry compressed-tensors' names
+(`weight`, `weight_scale`, `input_scale`), scales as 0-d scalars (per tensor) or [N] (per channel:
+shown [N, 1]).
+
+NVFP4: `quant_algo` "NVFP4" (W4A4) or "W4A16_NVFP4"; per quantized Linear the checkpoint holds
 - `weight` uint8 [N, K/2]: two E2M1 codes a byte, compressed-tensors' `weight_packed` layout;
 - `weight_scale` float8_e4m3fn [N, K/16]: the local scales, as compressed-tensors stores them;
 - `weight_scale_2` fp32 (one value): the reciprocal of compressed-tensors' `weight_global_scale`;
@@ -26,12 +33,27 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.layout import ShapedTensors
-from quantspec.quant.args import FORMAT_NVFP4_PACK_QUANTIZED, NVFP4_GROUP_SIZE, QuantArgs, QuantType
+from quantspec.quant.args import (
+    FORMAT_FLOAT_QUANTIZED,
+    FORMAT_NVFP4_PACK_QUANTIZED,
+    NVFP4_GROUP_SIZE,
+    QuantArgs,
+    QuantType,
+)
 
 __all__ = ["MODELOPT_METHOD", "ModelOptTensors", "config_from_modelopt"]
 
 MODELOPT_METHOD = "modelopt"
 _ALGOS = {"NVFP4": True, "W4A16_NVFP4": False}  # quant_algo → NVFP4 inputs
+_FP8 = dict(num_bits=8, type="float")
+# FP8 quant_algo → (weight args, input args)
+FP8_ALGOS = {
+    "FP8": (QuantArgs(**_FP8, strategy="tensor"), QuantArgs(**_FP8, strategy="tensor")),
+    "FP8_PER_CHANNEL_PER_TOKEN": (QuantArgs(**_FP8, strategy="channel"),
+                                  QuantArgs(**_FP8, strategy="token", dynamic=True)),
+    "FP8_PB_WO": (QuantArgs(**_FP8, strategy="block", block_structure=(128, 128)),
+                  QuantArgs(**_FP8, strategy="group", group_size=128, dynamic=True)),
+}
 _W = "quantization_config (quant_method 'modelopt')"
 # shown (compressed-tensors) leaf → (stored leaf, how the value is shown: as stored, or 1 / it as [1])
 _LEAVES = {"weight_packed": ("weight", "same"), "weight_global_scale": ("weight_scale_2", "reciprocal"),
@@ -61,10 +83,10 @@ def config_from_modelopt(d: Mapping[str, Any]):
 
     algo, kv_algo, exclude, group = _fields(d)
     algo = algo.upper()
-    if algo not in _ALGOS:
+    if algo not in _ALGOS and algo not in FP8_ALGOS:
         raise QuantSpecError(f"{_W}: quant_algo {algo or None!r} is unsupported; quantspec runs ModelOpt's "
-                             f"{' and '.join(_ALGOS)} checkpoints (quantize the original for another type)")
-    if group not in (None, NVFP4_GROUP_SIZE, str(NVFP4_GROUP_SIZE)):
+                             f"{', '.join([*_ALGOS, *FP8_ALGOS])} checkpoints (quantize the original for another type)")
+    if algo in _ALGOS and group not in (None, NVFP4_GROUP_SIZE, str(NVFP4_GROUP_SIZE)):
         raise QuantSpecError(f"{_W}: group_size {group!r} is not NVFP4's {NVFP4_GROUP_SIZE}")
     if kv_algo is not None and str(kv_algo).upper() != "FP8":
         raise QuantSpecError(f"{_W}: KV cache {kv_algo!r} is unsupported; quantspec reads FP8 KV-cache scales")
@@ -72,14 +94,18 @@ def config_from_modelopt(d: Mapping[str, Any]):
         raise QuantSpecError(f"{_W}: exclude_modules / ignore must list module names or wildcards")
     ignore = tuple(dict.fromkeys(["lm_head"] + [p for e in exclude for p in (
         f"re:.*{re.escape(e)}.*", "re:" + fnmatch.translate(e))]))
-    weights = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
-    inputs = weights.replace(dynamic="local") if _ALGOS[algo] else None
-    scheme = QuantScheme(targets=("Linear",), weights=weights, input_activations=inputs,
-                         format=FORMAT_NVFP4_PACK_QUANTIZED)
     kv = None if kv_algo is None else QuantArgs(num_bits=8, type="float", strategy="tensor")
+    if algo in FP8_ALGOS:
+        weights, inputs = FP8_ALGOS[algo]
+        fmt, qt = FORMAT_FLOAT_QUANTIZED, QuantType.A8W8_FP8
+    else:
+        weights = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
+        inputs = weights.replace(dynamic="local") if _ALGOS[algo] else None
+        fmt = FORMAT_NVFP4_PACK_QUANTIZED
+        qt = QuantType.NVFP4 if inputs is not None else QuantType.WEIGHT_ONLY_NVFP4
+    scheme = QuantScheme(targets=("Linear",), weights=weights, input_activations=inputs, format=fmt)
     return QuantConfig(config_groups={"group_0": scheme}, ignore=ignore, kv_cache_scheme=kv,
-                       format=FORMAT_NVFP4_PACK_QUANTIZED, source=MODELOPT_METHOD,
-                       quant_type=QuantType.NVFP4 if inputs is not None else QuantType.WEIGHT_ONLY_NVFP4)
+                       format=fmt, source=MODELOPT_METHOD, quant_type=qt)
 
 
 class ModelOptTensors(ShapedTensors):
@@ -101,11 +127,16 @@ class ModelOptTensors(ShapedTensors):
                 self.names[f"{kv.group(1)}.{kv.group(2)}_scale"] = (k, "scalar")  # one per tensor, as [1]
                 continue
             shown = next((s for s, (stored, _) in _LEAVES.items() if stored == leaf), None)
-            if shown is not None and module in quantized and config.scheme_for(module) is not None:
+            scheme = config.scheme_for(module) if leaf == "weight_scale" or shown is not None else None
+            if shown is not None and module in quantized and scheme is not None:
                 self.names[f"{module}.{shown}"] = (k, _LEAVES[shown][1])
+            elif leaf == "weight_scale" and scheme is not None and scheme.weights.strategy == "channel" \
+                    and len(base_shapes[k]) == 1:
+                self.names[k] = (k, "column")  # FP8 per channel: [N] shown as compressed-tensors' [N, 1]
             else:
                 self.names[k] = (k, "same")
-        self.shapes = {shown: tuple(base_shapes[k]) if how == "same" else (1,) for shown, (k, how) in self.names.items()}
+        self.shapes = {shown: tuple(base_shapes[k]) if how == "same" else (base_shapes[k][0], 1) if how == "column"
+                       else (1,) for shown, (k, how) in self.names.items()}
 
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.names:
@@ -114,4 +145,6 @@ class ModelOptTensors(ShapedTensors):
         t = self.base[stored]
         if how == "same":
             return t
+        if how == "column":
+            return t.reshape(-1, 1)
         return (1.0 / t.float() if how == "reciprocal" else t.float()).reshape(1)
