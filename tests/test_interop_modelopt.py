@@ -145,11 +145,44 @@ def test_we_run_modelopt_fp8(tmp_path, algo, preset, kv):
     assert info["format"].startswith("modelopt") and info["quant_type"] == "a8w8_fp8"
 
 
+def test_we_run_modelopt_mixed_precision(tiny_llama_dir, tmp_path):
+    """quant_algo MIXED_PRECISION: each module its own algo (`quantized_layers`: NVFP4 weights in the
+    MLPs, FP8 per channel with inputs per token in the attention, one MLP left out and so float),
+    run with the numbers of the quantspec artifact it is renamed from."""
+    art = api.quantize(str(tiny_llama_dir), "weight_only_nvfp4", tmp_path / "art", target="quantspec",
+                       layer_quant_types=("re:.*self_attn.*=a8w8_fp8",), ignore=(FLOAT,))
+    shutil.copytree(art, tmp_path / "mo")
+    tensors, mo, layers = load_safetensors(art), {}, {}
+    for k, v in tensors.items():
+        module, _, leaf = k.rpartition(".")
+        if leaf == "weight_packed":
+            mo[f"{module}.weight"], layers[module] = v, {"quant_algo": "W4A16_NVFP4", "group_size": 16}
+        elif leaf == "weight_global_scale":
+            mo[f"{module}.weight_scale_2"] = (1.0 / v).reshape(())
+        elif leaf == "weight_scale" and v.dtype != torch.float8_e4m3fn:  # FP8 per channel: [N]
+            mo[k], layers[module] = v.reshape(-1), {"quant_algo": "FP8_PER_CHANNEL_PER_TOKEN"}
+        else:
+            mo[k] = v
+    (tmp_path / "mo" / "model.safetensors").unlink()
+    save_file(mo, str(tmp_path / "mo" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "mo" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "modelopt", "quant_algo": "MIXED_PRECISION",
+                                  "quantized_layers": layers}
+    (tmp_path / "mo" / "config.json").write_text(json.dumps(cfg))
+    (ours, lm_art), (theirs, lm) = _logits(art), _logits(tmp_path / "mo")
+    kinds = {n: (m.weight_args.type, m.weight_args.num_bits) for n, m in lm.model.named_modules()
+             if isinstance(m, QuantLinear)}
+    assert kinds == {n: (m.weight_args.type, m.weight_args.num_bits) for n, m in lm_art.model.named_modules()
+                     if isinstance(m, QuantLinear)}
+    assert {k for k in kinds.values()} == {("float", 4), ("float", 8)} and not any(FLOAT in n for n in kinds)
+    assert torch.equal(theirs, ours)
+
+
 def test_modelopt_algorithms_quantspec_does_not_run_are_one_line(nvfp4_artifact, tmp_path):
     out = tmp_path / "modelopt"
     _to_modelopt(nvfp4_artifact, out, sidecar=False)
     cfg = json.loads((out / "config.json").read_text())
-    for algo, named in (("W4A8_AWQ", "quant_algo 'W4A8_AWQ'"), ("MIXED_PRECISION", "quant_algo")):
+    for algo, named in (("W4A8_AWQ", "quant_algo 'W4A8_AWQ'"), ("MIXED_PRECISION", "needs quantized_layers")):
         cfg["quantization_config"]["quant_algo"] = algo
         (out / "config.json").write_text(json.dumps(cfg))
         with pytest.raises(QuantSpecError, match=named) as e:

@@ -8,7 +8,9 @@ FP8 weights with one scale each and static per-tensor FP8 inputs), "FP8_PER_CHAN
 (a scale per output channel, inputs per token at run time) and "FP8_PB_WO" (a scale per 128 × 128
 block, inputs per group of 128 at run time); their tensors carry compressed-tensors' names
 (`weight`, `weight_scale`, `input_scale`), scales as 0-d scalars (per tensor) or [N] (per channel:
-shown [N, 1]).
+shown [N, 1]). "MIXED_PRECISION" gives each module its own algo (`quantized_layers`: {module:
+{"quant_algo": ...}}; a module it leaves out is float, as in vLLM): a config group per algo,
+targeting its modules by name.
 
 NVFP4: `quant_algo` "NVFP4" (W4A4) or "W4A16_NVFP4"; per quantized Linear the checkpoint holds
 - `weight` uint8 [N, K/2]: two E2M1 codes a byte, compressed-tensors' `weight_packed` layout;
@@ -35,6 +37,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.layout import ShapedTensors
 from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
+    FORMAT_MIXED_PRECISION,
     FORMAT_NVFP4_PACK_QUANTIZED,
     NVFP4_GROUP_SIZE,
     QuantArgs,
@@ -45,6 +48,7 @@ __all__ = ["MODELOPT_METHOD", "ModelOptTensors", "config_from_modelopt"]
 
 MODELOPT_METHOD = "modelopt"
 _ALGOS = {"NVFP4": True, "W4A16_NVFP4": False}  # quant_algo → NVFP4 inputs
+MIXED = "MIXED_PRECISION"  # a quant_algo per module (`quantized_layers`)
 _FP8 = dict(num_bits=8, type="float")
 # FP8 quant_algo → (weight args, input args)
 FP8_ALGOS = {
@@ -61,18 +65,51 @@ _LEAVES = {"weight_packed": ("weight", "same"), "weight_global_scale": ("weight_
 _KV = re.compile(r"^(.*\.self_attn)\.([kv])_proj\.([kv])_scale$")
 
 
-def _fields(d: Mapping[str, Any]) -> tuple[str, str | None, list, Any]:
-    """(quant_algo, KV algo, exclude list, group size) of config.json's block or the sidecar's."""
+def _fields(d: Mapping[str, Any]) -> tuple[str, str | None, list, Any, Any]:
+    """(quant_algo, KV algo, exclude list, group size, MIXED_PRECISION's quantized_layers) of
+    config.json's block or the sidecar's."""
     if "quantization" in d:  # hf_quant_config.json: {"producer": ..., "quantization": {...}}
         q = d["quantization"]
         if not isinstance(q, Mapping):
             raise QuantSpecError(f"{_W}: 'quantization' must be a mapping")
         return str(q.get("quant_algo") or ""), q.get("kv_cache_quant_algo"), q.get("exclude_modules") or [], \
-            q.get("group_size")
+            q.get("group_size"), q.get("quantized_layers")
     kv = d.get("kv_cache_scheme")
     kv_algo = "FP8" if isinstance(kv, Mapping) and kv.get("type") == "float" and kv.get("num_bits") == 8 else \
         (None if kv is None else "other")
-    return str(d.get("quant_algo") or ""), kv_algo, d.get("ignore", d.get("exclude_modules")) or [], d.get("group_size")
+    return str(d.get("quant_algo") or ""), kv_algo, d.get("ignore", d.get("exclude_modules")) or [], \
+        d.get("group_size"), d.get("quantized_layers")
+
+
+def _scheme_args(algo: str, group: Any, where: str) -> tuple[QuantArgs, QuantArgs | None, str, QuantType]:
+    """(weight args, input args, format, quant type) of a linear `quant_algo`."""
+    algo = str(algo).upper()
+    if algo not in _ALGOS and algo not in FP8_ALGOS:
+        raise QuantSpecError(f"{_W}: {where}quant_algo {algo or None!r} is unsupported; quantspec runs ModelOpt's "
+                             f"{', '.join([*_ALGOS, *FP8_ALGOS, MIXED])} checkpoints (quantize the original for "
+                             "another type)")
+    if algo in FP8_ALGOS:
+        return (*FP8_ALGOS[algo], FORMAT_FLOAT_QUANTIZED, QuantType.A8W8_FP8)
+    if group not in (None, NVFP4_GROUP_SIZE, str(NVFP4_GROUP_SIZE)):
+        raise QuantSpecError(f"{_W}: {where}group_size {group!r} is not NVFP4's {NVFP4_GROUP_SIZE}")
+    weights = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
+    inputs = weights.replace(dynamic="local") if _ALGOS[algo] else None
+    return weights, inputs, FORMAT_NVFP4_PACK_QUANTIZED, QuantType.NVFP4 if inputs else QuantType.WEIGHT_ONLY_NVFP4
+
+
+def _mixed_groups(layers: Any) -> dict[str, tuple[list[str], tuple]]:
+    """MIXED_PRECISION's `quantized_layers` ({module: {"quant_algo": ..., "group_size": ...}}) →
+    {algo: (its modules, `_scheme_args`)}; a module not listed stays float (vLLM's rule)."""
+    if not isinstance(layers, Mapping) or not layers or not all(
+            isinstance(k, str) and isinstance(v, Mapping) for k, v in layers.items()):
+        raise QuantSpecError(f"{_W}: quant_algo MIXED_PRECISION needs quantized_layers, a mapping of module "
+                             "names to their quant_algo")
+    out: dict[str, tuple[list[str], tuple]] = {}
+    for name, info in layers.items():
+        algo = str(info.get("quant_algo") or "").upper()
+        args = _scheme_args(algo, info.get("group_size"), f"quantized_layers[{name!r}]: ")
+        out.setdefault(algo, ([], args))[0].append(name)
+    return out
 
 
 def config_from_modelopt(d: Mapping[str, Any]):
@@ -81,13 +118,8 @@ def config_from_modelopt(d: Mapping[str, Any]):
     from quantspec.quant.config import QuantConfig
     from quantspec.quant.scheme import QuantScheme
 
-    algo, kv_algo, exclude, group = _fields(d)
+    algo, kv_algo, exclude, group, layers = _fields(d)
     algo = algo.upper()
-    if algo not in _ALGOS and algo not in FP8_ALGOS:
-        raise QuantSpecError(f"{_W}: quant_algo {algo or None!r} is unsupported; quantspec runs ModelOpt's "
-                             f"{', '.join([*_ALGOS, *FP8_ALGOS])} checkpoints (quantize the original for another type)")
-    if algo in _ALGOS and group not in (None, NVFP4_GROUP_SIZE, str(NVFP4_GROUP_SIZE)):
-        raise QuantSpecError(f"{_W}: group_size {group!r} is not NVFP4's {NVFP4_GROUP_SIZE}")
     if kv_algo is not None and str(kv_algo).upper() != "FP8":
         raise QuantSpecError(f"{_W}: KV cache {kv_algo!r} is unsupported; quantspec reads FP8 KV-cache scales")
     if not isinstance(exclude, list) or not all(isinstance(e, str) and e for e in exclude):
@@ -95,17 +127,14 @@ def config_from_modelopt(d: Mapping[str, Any]):
     ignore = tuple(dict.fromkeys(["lm_head"] + [p for e in exclude for p in (
         f"re:.*{re.escape(e)}.*", "re:" + fnmatch.translate(e))]))
     kv = None if kv_algo is None else QuantArgs(num_bits=8, type="float", strategy="tensor")
-    if algo in FP8_ALGOS:
-        weights, inputs = FP8_ALGOS[algo]
-        fmt, qt = FORMAT_FLOAT_QUANTIZED, QuantType.A8W8_FP8
-    else:
-        weights = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
-        inputs = weights.replace(dynamic="local") if _ALGOS[algo] else None
-        fmt = FORMAT_NVFP4_PACK_QUANTIZED
-        qt = QuantType.NVFP4 if inputs is not None else QuantType.WEIGHT_ONLY_NVFP4
-    scheme = QuantScheme(targets=("Linear",), weights=weights, input_activations=inputs, format=fmt)
-    return QuantConfig(config_groups={"group_0": scheme}, ignore=ignore, kv_cache_scheme=kv,
-                       format=fmt, source=MODELOPT_METHOD, quant_type=qt)
+    per_algo = _mixed_groups(layers) if algo == MIXED else {algo: (["Linear"], _scheme_args(algo, group, ""))}
+    groups = {f"group_{i}": QuantScheme(targets=tuple(names), weights=w, input_activations=a, format=fmt)
+              for i, (names, (w, a, fmt, _)) in enumerate(per_algo.values())}
+    formats = {s.format for s in groups.values()}
+    _, (_, _, _, qt) = max(per_algo.values(), key=lambda v: len(v[0]))  # the type of most modules
+    return QuantConfig(config_groups=groups, ignore=ignore, kv_cache_scheme=kv,
+                       format=formats.pop() if len(formats) == 1 else FORMAT_MIXED_PRECISION,
+                       source=MODELOPT_METHOD, quant_type=qt)
 
 
 class ModelOptTensors(ShapedTensors):
