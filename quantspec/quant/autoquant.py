@@ -12,9 +12,10 @@ scale per group, which vLLM runs with its own `auto_gptq` / `auto_awq` methods.
   the Linears quantized in each block. GPTQModel's per-module rules (`dynamic`: {regex: overrides},
   tried in order against each module's name with `re.match`, the first that matches deciding; a
   `-:` rule leaves the module float, a `+:` or bare one overrides `bits`, `group_size` and `sym`;
-  `desc_act` is read from the tensors, as the base's) are read as vLLM's `get_dynamic_override` reads them: a config group per positive
-  rule, an ignore entry per negative one, each regex guarded against the earlier rules' patterns
-  (compressed-tensors' matching has no order; the guards make at most one rule match a module).
+  `desc_act` is read from the tensors, as the base's) are read as vLLM's `get_dynamic_override`
+  reads them: a config group per positive rule, an ignore entry per negative one, each regex
+  guarded against the earlier rules' patterns (compressed-tensors' matching has no order; the
+  guards make at most one rule match a module).
 - AWQ (`version: "gemm"`, AutoAWQ's default): `qweight` [K, N / 8] int32, each word 8 codes of
   consecutive columns in AWQ's interleaved order (nibble i holds column `AWQ_ORDER[i]`), unsigned
   in [0, 15]; `qzeros` [K / group, N / 8] packed alike; `scales` [K / group, N]: w = (q − z) · s.

@@ -164,7 +164,7 @@ class QuantConfig:
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
         """Read a `quantization_config` written by compressed-tensors / llm-compressor / us, an
-        FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`), a ModelOpt NVFP4
+        FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`), a ModelOpt NVFP4 / FP8
         checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`), a GPTQ / AWQ one's
         (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`) or an AutoRound one's
         (`quant_method: "auto-round"`, `quant.autoround`)."""
@@ -177,7 +177,7 @@ class QuantConfig:
             return reader(d)
         if qm != QUANT_METHOD:
             raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r}, "
-                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4), 'gptq', 'awq' and 'auto-round' checkpoints")
+                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4, FP8), 'gptq', 'awq' and 'auto-round' checkpoints")
         known = {"config_groups", "quant_method", "kv_cache_scheme", "format",
                  "quantization_status", "global_compression_ratio", "ignore",
                  "moe_sparsity_config", "sparsity_config", "transform_config", "version"}
