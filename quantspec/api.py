@@ -259,7 +259,8 @@ _OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 
                 "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)",
                 "gptq": "gptq (AutoGPTQ's / GPTQModel's own checkpoint)",
                 "awq": "awq (AutoAWQ's own checkpoint)",
-                "auto-round": "auto-round (Intel AutoRound's own checkpoint)"}
+                "auto-round": "auto-round (Intel AutoRound's own checkpoint)",
+                "quark": "quark FP8 (AMD Quark's own checkpoint)"}
 
 
 def inspect(path: str | Path) -> dict:

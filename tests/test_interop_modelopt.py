@@ -1,4 +1,6 @@
-"""NVFP4 checkpoints in NVIDIA ModelOpt's own format (`quant.modelopt`), written here with plain
+"""NVFP4 and FP8 checkpoints in NVIDIA ModelOpt's own format (`quant.modelopt`) and FP8 ones in AMD
+Quark's (`quant.quark`); the FP8 ones renamed from compressed-tensors' own checkpoints of the same
+scheme, which they must run as. The NVFP4 ones are written here with plain
 torch from a quantspec NVFP4 artifact by compressed-tensors' conversion rules read backwards
 (`weight_packed` → `weight`, the global scales → their reciprocals `weight_scale_2` /
 `input_scale`, `self_attn.k_scale` → `self_attn.k_proj.k_scale`): config.json's
@@ -143,6 +145,64 @@ def test_we_run_modelopt_fp8(tmp_path, algo, preset, kv):
     assert (theirs - _logits(src)[0]).abs().max() > 1e-3  # teeth: the float model's differ
     info = api.inspect(tmp_path / "mo")
     assert info["format"].startswith("modelopt") and info["quant_type"] == "a8w8_fp8"
+
+
+def _fp8_to_quark(ct: Path, out: Path, dynamic: bool) -> None:
+    """compressed-tensors' FP8 checkpoint at `ct` as AMD Quark exports it: scales per tensor as
+    scalars, KV scales as k_proj / v_proj `output_scale`, its config's global and per-layer blocks."""
+    shutil.copytree(ct, out)
+    q, kv = {}, False
+    for k, v in load_safetensors(ct).items():
+        module, _, leaf = k.rpartition(".")
+        if leaf in ("k_scale", "v_scale"):
+            q[f"{module}.{leaf[0]}_proj.output_scale"], kv = v.float().reshape(()), True
+        else:
+            # per tensor: a scalar; per channel: [N] (vLLM's Quark scheme's parameter)
+            q[k] = v.reshape(() if v.numel() == 1 else -1) if leaf in ("weight_scale", "input_scale") else v
+    for f in out.glob("*.safetensors"):
+        f.unlink()
+    save_file(q, str(out / "model.safetensors"))
+    fp8 = {"dtype": "fp8_e4m3", "is_dynamic": False, "symmetric": True, "ch_axis": None, "group_size": None,
+           "round_method": "half_even", "scale_type": "float", "observer_cls": "PerTensorMinMaxObserver"}
+    weight = {**fp8, "qscheme": "per_channel" if dynamic else "per_tensor"}
+    inputs = {**fp8, "qscheme": "per_channel", "is_dynamic": True} if dynamic else {**fp8, "qscheme": "per_tensor"}
+    layer = {"weight": weight, "input_tensors": inputs, "output_tensors": {**fp8, "qscheme": "per_tensor"}, "bias": None}
+    cfg = json.loads((out / "config.json").read_text())
+    cfg["quantization_config"] = {
+        "quant_method": "quark", "exclude": ["lm_head"], "algo_config": None, "quant_mode": "eager_mode",
+        "global_quant_config": {"weight": weight, "input_tensors": inputs, "output_tensors": None, "bias": None},
+        "layer_quant_config": {"*k_proj": layer, "*v_proj": layer} if kv else {}, "layer_type_quant_config": {},
+        "export": {"kv_cache_group": ["*k_proj", "*v_proj"] if kv else [], "pack_method": "reorder",
+                   "weight_format": "real_quantized", "min_kv_scale": 0.0}}
+    (out / "config.json").write_text(json.dumps(cfg))
+
+
+@pytest.mark.parametrize("preset, kv", [("FP8", True), ("FP8_DYNAMIC", False)])
+def test_we_run_quark_fp8(tmp_path, preset, kv):
+    """AMD Quark's FP8 exports (the `amd/*-FP8-KV` releases: per-tensor weights, static inputs, an
+    FP8 KV cache whose scales sit on k_proj / v_proj; per-channel weights with inputs per token) run
+    with the numbers of compressed-tensors' own checkpoint of the same scheme, and a Quark config
+    quantspec does not read is one line."""
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    src = build_tiny_model(tmp_path / "src", "llama", hidden=128, intermediate=256)
+    kv_scheme = _ct._args(**_ct.FP8, strategy="tensor") if kv else None
+    _ct.write_with_compressed_tensors(src, tmp_path / "ct", _ct._preset(preset), kv_scheme)
+    _fp8_to_quark(tmp_path / "ct", tmp_path / "quark", dynamic=preset == "FP8_DYNAMIC")
+    (ours, lm_ct), (theirs, lm) = _logits(tmp_path / "ct"), _logits(tmp_path / "quark")
+    assert lm.kv_cache_dtype == lm_ct.kv_cache_dtype == ("fp8" if kv else None)
+    if kv:
+        assert torch.equal(lm.k_scale, lm_ct.k_scale) and torch.equal(lm.v_scale, lm_ct.v_scale)
+    assert sorted(n for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)) == \
+        sorted(n for n, m in lm_ct.model.named_modules() if isinstance(m, QuantLinear))
+    assert torch.equal(theirs, ours)
+    assert api.inspect(tmp_path / "quark")["format"].startswith("quark")
+    cfg = json.loads((tmp_path / "quark" / "config.json").read_text())
+    cfg["quantization_config"]["layer_type_quant_config"] = {"Linear": cfg["quantization_config"]["global_quant_config"]}
+    (tmp_path / "quark" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantSpecError, match="layer_type_quant_config") as e:
+        load_for_inference(tmp_path / "quark", tokenizer=False)
+    assert "\n" not in str(e.value)
 
 
 def test_we_run_modelopt_mixed_precision(tiny_llama_dir, tmp_path):

@@ -196,6 +196,10 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
         tensors = ModelOptTensors(tensors, qc)
     elif qc.source in AUTOQUANT_METHODS:  # their own packing, repacked as compressed-tensors' (`quant.autoquant`)
         tensors = AutoQuantTensors(tensors, qc)
+    elif qc.source == "quark":  # its KV scales on k_proj / v_proj (`quant.quark`)
+        from quantspec.quant.quark import QuarkTensors
+
+        tensors = QuarkTensors(tensors)
     tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
     shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(IGNORED_SUFFIXES)}

@@ -81,6 +81,10 @@ def _own_format_reader(quant_method: str):
         from quantspec.quant.autoround import config_from_autoround
 
         return config_from_autoround
+    if quant_method == "quark":  # `quant.quark.QUARK_METHOD`
+        from quantspec.quant.quark import config_from_quark
+
+        return config_from_quark
     return None
 
 
@@ -166,8 +170,9 @@ class QuantConfig:
         """Read a `quantization_config` written by compressed-tensors / llm-compressor / us, an
         FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`), a ModelOpt NVFP4 / FP8
         checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`), a GPTQ / AWQ one's
-        (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`) or an AutoRound one's
-        (`quant_method: "auto-round"`, `quant.autoround`)."""
+        (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`), an AutoRound one's
+        (`quant_method: "auto-round"`, `quant.autoround`) or an AMD Quark one's (`quant_method:
+        "quark"`, `quant.quark`)."""
         w = "quantization_config"
         if not isinstance(d, Mapping):
             raise _err(w, f"expected a mapping, got {type(d).__name__}")
@@ -177,7 +182,8 @@ class QuantConfig:
             return reader(d)
         if qm != QUANT_METHOD:
             raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r}, "
-                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4, FP8), 'gptq', 'awq' and 'auto-round' checkpoints")
+                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4, FP8), 'gptq', 'awq', 'auto-round' and 'quark' (FP8) "
+                          "checkpoints")
         known = {"config_groups", "quant_method", "kv_cache_scheme", "format",
                  "quantization_status", "global_compression_ratio", "ignore",
                  "moe_sparsity_config", "sparsity_config", "transform_config", "version"}
