@@ -95,6 +95,9 @@ def config_from_quark(d: Mapping[str, Any]):
         if not isinstance(c, Mapping) or any(c.get(k) != g.get(k) for k in ("weight", "input_tensors", "bias")):
             raise _err(f"layer_quant_config[{name!r}] quantizes otherwise than global_quant_config, which "
                        "quantspec does not read")
+        kv_entry = name == "*q_proj" or any(fnmatch.fnmatchcase(name, p) for p in group)  # vLLM drops q's outputs
+        if c.get("output_tensors") is not None and not kv_entry:
+            raise _err(f"layer_quant_config[{name!r}] quantizes its outputs, which vLLM and quantspec do not run")
     exclude = d.get("exclude") or []
     if not isinstance(exclude, list) or not all(isinstance(e, str) and e for e in exclude):
         raise _err("exclude must list module names or re: regexes")
