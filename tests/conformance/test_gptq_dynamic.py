@@ -1,4 +1,4 @@
-"""GPTQModel's per-module rules (`dynamic`) as vLLM reads them: its own `is_layer_gptq_quantized`,
+"""GPTQ checkpoints' module rules as vLLM reads them. GPTQModel's per-module rules (`dynamic`): its own `is_layer_gptq_quantized`,
 `get_dynamic_override` and `override_config` (model_executor/layers/quantization/utils/gptq_utils.py,
 compiled from the pinned wheel with the `regex` module it imports, and the (bits, sym) pairs of
 `AutoGPTQConfig.TYPE_MAP`) decide, per module, whether it is quantized and with which bits, group
@@ -10,6 +10,7 @@ from __future__ import annotations
 import ast
 import copy
 import types
+import typing
 
 import pytest
 
@@ -92,3 +93,58 @@ def test_dynamic_rules_read_as_vllm_reads_them(vllm_rules, case):
             (s.weights.num_bits, s.weights.group_size if s.weights.strategy == "group" else -1, s.weights.symmetric)
     assert ours == theirs
     assert len(set(theirs.values())) > 1, theirs  # the rules give modules different schemes
+
+
+def _method_source(path, cls_name: str, method: str) -> ast.FunctionDef:
+    """Method `method` of class `cls_name` in the engine file at `path`, as a module-level function."""
+    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls_name)
+    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method)
+
+
+@pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_moe_checkpoint_layers_quantized_as_vllm_finds_them(engine_sources, tmp_path, arch, method):
+    """A GPTQ / AWQ checkpoint of a mixture of experts whose config names no modules: vLLM's own
+    `maybe_update_config` (AutoGPTQConfig's, AutoAWQConfig's) reads the safetensors header's
+    dtypes, and its `is_layer_gptq_quantized` / `is_layer_skipped` (substring) decide each Linear;
+    quantspec quantizes exactly those (the routers and Qwen2-MoE's shared-expert gate float)."""
+    src = engine_sources["vllm"]
+    if isinstance(src, str):
+        pytest.skip(src)
+    import regex
+    import torch
+    from safetensors import safe_open
+    from safetensors.torch import _TYPES
+
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.model_zoo.checkpoint import build_model
+    from quantspec.model_zoo.tiny import build_tiny_model
+    from test_interop_autoquant import _write
+
+    ckpt = tmp_path / method
+    _write(build_tiny_model(tmp_path / arch, arch, num_layers=2), ckpt, method)
+    with safe_open(str(ckpt / "model.safetensors"), framework="pt") as h:
+        metadata = {k: {"dtype": h.get_slice(k).get_dtype()} for k in h.keys()}
+    root = src.source / "vllm/model_executor/layers/quantization"
+    cls, attr = ("AutoGPTQConfig", "modules_in_block_to_quantize") if method == "gptq" else \
+        ("AutoAWQConfig", "modules_to_not_convert")
+    body = [_method_source(root / f"auto_{method}.py", cls, "maybe_update_config")]
+    body += [n for n in ast.parse((root / "utils/quant_utils.py").read_text()).body
+             if isinstance(n, ast.FunctionDef) and n.name == "is_layer_skipped"]
+    body += [n for n in ast.parse((root / "utils/gptq_utils.py").read_text()).body
+             if isinstance(n, ast.FunctionDef) and n.name in ("flatten_list", "is_layer_gptq_quantized")]
+    ns = {"torch": torch, "re": regex, "_SAFETENSORS_TO_TORCH_DTYPE": _TYPES, "is_list_of": lambda v, t: False,
+          "get_safetensors_params_metadata": lambda *a, **k: metadata, "Any": object, "Literal": typing.Literal,
+          "Mapping": dict, "MappingProxyType": types.MappingProxyType, "PreTrainedConfig": object}
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(root), "exec"), ns)  # noqa: S102 — vLLM's code
+    config = types.SimpleNamespace(**{attr: []})
+    ns["maybe_update_config"](config, str(ckpt))
+    listed = getattr(config, attr)
+    lm = load_for_inference(ckpt, tokenizer=False, fuse=False)
+    linears = {n for n, m in build_model(lm.args, device="meta").named_modules()
+               if isinstance(m, torch.nn.Linear) and n != "lm_head"}  # the checkpoint's Linears
+    theirs = {n for n in linears if (ns["is_layer_gptq_quantized"](prefix=n, quantized_layers=listed) if method == "gptq"
+                                     else not ns["is_layer_skipped"](n, listed, match_mode="substring"))}
+    ours = {n for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert ours == theirs and any(".experts." in n for n in ours) and ours != linears
