@@ -220,6 +220,47 @@ def test_autoround_checkpoints_run_with_each_layer_s_settings(tiny_llama_dir, tm
     assert api.inspect(tmp_path / "ar")["format"].startswith("auto-round")
 
 
+def test_autoround_block_fp8_is_transformers_fp8_layout(tiny_llama_dir, tmp_path, logits_of):
+    """AutoRound's block FP8 (`data_type: "fp"`, a [rows, columns] group_size) holds transformers'
+    FP8 tensors (`weight`, `weight_scale_inv` per block): quantspec runs it as that checkpoint
+    (dequantized weights exact, blocks and input groups as declared), a 16-bit `extra_config` entry
+    float, and refuses in one line the input settings vLLM asserts against."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("quantspec_test_interop_helpers_ar",
+                                                  Path(__file__).parent / "test_interop_transformers.py")
+    helpers = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(helpers)
+    dense = helpers._write_hf_fp8(tiny_llama_dir, tmp_path / "ar", (32, 32))
+    kept = "model.layers.1.mlp.down_proj"  # float: its 16-bit entry
+    tensors = load_file(str(tmp_path / "ar" / "model.safetensors"))
+    tensors[f"{kept}.weight"] = load_file(str(tiny_llama_dir / "model.safetensors"))[f"{kept}.weight"]
+    del tensors[f"{kept}.weight_scale_inv"], dense[kept]
+    save_file(tensors, str(tmp_path / "ar" / "model.safetensors"))
+    cfg = json.loads((tmp_path / "ar" / "config.json").read_text())
+    cfg["quantization_config"] = {"quant_method": "auto-round", "bits": 8, "group_size": [32, 32], "sym": True,
+                                  "data_type": "fp", "packing_format": "auto_round:fp8", "act_bits": 8,
+                                  "act_group_size": 32, "act_data_type": "fp", "act_dynamic": True, "act_sym": True,
+                                  "fmt": "e4m3", "activation_scheme": "dynamic", "block_name_to_quantize": "model.layers",
+                                  "extra_config": {kept: {"bits": 16}}}
+    (tmp_path / "ar" / "config.json").write_text(json.dumps(cfg))
+    lm = load_for_inference(tmp_path / "ar", tokenizer=False, fuse=False)
+    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
+    assert sorted(layers) == sorted(dense)
+    for name, m in layers.items():
+        assert m.weight_args.block_structure == (32, 32) and m.input_args.group_size == 32
+        assert torch.equal(m.dequantized_weight(torch.float32), dense[name]), name
+    for m in layers.values():  # with float inputs: the logits of its weights
+        m.input_args = None
+    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+    cfg["quantization_config"]["act_group_size"] = 64
+    (tmp_path / "ar" / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantSpecError, match="act_group_size") as e:
+        load_for_inference(tmp_path / "ar", tokenizer=False)
+    assert "\n" not in str(e.value)
+
+
 @pytest.mark.parametrize("edit, named", [
     ({"data_type": "mx_fp"}, "data_type 'mx_fp'"),
     ({"packing_format": "auto_round"}, "packing_format 'auto_round'"),

@@ -13,11 +13,16 @@ resolves them:
    keys the config's for a quantized module and 16 bits otherwise;
 3. else the config's settings, or float.
 
+AutoRound's block FP8 (`data_type: "fp"`, bits 8, `group_size` [128, 128]: `packing_format:
+"auto_round:fp8"`, inputs FP8 per token and group of 128 at run time) is transformers' FP8 layout
+(`weight`, `weight_scale_inv` per block), which vLLM runs with its FP8 method and quantspec reads
+with `quant.hf_fp8`; its `extra_config` may only leave modules float (16 bits).
+
 16 bits leaves a module float. Each entry becomes a compressed-tensors target: full names as
 exact targets (which outrank regexes), the others as regexes guarded by the earlier rules'
 patterns (compressed-tensors' matching has no order; the guards let at most one match a module),
-float ones as ignore entries. MXFP / FP8 AutoRound formats are refused in one line, as is what
-vLLM's kernels do not run.
+float ones as ignore entries. MXFP AutoRound formats are refused in one line, as is what vLLM's
+kernels do not run.
 """
 
 from __future__ import annotations
@@ -60,10 +65,44 @@ def _args(where: str, bits: Any, group: Any, sym: Any, packing: str) -> QuantArg
     return QuantArgs(num_bits=bits, type="int", symmetric=packing == "gptq", **strategy)
 
 
+# block FP8's input settings, as vLLM's INCConfig asserts them (`_validate_raw_config`)
+_FP8_INPUTS = {"act_bits": 8, "act_data_type": "fp", "act_sym": True, "act_dynamic": True,
+               "activation_scheme": "dynamic", "fmt": "e4m3"}
+
+
+def _fp8_block(d: Mapping[str, Any], extra: Mapping[str, Any], blocks: list[str]):
+    """The `QuantConfig` of AutoRound's block FP8 (module docstring): transformers' FP8 config of
+    its block, float where `extra_config` says 16 bits or outside `block_name_to_quantize`."""
+    from dataclasses import replace
+
+    from quantspec.quant.hf_fp8 import config_from_hf_fp8
+
+    group = d.get("group_size")
+    if d.get("bits") != 8 or not isinstance(group, list) or len(group) != 2 or d.get("sym", True) is not True \
+            or d.get("packing_format", "auto_round:fp8") != "auto_round:fp8":
+        raise _err(f"FP8 with bits {d.get('bits')!r}, group_size {group!r} is unsupported; quantspec reads "
+                   "AutoRound's symmetric block FP8 (bits 8, a [rows, columns] group_size, packing auto_round:fp8)")
+    wrong = {k: d.get(k) for k, v in _FP8_INPUTS.items() if d.get(k, v) != v}
+    if d.get("act_group_size", group[0]) != group[0]:
+        wrong["act_group_size"] = d["act_group_size"]
+    if wrong:
+        raise _err(f"block FP8 with {wrong} is unsupported, as in vLLM: inputs FP8 E4M3, dynamic, per group of "
+                   f"{group[0]}")
+    if any(set(c) - {"bits"} or c.get("bits", FLOAT_BITS) < FLOAT_BITS for c in extra.values()):
+        raise _err("extra_config settings other than 16 bits (float) are unsupported for block FP8")
+    config = config_from_hf_fp8({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
+                                 "weight_block_size": group})
+    inside = [f"re:(?!(?:{'|'.join(re.escape(b) for b in blocks)}))"] if blocks else []
+    floats = [t for k in extra for t in ((k, f"re:.*\\.{re.escape(k)}$") if not _REGEX_CHARS & set(k)
+                                         else (f"re:.*?(?:{k})",))]
+    return replace(config, ignore=tuple(dict.fromkeys([*config.ignore, *inside, *floats])))
+
+
 def _settings(d: Mapping[str, Any]) -> tuple[str, tuple, list[str], dict]:
     """(packing, the config's (bits, group_size, sym), the block prefixes, extra_config), checked."""
     if d.get("data_type", "int") != "int":
-        raise _err(f"data_type {d['data_type']!r} is unsupported; quantspec reads int AutoRound checkpoints")
+        raise _err(f"data_type {d['data_type']!r} is unsupported; quantspec reads int and block FP8 ('fp') "
+                   "AutoRound checkpoints")
     packing = d.get("packing_format") or "auto_round:auto_gptq"
     if packing not in PACKINGS:
         raise _err(f"packing_format {packing!r} is unsupported; quantspec reads {', '.join(PACKINGS)}")
@@ -87,6 +126,10 @@ def config_from_autoround(d: Mapping[str, Any]):
     from quantspec.quant.config import QuantConfig
     from quantspec.quant.scheme import QuantScheme
 
+    if d.get("data_type") in ("fp", "fp8"):  # block FP8: transformers' layout (`_fp8_block`)
+        blocks = d.get("block_name_to_quantize", d.get("to_quant_block_names"))
+        return _fp8_block(d, d.get("extra_config") or {},
+                          blocks.split(",") if isinstance(blocks, str) else list(blocks or []))
     packing, base, blocks, extra = _settings(d)
     base_args = _args("bits / group_size", *base, packing)
     if base_args is None:
