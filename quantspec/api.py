@@ -260,7 +260,8 @@ _OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 
                 "gptq": "gptq (AutoGPTQ's / GPTQModel's own checkpoint)",
                 "awq": "awq (AutoAWQ's own checkpoint)",
                 "auto-round": "auto-round (Intel AutoRound's own checkpoint)",
-                "quark": "quark FP8 (AMD Quark's own checkpoint)"}
+                "quark": "quark FP8 (AMD Quark's own checkpoint)",
+                "fbgemm_fp8": "fbgemm_fp8 (FBGEMM's FP8 checkpoint)"}
 
 
 def inspect(path: str | Path) -> dict:

@@ -1,6 +1,6 @@
-"""NVFP4 and FP8 checkpoints in NVIDIA ModelOpt's own format (`quant.modelopt`) and FP8 ones in AMD
-Quark's (`quant.quark`); the FP8 ones renamed from compressed-tensors' own checkpoints of the same
-scheme, which they must run as. The NVFP4 ones are written here with plain
+"""NVFP4 and FP8 checkpoints in NVIDIA ModelOpt's own format (`quant.modelopt`), FP8 ones in AMD
+Quark's (`quant.quark`) and FBGEMM's (`quant.fbgemm`); the FP8 ones renamed from compressed-tensors'
+own checkpoints of the same scheme, which they must run as. The NVFP4 ones are written here with plain
 torch from a quantspec NVFP4 artifact by compressed-tensors' conversion rules read backwards
 (`weight_packed` → `weight`, the global scales → their reciprocals `weight_scale_2` /
 `input_scale`, `self_attn.k_scale` → `self_attn.k_proj.k_scale`): config.json's
@@ -203,6 +203,50 @@ def test_we_run_quark_fp8(tmp_path, preset, kv):
     with pytest.raises(QuantSpecError, match="layer_type_quant_config") as e:
         load_for_inference(tmp_path / "quark", tokenizer=False)
     assert "\n" not in str(e.value)
+
+
+def test_we_run_fbgemm_fp8(tmp_path):
+    """FBGEMM's FP8 checkpoints (Meta's Llama-3.1-*-FP8): per-channel E4M3 weights, inputs FP8 per
+    token under `activation_scale_ub`. With a bound no token reaches, the logits of
+    compressed-tensors' own FP8_DYNAMIC checkpoint it is renamed from (bitwise); each Linear gives
+    vLLM's `scaled_fp8_quant(scale_ub=...)` numbers (the token's maximum taken as at most the bound,
+    the values beyond it saturating), written out here with torch; a bound tokens reach moves the
+    logits; `modules_to_not_convert` stay float."""
+    from quantspec.model_zoo.tiny import build_tiny_model
+    from quantspec.quant.fbgemm import config_from_fbgemm
+
+    src = build_tiny_model(tmp_path / "src", "llama", hidden=128, intermediate=256)
+    _ct.write_with_compressed_tensors(src, tmp_path / "ct", _ct._preset("FP8_DYNAMIC"))
+
+    def fbgemm(out: Path, bound: float) -> Path:
+        shutil.copytree(tmp_path / "ct", out, dirs_exist_ok=True)
+        tensors = load_safetensors(tmp_path / "ct")
+        tensors.update({k.replace(".weight_scale", ".input_scale_ub"): torch.tensor(bound)
+                        for k in list(tensors) if k.endswith(".weight_scale")})  # some exports store it
+        for f in out.glob("*.safetensors"):
+            f.unlink()
+        save_file(tensors, str(out / "model.safetensors"))
+        cfg = json.loads((out / "config.json").read_text())
+        cfg["quantization_config"] = {"quant_method": "fbgemm_fp8", "activation_scale_ub": bound,
+                                      "modules_to_not_convert": []}
+        (out / "config.json").write_text(json.dumps(cfg))
+        return out
+
+    (ours, _), (wide, lm) = _logits(tmp_path / "ct"), _logits(fbgemm(tmp_path / "wide", 1200.0))
+    assert torch.equal(wide, ours)
+    assert api.inspect(tmp_path / "wide")["format"].startswith("fbgemm_fp8")
+    narrow, lm = _logits(fbgemm(tmp_path / "narrow", 0.05))
+    assert (narrow - ours).abs().max() > 1e-3
+    x = torch.randn(5, 128, generator=torch.Generator().manual_seed(0))
+    x[:, 7] *= 40  # outliers beyond the bound
+    for name, m in lm.model.named_modules():
+        if isinstance(m, QuantLinear) and m.in_features == 128:
+            s = x.abs().amax(-1, keepdim=True).clamp(max=0.05) / 448.0
+            q = (x / s).clamp(-448, 448).to(torch.float8_e4m3fn).float()
+            torch.testing.assert_close(m(x), (q * s) @ m.dequantized_weight(torch.float32).t(), rtol=1e-5, atol=1e-5)
+    assert config_from_fbgemm({"quant_method": "fbgemm_fp8", "activation_scale_ub": 1200.0,
+                               "modules_to_not_convert": ["model.layers.0.mlp.down_proj"]}
+                              ).scheme_for("model.layers.0.mlp.down_proj") is None
 
 
 def test_we_run_modelopt_mixed_precision(tiny_llama_dir, tmp_path):

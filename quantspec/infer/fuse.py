@@ -50,6 +50,7 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
         return None  # one scale per tensor: stacked only where the members share it
     for m in mods[1:]:
         if (m.weight_args != w or m.input_args != first.input_args or m.dtype != first.dtype
+                or m.input_bound != first.input_bound
                 or m.in_features != first.in_features or m.traits.kind is not first.traits.kind
                 or not _same_tensor(m.input_scale, first.input_scale)
                 or not _same_tensor(m.input_zero_point, first.input_zero_point)
@@ -76,7 +77,9 @@ def _stack_quant(mods: list[QuantLinear]) -> QuantLinear | None:
     )
     device = first.weight_scale.device
     name = first.name.rsplit(".", 1)[0] + ".fused" if first.name else ""
-    return QuantLinear(t, dtype=first.dtype, device=device, policy=first.policy, name=name)
+    fused = QuantLinear(t, dtype=first.dtype, device=device, policy=first.policy, name=name)
+    fused.input_bound = first.input_bound
+    return fused
 
 
 def _stack_float(mods: list[nn.Linear]) -> nn.Linear | None:

@@ -193,6 +193,8 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
         else:
             ql = QuantLinear.from_tensors(tensors, name, scheme, lin.out_features, lin.in_features,
                                           dtype=dtype, device=device, policy=policy)
+            if ql.input_args is not None:
+                ql.input_bound = qc.input_bound
         net.set_submodule(name, ql)
         release_free_heap()  # the codes' temporaries, freed between kept layouts: no growth per layer
     plan.refuse_unexpected(args, where)

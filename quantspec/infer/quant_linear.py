@@ -154,6 +154,7 @@ class QuantLinear(nn.Module):
         self.name = name
         self.out_features, self.in_features = t.q.shape
         self.weight_args, self.input_args = w, ia
+        self.input_bound: float | None = None  # inputs clamped to ±it first (`QuantConfig.input_bound`)
         self.dtype = dtype
         self.policy = policy or DispatchPolicy()
         kind = linear_kind(w, ia)
@@ -225,6 +226,8 @@ class QuantLinear(nn.Module):
         """x [..., K] → [..., N] in x's dtype; `row_invariant`: each row's numbers as it gets
         alone, whatever the number of rows (the prepared row path for every M)."""
         p = self.prepared
+        if self.input_bound is not None:  # FBGEMM's scale bound: a token's maximum taken as at most it
+            x = x.clamp(-self.input_bound, self.input_bound)
         if (p.row_path is not None and x.dim() == 2 and x.dtype == self.dtype
                 and x.shape[1] == self.in_features and x.device.type == "cpu" and 0 < x.shape[0]
                 and (x.shape[0] <= p.row_limit or row_invariant)):
@@ -239,6 +242,8 @@ class QuantLinear(nn.Module):
 
     def run(self, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
         """Run one path on x [M, K] → [M, N] (tests call it to force a path)."""
+        if self.input_bound is not None:
+            x = x.clamp(-self.input_bound, self.input_bound)
         if path is KernelPath.DEQUANT:
             return self._dequant(x)
         x = self._w4a8_input(x)

@@ -200,6 +200,10 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
         from quantspec.quant.quark import QuarkTensors
 
         tensors = QuarkTensors(tensors)
+    elif qc.source == "fbgemm_fp8":  # its input bound is the config's (`quant.fbgemm`)
+        from quantspec.quant.fbgemm import FbgemmTensors
+
+        tensors = FbgemmTensors(tensors)
     tensors = SplitTensors(tensors, args)  # a fused checkpoint's modules under their parts' names
     shapes = tensors.shapes
     names = {k for k in shapes if not k.endswith(IGNORED_SUFFIXES)}

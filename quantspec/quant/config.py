@@ -85,6 +85,10 @@ def _own_format_reader(quant_method: str):
         from quantspec.quant.quark import config_from_quark
 
         return config_from_quark
+    if quant_method == "fbgemm_fp8":  # `quant.fbgemm.FBGEMM_METHOD`
+        from quantspec.quant.fbgemm import config_from_fbgemm
+
+        return config_from_fbgemm
     return None
 
 
@@ -109,6 +113,9 @@ class QuantConfig:
     # the format of a checkpoint another tool wrote in its own layout ("modelopt": `quant.modelopt`;
     # "gptq", "awq": `quant.autoquant`)
     source: str | None = None
+    # inputs clamped to ±this before their per-token quantizer (FBGEMM's activation_scale_ub:
+    # `quant.fbgemm`); None: not bounded
+    input_bound: float | None = None
 
     def __post_init__(self) -> None:
         w = "QuantConfig"
@@ -171,8 +178,8 @@ class QuantConfig:
         FP8 checkpoint's own (`quant_method: "fp8"`, `quant.hf_fp8`), a ModelOpt NVFP4 / FP8
         checkpoint's (`quant_method: "modelopt"`, `quant.modelopt`), a GPTQ / AWQ one's
         (`quant_method: "gptq"` / `"awq"`, `quant.autoquant`), an AutoRound one's
-        (`quant_method: "auto-round"`, `quant.autoround`) or an AMD Quark one's (`quant_method:
-        "quark"`, `quant.quark`)."""
+        (`quant_method: "auto-round"`, `quant.autoround`), an AMD Quark one's (`quant_method:
+        "quark"`, `quant.quark`) or an FBGEMM FP8 one's (`quant_method: "fbgemm_fp8"`, `quant.fbgemm`)."""
         w = "quantization_config"
         if not isinstance(d, Mapping):
             raise _err(w, f"expected a mapping, got {type(d).__name__}")
@@ -182,8 +189,8 @@ class QuantConfig:
             return reader(d)
         if qm != QUANT_METHOD:
             raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r}, "
-                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4, FP8), 'gptq', 'awq', 'auto-round' and 'quark' (FP8) "
-                          "checkpoints")
+                          f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4, FP8), 'gptq', 'awq', 'auto-round', 'quark' (FP8) "
+                          "and 'fbgemm_fp8' checkpoints")
         known = {"config_groups", "quant_method", "kv_cache_scheme", "format",
                  "quantization_status", "global_compression_ratio", "ignore",
                  "moe_sparsity_config", "sparsity_config", "transform_config", "version"}
