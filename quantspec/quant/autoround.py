@@ -88,8 +88,14 @@ def _fp8_block(d: Mapping[str, Any], extra: Mapping[str, Any], blocks: list[str]
     if wrong:
         raise _err(f"block FP8 with {wrong} is unsupported, as in vLLM: inputs FP8 E4M3, dynamic, per group of "
                    f"{group[0]}")
-    if any(set(c) - {"bits"} or c.get("bits", FLOAT_BITS) < FLOAT_BITS for c in extra.values()):
+    if not isinstance(extra, Mapping) or any(not isinstance(c, Mapping) or set(c) - {"bits"}
+                                             or c.get("bits", FLOAT_BITS) < FLOAT_BITS for c in extra.values()):
         raise _err("extra_config settings other than 16 bits (float) are unsupported for block FP8")
+    for k in (k for k in extra if _REGEX_CHARS & set(k)):
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise _err(f"extra_config key {k!r} is not a regex ({e})") from None
     config = config_from_hf_fp8({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                  "weight_block_size": group})
     inside = [f"re:(?!(?:{'|'.join(re.escape(b) for b in blocks)}))"] if blocks else []
