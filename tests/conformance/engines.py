@@ -195,3 +195,22 @@ def layer_classes(source: str) -> dict[str, str]:
 
 def pins_agree() -> bool:
     return all(ENGINE_VERSIONS[e] == v for e, v in ENGINE_PINS.items())
+
+
+def compiled_defs(path: Path, names: tuple[str, ...], namespace: dict) -> dict:
+    """The top-level functions and classes `names` of the engine's file at `path` ("Class.method":
+    that method, as a plain function), compiled alone with `namespace` as their globals (what
+    their code reads from the imports it is cut from): the engine's own pure code, run without
+    importing its module. Returns `namespace`, holding them."""
+    tree = ast.parse(path.read_text())
+    top = {n.name: n for n in tree.body if isinstance(n, ast.FunctionDef | ast.ClassDef)}
+    body = []
+    for name in names:
+        cls, _, method = name.rpartition(".")
+        node = top.get(cls or method)
+        if cls and node is not None:
+            node = next((n for n in node.body if isinstance(n, ast.FunctionDef) and n.name == method), None)
+        assert node is not None, f"{path.name} has no {name}"
+        body.append(node)
+    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), namespace)  # noqa: S102 — its code
+    return namespace

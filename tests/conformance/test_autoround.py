@@ -6,13 +6,14 @@ and symmetry, or leaves it float; quantspec's reading of the same config
 
 from __future__ import annotations
 
-import ast
 import types
 from dataclasses import dataclass
 
 import pytest
 
 from quantspec.quant.autoround import config_from_autoround
+
+from . import engines as eng
 
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
@@ -48,11 +49,8 @@ def vllm_parser(engine_sources):
     import regex
 
     path = src.source / "vllm/model_executor/layers/quantization/inc/config_parser.py"
-    body = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef)]
-    assert sorted(n.name for n in body) == ["INCConfigParser", "INCLayerConfig"]
     ns = {"re": regex, "dataclass": dataclass, "ParallelLMHead": _Head, "TYPE_CHECKING": False}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)  # noqa: S102 — vLLM's code
-    return ns["INCConfigParser"]
+    return eng.compiled_defs(path, ("INCLayerConfig", "INCConfigParser"), ns)["INCConfigParser"]
 
 
 def _vllm(parser_cls, d: dict) -> dict:

@@ -17,6 +17,8 @@ import pytest
 from quantspec.errors import QuantSpecError
 from quantspec.quant.autoquant import config_from_autoquant
 
+from . import engines as eng
+
 LINEARS = ("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj", "self_attn.o_proj",
            "mlp.gate_proj", "mlp.up_proj", "mlp.down_proj")
 NAMES = [f"model.layers.{i}.{p}" for i in range(4) for p in LINEARS]
@@ -43,13 +45,10 @@ def vllm_rules(engine_sources):
     import regex
 
     root = src.source / "vllm/model_executor/layers/quantization"
-    path = root / "utils/gptq_utils.py"
-    wanted = ("flatten_list", "is_layer_gptq_quantized", "get_dynamic_override", "override_config")
-    body = [n for n in ast.parse(path.read_text()).body if isinstance(n, ast.FunctionDef) and n.name in wanted]
-    assert sorted(n.name for n in body) == sorted(wanted)
-    ns = {"re": regex, "AutoGPTQConfig": object, "Mapping": dict, "MappingProxyType": types.MappingProxyType,
-          "Any": object}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(path), "exec"), ns)  # noqa: S102 — vLLM's code
+    ns = eng.compiled_defs(root / "utils/gptq_utils.py", ("flatten_list", "is_layer_gptq_quantized",
+                                                          "get_dynamic_override", "override_config"),
+                           {"re": regex, "AutoGPTQConfig": object, "Mapping": dict,
+                            "MappingProxyType": types.MappingProxyType, "Any": object})
     auto = ast.parse((root / "auto_gptq.py").read_text())
     cls = next(n for n in ast.walk(auto) if isinstance(n, ast.ClassDef) and n.name == "AutoGPTQConfig")
     table = next(s.value for s in cls.body if isinstance(s, ast.AnnAssign | ast.Assign)
@@ -95,12 +94,6 @@ def test_dynamic_rules_read_as_vllm_reads_them(vllm_rules, case):
     assert len(set(theirs.values())) > 1, theirs  # the rules give modules different schemes
 
 
-def _method_source(path, cls_name: str, method: str) -> ast.FunctionDef:
-    """Method `method` of class `cls_name` in the engine file at `path`, as a module-level function."""
-    cls = next(n for n in ast.parse(path.read_text()).body if isinstance(n, ast.ClassDef) and n.name == cls_name)
-    return next(n for n in cls.body if isinstance(n, ast.FunctionDef) and n.name == method)
-
-
 @pytest.mark.parametrize("arch", ["qwen3_moe", "qwen2_moe", "mixtral"])
 @pytest.mark.parametrize("method", ["gptq", "awq"])
 def test_moe_checkpoint_layers_quantized_as_vllm_finds_them(engine_sources, tmp_path, arch, method):
@@ -129,15 +122,12 @@ def test_moe_checkpoint_layers_quantized_as_vllm_finds_them(engine_sources, tmp_
     root = src.source / "vllm/model_executor/layers/quantization"
     cls, attr = ("AutoGPTQConfig", "modules_in_block_to_quantize") if method == "gptq" else \
         ("AutoAWQConfig", "modules_to_not_convert")
-    body = [_method_source(root / f"auto_{method}.py", cls, "maybe_update_config")]
-    body += [n for n in ast.parse((root / "utils/quant_utils.py").read_text()).body
-             if isinstance(n, ast.FunctionDef) and n.name == "is_layer_skipped"]
-    body += [n for n in ast.parse((root / "utils/gptq_utils.py").read_text()).body
-             if isinstance(n, ast.FunctionDef) and n.name in ("flatten_list", "is_layer_gptq_quantized")]
     ns = {"torch": torch, "re": regex, "_SAFETENSORS_TO_TORCH_DTYPE": _TYPES, "is_list_of": lambda v, t: False,
           "get_safetensors_params_metadata": lambda *a, **k: metadata, "Any": object, "Literal": typing.Literal,
           "Mapping": dict, "MappingProxyType": types.MappingProxyType, "PreTrainedConfig": object}
-    exec(compile(ast.Module(body=body, type_ignores=[]), str(root), "exec"), ns)  # noqa: S102 — vLLM's code
+    eng.compiled_defs(root / f"auto_{method}.py", (f"{cls}.maybe_update_config",), ns)
+    eng.compiled_defs(root / "utils/quant_utils.py", ("is_layer_skipped",), ns)
+    eng.compiled_defs(root / "utils/gptq_utils.py", ("flatten_list", "is_layer_gptq_quantized"), ns)
     config = types.SimpleNamespace(**{attr: []})
     ns["maybe_update_config"](config, str(ckpt))
     listed = getattr(config, attr)
