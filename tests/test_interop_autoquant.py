@@ -164,19 +164,26 @@ def _dynamic_modules(names) -> dict:
             (4, 16) if n.endswith("down_proj") else (4, 32) for n in names}
 
 
-def test_gptqmodel_dynamic_rules_give_each_module_its_own_scheme(tiny_llama_dir, tmp_path, logits_of):
-    """A GPTQModel checkpoint with per-module rules (`dynamic`) runs with each Linear's own bits and
-    group size, the ones a negative rule names stay float, and its logits are those of its weights."""
-    modules = _dynamic_modules(NAMES)
-    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq", modules=modules, dynamic=DYNAMIC)
-    lm = load_for_inference(tmp_path / "gptq", tokenizer=False, fuse=False)
+def _assert_runs_as_written(src: Path, ckpt: Path, modules: dict, dense: dict, logits_of) -> None:
+    """The checkpoint at `ckpt` (written by `_write` from `src`) runs each Linear with the (bits,
+    group) `modules` gives it, the ones it gives None float, its weights exactly `dense`'s, and the
+    logits of those weights (their float checkpoint's, beside `ckpt`)."""
+    lm = load_for_inference(ckpt, tokenizer=False, fuse=False)
     layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
     assert sorted(layers) == sorted(n for n, own in modules.items() if own is not None) == sorted(dense)
     for name, m in layers.items():
         assert (m.weight_args.num_bits, m.weight_args.group_size) == modules[name], name
         assert torch.equal(m.dequantized_weight(torch.float32), dense[name].float()), name
-    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
+    ref = _dense_checkpoint(src, ckpt.parent / f"{ckpt.name}.dense", dense)
     torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+
+
+def test_gptqmodel_dynamic_rules_give_each_module_its_own_scheme(tiny_llama_dir, tmp_path, logits_of):
+    """A GPTQModel checkpoint with per-module rules (`dynamic`) runs with each Linear's own bits and
+    group size, the ones a negative rule names stay float, and its logits are those of its weights."""
+    modules = _dynamic_modules(NAMES)
+    dense = _write(tiny_llama_dir, tmp_path / "gptq", "gptq", modules=modules, dynamic=DYNAMIC)
+    _assert_runs_as_written(tiny_llama_dir, tmp_path / "gptq", modules, dense, logits_of)
     info = api.inspect(tmp_path / "gptq")
     assert {n: (d["bits"], d["group_size"]) for n, d in info["layers"].items()} == \
         {n: own for n, own in modules.items() if own is not None}
@@ -209,14 +216,7 @@ def test_autoround_checkpoints_run_with_each_layer_s_settings(tiny_llama_dir, tm
                                   "data_type": "int", "packing_format": f"auto_round:auto_{method}", "iters": 200,
                                   **AUTOROUND, "extra_config": extra}
     (tmp_path / "ar" / "config.json").write_text(json.dumps(cfg))
-    lm = load_for_inference(tmp_path / "ar", tokenizer=False, fuse=False)
-    layers = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
-    assert sorted(layers) == sorted(n for n, own in modules.items() if own is not None) == sorted(dense)
-    for name, m in layers.items():
-        assert (m.weight_args.num_bits, m.weight_args.group_size) == modules[name], name
-        assert torch.equal(m.dequantized_weight(torch.float32), dense[name].float()), name
-    ref = _dense_checkpoint(tiny_llama_dir, tmp_path / "dense", dense)
-    torch.testing.assert_close(logits_of(lm.model, IDS), logits_of(ref, IDS), rtol=1e-4, atol=1e-4)
+    _assert_runs_as_written(tiny_llama_dir, tmp_path / "ar", modules, dense, logits_of)
     assert api.inspect(tmp_path / "ar")["format"].startswith("auto-round")
 
 
