@@ -120,6 +120,17 @@ def _collapse(items: list[str]) -> list[str]:
     return out
 
 
+# W4A8 / W4AFP8 problems (a phrase of the verdict) → the fix named beside them, in this order
+_W4A8_FIXES = (
+    ("8-bit inputs in fused-MoE experts only", "pass --target vllm with --quant-type a8w4_fp8 (vLLM runs FP8 "
+                                               "inputs on Hopper), or use --quant-type weight_only_int4"),
+    ("int4 experts with int8 inputs on CPUs only", "use --quant-type a8w4_fp8 (vLLM runs int4 experts with FP8 inputs)"),
+    ("pack-quantized throughout", "leave the other Linears float (--ignore 're:.*self_attn.*') or weight-only int4"),
+    ("groups of 128", "use --group-size 128"),
+    ("before Humming", "use --quant-type a8w4_fp8 (FP8 inputs, which vLLM quantizes on Hopper) or weight_only_int4"),
+)
+
+
 def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if not problems:
         return []
@@ -147,17 +158,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if engine == "sglang" and "MXFP4" in text:
         out.append("pass --target vllm (vLLM runs MXFP4) or use --quant-type weight_only_nvfp4 / nvfp4 (NVFP4, "
                    "which SGLang runs)")
-    if "8-bit inputs in fused-MoE experts only" in text:
-        out.append("pass --target vllm with --quant-type a8w4_fp8 (vLLM runs FP8 inputs on Hopper), or use "
-                   "--quant-type weight_only_int4")
-    if "int4 experts with int8 inputs on CPUs only" in text:
-        out.append("use --quant-type a8w4_fp8 (vLLM runs int4 experts with FP8 inputs)")
-    if "pack-quantized throughout" in text:
-        out.append("leave the other Linears float (--ignore 're:.*self_attn.*') or weight-only int4")
-    if "groups of 128" in text:
-        out.append("use --group-size 128")
-    if "before Humming" in text:
-        out.append("use --quant-type a8w4_fp8 (FP8 inputs, which vLLM quantizes on Hopper) or weight_only_int4")
+    out += [fix for problem, fix in _W4A8_FIXES if problem in text]
     if "has no quantized embedding" in text:
         out.append("pass --target vllm (vLLM looks up quantized embedding rows) or leave model.embed_tokens float")
     elif "compressed embedding" in text:
