@@ -38,7 +38,7 @@ from quantspec.errors import QuantSpecError
 if TYPE_CHECKING:
     from quantspec.model_zoo.llama import ModelArgs
 
-__all__ = ["FUSED", "ShapedTensors", "SplitTensors", "checkpoint_config", "checkpoint_name", "fuse_tensors",
+__all__ = ["FUSED", "ShapedTensors", "SplitTensors", "shapes_of", "checkpoint_config", "checkpoint_name", "fuse_tensors",
            "fused_units", "hf_weight_table", "layer_weight_table", "part_config", "part_shape", "part_tensor",
            "split_plan"]
 
@@ -148,6 +148,11 @@ def part_tensor(name: str, t: torch.Tensor, lo: int, hi: int, total: int) -> tor
     return t[_word_rows(t.shape[0], lo, hi, total, name)].clone()
 
 
+def shapes_of(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    """Name → shape of `tensors`: a `ShapedTensors`' own `shapes` (no data read), else each tensor's."""
+    return getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+
+
 class ShapedTensors(Mapping[str, torch.Tensor]):
     """A read-only mapping of tensors whose names and shapes (`shapes`: name → shape) are known
     without reading any data; a subclass reads a tensor in `__getitem__`."""
@@ -171,7 +176,7 @@ class SplitTensors(ShapedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], args):
         self.base = tensors
-        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        base_shapes = shapes_of(tensors)
         self.plan = split_plan(args, base_shapes)
         fused = {src for src, _, _, _ in self.plan.values()}
         self.shapes = {k: tuple(s) for k, s in base_shapes.items() if k not in fused}
@@ -195,7 +200,7 @@ class RenamedLeaves(ShapedTensors):
     def __init__(self, tensors: Mapping[str, torch.Tensor], leaves: Mapping[str, str]):
         self.base = tensors
         stored = {v: k for k, v in leaves.items()}
-        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        base_shapes = shapes_of(tensors)
         self.names = {}  # shown → stored
         for k in base_shapes:
             module, _, leaf = k.rpartition(".")

@@ -35,7 +35,7 @@ from typing import Any, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.layout import ShapedTensors
+from quantspec.model_zoo.layout import ShapedTensors, shapes_of
 from quantspec.quant.args import FORMAT_PACK_QUANTIZED, QuantArgs, QuantType
 from quantspec.quant.packing import pack_int32, packed_words
 
@@ -173,7 +173,7 @@ class AutoQuantTensors(ShapedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], config):
         self.base, self.method = tensors, config.source
-        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        base_shapes = shapes_of(tensors)
         self.names: dict[str, tuple[str, str]] = {}  # shown → (module, leaf shown)
         self.dims: dict[str, tuple[int, int, QuantArgs]] = {}  # module → (N, K, weight args)
         quantized = {k.rsplit(".", 1)[0] for k in base_shapes if k.endswith(".qweight")}

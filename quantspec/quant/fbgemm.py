@@ -16,7 +16,7 @@ from typing import Any, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.layout import ShapedTensors
+from quantspec.model_zoo.layout import ShapedTensors, shapes_of
 from quantspec.quant.args import FORMAT_FLOAT_QUANTIZED, QuantArgs, QuantType
 
 __all__ = ["FBGEMM_METHOD", "FbgemmTensors", "config_from_fbgemm"]
@@ -50,7 +50,7 @@ class FbgemmTensors(ShapedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         self.base = tensors
-        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        base_shapes = shapes_of(tensors)
         self.shapes = {k: tuple(s) for k, s in base_shapes.items() if not k.endswith(_BOUND_LEAF)}
 
     def __getitem__(self, name: str) -> torch.Tensor:

@@ -34,7 +34,7 @@ from typing import Any, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.layout import ShapedTensors
+from quantspec.model_zoo.layout import ShapedTensors, shapes_of
 from quantspec.quant.args import (
     FORMAT_FLOAT_QUANTIZED,
     FORMAT_MIXED_PRECISION,
@@ -146,7 +146,7 @@ class ModelOptTensors(ShapedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], config):
         self.base = tensors
-        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        base_shapes = shapes_of(tensors)
         self.names: dict[str, tuple[str, str]] = {}  # shown → (stored, "same" | "reciprocal" | "scalar")
         quantized = {k.rsplit(".", 1)[0] for k in base_shapes if k.endswith(".weight_scale_2")}
         for k in base_shapes:

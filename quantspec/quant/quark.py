@@ -26,7 +26,7 @@ from typing import Any, Mapping
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.layout import ShapedTensors
+from quantspec.model_zoo.layout import ShapedTensors, shapes_of
 from quantspec.quant.args import FORMAT_FLOAT_QUANTIZED, QuantArgs, QuantType
 
 __all__ = ["QUARK_METHOD", "QuarkTensors", "config_from_quark"]
@@ -113,7 +113,7 @@ class QuarkTensors(ShapedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor]):
         self.base = tensors
-        base_shapes = getattr(tensors, "shapes", None) or {k: tuple(v.shape) for k, v in tensors.items()}
+        base_shapes = shapes_of(tensors)
         self.names: dict[str, str] = {}
         self.shapes = {}
         for k, shape in base_shapes.items():
