@@ -226,12 +226,10 @@ class QuantLinear(nn.Module):
         """x [..., K] → [..., N] in x's dtype; `row_invariant`: each row's numbers as it gets
         alone, whatever the number of rows (the prepared row path for every M)."""
         p = self.prepared
-        if self.input_bound is not None:  # FBGEMM's scale bound: a token's maximum taken as at most it
-            x = x.clamp(-self.input_bound, self.input_bound)
         if (p.row_path is not None and x.dim() == 2 and x.dtype == self.dtype
                 and x.shape[1] == self.in_features and x.device.type == "cpu" and 0 < x.shape[0]
                 and (x.shape[0] <= p.row_limit or row_invariant)):
-            return p.run(self, self._w4a8_input(x), p.row_path)
+            return p.run(self, self._w4a8_input(self._bounded(x)), p.row_path)
         if x.shape[-1] != self.in_features:
             raise QuantSpecError(f"{self.name or 'QuantLinear'}: input has {x.shape[-1]} features, "
                                  f"expected {self.in_features}")
@@ -242,8 +240,7 @@ class QuantLinear(nn.Module):
 
     def run(self, x: torch.Tensor, path: KernelPath) -> torch.Tensor:
         """Run one path on x [M, K] → [M, N] (tests call it to force a path)."""
-        if self.input_bound is not None:
-            x = x.clamp(-self.input_bound, self.input_bound)
+        x = self._bounded(x)
         if path is KernelPath.DEQUANT:
             return self._dequant(x)
         x = self._w4a8_input(x)
@@ -252,6 +249,11 @@ class QuantLinear(nn.Module):
 
             return triton_linear(self, x, path)
         return self.prepared.run(self, x, path)
+
+    def _bounded(self, x: torch.Tensor) -> torch.Tensor:
+        """x clamped to ±`input_bound` (FBGEMM's scale bound: a token's maximum taken as at most
+        it, larger values saturating), x itself where the layer has none."""
+        return x if self.input_bound is None else x.clamp(-self.input_bound, self.input_bound)
 
     def _w4a8_input(self, x: torch.Tensor) -> torch.Tensor:
         """x as the int4 kernels take it: quantized per token and dequantized for a W4A8 / W4AFP8
