@@ -65,6 +65,18 @@ def _args(where: str, bits: Any, group: Any, sym: Any, packing: str) -> QuantArg
     return QuantArgs(num_bits=bits, type="int", symmetric=packing == "gptq", **strategy)
 
 
+def _regex_keys(extra: Mapping[str, Any]) -> list[str]:
+    """The `extra_config` keys vLLM reads as regexes (those holding regex characters), in order;
+    one line naming a key that does not compile."""
+    keys = [k for k in extra if _REGEX_CHARS & set(k)]
+    for k in keys:
+        try:
+            re.compile(k)
+        except re.error as e:
+            raise _err(f"extra_config key {k!r} is not a regex ({e})") from None
+    return keys
+
+
 # block FP8's input settings, as vLLM's INCConfig asserts them (`_validate_raw_config`)
 _FP8_INPUTS = {"act_bits": 8, "act_data_type": "fp", "act_sym": True, "act_dynamic": True,
                "activation_scheme": "dynamic", "fmt": "e4m3"}
@@ -91,16 +103,11 @@ def _fp8_block(d: Mapping[str, Any], extra: Mapping[str, Any], blocks: list[str]
     if not isinstance(extra, Mapping) or any(not isinstance(c, Mapping) or set(c) - {"bits"}
                                              or c.get("bits", FLOAT_BITS) < FLOAT_BITS for c in extra.values()):
         raise _err("extra_config settings other than 16 bits (float) are unsupported for block FP8")
-    for k in (k for k in extra if _REGEX_CHARS & set(k)):
-        try:
-            re.compile(k)
-        except re.error as e:
-            raise _err(f"extra_config key {k!r} is not a regex ({e})") from None
     config = config_from_hf_fp8({"quant_method": "fp8", "fmt": "e4m3", "activation_scheme": "dynamic",
                                  "weight_block_size": group})
     inside = [f"re:(?!(?:{'|'.join(re.escape(b) for b in blocks)}))"] if blocks else []
-    floats = [t for k in extra for t in ((k, f"re:.*\\.{re.escape(k)}$") if not _REGEX_CHARS & set(k)
-                                         else (f"re:.*?(?:{k})",))]
+    regexes = _regex_keys(extra)
+    floats = [t for k in extra for t in ((f"re:.*?(?:{k})",) if k in regexes else (k, f"re:.*\\.{re.escape(k)}$"))]
     return replace(config, ignore=tuple(dict.fromkeys([*config.ignore, *inside, *floats])))
 
 
@@ -157,11 +164,7 @@ def config_from_autoround(d: Mapping[str, Any]):
         pattern = f".*\\.{re.escape(k)}$"
         rules.append((f"re:{guards}{pattern}", own(k)))
         guards += f"(?!{pattern})"
-    for k in (k for k in extra if _REGEX_CHARS & set(k)):
-        try:
-            re.compile(k)
-        except re.error as e:
-            raise _err(f"extra_config key {k!r} is not a regex ({e})") from None
+    for k in _regex_keys(extra):
         pattern = f".*?(?:{k})"
         rules.append((f"re:{guards}(?={inside}){pattern}", own(k)))
         rules.append((f"re:{guards}(?!{inside}){pattern}", own(k, quantized=False)))
