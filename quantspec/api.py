@@ -229,7 +229,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     zp_dtype, weight_observer, ignore, layer_quant_types, act_order, block_size, damp, dataset, split, text_field,
     num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha, kv_cache, kv_strategy, target,
     fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples,
-    overwrite), checked when the config is built. `target` defaults to "portable" (what vLLM and
+    overwrite, rotate), checked when the config is built. `target` defaults to "portable" (what vLLM and
     SGLang load with the intended scheme); options only quantspec runs (float zero points, int8
     KV-cache scales, MTP modules) need target="quantspec". The artifact: config.json = the source config + its
     `quantization_config` (compressed-tensors layout), the tensors in compressed-tensors names, the
@@ -272,7 +272,9 @@ def inspect(path: str | Path) -> dict:
                                                 safetensors_keys)
     from quantspec.quant.artifact import read_provenance, read_quant_config
     from quantspec.quant.autoquant import AUTOQUANT_METHODS, SCALE_LEAF
+    from quantspec.model_zoo.hf_config import rotation_tag
     from quantspec.quant.engines import draft_verdicts
+
     with about("PATH"):
         d = resolve_model_dir(path)
         qc = read_quant_config(d)
@@ -307,21 +309,25 @@ def inspect(path: str | Path) -> dict:
         source_quantization=prov.get("source_quantization"),
     )
     cfg = read_config(d)
+    out.update({"rotation": rot} if (rot := rotation_tag(cfg)) else {})  # fused rotations (`calib.rotate`)
     own = _OWN_FORMATS.get(cfg["quantization_config"].get("quant_method"))
     if own is not None:  # vLLM, SGLang and transformers read it with their own method, not compressed-tensors'
         out["format"] = own
     else:
         out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(cfg, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
-        # a8w8 types: how many Linears quantize their activations (static or dynamic), which fell back (W8A16)
-        out["activation_linears"] = sum(d["input_activations"] is not None for d in layers.values())
-        out["static_activation_linears"] = sum((d["input_activations"] or "").endswith("static")
-                                               for d in layers.values())
-        out["fallback_layers"] = [n for n, d in layers.items() if d["input_activations"] is None]
-        plan = (prov.get("calibration") or {}).get("static_plan")
-        if plan is not None:  # why those layers: the rule, the budget's measurements, the errors
-            out["fallback"] = {"rule": plan.get("fallback_rule"), "units": plan.get("fallback_units"),
-                               "held_back": plan.get("held_back")}
+        out.update(_activation_info(layers, prov))
+    return out
+
+
+def _activation_info(layers: dict, prov: dict) -> dict:
+    """a8w8 types: how many Linears quantize their inputs (static or dynamic), which fell back (W8A16) and why."""
+    acts = [d["input_activations"] or "" for d in layers.values()]
+    out = {"activation_linears": sum(map(bool, acts)), "static_activation_linears": sum(a.endswith("static") for a in acts),
+           "fallback_layers": [n for n, d in layers.items() if d["input_activations"] is None]}
+    if (plan := (prov.get("calibration") or {}).get("static_plan")) is not None:
+        out["fallback"] = {"rule": plan.get("fallback_rule"), "units": plan.get("fallback_units"),
+                           "held_back": plan.get("held_back")}
     return out
 
 
@@ -456,11 +462,12 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
               seq_len: int = 512, seed: int = 0, observer: str = "minmax",
               percentile: float = 99.99, kv_observer: str | None = None, device: str = "auto",
               batch_size: int = 8, dtype: str = "auto", overwrite: bool = False, restart: bool = False,
-              resumable: bool | None = None, progress=None, on_status=None):
+              resumable: bool | None = None, rotate: str | None = None, progress=None, on_status=None):
     """Measure static activation + KV-cache scales of `model` on `dataset`; write the table `out`.
 
     Returns a `calib.calibrate.CalibrationResult` (path, meta, wall_s). `progress(i, L, phase)`
-    is called per decoder layer. See `quantspec.calib.calibrate` and `quantspec.calib.tables`.
+    is called per decoder layer; `rotate` measures the model with the rotations `quantize(rotate=)`
+    fuses (`calib.rotate`). See `quantspec.calib.calibrate` and `quantspec.calib.tables`.
     """
     from quantspec.calib.calibrate import CalibrateConfig, run_calibration
 
@@ -469,7 +476,7 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
         model=str(model), split=split, text_field=text_field, num_samples=num_samples,
         seq_len=seq_len, seed=seed, observer=observer, percentile=percentile,
         kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device=device, overwrite=overwrite,
-        restart=restart, resumable=resumable)
+        restart=restart, resumable=resumable, rotate=rotate)
     return run_calibration(config, progress=progress, on_status=on_status)
 
 

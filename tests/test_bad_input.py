@@ -148,6 +148,10 @@ CASES = [
     ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-nvfp4-no-calib", "quantize --model {model} --quant-type nvfp4 --out {d}/q", "--calib"),
+    ("quantize-rotate-unknown", "quantize --model {model} --quant-type weight_only_int8 --rotate R3 --out {d}/q",
+     "--rotate"),
+    ("quantize-rotate-r2-alone", "quantize --model {model} --quant-type weight_only_int8 --rotate R2 --out {d}/q",
+     "--rotate"),
     ("quantize-nvfp4-asym", "quantize --model {model} --quant-type weight_only_nvfp4 --asym --out {d}/q", "--asym"),
     ("quantize-nvfp4-dynamic", "quantize --model {model} --quant-type nvfp4 --activations dynamic --calib {d}/t "
                                "--out {d}/q",
@@ -252,6 +256,8 @@ CASES = [
      "--device"),
     # -- calibrate ---------------------------------------------------------------------------
     ("calibrate-data-missing", "calibrate --model {model} --dataset {d}/missing.jsonl --out {d}/c", "--dataset"),
+    ("calibrate-rotate-unknown", "calibrate --model {model} --dataset {d}/calib.txt --rotate R1,R9 --out {d}/c",
+     "--rotate"),
     ("calibrate-data-not-utf8", "calibrate --model {model} --dataset {d}/latin1.txt --out {d}/c", "--dataset"),
     ("calibrate-data-malformed", "calibrate --model {model} --dataset {d}/malformed_text.jsonl --out {d}/c",
      "--dataset"),

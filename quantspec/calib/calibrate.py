@@ -120,8 +120,12 @@ class CalibrateConfig:
     overwrite: bool = False
     restart: bool = False  # discard the state an interrupted run left for `out` (calib.stream)
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
+    rotate: str | None = None  # measure the model with these rotations fused (`calib.rotate`; signs from `seed`)
 
     def __post_init__(self):
+        from quantspec.calib.rotate import Rotation
+
+        Rotation.parse(self.rotate, self.seed)  # one line naming --rotate
         if not self.dataset:
             raise QuantSpecError("--dataset is empty; pass --dataset FILE or a hub dataset id")
         if not self.out:
@@ -268,19 +272,25 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
     return sink.tensors
 
 
-def _load_for_calibration(model: str):
+def _load_for_calibration(model: str, rotation=None):
     """(the model on `meta`, its directory, its CheckpointReader: a quantized checkpoint's
-    `quant.decompressed.DecompressedReader`)."""
+    `quant.decompressed.DecompressedReader`; with `rotation`, read as the rotated model's,
+    `calib.rotate.RotatedReader`)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint, read_config, resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.quant.decompressed import source_reader
+    from quantspec.calib.rotate import RotatedReader, rotated_config
 
     model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
     reader = source_reader(model_dir, cfg)  # a quantized checkpoint: the float one it decompresses to
+    cfg = rotated_config(rotation, cfg)
     args = ModelArgs.from_hf_config(cfg)
+    net = build_model(args, "meta")
+    if rotation is not None:
+        reader = RotatedReader(reader, net, rotation)
     check_checkpoint(reader.shapes, args, str(model_dir))
-    return build_model(args, "meta"), model_dir, reader
+    return net, model_dir, reader
 
 
 def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
@@ -292,12 +302,14 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     from quantspec.calib.stream import open_run, say_resume
     from quantspec.devices import resolve_device
 
+    from quantspec.calib.rotate import Rotation
+
     t0, cpu0 = time.perf_counter(), time.process_time()
     say = on_status or (lambda msg: None)
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
     device = resolve_device(config.device)
     with about("--model"):  # every shard's header checked before any work
-        net, model_dir, reader = _load_for_calibration(config.model)
+        net, model_dir, reader = _load_for_calibration(config.model, Rotation.parse(config.rotate, config.seed))
     net.args.check_context(config.seq_len, "--seq-len")  # its windows run full attention
     say("reading the dataset")
     with about("--dataset"):
@@ -344,8 +356,10 @@ def _run_identity(config: CalibrateConfig, model_dir: Path, reader, device: str,
 
 def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, model_dir: Path, net,
                 forward_s: float, cpu0: float) -> dict:
-    """calibration.json: the options, the data, the model and how the run went."""
+    """calibration.json: the options, the data, the model (and the rotations fused into it) and
+    how the run went."""
     from quantspec import __version__
+    from quantspec.calib.rotate import Rotation
 
     local = Path(config.dataset).expanduser()
     return {
@@ -355,6 +369,7 @@ def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, mode
         "dataset_path": str(local.resolve()) if local.exists() else None,
         "model_dir": str(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
+        "rotation": None if (rot := Rotation.parse(config.rotate, config.seed)) is None else rot.to_meta(),
         "num_layers": net.args.num_layers,
         "num_kv_heads": net.args.num_kv_heads,
         "quantspec_version": __version__,

@@ -101,6 +101,8 @@ class QuantizeConfig:
     device: str = "auto"  # where each layer is quantized: auto (CUDA when there is one), cpu, cuda[:N]
     restart: bool = False  # discard the state an interrupted run left for `out`
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
+    rotate: str | None = None  # rotations fused into the weights first ("R1" or "R1,R2", `calib.rotate`); signs from `seed`
+    rotation: object = field(default=None, init=False, repr=False, compare=False)  # `rotate` parsed
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
     # quant_config's groups of `layer_quant_types`: group key → the spec that made it
     layer_groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -111,8 +113,11 @@ class QuantizeConfig:
         from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
 
+        from quantspec.calib.rotate import Rotation
+
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
+        object.__setattr__(self, "rotation", Rotation.parse(self.rotate, self.seed))
         if self.activations is None:
             dynamic = self.weight_block is not None or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
@@ -215,6 +220,7 @@ class _Source:
     quant_config: object  # what is quantized: `QuantizeConfig.quant_config`, for a draft module's kind
     reader: object | None = None  # its CheckpointReader (None: an MTP module, read whole)
     table: object | None = None  # the calibration table (a8w8 types, static KV)
+    transforms: dict | None = None  # the artifact's transform_config: the rotations fused into its weights
     calib_summary: dict = field(default_factory=dict)
 
 
@@ -281,6 +287,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     A draft module is checked against `--target` here (`quant.engines.target_refusal`); an
     EAGLE-3 head's config, in the plain layout whatever the source's format, leaves float what
     the target's engines load float (`quant.engines.eagle3_ignore`)."""
+    from quantspec.calib.rotate import check_table_rotation, rotated_config
     from quantspec.model_zoo.checkpoint import draft_kind, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.eagle3 import Eagle3Args
     from quantspec.model_zoo.llama import ModelArgs
@@ -319,9 +326,9 @@ def _read_source(config: QuantizeConfig) -> _Source:
         reader = None if what else source_reader(model_dir, cfg)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)
-    dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
-    dtype = dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
-    src = _Source(model_dir=model_dir, config=cfg, dtype=dtype, quant_config=qconfig, reader=reader)
+    cfg = rotated_config(config.rotation, cfg, f"{config.model} is {what}" if what else None)
+    src = _Source(model_dir=model_dir, config=cfg, dtype=_dtype_of(cfg), quant_config=qconfig, reader=reader,
+                  transforms=getattr(getattr(reader, "source", None), "transform_config", None))
     if reader is None and (config.method != "rtn" or config.calibrated_inputs or config.kv_cache is not None):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
                              "weight_only_int8 / weight_only_int4 (GPTQ, AWQ and static activation or KV "
@@ -331,8 +338,15 @@ def _read_source(config: QuantizeConfig) -> _Source:
 
         with about("--calib"):
             src.table = read_table(config.calib, model_dir=model_dir)
+            check_table_rotation(config.rotation, config.calib, src.table)
         src.calib_summary.update(calib=str(config.calib), calibration=src.table.meta, kv_cache=config.kv_cache)
     return src
+
+
+def _dtype_of(cfg: dict) -> torch.dtype:
+    """The checkpoint's float dtype by its config.json (fp32 where it names none)."""
+    dtype = getattr(torch, str(cfg.get("torch_dtype") or cfg.get("dtype") or "float32"), torch.float32)
+    return dtype if isinstance(dtype, torch.dtype) and dtype.is_floating_point else torch.float32
 
 
 def _skeleton(config: QuantizeConfig, src: _Source):
@@ -351,8 +365,14 @@ def _skeleton(config: QuantizeConfig, src: _Source):
                 return load(src.model_dir)
     with about("--model"):
         args = ModelArgs.from_hf_config(src.config)
+        model = build_model(args, "meta")
+        if config.rotation is not None:  # the checkpoint read as the rotated model's (`calib.rotate`)
+            from quantspec.calib.rotate import RotatedReader
+
+            src.reader = RotatedReader(src.reader, model, config.rotation)
+            src.transforms = config.rotation.transform_config(model)
         check_checkpoint(src.reader.shapes, args, str(src.model_dir))
-    return build_model(args, "meta")
+    return model
 
 
 def _gptq_batches(config: QuantizeConfig, src: _Source, say) -> torch.Tensor | None:
@@ -436,7 +456,8 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         run.writer.add("kv", src.table.kv_artifact_tensors("fp8" if kv.type == "float" else "int8", kv.strategy),
                        run.writer.meta)
     cfg = dict(src.config)
-    cfg["quantization_config"] = res.config.to_dict()
+    qc = res.config if not src.transforms else replace(res.config, transform_config=src.transforms)
+    cfg["quantization_config"] = qc.to_dict()
     untie = res.config.scheme_for("lm_head") is not None or res.config.module_scheme(EMBED) is not None
     if cfg.get("tie_word_embeddings") and untie:
         cfg["tie_word_embeddings"] = False  # the head and the embedding written apart (`PTQ.rest_part`)
@@ -450,7 +471,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types")}
+                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types", "rotate")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

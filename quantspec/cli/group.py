@@ -17,7 +17,7 @@ import click
 from quantspec import __version__
 from quantspec.errors import QuantSpecError, Terminated
 
-__all__ = ["EXIT_BAD_INPUT", "main", "one_line_errors", "threads_option"]
+__all__ = ["EXIT_BAD_INPUT", "main", "one_line_errors", "rotate_option", "threads_option"]
 
 
 EXIT_BAD_INPUT = 2
@@ -59,6 +59,14 @@ def threads_option(fn):
         return fn(*args, **kwargs)
 
     return wrapper
+
+
+rotate_option = click.option(
+    "--rotate", default=None, metavar="R1|R1,R2",
+    help="fuse rotations into the weights before quantizing (SpinQuant's R1: the residual stream, R2: each "
+         "head's values; random Hadamard matrices with signs from --seed): the same model, whose outliers "
+         "the quantizers see spread; the artifact unties a tied embedding, and `calibrate` takes the same "
+         "--rotate / --seed for its table")
 
 
 def _raise_terminated(signum, frame):

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import click
 
-from quantspec.cli.group import main, one_line_errors, threads_option
+from quantspec.cli.group import main, one_line_errors, rotate_option, threads_option
 
 
 def _gib(n) -> str:
@@ -89,13 +89,14 @@ def _gib(n) -> str:
               help="where each layer is quantized (the rest stays on disk): auto, cpu, cuda, cuda:N")
 @click.option("--restart", is_flag=True,
               help="start over: discard the state an interrupted run of a big model left beside --out")
+@rotate_option
 @one_line_errors
 @threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
              act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
-             kv_strategy=None, target="portable"):
+             kv_strategy=None, target="portable", rotate=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
@@ -122,11 +123,48 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
                             fallback_layers=fallback_layers,
                             fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
-                            device=device, restart=restart, progress=progress.layer, on_status=progress.status)
+                            device=device, restart=restart, rotate=rotate, progress=progress.layer,
+                            on_status=progress.status)
     info = api.inspect(path)
     progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
                            f"{info.get('compression_ratio') or '?'}x smaller than the source, "
                            f"{time.perf_counter() - t0:.1f} s)")
+
+
+def _head_table(info: dict):
+    """`inspect`'s first table: what the artifact is, its size, and each engine's verdict."""
+    from rich.table import Table
+
+    from quantspec import api
+
+    head = Table(title=f"quantspec inspect {info['path']}", show_header=False)
+    head.add_row("quantized", str(info["quantized"]))
+    for key in ("quant_type", "format", "method", "quantspec_version"):
+        if info.get(key) is not None:
+            head.add_row(key, str(info[key]))
+    if info.get("ignore") is not None:
+        head.add_row("ignore", ", ".join(info["ignore"]) or "-")
+    head.add_row("weights on disk", _gib(info["weights_bytes"]))
+    if info.get("source_quantization"):  # the source was itself quantized: its weights were decompressed
+        was = info["source_quantization"]
+        head.add_row("quantized from", f"{was['quant_type'] or was['format']} ({was['quant_method']})")
+    if info.get("rotation"):
+        head.add_row("rotations fused", info["rotation"])
+    if info.get("source_size_bytes"):
+        head.add_row("source weights", _gib(info["source_size_bytes"]))
+        head.add_row("compression ratio", f"{info['compression_ratio']}x")
+    if info.get("activation_linears") is not None:
+        static = info["static_activation_linears"]
+        kind = "static" if static == info["activation_linears"] else "dynamic" if not static else "quantized"
+        head.add_row(f"{kind} activations", f"{info['activation_linears']} of {len(info['layers'])} Linears")
+        for key, value in _fallback_rows(info.get("fallback")):
+            head.add_row(key, value)
+    if info.get("kv_cache"):
+        head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
+                                 f"{info['kv_cache']['strategy']}")
+    for engine in (info.get("engines") or {}).values():
+        head.add_row(api.ENGINE_NAMES[engine["engine"]], engine["verdict"])
+    return head
 
 
 def _fallback_rows(fb: dict | None) -> list[tuple[str, str]]:
@@ -180,31 +218,7 @@ def inspect(path, as_json):
         click.echo(json.dumps(info, indent=2, default=str))
         return
     console = out_console()
-    head = Table(title=f"quantspec inspect {info['path']}", show_header=False)
-    head.add_row("quantized", str(info["quantized"]))
-    for key in ("quant_type", "format", "method", "quantspec_version"):
-        if info.get(key) is not None:
-            head.add_row(key, str(info[key]))
-    if info.get("ignore") is not None:
-        head.add_row("ignore", ", ".join(info["ignore"]) or "-")
-    head.add_row("weights on disk", _gib(info["weights_bytes"]))
-    if info.get("source_quantization"):  # the source was itself quantized: its weights were decompressed
-        was = info["source_quantization"]
-        head.add_row("quantized from", f"{was['quant_type'] or was['format']} ({was['quant_method']})")
-    if info.get("source_size_bytes"):
-        head.add_row("source weights", _gib(info["source_size_bytes"]))
-        head.add_row("compression ratio", f"{info['compression_ratio']}x")
-    if info.get("activation_linears") is not None:
-        static = info["static_activation_linears"]
-        kind = "static" if static == info["activation_linears"] else "dynamic" if not static else "quantized"
-        head.add_row(f"{kind} activations", f"{info['activation_linears']} of {len(info['layers'])} Linears")
-        for key, value in _fallback_rows(info.get("fallback")):
-            head.add_row(key, value)
-    if info.get("kv_cache"):
-        head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
-                                 f"{info['kv_cache']['strategy']}")
-    for engine in (info.get("engines") or {}).values():
-        head.add_row(api.ENGINE_NAMES[engine["engine"]], engine["verdict"])
+    head = _head_table(info)
     console.print(head)
     if not info["quantized"]:
         return
@@ -247,6 +261,7 @@ def inspect(path, as_json):
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @click.option("--restart", is_flag=True,
               help="start over: discard the state an interrupted run of a big model left beside --out")
+@rotate_option
 @one_line_errors
 @threads_option
 def calibrate(model, dataset, out, **kw):

@@ -183,8 +183,12 @@ def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "t
         if mine != theirs:
             raise QuantSpecError(f"{where} was trained for a base with {name} {mine}, this base has {theirs}; {fix}")
     if args.base_fingerprint is not None and args.base_fingerprint != base_fingerprint(base):
+        what = "layers / heads / sizes or rotations (quantize --rotate) differ"
         raise QuantSpecError(f"{where} was trained for another base (fingerprint {args.base_fingerprint} != "
-                             f"{base_fingerprint(base)}: layers / heads / sizes differ); {fix}")
+                             f"{base_fingerprint(base)}: {what}); {fix}")
+    if args.base_fingerprint is None and base.rotation:
+        raise QuantSpecError(f"{where} records no base, and this base has rotations fused into its weights "
+                             f"({base.rotation}), which change the hidden states the head reads; {fix}")
     bad = [i for i in args.aux_layers(base.num_layers) if not 0 <= i <= base.num_layers]
     if bad:
         raise QuantSpecError(f"{where} reads aux hidden states of layer {bad[0]}, outside this base's "

@@ -10,7 +10,11 @@ from pathlib import Path
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["args_fields", "layer_fields", "rope_fields", "modelopt_sidecar"]
+__all__ = ["ROTATION_KEY", "TRANSFORM_TYPE", "args_fields", "layer_fields", "rope_fields", "modelopt_sidecar",
+           "rotation_tag"]
+
+ROTATION_KEY = "quantspec_rotation"  # config.json: the rotations fused into the weights and their seed (`calib.rotate`)
+TRANSFORM_TYPE = "random-hadamard"  # the matrices quantspec's rotations are
 
 
 def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
@@ -42,6 +46,7 @@ def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
         **rope_fields(cfg),
         max_position_embeddings=cfg.get("max_position_embeddings", 4096),
         tie_word_embeddings=bool(cfg.get("tie_word_embeddings", False)),
+        rotation=rotation_tag(cfg),
         qkv_bias={"qwen2": True, "qwen2_moe": bool(cfg.get("qkv_bias", True))}.get(arch, attention_bias),
         o_bias=False if arch in ("qwen2", "qwen2_moe") else attention_bias,
         mlp_bias=bool(cfg.get("mlp_bias", False)),
@@ -53,6 +58,18 @@ def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
         eos_token_ids=eos_ids,
     )
     return {**out, **gemma_fields(cfg, arch)} if arch.startswith("gemma") else out
+
+
+def rotation_tag(cfg: dict) -> str:
+    """What a config.json says is fused into its weights (`calib.rotate`): "" for nothing, else the
+    rotations and their seed ("R1,R2 random-hadamard seed 0"), or the schemes of a
+    `transform_config` another tool wrote ("R1:hadamard R2:hadamard")."""
+    mine = cfg.get(ROTATION_KEY)
+    if isinstance(mine, dict) and mine.get("rotations"):
+        return f"{','.join(mine['rotations'])} {mine.get('type', TRANSFORM_TYPE)} seed {int(mine.get('seed', 0))}"
+    tc = (cfg.get("quantization_config") or {}).get("transform_config")
+    groups = (tc.get("config_groups") or {}) if isinstance(tc, dict) else {}
+    return " ".join(f"{k}:{v.get('type')}" for k, v in sorted(groups.items()) if isinstance(v, dict))
 
 
 def rope_fields(cfg: dict) -> dict:

@@ -108,6 +108,7 @@ class ModelArgs:
     rope_scaling: dict | None = None
     max_position_embeddings: int = 4096
     tie_word_embeddings: bool = False
+    rotation: str = ""  # the rotations fused into the weights (`model_zoo.hf_config.rotation_tag`); "": none
     qkv_bias: bool = False
     o_bias: bool = False
     mlp_bias: bool = False

@@ -56,6 +56,7 @@ class MedusaArgs:
     hidden_size: int
     vocab_size: int
     draft_vocab_size: int | None = None  # None: the heads score the whole vocabulary
+    base_rotation: str = ""  # the rotations fused into the base they were trained on (`calib.rotate`)
 
     @classmethod
     def from_config(cls, cfg: dict, tensors: dict[str, torch.Tensor] | None = None,
@@ -80,12 +81,14 @@ class MedusaArgs:
         if D is None or V is None:
             raise QuantSpecError(f"{where} does not give the heads' hidden_size / vocab_size")
         vd = qs.get("draft_vocab_size")
-        return cls(n, L, int(D), int(V), None if vd is None else int(vd))
+        return cls(n, L, int(D), int(V), None if vd is None else int(vd), str(qs.get("base_rotation") or ""))
 
     def to_config(self) -> dict:
         qs = {"hidden_size": self.hidden_size, "vocab_size": self.vocab_size}
         if self.draft_vocab_size is not None:
             qs["draft_vocab_size"] = self.draft_vocab_size
+        if self.base_rotation:
+            qs["base_rotation"] = self.base_rotation
         return {"architectures": ["MedusaModel"], "medusa_num_heads": self.num_heads,
                 "medusa_num_layers": self.num_layers, "quantspec": qs}
 
@@ -96,6 +99,14 @@ def check_medusa_matches_base(args: MedusaArgs, base: ModelArgs, where: str = "t
         if mine != theirs:
             raise QuantSpecError(f"{where} were trained for a base with {name} {mine}, this base has {theirs}; "
                                  "train heads for this base with `quantspec zoo train-draft-head --kind medusa`")
+    if args.base_rotation != base.rotation:
+        raise QuantSpecError(f"{where} read hidden states of a base {_rotated(args.base_rotation)}, and this base is "
+                             f"{_rotated(base.rotation)} (quantize --rotate changes them); train heads for this base "
+                             "with `quantspec zoo train-draft-head --kind medusa`")
+
+
+def _rotated(tag: str) -> str:
+    return f"rotated by {tag}" if tag else "without rotations"
 
 
 class ResBlock(nn.Module):

@@ -30,7 +30,8 @@ __all__ = ["init_medusa", "medusa_targets", "train_medusa"]
 def init_medusa(base: Transformer, draft_vocab: torch.Tensor, num_heads: int = 4, num_layers: int = 1) -> MedusaHeads:
     """Fresh heads for `base` (module docstring); same arguments → same weights."""
     a = base.args
-    heads = MedusaHeads(MedusaArgs(num_heads, num_layers, a.hidden_size, a.vocab_size, int(draft_vocab.numel())))
+    heads = MedusaHeads(MedusaArgs(num_heads, num_layers, a.hidden_size, a.vocab_size, int(draft_vocab.numel()),
+                                    a.rotation))
     heads.to(base.model.norm.weight.device, base.model.norm.weight.dtype)
     with torch.no_grad():
         for head in heads.medusa_head:

@@ -74,8 +74,10 @@ _STRUCTURAL = ("arch", "hidden_size", "intermediate_size", "num_layers", "num_he
 
 def base_fingerprint(args: ModelArgs) -> str:
     """A short hash of the base's structure (not its weights, so quantized copies of the same base
-    share it): 16 hex digits of sha256 over the structural ModelArgs fields."""
-    blob = json.dumps({k: getattr(args, k) for k in _STRUCTURAL}, sort_keys=True)
+    share it): 16 hex digits of sha256 over the structural ModelArgs fields, and the rotations
+    fused into its weights where there are any (`calib.rotate`: they change its hidden states)."""
+    fields = {k: getattr(args, k) for k in _STRUCTURAL}
+    blob = json.dumps(fields | ({"rotation": args.rotation} if args.rotation else {}), sort_keys=True)
     return hashlib.sha256(blob.encode()).hexdigest()[:16]
 
 
@@ -171,7 +173,8 @@ def check_mtp_matches_base(mtp: MTPArgs, base: ModelArgs, where: str = "the MTP 
     if mtp.base_fingerprint != base_fingerprint(base):
         raise QuantSpecError(
             f"{where} was trained for another base (fingerprint {mtp.base_fingerprint} != "
-            f"{base_fingerprint(base)}: layers/heads/intermediate size differ); train one for this base"
+            f"{base_fingerprint(base)}: layers/heads/intermediate size or rotations (quantize --rotate) differ); "
+            "train one for this base"
         )
 
 

@@ -116,6 +116,8 @@ class QuantConfig:
     # inputs clamped to ±this before their per-token quantizer (FBGEMM's activation_scale_ub:
     # `quant.fbgemm`); None: not bounded
     input_bound: float | None = None
+    # rotations fused into the weights, as compressed-tensors records them (`calib.rotate`); None: none
+    transform_config: Mapping[str, Any] | None = None
 
     def __post_init__(self) -> None:
         w = "QuantConfig"
@@ -170,7 +172,7 @@ class QuantConfig:
             "global_compression_ratio": None,
             "ignore": list(self.ignore),
             "moe_sparsity_config": None,
-        }
+        } | ({"transform_config": dict(self.transform_config)} if self.transform_config else {})
 
     @classmethod
     def from_dict(cls, d: Mapping[str, Any]) -> "QuantConfig":
@@ -199,8 +201,9 @@ class QuantConfig:
             raise _err(w, f"unknown key(s) {unknown}; remove them")
         if d.get("sparsity_config"):
             raise _err(w, "sparse checkpoints (sparsity_config) are unsupported")
-        if d.get("transform_config"):
-            raise _err(w, "transformed checkpoints (transform_config) are unsupported")
+        from quantspec.quant.transforms import read_transform_config
+
+        transforms = read_transform_config(d.get("transform_config"), w)
         if d.get("moe_sparsity_config"):
             raise _err(w, "moe_sparsity_config is unsupported")
         fmt = d.get("format")
@@ -227,6 +230,7 @@ class QuantConfig:
             kv_cache_scheme=None if kv is None else QuantArgs.from_dict(kv, f"{w}.kv_cache_scheme"),
             format=fmt,
             quantization_status=STATUS_COMPRESSED,
+            transform_config=transforms,
         )
 
     # ---- matching ----------------------------------------------------------------------------
