@@ -73,6 +73,9 @@ ARTIFACTS = {
                        layer_quant_types=("model.embed_tokens=weight_only_int4",)),
     "embed_int8_head_int8": dict(quant_type="weight_only_int8", target="vllm",
                                  layer_quant_types=("model.embed_tokens=weight_only_int8", "lm_head=weight_only_int8")),
+    # SpinQuant's R1 and R2 fused into the weights before quantizing: a transform_config whose every
+    # transform is fused, which vLLM validates and runs around nothing (SGLang does not read it)
+    "weight_only_int4_rotated": dict(quant_type="weight_only_int4", group_size=128, rotate="R1,R2"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

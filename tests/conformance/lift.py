@@ -13,7 +13,9 @@ and run unchanged. Every other module of the engine's package is a stub (`Stub`:
 subclassable, callable, attribute access gives more stubs), and so is any third-party module
 those files import that is not installed (CUDA kernels, ...). `OVERRIDES` gives the few stubs
 whose values the decisions read: the platform (a GPU of compute capability `capability`), tensor
-parallelism (rank 0 of 1), loggers, and "no transforms".
+parallelism (rank 0 of 1) and loggers. vLLM's transform selection (`transform.linear`: which
+Linears it runs a `transform_config`'s transforms around) is its own code too, and each Linear's
+answer says which transforms it wrapped around the method (`transforms`).
 
 What is not the engines' code, and so stated here: vLLM's NVFP4 and MXFP4 kernel registries are
 answered by `_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer) and
@@ -65,7 +67,8 @@ REAL = {
         "schemes.compressed_tensors_w8a8_int8", "schemes.compressed_tensors_w8a8_mxfp8",
         "schemes.compressed_tensors_w8a16_fp8", "schemes.compressed_tensors_wNa4",
         "schemes.compressed_tensors_wNa8", "schemes.compressed_tensors_wNa8o8",
-        "schemes.compressed_tensors_wNa16", "compressed_tensors_embedding")]
+        "schemes.compressed_tensors_wNa16", "compressed_tensors_embedding", "transform.linear",
+        "transform.module", "transform.utils")]
     + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils",
                                "utils.fp8_utils")]
     + ["vllm.scalar_type", "vllm.model_executor.parameter"],
@@ -262,7 +265,6 @@ def _overrides(engine: str, capability: int) -> dict:
             "vllm.logger": {"init_logger": logger},
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
                                  "get_tensor_model_parallel_world_size": lambda: 1},
-            _CT["vllm"] + "transform.linear": {"get_linear_transform_schemes": lambda *a, **k: ([], [])},
             # the embedding's lookup kernel runs in Triton's interpreter (`main` sets TRITON_INTERPRET)
             "vllm.triton_utils": {"triton": triton, "tl": triton.language},
         }
@@ -521,6 +523,7 @@ def run(engine: str, request: dict) -> dict:
                 r["error"] = f"{type(e).__name__}: {str(e)[:200]}"
                 continue
             scheme = getattr(layer, "scheme", None)
+            r["transforms"] = _transforms(method)
             if spec["class"] == "VocabParallelEmbedding":
                 _embedding(engine, layer, method, rows, spec, tensors, request, r)
                 continue
@@ -553,6 +556,16 @@ def run(engine: str, request: dict) -> dict:
             except Exception as e:  # noqa: BLE001
                 res["kv"] = {"method": None, "error": f"{type(e).__name__}: {str(e)[:200]}"}
     return out
+
+
+def _transforms(method) -> dict | None:
+    """The transforms vLLM's `get_quant_method` wrapped a Linear's method in to run around it
+    (`CompressedTensorsLinearTransformMethod`, from the config's `transform_config`): scheme name
+    and location per partition, None where it runs the method as it is."""
+    if type(method).__name__ not in ("CompressedTensorsLinearTransformMethod", "QutlassNvFP4LinearMethod"):
+        return None
+    return {side: {str(i): f"{t.scheme_name}:{getattr(t.args.location, 'value', t.args.location)}"
+                   for i, t in getattr(method, side).items()} for side in ("input_tfms", "output_tfms")}
 
 
 def _embedding(engine: str, layer, method, rows: int, spec: dict, tensors: dict, request: dict, r: dict) -> None:

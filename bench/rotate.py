@@ -1,0 +1,92 @@
+"""Held-out perplexity of the default model quantized with and without rotations fused into its
+weights (`quantize --rotate R1,R2`, SpinQuant's offline rotations), recipe by recipe, side by side.
+
+Each recipe is quantized twice in the same run, plain then rotated (`--seed` 0), and evaluated
+through the inference path (`api.evaluate`) on `bench/data/heldout.txt`. Δ is each row's
+perplexity over the fp32 model's, minus one; the last column is the rotated Δ over the plain Δ
+(below 1: the rotation removes that share of the quantization's loss). Recipes with static
+scales read a table from `calibrate` of the same model (`--rotate R1,R2` for the rotated one), as
+`quantize` requires; the `+kv8` rows add a static int8 KV cache from that table to the int8
+weight-only artifact. Calibration data: `bench/data/calib.jsonl`.
+
+    OMP_NUM_THREADS=2 python bench/rotate.py [--recipes int4-gptq,a8w8-dynamic] [--json out.json]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import tempfile
+import time
+from pathlib import Path
+
+from mdtable import markdown_table
+
+from quantspec import api
+
+HERE = Path(__file__).parent
+CALIB = HERE / "data" / "calib.jsonl"
+STATIC = {"smoothquant_alpha": "none", "fallback_layers": 0}
+# name → (quant_type, quantize options, needs the calibration table, evaluate's KV cache)
+RECIPES = {
+    "int4-rtn": ("weight_only_int4", {"group_size": 128}, False, "float"),
+    "int4-gptq": ("weight_only_int4", {"group_size": 128, "method": "gptq", "dataset": str(CALIB)}, False, "float"),
+    "a8w4-dynamic": ("a8w4", {"group_size": 128, "target": "quantspec"}, False, "float"),
+    "a8w8-dynamic": ("a8w8", {"activations": "dynamic"}, False, "float"),
+    "a8w8_fp8-dynamic": ("a8w8_fp8", {"activations": "dynamic"}, False, "float"),
+    "a8w8-static": ("a8w8", STATIC, True, "float"),
+    "a8w8-static-default": ("a8w8", {}, True, "float"),
+    "a8w8_fp8-static": ("a8w8_fp8", STATIC, True, "float"),
+    "int8+kv8": ("weight_only_int8", {}, True, "int8"),
+}
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--model", default="smollm2-135m")
+    p.add_argument("--recipes", default=",".join(RECIPES))
+    p.add_argument("--heldout", default=str(HERE / "data" / "heldout.txt"))
+    p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--json", default=None)
+    a = p.parse_args()
+    names = [n for n in a.recipes.split(",") if n]
+    unknown = [n for n in names if n not in RECIPES]
+    if unknown:
+        p.error(f"unknown recipe(s) {unknown}; choose from {', '.join(RECIPES)}")
+    work = Path(tempfile.mkdtemp(prefix="bench-rotate-"))
+    try:
+        fp32 = api.evaluate(a.model, text_file=a.heldout)["perplexity"]
+        tables = {}
+        if any(RECIPES[n][2] for n in names):
+            for rot in (None, "R1,R2"):
+                tables[rot] = str(api.calibrate(a.model, str(CALIB), work / f"table-{rot}", num_samples=a.num_samples,
+                                                seq_len=512, dtype="float32", rotate=rot).path)
+        rows, out = [], {"model": a.model, "fp32_perplexity": fp32, "recipes": {}}
+        for n in names:
+            qt, opts, static, kv = RECIPES[n]
+            got = {}
+            for rot in (None, "R1,R2"):  # plain, then rotated: side by side in one run
+                t0 = time.perf_counter()
+                calib = {"calib": tables[rot]} if static else {}
+                art = api.quantize(a.model, qt, work / f"{n}-{rot}", rotate=rot, num_samples=a.num_samples,
+                                   **opts, **({} if kv != "float" else calib))
+                ev = api.evaluate(str(art), text_file=a.heldout, kv_cache_dtype=kv,
+                                  calib=tables[rot] if kv != "float" else None)
+                got[rot] = {"perplexity": ev["perplexity"], "quantize_s": round(time.perf_counter() - t0, 1)}
+                shutil.rmtree(art, ignore_errors=True)
+            d0, d1 = (got[r]["perplexity"] / fp32 - 1 for r in (None, "R1,R2"))
+            out["recipes"][n] = {"plain": got[None], "rotated": got["R1,R2"], "delta_ratio": d1 / d0}
+            rows.append([n, f"{got[None]['perplexity']:.3f}", f"{100 * d0:+.1f}%", f"{got['R1,R2']['perplexity']:.3f}",
+                         f"{100 * d1:+.1f}%", f"{d1 / d0:.2f}"])
+            print(f"{n}: plain {got[None]['perplexity']:.3f}, rotated {got['R1,R2']['perplexity']:.3f}", flush=True)
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
+    print(f"\nfp32 perplexity {fp32:.3f} ({a.heldout})\n")
+    print(markdown_table(["recipe", "plain ppl", "plain Δ", "R1,R2 ppl", "R1,R2 Δ", "Δ ratio"], rows, "lrrrrr"))
+    if a.json:
+        Path(a.json).write_text(json.dumps(out, indent=2))
+
+
+if __name__ == "__main__":
+    main()
