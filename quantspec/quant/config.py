@@ -189,6 +189,9 @@ class QuantConfig:
         reader = _own_format_reader(qm)
         if reader is not None:
             return reader(d)
+        if qm == "bitsandbytes":  # `quant.bnb` reads it as a source
+            raise _err(w, "bitsandbytes checkpoints have no kernel here (nor a method in vLLM 0.33); quantize one "
+                          "into an artifact: quantspec quantize --model DIR --quant-type weight_only_int4 --out OUT")
         if qm != QUANT_METHOD:
             raise _err(w, f"quant_method {qm!r} is unsupported; quantspec reads {QUANT_METHOD!r}, "
                           f"{HF_FP8_METHOD!r}, 'modelopt' (NVFP4, FP8), 'gptq', 'awq', 'auto-round', 'quark' (FP8) "

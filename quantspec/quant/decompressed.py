@@ -118,13 +118,20 @@ class DecompressedReader(CheckpointReader):
 
 def source_reader(model_dir: str | os.PathLike, cfg: dict) -> CheckpointReader:
     """The reader of a source checkpoint of config.json `cfg`: a `DecompressedReader` when it is
-    quantized, else a `CheckpointReader`."""
-    return DecompressedReader(model_dir, cfg) if cfg.get("quantization_config") else CheckpointReader(model_dir)
+    quantized (`quant.bnb.BnbReader` for a bitsandbytes one), else a `CheckpointReader`."""
+    from quantspec.quant.bnb import BNB_METHOD, BnbReader
+
+    qc = cfg.get("quantization_config")
+    if not qc:
+        return CheckpointReader(model_dir)
+    return BnbReader(model_dir, cfg) if qc.get("quant_method") == BNB_METHOD else DecompressedReader(model_dir, cfg)
 
 
 def source_quantization(reader: CheckpointReader) -> dict | None:
     """What a quantized source was (for an artifact's provenance): its quant_method, format and
     quant type; None for a float source."""
+    if isinstance(getattr(reader, "source_quantization", None), dict):  # a reader that says it (`quant.bnb`)
+        return dict(reader.source_quantization)
     qc = getattr(reader, "source", None)
     if qc is None:
         return None

@@ -1,0 +1,101 @@
+"""bitsandbytes checkpoints as a source (`quant.bnb`): each Linear of a tiny model quantized by
+bitsandbytes' own `quantize_4bit` (NF4 / FP4, with and without double quantization) or
+`int8_vectorwise_quant` (LLM.int8) and saved in transformers' layout. The reference is
+bitsandbytes' own dequantization: quantspec's reader must give its weights exactly, and an
+artifact quantized from the bitsandbytes checkpoint must be the artifact quantized from a float
+checkpoint of those weights."""
+
+import json
+import shutil
+from pathlib import Path
+
+import bitsandbytes.functional as F
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from quantspec import api
+from quantspec.errors import QuantSpecError
+from quantspec.quant.artifact import load_safetensors, read_provenance
+from quantspec.quant.bnb import BnbReader
+
+CASES = [("nf4", True), ("nf4", False), ("fp4", True), ("int8", False)]
+
+
+def _is_linear(name: str, t: torch.Tensor) -> bool:
+    return name.startswith("model.layers.") and name.endswith("_proj.weight") and t.ndim == 2
+
+
+def _bnb_checkpoint(src: Path, out: Path, quant_type: str, double: bool) -> tuple[Path, Path]:
+    """(`src` saved as bitsandbytes would save it, `src` with each Linear's weight replaced by
+    bitsandbytes' own dequantization of it)."""
+    tensors = load_file(str(src / "model.safetensors"))
+    packed, dense = {}, dict(tensors)
+    for name, w in tensors.items():
+        if not _is_linear(name, w):
+            packed[name] = w
+            continue
+        m = name[: -len(".weight")]
+        if quant_type == "int8":
+            cb, scb, _ = F.int8_vectorwise_quant(w.to(torch.float16))
+            packed.update({name: cb, f"{m}.SCB": scb, f"{m}.weight_format": torch.tensor(0, dtype=torch.uint8)})
+            dense[name] = F.int8_vectorwise_dequant(cb, scb).float()
+            continue
+        q, st = F.quantize_4bit(w, blocksize=64, quant_type=quant_type, compress_statistics=double)
+        packed[name] = q
+        packed.update({f"{name}.{k}": v for k, v in st.as_dict(packed=True).items()})
+        dense[name] = F.dequantize_4bit(q, st).float()
+    qc = {"quant_method": "bitsandbytes", "load_in_4bit": quant_type != "int8", "load_in_8bit": quant_type == "int8",
+          "bnb_4bit_quant_type": "nf4" if quant_type == "int8" else quant_type, "bnb_4bit_use_double_quant": double,
+          "bnb_4bit_compute_dtype": "float32", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0}
+    bnb, ref = out / "bnb", out / "dense"
+    for d, t, extra in ((bnb, packed, {"quantization_config": qc}), (ref, dense, {})):
+        shutil.copytree(src, d)
+        save_file({k: v.contiguous() for k, v in t.items()}, str(d / "model.safetensors"))
+        cfg = json.loads((src / "config.json").read_text())
+        (d / "config.json").write_text(json.dumps({**cfg, **extra}))
+    return bnb, ref
+
+
+@pytest.mark.parametrize("quant_type,double", CASES, ids=[f"{q}{'-dq' if d else ''}" for q, d in CASES])
+def test_reader_gives_bitsandbytes_own_weights(tmp_path, tiny_llama_dir, quant_type, double):
+    bnb, ref = _bnb_checkpoint(tiny_llama_dir, tmp_path, quant_type, double)
+    reader, want = BnbReader(bnb, json.loads((bnb / "config.json").read_text())), load_file(str(ref / "model.safetensors"))
+    assert set(reader.shapes) == set(want)
+    got = reader.read(sorted(want))
+    for name, t in want.items():
+        assert torch.equal(got[name].to(t.dtype), t), name
+    assert reader.linears and not any(f"{m}.weight" in reader.ranges for m in reader.linears)
+
+
+@pytest.mark.parametrize("quant_type,double", [("nf4", True), ("int8", False)], ids=["nf4-dq", "int8"])
+def test_quantizing_from_bitsandbytes_is_quantizing_its_weights(tmp_path, tiny_llama_dir, quant_type, double):
+    bnb, ref = _bnb_checkpoint(tiny_llama_dir, tmp_path, quant_type, double)
+    a = api.quantize(str(bnb), "weight_only_int4", tmp_path / "from_bnb", group_size=32)
+    b = api.quantize(str(ref), "weight_only_int4", tmp_path / "from_dense", group_size=32)
+    ta, tb = load_safetensors(a), load_safetensors(b)
+    assert set(ta) == set(tb)
+    for k in ta:
+        assert torch.equal(ta[k], tb[k]), k
+    was = read_provenance(a)["provenance"]["source_quantization"]
+    assert was["quant_method"] == "bitsandbytes" and was["format"] == quant_type
+    assert "quantization_config" in json.loads((a / "config.json").read_text())
+    with pytest.raises(QuantSpecError, match="bitsandbytes checkpoints have no kernel here.*quantspec quantize"):
+        api.inspect(bnb)
+
+
+def test_malformed_bitsandbytes_configs_are_one_line(tmp_path, tiny_llama_dir):
+    bnb, _ = _bnb_checkpoint(tiny_llama_dir, tmp_path, "nf4", False)
+    cfg = json.loads((bnb / "config.json").read_text())
+    cfg["quantization_config"]["load_in_8bit"] = True
+    (bnb / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(QuantSpecError, match="exactly one of load_in_4bit / load_in_8bit"):
+        api.quantize(str(bnb), "weight_only_int8", tmp_path / "x")
+    cfg["quantization_config"]["load_in_8bit"] = False
+    (bnb / "config.json").write_text(json.dumps(cfg))
+    t = load_file(str(bnb / "model.safetensors"))
+    save_file({k: v for k, v in t.items() if "quant_state" not in k or "layers.1.mlp.up_proj" not in k},
+              str(bnb / "model.safetensors"))
+    with pytest.raises(QuantSpecError, match="up_proj has 4-bit scales but no weight.quant_state"):
+        api.quantize(str(bnb), "weight_only_int8", tmp_path / "x")
+    assert not (tmp_path / "x").exists()
