@@ -19,7 +19,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.quant.artifact import load_safetensors, read_provenance
 from quantspec.quant.bnb import BnbReader
 
-CASES = [("nf4", True), ("nf4", False), ("fp4", True), ("int8", False)]
+CASES = [("nf4", True), ("nf4", False), ("fp4", True), ("int8", False), ("nf4-bf16", True)]
 
 
 def _is_linear(name: str, t: torch.Tensor) -> bool:
@@ -41,12 +41,15 @@ def _bnb_checkpoint(src: Path, out: Path, quant_type: str, double: bool) -> tupl
             packed.update({name: cb, f"{m}.SCB": scb, f"{m}.weight_format": torch.tensor(0, dtype=torch.uint8)})
             dense[name] = F.int8_vectorwise_dequant(cb, scb).float()
             continue
-        q, st = F.quantize_4bit(w, blocksize=64, quant_type=quant_type, compress_statistics=double)
+        storage = torch.bfloat16 if quant_type.endswith("-bf16") else torch.uint8  # FSDP QLoRA's quant_storage
+        q, st = F.quantize_4bit(w, blocksize=64, quant_type=quant_type.removesuffix("-bf16"),
+                                compress_statistics=double, quant_storage=storage)
         packed[name] = q
         packed.update({f"{name}.{k}": v for k, v in st.as_dict(packed=True).items()})
         dense[name] = F.dequantize_4bit(q, st).float()
     qc = {"quant_method": "bitsandbytes", "load_in_4bit": quant_type != "int8", "load_in_8bit": quant_type == "int8",
-          "bnb_4bit_quant_type": "nf4" if quant_type == "int8" else quant_type, "bnb_4bit_use_double_quant": double,
+          "bnb_4bit_quant_type": "nf4" if quant_type == "int8" else quant_type.removesuffix("-bf16"),
+          "bnb_4bit_use_double_quant": double,
           "bnb_4bit_compute_dtype": "float32", "llm_int8_skip_modules": None, "llm_int8_threshold": 6.0}
     bnb, ref = out / "bnb", out / "dense"
     for d, t, extra in ((bnb, packed, {"quantization_config": qc}), (ref, dense, {})):

@@ -4,7 +4,8 @@ decompress to, so `quantize` and `calibrate` take them as a source: vLLM 0.33 ha
 method at all, and an artifact quantspec writes from one (e.g. int4 GPTQ) loads there.
 
 The layout is the one transformers saves and SGLang's loader reads. A 4-bit Linear keeps its
-codes two to a byte (`weight`, uint8, the first code in the high nibble) over the row-major
+codes two to a byte (`weight`, uint8, or those bytes viewed as `bnb_4bit_quant_storage`; the first
+code in the high nibble) over the row-major
 flattened weight, a scale per `blocksize` codes (`weight.absmax`), the 16-entry code table
 (`weight.quant_map`), and a JSON blob (`weight.quant_state.bitsandbytes__nf4` / `__fp4`, uint8)
 with the shape, dtype and block size; with double quantization (`bnb_4bit_use_double_quant`) the
@@ -65,7 +66,9 @@ def dequantize_4bit(tensors: dict, name: str) -> torch.Tensor:
     in fp32 (rounded through the quant state's dtype, as bitsandbytes returns it)."""
     st = _state(tensors, name)
     shape, blocksize = tuple(int(s) for s in st["shape"]), int(st["blocksize"])
-    codes = tensors[f"{name}.weight"].reshape(-1)
+    codes = tensors[f"{name}.weight"].contiguous().reshape(-1)
+    if codes.dtype != torch.uint8:  # `bnb_4bit_quant_storage` (bf16 for FSDP QLoRA): the same bytes
+        codes = codes.view(torch.uint8)
     n = shape[0] * (shape[1] if len(shape) > 1 else 1)
     if codes.dtype != torch.uint8 or codes.numel() * 2 < n:
         raise QuantSpecError(f"{name}.weight holds {codes.numel()} {codes.dtype} bytes, not the {n} 4-bit codes of "
