@@ -180,3 +180,24 @@ def test_heads_of_another_rotation_are_refused(tiny_llama_dir):
         check_eagle3_matches_base(head, rotated)
     with pytest.raises(QuantSpecError, match="records no base, and this base has rotations"):
         check_eagle3_matches_base(replace(head, base_fingerprint=None), rotated)
+
+
+def test_cli_rotates_and_inspect_says_so(tmp_path, tiny_llama_dir):
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_CORPUS)
+    run = CliRunner()
+    r = run.invoke(main, ["calibrate", "--model", str(tiny_llama_dir), "--dataset", str(corpus), "--num-samples", "4",
+                          "--seq-len", "32", "--dtype", "float32", "--rotate", "r1", "--seed", "5",
+                          "--out", str(tmp_path / "t")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    r = run.invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--quant-type", "a8w8", "--calib", str(tmp_path / "t"),
+                          "--smoothquant-alpha", "none", "--a8w8-fallback-layers", "0", "--rotate", "R1", "--seed", "5",
+                          "--out", str(tmp_path / "q")], catch_exceptions=False)
+    assert r.exit_code == 0, r.output
+    assert read_config(tmp_path / "q")[ROTATION_KEY] == {"rotations": ["R1"], "type": "random-hadamard", "seed": 5}
+    r = run.invoke(main, ["inspect", str(tmp_path / "q")], env={"COLUMNS": "200"})
+    assert "rotations fused" in r.output and "R1 random-hadamard seed 5" in r.output

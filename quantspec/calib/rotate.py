@@ -180,8 +180,9 @@ class RotatedReader(CheckpointReader):
     checkpoint of the rotated model: the same names and shapes, plus `lm_head.weight` where the
     embedding was tied (a rotated head folds the final norm's weight, the embedding does not, so
     they part); every norm that a rotation crosses reads as ones. Rotated tensors are computed in
-    float64 on each read and returned in the checkpoint's dtype (or `dtype`); only the tensors no
-    rotation touches keep their `ranges` (copied as stored)."""
+    float64 on each read, on the device it is read to (a layer quantized on CUDA turns there), and
+    returned in the checkpoint's dtype (or `dtype`); only the tensors no rotation touches keep their
+    `ranges` (copied as stored)."""
 
     def __init__(self, inner: CheckpointReader, model, rotation: Rotation):
         self.inner, self.rotation, self.model_dir = inner, rotation, inner.model_dir
@@ -211,6 +212,7 @@ class RotatedReader(CheckpointReader):
         self.R2 = rotation.matrix("R2", args.head_dim) if "R2" in rotation.rotations else None
         self.kv_heads, self.heads_n, self.head_dim = args.num_kv_heads, args.num_heads, args.head_dim
         self._norms: dict[str, torch.Tensor] = {}
+        self._matrices: dict[torch.device, tuple] = {}
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         names = list(self.shapes if names is None else names)
@@ -224,25 +226,32 @@ class RotatedReader(CheckpointReader):
             self._norms[norm] = self.inner.read([f"{norm}.weight"], dtype=torch.float64)[f"{norm}.weight"]
         return self._norms[norm]
 
+    def _on(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """(R1, R2) on `device` (where the tensor being read is: a layer quantized on CUDA turns there)."""
+        if device not in self._matrices:
+            self._matrices[device] = (self.R1.to(device), None if self.R2 is None else self.R2.to(device))
+        return self._matrices[device]
+
     def _rotate(self, name: str, t: torch.Tensor) -> torch.Tensor:
         op, module = self.ops[name]
         w = t.to(torch.float64)
+        R1, R2 = self._on(w.device)
         if op == "ones":
             return torch.ones_like(w)
         if op == "read":
-            w = (w * self._norm(module)) @ self.R1
-            if module in self.values and self.R2 is not None:  # rows per KV head into R2's basis
-                w = (self.R2.T @ w.view(self.kv_heads, self.head_dim, -1)).reshape(w.shape)
+            w = (w * self._norm(module).to(w.device)) @ R1
+            if module in self.values and R2 is not None:  # rows per KV head into R2's basis
+                w = (R2.T @ w.view(self.kv_heads, self.head_dim, -1)).reshape(w.shape)
             return w
         if op == "embed":
-            return w @ self.R1
+            return w @ R1
         if op == "write":
-            if module in self.heads and self.R2 is not None:  # columns per head: the values' basis
-                w = (w.view(w.shape[0], self.heads_n, self.head_dim) @ self.R2).reshape(w.shape)
-            return self.R1.T @ w
+            if module in self.heads and R2 is not None:  # columns per head: the values' basis
+                w = (w.view(w.shape[0], self.heads_n, self.head_dim) @ R2).reshape(w.shape)
+            return R1.T @ w
         if op == "write_bias":
-            return w @ self.R1
-        return (w.view(self.kv_heads, self.head_dim) @ self.R2).reshape(w.shape)  # value_bias
+            return w @ R1
+        return (w.view(self.kv_heads, self.head_dim) @ R2).reshape(w.shape)  # value_bias
 
     def read(self, names: list[str], *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
@@ -251,7 +260,7 @@ class RotatedReader(CheckpointReader):
             src = EMBED if n == HEAD and self.tied else n
             if n not in self.shapes:
                 raise QuantSpecError(f"{self.model_dir} lacks {n}; the checkpoint is incomplete")
-            t = self.inner.read([src])[src]
+            t = self.inner.read([src], device=device)[src]
             if n in self.ops:
                 t = self._rotate(n, t).to(t.dtype)
             out[n] = t.to(device=device, dtype=dtype or t.dtype)
