@@ -14,8 +14,8 @@ from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir, check_output_file
 
 # the config types and names a caller (the CLI) builds calls with, imported when first asked for
-_REEXPORTS = {"InferConfig": "quantspec.infer.predictor", "ServeConfig": "quantspec.serve",
-              "ReportConfig": "quantspec.report", "ENGINE_NAMES": "quantspec.quant.engines"}
+_REEXPORTS = {"InferConfig": "quantspec.infer.predictor", "ServeConfig": "quantspec.serve", "ReportConfig": "quantspec.report",
+              "ENGINE_NAMES": "quantspec.quant.engines", "rotate_eagle3_head": "quantspec.calib.rotate_head"}
 
 __all__ = ["calibrate", "evaluate", "infer", "inspect", "quantize", "report", "serve", "train_draft_head", "train_mtp",
            *_REEXPORTS]

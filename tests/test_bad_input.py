@@ -256,6 +256,7 @@ CASES = [
      "--device"),
     # -- calibrate ---------------------------------------------------------------------------
     ("calibrate-data-missing", "calibrate --model {model} --dataset {d}/missing.jsonl --out {d}/c", "--dataset"),
+    ("zoo-rotate-head-unrotated-base", "zoo rotate-head --model {model} --base {model} --out {d}/h", "--base"),
     ("calibrate-rotate-unknown", "calibrate --model {model} --dataset {d}/calib.txt --rotate R1,R9 --out {d}/c",
      "--rotate"),
     ("calibrate-data-not-utf8", "calibrate --model {model} --dataset {d}/latin1.txt --out {d}/c", "--dataset"),

@@ -115,3 +115,18 @@ def train_draft_head(**kw):
     progress.console.print(f"[green]wrote[/] {res['out']}  (steps {res['start_step']}→{res['steps']}, loss "
                            f"{res['loss_first']:.3f} → {res['loss_last']:.3f}, {res['positions']} positions, "
                            f"{res['wall_s']:.0f} s)")
+
+
+@zoo.command(name="rotate-head")
+@click.option("--model", required=True, help="The unquantized EAGLE-3 head, trained on the base before it was rotated.")
+@click.option("--base", required=True, help="The base artifact `quantize --rotate` wrote from that base.")
+@click.option("--out", required=True, type=click.Path(file_okay=False), help="Head artifact directory.")
+@click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
+@one_line_errors
+def rotate_head(model, base, out, overwrite):
+    """Turn an EAGLE-3 head to read a base whose weights `quantize --rotate` rotated (the same drafts)."""
+    from quantspec import api
+
+    path = api.rotate_eagle3_head(model, base, out, overwrite=overwrite)
+    click.echo(f"wrote {path}")
+
