@@ -122,10 +122,15 @@ class CalibrateConfig:
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
     rotate: str | None = None  # measure the model with these rotations fused (`calib.rotate`; signs from `seed`)
 
-    def __post_init__(self):
+    @property
+    def rotation(self):
+        """`rotate` parsed (`calib.rotate.Rotation`, None for none; one line naming --rotate if bad)."""
         from quantspec.calib.rotate import Rotation
 
-        Rotation.parse(self.rotate, self.seed)  # one line naming --rotate
+        return Rotation.parse(self.rotate, self.seed)
+
+    def __post_init__(self):
+        _ = self.rotation  # a bad --rotate fails here, before any work
         if not self.dataset:
             raise QuantSpecError("--dataset is empty; pass --dataset FILE or a hub dataset id")
         if not self.out:
@@ -276,10 +281,10 @@ def _load_for_calibration(model: str, rotation=None):
     """(the model on `meta`, its directory, its CheckpointReader: a quantized checkpoint's
     `quant.decompressed.DecompressedReader`; with `rotation`, read as the rotated model's,
     `calib.rotate.RotatedReader`)."""
+    from quantspec.calib.rotate import RotatedReader, rotated_config
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint, read_config, resolve_model_dir
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.quant.decompressed import source_reader
-    from quantspec.calib.rotate import RotatedReader, rotated_config
 
     model_dir = resolve_model_dir(model)
     cfg = read_config(model_dir)
@@ -302,14 +307,12 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     from quantspec.calib.stream import open_run, say_resume
     from quantspec.devices import resolve_device
 
-    from quantspec.calib.rotate import Rotation
-
     t0, cpu0 = time.perf_counter(), time.process_time()
     say = on_status or (lambda msg: None)
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
     device = resolve_device(config.device)
     with about("--model"):  # every shard's header checked before any work
-        net, model_dir, reader = _load_for_calibration(config.model, Rotation.parse(config.rotate, config.seed))
+        net, model_dir, reader = _load_for_calibration(config.model, config.rotation)
     net.args.check_context(config.seq_len, "--seq-len")  # its windows run full attention
     say("reading the dataset")
     with about("--dataset"):
@@ -359,7 +362,6 @@ def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, mode
     """calibration.json: the options, the data, the model (and the rotations fused into it) and
     how the run went."""
     from quantspec import __version__
-    from quantspec.calib.rotate import Rotation
 
     local = Path(config.dataset).expanduser()
     return {
@@ -369,7 +371,7 @@ def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, mode
         "dataset_path": str(local.resolve()) if local.exists() else None,
         "model_dir": str(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
-        "rotation": None if (rot := Rotation.parse(config.rotate, config.seed)) is None else rot.to_meta(),
+        "rotation": None if config.rotation is None else config.rotation.to_meta(),
         "num_layers": net.args.num_layers,
         "num_kv_heads": net.args.num_kv_heads,
         "quantspec_version": __version__,

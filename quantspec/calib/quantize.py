@@ -109,11 +109,10 @@ class QuantizeConfig:
 
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
+        from quantspec.calib.rotate import Rotation
         from quantspec.quant.args import QuantType
         from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import target_refusal
-
-        from quantspec.calib.rotate import Rotation
 
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
