@@ -119,8 +119,7 @@ def train_mtp(model: str | Path = "smollm2-135m", dataset: str | Path | None = N
     generating. Each step trains on `batch_size * seq_len` positions. `targets`: "hard" (the
     default) = one token per position (the base's argmax with `self_distill`, else the dataset's
     next token); "soft" = the base's distribution over the draft vocabulary at each position
-    (needs `self_distill`; it helps on little data: 480 prompts × 400 steps, held-out chat
-    first-draft 25.7% → 30.4%, not on the default recipe's 1618 prompts: 34.0% hard, 33.6% soft).
+    (needs `self_distill`).
     `on_step(step, steps, loss)` and `on_status(message)` report progress.
 
     The prepared training rows are saved to `out/train_features.pt` before training (the
@@ -256,12 +255,9 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
 
 # checkpoints in another tool's own format, which the engines read with their own method for it
 _OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 checkpoint)",
-                "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)",
-                "gptq": "gptq (AutoGPTQ's / GPTQModel's own checkpoint)",
-                "awq": "awq (AutoAWQ's own checkpoint)",
-                "auto-round": "auto-round (Intel AutoRound's own checkpoint)",
-                "quark": "quark FP8 (AMD Quark's own checkpoint)",
-                "fbgemm_fp8": "fbgemm_fp8 (FBGEMM's FP8 checkpoint)"}
+                "modelopt": "modelopt NVFP4 (NVIDIA ModelOpt's own checkpoint)", "awq": "awq (AutoAWQ's own checkpoint)",
+                "gptq": "gptq (AutoGPTQ's / GPTQModel's own checkpoint)", "quark": "quark FP8 (AMD Quark's own checkpoint)",
+                "auto-round": "auto-round (Intel AutoRound's own checkpoint)", "fbgemm_fp8": "fbgemm_fp8 (FBGEMM's FP8 checkpoint)"}
 
 
 def inspect(path: str | Path) -> dict:
@@ -270,32 +266,27 @@ def inspect(path: str | Path) -> dict:
     verdict (for a quantized artifact, or a draft module quantized or not)."""
     from quantspec.model_zoo.checkpoint import (draft_kind, read_config, resolve_model_dir, safetensors_files,
                                                 safetensors_keys)
-    from quantspec.quant.artifact import read_provenance, read_quant_config
-    from quantspec.quant.autoquant import AUTOQUANT_METHODS, SCALE_LEAF
     from quantspec.model_zoo.hf_config import rotation_tag
+    from quantspec.quant.artifact import quantized_layers, read_provenance, read_quant_config
+    from quantspec.quant.bnb import BNB_METHOD, bnb_inspect
     from quantspec.quant.engines import draft_verdicts
 
     with about("PATH"):
         d = resolve_model_dir(path)
-        qc = read_quant_config(d)
         files = safetensors_files(d)
         names = [k for f in files for k in safetensors_keys(f)]
+        out = {"path": str(d), "size_bytes": _dir_bytes(d), "weights_bytes": sum(f.stat().st_size for f in files),
+               "num_tensors": len(names)}
+        if ((c := read_config(d)).get("quantization_config") or {}).get("quant_method") == BNB_METHOD:
+            return {**out, **bnb_inspect(d, c)}  # a source only: no compressed-tensors config to read
+        qc = read_quant_config(d)
         meta = read_provenance(d)
-    weights_bytes = sum(f.stat().st_size for f in files)
-    prov = meta.get("provenance") or {}
-    out = {"path": str(d), "quantized": qc is not None, "size_bytes": _dir_bytes(d),
-           "weights_bytes": weights_bytes, "num_tensors": len(names)}
+    weights_bytes, prov = out["weights_bytes"], meta.get("provenance") or {}
+    out["quantized"] = qc is not None
     if qc is None:  # a draft module's verdicts need no quantization_config
-        kind = draft_kind(c := read_config(d))
+        kind = draft_kind(c)
         return out if kind is None else {**out, "engines": {e: v.to_dict() for e, v in draft_verdicts(kind, c).items()}}
-    scale_leaf = "." + qc.tensor_names.get("weight_scale", SCALE_LEAF if qc.source in AUTOQUANT_METHODS else "weight_scale")
-    layers = {}
-    for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(scale_leaf)}):
-        s = qc.module_scheme(n)
-        if s is None or s.weights is None:
-            raise QuantSpecError(f"{d}: {n} has quantized tensors but the quantization_config does "
-                                 "not quantize it; the artifact is inconsistent")
-        layers[n] = _layer_info(s)
+    layers = quantized_layers(qc, names, d)
     src = prov.get("source_size_bytes")
     out.update(
         quant_type=None if qc.quant_type is None else qc.quant_type.value,
@@ -308,13 +299,12 @@ def inspect(path: str | Path) -> dict:
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
         source_quantization=prov.get("source_quantization"),
     )
-    cfg = read_config(d)
-    out.update({"rotation": rot} if (rot := rotation_tag(cfg)) else {})  # fused rotations (`calib.rotate`)
-    own = _OWN_FORMATS.get(cfg["quantization_config"].get("quant_method"))
+    out.update({"rotation": rot} if (rot := rotation_tag(c)) else {})  # fused rotations (`calib.rotate`)
+    own = _OWN_FORMATS.get(c["quantization_config"].get("quant_method"))
     if own is not None:  # vLLM, SGLang and transformers read it with their own method, not compressed-tensors'
         out["format"] = own
     else:
-        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(cfg, qc, files, layers).items()}
+        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(c, qc, files, layers).items()}
     if any(s.input_activations is not None for s in qc.config_groups.values()):
         out.update(_activation_info(layers, prov))
     return out
@@ -329,18 +319,6 @@ def _activation_info(layers: dict, prov: dict) -> dict:
         out["fallback"] = {"rule": plan.get("fallback_rule"), "units": plan.get("fallback_units"),
                            "held_back": plan.get("held_back")}
     return out
-
-
-def _layer_info(s) -> dict:
-    """One quantized Linear's row of `inspect`'s `layers`, from its scheme."""
-    w, ia = s.weights, s.input_activations
-    return {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
-            "group_size": w.group_size if w.strategy in ("group", "tensor_group") else None,
-            "block": None if w.block_structure is None else list(w.block_structure),
-            "symmetric": w.symmetric, "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
-            "format": s.format,
-            "input_activations": None if ia is None
-            else f"{ia.type}{ia.num_bits} {ia.strategy} {'dynamic' if ia.dynamic else 'static'}"}
 
 
 def _engine_verdicts(cfg: dict, qc, files, layers: dict) -> dict:

@@ -16,7 +16,7 @@ from safetensors.torch import load_file, save_file
 
 from quantspec import api
 from quantspec.errors import QuantSpecError
-from quantspec.quant.artifact import load_safetensors, read_provenance
+from quantspec.quant.artifact import load_safetensors, read_provenance, read_quant_config
 from quantspec.quant.bnb import BnbReader
 
 CASES = [("nf4", True), ("nf4", False), ("fp4", True), ("int8", False), ("nf4-bf16", True)]
@@ -83,8 +83,29 @@ def test_quantizing_from_bitsandbytes_is_quantizing_its_weights(tmp_path, tiny_l
     was = read_provenance(a)["provenance"]["source_quantization"]
     assert was["quant_method"] == "bitsandbytes" and was["format"] == quant_type
     assert "quantization_config" in json.loads((a / "config.json").read_text())
+    info = api.inspect(bnb)
+    assert info["quant_type"] == f"bitsandbytes {quant_type}{' double-quant' if double else ''}"
+    assert info["quantized_linears"] == 14  # 2 layers × q, k, v, o, gate, up, down
+    assert {e: v["status"] for e, v in info["engines"].items()} == {
+        "vllm": "refused", "sglang": "loads", "transformers": "loads", "quantspec": "refused"}
+    assert "quantspec quantize --model" in info["engines"]["vllm"]["fixes"][0]
     with pytest.raises(QuantSpecError, match="bitsandbytes checkpoints have no kernel here.*quantspec quantize"):
-        api.inspect(bnb)
+        read_quant_config(bnb)  # what infer / serve / eval read first
+
+
+def test_transformers_runs_the_checkpoint_near_its_dequantized_weights(tmp_path, tiny_llama_dir):
+    """The checkpoints these tests write are bitsandbytes' own: transformers (through bitsandbytes)
+    loads one and runs it to the logits of its dequantized weights (bitsandbytes' CPU kernels
+    compute in their own order: close, not equal)."""
+    from transformers import AutoModelForCausalLM
+
+    bnb, ref = _bnb_checkpoint(tiny_llama_dir, tmp_path, "nf4", True)
+    ids = torch.tensor([[1, 17, 254, 90, 3, 411, 77]])
+    with torch.no_grad():
+        m = AutoModelForCausalLM.from_pretrained(str(bnb), dtype=torch.float32)
+        got, want = m(ids).logits, AutoModelForCausalLM.from_pretrained(str(ref), dtype=torch.float32)(ids).logits
+    assert type(m.model.layers[0].self_attn.q_proj).__name__ == "Linear4bit"
+    assert (got - want).abs().max() < 0.02 * want.abs().max()
 
 
 def test_malformed_bitsandbytes_configs_are_one_line(tmp_path, tiny_llama_dir):

@@ -145,6 +145,10 @@ def _head_table(info: dict):
     if info.get("ignore") is not None:
         head.add_row("ignore", ", ".join(info["ignore"]) or "-")
     head.add_row("weights on disk", _gib(info["weights_bytes"]))
+    if info.get("quantized_linears") is not None:
+        head.add_row("quantized Linears", str(info["quantized_linears"]))
+    if info.get("convert"):
+        head.add_row("convert", info["convert"])
     if info.get("source_quantization"):  # the source was itself quantized: its weights were decompressed
         was = info["source_quantization"]
         head.add_row("quantized from", f"{was['quant_type'] or was['format']} ({was['quant_method']})")
@@ -220,7 +224,7 @@ def inspect(path, as_json):
     console = out_console()
     head = _head_table(info)
     console.print(head)
-    if not info["quantized"]:
+    if not info.get("layers"):  # a float model, or a bitsandbytes source (no compressed-tensors layers)
         return
     # one row per (module kind, scheme): e.g. q_proj ×30 int4 g64 sym
     rows = Counter()

@@ -67,6 +67,8 @@ __all__ = [
     "read_quant_config",
     "read_provenance",
     "load_safetensors",
+    "quantized_layers",
+    "layer_info",
 ]
 
 CONFIG_NAME = "config.json"
@@ -396,3 +398,31 @@ def load_safetensors(path: str | os.PathLike, device: str = "cpu") -> dict[str, 
     for f in files:
         out.update(_load_file(f, device))
     return out
+
+
+def quantized_layers(qc, names: list[str], where) -> dict:
+    """`inspect`'s `layers` of an artifact of config `qc` and tensor `names`: each quantized Linear (a
+    tensor of its weight scale's name) described by its scheme (`layer_info`)."""
+    from quantspec.quant.autoquant import AUTOQUANT_METHODS, SCALE_LEAF
+
+    scale_leaf = "." + qc.tensor_names.get("weight_scale", SCALE_LEAF if qc.source in AUTOQUANT_METHODS else "weight_scale")
+    layers = {}
+    for n in sorted({k.rsplit(".", 1)[0] for k in names if k.endswith(scale_leaf)}):
+        s = qc.module_scheme(n)
+        if s is None or s.weights is None:
+            raise QuantSpecError(f"{where}: {n} has quantized tensors but the quantization_config does "
+                                 "not quantize it; the artifact is inconsistent")
+        layers[n] = layer_info(s)
+    return layers
+
+
+def layer_info(s) -> dict:
+    """One quantized Linear's row of `inspect`'s `layers`, from its scheme."""
+    w, ia = s.weights, s.input_activations
+    return {"bits": w.num_bits, "type": w.type, "strategy": w.strategy,
+            "group_size": w.group_size if w.strategy in ("group", "tensor_group") else None,
+            "block": None if w.block_structure is None else list(w.block_structure),
+            "symmetric": w.symmetric, "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
+            "format": s.format,
+            "input_activations": None if ia is None
+            else f"{ia.type}{ia.num_bits} {ia.strategy} {'dynamic' if ia.dynamic else 'static'}"}

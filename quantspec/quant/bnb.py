@@ -27,7 +27,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader
 
-__all__ = ["BNB_METHOD", "BnbReader", "bnb_description", "dequantize_4bit", "dequantize_8bit"]
+__all__ = ["BNB_METHOD", "BnbReader", "bnb_description", "bnb_inspect", "dequantize_4bit", "dequantize_8bit"]
 
 BNB_METHOD = "bitsandbytes"
 _STATE = "quant_state.bitsandbytes__"
@@ -157,3 +157,25 @@ class BnbReader(CheckpointReader):
                 t = self.raw.read([n])[n]
             out[n] = t.to(device=device, dtype=dtype or t.dtype)
         return out
+
+
+def bnb_inspect(model_dir: str | os.PathLike, cfg: dict) -> dict:
+    """`inspect`'s description of a bitsandbytes checkpoint: what it holds and each engine's
+    verdict (vLLM's and SGLang's method tables as the conformance suite reads them from their
+    source; transformers loads it through the bitsandbytes package)."""
+    from quantspec.quant.engines import ENGINE_VERSIONS, EngineVerdict
+
+    reader = BnbReader(model_dir, cfg)
+    what = reader.source_quantization["quant_type"]
+    fix = (f"quantspec quantize --model {reader.model_dir} --quant-type weight_only_int4 --method gptq --dataset D "
+           "--out OUT (an artifact every engine loads)",)
+    v = ENGINE_VERSIONS
+    verdicts = [
+        EngineVerdict("vllm", "refused", (f"vLLM {v['vllm']} has no bitsandbytes quantization method",), fix),
+        EngineVerdict("sglang", "loads", (f"SGLang {v['sglang']}'s BitsAndBytesConfig, on CUDA",)),
+        EngineVerdict("transformers", "loads", (f"transformers {v['transformers']} with the bitsandbytes package",)),
+        EngineVerdict("quantspec", "refused", ("quantspec has no NF4 / LLM.int8 kernel: it reads the checkpoint as a "
+                                              "quantize / calibrate source",), fix)]
+    return {"quantized": True, "quant_type": f"bitsandbytes {what}", "format": f"bitsandbytes {what}",
+            "quantized_linears": len(reader.linears), "convert": fix[0],
+            "engines": {e.engine: e.to_dict() for e in verdicts}}
