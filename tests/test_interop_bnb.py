@@ -123,3 +123,14 @@ def test_malformed_bitsandbytes_configs_are_one_line(tmp_path, tiny_llama_dir):
     with pytest.raises(QuantSpecError, match="up_proj has 4-bit scales but no weight.quant_state"):
         api.quantize(str(bnb), "weight_only_int8", tmp_path / "x")
     assert not (tmp_path / "x").exists()
+
+
+def test_a_rotated_artifact_from_bitsandbytes_keeps_its_provenance(tmp_path, tiny_llama_dir):
+    bnb, ref = _bnb_checkpoint(tiny_llama_dir, tmp_path, "nf4", True)
+    a = api.quantize(str(bnb), "weight_only_int8", tmp_path / "a", rotate="R1,R2")
+    b = api.quantize(str(ref), "weight_only_int8", tmp_path / "b", rotate="R1,R2")
+    ta, tb = load_safetensors(a), load_safetensors(b)
+    assert set(ta) == set(tb) and all(torch.equal(ta[k], tb[k]) for k in ta)
+    assert api.inspect(a)["source_quantization"]["quant_method"] == "bitsandbytes"
+    assert api.inspect(a)["rotation"] == "R1,R2 random-hadamard seed 0"
+

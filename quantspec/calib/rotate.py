@@ -185,8 +185,11 @@ class RotatedReader(CheckpointReader):
     `ranges` (copied as stored)."""
 
     def __init__(self, inner: CheckpointReader, model, rotation: Rotation):
+        from quantspec.quant.decompressed import source_quantization
+
         self.inner, self.rotation, self.model_dir = inner, rotation, inner.model_dir
         self.stored, self.splits = inner.stored, {}
+        self.source_quantization = source_quantization(inner)  # a quantized source's provenance, kept
         args = model.args
         roles = _roles(model)
         self.norm_of: dict[str, str] = roles["norm_of"]
