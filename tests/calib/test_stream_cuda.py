@@ -102,3 +102,18 @@ def test_calibration_on_the_gpu_matches_the_cpu(tiny_llama_dir, data, tmp_path):
     assert sorted(tables[0].tensors) == sorted(tables[1].tensors)
     for k, t in tables[0].tensors.items():
         torch.testing.assert_close(tables[1].tensors[k].float(), t.float(), rtol=1e-3, atol=1e-5, msg=k)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_rotations_on_the_gpu_match_the_cpu(tied_llama_dir, tmp_path):
+    """`--rotate` turns each tensor on the device its layer runs on (float64 either way): the
+    rotated float tensors agree to rounding, the int8 codes but for the odd tie."""
+    (ca, ta), (cb, tb) = _pair(tied_llama_dir, tmp_path, quant_type="weight_only_int8", rotate="R1,R2")
+    assert ca == cb and sorted(ta) == sorted(tb) and "lm_head.weight" in ta
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        if ta[k].dtype.is_floating_point:
+            torch.testing.assert_close(tb[k].float(), ta[k].float(), rtol=1e-5, atol=1e-7, msg=k)
+        else:
+            assert _codes_differ(ta[k], tb[k]) < 0.01, k
