@@ -10,9 +10,9 @@ by R2 [hd, hd]: `v_proj`'s rows per KV head and `o_proj`'s columns per head. The
 the same function (up to rounding); what changes is the basis the quantizers see: outlier channels
 of the residual stream and the values are spread over all channels, so per-tensor and per-token
 activation scales and GPTQ's error compensation lose less (the measured effect, per recipe, is in
-docs/models.md).
+docs/benchmarks.md, `bench/rotate.py`).
 
-R and R2 are random Hadamard matrices (a Hadamard matrix of the size, from compressed-tensors'
+R1 and R2 are random Hadamard matrices (a Hadamard matrix of the size, from compressed-tensors'
 `random_hadamard_matrix`, with each row's sign drawn from `seed`, scaled to be orthogonal),
 computed and applied in float64. A model whose norm weights cannot be folded this way (Gemma's
 and OLMo 2's norms of each block's output, added to the residual as they are) is refused.

@@ -20,7 +20,7 @@ OFFLINE = ("weight_input", "weight_output")
 def read_transform_config(tc: Any, where: str) -> dict | None:
     """A checkpoint's `transform_config`, checked by compressed-tensors' own model: None when
     empty; refused in one line when a transform runs at run time (quantspec runs weights whose
-    transforms are fused, as vLLM does; SGLang and transformers read no transforms at all)."""
+    transforms are fused; vLLM runs run-time ones too, SGLang and transformers none)."""
     if not tc:
         return None
     from compressed_tensors.transform import TransformConfig
