@@ -10,6 +10,8 @@ scales read a table from `calibrate` of the same model (`--rotate R1,R2` for the
 weight-only artifact. Calibration data: `bench/data/calib.jsonl`.
 
     OMP_NUM_THREADS=2 python bench/rotate.py [--recipes int4-gptq,a8w8-dynamic] [--json out.json]
+
+(`--model`, `--calib-data`, `--heldout`, `--seq-len` run it on another model and data.)
 """
 
 from __future__ import annotations
@@ -31,7 +33,7 @@ STATIC = {"smoothquant_alpha": "none", "fallback_layers": 0}
 # name → (quant_type, quantize options, needs the calibration table, evaluate's KV cache)
 RECIPES = {
     "int4-rtn": ("weight_only_int4", {"group_size": 128}, False, "float"),
-    "int4-gptq": ("weight_only_int4", {"group_size": 128, "method": "gptq", "dataset": str(CALIB)}, False, "float"),
+    "int4-gptq": ("weight_only_int4", {"group_size": 128, "method": "gptq", "dataset": None}, False, "float"),
     "a8w4-dynamic": ("a8w4", {"group_size": 128, "target": "quantspec"}, False, "float"),
     "a8w8-dynamic": ("a8w8", {"activations": "dynamic"}, False, "float"),
     "a8w8_fp8-dynamic": ("a8w8_fp8", {"activations": "dynamic"}, False, "float"),
@@ -42,50 +44,62 @@ RECIPES = {
 }
 
 
-def main() -> None:
+def main(argv=None) -> dict:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--model", default="smollm2-135m")
     p.add_argument("--recipes", default=",".join(RECIPES))
     p.add_argument("--heldout", default=str(HERE / "data" / "heldout.txt"))
+    p.add_argument("--calib-data", default=str(CALIB), help="calibration texts (tables, GPTQ)")
     p.add_argument("--num-samples", type=int, default=64)
+    p.add_argument("--seq-len", type=int, default=512, help="calibration and evaluation windows")
     p.add_argument("--json", default=None)
-    a = p.parse_args()
+    a = p.parse_args(argv)
     names = [n for n in a.recipes.split(",") if n]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; choose from {', '.join(RECIPES)}")
     work = Path(tempfile.mkdtemp(prefix="bench-rotate-"))
     try:
-        fp32 = api.evaluate(a.model, text_file=a.heldout)["perplexity"]
-        tables = {}
-        if any(RECIPES[n][2] for n in names):
-            for rot in (None, "R1,R2"):
-                tables[rot] = str(api.calibrate(a.model, str(CALIB), work / f"table-{rot}", num_samples=a.num_samples,
-                                                seq_len=512, dtype="float32", rotate=rot).path)
-        rows, out = [], {"model": a.model, "fp32_perplexity": fp32, "recipes": {}}
-        for n in names:
-            qt, opts, static, kv = RECIPES[n]
-            got = {}
-            for rot in (None, "R1,R2"):  # plain, then rotated: side by side in one run
-                t0 = time.perf_counter()
-                calib = {"calib": tables[rot]} if static else {}
-                art = api.quantize(a.model, qt, work / f"{n}-{rot}", rotate=rot, num_samples=a.num_samples,
-                                   **opts, **({} if kv != "float" else calib))
-                ev = api.evaluate(str(art), text_file=a.heldout, kv_cache_dtype=kv,
-                                  calib=tables[rot] if kv != "float" else None)
-                got[rot] = {"perplexity": ev["perplexity"], "quantize_s": round(time.perf_counter() - t0, 1)}
-                shutil.rmtree(art, ignore_errors=True)
-            d0, d1 = (got[r]["perplexity"] / fp32 - 1 for r in (None, "R1,R2"))
-            out["recipes"][n] = {"plain": got[None], "rotated": got["R1,R2"], "delta_ratio": d1 / d0}
-            rows.append([n, f"{got[None]['perplexity']:.3f}", f"{100 * d0:+.1f}%", f"{got['R1,R2']['perplexity']:.3f}",
-                         f"{100 * d1:+.1f}%", f"{d1 / d0:.2f}"])
-            print(f"{n}: plain {got[None]['perplexity']:.3f}, rotated {got['R1,R2']['perplexity']:.3f}", flush=True)
+        out = _run(a, names, work)
     finally:
         shutil.rmtree(work, ignore_errors=True)
-    print(f"\nfp32 perplexity {fp32:.3f} ({a.heldout})\n")
+    rows = [[n, f"{r['plain']['perplexity']:.3f}", f"{100 * r['plain']['delta']:+.1f}%",
+             f"{r['rotated']['perplexity']:.3f}", f"{100 * r['rotated']['delta']:+.1f}%", f"{r['delta_ratio']:.2f}"]
+            for n, r in out["recipes"].items()]
+    print(f"\nfp32 perplexity {out['fp32_perplexity']:.3f} ({a.heldout})\n")
     print(markdown_table(["recipe", "plain ppl", "plain Δ", "R1,R2 ppl", "R1,R2 Δ", "Δ ratio"], rows, "lrrrrr"))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
+    return out
+
+
+def _run(a, names: list[str], work: Path) -> dict:
+    """Each recipe quantized plain then rotated, side by side in one run (module docstring)."""
+    ev = dict(text_file=a.heldout, seq_len=a.seq_len)
+    fp32 = api.evaluate(a.model, **ev)["perplexity"]
+    tables = {}
+    if any(RECIPES[n][2] for n in names):
+        for rot in (None, "R1,R2"):
+            tables[rot] = str(api.calibrate(a.model, a.calib_data, work / f"table-{rot}", num_samples=a.num_samples,
+                                            seq_len=a.seq_len, dtype="float32", rotate=rot).path)
+    out = {"model": a.model, "fp32_perplexity": fp32, "recipes": {}}
+    for n in names:
+        qt, opts, static, kv = RECIPES[n]
+        opts = {k: (a.calib_data if k == "dataset" else v) for k, v in opts.items()}
+        got = {}
+        for rot in (None, "R1,R2"):
+            t0 = time.perf_counter()
+            calib = {"calib": tables[rot]} if static and kv == "float" else {}
+            art = api.quantize(a.model, qt, work / f"{n}-{rot}", rotate=rot, num_samples=a.num_samples,
+                               seq_len=a.seq_len, **opts, **calib)
+            ppl = api.evaluate(str(art), kv_cache_dtype=kv, calib=tables[rot] if kv != "float" else None,
+                               **ev)["perplexity"]
+            got[rot] = {"perplexity": ppl, "delta": ppl / fp32 - 1, "quantize_s": round(time.perf_counter() - t0, 1)}
+            shutil.rmtree(art, ignore_errors=True)
+        out["recipes"][n] = {"plain": got[None], "rotated": got["R1,R2"],
+                             "delta_ratio": got["R1,R2"]["delta"] / got[None]["delta"]}
+        print(f"{n}: plain {got[None]['perplexity']:.3f}, rotated {got['R1,R2']['perplexity']:.3f}", flush=True)
+    return out
 
 
 if __name__ == "__main__":

@@ -56,5 +56,12 @@ def big_model():
 
 
 @pytest.fixture(scope="module")
+def rotate_bench():
+    sys.path.insert(0, str(BENCH_DIR))  # its `from mdtable import ...`
+    yield from _bench("rotate")
+    sys.path.remove(str(BENCH_DIR))
+
+
+@pytest.fixture(scope="module")
 def serve_bench():
     yield from _bench("serve")

@@ -1,0 +1,32 @@
+"""`bench/rotate.py`: every recipe is quantized plain and rotated in one run and both are
+evaluated; the ratio is of their perplexity losses."""
+
+import math
+
+import pytest
+
+from quantspec.model_zoo.tiny import TINY_CORPUS
+
+pytestmark = pytest.mark.bench
+
+
+def test_recipes_run_plain_and_rotated(rotate_bench, tied_llama_dir, tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text(TINY_CORPUS)
+    res = rotate_bench.main(["--model", str(tied_llama_dir), "--recipes", "int4-rtn,a8w8-static,int8+kv8",
+                             "--calib-data", str(text), "--heldout", str(text), "--num-samples", "4",
+                             "--seq-len", "32", "--json", str(tmp_path / "out.json")])
+    assert list(res["recipes"]) == ["int4-rtn", "a8w8-static", "int8+kv8"]
+    for r in res["recipes"].values():
+        for side in ("plain", "rotated"):
+            assert math.isfinite(r[side]["perplexity"]) and r[side]["delta"] == pytest.approx(
+                r[side]["perplexity"] / res["fp32_perplexity"] - 1)
+        assert r["delta_ratio"] == pytest.approx(r["rotated"]["delta"] / r["plain"]["delta"])
+    out = capsys.readouterr().out
+    assert "| recipe | plain ppl | plain Δ | R1,R2 ppl | R1,R2 Δ | Δ ratio |" in out
+    assert (tmp_path / "out.json").is_file()
+
+
+def test_unknown_recipe_is_refused(rotate_bench):
+    with pytest.raises(SystemExit):
+        rotate_bench.main(["--recipes", "int3"])
