@@ -203,9 +203,14 @@ def test_cli_rotates_and_inspect_says_so(tmp_path, tiny_llama_dir):
     assert "rotations fused" in r.output and "R1 random-hadamard seed 5" in r.output
 
 
-@pytest.mark.parametrize("variant", [{}, {"norm_before_fc": True}, {"fc_norm": True}], ids=["plain", "input_norm",
-                                                                                             "fc_norm"])
+@pytest.mark.parametrize("variant", [{}, {"norm_before_fc": True}, {"fc_norm": True}, "llama-two-aux-fc-norm",
+                                     "qwen3-fc-norm-out"],
+                         ids=["plain", "input_norm", "fc_norm", "speculators-fc-norm", "speculators-qwen3"])
 def test_an_eagle3_head_turned_for_the_rotated_base_drafts_the_same(tmp_path, tiny_llama_dir, variant):
+    """Plain-layout heads of each variant, and speculators-format ones (their own embedding copy
+    left out of the turned head, which then reads the rotated base's)."""
+    import sys
+
     from quantspec.infer.loader import load_for_inference
     from quantspec.model_zoo.eagle3 import Eagle3Args, Eagle3Head, load_eagle3, save_eagle3
     from quantspec.model_zoo.eagle3_train import ttt_outputs
@@ -216,19 +221,27 @@ def test_an_eagle3_head_turned_for_the_rotated_base_drafts_the_same(tmp_path, ti
     (rotated / "config.json").write_text(json.dumps({**cfg, ROTATION_KEY: Rotation(("R1", "R2"), 4).to_meta()}))
     base_a = load_for_inference(tiny_llama_dir, tokenizer=False).model
     base_b = load_for_inference(rotated, tokenizer=False).model
-    g = torch.Generator().manual_seed(0)
-    head = Eagle3Head(replace(Eagle3Args.for_base(base_a.args, 64, (0, 1, 2)), **variant))
-    with torch.no_grad():
-        for name, p in head.named_parameters():  # norms away from ones: the fold has something to fold
-            p.copy_(torch.rand(p.shape, generator=g) + 0.5 if p.ndim == 1 else torch.randn(p.shape, generator=g) * 0.2)
-    head.set_draft_vocab(torch.arange(0, 128, 2))
-    save_eagle3(head, tmp_path / "head")
+    if isinstance(variant, str):  # a speculators-format head (RedHatAI's layout)
+        sys.path.insert(0, str(Path(__file__).parent))
+        from speculators_heads import VARIANTS, write_speculators_head
+
+        aux = VARIANTS[variant][2]
+        write_speculators_head(tmp_path / "head", base_a.model.embed_tokens.weight.detach(), variant)
+    else:
+        aux = (0, 1, 2)
+        g = torch.Generator().manual_seed(0)
+        head = Eagle3Head(replace(Eagle3Args.for_base(base_a.args, 64, aux), **variant))
+        with torch.no_grad():
+            for name, p in head.named_parameters():  # norms away from ones: the fold has something to fold
+                p.copy_(torch.rand(p.shape, generator=g) + 0.5 if p.ndim == 1 else torch.randn(p.shape, generator=g) * 0.2)
+        head.set_draft_vocab(torch.arange(0, 128, 2))
+        save_eagle3(head, tmp_path / "head")
     api.rotate_eagle3_head(str(tmp_path / "head"), str(rotated), str(tmp_path / "head.rot"))
     ids = torch.tensor([1, 9, 77, 130, 5, 260, 41, 3, 99, 12])
 
     def logits(base, head_dir):
         n = ids.numel()
-        _, feats = base(ids, torch.arange(n), DenseCausalAttention.of(base.args, 1, n), capture=(0, 1, 2))
+        _, feats = base(ids, torch.arange(n), DenseCausalAttention.of(base.args, 1, n), capture=aux)
         h = load_eagle3(head_dir, base.args).bind_embedding(base.model.embed_tokens)
         with torch.no_grad():
             return [h.logits(o) for o in ttt_outputs(h, ids, torch.cat(feats, dim=-1), 3)]
@@ -237,7 +250,7 @@ def test_an_eagle3_head_turned_for_the_rotated_base_drafts_the_same(tmp_path, ti
         want, got = logits(base_a, tmp_path / "head"), logits(base_b, tmp_path / "head.rot")
     for a, b in zip(want, got):
         torch.testing.assert_close(b, a, rtol=1e-4, atol=1e-4)
-    with pytest.raises(QuantSpecError, match="fingerprint"):  # the unturned head beside the rotated base
+    with pytest.raises(QuantSpecError, match="(fingerprint|records no base).*quantspec zoo rotate-head"):  # unturned
         load_eagle3(tmp_path / "head", base_b.args)
     with pytest.raises(QuantSpecError, match="made for this rotated base already"):
         api.rotate_eagle3_head(str(tmp_path / "head.rot"), str(rotated), str(tmp_path / "again"))

@@ -182,6 +182,8 @@ def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "t
                                ("vocab size", args.layer.vocab_size, base.vocab_size)):
         if mine != theirs:
             raise QuantSpecError(f"{where} was trained for a base with {name} {mine}, this base has {theirs}; {fix}")
+    if base.rotation:  # a head trained before the base was rotated can be turned rather than retrained
+        fix += " (or turn one trained on the base before --rotate: `quantspec zoo rotate-head --model HEAD --base BASE`)"
     if args.base_fingerprint is not None and args.base_fingerprint != base_fingerprint(base):
         what = "layers / heads / sizes or rotations (quantize --rotate) differ"
         raise QuantSpecError(f"{where} was trained for another base (fingerprint {args.base_fingerprint} != "
