@@ -34,6 +34,8 @@ STATIC = {"smoothquant_alpha": "none", "fallback_layers": 0}
 RECIPES = {
     "int4-rtn": ("weight_only_int4", {"group_size": 128}, False, "float"),
     "int4-gptq": ("weight_only_int4", {"group_size": 128, "method": "gptq", "dataset": None}, False, "float"),
+    "int4-gptq-act-order": ("weight_only_int4", {"group_size": 128, "method": "gptq", "dataset": None,
+                                                 "act_order": True}, False, "float"),
     "a8w4-dynamic": ("a8w4", {"group_size": 128, "target": "quantspec"}, False, "float"),
     "a8w8-dynamic": ("a8w8", {"activations": "dynamic"}, False, "float"),
     "a8w8_fp8-dynamic": ("a8w8_fp8", {"activations": "dynamic"}, False, "float"),

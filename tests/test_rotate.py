@@ -45,9 +45,24 @@ def _rotated_checkpoint(src: Path, out: Path, rotation: Rotation) -> Path:
     return out
 
 
+def _uneven_norms(src: Path) -> Path:
+    """`src` with every norm's weight drawn per channel from U(0.5, 1.5) (the tiny models' layer
+    norms are ones, which a fold that took the wrong axis would pass unnoticed)."""
+    from safetensors.torch import load_file
+
+    g = torch.Generator().manual_seed(1)
+    files = sorted(src.glob("*.safetensors"))
+    for f in files:
+        t = load_file(str(f))
+        t = {k: (torch.rand(v.shape, generator=g) + 0.5).to(v.dtype) if k.endswith("norm.weight") else v
+             for k, v in t.items()}
+        save_file(t, str(f), metadata={"format": "pt"})
+    return src
+
+
 @pytest.mark.parametrize("arch,options", ARCHS, ids=[a for a, _ in ARCHS])
 def test_rotated_checkpoint_computes_the_source(tmp_path, logits_of, arch, options):
-    src = build_tiny_model(tmp_path / "src", arch, **options)
+    src = _uneven_norms(build_tiny_model(tmp_path / "src", arch, **options))
     rot = _rotated_checkpoint(src, tmp_path / "rot", Rotation(("R1", "R2"), seed=3))
     torch.testing.assert_close(logits_of(rot, IDS), logits_of(src, IDS), rtol=1e-4, atol=1e-4)
     a = CheckpointReader(src).read(["model.layers.0.mlp.down_proj.weight"] if arch not in ("qwen2_moe", "mixtral")
