@@ -134,3 +134,14 @@ def test_a_rotated_artifact_from_bitsandbytes_keeps_its_provenance(tmp_path, tin
     assert api.inspect(a)["source_quantization"]["quant_method"] == "bitsandbytes"
     assert api.inspect(a)["rotation"] == "R1,R2 random-hadamard seed 0"
 
+
+
+def test_a_truncated_quant_state_is_one_line(tmp_path, tiny_llama_dir):
+    bnb, _ = _bnb_checkpoint(tiny_llama_dir, tmp_path, "nf4", True)
+    t = load_file(str(bnb / "model.safetensors"))
+    key = "model.layers.0.mlp.down_proj.weight.nested_absmax"
+    t[key] = t[key][:0]
+    save_file(t, str(bnb / "model.safetensors"))
+    with pytest.raises(QuantSpecError, match="down_proj.weight.nested_absmax is 0 values, not the 1"):
+        api.quantize(str(bnb), "weight_only_int8", tmp_path / "x")
+    assert not (tmp_path / "x").exists()

@@ -73,17 +73,17 @@ def dequantize_4bit(tensors: dict, name: str) -> torch.Tensor:
     if codes.dtype != torch.uint8 or codes.numel() * 2 < n:
         raise QuantSpecError(f"{name}.weight holds {codes.numel()} {codes.dtype} bytes, not the {n} 4-bit codes of "
                              f"shape {list(shape)}; the checkpoint is corrupt")
-    absmax = tensors[f"{name}.weight.absmax"].reshape(-1)
+    blocks = -(-n // blocksize)
+    absmax, code = _leaf(tensors, name, "absmax", blocks), _leaf(tensors, name, "quant_map", 16)
     if "nested_blocksize" in st:  # double quantization: the scales are 8-bit codes themselves
         nb = int(st["nested_blocksize"])
-        code2, scale2 = tensors[f"{name}.weight.nested_quant_map"].float(), tensors[f"{name}.weight.nested_absmax"].float()
-        vals = code2[absmax.long()]
-        blocks = torch.arange(vals.numel()) // nb
-        absmax = vals * scale2.reshape(-1)[blocks] + float(st["nested_offset"])
+        code2 = _leaf(tensors, name, "nested_quant_map", 256).float()
+        scale2 = _leaf(tensors, name, "nested_absmax", -(-blocks // nb)).float()
+        absmax = code2[absmax.long()] * scale2[torch.arange(blocks) // nb] + float(st["nested_offset"])
     absmax = absmax.float()
     idx = torch.empty(codes.numel() * 2, dtype=torch.long)
     idx[0::2], idx[1::2] = (codes >> 4).long(), (codes & 0xF).long()
-    vals = tensors[f"{name}.weight.quant_map"].float()[idx[:n]]
+    vals = code.float()[idx[:n]]
     if vals.numel() < absmax.numel() * blocksize:
         vals = torch.cat([vals, vals.new_zeros(absmax.numel() * blocksize - n)])
     w = (vals.view(-1, blocksize) * absmax.view(-1, 1)).reshape(-1)[:n]
@@ -91,10 +91,20 @@ def dequantize_4bit(tensors: dict, name: str) -> torch.Tensor:
     return w.reshape(shape).to(dtype).float()
 
 
+def _leaf(tensors: dict, name: str, leaf: str, size: int) -> torch.Tensor:
+    """`{name}.weight.{leaf}` flattened, refused in one line where it is missing or not `size` long."""
+    t = tensors.get(f"{name}.weight.{leaf}")
+    if t is None or t.numel() != size:
+        got = "missing" if t is None else f"{t.numel()} values"
+        raise QuantSpecError(f"{name}.weight.{leaf} is {got}, not the {size} its quant state implies; the "
+                             "checkpoint is corrupt")
+    return t.reshape(-1)
+
+
 def dequantize_8bit(tensors: dict, name: str) -> torch.Tensor:
     """The float weight [N, K] of LLM.int8's Linear `name`: weight · SCB / 127 per row (as
     bitsandbytes' `int8_vectorwise_dequant` computes it)."""
-    w, scb = tensors[f"{name}.weight"], tensors[f"{name}.SCB"].float().reshape(-1)
+    w, scb = tensors[f"{name}.weight"], tensors.get(f"{name}.SCB", torch.empty(0)).float().reshape(-1)
     if w.dtype != torch.int8 or w.ndim != 2 or scb.numel() != w.shape[0]:
         raise QuantSpecError(f"{name}: weight {tuple(w.shape)} {w.dtype} and SCB {tuple(scb.shape)} are not "
                              "LLM.int8's int8 rows and their scales; the checkpoint is corrupt")
