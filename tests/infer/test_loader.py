@@ -271,9 +271,12 @@ def test_unsupported_format_and_method(artifacts, tmp_path):
     _edit_config(art, lambda c: c["quantization_config"].update(format="marlin-24"))
     with pytest.raises(QuantSpecError, match="'marlin-24' is unsupported.*pack-quantized"):
         load_for_inference(art)
+    _edit_config(art, lambda c: c.__setitem__("quantization_config", {"quant_method": "hqq", "nbits": 4}))
+    with pytest.raises(QuantSpecError, match="quant_method 'hqq' is unsupported"):
+        load_for_inference(art)
     _edit_config(art, lambda c: c.__setitem__("quantization_config",
                                               {"quant_method": "bitsandbytes", "load_in_4bit": True}))
-    with pytest.raises(QuantSpecError, match="quant_method 'bitsandbytes' is unsupported"):
+    with pytest.raises(QuantSpecError, match="bitsandbytes checkpoints have no kernel here.*quantspec quantize"):
         load_for_inference(art)
 
 
