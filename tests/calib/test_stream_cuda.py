@@ -63,6 +63,18 @@ def _codes_differ(a: torch.Tensor, b: torch.Tensor) -> float:
     return float((a.view(torch.uint8) != b.view(torch.uint8)).float().mean()) if a.numel() else 0.0
 
 
+def _assert_alike(ta: dict, tb: dict, *, rtol: float, atol: float, codes: float) -> None:
+    """The CPU's and the GPU's artifact tensors: the same names, dtypes and shapes, float tensors
+    within rtol / atol, and integer codes (packed words) differing in under a `codes` fraction."""
+    assert sorted(ta) == sorted(tb)
+    for k in ta:
+        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
+        if ta[k].dtype.is_floating_point:
+            torch.testing.assert_close(tb[k].float(), ta[k].float(), rtol=rtol, atol=atol, msg=k)
+        else:
+            assert _codes_differ(ta[k], tb[k]) < codes, k
+
+
 @pytest.mark.gpu
 @needs_cuda
 def test_rtn_int8_on_the_gpu_is_the_cpu_artifact_bitwise(tiny_llama_dir, tmp_path):
@@ -85,13 +97,8 @@ def test_data_recipes_on_the_gpu_match_the_cpu(kw, tiny_llama_dir, data, tmp_pat
     else:
         kw = dict(kw, dataset=str(data), **SMALL)
     (ca, ta), (cb, tb) = _pair(tiny_llama_dir, tmp_path, **kw)
-    assert ca == cb and sorted(ta) == sorted(tb)
-    for k in ta:
-        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
-        if ta[k].dtype.is_floating_point:
-            torch.testing.assert_close(tb[k].float(), ta[k].float(), rtol=2e-3, atol=1e-6, msg=k)
-        else:
-            assert _codes_differ(ta[k], tb[k]) < 0.05, k
+    assert ca == cb
+    _assert_alike(ta, tb, rtol=2e-3, atol=1e-6, codes=0.05)
 
 
 @pytest.mark.gpu
@@ -112,10 +119,5 @@ def test_rotations_on_the_gpu_match_the_cpu(tied_llama_dir, tmp_path):
     pytest.importorskip("compressed_tensors", reason="--rotate takes its Hadamard matrices from compressed-tensors, "
                                                      "which a bare GPU image may lack")
     (ca, ta), (cb, tb) = _pair(tied_llama_dir, tmp_path, quant_type="weight_only_int8", rotate="R1,R2")
-    assert ca == cb and sorted(ta) == sorted(tb) and "lm_head.weight" in ta
-    for k in ta:
-        assert ta[k].dtype == tb[k].dtype and ta[k].shape == tb[k].shape, k
-        if ta[k].dtype.is_floating_point:
-            torch.testing.assert_close(tb[k].float(), ta[k].float(), rtol=1e-5, atol=1e-7, msg=k)
-        else:
-            assert _codes_differ(ta[k], tb[k]) < 0.01, k
+    assert ca == cb and "lm_head.weight" in ta
+    _assert_alike(ta, tb, rtol=1e-5, atol=1e-7, codes=0.01)
