@@ -40,6 +40,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader
 from quantspec.model_zoo.hf_config import ROTATION_KEY, TRANSFORM_TYPE, rotation_tag
+from quantspec.quant.decompressed import float_nbytes, source_quantization
 
 __all__ = ["ROTATIONS", "ROTATION_KEY", "Rotation", "RotatedReader", "check_table_rotation", "rotated_config",
            "rotation_tag"]
@@ -185,8 +186,6 @@ class RotatedReader(CheckpointReader):
     `ranges` (copied as stored)."""
 
     def __init__(self, inner: CheckpointReader, model, rotation: Rotation):
-        from quantspec.quant.decompressed import source_quantization
-
         self.inner, self.rotation, self.model_dir = inner, rotation, inner.model_dir
         self.stored, self.splits = inner.stored, {}
         self.source_quantization = source_quantization(inner)  # a quantized source's provenance, kept
@@ -218,10 +217,7 @@ class RotatedReader(CheckpointReader):
         self._matrices: dict[torch.device, tuple] = {}
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
-        names = list(self.shapes if names is None else names)
-        plain = [n for n in names if n in self.ranges]
-        dense = [n for n in names if n not in self.ranges]
-        return self.inner.nbytes(plain) + sum(4 * math.prod(self.shapes[n]) for n in dense)
+        return float_nbytes(self, self.shapes if names is None else names)
 
     def _norm(self, module: str) -> torch.Tensor:
         norm = self.norm_of[module]

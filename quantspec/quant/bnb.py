@@ -26,6 +26,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.checkpoint import CheckpointReader
+from quantspec.quant.decompressed import float_nbytes
 
 __all__ = ["BNB_METHOD", "BnbReader", "bnb_description", "bnb_inspect", "dequantize_4bit", "dequantize_8bit"]
 
@@ -151,8 +152,7 @@ class BnbReader(CheckpointReader):
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         if names is None:
             return self.raw.nbytes()
-        return sum(4 * self.shapes[n][0] * self.shapes[n][1] if n not in self.ranges else self.ranges[n].nbytes
-                   for n in names)
+        return float_nbytes(self, names)
 
     def read(self, names: list[str], *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:

@@ -17,6 +17,7 @@ checkpoint re-quantizes into static act-order groups, which it does.
 
 from __future__ import annotations
 
+import math
 import os
 from typing import Iterable, Mapping
 
@@ -31,7 +32,13 @@ from quantspec.quant.compressed import check_present, read_quantized_linear
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.primitives import dequantize
 
-__all__ = ["DecompressedReader", "DecompressedTensors", "source_quantization", "source_reader"]
+__all__ = ["DecompressedReader", "DecompressedTensors", "float_nbytes", "source_quantization", "source_reader"]
+
+
+def float_nbytes(reader: CheckpointReader, names: Iterable[str]) -> int:
+    """The bytes `names` take in a reader that computes some tensors (a decompressed or rotated
+    view): a tensor kept as stored (in `reader.ranges`) its stored bytes, any other its fp32 values'."""
+    return sum(reader.ranges[n].nbytes if n in reader.ranges else 4 * math.prod(reader.shapes[n]) for n in names)
 
 
 class DecompressedTensors(ShapedTensors):
@@ -90,8 +97,7 @@ class DecompressedReader(CheckpointReader):
         decompressed weight's are its fp32 values'."""
         if names is None:
             return self.raw.nbytes()
-        return sum(4 * self.shapes[n][0] * self.shapes[n][1] if n in self.view.weights else self.ranges[n].nbytes
-                   for n in names)
+        return float_nbytes(self, names)
 
     def read(self, names: list[str], *, dtype: torch.dtype | None = None,
              device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
