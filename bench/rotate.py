@@ -11,6 +11,10 @@ weight-only artifact. Calibration data: `bench/data/calib.jsonl`.
 
     OMP_NUM_THREADS=2 python bench/rotate.py [--recipes int4-gptq,a8w8-dynamic] [--json out.json]
 
+With `--quip v` (or `v,u`), the second arm of each recipe is QuIP's run-time transforms
+(`quantize --quip`, `--target vllm`) instead of the fused rotations; recipes with static scales
+are refused there, as `quantize --quip` refuses them.
+
 (`--model`, `--calib-data`, `--heldout`, `--seq-len` run it on another model and data.)
 """
 
@@ -54,12 +58,17 @@ def main(argv=None) -> dict:
     p.add_argument("--calib-data", default=str(CALIB), help="calibration texts (tables, GPTQ)")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512, help="calibration and evaluation windows")
+    p.add_argument("--quip", default=None, help="compare with QuIP's transforms (v or v,u) instead of R1,R2")
+    p.add_argument("--quip-block-size", type=int, default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
-    names = [n for n in a.recipes.split(",") if n]
+    default = a.recipes == p.get_default("recipes")
+    names = [n for n in a.recipes.split(",") if n and not (a.quip and default and RECIPES[n][2])]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; choose from {', '.join(RECIPES)}")
+    if a.quip and any(RECIPES[n][2] for n in names):
+        p.error("--quip: recipes with static scales (a table) take no run-time transforms; choose others")
     work = Path(tempfile.mkdtemp(prefix="bench-rotate-"))
     try:
         out = _run(a, names, work)
@@ -69,7 +78,8 @@ def main(argv=None) -> dict:
              f"{r['rotated']['perplexity']:.3f}", f"{100 * r['rotated']['delta']:+.1f}%", f"{r['delta_ratio']:.2f}"]
             for n, r in out["recipes"].items()]
     print(f"\nfp32 perplexity {out['fp32_perplexity']:.3f} ({a.heldout})\n")
-    print(markdown_table(["recipe", "plain ppl", "plain Δ", "R1,R2 ppl", "R1,R2 Δ", "Δ ratio"], rows, "lrrrrr"))
+    arm = f"QuIP {a.quip}" if a.quip else "R1,R2"
+    print(markdown_table(["recipe", "plain ppl", "plain Δ", f"{arm} ppl", f"{arm} Δ", "Δ ratio"], rows, "lrrrrr"))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
     return out
@@ -84,7 +94,8 @@ def _run(a, names: list[str], work: Path) -> dict:
         for rot in (None, "R1,R2"):
             tables[rot] = str(api.calibrate(a.model, a.calib_data, work / f"table-{rot}", num_samples=a.num_samples,
                                             seq_len=a.seq_len, dtype="float32", rotate=rot).path)
-    out = {"model": a.model, "fp32_perplexity": fp32, "recipes": {}}
+    out = {"model": a.model, "fp32_perplexity": fp32, "turned_by": f"quip {a.quip}" if a.quip else "R1,R2",
+           "recipes": {}}
     for n in names:
         qt, opts, static, kv = RECIPES[n]
         opts = {k: (a.calib_data if k == "dataset" else v) for k, v in opts.items()}
@@ -92,8 +103,10 @@ def _run(a, names: list[str], work: Path) -> dict:
         for rot in (None, "R1,R2"):
             t0 = time.perf_counter()
             calib = {"calib": tables[rot]} if static and kv == "float" else {}
-            art = api.quantize(a.model, qt, work / f"{n}-{rot}", rotate=rot, num_samples=a.num_samples,
-                               seq_len=a.seq_len, **opts, **calib)
+            turn = {} if rot is None else {"rotate": rot} if not a.quip else \
+                {"quip": a.quip, "quip_block_size": a.quip_block_size, "target": opts.get("target", "vllm")}
+            art = api.quantize(a.model, qt, work / f"{n}-{rot}", num_samples=a.num_samples, seq_len=a.seq_len,
+                               **{**opts, **turn}, **calib)
             ppl = api.evaluate(str(art), kv_cache_dtype=kv, calib=tables[rot] if kv != "float" else None,
                                **ev)["perplexity"]
             got[rot] = {"perplexity": ppl, "delta": ppl / fp32 - 1, "quantize_s": round(time.perf_counter() - t0, 1)}

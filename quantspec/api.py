@@ -228,7 +228,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     zp_dtype, weight_observer, ignore, layer_quant_types, act_order, block_size, damp, dataset, split, text_field,
     num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha, kv_cache, kv_strategy, target,
     fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples,
-    overwrite, rotate), checked when the config is built. `target` defaults to "portable" (what vLLM and
+    overwrite, rotate, quip, quip_block_size), checked when the config is built. `target` defaults to "portable" (what vLLM and
     SGLang load with the intended scheme); options only quantspec runs (float zero points, int8
     KV-cache scales, MTP modules) need target="quantspec". The artifact: config.json = the source config + its
     `quantization_config` (compressed-tensors layout), the tensors in compressed-tensors names, the
@@ -268,6 +268,7 @@ def inspect(path: str | Path) -> dict:
                                                 safetensors_keys)
     from quantspec.model_zoo.hf_config import rotation_tag
     from quantspec.quant.artifact import quantized_layers, read_provenance, read_quant_config
+    from quantspec.quant.transforms import run_time_transforms
     from quantspec.quant.bnb import BNB_METHOD, bnb_inspect
     from quantspec.quant.engines import draft_verdicts
 
@@ -300,6 +301,7 @@ def inspect(path: str | Path) -> dict:
         source_quantization=prov.get("source_quantization"),
     )
     out.update({"rotation": rot} if (rot := rotation_tag(c)) else {})  # fused rotations (`calib.rotate`)
+    out.update({"run_time_transforms": t} if (t := run_time_transforms(qc)) else {})  # QuIP's (`calib.quip`)
     own = _OWN_FORMATS.get(c["quantization_config"].get("quant_method"))
     if own is not None:  # vLLM, SGLang and transformers read it with their own method, not compressed-tensors'
         out["format"] = own

@@ -152,6 +152,14 @@ CASES = [
      "--rotate"),
     ("quantize-rotate-r2-alone", "quantize --model {model} --quant-type weight_only_int8 --rotate R2 --out {d}/q",
      "--rotate"),
+    ("quantize-quip-portable", "quantize --model {model} --quant-type weight_only_int4 --quip v --out {d}/q",
+     "--target"),
+    ("quantize-quip-unknown", "quantize --model {model} --quant-type weight_only_int4 --quip w --target vllm "
+     "--out {d}/q", "--quip"),
+    ("quantize-quip-block-not-pow2", "quantize --model {model} --quant-type weight_only_int4 --quip v "
+     "--quip-block-size 48 --target vllm --out {d}/q", "--quip-block-size"),
+    ("quantize-quip-static-inputs", "quantize --model {model} --quant-type a8w8 --quip v --target vllm "
+     "--calib {d}/nowhere --out {d}/q", "--activations"),
     ("quantize-nvfp4-asym", "quantize --model {model} --quant-type weight_only_nvfp4 --asym --out {d}/q", "--asym"),
     ("quantize-nvfp4-dynamic", "quantize --model {model} --quant-type nvfp4 --activations dynamic --calib {d}/t "
                                "--out {d}/q",

@@ -162,10 +162,11 @@ def _transform_config(location: str) -> dict:
         {"targets": ["re:.*down_proj$"], "location": location}]}}}
 
 
-def test_run_time_transforms_are_refused_in_one_line():
+def test_transforms_on_attention_are_refused_in_one_line():
     assert read_transform_config(_transform_config("weight_input"), "q")["config_groups"]["R4"]["type"] == "hadamard"
-    with pytest.raises(QuantSpecError, match=r"applies a hadamard transform at run time \(location 'input'"):
-        read_transform_config(_transform_config("input"), "q")
+    assert read_transform_config(_transform_config("input"), "q")  # a Linear's, at run time: `tests/test_quip.py`
+    with pytest.raises(QuantSpecError, match=r"applies a hadamard transform at 'k_cache'"):
+        read_transform_config(_transform_config("k_cache"), "q")
     with pytest.raises(QuantSpecError, match="transform_config is malformed"):
         read_transform_config({"config_groups": {"R1": {"apply": []}}}, "q")
     qc = QuantConfig.from_dict({"config_groups": {"g": {"targets": ["Linear"], "weights": {

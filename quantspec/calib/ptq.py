@@ -52,21 +52,20 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
+from quantspec.calib.awq import check_awq
+from quantspec.calib.layer_quant import QUANT_DTYPE, LayerQuantizer
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE, LayerRunner, layer_prefix
 from quantspec.calib.smooth import smooth_layer
-from quantspec.calib.targets import EMBED, check_input_scales, check_outside, quantized_linears, resolve_layer_group_sizes
+from quantspec.calib.targets import check_outside, quantized_linears, resolve_layer_group_sizes
 from quantspec.errors import QuantSpecError
-from quantspec.model_zoo.checkpoint import CheckpointReader, resident
-from quantspec.model_zoo.layout import checkpoint_config, fuse_tensors
+from quantspec.model_zoo.checkpoint import CheckpointReader
+from quantspec.model_zoo.layout import checkpoint_config
 from quantspec.model_zoo.llama import MLP, Transformer
 from quantspec.model_zoo.moe import all_experts
 from quantspec.quant.args import QuantArgs
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.artifact import linear_to_tensors
-from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.presets import DATA_METHODS, METHODS
-from quantspec.quant.gptq import HessianAccumulator, gptq_quantize, rtn_by_rows, rtn_quantize
-from quantspec.quant.shards import SAFETENSORS_DTYPES
+from quantspec.quant.gptq import HessianAccumulator
 
 __all__ = ["DATA_METHODS", "METHODS", "REST", "decoder_layers", "SHARED_INPUT_GROUPS", "PTQResult", "PartSink", "layer_key", "quantize_model",
            "quantized_linears", "resolve_layer_group_sizes"]
@@ -84,8 +83,6 @@ DEFAULT_MAX_PASS_TOKENS = 65536
 # ... and while the MLP's four [tokens, intermediate] float32 tensors of that forward fit in this
 DEFAULT_MAX_PASS_BYTES = 2 * 2**30
 _MLP_LIVE_TENSORS = 4
-# the dtype layers read from a checkpoint are quantized in
-QUANT_DTYPE = torch.float32
 # the part of the artifact's tensors outside the decoder layers
 REST = "rest"
 
@@ -128,6 +125,7 @@ class PTQResult:
     config: QuantConfig
     layer_args: dict[str, QuantArgs]  # quantized Linear name → its weight args
     summary: dict = field(default_factory=dict)  # method, timings, GPTQ losses, ...
+    transforms: dict | None = None  # `transform_config` groups of the run-time transforms (`calib.quip`)
 
 
 def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
@@ -160,7 +158,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                    progress: Progress | None = None, weights: CheckpointReader | None = None,
                    device: str | torch.device | None = None,
                    smooth: Mapping[str, torch.Tensor] | None = None,
-                   sink: PartSink | None = None) -> PTQResult:
+                   sink: PartSink | None = None, quip=None) -> PTQResult:
     """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
 
     calib_batches: LongTensor [n, S] (GPTQ only). input_scales: Linear name → static input scale
@@ -168,22 +166,20 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     out_dtype: dtype of the unquantized tensors written (default: the model's).
     weights / device: a model on `meta` is read from `weights` one layer at a time onto `device`;
     smooth: {Linear: s [K]} folded into each layer before it is quantized (`calib.smooth`);
-    sink: where the parts go (default: kept in memory, `PTQResult.tensors`).
+    sink: where the parts go (default: kept in memory, `PTQResult.tensors`);
+    quip: a `calib.quip.Quip`: the decoder layers' Linears quantized in QuIP's turned basis.
     progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
     """
     _check_request(method, config, calib_batches)
     t0 = time.perf_counter()
     config = resolve_layer_group_sizes(model, config)
-    q = _LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
-                        input_scales=input_scales, scale_dtype=scale_dtype, weights=weights,
-                        device=device, smooth=smooth,
-                        out_dtype=out_dtype or next(model.parameters()).dtype)
+    q = LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
+                       input_scales=input_scales, scale_dtype=scale_dtype, weights=weights, device=device,
+                       smooth=smooth, out_dtype=out_dtype or next(model.parameters()).dtype, quip=quip)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
     check_outside(method, outside)
     parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
     if "awq" in parts:
-        from quantspec.calib.awq import check_awq
-
         check_awq(config, q.layer_args)
     sink = sink if sink is not None else PartSink()
     # GPTQ's head: its Hessian is of the last layer's normed outputs, so its part follows the layers
@@ -208,7 +204,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
         summary.update(_data_summary(parts, sink, calib_batches, rtn))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
-    return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary)
+    return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary,
+                     transforms=None if q.quip is None else q.quip.transform_config())
 
 
 def _data_summary(parts: list[str], sink: PartSink, calib_batches: torch.Tensor, rtn_linears: list[str]) -> dict:
@@ -223,141 +220,9 @@ def _data_summary(parts: list[str], sink: PartSink, calib_batches: torch.Tensor,
     return out
 
 
-class _LayerQuantizer:
-    """What quantizing one layer needs: the Linears the config quantizes with their args and
-    static input scales, where layers are read from, and the codes of the part under way."""
-
-    def __init__(self, model, config: QuantConfig, *, block_size, damp, act_order, input_scales,
-                 scale_dtype, weights, device, smooth, out_dtype):
-        self.linears = quantized_linears(model, config)
-        if not self.linears:
-            raise QuantSpecError("the config quantizes no Linear of this model; check --ignore and "
-                                 "the config's targets")
-        self.layer_args = {n: config.weight_args_for(n) for n in self.linears}
-        self.formats = {n: config.scheme_for(n).format for n in self.linears}  # dynamic inputs: no input_scale
-        self.in_scales = check_input_scales(self.layer_args, config, input_scales)
-        self.block_size, self.damp, self.act_order = block_size, damp, act_order
-        self.scale_dtype, self.out_dtype, self.smooth = scale_dtype, out_dtype, smooth or {}
-        self.weights, self.device = weights, torch.device(device or "cpu")
-        self.args = getattr(model, "args", None)
-        self.tied = bool(getattr(self.args, "tie_word_embeddings", False))
-        self.results: dict[str, tuple[torch.Tensor, torch.Tensor, torch.Tensor]] = {}  # name → (q, s, zp)
-        self.global_scales: dict[str, torch.Tensor] = {}  # NVFP4: name → the global scale of its input's group
-        self.losses: dict[str, float] = {}
-
-    def resident(self, module: nn.Module, prefix: str):
-        """`module` materialised for the block (read from the checkpoint when on `meta`)."""
-        return resident(module, prefix, self.weights, dtype=QUANT_DTYPE, device=self.device)
-
-    def quantize_group(self, names: list[str], hessian: torch.Tensor | None) -> None:
-        """Quantize Linears sharing one input (and Hessian, which GPTQ's last use consumes: the
-        caller hands it over); swap in dequantized weights."""
-        buckets: dict[QuantArgs, list[str]] = {}
-        for n in names:
-            a = self.layer_args[n]
-            # per-tensor args too: the Linears of one input take one scale, the largest, as the
-            # engines' fused layers run them (they requantize a fused layer's shards to it)
-            buckets.setdefault(a, []).append(n)
-        for b, members in enumerate(buckets.values()):
-            args, mods = self.layer_args[members[0]], [self.linears[n] for n in members]
-            g = None
-            if args.is_nvfp4:  # one global scale for the Linears of one input, as the engines' fused layers take it
-                g = global_scale_from_absmax(torch.stack([m.weight.abs().amax() for m in mods]))
-                self.global_scales.update(dict.fromkeys(members, g))
-            if hessian is None and args.strategy in ("channel", "group", "tensor_group", "block"):
-                for n, m in zip(members, mods):  # rows (of blocks) are independent: no concatenation
-                    self.results[n] = rtn_by_rows(m.weight.data, args, self.scale_dtype or m.weight.dtype, g)
-                continue
-            W = torch.cat([m.weight for m in mods])  # [ΣN, K]
-            sd = self.scale_dtype or W.dtype
-            if hessian is None:
-                r = rtn_quantize(W, args, scale_dtype=sd)
-            else:
-                r = gptq_quantize(W, hessian, args, block_size=self.block_size, damp=self.damp,
-                                  act_order=self.act_order, scale_dtype=sd,
-                                  consume_hessian=b == len(buckets) - 1, global_scale=g)
-                self.losses[members[0] if len(members) == 1 else "+".join(members)] = r.loss
-            row = 0
-            per_row = args.strategy in ("channel", "group", "tensor_group")
-            for n, m in zip(members, mods):
-                sl = slice(row, row + m.out_features)
-                self.results[n] = (r.q[sl], r.scale[sl] if per_row else r.scale,
-                                   r.zero_point[sl] if per_row else r.zero_point)
-                m.weight.copy_(r.weight_dq[sl].to(m.weight.dtype))
-                row += m.out_features
-
-    def part(self, prefix: str, module: nn.Module) -> dict[str, torch.Tensor]:
-        """The artifact's tensors of `module` (named `prefix`): its quantized Linears in
-        compressed-tensors names + every other tensor (norms, biases) cast to `out_dtype`, in the
-        checkpoint's layout (a fused checkpoint's parts stacked: `layout.fuse_tensors`)."""
-        tensors: dict[str, torch.Tensor] = {}
-        mine = [n for n in self.results if n.startswith(prefix + ".") or n == prefix]
-        quantized = {f"{n}.weight" for n in mine}
-        for name, t in module.state_dict(prefix=f"{prefix}." if prefix else "").items():
-            if name not in quantized:
-                tensors[name] = t.to(self.out_dtype) if t.is_floating_point() else t
-        for name in mine:
-            qt, s, zp = self.results.pop(name)
-            args, ins = self.layer_args[name], {"input_scale": self.in_scales.get(name)}
-            ins = {"input_global_scale": ins["input_scale"]} if args.is_fp4 else ins
-            tensors.update(linear_to_tensors(name, qt.contiguous(), s.contiguous(),
-                                             None if args.symmetric else zp.contiguous(), args, **ins,
-                                             format=self.formats[name], global_scale=self.global_scales.pop(name, None)))
-        return fuse_tensors(self.args, tensors)
-
-    def rest_part(self, model: nn.Module, outside: list[str], head_inputs: torch.Tensor | None = None) -> dict:
-        """The tensors outside the decoder layers (a tied head is the embedding, not written
-        twice); a module there that the config quantizes (an un-ignored lm_head, a named
-        embedding) with round-to-nearest, or the head with GPTQ on the last decoder layer's
-        outputs `head_inputs` [n, S, D]. A tied model with either quantized is untied (and the
-        artifact's config unties them): a quantized head beside the float embedding, a quantized
-        embedding beside a float copy of itself as the head, or both quantized. From a model on
-        `meta`, a tensor whose checkpoint dtype is `out_dtype` is copied from the checkpoint's
-        bytes, never loaded."""
-        tensors: dict = {}
-        for name in outside:
-            mod, rename = model.get_submodule(name), None
-            if name == "lm_head" and self.tied:  # the artifact unties a quantized head: the embedding stays float
-                w = mod.weight.detach()
-                mod.weight = nn.Parameter(w.clone() if w.device.type != "meta" else torch.empty_like(w),
-                                          requires_grad=False)
-                rename = {"weight": "model.embed_tokens.weight"}
-            hessian = None if name != "lm_head" or head_inputs is None else self.head_hessian(model, head_inputs)
-            with resident(mod, name, self.weights, dtype=QUANT_DTYPE, device=self.device, rename=rename) as mod:
-                self.quantize_group([name], hessian)
-                tensors.update(self.part(name, mod))
-        state = model.state_dict()
-        for key, t in state.items():
-            if key.startswith("model.layers.") or key in tensors or key.rsplit(".", 1)[0] in outside:
-                continue
-            src = key
-            if key == "lm_head.weight" and self.tied:
-                if EMBED not in outside:
-                    continue
-                src = f"{EMBED}.weight"  # the untied head: the float embedding's copy
-            if t.device.type != "meta":
-                tensors[key] = t.to(self.out_dtype) if t.is_floating_point() else t
-            elif src in self.weights.ranges and self.weights.ranges[src].dtype == SAFETENSORS_DTYPES.get(self.out_dtype):
-                tensors[key] = self.weights.ranges[src]
-            else:
-                tensors[key] = self.weights.read([src], dtype=QUANT_DTYPE)[src].to(self.out_dtype)
-        return tensors
-
-    def head_hessian(self, model: nn.Module, hidden: torch.Tensor) -> torch.Tensor:
-        """GPTQ's Hessian of the output head: of the final norm of `hidden` [n, S, D], the last
-        decoder layer's outputs."""
-        norm = model.model.norm
-        acc = HessianAccumulator(hidden.shape[-1], device=self.device)
-        with self.resident(norm, "model.norm"):
-            w = norm.weight
-            for chunk in hidden.split(8):  # samples at a time: the normed copy stays small
-                acc.update(norm(chunk.to(device=w.device, dtype=w.dtype)).float())
-        return acc.take()
-
-
-def _write_rest(model, q: "_LayerQuantizer", sink: PartSink, outside: list[str], *, gptq_head: bool = False,
+def _write_rest(model, q: "LayerQuantizer", sink: PartSink, outside: list[str], *, gptq_head: bool = False,
                 head_inputs: torch.Tensor | None = None) -> None:
-    """The part outside the decoder layers, once (`_LayerQuantizer.rest_part`); `gptq_head`: the
+    """The part outside the decoder layers, once (`LayerQuantizer.rest_part`); `gptq_head`: the
     head by GPTQ on `head_inputs`, the last decoder layer's outputs."""
     if REST in sink.done:
         return
@@ -405,7 +270,7 @@ def decoder_layers(model: nn.Module) -> list:
     return getattr(getattr(model, "model", None), "layers", [])
 
 
-def _rtn_layers(model, q: _LayerQuantizer, sink: PartSink, progress) -> None:
+def _rtn_layers(model, q: LayerQuantizer, sink: PartSink, progress) -> None:
     layers = decoder_layers(model)
     for i, layer in enumerate(layers):
         if layer_key(i) in sink.done:
@@ -423,7 +288,7 @@ def _rtn_layers(model, q: _LayerQuantizer, sink: PartSink, progress) -> None:
             progress(i, len(layers), "done")
 
 
-def _gptq_layer(step, q: _LayerQuantizer, one_pass: bool) -> None:
+def _gptq_layer(step, q: LayerQuantizer, one_pass: bool) -> None:
     """Quantize the decoder layer of `step` with GPTQ (its forward builds the Hessians)."""
     accs, cleanup = _gptq_hooks(step, q, one_pass)
     try:
@@ -436,7 +301,7 @@ def _gptq_layer(step, q: _LayerQuantizer, one_pass: bool) -> None:
             q.quantize_group(list(group), acc.take() if acc.num_samples else None)
 
 
-def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
+def _gptq_hooks(step, q: LayerQuantizer, one_pass: bool):
     """Forward pre-hooks that build each shared-input group's Hessian (and, in one pass,
     quantize the group before the forward goes on) → (accumulators, cleanup)."""
     accs, handles = {}, []
@@ -457,7 +322,7 @@ def _gptq_hooks(step, q: _LayerQuantizer, one_pass: bool):
     return accs, cleanup
 
 
-def _data_layers(model, calib_batches: torch.Tensor, q: _LayerQuantizer, sink: PartSink, *,
+def _data_layers(model, calib_batches: torch.Tensor, q: LayerQuantizer, sink: PartSink, *,
                  method: str, batch_size: int, progress, one_pass: bool, keep_last: bool = False
                  ) -> torch.Tensor | None:
     """GPTQ or AWQ, layer by layer on the calibration batch (two passes: each layer re-run once

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, per_token_smoothing, smooths_per_token
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
@@ -103,12 +104,16 @@ class QuantizeConfig:
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
     rotate: str | None = None  # rotations fused into the weights first ("R1" or "R1,R2", `calib.rotate`); signs from `seed`
     rotation: object = field(default=None, init=False, repr=False, compare=False)  # `rotate` parsed
+    quip: str | None = None  # QuIP's run-time transforms ("v" or "v,u", `calib.quip`)
+    quip_block_size: int | None = None  # their block (a power of two); None: the largest up to 128 that fits
+    quip_spec: object = field(default=None, init=False, repr=False, compare=False)  # `quip` parsed
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
     # quant_config's groups of `layer_quant_types`: group key → the spec that made it
     layer_groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
         from quantspec.calib.ptq import DATA_METHODS, METHODS
+        from quantspec.calib.quip import Quip
         from quantspec.calib.rotate import Rotation
         from quantspec.quant.args import QuantType
         from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
@@ -117,6 +122,7 @@ class QuantizeConfig:
         qt = QuantType.parse(self.quant_type)
         object.__setattr__(self, "quant_type", qt.value)
         object.__setattr__(self, "rotation", Rotation.parse(self.rotate, self.seed))
+        object.__setattr__(self, "quip_spec", Quip.parse(self.quip, self.quip_block_size))
         if self.activations is None:
             dynamic = self.weight_block is not None or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
@@ -276,7 +282,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
         res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
                              act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
                              out_dtype=src.dtype, progress=progress, weights=src.reader, device=device,
-                             smooth=factors, sink=sink)
+                             smooth=factors, sink=sink, quip=config.quip_spec)
         say(f"writing {out}")
         return _write(config, src, res, run, out, time.perf_counter() - t0)
 
@@ -325,6 +331,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
         reader = None if what else source_reader(model_dir, cfg)  # every header checked
         if reader is None:
             verify_checkpoint(model_dir)
+    check_quip_recipe(config, draft=f"{config.model} is {what}" if what else None, moe=moe)
     cfg = rotated_config(config.rotation, cfg, f"{config.model} is {what}" if what else None)
     src = _Source(model_dir=model_dir, config=cfg, dtype=_dtype_of(cfg), quant_config=qconfig, reader=reader,
                   transforms=getattr(getattr(reader, "source", None), "transform_config", None))
@@ -455,7 +462,10 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         run.writer.add("kv", src.table.kv_artifact_tensors("fp8" if kv.type == "float" else "int8", kv.strategy),
                        run.writer.meta)
     cfg = dict(src.config)
-    qc = res.config if not src.transforms else replace(res.config, transform_config=src.transforms)
+    transforms = {**(src.transforms or {})}
+    if res.transforms:  # QuIP's run-time groups beside the fused rotations' (`calib.quip`)
+        transforms["config_groups"] = {**transforms.get("config_groups", {}), **res.transforms}
+    qc = res.config if not transforms else replace(res.config, transform_config=transforms)
     cfg["quantization_config"] = qc.to_dict()
     untie = res.config.scheme_for("lm_head") is not None or res.config.module_scheme(EMBED) is not None
     if cfg.get("tie_word_embeddings") and untie:
@@ -470,7 +480,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types", "rotate")}
+                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types", "rotate", "quip", "quip_block_size")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

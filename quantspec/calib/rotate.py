@@ -42,8 +42,8 @@ from quantspec.model_zoo.checkpoint import CheckpointReader
 from quantspec.model_zoo.hf_config import ROTATION_KEY, TRANSFORM_TYPE, rotation_tag
 from quantspec.quant.decompressed import float_nbytes, source_quantization
 
-__all__ = ["ROTATIONS", "ROTATION_KEY", "Rotation", "RotatedReader", "check_table_rotation", "rotated_config",
-           "rotation_tag"]
+__all__ = ["ROTATIONS", "ROTATION_KEY", "Rotation", "RotatedReader", "check_table_rotation", "layer_targets",
+           "rotated_config", "rotation_tag"]
 
 ROTATIONS = ("R1", "R2")
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
@@ -100,13 +100,13 @@ class Rotation:
 
         roles = _roles(model)
         groups = {"R1": TransformScheme(type=TRANSFORM_TYPE, precision=torch.float64, apply=[
-            TransformArgs(targets=_targets(roles["writes"]), location="weight_output"),
-            TransformArgs(targets=_targets(roles["reads"]), location="weight_input", inverse=True)])}
+            TransformArgs(targets=layer_targets(roles["writes"]), location="weight_output"),
+            TransformArgs(targets=layer_targets(roles["reads"]), location="weight_input", inverse=True)])}
         if "R2" in self.rotations:
             groups["R2"] = TransformScheme(type=TRANSFORM_TYPE, precision=torch.float64, head_dim=model.args.head_dim,
-                                           apply=[TransformArgs(targets=_targets(roles["values"]),
+                                           apply=[TransformArgs(targets=layer_targets(roles["values"]),
                                                                 location="weight_output"),
-                                                  TransformArgs(targets=_targets(roles["heads"]),
+                                                  TransformArgs(targets=layer_targets(roles["heads"]),
                                                                 location="weight_input", inverse=True)])
         return json.loads(json.dumps(TransformConfig(config_groups=groups).model_dump()))
 
@@ -162,7 +162,7 @@ def _roles(model) -> dict[str, list[str]]:
     return roles
 
 
-def _targets(names: Iterable[str]) -> list[str]:
+def layer_targets(names: Iterable[str]) -> list[str]:
     """`names` as compressed-tensors targets: each decoder-layer name as a regex over every layer
     (`re:.*self_attn\\.o_proj$`), the rest as they are."""
     out: list[str] = []

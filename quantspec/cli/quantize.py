@@ -90,13 +90,20 @@ def _gib(n) -> str:
 @click.option("--restart", is_flag=True,
               help="start over: discard the state an interrupted run of a big model left beside --out")
 @rotate_option
+@click.option("--quip", default=None, metavar="v|v,u",
+              help="quantize each decoder Linear in QuIP's turned basis: a block Hadamard transform of its input (v) "
+                   "and output (u), fused into its weight and undone at run time around it (vLLM and quantspec run "
+                   "it; needs --target vllm or quantspec)")
+@click.option("--quip-block-size", default=None, type=int,
+              help="the --quip transforms' block, a power of two [default: the largest up to 128 that divides "
+                   "every Linear]")
 @one_line_errors
 @threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
              act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
-             kv_strategy=None, target="portable", rotate=None):
+             kv_strategy=None, target="portable", rotate=None, quip=None, quip_block_size=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
@@ -123,7 +130,8 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
                             fallback_layers=fallback_layers,
                             fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
-                            device=device, restart=restart, rotate=rotate, progress=progress.layer,
+                            device=device, restart=restart, rotate=rotate, quip=quip,
+                            quip_block_size=quip_block_size, progress=progress.layer,
                             on_status=progress.status)
     info = api.inspect(path)
     progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
@@ -154,6 +162,8 @@ def _head_table(info: dict):
         head.add_row("quantized from", f"{was['quant_type'] or was['format']} ({was['quant_method']})")
     if info.get("rotation"):
         head.add_row("rotations fused", info["rotation"])
+    if info.get("run_time_transforms"):
+        head.add_row("run-time transforms", info["run_time_transforms"])
     if info.get("source_size_bytes"):
         head.add_row("source weights", _gib(info["source_size_bytes"]))
         head.add_row("compression ratio", f"{info['compression_ratio']}x")

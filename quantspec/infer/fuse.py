@@ -26,6 +26,7 @@ from torch import nn
 
 from quantspec.infer.dispatch import LinearKind
 from quantspec.infer.quant_linear import QuantLinear
+from quantspec.infer.transformed import TransformedLinear, stack_transformed
 from quantspec.model_zoo.checkpoint import release_free_heap
 from quantspec.model_zoo.llama import MLP
 from quantspec.quant.compressed import QuantizedLinearTensors
@@ -98,6 +99,8 @@ def _stack_float(mods: list[nn.Linear]) -> nn.Linear | None:
 
 def stack_linears(mods: list[nn.Module]) -> nn.Module | None:
     """One module computing `cat([m(x) for m in mods], -1)`, or None when they cannot be stacked."""
+    if all(isinstance(m, TransformedLinear) for m in mods):  # run-time transforms around them
+        return stack_transformed(mods, stack_linears)
     if all(isinstance(m, QuantLinear) for m in mods):
         return _stack_quant(mods)
     if all(type(m) is nn.Linear for m in mods):

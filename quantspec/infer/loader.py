@@ -36,6 +36,7 @@ from quantspec.infer.backend import Runtime, prepare
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.quant_embedding import QuantEmbedding, check_embedding_scheme
 from quantspec.infer.quant_linear import QuantLinear, linear_kind
+from quantspec.infer.transformed import wrap_transformed
 from quantspec.model_zoo.checkpoint import (
     CheckpointReader,
     CheckpointTensors,
@@ -208,6 +209,7 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
             if p is not None and p.is_meta]
     if left:  # a bug, not bad input: every name was checked above
         raise RuntimeError(f"{where}: tensors left unloaded: {left[:3]}")
+    wrap_transformed(net, plan.online)  # run-time transforms around their Linears (QuIP's)
     net.setup_rope(args.max_position_embeddings, device)
     net.eval()
     return net, k_scale, v_scale

@@ -63,13 +63,21 @@ def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
 def rotation_tag(cfg: dict) -> str:
     """What a config.json says is fused into its weights (`calib.rotate`): "" for nothing, else the
     rotations and their seed ("R1,R2 random-hadamard seed 0"), or the schemes of a
-    `transform_config` another tool wrote ("R1:hadamard R2:hadamard")."""
+    `transform_config` another tool wrote ("R1:hadamard R2:hadamard"). A scheme that runs at run
+    time (QuIP's, `quant.transforms.is_online_group`) undoes itself on each Linear and changes no
+    hidden state: it is not counted."""
     mine = cfg.get(ROTATION_KEY)
     if isinstance(mine, dict) and mine.get("rotations"):
         return f"{','.join(mine['rotations'])} {mine.get('type', TRANSFORM_TYPE)} seed {int(mine.get('seed', 0))}"
     tc = (cfg.get("quantization_config") or {}).get("transform_config")
     groups = (tc.get("config_groups") or {}) if isinstance(tc, dict) else {}
-    return " ".join(f"{k}:{v.get('type')}" for k, v in sorted(groups.items()) if isinstance(v, dict))
+    return " ".join(f"{k}:{v.get('type')}" for k, v in sorted(groups.items())
+                    if isinstance(v, dict) and not _runs_online(v))
+
+
+def _runs_online(group: dict) -> bool:
+    # `quant.transforms.is_online_group`, which model_zoo cannot import
+    return any(isinstance(a, dict) and str(a.get("location")) in ("input", "output") for a in group.get("apply") or ())
 
 
 def rope_fields(cfg: dict) -> dict:

@@ -29,6 +29,7 @@ from quantspec.quant.autoquant import AUTOQUANT_METHODS, AutoQuantTensors
 from quantspec.quant.compressed import expected_linear_tensors
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.transforms import online_transforms
 
 __all__ = ["ArtifactPlan", "IGNORED_SUFFIXES", "KV_NAMES", "attn_prefix", "plan_artifact", "weight_dims"]
 
@@ -172,6 +173,7 @@ class ArtifactPlan:
     allowed: set[str]
     kv_names: set[str]
     permuted: set[str]  # Linears whose act-order index is permuted (only with `permuted_g_idx`)
+    online: dict  # {Linear: {"input" | "output": transform}}: run-time transforms (`quant.transforms`)
 
     def refuse_unexpected(self, args: ModelArgs, where: str) -> None:
         """One line naming the first tensor that neither the model nor the config explains."""
@@ -220,4 +222,7 @@ def plan_artifact(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Quan
     kv_names = {f"{attn_prefix(i)}.{k}" for i in range(args.num_layers) for k in KV_NAMES}
     if qc.kv_cache_scheme is not None:
         allowed |= kv_names
-    return ArtifactPlan(tensors, net, quantized, float_table, q_expected, names, allowed, kv_names, permuted or set())
+    online, transform_tensors = online_transforms(qc.transform_config, net, tensors, where)
+    allowed |= transform_tensors
+    return ArtifactPlan(tensors, net, quantized, float_table, q_expected, names, allowed, kv_names, permuted or set(),
+                        online)

@@ -48,6 +48,10 @@ class DecompressedTensors(ShapedTensors):
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, where: str):
         plan = plan_artifact(tensors, args, qc, where=where, permuted_g_idx=True)
+        if plan.online:
+            raise QuantSpecError(f"{where} runs transforms around its Linears at run time (QuIP's, on "
+                                 f"{len(plan.online)} Linears), so its weights alone are not the model's; quantize "
+                                 "the float model it was made from (with --quip to keep them)")
         for exp in plan.q_expected.values():
             check_present(plan.tensors, exp)
         plan.refuse_unexpected(args, where)

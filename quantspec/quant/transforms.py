@@ -1,26 +1,47 @@
-"""A checkpoint's compressed-tensors `transform_config`: what it records of transforms applied to
-the weights (the rotations `quantize --rotate` fuses, `calib.rotate`; llm-compressor's SpinQuant
-R1 / R2), read by compressed-tensors' own model. quantspec runs weights whose transforms are fused
-(`weight_input` / `weight_output`: nothing is left to run), as vLLM does; a transform applied at
-run time (QuIP's, SpinQuant's R3 / R4) is refused in one line, as SGLang and transformers would
-silently skip it."""
+"""A checkpoint's compressed-tensors `transform_config`: the transforms applied to its Linears.
+
+Two kinds, as compressed-tensors defines them:
+- fused (`weight_input` / `weight_output`): folded into the stored weights, nothing is left to run
+  (the rotations `quantize --rotate` fuses, `calib.rotate`; llm-compressor's SpinQuant R1 / R2);
+- run time (`input` / `output`): a Hadamard transform of a Linear's input before its matmul or
+  of its output after it, paired with a fused one on the same Linear that it undoes (QuIP's
+  `v` / `u`, `quantize --quip`, `calib.quip`; llm-compressor's `QuIPModifier`).
+
+quantspec runs both, as vLLM does: `online_transforms` resolves each run-time transform to the
+Linears it targets (compressed-tensors' own matching, vLLM's too) and its matrix — the tensor the
+checkpoint stores under `{linear}.{scheme}_{location}.weight` (permuted by `.perm` where present),
+or Sylvester's construction for a `hadamard` scheme that stores none — and the engine wraps those
+Linears (`infer.transformed`). Transforms on attention (`q_attn`, `k_cache`: SpinQuant's R3 / R4)
+or on an embedding are refused in one line. SGLang and transformers run no run-time transform.
+"""
 
 from __future__ import annotations
 
 import json
-from typing import Any
+import math
+from dataclasses import dataclass
+from typing import Any, Mapping
+
+import torch
+from torch import nn
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["OFFLINE", "read_transform_config"]
+__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fwht", "online_transforms",
+           "read_transform_config", "run_time_transforms", "sylvester"]
 
 OFFLINE = ("weight_input", "weight_output")
+ONLINE = ("input", "output")
+
+
+def _location(a) -> str:
+    return getattr(a.location, "value", a.location)
 
 
 def read_transform_config(tc: Any, where: str) -> dict | None:
     """A checkpoint's `transform_config`, checked by compressed-tensors' own model: None when
-    empty; refused in one line when a transform runs at run time (quantspec runs weights whose
-    transforms are fused; vLLM runs run-time ones too, SGLang and transformers none)."""
+    empty; refused in one line for a transform quantspec does not run (on attention or the KV
+    cache: SpinQuant's R3 / R4)."""
     if not tc:
         return None
     from compressed_tensors.transform import TransformConfig
@@ -33,11 +54,139 @@ def read_transform_config(tc: Any, where: str) -> dict | None:
                              "re-export the checkpoint") from None
     for name, scheme in parsed.config_groups.items():
         for a in scheme.apply:
-            loc = getattr(a.location, "value", a.location)
-            if loc not in OFFLINE:
+            loc = _location(a)
+            if loc not in OFFLINE + ONLINE:
                 raise QuantSpecError(
-                    f"{where}.transform_config[{name!r}] applies a {scheme.type} transform at run time (location "
-                    f"{loc!r} on {', '.join(a.targets[:2])}); quantspec runs rotations fused into the weights only "
-                    "(SGLang and transformers ignore run-time transforms; vLLM runs them): quantize the float model "
-                    "with --rotate R1,R2 instead")
+                    f"{where}.transform_config[{name!r}] applies a {scheme.type} transform at {loc!r} (on "
+                    f"{', '.join(a.targets[:2])}); quantspec runs transforms of Linears only (fused into their "
+                    "weights or around them at run time, as vLLM does): quantize the float model with --rotate "
+                    "R1,R2 or --quip instead")
     return json.loads(json.dumps(parsed.model_dump()))
+
+
+def run_time_transforms(qc) -> str:
+    """What a `QuantConfig`'s `transform_config` runs at run time, for `inspect`: "" for nothing,
+    else each such scheme's name, type, block and place ("v: hadamard 64, input")."""
+    groups = ((qc.transform_config or {}).get("config_groups") or {}) if qc is not None else {}
+    out = []
+    for name, g in sorted(groups.items()):
+        places = [str(a.get("location")) for a in g.get("apply") or () if str(a.get("location")) in ONLINE]
+        if places:
+            out.append(f"{name}: {g.get('type')} {g.get('head_dim') or 'full'}, {'+'.join(places)}")
+    return "; ".join(out)
+
+
+# ---- the matrices --------------------------------------------------------------------------
+def sylvester(size: int) -> torch.Tensor:
+    """Sylvester's Hadamard matrix of `size` (a power of two), ±1, float32: compressed-tensors'
+    `deterministic_hadamard_matrix`, the `hadamard` scheme's."""
+    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
+
+    return deterministic_hadamard_matrix(size, torch.float32)
+
+
+def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x's last dimension, in blocks of `block` (a power of two), times Sylvester's matrix of that
+    size divided by √block: the fast Walsh–Hadamard transform. Each output is the same sums of ± the
+    inputs in the same order whatever the other rows are (a row's numbers do not depend on its
+    batch), in x's dtype (bf16 / fp16 inputs are transformed in float32). Its own inverse."""
+    dtype = x.dtype
+    y = x.float() if dtype in (torch.bfloat16, torch.float16) else x
+    shape = y.shape
+    y = y.reshape(-1, shape[-1] // block, block)
+    h = 1
+    while h < block:
+        y = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return (y.reshape(shape) * (1.0 / math.sqrt(block))).to(dtype)
+
+
+@dataclass(frozen=True)
+class OnlineTransform:
+    """One run-time transform of a Linear: `value` (its input, or its output) in blocks of `size`
+    times `matrix` [size, size] (normalized by √size, transposed where the scheme says `inverse`,
+    as compressed-tensors and vLLM apply it); `matrix` None: Sylvester's, run as `fwht`."""
+
+    scheme: str
+    location: str  # "input" | "output"
+    size: int
+    matrix: torch.Tensor | None = None
+
+    def __call__(self, value: torch.Tensor) -> torch.Tensor:
+        if self.matrix is None:
+            return fwht(value, self.size)
+        v = value.unflatten(-1, (-1, self.size)).double()  # float64: a row's numbers hardly depend on its batch
+        return (v @ self.matrix.to(device=value.device)).flatten(-2).to(value.dtype)
+
+    def describe(self) -> str:
+        return f"{self.scheme}:{self.location} {'hadamard' if self.matrix is None else 'dense'} {self.size}"
+
+
+def _matrix(scheme_name: str, scheme, args, name: str, size: int, tensors: Mapping[str, torch.Tensor], where: str,
+            used: set[str]) -> torch.Tensor | None:
+    """The transform's matrix for `name` (None: Sylvester's, unpermuted), from the checkpoint's
+    tensor where it holds one."""
+    key = f"{name}.{scheme_name}_{_location(args)}"
+    w = tensors[f"{key}.weight"] if f"{key}.weight" in tensors else None
+    perm = tensors[f"{key}.perm"] if f"{key}.perm" in tensors else None
+    used.update(k for k in (f"{key}.weight", f"{key}.perm") if k in tensors)
+    if w is None:
+        if scheme.type != "hadamard" or scheme.randomize:
+            raise QuantSpecError(f"{where} lacks {key}.weight, the matrix of its {scheme.type} transform "
+                                 f"{scheme_name!r}; the checkpoint is incomplete")
+        if size & (size - 1):
+            raise QuantSpecError(f"{where}: transform {scheme_name!r} on {name} is a Sylvester Hadamard of size "
+                                 f"{size}, which is not a power of two; the checkpoint and its config disagree")
+        w = sylvester(size)
+    if tuple(w.shape) != (size, size):
+        raise QuantSpecError(f"{where}: {key}.weight has shape {tuple(w.shape)} where transform {scheme_name!r} "
+                             f"on {name} needs ({size}, {size}); the checkpoint and its config disagree")
+    w = w.double()
+    if perm is None and scheme.type == "hadamard" and bool(torch.equal(w, sylvester(size).double())):
+        return None  # symmetric: `inverse` changes nothing
+    if perm is not None:
+        p = perm.long()
+        w = w[p][:, p]
+    w = w.T if args.inverse else w
+    return (w / math.sqrt(size)).contiguous()
+
+
+def online_transforms(tc: Mapping | None, net: nn.Module, tensors: Mapping[str, torch.Tensor], where: str
+                      ) -> tuple[dict[str, dict[str, OnlineTransform]], set[str]]:
+    """The run-time transforms of a checked `transform_config` (`read_transform_config`) on
+    `net`'s Linears (its modules named as the checkpoint's): ({Linear: {"input" | "output":
+    transform}}, the checkpoint tensors they read). Refused in one line: a run-time transform
+    matching an embedding, two at one place of one Linear, a size that does not divide the
+    Linear's, a matrix of the wrong shape or missing."""
+    out: dict[str, dict[str, OnlineTransform]] = {}
+    used: set[str] = set()
+    if not tc:
+        return out, used
+    from compressed_tensors.transform import TransformConfig
+    from compressed_tensors.utils import is_match
+
+    parsed = TransformConfig.model_validate(tc)
+    for scheme_name, scheme in parsed.config_groups.items():
+        for a in scheme.apply:
+            loc = _location(a)
+            if loc not in ONLINE:
+                continue
+            for name, mod in net.named_modules():
+                if not isinstance(mod, (nn.Linear, nn.Embedding)) or not is_match(name, mod, a.targets, a.ignore):
+                    continue
+                if isinstance(mod, nn.Embedding):
+                    raise QuantSpecError(f"{where}.transform_config[{scheme_name!r}] transforms the embedding "
+                                         f"{name} at run time, which no engine runs; re-export it without")
+                full = mod.in_features if loc == "input" else mod.out_features
+                size = scheme.head_dim or full
+                if full % size:
+                    raise QuantSpecError(f"{where}.transform_config[{scheme_name!r}]: head_dim {size} does not divide "
+                                         f"{name}'s {loc} size {full}; the checkpoint and its config disagree")
+                if loc in out.get(name, {}):
+                    raise QuantSpecError(f"{where}.transform_config: {name} has two {loc} transforms "
+                                         f"({out[name][loc].scheme!r}, {scheme_name!r}); vLLM runs one")
+                m = _matrix(scheme_name, scheme, a, name, size, tensors, where, used)
+                out.setdefault(name, {})[loc] = OnlineTransform(scheme_name, loc, size, m)
+    return out, used

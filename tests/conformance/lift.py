@@ -265,6 +265,8 @@ def _overrides(engine: str, capability: int) -> dict:
             "vllm.logger": {"init_logger": logger},
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
                                  "get_tensor_model_parallel_world_size": lambda: 1},
+            "vllm.distributed.parallel_state": {"get_tensor_model_parallel_rank": lambda: 0,  # transform.module's
+                                                "get_tensor_model_parallel_world_size": lambda: 1},
             # the embedding's lookup kernel runs in Triton's interpreter (`main` sets TRITON_INTERPRET)
             "vllm.triton_utils": {"triton": triton, "tl": triton.language},
         }
@@ -408,6 +410,8 @@ def _layer(engine: str, kind: str, cls_name: str):
     layer = cls()
     if engine == "sglang" and kind == "linear":
         layer.tp_group = None  # SGLang's linears keep their group: None is one rank (its fp8_utils reads it)
+    if kind == "linear":  # the loader a transform method hands its scheme where the lifted (stubbed)
+        layer.weight_loader = None  # WEIGHT_LOADER_V2_SUPPORTED lacks it: None, as the driver passes schemes
     return layer
 
 
@@ -535,9 +539,10 @@ def run(engine: str, request: dict) -> dict:
             r["inputs"] = resolved is not None and resolved.get("input_activations") is not None
             try:
                 sizes = [rows] if head else [s["N"] for s in spec["shards"]]  # a head: padded rows
-                scheme.create_weights(layer=layer, output_size=sum(sizes), input_size=spec["K"],
-                                      output_partition_sizes=sizes, input_size_per_partition=spec["K"],
-                                      params_dtype=torch.bfloat16, weight_loader=None)
+                # a transform method creates its scheme's parameters and its transforms' own
+                (method if r["transforms"] else scheme).create_weights(
+                    layer=layer, output_size=sum(sizes), input_size=spec["K"], output_partition_sizes=sizes,
+                    input_size_per_partition=spec["K"], params_dtype=torch.bfloat16, weight_loader=None)
             except Exception as e:  # noqa: BLE001
                 r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
                 continue
@@ -547,6 +552,8 @@ def run(engine: str, request: dict) -> dict:
             r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
                                                                     spec["shards"], tensors)
             r["values"] = _values(layer, request, r)
+            if r["transforms"]:
+                r["transform_values"] = _transform_values(layer)
         if art.get("attention"):
             attn = _layer(engine, "attention", "Attention" if engine == "vllm" else "RadixAttention")
             attn.num_kv_heads = art["num_kv_heads"]
@@ -566,6 +573,20 @@ def _transforms(method) -> dict | None:
         return None
     return {side: {str(i): f"{t.scheme_name}:{getattr(t.args.location, 'value', t.args.location)}"
                    for i, t in getattr(method, side).items()} for side in ("input_tfms", "output_tfms")}
+
+
+def _transform_values(layer) -> dict:
+    """The matrices each transform module vLLM's transform method registered on `layer` holds after
+    loading, per partition (as loaded: before `process_weights_after_loading` normalizes them),
+    and whether the partitions of its input transform share one tensor, as vLLM requires."""
+    out = {}
+    for name, mod in layer.named_children():
+        parts = getattr(getattr(mod, "weight", None), "partitions", None)
+        if parts is None:
+            continue
+        ptrs = {p.data.data_ptr() for p in parts.values()}
+        out[name] = {"parts": {str(i): p.data.float().tolist() for i, p in parts.items()}, "shared": len(ptrs) == 1}
+    return out
 
 
 def _embedding(engine: str, layer, method, rows: int, spec: dict, tensors: dict, request: dict, r: dict) -> None:

@@ -41,10 +41,14 @@ def artifact_tensors(path: Path) -> dict[str, dict[str, dict]]:
             if "." not in k:  # a module-less tensor (an MTP module's draft-vocabulary map)
                 continue
             name, leaf = k.rsplit(".", 1)
+            owner, _, module = name.rpartition(".")
+            if name not in linears and owner in linears:  # a run-time transform's matrix (`v_input.weight`)
+                name, leaf = owner, f"{module}.{leaf}"
             if name in linears:
                 t = h.get_tensor(k)
                 spec = {"shape": list(t.shape), "dtype": str(t.dtype).removeprefix("torch.")}
-                if leaf == "weight_shape" or leaf in VALUE_LEAVES or (name.endswith(EMBED) and leaf == "weight_packed"):
+                if leaf == "weight_shape" or leaf in VALUE_LEAVES or (name.endswith(EMBED) and leaf == "weight_packed") \
+                        or "." in leaf:
                     spec["data"] = t.tolist()
                 out.setdefault(name, {})[leaf] = spec
     return out

@@ -27,6 +27,7 @@ from quantspec.quant.engines.tables import (
 )
 from quantspec.quant.engines.moe import PROJECTIONS, TRANSFORMERS_REFUSAL, moe_layer
 from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
+from quantspec.quant.transforms import run_time_transforms
 
 __all__ = ["engine_verdicts", "target_refusal"]
 
@@ -93,6 +94,8 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
         refused.append(kv_refused)
     if kv_ignored:
         ignored.append(kv_ignored)
+    if engine in ("sglang", "transformers") and (skipped := run_time_transforms(config)):
+        ignored.append(f"the run-time transforms ({skipped}), so its outputs are wrong")
     refused, ignored = _collapse(refused), _collapse(ignored)
     fixes = _fixes(engine, config, refused + ignored)
     status = "refused" if refused else "ignores" if ignored else "loads"
@@ -163,6 +166,8 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
         out.append("pass --target vllm (vLLM looks up quantized embedding rows) or leave model.embed_tokens float")
     elif "compressed embedding" in text:
         out.append("leave model.embed_tokens float")
+    if "run-time transforms" in text:
+        out.append("serve it with vLLM or quantspec (which run them), or re-quantize without --quip")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",

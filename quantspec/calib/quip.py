@@ -1,0 +1,191 @@
+"""QuIP's incoherence transforms (`quantize --quip v` / `v,u`), as llm-compressor's
+`QuIPModifier(transform_type="hadamard", transform_block_size=B)` writes them.
+
+Each quantized Linear of the decoder layers is quantized in a turned basis: `v` turns its input
+side, `u` its output side, by a block-diagonal Hadamard matrix (Sylvester's, blocks of B, divided
+by √B; symmetric and orthogonal, so its own inverse). The stored weight is `U·W·V`; at run time
+the engine turns the Linear's input by `V` before the matmul and its output by `U` after it
+(vLLM's `CompressedTensorsLinearTransformMethod`, quantspec's `infer.transformed`), so the layer
+computes what it did and the residual stream, the KV cache and the hidden states a draft head
+reads are the model's own. Outliers of a row or a column spread over their block before rounding,
+which is what rounding to 4 bits gains from.
+
+GPTQ sees the turned problem: the weight `U·W·V` and the Hessian of the turned inputs `V·H·V`
+(the same numbers as calibrating with the transform in the forward); after a group is quantized
+its dequantized weight is turned back, so the layers after it see what the engine computes.
+
+The artifact's `transform_config` holds one scheme per rotation (`v`: `input` at run time +
+`weight_input` fused, inverse; `u`: `weight_output` fused + `output` at run time, inverse) over the
+turned Linears, and each turned Linear stores its matrices as `{linear}.v_input.weight` /
+`{linear}.u_output.weight` (±1), where vLLM's loader puts them.
+
+Refused in one line: static input scales (measured on the inputs before the transform), AWQ (its
+search measures the unturned weights), `u` on a Linear with a bias (vLLM runs none under an
+output transform), a mixture of experts (vLLM's fused experts run no transform), draft modules,
+and targets whose engines run no run-time transform (SGLang, transformers).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from dataclasses import dataclass
+from typing import Iterable
+
+import torch
+
+from quantspec.errors import QuantSpecError
+from quantspec.quant.transforms import fwht, sylvester
+
+__all__ = ["QUIP_ROTATIONS", "Quip", "QuipPlan", "check_quip_recipe"]
+
+QUIP_ROTATIONS = ("v", "u")
+MAX_BLOCK = 128  # vLLM's Hadamard kernel and llm-compressor's examples use blocks of 128
+MIN_BLOCK = 8
+
+
+@dataclass(frozen=True)
+class Quip:
+    """Which transforms (`QUIP_ROTATIONS`, in that order) and their block size (None: chosen per
+    model by `block_for`)."""
+
+    rotations: tuple[str, ...]
+    block_size: int | None = None
+
+    @classmethod
+    def parse(cls, spec: str | None, block_size: int | None = None) -> "Quip | None":
+        """`--quip` ("v", "v,u", "u"; "none" / None → None) and `--quip-block-size`, one line
+        naming the flag otherwise."""
+        if spec is None or str(spec).strip().lower() in ("", "none"):
+            if block_size is not None:
+                raise QuantSpecError("--quip-block-size sizes the transforms of --quip; add --quip v (or v,u)")
+            return None
+        names = [s.strip().lower() for s in str(spec).split(",") if s.strip()]
+        if not names or any(n not in QUIP_ROTATIONS for n in names) or len(set(names)) != len(names):
+            raise QuantSpecError(f"--quip {spec!r}: use v (each Linear's input side), v,u (and its output side) "
+                                 "or none")
+        if block_size is not None and (block_size < 2 or block_size & (block_size - 1)):
+            raise QuantSpecError(f"--quip-block-size {block_size}: use a power of two (Sylvester's Hadamard "
+                                 "matrices), e.g. 64 or 128")
+        return cls(tuple(n for n in QUIP_ROTATIONS if n in names), block_size)
+
+    def block_for(self, sizes: Iterable[int]) -> int:
+        """The block size for Linears of these input / output sizes: `block_size`, or the largest
+        power of two up to `MAX_BLOCK` dividing every size."""
+        sizes = sorted(set(sizes))
+        if self.block_size is not None:
+            bad = [s for s in sizes if s % self.block_size]
+            if bad:
+                raise QuantSpecError(f"--quip-block-size {self.block_size} does not divide the Linears' size {bad[0]}; "
+                                     f"use a power of two dividing {math.gcd(*sizes)}")
+            return self.block_size
+        g = math.gcd(*sizes)
+        b = min(MAX_BLOCK, g & -g)
+        if b < MIN_BLOCK:
+            raise QuantSpecError(f"--quip: no power-of-two block of at least {MIN_BLOCK} divides every Linear's "
+                                 f"sizes (their common divisor is {g}); quantize without --quip")
+        return b
+
+
+def check_quip_recipe(config, *, draft: str | None, moe: bool) -> None:
+    """Refuse, in one line naming the flag, what `--quip` cannot go with (module docstring):
+    `config` is a `calib.quantize.QuantizeConfig`, `draft` says what the source is when it is a
+    draft module, `moe` whether its MLPs are mixtures of experts."""
+    if config.quip_spec is None:
+        return
+    method, target = config.method, config.target
+    if draft:
+        raise QuantSpecError(f"--quip turns a base model's Linears, and {draft}; quantize it without --quip")
+    if moe:
+        raise QuantSpecError("--quip: vLLM's fused experts run no run-time transform, so a mixture of experts "
+                             "cannot take one; quantize without --quip")
+    if target in ("portable", "sglang", "transformers"):
+        raise QuantSpecError(f"--quip writes transforms that run at run time, which {'SGLang' if target != 'transformers' else 'transformers'} "
+                             "skips (its outputs would be wrong); pass --target vllm (or quantspec)")
+    if "awq" in method.split("+"):
+        raise QuantSpecError("--quip: AWQ's search measures the weights before the transform; use --method gptq "
+                             "or rtn with --quip")
+    if config.calibrated_inputs:
+        raise QuantSpecError("--quip: static input scales are measured on the inputs before the transform; pass "
+                             "--activations dynamic or quantize without --quip")
+
+
+class QuipPlan:
+    """The Linears `--quip` turns in one model and how: `names` (the quantized Linears of the
+    decoder layers), `block` and the turning of their weights and Hessians (each its own inverse)."""
+
+    def __init__(self, quip: Quip, model, linears: dict):
+        from quantspec.model_zoo.layout import fused_units
+
+        if fused_units(model.args):
+            raise QuantSpecError(f"--quip: a {model.args.arch} checkpoint stores its projections fused, where each "
+                                 "part's transform has no place of its own; quantize without --quip")
+        self.quip = quip
+        self.v, self.u = "v" in quip.rotations, "u" in quip.rotations
+        self.names = [n for n in linears if n.startswith("model.layers.")]
+        turned = set(self.names)  # the decoder layers' other Linears (ignored ones) keep their weights
+        self.ignore = [n for n, m in model.named_modules() if n.startswith("model.layers.") and n not in turned
+                       and isinstance(m, torch.nn.Linear)]
+        if self.u:
+            biased = [n for n in self.names if getattr(linears[n], "bias", None) is not None]
+            if biased:
+                raise QuantSpecError(f"--quip u: {biased[0]} has a bias, which vLLM runs under no output transform; "
+                                     "use --quip v")
+        sizes = [s for n in self.names for s in
+                 ((linears[n].in_features,) if self.v else ()) + ((linears[n].out_features,) if self.u else ())]
+        self.block = quip.block_for(sizes)
+
+    def quantize_group(self, linears: dict, names: list[str], hessian: torch.Tensor | None, quantize) -> None:
+        """`quantize(names, hessian)` (`calib.layer_quant.LayerQuantizer`'s) of Linears sharing one
+        input, in the turned basis where they are turned: their weights turned in place first (and
+        the Hessian), the dequantized weights it leaves turned back."""
+        turned = [n for n in names if n in self.names]
+        if not turned:
+            return quantize(names, hessian)
+        if len(turned) != len(names):  # one input: the same transform for every Linear reading it
+            raise QuantSpecError(f"--quip: {turned[0]} and {next(n for n in names if n not in turned)} read one "
+                                 "input and only one is quantized; quantize both or neither (--ignore)")
+        with torch.no_grad():
+            for n in names:
+                linears[n].weight.copy_(self.weight(linears[n].weight))
+            try:
+                quantize(names, None if hessian is None else self.hessian(hessian))
+            finally:
+                for n in names:
+                    linears[n].weight.copy_(self.weight(linears[n].weight))
+
+    def weight(self, w: torch.Tensor) -> torch.Tensor:
+        """`U·W·V` of a weight [N, K] (and W of `U·W·V`)."""
+        if self.v:
+            w = fwht(w, self.block)
+        if self.u:
+            w = fwht(w.t(), self.block).t()
+        return w.contiguous()
+
+    def hessian(self, h: torch.Tensor) -> torch.Tensor:
+        """`V·H·V` of an input Hessian [K, K]: the turned inputs' (H itself without `v`)."""
+        return fwht(fwht(h, self.block).t(), self.block).t().contiguous() if self.v else h
+
+    def tensors(self, name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
+        """The matrices a turned Linear stores, where vLLM's loader reads them."""
+        s = sylvester(self.block).to(dtype)
+        return ({f"{name}.v_input.weight": s} if self.v else {}) | ({f"{name}.u_output.weight": s.clone()}
+                                                                    if self.u else {})
+
+    def transform_config(self) -> dict:
+        """The `transform_config` groups (compressed-tensors' own classes, dumped) of these transforms."""
+        from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+
+        from quantspec.calib.rotate import layer_targets
+
+        targets = layer_targets(self.names)
+        groups = {}
+        if self.v:
+            groups["v"] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
+                TransformArgs(targets=targets, ignore=self.ignore, location="input"),
+                TransformArgs(targets=targets, ignore=self.ignore, location="weight_input", inverse=True)])
+        if self.u:
+            groups["u"] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
+                TransformArgs(targets=targets, ignore=self.ignore, location="weight_output"),
+                TransformArgs(targets=targets, ignore=self.ignore, location="output", inverse=True)])
+        return json.loads(json.dumps(TransformConfig(config_groups=groups).model_dump()))["config_groups"]

@@ -1,0 +1,244 @@
+"""QuIP's run-time transforms (`quantize --quip`, `calib.quip`; read by `quant.transforms`, run by
+`infer.transformed`).
+
+The references are compressed-tensors' own: its `HadamardTransform` for the semantics of one
+transform (location, `inverse`, normalization, block-diagonal `head_dim`), and its
+`apply_transform_config` for whole models — transformers runs a quantspec QuIP artifact (which it
+loads without the transforms) with compressed-tensors' hooks added for the run-time half, and
+that must give quantspec's logits; transformers' float model with compressed-tensors' fused half
+applied must give the weights the artifact quantized."""
+
+import json
+
+import pytest
+import torch
+from torch import nn
+
+from quantspec import api
+from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import read_config
+from quantspec.model_zoo.llama import ModelArgs
+from quantspec.model_zoo.tiny import TINY_CORPUS, build_tiny_model
+from quantspec.quant.transforms import OnlineTransform, fwht, online_transforms, read_transform_config, sylvester
+
+IDS = torch.tensor([1, 17, 254, 90, 3, 411, 77, 8, 150, 299, 42, 5])
+VLLM = {"target": "vllm"}
+
+
+def _online_only(tc: dict):
+    """`tc` (a dumped `transform_config`) with only its run-time transforms, as compressed-tensors'
+    own classes."""
+    from compressed_tensors.transform import TransformConfig
+
+    groups = {}
+    for name, g in tc["config_groups"].items():
+        apply = [a for a in g["apply"] if a["location"] in ("input", "output")]
+        if apply:
+            groups[name] = {**g, "apply": apply}
+    return TransformConfig.model_validate({"config_groups": groups})
+
+
+def _transformers_with_hooks(art):
+    """transformers' model of `art` (which loads no transform) with compressed-tensors' hooks for
+    the artifact's run-time transforms, their matrices compressed-tensors' own."""
+    from compressed_tensors.transform import apply_transform_config
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.float32).eval()
+    apply_transform_config(model, _online_only(read_config(art)["quantization_config"]["transform_config"]))
+    return model
+
+
+def _quantspec_logits(art, **kw):
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.model_zoo.llama import DenseCausalAttention
+
+    net = load_for_inference(art, tokenizer=False, **kw).model
+    T = IDS.numel()
+    with torch.no_grad():
+        return net.compute_logits(net(IDS, torch.arange(T), DenseCausalAttention.of(net.args, 1, T)))
+
+
+# ---- one transform -------------------------------------------------------------------------------
+def test_fwht_is_sylvesters_matrix_by_blocks():
+    x = torch.randn(5, 3 * 32, dtype=torch.float64)
+    ref = (x.unflatten(-1, (-1, 32)) @ sylvester(32).double()).flatten(-2) / 32 ** 0.5
+    torch.testing.assert_close(fwht(x, 32), ref)
+    torch.testing.assert_close(fwht(fwht(x, 32), 32), x)
+    assert torch.equal(fwht(x.float()[:1], 32), fwht(x.float(), 32)[:1])  # a row's numbers: not its batch's
+
+
+@pytest.mark.parametrize("kind", ["hadamard", "random-hadamard"])
+@pytest.mark.parametrize("location,inverse", [("input", False), ("input", True), ("output", True)])
+@pytest.mark.parametrize("head_dim", [None, 16])
+def test_one_transform_as_compressed_tensors_applies_it(kind, location, inverse, head_dim):
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+    from compressed_tensors.transform.factory.hadamard import HadamardTransform
+    from compressed_tensors.transform.utils.hadamard import random_hadamard_matrix
+
+    lin = nn.Linear(64, 64)
+    size = head_dim or 64
+    w = sylvester(size) if kind == "hadamard" else random_hadamard_matrix(size, torch.float32,
+                                                                         gen=torch.Generator().manual_seed(0))
+    scheme = TransformScheme(type=kind, head_dim=head_dim, apply=[
+        TransformArgs(targets=["Linear"], location=location, inverse=inverse)])
+    theirs = HadamardTransform(nn.Parameter(w.double(), requires_grad=False), None, scheme, scheme.apply[0],
+                               nn.Linear)
+    tc = json.loads(json.dumps(TransformConfig(config_groups={"t": scheme}).model_dump()))
+    stored = {} if kind == "hadamard" else {f"lin.t_{location}.weight": w}
+    plan, used = online_transforms(read_transform_config(tc, "x"), nn.ModuleDict({"lin": lin}), stored, "x")
+    mine = plan["lin"][location]
+    assert used == set(stored) and (mine.matrix is None) == (kind == "hadamard")
+    x = torch.randn(3, 64)
+    torch.testing.assert_close(mine(x), theirs(x), rtol=1e-5, atol=1e-5)
+
+
+def test_a_permuted_transform_and_the_refusals():
+    from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
+    from compressed_tensors.transform.factory.hadamard import HadamardTransform
+
+    lin = nn.ModuleDict({"lin": nn.Linear(32, 32), "emb": nn.Embedding(8, 32)})
+    scheme = TransformScheme(type="hadamard", randomize=True, apply=[TransformArgs(targets=["re:lin"], location="input")])
+    tc = json.loads(json.dumps(TransformConfig(config_groups={"v": scheme}).model_dump()))
+    perm = torch.randperm(32, generator=torch.Generator().manual_seed(0))
+    plan, _ = online_transforms(tc, lin, {"lin.v_input.weight": sylvester(32), "lin.v_input.perm": perm}, "x")
+    theirs = HadamardTransform(nn.Parameter(sylvester(32).double()), nn.Parameter(perm, requires_grad=False), scheme,
+                               scheme.apply[0], nn.Linear)
+    x = torch.randn(2, 32)
+    torch.testing.assert_close(plan["lin"]["input"](x), theirs(x), rtol=1e-5, atol=1e-5)
+    with pytest.raises(QuantSpecError, match=r"lacks lin\.v_input\.weight.*incomplete"):
+        online_transforms(tc, lin, {}, "x")  # randomized: its permutation is the checkpoint's
+    bad = {"lin.v_input.weight": torch.ones(16, 16), "lin.v_input.perm": perm}
+    with pytest.raises(QuantSpecError, match=r"has shape \(16, 16\) where .* needs \(32, 32\)"):
+        online_transforms(tc, lin, bad, "x")
+    emb = {"config_groups": {"v": {"type": "hadamard", "apply": [{"targets": ["Embedding"], "location": "output"}]}}}
+    with pytest.raises(QuantSpecError, match="transforms the embedding emb at run time"):
+        online_transforms(emb, lin, {}, "x")
+    attn = {"config_groups": {"R3": {"type": "hadamard", "head_dim": 16, "apply": [
+        {"targets": ["re:.*self_attn$"], "location": "q_attn"}]}}}
+    with pytest.raises(QuantSpecError, match=r"at 'q_attn'.*transforms of Linears only"):
+        read_transform_config(attn, "cfg")
+
+
+# ---- whole models -------------------------------------------------------------------------------
+@pytest.mark.parametrize("quant_type,quip,options", [
+    ("weight_only_int8", "v,u", {}),
+    ("weight_only_int4", "v", {"group_size": 32}),
+    ("weight_only_int4", "v,u", {"group_size": -1, "quip_block_size": 16}),
+    ("a8w8", "v,u", {"activations": "dynamic"}),
+])
+def test_quip_artifact_runs_as_compressed_tensors_runs_it(tmp_path, tiny_llama_dir, quant_type, quip, options):
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", quip=quip, **VLLM, **options)
+    mine = _quantspec_logits(art)
+    with torch.no_grad():
+        theirs = _transformers_with_hooks(art)(IDS[None]).logits[0]
+        from transformers import AutoModelForCausalLM
+
+        skipped = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.float32)(IDS[None]).logits[0]
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert (skipped - theirs).abs().max() > 1e-2  # without the transforms (SGLang, transformers): another model
+    torch.testing.assert_close(_quantspec_logits(art, fuse=False), mine, rtol=1e-5, atol=1e-5)
+    if quant_type == "weight_only_int8":  # 8 bits: the float model's function, up to a small quantization error
+        ref = _quantspec_logits(tiny_llama_dir)
+        assert (mine - ref).abs().max() < 0.05 * ref.abs().max()
+
+
+def test_the_quantized_weights_are_compressed_tensors_turned_weights(tmp_path, tiny_llama_dir):
+    """The fused half: compressed-tensors applies the artifact's config to transformers' float
+    model; each turned weight, rounded per channel to int8, is what the artifact stores (within
+    one step where float order differs at a rounding boundary)."""
+    from compressed_tensors.transform import TransformConfig, apply_transform_config
+    from transformers import AutoModelForCausalLM
+
+    from quantspec.model_zoo.checkpoint import CheckpointReader, CheckpointTensors
+    from quantspec.quant.compressed import read_quantized_linear
+    from quantspec.quant.config import QuantConfig
+
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "art", quip="v,u", **VLLM)
+    tc = read_config(art)["quantization_config"]["transform_config"]
+    model = AutoModelForCausalLM.from_pretrained(str(tiny_llama_dir), dtype=torch.float32)
+    apply_transform_config(model, TransformConfig.model_validate(tc))
+    stored, qc = CheckpointTensors(CheckpointReader(art)), QuantConfig.from_dict(read_config(art)["quantization_config"])
+    turned = 0
+    for name, mod in model.named_modules():
+        if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
+            w = mod.weight.detach()
+            got = read_quantized_linear(stored, name, qc.scheme_for(name), *w.shape)
+            codes, scale = got.q.float(), got.scale.float()
+            assert (codes * scale - w).abs().max() <= scale.max() * 0.51 + 1e-6
+            assert (codes - torch.round(w / scale).clamp(-128, 127)).abs().max() <= 1
+            turned += 1
+    assert turned == 14 and "v_input" in dict(model.named_modules())["model.layers.0.self_attn.q_proj"]._modules
+    a = [stored[n] for n in ("model.layers.0.self_attn.q_proj.v_input.weight",
+                             "model.layers.0.mlp.down_proj.u_output.weight")]
+    assert all(torch.equal(t.abs(), torch.ones_like(t)) for t in a)  # ±1, where vLLM reads them
+
+
+def test_gptq_in_the_turned_basis(tmp_path, tiny_llama_dir):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_CORPUS)
+    opts = dict(method="gptq", dataset=str(corpus), num_samples=4, seq_len=32, group_size=32)
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "art", quip="v", **VLLM, **opts)
+    with torch.no_grad():
+        theirs = _transformers_with_hooks(art)(IDS[None]).logits[0]
+    torch.testing.assert_close(_quantspec_logits(art), theirs, rtol=1e-4, atol=1e-4)
+    info = api.inspect(art)
+    assert info["run_time_transforms"] == "v: hadamard 64, input"
+    assert info["engines"]["vllm"]["status"] == "loads"
+    for engine in ("sglang", "transformers"):
+        assert "ignores the run-time transforms" in info["engines"][engine]["verdict"]
+        assert any("vLLM or quantspec" in f for f in info["engines"][engine]["fixes"])
+    args = ModelArgs.from_hf_config(read_config(art))
+    assert args.rotation == ""  # the hidden states are the model's: draft heads stay matched
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"quip": "v"}, "--quip writes transforms that run at run time, which SGLang skips.*--target vllm"),
+    ({"quip": "w", **VLLM}, "--quip 'w': use v"),
+    ({"quip": "v", "quip_block_size": 24, **VLLM}, "--quip-block-size 24: use a power of two"),
+    ({"quip": "v", "quip_block_size": 256, **VLLM}, "--quip-block-size 256 does not divide"),
+    ({"quip_block_size": 64}, "--quip-block-size sizes the transforms of --quip"),
+    ({"quip": "v", "method": "awq", "dataset": "d.txt", **VLLM}, "--quip: AWQ's search"),
+])
+def test_bad_quip_requests(tmp_path, tiny_llama_dir, options, match):
+    with pytest.raises(QuantSpecError, match=match):
+        api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipes_quip_cannot_go_with(tmp_path, tiny_llama_dir, tiny_qwen2_dir, calibration_table):
+    with pytest.raises(QuantSpecError, match="--quip: static input scales"):
+        api.quantize(str(tiny_llama_dir), "a8w8", tmp_path / "x", quip="v", calib=calibration_table(tiny_llama_dir),
+                     **VLLM)
+    with pytest.raises(QuantSpecError, match="--quip u: model.layers.0.self_attn.q_proj has a bias.*use --quip v"):
+        api.quantize(str(tiny_qwen2_dir), "weight_only_int8", tmp_path / "x", quip="v,u", **VLLM)
+    moe = build_tiny_model(tmp_path / "moe", "mixtral")
+    with pytest.raises(QuantSpecError, match="--quip: vLLM's fused experts"):
+        api.quantize(str(moe), "weight_only_int8", tmp_path / "x", quip="v", **VLLM)
+    assert not (tmp_path / "x").exists()
+    art = api.quantize(str(tiny_qwen2_dir), "weight_only_int8", tmp_path / "q2", quip="v", **VLLM)
+    with pytest.raises(QuantSpecError, match="runs transforms around its Linears at run time.*with --quip"):
+        api.quantize(str(art), "weight_only_int4", tmp_path / "x", group_size=32)
+
+
+def test_cli_quip_and_inspect(tmp_path, tiny_llama_dir):
+    from click.testing import CliRunner
+
+    from quantspec.cli import main
+
+    out = tmp_path / "art"
+    r = CliRunner().invoke(main, ["quantize", "--model", str(tiny_llama_dir), "--quant-type", "weight_only_int8",
+                                  "--quip", "v,u", "--quip-block-size", "16", "--target", "vllm", "--out", str(out)])
+    assert r.exit_code == 0, r.output
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert "run-time transforms" in r.output and "v: hadamard 16, input" in r.output
+    prov = json.loads((out / "quantspec.json").read_text())["provenance"]["args"]
+    assert prov["quip"] == "v,u" and prov["quip_block_size"] == 16
+
+
+def test_a_quip_transform_on_an_online_transform_wrapped_model_is_one_per_place():
+    tc = {"config_groups": {g: {"type": "hadamard", "apply": [{"targets": ["Linear"], "location": "input"}]}
+                            for g in ("a", "b")}}
+    with pytest.raises(QuantSpecError, match="has two input transforms"):
+        online_transforms(tc, nn.ModuleDict({"lin": nn.Linear(16, 16)}), {}, "x")
+    assert OnlineTransform("v", "input", 16).describe() == "v:input hadamard 16"
