@@ -35,13 +35,30 @@ from typing import Iterable
 import torch
 
 from quantspec.errors import QuantSpecError
-from quantspec.quant.transforms import fwht, sylvester
+from quantspec.quant.transforms import sylvester
 
-__all__ = ["QUIP_ROTATIONS", "Quip", "QuipPlan", "check_quip_recipe"]
+__all__ = ["QUIP_ROTATIONS", "Quip", "QuipPlan", "check_quip_recipe", "fwht"]
 
 QUIP_ROTATIONS = ("v", "u")
 MAX_BLOCK = 128  # vLLM's Hadamard kernel and llm-compressor's examples use blocks of 128
 MIN_BLOCK = 8
+
+
+def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
+    """x's last dimension, in blocks of `block` (a power of two), times Sylvester's matrix of that
+    size divided by √block (the fast Walsh–Hadamard transform), in x's dtype (bf16 / fp16 inputs are
+    transformed in float32). Its own inverse."""
+    dtype = x.dtype
+    y = x.float() if dtype in (torch.bfloat16, torch.float16) else x
+    shape = y.shape
+    y = y.reshape(-1, shape[-1] // block, block)
+    h = 1
+    while h < block:
+        y = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
+        a, b = y[..., 0, :], y[..., 1, :]
+        y = torch.stack((a + b, a - b), dim=-2)
+        h *= 2
+    return (y.reshape(shape) * (1.0 / math.sqrt(block))).to(dtype)
 
 
 @dataclass(frozen=True)

@@ -209,7 +209,7 @@ def quantized_model(tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: Qu
             if p is not None and p.is_meta]
     if left:  # a bug, not bad input: every name was checked above
         raise RuntimeError(f"{where}: tensors left unloaded: {left[:3]}")
-    wrap_transformed(net, plan.online)  # run-time transforms around their Linears (QuIP's)
+    wrap_transformed(net, plan.online, dtype=dtype, device=device)  # run-time transforms around their Linears
     net.setup_rope(args.max_position_embeddings, device)
     net.eval()
     return net, k_scale, v_scale

@@ -27,7 +27,7 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fwht", "online_transforms",
+__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "online_transforms",
            "read_transform_config", "run_time_transforms", "sylvester"]
 
 OFFLINE = ("weight_input", "weight_output")
@@ -85,40 +85,29 @@ def sylvester(size: int) -> torch.Tensor:
     return deterministic_hadamard_matrix(size, torch.float32)
 
 
-def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
-    """x's last dimension, in blocks of `block` (a power of two), times Sylvester's matrix of that
-    size divided by √block: the fast Walsh–Hadamard transform. Each output is the same sums of ± the
-    inputs in the same order whatever the other rows are (a row's numbers do not depend on its
-    batch), in x's dtype (bf16 / fp16 inputs are transformed in float32). Its own inverse."""
-    dtype = x.dtype
-    y = x.float() if dtype in (torch.bfloat16, torch.float16) else x
-    shape = y.shape
-    y = y.reshape(-1, shape[-1] // block, block)
-    h = 1
-    while h < block:
-        y = y.view(y.shape[0], y.shape[1], block // (2 * h), 2, h)
-        a, b = y[..., 0, :], y[..., 1, :]
-        y = torch.stack((a + b, a - b), dim=-2)
-        h *= 2
-    return (y.reshape(shape) * (1.0 / math.sqrt(block))).to(dtype)
-
-
 @dataclass(frozen=True)
 class OnlineTransform:
     """One run-time transform of a Linear: `value` (its input, or its output) in blocks of `size`
-    times `matrix` [size, size] (normalized by √size, transposed where the scheme says `inverse`,
-    as compressed-tensors and vLLM apply it); `matrix` None: Sylvester's, run as `fwht`."""
+    times `dense()` (compressed-tensors' and vLLM's `value @ W`, W transposed where the scheme says
+    `inverse`, divided by √size); `matrix` holds W (±1 for the Hadamard types) when it is not
+    Sylvester's matrix of `size`."""
 
     scheme: str
     location: str  # "input" | "output"
     size: int
-    matrix: torch.Tensor | None = None
+    matrix: torch.Tensor | None = None  # [size, size] float64, unnormalized; None: Sylvester's
 
-    def __call__(self, value: torch.Tensor) -> torch.Tensor:
-        if self.matrix is None:
-            return fwht(value, self.size)
-        v = value.unflatten(-1, (-1, self.size)).double()  # float64: a row's numbers hardly depend on its batch
-        return (v @ self.matrix.to(device=value.device)).flatten(-2).to(value.dtype)
+    def unnormalized(self) -> torch.Tensor:
+        """W [size, size], float64: `dense()` times √size."""
+        return sylvester(self.size).double() if self.matrix is None else self.matrix
+
+    def dense(self) -> torch.Tensor:
+        """The matrix `value` blocks are multiplied by, float64, normalized."""
+        return self.unnormalized() / math.sqrt(self.size)
+
+    def same_as(self, other: "OnlineTransform | None") -> bool:
+        return other is not None and self.size == other.size and (self.matrix is None) == (other.matrix is None) \
+            and (self.matrix is None or bool(torch.equal(self.matrix, other.matrix)))
 
     def describe(self) -> str:
         return f"{self.scheme}:{self.location} {'hadamard' if self.matrix is None else 'dense'} {self.size}"
@@ -149,8 +138,7 @@ def _matrix(scheme_name: str, scheme, args, name: str, size: int, tensors: Mappi
     if perm is not None:
         p = perm.long()
         w = w[p][:, p]
-    w = w.T if args.inverse else w
-    return (w / math.sqrt(size)).contiguous()
+    return (w.T if args.inverse else w).contiguous()
 
 
 def online_transforms(tc: Mapping | None, net: nn.Module, tensors: Mapping[str, torch.Tensor], where: str
