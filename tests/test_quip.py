@@ -220,9 +220,31 @@ def test_recipes_quip_cannot_go_with(tmp_path, tiny_llama_dir, tiny_qwen2_dir, c
     with pytest.raises(QuantSpecError, match="--quip: vLLM's fused experts"):
         api.quantize(str(moe), "weight_only_int8", tmp_path / "x", quip="v", **VLLM)
     assert not (tmp_path / "x").exists()
-    art = api.quantize(str(tiny_qwen2_dir), "weight_only_int8", tmp_path / "q2", quip="v", **VLLM)
-    with pytest.raises(QuantSpecError, match="runs transforms around its Linears at run time.*with --quip"):
-        api.quantize(str(art), "weight_only_int4", tmp_path / "x", group_size=32)
+
+
+@pytest.mark.parametrize("which", ["qwen2-v", "llama-v,u"])
+def test_a_quip_checkpoint_reads_as_the_float_model_it_computes(tmp_path, tiny_llama_dir, tiny_qwen2_dir, logits_of,
+                                                                which):
+    """As a source (`quantize` / `calibrate --model`), a QuIP checkpoint decompresses to the float
+    model its engine runs: the transforms undone into each weight (and a biased Linear's bias),
+    its `transform_config` gone with them; transformers runs that float checkpoint to quantspec's
+    logits of the QuIP artifact."""
+    from safetensors.torch import save_file
+
+    from quantspec.quant.decompressed import DecompressedReader
+
+    src, quip = (tiny_qwen2_dir, "v") if which.startswith("qwen2") else (tiny_llama_dir, "v,u")
+    art = api.quantize(str(src), "weight_only_int4", tmp_path / "art", quip=quip, group_size=32, **VLLM)
+    reader = DecompressedReader(art)
+    assert reader.source.transform_config is None
+    flat = tmp_path / "float"
+    flat.mkdir()
+    save_file(reader.read(sorted(reader.shapes)), str(flat / "model.safetensors"), metadata={"format": "pt"})
+    cfg = {k: v for k, v in read_config(art).items() if k != "quantization_config"}
+    (flat / "config.json").write_text(json.dumps(cfg))
+    torch.testing.assert_close(logits_of(flat, IDS), _quantspec_logits(art), rtol=1e-4, atol=1e-4)
+    again = api.quantize(str(art), "weight_only_int8", tmp_path / "again")  # any target: nothing runs at run time
+    assert "transform_config" not in read_config(again)["quantization_config"]
 
 
 def test_cli_quip_and_inspect(tmp_path, tiny_llama_dir):

@@ -12,13 +12,16 @@ looked up: a layer at a time, as from a float checkpoint. The source's static in
 KV-cache scales are not shown (a new artifact calibrates its own); every other tensor is the
 checkpoint's own, and its bytes are copied as they are where the new artifact keeps it float. A
 permuted act-order index (GPTQ's desc_act), which vLLM no longer runs, is followed here, so such a
-checkpoint re-quantizes into static act-order groups, which it does.
+checkpoint re-quantizes into static act-order groups, which it does. A checkpoint with run-time
+transforms (QuIP's) reads as the float model its engine computes: each transform undone into its
+Linear's weight and bias, and its `transform_config` keeps only the transforms fused for good.
 """
 
 from __future__ import annotations
 
 import math
 import os
+from dataclasses import replace
 from typing import Iterable, Mapping
 
 import torch
@@ -31,6 +34,7 @@ from quantspec.quant.artifact_plan import plan_artifact, weight_dims
 from quantspec.quant.compressed import check_present, read_quantized_linear
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.primitives import dequantize
+from quantspec.quant.transforms import fused_groups_only, undo_online
 
 __all__ = ["DecompressedReader", "DecompressedTensors", "float_nbytes", "source_quantization", "source_reader"]
 
@@ -44,14 +48,12 @@ def float_nbytes(reader: CheckpointReader, names: Iterable[str]) -> int:
 class DecompressedTensors(ShapedTensors):
     """A quantized checkpoint's tensors (a dict, or a `CheckpointTensors` that reads on lookup)
     seen as the float checkpoint they decompress to (module docstring); `weights` maps each
-    decompressed `{Linear}.weight` to its Linear."""
+    decompressed `{Linear}.weight` to its Linear. A Linear run between run-time transforms
+    (QuIP's, `quant.transforms`) reads as the float Linear computing the same, the transforms
+    undone into its weight and bias (`undo_online`)."""
 
     def __init__(self, tensors: Mapping[str, torch.Tensor], args: ModelArgs, qc: QuantConfig, where: str):
         plan = plan_artifact(tensors, args, qc, where=where, permuted_g_idx=True)
-        if plan.online:
-            raise QuantSpecError(f"{where} runs transforms around its Linears at run time (QuIP's, on "
-                                 f"{len(plan.online)} Linears), so its weights alone are not the model's; quantize "
-                                 "the float model it was made from (with --quip to keep them)")
         for exp in plan.q_expected.values():
             check_present(plan.tensors, exp)
         plan.refuse_unexpected(args, where)
@@ -64,9 +66,16 @@ class DecompressedTensors(ShapedTensors):
     def __getitem__(self, name: str) -> torch.Tensor:
         if name not in self.shapes:
             raise KeyError(name)
-        module = self.weights.get(name)
-        if module is None:
-            return self.plan.tensors[name]
+        module, leaf = name.rsplit(".", 1)
+        if module in self.plan.online and leaf in ("weight", "bias"):  # run-time transforms undone (QuIP's)
+            wn = f"{module}.weight"
+            w = self._weight(wn, module) if wn in self.weights else self.plan.tensors[wn]
+            b = self.plan.tensors[f"{module}.bias"] if f"{module}.bias" in self.shapes else None
+            w, b = undo_online(w, b, self.plan.online[module])
+            return w if leaf == "weight" else b
+        return self.plan.tensors[name] if name not in self.weights else self._weight(name, module)
+
+    def _weight(self, name: str, module: str) -> torch.Tensor:
         N, K = self.shapes[name]
         t = read_quantized_linear(self.plan.tensors, module, self.plan.quantized[module], N, K)
         # in fp32: (q − z) · s of 8-bit codes and a 16-bit scale is exact there, rounded in the scale's dtype
@@ -88,13 +97,15 @@ class DecompressedReader(CheckpointReader):
         raw = CheckpointReader(model_dir)
         cfg = read_config(raw.model_dir) if cfg is None else cfg
         self.raw, self.model_dir = raw, raw.model_dir
-        self.source = QuantConfig.from_dict(cfg["quantization_config"])
+        # the transforms left in the weights it reads: those fused into them (a QuIP checkpoint's are undone)
+        qc = QuantConfig.from_dict(cfg["quantization_config"])
+        self.source = replace(qc, transform_config=fused_groups_only(qc.transform_config))
         self.source_method = str(cfg["quantization_config"].get("quant_method") or "compressed-tensors")
-        self.view = DecompressedTensors(CheckpointTensors(raw), ModelArgs.from_hf_config(cfg), self.source,
-                                        str(raw.model_dir))
+        self.view = DecompressedTensors(CheckpointTensors(raw), ModelArgs.from_hf_config(cfg), qc, str(raw.model_dir))
         self.shapes = dict(self.view.shapes)
         self.stored, self.splits = raw.stored, {}
-        self.ranges = {n: r for n, r in raw.ranges.items() if n in self.shapes and n not in self.view.weights}
+        self.ranges = {n: r for n, r in raw.ranges.items() if n in self.shapes and n not in self.view.weights
+                       and n.rsplit(".", 1)[0] not in self.view.plan.online}
 
     def nbytes(self, names: Iterable[str] | None = None) -> int:
         """The bytes `names` (default: every tensor of the checkpoint, as stored) take: a

@@ -27,7 +27,7 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "online_transforms",
+__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_transforms", "undo_online",
            "read_transform_config", "run_time_transforms", "sylvester"]
 
 OFFLINE = ("weight_input", "weight_output")
@@ -111,6 +111,33 @@ class OnlineTransform:
 
     def describe(self) -> str:
         return f"{self.scheme}:{self.location} {'hadamard' if self.matrix is None else 'dense'} {self.size}"
+
+
+def _blocks(v: torch.Tensor, t: OnlineTransform) -> torch.Tensor:
+    """`v`'s last dimension in blocks of `t.size`, each times `t.dense()` (float64)."""
+    return (v.double().unflatten(-1, (-1, t.size)) @ t.dense()).flatten(-2)
+
+
+def undo_online(w: torch.Tensor, bias: torch.Tensor | None, transforms: Mapping[str, OnlineTransform]
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
+    """The weight [N, K] and bias [N] of the float Linear that computes what a Linear of weight `w`
+    and bias `bias` computes between its run-time `transforms` ({"input" | "output": transform}):
+    `y = (x·Mi·wᵀ + b)·Mo` is `x·(Moᵀ·w·Miᵀ)ᵀ + b·Mo`; float64 in, float32 out."""
+    w = w.double()
+    if (t := transforms.get("input")) is not None:
+        w = (w.unflatten(-1, (-1, t.size)) @ t.dense().T).flatten(-2)
+    if (t := transforms.get("output")) is not None:
+        w = _blocks(w.T, t).T
+        bias = None if bias is None else _blocks(bias, t)
+    return w.float().contiguous(), None if bias is None else bias.float()
+
+
+def fused_groups_only(tc: Mapping | None) -> dict | None:
+    """A dumped `transform_config` without its groups that run at run time (undone with them: a
+    QuIP group's fused half is its run-time half's inverse); None when nothing is left."""
+    groups = {k: g for k, g in ((tc or {}).get("config_groups") or {}).items()
+              if not any(str(a.get("location")) in ONLINE for a in g.get("apply") or ())}
+    return {**tc, "config_groups": groups} if groups else None
 
 
 def _matrix(scheme_name: str, scheme, args, name: str, size: int, tensors: Mapping[str, torch.Tensor], where: str,
