@@ -121,3 +121,15 @@ def test_rotations_on_the_gpu_match_the_cpu(tied_llama_dir, tmp_path):
     (ca, ta), (cb, tb) = _pair(tied_llama_dir, tmp_path, quant_type="weight_only_int8", rotate="R1,R2")
     assert ca == cb and "lm_head.weight" in ta
     _assert_alike(ta, tb, rtol=1e-5, atol=1e-7, codes=0.01)
+
+
+@pytest.mark.gpu
+@needs_cuda
+def test_quip_on_the_gpu_matches_the_cpu(tiny_llama_dir, data, tmp_path):
+    """`--quip` turns each weight and Hessian on the device its layer runs on: GPTQ in the turned
+    basis gives the CPU's artifact within the drift of a different summation order."""
+    pytest.importorskip("compressed_tensors", reason="--quip writes its transform_config with compressed-tensors")
+    (ca, ta), (cb, tb) = _pair(tiny_llama_dir, tmp_path, quant_type="weight_only_int4", group_size=32, method="gptq",
+                               dataset=str(data), quip="v,u", target="vllm", **SMALL)
+    assert ca == cb and ca["transform_config"]["config_groups"].keys() == {"v", "u"}
+    _assert_alike(ta, tb, rtol=2e-3, atol=1e-6, codes=0.05)

@@ -277,3 +277,24 @@ def test_cuda_cache_cut_to_the_memory_budget_preempts_and_gives_the_cpu_tokens(t
     seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
     eng.run()
     assert [list(s.output_ids) for s in seqs] == cpu and eng.scheduler.num_preemptions > 0
+
+
+def test_cuda_engine_runs_quip_transforms_as_the_cpu(tiny, tmp_path):
+    """A QuIP artifact (`quantize --quip v,u`): the CUDA engine's tokens, its transforms' block
+    Linears on the GPU, are the CPU engine's (fp32), with and without n-gram speculation."""
+    pytest.importorskip("compressed_tensors", reason="--quip writes its transform_config with compressed-tensors")
+    from quantspec import api
+    from quantspec.infer.loader import load_for_inference
+    from quantspec.infer.spec.proposers import ReferenceProposer
+
+    art = api.quantize(str(tiny[0]), "weight_only_int4", tmp_path / "quip", group_size=64, quip="v,u", target="vllm")
+    prompts = _prompts(load_model(tiny[0])[0].args.vocab_size)
+    out = {}
+    for device, k in (("cpu", 0), ("cuda", 0), ("cuda", 4)):
+        lm = load_for_inference(art, tokenizer=False, device=device, dtype=torch.float32)
+        eng = Engine(lm.model, EngineConfig(max_batch_size=len(prompts), max_length=128, spec_max_draft_tokens=k),
+                     eos_token_ids=[], proposer=ReferenceProposer(3, k) if k else None, runtime=lm.runtime)
+        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=NEW)) for p in prompts]
+        eng.run()
+        out[(device, k)] = [list(s.output_ids) for s in seqs]
+    assert out[("cuda", 0)] == out[("cpu", 0)] == out[("cuda", 4)]
