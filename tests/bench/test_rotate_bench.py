@@ -30,3 +30,15 @@ def test_recipes_run_plain_and_rotated(rotate_bench, tied_llama_dir, tmp_path, c
 def test_unknown_recipe_is_refused(rotate_bench):
     with pytest.raises(SystemExit):
         rotate_bench.main(["--recipes", "int3"])
+
+
+def test_quip_arm(rotate_bench, tiny_llama_dir, tmp_path, capsys):
+    text = tmp_path / "corpus.txt"
+    text.write_text(TINY_CORPUS)
+    res = rotate_bench.main(["--model", str(tiny_llama_dir), "--recipes", "int4-rtn", "--quip", "v",
+                             "--calib-data", str(text), "--heldout", str(text), "--num-samples", "4",
+                             "--seq-len", "32"])
+    assert res["turned_by"] == "quip v" and math.isfinite(res["recipes"]["int4-rtn"]["rotated"]["perplexity"])
+    assert "| recipe | plain ppl | plain Δ | QuIP v ppl | QuIP v Δ | Δ ratio |" in capsys.readouterr().out
+    with pytest.raises(SystemExit):  # static scales take no run-time transforms
+        rotate_bench.main(["--recipes", "a8w8-static", "--quip", "v"])
