@@ -296,3 +296,19 @@ def test_speculation_on_a_quip_artifact_is_lossless(tmp_path, tiny_llama_dir, dt
     plain, _ = run(None, 1)
     spec, accepted = run(ReferenceProposer(3, 5), 3)
     assert spec == plain and accepted > 0
+
+
+def test_experts_take_no_run_time_transform_and_other_types_are_refused(tmp_path):
+    """As vLLM: its fused experts run no transform (a config targeting `Linear` wraps the attention's
+    and the shared parts', not an expert's), and its transform module runs the Hadamard types only."""
+    from quantspec.model_zoo.checkpoint import build_model
+
+    net = build_model(ModelArgs.from_hf_config(read_config(build_tiny_model(tmp_path / "moe", "qwen2_moe"))), "meta")
+    tc = {"config_groups": {"v": {"type": "hadamard", "head_dim": 16, "apply": [
+        {"targets": ["Linear"], "ignore": ["lm_head"], "location": "input"}]}}}
+    plan, _ = online_transforms(tc, net, {}, "x")
+    assert "model.layers.0.self_attn.q_proj" in plan and "model.layers.0.mlp.shared_expert.down_proj" in plan
+    assert not any(".experts." in n for n in plan) and "lm_head" not in plan
+    matrix = {"config_groups": {"m": {"type": "random-matrix", "apply": [{"targets": ["Linear"], "location": "input"}]}}}
+    with pytest.raises(QuantSpecError, match="runs a random-matrix transform at run time; vLLM runs hadamard"):
+        read_transform_config(matrix, "cfg")

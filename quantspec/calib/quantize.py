@@ -480,7 +480,8 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types", "rotate", "quip", "quip_block_size")}
+                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types", "rotate", "quip",
+                          "quip_block_size")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

@@ -117,8 +117,9 @@ def check_quip_recipe(config, *, draft: str | None, moe: bool) -> None:
         raise QuantSpecError("--quip: vLLM's fused experts run no run-time transform, so a mixture of experts "
                              "cannot take one; quantize without --quip")
     if target in ("portable", "sglang", "transformers"):
-        raise QuantSpecError(f"--quip writes transforms that run at run time, which {'SGLang' if target != 'transformers' else 'transformers'} "
-                             "skips (its outputs would be wrong); pass --target vllm (or quantspec)")
+        skips = "transformers" if target == "transformers" else "SGLang"
+        raise QuantSpecError(f"--quip writes transforms that run at run time, which {skips} skips (its outputs "
+                             "would be wrong); pass --target vllm (or quantspec)")
     if "awq" in method.split("+"):
         raise QuantSpecError("--quip: AWQ's search measures the weights before the transform; use --method gptq "
                              "or rtn with --quip")

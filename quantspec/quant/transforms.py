@@ -12,13 +12,16 @@ Linears it targets (compressed-tensors' own matching, vLLM's too) and its matrix
 checkpoint stores under `{linear}.{scheme}_{location}.weight` (permuted by `.perm` where present),
 or Sylvester's construction for a `hadamard` scheme that stores none — and the engine wraps those
 Linears (`infer.transformed`). Transforms on attention (`q_attn`, `k_cache`: SpinQuant's R3 / R4)
-or on an embedding are refused in one line. SGLang and transformers run no run-time transform.
+or on an embedding, and run-time transforms other than the Hadamard types, are refused in one line.
+A mixture's experts take none, as in vLLM, whose fused experts run no transform. SGLang and
+transformers run no run-time transform.
 """
 
 from __future__ import annotations
 
 import json
 import math
+import re
 from dataclasses import dataclass
 from typing import Any, Mapping
 
@@ -32,6 +35,8 @@ __all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_
 
 OFFLINE = ("weight_input", "weight_output")
 ONLINE = ("input", "output")
+RUN_TIME_TYPES = ("hadamard", "random-hadamard")  # orthogonal ±1/√n: what vLLM's transform module runs
+_EXPERT = re.compile(r"\.experts\.\d+\.")  # a mixture's experts: vLLM's fused experts run no transform
 
 
 def _location(a) -> str:
@@ -55,6 +60,10 @@ def read_transform_config(tc: Any, where: str) -> dict | None:
     for name, scheme in parsed.config_groups.items():
         for a in scheme.apply:
             loc = _location(a)
+            if loc in ONLINE and scheme.type not in RUN_TIME_TYPES:
+                raise QuantSpecError(
+                    f"{where}.transform_config[{name!r}] runs a {scheme.type} transform at run time; vLLM runs "
+                    f"{' and '.join(RUN_TIME_TYPES)} ones there (quantspec too): re-export it with one of those")
             if loc not in OFFLINE + ONLINE:
                 raise QuantSpecError(
                     f"{where}.transform_config[{name!r}] applies a {scheme.type} transform at {loc!r} (on "
@@ -85,7 +94,7 @@ def sylvester(size: int) -> torch.Tensor:
     return deterministic_hadamard_matrix(size, torch.float32)
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, eq=False)
 class OnlineTransform:
     """One run-time transform of a Linear: `value` (its input, or its output) in blocks of `size`
     times `dense()` (compressed-tensors' and vLLM's `value @ W`, W transposed where the scheme says
@@ -189,7 +198,8 @@ def online_transforms(tc: Mapping | None, net: nn.Module, tensors: Mapping[str, 
             if loc not in ONLINE:
                 continue
             for name, mod in net.named_modules():
-                if not isinstance(mod, (nn.Linear, nn.Embedding)) or not is_match(name, mod, a.targets, a.ignore):
+                if not isinstance(mod, (nn.Linear, nn.Embedding)) or _EXPERT.search(name) \
+                        or not is_match(name, mod, a.targets, a.ignore):
                     continue
                 if isinstance(mod, nn.Embedding):
                     raise QuantSpecError(f"{where}.transform_config[{scheme_name!r}] transforms the embedding "
