@@ -10,11 +10,12 @@ from pathlib import Path
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["ROTATION_KEY", "TRANSFORM_TYPE", "args_fields", "layer_fields", "rope_fields", "modelopt_sidecar",
-           "rotation_tag"]
+__all__ = ["ROTATION_KEY", "RUN_TIME_LOCATIONS", "TRANSFORM_TYPE", "args_fields", "layer_fields", "rope_fields",
+           "modelopt_sidecar", "rotation_tag", "runs_at_run_time"]
 
 ROTATION_KEY = "quantspec_rotation"  # config.json: the rotations fused into the weights and their seed (`calib.rotate`)
 TRANSFORM_TYPE = "random-hadamard"  # the matrices quantspec's rotations are
+RUN_TIME_LOCATIONS = ("input", "output")  # a `transform_config`'s places applied at run time, not fused
 
 
 def args_fields(cfg: dict, architectures: dict[str, str]) -> dict:
@@ -72,12 +73,13 @@ def rotation_tag(cfg: dict) -> str:
     tc = (cfg.get("quantization_config") or {}).get("transform_config")
     groups = (tc.get("config_groups") or {}) if isinstance(tc, dict) else {}
     return " ".join(f"{k}:{v.get('type')}" for k, v in sorted(groups.items())
-                    if isinstance(v, dict) and not _runs_online(v))
+                    if isinstance(v, dict) and not runs_at_run_time(v))
 
 
-def _runs_online(group: dict) -> bool:
-    # `quant.transforms.is_online_group`, which model_zoo cannot import
-    return any(isinstance(a, dict) and str(a.get("location")) in ("input", "output") for a in group.get("apply") or ())
+def runs_at_run_time(group: dict) -> bool:
+    """Whether a dumped `transform_config` group applies a transform at run time (QuIP's): it
+    turns and unturns each Linear it targets, so the model's hidden states are its own."""
+    return any(isinstance(a, dict) and str(a.get("location")) in RUN_TIME_LOCATIONS for a in group.get("apply") or ())
 
 
 def rope_fields(cfg: dict) -> dict:

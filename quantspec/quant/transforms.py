@@ -29,12 +29,13 @@ import torch
 from torch import nn
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.hf_config import RUN_TIME_LOCATIONS, runs_at_run_time
 
 __all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_transforms", "undo_online",
            "read_transform_config", "run_time_transforms", "sylvester"]
 
 OFFLINE = ("weight_input", "weight_output")
-ONLINE = ("input", "output")
+ONLINE = RUN_TIME_LOCATIONS
 RUN_TIME_TYPES = ("hadamard", "random-hadamard")  # orthogonal ±1/√n: what vLLM's transform module runs
 _EXPERT = re.compile(r"\.experts\.\d+\.")  # a mixture's experts: vLLM's fused experts run no transform
 
@@ -144,8 +145,7 @@ def undo_online(w: torch.Tensor, bias: torch.Tensor | None, transforms: Mapping[
 def fused_groups_only(tc: Mapping | None) -> dict | None:
     """A dumped `transform_config` without its groups that run at run time (undone with them: a
     QuIP group's fused half is its run-time half's inverse); None when nothing is left."""
-    groups = {k: g for k, g in ((tc or {}).get("config_groups") or {}).items()
-              if not any(str(a.get("location")) in ONLINE for a in g.get("apply") or ())}
+    groups = {k: g for k, g in ((tc or {}).get("config_groups") or {}).items() if not runs_at_run_time(g)}
     return {**tc, "config_groups": groups} if groups else None
 
 
