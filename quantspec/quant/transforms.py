@@ -31,7 +31,7 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.hf_config import RUN_TIME_LOCATIONS, runs_at_run_time
 
-__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_transforms", "undo_online",
+__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_transforms", "turned_at_run_time", "undo_online",
            "read_transform_config", "run_time_transforms", "sylvester"]
 
 OFFLINE = ("weight_input", "weight_output")
@@ -84,6 +84,20 @@ def run_time_transforms(qc) -> str:
         if places:
             out.append(f"{name}: {g.get('type')} {g.get('head_dim') or 'full'}, {'+'.join(places)}")
     return "; ".join(out)
+
+
+def turned_at_run_time(qc, module_name: str) -> bool:
+    """Whether a `QuantConfig`'s run-time transforms turn the checkpoint Linear `module_name`, matched
+    as compressed-tensors matches them (`is_match` on a Linear of that name); experts take none, as
+    in `online_transforms`."""
+    groups = ((qc.transform_config or {}).get("config_groups") or {}) if qc is not None else {}
+    if not groups or _EXPERT.search(module_name):
+        return False
+    from compressed_tensors.utils import is_match
+
+    linear = nn.Linear(1, 1, bias=False, device="meta")
+    return any(is_match(module_name, linear, a.get("targets") or (), a.get("ignore") or ())
+               for g in groups.values() for a in g.get("apply") or () if str(a.get("location")) in ONLINE)
 
 
 # ---- the matrices --------------------------------------------------------------------------

@@ -76,6 +76,9 @@ ARTIFACTS = {
     # SpinQuant's R1 and R2 fused into the weights before quantizing: a transform_config whose every
     # transform is fused, which vLLM validates and runs around nothing (SGLang does not read it)
     "weight_only_int4_rotated": dict(quant_type="weight_only_int4", group_size=128, rotate="R1,R2"),
+    # QuIP's run-time transforms: each Linear's weight stored turned, V on its input and U on its
+    # output at run time (vLLM's transform method wraps the Linear; SGLang and transformers skip them)
+    "weight_only_int4_quip": dict(quant_type="weight_only_int4", group_size=128, quip="v,u", target="vllm"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

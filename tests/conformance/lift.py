@@ -451,12 +451,15 @@ def _head(engine: str, vocab: int, kind: str = "lm_head"):
 
 
 def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
-          ) -> tuple[list[str], list[str], list[str]]:
+          ) -> tuple[list[str], list[str], list[str], list[str]]:
     """Load every shard's tensors through the parameters' own loaders, with the arguments the
     engine's fused linear passes them (SGLang's take `tp_rank` and `use_presharded_weights`);
-    → (errors, never loaded, lossy casts: float tensors copied into integer parameters). An
-    error names the engine function that raised it (`IndexError at _load_into_shard_id: ...`)."""
-    errors, loaded, casts = [], set(), []
+    → (errors, never loaded, lossy casts: float tensors copied into integer parameters, skipped).
+    An error names the engine function that raised it (`IndexError at _load_into_shard_id: ...`).
+    A tensor no parameter takes is an error in vLLM (its model's `load_weights` indexes its
+    parameters by name) and skipped in SGLang (its default model loader passes over it with a
+    warning, as `test_quip.py` runs it)."""
+    errors, loaded, casts, skipped = [], set(), [], []
     params = dict(layer.named_parameters())
     rank = {"tp_rank": 0, "use_presharded_weights": False} if engine == "sglang" else {}
     offset = 0
@@ -465,7 +468,7 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
         for leaf, t in tensors.get(shard["name"], {}).items():
             p = params.get(leaf)
             if p is None:
-                errors.append(f"unexpected tensor {leaf}")
+                (skipped if engine == "sglang" else errors).append(f"unexpected tensor {leaf}")
                 continue
             at, size = offset, shard["N"]
             if type(p).__name__ == "BlockQuantScaleParameter":  # the fused linear counts in block rows
@@ -496,7 +499,7 @@ def _load(engine: str, layer, cls_name: str, shards: list[dict], tensors: dict
                               f"{str(e).splitlines()[0][:160] if str(e) else ''}")
         offset += shard["N"]
     never = sorted(set(params) - loaded)
-    return errors, never, sorted(set(casts))
+    return errors, never, sorted(set(casts)), sorted(set(skipped))
 
 
 def run(engine: str, request: dict) -> dict:
@@ -516,7 +519,7 @@ def run(engine: str, request: dict) -> dict:
         tensors = {k: {leaf: _tensor(t) for leaf, t in v.items()} for k, v in art["tensors"].items()}
         for lname, spec in art["layers"].items():
             r = {"scheme": None, "args": {}, "error": None, "load_errors": [], "never_loaded": [],
-                 "casts": [], "values": {}}
+                 "casts": [], "skipped": [], "values": {}}
             res["layers"][lname] = r
             head = spec["class"] in VOCAB_CLASSES
             layer, rows = _head(engine, spec["shards"][0]["N"], VOCAB_CLASSES[spec["class"]]) if head else \
@@ -549,8 +552,8 @@ def run(engine: str, request: dict) -> dict:
             r["args"] = _scheme_args(scheme)  # with the kernel a scheme picks in create_weights
             if r["args"].get("kernel_quantizes_inputs", False) is None:  # Humming: the layer's input config
                 r["args"]["kernel_quantizes_inputs"] = hasattr(layer, "_humming_input_quant_config")
-            r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"],
-                                                                    spec["shards"], tensors)
+            r["load_errors"], r["never_loaded"], r["casts"], r["skipped"] = _load(engine, layer, spec["class"],
+                                                                                  spec["shards"], tensors)
             r["values"] = _values(layer, request, r)
             if r["transforms"]:
                 r["transform_values"] = _transform_values(layer)
@@ -611,7 +614,8 @@ def _embedding(engine: str, layer, method, rows: int, spec: dict, tensors: dict,
     except Exception as e:  # noqa: BLE001
         r["error"] = f"create_weights: {type(e).__name__}: {str(e)[:200]}"
         return
-    r["load_errors"], r["never_loaded"], r["casts"] = _load(engine, layer, spec["class"], spec["shards"], tensors)
+    r["load_errors"], r["never_loaded"], r["casts"], r["skipped"] = _load(engine, layer, spec["class"],
+                                                                          spec["shards"], tensors)
     r["values"] = _values(layer, request, r)
     ids = request.get("embedding_ids")
     if ids and not (r["load_errors"] or r["never_loaded"]):  # the rows its own lookup gives

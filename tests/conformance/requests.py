@@ -131,7 +131,8 @@ def lifted_status(res: dict) -> tuple[str, dict[str, str]]:
     for layer, r in res["layers"].items():
         if r["error"] or r["load_errors"] or r["casts"]:
             per[layer] = "refused"
-        elif r["scheme"] is not None and r["never_loaded"]:
+        elif r["scheme"] is not None and (r["never_loaded"] or r.get("skipped")):  # parameters left as made,
+            # or tensors the model's loader passes over (SGLang: QuIP's transform matrices)
             per[layer] = "ignores"
         elif "input_global_scale" in r["values"] and any(r["args"].get(k) == v for k, v in _WEIGHT_ONLY_NVFP4.items()):
             per[layer] = "ignores"

@@ -94,6 +94,15 @@ schemes are fused-MoE ones: no Linear scheme takes either. `w4a8_int_quantized` 
 the way compressed-tensors stores its W4A8 preset by default (`int-quantized`, a code per int8):
 vLLM's `CompressedTensorsW4A8Int` takes it, and on CUDA only Humming takes its signed int4 codes,
 given no input quantization, so the inputs run float there too.
+`weight_only_int4_rotated` has SpinQuant's R1 and R2 fused into its weights (`--rotate R1,R2`): its
+`transform_config` holds fused transforms only, which vLLM validates and runs around nothing, and
+every engine computes the rotated model as stored. `weight_only_int4_quip` has QuIP's run-time
+transforms (`--quip v,u`): each Linear's weight is stored turned, with a Hadamard block V on its
+input and U on its output at run time. vLLM wraps each turned Linear (a fused one by partition) in
+its transform method, which loads the ±1 matrices `{{linear}}.v_input.weight` / `.u_output.weight`
+through its `SharedWeightParameter`s. SGLang's default model loader passes over those tensors with a
+warning and transformers loads none of them: both run the turned weights bare, which computes
+another function, so `quantize --quip` writes for `--target vllm` (or quantspec) only.
 """
 
 

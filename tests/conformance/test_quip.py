@@ -54,3 +54,53 @@ def test_vllm_loads_every_matrix_where_the_artifact_stores_it(quip_answer):
         for t in values.values():
             for part in t["parts"].values():
                 assert torch.equal(torch.tensor(part), block), name
+
+
+def test_sglang_default_loader_passes_over_the_transform_matrices(engine_sources, conformance_model, tmp_path):
+    """SGLang's Llama `load_weights` (its default path: `SGLANG_ENABLE_WEIGHT_LOADER_V2` off) run over a
+    QuIP artifact's tensors: every quantized tensor reaches its parameter's loader, each transform matrix
+    is passed over with no error. This is what makes SGLang's verdict "loads but ignores", not "refused"."""
+    import logging
+    import re
+    import types
+
+    from safetensors import safe_open
+
+    from . import engines as eng
+
+    src = engine_sources["sglang"]
+    if isinstance(src, str):
+        pytest.skip(src)
+    root = src.source / "sglang/srt"
+    assert re.search(r"SGLANG_ENABLE_WEIGHT_LOADER_V2 = EnvBool\(False\)", (root / "environ.py").read_text())
+    ns = eng.compiled_defs(root / "layers/utils/common.py", ("get_layer_id",), {"re": re})
+    ns = eng.compiled_defs(root / "models/llama.py", ("LlamaForCausalLM._legacy_load_weights",),
+                           {"get_layer_id": ns["get_layer_id"], "logger": logging.getLogger("sglang-lifted"),
+                            "maybe_remap_kv_scale_name": lambda name, params: name,
+                            "default_weight_loader": None})
+    art = api.quantize(str(conformance_model), "weight_only_int4", tmp_path / "quip", group_size=64, quip="v,u",
+                       quip_block_size=32, target="vllm")
+    with safe_open(str(art / "model.safetensors"), framework="pt") as h:
+        names = list(h.keys())
+    fused = {"q_proj": ("qkv_proj", "q"), "k_proj": ("qkv_proj", "k"), "v_proj": ("qkv_proj", "v"),
+             "gate_proj": ("gate_up_proj", 0), "up_proj": ("gate_up_proj", 1)}
+    transforms = [n for n in names if "_input." in n or "_output." in n]
+    expected, params, loaded = [], {}, []
+    for n in names:  # SGLang's parameter names: fused q/k/v and gate/up, no transform modules
+        mod, _, leaf = n.rpartition(".")
+        head, _, last = mod.rpartition(".")
+        key, shard = fused.get(last, (last, None))
+        key = f"{head}.{key}.{leaf}" if head else f"{key}.{leaf}"
+        if n not in transforms:
+            expected.append((key, shard))
+            params[key] = torch.nn.Parameter(torch.empty(0), requires_grad=False)
+            params[key].weight_loader = _recorder(loaded, key)
+    me = types.SimpleNamespace(config=types.SimpleNamespace(tie_word_embeddings=False), model=types.SimpleNamespace(),
+                               named_parameters=lambda: params.items())
+    ns["_legacy_load_weights"](me, ((n, torch.zeros(1)) for n in names))
+    assert transforms and sorted(map(str, loaded)) == sorted(str((k,) if s is None else (k, s)) for k, s in expected)
+
+
+def _recorder(loaded: list, key: str):
+    """A weight loader that records the parameter it loads (and the shard id a fused one is given)."""
+    return lambda _param, _tensor, *shard: loaded.append((key, *shard))

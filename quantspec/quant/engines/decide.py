@@ -27,7 +27,7 @@ from quantspec.quant.engines.tables import (
 )
 from quantspec.quant.engines.moe import PROJECTIONS, TRANSFORMERS_REFUSAL, moe_layer
 from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
-from quantspec.quant.transforms import run_time_transforms
+from quantspec.quant.transforms import run_time_transforms, turned_at_run_time
 
 __all__ = ["engine_verdicts", "target_refusal"]
 
@@ -87,6 +87,9 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
                 per_layer[layer] = engine_layer(engine, layer, shards, intended, targets,
                                                 linears.get(shards[0]), capability,
                                                 rows=tuple((rows or {}).get(s) for s in shards))
+    skipped = run_time_transforms(config) if engine in ("sglang", "transformers") else ""
+    if skipped:  # they load a turned Linear's quantized weight and pass over its transforms
+        per_layer = _unturned(per_layer, layers, config, f"the run-time transforms ({skipped}), so its outputs are wrong")
     refused = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme is None]
     ignored = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme]
     kv, kv_ignored, kv_refused = kv_verdict(engine, config.kv_cache_scheme)
@@ -94,7 +97,7 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
         refused.append(kv_refused)
     if kv_ignored:
         ignored.append(kv_ignored)
-    if engine in ("sglang", "transformers") and (skipped := run_time_transforms(config)):
+    if skipped and not any(skipped in i for i in ignored):  # transforms on Linears left float only
         ignored.append(f"the run-time transforms ({skipped}), so its outputs are wrong")
     refused, ignored = _collapse(refused), _collapse(ignored)
     fixes = _fixes(engine, config, refused + ignored)
@@ -102,6 +105,17 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
     problems = [v for v in per_layer.values() if v.problem is not None]
     defect = bool(problems) and all(v.defect for v in problems) and not (kv_refused or kv_ignored)
     return EngineVerdict(engine, status, tuple(refused or ignored), tuple(fixes), kv, per_layer, defect)
+
+
+def _unturned(per_layer: dict, layers: Mapping, config: QuantConfig, problem: str) -> dict:
+    """`per_layer` with `problem` on each loaded layer one of whose shards the run-time transforms turn."""
+    from dataclasses import replace
+
+    out = dict(per_layer)
+    for layer, v in per_layer.items():
+        if v.scheme is not None and v.problem is None and any(turned_at_run_time(config, s) for s in layers.get(layer, ())):
+            out[layer] = replace(v, problem=problem)
+    return out
 
 
 def _short(layer: str) -> str:
