@@ -31,8 +31,8 @@ from torch import nn
 from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.hf_config import RUN_TIME_LOCATIONS, runs_at_run_time
 
-__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_transforms", "turned_at_run_time", "undo_online",
-           "read_transform_config", "run_time_transforms", "sylvester"]
+__all__ = ["OFFLINE", "ONLINE", "OnlineTransform", "fused_groups_only", "online_transforms", "turned_at_run_time",
+           "undo_online", "read_transform_config", "run_time_transforms", "sylvester"]
 
 OFFLINE = ("weight_input", "weight_output")
 ONLINE = RUN_TIME_LOCATIONS

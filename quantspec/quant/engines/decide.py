@@ -89,7 +89,8 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
                                                 rows=tuple((rows or {}).get(s) for s in shards))
     skipped = run_time_transforms(config) if engine in ("sglang", "transformers") else ""
     if skipped:  # they load a turned Linear's quantized weight and pass over its transforms
-        per_layer = _unturned(per_layer, layers, config, f"the run-time transforms ({skipped}), so its outputs are wrong")
+        per_layer = _unturned(per_layer, layers, config,
+                              f"the run-time transforms ({skipped}), so its outputs are wrong")
     refused = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme is None]
     ignored = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme]
     kv, kv_ignored, kv_refused = kv_verdict(engine, config.kv_cache_scheme)
@@ -113,7 +114,8 @@ def _unturned(per_layer: dict, layers: Mapping, config: QuantConfig, problem: st
 
     out = dict(per_layer)
     for layer, v in per_layer.items():
-        if v.scheme is not None and v.problem is None and any(turned_at_run_time(config, s) for s in layers.get(layer, ())):
+        if v.scheme is not None and v.problem is None \
+                and any(turned_at_run_time(config, s) for s in layers.get(layer, ())):
             out[layer] = replace(v, problem=problem)
     return out
 
