@@ -12,7 +12,8 @@ Row suffixes: `-dynamic` `quantize --quant-type T --activations dynamic` (per-to
 at run time: no table; a8w4 / a8w4_fp8 take no other); `-dynamic-sqA` the same with SmoothQuant at
 a fixed α A from the table's channel ranges (`--smoothquant-alpha A --calib TABLE`); `-block128` `quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK:
 one weight scale per block, shrunk per layer to one that tiles it, inputs per token and group at
-run time); `weight_only_nvfp4` / `nvfp4-default`: NVFP4 weights (E2M1, FP8 scales per group of 16
+run time; for weight_only_fp8 the same weights with float inputs, `--target vllm`); `weight_only_fp8`:
+a8w8_fp8's per-channel weights with float inputs (W8A16 FP8, no table); `weight_only_nvfp4` / `nvfp4-default`: NVFP4 weights (E2M1, FP8 scales per group of 16
 under a global scale), with float inputs / with NVFP4 inputs under the table's global scales;
 `weight_only_mxfp4` / `mxfp4`: MXFP4 weights (E2M1, power-of-two scales per group of 32), with
 float inputs / with MXFP4 inputs quantized at run time (no table; written for `--target quantspec`:
@@ -66,6 +67,10 @@ ROWS = {
     "a8w8-dynamic": ("a8w8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-dynamic": ("a8w8_fp8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-block128": ("a8w8_fp8", BLOCK, None, DEFAULT),
+    "weight_only_fp8": ("weight_only_fp8", PLAIN, None, DEFAULT),
+    "weight_only_fp8-gptq": ("weight_only_fp8", PLAIN, None, DEFAULT, "gptq"),
+    "a8w8_fp8-dynamic-gptq": ("a8w8_fp8", DYNAMIC, None, DEFAULT, "gptq"),
+    "weight_only_fp8-block128": ("weight_only_fp8", BLOCK, None, DEFAULT),
     # inputs per token at run time, SmoothQuant at a fixed α from the table's channel ranges
     "a8w8-dynamic-sq0.5": ("a8w8", (DYNAMIC, 0.5), None, DEFAULT),
     "a8w8-dynamic-sq0.8": ("a8w8", (DYNAMIC, 0.8), None, DEFAULT),
@@ -161,7 +166,7 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
-                if "mxfp4" in qt or qt.startswith("a8w4"):
+                if "mxfp4" in qt or qt.startswith("a8w4") or (qt == "weight_only_fp8" and alpha == BLOCK):
                     kw["target"] = "quantspec"
                 tag = "-".join(map(str, alpha)) if isinstance(alpha, tuple) else alpha
                 artifacts[key] = api.quantize(model, qt, work / f"{qt}-{tag}-{fb}-{method}",
@@ -204,7 +209,9 @@ def markdown(calib_info: dict, rows: list[dict]) -> str:
         a = r["smoothquant_alpha"]
         alpha = f"{a[1]} (dynamic activations)" if isinstance(a, tuple) else \
             {DYNAMIC: "— (dynamic activations)",  # per-token activations: no smoothing
-             BLOCK: "— (128² blocks, dynamic per-group activations)"}.get(a)
+             BLOCK: "— (128² blocks, float activations)" if r["quant_type"] == "weight_only_fp8" else
+             "— (128² blocks, dynamic per-group activations)",
+             PLAIN: "— (float activations)" if r["quant_type"] == "weight_only_fp8" else None}.get(a)
         alpha = alpha or r["smoothquant_alpha"] or "—"
         cells.append([r["row"], r["quant_type"], alpha, fb, r["kv_cache"],
                       f"{r['perplexity']:.4f}", d, t, q])

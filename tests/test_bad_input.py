@@ -169,13 +169,22 @@ CASES = [
     ("quantize-mxfp4-awq", "quantize --model {model} --quant-type mxfp4 --method awq --dataset {d}/calib.txt "
                            "--out {d}/q", "--method"),
     ("quantize-mxfp4-asym", "quantize --model {model} --quant-type weight_only_mxfp4 --asym --out {d}/q", "--asym"),
+    ("quantize-fp8-weights-awq", "quantize --model {model} --quant-type weight_only_fp8 --method awq "
+                                 "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-fp8-blocks-gptq", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 128 --method gptq "
+                                 "--dataset {d}/calib.txt --out {d}/q", "--weight-block"),
+    ("quantize-fp8-weights-asym", "quantize --model {model} --quant-type weight_only_fp8 --asym --out {d}/q", "--asym"),
+    ("quantize-fp8-weights-dynamic", "quantize --model {model} --quant-type weight_only_fp8 --activations dynamic "
+                                     "--out {d}/q", "--activations"),
+    ("quantize-fp8-weight-blocks-portable", "quantize --model {model} --quant-type weight_only_fp8 --weight-block 128 "
+                                            "--out {d}/q", "--weight-block"),
     ("quantize-mxfp4-dynamic", "quantize --model {model} --quant-type mxfp4 --activations dynamic --out {d}/q",
      "--activations"),
     ("quantize-layer-type-no-type", "quantize --model {model} --quant-type weight_only_int4 "
                                     "--layer-quant-type re:.*down_proj$ --out {d}/q", "--layer-quant-type"),
     ("quantize-layer-type-nvfp4", "quantize --model {model} --quant-type weight_only_int4 "
                                   "--layer-quant-type re:.*down_proj$=nvfp4 --out {d}/q", "--layer-quant-type"),
-    ("quantize-layer-type-fp8-gptq", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
+    ("quantize-layer-type-fp8-awq", "quantize --model {model} --quant-type weight_only_int4 --method awq "
                                      "--dataset {d}/calib.txt --layer-quant-type re:.*down_proj$=a8w8_fp8 --out {d}/q",
      "--method"),
     ("quantize-layer-type-matches-nothing", "quantize --model {model} --quant-type weight_only_int4 "

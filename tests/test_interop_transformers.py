@@ -1,7 +1,7 @@
 """Interop both ways with transformers + compressed-tensors, on the tiny Llama, in fp32.
 
 (a) transformers (`AutoModelForCausalLM.from_pretrained`, compressed-tensors decompressing) loads
-    OUR artifacts — int8, int4, a8w8 and a8w8_fp8, the last two also with a static KV-cache
+    OUR artifacts — int8, int4, FP8 weights alone, a8w8 and a8w8_fp8, the last two also with a static KV-cache
     scheme — and its logits equal quantspec's (`load_for_inference`) within 1e-4 (≤ 5e-6 on
     logits of magnitude ~11). transformers ignores `k_scale` / `v_scale` (its load report lists
     them as unexpected) and runs a float KV cache, so a KV-quantized artifact is compared with
@@ -73,6 +73,7 @@ def _same_op_order(quant_type: str) -> DispatchPolicy | None:
     ("a8w8", dict(quant_type="a8w8")),
     ("a8w8_kv8", dict(quant_type="a8w8", kv_cache="int8")),
     ("fp8_kvfp8", dict(quant_type="a8w8_fp8", kv_cache="fp8")),
+    ("fp8_weights", dict(quant_type="weight_only_fp8")),
 ])
 def test_transformers_loads_our_artifact(tiny_llama_dir, tmp_path, name, spec):
     art = write_quantized_artifact(tiny_llama_dir, tmp_path / name, **spec)
@@ -131,22 +132,29 @@ def test_float_zero_point_artifact(tiny_llama_dir, tmp_path):
     assert (fp32 - want).abs().max() > 1e-3
 
 
-def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path):
-    """`quantize --quant-type a8w8_fp8 --weight-block 128` (FP8_BLOCK, blocks fitted per layer):
-    transformers (compressed-tensors decompressing, and quantizing each input per token and group
-    at run time) gives quantspec's logits."""
+@pytest.mark.parametrize("quant_type", ["a8w8_fp8", "weight_only_fp8"])
+def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path, quant_type):
+    """`quantize --quant-type a8w8_fp8 | weight_only_fp8 --weight-block 128` (FP8 block weights,
+    blocks fitted per layer; for a8w8_fp8 inputs quantized per token and group at run time):
+    transformers (compressed-tensors decompressing) gives quantspec's logits."""
     from quantspec import api
     from quantspec.infer.quant_linear import QuantLinear
 
-    art = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "fp8_block", weight_block=128)
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "fp8_block", weight_block=128,
+                       target="vllm" if quant_type == "weight_only_fp8" else "portable")
     theirs = _hf_logits(art)
     lm = load_for_inference(art, tokenizer=False)
     layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
     assert layers and all(m.weight_args.strategy == "block" for m in layers)
+    assert all((m.input_args is None) == (quant_type == "weight_only_fp8") for m in layers)
     torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)
-    for m in layers:  # teeth: the same weights with float inputs are far from it
-        m.input_args = None
-    assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
+    # teeth: the float model is far from it, and so are the same weights with float inputs
+    fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
+    assert (fp32 - theirs).abs().max() > 1e-3
+    if quant_type == "a8w8_fp8":
+        for m in layers:
+            m.input_args = None
+        assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
 
 
 def _write_hf_fp8(src: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:

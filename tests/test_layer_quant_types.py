@@ -147,7 +147,7 @@ def test_layers_with_inputs_quantized_at_run_time(tiny_llama_dir, tmp_path, corp
 
 
 @pytest.mark.parametrize("quant_type, layers, method, match", [
-    ("weight_only_int4", (r"re:.*self_attn\.[qkvo]_proj$=a8w8_fp8",), "gptq", "no rule for FP8 scales"),
+    ("weight_only_int4", (r"re:.*self_attn\.[qkvo]_proj$=a8w8_fp8",), "awq", "integer or FP4 weights"),
     ("weight_only_int4", (r"re:.*self_attn\.[qkvo]_proj$=mxfp4",), "awq", "weight-only layers"),
 ])
 def test_methods_refuse_the_layers_they_have_no_rule_for(tiny_llama_dir, tmp_path, corpus, quant_type, layers,

@@ -11,9 +11,9 @@ another type than the model's `--quant-type`, in a config group of their own.
   a8w8 recipe, which plans one type).
 - A layer's type takes the same knobs as the model's where it has them (group size, --asym and
   --zp-dtype for int4, --asym for int8, --weight-block for a8w8_fp8 beside an a8w8_fp8 model) and
-  its own default weight observer unless --weight-observer names one (`with_layer_types`). GPTQ
-  has no rule for FP8 scales, and AWQ is for weight-only layers and those whose inputs are
-  quantized per token (its factors fold in before their quantizer): those methods refuse other groups.
+  its own default weight observer unless --weight-observer names one (`with_layer_types`). AWQ is
+  for integer and FP4 weights, in weight-only layers and those whose inputs are quantized per token
+  (its factors fold in before their quantizer): it refuses other groups.
 - Once the model's Linears are known, each layer group is retargeted at the Linears it
   quantizes as every engine resolves them (`resolve_layer_types`: a fused unit as one regex that
   also names the fused layer, which SGLang matches, other Linears by exact name), and `--target`
@@ -53,8 +53,8 @@ __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer
 HEAD = "lm_head"  # the output head: quantized only where a target names it
 # the quant types a layer may take beside the model's own, and the model's own with them: weight-only
 # ones, and those whose inputs are quantized at run time (a8w8 types with per-token scales)
-WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_NVFP4,
-                     QuantType.WEIGHT_ONLY_MXFP4)
+WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_FP8,
+                     QuantType.WEIGHT_ONLY_NVFP4, QuantType.WEIGHT_ONLY_MXFP4)
 DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4, QuantType.A8W4, QuantType.A8W4_FP8)
 LAYER_TYPES = WEIGHT_ONLY_TYPES + DYNAMIC_TYPES
 
@@ -93,9 +93,9 @@ def _check_method(spec: str, qt: QuantType, method: str) -> None:
     if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES:  # AWQ folds in before a per-token quantizer
         raise QuantSpecError(f"--method {method} is for weight-only layers and inputs quantized per token, and "
                              f"--layer-quant-type {spec!r} quantizes its inputs per group; use --method rtn or gptq")
-    if method != "rtn" and qt is QuantType.A8W8_FP8:
-        raise QuantSpecError(f"--method {method} has no rule for FP8 scales, and --layer-quant-type {spec!r} is "
-                             "a8w8_fp8; use --method rtn")
+    if method.startswith("awq") and qt in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8):
+        raise QuantSpecError(f"--method {method}: AWQ scales integer or FP4 weights, and --layer-quant-type "
+                             f"{spec!r} is FP8; use --method rtn or gptq")
 
 
 def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable[str], *, group_size: int,
@@ -121,7 +121,8 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
         else:
             _check_method(spec, qt, method)
         per_token = qt in PER_TOKEN_TYPES
-        block = weight_block if qt is QuantType.A8W8_FP8 and quant_type is QuantType.A8W8_FP8 else None
+        fp8 = (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8)
+        block = weight_block if qt in fp8 and quant_type in fp8 else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
                         weight_observer=observer or default_weight_observer(qt),

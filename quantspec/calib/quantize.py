@@ -34,7 +34,7 @@ from typing import Callable
 import torch
 
 from quantspec.calib.quip import check_quip_recipe
-from quantspec.calib.recipe_checks import check_activation_recipe, per_token_smoothing, smooths_per_token
+from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
@@ -88,7 +88,7 @@ class QuantizeConfig:
     calib: str | None = None
     activations: str | None = None  # a8w8 types: "static" calibrated input scales, or "dynamic" at run time;
     # None: dynamic with `weight_block` and for the a8w4 types (dynamic only), else static
-    weight_block: int | None = None  # a8w8_fp8: FP8 weights in blocks of this side (FP8_BLOCK)
+    weight_block: int | None = None  # a8w8_fp8 / weight_only_fp8: FP8 weights in blocks of this side (FP8_BLOCK)
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
     kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
@@ -112,7 +112,7 @@ class QuantizeConfig:
     layer_groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self):
-        from quantspec.calib.ptq import DATA_METHODS, METHODS
+        from quantspec.calib.ptq import METHODS
         from quantspec.calib.quip import Quip
         from quantspec.calib.rotate import Rotation
         from quantspec.quant.args import QuantType
@@ -124,7 +124,7 @@ class QuantizeConfig:
         object.__setattr__(self, "rotation", Rotation.parse(self.rotate, self.seed))
         object.__setattr__(self, "quip_spec", Quip.parse(self.quip, self.quip_block_size))
         if self.activations is None:
-            dynamic = self.weight_block is not None or qt in A8W4_TYPES
+            dynamic = (self.weight_block is not None and qt is QuantType.A8W8_FP8) or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
         check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
@@ -139,14 +139,7 @@ class QuantizeConfig:
         if self.out is None:
             raise QuantSpecError("--out is required: the directory to write the artifact to")
         check_activation_recipe(self)
-        if self.method != "rtn" and qt is QuantType.A8W8_FP8:
-            raise QuantSpecError(f"--method {self.method} has no rule for {qt.value}'s scales; use --method rtn")
-        if self.method in DATA_METHODS:
-            if self.dataset is None and not (self.static and self.calib is not None):
-                raise QuantSpecError(f"--method {self.method} needs calibration data; pass --dataset (a local "
-                                     ".txt/.json/.jsonl/.parquet file or a hub id)")
-            positive_int("num_samples", self.num_samples)
-            positive_int("seq_len", self.seq_len)
+        check_method(self, qt)
         if self.method.endswith("gptq"):
             positive_int("block_size", self.block_size)
             if not self.damp > 0:

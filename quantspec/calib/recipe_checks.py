@@ -1,5 +1,5 @@
-"""The activation recipe's flags, checked (`check_activation_recipe`), and SmoothQuant for inputs
-quantized per token at run time (`per_token_smoothing`).
+"""The activation recipe's flags and the method's, checked (`check_activation_recipe`,
+`check_method`), and SmoothQuant for inputs quantized per token at run time (`per_token_smoothing`).
 
 SmoothQuant (`calib.smooth`) divides each input channel of a smoothing group by s and multiplies
 the weight's columns by it, folded into the norm (or up_proj's rows) before them: the float
@@ -15,10 +15,10 @@ from __future__ import annotations
 
 from typing import Callable
 
-from quantspec.errors import QuantSpecError
+from quantspec.errors import QuantSpecError, positive_int
 from quantspec.quant.presets import PER_TOKEN_TYPES
 
-__all__ = ["ALPHA_CHOICES", "check_activation_recipe", "per_token_smoothing", "smooths_per_token"]
+__all__ = ["ALPHA_CHOICES", "check_activation_recipe", "check_method", "per_token_smoothing", "smooths_per_token"]
 
 ALPHA_CHOICES = ("auto", "none")  # --smoothquant-alpha besides a number in (0, 1)
 
@@ -98,6 +98,25 @@ def check_activation_recipe(c) -> None:
     if c.kv_cache is not None and c.calib is None:
         raise QuantSpecError(f"--kv-cache {c.kv_cache} stores static KV scales in the artifact; run "
                              "`quantspec calibrate --out DIR` and pass --calib DIR")
+
+
+def check_method(c, qt) -> None:
+    """Refuse, naming the flag, a `--method` that the weights of `c`'s quant type `qt` or its data do not take."""
+    from quantspec.calib.ptq import DATA_METHODS
+    from quantspec.quant.args import QuantType
+
+    if c.method.startswith("awq") and qt in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8):
+        raise QuantSpecError(f"--method {c.method}: AWQ scales integer or FP4 weights, and {qt.value}'s "
+                             "are FP8; use --method rtn or gptq")
+    if c.method != "rtn" and c.weight_block is not None:
+        raise QuantSpecError(f"--method {c.method} has no rule for FP8 block scales (--weight-block); use "
+                             "--method rtn, or drop --weight-block")
+    if c.method in DATA_METHODS:
+        if c.dataset is None and not (c.static and c.calib is not None):
+            raise QuantSpecError(f"--method {c.method} needs calibration data; pass --dataset (a local "
+                                 ".txt/.json/.jsonl/.parquet file or a hub id)")
+        positive_int("num_samples", c.num_samples)
+        positive_int("seq_len", c.seq_len)
 
 
 def per_token_smoothing(c, src, model, say: Callable[[str], None]) -> dict:

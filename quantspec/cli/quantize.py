@@ -14,9 +14,9 @@ def _gib(n) -> str:
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
 @click.option("--quant-type", required=True,
-              help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | a8w4 | a8w4_fp8 | weight_only_nvfp4 | "
-                   "nvfp4 | weight_only_mxfp4 | mxfp4 (nvfp4: needs --calib; a8w4 / a8w4_fp8: int4 weights, int8 / "
-                   "FP8 inputs per token at run time, W4A8 / W4AFP8) | keep (an artifact's weights as they are, "
+              help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_fp8 | a8w4 | a8w4_fp8 | "
+                   "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 (nvfp4: needs --calib; a8w4 / a8w4_fp8: "
+                   "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8) | keep (an artifact's weights as they are, "
                    "with --calib and --kv-cache: KV-cache scales added)")
 @click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
@@ -59,7 +59,8 @@ def _gib(n) -> str:
                    "[default: static; dynamic with --weight-block and for a8w4 / a8w4_fp8, which take no other]")
 @click.option("--weight-block", default=None, type=int,
               help="a8w8_fp8: one weight scale per N × N block and inputs quantized per token in groups of N "
-                   "at run time (llm-compressor's FP8_BLOCK, e.g. 128; shrunk per layer to a block that tiles it)")
+                   "at run time (llm-compressor's FP8_BLOCK, e.g. 128; shrunk per layer to a block that tiles it); "
+                   "weight_only_fp8: the same weights, float inputs")
 @click.option("--smoothquant-alpha", default=None,
               help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
                    "smoothing group on calibration data; the default) or 'none'; inputs quantized per token "

@@ -30,6 +30,7 @@ CPU, torch's ops:
   `int8_gemm_ref` epilogue. Asymmetric → the reference;
 - a8w8_fp8: x quantized to fp8 with its static scale and upcast (exact), a float matmul against
   the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue;
+  weight_only_fp8 the same with x as it comes (of the model dtype);
   block scales (FP8_BLOCK): x fake-quantized per token and group, a float matmul against the
   weight dequantized once at load (the reference's numbers, without its per-call dequantize);
   NVFP4 / MXFP4 without quantspec's kernels (or fp16 x) the same.
@@ -233,7 +234,8 @@ def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchP
         return KernelPath.CPU_GEMV_FP4 if gemv_ok else KernelPath.CPU_DEQUANTIZED
     if t.weight_strategy == "block":
         return KernelPath.CPU_DEQUANTIZED
-    ok = t.act_mode is not None and t.weight_strategy in ("channel", "tensor")
+    # FP8 inputs (a8w8_fp8), or float inputs of the dtype the codes are upcast to (weight_only_fp8)
+    ok = (t.act_mode is not None or x_dtype == t.dtype) and t.weight_strategy in ("channel", "tensor")
     return KernelPath.CPU_FP8_UPCAST if ok else KernelPath.DEQUANT
 
 

@@ -76,6 +76,7 @@ class QuantType(str, enum.Enum):
     WEIGHT_ONLY_INT4 = "weight_only_int4"  # int4 weights, per group along K
     A8W8 = "a8w8"  # int8 per-channel weights + static per-tensor int8 activation scales
     A8W8_FP8 = "a8w8_fp8"  # FP8 E4M3 per-channel weights + static per-tensor FP8 activations
+    WEIGHT_ONLY_FP8 = "weight_only_fp8"  # FP8 E4M3 per-channel weights, float activations (W8A16 FP8)
     WEIGHT_ONLY_NVFP4 = "weight_only_nvfp4"  # NVFP4 weights, float activations (NVFP4A16)
     NVFP4 = "nvfp4"  # NVFP4 weights × NVFP4 activations (per-group scales at run time, static global)
     WEIGHT_ONLY_MXFP4 = "weight_only_mxfp4"  # MXFP4 weights, float activations (MXFP4A16)

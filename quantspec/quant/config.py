@@ -51,7 +51,7 @@ def _infer_quant_type(groups: Mapping[str, QuantScheme]) -> QuantType | None:
         elif w.is_fp4:
             found.add(QuantType.WEIGHT_ONLY_NVFP4 if a is None else QuantType.NVFP4)
         elif w.type == "float":
-            found.add(QuantType.A8W8_FP8)
+            found.add(QuantType.A8W8_FP8 if a is not None else QuantType.WEIGHT_ONLY_FP8)
         elif w.num_bits == 4 and a is None:
             found.add(QuantType.WEIGHT_ONLY_INT4)
         elif is_w4a8(w, a):

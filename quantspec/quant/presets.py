@@ -40,6 +40,7 @@ PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.A8W8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.A8W8_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
+    QuantType.WEIGHT_ONLY_FP8: QuantArgs(num_bits=8, type="float", strategy="channel"),
     QuantType.A8W4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.A8W4_FP8: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
     QuantType.WEIGHT_ONLY_NVFP4: _NVFP4_WEIGHTS,
@@ -90,6 +91,8 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32") gives float zero points.
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").
     a8w8_fp8: FP8 E4M3 per-channel weights + static per-tensor FP8 input scales ("float-quantized").
+    weight_only_fp8: a8w8_fp8's weights with float inputs (W8A16 FP8, "float-quantized"), which both
+    engines run as W8A16 FP8; nothing to calibrate.
     a8w4 / a8w4_fp8: int4 group-wise weights as weight_only_int4's ("pack-quantized"; `group_size`
     applies, and `symmetric` for a8w4) with int8 / FP8 inputs quantized per token at run time
     (compressed-tensors' W4A8 / W4AFP8); nothing to calibrate.
@@ -107,8 +110,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     for the a8w4 types, else "static".
     `weight_block` b (a8w8_fp8 with dynamic activations): FP8 weights with one scale per b × b
     block and inputs quantized per token and group of b columns at run time (compressed-tensors'
-    FP8_BLOCK; DeepSeek-V3's and Qwen3's FP8 checkpoints); `resolve_layer_group_sizes` shrinks
-    it per layer to a block that tiles the layer.
+    FP8_BLOCK; DeepSeek-V3's and Qwen3's FP8 checkpoints); for weight_only_fp8 the same weights
+    with float inputs. `resolve_layer_group_sizes` shrinks it per layer to a block that tiles the
+    layer.
     """
     qt = QuantType.parse(quant_type)
     weight_observer = weight_observer or default_weight_observer(qt)
@@ -120,7 +124,7 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
         layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
     elif weight_block is not None:
         layout = {"strategy": "block", "block_structure": (weight_block, weight_block)}
-        inputs = inputs.replace(strategy="group", group_size=weight_block)
+        inputs = None if inputs is None else inputs.replace(strategy="group", group_size=weight_block)
     else:
         layout = {}
     w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **layout)
@@ -184,7 +188,7 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")
-    if qt in (QuantType.A8W8_FP8, QuantType.A8W4_FP8, *FP4_TYPES) and not symmetric:
+    if qt in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8, QuantType.A8W4_FP8, *FP4_TYPES) and not symmetric:
         raise QuantSpecError(f"{qt.value} is symmetric only; drop --asym")
     if qt in FP4_TYPES and weight_observer != "minmax":
         raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for FP4's group scales; use minmax "
@@ -195,13 +199,14 @@ def check_weight_block(qt: QuantType, weight_block, activations: str, weight_obs
     """Refuse, naming the flag, a `weight_block` that `qt` or the other knobs do not take."""
     if weight_block is None:
         return
-    if qt is not QuantType.A8W8_FP8:
-        raise QuantSpecError(f"--weight-block is for a8w8_fp8 (FP8 block scales); drop it for {qt.value}")
+    if qt not in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8):
+        raise QuantSpecError(f"--weight-block is for a8w8_fp8 and weight_only_fp8 (FP8 block scales); drop it for "
+                             f"{qt.value}")
     if isinstance(weight_block, bool) or not isinstance(weight_block, int) or weight_block < MIN_GROUP_SIZE \
             or weight_block & (weight_block - 1):
         raise QuantSpecError(f"--weight-block {weight_block!r} must be a power of two ≥ {MIN_GROUP_SIZE}, "
                              "e.g. 128")
-    if activations != "dynamic":
+    if activations != "dynamic" and qt is QuantType.A8W8_FP8:
         raise QuantSpecError("--weight-block quantizes the inputs per token group at run time; use "
                              "--activations dynamic (or leave --activations out)")
     if weight_observer != "minmax":

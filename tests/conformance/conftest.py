@@ -38,6 +38,9 @@ ARTIFACTS = {
                          kv_cache="int8", target="quantspec"),
     "a8w8_dynamic": dict(quant_type="a8w8", activations="dynamic"),
     "a8w8_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
+    # FP8 weights with float inputs (W8A16 FP8): per channel (both engines), in blocks (vLLM only)
+    "weight_only_fp8": dict(quant_type="weight_only_fp8"),
+    "weight_only_fp8_block": dict(quant_type="weight_only_fp8", weight_block=128, target="vllm"),
     # int4 weights with 8-bit inputs per token at run time (W4A8 / W4AFP8): vLLM picks
     # CompressedTensorsWNA8Int / W4A8Fp8 (Hopper), SGLang has no Linear scheme for them
     "a8w4": dict(quant_type="a8w4", group_size=128, target="quantspec"),

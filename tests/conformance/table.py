@@ -94,6 +94,9 @@ schemes are fused-MoE ones: no Linear scheme takes either. `w4a8_int_quantized` 
 the way compressed-tensors stores its W4A8 preset by default (`int-quantized`, a code per int8):
 vLLM's `CompressedTensorsW4A8Int` takes it, and on CUDA only Humming takes its signed int4 codes,
 given no input quantization, so the inputs run float there too.
+`weight_only_fp8` / `weight_only_fp8_block` are FP8 weights with float inputs (W8A16 FP8): both
+engines pick their `CompressedTensorsW8A16Fp8` (FP8 Marlin) for per-channel scales; SGLang's takes
+no block scales, vLLM's does.
 `weight_only_int4_rotated` has SpinQuant's R1 and R2 fused into its weights (`--rotate R1,R2`): its
 `transform_config` holds fused transforms only, which vLLM validates and runs around nothing, and
 every engine computes the rotated model as stored. `weight_only_int4_quip` has QuIP's run-time

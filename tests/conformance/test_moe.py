@@ -39,6 +39,7 @@ ARTIFACTS = {
     "a8w8_fp8_dynamic": (dict(quant_type="a8w8_fp8", activations="dynamic"), False),
     "a8w8_dynamic": (dict(quant_type="a8w8", activations="dynamic"), False),
     "a8w8_fp8_block": (dict(quant_type="a8w8_fp8", weight_block=128), False),
+    "weight_only_fp8": (dict(quant_type="weight_only_fp8"), False),
     "a8w8": (dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0), True),
     "weight_only_nvfp4": (dict(quant_type="weight_only_nvfp4"), False),
     "nvfp4": (dict(quant_type="nvfp4"), True),

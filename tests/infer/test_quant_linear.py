@@ -141,6 +141,17 @@ def test_fp8_cpu_path_equals_kernel_reference():
     torch.testing.assert_close(layer(x), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_fp8_weights_alone_on_cpu(dtype):
+    """weight_only_fp8 on CPU: x times the codes upcast at load, then the weight scales: the
+    reference's numbers (float inputs, FP8 weights dequantized) within rounding order."""
+    t = _make("weight_only_fp8", 48, 96, bias=True, seed=5)
+    layer = QuantLinear(t, dtype=dtype)
+    x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
+    assert t.input_args is None and layer.kernel_for(x) is KernelPath.CPU_FP8_UPCAST
+    _check(layer(x), _reference(t, x), dtype)
+
+
 @pytest.mark.parametrize("kind,g,sym,path", [
     ("weight_only_int8", 128, True, KernelPath.CPU_INT8PACK),
     ("weight_only_int4", 32, True, KernelPath.CPU_INT4PACK),
@@ -297,7 +308,11 @@ def test_select_kernel_cpu_rule():
                          "cpu", 1, torch.float32) is KernelPath.DEQUANT
     fp8 = _traits(LinearKind.FP8, act_mode="static")
     assert select_kernel(fp8, "cpu", 3, torch.float32) is KernelPath.CPU_FP8_UPCAST
+    # FP8 weights alone: the upcast codes for x of the dtype they are upcast to, else the reference
+    assert select_kernel(_traits(LinearKind.FP8), "cpu", 3, torch.bfloat16) is KernelPath.CPU_FP8_UPCAST
     assert select_kernel(_traits(LinearKind.FP8), "cpu", 3, torch.float32) is KernelPath.DEQUANT
+    assert select_kernel(_traits(LinearKind.FP8, weight_strategy="block"), "cpu", 3, torch.bfloat16) \
+        is KernelPath.CPU_DEQUANTIZED
 
 
 def test_select_kernel_cuda_rule(monkeypatch):

@@ -60,7 +60,7 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
     # integer weight-only schemes are pack-quantized at 8 bits too (compressed-tensors' W8A16), and
     # int4 weights with 8-bit inputs too (vLLM's W4A8 schemes read `weight_packed`)
     want_fmt = {"weight_only_int8": "pack-quantized", "weight_only_int4": "pack-quantized",
-                "a8w8": "int-quantized", "a8w8_fp8": "float-quantized",
+                "a8w8": "int-quantized", "a8w8_fp8": "float-quantized", "weight_only_fp8": "float-quantized",
                 "a8w4": "pack-quantized", "a8w4_fp8": "pack-quantized",
                 "weight_only_nvfp4": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
                 "weight_only_mxfp4": "mxfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}[qt.value]

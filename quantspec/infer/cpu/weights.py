@@ -37,6 +37,7 @@ CPU_INT4_GROUP_SIZES = (256, 128, 64, 32)  # what `_weight_int4pack_mm_for_cpu` 
 CPU_INT8PACK_K_MULTIPLE = 16  # `_weight_int8pack_mm` crashes / is wrong for other K (torch 2.13)
 CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses other N
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
+_ONE = torch.ones(1)  # the input scale of float inputs
 _LAYOUTS = ("qweight", "weight_upcast", "weight_fp8", "weight_dequant", "int4pack", "int4_scales_zeros", "int8pack_scale", "int4_cpu",
             "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "fp4_cpu", "fp4_cpu_scale", "bias_fp32")
 
@@ -201,6 +202,8 @@ class CpuWeight(PreparedWeight):
             acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32, exact
             return layer.epilogue(acc.float(), s, x.dtype)
         if path is KernelPath.CPU_FP8_UPCAST:
+            if layer.input_args is None:  # FP8 weights alone: x times the codes, then the weight scales
+                return layer.epilogue((x @ self.weight_upcast.t()).float(), _ONE, x.dtype)
             xq, s, _ = layer.quantize_input(x)  # [M, K] float8_e4m3fn
             acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
             return layer.epilogue(acc.float(), s, x.dtype)

@@ -167,6 +167,11 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
             out.append("use --kv-cache fp8")
         elif kv.strategy == "attn_head":
             out.append("use --kv-strategy tensor")
+    if "weight-only scheme is not pack-quantized" in text:
+        out.append("use --quant-type weight_only_int8 (or a8w8_fp8 --activations dynamic: FP8 experts with "
+                   "inputs per token)")
+    if "FP8 block weights with float inputs" in text:
+        out.append("drop --weight-block (per-channel FP8 weights), or pass --target vllm")
     if "one input_scale element" in text:
         out.append("serve it with vLLM (which loads static int8), or use --activations dynamic or "
                    "--quant-type a8w8_fp8")

@@ -278,8 +278,9 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
             return LayerVerdict(None, **base, problem=f"FP8 blocks of {w.block_structure[0]} rows do not split its "
                                                       f"fused shards (one has {split[0]} rows)")
         if fp8_weights and w.strategy == "block" and engine == "sglang":  # its W8A16Fp8 takes no blocks
-            w8a16 = LayerVerdict(None, **base, problem=f"FP8 block weights below compute capability "
-                                                       f"{FP8_MIN_CAPABILITY / 10:.1f} (its weight-only FP8 takes "
+            when = "with float inputs" if ia is None else \
+                f"below compute capability {FP8_MIN_CAPABILITY / 10:.1f}"
+            w8a16 = LayerVerdict(None, **base, problem=f"FP8 block weights {when} (its weight-only FP8 takes "
                                                        "per-channel or per-tensor scales)")
         if fp8_weights and ia is not None and ia.type == "float" and \
                 (ia.dynamic or (ia.symmetric and ia.strategy == "tensor")):
