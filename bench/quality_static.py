@@ -64,6 +64,7 @@ ROWS = {
     "a8w8-default": ("a8w8", DEFAULT, None, DEFAULT),
     "a8w8-default-gptq": ("a8w8", DEFAULT, None, DEFAULT, "gptq"),
     "a8w8_fp8-default": ("a8w8_fp8", DEFAULT, None, DEFAULT),
+    "a8w8_fp8-default-gptq": ("a8w8_fp8", DEFAULT, None, DEFAULT, "gptq"),
     "a8w8-dynamic": ("a8w8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-dynamic": ("a8w8_fp8", DYNAMIC, None, DEFAULT),
     "a8w8_fp8-block128": ("a8w8_fp8", BLOCK, None, DEFAULT),

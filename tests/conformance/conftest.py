@@ -92,6 +92,7 @@ MEDUSA_ARTIFACT = ("medusa_heads_int8", dict(quant_type="weight_only_int8", targ
 EAGLE3_ARTIFACTS = {"eagle3_head_int4": dict(quant_type="weight_only_int4", group_size=128),
                     "eagle3_head_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
                     "eagle3_head_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128),
+                    "eagle3_head_fp8_weights": dict(quant_type="weight_only_fp8"),
                     "eagle3_head_nvfp4a16": dict(quant_type="weight_only_nvfp4"),
                     "eagle3_head_int8_vllm": dict(quant_type="weight_only_int8", target="vllm"),
                     "eagle3_head_mxfp4a16_vllm": dict(quant_type="weight_only_mxfp4", target="vllm")}

@@ -21,7 +21,7 @@ by; the suite checks every cell against the engines' code, layer by layer. This 
 """
 
 TAIL = """
-Schemes: `WNA16` weight-only int (Marlin), `W8A8Int8` / `W8A8Fp8` quantized activations,
+Schemes: `WNA16` weight-only int (Marlin), `W8A16Fp8` weight-only FP8 (FP8 Marlin), `W8A8Int8` / `W8A8Fp8` quantized activations,
 `CompressedLinear` compressed-tensors in transformers, `QuantLinear` quantspec's own.
 `{mtp}` is an MTP module (`zoo train-mtp`) quantized on its own: no engine's model registry
 has its architecture, so only quantspec runs it, and `quantize` refuses every other target.
