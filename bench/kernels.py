@@ -38,10 +38,11 @@ from pathlib import Path
 GPU_SHAPES = [(4096, 4096), (4096, 6144), (4096, 14336), (14336, 4096)]  # (K, N) of Llama-3-8B
 CPU_SHAPES = [(128, 48)]  # K = 128: the quartered layout applies
 GROUP_SIZE = 128
-KINDS = ("w4a16", "w8a16", "w8a8", "fp8", "nvfp4", "mxfp4")
+KINDS = ("w4a16", "w8a16", "w8a16_fp8", "w8a8", "fp8", "nvfp4", "mxfp4")  # w8a16_fp8: FP8 weights, float inputs
 FP4_KINDS = {"nvfp4": "tensor_group", "mxfp4": "group"}  # their weight strategies (W4A4, no library alternative)
 DTYPE_NAMES = {"fp16": "float16", "bf16": "bfloat16", "fp32": "float32"}  # --dtype → torch
-ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a8": "_int_mm", "fp8": "_scaled_mm"}
+ALT_NAMES = {"w4a16": "dequantize + mm", "w8a16": "dequantize + mm", "w8a16_fp8": "dequantize + mm", "w8a8": "_int_mm",
+             "fp8": "_scaled_mm"}
 
 
 def _timer(device):
@@ -149,6 +150,8 @@ def kernel_ops(L: Layer, x):
                   lambda: x @ kernels.w4a16_dequantize(L.w4, L.s4, L.group, L.K, None, L.dtype).t()),
         "w8a16": (lambda: kernels.w8a16_linear(x, L.q8, L.s8h),
                   lambda: x @ kernels.w8a16_dequantize(L.q8, L.s8, L.dtype).t()),
+        "w8a16_fp8": (lambda: kernels.w8a16_linear(x, L.w_fp8, L.s8h),
+                      lambda: x @ kernels.w8a16_dequantize(L.w_fp8, L.s8, L.dtype).t()),
         "w8a8": (lambda: kernels.w8a8_linear(x, L.q8, L.s8, L.x_scale), int_mm if cuda else None),
         "fp8": (lambda: kernels.fp8_linear(x, L.w_fp8, L.s8, L.x_scale_fp8),
                 (lambda: kernels.fp8_scaled_mm_linear(x, L.w_fp8, L.s8, L.x_scale_fp8)) if cuda else None),
@@ -204,7 +207,8 @@ def dispatch_pick(kind: str, device, M: int, dtype):
     fp8_native = device.type == "cuda" and __import__("torch").cuda.get_device_capability(device) >= (8, 9)
     strategy = {"w4a16": "group", **FP4_KINDS}.get(kind, "channel")
     act_mode = "dynamic" if kind in FP4_KINDS else {"w8a8": "static", "fp8": "static"}.get(kind)
-    traits = LinearTraits(kind=LinearKind("fp4" if kind in FP4_KINDS else kind), dtype=dtype, weight_symmetric=True,
+    linear_kind = LinearKind("fp4" if kind in FP4_KINDS else "fp8" if kind == "w8a16_fp8" else kind)
+    traits = LinearTraits(kind=linear_kind, dtype=dtype, weight_symmetric=True,
                           weight_strategy=strategy, act_mode=act_mode, fp8_native=fp8_native, fp4_tiles=True)
     path = select_kernel(traits, device, M, dtype)
     if path.value.startswith("triton"):
@@ -264,7 +268,7 @@ def markdown(result: dict) -> str:
         rows = [r for r in result["rows"] if r["kind"] == kind]
         if not rows:
             continue
-        out.append(f"#### {kind.upper()}, {result['dtype']} activations\n")
+        out.append(f"#### {kind.upper().replace('_', ' ')}, {result['dtype']} activations\n")
         quart = kind == "w4a16"
         out.append(f"| K×N | M | torch ms | Triton ms (×) | other launch ms (×) | "
                    f"{'quartered ms (×) | ' if quart else ''}{ALT_NAMES.get(kind, '—')} ms (×) | dispatch (×) |")

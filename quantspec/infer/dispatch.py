@@ -41,7 +41,8 @@ dequantized by a Triton kernel (`w4a16_dequantize` / `w8a16_dequantize`, which a
 the rows); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp8_linear` below
 `cuda_scaled_mm_min_m` rows, torch's `_scaled_mm` (cuBLASLt's FP8 GEMM, `fp8_scaled_mm_linear`)
 from there for fp16 / bf16 activations; block-scaled fp8 with dynamic per-group inputs:
-`fp8_block_linear` for every M; NVFP4 / MXFP4 (weight-only or FP4 inputs, K a multiple of 32):
+`fp8_block_linear` for every M; FP8 weights alone (weight_only_fp8, per channel) the int8
+weight-only path, `w8a16_linear` decoding their E4M3 bytes (any compute capability); NVFP4 / MXFP4 (weight-only or FP4 inputs, K a multiple of 32):
 `nvfp4_linear` / `mxfp4_linear` for every M (any compute capability: they decode E2M1 without FP4
 or FP8 instructions); what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
 sm_89) → the reference, dequantize + matmul.
@@ -206,6 +207,8 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
         return KernelPath.TRITON_MXFP4 if t.weight_strategy == "group" else KernelPath.TRITON_NVFP4
     if t.weight_strategy == "block":
         return KernelPath.TRITON_FP8_BLOCK if t.fp8_native and t.act_mode == "dynamic" else KernelPath.DEQUANT
+    if t.act_mode is None and t.weight_strategy in ("channel", "tensor"):  # FP8 weights alone: W8A16's kernels
+        return KernelPath.TRITON_W8A16 if small else KernelPath.CUDA_DEQUANT_MM
     if not (t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")):
         return KernelPath.DEQUANT
     # `_scaled_mm` writes bf16: half-precision activations only (an fp32 model keeps fp32 outputs)

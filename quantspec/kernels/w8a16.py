@@ -1,9 +1,12 @@
-"""W8A16: y[M, N] = (x[M, K] @ q[N, K]ᵀ) * scale[N] (+ bias) with per-channel int8 weights.
+"""W8A16: y[M, N] = (x[M, K] @ q[N, K]ᵀ) * scale[N] (+ bias) with per-channel int8 weights, or
+FP8 E4M3 ones (weight_only_fp8: W8A16 FP8).
 
 This file owns the Triton kernel and its torch reference `w8a16_linear_ref` (same signature).
 Because the scale is per output channel it factors out of the K sum, so the kernel accumulates
 x · q and applies the scale once in the epilogue (fewer multiplies, and the int8 → float convert
-is the only dequant work in the inner loop).
+is the only dequant work in the inner loop). FP8 codes are read as their bytes and decoded with
+integer ops into exact float values (`_e4m3_codes`): every GPU the kernels run on, and Triton's
+interpreter, take them alike.
 
 The launches are W4A16's tiles (`tl.dot` for every M on a GPU, split-K for small M), with a
 small-M shape of its own (`w8a16_default_config`). Split-K partials go to an fp32 buffer
@@ -60,13 +63,33 @@ def _int8_codes(q, DTYPE: tl.constexpr):
 
 
 @triton.jit
+def _e4m3_codes(q, DTYPE: tl.constexpr):
+    """FP8 E4M3 bytes (uint8) as exact DTYPE values: a normal byte's exponent and mantissa go into
+    an fp32's bits (exponent rebiased by 127 - 7), a subnormal's (exponent 0) value is m · 2⁻⁹."""
+    b = q.to(tl.int32)
+    sign = b >> 7
+    mag = b & 0x7F
+    normal = ((mag << 20) + (120 << 23)).to(tl.float32, bitcast=True)
+    sub = small_ints_to_float(b & 7, 0, tl.float32, True) * 0.001953125
+    v = tl.where(mag >= 8, normal, sub)
+    return tl.where(sign == 1, -v, v).to(DTYPE)
+
+
+@triton.jit
+def _codes(q, DTYPE: tl.constexpr, FP8: tl.constexpr):
+    if FP8:
+        return _e4m3_codes(q, DTYPE)
+    return _int8_codes(q, DTYPE)
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K,
     stride_xm, stride_wn, stride_om, stride_osplit,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    FINISH: tl.constexpr, USE_PDL: tl.constexpr,
+    FINISH: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
 ):
     pdl_begin(USE_PDL)
     pid_m = tl.program_id(0)
@@ -93,23 +116,23 @@ def _w8a16_kernel(
         q = tl.load(
             w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :],
             mask=mask_n[:, None] & mask_k[None, :], other=0,
-        )  # [BN, BK] int8
-        # int8 codes are exact in every float dtype; made without an int-to-float conversion
+        )  # [BN, BK] int8 (FP8: uint8 bytes)
+        # int8 and E4M3 codes are exact in every float dtype; made without an int-to-float conversion
         if USE_DOT:
             if DOT_FP32:
-                w = _int8_codes(q, tl.float32)
+                w = _codes(q, tl.float32, FP8)
                 if SWAP_AB:  # [BN, BM]: the weight tile as the MMA's wide operand, untransposed
                     acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
                 else:
                     acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
-                w = _int8_codes(q, x.dtype)
+                w = _codes(q, x.dtype, FP8)
                 if SWAP_AB:
                     acc = tl.dot(w, tl.trans(x), acc)
                 else:
                     acc = tl.dot(x, tl.trans(w), acc)
         else:
-            w = _int8_codes(q, tl.float32)
+            w = _codes(q, tl.float32, FP8)
             prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
     if SWAP_AB:
@@ -127,10 +150,13 @@ def _w8a16_kernel(
         tl.store(y_ptr + offs_m[:, None] * stride_om + offs_n[None, :], acc.to(y_ptr.dtype.element_ty), mask=y_mask)
 
 
+_CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
+
+
 def _validate(x, w_q, w_scale, bias):
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     M, K = x.shape
-    check_tensor(w_q, "w_q", ndim=2, dtypes=(torch.int8,))
+    check_tensor(w_q, "w_q", ndim=2, dtypes=_CODE_DTYPES)
     N = w_q.shape[0]
     if w_q.shape[1] != K:
         raise QuantSpecError(f"w_q has K={w_q.shape[1]} but x has K={K}; shapes must agree")
@@ -142,7 +168,7 @@ def _validate(x, w_q, w_scale, bias):
 
 def w8a16_linear_ref(
     x: torch.Tensor,  # [M, K] fp32/fp16/bf16
-    w_q: torch.Tensor,  # [N, K] int8
+    w_q: torch.Tensor,  # [N, K] int8 or float8_e4m3fn
     w_scale: torch.Tensor,  # [N]
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
@@ -152,9 +178,10 @@ def w8a16_linear_ref(
     `config` is accepted (and ignored) so the reference and the kernel share one signature.
     """
     M, N, K = _validate(x, w_q, w_scale, bias)
-    from quantspec.kernels._quant_bridge import dequantize_groupwise
+    from quantspec.kernels._quant_bridge import dequantize, dequantize_groupwise
 
-    w = dequantize_groupwise(w_q, w_scale.float()[:, None], None, K)  # [N, K] fp32
+    w = dequantize(w_q, w_scale.float()[:, None]) if w_q.dtype == torch.float8_e4m3fn else \
+        dequantize_groupwise(w_q, w_scale.float()[:, None], None, K)  # [N, K] fp32
     y = x.float() @ w.t()  # [M, N]
     if bias is not None:
         y = y + bias.float()
@@ -163,12 +190,13 @@ def w8a16_linear_ref(
 
 def w8a16_linear(
     x: torch.Tensor,  # [M, K] fp32/fp16/bf16
-    w_q: torch.Tensor,  # [N, K] int8
+    w_q: torch.Tensor,  # [N, K] int8 or float8_e4m3fn
     w_scale: torch.Tensor,  # [N]
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
-    """Triton W8A16 linear; `config` overrides the launch heuristic (tests, benchmarks)."""
+    """Triton W8A16 linear (int8 or FP8 E4M3 codes); `config` overrides the launch heuristic (tests,
+    benchmarks)."""
     M, N, K = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
     cfg = config or w8a16_default_config(M, N, K, gpu_launch(device))
@@ -179,13 +207,14 @@ def w8a16_linear(
     # more registers for it than their main loop (fewer programs per SM)
     part, out, counters = split_k_buffers(M, N, split, grid[0] * grid[1], device, x.dtype,
                                           in_kernel=bm <= 16)
+    fp8 = w_q.dtype == torch.float8_e4m3fn
     _w8a16_kernel[grid](
-        x, w_q, w_scale, bias if bias is not None else w_scale, part, out,
+        x, w_q.view(torch.uint8) if fp8 else w_q, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K,
         x.stride(0), w_q.stride(0), N, M * N,
         HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and bm >= 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, FP8=fp8,
         num_warps=warps, num_stages=stages, **pdl_kwargs(device),
     )
     return finish_split_k(part, bias, out) if split > 1 and counters is None else out
@@ -193,7 +222,7 @@ def w8a16_linear(
 
 @triton.jit
 def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
-                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr):
+                       BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr):
     pdl_begin(USE_PDL)
     offs_n = tl.program_id(0) * BLOCK_N + tl.arange(0, BLOCK_N)
     offs_k = tl.program_id(1) * BLOCK_K + tl.arange(0, BLOCK_K)
@@ -201,7 +230,7 @@ def _w8_dequant_kernel(w_ptr, s_ptr, out_ptr, N, K, stride_wn, stride_on,
     q = tl.load(w_ptr + offs_n[:, None] * stride_wn + offs_k[None, :], mask=mask, other=0)
     s = tl.load(s_ptr + offs_n, mask=offs_n < N, other=0.0).to(tl.float32)
     tl.store(out_ptr + offs_n[:, None] * stride_on + offs_k[None, :],
-             (_int8_codes(q, tl.float32) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
+             (_codes(q, tl.float32, FP8) * s[:, None]).to(out_ptr.dtype.element_ty), mask=mask)
 
 
 def w8a16_dequantize_ref(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
@@ -211,12 +240,14 @@ def w8a16_dequantize_ref(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.
 
 def w8a16_dequantize(w_q: torch.Tensor, w_scale: torch.Tensor, dtype: torch.dtype = torch.float16) -> torch.Tensor:
     """Triton: the [N, K] weight in `dtype`, equal to `w8a16_dequantize_ref` bit for bit."""
-    check_tensor(w_q, "w_q", ndim=2, dtypes=(torch.int8,))
+    check_tensor(w_q, "w_q", ndim=2, dtypes=_CODE_DTYPES)
     N, K = w_q.shape
     check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N,))
     device = check_same_device(w_q=w_q, w_scale=w_scale)
     out = torch.empty((N, K), device=device, dtype=dtype)
     bn, bk = (32, 128) if gpu_launch(device) else (16, 16)
+    fp8 = w_q.dtype == torch.float8_e4m3fn
     _w8_dequant_kernel[(triton.cdiv(N, bn), triton.cdiv(K, bk))](
-        w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn, BLOCK_K=bk, **pdl_kwargs(device))
+        w_q.view(torch.uint8) if fp8 else w_q, w_scale, out, N, K, w_q.stride(0), out.stride(0), BLOCK_N=bn,
+        BLOCK_K=bk, FP8=fp8, **pdl_kwargs(device))
     return out

@@ -19,7 +19,7 @@ from quantspec.quant.presets import preset
 
 pytestmark = [pytest.mark.gpu, pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA")]
 
-QUANTS = ["weight_only_int4", "weight_only_int8", "a8w8", "a8w8_fp8"]
+QUANTS = ["weight_only_int4", "weight_only_int8", "a8w8", "a8w8_fp8", "weight_only_fp8"]
 NEW = 16
 
 

@@ -341,6 +341,11 @@ def test_select_kernel_cuda_rule(monkeypatch):
         is KernelPath.CUDA_SCALED_MM
     assert select_kernel(_traits(LinearKind.FP8, act_mode="static"), "cuda", 1,
                          torch.bfloat16) is KernelPath.DEQUANT  # below sm_89
+    w8fp8 = _traits(LinearKind.FP8)  # FP8 weights alone: the W8A16 kernels, any compute capability
+    assert select_kernel(w8fp8, "cuda", 8, torch.bfloat16) is KernelPath.TRITON_W8A16
+    assert select_kernel(w8fp8, "cuda", 4096, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
+    assert select_kernel(_traits(LinearKind.FP8, weight_strategy="block"), "cuda", 8,
+                         torch.bfloat16) is KernelPath.DEQUANT
     monkeypatch.setattr(kernels, "triton_usable", lambda device: False)
     assert select_kernel(t4, "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT
 
@@ -442,6 +447,8 @@ _TRITON_SCRIPT = textwrap.dedent("""
              ("weight_only_int8", 128, True, KernelPath.TRITON_W8A16),
              ("a8w8", 128, True, KernelPath.TRITON_W8A8),
              ("a8w8_fp8", 128, True, KernelPath.TRITON_FP8),
+             ("weight_only_fp8", 128, True, KernelPath.TRITON_W8A16),
+             ("weight_only_fp8", 128, True, KernelPath.CUDA_DEQUANT_MM),
              ("a8w4", 32, True, KernelPath.TRITON_W4A16),
              ("a8w4", 32, False, KernelPath.CUDA_DEQUANT_MM),
              ("a8w4_fp8", 32, True, KernelPath.TRITON_W4A16)]
@@ -512,7 +519,8 @@ def test_triton_paths_match_reference_under_interpreter():
 @pytest.mark.parametrize("kind,g,sym", [("weight_only_int4", 128, True),
                                         ("weight_only_int4", 64, False),
                                         ("weight_only_int8", 128, True), ("a8w8", 128, True),
-                                        ("a8w8_fp8", 128, True), ("a8w4", 128, True), ("a8w4_fp8", 128, True)])
+                                        ("a8w8_fp8", 128, True), ("weight_only_fp8", 128, True), ("a8w4", 128, True),
+                                        ("a8w4_fp8", 128, True)])
 @pytest.mark.parametrize("M", [1, 3, 17, 200])
 def test_cuda_quant_linear_matches_reference(kind, g, sym, M):
     t = _make(kind, 384, 1024, group_size=g, symmetric=sym, bias=True, seed=M)

@@ -103,3 +103,36 @@ def test_dequantize_kernel_equals_reference(dtype, same_rounding):
     assert w.dtype == dtype
     same_rounding(w, w8a16_dequantize_ref(q, s, dtype))
     torch.testing.assert_close(w.float(), q.float() * s[:, None], rtol=2 ** -7, atol=0)
+
+
+def _fp8_codes(gen) -> torch.Tensor:
+    """Every E4M3 byte but NaN's (0x7F, 0xFF), subnormals and ±0 included, in random order."""
+    codes = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8)
+    return codes[torch.randint(len(codes), (N, K), generator=gen)].view(torch.float8_e4m3fn)
+
+
+def test_fp8_codes_decode_exactly():
+    """The kernel's E4M3 decoding (bytes → exact float values) equals torch's cast for every byte."""
+    q = torch.tensor([b for b in range(256) if b & 0x7F != 0x7F], dtype=torch.uint8).view(torch.float8_e4m3fn)
+    q = q.reshape(2, -1)
+    s = torch.ones(2)
+    for dtype in (torch.float32, torch.float16, torch.bfloat16):
+        assert torch.equal(w8a16_dequantize(q, s, dtype), q.to(dtype))
+
+
+@pytest.mark.parametrize("M", [1, 17])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_fp8_weights_match_reference(M, dtype):
+    """FP8 E4M3 codes (weight_only_fp8) through the same kernel: the reference's numbers, and the
+    dequantized weight bit for bit."""
+    gen = torch.Generator().manual_seed(11 + M)
+    q = _fp8_codes(gen)
+    s = (torch.rand(N, generator=gen) * 0.01 + 1e-3).to(dtype)
+    b = torch.randn(N, generator=gen).to(dtype)
+    x = torch.randn(M, K, generator=gen).to(dtype)
+    tol = 1e-5 if dtype == torch.float32 else 5e-3
+    torch.testing.assert_close(w8a16_linear(x, q, s, b).float(), w8a16_linear_ref(x, q, s, b).float(),
+                               rtol=tol, atol=tol)
+    torch.testing.assert_close(w8a16_linear_ref(x, q, s, b), (x.float() @ (q.float() * s.float()[:, None]).t()
+                                                              + b.float()).to(dtype))
+    assert torch.equal(w8a16_dequantize(q, s, dtype), w8a16_dequantize_ref(q, s, dtype))

@@ -97,7 +97,7 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         return kernels.w4a16_linear(x, w, _prepared_w4_scale(layer), _w4_group(layer), layer.weight_zero_point, b,
                                     quartered=getattr(p, "quartered", False))
     if path is KernelPath.TRITON_W8A16:
-        return kernels.w8a16_linear(x, layer.codes(), p.w_scale_vec, b)
+        return kernels.w8a16_linear(x, _w8_codes(layer), p.w_scale_vec, b)
     if path is KernelPath.TRITON_W8A8:
         return kernels.w8a8_linear(x, layer.codes(), p.w_scale_vec,
                                    None if layer.input_args.dynamic else layer.input_scale, b)
@@ -134,7 +134,14 @@ def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
         w = w if w is not None else pack_int4(layer.codes())
         return kernels.w4a16_dequantize(w, _prepared_w4_scale(layer), _w4_group(layer), layer.in_features,
                                         layer.weight_zero_point, dtype, quartered=getattr(p, "quartered", False))
-    return kernels.w8a16_dequantize(layer.codes(), layer.prepared.w_scale_vec, dtype)
+    return kernels.w8a16_dequantize(_w8_codes(layer), layer.prepared.w_scale_vec, dtype)
+
+
+def _w8_codes(layer: QuantLinear) -> torch.Tensor:
+    """An 8-bit layer's codes as the W8A16 kernels take them: int8, or FP8 E4M3 (a layer prepared
+    for the CPU keeps FP8 codes upcast to its dtype: exact, so cast back)."""
+    w = layer.codes()
+    return w if w.dtype in (torch.int8, torch.float8_e4m3fn) else w.to(torch.float8_e4m3fn)
 
 
 def _w4_group(layer: QuantLinear) -> int:
