@@ -67,6 +67,8 @@ ARTIFACTS = {
     # per channel beside int4 layers, and FP8 per token beside FP8_DYNAMIC layers
     "head_int8": dict(quant_type="weight_only_int4", group_size=128, layer_quant_types=("lm_head=weight_only_int8",)),
     "head_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic", layer_quant_types=("lm_head=a8w8_fp8",)),
+    "head_fp8_weights": dict(quant_type="weight_only_int4", group_size=128,
+                             layer_quant_types=("lm_head=weight_only_fp8",)),
     # ... and with FP8 block scales, which neither engine's head loader takes
     "head_fp8_block": dict(quant_type="a8w8_fp8", weight_block=128, layer_quant_types=("lm_head=a8w8_fp8",),
                            target="quantspec"),

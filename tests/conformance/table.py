@@ -67,7 +67,7 @@ which take none of the checkpoint's per-expert `weight_packed`, so SGLang refuse
 naming its Linears as the engines match them (a fused unit as one regex that also names the fused
 layer); both engines pick a scheme per layer. `mixed_fp8_dynamic` gives the attention's Linears
 FP8 weights and per-token FP8 inputs (llm-compressor's FP8_DYNAMIC) beside int4 MLPs.
-`head_int8` / `head_fp8_dynamic` / `head_fp8_block` quantize the output head too
+`head_int8` / `head_fp8_dynamic` / `head_fp8_weights` / `head_fp8_block` quantize the output head too
 (`--layer-quant-type lm_head=TYPE`). Both engines build it as a `ParallelLMHead`, take its scheme
 by name only (never by the class target "Linear") and load it through
 `VocabParallelEmbedding.weight_loader`, which wants one scale row per vocabulary row: both load
