@@ -43,9 +43,10 @@ the rows); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp
 from there for fp16 / bf16 activations; block-scaled fp8 with dynamic per-group inputs:
 `fp8_block_linear` for every M; FP8 weights alone (weight_only_fp8, per channel) the int8
 weight-only path, `w8a16_linear` decoding their E4M3 bytes (any compute capability); NVFP4 /
-MXFP4 (weight-only or FP4 inputs, K a multiple of 32): `nvfp4_linear` / `mxfp4_linear` for every M (any compute capability: they decode E2M1 without FP4
-or FP8 instructions); what a kernel does not take (asymmetric a8w8, group-wise int8 / fp8, fp8 below
-sm_89) → the reference, dequantize + matmul.
+MXFP4 (weight-only or FP4 inputs, K a multiple of 32): `nvfp4_linear` / `mxfp4_linear` for every
+M (any compute capability: they decode E2M1 without FP4 or FP8 instructions); what a kernel does
+not take (asymmetric a8w8, group-wise int8 / fp8, fp8 inputs below sm_89) → the reference,
+dequantize + matmul.
 """
 
 from __future__ import annotations
