@@ -95,8 +95,9 @@ the way compressed-tensors stores its W4A8 preset by default (`int-quantized`, a
 vLLM's `CompressedTensorsW4A8Int` takes it, and on CUDA only Humming takes its signed int4 codes,
 given no input quantization, so the inputs run float there too.
 `weight_only_fp8` / `weight_only_fp8_block` are FP8 weights with float inputs (W8A16 FP8): both
-engines pick their `CompressedTensorsW8A16Fp8` (FP8 Marlin) for per-channel scales; SGLang's takes
-no block scales, vLLM's does.
+engines pick their `CompressedTensorsW8A16Fp8` (FP8 Marlin) for per-channel scales, which is also
+what they run FP8-input artifacts with below compute capability 8.9; SGLang's takes no block scales
+and needs Ampere (8.0), vLLM's takes blocks and runs on Turing (7.5) too.
 `weight_only_int4_rotated` has SpinQuant's R1 and R2 fused into its weights (`--rotate R1,R2`): its
 `transform_config` holds fused transforms only, which vLLM validates and runs around nothing, and
 every engine computes the rotated model as stored. `weight_only_int4_quip` has QuIP's run-time

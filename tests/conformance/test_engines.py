@@ -185,6 +185,20 @@ def test_fp8_verdicts_below_sm89_match_engine_code(artifacts, engine_sources, tm
         assert (lifted_status(answers[engine]["result"]["a8w8_fp8_block"])[0] == "refused") == (engine == "sglang")
 
 
+def test_fp8_weight_only_verdicts_by_capability_match_engine_code(artifacts, engine_sources, tmp_path):
+    """FP8 weights alone (W8A16 FP8, and a8w8_fp8's fallback to it) on Turing (7.5), Ampere (8.0) and
+    Hopper (9.0): each verdict is what the engines' own code answers (`_by_capability`). vLLM runs
+    per-channel and block FP8 weights on all three; SGLang's weight-only FP8 needs Ampere and takes no
+    blocks."""
+    names = ["weight_only_fp8", "weight_only_fp8_block", "a8w8_fp8_dynamic"]
+    seen = {(cap, engine, name): status for cap, engine, name, _res, _v, status, _per in _by_capability(
+        artifacts, engine_sources, tmp_path, names, (75, 80, 90))}
+    assert len(seen) == 3 * len(names) * len(eng.ENGINE_PINS)
+    assert all(seen[cap, "vllm", name] == "loads" for cap in (75, 80, 90) for name in names)
+    assert [seen[cap, "sglang", "weight_only_fp8"] for cap in (75, 80, 90)] == ["refused", "loads", "loads"]
+    assert [seen[cap, "sglang", "a8w8_fp8_dynamic"] for cap in (75, 80, 90)] == ["refused", "loads", "loads"]
+
+
 def _fp4_inputs(qc) -> bool:
     return any(g.input_activations is not None and g.input_activations.is_fp4 for g in qc.config_groups.values())
 

@@ -36,6 +36,7 @@ from quantspec.quant.engines.tables import (
     NVFP4_MIN_CAPABILITY,
     NVFP4_W4A4_CAPABILITY,
     SGLANG_EMBEDDING,
+    SGLANG_W8A16_FP8_MIN_CAPABILITY,
     SGLANG_FUSED_STATIC_INT8,
     SGLANG_W4A8,
     VLLM_EMBEDDING,
@@ -240,6 +241,20 @@ def _w4a8(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerd
     return LayerVerdict("W4A8Int", **base, input_activations=act, problem=VLLM_W4A8_INT_QUANTIZED_INPUTS)
 
 
+def _w8a16_fp8(engine: str, w, ia, capability: int, base: dict) -> LayerVerdict:
+    """The engine's FP8 weight-only layer (W8A16Fp8): FP8 weights with float inputs, or an FP8-input
+    layer below the W8A8 FP8 kernels' compute capability. SGLang's takes no block scales and needs Ampere."""
+    if engine == "sglang" and w.strategy == "block":
+        when = "with float inputs" if ia is None else f"below compute capability {FP8_MIN_CAPABILITY / 10:.1f}"
+        return LayerVerdict(None, **base, problem=f"FP8 block weights {when} (its weight-only FP8 takes "
+                                                  "per-channel or per-tensor scales)")
+    if engine == "sglang" and capability < SGLANG_W8A16_FP8_MIN_CAPABILITY:
+        return LayerVerdict(None, **base, problem=f"FP8 weights below compute capability "
+                                                  f"{SGLANG_W8A16_FP8_MIN_CAPABILITY / 10:.1f} (its weight-only FP8 "
+                                                  "needs Ampere)")
+    return LayerVerdict("W8A16Fp8", **base)
+
+
 def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability: int,
             rows: Sequence[int | None] = ()) -> LayerVerdict:
     """The engine's scheme class for scheme `s` on a layer with input dim K and `shards` shards
@@ -272,16 +287,11 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
     if act_fmt:
         fp8_weights = w.type == "float" and w.symmetric and not w.dynamic and \
             w.strategy in ("tensor", "channel", "block")
-        w8a16 = LayerVerdict("W8A16Fp8", **base)
+        w8a16 = _w8a16_fp8(engine, w, ia, capability, base)
         split = [n for n in rows[:-1] if n is not None and w.strategy == "block" and n % w.block_structure[0]]
         if fp8_weights and split:  # `validate_fp8_block_shape`: a merged linear splits its scales by block rows
             return LayerVerdict(None, **base, problem=f"FP8 blocks of {w.block_structure[0]} rows do not split its "
                                                       f"fused shards (one has {split[0]} rows)")
-        if fp8_weights and w.strategy == "block" and engine == "sglang":  # its W8A16Fp8 takes no blocks
-            when = "with float inputs" if ia is None else \
-                f"below compute capability {FP8_MIN_CAPABILITY / 10:.1f}"
-            w8a16 = LayerVerdict(None, **base, problem=f"FP8 block weights {when} (its weight-only FP8 takes "
-                                                       "per-channel or per-tensor scales)")
         if fp8_weights and ia is not None and ia.type == "float" and \
                 (ia.dynamic or (ia.symmetric and ia.strategy == "tensor")):
             if capability >= FP8_MIN_CAPABILITY:

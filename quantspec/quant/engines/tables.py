@@ -82,6 +82,8 @@ VLLM_W4A8_INT_MOE = (f"vLLM {ENGINE_VERSIONS['vllm']} runs int4 experts with int
 SGLANG_W4A8_MOE_INPUTS = ("{what} (CompressedTensorsW4AFP8MoE's CUTLASS kernel quantizes the experts' inputs to "
                           "FP8 with one dynamic scale per tensor)")
 FP8_MIN_CAPABILITY = 89  # W8A8 FP8 kernels (Ada / Hopper); below it both run FP8 weight-only (SGLang: no blocks)
+# SGLang's FP8 weight-only scheme (CompressedTensorsW8A16Fp8.get_min_capability: Ampere); vLLM's runs below it too
+SGLANG_W8A16_FP8_MIN_CAPABILITY = 80
 # NVFP4: FP4 tensor cores (Blackwell) run W4A4; below, both engines serve an NVFP4 checkpoint weight-only
 # (FP4 Marlin: vLLM's `init_nvfp4_linear_kernel`, SGLang's CompressedTensorsW4A16Fp4), its
 # input quantization ignored; vLLM's scheme asks for 7.5, SGLang's weight-only one for 8.0
