@@ -260,18 +260,20 @@ _OWN_FORMATS = {"fp8": "fp8 (quant_method 'fp8': transformers' / vLLM's own FP8 
                 "auto-round": "auto-round (Intel AutoRound's own checkpoint)", "fbgemm_fp8": "fbgemm_fp8 (FBGEMM's FP8 checkpoint)"}
 
 
-def inspect(path: str | Path) -> dict:
+def inspect(path: str | Path, *, compute_capability=None) -> dict:
     """What an artifact (or plain checkpoint) holds: scheme, per-Linear bits / group size,
     size on disk and compression ratio vs the source (from provenance), and each engine's
-    verdict (for a quantized artifact, or a draft module quantized or not)."""
+    verdict (for a quantized artifact, or a draft module quantized or not) on a GPU of
+    `compute_capability` ("8.0", "9.0", ...; None: Hopper's 9.0)."""
     from quantspec.model_zoo.checkpoint import (draft_kind, read_config, resolve_model_dir, safetensors_files,
                                                 safetensors_keys)
     from quantspec.model_zoo.hf_config import rotation_tag
     from quantspec.quant.artifact import quantized_layers, read_provenance, read_quant_config
     from quantspec.quant.transforms import run_time_transforms
     from quantspec.quant.bnb import BNB_METHOD, bnb_inspect
-    from quantspec.quant.engines import draft_verdicts
+    from quantspec.quant.engines import draft_verdicts, parse_capability
 
+    capability = parse_capability(compute_capability)
     with about("PATH"):
         d = resolve_model_dir(path)
         files = safetensors_files(d)
@@ -306,7 +308,8 @@ def inspect(path: str | Path) -> dict:
     if own is not None:  # vLLM, SGLang and transformers read it with their own method, not compressed-tensors'
         out["format"] = own
     else:
-        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(c, qc, files, layers).items()}
+        out["engines"] = {e: v.to_dict() for e, v in _engine_verdicts(c, qc, files, layers, capability).items()}
+        out["compute_capability"] = f"{capability // 10}.{capability % 10}"
     if any(s.input_activations is not None for s in qc.config_groups.values()):
         out.update(_activation_info(layers, prov))
     return out
@@ -323,7 +326,7 @@ def _activation_info(layers: dict, prov: dict) -> dict:
     return out
 
 
-def _engine_verdicts(cfg: dict, qc, files, layers: dict) -> dict:
+def _engine_verdicts(cfg: dict, qc, files, layers: dict, capability: int) -> dict:
     """`quant.engines.engine_verdicts` for the artifact of config.json `cfg`: its quantized Linears with their
     input and output dims (from `weight_shape` or the code tensor's shape), whether it is a draft module and,
     for an EAGLE-3 head, its base's layer count (the index vLLM gives the head's layer)."""
@@ -342,7 +345,7 @@ def _engine_verdicts(cfg: dict, qc, files, layers: dict) -> dict:
                     continue
                 shape = h.get_tensor(k).tolist() if leaf == "weight_shape" else h.get_slice(k).get_shape()
                 rows[name], dims[name] = int(shape[0]), int(shape[1])
-    return engine_verdicts(qc, dims, draft=draft_kind(cfg), draft_config=cfg, rows=rows,
+    return engine_verdicts(qc, dims, capability=capability, draft=draft_kind(cfg), draft_config=cfg, rows=rows,
                            base_layers=(cfg.get("quantspec") or {}).get("base_num_layers"))
 
 

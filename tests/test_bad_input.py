@@ -311,6 +311,7 @@ CASES = [
     ("eval-model-truncated", "eval --model {d}/truncated --text-file {d}/calib.txt", "--model"),
     # -- inspect -----------------------------------------------------------------------------
     ("inspect-missing", "inspect {d}/no-such-model", "PATH"),
+    ("inspect-compute-capability", "inspect {model} --compute-capability 8.95", "--compute-capability"),
     ("inspect-truncated", "inspect {d}/truncated", "PATH"),
     ("inspect-bad-config", "inspect {d}/badconfig", "PATH"),
     # -- report ------------------------------------------------------------------------------

@@ -357,3 +357,18 @@ def test_quantize_an_mtp_module_on_its_own(tiny_llama_dir, tmp_path):
                                     "--out", str(tmp_path / "g")])
     assert res.exit_code == 2
     assert "is an MTP module: quantize it with --method rtn" in res.output
+
+
+def test_inspect_judges_the_serving_gpu(tiny_llama_dir, tmp_path):
+    """`inspect --compute-capability`: the engines' verdicts for that GPU. FP8 inputs below 8.9 run as
+    FP8 weights alone in both engines (the inputs' quantization set aside), SGLang's FP8 weight-only
+    layers need Ampere; the default is Hopper (9.0)."""
+    art = api.quantize(str(tiny_llama_dir), "a8w8_fp8", tmp_path / "fp8", activations="dynamic")
+    status = {cap: {e: v["status"] for e, v in api.inspect(art, compute_capability=cap)["engines"].items()}
+              for cap in (None, "9.0", "8.0", "7.5")}
+    assert status[None] == status["9.0"] and status["9.0"]["vllm"] == status["9.0"]["sglang"] == "loads"
+    assert status["8.0"]["vllm"] == status["8.0"]["sglang"] == "ignores"
+    assert (status["7.5"]["vllm"], status["7.5"]["sglang"]) == ("ignores", "refused")
+    r = _run("inspect", art, "--compute-capability", "8.0")
+    assert r.exit_code == 0 and "compute capability 8.0" in r.output and "FP8 input quantization" in r.output
+    assert api.inspect(art)["compute_capability"] == "9.0"

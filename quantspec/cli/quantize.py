@@ -177,6 +177,8 @@ def _head_table(info: dict):
     if info.get("kv_cache"):
         head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
                                  f"{info['kv_cache']['strategy']}")
+    if info.get("compute_capability"):
+        head.add_row("verdicts for", f"a GPU of compute capability {info['compute_capability']}")
     for engine in (info.get("engines") or {}).values():
         head.add_row(api.ENGINE_NAMES[engine["engine"]], engine["verdict"])
     return head
@@ -217,8 +219,11 @@ def _fallback_rows(fb: dict | None) -> list[tuple[str, str]]:
 @main.command()
 @click.argument("path", type=click.Path())
 @click.option("--json", "as_json", is_flag=True, help="print the full description as JSON")
+@click.option("--compute-capability", default=None,
+              help="the serving GPU's compute capability for the engines' verdicts (their kernels differ by "
+                   "GPU), e.g. 7.5 (T4), 8.0 (A100), 8.9 (L40S), 9.0 (H100), 10.0 (B200)  [default: 9.0]")
 @one_line_errors
-def inspect(path, as_json):
+def inspect(path, as_json, compute_capability):
     """Describe an artifact: scheme, per-layer bits / group size, size and compression ratio."""
     import json
     from collections import Counter
@@ -228,7 +233,7 @@ def inspect(path, as_json):
     from quantspec import api
     from quantspec.console import out_console
 
-    info = api.inspect(path)
+    info = api.inspect(path, compute_capability=compute_capability)
     if as_json:
         click.echo(json.dumps(info, indent=2, default=str))
         return

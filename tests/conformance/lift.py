@@ -398,6 +398,8 @@ def _scheme_args(scheme) -> dict:
             d["kernel_quantizes_inputs"] = own["kernel"].quantizes_inputs
     if "strategy" in d and not isinstance(d["strategy"], str):
         d["strategy"] = str(d["strategy"])
+    if "A16" in type(scheme).__name__:  # compressed-tensors' name for 16-bit activations: inputs run float
+        d.setdefault("kernel_quantizes_inputs", False)
     return d
 
 

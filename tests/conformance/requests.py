@@ -136,9 +136,10 @@ def lifted_status(res: dict) -> tuple[str, dict[str, str]]:
             per[layer] = "ignores"
         elif "input_global_scale" in r["values"] and any(r["args"].get(k) == v for k, v in _WEIGHT_ONLY_NVFP4.items()):
             per[layer] = "ignores"
-        elif r["args"].get("kernel_quantizes_inputs", r.get("inputs")) != r.get("inputs"):
-            # vLLM's MXFP4 kernel runs other inputs than the config group says: FP4 Marlin runs
-            # MXFP4 inputs float, FlashInfer's W4A4 kernel quantizes float ones
+        elif bool(r["args"].get("kernel_quantizes_inputs", r.get("inputs"))) != bool(r.get("inputs")):
+            # the kernel runs other inputs than the config group says: vLLM's FP4 Marlin runs MXFP4
+            # inputs float, FlashInfer's W4A4 kernel quantizes float ones, and a W8A16 scheme (FP8
+            # inputs below compute capability 8.9) runs them float
             per[layer] = "ignores"
         else:
             per[layer] = "loads"

@@ -14,8 +14,8 @@ compressed-tensors decision code, lifted from their pinned wheels ({versions}), 
 per layer and loads the tensors through its own parameter loaders (capability 9.0, Hopper, for
 the FP8 choice); transformers ({transformers}) loads and runs the artifact; compressed-tensors' own decompression
 is compared with quantspec's `dequantize` (`tests/conformance`). The cells are
-`quant.engines.engine_verdicts`, which `quantspec inspect` prints and `quantize --target` refuses
-by; the suite checks every cell against the engines' code, layer by layer. This file is generated:
+`quant.engines.engine_verdicts`, which `quantspec inspect` prints (for another GPU with
+`--compute-capability`) and `quantize --target` refuses by; the suite checks every cell against the engines' code, layer by layer. This file is generated:
 `QUANTSPEC_WRITE_ENGINE_TABLE=1 python -m pytest tests/conformance -k engine_table`.
 
 """

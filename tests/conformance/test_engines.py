@@ -164,8 +164,9 @@ def test_vllm_looks_up_the_embedding_rows_quantspec_does(artifacts, lifted, name
 
 
 def test_fp8_verdicts_below_sm89_match_engine_code(artifacts, engine_sources, tmp_path):
-    """On a GPU without FP8 MMA (capability 8.0) both engines fall back to FP8 weight-only: per
-    channel in both, blocks in vLLM only (SGLang's W8A16Fp8 refuses them in `create_weights`)."""
+    """On a GPU without FP8 MMA (capability 8.0) both engines fall back to FP8 weight-only, the
+    inputs' quantization set aside ("ignores"): per channel in both, blocks in vLLM only (SGLang's
+    W8A16Fp8 refuses them in `create_weights`)."""
     from .requests import build_request
 
     names = ["a8w8_fp8_dynamic", "a8w8_fp8_block"]
@@ -180,7 +181,8 @@ def test_fp8_verdicts_below_sm89_match_engine_code(artifacts, engine_sources, tm
             status, per_layer = lifted_status(res)
             assert v.status == status, (engine, name, v.line(), json.dumps(res)[:2000])
             for layer, r in res["layers"].items():
-                if per_layer[layer] == "loads":
+                if per_layer[layer] != "refused":
+                    assert per_layer[layer] == "ignores", (engine, name, layer)
                     assert r["scheme"] == v.layers[layer].scheme == "W8A16Fp8", (engine, name, layer)
         assert (lifted_status(answers[engine]["result"]["a8w8_fp8_block"])[0] == "refused") == (engine == "sglang")
 
@@ -194,9 +196,11 @@ def test_fp8_weight_only_verdicts_by_capability_match_engine_code(artifacts, eng
     seen = {(cap, engine, name): status for cap, engine, name, _res, _v, status, _per in _by_capability(
         artifacts, engine_sources, tmp_path, names, (75, 80, 90))}
     assert len(seen) == 3 * len(names) * len(eng.ENGINE_PINS)
-    assert all(seen[cap, "vllm", name] == "loads" for cap in (75, 80, 90) for name in names)
+    assert all(seen[cap, "vllm", name] == "loads" for cap in (75, 80, 90) for name in names[:2])
     assert [seen[cap, "sglang", "weight_only_fp8"] for cap in (75, 80, 90)] == ["refused", "loads", "loads"]
-    assert [seen[cap, "sglang", "a8w8_fp8_dynamic"] for cap in (75, 80, 90)] == ["refused", "loads", "loads"]
+    # FP8 inputs below 8.9: the FP8 weights run alone (W8A16Fp8), the input quantization set aside
+    assert [seen[cap, "vllm", "a8w8_fp8_dynamic"] for cap in (75, 80, 90)] == ["ignores", "ignores", "loads"]
+    assert [seen[cap, "sglang", "a8w8_fp8_dynamic"] for cap in (75, 80, 90)] == ["refused", "ignores", "loads"]
 
 
 def _fp4_inputs(qc) -> bool:

@@ -24,6 +24,7 @@ from quantspec.quant.engines.decide import engine_verdicts, target_refusal
 from quantspec.quant.engines.drafts import DRAFT_REFUSALS, draft_verdicts, eagle3_ignore, eagle3_refusal, eagle3_targets
 from quantspec.quant.engines.layers import engine_layers, fused_targets
 from quantspec.quant.engines.tables import (
+    DEFAULT_CAPABILITY,
     ENGINE_NAMES,
     ENGINE_VERSIONS,
     ENGINES,
@@ -32,6 +33,7 @@ from quantspec.quant.engines.tables import (
     LAYER_CLASSES,
     TARGET_ENGINES,
     TARGETS,
+    parse_capability,
 )
 from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
 
@@ -39,5 +41,5 @@ __all__ = [
     "ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
     "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "LayerVerdict", "EngineVerdict", "engine_layers",
     "fused_targets", "engine_verdicts", "draft_verdicts", "DRAFT_REFUSALS", "target_refusal",
-    "eagle3_ignore", "eagle3_refusal", "eagle3_targets",
+    "eagle3_ignore", "eagle3_refusal", "eagle3_targets", "DEFAULT_CAPABILITY", "parse_capability",
 ]

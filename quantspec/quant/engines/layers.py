@@ -15,6 +15,7 @@ the fused name (`fused_targets`), and a class-target group must carry the fused 
 from __future__ import annotations
 
 import re
+from dataclasses import replace
 from typing import Iterable, Mapping, Sequence
 
 from quantspec.quant.args import (
@@ -296,7 +297,9 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
                 (ia.dynamic or (ia.symmetric and ia.strategy == "tensor")):
             if capability >= FP8_MIN_CAPABILITY:
                 return LayerVerdict("W8A8Fp8", **base, input_activations=_act(ia))
-            return w8a16
+            return w8a16 if w8a16.problem else replace(
+                w8a16, problem=f"FP8 input quantization below compute capability {FP8_MIN_CAPABILITY / 10:.1f} (it "
+                               "runs the FP8 weights alone, inputs float)")
         if fp8_weights:
             return w8a16
         if ia is not None and w.num_bits == ia.num_bits == 8 and w.type == ia.type == "int" and \

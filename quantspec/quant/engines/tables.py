@@ -109,3 +109,25 @@ SGLANG_FUSED_STATIC_INT8 = (f"SGLang {ENGINE_VERSIONS['sglang']}'s CompressedTen
 def engine_name(engine: str) -> str:
     """The engine's name as written ("vllm" → "vLLM")."""
     return ENGINE_NAMES[engine]
+
+
+DEFAULT_CAPABILITY = 90  # the GPU verdicts assume unless told (Hopper)
+
+
+def parse_capability(value) -> int:
+    """A GPU's compute capability as `--compute-capability` takes it ("8.0", 8.9, "10.0"; None: Hopper's
+    9.0) → the engines' integer form (80, 89, 100)."""
+    from quantspec.errors import QuantSpecError
+
+    if value is None:
+        return DEFAULT_CAPABILITY
+    try:
+        major, _, minor = str(value).strip().partition(".")
+        cap = int(major) * 10 + int(minor or 0)
+        ok = len(minor) <= 1 and 70 <= cap < 130
+    except ValueError:
+        ok = False
+    if not ok:
+        raise QuantSpecError(f"--compute-capability {value!r}: give the GPU's compute capability as MAJOR.MINOR, e.g. "
+                             "7.5 (T4), 8.0 (A100), 8.9 (L40S), 9.0 (H100), 10.0 (B200)")
+    return cap
