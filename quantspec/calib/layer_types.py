@@ -46,7 +46,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.moe import expert_dims
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.presets import PER_TOKEN_TYPES
+from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
@@ -93,7 +93,7 @@ def _check_method(spec: str, qt: QuantType, method: str) -> None:
     if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES:  # AWQ folds in before a per-token quantizer
         raise QuantSpecError(f"--method {method} is for weight-only layers and inputs quantized per token, and "
                              f"--layer-quant-type {spec!r} quantizes its inputs per group; use --method rtn or gptq")
-    if method.startswith("awq") and qt in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8):
+    if method.startswith("awq") and qt in FP8_TYPES:
         raise QuantSpecError(f"--method {method}: AWQ scales integer or FP4 weights, and --layer-quant-type "
                              f"{spec!r} is FP8; use --method rtn or gptq")
 
@@ -121,8 +121,7 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
         else:
             _check_method(spec, qt, method)
         per_token = qt in PER_TOKEN_TYPES
-        fp8 = (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8)
-        block = weight_block if qt in fp8 and quant_type in fp8 else None
+        block = weight_block if qt in FP8_TYPES and quant_type in FP8_TYPES else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
                         weight_observer=observer or default_weight_observer(qt),

@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.quant.presets import PER_TOKEN_TYPES
+from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES
 
 __all__ = ["ALPHA_CHOICES", "check_activation_recipe", "check_method", "per_token_smoothing", "smooths_per_token"]
 
@@ -103,9 +103,8 @@ def check_activation_recipe(c) -> None:
 def check_method(c, qt) -> None:
     """Refuse, naming the flag, a `--method` that the weights of `c`'s quant type `qt` or its data do not take."""
     from quantspec.calib.ptq import DATA_METHODS
-    from quantspec.quant.args import QuantType
 
-    if c.method.startswith("awq") and qt in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8):
+    if c.method.startswith("awq") and qt in FP8_TYPES:
         raise QuantSpecError(f"--method {c.method}: AWQ scales integer or FP4 weights, and {qt.value}'s "
                              "are FP8; use --method rtn or gptq")
     if c.method != "rtn" and c.weight_block is not None:

@@ -11,7 +11,7 @@ from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_S
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -67,6 +67,8 @@ NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)
 # MXFP4's types: E2M1 weights in groups of 32 with power-of-two (E8M0) scales
 MXFP4_TYPES = (QuantType.WEIGHT_ONLY_MXFP4, QuantType.MXFP4)
 FP4_TYPES = NVFP4_TYPES + MXFP4_TYPES
+# the types whose weights are FP8 E4M3 (per channel, or in blocks with --weight-block)
+FP8_TYPES = (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8)
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:
@@ -188,7 +190,7 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")
-    if qt in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8, QuantType.A8W4_FP8, *FP4_TYPES) and not symmetric:
+    if qt in (*FP8_TYPES, QuantType.A8W4_FP8, *FP4_TYPES) and not symmetric:
         raise QuantSpecError(f"{qt.value} is symmetric only; drop --asym")
     if qt in FP4_TYPES and weight_observer != "minmax":
         raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for FP4's group scales; use minmax "
@@ -199,7 +201,7 @@ def check_weight_block(qt: QuantType, weight_block, activations: str, weight_obs
     """Refuse, naming the flag, a `weight_block` that `qt` or the other knobs do not take."""
     if weight_block is None:
         return
-    if qt not in (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8):
+    if qt not in FP8_TYPES:
         raise QuantSpecError(f"--weight-block is for a8w8_fp8 and weight_only_fp8 (FP8 block scales); drop it for "
                              f"{qt.value}")
     if isinstance(weight_block, bool) or not isinstance(weight_block, int) or weight_block < MIN_GROUP_SIZE \

@@ -74,30 +74,37 @@ def read_transform_config(tc: Any, where: str) -> dict | None:
     return json.loads(json.dumps(parsed.model_dump()))
 
 
+def _run_time_applies(qc) -> dict[str, tuple[dict, list[dict]]]:
+    """A `QuantConfig`'s dumped `transform_config` groups that run at run time: {name: (group, its
+    run-time `apply` entries)}, in name order."""
+    groups = ((qc.transform_config or {}).get("config_groups") or {}) if qc is not None else {}
+    out = {}
+    for name, g in sorted(groups.items()):
+        applies = [a for a in g.get("apply") or () if str(a.get("location")) in ONLINE]
+        if applies:
+            out[name] = (g, applies)
+    return out
+
+
 def run_time_transforms(qc) -> str:
     """What a `QuantConfig`'s `transform_config` runs at run time, for `inspect`: "" for nothing,
     else each such scheme's name, type, block and place ("v: hadamard 64, input")."""
-    groups = ((qc.transform_config or {}).get("config_groups") or {}) if qc is not None else {}
-    out = []
-    for name, g in sorted(groups.items()):
-        places = [str(a.get("location")) for a in g.get("apply") or () if str(a.get("location")) in ONLINE]
-        if places:
-            out.append(f"{name}: {g.get('type')} {g.get('head_dim') or 'full'}, {'+'.join(places)}")
-    return "; ".join(out)
+    return "; ".join(f"{name}: {g.get('type')} {g.get('head_dim') or 'full'}, "
+                     f"{'+'.join(str(a.get('location')) for a in applies)}"
+                     for name, (g, applies) in _run_time_applies(qc).items())
 
 
 def turned_at_run_time(qc, module_name: str) -> bool:
     """Whether a `QuantConfig`'s run-time transforms turn the checkpoint Linear `module_name`, matched
     as compressed-tensors matches them (`is_match` on a Linear of that name); experts take none, as
     in `online_transforms`."""
-    groups = ((qc.transform_config or {}).get("config_groups") or {}) if qc is not None else {}
-    if not groups or _EXPERT.search(module_name):
+    applies = [a for _g, group_applies in _run_time_applies(qc).values() for a in group_applies]
+    if not applies or _EXPERT.search(module_name):
         return False
     from compressed_tensors.utils import is_match
 
     linear = nn.Linear(1, 1, bias=False, device="meta")
-    return any(is_match(module_name, linear, a.get("targets") or (), a.get("ignore") or ())
-               for g in groups.values() for a in g.get("apply") or () if str(a.get("location")) in ONLINE)
+    return any(is_match(module_name, linear, a.get("targets") or (), a.get("ignore") or ()) for a in applies)
 
 
 # ---- the matrices --------------------------------------------------------------------------

@@ -102,13 +102,11 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         return kernels.w8a8_linear(x, layer.codes(), p.w_scale_vec,
                                    None if layer.input_args.dynamic else layer.input_scale, b)
     if path in (KernelPath.TRITON_FP8, KernelPath.CUDA_SCALED_MM):
-        w = layer.codes()
-        w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
+        w = _w8_codes(layer)
         op = kernels.fp8_linear if path is KernelPath.TRITON_FP8 else kernels.fp8_scaled_mm_linear
         return op(x, w, p.w_scale_vec, layer.input_scale, b)
     if path is KernelPath.TRITON_FP8_BLOCK:
-        w = layer.codes()
-        w = w if w.dtype == torch.float8_e4m3fn else w.to(torch.float8_e4m3fn)
+        w = _w8_codes(layer)
         return kernels.fp8_block_linear(x, w, layer.weight_scale, layer.weight_args.block_structure, b)
     if path in (KernelPath.TRITON_NVFP4, KernelPath.TRITON_MXFP4):
         if getattr(p, "fp4_scale", None) is not None:
@@ -138,7 +136,7 @@ def _dequantized(layer: QuantLinear, dtype: torch.dtype) -> torch.Tensor:
 
 
 def _w8_codes(layer: QuantLinear) -> torch.Tensor:
-    """An 8-bit layer's codes as the W8A16 kernels take them: int8, or FP8 E4M3 (a layer prepared
+    """An 8-bit layer's codes as the Triton kernels take them: int8, or FP8 E4M3 (a layer prepared
     for the CPU keeps FP8 codes upcast to its dtype: exact, so cast back)."""
     w = layer.codes()
     return w if w.dtype in (torch.int8, torch.float8_e4m3fn) else w.to(torch.float8_e4m3fn)

@@ -88,9 +88,9 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
                                                 linears.get(shards[0]), capability,
                                                 rows=tuple((rows or {}).get(s) for s in shards))
     skipped = run_time_transforms(config) if engine in ("sglang", "transformers") else ""
-    if skipped:  # they load a turned Linear's quantized weight and pass over its transforms
-        per_layer = _unturned(per_layer, layers, config,
-                              f"the run-time transforms ({skipped}), so its outputs are wrong")
+    unturned = f"the run-time transforms ({skipped}), so its outputs are wrong" if skipped else None
+    if unturned:  # they load a turned Linear's quantized weight and pass over its transforms
+        per_layer = _unturned(per_layer, layers, config, unturned)
     refused = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme is None]
     ignored = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme]
     kv, kv_ignored, kv_refused = kv_verdict(engine, config.kv_cache_scheme)
@@ -98,8 +98,8 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
         refused.append(kv_refused)
     if kv_ignored:
         ignored.append(kv_ignored)
-    if skipped and not any(skipped in i for i in ignored):  # transforms on Linears left float only
-        ignored.append(f"the run-time transforms ({skipped}), so its outputs are wrong")
+    if unturned and not any(v.problem == unturned for v in per_layer.values()):  # on float Linears only
+        ignored.append(unturned)
     refused, ignored = _collapse(refused), _collapse(ignored)
     fixes = _fixes(engine, config, refused + ignored)
     status = "refused" if refused else "ignores" if ignored else "loads"
