@@ -46,8 +46,9 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
-        if args.is_fp4:  # FP4's group size is the format's own
-            check_groups_tile(name, weight_dims(mod)[1], args.group_size, "MXFP4" if args.is_mx else "NVFP4")
+        if args.is_fp4 or args.is_mx:  # FP4's and MXFP8's group size is the format's own
+            fmt = ("MXFP4" if args.is_fp4 else "MXFP8") if args.is_mx else "NVFP4"
+            check_groups_tile(name, weight_dims(mod)[1], args.group_size, fmt)
         elif args.strategy == "group":
             sizes[name] = resolve_group_size(weight_dims(mod)[1], args.group_size)
         elif args.strategy == "block":

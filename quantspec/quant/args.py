@@ -21,8 +21,8 @@ from typing import Any, Mapping
 from quantspec.errors import QuantSpecError
 
 __all__ = ["FORMAT_FLOAT_QUANTIZED", "FORMAT_INT_QUANTIZED", "FORMAT_MIXED_PRECISION", "FORMAT_NAIVE_QUANTIZED",
-           "FORMAT_MXFP4_PACK_QUANTIZED", "FORMAT_NVFP4_PACK_QUANTIZED", "FORMAT_PACK_QUANTIZED", "MIN_GROUP_SIZE",
-           "MXFP4_GROUP_SIZE", "NVFP4_GROUP_SIZE", "QUANT_METHOD",
+           "FORMAT_MXFP4_PACK_QUANTIZED", "FORMAT_MXFP8_QUANTIZED", "FORMAT_NVFP4_PACK_QUANTIZED", "FORMAT_PACK_QUANTIZED", "MIN_GROUP_SIZE",
+           "MX_GROUP_SIZE", "NVFP4_GROUP_SIZE", "QUANT_METHOD",
            "STATUS_COMPRESSED", "SUPPORTED_FORMATS", "ZP_FLOAT_DTYPES", "QuantArgs", "QuantType"]
 
 
@@ -34,8 +34,9 @@ FORMAT_NAIVE_QUANTIZED = "naive-quantized"
 FORMAT_MIXED_PRECISION = "mixed-precision"
 FORMAT_NVFP4_PACK_QUANTIZED = "nvfp4-pack-quantized"
 FORMAT_MXFP4_PACK_QUANTIZED = "mxfp4-pack-quantized"
+FORMAT_MXFP8_QUANTIZED = "mxfp8-quantized"
 # formats whose tensors quantspec can read and write (the rest of compressed-tensors' formats —
-# sparse, marlin, MXFP6 / MXFP8 — are refused on load with one line)
+# sparse, marlin, MXFP6 — are refused on load with one line)
 SUPPORTED_FORMATS = (
     FORMAT_PACK_QUANTIZED,
     FORMAT_INT_QUANTIZED,
@@ -43,6 +44,7 @@ SUPPORTED_FORMATS = (
     FORMAT_NAIVE_QUANTIZED,
     FORMAT_NVFP4_PACK_QUANTIZED,
     FORMAT_MXFP4_PACK_QUANTIZED,
+    FORMAT_MXFP8_QUANTIZED,
 )
 STATUS_COMPRESSED = "compressed"
 # smallest group size `resolve_group_size` hands out: torch's CPU int4 op takes 32..256 and the
@@ -52,9 +54,10 @@ MIN_GROUP_SIZE = 16
 # scale per tensor (strategy "tensor_group")
 NVFP4_GROUP_SIZE = 16
 _NVFP4_SCALE_DTYPE = "float8_e4m3fn"
-# MXFP4 (OCP microscaling): E2M1 values in groups of 32 along K, one power-of-two scale per group
-# stored as its E8M0 exponent (uint8, bias 127), no global scale (strategy "group")
-MXFP4_GROUP_SIZE = 32
+# OCP microscaling (MXFP4: E2M1 values, MXFP8: E4M3 values) in groups of 32 along K, one
+# power-of-two scale per group stored as its E8M0 exponent (uint8, bias 127), no global scale
+# (strategy "group")
+MX_GROUP_SIZE = 32
 _MX_SCALE_DTYPE = "uint8"
 
 _TYPES = ("int", "float")
@@ -81,6 +84,8 @@ class QuantType(str, enum.Enum):
     NVFP4 = "nvfp4"  # NVFP4 weights × NVFP4 activations (per-group scales at run time, static global)
     WEIGHT_ONLY_MXFP4 = "weight_only_mxfp4"  # MXFP4 weights, float activations (MXFP4A16)
     MXFP4 = "mxfp4"  # MXFP4 weights × MXFP4 activations (power-of-two group scales at run time)
+    WEIGHT_ONLY_MXFP8 = "weight_only_mxfp8"  # MXFP8 weights, float activations (MXFP8A16)
+    MXFP8 = "mxfp8"  # MXFP8 weights × MXFP8 activations (power-of-two group scales at run time)
     A8W4 = "a8w4"  # int4 group-wise weights × int8 activations quantized per token at run time (W4A8)
     A8W4_FP8 = "a8w4_fp8"  # int4 group-wise weights × FP8 activations quantized per token at run time (W4AFP8)
 
@@ -208,28 +213,31 @@ def _checked_zp_dtype(zp_dtype, t: str, symmetric) -> str:
     return z
 
 
-def _checked_fp4(a: "QuantArgs", t: str, strategy: str) -> str | None:
+def _checked_scale_dtype(a: "QuantArgs", t: str, strategy: str) -> str | None:
     """The scale dtype of FP4 args — "float8_e4m3fn" (NVFP4) or "uint8" (MXFP4's E8M0
-    exponents) — after checking the layout each takes; None for every other type (which takes
-    no `scale_dtype`)."""
+    exponents) — and of MXFP8 args ("uint8"), after checking the layout each takes; None for every
+    other type (which takes no `scale_dtype`)."""
     fp4 = t == "float" and a.num_bits == 4
     sd = None if a.scale_dtype is None else str(a.scale_dtype).removeprefix("torch.")
     if sd == "float8_e8m0fnu":
         sd = _MX_SCALE_DTYPE  # the same exponent byte under torch's own E8M0 dtype
-    mx = fp4 and strategy == "group"
+    mx = strategy == "group" and a.group_size == MX_GROUP_SIZE and sd == _MX_SCALE_DTYPE
     if fp4 and not ((strategy == "tensor_group" and a.group_size == NVFP4_GROUP_SIZE and sd in (None, _NVFP4_SCALE_DTYPE))
-                    or (mx and a.group_size == MXFP4_GROUP_SIZE and sd == _MX_SCALE_DTYPE)):
+                    or mx):
         raise _err(_W, f"FP4 takes NVFP4's layout (strategy 'tensor_group', group_size {NVFP4_GROUP_SIZE}, "
                        f"scale_dtype {_NVFP4_SCALE_DTYPE}) or MXFP4's (strategy 'group', group_size "
-                       f"{MXFP4_GROUP_SIZE}, scale_dtype {_MX_SCALE_DTYPE}); got {strategy!r}, "
+                       f"{MX_GROUP_SIZE}, scale_dtype {_MX_SCALE_DTYPE}); got {strategy!r}, "
                        f"group_size={a.group_size}, scale_dtype={a.scale_dtype!r}")
     if strategy == "tensor_group" and not fp4:
         raise _err(_W, f"strategy 'tensor_group' is NVFP4's (type 'float', num_bits 4); got "
                        f"{a.num_bits}-bit {t}")
-    if sd is not None and not fp4:
-        raise _err(_W, f"scale_dtype {a.scale_dtype!r} unsupported here: only FP4 args take one "
-                       f"({_NVFP4_SCALE_DTYPE} for NVFP4, {_MX_SCALE_DTYPE} for MXFP4)")
-    return (_MX_SCALE_DTYPE if mx else _NVFP4_SCALE_DTYPE) if fp4 else None
+    if fp4:
+        return _MX_SCALE_DTYPE if mx else _NVFP4_SCALE_DTYPE
+    if sd is not None and not (mx and t == "float" and a.num_bits == 8):
+        raise _err(_W, f"scale_dtype {a.scale_dtype!r} unsupported here: FP4 args take one "
+                       f"({_NVFP4_SCALE_DTYPE} for NVFP4, {_MX_SCALE_DTYPE} for MXFP4), and FP8 args "
+                       f"{_MX_SCALE_DTYPE} in MXFP8's layout (strategy 'group', group_size {MX_GROUP_SIZE})")
+    return sd
 
 
 @dataclass(frozen=True)
@@ -257,7 +265,7 @@ class QuantArgs:
     MXFP4 (type "float", num_bits 4, strategy `group` with group_size 32, `scale_dtype` "uint8"):
     E2M1 values with one power-of-two scale per group of 32 along K, stored as its E8M0 exponent
     byte ([N, K/32]); no global scale. Its input activations are `dynamic=True` with the same
-    layout (scales computed at run time).
+    layout (scales computed at run time). MXFP8 (num_bits 8, the same layout): E4M3 values.
     """
 
     num_bits: int = 8
@@ -279,7 +287,7 @@ class QuantArgs:
         object.__setattr__(self, "strategy", strategy)
         object.__setattr__(self, "block_structure", _checked_block(self.block_structure, strategy))
         object.__setattr__(self, "dynamic", _checked_dynamic(self.dynamic, strategy))
-        object.__setattr__(self, "scale_dtype", _checked_fp4(self, t, strategy))
+        object.__setattr__(self, "scale_dtype", _checked_scale_dtype(self, t, strategy))
         if self.actorder is not None:
             object.__setattr__(self, "actorder", _checked_actorder(self.actorder))
         if self.zp_dtype is not None:
@@ -320,8 +328,13 @@ class QuantArgs:
 
     @property
     def is_mx(self) -> bool:
-        """MXFP4: E2M1 values with power-of-two (E8M0) group scales and no global scale."""
-        return self.is_fp4 and self.scale_dtype == _MX_SCALE_DTYPE
+        """OCP microscaling (MXFP4, MXFP8): power-of-two (E8M0) group scales, no global scale."""
+        return self.scale_dtype == _MX_SCALE_DTYPE
+
+    @property
+    def is_mxfp8(self) -> bool:
+        """MXFP8: E4M3 values with power-of-two (E8M0) scales per group of 32."""
+        return self.is_fp8 and self.is_mx
 
     @property
     def is_nvfp4(self) -> bool:
@@ -369,9 +382,9 @@ class QuantArgs:
         scale_dtype = d.get("scale_dtype")
         if scale_dtype is not None:
             scale_dtype = str(scale_dtype).removeprefix("torch.")
-            if scale_dtype in ("uint8", "float8_e8m0fnu") and not (d.get("type") == "float" and d.get("num_bits") == 4):
-                raise _err(where, f"scale_dtype={d['scale_dtype']!r} (MXFP6 / MXFP8 exponent scales) is "
-                                  "unsupported; quantspec runs MXFP4, NVFP4 and float scales")
+            if scale_dtype in ("uint8", "float8_e8m0fnu") and not (d.get("type") == "float" and d.get("num_bits") in (4, 8)):
+                raise _err(where, f"scale_dtype={d['scale_dtype']!r} ({d.get('num_bits')}-bit exponent scales: MXFP6?) is "
+                                  "unsupported; quantspec runs MXFP4, MXFP8, NVFP4 and float scales")
         strategy = d.get("strategy")
         dynamic = d.get("dynamic", False)
         actorder = d.get("actorder")

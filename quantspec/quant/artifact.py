@@ -20,6 +20,8 @@ Tensor names per quantized Linear `{prefix}` (e.g. `model.layers.0.self_attn.q_p
   and with NVFP4 inputs `input_global_scale` fp32 [1].
 - mxfp4-pack-quantized (MXFP4): `weight_packed` as NVFP4's, `weight_scale` uint8 [N, K/32] (each
   group's E8M0 exponent: its scale is 2^(e - 127)); no global scale.
+- mxfp8-quantized (MXFP8): `weight` float8_e4m3fn [N, K], `weight_scale` uint8 [N, K/32] (E8M0
+  exponents, as MXFP4's).
 - static input activations: `input_scale` [1] (+ `input_zero_point` when asymmetric).
 KV cache, on the attention module `{attn}` (e.g. `model.layers.0.self_attn`): `k_scale`,
 `v_scale`, shaped [1] (strategy tensor) or [H_kv, 1, 1] (strategy attn_head).
@@ -126,7 +128,7 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
 
     q [N, K]: codes from `primitives.quantize` (int8 in [q_min, q_max], or float8_e4m3fn: fp8
     or E2M1 values). NVFP4: `scale` the local scales, `global_scale` / `input_global_scale` fp32;
-    MXFP4: `scale` the power-of-two scales (stored as their E8M0 exponents).
+    MXFP4 / MXFP8: `scale` the power-of-two scales (stored as their E8M0 exponents).
     `format`: the Linear's scheme format; None → `scheme_format` (int weights with an
     `input_scale` are int-quantized, without one pack-quantized).
     """
@@ -142,6 +144,8 @@ def linear_to_tensors(prefix: str, q: torch.Tensor, scale: torch.Tensor,
     _check_scale_shape(prefix, scale, args, N, K)
     if args.is_fp4:
         return _fp4_tensors(prefix, q, scale, args, global_scale, input_global_scale)
+    if args.is_mxfp8:
+        return {f"{prefix}.weight": q, f"{prefix}.weight_scale": mx_exponents_of(scale)}
     out: dict[str, torch.Tensor] = {}
     packs = _packs(args, format, input_scale is not None)
     if packs:
@@ -222,6 +226,10 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
         return LinearQuant(q=q, scale=scale.float(), zero_point=None, args=args,
                            global_scale=get("weight_global_scale").float(),
                            input_global_scale=tensors.get(f"{prefix}.input_global_scale"))
+    if args.is_mxfp8:
+        q = get("weight")
+        _check_scale_shape(prefix, scale, args, *q.shape)
+        return LinearQuant(q=q, scale=mx_values(scale, torch.float32), zero_point=None, args=args)
     packs = _packs(args, format, f"{prefix}.input_scale" in tensors)
     if packs:
         shape = tuple(int(v) for v in get("weight_shape").tolist())

@@ -23,6 +23,7 @@ from quantspec.quant.args import (
     FORMAT_INT_QUANTIZED,
     FORMAT_NAIVE_QUANTIZED,
     FORMAT_MXFP4_PACK_QUANTIZED,
+    FORMAT_MXFP8_QUANTIZED,
     FORMAT_NVFP4_PACK_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     QuantArgs,
@@ -143,7 +144,7 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
                 out[f"{prefix}.weight_zero_point"] = (_packed_words(N, w.num_bits), G)
             else:
                 out[f"{prefix}.weight_zero_point"] = None
-    elif fmt in (FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED, FORMAT_NAIVE_QUANTIZED):
+    elif fmt in (FORMAT_INT_QUANTIZED, FORMAT_FLOAT_QUANTIZED, FORMAT_NAIVE_QUANTIZED, FORMAT_MXFP8_QUANTIZED):
         if w.type == "int" and w.num_bits not in (4, 8):
             raise QuantSpecError(f"{prefix}: {w.num_bits}-bit int weights in format {fmt!r} are "
                                  "unsupported; quantspec runs 4- and 8-bit int weights")
@@ -153,7 +154,8 @@ def expected_linear_tensors(prefix: str, scheme: QuantScheme, out_features: int,
     else:
         raise QuantSpecError(f"{prefix}: weight format {fmt!r} is unsupported; supported: "
                              f"{FORMAT_PACK_QUANTIZED}, {FORMAT_INT_QUANTIZED}, "
-                             f"{FORMAT_FLOAT_QUANTIZED}, {FORMAT_NAIVE_QUANTIZED}")
+                             f"{FORMAT_FLOAT_QUANTIZED}, {FORMAT_NAIVE_QUANTIZED}, {FORMAT_NVFP4_PACK_QUANTIZED}, "
+                             f"{FORMAT_MXFP4_PACK_QUANTIZED}, {FORMAT_MXFP8_QUANTIZED}")
     out[f"{prefix}.weight_scale"] = sshape
     ia = scheme.input_activations
     if ia is not None and not ia.dynamic:
@@ -202,7 +204,7 @@ def read_quantized_linear(tensors: Mapping[str, torch.Tensor], prefix: str, sche
     w = scheme.weights
     scale = tensors[f"{prefix}.weight_scale"]
     if w.is_mx:
-        return _mxfp4_linear(tensors, prefix, scheme, in_features)
+        return _mx_linear(tensors, prefix, scheme, in_features)
     if not scale.is_floating_point():
         raise QuantSpecError(f"{prefix}.weight_scale has dtype {scale.dtype}; expected a float")
     if w.is_fp4:
@@ -236,16 +238,23 @@ def _nvfp4_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: Quan
                                   global_scale=g["weight_global_scale"], input_global_scale=g.get("input_global_scale"))
 
 
-def _mxfp4_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantScheme,
-                  K: int) -> QuantizedLinearTensors:
-    """An mxfp4-pack-quantized Linear: E2M1 codes as float8_e4m3fn and each group's power-of-two
-    scale as fp32, from its E8M0 byte (255, E8M0's NaN, refused)."""
+def _mx_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantScheme,
+               K: int) -> QuantizedLinearTensors:
+    """An mxfp4-pack-quantized or mxfp8-quantized Linear: E2M1 / E4M3 codes as float8_e4m3fn and
+    each group's power-of-two scale as fp32, from its E8M0 byte (255, E8M0's NaN, refused)."""
     e = tensors[f"{prefix}.weight_scale"]
+    kind = "MXFP4" if scheme.weights.is_fp4 else "MXFP8"
     if e.dtype != torch.uint8:
-        raise QuantSpecError(f"{prefix}.weight_scale has dtype {e.dtype}; MXFP4 stores uint8 E8M0 exponents")
+        raise QuantSpecError(f"{prefix}.weight_scale has dtype {e.dtype}; {kind} stores uint8 E8M0 exponents")
     if bool((e == 255).any()):
         raise QuantSpecError(f"{prefix}.weight_scale holds E8M0's NaN (255); re-quantize the model")
-    return QuantizedLinearTensors(q=unpack_fp4(tensors[f"{prefix}.weight_packed"], K), scale=mx_values(e, torch.float32),
+    if scheme.weights.is_fp4:
+        q = unpack_fp4(tensors[f"{prefix}.weight_packed"], K)
+    else:
+        q = tensors[f"{prefix}.weight"]
+        if q.dtype != torch.float8_e4m3fn:
+            raise QuantSpecError(f"{prefix}.weight has dtype {q.dtype}; MXFP8 stores float8_e4m3fn codes")
+    return QuantizedLinearTensors(q=q, scale=mx_values(e, torch.float32),
                                   zero_point=None, weight_args=scheme.weights, input_args=scheme.input_activations,
                                   bias=tensors.get(f"{prefix}.bias"))
 

@@ -46,7 +46,9 @@ def _infer_quant_type(groups: Mapping[str, QuantScheme]) -> QuantType | None:
         w, a = s.weights, s.input_activations
         if w is None:
             return None
-        if w.is_mx:
+        if w.is_mxfp8:
+            found.add(QuantType.WEIGHT_ONLY_MXFP8 if a is None else QuantType.MXFP8)
+        elif w.is_mx:
             found.add(QuantType.WEIGHT_ONLY_MXFP4 if a is None else QuantType.MXFP4)
         elif w.is_fp4:
             found.add(QuantType.WEIGHT_ONLY_NVFP4 if a is None else QuantType.NVFP4)

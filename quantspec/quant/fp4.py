@@ -13,7 +13,8 @@ scales, quantize, dequantize — are `quant.primitives`' with `global_scale=`.
 An MXFP4 group of 32 has one power-of-two scale 2^(e - 127), stored as its E8M0 exponent byte e
 (`weight_scale` uint8), and no global scale: e = 127 + floor(log2(absmax rounded to a power of
 two)) - 2, the rounding up where absmax's mantissa is ≥ 1.75 (so the group's largest value maps
-into E2M1's ±6), compressed-tensors' `generate_mx_scales`.
+into E2M1's ±6), compressed-tensors' `generate_mx_scales`. MXFP8's groups (E4M3 values) take the
+same rule with floor(log2(448)) = 8 in place of 2 (`mx_emax`).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["E2M1_MAX", "E2M1_VALUES", "check_groups_tile", "global_scale_from_absmax", "local_scales", "mx_exponents", "mx_exponents_of", "mx_scales",
+__all__ = ["E2M1_MAX", "E2M1_VALUES", "check_groups_tile", "global_scale_from_absmax", "local_scales", "mx_emax", "mx_exponents", "mx_exponents_of", "mx_scales",
            "e2m1_codes", "e2m1_nibbles", "mx_values", "pack_fp4", "round_to_e2m1", "unpack_fp4"]
 
 E2M1_MAX = 6.0
@@ -79,7 +80,15 @@ def local_scales(absmax: torch.Tensor, global_scale: torch.Tensor | None) -> tup
 # (int view, mantissa bits, exponent bits) of the float dtypes MX scales are computed in
 _BITS = {torch.float32: (torch.int32, 23, 8), torch.bfloat16: (torch.int16, 7, 8),
          torch.float16: (torch.int16, 10, 5), torch.float64: (torch.int64, 52, 11)}
-_E2M1_MANTISSA, _E2M1_EMAX = 1, 2  # E2M1's mantissa bits; floor(log2(6))
+_E2M1_MANTISSA = 1  # E2M1's mantissa bits: the power-of-two rounding of every MX type's scales
+# floor(log2(the element type's largest value)): E2M1's 6, E4M3's 448, by bit width
+_MX_EMAX = {4: 2, 8: 8}
+
+
+def mx_emax(num_bits: int) -> int:
+    """The exponent offset of an MX element type of `num_bits` (4: E2M1, 8: E4M3): floor(log2 of
+    its largest value), which puts a group's absmax into the type's range."""
+    return _MX_EMAX[num_bits]
 
 
 def _round_to_power_of_two(x: torch.Tensor) -> torch.Tensor:
@@ -95,10 +104,11 @@ def _round_to_power_of_two(x: torch.Tensor) -> torch.Tensor:
     return out.to(int_dtype).view(x.dtype)
 
 
-def mx_exponents(absmax: torch.Tensor) -> torch.Tensor:
+def mx_exponents(absmax: torch.Tensor, emax: int = _MX_EMAX[4]) -> torch.Tensor:
     """The E8M0 exponents (uint8, bias 127) of groups with `absmax`, computed in absmax's dtype:
-    127 + floor(log2(absmax rounded to a power of two)) - 2, clamped to [0, 255]."""
-    e = 127 + torch.floor(torch.log2(_round_to_power_of_two(absmax))) - _E2M1_EMAX
+    127 + floor(log2(absmax rounded to a power of two)) - emax (`mx_emax`: 2 for MXFP4, 8 for
+    MXFP8), clamped to [0, 255]."""
+    e = 127 + torch.floor(torch.log2(_round_to_power_of_two(absmax))) - emax
     return torch.round(torch.clamp(e, 0, 255)).to(torch.uint8)
 
 
@@ -108,11 +118,12 @@ def mx_values(exponents: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
     return (2.0 ** (exponents.to(torch.int32) - 127).to(torch.bfloat16)).to(dtype)
 
 
-def mx_scales(absmax: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scales, zero points) of MXFP4 groups with `absmax`: the power-of-two values of
-    `mx_exponents` in absmax's dtype, one that underflows it (fp16) replaced by 1 as
-    compressed-tensors replaces it (uint8's eps); zero points float8_e4m3fn zeros (as NVFP4's)."""
-    e = mx_exponents(absmax)
+def mx_scales(absmax: torch.Tensor, emax: int = _MX_EMAX[4]) -> tuple[torch.Tensor, torch.Tensor]:
+    """(scales, zero points) of MX groups with `absmax` (`emax`: `mx_emax` of the element type):
+    the power-of-two values of `mx_exponents` in absmax's dtype, one that underflows it (fp16)
+    replaced by 1 as compressed-tensors replaces it (uint8's eps); zero points float8_e4m3fn zeros
+    (as NVFP4's)."""
+    e = mx_exponents(absmax, emax)
     s = (2.0 ** (e.to(torch.int32) - 127).float()).to(absmax.dtype)
     s = torch.where(s == 0, torch.ones_like(s), s)
     return s, torch.zeros(s.shape, dtype=torch.float8_e4m3fn, device=s.device)

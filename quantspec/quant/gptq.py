@@ -291,9 +291,11 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
     N, K = W.shape
     Q = torch.empty(N, K, dtype=storage_dtype(args), device=W.device)  # codes, visiting order
     loss = torch.zeros(N, dtype=torch.float32, device=W.device)
-    # a column's qparams: per row (int groups); FP4 groups keep their args (a group's g columns → [N, 1])
-    col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" and not args.is_fp4 else args
-    quant_column = _fp4_column if args.is_fp4 else _column
+    # a column's qparams: per row (int / FP8 groups); FP4 and MX groups keep their args (a group's
+    # g columns → [N, 1]: their scale rules are the format's own)
+    microscaled = args.is_fp4 or args.is_mx
+    col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" and not microscaled else args
+    quant_column = _microscaled_column if microscaled else _column
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
         W1 = W[:, i1:i2].clone()  # [N, B]
@@ -321,13 +323,16 @@ def _column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantAr
     return q, dequantize(q, s, z, col_args, dtype=torch.float32)
 
 
-def _fp4_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantArgs, grid: _Grid
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """`_column` for FP4: E2M1 codes of w / (s / global) (NVFP4: the group's local scale s [N, 1];
-    MXFP4: w / s, its power-of-two scale) and their values, `primitives.quantize` / `dequantize`'s
-    operations on one column."""
+def _microscaled_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_args: QuantArgs, grid: _Grid
+                        ) -> tuple[torch.Tensor, torch.Tensor]:
+    """`_column` for FP4 and MXFP8: the codes of w / (s / global) (NVFP4: the group's local scale
+    s [N, 1]; MXFP4 / MXFP8: w / s, its power-of-two scale), E2M1 or E4M3, and their values,
+    `primitives.quantize` / `dequantize`'s operations on one column."""
     eff = s if grid.global_scale is None else s / grid.global_scale
-    q = round_to_e2m1((w / eff).clamp_(-E2M1_MAX, E2M1_MAX)).to(torch.float8_e4m3fn)
+    if col_args.is_fp4:
+        q = round_to_e2m1((w / eff).clamp_(-E2M1_MAX, E2M1_MAX)).to(torch.float8_e4m3fn)
+    else:
+        q = (w / eff).clamp_(-col_args.q_max, col_args.q_max).to(torch.float8_e4m3fn)
     return q, q.to(eff.dtype) * eff
 
 

@@ -7,11 +7,11 @@ from dataclasses import replace
 from typing import Iterable
 
 from quantspec.errors import QuantSpecError
-from quantspec.quant.args import MIN_GROUP_SIZE, MXFP4_GROUP_SIZE, NVFP4_GROUP_SIZE, QuantArgs, QuantType
+from quantspec.quant.args import MIN_GROUP_SIZE, MX_GROUP_SIZE, NVFP4_GROUP_SIZE, QuantArgs, QuantType
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MXFP4_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
@@ -33,8 +33,9 @@ PER_TOKEN_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, *A8W4_TYPES)
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 _NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
-_MXFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="group", group_size=MXFP4_GROUP_SIZE,
+_MXFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="group", group_size=MX_GROUP_SIZE,
                            scale_dtype="uint8")
+_MXFP8_WEIGHTS = _MXFP4_WEIGHTS.replace(num_bits=8)
 PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.WEIGHT_ONLY_INT8: QuantArgs(num_bits=8, type="int", strategy="channel"),
     QuantType.WEIGHT_ONLY_INT4: QuantArgs(num_bits=4, type="int", strategy="group", group_size=128),
@@ -47,6 +48,8 @@ PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.NVFP4: _NVFP4_WEIGHTS,
     QuantType.WEIGHT_ONLY_MXFP4: _MXFP4_WEIGHTS,
     QuantType.MXFP4: _MXFP4_WEIGHTS,
+    QuantType.WEIGHT_ONLY_MXFP8: _MXFP8_WEIGHTS,
+    QuantType.MXFP8: _MXFP8_WEIGHTS,
 }
 # the static per-tensor input activations of the types that quantize them (the rest keep float inputs)
 PRESET_INPUTS: dict[QuantType, QuantArgs] = {
@@ -58,6 +61,7 @@ PRESET_INPUTS: dict[QuantType, QuantArgs] = {
     QuantType.NVFP4: _NVFP4_WEIGHTS.replace(dynamic="local", observer="static_minmax"),
     # power-of-two group scales at run time (compressed-tensors' MXFP4 preset)
     QuantType.MXFP4: _MXFP4_WEIGHTS.replace(dynamic=True),
+    QuantType.MXFP8: _MXFP8_WEIGHTS.replace(dynamic=True),  # compressed-tensors' MXFP8 preset
     # per token at run time (compressed-tensors' W4A8 and W4AFP8 presets)
     QuantType.A8W4: QuantArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
     QuantType.A8W4_FP8: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
@@ -67,7 +71,11 @@ NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)
 # MXFP4's types: E2M1 weights in groups of 32 with power-of-two (E8M0) scales
 MXFP4_TYPES = (QuantType.WEIGHT_ONLY_MXFP4, QuantType.MXFP4)
 FP4_TYPES = NVFP4_TYPES + MXFP4_TYPES
-# the types whose weights are FP8 E4M3 (per channel, or in blocks with --weight-block)
+# MXFP8's types: E4M3 weights in groups of 32 with power-of-two (E8M0) scales
+MXFP8_TYPES = (QuantType.WEIGHT_ONLY_MXFP8, QuantType.MXFP8)
+# the types whose group layout and scales are their format's own (no --group-size, --asym, mse)
+MICROSCALED_TYPES = FP4_TYPES + MXFP8_TYPES
+# the types whose weights are FP8 E4M3 per channel, or in blocks with --weight-block
 FP8_TYPES = (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8)
 
 
@@ -104,6 +112,9 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     weight_only_mxfp4 / mxfp4: MXFP4 weights (E2M1 in groups of 32, power-of-two scales stored as
     E8M0 exponents; "mxfp4-pack-quantized"), float inputs (MXFP4A16) or MXFP4 inputs with their
     scales at run time (compressed-tensors' MXFP4); nothing to calibrate.
+    weight_only_mxfp8 / mxfp8: MXFP8 weights (E4M3 in groups of 32, power-of-two scales stored as
+    E8M0 exponents; "mxfp8-quantized"), float inputs (MXFP8A16) or MXFP8 inputs with their scales
+    at run time (compressed-tensors' MXFP8); nothing to calibrate.
     `kv_cache` ("int8" | "fp8" | None) adds a static KV-cache scheme (`kv_strategy` "attn_head"
     = one scale per KV head, or "tensor"). `weight_observer` "mse" searches each weight scale's
     range (see `quant.primitives.mse_qparams`) and is recorded as the weights' `observer`;
@@ -149,7 +160,7 @@ def _inputs(qt: QuantType, activations: str) -> QuantArgs | None:
                                  "W4AFP8 schemes); use --activations dynamic (or leave --activations out)")
         return inputs
     if activations == "dynamic":
-        if inputs is None or qt in FP4_TYPES:
+        if inputs is None or qt in MICROSCALED_TYPES:
             why = "quantizes its inputs per group at run time already" if inputs is not None else "keeps float activations"
             raise QuantSpecError(f"--activations dynamic is for a8w8 / a8w8_fp8 ({qt.value} {why}); drop it")
         inputs = inputs.replace(strategy="token", dynamic=True, observer=None)
@@ -190,11 +201,11 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")
-    if qt in (*FP8_TYPES, QuantType.A8W4_FP8, *FP4_TYPES) and not symmetric:
+    if qt in (*FP8_TYPES, QuantType.A8W4_FP8, *MICROSCALED_TYPES) and not symmetric:
         raise QuantSpecError(f"{qt.value} is symmetric only; drop --asym")
-    if qt in FP4_TYPES and weight_observer != "minmax":
-        raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for FP4's group scales; use minmax "
-                             "(or leave it out)")
+    if qt in MICROSCALED_TYPES and weight_observer != "minmax":
+        raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for {qt.value}'s group scales; use "
+                             "minmax (or leave it out)")
 
 
 def check_weight_block(qt: QuantType, weight_block, activations: str, weight_observer: str = "minmax") -> None:

@@ -20,6 +20,8 @@ NVFP4 (E2M1, strategy tensor_group, groups of 16, `global_scale` g = 448·6/absm
 MXFP4 (E2M1, strategy group, groups of 32, scale_dtype uint8, `quant.fp4`): scale = 2^(e - 127),
               e = 127 + floor(log2(absmax_group rounded to a power of two)) - 2 (the E8M0 byte
               stored), computed in absmax's dtype; q = E2M1(clamp(x / scale, -6, 6))
+MXFP8 (E4M3, the same layout): MXFP4's scale with 8 in place of 2; q = float8_e4m3fn(clamp(x /
+              scale, -448, 448))
 dequantize:   x̂ = (q - zero_point) * scale, computed in the scale's dtype (NVFP4: * (local / g)).
 A scale that comes out 0 (an all-zero row) is replaced by the dtype's eps.
 `observer: "mse"` args (weights): the range is shrunk per scale group to the factor p in
@@ -39,7 +41,7 @@ import torch
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.fp4 import global_scale_from_absmax, local_scales, mx_scales, round_to_e2m1
+from quantspec.quant.fp4 import global_scale_from_absmax, local_scales, mx_emax, mx_scales, round_to_e2m1
 
 __all__ = [
     "FP8_E4M3_MAX",
@@ -173,7 +175,7 @@ def qparams_from_minmax(min_vals: torch.Tensor, max_vals: torch.Tensor, args: Qu
     min_vals = torch.minimum(min_vals, torch.zeros_like(min_vals))
     max_vals = torch.maximum(max_vals, torch.zeros_like(max_vals))
     if args.is_mx:
-        return mx_scales(torch.maximum(min_vals.abs(), max_vals.abs()))
+        return mx_scales(torch.maximum(min_vals.abs(), max_vals.abs()), mx_emax(args.num_bits))
     if args.is_fp4:
         return local_scales(torch.maximum(min_vals.abs(), max_vals.abs()), global_scale)
     q_min, q_max = quant_range(args)

@@ -15,6 +15,7 @@ from quantspec.quant.args import (
     FORMAT_INT_QUANTIZED,
     FORMAT_MIXED_PRECISION,
     FORMAT_MXFP4_PACK_QUANTIZED,
+    FORMAT_MXFP8_QUANTIZED,
     FORMAT_NVFP4_PACK_QUANTIZED,
     FORMAT_PACK_QUANTIZED,
     SUPPORTED_FORMATS,
@@ -36,7 +37,7 @@ def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None
     """The compressed-tensors format name for a scheme's weights.
 
     NVFP4 → "nvfp4-pack-quantized" and MXFP4 → "mxfp4-pack-quantized" (two E2M1 codes per uint8
-    `weight_packed`); fp8 →
+    `weight_packed`); MXFP8 → "mxfp8-quantized" (float8_e4m3fn `weight`, uint8 E8M0 scales); fp8 →
     "float-quantized" (float8_e4m3fn `weight`); int with quantized input activations (W8A8)
     → "int-quantized" (plain int8 `weight`); int weight-only (W4A16, W8A16) → "pack-quantized"
     (int32 words), what compressed-tensors writes for them and the only integer weight-only
@@ -46,6 +47,8 @@ def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None
         raise QuantSpecError("scheme_format: a scheme without weights has no weight format")
     if weights.is_fp4:
         return FORMAT_MXFP4_PACK_QUANTIZED if weights.is_mx else FORMAT_NVFP4_PACK_QUANTIZED
+    if weights.is_mxfp8:
+        return FORMAT_MXFP8_QUANTIZED
     if weights.type == "float":
         return FORMAT_FLOAT_QUANTIZED
     if weights.num_bits < 8 or input_activations is None:
@@ -53,21 +56,30 @@ def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None
     return FORMAT_INT_QUANTIZED
 
 
-_FP4_FORMATS = (FORMAT_NVFP4_PACK_QUANTIZED, FORMAT_MXFP4_PACK_QUANTIZED)
+# the formats of microscaled weights (their group scales are the format's own)
+_MICROSCALED_FORMATS = (FORMAT_NVFP4_PACK_QUANTIZED, FORMAT_MXFP4_PACK_QUANTIZED, FORMAT_MXFP8_QUANTIZED)
 
 
-def _check_fp4_inputs(weights: QuantArgs | None, ia: QuantArgs, where: str) -> None:
-    """FP4 inputs go with FP4 weights of their own kind, and FP4 weights take those inputs or
-    none: NVFP4 inputs are tensor_group with dynamic 'local', MXFP4 inputs group 32, dynamic."""
-    fp4_weights = weights is not None and weights.is_fp4
-    if not (ia.is_fp4 or fp4_weights):
+def _microscaled(a: QuantArgs | None) -> str | None:
+    """"nvfp4" | "mxfp4" | "mxfp8" for args of those kinds, None for every other."""
+    if a is None:
+        return None
+    if a.is_fp4:
+        return "mxfp4" if a.is_mx else "nvfp4"
+    return "mxfp8" if a.is_mxfp8 else None
+
+
+def _check_microscaled_inputs(weights: QuantArgs | None, ia: QuantArgs, where: str) -> None:
+    """NVFP4 / MXFP4 / MXFP8 inputs go with weights of their own kind, and such weights take those
+    inputs or none: NVFP4 inputs are tensor_group with dynamic 'local', MX inputs group 32, dynamic."""
+    kind = _microscaled(weights)
+    if kind is None and _microscaled(ia) is None:
         return
-    if fp4_weights and ia.is_fp4 and ia.is_mx == weights.is_mx \
-            and ia.dynamic == (True if weights.is_mx else "local"):
+    if _microscaled(ia) == kind and ia.dynamic == ("local" if kind == "nvfp4" else True):
         return
-    raise _err(where, "FP4 inputs go with FP4 weights of their kind, and FP4 weights take those inputs or float "
-                      "inputs: NVFP4 inputs are tensor_group with dynamic 'local' (or none: NVFP4A16), MXFP4 "
-                      "inputs group 32 with dynamic true (or none: MXFP4A16)")
+    raise _err(where, "NVFP4 / MXFP4 / MXFP8 inputs go with weights of their kind, and such weights take those "
+                      "inputs or float inputs: NVFP4 inputs are tensor_group with dynamic 'local' (or none: "
+                      "NVFP4A16), MXFP4 / MXFP8 inputs group 32 with dynamic true (or none: MXFP4A16 / MXFP8A16)")
 
 
 @dataclass(frozen=True)
@@ -103,7 +115,7 @@ class QuantScheme:
             if ia.strategy not in _ACTIVATION_STRATEGIES or ia.strategy == "attn_head":
                 raise _err(w, f"input_activations strategy {ia.strategy!r} unsupported; use "
                               "tensor (static) or token (dynamic)")
-            _check_fp4_inputs(self.weights, ia, w)
+            _check_microscaled_inputs(self.weights, ia, w)
         if self.weights is None and ia is None:
             raise _err(w, "a scheme needs weights and/or input_activations")
         fmt = self.format
@@ -113,11 +125,11 @@ class QuantScheme:
             raise _err(w, f"format {fmt!r} is unsupported; use one of {', '.join(SUPPORTED_FORMATS)}")
         if fmt == FORMAT_PACK_QUANTIZED and self.weights is not None and self.weights.type != "int":
             raise _err(w, "format 'pack-quantized' needs int weights; use 'float-quantized' for FP8")
-        if self.weights is not None and (fmt in _FP4_FORMATS or self.weights.is_fp4) \
+        if self.weights is not None and (fmt in _MICROSCALED_FORMATS or _microscaled(self.weights)) \
                 and fmt != scheme_format(self.weights, ia):
             raise _err(w, f"format {fmt!r} does not hold {self.weights.num_bits}-bit {self.weights.type} weights; "
                           f"NVFP4 weights are stored as '{FORMAT_NVFP4_PACK_QUANTIZED}', MXFP4 weights as "
-                          f"'{FORMAT_MXFP4_PACK_QUANTIZED}'")
+                          f"'{FORMAT_MXFP4_PACK_QUANTIZED}', MXFP8 weights as '{FORMAT_MXFP8_QUANTIZED}'")
         object.__setattr__(self, "format", fmt)
 
     def to_dict(self) -> dict:

@@ -63,7 +63,8 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
                 "a8w8": "int-quantized", "a8w8_fp8": "float-quantized", "weight_only_fp8": "float-quantized",
                 "a8w4": "pack-quantized", "a8w4_fp8": "pack-quantized",
                 "weight_only_nvfp4": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
-                "weight_only_mxfp4": "mxfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized"}[qt.value]
+                "weight_only_mxfp4": "mxfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized",
+                "weight_only_mxfp8": "mxfp8-quantized", "mxfp8": "mxfp8-quantized"}[qt.value]
     assert ours["format"] == want_fmt and ours["config_groups"]["group_0"]["format"] == want_fmt
     assert QuantConfig.from_dict(ours).to_dict() == ours
 

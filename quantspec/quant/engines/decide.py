@@ -182,6 +182,11 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if engine == "sglang" and "MXFP4" in text:
         out.append("pass --target vllm (vLLM runs MXFP4) or use --quant-type weight_only_nvfp4 / nvfp4 (NVFP4, "
                    "which SGLang runs)")
+    if engine == "sglang" and "MXFP8 weights" in text:
+        out.append("pass --target vllm (vLLM runs MXFP8) or use --quant-type weight_only_fp8 / a8w8_fp8 (FP8 per "
+                   "channel, which SGLang runs)")
+    if "MXFP8 experts" in text:
+        out.append("add the experts to --ignore, or use --quant-type weight_only_fp8 / a8w8_fp8")
     out += [fix for problem, fix in _W4A8_FIXES if problem in text]
     if "has no quantized embedding" in text:
         out.append("pass --target vllm (vLLM looks up quantized embedding rows) or leave model.embed_tokens float")
@@ -240,10 +245,11 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
         probe = {**probe, "lm_head": 4096}
     if draft is None and config.module_scheme("model.embed_tokens") is not None:  # ... embedding
         probe = {**probe, "model.embed_tokens": 4096}
-    # FP4 inputs (NVFP4, MXFP4) are for FP4 tensor cores: probed on the GPU they are made for
-    # (below it the engines run the weights alone, which `inspect`'s Hopper verdict says);
-    # weight-only FP4 on Hopper, the default (where vLLM runs MXFP4A16 weight-only, as written)
-    fp4_inputs = any(s.input_activations is not None and s.input_activations.is_fp4
+    # FP4 and MXFP8 inputs (NVFP4, MXFP4, MXFP8) are for Blackwell's tensor cores: probed on the GPU
+    # they are made for (below it the engines run the weights alone, which `inspect`'s Hopper
+    # verdict says); weight-only ones on Hopper, the default (where vLLM runs MXFP4A16 / MXFP8A16
+    # weight-only, as written)
+    fp4_inputs = any(s.input_activations is not None and (s.input_activations.is_fp4 or s.input_activations.is_mx)
                      for s in config.config_groups.values())
     verdicts = engine_verdicts(config, probe, draft=draft, capability=NVFP4_W4A4_CAPABILITY if fp4_inputs else 90)
     for engine in TARGET_ENGINES[target]:

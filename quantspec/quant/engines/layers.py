@@ -27,15 +27,10 @@ from quantspec.quant.args import (
 )
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.engines.tables import (
-    ENGINE_VERSIONS,
     FP8_MIN_CAPABILITY,
     FUSED_LAYERS,
     HEAD_BLOCK_SCALES,
     LAYER_CLASSES,
-    MXFP4_MIN_CAPABILITY,
-    MXFP4_W4A4_CAPABILITY,
-    NVFP4_MIN_CAPABILITY,
-    NVFP4_W4A4_CAPABILITY,
     SGLANG_EMBEDDING,
     SGLANG_W8A16_FP8_MIN_CAPABILITY,
     SGLANG_FUSED_STATIC_INT8,
@@ -48,14 +43,8 @@ from quantspec.quant.engines.tables import (
     engine_name,
 )
 from quantspec.quant.engines.moe import EXPERT, expert_layers
-from quantspec.quant.engines.verdict import (
-    MXFP4_INPUTS,
-    LayerVerdict,
-    activation_label as _act,
-    mxfp4_inputs_quantized,
-    mxfp4_inputs_set_aside,
-    nvfp4_inputs_set_aside,
-)
+from quantspec.quant.engines.microscaled import microscaled_verdict
+from quantspec.quant.engines.verdict import LayerVerdict, activation_label as _act
 from quantspec.quant.scheme import QuantScheme, embedding_problem, is_w4a8
 
 __all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_embedding",
@@ -155,51 +144,6 @@ def ignored(layer: str, ignore: Iterable[str]) -> bool:
 
 # ---- scheme selection ------------------------------------------------------------------------------
 
-def _nvfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict:
-    """Both engines pick their NVFP4 scheme from the args alone (any format): W4A4 on FP4 tensor
-    cores, weight-only FP4 Marlin below them (an NVFP4 input's scales then unused), nothing below
-    their minimum."""
-    w, ia = s.weights, s.input_activations
-    if w.group_size != 16 or (ia is not None and not (ia.is_fp4 and ia.strategy == "tensor_group")):
-        return LayerVerdict(None, **base, problem=f"{engine_name(engine)} runs FP4 weights in NVFP4's layout only "
-                                                  "(groups of 16 with NVFP4 inputs or none)")
-    if capability < NVFP4_MIN_CAPABILITY[engine]:
-        return LayerVerdict(None, **base, problem=f"NVFP4 below compute capability "
-                                                  f"{NVFP4_MIN_CAPABILITY[engine] / 10:.1f}")
-    if ia is None:  # vLLM: its one NVFP4 scheme, built with use_a16
-        return LayerVerdict("W4A16Fp4" if engine == "sglang" else "W4A4Fp4", **base)
-    if capability >= NVFP4_W4A4_CAPABILITY:
-        return LayerVerdict("W4A4Fp4", **base, input_activations=_act(ia))
-    return LayerVerdict("W4A16Fp4" if engine == "sglang" else "W4A4Fp4", **base,
-                        problem=nvfp4_inputs_set_aside("the weights"))
-
-
-# SGLang's compressed-tensors Linear schemes (`_get_scheme_from_parts`): FP4 in NVFP4's layout only,
-# and format 'mxfp4-pack-quantized' is not among its activation-quantization formats, so an
-# MXFP4 Linear raises "No compressed-tensors compatible scheme was found."
-SGLANG_MXFP4_LINEAR = (f"SGLang {ENGINE_VERSIONS['sglang']} has no Linear scheme for MXFP4 weights (its "
-                       "compressed-tensors schemes take FP4 in NVFP4's layout only; MXFP4 in fused-MoE experts only)")
-
-
-def _mxfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict:
-    """vLLM's one MXFP4 scheme, `CompressedTensorsW4A4Mxfp4` (from 8.0, MXFP4 inputs or none):
-    its kernel registry takes FlashInfer's W4A4 kernel from 10.0, which quantizes the inputs to
-    MXFP4 even where the checkpoint leaves them float, and FP4 Marlin (weight-only) below.
-    SGLang has none (`SGLANG_MXFP4_LINEAR`)."""
-    ia = s.input_activations
-    if engine == "sglang":
-        return LayerVerdict(None, **base, problem=SGLANG_MXFP4_LINEAR)
-    if capability < MXFP4_MIN_CAPABILITY:
-        return LayerVerdict(None, **base, problem=f"MXFP4 below compute capability {MXFP4_MIN_CAPABILITY / 10:.1f}")
-    if capability >= MXFP4_W4A4_CAPABILITY:
-        problem = None if ia is not None else mxfp4_inputs_quantized(
-            f"from compute capability {MXFP4_W4A4_CAPABILITY / 10:.1f}", "FlashInfer's W4A4 kernel")
-        return LayerVerdict("W4A4Mxfp4", **base, input_activations=MXFP4_INPUTS, problem=problem)
-    problem = None if ia is None else mxfp4_inputs_set_aside(
-        "the weights", f"below compute capability {MXFP4_W4A4_CAPABILITY / 10:.1f}")
-    return LayerVerdict("W4A4Mxfp4", **base, problem=problem)
-
-
 def _w4a8(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict | None:
     """The verdict on sub-byte int weights with 8-bit inputs quantized per token at run time
     (W4A8, W4AFP8; `tables.VLLM_W4A8_INT_INPUTS`, `SGLANG_W4A8`); None for every other scheme.
@@ -263,8 +207,9 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
     w, ia, fmt = s.weights, s.input_activations, s.format
     g = w.group_size if w.strategy in ("group", "tensor_group") else None
     base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure)
-    if w.is_fp4:
-        return (_mxfp4 if w.is_mx else _nvfp4)(engine, s, capability, base)
+    if w.is_fp4 or w.is_mx:
+        N = sum(rows) if rows and None not in rows else None
+        return microscaled_verdict(engine, s, capability, base, N, K)
     if w.zp_dtype is not None:
         return LayerVerdict(None, **base, problem=f"float zero points ({w.zp_dtype}): {engine_name(engine)} "
                                                   "reads integer zero points only")

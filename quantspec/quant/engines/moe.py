@@ -52,8 +52,8 @@ from quantspec.quant.engines.tables import (
 from quantspec.quant.engines.verdict import (
     LayerVerdict,
     activation_label,
-    mxfp4_inputs_quantized,
-    mxfp4_inputs_set_aside,
+    mx_inputs_quantized,
+    mx_inputs_set_aside,
     nvfp4_inputs_set_aside,
 )
 from quantspec.quant.scheme import QuantScheme
@@ -112,9 +112,9 @@ def _mxfp4_method(engine: str, s: QuantScheme, capability: int) -> tuple[str | N
         "below compute capability 10.0" if capability < MXFP4_MOE_W4A4_CAPABILITIES.start else \
         f"on compute capability {capability / 10:.1f} (its W4A4 experts run on 10.x-11.x)"
     if w4a4 and ia is None:
-        return "W4A4Mxfp4MoE", mxfp4_inputs_quantized(where, "CUTLASS's W4A4 MoE kernel")
+        return "W4A4Mxfp4MoE", mx_inputs_quantized(where, "CUTLASS's W4A4 MoE kernel")
     if not w4a4 and ia is not None:
-        return "W4A4Mxfp4MoE", mxfp4_inputs_set_aside("the experts' weights", where)
+        return "W4A4Mxfp4MoE", mx_inputs_set_aside("the experts' weights", where)
     return "W4A4Mxfp4MoE", None
 
 
@@ -166,6 +166,9 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 
     """(the MoE method the engine's code selects for scheme `s`, or None; the problem: why it
     refuses, or what it sets aside). `dims`: the experts' hidden and intermediate sizes, where known."""
     w, ia = s.weights, s.input_activations
+    if w.is_mxfp8:
+        return None, ("quantspec does not judge MXFP8 experts (vLLM's CompressedTensorsW8A8Mxfp8MoEMethod picks "
+                      "their backend per GPU, SGLang has none); quantize the experts with another type")
     if w.is_mx:
         return _mxfp4_method(engine, s, capability)
     if w.is_fp4:

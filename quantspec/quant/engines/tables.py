@@ -7,6 +7,7 @@ from __future__ import annotations
 __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
            "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
            "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
+           "MXFP8_MIN_CAPABILITY", "MXFP8_W8A8_CAPABILITY", "MXFP8_W8A8_MIN_DIM",
            "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "VLLM_EMBEDDING", "SGLANG_EMBEDDING",
            "TRANSFORMERS_EMBEDDING", "W4A8_FP8_CAPABILITY", "W4A8_INT_MIN_CAPABILITY", "VLLM_W4A8_INT_INPUTS",
            "VLLM_W4A8_INT_QUANTIZED_INPUTS", "SGLANG_W4A8", "W4A8_MOE_GROUP", "W4A8_MOE_ALIGN",
@@ -97,6 +98,14 @@ NVFP4_MIN_CAPABILITY = {"vllm": 75, "sglang": 80}
 MXFP4_MIN_CAPABILITY = 80
 MXFP4_W4A4_CAPABILITY = 100
 MXFP4_MOE_W4A4_CAPABILITIES = range(100, 120)
+# MXFP8 (vLLM only: SGLang has no MXFP8 scheme): `CompressedTensorsW8A8Mxfp8` asks for 7.5 and
+# `init_mxfp8_linear_kernel`'s CUDA registry takes FlashInfer's MXFP8 GEMMs from 10.0 (inputs
+# quantized to MXFP8 at run time, whatever the checkpoint says) where the layer is at least
+# `MXFP8_W8A8_MIN_DIM` wide each way (`_check_mm_mxfp8_shape`; on 12.x also N a multiple of 32),
+# and FP8 Marlin (weight-only, inputs float) otherwise
+MXFP8_MIN_CAPABILITY = 75
+MXFP8_W8A8_CAPABILITY = 100
+MXFP8_W8A8_MIN_DIM = 128
 # SGLang's static int8 scheme on a fused layer: `CompressedTensorsW8A8Int8.create_weights` makes one
 # input_scale element, and `PerTensorScaleParameter._load_into_shard_id` (srt/layers/parameter.py)
 # writes shard q/k/v (gate/up) at index 0/1/2 (0/1): whatever the scale's shape or value

@@ -8,19 +8,20 @@ from typing import Mapping
 
 from quantspec.quant.engines.tables import NVFP4_W4A4_CAPABILITY, engine_name
 
-__all__ = ["MXFP4_INPUTS", "LayerVerdict", "EngineVerdict", "activation_label", "nvfp4_inputs_set_aside",
-           "mxfp4_inputs_set_aside", "mxfp4_inputs_quantized"]
+__all__ = ["MXFP4_INPUTS", "MXFP8_INPUTS", "LayerVerdict", "EngineVerdict", "activation_label", "nvfp4_inputs_set_aside",
+           "mx_inputs_set_aside", "mx_inputs_quantized"]
 
 MXFP4_INPUTS = "mxfp4 dynamic"  # MXFP4 inputs: power-of-two group scales computed at run time
+MXFP8_INPUTS = "mxfp8 dynamic"  # MXFP8 inputs: the same with E4M3 values
 
 
 def activation_label(ia) -> str | None:
     """A verdict's name for input activation args `ia` ("int8 static", "fp8 dynamic", NVFP4's,
-    MXFP4's; None: float inputs)."""
+    MXFP4's, MXFP8's; None: float inputs)."""
     if ia is None:
         return None
     if ia.is_mx:
-        return MXFP4_INPUTS
+        return MXFP8_INPUTS if ia.is_fp8 else MXFP4_INPUTS
     if ia.is_fp4:
         return "nvfp4 dynamic (static global scale)"
     kind = "fp8" if ia.type == "float" else f"int{ia.num_bits}"
@@ -34,18 +35,18 @@ def nvfp4_inputs_set_aside(what: str) -> str:
             f"(it runs {what} with FP4 Marlin, inputs float)")
 
 
-def mxfp4_inputs_set_aside(what: str, where: str) -> str:
-    """The problem of vLLM running `what` (a layer's weights, its experts') with FP4 Marlin `where`
-    (a compute capability its MXFP4 W4A4 kernels do not run on), setting MXFP4 input quantization
-    aside."""
-    return f"MXFP4 input quantization {where} (it runs {what} with FP4 Marlin, inputs float)"
+def mx_inputs_set_aside(what: str, where: str, kind: str = "MXFP4") -> str:
+    """The problem of vLLM running `what` (a layer's weights, its experts') with Marlin `where`
+    (a compute capability or shape its `kind` ("MXFP4" | "MXFP8") W×A× kernels do not run on),
+    setting the MX input quantization aside."""
+    return f"{kind} input quantization {where} (it runs {what} with {kind[2:]} Marlin, inputs float)"
 
 
-def mxfp4_inputs_quantized(where: str, kernel: str) -> str:
-    """The problem of vLLM running an MXFP4 weight-only layer with `kernel`, a W4A4 kernel that
-    quantizes the layer's inputs to MXFP4 at run time, `where` (the compute capabilities it runs
-    on): its MXFP4 code asks for MXFP4 inputs whatever the checkpoint says."""
-    return (f"that the checkpoint's inputs are float {where} (vLLM's MXFP4 code asks for MXFP4 inputs "
+def mx_inputs_quantized(where: str, kernel: str, kind: str = "MXFP4") -> str:
+    """The problem of vLLM running a `kind` ("MXFP4" | "MXFP8") weight-only layer with `kernel`, a
+    kernel that quantizes the layer's inputs to `kind` at run time, `where` (the compute
+    capabilities it runs on): its MX code asks for MX inputs whatever the checkpoint says."""
+    return (f"that the checkpoint's inputs are float {where} (vLLM's {kind} code asks for {kind} inputs "
             f"and runs {kernel}, which quantizes them at run time)")
 
 
