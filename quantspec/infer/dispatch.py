@@ -14,7 +14,11 @@ CPU, where quantspec's CPU kernels are built (`LinearTraits.cpu_gemv`, `Dispatch
   packed int4 op for bf16 x and M ≤ `cpu_packed_max_m`, and `packed_w4_gemm` otherwise;
 - NVFP4 / MXFP4 (weight-only, or with FP4 inputs fake-quantized per row and group of 16 / 32 in
   torch first): `packed_fp4_gemm` over the E2M1 nibbles and one fp32 scale per group (NVFP4's
-  local over global, MXFP4's power of two) for fp32 or bf16 x, any M.
+  local over global, MXFP4's power of two) for fp32 or bf16 x, any M;
+- FP8 weights alone (weight_only_fp8: per channel or block; weight_only_mxfp8), and FP8 block or
+  MXFP8 weights whose inputs are quantized per group (x fake-quantized per row and group first):
+  `packed_gemm` over the weight dequantized once at load to fp32 and packed in column blocks,
+  for fp32 or bf16 x, any M (the memory of the fp32 weights the torch paths below keep too).
 Each of these computes a row's numbers the same way whatever M.
 
 CPU, torch's ops:
@@ -31,8 +35,9 @@ CPU, torch's ops:
 - a8w8_fp8: x quantized to fp8 with its static scale and upcast (exact), a float matmul against
   the fp8 codes upcast once at load to the model dtype, then the `fp8_gemm_ref` epilogue;
   weight_only_fp8 the same with x as it comes (of the model dtype);
-  block scales (FP8_BLOCK): x fake-quantized per token and group, a float matmul against the
-  weight dequantized once at load (the reference's numbers, without its per-call dequantize);
+  block scales (FP8_BLOCK) and group scales (MXFP8): x fake-quantized per token and group (MXFP8
+  inputs) or as it comes, a float matmul against the weight dequantized once at load (the
+  reference's numbers, without its per-call dequantize);
   NVFP4 / MXFP4 without quantspec's kernels (or fp16 x) the same.
 
 CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
@@ -45,7 +50,7 @@ from there for fp16 / bf16 activations; block-scaled fp8 with dynamic per-group 
 weight-only path, `w8a16_linear` decoding their E4M3 bytes (any compute capability); NVFP4 /
 MXFP4 (weight-only or FP4 inputs, K a multiple of 32): `nvfp4_linear` / `mxfp4_linear` for every
 M (any compute capability: they decode E2M1 without FP4 or FP8 instructions); what a kernel does
-not take (asymmetric a8w8, group-wise int8 / fp8, fp8 inputs below sm_89) → the reference,
+not take (asymmetric a8w8, group-wise int8 / fp8 and MXFP8, fp8 inputs below sm_89) → the reference,
 dequantize + matmul.
 """
 
@@ -59,7 +64,7 @@ import torch
 from quantspec.errors import QuantSpecError
 from quantspec.kernels.cpu import X_DTYPES as _GEMV_DTYPES
 
-__all__ = ["DispatchPolicy", "KernelPath", "LinearKind", "LinearTraits", "ROW_PATHS", "select_kernel"]
+__all__ = ["DispatchPolicy", "KernelPath", "LinearKind", "LinearTraits", "ROW_PATHS", "dense_fp8", "select_kernel"]
 
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
@@ -84,6 +89,7 @@ class KernelPath(str, enum.Enum):
     CPU_GEMV_INT8 = "cpu_gemv_int8"  # quantspec's CPU kernel (kernels/cpu)
     CPU_GEMV_INT4 = "cpu_gemv_int4"  # quantspec's CPU kernel (kernels/cpu)
     CPU_GEMV_FP4 = "cpu_gemv_fp4"  # quantspec's CPU kernel over E2M1 nibbles (x fake-quantized first for FP4 inputs)
+    CPU_GEMV_DENSE = "cpu_gemv_dense"  # quantspec's packed fp32 GEMM over FP8 weights dequantized at load
     CPU_INT_MM = "cpu_int_mm"  # int8 activations × int8 weights via torch._int_mm
     CPU_FP8_UPCAST = "cpu_fp8_upcast"  # fp8 codes upcast (exact), float matmul, scale epilogue
     CPU_DEQUANTIZED = "cpu_dequantized"  # x fake-quantized per group, matmul on the weight dequantized at load
@@ -101,7 +107,8 @@ class KernelPath(str, enum.Enum):
 # the CPU ops whose numbers for a row do not depend on the other rows of the call: a decode row
 # and the same row inside a verification step agree bitwise on them
 ROW_PATHS = frozenset({KernelPath.CPU_INT8PACK, KernelPath.CPU_INT4PACK,
-                       KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_FP4})
+                       KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_FP4,
+                       KernelPath.CPU_GEMV_DENSE})
 
 
 @dataclass(frozen=True)
@@ -217,6 +224,13 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
     return KernelPath.CUDA_SCALED_MM if big else KernelPath.TRITON_FP8
 
 
+def dense_fp8(t: LinearTraits) -> bool:
+    """An FP8 layer that quantspec's packed fp32 GEMM runs on its weight dequantized at load: FP8
+    weights alone, or block / group (MXFP8) weights, whose inputs are quantized per group (per-channel
+    weights with FP8 inputs keep their exact FP8 products: `CPU_FP8_UPCAST`)."""
+    return t.kind is LinearKind.FP8 and (t.act_mode is None or t.weight_strategy in ("block", "group"))
+
+
 def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchPolicy) -> KernelPath:
     packed_ok = x_dtype in _HALF_DTYPES and x_dtype == t.dtype and M <= policy.cpu_packed_max_m
     # quantspec's packed kernels take every M (their 8-row tiles run prefill at the FMA rate)
@@ -236,7 +250,9 @@ def _select_cpu(t: LinearTraits, M: int, x_dtype: torch.dtype, policy: DispatchP
         return KernelPath.CPU_INT_MM if ok else KernelPath.DEQUANT
     if t.kind is LinearKind.FP4:
         return KernelPath.CPU_GEMV_FP4 if gemv_ok else KernelPath.CPU_DEQUANTIZED
-    if t.weight_strategy == "block":
+    if gemv_ok and dense_fp8(t):
+        return KernelPath.CPU_GEMV_DENSE
+    if t.weight_strategy in ("block", "group"):  # FP8 block or group scales (MXFP8's power-of-two ones)
         return KernelPath.CPU_DEQUANTIZED
     # FP8 inputs (a8w8_fp8), or float inputs of the dtype the codes are upcast to (weight_only_fp8)
     ok = (t.act_mode is not None or x_dtype == t.dtype) and t.weight_strategy in ("channel", "tensor")

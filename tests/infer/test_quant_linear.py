@@ -141,15 +141,33 @@ def test_fp8_cpu_path_equals_kernel_reference():
     torch.testing.assert_close(layer(x), ref, rtol=1e-6, atol=1e-6)
 
 
+@pytest.mark.parametrize("kind", ["weight_only_fp8", "weight_only_mxfp8", "mxfp8"])
+@pytest.mark.parametrize("kernels", [True, False])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-def test_fp8_weights_alone_on_cpu(dtype):
-    """weight_only_fp8 on CPU: x times the codes upcast at load, then the weight scales: the
-    reference's numbers (float inputs, FP8 weights dequantized) within rounding order."""
-    t = _make("weight_only_fp8", 48, 96, bias=True, seed=5)
-    layer = QuantLinear(t, dtype=dtype)
+def test_fp8_weights_on_cpu(dtype, kernels, kind):
+    """FP8 weights alone (per channel, MXFP8's power-of-two groups) and MXFP8 with MXFP8 inputs on
+    CPU: quantspec's packed fp32 GEMM over the weight dequantized at load where its kernels are
+    built (every row its own numbers whatever M), else x times the codes upcast at load, then the
+    weight scales (per channel) or the weight dequantized once (groups): the reference's numbers
+    (inputs fake-quantized per row and group of 32 for mxfp8) within rounding order."""
+    from quantspec.kernels import cpu as cg
+
+    kernels = kernels and cg.cpu_kernels() is not None
+    t = _make(kind, 48, 96, bias=True, seed=5)
+    layer = QuantLinear(t, dtype=dtype, policy=DispatchPolicy(cpu_kernels=kernels))
     x = torch.randn(5, 96, generator=torch.Generator().manual_seed(1)).to(dtype)
-    assert t.input_args is None and layer.kernel_for(x) is KernelPath.CPU_FP8_UPCAST
-    _check(layer(x), _reference(t, x), dtype)
+    torch_path = KernelPath.CPU_FP8_UPCAST if kind == "weight_only_fp8" else KernelPath.CPU_DEQUANTIZED
+    assert layer.kernel_for(x) is (KernelPath.CPU_GEMV_DENSE if kernels else torch_path)
+    y = layer(x)
+    _check(y, _reference(t, x), dtype)
+    _check(layer.run(x, torch_path), _reference(t, x), dtype)
+    assert torch.equal(layer.codes().float(), t.q.float())
+    if kernels:
+        assert layer.prepared.row_path is KernelPath.CPU_GEMV_DENSE
+        assert all(torch.equal(layer(x[i:i + 1]), y[i:i + 1]) for i in range(5))  # rows alone: bitwise
+    if kind == "mxfp8":  # the inputs are quantized per group: a float x gives other outputs
+        plain = x.float() @ layer.dequantized_weight(torch.float32).t() + t.bias
+        assert (y.float() - plain).abs().max() > 1e-4
 
 
 @pytest.mark.parametrize("kind,g,sym,path", [
@@ -311,8 +329,16 @@ def test_select_kernel_cpu_rule():
     # FP8 weights alone: the upcast codes for x of the dtype they are upcast to, else the reference
     assert select_kernel(_traits(LinearKind.FP8), "cpu", 3, torch.bfloat16) is KernelPath.CPU_FP8_UPCAST
     assert select_kernel(_traits(LinearKind.FP8), "cpu", 3, torch.float32) is KernelPath.DEQUANT
-    assert select_kernel(_traits(LinearKind.FP8, weight_strategy="block"), "cpu", 3, torch.bfloat16) \
-        is KernelPath.CPU_DEQUANTIZED
+    for strategy in ("block", "group"):  # FP8 blocks, MXFP8's groups: the weight dequantized at load
+        assert select_kernel(_traits(LinearKind.FP8, weight_strategy=strategy), "cpu", 3, torch.bfloat16) \
+            is KernelPath.CPU_DEQUANTIZED
+    # with quantspec's kernels: their packed fp32 GEMM for FP8 weights alone and for per-group inputs;
+    # per-channel weights with FP8 inputs keep their exact FP8 products
+    for strategy, act in (("channel", None), ("block", "dynamic"), ("group", "dynamic"), ("group", None)):
+        t = _traits(LinearKind.FP8, weight_strategy=strategy, act_mode=act, cpu_gemv=True)
+        assert select_kernel(t, "cpu", 3, torch.bfloat16) is KernelPath.CPU_GEMV_DENSE
+    assert select_kernel(_traits(LinearKind.FP8, act_mode="static", cpu_gemv=True), "cpu", 3, torch.bfloat16) \
+        is KernelPath.CPU_FP8_UPCAST
 
 
 def test_select_kernel_cuda_rule(monkeypatch):
@@ -596,9 +622,10 @@ def test_fp8_block_layer(N, K, side, dtype):
     assert t.scale.shape == (-(-N // side), K // side)
     layer = QuantLinear(t, dtype=dtype)
     x = (torch.randn(5, K, generator=torch.Generator().manual_seed(1)) * 2).to(dtype)
-    assert layer.kernel_for(x) is KernelPath.CPU_DEQUANTIZED
+    assert layer.kernel_for(x) in (KernelPath.CPU_GEMV_DENSE, KernelPath.CPU_DEQUANTIZED)
     y = layer(x)
-    assert torch.equal(y, layer.run(x, KernelPath.DEQUANT))  # the reference's numbers, weight dequantized once
+    # the reference's numbers, weight dequantized once
+    assert torch.equal(layer.run(x, KernelPath.CPU_DEQUANTIZED), layer.run(x, KernelPath.DEQUANT))
     _check(y, _reference(t, x), dtype)
     assert torch.equal(layer.codes().view(torch.uint8), t.q.view(torch.uint8))
     # the inputs are quantized per group: a float x gives other outputs

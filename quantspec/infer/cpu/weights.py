@@ -6,7 +6,9 @@ Layouts, by what runs (`infer/dispatch.py` picks the path):
   `int4_cpu_scale` / `int4_cpu_offset` [NB, G, 32]; NVFP4 / MXFP4 codes as E2M1 nibbles
   `fp4_cpu` [NB, K, 16] with one fp32 scale per group `fp4_cpu_scale` [NB, G, 32] (NVFP4's local
   over its global, as dequantize divides). These are then the codes' only copy (`codes()` unpacks
-  them); `bias_fp32` [N] is the bias the kernels add.
+  them); FP8 layers of `dispatch.dense_fp8` keep their codes `weight_fp8` [N, K] and the weight
+  dequantized once to fp32 in column blocks, `dense_cpu` [NB, K, 32]; `bias_fp32` [N] is the bias
+  the kernels add.
 - torch's packed ops (bf16 / fp16 models): `int8pack_scale` [N] in the model dtype beside the
   row-major codes; `int4pack` + `int4_scales_zeros` [K/g', N, 2] (`_convert_weight_to_int4pack_for_cpu`,
   w = (u − 8)·scale + zero with u the unsigned nibble, so zero = −zp·scale and a group of g is
@@ -24,7 +26,7 @@ from __future__ import annotations
 
 import torch
 
-from quantspec.infer.dispatch import ROW_PATHS, KernelPath, LinearKind, select_kernel
+from quantspec.infer.dispatch import ROW_PATHS, KernelPath, LinearKind, dense_fp8, select_kernel
 from quantspec.infer.quant_linear import PreparedWeight, QuantLinear, aligned, layer_traits
 from quantspec.kernels import cpu as cg
 from quantspec.quant.args import QuantArgs
@@ -39,7 +41,7 @@ CPU_INT4PACK_N_MULTIPLE = 16  # `_convert_weight_to_int4pack_for_cpu` refuses ot
 _HALF_DTYPES = (torch.bfloat16, torch.float16)
 _ONE = torch.ones(1)  # the input scale of float inputs
 _LAYOUTS = ("qweight", "weight_upcast", "weight_fp8", "weight_dequant", "int4pack", "int4_scales_zeros", "int8pack_scale", "int4_cpu",
-            "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "fp4_cpu", "fp4_cpu_scale", "bias_fp32")
+            "int4_cpu_scale", "int4_cpu_offset", "int8_cpu", "fp4_cpu", "fp4_cpu_scale", "dense_cpu", "bias_fp32")
 
 
 def _group(w: QuantArgs, K: int) -> int | None:
@@ -48,13 +50,14 @@ def _group(w: QuantArgs, K: int) -> int | None:
 
 def _gemv_layout(kind: LinearKind, w: QuantArgs, K: int) -> bool:
     """Whether quantspec's CPU kernels take this layer's layout (int8: symmetric per channel or
-    tensor; int4: groups dividing K, or per channel; FP4: groups dividing K)."""
+    tensor; int4: groups dividing K, or per channel; FP4: groups dividing K; FP8: every layout, as
+    the packed fp32 GEMM of the weight dequantized at load, where `dispatch.dense_fp8` takes it)."""
     if kind is LinearKind.W8A16:
         return w.symmetric and w.strategy in ("channel", "tensor")
     if kind in (LinearKind.W4A16, LinearKind.FP4):
         g = _group(w, K)
         return g is not None and 0 < g and K % g == 0
-    return False
+    return kind is LinearKind.FP8  # the packed fp32 GEMM takes any dequantized weight
 
 
 def _int4_group(w: QuantArgs, K: int) -> int | None:
@@ -97,7 +100,10 @@ class CpuWeight(PreparedWeight):
         scale, zp = layer.weight_scale, layer.weight_zero_point
         if kind is LinearKind.FP4 and traits.cpu_gemv:
             self._pack_fp4(layer, q)
-        elif kind is LinearKind.FP4 or (kind is LinearKind.FP8 and traits.weight_strategy == "block"):
+        elif kind is LinearKind.FP8 and traits.cpu_gemv and dense_fp8(traits):
+            self.weight_fp8 = q.to(device)  # the codes (`codes()`), and their fp32 values packed for the GEMM
+            self.dense_cpu = cg.pack_dense(layer.dequantized_weight(torch.float32, codes=self.weight_fp8))
+        elif kind is LinearKind.FP4 or (kind is LinearKind.FP8 and traits.weight_strategy in ("block", "group")):
             self.weight_fp8 = q.to(device)
             self.weight_dequant = layer.dequantized_weight(layer.dtype, codes=self.weight_fp8)
         elif kind is LinearKind.FP8:
@@ -124,8 +130,8 @@ class CpuWeight(PreparedWeight):
             if kind is LinearKind.W4A16 and self.int4_cpu is None:
                 self._pack_w4(q, scale, zp)
             self.qweight = None
-        if self.row_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_FP4) \
-                and bias is not None:
+        if self.row_path in (KernelPath.CPU_GEMV_INT4, KernelPath.CPU_GEMV_INT8, KernelPath.CPU_GEMV_FP4,
+                             KernelPath.CPU_GEMV_DENSE) and bias is not None:
             self.bias_fp32 = bias.detach().to(device, torch.float32)
         for name, buf in list(self._buffers.items()):
             self._buffers[name] = aligned(buf)
@@ -201,11 +207,18 @@ class CpuWeight(PreparedWeight):
             xq, s, _ = layer.quantize_input(x)  # [M, K] int8, [1] or [M, 1]
             acc = torch._int_mm(xq, self.qweight.t())  # [M, N] int32, exact
             return layer.epilogue(acc.float(), s, x.dtype)
+        if path is KernelPath.CPU_GEMV_DENSE:
+            if self.dense_cpu is None:  # prepared for another path (tests force this one)
+                self.dense_cpu = cg.pack_dense(layer.dequantized_weight(torch.float32))
+            return cg.packed_gemm(layer.fake_quantized_input(x).contiguous(), self.dense_cpu, self.out_features,
+                                  self.gemv_bias(layer))
         if path is KernelPath.CPU_FP8_UPCAST:
+            # (codes kept as bytes for the packed GEMM: upcast for this call, as tests force this path)
+            w = self.weight_upcast if self.weight_upcast is not None else self.codes().to(layer.dtype)
             if layer.input_args is None:  # FP8 weights alone: x times the codes, then the weight scales
-                return layer.epilogue((x @ self.weight_upcast.t()).float(), _ONE, x.dtype)
+                return layer.epilogue((x @ w.t()).float(), _ONE, x.dtype)
             xq, s, _ = layer.quantize_input(x)  # [M, K] float8_e4m3fn
-            acc = xq.to(self.weight_upcast.dtype) @ self.weight_upcast.t()  # [M, N]
+            acc = xq.to(w.dtype) @ w.t()  # [M, N]
             return layer.epilogue(acc.float(), s, x.dtype)
         if path is KernelPath.CPU_GEMV_FP4:
             if self.fp4_cpu is None:  # prepared for the dequantized path (tests force this one)
@@ -235,6 +248,8 @@ class CpuWeight(PreparedWeight):
         if self.row_path is KernelPath.CPU_GEMV_FP4 and self.fp4_cpu is not None and layer.input_args is None:
             group = self.in_features // self.fp4_cpu_scale.shape[1]
             return 4, (self.fp4_cpu, self.fp4_cpu_scale, empty, bias), N, group
+        if self.row_path is KernelPath.CPU_GEMV_DENSE and self.dense_cpu is not None and layer.input_args is None:
+            return 0, (self.dense_cpu, empty, empty, bias), N, 0
         if self.row_path is KernelPath.CPU_INT4PACK and self.int4pack is not None and layer.input_args is None:
             # torch's op: the bias is added in the output's dtype, as `run` does
             bias = empty if layer.bias is None else layer.bias.to(dtype)
