@@ -55,6 +55,9 @@ ARTIFACTS = {
     # scheme, so --target vllm
     "weight_only_mxfp4": dict(quant_type="weight_only_mxfp4", target="vllm"),
     "mxfp4": dict(quant_type="mxfp4", target="vllm"),
+    # MXFP8: E4M3 in groups of 32 with E8M0 scales (mxfp8-quantized); SGLang has no MXFP8 scheme
+    "weight_only_mxfp8": dict(quant_type="weight_only_mxfp8", target="vllm"),
+    "mxfp8": dict(quant_type="mxfp8", target="vllm"),
     # mixed precision (--layer-quant-type): int4 g128, int8 down_proj, NVFP4 q / k / v (config
     # format mixed-precision, a config group per type)
     "weight_only_mixed": dict(quant_type="weight_only_int4", group_size=128,

@@ -19,9 +19,9 @@ answer says which transforms it wrapped around the method (`transforms`).
 
 What is not the engines' code, and so stated here: vLLM's NVFP4 and MXFP4 kernel registries are
 answered by `_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer) and
-`_mxfp4_kernel_oracle` (the rule it applies with FlashInfer's kernels usable: vLLM's wheel requires
-flashinfer-python, nvidia-cutlass-dsl and ninja; without them it takes FP4 Marlin on Blackwell
-too), and its mixed-precision registry, where a scheme asks it (the W4A8 ones), by `_mp_kernel_oracle`
+`_mxfp4_kernel_oracle` and `_mxfp8_kernel_oracle` (the rules it applies with FlashInfer's kernels
+usable: vLLM's wheel requires flashinfer-python, nvidia-cutlass-dsl and ninja; without them it
+takes Marlin on Blackwell too), and its mixed-precision registry, where a scheme asks it (the W4A8 ones), by `_mp_kernel_oracle`
 (the `can_implement` rules of the CUDA kernels it tries first); the driver below builds one layer object per
 engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed `LinearBase` /
 `Attention` / `RadixAttention`) and calls the engine's entry points on it —
@@ -69,7 +69,7 @@ REAL = {
         "schemes.compressed_tensors_wNa8", "schemes.compressed_tensors_wNa8o8",
         "schemes.compressed_tensors_wNa16", "compressed_tensors_embedding", "transform.linear",
         "transform.module", "transform.utils")]
-    + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils",
+    + [P["vllm"] + m for m in ("base_config", "utils.config_utils", "utils.marlin_utils", "utils.mxfp8_utils",
                                "utils.fp8_utils")]
     + ["vllm.scalar_type", "vllm.model_executor.parameter"],
     "sglang": [_CT["sglang"] + m for m in ("compressed_tensors", "utils", "schemes")]
@@ -259,6 +259,7 @@ def _overrides(engine: str, capability: int) -> dict:
         return {
             "vllm.model_executor.kernels.linear": {"init_nvfp4_linear_kernel": _nvfp4_kernel_oracle(cap.to_int()),
                                                    "init_mxfp4_linear_kernel": _mxfp4_kernel_oracle(cap.to_int()),
+                                                   "init_mxfp8_linear_kernel": _mxfp8_kernel_oracle(cap.to_int()),
                                                    "choose_mp_linear_kernel": _mp_kernel_oracle(cap.to_int()),
                                                    "MPLinearLayerConfig": _MPLinearLayerConfig},
             "vllm.platforms": {"current_platform": Platform()},
@@ -317,6 +318,29 @@ def _mxfp4_kernel_oracle(capability: int):
             return type("MarlinMxFp4LinearKernel", (), {"quantizes_inputs": False})()
         raise ValueError("Failed to find a kernel that can implement the MXFP4 linear layer.")
     return init_mxfp4_linear_kernel
+
+
+def _mxfp8_kernel_oracle(capability: int):
+    """vLLM's `init_mxfp8_linear_kernel` (kernels/linear/__init__.py, `_POSSIBLE_MXFP8_KERNELS[CUDA]`)
+    as its CUDA registry resolves on a GPU of `capability` with FlashInfer's kernels usable: the first
+    kernel whose `is_supported` and `can_implement` pass — FlashInfer's CuTe-DSL MXFP8 GEMM (10.x)
+    and its CUTLASS one (10.0 and up), both under `_check_mm_mxfp8_shape` (K ≥ 128, K a multiple of
+    32, N ≥ 128; on 12.x the CUTLASS one also asks N a multiple of 32) and both quantizing the
+    inputs to MXFP8 at run time; then FP8 Marlin (`is_fp8_marlin_supported`: 7.5; weight-only, K a
+    multiple of 32); then the emulation (weights dequantized, inputs float). An object of a class
+    of that name whose `quantizes_inputs` says what the kernel does with the inputs (the kernel
+    modules ask FlashInfer and CUDA, so they are not lifted)."""
+    def init_mxfp8_linear_kernel(*, weight_shape, bmm_batch_size=None):
+        N, K = weight_shape
+        shape_ok = K >= 128 and K % 32 == 0 and N >= 128
+        if 100 <= capability < 110 and shape_ok:
+            return type("FlashInferCutedslMxfp8LinearKernel", (), {"quantizes_inputs": True})()
+        if capability >= 100 and shape_ok and not (120 <= capability < 130 and N % 32):
+            return type("FlashInferCutlassMxfp8LinearKernel", (), {"quantizes_inputs": True})()
+        if capability >= 75 and K % 32 == 0:
+            return type("MarlinMxfp8LinearKernel", (), {"quantizes_inputs": False})()
+        return type("EmulationMxfp8LinearKernel", (), {"quantizes_inputs": False})()
+    return init_mxfp8_linear_kernel
 
 
 def _mp_kernel_oracle(capability: int):

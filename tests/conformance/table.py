@@ -63,6 +63,12 @@ so `quantize` writes MXFP4 for `--target vllm` (or quantspec) only. MXFP4 expert
 Mixtral): vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod` runs CUTLASS W4A4 experts on 10.x-11.x
 and Marlin experts elsewhere; SGLang's `Mxfp4MoEMethod` makes GPT-OSS's parameters (`w13_weight`),
 which take none of the checkpoint's per-expert `weight_packed`, so SGLang refuses them too.
+`weight_only_mxfp8` / `mxfp8` are MXFP8: E4M3 weights with MXFP4's power-of-two scale per group of
+32 (`mxfp8-quantized`), and for `mxfp8` inputs quantized the same way at run time. vLLM runs them
+with `CompressedTensorsW8A8Mxfp8` (from 7.5), whose kernel registry takes FlashInfer's MXFP8 GEMM
+from 10.0 on layers at least 128 wide each way (the inputs quantized at run time, a weight-only
+checkpoint's too) and FP8 Marlin otherwise (weight-only, `mxfp8`'s input quantization set aside).
+SGLang has no MXFP8 scheme; transformers runs them in bf16. quantspec does not judge MXFP8 experts.
 `weight_only_mixed` is mixed precision (`--layer-quant-type`): a config group per type, each
 naming its Linears as the engines match them (a fused unit as one regex that also names the fused
 layer); both engines pick a scheme per layer. `mixed_fp8_dynamic` gives the attention's Linears

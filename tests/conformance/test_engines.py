@@ -203,6 +203,19 @@ def test_fp8_weight_only_verdicts_by_capability_match_engine_code(artifacts, eng
     assert [seen[cap, "sglang", "a8w8_fp8_dynamic"] for cap in (75, 80, 90)] == ["refused", "ignores", "loads"]
 
 
+def test_mxfp8_verdicts_by_capability_match_engine_code(artifacts, engine_sources, tmp_path):
+    """MXFP8 below Turing (7.0), on Hopper (9.0) and on Blackwell (10.0, 12.0): vLLM's one MXFP8
+    scheme asks for 7.5; its registry takes FlashInfer's MXFP8 GEMM from 10.0 (the inputs quantized
+    at run time, a weight-only checkpoint's too) and FP8 Marlin below (weight-only, MXFP8 inputs set
+    aside). SGLang has no MXFP8 scheme at all. Each verdict is what the engines' code answers."""
+    names, caps = ["weight_only_mxfp8", "mxfp8"], (70, 90, 100, 120)
+    seen = {(cap, engine, name): status for cap, engine, name, _res, _v, status, _per in _by_capability(
+        artifacts, engine_sources, tmp_path, names, caps)}
+    assert [seen[c, "vllm", "weight_only_mxfp8"] for c in caps] == ["refused", "loads", "ignores", "ignores"]
+    assert [seen[c, "vllm", "mxfp8"] for c in caps] == ["refused", "ignores", "loads", "loads"]
+    assert all(seen[c, "sglang", n] == "refused" for c in caps for n in names)
+
+
 def _fp4_inputs(qc) -> bool:
     return any(g.input_activations is not None and g.input_activations.is_fp4 for g in qc.config_groups.values())
 
@@ -309,8 +322,8 @@ def test_transformers_verdict(artifacts, name, torch_threads):
 
     path = artifacts[name]
     v = artifact_verdicts(path)["transformers"]
-    # compressed-tensors decompresses FP4 (NVFP4, MXFP4) weights to bf16 only: such a model runs in bf16
-    fp4 = any(s.weights.is_fp4 for s in read_quant_config(path).config_groups.values())
+    # compressed-tensors decompresses FP4 (NVFP4, MXFP4) and MXFP8 weights to bf16 only: such a model runs in bf16
+    fp4 = any(s.weights.is_fp4 or s.weights.is_mx for s in read_quant_config(path).config_groups.values())
     dtype = torch.bfloat16 if fp4 else torch.float32
     try:
         m, info = AutoModelForCausalLM.from_pretrained(str(path), dtype=dtype, output_loading_info=True)
@@ -421,7 +434,7 @@ def test_compressed_tensors_decompression_equals_ours(artifacts, decompressed, n
                 # scale's shape (rows // scale rows): wrong where an edge block is partial
                 args = args.replace(block_structure=tuple(d // s for d, s in zip(lq.q.shape, lq.scale.shape)))
                 assert args != lq.args
-            if args.is_fp4:  # compressed-tensors decompresses NVFP4 to bf16
+            if args.is_fp4 or args.is_mx:  # compressed-tensors decompresses NVFP4, MXFP4 and MXFP8 to bf16
                 ours = dequantize(lq.q, lq.scale, None, args, dtype=w.dtype, global_scale=lq.global_scale)
             else:
                 ours = dequantize(lq.q, lq.scale, lq.zero_point, args)
