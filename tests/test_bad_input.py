@@ -180,6 +180,16 @@ CASES = [
                                             "--out {d}/q", "--weight-block"),
     ("quantize-mxfp4-dynamic", "quantize --model {model} --quant-type mxfp4 --activations dynamic --out {d}/q",
      "--activations"),
+    ("quantize-mxfp8-asym", "quantize --model {model} --quant-type weight_only_mxfp8 --asym --target vllm --out {d}/q",
+     "--asym"),
+    ("quantize-mxfp8-mse", "quantize --model {model} --quant-type mxfp8 --weight-observer mse --target vllm "
+                           "--out {d}/q", "--weight-observer"),
+    ("quantize-mxfp8-dynamic", "quantize --model {model} --quant-type mxfp8 --activations dynamic --target vllm "
+                               "--out {d}/q", "--activations"),
+    ("quantize-mxfp8-awq", "quantize --model {model} --quant-type weight_only_mxfp8 --method awq --target vllm "
+                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-mxfp8-block", "quantize --model {model} --quant-type weight_only_mxfp8 --weight-block 128 "
+                             "--target vllm --out {d}/q", "--weight-block"),
     ("quantize-layer-type-no-type", "quantize --model {model} --quant-type weight_only_int4 "
                                     "--layer-quant-type re:.*down_proj$ --out {d}/q", "--layer-quant-type"),
     ("quantize-layer-type-nvfp4", "quantize --model {model} --quant-type weight_only_int4 "
@@ -245,6 +255,10 @@ CASES = [
      "--target vllm"),
     ("quantize-target-sglang-mxfp4", "quantize --model {model} --quant-type mxfp4 --target sglang --out {d}/q",
      "--quant-type weight_only_nvfp4"),
+    ("quantize-target-portable-mxfp8", "quantize --model {model} --quant-type weight_only_mxfp8 --out {d}/q",
+     "--target vllm"),
+    ("quantize-target-sglang-mxfp8", "quantize --model {model} --quant-type mxfp8 --target sglang --out {d}/q",
+     "--quant-type weight_only_fp8"),
     ("quantize-kv-strategy-no-kv", "quantize --model {model} --quant-type weight_only_int8 --kv-strategy tensor "
                                    "--out {d}/q", "--kv-cache"),
     ("quantize-out-not-empty", "quantize --model {model} --quant-type weight_only_int8 --out {d}/busy",

@@ -193,16 +193,19 @@ def write_with_compressed_tensors(src: Path, out: Path, scheme, kv_cache_scheme=
 
 
 def _ct_decompressed(path: Path, name: str, scheme) -> torch.Tensor:
-    """compressed-tensors' NVFP4 / MXFP4 decompressor on Linear `name`'s tensors as saved (bf16)."""
+    """compressed-tensors' NVFP4 / MXFP4 / MXFP8 decompressor on Linear `name`'s tensors as saved (bf16)."""
     from compressed_tensors.compressors.mxfp4 import MXFP4PackedCompressor
+    from compressed_tensors.compressors.mxfp8 import MXFP8QuantizationCompressor
     from compressed_tensors.compressors.nvfp4 import NVFP4PackedCompressor
 
     from quantspec.quant.artifact import load_safetensors
 
     stored = load_safetensors(path)
     state = {k.removeprefix(name + "."): v for k, v in stored.items() if k.startswith(name + ".")}
-    mx = scheme.weights.strategy == "group"
-    return (MXFP4PackedCompressor if mx else NVFP4PackedCompressor).decompress(state, scheme)["weight"]
+    w = scheme.weights
+    compressor = NVFP4PackedCompressor if w.strategy != "group" else \
+        MXFP4PackedCompressor if w.num_bits == 4 else MXFP8QuantizationCompressor
+    return compressor.decompress(state, scheme)["weight"]
 
 
 def _args(**kw):
@@ -246,6 +249,8 @@ SCHEMES = {  # name → (scheme, kv_cache_scheme)
     "nvfp4": (lambda: _preset("NVFP4"), None),
     "mxfp4a16": (lambda: _preset("MXFP4A16"), None),
     "mxfp4": (lambda: _preset("MXFP4"), None),
+    "mxfp8a16": (lambda: _preset("MXFP8A16"), None),
+    "mxfp8": (lambda: _preset("MXFP8"), None),
     # int4 weights with 8-bit inputs per token (stored int-quantized: one code an int8)
     "w4a8": (lambda: _preset("W4A8"), None),
     "w4afp8": (lambda: _preset("W4AFP8"), None),
@@ -285,7 +290,8 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
 
     scheme, kv = (f() if f is not None else None for f in SCHEMES[name])
     model = write_with_compressed_tensors(tiny_llama_128, tmp_path / name, scheme, kv)
-    fp4 = scheme.weights.type == "float" and scheme.weights.num_bits == 4
+    # FP4 and MXFP8 (microscaled): decompressed to bf16 only
+    fp4 = scheme.weights.type == "float" and (scheme.weights.num_bits == 4 or scheme.weights.group_size == 32)
     seen = _layer_io(model) if name.startswith("w4a8") else None
     if fp4:  # decompressed to bf16 only: its fp32 numbers are its forward before compression
         theirs = model.fake_quantized_logits

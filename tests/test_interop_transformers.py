@@ -232,12 +232,13 @@ def test_fp8_checkpoint_whose_groups_do_not_divide_k_is_one_line(tiny_llama_dir,
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4", "weight_only_mxfp4", "mxfp4"])
+@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4", "weight_only_mxfp4", "mxfp4",
+                                        "weight_only_mxfp8", "mxfp8"])
 def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, tmp_path, quant_type):
-    """NVFP4 / MXFP4 (`nvfp4-` / `mxfp4-pack-quantized`), where compressed-tensors decompresses to
-    bf16 only, so both run in bf16: the weight-only types give quantspec's logits; for nvfp4
-    transformers holds the stored input global scales, for mxfp4 it quantizes the inputs per group
-    of 32 at run time (in bf16, quantspec in fp32 as vLLM's kernels do: the fp32 numbers are
+    """NVFP4 / MXFP4 / MXFP8 (`nvfp4-` / `mxfp4-pack-quantized`, `mxfp8-quantized`), where
+    compressed-tensors decompresses to bf16 only, so both run in bf16: the weight-only types give
+    quantspec's logits; for nvfp4 transformers holds the stored input global scales, for mxfp4 /
+    mxfp8 it quantizes the inputs per group of 32 at run time (in bf16, quantspec in fp32 as vLLM's kernels do: the fp32 numbers are
     compressed-tensors' own, tests/test_interop_compressed_tensors.py). NVFP4's q/k/v and gate/up
     share their weight global scale, as the engines' fused layers need."""
     from transformers import AutoModelForCausalLM
@@ -259,7 +260,7 @@ def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, 
     # whose weights stay fp32)
     lm = load_for_inference(art, tokenizer=False, dtype=torch.bfloat16, policy=DispatchPolicy(cpu_kernels=False))
     layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
-    assert layers and all(m.weight_args.is_fp4 for m in layers)
+    assert layers and all(m.weight_args.is_fp4 or m.weight_args.is_mx for m in layers)
     ours = logits(lm.model, IDS).float()
     fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
     if quant_type.startswith("weight_only"):
@@ -269,7 +270,7 @@ def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, 
         assert (kernel - theirs).abs().max() < 0.02 * theirs.abs().max() < (fp32 - theirs).abs().max()
         return
     q = hf.model.layers[0].self_attn.q_proj
-    if quant_type == "mxfp4":
+    if quant_type in ("mxfp4", "mxfp8"):
         ia = q.quantization_scheme.input_activations
         assert (ia.dynamic, ia.strategy, ia.group_size) == (True, "group", 32)
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max() < (fp32 - theirs).abs().max()

@@ -220,7 +220,43 @@ def test_quantize_mxfp4(tiny_llama_dir, corpus_files, tmp_path, quant_type):
     assert not torch.equal(load_safetensors(gq)[f"{n}.weight_packed"], t[f"{n}.weight_packed"])
 
 
-@pytest.mark.parametrize("quant_type,group", [("weight_only_nvfp4", 16), ("weight_only_mxfp4", 32)])
+@pytest.mark.parametrize("quant_type", ["weight_only_mxfp8", "mxfp8"])
+def test_quantize_mxfp8(tiny_llama_dir, corpus_files, tmp_path, quant_type):
+    """`--quant-type weight_only_mxfp8 | mxfp8 --target vllm`: E4M3 codes and one E8M0 exponent per
+    group of 32 — MXFP4's power-of-two rule with E4M3's offset on the source weights, nothing
+    calibrated; inspect shows the groups of 32 and the MXFP8 inputs; GPTQ rounds it too; the
+    artifact runs."""
+    from quantspec.quant.artifact import load_safetensors
+    from quantspec.quant.fp4 import mx_exponents
+
+    out = tmp_path / quant_type
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--target", "vllm", "--out", out)
+    assert r.exit_code == 0, r.output
+    t, src = load_safetensors(out), load_safetensors(tiny_llama_dir)
+    assert not any(k.endswith(("global_scale", "input_scale", "weight_packed")) for k in t)
+    n = "model.layers.1.mlp.down_proj"
+    W = src[f"{n}.weight"]
+    Wg = W.unflatten(-1, (-1, 32))
+    e = mx_exponents(Wg.abs().amax(-1), 8)
+    assert t[f"{n}.weight_scale"].dtype == torch.uint8 and torch.equal(t[f"{n}.weight_scale"], e)
+    s = (2.0 ** (e.float() - 127)).to(W.dtype).unsqueeze(-1)
+    want = (Wg / s).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(1)
+    assert torch.equal(t[f"{n}.weight"].view(torch.uint8), want.view(torch.uint8))
+    info = api.inspect(out)
+    assert info["quant_type"] == quant_type and info["format"] == "mxfp8-quantized"
+    assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("group", 32)}
+    ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
+                         "--seq-len", "64", "--max-windows", "2", "--json").stdout)
+    assert ev["perplexity"] > 1
+    gq = tmp_path / f"{quant_type}_gptq"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--method", "gptq", "--target", "vllm",
+             "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4", "--seq-len", "32", "--out", gq)
+    assert r.exit_code == 0, r.output
+    assert not torch.equal(load_safetensors(gq)[f"{n}.weight"].view(torch.uint8), t[f"{n}.weight"].view(torch.uint8))
+
+
+@pytest.mark.parametrize("quant_type,group", [("weight_only_nvfp4", 16), ("weight_only_mxfp4", 32),
+                                              ("weight_only_mxfp8", 32)])
 def test_fp4_layer_whose_k_takes_no_group_is_one_line(tmp_path, quant_type, group):
     from quantspec.model_zoo.tiny import build_tiny_model
 

@@ -6,7 +6,7 @@ another type than the model's `--quant-type`, in a config group of their own.
 - The model's type and every layer's type need no calibration table (`LAYER_TYPES`): weight-only
   types, and those whose inputs are quantized at run time — a8w8 and a8w8_fp8 with per-token
   input scales (llm-compressor's W8A8 and FP8_DYNAMIC), a8w4 and a8w4_fp8 (W4A8, W4AFP8),
-  mxfp4. vLLM and SGLang pick a scheme per layer for each (e.g. FP8 attention beside int4 MLPs).
+  mxfp4, mxfp8. vLLM and SGLang pick a scheme per layer for each (e.g. FP8 attention beside int4 MLPs).
   The model's a8w8 types must then be `--activations dynamic` (static input scales come from the
   a8w8 recipe, which plans one type).
 - A layer's type takes the same knobs as the model's where it has them (group size, --asym and
@@ -46,7 +46,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.moe import expert_dims
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES
+from quantspec.quant.presets import FP8_TYPES, MXFP8_TYPES, PER_TOKEN_TYPES
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
@@ -54,8 +54,9 @@ HEAD = "lm_head"  # the output head: quantized only where a target names it
 # the quant types a layer may take beside the model's own, and the model's own with them: weight-only
 # ones, and those whose inputs are quantized at run time (a8w8 types with per-token scales)
 WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_FP8,
-                     QuantType.WEIGHT_ONLY_NVFP4, QuantType.WEIGHT_ONLY_MXFP4)
-DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4, QuantType.A8W4, QuantType.A8W4_FP8)
+                     QuantType.WEIGHT_ONLY_NVFP4, QuantType.WEIGHT_ONLY_MXFP4, QuantType.WEIGHT_ONLY_MXFP8)
+DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4, QuantType.MXFP8, QuantType.A8W4,
+                 QuantType.A8W4_FP8)
 LAYER_TYPES = WEIGHT_ONLY_TYPES + DYNAMIC_TYPES
 
 
@@ -93,7 +94,7 @@ def _check_method(spec: str, qt: QuantType, method: str) -> None:
     if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES:  # AWQ folds in before a per-token quantizer
         raise QuantSpecError(f"--method {method} is for weight-only layers and inputs quantized per token, and "
                              f"--layer-quant-type {spec!r} quantizes its inputs per group; use --method rtn or gptq")
-    if method.startswith("awq") and qt in FP8_TYPES:
+    if method.startswith("awq") and qt in FP8_TYPES + MXFP8_TYPES:
         raise QuantSpecError(f"--method {method}: AWQ scales integer or FP4 weights, and --layer-quant-type "
                              f"{spec!r} is FP8; use --method rtn or gptq")
 

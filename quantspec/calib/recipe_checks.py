@@ -16,7 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from quantspec.errors import QuantSpecError, positive_int
-from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES
+from quantspec.quant.presets import FP8_TYPES, MXFP8_TYPES, PER_TOKEN_TYPES
 
 __all__ = ["ALPHA_CHOICES", "check_activation_recipe", "check_method", "per_token_smoothing", "smooths_per_token"]
 
@@ -104,7 +104,7 @@ def check_method(c, qt) -> None:
     """Refuse, naming the flag, a `--method` that the weights of `c`'s quant type `qt` or its data do not take."""
     from quantspec.calib.ptq import DATA_METHODS
 
-    if c.method.startswith("awq") and qt in FP8_TYPES:
+    if c.method.startswith("awq") and qt in FP8_TYPES + MXFP8_TYPES:
         raise QuantSpecError(f"--method {c.method}: AWQ scales integer or FP4 weights, and {qt.value}'s "
                              "are FP8; use --method rtn or gptq")
     if c.method != "rtn" and c.weight_block is not None:

@@ -15,7 +15,8 @@ def _gib(n) -> str:
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
 @click.option("--quant-type", required=True,
               help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_fp8 | a8w4 | a8w4_fp8 | "
-                   "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 (nvfp4: needs --calib; a8w4 / a8w4_fp8: "
+                   "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 | weight_only_mxfp8 | mxfp8 (nvfp4: needs "
+                   "--calib; MXFP4 / MXFP8: vLLM only, --target vllm; a8w4 / a8w4_fp8: "
                    "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8) | keep (an artifact's weights as they are, "
                    "with --calib and --kv-cache: KV-cache scales added)")
 @click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
@@ -40,7 +41,7 @@ def _gib(n) -> str:
                    "'re:.*mlp.down_proj$=weight_only_int8' or 're:.*self_attn.*=a8w8_fp8'; 'lm_head=weight_only_int8' "
                    "quantizes the output head, 'model.embed_tokens=weight_only_int4' the input embedding (vLLM "
                    "only: --target vllm) (repeatable; types that "
-                   "need no calibration table: weight-only ones, and a8w8 / a8w8_fp8 / mxfp4 with inputs "
+                   "need no calibration table: weight-only ones, and a8w8 / a8w8_fp8 / mxfp4 / mxfp8 with inputs "
                    "quantized at run time)")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
