@@ -186,73 +186,44 @@ def test_quantize_nvfp4(tiny_llama_dir, calibration_table, corpus_files, tmp_pat
     assert api.inspect(gq)["method"] == "gptq"
 
 
-@pytest.mark.parametrize("quant_type", ["weight_only_mxfp4", "mxfp4"])
-def test_quantize_mxfp4(tiny_llama_dir, corpus_files, tmp_path, quant_type):
-    """`--quant-type weight_only_mxfp4 | mxfp4`: E2M1 codes two a byte and one E8M0 exponent per
-    group of 32 — compressed-tensors' MXFP4 numbers on the source weights (its own
-    `calculate_qparams`), no global scale and nothing calibrated; inspect shows the groups of 32;
-    GPTQ rounds it too; the artifact runs."""
+@pytest.mark.parametrize("quant_type", ["weight_only_mxfp4", "mxfp4", "weight_only_mxfp8", "mxfp8"])
+def test_quantize_mx(tiny_llama_dir, corpus_files, tmp_path, quant_type):
+    """`--quant-type weight_only_mxfp4 | mxfp4 | weight_only_mxfp8 | mxfp8`: E2M1 codes two a byte
+    (E4M3 codes a byte) and one E8M0 exponent per group of 32 — compressed-tensors' power-of-two
+    rule on the source weights, no global scale and nothing calibrated; inspect shows the groups
+    of 32; GPTQ rounds them too; the artifact runs."""
     from quantspec.quant.artifact import load_safetensors
     from quantspec.quant.fp4 import mx_exponents, pack_fp4, round_to_e2m1
 
+    fp8 = quant_type.endswith("mxfp8")
     out = tmp_path / quant_type
-    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--target", "quantspec", "--out", out)
+    target = "vllm" if fp8 else "quantspec"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--target", target, "--out", out)
     assert r.exit_code == 0, r.output
     t, src = load_safetensors(out), load_safetensors(tiny_llama_dir)
     assert not any(k.endswith(("global_scale", "input_scale")) for k in t)
     n = "model.layers.1.mlp.down_proj"
     W = src[f"{n}.weight"]
     Wg = W.unflatten(-1, (-1, 32))
-    e = mx_exponents(Wg.abs().amax(-1))
+    e = mx_exponents(Wg.abs().amax(-1), 8 if fp8 else 2)
     assert t[f"{n}.weight_scale"].dtype == torch.uint8 and torch.equal(t[f"{n}.weight_scale"], e)
     s = (2.0 ** (e.float() - 127)).to(W.dtype).unsqueeze(-1)
-    assert torch.equal(t[f"{n}.weight_packed"], pack_fp4(round_to_e2m1((Wg / s).clamp(-6, 6)).flatten(1)))
+    codes = f"{n}.weight" if fp8 else f"{n}.weight_packed"
+    want = (Wg / s).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(1).view(torch.uint8) if fp8 else \
+        pack_fp4(round_to_e2m1((Wg / s).clamp(-6, 6)).flatten(1))
+    assert torch.equal(t[codes].view(torch.uint8), want)
     info = api.inspect(out)
-    assert info["quant_type"] == quant_type and info["format"] == "mxfp4-pack-quantized"
+    assert info["quant_type"] == quant_type
+    assert info["format"] == ("mxfp8-quantized" if fp8 else "mxfp4-pack-quantized")
     assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("group", 32)}
     ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
                          "--seq-len", "64", "--max-windows", "2", "--json").stdout)
     assert ev["perplexity"] > 1
     gq = tmp_path / f"{quant_type}_gptq"
-    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--method", "gptq", "--target", "quantspec",
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--method", "gptq", "--target", target,
              "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4", "--seq-len", "32", "--out", gq)
     assert r.exit_code == 0, r.output
-    assert not torch.equal(load_safetensors(gq)[f"{n}.weight_packed"], t[f"{n}.weight_packed"])
-
-
-@pytest.mark.parametrize("quant_type", ["weight_only_mxfp8", "mxfp8"])
-def test_quantize_mxfp8(tiny_llama_dir, corpus_files, tmp_path, quant_type):
-    """`--quant-type weight_only_mxfp8 | mxfp8 --target vllm`: E4M3 codes and one E8M0 exponent per
-    group of 32 — MXFP4's power-of-two rule with E4M3's offset on the source weights, nothing
-    calibrated; inspect shows the groups of 32 and the MXFP8 inputs; GPTQ rounds it too; the
-    artifact runs."""
-    from quantspec.quant.artifact import load_safetensors
-    from quantspec.quant.fp4 import mx_exponents
-
-    out = tmp_path / quant_type
-    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--target", "vllm", "--out", out)
-    assert r.exit_code == 0, r.output
-    t, src = load_safetensors(out), load_safetensors(tiny_llama_dir)
-    assert not any(k.endswith(("global_scale", "input_scale", "weight_packed")) for k in t)
-    n = "model.layers.1.mlp.down_proj"
-    W = src[f"{n}.weight"]
-    Wg = W.unflatten(-1, (-1, 32))
-    e = mx_exponents(Wg.abs().amax(-1), 8)
-    assert t[f"{n}.weight_scale"].dtype == torch.uint8 and torch.equal(t[f"{n}.weight_scale"], e)
-    s = (2.0 ** (e.float() - 127)).to(W.dtype).unsqueeze(-1)
-    want = (Wg / s).clamp(-448, 448).to(torch.float8_e4m3fn).flatten(1)
-    assert torch.equal(t[f"{n}.weight"].view(torch.uint8), want.view(torch.uint8))
-    info = api.inspect(out)
-    assert info["quant_type"] == quant_type and info["format"] == "mxfp8-quantized"
-    assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("group", 32)}
-    ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
-                         "--seq-len", "64", "--max-windows", "2", "--json").stdout)
-    assert ev["perplexity"] > 1
-    gq = tmp_path / f"{quant_type}_gptq"
-    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", quant_type, "--method", "gptq", "--target", "vllm",
-             "--dataset", corpus_files / "calib.jsonl", "--num-samples", "4", "--seq-len", "32", "--out", gq)
-    assert r.exit_code == 0, r.output
-    assert not torch.equal(load_safetensors(gq)[f"{n}.weight"].view(torch.uint8), t[f"{n}.weight"].view(torch.uint8))
+    assert not torch.equal(load_safetensors(gq)[codes].view(torch.uint8), t[codes].view(torch.uint8))
 
 
 @pytest.mark.parametrize("quant_type,group", [("weight_only_nvfp4", 16), ("weight_only_mxfp4", 32),
