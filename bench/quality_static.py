@@ -15,8 +15,9 @@ one weight scale per block, shrunk per layer to one that tiles it, inputs per to
 run time; for weight_only_fp8 the same weights with float inputs, `--target vllm`); `weight_only_fp8`:
 a8w8_fp8's per-channel weights with float inputs (W8A16 FP8, no table); `weight_only_nvfp4` / `nvfp4-default`: NVFP4 weights (E2M1, FP8 scales per group of 16
 under a global scale), with float inputs / with NVFP4 inputs under the table's global scales;
-`weight_only_mxfp4` / `mxfp4`: MXFP4 weights (E2M1, power-of-two scales per group of 32), with
-float inputs / with MXFP4 inputs quantized at run time (no table; written for `--target quantspec`:
+`weight_only_mxfp4` / `mxfp4` (`weight_only_mxfp8` / `mxfp8`): MXFP4 (MXFP8) weights (E2M1
+(E4M3), power-of-two scales per group of 32), with float inputs / with MXFP4 (MXFP8) inputs
+quantized at run time (no table; written for `--target quantspec`:
 the row measures the numbers, `docs/engines.md` says which engine loads them);
 `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
@@ -93,6 +94,10 @@ ROWS = {
     "weight_only_mxfp4-awq+gptq": ("weight_only_mxfp4", PLAIN, None, DEFAULT, "awq+gptq"),
     "mxfp4": ("mxfp4", PLAIN, None, DEFAULT),
     "mxfp4-gptq": ("mxfp4", PLAIN, None, DEFAULT, "gptq"),
+    "weight_only_mxfp8": ("weight_only_mxfp8", PLAIN, None, DEFAULT),
+    "weight_only_mxfp8-gptq": ("weight_only_mxfp8", PLAIN, None, DEFAULT, "gptq"),
+    "mxfp8": ("mxfp8", PLAIN, None, DEFAULT),
+    "mxfp8-gptq": ("mxfp8", PLAIN, None, DEFAULT, "gptq"),
     "fp32+kv-int8": (None, None, "int8", 0),
     "fp32+kv-fp8": (None, None, "fp8", 0),
     "a8w8": ("a8w8", None, None, 0),
@@ -167,7 +172,7 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
-                if "mxfp4" in qt or qt.startswith("a8w4") or (qt == "weight_only_fp8" and alpha == BLOCK):
+                if "mxfp" in qt or qt.startswith("a8w4") or (qt == "weight_only_fp8" and alpha == BLOCK):
                     kw["target"] = "quantspec"
                 tag = "-".join(map(str, alpha)) if isinstance(alpha, tuple) else alpha
                 artifacts[key] = api.quantize(model, qt, work / f"{qt}-{tag}-{fb}-{method}",
@@ -212,7 +217,8 @@ def markdown(calib_info: dict, rows: list[dict]) -> str:
             {DYNAMIC: "— (dynamic activations)",  # per-token activations: no smoothing
              BLOCK: "— (128² blocks, float activations)" if r["quant_type"] == "weight_only_fp8" else
              "— (128² blocks, dynamic per-group activations)",
-             PLAIN: "— (float activations)" if r["quant_type"] == "weight_only_fp8" else None}.get(a)
+             PLAIN: "— (float activations)" if r["quant_type"].startswith("weight_only") else
+             "— (per-group activations at run time)"}.get(a)
         alpha = alpha or r["smoothquant_alpha"] or "—"
         cells.append([r["row"], r["quant_type"], alpha, fb, r["kv_cache"],
                       f"{r['perplexity']:.4f}", d, t, q])

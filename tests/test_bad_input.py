@@ -326,6 +326,8 @@ CASES = [
     # -- inspect -----------------------------------------------------------------------------
     ("inspect-missing", "inspect {d}/no-such-model", "PATH"),
     ("inspect-compute-capability", "inspect {model} --compute-capability 8.95", "--compute-capability"),
+    ("quantize-compute-capability", "quantize --model {model} --quant-type weight_only_int8 --compute-capability h100 "
+                                    "--out {d}/q", "--compute-capability"),
     ("inspect-truncated", "inspect {d}/truncated", "PATH"),
     ("inspect-bad-config", "inspect {d}/badconfig", "PATH"),
     # -- report ------------------------------------------------------------------------------

@@ -379,3 +379,27 @@ def test_inspect_judges_the_serving_gpu(tiny_llama_dir, tmp_path):
     r = _run("inspect", art, "--compute-capability", "8.0")
     assert r.exit_code == 0 and "compute capability 8.0" in r.output and "FP8 input quantization" in r.output
     assert api.inspect(art)["compute_capability"] == "9.0"
+
+
+@pytest.mark.parametrize("args,gpu,own,refusal,fix", [
+    (("a8w8_fp8", "--activations", "dynamic", "--target", "sglang"), "8.0", "9.0",
+     "ignores FP8 input quantization below compute capability 8.9", "--quant-type weight_only_fp8"),
+    (("weight_only_fp8",), "7.5", "8.0", "SGLang refused because FP8 weights below compute capability 8.0",
+     "--target vllm"),
+    (("weight_only_mxfp8", "--target", "vllm"), "10.0", "9.0", "vLLM's MXFP8 code asks for MXFP8 inputs",
+     "--quant-type mxfp8"),
+    (("mxfp8", "--target", "vllm"), "9.0", "10.0", "MXFP8 input quantization below compute capability 10.0",
+     "--quant-type weight_only_mxfp8"),
+])
+def test_quantize_target_judges_the_serving_gpu(tiny_llama_dir, tmp_path, args, gpu, own, refusal, fix):
+    """`quantize --compute-capability X.Y`: `--target` is judged for that GPU before any work, the
+    refusal naming it and the type that writes what its kernels run; the same options pass on a GPU
+    whose kernels run them as written (`own`), which the provenance records."""
+    out = tmp_path / "q"
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", *args, "--compute-capability", gpu, "--out", out)
+    assert r.exit_code == 2 and refusal in r.output and fix in r.output, r.output
+    assert f"on compute capability {gpu}" in r.output and len(r.output.strip().splitlines()) == 1
+    assert not out.exists()
+    r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", *args, "--compute-capability", own, "--out", out)
+    assert r.exit_code == 0, r.output
+    assert read_quant_config(out).provenance["args"]["compute_capability"] == own

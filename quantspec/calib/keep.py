@@ -22,7 +22,8 @@ __all__ = ["KEEP", "run_keep"]
 
 KEEP = "keep"
 # what `--quant-type keep` reads; every other option of `QuantizeConfig` must stay at its default
-_KEPT_OPTIONS = ("model", "quant_type", "out", "calib", "kv_cache", "kv_strategy", "target", "overwrite", "device")
+_KEPT_OPTIONS = ("model", "quant_type", "out", "calib", "kv_cache", "kv_strategy", "target", "compute_capability",
+                 "overwrite", "device")
 
 
 def _check_options(options: dict) -> None:
@@ -44,14 +45,16 @@ def _check_options(options: dict) -> None:
                              "--calib DIR (from `quantspec calibrate --model ARTIFACT`)")
 
 
-def _kv_args(kind: str, strategy: str | None, target: str):
-    """The KV-cache args of `--kv-cache kind --kv-strategy strategy`, refused where `target` would."""
-    from quantspec.quant.engines import target_refusal
+def _kv_args(kind: str, strategy: str | None, target: str, compute_capability=None):
+    """The KV-cache args of `--kv-cache kind --kv-strategy strategy`, refused where `target` would (on
+    a GPU of `compute_capability` where given)."""
+    from quantspec.quant.engines import parse_capability, target_refusal
     from quantspec.quant.presets import KV_STRATEGIES, preset, settle_kv_strategy
 
     strategy = settle_kv_strategy(target, strategy)
     probe = preset("weight_only_int8", kv_cache=kind, kv_strategy=KV_STRATEGIES[strategy])
-    refusal = target_refusal(target, probe)
+    capability = None if compute_capability is None else parse_capability(compute_capability)
+    refusal = target_refusal(target, probe, capability=capability)
     if refusal is not None:
         raise QuantSpecError(refusal)
     return probe.kv_cache_scheme
@@ -92,7 +95,8 @@ def run_keep(options: dict, say=lambda _m: None) -> Path:
     if options.get("out") is None:
         raise QuantSpecError("--out is required: the directory to write the artifact to")
     out = check_output_dir(options["out"], "--out", overwrite=bool(options.get("overwrite")))
-    kv = _kv_args(options["kv_cache"], options.get("kv_strategy"), options.get("target", "portable"))
+    kv = _kv_args(options["kv_cache"], options.get("kv_strategy"), options.get("target", "portable"),
+                  options.get("compute_capability"))
     d, cfg, qc = _source(options["model"])
     with about("--calib"):
         table = read_table(options["calib"], model_dir=d)

@@ -149,11 +149,12 @@ def _check_embedding(spec: str, qt: QuantType, integer: bool, symmetric: bool, z
                              "symmetric (vLLM's embedding lookup has no zero point); drop --asym / --zp-dtype")
 
 
-def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[str, str], target: str) -> QuantConfig:
+def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[str, str], target: str,
+                        capability: int | None = None) -> QuantConfig:
     """`config` with its groups `specs` keys (group key → the spec that made it,
     `with_layer_types`) retargeted at the Linears of `model` they quantize, as every engine
     resolves them (`engines.fused_targets`), after the checks of the module docstring and
-    `--target`'s (`engines.target_refusal`), each refused in one line."""
+    `--target`'s (`engines.target_refusal`, on a GPU of `capability` where given), each refused in one line."""
     from quantspec.calib.ptq import quantized_linears
     from quantspec.quant.engines import engine_layers, fused_targets, target_refusal
     from quantspec.quant.engines.moe import EXPERT
@@ -178,7 +179,7 @@ def resolve_layer_types(model: nn.Module, config: QuantConfig, specs: Mapping[st
         groups[k] = replace(groups[k], targets=fused_targets(names))
     config = replace(config, config_groups=groups)
     refusal = target_refusal(target, config, moe=getattr(model.args, "num_experts", 0) > 0,
-                             expert_dims=expert_dims(model.args))
+                             expert_dims=expert_dims(model.args), capability=capability)
     if refusal is not None:
         raise QuantSpecError(refusal)
     return config

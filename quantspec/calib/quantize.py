@@ -93,6 +93,8 @@ class QuantizeConfig:
     kv_cache: str | None = None
     kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
     target: str = "portable"
+    compute_capability: str | None = None  # the serving GPU's ("9.0", ...) `target` is judged for; None: each type's
+    capability: object = field(default=None, init=False, repr=False, compare=False)  # `compute_capability` parsed
     fallback_layers: int | None = None
     fallback_threshold: float | None = None
     fallback_budget: float | None = None
@@ -117,9 +119,11 @@ class QuantizeConfig:
         from quantspec.calib.rotate import Rotation
         from quantspec.quant.args import QuantType
         from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
-        from quantspec.quant.engines import target_refusal
+        from quantspec.quant.engines import parse_capability, target_refusal
 
         qt = QuantType.parse(self.quant_type)
+        if self.compute_capability is not None:
+            object.__setattr__(self, "capability", parse_capability(self.compute_capability))
         object.__setattr__(self, "quant_type", qt.value)
         object.__setattr__(self, "rotation", Rotation.parse(self.rotate, self.seed))
         object.__setattr__(self, "quip_spec", Quip.parse(self.quip, self.quip_block_size))
@@ -158,7 +162,7 @@ class QuantizeConfig:
                         weight_block=self.weight_block)
         if self.layer_quant_types:  # judged once its targets name the model's Linears (`run_quantize`)
             config = self._with_layer_types(config, qt, observer)
-        refusal = None if self.layer_quant_types else target_refusal(self.target, config)
+        refusal = None if self.layer_quant_types else target_refusal(self.target, config, capability=self.capability)
         if refusal is not None:
             raise QuantSpecError(refusal)
         object.__setattr__(self, "quant_config", config)
@@ -254,7 +258,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     if config.layer_quant_types:
         from quantspec.calib.layer_types import resolve_layer_types
 
-        src.quant_config = resolve_layer_types(model, src.quant_config, config.layer_groups, config.target)
+        src.quant_config = resolve_layer_types(model, src.quant_config, config.layer_groups, config.target,
+                                               config.capability)
     batches = _gptq_batches(config, src, say)
     if src.reader is not None and (config.method != "rtn" or config.static):  # windows run full attention
         model.args.check_context(config.seq_len, "--seq-len")
@@ -314,7 +319,8 @@ def _read_source(config: QuantizeConfig) -> _Source:
             raise QuantSpecError(f"--layer-quant-type is for base models, and {model_dir} is {what}; quantize it "
                                  "with one --quant-type")
         # with --layer-quant-type, judged once its targets name the model's Linears (`run_quantize`)
-        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe, expert_dims=expert_dims(args)) \
+        refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe, expert_dims=expert_dims(args),
+                                 capability=config.capability) \
             if (what or moe) and not config.layer_quant_types else None
         unfit = eagle3_refusal("sglang", cfg) if kind == "eagle3" and config.target == "sglang" else None
         if unfit is not None:  # the float head already: no quantization makes it SGLang's
@@ -473,8 +479,8 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
-                          "kv_strategy", "target", "activations", "weight_block", "layer_quant_types", "rotate", "quip",
-                          "quip_block_size")}
+                          "kv_strategy", "target", "compute_capability", "activations", "weight_block",
+                          "layer_quant_types", "rotate", "quip", "quip_block_size")}
         | {"ignore": list(res.config.ignore)},
         "calibration": src.calib_summary or None,
         "ptq": res.summary,

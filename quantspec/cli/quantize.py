@@ -85,6 +85,9 @@ def _gib(n) -> str:
               type=click.Choice(["portable", "vllm", "sglang", "transformers", "quantspec"]),
               help="the engines the artifact must load in (portable: vLLM and SGLang); options one of "
                    "them would refuse or ignore are refused before any work")
+@click.option("--compute-capability", default=None, metavar="X.Y",
+              help="judge --target for the serving GPU of this compute capability (e.g. 8.0 for A100) [default: the "
+                   "GPU each type is made for: 9.0, or 10.0 for NVFP4 / MXFP4 / MXFP8 inputs]")
 @click.option("--out", required=True, type=click.Path(), help="artifact directory to write")
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @click.option("--device", default="auto", show_default=True,
@@ -105,7 +108,8 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
              act_order, gptq_block_size, damp,
              dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
-             kv_strategy=None, target="portable", rotate=None, quip=None, quip_block_size=None):
+             kv_strategy=None, target="portable", compute_capability=None, rotate=None, quip=None,
+             quip_block_size=None):
     """Quantize a checkpoint into a compressed-tensors artifact directory."""
     import time
 
@@ -130,7 +134,7 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             smoothquant_alpha=smoothquant_alpha,
                             overwrite=overwrite,
                             kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
-                            fallback_layers=fallback_layers,
+                            compute_capability=compute_capability, fallback_layers=fallback_layers,
                             fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
                             device=device, restart=restart, rotate=rotate, quip=quip,
                             quip_block_size=quip_block_size, progress=progress.layer,

@@ -15,7 +15,7 @@ per layer and loads the tensors through its own parameter loaders (capability 9.
 the FP8 choice); transformers ({transformers}) loads and runs the artifact; compressed-tensors' own decompression
 is compared with quantspec's `dequantize` (`tests/conformance`). The cells are
 `quant.engines.engine_verdicts`, which `quantspec inspect` prints (for another GPU with
-`--compute-capability`) and `quantize --target` refuses by; the suite checks every cell against the engines' code, layer by layer. This file is generated:
+`--compute-capability`) and `quantize --target` refuses by (for the serving GPU with the same flag); the suite checks every cell against the engines' code, layer by layer. This file is generated:
 `QUANTSPEC_WRITE_ENGINE_TABLE=1 python -m pytest tests/conformance -k engine_table`.
 
 """

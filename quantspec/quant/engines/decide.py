@@ -19,6 +19,7 @@ from quantspec.quant.engines.layers import (
 )
 from quantspec.quant.engines.tables import (
     ENGINES,
+    FP8_MIN_CAPABILITY,
     NVFP4_W4A4_CAPABILITY,
     TARGET_ENGINES,
     TARGETS,
@@ -150,6 +151,17 @@ _W4A8_FIXES = (
 )
 
 
+# what a GPU's kernels do with a type's inputs, and the type that writes what they run there
+_GPU_FIXES = ((f"FP8 input quantization below compute capability {FP8_MIN_CAPABILITY / 10:.1f}",
+               "use --quant-type weight_only_fp8 (the FP8 weights alone, what runs there)"),
+              ("NVFP4 input quantization below", "use --quant-type weight_only_nvfp4 (what runs there)"),
+              ("MXFP4 input quantization", "use --quant-type weight_only_mxfp4 (what runs there)"),
+              ("MXFP8 input quantization", "use --quant-type weight_only_mxfp8 (what runs there)"),
+              ("asks for MXFP4 inputs", "use --quant-type mxfp4 (its inputs are quantized there)"),
+              ("asks for MXFP8 inputs", "use --quant-type mxfp8 (its inputs are quantized there)"),
+              ("FP8 weights below compute capability", "pass --target vllm (it runs FP8 weights from 7.5)"))
+
+
 def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     if not problems:
         return []
@@ -187,6 +199,7 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
                    "channel, which SGLang runs)")
     if "MXFP8 experts" in text:
         out.append("add the experts to --ignore, or use --quant-type weight_only_fp8 / a8w8_fp8")
+    out += [fix for problem, fix in _GPU_FIXES if problem in text]
     out += [fix for problem, fix in _W4A8_FIXES if problem in text]
     if "has no quantized embedding" in text:
         out.append("pass --target vllm (vLLM looks up quantized embedding rows) or leave model.embed_tokens float")
@@ -224,7 +237,7 @@ _EAGLE3_PROBE = {s: 4096 * {"fc": 3, "midlayer.self_attn.q_proj": 2, "midlayer.s
 
 
 def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None, moe: bool = False,
-                   expert_dims: tuple[int, int] | None = None) -> str | None:
+                   expert_dims: tuple[int, int] | None = None, capability: int | None = None) -> str | None:
     """The one-line refusal of `quantize --target target` for a preset `config` (None: allowed).
 
     Evaluates `engine_verdicts` on a probe Llama: an engine of the target that would refuse the
@@ -235,7 +248,9 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
     `draft`: "mtp" / "medusa" for a draft module, which every target but quantspec refuses;
     "eagle3" for an EAGLE-3 head, probed as one (`config` holds what the target leaves float,
     `drafts.eagle3_ignore`). `moe`: the model's MLPs are mixtures of experts, probed as two, of
-    the model's hidden and expert intermediate sizes where `expert_dims` gives them.
+    the model's hidden and expert intermediate sizes where `expert_dims` gives them. `capability`:
+    the serving GPU's compute capability (`quantize --compute-capability`; None: the GPU each type
+    is made for, below).
     """
     if target not in TARGETS:
         raise QuantSpecError(f"unknown --target {target!r}; use one of: {', '.join(TARGETS)}")
@@ -251,11 +266,14 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
     # weight-only, as written)
     fp4_inputs = any(s.input_activations is not None and (s.input_activations.is_fp4 or s.input_activations.is_mx)
                      for s in config.config_groups.values())
-    verdicts = engine_verdicts(config, probe, draft=draft, capability=NVFP4_W4A4_CAPABILITY if fp4_inputs else 90)
+    on = "" if capability is None else f" on compute capability {capability // 10}.{capability % 10}"
+    if capability is None:
+        capability = NVFP4_W4A4_CAPABILITY if fp4_inputs else 90
+    verdicts = engine_verdicts(config, probe, draft=draft, capability=capability)
     for engine in TARGET_ENGINES[target]:
         v = verdicts[engine]
         if v.status != "loads" and not (target == "portable" and v.defect):
             fix = " or ".join(f for f in v.fixes if not f.startswith("re-quantize"))
             fix = f"{fix}, or pass --target quantspec" if fix else "pass --target quantspec"
-            return f"--target {target}: {engine_name(engine)} {v.line()}; {fix}"
+            return f"--target {target}{on}: {engine_name(engine)} {v.line()}; {fix}"
     return None

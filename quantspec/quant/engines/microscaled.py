@@ -105,7 +105,7 @@ def _mxfp8(engine: str, s: QuantScheme, capability: int, base: dict, N: int | No
             f"from compute capability {MXFP8_W8A8_CAPABILITY / 10:.1f}", "FlashInfer's MXFP8 GEMM", "MXFP8")
         return LayerVerdict("W8A8Mxfp8", **base, input_activations=MXFP8_INPUTS, problem=problem)
     where = f"below compute capability {MXFP8_W8A8_CAPABILITY / 10:.1f}" if capability < MXFP8_W8A8_CAPABILITY \
-        else f"on a layer narrower than {MXFP8_W8A8_MIN_DIM} (N={N}, K={K})"
+        else f"on a layer FlashInfer's MXFP8 GEMM does not take (N={N}, K={K})"
     problem = None if ia is None else mx_inputs_set_aside("the weights", where, "MXFP8")
     return LayerVerdict("W8A8Mxfp8", **base, problem=problem)
 
