@@ -227,7 +227,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
     zp_dtype, weight_observer, ignore, layer_quant_types, act_order, block_size, damp, dataset, split, text_field,
     num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha, kv_cache, kv_strategy, target,
-    fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples, overwrite, rotate, quip,
+    compute_capability, fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples, overwrite, rotate, quip,
     quip_block_size), checked when the config is built. `target` defaults to "portable" (what vLLM and
     SGLang load with the intended scheme); options only quantspec runs (float zero points, int8
     KV-cache scales, MTP modules) need target="quantspec". The artifact: config.json = the source config + its

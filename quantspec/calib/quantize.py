@@ -320,8 +320,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
                                  "with one --quant-type")
         # with --layer-quant-type, judged once its targets name the model's Linears (`run_quantize`)
         refusal = target_refusal(config.target, qconfig, draft=kind, moe=moe, expert_dims=expert_dims(args),
-                                 capability=config.capability) \
-            if (what or moe) and not config.layer_quant_types else None
+                                 capability=config.capability) if (what or moe) and not config.layer_quant_types else None
         unfit = eagle3_refusal("sglang", cfg) if kind == "eagle3" and config.target == "sglang" else None
         if unfit is not None:  # the float head already: no quantization makes it SGLang's
             refusal = f"--target sglang: {unfit}; pass --target vllm (or quantspec)"

@@ -383,8 +383,9 @@ class QuantArgs:
         if scale_dtype is not None:
             scale_dtype = str(scale_dtype).removeprefix("torch.")
             if scale_dtype in ("uint8", "float8_e8m0fnu") and not (d.get("type") == "float" and d.get("num_bits") in (4, 8)):
-                raise _err(where, f"scale_dtype={d['scale_dtype']!r} ({d.get('num_bits')}-bit exponent scales: MXFP6?) is "
-                                  "unsupported; quantspec runs MXFP4, MXFP8, NVFP4 and float scales")
+                raise _err(where, f"scale_dtype={d['scale_dtype']!r} with {d.get('num_bits')}-bit {d.get('type')} values "
+                                  "(MXFP6, or another microscaling format) is unsupported; quantspec runs MXFP4, MXFP8, "
+                                  "NVFP4 and float scales")
         strategy = d.get("strategy")
         dynamic = d.get("dynamic", False)
         actorder = d.get("actorder")

@@ -218,18 +218,8 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
         return tensors[key]
 
     scale = get("weight_scale")
-    if args.is_fp4:
-        q = unpack_fp4(get("weight_packed"), get("weight_packed").shape[1] * 2)
-        _check_scale_shape(prefix, scale, args, *q.shape)
-        if args.is_mx:
-            return LinearQuant(q=q, scale=mx_values(scale, torch.float32), zero_point=None, args=args)
-        return LinearQuant(q=q, scale=scale.float(), zero_point=None, args=args,
-                           global_scale=get("weight_global_scale").float(),
-                           input_global_scale=tensors.get(f"{prefix}.input_global_scale"))
-    if args.is_mxfp8:
-        q = get("weight")
-        _check_scale_shape(prefix, scale, args, *q.shape)
-        return LinearQuant(q=q, scale=mx_values(scale, torch.float32), zero_point=None, args=args)
+    if args.is_fp4 or args.is_mx:
+        return _microscaled_from_tensors(tensors, get, prefix, scale, args)
     packs = _packs(args, format, f"{prefix}.input_scale" in tensors)
     if packs:
         shape = tuple(int(v) for v in get("weight_shape").tolist())
@@ -255,6 +245,19 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
     return LinearQuant(q=q, scale=scale, zero_point=zp, args=args,
                        input_scale=tensors.get(f"{prefix}.input_scale"),
                        input_zero_point=tensors.get(f"{prefix}.input_zero_point"))
+
+
+def _microscaled_from_tensors(tensors: Mapping[str, torch.Tensor], get, prefix: str, scale: torch.Tensor,
+                              args: QuantArgs) -> LinearQuant:
+    """`linear_from_tensors` for NVFP4 / MXFP4 (E2M1 codes two a byte) and MXFP8 (E4M3 codes) weights:
+    MX scales as the values of their E8M0 bytes, NVFP4's with their global scales."""
+    q = get("weight") if args.is_mxfp8 else unpack_fp4(get("weight_packed"), get("weight_packed").shape[1] * 2)
+    _check_scale_shape(prefix, scale, args, *q.shape)
+    if args.is_mx:
+        return LinearQuant(q=q, scale=mx_values(scale, torch.float32), zero_point=None, args=args)
+    return LinearQuant(q=q, scale=scale.float(), zero_point=None, args=args,
+                       global_scale=get("weight_global_scale").float(),
+                       input_global_scale=tensors.get(f"{prefix}.input_global_scale"))
 
 
 def kv_scale_tensors(attn_prefix: str, k_scale: torch.Tensor, v_scale: torch.Tensor,

@@ -110,11 +110,12 @@ def test_illegal_args_name_the_field(kw, field):
 
 
 @pytest.mark.parametrize("qt,ct_name", [("nvfp4", "NVFP4"), ("weight_only_nvfp4", "NVFP4A16"),
-                                        ("mxfp4", "MXFP4"), ("weight_only_mxfp4", "MXFP4A16")])
-def test_fp4_presets_are_compressed_tensors_own(qt, ct_name):
-    """quantspec's FP4 types write compressed-tensors' own NVFP4 / NVFP4A16 / MXFP4 / MXFP4A16
-    schemes, and read the JSON llm-compressor writes for them; MXFP4 with FP8 inputs and MXFP6
-    are refused in one line."""
+                                        ("mxfp4", "MXFP4"), ("weight_only_mxfp4", "MXFP4A16"),
+                                        ("mxfp8", "MXFP8"), ("weight_only_mxfp8", "MXFP8A16")])
+def test_microscaled_presets_are_compressed_tensors_own(qt, ct_name):
+    """quantspec's FP4 and MXFP8 types write compressed-tensors' own NVFP4 / NVFP4A16 / MXFP4 /
+    MXFP4A16 / MXFP8 / MXFP8A16 schemes, and read the JSON llm-compressor writes for them; MXFP4
+    with FP8 inputs and MXFP6 are refused in one line."""
     ours = preset(qt).config_groups["group_0"]
     theirs = ctq.preset_name_to_scheme(ct_name, ["Linear"])
     for field in ("weights", "input_activations"):
@@ -124,8 +125,8 @@ def test_fp4_presets_are_compressed_tensors_own(qt, ct_name):
             # (the JSON: compressed-tensors leaves zp_dtype out of it, and MXFP4's default differs from its preset's)
             assert ctq.QuantizationArgs.model_validate(a.to_dict()).model_dump() == b.model_dump()
             assert QuantArgs.from_dict(json.loads(json.dumps(b.model_dump(), default=str))) == a
-    assert ours.format == f"{ct_name[:5].lower()}-pack-quantized"
-    with pytest.raises(QuantSpecError, match="FP4 inputs"):
+    assert ours.format == ("mxfp8-quantized" if "MXFP8" in ct_name else f"{ct_name[:5].lower()}-pack-quantized")
+    with pytest.raises(QuantSpecError, match="inputs go with weights of their kind"):
         QuantConfig.from_dict(_ct_dump("MXFP4XFP8", format="mxfp4-pack-quantized"))
     with pytest.raises(QuantSpecError, match="MXFP6"):
         QuantConfig.from_dict(_ct_dump("MXFP6A16", format="mixed-precision"))

@@ -15,7 +15,7 @@ Layouts, by what runs (`infer/dispatch.py` picks the path):
   g / g' groups of g' with repeated scales).
 - otherwise row-major int8 codes `qweight` [N, K], or for fp8 the codes upcast once to the model
   dtype `weight_upcast` [N, K] (exact: E4M3 ⊂ bf16 ⊂ fp32; converting fp8 on CPU per call costs
-  more than the matmul); fp8 with block scales (and FP4 without quantspec's kernels) keeps its
+  more than the matmul); fp8 with block or group scales (and FP4 without quantspec's kernels) keeps its
   codes `weight_fp8` [N, K] and the weight dequantized once to the model dtype, `weight_dequant`
   [N, K] (a block's scale cannot wait for the epilogue: it changes along K).
 The row path (`row_path`: the op a decode-sized call takes, decided once) gives each row the
