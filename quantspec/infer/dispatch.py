@@ -18,7 +18,7 @@ CPU, where quantspec's CPU kernels are built (`LinearTraits.cpu_gemv`, `Dispatch
 - FP8 weights alone (weight_only_fp8: per channel or block; weight_only_mxfp8), and FP8 block or
   MXFP8 weights whose inputs are quantized per group (x fake-quantized per row and group first):
   `packed_gemm` over the weight dequantized once at load to fp32 and packed in column blocks,
-  for fp32 or bf16 x, any M (the memory of the fp32 weights the torch paths below keep too).
+  for fp32 or bf16 x, any M (an fp32 model's weight memory, beside the one-byte codes).
 Each of these computes a row's numbers the same way whatever M.
 
 CPU, torch's ops:
