@@ -21,66 +21,48 @@ from compressed_tensors.quantization.utils import helpers as ct_helpers  # noqa:
 W_ARGS = QuantArgs(num_bits=4, type="float", strategy="group", group_size=32, scale_dtype="uint8")
 W8_ARGS = W_ARGS.replace(num_bits=8)
 CT = {4: ct_q.preset_name_to_scheme("MXFP4", ["Linear"]), 8: ct_q.preset_name_to_scheme("MXFP8", ["Linear"])}
-CT_MXFP4, CT_MXFP8 = CT[4], CT[8]
 
 
-def _weight(dtype: torch.dtype) -> torch.Tensor:
+# per element type: (the absmax of a group on the scale's rounding edge — mantissa 1.75, rounded up —
+# one just below it, an outlier within fp16) and the scales they give
+_EDGES = {4: ((1.75, 1.70, 80.0), (0.5, 0.25)),  # 1.75 rounds up to 2 (scale 2^(1-2)), 1.70 down to 1
+          8: ((448.0, 440.0, 2.0 ** 14), (2.0, 1.0))}  # 448 = 1.75 · 2^8 rounds up to 2^9 → 2^(9-8)
+
+
+def _weight(dtype: torch.dtype, bits: int = 4) -> torch.Tensor:
     g = torch.Generator().manual_seed(0)
     w = torch.randn(48, 128, generator=g) * torch.logspace(-4, 2, 48).unsqueeze(1)
     w[3, :32] = 0  # an all-zero group
     w[5, 32:64] = -1e-3 * w[5, 32:64].abs()  # tiny negatives
-    w[6, 64:96] = 1.75  # absmax on the rounding edge: the scale rounds up
-    w[6, 96:128] = 1.70
-    w[7, 40] = 80.0
+    (edge, below, outlier), _ = _EDGES[bits]
+    w[6, 64:96] = edge
+    w[6, 96:128] = below
+    w[7, 40] = outlier
     return w.to(dtype)
 
 
+@pytest.mark.parametrize("bits", [4, 8])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_weight_numbers_are_compressed_tensors(dtype):
-    W = _weight(dtype)
+def test_weight_numbers_are_compressed_tensors(dtype, bits):
+    args, ct = (W_ARGS if bits == 4 else W8_ARGS), CT[bits].weights
+    W = _weight(dtype, bits)
     Wg = W.unflatten(-1, (-1, 32))
-    s_ct, _ = ct_helpers.calculate_qparams(Wg.amin(-1), Wg.amax(-1), CT_MXFP4.weights)
-    s, _ = P.choose_qparams(W, W_ARGS)
+    s_ct, _ = ct_helpers.calculate_qparams(Wg.amin(-1), Wg.amax(-1), ct)
+    s, _ = P.choose_qparams(W, args)
     assert s.dtype == dtype and torch.equal(s, s_ct)
-    assert float(s[6, 2]) == 0.5 and float(s[6, 3]) == 0.25  # 1.75 rounds up to 2 (scale 2^(1-2)), 1.70 down to 1
+    assert (float(s[6, 2]), float(s[6, 3])) == _EDGES[bits][1]
     e = mx_exponents_of(s)
     assert torch.equal(e, compress_mx_scale(s_ct, torch.uint8))
     assert torch.equal(mx_values(e, dtype), decompress_mx_scale(e).to(dtype))
-    q_ct = ct_forward.quantize(W, s_ct, None, CT_MXFP4.weights)
-    q = P.quantize(W, s, None, W_ARGS)
+    q_ct = ct_forward.quantize(W, s_ct, None, ct)
+    q = P.quantize(W, s, None, args)
     assert q.dtype == torch.float8_e4m3fn and torch.equal(q.float(), q_ct.float())
-    assert torch.equal(pack_fp4(q), pack_fp4_to_uint8(q_ct))
-    assert torch.equal(unpack_fp4(pack_fp4(q), 128).float(), q.float())
-    dq_ct = ct_forward.dequantize(q_ct, s_ct, None, CT_MXFP4.weights)
-    assert torch.equal(P.dequantize(q, s, None, W_ARGS, dtype=dq_ct.dtype), dq_ct)
-    assert torch.equal(P.fake_quantize(W, s, None, W_ARGS), ct_forward.fake_quantize(W, s_ct, None, CT_MXFP4.weights))
-
-
-def _weight8(dtype: torch.dtype) -> torch.Tensor:
-    g = torch.Generator().manual_seed(0)
-    w = torch.randn(48, 128, generator=g) * torch.logspace(-4, 2, 48).unsqueeze(1)
-    w[3, :32] = 0  # an all-zero group
-    w[5, 32:64] = -1e-3 * w[5, 32:64].abs()  # tiny negatives
-    w[6, 64:96] = 448.0  # absmax on the rounding edge (mantissa 1.75): the scale rounds up
-    w[6, 96:128] = 440.0  # ... just below it: the scale stays 1
-    w[7, 40] = 2.0 ** 14  # an outlier (within fp16)
-    return w.to(dtype)
-
-
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
-def test_mxfp8_weight_numbers_are_compressed_tensors(dtype):
-    W = _weight8(dtype)
-    Wg = W.unflatten(-1, (-1, 32))
-    s_ct, _ = ct_helpers.calculate_qparams(Wg.amin(-1), Wg.amax(-1), CT_MXFP8.weights)
-    s, _ = P.choose_qparams(W, W8_ARGS)
-    assert s.dtype == dtype and torch.equal(s, s_ct)
-    assert float(s[6, 2]) == 2.0 and float(s[6, 3]) == 1.0  # 448 = 1.75 · 2^8 rounds up to 2^9 → 2^(9-8)
-    q_ct = ct_forward.quantize(W, s_ct, None, CT_MXFP8.weights)
-    q = P.quantize(W, s, None, W8_ARGS)
-    assert q.dtype == torch.float8_e4m3fn and torch.equal(q.float(), q_ct.float())
-    dq_ct = ct_forward.dequantize(q_ct, s_ct, None, CT_MXFP8.weights)
-    assert torch.equal(P.dequantize(q, s, None, W8_ARGS, dtype=dq_ct.dtype), dq_ct)
-    assert torch.equal(P.fake_quantize(W, s, None, W8_ARGS), ct_forward.fake_quantize(W, s_ct, None, CT_MXFP8.weights))
+    if bits == 4:
+        assert torch.equal(pack_fp4(q), pack_fp4_to_uint8(q_ct))
+        assert torch.equal(unpack_fp4(pack_fp4(q), 128).float(), q.float())
+    dq_ct = ct_forward.dequantize(q_ct, s_ct, None, ct)
+    assert torch.equal(P.dequantize(q, s, None, args, dtype=dq_ct.dtype), dq_ct)
+    assert torch.equal(P.fake_quantize(W, s, None, args), ct_forward.fake_quantize(W, s_ct, None, ct))
 
 
 @pytest.mark.parametrize("bits", [4, 8])
@@ -117,12 +99,12 @@ def test_artifact_tensors_are_the_compressors():
     weight (float8 codes, uint8 E8M0 exponents), and reads back to the same codes and scales."""
     from compressed_tensors.compressors.mxfp8 import MXFP8QuantizationCompressor
 
-    W = _weight8(torch.bfloat16)
+    W = _weight(torch.bfloat16, 8)
     s, _ = P.choose_qparams(W, W8_ARGS)
     q = P.quantize(W, s, None, W8_ARGS)
     ours = linear_to_tensors("l", q, s, None, W8_ARGS)
     theirs = MXFP8QuantizationCompressor.compress({"weight": W, "weight_scale": s,
-                                                   "weight_zero_point": torch.zeros_like(s)}, CT_MXFP8)
+                                                   "weight_zero_point": torch.zeros_like(s)}, CT[8])
     assert set(ours) == {"l.weight", "l.weight_scale"}
     assert ours["l.weight_scale"].dtype == theirs["weight_scale"].dtype == torch.uint8
     assert torch.equal(ours["l.weight_scale"], theirs["weight_scale"])
