@@ -46,9 +46,8 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
         args = config.weight_args_for(name)
-        if args.is_fp4 or args.is_mx:  # FP4's and MXFP8's group size is the format's own
-            fmt = ("MXFP4" if args.is_fp4 else "MXFP8") if args.is_mx else "NVFP4"
-            check_groups_tile(name, weight_dims(mod)[1], args.group_size, fmt)
+        if args.microscaled:  # NVFP4's, MXFP4's and MXFP8's group size is the format's own
+            check_groups_tile(name, weight_dims(mod)[1], args.group_size, args.microscaled.upper())
         elif args.strategy == "group":
             sizes[name] = resolve_group_size(weight_dims(mod)[1], args.group_size)
         elif args.strategy == "block":

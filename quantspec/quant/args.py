@@ -337,6 +337,14 @@ class QuantArgs:
         return self.is_fp8 and self.is_mx
 
     @property
+    def microscaled(self) -> str | None:
+        """"nvfp4" | "mxfp4" | "mxfp8" for args whose group layout and scales are their format's own,
+        None for every other."""
+        if self.is_fp4:
+            return "mxfp4" if self.is_mx else "nvfp4"
+        return "mxfp8" if self.is_mxfp8 else None
+
+    @property
     def is_nvfp4(self) -> bool:
         """NVFP4: E2M1 values with FP8 group scales under a per-tensor global scale."""
         return self.is_fp4 and not self.is_mx

@@ -218,7 +218,7 @@ def linear_from_tensors(tensors: Mapping[str, torch.Tensor], prefix: str,
         return tensors[key]
 
     scale = get("weight_scale")
-    if args.is_fp4 or args.is_mx:
+    if args.microscaled:
         return _microscaled_from_tensors(tensors, get, prefix, scale, args)
     packs = _packs(args, format, f"{prefix}.input_scale" in tensors)
     if packs:

@@ -243,7 +243,7 @@ def _mx_linear(tensors: Mapping[str, torch.Tensor], prefix: str, scheme: QuantSc
     """An mxfp4-pack-quantized or mxfp8-quantized Linear: E2M1 / E4M3 codes as float8_e4m3fn and
     each group's power-of-two scale as fp32, from its E8M0 byte (255, E8M0's NaN, refused)."""
     e = tensors[f"{prefix}.weight_scale"]
-    kind = "MXFP4" if scheme.weights.is_fp4 else "MXFP8"
+    kind = scheme.weights.microscaled.upper()
     if e.dtype != torch.uint8:
         raise QuantSpecError(f"{prefix}.weight_scale has dtype {e.dtype}; {kind} stores uint8 E8M0 exponents")
     if bool((e == 255).any()):

@@ -293,7 +293,7 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
     loss = torch.zeros(N, dtype=torch.float32, device=W.device)
     # a column's qparams: per row (int / FP8 groups); FP4 and MX groups keep their args (a group's
     # g columns → [N, 1]: their scale rules are the format's own)
-    microscaled = args.is_fp4 or args.is_mx
+    microscaled = args.microscaled is not None
     col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" and not microscaled else args
     quant_column = _microscaled_column if microscaled else _column
     for i1 in range(0, K, block_size):

@@ -60,22 +60,13 @@ def scheme_format(weights: QuantArgs | None, input_activations: QuantArgs | None
 _MICROSCALED_FORMATS = (FORMAT_NVFP4_PACK_QUANTIZED, FORMAT_MXFP4_PACK_QUANTIZED, FORMAT_MXFP8_QUANTIZED)
 
 
-def _microscaled(a: QuantArgs | None) -> str | None:
-    """"nvfp4" | "mxfp4" | "mxfp8" for args of those kinds, None for every other."""
-    if a is None:
-        return None
-    if a.is_fp4:
-        return "mxfp4" if a.is_mx else "nvfp4"
-    return "mxfp8" if a.is_mxfp8 else None
-
-
 def _check_microscaled_inputs(weights: QuantArgs | None, ia: QuantArgs, where: str) -> None:
     """NVFP4 / MXFP4 / MXFP8 inputs go with weights of their own kind, and such weights take those
     inputs or none: NVFP4 inputs are tensor_group with dynamic 'local', MX inputs group 32, dynamic."""
-    kind = _microscaled(weights)
-    if kind is None and _microscaled(ia) is None:
+    kind = None if weights is None else weights.microscaled
+    if kind is None and ia.microscaled is None:
         return
-    if _microscaled(ia) == kind and ia.dynamic == ("local" if kind == "nvfp4" else True):
+    if ia.microscaled == kind and ia.dynamic == ("local" if kind == "nvfp4" else True):
         return
     raise _err(where, "NVFP4 / MXFP4 / MXFP8 inputs go with weights of their kind, and such weights take those "
                       "inputs or float inputs: NVFP4 inputs are tensor_group with dynamic 'local' (or none: "
@@ -125,7 +116,7 @@ class QuantScheme:
             raise _err(w, f"format {fmt!r} is unsupported; use one of {', '.join(SUPPORTED_FORMATS)}")
         if fmt == FORMAT_PACK_QUANTIZED and self.weights is not None and self.weights.type != "int":
             raise _err(w, "format 'pack-quantized' needs int weights; use 'float-quantized' for FP8")
-        if self.weights is not None and (fmt in _MICROSCALED_FORMATS or _microscaled(self.weights)) \
+        if self.weights is not None and (fmt in _MICROSCALED_FORMATS or self.weights.microscaled) \
                 and fmt != scheme_format(self.weights, ia):
             raise _err(w, f"format {fmt!r} does not hold {self.weights.num_bits}-bit {self.weights.type} weights; "
                           f"NVFP4 weights are stored as '{FORMAT_NVFP4_PACK_QUANTIZED}', MXFP4 weights as "

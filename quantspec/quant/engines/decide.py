@@ -18,6 +18,7 @@ from quantspec.quant.engines.layers import (
     transformers_layer,
 )
 from quantspec.quant.engines.tables import (
+    DEFAULT_CAPABILITY,
     ENGINES,
     FP8_MIN_CAPABILITY,
     NVFP4_W4A4_CAPABILITY,
@@ -264,11 +265,11 @@ def target_refusal(target: str, config: QuantConfig, *, draft: str | None = None
     # they are made for (below it the engines run the weights alone, which `inspect`'s Hopper
     # verdict says); weight-only ones on Hopper, the default (where vLLM runs MXFP4A16 / MXFP8A16
     # weight-only, as written)
-    fp4_inputs = any(s.input_activations is not None and (s.input_activations.is_fp4 or s.input_activations.is_mx)
-                     for s in config.config_groups.values())
+    microscaled_inputs = any(s.input_activations is not None and s.input_activations.microscaled
+                             for s in config.config_groups.values())
     on = "" if capability is None else f" on compute capability {capability // 10}.{capability % 10}"
     if capability is None:
-        capability = NVFP4_W4A4_CAPABILITY if fp4_inputs else 90
+        capability = NVFP4_W4A4_CAPABILITY if microscaled_inputs else DEFAULT_CAPABILITY
     verdicts = engine_verdicts(config, probe, draft=draft, capability=capability)
     for engine in TARGET_ENGINES[target]:
         v = verdicts[engine]

@@ -207,7 +207,7 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
     w, ia, fmt = s.weights, s.input_activations, s.format
     g = w.group_size if w.strategy in ("group", "tensor_group") else None
     base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure)
-    if w.is_fp4 or w.is_mx:
+    if w.microscaled:
         N = sum(rows) if rows and None not in rows else None
         return microscaled_verdict(engine, s, capability, base, N, K)
     if w.zp_dtype is not None:
