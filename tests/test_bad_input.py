@@ -180,6 +180,12 @@ CASES = [
                                             "--out {d}/q", "--weight-block"),
     ("quantize-mxfp4-dynamic", "quantize --model {model} --quant-type mxfp4 --activations dynamic --out {d}/q",
      "--activations"),
+    ("quantize-a8w4-mxfp4-asym", "quantize --model {model} --quant-type a8w4_mxfp4 --asym --target vllm --out {d}/q",
+     "--asym"),
+    ("quantize-a8w4-mxfp4-dynamic", "quantize --model {model} --quant-type a8w4_mxfp4 --activations dynamic "
+                                    "--target vllm --out {d}/q", "--activations"),
+    ("quantize-a8w4-mxfp4-ampere", "quantize --model {model} --quant-type a8w4_mxfp4 --target vllm "
+                                   "--compute-capability 8.0 --out {d}/q", "--quant-type weight_only_mxfp4"),
     ("quantize-mxfp8-asym", "quantize --model {model} --quant-type weight_only_mxfp8 --asym --target vllm --out {d}/q",
      "--asym"),
     ("quantize-mxfp8-mse", "quantize --model {model} --quant-type mxfp8 --weight-observer mse --target vllm "
@@ -255,6 +261,8 @@ CASES = [
      "--target vllm"),
     ("quantize-target-sglang-mxfp4", "quantize --model {model} --quant-type mxfp4 --target sglang --out {d}/q",
      "--quant-type weight_only_nvfp4"),
+    ("quantize-target-sglang-a8w4-mxfp4", "quantize --model {model} --quant-type a8w4_mxfp4 --target sglang "
+                                          "--out {d}/q", "--target vllm"),
     ("quantize-target-portable-mxfp8", "quantize --model {model} --quant-type weight_only_mxfp8 --out {d}/q",
      "--target vllm"),
     ("quantize-target-sglang-mxfp8", "quantize --model {model} --quant-type mxfp8 --target sglang --out {d}/q",

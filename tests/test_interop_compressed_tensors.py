@@ -180,8 +180,10 @@ def write_with_compressed_tensors(src: Path, out: Path, scheme, kv_cache_scheme=
                                   kv_cache_scheme=kv_cache_scheme)
     ct_q.apply_quantization_config(model, cfg)
     _set_qparams(model, _observe(model))
+    seen = _layer_io(model)
     with torch.no_grad():  # its fake-quantized forward (NVFP4's compressed one decompresses to bf16 only)
         model.fake_quantized_logits = model(IDS).logits[0]
+    model.fake_quantized_io = dict(seen)  # (a copy: the hooks fill `seen` again on every forward)
     compressor = ModelCompressor.from_pretrained_model(model)
     compressor.compress_model(model)
     model.save_pretrained(str(out))
@@ -249,6 +251,7 @@ SCHEMES = {  # name → (scheme, kv_cache_scheme)
     "nvfp4": (lambda: _preset("NVFP4"), None),
     "mxfp4a16": (lambda: _preset("MXFP4A16"), None),
     "mxfp4": (lambda: _preset("MXFP4"), None),
+    "mxfp4xfp8": (lambda: _preset("MXFP4XFP8"), None),  # MXFP4 weights, FP8 inputs per group of 128
     "mxfp8a16": (lambda: _preset("MXFP8A16"), None),
     "mxfp8": (lambda: _preset("MXFP8"), None),
     # int4 weights with 8-bit inputs per token (stored int-quantized: one code an int8)
@@ -292,7 +295,8 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     model = write_with_compressed_tensors(tiny_llama_128, tmp_path / name, scheme, kv)
     # FP4 and MXFP8 (microscaled): decompressed to bf16 only
     fp4 = scheme.weights.type == "float" and (scheme.weights.num_bits == 4 or scheme.weights.group_size == 32)
-    seen = _layer_io(model) if name.startswith("w4a8") else None
+    # (MXFP4 weights beside FP8 inputs per group: the fake-quantized forward's layers, in fp32)
+    seen = _layer_io(model) if name.startswith("w4a8") else model.fake_quantized_io if name == "mxfp4xfp8" else None
     if fp4:  # decompressed to bf16 only: its fp32 numbers are its forward before compression
         theirs = model.fake_quantized_logits
     else:
@@ -303,7 +307,7 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
     linears = {n: m for n, m in lm.model.named_modules() if isinstance(m, QuantLinear)}
     if seen is None:
         torch.testing.assert_close(paged_logits(lm), theirs, **TOL)
-    else:  # int4 kernels beside int8 inputs per token: layer by layer (`_layer_io`)
+    else:  # int4 / FP4 kernels beside 8-bit inputs per token / group: layer by layer (`_layer_io`)
         assert sorted(seen) == sorted(linears)
         for n, (x, y) in seen.items():
             torch.testing.assert_close(linears[n](x), y, rtol=1e-5, atol=1e-6)
@@ -328,10 +332,10 @@ def test_we_run_compressed_tensors_scheme(tiny_llama_128, tmp_path, name):
 
 def _layer_io(model) -> dict:
     """{Linear name: (its input, its output)} of `model`'s next forward, filled by hooks. Where
-    int4 weights meet int8 / FP8 inputs quantized per token, the layers are compared, not the
-    logits: quantspec's int4 kernels sum in another order than the dequantized matmul, and one
-    input code rounded the other way downstream (on some CPUs, not others) moves a whole run's
-    logits by ~1e-2."""
+    int4 weights meet int8 / FP8 inputs quantized per token, or MXFP4 weights FP8 inputs per group,
+    the layers are compared, not the logits: quantspec's int4 / FP4 kernels sum in another order
+    than the dequantized matmul, and one input code rounded the other way downstream (on some CPUs,
+    not others) moves a whole run's logits by ~1e-2."""
     seen = {}
     for n, mod in model.named_modules():
         if isinstance(mod, torch.nn.Linear) and n != "lm_head":

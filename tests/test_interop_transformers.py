@@ -19,6 +19,7 @@ import torch
 from quantspec.infer.dispatch import DispatchPolicy
 from quantspec.infer.kv_cache import AttentionMetadata, PagedAttention, PagedKVCache
 from quantspec.infer.loader import load_for_inference
+from quantspec.quant.artifact import read_quant_config
 
 ct_q = pytest.importorskip("compressed_tensors.quantization",
                            reason="compressed-tensors is not installed (pip install "
@@ -232,13 +233,13 @@ def test_fp8_checkpoint_whose_groups_do_not_divide_k_is_one_line(tiny_llama_dir,
     assert "\n" not in str(e.value)
 
 
-@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4", "weight_only_mxfp4", "mxfp4",
+@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "nvfp4", "weight_only_mxfp4", "mxfp4", "a8w4_mxfp4",
                                         "weight_only_mxfp8", "mxfp8"])
 def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, tmp_path, quant_type):
     """NVFP4 / MXFP4 / MXFP8 (`nvfp4-` / `mxfp4-pack-quantized`, `mxfp8-quantized`), where
     compressed-tensors decompresses to bf16 only, so both run in bf16: the weight-only types give
     quantspec's logits; for nvfp4 transformers holds the stored input global scales, for mxfp4 /
-    mxfp8 it quantizes the inputs per group of 32 at run time (in bf16, quantspec in fp32 as vLLM's kernels do: the fp32 numbers are
+    mxfp8 (a8w4_mxfp4) it quantizes the inputs per group of 32 (as FP8 per stored group) at run time (in bf16, quantspec in fp32 as vLLM's kernels do: the fp32 numbers are
     compressed-tensors' own, tests/test_interop_compressed_tensors.py). NVFP4's q/k/v and gate/up
     share their weight global scale, as the engines' fused layers need."""
     from transformers import AutoModelForCausalLM
@@ -270,9 +271,11 @@ def test_transformers_loads_our_fp4_artifact(tiny_llama_dir, calibration_table, 
         assert (kernel - theirs).abs().max() < 0.02 * theirs.abs().max() < (fp32 - theirs).abs().max()
         return
     q = hf.model.layers[0].self_attn.q_proj
-    if quant_type in ("mxfp4", "mxfp8"):
+    if quant_type in ("mxfp4", "mxfp8", "a8w4_mxfp4"):
         ia = q.quantization_scheme.input_activations
-        assert (ia.dynamic, ia.strategy, ia.group_size) == (True, "group", 32)
+        ours_ia = read_quant_config(art).scheme_for("model.layers.0.self_attn.q_proj").input_activations
+        assert (ia.dynamic, ia.strategy, ia.group_size, ia.num_bits) == (True, "group", ours_ia.group_size, ours_ia.num_bits)
+        assert ours_ia.group_size == 32 if quant_type != "a8w4_mxfp4" else q.in_features % ours_ia.group_size == 0
         assert (ours - theirs).abs().max() < 0.05 * theirs.abs().max() < (fp32 - theirs).abs().max()
         return
     assert torch.equal(q.input_global_scale.data.reshape(-1), stored["model.layers.0.self_attn.q_proj.input_global_scale"])

@@ -186,12 +186,13 @@ def test_quantize_nvfp4(tiny_llama_dir, calibration_table, corpus_files, tmp_pat
     assert api.inspect(gq)["method"] == "gptq"
 
 
-@pytest.mark.parametrize("quant_type", ["weight_only_mxfp4", "mxfp4", "weight_only_mxfp8", "mxfp8"])
+@pytest.mark.parametrize("quant_type", ["weight_only_mxfp4", "mxfp4", "a8w4_mxfp4", "weight_only_mxfp8", "mxfp8"])
 def test_quantize_mx(tiny_llama_dir, corpus_files, tmp_path, quant_type):
-    """`--quant-type weight_only_mxfp4 | mxfp4 | weight_only_mxfp8 | mxfp8`: E2M1 codes two a byte
-    (E4M3 codes a byte) and one E8M0 exponent per group of 32 — compressed-tensors' power-of-two
-    rule on the source weights, no global scale and nothing calibrated; inspect shows the groups
-    of 32; GPTQ rounds them too; the artifact runs."""
+    """`--quant-type weight_only_mxfp4 | mxfp4 | a8w4_mxfp4 | weight_only_mxfp8 | mxfp8`: E2M1 codes
+    two a byte (E4M3 codes a byte) and one E8M0 exponent per group of 32 — compressed-tensors'
+    power-of-two rule on the source weights, no global scale and nothing calibrated; inspect shows
+    the groups of 32; a8w4_mxfp4's FP8 input groups of 128 shrink to tile each layer's K; GPTQ
+    rounds them too; the artifact runs."""
     from quantspec.quant.artifact import load_safetensors
     from quantspec.quant.fp4 import mx_exponents, pack_fp4, round_to_e2m1
 
@@ -216,6 +217,14 @@ def test_quantize_mx(tiny_llama_dir, corpus_files, tmp_path, quant_type):
     assert info["quant_type"] == quant_type
     assert info["format"] == ("mxfp8-quantized" if fp8 else "mxfp4-pack-quantized")
     assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("group", 32)}
+    if quant_type == "a8w4_mxfp4":
+        qc = read_quant_config(out)
+        for name, w in src.items():
+            ia = qc.scheme_for(name[:-len(".weight")]).input_activations if name.endswith("proj.weight") else None
+            if ia is not None:
+                K = w.shape[1]
+                assert (ia.type, ia.strategy, ia.dynamic) == ("float", "group", True)
+                assert ia.group_size == next(g for g in (128, 64, 32) if K % g == 0), (name, K, ia)
     ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
                          "--seq-len", "64", "--max-windows", "2", "--json").stdout)
     assert ev["perplexity"] > 1
@@ -390,6 +399,8 @@ def test_inspect_judges_the_serving_gpu(tiny_llama_dir, tmp_path):
      "--quant-type mxfp8"),
     (("mxfp8", "--target", "vllm"), "9.0", "10.0", "MXFP8 input quantization below compute capability 10.0",
      "--quant-type weight_only_mxfp8"),
+    (("a8w4_mxfp4", "--target", "vllm"), "8.0", "8.9", "FP8 inputs to MXFP4 weights below compute capability 8.9",
+     "--quant-type weight_only_mxfp4"),
 ])
 def test_quantize_target_judges_the_serving_gpu(tiny_llama_dir, tmp_path, args, gpu, own, refusal, fix):
     """`quantize --compute-capability X.Y`: `--target` is judged for that GPU before any work, the

@@ -68,13 +68,14 @@ _MIN_SCALE = 1e-4
 
 def check_awq(config, layer_args: Mapping[str, QuantArgs]) -> None:
     """AWQ folds its factors into the inputs before their quantizer sees them: float inputs and
-    inputs quantized per token at run time take them, inputs with static or per-group scales do
-    not (those scales are fitted to the unscaled inputs). It rounds weights with per-row scales
-    (integer channel or group strategy, NVFP4, MXFP4); `config`: a `QuantConfig`."""
+    8-bit inputs whose scales are computed at run time (per token, or per group: a8w4_mxfp4's FP8)
+    take them; static input scales, and microscaled inputs (NVFP4's calibrated global scale, MX
+    inputs' 4-bit codes), are fitted to or tuned for the unscaled inputs. It rounds weights with
+    per-row scales (integer channel or group strategy, NVFP4, MXFP4); `config`: a `QuantConfig`."""
     for s in config.config_groups.values():
         ia = s.input_activations
-        if ia is not None and not ia.per_token:
-            raise QuantSpecError("AWQ's factors fold into the inputs, which static or per-group input scales are "
+        if ia is not None and not (ia.dynamic is True and ia.microscaled is None):
+            raise QuantSpecError("AWQ's factors fold into the inputs, which static or microscaled input scales are "
                                  "fitted without; use --method rtn or gptq (or inputs quantized per token)")
     for name, a in layer_args.items():
         if not a.is_fp4 and (a.type != "int" or a.strategy not in ("channel", "group")):

@@ -56,7 +56,7 @@ HEAD = "lm_head"  # the output head: quantized only where a target names it
 WEIGHT_ONLY_TYPES = (QuantType.WEIGHT_ONLY_INT8, QuantType.WEIGHT_ONLY_INT4, QuantType.WEIGHT_ONLY_FP8,
                      QuantType.WEIGHT_ONLY_NVFP4, QuantType.WEIGHT_ONLY_MXFP4, QuantType.WEIGHT_ONLY_MXFP8)
 DYNAMIC_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, QuantType.MXFP4, QuantType.MXFP8, QuantType.A8W4,
-                 QuantType.A8W4_FP8)
+                 QuantType.A8W4_FP8, QuantType.A8W4_MXFP4)
 LAYER_TYPES = WEIGHT_ONLY_TYPES + DYNAMIC_TYPES
 
 
@@ -91,9 +91,11 @@ def check_model_type(quant_type: QuantType, activations: str) -> None:
 
 
 def _check_method(spec: str, qt: QuantType, method: str) -> None:
-    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES:  # AWQ folds in before a per-token quantizer
-        raise QuantSpecError(f"--method {method} is for weight-only layers and inputs quantized per token, and "
-                             f"--layer-quant-type {spec!r} quantizes its inputs per group; use --method rtn or gptq")
+    # AWQ folds in before a quantizer that computes its scales at run time
+    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES + (QuantType.A8W4_MXFP4,):
+        raise QuantSpecError(f"--method {method} is for weight-only layers and 8-bit inputs quantized at run time, and "
+                             f"--layer-quant-type {spec!r} quantizes its inputs in microscaled groups; use --method rtn "
+                             "or gptq")
     if method.startswith("awq") and qt in FP8_TYPES + MXFP8_TYPES:
         raise QuantSpecError(f"--method {method}: AWQ scales integer or FP4 weights, and --layer-quant-type "
                              f"{spec!r} is FP8; use --method rtn or gptq")

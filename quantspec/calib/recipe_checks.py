@@ -16,6 +16,7 @@ from __future__ import annotations
 from typing import Callable
 
 from quantspec.errors import QuantSpecError, positive_int
+from quantspec.quant.args import QuantType
 from quantspec.quant.presets import FP8_TYPES, MXFP8_TYPES, PER_TOKEN_TYPES
 
 __all__ = ["ALPHA_CHOICES", "check_activation_recipe", "check_method", "per_token_smoothing", "smooths_per_token"]
@@ -82,11 +83,11 @@ def check_activation_recipe(c) -> None:
     without one."""
     _check_smoothing(c)
     _check_fallback(c)
-    if c.method.startswith("awq") and not (c.quant_type.startswith("weight_only") or
-                                           (_per_token(c) and c.weight_block is None)):
-        raise QuantSpecError(f"--method {c.method} is for weight-only types and inputs quantized per token at run "
-                             f"time ({c.quant_type} quantizes its inputs with static or per-group scales); use "
-                             "--method rtn or gptq")
+    run_time_inputs = c.quant_type == QuantType.A8W4_MXFP4.value or (_per_token(c) and c.weight_block is None)
+    if c.method.startswith("awq") and not (c.quant_type.startswith("weight_only") or run_time_inputs):
+        raise QuantSpecError(f"--method {c.method} is for weight-only types and 8-bit inputs quantized at run time "
+                             f"(per token, a8w4_mxfp4's per group; {c.quant_type} quantizes its inputs with static or "
+                             "microscaled scales); use --method rtn or gptq")
     dynamic = c.activations == "dynamic"
     if c.calib is not None and not c.calibrated_inputs and c.kv_cache is None and not smooths_per_token(c):
         raise QuantSpecError(f"--calib gives static activation and KV-cache scales and SmoothQuant's channel ranges, "

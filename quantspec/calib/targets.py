@@ -48,6 +48,9 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
         args = config.weight_args_for(name)
         if args.microscaled:  # NVFP4's, MXFP4's and MXFP8's group size is the format's own
             check_groups_tile(name, weight_dims(mod)[1], args.group_size, args.microscaled.upper())
+            scheme = config.scheme_for(name)
+            if scheme.sized_by_inputs:  # a8w4_mxfp4: its FP8 input groups tile K
+                sizes[name] = resolve_group_size(weight_dims(mod)[1], scheme.input_activations.group_size)
         elif args.strategy == "group":
             sizes[name] = resolve_group_size(weight_dims(mod)[1], args.group_size)
         elif args.strategy == "block":
@@ -55,7 +58,7 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
     for members in engine_layers(sizes).values():  # a fused unit or fused-MoE layer: one size
         common = -1 if any(sizes[n] == -1 for n in members) else min(sizes[n] for n in members)
         sizes.update(dict.fromkeys(members, common))
-    if all(g == layer_size(config.weight_args_for(n)) for n, g in sizes.items()):
+    if all(g == layer_size(config.scheme_for(n)) for n, g in sizes.items()):
         return config
     return config.with_group_sizes(sizes, eagle3_targets if isinstance(model, Eagle3Head) else None)
 

@@ -15,14 +15,15 @@ def _gib(n) -> str:
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
 @click.option("--quant-type", required=True,
               help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_fp8 | a8w4 | a8w4_fp8 | "
-                   "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 | weight_only_mxfp8 | mxfp8 (nvfp4: needs "
-                   "--calib; MXFP4 / MXFP8: vLLM only, --target vllm; a8w4 / a8w4_fp8: "
-                   "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8) | keep (an artifact's weights as they are, "
+                   "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 | a8w4_mxfp4 | weight_only_mxfp8 | mxfp8 "
+                   "(nvfp4: needs --calib; MXFP4 / MXFP8: vLLM only, --target vllm; a8w4 / a8w4_fp8: "
+                   "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8; a8w4_mxfp4: MXFP4 weights, "
+                   "FP8 inputs per group of 128 at run time, MXFP4XFP8) | keep (an artifact's weights as they are, "
                    "with --calib and --kv-cache: KV-cache scales added)")
 @click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
-                   "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types and inputs "
-                   "quantized per token; all but rtn need --dataset)")
+                   "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types and 8-bit inputs "
+                   "quantized at run time; all but rtn need --dataset)")
 @click.option("--group-size", default=128, show_default=True, type=int,
               help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
 @click.option("--sym/--asym", "symmetric", default=True, show_default=True)

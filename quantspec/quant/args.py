@@ -88,6 +88,7 @@ class QuantType(str, enum.Enum):
     MXFP8 = "mxfp8"  # MXFP8 weights × MXFP8 activations (power-of-two group scales at run time)
     A8W4 = "a8w4"  # int4 group-wise weights × int8 activations quantized per token at run time (W4A8)
     A8W4_FP8 = "a8w4_fp8"  # int4 group-wise weights × FP8 activations quantized per token at run time (W4AFP8)
+    A8W4_MXFP4 = "a8w4_mxfp4"  # MXFP4 weights × FP8 activations per group of 128 at run time (MXFP4XFP8)
 
     @classmethod
     def parse(cls, value: "QuantType | str") -> "QuantType":

@@ -32,7 +32,7 @@ from quantspec.quant.args import (
     _err,
 )
 from quantspec.quant.hf_fp8 import HF_FP8_METHOD, config_from_hf_fp8
-from quantspec.quant.scheme import QuantScheme, is_w4a8
+from quantspec.quant.scheme import QuantScheme, is_mxfp4_fp8_inputs, is_w4a8
 
 _LOG = logging.getLogger(__name__)
 
@@ -49,7 +49,8 @@ def _infer_quant_type(groups: Mapping[str, QuantScheme]) -> QuantType | None:
         if w.is_mxfp8:
             found.add(QuantType.WEIGHT_ONLY_MXFP8 if a is None else QuantType.MXFP8)
         elif w.is_mx:
-            found.add(QuantType.WEIGHT_ONLY_MXFP4 if a is None else QuantType.MXFP4)
+            found.add(QuantType.WEIGHT_ONLY_MXFP4 if a is None else QuantType.A8W4_MXFP4 if is_mxfp4_fp8_inputs(a)
+                      else QuantType.MXFP4)
         elif w.is_fp4:
             found.add(QuantType.WEIGHT_ONLY_NVFP4 if a is None else QuantType.NVFP4)
         elif w.type == "float":
@@ -343,7 +344,7 @@ class QuantConfig:
             if s is None or s.weights is None:
                 raise QuantSpecError(f"with_layer_group_sizes: {name!r} is not quantized by this "
                                      "config; drop it from the overrides")
-            current = layer_size(s.weights)
+            current = layer_size(s)
             if g == current:
                 continue
             group_name = next(n for n, v in self.config_groups.items() if v is s)
@@ -364,19 +365,26 @@ class QuantConfig:
                 "provenance": copy.deepcopy(dict(self.provenance))}
 
 
-def layer_size(w: QuantArgs) -> int:
-    """The size a layer's weights are tiled at: the group size, a block's side, or -1 (per
-    channel or per tensor)."""
+def layer_size(s: QuantScheme) -> int:
+    """The size a layer of scheme `s` is tiled at: the group size, a block's side, the input groups
+    of microscaled weights whose FP8 inputs are quantized per group (a8w4_mxfp4: the weights' groups
+    are the format's own), or -1 (per channel or per tensor)."""
+    w = s.weights
+    if s.sized_by_inputs:
+        return s.input_activations.group_size
     if w.strategy == "group":
         return w.group_size
     return w.block_structure[1] if w.strategy == "block" else -1
 
 
 def _with_size(s: QuantScheme, g: int) -> QuantScheme:
-    """Scheme `s` at size `g`: group size g, or g × g blocks with inputs in groups of g; -1: per
-    channel (a block scheme's inputs then per token)."""
+    """Scheme `s` at size `g`: group size g, or g × g blocks with inputs in groups of g, or (microscaled
+    weights, `QuantScheme.sized_by_inputs`) inputs in groups of g; -1: per channel (a block scheme's inputs then per
+    token)."""
     w, ia = s.weights, s.input_activations
-    if w.strategy == "block":
+    if s.sized_by_inputs:
+        ia = ia.replace(group_size=g) if g > 0 else ia.replace(strategy="token", group_size=None)
+    elif w.strategy == "block":
         if g > 0:
             w = w.replace(block_structure=(g, g))
             ia = ia if ia is None else ia.replace(group_size=g)

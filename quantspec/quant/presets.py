@@ -30,6 +30,8 @@ A8W4_TYPES = (QuantType.A8W4, QuantType.A8W4_FP8)
 INT4_TYPES = (QuantType.WEIGHT_ONLY_INT4, *A8W4_TYPES)
 # the types whose inputs `--activations dynamic` quantizes per token (a8w4's only way) at run time
 PER_TOKEN_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, *A8W4_TYPES)
+# a8w4_mxfp4's FP8 input groups (`resolve_layer_group_sizes` shrinks them to tile each layer's K)
+MXFP4_FP8_INPUT_GROUP = 128
 # each quant type's weights, before `preset`'s knobs (symmetry, group size, zero-point dtype,
 # observer) are applied
 _NVFP4_WEIGHTS = QuantArgs(num_bits=4, type="float", strategy="tensor_group", group_size=NVFP4_GROUP_SIZE)
@@ -48,6 +50,7 @@ PRESET_WEIGHTS: dict[QuantType, QuantArgs] = {
     QuantType.NVFP4: _NVFP4_WEIGHTS,
     QuantType.WEIGHT_ONLY_MXFP4: _MXFP4_WEIGHTS,
     QuantType.MXFP4: _MXFP4_WEIGHTS,
+    QuantType.A8W4_MXFP4: _MXFP4_WEIGHTS,
     QuantType.WEIGHT_ONLY_MXFP8: _MXFP8_WEIGHTS,
     QuantType.MXFP8: _MXFP8_WEIGHTS,
 }
@@ -65,11 +68,14 @@ PRESET_INPUTS: dict[QuantType, QuantArgs] = {
     # per token at run time (compressed-tensors' W4A8 and W4AFP8 presets)
     QuantType.A8W4: QuantArgs(num_bits=8, type="int", symmetric=True, strategy="token", dynamic=True),
     QuantType.A8W4_FP8: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="token", dynamic=True),
+    # per token and group of 128 at run time (compressed-tensors' MXFP4XFP8 preset)
+    QuantType.A8W4_MXFP4: QuantArgs(num_bits=8, type="float", symmetric=True, strategy="group",
+                                    group_size=MXFP4_FP8_INPUT_GROUP, dynamic=True),
 }
 # NVFP4's types: E2M1 weights in groups of 16 with FP8 scales under a global scale
 NVFP4_TYPES = (QuantType.WEIGHT_ONLY_NVFP4, QuantType.NVFP4)
 # MXFP4's types: E2M1 weights in groups of 32 with power-of-two (E8M0) scales
-MXFP4_TYPES = (QuantType.WEIGHT_ONLY_MXFP4, QuantType.MXFP4)
+MXFP4_TYPES = (QuantType.WEIGHT_ONLY_MXFP4, QuantType.MXFP4, QuantType.A8W4_MXFP4)
 FP4_TYPES = NVFP4_TYPES + MXFP4_TYPES
 # MXFP8's types: E4M3 weights in groups of 32 with power-of-two (E8M0) scales
 MXFP8_TYPES = (QuantType.WEIGHT_ONLY_MXFP8, QuantType.MXFP8)
@@ -112,6 +118,8 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     weight_only_mxfp4 / mxfp4: MXFP4 weights (E2M1 in groups of 32, power-of-two scales stored as
     E8M0 exponents; "mxfp4-pack-quantized"), float inputs (MXFP4A16) or MXFP4 inputs with their
     scales at run time (compressed-tensors' MXFP4); nothing to calibrate.
+    a8w4_mxfp4: MXFP4's weights with FP8 inputs quantized per token and group of 128 at run time
+    (compressed-tensors' MXFP4XFP8, vLLM's W4A8 MXFP4); nothing to calibrate.
     weight_only_mxfp8 / mxfp8: MXFP8 weights (E4M3 in groups of 32, power-of-two scales stored as
     E8M0 exponents; "mxfp8-quantized"), float inputs (MXFP8A16) or MXFP8 inputs with their scales
     at run time (compressed-tensors' MXFP8); nothing to calibrate.

@@ -23,7 +23,7 @@ from quantspec.quant.args import (
     _err,
 )
 
-__all__ = ["QuantScheme", "embedding_problem", "is_w4a8", "scheme_format"]
+__all__ = ["QuantScheme", "embedding_problem", "is_mxfp4_fp8_inputs", "is_w4a8", "scheme_format"]
 
 
 def is_w4a8(weights: QuantArgs | None, inputs: QuantArgs | None) -> bool:
@@ -62,15 +62,27 @@ _MICROSCALED_FORMATS = (FORMAT_NVFP4_PACK_QUANTIZED, FORMAT_MXFP4_PACK_QUANTIZED
 
 def _check_microscaled_inputs(weights: QuantArgs | None, ia: QuantArgs, where: str) -> None:
     """NVFP4 / MXFP4 / MXFP8 inputs go with weights of their own kind, and such weights take those
-    inputs or none: NVFP4 inputs are tensor_group with dynamic 'local', MX inputs group 32, dynamic."""
+    inputs or none: NVFP4 inputs are tensor_group with dynamic 'local', MX inputs group 32, dynamic;
+    MXFP4 weights also take FP8 inputs quantized at run time per token or group (MXFP4XFP8)."""
     kind = None if weights is None else weights.microscaled
     if kind is None and ia.microscaled is None:
         return
     if ia.microscaled == kind and ia.dynamic == ("local" if kind == "nvfp4" else True):
         return
+    if kind == "mxfp4" and is_mxfp4_fp8_inputs(ia):
+        return
     raise _err(where, "NVFP4 / MXFP4 / MXFP8 inputs go with weights of their kind, and such weights take those "
                       "inputs or float inputs: NVFP4 inputs are tensor_group with dynamic 'local' (or none: "
-                      "NVFP4A16), MXFP4 / MXFP8 inputs group 32 with dynamic true (or none: MXFP4A16 / MXFP8A16)")
+                      "NVFP4A16), MXFP4 / MXFP8 inputs group 32 with dynamic true (or none: MXFP4A16 / MXFP8A16); "
+                      "MXFP4 weights also take symmetric FP8 inputs per token or group with dynamic true "
+                      "(MXFP4XFP8)")
+
+
+def is_mxfp4_fp8_inputs(ia: QuantArgs | None) -> bool:
+    """FP8 E4M3 inputs quantized symmetrically at run time per token or per group of columns, with
+    float scales: what MXFP4 weights take beside MXFP4 inputs (compressed-tensors' MXFP4XFP8)."""
+    return (ia is not None and ia.is_fp8 and not ia.is_mx and ia.dynamic is True and ia.symmetric
+            and ia.strategy in ("token", "group"))
 
 
 @dataclass(frozen=True)
@@ -122,6 +134,14 @@ class QuantScheme:
                           f"NVFP4 weights are stored as '{FORMAT_NVFP4_PACK_QUANTIZED}', MXFP4 weights as "
                           f"'{FORMAT_MXFP4_PACK_QUANTIZED}', MXFP8 weights as '{FORMAT_MXFP8_QUANTIZED}'")
         object.__setattr__(self, "format", fmt)
+
+    @property
+    def sized_by_inputs(self) -> bool:
+        """Microscaled weights (their groups the format's own) with inputs quantized per group of
+        another kind (a8w4_mxfp4's FP8 inputs): the input groups are what must tile a layer's K."""
+        w, ia = self.weights, self.input_activations
+        return w is not None and w.microscaled is not None and ia is not None and ia.microscaled is None \
+            and ia.strategy == "group"
 
     def to_dict(self) -> dict:
         return {

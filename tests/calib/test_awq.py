@@ -226,20 +226,21 @@ def test_bad_requests(tiny_llama_dir):
     ids = torch.randint(3, 500, (2, 16))
     with pytest.raises(QuantSpecError, match="--dataset"):
         quantize_model(model, preset("weight_only_int4"), "awq")
-    with pytest.raises(QuantSpecError, match="static or per-group input scales"):
+    with pytest.raises(QuantSpecError, match="static or microscaled input scales"):
         quantize_model(model, preset("a8w8"), "awq", ids, input_scales={n: 0.05 for n in quantized_linears(
             model, preset("a8w8"))})
     with pytest.raises(QuantSpecError, match="integer or FP4 weights"):
         quantize_model(model, preset("a8w8_fp8", activations="dynamic"), "awq", ids)
-    with pytest.raises(QuantSpecError, match="static or per-group input scales"):
+    with pytest.raises(QuantSpecError, match="static or microscaled input scales"):
         quantize_model(model, preset("mxfp4"), "awq", ids)
 
 
-@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "weight_only_mxfp4"])
+@pytest.mark.parametrize("quant_type", ["weight_only_nvfp4", "weight_only_mxfp4", "a8w4_mxfp4"])
 def test_awq_on_fp4_weights(tmp_path, quant_type):
     """AWQ with FP4 weights (NVFP4: one global scale per fused unit in the search as in the
-    artifact; MXFP4: power-of-two group scales): less output error than rounding alone on
-    outlier channels."""
+    artifact; MXFP4: power-of-two group scales, also beside FP8 inputs whose group scales are
+    computed at run time, after the fold): less output error than rounding alone on outlier
+    channels."""
     errs, summary = _outlier_errors(tmp_path, preset(quant_type), ("rtn", "awq"))
     assert summary["awq_loss_total"] > 0
     assert errs["awq"] < (0.6 if "nv" in quant_type else 0.9) * errs["rtn"], errs  # 0.45× / 0.87× here

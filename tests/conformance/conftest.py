@@ -55,6 +55,8 @@ ARTIFACTS = {
     # scheme, so --target vllm
     "weight_only_mxfp4": dict(quant_type="weight_only_mxfp4", target="vllm"),
     "mxfp4": dict(quant_type="mxfp4", target="vllm"),
+    # MXFP4 weights with FP8 inputs per token and group (MXFP4XFP8): vLLM's W4A8Mxfp4 through Humming
+    "a8w4_mxfp4": dict(quant_type="a8w4_mxfp4", target="vllm"),
     # MXFP8: E4M3 in groups of 32 with E8M0 scales (mxfp8-quantized); SGLang has no MXFP8 scheme
     "weight_only_mxfp8": dict(quant_type="weight_only_mxfp8", target="vllm"),
     "mxfp8": dict(quant_type="mxfp8", target="vllm"),

@@ -21,7 +21,8 @@ What is not the engines' code, and so stated here: vLLM's NVFP4 and MXFP4 kernel
 answered by `_nvfp4_kernel_oracle` (the rule its registry applies on a GPU without FlashInfer) and
 `_mxfp4_kernel_oracle` and `_mxfp8_kernel_oracle` (the rules it applies with FlashInfer's kernels
 usable: vLLM's wheel requires flashinfer-python, nvidia-cutlass-dsl and ninja; without them it
-takes Marlin on Blackwell too), and its mixed-precision registry, where a scheme asks it (the W4A8 ones), by `_mp_kernel_oracle`
+takes Marlin on Blackwell too; the MXFP4 one also with Humming's, for FP8 inputs, and the dynamic
+FP8 key it is asked for is `_Fp8Key`), and its mixed-precision registry, where a scheme asks it (the W4A8 ones), by `_mp_kernel_oracle`
 (the `can_implement` rules of the CUDA kernels it tries first); the driver below builds one layer object per
 engine layer (an `nn.Module` of the engine's class name, subclassing the stubbed `LinearBase` /
 `Attention` / `RadixAttention`) and calls the engine's entry points on it —
@@ -262,6 +263,8 @@ def _overrides(engine: str, capability: int) -> dict:
                                                    "init_mxfp8_linear_kernel": _mxfp8_kernel_oracle(cap.to_int()),
                                                    "choose_mp_linear_kernel": _mp_kernel_oracle(cap.to_int()),
                                                    "MPLinearLayerConfig": _MPLinearLayerConfig},
+            # the FP8 input key of an MXFP4XFP8 layer, as the MXFP4 oracle reads it (`_Fp8Key`)
+            P["vllm"] + "utils.quant_utils": {"create_fp8_quant_key": _Fp8Key},
             "vllm.platforms": {"current_platform": Platform()},
             "vllm.logger": {"init_logger": logger},
             "vllm.distributed": {"get_tensor_model_parallel_rank": lambda: 0,
@@ -300,17 +303,36 @@ def _nvfp4_kernel_oracle(capability: int):
     return init_nvfp4_linear_kernel
 
 
+class _Fp8Key:
+    """vLLM's `create_fp8_quant_key(static, group_shape)` (utils/quant_utils, a stub otherwise): the
+    dynamic FP8 input key `CompressedTensorsW4A8Mxfp4` asks the MXFP4 registry for."""
+
+    def __init__(self, static: bool, group_shape=None):
+        self.static, self.group_shape = static, group_shape
+
+
 def _mxfp4_kernel_oracle(capability: int):
     """vLLM's `init_mxfp4_linear_kernel` (kernels/linear/__init__.py, `_POSSIBLE_MXFP4_KERNELS`) as
     its CUDA registry resolves on a GPU of `capability` with FlashInfer's kernels usable: the first
     kernel that runs and implements the requested inputs — FlashInfer's W4A4
     (`FlashInferMxFp4LinearKernel`: sm_100 and up, MXFP4 inputs only, quantized at run time), then
     FP4 Marlin (`MarlinMxFp4LinearKernel`: `is_fp4_marlin_supported`, sm_75; weight-only, a
-    requested input quantization ignored); below sm_75 none of the default install's kernels runs
-    and the registry raises. An object of a class of that name whose `quantizes_inputs` says what
-    the kernel does with the inputs (the kernel modules ask FlashInfer and CUDA, so they are not
-    lifted)."""
+    requested MXFP4 input quantization ignored); below sm_75 none of the default install's kernels runs
+    and the registry raises. FP8 inputs (`_Fp8Key`, MXFP4XFP8) only Humming implements
+    (`HummingMxFp4LinearKernel`: sm_75, its `_supports_quant_scheme` takes the key; vLLM's wheel
+    requires humming-kernels), and vLLM keeps them (`allow_input_schema_fallback` off for FP8): Humming
+    runs FP8 activations from sm_89 (its support matrix), and below it
+    `prepare_humming_linear_layer_config` raises once the weights are loaded — which the oracle
+    raises here instead as a RuntimeError (not the registry's ValueError, which the scheme would
+    catch to fall back to MXFP4 inputs). An object of a class of that name whose `quantizes_inputs`
+    says what the kernel does with the inputs (the kernel modules ask FlashInfer, Humming and CUDA,
+    so they are not lifted)."""
     def init_mxfp4_linear_kernel(activation_quant_key=None):
+        if isinstance(activation_quant_key, _Fp8Key):
+            if capability < 89:
+                raise RuntimeError(f"No compatible Humming input schema for FP8 inputs on SM{capability} "
+                                   "(allow_fallback=False)")
+            return type("HummingMxFp4LinearKernel", (), {"quantizes_inputs": True})()
         mxfp4_inputs = getattr(activation_quant_key, "__name__", None) == "kMxfp4Dynamic"
         if capability >= 100 and mxfp4_inputs:
             return type("FlashInferMxFp4LinearKernel", (), {"quantizes_inputs": True})()

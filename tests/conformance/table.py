@@ -63,6 +63,11 @@ so `quantize` writes MXFP4 for `--target vllm` (or quantspec) only. MXFP4 expert
 Mixtral): vLLM's `CompressedTensorsW4A4Mxfp4MoEMethod` runs CUTLASS W4A4 experts on 10.x-11.x
 and Marlin experts elsewhere; SGLang's `Mxfp4MoEMethod` makes GPT-OSS's parameters (`w13_weight`),
 which take none of the checkpoint's per-expert `weight_packed`, so SGLang refuses them too.
+`a8w4_mxfp4` is MXFP4's weights with FP8 inputs quantized per token and group at run time
+(compressed-tensors' MXFP4XFP8; groups of 128, 64 where 128 does not divide K). vLLM runs it with
+`CompressedTensorsW4A8Mxfp4`, whose FP8 inputs only Humming's kernel takes: from compute capability
+8.9 it runs them as written; below, Humming has no FP8 activations and vLLM keeps the checkpoint's
+rather than fall back, so the layers fail to load. SGLang refuses it as it refuses MXFP4.
 `weight_only_mxfp8` / `mxfp8` are MXFP8: E4M3 weights with MXFP4's power-of-two scale per group of
 32 (`mxfp8-quantized`), and for `mxfp8` inputs quantized the same way at run time. vLLM runs them
 with `CompressedTensorsW8A8Mxfp8` (from 7.5), whose kernel registry takes FlashInfer's MXFP8 GEMM

@@ -285,6 +285,23 @@ def test_mxfp4_verdicts_by_capability_match_engine_code(artifacts, engine_source
                 assert r["args"]["kernel"] == kernel and "weight_scale" in r["values"], (cap, layer, r)
 
 
+def test_mxfp4_fp8_verdicts_by_capability_match_engine_code(artifacts, engine_sources, tmp_path):
+    """MXFP4 weights with FP8 inputs per group (a8w4_mxfp4): vLLM's `CompressedTensorsW4A8Mxfp4`
+    (from 8.0) asks its MXFP4 registry for the FP8 inputs, which Humming's kernel keeps; Humming
+    runs FP8 activations from 8.9, so on Ampere (8.0) the layer fails to load, and from 8.9 on
+    (9.0, 10.0) every layer runs its FP8 inputs with its E8M0 scales loaded as stored. SGLang has no
+    MXFP4 Linear scheme."""
+    caps = (75, 80, 90, 100)
+    for cap, engine, name, res, v, status, per_layer in _by_capability(
+            artifacts, engine_sources, tmp_path, ["a8w4_mxfp4"], caps):
+        assert status == ("loads" if engine == "vllm" and cap >= 89 else "refused"), (cap, engine, v.line())
+        for layer, r in res["layers"].items():
+            if per_layer[layer] == "loads":
+                assert r["scheme"] == v.layers[layer].scheme == "W4A8Mxfp4", (cap, layer, r)
+                assert r["args"]["kernel"] == "HummingMxFp4LinearKernel" and "weight_scale" in r["values"], r
+                assert r["inputs"] and v.layers[layer].input_activations == "fp8 dynamic", (layer, r)
+
+
 def test_sglang_refuses_fused_static_int8_where_the_verdict_says(artifacts, lifted):
     """SGLang's refusal of a static int8 artifact is the code path its verdict names: each fused
     layer's only load errors are the k/v (up) shards' input_scale raising IndexError in

@@ -1,4 +1,5 @@
-"""NVFP4 and MXFP4 `QuantLinear`s (weight-only and with FP4 inputs): every path against an fp64
+"""NVFP4 and MXFP4 `QuantLinear`s (weight-only, with FP4 inputs, and MXFP4 with FP8 inputs per
+group: a8w4_mxfp4): every path against an fp64
 reference written with `quant.primitives`, the dispatch rule, q/k/v-style stacking (one global
 scale or none), the checkpoint reader's refusals, and the Triton paths' wiring under the
 interpreter (a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
@@ -17,23 +18,28 @@ from quantspec.infer.quant_linear import QuantLinear
 from quantspec.quant import QuantScheme, choose_qparams, dequantize, quantize
 from quantspec.quant.artifact import linear_to_tensors
 from quantspec.quant.compressed import QuantizedLinearTensors, read_quantized_linear
+from quantspec.quant.config import resolve_group_size
 from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.presets import preset
 
 
-FORMATS = ("nvfp4", "mxfp4")
+FORMATS = ("nvfp4", "mxfp4", "a8w4_mxfp4")
 
 
 def _fp4_layer(N, K, *, inputs: bool, seed=0, weight_global=None, fmt="nvfp4"):
-    """A random FP4 layer ("nvfp4" / "mxfp4" with inputs, else the weight-only type); NVFP4's
+    """A random FP4 layer ("nvfp4" / "mxfp4" / "a8w4_mxfp4" with inputs, else the weight-only type
+    of its weights; a8w4_mxfp4's FP8 input groups as `resolve_group_size` fits them to K); NVFP4's
     weight global scale `weight_global` (default: its own)."""
-    g = preset(fmt if inputs else f"weight_only_{fmt}").config_groups["group_0"]
+    g = preset(fmt if inputs else f"weight_only_{fmt.removeprefix('a8w4_')}").config_groups["group_0"]
     gen = torch.Generator().manual_seed(seed)
     W = torch.randn(N, K, generator=gen) * 0.05
-    if fmt == "mxfp4":
+    if fmt.endswith("mxfp4"):
         s, _ = choose_qparams(W, g.weights)
+        ia = g.input_activations
+        if g.sized_by_inputs:
+            ia = ia.replace(group_size=resolve_group_size(K, ia.group_size))
         return QuantizedLinearTensors(q=quantize(W, s, None, g.weights), scale=s, zero_point=None, weight_args=g.weights,
-                                      input_args=g.input_activations, bias=torch.randn(N, generator=gen) * 0.1)
+                                      input_args=ia, bias=torch.randn(N, generator=gen) * 0.1)
     wg = global_scale_from_absmax(W.abs().amax()) if weight_global is None else weight_global
     s, _ = choose_qparams(W, g.weights, wg)
     return QuantizedLinearTensors(q=quantize(W, s, None, g.weights, global_scale=wg), scale=s, zero_point=None,
@@ -43,7 +49,7 @@ def _fp4_layer(N, K, *, inputs: bool, seed=0, weight_global=None, fmt="nvfp4"):
 
 
 def _reference(t: QuantizedLinearTensors, x: torch.Tensor) -> torch.Tensor:
-    """fp64 y = x̂ @ dequantize(q)ᵀ + b; x̂: x's FP4 fake quantization (fp32) with FP4 inputs."""
+    """fp64 y = x̂ @ dequantize(q)ᵀ + b; x̂: x's FP4 (FP8) fake quantization (fp32) with FP4 (FP8) inputs."""
     xr = x.float()
     if t.input_args is not None:
         s, _ = choose_qparams(xr, t.input_args, t.input_global_scale)
@@ -159,7 +165,8 @@ _TRITON_SCRIPT = textwrap.dedent("""
     from quantspec.infer.cuda.weights import CudaWeight
     from quantspec.infer.dispatch import KernelPath, LinearKind
     from quantspec.infer.quant_linear import QuantLinear
-    for fmt, path in (("nvfp4", KernelPath.TRITON_NVFP4), ("mxfp4", KernelPath.TRITON_MXFP4)):
+    for fmt, path in (("nvfp4", KernelPath.TRITON_NVFP4), ("mxfp4", KernelPath.TRITON_MXFP4),
+                      ("a8w4_mxfp4", KernelPath.TRITON_MXFP4)):
         for inputs in (False, True):
             for dtype in (torch.float32, torch.float16):
                 layer = QuantLinear(_fp4_layer(48, 64, inputs=inputs, seed=2, fmt=fmt), dtype=dtype)
@@ -191,6 +198,6 @@ def test_cuda_fp4_layer_matches_reference(inputs, M, fmt):
     t = _fp4_layer(384, 1024, inputs=inputs, seed=M, fmt=fmt)
     layer = QuantLinear(t, dtype=torch.bfloat16, device="cuda")
     x = torch.randn(M, 1024).bfloat16()
-    assert layer.kernel_for(x.cuda()) is (KernelPath.TRITON_MXFP4 if fmt == "mxfp4" else KernelPath.TRITON_NVFP4)
+    assert layer.kernel_for(x.cuda()) is (KernelPath.TRITON_MXFP4 if fmt.endswith("mxfp4") else KernelPath.TRITON_NVFP4)
     y, ref = layer(x.cuda()).cpu().double(), _reference(t, x)
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))

@@ -33,6 +33,7 @@ def _ct_dump(preset_name, **kw):
     ("NVFP4", "nvfp4-pack-quantized", QuantType.NVFP4),
     ("MXFP4A16", "mxfp4-pack-quantized", QuantType.WEIGHT_ONLY_MXFP4),
     ("MXFP4", "mxfp4-pack-quantized", QuantType.MXFP4),
+    ("MXFP4XFP8", "mxfp4-pack-quantized", QuantType.A8W4_MXFP4),
 ])
 def test_reads_compressed_tensors_presets(name, fmt, qt):
     d = _ct_dump(name, format=fmt)
@@ -64,6 +65,7 @@ def test_to_dict_is_compressed_tensors_json(qt, kv):
                 "a8w4": "pack-quantized", "a8w4_fp8": "pack-quantized",
                 "weight_only_nvfp4": "nvfp4-pack-quantized", "nvfp4": "nvfp4-pack-quantized",
                 "weight_only_mxfp4": "mxfp4-pack-quantized", "mxfp4": "mxfp4-pack-quantized",
+                "a8w4_mxfp4": "mxfp4-pack-quantized",
                 "weight_only_mxfp8": "mxfp8-quantized", "mxfp8": "mxfp8-quantized"}[qt.value]
     assert ours["format"] == want_fmt and ours["config_groups"]["group_0"]["format"] == want_fmt
     assert QuantConfig.from_dict(ours).to_dict() == ours
@@ -111,11 +113,13 @@ def test_illegal_args_name_the_field(kw, field):
 
 @pytest.mark.parametrize("qt,ct_name", [("nvfp4", "NVFP4"), ("weight_only_nvfp4", "NVFP4A16"),
                                         ("mxfp4", "MXFP4"), ("weight_only_mxfp4", "MXFP4A16"),
+                                        ("a8w4_mxfp4", "MXFP4XFP8"),
                                         ("mxfp8", "MXFP8"), ("weight_only_mxfp8", "MXFP8A16")])
 def test_microscaled_presets_are_compressed_tensors_own(qt, ct_name):
     """quantspec's FP4 and MXFP8 types write compressed-tensors' own NVFP4 / NVFP4A16 / MXFP4 /
-    MXFP4A16 / MXFP8 / MXFP8A16 schemes, and read the JSON llm-compressor writes for them; MXFP4
-    with FP8 inputs and MXFP6 are refused in one line."""
+    MXFP4A16 / MXFP4XFP8 / MXFP8 / MXFP8A16 schemes, and read the JSON llm-compressor writes for
+    them; MXFP4 weights with other inputs (int8 per token, static FP8) and MXFP6 are refused in one
+    line."""
     ours = preset(qt).config_groups["group_0"]
     theirs = ctq.preset_name_to_scheme(ct_name, ["Linear"])
     for field in ("weights", "input_activations"):
@@ -126,8 +130,12 @@ def test_microscaled_presets_are_compressed_tensors_own(qt, ct_name):
             assert ctq.QuantizationArgs.model_validate(a.to_dict()).model_dump() == b.model_dump()
             assert QuantArgs.from_dict(json.loads(json.dumps(b.model_dump(), default=str))) == a
     assert ours.format == ("mxfp8-quantized" if "MXFP8" in ct_name else f"{ct_name[:5].lower()}-pack-quantized")
-    with pytest.raises(QuantSpecError, match="inputs go with weights of their kind"):
-        QuantConfig.from_dict(_ct_dump("MXFP4XFP8", format="mxfp4-pack-quantized"))
+    for other in (QuantArgs(num_bits=8, strategy="token", dynamic=True),
+                  QuantArgs(num_bits=8, type="float", strategy="tensor", dynamic=False)):
+        d = _ct_dump("MXFP4XFP8", format="mxfp4-pack-quantized")
+        d["config_groups"]["group_0"]["input_activations"] = other.to_dict()
+        with pytest.raises(QuantSpecError, match="inputs go with weights of their kind"):
+            QuantConfig.from_dict(d)
     with pytest.raises(QuantSpecError, match="MXFP6"):
         QuantConfig.from_dict(_ct_dump("MXFP6A16", format="mixed-precision"))
 

@@ -114,7 +114,10 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         else:  # a layer prepared for the CPU (tests under the interpreter)
             packed, scale = pack_fp4(layer.codes()), _fp4_scale_bytes(layer)
         if path is KernelPath.TRITON_MXFP4:
-            return kernels.mxfp4_linear(x, packed, scale, b, quantize_input=layer.input_args is not None)
+            ia = layer.input_args
+            if ia is not None and not ia.is_mx:  # FP8 inputs (a8w4_mxfp4): quantized per token / group first
+                x = layer.fake_quantized_input(x)
+            return kernels.mxfp4_linear(x, packed, scale, b, quantize_input=ia is not None and ia.is_mx)
         return kernels.nvfp4_linear(x, packed, scale, layer.weight_global_scale, b, layer.input_global_scale)
     if path is KernelPath.CUDA_DEQUANT_MM:
         return torch.nn.functional.linear(x, _dequantized(layer, x.dtype), b)

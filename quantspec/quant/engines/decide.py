@@ -157,6 +157,7 @@ _GPU_FIXES = ((f"FP8 input quantization below compute capability {FP8_MIN_CAPABI
                "use --quant-type weight_only_fp8 (the FP8 weights alone, what runs there)"),
               ("NVFP4 input quantization below", "use --quant-type weight_only_nvfp4 (what runs there)"),
               ("MXFP4 input quantization", "use --quant-type weight_only_mxfp4 (what runs there)"),
+              ("FP8 inputs to MXFP4 weights below", "use --quant-type weight_only_mxfp4 (what runs there)"),
               ("MXFP8 input quantization", "use --quant-type weight_only_mxfp8 (what runs there)"),
               ("asks for MXFP4 inputs", "use --quant-type mxfp4 (its inputs are quantized there)"),
               ("asks for MXFP8 inputs", "use --quant-type mxfp8 (its inputs are quantized there)"),
@@ -200,6 +201,8 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
                    "channel, which SGLang runs)")
     if "MXFP8 experts" in text:
         out.append("add the experts to --ignore, or use --quant-type weight_only_fp8 / a8w8_fp8")
+    if "MXFP4 experts with FP8 inputs" in text:
+        out.append("add the experts to --ignore, or use --quant-type weight_only_mxfp4 / mxfp4")
     out += [fix for problem, fix in _GPU_FIXES if problem in text]
     out += [fix for problem, fix in _W4A8_FIXES if problem in text]
     if "has no quantized embedding" in text:

@@ -45,7 +45,7 @@ from quantspec.quant.engines.tables import (
 from quantspec.quant.engines.moe import EXPERT, expert_layers
 from quantspec.quant.engines.microscaled import microscaled_verdict
 from quantspec.quant.engines.verdict import LayerVerdict, activation_label as _act
-from quantspec.quant.scheme import QuantScheme, embedding_problem, is_w4a8
+from quantspec.quant.scheme import QuantScheme, embedding_problem, is_mxfp4_fp8_inputs, is_w4a8
 
 __all__ = ["engine_layers", "fused_targets", "target_map", "ignored", "engine_layer", "quantspec_embedding",
            "quantspec_layer", "transformers_layer", "kv_verdict"]
@@ -345,7 +345,8 @@ def _embedding(engine: str, got: QuantScheme | None, want: QuantScheme, unseen: 
 
 def quantspec_layer(s: QuantScheme) -> LayerVerdict:
     """quantspec's reader (`infer/quant_linear.py` `linear_kind`): int4 weights alone or with 8-bit
-    activations per token at run time, int8 weights alone or with int8 activations, fp8 weights;
+    activations per token at run time, int8 weights alone or with int8 activations, fp8 weights, FP4
+    weights alone or with FP4 inputs (MXFP4's also with FP8 ones);
     activations static per tensor or dynamic per token."""
     w, ia = s.weights, s.input_activations
     g = w.group_size if w.strategy in ("group", "tensor_group") else None
@@ -356,7 +357,8 @@ def quantspec_layer(s: QuantScheme) -> LayerVerdict:
         problem = f"4-bit weights with {_act(ia)} activations per {ia.strategy} (quantspec runs 8-bit ones per token)"
     elif ia is not None and w.type == "int" and w.num_bits == 8 and (ia.type != "int" or ia.num_bits != 8):
         problem = f"{w.num_bits}-bit weights with {_act(ia)} activations"
-    elif ia is not None and ia.type == "float" and ia.is_fp4 != w.is_fp4:
+    elif ia is not None and ia.type == "float" and ia.is_fp4 != w.is_fp4 and not (
+            w.microscaled == "mxfp4" and is_mxfp4_fp8_inputs(ia)):
         problem = f"{w.num_bits}-bit {w.type} weights with {_act(ia)} activations"
     elif ia is not None and ia.strategy not in ("tensor", "token") and not (
             ia.strategy in ("group", "tensor_group") and ia.dynamic):

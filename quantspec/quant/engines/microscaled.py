@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from quantspec.quant.engines.tables import (
     ENGINE_VERSIONS,
+    MXFP4_FP8_CAPABILITY,
     MXFP4_MIN_CAPABILITY,
     MXFP4_W4A4_CAPABILITY,
     MXFP8_MIN_CAPABILITY,
@@ -24,7 +25,7 @@ from quantspec.quant.engines.verdict import (
     mx_inputs_set_aside,
     nvfp4_inputs_set_aside,
 )
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import QuantScheme, is_mxfp4_fp8_inputs
 
 __all__ = ["SGLANG_MXFP4_LINEAR", "SGLANG_MXFP8_LINEAR", "microscaled_verdict"]
 
@@ -56,15 +57,23 @@ SGLANG_MXFP4_LINEAR = (f"SGLang {ENGINE_VERSIONS['sglang']} has no Linear scheme
 
 
 def _mxfp4(engine: str, s: QuantScheme, capability: int, base: dict) -> LayerVerdict:
-    """vLLM's one MXFP4 scheme, `CompressedTensorsW4A4Mxfp4` (from 8.0, MXFP4 inputs or none):
-    its kernel registry takes FlashInfer's W4A4 kernel from 10.0, which quantizes the inputs to
-    MXFP4 even where the checkpoint leaves them float, and FP4 Marlin (weight-only) below.
-    SGLang has none (`SGLANG_MXFP4_LINEAR`)."""
+    """vLLM's MXFP4 schemes (from 8.0): `CompressedTensorsW4A4Mxfp4` (MXFP4 inputs or none), whose
+    kernel registry takes FlashInfer's W4A4 kernel from 10.0, which quantizes the inputs to MXFP4
+    even where the checkpoint leaves them float, and FP4 Marlin (weight-only) below; and
+    `CompressedTensorsW4A8Mxfp4` (FP8 inputs), whose FP8 inputs Humming's kernel runs from 8.9
+    (`MXFP4_FP8_CAPABILITY`). SGLang has none (`SGLANG_MXFP4_LINEAR`)."""
     ia = s.input_activations
     if engine == "sglang":
         return LayerVerdict(None, **base, problem=SGLANG_MXFP4_LINEAR)
     if capability < MXFP4_MIN_CAPABILITY:
         return LayerVerdict(None, **base, problem=f"MXFP4 below compute capability {MXFP4_MIN_CAPABILITY / 10:.1f}")
+    if is_mxfp4_fp8_inputs(ia):
+        if capability < MXFP4_FP8_CAPABILITY:
+            return LayerVerdict(None, **base, problem=(
+                f"FP8 inputs to MXFP4 weights below compute capability {MXFP4_FP8_CAPABILITY / 10:.1f} (vLLM runs "
+                "them with Humming's kernels, which take FP8 activations from 8.9, and keeps the checkpoint's "
+                "FP8 inputs rather than fall back, so the layer fails as it loads)"))
+        return LayerVerdict("W4A8Mxfp4", **base, input_activations=_act(ia))
     if capability >= MXFP4_W4A4_CAPABILITY:
         problem = None if ia is not None else mx_inputs_quantized(
             f"from compute capability {MXFP4_W4A4_CAPABILITY / 10:.1f}", "FlashInfer's W4A4 kernel")

@@ -56,7 +56,7 @@ from quantspec.quant.engines.verdict import (
     mx_inputs_set_aside,
     nvfp4_inputs_set_aside,
 )
-from quantspec.quant.scheme import QuantScheme
+from quantspec.quant.scheme import QuantScheme, is_mxfp4_fp8_inputs
 
 __all__ = ["EXPERT", "MIXTRAL_PROJECTIONS", "PROJECTIONS", "SGLANG_MXFP4_MOE", "TRANSFORMERS_REFUSAL", "expert_layers",
            "moe_layer"]
@@ -166,9 +166,10 @@ def _method(engine: str, s: QuantScheme, config: QuantConfig, capability: int = 
     """(the MoE method the engine's code selects for scheme `s`, or None; the problem: why it
     refuses, or what it sets aside). `dims`: the experts' hidden and intermediate sizes, where known."""
     w, ia = s.weights, s.input_activations
-    if w.is_mxfp8:
-        return None, ("quantspec does not judge MXFP8 experts (vLLM's CompressedTensorsW8A8Mxfp8MoEMethod picks "
-                      "their backend per GPU, SGLang has none); quantize the experts with another type")
+    if w.is_mxfp8 or (w.is_mx and is_mxfp4_fp8_inputs(ia)):
+        what, method = ("MXFP8 experts", "W8A8Mxfp8") if w.is_mxfp8 else ("MXFP4 experts with FP8 inputs", "W4A8Mxfp4")
+        return None, (f"quantspec does not judge {what} (vLLM's CompressedTensors{method}MoEMethod picks their "
+                      "backend per GPU, SGLang has none); quantize the experts with another type")
     if w.is_mx:
         return _mxfp4_method(engine, s, capability)
     if w.is_fp4:

@@ -6,7 +6,7 @@ from __future__ import annotations
 
 __all__ = ["ENGINES", "ENGINE_NAMES", "ENGINE_VERSIONS", "TARGETS", "TARGET_ENGINES", "FUSED_LAYERS",
            "LAYER_CLASSES", "FP8_MIN_CAPABILITY", "NVFP4_MIN_CAPABILITY", "NVFP4_W4A4_CAPABILITY",
-           "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
+           "MXFP4_FP8_CAPABILITY", "MXFP4_MIN_CAPABILITY", "MXFP4_W4A4_CAPABILITY", "MXFP4_MOE_W4A4_CAPABILITIES",
            "MXFP8_MIN_CAPABILITY", "MXFP8_W8A8_CAPABILITY", "MXFP8_W8A8_MIN_DIM",
            "SGLANG_FUSED_STATIC_INT8", "HEAD_BLOCK_SCALES", "VLLM_EMBEDDING", "SGLANG_EMBEDDING",
            "TRANSFORMERS_EMBEDDING", "W4A8_FP8_CAPABILITY", "W4A8_INT_MIN_CAPABILITY", "VLLM_W4A8_INT_INPUTS",
@@ -98,6 +98,12 @@ NVFP4_MIN_CAPABILITY = {"vllm": 75, "sglang": 80}
 MXFP4_MIN_CAPABILITY = 80
 MXFP4_W4A4_CAPABILITY = 100
 MXFP4_MOE_W4A4_CAPABILITIES = range(100, 120)
+# MXFP4 weights with FP8 inputs per token or group (MXFP4XFP8): vLLM's `CompressedTensorsW4A8Mxfp4`
+# (8.0, as W4A4Mxfp4) asks the registry for a kernel that takes FP8 inputs, and of the CUDA ones only
+# Humming does (vLLM's wheel requires humming-kernels); Humming runs FP8 activations from 8.9 (its
+# support matrix), and vLLM keeps a checkpoint's FP8 inputs rather than fall back
+# (`allow_input_schema_fallback`), so below 8.9 the layer fails when its weights are processed
+MXFP4_FP8_CAPABILITY = 89
 # MXFP8 (vLLM only: SGLang has no MXFP8 scheme): `CompressedTensorsW8A8Mxfp8` asks for 7.5 and
 # `init_mxfp8_linear_kernel`'s CUDA registry takes FlashInfer's MXFP8 GEMMs from 10.0 (inputs
 # quantized to MXFP8 at run time, whatever the checkpoint says) where the layer is at least
