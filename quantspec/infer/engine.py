@@ -157,7 +157,8 @@ class Engine:
             if self.capture:
                 proposer.use_prefix_cache(config.block_size, self.cache.num_blocks)
         self.scheduler = Scheduler(config, self.cache.allocator,
-                                   release=proposer.release if proposer is not None else None)
+                                   release=proposer.release if proposer is not None else None,
+                                   window=self.cache.window if self.cache.window_layers is None else None)
         self.num_steps = 0
         # the forward of the current step, in row order: (sequence, query rows) — a prefill step
         # feeds only the prompts it prefills, so forward hooks must read this, not `running` (and

@@ -12,7 +12,9 @@ position seq_len_b - q_len_b + i and attends keys 0..that position; with a slidi
 (`ModelArgs.attention_window`), in the layers that slide it, only the last W of them (p - W < key
 ≤ p), read for a decode row as the cache's last W slots, for verification rows as the same slots
 each.
-Block 0 is never handed out: padded block-table entries point at it, so gathers stay in bounds.
+Block 0 is never handed out: padded block-table entries point at it, so gathers stay in bounds,
+and so do the entries of a sequence's blocks that its window has left behind and the scheduler
+has given back (a model whose every layer slides: no row reads them again).
 
 `PagedAttention` attends with torch's SDPA. A device backend may give a cache an
 `AttentionKernel` of its own, chosen once when the cache is built (`PagedKVCache(kernel=...)`);
@@ -37,11 +39,11 @@ from quantspec.infer.attention_masks import ancestor_rows, batched_mask, sequenc
 from quantspec.model_zoo.attention import folded_gqa_attention, grouped_attention
 
 __all__ = [
-    "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PagedAttention", "PagedKVCache",
+    "AttentionKernel", "AttentionMetadata", "BlockAllocator", "KVCacheDtype", "PAD_BLOCK", "PagedAttention", "PagedKVCache",
     "ancestor_rows", "grouped_attention", "kv_block_bytes", "kv_cache_label",
 ]
 
-_PAD_BLOCK = 0
+PAD_BLOCK = 0  # never handed out: padded block-table entries, and a sequence's blocks given back (below)
 _INT8_MAX = 127.0
 
 
@@ -71,7 +73,7 @@ class BlockAllocator:
     def __init__(self, num_blocks: int):
         self.num_blocks = num_blocks
         self._free = [True] * num_blocks
-        self._free[_PAD_BLOCK] = False
+        self._free[PAD_BLOCK] = False
         self._num_free = num_blocks - 1
 
     @property
@@ -347,7 +349,7 @@ class AttentionMetadata:
                 slots.append(table[pos // block_size] * block_size + pos % block_size)
         slot_mapping = torch.tensor(slots, dtype=torch.int64, device=device)
         max_blocks = max(-(-sl // block_size) for sl in seq_lens)
-        tables = torch.full((B, max_blocks), _PAD_BLOCK, dtype=torch.int64)
+        tables = torch.full((B, max_blocks), PAD_BLOCK, dtype=torch.int64)
         for b, table in enumerate(block_tables):
             n = min(len(table), max_blocks)
             tables[b, :n] = torch.tensor(table[:n], dtype=torch.int64)

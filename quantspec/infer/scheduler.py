@@ -31,7 +31,9 @@ every token it had restores its keys and values and gives its next token
 (`Sequence.prefill_len`). Sampled sequences keep their random streams, so a preemption changes an
 answer only by the rounding of a prefill against decode steps (as chunked prefill and prefix
 caching do); with prefix caching, its committed blocks are found again. A sequence gets no drafts
-in a step the free blocks cannot hold them in.
+in a step the free blocks cannot hold them in. Where every layer of the model attends within a
+sliding window (Mistral's, Phi-3's), a bounded cache takes back the blocks a sequence's window
+has passed before each step, so a long generation holds about a window's blocks, not its length's.
 
 Order. Under the "fcfs" `scheduling_policy` requests are admitted in arrival order and the most
 recently arrived running sequence is the one preempted. Under "priority" (vLLM's) each request
@@ -48,7 +50,7 @@ from dataclasses import dataclass
 from typing import Callable
 
 from quantspec.errors import QuantSpecError
-from quantspec.infer.kv_cache import BlockAllocator, KVCacheDtype
+from quantspec.infer.kv_cache import PAD_BLOCK, BlockAllocator, KVCacheDtype
 from quantspec.infer.prefix_cache import block_hashes
 from quantspec.infer.sequence import Sequence
 from quantspec.sizes import format_size
@@ -154,8 +156,9 @@ class Scheduler:
     """The waiting queue and the running batch over the cache's `allocator` (module docstring)."""
 
     def __init__(self, config: EngineConfig, allocator: BlockAllocator,
-                 release: Callable[[Sequence], None] | None = None):
+                 release: Callable[[Sequence], None] | None = None, window: int | None = None):
         self.config, self.allocator = config, allocator
+        self.window = window  # the sliding window of a model whose every layer slides (`_slide`)
         self.waiting: list[Sequence] = []
         self.running: list[Sequence] = []
         self._prefilled_last = False  # the previous step was a prefill (chunked prefill alternates)
@@ -164,6 +167,7 @@ class Scheduler:
         self.watermark = max(1, allocator.num_blocks // 100) if self.bounded else 0
         self.release = release  # told of a preempted sequence (its drafter's state goes with its blocks)
         self.num_preemptions = 0
+        self.num_slid_blocks = 0  # blocks given back behind a window (`_slide`)
 
     def ensure_blocks(self, seq: Sequence, num_positions: int) -> None:
         """Give `seq` the blocks of its first `num_positions` positions."""
@@ -174,8 +178,23 @@ class Scheduler:
 
     def free(self, seq: Sequence) -> None:
         self.commit(seq)
-        self.allocator.free(seq.block_table)
+        self.allocator.free([b for b in seq.block_table if b != PAD_BLOCK])
         seq.block_table = []
+
+    def _slide(self, seq: Sequence) -> None:
+        """Give back the leading blocks of `seq` that no row of it attends again: where every layer
+        attends within a window of W, the next rows start at position `num_cached`, whose keys begin
+        at num_cached - W + 1, and positions never move back (rejected drafts only lie beyond it).
+        Their table entries become the padding block (position → slot stays as it was for the
+        rest); with prefix caching they stay findable, committed first."""
+        n = min(max(0, seq.num_cached - self.window + 1) // self.config.block_size, len(seq.block_table))
+        behind = [i for i in range(n) if seq.block_table[i] != PAD_BLOCK]
+        if behind:
+            self.commit(seq)
+            self.allocator.free([seq.block_table[i] for i in behind])
+            for i in behind:
+                seq.block_table[i] = PAD_BLOCK
+            self.num_slid_blocks += len(behind)
 
     def _match(self, seq: Sequence) -> None:
         """With prefix caching, start `seq` on the cached blocks of its prompt's longest cached run
@@ -295,7 +314,11 @@ class Scheduler:
 
     def plan(self) -> list[tuple[Sequence, int]]:
         """This step's sequences, after admitting what fits: the prompts to prefill (with their
-        token counts), or every decoding sequence (count 0: its new token and drafts)."""
+        token counts), or every decoding sequence (count 0: its new token and drafts). In a bounded
+        cache of a model whose every layer slides, the blocks behind each window go back first."""
+        if self.window is not None and self.bounded:
+            for s in self.running:
+                self._slide(s)
         self.admit()
         fresh = self.prefill_batch()
         decoding = any(not s.prefilling for s in self.running)

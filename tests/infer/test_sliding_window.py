@@ -114,3 +114,62 @@ def test_calibration_runs_the_window(mistral_dir, hf):
         theirs = hf(ids, output_hidden_states=True).hidden_states[-1]  # after the final norm
         ours = model.model.norm(run_layers(model, ids, batch_size=2))
     torch.testing.assert_close(ours, theirs, atol=1e-4, rtol=0)
+
+
+BOUNDED_PROMPTS = _ids([10, 14, 7, 12], seed=5)
+BOUNDED_PROMPTS[0] = (BOUNDED_PROMPTS[0][:5] * 3)[:10]  # repeats: the n-gram drafter finds matches
+
+
+@pytest.fixture(scope="module")
+def plain_72(mistral_dir):
+    model = load_model(mistral_dir)[0]
+    return [_run(model, [p], new=72)[0] for p in BOUNDED_PROMPTS]
+
+
+@pytest.mark.parametrize("kw", [{}, {"prefill_chunk": 8}, {"prefix_caching": True}, {"ngram": True},
+                                {"tree": True}])
+def test_a_bounded_cache_gives_back_the_blocks_behind_the_window(mistral_dir, plain_72, kw):
+    """Every layer slides: in a cache too small for the batch's full lengths (4 sequences of 86
+    positions, 22 blocks of 4 each, in 48 blocks), the blocks a sequence's window has passed go
+    back before each step, so the batch runs without a preemption, every answer is plain
+    decoding's (chunked prefill, prefix caching, n-gram chains and EAGLE-3 trees too), and every
+    block is free at the end. Without giving them back (the teeth), the same batch preempts."""
+    from quantspec.infer.engine import Engine, EngineConfig
+    from quantspec.infer.kv_cache import kv_block_bytes
+    from quantspec.infer.sampler import SamplingParams
+    from quantspec.infer.spec.eagle import EagleProposer
+    from quantspec.infer.spec.proposers import ReferenceProposer
+    from quantspec.infer.spec.tree import TreeSpec
+    from quantspec.model_zoo.eagle3_train import init_eagle3
+
+    model = load_model(mistral_dir)[0]
+    a = model.args
+    block = kv_block_bytes(num_layers=a.num_layers, block_size=4, num_kv_heads=a.num_kv_heads, head_dim=a.head_dim,
+                           dtype=torch.float32)
+    kw = dict(kw)
+    proposer, k = None, 0
+    if kw.pop("ngram", False):
+        proposer, k = ReferenceProposer(2, 3), 3
+    if kw.pop("tree", False):
+        head = init_eagle3(model, torch.arange(0, 512, 2), (0, 1, 2)).bind_embedding(model.model.embed_tokens)
+        proposer = EagleProposer(head, tree=TreeSpec(2, 2))
+        k = proposer.max_rows
+
+    def serve(slide: bool):
+        eng = Engine(model, EngineConfig(block_size=4, max_batch_size=4, max_length=86, spec_max_draft_tokens=k,
+                                         kv_cache_memory=48 * block, **kw), eos_token_ids=[], proposer=proposer)
+        assert eng.scheduler.bounded and eng.scheduler.window == WINDOW
+        if not slide:
+            eng.scheduler.window = None
+        seqs = [eng.add_request(p, SamplingParams(max_new_tokens=72), request_index=i)
+                for i, p in enumerate(BOUNDED_PROMPTS)]
+        eng.run()
+        return eng, [s.output_ids for s in seqs]
+
+    eng, got = serve(slide=True)
+    assert got == plain_72
+    assert eng.scheduler.num_preemptions == 0 and eng.scheduler.num_slid_blocks >= 4 * 12
+    assert eng.cache.allocator.num_free == eng.cache.num_blocks - 1
+    if not kw and proposer is None:
+        held, got = serve(slide=False)
+        assert held.scheduler.num_preemptions > 0 and got == plain_72
