@@ -17,7 +17,8 @@ a8w8_fp8's per-channel weights with float inputs (W8A16 FP8, no table); `weight_
 under a global scale), with float inputs / with NVFP4 inputs under the table's global scales;
 `weight_only_mxfp4` / `mxfp4` (`weight_only_mxfp8` / `mxfp8`): MXFP4 (MXFP8) weights (E2M1
 (E4M3), power-of-two scales per group of 32), with float inputs / with MXFP4 (MXFP8) inputs
-quantized at run time (no table; written for `--target quantspec`:
+quantized at run time; `a8w4_mxfp4`: MXFP4 weights with FP8 inputs per token and group of 128 (64
+where 128 does not tile K) at run time (no table; written for `--target quantspec`:
 the row measures the numbers, `docs/engines.md` says which engine loads them);
 `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
@@ -94,6 +95,9 @@ ROWS = {
     "weight_only_mxfp4-awq+gptq": ("weight_only_mxfp4", PLAIN, None, DEFAULT, "awq+gptq"),
     "mxfp4": ("mxfp4", PLAIN, None, DEFAULT),
     "mxfp4-gptq": ("mxfp4", PLAIN, None, DEFAULT, "gptq"),
+    "a8w4_mxfp4": ("a8w4_mxfp4", PLAIN, None, DEFAULT),
+    "a8w4_mxfp4-gptq": ("a8w4_mxfp4", PLAIN, None, DEFAULT, "gptq"),
+    "a8w4_mxfp4-awq+gptq": ("a8w4_mxfp4", PLAIN, None, DEFAULT, "awq+gptq"),
     "weight_only_mxfp8": ("weight_only_mxfp8", PLAIN, None, DEFAULT),
     "weight_only_mxfp8-gptq": ("weight_only_mxfp8", PLAIN, None, DEFAULT, "gptq"),
     "mxfp8": ("mxfp8", PLAIN, None, DEFAULT),
