@@ -261,18 +261,20 @@ class PagedKVCache:
                 f = f.view(torch.uint8)
             f[:, d] = f[:, s]
 
-    def sequence_kv(self, layer: int, table: torch.Tensor, span: tuple[int, int] | None, length: int
-                    ) -> tuple[torch.Tensor, torch.Tensor]:
-        """One sequence's first `length` cached k, v: [length, KV, hd] in the compute dtype.
+    def sequence_kv(self, layer: int, table: torch.Tensor, span: tuple[int, int] | None, length: int,
+                    start: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+        """One sequence's cached k, v of positions `start` (a multiple of the block size) to
+        `length`: [length - start, KV, hd] in the compute dtype.
 
-        span = (first block, number of blocks) when the sequence's blocks are consecutive: then
-        the unquantized cache is read as a view, with no copy; else its blocks are gathered."""
+        span = (first block, number of blocks) when the sequence's blocks from `start` on are
+        consecutive: then the unquantized cache is read as a view, with no copy; else its blocks
+        are gathered."""
         if span is None:
-            k, v = self.gather(layer, table[None, :-(-length // self.block_size)])  # dequantized
-            return k[0, :length], v[0, :length]
+            k, v = self.gather(layer, table[None, start // self.block_size:-(-length // self.block_size)])  # dequantized
+            return k[0, :length - start], v[0, :length - start]
         first, nb = span
-        k = self.k[layer, first:first + nb].view(-1, *self.k.shape[-2:])[:length]
-        v = self.v[layer, first:first + nb].view(-1, *self.v.shape[-2:])[:length]
+        k = self.k[layer, first:first + nb].view(-1, *self.k.shape[-2:])[:length - start]
+        v = self.v[layer, first:first + nb].view(-1, *self.v.shape[-2:])[:length - start]
         ks = None if self.k_scale is None else self.k_scale[layer]
         vs = None if self.v_scale is None else self.v_scale[layer]
         return self._load(k, ks), self._load(v, vs)
@@ -305,9 +307,12 @@ class AttentionMetadata:
     trees: list[list[int] | None] | None = None
     block_size: int = 0  # of `block_tables` when it is not the cache's (tree steps: 1, slot ids)
     # the sliding window where it leaves out keys of some row of this step (else None); per-sequence
-    # path: the first key each sequence's rows attend (`lows`; its masks are over all its keys)
+    # path: the first key each sequence's rows attend (`lows`; its masks are over all its keys) and
+    # the first position its keys are read from (`starts`: the block of its low, so that blocks the
+    # window has passed, given back by the scheduler, are never read; `spans` count from there)
     window: int | None = None
     lows: list[int] | None = None
+    starts: list[int] | None = None
     window_layers: frozenset[int] | None = None  # where only these layers slide (Gemma 3), the
     whole: "AttentionMetadata | None" = None  # layout of the others
 
@@ -401,14 +406,16 @@ class AttentionMetadata:
         return meta
 
     def _per_sequence(self, block_tables: list[list[int]], block_size: int, device) -> None:
-        self.spans, self.masks, self.lows = [], [], []
+        self.spans, self.masks, self.lows, self.starts = [], [], [], []
         w = self.window
         for b, (ql, sl, table) in enumerate(zip(self.q_lens, self.seq_lens, block_tables)):
-            nb = -(-sl // block_size)
-            run = table[nb - 1] - table[0] == nb - 1 and all(
-                table[j + 1] == table[j] + 1 for j in range(nb - 1))
-            self.spans.append((table[0], nb) if run else None)
-            self.lows.append(0 if w is None else max(0, sl - ql + 1 - w))  # the first row's first key
+            lo = 0 if w is None else max(0, sl - ql + 1 - w)  # the first row's first key
+            first, nb = lo // block_size, -(-sl // block_size)
+            run = table[nb - 1] - table[first] == nb - 1 - first and all(
+                table[j + 1] == table[j] + 1 for j in range(first, nb - 1))
+            self.spans.append((table[first], nb - first) if run else None)
+            self.lows.append(lo)
+            self.starts.append(first * block_size)
             mask = sequence_mask(ql, sl, None if self.trees is None else self.trees[b], w)
             self.masks.append(None if mask is None else mask.to(device))
 
@@ -445,11 +452,12 @@ class PagedAttention:
             for b, (n, sl) in enumerate(zip(meta.q_lens, meta.seq_lens)):
                 qb = q[start:start + n]
                 fresh = n == sl  # a whole prompt: causal over its own tokens, however it is batched
+                o = 0 if meta.starts is None else meta.starts[b]  # the position kb / vb begin at
                 if fresh and cache.kv_dtype is KVCacheDtype.AUTO:
                     kb, vb = k[start:start + n], v[start:start + n]
                 else:  # the cache (for a fresh quantized cache: its rounded values)
                     span = None if meta.spans is None else meta.spans[b]
-                    kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl)
+                    kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl, o)
                 mask = None if meta.masks is None else meta.masks[b]
                 lo = 0 if meta.lows is None else meta.lows[b]
                 if fresh and (mask is not None or cap):  # a prompt longer than the window; capped scores
@@ -468,10 +476,10 @@ class PagedAttention:
                     first, w = sl - n, meta.window or sl
                     tree = meta.trees is not None and meta.trees[b] is not None
                     for i in range(n):
-                        keys = mask[i] if tree else slice(max(0, first + i + 1 - w), first + i + 1)
+                        keys = mask[i, o:] if tree else slice(max(0, first + i + 1 - w) - o, first + i + 1 - o)
                         out[start + i] = folded_gqa_attention(qb[i:i + 1], kb[keys], vb[keys], None, cap)[0]
                 else:  # a window's rows: from their first key on (a decode row: no mask at all)
-                    out[start:start + n] = folded_gqa_attention(qb, kb[lo:], vb[lo:],
+                    out[start:start + n] = folded_gqa_attention(qb, kb[lo - o:], vb[lo - o:],
                                                                 None if mask is None else mask[:, lo:], cap)
                 start += n
             return out

@@ -132,10 +132,11 @@ def test_a_bounded_cache_gives_back_the_blocks_behind_the_window(mistral_dir, pl
     """Every layer slides: in a cache too small for the batch's full lengths (4 sequences of 86
     positions, 22 blocks of 4 each, in 48 blocks), the blocks a sequence's window has passed go
     back before each step, so the batch runs without a preemption, every answer is plain
-    decoding's (chunked prefill, prefix caching, n-gram chains and EAGLE-3 trees too), and every
-    block is free at the end. Without giving them back (the teeth), the same batch preempts."""
+    decoding's (chunked prefill, prefix caching, n-gram chains and EAGLE-3 trees too), no step
+    reads a given-back entry (the padding block they point at holds NaN), and every block is free
+    at the end. Without giving them back (the teeth), the same batch preempts."""
     from quantspec.infer.engine import Engine, EngineConfig
-    from quantspec.infer.kv_cache import kv_block_bytes
+    from quantspec.infer.kv_cache import PAD_BLOCK, kv_block_bytes
     from quantspec.infer.sampler import SamplingParams
     from quantspec.infer.spec.eagle import EagleProposer
     from quantspec.infer.spec.proposers import ReferenceProposer
@@ -161,6 +162,8 @@ def test_a_bounded_cache_gives_back_the_blocks_behind_the_window(mistral_dir, pl
         assert eng.scheduler.bounded and eng.scheduler.window == WINDOW
         if not slide:
             eng.scheduler.window = None
+        for t in (eng.cache.k, eng.cache.v):  # the padding block, where given-back entries point: never read
+            t[:, PAD_BLOCK] = float("nan")
         seqs = [eng.add_request(p, SamplingParams(max_new_tokens=72), request_index=i)
                 for i, p in enumerate(BOUNDED_PROMPTS)]
         eng.run()
@@ -173,3 +176,23 @@ def test_a_bounded_cache_gives_back_the_blocks_behind_the_window(mistral_dir, pl
     if not kw and proposer is None:
         held, got = serve(slide=False)
         assert held.scheduler.num_preemptions > 0 and got == plain_72
+
+
+def test_a_window_reads_its_keys_from_its_first_block_on():
+    """A decode row at position 23 with a window of 10 attends keys 14..23: the sequence's keys are
+    read from its block holding 14 on, as a view where those blocks are consecutive, and its blocks
+    before it (given back: the padding block) are not gathered."""
+    from quantspec.infer.kv_cache import PAD_BLOCK, AttentionMetadata, PagedKVCache
+
+    cache = PagedKVCache(num_layers=1, num_blocks=10, block_size=4, num_kv_heads=2, head_dim=8, dtype=torch.float32,
+                         window=10)
+    cache.k.normal_(), cache.v.normal_()
+    table = [PAD_BLOCK, PAD_BLOCK, PAD_BLOCK, 5, 6, 7]
+    meta = AttentionMetadata.build([1], [24], [table], 4, "cpu", window=10)
+    assert (meta.lows, meta.starts, meta.spans) == ([14], [12], [(5, 3)])
+    k, v = cache.sequence_kv(0, meta.block_tables[0], meta.spans[0], 24, 12)
+    gk, gv = cache.sequence_kv(0, meta.block_tables[0], None, 24, 12)  # the same blocks, gathered
+    assert k.shape == (12, 2, 8) and torch.equal(k, gk) and torch.equal(v, gv)
+    assert torch.equal(k, cache.k[0, 5:8].reshape(12, 2, 8))
+    scattered = AttentionMetadata.build([1], [24], [[PAD_BLOCK, PAD_BLOCK, PAD_BLOCK, 5, 8, 7]], 4, "cpu", window=10)
+    assert scattered.spans == [None] and scattered.starts == [12]
