@@ -217,6 +217,8 @@ def test_quantize_mx(tiny_llama_dir, corpus_files, tmp_path, quant_type):
     assert info["quant_type"] == quant_type
     assert info["format"] == ("mxfp8-quantized" if fp8 else "mxfp4-pack-quantized")
     assert {(d["strategy"], d["group_size"]) for d in info["layers"].values()} == {("group", 32)}
+    if quant_type in ("mxfp4", "mxfp8"):  # the inputs' groups: the weights' own
+        assert {d["input_activations"] for d in info["layers"].values()} == {f"float{8 if fp8 else 4} group 32 dynamic"}
     if quant_type == "a8w4_mxfp4":
         qc = read_quant_config(out)
         for name, w in src.items():
@@ -225,6 +227,8 @@ def test_quantize_mx(tiny_llama_dir, corpus_files, tmp_path, quant_type):
                 K = w.shape[1]
                 assert (ia.type, ia.strategy, ia.dynamic) == ("float", "group", True)
                 assert ia.group_size == next(g for g in (128, 64, 32) if K % g == 0), (name, K, ia)
+                layer = info["layers"][name[:-len(".weight")]]
+                assert layer["input_activations"] == f"float8 group {ia.group_size} dynamic", layer
     ev = json.loads(_run("eval", "--model", out, "--text-file", corpus_files / "heldout.txt",
                          "--seq-len", "64", "--max-windows", "2", "--json").stdout)
     assert ev["perplexity"] > 1

@@ -435,5 +435,6 @@ def layer_info(s) -> dict:
             "block": None if w.block_structure is None else list(w.block_structure),
             "symmetric": w.symmetric, "zp_dtype": None if w.symmetric else (w.zp_dtype or "int"),
             "format": s.format,
-            "input_activations": None if ia is None
-            else f"{ia.type}{ia.num_bits} {ia.strategy} {'dynamic' if ia.dynamic else 'static'}"}
+            "input_activations": None if ia is None else f"{ia.type}{ia.num_bits} {ia.strategy}"
+            + (f" {ia.group_size}" if ia.strategy in ("group", "tensor_group") else "")
+            + f" {'dynamic' if ia.dynamic else 'static'}"}
