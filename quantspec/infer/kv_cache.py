@@ -452,11 +452,10 @@ class PagedAttention:
             for b, (n, sl) in enumerate(zip(meta.q_lens, meta.seq_lens)):
                 qb = q[start:start + n]
                 fresh = n == sl  # a whole prompt: causal over its own tokens, however it is batched
-                o = 0 if meta.starts is None else meta.starts[b]  # the position kb / vb begin at
                 if fresh and cache.kv_dtype is KVCacheDtype.AUTO:
                     kb, vb = k[start:start + n], v[start:start + n]
-                else:  # the cache (for a fresh quantized cache: its rounded values)
-                    span = None if meta.spans is None else meta.spans[b]
+                else:  # the cache (for a fresh quantized cache: its rounded values), from position `o` on
+                    span, o = (None, 0) if meta.spans is None else (meta.spans[b], meta.starts[b])
                     kb, vb = cache.sequence_kv(layer_idx, meta.block_tables[b], span, sl, o)
                 mask = None if meta.masks is None else meta.masks[b]
                 lo = 0 if meta.lows is None else meta.lows[b]
