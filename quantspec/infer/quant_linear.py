@@ -150,7 +150,8 @@ class QuantLinear(nn.Module):
                                  "quantize with --calib to store one")
         if ia is not None and ia.strategy in ("group", "tensor_group") and t.q.shape[1] % ia.group_size:
             raise QuantSpecError(f"{name}: input groups of {ia.group_size} do not divide K={t.q.shape[1]} "
-                                 "(its scheme's group size, a block's width); re-quantize it with blocks that tile it")
+                                 "(its scheme's input group size, an FP8 block's width); re-quantize it with "
+                                 "`quantspec quantize`, which fits blocks and input groups to each layer's K")
         self.name = name
         self.out_features, self.in_features = t.q.shape
         self.weight_args, self.input_args = w, ia

@@ -4,6 +4,7 @@ reference written with `quant.primitives`, the dispatch rule, q/k/v-style stacki
 scale or none), the checkpoint reader's refusals, and the Triton paths' wiring under the
 interpreter (a subprocess: TRITON_INTERPRET must be set before triton is imported)."""
 
+import dataclasses
 import os
 import subprocess
 import sys
@@ -201,3 +202,13 @@ def test_cuda_fp4_layer_matches_reference(inputs, M, fmt):
     assert layer.kernel_for(x.cuda()) is (KernelPath.TRITON_MXFP4 if fmt.endswith("mxfp4") else KernelPath.TRITON_NVFP4)
     y, ref = layer(x.cuda()).cpu().double(), _reference(t, x)
     torch.testing.assert_close(y, ref, rtol=2e-2, atol=2e-2 * float(ref.abs().max()))
+
+
+def test_fp8_input_groups_that_do_not_tile_k_are_one_line():
+    """An MXFP4XFP8 checkpoint's FP8 input groups of 128 on a layer of K=96 (llm-compressor writes
+    them as its preset says): refused in one line naming the fix, where quantspec fits them."""
+    t = _fp4_layer(48, 96, inputs=True, fmt="a8w4_mxfp4")
+    t = dataclasses.replace(t, input_args=t.input_args.replace(group_size=128))
+    with pytest.raises(QuantSpecError, match=r"input groups of 128 do not divide K=96.*`quantspec quantize`") as e:
+        QuantLinear(t, name="l")
+    assert "\n" not in str(e.value)
