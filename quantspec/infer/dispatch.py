@@ -43,15 +43,15 @@ CPU, torch's ops:
 CUDA (`kernels.triton_usable`): the Triton kernels `w4a16_linear` / `w8a16_linear` for
 M ≤ `cuda_weight_only_max_m`; above it the GEMM is compute-bound and cuBLAS runs on the weight
 dequantized by a Triton kernel (`w4a16_dequantize` / `w8a16_dequantize`, which amortises over
-the rows); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp8_linear` below
+the rows); group-wise int8 and MXFP8 weights `w8a16_linear` with their group scales for every M
+(mxfp8's inputs fake-quantized per group first); `w8a8_linear` for every M; a8w8_fp8 (compute capability ≥ 8.9): `fp8_linear` below
 `cuda_scaled_mm_min_m` rows, torch's `_scaled_mm` (cuBLASLt's FP8 GEMM, `fp8_scaled_mm_linear`)
 from there for fp16 / bf16 activations; block-scaled fp8 with dynamic per-group inputs:
 `fp8_block_linear` for every M; FP8 weights alone (weight_only_fp8, per channel) the int8
 weight-only path, `w8a16_linear` decoding their E4M3 bytes (any compute capability); NVFP4 /
 MXFP4 (weight-only or FP4 inputs, K a multiple of 32): `nvfp4_linear` / `mxfp4_linear` for every
 M (any compute capability: they decode E2M1 without FP4 or FP8 instructions); what a kernel does
-not take (asymmetric a8w8, group-wise int8 / fp8 and MXFP8, fp8 inputs below sm_89) → the reference,
-dequantize + matmul.
+not take (asymmetric a8w8 or int8, fp8 inputs below sm_89) → the reference, dequantize + matmul.
 """
 
 from __future__ import annotations
@@ -203,9 +203,10 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
     if t.kind is LinearKind.W4A16:
         return KernelPath.TRITON_W4A16 if small else KernelPath.CUDA_DEQUANT_MM
     if t.kind is LinearKind.W8A16:
-        if not (t.weight_symmetric and t.weight_strategy in ("channel", "tensor")):
+        if not t.weight_symmetric or t.weight_strategy not in ("channel", "tensor", "group"):
             return KernelPath.DEQUANT
-        return KernelPath.TRITON_W8A16 if small else KernelPath.CUDA_DEQUANT_MM
+        # group scales: the kernel for every M (the dequantize kernel takes one scale a row)
+        return KernelPath.TRITON_W8A16 if small or t.weight_strategy == "group" else KernelPath.CUDA_DEQUANT_MM
     if t.kind is LinearKind.W8A8:
         ok = t.weight_symmetric and t.act_symmetric and t.weight_strategy in ("channel", "tensor")
         return KernelPath.TRITON_W8A8 if ok else KernelPath.DEQUANT
@@ -215,6 +216,8 @@ def _select_cuda(t: LinearTraits, device: torch.device, M: int, x_dtype: torch.d
         return KernelPath.TRITON_MXFP4 if t.weight_strategy == "group" else KernelPath.TRITON_NVFP4
     if t.weight_strategy == "block":
         return KernelPath.TRITON_FP8_BLOCK if t.fp8_native and t.act_mode == "dynamic" else KernelPath.DEQUANT
+    if t.weight_strategy == "group":  # MXFP8: W8A16's kernel with group scales (MXFP8 inputs fake-quantized first)
+        return KernelPath.TRITON_W8A16
     if t.act_mode is None and t.weight_strategy in ("channel", "tensor"):  # FP8 weights alone: W8A16's kernels
         return KernelPath.TRITON_W8A16 if small else KernelPath.CUDA_DEQUANT_MM
     if not (t.fp8_native and t.act_mode == "static" and t.weight_strategy in ("channel", "tensor")):

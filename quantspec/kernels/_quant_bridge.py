@@ -46,8 +46,11 @@ def dequantize_groupwise(
     zero: torch.Tensor | None,  # [N, K/g] integer or float (float zp_dtype), None if symmetric
     group_size: int,
 ) -> torch.Tensor:
-    """(q - zero) * scale per group of `group_size` input columns, in fp32 -> [N, K]."""
-    args = QuantArgs(num_bits=8, group_size=group_size, symmetric=zero is None)
+    """(q - zero) * scale per group of `group_size` input columns, in fp32 -> [N, K] (integer codes, or
+    FP8 E4M3 ones: weight_only_mxfp8's with its power-of-two scales)."""
+    fp8 = q.dtype == torch.float8_e4m3fn
+    args = QuantArgs(num_bits=8, type="float" if fp8 else "int", strategy="group", group_size=group_size,
+                     symmetric=zero is None)
     return _dequantize(q, scale.float(), zero, args, dtype=torch.float32)
 
 

@@ -1,10 +1,12 @@
 """W8A16: y[M, N] = (x[M, K] @ q[N, K]ᵀ) * scale[N] (+ bias) with per-channel int8 weights, or
-FP8 E4M3 ones (weight_only_fp8: W8A16 FP8).
+FP8 E4M3 ones (weight_only_fp8: W8A16 FP8); with group scales [N, K/g] (weight_only_mxfp8's
+power-of-two scales per 32, group-wise int8) y = x @ (q · scale per group)ᵀ.
 
 This file owns the Triton kernel and its torch reference `w8a16_linear_ref` (same signature).
 Because the scale is per output channel it factors out of the K sum, so the kernel accumulates
 x · q and applies the scale once in the epilogue (fewer multiplies, and the int8 → float convert
-is the only dequant work in the inner loop). FP8 codes are read as their bytes and decoded with
+is the only dequant work in the inner loop). Group scales do not factor out: each weight tile is
+q · scale in fp32, cast to the dot's dtype, as the reference casts its dequantized weight. FP8 codes are read as their bytes and decoded with
 integer ops into exact float values (`_e4m3_codes`): every GPU the kernels run on, and Triton's
 interpreter, take them alike.
 
@@ -83,13 +85,22 @@ def _codes(q, DTYPE: tl.constexpr, FP8: tl.constexpr):
 
 
 @triton.jit
+def _weights(q, DTYPE: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr):
+    """A weight tile as the dot takes it: the codes as exact DTYPE values, or (GROUP) the tile
+    already scaled in fp32, rounded to DTYPE."""
+    if GROUP > 0:
+        return q.to(DTYPE)
+    return _codes(q, DTYPE, FP8)
+
+
+@triton.jit
 def _w8a16_kernel(
     x_ptr, w_ptr, s_ptr, b_ptr, out_ptr, y_ptr, cnt_ptr,
     M, N, K,
-    stride_xm, stride_wn, stride_om, stride_osplit,
+    stride_xm, stride_wn, stride_sn, stride_om, stride_osplit,
     HAS_BIAS: tl.constexpr, USE_DOT: tl.constexpr, DOT_FP32: tl.constexpr, SWAP_AB: tl.constexpr,
     BLOCK_M: tl.constexpr, BLOCK_N: tl.constexpr, BLOCK_K: tl.constexpr, SPLIT_K: tl.constexpr,
-    FINISH: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr,
+    FINISH: tl.constexpr, USE_PDL: tl.constexpr, FP8: tl.constexpr, GROUP: tl.constexpr,
 ):
     pdl_begin(USE_PDL)
     pid_m = tl.program_id(0)
@@ -118,29 +129,34 @@ def _w8a16_kernel(
             mask=mask_n[:, None] & mask_k[None, :], other=0,
         )  # [BN, BK] int8 (FP8: uint8 bytes)
         # int8 and E4M3 codes are exact in every float dtype; made without an int-to-float conversion
+        if GROUP > 0:  # each column's group scale, then the tile in the dot's dtype
+            s = tl.load(s_ptr + offs_n[:, None] * stride_sn + (offs_k // GROUP)[None, :],
+                        mask=mask_n[:, None] & mask_k[None, :], other=0.0).to(tl.float32)  # [BN, BK]
+            q = _codes(q, tl.float32, FP8) * s
         if USE_DOT:
             if DOT_FP32:
-                w = _codes(q, tl.float32, FP8)
+                w = _weights(q, tl.float32, FP8, GROUP)
                 if SWAP_AB:  # [BN, BM]: the weight tile as the MMA's wide operand, untransposed
                     acc += tl.dot(w, tl.trans(x.to(tl.float32)), input_precision="ieee")
                 else:
                     acc += tl.dot(x.to(tl.float32), tl.trans(w), input_precision="ieee")
             else:
-                w = _codes(q, x.dtype, FP8)
+                w = _weights(q, x.dtype, FP8, GROUP)
                 if SWAP_AB:
                     acc = tl.dot(w, tl.trans(x), acc)
                 else:
                     acc = tl.dot(x, tl.trans(w), acc)
         else:
-            w = _codes(q, tl.float32, FP8)
+            w = _weights(q, x.dtype, FP8, GROUP).to(tl.float32)
             prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
     if SWAP_AB:
         acc = tl.trans(acc)  # [BM, BN]
 
     out_mask = mask_m[:, None] & mask_n[None, :]
-    s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
-    acc = acc * s[None, :]
+    if GROUP == 0:
+        s = tl.load(s_ptr + offs_n, mask=mask_n, other=0.0).to(tl.float32)  # [BN]
+        acc = acc * s[None, :]
     tile = pid_m * tl.num_programs(1) + pid_n
     acc, y_mask = split_k_partials(acc, out_ptr + offs_m[:, None] * stride_om + offs_n[None, :], out_mask,
                                    stride_osplit, pid_k, cnt_ptr, tile, SPLIT_K, FINISH)
@@ -154,22 +170,31 @@ _CODE_DTYPES = (torch.int8, torch.float8_e4m3fn)
 
 
 def _validate(x, w_q, w_scale, bias):
+    """(M, N, K, group size: 0 for a per-channel scale [N], g for group scales [N, K/g])."""
     check_tensor(x, "x", ndim=2, dtypes=FLOAT_DTYPES)
     M, K = x.shape
     check_tensor(w_q, "w_q", ndim=2, dtypes=_CODE_DTYPES)
     N = w_q.shape[0]
     if w_q.shape[1] != K:
         raise QuantSpecError(f"w_q has K={w_q.shape[1]} but x has K={K}; shapes must agree")
-    check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N,))
+    group = 0
+    if w_scale.ndim == 2:
+        groups = w_scale.shape[1]
+        group = K // groups if groups and K % groups == 0 else 0
+        if not group:
+            raise QuantSpecError(f"w_scale has {groups} groups, which do not tile K={K}; give [N, K/g]")
+        check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N, groups))
+    else:
+        check_tensor(w_scale, "w_scale", dtypes=FLOAT_DTYPES, shape=(N,))
     if bias is not None:
         check_tensor(bias, "bias", dtypes=FLOAT_DTYPES, shape=(N,))
-    return M, N, K
+    return M, N, K, group
 
 
 def w8a16_linear_ref(
     x: torch.Tensor,  # [M, K] fp32/fp16/bf16
     w_q: torch.Tensor,  # [N, K] int8 or float8_e4m3fn
-    w_scale: torch.Tensor,  # [N]
+    w_scale: torch.Tensor,  # [N], or [N, K/g] group scales
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
@@ -177,11 +202,14 @@ def w8a16_linear_ref(
 
     `config` is accepted (and ignored) so the reference and the kernel share one signature.
     """
-    M, N, K = _validate(x, w_q, w_scale, bias)
+    M, N, K, group = _validate(x, w_q, w_scale, bias)
     from quantspec.kernels._quant_bridge import dequantize, dequantize_groupwise
 
-    w = dequantize(w_q, w_scale.float()[:, None]) if w_q.dtype == torch.float8_e4m3fn else \
-        dequantize_groupwise(w_q, w_scale.float()[:, None], None, K)  # [N, K] fp32
+    if group:
+        w = dequantize_groupwise(w_q, w_scale.float(), None, group)  # [N, K] fp32
+    else:
+        w = dequantize(w_q, w_scale.float()[:, None]) if w_q.dtype == torch.float8_e4m3fn else \
+            dequantize_groupwise(w_q, w_scale.float()[:, None], None, K)
     y = x.float() @ w.t()  # [M, N]
     if bias is not None:
         y = y + bias.float()
@@ -191,13 +219,13 @@ def w8a16_linear_ref(
 def w8a16_linear(
     x: torch.Tensor,  # [M, K] fp32/fp16/bf16
     w_q: torch.Tensor,  # [N, K] int8 or float8_e4m3fn
-    w_scale: torch.Tensor,  # [N]
+    w_scale: torch.Tensor,  # [N], or [N, K/g] group scales
     bias: torch.Tensor | None = None,  # [N]
     config: W4A16Config | None = None,
 ) -> torch.Tensor:
-    """Triton W8A16 linear (int8 or FP8 E4M3 codes); `config` overrides the launch heuristic (tests,
-    benchmarks)."""
-    M, N, K = _validate(x, w_q, w_scale, bias)
+    """Triton W8A16 linear (int8 or FP8 E4M3 codes, per-channel or group scales); `config` overrides
+    the launch heuristic (tests, benchmarks)."""
+    M, N, K, group = _validate(x, w_q, w_scale, bias)
     device = check_same_device(x=x, w_q=w_q, w_scale=w_scale, bias=bias)
     cfg = config or w8a16_default_config(M, N, K, gpu_launch(device))
     check_gpu_dot_tile(cfg, device)
@@ -212,9 +240,9 @@ def w8a16_linear(
         x, w_q.view(torch.uint8) if fp8 else w_q, w_scale, bias if bias is not None else w_scale, part, out,
         counters if counters is not None else out,
         M, N, K,
-        x.stride(0), w_q.stride(0), N, M * N,
+        x.stride(0), w_q.stride(0), w_scale.stride(0), N, M * N,
         HAS_BIAS=bias is not None, USE_DOT=bm >= 16, DOT_FP32=dot_in_fp32(x.dtype), SWAP_AB=swap and bm >= 16,
-        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, FP8=fp8,
+        BLOCK_M=bm, BLOCK_N=bn, BLOCK_K=bk, SPLIT_K=split, FINISH=counters is not None, FP8=fp8, GROUP=group,
         num_warps=warps, num_stages=stages, **pdl_kwargs(device),
     )
     return finish_split_k(part, bias, out) if split > 1 and counters is None else out

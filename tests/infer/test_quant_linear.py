@@ -352,7 +352,10 @@ def test_select_kernel_cuda_rule(monkeypatch):
     t8 = _traits(LinearKind.W8A16)
     assert select_kernel(t8, "cuda", 8, torch.bfloat16) is KernelPath.TRITON_W8A16
     assert select_kernel(t8, "cuda", 4096, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
-    assert select_kernel(_traits(LinearKind.W8A16, weight_strategy="group"), "cuda", 8,
+    g8 = _traits(LinearKind.W8A16, weight_strategy="group")  # group scales: the kernel for every M
+    assert select_kernel(g8, "cuda", 8, torch.bfloat16) is select_kernel(g8, "cuda", 4096, torch.bfloat16) \
+        is KernelPath.TRITON_W8A16
+    assert select_kernel(_traits(LinearKind.W8A16, weight_symmetric=False), "cuda", 8,
                          torch.bfloat16) is KernelPath.DEQUANT
     a8 = _traits(LinearKind.W8A8, act_mode="dynamic")
     assert select_kernel(a8, "cuda", 4096, torch.bfloat16) is KernelPath.TRITON_W8A8
@@ -372,6 +375,10 @@ def test_select_kernel_cuda_rule(monkeypatch):
     assert select_kernel(w8fp8, "cuda", 4096, torch.bfloat16) is KernelPath.CUDA_DEQUANT_MM
     assert select_kernel(_traits(LinearKind.FP8, weight_strategy="block"), "cuda", 8,
                          torch.bfloat16) is KernelPath.DEQUANT
+    for act in (None, "dynamic"):  # MXFP8 (group scales), weight-only or with MXFP8 inputs
+        mx8 = _traits(LinearKind.FP8, weight_strategy="group", act_mode=act)
+        assert select_kernel(mx8, "cuda", 1, torch.bfloat16) is select_kernel(mx8, "cuda", 4096, torch.float32) \
+            is KernelPath.TRITON_W8A16
     monkeypatch.setattr(kernels, "triton_usable", lambda device: False)
     assert select_kernel(t4, "cuda", 1, torch.bfloat16) is KernelPath.DEQUANT
 
@@ -477,7 +484,9 @@ _TRITON_SCRIPT = textwrap.dedent("""
              ("weight_only_fp8", 128, True, KernelPath.CUDA_DEQUANT_MM),
              ("a8w4", 32, True, KernelPath.TRITON_W4A16),
              ("a8w4", 32, False, KernelPath.CUDA_DEQUANT_MM),
-             ("a8w4_fp8", 32, True, KernelPath.TRITON_W4A16)]
+             ("a8w4_fp8", 32, True, KernelPath.TRITON_W4A16),
+             ("weight_only_mxfp8", 32, True, KernelPath.TRITON_W8A16),  # group scales in the kernel
+             ("mxfp8", 32, True, KernelPath.TRITON_W8A16)]  # ... MXFP8 inputs fake-quantized first
     N, K = 24, 64
     for kind, g, sym, path in cases:
         zp_dtype, sym = (sym, False) if isinstance(sym, str) else (None, sym)
@@ -495,6 +504,17 @@ _TRITON_SCRIPT = textwrap.dedent("""
             y, ref = layer.run(x, path), layer.run(x, KernelPath.DEQUANT)
             err = float((y - ref).abs().max() / ref.abs().max())
             assert err < 1e-5, (kind, g, sym, M, err)
+
+    # group-wise int8 weights (a checkpoint's): W8A16's kernel with their group scales
+    w8g = preset("weight_only_int8").config_groups["group_0"].weights.replace(strategy="group", group_size=16)
+    W = torch.randn(N, K) * 0.05
+    s, _ = choose_qparams(W, w8g)
+    layer = QuantLinear(QuantizedLinearTensors(quantize(W, s, None, w8g), s, None, w8g, None, None,
+                                               bias=torch.randn(N) * 0.1))
+    for M in (1, 17):
+        x = torch.randn(M, K)
+        y, ref = layer.run(x, KernelPath.TRITON_W8A16), layer.run(x, KernelPath.DEQUANT)
+        assert float((y - ref).abs().max() / ref.abs().max()) < 1e-5, M
 
     # FP8 block scales (a partial block row: 24 rows in 16-row blocks), per-group dynamic inputs
     g = preset("a8w8_fp8", activations="dynamic", weight_block=16).config_groups["group_0"]
@@ -546,7 +566,7 @@ def test_triton_paths_match_reference_under_interpreter():
                                         ("weight_only_int4", 64, False),
                                         ("weight_only_int8", 128, True), ("a8w8", 128, True),
                                         ("a8w8_fp8", 128, True), ("weight_only_fp8", 128, True), ("a8w4", 128, True),
-                                        ("a8w4_fp8", 128, True)])
+                                        ("a8w4_fp8", 128, True), ("weight_only_mxfp8", 32, True), ("mxfp8", 32, True)])
 @pytest.mark.parametrize("M", [1, 3, 17, 200])
 def test_cuda_quant_linear_matches_reference(kind, g, sym, M):
     t = _make(kind, 384, 1024, group_size=g, symmetric=sym, bias=True, seed=M)

@@ -136,3 +136,30 @@ def test_fp8_weights_match_reference(M, dtype):
     torch.testing.assert_close(w8a16_linear_ref(x, q, s, b), (x.float() @ (q.float() * s.float()[:, None]).t()
                                                               + b.float()).to(dtype))
     assert torch.equal(w8a16_dequantize(q, s, dtype), w8a16_dequantize_ref(q, s, dtype))
+
+
+@pytest.mark.parametrize("fp8", [False, True])
+@pytest.mark.parametrize("cfg", [None, W8A16Config(1, 8, 16, 2), W8A16Config(16, 16, 32, 3),
+                                 W8A16Config(16, 32, 16, 2, swap_ab=True)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_group_scales_match_reference(fp8, cfg, dtype):
+    """Group scales [N, K/g] (weight_only_mxfp8's power-of-two ones per 32 on E4M3 codes; group-wise
+    int8 on integer codes): each weight tile scaled per group in the kernel gives the reference's
+    numbers — the weight dequantized per group in fp32 — for decode-sized and tiled launches, with
+    tiles wider and narrower than a group."""
+    g, k = 8, K
+    gen = torch.Generator().manual_seed(21)
+    q = _fp8_codes(gen)[:, :k].contiguous() if fp8 else torch.randint(-128, 128, (N, k), dtype=torch.int8,
+                                                                      generator=gen)
+    s = 2.0 ** torch.randint(-9, -3, (N, k // g), generator=gen).float() if fp8 else \
+        (torch.rand(N, k // g, generator=gen) * 0.01 + 1e-3)
+    b = torch.randn(N, generator=gen).to(dtype)
+    for M in (1, 17):
+        x = torch.randn(M, k, generator=gen).to(dtype)
+        y, r = w8a16_linear(x, q, s, b, config=cfg), w8a16_linear_ref(x, q, s, b)
+        tol = 1e-5 if dtype == torch.float32 else 5e-3
+        torch.testing.assert_close(y.float(), r.float(), rtol=tol, atol=tol * float(r.abs().max()))
+        per_group = (q.float().view(N, -1, g) * s[..., None]).view(N, k)
+        torch.testing.assert_close(r.float(), (x.float() @ per_group.t() + b.float()).to(dtype).float())
+    with pytest.raises(QuantSpecError, match="do not tile K"):
+        w8a16_linear(x, q, s[:, :5], b)

@@ -96,8 +96,11 @@ def triton_linear(layer: QuantLinear, x: torch.Tensor, path: KernelPath) -> torc
         w = w if w is not None else pack_int4(layer.codes())
         return kernels.w4a16_linear(x, w, _prepared_w4_scale(layer), _w4_group(layer), layer.weight_zero_point, b,
                                     quartered=getattr(p, "quartered", False))
-    if path is KernelPath.TRITON_W8A16:
-        return kernels.w8a16_linear(x, _w8_codes(layer), p.w_scale_vec, b)
+    if path is KernelPath.TRITON_W8A16:  # per-channel scales, or group ones (group-wise int8, MXFP8)
+        if layer.input_args is not None:  # MXFP8 inputs: quantized per group first
+            x = layer.fake_quantized_input(x)
+        scale = p.w_scale_vec if p.w_scale_vec is not None else layer.weight_scale
+        return kernels.w8a16_linear(x, _w8_codes(layer), scale, b)
     if path is KernelPath.TRITON_W8A8:
         return kernels.w8a8_linear(x, layer.codes(), p.w_scale_vec,
                                    None if layer.input_args.dynamic else layer.input_scale, b)
