@@ -45,10 +45,10 @@ def resolve_layer_group_sizes(model: nn.Module, config: QuantConfig) -> QuantCon
 
     sizes = {}
     for name, mod in quantized_linears(model, config).items():
-        args = config.weight_args_for(name)
+        scheme = config.scheme_for(name)
+        args = scheme.weights
         if args.microscaled:  # NVFP4's, MXFP4's and MXFP8's group size is the format's own
             check_groups_tile(name, weight_dims(mod)[1], args.group_size, args.microscaled.upper())
-            scheme = config.scheme_for(name)
             if scheme.sized_by_inputs:  # a8w4_mxfp4: its FP8 input groups tile K
                 sizes[name] = resolve_group_size(weight_dims(mod)[1], scheme.input_activations.group_size)
         elif args.strategy == "group":

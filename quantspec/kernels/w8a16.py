@@ -147,7 +147,7 @@ def _w8a16_kernel(
                 else:
                     acc = tl.dot(x, tl.trans(w), acc)
         else:
-            w = _weights(q, x.dtype, FP8, GROUP).to(tl.float32)
+            w = _weights(q, tl.float32, FP8, GROUP)
             prod = x.to(tl.float32)[:, None, :] * w[None, :, :]  # [BM, BN, BK]
             acc += tl.sum(prod, axis=2)
     if SWAP_AB:
