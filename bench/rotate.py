@@ -11,9 +11,11 @@ weight-only artifact. Calibration data: `bench/data/calib.jsonl`.
 
     OMP_NUM_THREADS=2 python bench/rotate.py [--recipes int4-gptq,a8w8-dynamic] [--json out.json]
 
-With `--quip v` (or `v,u`), the second arm of each recipe is QuIP's run-time transforms
-(`quantize --quip`, `--target vllm`) instead of the fused rotations; recipes with static scales
-are refused there, as `quantize --quip` refuses them.
+`--rotate R1,R2,R4` adds SpinQuant's R4 to the second arm (each down_proj's input turned at run
+time, `--target vllm`). With `--quip v` (or `v,u`), the second arm of each recipe is QuIP's
+run-time transforms (`quantize --quip`, `--target vllm`) instead of the fused rotations. Recipes
+with static scales take no run-time transform (R4's or QuIP's): they are left out there, as
+`quantize` refuses them.
 
 (`--model`, `--calib-data`, `--heldout`, `--seq-len` run it on another model and data.)
 """
@@ -58,17 +60,19 @@ def main(argv=None) -> dict:
     p.add_argument("--calib-data", default=str(CALIB), help="calibration texts (tables, GPTQ)")
     p.add_argument("--num-samples", type=int, default=64)
     p.add_argument("--seq-len", type=int, default=512, help="calibration and evaluation windows")
-    p.add_argument("--quip", default=None, help="compare with QuIP's transforms (v or v,u) instead of R1,R2")
+    p.add_argument("--rotate", default="R1,R2", help="the second arm's --rotate (R1,R2,R4: R4 at run time too)")
+    p.add_argument("--quip", default=None, help="compare with QuIP's transforms (v or v,u) instead of --rotate")
     p.add_argument("--quip-block-size", type=int, default=None)
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     default = a.recipes == p.get_default("recipes")
-    names = [n for n in a.recipes.split(",") if n and not (a.quip and default and RECIPES[n][2])]
+    run_time = bool(a.quip) or "R4" in a.rotate.upper()
+    names = [n for n in a.recipes.split(",") if n and not (run_time and default and RECIPES[n][2])]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; choose from {', '.join(RECIPES)}")
-    if a.quip and any(RECIPES[n][2] for n in names):
-        p.error("--quip: recipes with static scales (a table) take no run-time transforms; choose others")
+    if run_time and any(RECIPES[n][2] for n in names):
+        p.error("recipes with static scales (a table) take no run-time transforms (--quip, R4); choose others")
     work = Path(tempfile.mkdtemp(prefix="bench-rotate-"))
     try:
         out = _run(a, names, work)
@@ -78,7 +82,7 @@ def main(argv=None) -> dict:
              f"{r['rotated']['perplexity']:.3f}", f"{100 * r['rotated']['delta']:+.1f}%", f"{r['delta_ratio']:.2f}"]
             for n, r in out["recipes"].items()]
     print(f"\nfp32 perplexity {out['fp32_perplexity']:.3f} ({a.heldout})\n")
-    arm = f"QuIP {a.quip}" if a.quip else "R1,R2"
+    arm = f"QuIP {a.quip}" if a.quip else a.rotate
     print(markdown_table(["recipe", "plain ppl", "plain Δ", f"{arm} ppl", f"{arm} Δ", "Δ ratio"], rows, "lrrrrr"))
     if a.json:
         Path(a.json).write_text(json.dumps(out, indent=2))
@@ -89,31 +93,31 @@ def _run(a, names: list[str], work: Path) -> dict:
     """Each recipe quantized plain then rotated, side by side in one run (module docstring)."""
     ev = dict(text_file=a.heldout, seq_len=a.seq_len)
     fp32 = api.evaluate(a.model, **ev)["perplexity"]
-    tables = {}
+    tables, arm = {}, a.rotate
     if any(RECIPES[n][2] for n in names):
-        for rot in (None, "R1,R2"):
+        for rot in (None, arm):
             tables[rot] = str(api.calibrate(a.model, a.calib_data, work / f"table-{rot}", num_samples=a.num_samples,
                                             seq_len=a.seq_len, dtype="float32", rotate=rot).path)
-    out = {"model": a.model, "fp32_perplexity": fp32, "turned_by": f"quip {a.quip}" if a.quip else "R1,R2",
+    out = {"model": a.model, "fp32_perplexity": fp32, "turned_by": f"quip {a.quip}" if a.quip else arm,
            "recipes": {}}
     for n in names:
         qt, opts, static, kv = RECIPES[n]
         opts = {k: (a.calib_data if k == "dataset" else v) for k, v in opts.items()}
         got = {}
-        for rot in (None, "R1,R2"):
+        for rot in (None, arm):
             t0 = time.perf_counter()
             calib = {"calib": tables[rot]} if static and kv == "float" else {}
-            turn = {} if rot is None else {"rotate": rot} if not a.quip else \
-                {"quip": a.quip, "quip_block_size": a.quip_block_size, "target": opts.get("target", "vllm")}
+            vllm = {"target": opts.get("target", "vllm")}  # the run-time transforms' engines
+            turn = {} if rot is None else {"quip": a.quip, "quip_block_size": a.quip_block_size, **vllm} if a.quip \
+                else {"rotate": rot, **(vllm if "R4" in rot.upper() else {})}
             art = api.quantize(a.model, qt, work / f"{n}-{rot}", num_samples=a.num_samples, seq_len=a.seq_len,
                                **{**opts, **turn}, **calib)
             ppl = api.evaluate(str(art), kv_cache_dtype=kv, calib=tables[rot] if kv != "float" else None,
                                **ev)["perplexity"]
             got[rot] = {"perplexity": ppl, "delta": ppl / fp32 - 1, "quantize_s": round(time.perf_counter() - t0, 1)}
             shutil.rmtree(art, ignore_errors=True)
-        out["recipes"][n] = {"plain": got[None], "rotated": got["R1,R2"],
-                             "delta_ratio": got["R1,R2"]["delta"] / got[None]["delta"]}
-        print(f"{n}: plain {got[None]['perplexity']:.3f}, rotated {got['R1,R2']['perplexity']:.3f}", flush=True)
+        out["recipes"][n] = {"plain": got[None], "rotated": got[arm], "delta_ratio": got[arm]["delta"] / got[None]["delta"]}
+        print(f"{n}: plain {got[None]['perplexity']:.3f}, rotated {got[arm]['perplexity']:.3f}", flush=True)
     return out
 
 

@@ -152,6 +152,12 @@ CASES = [
      "--rotate"),
     ("quantize-rotate-r2-alone", "quantize --model {model} --quant-type weight_only_int8 --rotate R2 --out {d}/q",
      "--rotate"),
+    ("quantize-rotate-r4-portable", "quantize --model {model} --quant-type weight_only_int8 --rotate R1,R2,R4 "
+     "--out {d}/q", "--target"),
+    ("quantize-rotate-r4-and-quip", "quantize --model {model} --quant-type weight_only_int8 --rotate R4 --quip v "
+     "--target vllm --out {d}/q", "--quip"),
+    ("calibrate-rotate-r4", "calibrate --model {model} --dataset {d}/calib.txt --rotate R1,R4 --out {d}/t",
+     "--rotate"),
     ("quantize-quip-portable", "quantize --model {model} --quant-type weight_only_int4 --quip v --out {d}/q",
      "--target"),
     ("quantize-quip-unknown", "quantize --model {model} --quant-type weight_only_int4 --quip w --target vllm "

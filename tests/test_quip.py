@@ -312,3 +312,111 @@ def test_experts_take_no_run_time_transform_and_other_types_are_refused(tmp_path
     matrix = {"config_groups": {"m": {"type": "random-matrix", "apply": [{"targets": ["Linear"], "location": "input"}]}}}
     with pytest.raises(QuantSpecError, match="runs a random-matrix transform at run time; vLLM runs hadamard"):
         read_transform_config(matrix, "cfg")
+
+
+# ---- SpinQuant's R4 (`quantize --rotate R4`, alone or after R1 / R2): each MLP's down_proj turned at
+# run time, as llm-compressor's SpinQuantModifier writes it (`calib.quip.Quip.r4`); compressed-tensors
+# builds its own Sylvester matrices for the reference's hooks.
+
+def _logits_both_ways(art):
+    from transformers import AutoModelForCausalLM
+
+    with torch.no_grad():
+        theirs = _transformers_with_hooks(art)(IDS[None]).logits[0]
+        skipped = AutoModelForCausalLM.from_pretrained(str(art), dtype=torch.float32)(IDS[None]).logits[0]
+    return _quantspec_logits(art), theirs, skipped
+
+
+@pytest.mark.parametrize("quant_type,rotate,options", [
+    ("weight_only_int8", "R4", {}),
+    ("weight_only_int4", "R1,R4", {"group_size": 32}),
+    ("a8w8", "R1,R2,R4", {"activations": "dynamic"}),
+])
+def test_r4_artifact_runs_as_compressed_tensors_runs_it(tmp_path, tiny_llama_dir, quant_type, rotate, options):
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", rotate=rotate, **VLLM, **options)
+    mine, theirs, skipped = _logits_both_ways(art)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert (skipped - theirs).abs().max() > 1e-2  # without the transform (SGLang, transformers): another model
+    cfg = read_config(art)
+    groups = cfg["quantization_config"]["transform_config"]["config_groups"]
+    fused = [r for r in ("R1", "R2") if r in rotate]
+    assert sorted(groups) == sorted(fused + ["R4"])
+    r4 = groups["R4"]
+    assert r4["type"] == "hadamard" and r4["head_dim"] == 128  # the tiny model's intermediate size, ≤ 128
+    assert [(a["location"], a["inverse"], a["targets"]) for a in r4["apply"]] == [
+        ("input", False, [r"re:.*mlp\.down_proj$"]), ("weight_input", True, [r"re:.*mlp\.down_proj$"])]
+    from safetensors import safe_open
+
+    with safe_open(str(art / "model.safetensors"), framework="pt") as h:
+        matrices = [k for k in h.keys() if "R4" in k]
+    assert sorted(matrices) == [f"model.layers.{i}.mlp.down_proj.R4_input.weight" for i in range(2)]
+    # the hidden states are the fused rotations' model's: R4 is no part of a draft head's base
+    assert ModelArgs.from_hf_config(cfg).rotation == (f"{','.join(fused)} random-hadamard seed 0" if fused else "")
+    assert (cfg.get("quantspec_rotation") or {}).get("rotations", []) == fused
+
+
+def test_gptq_in_r4s_turned_basis_and_inspect(tmp_path, tiny_llama_dir):
+    corpus = tmp_path / "corpus.txt"
+    corpus.write_text(TINY_CORPUS)
+    opts = dict(method="gptq", dataset=str(corpus), num_samples=4, seq_len=32, group_size=32)
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "art", rotate="R4", **VLLM, **opts)
+    mine, theirs, _ = _logits_both_ways(art)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    info = api.inspect(art)
+    assert info["run_time_transforms"] == "R4: hadamard 128, input"
+    assert info["engines"]["vllm"]["status"] == "loads"
+    verdict = info["engines"]["sglang"]
+    assert "ignores the run-time transforms" in verdict["verdict"] and "(down_proj ×2)" in verdict["verdict"]
+    assert any("R4 in --rotate" in f for f in verdict["fixes"])
+    assert json.loads((art / "quantspec.json").read_text())["provenance"]["args"]["rotate"] == "R4"
+
+
+def test_r4_on_fused_projections(tmp_path):
+    """Phi-3 stores gate / up fused: QuIP's per-Linear transforms are refused there, R4's down_proj
+    is a Linear of its own."""
+    src = build_tiny_model(tmp_path / "phi3", "phi3")
+    with pytest.raises(QuantSpecError, match="stores its projections fused"):
+        api.quantize(str(src), "weight_only_int8", tmp_path / "quip", quip="v", **VLLM)
+    art = api.quantize(str(src), "weight_only_int8", tmp_path / "art", rotate="R4", **VLLM)
+    mine, theirs, _ = _logits_both_ways(art)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+
+
+@pytest.mark.parametrize("options,match", [
+    ({"rotate": "R4"}, r"--rotate R4 writes transforms that run at run time, which SGLang skips.*--target vllm"),
+    ({"rotate": "R4", "quip": "v", **VLLM}, "--rotate R4 and --quip both turn Linears at run time"),
+    ({"rotate": "R4,R1,r4", **VLLM}, "names R4 twice"),
+    ({"rotate": "R2,R4", **VLLM}, "R2 turns the values inside attention and goes with R1"),
+    ({"rotate": "R1,R4", "method": "awq", "dataset": "d.txt", **VLLM}, "--rotate R4: AWQ's search"),
+    ({"rotate": "R4", "quip_block_size": 64, **VLLM}, "--quip-block-size sizes the transforms of --quip"),
+])
+def test_bad_r4_requests(tmp_path, tiny_llama_dir, options, match):
+    with pytest.raises(QuantSpecError, match=match):
+        api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "out", **options)
+    assert not (tmp_path / "out").exists()
+
+
+def test_recipes_r4_cannot_go_with(tmp_path, tiny_llama_dir, calibration_table):
+    with pytest.raises(QuantSpecError, match="--rotate R4: static input scales.*--activations dynamic"):
+        api.quantize(str(tiny_llama_dir), "a8w8", tmp_path / "x", rotate="R4", calib=calibration_table(tiny_llama_dir),
+                     **VLLM)
+    moe = build_tiny_model(tmp_path / "moe", "mixtral")
+    with pytest.raises(QuantSpecError, match="--rotate R4: vLLM's fused experts"):
+        api.quantize(str(moe), "weight_only_int8", tmp_path / "x", rotate="R4", **VLLM)
+    with pytest.raises(QuantSpecError, match="R4 turns down_proj's inputs at run time.*calibrate with the fused"):
+        api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t", rotate="R1,R2,R4")
+    assert not (tmp_path / "x").exists() and not (tmp_path / "t").exists()
+
+
+def test_a_weight_only_r4_run_takes_a_table_for_its_kv_cache(tmp_path, tiny_llama_dir, calibration_table):
+    """A table measured with the fused rotations alone scales the KV cache of an R1,R2,R4 artifact:
+    R4 changes no value the cache holds."""
+    (tmp_path / "c.txt").write_text(TINY_CORPUS)
+    table = api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t", num_samples=4, seq_len=32,
+                          dtype="float32", rotate="R1,R2").path
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "art", rotate="R1,R2,R4", calib=table,
+                       kv_cache="fp8", **VLLM)
+    assert read_config(art)["quantization_config"]["kv_cache_scheme"]["type"] == "float"
+    with pytest.raises(QuantSpecError, match="calibrated without --rotate"):
+        api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "x", rotate="R1,R2,R4",
+                     calib=calibration_table(tiny_llama_dir), kv_cache="fp8", **VLLM)

@@ -104,11 +104,12 @@ class QuantizeConfig:
     device: str = "auto"  # where each layer is quantized: auto (CUDA when there is one), cpu, cuda[:N]
     restart: bool = False  # discard the state an interrupted run left for `out`
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
-    rotate: str | None = None  # rotations fused into the weights first ("R1" or "R1,R2", `calib.rotate`); signs from `seed`
+    # rotations fused into the weights first ("R1" or "R1,R2", `calib.rotate`; signs from `seed`), and R4 at run time
+    rotate: str | None = None
     rotation: object = field(default=None, init=False, repr=False, compare=False)  # `rotate` parsed
     quip: str | None = None  # QuIP's run-time transforms ("v" or "v,u", `calib.quip`)
     quip_block_size: int | None = None  # their block (a power of two); None: the largest up to 128 that fits
-    quip_spec: object = field(default=None, init=False, repr=False, compare=False)  # `quip` parsed
+    quip_spec: object = field(default=None, init=False, repr=False, compare=False)  # `quip` (or R4) parsed
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
     # quant_config's groups of `layer_quant_types`: group key → the spec that made it
     layer_groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -116,7 +117,7 @@ class QuantizeConfig:
     def __post_init__(self):
         from quantspec.calib.ptq import METHODS
         from quantspec.calib.quip import Quip
-        from quantspec.calib.rotate import Rotation
+        from quantspec.calib.rotate import Rotation, split_rotate
         from quantspec.quant.args import QuantType
         from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import parse_capability, target_refusal
@@ -125,8 +126,14 @@ class QuantizeConfig:
         if self.compute_capability is not None:
             object.__setattr__(self, "capability", parse_capability(self.compute_capability))
         object.__setattr__(self, "quant_type", qt.value)
-        object.__setattr__(self, "rotation", Rotation.parse(self.rotate, self.seed))
+        fused, r4 = split_rotate(self.rotate)
+        object.__setattr__(self, "rotation", Rotation.parse(fused, self.seed))
         object.__setattr__(self, "quip_spec", Quip.parse(self.quip, self.quip_block_size))
+        if r4 and self.quip_spec is not None:
+            raise QuantSpecError("--rotate R4 and --quip both turn Linears at run time (R4: each down_proj's "
+                                 "input); pass one of them")
+        if r4:
+            object.__setattr__(self, "quip_spec", Quip.r4())
         if self.activations is None:
             dynamic = (self.weight_block is not None and qt is QuantType.A8W8_FP8) or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")

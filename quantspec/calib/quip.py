@@ -19,6 +19,12 @@ The artifact's `transform_config` holds one scheme per rotation (`v`: `input` at
 turned Linears, and each turned Linear stores its matrices as `{linear}.v_input.weight` /
 `{linear}.u_output.weight` (±1), where vLLM's loader puts them.
 
+SpinQuant's R4 (`quantize --rotate R4`, alone or after R1 / R2) is the same input transform on
+each MLP's `down_proj` alone (`Quip.r4`), as llm-compressor's `SpinQuantModifier(rotations=[...,
+"R4"], transform_type="hadamard", transform_block_size=B)` writes it: a scheme named `R4`, its
+matrices stored as `{down_proj}.R4_input.weight`. It turns the Linear whose inputs (the MLP's
+gated activations) hold the widest outliers, at the cost of one run-time transform a layer.
+
 Refused in one line: static input scales (measured on the inputs before the transform), AWQ (its
 search measures the unturned weights), `u` on a Linear with a bias (vLLM runs none under an
 output transform), a mixture of experts (vLLM's fused experts run no transform), draft modules,
@@ -64,10 +70,25 @@ def fwht(x: torch.Tensor, block: int) -> torch.Tensor:
 @dataclass(frozen=True)
 class Quip:
     """Which transforms (`QUIP_ROTATIONS`, in that order) and their block size (None: chosen per
-    model by `block_for`)."""
+    model by `block_for`); `down_only`: SpinQuant's R4, `v` on each MLP's `down_proj` alone."""
 
     rotations: tuple[str, ...]
     block_size: int | None = None
+    down_only: bool = False
+
+    @classmethod
+    def r4(cls) -> "Quip":
+        """SpinQuant's R4 (`--rotate R4`), its block chosen per model."""
+        return cls(("v",), None, down_only=True)
+
+    @property
+    def flag(self) -> str:
+        """The flag that asks for these transforms, for messages."""
+        return "--rotate R4" if self.down_only else "--quip"
+
+    def scheme(self, rotation: str) -> str:
+        """The `transform_config` scheme of `rotation` ("v" / "u"): "R4" for R4's."""
+        return "R4" if self.down_only else rotation
 
     @classmethod
     def parse(cls, spec: str | None, block_size: int | None = None) -> "Quip | None":
@@ -99,8 +120,8 @@ class Quip:
         g = math.gcd(*sizes)
         b = min(MAX_BLOCK, g & -g)
         if b < MIN_BLOCK:
-            raise QuantSpecError(f"--quip: no power-of-two block of at least {MIN_BLOCK} divides every Linear's "
-                                 f"sizes (their common divisor is {g}); quantize without --quip")
+            raise QuantSpecError(f"{self.flag}: no power-of-two block of at least {MIN_BLOCK} divides every turned "
+                                 f"Linear's sizes (their common divisor is {g}); quantize without {self.flag}")
         return b
 
 
@@ -110,22 +131,22 @@ def check_quip_recipe(config, *, draft: str | None, moe: bool) -> None:
     draft module, `moe` whether its MLPs are mixtures of experts."""
     if config.quip_spec is None:
         return
-    method, target = config.method, config.target
+    method, target, flag = config.method, config.target, config.quip_spec.flag
     if draft:
-        raise QuantSpecError(f"--quip turns a base model's Linears, and {draft}; quantize it without --quip")
+        raise QuantSpecError(f"{flag} turns a base model's Linears, and {draft}; quantize it without {flag}")
     if moe:
-        raise QuantSpecError("--quip: vLLM's fused experts run no run-time transform, so a mixture of experts "
-                             "cannot take one; quantize without --quip")
+        raise QuantSpecError(f"{flag}: vLLM's fused experts run no run-time transform, so a mixture of experts "
+                             f"cannot take one; quantize without {flag}")
     if target in ("portable", "sglang", "transformers"):
         skips = "transformers" if target == "transformers" else "SGLang"
-        raise QuantSpecError(f"--quip writes transforms that run at run time, which {skips} skips (its outputs "
+        raise QuantSpecError(f"{flag} writes transforms that run at run time, which {skips} skips (its outputs "
                              "would be wrong); pass --target vllm (or quantspec)")
     if "awq" in method.split("+"):
-        raise QuantSpecError("--quip: AWQ's search measures the weights before the transform; use --method gptq "
-                             "or rtn with --quip")
+        raise QuantSpecError(f"{flag}: AWQ's search measures the weights before the transform; use --method gptq "
+                             f"or rtn with {flag}")
     if config.calibrated_inputs:
-        raise QuantSpecError("--quip: static input scales are measured on the inputs before the transform; pass "
-                             "--activations dynamic or quantize without --quip")
+        raise QuantSpecError(f"{flag}: static input scales are measured on the inputs before the transform; pass "
+                             f"--activations dynamic or quantize without {flag}")
 
 
 class QuipPlan:
@@ -133,17 +154,23 @@ class QuipPlan:
     decoder layers), `block` and the turning of their weights and Hessians (each its own inverse)."""
 
     def __init__(self, quip: Quip, model, linears: dict):
+        from quantspec.calib.rotate import layer_targets
         from quantspec.model_zoo.layout import fused_units
 
-        if fused_units(model.args):
+        if fused_units(model.args) and not quip.down_only:  # R4's down_proj is never stored fused
             raise QuantSpecError(f"--quip: a {model.args.arch} checkpoint stores its projections fused, where each "
                                  "part's transform has no place of its own; quantize without --quip")
         self.quip = quip
         self.v, self.u = "v" in quip.rotations, "u" in quip.rotations
-        self.names = [n for n in linears if n.startswith("model.layers.")]
-        turned = set(self.names)  # the decoder layers' other Linears (ignored ones) keep their weights
+        downs = _downs(model) if quip.down_only else None
+        self.names = [n for n in linears if n.startswith("model.layers.") and (downs is None or n in downs)]
+        if not self.names:
+            raise QuantSpecError(f"{quip.flag}: the config quantizes no Linear it turns; quantize without {quip.flag}")
+        turned = set(self.names)
+        self.targets = layer_targets(self.names)
+        # the decoder layers' Linears those targets match that keep their weights (ignored ones)
         self.ignore = [n for n, m in model.named_modules() if n.startswith("model.layers.") and n not in turned
-                       and isinstance(m, torch.nn.Linear)]
+                       and isinstance(m, torch.nn.Linear) and layer_targets([n])[0] in self.targets]
         if self.u:
             biased = [n for n in self.names if getattr(linears[n], "bias", None) is not None]
             if biased:
@@ -186,24 +213,29 @@ class QuipPlan:
 
     def tensors(self, name: str, dtype: torch.dtype) -> dict[str, torch.Tensor]:
         """The matrices a turned Linear stores, where vLLM's loader reads them."""
-        s = sylvester(self.block).to(dtype)
-        return ({f"{name}.v_input.weight": s} if self.v else {}) | ({f"{name}.u_output.weight": s.clone()}
-                                                                    if self.u else {})
+        s, scheme = sylvester(self.block).to(dtype), self.quip.scheme
+        return ({f"{name}.{scheme('v')}_input.weight": s} if self.v else {}) | \
+            ({f"{name}.{scheme('u')}_output.weight": s.clone()} if self.u else {})
 
     def transform_config(self) -> dict:
         """The `transform_config` groups (compressed-tensors' own classes, dumped) of these transforms."""
         from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
-        from quantspec.calib.rotate import layer_targets
-
-        targets = layer_targets(self.names)
+        targets = self.targets
         groups = {}
         if self.v:
-            groups["v"] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
+            groups[self.quip.scheme("v")] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
                 TransformArgs(targets=targets, ignore=self.ignore, location="input"),
                 TransformArgs(targets=targets, ignore=self.ignore, location="weight_input", inverse=True)])
         if self.u:
-            groups["u"] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
+            groups[self.quip.scheme("u")] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
                 TransformArgs(targets=targets, ignore=self.ignore, location="weight_output"),
                 TransformArgs(targets=targets, ignore=self.ignore, location="output", inverse=True)])
         return json.loads(json.dumps(TransformConfig(config_groups=groups).model_dump()))["config_groups"]
+
+
+def _downs(model) -> set[str]:
+    """The `down_proj` of each decoder layer's MLPs (R4's Linears), by module name."""
+    from quantspec.calib.smooth import layer_mlps
+
+    return {f"model.layers.{i}.{down}" for i, layer in enumerate(model.model.layers) for _, down in layer_mlps(layer)}

@@ -22,9 +22,12 @@ whose every transform is fused into the weights (`weight_input` / `weight_output
 validates and runs as the plain Linears they are, and which SGLang and transformers do not read
 (nothing is left for them to run). `config.json` also keeps `quantspec_rotation` (the rotations
 and their seed), because two seeds give different weights under the same `transform_config`, and
-a draft head trained on one base's hidden states reads another's wrong. A checkpoint whose
-`transform_config` asks for a transform at run time (QuIP's, SpinQuant's R3 / R4) is refused in
-one line (`quant.transforms`).
+a draft head trained on one base's hidden states reads another's wrong.
+
+SpinQuant's R4 turns each `down_proj`'s input at run time; `--rotate` takes it beside R1 / R2
+(`split_rotate`), and it is written as a run-time transform (`calib.quip`, `Quip.r4`): it changes
+no hidden state, so it is not part of `quantspec_rotation`. A calibration table is measured
+without it (its static input scales are refused beside R4).
 """
 
 from __future__ import annotations
@@ -43,9 +46,10 @@ from quantspec.model_zoo.hf_config import ROTATION_KEY, TRANSFORM_TYPE, rotation
 from quantspec.quant.decompressed import float_nbytes, source_quantization
 
 __all__ = ["ROTATIONS", "ROTATION_KEY", "Rotation", "RotatedReader", "check_table_rotation", "layer_targets",
-           "rotated_config", "rotation_tag"]
+           "rotated_config", "rotation_tag", "split_rotate"]
 
 ROTATIONS = ("R1", "R2")
+RUN_TIME_ROTATION = "R4"  # SpinQuant's online rotation of down_proj's input (`calib.quip`)
 EMBED, HEAD = "model.embed_tokens.weight", "lm_head.weight"
 _LAYER = re.compile(r"^model\.layers\.(\d+)\.(.+)$")
 
@@ -63,9 +67,14 @@ class Rotation:
         if spec is None or str(spec).strip().lower() in ("", "none"):
             return None
         names = [s.strip().upper() for s in str(spec).split(",") if s.strip()]
+        if RUN_TIME_ROTATION in names:  # `split_rotate` takes it out where it can run (quantize)
+            raise QuantSpecError(f"--rotate {spec!r}: R4 turns down_proj's inputs at run time, and a calibration "
+                                 "table is measured without it; calibrate with the fused rotations alone (R1 or "
+                                 "R1,R2), or without --rotate")
         bad = [n for n in names if n not in ROTATIONS]
         if bad or not names or len(set(names)) != len(names):
-            raise QuantSpecError(f"--rotate {spec!r}: use R1 or R1,R2 (rotations fused into the weights), or none")
+            raise QuantSpecError(f"--rotate {spec!r}: use R1 or R1,R2 (rotations fused into the weights), R4 "
+                                 "(down_proj's inputs at run time; alone or after them), or none")
         if "R1" not in names:
             raise QuantSpecError(f"--rotate {spec!r}: R2 turns the values inside attention and goes with R1; "
                                  "use --rotate R1,R2")
@@ -109,6 +118,17 @@ class Rotation:
                                                   TransformArgs(targets=layer_targets(roles["heads"]),
                                                                 location="weight_input", inverse=True)])
         return json.loads(json.dumps(TransformConfig(config_groups=groups).model_dump()))
+
+
+def split_rotate(spec: str | None) -> tuple[str | None, bool]:
+    """`quantize --rotate` as (its fused rotations, for `Rotation.parse`; whether it asks for R4)."""
+    names = [s.strip() for s in str(spec or "").split(",") if s.strip()]
+    rest = [n for n in names if n.upper() != RUN_TIME_ROTATION]
+    if len(rest) == len(names):
+        return spec, False
+    if len(names) - len(rest) > 1:
+        raise QuantSpecError(f"--rotate {spec!r} names R4 twice; use e.g. R1,R2,R4")
+    return (",".join(rest) or None), True
 
 
 def rotated_config(rotation: "Rotation | None", cfg: dict, draft: str | None = None) -> dict:

@@ -62,11 +62,12 @@ def threads_option(fn):
 
 
 rotate_option = click.option(
-    "--rotate", default=None, metavar="R1|R1,R2",
+    "--rotate", default=None, metavar="R1|R1,R2|R1,R2,R4|R4",
     help="fuse rotations into the weights before quantizing (SpinQuant's R1: the residual stream, R2: each "
          "head's values; random Hadamard matrices with signs from --seed): the same model, whose outliers "
          "the quantizers see spread; the artifact unties a tied embedding, and `calibrate` takes the same "
-         "--rotate / --seed for its table")
+         "--rotate / --seed for its table (R1 / R2 only). quantize: R4 turns each down_proj's input by a "
+         "block Hadamard transform at run time (vLLM and quantspec run it; dynamic inputs or weight-only)")
 
 
 def _raise_terminated(signum, frame):

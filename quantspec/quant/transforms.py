@@ -5,13 +5,14 @@ Two kinds, as compressed-tensors defines them:
   (the rotations `quantize --rotate` fuses, `calib.rotate`; llm-compressor's SpinQuant R1 / R2);
 - run time (`input` / `output`): a Hadamard transform of a Linear's input before its matmul or
   of its output after it, paired with a fused one on the same Linear that it undoes (QuIP's
-  `v` / `u`, `quantize --quip`, `calib.quip`; llm-compressor's `QuIPModifier`).
+  `v` / `u`, `quantize --quip`, `calib.quip`; llm-compressor's `QuIPModifier`; SpinQuant's R4 on
+  each `down_proj`'s input, `quantize --rotate R4`).
 
 quantspec runs both, as vLLM does: `online_transforms` resolves each run-time transform to the
 Linears it targets (compressed-tensors' own matching, vLLM's too) and its matrix — the tensor the
 checkpoint stores under `{linear}.{scheme}_{location}.weight` (permuted by `.perm` where present),
 or Sylvester's construction for a `hadamard` scheme that stores none — and the engine wraps those
-Linears (`infer.transformed`). Transforms on attention (`q_attn`, `k_cache`: SpinQuant's R3 / R4)
+Linears (`infer.transformed`). Transforms on attention (`q_attn`, `k_cache`: SpinQuant's R3)
 or on an embedding, and run-time transforms other than the Hadamard types, are refused in one line.
 A mixture's experts take none, as in vLLM, whose fused experts run no transform. SGLang and
 transformers run no run-time transform.
@@ -47,7 +48,7 @@ def _location(a) -> str:
 def read_transform_config(tc: Any, where: str) -> dict | None:
     """A checkpoint's `transform_config`, checked by compressed-tensors' own model: None when
     empty; refused in one line for a transform quantspec does not run (on attention or the KV
-    cache: SpinQuant's R3 / R4)."""
+    cache: SpinQuant's R3)."""
     if not tc:
         return None
     from compressed_tensors.transform import TransformConfig

@@ -32,13 +32,16 @@ def test_unknown_recipe_is_refused(rotate_bench):
         rotate_bench.main(["--recipes", "int3"])
 
 
-def test_quip_arm(rotate_bench, tiny_llama_dir, tmp_path, capsys):
+@pytest.mark.parametrize("arm,label,turned_by", [(["--quip", "v"], "QuIP v", "quip v"),
+                                                 (["--rotate", "R1,R2,R4"], "R1,R2,R4", "R1,R2,R4")])
+def test_run_time_transform_arms(rotate_bench, tiny_llama_dir, tmp_path, capsys, arm, label, turned_by):
     text = tmp_path / "corpus.txt"
     text.write_text(TINY_CORPUS)
-    res = rotate_bench.main(["--model", str(tiny_llama_dir), "--recipes", "int4-rtn", "--quip", "v",
+    res = rotate_bench.main(["--model", str(tiny_llama_dir), "--recipes", "int4-rtn", *arm,
                              "--calib-data", str(text), "--heldout", str(text), "--num-samples", "4",
                              "--seq-len", "32"])
-    assert res["turned_by"] == "quip v" and math.isfinite(res["recipes"]["int4-rtn"]["rotated"]["perplexity"])
-    assert "| recipe | plain ppl | plain Δ | QuIP v ppl | QuIP v Δ | Δ ratio |" in capsys.readouterr().out
+    assert res["turned_by"] == turned_by
+    assert math.isfinite(res["recipes"]["int4-rtn"]["rotated"]["perplexity"])
+    assert f"| recipe | plain ppl | plain Δ | {label} ppl | {label} Δ | Δ ratio |" in capsys.readouterr().out
     with pytest.raises(SystemExit):  # static scales take no run-time transforms
-        rotate_bench.main(["--recipes", "a8w8-static", "--quip", "v"])
+        rotate_bench.main(["--recipes", "a8w8-static", *arm])

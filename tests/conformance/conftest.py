@@ -89,6 +89,8 @@ ARTIFACTS = {
     # QuIP's run-time transforms: each Linear's weight stored turned, V on its input and U on its
     # output at run time (vLLM's transform method wraps the Linear; SGLang and transformers skip them)
     "weight_only_int4_quip": dict(quant_type="weight_only_int4", group_size=128, quip="v,u", target="vllm"),
+    # SpinQuant's R4 after R1 / R2: each down_proj's input turned at run time, as QuIP's V on it alone
+    "weight_only_int4_r4": dict(quant_type="weight_only_int4", group_size=128, rotate="R1,R2,R4", target="vllm"),
 }
 # an MTP module (quantspec's own model class) quantized on its own, as a draft is
 MTP_ARTIFACT = ("mtp_module_int8", dict(quant_type="weight_only_int8", target="quantspec"))

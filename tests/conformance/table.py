@@ -118,6 +118,9 @@ its transform method, which loads the ±1 matrices `{{linear}}.v_input.weight` /
 through its `SharedWeightParameter`s. SGLang's default model loader passes over those tensors with a
 warning and transformers loads none of them: both run the turned weights bare, which computes
 another function, so `quantize --quip` writes for `--target vllm` (or quantspec) only.
+`weight_only_int4_r4` adds SpinQuant's R4 to R1 and R2 (`--rotate R1,R2,R4`): the same input
+transform on each `down_proj` alone, scheme `R4`, its matrix stored as `{{linear}}.R4_input.weight`;
+the engines treat it as they treat QuIP's.
 """
 
 

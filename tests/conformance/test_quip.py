@@ -4,7 +4,9 @@
 (`v_input`, `u_output`) and their `SharedWeightParameter`s; every matrix the artifact stores is loaded
 through those parameters' own shard loaders (none left unloaded, none unexpected), the input
 transform's partitions share one tensor, and the values loaded are the artifact's ±1 Sylvester
-blocks. The Linears the artifact leaves unturned (lm_head) are not wrapped."""
+blocks. The Linears the artifact leaves unturned (lm_head) are not wrapped. SpinQuant's R4
+(`quantize --rotate R1,R2,R4`) the same way: vLLM wraps each `down_proj` alone in its `R4` input
+transform and loads the matrix the artifact stores there."""
 
 from __future__ import annotations
 
@@ -17,6 +19,7 @@ from quantspec.quant.transforms import sylvester
 from .requests import build_request
 
 QUIP = "weight_only_int4_quip"
+R4 = "weight_only_int4_r4"
 
 
 @pytest.fixture(scope="module")
@@ -28,6 +31,25 @@ def quip_answer(engine_sources, conformance_model, tmp_path_factory):
     art = api.quantize(str(conformance_model), "weight_only_int4", root / QUIP, group_size=64, quip="v,u",
                        quip_block_size=32, target="vllm")
     return src.run(build_request(src, {QUIP: art}, 90), root)["result"][QUIP]
+
+
+def test_vllm_runs_r4_on_each_down_proj_alone(lifted, artifacts):
+    from quantspec.model_zoo.checkpoint import read_config
+
+    if isinstance(lifted["vllm"], str):
+        pytest.skip(lifted["vllm"])
+    answer = lifted["vllm"]["result"][R4]
+    assert answer["error"] is None
+    block = read_config(artifacts[R4])["quantization_config"]["transform_config"]["config_groups"]["R4"]["head_dim"]
+    wrapped = {n: r for n, r in answer["layers"].items() if r.get("transforms")}
+    assert sorted(wrapped) == sorted(n for n in answer["layers"] if n.endswith(".mlp.down_proj"))
+    for name, r in wrapped.items():
+        assert r["error"] is None and r["scheme"], (name, r)
+        assert r["transforms"] == {"input_tfms": {"0": "R4:input"}, "output_tfms": {}}, (name, r["transforms"])
+        assert not r["load_errors"] and not r["never_loaded"], (name, r["load_errors"], r["never_loaded"])
+        assert set(r["transform_values"]) == {"R4_input"}
+        for part in r["transform_values"]["R4_input"]["parts"].values():
+            assert torch.equal(torch.tensor(part), sylvester(block)), name
 
 
 def test_vllm_wraps_every_turned_linear_in_its_transforms(quip_answer):

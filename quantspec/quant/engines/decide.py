@@ -210,7 +210,8 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
     elif "compressed embedding" in text:
         out.append("leave model.embed_tokens float")
     if "run-time transforms" in text:
-        out.append("serve it with vLLM or quantspec (which run them), or re-quantize without --quip")
+        out.append("serve it with vLLM or quantspec (which run them), or re-quantize without --quip (or R4 in "
+                   "--rotate)")
     if "builds fc as a plain torch.nn.Linear" in text:
         out.append("re-quantize with --target portable or sglang (fc stays float), or serve it with vLLM")
     if any(k in text for k in ("instead of", "fallback", "format 'int-quantized'", "different schemes",
