@@ -6,7 +6,8 @@ silu*up kernels of `infer/cpu/layers.py`, the paged attention kernel), what is l
 step beyond the weight reads is Python: about a dozen module calls and twenty tensor ops a layer.
 The extension's `DecoderPlan` (`infer/cpu/csrc/plans.cpp`) gathers each layer's tensors once and
 runs the modules' calls in their order (rms_norm, qkv linear, rope over q and k, paged attention,
-o linear, add, rms_norm, gate/up linear, silu*up, down linear, add) in one call, so its hidden
+o linear, add, rms_norm, gate/up linear, silu*up, [the down linear's run-time input transform,
+SpinQuant's R4: `infer.transformed`], down linear, add) in one call, so its hidden
 states equal the modules' bitwise, in decode, verification and prefill steps alike. A step asked
 to `capture` residual streams (EAGLE-3's aux features) runs one plan per segment of layers
 between the captured ids, each plan over its layers' share of the tensors and caches.
@@ -14,9 +15,11 @@ between the captured ids, each plan over its layers' share of the tensors and ca
 It serves a step only when the modules would run exactly those kernels, and otherwise returns
 None (the modules run):
 - every layer is fused (`qkv_proj`, `gate_up_proj`), its norms / rotary / activation are the
-  kernel versions, and every linear is a `PackedLinear` (fp32) or a `QuantLinear` on its row
+  kernel versions, and every linear is a `PackedLinear` (fp32), a `PackedPairsLinear` (bf16) or a
+  `QuantLinear` on its row
   kernel — for a `QuantLinear` only in row-invariant steps or for rows up to its row limit
-  (larger prefills take its other kernels);
+  (larger prefills take its other kernels); `down_proj` may be a `TransformedLinear` with an
+  input transform alone (R4's), whose block linear and inner linear are such linears;
 - the step's attention goes through the cache's `CpuAttention` (`meta.kernel`);
 - no forward hook or pre-hook is registered on a layer or its parts (calibration and tests
   observe the modules), and the modules and tensors are those the plan was built from (a module
@@ -35,9 +38,10 @@ from torch import nn
 
 from quantspec.infer.cpu.attention import CpuAttention
 from quantspec.infer.cpu.layers import CpuRMSNorm, CpuRotary, CpuSiluAndMul
-from quantspec.infer.cpu.linears import PackedInt8Linear, PackedLinear
+from quantspec.infer.cpu.linears import PackedInt8Linear, PackedLinear, PackedPairsLinear
 from quantspec.infer.kv_cache import PagedAttention
 from quantspec.infer.quant_linear import QuantLinear
+from quantspec.infer.transformed import TransformedLinear
 from quantspec.kernels import cpu as cg
 from quantspec.model_zoo.llama import MLP
 
@@ -49,7 +53,8 @@ _PARTS = ("input_layernorm", "self_attn", "post_attention_layernorm", "mlp")
 # torch's registries of hooks on every module (`nn.modules.module.register_module_forward_hook`)
 _GLOBAL_HOOKS = ("_global_forward_hooks", "_global_forward_pre_hooks")
 _EMPTY = torch.empty(0)
-_LAYER_TENSORS, _LAYER_INTS = 18, 12  # a layer's share of a plan's tensors and ints (`make_layer`)
+_LAYER_TENSORS, _LAYER_INTS = 22, 15  # a layer's share of a plan's tensors and ints (`make_layer`)
+_NO_LINEAR = ([_EMPTY] * 4, [-1, 0, 0])  # a linear slot left empty (kind -1): no down input transform
 
 
 def _linear_spec(mod: nn.Module, dtype: torch.dtype):
@@ -58,6 +63,9 @@ def _linear_spec(mod: nn.Module, dtype: torch.dtype):
     if type(mod) is PackedLinear:
         bias = _EMPTY if mod.bias is None else mod.bias
         return 0, (mod.packed, _EMPTY, _EMPTY, bias), mod.out_features, 0, mod, None
+    if type(mod) is PackedPairsLinear and dtype == torch.bfloat16:  # (fp32 x takes torch's linear there)
+        bias = _EMPTY if mod.bias is None else mod.bias
+        return 5, (mod.packed, _EMPTY, _EMPTY, bias), mod.out_features, 0, mod, None
     if type(mod) is PackedInt8Linear:
         return 1, (mod.int8_cpu, mod.w_scale_vec, _EMPTY, _EMPTY), mod.out_features, 0, mod, None
     if type(mod) is not QuantLinear or not hasattr(mod.prepared, "plan_linear"):
@@ -91,7 +99,7 @@ def linear_plan_args(table: dict, name: str, dtype: torch.dtype, tensors: list, 
 
 def layer_plan_args(layer: nn.Module, args, dtype: torch.dtype, eps: float, tensors: list, ints: list,
                     watched: list, limits: list) -> bool:
-    """Append one decoder layer's 18 tensors and 12 ints (the plans' `make_layer` layout), what
+    """Append one decoder layer's 22 tensors and 15 ints (the plans' `make_layer` layout), what
     must stay in place for them to be the layer's (`watched`) and its quantized linears' row
     limits; False (the lists then hold a partial layer: discard them) when a plan cannot run the
     layer's calls."""
@@ -110,10 +118,20 @@ def layer_plan_args(layer: nn.Module, args, dtype: torch.dtype, eps: float, tens
         watched.append((layer._modules, part, layer._modules[part]))
     watched += [(attn._modules, "rotary_emb", attn.rotary_emb), (mlp._modules, "act_fn", mlp.act_fn)]
     watched += [(n._parameters, "weight", n.weight) for n in norms]
-    for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"), (mlp, "down_proj")):
+    down = mlp.down_proj
+    transformed = type(down) is TransformedLinear
+    if transformed and (down.output_t is not None or down.input_t is None):
+        return False  # the plans run an input transform alone (R4's)
+    for owner, name in ((attn, "qkv_proj"), (attn, "o_proj"), (mlp, "gate_up_proj"),
+                        (down, "inner") if transformed else (mlp, "down_proj")):
         if not linear_plan_args(owner._modules, name, dtype, tensors, ints, watched, limits):
             return False
-    return True
+    if not transformed:
+        tensors += _NO_LINEAR[0]
+        ints += _NO_LINEAR[1]
+        return True
+    watched.append((mlp._modules, "down_proj", down))
+    return linear_plan_args(down._modules, "input_block", dtype, tensors, ints, watched, limits)
 
 
 def watch_holds(dicts: list, keys: list, objs: list, hook_dicts: list) -> bool:

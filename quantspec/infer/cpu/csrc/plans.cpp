@@ -2,6 +2,8 @@
 // and an MTP draft step (`MTPPlan`, infer/cpu/mtp_step.py), each in one call over quantspec's
 // CPU kernels (kernels/csrc/cpu.h), compiled into the same extension.
 
+#include <cmath>
+
 #include "cpu.h"
 
 // ---- a whole decoder stack in one call (decode / verification / short-prefill steps) --------
@@ -10,14 +12,16 @@
 // (about a dozen module calls and twenty tensor ops per layer). The plan holds each layer's norm weights, its four fused linears (packed fp32, int8 or int4) and
 // its KV cache tensors, and runs the very calls the modules make, in their order: rms_norm,
 // qkv linear, rope over q and k, paged attention (writing k / v), o linear, residual add,
-// rms_norm, gate/up linear, silu * up, down linear, residual add. Same kernels, same operands:
-// bitwise the module path's result.
+// rms_norm, gate/up linear, silu * up, [the down linear's run-time input transform: SpinQuant's
+// R4, its block linear over each block of the row, times 1/sqrt(block)], down linear, residual
+// add. Same kernels, same operands: bitwise the module path's result.
 
 namespace {
 
 // kind 0: packed fp32 (a); 1: int8 (a = q, b = scale); 2: int4 (a = q, b = scale, c = neg_zs);
 // 3: torch's packed int4 op for bf16 / fp16 x (a = int4pack, b = scales_zeros, bias in x's dtype
-// added after it, as QuantLinear does); 4: FP4 weights, float inputs (a = E2M1 nibbles, b = scale)
+// added after it, as QuantLinear does); 4: FP4 weights, float inputs (a = E2M1 nibbles, b = scale);
+// 5: bf16 packed in k-pairs for bf16 x (a)
 struct LinearSpec {
   int64_t kind = 0, N = 0, group = 0;
   at::Tensor a, b, c;
@@ -30,6 +34,7 @@ at::Tensor run_linear(const LinearSpec& s, const at::Tensor& x, bool pairs) {
     case 1: return packed_w8_gemm(x, s.a, s.b, s.N, s.bias, pairs);
     case 2: return packed_w4_gemm(x, s.a, s.b, s.c, s.group, s.N, s.bias, pairs);
     case 4: return packed_fp4_gemm(x, s.a, s.b, s.group, s.N, s.bias, pairs);
+    case 5: return packed_pairs_gemm(x, s.a, s.N, s.bias);
     default: {
       at::Tensor xa = x.contiguous();  // the op needs an allocator-aligned x (QuantLinear's _aligned)
       if (reinterpret_cast<uintptr_t>(xa.data_ptr()) % 64 != 0) xa = xa.clone();
@@ -39,16 +44,20 @@ at::Tensor run_linear(const LinearSpec& s, const at::Tensor& x, bool pairs) {
   }
 }
 
-// one decoder layer's tensors: 18 tensors (norm_in, norm_post, then (a, b, c, bias) for qkv, o,
-// gate_up, down; an empty tensor where a linear has no b / c / bias) and 12 ints ((kind, N,
-// group) per linear)
+// one decoder layer's tensors: 22 tensors (norm_in, norm_post, then (a, b, c, bias) for qkv, o,
+// gate_up, down and the down linear's input transform; an empty tensor where a linear has no
+// b / c / bias) and 15 ints ((kind, N, group) per linear; kind -1: no input transform)
+constexpr size_t kLayerTensors = 22, kLayerInts = 15;
+
 struct LayerWeights {
   at::Tensor norm_in, norm_post;
   LinearSpec qkv, o, gate_up, down;
+  bool has_down_in = false;
+  LinearSpec down_in;  // [block, block]: each block of the down linear's input times it, then / sqrt(block)
 };
 
 LinearSpec make_linear(const at::Tensor* t, const int64_t* n, const char* who) {
-  TORCH_CHECK(n[0] >= 0 && n[0] <= 4, who, ": linear kind must be 0 to 4");
+  TORCH_CHECK(n[0] >= 0 && n[0] <= 5, who, ": linear kind must be 0 to 5");
   LinearSpec s;
   s.kind = n[0]; s.N = n[1]; s.group = n[2];
   s.a = t[0]; s.b = t[1]; s.c = t[2];
@@ -64,15 +73,27 @@ LayerWeights make_layer(const at::Tensor* t, const int64_t* n, int64_t H, int64_
   w.o = make_linear(t + 6, n + 3, who);
   w.gate_up = make_linear(t + 10, n + 6, who);
   w.down = make_linear(t + 14, n + 9, who);
+  w.has_down_in = n[12] >= 0;
+  if (w.has_down_in) {
+    w.down_in = make_linear(t + 18, n + 12, who);
+    TORCH_CHECK(w.down_in.N > 0 && (w.gate_up.N / 2) % w.down_in.N == 0,
+                who, ": the down linear's input transform must take whole blocks of its input");
+  }
   TORCH_CHECK(w.qkv.N == (H + 2 * KV) * hd && w.gate_up.N % 2 == 0,
               who, ": qkv must give (H + 2 KV) * head_dim outputs, gate_up an even number");
   return w;
 }
 
-// the MLP half of a layer: x + down(silu(gate) * up)(rms_norm(x))
+// the MLP half of a layer: x + down(silu(gate) * up)(rms_norm(x)), the down linear's input
+// transformed first where it has one (infer/transformed.py's TransformedLinear: the same calls)
 at::Tensor mlp_residual(const LayerWeights& w, const at::Tensor& x, double eps, bool pairs) {
   const at::Tensor h = rms_norm(x, w.norm_post, eps);
-  const at::Tensor act = silu_mul(run_linear(w.gate_up, h, pairs).contiguous());
+  at::Tensor act = silu_mul(run_linear(w.gate_up, h, pairs).contiguous());
+  if (w.has_down_in) {
+    const int64_t B = w.down_in.N;
+    act = at::mul(run_linear(w.down_in, act.reshape({-1, B}), pairs), 1.0 / std::sqrt(static_cast<double>(B)))
+              .view(act.sizes());
+  }
   return at::add(x, run_linear(w.down, act, pairs));
 }
 
@@ -80,7 +101,7 @@ at::Tensor mlp_residual(const LayerWeights& w, const at::Tensor& x, double eps, 
 
 class DecoderPlan {
  public:
-  // per layer: the 18 tensors and 12 ints of `make_layer`
+  // per layer: the 22 tensors and 15 ints of `make_layer`
   DecoderPlan(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints,
               std::vector<at::Tensor> k_caches, std::vector<at::Tensor> v_caches, int64_t heads,
               int64_t kv_heads, int64_t head_dim, int64_t block_size, double eps, double scale, bool pairs,
@@ -89,10 +110,12 @@ class DecoderPlan {
         hd_(head_dim), block_size_(block_size), eps_(eps), scale_(scale), pairs_(pairs),
         prefill_blocks_(prefill_blocks) {
     const size_t L = k_caches_.size();
-    TORCH_CHECK(L > 0 && v_caches_.size() == L && tensors.size() == L * 18 && ints.size() == L * 12,
-                "DecoderPlan: 18 tensors, 12 ints and a k / v cache per layer");
+    TORCH_CHECK(L > 0 && v_caches_.size() == L && tensors.size() == L * kLayerTensors &&
+                    ints.size() == L * kLayerInts,
+                "DecoderPlan: 22 tensors, 15 ints and a k / v cache per layer");
     for (size_t l = 0; l < L; ++l)
-      layers_.push_back(make_layer(tensors.data() + l * 18, ints.data() + l * 12, H_, KV_, hd_, "DecoderPlan"));
+      layers_.push_back(make_layer(tensors.data() + l * kLayerTensors, ints.data() + l * kLayerInts, H_, KV_, hd_,
+                                   "DecoderPlan"));
   }
 
   int64_t num_layers() const { return static_cast<int64_t>(k_caches_.size()); }
@@ -147,19 +170,19 @@ class DecoderPlan {
 // draft-vocabulary head. Same kernels, same operands: bitwise the modules' result.
 class MTPPlan {
  public:
-  // tensors: enorm, hnorm, eh_proj (a, b, c, bias), the layer's 18, norm, head (a, b, c, bias)
-  // (29); ints: eh_proj's (kind, N, group), the layer's 12, the head's 3 (18)
+  // tensors: enorm, hnorm, eh_proj (a, b, c, bias), the layer's 22, norm, head (a, b, c, bias)
+  // (33); ints: eh_proj's (kind, N, group), the layer's 15, the head's 3 (21)
   MTPPlan(const std::vector<at::Tensor>& tensors, const std::vector<int64_t>& ints, int64_t heads,
           int64_t kv_heads, int64_t head_dim, double eps, bool pairs)
       : H_(heads), KV_(kv_heads), hd_(head_dim), eps_(eps), pairs_(pairs) {
-    TORCH_CHECK(tensors.size() == 29 && ints.size() == 18, "MTPPlan: 29 tensors and 18 ints");
+    TORCH_CHECK(tensors.size() == 33 && ints.size() == 21, "MTPPlan: 33 tensors and 21 ints");
     TORCH_CHECK(KV_ > 0 && H_ % KV_ == 0, "MTPPlan: heads must be a multiple of kv_heads");
     enorm_ = tensors[0];
     hnorm_ = tensors[1];
     eh_ = make_linear(tensors.data() + 2, ints.data(), "MTPPlan");
     layer_ = make_layer(tensors.data() + 6, ints.data() + 3, H_, KV_, hd_, "MTPPlan");
-    norm_ = tensors[24];
-    head_ = make_linear(tensors.data() + 25, ints.data() + 15, "MTPPlan");
+    norm_ = tensors[28];
+    head_ = make_linear(tensors.data() + 29, ints.data() + 18, "MTPPlan");
   }
 
   // h [A, D] (the base's or the previous depth's pre-norm hidden), emb [A, D] (the embeddings of
