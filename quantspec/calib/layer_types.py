@@ -46,7 +46,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.moe import expert_dims
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.presets import FP8_TYPES, MXFP8_TYPES, PER_TOKEN_TYPES
+from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES, awq_unfit
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
@@ -91,12 +91,13 @@ def check_model_type(quant_type: QuantType, activations: str) -> None:
 
 
 def _check_method(spec: str, qt: QuantType, method: str) -> None:
-    # AWQ folds in before a quantizer that computes its scales at run time
-    if method.startswith("awq") and qt not in WEIGHT_ONLY_TYPES + PER_TOKEN_TYPES + (QuantType.A8W4_MXFP4,):
+    # AWQ folds in before a quantizer that computes its scales at run time (a layer's a8w8 types: per token)
+    unfit = awq_unfit(qt, inputs_per_token=True) if method.startswith("awq") else ()
+    if "inputs" in unfit:
         raise QuantSpecError(f"--method {method} is for weight-only layers and 8-bit inputs quantized at run time, and "
                              f"--layer-quant-type {spec!r} quantizes its inputs in microscaled groups; use --method rtn "
                              "or gptq")
-    if method.startswith("awq") and qt in FP8_TYPES + MXFP8_TYPES:
+    if "fp8" in unfit:
         raise QuantSpecError(f"--method {method}: AWQ scales integer or FP4 weights, and --layer-quant-type "
                              f"{spec!r} is FP8; use --method rtn or gptq")
 

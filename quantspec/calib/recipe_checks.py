@@ -17,7 +17,7 @@ from typing import Callable
 
 from quantspec.errors import QuantSpecError, positive_int
 from quantspec.quant.args import QuantType
-from quantspec.quant.presets import FP8_TYPES, MXFP8_TYPES, PER_TOKEN_TYPES
+from quantspec.quant.presets import PER_TOKEN_TYPES, awq_unfit
 
 __all__ = ["ALPHA_CHOICES", "check_activation_recipe", "check_method", "per_token_smoothing", "smooths_per_token"]
 
@@ -83,8 +83,8 @@ def check_activation_recipe(c) -> None:
     without one."""
     _check_smoothing(c)
     _check_fallback(c)
-    run_time_inputs = c.quant_type == QuantType.A8W4_MXFP4.value or (_per_token(c) and c.weight_block is None)
-    if c.method.startswith("awq") and not (c.quant_type.startswith("weight_only") or run_time_inputs):
+    per_token = _per_token(c) and c.weight_block is None
+    if c.method.startswith("awq") and "inputs" in awq_unfit(QuantType.parse(c.quant_type), per_token):
         raise QuantSpecError(f"--method {c.method} is for weight-only types and 8-bit inputs quantized at run time "
                              f"(per token, a8w4_mxfp4's per group; {c.quant_type} quantizes its inputs with static or "
                              "microscaled scales); use --method rtn or gptq")
@@ -105,7 +105,7 @@ def check_method(c, qt) -> None:
     """Refuse, naming the flag, a `--method` that the weights of `c`'s quant type `qt` or its data do not take."""
     from quantspec.calib.ptq import DATA_METHODS
 
-    if c.method.startswith("awq") and qt in FP8_TYPES + MXFP8_TYPES:
+    if c.method.startswith("awq") and "fp8" in awq_unfit(qt, c.activations == "dynamic"):
         raise QuantSpecError(f"--method {c.method}: AWQ scales integer or FP4 weights, and {qt.value}'s "
                              "are FP8; use --method rtn or gptq")
     if c.method != "rtn" and c.weight_block is not None:

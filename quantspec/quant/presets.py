@@ -12,7 +12,7 @@ from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
-           "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
+           "awq_unfit", "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
 # in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
@@ -83,6 +83,18 @@ MXFP8_TYPES = (QuantType.WEIGHT_ONLY_MXFP8, QuantType.MXFP8)
 MICROSCALED_TYPES = FP4_TYPES + MXFP8_TYPES
 # the types whose weights are FP8 E4M3 per channel, or in blocks with --weight-block
 FP8_TYPES = (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8)
+
+
+def awq_unfit(quant_type: QuantType, inputs_per_token: bool) -> tuple[str, ...]:
+    """Why AWQ's factors cannot fold in before `quant_type`'s quantizers (`inputs_per_token`: its
+    8-bit inputs, if it quantizes them, are scaled per token at run time): "inputs" where its input
+    scales are static or microscaled (fitted to, or tuned for, the unscaled inputs; a8w4_mxfp4's FP8
+    groups are scaled at run time, and take them), "fp8" where its weights are FP8 (AWQ scales
+    integer or FP4 weights per row); empty where AWQ fits."""
+    weight_only = quant_type.value.startswith("weight_only")
+    run_time = quant_type is QuantType.A8W4_MXFP4 or (inputs_per_token and quant_type in PER_TOKEN_TYPES)
+    return (() if weight_only or run_time else ("inputs",)) + (("fp8",) if quant_type in FP8_TYPES + MXFP8_TYPES
+                                                               else ())
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:
