@@ -116,7 +116,8 @@ def _run(a, names: list[str], work: Path) -> dict:
                                **ev)["perplexity"]
             got[rot] = {"perplexity": ppl, "delta": ppl / fp32 - 1, "quantize_s": round(time.perf_counter() - t0, 1)}
             shutil.rmtree(art, ignore_errors=True)
-        out["recipes"][n] = {"plain": got[None], "rotated": got[arm], "delta_ratio": got[arm]["delta"] / got[None]["delta"]}
+        out["recipes"][n] = {"plain": got[None], "rotated": got[arm],
+                             "delta_ratio": got[arm]["delta"] / got[None]["delta"]}
         print(f"{n}: plain {got[None]['perplexity']:.3f}, rotated {got[arm]['perplexity']:.3f}", flush=True)
     return out
 

@@ -221,16 +221,15 @@ class QuipPlan:
         """The `transform_config` groups (compressed-tensors' own classes, dumped) of these transforms."""
         from compressed_tensors.transform import TransformArgs, TransformConfig, TransformScheme
 
-        targets = self.targets
+        where = dict(targets=self.targets, ignore=self.ignore)
+        kind = dict(type="hadamard", head_dim=self.block, precision=torch.float64)
         groups = {}
         if self.v:
-            groups[self.quip.scheme("v")] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
-                TransformArgs(targets=targets, ignore=self.ignore, location="input"),
-                TransformArgs(targets=targets, ignore=self.ignore, location="weight_input", inverse=True)])
+            groups[self.quip.scheme("v")] = TransformScheme(**kind, apply=[
+                TransformArgs(**where, location="input"), TransformArgs(**where, location="weight_input", inverse=True)])
         if self.u:
-            groups[self.quip.scheme("u")] = TransformScheme(type="hadamard", head_dim=self.block, precision=torch.float64, apply=[
-                TransformArgs(targets=targets, ignore=self.ignore, location="weight_output"),
-                TransformArgs(targets=targets, ignore=self.ignore, location="output", inverse=True)])
+            groups[self.quip.scheme("u")] = TransformScheme(**kind, apply=[
+                TransformArgs(**where, location="weight_output"), TransformArgs(**where, location="output", inverse=True)])
         return json.loads(json.dumps(TransformConfig(config_groups=groups).model_dump()))["config_groups"]
 
 

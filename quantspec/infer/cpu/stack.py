@@ -15,11 +15,11 @@ between the captured ids, each plan over its layers' share of the tensors and ca
 It serves a step only when the modules would run exactly those kernels, and otherwise returns
 None (the modules run):
 - every layer is fused (`qkv_proj`, `gate_up_proj`), its norms / rotary / activation are the
-  kernel versions, and every linear is a `PackedLinear` (fp32), a `PackedPairsLinear` (bf16) or a
-  `QuantLinear` on its row
-  kernel — for a `QuantLinear` only in row-invariant steps or for rows up to its row limit
-  (larger prefills take its other kernels); `down_proj` may be a `TransformedLinear` with an
-  input transform alone (R4's), whose block linear and inner linear are such linears;
+  kernel versions, and every linear is a `PackedLinear` (fp32), a `PackedPairsLinear` (bf16) or
+  a `QuantLinear` on its row kernel — for a `QuantLinear` only in row-invariant steps or for rows
+  up to its row limit (larger prefills take its other kernels); `down_proj` may be a
+  `TransformedLinear` with an input transform alone (R4's), whose block linear and inner linear
+  are such linears;
 - the step's attention goes through the cache's `CpuAttention` (`meta.kernel`);
 - no forward hook or pre-hook is registered on a layer or its parts (calibration and tests
   observe the modules), and the modules and tensors are those the plan was built from (a module
