@@ -93,8 +93,8 @@ def awq_unfit(quant_type: QuantType, inputs_per_token: bool) -> tuple[str, ...]:
     integer or FP4 weights per row); empty where AWQ fits."""
     weight_only = quant_type.value.startswith("weight_only")
     run_time = quant_type is QuantType.A8W4_MXFP4 or (inputs_per_token and quant_type in PER_TOKEN_TYPES)
-    return (() if weight_only or run_time else ("inputs",)) + (("fp8",) if quant_type in FP8_TYPES + MXFP8_TYPES
-                                                               else ())
+    reasons = () if weight_only or run_time else ("inputs",)
+    return reasons + ("fp8",) if quant_type in FP8_TYPES + MXFP8_TYPES else reasons
 
 
 def default_weight_observer(quant_type: QuantType | str) -> str:

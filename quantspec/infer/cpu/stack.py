@@ -60,12 +60,12 @@ _NO_LINEAR = ([_EMPTY] * 4, [-1, 0, 0])  # a linear slot left empty (kind -1): n
 def _linear_spec(mod: nn.Module, dtype: torch.dtype):
     """(kind, tensors a / b / c / bias, N, group, the module holding a, max rows or None) of a
     linear the plan can run, else None."""
-    if type(mod) is PackedLinear:
+    # packed float weights: fp32, or bf16 in k-pairs (whose fp32 x takes torch's linear instead)
+    kind = 0 if type(mod) is PackedLinear else 5 if type(mod) is PackedPairsLinear and dtype == torch.bfloat16 \
+        else None
+    if kind is not None:
         bias = _EMPTY if mod.bias is None else mod.bias
-        return 0, (mod.packed, _EMPTY, _EMPTY, bias), mod.out_features, 0, mod, None
-    if type(mod) is PackedPairsLinear and dtype == torch.bfloat16:  # (fp32 x takes torch's linear there)
-        bias = _EMPTY if mod.bias is None else mod.bias
-        return 5, (mod.packed, _EMPTY, _EMPTY, bias), mod.out_features, 0, mod, None
+        return kind, (mod.packed, _EMPTY, _EMPTY, bias), mod.out_features, 0, mod, None
     if type(mod) is PackedInt8Linear:
         return 1, (mod.int8_cpu, mod.w_scale_vec, _EMPTY, _EMPTY), mod.out_features, 0, mod, None
     if type(mod) is not QuantLinear or not hasattr(mod.prepared, "plan_linear"):
