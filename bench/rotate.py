@@ -12,10 +12,10 @@ weight-only artifact. Calibration data: `bench/data/calib.jsonl`.
     OMP_NUM_THREADS=2 python bench/rotate.py [--recipes int4-gptq,a8w8-dynamic] [--json out.json]
 
 `--rotate R1,R2,R4` adds SpinQuant's R4 to the second arm (each down_proj's input turned at run
-time, `--target vllm`). With `--quip v` (or `v,u`), the second arm of each recipe is QuIP's
-run-time transforms (`quantize --quip`, `--target vllm`) instead of the fused rotations. Recipes
-with static scales take no run-time transform (R4's or QuIP's): they are left out there, as
-`quantize` refuses them.
+time, `--target vllm`; its table calibrated with the same `--rotate`). With `--quip v` (or `v,u`),
+the second arm of each recipe is QuIP's run-time transforms (`quantize --quip`, `--target vllm`)
+instead of the fused rotations. Recipes with static scales take no QuIP transform: they are left
+out there, as `quantize` refuses them.
 
 (`--model`, `--calib-data`, `--heldout`, `--seq-len` run it on another model and data.)
 """
@@ -66,13 +66,12 @@ def main(argv=None) -> dict:
     p.add_argument("--json", default=None)
     a = p.parse_args(argv)
     default = a.recipes == p.get_default("recipes")
-    run_time = bool(a.quip) or "R4" in a.rotate.upper()
-    names = [n for n in a.recipes.split(",") if n and not (run_time and default and RECIPES[n][2])]
+    names = [n for n in a.recipes.split(",") if n and not (a.quip and default and RECIPES[n][2])]
     unknown = [n for n in names if n not in RECIPES]
     if unknown:
         p.error(f"unknown recipe(s) {unknown}; choose from {', '.join(RECIPES)}")
-    if run_time and any(RECIPES[n][2] for n in names):
-        p.error("recipes with static scales (a table) take no run-time transforms (--quip, R4); choose others")
+    if a.quip and any(RECIPES[n][2] for n in names):
+        p.error("recipes with static scales (a table) take no QuIP transforms (--quip); choose others")
     work = Path(tempfile.mkdtemp(prefix="bench-rotate-"))
     try:
         out = _run(a, names, work)

@@ -156,7 +156,7 @@ CASES = [
      "--out {d}/q", "--target"),
     ("quantize-rotate-r4-and-quip", "quantize --model {model} --quant-type weight_only_int8 --rotate R4 --quip v "
      "--target vllm --out {d}/q", "--quip"),
-    ("calibrate-rotate-r4", "calibrate --model {model} --dataset {d}/calib.txt --rotate R1,R4 --out {d}/t",
+    ("calibrate-rotate-r4-twice", "calibrate --model {model} --dataset {d}/calib.txt --rotate R4,R1,R4 --out {d}/t",
      "--rotate"),
     ("quantize-quip-portable", "quantize --model {model} --quant-type weight_only_int4 --quip v --out {d}/q",
      "--target"),

@@ -397,15 +397,93 @@ def test_bad_r4_requests(tmp_path, tiny_llama_dir, options, match):
 
 
 def test_recipes_r4_cannot_go_with(tmp_path, tiny_llama_dir, calibration_table):
-    with pytest.raises(QuantSpecError, match="--rotate R4: static input scales.*--activations dynamic"):
+    with pytest.raises(QuantSpecError, match="calibrated without --rotate.*calibrate with --rotate R4"):
         api.quantize(str(tiny_llama_dir), "a8w8", tmp_path / "x", rotate="R4", calib=calibration_table(tiny_llama_dir),
+                     **VLLM)
+    with pytest.raises(QuantSpecError, match="--rotate R4: NVFP4's input global scales"):
+        api.quantize(str(tiny_llama_dir), "nvfp4", tmp_path / "x", rotate="R4", calib=calibration_table(tiny_llama_dir),
                      **VLLM)
     moe = build_tiny_model(tmp_path / "moe", "mixtral")
     with pytest.raises(QuantSpecError, match="--rotate R4: vLLM's fused experts"):
         api.quantize(str(moe), "weight_only_int8", tmp_path / "x", rotate="R4", **VLLM)
-    with pytest.raises(QuantSpecError, match="R4 turns down_proj's inputs at run time.*calibrate with the fused"):
-        api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t", rotate="R1,R2,R4")
+    (tmp_path / "c.txt").write_text(TINY_CORPUS)
+    with pytest.raises(QuantSpecError, match="--rotate R4: vLLM's fused experts"):
+        api.calibrate(str(moe), str(tmp_path / "c.txt"), tmp_path / "t", rotate="R4", num_samples=2, seq_len=16)
     assert not (tmp_path / "x").exists() and not (tmp_path / "t").exists()
+
+
+def _down_inputs(model_dir, ids) -> list[torch.Tensor]:
+    """Each layer's down_proj input [T, I] in transformers' float model of `model_dir`."""
+    from transformers import AutoModelForCausalLM
+
+    model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    seen = []
+    for layer in model.model.layers:
+        layer.mlp.down_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+    with torch.no_grad():
+        model(ids)
+    return seen
+
+
+def test_a_table_calibrated_with_r4_holds_the_turned_down_proj_inputs(tmp_path, tiny_llama_dir):
+    """`calibrate --rotate R4`: each down_proj's ranges are those of its input turned by
+    compressed-tensors' own Hadamard matrix (what vLLM quantizes); every other Linear's and the KV
+    cache's are the plain table's."""
+    from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
+
+    from quantspec.calib.tables import read_table
+
+    (tmp_path / "c.txt").write_text(TINY_CORPUS)
+    opts = dict(num_samples=4, seq_len=32, dtype="float32")
+    turned = read_table(api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "r4", rotate="R4",
+                                      **opts).path)
+    plain = read_table(api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "plain", **opts).path)
+    assert turned.meta["run_time_rotation"] == {"rotations": ["R4"], "type": "hadamard", "head_dim": 128}
+    assert plain.meta["run_time_rotation"] is None
+    from quantspec.calib.data import TableWindows
+
+    ids = TableWindows(turned.meta, tiny_llama_dir, None, seq_len=32).table_windows()
+    h = deterministic_hadamard_matrix(128, torch.float64) / 128 ** 0.5
+    for i, x in enumerate(_down_inputs(tiny_llama_dir, ids)):
+        name = f"model.layers.{i}.mlp.down_proj"
+        v = (x.double().unflatten(-1, (-1, 128)) @ h).flatten(-2)
+        torch.testing.assert_close(turned.input_channel_absmax(name).double(), v.abs().amax(0), rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(plain.input_channel_absmax(name).double(), x.double().abs().amax(0), rtol=1e-5,
+                                   atol=1e-6)
+        assert float(turned.input_absmax(name)) < float(plain.input_absmax(name))  # the outliers spread
+        for other in ("self_attn.q_proj", "mlp.up_proj", "self_attn.o_proj"):
+            torch.testing.assert_close(turned.input_channel_absmax(f"model.layers.{i}.{other}"),
+                                       plain.input_channel_absmax(f"model.layers.{i}.{other}"))
+
+
+@pytest.mark.parametrize("quant_type,rotate", [("a8w8", "R1,R2,R4"), ("a8w8_fp8", "R4")])
+def test_static_r4_artifact_runs_as_compressed_tensors_runs_it(tmp_path, tiny_llama_dir, quant_type, rotate):
+    """The default static recipe (α search, fallback budget) under R4: measured on the turned
+    model, down_proj's group left unsmoothed, its static scale the table's turned range; vLLM's
+    order (turn, then quantize the input with its static scale) is compressed-tensors'."""
+    from safetensors import safe_open
+
+    (tmp_path / "c.txt").write_text(TINY_CORPUS)
+    table = api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t", num_samples=4, seq_len=32,
+                          dtype="float32", rotate=rotate).path
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "art", rotate=rotate, calib=str(table), **VLLM)
+    mine, theirs, skipped = _logits_both_ways(art)
+    torch.testing.assert_close(mine, theirs, rtol=1e-4, atol=1e-4)
+    assert (skipped - theirs).abs().max() > 1e-2
+    plan = json.loads((art / "quantspec.json").read_text())["provenance"]["calibration"]["static_plan"]
+    assert plan["smoothquant_alphas"] and not any("down_proj" in n for n in plan["smoothquant_alphas"])
+    from quantspec.calib.tables import read_table
+
+    t = read_table(table)
+    with safe_open(str(art / "model.safetensors"), framework="pt") as f:
+        for i in range(2):
+            name = f"model.layers.{i}.mlp.down_proj"
+            if f"{name}.input_scale" in f.keys():  # not a fallback unit
+                limit = 127.5 if quant_type == "a8w8" else 448.0
+                torch.testing.assert_close(f.get_tensor(f"{name}.input_scale").float().reshape(()),
+                                           t.input_absmax(name).float() / limit, rtol=1e-3, atol=0)
+    with pytest.raises(QuantSpecError, match=f"calibrated with --rotate {rotate}.*calibrate without --rotate"):
+        api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "x", calib=str(table))
 
 
 def test_a_weight_only_r4_run_takes_a_table_for_its_kv_cache(tmp_path, tiny_llama_dir, calibration_table):

@@ -120,14 +120,24 @@ class CalibrateConfig:
     overwrite: bool = False
     restart: bool = False  # discard the state an interrupted run left for `out` (calib.stream)
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
-    rotate: str | None = None  # measure the model with these rotations fused (`calib.rotate`; signs from `seed`)
+    # measure the model with these rotations fused (`calib.rotate`; signs from `seed`), and with R4's
+    # down_proj inputs turned as the engine turns them (`calib.quip.turned_inputs`)
+    rotate: str | None = None
 
     @property
     def rotation(self):
-        """`rotate` parsed (`calib.rotate.Rotation`, None for none; one line naming --rotate if bad)."""
-        from quantspec.calib.rotate import Rotation
+        """`rotate`'s fused rotations parsed (`calib.rotate.Rotation`, None for none; one line
+        naming --rotate if bad)."""
+        from quantspec.calib.rotate import Rotation, split_rotate
 
-        return Rotation.parse(self.rotate, self.seed)
+        return Rotation.parse(split_rotate(self.rotate)[0], self.seed)
+
+    @property
+    def r4(self) -> bool:
+        """Whether `rotate` names SpinQuant's R4."""
+        from quantspec.calib.rotate import split_rotate
+
+        return split_rotate(self.rotate)[1]
 
     def __post_init__(self):
         _ = self.rotation  # a bad --rotate fails here, before any work
@@ -327,7 +337,8 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
                                         seed=config.seed)  # [num_samples, seq_len]
     resumable, key = _run_identity(config, model_dir, reader, device, dtype_name)
     kv_observer = config.kv_observer or DEFAULT_KV_OBSERVER
-    with open_run(out, key, resumable=resumable, restart=config.restart) as run:
+    with open_run(out, key, resumable=resumable, restart=config.restart) as run, \
+            _as_run(net, reader, config.r4) as reader:
         sink = run.sink(keep_inputs=True)
         say_resume(sink, net.args.num_layers)
         say(f"calibrating on {config.num_samples} × {config.seq_len} tokens, one layer at a time ({device})")
@@ -340,6 +351,16 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
         meta["wall_s"] = round(time.perf_counter() - t0, 3)
         path = write_table(out, run.tensors(), meta, overwrite=config.overwrite)
     return CalibrationResult(path=path, meta=meta, wall_s=meta["wall_s"], forward_s=forward_s)
+
+
+def _as_run(net, reader, r4: bool):
+    """A context yielding the reader to calibrate `net` from: with `r4`, as the engine runs it under
+    R4 (`calib.quip.turned_inputs`)."""
+    from contextlib import nullcontext
+
+    from quantspec.calib.quip import turned_inputs
+
+    return turned_inputs(net, reader) if r4 else nullcontext(reader)
 
 
 def _run_identity(config: CalibrateConfig, model_dir: Path, reader, device: str, dtype_name: str) -> tuple[bool, str]:
@@ -357,6 +378,14 @@ def _run_identity(config: CalibrateConfig, model_dir: Path, reader, device: str,
     return bool(resumable), run_key(identity)
 
 
+def _r4_meta(net) -> dict:
+    """What a table calibrated under R4 records of it (`calib.rotate.check_table_rotation` reads it)."""
+    from quantspec.calib.quip import r4_block
+    from quantspec.calib.rotate import RUN_TIME_ROTATION
+
+    return {"rotations": [RUN_TIME_ROTATION], "type": "hadamard", "head_dim": r4_block(net)}
+
+
 def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, model_dir: Path, net,
                 forward_s: float, cpu0: float) -> dict:
     """calibration.json: the options, the data, the model (and the rotations fused into it) and
@@ -372,6 +401,7 @@ def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, mode
         "model_dir": str(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
         "rotation": None if config.rotation is None else config.rotation.to_meta(),
+        "run_time_rotation": _r4_meta(net) if config.r4 else None,
         "num_layers": net.args.num_layers,
         "num_kv_heads": net.args.num_kv_heads,
         "quantspec_version": __version__,

@@ -35,6 +35,7 @@ import torch
 
 from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
+from quantspec.calib.tables import read_table
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
@@ -110,6 +111,7 @@ class QuantizeConfig:
     quip: str | None = None  # QuIP's run-time transforms ("v" or "v,u", `calib.quip`)
     quip_block_size: int | None = None  # their block (a power of two); None: the largest up to 128 that fits
     quip_spec: object = field(default=None, init=False, repr=False, compare=False)  # `quip` (or R4) parsed
+    r4: bool = field(default=False, init=False, repr=False, compare=False)  # `rotate` names R4 (`calib.quip`)
     quant_config: object = field(default=None, init=False, repr=False, compare=False)
     # quant_config's groups of `layer_quant_types`: group key → the spec that made it
     layer_groups: dict = field(default_factory=dict, init=False, repr=False, compare=False)
@@ -134,6 +136,7 @@ class QuantizeConfig:
                                  "input); pass one of them")
         if r4:
             object.__setattr__(self, "quip_spec", Quip.r4())
+            object.__setattr__(self, "r4", True)
         if self.activations is None:
             dynamic = (self.weight_block is not None and qt is QuantType.A8W8_FP8) or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
@@ -345,11 +348,10 @@ def _read_source(config: QuantizeConfig) -> _Source:
                              "weight_only_int8 / weight_only_int4 (GPTQ, AWQ and static activation or KV "
                              "scales need its base's hidden states)")
     if config.calibrated_inputs or config.kv_cache is not None or smooths_per_token(config):  # read before the model
-        from quantspec.calib.tables import read_table
-
         with about("--calib"):
             src.table = read_table(config.calib, model_dir=model_dir)
-            check_table_rotation(config.rotation, config.calib, src.table)
+            ranges = config.calibrated_inputs or smooths_per_token(config)  # its input ranges are read
+            check_table_rotation(config.rotation, config.calib, src.table, r4=config.r4 if ranges else None)
         src.calib_summary.update(calib=str(config.calib), calibration=src.table.meta, kv_cache=config.kv_cache)
     return src
 
@@ -440,7 +442,7 @@ def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, sa
                                  fallback_layers=config.fallback_layers or 0,
                                  fallback_threshold=config.fallback_threshold, fallback_budget=budget,
                                  holdout_ids=holdout_ids, weight_args=base.weights, weights=src.reader,
-                                 device=device)
+                                 device=device, r4=config.r4)
         summary = plan.summary()
         if summary["held_back"] is not None:
             summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))

@@ -25,7 +25,10 @@ each MLP's `down_proj` alone (`Quip.r4`), as llm-compressor's `SpinQuantModifier
 matrices stored as `{down_proj}.R4_input.weight`. It turns the Linear whose inputs (the MLP's
 gated activations) hold the widest outliers, at the cost of one run-time transform a layer.
 
-Refused in one line: static input scales (measured on the inputs before the transform), AWQ (its
+Static input scales go with R4: `calibrate --rotate R4` (or `R1,R2,R4`) and the a8w8 recipe's
+measurements see the model as the engine runs it (`turned_inputs`: each `down_proj` reads its
+weight turned and turns its input first), so the table and the plan hold the ranges and errors of
+the inputs the engine quantizes. Refused in one line: static input scales beside `--quip`, AWQ (its
 search measures the unturned weights), `u` on a Linear with a bias (vLLM runs none under an
 output transform), a mixture of experts (vLLM's fused experts run no transform), draft modules,
 and targets whose engines run no run-time transform (SGLang, transformers).
@@ -35,15 +38,19 @@ from __future__ import annotations
 
 import json
 import math
+from contextlib import contextmanager
 from dataclasses import dataclass
-from typing import Iterable
+from typing import Iterable, Iterator
 
 import torch
 
 from quantspec.errors import QuantSpecError
+from quantspec.model_zoo.checkpoint import CheckpointReader
+from quantspec.quant.decompressed import float_nbytes, source_quantization
 from quantspec.quant.transforms import sylvester
 
-__all__ = ["QUIP_ROTATIONS", "Quip", "QuipPlan", "check_quip_recipe", "fwht"]
+__all__ = ["QUIP_ROTATIONS", "InputTurnedReader", "Quip", "QuipPlan", "check_quip_recipe", "fwht", "r4_block",
+           "turned_inputs"]
 
 QUIP_ROTATIONS = ("v", "u")
 MAX_BLOCK = 128  # vLLM's Hadamard kernel and llm-compressor's examples use blocks of 128
@@ -144,9 +151,12 @@ def check_quip_recipe(config, *, draft: str | None, moe: bool) -> None:
     if "awq" in method.split("+"):
         raise QuantSpecError(f"{flag}: AWQ's search measures the weights before the transform; use --method gptq "
                              f"or rtn with {flag}")
-    if config.calibrated_inputs:
+    if config.static and not config.quip_spec.down_only:
         raise QuantSpecError(f"{flag}: static input scales are measured on the inputs before the transform; pass "
-                             f"--activations dynamic or quantize without {flag}")
+                             f"--activations dynamic, or --rotate R4 (static scales measured after it)")
+    if config.calibrated_inputs and not config.static:
+        raise QuantSpecError(f"{flag}: NVFP4's input global scales are measured on the inputs before the "
+                             f"transform; quantize without {flag}")
 
 
 class QuipPlan:
@@ -238,3 +248,58 @@ def _downs(model) -> set[str]:
     from quantspec.calib.smooth import layer_mlps
 
     return {f"model.layers.{i}.{down}" for i, layer in enumerate(model.model.layers) for _, down in layer_mlps(layer)}
+
+
+def r4_block(model) -> int:
+    """The block of R4's transform for `model`: the largest power of two up to `MAX_BLOCK`
+    dividing every `down_proj`'s input size."""
+    downs = _downs(model)
+    return Quip.r4().block_for(m.in_features for n, m in model.named_modules() if n in downs)
+
+
+class InputTurnedReader(CheckpointReader):
+    """`inner` (a `CheckpointReader`) with the weights of the Linears `names` read turned on their
+    input side (W·V, `fwht` in float64, returned in the stored dtype or `dtype`); every other tensor
+    as stored, its `ranges` kept."""
+
+    def __init__(self, inner: CheckpointReader, names: Iterable[str], block: int):
+        self.inner, self.block, self.model_dir = inner, block, inner.model_dir
+        self.stored, self.splits = inner.stored, {}
+        self.source_quantization = source_quantization(inner)
+        self.shapes = dict(inner.shapes)
+        self.turned = {f"{n}.weight" for n in names} & set(self.shapes)
+        self.ranges = {n: r for n, r in inner.ranges.items() if n not in self.turned}
+
+    def nbytes(self, names: Iterable[str] | None = None) -> int:
+        return float_nbytes(self, self.shapes if names is None else names)
+
+    def read(self, names: list[str], *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu") -> dict[str, torch.Tensor]:
+        out = self.inner.read(list(names), dtype=None, device=device)
+        for n, t in out.items():
+            w = fwht(t.to(torch.float64), self.block) if n in self.turned else t
+            out[n] = w.to(dtype or t.dtype)
+        return out
+
+    def rows(self, name: str, ids: torch.Tensor, *, dtype: torch.dtype | None = None,
+             device: str | torch.device = "cpu") -> torch.Tensor:
+        return self.inner.rows(name, ids, dtype=dtype, device=device)
+
+
+@contextmanager
+def turned_inputs(model, reader: CheckpointReader) -> Iterator[CheckpointReader]:
+    """`model` (its layers read from `reader`, e.g. on `meta`) as the engine runs it under R4:
+    each `down_proj` turns its input by a forward pre-hook and reads its weight turned (the yielded
+    `InputTurnedReader`), so the model computes what it did and every hook registered after it (the
+    observers', the measurements') sees the inputs the engine quantizes. The hooks go on exit."""
+    if any(model.args.is_moe_layer(i) for i in range(model.args.num_layers)):
+        raise QuantSpecError("--rotate R4: vLLM's fused experts run no run-time transform, so a mixture of experts "
+                             "cannot take one; drop R4 from --rotate")
+    downs, block = _downs(model), r4_block(model)
+    handles = [m.register_forward_pre_hook(lambda _m, args: (fwht(args[0], block), *args[1:]))
+               for n, m in model.named_modules() if n in downs]
+    try:
+        yield InputTurnedReader(reader, downs, block)
+    finally:
+        for h in handles:
+            h.remove()

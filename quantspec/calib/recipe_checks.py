@@ -121,12 +121,13 @@ def check_method(c, qt) -> None:
 
 def per_token_smoothing(c, src, model, say: Callable[[str], None]) -> dict:
     """{Linear name: s [K]} of SmoothQuant at `c.smoothquant_alpha` for every smoothing group of
-    `model` (the checkpoint read a layer at a time from `src.reader`), from `src.table`'s channel
-    ranges; recorded in the provenance."""
+    `model` (the checkpoint read a layer at a time from `src.reader`; but down_proj's under R4), from
+    `src.table`'s channel ranges; recorded in the provenance."""
     from quantspec.calib.smooth import smoothing_factors
 
     src.table.check_model(model)
     alpha = float(c.smoothquant_alpha)
     say(f"SmoothQuant α = {alpha} from the table's channel ranges")
     src.calib_summary.update(smoothquant_alpha=alpha)
-    return smoothing_factors(model, src.table, alpha, weights=src.reader)
+    # under R4 the table's down_proj ranges are of turned inputs, and R4 takes that group's outliers
+    return smoothing_factors(model, src.table, alpha, weights=src.reader, smooth_down=not c.r4)

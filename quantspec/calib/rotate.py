@@ -26,8 +26,9 @@ a draft head trained on one base's hidden states reads another's wrong.
 
 SpinQuant's R4 turns each `down_proj`'s input at run time; `--rotate` takes it beside R1 / R2
 (`split_rotate`), and it is written as a run-time transform (`calib.quip`, `Quip.r4`): it changes
-no hidden state, so it is not part of `quantspec_rotation`. A calibration table is measured
-without it (its static input scales are refused beside R4).
+no hidden state, so it is not part of `quantspec_rotation`. A table calibrated with R4 records it
+(`run_time_rotation`): its down_proj input ranges are of the turned inputs, so static input scales
+and SmoothQuant read such a table only for a run that turns them too (`check_table_rotation`).
 """
 
 from __future__ import annotations
@@ -67,10 +68,6 @@ class Rotation:
         if spec is None or str(spec).strip().lower() in ("", "none"):
             return None
         names = [s.strip().upper() for s in str(spec).split(",") if s.strip()]
-        if RUN_TIME_ROTATION in names:  # `split_rotate` takes it out where it can run (quantize)
-            raise QuantSpecError(f"--rotate {spec!r}: R4 turns down_proj's inputs at run time, and a calibration "
-                                 "table is measured without it; calibrate with the fused rotations alone (R1 or "
-                                 "R1,R2), or without --rotate")
         bad = [n for n in names if n not in ROTATIONS]
         if bad or not names or len(set(names)) != len(names):
             raise QuantSpecError(f"--rotate {spec!r}: use R1 or R1,R2 (rotations fused into the weights), R4 "
@@ -145,15 +142,24 @@ def rotated_config(rotation: "Rotation | None", cfg: dict, draft: str | None = N
     return {**cfg, "tie_word_embeddings": False, ROTATION_KEY: rotation.to_meta()}
 
 
-def check_table_rotation(rotation: "Rotation | None", calib, table) -> None:
-    """Refuse a calibration table (at `calib`) measured with other rotations than `rotation`."""
+def check_table_rotation(rotation: "Rotation | None", calib, table, r4: bool | None = None) -> None:
+    """Refuse a calibration table (at `calib`) measured with other fused rotations than `rotation`
+    or, where `r4` says whether the run turns down_proj's inputs (the table's input ranges are
+    read), with R4 where the run has none or the reverse (its down_proj ranges are another basis's)."""
     have = Rotation.from_meta(table.meta.get("rotation"))
-    if have != rotation:
-        said = "without --rotate" if have is None else f"with --rotate {','.join(have.rotations)} --seed {have.seed}"
-        want = "without --rotate" if rotation is None else \
-            f"with --rotate {','.join(rotation.rotations)} --seed {rotation.seed}"
-        raise QuantSpecError(f"{calib} was calibrated {said}, and this run quantizes {want}: its scales are "
-                             f"another model's; calibrate {want}")
+    had_r4 = bool(table.meta.get("run_time_rotation"))
+    if have != rotation or (r4 is not None and r4 != had_r4):
+        want_r4 = had_r4 if r4 is None else r4
+        raise QuantSpecError(f"{calib} was calibrated {_with_rotate(have, had_r4)}, and this run quantizes "
+                             f"{_with_rotate(rotation, want_r4)}: its scales are another model's; calibrate "
+                             f"{_with_rotate(rotation, want_r4)}")
+
+
+def _with_rotate(rotation: "Rotation | None", r4: bool) -> str:
+    names = [*(rotation.rotations if rotation else ()), *([RUN_TIME_ROTATION] if r4 else [])]
+    if not names:
+        return "without --rotate"
+    return f"with --rotate {','.join(names)}" + (f" --seed {rotation.seed}" if rotation else "")
 
 
 # ---- which Linears a rotation touches -------------------------------------------------------

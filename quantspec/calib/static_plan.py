@@ -21,6 +21,7 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import OrderedDict
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -28,8 +29,9 @@ import torch
 
 from quantspec.calib.budget import BudgetSearch, fallback_under_budget
 from quantspec.calib.ptq import SHARED_INPUT_GROUPS
+from quantspec.calib.quip import turned_inputs
 from quantspec.calib.runner import DEFAULT_BATCH_SIZE
-from quantspec.calib.sensitivity import (ALPHA_GRID, linear_sensitivity, search_alphas,
+from quantspec.calib.sensitivity import (ALPHA_GRID, DOWN_GROUP, linear_sensitivity, search_alphas,
                                          smoothing_groups, static_weight_args)
 from quantspec.calib.smooth import input_scales_for_model, smooth_layer, smoothing_factors
 from quantspec.calib.tables import ScaleTable
@@ -190,7 +192,7 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
                       weight_args: QuantArgs | None = None,
                       alphas: Iterable[float] = ALPHA_GRID,
                       batch_size: int = DEFAULT_BATCH_SIZE,
-                      weights: CheckpointReader | None = None, device=None) -> StaticQuantPlan:
+                      weights: CheckpointReader | None = None, device=None, r4: bool = False) -> StaticQuantPlan:
     """Choose SmoothQuant α (fixed, or `"auto"` = per-group search) and the fallback units, then
     smooth `model` in place — every group but the fallback units' — and return the plan (input
     scales for the smoothed model, and the factors applied). A model on `meta` is measured one
@@ -205,6 +207,9 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     input_ids [n, S] (calibration tokens) are needed for `"auto"` and for any fallback.
     weight_args: the artifact's weight args, for the budget's round-to-nearest weights
     (default: per-channel min/max int8 / fp8).
+    r4: measure the model as the engine runs it under SpinQuant's R4 (`calib.quip.turned_inputs`:
+    each down_proj's input turned, as a table calibrated with R4 holds its ranges); R4 takes
+    down_proj's outliers, so SmoothQuant leaves its group alone. Needs `weights`.
     """
     qt = getattr(quant_type, "value", quant_type)
     if qt not in _KINDS:
@@ -213,24 +218,19 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     table.check_model(model)
     by_rank = bool(fallback_layers) or fallback_threshold is not None
     _check_plan_request(smoothquant_alpha, by_rank, fallback_budget, input_ids, holdout_ids)
-    stream = {"weights": weights, "device": device}
-    alpha_map, alpha_errors = _choose_alphas(model, table, smoothquant_alpha, input_ids, kind, alphas,
-                                             batch_size, stream)
-    factors = smoothing_factors(model, table, alpha_map, weights=weights) if alpha_map else {}
-    sens, units, budget, rule = {}, [], None, {"by": "none"}
-    if by_rank or fallback_budget is not None:
-        scales = input_scales_for_model(table, model, qt, smooth=factors)
-        sens = linear_sensitivity(model, input_ids, scales, kind, smooth=factors,
-                                  batch_size=batch_size, **stream)
-        sens = {n: e for n, e in sens.items() if not EXPERT.match(n)}  # no engine loads an MoE layer of 2 schemes
-        if fallback_budget is not None:
-            rule = {"by": "budget", "budget_pct": float(fallback_budget)}
-            budget, units = _units_under_budget(model, sens, scales, factors, holdout_ids, fallback_budget, kind,
-                                                weight_args or static_weight_args(kind), stream)
-        else:
-            rule = {"by": "rank", "units": fallback_layers, "threshold": fallback_threshold}
-            chosen = set(select_fallback(sens, fallback_layers, fallback_threshold))
-            units = [(u, e) for u, e in rank_units(sens) if u[0] in chosen]
+    if r4 and weights is None:
+        raise QuantSpecError("an R4 plan reads the model's layers turned from its checkpoint; pass weights=")
+    with turned_inputs(model, weights) if r4 else nullcontext(weights) as weights:
+        stream = {"weights": weights, "device": device}
+        alpha_map, alpha_errors = _choose_alphas(model, table, smoothquant_alpha, input_ids, kind, alphas,
+                                                 batch_size, stream, smooth_down=not r4)
+        factors = smoothing_factors(model, table, alpha_map, weights=weights) if alpha_map else {}
+        sens, units, budget, rule = {}, [], None, {"by": "none"}
+        if by_rank or fallback_budget is not None:
+            sens, units, budget, rule = _choose_fallback(model, table, qt, factors, input_ids, holdout_ids,
+                                                         (fallback_layers, fallback_threshold, fallback_budget),
+                                                         weight_args or static_weight_args(kind), batch_size,
+                                                         stream)
     fallback = [n for u, _ in units for n in u]
     applied, factors = _smooth_but_fallback(model, alpha_map, factors, fallback, in_place=weights is None)
     scales = input_scales_for_model(table, model, qt, smooth=factors)
@@ -243,6 +243,24 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
                            rule=rule, budget=budget)
 
 
+def _choose_fallback(model, table: ScaleTable, qt: str, factors, input_ids, holdout_ids, rule_args,
+                     weight_args: QuantArgs, batch_size: int, stream: dict):
+    """(each Linear's measured sensitivity, the fallback units with their errors, the budget search
+    or None, the rule) for `rule_args` = (fallback_layers, fallback_threshold, fallback_budget)."""
+    fallback_layers, fallback_threshold, fallback_budget = rule_args
+    kind = _KINDS[qt]
+    scales = input_scales_for_model(table, model, qt, smooth=factors)
+    sens = linear_sensitivity(model, input_ids, scales, kind, smooth=factors, batch_size=batch_size, **stream)
+    sens = {n: e for n, e in sens.items() if not EXPERT.match(n)}  # no engine loads an MoE layer of 2 schemes
+    if fallback_budget is not None:
+        budget, units = _units_under_budget(model, sens, scales, factors, holdout_ids, fallback_budget, kind,
+                                            weight_args, stream)
+        return sens, units, budget, {"by": "budget", "budget_pct": float(fallback_budget)}
+    chosen = set(select_fallback(sens, fallback_layers, fallback_threshold))
+    units = [(u, e) for u, e in rank_units(sens) if u[0] in chosen]
+    return sens, units, None, {"by": "rank", "units": fallback_layers, "threshold": fallback_threshold}
+
+
 def _layer_groups(model) -> list[tuple[str, ...]]:
     """Every smoothing group of `model`'s decoder layers, as full Linear names."""
     return [g for i in range(len(model.model.layers))
@@ -250,13 +268,16 @@ def _layer_groups(model) -> list[tuple[str, ...]]:
 
 
 def _choose_alphas(model, table: ScaleTable, smoothquant_alpha, input_ids, kind: str, alphas,
-                   batch_size: int, stream: dict) -> tuple[dict[str, float], dict]:
+                   batch_size: int, stream: dict, smooth_down: bool = True) -> tuple[dict[str, float], dict]:
     """({first Linear of each smoothing group: α}, the α search's errors): searched for
-    `"auto"`, one α everywhere for a number, nothing for None."""
+    `"auto"`, one α everywhere for a number, nothing for None; without `smooth_down`, the
+    up_proj → down_proj groups are left out."""
     if smoothquant_alpha == "auto":
-        return search_alphas(model, table, input_ids, kind, alphas=alphas, batch_size=batch_size, **stream)
+        return search_alphas(model, table, input_ids, kind, alphas=alphas, batch_size=batch_size,
+                             smooth_down=smooth_down, **stream)
     if smoothquant_alpha is not None:
-        return {g[0]: float(smoothquant_alpha) for g in _layer_groups(model)}, {}
+        return {g[0]: float(smoothquant_alpha) for g in _layer_groups(model)
+                if smooth_down or not g[0].endswith(f".{DOWN_GROUP[0]}")}, {}
     return {}, {}
 
 

@@ -66,8 +66,8 @@ rotate_option = click.option(
     help="fuse rotations into the weights before quantizing (SpinQuant's R1: the residual stream, R2: each "
          "head's values; random Hadamard matrices with signs from --seed): the same model, whose outliers "
          "the quantizers see spread; the artifact unties a tied embedding, and `calibrate` takes the same "
-         "--rotate / --seed for its table (R1 / R2 only). quantize: R4 turns each down_proj's input by a "
-         "block Hadamard transform at run time (vLLM and quantspec run it; dynamic inputs or weight-only)")
+         "--rotate / --seed for its table. R4 turns each down_proj's input by a block Hadamard transform at "
+         "run time (vLLM and quantspec run it; a table for static input scales is calibrated with it too)")
 
 
 def _raise_terminated(signum, frame):

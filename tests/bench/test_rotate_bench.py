@@ -32,16 +32,22 @@ def test_unknown_recipe_is_refused(rotate_bench):
         rotate_bench.main(["--recipes", "int3"])
 
 
-@pytest.mark.parametrize("arm,label,turned_by", [(["--quip", "v"], "QuIP v", "quip v"),
-                                                 (["--rotate", "R1,R2,R4"], "R1,R2,R4", "R1,R2,R4")])
-def test_run_time_transform_arms(rotate_bench, tiny_llama_dir, tmp_path, capsys, arm, label, turned_by):
+@pytest.mark.parametrize("arm,label,turned_by,recipes", [
+    (["--quip", "v"], "QuIP v", "quip v", ["int4-rtn"]),
+    (["--rotate", "R1,R2,R4"], "R1,R2,R4", "R1,R2,R4", ["int4-rtn", "a8w8-static"]),  # a table calibrated with R4
+])
+def test_run_time_transform_arms(rotate_bench, tiny_llama_dir, tmp_path, capsys, arm, label, turned_by, recipes):
     text = tmp_path / "corpus.txt"
     text.write_text(TINY_CORPUS)
-    res = rotate_bench.main(["--model", str(tiny_llama_dir), "--recipes", "int4-rtn", *arm,
+    res = rotate_bench.main(["--model", str(tiny_llama_dir), "--recipes", ",".join(recipes), *arm,
                              "--calib-data", str(text), "--heldout", str(text), "--num-samples", "4",
                              "--seq-len", "32"])
-    assert res["turned_by"] == turned_by
-    assert math.isfinite(res["recipes"]["int4-rtn"]["rotated"]["perplexity"])
+    assert res["turned_by"] == turned_by and list(res["recipes"]) == recipes
+    for r in res["recipes"].values():
+        assert math.isfinite(r["rotated"]["perplexity"])
     assert f"| recipe | plain ppl | plain Δ | {label} ppl | {label} Δ | Δ ratio |" in capsys.readouterr().out
-    with pytest.raises(SystemExit):  # static scales take no run-time transforms
-        rotate_bench.main(["--recipes", "a8w8-static", *arm])
+
+
+def test_static_recipes_take_no_quip_transforms(rotate_bench):
+    with pytest.raises(SystemExit):
+        rotate_bench.main(["--recipes", "a8w8-static", "--quip", "v"])

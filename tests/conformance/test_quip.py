@@ -6,7 +6,8 @@ through those parameters' own shard loaders (none left unloaded, none unexpected
 transform's partitions share one tensor, and the values loaded are the artifact's ±1 Sylvester
 blocks. The Linears the artifact leaves unturned (lm_head) are not wrapped. SpinQuant's R4
 (`quantize --rotate R1,R2,R4`) the same way: vLLM wraps each `down_proj` alone in its `R4` input
-transform and loads the matrix the artifact stores there."""
+transform and loads the matrix the artifact stores there; with static int8 inputs (a table
+calibrated with R4), the transform wraps vLLM's static W8A8 scheme, which loads each `input_scale`."""
 
 from __future__ import annotations
 
@@ -50,6 +51,28 @@ def test_vllm_runs_r4_on_each_down_proj_alone(lifted, artifacts):
         assert set(r["transform_values"]) == {"R4_input"}
         for part in r["transform_values"]["R4_input"]["parts"].values():
             assert torch.equal(torch.tensor(part), sylvester(block)), name
+
+
+def test_vllm_runs_static_int8_inputs_under_r4(engine_sources, conformance_model, tmp_path):
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    src = engine_sources["vllm"]
+    if isinstance(src, str):
+        pytest.skip(src)
+    (tmp_path / "c.txt").write_text(TINY_CORPUS)
+    table = api.calibrate(str(conformance_model), str(tmp_path / "c.txt"), tmp_path / "t", num_samples=4,
+                          seq_len=32, rotate="R4").path
+    art = api.quantize(str(conformance_model), "a8w8", tmp_path / "a8w8_r4", rotate="R4", calib=str(table),
+                       dataset=str(tmp_path / "c.txt"), seq_len=32, search_samples=2, holdout_samples=2,
+                       fallback_layers=0, target="vllm")
+    answer = src.run(build_request(src, {"a8w8_r4": art}, 90), tmp_path)["result"]["a8w8_r4"]
+    assert answer["error"] is None
+    decoder = {n: r for n, r in answer["layers"].items() if n.startswith("model.layers.")}
+    assert decoder and all(r["error"] is None and r["args"].get("is_static_input_scheme") for r in decoder.values())
+    for name, r in decoder.items():
+        assert not r["load_errors"] and not r["never_loaded"], (name, r["load_errors"], r["never_loaded"])
+        turned = name.endswith(".mlp.down_proj")
+        assert r["transforms"] == ({"input_tfms": {"0": "R4:input"}, "output_tfms": {}} if turned else None), name
 
 
 def test_vllm_wraps_every_turned_linear_in_its_transforms(quip_answer):
