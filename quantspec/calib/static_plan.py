@@ -220,11 +220,11 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     _check_plan_request(smoothquant_alpha, by_rank, fallback_budget, input_ids, holdout_ids)
     if r4 and weights is None:
         raise QuantSpecError("an R4 plan reads the model's layers turned from its checkpoint; pass weights=")
-    with turned_inputs(model, weights) if r4 else nullcontext(weights) as weights:
-        stream = {"weights": weights, "device": device}
+    with turned_inputs(model, weights) if r4 else nullcontext(weights) as reader:
+        stream = {"weights": reader, "device": device}
         alpha_map, alpha_errors = _choose_alphas(model, table, smoothquant_alpha, input_ids, kind, alphas,
                                                  batch_size, stream, smooth_down=not r4)
-        factors = smoothing_factors(model, table, alpha_map, weights=weights) if alpha_map else {}
+        factors = smoothing_factors(model, table, alpha_map, weights=reader) if alpha_map else {}
         sens, units, budget, rule = {}, [], None, {"by": "none"}
         if by_rank or fallback_budget is not None:
             sens, units, budget, rule = _choose_fallback(model, table, qt, factors, input_ids, holdout_ids,
