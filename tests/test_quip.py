@@ -487,14 +487,21 @@ def test_static_r4_artifact_runs_as_compressed_tensors_runs_it(tmp_path, tiny_ll
 
 
 def test_a_weight_only_r4_run_takes_a_table_for_its_kv_cache(tmp_path, tiny_llama_dir, calibration_table):
-    """A table measured with the fused rotations alone scales the KV cache of an R1,R2,R4 artifact:
-    R4 changes no value the cache holds."""
+    """A table measured with the fused rotations alone scales the KV cache of an R1,R2,R4 artifact,
+    and one measured with R4 an R1,R2 artifact's: R4 changes no value the cache holds."""
     (tmp_path / "c.txt").write_text(TINY_CORPUS)
     table = api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t", num_samples=4, seq_len=32,
                           dtype="float32", rotate="R1,R2").path
     art = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "art", rotate="R1,R2,R4", calib=table,
                        kv_cache="fp8", **VLLM)
     assert read_config(art)["quantization_config"]["kv_cache_scheme"]["type"] == "float"
-    with pytest.raises(QuantSpecError, match="calibrated without --rotate"):
+    with pytest.raises(QuantSpecError, match="calibrated without --rotate, and this run quantizes with --rotate "
+                                             "R1,R2,R4 --seed 0"):
         api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "x", rotate="R1,R2,R4",
                      calib=calibration_table(tiny_llama_dir), kv_cache="fp8", **VLLM)
+    # and the reverse: a table calibrated with R4 scales the KV cache of a run without it
+    turned = api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t4", num_samples=4, seq_len=32,
+                           dtype="float32", rotate="R1,R2,R4").path
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "art2", rotate="R1,R2", calib=turned,
+                       kv_cache="fp8")
+    assert read_config(art)["quantization_config"]["kv_cache_scheme"]["type"] == "float"

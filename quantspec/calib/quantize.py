@@ -351,7 +351,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
         with about("--calib"):
             src.table = read_table(config.calib, model_dir=model_dir)
             ranges = config.calibrated_inputs or smooths_per_token(config)  # its input ranges are read
-            check_table_rotation(config.rotation, config.calib, src.table, r4=config.r4 if ranges else None)
+            check_table_rotation(config.rotation, config.calib, src.table, r4=config.r4, ranges=ranges)
         src.calib_summary.update(calib=str(config.calib), calibration=src.table.meta, kv_cache=config.kv_cache)
     return src
 

@@ -142,17 +142,16 @@ def rotated_config(rotation: "Rotation | None", cfg: dict, draft: str | None = N
     return {**cfg, "tie_word_embeddings": False, ROTATION_KEY: rotation.to_meta()}
 
 
-def check_table_rotation(rotation: "Rotation | None", calib, table, r4: bool | None = None) -> None:
+def check_table_rotation(rotation: "Rotation | None", calib, table, r4: bool = False, ranges: bool = True) -> None:
     """Refuse a calibration table (at `calib`) measured with other fused rotations than `rotation`
-    or, where `r4` says whether the run turns down_proj's inputs (the table's input ranges are
-    read), with R4 where the run has none or the reverse (its down_proj ranges are another basis's)."""
+    or, where its input ranges are read (`ranges`), with R4 where the run (`r4`: whether it turns
+    down_proj's inputs) has none or the reverse: its down_proj ranges are another basis's."""
     have = Rotation.from_meta(table.meta.get("rotation"))
     had_r4 = bool(table.meta.get("run_time_rotation"))
-    if have != rotation or (r4 is not None and r4 != had_r4):
-        want_r4 = had_r4 if r4 is None else r4
+    if have != rotation or (ranges and r4 != had_r4):
         raise QuantSpecError(f"{calib} was calibrated {_with_rotate(have, had_r4)}, and this run quantizes "
-                             f"{_with_rotate(rotation, want_r4)}: its scales are another model's; calibrate "
-                             f"{_with_rotate(rotation, want_r4)}")
+                             f"{_with_rotate(rotation, r4)}: its scales are another model's; calibrate "
+                             f"{_with_rotate(rotation, r4)}")
 
 
 def _with_rotate(rotation: "Rotation | None", r4: bool) -> str:
