@@ -314,6 +314,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     from transformers import AutoTokenizer
 
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+    from quantspec.calib.quip import turned_inputs
     from quantspec.calib.stream import open_run, say_resume
     from quantspec.devices import resolve_device
 
@@ -338,7 +339,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     resumable, key = _run_identity(config, model_dir, reader, device, dtype_name)
     kv_observer = config.kv_observer or DEFAULT_KV_OBSERVER
     with open_run(out, key, resumable=resumable, restart=config.restart) as run, \
-            _as_run(net, reader, config.r4) as reader:
+            turned_inputs(net, reader, config.r4) as reader:  # under R4, as the engine runs it
         sink = run.sink(keep_inputs=True)
         say_resume(sink, net.args.num_layers)
         say(f"calibrating on {config.num_samples} × {config.seq_len} tokens, one layer at a time ({device})")
@@ -351,16 +352,6 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
         meta["wall_s"] = round(time.perf_counter() - t0, 3)
         path = write_table(out, run.tensors(), meta, overwrite=config.overwrite)
     return CalibrationResult(path=path, meta=meta, wall_s=meta["wall_s"], forward_s=forward_s)
-
-
-def _as_run(net, reader, r4: bool):
-    """A context yielding the reader to calibrate `net` from: with `r4`, as the engine runs it under
-    R4 (`calib.quip.turned_inputs`)."""
-    from contextlib import nullcontext
-
-    from quantspec.calib.quip import turned_inputs
-
-    return turned_inputs(net, reader) if r4 else nullcontext(reader)
 
 
 def _run_identity(config: CalibrateConfig, model_dir: Path, reader, device: str, dtype_name: str) -> tuple[bool, str]:

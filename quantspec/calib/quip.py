@@ -287,11 +287,15 @@ class InputTurnedReader(CheckpointReader):
 
 
 @contextmanager
-def turned_inputs(model, reader: CheckpointReader) -> Iterator[CheckpointReader]:
+def turned_inputs(model, reader: CheckpointReader, r4: bool = True) -> Iterator[CheckpointReader]:
     """`model` (its layers read from `reader`, e.g. on `meta`) as the engine runs it under R4:
     each `down_proj` turns its input by a forward pre-hook and reads its weight turned (the yielded
     `InputTurnedReader`), so the model computes what it did and every hook registered after it (the
-    observers', the measurements') sees the inputs the engine quantizes. The hooks go on exit."""
+    observers', the measurements') sees the inputs the engine quantizes. The hooks go on exit.
+    Without `r4`, the model as it is (`reader` yielded)."""
+    if not r4:
+        yield reader
+        return
     if any(model.args.is_moe_layer(i) for i in range(model.args.num_layers)):
         raise QuantSpecError("--rotate R4: vLLM's fused experts run no run-time transform, so a mixture of experts "
                              "cannot take one; drop R4 from --rotate")

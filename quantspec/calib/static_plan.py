@@ -21,7 +21,6 @@ from __future__ import annotations
 import dataclasses
 import re
 from collections import OrderedDict
-from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
 
@@ -220,7 +219,7 @@ def plan_static_quant(model, table: ScaleTable, quant_type: str, *,
     _check_plan_request(smoothquant_alpha, by_rank, fallback_budget, input_ids, holdout_ids)
     if r4 and weights is None:
         raise QuantSpecError("an R4 plan reads the model's layers turned from its checkpoint; pass weights=")
-    with turned_inputs(model, weights) if r4 else nullcontext(weights) as reader:
+    with turned_inputs(model, weights, r4) as reader:
         stream = {"weights": reader, "device": device}
         alpha_map, alpha_errors = _choose_alphas(model, table, smoothquant_alpha, input_ids, kind, alphas,
                                                  batch_size, stream, smooth_down=not r4)
