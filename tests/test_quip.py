@@ -419,7 +419,8 @@ def _down_inputs(model_dir, ids) -> list[torch.Tensor]:
     model = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
     seen = []
     for layer in model.model.layers:
-        layer.mlp.down_proj.register_forward_pre_hook(lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
+        layer.mlp.down_proj.register_forward_pre_hook(
+            lambda _m, args: seen.append(args[0].reshape(-1, args[0].shape[-1])))
     with torch.no_grad():
         model(ids)
     return seen
@@ -431,6 +432,7 @@ def test_a_table_calibrated_with_r4_holds_the_turned_down_proj_inputs(tmp_path, 
     cache's are the plain table's."""
     from compressed_tensors.transform.utils.hadamard import deterministic_hadamard_matrix
 
+    from quantspec.calib.data import TableWindows
     from quantspec.calib.tables import read_table
 
     (tmp_path / "c.txt").write_text(TINY_CORPUS)
@@ -440,8 +442,6 @@ def test_a_table_calibrated_with_r4_holds_the_turned_down_proj_inputs(tmp_path, 
     plain = read_table(api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "plain", **opts).path)
     assert turned.meta["run_time_rotation"] == {"rotations": ["R4"], "type": "hadamard", "head_dim": 128}
     assert plain.meta["run_time_rotation"] is None
-    from quantspec.calib.data import TableWindows
-
     ids = TableWindows(turned.meta, tiny_llama_dir, None, seq_len=32).table_windows()
     h = deterministic_hadamard_matrix(128, torch.float64) / 128 ** 0.5
     for i, x in enumerate(_down_inputs(tiny_llama_dir, ids)):
@@ -463,6 +463,8 @@ def test_static_r4_artifact_runs_as_compressed_tensors_runs_it(tmp_path, tiny_ll
     order (turn, then quantize the input with its static scale) is compressed-tensors'."""
     from safetensors import safe_open
 
+    from quantspec.calib.tables import read_table
+
     (tmp_path / "c.txt").write_text(TINY_CORPUS)
     table = api.calibrate(str(tiny_llama_dir), str(tmp_path / "c.txt"), tmp_path / "t", num_samples=4, seq_len=32,
                           dtype="float32", rotate=rotate).path
@@ -472,8 +474,6 @@ def test_static_r4_artifact_runs_as_compressed_tensors_runs_it(tmp_path, tiny_ll
     assert (skipped - theirs).abs().max() > 1e-2
     plan = json.loads((art / "quantspec.json").read_text())["provenance"]["calibration"]["static_plan"]
     assert plan["smoothquant_alphas"] and not any("down_proj" in n for n in plan["smoothquant_alphas"])
-    from quantspec.calib.tables import read_table
-
     t = read_table(table)
     with safe_open(str(art / "model.safetensors"), framework="pt") as f:
         for i in range(2):
