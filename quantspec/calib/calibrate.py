@@ -314,7 +314,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     from transformers import AutoTokenizer
 
     from quantspec.calib.data import build_calibration_batches, load_calibration_texts
-    from quantspec.calib.quip import turned_inputs
+    from quantspec.calib.quip import r4_block, turned_inputs
     from quantspec.calib.stream import open_run, say_resume
     from quantspec.devices import resolve_device
 
@@ -325,6 +325,8 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     with about("--model"):  # every shard's header checked before any work
         net, model_dir, reader = _load_for_calibration(config.model, config.rotation)
     net.args.check_context(config.seq_len, "--seq-len")  # its windows run full attention
+    if config.r4:
+        r4_block(net)  # a model R4 cannot turn is refused here, before any work
     say("reading the dataset")
     with about("--dataset"):
         texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)

@@ -252,7 +252,10 @@ def _downs(model) -> set[str]:
 
 def r4_block(model) -> int:
     """The block of R4's transform for `model`: the largest power of two up to `MAX_BLOCK`
-    dividing every `down_proj`'s input size."""
+    dividing every `down_proj`'s input size; one line where R4 cannot turn the model."""
+    if any(model.args.is_moe_layer(i) for i in range(model.args.num_layers)):
+        raise QuantSpecError("--rotate R4: vLLM's fused experts run no run-time transform, so a mixture of experts "
+                             "cannot take one; drop R4 from --rotate")
     downs = _downs(model)
     return Quip.r4().block_for(m.in_features for n, m in model.named_modules() if n in downs)
 
@@ -296,9 +299,6 @@ def turned_inputs(model, reader: CheckpointReader, r4: bool = True) -> Iterator[
     if not r4:
         yield reader
         return
-    if any(model.args.is_moe_layer(i) for i in range(model.args.num_layers)):
-        raise QuantSpecError("--rotate R4: vLLM's fused experts run no run-time transform, so a mixture of experts "
-                             "cannot take one; drop R4 from --rotate")
     downs, block = _downs(model), r4_block(model)
     handles = [m.register_forward_pre_hook(lambda _m, args: (fwht(args[0], block), *args[1:]))
                for n, m in model.named_modules() if n in downs]
