@@ -89,6 +89,17 @@ class LayerStep:
         """Re-run the (modified) layer so the next layer sees its outputs (sequential mode)."""
         return self.forward(None)
 
+    def run(self, x: torch.Tensor) -> torch.Tensor:
+        """The layer over other inputs x [n, S, D] of this batch's shape (no hook, no gradient) →
+        [n, S, D]; `inputs` and `outputs` stay as they are."""
+        return self._runner._run_layer(self, None, x, torch.empty_like(x))
+
+    def call(self, x: torch.Tensor, layer: Callable | None = None) -> torch.Tensor:
+        """`layer` (default: the step's; any callable of the decoder layer's signature, e.g. a
+        `torch.func.functional_call` of it) on samples x [b, S, D] of this batch → [b, S, D],
+        under whatever autograd mode the caller is in."""
+        return self._runner._call_layer(self, x, layer or self.layer, None)
+
 
 class LayerRunner:
     """Iterate a calibration batch through the decoder layer by layer (module docstring).
@@ -155,22 +166,28 @@ class LayerRunner:
         return self.model.args.scale_embeddings(x)
 
     @torch.no_grad()
-    def _run_layer(self, step: LayerStep, kv_hook: KVHook | None) -> torch.Tensor:
-        x = step.inputs
-        n, S, D = x.shape
-        out = step.outputs if step.outputs is not None else torch.empty_like(x)  # [n, S, D]
-        for b0 in range(0, n, self.batch_size):
-            xb = x[b0:b0 + self.batch_size]  # [b, S, D]
-            b = xb.shape[0]
-            cos, sin = (t.repeat(b, 1) for t in self._tables[step.layer.self_attn.local_rope])  # [b*S, hd]
-            attn = DenseCausalAttention.of(self.model.args, b, S, kv_hook)
-            yb = step.layer(xb.reshape(b * S, D), cos, sin, attn)  # [b*S, D]
+    def _run_layer(self, step: LayerStep, kv_hook: KVHook | None, x: torch.Tensor | None = None,
+                   out: torch.Tensor | None = None) -> torch.Tensor:
+        """The layer over x [n, S, D] (default: the step's inputs) in mini-batches, into `out`
+        (default: the step's outputs, allocated on first use)."""
+        x = step.inputs if x is None else x
+        if out is None:
+            out = step.outputs if step.outputs is not None else torch.empty_like(x)  # [n, S, D]
+        for b0 in range(0, x.shape[0], self.batch_size):
+            yb = self._call_layer(step, x[b0:b0 + self.batch_size], step.layer, kv_hook)  # [b, S, D]
             if not all_finite(yb):
                 raise QuantSpecError(f"{step.name} produced NaN/Inf on calibration samples "
-                                     f"{b0}..{b0 + b - 1}; use a wider dtype (--dtype float32) or "
+                                     f"{b0}..{b0 + yb.shape[0] - 1}; use a wider dtype (--dtype float32) or "
                                      "check this layer's weights")
-            out[b0:b0 + b] = yb.view(b, S, D)
+            out[b0:b0 + yb.shape[0]] = yb
         return out
+
+    def _call_layer(self, step: LayerStep, xb: torch.Tensor, layer: Callable, kv_hook: KVHook | None) -> torch.Tensor:
+        """`layer` on samples xb [b, S, D] at positions 0..S-1 → [b, S, D]."""
+        b, S, D = xb.shape
+        cos, sin = (t.repeat(b, 1) for t in self._tables[step.layer.self_attn.local_rope])  # [b*S, hd]
+        attn = DenseCausalAttention.of(self.model.args, b, S, kv_hook)
+        return layer(xb.reshape(b * S, D), cos, sin, attn).view(b, S, D)
 
     def __iter__(self) -> Iterator[LayerStep]:
         x = self._embed()
