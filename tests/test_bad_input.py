@@ -148,6 +148,22 @@ CASES = [
     ("quantize-awq-a8w8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method awq "
                           "--dataset {d}/calib.txt --out {d}/q", "--method"),
     ("quantize-nvfp4-no-calib", "quantize --model {model} --quant-type nvfp4 --out {d}/q", "--calib"),
+    ("quantize-autoround-no-data", "quantize --model {model} --quant-type weight_only_int4 --method autoround "
+                                   "--out {d}/q", "--dataset"),
+    ("quantize-autoround-fp8", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic --method "
+                               "autoround --dataset {d}/calib.txt --out {d}/q", "--method"),
+    ("quantize-autoround-layer-type-fp8", "quantize --model {model} --quant-type weight_only_int4 --method autoround "
+                                          "--dataset {d}/calib.txt --layer-quant-type re:.*down_proj$=a8w8_fp8 "
+                                          "--out {d}/q", "--method"),
+    ("quantize-iters-rtn", "quantize --model {model} --quant-type weight_only_int4 --iters 5 --out {d}/q", "--iters"),
+    ("quantize-autoround-iters-0", "quantize --model {model} --quant-type weight_only_int4 --method autoround "
+                                   "--dataset {d}/calib.txt --iters 0 --out {d}/q", "--iters"),
+    ("quantize-autoround-lr-neg", "quantize --model {model} --quant-type weight_only_int4 --method autoround "
+                                  "--dataset {d}/calib.txt --lr -0.1 --out {d}/q", "--lr"),
+    ("quantize-autoround-mse", "quantize --model {model} --quant-type weight_only_int4 --method autoround "
+                               "--dataset {d}/calib.txt --weight-observer mse --out {d}/q", "--weight-observer"),
+    ("quantize-autoround-quip", "quantize --model {model} --quant-type weight_only_int4 --method autoround "
+                                "--dataset {d}/calib.txt --quip v --target vllm --out {d}/q", "--quip"),
     ("quantize-rotate-unknown", "quantize --model {model} --quant-type weight_only_int8 --rotate R3 --out {d}/q",
      "--rotate"),
     ("quantize-rotate-r2-alone", "quantize --model {model} --quant-type weight_only_int8 --rotate R2 --out {d}/q",

@@ -40,7 +40,7 @@ def test_method_choices_are_the_pipelines():
         assert tuple(option.type.choices) == METHODS
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq"])
+@pytest.mark.parametrize("method", ["gptq", "awq", "awq+gptq", "autoround"])
 def test_quantize_inspect_eval_with_data(method, tiny_llama_dir, corpus_files, tmp_path):
     out = tmp_path / "w4"
     r = _run("quantize", "--model", tiny_llama_dir, "--quant-type", "weight_only_int4", "--method", method,

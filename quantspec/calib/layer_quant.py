@@ -1,7 +1,7 @@
 """`LayerQuantizer`: what quantizing one decoder layer needs (`calib.ptq.quantize_model`) — the
 Linears a config quantizes with their args and static input scales, where layers are read from,
 and the codes of the part under way — and how a group of Linears sharing one input is quantized
-(round-to-nearest or GPTQ, in QuIP's turned basis under `--quip`) and written in
+(round-to-nearest or GPTQ, in QuIP's turned basis under `--quip`; a whole layer by AutoRound) and written in
 compressed-tensors names."""
 
 from __future__ import annotations
@@ -50,6 +50,15 @@ class LayerQuantizer:
         self.losses: dict[str, float] = {}
         # the Linears quantized in QuIP's turned basis (`quip`: a `calib.quip.Quip`)
         self.quip = None if quip is None else QuipPlan(quip, model, self.linears)
+        self.tuner = None  # method "autoround": its `calib.autoround.AutoRound` settings
+
+    def autoround_layer(self, step, targets: torch.Tensor) -> None:
+        """Quantize the decoder layer of the runner step `step` with AutoRound toward `targets`
+        [n, S, D], the float layer's outputs on the float model's inputs (`calib.autoround`)."""
+        mine = {n: m for n, m in self.linears.items() if n.startswith(step.name + ".")}
+        results, loss = self.tuner.tune_layer(step, mine, self.layer_args, self.scale_dtype, targets)
+        self.results.update(results)
+        self.losses[step.name] = loss
 
     def resident(self, module: nn.Module, prefix: str):
         """`module` materialised for the block (read from the checkpoint when on `meta`)."""

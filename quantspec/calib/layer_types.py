@@ -46,7 +46,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.moe import expert_dims
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES, awq_unfit
+from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES, awq_unfit, integer_weights
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
@@ -100,6 +100,9 @@ def _check_method(spec: str, qt: QuantType, method: str) -> None:
     if "fp8" in unfit:
         raise QuantSpecError(f"--method {method}: AWQ scales integer or FP4 weights, and --layer-quant-type "
                              f"{spec!r} is FP8; use --method rtn or gptq")
+    if method == "autoround" and not integer_weights(qt):
+        raise QuantSpecError(f"--method autoround tunes integer weights, and --layer-quant-type {spec!r}'s are not; "
+                             "use --method rtn or gptq")
 
 
 def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable[str], *, group_size: int,
@@ -128,7 +131,7 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
         block = weight_block if qt in FP8_TYPES and quant_type in FP8_TYPES else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
-                        weight_observer=observer or default_weight_observer(qt),
+                        weight_observer=observer or default_weight_observer(qt, method),
                         activations="dynamic" if per_token else "static", weight_block=block).config_groups["group_0"]
         keys[f"group_{i}"] = spec
         groups[f"group_{i}"] = replace(scheme, targets=(target,))

@@ -25,6 +25,9 @@ becomes the largest power of two ≤ it that does, arranged into config groups b
   folded into the layer, then round-to-nearest; two passes like GPTQ's. `awq+gptq`: the factors,
   then GPTQ on the layer, with the Hessians of AWQ's statistics (a sparse layer's experts: from
   one more forward).
+- `autoround`: Cheng et al. (arXiv:2309.05516) through `calib.autoround`: per layer, the rounding
+  and clipping tuned by SignSGD toward the float layer's outputs on the float model's inputs (a
+  second stream of hidden states, run beside the quantized model's); two passes like GPTQ's.
 
 Weight types: int8 per-channel, int4 group (sym/asym) or per-channel, FP8 E4M3 per-channel; the
 a8w8 types also need static per-tensor input scales (from `quantspec calibrate`), stored as
@@ -158,7 +161,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                    progress: Progress | None = None, weights: CheckpointReader | None = None,
                    device: str | torch.device | None = None,
                    smooth: Mapping[str, torch.Tensor] | None = None,
-                   sink: PartSink | None = None, quip=None) -> PTQResult:
+                   sink: PartSink | None = None, quip=None, autoround=None) -> PTQResult:
     """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
 
     calib_batches: LongTensor [n, S] (GPTQ only). input_scales: Linear name → static input scale
@@ -167,7 +170,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     weights / device: a model on `meta` is read from `weights` one layer at a time onto `device`;
     smooth: {Linear: s [K]} folded into each layer before it is quantized (`calib.smooth`);
     sink: where the parts go (default: kept in memory, `PTQResult.tensors`);
-    quip: a `calib.quip.Quip`: the decoder layers' Linears quantized in QuIP's turned basis.
+    quip: a `calib.quip.Quip`: the decoder layers' Linears quantized in QuIP's turned basis;
+    autoround: the `calib.autoround.AutoRound` settings of method "autoround" (None: its defaults).
     progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
     """
     _check_request(method, config, calib_batches)
@@ -181,6 +185,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
     if "awq" in parts:
         check_awq(config, q.layer_args)
+    q.tuner = _autoround_tuner(q, autoround) if method == "autoround" else None
     sink = sink if sink is not None else PartSink()
     # GPTQ's head: its Hessian is of the last layer's normed outputs, so its part follows the layers
     head_gptq = "gptq" in parts and "lm_head" in outside
@@ -197,21 +202,36 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                         head_inputs=last if last is not None else sink.inputs_for(len(model.model.layers)))
     summary = {"method": method, "num_quantized_linears": len(q.linears),
                "seconds": round(time.perf_counter() - t0, 3)}
-    if "gptq" in parts:
-        summary.update(block_size=block_size, damp=damp, act_order=act_order)
     if method in DATA_METHODS:
         rtn = [n for n in outside if not (head_gptq and n == "lm_head")]  # rounded to nearest
-        summary.update(_data_summary(parts, sink, calib_batches, rtn))
+        gptq = dict(block_size=block_size, damp=damp, act_order=act_order)
+        summary.update(_data_summary(parts, q, sink, calib_batches, rtn, gptq))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary,
                      transforms=None if q.quip is None else q.quip.transform_config())
 
 
-def _data_summary(parts: list[str], sink: PartSink, calib_batches: torch.Tensor, rtn_linears: list[str]) -> dict:
-    """What a GPTQ / AWQ run adds to the summary: its tokens, the Linears it rounded to nearest,
-    each method's loss total (AWQ's objectives are keyed "awq:<group>", `calib.awq.awq_layer`)."""
-    out: dict = {"calibration_tokens": int(calib_batches.numel())}
+def _autoround_tuner(q: LayerQuantizer, settings):
+    """The AutoRound settings for `q`'s Linears (refused: those it does not tune, QuIP's basis)."""
+    from quantspec.calib.autoround import AutoRound, check_autoround
+
+    check_autoround({n: a for n, a in q.layer_args.items() if n.startswith("model.layers.")})
+    if q.quip is not None:
+        raise QuantSpecError("AutoRound tunes weights in the model's own basis and --quip / --rotate R4 quantize "
+                             "in a turned one; use --method rtn or gptq with them")
+    return settings or AutoRound()
+
+
+def _data_summary(parts: list[str], q: LayerQuantizer, sink: PartSink, calib_batches: torch.Tensor,
+                  rtn_linears: list[str], gptq: dict) -> dict:
+    """What a GPTQ / AWQ / AutoRound run adds to the summary: GPTQ's settings `gptq` or AutoRound's,
+    its tokens, the Linears it rounded to nearest, each method's loss total (AWQ's objectives are
+    keyed "awq:<group>", `calib.awq.awq_layer`; AutoRound's losses are its layers')."""
+    out: dict = dict(gptq) if "gptq" in parts else {}
+    if q.tuner is not None:
+        out.update(iters=q.tuner.iters, lr=q.tuner.step_size, batch_size=q.tuner.batch_size)
+    out["calibration_tokens"] = int(calib_batches.numel())
     if rtn_linears:
         out["rtn_linears"] = rtn_linears
     for part in parts:
@@ -334,14 +354,19 @@ def _data_layers(model, calib_batches: torch.Tensor, q: LayerQuantizer, sink: Pa
         return None
     n = calib_batches.shape[0]
     streamed = q.weights is not None
+    inputs = sink.inputs_for(start) if start else None
+    # AutoRound's targets come from the float model's inputs: a second stream, kept beside the first
+    floats = _FloatStream(inputs) if method == "autoround" else None
     runner = LayerRunner(model, calib_batches, batch_size=n if one_pass else batch_size, weights=q.weights,
                          device=q.device if streamed else None, dtype=QUANT_DTYPE if streamed else None,
-                         progress=progress, start=start, inputs=sink.inputs_for(start) if start else None)
+                         progress=progress, start=start, inputs=inputs if floats is None else floats.quantized)
     for step in runner:
         if q.smooth:
             smooth_layer(step.layer, step.name, q.smooth)
         hessians = {} if method == "awq+gptq" else None  # AWQ's statistics are GPTQ's Hessians
-        if method.startswith("awq"):
+        if floats is not None:
+            q.autoround_layer(step, floats.advance(step))
+        elif method.startswith("awq"):
             from quantspec.calib.awq import awq_layer
 
             q.losses.update(awq_layer(step, q.linears, q.layer_args, hessians))
@@ -351,12 +376,30 @@ def _data_layers(model, calib_batches: torch.Tensor, q: LayerQuantizer, sink: Pa
                 q.quantize_group(g, hessians.pop(g[0]))
         elif method.endswith("gptq"):  # (a mixture of experts' experts: from the forward)
             _gptq_layer(step, q, one_pass)
-        else:
+        elif floats is None:
             for g in groups:
                 q.quantize_group(g, None)
         if not one_pass:  # then re-run so the next layer sees the quantized layer's outputs
             step.propagate()
         losses, q.losses = q.losses, {}
+        kept = step.outputs if floats is None else floats.kept(step.outputs)
         sink.write(layer_key(step.index), q.part(step.name, step.layer), losses,
-                   inputs=step.outputs if step.index + 1 < L or keep_last else None)
+                   inputs=kept if step.index + 1 < L or keep_last else None)
     return runner.hidden  # (the steps' outputs are freed as the runner moves on)
+
+
+class _FloatStream:
+    """The float model's hidden states beside the quantized one's (AutoRound): `advance(step)` runs
+    the still-float layer of `step` on them → its outputs [n, S, D], the layer's targets and the next
+    layer's float inputs. A resumed run's kept inputs are the two streams stacked [2, n, S, D]."""
+
+    def __init__(self, kept: torch.Tensor | None):
+        self.quantized, self.hidden = (None, None) if kept is None else kept.unbind(0)
+
+    def advance(self, step) -> torch.Tensor:
+        self.hidden = step.run(step.inputs if self.hidden is None else self.hidden.to(step.inputs))
+        return self.hidden
+
+    def kept(self, outputs: torch.Tensor) -> torch.Tensor:
+        """What a resumed run needs of this step: its quantized outputs and the float ones."""
+        return torch.stack((outputs, self.hidden))

@@ -54,8 +54,9 @@ Progress = Callable[[int, int, str], None]
 class QuantizeConfig:
     """Everything `quantize` needs; every rule is checked when the config is built.
 
-    `method`: "rtn", "gptq", "awq" or "awq+gptq" (`quant.presets.METHODS`; all but rtn read
-    `dataset`; AWQ is for the weight-only types and inputs quantized per token).
+    `method`: "rtn", "gptq", "awq", "awq+gptq" or "autoround" (`quant.presets.METHODS`; all but rtn
+    read `dataset`; AWQ is for the weight-only types and inputs quantized per token; AutoRound for
+    integer weights, tuned with `iters`, `lr` and `batch_size`).
     `smoothquant_alpha`: None (the recipe's default: "auto" for the static a8w8 types, no smoothing
     for inputs quantized per token), "auto", "none" or a number in (0, 1) (`calib.recipe_checks`).
     `device`: where each layer is quantized (`devices.resolve_device`);
@@ -80,6 +81,9 @@ class QuantizeConfig:
     act_order: bool = False
     block_size: int = 128
     damp: float = 0.01
+    iters: int | None = None  # AutoRound's steps per layer, step size, samples per step (None: `calib.autoround`'s)
+    lr: float | None = None
+    batch_size: int | None = None
     dataset: str | None = None
     split: str = "train"
     text_field: str = "text"
@@ -164,7 +168,7 @@ class QuantizeConfig:
         if self.zp_dtype is not None and self.zp_dtype not in ZP_DTYPES:
             raise QuantSpecError(f"--zp-dtype {self.zp_dtype!r}: use int, {', '.join(ZP_DTYPES)}")
         observer = self.weight_observer  # as given: a layer's own type takes it too (`calib.layer_types`)
-        object.__setattr__(self, "weight_observer", self.weight_observer or default_weight_observer(qt))
+        object.__setattr__(self, "weight_observer", self.weight_observer or default_weight_observer(qt, self.method))
         kv_strategy = self._check_target()
         config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
                         weight_observer=self.weight_observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
@@ -211,6 +215,16 @@ class QuantizeConfig:
         return self.static or self.quant_type == "nvfp4"
 
     @property
+    def autoround(self):
+        """The `calib.autoround.AutoRound` settings of `--method autoround` (None for the others)."""
+        from quantspec.calib.autoround import DEFAULT_BATCH_SIZE, DEFAULT_ITERS, AutoRound
+
+        if self.method != "autoround":
+            return None
+        return AutoRound(iters=DEFAULT_ITERS if self.iters is None else self.iters, lr=self.lr, seed=self.seed,
+                         batch_size=DEFAULT_BATCH_SIZE if self.batch_size is None else self.batch_size)
+
+    @property
     def by_rank(self) -> bool:
         """The a8w8 fallback is chosen by measured error rank, not by the budget."""
         return self.fallback_layers is not None or self.fallback_threshold is not None
@@ -245,6 +259,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     decoder layer, `on_status(message)` at each phase (reading, measuring, writing).
     """
     from quantspec.calib.ptq import decoder_layers, quantize_model
+    from quantspec.calib.static_plan import plan_from_table
     from quantspec.calib.stream import check_disk, open_run, run_identity, say_resume
     from quantspec.devices import resolve_device
     from quantspec.quant.decompressed import source_quantization
@@ -278,8 +293,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:
         qconfig, input_scales, factors = src.quant_config, None, None
         if config.static:
-            qconfig, input_scales, factors, batches = _plan_static(config, src, model, qconfig, batches, say,
-                                                                   run, device)
+            qconfig, input_scales, factors, batches = plan_from_table(config, src, model, qconfig, batches, say,
+                                                                      run, device)
         elif config.calibrated_inputs:  # NVFP4's input global scales
             input_scales = src.table.nvfp4_input_global_scales(model)
         elif smooths_per_token(config):
@@ -290,7 +305,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
         res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
                              act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
                              out_dtype=src.dtype, progress=progress, weights=src.reader, device=device,
-                             smooth=factors, sink=sink, quip=config.quip_spec)
+                             smooth=factors, sink=sink, quip=config.quip_spec, autoround=config.autoround)
         say(f"writing {out}")
         return _write(config, src, res, run, out, time.perf_counter() - t0)
 
@@ -406,53 +421,6 @@ def _gptq_batches(config: QuantizeConfig, src: _Source, say) -> torch.Tensor | N
                              num_samples=config.num_samples, seq_len=config.seq_len, seed=config.seed,
                              num_texts=len(texts))
     return batches
-
-
-def _plan_static(config: QuantizeConfig, src: _Source, net, qconfig, batches, say, run, device):
-    """The a8w8 recipe, measured one layer at a time (or as an earlier run of this state kept it):
-    → (config with the fallback group, static input scales, smoothing factors, GPTQ batches)."""
-    from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
-    from quantspec.calib.data import TableWindows
-    from quantspec.calib.static_plan import plan_static_quant, with_fallback_layers
-
-    table = src.table
-    table.check_model(net)
-    alpha = config.alpha
-    budget = None if config.by_rank else (config.fallback_budget or DEFAULT_BUDGET_PCT)
-    data = TableWindows(table.meta, src.model_dir, config.dataset, split=config.split,
-                        text_field=config.text_field, seq_len=config.seq_len, seed=config.seed)
-    search_ids = holdout_ids = None
-    if alpha == "auto" or config.fallback_layers or config.fallback_threshold is not None or budget is not None:
-        search_ids = data.search_windows(config.search_samples)
-    if config.method == "gptq" and batches is None:  # GPTQ on the windows the table was calibrated on
-        batches = data.table_windows()
-        src.calib_summary.update(gptq_data=data.describe(0, batches.shape[0]))
-    if budget is not None:
-        holdout_ids = data.held_back_windows(config.holdout_samples or HOLDOUT_SAMPLES)
-    saved = run.load("plan")
-    if saved is None:
-        if search_ids is not None:
-            say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
-                "(SmoothQuant α search, fallback ranking)"
-                + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
-                   "held-back windows") + ", one layer at a time")
-        # the a8w8 presets' one class-target group (a mixture of experts' experts have one more)
-        base = next(s for s in qconfig.config_groups.values() if "Linear" in s.targets)
-        plan = plan_static_quant(net, table, config.quant_type, smoothquant_alpha=alpha, input_ids=search_ids,
-                                 fallback_layers=config.fallback_layers or 0,
-                                 fallback_threshold=config.fallback_threshold, fallback_budget=budget,
-                                 holdout_ids=holdout_ids, weight_args=base.weights, weights=src.reader,
-                                 device=device, r4=config.r4)
-        summary = plan.summary()
-        if summary["held_back"] is not None:
-            summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))
-        saved = {"input_scales": plan.input_scales, "factors": plan.factors, "fallback": plan.fallback,
-                 "summary": summary}
-        run.save("plan", saved)
-    src.calib_summary.update(smoothquant_alpha=alpha, static_plan=saved["summary"],
-                             search_samples=None if search_ids is None else int(search_ids.shape[0]))
-    return (with_fallback_layers(qconfig, saved["fallback"]), saved["input_scales"], saved["factors"],
-            batches)
 
 
 def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: float) -> Path:

@@ -108,6 +108,11 @@ def check_method(c, qt) -> None:
     if c.method.startswith("awq") and "fp8" in awq_unfit(qt, c.activations == "dynamic"):
         raise QuantSpecError(f"--method {c.method}: AWQ scales integer or FP4 weights, and {qt.value}'s "
                              "are FP8; use --method rtn or gptq")
+    if c.method == "autoround":
+        _check_autoround(c, qt)
+    elif (c.iters, c.lr, c.batch_size) != (None, None, None):
+        raise QuantSpecError(f"--iters, --lr and --batch-size tune AutoRound and --method {c.method} runs none; "
+                             "use --method autoround or drop them")
     if c.method != "rtn" and c.weight_block is not None:
         raise QuantSpecError(f"--method {c.method} has no rule for FP8 block scales (--weight-block); use "
                              "--method rtn, or drop --weight-block")
@@ -117,6 +122,24 @@ def check_method(c, qt) -> None:
                                  ".txt/.json/.jsonl/.parquet file or a hub id)")
         positive_int("num_samples", c.num_samples)
         positive_int("seq_len", c.seq_len)
+
+
+def _check_autoround(c, qt) -> None:
+    """Refuse, naming the flag, what `--method autoround` does not tune (`calib.autoround`)."""
+    from quantspec.quant.presets import integer_weights
+
+    if not integer_weights(qt):
+        raise QuantSpecError(f"--method autoround tunes integer weights, and {qt.value}'s are not; use --method rtn "
+                             "or gptq")
+    if c.zp_dtype is not None:
+        raise QuantSpecError("--method autoround rounds integer zero points; drop --zp-dtype")
+    if c.weight_observer == "mse":
+        raise QuantSpecError("--weight-observer mse picks round-to-nearest's clipping, and AutoRound tunes its own "
+                             "from min/max; drop --weight-observer")
+    if c.quip_spec is not None:
+        raise QuantSpecError("--method autoround tunes weights in the model's own basis, and --quip / --rotate R4 "
+                             "quantize in a turned one; use --method rtn or gptq with them")
+    c.autoround  # its settings checked: --iters, --lr, --batch-size
 
 
 def per_token_smoothing(c, src, model, say: Callable[[str], None]) -> dict:

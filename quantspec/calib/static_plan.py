@@ -14,6 +14,9 @@ keep float activations, chosen from the errors `calib.sensitivity` measures.
   its activations stay float, and smoothing would only make its weights harder to quantize
   (on the default model, W8A16 everywhere: +0.8% perplexity unsmoothed, +2.5% smoothed). The
   artifact's provenance lists the units, their errors and the rule that chose them.
+
+`plan_from_table` runs the plan for a quantize run from its calibration table, and keeps it in
+the run's state so an interrupted run resumes without measuring again.
 """
 
 from __future__ import annotations
@@ -50,6 +53,7 @@ __all__ = [
     "rank_units",
     "select_fallback",
     "with_fallback_layers",
+    "plan_from_table",
     "plan_static_quant",
 ]
 
@@ -321,3 +325,52 @@ def _units_under_budget(model, sens, scales, factors, holdout_ids, fallback_budg
             f"{least:+.2f}% over the weight-only model's; raise --a8w8-fallback-budget, or "
             "quantize weight-only")
     return budget, ranked[:budget.chosen_units]
+
+
+def plan_from_table(config, src, net, qconfig, batches, say, run, device):
+    """The a8w8 recipe of the quantize run `config` (`calib.quantize.QuantizeConfig`) on `src` (its
+    source, with its table) for the model `net`, measured one layer at a time (or as an earlier run
+    of the run state `run` kept it) → (config with the fallback group, static input scales,
+    smoothing factors, the calibration batches of GPTQ or AutoRound: `batches`, or the table's
+    own windows)."""
+    from quantspec.calib.budget import DEFAULT_BUDGET_PCT, HOLDOUT_SAMPLES
+    from quantspec.calib.data import TableWindows
+
+    table = src.table
+    table.check_model(net)
+    alpha = config.alpha
+    budget = None if config.by_rank else (config.fallback_budget or DEFAULT_BUDGET_PCT)
+    data = TableWindows(table.meta, src.model_dir, config.dataset, split=config.split,
+                        text_field=config.text_field, seq_len=config.seq_len, seed=config.seed)
+    search_ids = holdout_ids = None
+    if alpha == "auto" or config.fallback_layers or config.fallback_threshold is not None or budget is not None:
+        search_ids = data.search_windows(config.search_samples)
+    if config.method in ("gptq", "autoround") and batches is None:  # on the windows the table was calibrated on
+        batches = data.table_windows()
+        src.calib_summary.update(gptq_data=data.describe(0, batches.shape[0]))
+    if budget is not None:
+        holdout_ids = data.held_back_windows(config.holdout_samples or HOLDOUT_SAMPLES)
+    saved = run.load("plan")
+    if saved is None:
+        if search_ids is not None:
+            say(f"measuring static-activation error on {search_ids.shape[0]} × {search_ids.shape[1]} tokens "
+                "(SmoothQuant α search, fallback ranking)"
+                + ("" if holdout_ids is None else f" and the fallback budget on {holdout_ids.shape[0]} "
+                   "held-back windows") + ", one layer at a time")
+        # the a8w8 presets' one class-target group (a mixture of experts' experts have one more)
+        base = next(s for s in qconfig.config_groups.values() if "Linear" in s.targets)
+        plan = plan_static_quant(net, table, config.quant_type, smoothquant_alpha=alpha, input_ids=search_ids,
+                                 fallback_layers=config.fallback_layers or 0,
+                                 fallback_threshold=config.fallback_threshold, fallback_budget=budget,
+                                 holdout_ids=holdout_ids, weight_args=base.weights, weights=src.reader,
+                                 device=device, r4=config.r4)
+        summary = plan.summary()
+        if summary["held_back"] is not None:
+            summary["held_back"].update(data.describe(data.held_back_start, holdout_ids.shape[0]))
+        saved = {"input_scales": plan.input_scales, "factors": plan.factors, "fallback": plan.fallback,
+                 "summary": summary}
+        run.save("plan", saved)
+    src.calib_summary.update(smoothquant_alpha=alpha, static_plan=saved["summary"],
+                             search_samples=None if search_ids is None else int(search_ids.shape[0]))
+    return (with_fallback_layers(qconfig, saved["fallback"]), saved["input_scales"], saved["factors"],
+            batches)

@@ -261,7 +261,8 @@ def check_disk(config, src, model, out: Path, key: str) -> None:
     need = artifact_bytes(model, src.quant_config, src.dtype)
     need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
     if config.method != "rtn":  # a resumable run keeps the next layer's inputs (two while replacing)
-        need += 2 * config.num_samples * config.seq_len * model.args.hidden_size * 4
+        streams = 2 if config.method == "autoround" else 1  # AutoRound's: the float model's too
+        need += 2 * streams * config.num_samples * config.seq_len * model.args.hidden_size * 4
     anchor = out
     while not anchor.exists() and anchor.parent != anchor:
         anchor = anchor.parent

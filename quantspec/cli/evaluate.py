@@ -72,7 +72,8 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @click.option("--max-new-tokens", default=64, show_default=True)
 @click.option("--speculate-max-draft-token-num", default=4, show_default=True, help="Draft tokens per step.")
 @click.option("--speculate-max-ngram-size", default=3, show_default=True)
-@click.option("--quant-method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
+@click.option("--quant-method", default="rtn", show_default=True,
+              type=click.Choice(["rtn", "gptq", "awq", "awq+gptq", "autoround"]),
               help="How the base (and a draft model's) artifacts are rounded; the data: --calib-dataset. "
                    "Draft heads are rounded to nearest.")
 @click.option("--group-size", default=128, show_default=True, help="Group size of weight_only_int4.")

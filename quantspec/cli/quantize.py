@@ -20,10 +20,12 @@ def _gib(n) -> str:
                    "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8; a8w4_mxfp4: MXFP4 weights, "
                    "FP8 inputs per group of 128 at run time, MXFP4XFP8) | keep (an artifact's weights as they are, "
                    "with --calib and --kv-cache: KV-cache scales added)")
-@click.option("--method", default="rtn", show_default=True, type=click.Choice(["rtn", "gptq", "awq", "awq+gptq"]),
+@click.option("--method", default="rtn", show_default=True,
+              type=click.Choice(["rtn", "gptq", "awq", "awq+gptq", "autoround"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
-                   "scaling, then rtn; awq+gptq: the scaling, then gptq (awq: weight-only types and 8-bit inputs "
-                   "quantized at run time; all but rtn need --dataset)")
+                   "scaling, then rtn; awq+gptq: the scaling, then gptq; autoround: each layer's rounding and "
+                   "clipping tuned by signed gradient descent on its output error (awq: weight-only types and "
+                   "8-bit inputs quantized at run time; autoround: integer weights; all but rtn need --dataset)")
 @click.option("--group-size", default=128, show_default=True, type=int,
               help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
 @click.option("--sym/--asym", "symmetric", default=True, show_default=True)
@@ -47,6 +49,10 @@ def _gib(n) -> str:
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
 @click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ damping (fraction of mean diag H)")
+@click.option("--iters", default=None, type=int, help="autoround: tuning steps per decoder layer [default: 200]")
+@click.option("--lr", default=None, type=float,
+              help="autoround: step size, decaying linearly to 0 over the steps [default: 1 / --iters]")
+@click.option("--batch-size", default=None, type=int, help="autoround: calibration samples per step [default: 8]")
 @click.option("--dataset", default=None, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
 @click.option("--split", default="train", show_default=True)
 @click.option("--text-field", default="text", show_default=True)
@@ -106,7 +112,7 @@ def _gib(n) -> str:
 @one_line_errors
 @threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
-             act_order, gptq_block_size, damp,
+             act_order, gptq_block_size, damp, iters, lr, batch_size,
              dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable", compute_capability=None, rotate=None, quip=None,
@@ -129,7 +135,8 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
                             weight_observer=None if weight_observer == "auto" else weight_observer,
                             ignore=tuple(ignore), layer_quant_types=tuple(layer_quant_types), act_order=act_order,
-                            block_size=gptq_block_size, damp=damp, dataset=dataset, split=split,
+                            block_size=gptq_block_size, damp=damp, iters=iters, lr=lr, batch_size=batch_size,
+                            dataset=dataset, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, activations=activations, weight_block=weight_block,
                             smoothquant_alpha=smoothquant_alpha,

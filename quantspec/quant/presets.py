@@ -12,7 +12,8 @@ from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
-           "awq_unfit", "check_weight_block", "default_weight_observer", "for_experts", "preset", "settle_kv_strategy"]
+           "awq_unfit", "check_weight_block", "default_weight_observer", "for_experts", "integer_weights", "preset",
+           "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
 # in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
@@ -22,7 +23,7 @@ ACTIVATIONS = ("static", "dynamic")
 WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose_qparams)
 # how quantize rounds the weights (`calib.ptq`); awq+gptq: AWQ's factors folded, then GPTQ's
 # rounding (llm-compressor's AWQModifier + GPTQModifier)
-METHODS = ("rtn", "gptq", "awq", "awq+gptq")
+METHODS = ("rtn", "gptq", "awq", "awq+gptq", "autoround")
 DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the model
 # int4 weights with 8-bit inputs quantized per token at run time (llm-compressor's W4A8 / W4AFP8)
 A8W4_TYPES = (QuantType.A8W4, QuantType.A8W4_FP8)
@@ -97,14 +98,20 @@ def awq_unfit(quant_type: QuantType, inputs_per_token: bool) -> tuple[str, ...]:
     return reasons + ("fp8",) if quant_type in FP8_TYPES + MXFP8_TYPES else reasons
 
 
-def default_weight_observer(quant_type: QuantType | str) -> str:
-    """mse for the int4 types (weight_only_int4, a8w4, a8w4_fp8), minmax for the others.
+def integer_weights(quant_type: QuantType | str) -> bool:
+    """Whether `quant_type`'s weights are integer codes (not FP8, FP4 or MX): what AutoRound tunes."""
+    return QuantType.parse(quant_type) not in FP8_TYPES + MICROSCALED_TYPES
+
+
+def default_weight_observer(quant_type: QuantType | str, method: str = "rtn") -> str:
+    """mse for the int4 types (weight_only_int4, a8w4, a8w4_fp8), minmax for the others, and for
+    every type under AutoRound, which starts from min/max and tunes the clipping itself.
 
     With 16 levels the clipping search pays: on the default model GPTQ g64 (64 × 512 calibration
     tokens, act-order) held-out ppl 28.19 → 26.74, RTN g64 31.51 → 31.02; at 8 bits min/max is
     already close to the best range, and the a8w8 weights are smoothed against their inputs.
     """
-    return "mse" if QuantType.parse(quant_type) in INT4_TYPES else "minmax"
+    return "mse" if QuantType.parse(quant_type) in INT4_TYPES and method != "autoround" else "minmax"
 
 
 def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,

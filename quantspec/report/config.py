@@ -171,6 +171,13 @@ class ReportConfig:
         if self.quant_method.startswith("awq") and static:
             raise QuantSpecError(f"--quant-method {self.quant_method} is for weight-only types, not {static[0]}; "
                                  "drop it from the quant types or use --quant-method rtn or gptq")
+        if self.quant_method == "autoround":
+            from quantspec.quant.presets import integer_weights
+
+            unfit = sorted(t for t in full if t != "none" and not integer_weights(t))
+            if unfit:
+                raise QuantSpecError(f"--quant-method autoround tunes integer weights, and {unfit[0]}'s are not; "
+                                     "drop it from the quant types or use --quant-method rtn or gptq")
 
     @property
     def needs_calibration(self) -> bool:

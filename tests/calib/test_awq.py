@@ -197,6 +197,16 @@ def _outlier_errors(tmp_path, config, methods, arch="llama"):
     return errs, res.summary
 
 
+def expert_errors(tmp_path, methods):
+    """`_outlier_errors` of a tiny Qwen3 mixture of experts with only its experts quantized (int4 g32)."""
+    from quantspec.model_zoo.moe import router_ignore
+
+    d = build_tiny_model(tmp_path / "cfg", "qwen3_moe")
+    config = preset("weight_only_int4", group_size=32, weight_observer="minmax",
+                    ignore=("lm_head", r"re:.*self_attn\..*", *router_ignore(load_model(d)[0].args)))
+    return _outlier_errors(tmp_path, config, methods, arch="qwen3_moe")
+
+
 def test_awq_beats_rounding_without_it_on_outlier_channels(tmp_path):
     errs, summary = _outlier_errors(tmp_path, preset("weight_only_int4", group_size=32, weight_observer="minmax"),
                                     ("rtn", "awq", "gptq", "awq+gptq"))
@@ -210,12 +220,7 @@ def test_awq_beats_rounding_without_it_on_experts(tmp_path):
     """Only the experts quantized (attention and routers float): their groups' factors give less
     output error than rounding alone on outlier channels (with no expert group, AWQ would be
     rounding alone here), and GPTQ after them less again."""
-    from quantspec.model_zoo.moe import router_ignore
-
-    d = build_tiny_model(tmp_path / "cfg", "qwen3_moe")
-    config = preset("weight_only_int4", group_size=32, weight_observer="minmax",
-                    ignore=("lm_head", r"re:.*self_attn\..*", *router_ignore(load_model(d)[0].args)))
-    errs, summary = _outlier_errors(tmp_path, config, ("rtn", "awq", "gptq", "awq+gptq"), arch="qwen3_moe")
+    errs, summary = expert_errors(tmp_path, ("rtn", "awq", "gptq", "awq+gptq"))
     assert summary["awq_loss_total"] > 0
     assert errs["awq"] < 0.85 * errs["rtn"], errs  # 0.59× here
     assert errs["awq+gptq"] < 0.5 * errs["awq"], errs  # 0.32× here

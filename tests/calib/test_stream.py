@@ -86,6 +86,8 @@ CASES = {
     "int8-gptq-act-order": dict(quant_type="weight_only_int8", act_order=True, **GPTQ),
     "int4-awq": dict(quant_type="weight_only_int4", group_size=32, **dict(GPTQ, method="awq")),
     "int4-awq-gptq": dict(quant_type="weight_only_int4", group_size=32, **dict(GPTQ, method="awq+gptq")),
+    "int4-asym-autoround": dict(quant_type="weight_only_int4", group_size=32, symmetric=False,
+                                **dict(GPTQ, method="autoround", iters=20, batch_size=2)),
 }
 
 
@@ -152,8 +154,9 @@ def _interrupt_at(layer):
     dict(quant_type="weight_only_int4", group_size=32),
     dict(quant_type="weight_only_int4", group_size=32, **GPTQ),
     dict(quant_type="weight_only_int4", group_size=32, **dict(GPTQ, method="awq")),
+    dict(quant_type="weight_only_int4", group_size=32, **dict(GPTQ, method="autoround", iters=20, batch_size=2)),
     dict(quant_type="a8w8", search_samples=2, holdout_samples=2, seq_len=32),
-], ids=["rtn", "gptq", "awq", "a8w8"])
+], ids=["rtn", "gptq", "awq", "autoround", "a8w8"])
 def test_an_interrupted_run_resumes_at_its_last_layer(kw, tiny_llama_dir, data, table, tmp_path, caplog,
                                                       monkeypatch):
     kw = dict(kw, dataset=str(data), resumable=True, calib=str(table) if kw["quant_type"] == "a8w8" else None)

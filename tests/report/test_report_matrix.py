@@ -283,10 +283,10 @@ def test_int4_recipe_asym_float_zero_points(tiny_llama_dir, tmp_path, cache_dir)
         ReportConfig(out=str(tmp_path), zp_dtype="float16")
 
 
-@pytest.mark.parametrize("method", ["gptq", "awq+gptq"])
+@pytest.mark.parametrize("method", ["gptq", "awq+gptq", "autoround"])
 def test_data_methods_quantize_weight_only_columns_on_the_calibration_data(method, tiny_llama_dir, tmp_path,
                                                                             cache_dir):
-    """--quant-method gptq / awq+gptq on weight-only types read the report's calibration data (no
+    """--quant-method gptq / awq+gptq / autoround on weight-only types read the report's calibration data (no
     table holds it), key their cache entries by it, and a draft model quantizes the same way."""
     from quantspec.quant.artifact import read_provenance
 
@@ -303,3 +303,5 @@ def test_data_methods_quantize_weight_only_columns_on_the_calibration_data(metho
     assert prov["calibration"]["dataset"] == str(calib) and prov["calibration"]["num_samples"] == 4
     with pytest.raises(QuantSpecError, match="--quant-method awq is for weight-only types, not a8w8"):
         ReportConfig(out=str(tmp_path), quant_method="awq", base_quant_types="none,a8w8")
+    with pytest.raises(QuantSpecError, match="--quant-method autoround tunes integer weights, and a8w8_fp8's"):
+        ReportConfig(out=str(tmp_path), quant_method="autoround", base_quant_types="none,weight_only_int4,a8w8_fp8")
