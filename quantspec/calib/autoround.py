@@ -34,7 +34,8 @@ from torch import nn
 
 from quantspec.errors import QuantSpecError, positive_int
 from quantspec.quant.args import QuantArgs
-from quantspec.quant.primitives import dequantize, minmax, qparams_from_minmax, quant_range, storage_dtype
+from quantspec.quant.primitives import (dequantize, minmax, qparams_from_minmax, quant_range, storage_dtype,
+                                        zero_point_dtype)
 
 __all__ = ["AutoRound", "DEFAULT_ITERS", "DEFAULT_BATCH_SIZE", "TunedWeight", "check_autoround"]
 
@@ -82,18 +83,19 @@ class AutoRound:
                  for n, m in linears.items()}
         order = _SampleOrder(step.inputs.shape[0], self.batch_size, self.seed + step.index)
         best, best_loss = None, float("inf")
-        for i in range(self.iters):
-            idx = order.next()
-            with torch.enable_grad(), _frozen(step.layer):
-                weights = {n[len(prefix):] + ".weight": t.fake_quantized() for n, t in tuned.items()}
-                out = step.call(step.inputs[idx], lambda *a: torch.func.functional_call(step.layer, weights, a))
-                loss = torch.nn.functional.mse_loss(out.float(), targets[idx].float())
-                loss.backward()
-            if loss.item() < best_loss:
-                best_loss, best = loss.item(), {n: t.state() for n, t in tuned.items()}
-            lr = self.step_size * (1.0 - i / self.iters)
-            for t in tuned.values():
-                t.sign_step(lr)
+        with _frozen(step.layer):
+            for i in range(self.iters):
+                idx = order.next()
+                with torch.enable_grad():
+                    weights = {n[len(prefix):] + ".weight": t.fake_quantized() for n, t in tuned.items()}
+                    out = step.call(step.inputs[idx], lambda *a: torch.func.functional_call(step.layer, weights, a))
+                    loss = torch.nn.functional.mse_loss(out.float(), targets[idx].float())
+                    loss.backward()
+                if loss.item() < best_loss:
+                    best_loss, best = loss.item(), {n: t.state() for n, t in tuned.items()}
+                lr = self.step_size * (1.0 - i / self.iters)
+                for t in tuned.values():
+                    t.sign_step(lr)
         results = {}
         for n, t in tuned.items():
             t.load(best[n])
@@ -188,10 +190,8 @@ class TunedWeight:
         """(codes [N, K] in the args' storage dtype, scale [N, groups] in the scale dtype, zero
         point [N, groups] (None when symmetric))."""
         q, s, zp = self._grid()
-        scale = s.squeeze(-1).to(self.scale_dtype)
-        _, zero_point = qparams_from_minmax(torch.minimum(self.mn * self.alpha, torch.zeros(())),
-                                            torch.maximum(self.mx * self.beta, torch.zeros(())), self.args)
-        return q.flatten(1).to(storage_dtype(self.args)), scale, None if self.args.symmetric else zero_point
+        zero_point = None if self.args.symmetric else zp.squeeze(-1).to(zero_point_dtype(self.args))
+        return q.flatten(1).to(storage_dtype(self.args)), s.squeeze(-1).to(self.scale_dtype), zero_point
 
     @torch.no_grad()
     def sign_step(self, lr: float) -> None:

@@ -56,6 +56,8 @@ class LayerQuantizer:
         """Quantize the decoder layer of the runner step `step` with AutoRound toward `targets`
         [n, S, D], the float layer's outputs on the float model's inputs (`calib.autoround`)."""
         mine = {n: m for n, m in self.linears.items() if n.startswith(step.name + ".")}
+        if not mine:  # a layer the config leaves float
+            return
         results, loss = self.tuner.tune_layer(step, mine, self.layer_args, self.scale_dtype, targets)
         self.results.update(results)
         self.losses[step.name] = loss

@@ -347,7 +347,7 @@ def plan_from_table(config, src, net, qconfig, batches, say, run, device):
         search_ids = data.search_windows(config.search_samples)
     if config.method in ("gptq", "autoround") and batches is None:  # on the windows the table was calibrated on
         batches = data.table_windows()
-        src.calib_summary.update(gptq_data=data.describe(0, batches.shape[0]))
+        src.calib_summary.update(method_data=data.describe(0, batches.shape[0]))
     if budget is not None:
         holdout_ids = data.held_back_windows(config.holdout_samples or HOLDOUT_SAMPLES)
     saved = run.load("plan")

@@ -105,6 +105,17 @@ def test_a_step_too_small_to_move_a_code_leaves_round_to_nearest(tiny_llama_dir)
         assert torch.equal(tuned[k], rtn[k]), k
 
 
+def test_a_layer_left_float_is_left_as_it_is(tiny_llama_dir):
+    ids = torch.randint(3, 500, (4, 16), generator=torch.Generator().manual_seed(0))
+    model, _ = load_model(tiny_llama_dir)
+    float_layer = {k: v.clone() for k, v in model.model.layers[1].state_dict().items()}
+    res = quantize_model(model, preset("weight_only_int4", group_size=32, ignore=("lm_head", "re:model.layers.1.*")),
+                         "autoround", ids, autoround=AutoRound(iters=5))
+    assert any(k.startswith("model.layers.0.") and k.endswith("weight_packed") for k in res.tensors)
+    for k, v in float_layer.items():
+        assert torch.equal(res.tensors[f"model.layers.1.{k}"], v), k
+
+
 def test_autoround_beats_rounding_and_gptq_on_outlier_channels(tmp_path):
     from test_awq import _outlier_errors
 

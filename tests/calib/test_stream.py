@@ -115,7 +115,8 @@ def test_gptq_two_pass_schedule_streamed(tiny_llama_dir, data, tmp_path, monkeyp
     dict(quant_type="a8w8", kv_cache="int8", target="quantspec"),  # the default recipe: α search + fallback under a budget
     dict(quant_type="a8w8_fp8"),
     dict(quant_type="a8w8", smoothquant_alpha=0.5, fallback_layers=1, method="gptq"),
-], ids=["a8w8-budget-kv", "a8w8_fp8-budget", "a8w8-rank-gptq"])
+    dict(quant_type="a8w8", smoothquant_alpha=0.5, fallback_layers=1, method="autoround", iters=10),
+], ids=["a8w8-budget-kv", "a8w8_fp8-budget", "a8w8-rank-gptq", "a8w8-rank-autoround"])
 def test_streamed_static_recipe_equals_whole_model(kw, tiny_llama_dir, table, tmp_path, monkeypatch):
     kw = dict(kw, calib=str(table), search_samples=2, holdout_samples=2, seq_len=32)
     streamed = api.quantize(str(tiny_llama_dir), out=tmp_path / "streamed", **kw)
