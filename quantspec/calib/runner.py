@@ -14,6 +14,10 @@ This file owns the loop that GPTQ (`calib/ptq.py`) and activation / KV-cache cal
    sequential mode: errors of earlier layers are seen, and compensated, by later ones);
 5. drop the inputs: `y` becomes the next layer's `x`. Only one layer's inputs and outputs are held.
 
+A step also runs its layer on other inputs of the batch's shape (`LayerStep.run`: the float
+model's hidden states AutoRound keeps beside the quantized model's) and on a few samples under
+autograd, the layer called as the caller likes (`LayerStep.call`: AutoRound's tuning steps).
+
 Every mini-batch output is checked for NaN/Inf; a non-finite value raises `QuantSpecError` naming
 the layer (e.g. fp16 overflow, or a broken quantization).
 

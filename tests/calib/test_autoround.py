@@ -136,6 +136,19 @@ def test_autoround_tunes_a_mixture_of_experts_experts(tmp_path):
     assert errs["autoround"] < 0.5 * errs["rtn"], errs  # 0.22× here
 
 
+def test_an_autoround_artifact_runs_as_in_transformers(tiny_llama_dir, artifact_runs_as_in_transformers, tmp_path):
+    """Its codes and scales are compressed-tensors' layout: transformers decompresses them to the
+    weights quantspec runs (symmetric: transformers refuses packed zero points, whatever the method)."""
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    ids = torch.randint(3, 500, (12,), generator=torch.Generator().manual_seed(5))
+    artifact_runs_as_in_transformers(tiny_llama_dir, "weight_only_int4", tmp_path / "art", ids, method="autoround",
+                                     group_size=32, dataset=str(data), num_samples=4,
+                                     seq_len=32, iters=20)
+
+
 def test_bad_requests(tiny_llama_dir):
     model, _ = load_model(tiny_llama_dir)
     ids = torch.randint(3, 500, (2, 16))
