@@ -1,7 +1,8 @@
 """Held-out perplexity of the default model under each weight-only scheme, side by side.
 
 Rows: fp32, weight_only_int8 RTN (and GPTQ), weight_only_int4 RTN, GPTQ (act-order, static
-groups; one g64 row without act-order), AWQ and AWQ + GPTQ (act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, and `--asym --group-size 32` RTN sanity rows (the default model's
+groups; one g64 row without act-order), AWQ and AWQ + GPTQ (act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, AutoRound
+(its defaults, and auto-round's light recipe of 50 steps), and `--asym --group-size 32` RTN sanity rows (the default model's
 weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a float min m, so the
 float-zero-point row `--zp-dtype float16` should nearly reproduce them; integer zero points cannot).
 int4 rows use the default weight observer (mse: each scale's range clipped to its best fit); the
@@ -11,7 +12,7 @@ embedding too (`--layer-quant-type`; the embedding rows for `--target vllm`, the
 the `w4a8-` / `w4afp8-` rows quantize the inputs per token at run time too (int8 / FP8).
 Each row quantizes with `api.quantize` (wall time measured around it), evaluates with
 `api.evaluate` (the inference path) on `bench/data/heldout.txt`, and reports size on disk.
-Calibration (GPTQ, AWQ) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
+Calibration (GPTQ, AWQ, AutoRound) uses `bench/data/calib.jsonl`: 80 texts (≈ 35k tokens) sampled from the default
 model itself (temperature 0.8, top-p 0.95) on 80 varied topics, disjoint from the held-out prose,
 which was written by hand. (Calibrating on the Python language reference instead — code-heavy,
 another domain — made GPTQ better than RTN on that domain but worse on the held-out prose.)
@@ -86,7 +87,15 @@ ROWS = {
     "w4afp8-gptq-g64": ("a8w4_fp8", "gptq", 64, True, True),
     "w4a8-awq-gptq-g64": ("a8w4", "awq+gptq", 64, True, True),
     "w4afp8-awq-gptq-g64": ("a8w4_fp8", "awq+gptq", 64, True, True),
+    # AutoRound: its defaults (200 steps of 8 samples
+    # per layer), and auto-round's light recipe (50 steps, lr 5e-3)
+    "int4-autoround-g64": ("weight_only_int4", "autoround", 64, True, False),
+    "int4-autoround-light-g64": ("weight_only_int4", "autoround", 64, True, False),
+    "int4-autoround-light-g128": ("weight_only_int4", "autoround", 128, True, False),
+    "int4-autoround-light-asym-g32": ("weight_only_int4", "autoround", 32, False, False),
 }
+# options beside a row's spec
+ROW_OPTIONS = {name: dict(iters=50, lr=5e-3) for name in ROWS if "-autoround-light-" in name}
 
 
 def _target(quant_type: str, zp_dtype: str | None, layers: tuple) -> str:
@@ -125,14 +134,14 @@ def main() -> None:
             q_time, size, path = None, None, a.model
             if spec is not None:
                 qt, method, g, sym, act_order, *extra = spec
-                zp, observer, layers = (list(extra) + [None, None, ()])[:3]
+                zp, observer, layers = list(extra) + [None, None, ()][len(extra):]
                 path = work / name
                 t0 = time.perf_counter()
                 api.quantize(a.model, qt, path, method=method, group_size=g, symmetric=sym,
                              zp_dtype=zp, weight_observer=observer, act_order=act_order, layer_quant_types=layers,
                              target=_target(qt, zp, layers),
                              dataset=a.calib if method != "rtn" else None,
-                             num_samples=a.num_samples, seq_len=a.seq_len)
+                             num_samples=a.num_samples, seq_len=a.seq_len, **ROW_OPTIONS.get(name, {}))
                 q_time = time.perf_counter() - t0
                 info = api.inspect(path)
                 size = info["weights_bytes"]
