@@ -96,6 +96,9 @@ class AutoRound:
                 lr = self.step_size * (1.0 - i / self.iters)
                 for t in tuned.values():
                     t.sign_step(lr)
+        if best is None:
+            raise QuantSpecError(f"{step.name}: AutoRound's loss is not finite at any step; quantize with a wider "
+                                 "dtype, or use --method rtn or gptq")
         results = {}
         for n, t in tuned.items():
             t.load(best[n])
