@@ -164,8 +164,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                    sink: PartSink | None = None, quip=None, autoround=None) -> PTQResult:
     """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
 
-    calib_batches: LongTensor [n, S] (GPTQ only). input_scales: Linear name → static input scale
-    (a8w8 / a8w8_fp8) or input global scale (nvfp4). scale_dtype: dtype of the stored weight scales (default: the weight's);
+    calib_batches: LongTensor [n, S] (the methods that read data: GPTQ, AWQ, AutoRound).
+    input_scales: Linear name → static input scale (a8w8 / a8w8_fp8) or input global scale (nvfp4). scale_dtype: dtype of the stored weight scales (default: the weight's);
     out_dtype: dtype of the unquantized tensors written (default: the model's).
     weights / device: a model on `meta` is read from `weights` one layer at a time onto `device`;
     smooth: {Linear: s [K]} folded into each layer before it is quantized (`calib.smooth`);
