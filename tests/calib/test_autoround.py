@@ -5,8 +5,6 @@ error than rounding to nearest and GPTQ against the float model's hidden states.
 
 import pytest
 import torch
-from compressed_tensors.quantization import QuantizationArgs
-from compressed_tensors.quantization.utils import calculate_qparams
 
 from quantspec.calib.autoround import AutoRound, TunedWeight
 from quantspec.calib.ptq import quantize_model
@@ -34,7 +32,9 @@ def _weight(seed=0):
     return w
 
 
-def _ct_args(a: QuantArgs) -> QuantizationArgs:
+def _ct_args(a: QuantArgs):
+    from compressed_tensors.quantization import QuantizationArgs  # inside: it imports triton (tests/kernels)
+
     return QuantizationArgs(num_bits=a.num_bits, type="int", symmetric=a.symmetric, strategy=a.strategy,
                             group_size=a.group_size)
 
@@ -55,6 +55,8 @@ def test_the_untuned_start_is_round_to_nearest(name, scale_dtype):
 def test_tuned_codes_are_compressed_tensors_qparams_of_the_tuned_clipping(name):
     """Codes round(w / s + v + zp) on the grid, with compressed-tensors' scale and zero point of
     (α · min, β · max), dequantize to the weight the tuning ran."""
+    from compressed_tensors.quantization.utils import calculate_qparams
+
     args, w = ARGS[name], _weight(1)
     gen = torch.Generator().manual_seed(2)
     t = TunedWeight(w, args, torch.bfloat16)
