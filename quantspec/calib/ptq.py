@@ -345,9 +345,9 @@ def _gptq_hooks(step, q: LayerQuantizer, one_pass: bool):
 def _data_layers(model, calib_batches: torch.Tensor, q: LayerQuantizer, sink: PartSink, *,
                  method: str, batch_size: int, progress, one_pass: bool, keep_last: bool = False
                  ) -> torch.Tensor | None:
-    """GPTQ or AWQ, layer by layer on the calibration batch (two passes: each layer re-run once
-    quantized, so the next calibrates on its outputs) → the last layer's outputs [n, S, D] (None
-    when an earlier run quantized every layer); `keep_last`: the sink keeps them too."""
+    """GPTQ, AWQ or AutoRound, layer by layer on the calibration batch (two passes: each layer
+    re-run once quantized, so the next calibrates on its outputs) → the last layer's outputs
+    [n, S, D] (None when an earlier run quantized every layer); `keep_last`: the sink keeps them too."""
     L = len(model.model.layers)
     start = next((i for i in range(L) if layer_key(i) not in sink.done), L)
     if start == L:
@@ -363,22 +363,10 @@ def _data_layers(model, calib_batches: torch.Tensor, q: LayerQuantizer, sink: Pa
     for step in runner:
         if q.smooth:
             smooth_layer(step.layer, step.name, q.smooth)
-        hessians = {} if method == "awq+gptq" else None  # AWQ's statistics are GPTQ's Hessians
-        if floats is not None:
+        if floats is not None:  # AutoRound, toward the float layer's outputs on the float stream
             q.autoround_layer(step, floats.advance(step))
-        elif method.startswith("awq"):
-            from quantspec.calib.awq import awq_layer
-
-            q.losses.update(awq_layer(step, q.linears, q.layer_args, hessians))
-        groups = _layer_groups(step.name, step.layer, q.linears)
-        if hessians and all(g[0] in hessians for g in groups):  # of the inputs as AWQ's factors left them
-            for g in groups:
-                q.quantize_group(g, hessians.pop(g[0]))
-        elif method.endswith("gptq"):  # (a mixture of experts' experts: from the forward)
-            _gptq_layer(step, q, one_pass)
-        elif floats is None:
-            for g in groups:
-                q.quantize_group(g, None)
+        else:
+            _gptq_or_awq_layer(step, q, method, one_pass)
         if not one_pass:  # then re-run so the next layer sees the quantized layer's outputs
             step.propagate()
         losses, q.losses = q.losses, {}
@@ -386,6 +374,24 @@ def _data_layers(model, calib_batches: torch.Tensor, q: LayerQuantizer, sink: Pa
         sink.write(layer_key(step.index), q.part(step.name, step.layer), losses,
                    inputs=kept if step.index + 1 < L or keep_last else None)
     return runner.hidden  # (the steps' outputs are freed as the runner moves on)
+
+
+def _gptq_or_awq_layer(step, q: LayerQuantizer, method: str, one_pass: bool) -> None:
+    """Quantize the decoder layer of `step` by GPTQ, AWQ (then round to nearest) or AWQ + GPTQ."""
+    hessians = {} if method == "awq+gptq" else None  # AWQ's statistics are GPTQ's Hessians
+    if method.startswith("awq"):
+        from quantspec.calib.awq import awq_layer
+
+        q.losses.update(awq_layer(step, q.linears, q.layer_args, hessians))
+    groups = _layer_groups(step.name, step.layer, q.linears)
+    if hessians and all(g[0] in hessians for g in groups):  # of the inputs as AWQ's factors left them
+        for g in groups:
+            q.quantize_group(g, hessians.pop(g[0]))
+    elif method.endswith("gptq"):  # (a mixture of experts' experts: from the forward)
+        _gptq_layer(step, q, one_pass)
+    else:
+        for g in groups:
+            q.quantize_group(g, None)
 
 
 class _FloatStream:
