@@ -307,6 +307,18 @@ CASES = [
     ("quantize-keep-no-kv", "quantize --model {d}/quantized --quant-type keep --out {d}/q", "--kv-cache"),
     ("quantize-quantized-draft", "quantize --model {d}/medusa_quantized --quant-type weight_only_int8 --out {d}/q",
      "--model"),
+    ("quantize-draft-awq", "quantize --model {d}/medusa --quant-type weight_only_int4 --method awq --dataset "
+                           "{d}/calib.txt --target quantspec --out {d}/q", "--method"),
+    ("quantize-draft-no-base", "quantize --model {d}/medusa --quant-type weight_only_int4 --method gptq --dataset "
+                               "{d}/calib.txt --target quantspec --out {d}/q", "--base"),
+    ("quantize-draft-other-base", "quantize --model {d}/medusa_otherbase --base {model} --quant-type weight_only_int4 "
+                                  "--method gptq --dataset {d}/calib.txt --target quantspec --out {d}/q", "--base"),
+    ("quantize-draft-base-quantized", "quantize --model {d}/medusa --base {d}/quantized --quant-type weight_only_int4 "
+                                      "--method gptq --dataset {d}/calib.txt --target quantspec --out {d}/q", "--base"),
+    ("quantize-draft-base-rtn", "quantize --model {d}/medusa --base {model} --quant-type weight_only_int4 "
+                                "--target quantspec --out {d}/q", "--base"),
+    ("quantize-base-not-draft", "quantize --model {model} --base {model} --quant-type weight_only_int4 --method gptq "
+                                "--dataset {d}/calib.txt --out {d}/q", "--base"),
     ("quantize-shard-missing", "quantize --model {d}/shard_missing --quant-type weight_only_int8 --out {d}/q",
      "model-00002-of-00002.safetensors"),
     ("quantize-shard-truncated", "quantize --model {d}/shard_truncated --quant-type weight_only_int4 --method gptq "

@@ -32,7 +32,7 @@ class LayerQuantizer:
     static input scales, where layers are read from, and the codes of the part under way."""
 
     def __init__(self, model, config: QuantConfig, *, block_size, damp, act_order, input_scales,
-                 scale_dtype, weights, device, smooth, out_dtype, quip=None):
+                 scale_dtype, weights, device, smooth, out_dtype, quip=None, hessians=None):
         self.linears = quantized_linears(model, config)
         if not self.linears:
             raise QuantSpecError("the config quantizes no Linear of this model; check --ignore and "
@@ -51,6 +51,8 @@ class LayerQuantizer:
         # the Linears quantized in QuIP's turned basis (`quip`: a `calib.quip.Quip`)
         self.quip = None if quip is None else QuipPlan(quip, model, self.linears)
         self.tuner = None  # method "autoround": its `calib.autoround.AutoRound` settings
+        # a draft module's GPTQ Hessians by Linear, measured before it is quantized (`calib.draft_calib`)
+        self.hessians: dict[str, torch.Tensor] = dict(hessians or {})
 
     def autoround_layer(self, step, targets: torch.Tensor) -> None:
         """Quantize the decoder layer of the runner step `step` with AutoRound toward `targets`
@@ -68,8 +70,12 @@ class LayerQuantizer:
 
     def quantize_group(self, names: list[str], hessian: torch.Tensor | None) -> None:
         """Quantize Linears sharing one input (and Hessian, which GPTQ's last use consumes: the
-        caller hands it over); swap in dequantized weights. Under `quip`, in its turned basis
-        (`calib.quip.QuipPlan.quantize_group`)."""
+        caller hands it over; None: the one measured beforehand in `hessians`, if any); swap in
+        dequantized weights. Under `quip`, in its turned basis (`calib.quip.QuipPlan.quantize_group`)."""
+        if hessian is None and names[0] in self.hessians:
+            hessian = self.hessians.pop(names[0])
+            for n in names[1:]:  # one input: one Hessian for the group
+                self.hessians.pop(n, None)
         if self.quip is not None:
             return self.quip.quantize_group(self.linears, names, hessian, self._quantize_group)
         return self._quantize_group(names, hessian)

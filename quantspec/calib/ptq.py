@@ -131,7 +131,7 @@ class PTQResult:
     transforms: dict | None = None  # `transform_config` groups of the run-time transforms (`calib.quip`)
 
 
-def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
+def _check_request(method: str, config: QuantConfig, calib_batches, hessians) -> None:
     if method not in METHODS:
         raise QuantSpecError(f"unknown method {method!r}; use one of: {', '.join(METHODS)}")
     if not isinstance(config, QuantConfig):
@@ -139,7 +139,9 @@ def _check_request(method: str, config: QuantConfig, calib_batches) -> None:
     if any(s.weights is None for s in config.config_groups.values()):
         raise QuantSpecError("quantize_model quantizes weights; a config group without weights "
                              "(activation-only) is unsupported")
-    if method in DATA_METHODS:
+    if hessians is not None and method != "gptq":
+        raise QuantSpecError(f"a draft module's measured Hessians are GPTQ's; --method {method} does not read them")
+    if method in DATA_METHODS and hessians is None:
         if calib_batches is None:
             raise QuantSpecError(f"--method {method} needs calibration data; pass --dataset (a local "
                                  ".txt/.json/.jsonl/.parquet file or a hub id)")
@@ -161,7 +163,7 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                    progress: Progress | None = None, weights: CheckpointReader | None = None,
                    device: str | torch.device | None = None,
                    smooth: Mapping[str, torch.Tensor] | None = None,
-                   sink: PartSink | None = None, quip=None, autoround=None) -> PTQResult:
+                   sink: PartSink | None = None, quip=None, autoround=None, hessians=None) -> PTQResult:
     """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
 
     calib_batches: LongTensor [n, S] (the methods that read data: GPTQ, AWQ, AutoRound).
@@ -171,27 +173,29 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     smooth: {Linear: s [K]} folded into each layer before it is quantized (`calib.smooth`);
     sink: where the parts go (default: kept in memory, `PTQResult.tensors`);
     quip: a `calib.quip.Quip`: the decoder layers' Linears quantized in QuIP's turned basis;
-    autoround: the `calib.autoround.AutoRound` settings of method "autoround" (None: its defaults).
+    autoround: the `calib.autoround.AutoRound` settings of method "autoround" (None: its defaults);
+    hessians: {Linear: H [K, K]} of a draft module (`calib.draft_calib`), for GPTQ without `calib_batches`.
     progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
     """
-    _check_request(method, config, calib_batches)
+    _check_request(method, config, calib_batches, hessians)
     t0 = time.perf_counter()
     config = resolve_layer_group_sizes(model, config)
     q = LayerQuantizer(model, config, block_size=block_size, damp=damp, act_order=act_order,
                        input_scales=input_scales, scale_dtype=scale_dtype, weights=weights, device=device,
-                       smooth=smooth, out_dtype=out_dtype or next(model.parameters()).dtype, quip=quip)
+                       smooth=smooth, out_dtype=out_dtype or next(model.parameters()).dtype, quip=quip,
+                       hessians=hessians)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
-    check_outside(method, outside)
+    check_outside(method, outside, measured=hessians is not None)
     parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
     if "awq" in parts:
         check_awq(config, q.layer_args)
     q.tuner = _autoround_tuner(q, autoround) if method == "autoround" else None
     sink = sink if sink is not None else PartSink()
     # GPTQ's head: its Hessian is of the last layer's normed outputs, so its part follows the layers
-    head_gptq = "gptq" in parts and "lm_head" in outside
+    head_gptq = "gptq" in parts and "lm_head" in outside and hessians is None
     if not head_gptq:
         _write_rest(model, q, sink, outside)
-    if method == "rtn":
+    if method == "rtn" or hessians is not None:  # (measured Hessians: `quantize_group` takes them)
         _rtn_layers(model, q, sink, progress)
     else:
         one_pass = method == "gptq" and _one_pass(model, calib_batches, max_pass_tokens, max_pass_bytes)
@@ -200,12 +204,10 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
         if head_gptq:
             _write_rest(model, q, sink, outside, gptq_head=True,
                         head_inputs=last if last is not None else sink.inputs_for(len(model.model.layers)))
-    summary = {"method": method, "num_quantized_linears": len(q.linears),
-               "seconds": round(time.perf_counter() - t0, 3)}
-    if method in DATA_METHODS:
-        rtn = [n for n in outside if not (head_gptq and n == "lm_head")]  # rounded to nearest
-        gptq = dict(block_size=block_size, damp=damp, act_order=act_order)
-        summary.update(_data_summary(parts, q, sink, calib_batches, rtn, gptq))
+    summary = {"method": method, "num_quantized_linears": len(q.linears), "seconds": round(time.perf_counter() - t0, 3)}
+    if method in DATA_METHODS:  # (the Linears it rounded to nearest: those outside the layers, GPTQ's head aside)
+        rtn = [n for n in outside if not (head_gptq and n == "lm_head")] if hessians is None else []
+        summary.update(_data_summary(parts, q, sink, calib_batches, rtn))
     # the artifact's config in the checkpoint's module names (a fused checkpoint's units whole)
     config = checkpoint_config(getattr(model, "args", None), config)
     return PTQResult(tensors=sink.tensors, config=config, layer_args=q.layer_args, summary=summary,
@@ -223,15 +225,16 @@ def _autoround_tuner(q: LayerQuantizer, settings):
     return settings or AutoRound()
 
 
-def _data_summary(parts: list[str], q: LayerQuantizer, sink: PartSink, calib_batches: torch.Tensor,
-                  rtn_linears: list[str], gptq: dict) -> dict:
-    """What a GPTQ / AWQ / AutoRound run adds to the summary: GPTQ's settings `gptq` or AutoRound's,
+def _data_summary(parts: list[str], q: LayerQuantizer, sink: PartSink, calib_batches: torch.Tensor | None,
+                  rtn_linears: list[str]) -> dict:
+    """What a GPTQ / AWQ / AutoRound run adds to the summary: GPTQ's settings or AutoRound's,
     its tokens, the Linears it rounded to nearest, each method's loss total (AWQ's objectives are
     keyed "awq:<group>", `calib.awq.awq_layer`; AutoRound's losses are its layers')."""
-    out: dict = dict(gptq) if "gptq" in parts else {}
+    out: dict = dict(block_size=q.block_size, damp=q.damp, act_order=q.act_order) if "gptq" in parts else {}
     if q.tuner is not None:
         out.update(iters=q.tuner.iters, lr=q.tuner.step_size, batch_size=q.tuner.batch_size)
-    out["calibration_tokens"] = int(calib_batches.numel())
+    if calib_batches is not None:  # (a draft module's tokens are its caller's to report)
+        out["calibration_tokens"] = int(calib_batches.numel())
     if rtn_linears:
         out["rtn_linears"] = rtn_linears
     for part in parts:
@@ -306,6 +309,8 @@ def _rtn_layers(model, q: LayerQuantizer, sink: PartSink, progress) -> None:
             sink.write(layer_key(i), q.part(prefix, layer), {})
         if progress is not None:
             progress(i, len(layers), "done")
+    if q.hessians:  # a measured Hessian is spent by its group's quantization: none is left unused
+        raise QuantSpecError(f"measured Hessians of Linears the config does not quantize: {', '.join(sorted(q.hessians))}")
 
 
 def _gptq_layer(step, q: LayerQuantizer, one_pass: bool) -> None:

@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.calib.draft_calib import check_base, draft_hessians, draft_request
 from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
 from quantspec.calib.tables import read_table
@@ -85,6 +86,7 @@ class QuantizeConfig:
     lr: float | None = None
     batch_size: int | None = None
     dataset: str | None = None
+    base: str | None = None  # a draft module's base: GPTQ measures the module's inputs on it (`calib.draft_calib`)
     split: str = "train"
     text_field: str = "text"
     num_samples: int = 128
@@ -247,6 +249,7 @@ class _Source:
     reader: object | None = None  # its CheckpointReader (None: an MTP module, read whole)
     table: object | None = None  # the calibration table (a8w8 types, static KV)
     transforms: dict | None = None  # the artifact's transform_config: the rotations fused into its weights
+    base_dir: Path | None = None  # a draft module's base, for GPTQ (`calib.draft_calib`)
     calib_summary: dict = field(default_factory=dict)
 
 
@@ -299,13 +302,15 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
             input_scales = src.table.nvfp4_input_global_scales(model)
         elif smooths_per_token(config):
             factors = per_token_smoothing(config, src, model, say)
+        hessians = None if src.base_dir is None else draft_hessians(model, src.base_dir, batches, qconfig, say)
         sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))
         say(f"quantizing {src.model_dir} one layer at a time ({device})")
         res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
                              act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
                              out_dtype=src.dtype, progress=progress, weights=src.reader, device=device,
-                             smooth=factors, sink=sink, quip=config.quip_spec, autoround=config.autoround)
+                             smooth=factors, sink=sink, quip=config.quip_spec, autoround=config.autoround,
+                             hessians=hessians)
         say(f"writing {out}")
         return _write(config, src, res, run, out, time.perf_counter() - t0)
 
@@ -358,10 +363,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     cfg = rotated_config(config.rotation, cfg, f"{config.model} is {what}" if what else None)
     src = _Source(model_dir=model_dir, config=cfg, dtype=_dtype_of(cfg), quant_config=qconfig, reader=reader,
                   transforms=getattr(getattr(reader, "source", None), "transform_config", None))
-    if reader is None and (config.method != "rtn" or config.calibrated_inputs or config.kv_cache is not None):
-        raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn to "
-                             "weight_only_int8 / weight_only_int4 (GPTQ, AWQ and static activation or KV "
-                             "scales need its base's hidden states)")
+    src.base_dir = draft_request(config, model_dir, what)
     if config.calibrated_inputs or config.kv_cache is not None or smooths_per_token(config):  # read before the model
         with about("--calib"):
             src.table = read_table(config.calib, model_dir=model_dir)
@@ -390,7 +392,10 @@ def _skeleton(config: QuantizeConfig, src: _Source):
     for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa), (is_eagle3_config, load_eagle3)):
         if is_it(src.config):
             with about("--model"):
-                return load(src.model_dir)
+                module = load(src.model_dir)
+            if src.base_dir is not None:  # GPTQ's base: the one the module was made for
+                check_base(module, src.base_dir)
+            return module
     with about("--model"):
         args = ModelArgs.from_hf_config(src.config)
         model = build_model(args, "meta")
@@ -415,9 +420,10 @@ def _gptq_batches(config: QuantizeConfig, src: _Source, say) -> torch.Tensor | N
     say(f"reading the calibration data {config.dataset}")
     with about("--dataset"):
         texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
-    tok = AutoTokenizer.from_pretrained(str(src.model_dir))
+    tok = AutoTokenizer.from_pretrained(str(src.base_dir or src.model_dir))  # a draft module's: its base's
     batches = build_calibration_batches(texts, tok, config.num_samples, config.seq_len, config.seed)
-    src.calib_summary.update(dataset=str(config.dataset), split=config.split, text_field=config.text_field,
+    src.calib_summary.update(**({"base": str(src.base_dir)} if src.base_dir else {}),
+                             dataset=str(config.dataset), split=config.split, text_field=config.text_field,
                              num_samples=config.num_samples, seq_len=config.seq_len, seed=config.seed,
                              num_texts=len(texts))
     return batches

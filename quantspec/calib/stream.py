@@ -247,7 +247,7 @@ def run_identity(config, src, device: str) -> tuple[bool, str]:
     skip = {"out", "overwrite", "restart", "resumable", "device"}
     identity = {"options": {f.name: getattr(config, f.name) for f in fields(config) if f.init and f.name not in skip},
                 "model": file_stats(src.model_dir), "calib": file_stats(config.calib),
-                "dataset": file_stats(config.dataset),
+                "dataset": file_stats(config.dataset), "base": file_stats(src.base_dir),
                 "version": __version__, "device": torch.device(device).type}
     resumable = config.resumable
     if resumable is None:
@@ -260,7 +260,7 @@ def check_disk(config, src, model, out: Path, key: str) -> None:
     artifact (estimated from the checkpoint's shapes and the scheme) and its working files."""
     need = artifact_bytes(model, src.quant_config, src.dtype)
     need += min(need, DEFAULT_MAX_SHARD_BYTES)  # parts waiting for their shard
-    if config.method != "rtn":  # a resumable run keeps the next layer's inputs (two while replacing)
+    if config.method != "rtn" and src.reader is not None:  # a run keeps the next layer's inputs (two while replacing)
         streams = 2 if config.method == "autoround" else 1  # AutoRound's: the float model's too
         need += 2 * streams * config.num_samples * config.seq_len * model.args.hidden_size * 4
     anchor = out

@@ -84,11 +84,14 @@ def check_input_scales(layer_args_in: Mapping[str, QuantArgs], config: QuantConf
     return out
 
 
-def check_outside(method: str, outside: list[str]) -> None:
+def check_outside(method: str, outside: list[str], measured: bool = False) -> None:
     """GPTQ / AWQ on the quantized Linears `outside` the decoder layers: the output head is
     calibrated on the last layer's outputs (GPTQ) or rounded to nearest (AWQ: no norm of its own
     to fold factors into), the embedding rounded to nearest (a lookup: each row's error is its
-    own); another one (a draft head's) has no calibration path."""
+    own); another one has no calibration path here (a draft module's Linears are calibrated on
+    its base's hidden states, `calib.draft_calib`: `measured`)."""
+    if measured:
+        return
     beyond = [n for n in outside if n not in ("lm_head", EMBED)]
     if method in DATA_METHODS and beyond:
         raise QuantSpecError(f"{method.upper()} quantizes decoder-layer Linears only; add {beyond[0]} to "

@@ -54,6 +54,9 @@ def _gib(n) -> str:
               help="autoround: step size, decaying linearly to 0 over the steps [default: 1 / --iters]")
 @click.option("--batch-size", default=None, type=int, help="autoround: calibration samples per step [default: 8]")
 @click.option("--dataset", default=None, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
+@click.option("--base", default=None,
+              help="gptq of a draft module (MTP, Medusa, EAGLE-3): the float base it drafts for, whose hidden states "
+                   "it is calibrated on [default: the base its training recorded]")
 @click.option("--split", default="train", show_default=True)
 @click.option("--text-field", default="text", show_default=True)
 @click.option("--num-samples", default=128, show_default=True, type=int)
@@ -113,7 +116,7 @@ def _gib(n) -> str:
 @threads_option
 def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
              act_order, gptq_block_size, damp, iters, lr, batch_size,
-             dataset, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
+             dataset, base, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable", compute_capability=None, rotate=None, quip=None,
              quip_block_size=None):
@@ -136,7 +139,7 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
                             weight_observer=None if weight_observer == "auto" else weight_observer,
                             ignore=tuple(ignore), layer_quant_types=tuple(layer_quant_types), act_order=act_order,
                             block_size=gptq_block_size, damp=damp, iters=iters, lr=lr, batch_size=batch_size,
-                            dataset=dataset, split=split,
+                            dataset=dataset, base=base, split=split,
                             text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
                             calib=calib, activations=activations, weight_block=weight_block,
                             smoothquant_alpha=smoothquant_alpha,
