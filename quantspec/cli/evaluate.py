@@ -75,7 +75,7 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
 @click.option("--quant-method", default="rtn", show_default=True,
               type=click.Choice(["rtn", "gptq", "awq", "awq+gptq", "autoround"]),
               help="How the base (and a draft model's) artifacts are rounded; the data: --calib-dataset. "
-                   "Draft heads are rounded to nearest.")
+                   "Draft heads take gptq (on the base's hidden states) and are rounded to nearest otherwise.")
 @click.option("--group-size", default=128, show_default=True, help="Group size of weight_only_int4.")
 @click.option("--asym", "asym", is_flag=True, help="weight_only_int4 with zero points (asymmetric).")
 @click.option("--zp-dtype", default="int", show_default=True,

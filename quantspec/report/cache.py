@@ -65,10 +65,11 @@ class ArtifactCache:
 
     def artifact(self, model: str, quant_type: str, *, method: str, group_size: int,
                  calib: tuple[Path, str] | None, symmetric: bool = True, zp_dtype: str | None = None,
-                 data: tuple[str, int, int] | None = None) -> Path:
+                 data: tuple[str, int, int] | None = None, base: str | None = None) -> Path:
         """The directory of `model` quantized to `quant_type` (the model itself for `none`);
         `data`: (dataset, samples, sequence length) for a method that reads calibration data
-        where no table gives it (GPTQ, AWQ on the weight-only types)."""
+        where no table gives it (GPTQ, AWQ on the weight-only types); `base`: a draft head's
+        base, whose hidden states its GPTQ reads."""
         from quantspec import __version__
         if quant_type == NO_QUANT:
             return self.pipeline.resolve(model)
@@ -80,11 +81,14 @@ class ArtifactCache:
                  "calibration": calib[1] if needs_calib else None, "quantspec": __version__}
         if data is not None:  # a method reading data without a table: keyed by the data too
             parts["data"] = (self.dataset_fingerprint(data[0]), *data[1:])
+        if base is not None:
+            parts["base"] = self.fingerprint(base)
         key = content_key(parts)
         out = self.root / f"{_slug(model)}-{quant_type}-{key}"
         if not (out / "config.json").is_file():
             self.root.mkdir(parents=True, exist_ok=True)
             more = {} if data is None else dict(zip(("dataset", "num_samples", "seq_len"), data))
+            more.update({} if base is None else {"base": base})
             self.pipeline.quantize(model, quant_type, out, calib=calib[0] if needs_calib else None,
                                    method=method, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype),
                                    **more)

@@ -244,11 +244,14 @@ class _Run:
             from quantspec.report.config import CALIB_QUANT_TYPES
 
             calib = self.calibration(model) if quant_type in CALIB_QUANT_TYPES else None
-            # a draft head (MTP, Medusa, EAGLE-3) reads no data alone: it is rounded to nearest
-            method = c.quant_method if model == c.model or c.speculate_method == "draft" else "rtn"
+            # a draft head (MTP, Medusa, EAGLE-3) takes GPTQ on the base's hidden states (`calib.draft_calib`);
+            # the other methods are for base models, and it is rounded to nearest under them
+            head = model != c.model and c.speculate_method != "draft"
+            method = "rtn" if head and c.quant_method != "gptq" else c.quant_method
             data = self.calibration_data() if method != "rtn" and calib is None else None
             return self.cache.artifact(model, quant_type, method=method, group_size=c.group_size,
-                                       calib=calib, symmetric=c.symmetric, zp_dtype=c.zp_dtype, data=data)
+                                       calib=calib, symmetric=c.symmetric, zp_dtype=c.zp_dtype, data=data,
+                                       base=c.model if head and method == "gptq" else None)
 
         return self._memoized(("artifact", model, quant_type), build)
 

@@ -305,3 +305,25 @@ def test_data_methods_quantize_weight_only_columns_on_the_calibration_data(metho
         ReportConfig(out=str(tmp_path), quant_method="awq", base_quant_types="none,a8w8")
     with pytest.raises(QuantSpecError, match="--quant-method autoround tunes integer weights, and a8w8_fp8's"):
         ReportConfig(out=str(tmp_path), quant_method="autoround", base_quant_types="none,weight_only_int4,a8w8_fp8")
+
+
+@pytest.mark.parametrize("method", ["gptq", "awq"])
+def test_draft_heads_take_gptq_on_the_base_and_are_rounded_otherwise(method, tiny_llama_dir, tmp_path):
+    """A Medusa column under --quant-method gptq: GPTQ on the report's base's hidden states over the
+    calibration data (`calib.draft_calib`); under a method for base models alone, round to nearest."""
+    from quantspec.quant.artifact import read_provenance
+    from test_report_e2e import _head
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    heads = _head("medusa", tiny_llama_dir, tmp_path / "medusa")
+    cache_dir = tmp_path / "cache"  # its own: the head's entries alone
+    run_report(_config(tiny_llama_dir, tmp_path / "r", cache_dir, speculate_method="medusa", draft_model=str(heads),
+                       base_quant_types="none", draft_quant_types="weight_only_int4", quant_method=method,
+                       calib_dataset=str(calib), group_size=32), ScriptedPipeline())
+    built = [p for p in Path(cache_dir).iterdir() if (p / "config.json").is_file() and p.name.startswith("medusa-")]
+    assert len(built) == 1
+    prov = read_provenance(built[0])["provenance"]
+    assert prov["method"] == ("gptq" if method == "gptq" else "rtn")
+    if method == "gptq":
+        assert prov["calibration"]["base"] == str(tiny_llama_dir) and prov["calibration"]["dataset"] == str(calib)
