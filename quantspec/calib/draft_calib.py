@@ -16,9 +16,9 @@ read one tensor, q / k / v and gate / up, share it). Every Hessian comes from th
 GPTQ's per-block recipe, the module being one block. `calib.ptq.quantize_model(hessians=)`
 then runs GPTQ on each Linear with its Hessian.
 
-The base is `--base`, or the one the module's training recorded (`quantspec.training.base` in its
-config.json); it must be the base the module was made for (the kind's own check: sizes,
-vocabulary, layer fingerprint, rotations).
+The base is `--base`, or the one the module's training recorded in its config.json
+(`quantspec.training.base`; an MTP module's `quantspec_training.base`). It must be the float base
+the module was made for (the kind's own check: sizes, vocabulary, layer fingerprint, rotations).
 """
 
 from __future__ import annotations
@@ -153,10 +153,9 @@ def draft_hessians(module: nn.Module, base_dir: Path, windows: torch.Tensor, con
     quantizes, from its drafting passes over `windows` [n, S] on the float base at `base_dir`
     → {Linear name: H [K, K]} (module docstring)."""
     from quantspec.calib.targets import quantized_linears
-
-    say = on_status or (lambda _m: None)
     from quantspec.model_zoo.checkpoint import load_model
 
+    say = on_status or (lambda _m: None)
     linears = quantized_linears(module, config)
     with about("--base"):
         base = load_model(base_dir)[0].requires_grad_(False)
