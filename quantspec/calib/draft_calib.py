@@ -16,9 +16,10 @@ read one tensor, q / k / v and gate / up, share it). Every Hessian comes from th
 GPTQ's per-block recipe, the module being one block. `calib.ptq.quantize_model(hessians=)`
 then runs GPTQ on each Linear with its Hessian.
 
-The base is `--base`, or the one the module's training recorded in its config.json
-(`quantspec.training.base`; an MTP module's `quantspec_training.base`). It must be the float base
-the module was made for (the kind's own check: sizes, vocabulary, layer fingerprint, rotations).
+The base is `--base`, or the one the module's config.json records: its training's
+(`quantspec.training.base`; an MTP module's `quantspec_training.base`) or a speculators-format
+head's verifier (`speculators_config.verifier.name_or_path`). It must be the float base the module
+was made for (the kind's own check: sizes, vocabulary, layer fingerprint, rotations).
 """
 
 from __future__ import annotations
@@ -61,11 +62,13 @@ def draft_base(base: str | None, model_dir: Path) -> Path:
     training recorded."""
     from quantspec.model_zoo.checkpoint import read_config, resolve_model_dir
 
-    cfg = read_config(model_dir)  # an MTP module's training is recorded beside its config, the others' in it
-    recorded = (((cfg.get("quantspec") or {}).get("training") or cfg.get("quantspec_training")) or {}).get("base")
-    if base is None and recorded is None:
-        raise QuantSpecError(f"{model_dir} records no base (it was not trained by quantspec); pass the "
-                             "model it drafts for with --base")
+    cfg = read_config(model_dir)
+    # quantspec's training (an MTP module's beside its config, the others' in it), a speculators head's verifier
+    training = (cfg.get("quantspec") or {}).get("training") or cfg.get("quantspec_training") or {}
+    recorded = training.get("base") or ((cfg.get("speculators_config") or {}).get("verifier") or {}).get("name_or_path")
+    if base is None and not recorded:
+        raise QuantSpecError(f"{model_dir} records no base (neither quantspec's training nor a speculators "
+                             "verifier); pass the model it drafts for with --base")
     with about("--base"):
         return resolve_model_dir(base if base is not None else recorded)
 

@@ -205,9 +205,10 @@ def test_the_cli_quantizes_a_head_on_its_recorded_base_and_it_drafts_losslessly(
     assert sum(s.stats.drafted for s in seqs) > 0
 
 
-def test_base_is_given_or_recorded(modules, base_dir, tiny_qwen2_dir, tmp_path):
-    """A module that records no base needs --base; a base of other sizes is refused by the
-    module's own check; --base is for GPTQ of a draft module alone."""
+def test_base_is_given_or_recorded(modules, base, base_dir, tiny_qwen2_dir, tmp_path):
+    """A module that records no base needs --base; one that does (quantspec's training, a
+    speculators head's verifier) needs none; a base of other sizes is refused by the module's own
+    check; --base is for GPTQ of a draft module alone."""
     data = tmp_path / "calib.txt"
     data.write_text(TINY_CORPUS)
     gptq = dict(method="gptq", dataset=str(data), num_samples=2, seq_len=16, target="quantspec", **INT4)
@@ -224,6 +225,14 @@ def test_base_is_given_or_recorded(modules, base_dir, tiny_qwen2_dir, tmp_path):
     with pytest.raises(QuantSpecError, match="not a draft module; drop --base"):
         api.quantize(str(base_dir), "weight_only_int4", tmp_path / "e", base=str(base_dir), **gptq)
     out = api.quantize(str(modules["mtp"][0]), "weight_only_int4", tmp_path / "f", **gptq)
+    assert json.loads((out / "quantspec.json").read_text())["provenance"]["calibration"]["base"] == str(base_dir)
+    from speculators_heads import write_speculators_head  # a speculators head records its verifier
+
+    head = write_speculators_head(tmp_path / "spec", base.model.embed_tokens.weight.detach(), "llama-plain")
+    cfg = json.loads((head / "config.json").read_text())
+    cfg["speculators_config"]["verifier"]["name_or_path"] = str(base_dir)
+    (head / "config.json").write_text(json.dumps(cfg))
+    out = api.quantize(str(head), "weight_only_int4", tmp_path / "g", **gptq)
     assert json.loads((out / "quantspec.json").read_text())["provenance"]["calibration"]["base"] == str(base_dir)
     for name in "acde":
         assert not (tmp_path / name).exists()
