@@ -112,23 +112,38 @@ def _config(**kw):
 
 
 def test_hessians_are_of_the_base_states_the_module_reads(modules, base, base_dir):
-    """EAGLE-3's fc reads the aux layers' streams side by side at every position but the last;
-    each Medusa head's first ResBlock reads the final-normed states: both from transformers'
-    forward of the base. Linears sharing an input (q / k / v) get the same Hessian."""
+    """From transformers' forward of the base: EAGLE-3's fc reads the aux layers' streams side by
+    side at every position but the last, and its lm_head the normed output of each of the 4
+    unrolled drafts (the training-time test's, itself checked against inference); each Medusa
+    head's first ResBlock reads the final-normed states; an MTP module's eh_proj reads the
+    normed embedding of the next token beside the normed pre-norm state, then beside its own
+    output. Linears sharing an input (q / k / v) get the same Hessian."""
+    from quantspec.model_zoo.eagle3_train import ttt_outputs
+
     windows = _windows(3, 24, 0)
     hf = _hf_streams(base_dir, windows)
     feats = [torch.cat([*entering, last], dim=-1)[:-1] for entering, last, _ in hf]
-    want = {"fc": _hessian(feats), "medusa_head.0.0.linear": _hessian([n for *_, n in hf])}
-    for kind in ("eagle3", "medusa"):
-        path, load = modules[kind]
-        H = draft_hessians(load(path), base_dir, windows, _config(ignore=()))
-        name = "fc" if kind == "eagle3" else "medusa_head.0.0.linear"
-        torch.testing.assert_close(H[name], want[name], rtol=1e-4, atol=1e-4 * float(want[name].abs().max()))
-        if kind == "eagle3":
-            assert torch.equal(H["midlayer.self_attn.q_proj"], H["midlayer.self_attn.v_proj"])
-            assert "lm_head" in H  # every draft's logits
-        else:
-            assert torch.equal(H["medusa_head.1.0.linear"], H["medusa_head.0.0.linear"])
+    head, heads, mtp = (modules[k][1](modules[k][0]) for k in ("eagle3", "medusa", "mtp"))
+    head.bind_embedding(base.model.embed_tokens)
+    mtp.bind_base(base)
+    with torch.no_grad():
+        drafts = [head.norm(h) for w, f in zip(windows, feats) for h in ttt_outputs(head, w, f, 4)]
+        embed, m, ins = base.model.embed_tokens, mtp.model, []
+        for w, (_, last, _) in zip(windows, hf):
+            h = last[:-1]
+            for depth in range(2):
+                t = w[1 + depth:]
+                ins.append(torch.cat([m.enorm(embed(t)), m.hnorm(h[:len(t)])], dim=-1))
+                h = mtp(h[:len(t)], t)
+    want = {"fc": _hessian(feats), "lm_head": _hessian(drafts), "medusa_head.0.0.linear": _hessian([n for *_, n in hf]),
+            "model.eh_proj": _hessian(ins)}
+    got = {**draft_hessians(head, base_dir, windows, _config(ignore=())),
+           **draft_hessians(heads, base_dir, windows, _config()), **draft_hessians(mtp, base_dir, windows, _config())}
+    for name, H in want.items():
+        torch.testing.assert_close(got[name], H, rtol=1e-4, atol=1e-4 * float(H.abs().max()), msg=name)
+    assert torch.equal(got["midlayer.self_attn.q_proj"], got["midlayer.self_attn.v_proj"])
+    assert torch.equal(got["model.layers.0.mlp.gate_proj"], got["model.layers.0.mlp.up_proj"])
+    assert torch.equal(got["medusa_head.1.0.linear"], got["medusa_head.0.0.linear"])
 
 
 @pytest.mark.parametrize("kind", ["mtp", "medusa", "eagle3"])
