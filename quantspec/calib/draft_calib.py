@@ -169,9 +169,11 @@ def draft_hessians(module: nn.Module, base_dir: Path, windows: torch.Tensor, con
         handles.append(first.register_forward_pre_hook(lambda _m, inputs, acc=acc: acc.update(inputs[0])))
     say(f"measuring the draft module's inputs on {windows.shape[0]} × {windows.shape[1]} tokens of its base "
         f"{base_dir}")
+    n, every = windows.shape[0], max(1, windows.shape[0] // 4)
     try:
-        for _ in draft_passes(module.eval(), base, windows):
-            pass
+        for i in draft_passes(module.eval(), base, windows):
+            if (i + 1) % every == 0 and i + 1 < n:  # a few lines: the passes take a while on a big base
+                say(f"measured {i + 1}/{n} windows")
     finally:
         for h in handles:
             h.remove()
