@@ -305,7 +305,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
         hessians = None if src.base_dir is None else draft_hessians(model, src.base_dir, batches, qconfig, say)
         sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))
-        say(f"quantizing {src.model_dir} one layer at a time ({device})")
+        say(f"quantizing {src.model_dir}" + (f" one layer at a time ({device})" if src.reader is not None else ""))
         res = quantize_model(model, qconfig, config.method, batches, block_size=config.block_size, damp=config.damp,
                              act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
                              out_dtype=src.dtype, progress=progress, weights=src.reader, device=device,
