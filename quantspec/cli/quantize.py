@@ -55,8 +55,9 @@ def _gib(n) -> str:
 @click.option("--batch-size", default=None, type=int, help="autoround: calibration samples per step [default: 8]")
 @click.option("--dataset", default=None, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
 @click.option("--base", default=None,
-              help="gptq of a draft module (MTP, Medusa, EAGLE-3): the float base it drafts for, whose hidden states "
-                   "it is calibrated on [default: the base the module records: its training's, a speculators head's verifier]")
+              help="gptq of a draft module (MTP, Medusa, EAGLE-3): the float base it drafts for, whose hidden "
+                   "states it is calibrated on [default: the base the module records: its training's, a "
+                   "speculators head's verifier]")
 @click.option("--split", default="train", show_default=True)
 @click.option("--text-field", default="text", show_default=True)
 @click.option("--num-samples", default=128, show_default=True, type=int)
