@@ -65,3 +65,8 @@ def rotate_bench():
 @pytest.fixture(scope="module")
 def serve_bench():
     yield from _bench("serve")
+
+
+@pytest.fixture(scope="module")
+def draft_quant():
+    yield from _bench("draft_quant")
