@@ -1,7 +1,7 @@
 """GPTQ of draft modules (`calib.draft_calib`): the Hessians are of the inputs each module reads
 while it drafts on its base's hidden states (transformers' hidden states of the base as the
 reference), the artifact's codes are GPTQ's on them, GPTQ's modules draft closer to the float
-ones than round-to-nearest's on held-out text, a GPTQ head keeps speculation lossless, and the
+ones than round-to-nearest's on held-out windows, a GPTQ head keeps speculation lossless, and the
 base is the one the module records or `--base`."""
 
 import json
