@@ -30,6 +30,7 @@ from typing import Callable, Iterator, Mapping
 import torch
 from torch import nn
 
+from quantspec.calib.ptq import SHARED_INPUT_GROUPS
 from quantspec.errors import QuantSpecError, about
 from quantspec.quant.gptq import HessianAccumulator
 
@@ -38,8 +39,8 @@ __all__ = ["EAGLE3_DEPTHS", "MTP_DEPTHS", "check_base", "draft_base", "draft_hes
 # drafts per position the module is unrolled for while its inputs are measured (the default chain)
 EAGLE3_DEPTHS = 4
 MTP_DEPTHS = 2
-# SHARED_INPUT_GROUPS of `calib.ptq`, by the leaf names a draft module's Linears end in
-_SHARED = (("q_proj", "k_proj", "v_proj"), ("gate_proj", "up_proj"))
+# `calib.ptq.SHARED_INPUT_GROUPS` of more than one Linear, by the leaf names a draft module's Linears end in
+_SHARED = tuple(tuple(n.rpartition(".")[2] for n in g) for g in SHARED_INPUT_GROUPS if len(g) > 1)
 
 
 def draft_request(config, model_dir: Path, what: str | None) -> Path | None:
@@ -109,23 +110,23 @@ def draft_passes(module: nn.Module, base: nn.Module, windows: torch.Tensor) -> I
     from quantspec.model_zoo.llama import DenseCausalAttention
     from quantspec.model_zoo.medusa import MedusaHeads
 
+    eagle3, medusa, run = isinstance(module, Eagle3Head), isinstance(module, MedusaHeads), {}
     with about("--base"):  # the module's own check of its base, and its binding to it
         _check_kind(module, base.args)
-        if isinstance(module, Eagle3Head):
+        if eagle3:
             module.bind_embedding(base.model.embed_tokens)
-            aux = tuple(module.args.aux_layers(base.args.num_layers))
-        elif not isinstance(module, MedusaHeads):
+            run["capture"] = tuple(module.args.aux_layers(base.args.num_layers))
+        elif not medusa:
             module.bind_base(base)
     dev = base.model.norm.weight.device
     for i, window in enumerate(windows):
         ids = window.to(dev, torch.int64)
         S = ids.numel()
-        run = dict(capture=aux) if isinstance(module, Eagle3Head) else {}
         out = base(ids, torch.arange(S, device=dev), DenseCausalAttention.of(base.args, 1, S), **run)
-        if isinstance(module, Eagle3Head):
+        if eagle3:
             for h in ttt_outputs(module, ids, torch.cat(out[1], dim=-1), EAGLE3_DEPTHS):
                 module.logits(h)
-        elif isinstance(module, MedusaHeads):
+        elif medusa:
             module(base.model.norm(out))
         else:
             h = out[:-1]
