@@ -34,20 +34,29 @@ def windows(model_dir: Path, n: int, seq_len: int) -> list[torch.Tensor]:
 
 
 @torch.no_grad()
-def depth_accuracy(head, base, wins: list[torch.Tensor], depths: int) -> list[float]:
-    """Per depth d: the share of rows whose top-1 draft is the base's argmax at that position."""
-    hits, rows = [0] * depths, [0] * depths
-    aux = tuple(head.args.aux_layers(base.args.num_layers))
+def base_rows(base, wins: list[torch.Tensor], aux: tuple[int, ...]) -> list[tuple]:
+    """Per window: (tokens [S], the aux layers' features [S, n·D], the base's choice after each
+    position [S]), computed once for every head."""
+    rows = []
     for ids in wins:
         S = ids.numel()
         hidden, streams = base(ids, torch.arange(S), DenseCausalAttention.of(base.args, 1, S), capture=aux)
-        nxt = base.compute_logits(hidden).argmax(-1)  # [S]: the base's choice after each position
-        for d, out in enumerate(ttt_outputs(head, ids, torch.cat(streams, dim=-1), depths)):
+        rows.append((ids, torch.cat(streams, dim=-1), base.compute_logits(hidden).argmax(-1)))
+    return rows
+
+
+@torch.no_grad()
+def depth_accuracy(head, rows: list[tuple], depths: int) -> list[float]:
+    """Per depth d: the share of rows whose top-1 draft is the base's argmax at that position."""
+    hits, counted = [0] * depths, [0] * depths
+    for ids, feats, nxt in rows:
+        S = ids.numel()
+        for d, out in enumerate(ttt_outputs(head, ids, feats, depths)):
             m = S - 2 - d  # row p drafts the token after position p + 1 + d
             draft = head.target_ids(head.logits(out[:m]).argmax(-1))
             hits[d] += int((draft == nxt[1 + d:1 + d + m]).sum())
-            rows[d] += m
-    return [h / r for h, r in zip(hits, rows)]
+            counted[d] += m
+    return [h / r for h, r in zip(hits, counted)]
 
 
 def main(argv: list[str] | None = None) -> list[list[float]]:
@@ -67,9 +76,14 @@ def main(argv: list[str] | None = None) -> list[list[float]]:
           "(teacher-forced)\n")
     print("| head | " + " | ".join(f"depth {d + 1} (%)" for d in range(a.depths)) + " | vs the first head (points) |")
     print("|---|" + "---:|" * (a.depths + 1))
+    heads = [load_eagle3_for_inference(path, base) for path in a.heads.split(",")]
+    auxes = {tuple(h.args.aux_layers(base.args.num_layers)) for h in heads}
+    if len(auxes) != 1:
+        raise SystemExit(f"the heads read different aux layers {sorted(auxes)}; compare heads of one recipe")
+    rows = base_rows(base, wins, auxes.pop())
     table = []
-    for path in a.heads.split(","):
-        acc = depth_accuracy(load_eagle3_for_inference(path, base), base, wins, a.depths)
+    for path, head in zip(a.heads.split(","), heads):
+        acc = depth_accuracy(head, rows, a.depths)
         table.append(acc)
         delta = " ".join(f"{100 * (x - f):+.1f}" for x, f in zip(acc, table[0]))
         print(f"| {path} | " + " | ".join(f"{100 * x:.1f}" for x in acc) + f" | {delta} |", flush=True)
