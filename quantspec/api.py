@@ -446,12 +446,15 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
               seq_len: int = 512, seed: int = 0, observer: str = "minmax",
               percentile: float = 99.99, kv_observer: str | None = None, device: str = "auto",
               batch_size: int = 8, dtype: str = "auto", overwrite: bool = False, restart: bool = False,
-              resumable: bool | None = None, rotate: str | None = None, progress=None, on_status=None):
+              resumable: bool | None = None, rotate: str | None = None, base: str | None = None, progress=None,
+              on_status=None):
     """Measure static activation + KV-cache scales of `model` on `dataset`; write the table `out`.
 
     Returns a `calib.calibrate.CalibrationResult` (path, meta, wall_s). `progress(i, L, phase)`
     is called per decoder layer; `rotate` measures the model with the rotations `quantize(rotate=)`
-    fuses (`calib.rotate`). See `quantspec.calib.calibrate` and `quantspec.calib.tables`.
+    fuses (`calib.rotate`). A draft module (MTP, Medusa, EAGLE-3) is measured as it drafts on
+    its base: `base`, or the one it records (`calib.draft_scales`). See `quantspec.calib.calibrate`
+    and `quantspec.calib.tables`.
     """
     from quantspec.calib.calibrate import CalibrateConfig, run_calibration
 
@@ -460,7 +463,7 @@ def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str 
         model=str(model), split=split, text_field=text_field, num_samples=num_samples,
         seq_len=seq_len, seed=seed, observer=observer, percentile=percentile,
         kv_observer=kv_observer, batch_size=batch_size, dtype=dtype, device=device, overwrite=overwrite,
-        restart=restart, resumable=resumable, rotate=rotate)
+        restart=restart, resumable=resumable, rotate=rotate, base=base)
     return run_calibration(config, progress=progress, on_status=on_status)
 
 

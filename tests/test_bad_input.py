@@ -319,6 +319,15 @@ CASES = [
                                 "--target quantspec --out {d}/q", "--base"),
     ("quantize-base-not-draft", "quantize --model {model} --base {model} --quant-type weight_only_int4 --method gptq "
                                 "--dataset {d}/calib.txt --out {d}/q", "--base"),
+    ("quantize-draft-kv-no-cache", "quantize --model {d}/medusa --quant-type a8w8 --calib {d}/no-table --kv-cache int8 "
+                                   "--target quantspec --out {d}/q", "--kv-cache"),
+    ("quantize-draft-smoothquant", "quantize --model {d}/medusa --quant-type a8w8 --calib {d}/no-table "
+                                   "--smoothquant-alpha 0.5 --target quantspec --out {d}/q", "--smoothquant-alpha"),
+    ("calibrate-draft-rotate", "calibrate --model {d}/medusa --dataset {d}/calib.txt --rotate R1 --out {d}/t",
+     "--rotate"),
+    ("calibrate-draft-no-base", "calibrate --model {d}/medusa --dataset {d}/calib.txt --out {d}/t", "--base"),
+    ("calibrate-base-not-draft", "calibrate --model {model} --base {model} --dataset {d}/calib.txt --out {d}/t",
+     "--base"),
     ("quantize-shard-missing", "quantize --model {d}/shard_missing --quant-type weight_only_int8 --out {d}/q",
      "model-00002-of-00002.safetensors"),
     ("quantize-shard-truncated", "quantize --model {d}/shard_truncated --quant-type weight_only_int4 --method gptq "

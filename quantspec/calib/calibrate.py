@@ -123,6 +123,7 @@ class CalibrateConfig:
     # measure the model with these rotations fused (`calib.rotate`; signs from `seed`), and with R4's
     # down_proj inputs turned as the engine turns them (`calib.quip.turned_inputs`)
     rotate: str | None = None
+    base: str | None = None  # a draft module's base, whose hidden states it is measured on (`calib.draft_scales`)
 
     @property
     def rotation(self):
@@ -180,14 +181,19 @@ class LayerObservers:
     """Observers for one decoder layer: Linear inputs (pre-hooks) and K/V heads (kv_hook)."""
 
     def __init__(self, layer_name: str, observer: str, percentile: float,
-                 kv_observer: str | None = None):
+                 kv_observer: str | None = None, attention: str | None = "self_attn"):
+        """`layer_name`: the prefix of every entry ("" for a whole draft module); `attention`:
+        the attention whose K/V `kv_hook` observes, relative to it (None: no K/V entries)."""
         self.layer_name, self.kind, self.percentile = layer_name, observer, percentile
         self.tensor_obs: dict[str, Observer] = {}
         self.channel_obs: dict[str, Observer] = {}
         self.alias: dict[str, str] = {}  # linear → linear whose (identical) input it shares
         kv = kv_observer or observer
-        self.k_obs = self._make(f"{layer_name}.self_attn.k_cache", "head", kv)
-        self.v_obs = self._make(f"{layer_name}.self_attn.v_cache", "head", kv)
+        self.attention = None if attention is None else _join(layer_name, attention)
+        self.k_obs = self.v_obs = None
+        if self.attention is not None:
+            self.k_obs = self._make(f"{self.attention}.k_cache", "head", kv)
+            self.v_obs = self._make(f"{self.attention}.v_cache", "head", kv)
         self._last_x: torch.Tensor | None = None
         self._last_name: str | None = None
 
@@ -216,7 +222,7 @@ class LayerObservers:
         handles = []
         for sub, mod in layer.named_modules():
             if isinstance(mod, nn.Linear):
-                full = f"{self.layer_name}.{sub}"
+                full = _join(self.layer_name, sub)
                 handles.append(mod.register_forward_pre_hook(
                     lambda m, args, _n=full: self._observe(_n, args[0])))
 
@@ -244,12 +250,18 @@ class LayerObservers:
         for name, src in self.alias.items():
             for suffix in (INPUT_CHANNEL_ABSMAX, INPUT_ABSMAX):
                 out[f"{name}.{suffix}"] = out[f"{src}.{suffix}"].clone()
+        if self.k_obs is None:
+            return out
         if self.k_obs.num_updates == 0:
-            raise QuantSpecError(f"{self.layer_name}: attention never ran (no K/V observed); the "
+            raise QuantSpecError(f"{self.attention}: attention never ran (no K/V observed); the "
                                  "model's attention does not call the backend")
-        out[f"{self.layer_name}.self_attn.k_absmax"] = self.k_obs.compute().absmax.float()  # [KV]
-        out[f"{self.layer_name}.self_attn.v_absmax"] = self.v_obs.compute().absmax.float()
+        out[f"{self.attention}.k_absmax"] = self.k_obs.compute().absmax.float()  # [KV]
+        out[f"{self.attention}.v_absmax"] = self.v_obs.compute().absmax.float()
         return out
+
+
+def _join(prefix: str, name: str) -> str:
+    return f"{prefix}.{name}" if prefix else name
 
 
 def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
@@ -287,17 +299,15 @@ def calibrate_model(model, input_ids: torch.Tensor, *, observer: str = "minmax",
     return sink.tensors
 
 
-def _load_for_calibration(model: str, rotation=None):
-    """(the model on `meta`, its directory, its CheckpointReader: a quantized checkpoint's
-    `quant.decompressed.DecompressedReader`; with `rotation`, read as the rotated model's,
-    `calib.rotate.RotatedReader`)."""
+def _load_for_calibration(model_dir: Path, cfg: dict, rotation=None):
+    """(the model at `model_dir` (config.json `cfg`) on `meta`, its CheckpointReader: a quantized
+    checkpoint's `quant.decompressed.DecompressedReader`; with `rotation`, read as the rotated
+    model's, `calib.rotate.RotatedReader`)."""
     from quantspec.calib.rotate import RotatedReader, rotated_config
-    from quantspec.model_zoo.checkpoint import build_model, check_checkpoint, read_config, resolve_model_dir
+    from quantspec.model_zoo.checkpoint import build_model, check_checkpoint
     from quantspec.model_zoo.llama import ModelArgs
     from quantspec.quant.decompressed import source_reader
 
-    model_dir = resolve_model_dir(model)
-    cfg = read_config(model_dir)
     reader = source_reader(model_dir, cfg)  # a quantized checkpoint: the float one it decompresses to
     cfg = rotated_config(rotation, cfg)
     args = ModelArgs.from_hf_config(cfg)
@@ -305,39 +315,56 @@ def _load_for_calibration(model: str, rotation=None):
     if rotation is not None:
         reader = RotatedReader(reader, net, rotation)
     check_checkpoint(reader.shapes, args, str(model_dir))
-    return net, model_dir, reader
+    return net, reader
+
+
+def calibration_batches(config: CalibrateConfig, tokenizer_dir: Path, say) -> torch.Tensor:
+    """The calibration windows [num_samples, seq_len] of `config.dataset`, tokenized by the
+    tokenizer at `tokenizer_dir`."""
+    from transformers import AutoTokenizer
+
+    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+
+    say("reading the dataset")
+    with about("--dataset"):
+        texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
+    try:
+        tokenizer = AutoTokenizer.from_pretrained(str(tokenizer_dir))
+    except Exception as e:  # no tokenizer files: one line
+        raise QuantSpecError(f"could not load the tokenizer of {tokenizer_dir} ({type(e).__name__}); "
+                             "the model directory needs its tokenizer files") from None
+    return build_calibration_batches(texts, tokenizer, config.num_samples, config.seq_len, seed=config.seed)
 
 
 def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
                     on_status: Callable[[str], None] | None = None) -> CalibrationResult:
-    """Model + dataset → table directory `config.out` (see the module docstring)."""
-    from transformers import AutoTokenizer
-
-    from quantspec.calib.data import build_calibration_batches, load_calibration_texts
+    """Model + dataset → table directory `config.out` (see the module docstring); a draft
+    module's table is measured on its base (`calib.draft_scales`)."""
     from quantspec.calib.quip import r4_block, turned_inputs
     from quantspec.calib.stream import open_run, say_resume
     from quantspec.devices import resolve_device
+    from quantspec.model_zoo.checkpoint import draft_kind, read_config, resolve_model_dir
 
     t0, cpu0 = time.perf_counter(), time.process_time()
     say = on_status or (lambda msg: None)
     out = check_output_dir(config.out, "--out", overwrite=config.overwrite)
     device = resolve_device(config.device)
+    with about("--model"):
+        model_dir = resolve_model_dir(config.model)
+        cfg = read_config(model_dir)
+    if draft_kind(cfg) is not None:
+        from quantspec.calib.draft_scales import calibrate_draft
+
+        return calibrate_draft(config, model_dir, cfg, out, say)
+    if config.base is not None:
+        raise QuantSpecError(f"--base is a draft module's base and {model_dir} is not a draft module; drop --base")
     with about("--model"):  # every shard's header checked before any work
-        net, model_dir, reader = _load_for_calibration(config.model, config.rotation)
+        net, reader = _load_for_calibration(model_dir, cfg, config.rotation)
     net.args.check_context(config.seq_len, "--seq-len")  # its windows run full attention
     if config.r4:
         r4_block(net)  # a model R4 cannot turn is refused here, before any work
-    say("reading the dataset")
-    with about("--dataset"):
-        texts = load_calibration_texts(config.dataset, split=config.split, text_field=config.text_field)
     dtype_name = resolve_calibration_dtype(config.dtype)
-    try:
-        tokenizer = AutoTokenizer.from_pretrained(str(model_dir))
-    except Exception as e:  # no tokenizer files: one line
-        raise QuantSpecError(f"could not load the tokenizer of {model_dir} ({type(e).__name__}); "
-                             "the model directory needs its tokenizer files") from None
-    batches = build_calibration_batches(texts, tokenizer, config.num_samples, config.seq_len,
-                                        seed=config.seed)  # [num_samples, seq_len]
+    batches = calibration_batches(config, model_dir, say)  # [num_samples, seq_len]
     resumable, key = _run_identity(config, model_dir, reader, device, dtype_name)
     kv_observer = config.kv_observer or DEFAULT_KV_OBSERVER
     with open_run(out, key, resumable=resumable, restart=config.restart) as run, \
@@ -383,6 +410,19 @@ def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, mode
                 forward_s: float, cpu0: float) -> dict:
     """calibration.json: the options, the data, the model (and the rotations fused into it) and
     how the run went."""
+    return {
+        **table_meta(config, dtype_name, kv_observer, model_dir, forward_s, cpu0),
+        "rotation": None if config.rotation is None else config.rotation.to_meta(),
+        "run_time_rotation": _r4_meta(net) if config.r4 else None,
+        "num_layers": net.args.num_layers,
+        "num_kv_heads": net.args.num_kv_heads,
+    }
+
+
+def table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, model_dir: Path,
+               forward_s: float, cpu0: float) -> dict:
+    """What every calibration.json records: the options, the data, the model measured and how
+    the run went."""
     from quantspec import __version__
 
     local = Path(config.dataset).expanduser()
@@ -393,10 +433,6 @@ def _table_meta(config: CalibrateConfig, dtype_name: str, kv_observer: str, mode
         "dataset_path": str(local.resolve()) if local.exists() else None,
         "model_dir": str(model_dir),
         "model_fingerprint": model_fingerprint(model_dir),
-        "rotation": None if config.rotation is None else config.rotation.to_meta(),
-        "run_time_rotation": _r4_meta(net) if config.r4 else None,
-        "num_layers": net.args.num_layers,
-        "num_kv_heads": net.args.num_kv_heads,
         "quantspec_version": __version__,
         "torch_version": torch.__version__,
         "threads": torch.get_num_threads(),

@@ -34,7 +34,8 @@ from quantspec.calib.ptq import SHARED_INPUT_GROUPS
 from quantspec.errors import QuantSpecError, about
 from quantspec.quant.gptq import HessianAccumulator
 
-__all__ = ["EAGLE3_DEPTHS", "MTP_DEPTHS", "check_base", "draft_base", "draft_hessians", "draft_passes", "draft_request"]
+__all__ = ["EAGLE3_DEPTHS", "MTP_DEPTHS", "check_base", "draft_base", "draft_hessians", "draft_passes", "draft_request",
+           "load_base", "load_draft"]
 
 # drafts per position the module is unrolled for while its inputs are measured (the default chain)
 EAGLE3_DEPTHS = 4
@@ -43,19 +44,31 @@ MTP_DEPTHS = 2
 _SHARED = tuple(tuple(n.rpartition(".")[2] for n in g) for g in SHARED_INPUT_GROUPS if len(g) > 1)
 
 
-def draft_request(config, model_dir: Path, what: str | None) -> Path | None:
+def draft_request(config, model_dir: Path, what: str | None, kind: str | None = None) -> Path | None:
     """Refuse, naming the flag, what `quantize` (a `calib.quantize.QuantizeConfig`) does not do with
-    the model at `model_dir` (`what`: the draft module it is, None: a base model) → the base a
-    draft module's GPTQ calibrates on (None: no such run)."""
+    the model at `model_dir` (`what`: the draft module it is, of `kind`; None: a base model) → the
+    base a draft module's GPTQ (and static plan) is measured on (None: no such run, or a static
+    plan on the base its table names). A draft module's static scales come from its own table
+    (`calib.draft_scales`)."""
     if what is None:
         if config.base is not None:
             raise QuantSpecError(f"--base is a draft module's base and {model_dir} is not a draft module; "
                                  "drop --base")
         return None
-    if config.method not in ("rtn", "gptq") or config.calibrated_inputs or config.kv_cache is not None:
-        raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn or gptq to weights with no "
-                             "static scales (AWQ, AutoRound and static activation or KV scales are for base models)")
-    return draft_base(config.base, model_dir) if config.method == "gptq" else None
+    if config.method not in ("rtn", "gptq"):
+        raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn or gptq (AWQ and AutoRound "
+                             "are for base models)")
+    if config.smoothquant_alpha not in (None, "none"):
+        raise QuantSpecError(f"{model_dir} is {what}: SmoothQuant folds its factors into a base model's norms; "
+                             "drop --smoothquant-alpha (the units static inputs hurt keep float ones)")
+    if config.fallback_budget is not None:
+        raise QuantSpecError(f"{model_dir} is {what}: --a8w8-fallback-budget is a base model's perplexity budget; "
+                             "use --a8w8-fallback-threshold E or --a8w8-fallback-layers N")
+    if config.kv_cache is not None and kind != "eagle3":
+        raise QuantSpecError(f"{model_dir} is {what}, which keeps no KV cache of its own; drop --kv-cache")
+    if config.method == "gptq":
+        return draft_base(config.base, model_dir)
+    return draft_base(config.base, model_dir) if config.static and config.base is not None else None
 
 
 def draft_base(base: str | None, model_dir: Path) -> Path:
@@ -72,6 +85,28 @@ def draft_base(base: str | None, model_dir: Path) -> Path:
                              "verifier); pass the model it drafts for with --base")
     with about("--base"):
         return resolve_model_dir(base if base is not None else recorded)
+
+
+def load_draft(model_dir: Path, config: dict, dtype: torch.dtype = torch.float32) -> nn.Module | None:
+    """The float draft module at `model_dir` (config.json `config`) in `dtype`: an MTP module,
+    Medusa heads or an EAGLE-3 head (None: not a draft module)."""
+    from quantspec.model_zoo.eagle3 import is_eagle3_config, load_eagle3
+    from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
+    from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
+
+    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa), (is_eagle3_config, load_eagle3)):
+        if is_it(config):
+            with about("--model"):
+                return load(model_dir, dtype=dtype)
+    return None
+
+
+def load_base(base_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
+    """The float base at `base_dir` a draft module is measured on, frozen."""
+    from quantspec.model_zoo.checkpoint import load_model
+
+    with about("--base"):
+        return load_model(base_dir, dtype=dtype)[0].requires_grad_(False)
 
 
 def check_base(module: nn.Module, base_dir: Path) -> None:
@@ -157,12 +192,10 @@ def draft_hessians(module: nn.Module, base_dir: Path, windows: torch.Tensor, con
     quantizes, from its drafting passes over `windows` [n, S] on the float base at `base_dir`
     → {Linear name: H [K, K]} (module docstring)."""
     from quantspec.calib.targets import quantized_linears
-    from quantspec.model_zoo.checkpoint import load_model
 
     say = on_status or (lambda _m: None)
     linears = quantized_linears(module, config)
-    with about("--base"):
-        base = load_model(base_dir)[0].requires_grad_(False)
+    base = load_base(base_dir)
     accs, handles = {}, []
     for group in _input_groups(linears):
         first = linears[group[0]]

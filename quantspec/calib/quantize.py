@@ -33,7 +33,8 @@ from typing import Callable
 
 import torch
 
-from quantspec.calib.draft_calib import check_base, draft_hessians, draft_request
+from quantspec.calib.draft_calib import check_base, draft_hessians, draft_request, load_draft
+from quantspec.calib.draft_scales import draft_static_plan
 from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
 from quantspec.calib.tables import read_table
@@ -250,6 +251,7 @@ class _Source:
     table: object | None = None  # the calibration table (a8w8 types, static KV)
     transforms: dict | None = None  # the artifact's transform_config: the rotations fused into its weights
     base_dir: Path | None = None  # a draft module's base, for GPTQ (`calib.draft_calib`)
+    kind: str | None = None  # the draft module's kind ("mtp", "medusa", "eagle3"); None: a base model
     calib_summary: dict = field(default_factory=dict)
 
 
@@ -262,7 +264,6 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     decoder layer, `on_status(message)` at each phase (reading, measuring, writing).
     """
     from quantspec.calib.ptq import decoder_layers, quantize_model
-    from quantspec.calib.static_plan import plan_from_table
     from quantspec.calib.stream import check_disk, open_run, run_identity, say_resume
     from quantspec.devices import resolve_device
     from quantspec.quant.decompressed import source_quantization
@@ -294,15 +295,9 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     resumable, key = run_identity(config, src, device)
     check_disk(config, src, model, out, key)
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:
-        qconfig, input_scales, factors = src.quant_config, None, None
-        if config.static:
-            qconfig, input_scales, factors, batches = plan_from_table(config, src, model, qconfig, batches, say,
-                                                                      run, device)
-        elif config.calibrated_inputs:  # NVFP4's input global scales
-            input_scales = src.table.nvfp4_input_global_scales(model)
-        elif smooths_per_token(config):
-            factors = per_token_smoothing(config, src, model, say)
-        hessians = None if src.base_dir is None else draft_hessians(model, src.base_dir, batches, qconfig, say)
+        qconfig, input_scales, factors, batches = _inputs(config, src, model, batches, say, run, device)
+        hessians = draft_hessians(model, src.base_dir, batches, qconfig, say) \
+            if src.kind is not None and config.method == "gptq" else None
         sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))
         say(f"quantizing {src.model_dir}" + (f" one layer at a time ({device})" if src.reader is not None else ""))
@@ -313,6 +308,25 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
                              hessians=hessians)
         say(f"writing {out}")
         return _write(config, src, res, run, out, time.perf_counter() - t0)
+
+
+def _inputs(config: QuantizeConfig, src: _Source, model, batches, say, run, device):
+    """(the config to quantize with, the input scales, the smoothing factors, the calibration
+    batches) of the run: static ones by the a8w8 plan (a draft module's as its table holds them),
+    NVFP4's input global scales, or per-token inputs smoothed."""
+    from quantspec.calib.static_plan import plan_from_table
+
+    qconfig, input_scales, factors = src.quant_config, None, None
+    if config.static and src.kind is not None:  # a draft module's: as its table holds them
+        qconfig, input_scales, batches = draft_static_plan(config, src, model, qconfig, batches)
+    elif config.static:
+        qconfig, input_scales, factors, batches = plan_from_table(config, src, model, qconfig, batches, say, run,
+                                                                  device)
+    elif config.calibrated_inputs:  # NVFP4's input global scales
+        input_scales = src.table.nvfp4_input_global_scales(model)
+    elif smooths_per_token(config):
+        factors = per_token_smoothing(config, src, model, say)
+    return qconfig, input_scales, factors, batches
 
 
 def _read_source(config: QuantizeConfig) -> _Source:
@@ -363,7 +377,8 @@ def _read_source(config: QuantizeConfig) -> _Source:
     cfg = rotated_config(config.rotation, cfg, f"{config.model} is {what}" if what else None)
     src = _Source(model_dir=model_dir, config=cfg, dtype=_dtype_of(cfg), quant_config=qconfig, reader=reader,
                   transforms=getattr(getattr(reader, "source", None), "transform_config", None))
-    src.base_dir = draft_request(config, model_dir, what)
+    src.kind = kind
+    src.base_dir = draft_request(config, model_dir, what, kind)
     if config.calibrated_inputs or config.kv_cache is not None or smooths_per_token(config):  # read before the model
         with about("--calib"):
             src.table = read_table(config.calib, model_dir=model_dir)
@@ -381,21 +396,16 @@ def _dtype_of(cfg: dict) -> torch.dtype:
 
 def _skeleton(config: QuantizeConfig, src: _Source):
     """The model on the `meta` device, its layers read from `src.reader` as they are quantized
-    (an MTP module — one block —, Medusa heads or an EAGLE-3 head, quantized on their own,
-    weight-only, with RTN, are read whole)."""
+    (an MTP module — one block —, Medusa heads or an EAGLE-3 head, quantized on their own, are
+    read whole)."""
     from quantspec.model_zoo.checkpoint import build_model, check_checkpoint
-    from quantspec.model_zoo.eagle3 import is_eagle3_config, load_eagle3
     from quantspec.model_zoo.llama import ModelArgs
-    from quantspec.model_zoo.medusa import is_medusa_config, load_medusa
-    from quantspec.model_zoo.mtp import is_mtp_config, load_mtp
 
-    for is_it, load in ((is_mtp_config, load_mtp), (is_medusa_config, load_medusa), (is_eagle3_config, load_eagle3)):
-        if is_it(src.config):
-            with about("--model"):
-                module = load(src.model_dir)
-            if src.base_dir is not None:  # GPTQ's base: the one the module was made for
-                check_base(module, src.base_dir)
-            return module
+    module = load_draft(src.model_dir, src.config)
+    if module is not None:
+        if src.base_dir is not None:  # the base it is measured on: the one it was made for
+            check_base(module, src.base_dir)
+        return module
     with about("--model"):
         args = ModelArgs.from_hf_config(src.config)
         model = build_model(args, "meta")

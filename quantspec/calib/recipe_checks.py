@@ -113,9 +113,9 @@ def check_method(c, qt) -> None:
     elif (c.iters, c.lr, c.batch_size) != (None, None, None):
         raise QuantSpecError(f"--iters, --lr and --batch-size tune AutoRound and --method {c.method} runs none; "
                              "use --method autoround or drop them")
-    if c.base is not None and c.method != "gptq":
-        raise QuantSpecError(f"--base gives GPTQ a draft module's base and --method {c.method} reads none; "
-                             "use --method gptq or drop --base")
+    if c.base is not None and c.method != "gptq" and not c.static:
+        raise QuantSpecError(f"--base gives a draft module's GPTQ and static scales its base, and --method "
+                             f"{c.method} of {c.quant_type} reads none; use --method gptq or drop --base")
     if c.method != "rtn" and c.weight_block is not None:
         raise QuantSpecError(f"--method {c.method} has no rule for FP8 block scales (--weight-block); use "
                              "--method rtn, or drop --weight-block")

@@ -320,10 +320,10 @@ def input_scales_for_model(table: ScaleTable, model, quant_type: str,
     for name, mod in model.named_modules():
         if isinstance(mod, nn.Linear) and name.startswith("model.layers."):
             out[name] = scale_from_absmax(smoothed_input_absmax(table, name, smooth.get(name)), kind)
-    return _shared_group_scales(out)
+    return shared_group_scales(out)
 
 
-def _shared_group_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+def shared_group_scales(scales: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     """`scales` with every smoothing group's Linears at the group's largest scale.
 
     vLLM and SGLang fuse q/k/v into one qkv_proj and gate/up into one gate_up_proj, and vLLM's

@@ -22,7 +22,6 @@ the run's state so an interrupted run resumes without measuring again.
 from __future__ import annotations
 
 import dataclasses
-import re
 from collections import OrderedDict
 from dataclasses import dataclass, field
 from typing import Iterable, Mapping
@@ -62,7 +61,6 @@ FALLBACK_GROUP = "fallback_w8a16"
 # the Linears vLLM / SGLang fuse into one layer (relative to a decoder layer): exactly those that
 # read one input, which is how GPTQ groups them too
 FUSED_UNITS = SHARED_INPUT_GROUPS
-_LAYER_NAME = re.compile(r"^(model\.layers\.\d+)\.(.+)$")
 
 
 def fused_unit(name: str, among: Iterable[str] | None = None) -> tuple[str, ...]:
@@ -70,15 +68,15 @@ def fused_unit(name: str, among: Iterable[str] | None = None) -> tuple[str, ...]
     unit order; `among` keeps only those names (e.g. the Linears a config quantizes). A Linear
     outside the units (or outside the decoder layers) is a unit of its own.
 
-    Example: "model.layers.3.self_attn.k_proj" → (q_proj, k_proj, v_proj of model.layers.3).
+    Example: "model.layers.3.self_attn.k_proj" → (q_proj, k_proj, v_proj of model.layers.3);
+    an EAGLE-3 head's "midlayer.self_attn.k_proj" → (q_proj, k_proj, v_proj of midlayer).
     """
-    m = _LAYER_NAME.match(name)
     unit = (name,)
-    if m is not None:
-        for names in FUSED_UNITS:
-            if m.group(2) in names:
-                unit = tuple(f"{m.group(1)}.{n}" for n in names)
-                break
+    for names in FUSED_UNITS:  # under any prefix: a decoder layer's, a draft module's (`midlayer`)
+        member = next((n for n in names if name.endswith(f".{n}")), None)
+        if member is not None:
+            unit = tuple(f"{name[: -len(member) - 1]}.{n}" for n in names)
+            break
     if among is not None:
         keep = set(among) | {name}
         unit = tuple(n for n in unit if n in keep)
@@ -118,10 +116,11 @@ def select_fallback(errors: Mapping[str, float], num_units: int = 0,
     return [n for u in chosen for n in u]
 
 
-def with_fallback_layers(config: QuantConfig, names: Iterable[str]) -> QuantConfig:
+def with_fallback_layers(config: QuantConfig, names: Iterable[str], targets=fused_targets) -> QuantConfig:
     """`config` with `names` moved to a name-targeted group of the same weights and no input
     activations (weight-only: W8A16 for a8w8, FP8 weight-only for a8w8_fp8). Exact names outrank
-    the base group's class target in every compressed-tensors loader.
+    the base group's class target in every compressed-tensors loader. `targets(names)`: the
+    group's targets (an EAGLE-3 head's: `engines.eagle3_targets`, which name the engines' layers).
 
     `names` must be whole fused units (`fused_unit`, among the Linears the config quantizes):
     vLLM and SGLang ignore a fallback that covers only some shards of a fused layer, so a
@@ -148,7 +147,7 @@ def with_fallback_layers(config: QuantConfig, names: Iterable[str]) -> QuantConf
         raise QuantSpecError(f"config already has a {FALLBACK_GROUP!r} group")
     # weight-only: W8A16 as 8-bit pack-quantized (int weights) or FP8 weight-only; whole fused
     # units as one regex that names the fused layer too (SGLang matches it before class names)
-    groups[FALLBACK_GROUP] = QuantScheme(targets=fused_targets(names), weights=base.weights,
+    groups[FALLBACK_GROUP] = QuantScheme(targets=targets(names), weights=base.weights,
                                          input_activations=None)
     return dataclasses.replace(config, config_groups=groups, format=None)
 

@@ -17,6 +17,10 @@ observers measured (absmax, float32), never scales: scales are derived on read t
 observer, percentile, batch_size, model (as given), model fingerprint, num_layers,
 num_kv_heads, quantspec version, wall time (s).
 
+A draft module's table (`calib.draft_scales`) holds the same entries under the module's own names
+(`fc.input_absmax`, `midlayer.self_attn.k_absmax`, ...), and its calibration.json a `draft`
+section: the module's kind and the base it was measured on.
+
 A table records the fingerprint of the model it was measured on
 (`model_zoo.checkpoint.model_fingerprint`) and refuses another model; an artifact without a
 recorded source fingerprint is matched on the architecture part only.
@@ -94,6 +98,21 @@ class ScaleTable:
         return n
 
     @property
+    def draft(self) -> str | None:
+        """The kind of draft module the table was measured for ("mtp", "medusa", "eagle3";
+        `calib.draft_scales`), None for a base model's."""
+        return (self.meta.get("draft") or {}).get("kind")
+
+    @property
+    def attentions(self) -> list[str]:
+        """The attentions with K/V entries, in order: a base model's `model.layers.{i}.self_attn`,
+        a draft module's by its own names."""
+        if self.draft is None:
+            return [_layer_attn(i) for i in range(self.num_layers)]
+        suffix = "." + _K_ABSMAX
+        return sorted(k[: -len(suffix)] for k in self.tensors if k.endswith(suffix))
+
+    @property
     def linear_names(self) -> list[str]:
         """Every Linear with a per-tensor input absmax, sorted."""
         suffix = "." + INPUT_ABSMAX
@@ -127,13 +146,12 @@ class ScaleTable:
         return self._get(f"{linear}.{INPUT_CHANNEL_ABSMAX}", f"per-channel input absmax for {linear}")
 
     def kv_absmax(self) -> tuple[torch.Tensor, torch.Tensor]:
-        """(k_absmax, v_absmax): [L, KV] float32, layers 0..L-1."""
-        L = self.num_layers
-        if L == 0:
+        """(k_absmax, v_absmax): [L, KV] float32, one row per attention (`attentions`)."""
+        names = self.attentions
+        if not names:
             raise QuantSpecError(f"{self._where()} has no K/V entries; {_RUN_CALIBRATE}")
-        k = torch.stack([self.tensors[f"{_layer_attn(i)}.{_K_ABSMAX}"] for i in range(L)])
-        v = torch.stack([self._get(f"{_layer_attn(i)}.{_V_ABSMAX}", f"layer {i} V absmax")
-                         for i in range(L)])
+        k = torch.stack([self.tensors[f"{a}.{_K_ABSMAX}"] for a in names])
+        v = torch.stack([self._get(f"{a}.{_V_ABSMAX}", f"{a} V absmax") for a in names])
         return k, v  # [L, KV]
 
     # ---- scales (derived on read) --------------------------------------------------------------
@@ -158,8 +176,8 @@ class ScaleTable:
             k, v = k.amax(dim=1, keepdim=True), v.amax(dim=1, keepdim=True)  # [L, 1]
         args = static_args(kind).replace(strategy=strategy)
         out: dict[str, torch.Tensor] = {}
-        for i in range(k.shape[0]):
-            out.update(kv_scale_tensors(_layer_attn(i), k[i], v[i], args))
+        for i, attn in enumerate(self.attentions):
+            out.update(kv_scale_tensors(attn, k[i], v[i], args))
         return out
 
     # ---- checks ------------------------------------------------------------------------------
@@ -187,10 +205,23 @@ class ScaleTable:
                     "quantspec calibrate for this model")
 
     def check_model(self, model) -> None:
-        """Check against a `Transformer`: every layer's K/V heads and every decoder Linear."""
+        """Check against a `Transformer` (every layer's K/V heads and every decoder Linear) or, for
+        a draft module's table, against the module (every Linear, an EAGLE-3 head's K/V heads)."""
+        if self.draft is not None:
+            return self._check_draft(model)
         names = [n for n, m in model.named_modules()
                  if isinstance(m, torch.nn.Linear) and n.startswith("model.layers.")]
         self.check_layers(model.args.num_layers, model.args.num_kv_heads, names)
+
+    def _check_draft(self, module) -> None:
+        from quantspec.model_zoo.eagle3 import Eagle3Head
+
+        self.check_layers(0, linear_names=[n for n, m in module.named_modules() if isinstance(m, torch.nn.Linear)])
+        if isinstance(module, Eagle3Head):
+            k, _ = self.kv_absmax()
+            if k.shape[1] != module.midlayer.self_attn.num_kv_heads:
+                raise QuantSpecError(f"{self._where()} has {k.shape[1]} KV heads but the EAGLE-3 head has "
+                                     f"{module.midlayer.self_attn.num_kv_heads}; re-run quantspec calibrate for it")
 
 
 # ---------------------------------------------------------------------------------------------
@@ -242,7 +273,7 @@ def read_table(path: str | os.PathLike, *, expect_fingerprint: str | None = None
             expect_kv_heads = cfg.get("num_key_value_heads") or cfg.get("num_attention_heads")
     if expect_fingerprint is not None:
         _check_fingerprint(table, expect_fingerprint, model_dir)
-    if expect_layers is not None:
+    if expect_layers is not None and table.draft is None:  # a draft module's: `ScaleTable.check_model`
         table.check_layers(int(expect_layers), expect_kv_heads)
     return table
 

@@ -298,6 +298,9 @@ def inspect(path, as_json, compute_capability):
 @click.option("--overwrite", is_flag=True, help="replace a non-empty --out")
 @click.option("--restart", is_flag=True,
               help="start over: discard the state an interrupted run of a big model left beside --out")
+@click.option("--base", default=None,
+              help="a draft module (MTP, Medusa, EAGLE-3): the float base it drafts for, whose hidden states it "
+                   "is measured on [default: the base the module records]")
 @rotate_option
 @one_line_errors
 @threads_option
@@ -309,7 +312,9 @@ def calibrate(model, dataset, out, **kw):
     with Progress(f"calibrate ({kw['observer']})") as progress:
         res = api.calibrate(model, dataset, out, progress=progress.layer, on_status=progress.status, **kw)
     m = res.meta
-    progress.console.print(f"[green]wrote[/] {res.path}  ({m['num_layers']} layers, {m['num_samples']} × "
+    what = f"draft module ({m['draft']['kind']}) on the base {m['draft']['base']}" if m.get("draft") else \
+        f"{m['num_layers']} layers"
+    progress.console.print(f"[green]wrote[/] {res.path}  ({what}, {m['num_samples']} × "
                            f"{m['seq_len']} tokens, observer {m['observer']}, fingerprint "
                            f"{m['model_fingerprint']}, {res.wall_s:.1f} s)")
 

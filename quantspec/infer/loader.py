@@ -139,20 +139,28 @@ def read_sampling_defaults(model_dir: Path) -> dict:
 def _kv_scales(tensors: dict[str, torch.Tensor], args: ModelArgs, where: str
                ) -> tuple[torch.Tensor, torch.Tensor]:
     """[L, KV] fp32 k/v scales from per-layer `self_attn.{k,v}_scale` tensors."""
+    return kv_scale_rows(tensors, [attn_prefix(i) for i in range(args.num_layers)], args.num_kv_heads, where)
+
+
+def kv_scale_rows(tensors: Mapping[str, torch.Tensor], attentions: list[str], num_kv_heads: int, where: str
+                  ) -> tuple[torch.Tensor, torch.Tensor]:
+    """[len(attentions), KV] fp32 k/v scales from each attention's `{attn}.k_scale` / `.v_scale`
+    ([1], [], [KV] or [KV, 1, 1]; a per-tensor one broadcast to every KV head), checked finite
+    and > 0."""
     out = []
     for kind in KV_NAMES:
         rows = []
-        for i in range(args.num_layers):
-            name = f"{attn_prefix(i)}.{kind}"
+        for attn in attentions:
+            name = f"{attn}.{kind}"
             if name not in tensors:
                 raise QuantSpecError(f"{where} has a kv_cache_scheme but lacks {name}; "
                                      "re-quantize with --calib (a calibration table with KV scales)")
             s = tensors[name].float().reshape(-1)
             if s.numel() == 1:
-                s = s.expand(args.num_kv_heads)
-            elif s.numel() != args.num_kv_heads:
+                s = s.expand(num_kv_heads)
+            elif s.numel() != num_kv_heads:
                 raise QuantSpecError(f"{where}: {name} has {s.numel()} values; expected 1 or "
-                                     f"num_key_value_heads={args.num_kv_heads}")
+                                     f"num_key_value_heads={num_kv_heads}")
             rows.append(s)
         t = torch.stack(rows).contiguous()  # [L, KV]
         if not bool(torch.isfinite(t).all()) or not bool((t > 0).all()):

@@ -52,12 +52,13 @@ from quantspec.model_zoo.llama import MLP, NEUTRAL_MULTIPLIERS, ModelArgs, RMSNo
 from quantspec.model_zoo.mtp import base_fingerprint
 from quantspec.model_zoo.speculators import LAYER_ARCHITECTURES, eagle3_config, is_speculators_config, to_plain_names
 
-__all__ = ["EAGLE3_ARCHITECTURE", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
+__all__ = ["EAGLE3_ARCHITECTURE", "EAGLE3_ATTENTION", "Eagle3Args", "Eagle3Head", "check_eagle3_matches_base",
            "default_aux_layers", "eagle3_weight_table", "is_eagle3_config", "load_eagle3", "save_eagle3"]
 
 EAGLE3_ARCHITECTURE = "LlamaForCausalLMEagle3"  # in both vLLM's registry and SGLang's EntryClass
 _ARCH_NAMES = (EAGLE3_ARCHITECTURE, "Eagle3LlamaForCausalLM", "Eagle3Qwen3ForCausalLM")
 INT_BUFFERS = ("d2t", "t2d")  # kept in their own dtypes on load
+EAGLE3_ATTENTION = "midlayer.self_attn"  # the head's attention, by its checkpoint name (its KV scales')
 # the layer variants vLLM reads from a head's config (speculators' EAGLE-3 options), all off in the
 # plain layout
 VARIANT_FLAGS = ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output")
@@ -199,7 +200,11 @@ def check_eagle3_matches_base(args: Eagle3Args, base: ModelArgs, where: str = "t
 
 class Eagle3Attention(nn.Module):
     """Attention of the head's layer: q/k/v read the 2·D input, o writes D; a Qwen3 layer
-    RMS-normalizes each head's q and k before the rotary embedding."""
+    RMS-normalizes each head's q and k before the rotary embedding. `kv_hook(k, v)`, when set,
+    sees the keys [T, KV, hd] (post-rotary) and values its cache stores (calibration observes
+    them there)."""
+
+    kv_hook = None
 
     def __init__(self, a: ModelArgs):
         super().__init__()
@@ -219,6 +224,8 @@ class Eagle3Attention(nn.Module):
         q = self.rotary_emb(self.q_norm(self.q_proj(x).view(T, H, hd)), cos, sin)  # [T, H, hd]
         k = self.rotary_emb(self.k_norm(self.k_proj(x).view(T, KV, hd)), cos, sin)  # [T, KV, hd]
         v = self.v_proj(x).view(T, KV, hd)
+        if self.kv_hook is not None:
+            self.kv_hook(k, v)
         return self.o_proj(attend(q, k, v).reshape(T, H * hd))
 
 
@@ -243,7 +250,11 @@ class Eagle3Layer(nn.Module):
 
 
 class Eagle3Head(nn.Module):
-    """The head (module docstring). `embed` is the base's embedding, bound with `bind_embedding`."""
+    """The head (module docstring). `embed` is the base's embedding, bound with `bind_embedding`.
+    `kv_cache`: the static KV cache its artifact asks for (`infer.spec.head_kv.HeadKV`), None for
+    a float one."""
+
+    kv_cache = None
 
     def __init__(self, args: Eagle3Args):
         super().__init__()

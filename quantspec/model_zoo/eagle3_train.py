@@ -110,9 +110,13 @@ def init_eagle3(base: Transformer, draft_vocab: torch.Tensor, aux_layer_ids=None
     return head.bind_embedding(base.model.embed_tokens)
 
 
-def _ttt_attend(keys: list[torch.Tensor], values: list[torch.Tensor]):
-    """attend() of training-time-test step len(keys): step 0 causal, later steps the diagonal."""
+def _ttt_attend(keys: list[torch.Tensor], values: list[torch.Tensor], kv=None):
+    """attend() of training-time-test step len(keys): step 0 causal, later steps the diagonal;
+    with `kv` (a quantized head's static KV cache, `infer.spec.head_kv.HeadKV`) the keys and
+    values are read as that cache stores them."""
     def attend(q, k, v):  # q [n, H, hd], k / v [n, KV, hd]
+        if kv is not None:
+            k, v = kv.load(*kv.store(k, v), q.dtype)
         keys.append(k)
         values.append(v)
         n = q.shape[0]
@@ -133,7 +137,7 @@ def ttt_outputs(head: Eagle3Head, tokens: torch.Tensor, feats: torch.Tensor, ste
     n = L - 1  # rows p = 0..L-2 read t_{p+1}
     p = torch.arange(n, device=dev)
     hidden = head.fuse(feats[:n].to(dev, head.norm.weight.dtype))  # [n, D]
-    attend = _ttt_attend([], [])
+    attend = _ttt_attend([], [], head.kv_cache)
     outs = []
     for s in range(min(steps, n)):
         tok = torch.cat([tokens[1 + s:], tokens.new_zeros(s)]).to(dev)  # [n]

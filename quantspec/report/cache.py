@@ -51,15 +51,20 @@ class ArtifactCache:
         p = Path(dataset).expanduser()
         return f"file:{file_sha(p)}" if p.is_file() else f"id:{dataset}"
 
-    def calibration(self, model: str, dataset: str, *, num_samples: int, seq_len: int, dtype: str) -> tuple[Path, str]:
-        """(table directory, its key) — calibrating `model` on `dataset` once."""
-        key = content_key({"kind": "calibration", "model": self.fingerprint(model),
-                           "dataset": self.dataset_fingerprint(dataset), "num_samples": num_samples,
-                           "seq_len": seq_len, "dtype": dtype})
+    def calibration(self, model: str, dataset: str, *, num_samples: int, seq_len: int, dtype: str,
+                    base: str | None = None) -> tuple[Path, str]:
+        """(table directory, its key) — calibrating `model` on `dataset` once; `base`: a draft
+        head's base, on whose hidden states it is measured."""
+        parts = {"kind": "calibration", "model": self.fingerprint(model), "dataset": self.dataset_fingerprint(dataset),
+                 "num_samples": num_samples, "seq_len": seq_len, "dtype": dtype}
+        if base is not None:
+            parts["base"] = self.fingerprint(base)
+        key = content_key(parts)
         out = self.root / f"calib-{_slug(model)}-{key}"
         if not (out / "calibration.json").is_file():
             self.root.mkdir(parents=True, exist_ok=True)
-            self.pipeline.calibrate(model, dataset, out, num_samples=num_samples, seq_len=seq_len, dtype=dtype)
+            self.pipeline.calibrate(model, dataset, out, num_samples=num_samples, seq_len=seq_len, dtype=dtype,
+                                    **({} if base is None else {"base": base}))
             self.built.append(out.name)
         return out, key
 

@@ -225,7 +225,7 @@ class _Run:
         def build():
             dataset, num_samples, seq_len = self.calibration_data()
             return self.cache.calibration(model, dataset, num_samples=num_samples, seq_len=seq_len,
-                                          dtype=_float_dtype(c.dtype))
+                                          dtype=_float_dtype(c.dtype), base=c.model if self._head(model) else None)
 
         return self._memoized(("calib", model), build)
 
@@ -237,6 +237,11 @@ class _Run:
         # back for a8w8's fallback budget; pass --calib-dataset for more
         return dataset, c.calib_num_samples if c.calib_dataset else min(c.calib_num_samples, 2), c.calib_seq_len
 
+    def _head(self, model: str) -> bool:
+        """Whether `model` is a draft head (MTP, Medusa, EAGLE-3) of the report's base: its
+        calibration runs on the base's hidden states (`calib.draft_calib`, `calib.draft_scales`)."""
+        return model != self.config.model and self.config.speculate_method != "draft"
+
     def artifact(self, model: str, quant_type: str) -> Path:
         c = self.config
 
@@ -246,7 +251,7 @@ class _Run:
             calib = self.calibration(model) if quant_type in CALIB_QUANT_TYPES else None
             # a draft head (MTP, Medusa, EAGLE-3) takes GPTQ on the base's hidden states (`calib.draft_calib`);
             # the other methods are for base models, and it is rounded to nearest under them
-            head = model != c.model and c.speculate_method != "draft"
+            head = self._head(model)
             method = "rtn" if head and c.quant_method != "gptq" else c.quant_method
             data = self.calibration_data() if method != "rtn" and calib is None else None
             return self.cache.artifact(model, quant_type, method=method, group_size=c.group_size,

@@ -108,11 +108,12 @@ class Pipeline:
     # -- verbs -------------------------------------------------------------------------------
 
     def calibrate(self, model: str, dataset: str, out: Path, *, num_samples: int, seq_len: int,
-                  dtype: str) -> None:
+                  dtype: str, **base) -> None:
+        """`api.calibrate`; `base`: a draft head's base (`base=`)."""
         if self._calibrate is None:
             raise Unsupported("calibrate is not available in this build (api.calibrate missing)")
         call_with_supported_kwargs(self._calibrate, model, dataset, str(out), num_samples=num_samples,
-                                   seq_len=seq_len, dtype=dtype, overwrite=True)
+                                   seq_len=seq_len, dtype=dtype, overwrite=True, **base)
 
     def quantize(self, model: str, quant_type: str, out: Path, *, calib: Path | None, method: str,
                  group_size: int, symmetric: bool = True, zp_dtype: str | None = None, **data) -> None:

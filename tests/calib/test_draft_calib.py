@@ -56,10 +56,13 @@ def _noisy(module, seed):
 
 @pytest.fixture(scope="module")
 def modules(base, base_dir, tmp_path_factory):
-    """kind → (directory, loader) of an MTP module, Medusa heads and an EAGLE-3 head of the tiny
-    Llama; the MTP module and the EAGLE-3 head record their base as `zoo train-mtp` and
-    `train-draft-head` do."""
-    root = tmp_path_factory.mktemp("drafts")
+    return draft_modules(base, base_dir, tmp_path_factory.mktemp("drafts"))
+
+
+def draft_modules(base, base_dir, root):
+    """kind → (directory under `root`, loader) of an MTP module, Medusa heads and an EAGLE-3 head
+    of the tiny Llama; the MTP module and the EAGLE-3 head record their base as `zoo train-mtp`
+    and `train-draft-head` do."""
     vocab = torch.arange(0, 512, 2)
     save_mtp(_noisy(init_mtp(base, torch.arange(512), seed=0), 1), root / "mtp",
              {"quantspec_training": {"base": str(base_dir)}})
@@ -102,6 +105,20 @@ def _hf_streams(model_dir, windows):
     return rows
 
 
+def mtp_eh_inputs(mtp, base, windows, hf):
+    """What an MTP module's eh_proj reads while it drafts 2 deep on `windows` (`hf`: `_hf_streams`):
+    the normed next-token embedding beside the normed pre-norm state, then beside its own output."""
+    embed, m, ins = base.model.embed_tokens, mtp.model, []
+    with torch.no_grad():
+        for w, (_, last, _) in zip(windows, hf):
+            h = last[:-1]
+            for depth in range(2):
+                t = w[1 + depth:]
+                ins.append(torch.cat([m.enorm(embed(t)), m.hnorm(h[:len(t)])], dim=-1))
+                h = mtp(h[:len(t)], t)
+    return ins
+
+
 def _hessian(xs):
     x = torch.cat(xs).double()
     return (2 / x.shape[0] * x.T @ x).float()
@@ -128,13 +145,7 @@ def test_hessians_are_of_the_base_states_the_module_reads(modules, base, base_di
     mtp.bind_base(base)
     with torch.no_grad():
         drafts = [head.norm(h) for w, f in zip(windows, feats) for h in ttt_outputs(head, w, f, 4)]
-        embed, m, ins = base.model.embed_tokens, mtp.model, []
-        for w, (_, last, _) in zip(windows, hf):
-            h = last[:-1]
-            for depth in range(2):
-                t = w[1 + depth:]
-                ins.append(torch.cat([m.enorm(embed(t)), m.hnorm(h[:len(t)])], dim=-1))
-                h = mtp(h[:len(t)], t)
+        ins = mtp_eh_inputs(mtp, base, windows, hf)
     want = {"fc": _hessian(feats), "lm_head": _hessian(drafts), "medusa_head.0.0.linear": _hessian([n for *_, n in hf]),
             "model.eh_proj": _hessian(ins)}
     got = {**draft_hessians(head, base_dir, windows, _config(ignore=())),
@@ -234,7 +245,7 @@ def test_base_is_given_or_recorded(modules, base, base_dir, tiny_qwen2_dir, tmp_
     assert json.loads((out / "quantspec.json").read_text())["provenance"]["calibration"]["base"] == str(base_dir)
     with pytest.raises(QuantSpecError, match="--base"):
         api.quantize(str(modules["eagle3"][0]), "weight_only_int4", tmp_path / "c", base=str(tiny_qwen2_dir), **gptq)
-    with pytest.raises(QuantSpecError, match="--base .*--method rtn reads none"):
+    with pytest.raises(QuantSpecError, match="--base .*--method rtn of weight_only_int4 reads none"):
         api.quantize(str(modules["eagle3"][0]), "weight_only_int4", tmp_path / "d", base=str(base_dir),
                      target="quantspec")
     with pytest.raises(QuantSpecError, match="not a draft module; drop --base"):

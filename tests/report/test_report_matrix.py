@@ -327,3 +327,23 @@ def test_draft_heads_take_gptq_on_the_base_and_are_rounded_otherwise(method, tin
     assert prov["method"] == ("gptq" if method == "gptq" else "rtn")
     if method == "gptq":
         assert prov["calibration"]["base"] == str(tiny_llama_dir) and prov["calibration"]["dataset"] == str(calib)
+
+
+def test_a_static_draft_head_column_is_calibrated_on_the_base(tiny_llama_dir, tmp_path):
+    """An a8w8 Medusa column: the heads' own table, measured on the report's base's hidden states
+    (`calib.draft_scales`), gives their static input scales."""
+    from quantspec.quant.artifact import read_provenance
+    from test_report_e2e import _head
+
+    calib = tmp_path / "calib.txt"
+    calib.write_text("The quick brown fox jumps over the lazy dog. " * 80)
+    heads = _head("medusa", tiny_llama_dir, tmp_path / "medusa")
+    cache_dir = tmp_path / "cache"
+    run_report(_config(tiny_llama_dir, tmp_path / "r", cache_dir, speculate_method="medusa", draft_model=str(heads),
+                       base_quant_types="none", draft_quant_types="a8w8", calib_dataset=str(calib)),
+               ScriptedPipeline())
+    (built,) = [p for p in Path(cache_dir).iterdir() if (p / "config.json").is_file() and p.name.startswith("medusa-")]
+    table = read_provenance(built)["provenance"]["calibration"]["calibration"]
+    assert table["draft"] == {"kind": "medusa", "base": str(tiny_llama_dir),
+                              "base_fingerprint": table["draft"]["base_fingerprint"]}
+    assert json.loads((built / "config.json").read_text())["quantization_config"]["config_groups"]

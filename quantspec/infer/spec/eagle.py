@@ -49,7 +49,7 @@ from quantspec.infer.spec.mtp import check_min_confidence
 from quantspec.infer.spec.tree import TreeSpec, caterpillar, parse_tree_spec
 from quantspec.infer.spec.types import SpecProposal
 from quantspec.model_zoo.checkpoint import read_config
-from quantspec.model_zoo.eagle3 import (INT_BUFFERS, Eagle3Args, Eagle3Head, check_draft_maps,
+from quantspec.model_zoo.eagle3 import (EAGLE3_ATTENTION, INT_BUFFERS, Eagle3Args, Eagle3Head, check_draft_maps,
                                         check_eagle3_matches_base, eagle3_weight_table, is_eagle3_config, load_eagle3)
 from quantspec.model_zoo.llama import Transformer
 from quantspec.model_zoo.speculators import is_speculators_config
@@ -71,7 +71,7 @@ def load_eagle3_for_inference(path: str | Path, base: Transformer, *, dtype: tor
     from quantspec.infer.spec.mtp import HeadKind, load_head_for_inference
 
     kind = HeadKind("EAGLE-3 head", load_eagle3, Eagle3Head, eagle3_weight_table, INT_BUFFERS,
-                    check_eagle3_matches_base, check_draft_maps)
+                    check_eagle3_matches_base, check_draft_maps, attention=EAGLE3_ATTENTION)
     head = load_head_for_inference(path, cfg, lambda: Eagle3Args.from_config(cfg, where=str(path / "config.json")),
                                    base, dtype, kind)
     return head.bind_embedding(base.model.embed_tokens)
@@ -115,6 +115,7 @@ class EagleProposer:
         self.dynamic = tree is not None and tree.dynamic
         self._states: dict[int, _HeadState] = {}
         self.blocks: HeadBlockStore | None = None  # with the base's prefix cache: head rows by block
+        self.kv = head.kv_cache  # the artifact's static KV cache (`spec.head_kv`), None: a float one
 
     def use_prefix_cache(self, block_size: int, capacity: int) -> None:
         """The base's engine caches prefix blocks: keep the head's rows of whole blocks too, so a
@@ -151,7 +152,8 @@ class EagleProposer:
         if st is None:
             a, w = self.head.args.layer, self.head.norm.weight
             shape = (seq.num_tokens + 256, a.num_kv_heads, a.head_dim)  # grown by `_attend` as needed
-            st = self._states[seq.seq_id] = _HeadState(w.new_empty(shape), w.new_empty(shape))
+            dtype = w.dtype if self.kv is None else self.kv.dtype
+            st = self._states[seq.seq_id] = _HeadState(w.new_empty(shape, dtype=dtype), w.new_empty(shape, dtype=dtype))
         return st
 
     # -- the head over its cache ---------------------------------------------------------------
@@ -164,12 +166,20 @@ class EagleProposer:
             st.k = torch.cat([st.k, st.k.new_empty((grow - st.k.shape[0], *st.k.shape[1:]))])
             st.v = torch.cat([st.v, st.v.new_empty((grow - st.v.shape[0], *st.v.shape[1:]))])
 
-    @staticmethod
-    def _sdpa(st: _HeadState, q, end: int, mask):
+    def _write(self, st: _HeadState, start: int, k, v) -> None:
+        """k / v [m, KV, hd] into cache rows start..start+m-1 (as codes with a static KV cache)."""
+        end = start + k.shape[0]
+        self._reserve(st, end)
+        st.k[start:end], st.v[start:end] = (k, v) if self.kv is None else self.kv.store(k, v)
+
+    def _sdpa(self, st: _HeadState, q, end: int, mask):
         """q [m, H, hd] over cache rows 0..end-1 under mask [m, end] → [m, H, hd]."""
-        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], st.k[:end].transpose(0, 1)[None],
-                                             st.v[:end].transpose(0, 1)[None], attn_mask=mask,
-                                             enable_gqa=q.shape[1] != st.k.shape[1])  # (1, H, m, hd)
+        k, v = st.k[:end], st.v[:end]
+        if self.kv is not None:
+            k, v = self.kv.load(k, v, q.dtype)
+        out = F.scaled_dot_product_attention(q.transpose(0, 1)[None], k.transpose(0, 1)[None],
+                                             v.transpose(0, 1)[None], attn_mask=mask,
+                                             enable_gqa=q.shape[1] != k.shape[1])  # (1, H, m, hd)
         return out[0].transpose(0, 1)
 
     def _attend(self, st: _HeadState, start: int):
@@ -177,8 +187,7 @@ class EagleProposer:
         def attend(q, k, v):  # q [m, H, hd], k / v [m, KV, hd]
             m = q.shape[0]
             end = start + m
-            self._reserve(st, end)
-            st.k[start:end], st.v[start:end] = k, v
+            self._write(st, start, k, v)
             keys = torch.arange(end, device=q.device)
             mask = keys[None, :] <= (start + torch.arange(m, device=q.device))[:, None]  # [m, end]
             return self._sdpa(st, q, end, mask)
@@ -190,8 +199,7 @@ class EagleProposer:
         def attend(q, k, v):
             m = q.shape[0]
             end = start + m
-            self._reserve(st, end)
-            st.k[start:end], st.v[start:end] = k, v
+            self._write(st, start, k, v)
             mask = torch.zeros((m, end), dtype=torch.bool, device=q.device)
             mask[:, :st.n] = True
             for i, rows in enumerate(ancestors):
@@ -229,7 +237,7 @@ class EagleProposer:
         pos = torch.tensor(positions, device=dev)
         nxt = torch.tensor([toks[p + 1] for p in positions], dtype=torch.int64, device=dev)
         raw = torch.cat(feats)  # [m, 3D]
-        hidden = self.head.fuse(raw.to(st.k.dtype))  # [m, D]
+        hidden = self.head.fuse(raw.to(self.head.norm.weight.dtype))  # [m, D]
         out = self.head(nxt, hidden, pos, self._attend(st, st.n))  # [m, D]
         st.n += len(positions)
         st.last = out[-1]

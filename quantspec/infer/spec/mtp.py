@@ -97,12 +97,16 @@ def _load_quantized_mtp(path: Path, cfg: dict, dtype: torch.dtype, device) -> MT
 
 
 def load_quantized_module(path: Path, cfg: dict, module: nn.Module, table: dict, int_names: tuple[str, ...],
-                          dtype: torch.dtype, device) -> nn.Module:
+                          dtype: torch.dtype, device, what: str = "MTP modules", attention: str | None = None
+                          ) -> nn.Module:
     """A compressed-tensors artifact of a draft-side module built on meta (`module`, its
     unquantized weight `table`): each targeted Linear replaced by a `QuantLinear` from its
     tensors (the same reader as the base's loader), the float tensors loaded with `assign=True`
-    (`int_names` keep their dtype)."""
+    (`int_names` keep their dtype). A module with an `attention` (its name) gets the artifact's
+    static KV cache as `module.kv_cache` (`spec.head_kv`); `what` (the kind, plural) names the
+    others in the refusal of one."""
     from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.infer.spec.head_kv import head_kv
     from quantspec.model_zoo.checkpoint import check_against_table, load_checkpoint_tensors
     from quantspec.quant.config import QuantConfig
 
@@ -130,6 +134,8 @@ def load_quantized_module(path: Path, cfg: dict, module: nn.Module, table: dict,
     left = [n for n, p in list(module.named_parameters()) + list(module.named_buffers()) if p.is_meta]
     if left:
         raise QuantSpecError(f"{where}: tensors missing for {left[0]}; the artifact is incomplete")
+    attn = None if attention is None else module.get_submodule(attention)
+    module.kv_cache = head_kv(qc, tensors, attention, getattr(attn, "num_kv_heads", 0), where, what, device)
     return module.eval()
 
 
@@ -138,7 +144,8 @@ class HeadKind:
     """How a kind of draft head loads: `load(path, base_args, dtype=, device=)` an unquantized
     artifact; for a compressed-tensors one, `module(args)` builds it, `table(args)` is its
     unquantized weight table (`int_names` keep their dtype), `check_base(args, base_args, where=)`
-    and `check(head, where)` check it. `what` names it in messages."""
+    and `check(head, where)` check it. `what` names it in messages; `attention`, the module's
+    attention whose keys and values it caches (None: it keeps no KV cache)."""
 
     what: str
     load: Callable
@@ -147,6 +154,7 @@ class HeadKind:
     int_names: tuple[str, ...]
     check_base: Callable
     check: Callable
+    attention: str | None = None
 
 
 def load_head_for_inference(path: Path, cfg: dict, args: Callable, base: Transformer, dtype: torch.dtype | None,
@@ -160,7 +168,7 @@ def load_head_for_inference(path: Path, cfg: dict, args: Callable, base: Transfo
     kind.check_base(a, base.args, where=f"{kind.what} {path}")
     with torch.device("meta"):
         head = kind.module(a)
-    head = load_quantized_module(path, cfg, head, kind.table(a), kind.int_names, dtype, dev)
+    head = load_quantized_module(path, cfg, head, kind.table(a), kind.int_names, dtype, dev, kind.what, kind.attention)
     kind.check(head, str(path))
     return head
 
