@@ -104,7 +104,14 @@ EAGLE3_ARTIFACTS = {"eagle3_head_int4": dict(quant_type="weight_only_int4", grou
                     "eagle3_head_fp8_weights": dict(quant_type="weight_only_fp8"),
                     "eagle3_head_nvfp4a16": dict(quant_type="weight_only_nvfp4"),
                     "eagle3_head_int8_vllm": dict(quant_type="weight_only_int8", target="vllm"),
-                    "eagle3_head_mxfp4a16_vllm": dict(quant_type="weight_only_mxfp4", target="vllm")}
+                    "eagle3_head_mxfp4a16_vllm": dict(quant_type="weight_only_mxfp4", target="vllm"),
+                    # static FP8 inputs and an FP8 KV cache, from the head's own table (`calibrate --model HEAD`, written
+                    # to head.calib/ by the fixture)
+                    "eagle3_head_fp8_static_kv_vllm": dict(quant_type="a8w8_fp8", kv_cache="fp8", target="vllm",
+                                                           calib="head.calib/"),
+                    # static int8 inputs with the unit they hurt most kept float (a group named as the engines name it)
+                    "eagle3_head_int8_static_fallback_vllm": dict(quant_type="a8w8", fallback_layers=1, target="vllm",
+                                                                  calib="head.calib/")}
 EAGLE3_AUX = (0, 1, 2)  # the conformance model has 2 layers: explicit ids
 # valid compressed-tensors layouts quantspec reads but does not write, rebuilt from the artifacts
 # above (see `_other_layout`): what other tools write, and what the engines mishandle
@@ -193,11 +200,17 @@ def eagle3_head(conformance_model, tmp_path_factory):
 
 
 @pytest.fixture(scope="session")
-def eagle3_artifacts(eagle3_head) -> dict[str, Path]:
+def eagle3_artifacts(eagle3_head, conformance_model) -> dict[str, Path]:
     path = eagle3_head[0]
+    data = path.parent / "calib.txt"
+    data.write_text(TEXT)
+    table = api.calibrate(str(path), str(data), path.parent / "head.calib", num_samples=4, seq_len=32,
+                          base=str(conformance_model)).path  # measured on the base it drafts for
     out = {}
     for name, opts in EAGLE3_ARTIFACTS.items():
         opts = dict(opts)
+        if "calib" in opts:
+            opts["calib"] = str(table)
         out[name] = api.quantize(str(path), opts.pop("quant_type"), path.parent / name, **opts)
     return out
 

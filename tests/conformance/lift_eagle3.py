@@ -20,9 +20,11 @@ files build on (the base decoder layer, attention and MLP of `models/llama.py`, 
 parallel linear / norm / embedding classes) are `Recorded*` stand-ins below: modules whose
 parameters have the engine's shapes and a `weight_loader(param, tensor, shard_id)` that checks
 the shard's shape, copies it into its rows and records it; `default_weight_loader` is a
-recording copy; configs the constructors read (vLLM's `VllmConfig`, SGLang's server-args
+recording copy; a head with a `kv_cache_scheme` gets the layer's attention as the engines' KV-cache
+quant method leaves it: `self_attn.attn.k_scale` / `v_scale` (`_kv_scale`); configs the constructors read (vLLM's `VllmConfig`, SGLang's server-args
 accessors) are plain objects with the target's layer count and vocabulary, and the draft's
-quantization config they resolve is a marker (`DRAFT_QC`). The result lists every parameter,
+quantization config they resolve is a marker (`DRAFT_QC`) whose checkpoint-name mappers are vLLM's
+own. The result lists every parameter,
 which shards of it were loaded from which checkpoint tensor, the engine's draft-to-target map,
 and every layer the engine's EAGLE-3 code builds from a stand-in: the prefix (its name in the
 engine) and whether it was given the draft's quantization config; `fc_class` is the class the
@@ -51,18 +53,24 @@ BUILT: list[dict] = []  # (stand-in, the prefix and whether the draft's quant co
 
 class _DraftQuantConfig:
     """The marker the engines' draft quantization config resolves to here; what vLLM's
-    `AutoWeightsLoader` asks of a quantization config (no renames, no extra suffixes) it answers
-    as compressed-tensors does for a checkpoint without KV-cache scales."""
+    `AutoWeightsLoader` asks of a quantization config it answers as vLLM's compressed-tensors
+    config does, with the engine's own code: the KV-cache scale names and checkpoint renames of
+    `QuantizationConfig` (base_config.py, which `CompressedTensorsConfig` does not override), no
+    extra suffixes."""
 
     _ignore_unexpected_suffixes: list[str] = []
 
     @staticmethod
     def get_cache_scale_mapper():
-        from vllm.model_executor.models.utils import WeightsMapper
+        from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
 
-        return WeightsMapper()
+        return QuantizationConfig.get_cache_scale_mapper()
 
-    get_checkpoint_weight_mapper = get_cache_scale_mapper
+    @staticmethod
+    def get_checkpoint_weight_mapper():
+        from vllm.model_executor.layers.quantization.base_config import QuantizationConfig
+
+        return QuantizationConfig.get_checkpoint_weight_mapper()
 
 
 DRAFT_QC = _DraftQuantConfig()  # what the engine's draft quantization config resolves to
@@ -73,7 +81,8 @@ def _built(role: str, k: dict, quant_config=None) -> None:
     BUILT.append({"role": role, "prefix": k.get("prefix"), "draft_quant_config": qc is DRAFT_QC,
                   "quant_config": None if qc is None or qc is DRAFT_QC else repr(qc)})
 MODEL_MODULE = {"vllm": "vllm.model_executor.models.llama_eagle3", "sglang": "sglang.srt.models.llama_eagle3"}
-REAL = {"vllm": [MODEL_MODULE["vllm"], "vllm.model_executor.models.utils"], "sglang": [MODEL_MODULE["sglang"]]}
+REAL = {"vllm": [MODEL_MODULE["vllm"], "vllm.model_executor.models.utils",
+                 "vllm.model_executor.layers.quantization.base_config"], "sglang": [MODEL_MODULE["sglang"]]}
 
 
 def _param(shape, shards: dict | None = None) -> nn.Parameter:
@@ -88,6 +97,20 @@ def _param(shape, shards: dict | None = None) -> nn.Parameter:
             raise ValueError(f"shard {shard_id!r}: checkpoint shape {tuple(w.shape)} != {tuple(dst.shape)}")
         dst.copy_(w)
         LOADS.append({"param": id(param), "shard": shard_id, "shape": list(w.shape)})
+
+    p.weight_loader = weight_loader
+    return p
+
+
+def _kv_scale() -> nn.Parameter:
+    """A KV-cache scale of the engine's attention (vLLM's `Attention`, SGLang's `RadixAttention`,
+    given one by their KV-cache quant method): its loader takes the checkpoint's scale whatever
+    its shape and records it."""
+    p = nn.Parameter(torch.tensor(float("nan")), requires_grad=False)
+
+    def weight_loader(param, w, *a):
+        param.data = w.detach().float().reshape(-1).amax().reshape(())
+        LOADS.append({"param": id(param), "shard": None, "shape": list(w.shape)})
 
     p.weight_loader = weight_loader
     return p
@@ -174,12 +197,19 @@ class RecordedBaseLayer(nn.Module):
         self.self_attn.total_num_kv_heads = config.num_key_value_heads
         self.self_attn.qkv_proj = RecordedQKV(D, hd, H, config.num_key_value_heads, record=False)
         self.self_attn.o_proj = RecordedLinear(H * hd, D, record=False)
+        if KV_SCHEME:  # the attention the engines build for the layer holds the KV-cache scales
+            self.self_attn.attn = nn.Module()
+            self.self_attn.attn.k_scale, self.self_attn.attn.v_scale = _kv_scale(), _kv_scale()
         self.mlp = RecordedMLP(D, config.intermediate_size, record=False)
         self.input_layernorm = RecordedNorm(D)
         self.post_attention_layernorm = RecordedNorm(D)
 
 
 CONFIG = None  # the head's transformers config, set in main()
+KV_SCHEME = False  # whether its quantization_config has a kv_cache_scheme, set in main()
+QUANT_SUFFIXES = tuple(f".{s}" for s in ("weight_scale", "weight_zero_point", "weight_packed", "weight_shape",
+                                         "weight_global_scale", "input_scale", "input_global_scale",
+                                         "input_zero_point", "weight_g_idx"))
 
 
 def _overrides(engine: str, target_layers: int, target_vocab: int) -> dict:
@@ -236,7 +266,10 @@ def build_and_load(engine: str, head_dir: str, target_layers: int, target_vocab:
         model = mod.LlamaForCausalLMEagle3(CONFIG, quant_config=DRAFT_QC)
     names = {id(p): n for n, p in model.named_parameters()}
     shapes = {n: list(p.shape) for n, p in model.named_parameters()}
-    tensors = load_file(os.path.join(head_dir, "model.safetensors"))
+    # a quantized head's scales and packed codes are `lift.py`'s to judge (the decision code): the
+    # stand-ins hold a float weight per Linear, and the KV-cache scales where the head has them
+    tensors = {n: t for n, t in load_file(os.path.join(head_dir, "model.safetensors")).items()
+               if not n.endswith(QUANT_SUFFIXES)}
     model.load_weights(iter(tensors.items()))
     loads = {}
     for rec in LOADS:
@@ -298,11 +331,12 @@ def aux_layers(engine: str, num_layers: int) -> dict:
 
 
 def main() -> None:
-    global CONFIG, SOURCE
+    global CONFIG, KV_SCHEME, SOURCE
     engine, SOURCE, head_dir, target_layers, target_vocab = sys.argv[1:6]
     from transformers import LlamaConfig
 
     cfg = json.load(open(os.path.join(head_dir, "config.json")))
+    KV_SCHEME = bool((cfg.get("quantization_config") or {}).get("kv_cache_scheme"))
     CONFIG = LlamaConfig(**{k: v for k, v in cfg.items() if k not in ("architectures", "model_type")})
     CONFIG.architectures = cfg["architectures"]
     try:

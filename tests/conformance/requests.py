@@ -118,9 +118,15 @@ def eagle3_request(engine: str, artifacts: dict[str, Path], target_layers: int, 
         layers = {layer.format(L=target_layers): {"class": cls, "K": shapes[ss[0]][1],
                                                   "shards": [{"name": s, "N": shapes[s][0]} for s in ss]}
                   for layer, (cls, ss) in EAGLE3_LAYERS[engine].items() if "lm_head" not in ss}
+        attention = EAGLE3_ATTENTION[engine].format(L=target_layers) \
+            if cfg["quantization_config"].get("kv_cache_scheme") else None
         req["artifacts"][name] = {"quantization_config": cfg["quantization_config"], "layers": layers,
-                                  "tensors": tensors, "attention": None, "num_kv_heads": cfg["num_key_value_heads"]}
+                                  "tensors": tensors, "attention": attention, "num_kv_heads": cfg["num_key_value_heads"]}
     return req
+
+
+# the engine's name of an EAGLE-3 head's attention (its decoder layer's prefix, `EAGLE3_LAYERS`, + self_attn.attn)
+EAGLE3_ATTENTION = {"vllm": "model.layers.{L}.self_attn.attn", "sglang": "model.self_attn.attn"}
 
 
 def lifted_status(res: dict) -> tuple[str, dict[str, str]]:

@@ -33,7 +33,9 @@ quantized on its own. Both build it with the draft's own quantization config, un
 layer names (vLLM `model.fc`, `model.layers.<L>.self_attn.qkv_proj`, …; SGLang `model.qkv_proj`,
 `model.self_attn.o_proj`, …), which the suite reads from their `llama_eagle3.py`; SGLang builds
 `fc` as a plain `torch.nn.Linear`, so the default target leaves `fc` float, and a per-layer group
-size is written for the engines' names too. SGLang
+size is written for the engines' names too. A head's static input and KV-cache scales come from its
+own table (`calibrate --model HEAD`, measured as it drafts on its base); vLLM's EAGLE-3 loader puts
+its `midlayer.self_attn.k_scale` / `v_scale` into the head's attention, SGLang's skips them. SGLang
 refuses static int8 (`a8w8`) on its fused layers (qkv_proj, gate_up_proj) in its parameter loader,
 whatever the scale's shape or value: an upstream bug on valid compressed-tensors, which vLLM and
 transformers load. `a8w8_fp8_block` is FP8_BLOCK (`--weight-block 128`): one FP8 scale per

@@ -137,7 +137,8 @@ def lifted_eagle3(engine_sources, eagle3_artifacts, eagle3_head, tmp_path_factor
 
 @pytest.mark.parametrize("engine", ["vllm", "sglang"])
 @pytest.mark.parametrize("name", ["eagle3_head_int4", "eagle3_head_fp8_dynamic", "eagle3_head_int8_vllm",
-                                  "eagle3_head_nvfp4a16", "eagle3_head_mxfp4a16_vllm"])
+                                  "eagle3_head_nvfp4a16", "eagle3_head_mxfp4a16_vllm",
+                                  "eagle3_head_fp8_static_kv_vllm"])
 def test_quantized_head_verdict_matches_engine_code(lifted_eagle3, eagle3_artifacts, engine, name):
     """Per engine layer, the engine's own compressed-tensors code picks what the verdict says:
     the default head (fc float, o_proj / gate_up at g64 by name targets that name the engines'
@@ -166,6 +167,67 @@ def test_quantized_head_verdict_matches_engine_code(lifted_eagle3, eagle3_artifa
     if name == "eagle3_head_int4":
         assert {n.rsplit(".", 1)[1]: lv.group_size for n, lv in v.layers.items()} == \
             {"qkv_proj": 128, "o_proj": 64, "gate_up_proj": 64, "down_proj": 128}
+
+
+def test_head_fallback_unit_reaches_vllm_under_its_name(lifted_eagle3, eagle3_artifacts, eagle3_head):
+    """Static int8 inputs with the unit they hurt most kept float: vLLM's compressed-tensors code
+    runs that unit's engine layer W8A16 (the fallback group's targets name vLLM's layers,
+    `engines.eagle3_targets`) and the others with static int8 inputs, as the verdict says."""
+    from quantspec.quant.artifact import read_provenance
+
+    ans = lifted_eagle3["vllm"]
+    if isinstance(ans, str):
+        pytest.skip(ans)
+    name = "eagle3_head_int8_static_fallback_vllm"
+    path = eagle3_artifacts[name]
+    (unit,) = read_provenance(path)["provenance"]["calibration"]["static_plan"]["fallback_units"]
+    res, v = ans["result"][name], artifact_verdicts(path)["vllm"]
+    status, per_layer = lifted_status(res)
+    assert status == v.status == "loads", (v.line(), res)
+    L = eagle3_head[2].num_layers
+    fallback = {layer.format(L=L) for layer, (_, shards) in EAGLE3_LAYERS["vllm"].items()
+                if set(shards) == set(unit["linears"])}
+    assert len(fallback) == 1
+    for layer in per_layer:
+        r = res["layers"][layer]
+        assert r["scheme"] == v.layers[layer].scheme == ("WNA16" if layer in fallback else "W8A8Int8"), (layer, r)
+
+
+@pytest.mark.parametrize("engine", ["vllm", "sglang"])
+def test_head_kv_scales_reach_vllm_attention_and_not_sglang(engine_sources, eagle3_artifacts, eagle3_head,
+                                                           lifted_eagle3, engine):
+    """An FP8 KV cache on the head, as the verdicts say: both engines' compressed-tensors code gives
+    the head's attention its KV-cache method; vLLM's EAGLE-3 `load_weights` (its `midlayer.` →
+    `layers.0.` rename, then `QuantizationConfig.get_cache_scale_mapper`) loads
+    `midlayer.self_attn.k_scale` / `v_scale` into that attention's scales; SGLang's skips them and
+    its attention keeps the scales it was made with (`SGLANG_EAGLE3_KV`)."""
+    from safetensors.torch import load_file
+
+    from quantspec.quant.config import QuantConfig
+    from quantspec.quant.engines.drafts import SGLANG_EAGLE3_KV, eagle3_kv_ignored
+
+    src, ans = engine_sources[engine], lifted_eagle3[engine]
+    if isinstance(src, str) or isinstance(ans, str):
+        pytest.skip(src if isinstance(src, str) else ans)
+    name = "eagle3_head_fp8_static_kv_vllm"
+    path = eagle3_artifacts[name]
+    kv = ans["result"][name]["kv"]
+    assert kv["error"] is None and kv["method"] is not None, kv
+    res = _lift(src, path, eagle3_head[2])
+    assert "fatal" not in res, res.get("fatal")
+    out, attn = res["result"], "model.layers.0.self_attn.attn"
+    written = load_file(str(path / "model.safetensors"))
+    v = artifact_verdicts(path)[engine]
+    if engine == "vllm":
+        for n in "kv":
+            assert out["loads"][f"{attn}.{n}_scale"] == [[None, list(written[f"midlayer.self_attn.{n}_scale"].shape)]]
+        assert v.kv_cache == "fp8 per-tensor" and not any("KV" in r for r in v.reasons)
+    else:
+        assert {f"{attn}.k_scale", f"{attn}.v_scale"} <= set(out["nan_left"])
+        assert not any(n.startswith(attn) for n in out["loads"])
+        # beside fc (refused here: the head is --target vllm's) the verdict ignores the scales
+        config = QuantConfig.from_dict(json.loads((path / "config.json").read_text())["quantization_config"])
+        assert v.kv_cache is None and SGLANG_EAGLE3_KV in eagle3_kv_ignored("sglang", config)
 
 
 def test_sglang_passes_a_quantized_fc_by(engine_sources, eagle3_artifacts, eagle3_head):

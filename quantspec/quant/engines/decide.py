@@ -7,7 +7,7 @@ from typing import Iterable, Mapping
 
 from quantspec.errors import QuantSpecError
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.engines.drafts import EAGLE3_LAYERS, draft_refusal, eagle3_layers
+from quantspec.quant.engines.drafts import EAGLE3_LAYERS, draft_refusal, eagle3_kv_ignored, eagle3_layers
 from quantspec.quant.engines.layers import (
     engine_layer,
     engine_layers,
@@ -60,13 +60,15 @@ def engine_verdicts(config: QuantConfig, linears: Mapping[str, int | None] | Ite
         else:
             per_layer = None
         out[engine] = draft_refusal(engine, draft, draft_config) or \
-            _verdict(engine, config, targets, layers, linears, capability, per_layer, rows or {})
+            _verdict(engine, config, targets, layers, linears, capability, per_layer, rows or {}, draft)
     return out
 
 
-def _verdict(engine, config, targets, layers, linears, capability, per_layer=None, rows=None) -> EngineVerdict:
+def _verdict(engine, config, targets, layers, linears, capability, per_layer=None, rows=None,
+             draft=None) -> EngineVerdict:
     """One engine's verdict; `per_layer`: its layer verdicts when the caller judged them (an
-    EAGLE-3 head's engine layers), else judged here from the checkpoint's `layers`."""
+    EAGLE-3 head's engine layers), else judged here from the checkpoint's `layers`; `draft`: the
+    draft module's kind (an EAGLE-3 head's KV-cache scales, `drafts.eagle3_kv_ignored`)."""
     if engine == "quantspec":
         kv, _, _ = kv_verdict(engine, config.kv_cache_scheme)
         per_layer = {layer: (quantspec_embedding if _short(layer) == "embed_tokens" else quantspec_layer)(
@@ -96,6 +98,8 @@ def _verdict(engine, config, targets, layers, linears, capability, per_layer=Non
     refused = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme is None]
     ignored = [f"{_short(n)}: {v.problem}" for n, v in per_layer.items() if v.problem and v.scheme]
     kv, kv_ignored, kv_refused = kv_verdict(engine, config.kv_cache_scheme)
+    if draft == "eagle3" and not kv_refused and (dropped := eagle3_kv_ignored(engine, config)):
+        kv, kv_ignored = None, dropped
     if kv_refused:
         refused.append(kv_refused)
     if kv_ignored:
@@ -175,7 +179,9 @@ def _fixes(engine: str, config: QuantConfig, problems: list[str]) -> list[str]:
         out.append("drop --asym")
     kv = config.kv_cache_scheme
     if "KV" in text and kv is not None:
-        if engine == "transformers":
+        if "the head's KV-cache scales" in text:
+            out.append("drop --kv-cache, or pass --target vllm (which loads them)")
+        elif engine == "transformers":
             out.append("drop --kv-cache")
         elif kv.type == "int":
             out.append("use --kv-cache fp8")

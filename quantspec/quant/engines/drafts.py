@@ -37,8 +37,8 @@ from quantspec.quant.engines.tables import ENGINE_VERSIONS, ENGINES, engine_name
 from quantspec.quant.engines.verdict import EngineVerdict, LayerVerdict
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["DRAFT_REFUSALS", "EAGLE3_LAYERS", "SGLANG_EAGLE3_FC", "draft_verdicts", "draft_refusal",
-           "eagle3_layers", "eagle3_ignore", "eagle3_refusal", "eagle3_targets"]
+__all__ = ["DRAFT_REFUSALS", "EAGLE3_LAYERS", "SGLANG_EAGLE3_FC", "SGLANG_EAGLE3_KV", "draft_verdicts",
+           "draft_refusal", "eagle3_kv_ignored", "eagle3_layers", "eagle3_ignore", "eagle3_refusal", "eagle3_targets"]
 
 _QKV = tuple(f"midlayer.self_attn.{s}_proj" for s in "qkv")
 _GATE_UP = ("midlayer.mlp.gate_proj", "midlayer.mlp.up_proj")
@@ -66,6 +66,10 @@ SGLANG_EAGLE3_FC = (f"SGLang {ENGINE_VERSIONS['sglang']} builds fc as a plain to
                     "quant_config (llama_eagle3.py LlamaModel.__init__), so "
                     "LlamaForCausalLMEagle3.load_weights skips fc's quantized tensors (no such "
                     "parameter) and fc runs its random initial weight")
+SGLANG_EAGLE3_KV = (f"SGLang {ENGINE_VERSIONS['sglang']}'s LlamaForCausalLMEagle3.load_weights looks the head's "
+                    "layers.0.self_attn.k_scale / v_scale up under those names, its attention holds them as "
+                    "self_attn.attn.k_scale / v_scale, and it skips a name it does not find: the head's KV cache "
+                    "runs at its default scale")
 # checkpoint Linear → why an engine cannot take it quantized
 _FLOAT_ONLY = {"sglang": {"fc": SGLANG_EAGLE3_FC}}
 _EAGLE3_UNSEEN = "name targets written for the checkpoint's names do not reach {engine}'s name for it, {layer}"
@@ -85,6 +89,16 @@ DRAFT_REFUSALS = {
                         "EAGLE-3 head (architecture LlamaForCausalLMEagle3)",
     },
 }
+
+
+def eagle3_kv_ignored(engine: str, config: QuantConfig) -> str | None:
+    """What `engine` ignores of an EAGLE-3 head's KV-cache scales (None: nothing, or none written).
+    vLLM's `AutoWeightsLoader` maps `midlayer.self_attn.k_scale` to its attention's `attn.k_scale`
+    (`QuantizationConfig.get_cache_scale_mapper`, after the head's `midlayer.` → `layers.0.`);
+    SGLang's loader does not (`SGLANG_EAGLE3_KV`)."""
+    if engine != "sglang" or config.kv_cache_scheme is None:
+        return None
+    return f"the head's KV-cache scales ({SGLANG_EAGLE3_KV})"
 
 
 def draft_verdicts(draft: str, config: dict | None = None) -> dict[str, EngineVerdict]:
