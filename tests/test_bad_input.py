@@ -323,6 +323,8 @@ CASES = [
                                    "--target quantspec --out {d}/q", "--kv-cache"),
     ("quantize-draft-smoothquant", "quantize --model {d}/medusa --quant-type a8w8 --calib {d}/no-table "
                                    "--smoothquant-alpha 0.5 --target quantspec --out {d}/q", "--smoothquant-alpha"),
+    ("quantize-draft-alpha-search", "quantize --model {d}/eagle_badd2t --quant-type a8w8 --calib {d}/no-table "
+                                    "--smoothquant-alpha auto --target quantspec --out {d}/q", "--smoothquant-alpha"),
     ("calibrate-draft-rotate", "calibrate --model {d}/medusa --dataset {d}/calib.txt --rotate R1 --out {d}/t",
      "--rotate"),
     ("calibrate-draft-no-base", "calibrate --model {d}/medusa --dataset {d}/calib.txt --out {d}/t", "--base"),

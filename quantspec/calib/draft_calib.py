@@ -58,9 +58,14 @@ def draft_request(config, model_dir: Path, what: str | None, kind: str | None = 
     if config.method not in ("rtn", "gptq"):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn or gptq (AWQ and AutoRound "
                              "are for base models)")
-    if config.smoothquant_alpha not in (None, "none"):
-        raise QuantSpecError(f"{model_dir} is {what}: SmoothQuant folds its factors into a base model's norms; "
-                             "drop --smoothquant-alpha (the units static inputs hurt keep float ones)")
+    alpha = config.smoothquant_alpha
+    if alpha not in (None, "none"):
+        why = ("Medusa heads have no norm for SmoothQuant's factors to fold into" if kind == "medusa" else
+               "SmoothQuant of inputs quantized per token is for base models" if not config.static else
+               "--smoothquant-alpha auto searches α on a base model's layers; give a number (e.g. 0.5)"
+               if alpha == "auto" else None)
+        if why is not None:
+            raise QuantSpecError(f"{model_dir} is {what}: {why}; drop --smoothquant-alpha or change it")
     if config.fallback_budget is not None:
         raise QuantSpecError(f"{model_dir} is {what}: --a8w8-fallback-budget is a base model's perplexity budget; "
                              "use --a8w8-fallback-threshold E or --a8w8-fallback-layers N")

@@ -34,7 +34,8 @@ from quantspec.calib.tables import write_table
 from quantspec.errors import QuantSpecError, about
 from quantspec.model_zoo.eagle3 import EAGLE3_ATTENTION
 
-__all__ = ["DRAFT_FALLBACK_THRESHOLD", "calibrate_draft", "draft_sensitivity", "draft_static_plan", "observe_draft"]
+__all__ = ["DRAFT_ALPHA", "DRAFT_FALLBACK_THRESHOLD", "calibrate_draft", "draft_sensitivity", "draft_smoothing", "draft_static_plan",
+           "observe_draft", "smoothing_groups"]
 
 # The static-input error (`draft_sensitivity`) above which a unit keeps float inputs by default.
 # Measured on the default model's EAGLE-3 head (64 × 512 calibration tokens): int8 inputs cost
@@ -44,6 +45,11 @@ __all__ = ["DRAFT_FALLBACK_THRESHOLD", "calibrate_draft", "draft_sensitivity", "
 # agreement with the base per depth against the float head's 26.7 / 14.0 / 9.1 / 6.8, and 7.1 /
 # 5.8 / 5.0 / 3.7 with every unit static (bench/draft_quant.py).
 DRAFT_FALLBACK_THRESHOLD = 0.01
+# SmoothQuant's α for a module's int8 inputs by default (FP8 inputs need none: their error is at most
+# 0.0011 unsmoothed). On that head α 0.5 takes gate/up from 0.051 / 0.063 to 0.0055 / 0.0073 (static
+# under the threshold) and down_proj from 0.37 to 0.14 (kept float); top-1 agreement per depth 26.4 /
+# 14.1 / 9.2 / 7.0% against 26.2 / 14.1 / 9.0 / 6.7 unsmoothed (α 0.8: 26.0 / 14.0 / 9.0 / 6.7).
+DRAFT_ALPHA = 0.5
 _WHAT = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
 
 
@@ -119,12 +125,16 @@ def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None
     table holds it (q/k/v and gate/up at their group's largest, `calib.smooth.shared_group_scales`:
     the engines fuse them), GPTQ's windows: `batches`, or the table's own, by the base's tokenizer).
 
-    Fallback: the fused units whose static inputs cost the most keep float inputs (W8A16), scored
-    by `draft_sensitivity` on the table's data: every unit above `config.fallback_threshold`
-    (default `DRAFT_FALLBACK_THRESHOLD`), or the `config.fallback_layers` worst."""
+    SmoothQuant: the module is smoothed in place first (`draft_smoothing`) at
+    `config.smoothquant_alpha`, by default `DRAFT_ALPHA` for int8 inputs where it has a norm to
+    fold into (MTP, EAGLE-3), none otherwise. Fallback: the fused units whose static inputs cost the most keep
+    float inputs (W8A16), scored by `draft_sensitivity` on the table's data (on the smoothed
+    module): every unit above `config.fallback_threshold` (default `DRAFT_FALLBACK_THRESHOLD`),
+    or the `config.fallback_layers` worst."""
     from quantspec.calib.data import TableWindows
-    from quantspec.calib.smooth import shared_group_scales
+    from quantspec.calib.smooth import shared_group_scales, smoothed_input_absmax
     from quantspec.calib.static_plan import rank_units, select_fallback, with_fallback_layers
+    from quantspec.quant.primitives import scale_from_absmax
     from quantspec.calib.targets import quantized_linears
     from quantspec.model_zoo.checkpoint import model_fingerprint, resolve_model_dir
     from quantspec.model_zoo.eagle3 import Eagle3Head
@@ -142,7 +152,12 @@ def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None
     kind = "fp8" if config.quant_type == "a8w8_fp8" else "int8"
     static = [n for n, m in quantized_linears(module, qconfig).items() if isinstance(m, nn.Linear)
               and (a := qconfig.scheme_for(n).input_activations) is not None and not a.dynamic]
-    scales = shared_group_scales({n: table.input_scale(n, kind) for n in static})
+    alpha = config.smoothquant_alpha
+    if alpha is None:  # the recipe's default
+        alpha = DRAFT_ALPHA if kind == "int8" and smoothing_groups(module) is not None else "none"
+    factors = draft_smoothing(module, table, alpha)
+    scales = shared_group_scales({n: scale_from_absmax(smoothed_input_absmax(table, n, factors.get(n)), kind)
+                                  for n in static})
     data = TableWindows(table.meta, src.base_dir, config.dataset, split=config.split, text_field=config.text_field,
                         seq_len=config.seq_len, seed=config.seed)
     errors = draft_sensitivity(module, load_base(src.base_dir), data.search_windows(config.search_samples),
@@ -156,7 +171,7 @@ def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None
         batches = data.table_windows()
         src.calib_summary.update(method_data=data.describe(0, batches.shape[0]))
     src.calib_summary.update(static_plan={
-        "smoothquant_alphas": None,
+        "smoothquant_alphas": {"*": float(alpha)} if factors else None,
         "fallback_rule": {"by": "rank", "units": config.fallback_layers or 0, "threshold": threshold},
         "fallback_layers": fallback,
         "fallback_units": [{"linears": list(u), "error": round(e, 6)} for u, e in rank_units(errors)
@@ -164,6 +179,44 @@ def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None
         "sensitivity": {n: round(e, 6) for n, e in errors.items()}, "held_back": None,
         "static_activation_linears": len(scales) - len(fallback)})
     return with_fallback_layers(qconfig, fallback, targets), scales, batches
+
+
+def smoothing_groups(module) -> tuple[nn.Module, str, tuple[str, ...]] | None:
+    """(the decoder layer of the draft `module` SmoothQuant folds into, its name, the first Linear
+    of each group it smooths): an MTP module's layer all three groups (q/k/v after its
+    input_layernorm, gate/up, up → down); an EAGLE-3 head's gate/up and up → down (its q/k/v read
+    two norms' outputs side by side, whose outliers are few: their static error is the least of
+    the head's); None for Medusa heads (no norm, nothing to fold into)."""
+    from quantspec.model_zoo.eagle3 import Eagle3Head
+    from quantspec.model_zoo.mtp import MTPModule
+
+    if isinstance(module, Eagle3Head):
+        return module.midlayer, "midlayer", ("mlp.gate_proj", "mlp.down_proj")
+    if isinstance(module, MTPModule):
+        return module.model.layers[0], "model.layers.0", ("self_attn.q_proj", "mlp.gate_proj", "mlp.down_proj")
+    return None
+
+
+@torch.no_grad()
+def draft_smoothing(module, table, alpha) -> dict[str, torch.Tensor]:
+    """SmoothQuant with one `alpha` on the draft `module`'s groups (`smoothing_groups`), from its
+    `table`'s per-channel input ranges, folded into the module in place → the factors {Linear:
+    s [K]} (`calib.smooth`); {} for `alpha` None or "none"."""
+    from quantspec.calib.smooth import layer_smoothing_factors, smooth_layer
+
+    if alpha is None or alpha == "none":
+        return {}
+    if alpha == "auto":
+        raise QuantSpecError("--smoothquant-alpha auto searches α on a base model's layers; give a draft module "
+                             "a number (e.g. 0.5) or none")
+    found = smoothing_groups(module)
+    if found is None:
+        raise QuantSpecError("Medusa heads have no norm for SmoothQuant's factors to fold into; drop "
+                             "--smoothquant-alpha")
+    layer, prefix, groups = found
+    factors = layer_smoothing_factors(layer, prefix, table, {f"{prefix}.{g}": float(alpha) for g in groups})
+    smooth_layer(layer, prefix, factors)
+    return factors
 
 
 @torch.no_grad()

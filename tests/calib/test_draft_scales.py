@@ -180,7 +180,7 @@ def test_static_artifact_holds_the_table_scales(modules, tables, base, tmp_path,
     ranked = sorted(errors.values())
     threshold = (ranked[len(ranked) // 2 - 1] + ranked[len(ranked) // 2]) / 2  # between two: no near-ties
     out = api.quantize(str(path), quant_type, tmp_path / "q", calib=str(tables[kind]), target="quantspec",
-                       fallback_threshold=threshold, search_samples=3)
+                       fallback_threshold=threshold, search_samples=3, smoothquant_alpha="none")
     plan = json.loads((out / "quantspec.json").read_text())["provenance"]["calibration"]["static_plan"]
     for n, e in errors.items():
         assert plan["sensitivity"][n] == pytest.approx(e, rel=1e-3, abs=1e-6), n
@@ -195,6 +195,35 @@ def test_static_artifact_holds_the_table_scales(modules, tables, base, tmp_path,
     prov = json.loads((out / "quantspec.json").read_text())["provenance"]
     assert prov["calibration"]["calibration"]["draft"]["kind"] == kind
     assert not any(k.endswith(("k_scale", "v_scale")) for k in t)
+
+
+@pytest.mark.parametrize("kind,groups", [("eagle3", (("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),)),
+                                         ("mtp", (("input_layernorm", ("self_attn.q_proj", "self_attn.k_proj",
+                                                                       "self_attn.v_proj")),
+                                                  ("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj"))))])
+def test_smoothquant_on_a_head_folds_the_table_factors(modules, tables, tmp_path, kind, groups):
+    """At the default α (0.5) for int8 inputs, from scratch: s_j = max|X_j|^α / max|W_j|^(1-α) over
+    the group's Linears (the table's per-channel ranges); the norm before the group holds γ / s, and
+    each static Linear's input scale is max_j(max|X_j| / s_j) on the int8 grid."""
+    path, load = modules[kind]
+    module = load(path)
+    prefix = "midlayer" if kind == "eagle3" else "model.layers.0"
+    table = load_file(str(tables[kind] / "scales.safetensors"))
+    out = api.quantize(str(path), "a8w8", tmp_path / "q", calib=str(tables[kind]), target="quantspec",
+                       fallback_threshold=1e9)  # every unit static: each scale is checked
+    t = load_file(str(out / "model.safetensors"))
+    plan = json.loads((out / "quantspec.json").read_text())["provenance"]["calibration"]["static_plan"]
+    assert plan["smoothquant_alphas"] == {"*": 0.5}
+    layer = module.get_submodule(prefix)
+    for norm, names in groups:
+        x = table[f"{prefix}.{names[0]}.input_channel_absmax"]
+        w = torch.stack([layer.get_submodule(n).weight.detach().abs().amax(0) for n in names]).amax(0)
+        s = (x.clamp_min(1e-5) ** 0.5 / w.clamp_min(1e-5) ** 0.5).clamp_min(1e-5)
+        torch.testing.assert_close(t[f"{prefix}.{norm}.weight"], getattr(layer, norm).weight.detach() / s,
+                                   rtol=1e-4, atol=1e-6)
+        for n in names:
+            torch.testing.assert_close(t[f"{prefix}.{n}.input_scale"].reshape(()),
+                                       scale_from_absmax((x / s).amax(), "int8").reshape(()), rtol=1e-5, atol=0)
 
 
 def _greedy(base, prompts, proposer=None, k=0):
@@ -247,13 +276,16 @@ def test_eagle3_kv_cache_scales_are_the_tables_and_drafting_reads_codes(modules,
 
 
 def test_refusals(modules, tables, base_dir, data, tmp_path):
-    """A table of another module, --kv-cache on a module with no KV cache, SmoothQuant or a
-    perplexity budget, --base on a base model, --rotate on a head: one line each, nothing written."""
+    """A table of another module, --kv-cache on a module with no KV cache, SmoothQuant's α search
+    or Medusa heads smoothed (no norm), a perplexity budget, --base on a base model, --rotate on a
+    head: one line each, nothing written."""
     e3, medusa = str(modules["eagle3"][0]), str(modules["medusa"][0])
     cases = [
         (dict(model=medusa, quant_type="a8w8", calib=str(tables["eagle3"])), "calibration table .* was made for"),
         (dict(model=medusa, quant_type="a8w8", calib=str(tables["medusa"]), kv_cache="int8"), "--kv-cache"),
-        (dict(model=e3, quant_type="a8w8", calib=str(tables["eagle3"]), smoothquant_alpha=0.5), "--smoothquant-alpha"),
+        (dict(model=e3, quant_type="a8w8", calib=str(tables["eagle3"]), smoothquant_alpha="auto"),
+         "--smoothquant-alpha"),
+        (dict(model=medusa, quant_type="a8w8", calib=str(tables["medusa"]), smoothquant_alpha=0.5), "no norm"),
         (dict(model=e3, quant_type="a8w8", calib=str(tables["eagle3"]), fallback_budget=1.0),
          "--a8w8-fallback-budget"),
         (dict(model=str(base_dir), quant_type="a8w8", calib=str(tables["eagle3"])), "calibration table .* was made for"),
