@@ -121,43 +121,25 @@ def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Pa
 def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None):
     """The static a8w8 / a8w8_fp8 plan of the quantize run `config` (`calib.quantize.QuantizeConfig`)
     of the draft `module` (config `qconfig`), whose table is `src.table`, measured on its base
-    (`src.base_dir`: `--base`, else the one the table was measured on) → (`qconfig` with the fallback group, each Linear's static input scale as the
-    table holds it (q/k/v and gate/up at their group's largest, `calib.smooth.shared_group_scales`:
-    the engines fuse them), GPTQ's windows: `batches`, or the table's own, by the base's tokenizer).
+    (`src.base_dir`: `--base`, else the one the table was measured on) → (`qconfig` with the
+    fallback group, each static Linear's input scale from the table (q/k/v and gate/up at their
+    group's largest, `calib.smooth.shared_group_scales`: the engines fuse them), GPTQ's windows:
+    `batches`, or the table's own, by the base's tokenizer).
 
     SmoothQuant: the module is smoothed in place first (`draft_smoothing`) at
     `config.smoothquant_alpha`, by default `DRAFT_ALPHA` for int8 inputs where it has a norm to
-    fold into (MTP, EAGLE-3), none otherwise. Fallback: the fused units whose static inputs cost the most keep
-    float inputs (W8A16), scored by `draft_sensitivity` on the table's data (on the smoothed
-    module): every unit above `config.fallback_threshold` (default `DRAFT_FALLBACK_THRESHOLD`),
-    or the `config.fallback_layers` worst."""
+    fold into (MTP, EAGLE-3), none otherwise. Fallback: the fused units whose static inputs cost
+    the most keep float inputs (W8A16), scored by `draft_sensitivity` on the table's data (on the
+    smoothed module): every unit above `config.fallback_threshold` (default
+    `DRAFT_FALLBACK_THRESHOLD`), or the `config.fallback_layers` worst."""
     from quantspec.calib.data import TableWindows
-    from quantspec.calib.smooth import shared_group_scales, smoothed_input_absmax
     from quantspec.calib.static_plan import rank_units, select_fallback, with_fallback_layers
-    from quantspec.quant.primitives import scale_from_absmax
-    from quantspec.calib.targets import quantized_linears
-    from quantspec.model_zoo.checkpoint import model_fingerprint, resolve_model_dir
     from quantspec.model_zoo.eagle3 import Eagle3Head
     from quantspec.quant.engines import eagle3_targets, fused_targets
 
-    table = src.table
-    table.check_model(module)
-    measured_on = table.meta.get("draft") or {}
-    if src.base_dir is None:  # the base the table was measured on
-        with about("--calib"):
-            src.base_dir = resolve_model_dir(measured_on.get("base"))
-    if measured_on.get("base_fingerprint") != model_fingerprint(src.base_dir):
-        raise QuantSpecError(f"the table {table.path} was measured on another base than {src.base_dir}; pass "
-                             f"the one it names ({measured_on.get('base')}) or recalibrate the module on this one")
-    kind = "fp8" if config.quant_type == "a8w8_fp8" else "int8"
-    static = [n for n, m in quantized_linears(module, qconfig).items() if isinstance(m, nn.Linear)
-              and (a := qconfig.scheme_for(n).input_activations) is not None and not a.dynamic]
-    alpha = config.smoothquant_alpha
-    if alpha is None:  # the recipe's default
-        alpha = DRAFT_ALPHA if kind == "int8" and smoothing_groups(module) is not None else "none"
-    factors = draft_smoothing(module, table, alpha)
-    scales = shared_group_scales({n: scale_from_absmax(smoothed_input_absmax(table, n, factors.get(n)), kind)
-                                  for n in static})
+    table, kind = src.table, "fp8" if config.quant_type == "a8w8_fp8" else "int8"
+    src.base_dir = _table_base(table, src.base_dir)
+    alpha, factors, scales = _smoothed_scales(config, module, qconfig, table, kind)
     data = TableWindows(table.meta, src.base_dir, config.dataset, split=config.split, text_field=config.text_field,
                         seq_len=config.seq_len, seed=config.seed)
     errors = draft_sensitivity(module, load_base(src.base_dir), data.search_windows(config.search_samples),
@@ -179,6 +161,40 @@ def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None
         "sensitivity": {n: round(e, 6) for n, e in errors.items()}, "held_back": None,
         "static_activation_linears": len(scales) - len(fallback)})
     return with_fallback_layers(qconfig, fallback, targets), scales, batches
+
+
+def _table_base(table, base_dir: Path | None) -> Path:
+    """The base a draft module's static plan is measured on: `base_dir` (`--base`), else the one
+    its table was measured on; a table measured on another base is refused."""
+    from quantspec.model_zoo.checkpoint import model_fingerprint, resolve_model_dir
+
+    measured_on = table.meta.get("draft") or {}
+    if base_dir is None:
+        with about("--calib"):
+            base_dir = resolve_model_dir(measured_on.get("base"))
+    if measured_on.get("base_fingerprint") != model_fingerprint(base_dir):
+        raise QuantSpecError(f"the table {table.path} was measured on another base than {base_dir}; pass "
+                             f"the one it names ({measured_on.get('base')}) or recalibrate the module on this one")
+    return base_dir
+
+
+def _smoothed_scales(config, module, qconfig, table, kind: str):
+    """(α, the SmoothQuant factors folded into `module`, the static input scale of each Linear
+    `qconfig` gives static inputs) for `draft_static_plan`."""
+    from quantspec.calib.smooth import shared_group_scales, smoothed_input_absmax
+    from quantspec.calib.targets import quantized_linears
+    from quantspec.quant.primitives import scale_from_absmax
+
+    table.check_model(module)
+    static = [n for n, m in quantized_linears(module, qconfig).items() if isinstance(m, nn.Linear)
+              and (a := qconfig.scheme_for(n).input_activations) is not None and not a.dynamic]
+    alpha = config.smoothquant_alpha
+    if alpha is None:  # the recipe's default
+        alpha = DRAFT_ALPHA if kind == "int8" and smoothing_groups(module) is not None else "none"
+    factors = draft_smoothing(module, table, alpha)
+    scales = shared_group_scales({n: scale_from_absmax(smoothed_input_absmax(table, n, factors.get(n)), kind)
+                                  for n in static})
+    return alpha, factors, scales
 
 
 def smoothing_groups(module) -> tuple[nn.Module, str, tuple[str, ...]] | None:
