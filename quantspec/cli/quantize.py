@@ -226,11 +226,17 @@ def _fallback_rows(fb: dict | None) -> list[tuple[str, str]]:
         rows.append(("fallback rule", "none"))
     units = fb.get("units") or []
     if units:
-        names = ", ".join(u["linears"][0].rsplit(".", 1)[0] + "." + "/".join(n.rsplit(".", 1)[1] for n in u["linears"])
-                          + f" ({u['error']:.3g})" for u in units)
+        names = ", ".join(_unit_name(u["linears"]) + f" ({u['error']:.3g})" for u in units)
         rows.append(("fallback (weight-only)", f"{len(units)} units, {sum(len(u['linears']) for u in units)} "
                                                f"Linears, by measured error: {names}"))
     return rows
+
+
+def _unit_name(linears: list[str]) -> str:
+    """A fused unit by its shards: "model.layers.3.self_attn.q_proj/k_proj/v_proj"; a Linear of a
+    draft module outside any layer by its name ("fc")."""
+    prefix, _, _ = linears[0].rpartition(".")
+    return (f"{prefix}." if prefix else "") + "/".join(n.rpartition(".")[2] for n in linears)
 
 
 @main.command()

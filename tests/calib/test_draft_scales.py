@@ -195,6 +195,18 @@ def test_static_artifact_holds_the_table_scales(modules, tables, base, tmp_path,
     prov = json.loads((out / "quantspec.json").read_text())["provenance"]
     assert prov["calibration"]["calibration"]["draft"]["kind"] == kind
     assert not any(k.endswith(("k_scale", "v_scale")) for k in t)
+    r = CliRunner().invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0 and "fallback (weight-only)" in r.output, r.output
+
+
+def test_inspect_names_every_fallback_unit_of_a_head(modules, tables, tmp_path):
+    """Every unit above a threshold of 0 keeps float inputs: `inspect` names each, `fc` (a Linear
+    outside the head's layer) as it is."""
+    out = api.quantize(str(modules["eagle3"][0]), "a8w8", tmp_path / "q", calib=str(tables["eagle3"]),
+                       target="vllm", fallback_threshold=0.0)
+    r = CliRunner(env={"COLUMNS": "400"}).invoke(main, ["inspect", str(out)])
+    assert r.exit_code == 0, r.output
+    assert "fc (" in r.output and "midlayer.self_attn.q_proj/k_proj/v_proj (" in r.output
 
 
 @pytest.mark.parametrize("kind,groups", [("eagle3", (("post_attention_layernorm", ("mlp.gate_proj", "mlp.up_proj")),)),
