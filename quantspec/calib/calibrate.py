@@ -355,7 +355,7 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
     if draft_kind(cfg) is not None:
         from quantspec.calib.draft_scales import calibrate_draft
 
-        return calibrate_draft(config, model_dir, cfg, out, say)
+        return calibrate_draft(config, model_dir, cfg, out, say, device)
     if config.base is not None:
         raise QuantSpecError(f"--base is a draft module's base and {model_dir} is not a draft module; drop --base")
     with about("--model"):  # every shard's header checked before any work

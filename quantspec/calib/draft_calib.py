@@ -106,12 +106,12 @@ def load_draft(model_dir: Path, config: dict, dtype: torch.dtype = torch.float32
     return None
 
 
-def load_base(base_dir: Path, dtype: torch.dtype = torch.float32) -> nn.Module:
-    """The float base at `base_dir` a draft module is measured on, frozen."""
+def load_base(base_dir: Path, dtype: torch.dtype = torch.float32, device="cpu") -> nn.Module:
+    """The float base at `base_dir` a draft module is measured on, frozen, on `device`."""
     from quantspec.model_zoo.checkpoint import load_model
 
     with about("--base"):
-        return load_model(base_dir, dtype=dtype)[0].requires_grad_(False)
+        return load_model(base_dir, dtype=dtype, device=device)[0].requires_grad_(False)
 
 
 def check_base(module: nn.Module, base_dir: Path) -> None:

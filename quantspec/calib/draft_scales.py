@@ -80,9 +80,9 @@ def observe_draft(module, base, windows: torch.Tensor, *, observer: str = "minma
 
 
 def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Path,
-                    say: Callable[[str], None]) -> CalibrationResult:
+                    say: Callable[[str], None], device="cpu") -> CalibrationResult:
     """The table of the draft module at `model_dir` (config.json `cfg`) → `out` (module
-    docstring); everything is checked before the base runs."""
+    docstring), the base and the module on `device`; everything is checked before the base runs."""
     from quantspec.model_zoo.checkpoint import draft_kind, model_fingerprint
 
     t0, cpu0 = time.perf_counter(), time.process_time()
@@ -94,10 +94,10 @@ def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Pa
     dtype_name = resolve_calibration_dtype(config.dtype)
     dtype = _DTYPES[dtype_name]
     base_dir = draft_base(config.base, model_dir)
-    module = load_draft(model_dir, cfg, dtype)
+    module = load_draft(model_dir, cfg, dtype).to(device)
     check_base(module, base_dir)
     batches = calibration_batches(config, base_dir, say)  # the base's tokenizer
-    base = load_base(base_dir, dtype)
+    base = load_base(base_dir, dtype, device)
     base.args.check_context(config.seq_len, "--seq-len")
     n, every = batches.shape[0], max(1, batches.shape[0] // 4)
     say(f"calibrating {model_dir} ({_WHAT[kind]}) on {n} × {batches.shape[1]} tokens of its base {base_dir}")
