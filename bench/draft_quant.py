@@ -4,7 +4,8 @@ the share of positions where the head's top-1 draft is the base's own greedy cho
 verification accepts at that depth when the earlier drafts were right), on windows of held-out
 text (`bench/data/heldout.txt`, which no head trains on). Finer than `bench/eagle_accept.py`'s
 end-to-end acceptance on six prompts, which moves by a point or two with a single token.
-Acceptance only (no timing): the figures do not depend on the machine's load.
+A head quantized with `--kv-cache` reads its keys and values as its cache stores them (int8 / FP8
+codes at its scales). Acceptance only (no timing): the figures do not depend on the machine's load.
 
     python bench/draft_quant.py --heads smol.eagle3/,smol.eagle3.w4/,smol.eagle3.w4gptq/ [--windows 16]
 
