@@ -74,6 +74,8 @@ ROWS = {
     "weight_only_fp8-gptq": ("weight_only_fp8", PLAIN, None, DEFAULT, "gptq"),
     "a8w8_fp8-dynamic-gptq": ("a8w8_fp8", DYNAMIC, None, DEFAULT, "gptq"),
     "weight_only_fp8-block128": ("weight_only_fp8", BLOCK, None, DEFAULT),
+    "a8w8_fp8-block128-gptq": ("a8w8_fp8", BLOCK, None, DEFAULT, "gptq"),
+    "weight_only_fp8-block128-gptq": ("weight_only_fp8", BLOCK, None, DEFAULT, "gptq"),
     # inputs per token at run time, SmoothQuant at a fixed α from the table's channel ranges
     "a8w8-dynamic-sq0.5": ("a8w8", (DYNAMIC, 0.5), None, DEFAULT),
     "a8w8-dynamic-sq0.8": ("a8w8", (DYNAMIC, 0.8), None, DEFAULT),

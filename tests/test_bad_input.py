@@ -193,8 +193,6 @@ CASES = [
     ("quantize-mxfp4-asym", "quantize --model {model} --quant-type weight_only_mxfp4 --asym --out {d}/q", "--asym"),
     ("quantize-fp8-weights-awq", "quantize --model {model} --quant-type weight_only_fp8 --method awq "
                                  "--dataset {d}/calib.txt --out {d}/q", "--method"),
-    ("quantize-fp8-blocks-gptq", "quantize --model {model} --quant-type a8w8_fp8 --weight-block 128 --method gptq "
-                                 "--dataset {d}/calib.txt --out {d}/q", "--weight-block"),
     ("quantize-fp8-weights-asym", "quantize --model {model} --quant-type weight_only_fp8 --asym --out {d}/q", "--asym"),
     ("quantize-fp8-weights-dynamic", "quantize --model {model} --quant-type weight_only_fp8 --activations dynamic "
                                      "--out {d}/q", "--activations"),

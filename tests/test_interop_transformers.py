@@ -133,16 +133,26 @@ def test_float_zero_point_artifact(tiny_llama_dir, tmp_path):
     assert (fp32 - want).abs().max() > 1e-3
 
 
-@pytest.mark.parametrize("quant_type", ["a8w8_fp8", "weight_only_fp8"])
-def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path, quant_type):
-    """`quantize --quant-type a8w8_fp8 | weight_only_fp8 --weight-block 128` (FP8 block weights,
-    blocks fitted per layer; for a8w8_fp8 inputs quantized per token and group at run time):
-    transformers (compressed-tensors decompressing) gives quantspec's logits."""
+@pytest.mark.parametrize("quant_type,method", [("a8w8_fp8", "rtn"), ("weight_only_fp8", "rtn"), ("a8w8_fp8", "gptq")])
+def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path, quant_type, method):
+    """`quantize --quant-type a8w8_fp8 | weight_only_fp8 --weight-block 128 [--method gptq]` (FP8
+    block weights, blocks fitted per layer; for a8w8_fp8 inputs quantized per token and group at
+    run time): transformers (compressed-tensors decompressing) gives quantspec's logits; GPTQ's
+    block scales are each fused unit's own, sliced at its shards' seams."""
     from quantspec import api
     from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.model_zoo.tiny import TINY_CORPUS
 
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    gptq = dict(method="gptq", dataset=str(data), num_samples=4, seq_len=64) if method == "gptq" else {}
     art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "fp8_block", weight_block=128,
-                       target="vllm" if quant_type == "weight_only_fp8" else "portable")
+                       target="vllm" if quant_type == "weight_only_fp8" else "portable", **gptq)
+    if method == "gptq":  # GPTQ's codes, on RTN's block grid
+        rtn = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "rtn", weight_block=128)
+        ours, theirs_rtn = _safetensors(art), _safetensors(rtn)
+        assert {k: v.shape for k, v in ours.items()} == {k: v.shape for k, v in theirs_rtn.items()}
+        assert any(not torch.equal(ours[k].float(), theirs_rtn[k].float()) for k in ours if k.endswith("proj.weight"))
     theirs = _hf_logits(art)
     lm = load_for_inference(art, tokenizer=False)
     layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
@@ -156,6 +166,12 @@ def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path, qua
         for m in layers:
             m.input_args = None
         assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
+
+
+def _safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    return load_file(str(path / "model.safetensors"))
 
 
 def _write_hf_fp8(src: Path, out: Path, block: tuple[int, int]) -> dict[str, torch.Tensor]:

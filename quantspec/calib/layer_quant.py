@@ -108,10 +108,13 @@ class LayerQuantizer:
                 self.losses[members[0] if len(members) == 1 else "+".join(members)] = r.loss
             row = 0
             per_row = args.strategy in ("channel", "group", "tensor_group")
+            bn = args.block_structure[0] if args.strategy == "block" else None  # rows of a block of scales
+            if bn and any(m.out_features % bn for m in mods[:-1]):  # blocks tile each Linear (`calib.targets`)
+                raise QuantSpecError(f"FP8 blocks of {bn} rows do not split {', '.join(members)} at their seams")
             for n, m in zip(members, mods):
                 sl = slice(row, row + m.out_features)
-                self.results[n] = (r.q[sl], r.scale[sl] if per_row else r.scale,
-                                   r.zero_point[sl] if per_row else r.zero_point)
+                qp = slice(row // bn, -(-(row + m.out_features) // bn)) if bn else sl if per_row else slice(None)
+                self.results[n] = (r.q[sl], r.scale[qp], r.zero_point[qp])
                 m.weight.copy_(r.weight_dq[sl].to(m.weight.dtype))
                 row += m.out_features
 

@@ -147,8 +147,8 @@ def _check_request(method: str, config: QuantConfig, calib_batches, hessians) ->
                                  ".txt/.json/.jsonl/.parquet file or a hub id)")
         if not isinstance(calib_batches, torch.Tensor) or calib_batches.ndim != 2:
             raise QuantSpecError("calib_batches must be a LongTensor [num_samples, seq_len]")
-        if any(s.weights.strategy == "block" for s in config.config_groups.values()):
-            raise QuantSpecError(f"{method.upper()} has no rule for block scales; use --method rtn")
+        if method != "gptq" and any(s.weights.strategy == "block" for s in config.config_groups.values()):
+            raise QuantSpecError(f"{method.upper()} has no rule for block scales; use --method rtn or gptq")
 
 
 @torch.no_grad()

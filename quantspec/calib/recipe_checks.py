@@ -116,9 +116,6 @@ def check_method(c, qt) -> None:
     if c.base is not None and c.method != "gptq" and not c.static:
         raise QuantSpecError(f"--base gives a draft module's GPTQ and static scales its base, and --method "
                              f"{c.method} of {c.quant_type} reads none; use --method gptq or drop --base")
-    if c.method != "rtn" and c.weight_block is not None:
-        raise QuantSpecError(f"--method {c.method} has no rule for FP8 block scales (--weight-block); use "
-                             "--method rtn, or drop --weight-block")
     if c.method in DATA_METHODS:
         if c.dataset is None and not (c.static and c.calib is not None):
             raise QuantSpecError(f"--method {c.method} needs calibration data; pass --dataset (a local "

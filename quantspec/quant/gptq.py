@@ -22,7 +22,9 @@ and quantized in one call with their shared Hessian.
 
 NVFP4 (tensor_group) runs like groups of 16 whose local scales are set under one global scale,
 fixed before the loop from the weight it is given (or the caller's, for Linears that share one):
-llm-compressor's GPTQ on NVFP4.
+llm-compressor's GPTQ on NVFP4. FP8 block scales (FP8_BLOCK, [bn, bk] blocks) run like groups of
+bk columns whose scales are shared by bn rows: each block's scale is set from its updated weights
+when the loop reaches its first column (from the original weight under act-order).
 """
 
 from __future__ import annotations
@@ -197,9 +199,8 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
           damp: float, act_order: bool, scale_dtype: torch.dtype | None, consume: bool,
           global_scale: torch.Tensor | None) -> GPTQResult:
     _check_gptq_inputs(weight, hessian, args, block_size=block_size, damp=damp)
-    group = args.strategy in ("group", "tensor_group")
-    if group:  # whole groups per block, so each group's qparams see its updated columns
-        g = args.group_size
+    g = _column_group(args)
+    if g is not None:  # whole groups per block, so each group's qparams see its updated columns
         block_size = max(g, (block_size // g) * g)
     W, H, grid = _prepare(weight, hessian, args, scale_dtype or weight.dtype, act_order, consume, global_scale)
     U = _inverse_factor(H, damp)  # [K, K]; H is left empty
@@ -214,8 +215,6 @@ def _gptq(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *, block
 def _check_gptq_inputs(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, *,
                        block_size: int, damp: float) -> None:
     _check_weight(weight, args)
-    if args.strategy == "block":
-        raise QuantSpecError("GPTQ has no rule for block scales; use --method rtn")
     K = weight.shape[1]
     if not isinstance(hessian, torch.Tensor) or hessian.shape != (K, K):
         raise QuantSpecError(f"hessian must be [K, K] = [{K}, {K}], got "
@@ -246,7 +245,7 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, sdtyp
     the grid (per-channel / per-tensor and static-group qparams are computed here, from the
     weight with its dead columns zeroed)."""
     N, K = weight.shape
-    group = args.strategy in ("group", "tensor_group")
+    group = _column_group(args) is not None
     W = weight.detach().to(torch.float32).clone()  # [N, K]
     H = hessian.detach().to(device=W.device, dtype=torch.float32, copy=not consume)  # [K, K]
     if consume:
@@ -263,9 +262,20 @@ def _prepare(weight: torch.Tensor, hessian: torch.Tensor, args: QuantArgs, sdtyp
         W = W[:, perm]
         H = H[perm][:, perm]
     elif group:
-        scale = torch.empty(N, K // args.group_size, dtype=sdtype, device=W.device)
-        zp = torch.empty(N, K // args.group_size, dtype=zero_point_dtype(args), device=W.device)
+        shape = (N, K // args.group_size) if args.strategy != "block" else \
+            tuple(-(-n // b) for n, b in zip((N, K), args.block_structure))  # whole blocks, the last padded
+        scale = torch.empty(shape, dtype=sdtype, device=W.device)
+        zp = torch.empty(shape, dtype=zero_point_dtype(args), device=W.device)
     return W, H, _Grid(scale, zp, perm, global_scale)
+
+
+def _column_group(args: QuantArgs) -> int | None:
+    """The columns that share qparams, set when the column loop reaches their first: a group's
+    (group, NVFP4's tensor_group) or a block's width (FP8_BLOCK, whose rows share them in blocks
+    too); None for per-channel / per-tensor qparams, fixed up front."""
+    if args.strategy in ("group", "tensor_group"):
+        return args.group_size
+    return args.block_structure[1] if args.strategy == "block" else None
 
 
 def _inverse_factor(H: torch.Tensor, damp: float) -> torch.Tensor:
@@ -294,7 +304,8 @@ def _quantize_columns(W: torch.Tensor, U: torch.Tensor, args: QuantArgs, grid: _
     # a column's qparams: per row (int / FP8 groups); FP4 and MX groups keep their args (a group's
     # g columns → [N, 1]: their scale rules are the format's own)
     microscaled = args.microscaled is not None
-    col_args = args.replace(strategy="channel", group_size=None) if args.strategy == "group" and not microscaled else args
+    col_args = args.replace(strategy="channel", group_size=None, block_structure=None) \
+        if args.strategy in ("group", "block") and not microscaled else args
     quant_column = _microscaled_column if microscaled else _column
     for i1 in range(0, K, block_size):
         i2 = min(i1 + block_size, K)
@@ -338,17 +349,23 @@ def _microscaled_column(w: torch.Tensor, s: torch.Tensor, z: torch.Tensor, col_a
 
 def _column_qparams(W1: torch.Tensor, i: int, col: int, args: QuantArgs, col_args: QuantArgs,
                     grid: _Grid) -> tuple[torch.Tensor, torch.Tensor]:
-    """(scale, zero_point) of column `col` (column i of the block W1 [N, B]); a group's first
-    column (without act-order) fixes its group's qparams from the updated weights."""
-    if args.strategy not in ("group", "tensor_group"):
+    """(scale, zero_point) of column `col` (column i of the block W1 [N, B]), per row; a group's
+    first column (without act-order) fixes its group's qparams from the updated weights (a
+    block's: per block of rows, each row given its block's)."""
+    g = _column_group(args)
+    if g is None:
         return grid.scale, grid.zero_point
-    g = args.group_size
+    block = args.strategy == "block"
     if grid.perm is not None:
         gi = int(grid.perm[col]) // g
     else:
         gi = col // g
         if col % g == 0:  # a group's first column: qparams of its updated weights
-            s, z = choose_qparams(W1[:, i:i + g], col_args, grid.global_scale)  # [N, 1]
+            s, z = choose_qparams(W1[:, i:i + g], args if block else col_args, grid.global_scale)  # [N(/bn), 1]
             grid.scale[:, gi:gi + 1] = s.to(grid.scale.dtype)
             grid.zero_point[:, gi:gi + 1] = z
-    return grid.scale[:, gi:gi + 1], grid.zero_point[:, gi:gi + 1]
+    s, z = grid.scale[:, gi:gi + 1], grid.zero_point[:, gi:gi + 1]
+    if block:  # each row its block's
+        N, bn = W1.shape[0], args.block_structure[0]
+        s, z = s.repeat_interleave(bn, dim=0)[:N], z.repeat_interleave(bn, dim=0)[:N]
+    return s, z

@@ -69,6 +69,8 @@ def test_gptq_beats_rtn(act_order, symmetric):
     QuantArgs(num_bits=4, strategy="group", group_size=32, observer="mse"),
     QuantArgs(num_bits=4, strategy="group", group_size=32, symmetric=False, observer="mse"),
     QuantArgs(num_bits=8, strategy="channel", observer="mse"),
+    QuantArgs(num_bits=8, type="float", strategy="block", block_structure=[16, 32]),
+    QuantArgs(num_bits=8, type="float", strategy="block", block_structure=[24, 48]),  # the last blocks padded
 ])
 def test_identity_hessian_is_rtn(args):
     W, _ = _problem(N=32, K=128)
@@ -76,6 +78,20 @@ def test_identity_hessian_is_rtn(args):
     s, z = choose_qparams(W, args)
     assert torch.equal(res.scale, s)
     assert torch.equal(res.q.float(), quantize(W, s, z, args).float())
+
+
+@pytest.mark.parametrize("act_order", [False, True])
+def test_fp8_block_gptq_beats_rtn_on_the_block_grid(act_order):
+    """FP8 block scales: the codes and [N/bn, K/bk] scales reproduce weight_dq exactly, each scale
+    covers its block's codes (|q| <= 448), and the output error is below round-to-nearest's."""
+    W, X = _problem(K=128)
+    H = 2.0 / X.shape[0] * X.T @ X
+    args = QuantArgs(num_bits=8, type="float", strategy="block", block_structure=[32, 64])
+    res = gptq_quantize(W, H, args, act_order=act_order)
+    assert res.scale.shape == (3, 2) and res.q.dtype == torch.float8_e4m3fn
+    assert torch.equal(dequantize(res.q, res.scale, res.zero_point, args), res.weight_dq)
+    assert float(res.q.float().abs().max()) <= 448
+    assert _out_err(X, W, res.weight_dq) < 0.8 * _out_err(X, W, rtn_quantize(W, args).weight_dq)  # about 0.7×
 
 
 def test_channel_int8_and_fp8_beat_rtn():
