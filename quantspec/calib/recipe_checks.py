@@ -95,10 +95,10 @@ def check_activation_recipe(c) -> None:
                              + " reads none of them without --kv-cache or --smoothquant-alpha; drop --calib")
     if c.calibrated_inputs and c.calib is None:
         raise QuantSpecError(f"{c.quant_type} needs calibrated activation ranges; run `quantspec calibrate "
-                             "--out DIR` and pass --calib DIR")
+                             f"--model {c.model} --dataset D --out DIR` and pass --calib DIR")
     if c.kv_cache is not None and c.calib is None:
         raise QuantSpecError(f"--kv-cache {c.kv_cache} stores static KV scales in the artifact; run "
-                             "`quantspec calibrate --out DIR` and pass --calib DIR")
+                             f"`quantspec calibrate --model {c.model} --dataset D --out DIR` and pass --calib DIR")
 
 
 def check_method(c, qt) -> None:
