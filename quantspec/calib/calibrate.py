@@ -66,7 +66,7 @@ __all__ = [
 # measured on SmolLM2-135M, 64 × 512 calibration tokens, held-out ppl vs fp32: int8 KV +0.34%
 # (minmax +0.51%), fp8 KV +0.36% (minmax +1.10%) — see bench/quality_static.py.
 DEFAULT_KV_OBSERVER = "mse"
-_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+CALIBRATION_DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 Progress = Callable[[int, int, str], None]  # (layer index, num layers, phase "start"/"done")
 
 
@@ -162,9 +162,9 @@ class CalibrateConfig:
                                  f"{', '.join(OBSERVERS)}")
         if not isinstance(self.percentile, (int, float)) or not 50.0 < float(self.percentile) <= 100.0:
             raise QuantSpecError(f"--percentile {self.percentile!r} must be in (50, 100], e.g. 99.99")
-        if self.dtype != "auto" and self.dtype not in _DTYPES:
+        if self.dtype != "auto" and self.dtype not in CALIBRATION_DTYPES:
             raise QuantSpecError(f"--dtype {self.dtype!r} unsupported; use auto or one of "
-                                 f"{', '.join(_DTYPES)}")
+                                 f"{', '.join(CALIBRATION_DTYPES)}")
 
 
 @dataclass
@@ -374,8 +374,8 @@ def run_calibration(config: CalibrateConfig, progress: Progress | None = None,
         say(f"calibrating on {config.num_samples} × {config.seq_len} tokens, one layer at a time ({device})")
         t1 = time.perf_counter()
         calibrate_model(net, batches, observer=config.observer, percentile=config.percentile,
-                        batch_size=config.batch_size, weights=reader, device=device, dtype=_DTYPES[dtype_name],
-                        progress=progress, kv_observer=kv_observer, sink=sink)
+                        batch_size=config.batch_size, weights=reader, device=device,
+                        dtype=CALIBRATION_DTYPES[dtype_name], progress=progress, kv_observer=kv_observer, sink=sink)
         forward_s = time.perf_counter() - t1
         meta = _table_meta(config, dtype_name, kv_observer, model_dir, net, forward_s, cpu0)
         meta["wall_s"] = round(time.perf_counter() - t0, 3)

@@ -27,15 +27,15 @@ from typing import Callable, Mapping
 import torch
 from torch import nn
 
-from quantspec.calib.calibrate import (DEFAULT_KV_OBSERVER, _DTYPES, CalibrateConfig, CalibrationResult,
+from quantspec.calib.calibrate import (CALIBRATION_DTYPES, DEFAULT_KV_OBSERVER, CalibrateConfig, CalibrationResult,
                                        LayerObservers, calibration_batches, resolve_calibration_dtype, table_meta)
 from quantspec.calib.draft_calib import check_base, draft_base, draft_passes, load_base, load_draft
 from quantspec.calib.tables import write_table
 from quantspec.errors import QuantSpecError, about
 from quantspec.model_zoo.eagle3 import EAGLE3_ATTENTION
 
-__all__ = ["DRAFT_ALPHA", "DRAFT_FALLBACK_THRESHOLD", "calibrate_draft", "draft_sensitivity", "draft_smoothing", "draft_static_plan",
-           "observe_draft", "smoothing_groups"]
+__all__ = ["DRAFT_ALPHA", "DRAFT_FALLBACK_THRESHOLD", "calibrate_draft", "draft_sensitivity", "draft_smoothing",
+           "draft_static_plan", "observe_draft", "smoothing_groups"]
 
 # The static-input error (`draft_sensitivity`) above which a unit keeps float inputs by default.
 # Measured on the default model's EAGLE-3 head (64 × 512 calibration tokens): int8 inputs cost
@@ -92,7 +92,7 @@ def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Pa
     if config.rotate is not None:
         raise QuantSpecError(f"{model_dir} is {_WHAT[kind]}: --rotate is for base models; drop --rotate")
     dtype_name = resolve_calibration_dtype(config.dtype)
-    dtype = _DTYPES[dtype_name]
+    dtype = CALIBRATION_DTYPES[dtype_name]
     base_dir = draft_base(config.base, model_dir)
     module = load_draft(model_dir, cfg, dtype).to(device)
     check_base(module, base_dir)
@@ -242,7 +242,7 @@ def draft_sensitivity(module, base, windows: torch.Tensor, input_scales: Mapping
     sensitivity (`calib.sensitivity.linear_sensitivity`, mean_t ||fq(x_t)·Ŵᵀ − x_t·Ŵᵀ||² /
     ||x_t·Ŵᵀ||², Ŵ its per-channel int8 / fp8 weight), on the inputs it reads as it drafts on
     `base` over `windows` [n, S] (`calib.draft_calib.draft_passes`)."""
-    from quantspec.calib.sensitivity import MAX_ROWS, _sample_rows, fake_quant_weight, static_linear_error
+    from quantspec.calib.sensitivity import MAX_ROWS, fake_quant_weight, sample_rows, static_linear_error
 
     sums: dict[str, list[float]] = {}
     weights: dict[str, torch.Tensor] = {}
@@ -250,7 +250,7 @@ def draft_sensitivity(module, base, windows: torch.Tensor, input_scales: Mapping
     def hook(m, args, name):
         if name not in weights:
             weights[name] = fake_quant_weight(m.weight, kind)
-        e, r = static_linear_error(_sample_rows(args[0], MAX_ROWS), [weights[name]], input_scales[name], kind,
+        e, r = static_linear_error(sample_rows(args[0], MAX_ROWS), [weights[name]], input_scales[name], kind,
                                    quantized=True)
         acc = sums.setdefault(name, [0.0, 0.0])
         acc[0], acc[1] = acc[0] + e, acc[1] + r

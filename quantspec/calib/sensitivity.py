@@ -41,6 +41,8 @@ from quantspec.quant.smoothquant import smoothquant_scales, weight_input_absmax
 
 __all__ = [
     "ALPHA_GRID",
+    "MAX_ROWS",
+    "sample_rows",
     "DOWN_GROUP",
     "static_weight_args",
     "fake_quant_weight",
@@ -167,7 +169,7 @@ def smoothing_groups(prefix: str, dense: bool = True, pre_norms: bool = True) ->
     return groups + [tuple(f"{prefix}.{n}" for n in DOWN_GROUP)] if dense else groups[:1]
 
 
-def _sample_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
+def sample_rows(x: torch.Tensor, max_rows: int) -> torch.Tensor:
     """x [..., K] → [≤ max_rows, K], evenly strided (deterministic)."""
     x = x.reshape(-1, x.shape[-1])
     if x.shape[0] <= max_rows:
@@ -217,7 +219,7 @@ def search_alphas(model, table: ScaleTable, input_ids: torch.Tensor, kind: str, 
     def after(step: LayerStep):
         bufs = state.pop("bufs")
         for g in state.pop("groups"):
-            x = _sample_rows(torch.cat(bufs.pop(g[0])), max_rows)  # [T, K]
+            x = sample_rows(torch.cat(bufs.pop(g[0])), max_rows)  # [T, K]
             ws = [step.layer.get_submodule(n[len(step.name) + 1:]).weight for n in g]
             ch = table.input_channel_absmax(g[0]).float().to(x.device)  # [K]
             t = table.input_absmax(g[0]).float()
@@ -253,7 +255,7 @@ def linear_sensitivity(model, input_ids: torch.Tensor, input_scales: Mapping[str
             full = f"{step.name}.{sub}"
             if isinstance(mod, nn.Linear) and full in input_scales:
                 def hook(m, args, _n=full):
-                    x, w = _sample_rows(args[0], max_rows), m.weight
+                    x, w = sample_rows(args[0], max_rows), m.weight
                     s = smooth.get(_n)
                     if s is not None:
                         s = s.to(x.device)
