@@ -22,6 +22,9 @@ The MSE observer searches its clipping on the int8 grid (the table serves int8 a
 
 A NaN/Inf activation raises `QuantSpecError` naming the Linear (observer) or layer (runner).
 
+A draft module (MTP, Medusa, EAGLE-3) is observed whole, as it drafts on its base's hidden states,
+by the same observers (`calib.draft_scales`).
+
 Models larger than memory: the model is built on the `meta` device and each decoder layer is read
 from the checkpoint's safetensors just before it runs (onto `device`) and released after
 (`calib.runner`), so resident memory is one layer's weights and its activations, whatever the
@@ -178,7 +181,8 @@ class CalibrationResult:
 
 
 class LayerObservers:
-    """Observers for one decoder layer: Linear inputs (pre-hooks) and K/V heads (kv_hook)."""
+    """Observers for one decoder layer (or a whole draft module): Linear inputs (pre-hooks) and
+    K/V heads (kv_hook)."""
 
     def __init__(self, layer_name: str, observer: str, percentile: float,
                  kv_observer: str | None = None, attention: str | None = "self_attn"):
