@@ -34,12 +34,14 @@ from quantspec.calib.ptq import SHARED_INPUT_GROUPS
 from quantspec.errors import QuantSpecError, about
 from quantspec.quant.gptq import HessianAccumulator
 
-__all__ = ["EAGLE3_DEPTHS", "MTP_DEPTHS", "check_base", "draft_base", "draft_hessians", "draft_passes", "draft_request",
-           "load_base", "load_draft"]
+__all__ = ["DRAFT_WHAT", "EAGLE3_DEPTHS", "MTP_DEPTHS", "check_base", "draft_base", "draft_hessians", "draft_passes",
+           "draft_request", "load_base", "load_draft"]
 
 # drafts per position the module is unrolled for while its inputs are measured (the default chain)
 EAGLE3_DEPTHS = 4
 MTP_DEPTHS = 2
+# a draft module's kind (`model_zoo.checkpoint.draft_kind`) as messages name it
+DRAFT_WHAT = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
 # `calib.ptq.SHARED_INPUT_GROUPS` of more than one Linear, by the leaf names a draft module's Linears end in
 _SHARED = tuple(tuple(n.rpartition(".")[2] for n in g) for g in SHARED_INPUT_GROUPS if len(g) > 1)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from quantspec.calib.calibrate import (CALIBRATION_DTYPES, DEFAULT_KV_OBSERVER, CalibrateConfig, CalibrationResult,
                                        LayerObservers, calibration_batches, resolve_calibration_dtype, table_meta)
-from quantspec.calib.draft_calib import check_base, draft_base, draft_passes, load_base, load_draft
+from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_base, draft_passes, load_base, load_draft
 from quantspec.calib.tables import write_table
 from quantspec.errors import QuantSpecError, about
 from quantspec.model_zoo.eagle3 import EAGLE3_ATTENTION
@@ -50,7 +50,6 @@ DRAFT_FALLBACK_THRESHOLD = 0.01
 # under the threshold) and down_proj from 0.37 to 0.14 (kept float); top-1 agreement per depth 26.4 /
 # 14.1 / 9.2 / 7.0% against 26.2 / 14.1 / 9.0 / 6.7 unsmoothed (α 0.8: 26.0 / 14.0 / 9.0 / 6.7).
 DRAFT_ALPHA = 0.5
-_WHAT = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}
 
 
 @torch.no_grad()
@@ -90,7 +89,7 @@ def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Pa
     if cfg.get("quantization_config"):
         raise QuantSpecError(f"{model_dir} is a quantized draft module; calibrate the float one it was made from")
     if config.rotate is not None:
-        raise QuantSpecError(f"{model_dir} is {_WHAT[kind]}: --rotate is for base models; drop --rotate")
+        raise QuantSpecError(f"{model_dir} is {DRAFT_WHAT[kind]}: --rotate is for base models; drop --rotate")
     dtype_name = resolve_calibration_dtype(config.dtype)
     dtype = CALIBRATION_DTYPES[dtype_name]
     base_dir = draft_base(config.base, model_dir)
@@ -100,7 +99,7 @@ def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Pa
     base = load_base(base_dir, dtype, device)
     base.args.check_context(config.seq_len, "--seq-len")
     n, every = batches.shape[0], max(1, batches.shape[0] // 4)
-    say(f"calibrating {model_dir} ({_WHAT[kind]}) on {n} × {batches.shape[1]} tokens of its base {base_dir}")
+    say(f"calibrating {model_dir} ({DRAFT_WHAT[kind]}) on {n} × {batches.shape[1]} tokens of its base {base_dir}")
 
     def on_window(i: int) -> None:
         if (i + 1) % every == 0 and i + 1 < n:

@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from quantspec.calib.draft_calib import check_base, draft_hessians, draft_request, load_draft
+from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_hessians, draft_request, load_draft
 from quantspec.calib.draft_scales import draft_static_plan
 from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
@@ -350,7 +350,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
         kind = draft_kind(cfg)
         if cfg.get("quantization_config") and kind is not None:
             raise QuantSpecError(f"{model_dir} is a quantized draft module; quantize the float one it was made from")
-        what = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EAGLE-3 head"}.get(kind)
+        what = DRAFT_WHAT.get(kind)
         if kind == "eagle3":
             qconfig = replace(qconfig, ignore=(*qconfig.ignore, *eagle3_ignore(config.target)))
             cfg = Eagle3Args.from_config(cfg, str(model_dir / "config.json")).to_config()
