@@ -193,23 +193,21 @@ def _input_groups(linears: Mapping[str, nn.Linear]) -> list[list[str]]:
 
 
 @torch.no_grad()
-def draft_hessians(module: nn.Module, base_dir: Path, windows: torch.Tensor, config,
+def draft_hessians(module: nn.Module, base: nn.Module, windows: torch.Tensor, config,
                    on_status: Callable[[str], None] | None = None) -> dict[str, torch.Tensor]:
     """GPTQ's Hessian of each Linear of the draft `module` that `config` (a `QuantConfig`)
-    quantizes, from its drafting passes over `windows` [n, S] on the float base at `base_dir`
+    quantizes, from its drafting passes over `windows` [n, S] on its float `base` (`load_base`)
     → {Linear name: H [K, K]} (module docstring)."""
     from quantspec.calib.targets import quantized_linears
 
     say = on_status or (lambda _m: None)
     linears = quantized_linears(module, config)
-    base = load_base(base_dir)
     accs, handles = {}, []
     for group in _input_groups(linears):
         first = linears[group[0]]
         acc = accs[tuple(group)] = HessianAccumulator(first.in_features, device=first.weight.device)
         handles.append(first.register_forward_pre_hook(lambda _m, inputs, acc=acc: acc.update(inputs[0])))
-    say(f"measuring the draft module's inputs on {windows.shape[0]} × {windows.shape[1]} tokens of its base "
-        f"{base_dir}")
+    say(f"measuring the draft module's inputs on {windows.shape[0]} × {windows.shape[1]} tokens of its base")
     n, every = windows.shape[0], max(1, windows.shape[0] // 4)
     try:
         for i in draft_passes(module.eval(), base, windows):

@@ -120,7 +120,7 @@ def calibrate_draft(config: CalibrateConfig, model_dir: Path, cfg: dict, out: Pa
 def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None):
     """The static a8w8 / a8w8_fp8 plan of the quantize run `config` (`calib.quantize.QuantizeConfig`)
     of the draft `module` (config `qconfig`), whose table is `src.table`, measured on its base
-    (`src.base_dir`: `--base`, else the one the table was measured on) → (`qconfig` with the
+    (`src.base_dir`: `--base`, else the one the table was measured on; `src.base_model()`) → (`qconfig` with the
     fallback group, each static Linear's input scale from the table (q/k/v and gate/up at their
     group's largest, `calib.smooth.shared_group_scales`: the engines fuse them), GPTQ's windows:
     `batches`, or the table's own, by the base's tokenizer).
@@ -141,8 +141,7 @@ def draft_static_plan(config, src, module, qconfig, batches: torch.Tensor | None
     alpha, factors, scales = _smoothed_scales(config, module, qconfig, table, kind)
     data = TableWindows(table.meta, src.base_dir, config.dataset, split=config.split, text_field=config.text_field,
                         seq_len=config.seq_len, seed=config.seed)
-    errors = draft_sensitivity(module, load_base(src.base_dir), data.search_windows(config.search_samples),
-                               scales, kind)
+    errors = draft_sensitivity(module, src.base_model(), data.search_windows(config.search_samples), scales, kind)
     threshold = config.fallback_threshold
     if config.fallback_layers is None and threshold is None:
         threshold = DRAFT_FALLBACK_THRESHOLD

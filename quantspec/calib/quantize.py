@@ -33,7 +33,7 @@ from typing import Callable
 
 import torch
 
-from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_hessians, draft_request, load_draft
+from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_hessians, draft_request, load_base, load_draft
 from quantspec.calib.draft_scales import draft_static_plan
 from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
@@ -253,6 +253,14 @@ class _Source:
     base_dir: Path | None = None  # a draft module's base, for GPTQ (`calib.draft_calib`)
     kind: str | None = None  # the draft module's kind ("mtp", "medusa", "eagle3"); None: a base model
     calib_summary: dict = field(default_factory=dict)
+    base: object | None = None  # `base_dir`'s float model, read once for a draft module's static plan and GPTQ
+
+    def base_model(self, say=lambda _m: None):
+        """The float base at `base_dir` (`calib.draft_calib.load_base`), read on first use."""
+        if self.base is None:
+            say(f"reading the base {self.base_dir}")
+            self.base = load_base(self.base_dir)
+        return self.base
 
 
 def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
@@ -296,7 +304,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     check_disk(config, src, model, out, key)
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:
         qconfig, input_scales, factors, batches = _inputs(config, src, model, batches, say, run, device)
-        hessians = draft_hessians(model, src.base_dir, batches, qconfig, say) \
+        hessians = draft_hessians(model, src.base_model(say), batches, qconfig, say) \
             if src.kind is not None and config.method == "gptq" else None
         sink = run.sink(keep_inputs=config.method != "rtn")
         say_resume(sink, len(decoder_layers(model)))

@@ -148,8 +148,8 @@ def test_hessians_are_of_the_base_states_the_module_reads(modules, base, base_di
         ins = mtp_eh_inputs(mtp, base, windows, hf)
     want = {"fc": _hessian(feats), "lm_head": _hessian(drafts), "medusa_head.0.0.linear": _hessian([n for *_, n in hf]),
             "model.eh_proj": _hessian(ins)}
-    got = {**draft_hessians(head, base_dir, windows, _config(ignore=())),
-           **draft_hessians(heads, base_dir, windows, _config()), **draft_hessians(mtp, base_dir, windows, _config())}
+    got = {**draft_hessians(head, base, windows, _config(ignore=())),
+           **draft_hessians(heads, base, windows, _config()), **draft_hessians(mtp, base, windows, _config())}
     for name, H in want.items():
         torch.testing.assert_close(got[name], H, rtol=1e-4, atol=1e-4 * float(H.abs().max()), msg=name)
     assert torch.equal(got["midlayer.self_attn.q_proj"], got["midlayer.self_attn.v_proj"])
@@ -158,10 +158,10 @@ def test_hessians_are_of_the_base_states_the_module_reads(modules, base, base_di
 
 
 @pytest.mark.parametrize("kind", ["mtp", "medusa", "eagle3"])
-def test_the_codes_are_gptq_on_the_measured_hessians(modules, base_dir, kind):
+def test_the_codes_are_gptq_on_the_measured_hessians(modules, base, kind):
     path, load = modules[kind]
     module, config = load(path), _config()
-    H = draft_hessians(module, base_dir, _windows(2, 16, 1), config)
+    H = draft_hessians(module, base, _windows(2, 16, 1), config)
     weights = {n: module.get_submodule(n).weight.detach().clone() for n in H}
     res = quantize_model(module, config, "gptq", hessians={n: h.clone() for n, h in H.items()})
     assert set(res.layer_args) == set(H)
@@ -183,7 +183,7 @@ def _draft_outputs(module, base, windows):
 
 
 @pytest.mark.parametrize("kind", ["mtp", "medusa", "eagle3"])
-def test_gptq_drafts_closer_to_the_float_module_than_rtn(modules, base, base_dir, kind):
+def test_gptq_drafts_closer_to_the_float_module_than_rtn(modules, base, kind):
     """On held-out windows, the GPTQ module's drafting outputs are nearer the float module's than
     round-to-nearest's (the same grid), which is what its Hessians are for."""
     path, load = modules[kind]
@@ -192,7 +192,7 @@ def test_gptq_drafts_closer_to_the_float_module_than_rtn(modules, base, base_dir
     err = {}
     for method in ("rtn", "gptq"):
         module, config = load(path), _config()
-        H = draft_hessians(module, base_dir, _windows(8, 32, 2), config) if method == "gptq" else None
+        H = draft_hessians(module, base, _windows(8, 32, 2), config) if method == "gptq" else None
         quantize_model(module, config, method, hessians=H)
         err[method] = float(((_draft_outputs(module, base, held_out) - want) ** 2).mean())
     assert err["gptq"] < 0.6 * err["rtn"], err  # about 0.3× here
