@@ -35,7 +35,7 @@ from quantspec.errors import QuantSpecError, about
 from quantspec.quant.gptq import HessianAccumulator
 
 __all__ = ["DRAFT_WHAT", "EAGLE3_DEPTHS", "MTP_DEPTHS", "check_base", "draft_base", "draft_hessians", "draft_passes",
-           "draft_request", "load_base", "load_draft"]
+           "draft_request", "load_base", "load_draft", "smoothing_refusal"]
 
 # drafts per position the module is unrolled for while its inputs are measured (the default chain)
 EAGLE3_DEPTHS = 4
@@ -60,14 +60,9 @@ def draft_request(config, model_dir: Path, what: str | None, kind: str | None = 
     if config.method not in ("rtn", "gptq"):
         raise QuantSpecError(f"{model_dir} is {what}: quantize it with --method rtn or gptq (AWQ and AutoRound "
                              "are for base models)")
-    alpha = config.smoothquant_alpha
-    if alpha not in (None, "none"):
-        why = ("Medusa heads have no norm for SmoothQuant's factors to fold into" if kind == "medusa" else
-               "SmoothQuant of inputs quantized per token is for base models" if not config.static else
-               "--smoothquant-alpha auto searches α on a base model's layers; give a number (e.g. 0.5)"
-               if alpha == "auto" else None)
-        if why is not None:
-            raise QuantSpecError(f"{model_dir} is {what}: {why}; drop --smoothquant-alpha or change it")
+    why = smoothing_refusal(kind, config.smoothquant_alpha, config.static)
+    if why is not None:
+        raise QuantSpecError(f"{model_dir} is {what}: {why}; drop --smoothquant-alpha or change it")
     if config.fallback_budget is not None:
         raise QuantSpecError(f"{model_dir} is {what}: --a8w8-fallback-budget is a base model's perplexity budget; "
                              "use --a8w8-fallback-threshold E or --a8w8-fallback-layers N")
@@ -76,6 +71,20 @@ def draft_request(config, model_dir: Path, what: str | None, kind: str | None = 
     if config.method == "gptq":
         return draft_base(config.base, model_dir)
     return draft_base(config.base, model_dir) if config.static and config.base is not None else None
+
+
+def smoothing_refusal(kind: str | None, alpha, static: bool = True) -> str | None:
+    """Why a draft module of `kind` takes no SmoothQuant at `alpha` (`--smoothquant-alpha`) for
+    static (`static`) or per-token inputs (None: it does, or none is asked for)."""
+    if alpha is None or alpha == "none":
+        return None
+    if kind == "medusa":
+        return "Medusa heads have no norm for SmoothQuant's factors to fold into"
+    if not static:
+        return "SmoothQuant of inputs quantized per token is for base models"
+    if alpha == "auto":
+        return "--smoothquant-alpha auto searches α on a base model's layers; give a number (e.g. 0.5)"
+    return None
 
 
 def draft_base(base: str | None, model_dir: Path) -> Path:

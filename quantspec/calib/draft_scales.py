@@ -29,7 +29,8 @@ from torch import nn
 
 from quantspec.calib.calibrate import (CALIBRATION_DTYPES, DEFAULT_KV_OBSERVER, CalibrateConfig, CalibrationResult,
                                        LayerObservers, calibration_batches, resolve_calibration_dtype, table_meta)
-from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_base, draft_passes, load_base, load_draft
+from quantspec.calib.draft_calib import (DRAFT_WHAT, check_base, draft_base, draft_passes, load_base, load_draft,
+                                        smoothing_refusal)
 from quantspec.calib.tables import write_table
 from quantspec.errors import QuantSpecError, about
 from quantspec.model_zoo.eagle3 import EAGLE3_ATTENTION
@@ -218,15 +219,12 @@ def draft_smoothing(module, table, alpha) -> dict[str, torch.Tensor]:
     s [K]} (`calib.smooth`); {} for `alpha` None or "none"."""
     from quantspec.calib.smooth import layer_smoothing_factors, smooth_layer
 
+    found = smoothing_groups(module)
+    why = smoothing_refusal("medusa" if found is None else None, alpha)
+    if why is not None:
+        raise QuantSpecError(f"{why}; drop --smoothquant-alpha or change it")
     if alpha is None or alpha == "none":
         return {}
-    if alpha == "auto":
-        raise QuantSpecError("--smoothquant-alpha auto searches α on a base model's layers; give a draft module "
-                             "a number (e.g. 0.5) or none")
-    found = smoothing_groups(module)
-    if found is None:
-        raise QuantSpecError("Medusa heads have no norm for SmoothQuant's factors to fold into; drop "
-                             "--smoothquant-alpha")
     layer, prefix, groups = found
     factors = layer_smoothing_factors(layer, prefix, table, {f"{prefix}.{g}": float(alpha) for g in groups})
     smooth_layer(layer, prefix, factors)
