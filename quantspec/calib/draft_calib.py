@@ -46,12 +46,13 @@ DRAFT_WHAT = {"mtp": "an MTP module", "medusa": "Medusa heads", "eagle3": "an EA
 _SHARED = tuple(tuple(n.rpartition(".")[2] for n in g) for g in SHARED_INPUT_GROUPS if len(g) > 1)
 
 
-def draft_request(config, model_dir: Path, what: str | None, kind: str | None = None) -> Path | None:
+def draft_request(config, model_dir: Path, kind: str | None) -> Path | None:
     """Refuse, naming the flag, what `quantize` (a `calib.quantize.QuantizeConfig`) does not do with
-    the model at `model_dir` (`what`: the draft module it is, of `kind`; None: a base model) → the
+    the model at `model_dir` (`kind`: the draft module's, `DRAFT_WHAT`; None: a base model) → the
     base a draft module's GPTQ (and static plan) is measured on (None: no such run, or a static
     plan on the base its table names). A draft module's static scales come from its own table
     (`calib.draft_scales`)."""
+    what = DRAFT_WHAT.get(kind)
     if what is None:
         if config.base is not None:
             raise QuantSpecError(f"--base is a draft module's base and {model_dir} is not a draft module; "

@@ -386,7 +386,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     src = _Source(model_dir=model_dir, config=cfg, dtype=_dtype_of(cfg), quant_config=qconfig, reader=reader,
                   transforms=getattr(getattr(reader, "source", None), "transform_config", None))
     src.kind = kind
-    src.base_dir = draft_request(config, model_dir, what, kind)
+    src.base_dir = draft_request(config, model_dir, kind)
     if config.calibrated_inputs or config.kv_cache is not None or smooths_per_token(config):  # read before the model
         with about("--calib"):
             src.table = read_table(config.calib, model_dir=model_dir)
