@@ -15,7 +15,8 @@ from quantspec.outputs import check_output_dir, check_output_file
 
 # the config types and names a caller (the CLI) builds calls with, imported when first asked for
 _REEXPORTS = {"InferConfig": "quantspec.infer.predictor", "ServeConfig": "quantspec.serve", "ReportConfig": "quantspec.report",
-              "ENGINE_NAMES": "quantspec.quant.engines", "rotate_eagle3_head": "quantspec.calib.rotate_head"}
+              "ENGINE_NAMES": "quantspec.quant.engines", "rotate_eagle3_head": "quantspec.calib.rotate_head",
+              "recipe_flags": "quantspec.calib.recipe"}
 
 __all__ = ["calibrate", "evaluate", "infer", "inspect", "quantize", "report", "serve", "train_draft_head", "train_mtp",
            *_REEXPORTS]
@@ -220,8 +221,9 @@ def _dir_bytes(path, pattern: str = "*") -> int:
     return sum(f.stat().st_size for f in Path(path).glob(pattern) if f.is_file())
 
 
-def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_int8",
-             out: str | Path | None = None, *, progress=None, on_status=None, **options) -> Path:
+def quantize(model: str | Path = "smollm2-135m", quant_type: str | None = None,
+             out: str | Path | None = None, *, recipe: str | Path | None = None, progress=None, on_status=None,
+             **options) -> Path:
     """Quantize a checkpoint into an artifact directory at `out`; returns its path.
 
     `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
@@ -237,17 +239,24 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str = "weight_only_
     `progress(layer, num_layers, phase)` is called per decoder layer, `on_status(message)` at each
     phase. `quant_type="keep"` copies a compressed-tensors artifact's weights as they are and adds
     the KV-cache scales of `calib` (`kv_cache`, `kv_strategy`, `target`, `overwrite` apply;
-    `calib.keep`).
+    `calib.keep`). `recipe`: an llm-compressor recipe file whose options (`calib.recipe`) the run
+    takes, with `quant_type` and `options` beside it for what the recipe leaves open (one it sets
+    too is refused); `quant_type` is otherwise "weight_only_int8" where not given.
     """
     from quantspec.calib.keep import KEEP, run_keep
     from quantspec.calib.quantize import QuantizeConfig, run_quantize
 
+    if recipe is not None:
+        from quantspec.calib.recipe import with_recipe
+
+        quant_type, options = with_recipe(str(recipe), quant_type, options, on_status or (lambda _m: None))
     if quant_type == KEEP:  # the artifact's weights as they are, KV-cache scales added
         options = {k: str(v) if isinstance(v, Path) else v for k, v in options.items() if k != "restart"}
         return run_keep({"model": str(model), "quant_type": quant_type, "out": None if out is None else str(out),
                          **options}, say=on_status or (lambda _m: None))
     try:
-        config = QuantizeConfig(model=str(model), quant_type=quant_type, out=None if out is None else str(out),
+        config = QuantizeConfig(model=str(model), quant_type=quant_type or "weight_only_int8",
+                                out=None if out is None else str(out),
                                 **{k: str(v) if isinstance(v, Path) else v for k, v in options.items()})
     except TypeError as e:  # an unknown keyword
         raise QuantSpecError(f"quantize: {e}") from None

@@ -140,6 +140,12 @@ CASES = [
                                     "--dataset {d}/latin1.txt --out {d}/q", "--dataset"),
     ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
                           "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
+    ("quantize-no-quant-type", "quantize --model {model} --out {d}/q", "--quant-type"),
+    ("quantize-recipe-missing", "quantize --model {model} --recipe {d}/missing.yaml --out {d}/q", "--recipe"),
+    ("quantize-recipe-not-yaml", "quantize --model {model} --recipe {d}/malformed.jsonl --out {d}/q", "--recipe"),
+    ("quantize-recipe-sparsity", "quantize --model {model} --recipe {d}/sparse.yaml --out {d}/q", "--recipe"),
+    ("quantize-recipe-and-quant-type", "quantize --model {model} --recipe {d}/w4a16.yaml --quant-type a8w8 "
+                                       "--out {d}/q", "--quant-type"),
     ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
     ("quantize-act-order-rtn", "quantize --model {model} --quant-type weight_only_int4 --act-order --out {d}/q",
      "--act-order"),
@@ -411,6 +417,8 @@ def _inputs(d: Path, model: Path, quantized: Path) -> None:
     (d / "latin1.jsonl").write_bytes('{"src": "café"}\n'.encode("latin-1"))
     (d / "latin1.txt").write_bytes(("café crème " * 200).encode("latin-1"))
     (d / "calib.txt").write_text(TINY_CORPUS)
+    (d / "sparse.yaml").write_text("s_stage:\n  s_modifiers:\n    SparseGPTModifier: {sparsity: 0.5}\n")
+    (d / "w4a16.yaml").write_text("q_stage:\n  q_modifiers:\n    GPTQModifier: {scheme: W4A16, ignore: [lm_head]}\n")
     (d / "a_file").write_text("a regular file where a directory is expected\n")
     (d / "busy").mkdir()
     (d / "busy" / "keep.txt").write_text("an earlier result\n")

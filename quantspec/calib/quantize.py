@@ -111,6 +111,7 @@ class QuantizeConfig:
     overwrite: bool = False
     device: str = "auto"  # where each layer is quantized: auto (CUDA when there is one), cpu, cuda[:N]
     restart: bool = False  # discard the state an interrupted run left for `out`
+    recipe: dict | None = None  # the llm-compressor recipe these options came from: {path, flags} (`calib.recipe`)
     resumable: bool | None = None  # keep a state to resume from; None: for checkpoints ≥ 1 GiB
     # rotations fused into the weights first ("R1" or "R1,R2", `calib.rotate`; signs from `seed`), and R4 at run time
     rotate: str | None = None
@@ -482,6 +483,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
                           "kv_strategy", "target", "compute_capability", "activations", "weight_block",
                           "layer_quant_types", "rotate", "quip", "quip_block_size")}
         | {"ignore": list(res.config.ignore)},
+        **({"recipe": config.recipe} if config.recipe else {}),
         "calibration": src.calib_summary or None,
         "ptq": res.summary,
         "wall_time_s": round(wall_s, 3),

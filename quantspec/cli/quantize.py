@@ -13,13 +13,17 @@ def _gib(n) -> str:
 
 @main.command()
 @click.option("--model", default="smollm2-135m", show_default=True, help="zoo name, HF directory or hub id")
-@click.option("--quant-type", required=True,
-              help="weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_fp8 | a8w4 | a8w4_fp8 | "
+@click.option("--quant-type", default=None,
+              help="[required unless --recipe gives it] weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_fp8 | a8w4 | a8w4_fp8 | "
                    "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 | a8w4_mxfp4 | weight_only_mxfp8 | mxfp8 "
                    "(nvfp4: needs --calib; MXFP4 / MXFP8: vLLM only, --target vllm; a8w4 / a8w4_fp8: "
                    "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8; a8w4_mxfp4: MXFP4 weights, "
                    "FP8 inputs per group of 128 at run time, MXFP4XFP8) | keep (an artifact's weights as they are, "
                    "with --calib and --kv-cache: KV-cache scales added)")
+@click.option("--recipe", default=None, type=click.Path(),
+              help="an llm-compressor recipe (its recipe.yaml, or JSON): its modifiers' schemes, method, ignore "
+                   "list, KV-cache scheme, SmoothQuant, AWQ, QuIP and SpinQuant settings, run as the quantspec "
+                   "flags it prints; flags it sets may not be given again (docs/recipes.md)")
 @click.option("--method", default="rtn", show_default=True,
               type=click.Choice(["rtn", "gptq", "awq", "awq+gptq", "autoround"]),
               help="rtn: round to nearest; gptq: error-compensating rounding; awq: activation-aware "
@@ -115,7 +119,7 @@ def _gib(n) -> str:
                    "every Linear]")
 @one_line_errors
 @threads_option
-def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
+def quantize(model, quant_type, recipe, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
              act_order, gptq_block_size, damp, iters, lr, batch_size,
              dataset, base, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
@@ -126,6 +130,7 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
 
     from quantspec import api
     from quantspec.console import Progress
+    from quantspec.errors import QuantSpecError
 
     if smoothquant_alpha is not None and smoothquant_alpha not in ("auto", "none"):
         try:
@@ -133,28 +138,43 @@ def quantize(model, quant_type, method, group_size, symmetric, zp_dtype, weight_
         except ValueError:
             raise click.BadParameter(f"{smoothquant_alpha!r} is neither a number, 'auto' nor 'none'",
                                      param_hint="--smoothquant-alpha") from None
+    options = dict(method=method, group_size=group_size, symmetric=symmetric,
+                   zp_dtype=None if zp_dtype == "int" else zp_dtype,
+                   weight_observer=None if weight_observer == "auto" else weight_observer, ignore=tuple(ignore),
+                   layer_quant_types=tuple(layer_quant_types), act_order=act_order, block_size=gptq_block_size,
+                   damp=damp, iters=iters, lr=lr, batch_size=batch_size, dataset=dataset, base=base, split=split,
+                   text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed, calib=calib,
+                   activations=activations, weight_block=weight_block, smoothquant_alpha=smoothquant_alpha,
+                   overwrite=overwrite, kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
+                   compute_capability=compute_capability, fallback_layers=fallback_layers,
+                   fallback_threshold=fallback_threshold, fallback_budget=fallback_budget, device=device,
+                   restart=restart, rotate=rotate, quip=quip, quip_block_size=quip_block_size)
+    if recipe is not None:  # the recipe's options, and those given beside it (`calib.recipe.Recipe.merge`)
+        options = _given(options)
+    elif quant_type is None:
+        raise QuantSpecError("--quant-type is required: the type to quantize to (or --recipe FILE, an "
+                             "llm-compressor recipe that names it)")
     t0 = time.perf_counter()
-    with Progress(f"quantize {quant_type}") as progress:
-        path = api.quantize(model, quant_type, out, method=method, group_size=group_size,
-                            symmetric=symmetric, zp_dtype=None if zp_dtype == "int" else zp_dtype,
-                            weight_observer=None if weight_observer == "auto" else weight_observer,
-                            ignore=tuple(ignore), layer_quant_types=tuple(layer_quant_types), act_order=act_order,
-                            block_size=gptq_block_size, damp=damp, iters=iters, lr=lr, batch_size=batch_size,
-                            dataset=dataset, base=base, split=split,
-                            text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed,
-                            calib=calib, activations=activations, weight_block=weight_block,
-                            smoothquant_alpha=smoothquant_alpha,
-                            overwrite=overwrite,
-                            kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
-                            compute_capability=compute_capability, fallback_layers=fallback_layers,
-                            fallback_threshold=fallback_threshold, fallback_budget=fallback_budget,
-                            device=device, restart=restart, rotate=rotate, quip=quip,
-                            quip_block_size=quip_block_size, progress=progress.layer,
-                            on_status=progress.status)
+    with Progress(f"quantize {quant_type or 'recipe'}") as progress:
+        path = api.quantize(model, quant_type, out, recipe=recipe, progress=progress.layer, on_status=progress.status,
+                            **options)
     info = api.inspect(path)
     progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
                            f"{info.get('compression_ratio') or '?'}x smaller than the source, "
                            f"{time.perf_counter() - t0:.1f} s)")
+    if recipe is not None:
+        progress.console.print(f"the recipe {recipe} ran as: {' '.join(api.recipe_flags(recipe))}", highlight=False)
+
+
+def _given(options: dict) -> dict:
+    """`options` less those left at their default on the command line (beside --recipe, the recipe's
+    apply there)."""
+    from click.core import ParameterSource
+
+    ctx = click.get_current_context()
+    names = {"block_size": "gptq_block_size"}
+    return {k: v for k, v in options.items()
+            if ctx.get_parameter_source(names.get(k, k)) not in (ParameterSource.DEFAULT, None)}
 
 
 def _head_table(info: dict):
