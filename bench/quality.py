@@ -1,6 +1,6 @@
 """Held-out perplexity of the default model under each weight-only scheme, side by side.
 
-Rows: fp32, weight_only_int8 RTN (and GPTQ), weight_only_int4 RTN, GPTQ (act-order, static
+Rows: fp32, weight_only_int8 RTN (and GPTQ) per channel and in groups of 128 (llm-compressor's W8A16), weight_only_int4 RTN, GPTQ (act-order, static
 groups; one g64 row without act-order), AWQ and AWQ + GPTQ (act-order) at group 128 (→ 64 on SmolLM2's K = 576 layers) / 64 / 32, AutoRound
 (its defaults, and auto-round's light recipe of 50 steps), and `--asym --group-size 32` RTN sanity rows (the default model's
 weights came from a 4-bit group-32 asymmetric GGUF Q4_1, w = d·q + m with a float min m, so the
@@ -44,8 +44,10 @@ EMB_INT4 = "model.embed_tokens=weight_only_int4"
 ROWS = {
     # name: (quant_type, method, group_size, symmetric, act_order[, zp_dtype[, observer[, layer quant types]]])
     "fp32": None,
-    "int8-rtn": ("weight_only_int8", "rtn", 128, True, False),
-    "int8-gptq": ("weight_only_int8", "gptq", 128, True, True),
+    "int8-rtn": ("weight_only_int8", "rtn", None, True, False),
+    "int8-gptq": ("weight_only_int8", "gptq", None, True, True),
+    "int8-rtn-g128": ("weight_only_int8", "rtn", 128, True, False),  # llm-compressor's W8A16 layout
+    "int8-gptq-g128": ("weight_only_int8", "gptq", 128, True, True),
     "int4-rtn-g128": ("weight_only_int4", "rtn", 128, True, False),
     "int4-rtn-g64": ("weight_only_int4", "rtn", 64, True, False),
     "int4-rtn-g32": ("weight_only_int4", "rtn", 32, True, False),
@@ -74,12 +76,12 @@ ROWS = {
     "int4-gptq-g64-head8": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT8,)),
     "int4-rtn-g64-head4": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT4,)),
     "int4-gptq-g64-head4": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT4,)),
-    "int8-rtn-head8": ("weight_only_int8", "rtn", 128, True, False, None, None, (HEAD_INT8,)),
+    "int8-rtn-head8": ("weight_only_int8", "rtn", None, True, False, None, None, (HEAD_INT8,)),
     # ... and a quantized input embedding (rows rounded to nearest under every method)
     "int4-rtn-g64-head8-emb8": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT8, EMB_INT8)),
     "int4-rtn-g64-head8-emb4": ("weight_only_int4", "rtn", 64, True, False, None, None, (HEAD_INT8, EMB_INT4)),
     "int4-gptq-g64-head8-emb4": ("weight_only_int4", "gptq", 64, True, True, None, None, (HEAD_INT8, EMB_INT4)),
-    "int8-rtn-head8-emb8": ("weight_only_int8", "rtn", 128, True, False, None, None, (HEAD_INT8, EMB_INT8)),
+    "int8-rtn-head8-emb8": ("weight_only_int8", "rtn", None, True, False, None, None, (HEAD_INT8, EMB_INT8)),
     # int4 weights with inputs quantized per token at run time: int8 (a8w4, W4A8) and FP8 (a8w4_fp8, W4AFP8)
     "w4a8-rtn-g64": ("a8w4", "rtn", 64, True, False),
     "w4a8-gptq-g64": ("a8w4", "gptq", 64, True, True),

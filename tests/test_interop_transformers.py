@@ -70,6 +70,7 @@ def _same_op_order(quant_type: str) -> DispatchPolicy | None:
 
 @pytest.mark.parametrize("name,spec", [
     ("int8", dict(quant_type="weight_only_int8")),
+    ("int8_g32", dict(quant_type="weight_only_int8", group_size=32)),  # llm-compressor's W8A16 layout
     ("int4", dict(quant_type="weight_only_int4", group_size=32)),
     ("a8w8", dict(quant_type="a8w8")),
     ("a8w8_kv8", dict(quant_type="a8w8", kv_cache="int8")),

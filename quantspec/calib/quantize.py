@@ -74,7 +74,7 @@ class QuantizeConfig:
     quant_type: str = "weight_only_int8"
     out: str | None = None
     method: str = "rtn"
-    group_size: int = 128
+    group_size: int | None = None  # None: 128 for the int4 types, per channel for weight_only_int8
     symmetric: bool = True
     zp_dtype: str | None = None
     weight_observer: str | None = None  # None: `quant.presets.default_weight_observer`

@@ -216,7 +216,7 @@ def _match(scheme, where: str) -> dict:
         raise QuantSpecError(f"{where}: quantspec quantizes weights (and their inputs), and this scheme has "
                              + ("no weights" if w is None else "output activations"))
     strategy = _value(w.strategy)
-    group = w.group_size if strategy in ("group", "tensor_group") else -1 if strategy == "channel" else 128
+    group = w.group_size if strategy in ("group", "tensor_group") else -1 if strategy == "channel" else None
     zp = str(w.zp_dtype).removeprefix("torch.") if w.zp_dtype is not None else None
     zp = zp if zp in ZP_FLOAT_DTYPES else None
     block = w.block_structure[0] if w.block_structure else None
@@ -235,9 +235,6 @@ def _match(scheme, where: str) -> dict:
                 return {"quant_type": qt.value, "group_size": group, "symmetric": w.symmetric, "zp_dtype": zp,
                         "activations": activations, "weight_block": block, "observer": _value(w.observer),
                         "actorder": _value(w.actorder)}
-    if _value(w.type) == "int" and w.num_bits == 8 and strategy != "channel":
-        raise QuantSpecError(f"{where}: int8 weights per {strategy} (llm-compressor's W8A16 preset groups them) are "
-                             "written per output channel by quantspec; give the group weights strategy: channel")
     inputs = "no inputs" if x is None else f"inputs {_value(x.type)} {x.num_bits}-bit {_value(x.strategy)} " \
                                            f"{'dynamic' if x.dynamic else 'static'}{'' if x.symmetric else ' asym'}"
     raise QuantSpecError(f"{where}: weights {_value(w.type)} {w.num_bits}-bit {strategy}"
@@ -314,7 +311,11 @@ def _read_schemes(quant: list[tuple[str, dict]], where: str, s: dict) -> None:
     knobs = {}
     for w, _, mm in matched:
         qt = QuantType.parse(mm["quant_type"])
-        for k, applies in (("group_size", qt in INT4_TYPES), ("zp_dtype", qt in INT4_TYPES),
+        if qt is QuantType.WEIGHT_ONLY_INT8 and mm is not m and mm["group_size"] != -1:
+            raise QuantSpecError(f"{w}: int8 layers beside the model's type are per channel in quantspec; give them "
+                                 "weights strategy: channel")
+        grouped = qt in INT4_TYPES or (qt is QuantType.WEIGHT_ONLY_INT8 and mm is m)
+        for k, applies in (("group_size", grouped), ("zp_dtype", qt in INT4_TYPES),
                            ("symmetric", integer_weights(qt)), ("weight_block", mm["weight_block"] is not None),
                            ("observer", True)):
             if applies and knobs.setdefault(k, mm[k]) != mm[k]:

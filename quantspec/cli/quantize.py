@@ -30,8 +30,10 @@ def _gib(n) -> str:
                    "scaling, then rtn; awq+gptq: the scaling, then gptq; autoround: each layer's rounding and "
                    "clipping tuned by signed gradient descent on its output error (awq: weight-only types and "
                    "8-bit inputs quantized at run time; autoround: integer weights; all but rtn need --dataset)")
-@click.option("--group-size", default=128, show_default=True, type=int,
-              help="int4 group size along K (-1: per channel); a size that does not divide a layer's K is lowered for that layer")
+@click.option("--group-size", default=None, type=int,
+              help="weight group size along K (-1: per channel) of the int4 types [default: 128] and weight_only_int8 "
+                   "[default: per channel; 128 is llm-compressor's W8A16]; a size that does not divide a layer's K is "
+                   "lowered for that layer")
 @click.option("--sym/--asym", "symmetric", default=True, show_default=True)
 @click.option("--zp-dtype", default="int", show_default=True,
               type=click.Choice(["int", "float16", "bfloat16", "float32"]),

@@ -11,7 +11,8 @@ from quantspec.quant.args import MIN_GROUP_SIZE, MX_GROUP_SIZE, NVFP4_GROUP_SIZE
 from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
-__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+__all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "DEFAULT_GROUP_SIZE", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES",
+           "GROUPED_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "awq_unfit", "check_weight_block", "default_weight_observer", "for_experts", "integer_weights", "preset",
            "settle_kv_strategy"]
 
@@ -29,6 +30,10 @@ DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the 
 A8W4_TYPES = (QuantType.A8W4, QuantType.A8W4_FP8)
 # the types whose weights are int4 per group (or channel): --group-size, the mse observer
 INT4_TYPES = (QuantType.WEIGHT_ONLY_INT4, *A8W4_TYPES)
+# the types `--group-size` groups: the int4 ones (128 unless given) and weight_only_int8 (per channel
+# unless given; llm-compressor's W8A16 preset groups it by 128)
+GROUPED_TYPES = (*INT4_TYPES, QuantType.WEIGHT_ONLY_INT8)
+DEFAULT_GROUP_SIZE = 128
 # the types whose inputs `--activations dynamic` quantizes per token (a8w4's only way) at run time
 PER_TOKEN_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, *A8W4_TYPES)
 # a8w4_mxfp4's FP8 input groups (`resolve_layer_group_sizes` shrinks them to tile each layer's K)
@@ -114,16 +119,18 @@ def default_weight_observer(quant_type: QuantType | str, method: str = "rtn") ->
     return "mse" if QuantType.parse(quant_type) in INT4_TYPES and method != "autoround" else "minmax"
 
 
-def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool = True,
+def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
            weight_observer: str | None = None, activations: str | None = None,
            weight_block: int | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
-    weight_only_int8: int8 per-channel weights (8-bit "pack-quantized").
-    weight_only_int4: int4 group-wise weights ("pack-quantized"); `group_size` applies, and with
-    symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32") gives float zero points.
+    weight_only_int8: int8 per-channel weights (8-bit "pack-quantized"), or per group of
+    `group_size` where one is given (compressed-tensors' W8A16).
+    weight_only_int4: int4 group-wise weights ("pack-quantized"); `group_size` applies (None: 128,
+    -1: per channel), and with symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32")
+    gives float zero points.
     a8w8: int8 per-channel weights + static per-tensor int8 input scales ("int-quantized").
     a8w8_fp8: FP8 E4M3 per-channel weights + static per-tensor FP8 input scales ("float-quantized").
     weight_only_fp8: a8w8_fp8's weights with float inputs (W8A16 FP8, "float-quantized"), which both
@@ -155,24 +162,31 @@ def preset(quant_type: QuantType | str, group_size: int = 128, symmetric: bool =
     layer.
     """
     qt = QuantType.parse(quant_type)
+    if group_size is None:
+        group_size = DEFAULT_GROUP_SIZE if qt in INT4_TYPES else -1
     weight_observer = weight_observer or default_weight_observer(qt)
     activations = activations or ("dynamic" if qt in A8W4_TYPES else "static")
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
     check_weight_block(qt, weight_block, activations, weight_observer)
     inputs = _inputs(qt, activations)
-    if qt in INT4_TYPES:
-        layout = {"strategy": "channel", "group_size": None} if group_size == -1 else {"group_size": group_size}
-    elif weight_block is not None:
-        layout = {"strategy": "block", "block_structure": (weight_block, weight_block)}
+    if weight_block is not None and qt not in GROUPED_TYPES:  # FP8_BLOCK: inputs per group of the block's side
         inputs = None if inputs is None else inputs.replace(strategy="group", group_size=weight_block)
-    else:
-        layout = {}
-    w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **layout)
+    w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **_layout(qt, group_size, weight_block))
     if weight_observer != "minmax":
         w = w.replace(observer=weight_observer)
     scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=inputs)
     return QuantConfig(config_groups={"group_0": scheme}, ignore=tuple(ignore),
                        kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
+
+
+def _layout(qt: QuantType, group_size: int, weight_block: int | None) -> dict:
+    """The weights' strategy fields: per group or channel (`GROUPED_TYPES`), in blocks, or the type's own."""
+    if qt in GROUPED_TYPES:
+        return {"strategy": "channel", "group_size": None} if group_size == -1 else \
+            {"strategy": "group", "group_size": group_size}
+    if weight_block is not None:
+        return {"strategy": "block", "block_structure": (weight_block, weight_block)}
+    return {}
 
 
 def _inputs(qt: QuantType, activations: str) -> QuantArgs | None:
@@ -224,7 +238,7 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
                                  f"drop it for {qt.value}")
         if symmetric:
             raise QuantSpecError(f"--zp-dtype {zp_dtype} needs asymmetric weights; add --asym")
-    if qt in INT4_TYPES and group_size != -1 and (
+    if qt in GROUPED_TYPES and group_size != -1 and (
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")

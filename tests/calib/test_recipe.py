@@ -70,6 +70,14 @@ quant_stage:
           targets: [Linear]
       kv_cache_scheme: {num_bits: 8, type: float, symmetric: true, strategy: tensor}
 """
+_W8A16 = """
+quant_stage:
+  quant_modifiers:
+    GPTQModifier:
+      ignore: [lm_head]
+      scheme: W8A16
+      actorder: null
+"""
 _W8A8_JSON = json.dumps({"quant_stage": {"quant_modifiers": {"GPTQModifier": {
     "scheme": "W8A8", "ignore": ["lm_head"], "actorder": "static"}}}})
 
@@ -77,6 +85,8 @@ _W8A8_JSON = json.dumps({"quant_stage": {"quant_modifiers": {"GPTQModifier": {
 CASES = [
     ("w4a16_gptq", _W4A16_GPTQ, dict(quant_type="weight_only_int4", method="gptq", group_size=128, act_order=True,
                                      damp=0.05, block_size=64, weight_observer="minmax")),
+    ("w8a16_groups", _W8A16, dict(quant_type="weight_only_int8", method="gptq", group_size=128,
+                                  weight_observer="minmax")),
     ("fp8_dynamic", _FP8_DYNAMIC, dict(quant_type="a8w8_fp8", activations="dynamic", weight_observer="minmax",
                                        ignore=("lm_head", "re:.*visual.*"))),
     ("channel_asym", _CHANNEL_ASYM, dict(quant_type="weight_only_int4", method="gptq", group_size=-1,
@@ -169,7 +179,8 @@ REFUSED = [
     ("sparsity", "s_stage:\n  s_modifiers:\n    SparseGPTModifier: {sparsity: 0.5}\n", "runs no SparseGPTModifier"),
     ("per_tensor_fp8", "q_stage:\n  q_modifiers:\n    QuantizationModifier: {scheme: FP8}\n",
      "none of quantspec's quant types"),
-    ("int8_groups", "q_stage:\n  q_modifiers:\n    QuantizationModifier: {scheme: W8A16}\n", "strategy: channel"),
+    ("int8_layer_groups", "q_stage:\n  q_modifiers:\n    QuantizationModifier: {scheme: {W4A16: [Linear], W8A16: "
+                          "['re:.*down_proj$']}}\n", "strategy: channel"),
     ("asym_inputs", "q_stage:\n  q_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g: {targets: "
                     "[Linear], weights: {num_bits: 8, type: int, strategy: channel}, input_activations: {num_bits: "
                     "8, type: int, symmetric: false, strategy: token, dynamic: true}}\n", "asym are none"),

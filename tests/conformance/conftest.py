@@ -24,6 +24,7 @@ TEXT = ("The quick brown fox jumps over the lazy dog. Pack my box with five doze
 ARTIFACTS = {
     "weight_only_int8": dict(quant_type="weight_only_int8"),
     "weight_only_int8_asym": dict(quant_type="weight_only_int8", symmetric=False),
+    "weight_only_int8_g128": dict(quant_type="weight_only_int8", group_size=128),  # llm-compressor's W8A16
     "weight_only_int4": dict(quant_type="weight_only_int4", group_size=128),
     "weight_only_int4_asym": dict(quant_type="weight_only_int4", group_size=128, symmetric=False),
     "weight_only_int4_float_zp": dict(quant_type="weight_only_int4", group_size=128, symmetric=False,
