@@ -1,10 +1,11 @@
-"""GPTQ or AWQ, W4A16 g64 on the default model: quantspec vs llm-compressor, same calibration
-tokens, same machine, one run; prints wall time and held-out perplexity of both artifacts (quantspec
-reads the compressed-tensors checkpoint llm-compressor writes).
+"""GPTQ or AWQ, W4A16 g64 on the default model (or one llm-compressor recipe file run by both
+tools: `--recipe`): quantspec vs llm-compressor, same calibration tokens, same machine, one run;
+prints wall time and held-out perplexity of both artifacts (quantspec reads the compressed-tensors
+checkpoint llm-compressor writes).
 
     python -m venv --system-site-packages /tmp/lcvenv && /tmp/lcvenv/bin/pip install --no-deps llmcompressor
     python bench/ptq_vs_llmcompressor.py --llmcompressor-python /tmp/lcvenv/bin/python [--method gptq|awq]
-        [--threads 2] [--weight-observers minmax,mse]
+        [--threads 2] [--weight-observers minmax,mse] [--recipe recipe.yaml]
 
 Calibration: the texts of `bench/data/calib.jsonl` joined and cut into 64 × 512-token windows;
 llm-compressor gets the token ids, quantspec a jsonl with one decoded window per row (its dataset
@@ -44,7 +45,9 @@ ds = Dataset.from_dict({"input_ids": windows, "attention_mask": [[1] * L for _ i
 model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.float32)
 scheme = QuantizationScheme(targets=["Linear"], weights=QuantizationArgs(
     num_bits=4, type="int", symmetric=True, strategy="group", group_size=64))
-if sys.argv[5] == "gptq":
+if sys.argv[5].endswith((".yaml", ".yml", ".json")):  # a recipe file, as `quantspec quantize --recipe` reads it
+    recipe = sys.argv[5]
+elif sys.argv[5] == "gptq":
     recipe = GPTQModifier(config_groups={"group_0": scheme}, ignore=["lm_head"], block_size=128,
                           dampening_frac=0.01)
 else:
@@ -69,6 +72,8 @@ def main() -> None:
                     help="quantspec GPTQ with --act-order (its best g64 setting; llm-compressor runs its defaults)")
     ap.add_argument("--weight-observers", default="minmax,mse",
                     help="quantspec rows: one per weight observer (--weight-observer)")
+    ap.add_argument("--recipe", help="an llm-compressor recipe file both tools run (quantspec: quantize --recipe), "
+                                     "instead of --method's W4A16 g64")
     a = ap.parse_args()
 
     import torch
@@ -97,7 +102,13 @@ def main() -> None:
     jsonl.write_text("".join(json.dumps({"text": tok.decode(w)}) + "\n" for w in windows))
 
     rows = []
-    for obs in [o for o in a.weight_observers.split(",") if o]:
+    if a.recipe:
+        out = work / "quantspec-recipe"
+        t = time.perf_counter()
+        api.quantize(str(model_dir), out=out, recipe=a.recipe, dataset=str(jsonl), num_samples=n, seq_len=L,
+                     overwrite=True)
+        rows.append((f"quantspec (--recipe: {' '.join(api.recipe_flags(a.recipe))})", time.perf_counter() - t, out))
+    for obs in [o for o in a.weight_observers.split(",") if o and not a.recipe]:
         out = work / f"quantspec-{obs}"
         t = time.perf_counter()
         api.quantize(str(model_dir), "weight_only_int4", out, method=a.method, group_size=64, dataset=str(jsonl),
@@ -112,7 +123,8 @@ def main() -> None:
         env = dict(os.environ, OMP_NUM_THREADS=str(a.threads))
         t = time.perf_counter()
         res = subprocess.run([a.llmcompressor_python, str(script), str(model_dir), str(win_file), str(a.threads),
-                              str(lc_out), a.method], capture_output=True, text=True, env=env)
+                              str(lc_out), str(Path(a.recipe).resolve()) if a.recipe else a.method],
+                             capture_output=True, text=True, env=env)
         wall = time.perf_counter() - t
         line = next((x for x in res.stdout.splitlines() if x.startswith("PTQ_SECONDS")), None)
         if res.returncode != 0 or line is None:
@@ -124,9 +136,10 @@ def main() -> None:
     heldout = HERE / "data" / "heldout.txt"
     fp32 = api.evaluate(str(model_dir), text_file=str(heldout), seq_len=512)["perplexity"]
     act_order = a.act_order and a.method == "gptq"
-    print(f"\n## {a.method.upper()} W4A16 g64, {DEFAULT_MODEL}, {n} x {L} calibration tokens, {a.threads} thread(s)"
-          f"{', quantspec act-order' if act_order else ''}\n")
-    print(f"| tool | {a.method.upper()} wall s | held-out ppl | vs fp32 |")
+    what = f"the recipe {Path(a.recipe).name}" if a.recipe else f"{a.method.upper()} W4A16 g64"
+    print(f"\n## {what}, {DEFAULT_MODEL}, {n} x {L} calibration tokens, {a.threads} thread(s)"
+          f"{', quantspec act-order' if act_order and not a.recipe else ''}\n")
+    print(f"| tool | {'quantize' if a.recipe else a.method.upper()} wall s | held-out ppl | vs fp32 |")
     print("|---|---:|---:|---:|")
     print(f"| fp32 | - | {fp32:.3f} | - |")
     for name, secs, path in rows:

@@ -38,16 +38,18 @@ from quantspec.errors import QuantSpecError
 
 __all__ = ["Recipe", "read_recipe", "recipe_flags", "with_recipe"]
 
-_NO_EFFECT = {"index", "group", "start", "end", "update"}  # lifecycle fields: a oneshot run ignores them
+# lifecycle and bookkeeping fields (llm-compressor's recipe.yaml writes them all): they leave the artifact as it is
+_NO_EFFECT = {"index", "group", "start", "end", "update", "requires_calibration_data"}
 # what each modifier's arguments may be, beside `_NO_EFFECT`
 _QUANT_ARGS = {"config_groups", "targets", "ignore", "scheme", "kv_cache_scheme", "weight_observer",
                "input_observer", "output_observer", "observer", "bypass_divisibility_checks"}
 _MODIFIERS = {
     "QuantizationModifier": _QUANT_ARGS,
-    "GPTQModifier": _QUANT_ARGS | {"block_size", "dampening_frac", "actorder", "offload_hessians"},
+    "GPTQModifier": _QUANT_ARGS | {"block_size", "dampening_frac", "actorder", "offload_hessians",
+                                   "batched_quantization"},
     "AutoRoundModifier": _QUANT_ARGS | {"iters", "lr", "batch_size", "enable_torch_compile", "device_ids"},
     "AWQModifier": {"mappings", "offload_device", "duo_scaling", "n_grid", "ignore", "targets"},
-    "SmoothQuantModifier": {"smoothing_strength", "mappings", "ignore", "num_calibration_steps"},
+    "SmoothQuantModifier": {"smoothing_strength", "mappings", "ignore", "num_calibration_steps", "algorithm"},
     "QuIPModifier": {"rotations", "transform_type", "targets", "randomize", "learnable", "precision",
                      "transform_block_size", "ignore"},
     "SpinQuantModifier": {"rotations", "transform_type", "randomize", "learnable", "precision",
@@ -124,11 +126,16 @@ def _load(path: str) -> list[tuple[str, dict]]:
     """[(modifier class, its arguments)] in the order the recipe runs them."""
     import yaml
 
+    class Loader(yaml.SafeLoader):
+        """YAML's safe subset; a Python object tag (llm-compressor writes AWQ's unset `offload_device`
+        as one) reads as null: only arguments that cannot change the artifact carry them."""
+
+    Loader.add_multi_constructor("tag:yaml.org,2002:python/", lambda loader, suffix, node: None)
     p = Path(path)
     if not p.is_file():
         raise QuantSpecError(f"--recipe {path} does not exist; pass an llm-compressor recipe file (.yaml or .json)")
     try:
-        obj = yaml.safe_load(p.read_text(encoding="utf-8"))  # JSON is YAML too
+        obj = yaml.load(p.read_text(encoding="utf-8"), Loader=Loader)  # JSON is YAML too
     except (yaml.YAMLError, UnicodeDecodeError) as e:
         raise QuantSpecError(f"--recipe {path} is not valid YAML or JSON ({str(e).splitlines()[0]})") from None
     if not isinstance(obj, dict):
@@ -139,15 +146,17 @@ def _load(path: str) -> list[tuple[str, dict]]:
                              "values into the modifiers")
     mods = []
     for stage, groups in obj.items():
-        if not (stage.endswith("_stage") and isinstance(groups, dict)):
+        if not (str(stage).endswith("_stage") and isinstance(groups, dict)):
             continue
         for group, entries in groups.items():
-            if not (group.endswith("_modifiers") and isinstance(entries, dict)):
+            if not (str(group).endswith("_modifiers") and isinstance(entries, dict)):
                 continue
             for name, args in entries.items():
                 if name not in _MODIFIERS:
                     raise QuantSpecError(f"--recipe {path}: quantspec runs no {name}; it runs "
                                          f"{', '.join(_MODIFIERS)}")
+                if not isinstance(args or {}, dict):
+                    raise QuantSpecError(f"--recipe {path}: {name}'s arguments are not a mapping")
                 args = dict(args or {})
                 unknown = sorted(set(args) - _MODIFIERS[name] - _NO_EFFECT)
                 if unknown:
@@ -257,9 +266,14 @@ def read_recipe(path: str) -> Recipe:
         method = "awq" if method == "rtn" else "awq+gptq"
     s = recipe.settings
     s["method"] = method
-    _read_schemes(quant, where, s)
-    for name, args in mods:
-        _READERS.get(name, lambda *_: None)(args, f"{where}: {name}", s)
+    try:
+        _read_schemes(quant, where, s)
+        for name, args in mods:
+            _READERS.get(name, lambda *_: None)(args, f"{where}: {name}", s)
+    except QuantSpecError:
+        raise
+    except (TypeError, ValueError, AttributeError) as e:  # an argument of the wrong kind
+        raise QuantSpecError(f"{where}: an argument is not of the kind llm-compressor takes ({e})") from None
     if s["quant_type"] in ("a8w8", "a8w8_fp8") and s.get("activations") == "static":
         if "smoothquant_alpha" not in s:
             recipe.defaults["smoothquant_alpha"] = "none"
@@ -375,6 +389,9 @@ def _same_mappings(mappings, default) -> bool:
 
 
 def _read_smoothquant(args: dict, where: str, s: dict) -> None:
+    if args.get("algorithm", "smoothquant") != "smoothquant":
+        raise QuantSpecError(f"{where}: quantspec runs SmoothQuant's smoothing, not {args['algorithm']}; set "
+                             "algorithm: smoothquant")
     if not _same_mappings(args.get("mappings"), _SQ_MAPPINGS) or args.get("ignore") or \
             args.get("num_calibration_steps") is not None:
         raise QuantSpecError(f"{where}: quantspec smooths each decoder layer's q/k/v and gate/up groups (its "

@@ -6,6 +6,7 @@ artifact is, field by field, the one compressed-tensors' own resolution of the r
 (`preset_name_to_scheme`, `QuantizationScheme`, by its target precedence) gives that Linear."""
 
 import json
+from pathlib import Path
 
 import pytest
 import torch
@@ -208,6 +209,9 @@ REFUSED = [
                     "    QuantizationModifier: {scheme: W4A16}\n", "transform_type: hadamard"),
     ("sq_mappings", "q_stage:\n  q_modifiers:\n    SmoothQuantModifier: {mappings: [[[a], b]]}\n"
                     "    QuantizationModifier: {scheme: W8A8}\n", "default"),
+    ("bad_block_size", "q_stage:\n  q_modifiers:\n    GPTQModifier: {scheme: W4A16, block_size: big}\n", "kind"),
+    ("bad_config_groups", "q_stage:\n  q_modifiers:\n    GPTQModifier: {config_groups: [1, 2]}\n", "kind"),
+    ("args_not_mapping", "q_stage:\n  q_modifiers:\n    GPTQModifier: 5\n", "not a mapping"),
     ("not_a_recipe", "- just\n- a list\n", "no mapping of stages"),
     ("empty", "other: 1\n", "names no modifier"),
     ("yaml_error", "q_stage: {q_modifiers: [\n", "not valid YAML"),
@@ -250,3 +254,33 @@ def test_the_command_line_prints_the_flags_and_refuses_a_flag_the_recipe_sets(ti
                                       _write(tmp_path, _W4A16_GPTQ, "w4.yaml"), *flag, "--out", str(tmp_path / "b")])
         assert r.exit_code == 2 and f"{flag[0] if flag[0] != '--asym' else '--sym/--asym'} and --recipe" in r.output
         assert not (tmp_path / "b").exists()
+
+
+LLMC = Path(__file__).parent / "llmcompressor_recipes"  # recipe.yaml files as llm-compressor writes them
+_GPTQ = dict(method="gptq", block_size=128, damp=0.01, act_order=True)  # its GPTQModifier's defaults (actorder static)
+_INT4 = dict(quant_type="weight_only_int4", group_size=128, symmetric=True)
+WRITTEN = {
+    "gptq_w4a16": {**_GPTQ, **_INT4},
+    "awq_w4a16_asym": dict(_INT4, method="awq", symmetric=False),
+    "sq_gptq_w8a8": dict(_GPTQ, quant_type="a8w8", activations="dynamic", symmetric=True, smoothquant_alpha=0.8),
+    "fp8_dynamic_kv": dict(method="rtn", quant_type="a8w8_fp8", activations="dynamic", kv_cache="fp8",
+                           kv_strategy="tensor"),
+    "fp8_block": dict(method="rtn", quant_type="a8w8_fp8", activations="dynamic", weight_block=128),
+    # actorder None is not written (llm-compressor drops null arguments), so the file reads static
+    "w8a16": dict(_GPTQ, quant_type="weight_only_int8", group_size=128, symmetric=True),
+    "nvfp4a16": dict(method="rtn", quant_type="weight_only_nvfp4"),
+    "quip_w4a16": dict(_INT4, method="rtn", quip="v,u"),
+    "spinquant_w4a16": dict(_INT4, method="rtn", rotate="R1,R2"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(WRITTEN))
+def test_recipes_llm_compressor_writes_read_as_what_they_ran(name):
+    """Every argument llm-compressor writes into its recipe.yaml (lifecycle fields, its defaults,
+    the Python tag of AWQ's unset offload device) is read; the options are the recipe's."""
+    from quantspec.calib.recipe import read_recipe
+
+    r = read_recipe(str(LLMC / f"{name}.yaml"))
+    want = {**WRITTEN[name], "weight_observer": "minmax", "ignore": ("lm_head",), "layer_quant_types": ()}
+    assert r.settings == want
+    assert r.defaults == {}
