@@ -57,6 +57,8 @@ ROWS = {
     "int4-gptq-g64-noact": ("weight_only_int4", "gptq", 64, True, False),
     "int4-awq-g128": ("weight_only_int4", "awq", 128, True, False),
     "int4-awq-g64": ("weight_only_int4", "awq", 64, True, False),
+    "int4-awq-g64-duo-false": ("weight_only_int4", "awq", 64, True, False),  # --awq-duo-scaling false
+    "int4-awq-g64-duo-both": ("weight_only_int4", "awq", 64, True, False),  # --awq-duo-scaling both
     "int4-awq-g32": ("weight_only_int4", "awq", 32, True, False),
     "int4-awq-gptq-g128": ("weight_only_int4", "awq+gptq", 128, True, True),
     "int4-awq-gptq-g64": ("weight_only_int4", "awq+gptq", 64, True, True),
@@ -97,7 +99,8 @@ ROWS = {
     "int4-autoround-light-asym-g32": ("weight_only_int4", "autoround", 32, False, False),
 }
 # options beside a row's spec
-ROW_OPTIONS = {name: dict(iters=50, lr=5e-3) for name in ROWS if "-autoround-light-" in name}
+ROW_OPTIONS = {name: dict(iters=50, lr=5e-3) for name in ROWS if "-autoround-light-" in name} | {
+    name: dict(awq_duo_scaling=name.rsplit("-", 1)[1]) for name in ROWS if "-duo-" in name}
 
 
 def _target(quant_type: str, zp_dtype: str | None, layers: tuple) -> str:

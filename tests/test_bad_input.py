@@ -140,6 +140,8 @@ CASES = [
                                     "--dataset {d}/latin1.txt --out {d}/q", "--dataset"),
     ("quantize-damp-neg", "quantize --model {model} --quant-type weight_only_int4 --method gptq "
                           "--dataset {d}/calib.txt --damp -1 --out {d}/q", "--damp"),
+    ("quantize-awq-duo-rtn", "quantize --model {model} --quant-type weight_only_int4 --awq-duo-scaling both "
+                             "--out {d}/q", "--awq-duo-scaling"),
     ("quantize-no-quant-type", "quantize --model {model} --out {d}/q", "--quant-type"),
     ("quantize-recipe-missing", "quantize --model {model} --recipe {d}/missing.yaml --out {d}/q", "--recipe"),
     ("quantize-recipe-not-yaml", "quantize --model {model} --recipe {d}/malformed.jsonl --out {d}/q", "--recipe"),

@@ -58,10 +58,12 @@ from quantspec.quant.args import QuantArgs
 from quantspec.quant.fp4 import global_scale_from_absmax
 from quantspec.quant.gptq import HessianAccumulator, rtn_quantize
 
-__all__ = ["AWQ_GRID", "AWQGroup", "ChannelStats", "ScaleChoice", "awq_layer", "candidate_scales",
+__all__ = ["AWQ_DUO", "AWQ_GRID", "AWQGroup", "ChannelStats", "ScaleChoice", "awq_layer", "candidate_scales",
            "check_awq", "layer_awq_groups", "output_error", "relative_weight_mean", "search_scale"]
 
 AWQ_GRID = 20  # α = 0, 1/20, …, 19/20 (llm-compressor's n_grid)
+# --awq-duo-scaling → `candidate_scales(duo=)`: llm-compressor's duo_scaling values
+AWQ_DUO = {"true": True, "false": False, "both": "both"}
 _DUO_EPS = 1e-4  # w̄^(1-α) + eps: a column of zeros does not divide by zero
 _MIN_SCALE = 1e-4
 
@@ -115,13 +117,23 @@ def relative_weight_mean(weights: Sequence[torch.Tensor], args: Sequence[QuantAr
     return torch.cat(parts).mean(0)
 
 
-def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, grid: int = AWQ_GRID
+def candidate_scales(x_mean: torch.Tensor, w_mean: torch.Tensor, grid: int = AWQ_GRID, duo: bool | str = True
                      ) -> list[tuple[float | None, torch.Tensor]]:
-    """[(α, s [K])]: s = 1 (α None), then duo scaling for α = i / grid (module docstring)."""
+    """[(α, s [K])]: s = 1 (α None), then duo scaling for α = i / grid (module docstring).
+
+    `duo` False / "both" are llm-compressor's `duo_scaling` of those values: s = x̄^α alone for
+    α = i / (grid - 1) over [0, 1], or both forms at half the points each (α = i / (grid/2 - 1));
+    x̄^0 is the s = 1 candidate."""
+    if duo is True:
+        params = [(i / grid, True) for i in range(grid)]
+    else:
+        n = grid if duo is False else grid // 2
+        params = [(i / (n - 1), d) for d in ((False,) if duo is False else (False, True)) for i in range(n)
+                  if i or d]
     out: list[tuple[float | None, torch.Tensor]] = [(None, torch.ones_like(x_mean))]
-    for i in range(grid):
-        ratio = i / grid
-        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + _DUO_EPS)).clamp(min=_MIN_SCALE)
+    for ratio, with_w in params:
+        s = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + _DUO_EPS) if with_w else x_mean.pow(ratio)).clamp(
+            min=_MIN_SCALE)
         s = s / (s.max() * s.min()).sqrt()
         out.append((ratio, torch.where(torch.isfinite(s), s, torch.ones_like(s))))
     return out
@@ -151,7 +163,7 @@ class ScaleChoice:
 
 def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], stats: ChannelStats,
                  tie: torch.Tensor | None = None, grid: int = AWQ_GRID,
-                 units: Sequence[object] | None = None) -> ScaleChoice:
+                 units: Sequence[object] | None = None, duo: bool | str = True) -> ScaleChoice:
     """The candidate (`candidate_scales`) with the least summed `output_error` over `weights`
     ([N_i, K], each rounded under its own args) for inputs with statistics `stats`.
 
@@ -167,7 +179,7 @@ def search_scale(weights: Sequence[torch.Tensor], args: Sequence[QuantArgs], sta
     if tie is not None:
         x_mean, w_mean = _tied_mean(x_mean, tie), _tied_mean(w_mean, tie)
     best = rtn = None
-    for ratio, s in candidate_scales(x_mean, w_mean, grid):
+    for ratio, s in candidate_scales(x_mean, w_mean, grid, duo):
         full = s if tie is None else s[tie]
         g = [None] * len(weights)  # NVFP4: a unit's Linears share a global scale, as quantize writes them
         if args[0].is_nvfp4:
@@ -215,14 +227,15 @@ def layer_awq_groups(layer: nn.Module) -> list[AWQGroup]:
 
 @torch.no_grad()
 def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, QuantArgs],
-              hessians: dict[str, torch.Tensor] | None = None) -> dict[str, float]:
+              hessians: dict[str, torch.Tensor] | None = None, duo: bool | str = True) -> dict[str, float]:
     """Run the decoder layer of `step` (`calib.runner.LayerStep`) over its calibration inputs,
     choose each group's factor and fold it into the layer; → {"awq:<group>": objective after scaling}.
 
     `linears` / `layer_args`: the quantized Linears (full names) and their weight args. A group
     none of whose readers is quantized is left as it is. `hessians`, when given, receives
     {first reader of each group: H [K, K] of its inputs as the fold leaves them} — the inputs
-    become X / s, so H becomes H / (s sᵀ): what GPTQ would accumulate from the folded layer."""
+    become X / s, so H becomes H / (s sᵀ): what GPTQ would accumulate from the folded layer.
+    `duo`: the candidates' form (`candidate_scales`)."""
     groups = [(g, [f"{step.name}.{r}" for r in g.readers]) for g in layer_awq_groups(step.layer)]
     groups = [(g, names) for g, names in groups if any(n in linears for n in names)]
     stats, handles = {}, []
@@ -242,7 +255,7 @@ def awq_layer(step, linears: Mapping[str, nn.Linear], layer_args: Mapping[str, Q
         if not stats[names[0]].hessian.num_samples:
             continue  # never reached (no calibration token)
         choice = search_scale([linears[n].weight for n in quantized], [layer_args[n] for n in quantized],
-                              stats[names[0]], g.tie, units=[n.rsplit(".", 1)[0] for n in quantized])
+                              stats[names[0]], g.tie, units=[n.rsplit(".", 1)[0] for n in quantized], duo=duo)
         losses["awq:" + ("+".join(quantized) if len(quantized) <= 3 else
                          f"{quantized[0]}+{len(quantized) - 1} more")] = choice.loss
         if choice.s is not None:

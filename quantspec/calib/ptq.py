@@ -163,7 +163,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                    progress: Progress | None = None, weights: CheckpointReader | None = None,
                    device: str | torch.device | None = None,
                    smooth: Mapping[str, torch.Tensor] | None = None,
-                   sink: PartSink | None = None, quip=None, autoround=None, hessians=None) -> PTQResult:
+                   sink: PartSink | None = None, quip=None, autoround=None, hessians=None,
+                   awq_duo: bool | str = True) -> PTQResult:
     """Quantize `model`'s Linears per `config` with `method`; see the module docstring.
 
     calib_batches: LongTensor [n, S] (the methods that read data: GPTQ, AWQ, AutoRound).
@@ -174,8 +175,8 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
     sink: where the parts go (default: kept in memory, `PTQResult.tensors`);
     quip: a `calib.quip.Quip`: the decoder layers' Linears quantized in QuIP's turned basis;
     autoround: the `calib.autoround.AutoRound` settings of method "autoround" (None: its defaults);
-    hessians: {Linear: H [K, K]} of a draft module (`calib.draft_calib`), for GPTQ without `calib_batches`.
-    progress(layer, num_layers, phase) is called per layer (phase "start" / "done").
+    hessians: {Linear: H [K, K]} of a draft module (`calib.draft_calib`), for GPTQ without `calib_batches`;
+    awq_duo: AWQ's candidates (`calib.awq.candidate_scales`); progress(layer, num_layers, phase) per layer.
     """
     _check_request(method, config, calib_batches, hessians)
     t0 = time.perf_counter()
@@ -186,10 +187,9 @@ def quantize_model(model: Transformer, config: QuantConfig, method: str = "rtn",
                        hessians=hessians)
     outside = [n for n in q.linears if not n.startswith("model.layers.")]
     check_outside(method, outside, measured=hessians is not None)
-    parts = method.split("+")  # awq+gptq: AWQ's factors, then GPTQ
-    if "awq" in parts:
+    if "awq" in (parts := method.split("+")):  # awq+gptq: AWQ's factors, then GPTQ
         check_awq(config, q.layer_args)
-    q.tuner = _autoround_tuner(q, autoround) if method == "autoround" else None
+    q.tuner, q.awq_duo = (_autoround_tuner(q, autoround) if method == "autoround" else None), awq_duo
     sink = sink if sink is not None else PartSink()
     # GPTQ's head: its Hessian is of the last layer's normed outputs, so its part follows the layers
     head_gptq = "gptq" in parts and "lm_head" in outside and hessians is None
@@ -387,7 +387,7 @@ def _gptq_or_awq_layer(step, q: LayerQuantizer, method: str, one_pass: bool) -> 
     if method.startswith("awq"):
         from quantspec.calib.awq import awq_layer
 
-        q.losses.update(awq_layer(step, q.linears, q.layer_args, hessians))
+        q.losses.update(awq_layer(step, q.linears, q.layer_args, hessians, duo=q.awq_duo))
     groups = _layer_groups(step.name, step.layer, q.linears)
     if hessians and all(g[0] in hessians for g in groups):  # of the inputs as AWQ's factors left them
         for g in groups:

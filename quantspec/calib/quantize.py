@@ -33,6 +33,7 @@ from typing import Callable
 
 import torch
 
+from quantspec.calib.awq import AWQ_DUO
 from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_hessians, draft_request, load_base, load_draft
 from quantspec.calib.draft_scales import draft_static_plan
 from quantspec.calib.quip import check_quip_recipe
@@ -86,6 +87,7 @@ class QuantizeConfig:
     iters: int | None = None  # AutoRound's steps per layer, step size, samples per step (None: `calib.autoround`'s)
     lr: float | None = None
     batch_size: int | None = None
+    awq_duo_scaling: str = "true"  # AWQ's candidate scales: "true" | "false" | "both" (`calib.awq.candidate_scales`)
     dataset: str | None = None
     base: str | None = None  # a draft module's base: GPTQ measures the module's inputs on it (`calib.draft_calib`)
     split: str = "train"
@@ -314,7 +316,7 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
                              act_order=config.act_order, input_scales=input_scales, scale_dtype=src.dtype,
                              out_dtype=src.dtype, progress=progress, weights=src.reader, device=device,
                              smooth=factors, sink=sink, quip=config.quip_spec, autoround=config.autoround,
-                             hessians=hessians)
+                             hessians=hessians, awq_duo=AWQ_DUO[config.awq_duo_scaling])
         say(f"writing {out}")
         return _write(config, src, res, run, out, time.perf_counter() - t0)
 
@@ -480,6 +482,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "quant_type": config.quant_type, "method": config.method,
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
+                          "awq_duo_scaling",
                           "kv_strategy", "target", "compute_capability", "activations", "weight_block",
                           "layer_quant_types", "rotate", "quip", "quip_block_size")}
         | {"ignore": list(res.config.ignore)},

@@ -62,7 +62,8 @@ _SQ_MAPPINGS = [[["re:.*q_proj", "re:.*k_proj", "re:.*v_proj"], "re:.*input_laye
 # the options a recipe sets, by the flag that sets them on the command line
 FLAGS = {"quant_type": "--quant-type", "method": "--method", "group_size": "--group-size", "symmetric": "--sym/--asym",
          "zp_dtype": "--zp-dtype", "weight_observer": "--weight-observer", "ignore": "--ignore",
-         "layer_quant_types": "--layer-quant-type", "act_order": "--act-order", "block_size": "--block-size",
+         "layer_quant_types": "--layer-quant-type", "awq_duo_scaling": "--awq-duo-scaling",
+         "act_order": "--act-order", "block_size": "--block-size",
          "damp": "--damp", "iters": "--iters", "lr": "--lr", "batch_size": "--batch-size",
          "activations": "--activations", "weight_block": "--weight-block",
          "smoothquant_alpha": "--smoothquant-alpha", "kv_cache": "--kv-cache", "kv_strategy": "--kv-strategy",
@@ -403,10 +404,13 @@ def _read_smoothquant(args: dict, where: str, s: dict) -> None:
 def _read_awq(args: dict, where: str, s: dict) -> None:
     from quantspec.calib.awq import AWQ_GRID
 
-    if args.get("mappings") is not None or args.get("ignore") or args.get("duo_scaling", True) is not True \
+    duo = {True: "true", False: "false", "both": "both"}.get(args.get("duo_scaling", True))
+    if args.get("mappings") is not None or args.get("ignore") or duo is None \
             or args.get("n_grid", AWQ_GRID) != AWQ_GRID or args.get("targets", "Linear") not in ("Linear", ["Linear"]):
-        raise QuantSpecError(f"{where}: quantspec's AWQ searches its default mappings by duo scaling over "
-                             f"{AWQ_GRID} points; drop mappings, ignore, targets, duo_scaling and n_grid")
+        raise QuantSpecError(f"{where}: quantspec's AWQ searches its default mappings over {AWQ_GRID} points "
+                             "(duo_scaling true, false or both); drop mappings, ignore, targets and n_grid")
+    if duo != "true":
+        s["awq_duo_scaling"] = duo
 
 
 def _read_autoround(args: dict, where: str, s: dict) -> None:

@@ -108,6 +108,11 @@ def check_method(c, qt) -> None:
     if c.method.startswith("awq") and "fp8" in awq_unfit(qt, c.activations == "dynamic"):
         raise QuantSpecError(f"--method {c.method}: AWQ scales integer or FP4 weights, and {qt.value}'s "
                              "are FP8; use --method rtn or gptq")
+    from quantspec.calib.awq import AWQ_DUO
+
+    if c.awq_duo_scaling not in AWQ_DUO or (c.awq_duo_scaling != "true" and not c.method.startswith("awq")):
+        raise QuantSpecError(f"--awq-duo-scaling {c.awq_duo_scaling} picks the form of AWQ's candidate scales "
+                             f"({' | '.join(AWQ_DUO)}), for --method awq or awq+gptq")
     if c.method == "autoround":
         _check_autoround(c, qt)
     elif (c.iters, c.lr, c.batch_size) != (None, None, None):

@@ -52,6 +52,9 @@ def _gib(n) -> str:
                    "only: --target vllm) (repeatable; types that "
                    "need no calibration table: weight-only ones, and a8w8 / a8w8_fp8 / mxfp4 / mxfp8 with inputs "
                    "quantized at run time)")
+@click.option("--awq-duo-scaling", default="true", show_default=True, type=click.Choice(["true", "false", "both"]),
+              help="awq: the candidate scales, as llm-compressor's AWQModifier duo_scaling: x̄^α / w̄^(1-α) (true), "
+                   "x̄^α alone (false), or both at half the grid each")
 @click.option("--act-order", is_flag=True, help="GPTQ: quantize columns in order of decreasing Hessian diagonal")
 @click.option("--block-size", "gptq_block_size", default=128, show_default=True, type=int, help="GPTQ lazy-update block")
 @click.option("--damp", default=0.01, show_default=True, type=float, help="GPTQ damping (fraction of mean diag H)")
@@ -122,7 +125,7 @@ def _gib(n) -> str:
 @one_line_errors
 @threads_option
 def quantize(model, quant_type, recipe, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
-             act_order, gptq_block_size, damp, iters, lr, batch_size,
+             awq_duo_scaling, act_order, gptq_block_size, damp, iters, lr, batch_size,
              dataset, base, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable", compute_capability=None, rotate=None, quip=None,
@@ -143,7 +146,8 @@ def quantize(model, quant_type, recipe, method, group_size, symmetric, zp_dtype,
     options = dict(method=method, group_size=group_size, symmetric=symmetric,
                    zp_dtype=None if zp_dtype == "int" else zp_dtype,
                    weight_observer=None if weight_observer == "auto" else weight_observer, ignore=tuple(ignore),
-                   layer_quant_types=tuple(layer_quant_types), act_order=act_order, block_size=gptq_block_size,
+                   layer_quant_types=tuple(layer_quant_types), awq_duo_scaling=awq_duo_scaling, act_order=act_order,
+                   block_size=gptq_block_size,
                    damp=damp, iters=iters, lr=lr, batch_size=batch_size, dataset=dataset, base=base, split=split,
                    text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed, calib=calib,
                    activations=activations, weight_block=weight_block, smoothquant_alpha=smoothquant_alpha,

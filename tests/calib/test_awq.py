@@ -60,6 +60,23 @@ def test_candidates_are_identity_then_duo_scaling():
     torch.testing.assert_close(s.max() * s.min(), torch.tensor(1.0))
 
 
+@pytest.mark.parametrize("duo", [False, "both"])
+def test_candidates_without_duo_scaling_are_llm_compressors(duo):
+    """duo_scaling false / "both": llm-compressor's grid (`AWQModifier._get_grid_search_params`,
+    written out here) of x̄^α alone over [0, 1], and with duo scaling at half the points each."""
+    x_mean, w_mean = torch.tensor([4.0, 1.0, 0.25]), torch.tensor([1.0, 0.5, 0.5])
+    n = AWQ_GRID if duo is False else AWQ_GRID // 2
+    theirs = [(i / (n - 1), d) for i in range(n) for d in ([False] if duo is False else [False, True])]
+    want = []
+    for ratio, d in theirs:
+        raw = (x_mean.pow(ratio) / (w_mean.pow(1 - ratio) + 1e-4) if d else x_mean.pow(ratio)).clamp(min=1e-4)
+        want.append(raw / (raw.max() * raw.min()).sqrt())
+    got = candidate_scales(x_mean, w_mean, duo=duo)
+    assert got[0][0] is None and len(got) == len(want)  # x̄^0 = 1: the identity, first
+    for s in want:
+        assert any(torch.allclose(s, g) for _, g in got)
+
+
 def test_output_error_is_the_output_error_of_the_inputs():
     x = _outlier_inputs()
     w = torch.randn(24, 64, generator=torch.Generator().manual_seed(1))
@@ -283,3 +300,21 @@ def test_hessians_handed_to_gptq_are_those_of_the_folded_layer(tiny_llama_dir):
         h.remove()
     for n in heads:
         torch.testing.assert_close(handed[n], accs[n].compute(), rtol=1e-4, atol=1e-5 * accs[n].H.abs().max().item())
+
+
+def test_duo_scaling_reaches_the_search_and_the_provenance(tiny_llama_dir, tmp_path, monkeypatch):
+    """`quantize --method awq --awq-duo-scaling both`: every group's search takes those candidates."""
+    import json
+
+    import quantspec.calib.awq as awq
+    from quantspec import api
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    seen, real = [], awq.candidate_scales
+    monkeypatch.setattr(awq, "candidate_scales", lambda *a, **k: seen.append(a[3]) or real(*a, **k))
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    out = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "q", method="awq", group_size=32,
+                       awq_duo_scaling="both", dataset=str(data), num_samples=2, seq_len=16)
+    assert seen and set(seen) == {"both"}
+    assert json.loads((out / "quantspec.json").read_text())["provenance"]["args"]["awq_duo_scaling"] == "both"

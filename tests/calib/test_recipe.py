@@ -239,6 +239,7 @@ def test_rotations_and_transforms_map_onto_rotate_and_quip(tmp_path):
     assert (s["quip"], s["quip_block_size"]) == ("v,u", 32)
     s = read("    AWQModifier: {}\n")
     assert s["method"] == "awq" and s["layer_quant_types"] == ("lm_head=weight_only_int4",)
+    assert "awq_duo_scaling" not in s and read("    AWQModifier: {duo_scaling: both}\n")["awq_duo_scaling"] == "both"
     with pytest.raises(QuantSpecError, match="random-hadamard"):
         read("    SpinQuantModifier: {rotations: [R1]}\n")  # SpinQuantModifier's default: deterministic Hadamard
 
