@@ -46,7 +46,7 @@ from quantspec.errors import QuantSpecError
 from quantspec.model_zoo.moe import expert_dims
 from quantspec.quant.args import QuantType
 from quantspec.quant.config import QuantConfig
-from quantspec.quant.presets import FP8_TYPES, INT4_TYPES, PER_TOKEN_TYPES, awq_unfit, integer_weights
+from quantspec.quant.presets import FP8_TYPES, PER_TOKEN_TYPES, awq_unfit, integer_weights
 
 __all__ = ["LAYER_TYPES", "check_model_type", "parse_layer_type", "resolve_layer_types", "with_layer_types"]
 
@@ -129,8 +129,7 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
             _check_method(spec, qt, method)
         per_token = qt in PER_TOKEN_TYPES
         block = weight_block if qt in FP8_TYPES and quant_type in FP8_TYPES else None
-        # an int8 layer keeps its own per-channel grid: the model's group size is its int4 one
-        scheme = preset(qt, group_size=group_size if qt in INT4_TYPES else None, symmetric=symmetric or not integer,
+        scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
                         weight_observer=observer or default_weight_observer(qt, method),
                         activations="dynamic" if per_token else "static", weight_block=block).config_groups["group_0"]

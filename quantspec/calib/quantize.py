@@ -176,10 +176,10 @@ class QuantizeConfig:
         observer = self.weight_observer  # as given: a layer's own type takes it too (`calib.layer_types`)
         object.__setattr__(self, "weight_observer", self.weight_observer or default_weight_observer(qt, self.method))
         kv_strategy = self._check_target()
-        config = preset(qt, group_size=self.group_size, symmetric=self.symmetric, zp_dtype=self.zp_dtype,
-                        weight_observer=self.weight_observer, kv_cache=self.kv_cache, kv_strategy=KV_STRATEGIES[kv_strategy],
-                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]), activations=self.activations,
-                        weight_block=self.weight_block)
+        config = preset(qt, group_size=self.group_size, int8_group_size=self.group_size, symmetric=self.symmetric,
+                        zp_dtype=self.zp_dtype, weight_observer=self.weight_observer, kv_cache=self.kv_cache,
+                        kv_strategy=KV_STRATEGIES[kv_strategy], activations=self.activations, weight_block=self.weight_block,
+                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
         if self.layer_quant_types:  # judged once its targets name the model's Linears (`run_quantize`)
             config = self._with_layer_types(config, qt, observer)
         refusal = None if self.layer_quant_types else target_refusal(self.target, config, capability=self.capability)

@@ -234,8 +234,8 @@ def _match(scheme, where: str) -> dict:
     for qt in QuantType:
         for activations in ("static", "dynamic"):
             try:
-                config = preset(qt, group_size=group, symmetric=w.symmetric, zp_dtype=zp, weight_observer="minmax",
-                                activations=activations, weight_block=block)
+                config = preset(qt, group_size=group, int8_group_size=group, symmetric=w.symmetric, zp_dtype=zp,
+                                weight_observer="minmax", activations=activations, weight_block=block)
             except QuantSpecError:
                 continue
             ours = config.config_groups["group_0"]

@@ -12,7 +12,7 @@ from quantspec.quant.config import QuantConfig
 from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "DEFAULT_GROUP_SIZE", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES",
-           "GROUPED_TYPES", "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
+           "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
            "awq_unfit", "check_weight_block", "default_weight_observer", "for_experts", "integer_weights", "preset",
            "settle_kv_strategy"]
 
@@ -30,10 +30,7 @@ DATA_METHODS = METHODS[1:]  # the methods that run calibration data through the 
 A8W4_TYPES = (QuantType.A8W4, QuantType.A8W4_FP8)
 # the types whose weights are int4 per group (or channel): --group-size, the mse observer
 INT4_TYPES = (QuantType.WEIGHT_ONLY_INT4, *A8W4_TYPES)
-# the types `--group-size` groups: the int4 ones (128 unless given) and weight_only_int8 (per channel
-# unless given; llm-compressor's W8A16 preset groups it by 128)
-GROUPED_TYPES = (*INT4_TYPES, QuantType.WEIGHT_ONLY_INT8)
-DEFAULT_GROUP_SIZE = 128
+DEFAULT_GROUP_SIZE = 128  # the int4 types' (weight_only_int8 is per channel unless `int8_group_size` says)
 # the types whose inputs `--activations dynamic` quantizes per token (a8w4's only way) at run time
 PER_TOKEN_TYPES = (QuantType.A8W8, QuantType.A8W8_FP8, *A8W4_TYPES)
 # a8w4_mxfp4's FP8 input groups (`resolve_layer_group_sizes` shrinks them to tile each layer's K)
@@ -123,11 +120,11 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
            weight_observer: str | None = None, activations: str | None = None,
-           weight_block: int | None = None) -> QuantConfig:
+           weight_block: int | None = None, int8_group_size: int | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights (8-bit "pack-quantized"), or per group of
-    `group_size` where one is given (compressed-tensors' W8A16).
+    `int8_group_size` where one is given (compressed-tensors' W8A16; -1: per channel).
     weight_only_int4: int4 group-wise weights ("pack-quantized"); `group_size` applies (None: 128,
     -1: per channel), and with symmetric=False `zp_dtype` ("float16" | "bfloat16" | "float32")
     gives float zero points.
@@ -162,14 +159,16 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
     layer.
     """
     qt = QuantType.parse(quant_type)
-    if group_size is None:
-        group_size = DEFAULT_GROUP_SIZE if qt in INT4_TYPES else -1
+    if qt is QuantType.WEIGHT_ONLY_INT8:
+        group_size = -1 if int8_group_size is None else int8_group_size
+    elif group_size is None:
+        group_size = DEFAULT_GROUP_SIZE
     weight_observer = weight_observer or default_weight_observer(qt)
     activations = activations or ("dynamic" if qt in A8W4_TYPES else "static")
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
     check_weight_block(qt, weight_block, activations, weight_observer)
     inputs = _inputs(qt, activations)
-    if weight_block is not None and qt not in GROUPED_TYPES:  # FP8_BLOCK: inputs per group of the block's side
+    if weight_block is not None and qt in FP8_TYPES:  # FP8_BLOCK: inputs per group of the block's side
         inputs = None if inputs is None else inputs.replace(strategy="group", group_size=weight_block)
     w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **_layout(qt, group_size, weight_block))
     if weight_observer != "minmax":
@@ -180,8 +179,8 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
 
 
 def _layout(qt: QuantType, group_size: int, weight_block: int | None) -> dict:
-    """The weights' strategy fields: per group or channel (`GROUPED_TYPES`), in blocks, or the type's own."""
-    if qt in GROUPED_TYPES:
+    """The weights' strategy fields: per group or channel (int4, grouped int8), in blocks, or the type's own."""
+    if qt in INT4_TYPES or (qt is QuantType.WEIGHT_ONLY_INT8 and group_size != -1):
         return {"strategy": "channel", "group_size": None} if group_size == -1 else \
             {"strategy": "group", "group_size": group_size}
     if weight_block is not None:
@@ -238,7 +237,7 @@ def _check_knobs(qt: QuantType, group_size, symmetric: bool, zp_dtype: str | Non
                                  f"drop it for {qt.value}")
         if symmetric:
             raise QuantSpecError(f"--zp-dtype {zp_dtype} needs asymmetric weights; add --asym")
-    if qt in GROUPED_TYPES and group_size != -1 and (
+    if (qt in INT4_TYPES or qt is QuantType.WEIGHT_ONLY_INT8) and group_size != -1 and (
             isinstance(group_size, bool) or not isinstance(group_size, int) or group_size < MIN_GROUP_SIZE):
         raise QuantSpecError(f"--group-size {group_size!r} must be -1 (per channel) or at least "
                              f"{MIN_GROUP_SIZE}, e.g. 128")

@@ -76,11 +76,8 @@ class ArtifactCache:
         where no table gives it (GPTQ, AWQ on the weight-only types); `base`: a draft head's
         base, whose hidden states its GPTQ reads."""
         from quantspec import __version__
-        from quantspec.quant.presets import INT4_TYPES
-
         if quant_type == NO_QUANT:
             return self.pipeline.resolve(model)
-        group_size = group_size if quant_type in INT4_TYPES else None  # the int4 types' (int8: per channel)
         needs_calib = quant_type in CALIB_QUANT_TYPES
         if needs_calib and calib is None:
             raise QuantSpecError(f"{quant_type} needs calibrated activation ranges; pass --calib-dataset")
@@ -113,7 +110,7 @@ def _int4_kw(quant_type: str, symmetric: bool, zp_dtype: str | None) -> dict:
     return {"symmetric": symmetric, "zp_dtype": zp_dtype}
 
 
-def _preset(quant_type: str, group_size: int | None, symmetric: bool, zp_dtype: str | None):
+def _preset(quant_type: str, group_size: int, symmetric: bool, zp_dtype: str | None):
     from quantspec.quant.presets import preset
 
     return preset(quant_type, group_size=group_size, **_int4_kw(quant_type, symmetric, zp_dtype))
