@@ -107,7 +107,8 @@ def main() -> None:
         t = time.perf_counter()
         api.quantize(str(model_dir), out=out, recipe=a.recipe, dataset=str(jsonl), num_samples=n, seq_len=L,
                      overwrite=True)
-        rows.append((f"quantspec (--recipe: {' '.join(api.recipe_flags(a.recipe))})", time.perf_counter() - t, out))
+        secs, flags = time.perf_counter() - t, api.inspect(out)["recipe"]["flags"]  # as the run recorded them
+        rows.append((f"quantspec (--recipe: {' '.join(flags)})", secs, out))
     for obs in [o for o in a.weight_observers.split(",") if o and not a.recipe]:
         out = work / f"quantspec-{obs}"
         t = time.perf_counter()

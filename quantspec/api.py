@@ -15,8 +15,7 @@ from quantspec.outputs import check_output_dir, check_output_file
 
 # the config types and names a caller (the CLI) builds calls with, imported when first asked for
 _REEXPORTS = {"InferConfig": "quantspec.infer.predictor", "ServeConfig": "quantspec.serve", "ReportConfig": "quantspec.report",
-              "ENGINE_NAMES": "quantspec.quant.engines", "rotate_eagle3_head": "quantspec.calib.rotate_head",
-              "recipe_flags": "quantspec.calib.recipe"}
+              "ENGINE_NAMES": "quantspec.quant.engines", "rotate_eagle3_head": "quantspec.calib.rotate_head"}
 
 __all__ = ["calibrate", "evaluate", "infer", "inspect", "quantize", "report", "serve", "train_draft_head", "train_mtp",
            *_REEXPORTS]
@@ -246,14 +245,15 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str | None = None,
     from quantspec.calib.keep import KEEP, run_keep
     from quantspec.calib.quantize import QuantizeConfig, run_quantize
 
+    say = on_status or (lambda _m: None)
     if recipe is not None:
         from quantspec.calib.recipe import with_recipe
 
-        quant_type, options = with_recipe(str(recipe), quant_type, options, on_status or (lambda _m: None))
+        quant_type, options = with_recipe(str(recipe), quant_type, options, say)
     if quant_type == KEEP:  # the artifact's weights as they are, KV-cache scales added
         options = {k: str(v) if isinstance(v, Path) else v for k, v in options.items() if k != "restart"}
         return run_keep({"model": str(model), "quant_type": quant_type, "out": None if out is None else str(out),
-                         **options}, say=on_status or (lambda _m: None))
+                         **options}, say=say)
     try:
         config = QuantizeConfig(model=str(model), quant_type=quant_type or "weight_only_int8",
                                 out=None if out is None else str(out),
@@ -310,7 +310,7 @@ def inspect(path: str | Path, *, compute_capability=None) -> dict:
         compression_ratio=None if not src else round(src / weights_bytes, 3),
         method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
-        source_quantization=prov.get("source_quantization"),
+        source_quantization=prov.get("source_quantization"), recipe=prov.get("recipe"),
     )
     out.update({"rotation": rot} if (rot := rotation_tag(c)) else {})  # fused rotations (`calib.rotate`)
     out.update({"run_time_transforms": t} if (t := run_time_transforms(qc)) else {})  # QuIP's (`calib.quip`)

@@ -36,7 +36,7 @@ from pathlib import Path
 
 from quantspec.errors import QuantSpecError
 
-__all__ = ["Recipe", "read_recipe", "recipe_flags", "with_recipe"]
+__all__ = ["Recipe", "read_recipe", "with_recipe"]
 
 # lifecycle and bookkeeping fields (llm-compressor's recipe.yaml writes them all): they leave the artifact as it is
 _NO_EFFECT = {"index", "group", "start", "end", "update", "requires_calibration_data"}
@@ -105,12 +105,6 @@ class Recipe:
         if any(k in options for k in _FALLBACK):
             defaults.pop("fallback_layers", None)
         return {**defaults, **self.settings, **options}
-
-
-def recipe_flags(recipe) -> list[str]:
-    """The quantspec flags the recipe file `recipe` stands for, e.g. ["--method gptq", "--quant-type
-    weight_only_int4", ...]; a recipe quantspec cannot run as written is refused (QuantSpecError)."""
-    return read_recipe(str(recipe)).flags
 
 
 def with_recipe(path: str, quant_type: str | None, options: dict, say) -> tuple[str, dict]:

@@ -168,8 +168,8 @@ def quantize(model, quant_type, recipe, method, group_size, symmetric, zp_dtype,
     progress.console.print(f"[green]wrote[/] {path}  ({_gib(info['weights_bytes'])}, "
                            f"{info.get('compression_ratio') or '?'}x smaller than the source, "
                            f"{time.perf_counter() - t0:.1f} s)")
-    if recipe is not None:
-        progress.console.print(f"the recipe {recipe} ran as: {' '.join(api.recipe_flags(recipe))}", highlight=False)
+    if info.get("recipe"):  # the flags the run recorded for its recipe
+        progress.console.print(f"the recipe {recipe} ran as: {' '.join(info['recipe']['flags'])}", highlight=False)
 
 
 def _given(options: dict) -> dict:
