@@ -20,7 +20,8 @@ under a global scale), with float inputs / with NVFP4 inputs under the table's g
 quantized at run time; `a8w4_mxfp4`: MXFP4 weights with FP8 inputs per token and group of 128 (64
 where 128 does not tile K) at run time (no table; written for `--target quantspec`:
 the row measures the numbers, `docs/engines.md` says which engine loads them);
-`-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
+`-tensor` `--weight-strategy tensor` (one FP8 weight scale per Linear, shared by a fused unit's
+shards: compressed-tensors' FP8 scheme); `-default` `quantize --quant-type T --calib TABLE` with no other flag (α searched per
 smoothing group, the fallback units chosen under the default error budget on held-back windows of
 the table's data; `calib/budget.py`); `-gptq` the weights quantized with GPTQ (act-order, on the
 calibration data, after smoothing) instead of round-to-nearest; `-sq` fixed SmoothQuant α;
@@ -77,6 +78,14 @@ ROWS = {
     "a8w8_fp8-block128-gptq": ("a8w8_fp8", BLOCK, None, DEFAULT, "gptq"),
     "weight_only_fp8-block128-gptq": ("weight_only_fp8", BLOCK, None, DEFAULT, "gptq"),
     # inputs per token at run time, SmoothQuant at a fixed α from the table's channel ranges
+    # one FP8 weight scale per Linear (`--weight-strategy tensor`: compressed-tensors' FP8 scheme; with
+    # no SmoothQuant, no fallback and an FP8 KV cache, llm-compressor's FP8 KV-cache example)
+    "a8w8_fp8-tensor": ("a8w8_fp8", None, None, 0),
+    "a8w8_fp8-tensor+kv-fp8": ("a8w8_fp8", None, "fp8", 0),
+    "a8w8_fp8-default-tensor": ("a8w8_fp8", DEFAULT, None, DEFAULT),
+    "a8w8_fp8-dynamic-tensor": ("a8w8_fp8", DYNAMIC, None, DEFAULT),
+    "weight_only_fp8-tensor": ("weight_only_fp8", PLAIN, None, DEFAULT),
+    "weight_only_fp8-gptq-tensor": ("weight_only_fp8", PLAIN, None, DEFAULT, "gptq"),
     "a8w8-dynamic-sq0.5": ("a8w8", (DYNAMIC, 0.5), None, DEFAULT),
     "a8w8-dynamic-sq0.8": ("a8w8", (DYNAMIC, 0.8), None, DEFAULT),
     "a8w4-dynamic": ("a8w4", DYNAMIC, None, DEFAULT),
@@ -161,8 +170,9 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
         method = method[0] if method else "rtn"
         fb = fallback if fb == "fb" else fb
         path, q_time, plan = model, None, None
+        strategy = "tensor" if "-tensor" in name else None
         if qt is not None:
-            key = (qt, alpha, fb, method)
+            key = (qt, alpha, fb, method, strategy)
             if key not in artifacts:
                 t1 = time.perf_counter()
                 kw = dict(dataset=calib_data, num_samples=num_samples, seq_len=seq_len) if method != "rtn" else {}
@@ -178,10 +188,12 @@ def static_rows(model: str, calib_data: str, heldout: str, work: Path, *, rows=t
                     kw["smoothquant_alpha"] = "none" if alpha is None else alpha
                 if fb != DEFAULT:
                     kw["fallback_layers"] = fb
+                if strategy is not None:
+                    kw["weight_strategy"] = strategy
                 if "mxfp" in qt or qt.startswith("a8w4") or (qt == "weight_only_fp8" and alpha == BLOCK):
                     kw["target"] = "quantspec"
                 tag = "-".join(map(str, alpha)) if isinstance(alpha, tuple) else alpha
-                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{tag}-{fb}-{method}",
+                artifacts[key] = api.quantize(model, qt, work / f"{qt}-{tag}-{fb}-{method}-{strategy}",
                                               calib=None if alpha in (DYNAMIC, BLOCK, PLAIN) else table,
                                               method=method, **kw)
                 q_time = round(time.perf_counter() - t1, 1)

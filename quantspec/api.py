@@ -228,7 +228,7 @@ def quantize(model: str | Path = "smollm2-135m", quant_type: str | None = None,
     `options` are the fields of `calib.quantize.QuantizeConfig` (method, group_size, symmetric,
     zp_dtype, weight_observer, ignore, layer_quant_types, act_order, block_size, damp, iters, lr, batch_size,
     dataset, base, split, text_field,
-    num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha, kv_cache, kv_strategy, target,
+    num_samples, seq_len, seed, calib, activations, weight_block, weight_strategy, smoothquant_alpha, kv_cache, kv_strategy, target,
     compute_capability, fallback_layers, fallback_threshold, fallback_budget, search_samples, holdout_samples, overwrite, rotate, quip,
     quip_block_size), checked when the config is built. `target` defaults to "portable" (what vLLM and
     SGLang load with the intended scheme); options only quantspec runs (float zero points, int8

@@ -76,6 +76,9 @@ def _same_op_order(quant_type: str) -> DispatchPolicy | None:
     ("a8w8_kv8", dict(quant_type="a8w8", kv_cache="int8")),
     ("fp8_kvfp8", dict(quant_type="a8w8_fp8", kv_cache="fp8")),
     ("fp8_weights", dict(quant_type="weight_only_fp8")),
+    # one FP8 weight scale per Linear, each shard of a fused unit its own (llm-compressor's FP8 scheme)
+    ("fp8_tensor_kvfp8", dict(quant_type="a8w8_fp8", weight_strategy="tensor", kv_cache="fp8")),
+    ("fp8_weights_tensor", dict(quant_type="weight_only_fp8", weight_strategy="tensor")),
 ])
 def test_transformers_loads_our_artifact(tiny_llama_dir, tmp_path, name, spec):
     art = write_quantized_artifact(tiny_llama_dir, tmp_path / name, **spec)
@@ -167,6 +170,40 @@ def test_transformers_loads_our_fp8_block_artifact(tiny_llama_dir, tmp_path, qua
         for m in layers:
             m.input_args = None
         assert (logits(lm.model, IDS) - theirs).abs().max() > 1e-3
+
+
+@pytest.mark.parametrize("quant_type,method", [("a8w8_fp8", "rtn"), ("weight_only_fp8", "rtn"), ("a8w8_fp8", "gptq")])
+def test_our_per_tensor_fp8_artifact(tiny_llama_dir, calibration_table, tmp_path, quant_type, method):
+    """`quantize --weight-strategy tensor` (compressed-tensors' FP8 scheme): one E4M3 weight scale per
+    Linear, the same for a fused unit's shards (q / k / v, gate / up) — the largest |w| of the unit
+    over 448, which the engines' requantization of a fused layer to its shards' largest scale leaves
+    as it is — and transformers gives quantspec's logits."""
+    from quantspec import api
+    from quantspec.infer.quant_linear import QuantLinear
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    opts = dict(method="gptq", dataset=str(data), num_samples=4, seq_len=64) if method == "gptq" else {}
+    if quant_type == "a8w8_fp8":
+        opts.update(calib=str(calibration_table(tiny_llama_dir)), smoothquant_alpha="none", fallback_layers=0)
+    art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "pt", weight_strategy="tensor", **opts)
+    stored, source = _safetensors(art), _safetensors(tiny_llama_dir)
+    for i in range(2):
+        for part, units in (("self_attn", ("q_proj", "k_proj", "v_proj")), ("self_attn", ("o_proj",)),
+                            ("mlp", ("gate_proj", "up_proj")), ("mlp", ("down_proj",))):
+            names = [f"model.layers.{i}.{part}.{u}" for u in units]
+            scales = [stored[f"{n}.weight_scale"] for n in names]
+            assert all(s.shape == (1,) and torch.equal(s, scales[0]) for s in scales)
+            top = max(source[f"{n}.weight"].float().abs().max() for n in names)
+            torch.testing.assert_close(scales[0].float(), (top / 448).reshape(1), rtol=1e-6, atol=0)
+    theirs = _hf_logits(art)
+    lm = load_for_inference(art, tokenizer=False, policy=_same_op_order(quant_type))
+    layers = [m for m in lm.model.modules() if isinstance(m, QuantLinear)]
+    assert layers and all((m.input_args is None) == (quant_type == "weight_only_fp8") for m in layers)
+    torch.testing.assert_close(logits(lm.model, IDS), theirs, **TOL)
+    fp32 = logits(load_for_inference(tiny_llama_dir, tokenizer=False).model, IDS)
+    assert (fp32 - theirs).abs().max() > 1e-3  # teeth: the float model is far from it
 
 
 def _safetensors(path: Path) -> dict[str, torch.Tensor]:

@@ -10,7 +10,7 @@ another type than the model's `--quant-type`, in a config group of their own.
   The model's a8w8 types must then be `--activations dynamic` (static input scales come from the
   a8w8 recipe, which plans one type).
 - A layer's type takes the same knobs as the model's where it has them (group size, --asym and
-  --zp-dtype for int4, --asym for int8, --weight-block for a8w8_fp8 beside an a8w8_fp8 model) and
+  --zp-dtype for int4, --asym for int8, --weight-block and --weight-strategy for an FP8 type beside an FP8 model) and
   its own default weight observer unless --weight-observer names one (`with_layer_types`). AWQ is
   for integer and FP4 weights, in weight-only layers and those whose inputs are quantized per token
   (its factors fold in before their quantizer): it refuses other groups.
@@ -107,7 +107,8 @@ def _check_method(spec: str, qt: QuantType, method: str) -> None:
 
 def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable[str], *, group_size: int,
                      symmetric: bool, zp_dtype: str | None, observer: str | None,
-                     weight_block: int | None = None, method: str = "rtn") -> tuple[QuantConfig, dict[str, str]]:
+                     weight_block: int | None = None, weight_strategy: str | None = None,
+                     method: str = "rtn") -> tuple[QuantConfig, dict[str, str]]:
     """`config` (the preset of the model's `quant_type`, which `check_model_type` let through)
     with a config group per spec of `specs` ("TARGET=QUANT_TYPE") holding that type's preset under
     the knobs it takes (module docstring), each checked against `method`; → (that config, {new
@@ -129,10 +130,12 @@ def with_layer_types(config: QuantConfig, quant_type: QuantType, specs: Iterable
             _check_method(spec, qt, method)
         per_token = qt in PER_TOKEN_TYPES
         block = weight_block if qt in FP8_TYPES and quant_type in FP8_TYPES else None
+        strategy = weight_strategy if qt in FP8_TYPES else None
         scheme = preset(qt, group_size=group_size, symmetric=symmetric or not integer,
                         zp_dtype=zp_dtype if qt is QuantType.WEIGHT_ONLY_INT4 else None,
                         weight_observer=observer or default_weight_observer(qt, method),
-                        activations="dynamic" if per_token else "static", weight_block=block).config_groups["group_0"]
+                        activations="dynamic" if per_token else "static", weight_block=block,
+                        weight_strategy=strategy).config_groups["group_0"]
         keys[f"group_{i}"] = spec
         groups[f"group_{i}"] = replace(scheme, targets=(target,))
     ignore = config.ignore

@@ -99,6 +99,7 @@ class QuantizeConfig:
     activations: str | None = None  # a8w8 types: "static" calibrated input scales, or "dynamic" at run time;
     # None: dynamic with `weight_block` and for the a8w4 types (dynamic only), else static
     weight_block: int | None = None  # a8w8_fp8 / weight_only_fp8: FP8 weights in blocks of this side (FP8_BLOCK)
+    weight_strategy: str | None = None  # "tensor": FP8 weights one scale per Linear; None: per channel
     smoothquant_alpha: float | str | None = None
     kv_cache: str | None = None
     kv_strategy: str | None = None  # "tensor" | "head"; None: head for --target quantspec, else tensor
@@ -131,7 +132,8 @@ class QuantizeConfig:
         from quantspec.calib.quip import Quip
         from quantspec.calib.rotate import Rotation, split_rotate
         from quantspec.quant.args import QuantType
-        from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
+        from quantspec.quant.presets import (A8W4_TYPES, KV_STRATEGIES, check_weight_block, check_weight_strategy,
+                                             default_weight_observer, preset)
         from quantspec.quant.engines import parse_capability, target_refusal
 
         qt = QuantType.parse(self.quant_type)
@@ -151,6 +153,7 @@ class QuantizeConfig:
             dynamic = (self.weight_block is not None and qt is QuantType.A8W8_FP8) or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
         check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
+        check_weight_strategy(qt, self.weight_strategy, self.weight_block)
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
         if isinstance(self.layer_quant_types, str):
             object.__setattr__(self, "layer_quant_types", (self.layer_quant_types,))
@@ -179,7 +182,7 @@ class QuantizeConfig:
         config = preset(qt, group_size=self.group_size, int8_group_size=self.group_size, symmetric=self.symmetric,
                         zp_dtype=self.zp_dtype, weight_observer=self.weight_observer, kv_cache=self.kv_cache,
                         kv_strategy=KV_STRATEGIES[kv_strategy], activations=self.activations, weight_block=self.weight_block,
-                        ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
+                        weight_strategy=self.weight_strategy, ignore=("lm_head", *[i for i in self.ignore if i != "lm_head"]))
         if self.layer_quant_types:  # judged once its targets name the model's Linears (`run_quantize`)
             config = self._with_layer_types(config, qt, observer)
         refusal = None if self.layer_quant_types else target_refusal(self.target, config, capability=self.capability)
@@ -193,7 +196,8 @@ class QuantizeConfig:
 
         config, groups = with_layer_types(config, qt, self.layer_quant_types, group_size=self.group_size,
                                           symmetric=self.symmetric, zp_dtype=self.zp_dtype, observer=observer,
-                                          weight_block=self.weight_block, method=self.method)
+                                          weight_block=self.weight_block, weight_strategy=self.weight_strategy,
+                                          method=self.method)
         if "lm_head" in self.ignore and "lm_head" not in config.ignore:
             raise QuantSpecError("--ignore lm_head keeps the head float and a --layer-quant-type names it; drop one")
         object.__setattr__(self, "layer_groups", groups)
@@ -483,7 +487,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
         "args": {k: v for k, v in asdict(config).items()
                  if k in ("group_size", "symmetric", "zp_dtype", "weight_observer", "act_order", "block_size", "damp",
                           "awq_duo_scaling",
-                          "kv_strategy", "target", "compute_capability", "activations", "weight_block",
+                          "kv_strategy", "target", "compute_capability", "activations", "weight_block", "weight_strategy",
                           "layer_quant_types", "rotate", "quip", "quip_block_size")}
         | {"ignore": list(res.config.ignore)},
         **({"recipe": config.recipe} if config.recipe else {}),

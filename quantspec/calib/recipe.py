@@ -9,10 +9,10 @@ cannot honour; nothing of a recipe is ignored unless it cannot change the artifa
 - **Schemes.** A quantization modifier's `scheme` (a preset name such as `W4A16`, or a mapping of
   preset names to targets) and its `config_groups` are read by compressed-tensors' own
   `preset_name_to_scheme` / `QuantizationScheme`, then matched against every quant type quantspec
-  writes (`quant.presets.preset`, its group size, symmetry, float zero points, weight blocks and
-  static or per-token inputs from the scheme): the one whose compressed-tensors args equal the
-  scheme's is the recipe's. A scheme that matches none (per-tensor FP8 weights, asymmetric inputs,
-  3-bit weights, ...) is refused, naming its group.
+  writes (`quant.presets.preset`, its group size, symmetry, float zero points, weight blocks or
+  per-tensor FP8 weights, and static or per-token inputs from the scheme): the one whose
+  compressed-tensors args equal the scheme's is the recipe's. A scheme that matches none
+  (asymmetric inputs, 3-bit weights, ...) is refused, naming its group.
 - **Targets.** The group targeting `Linear` gives `--quant-type`; the others become
   `--layer-quant-type TARGET=TYPE`. `lm_head` is a Linear to llm-compressor: where the recipe does
   not ignore it, it is quantized at the model's type, as llm-compressor would.
@@ -65,7 +65,7 @@ FLAGS = {"quant_type": "--quant-type", "method": "--method", "group_size": "--gr
          "layer_quant_types": "--layer-quant-type", "awq_duo_scaling": "--awq-duo-scaling",
          "act_order": "--act-order", "block_size": "--block-size",
          "damp": "--damp", "iters": "--iters", "lr": "--lr", "batch_size": "--batch-size",
-         "activations": "--activations", "weight_block": "--weight-block",
+         "activations": "--activations", "weight_block": "--weight-block", "weight_strategy": "--weight-strategy",
          "smoothquant_alpha": "--smoothquant-alpha", "kv_cache": "--kv-cache", "kv_strategy": "--kv-strategy",
          "rotate": "--rotate", "quip": "--quip", "quip_block_size": "--quip-block-size"}
 _FALLBACK = ("fallback_budget", "fallback_layers", "fallback_threshold")
@@ -224,12 +224,14 @@ def _match(scheme, where: str) -> dict:
     zp = str(w.zp_dtype).removeprefix("torch.") if w.zp_dtype is not None else None
     zp = zp if zp in ZP_FLOAT_DTYPES else None
     block = w.block_structure[0] if w.block_structure else None
+    per_tensor = "tensor" if strategy == "tensor" else None
     want = (_key(w), _key(x))
     for qt in QuantType:
         for activations in ("static", "dynamic"):
             try:
                 config = preset(qt, group_size=group, int8_group_size=group, symmetric=w.symmetric, zp_dtype=zp,
-                                weight_observer="minmax", activations=activations, weight_block=block)
+                                weight_observer="minmax", activations=activations, weight_block=block,
+                                weight_strategy=per_tensor)
             except QuantSpecError:
                 continue
             ours = config.config_groups["group_0"]
@@ -237,8 +239,8 @@ def _match(scheme, where: str) -> dict:
                         for a in (ours.weights, ours.input_activations))
             if got == want:
                 return {"quant_type": qt.value, "group_size": group, "symmetric": w.symmetric, "zp_dtype": zp,
-                        "activations": activations, "weight_block": block, "observer": _value(w.observer),
-                        "actorder": _value(w.actorder)}
+                        "activations": activations, "weight_block": block, "weight_strategy": per_tensor,
+                        "observer": _value(w.observer), "actorder": _value(w.actorder)}
     inputs = "no inputs" if x is None else f"inputs {_value(x.type)} {x.num_bits}-bit {_value(x.strategy)} " \
                                            f"{'dynamic' if x.dynamic else 'static'}{'' if x.symmetric else ' asym'}"
     raise QuantSpecError(f"{where}: weights {_value(w.type)} {w.num_bits}-bit {strategy}"
@@ -294,7 +296,7 @@ def _method(quant: list[tuple[str, dict]], where: str) -> str:
 def _read_schemes(quant: list[tuple[str, dict]], where: str, s: dict) -> None:
     """The quantization modifiers' schemes, ignore lists and KV-cache scheme into `s`."""
     from quantspec.quant.args import QuantType
-    from quantspec.quant.presets import INT4_TYPES, integer_weights
+    from quantspec.quant.presets import FP8_TYPES, INT4_TYPES, integer_weights
 
     matched, ignore, kv = [], [], []
     for name, args in quant:
@@ -326,11 +328,12 @@ def _read_schemes(quant: list[tuple[str, dict]], where: str, s: dict) -> None:
         grouped = qt in INT4_TYPES or (qt is QuantType.WEIGHT_ONLY_INT8 and mm is m)
         for k, applies in (("group_size", grouped), ("zp_dtype", qt in INT4_TYPES),
                            ("symmetric", integer_weights(qt)), ("weight_block", mm["weight_block"] is not None),
-                           ("observer", True)):
+                           ("weight_strategy", qt in FP8_TYPES), ("observer", True)):
             if applies and knobs.setdefault(k, mm[k]) != mm[k]:
                 raise QuantSpecError(f"{w}: its {k.replace('_', ' ')} {mm[k]} differs from another group's "
                                      f"({knobs[k]}), and quantspec gives every layer the model's")
-    s.update({k: knobs[k] for k in ("group_size", "zp_dtype", "weight_block") if knobs.get(k) is not None})
+    s.update({k: knobs[k] for k in ("group_size", "zp_dtype", "weight_block", "weight_strategy")
+              if knobs.get(k) is not None})
     if "symmetric" in knobs:
         s["symmetric"] = knobs["symmetric"]
     s["weight_observer"] = "mse" if knobs["observer"] == "mse" else "minmax"

@@ -82,6 +82,9 @@ def _gib(n) -> str:
               help="a8w8_fp8: one weight scale per N × N block and inputs quantized per token in groups of N "
                    "at run time (llm-compressor's FP8_BLOCK, e.g. 128; shrunk per layer to a block that tiles it); "
                    "weight_only_fp8: the same weights, float inputs")
+@click.option("--weight-strategy", default=None, type=click.Choice(["channel", "tensor"]),
+              help="a8w8_fp8, weight_only_fp8: one FP8 weight scale per output channel or per Linear "
+                   "(llm-compressor's FP8 scheme; the engines' fused layers share one) [default: channel]")
 @click.option("--smoothquant-alpha", default=None,
               help="a8w8 types: SmoothQuant migration strength in (0, 1), 'auto' (searched per "
                    "smoothing group on calibration data; the default) or 'none'; inputs quantized per token "
@@ -126,7 +129,8 @@ def _gib(n) -> str:
 @threads_option
 def quantize(model, quant_type, recipe, method, group_size, symmetric, zp_dtype, weight_observer, ignore, layer_quant_types,
              awq_duo_scaling, act_order, gptq_block_size, damp, iters, lr, batch_size,
-             dataset, base, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, smoothquant_alpha,
+             dataset, base, split, text_field, num_samples, seq_len, seed, calib, activations, weight_block, weight_strategy,
+             smoothquant_alpha,
              fallback_budget, fallback_layers, fallback_threshold, out, overwrite, device, restart, kv_cache=None,
              kv_strategy=None, target="portable", compute_capability=None, rotate=None, quip=None,
              quip_block_size=None):
@@ -150,7 +154,8 @@ def quantize(model, quant_type, recipe, method, group_size, symmetric, zp_dtype,
                    block_size=gptq_block_size,
                    damp=damp, iters=iters, lr=lr, batch_size=batch_size, dataset=dataset, base=base, split=split,
                    text_field=text_field, num_samples=num_samples, seq_len=seq_len, seed=seed, calib=calib,
-                   activations=activations, weight_block=weight_block, smoothquant_alpha=smoothquant_alpha,
+                   activations=activations, weight_block=weight_block, weight_strategy=weight_strategy,
+                   smoothquant_alpha=smoothquant_alpha,
                    overwrite=overwrite, kv_cache=kv_cache, kv_strategy=kv_strategy, target=target,
                    compute_capability=compute_capability, fallback_layers=fallback_layers,
                    fallback_threshold=fallback_threshold, fallback_budget=fallback_budget, device=device,

@@ -13,12 +13,16 @@ from quantspec.quant.scheme import QuantScheme
 
 __all__ = ["A8W4_TYPES", "ACTIVATIONS", "DATA_METHODS", "DEFAULT_GROUP_SIZE", "EXPERT_TARGET", "FP4_TYPES", "FP8_TYPES",
            "INT4_TYPES", "KV_STRATEGIES", "METHODS", "MICROSCALED_TYPES", "MXFP4_TYPES", "MXFP8_TYPES", "NVFP4_TYPES", "PER_TOKEN_TYPES", "PRESET_INPUTS", "PRESET_WEIGHTS", "WEIGHT_OBSERVERS",
-           "awq_unfit", "check_weight_block", "default_weight_observer", "for_experts", "integer_weights", "preset",
+           "WEIGHT_STRATEGIES",
+           "awq_unfit", "check_weight_block", "check_weight_strategy", "default_weight_observer", "for_experts", "integer_weights", "preset",
            "settle_kv_strategy"]
 
 # how the a8w8 types quantize their input activations: with calibrated per-tensor scales stored
 # in the artifact, or per token at run time (llm-compressor's W8A8 / FP8_DYNAMIC schemes)
 ACTIVATIONS = ("static", "dynamic")
+# how the FP8 types scale their weights (`--weight-strategy`): per output channel (their own) or one
+# scale per Linear, which the engines share across a fused layer's shards (quantize writes it so)
+WEIGHT_STRATEGIES = ("channel", "tensor")
 
 
 WEIGHT_OBSERVERS = ("minmax", "mse")  # how quantize picks weight scales (choose_qparams)
@@ -84,7 +88,7 @@ FP4_TYPES = NVFP4_TYPES + MXFP4_TYPES
 MXFP8_TYPES = (QuantType.WEIGHT_ONLY_MXFP8, QuantType.MXFP8)
 # the types whose group layout and scales are their format's own (no --group-size, --asym, mse)
 MICROSCALED_TYPES = FP4_TYPES + MXFP8_TYPES
-# the types whose weights are FP8 E4M3 per channel, or in blocks with --weight-block
+# the types whose weights are FP8 E4M3 per channel, or in blocks with --weight-block (per tensor: --weight-strategy)
 FP8_TYPES = (QuantType.A8W8_FP8, QuantType.WEIGHT_ONLY_FP8)
 
 
@@ -120,7 +124,8 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
            weight_observer: str | None = None, activations: str | None = None,
-           weight_block: int | None = None, int8_group_size: int | None = None) -> QuantConfig:
+           weight_block: int | None = None, int8_group_size: int | None = None,
+           weight_strategy: str | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights (8-bit "pack-quantized"), or per group of
@@ -157,6 +162,9 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
     FP8_BLOCK; DeepSeek-V3's and Qwen3's FP8 checkpoints); for weight_only_fp8 the same weights
     with float inputs. `resolve_layer_group_sizes` shrinks it per layer to a block that tiles the
     layer.
+    `weight_strategy` "tensor" (a8w8_fp8, weight_only_fp8): one FP8 weight scale per Linear instead
+    of one per output channel (compressed-tensors' FP8 scheme and the FP8 checkpoints that predate
+    per-channel scales); None or "channel": the type's own.
     """
     qt = QuantType.parse(quant_type)
     if qt is QuantType.WEIGHT_ONLY_INT8:
@@ -167,10 +175,13 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
     activations = activations or ("dynamic" if qt in A8W4_TYPES else "static")
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
     check_weight_block(qt, weight_block, activations, weight_observer)
+    check_weight_strategy(qt, weight_strategy, weight_block)
     inputs = _inputs(qt, activations)
     if weight_block is not None and qt in FP8_TYPES:  # FP8_BLOCK: inputs per group of the block's side
         inputs = None if inputs is None else inputs.replace(strategy="group", group_size=weight_block)
     w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **_layout(qt, group_size, weight_block))
+    if weight_strategy == "tensor":
+        w = w.replace(strategy="tensor")
     if weight_observer != "minmax":
         w = w.replace(observer=weight_observer)
     scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=inputs)
@@ -265,6 +276,19 @@ def check_weight_block(qt: QuantType, weight_block, activations: str, weight_obs
     if weight_observer != "minmax":
         raise QuantSpecError(f"--weight-observer {weight_observer} has no rule for block scales; use minmax "
                              "(or leave it out)")
+
+
+def check_weight_strategy(qt: QuantType, weight_strategy, weight_block=None) -> None:
+    """Refuse, naming the flag, a `weight_strategy` that `qt` or `weight_block` does not take."""
+    if weight_strategy is None:
+        return
+    if weight_strategy not in WEIGHT_STRATEGIES:
+        raise QuantSpecError(f"--weight-strategy {weight_strategy!r}: use {' or '.join(WEIGHT_STRATEGIES)}")
+    if weight_strategy == "tensor" and qt not in FP8_TYPES:
+        raise QuantSpecError(f"--weight-strategy tensor is for a8w8_fp8 and weight_only_fp8 (FP8 weights); drop it "
+                             f"for {qt.value}")
+    if weight_strategy == "tensor" and weight_block is not None:
+        raise QuantSpecError("--weight-strategy tensor and --weight-block both set the weights' scales; pass one")
 
 
 def _kv_cache_args(kv_cache: str | None, kv_strategy: str) -> QuantArgs | None:

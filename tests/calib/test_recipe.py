@@ -98,6 +98,9 @@ CASES = [
                            layer_quant_types=("re:.*mlp.down_proj$=weight_only_int4", "lm_head=a8w8_fp8"))),
     ("a8w8_static", _A8W8_STATIC, dict(quant_type="a8w8", smoothquant_alpha=0.6, fallback_layers=0, kv_cache="fp8",
                                        kv_strategy="tensor", weight_observer="minmax")),
+    ("fp8_static_kv", (Path(__file__).parent / "llmcompressor_recipes" / "fp8_static_kv.yaml").read_text(),
+     dict(quant_type="a8w8_fp8", weight_strategy="tensor", smoothquant_alpha="none", fallback_layers=0,
+          kv_cache="fp8", kv_strategy="tensor", weight_observer="minmax")),
     ("w8a8_json", _W8A8_JSON, dict(quant_type="a8w8", activations="dynamic", method="gptq", act_order=True,
                                    weight_observer="minmax")),
 ]
@@ -178,7 +181,8 @@ def _write(tmp_path, text: str, name="r.yaml"):
 
 REFUSED = [
     ("sparsity", "s_stage:\n  s_modifiers:\n    SparseGPTModifier: {sparsity: 0.5}\n", "runs no SparseGPTModifier"),
-    ("per_tensor_fp8", "q_stage:\n  q_modifiers:\n    QuantizationModifier: {scheme: FP8}\n",
+    ("per_tensor_int8", "q_stage:\n  q_modifiers:\n    QuantizationModifier:\n      config_groups:\n        g: "
+                        "{targets: [Linear], weights: {num_bits: 8, type: int, strategy: tensor}}\n",
      "none of quantspec's quant types"),
     ("int8_layer_groups", "q_stage:\n  q_modifiers:\n    QuantizationModifier: {scheme: {W4A16: [Linear], W8A16: "
                           "['re:.*down_proj$']}}\n", "strategy: channel"),
@@ -267,6 +271,10 @@ WRITTEN = {
     "fp8_dynamic_kv": dict(method="rtn", quant_type="a8w8_fp8", activations="dynamic", kv_cache="fp8",
                            kv_strategy="tensor"),
     "fp8_block": dict(method="rtn", quant_type="a8w8_fp8", activations="dynamic", weight_block=128),
+    # compressed-tensors' FP8 preset (per-tensor weights and static inputs), and llm-compressor's FP8 KV-cache example
+    "fp8_static": dict(method="rtn", quant_type="a8w8_fp8", activations="static", weight_strategy="tensor"),
+    "fp8_static_kv": dict(method="rtn", quant_type="a8w8_fp8", activations="static", weight_strategy="tensor",
+                          kv_cache="fp8", kv_strategy="tensor"),
     # actorder None is not written (llm-compressor drops null arguments), so the file reads static
     "w8a16": dict(_GPTQ, quant_type="weight_only_int8", group_size=128, symmetric=True),
     "nvfp4a16": dict(method="rtn", quant_type="weight_only_nvfp4"),
@@ -284,4 +292,5 @@ def test_recipes_llm_compressor_writes_read_as_what_they_ran(name):
     r = read_recipe(str(LLMC / f"{name}.yaml"))
     want = {**WRITTEN[name], "weight_observer": "minmax", "ignore": ("lm_head",), "layer_quant_types": ()}
     assert r.settings == want
-    assert r.defaults == {}
+    static = want.get("activations") == "static"  # llm-compressor's static recipe: no smoothing, no fallback
+    assert r.defaults == ({"smoothquant_alpha": "none", "fallback_layers": 0} if static else {})

@@ -37,6 +37,13 @@ ARTIFACTS = {
                                  kv_cache="fp8", kv_strategy="head", target="vllm"),
     "a8w8_kv_int8": dict(quant_type="a8w8", smoothquant_alpha="none", fallback_layers=0,
                          kv_cache="int8", target="quantspec"),
+    # FP8 weights with one scale per Linear (`--weight-strategy tensor`, compressed-tensors' FP8 scheme), shared by a
+    # fused unit's shards: static inputs and KV scales (llm-compressor's FP8 KV-cache example; the unit whose static
+    # inputs cost most kept float, a per-tensor W8A16 FP8 group), per-token inputs, float inputs
+    "a8w8_fp8_tensor_kv_fp8": dict(quant_type="a8w8_fp8", weight_strategy="tensor", smoothquant_alpha="none",
+                                   fallback_layers=1, kv_cache="fp8"),
+    "a8w8_fp8_tensor_dynamic": dict(quant_type="a8w8_fp8", weight_strategy="tensor", activations="dynamic"),
+    "weight_only_fp8_tensor": dict(quant_type="weight_only_fp8", weight_strategy="tensor"),
     "a8w8_dynamic": dict(quant_type="a8w8", activations="dynamic"),
     "a8w8_fp8_dynamic": dict(quant_type="a8w8_fp8", activations="dynamic"),
     # FP8 weights with float inputs (W8A16 FP8): per channel (both engines), in blocks (vLLM only)

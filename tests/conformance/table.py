@@ -111,6 +111,12 @@ given no input quantization, so the inputs run float there too.
 engines pick their `CompressedTensorsW8A16Fp8` (FP8 Marlin) for per-channel scales, which is also
 what they run FP8-input artifacts with below compute capability 8.9; SGLang's takes no block scales
 and needs Ampere (8.0), vLLM's takes blocks and runs on Turing (7.5) too.
+`a8w8_fp8_tensor_kv_fp8` / `a8w8_fp8_tensor_dynamic` / `weight_only_fp8_tensor` have one FP8 weight
+scale per Linear (`--weight-strategy tensor`, compressed-tensors' FP8 scheme; the first is
+llm-compressor's FP8 KV-cache example, with one unit kept at float inputs). Both engines load a
+fused layer's per-shard scales and requantize its shards to the largest of them (W8A8 FP8), or
+expand them per channel (W8A16 FP8); quantspec writes one scale for a fused unit's shards, so
+either is exact and every engine runs the weights quantspec runs.
 `weight_only_int4_rotated` has SpinQuant's R1 and R2 fused into its weights (`--rotate R1,R2`): its
 `transform_config` holds fused transforms only, which vLLM validates and runs around nothing, and
 every engine computes the rotated model as stored. `weight_only_int4_quip` has QuIP's run-time
@@ -144,7 +150,8 @@ def _flags(opts: dict) -> str:
 
 
 def _scheme(v) -> str:
-    g = f"block {v.block[0]}×{v.block[1]}" if v.block else f"g{v.group_size}" if v.group_size else "channel"
+    g = f"block {v.block[0]}×{v.block[1]}" if v.block else f"g{v.group_size}" if v.group_size else \
+        "tensor" if v.per_tensor else "channel"
     sym = "" if v.symmetric in (True, None) else " asym"
     act = f" + {v.input_activations}" if v.input_activations else ""
     return f"{v.scheme} {v.num_bits}-bit {g}{sym}{act}"

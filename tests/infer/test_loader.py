@@ -34,8 +34,9 @@ CALIB_IDS = torch.arange(3, 3 + 2 * 24).remainder(500).reshape(2, 24)  # [B, S]
 
 def write_quantized_artifact(src: Path, out: Path, quant_type: str, *, group_size: int = 32,
                              symmetric: bool = True, kv_cache: str | None = None,
-                             zp_dtype: str | None = None) -> Path:
-    """Quantize every Linear but lm_head of a HF checkpoint with RTN into a quantspec artifact.
+                             zp_dtype: str | None = None, weight_strategy: str | None = None) -> Path:
+    """Quantize every Linear but lm_head of a HF checkpoint with RTN into a quantspec artifact,
+    each Linear on its own (per-tensor scales: one per shard of a fused unit, as llm-compressor writes them).
 
     Static input / KV scales come from a min/max pass of the fp32 model over `CALIB_IDS`.
     """
@@ -43,7 +44,7 @@ def write_quantized_artifact(src: Path, out: Path, quant_type: str, *, group_siz
     args = ModelArgs.from_hf_config(cfg)
     tensors = load_checkpoint_tensors(src)
     qc = preset(quant_type, group_size=group_size, symmetric=symmetric, kv_cache=kv_cache,
-                zp_dtype=zp_dtype)
+                zp_dtype=zp_dtype, weight_strategy=weight_strategy)
     linears = {n: m for n, m in build_model(args).named_modules() if isinstance(m, nn.Linear)}
     w_args = qc.config_groups["group_0"].weights
     if w_args.strategy == "group":

@@ -206,7 +206,8 @@ def _select(engine: str, s: QuantScheme, K: int | None, shards: int, capability:
     (of `rows` output rows each, where known)."""
     w, ia, fmt = s.weights, s.input_activations, s.format
     g = w.group_size if w.strategy in ("group", "tensor_group") else None
-    base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure)
+    base = dict(num_bits=w.num_bits, group_size=g, symmetric=w.symmetric, block=w.block_structure,
+                per_tensor=w.strategy == "tensor")
     if w.microscaled:
         N = sum(rows) if rows and None not in rows else None
         return microscaled_verdict(engine, s, capability, base, N, K)
@@ -365,7 +366,8 @@ def quantspec_layer(s: QuantScheme) -> LayerVerdict:
         problem = f"{ia.strategy} activation scales (quantspec runs per tensor, per token or per group)"
     if problem is not None:
         return LayerVerdict(None, w.num_bits, g, w.symmetric, _act(ia), problem=problem, block=w.block_structure)
-    return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia), block=w.block_structure)
+    return LayerVerdict("QuantLinear", w.num_bits, g, w.symmetric, _act(ia), block=w.block_structure,
+                        per_tensor=w.strategy == "tensor")
 
 
 def quantspec_embedding(s: QuantScheme) -> LayerVerdict:
@@ -392,7 +394,7 @@ def transformers_layer(s: QuantScheme) -> LayerVerdict:
         return LayerVerdict(None, problem="packed integer zero points do not fit the shapes it "
                                           "allocates")
     return LayerVerdict("CompressedLinear", v.num_bits, v.group_size, v.symmetric, v.input_activations,
-                        block=v.block)
+                        block=v.block, per_tensor=v.per_tensor)
 
 
 def _mismatch(engine: str, v: LayerVerdict, got: QuantScheme, want: QuantScheme, unseen: str) -> LayerVerdict:

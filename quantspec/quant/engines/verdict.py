@@ -62,10 +62,11 @@ class LayerVerdict:
     problem: str | None = None  # why the engine refuses or mis-runs this layer
     defect: bool = False  # the problem is the engine's bug: the layer is valid compressed-tensors
     block: tuple[int, int] | None = None  # FP8 block scales: (rows, columns) of a block
+    per_tensor: bool = False  # one weight scale per Linear (group_size None: per channel otherwise)
 
     def to_dict(self) -> dict:
         return {"scheme": self.scheme, "num_bits": self.num_bits, "group_size": self.group_size,
-                "block": None if self.block is None else list(self.block),
+                "block": None if self.block is None else list(self.block), "per_tensor": self.per_tensor,
                 "symmetric": self.symmetric, "input_activations": self.input_activations,
                 "problem": self.problem, "defect": self.defect}
 
