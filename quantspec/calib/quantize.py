@@ -132,8 +132,7 @@ class QuantizeConfig:
         from quantspec.calib.quip import Quip
         from quantspec.calib.rotate import Rotation, split_rotate
         from quantspec.quant.args import QuantType
-        from quantspec.quant.presets import (A8W4_TYPES, KV_STRATEGIES, check_weight_block, check_weight_strategy,
-                                             default_weight_observer, preset)
+        from quantspec.quant.presets import A8W4_TYPES, KV_STRATEGIES, check_weight_block, default_weight_observer, preset
         from quantspec.quant.engines import parse_capability, target_refusal
 
         qt = QuantType.parse(self.quant_type)
@@ -153,7 +152,6 @@ class QuantizeConfig:
             dynamic = (self.weight_block is not None and qt is QuantType.A8W8_FP8) or qt in A8W4_TYPES
             object.__setattr__(self, "activations", "dynamic" if dynamic else "static")
         check_weight_block(qt, self.weight_block, self.activations, self.weight_observer or "minmax")
-        check_weight_strategy(qt, self.weight_strategy, self.weight_block)
         object.__setattr__(self, "ignore", (self.ignore,) if isinstance(self.ignore, str) else tuple(self.ignore))
         if isinstance(self.layer_quant_types, str):
             object.__setattr__(self, "layer_quant_types", (self.layer_quant_types,))

@@ -123,9 +123,8 @@ def default_weight_observer(quant_type: QuantType | str, method: str = "rtn") ->
 def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric: bool = True,
            ignore: Iterable[str] = ("lm_head",), kv_cache: str | None = None,
            kv_strategy: str = "attn_head", zp_dtype: str | None = None,
-           weight_observer: str | None = None, activations: str | None = None,
-           weight_block: int | None = None, int8_group_size: int | None = None,
-           weight_strategy: str | None = None) -> QuantConfig:
+           weight_observer: str | None = None, activations: str | None = None, weight_block: int | None = None,
+           int8_group_size: int | None = None, weight_strategy: str | None = None) -> QuantConfig:
     """The config for one of quantspec's quant types, as plain data.
 
     weight_only_int8: int8 per-channel weights (8-bit "pack-quantized"), or per group of
@@ -157,14 +156,10 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
     None → `default_weight_observer(quant_type)`. `activations` "dynamic": the a8w8 types' inputs
     quantized per token at run time instead (no input scales in the artifact); None: "dynamic"
     for the a8w4 types, else "static".
-    `weight_block` b (a8w8_fp8 with dynamic activations): FP8 weights with one scale per b × b
-    block and inputs quantized per token and group of b columns at run time (compressed-tensors'
-    FP8_BLOCK; DeepSeek-V3's and Qwen3's FP8 checkpoints); for weight_only_fp8 the same weights
-    with float inputs. `resolve_layer_group_sizes` shrinks it per layer to a block that tiles the
-    layer.
-    `weight_strategy` "tensor" (a8w8_fp8, weight_only_fp8): one FP8 weight scale per Linear instead
-    of one per output channel (compressed-tensors' FP8 scheme and the FP8 checkpoints that predate
-    per-channel scales); None or "channel": the type's own.
+    `weight_block` b (a8w8_fp8 with dynamic activations): FP8 weights with one scale per b × b block
+    and inputs per token and group of b columns at run time (compressed-tensors' FP8_BLOCK; shrunk
+    per layer to a block that tiles it, `resolve_layer_group_sizes`); weight_only_fp8: float inputs.
+    `weight_strategy` "tensor" (FP8 types): one weight scale per Linear (compressed-tensors' FP8).
     """
     qt = QuantType.parse(quant_type)
     if qt is QuantType.WEIGHT_ONLY_INT8:
@@ -175,13 +170,11 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
     activations = activations or ("dynamic" if qt in A8W4_TYPES else "static")
     _check_knobs(qt, group_size, symmetric, zp_dtype, weight_observer)
     check_weight_block(qt, weight_block, activations, weight_observer)
-    check_weight_strategy(qt, weight_strategy, weight_block)
     inputs = _inputs(qt, activations)
     if weight_block is not None and qt in FP8_TYPES:  # FP8_BLOCK: inputs per group of the block's side
         inputs = None if inputs is None else inputs.replace(strategy="group", group_size=weight_block)
-    w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype, **_layout(qt, group_size, weight_block))
-    if weight_strategy == "tensor":
-        w = w.replace(strategy="tensor")
+    w = PRESET_WEIGHTS[qt].replace(symmetric=symmetric, zp_dtype=zp_dtype,
+                                   **_layout(qt, group_size, weight_block, weight_strategy))
     if weight_observer != "minmax":
         w = w.replace(observer=weight_observer)
     scheme = QuantScheme(targets=("Linear",), weights=w, input_activations=inputs)
@@ -189,8 +182,12 @@ def preset(quant_type: QuantType | str, group_size: int | None = None, symmetric
                        kv_cache_scheme=_kv_cache_args(kv_cache, kv_strategy), quant_type=qt)
 
 
-def _layout(qt: QuantType, group_size: int, weight_block: int | None) -> dict:
-    """The weights' strategy fields: per group or channel (int4, grouped int8), in blocks, or the type's own."""
+def _layout(qt: QuantType, group_size: int, weight_block: int | None, weight_strategy: str | None = None) -> dict:
+    """The weights' strategy fields: per group or channel (int4, grouped int8), in blocks, per tensor, or the
+    type's own."""
+    check_weight_strategy(qt, weight_strategy, weight_block)
+    if weight_strategy == "tensor":
+        return {"strategy": "tensor"}
     if qt in INT4_TYPES or (qt is QuantType.WEIGHT_ONLY_INT8 and group_size != -1):
         return {"strategy": "channel", "group_size": None} if group_size == -1 else \
             {"strategy": "group", "group_size": group_size}
