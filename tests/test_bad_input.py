@@ -149,6 +149,16 @@ CASES = [
     ("quantize-recipe-and-quant-type", "quantize --model {model} --recipe {d}/w4a16.yaml --quant-type a8w8 "
                                        "--out {d}/q", "--quant-type"),
     ("quantize-a8w8-no-calib", "quantize --model {model} --quant-type a8w8 --out {d}/q", "--calib"),
+    ("quantize-kv-no-table", "quantize --model {model} --quant-type weight_only_int8 --kv-cache fp8 --out {d}/q",
+     "--dataset"),
+    ("quantize-one-shot-missing-data", "quantize --model {model} --quant-type a8w8_fp8 --dataset {d}/none.jsonl "
+                                       "--out {d}/q", "--dataset"),
+    ("quantize-one-shot-too-little-data", "quantize --model {model} --quant-type a8w8_fp8 --dataset {d}/ok.jsonl "
+                                          "--num-samples 64 --out {d}/q", "--num-samples"),
+    ("quantize-weight-strategy-int4", "quantize --model {model} --quant-type weight_only_int4 --weight-strategy "
+                                      "tensor --out {d}/q", "--weight-strategy"),
+    ("quantize-weight-strategy-block", "quantize --model {model} --quant-type a8w8_fp8 --activations dynamic "
+                                       "--weight-strategy tensor --weight-block 128 --out {d}/q", "--weight-strategy"),
     ("quantize-act-order-rtn", "quantize --model {model} --quant-type weight_only_int4 --act-order --out {d}/q",
      "--act-order"),
     ("quantize-awq-no-data", "quantize --model {model} --quant-type weight_only_int4 --method awq --out {d}/q",

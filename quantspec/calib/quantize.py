@@ -5,7 +5,7 @@ artifact directory.
 applies (quant type, method, group size, zero points, the a8w8 recipe's knobs, the data they
 need) fails when the config is built, in one line naming the flag. `run_quantize` then runs the
 phases in order — check the output location and the device, read the source's headers and the
-calibration table, check the disk has room for the artifact, gather GPTQ's / AWQ's data, plan the
+calibration table (or measure it first: `calib.oneshot`), check the disk, gather GPTQ's data, plan the
 static-activation recipe (a8w8 types), quantize layer by layer (`calib.ptq`), write the artifact
 atomically (`quant.artifact`) — each a small function below.
 
@@ -36,9 +36,9 @@ import torch
 from quantspec.calib.awq import AWQ_DUO
 from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_hessians, draft_request, load_base, load_draft
 from quantspec.calib.draft_scales import draft_static_plan
+from quantspec.calib.oneshot import attach_table, calibrate_in_run, needs_table, one_shot
 from quantspec.calib.quip import check_quip_recipe
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
-from quantspec.calib.tables import read_table
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir
@@ -308,6 +308,8 @@ def run_quantize(config: QuantizeConfig, *, progress: Progress | None = None,
     resumable, key = run_identity(config, src, device)
     check_disk(config, src, model, out, key)
     with open_run(out, key, resumable=resumable, restart=config.restart) as run:
+        if one_shot(config):
+            calibrate_in_run(config, src, run, say, progress)
         qconfig, input_scales, factors, batches = _inputs(config, src, model, batches, say, run, device)
         hessians = draft_hessians(model, src.base_model(say), batches, qconfig, say) \
             if src.kind is not None and config.method == "gptq" else None
@@ -347,7 +349,7 @@ def _read_source(config: QuantizeConfig) -> _Source:
     A draft module is checked against `--target` here (`quant.engines.target_refusal`); an
     EAGLE-3 head's config, in the plain layout whatever the source's format, leaves float what
     the target's engines load float (`quant.engines.eagle3_ignore`)."""
-    from quantspec.calib.rotate import check_table_rotation, rotated_config
+    from quantspec.calib.rotate import rotated_config
     from quantspec.model_zoo.checkpoint import draft_kind, read_config, resolve_model_dir, verify_checkpoint
     from quantspec.model_zoo.eagle3 import Eagle3Args
     from quantspec.model_zoo.llama import ModelArgs
@@ -392,12 +394,8 @@ def _read_source(config: QuantizeConfig) -> _Source:
                   transforms=getattr(getattr(reader, "source", None), "transform_config", None))
     src.kind = kind
     src.base_dir = draft_request(config, model_dir, kind)
-    if config.calibrated_inputs or config.kv_cache is not None or smooths_per_token(config):  # read before the model
-        with about("--calib"):
-            src.table = read_table(config.calib, model_dir=model_dir)
-            ranges = config.calibrated_inputs or smooths_per_token(config)  # its input ranges are read
-            check_table_rotation(config.rotation, config.calib, src.table, r4=config.r4, ranges=ranges)
-        src.calib_summary.update(calib=str(config.calib), calibration=src.table.meta, kv_cache=config.kv_cache)
+    if needs_table(config) and config.calib is not None:  # read before the model (one-shot: `run_quantize`)
+        attach_table(config, src, config.calib, model_dir)
     return src
 
 

@@ -15,6 +15,7 @@ from __future__ import annotations
 
 from typing import Callable
 
+from quantspec.calib.oneshot import refuse_missing_table
 from quantspec.errors import QuantSpecError, positive_int
 from quantspec.quant.args import QuantType
 from quantspec.quant.presets import PER_TOKEN_TYPES, awq_unfit
@@ -52,9 +53,8 @@ def _check_smoothing(c) -> None:
     if smooths_per_token(c) and c.layer_quant_types:
         raise QuantSpecError("--smoothquant-alpha folds into the norms that every --layer-quant-type layer reads "
                              "too; drop one of them")
-    if smooths_per_token(c) and c.calib is None:
-        raise QuantSpecError(f"--smoothquant-alpha {a} takes each input channel's range from a calibration table; "
-                             "run `quantspec calibrate --out DIR` and pass --calib DIR")
+    if smooths_per_token(c):
+        refuse_missing_table(c, f"--smoothquant-alpha {a} takes each input channel's range from a calibration table")
 
 
 def _check_fallback(c) -> None:
@@ -80,7 +80,7 @@ def check_activation_recipe(c) -> None:
     recipe and cannot have: SmoothQuant beside float inputs, `auto` or no table beside inputs
     quantized per token; the a8w8 fallback beside other than static scales; AWQ's factors beside
     input scales fitted without them; `--calib` that nothing reads; static scales or KV scales
-    without one."""
+    without one (`--calib`, or `--dataset` to measure one in the run: `calib.oneshot`)."""
     _check_smoothing(c)
     _check_fallback(c)
     per_token = _per_token(c) and c.weight_block is None
@@ -93,12 +93,10 @@ def check_activation_recipe(c) -> None:
         raise QuantSpecError(f"--calib gives static activation and KV-cache scales and SmoothQuant's channel ranges, "
                              f"and {c.quant_type}" + (" with --activations dynamic" if dynamic else "")
                              + " reads none of them without --kv-cache or --smoothquant-alpha; drop --calib")
-    if c.calibrated_inputs and c.calib is None:
-        raise QuantSpecError(f"{c.quant_type} needs calibrated activation ranges; run `quantspec calibrate "
-                             f"--model {c.model} --dataset D --out DIR` and pass --calib DIR")
-    if c.kv_cache is not None and c.calib is None:
-        raise QuantSpecError(f"--kv-cache {c.kv_cache} stores static KV scales in the artifact; run "
-                             f"`quantspec calibrate --model {c.model} --dataset D --out DIR` and pass --calib DIR")
+    if c.calibrated_inputs:
+        refuse_missing_table(c, f"{c.quant_type} needs calibrated activation ranges")
+    if c.kv_cache is not None:
+        refuse_missing_table(c, f"--kv-cache {c.kv_cache} stores static KV scales in the artifact")
 
 
 def check_method(c, qt) -> None:

@@ -62,7 +62,9 @@ def _gib(n) -> str:
 @click.option("--lr", default=None, type=float,
               help="autoround: step size, decaying linearly to 0 over the steps [default: 1 / --iters]")
 @click.option("--batch-size", default=None, type=int, help="autoround: calibration samples per step [default: 8]")
-@click.option("--dataset", default=None, help="calibration data: .txt/.json/.jsonl/.parquet file or hub id")
+@click.option("--dataset", default=None,
+              help="calibration data: .txt/.json/.jsonl/.parquet file or hub id (GPTQ, AWQ, AutoRound; without "
+                   "--calib, the scales a static type or --kv-cache needs are measured on it first)")
 @click.option("--base", default=None,
               help="gptq of a draft module (MTP, Medusa, EAGLE-3): the float base it drafts for, whose hidden "
                    "states it is calibrated on [default: the base the module records: its training's, a "
@@ -73,7 +75,8 @@ def _gib(n) -> str:
 @click.option("--seq-len", default=512, show_default=True, type=int)
 @click.option("--seed", default=0, show_default=True, type=int)
 @click.option("--calib", default=None, type=click.Path(),
-              help="calibration table dir (a8w8 types: input scales; nvfp4: input global scales)")
+              help="calibration table dir from `quantspec calibrate` (a8w8 types: input scales; nvfp4: input "
+                   "global scales; --kv-cache) [default: measured on --dataset in this run]")
 @click.option("--activations", default=None, type=click.Choice(["static", "dynamic"]),
               help="a8w8 types: input scales calibrated per tensor (needs --calib) or computed per token at run "
                    "time (llm-compressor's W8A8 / FP8_DYNAMIC; no --calib, SmoothQuant or fallback) "
