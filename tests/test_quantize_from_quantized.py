@@ -232,6 +232,26 @@ def test_keep_adds_kv_scales_and_copies_every_weight_byte(tiny_llama_dir, tmp_pa
     assert lm.kv_cache_dtype == "fp8" and torch.equal(lm.k_scale, k)
 
 
+def test_keep_measures_its_table_on_the_artifact_in_one_shot(tiny_llama_dir, tmp_path):
+    """`--quant-type keep --kv-cache fp8 --dataset D` (no --calib): the KV scales of the table that
+    `calibrate --model ARTIFACT` measures on the same data; nothing is left beside the artifact."""
+    from quantspec.model_zoo.tiny import TINY_CORPUS
+
+    data = tmp_path / "calib.txt"
+    data.write_text(TINY_CORPUS)
+    src = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "w4", group_size=32)
+    art = api.quantize(str(src), "keep", tmp_path / "w4kv", kv_cache="fp8", dataset=str(data), num_samples=4,
+                       seq_len=32)
+    table = api.calibrate(str(src), str(data), tmp_path / "table", num_samples=4, seq_len=32).path
+    want = load_safetensors(_kv_keep(src, table, tmp_path / "w4kv2"))
+    got = load_safetensors(art)
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in got)
+    assert read_provenance(art)["provenance"]["kv_calibration"]["calib"] is None
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["calib.txt", "table", "w4", "w4kv", "w4kv2"]
+    with pytest.raises(QuantSpecError, match="drop one"):
+        _kv_keep(src, table, tmp_path / "out", dataset=str(data))
+
+
 def test_keep_replaces_an_earlier_kv_scheme(tiny_llama_dir, tmp_path, calibration_table):
     table = calibration_table(tiny_llama_dir)
     src = api.quantize(str(tiny_llama_dir), "weight_only_int8", tmp_path / "w8", calib=str(table), kv_cache="int8",

@@ -16,10 +16,10 @@ def _gib(n) -> str:
 @click.option("--quant-type", default=None,
               help="[required unless --recipe gives it] weight_only_int8 | weight_only_int4 | a8w8 | a8w8_fp8 | weight_only_fp8 | a8w4 | a8w4_fp8 | "
                    "weight_only_nvfp4 | nvfp4 | weight_only_mxfp4 | mxfp4 | a8w4_mxfp4 | weight_only_mxfp8 | mxfp8 "
-                   "(nvfp4: needs --calib; MXFP4 / MXFP8: vLLM only, --target vllm; a8w4 / a8w4_fp8: "
+                   "(nvfp4: needs --calib or --dataset; MXFP4 / MXFP8: vLLM only, --target vllm; a8w4 / a8w4_fp8: "
                    "int4 weights, int8 / FP8 inputs per token at run time, W4A8 / W4AFP8; a8w4_mxfp4: MXFP4 weights, "
                    "FP8 inputs per group of 128 at run time, MXFP4XFP8) | keep (an artifact's weights as they are, "
-                   "with --calib and --kv-cache: KV-cache scales added)")
+                   "with --kv-cache and --calib or --dataset: KV-cache scales added)")
 @click.option("--recipe", default=None, type=click.Path(),
               help="an llm-compressor recipe (its recipe.yaml, or JSON): its modifiers' schemes, method, ignore "
                    "list, KV-cache scheme, SmoothQuant, AWQ, QuIP and SpinQuant settings, run as the quantspec "
