@@ -38,6 +38,7 @@ from quantspec.calib.draft_calib import DRAFT_WHAT, check_base, draft_hessians, 
 from quantspec.calib.draft_scales import draft_static_plan
 from quantspec.calib.oneshot import attach_table, calibrate_in_run, needs_table, one_shot
 from quantspec.calib.quip import check_quip_recipe
+from quantspec.calib.recipe_out import recipe_file
 from quantspec.calib.recipe_checks import check_activation_recipe, check_method, per_token_smoothing, smooths_per_token
 from quantspec.calib.targets import EMBED
 from quantspec.errors import QuantSpecError, about, positive_int
@@ -473,6 +474,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
     if cfg.get("tie_word_embeddings") and untie:
         cfg["tie_word_embeddings"] = False  # the head and the embedding written apart (`PTQ.rest_part`)
     extra = {f: src.model_dir / f for f in COPIED_FILES if (src.model_dir / f).is_file()}
+    extra.update(recipe_file(config, src.kind, run.dir))  # llm-compressor's recipe.yaml, where one stands for the run
     provenance = {
         "quantspec_version": __version__,
         "source_model": str(config.model), "source_dir": str(src.model_dir),

@@ -317,7 +317,8 @@ def _read_schemes(quant: list[tuple[str, dict]], where: str, s: dict) -> None:
     m = base[0][2]
     s["quant_type"] = m["quant_type"]
     layers = [f"{t}={mm['quant_type']}" for _, targets, mm in matched if mm is not m for t in targets]
-    if "lm_head" not in ignore:  # a Linear to llm-compressor: its scheme is the model's
+    named = any(_names_head(t) for _, targets, mm in matched if mm is not m for t in targets)
+    if "lm_head" not in ignore and not named:  # a Linear to llm-compressor: its scheme is the model's
         layers.append(f"lm_head={m['quant_type']}")
     knobs = {}
     for w, _, mm in matched:
@@ -328,7 +329,7 @@ def _read_schemes(quant: list[tuple[str, dict]], where: str, s: dict) -> None:
         grouped = qt in INT4_TYPES or (qt is QuantType.WEIGHT_ONLY_INT8 and mm is m)
         for k, applies in (("group_size", grouped), ("zp_dtype", qt in INT4_TYPES),
                            ("symmetric", integer_weights(qt)), ("weight_block", mm["weight_block"] is not None),
-                           ("weight_strategy", qt in FP8_TYPES), ("observer", True)):
+                           ("weight_strategy", qt in FP8_TYPES)):
             if applies and knobs.setdefault(k, mm[k]) != mm[k]:
                 raise QuantSpecError(f"{w}: its {k.replace('_', ' ')} {mm[k]} differs from another group's "
                                      f"({knobs[k]}), and quantspec gives every layer the model's")
@@ -336,14 +337,39 @@ def _read_schemes(quant: list[tuple[str, dict]], where: str, s: dict) -> None:
               if knobs.get(k) is not None})
     if "symmetric" in knobs:
         s["symmetric"] = knobs["symmetric"]
-    s["weight_observer"] = "mse" if knobs["observer"] == "mse" else "minmax"
-    if knobs["observer"] not in (None, "mse", "minmax", "memoryless_minmax", "static_minmax"):
-        raise QuantSpecError(f"{where}: weight observer {knobs['observer']!r} is not quantspec's; use minmax or mse")
+    if (observer := _weight_observer(matched, s["method"])) is not None:
+        s["weight_observer"] = observer
     if m["quant_type"] in ("a8w8", "a8w8_fp8"):
         s["activations"] = m["activations"]
     s["ignore"], s["layer_quant_types"] = tuple(ignore), tuple(layers)
     if kv:
         _read_kv(kv, where, s)
+
+
+def _names_head(target: str) -> bool:
+    """A group's `target` names the output head (by name or `re:` regex: outranking `Linear`)."""
+    import re
+
+    return target == "lm_head" or (target.startswith("re:") and re.match(target[3:], "lm_head") is not None)
+
+
+def _weight_observer(matched: list, method: str) -> str | None:
+    """`--weight-observer` of the matched groups' observers: their one value (min/max or mse), or None
+    where they differ and each is its type's own default (`quant.presets.default_weight_observer`)."""
+    from quantspec.quant.presets import default_weight_observer
+
+    ours = []
+    for w, _, mm in matched:
+        if mm["observer"] not in (None, "mse", "minmax", "memoryless_minmax", "static_minmax"):
+            raise QuantSpecError(f"{w}: weight observer {mm['observer']!r} is not quantspec's; use minmax or mse")
+        ours.append(("mse" if mm["observer"] == "mse" else "minmax", default_weight_observer(mm["quant_type"], method)))
+    if len({o for o, _ in ours}) == 1:
+        return ours[0][0]
+    if all(o == d for o, d in ours):
+        return None
+    w = next(w for (w, _, _), (o, _) in zip(matched, ours) if o != ours[0][0])
+    raise QuantSpecError(f"{w}: its weight observer differs from another group's, and quantspec gives every layer one "
+                         "observer or each type its own default (mse for int4, minmax for the rest)")
 
 
 def _read_gptq(args: dict, matched: list, where: str, s: dict) -> None:
