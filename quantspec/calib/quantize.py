@@ -474,7 +474,7 @@ def _write(config: QuantizeConfig, src: _Source, res, run, out: Path, wall_s: fl
     if cfg.get("tie_word_embeddings") and untie:
         cfg["tie_word_embeddings"] = False  # the head and the embedding written apart (`PTQ.rest_part`)
     extra = {f: src.model_dir / f for f in COPIED_FILES if (src.model_dir / f).is_file()}
-    extra.update(recipe_file(config, src.kind, run.dir))  # llm-compressor's recipe.yaml, where one stands for the run
+    extra.update(recipe_file(config, src, run.dir))  # llm-compressor's recipe.yaml, where one stands for the run
     provenance = {
         "quantspec_version": __version__,
         "source_model": str(config.model), "source_dir": str(src.model_dir),

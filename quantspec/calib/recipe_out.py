@@ -21,6 +21,7 @@ recipe is written only when it reads as the run's own options, field by field, s
 
 from __future__ import annotations
 
+from dataclasses import replace
 from pathlib import Path
 
 from quantspec.errors import QuantSpecError
@@ -36,8 +37,9 @@ _COMPARED = ("method", "act_order", "block_size", "damp", "autoround", "awq_duo_
              "rotate", "quip", "quip_block_size")
 
 
-def _groups(c) -> dict:
-    """The modifier groups of the run `c` (a `calib.quantize.QuantizeConfig`), in the order they run."""
+def _groups(c, ignore: tuple[str, ...]) -> dict:
+    """The modifier groups of the run `c` (a `calib.quantize.QuantizeConfig`) ignoring `ignore`, in
+    the order they run."""
     qc = c.quant_config
     groups: dict = {}
     rotations = [r for r in (c.rotate or "").split(",") if r]
@@ -54,7 +56,7 @@ def _groups(c) -> dict:
     if c.method.startswith("awq"):
         duo = {"true": True, "false": False, "both": "both"}[c.awq_duo_scaling]
         groups["awq_modifiers"] = {"AWQModifier": {"duo_scaling": duo}}
-    quant = {"config_groups": {k: s.to_dict() for k, s in qc.config_groups.items()}, "ignore": list(qc.ignore)}
+    quant = {"config_groups": {k: s.to_dict() for k, s in qc.config_groups.items()}, "ignore": list(ignore)}
     if qc.kv_cache_scheme is not None:
         quant["kv_cache_scheme"] = qc.kv_cache_scheme.to_dict()
     if c.method.endswith("gptq"):
@@ -65,10 +67,12 @@ def _groups(c) -> dict:
     return groups
 
 
-def recipe_file(c, kind: str | None, scratch: Path) -> dict[str, Path]:
-    """{`RECIPE_FILE`: its path in `scratch`} for the run `c` of a base model (`kind` None) that a
-    recipe stands for, else {}: the artifact's extra file (`quant.artifact.write_artifact`)."""
-    text = recipe_text(c, scratch) if kind is None else None
+def recipe_file(c, src, scratch: Path) -> dict[str, Path]:
+    """{`RECIPE_FILE`: its path in `scratch`} for the run `c` of a base model (`src`: its
+    `calib.quantize._Source`) that a recipe stands for, else {}: the artifact's extra file
+    (`quant.artifact.write_artifact`). The recipe ignores what the run left float, the Linears
+    quantize keeps float by itself included (a mixture of experts' routers)."""
+    text = recipe_text(c, scratch, src.quant_config.ignore) if src.kind is None else None
     if text is None:
         return {}
     path = scratch / RECIPE_FILE
@@ -76,23 +80,27 @@ def recipe_file(c, kind: str | None, scratch: Path) -> dict[str, Path]:
     return {RECIPE_FILE: path}
 
 
-def recipe_text(c, scratch: Path) -> str | None:
-    """The llm-compressor recipe (YAML) of the quantize run `c`, or None where no recipe stands for
-    it (module docstring); `scratch`: a directory to write the candidate into while it is read back."""
+def recipe_text(c, scratch: Path, ignore: tuple[str, ...] | None = None) -> str | None:
+    """The llm-compressor recipe (YAML) of the quantize run `c` ignoring `ignore` (None: the run's
+    config's), or None where no recipe stands for it (module docstring); `scratch`: a directory to
+    write the candidate into while it is read back."""
     import yaml
 
     from quantspec.calib.recipe import read_recipe
 
-    text = yaml.safe_dump({"quant_stage": _groups(c)}, sort_keys=False, width=110)
+    ignore = tuple(c.quant_config.ignore if ignore is None else ignore)
+    text = yaml.safe_dump({"quant_stage": _groups(c, ignore)}, sort_keys=False, width=110)
     path = scratch / RECIPE_FILE
     path.write_text(text, encoding="utf-8")
     try:
         again = _as_config(c, read_recipe(str(path)).merge({}))
-    except QuantSpecError:  # a scheme or method llm-compressor's modifiers do not hold as quantspec runs it
+    except (QuantSpecError, TypeError, ValueError):  # what llm-compressor's modifiers do not hold as quantspec runs it
         return None
     finally:
         path.unlink()
-    same = again.quant_config == c.quant_config and all(getattr(again, f) == getattr(c, f) for f in _COMPARED)
+    qc = again.quant_config
+    same = set(qc.ignore) == set(ignore) and qc == replace(c.quant_config, ignore=qc.ignore) and \
+        all(getattr(again, f) == getattr(c, f) for f in _COMPARED)
     return text if same else None
 
 

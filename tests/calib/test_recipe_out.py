@@ -82,3 +82,22 @@ def test_no_recipe_where_llm_compressor_has_no_modifier_for_the_run(tiny_llama_d
                        search_samples=1, **DATA, **options)
     assert not (art / "recipe.yaml").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
+
+
+def test_a_mixture_of_experts_recipe_ignores_its_routers(tmp_path, data):
+    """quantize keeps a mixture of experts' routers float by itself; its recipe ignores them by name, as
+    llm-compressor's MoE recipes must, and runs again into the same artifact."""
+    from quantspec.model_zoo.moe import router_ignore
+    from quantspec.model_zoo.llama import ModelArgs
+    from quantspec.model_zoo.checkpoint import read_config
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    moe = build_tiny_model(tmp_path / "moe", "qwen3_moe", num_layers=2)
+    first = api.quantize(str(moe), "weight_only_int8", tmp_path / "first")
+    ignore = yaml.safe_load((first / "recipe.yaml").read_text())["quant_stage"]["quant_modifiers"][
+        "QuantizationModifier"]["ignore"]
+    routers = router_ignore(ModelArgs.from_hf_config(read_config(moe)))
+    assert routers and set(routers) <= set(ignore) and "lm_head" in ignore
+    again = api.quantize(str(moe), out=tmp_path / "again", recipe=str(first / "recipe.yaml"))
+    a, b = _tensors(first), _tensors(again)
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
