@@ -325,3 +325,18 @@ def test_a_kv_cache_scheme_on_a_module_without_a_cache_is_refused_at_load(module
     (out / "config.json").write_text(json.dumps(cfg))
     with pytest.raises(QuantSpecError, match="keep no KV cache"):
         load_medusa_for_inference(out, base)
+
+
+@pytest.mark.parametrize("kind,quant_type,options", [("eagle3", "a8w8_fp8", dict(kv_cache="fp8", target="vllm")),
+                                                     ("mtp", "a8w8", dict(target="quantspec"))])
+def test_a_draft_module_calibrates_in_the_quantize_run(modules, base_dir, data, tmp_path, kind, quant_type, options):
+    """`quantize --model HEAD --dataset D` without --calib (`calib.oneshot`): the module's table measured as it
+    drafts on its base, the artifact of `calibrate --model HEAD` then `quantize --calib`."""
+    path = str(modules[kind][0])
+    opts = dict(options, num_samples=3, seq_len=24, base=str(base_dir), search_samples=3)
+    one = api.quantize(path, quant_type, tmp_path / "one", dataset=str(data), **opts)
+    table = api.calibrate(path, str(data), tmp_path / "table", num_samples=3, seq_len=24, base=str(base_dir)).path
+    two = api.quantize(path, quant_type, tmp_path / "two", calib=str(table), dataset=str(data), **opts)
+    a, b = load_file(str(one / "model.safetensors")), load_file(str(two / "model.safetensors"))
+    assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a)
+    assert not (one / "recipe.yaml").exists()  # llm-compressor has no draft modules
