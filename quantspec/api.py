@@ -10,6 +10,7 @@ from __future__ import annotations
 from pathlib import Path
 
 from quantspec import distill
+from quantspec.calib.eval_inputs import eval_kv_cache, eval_tokens, table_kv_scales
 from quantspec.errors import QuantSpecError, about, positive_int
 from quantspec.outputs import check_output_dir, check_output_file
 
@@ -363,17 +364,19 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
              dataset: str | None = None, split: str = "test", text_field: str = "text",
              seq_len: int = 512, max_windows: int | None = None, batch_size: int = 4,
              dtype: str = "float32", device: str = "cpu", kv_cache_dtype: str = "auto",
-             calib: str | Path | None = None, progress=None) -> dict:
+             calib: str | Path | None = None, reference: str | Path | None = None, progress=None) -> dict:
     """Perplexity of a model or artifact on a text file or dataset, through the inference path
     (paged KV cache). `kv_cache_dtype`: "auto" runs the artifact's static KV cache when it stores
     `k_scale` / `v_scale` (as `infer` does), else a float one; "float" forces a float KV cache;
-    "int8" / "fp8" a static one with scales from `calib` or from the artifact. Returns
-    `PerplexityResult.to_dict()` + model, source and `kv_cache` (which KV cache ran, with the
-    scales' origin)."""
+    "int8" / "fp8" a static one with scales from `calib` or from the artifact. `reference` (the model
+    it was quantized from, with its own KV cache): KL divergence and top-1 agreement against it too
+    (`infer.evaluate.compare`). Returns `PerplexityResult.to_dict()` (with `reference`:
+    `ComparisonResult`'s) + model, source and `kv_cache` (which KV cache ran, the scales' origin)."""
     import torch
 
     from quantspec.devices import resolve_device
-    from quantspec.infer.evaluate import perplexity
+    from quantspec.infer.evaluate import compare, perplexity
+    from quantspec.infer.kv_cache import kv_cache_label
     from quantspec.infer.loader import load_for_inference
 
     dtypes = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -390,64 +393,33 @@ def evaluate(model: str | Path = "smollm2-135m", *, text_file: str | Path | None
         positive_int("max_windows", max_windows)
     if calib is not None and kv_cache_dtype in ("auto", "float"):
         raise QuantSpecError("--calib gives static KV-cache scales: add --kv-cache-dtype int8 or fp8, or drop --calib")
-    with about("--model"):
-        em = load_for_inference(str(model), dtype=dtypes[dtype], device=resolve_device(device))
+    loaded = []
+    for flag, name in (("--model", model), ("--reference", reference)):
+        with about(flag):
+            loaded.append(None if name is None else load_for_inference(str(name), dtype=dtypes[dtype],
+                                                                         device=resolve_device(device)))
+    em, ref = loaded
     em.args.check_context(seq_len, "--seq-len")
-    kind, k_scale, v_scale, origin = _eval_kv_cache(em, kv_cache_dtype, calib)
+    kind, k_scale, v_scale, origin = eval_kv_cache(em, kv_cache_dtype, calib)
     with about("--text-file" if text_file is not None else "--dataset"):
-        ids = _eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split,
-                           text_field=text_field)
-    res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows,
-                     batch_size=batch_size, kv_cache_dtype=kind, k_scale=k_scale,
-                     v_scale=v_scale, progress=progress)
-    from quantspec.infer.kv_cache import kv_cache_label
-
-    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(),
-            "kv_cache": kv_cache_label(kind, dtype, origin)}
-
-
-def _eval_kv_cache(em, kv_cache_dtype: str, calib):
-    """(KV cache dtype for `perplexity`, k_scale, v_scale, where the scales come from)."""
-    if kv_cache_dtype == "float" or (kv_cache_dtype == "auto" and em.kv_cache_dtype is None):
-        return "auto", None, None, None
-    kind = em.kv_cache_dtype if kv_cache_dtype == "auto" else kv_cache_dtype
-    if calib is not None:
-        from quantspec.calib.tables import read_table
-
-        with about("--calib"):
-            k_scale, v_scale = read_table(calib, model_dir=em.model_dir).kv_scales(kind)
-        return kind, k_scale, v_scale, f"scales from {calib}"
-    if em.k_scale is None:
-        raise QuantSpecError(f"a static {kind} KV cache needs scales: pass --calib DIR "
-                             "from `quantspec calibrate`, or an artifact that stores k/v scales")
-    return kind, em.k_scale, em.v_scale, "the artifact's scales"
-
-
-def table_kv_scales(calib: str | Path, model: str | Path, kind: str):
-    """(k_scale, v_scale) [num_layers, num_kv_heads] for an `kind` ("int8" / "fp8") KV cache,
-    from the calibration table `calib` of `model` (checked against the model's fingerprint)."""
-    from quantspec.calib.tables import read_table
-    from quantspec.model_zoo.checkpoint import resolve_model_dir
-
-    with about("--model"):
-        model_dir = resolve_model_dir(model)
-    with about("--calib"):
-        return read_table(calib, model_dir=model_dir).kv_scales(kind)
-
-
-def _eval_tokens(tokenizer, *, text_file=None, dataset: str | None = None, split: str = "test",
-                 text_field: str = "text"):
-    """A text file or a dataset's texts (rows joined with blank lines), tokenized as one stream
-    without special tokens → LongTensor [N]."""
-    import torch
-
-    from quantspec.calib.data import load_calibration_texts, load_text_file_for_eval
-
-    if text_file is not None:
-        text = load_text_file_for_eval(text_file)
+        ids = eval_tokens(em.tokenizer, text_file=text_file, dataset=dataset, split=split, text_field=text_field)
+    kv = dict(kv_cache_dtype=kind, k_scale=k_scale, v_scale=v_scale)
+    if ref is None:
+        res = perplexity(em.model, ids, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size,
+                         progress=progress, **kv)
     else:
-        text = "\n\n".join(load_calibration_texts(dataset, split=split, text_field=text_field))
-    return torch.tensor(tokenizer(text, add_special_tokens=False)["input_ids"], dtype=torch.long)
+        ref.args.check_context(seq_len, "--seq-len")
+        theirs = ids if ref.tokenizer is None else eval_tokens(ref.tokenizer, text_file=text_file, dataset=dataset,
+                                                               split=split, text_field=text_field)
+        if not torch.equal(ids, theirs):  # without a tokenizer of its own, its vocabulary is checked alone
+            raise QuantSpecError(f"--reference {reference} tokenizes the text otherwise than --model {model}; pass "
+                                 "the model it was quantized from")
+        rkind, rk, rv, _ = eval_kv_cache(ref, "auto", None)
+        res = compare(em.model, ref.model, ids, seq_len=seq_len, max_windows=max_windows, batch_size=batch_size,
+                      kv=kv, reference_kv=dict(kv_cache_dtype=rkind, k_scale=rk, v_scale=rv), progress=progress)
+    return {"model": str(model), "source": str(text_file or dataset), **res.to_dict(),
+            **({"reference": str(reference)} if reference is not None else {}),
+            "kv_cache": kv_cache_label(kind, dtype, origin)}
 
 
 def calibrate(model: str = "smollm2-135m", dataset: str | None = None, out: str | Path | None = None,

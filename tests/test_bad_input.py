@@ -386,6 +386,7 @@ CASES = [
     ("eval-text-and-dataset", "eval --model {model} --text-file {d}/calib.txt --dataset {d}/ok.jsonl",
      "--dataset"),
     ("eval-text-missing", "eval --model {model} --text-file {d}/missing.txt", "--text-file"),
+    ("eval-reference-missing", "eval --model {model} --text-file {d}/calib.txt --reference {d}/nope", "--reference"),
     ("eval-text-not-utf8", "eval --model {model} --text-file {d}/latin1.txt", "--text-file"),
     ("eval-seq-len-1", "eval --model {model} --text-file {d}/calib.txt --seq-len 1", "--seq-len"),
     ("eval-batch-size-0", "eval --model {model} --text-file {d}/calib.txt --batch-size 0", "--batch-size"),

@@ -25,12 +25,16 @@ from quantspec.errors import QuantSpecError
 @click.option("--cachekv-fp8-type", type=click.Choice(["none", "static"]), default="none", show_default=True,
               help="static: FP8 E4M3 KV cache with calibrated per-head scales (= --kv-cache-dtype fp8).")
 @click.option("--calib", default=None, type=click.Path(), help="calibration table dir (static KV scales)")
+@click.option("--reference", default=None,
+              help="the model --model was quantized from: score it against that model's next-token distributions "
+                   "too (KL divergence, top-1 agreement) on the same windows")
 @click.option("--json", "as_json", is_flag=True, help="print the result as one JSON object")
 @one_line_errors
 @threads_option
 def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, batch_size, dtype, kv_cache_dtype,
-          calib, as_json, cachekv_int8_type="none", cachekv_fp8_type="none"):
-    """Perplexity of a model or artifact over non-overlapping --seq-len windows."""
+          calib, reference, as_json, cachekv_int8_type="none", cachekv_fp8_type="none"):
+    """Perplexity of a model or artifact over non-overlapping --seq-len windows (with --reference: KL
+    divergence and top-1 agreement against the model it was quantized from)."""
     static = [k for k, flag in (("int8", cachekv_int8_type), ("fp8", cachekv_fp8_type)) if flag == "static"]
     if len(static) > 1 or (static and kv_cache_dtype not in ("auto", static[0])):
         raise QuantSpecError("choose one KV cache type: --cachekv-int8-type, --cachekv-fp8-type or --kv-cache-dtype")
@@ -44,13 +48,20 @@ def eval_(model, text_file, dataset, split, text_field, seq_len, max_windows, ba
     with Progress("eval") as progress:
         res = api.evaluate(model, text_file=text_file, dataset=dataset, split=split, text_field=text_field,
                            seq_len=seq_len, max_windows=max_windows, batch_size=batch_size, dtype=dtype,
-                           kv_cache_dtype=kv_cache_dtype, calib=calib,
+                           kv_cache_dtype=kv_cache_dtype, calib=calib, reference=reference,
                            progress=progress.fraction)
     if as_json:
         click.echo(json.dumps(res))
         return
-    click.echo(f"perplexity {res['perplexity']:.4f}  (nll {res['nll']:.4f}, {res['num_windows']} windows × "
-               f"{res['seq_len']} tokens, kv cache {res['kv_cache']}, {res['seconds']:.1f} s)")
+    if reference is None:
+        click.echo(f"perplexity {res['perplexity']:.4f}  (nll {res['nll']:.4f}, {res['num_windows']} windows × "
+                   f"{res['seq_len']} tokens, kv cache {res['kv_cache']}, {res['seconds']:.1f} s)")
+        return
+    click.echo(f"perplexity {res['perplexity']:.4f} against the reference's {res['reference_perplexity']:.4f} "
+               f"({res['delta_pct']:+.2f}%); KL divergence mean {res['kld_mean']:.5f}, p99 {res['kld_p99']:.4f}, "
+               f"max {res['kld_max']:.3f} nats; top-1 agreement {100 * res['top1_agreement']:.2f}%  "
+               f"({res['num_windows']} windows × {res['seq_len']} tokens, kv cache {res['kv_cache']}, "
+               f"{res['seconds']:.1f} s)")
 
 
 @main.command()

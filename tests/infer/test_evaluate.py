@@ -89,3 +89,61 @@ def test_perplexity_builds_no_autograd_graph(tiny_llama_dir):
     res = perplexity(model, ids, seq_len=64, max_windows=2)
     handle.remove()
     assert res.num_windows == 2 and seen and not any(seen)
+
+
+def _hf_logits(model_dir, win) -> list[torch.Tensor]:
+    from transformers import AutoModelForCausalLM
+
+    hf = AutoModelForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return [hf(input_ids=w[None]).logits[0, :-1].double() for w in win]
+
+
+def test_an_artifact_against_its_reference_matches_transformers(tiny_llama_dir, tmp_path):
+    """`eval --reference`: KL(reference ‖ model) per token, top-1 agreement and both perplexities equal
+    those of transformers' logits of the float model and of the artifact (compressed-tensors
+    decompressing it) on the same windows; a model against itself scores 0 and 100%."""
+    from transformers import AutoTokenizer
+
+    from quantspec import api
+
+    art = api.quantize(str(tiny_llama_dir), "weight_only_int4", tmp_path / "w4", group_size=32)
+    text = tmp_path / "text.txt"
+    text.write_text(TINY_CORPUS)
+    res = api.evaluate(str(art), text_file=str(text), seq_len=100, max_windows=4, batch_size=3,
+                       reference=str(tiny_llama_dir))
+    tok = AutoTokenizer.from_pretrained(str(tiny_llama_dir))
+    win = windows(torch.tensor(tok(TINY_CORPUS, add_special_tokens=False)["input_ids"]), 100, 4)
+    kld, agree, nll, ref_nll = [], 0, 0.0, 0.0
+    for lq, lp, w in zip(_hf_logits(art, win), _hf_logits(tiny_llama_dir, win), win):
+        logq, logp = torch.log_softmax(lq, -1), torch.log_softmax(lp, -1)
+        kld.append((logp.exp() * (logp - logq)).sum(-1))
+        agree += int((lq.argmax(-1) == lp.argmax(-1)).sum())
+        nll -= float(logq.gather(1, w[1:, None]).sum())
+        ref_nll -= float(logp.gather(1, w[1:, None]).sum())
+    kld = torch.cat(kld)
+    n = kld.numel()
+    assert res["num_tokens"] == n == 4 * 99 and res["reference"] == str(tiny_llama_dir)
+    assert res["kld_mean"] == pytest.approx(float(kld.mean()), rel=1e-3, abs=1e-6)
+    assert res["kld_max"] == pytest.approx(float(kld.max()), rel=1e-3, abs=1e-6)
+    assert res["kld_p99"] == pytest.approx(float(torch.quantile(kld, 0.99)), rel=1e-3, abs=1e-6)
+    assert res["top1_agreement"] == pytest.approx(agree / n, abs=2 / n)  # a near-tie may flip one token
+    assert res["perplexity"] == pytest.approx(math.exp(nll / n), rel=1e-4)
+    assert res["reference_perplexity"] == pytest.approx(math.exp(ref_nll / n), rel=1e-4)
+    assert res["kld_mean"] > 1e-4 and res["top1_agreement"] < 1  # teeth: int4 moves the distributions
+    same = api.evaluate(str(tiny_llama_dir), text_file=str(text), seq_len=100, max_windows=4,
+                        reference=str(tiny_llama_dir))
+    assert same["kld_max"] < 1e-6 and same["top1_agreement"] == 1 and same["delta_pct"] == pytest.approx(0, abs=1e-6)
+
+
+@pytest.mark.parametrize("other", [dict(vocab_pad_to=640), dict(tokenizer_variant=1)])
+def test_a_reference_of_another_vocabulary_or_tokenizer_is_one_line(tiny_llama_dir, tmp_path, other):
+    from quantspec import api
+    from quantspec.model_zoo.tiny import build_tiny_model
+
+    text = tmp_path / "text.txt"
+    text.write_text(TINY_CORPUS)
+    ref = build_tiny_model(tmp_path / "other", **other)
+    with pytest.raises(QuantSpecError, match="--reference") as e:
+        api.evaluate(str(tiny_llama_dir), text_file=str(text), seq_len=50, max_windows=1, reference=str(ref))
+    assert "\n" not in str(e.value)
