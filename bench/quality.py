@@ -17,7 +17,10 @@ model itself (temperature 0.8, top-p 0.95) on 80 varied topics, disjoint from th
 which was written by hand. (Calibrating on the Python language reference instead — code-heavy,
 another domain — made GPTQ better than RTN on that domain but worse on the held-out prose.)
 
-    OMP_NUM_THREADS=2 python bench/quality.py [--rows fp32,int8,gptq-g64] [--markdown out.md]
+`--kld` scores each artifact against the fp32 model too (`eval --reference`): the mean KL divergence of
+the next-token distributions per token (nats) and the share of tokens whose top-1 choice is the fp32 model's.
+
+    OMP_NUM_THREADS=2 python bench/quality.py [--rows fp32,int8,gptq-g64] [--kld] [--markdown out.md]
 """
 
 from __future__ import annotations
@@ -124,6 +127,8 @@ def main() -> None:
     p.add_argument("--threads", type=int, default=torch.get_num_threads())
     p.add_argument("--markdown", default=None, help="also write the table to this file")
     p.add_argument("--json", default=None, help="also write the raw results to this file")
+    p.add_argument("--kld", action="store_true",
+                   help="score each artifact against --model too: KL divergence and top-1 agreement per token")
     a = p.parse_args()
     torch.set_num_threads(a.threads)
     rows = a.rows.split(",")
@@ -154,9 +159,11 @@ def main() -> None:
             else:
                 info = api.inspect(path)
                 size, groups = info["weights_bytes"], []
-            ev = api.evaluate(path, text_file=a.heldout, seq_len=a.eval_seq_len)
+            ev = api.evaluate(path, text_file=a.heldout, seq_len=a.eval_seq_len,
+                              reference=a.model if a.kld and spec is not None else None)
             results.append({"row": name, "ppl": ev["perplexity"], "tokens": ev["num_tokens"],
-                            "quantize_s": q_time, "size_bytes": size, "groups": groups})
+                            "quantize_s": q_time, "size_bytes": size, "groups": groups,
+                            "kld_mean": ev.get("kld_mean"), "top1_agreement": ev.get("top1_agreement")})
             print(json.dumps(results[-1]), flush=True)
             if spec is not None:
                 shutil.rmtree(path, ignore_errors=True)
@@ -168,13 +175,16 @@ def main() -> None:
     for r in results:
         delta = "" if base is None or r["row"] == "fp32" else f"{100 * (r['ppl'] / base - 1):+.2f}%"
         qs = "" if r["quantize_s"] is None else f"{r['quantize_s']:.1f}"
-        cells.append([r["row"], ",".join(map(str, r["groups"])) or "-", f"{r['ppl']:.3f}", delta, qs,
+        kld = [] if not a.kld else ["" if r["kld_mean"] is None else f"{r['kld_mean']:.4f}",
+                                    "" if r["kld_mean"] is None else f"{100 * r['top1_agreement']:.1f}%"]
+        cells.append([r["row"], ",".join(map(str, r["groups"])) or "-", f"{r['ppl']:.3f}", delta, *kld, qs,
                       f"{r['size_bytes'] / 2**20:.1f}"])
     table = (f"held-out perplexity, {a.model}, {results[0]['tokens']} predicted tokens "
              f"(seq_len {a.eval_seq_len}); GPTQ and AWQ on {a.num_samples} × {a.seq_len} calibration tokens; "
              f"{a.threads} thread(s)\n\n" +
-             markdown_table(["scheme", "group sizes used", "ppl", "Δ vs fp32", "quantize s", "size MiB"],
-                            cells, "llrrrr"))
+             markdown_table(["scheme", "group sizes used", "ppl", "Δ vs fp32",
+                             *(["KL div. vs fp32", "top-1 agreement"] if a.kld else []), "quantize s", "size MiB"],
+                            cells, "llrr" + "rr" * a.kld + "rr"))
     print(table)
     if a.markdown:
         Path(a.markdown).write_text(table + "\n")
