@@ -312,6 +312,7 @@ def inspect(path: str | Path, *, compute_capability=None) -> dict:
         method=prov.get("method"), quantspec_version=prov.get("quantspec_version"),
         calibration=prov.get("calibration"), wall_time_s=prov.get("wall_time_s"),
         source_quantization=prov.get("source_quantization"), recipe=prov.get("recipe"),
+        llmcompressor_recipe=str(d / "recipe.yaml") if (d / "recipe.yaml").is_file() else None,
     )
     out.update({"rotation": rot} if (rot := rotation_tag(c)) else {})  # fused rotations (`calib.rotate`)
     out.update({"run_time_transforms": t} if (t := run_time_transforms(qc)) else {})  # QuIP's (`calib.quip`)

@@ -225,6 +225,8 @@ def _head_table(info: dict):
         head.add_row(f"{kind} activations", f"{info['activation_linears']} of {len(info['layers'])} Linears")
         for key, value in _fallback_rows(info.get("fallback")):
             head.add_row(key, value)
+    if info.get("llmcompressor_recipe"):
+        head.add_row("llm-compressor recipe", info["llmcompressor_recipe"])
     if info.get("kv_cache"):
         head.add_row("kv cache", f"{info['kv_cache']['type']}{info['kv_cache']['num_bits']} "
                                  f"{info['kv_cache']['strategy']}")

@@ -55,6 +55,7 @@ def test_the_recipe_beside_an_artifact_makes_it_again(tiny_llama_dir, data, tmp_
     first = api.quantize(str(tiny_llama_dir), opts.pop("quant_type"), tmp_path / "first", dataset=data, **DATA,
                          **opts)
     recipe = first / "recipe.yaml"
+    assert api.inspect(first)["llmcompressor_recipe"] == str(recipe)
     stage = yaml.safe_load(recipe.read_text())["quant_stage"]
     quant = next(args for group in stage.values() for mod, args in group.items() if mod.endswith("Modifier")
                  and "config_groups" in args)
@@ -80,7 +81,7 @@ def test_no_recipe_where_llm_compressor_has_no_modifier_for_the_run(tiny_llama_d
                                                                     options):
     art = api.quantize(str(tiny_llama_dir), quant_type, tmp_path / "q", dataset=data, holdout_samples=1,
                        search_samples=1, **DATA, **options)
-    assert not (art / "recipe.yaml").exists()
+    assert not (art / "recipe.yaml").exists() and api.inspect(art)["llmcompressor_recipe"] is None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["q"]
 
 
