@@ -28,7 +28,8 @@ def data(tmp_path) -> str:
 
 
 def _two_step(model, data, out: Path, quant_type: str, **options) -> Path:
-    table = api.calibrate(str(model), data, out.with_name(out.name + ".table"), **DATA).path
+    table = api.calibrate(str(model), data, out.with_name(out.name + ".table"), rotate=options.get("rotate"),
+                          **DATA).path
     return api.quantize(str(model), quant_type, out, calib=str(table), dataset=data, **DATA, **options)
 
 
@@ -63,6 +64,8 @@ def test_llm_compressor_fp8_kv_recipe_runs_in_one_command(tiny_llama_dir, data, 
     ("a8w8", dict()),  # SmoothQuant α searched and the fallback chosen on the table's data
     ("nvfp4", dict()),  # its input global scales
     ("a8w8", dict(activations="dynamic", smoothquant_alpha=0.5)),  # SmoothQuant's channel ranges
+    # measured on the rotated model, R4's inputs turned, as `calibrate --rotate` measures it
+    ("a8w8_fp8", dict(rotate="R1,R2,R4", smoothquant_alpha="none", fallback_layers=0, target="vllm")),
 ])
 def test_one_shot_is_calibrate_then_quantize(tiny_llama_dir, data, tmp_path, quant_type, options):
     opts = dict(options, holdout_samples=2, search_samples=2) if quant_type == "a8w8" and not options else options
